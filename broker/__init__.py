@@ -1,0 +1,1 @@
+"""Message broker: worker registry, run status, durable rollout stream, weight fan-out."""

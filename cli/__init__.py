@@ -1,0 +1,1 @@
+"""Command-line entry points. Heavy modules are imported lazily, inside the commands."""

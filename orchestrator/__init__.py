@@ -1,0 +1,1 @@
+"""Orchestrator: environments, async rollouts, advantages, filtering, packing."""

@@ -1,0 +1,3 @@
+from primerl.cli.main import main
+
+raise SystemExit(main())

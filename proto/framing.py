@@ -1,0 +1,409 @@
+"""The one module that reads and writes primerl's ZMQ multipart messages (the data plane).
+
+Layout of one message (DESIGN.md, "Wire contracts"; headers in proto/primerl/v1/data.proto):
+
+    frame 0   PROTOCOL_ID + one version byte
+    frame 1   message type, one byte (a ``MessageType`` value)
+    frame 2   ``Envelope`` protobuf; its ``header`` field holds the type-specific header
+    frame 3+  payload frames: safetensors bytes, or chunks of one safetensors blob
+
+Decoding never unpickles and never trusts a length it has not checked: every refusal is a
+``FramingError`` subclass carrying the ``ErrorCode`` to send back in an ERROR reply.
+Payloads larger than a sender's chunk size travel as several messages of one transfer
+(``encode_chunked``) that ``ChunkAssembler`` joins again, in order, within byte and time bounds.
+"""
+
+from __future__ import annotations
+
+import hmac
+import time
+import uuid
+import zlib
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from google.protobuf.message import DecodeError
+from google.protobuf.message import Message as ProtoMessage
+
+from primerl.proto.tensor_frames import TensorFrameError, check_tensor_frame
+from primerl.proto.v1 import common_pb2, data_pb2
+
+PROTOCOL_ID = b"PRML"
+PROTOCOL_VERSION = 1
+PROTOCOL_FRAME = PROTOCOL_ID + bytes([PROTOCOL_VERSION])
+NUM_FIXED_FRAMES = 3
+
+MessageType = data_pb2.MessageType
+ErrorCode = common_pb2.ErrorCode
+
+HEADER_TYPES: dict[int, type[ProtoMessage]] = {
+    data_pb2.ROLLOUT_BATCH: data_pb2.RolloutBatchHeader,
+    data_pb2.ROLLOUT_ACK: data_pb2.RolloutAck,
+    data_pb2.ROLLOUT_REQUEST: data_pb2.RolloutRequest,
+    data_pb2.ROLLOUT_STEP_DONE: data_pb2.RolloutStepDone,
+    data_pb2.WEIGHT_UPDATE: data_pb2.WeightUpdateHeader,
+    data_pb2.WEIGHT_ACK: data_pb2.WeightAck,
+    data_pb2.ERROR: data_pb2.ErrorReply,
+    data_pb2.HELLO: data_pb2.Hello,
+}
+# Types whose payload is one safetensors blob described by the header's `tensors` field.
+TENSOR_MESSAGE_TYPES = frozenset({data_pb2.ROLLOUT_BATCH, data_pb2.WEIGHT_UPDATE})
+
+MiB = 1 << 20
+
+
+@dataclass(frozen=True)
+class Limits:
+    """What a receiver accepts; anything larger is refused with ERROR_CODE_OVERSIZED."""
+
+    max_frame_bytes: int = 256 * MiB
+    max_message_bytes: int = 512 * MiB
+    max_envelope_bytes: int = 1 * MiB
+    max_payload_frames: int = 64
+    # A chunked transfer may be larger than one message, up to this.
+    max_transfer_bytes: int = 16 * 1024 * MiB
+
+
+DEFAULT_LIMITS = Limits()
+
+
+class FramingError(ValueError):
+    """A message that breaks the protocol. ``code`` goes into the ERROR reply."""
+
+    code: int = common_pb2.ERROR_CODE_MALFORMED_HEADER
+
+    def detail(self) -> common_pb2.ErrorDetail:
+        return common_pb2.ErrorDetail(code=self.code, message=str(self))
+
+
+class TruncatedMessage(FramingError):
+    code = common_pb2.ERROR_CODE_TRUNCATED
+
+
+class UnknownProtocol(FramingError):
+    code = common_pb2.ERROR_CODE_UNKNOWN_PROTOCOL
+
+
+class UnsupportedVersion(FramingError):
+    code = common_pb2.ERROR_CODE_UNSUPPORTED_VERSION
+
+
+class UnknownMessageType(FramingError):
+    code = common_pb2.ERROR_CODE_UNKNOWN_MESSAGE_TYPE
+
+
+class ChecksumMismatch(FramingError):
+    code = common_pb2.ERROR_CODE_BAD_CHECKSUM
+
+
+class OversizedFrame(FramingError):
+    code = common_pb2.ERROR_CODE_OVERSIZED
+
+
+class MalformedHeader(FramingError):
+    code = common_pb2.ERROR_CODE_MALFORMED_HEADER
+
+
+class TensorMismatch(FramingError):
+    code = common_pb2.ERROR_CODE_TENSOR_MISMATCH
+
+
+class BadChunk(FramingError):
+    code = common_pb2.ERROR_CODE_BAD_CHUNK
+
+
+class Unauthenticated(FramingError):
+    code = common_pb2.ERROR_CODE_UNAUTHENTICATED
+
+
+@dataclass
+class Message:
+    """A decoded message. ``payload`` frames are zero-copy views of the received frames."""
+
+    type: int
+    header: Any
+    envelope: data_pb2.Envelope
+    payload: list[memoryview] = field(default_factory=list)
+
+    @property
+    def type_name(self) -> str:
+        return data_pb2.MessageType.Name(self.type)
+
+    @property
+    def is_chunk(self) -> bool:
+        return self.envelope.chunk.count > 1
+
+
+def _view(frame: Any) -> memoryview:
+    """bytes, bytearray, memoryview or a zmq.Frame (received with copy=False) as a flat byte view."""
+    buffer = getattr(frame, "buffer", frame)
+    view = memoryview(buffer)
+    return view if view.format == "B" and view.ndim == 1 else view.cast("B")
+
+
+def compute_checksum(message_type: int, header_bytes: bytes, payload: Sequence[Any]) -> int:
+    crc = zlib.crc32(bytes([message_type]))
+    crc = zlib.crc32(header_bytes, crc)
+    for frame in payload:
+        crc = zlib.crc32(_view(frame), crc)
+    return crc
+
+
+def encode(
+    message_type: int,
+    header: ProtoMessage,
+    payload: Sequence[Any] = (),
+    *,
+    auth_token: str = "",
+    sender: str = "",
+    in_reply_to: str = "",
+    message_id: str | None = None,
+    chunk: data_pb2.Chunk | None = None,
+) -> list[Any]:
+    """Frames of one message, ready for ``socket.send_multipart(frames, copy=False)``.
+
+    Payload frames are passed through untouched (no copy); the caller must not mutate them until sent.
+    """
+    expected = HEADER_TYPES.get(message_type)
+    if expected is None:
+        raise ValueError(f"unknown message type {message_type}")
+    if not isinstance(header, expected):
+        raise TypeError(f"{MessageType.Name(message_type)} needs a {expected.__name__} header, got {type(header).__name__}")
+    header_bytes = header.SerializeToString(deterministic=True)
+    payload_sizes = [_view(frame).nbytes for frame in payload]
+    envelope = data_pb2.Envelope(
+        message_id=message_id or uuid.uuid4().hex,
+        sent_unix_ms=int(time.time() * 1000),
+        header=header_bytes,
+        chunk=chunk or data_pb2.Chunk(index=0, count=1, total_bytes=sum(payload_sizes)),
+        num_payload_frames=len(payload),
+        payload_frame_bytes=payload_sizes,
+        checksum=compute_checksum(message_type, header_bytes, payload),
+        auth_token=auth_token,
+        in_reply_to=in_reply_to,
+        sender=sender,
+    )
+    return [PROTOCOL_FRAME, bytes([message_type]), envelope.SerializeToString(), *payload]
+
+
+def encode_chunked(
+    message_type: int,
+    header: ProtoMessage,
+    payload: Any,
+    *,
+    chunk_bytes: int,
+    transfer_id: str | None = None,
+    **envelope_fields: Any,
+) -> Iterator[list[Any]]:
+    """Split one payload (bytes-like) into messages of at most ``chunk_bytes`` payload each.
+
+    Yields the frames of each message; every chunk repeats the header so a receiver can refuse a
+    transfer at its first chunk. Slices are views: nothing is copied here.
+    """
+    if chunk_bytes <= 0:
+        raise ValueError("chunk_bytes must be positive")
+    view = _view(payload)
+    total = view.nbytes
+    count = max(1, -(-total // chunk_bytes))
+    transfer_id = transfer_id or uuid.uuid4().hex
+    for index in range(count):
+        piece = view[index * chunk_bytes : (index + 1) * chunk_bytes]
+        chunk = data_pb2.Chunk(transfer_id=transfer_id, index=index, count=count, total_bytes=total)
+        yield encode(message_type, header, [piece], chunk=chunk, **envelope_fields)
+
+
+def decode(frames: Sequence[Any], *, limits: Limits = DEFAULT_LIMITS, auth_token: str | None = None) -> Message:
+    """Parse and check one received multipart message, or raise the ``FramingError`` that says why not.
+
+    With ``auth_token`` set, the envelope must carry the same token (constant-time comparison).
+    Tensor payloads of unchunked ROLLOUT_BATCH and WEIGHT_UPDATE messages are checked against the
+    header's tensor specs; chunked ones are checked by ``ChunkAssembler`` once complete.
+    """
+    if len(frames) < NUM_FIXED_FRAMES:
+        raise TruncatedMessage(f"message has {len(frames)} frame(s); at least {NUM_FIXED_FRAMES} are required")
+    if len(frames) - NUM_FIXED_FRAMES > limits.max_payload_frames:
+        raise OversizedFrame(f"message has {len(frames) - NUM_FIXED_FRAMES} payload frames; the limit is {limits.max_payload_frames}")
+    views = [_view(frame) for frame in frames]
+    total_bytes = 0
+    for index, view in enumerate(views):
+        if view.nbytes > limits.max_frame_bytes:
+            raise OversizedFrame(f"frame {index} is {view.nbytes} bytes; the limit is {limits.max_frame_bytes}")
+        total_bytes += view.nbytes
+    if total_bytes > limits.max_message_bytes:
+        raise OversizedFrame(f"message is {total_bytes} bytes; the limit is {limits.max_message_bytes}")
+
+    protocol = views[0].tobytes()
+    if len(protocol) != len(PROTOCOL_FRAME) or not protocol.startswith(PROTOCOL_ID):
+        raise UnknownProtocol(f"first frame {protocol[:16]!r} is not the primerl protocol id {PROTOCOL_ID!r} + version byte")
+    if protocol[-1] != PROTOCOL_VERSION:
+        raise UnsupportedVersion(f"protocol version {protocol[-1]} is not supported; this peer speaks version {PROTOCOL_VERSION}")
+
+    type_frame = views[1].tobytes()
+    if len(type_frame) != 1 or type_frame[0] not in HEADER_TYPES:
+        raise UnknownMessageType(f"unknown message type frame {type_frame[:8]!r}")
+    message_type = type_frame[0]
+
+    if views[2].nbytes > limits.max_envelope_bytes:
+        raise OversizedFrame(f"envelope is {views[2].nbytes} bytes; the limit is {limits.max_envelope_bytes}")
+    envelope = data_pb2.Envelope()
+    try:
+        envelope.ParseFromString(views[2].tobytes())
+    except DecodeError as exc:
+        raise MalformedHeader(f"envelope frame is not a valid Envelope protobuf: {exc}") from None
+
+    payload = views[NUM_FIXED_FRAMES:]
+    if len(payload) < envelope.num_payload_frames:
+        raise TruncatedMessage(f"envelope declares {envelope.num_payload_frames} payload frame(s); {len(payload)} arrived")
+    if len(payload) > envelope.num_payload_frames or len(envelope.payload_frame_bytes) != len(payload):
+        raise MalformedHeader(
+            f"{len(payload)} payload frame(s) arrived but the envelope declares {envelope.num_payload_frames} "
+            f"with {len(envelope.payload_frame_bytes)} sizes"
+        )
+    for index, (view, declared) in enumerate(zip(payload, envelope.payload_frame_bytes)):
+        if view.nbytes < declared:
+            raise TruncatedMessage(f"payload frame {index} has {view.nbytes} bytes; the envelope declares {declared}")
+        if view.nbytes != declared:
+            raise MalformedHeader(f"payload frame {index} has {view.nbytes} bytes; the envelope declares {declared}")
+
+    if compute_checksum(message_type, envelope.header, payload) != envelope.checksum:
+        raise ChecksumMismatch("checksum over header and payload does not match the envelope (corrupted in transit?)")
+
+    if auth_token is not None and not hmac.compare_digest(envelope.auth_token.encode(), auth_token.encode()):
+        raise Unauthenticated("missing or wrong run token: configure the same run token on every daemon of the run")
+
+    header = HEADER_TYPES[message_type]()
+    try:
+        header.ParseFromString(envelope.header)
+    except DecodeError as exc:
+        raise MalformedHeader(f"{MessageType.Name(message_type)} header is not a valid protobuf: {exc}") from None
+
+    chunk = envelope.chunk
+    if chunk.count == 0 or chunk.index >= chunk.count:
+        raise BadChunk(f"chunk index {chunk.index} of count {chunk.count} is impossible")
+    if chunk.count > 1 and (len(payload) != 1 or not chunk.transfer_id):
+        raise BadChunk("a chunk must carry exactly one payload frame and a transfer id")
+    if chunk.total_bytes > limits.max_transfer_bytes:
+        raise OversizedFrame(f"transfer of {chunk.total_bytes} bytes exceeds the limit of {limits.max_transfer_bytes}")
+
+    message = Message(type=message_type, header=header, envelope=envelope, payload=payload)
+    if message_type in TENSOR_MESSAGE_TYPES and chunk.count == 1:
+        check_tensor_payload(message)
+    return message
+
+
+def check_tensor_payload(message: Message) -> None:
+    """A ROLLOUT_BATCH / WEIGHT_UPDATE payload must be one safetensors blob matching ``header.tensors``."""
+    if len(message.payload) != 1:
+        raise MalformedHeader(f"{message.type_name} carries {len(message.payload)} payload frames; exactly 1 safetensors frame is required")
+    try:
+        check_tensor_frame(message.payload[0], message.header.tensors)
+    except TensorFrameError as exc:
+        error_class = TruncatedMessage if exc.truncated else (TensorMismatch if exc.mismatch else MalformedHeader)
+        raise error_class(f"{message.type_name}: {exc}") from None
+
+
+def encode_error(
+    error: FramingError | common_pb2.ErrorDetail,
+    *,
+    refused_type: int = data_pb2.MESSAGE_TYPE_UNSPECIFIED,
+    in_reply_to: str = "",
+    sender: str = "",
+    auth_token: str = "",
+) -> list[Any]:
+    detail = error.detail() if isinstance(error, FramingError) else error
+    reply = data_pb2.ErrorReply(error=detail, refused_type=refused_type)
+    return encode(data_pb2.ERROR, reply, in_reply_to=in_reply_to, sender=sender, auth_token=auth_token)
+
+
+def peek_type(frames: Sequence[Any]) -> int:
+    """The message type of frames that may not decode, for error replies; UNSPECIFIED if unreadable."""
+    if len(frames) >= 2:
+        raw = _view(frames[1])
+        if raw.nbytes == 1 and raw[0] in HEADER_TYPES:
+            return raw[0]
+    return data_pb2.MESSAGE_TYPE_UNSPECIFIED
+
+
+@dataclass
+class _Transfer:
+    first: Message
+    buffer: bytearray
+    next_index: int = 0
+    num_bytes: int = 0
+    started_s: float = field(default_factory=time.monotonic)
+
+
+class ChunkAssembler:
+    """Joins the chunks of transfers, in order, within bounds on bytes, open transfers and time.
+
+    ``add`` returns the whole message once its last chunk arrives (payload = one frame with all bytes),
+    ``None`` while chunks are missing, and raises ``BadChunk`` (dropping the transfer) on a chunk that is
+    out of order, duplicated or inconsistent with the first one.
+    """
+
+    def __init__(self, *, limits: Limits = DEFAULT_LIMITS, max_open_transfers: int = 4, timeout_s: float = 60.0):
+        self.limits = limits
+        self.max_open_transfers = max_open_transfers
+        self.timeout_s = timeout_s
+        self._transfers: dict[tuple[str, str], _Transfer] = {}
+
+    @property
+    def num_open_transfers(self) -> int:
+        return len(self._transfers)
+
+    @property
+    def num_buffered_bytes(self) -> int:
+        return sum(len(t.buffer) for t in self._transfers.values())
+
+    def add(self, message: Message) -> Message | None:
+        chunk = message.envelope.chunk
+        if chunk.count <= 1:
+            return message
+        key = (message.envelope.sender, chunk.transfer_id)
+        transfer = self._transfers.get(key)
+        if transfer is None:
+            if chunk.index != 0:
+                raise BadChunk(f"transfer {chunk.transfer_id}: chunk {chunk.index} arrived before chunk 0")
+            self.expire()
+            if len(self._transfers) >= self.max_open_transfers:
+                raise BadChunk(f"too many open transfers ({len(self._transfers)}); finish or abandon one first")
+            if chunk.total_bytes > self.limits.max_transfer_bytes:
+                raise OversizedFrame(f"transfer of {chunk.total_bytes} bytes exceeds {self.limits.max_transfer_bytes}")
+            transfer = _Transfer(first=message, buffer=bytearray(chunk.total_bytes))
+            self._transfers[key] = transfer
+        first = transfer.first.envelope
+        try:
+            if chunk.index != transfer.next_index:
+                raise BadChunk(f"transfer {chunk.transfer_id}: expected chunk {transfer.next_index}, got {chunk.index}")
+            if chunk.count != first.chunk.count or chunk.total_bytes != first.chunk.total_bytes:
+                raise BadChunk(f"transfer {chunk.transfer_id}: chunk {chunk.index} changes the count or total size")
+            if message.type != transfer.first.type or message.envelope.header != first.header:
+                raise BadChunk(f"transfer {chunk.transfer_id}: chunk {chunk.index} carries a different header")
+            piece = message.payload[0]
+            end = transfer.num_bytes + piece.nbytes
+            if end > len(transfer.buffer):
+                raise BadChunk(f"transfer {chunk.transfer_id}: chunks exceed the declared {len(transfer.buffer)} bytes")
+            transfer.buffer[transfer.num_bytes : end] = piece
+        except FramingError:
+            del self._transfers[key]
+            raise
+        transfer.num_bytes = end
+        transfer.next_index += 1
+        if transfer.next_index < chunk.count:
+            return None
+        del self._transfers[key]
+        if transfer.num_bytes != len(transfer.buffer):
+            raise TruncatedMessage(f"transfer {chunk.transfer_id}: {transfer.num_bytes} of {len(transfer.buffer)} bytes arrived")
+        whole = Message(type=message.type, header=transfer.first.header, envelope=first, payload=[memoryview(transfer.buffer)])
+        if whole.type in TENSOR_MESSAGE_TYPES:
+            check_tensor_payload(whole)
+        return whole
+
+    def expire(self, now_s: float | None = None) -> list[str]:
+        """Drop transfers whose first chunk is older than ``timeout_s``; returns their transfer ids."""
+        now_s = time.monotonic() if now_s is None else now_s
+        stale = [key for key, t in self._transfers.items() if now_s - t.started_s > self.timeout_s]
+        for key in stale:
+            del self._transfers[key]
+        return [transfer_id for _, transfer_id in stale]

@@ -1,0 +1,173 @@
+"""Tensors as safetensors bytes in their own ZMQ frame: encode, check against a header, decode zero-copy.
+
+The safetensors header (8-byte little-endian length, then JSON) is parsed and checked here before any
+tensor is touched: dtypes, shapes, offsets inside the buffer, byte counts that match the shapes.
+Nothing is ever unpickled. torch is imported only when a caller asks for torch tensors.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import struct
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from primerl.proto.v1 import common_pb2
+
+# safetensors dtype -> (bytes per element, numpy dtype or None when numpy has none)
+DTYPES: dict[str, tuple[int, Any]] = {
+    "BOOL": (1, np.bool_),
+    "U8": (1, np.uint8),
+    "I8": (1, np.int8),
+    "I16": (2, np.int16),
+    "U16": (2, np.uint16),
+    "F16": (2, np.float16),
+    "BF16": (2, None),
+    "I32": (4, np.int32),
+    "U32": (4, np.uint32),
+    "F32": (4, np.float32),
+    "I64": (8, np.int64),
+    "U64": (8, np.uint64),
+    "F64": (8, np.float64),
+}
+_NUMPY_TO_SAFETENSORS = {np.dtype(np_dtype): name for name, (_, np_dtype) in DTYPES.items() if np_dtype is not None}
+MAX_HEADER_BYTES = 16 << 20
+
+
+class TensorFrameError(ValueError):
+    """A tensor frame that cannot be trusted. ``truncated``/``mismatch`` say which kind, for error codes."""
+
+    def __init__(self, message: str, *, truncated: bool = False, mismatch: bool = False):
+        super().__init__(message)
+        self.truncated = truncated
+        self.mismatch = mismatch
+
+
+@dataclass(frozen=True)
+class TensorEntry:
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    start: int  # byte offset into the whole frame
+    end: int
+
+
+def _view(frame: Any) -> memoryview:
+    view = memoryview(getattr(frame, "buffer", frame))
+    return view if view.format == "B" and view.ndim == 1 else view.cast("B")
+
+
+def parse_header(frame: Any) -> dict[str, TensorEntry]:
+    """Parse and check the safetensors header of ``frame``; offsets returned are absolute in the frame."""
+    view = _view(frame)
+    if view.nbytes < 8:
+        raise TensorFrameError(f"tensor frame of {view.nbytes} bytes is shorter than the 8-byte safetensors length prefix", truncated=True)
+    (header_len,) = struct.unpack("<Q", view[:8])
+    if header_len > MAX_HEADER_BYTES:
+        raise TensorFrameError(f"safetensors header claims {header_len} bytes; the limit is {MAX_HEADER_BYTES}")
+    if 8 + header_len > view.nbytes:
+        raise TensorFrameError(f"safetensors header claims {header_len} bytes but the frame has {view.nbytes - 8}", truncated=True)
+    try:
+        raw = json.loads(bytes(view[8 : 8 + header_len]))
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise TensorFrameError(f"safetensors header is not valid JSON: {exc}") from None
+    if not isinstance(raw, dict):
+        raise TensorFrameError("safetensors header is not a JSON object")
+    data_start = 8 + header_len
+    data_bytes = view.nbytes - data_start
+    entries: dict[str, TensorEntry] = {}
+    for name, info in raw.items():
+        if name == "__metadata__":
+            continue
+        if not isinstance(info, dict) or set(info) != {"dtype", "shape", "data_offsets"}:
+            raise TensorFrameError(f"tensor {name!r}: header entry must have exactly dtype, shape and data_offsets")
+        dtype, shape, offsets = info["dtype"], info["shape"], info["data_offsets"]
+        if dtype not in DTYPES:
+            raise TensorFrameError(f"tensor {name!r}: unsupported dtype {dtype!r}")
+        if not isinstance(shape, list) or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape):
+            raise TensorFrameError(f"tensor {name!r}: shape {shape!r} is not a list of non-negative integers")
+        if not (isinstance(offsets, list) and len(offsets) == 2 and all(isinstance(o, int) and not isinstance(o, bool) for o in offsets)):
+            raise TensorFrameError(f"tensor {name!r}: data_offsets {offsets!r} is not [begin, end]")
+        begin, end = offsets
+        if not 0 <= begin <= end:
+            raise TensorFrameError(f"tensor {name!r}: data_offsets {offsets!r} are not ordered")
+        if end > data_bytes:
+            raise TensorFrameError(f"tensor {name!r}: data ends at byte {end} but the frame holds {data_bytes}", truncated=True)
+        expected = math.prod(shape) * DTYPES[dtype][0]
+        if end - begin != expected:
+            raise TensorFrameError(f"tensor {name!r}: {end - begin} bytes for shape {shape} of {dtype} (expected {expected})", mismatch=True)
+        entries[name] = TensorEntry(name, dtype, tuple(shape), data_start + begin, data_start + end)
+    return entries
+
+
+def specs_of(entries: Mapping[str, TensorEntry]) -> list[common_pb2.TensorSpec]:
+    return [common_pb2.TensorSpec(name=e.name, dtype=e.dtype, shape=list(e.shape)) for e in entries.values()]
+
+
+def check_tensor_frame(frame: Any, specs: Sequence[common_pb2.TensorSpec]) -> dict[str, TensorEntry]:
+    """The frame must hold exactly the tensors of ``specs``, with the same dtypes and shapes."""
+    entries = parse_header(frame)
+    declared = {spec.name: spec for spec in specs}
+    if len(declared) != len(specs):
+        raise TensorFrameError("the header lists a tensor name twice", mismatch=True)
+    missing = sorted(set(declared) - set(entries))
+    extra = sorted(set(entries) - set(declared))
+    if missing or extra:
+        raise TensorFrameError(f"tensors differ from the header: missing {missing}, unexpected {extra}", mismatch=True)
+    for name, spec in declared.items():
+        entry = entries[name]
+        if entry.dtype != spec.dtype or entry.shape != tuple(spec.shape):
+            raise TensorFrameError(
+                f"tensor {name!r} is {entry.dtype}{list(entry.shape)} but the header says {spec.dtype}{list(spec.shape)}",
+                mismatch=True,
+            )
+    return entries
+
+
+def encode_tensors(tensors: Mapping[str, Any], metadata: Mapping[str, str] | None = None) -> tuple[bytes, list[common_pb2.TensorSpec]]:
+    """Serialize numpy arrays or torch tensors to safetensors bytes; returns (bytes, specs for the header)."""
+    if not tensors:
+        raise ValueError("no tensors to encode")
+    if any(type(t).__module__.startswith("torch") for t in tensors.values()):
+        import torch
+        from safetensors.torch import save
+
+        data = save({k: (v if isinstance(v, torch.Tensor) else torch.from_numpy(np.ascontiguousarray(v))).contiguous() for k, v in tensors.items()}, metadata=dict(metadata) if metadata else None)
+    else:
+        from safetensors.numpy import save
+
+        for name, array in tensors.items():
+            if np.asarray(array).dtype not in _NUMPY_TO_SAFETENSORS:
+                raise ValueError(f"tensor {name!r}: numpy dtype {np.asarray(array).dtype} has no safetensors equivalent")
+        data = save({k: np.ascontiguousarray(v) for k, v in tensors.items()}, metadata=dict(metadata) if metadata else None)
+    return data, specs_of(parse_header(data))
+
+
+def decode_tensors(frame: Any, specs: Sequence[common_pb2.TensorSpec] | None = None, *, as_torch: bool = False) -> dict[str, Any]:
+    """Tensors of a checked frame. numpy arrays are read-only zero-copy views of the frame;
+    torch tensors (``as_torch=True``, required for BF16) are copies."""
+    entries = check_tensor_frame(frame, specs) if specs is not None else parse_header(frame)
+    view = _view(frame)
+    if as_torch:
+        import torch
+
+        torch_dtypes = {"BOOL": torch.bool, "U8": torch.uint8, "I8": torch.int8, "I16": torch.int16, "U16": torch.uint16,
+                        "F16": torch.float16, "BF16": torch.bfloat16, "I32": torch.int32, "U32": torch.uint32,
+                        "F32": torch.float32, "I64": torch.int64, "U64": torch.uint64, "F64": torch.float64}
+        out = {}
+        for name, e in entries.items():
+            raw = bytearray(view[e.start : e.end])
+            tensor = torch.frombuffer(raw, dtype=torch_dtypes[e.dtype]) if raw else torch.empty(0, dtype=torch_dtypes[e.dtype])
+            out[name] = tensor.reshape(e.shape)
+        return out
+    out = {}
+    for name, e in entries.items():
+        np_dtype = DTYPES[e.dtype][1]
+        if np_dtype is None:
+            raise TensorFrameError(f"tensor {name!r} is {e.dtype}, which numpy cannot hold; decode with as_torch=True")
+        out[name] = np.frombuffer(view[e.start : e.end], dtype=np_dtype).reshape(e.shape)
+    return out

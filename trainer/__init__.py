@@ -1,0 +1,1 @@
+"""Trainer: RL, SFT and distillation losses, weight publishing, checkpoints."""

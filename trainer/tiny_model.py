@@ -50,6 +50,9 @@ CHAT_TEMPLATE = (
     "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
 )
 
+SPEC_FILE = "primerl_tiny_model.json"
+"""Written last into a built model: the spec it was built from."""
+
 _CORPUS_SEED = 1234  # fixed: the tokenizer is the same for every model seed
 _CORPUS_NUM_SAMPLES = 6000
 _TOY_ALPHABET = "abcdefgh"
@@ -164,7 +167,7 @@ def build_tiny_model(out_dir: str | os.PathLike[str], spec: TinyModelSpec | None
     try:
         tokenizer = _save_tokenizer(tmp_dir)
         _save_model(tmp_dir, spec, tokenizer)
-        (tmp_dir / "primerl_tiny_model.json").write_text(
+        (tmp_dir / SPEC_FILE).write_text(
             json.dumps({"spec": asdict(spec), "tokenizer_vocab_size": len(tokenizer)}, indent=2, sort_keys=True)
             + "\n"
         )
@@ -175,6 +178,17 @@ def build_tiny_model(out_dir: str | os.PathLike[str], spec: TinyModelSpec | None
     return out_dir
 
 
+def read_spec(model_dir: str | os.PathLike[str]) -> TinyModelSpec | None:
+    """The spec a directory was built from by `build_tiny_model`, or None if it holds no tiny model."""
+    path = Path(model_dir) / SPEC_FILE
+    if not path.is_file():
+        return None
+    try:
+        return TinyModelSpec(**json.loads(path.read_text())["spec"])
+    except (ValueError, KeyError, TypeError):
+        return None
+
+
 def count_parameters(model_dir: str | os.PathLike[str]) -> int:
     """Number of stored parameters (tied embeddings counted once) of a safetensors checkpoint."""
     from safetensors import safe_open
@@ -182,7 +196,7 @@ def count_parameters(model_dir: str | os.PathLike[str]) -> int:
     total = 0
     for path in sorted(Path(model_dir).glob("*.safetensors")):
         with safe_open(str(path), framework="pt") as f:
-            for name in f.keys():
+            for name in f.keys():  # noqa: SIM118 (a safetensors handle, not a dict)
                 numel = 1
                 for dim in f.get_slice(name).get_shape():
                     numel *= dim
@@ -309,8 +323,9 @@ def _save_model(out_dir: Path, spec: TinyModelSpec, tokenizer: Any) -> None:
         pad_token_id=pad_id,
         dtype="float32",
     )
-    torch.manual_seed(spec.seed)
-    model = Qwen2ForCausalLM(config).to(torch.float32)
+    with torch.random.fork_rng(devices=[]):  # seed the init without touching the caller's RNG state
+        torch.manual_seed(spec.seed)
+        model = Qwen2ForCausalLM(config).to(torch.float32)
     model.generation_config = GenerationConfig(
         bos_token_id=pad_id, eos_token_id=eos_id, pad_token_id=pad_id, do_sample=True, temperature=1.0,
         top_p=1.0, top_k=0,

@@ -1,0 +1,98 @@
+"""Config of the broker daemon (`primerl-broker`). Imports neither torch nor vLLM."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from pydantic import Field, model_validator
+
+from primerl.runtime.config_base import BaseConfig
+from primerl.runtime.config_common import (
+    DEFAULT_BROKER_GRPC_PORT,
+    DEFAULT_BROKER_HOST,
+    LogConfig,
+    is_loopback_host,
+)
+
+MIB = 2**20
+GIB = 2**30
+
+
+class BrokerConfig(BaseConfig):
+    """The hub of a run: worker registry and run status (gRPC), rollout queue and weight fan-out (ZeroMQ)."""
+
+    host: str = Field(
+        DEFAULT_BROKER_HOST,
+        min_length=1,
+        description="Interface that the gRPC server and the ZeroMQ sockets bind (`0.0.0.0` for all interfaces).",
+    )
+    grpc_port: int = Field(
+        DEFAULT_BROKER_GRPC_PORT, ge=0, le=65535, description="gRPC control-plane port (0: pick a free port)."
+    )
+    rollout_port: int = Field(
+        50052, ge=0, le=65535, description="ZeroMQ port for rollout batches (orchestrator in, trainer ranks out)."
+    )
+    weight_port: int = Field(
+        50053, ge=0, le=65535, description="ZeroMQ port for weight updates (trainer in, inference workers out)."
+    )
+    spool_dir: Path = Field(
+        Path("outputs/broker/spool"),
+        description="Directory where rollout batches are kept until the trainer commits the step that used them.",
+    )
+    heartbeat_interval_s: float = Field(
+        1.0, gt=0, description="Seconds between heartbeats that the broker and each worker send each other."
+    )
+    heartbeat_liveness: int = Field(
+        5, ge=1, description="Missed heartbeats in a row after which a peer is declared lost."
+    )
+    max_queue_batches: int = Field(
+        8, ge=1, description="Rollout batches held (in memory and spool) before the orchestrator is made to wait."
+    )
+    max_queue_bytes: int = Field(
+        2 * GIB, ge=MIB, description="Bytes of rollout batches held before the orchestrator is made to wait."
+    )
+    max_message_bytes: int = Field(
+        256 * MIB,
+        ge=MIB,
+        description="Largest message accepted on any socket; bigger payloads (weights) are sent in chunks.",
+    )
+    run_token: str | None = Field(
+        None,
+        repr=False,
+        description="Shared secret that every worker must present. Required when `host` is not a loopback address.",
+    )
+    tls_cert_path: Path | None = Field(
+        None, description="PEM certificate for TLS on the gRPC server (set together with `tls_key_path`)."
+    )
+    tls_key_path: Path | None = Field(
+        None, description="PEM private key for TLS on the gRPC server (set together with `tls_cert_path`)."
+    )
+    log: LogConfig = Field(default_factory=LogConfig, description="Logging of the broker.")
+
+    @model_validator(mode="after")
+    def _check(self) -> BrokerConfig:
+        problems = []
+        if (self.tls_cert_path is None) != (self.tls_key_path is None):
+            problems.append("set both `tls_cert_path` and `tls_key_path` for TLS, or neither")
+        if not is_loopback_host(self.host) and not self.run_token:
+            problems.append(
+                f"host = {self.host!r} makes the broker reachable from other machines, so it needs credentials: "
+                "set `run_token` (a shared secret that every worker also gets), or bind host = \"127.0.0.1\""
+            )
+        ports = {"grpc_port": self.grpc_port, "rollout_port": self.rollout_port, "weight_port": self.weight_port}
+        used = [p for p in ports.values() if p != 0]
+        if len(used) != len(set(used)):
+            problems.append(f"grpc_port, rollout_port and weight_port must differ, got {ports}")
+        if problems:
+            raise ValueError("; ".join(problems))
+        return self
+
+    @property
+    def client_host(self) -> str:
+        """Host that clients on this machine use to reach the broker (a wildcard bind is reached on loopback)."""
+        return "127.0.0.1" if self.host in ("0.0.0.0", "::", "[::]") else self.host
+
+    @property
+    def grpc_address(self) -> str:
+        """``host:port`` of the gRPC server, as clients on this machine dial it."""
+        return f"{self.client_host}:{self.grpc_port}"

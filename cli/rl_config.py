@@ -1,0 +1,321 @@
+"""`RLConfig`: the config of a whole run (`primerl rl @ config.toml`), in prime-rl's shape.
+
+Top-level shared values (`[model] name`, `max_steps`, `seq_len`, `output_dir`, `max_async_level`, `[wandb]`,
+`[log]`, the broker's address and token) fill the role sections wherever the role left them unset; a value
+set in a role section wins. `role_configs()` splits the run into the four fully resolved role configs.
+Files in the flat lab shape and the legacy vf-rl shape are translated first (`primerl.runtime.config_shapes`).
+"""
+
+from __future__ import annotations
+
+import copy
+import warnings
+from pathlib import Path
+from typing import Annotated, Any
+
+import pydantic
+from pydantic import Field, model_validator
+
+from primerl.broker.config import BrokerConfig
+from primerl.inference.config import InferenceConfig, vllm_max_lora_rank_for
+from primerl.orchestrator.config import OrchestratorConfig
+from primerl.runtime.config_base import BaseConfig, ConfigWarning, nearest_multiples
+from primerl.runtime.config_common import DEFAULT_BROKER_GRPC_PORT, DEFAULT_BROKER_HOST, LogConfig, WandbConfig
+from primerl.runtime.config_shapes import to_canonical
+from primerl.trainer.config import LoRAConfig, TrainerConfig
+
+ROLES = ("broker", "trainer", "orchestrator", "inference")
+
+# Where the shared model name goes in each role.
+MODEL_NAME_PATHS = ("trainer.model.name", "trainer.tokenizer.name", "orchestrator.model.name", "inference.model.name")
+
+
+class SharedModelConfig(BaseConfig):
+    """The model of the run, shared by all roles."""
+
+    name: str | None = Field(
+        None, min_length=1, description="Hugging Face model id or local path; fills every role's model name."
+    )
+
+
+def _get(data: dict[str, Any], dotted: str) -> Any:
+    for part in dotted.split("."):
+        if not isinstance(data, dict) or part not in data:
+            return None
+        data = data[part]
+    return data
+
+
+def _has(data: dict[str, Any], dotted: str) -> bool:
+    *parents, last = dotted.split(".")
+    for part in parents:
+        data = data.get(part) if isinstance(data, dict) else None
+    return isinstance(data, dict) and last in data
+
+
+def _set_default(data: dict[str, Any], dotted: str, value: Any) -> None:
+    """Set ``value`` at ``dotted`` unless something is there already (a user's explicit value wins)."""
+    *parents, last = dotted.split(".")
+    for part in parents:
+        child = data.setdefault(part, {})
+        if not isinstance(child, dict):
+            return  # not a table: validation reports it
+        data = child
+    data.setdefault(last, copy.deepcopy(value))
+
+
+def _fill_table(data: dict[str, Any], dotted: str, shared: Any) -> None:
+    """Fill the keys of the shared table that the role's table does not set."""
+    if not isinstance(shared, dict):
+        return
+    for key, value in shared.items():
+        _set_default(data, f"{dotted}.{key}", value)
+
+
+def _section_dict(section: Any) -> Any:
+    if isinstance(section, pydantic.BaseModel):
+        return section.model_dump(exclude_unset=True)
+    return copy.deepcopy(section) if isinstance(section, dict) else section
+
+
+class RLConfig(BaseConfig):
+    """A whole run: broker, trainer, orchestrator and inference on one machine (or one config for all)."""
+
+    model: SharedModelConfig = Field(default_factory=SharedModelConfig, description="The model of the run.")
+    max_steps: int | None = Field(None, ge=1, description="Training steps of the run (unset: no limit).")
+    seq_len: int | None = Field(
+        None, ge=1, description="Max tokens of a sample; fills trainer, orchestrator and inference.max_model_len."
+    )
+    inference_gpu_ids: list[int] = Field(
+        default_factory=lambda: [0], min_length=1, description="GPUs of the inference server."
+    )
+    trainer_gpu_ids: list[int] = Field(
+        default_factory=lambda: [1], min_length=1, description="GPUs of the trainer (one rank per GPU)."
+    )
+    wandb: WandbConfig | None = Field(None, description="Weights & Biases, shared by trainer and orchestrator.")
+    output_dir: Path = Field(Path("outputs"), description="Directory of the run: weights, checkpoints, logs.")
+    max_async_level: int | None = Field(
+        None, ge=0, description="Max policy versions a sample may lag the trainer (fills the orchestrator's)."
+    )
+    log: LogConfig = Field(default_factory=LogConfig, description="Logging, shared by all roles.")
+    broker: BrokerConfig = Field(description="The broker.")
+    trainer: TrainerConfig = Field(description="The trainer.")
+    orchestrator: OrchestratorConfig = Field(description="The orchestrator.")
+    inference: InferenceConfig = Field(description="The inference server.")
+
+    @classmethod
+    def normalize_raw(cls, data: dict[str, Any], source: str) -> dict[str, Any]:
+        """Translate the flat lab and legacy vf-rl shapes into this (prime-rl) shape."""
+        return to_canonical(data, source)
+
+    # ------------------------------------------------------------------------------------------------------
+    # Shared values flow into the roles (on the raw data, so that explicit role values can be told apart).
+
+    @model_validator(mode="before")
+    @classmethod
+    def _fill_roles(cls, data: Any) -> Any:
+        if not isinstance(data, dict):
+            return data
+        data = {key: _section_dict(value) for key, value in data.items()}
+        if isinstance(data.get("model"), str):
+            data["model"] = {"name": data["model"]}
+        for role in ROLES:
+            data.setdefault(role, {})
+        # A role section that is not a table is reported by validation; the others are still filled.
+        not_tables = {role: data[role] for role in ROLES if not isinstance(data[role], dict)}
+        data.update({role: {} for role in not_tables})
+        # A shared value that is itself invalid is reported once, at the top level, and not copied.
+        shared = {k: v for k, v in data.items() if k not in ROLES and v is not None and _is_valid_shared(k, v)}
+        _fill_model_name(data)
+        for role in ("trainer", "orchestrator"):
+            for key in ("max_steps", "output_dir"):
+                if key in shared:
+                    _set_default(data, f"{role}.{key}", shared[key])
+            _fill_table(data, f"{role}.wandb", shared.get("wandb"))
+        if "max_async_level" in shared:
+            _set_default(data, "orchestrator.max_async_level", shared["max_async_level"])
+        _fill_seq_len(data, shared.get("seq_len"))
+        _set_default(data, "broker.spool_dir", str(Path(shared.get("output_dir", "outputs")) / "broker" / "spool"))
+        for role in ROLES:
+            _fill_table(data, f"{role}.log", shared.get("log"))
+        _fill_broker_client(data)
+        _fill_inference(data)
+        data.update(not_tables)
+        return data
+
+    # ------------------------------------------------------------------------------------------------------
+    # Checks across roles.
+
+    @model_validator(mode="after")
+    def _check(self) -> RLConfig:
+        problems = [
+            *self._gpu_problems(),
+            *self._length_problems(),
+            *self._lora_problems(),
+            *self._batch_problems(),
+        ]
+        if self.broker.grpc_port == 0:
+            problems.append("broker.grpc_port = 0 (a random port) cannot be told to the other roles; set a port")
+        if problems:
+            raise ValueError("\n".join(problems))
+        if self.trainer.max_steps != self.orchestrator.max_steps:
+            warnings.warn(
+                f"trainer.max_steps ({self.trainer.max_steps}) differs from orchestrator.max_steps "
+                f"({self.orchestrator.max_steps}); the run ends at the smaller one",
+                ConfigWarning,
+                stacklevel=2,
+            )
+        return self
+
+    def _gpu_problems(self) -> list[str]:
+        problems = []
+        for name in ("inference_gpu_ids", "trainer_gpu_ids"):
+            ids = getattr(self, name)
+            if any(i < 0 for i in ids) or len(set(ids)) != len(ids):
+                problems.append(f"{name} = {ids} must list distinct GPU indices >= 0")
+        shared = sorted(set(self.inference_gpu_ids) & set(self.trainer_gpu_ids))
+        if shared:
+            problems.append(
+                f"GPUs {shared} are in both inference_gpu_ids {self.inference_gpu_ids} and trainer_gpu_ids "
+                f"{self.trainer_gpu_ids}; give each GPU to one role (e.g. inference_gpu_ids = [0], "
+                "trainer_gpu_ids = [1])"
+            )
+        parallel = self.inference.parallel
+        if parallel.tp * parallel.dp != len(self.inference_gpu_ids):
+            problems.append(
+                f"inference.parallel.tp x dp = {parallel.tp} x {parallel.dp} = {parallel.tp * parallel.dp} GPUs, "
+                f"but inference_gpu_ids has {len(self.inference_gpu_ids)}; make them match"
+            )
+        return problems
+
+    def _length_problems(self) -> list[str]:
+        problems = []
+        sample_len = self.orchestrator.seq_len
+        max_model_len = self.inference.model.max_model_len
+        if max_model_len is not None and max_model_len < sample_len:
+            problems.append(
+                f"inference.model.max_model_len ({max_model_len}) is smaller than seq_len ({sample_len}): vLLM "
+                f"would stop rollouts before they reach seq_len. Set inference.model.max_model_len >= {sample_len} "
+                "or lower seq_len"
+            )
+        if self.trainer.seq_len < sample_len:
+            problems.append(
+                f"trainer.seq_len ({self.trainer.seq_len}) is smaller than orchestrator.seq_len ({sample_len}): "
+                "the longest samples would not fit a training sequence. Set them equal (top-level seq_len)"
+            )
+        return problems
+
+    def _lora_problems(self) -> list[str]:
+        lora = self.trainer.model.lora
+        problems = []
+        if lora is not None and self.trainer.weight_broadcast.type == "lora":
+            if not self.inference.enable_lora:
+                problems.append(
+                    "the trainer trains LoRA and publishes adapters, but inference.enable_lora = false; set it true "
+                    '(or trainer.weight_broadcast.type = "full" to publish merged weights)'
+                )
+            max_rank = self.inference.max_lora_rank
+            if max_rank is not None and max_rank < lora.rank:
+                problems.append(
+                    f"inference.max_lora_rank ({max_rank}) is smaller than trainer.model.lora.rank ({lora.rank}): "
+                    f"vLLM could not load the adapter. Set inference.max_lora_rank = "
+                    f"{vllm_max_lora_rank_for(lora.rank)} (or remove it to have it set from the rank)"
+                )
+        return problems
+
+    def _batch_problems(self) -> list[str]:
+        micro_batch_size = self.trainer.micro_batch_size
+        if micro_batch_size is None:
+            return []
+        num_ranks = len(self.trainer_gpu_ids)
+        per_round = micro_batch_size * num_ranks
+        batch_size = self.orchestrator.batch_size
+        if batch_size % per_round:
+            valid = " or ".join(str(m) for m in nearest_multiples(batch_size, per_round))
+            return [
+                f"orchestrator.batch_size ({batch_size}) must be divisible by trainer.micro_batch_size x trainer "
+                f"ranks = {micro_batch_size} x {num_ranks} = {per_round}: use batch_size = {valid}"
+            ]
+        accumulation = self.trainer.gradient_accumulation_steps
+        if accumulation is not None and accumulation * per_round != batch_size:
+            return [
+                f"trainer.gradient_accumulation_steps ({accumulation}) x micro_batch_size ({micro_batch_size}) x "
+                f"ranks ({num_ranks}) must equal orchestrator.batch_size ({batch_size}): set "
+                f"gradient_accumulation_steps = {batch_size // per_round} or remove it"
+            ]
+        return []
+
+    # ------------------------------------------------------------------------------------------------------
+
+    def role_configs(self) -> dict[str, BaseConfig]:
+        """The four role configs of the run, fully resolved (each one independent of this object)."""
+        return {role: getattr(self, role).model_copy(deep=True) for role in ROLES}
+
+
+def _fill_model_name(data: dict[str, Any]) -> None:
+    shared = _get(data, "model.name")
+    explicit = {path: _get(data, path) for path in MODEL_NAME_PATHS if _get(data, path) is not None}
+    name = shared if shared is not None else next(
+        (explicit[p] for p in ("trainer.model.name", "inference.model.name", "orchestrator.model.name")
+         if p in explicit), None)
+    if name is None:
+        raise ValueError('no model: set it once for all roles with `[model] name = "..."` (or `model = "..."`)')
+    for path in MODEL_NAME_PATHS:
+        _set_default(data, path, name)
+    for path, value in explicit.items():
+        if value != name:
+            note = " (a different tokenizer is allowed but unusual)" if "tokenizer" in path else ""
+            warnings.warn(f"{path} = {value!r} differs from the run's model {name!r}{note}", ConfigWarning,
+                          stacklevel=4)
+
+
+def _is_valid_shared(name: str, value: Any) -> bool:
+    field = RLConfig.model_fields.get(name)
+    if field is None:
+        return False
+    try:
+        annotation = Annotated[field.annotation, *field.metadata] if field.metadata else field.annotation
+        pydantic.TypeAdapter(annotation).validate_python(value)
+    except pydantic.ValidationError:
+        return False
+    return True
+
+
+def _fill_seq_len(data: dict[str, Any], seq_len: Any) -> None:
+    if seq_len is None:
+        candidates = (_get(data, "orchestrator.seq_len"), _get(data, "trainer.seq_len"))
+        seq_len = next((v for v in candidates if _is_valid_shared("seq_len", v) and v is not None), None)
+    if seq_len is None:
+        seq_len = OrchestratorConfig.model_fields["seq_len"].default
+    for path in ("trainer.seq_len", "orchestrator.seq_len", "inference.model.max_model_len"):
+        _set_default(data, path, seq_len)
+
+
+def _fill_broker_client(data: dict[str, Any]) -> None:
+    broker = data["broker"]
+    host = broker.get("host", DEFAULT_BROKER_HOST)
+    if host in ("0.0.0.0", "::", "[::]"):
+        host = "127.0.0.1"
+    port = broker.get("grpc_port", DEFAULT_BROKER_GRPC_PORT)
+    for role in ("trainer", "orchestrator", "inference"):
+        _set_default(data, f"{role}.broker.address", f"{host}:{port}")
+        if broker.get("run_token") is not None:
+            _set_default(data, f"{role}.broker.run_token", broker["run_token"])
+        if broker.get("tls_cert_path") is not None:
+            _set_default(data, f"{role}.broker.tls_ca_path", broker["tls_cert_path"])
+
+
+def _fill_inference(data: dict[str, Any]) -> None:
+    gpu_ids = data.get("inference_gpu_ids", [0])
+    tp = _get(data, "inference.parallel.tp") or 1
+    if isinstance(gpu_ids, list) and isinstance(tp, int) and tp > 0 and len(gpu_ids) % tp == 0 and gpu_ids:
+        _set_default(data, "inference.parallel.dp", len(gpu_ids) // tp)
+    model = data["trainer"].get("model")
+    lora = None
+    if isinstance(model, dict):
+        lora = model.get("lora", _get(model, "experimental.lora"))
+    if isinstance(lora, dict) and _get(data, "trainer.weight_broadcast.type") in (None, "lora"):
+        _set_default(data, "inference.enable_lora", True)
+        rank = lora.get("rank", LoRAConfig.model_fields["rank"].default)
+        if isinstance(rank, int) and not _has(data, "inference.max_lora_rank"):
+            _set_default(data, "inference.max_lora_rank", vllm_max_lora_rank_for(rank))

@@ -1,0 +1,53 @@
+"""What the four role daemons' entry points share: config loading from `@ file.toml` and overrides, and
+`--dry-run` printing the resolved config. The daemons themselves arrive with their issues; until a role
+has one, its command checks and prints the config and says so instead of pretending to run."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import warnings
+
+from primerl.runtime.config_base import ConfigError, ConfigWarning
+from primerl.runtime.config_loader import dump_toml, load_role_config
+
+EPILOG = """\
+config files (later ones win) and settings (dashes in keys are underscores):
+  @ {role}.toml                 a {role} config, e.g. one written by `primerl rl ... --dry-run --write DIR`
+  --section.key VALUE           e.g. {example}
+  --flag / --no-flag            booleans
+"""
+
+
+def run_role(prog: str, role: str, config_cls: type, argv: list[str] | None, *, example: str) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    parser = argparse.ArgumentParser(
+        prog=prog,
+        usage=f"{prog} [@ {role}.toml ...] [--section.key VALUE ...] [--dry-run]",
+        description=f"Run the primerl {role} daemon.",
+        epilog=EPILOG.format(role=role, example=example),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        allow_abbrev=False,
+    )
+    parser.add_argument("--dry-run", action="store_true", help="print the resolved config and exit")
+    if "-h" in argv or "--help" in argv:
+        parser.print_help()
+        return 0
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always", ConfigWarning)
+            config, rest = load_role_config(config_cls, argv, cli_flags={"--dry-run", "-h", "--help"})
+        try:
+            args = parser.parse_args(rest)
+        except SystemExit as exit_:
+            return int(exit_.code or 0)
+        for warning in caught:
+            print(f"warning: {warning.message}", file=sys.stderr)
+    except ConfigError as err:
+        print(f"{prog}: {err}", file=sys.stderr)
+        return 2
+    if args.dry_run:
+        print(dump_toml(config, redact_secrets=True), end="")
+        return 0
+    print(f"{prog}: the {role} daemon is not implemented yet; `--dry-run` checks and prints its config", file=sys.stderr)
+    return 2

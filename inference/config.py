@@ -1,0 +1,86 @@
+"""Config of an inference daemon (`primerl-infer`, one vLLM engine). Imports neither torch nor vLLM.
+
+Key names and defaults follow prime-rl's inference config (`[inference.model]`, `gpu_memory_utilization`...);
+most fields map one to one onto vLLM engine arguments.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field, model_validator
+
+from primerl.runtime.config_base import BaseConfig
+from primerl.runtime.config_common import BrokerClientConfig, LogConfig
+
+# LoRA ranks that vLLM accepts for `max_lora_rank`.
+VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+
+
+def vllm_max_lora_rank_for(rank: int) -> int:
+    """The smallest `max_lora_rank` that vLLM accepts and that fits an adapter of this rank."""
+    for candidate in VLLM_LORA_RANKS:
+        if candidate >= rank:
+            return candidate
+    return rank
+
+
+class InferenceModelConfig(BaseConfig):
+    """The served model (vLLM engine arguments)."""
+
+    name: str = Field(min_length=1, description="Hugging Face model id or local path.")
+    dtype: Literal["auto", "float16", "bfloat16", "float32"] = Field(
+        "auto", description="Weights and activations dtype (`auto`: FP16 for FP32/FP16 models, BF16 for BF16 ones)."
+    )
+    max_model_len: int | None = Field(
+        None, ge=1, description="Context length (prompt and output); must be >= seq_len (unset: the model's)."
+    )
+    enforce_eager: bool = Field(False, description="Run without CUDA graphs or compilation.")
+    enable_auto_tool_choice: bool = Field(False, description="Let the model decide when to call tools.")
+    tool_call_parser: str | None = Field(None, description="vLLM tool-call parser (`hermes` for Qwen models).")
+    reasoning_parser: str | None = Field(None, description="vLLM reasoning parser (`qwen3`, `deepseek_r1`).")
+
+    @model_validator(mode="after")
+    def _check(self) -> InferenceModelConfig:
+        if self.enable_auto_tool_choice and not self.tool_call_parser:
+            raise ValueError(
+                'enable_auto_tool_choice = true needs a tool_call_parser (e.g. tool_call_parser = "hermes")'
+            )
+        return self
+
+
+class ParallelConfig(BaseConfig):
+    """How one inference daemon spreads over its GPUs."""
+
+    tp: int = Field(1, ge=1, description="Tensor-parallel size (GPUs per model replica).")
+    dp: int = Field(1, ge=1, description="Data-parallel size (model replicas).")
+
+
+class ServerConfig(BaseConfig):
+    """The OpenAI-compatible HTTP server."""
+
+    host: str = Field("127.0.0.1", min_length=1, description="Interface the HTTP server binds.")
+    port: int = Field(8000, ge=0, le=65535, description="HTTP port (0: pick a free port).")
+
+
+class InferenceConfig(BaseConfig):
+    """One inference daemon: a vLLM engine that serves rollouts and applies weight updates in flight."""
+
+    model: InferenceModelConfig = Field(description="The served model.")
+    gpu_memory_utilization: float = Field(
+        0.9, gt=0, le=1, description="Fraction of GPU memory vLLM may use (0.6-0.9 typical)."
+    )
+    kv_cache_memory_bytes: int | None = Field(
+        None, ge=1, description="KV cache size in bytes; overrides gpu_memory_utilization (set it on CPU)."
+    )
+    enable_lora: bool = Field(False, description="Serve LoRA adapters (on when the trainer trains LoRA).")
+    max_lora_rank: int | None = Field(
+        None, ge=1, description="Largest adapter rank served (unset: vLLM's default, 16); must be >= lora.rank."
+    )
+    max_loras: int = Field(
+        4, ge=1, description="Adapters resident at once; keep above the versions alive during an update."
+    )
+    parallel: ParallelConfig = Field(default_factory=ParallelConfig, description="Parallelism.")
+    server: ServerConfig = Field(default_factory=ServerConfig, description="HTTP server.")
+    broker: BrokerClientConfig = Field(default_factory=BrokerClientConfig, description="Broker connection.")
+    log: LogConfig = Field(default_factory=LogConfig, description="Logging of the inference daemon.")

@@ -1,0 +1,199 @@
+"""Config of the orchestrator daemon (`primerl-orchestrator`). Imports neither torch, vLLM nor verifiers.
+
+Key names and defaults follow prime-rl's orchestrator config (`[orchestrator.sampling]`, `[[orchestrator.env]]`...).
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import Field, model_validator
+
+from primerl.runtime.config_base import BaseConfig, ConfigWarning, nearest_divisors, nearest_multiples
+from primerl.runtime.config_common import BrokerClientConfig, LogConfig, WandbConfig
+
+# `[orchestrator.buffer] type = ...` as older prime-rl versions spell the filtering switch.
+BUFFER_TYPES = {"online-difficulty": True, "simple": False}
+
+
+class OrchestratorModelConfig(BaseConfig):
+    """The model that rollouts are requested from (its name on the inference server)."""
+
+    name: str = Field(min_length=1, description="Model id as served by the inference workers.")
+
+
+class SamplingConfig(BaseConfig):
+    """Sampling parameters of every rollout request."""
+
+    max_tokens: int | None = Field(
+        None, ge=1, description="Max tokens per model turn (not per trajectory); unset: up to the context limit."
+    )
+    temperature: float = Field(1.0, ge=0, description="Sampling temperature (0.5-1.0 gives diverse groups).")
+    top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling: keep the smallest token set of this mass.")
+    top_k: int = Field(-1, ge=-1, description="Keep the k most likely tokens (-1: no limit).")
+    min_p: float = Field(0.0, ge=0, le=1, description="Drop tokens below min_p times the top token's probability.")
+    repetition_penalty: float = Field(1.0, gt=0, description="Penalty on tokens already present (1.0: none).")
+    stop: list[str] = Field(default_factory=list, description="Strings that end a model turn.")
+    seed: int | None = Field(None, description="Base seed of the sampling requests (unset: random).")
+
+
+class BufferConfig(BaseConfig):
+    """Which rollout groups are kept for training."""
+
+    online_difficulty_filtering: bool = Field(
+        False,
+        description="Drop groups whose rewards are all equal (no learning signal) and those outside the bounds "
+        "below. `type = \"online-difficulty\"` is an alias.",
+    )
+    min_reward: float | None = Field(None, description="Drop groups whose mean reward is below this (too hard).")
+    max_reward: float | None = Field(None, description="Drop groups whose mean reward is above this (too easy).")
+    min_reward_variance: float = Field(0.0, ge=0, description="Drop groups whose reward variance is below this.")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _accept_type(cls, data: Any) -> Any:
+        if not isinstance(data, dict) or "type" not in data:
+            return data
+        data = dict(data)
+        buffer_type = data.pop("type")
+        if buffer_type not in BUFFER_TYPES:
+            expected = ", ".join(f'"{t}"' for t in BUFFER_TYPES)
+            raise ValueError(f"type must be one of {expected}, got {buffer_type!r}")
+        enabled = BUFFER_TYPES[buffer_type]
+        if data.setdefault("online_difficulty_filtering", enabled) != enabled:
+            raise ValueError(
+                f'type = "{buffer_type}" contradicts online_difficulty_filtering = '
+                f"{str(data['online_difficulty_filtering']).lower()}: keep one of them"
+            )
+        return data
+
+    @model_validator(mode="after")
+    def _check(self) -> BufferConfig:
+        if self.min_reward is not None and self.max_reward is not None and self.min_reward > self.max_reward:
+            raise ValueError(
+                f"min_reward ({self.min_reward}) must be <= max_reward ({self.max_reward}): groups are kept when "
+                "their mean reward lies between the two; swap them"
+            )
+        bounds = [k for k in ("min_reward", "max_reward") if getattr(self, k) is not None]
+        if self.min_reward_variance > 0:
+            bounds.append("min_reward_variance")
+        if bounds and not self.online_difficulty_filtering:
+            warnings.warn(
+                f"buffer: {', '.join(bounds)} has no effect while online_difficulty_filtering = false",
+                ConfigWarning,
+                stacklevel=2,
+            )
+        return self
+
+
+class AdvantageConfig(BaseConfig):
+    """Group-relative advantages."""
+
+    std_normalize: bool = Field(False, description="Divide advantages by the group's reward standard deviation.")
+    length_penalty: float = Field(
+        0.0, ge=0, description="Subtracted from the reward per completion token, as a fraction of max_tokens."
+    )
+
+
+class EnvConfig(BaseConfig):
+    """One verifiers environment, loaded with `load_environment(**args)`."""
+
+    id: str = Field(min_length=1, description="Environment id (the package name, e.g. `primeintellect/gsm8k`).")
+    args: dict[str, Any] = Field(default_factory=dict, description="Keyword arguments of `load_environment`.")
+    weight: float = Field(1.0, gt=0, description="Relative sampling weight among the environments.")
+
+
+class EvalConfig(BaseConfig):
+    """Evaluation during training; off when absent."""
+
+    interval: int = Field(100, ge=1, description="Evaluate every `interval` steps.")
+    num_examples: int | None = Field(None, ge=1, description="Examples per environment (unset: all).")
+    rollouts_per_example: int = Field(1, ge=1, description="Rollouts per example.")
+    env: list[EnvConfig] = Field(min_length=1, description="Environments to evaluate on (`[[orchestrator.eval.env]]`).")
+
+
+class OrchestratorConfig(BaseConfig):
+    """The orchestrator: rollouts, rewards, advantages, filtering, packing."""
+
+    model: OrchestratorModelConfig = Field(description="The model that rollouts are requested from.")
+    env: list[EnvConfig] = Field(
+        min_length=1, description="Training environments: add one `[[orchestrator.env]]` table with `id` per env."
+    )
+    batch_size: int = Field(128, ge=1, description="Samples (rollouts) per training step.")
+    rollouts_per_example: int = Field(
+        8, ge=1, description="Rollouts per example (the group size); must divide `batch_size`."
+    )
+    seq_len: int = Field(2048, ge=1, description="Max tokens of one sample (prompt and all turns).")
+    oversampling_factor: float = Field(
+        1.0, ge=1, description="Generate this many times `batch_size` rollouts to make up for filtered groups."
+    )
+    max_async_level: int = Field(
+        1, ge=0, description="A sample may be at most this many policy versions behind the trainer."
+    )
+    max_inflight: int | None = Field(
+        None, ge=1, description="Rollouts in flight at once (unset: batch_size x oversampling_factor)."
+    )
+    trajectory_strategy: Literal["interleaved", "branching"] = Field(
+        "interleaved",
+        description="How multi-turn trajectories become samples; use `branching` for models whose chat template "
+        "rewrites earlier turns (Qwen3 and other thinking models).",
+    )
+    mask_truncated_completions: bool = Field(False, description="Give no loss to tokens of truncated rollouts.")
+    zero_truncated_completions: bool = Field(False, description="Give reward 0 to truncated rollouts.")
+    sampling: SamplingConfig = Field(default_factory=SamplingConfig, description="Sampling parameters.")
+    buffer: BufferConfig = Field(default_factory=BufferConfig, description="Which rollout groups are kept.")
+    advantage: AdvantageConfig = Field(default_factory=AdvantageConfig, description="Advantage computation.")
+    eval: EvalConfig | None = Field(None, description="Evaluation during training; off when absent.")
+    env_python: Path | None = Field(
+        None, description="Python interpreter of the env-worker processes (unset: the orchestrator's own)."
+    )
+    rollout_timeout_s: float = Field(1800.0, gt=0, description="A rollout that takes longer is abandoned.")
+    max_steps: int | None = Field(None, ge=1, description="Stop after this many steps (unset: no limit).")
+    broker: BrokerClientConfig = Field(default_factory=BrokerClientConfig, description="Broker connection.")
+    output_dir: Path = Field(Path("outputs"), description="Directory for rollout logs and eval results.")
+    wandb: WandbConfig | None = Field(None, description="Weights & Biases logging; off when absent.")
+    log: LogConfig = Field(default_factory=LogConfig, description="Logging of the orchestrator.")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _accept_buffer_oversampling(cls, data: Any) -> Any:
+        """`oversampling_factor` may also be written under `[orchestrator.buffer]`; it lives here."""
+        if not isinstance(data, dict) or not isinstance(data.get("buffer"), dict):
+            return data
+        if "oversampling_factor" not in data["buffer"]:
+            return data
+        buffer = dict(data["buffer"])
+        factor = buffer.pop("oversampling_factor")
+        if "oversampling_factor" in data and data["oversampling_factor"] != factor:
+            raise ValueError(
+                f"oversampling_factor is set twice with different values: {data['oversampling_factor']} and "
+                f"buffer.oversampling_factor = {factor}; keep one (`oversampling_factor` under [orchestrator])"
+            )
+        return {**data, "buffer": buffer, "oversampling_factor": factor}
+
+    @model_validator(mode="after")
+    def _check(self) -> OrchestratorConfig:
+        if self.batch_size % self.rollouts_per_example:
+            multiples = " or ".join(str(m) for m in nearest_multiples(self.batch_size, self.rollouts_per_example))
+            divisors = " or ".join(str(d) for d in nearest_divisors(self.batch_size, self.rollouts_per_example))
+            raise ValueError(
+                f"batch_size ({self.batch_size}) must be divisible by rollouts_per_example "
+                f"({self.rollouts_per_example}): use batch_size = {multiples}, "
+                f"or rollouts_per_example = {divisors}"
+            )
+        return self
+
+    @property
+    def num_inflight_rollouts(self) -> int:
+        """Rollouts kept in flight: `max_inflight`, else batch_size x oversampling_factor."""
+        if self.max_inflight is not None:
+            return self.max_inflight
+        return math.ceil(self.batch_size * self.oversampling_factor)
+
+    @property
+    def num_examples_per_step(self) -> int:
+        """Dataset examples behind one training batch."""
+        return self.batch_size // self.rollouts_per_example

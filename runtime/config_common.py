@@ -1,0 +1,72 @@
+"""Config sections that several roles share: logging, the broker client, Weights & Biases."""
+
+from __future__ import annotations
+
+import ipaddress
+from pathlib import Path
+from typing import Literal
+
+from pydantic import Field, field_validator
+
+from primerl.runtime.config_base import BaseConfig
+
+DEFAULT_BROKER_HOST = "127.0.0.1"
+DEFAULT_BROKER_GRPC_PORT = 50051
+
+
+def is_loopback_host(host: str) -> bool:
+    """True for ``localhost`` and loopback addresses (127.0.0.0/8, ::1)."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+class LogConfig(BaseConfig):
+    """How a role logs."""
+
+    level: Literal["debug", "info", "warning", "error"] = Field(
+        "info", description="Lowest level that is logged."
+    )
+    format: Literal["console", "json"] = Field(
+        "console", description="`console`: readable lines for a terminal; `json`: one JSON object per line."
+    )
+
+
+class BrokerClientConfig(BaseConfig):
+    """How a worker (trainer, orchestrator, inference) reaches the broker."""
+
+    address: str = Field(
+        f"{DEFAULT_BROKER_HOST}:{DEFAULT_BROKER_GRPC_PORT}",
+        description="gRPC address of the broker, as `host:port`.",
+    )
+    run_token: str | None = Field(
+        None,
+        repr=False,
+        description="Shared secret of the run, sent with every request; must match `broker.run_token`.",
+    )
+    tls_ca_path: Path | None = Field(
+        None, description="PEM file of the CA (or self-signed certificate) that signed the broker's TLS certificate."
+    )
+    connect_timeout_s: float = Field(
+        60.0, gt=0, description="How long to wait for the broker at start-up before giving up."
+    )
+
+    @field_validator("address")
+    @classmethod
+    def _check_address(cls, address: str) -> str:
+        host, sep, port = address.rpartition(":")
+        if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+            raise ValueError(f"address must be `host:port` with a port in 1..65535, got {address!r}")
+        return address
+
+
+class WandbConfig(BaseConfig):
+    """Weights & Biases logging; present means enabled."""
+
+    project: str = Field("primerl", min_length=1, description="W&B project.")
+    name: str | None = Field(None, description="Run name shown in W&B (W&B picks one when unset).")
+    entity: str | None = Field(None, description="W&B team or user that owns the project.")
+    offline: bool = Field(False, description="Log to local files only; sync later with `wandb sync`.")

@@ -1,0 +1,215 @@
+"""The vLLM engine factory on the tiny model: generation with logprobs that match transformers, chat prompts,
+and `primerl generate`. One in-process engine serves the whole module (starting one takes ~9 s on 2 cores)."""
+
+from __future__ import annotations
+
+import math
+import os
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from primerl.inference.engine import (
+    CPU_DEFAULT_KV_CACHE_BYTES,
+    ENV_DEFAULTS,
+    EngineOptions,
+    apply_env_defaults,
+    resolve_llm_kwargs,
+)
+
+# vLLM's own import-time deprecation noise (torch.distributed.reduce_op), not ours.
+pytestmark = pytest.mark.filterwarnings("ignore:`torch.distributed.reduce_op` is deprecated:FutureWarning")
+
+TOLERANCE = 1e-4
+PROMPTS = ["Reverse the string: a b c d", "What is 12 plus 30?", "hello", "Count from 1 to 5."]
+
+
+# ---- fast: option resolution, no engine ------------------------------------------------------------------------
+
+
+def test_cpu_kwargs_make_every_quirk_explicit(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("TORCHDYNAMO_DISABLE", "1")
+    kwargs = resolve_llm_kwargs(EngineOptions(model="m"), on_cpu=True)
+    assert kwargs["dtype"] == "float32"
+    assert kwargs["kv_cache_memory_bytes"] == CPU_DEFAULT_KV_CACHE_BYTES
+    assert kwargs["enforce_eager"] is True
+    assert kwargs["logprobs_mode"] == "processed_logprobs"
+    assert "gpu_memory_utilization" not in kwargs
+
+    # Options that cannot work on CPU are corrected, not passed on.
+    assert resolve_llm_kwargs(EngineOptions(model="m", enforce_eager=False), on_cpu=True)["enforce_eager"] is True
+    assert resolve_llm_kwargs(EngineOptions(model="m", dtype="auto"), on_cpu=True)["dtype"] == "float32"
+    assert resolve_llm_kwargs(EngineOptions(model="m", dtype="bfloat16"), on_cpu=True)["dtype"] == "bfloat16"
+
+
+def test_cpu_dtype_defaults_to_the_checkpoints(tmp_path: Path) -> None:
+    (tmp_path / "config.json").write_text('{"dtype": "bfloat16"}')
+    assert resolve_llm_kwargs(EngineOptions(model=tmp_path), on_cpu=True)["dtype"] == "bfloat16"
+    (tmp_path / "config.json").write_text('{"torch_dtype": "float16"}')
+    assert resolve_llm_kwargs(EngineOptions(model=tmp_path, dtype="auto"), on_cpu=True)["dtype"] == "float16"
+
+
+def test_gpu_kwargs_pass_through(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("TORCHDYNAMO_DISABLE", "0")
+    kwargs = resolve_llm_kwargs(
+        EngineOptions(model="m", gpu_memory_utilization=0.5, enable_lora=True, max_lora_rank=8,
+                      extra_args={"max_num_batched_tokens": 1024}),
+        on_cpu=False,
+    )
+    assert kwargs["dtype"] == "auto"
+    assert kwargs["gpu_memory_utilization"] == 0.5
+    assert kwargs["enforce_eager"] is False
+    assert "kv_cache_memory_bytes" not in kwargs
+    assert (kwargs["enable_lora"], kwargs["max_lora_rank"]) == (True, 8)
+    assert kwargs["max_num_batched_tokens"] == 1024
+
+
+def test_env_defaults_never_override_and_work_dir_is_checked(monkeypatch: pytest.MonkeyPatch,
+                                                             tmp_path: Path) -> None:
+    for key in ENV_DEFAULTS:
+        monkeypatch.delenv(key, raising=False)  # restored after the test
+    monkeypatch.setenv("TORCHDYNAMO_DISABLE", "0")
+    apply_env_defaults()
+    assert os.environ["TORCHDYNAMO_DISABLE"] == "0"
+    assert os.environ["VLLM_NO_USAGE_STATS"] == "1"
+    with pytest.raises(ValueError, match="too long"):
+        apply_env_defaults(tmp_path / ("x" * 80))
+    with pytest.raises(ValueError, match="kv_cache_memory_bytes"):
+        EngineOptions(model="m", kv_cache_memory_bytes=10).validate()
+
+
+# ---- slow: one real engine ---------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from primerl.trainer.tiny_model import TinyModelSpec, build_tiny_model
+
+    return build_tiny_model(tmp_path_factory.mktemp("vllm") / "tiny-model", TinyModelSpec(seed=0))
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_model_dir: Path) -> Iterator[Any]:
+    from primerl.inference.engine import create_llm, shutdown_llm
+
+    saved_env, saved_tempdir = dict(os.environ), tempfile.tempdir
+    work_dir = tiny_model_dir.parent / "work"
+    llm = create_llm(EngineOptions(model=tiny_model_dir, in_process=True, work_dir=work_dir, seed=0))
+    try:
+        yield llm
+    finally:
+        shutdown_llm(llm)
+        del llm
+        os.environ.clear()
+        os.environ.update(saved_env)
+        tempfile.tempdir = saved_tempdir
+
+
+@pytest.fixture(scope="module")
+def reference_model(tiny_model_dir: Path) -> Any:
+    from primerl.inference.logprob_check import load_reference_model
+
+    return load_reference_model(tiny_model_dir)
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
+def test_platform_detection_agrees_with_vllm(engine: Any) -> None:
+    from vllm.platforms import current_platform
+
+    from primerl.inference.engine import is_cpu_platform
+
+    assert is_cpu_platform() == current_platform.is_cpu()
+    if current_platform.is_cpu():
+        config = engine.llm_engine.vllm_config
+        assert str(config.model_config.dtype) == "torch.float32"
+        assert config.model_config.enforce_eager
+        assert config.cache_config.kv_cache_memory_bytes == CPU_DEFAULT_KV_CACHE_BYTES
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
+def test_generates_with_logprobs_reproducibly(engine: Any, tiny_model_dir: Path) -> None:
+    from primerl.inference.logprob_check import generate_with_logprobs
+
+    result = generate_with_logprobs(engine, PROMPTS, max_tokens=16, seed=7, ignore_eos=True)
+    assert result.completion_tokens_per_s > 0
+    assert len(result.samples) == len(PROMPTS)
+    vocab_size = engine.llm_engine.model_config.get_vocab_size()
+    for prompt, sample in zip(PROMPTS, result.samples, strict=True):
+        assert sample.prompt == prompt and sample.prompt_token_ids
+        assert len(sample.completion_token_ids) == len(sample.completion_logprobs) == 16
+        assert all(0 <= t < vocab_size for t in sample.completion_token_ids)
+        assert all(math.isfinite(lp) and lp <= 0.0 for lp in sample.completion_logprobs)
+    # Per-request seeds: a prompt gets the same tokens alone as in a batch, and again on a second call.
+    alone = generate_with_logprobs(engine, PROMPTS[:1], max_tokens=16, seed=7, ignore_eos=True)
+    assert alone.samples[0].completion_token_ids == result.samples[0].completion_token_ids
+    again = generate_with_logprobs(engine, PROMPTS, max_tokens=16, seed=7, ignore_eos=True)
+    assert [s.completion_token_ids for s in again.samples] == [s.completion_token_ids for s in result.samples]
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
+@pytest.mark.parametrize("temperature", [1.0, 0.7, 0.0])
+def test_logprobs_match_transformers(engine: Any, reference_model: Any, temperature: float) -> None:
+    from primerl.inference.logprob_check import (
+        check_logprobs,
+        engine_logprobs_mode,
+        generate_with_logprobs,
+    )
+
+    result = generate_with_logprobs(engine, PROMPTS, max_tokens=24, seed=1, temperature=temperature,
+                                    ignore_eos=True)
+    mode = engine_logprobs_mode(engine)
+    assert mode == "processed_logprobs"
+    diff = check_logprobs(reference_model, result.samples, logprobs_mode=mode, temperature=temperature)
+    assert diff <= TOLERANCE, f"max |vLLM - transformers| = {diff:.3g} at temperature {temperature}"
+    if temperature == 0.7:
+        # The logprobs are those of the tempered distribution: raw (T = 1) ones would not match.
+        raw_diff = check_logprobs(reference_model, result.samples, logprobs_mode="raw_logprobs",
+                                  temperature=temperature)
+        assert raw_diff > 1e-2
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
+def test_chat_prompt_uses_the_chat_template(engine: Any, reference_model: Any) -> None:
+    from vllm import SamplingParams
+
+    from primerl.inference.logprob_check import check_logprobs, generate_with_logprobs
+
+    tokenizer = engine.get_tokenizer()
+    messages = [{"role": "system", "content": "Answer with the reversed string only."},
+                {"role": "user", "content": "Reverse the string: a b c"}]
+    expected_ids = list(tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=True,
+                                                      return_dict=False))
+    assert tokenizer.decode(expected_ids).endswith("<|im_start|>assistant\n")
+
+    [output] = engine.chat(messages, SamplingParams(max_tokens=8, logprobs=0, seed=3), use_tqdm=False)
+    assert list(output.prompt_token_ids) == expected_ids
+    assert len(output.outputs[0].token_ids) >= 1
+
+    result = generate_with_logprobs(engine, [expected_ids], max_tokens=8, seed=3)
+    assert result.samples[0].prompt_token_ids == expected_ids
+    assert result.samples[0].completion_token_ids == list(output.outputs[0].token_ids)
+    diff = check_logprobs(reference_model, result.samples, logprobs_mode="processed_logprobs", temperature=1.0)
+    assert diff <= TOLERANCE
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
+def test_generate_cli_checks_logprobs(engine: Any, tiny_model_dir: Path, capsys: pytest.CaptureFixture) -> None:
+    from primerl.cli import generate
+
+    code = generate.main([str(tiny_model_dir), "--check-logprobs", "--num-prompts", "6", "--max-tokens", "12",
+                          "--chat", "--prompt", "Reverse the string: a b", "--prompt", "hi"], llm=engine)
+    out = capsys.readouterr().out
+    assert code == 0, out
+    assert "tokens/s" in out and ": OK" in out
+    assert out.count("completion:") == 6
+
+    assert generate.main([str(tiny_model_dir / "missing")], llm=engine) == 2
+    assert "not a model directory" in capsys.readouterr().err

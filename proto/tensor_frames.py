@@ -18,23 +18,23 @@ import numpy as np
 
 from primerl.proto.v1 import common_pb2
 
-# safetensors dtype -> (bytes per element, numpy dtype or None when numpy has none)
-DTYPES: dict[str, tuple[int, Any]] = {
-    "BOOL": (1, np.bool_),
-    "U8": (1, np.uint8),
-    "I8": (1, np.int8),
-    "I16": (2, np.int16),
-    "U16": (2, np.uint16),
-    "F16": (2, np.float16),
-    "BF16": (2, None),
-    "I32": (4, np.int32),
-    "U32": (4, np.uint32),
-    "F32": (4, np.float32),
-    "I64": (8, np.int64),
-    "U64": (8, np.uint64),
-    "F64": (8, np.float64),
+# safetensors dtype -> (bytes per element, numpy dtype or None when numpy has none, torch dtype name)
+DTYPES: dict[str, tuple[int, Any, str]] = {
+    "BOOL": (1, np.bool_, "bool"),
+    "U8": (1, np.uint8, "uint8"),
+    "I8": (1, np.int8, "int8"),
+    "I16": (2, np.int16, "int16"),
+    "U16": (2, np.uint16, "uint16"),
+    "F16": (2, np.float16, "float16"),
+    "BF16": (2, None, "bfloat16"),
+    "I32": (4, np.int32, "int32"),
+    "U32": (4, np.uint32, "uint32"),
+    "F32": (4, np.float32, "float32"),
+    "I64": (8, np.int64, "int64"),
+    "U64": (8, np.uint64, "uint64"),
+    "F64": (8, np.float64, "float64"),
 }
-_NUMPY_TO_SAFETENSORS = {np.dtype(np_dtype): name for name, (_, np_dtype) in DTYPES.items() if np_dtype is not None}
+_NUMPY_TO_SAFETENSORS = {np.dtype(np_dtype): name for name, (_, np_dtype, _) in DTYPES.items() if np_dtype is not None}
 MAX_HEADER_BYTES = 16 << 20
 
 
@@ -155,13 +155,11 @@ def decode_tensors(frame: Any, specs: Sequence[common_pb2.TensorSpec] | None = N
     if as_torch:
         import torch
 
-        torch_dtypes = {"BOOL": torch.bool, "U8": torch.uint8, "I8": torch.int8, "I16": torch.int16, "U16": torch.uint16,
-                        "F16": torch.float16, "BF16": torch.bfloat16, "I32": torch.int32, "U32": torch.uint32,
-                        "F32": torch.float32, "I64": torch.int64, "U64": torch.uint64, "F64": torch.float64}
         out = {}
         for name, e in entries.items():
             raw = bytearray(view[e.start : e.end])
-            tensor = torch.frombuffer(raw, dtype=torch_dtypes[e.dtype]) if raw else torch.empty(0, dtype=torch_dtypes[e.dtype])
+            dtype = getattr(torch, DTYPES[e.dtype][2])
+            tensor = torch.frombuffer(raw, dtype=dtype) if raw else torch.empty(0, dtype=dtype)
             out[name] = tensor.reshape(e.shape)
         return out
     out = {}

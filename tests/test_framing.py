@@ -277,3 +277,44 @@ def test_encode_checks_header_type():
         framing.encode(data_pb2.ROLLOUT_BATCH, data_pb2.RolloutAck())
     with pytest.raises(ValueError):
         tf.encode_tensors({"x": np.array(["a"])})
+
+
+# ---------------------------------------------------------------- fuzz
+
+from hypothesis import HealthCheck, given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+VALID_FRAMES = as_bytes(rollout_message()[0])
+
+
+@settings(max_examples=600, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    frame_index=st.integers(0, len(VALID_FRAMES) - 1),
+    position=st.integers(0, 10_000),
+    new_byte=st.integers(0, 255),
+    cut=st.one_of(st.none(), st.integers(0, 10_000)),
+    extra=st.lists(st.binary(max_size=64), max_size=3),
+)
+def test_any_mutation_is_refused_with_a_framing_error(frame_index, position, new_byte, cut, extra):
+    frames = [bytearray(f) for f in VALID_FRAMES]
+    target = frames[frame_index]
+    if target:
+        target[position % len(target)] = new_byte
+    if cut is not None:
+        frames[frame_index] = target[: cut % (len(target) + 1)]
+    frames = [bytes(f) for f in frames] + extra
+    try:
+        message = framing.decode(frames)
+    except framing.FramingError as error:
+        assert error.code != common_pb2.ERROR_CODE_UNSPECIFIED and str(error)
+    else:  # the mutation changed nothing that matters (e.g. same byte written back)
+        assert message.type == data_pb2.ROLLOUT_BATCH
+        tf.decode_tensors(message.payload[0], message.header.tensors)
+
+
+@settings(max_examples=400, deadline=None)
+@given(st.lists(st.binary(max_size=200), max_size=6))
+def test_random_frames_never_crash_the_decoder(frames):
+    with pytest.raises(framing.FramingError) as info:  # random bytes never make a valid message
+        framing.decode(frames)
+    assert info.value.code != common_pb2.ERROR_CODE_UNSPECIFIED

@@ -1,0 +1,65 @@
+"""ZeroMQ socket factories with the settings every primerl socket shares.
+
+- ``MAXMSGSIZE`` on every socket: libzmq drops the connection of a peer that sends a frame larger than the
+  limit before buffering it, so an oversized message cannot exhaust memory;
+- ``LINGER`` bounded, so closing never hangs on an unreachable peer;
+- high-water marks bounded, so a slow peer makes senders wait (or fail to send) instead of growing queues;
+- TCP keep-alive, so a peer that vanished without closing is noticed.
+
+Sockets are not thread-safe: create and use each one in the single thread that owns it.
+"""
+
+from __future__ import annotations
+
+import zmq
+
+DEFAULT_LINGER_MS = 1000
+DEFAULT_HWM = 64
+
+
+def configure_socket(socket: zmq.Socket, *, max_message_bytes: int, hwm: int = DEFAULT_HWM, linger_ms: int = DEFAULT_LINGER_MS) -> zmq.Socket:
+    # MAXMSGSIZE applies per frame of a multipart message in libzmq; chunking keeps frames under it.
+    socket.setsockopt(zmq.MAXMSGSIZE, max_message_bytes)
+    socket.setsockopt(zmq.LINGER, linger_ms)
+    socket.setsockopt(zmq.SNDHWM, hwm)
+    socket.setsockopt(zmq.RCVHWM, hwm)
+    socket.setsockopt(zmq.TCP_KEEPALIVE, 1)
+    socket.setsockopt(zmq.TCP_KEEPALIVE_IDLE, 30)
+    return socket
+
+
+def bind_router(context: zmq.Context, host: str, port: int, *, max_message_bytes: int, hwm: int = DEFAULT_HWM) -> tuple[zmq.Socket, int]:
+    """A ROUTER socket bound to ``tcp://host:port`` (port 0 picks a free one); returns (socket, port).
+
+    ``ROUTER_MANDATORY`` makes a send to a peer that is gone raise instead of vanishing silently.
+    """
+    socket = configure_socket(context.socket(zmq.ROUTER), max_message_bytes=max_message_bytes, hwm=hwm)
+    socket.setsockopt(zmq.ROUTER_MANDATORY, 1)
+    try:
+        if port == 0:
+            port = socket.bind_to_random_port(f"tcp://{_bind_host(host)}")
+        else:
+            socket.bind(f"tcp://{_bind_host(host)}:{port}")
+    except zmq.ZMQError:
+        socket.close(linger=0)
+        raise
+    return socket, port
+
+
+def connect_dealer(context: zmq.Context, endpoint: str, *, max_message_bytes: int, hwm: int = DEFAULT_HWM, identity: bytes | None = None) -> zmq.Socket:
+    """A DEALER socket connected to ``endpoint`` (``tcp://host:port``); reconnects on its own."""
+    socket = configure_socket(context.socket(zmq.DEALER), max_message_bytes=max_message_bytes, hwm=hwm)
+    if identity:
+        socket.setsockopt(zmq.IDENTITY, identity)
+    socket.setsockopt(zmq.RECONNECT_IVL, 100)
+    socket.setsockopt(zmq.RECONNECT_IVL_MAX, 5000)
+    socket.connect(endpoint)
+    return socket
+
+
+def _bind_host(host: str) -> str:
+    return "*" if host in ("0.0.0.0", "::", "[::]") else host
+
+
+def tcp_endpoint(host: str, port: int) -> str:
+    return f"tcp://{host}:{port}"

@@ -67,6 +67,10 @@ class BrokerConfig(BaseConfig):
     tls_key_path: Path | None = Field(
         None, description="PEM private key for TLS on the gRPC server (set together with `tls_cert_path`)."
     )
+    run_id: str | None = Field(
+        None, min_length=1, description="Name of the run, shown in status and logs (unset: a fresh id at start)."
+    )
+    max_steps: int | None = Field(None, ge=1, description="Training steps of the run, shown in status (unset: no limit).")
     log: LogConfig = Field(default_factory=LogConfig, description="Logging of the broker.")
 
     @model_validator(mode="after")

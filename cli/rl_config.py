@@ -132,6 +132,8 @@ class RLConfig(BaseConfig):
                 if key in shared:
                     _set_default(data, f"{role}.{key}", shared[key])
             _fill_table(data, f"{role}.wandb", shared.get("wandb"))
+        if "max_steps" in shared:
+            _set_default(data, "broker.max_steps", shared["max_steps"])
         if "max_async_level" in shared:
             _set_default(data, "orchestrator.max_async_level", shared["max_async_level"])
         _fill_seq_len(data, shared.get("seq_len"))

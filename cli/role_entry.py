@@ -1,12 +1,15 @@
-"""What the four role daemons' entry points share: config loading from `@ file.toml` and overrides, and
-`--dry-run` printing the resolved config. The daemons themselves arrive with their issues; until a role
-has one, its command checks and prints the config and says so instead of pretending to run."""
+"""What the four role daemons' entry points share: config loading from `@ file.toml` and overrides,
+`--dry-run` printing the resolved config, and `--ready-file` for launchers. A role whose daemon has not
+landed yet passes no `serve` function: its command checks and prints the config and says so instead of
+pretending to run."""
 
 from __future__ import annotations
 
 import argparse
 import sys
 import warnings
+from collections.abc import Callable
+from pathlib import Path
 
 from primerl.runtime.config_base import ConfigError, ConfigWarning
 from primerl.runtime.config_loader import dump_toml, load_role_config
@@ -19,7 +22,16 @@ config files (later ones win) and settings (dashes in keys are underscores):
 """
 
 
-def run_role(prog: str, role: str, config_cls: type, argv: list[str] | None, *, example: str) -> int:
+def run_role(
+    prog: str,
+    role: str,
+    config_cls: type,
+    argv: list[str] | None,
+    *,
+    example: str,
+    serve: Callable[[object, argparse.Namespace], int] | None = None,
+) -> int:
+    """Parse the command line of a role daemon; ``serve(config, args)`` runs the daemon and returns its exit code."""
     argv = sys.argv[1:] if argv is None else list(argv)
     parser = argparse.ArgumentParser(
         prog=prog,
@@ -30,13 +42,21 @@ def run_role(prog: str, role: str, config_cls: type, argv: list[str] | None, *, 
         allow_abbrev=False,
     )
     parser.add_argument("--dry-run", action="store_true", help="print the resolved config and exit")
+    parser.add_argument(
+        "--ready-file",
+        type=Path,
+        metavar="PATH",
+        help="once serving, write the bound ports and pid as JSON to PATH (for launchers and tests)",
+    )
     if "-h" in argv or "--help" in argv:
         parser.print_help()
         return 0
     try:
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always", ConfigWarning)
-            config, rest = load_role_config(config_cls, argv, cli_flags={"--dry-run", "-h", "--help"})
+            config, rest = load_role_config(
+                config_cls, argv, cli_flags={"--dry-run", "-h", "--help"}, cli_options={"--ready-file"}
+            )
         try:
             args = parser.parse_args(rest)
         except SystemExit as exit_:
@@ -49,5 +69,7 @@ def run_role(prog: str, role: str, config_cls: type, argv: list[str] | None, *, 
     if args.dry_run:
         print(dump_toml(config, redact_secrets=True), end="")
         return 0
-    print(f"{prog}: the {role} daemon is not implemented yet; `--dry-run` checks and prints its config", file=sys.stderr)
-    return 2
+    if serve is None:
+        print(f"{prog}: the {role} daemon is not implemented yet; `--dry-run` checks and prints its config", file=sys.stderr)
+        return 2
+    return serve(config, args)

@@ -14,6 +14,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "trainer": ("primerl.cli.trainer", "run a trainer rank (same as primerl-trainer)"),
     "infer": ("primerl.cli.infer", "run an inference worker (same as primerl-infer)"),
     "orchestrator": ("primerl.cli.orchestrator", "run the orchestrator (same as primerl-orchestrator)"),
+    "status": ("primerl.cli.status", "show a running job's status from the broker"),
 }
 
 

@@ -1,0 +1,417 @@
+"""What a worker (trainer rank, orchestrator, inference worker, ``primerl status``) uses to talk to the broker.
+
+``ControlClient`` registers, heartbeats in a background thread, reports metrics and commits steps. Every RPC
+has a deadline. The heartbeat thread never crashes the worker: when the broker forgets the worker (NOT_FOUND,
+e.g. after a broker restart) it registers again; when the broker is unreachable it retries with capped
+exponential backoff (0.1 s doubling to 5 s) for as long as the client runs.
+
+Errors reach callers as ``BrokerError`` (with the gRPC ``code``); ``BrokerUnavailable`` when the broker cannot
+be reached in time (those can heal: retry later).
+"""
+
+from __future__ import annotations
+
+import collections
+import os
+import socket
+import threading
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+import grpc
+
+from primerl.broker.registry import role_from_name
+from primerl.proto.v1 import common_pb2, control_pb2, control_pb2_grpc
+from primerl.runtime.config_common import BrokerClientConfig
+from primerl.runtime.log_setup import get_logger
+
+DEFAULT_RPC_TIMEOUT_S = 10.0
+BACKOFF_INITIAL_S = 0.1
+BACKOFF_MAX_S = 5.0
+MAX_QUEUED_ERRORS = 8
+# What a heartbeat's progress_fn may return (see HeartbeatRequest).
+PROGRESS_FIELDS = frozenset({"trainer_step", "policy_version", "orchestrator_step", "num_inflight", "recent_errors"})
+
+CHANNEL_OPTIONS = [
+    # gRPC's own reconnect backoff defaults to 1 s growing to 120 s: far too slow to notice a restarted broker.
+    ("grpc.initial_reconnect_backoff_ms", int(BACKOFF_INITIAL_S * 1000)),
+    ("grpc.min_reconnect_backoff_ms", int(BACKOFF_INITIAL_S * 1000)),
+    ("grpc.max_reconnect_backoff_ms", int(BACKOFF_MAX_S * 1000)),
+    # Detect a silently dead connection (e.g. during a long WatchRunStatus) within ~30 s.
+    ("grpc.keepalive_time_ms", 20_000),
+    ("grpc.keepalive_timeout_ms", 10_000),
+    ("grpc.enable_retries", 0),
+]
+
+_UNAVAILABLE_CODES = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
+_log = get_logger("primerl.broker.client")
+
+ProgressFn = Callable[[], Mapping[str, Any]]
+
+
+class BrokerError(RuntimeError):
+    """The broker refused a call, or could not be reached. ``code`` is the ``grpc.StatusCode``."""
+
+    def __init__(self, message: str, code: grpc.StatusCode = grpc.StatusCode.UNKNOWN):
+        super().__init__(message)
+        self.code = code
+
+
+class BrokerUnavailable(BrokerError):
+    """The broker did not answer in time (down, restarting, wrong address, TLS mismatch). Can heal."""
+
+
+def broker_error(err: grpc.RpcError, what: str, address: str) -> BrokerError:
+    code = err.code() if hasattr(err, "code") else grpc.StatusCode.UNKNOWN
+    details = err.details() if hasattr(err, "details") else str(err)
+    if code in _UNAVAILABLE_CODES:
+        return BrokerUnavailable(f"{what}: broker at {address} unreachable ({code.name}: {details})", code)
+    return BrokerError(f"{what}: {code.name}: {details}", code)
+
+
+# ----------------------------------------------------------------------------------------------- channel
+class _TokenInterceptor(
+    grpc.UnaryUnaryClientInterceptor,
+    grpc.UnaryStreamClientInterceptor,
+    grpc.StreamUnaryClientInterceptor,
+    grpc.StreamStreamClientInterceptor,
+):
+    """Adds ``authorization: Bearer <token>`` to every call."""
+
+    def __init__(self, run_token: str):
+        self._metadata = ("authorization", f"Bearer {run_token}")
+
+    def _with_token(self, details):
+        metadata = list(details.metadata or ()) + [self._metadata]
+        return details._replace(metadata=metadata) if hasattr(details, "_replace") else _Details(details, metadata)
+
+    def intercept_unary_unary(self, continuation, client_call_details, request):
+        return continuation(self._with_token(client_call_details), request)
+
+    def intercept_unary_stream(self, continuation, client_call_details, request):
+        return continuation(self._with_token(client_call_details), request)
+
+    def intercept_stream_unary(self, continuation, client_call_details, request_iterator):
+        return continuation(self._with_token(client_call_details), request_iterator)
+
+    def intercept_stream_stream(self, continuation, client_call_details, request_iterator):
+        return continuation(self._with_token(client_call_details), request_iterator)
+
+
+class _Details(grpc.ClientCallDetails):
+    def __init__(self, details, metadata):
+        self.method = details.method
+        self.timeout = details.timeout
+        self.metadata = metadata
+        self.credentials = details.credentials
+        self.wait_for_ready = getattr(details, "wait_for_ready", None)
+        self.compression = getattr(details, "compression", None)
+
+
+def create_channel(
+    address: str, *, run_token: str | None = None, tls_ca_path: str | Path | None = None
+) -> grpc.Channel:
+    """A channel to the broker: TLS when ``tls_ca_path`` is given, the run token on every call when set."""
+    if tls_ca_path is not None:
+        try:
+            root_certificates = Path(tls_ca_path).read_bytes()
+        except OSError as err:
+            raise ValueError(f"cannot read the broker's TLS CA file {tls_ca_path}: {err}") from err
+        channel = grpc.secure_channel(
+            address, grpc.ssl_channel_credentials(root_certificates=root_certificates), options=CHANNEL_OPTIONS
+        )
+    else:
+        channel = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
+    if run_token:
+        channel = grpc.intercept_channel(channel, _TokenInterceptor(run_token))
+    return channel
+
+
+# ------------------------------------------------------------------------------------------------ client
+class RunStatusStream:
+    """Iterator over streamed ``RunStatus`` messages; ``cancel()`` ends it (from any thread)."""
+
+    def __init__(self, call, address: str):
+        self._call = call
+        self._address = address
+        self._cancelled = False
+
+    def __iter__(self) -> RunStatusStream:
+        return self
+
+    def __next__(self) -> control_pb2.RunStatus:
+        try:
+            return next(self._call)
+        except grpc.RpcError as err:
+            if self._cancelled and err.code() == grpc.StatusCode.CANCELLED:
+                raise StopIteration from None
+            raise broker_error(err, "WatchRunStatus", self._address) from None
+
+    def cancel(self) -> None:
+        self._cancelled = True
+        self._call.cancel()
+
+
+class ControlClient:
+    """A worker's connection to the broker's control plane."""
+
+    def __init__(
+        self,
+        config: BrokerClientConfig,
+        role: int | str,
+        name: str,
+        address: str = "",
+        capabilities: Mapping[str, str] | None = None,
+        rank: int = 0,
+        world_size: int = 1,
+        *,
+        rpc_timeout_s: float = DEFAULT_RPC_TIMEOUT_S,
+    ):
+        self.config = config
+        self.role = role_from_name(role)
+        self.name = name
+        self.address = address
+        self.capabilities = dict(capabilities or {})
+        self.rank = rank
+        self.world_size = world_size
+        self.rpc_timeout_s = rpc_timeout_s
+        self._channel = create_channel(config.address, run_token=config.run_token, tls_ca_path=config.tls_ca_path)
+        self._stub = control_pb2_grpc.BrokerStub(self._channel)
+        self._lock = threading.Lock()  # guards registration state
+        self._worker_id: str | None = None
+        self.registration: control_pb2.RegisterResponse | None = None
+        self.last_heartbeat: control_pb2.HeartbeatResponse | None = None
+        self.num_registrations = 0
+        self.shutdown_requested = threading.Event()
+        self._errors: collections.deque[str] = collections.deque(maxlen=MAX_QUEUED_ERRORS)
+        self._stop = threading.Event()
+        self._heartbeat_thread: threading.Thread | None = None
+
+    # ----------------------------------------------------------------------------------- properties
+    @property
+    def worker_id(self) -> str | None:
+        with self._lock:
+            return self._worker_id
+
+    @property
+    def heartbeat_interval_s(self) -> float:
+        registration = self.registration
+        return registration.heartbeat_interval_ms / 1000 if registration else 1.0
+
+    # -------------------------------------------------------------------------------------- calling
+    def _call(self, what: str, method, request, timeout_s: float | None = None):
+        try:
+            return method(request, timeout=timeout_s or self.rpc_timeout_s)
+        except grpc.RpcError as err:
+            raise broker_error(err, what, self.config.address) from None
+
+    def wait_ready(self, timeout_s: float | None = None) -> None:
+        """Wait until the channel connects (default ``config.connect_timeout_s``); else ``BrokerUnavailable``."""
+        timeout_s = self.config.connect_timeout_s if timeout_s is None else timeout_s
+        try:
+            grpc.channel_ready_future(self._channel).result(timeout=timeout_s)
+        except grpc.FutureTimeoutError:
+            tls = "with TLS" if self.config.tls_ca_path else "without TLS"
+            raise BrokerUnavailable(
+                f"cannot reach the broker at {self.config.address} within {timeout_s:g} s ({tls}): is it running, "
+                "and is the address (and TLS setting) right?",
+                grpc.StatusCode.UNAVAILABLE,
+            ) from None
+
+    def register(self) -> control_pb2.RegisterResponse:
+        """Register (again); the new worker id replaces the old one. ALREADY_EXISTS etc. raise ``BrokerError``."""
+        request = control_pb2.RegisterRequest(
+            role=self.role,
+            name=self.name,
+            address=self.address,
+            capabilities=self.capabilities,
+            rank=self.rank,
+            world_size=self.world_size,
+            pid=os.getpid(),
+            hostname=socket.gethostname(),
+        )
+        with self._lock:
+            response = self._call("Register", self._stub.Register, request)
+            self._worker_id = response.worker_id
+            self.registration = response
+            self.num_registrations += 1
+        _log.info("registered with the broker", worker=self.name, worker_id=response.worker_id, run=response.run_id)
+        return response
+
+    def _require_id(self) -> str:
+        worker_id = self.worker_id
+        if worker_id is None:
+            raise BrokerError("not registered with the broker: call register() first", grpc.StatusCode.NOT_FOUND)
+        return worker_id
+
+    def _reregister_if(self, stale_id: str) -> None:
+        """Register again unless another thread already did since ``stale_id`` was refused."""
+        with self._lock:
+            if self._worker_id != stale_id:
+                return
+            self._worker_id = None
+        self.register()
+
+    def _as_worker(self, what: str, method, make_request: Callable[[str], Any]):
+        """Call with the worker id; after NOT_FOUND (broker forgot us) register again and retry once."""
+        worker_id = self._require_id()
+        try:
+            return self._call(what, method, make_request(worker_id))
+        except BrokerError as err:
+            if err.code != grpc.StatusCode.NOT_FOUND:
+                raise
+            _log.warning("broker forgot this worker; registering again", worker=self.name, call=what)
+            self._reregister_if(worker_id)
+            return self._call(what, method, make_request(self._require_id()))
+
+    def heartbeat(self, progress: Mapping[str, Any] | None = None) -> control_pb2.HeartbeatResponse:
+        """One heartbeat with ``progress`` (trainer_step, policy_version, orchestrator_step, num_inflight,
+        recent_errors) and the errors queued by ``report_error``. NOT_FOUND raises (the thread re-registers)."""
+        return self._heartbeat_as(self._require_id(), progress or {})
+
+    def _heartbeat_as(self, worker_id: str, progress: Mapping[str, Any]) -> control_pb2.HeartbeatResponse:
+        queued = list(self._errors)
+        request = self._heartbeat_request(worker_id, progress, queued)
+        response = self._call("Heartbeat", self._stub.Heartbeat, request)
+        for _ in queued:  # sent: drop them (errors queued meanwhile stay for the next heartbeat)
+            if self._errors:
+                self._errors.popleft()
+        self.last_heartbeat = response
+        if response.shutdown_requested and not self.shutdown_requested.is_set():
+            _log.warning("the broker asked this worker to shut down", worker=self.name)
+            self.shutdown_requested.set()
+        return response
+
+    def _heartbeat_request(
+        self, worker_id: str, progress: Mapping[str, Any], queued_errors: list[str]
+    ) -> control_pb2.HeartbeatRequest:
+        unknown = set(progress) - PROGRESS_FIELDS
+        if unknown:
+            raise ValueError(f"progress_fn returned unknown fields {sorted(unknown)}")
+        request = control_pb2.HeartbeatRequest(worker_id=worker_id, num_inflight=int(progress.get("num_inflight", 0)))
+        for key in ("trainer_step", "policy_version", "orchestrator_step"):
+            if progress.get(key) is not None:
+                setattr(request, key, int(progress[key]))
+        errors = queued_errors + [str(e) for e in progress.get("recent_errors", ())]
+        request.recent_errors.extend(errors[-MAX_QUEUED_ERRORS:])
+        return request
+
+    def report_error(self, message: str) -> None:
+        """Queue an error to send with the next heartbeat (the broker shows it in status; bounded)."""
+        self._errors.append(message)
+
+    def report_metrics(self, step: int, metrics: Mapping[str, float]) -> None:
+        self._as_worker(
+            "ReportMetrics",
+            self._stub.ReportMetrics,
+            lambda worker_id: control_pb2.ReportMetricsRequest(worker_id=worker_id, step=step, metrics=dict(metrics)),
+        )
+
+    def commit_step(self, step: int) -> control_pb2.CommitStepResponse:
+        return self._as_worker(
+            "CommitStep",
+            self._stub.CommitStep,
+            lambda worker_id: control_pb2.CommitStepRequest(worker_id=worker_id, step=step),
+        )
+
+    def get_run_status(self, timeout_s: float | None = None) -> control_pb2.RunStatus:
+        return self._call("GetRunStatus", self._stub.GetRunStatus, control_pb2.GetRunStatusRequest(), timeout_s)
+
+    def list_workers(
+        self, role: int | str = common_pb2.ROLE_UNSPECIFIED, include_gone: bool = False
+    ) -> list[control_pb2.WorkerInfo]:
+        request = control_pb2.ListWorkersRequest(role=role_from_name(role), include_gone=include_gone)
+        return list(self._call("ListWorkers", self._stub.ListWorkers, request).workers)
+
+    def watch_run_status(self, min_interval_ms: int = 0, timeout_s: float | None = None) -> RunStatusStream:
+        """Stream of statuses: the current one, then one per change. ``timeout_s``: total duration (None: until
+        ``cancel()``, the broker stopping, or the connection dying — keepalive notices within ~30 s)."""
+        call = self._stub.WatchRunStatus(
+            control_pb2.WatchRunStatusRequest(min_interval_ms=min_interval_ms), timeout=timeout_s
+        )
+        return RunStatusStream(call, self.config.address)
+
+    def deregister(self, reason: str = "") -> bool:
+        """Best effort at shutdown: True when the broker recorded it, False when unreachable or unknown."""
+        with self._lock:
+            worker_id, self._worker_id = self._worker_id, None
+        if worker_id is None:
+            return False
+        try:
+            self._call(
+                "Deregister", self._stub.Deregister, control_pb2.DeregisterRequest(worker_id=worker_id, reason=reason)
+            )
+            return True
+        except BrokerError as err:
+            _log.warning("deregistration failed", worker=self.name, error=str(err))
+            return False
+
+    # ------------------------------------------------------------------------------------ heartbeats
+    def start_heartbeats(self, progress_fn: ProgressFn | None = None) -> None:
+        """Heartbeat in a background thread until ``close()``; registers first if needed, and again whenever
+        the broker forgets this worker. Never raises into the worker; failures are logged."""
+        if self._heartbeat_thread is not None:
+            raise RuntimeError("heartbeats already started")
+        self._heartbeat_thread = threading.Thread(
+            target=self._heartbeat_loop, args=(progress_fn,), name=f"heartbeat-{self.name}", daemon=True
+        )
+        self._heartbeat_thread.start()
+
+    def _heartbeat_loop(self, progress_fn: ProgressFn | None) -> None:
+        backoff_s = BACKOFF_INITIAL_S
+        unreachable_logged = False
+        while not self._stop.is_set():
+            worker_id = None
+            try:
+                worker_id = self.worker_id
+                if worker_id is None:
+                    worker_id = self.register().worker_id
+                self._heartbeat_as(worker_id, self._progress(progress_fn))
+                wait_s = self.heartbeat_interval_s  # as the broker asked at registration
+                if unreachable_logged:
+                    _log.info("broker reachable again", worker=self.name)
+                backoff_s, unreachable_logged = BACKOFF_INITIAL_S, False
+            except BrokerUnavailable as err:
+                if not unreachable_logged:
+                    _log.warning("broker unreachable; retrying with backoff", worker=self.name, error=str(err))
+                    unreachable_logged = True
+                wait_s, backoff_s = backoff_s, min(backoff_s * 2, BACKOFF_MAX_S)
+            except BrokerError as err:
+                if err.code == grpc.StatusCode.NOT_FOUND and worker_id is not None:
+                    _log.warning("broker forgot this worker; registering again", worker=self.name, error=str(err))
+                    with self._lock:
+                        if self._worker_id == worker_id:  # unless another call registered again meanwhile
+                            self._worker_id = None
+                    wait_s, backoff_s = backoff_s, min(backoff_s * 2, BACKOFF_MAX_S)
+                else:  # e.g. ALREADY_EXISTS until an orphaned registration expires, UNAUTHENTICATED
+                    _log.error("heartbeat refused", worker=self.name, error=str(err))
+                    wait_s, backoff_s = backoff_s, min(backoff_s * 2, BACKOFF_MAX_S)
+            except Exception:  # the worker must keep running; the failure is logged with its traceback
+                _log.exception("heartbeat failed", worker=self.name)
+                wait_s, backoff_s = backoff_s, min(backoff_s * 2, BACKOFF_MAX_S)
+            self._stop.wait(wait_s)
+
+    def _progress(self, progress_fn: ProgressFn | None) -> Mapping[str, Any]:
+        if progress_fn is None:
+            return {}
+        try:
+            return progress_fn()
+        except Exception as err:  # still heartbeat: the process is alive; tell the broker what broke
+            _log.exception("progress_fn failed", worker=self.name)
+            return {"recent_errors": [f"progress_fn failed: {err!r}"]}
+
+    def close(self, timeout_s: float = 5.0) -> None:
+        """Stop heartbeats (bounded join) and close the channel. Does not deregister (call ``deregister``)."""
+        self._stop.set()
+        if self._heartbeat_thread is not None:
+            self._heartbeat_thread.join(timeout_s)
+        self._channel.close()
+
+    def __enter__(self) -> ControlClient:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.worker_id is not None:
+            self.deregister("closed")
+        self.close()

@@ -1,0 +1,334 @@
+"""The broker's gRPC layer: the ``Broker`` service over a ``WorkerRegistry``, auth, health and reflection.
+
+Wiring (what ``broker/service.py`` does)::
+
+    registry = WorkerRegistry(run_id, cfg.heartbeat_interval_s, cfg.heartbeat_liveness,
+                              max_steps=cfg.max_steps, on_commit=rollout_queue.release)
+    servicer = BrokerServicer(registry, data_plane_status_fn)
+    server, port = create_grpc_server(servicer, cfg.host, cfg.grpc_port, run_token=cfg.run_token,
+                                      tls_cert_path=cfg.tls_cert_path, tls_key_path=cfg.tls_key_path)
+    monitor = HeartbeatMonitor(registry)
+    server.start(); monitor.start()
+    ...
+    finally: servicer.shutdown(); monitor.stop(); server.stop(grace_s).wait(grace_s + 1)
+
+Auth: with a run token, every call except the health service must carry ``authorization: Bearer <token>``
+(compared in constant time) or it fails with UNAUTHENTICATED. Health stays open so that load balancers and
+orchestrators (systemd, Kubernetes probes) can probe the broker without the secret; it reveals only
+SERVING / NOT_SERVING. Reflection requires the token: it describes the whole API.
+"""
+
+from __future__ import annotations
+
+import hmac
+import threading
+import time
+from collections.abc import Callable
+from concurrent import futures
+from pathlib import Path
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from primerl.broker.registry import DataPlaneStatus, RegistryError, WorkerRegistry, format_workers
+from primerl.proto.v1 import common_pb2, control_pb2, control_pb2_grpc
+from primerl.runtime.log_setup import get_logger
+
+SERVICE_NAME = control_pb2.DESCRIPTOR.services_by_name["Broker"].full_name  # "primerl.v1.Broker"
+HEALTH_METHOD_PREFIX = f"/{health.SERVICE_NAME}/"
+AUTH_METADATA_KEY = "authorization"
+
+# Keepalive: clients ping every 20 s (see control_client); the server must allow it or it sends GOAWAY.
+SERVER_OPTIONS = [
+    ("grpc.so_reuseport", 0),  # a second broker on the same port must fail, not share it
+    ("grpc.keepalive_time_ms", 30_000),
+    ("grpc.keepalive_timeout_ms", 10_000),
+    ("grpc.http2.min_ping_interval_without_data_ms", 10_000),
+    ("grpc.keepalive_permit_without_calls", 1),
+    ("grpc.max_receive_message_length", 4 * 2**20),
+]
+
+_log = get_logger("primerl.broker.control")
+
+
+# ------------------------------------------------------------------------------------------------- auth
+class TokenAuthInterceptor(grpc.ServerInterceptor):
+    """Refuses every call without ``authorization: Bearer <run_token>`` (health checks excepted)."""
+
+    def __init__(self, run_token: str, open_method_prefixes: tuple[str, ...] = (HEALTH_METHOD_PREFIX,)):
+        if not run_token:
+            raise ValueError("TokenAuthInterceptor needs a non-empty run token")
+        self._expected = f"Bearer {run_token}".encode()
+        self._open_prefixes = open_method_prefixes
+
+    def intercept_service(self, continuation, handler_call_details):
+        method = handler_call_details.method or ""
+        if method.startswith(self._open_prefixes):
+            return continuation(handler_call_details)
+        presented = ""
+        for key, value in handler_call_details.invocation_metadata or ():
+            if key == AUTH_METADATA_KEY:
+                presented = value if isinstance(value, str) else value.decode("utf-8", "replace")
+                break
+        if hmac.compare_digest(presented.encode(), self._expected):
+            return continuation(handler_call_details)
+        message = (
+            "missing run token: send metadata `authorization: Bearer <token>` (broker client `run_token`, "
+            "or PRIMERL_RUN_TOKEN for `primerl status`)"
+            if not presented
+            else "wrong run token: it does not match the broker's `run_token`"
+        )
+        return _refusal(continuation(handler_call_details), grpc.StatusCode.UNAUTHENTICATED, message)
+
+
+def _refusal(handler, code: grpc.StatusCode, message: str):
+    """A handler of the same kind as ``handler`` that aborts every call with ``code``."""
+
+    def abort(request_or_iterator, context):
+        context.abort(code, message)
+
+    if handler is None:  # unknown method: do not reveal that, refuse like any other unauthenticated call
+        return grpc.unary_unary_rpc_method_handler(abort)
+    kwargs = dict(
+        request_deserializer=handler.request_deserializer, response_serializer=handler.response_serializer
+    )
+    if handler.request_streaming and handler.response_streaming:
+        return grpc.stream_stream_rpc_method_handler(abort, **kwargs)
+    if handler.request_streaming:
+        return grpc.stream_unary_rpc_method_handler(abort, **kwargs)
+    if handler.response_streaming:
+        return grpc.unary_stream_rpc_method_handler(abort, **kwargs)
+    return grpc.unary_unary_rpc_method_handler(abort, **kwargs)
+
+
+# --------------------------------------------------------------------------------------------- servicer
+class BrokerServicer(control_pb2_grpc.BrokerServicer):
+    """Implements ``primerl.v1.Broker`` over a ``WorkerRegistry``; also owns the health servicer."""
+
+    def __init__(
+        self,
+        registry: WorkerRegistry,
+        data_plane_status_fn: Callable[[], DataPlaneStatus] | None = None,
+        *,
+        max_concurrent_watches: int = 8,
+        watch_poll_s: float = 0.5,
+    ):
+        self.registry = registry
+        self._data_plane_status_fn = data_plane_status_fn
+        self._watch_slots = threading.BoundedSemaphore(max_concurrent_watches)
+        self._max_concurrent_watches = max_concurrent_watches
+        self._watch_poll_s = watch_poll_s
+        self._stopping = threading.Event()
+        self.health = health.HealthServicer()
+        for service in ("", SERVICE_NAME):
+            self.health.set(service, health_pb2.HealthCheckResponse.SERVING)
+
+    def shutdown(self) -> None:
+        """Health -> NOT_SERVING, heartbeats answer ``shutdown_requested``, status watch streams end."""
+        self._stopping.set()
+        self.health.enter_graceful_shutdown()
+        self.registry.close()
+
+    def data_plane_status(self) -> DataPlaneStatus:
+        if self._data_plane_status_fn is None:
+            return DataPlaneStatus()
+        try:
+            return self._data_plane_status_fn()
+        except Exception:  # status must keep working when one data-plane part is broken
+            _log.exception("data-plane status failed; showing the control plane only")
+            return DataPlaneStatus()
+
+    def run_status(self) -> control_pb2.RunStatus:
+        return self.registry.run_status(self.data_plane_status())
+
+    # ------------------------------------------------------------------------------------ the RPCs
+    def Register(self, request, context):
+        response = _guarded(context, self.registry.register, request)
+        _log.info(
+            "worker registered",
+            worker=request.name,
+            role=common_pb2.Role.Name(request.role),
+            worker_id=response.worker_id,
+            address=request.address,
+            peer=context.peer(),
+        )
+        return response
+
+    def Heartbeat(self, request, context):
+        return _guarded(context, self.registry.heartbeat, request)
+
+    def Deregister(self, request, context):
+        _guarded(context, self.registry.deregister, request.worker_id, request.reason)
+        _log.info("worker deregistered", worker_id=request.worker_id, reason=request.reason)
+        return control_pb2.DeregisterResponse()
+
+    def GetRunStatus(self, request, context):
+        return _guarded(context, self.run_status)
+
+    def ListWorkers(self, request, context):
+        workers = _guarded(context, self.registry.list_workers, request.role, request.include_gone)
+        return control_pb2.ListWorkersResponse(workers=workers)
+
+    def ReportMetrics(self, request, context):
+        _guarded(context, self.registry.report_metrics, request.worker_id, request.step, dict(request.metrics))
+        return control_pb2.ReportMetricsResponse()
+
+    def CommitStep(self, request, context):
+        last_committed, num_released = _guarded(context, self.registry.commit_step, request.worker_id, request.step)
+        _log.info("step committed", step=last_committed, num_batches_released=num_released)
+        return control_pb2.CommitStepResponse(last_committed_step=last_committed, num_batches_released=num_released)
+
+    def WatchRunStatus(self, request, context):
+        """The current status at once, then one per change, at most one per ``min_interval_ms``.
+
+        Every wait is bounded by ``watch_poll_s``, so the stream notices a cancelled client or a stopping
+        server within that time even when nothing wakes it.
+        """
+        if not self._watch_slots.acquire(blocking=False):
+            context.abort(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"{self._max_concurrent_watches} status watchers are already connected; retry later or poll "
+                "GetRunStatus",
+            )
+        try:
+            context.add_callback(self.registry.wake_waiters)
+            min_interval_s = request.min_interval_ms / 1000
+            version = self.registry.version
+            status = self.run_status()
+            last_key = _status_key(status)
+            yield status
+            last_sent = time.monotonic()
+            while self._streaming(context):
+                to_wait_s = last_sent + min_interval_s - time.monotonic()
+                if to_wait_s > 0:
+                    self._stopping.wait(min(to_wait_s, self._watch_poll_s))
+                    continue
+                version = self.registry.wait_for_change(version, self._watch_poll_s)
+                if not self._streaming(context):
+                    break
+                # Also sent after a quiet poll when the data plane (queues, rates) changed.
+                status = self.run_status()
+                key = _status_key(status)
+                if key == last_key:
+                    continue
+                yield status
+                last_key, last_sent = key, time.monotonic()
+        finally:
+            self._watch_slots.release()
+
+    def _streaming(self, context) -> bool:
+        return context.is_active() and not self._stopping.is_set() and not self.registry.closed
+
+
+def _guarded(context, fn, *args):
+    """Run a registry call; its typed errors become gRPC statuses, anything else INTERNAL (logged)."""
+    try:
+        return fn(*args)
+    except RegistryError as err:
+        context.abort(grpc.StatusCode[err.status_code], str(err))
+    except Exception as err:
+        _log.exception("control-plane call failed", call=getattr(fn, "__name__", str(fn)))
+        context.abort(grpc.StatusCode.INTERNAL, f"broker error in {getattr(fn, '__name__', fn)}: {err}")
+
+
+def _status_key(status: control_pb2.RunStatus) -> bytes:
+    """The status without its timestamp: equal keys mean nothing to stream."""
+    copy = control_pb2.RunStatus()
+    copy.CopyFrom(status)
+    copy.updated_unix_ms = 0
+    return copy.SerializeToString(deterministic=True)
+
+
+# ----------------------------------------------------------------------------------------------- server
+def create_grpc_server(
+    servicer: BrokerServicer,
+    host: str,
+    port: int,
+    *,
+    tls_cert_path: str | Path | None = None,
+    tls_key_path: str | Path | None = None,
+    run_token: str | None = None,
+    max_workers: int = 16,
+) -> tuple[grpc.Server, int]:
+    """A gRPC server with the Broker, health and reflection services, bound but not started.
+
+    Port 0 binds a free port; the bound port is returned. Raises ``OSError`` when the address cannot be bound
+    and ``ValueError`` for an incomplete TLS set-up.
+    """
+    if (tls_cert_path is None) != (tls_key_path is None):
+        raise ValueError("TLS needs both tls_cert_path and tls_key_path, or neither")
+    interceptors = [TokenAuthInterceptor(run_token)] if run_token else []
+    server = grpc.server(
+        futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="broker-grpc"),
+        interceptors=interceptors,
+        options=SERVER_OPTIONS,
+    )
+    control_pb2_grpc.add_BrokerServicer_to_server(servicer, server)
+    health_pb2_grpc.add_HealthServicer_to_server(servicer.health, server)
+    reflection.enable_server_reflection((SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
+
+    address = f"[{host}]:{port}" if ":" in host and not host.startswith("[") else f"{host}:{port}"
+    try:
+        if tls_cert_path is not None:
+            credentials = grpc.ssl_server_credentials(
+                [(Path(tls_key_path).read_bytes(), Path(tls_cert_path).read_bytes())]
+            )
+            bound_port = server.add_secure_port(address, credentials)
+        else:
+            bound_port = server.add_insecure_port(address)
+    except RuntimeError as err:
+        bound_port = 0
+        reason = str(err)
+    else:
+        reason = ""
+    if not bound_port:
+        server.stop(None)
+        raise OSError(
+            f"cannot bind the broker's gRPC server to {address}: the port is in use or the host is not an "
+            f"address of this machine{f' ({reason})' if reason else ''}"
+        )
+    return server, bound_port
+
+
+# ------------------------------------------------------------------------------------------- liveness
+class HeartbeatMonitor:
+    """Background thread that calls ``registry.expire()`` every half heartbeat interval and logs lost workers.
+
+    A silent worker is therefore marked LOST (and watchers notified) at most ``liveness * interval +
+    interval / 2`` after its last heartbeat; reads of the registry apply expiry exactly in any case.
+    """
+
+    def __init__(self, registry: WorkerRegistry, heartbeat_interval_s: float | None = None):
+        self.registry = registry
+        self.check_interval_s = (heartbeat_interval_s or registry.heartbeat_interval_s) / 2
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> None:
+        if self._thread is not None:
+            raise RuntimeError("HeartbeatMonitor already started")
+        self._thread = threading.Thread(target=self._run, name="broker-heartbeat-monitor", daemon=True)
+        self._thread.start()
+
+    def stop(self, timeout_s: float = 5.0) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout_s)
+            if self._thread.is_alive():
+                _log.warning("heartbeat monitor did not stop in time", timeout_s=timeout_s)
+
+    def check_once(self) -> list[control_pb2.WorkerInfo]:
+        lost = self.registry.expire()
+        if lost:
+            _log.warning(
+                "workers lost: no heartbeat", workers=format_workers(lost), timeout_s=self.registry.timeout_s
+            )
+        return lost
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.check_interval_s):
+            try:
+                self.check_once()
+            except Exception:  # keep monitoring; a broken check must be visible, not fatal
+                _log.exception("heartbeat check failed")

@@ -1,0 +1,550 @@
+"""The broker's worker registry and run status: the core of the control plane, with no sockets.
+
+Every worker registers, heartbeats and reports progress here (through ``control_service.BrokerServicer``);
+the data plane records what it observes (policy versions applied by inference workers, the latest policy
+version, queue depths). ``run_status`` aggregates it all into one ``RunStatus`` message.
+
+Liveness follows the Paranoid Pirate pattern: a worker silent for ``liveness * heartbeat_interval_s`` is
+marked LOST (and stays listed so status shows it); any traffic from a worker resets its liveness. Expiry is
+applied on every call (so answers are exact) and by a periodic ``expire()`` (``HeartbeatMonitor``), which logs
+and notifies watchers within half an interval of the bound.
+
+Thread-safe: one lock guards all state; ``wait_for_change`` waits on a condition of that lock. Commits are
+serialized by a second lock so that the ``on_commit`` callback (the rollout queue's release) runs *outside*
+the state lock: the data plane may call back into the registry without deadlocking.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+import time
+import uuid
+from collections import deque
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+from primerl.proto.v1 import common_pb2, control_pb2
+
+ALIVE = control_pb2.WORKER_STATE_ALIVE
+LOST = control_pb2.WORKER_STATE_LOST
+LEFT = control_pb2.WORKER_STATE_LEFT
+
+MAX_NAME_CHARS = 128
+MAX_ERROR_CHARS = 500
+MAX_ERRORS_PER_HEARTBEAT = 8
+MAX_METRICS_PER_REPORT = 1024
+
+
+# ----------------------------------------------------------------------------------------------- errors
+class RegistryError(Exception):
+    """A refused request. ``status_code`` names the ``grpc.StatusCode`` member the gRPC layer answers with."""
+
+    status_code = "INTERNAL"
+
+
+class InvalidRequest(RegistryError):
+    status_code = "INVALID_ARGUMENT"
+
+
+class WorkerNotFound(RegistryError):
+    """Unknown, expired (LOST) or departed worker id: the worker must register again."""
+
+    status_code = "NOT_FOUND"
+
+
+class NameTaken(RegistryError):
+    status_code = "ALREADY_EXISTS"
+
+
+class StepOutOfOrder(RegistryError):
+    status_code = "FAILED_PRECONDITION"
+
+
+class CommitFailed(RegistryError):
+    """The ``on_commit`` callback (releasing spooled batches) failed; the step is not committed."""
+
+    status_code = "INTERNAL"
+
+
+# ------------------------------------------------------------------------------------- data-plane input
+class QueueDepth(NamedTuple):
+    """One queue of the data plane, as ``RunStatus.queues`` shows it."""
+
+    name: str
+    num_items: int
+    num_bytes: int
+    capacity_items: int = 0
+    capacity_bytes: int = 0
+
+
+@dataclass
+class DataPlaneStatus:
+    """What the data plane (rollout queue, weight store) contributes to ``RunStatus``; filled on demand."""
+
+    queues: Sequence[QueueDepth | control_pb2.QueueStatus] = field(default_factory=list)
+    rollout_batches_per_s: float = 0.0
+    rollout_bytes_per_s: float = 0.0
+    weight_bytes_per_s: float = 0.0
+    latest_policy_version: int = 0
+
+
+def _queue_proto(queue: QueueDepth | control_pb2.QueueStatus | tuple) -> control_pb2.QueueStatus:
+    if isinstance(queue, control_pb2.QueueStatus):
+        return queue
+    depth = QueueDepth(*queue)
+    return control_pb2.QueueStatus(
+        name=depth.name,
+        num_items=depth.num_items,
+        num_bytes=depth.num_bytes,
+        capacity_items=depth.capacity_items,
+        capacity_bytes=depth.capacity_bytes,
+    )
+
+
+# ------------------------------------------------------------------------------------------- registry
+@dataclass
+class _Worker:
+    worker_id: str
+    role: int
+    name: str
+    address: str
+    capabilities: dict[str, str]
+    rank: int
+    world_size: int
+    pid: int
+    hostname: str
+    registered_unix_ms: int
+    last_seen: float  # registry clock (monotonic)
+    last_heartbeat_unix_ms: int
+    state: int = ALIVE
+    trainer_step: int | None = None
+    heartbeat_policy_version: int | None = None
+    applied_policy_version: int | None = None  # acked through the weight plane: preferred
+    orchestrator_step: int | None = None
+    num_inflight: int = 0
+    left_reason: str = ""
+
+    def info(self) -> control_pb2.WorkerInfo:
+        info = control_pb2.WorkerInfo(
+            worker_id=self.worker_id,
+            role=self.role,
+            name=self.name,
+            address=self.address,
+            capabilities=self.capabilities,
+            state=self.state,
+            rank=self.rank,
+            world_size=self.world_size,
+            registered_unix_ms=self.registered_unix_ms,
+            last_heartbeat_unix_ms=self.last_heartbeat_unix_ms,
+            num_inflight=self.num_inflight,
+            hostname=self.hostname,
+            pid=self.pid,
+        )
+        if self.trainer_step is not None:
+            info.trainer_step = self.trainer_step
+        policy_version = (
+            self.applied_policy_version if self.applied_policy_version is not None else self.heartbeat_policy_version
+        )
+        if policy_version is not None:
+            info.policy_version = policy_version
+        if self.orchestrator_step is not None:
+            info.orchestrator_step = self.orchestrator_step
+        return info
+
+
+class WorkerRegistry:
+    """Registered workers, their liveness and progress, and the run status built from them."""
+
+    def __init__(
+        self,
+        run_id: str,
+        heartbeat_interval_s: float,
+        liveness: int,
+        clock: Callable[[], float] = time.monotonic,
+        *,
+        wall_clock: Callable[[], float] = time.time,
+        max_steps: int | None = None,
+        on_commit: Callable[[int], int] | None = None,
+        rollout_endpoint: str = "",
+        weight_endpoint: str = "",
+        max_recent_errors: int = 32,
+        max_gone_workers: int = 256,
+    ):
+        if heartbeat_interval_s <= 0:
+            raise ValueError(f"heartbeat_interval_s must be > 0, got {heartbeat_interval_s}")
+        if liveness < 1:
+            raise ValueError(f"liveness must be >= 1, got {liveness}")
+        self.run_id = run_id
+        self.heartbeat_interval_s = heartbeat_interval_s
+        self.liveness = liveness
+        self.max_steps = max_steps
+        self._clock = clock
+        self._wall_clock = wall_clock
+        self._on_commit = on_commit
+        self._rollout_endpoint = rollout_endpoint
+        self._weight_endpoint = weight_endpoint
+        self._max_gone_workers = max_gone_workers
+
+        self._lock = threading.Lock()
+        self._changed = threading.Condition(self._lock)
+        self._commit_lock = threading.Lock()
+        self._workers: dict[str, _Worker] = {}  # insertion order = registration order
+        self._recent_errors: deque[str] = deque(maxlen=max_recent_errors)
+        self._last_metrics: dict[str, float] = {}
+        self._last_metrics_step = 0
+        self._last_committed_step = 0
+        self._latest_policy_version = 0
+        self._version = 0
+        self._closed = False
+        self.started_unix_ms = self._unix_ms()
+
+    # ----------------------------------------------------------------------------------- properties
+    @property
+    def timeout_s(self) -> float:
+        """Silence after which a worker is marked LOST."""
+        return self.liveness * self.heartbeat_interval_s
+
+    @property
+    def version(self) -> int:
+        """Counter that increases on every change of the registry's state."""
+        with self._lock:
+            return self._version
+
+    @property
+    def closed(self) -> bool:
+        with self._lock:
+            return self._closed
+
+    @property
+    def last_committed_step(self) -> int:
+        with self._lock:
+            return self._last_committed_step
+
+    # --------------------------------------------------------------------------------- worker calls
+    def register(self, request: control_pb2.RegisterRequest) -> control_pb2.RegisterResponse:
+        """Add a worker. A name may be reused once its previous holder is LOST or LEFT (that record is dropped)."""
+        if request.role == common_pb2.ROLE_UNSPECIFIED or request.role not in common_pb2.Role.values():
+            raise InvalidRequest(f"role must be one of {_role_names()}, got {request.role}")
+        name = request.name.strip()
+        if not name:
+            raise InvalidRequest("name must not be empty (e.g. 'infer-0', 'trainer-rank1')")
+        if len(name) > MAX_NAME_CHARS:
+            raise InvalidRequest(f"name is {len(name)} characters long; at most {MAX_NAME_CHARS} are allowed")
+        if request.world_size and request.rank >= request.world_size:
+            raise InvalidRequest(f"rank {request.rank} is not below world_size {request.world_size}")
+        with self._lock:
+            now = self._clock()
+            self._expire_locked(now)
+            for old in list(self._workers.values()):
+                if old.name != name:
+                    continue
+                if old.state == ALIVE:
+                    raise NameTaken(
+                        f"a live worker is already registered as {name!r} (id {old.worker_id}, "
+                        f"{_role_name(old.role)}); pick another name or wait up to {self.timeout_s:g} s "
+                        "for it to expire"
+                    )
+                del self._workers[old.worker_id]
+            worker_id = uuid.uuid4().hex
+            unix_ms = self._unix_ms()
+            self._workers[worker_id] = _Worker(
+                worker_id=worker_id,
+                role=request.role,
+                name=name,
+                address=request.address,
+                capabilities=dict(request.capabilities),
+                rank=request.rank,
+                world_size=request.world_size,
+                pid=request.pid,
+                hostname=request.hostname,
+                registered_unix_ms=unix_ms,
+                last_seen=now,
+                last_heartbeat_unix_ms=unix_ms,
+            )
+            self._drop_old_gone_locked()
+            self._bump_locked()
+            return control_pb2.RegisterResponse(
+                worker_id=worker_id,
+                run_id=self.run_id,
+                heartbeat_interval_ms=max(1, round(self.heartbeat_interval_s * 1000)),
+                liveness=self.liveness,
+                rollout_endpoint=self._rollout_endpoint,
+                weight_endpoint=self._weight_endpoint,
+                latest_policy_version=self._latest_policy_version,
+            )
+
+    def heartbeat(self, request: control_pb2.HeartbeatRequest) -> control_pb2.HeartbeatResponse:
+        """Reset the worker's liveness and store its progress. Unknown or expired id: ``WorkerNotFound``."""
+        with self._lock:
+            worker = self._live_worker_locked(request.worker_id)
+            worker.last_heartbeat_unix_ms = self._unix_ms()
+            if request.HasField("trainer_step"):
+                worker.trainer_step = request.trainer_step
+            if request.HasField("policy_version"):
+                worker.heartbeat_policy_version = request.policy_version
+            if request.HasField("orchestrator_step"):
+                worker.orchestrator_step = request.orchestrator_step
+            worker.num_inflight = request.num_inflight
+            for message in list(request.recent_errors)[-MAX_ERRORS_PER_HEARTBEAT:]:
+                self._add_error_locked(worker.name, message)
+            self._bump_locked()
+            return control_pb2.HeartbeatResponse(
+                latest_policy_version=self._latest_policy_version,
+                last_committed_step=self._last_committed_step,
+                shutdown_requested=self._closed,
+            )
+
+    def deregister(self, worker_id: str, reason: str = "") -> None:
+        """Mark the worker LEFT (kept in status). Deregistering twice is harmless."""
+        with self._lock:
+            worker = self._workers.get(worker_id)
+            if worker is None:
+                raise WorkerNotFound(f"no worker with id {worker_id!r} is registered")
+            if worker.state != LEFT:
+                worker.state = LEFT
+                worker.left_reason = reason[:MAX_ERROR_CHARS]
+                self._bump_locked()
+
+    def report_metrics(self, worker_id: str, step: int, metrics: Mapping[str, float]) -> None:
+        """Merge the metrics into ``last_metrics`` (later reports win). Non-finite values are refused."""
+        if len(metrics) > MAX_METRICS_PER_REPORT:
+            raise InvalidRequest(f"{len(metrics)} metrics in one report; at most {MAX_METRICS_PER_REPORT}")
+        bad = sorted(name for name, value in metrics.items() if not math.isfinite(value))
+        if bad:
+            raise InvalidRequest(f"non-finite metric values are refused: {', '.join(bad[:10])}")
+        if any(not name for name in metrics):
+            raise InvalidRequest("metric names must not be empty")
+        with self._lock:
+            self._live_worker_locked(worker_id)
+            self._last_metrics.update(metrics)
+            self._last_metrics_step = step
+            self._bump_locked()
+
+    def commit_step(self, worker_id: str, step: int) -> tuple[int, int]:
+        """Record that ``step`` is durably checkpointed and release its spooled batches.
+
+        Returns ``(last_committed_step, num_batches_released)``. Committing the current step again is allowed
+        (a retry); a lower step raises ``StepOutOfOrder``. ``on_commit`` runs outside the state lock.
+        """
+        with self._commit_lock:
+            with self._lock:
+                worker = self._live_worker_locked(worker_id)
+                if worker.role != common_pb2.ROLE_TRAINER:
+                    raise StepOutOfOrder(
+                        f"only trainer workers commit steps; {worker.name!r} is {_role_name(worker.role)}"
+                    )
+                if step < self._last_committed_step:
+                    raise StepOutOfOrder(
+                        f"step {step} is lower than the last committed step {self._last_committed_step}"
+                    )
+            num_released = 0
+            if self._on_commit is not None:
+                try:
+                    num_released = int(self._on_commit(step))
+                except Exception as err:  # the callback's failure is the caller's answer, not a broker crash
+                    raise CommitFailed(f"releasing the rollout batches of step {step} failed: {err}") from err
+            with self._lock:
+                self._last_committed_step = step
+                self._bump_locked()
+                return step, num_released
+
+    # ------------------------------------------------------------------------------ data-plane calls
+    def record_applied_version(self, worker_id: str, version: int) -> bool:
+        """The weight plane saw ``worker_id`` acknowledge policy ``version``; counts as traffic from it.
+
+        Never raises (it runs on the weight plane's IO thread): returns False when the id is not a live worker.
+        """
+        with self._lock:
+            try:
+                worker = self._live_worker_locked(worker_id)
+            except WorkerNotFound:
+                return False
+            worker.applied_policy_version = version
+            self._bump_locked()
+            return True
+
+    def set_latest_policy_version(self, version: int) -> None:
+        """The weight store accepted a new policy version (returned to workers in Register/Heartbeat)."""
+        with self._lock:
+            if version != self._latest_policy_version:
+                self._latest_policy_version = version
+                self._bump_locked()
+
+    def set_endpoints(self, rollout_endpoint: str, weight_endpoint: str) -> None:
+        """ZMQ endpoints handed to registering workers (known once the data plane has bound its ports)."""
+        with self._lock:
+            self._rollout_endpoint = rollout_endpoint
+            self._weight_endpoint = weight_endpoint
+
+    def get_worker(self, worker_id: str) -> control_pb2.WorkerInfo | None:
+        """The worker's info (any state), or None. The data plane uses it to check a peer is registered."""
+        with self._lock:
+            self._expire_locked(self._clock())
+            worker = self._workers.get(worker_id)
+            return worker.info() if worker is not None else None
+
+    def is_alive(self, worker_id: str, role: int | None = None) -> bool:
+        with self._lock:
+            self._expire_locked(self._clock())
+            worker = self._workers.get(worker_id)
+            return worker is not None and worker.state == ALIVE and (role is None or worker.role == role)
+
+    def record_error(self, source: str, message: str) -> None:
+        """Add ``"<source>: <message>"`` to the recent errors shown in status (e.g. from the data plane)."""
+        with self._lock:
+            self._add_error_locked(source, message)
+            self._bump_locked()
+
+    def notify_change(self) -> None:
+        """Wake status watchers: something outside the registry (queues, rates) changed."""
+        with self._lock:
+            self._bump_locked()
+
+    # ------------------------------------------------------------------------------------ liveness
+    def expire(self, now: float | None = None) -> list[control_pb2.WorkerInfo]:
+        """Mark workers silent for longer than ``timeout_s`` LOST; returns the ones newly marked."""
+        with self._lock:
+            return self._expire_locked(self._clock() if now is None else now)
+
+    # --------------------------------------------------------------------------------------- reads
+    def list_workers(
+        self, role: int = common_pb2.ROLE_UNSPECIFIED, include_gone: bool = False
+    ) -> list[control_pb2.WorkerInfo]:
+        """Workers in registration order; ``ROLE_UNSPECIFIED`` lists every role; LOST/LEFT only if asked."""
+        with self._lock:
+            self._expire_locked(self._clock())
+            return [
+                worker.info()
+                for worker in self._workers.values()
+                if (role == common_pb2.ROLE_UNSPECIFIED or worker.role == role)
+                and (include_gone or worker.state == ALIVE)
+            ]
+
+    def run_status(self, data_plane: DataPlaneStatus | None = None) -> control_pb2.RunStatus:
+        data_plane = data_plane or DataPlaneStatus()
+        with self._lock:
+            self._expire_locked(self._clock())
+            workers = list(self._workers.values())
+            trainer_steps = [w.trainer_step for w in workers if w.role == common_pb2.ROLE_TRAINER]
+            orchestrator_steps = [w.orchestrator_step for w in workers if w.role == common_pb2.ROLE_ORCHESTRATOR]
+            return control_pb2.RunStatus(
+                run_id=self.run_id,
+                broker_started_unix_ms=self.started_unix_ms,
+                updated_unix_ms=self._unix_ms(),
+                trainer_step=max((s for s in trainer_steps if s is not None), default=0),
+                last_committed_step=self._last_committed_step,
+                latest_policy_version=max(self._latest_policy_version, data_plane.latest_policy_version),
+                orchestrator_step=max((s for s in orchestrator_steps if s is not None), default=0),
+                workers=[w.info() for w in workers],
+                queues=[_queue_proto(q) for q in data_plane.queues],
+                rollout_batches_per_s=data_plane.rollout_batches_per_s,
+                rollout_bytes_per_s=data_plane.rollout_bytes_per_s,
+                weight_bytes_per_s=data_plane.weight_bytes_per_s,
+                last_metrics=self._last_metrics,
+                last_metrics_step=self._last_metrics_step,
+                recent_errors=list(self._recent_errors),
+                max_steps=self.max_steps or 0,
+            )
+
+    def recent_errors(self) -> list[str]:
+        with self._lock:
+            return list(self._recent_errors)
+
+    # -------------------------------------------------------------------------------------- watching
+    def wait_for_change(self, after_version: int, timeout_s: float) -> int:
+        """Wait until ``version > after_version``, the registry closes, someone calls ``wake_waiters``, or
+        ``timeout_s`` passes; returns the current version."""
+        with self._changed:
+            if self._version <= after_version and not self._closed:
+                self._changed.wait(timeout=max(0.0, timeout_s))
+            return self._version
+
+    def wake_waiters(self) -> None:
+        """Wake every ``wait_for_change`` without a change (a watcher was cancelled and should look)."""
+        with self._changed:
+            self._changed.notify_all()
+
+    def close(self) -> None:
+        """The broker is shutting down: heartbeats answer ``shutdown_requested`` and watchers wake up."""
+        with self._changed:
+            self._closed = True
+            self._version += 1
+            self._changed.notify_all()
+
+    # ------------------------------------------------------------------------------------- internals
+    def _unix_ms(self) -> int:
+        return int(self._wall_clock() * 1000)
+
+    def _bump_locked(self) -> None:
+        self._version += 1
+        self._changed.notify_all()
+
+    def _live_worker_locked(self, worker_id: str) -> _Worker:
+        """The ALIVE worker with this id, its liveness reset; else ``WorkerNotFound``."""
+        now = self._clock()
+        self._expire_locked(now)
+        worker = self._workers.get(worker_id)
+        if worker is None:
+            raise WorkerNotFound(f"no worker with id {worker_id!r} is registered: register again")
+        if worker.state != ALIVE:
+            why = "deregistered" if worker.state == LEFT else f"lost (no heartbeat for {self.timeout_s:g} s)"
+            raise WorkerNotFound(f"worker {worker.name!r} ({worker_id}) was {why}: register again")
+        worker.last_seen = now
+        return worker
+
+    def _expire_locked(self, now: float) -> list[control_pb2.WorkerInfo]:
+        lost = []
+        for worker in self._workers.values():
+            if worker.state == ALIVE and now - worker.last_seen > self.timeout_s:
+                worker.state = LOST
+                self._add_error_locked(
+                    "broker", f"worker {worker.name} lost: no heartbeat for {now - worker.last_seen:.1f} s"
+                )
+                lost.append(worker.info())
+        if lost:
+            self._bump_locked()
+        return lost
+
+    def _drop_old_gone_locked(self) -> None:
+        gone = [w.worker_id for w in self._workers.values() if w.state != ALIVE]
+        for worker_id in gone[: max(0, len(gone) - self._max_gone_workers)]:
+            del self._workers[worker_id]
+
+    def _add_error_locked(self, source: str, message: str) -> None:
+        message = " ".join(str(message).split())
+        if len(message) > MAX_ERROR_CHARS:
+            message = message[: MAX_ERROR_CHARS - 3] + "..."
+        self._recent_errors.append(f"{source}: {message}")
+
+
+def _role_name(role: int) -> str:
+    try:
+        return common_pb2.Role.Name(role)
+    except ValueError:
+        return f"role {role}"
+
+
+def _role_names() -> list[str]:
+    return [name for name in common_pb2.Role.keys() if name != "ROLE_UNSPECIFIED"]
+
+
+def role_from_name(role: int | str) -> int:
+    """``"trainer"``, ``"ROLE_TRAINER"`` or ``common_pb2.ROLE_TRAINER`` -> ``common_pb2.ROLE_TRAINER``."""
+    if isinstance(role, int):
+        return role
+    key = role.strip().upper()
+    key = key if key.startswith("ROLE_") else f"ROLE_{key}"
+    if key == "ROLE_INFER":
+        key = "ROLE_INFERENCE"
+    if key not in common_pb2.Role.keys():
+        raise ValueError(f"unknown role {role!r}; expected one of {[n[5:].lower() for n in _role_names()]}")
+    return common_pb2.Role.Value(key)
+
+
+def format_workers(workers: Iterable[control_pb2.WorkerInfo]) -> str:
+    """``name (ROLE, STATE)`` list, for log lines."""
+    return ", ".join(
+        f"{w.name} ({_role_name(w.role)}, {control_pb2.WorkerState.Name(w.state)})" for w in workers
+    )

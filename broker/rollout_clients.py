@@ -1,0 +1,312 @@
+"""Clients of the broker's rollout stream: ``RolloutProducer`` (the orchestrator) and ``RolloutConsumer``
+(one per trainer rank).
+
+Each client owns one DEALER socket and must be used from one thread. Every call takes a timeout and
+fails with a typed error (``RolloutRefused``, ``RolloutTimeout``) instead of hanging. Retries happen only
+here, at the IO edge: a send is repeated when the broker asked to wait (BACKPRESSURE, after
+``retry_after_ms``) or when no reply came within ``resend_interval_s`` (the broker may have restarted;
+resends are idempotent by batch id), always within the caller's timeout.
+
+Replies are checked like every other message (``framing.decode``). With a run token, data messages must
+carry it; ERROR replies are read even without it, since a broker never sends its token to a peer that
+has not proved it knows it, and an error can only make the call fail.
+"""
+
+from __future__ import annotations
+
+import hmac
+import time
+import uuid
+from collections.abc import Mapping
+from typing import Any
+
+import zmq
+
+from primerl.broker.rollout_queue import default_batch_id
+from primerl.proto import framing
+from primerl.proto.tensor_frames import decode_tensors, encode_tensors
+from primerl.proto.v1 import common_pb2, data_pb2
+from primerl.runtime.log_setup import get_logger
+from primerl.runtime.zmq_sockets import connect_dealer
+
+log = get_logger("primerl.broker.rollout_clients")
+
+DEFAULT_MAX_MESSAGE_BYTES = 256 << 20
+
+
+class RolloutStreamError(RuntimeError):
+    """A rollout-stream call failed. ``code`` is an ErrorCode (UNSPECIFIED when none applies)."""
+
+    def __init__(self, message: str, code: int = common_pb2.ERROR_CODE_UNSPECIFIED):
+        super().__init__(message)
+        self.code = code
+
+    @property
+    def code_name(self) -> str:
+        return common_pb2.ErrorCode.Name(self.code) if self.code in common_pb2.ErrorCode.values() else str(self.code)
+
+
+class RolloutRefused(RolloutStreamError):
+    """The broker refused the message; resending it unchanged will not help."""
+
+
+class RolloutTimeout(RolloutStreamError, TimeoutError):
+    """No (successful) answer within the timeout: broker down, unreachable, or its queue stayed full."""
+
+
+def pack_batch(
+    step: int,
+    rank: int,
+    micro_batch_index: int,
+    num_micro_batches: int,
+    tensors: Mapping[str, Any],
+    *,
+    batch_id: str | None = None,
+    num_samples: int = 0,
+    num_tokens: int | None = None,
+    min_policy_version: int = 0,
+    max_policy_version: int = 0,
+    num_loss_tokens_global: int = 0,
+) -> tuple[data_pb2.RolloutBatchHeader, bytes]:
+    """A micro-batch's header and safetensors payload, ready for ``RolloutProducer.send_batch``."""
+    payload, specs = encode_tensors(tensors)
+    if num_tokens is None:
+        input_ids = tensors.get("input_ids")
+        num_tokens = int(input_ids.shape[-1]) if input_ids is not None else 0
+    header = data_pb2.RolloutBatchHeader(
+        step=step, rank=rank, micro_batch_index=micro_batch_index, num_micro_batches=num_micro_batches,
+        num_samples=num_samples, num_tokens=num_tokens, min_policy_version=min_policy_version,
+        max_policy_version=max_policy_version, tensors=specs,
+        batch_id=batch_id or default_batch_id(step, rank, micro_batch_index),
+        num_loss_tokens_global=num_loss_tokens_global,
+    )
+    return header, payload
+
+
+class _DealerClient:
+    def __init__(self, endpoint: str, auth_token: str | None, sender: str, *, context: zmq.Context | None,
+                 max_message_bytes: int, limits: framing.Limits | None):
+        self.endpoint = endpoint
+        self.auth_token = auth_token or None
+        self.sender = sender
+        self.limits = limits or framing.Limits(max_frame_bytes=max_message_bytes, max_message_bytes=max_message_bytes + (1 << 20))
+        self._own_context = context is None
+        self._context = context or zmq.Context()
+        self._socket = connect_dealer(self._context, endpoint, max_message_bytes=self.limits.max_message_bytes)
+        self._poller = zmq.Poller()
+        self._poller.register(self._socket, zmq.POLLIN)
+
+    def close(self) -> None:
+        if self._socket is not None:
+            self._socket.close(linger=0)
+            self._socket = None
+            if self._own_context:
+                self._context.term()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc_info: Any) -> None:
+        self.close()
+
+    def _send(self, message_type: int, header: Any, payload: list[Any], deadline_s: float, message_id: str) -> None:
+        if self._socket is None:
+            raise RolloutStreamError("the client is closed")
+        frames = framing.encode(message_type, header, payload, auth_token=self.auth_token or "", sender=self.sender,
+                                message_id=message_id)
+        while True:
+            try:
+                self._socket.send_multipart(frames, flags=zmq.NOBLOCK, copy=False)
+                return
+            except zmq.Again:
+                remaining_s = deadline_s - time.monotonic()
+                if remaining_s <= 0:
+                    raise RolloutTimeout(f"cannot send to the broker at {self.endpoint}: its queue stays full or it is unreachable") from None
+                zmq.select([], [self._socket], [], min(remaining_s, 0.1))
+
+    def _recv(self, timeout_s: float) -> framing.Message | None:
+        """The next valid reply within ``timeout_s``, or None. Invalid replies are logged and skipped."""
+        deadline_s = time.monotonic() + max(0.0, timeout_s)
+        while True:
+            remaining_ms = int((deadline_s - time.monotonic()) * 1000)
+            if not self._poller.poll(max(0, remaining_ms)):
+                return None
+            frames = self._socket.recv_multipart(copy=False)
+            try:
+                message = framing.decode(frames, limits=self.limits)
+            except framing.FramingError as exc:
+                log.warning("rollout client ignores a malformed reply", endpoint=self.endpoint, error=str(exc))
+                continue
+            if (self.auth_token and message.type != data_pb2.ERROR
+                    and not hmac.compare_digest(message.envelope.auth_token.encode(), self.auth_token.encode())):
+                log.warning("rollout client ignores a reply without the run token", endpoint=self.endpoint, type=message.type_name)
+                continue
+            return message
+
+    @staticmethod
+    def _error_of(message: framing.Message) -> RolloutRefused:
+        error = message.header.error
+        return RolloutRefused(f"broker refused {data_pb2.MessageType.Name(message.header.refused_type)}: "
+                              f"{common_pb2.ErrorCode.Name(error.code) if error.code in common_pb2.ErrorCode.values() else error.code}: "
+                              f"{error.message}", error.code)
+
+
+class RolloutProducer(_DealerClient):
+    """Sends rollout micro-batches to the broker and waits until each one is spooled (durable)."""
+
+    def __init__(self, endpoint: str, auth_token: str | None = None, sender: str = "orchestrator", *,
+                 context: zmq.Context | None = None, max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+                 resend_interval_s: float = 5.0, limits: framing.Limits | None = None):
+        super().__init__(endpoint, auth_token, sender, context=context, max_message_bytes=max_message_bytes, limits=limits)
+        self.resend_interval_s = resend_interval_s
+        self.num_backpressure_waits = 0
+
+    def send_batch(self, header: data_pb2.RolloutBatchHeader, payload: Any, timeout_s: float = 60.0) -> data_pb2.RolloutAck:
+        """Send one batch; returns its durable ack. While the broker's queue is full, waits the time the
+        broker says and resends. Raises ``RolloutRefused`` (a clear error from the broker) or
+        ``RolloutTimeout`` (no durable ack within ``timeout_s``)."""
+        if not header.batch_id:
+            named = data_pb2.RolloutBatchHeader()
+            named.CopyFrom(header)
+            named.batch_id = default_batch_id(header.step, header.rank, header.micro_batch_index)
+            header = named
+        deadline_s = time.monotonic() + timeout_s
+        message_ids: set[str] = set()
+        last_refusal = ""
+
+        def send() -> float:
+            message_id = uuid.uuid4().hex
+            message_ids.add(message_id)
+            self._send(data_pb2.ROLLOUT_BATCH, header, [payload], deadline_s, message_id)
+            return time.monotonic() + self.resend_interval_s
+
+        resend_at_s = send()
+        while True:
+            now_s = time.monotonic()
+            if now_s >= deadline_s:
+                raise RolloutTimeout(f"batch {header.batch_id!r} got no durable ack from {self.endpoint} within "
+                                     f"{timeout_s} s{'; last answer: ' + last_refusal if last_refusal else ''}",
+                                     common_pb2.ERROR_CODE_BACKPRESSURE if last_refusal else common_pb2.ERROR_CODE_UNSPECIFIED)
+            if now_s >= resend_at_s:
+                resend_at_s = send()
+                continue
+            message = self._recv(min(deadline_s, resend_at_s) - now_s)
+            if message is None:
+                continue
+            if message.envelope.in_reply_to not in message_ids and message.envelope.in_reply_to:
+                continue  # a late answer to an earlier call
+            if message.type == data_pb2.ERROR:
+                raise self._error_of(message)
+            if message.type != data_pb2.ROLLOUT_ACK:
+                continue
+            ack = message.header
+            if not ack.HasField("error") or ack.error.code == common_pb2.ERROR_CODE_UNSPECIFIED:
+                if not ack.durable:
+                    raise RolloutStreamError(f"broker acked batch {header.batch_id!r} without making it durable")
+                return ack
+            if ack.error.code != common_pb2.ERROR_CODE_BACKPRESSURE:
+                raise RolloutRefused(f"broker refused batch {header.batch_id!r}: {ack.error.message}", ack.error.code)
+            self.num_backpressure_waits += 1
+            last_refusal = ack.error.message
+            delay_s = max(0.005, ack.error.retry_after_ms / 1000)
+            # Sleep until the retry time (or the deadline, which then raises), then resend.
+            time.sleep(max(0.0, min(delay_s, deadline_s - time.monotonic())))
+            if time.monotonic() < deadline_s:
+                resend_at_s = send()
+
+
+class RolloutConsumer(_DealerClient):
+    """Fetches one trainer rank's micro-batches of a step, with credit-based flow control."""
+
+    def __init__(self, endpoint: str, auth_token: str | None = None, worker_id: str = "trainer-0", rank: int = 0,
+                 credits: int = 4, *, context: zmq.Context | None = None,
+                 max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES, request_interval_s: float = 1.0,
+                 as_torch: bool = False, limits: framing.Limits | None = None):
+        if credits < 1:
+            raise ValueError(f"credits must be >= 1, got {credits}")
+        super().__init__(endpoint, auth_token, worker_id, context=context, max_message_bytes=max_message_bytes, limits=limits)
+        self.worker_id = worker_id
+        self.rank = rank
+        self.credits = credits
+        self.request_interval_s = request_interval_s
+        self.as_torch = as_torch
+        self._said_hello = False
+
+    def hello(self, timeout_s: float = 10.0) -> None:
+        """Introduce this rank to the broker (starts a fresh session there) and wait for its answer."""
+        deadline_s = time.monotonic() + timeout_s
+        hello = data_pb2.Hello(worker_id=self.worker_id, role=common_pb2.ROLE_TRAINER, rank=self.rank)
+        message_ids: set[str] = set()
+        while True:
+            now_s = time.monotonic()
+            if now_s >= deadline_s:
+                raise RolloutTimeout(f"no answer to HELLO from the broker at {self.endpoint} within {timeout_s} s")
+            message_id = uuid.uuid4().hex
+            message_ids.add(message_id)
+            self._send(data_pb2.HELLO, hello, [], deadline_s, message_id)
+            wait_until_s = min(deadline_s, now_s + self.request_interval_s)
+            while (remaining_s := wait_until_s - time.monotonic()) > 0:
+                message = self._recv(remaining_s)
+                if message is None:
+                    break
+                if message.envelope.in_reply_to not in message_ids:
+                    continue
+                if message.type == data_pb2.ERROR:
+                    raise self._error_of(message)
+                if message.type == data_pb2.HELLO:
+                    self._said_hello = True
+                    return
+
+    def fetch_step(self, step: int, timeout_s: float = 60.0) -> list[tuple[data_pb2.RolloutBatchHeader, dict[str, Any]]]:
+        """All micro-batches of ``step`` for this rank, ordered by micro_batch_index, as (header, tensors).
+
+        numpy tensors are read-only zero-copy views of the received frames (torch copies with
+        ``as_torch=True``). A batch received twice (e.g. after a broker restart) is kept once.
+        """
+        deadline_s = time.monotonic() + timeout_s
+        if not self._said_hello:
+            self.hello(timeout_s)
+        received: dict[int, tuple[data_pb2.RolloutBatchHeader, dict[str, Any]]] = {}
+        num_expected: int | None = None
+        request_ids: set[str] = set()
+
+        def request() -> tuple[float, int]:
+            message_id = uuid.uuid4().hex
+            request_ids.add(message_id)
+            header = data_pb2.RolloutRequest(step=step, rank=self.rank, credits=self.credits)
+            self._send(data_pb2.ROLLOUT_REQUEST, header, [], deadline_s, message_id)
+            return time.monotonic() + self.request_interval_s, self.credits
+
+        resend_at_s, outstanding = request()
+        while num_expected is None or len(received) < num_expected:
+            now_s = time.monotonic()
+            if now_s >= deadline_s:
+                raise RolloutTimeout(f"step {step} rank {self.rank}: {len(received)} of "
+                                     f"{num_expected if num_expected is not None else '?'} micro-batches within {timeout_s} s")
+            if now_s >= resend_at_s or outstanding <= 0:
+                # Nothing for a while (the broker may have restarted and forgotten the request), or the
+                # credit is used up: ask again. A request replaces the previous one, never adds to it.
+                resend_at_s, outstanding = request()
+            message = self._recv(min(deadline_s, resend_at_s) - time.monotonic())
+            if message is None:
+                continue
+            if message.type == data_pb2.ERROR:
+                if message.envelope.in_reply_to and message.envelope.in_reply_to not in request_ids:
+                    continue
+                raise self._error_of(message)
+            header = message.header
+            if message.type == data_pb2.ROLLOUT_BATCH:
+                if (header.step, header.rank) != (step, self.rank):
+                    continue  # left over from an earlier step
+                outstanding -= 1
+                resend_at_s = time.monotonic() + self.request_interval_s
+                num_expected = header.num_micro_batches
+                if header.micro_batch_index not in received:
+                    received[header.micro_batch_index] = (header, decode_tensors(message.payload[0], header.tensors, as_torch=self.as_torch))
+            elif message.type == data_pb2.ROLLOUT_STEP_DONE and (header.step, header.rank) == (step, self.rank):
+                num_expected = header.num_micro_batches
+                if len(received) < num_expected:
+                    # The broker thinks it sent everything but some never arrived: asking again for a
+                    # finished step makes it start this session over and send them all.
+                    resend_at_s, outstanding = request()
+        return [received[index] for index in sorted(received)]

@@ -1,0 +1,466 @@
+"""The rollout plane: the ZeroMQ ROUTER socket of the rollout stream, owned by one IO thread.
+
+Orchestrators (DEALER) send ROLLOUT_BATCH and get a ROLLOUT_ACK once the batch is spooled (or a refusal:
+BACKPRESSURE with ``retry_after_ms``, or an error). Trainer ranks (DEALER) send HELLO, then ROLLOUT_REQUEST
+with credits, and get ROLLOUT_BATCH messages and ROLLOUT_STEP_DONE. All decisions are the
+``RolloutQueue``'s; this module only decodes, calls it, and sends what it says.
+
+Every received message goes through ``framing.decode`` with the configured limits and run token. A message
+that fails gets an ERROR reply to its sender; if even that cannot be sent it is dropped with a log line.
+Error replies to messages that did not decode never carry the run token (the sender may not know it).
+Libzmq itself drops the connection of a peer that sends a frame above ``limits.max_message_bytes``
+(socket option MAXMSGSIZE), before buffering it.
+
+Memory: batches live in the spool, not here. What the socket may hold is bounded by ``hwm`` messages per
+peer in each direction (each at most ``limits.max_message_bytes``); a consumer gets at most ``max_credits``
+batches per request, and a send to a peer whose queue is full is not retried blindly: the batch is handed
+out again on that consumer's next request.
+
+Only the IO thread touches the socket. ``release_through`` and ``status`` are safe from any thread:
+they go to the queue (its own lock) and to the throughput meters (their own lock). A commit frees space
+but needs no send: producers that were told to wait resend on their own.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import zmq
+from google.protobuf.message import DecodeError
+
+from primerl.broker.rollout_queue import (
+    Accepted,
+    Backpressure,
+    Delivery,
+    Duplicate,
+    Refused,
+    RolloutQueue,
+    RolloutQueueStatus,
+    Stale,
+)
+from primerl.broker.spool import BatchGone, SpoolCorruption, SpoolError
+from primerl.proto import framing
+from primerl.proto.v1 import common_pb2, data_pb2
+from primerl.runtime.log_setup import get_logger
+from primerl.runtime.zmq_sockets import bind_router
+
+log = get_logger("primerl.broker.rollout_plane")
+
+ACCEPTED_TYPES = frozenset({data_pb2.ROLLOUT_BATCH, data_pb2.ROLLOUT_REQUEST, data_pb2.HELLO})
+MAX_MESSAGES_PER_POLL = 256
+BIND_RETRY_S = 2.0
+REFUSAL_SUMMARY_INTERVAL_S = 10.0
+MAX_REFUSAL_KEYS = 1024
+STALE_NOTE = -1  # pseudo error code for the log of stale (already committed) batches
+
+# on_error(code, message, peer): called in the IO thread for every refusal other than backpressure,
+# and once if the IO thread dies. Keep it cheap; it must not block.
+ErrorCallback = Callable[[int, str, str], None]
+
+
+@dataclass(frozen=True)
+class RolloutStreamStatus:
+    """What the control plane reports about the rollout stream."""
+
+    queue: RolloutQueueStatus
+    port: int
+    running: bool
+    batches_in_per_s: float
+    bytes_in_per_s: float
+    batches_out_per_s: float
+    bytes_out_per_s: float
+    num_refused: int
+    num_backpressure_replies: int
+    throughput_window_s: float
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+class _Meter:
+    """Events and bytes over a sliding window (bounded memory: old events fall out)."""
+
+    def __init__(self, window_s: float, max_events: int = 100_000):
+        self.window_s = window_s
+        self._events: deque[tuple[float, int]] = deque(maxlen=max_events)
+        self._started_s = time.monotonic()
+
+    def add(self, num_bytes: int, now_s: float) -> None:
+        self._events.append((now_s, num_bytes))
+
+    def rates(self, now_s: float) -> tuple[float, float]:
+        while self._events and now_s - self._events[0][0] > self.window_s:
+            self._events.popleft()
+        span_s = min(self.window_s, max(now_s - self._started_s, 1.0))
+        return len(self._events) / span_s, sum(n for _, n in self._events) / span_s
+
+
+class _RefusalLog:
+    """One log line per kind of refusal per peer, then a summary at most every few seconds."""
+
+    def __init__(self) -> None:
+        self._seen: dict[tuple[str, int], list[float | int]] = {}  # key -> [last_logged_s, num_since]
+
+    def note(self, peer: str, code: int, message: str) -> None:
+        key = (peer, code)
+        now_s = time.monotonic()
+        seen = self._seen.get(key)
+        if seen is None:
+            if len(self._seen) >= MAX_REFUSAL_KEYS:
+                self._seen.clear()
+            self._seen[key] = [now_s, 0]
+            log.warning("rollout plane refused a message" if code >= 0 else "rollout plane note", peer=peer,
+                        code=_code_name(code), reason=message)
+            return
+        seen[1] += 1
+        if now_s - seen[0] >= REFUSAL_SUMMARY_INTERVAL_S:
+            log.warning("rollout plane keeps refusing messages", peer=peer, code=_code_name(code),
+                        num_refused_since_last_line=seen[1], last_reason=message)
+            seen[0], seen[1] = now_s, 0
+
+
+class RolloutPlane:
+    def __init__(
+        self,
+        queue: RolloutQueue,
+        context: zmq.Context,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        limits: framing.Limits = framing.DEFAULT_LIMITS,
+        auth_token: str | None = None,
+        on_error: ErrorCallback | None = None,
+        *,
+        max_credits: int = 8,
+        hwm: int = 16,
+        poll_interval_s: float = 0.05,
+        throughput_window_s: float = 10.0,
+        sender: str = "broker",
+    ):
+        if max_credits < 1:
+            raise ValueError(f"max_credits must be >= 1, got {max_credits}")
+        self.queue = queue
+        self.context = context
+        self.host = host
+        self.limits = limits
+        self.auth_token = auth_token or None
+        self.on_error = on_error
+        self.max_credits = max_credits
+        self.hwm = hwm
+        self.poll_interval_s = poll_interval_s
+        self.sender = sender
+        self._requested_port = port
+        self._port = 0
+        self._thread: threading.Thread | None = None
+        self._stop_event = threading.Event()
+        self._ready = threading.Event()
+        self._start_error: BaseException | None = None
+        self.failure: BaseException | None = None
+        self._meter_lock = threading.Lock()
+        self._in = _Meter(throughput_window_s)
+        self._out = _Meter(throughput_window_s)
+        self._num_refused = 0
+        self._num_backpressure_replies = 0
+        self._refusals = _RefusalLog()
+        self._backpressure_since_s: float | None = None
+        self._unreachable_logged: set[bytes] = set()
+        self._peer_names: dict[bytes, str] = {}
+
+    # ------------------------------------------------------------------ lifecycle
+
+    @property
+    def port(self) -> int:
+        """The bound port (known after ``start``)."""
+        return self._port
+
+    @property
+    def is_running(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def start(self, timeout_s: float = 10.0) -> int:
+        """Bind the socket (in the IO thread) and start serving; returns the port."""
+        if self._thread is not None:
+            raise RuntimeError("RolloutPlane.start() was already called")
+        self._thread = threading.Thread(target=self._run, name="rollout-plane-io", daemon=True)
+        self._thread.start()
+        if not self._ready.wait(timeout_s):
+            self._stop_event.set()
+            raise TimeoutError(f"rollout plane did not bind {self.host}:{self._requested_port} within {timeout_s} s")
+        if self._start_error is not None:
+            raise RuntimeError(f"rollout plane cannot bind {self.host}:{self._requested_port}: {self._start_error}") from self._start_error
+        log.info("rollout plane listening", host=self.host, port=self._port, auth=self.auth_token is not None)
+        return self._port
+
+    def stop(self, timeout_s: float = 5.0) -> bool:
+        """Stop the IO thread and close the socket; returns False if the thread did not end in time."""
+        self._stop_event.set()
+        if self._thread is None:
+            return True
+        self._thread.join(timeout_s)
+        stopped = not self._thread.is_alive()
+        if not stopped:
+            log.error("rollout plane IO thread did not stop in time", timeout_s=timeout_s)
+        return stopped
+
+    # ------------------------------------------------------------------ any thread
+
+    def release_through(self, step: int) -> int:
+        """The trainer committed ``step``: delete its batches and all earlier ones. Returns how many."""
+        return self.queue.release_through(step)
+
+    def status(self) -> RolloutStreamStatus:
+        now_s = time.monotonic()
+        with self._meter_lock:
+            batches_in, bytes_in = self._in.rates(now_s)
+            batches_out, bytes_out = self._out.rates(now_s)
+            num_refused, num_backpressure = self._num_refused, self._num_backpressure_replies
+        return RolloutStreamStatus(
+            queue=self.queue.status(), port=self._port, running=self.is_running,
+            batches_in_per_s=batches_in, bytes_in_per_s=bytes_in,
+            batches_out_per_s=batches_out, bytes_out_per_s=bytes_out,
+            num_refused=num_refused, num_backpressure_replies=num_backpressure,
+            throughput_window_s=self._in.window_s,
+        )
+
+    # ------------------------------------------------------------------ IO thread
+
+    def _run(self) -> None:
+        try:
+            socket = self._bind()
+        except Exception as exc:  # reported to start(), which raises it
+            self._start_error = exc
+            self._ready.set()
+            return
+        self._ready.set()
+        poller = zmq.Poller()
+        poller.register(socket, zmq.POLLIN)
+        poll_ms = max(1, int(self.poll_interval_s * 1000))
+        try:
+            while not self._stop_event.is_set():
+                if not poller.poll(poll_ms):
+                    continue
+                for _ in range(MAX_MESSAGES_PER_POLL):
+                    try:
+                        frames = socket.recv_multipart(zmq.NOBLOCK, copy=False)
+                    except zmq.Again:
+                        break
+                    self._handle(socket, frames)
+        except Exception as exc:
+            # A bug or a broken context: the plane is useless now. Log once with the traceback and report.
+            self.failure = exc
+            log.exception("rollout plane IO thread failed; the rollout stream is down")
+            self._report(common_pb2.ERROR_CODE_INTERNAL, f"rollout plane IO thread failed: {exc!r}", "")
+        finally:
+            socket.close(linger=0)
+
+    def _bind(self) -> zmq.Socket:
+        # A port that a socket of this process just closed is released by libzmq asynchronously, so an
+        # in-process restart on the same port may briefly see EADDRINUSE: retry within a short bound.
+        deadline_s = time.monotonic() + BIND_RETRY_S
+        while True:
+            try:
+                socket, self._port = bind_router(self.context, self.host, self._requested_port,
+                                                 max_message_bytes=self.limits.max_message_bytes, hwm=self.hwm)
+                return socket
+            except zmq.ZMQError as exc:
+                if exc.errno != zmq.EADDRINUSE or self._requested_port == 0 or time.monotonic() >= deadline_s:
+                    raise
+                time.sleep(0.05)
+
+    def _handle(self, socket: zmq.Socket, frames: list[zmq.Frame]) -> None:
+        routing_id = frames[0].bytes
+        body = frames[1:]
+        try:
+            message = framing.decode(body, limits=self.limits, auth_token=self.auth_token)
+            if message.type not in ACCEPTED_TYPES:
+                raise framing.UnknownMessageType(
+                    f"{message.type_name} is not accepted on the rollout socket; it takes ROLLOUT_BATCH, ROLLOUT_REQUEST and HELLO")
+            if message.is_chunk:
+                raise framing.BadChunk("rollout batches travel in one message each; chunked ROLLOUT_BATCH is not supported "
+                                       f"(keep a micro-batch under {self.limits.max_message_bytes} bytes)")
+        except framing.FramingError as exc:
+            self._refuse(socket, routing_id, exc.detail(), refused_type=framing.peek_type(body),
+                         in_reply_to=_try_message_id(body, self.limits))
+            return
+        try:
+            if message.type == data_pb2.ROLLOUT_BATCH:
+                self._on_batch(socket, routing_id, message)
+            elif message.type == data_pb2.ROLLOUT_REQUEST:
+                self._on_request(socket, routing_id, message)
+            else:
+                self._on_hello(socket, routing_id, message)
+        except SpoolError as exc:
+            log.error("rollout plane cannot spool a batch", peer=self._peer(routing_id), error=str(exc))
+            self._refuse(socket, routing_id, _detail(common_pb2.ERROR_CODE_INTERNAL, f"broker spool failed: {exc}"),
+                         refused_type=message.type, in_reply_to=message.envelope.message_id, authenticated=True)
+        except Exception as exc:  # a valid message that we failed to handle: tell the sender, keep serving
+            log.exception("rollout plane failed handling a message", peer=self._peer(routing_id), type=message.type_name)
+            self._refuse(socket, routing_id, _detail(common_pb2.ERROR_CODE_INTERNAL, f"broker failed: {exc!r}"),
+                         refused_type=message.type, in_reply_to=message.envelope.message_id, authenticated=True)
+
+    # ------------------------------------------------------------------ handlers
+
+    def _on_batch(self, socket: zmq.Socket, routing_id: bytes, message: framing.Message) -> None:
+        header = message.header
+        payload = message.payload[0]
+        result = self.queue.offer(header, payload, header_bytes=message.envelope.header, crc32=message.envelope.checksum)
+        ack = data_pb2.RolloutAck(batch_id=result.batch_id or header.batch_id, step=header.step)
+        if isinstance(result, (Accepted, Duplicate, Stale)):
+            ack.durable = True
+            if isinstance(result, Accepted):
+                with self._meter_lock:
+                    self._in.add(payload.nbytes, time.monotonic())
+                if self._backpressure_since_s is not None:
+                    log.info("rollout queue accepts batches again", waited_s=round(time.monotonic() - self._backpressure_since_s, 3))
+                    self._backpressure_since_s = None
+            elif isinstance(result, Stale):
+                self._refusals.note(self._peer(routing_id), STALE_NOTE,
+                                    f"batch of step {result.step} arrived after step {result.committed_step} was committed; acked, not kept")
+        elif isinstance(result, Backpressure):
+            ack.error.CopyFrom(_detail(common_pb2.ERROR_CODE_BACKPRESSURE, result.reason, result.retry_after_ms))
+            with self._meter_lock:
+                self._num_backpressure_replies += 1
+            if self._backpressure_since_s is None:
+                self._backpressure_since_s = time.monotonic()
+                log.info("rollout queue full: producers are told to wait", reason=result.reason)
+        else:
+            assert isinstance(result, Refused)
+            ack.error.CopyFrom(_detail(result.code, result.message))
+            self._note_refusal(routing_id, result.code, result.message)
+        self._send(socket, routing_id, framing.encode(
+            data_pb2.ROLLOUT_ACK, ack, auth_token=self.auth_token or "", sender=self.sender,
+            in_reply_to=message.envelope.message_id))
+        if isinstance(result, Accepted):
+            for delivery in result.deliveries:
+                self._deliver(socket, delivery)
+
+    def _on_request(self, socket: zmq.Socket, routing_id: bytes, message: framing.Message) -> None:
+        request = message.header
+        credits = min(request.credits, self.max_credits)
+        result = self.queue.request(routing_id, request.step, request.rank, credits)
+        if isinstance(result, Refused):
+            self._refuse(socket, routing_id, _detail(result.code, result.message), refused_type=message.type,
+                         in_reply_to=message.envelope.message_id, authenticated=True)
+            return
+        self._deliver(socket, result)
+
+    def _on_hello(self, socket: zmq.Socket, routing_id: bytes, message: framing.Message) -> None:
+        hello = message.header
+        self._peer_names[routing_id] = hello.worker_id or routing_id.hex()
+        if len(self._peer_names) > 4 * self.queue.max_sessions:
+            self._peer_names = {routing_id: self._peer_names[routing_id]}
+        self._unreachable_logged.discard(routing_id)
+        self.queue.open_session(routing_id, hello.worker_id)
+        log.info("rollout peer said hello", worker_id=hello.worker_id, role=common_pb2.Role.Name(hello.role)
+                 if hello.role in common_pb2.Role.values() else hello.role, rank=hello.rank)
+        reply = data_pb2.Hello(worker_id=self.sender, role=common_pb2.ROLE_BROKER)
+        self._send(socket, routing_id, framing.encode(data_pb2.HELLO, reply, auth_token=self.auth_token or "",
+                                                      sender=self.sender, in_reply_to=message.envelope.message_id))
+
+    def _deliver(self, socket: zmq.Socket, delivery: Delivery) -> None:
+        routing_id = delivery.session_id
+        pending = list(delivery.batch_ids)
+        while pending:
+            batch_id = pending.pop(0)
+            try:
+                header, payload = self.queue.read(batch_id)
+            except BatchGone:
+                continue  # released by a commit meanwhile: nobody needs it any more
+            except SpoolCorruption as exc:
+                # The trainer would wait for this batch forever: tell it, and whoever watches the broker.
+                self._refuse(socket, routing_id, _detail(common_pb2.ERROR_CODE_INTERNAL,
+                             f"spooled batch {batch_id!r} is damaged on the broker's disk and was quarantined: {exc}"),
+                             refused_type=data_pb2.ROLLOUT_REQUEST, in_reply_to="", authenticated=True)
+                continue
+            frames = framing.encode(data_pb2.ROLLOUT_BATCH, header, [payload], auth_token=self.auth_token or "", sender=self.sender)
+            if not self._send(socket, routing_id, frames):
+                for unsent in [batch_id, *pending]:
+                    self.queue.forget_delivery(routing_id, unsent)
+                return
+            with self._meter_lock:
+                self._out.add(payload.nbytes, time.monotonic())
+        if delivery.step_done is not None:
+            done = delivery.step_done
+            reply = data_pb2.RolloutStepDone(step=done.step, rank=done.rank, num_micro_batches=done.num_micro_batches)
+            self._send(socket, routing_id, framing.encode(data_pb2.ROLLOUT_STEP_DONE, reply,
+                                                          auth_token=self.auth_token or "", sender=self.sender))
+
+    # ------------------------------------------------------------------ replies
+
+    def _refuse(self, socket: zmq.Socket, routing_id: bytes, detail: common_pb2.ErrorDetail, *, refused_type: int,
+                in_reply_to: str, authenticated: bool = False) -> None:
+        self._note_refusal(routing_id, detail.code, detail.message)
+        # The token goes only to a peer that proved it knows it.
+        frames = framing.encode_error(detail, refused_type=refused_type, in_reply_to=in_reply_to, sender=self.sender,
+                                      auth_token=(self.auth_token or "") if authenticated else "")
+        self._send(socket, routing_id, frames)
+
+    def _note_refusal(self, routing_id: bytes, code: int, message: str) -> None:
+        with self._meter_lock:
+            self._num_refused += 1
+        peer = self._peer(routing_id)
+        self._refusals.note(peer, code, message)
+        self._report(code, message, peer)
+
+    def _send(self, socket: zmq.Socket, routing_id: bytes, frames: Sequence[Any]) -> bool:
+        """Send without blocking; a peer that is gone or not reading is logged (once) and False returned."""
+        try:
+            socket.send_multipart([routing_id, *frames], flags=zmq.NOBLOCK, copy=False)
+            return True
+        except zmq.Again:
+            reason = "its receive queue is full (high-water mark)"
+        except zmq.ZMQError as exc:
+            if exc.errno == zmq.ETERM:
+                raise
+            if exc.errno == zmq.EHOSTUNREACH:
+                reason = "it is disconnected"
+                self.queue.close_session(routing_id)
+            else:
+                reason = f"send failed: {exc}"
+        if routing_id not in self._unreachable_logged:
+            if len(self._unreachable_logged) > MAX_REFUSAL_KEYS:
+                self._unreachable_logged.clear()
+            self._unreachable_logged.add(routing_id)
+            log.warning("rollout plane dropped a reply: peer unreachable", peer=self._peer(routing_id), reason=reason)
+        return False
+
+    def _report(self, code: int, message: str, peer: str) -> None:
+        if self.on_error is None:
+            return
+        try:
+            self.on_error(code, message, peer)
+        except Exception:
+            log.exception("rollout plane on_error callback failed")
+
+    def _peer(self, routing_id: bytes) -> str:
+        return self._peer_names.get(routing_id) or routing_id.hex()
+
+
+def _detail(code: int, message: str, retry_after_ms: int = 0) -> common_pb2.ErrorDetail:
+    return common_pb2.ErrorDetail(code=code, message=message, retry_after_ms=retry_after_ms)
+
+
+def _code_name(code: int) -> str:
+    if code == STALE_NOTE:
+        return "STALE_BATCH_ACKED"
+    return common_pb2.ErrorCode.Name(code) if code in common_pb2.ErrorCode.values() else str(code)
+
+
+def _try_message_id(body: Sequence[Any], limits: framing.Limits) -> str:
+    """The message id of a message that failed to decode, if its envelope parses (for ``in_reply_to``)."""
+    if len(body) < framing.NUM_FIXED_FRAMES:
+        return ""
+    raw = body[2]
+    view = memoryview(getattr(raw, "buffer", raw))
+    if view.nbytes > limits.max_envelope_bytes:
+        return ""
+    envelope = data_pb2.Envelope()
+    try:
+        envelope.ParseFromString(view.tobytes())
+    except DecodeError:
+        return ""
+    return envelope.message_id[:128]

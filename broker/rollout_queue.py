@@ -1,0 +1,448 @@
+"""The rollout queue: which spooled batch goes to which trainer session, and when producers must wait.
+
+Pure logic over a ``RolloutSpool`` (no sockets), so tests drive it directly and the IO layer
+(``rollout_plane.py``) only translates messages into calls and results into messages.
+
+Rules:
+- ``offer`` spools a batch durably and returns ``Accepted``, or ``Duplicate`` (already spooled: ack again,
+  no second copy), or ``Stale`` (its step is already committed: nothing to keep, ack again), or
+  ``Backpressure`` (queue full by count or bytes: nothing kept, resend later), or ``Refused`` (the batch
+  can never be accepted: a clear error). Nothing is dropped without the producer being told.
+- A consumer *session* (one trainer rank connection) asks for its batches of one (step, rank) with
+  credits; it gets at most ``credits`` batches it has not been given yet in this step, in
+  micro_batch_index order, and a ``StepDone`` once all ``num_micro_batches`` were given. What cannot be
+  served now is remembered (one pending request per session) and served by later ``offer`` calls.
+- Asking again for a step the session already finished starts the session over (a trainer that restarted
+  from a checkpoint); so does ``open_session`` (a HELLO). A new session gets every batch still spooled.
+- Batches leave the spool only through ``release_through(step)`` (the trainer committed ``step``).
+- The bounds (``max_batches``, ``max_bytes``) count the batches *ahead of the trainers*: those of steps above
+  the highest step any session has asked for. Batches of steps the trainers already asked for stay on disk
+  until the commit (a checkpoint, maybe many steps later) without blocking producers, so the bound limits
+  how far the orchestrator runs ahead, and disk use is bounded by the checkpoint interval times one step.
+
+Thread-safety: one lock around all state; the IO thread calls ``offer``/``request``, gRPC threads call
+``release_through`` and ``status``. Spool writes happen under the lock (one fsync per batch), spool reads
+for sending (``read``) outside it.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Any
+
+from primerl.broker.spool import PREFIX_BYTES, RolloutSpool, SpoolCorruption
+from primerl.proto.v1 import common_pb2, data_pb2
+from primerl.runtime.log_setup import get_logger
+
+log = get_logger("primerl.broker.rollout_queue")
+
+DEFAULT_RETRY_AFTER_MS = 100
+DEFAULT_MAX_SESSIONS = 256
+
+
+# ---------------------------------------------------------------------- results
+
+
+@dataclass(frozen=True)
+class StepDone:
+    step: int
+    rank: int
+    num_micro_batches: int
+
+
+@dataclass(frozen=True)
+class Delivery:
+    """Batches to send to one session now (in order), then ``step_done`` if set."""
+
+    session_id: bytes
+    batch_ids: tuple[str, ...] = ()
+    step_done: StepDone | None = None
+
+    def __bool__(self) -> bool:
+        return bool(self.batch_ids) or self.step_done is not None
+
+
+@dataclass(frozen=True)
+class Accepted:
+    batch_id: str
+    step: int
+    deliveries: tuple[Delivery, ...] = ()
+
+
+@dataclass(frozen=True)
+class Duplicate:
+    batch_id: str
+    step: int
+
+
+@dataclass(frozen=True)
+class Stale:
+    """The batch's step is already committed (e.g. a resend whose ack was lost): acked, not stored."""
+
+    batch_id: str
+    step: int
+    committed_step: int
+
+
+@dataclass(frozen=True)
+class Backpressure:
+    batch_id: str
+    step: int
+    retry_after_ms: int
+    reason: str
+
+
+@dataclass(frozen=True)
+class Refused:
+    """A message that can never succeed as sent; ``code`` is an ErrorCode."""
+
+    code: int
+    message: str
+    batch_id: str = ""
+    step: int = 0
+
+
+OfferResult = Accepted | Duplicate | Stale | Backpressure | Refused
+
+
+@dataclass(frozen=True)
+class RolloutQueueStatus:
+    num_batches: int
+    num_bytes: int
+    max_batches: int
+    max_bytes: int
+    num_pending_requests: int
+    num_sessions: int
+    committed_step: int | None
+    lowest_step: int | None
+    highest_step: int | None
+    num_accepted: int
+    num_duplicates: int
+    num_backpressured: int
+    num_released: int
+    # Batches and bytes of steps above the highest step a trainer asked for: what the bounds count.
+    num_ahead_batches: int = 0
+    num_ahead_bytes: int = 0
+    frontier_step: int | None = None
+
+    @property
+    def is_full(self) -> bool:
+        return self.num_ahead_batches >= self.max_batches or self.num_ahead_bytes >= self.max_bytes
+
+
+# ---------------------------------------------------------------------- state
+
+
+@dataclass
+class _Slot:
+    """The batches of one (step, rank), by micro_batch_index."""
+
+    num_micro_batches: int
+    batch_ids: dict[int, str] = field(default_factory=dict)
+
+
+@dataclass
+class _PendingRequest:
+    step: int
+    rank: int
+    credits: int
+
+
+@dataclass
+class _Session:
+    worker_id: str = ""
+    # (step, rank) -> micro_batch_indices already given in this session
+    delivered: dict[tuple[int, int], set[int]] = field(default_factory=dict)
+    # rank -> highest step whose StepDone this session was given
+    finished_step: dict[int, int] = field(default_factory=dict)
+    pending: _PendingRequest | None = None
+    last_active_s: float = field(default_factory=time.monotonic)
+
+
+class RolloutQueue:
+    def __init__(
+        self,
+        spool: RolloutSpool,
+        max_batches: int,
+        max_bytes: int,
+        *,
+        retry_after_ms: int = DEFAULT_RETRY_AFTER_MS,
+        max_sessions: int = DEFAULT_MAX_SESSIONS,
+    ):
+        if max_batches < 1 or max_bytes < 1:
+            raise ValueError(f"max_batches ({max_batches}) and max_bytes ({max_bytes}) must be >= 1")
+        self.spool = spool
+        self.max_batches = max_batches
+        self.max_bytes = max_bytes
+        self.retry_after_ms = retry_after_ms
+        self.max_sessions = max_sessions
+        self._lock = threading.Lock()
+        self._slots: dict[tuple[int, int], _Slot] = {}
+        self._sessions: OrderedDict[bytes, _Session] = OrderedDict()
+        self._counts = {"accepted": 0, "duplicates": 0, "backpressured": 0, "released": 0}
+        # Highest step any consumer session asked for (-1: none yet, e.g. right after a broker restart).
+        self._frontier_step = -1
+        self._load()
+
+    # ------------------------------------------------------------------ producer side
+
+    def offer(self, header: data_pb2.RolloutBatchHeader, payload: Any, *, header_bytes: bytes | None = None,
+              crc32: int | None = None) -> OfferResult:
+        """Spool one batch and serve pending requests with it; see the module docstring for the outcomes.
+
+        ``header_bytes``/``crc32``: the exact serialized header the payload's verified envelope checksum
+        covers, to spool without recomputing the CRC (only used when the header needs no change).
+        """
+        problem = _check_header(header)
+        if problem:
+            return Refused(common_pb2.ERROR_CODE_MALFORMED_HEADER, problem, header.batch_id, header.step)
+        if not header.batch_id:
+            header = _with_default_batch_id(header)
+            header_bytes = crc32 = None
+        batch_id, step, rank, index = header.batch_id, header.step, header.rank, header.micro_batch_index
+        if header_bytes is None:
+            header_bytes = header.SerializeToString(deterministic=True)
+        size_bytes = spooled_size_bytes(header_bytes, payload)
+        with self._lock:
+            committed = self.spool.committed_step
+            if batch_id in self.spool:
+                self._counts["duplicates"] += 1
+                return Duplicate(batch_id, step)
+            if committed is not None and step <= committed:
+                self._counts["duplicates"] += 1
+                return Stale(batch_id, step, committed)
+            slot = self._slots.get((step, rank))
+            if slot is not None:
+                if slot.num_micro_batches != header.num_micro_batches:
+                    return Refused(common_pb2.ERROR_CODE_MALFORMED_HEADER,
+                                   f"batch {batch_id!r} says step {step} rank {rank} has {header.num_micro_batches} "
+                                   f"micro-batches; earlier batches of it said {slot.num_micro_batches}", batch_id, step)
+                other = slot.batch_ids.get(index)
+                if other is not None:
+                    return Refused(common_pb2.ERROR_CODE_MALFORMED_HEADER,
+                                   f"micro-batch {index} of step {step} rank {rank} is already spooled as batch "
+                                   f"{other!r}; a different batch {batch_id!r} cannot take its place", batch_id, step)
+            if size_bytes > self.max_bytes:
+                return Refused(common_pb2.ERROR_CODE_OVERSIZED,
+                               f"batch {batch_id!r} ({size_bytes} bytes spooled) can never fit in max_queue_bytes = "
+                               f"{self.max_bytes}; raise it or send smaller micro-batches", batch_id, step)
+            num_batches, num_bytes = self._ahead()
+            if num_batches >= self.max_batches or num_bytes + size_bytes > self.max_bytes:
+                self._counts["backpressured"] += 1
+                reason = (f"{num_batches} of {self.max_batches} batches" if num_batches >= self.max_batches
+                          else f"{num_bytes} + {size_bytes} of {self.max_bytes} bytes")
+                return Backpressure(batch_id, step, self.retry_after_ms, f"rollout queue full ({reason}); wait for a commit")
+            self.spool.put(batch_id, header_bytes, payload, crc32=crc32)  # raises SpoolError on disk failure
+            self._index(header)
+            self._counts["accepted"] += 1
+            deliveries = tuple(d for d in (self._serve(sid, s) for sid, s in self._sessions.items()
+                                           if s.pending and (s.pending.step, s.pending.rank) == (step, rank)) if d)
+        return Accepted(batch_id, step, deliveries)
+
+    # ------------------------------------------------------------------ consumer side
+
+    def open_session(self, session_id: bytes, worker_id: str = "") -> None:
+        """Start ``session_id`` afresh (a HELLO). Other sessions of the same worker id are closed: they
+        belong to a connection of that worker that is gone."""
+        with self._lock:
+            if worker_id:
+                for other in [sid for sid, s in self._sessions.items() if s.worker_id == worker_id and sid != session_id]:
+                    del self._sessions[other]
+            self._sessions.pop(session_id, None)
+            self._session(session_id).worker_id = worker_id
+
+    def close_session(self, session_id: bytes) -> None:
+        with self._lock:
+            self._sessions.pop(session_id, None)
+
+    def request(self, session_id: bytes, step: int, rank: int, credits: int) -> Delivery | Refused:
+        """Batches of (step, rank) to send to this session now (at most ``credits``); the remaining
+        credit waits as the session's pending request (replacing any earlier one)."""
+        with self._lock:
+            committed = self.spool.committed_step
+            if committed is not None and step <= committed:
+                return Refused(common_pb2.ERROR_CODE_NOT_FOUND,
+                               f"step {step} is already committed (through step {committed}) and its batches are "
+                               "deleted; ask for a later step (a new run needs a fresh spool_dir)", step=step)
+            session = self._session(session_id)
+            if step <= session.finished_step.get(rank, -1):
+                # The trainer went back (restarted from a checkpoint): this is a new session for it.
+                worker_id = session.worker_id
+                session = _Session(worker_id=worker_id)
+                self._sessions[session_id] = session
+            session.pending = _PendingRequest(step, rank, max(0, credits))
+            self._frontier_step = max(self._frontier_step, step)
+            return self._serve(session_id, session)
+
+    def forget_delivery(self, session_id: bytes, batch_id: str) -> None:
+        """A batch handed out by ``request``/``offer`` could not be sent: give it again on the next request."""
+        with self._lock:
+            session = self._sessions.get(session_id)
+            entry = self.spool.entry(batch_id)
+            if session is None or entry is None:
+                return
+            key = (entry.header.step, entry.header.rank)
+            session.delivered.get(key, set()).discard(entry.header.micro_batch_index)
+            if session.finished_step.get(key[1], -1) == key[0]:
+                del session.finished_step[key[1]]
+
+    def read(self, batch_id: str) -> tuple[data_pb2.RolloutBatchHeader, memoryview]:
+        """Header and payload of a batch, from the spool (outside the lock). Raises ``BatchGone`` if it was
+        released meanwhile; a damaged file is quarantined, dropped from the index and ``SpoolCorruption``
+        raised."""
+        try:
+            return self.spool.get(batch_id)
+        except SpoolCorruption:
+            with self._lock:
+                for slot in self._slots.values():
+                    for index, other in list(slot.batch_ids.items()):
+                        if other == batch_id:
+                            del slot.batch_ids[index]
+            raise
+
+    # ------------------------------------------------------------------ commit
+
+    def release_through(self, step: int) -> int:
+        """The trainer committed ``step``: delete every batch of steps <= ``step``; returns how many."""
+        if step < 0:
+            raise ValueError(f"step must be >= 0, got {step}")
+        with self._lock:
+            committed = self.spool.committed_step
+            if committed is not None and step <= committed:
+                return 0
+            self.spool.set_committed_step(step)  # first, so a crash mid-delete finishes on the next load
+            for key in [key for key in self._slots if key[0] <= step]:
+                del self._slots[key]
+            # From the spool, not the index: batches that could not be indexed at load go too.
+            num_released = self.spool.delete([e.batch_id for e in self.spool.entries() if e.header.step <= step])
+            for session in self._sessions.values():
+                for key in [k for k in session.delivered if k[0] <= step]:
+                    del session.delivered[key]
+                if session.pending and session.pending.step <= step:
+                    session.pending = None
+            self._counts["released"] += num_released
+        log.info("rollout batches released", committed_step=step, num_released=num_released)
+        return num_released
+
+    def status(self) -> RolloutQueueStatus:
+        with self._lock:
+            steps = [key[0] for key, slot in self._slots.items() if slot.batch_ids]
+            num_ahead_batches, num_ahead_bytes = self._ahead()
+            return RolloutQueueStatus(
+                num_batches=self.spool.num_batches,
+                num_bytes=self.spool.num_bytes,
+                max_batches=self.max_batches,
+                max_bytes=self.max_bytes,
+                num_pending_requests=sum(1 for s in self._sessions.values() if s.pending and s.pending.credits > 0),
+                num_sessions=len(self._sessions),
+                committed_step=self.spool.committed_step,
+                lowest_step=min(steps, default=None),
+                highest_step=max(steps, default=None),
+                num_accepted=self._counts["accepted"],
+                num_duplicates=self._counts["duplicates"],
+                num_backpressured=self._counts["backpressured"],
+                num_released=self._counts["released"],
+                num_ahead_batches=num_ahead_batches,
+                num_ahead_bytes=num_ahead_bytes,
+                frontier_step=self._frontier_step if self._frontier_step >= 0 else None,
+            )
+
+    def close(self) -> None:
+        """Release the spool directory (its files stay for the next start)."""
+        with self._lock:
+            self.spool.close()
+
+    # ------------------------------------------------------------------ internals (lock held)
+
+    def _ahead(self) -> tuple[int, int]:
+        """(batches, bytes) spooled for steps above the frontier: what the queue bounds count."""
+        ahead = [e for e in self.spool.entries() if e.header.step > self._frontier_step]
+        return len(ahead), sum(e.file_bytes for e in ahead)
+
+    def _load(self) -> None:
+        for batch_id, entry in sorted(self.spool.load().items(), key=lambda item: _order_key(item[1].header)):
+            header = entry.header
+            problem = _check_header(header)
+            slot = self._slots.get((header.step, header.rank))
+            if not problem and slot is not None:
+                if slot.num_micro_batches != header.num_micro_batches:
+                    problem = f"num_micro_batches {header.num_micro_batches} disagrees with {slot.num_micro_batches}"
+                elif header.micro_batch_index in slot.batch_ids:
+                    problem = f"micro-batch slot taken by {slot.batch_ids[header.micro_batch_index]!r}"
+            if problem:
+                # Never silently dropped: it stays in the spool (counted against capacity) until its step is committed.
+                log.error("spool: batch cannot be served and waits for its step's commit", batch_id=batch_id, problem=problem)
+                continue
+            self._index(header)
+
+    def _index(self, header: data_pb2.RolloutBatchHeader) -> None:
+        slot = self._slots.setdefault((header.step, header.rank), _Slot(header.num_micro_batches))
+        slot.batch_ids[header.micro_batch_index] = header.batch_id
+
+    def _session(self, session_id: bytes) -> _Session:
+        session = self._sessions.get(session_id)
+        if session is None:
+            if len(self._sessions) >= self.max_sessions:
+                evicted, old = self._sessions.popitem(last=False)
+                log.warning("rollout queue: too many consumer sessions, forgetting the least recently active one",
+                            max_sessions=self.max_sessions, worker_id=old.worker_id, session=evicted.hex())
+            session = self._sessions[session_id] = _Session()
+        self._sessions.move_to_end(session_id)
+        session.last_active_s = time.monotonic()
+        return session
+
+    def _serve(self, session_id: bytes, session: _Session) -> Delivery:
+        pending = session.pending
+        if pending is None:
+            return Delivery(session_id)
+        key = (pending.step, pending.rank)
+        slot = self._slots.get(key)
+        if slot is None:
+            return Delivery(session_id)
+        delivered = session.delivered.setdefault(key, set())
+        batch_ids = []
+        for index in sorted(slot.batch_ids):
+            if pending.credits <= 0:
+                break
+            if index not in delivered:
+                delivered.add(index)
+                batch_ids.append(slot.batch_ids[index])
+                pending.credits -= 1
+        step_done = None
+        if len(delivered) >= slot.num_micro_batches and session.finished_step.get(pending.rank, -1) < pending.step:
+            step_done = StepDone(pending.step, pending.rank, slot.num_micro_batches)
+            session.finished_step[pending.rank] = pending.step
+            session.pending = None
+        return Delivery(session_id, tuple(batch_ids), step_done)
+
+
+def _check_header(header: data_pb2.RolloutBatchHeader) -> str:
+    if header.num_micro_batches < 1:
+        return f"batch {header.batch_id!r}: num_micro_batches must be >= 1, got {header.num_micro_batches}"
+    if header.micro_batch_index >= header.num_micro_batches:
+        return (f"batch {header.batch_id!r}: micro_batch_index {header.micro_batch_index} is not below "
+                f"num_micro_batches {header.num_micro_batches}")
+    return ""
+
+
+def _with_default_batch_id(header: data_pb2.RolloutBatchHeader) -> data_pb2.RolloutBatchHeader:
+    named = data_pb2.RolloutBatchHeader()
+    named.CopyFrom(header)
+    named.batch_id = default_batch_id(header.step, header.rank, header.micro_batch_index)
+    return named
+
+
+def default_batch_id(step: int, rank: int, micro_batch_index: int) -> str:
+    return f"{step}:{rank}:{micro_batch_index}"
+
+
+def _order_key(header: data_pb2.RolloutBatchHeader) -> tuple[int, int, int, str]:
+    return (header.step, header.rank, header.micro_batch_index, header.batch_id)
+
+
+def spooled_size_bytes(header_bytes: bytes, payload: Any) -> int:
+    """Bytes a batch takes in the spool (what ``max_bytes`` counts): file prefix + header + payload."""
+    return PREFIX_BYTES + len(header_bytes) + memoryview(getattr(payload, "buffer", payload)).nbytes

@@ -1,0 +1,628 @@
+"""The broker's weight plane: one ZMQ ROUTER socket, owned by one IO thread.
+
+Peers (all DEALER sockets, see ``weight_clients``):
+
+- the trainer sends WEIGHT_UPDATE transfers (chunked); the plane reassembles them (``ChunkAssembler``,
+  bounded), hashes them as the chunks arrive, hands them to the ``WeightStore`` and answers WEIGHT_ACK
+  (``applied=true``: stored; ``applied=false`` with an ``ErrorDetail``: refused, nothing changed;
+  ``full_required``: the next update must be FULL). A transfer whose header is refusable is refused at its
+  first chunk; its later chunks are dropped without further replies.
+- inference workers send HELLO (role INFERENCE, optionally the version they hold), then WEIGHT_ACK for
+  each update they applied. The plane pushes each worker the updates of ``store.plan_for(version)``:
+  nothing when current, the missing deltas when on the chain, else the latest snapshot then the deltas.
+
+Fan-out never lets one worker hold up the others: every send is ``NOBLOCK`` with ``ROUTER_MANDATORY``; a
+full pipe (high-water mark) leaves the message in that worker's outbox for the next round; a gone peer
+(``EHOSTUNREACH``) is forgotten with one log line. The chunk messages of an update are encoded once (CRC
+over the payload once) and sent to every worker as zero-copy views of the stored payload. A worker that
+does not acknowledge within ``ack_timeout_s`` is sent its plan again, at most ``max_retries`` times in a
+row; then it is forgotten until it says HELLO again (``WeightSubscriber`` does so on its own).
+
+Every input goes through ``framing.decode`` with the limits and the run token: a malformed, oversized or
+unauthenticated message gets an ERROR reply and is logged; the plane keeps serving.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextvars
+import hashlib
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import zmq
+
+from primerl.broker.weight_store import StoredUpdate, WeightStore, WeightStoreStatus, WeightUpdateRefused
+from primerl.proto import framing
+from primerl.proto.v1 import common_pb2, data_pb2
+from primerl.runtime.log_setup import get_logger
+from primerl.runtime.zmq_sockets import DEFAULT_HWM, bind_router
+
+log = get_logger(__name__)
+
+MiB = 1 << 20
+# Room for the fixed frames and the envelope next to one chunk of payload.
+ENVELOPE_ALLOWANCE_BYTES = 1 * MiB
+BROKER_SENDER = "broker"
+
+OnApplied = Callable[[str, int], None]
+
+
+def weight_limits(max_message_bytes: int, *, max_transfer_bytes: int = framing.DEFAULT_LIMITS.max_transfer_bytes) -> tuple[framing.Limits, int]:
+    """(limits, chunk_bytes) for a plane and its clients from the config's ``max_message_bytes``.
+
+    A chunk is one payload frame of at most ``max_message_bytes`` (libzmq's ``MAXMSGSIZE`` applies per frame);
+    a whole message may exceed it by the envelope.
+    """
+    limits = framing.Limits(
+        max_frame_bytes=max_message_bytes,
+        max_message_bytes=max_message_bytes + ENVELOPE_ALLOWANCE_BYTES,
+        max_envelope_bytes=ENVELOPE_ALLOWANCE_BYTES,
+        max_transfer_bytes=max_transfer_bytes,
+    )
+    return limits, max_message_bytes
+
+
+class RateMeter:
+    """Bytes per second over a sliding window (fixed buckets, bounded memory). Thread-safe."""
+
+    def __init__(self, window_s: float = 10.0, bucket_s: float = 0.25):
+        self.window_s = window_s
+        self.bucket_s = bucket_s
+        self._buckets: collections.deque[list[float]] = collections.deque()
+        self._total = 0
+        self._lock = threading.Lock()
+        self._started_s = time.monotonic()
+
+    def add(self, num_bytes: int, now_s: float | None = None) -> None:
+        now_s = time.monotonic() if now_s is None else now_s
+        with self._lock:
+            self._total += num_bytes
+            if self._buckets and now_s - self._buckets[-1][0] < self.bucket_s:
+                self._buckets[-1][1] += num_bytes
+            else:
+                self._buckets.append([now_s, num_bytes])
+            self._trim(now_s)
+
+    def rate(self, now_s: float | None = None) -> float:
+        now_s = time.monotonic() if now_s is None else now_s
+        with self._lock:
+            self._trim(now_s)
+            span_s = min(self.window_s, max(now_s - self._started_s, self.bucket_s))
+            return sum(b[1] for b in self._buckets) / span_s
+
+    @property
+    def total_bytes(self) -> int:
+        with self._lock:
+            return self._total
+
+    def _trim(self, now_s: float) -> None:
+        while self._buckets and now_s - self._buckets[0][0] > self.window_s:
+            self._buckets.popleft()
+
+
+@dataclass(frozen=True)
+class WeightWorkerStatus:
+    worker_id: str
+    # Last version the worker acknowledged as applied (or declared in HELLO); None: nothing yet.
+    policy_version: int | None
+    # Updates queued or being sent to it, and sent but not yet acknowledged.
+    num_pending: int
+    num_unacked: int
+    num_retries: int
+
+
+@dataclass(frozen=True)
+class WeightPlaneStatus:
+    store: WeightStoreStatus
+    workers: tuple[WeightWorkerStatus, ...]
+    bytes_in_per_s: float
+    bytes_out_per_s: float
+    bytes_in_total: int
+    bytes_out_total: int
+    num_errors_sent: int
+    num_workers_forgotten: int
+
+
+class _Gone(Exception):
+    """The peer of a ROUTER send is no longer connected."""
+
+
+@dataclass
+class _Transfer:
+    """An update being sent to one worker: its pre-encoded chunk messages and the next one to send."""
+
+    update: StoredUpdate
+    messages: list[list[Any]]
+    next_index: int = 0
+
+
+@dataclass
+class _Worker:
+    identity: bytes
+    worker_id: str
+    acked_version: int | None
+    # The version the worker will hold once it applied everything already sent to it.
+    sent_version: int | None
+    current: _Transfer | None = None
+    queue: list[StoredUpdate] = field(default_factory=list)
+    unacked: collections.deque[int] = field(default_factory=collections.deque)
+    last_progress_s: float = field(default_factory=time.monotonic)
+    retries: int = 0
+
+    @property
+    def has_sends(self) -> bool:
+        return self.current is not None or bool(self.queue)
+
+
+class WeightPlane:
+    """Weight fan-out over one ROUTER socket. ``start()`` binds and runs the IO thread; ``stop()`` ends it.
+
+    ``on_applied(worker_id, policy_version)`` is called from the IO thread whenever a worker acknowledges
+    an applied version (or declares one in HELLO); it must be quick and thread-safe.
+    """
+
+    def __init__(
+        self,
+        store: WeightStore,
+        context: zmq.Context,
+        host: str,
+        port: int,
+        limits: framing.Limits,
+        auth_token: str | None,
+        chunk_bytes: int,
+        on_applied: OnApplied | None = None,
+        *,
+        ack_timeout_s: float = 30.0,
+        max_retries: int = 3,
+        max_workers: int = 1024,
+        hwm: int = DEFAULT_HWM,
+        max_open_transfers: int = 2,
+        transfer_timeout_s: float = 300.0,
+        max_pending_replies: int = 4096,
+        poll_interval_s: float = 0.05,
+    ):
+        if chunk_bytes <= 0 or chunk_bytes > limits.max_frame_bytes:
+            raise ValueError(f"chunk_bytes must be in 1..limits.max_frame_bytes ({limits.max_frame_bytes}), got {chunk_bytes}")
+        if ack_timeout_s <= 0 or max_retries < 0:
+            raise ValueError("ack_timeout_s must be > 0 and max_retries >= 0")
+        self.store = store
+        self.context = context
+        self.host = host
+        self._requested_port = port
+        self.limits = limits
+        self.auth_token = auth_token
+        self.chunk_bytes = chunk_bytes
+        self.on_applied = on_applied
+        self.ack_timeout_s = ack_timeout_s
+        self.max_retries = max_retries
+        self.max_workers = max_workers
+        self.hwm = hwm
+        self.poll_interval_s = poll_interval_s
+        self.max_pending_replies = max_pending_replies
+        self._assembler = framing.ChunkAssembler(limits=limits, max_open_transfers=max_open_transfers, timeout_s=transfer_timeout_s)
+        self._hashers: dict[tuple[str, str], Any] = {}
+        # Transfers refused at one chunk: their later chunks are dropped without replies (bounded memory).
+        self._refused_transfers: collections.OrderedDict[tuple[str, str], None] = collections.OrderedDict()
+        self._workers: dict[bytes, _Worker] = {}
+        self._replies: collections.deque[tuple[bytes, list[Any]]] = collections.deque()
+        self._rate_in = RateMeter()
+        self._rate_out = RateMeter()
+        self._lock = threading.Lock()  # guards the published copies below (read by other threads)
+        self._versions: dict[str, WeightWorkerStatus] = {}
+        self._num_errors_sent = 0
+        self._num_forgotten = 0
+        self._stop_event = threading.Event()
+        self._ready = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._startup_error: BaseException | None = None
+        self.port: int | None = None
+
+    # -- lifecycle (any thread) ----------------------------------------------------------------------
+
+    def start(self, timeout_s: float = 10.0) -> int:
+        """Bind and start the IO thread; returns the bound port (also ``self.port``)."""
+        if self._thread is not None:
+            raise RuntimeError("WeightPlane.start() called twice")
+        context = contextvars.copy_context()
+        self._thread = threading.Thread(target=context.run, args=(self._run,), name="weight-plane-io", daemon=True)
+        self._thread.start()
+        if not self._ready.wait(timeout_s):
+            raise TimeoutError(f"weight plane did not bind within {timeout_s} s")
+        if self._startup_error is not None:
+            raise RuntimeError(f"weight plane could not bind {self.host}:{self._requested_port}: {self._startup_error}") from self._startup_error
+        assert self.port is not None
+        return self.port
+
+    def stop(self, timeout_s: float = 5.0) -> bool:
+        """Ask the IO thread to end and wait up to ``timeout_s``; True once it has ended."""
+        self._stop_event.set()
+        if self._thread is None:
+            return True
+        self._thread.join(timeout_s)
+        if self._thread.is_alive():
+            log.error("weight plane IO thread did not stop in time", timeout_s=timeout_s)
+            return False
+        return True
+
+    @property
+    def running(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    # -- status (any thread) -------------------------------------------------------------------------
+
+    def worker_versions(self) -> dict[str, int | None]:
+        """worker_id -> the policy version it last acknowledged (None: none yet), for every known worker."""
+        with self._lock:
+            return {worker_id: s.policy_version for worker_id, s in self._versions.items()}
+
+    def status(self) -> WeightPlaneStatus:
+        with self._lock:
+            workers = tuple(self._versions.values())
+            errors, forgotten = self._num_errors_sent, self._num_forgotten
+        return WeightPlaneStatus(
+            store=self.store.status(),
+            workers=workers,
+            bytes_in_per_s=self._rate_in.rate(),
+            bytes_out_per_s=self._rate_out.rate(),
+            bytes_in_total=self._rate_in.total_bytes,
+            bytes_out_total=self._rate_out.total_bytes,
+            num_errors_sent=errors,
+            num_workers_forgotten=forgotten,
+        )
+
+    # -- IO thread -----------------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        try:
+            socket, self.port = bind_router(self.context, self.host, self._requested_port,
+                                            max_message_bytes=self.limits.max_frame_bytes, hwm=self.hwm)
+        except zmq.ZMQError as exc:
+            self._startup_error = exc
+            self._ready.set()
+            return
+        log.info("weight plane listening", host=self.host, port=self.port)
+        self._ready.set()
+        poller = zmq.Poller()
+        poller.register(socket, zmq.POLLIN)
+        next_tick_s = 0.0
+        try:
+            while not self._stop_event.is_set():
+                sent_any, blocked = self._flush(socket)
+                if sent_any:
+                    timeout_ms = 0
+                elif blocked:
+                    timeout_ms = 2
+                else:
+                    timeout_ms = int(self.poll_interval_s * 1000)
+                if poller.poll(timeout_ms):
+                    self._receive_some(socket)
+                now_s = time.monotonic()
+                if now_s >= next_tick_s:
+                    self._tick(now_s)
+                    next_tick_s = now_s + min(0.1, self.ack_timeout_s / 4)
+        except Exception:
+            log.exception("weight plane IO thread failed")
+            raise
+        finally:
+            socket.close(linger=0)
+            log.info("weight plane stopped")
+
+    def _receive_some(self, socket: zmq.Socket, max_messages: int = 64) -> None:
+        for _ in range(max_messages):
+            try:
+                frames = socket.recv_multipart(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return
+            identity = frames[0].bytes
+            self._handle(identity, frames[1:])
+
+    def _handle(self, identity: bytes, frames: list[Any]) -> None:
+        self._rate_in.add(sum(len(f) for f in frames))
+        try:
+            message = framing.decode(frames, limits=self.limits, auth_token=self.auth_token)
+        except framing.FramingError as exc:
+            log.warning("refused a message on the weight socket", error=str(exc), code=common_pb2.ErrorCode.Name(exc.code),
+                        peer=identity.hex())
+            self._send_error(identity, exc.detail(), framing.peek_type(frames))
+            return
+        if message.type == data_pb2.WEIGHT_UPDATE:
+            self._on_update(identity, message)
+        elif message.type == data_pb2.HELLO:
+            self._on_hello(identity, message)
+        elif message.type == data_pb2.WEIGHT_ACK:
+            self._on_worker_ack(identity, message)
+        elif message.type == data_pb2.ERROR:
+            log.warning("peer reported an error", peer=message.envelope.sender or identity.hex(),
+                        code=common_pb2.ErrorCode.Name(message.header.error.code), message=message.header.error.message)
+        else:
+            self._send_error(identity, common_pb2.ErrorDetail(
+                code=common_pb2.ERROR_CODE_UNKNOWN_MESSAGE_TYPE,
+                message=f"{message.type_name} is not accepted on the weight socket (send rollouts to the rollout port)"),
+                message.type, in_reply_to=message.envelope.message_id)
+
+    # -- trainer side --------------------------------------------------------------------------------
+
+    def _on_update(self, identity: bytes, message: framing.Message) -> None:
+        envelope = message.envelope
+        chunk = envelope.chunk
+        header: data_pb2.WeightUpdateHeader = message.header
+        reply_to = chunk.transfer_id or envelope.message_id
+        if identity in self._workers:
+            self._send_error(identity, common_pb2.ErrorDetail(
+                code=common_pb2.ERROR_CODE_UNKNOWN_MESSAGE_TYPE,
+                message="an inference worker may not publish weight updates"), message.type, in_reply_to=reply_to)
+            return
+        whole: framing.Message | None = message
+        digest: str | None = None
+        if chunk.count > 1:
+            key = (envelope.sender, chunk.transfer_id)
+            if key in self._refused_transfers:
+                return
+            try:
+                if chunk.index == 0:
+                    self.store.check_header(header)
+                    self._hashers[key] = hashlib.sha256()
+                whole = self._assembler.add(message)
+                hasher = self._hashers.get(key)
+                if hasher is not None:
+                    hasher.update(message.payload[0])
+            except (WeightUpdateRefused, framing.FramingError) as exc:
+                self._hashers.pop(key, None)
+                self._remember_refused(key)
+                self._refuse_update(identity, header, exc, reply_to)
+                return
+            if whole is None:
+                return
+            hasher = self._hashers.pop(key, None)
+            digest = None if hasher is None else hasher.hexdigest()
+        assert whole is not None
+        try:
+            result = self.store.put(header, whole.payload[0], computed_digest=digest)
+        except WeightUpdateRefused as exc:
+            self._refuse_update(identity, header, exc, reply_to)
+            return
+        log.info("weight update stored", update=result.update.describe(), full_required=result.full_required)
+        ack = data_pb2.WeightAck(policy_version=header.policy_version, worker_id=BROKER_SENDER, applied=True,
+                                 full_required=result.full_required)
+        self._queue_reply(identity, framing.encode(data_pb2.WEIGHT_ACK, ack, **self._envelope(reply_to)))
+        for worker in self._workers.values():
+            self._replan(worker)
+
+    def _refuse_update(self, identity: bytes, header: data_pb2.WeightUpdateHeader, exc: Exception, reply_to: str) -> None:
+        if isinstance(exc, WeightUpdateRefused):
+            detail, full_required = exc.detail(), exc.full_required
+        else:
+            assert isinstance(exc, framing.FramingError)
+            detail, full_required = exc.detail(), False
+        log.warning("weight update refused", policy_version=header.policy_version, code=common_pb2.ErrorCode.Name(detail.code),
+                    error=detail.message)
+        ack = data_pb2.WeightAck(policy_version=header.policy_version, worker_id=BROKER_SENDER, applied=False, error=detail,
+                                 full_required=full_required)
+        self._queue_reply(identity, framing.encode(data_pb2.WEIGHT_ACK, ack, **self._envelope(reply_to)))
+        with self._lock:
+            self._num_errors_sent += 1
+
+    def _remember_refused(self, key: tuple[str, str], max_remembered: int = 256) -> None:
+        self._refused_transfers[key] = None
+        while len(self._refused_transfers) > max_remembered:
+            self._refused_transfers.popitem(last=False)
+
+    # -- worker side ---------------------------------------------------------------------------------
+
+    def _on_hello(self, identity: bytes, message: framing.Message) -> None:
+        hello: data_pb2.Hello = message.header
+        if hello.role != common_pb2.ROLE_INFERENCE:
+            log.debug("hello from a non-inference peer", role=common_pb2.Role.Name(hello.role), worker_id=hello.worker_id)
+            return
+        if not hello.worker_id:
+            self._send_error(identity, common_pb2.ErrorDetail(code=common_pb2.ERROR_CODE_MALFORMED_HEADER,
+                                                              message="HELLO needs a worker_id"), message.type,
+                             in_reply_to=message.envelope.message_id)
+            return
+        version = hello.policy_version if hello.HasField("policy_version") else None
+        worker = self._workers.get(identity)
+        if worker is not None and worker.worker_id == hello.worker_id and worker.acked_version == version:
+            return  # a repeated HELLO (the subscriber's keep-alive): nothing changed
+        if worker is None:
+            for other in [w for w in self._workers.values() if w.worker_id == hello.worker_id]:
+                log.info("weight subscriber reconnected; dropping its old connection", worker_id=hello.worker_id)
+                self._forget(other, count=False)
+            if len(self._workers) >= self.max_workers:
+                self._send_error(identity, common_pb2.ErrorDetail(
+                    code=common_pb2.ERROR_CODE_BACKPRESSURE, retry_after_ms=5000,
+                    message=f"the broker serves at most {self.max_workers} weight subscribers"), message.type)
+                return
+            worker = _Worker(identity=identity, worker_id=hello.worker_id, acked_version=version, sent_version=version)
+            self._workers[identity] = worker
+            log.info("weight subscriber joined", worker_id=worker.worker_id, policy_version=version)
+        else:
+            worker.worker_id = hello.worker_id
+            self._declare_version(worker, version)
+        if version is not None:
+            self._notify_applied(worker, version)
+        self._replan(worker)
+        self._publish_worker(worker)
+
+    def _on_worker_ack(self, identity: bytes, message: framing.Message) -> None:
+        ack: data_pb2.WeightAck = message.header
+        worker = self._workers.get(identity)
+        if worker is None:
+            self._send_error(identity, common_pb2.ErrorDetail(
+                code=common_pb2.ERROR_CODE_UNKNOWN_WORKER,
+                message="WEIGHT_ACK from a peer that has not said HELLO (or was forgotten): send HELLO first"),
+                message.type, in_reply_to=message.envelope.message_id)
+            return
+        version = ack.policy_version
+        worker.last_progress_s = time.monotonic()
+        if ack.applied:
+            worker.retries = 0
+            if version in worker.unacked:
+                while worker.unacked and worker.unacked.popleft() != version:
+                    pass
+                worker.acked_version = version
+            else:
+                self._declare_version(worker, version)
+                self._replan(worker)
+            self._notify_applied(worker, version)
+        else:
+            detail = ack.error
+            log.warning("weight subscriber failed to apply an update; it will get the full snapshot",
+                        worker_id=worker.worker_id, policy_version=version, code=common_pb2.ErrorCode.Name(detail.code),
+                        error=detail.message)
+            worker.retries += 1
+            if worker.retries > self.max_retries:
+                self._forget(worker, reason=f"failed to apply updates {worker.retries} times in a row")
+                return
+            worker.unacked.clear()
+            worker.sent_version = None  # unknown state: start again from the snapshot
+            self._replan(worker)
+        self._publish_worker(worker)
+
+    def _declare_version(self, worker: _Worker, version: int | None) -> None:
+        """The worker says it holds ``version`` (not one we sent it): plan from there."""
+        worker.acked_version = version
+        worker.sent_version = version
+        worker.unacked.clear()
+
+    def _replan(self, worker: _Worker) -> None:
+        basis = worker.current.update.policy_version if worker.current is not None else worker.sent_version
+        worker.queue = self.store.plan_for(basis)
+        self._publish_worker(worker)
+
+    def _notify_applied(self, worker: _Worker, version: int) -> None:
+        if self.on_applied is None:
+            return
+        try:
+            self.on_applied(worker.worker_id, version)
+        except Exception:
+            log.exception("on_applied callback failed", worker_id=worker.worker_id, policy_version=version)
+
+    def _forget(self, worker: _Worker, *, reason: str = "", count: bool = True) -> None:
+        self._workers.pop(worker.identity, None)
+        with self._lock:
+            current = self._versions.get(worker.worker_id)
+            if current is not None and not any(w.worker_id == worker.worker_id for w in self._workers.values()):
+                del self._versions[worker.worker_id]
+            if count:
+                self._num_forgotten += 1
+        if reason:
+            log.warning("weight subscriber forgotten", worker_id=worker.worker_id, reason=reason,
+                        policy_version=worker.acked_version)
+
+    def _publish_worker(self, worker: _Worker) -> None:
+        with self._lock:
+            self._versions[worker.worker_id] = WeightWorkerStatus(
+                worker_id=worker.worker_id, policy_version=worker.acked_version,
+                num_pending=len(worker.queue) + (worker.current is not None), num_unacked=len(worker.unacked),
+                num_retries=worker.retries)
+
+    # -- sending -------------------------------------------------------------------------------------
+
+    def _flush(self, socket: zmq.Socket, max_messages: int = 64) -> tuple[bool, bool]:
+        """Send pending replies, then chunks round-robin over workers; returns (sent any, some blocked)."""
+        sent_any = blocked = False
+        for _ in range(len(self._replies)):
+            identity, frames = self._replies[0]
+            try:
+                if not self._try_send(socket, identity, frames):
+                    blocked = True
+                    break
+            except _Gone:
+                log.warning("reply dropped: peer is gone", peer=identity.hex())
+            self._replies.popleft()
+            sent_any = True
+        budget = max_messages
+        while budget > 0:
+            progressed = False
+            for worker in list(self._workers.values()):
+                if budget <= 0:
+                    break
+                if not worker.has_sends:
+                    continue
+                if worker.current is None:
+                    worker.current = _Transfer(worker.queue[0], self._encoded(worker.queue[0]))
+                    del worker.queue[0]
+                transfer = worker.current
+                frames = transfer.messages[transfer.next_index]
+                try:
+                    if not self._try_send(socket, worker.identity, frames):
+                        blocked = True
+                        continue
+                except _Gone:
+                    self._forget(worker, reason="peer disconnected")
+                    continue
+                budget -= 1
+                progressed = sent_any = True
+                self._rate_out.add(frames[-1].nbytes)
+                transfer.next_index += 1
+                if transfer.next_index == len(transfer.messages):
+                    worker.current = None
+                    worker.sent_version = transfer.update.policy_version
+                    worker.unacked.append(transfer.update.policy_version)
+                    worker.last_progress_s = time.monotonic()
+                    self._publish_worker(worker)
+            if not progressed:
+                break
+        return sent_any, blocked
+
+    def _try_send(self, socket: zmq.Socket, identity: bytes, frames: list[Any]) -> bool:
+        """Send without blocking; False when the peer's pipe is full; raises ``_Gone`` for a vanished peer."""
+        try:
+            socket.send_multipart([identity, *frames], zmq.NOBLOCK, copy=False)
+        except zmq.Again:
+            return False
+        except zmq.ZMQError as exc:
+            if exc.errno == zmq.EHOSTUNREACH:
+                raise _Gone() from None
+            raise
+        return True
+
+    def _encoded(self, update: StoredUpdate) -> list[list[Any]]:
+        """The chunk messages of ``update`` (CRC computed once; payload slices are zero-copy views)."""
+        messages = update.cache.get("chunks")
+        if messages is None:
+            messages = list(framing.encode_chunked(data_pb2.WEIGHT_UPDATE, update.header, update.payload,
+                                                   chunk_bytes=self.chunk_bytes, **self._envelope("")))
+            update.cache["chunks"] = messages
+        return messages
+
+    def _queue_reply(self, identity: bytes, frames: list[Any]) -> None:
+        if len(self._replies) >= self.max_pending_replies:
+            log.warning("reply queue full; dropping a reply", peer=identity.hex())
+            return
+        self._replies.append((identity, frames))
+
+    def _send_error(self, identity: bytes, detail: common_pb2.ErrorDetail, refused_type: int, *, in_reply_to: str = "") -> None:
+        with self._lock:
+            self._num_errors_sent += 1
+        # No run token on ERROR replies: the peer may be one that failed to authenticate.
+        self._queue_reply(identity, framing.encode_error(detail, refused_type=refused_type, sender=BROKER_SENDER,
+                                                         in_reply_to=in_reply_to))
+
+    def _envelope(self, in_reply_to: str) -> dict[str, str]:
+        return {"sender": BROKER_SENDER, "auth_token": self.auth_token or "", "in_reply_to": in_reply_to}
+
+    # -- timers --------------------------------------------------------------------------------------
+
+    def _tick(self, now_s: float) -> None:
+        for transfer_id in self._assembler.expire(now_s):
+            log.warning("incomplete weight transfer expired", transfer_id=transfer_id)
+            for key in [k for k in self._hashers if k[1] == transfer_id]:
+                del self._hashers[key]
+        for worker in list(self._workers.values()):
+            if worker.unacked and worker.current is None and now_s - worker.last_progress_s > self.ack_timeout_s:
+                worker.retries += 1
+                if worker.retries > self.max_retries:
+                    self._forget(worker, reason=f"no WEIGHT_ACK for v{worker.unacked[-1]} after {worker.retries} tries")
+                    continue
+                log.warning("no WEIGHT_ACK in time; sending the plan again", worker_id=worker.worker_id,
+                            awaited_version=worker.unacked[-1], acked_version=worker.acked_version, attempt=worker.retries)
+                worker.unacked.clear()
+                worker.sent_version = worker.acked_version
+                worker.last_progress_s = now_s
+                self._replan(worker)
+                self._publish_worker(worker)

@@ -234,7 +234,7 @@ class RolloutQueue:
                 self._counts["backpressured"] += 1
                 reason = (f"{num_batches} of {self.max_batches} batches" if num_batches >= self.max_batches
                           else f"{num_bytes} + {size_bytes} of {self.max_bytes} bytes")
-                return Backpressure(batch_id, step, self.retry_after_ms, f"rollout queue full ({reason}); wait for a commit")
+                return Backpressure(batch_id, step, self.retry_after_ms, f"rollout queue full ({reason} ahead of the trainers); wait until a trainer asks for the next step")
             self.spool.put(batch_id, header_bytes, payload, crc32=crc32)  # raises SpoolError on disk failure
             self._index(header)
             self._counts["accepted"] += 1

@@ -2,13 +2,45 @@
 
 from __future__ import annotations
 
-from primerl.cli.role_entry import run_role
+import argparse
+import signal
+import threading
+
+from primerl.cli.role_entry import run_role, write_ready_file
+
+
+def serve(config, args: argparse.Namespace) -> int:
+    from primerl.broker.service import BrokerService
+    from primerl.broker.spool import SpoolError
+    from primerl.runtime.log_setup import configure_logging
+
+    service = BrokerService(config)
+    log = configure_logging("broker", service.run_id, level=config.log.level, fmt=config.log.format)
+    stop_event = threading.Event()
+
+    def on_signal(signum: int, _frame: object) -> None:
+        log.info("stopping on signal", signal=signal.Signals(signum).name)
+        stop_event.set()
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    try:
+        endpoints = service.start()
+    except (OSError, SpoolError) as exc:  # a port in use, a spool directory that cannot be written or is locked
+        log.error("broker cannot start", error=str(exc))
+        return 1
+    try:
+        if args.ready_file is not None:
+            write_ready_file(args.ready_file, {**endpoints.as_dict(), "role": "broker"})
+        return service.serve_until(stop_event)
+    finally:
+        service.stop(grace_s=5.0)
 
 
 def main(argv: list[str] | None = None) -> int:
     from primerl.broker.config import BrokerConfig
 
-    return run_role("primerl-broker", "broker", BrokerConfig, argv, example="--grpc-port 50051")
+    return run_role("primerl-broker", "broker", BrokerConfig, argv, example="--grpc-port 50051", serve=serve)
 
 
 if __name__ == "__main__":

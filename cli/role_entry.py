@@ -73,3 +73,14 @@ def run_role(
         print(f"{prog}: the {role} daemon is not implemented yet; `--dry-run` checks and prints its config", file=sys.stderr)
         return 2
     return serve(config, args)
+
+
+def write_ready_file(path: Path, info: dict[str, object]) -> None:
+    """Write ``info`` (plus the pid) as JSON to ``path`` atomically: a reader sees all of it or nothing."""
+    import json
+    import os
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    temporary = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    temporary.write_text(json.dumps({**info, "pid": os.getpid()}))
+    os.replace(temporary, path)

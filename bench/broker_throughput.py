@@ -1,0 +1,433 @@
+#!/usr/bin/env python
+"""Broker throughput versus raw pyzmq PUSH->PULL on loopback, measured side by side in one run.
+
+    .venv/bin/python bench/broker_throughput.py [--sizes-mib 1 16 64] [--receivers 1 4] [--repeats 3]
+
+For each message size S and receiver count N:
+
+(a) raw: pyzmq PUSH->PULL over TCP 127.0.0.1, one PUSH socket per receiver. "stream": K messages of S bytes
+    to each receiver (K = max(1, 64 // S_MiB), so every measurement moves ~64 MiB per receiver); "single":
+    one message of S bytes to each of the N receivers (N separate raw sends).
+(b) relay: the broker's rollout stream, orchestrator ``RolloutProducer`` -> broker ``RolloutPlane`` (which
+    spools every batch to disk, fsynced, before acking it) -> trainer ``RolloutConsumer`` per rank: K
+    micro-batches of S bytes per rank, time until every rank has its step. Compared with raw "stream".
+(c) fan-out: trainer ``WeightPublisher`` -> broker ``WeightPlane`` -> N ``WeightSubscriber``: one FULL update
+    of S bytes, time from the start of ``publish`` until every subscriber holds the whole, digest-checked
+    update (the "stored" column is when the broker's ack reached the publisher). Compared with raw "single".
+
+Placement (the machine has 2 cores): the broker runs in its own process (as the daemon does), every
+receiver (PULL socket, trainer rank, inference worker) in its own process, and the sender (raw PUSH,
+producer, publisher) in this process. Processes rather than threads because that is how the roles are
+deployed, and because 4 subscribers plus a publisher in threads would share one GIL for their Python
+parts. With 6 processes on 2 cores both sides pay the same scheduling; the numbers are medians of
+``--repeats`` measurements after a warm-up. Times are taken in this process; receivers report completion
+over a pipe (~0.1 ms).
+
+The broker uses the default config's message limit (256 MiB) unless ``--chunk-mib`` is given, so a weight
+update up to that size travels as one chunk. The spool lives under ``--spool-dir`` (default: a temporary
+directory on disk; ``/dev/shm`` takes the disk out of the comparison).
+"""
+
+from __future__ import annotations
+
+import argparse
+import multiprocessing as mp
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from typing import Any
+
+MiB = 1 << 20
+TOKEN = "bench-token"
+DEFAULT_MAX_MESSAGE_BYTES = 256 * MiB
+REPLY_TIMEOUT_S = 120.0
+
+
+# ---------------------------------------------------------------------------------------------------------
+# payloads
+
+
+def rollout_batch(step: int, rank: int, index: int, count: int, size_bytes: int):
+    """A packed micro-batch whose safetensors payload is about ``size_bytes``."""
+    import numpy as np
+
+    from primerl.broker.rollout_clients import pack_batch
+
+    bytes_per_token = 8 + 8 + 1 + 4 + 4 + 4 + 8
+    n = max(1, size_bytes // bytes_per_token)
+    rng = np.random.default_rng(step * 1000 + rank * 100 + index)
+    tensors = {
+        "input_ids": rng.integers(0, 50_000, n, dtype=np.int64),
+        "position_ids": np.arange(n, dtype=np.int64),
+        "loss_mask": np.ones(n, dtype=np.bool_),
+        "advantages": rng.standard_normal(n).astype(np.float32),
+        "inference_logprobs": -rng.random(n).astype(np.float32),
+        "temperatures": np.ones(n, dtype=np.float32),
+        "policy_versions": np.full(n, step, dtype=np.int64),
+    }
+    return pack_batch(step, rank, index, count, tensors, num_samples=1)
+
+
+def weight_update(version: int, size_bytes: int):
+    import numpy as np
+
+    from primerl.proto import tensor_frames as tf
+    from primerl.proto.v1 import data_pb2
+
+    rng = np.random.default_rng(version)
+    data, specs = tf.encode_tensors({"model.weight": rng.integers(0, 255, size_bytes - 128, dtype=np.uint8)})
+    header = data_pb2.WeightUpdateHeader(policy_version=version, kind=data_pb2.WEIGHT_UPDATE_KIND_FULL, tensors=specs)
+    return header, data
+
+
+# ---------------------------------------------------------------------------------------------------------
+# child processes
+
+
+def broker_main(conn, spool_dir: str, max_message_bytes: int, chunk_bytes: int) -> None:
+    """The broker: weight plane and (if available) rollout plane, each with its own IO thread."""
+    import zmq
+
+    from primerl.broker.weight_plane import WeightPlane, weight_limits
+    from primerl.broker.weight_store import WeightStore
+
+    context = zmq.Context()
+    limits, _ = weight_limits(max_message_bytes)
+    weight_plane = WeightPlane(WeightStore(), context, "127.0.0.1", 0, limits, TOKEN, chunk_bytes)
+    info: dict[str, Any] = {"weight_port": weight_plane.start()}
+    rollout_plane = None
+    try:
+        from primerl.broker.rollout_plane import RolloutPlane
+        from primerl.broker.rollout_queue import RolloutQueue
+        from primerl.broker.spool import RolloutSpool
+
+        queue = RolloutQueue(RolloutSpool(spool_dir), max_batches=4096, max_bytes=4 << 30)
+        rollout_plane = RolloutPlane(queue, context, "127.0.0.1", 0, limits, TOKEN)
+        info["rollout_port"] = rollout_plane.start()
+    except Exception as exc:  # noqa: BLE001 - reported to the parent, which measures the weight path only
+        info["rollout_error"] = f"{type(exc).__name__}: {exc}"
+    conn.send(info)
+    try:
+        while True:
+            if not conn.poll(600):
+                break
+            command = conn.recv()
+            if command[0] == "release":
+                conn.send(rollout_plane.release_through(command[1]))
+            elif command[0] == "status":
+                conn.send(weight_plane.status())
+            else:
+                break
+    except EOFError:
+        pass
+    finally:
+        weight_plane.stop(5.0)
+        if rollout_plane is not None:
+            rollout_plane.stop(5.0)
+            rollout_plane.queue.close()
+        context.destroy(linger=0)
+
+
+def receiver_main(conn, index: int, max_message_bytes: int, verify_digest: bool) -> None:
+    """One receiver: a raw PULL socket, a trainer rank, or an inference worker, as the parent commands."""
+    import zmq
+
+    from primerl.broker.rollout_clients import RolloutConsumer
+    from primerl.broker.weight_clients import WeightSubscriber
+    from primerl.broker.weight_plane import weight_limits
+
+    context = zmq.Context()
+    limits, _ = weight_limits(max_message_bytes)
+    pull = None
+    consumer = None
+    subscriber = None
+    try:
+        while True:
+            if not conn.poll(600):
+                break
+            command, *args = conn.recv()
+            if command == "raw_bind":
+                pull = context.socket(zmq.PULL)
+                pull.setsockopt(zmq.LINGER, 0)
+                pull.setsockopt(zmq.MAXMSGSIZE, max_message_bytes)
+                conn.send(pull.bind_to_random_port("tcp://127.0.0.1"))
+            elif command == "raw":
+                (count,) = args
+                conn.send("ready")
+                num_bytes = 0
+                for _ in range(count):
+                    if not pull.poll(REPLY_TIMEOUT_S * 1000):
+                        raise TimeoutError("raw receiver got nothing")
+                    num_bytes += len(pull.recv(copy=False))
+                conn.send(("done", num_bytes))
+            elif command == "relay_join":
+                endpoint, rank = args
+                consumer = RolloutConsumer(endpoint, TOKEN, f"trainer-{rank}", rank, credits=4, context=context, limits=limits)
+                consumer.hello(timeout_s=30)
+                conn.send("ok")
+            elif command == "relay":
+                (step,) = args
+                conn.send("ready")
+                batches = consumer.fetch_step(step, timeout_s=REPLY_TIMEOUT_S)
+                num_bytes = sum(sum(t.nbytes for t in tensors.values()) for _, tensors in batches)
+                conn.send(("done", num_bytes))
+            elif command == "weight_join":
+                (endpoint,) = args
+                subscriber = WeightSubscriber(endpoint, TOKEN, f"infer-{index}", context=context, limits=limits,
+                                              verify_digest=verify_digest)
+                subscriber.hello(None)
+                conn.send("ok")
+            elif command == "weight":
+                (final_version,) = args
+                conn.send("ready")
+                num_bytes = 0
+                while True:
+                    got = subscriber.receive(REPLY_TIMEOUT_S)
+                    if got is None:
+                        raise TimeoutError(f"subscriber {index} got no update")
+                    header, payload = got
+                    num_bytes += payload.nbytes
+                    subscriber.ack(header.policy_version)
+                    if header.policy_version >= final_version:
+                        break
+                conn.send(("done", num_bytes))
+            elif command == "weight_leave":
+                subscriber.close()
+                subscriber = None
+                conn.send("ok")
+            else:
+                break
+    except EOFError:
+        pass
+    finally:
+        for client in (consumer, subscriber):
+            if client is not None:
+                client.close()
+        if pull is not None:
+            pull.close(linger=0)
+        context.destroy(linger=0)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# parent
+
+
+def ask(conn, message: Any, timeout_s: float = REPLY_TIMEOUT_S) -> Any:
+    conn.send(message)
+    return expect(conn, timeout_s)
+
+
+def expect(conn, timeout_s: float = REPLY_TIMEOUT_S) -> Any:
+    if not conn.poll(timeout_s):
+        raise TimeoutError(f"no answer from a bench process within {timeout_s} s")
+    return conn.recv()
+
+
+def run_timed(conns: list, command: tuple, send: Any) -> tuple[float, int, Any]:
+    """Command the receivers, wait until ready, run ``send()`` and time until every receiver is done."""
+    for conn in conns:
+        conn.send(command)
+    for conn in conns:
+        assert expect(conn) == "ready"
+    start = time.perf_counter()
+    extra = send()
+    num_bytes = 0
+    for conn in conns:
+        tag, received = expect(conn)
+        assert tag == "done"
+        num_bytes += received
+    return time.perf_counter() - start, num_bytes, (extra - start if isinstance(extra, float) else None)
+
+
+@dataclass
+class Row:
+    size_mib: int
+    receivers: int
+    count: int
+    raw_stream_s: float
+    raw_single_s: float
+    relay_s: float | None
+    fanout_s: float
+    fanout_stored_s: float
+
+    def mbps(self, seconds: float, count: int) -> float:
+        return self.size_mib * MiB * self.receivers * count / seconds / 1e6
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--sizes-mib", type=int, nargs="+", default=[1, 16, 64])
+    parser.add_argument("--receivers", type=int, nargs="+", default=[1, 4])
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--chunk-mib", type=int, default=None, help="weight chunk size (default: the message limit, 256 MiB)")
+    parser.add_argument("--spool-dir", default=None, help="parent of the spool directory (default: the system temp dir)")
+    parser.add_argument("--no-verify-digest", action="store_true", help="subscribers skip their own SHA-256 check")
+    args = parser.parse_args(argv)
+    if args.repeats < 1 or min(args.sizes_mib) < 1 or min(args.receivers) < 1:
+        parser.error("--repeats, --sizes-mib and --receivers must be >= 1")
+    max_message_bytes = max(DEFAULT_MAX_MESSAGE_BYTES, max(args.sizes_mib) * MiB)
+    chunk_bytes = (args.chunk_mib * MiB) if args.chunk_mib else max_message_bytes
+    max_receivers = max(args.receivers)
+    spool_parent = tempfile.mkdtemp(prefix="primerl-bench-", dir=args.spool_dir)
+    started = time.perf_counter()
+
+    import zmq
+
+    from primerl.broker.rollout_clients import RolloutProducer
+    from primerl.broker.weight_clients import WeightPublisher
+    from primerl.broker.weight_plane import weight_limits
+
+    spawn = mp.get_context("spawn")
+    processes: list = []
+    conns: list = []
+
+    def start(target, *target_args):
+        parent_conn, child_conn = spawn.Pipe()
+        process = spawn.Process(target=target, args=(child_conn, *target_args), daemon=True)
+        process.start()
+        processes.append(process)
+        conns.append(parent_conn)
+        return parent_conn
+
+    context = zmq.Context()
+    pushes: list = []
+    producer = publisher = None
+    rows: list[Row] = []
+    try:
+        broker = start(broker_main, os.path.join(spool_parent, "spool"), max_message_bytes, chunk_bytes)
+        receivers = [start(receiver_main, i, max_message_bytes, not args.no_verify_digest) for i in range(max_receivers)]
+        info = expect(broker, 60)
+        relay_available = "rollout_port" in info
+        if not relay_available:
+            print(f"rollout relay not measured: {info['rollout_error']}", file=sys.stderr)
+        limits, _ = weight_limits(max_message_bytes)
+        weight_endpoint = f"tcp://127.0.0.1:{info['weight_port']}"
+
+        for receiver in receivers:
+            push = context.socket(zmq.PUSH)
+            push.setsockopt(zmq.LINGER, 0)
+            push.connect(f"tcp://127.0.0.1:{ask(receiver, ('raw_bind',))}")
+            pushes.append(push)
+        if relay_available:
+            rollout_endpoint = f"tcp://127.0.0.1:{info['rollout_port']}"
+            producer = RolloutProducer(rollout_endpoint, TOKEN, "orchestrator", context=context, limits=limits)
+            for rank, receiver in enumerate(receivers):
+                assert ask(receiver, ("relay_join", rollout_endpoint, rank)) == "ok"
+        publisher = WeightPublisher(weight_endpoint, TOKEN, "trainer", chunk_bytes, context=context, limits=limits)
+
+        step = 0
+        version = 0
+        for num_receivers in args.receivers:
+            active = receivers[:num_receivers]
+            for subscriber in active:
+                assert ask(subscriber, ("weight_join", weight_endpoint)) == "ok"
+            for size_mib in args.sizes_mib:
+                size = size_mib * MiB
+                count = max(1, 64 // size_mib)
+                raw_payload = rollout_batch(0, 0, 0, 1, size)[1]
+                batches = [[rollout_batch(0, rank, i, count, size) for i in range(count)] for rank in range(num_receivers)]
+                update = weight_update(1, size)
+                samples: dict[str, list[float]] = {"stream": [], "single": [], "relay": [], "fanout": [], "stored": []}
+                for repeat in range(args.repeats + 1):  # the first round warms up and is not counted
+                    keep = repeat > 0
+
+                    def raw_send(n: int) -> None:
+                        for _ in range(n):
+                            for push in pushes[:num_receivers]:
+                                push.send(raw_payload, copy=False)
+
+                    seconds, _, _ = run_timed(active, ("raw", count), lambda: raw_send(count))
+                    if keep:
+                        samples["stream"].append(seconds)
+                    seconds, _, _ = run_timed(active, ("raw", 1), lambda: raw_send(1))
+                    if keep:
+                        samples["single"].append(seconds)
+
+                    if relay_available:
+                        step += 1
+
+                        def relay_send() -> None:
+                            for index in range(count):
+                                for rank in range(num_receivers):
+                                    header, payload = batches[rank][index]
+                                    header.step = step
+                                    header.batch_id = f"{step}:{rank}:{index}"
+                                    producer.send_batch(header, payload, timeout_s=REPLY_TIMEOUT_S)
+
+                        seconds, _, _ = run_timed(active, ("relay", step), relay_send)
+                        ask(broker, ("release", step))
+                        if keep:
+                            samples["relay"].append(seconds)
+
+                    version += 1
+                    header, payload = update
+                    header.policy_version = version
+                    header.digest = ""
+
+                    def publish() -> float:
+                        publisher.publish(header, payload, timeout_s=REPLY_TIMEOUT_S)
+                        return time.perf_counter()
+
+                    seconds, _, stored = run_timed(active, ("weight", version), publish)
+                    if keep:
+                        samples["fanout"].append(seconds)
+                        samples["stored"].append(stored)
+                median = {key: statistics.median(values) if values else None for key, values in samples.items()}
+                row = Row(size_mib, num_receivers, count, median["stream"], median["single"], median["relay"],
+                          median["fanout"], median["stored"])
+                rows.append(row)
+                print(f"  measured {size_mib} MiB x {num_receivers} receivers", file=sys.stderr, flush=True)
+            for subscriber in active:
+                assert ask(subscriber, ("weight_leave",)) == "ok"
+        print_table(rows, relay_available, args, chunk_bytes, time.perf_counter() - started)
+        return 0
+    finally:
+        for client in (producer, publisher):
+            if client is not None:
+                client.close()
+        for push in pushes:
+            push.close(linger=0)
+        for conn in conns:
+            try:
+                conn.send(("stop",))
+            except (BrokenPipeError, OSError):
+                pass
+        for process in processes:
+            process.join(10)
+            if process.is_alive():
+                process.terminate()
+                process.join(5)
+        context.destroy(linger=0)
+        shutil.rmtree(spool_parent, ignore_errors=True)
+
+
+def print_table(rows: list[Row], relay_available: bool, args, chunk_bytes: int, total_s: float) -> None:
+    print()
+    print(f"primerl broker throughput, loopback TCP, {os.cpu_count()} cores; medians of {args.repeats} after a warm-up; "
+          f"weight chunk {chunk_bytes // MiB} MiB; subscriber digest check {'off' if args.no_verify_digest else 'on'}")
+    print()
+    print("Rollout relay (K messages per receiver; MB/s = bytes delivered to all receivers / time)  target: ratio >= 0.8")
+    print(f"{'size':>6} {'recv':>4} {'K':>3} {'raw MB/s':>10} {'broker MB/s':>12} {'ratio':>6}")
+    for row in rows:
+        raw = row.mbps(row.raw_stream_s, row.count)
+        if relay_available and row.relay_s is not None:
+            broker = row.mbps(row.relay_s, row.count)
+            print(f"{row.size_mib:>4}Mi {row.receivers:>4} {row.count:>3} {raw:>10.0f} {broker:>12.0f} {broker / raw:>6.2f}")
+        else:
+            print(f"{row.size_mib:>4}Mi {row.receivers:>4} {row.count:>3} {raw:>10.0f} {'n/a':>12} {'n/a':>6}")
+    print()
+    print("Weight fan-out (one update; time until every receiver holds it)  target: ratio <= 1.5")
+    print(f"{'size':>6} {'recv':>4} {'raw s':>9} {'broker s':>9} {'(stored)':>9} {'ratio':>6} {'raw MB/s':>9} {'broker MB/s':>12}")
+    for row in rows:
+        print(f"{row.size_mib:>4}Mi {row.receivers:>4} {row.raw_single_s:>9.4f} {row.fanout_s:>9.4f} {row.fanout_stored_s:>9.4f} "
+              f"{row.fanout_s / row.raw_single_s:>6.2f} {row.mbps(row.raw_single_s, 1):>9.0f} {row.mbps(row.fanout_s, 1):>12.0f}")
+    print()
+    print(f"total bench time {total_s:.1f} s")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,174 @@
+"""The broker process: the gRPC control plane and the two ZeroMQ data planes, wired together.
+
+    service = BrokerService(config)
+    endpoints = service.start()      # binds everything (port 0 picks free ports); returns the bound ports
+    service.serve_until(stop_event)   # blocks; SIGTERM/SIGINT handling is the caller's (cli/broker.py)
+    service.stop(grace_s=5.0)
+
+The pieces keep their own threads: gRPC's pool, one IO thread per ZeroMQ plane, the heartbeat monitor.
+They meet here only through callbacks: a commit releases spooled batches, a worker's weight ack updates
+its policy version in the registry, and status reads every plane's counters.
+"""
+
+from __future__ import annotations
+
+import threading
+import uuid
+from dataclasses import asdict, dataclass
+
+import zmq
+
+from primerl.broker.config import BrokerConfig
+from primerl.broker.control_service import BrokerServicer, HeartbeatMonitor, create_grpc_server
+from primerl.broker.registry import DataPlaneStatus, QueueDepth, WorkerRegistry
+from primerl.broker.rollout_plane import RolloutPlane
+from primerl.broker.rollout_queue import RolloutQueue
+from primerl.broker.spool import RolloutSpool
+from primerl.broker.weight_plane import WeightPlane
+from primerl.broker.weight_store import WeightStore
+from primerl.proto import framing
+from primerl.runtime.log_setup import get_logger
+from primerl.runtime.zmq_sockets import tcp_endpoint
+
+log = get_logger("primerl.broker")
+
+MiB = 1 << 20
+# Envelope and headers on top of the largest payload frame.
+FRAME_OVERHEAD_BYTES = MiB
+
+
+@dataclass(frozen=True)
+class BrokerEndpoints:
+    grpc_port: int
+    rollout_port: int
+    weight_port: int
+    run_id: str
+
+    def as_dict(self) -> dict[str, object]:
+        return asdict(self)
+
+
+class BrokerService:
+    def __init__(self, config: BrokerConfig):
+        self.config = config
+        self.run_id = config.run_id or f"run-{uuid.uuid4().hex[:8]}"
+        self.limits = framing.Limits(
+            max_frame_bytes=config.max_message_bytes + FRAME_OVERHEAD_BYTES,
+            max_message_bytes=config.max_message_bytes + 2 * FRAME_OVERHEAD_BYTES,
+        )
+        self._context: zmq.Context | None = None
+        self._queue: RolloutQueue | None = None
+        self.rollout_plane: RolloutPlane | None = None
+        self.weight_plane: WeightPlane | None = None
+        self.weight_store = WeightStore()
+        self.registry = WorkerRegistry(
+            self.run_id,
+            config.heartbeat_interval_s,
+            config.heartbeat_liveness,
+            max_steps=config.max_steps,
+            on_commit=self._release_through,
+        )
+        self.servicer = BrokerServicer(self.registry, self.data_plane_status)
+        self._server = None
+        self._monitor = HeartbeatMonitor(self.registry)
+        self._stopped = threading.Event()
+        self.endpoints: BrokerEndpoints | None = None
+
+    # -- lifecycle -----------------------------------------------------------------------------------
+
+    def start(self) -> BrokerEndpoints:
+        """Bind and start every plane; on any failure, stop what started and re-raise."""
+        config = self.config
+        try:
+            self._context = zmq.Context()
+            self._queue = RolloutQueue(RolloutSpool(config.spool_dir), config.max_queue_batches, config.max_queue_bytes)
+            self.rollout_plane = RolloutPlane(
+                self._queue, self._context, config.host, config.rollout_port,
+                limits=self.limits, auth_token=config.run_token, on_error=self._on_data_plane_error,
+            )
+            rollout_port = self.rollout_plane.start()
+            self.weight_plane = WeightPlane(
+                self.weight_store, self._context, config.host, config.weight_port,
+                limits=self.limits, auth_token=config.run_token, chunk_bytes=config.max_message_bytes,
+                on_applied=self._on_weights_applied,
+            )
+            weight_port = self.weight_plane.start()
+            client_host = config.client_host
+            self.registry.set_endpoints(tcp_endpoint(client_host, rollout_port), tcp_endpoint(client_host, weight_port))
+            self._server, grpc_port = create_grpc_server(
+                self.servicer, config.host, config.grpc_port, run_token=config.run_token,
+                tls_cert_path=config.tls_cert_path, tls_key_path=config.tls_key_path,
+            )
+            self._server.start()
+            self._monitor.start()
+        except BaseException:
+            self.stop(grace_s=0)
+            raise
+        self.endpoints = BrokerEndpoints(grpc_port, rollout_port, weight_port, self.run_id)
+        log.info("broker serving", host=config.host, spool_dir=str(config.spool_dir), auth=bool(config.run_token),
+                 tls=config.tls_cert_path is not None, **self.endpoints.as_dict())
+        return self.endpoints
+
+    def serve_until(self, stop_event: threading.Event, check_interval_s: float = 0.5) -> int:
+        """Block until ``stop_event`` is set; returns 1 if a data plane's IO thread died, else 0."""
+        while not stop_event.wait(check_interval_s):
+            for name, alive in (("rollout plane", self.rollout_plane.is_running), ("weight plane", self.weight_plane.running)):
+                if not alive:
+                    log.error("a data plane stopped unexpectedly; shutting down", plane=name)
+                    return 1
+        return 0
+
+    def stop(self, grace_s: float = 5.0) -> None:
+        """Stop accepting work, let in-flight RPCs finish within ``grace_s``, close every socket."""
+        if self._stopped.is_set():
+            return
+        self._stopped.set()
+        self.servicer.shutdown()
+        self._monitor.stop()
+        if self._server is not None:
+            self._server.stop(grace_s).wait(grace_s + 1)
+        for plane in (self.rollout_plane, self.weight_plane):
+            if plane is not None:
+                plane.stop()
+        if self._queue is not None:
+            self._queue.close()
+        if self._context is not None:
+            self._context.destroy(linger=0)
+        log.info("broker stopped")
+
+    # -- wiring --------------------------------------------------------------------------------------
+
+    def _release_through(self, step: int) -> int:
+        if self.rollout_plane is None:
+            return 0
+        return self.rollout_plane.release_through(step)
+
+    def _on_weights_applied(self, worker_id: str, version: int) -> None:
+        self.registry.record_applied_version(worker_id, version)
+
+    def _on_data_plane_error(self, code: int, message: str, peer: str) -> None:
+        self.registry.record_error(f"rollouts ({peer})", message)
+
+    def data_plane_status(self) -> DataPlaneStatus:
+        queues = []
+        batches_per_s = bytes_per_s = weight_bytes_per_s = 0.0
+        latest_version = 0
+        if self.rollout_plane is not None:
+            rollout = self.rollout_plane.status()
+            queue = rollout.queue
+            queues.append(QueueDepth("rollouts", queue.num_batches, queue.num_bytes, queue.max_batches, queue.max_bytes))
+            batches_per_s, bytes_per_s = rollout.batches_in_per_s, rollout.bytes_in_per_s
+        if self.weight_plane is not None:
+            weights = self.weight_plane.status()
+            store = weights.store
+            queues.append(QueueDepth("weights", (store.snapshot_version is not None) + store.num_deltas, store.num_bytes))
+            weight_bytes_per_s = weights.bytes_out_per_s
+            latest_version = store.latest_version or 0
+        self.registry.set_latest_policy_version(latest_version)
+        return DataPlaneStatus(
+            queues=queues,
+            rollout_batches_per_s=batches_per_s,
+            rollout_bytes_per_s=bytes_per_s,
+            weight_bytes_per_s=weight_bytes_per_s,
+            latest_policy_version=latest_version,
+        )

@@ -24,17 +24,12 @@ from primerl.broker.registry import DataPlaneStatus, QueueDepth, WorkerRegistry
 from primerl.broker.rollout_plane import RolloutPlane
 from primerl.broker.rollout_queue import RolloutQueue
 from primerl.broker.spool import RolloutSpool
-from primerl.broker.weight_plane import WeightPlane
+from primerl.broker.weight_plane import WeightPlane, weight_limits
 from primerl.broker.weight_store import WeightStore
-from primerl.proto import framing
 from primerl.runtime.log_setup import get_logger
 from primerl.runtime.zmq_sockets import tcp_endpoint
 
 log = get_logger("primerl.broker")
-
-MiB = 1 << 20
-# Envelope and headers on top of the largest payload frame.
-FRAME_OVERHEAD_BYTES = MiB
 
 
 @dataclass(frozen=True)
@@ -52,10 +47,9 @@ class BrokerService:
     def __init__(self, config: BrokerConfig):
         self.config = config
         self.run_id = config.run_id or f"run-{uuid.uuid4().hex[:8]}"
-        self.limits = framing.Limits(
-            max_frame_bytes=config.max_message_bytes + FRAME_OVERHEAD_BYTES,
-            max_message_bytes=config.max_message_bytes + 2 * FRAME_OVERHEAD_BYTES,
-        )
+        # One payload frame of at most max_message_bytes (libzmq's MAXMSGSIZE is per frame); bigger weight
+        # updates travel as chunks of that size.
+        self.limits, self.chunk_bytes = weight_limits(config.max_message_bytes)
         self._context: zmq.Context | None = None
         self._queue: RolloutQueue | None = None
         self.rollout_plane: RolloutPlane | None = None
@@ -89,7 +83,7 @@ class BrokerService:
             rollout_port = self.rollout_plane.start()
             self.weight_plane = WeightPlane(
                 self.weight_store, self._context, config.host, config.weight_port,
-                limits=self.limits, auth_token=config.run_token, chunk_bytes=config.max_message_bytes,
+                limits=self.limits, auth_token=config.run_token, chunk_bytes=self.chunk_bytes,
                 on_applied=self._on_weights_applied,
             )
             weight_port = self.weight_plane.start()

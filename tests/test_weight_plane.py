@@ -365,3 +365,37 @@ def test_plane_rejects_bad_chunk_size_and_reports_bind_errors():
         assert first.stop(5.0) and second.stop(5.0)
     finally:
         context.destroy(linger=0)
+
+
+def test_subscriber_checks_digest_and_token_of_what_it_receives():
+    """Against a fake broker (a bare ROUTER): a bad digest is refused with a failed ack, a push without
+    the run token is ignored, a good update is returned."""
+    context = zmq.Context()
+    router = context.socket(zmq.ROUTER)
+    router.setsockopt(zmq.LINGER, 0)
+    port = router.bind_to_random_port("tcp://127.0.0.1")
+    subscriber = WeightSubscriber(f"tcp://127.0.0.1:{port}", TOKEN, "infer-0", context=context, limits=LIMITS,
+                                  verify_digest=True)
+    try:
+        subscriber.hello()
+        assert router.poll(5000)
+        identity, *frames = router.recv_multipart()
+        assert framing.decode(frames, auth_token=TOKEN).header.worker_id == "infer-0"
+        header, data = make_update(1)
+        header.digest = "00" * 32
+        router.send_multipart([identity, *framing.encode(data_pb2.WEIGHT_UPDATE, header, [data], auth_token=TOKEN)])
+        assert subscriber.receive(0.5) is None
+        assert router.poll(5000)
+        _, *frames = router.recv_multipart()
+        ack = framing.decode(frames, auth_token=TOKEN).header
+        assert not ack.applied and ack.error.code == common_pb2.ERROR_CODE_BAD_DIGEST
+        header.digest = hashlib.sha256(data).hexdigest()
+        router.send_multipart([identity, *framing.encode(data_pb2.WEIGHT_UPDATE, header, [data], auth_token="other")])
+        assert subscriber.receive(0.3) is None
+        router.send_multipart([identity, *framing.encode(data_pb2.WEIGHT_UPDATE, header, [data], auth_token=TOKEN)])
+        got = subscriber.receive(RECEIVE_S)
+        assert got is not None and bytes(got[1]) == data
+    finally:
+        subscriber.close()
+        router.close(linger=0)
+        context.destroy(linger=0)

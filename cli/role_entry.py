@@ -6,6 +6,7 @@ pretending to run."""
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import warnings
 from collections.abc import Callable
@@ -14,11 +15,16 @@ from pathlib import Path
 from primerl.runtime.config_base import ConfigError, ConfigWarning
 from primerl.runtime.config_loader import dump_toml, load_role_config
 
+RUN_TOKEN_ENV = "PRIMERL_RUN_TOKEN"
+
 EPILOG = """\
 config files (later ones win) and settings (dashes in keys are underscores):
   @ {role}.toml                 a {role} config, e.g. one written by `primerl rl ... --dry-run --write DIR`
   --section.key VALUE           e.g. {example}
   --flag / --no-flag            booleans
+
+environment:
+  PRIMERL_RUN_TOKEN             the run token, unless given on the command line (keeps it out of files)
 """
 
 
@@ -30,9 +36,17 @@ def run_role(
     *,
     example: str,
     serve: Callable[[object, argparse.Namespace], int] | None = None,
+    token_key: str = "broker.run_token",
 ) -> int:
-    """Parse the command line of a role daemon; ``serve(config, args)`` runs the daemon and returns its exit code."""
+    """Parse the command line of a role daemon; ``serve(config, args)`` runs the daemon and returns its exit code.
+
+    ``$PRIMERL_RUN_TOKEN``, when set, gives the run token (key ``token_key``) unless the command line does:
+    secrets stay out of config files and process listings (systemd passes it with ``EnvironmentFile=``).
+    """
     argv = sys.argv[1:] if argv is None else list(argv)
+    token_option = "--" + token_key.replace("_", "-")
+    if os.environ.get(RUN_TOKEN_ENV) and not any(a.split("=")[0] in (token_option, "--" + token_key) for a in argv):
+        argv += [f"{token_option}={os.environ[RUN_TOKEN_ENV]}"]
     parser = argparse.ArgumentParser(
         prog=prog,
         usage=f"{prog} [@ {role}.toml ...] [--section.key VALUE ...] [--dry-run]",
@@ -78,7 +92,6 @@ def run_role(
 def write_ready_file(path: Path, info: dict[str, object]) -> None:
     """Write ``info`` (plus the pid) as JSON to ``path`` atomically: a reader sees all of it or nothing."""
     import json
-    import os
 
     path.parent.mkdir(parents=True, exist_ok=True)
     temporary = path.with_name(f".{path.name}.{os.getpid()}.tmp")

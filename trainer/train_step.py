@@ -1,0 +1,162 @@
+"""One optimizer step over one step's micro-batches: the compute loop of the trainer, with no sockets.
+
+Every rank calls ``step`` with its own micro-batches. Losses are sums over a rank's tokens divided by the
+step's loss-token count over ALL ranks (``losses.py``); DDP and FSDP average gradients over ranks, so each
+rank scales its loss by the world size before ``backward``: the summed gradient is then the token mean of
+the whole step, identical for 1 or N ranks. Ranks with fewer micro-batches than the others run zero-weight
+passes so that every collective of the backward is matched.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from primerl.trainer.batch import MicroBatch, packed_token_logprobs
+from primerl.trainer.distributed import DistInfo, all_reduce_sum
+from primerl.trainer.config import KLConfig
+from primerl.trainer.losses import AdaptiveKLController, LossOutput, distillation_loss, kl_penalty, rl_loss, sft_loss
+
+# objective(batch, logprobs, num_loss_tokens) -> LossOutput
+Objective = Callable[[MicroBatch, torch.Tensor, int], LossOutput]
+
+
+@dataclass
+class StepStats:
+    step: int
+    loss: float
+    num_loss_tokens: int
+    grad_norm: float
+    learning_rate: float
+    metrics: dict[str, float] = field(default_factory=dict)
+
+    def as_metrics(self, prefix: str = "train") -> dict[str, float]:
+        out = {f"{prefix}/loss": self.loss, f"{prefix}/grad_norm": self.grad_norm,
+               f"{prefix}/learning_rate": self.learning_rate, f"{prefix}/num_loss_tokens": float(self.num_loss_tokens)}
+        out.update({f"{prefix}/{name}": value for name, value in self.metrics.items()})
+        return out
+
+
+class TrainStep:
+    """Forward, loss, backward over micro-batches, then clip, optimizer and scheduler step."""
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        scheduler: torch.optim.lr_scheduler.LRScheduler,
+        objective: Objective,
+        dist_info: DistInfo,
+        *,
+        max_grad_norm: float,
+        reference_model: torch.nn.Module | None = None,
+        kl_config: KLConfig | None = None,
+    ):
+        if (reference_model is None) != (kl_config is None):
+            raise ValueError("a KL penalty needs both the frozen reference model and its config")
+        self.model = model
+        self.optimizer = optimizer
+        self.scheduler = scheduler
+        self.objective = objective
+        self.dist = dist_info
+        self.max_grad_norm = max_grad_norm
+        self.reference_model = reference_model
+        self.kl_config = kl_config
+        self.kl_controller = AdaptiveKLController(kl_config) if kl_config is not None else None
+
+    def step(self, step: int, micro_batches: Sequence[MicroBatch]) -> StepStats:
+        self.model.train()
+        # Every rank reaches the same decisions from the same reduced numbers: none raises alone.
+        num_loss_tokens = int(all_reduce_sum(sum(b.num_loss_tokens for b in micro_batches), self.dist))
+        num_passes = all_reduce_max(len(micro_batches), self.dist)
+        fewest_batches = -all_reduce_max(-len(micro_batches), self.dist)
+        if num_loss_tokens == 0:
+            raise ValueError(f"step {step} has no loss tokens on any rank: nothing to learn from (all rollouts failed?)")
+        if fewest_batches == 0:
+            raise ValueError(f"step {step}: a rank got no micro-batches while others did; the packer must give every rank one")
+        totals: dict[str, float] = {}
+        loss_sum = 0.0
+        entropy_sum = 0.0
+        for index in range(num_passes):
+            padding = index >= len(micro_batches)  # a pass that only matches the other ranks' collectives
+            batch = micro_batches[min(index, len(micro_batches) - 1)]
+            with self._no_sync(last=index == num_passes - 1):
+                logprobs, entropy = packed_token_logprobs(self.model, batch)
+                out = self.objective(batch, logprobs, num_loss_tokens)
+                loss = out.loss
+                if self.reference_model is not None and not padding:
+                    kl = self._kl(batch, logprobs, num_loss_tokens)
+                    loss = loss + kl.loss
+                    out.metrics.update(kl.metrics)
+                scale = 0.0 if padding else float(self.dist.world_size)
+                (loss * scale).backward()
+            if padding:
+                continue
+            loss_sum += float(loss.detach())
+            if entropy is not None:
+                entropy_sum += float(entropy[batch.loss_mask].sum()) / num_loss_tokens
+            for name, value in out.metrics.items():
+                totals[name] = totals.get(name, 0.0) + value
+        grad_norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.max_grad_norm))
+        if not math.isfinite(grad_norm):
+            self.optimizer.zero_grad(set_to_none=True)
+            raise FloatingPointError(f"step {step}: gradient norm is {grad_norm}; the step was skipped")
+        learning_rate = self.optimizer.param_groups[0]["lr"]
+        self.optimizer.step()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+
+        totals["entropy"] = entropy_sum
+        summed = {name: all_reduce_sum(value, self.dist) for name, value in totals.items() if name != "kl_beta"}
+        if self.kl_controller is not None and "kl_divergence" in summed:
+            summed["kl_beta"] = self.kl_controller.update(summed["kl_divergence"])
+        return StepStats(step=step, loss=all_reduce_sum(loss_sum, self.dist), num_loss_tokens=num_loss_tokens,
+                         grad_norm=grad_norm, learning_rate=learning_rate, metrics=summed)
+
+    def _kl(self, batch: MicroBatch, logprobs: torch.Tensor, num_loss_tokens: int) -> LossOutput:
+        with torch.no_grad():
+            reference_logprobs, _ = packed_token_logprobs(self.reference_model, batch, with_entropy=False)
+        return kl_penalty(self.kl_config, self.kl_controller.beta, logprobs, reference_logprobs, batch.loss_mask,
+                          num_loss_tokens)
+
+    def _no_sync(self, *, last: bool):
+        """DDP: reduce gradients only in the last backward of the step (FSDP2 and 1 rank: no-op)."""
+        no_sync = getattr(self.model, "no_sync", None)
+        if last or no_sync is None:
+            return contextlib.nullcontext()
+        return no_sync()
+
+
+def all_reduce_max(value: int, dist_info: DistInfo) -> int:
+    if not dist_info.enabled:
+        return value
+    import torch.distributed as dist
+
+    tensor = torch.tensor([value], dtype=torch.int64)
+    dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
+    return int(tensor.item())
+
+
+def rl_objective(loss_config) -> Objective:
+    def objective(batch: MicroBatch, logprobs: torch.Tensor, num_loss_tokens: int) -> LossOutput:
+        return rl_loss(loss_config, logprobs, batch.inference_logprobs, batch.advantages, batch.loss_mask, num_loss_tokens)
+
+    return objective
+
+
+def sft_objective(batch: MicroBatch, logprobs: torch.Tensor, num_loss_tokens: int) -> LossOutput:
+    return sft_loss(logprobs, batch.loss_mask, num_loss_tokens)
+
+
+def distillation_objective(max_is_ratio: float) -> Objective:
+    def objective(batch: MicroBatch, logprobs: torch.Tensor, num_loss_tokens: int) -> LossOutput:
+        if batch.teacher_logprobs is None:
+            raise ValueError("distillation needs teacher_logprobs in every micro-batch")
+        return distillation_loss(logprobs, batch.inference_logprobs, batch.teacher_logprobs, batch.loss_mask,
+                                 num_loss_tokens, max_is_ratio=max_is_ratio)
+
+    return objective

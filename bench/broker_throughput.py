@@ -8,9 +8,12 @@ For each message size S and receiver count N:
 (a) raw: pyzmq PUSH->PULL over TCP 127.0.0.1, one PUSH socket per receiver. "stream": K messages of S bytes
     to each receiver (K = max(1, 64 // S_MiB), so every measurement moves ~64 MiB per receiver); "single":
     one message of S bytes to each of the N receivers (N separate raw sends).
-(b) relay: the broker's rollout stream, orchestrator ``RolloutProducer`` -> broker ``RolloutPlane`` (which
-    spools every batch to disk, fsynced, before acking it) -> trainer ``RolloutConsumer`` per rank: K
-    micro-batches of S bytes per rank, time until every rank has its step. Compared with raw "stream".
+(b) relay: the broker's rollout stream, orchestrator ``RolloutProducer.send_batches`` (a window of
+    ``--window`` batches in flight) -> broker ``RolloutPlane`` (which spools every batch, fsynced with a
+    group commit, before acking it) -> trainer ``RolloutConsumer`` per rank: K micro-batches of S bytes per
+    rank, time until every rank has its step. Compared with raw "stream". Measured twice: with the spool on
+    disk (``--spool-dir``, default the system temp dir) and on tmpfs (/dev/shm, where fsync costs nothing),
+    which separates the disk's cost from the broker's own overhead. ``--no-shm`` skips the second.
 (c) fan-out: trainer ``WeightPublisher`` -> broker ``WeightPlane`` -> N ``WeightSubscriber``: one FULL update
     of S bytes, time from the start of ``publish`` (which computes the SHA-256) until every subscriber holds
     the whole update (CRC-checked per chunk; SHA-256-checked too with ``--verify-digest``) ("stored": when the broker's ack reached the publisher; "phase": the rest). Compared with raw "single".
@@ -24,8 +27,7 @@ parts. With 6 processes on 2 cores both sides pay the same scheduling; the numbe
 over a pipe (~0.1 ms).
 
 The broker uses the default config's message limit (256 MiB) unless ``--chunk-mib`` is given, so a weight
-update up to that size travels as one chunk. The spool lives under ``--spool-dir`` (default: a temporary
-directory on disk; ``/dev/shm`` takes the disk out of the comparison).
+update up to that size travels as one chunk.
 """
 
 from __future__ import annotations
@@ -88,8 +90,8 @@ def weight_update(version: int, size_bytes: int):
 # child processes
 
 
-def broker_main(conn, spool_dir: str, max_message_bytes: int, chunk_bytes: int) -> None:
-    """The broker: weight plane and (if available) rollout plane, each with its own IO thread."""
+def broker_main(conn, spool_dirs: list[str], max_message_bytes: int, chunk_bytes: int) -> None:
+    """The broker: weight plane and one rollout plane per spool directory, each with its own IO thread."""
     import zmq
 
     from primerl.runtime.log_setup import configure_logging
@@ -103,15 +105,17 @@ def broker_main(conn, spool_dir: str, max_message_bytes: int, chunk_bytes: int) 
     limits, _ = weight_limits(max_message_bytes)
     weight_plane = WeightPlane(WeightStore(), context, "127.0.0.1", 0, limits, TOKEN, chunk_bytes)
     info: dict[str, Any] = {"weight_port": weight_plane.start()}
-    rollout_plane = None
+    rollout_planes = []
     try:
         from primerl.broker.rollout_plane import RolloutPlane
         from primerl.broker.rollout_queue import RolloutQueue
         from primerl.broker.spool import RolloutSpool
 
-        queue = RolloutQueue(RolloutSpool(spool_dir), max_batches=4096, max_bytes=4 << 30)
-        rollout_plane = RolloutPlane(queue, context, "127.0.0.1", 0, limits, TOKEN)
-        info["rollout_port"] = rollout_plane.start()
+        info["rollout_ports"] = []
+        for spool_dir in spool_dirs:
+            queue = RolloutQueue(RolloutSpool(spool_dir), max_batches=4096, max_bytes=4 << 30)
+            rollout_planes.append(RolloutPlane(queue, context, "127.0.0.1", 0, limits, TOKEN))
+            info["rollout_ports"].append(rollout_planes[-1].start())
     except Exception as exc:  # noqa: BLE001 - reported to the parent, which measures the weight path only
         info["rollout_error"] = f"{type(exc).__name__}: {exc}"
     conn.send(info)
@@ -121,7 +125,7 @@ def broker_main(conn, spool_dir: str, max_message_bytes: int, chunk_bytes: int) 
                 break
             command = conn.recv()
             if command[0] == "release":
-                conn.send(rollout_plane.release_through(command[1]))
+                conn.send(rollout_planes[command[1]].release_through(command[2]))
             elif command[0] == "status":
                 conn.send(weight_plane.status())
             else:
@@ -130,7 +134,7 @@ def broker_main(conn, spool_dir: str, max_message_bytes: int, chunk_bytes: int) 
         pass
     finally:
         weight_plane.stop(5.0)
-        if rollout_plane is not None:
+        for rollout_plane in rollout_planes:
             rollout_plane.stop(5.0)
             rollout_plane.queue.close()
         context.destroy(linger=0)
@@ -151,7 +155,7 @@ def receiver_main(conn, index: int, max_message_bytes: int, verify_digest: bool)
     context = zmq.Context()
     limits, _ = weight_limits(max_message_bytes)
     pull = None
-    consumer = None
+    consumers: dict[int, Any] = {}
     subscriber = None
     try:
         while True:
@@ -173,14 +177,15 @@ def receiver_main(conn, index: int, max_message_bytes: int, verify_digest: bool)
                     num_bytes += len(pull.recv(copy=False))
                 conn.send(("done", num_bytes))
             elif command == "relay_join":
-                endpoint, rank = args
-                consumer = RolloutConsumer(endpoint, TOKEN, f"trainer-{rank}", rank, credits=4, context=context, limits=limits)
-                consumer.hello(timeout_s=30)
+                plane, endpoint, rank = args
+                consumers[plane] = RolloutConsumer(endpoint, TOKEN, f"trainer-{rank}", rank, credits=4, context=context,
+                                                   limits=limits)
+                consumers[plane].hello(timeout_s=30)
                 conn.send("ok")
             elif command == "relay":
-                (step,) = args
+                plane, step = args
                 conn.send("ready")
-                batches = consumer.fetch_step(step, timeout_s=REPLY_TIMEOUT_S)
+                batches = consumers[plane].fetch_step(step, timeout_s=REPLY_TIMEOUT_S)
                 num_bytes = sum(sum(t.nbytes for t in tensors.values()) for _, tensors in batches)
                 conn.send(("done", num_bytes))
             elif command == "weight_join":
@@ -212,7 +217,7 @@ def receiver_main(conn, index: int, max_message_bytes: int, verify_digest: bool)
     except EOFError:
         pass
     finally:
-        for client in (consumer, subscriber):
+        for client in (*consumers.values(), subscriber):
             if client is not None:
                 client.close()
         if pull is not None:
@@ -259,6 +264,7 @@ class Row:
     raw_stream_s: float
     raw_single_s: float
     relay_s: float | None
+    relay_shm_s: float | None
     fanout_s: float
     fanout_stored_s: float
 
@@ -274,13 +280,20 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--chunk-mib", type=int, default=None, help="weight chunk size (default: the message limit, 256 MiB)")
     parser.add_argument("--spool-dir", default=None, help="parent of the spool directory (default: the system temp dir)")
     parser.add_argument("--verify-digest", action="store_true", help="subscribers check the SHA-256 themselves too")
+    parser.add_argument("--window", type=int, default=8, help="rollout batches the producer keeps in flight")
+    parser.add_argument("--no-shm", action="store_true", help="skip the relay with the spool on /dev/shm")
     args = parser.parse_args(argv)
-    if args.repeats < 1 or min(args.sizes_mib) < 1 or min(args.receivers) < 1:
-        parser.error("--repeats, --sizes-mib and --receivers must be >= 1")
+    if args.repeats < 1 or min(args.sizes_mib) < 1 or min(args.receivers) < 1 or args.window < 1:
+        parser.error("--repeats, --sizes-mib, --receivers and --window must be >= 1")
     max_message_bytes = max(DEFAULT_MAX_MESSAGE_BYTES, max(args.sizes_mib) * MiB)
     chunk_bytes = (args.chunk_mib * MiB) if args.chunk_mib else max_message_bytes
     max_receivers = max(args.receivers)
     spool_parent = tempfile.mkdtemp(prefix="primerl-bench-", dir=args.spool_dir)
+    spool_dirs = [os.path.join(spool_parent, "spool")]
+    shm_parent = None
+    if not args.no_shm and os.path.isdir("/dev/shm"):
+        shm_parent = tempfile.mkdtemp(prefix="primerl-bench-", dir="/dev/shm")
+        spool_dirs.append(os.path.join(shm_parent, "spool"))
     started = time.perf_counter()
 
     import zmq
@@ -306,13 +319,14 @@ def main(argv: list[str] | None = None) -> int:
 
     context = zmq.Context()
     pushes: list = []
-    producer = publisher = None
+    producers: list = []
+    publisher = None
     rows: list[Row] = []
     try:
-        broker = start(broker_main, os.path.join(spool_parent, "spool"), max_message_bytes, chunk_bytes)
+        broker = start(broker_main, spool_dirs, max_message_bytes, chunk_bytes)
         receivers = [start(receiver_main, i, max_message_bytes, args.verify_digest) for i in range(max_receivers)]
         info = expect(broker, 60)
-        relay_available = "rollout_port" in info
+        relay_available = "rollout_error" not in info
         if not relay_available:
             print(f"rollout relay not measured: {info['rollout_error']}", file=sys.stderr)
         limits, _ = weight_limits(max_message_bytes)
@@ -323,11 +337,13 @@ def main(argv: list[str] | None = None) -> int:
             push.setsockopt(zmq.LINGER, 0)
             push.connect(f"tcp://127.0.0.1:{ask(receiver, ('raw_bind',))}")
             pushes.append(push)
+        producers = []
         if relay_available:
-            rollout_endpoint = f"tcp://127.0.0.1:{info['rollout_port']}"
-            producer = RolloutProducer(rollout_endpoint, TOKEN, "orchestrator", context=context, limits=limits)
-            for rank, receiver in enumerate(receivers):
-                assert ask(receiver, ("relay_join", rollout_endpoint, rank)) == "ok"
+            for plane, port in enumerate(info["rollout_ports"]):
+                rollout_endpoint = f"tcp://127.0.0.1:{port}"
+                producers.append(RolloutProducer(rollout_endpoint, TOKEN, "orchestrator", context=context, limits=limits))
+                for rank, receiver in enumerate(receivers):
+                    assert ask(receiver, ("relay_join", plane, rollout_endpoint, rank)) == "ok"
         publisher = WeightPublisher(weight_endpoint, TOKEN, "trainer", chunk_bytes, context=context, limits=limits)
 
         step = 0
@@ -342,7 +358,8 @@ def main(argv: list[str] | None = None) -> int:
                 raw_payload = rollout_batch(0, 0, 0, 1, size)[1]
                 batches = [[rollout_batch(0, rank, i, count, size) for i in range(count)] for rank in range(num_receivers)]
                 update = weight_update(1, size)
-                samples: dict[str, list[float]] = {"stream": [], "single": [], "relay": [], "fanout": [], "stored": []}
+                samples: dict[str, list[float]] = {"stream": [], "single": [], "relay": [], "relay_shm": [], "fanout": [],
+                                                   "stored": []}
                 for repeat in range(args.repeats + 1):  # the first round warms up and is not counted
                     keep = repeat > 0
 
@@ -358,21 +375,24 @@ def main(argv: list[str] | None = None) -> int:
                     if keep:
                         samples["single"].append(seconds)
 
-                    if relay_available:
+                    for plane, producer in enumerate(producers):
                         step += 1
 
                         def relay_send() -> None:
-                            for index in range(count):
-                                for rank in range(num_receivers):
-                                    header, payload = batches[rank][index]
-                                    header.step = step
-                                    header.batch_id = f"{step}:{rank}:{index}"
-                                    producer.send_batch(header, payload, timeout_s=REPLY_TIMEOUT_S)
+                            def stream():
+                                for index in range(count):
+                                    for rank in range(num_receivers):
+                                        header, payload = batches[rank][index]
+                                        header.step = step
+                                        header.batch_id = f"{step}:{rank}:{index}"
+                                        yield header, payload
 
-                        seconds, _, _ = run_timed(active, ("relay", step), relay_send)
-                        ask(broker, ("release", step))
+                            producer.send_batches(stream(), window=args.window, timeout_s=REPLY_TIMEOUT_S)
+
+                        seconds, _, _ = run_timed(active, ("relay", plane, step), relay_send)
+                        ask(broker, ("release", plane, step))
                         if keep:
-                            samples["relay"].append(seconds)
+                            samples["relay" if plane == 0 else "relay_shm"].append(seconds)
 
                     version += 1
                     header, payload = update
@@ -389,7 +409,7 @@ def main(argv: list[str] | None = None) -> int:
                         samples["stored"].append(stored)
                 median = {key: statistics.median(values) if values else None for key, values in samples.items()}
                 row = Row(size_mib, num_receivers, count, median["stream"], median["single"], median["relay"],
-                          median["fanout"], median["stored"])
+                          median["relay_shm"], median["fanout"], median["stored"])
                 rows.append(row)
                 print(f"  measured {size_mib} MiB x {num_receivers} receivers", file=sys.stderr, flush=True)
             for subscriber in active:
@@ -397,7 +417,7 @@ def main(argv: list[str] | None = None) -> int:
         print_table(rows, relay_available, args, chunk_bytes, time.perf_counter() - started)
         return 0
     finally:
-        for client in (producer, publisher):
+        for client in (*producers, publisher):
             if client is not None:
                 client.close()
         for push in pushes:
@@ -414,6 +434,8 @@ def main(argv: list[str] | None = None) -> int:
                 process.join(5)
         context.destroy(linger=0)
         shutil.rmtree(spool_parent, ignore_errors=True)
+        if shm_parent is not None:
+            shutil.rmtree(shm_parent, ignore_errors=True)
 
 
 def print_table(rows: list[Row], relay_available: bool, args, chunk_bytes: int, total_s: float) -> None:
@@ -421,15 +443,21 @@ def print_table(rows: list[Row], relay_available: bool, args, chunk_bytes: int, 
     print(f"primerl broker throughput, loopback TCP, {os.cpu_count()} cores; medians of {args.repeats} after a warm-up; "
           f"weight chunk {chunk_bytes // MiB} MiB; subscriber SHA-256 check {'on' if args.verify_digest else 'off'}")
     print()
-    print("Rollout relay (K messages per receiver; MB/s = bytes delivered to all receivers / time)  target: ratio >= 0.8")
-    print(f"{'size':>6} {'recv':>4} {'K':>3} {'raw MB/s':>10} {'broker MB/s':>12} {'ratio':>6}")
+    print(f"Rollout relay (K messages per receiver; producer window {args.window}; MB/s = bytes delivered to all "
+          "receivers / time)  target: ratio >= 0.8")
+    print("  raw = pyzmq PUSH->PULL, one hop; disk = through the broker, spool on disk (fsync per group before the ack); "
+          "shm = the same with the spool on /dev/shm (no disk cost: the broker's own overhead)")
+    print(f"{'size':>6} {'recv':>4} {'K':>3} {'raw MB/s':>10} {'disk MB/s':>10} {'ratio':>6} {'shm MB/s':>10} {'ratio':>6}")
     for row in rows:
         raw = row.mbps(row.raw_stream_s, row.count)
-        if relay_available and row.relay_s is not None:
-            broker = row.mbps(row.relay_s, row.count)
-            print(f"{row.size_mib:>4}Mi {row.receivers:>4} {row.count:>3} {raw:>10.0f} {broker:>12.0f} {broker / raw:>6.2f}")
-        else:
-            print(f"{row.size_mib:>4}Mi {row.receivers:>4} {row.count:>3} {raw:>10.0f} {'n/a':>12} {'n/a':>6}")
+        cells = []
+        for seconds in (row.relay_s, row.relay_shm_s):
+            if relay_available and seconds is not None:
+                broker = row.mbps(seconds, row.count)
+                cells.append(f"{broker:>10.0f} {broker / raw:>6.2f}")
+            else:
+                cells.append(f"{'n/a':>10} {'n/a':>6}")
+        print(f"{row.size_mib:>4}Mi {row.receivers:>4} {row.count:>3} {raw:>10.0f} {cells[0]} {cells[1]}")
     print()
     print("Weight fan-out (one update; raw: N separate sends; broker: publish start -> every receiver holds it)  "
           "target: ratio <= 1.5")

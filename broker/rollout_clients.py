@@ -17,7 +17,8 @@ from __future__ import annotations
 import hmac
 import time
 import uuid
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 import zmq
@@ -32,6 +33,8 @@ from primerl.runtime.zmq_sockets import connect_dealer
 log = get_logger("primerl.broker.rollout_clients")
 
 DEFAULT_MAX_MESSAGE_BYTES = 256 << 20
+DEFAULT_WINDOW = 8
+DEFAULT_MAX_INFLIGHT_BYTES = 512 << 20
 
 
 class RolloutStreamError(RuntimeError):
@@ -110,10 +113,13 @@ class _DealerClient:
         self.close()
 
     def _send(self, message_type: int, header: Any, payload: list[Any], deadline_s: float, message_id: str) -> None:
-        if self._socket is None:
-            raise RolloutStreamError("the client is closed")
         frames = framing.encode(message_type, header, payload, auth_token=self.auth_token or "", sender=self.sender,
                                 message_id=message_id)
+        self._send_frames(frames, deadline_s)
+
+    def _send_frames(self, frames: list[Any], deadline_s: float) -> None:
+        if self._socket is None:
+            raise RolloutStreamError("the client is closed")
         while True:
             try:
                 self._socket.send_multipart(frames, flags=zmq.NOBLOCK, copy=False)
@@ -151,8 +157,31 @@ class _DealerClient:
                               f"{error.message}", error.code)
 
 
+@dataclass
+class _InFlight:
+    """One batch of ``send_batches`` between its first send and its durable ack."""
+
+    position: int
+    batch_id: str
+    header_bytes: bytes
+    payload: Any
+    checksum: int
+    num_bytes: int
+    deadline_s: float
+    resend_at_s: float = 0.0
+    # Set while the broker told us to wait: resend at this time (not before).
+    retry_at_s: float | None = None
+    message_ids: set[str] = field(default_factory=set)
+    last_refusal: str = ""
+
+
 class RolloutProducer(_DealerClient):
-    """Sends rollout micro-batches to the broker and waits until each one is spooled (durable)."""
+    """Sends rollout micro-batches to the broker and waits until each one is spooled (durable).
+
+    ``send_batches`` keeps a window of batches in flight (sent, durable ack not yet back) so that the broker
+    always has the next batch waiting and can spool several with one group commit; ``send_batch`` is the
+    same with a window of one.
+    """
 
     def __init__(self, endpoint: str, auth_token: str | None = None, sender: str = "orchestrator", *,
                  context: zmq.Context | None = None, max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
@@ -165,54 +194,111 @@ class RolloutProducer(_DealerClient):
         """Send one batch; returns its durable ack. While the broker's queue is full, waits the time the
         broker says and resends. Raises ``RolloutRefused`` (a clear error from the broker) or
         ``RolloutTimeout`` (no durable ack within ``timeout_s``)."""
+        return self.send_batches([(header, payload)], window=1, timeout_s=timeout_s)[0]
+
+    def send_batches(self, batches: Iterable[tuple[data_pb2.RolloutBatchHeader, Any]], *, window: int = DEFAULT_WINDOW,
+                     max_inflight_bytes: int = DEFAULT_MAX_INFLIGHT_BYTES,
+                     timeout_s: float = 60.0) -> list[data_pb2.RolloutAck]:
+        """Send batches ``(header, payload)`` with up to ``window`` of them (and ``max_inflight_bytes`` of
+        payload; at least one) in flight; returns their durable acks in input order.
+
+        Each batch must get its durable ack within ``timeout_s`` of its first send (``RolloutTimeout``
+        otherwise). A batch the broker tells to wait (BACKPRESSURE) stays in the window and is resent after
+        the broker's ``retry_after_ms``; a batch without any answer for ``resend_interval_s`` is resent
+        (resends are idempotent by batch id). The first refusal (``RolloutRefused``, naming the batch) ends
+        the call: batches still in flight may or may not have been spooled, and resending them is safe.
+        ``batches`` is consumed lazily, and each payload must not change until its ack is back.
+        """
+        if window < 1:
+            raise ValueError(f"window must be >= 1, got {window}")
+        if max_inflight_bytes < 1:
+            raise ValueError(f"max_inflight_bytes must be >= 1, got {max_inflight_bytes}")
+        source = iter(batches)
+        acks: list[data_pb2.RolloutAck | None] = []
+        inflight: dict[str, _InFlight] = {}  # batch id -> its state
+        by_message: dict[str, _InFlight] = {}  # message id of every send -> its batch
+        inflight_bytes = 0
+        exhausted = False
+        while True:
+            # Fill the window.
+            while not exhausted and len(inflight) < window and (not inflight or inflight_bytes < max_inflight_bytes):
+                try:
+                    header, payload = next(source)
+                except StopIteration:
+                    exhausted = True
+                    break
+                entry = self._new_inflight(len(acks), header, payload, timeout_s)
+                if entry.batch_id in inflight:
+                    raise ValueError(f"batch {entry.batch_id!r} appears twice among the batches in flight")
+                acks.append(None)
+                inflight[entry.batch_id] = entry
+                inflight_bytes += entry.num_bytes
+                self._send_inflight(entry, by_message)
+            if not inflight:
+                return acks  # type: ignore[return-value]  # every slot is filled once nothing is in flight
+            now_s = time.monotonic()
+            for entry in list(inflight.values()):
+                if now_s >= entry.deadline_s:
+                    raise RolloutTimeout(
+                        f"batch {entry.batch_id!r} got no durable ack from {self.endpoint} within {timeout_s} s"
+                        f"{'; last answer: ' + entry.last_refusal if entry.last_refusal else ''}",
+                        common_pb2.ERROR_CODE_BACKPRESSURE if entry.last_refusal else common_pb2.ERROR_CODE_UNSPECIFIED)
+                due_s = entry.retry_at_s if entry.retry_at_s is not None else entry.resend_at_s
+                if now_s >= due_s:
+                    self._send_inflight(entry, by_message)
+            wake_s = min(min(e.deadline_s, e.retry_at_s if e.retry_at_s is not None else e.resend_at_s)
+                         for e in inflight.values())
+            message = self._recv(max(0.0, wake_s - time.monotonic()))
+            if message is None:
+                continue
+            reply_to = message.envelope.in_reply_to
+            entry = by_message.get(reply_to)
+            if message.type == data_pb2.ERROR:
+                if reply_to and entry is None:
+                    continue  # an answer to an earlier call
+                raise self._error_of(message) if entry is None else RolloutRefused(
+                    f"batch {entry.batch_id!r}: {self._error_of(message)}", message.header.error.code)
+            if message.type != data_pb2.ROLLOUT_ACK or entry is None or inflight.get(entry.batch_id) is not entry:
+                continue  # a late answer to an earlier call, or to a batch already acked
+            ack = message.header
+            if not ack.HasField("error") or ack.error.code == common_pb2.ERROR_CODE_UNSPECIFIED:
+                if not ack.durable:
+                    raise RolloutStreamError(f"broker acked batch {entry.batch_id!r} without making it durable")
+                acks[entry.position] = ack
+                del inflight[entry.batch_id]
+                inflight_bytes -= entry.num_bytes
+                for message_id in entry.message_ids:
+                    by_message.pop(message_id, None)
+                continue
+            if ack.error.code != common_pb2.ERROR_CODE_BACKPRESSURE:
+                raise RolloutRefused(f"broker refused batch {entry.batch_id!r}: {ack.error.message}", ack.error.code)
+            self.num_backpressure_waits += 1
+            entry.last_refusal = ack.error.message
+            entry.retry_at_s = time.monotonic() + max(0.005, ack.error.retry_after_ms / 1000)
+
+    def _new_inflight(self, position: int, header: data_pb2.RolloutBatchHeader, payload: Any, timeout_s: float) -> _InFlight:
+        """Serialize the header and compute the checksum once; every (re)send reuses them."""
         if not header.batch_id:
             named = data_pb2.RolloutBatchHeader()
             named.CopyFrom(header)
             named.batch_id = default_batch_id(header.step, header.rank, header.micro_batch_index)
             header = named
-        deadline_s = time.monotonic() + timeout_s
-        message_ids: set[str] = set()
-        last_refusal = ""
+        header_bytes = header.SerializeToString(deterministic=True)
+        view = memoryview(getattr(payload, "buffer", payload))
+        view = view if view.format == "B" and view.ndim == 1 else view.cast("B")
+        checksum = framing.compute_checksum(data_pb2.ROLLOUT_BATCH, header_bytes, [view])
+        return _InFlight(position, header.batch_id, header_bytes, payload, checksum, view.nbytes,
+                         deadline_s=time.monotonic() + timeout_s)
 
-        def send() -> float:
-            message_id = uuid.uuid4().hex
-            message_ids.add(message_id)
-            self._send(data_pb2.ROLLOUT_BATCH, header, [payload], deadline_s, message_id)
-            return time.monotonic() + self.resend_interval_s
-
-        resend_at_s = send()
-        while True:
-            now_s = time.monotonic()
-            if now_s >= deadline_s:
-                raise RolloutTimeout(f"batch {header.batch_id!r} got no durable ack from {self.endpoint} within "
-                                     f"{timeout_s} s{'; last answer: ' + last_refusal if last_refusal else ''}",
-                                     common_pb2.ERROR_CODE_BACKPRESSURE if last_refusal else common_pb2.ERROR_CODE_UNSPECIFIED)
-            if now_s >= resend_at_s:
-                resend_at_s = send()
-                continue
-            message = self._recv(min(deadline_s, resend_at_s) - now_s)
-            if message is None:
-                continue
-            if message.envelope.in_reply_to not in message_ids and message.envelope.in_reply_to:
-                continue  # a late answer to an earlier call
-            if message.type == data_pb2.ERROR:
-                raise self._error_of(message)
-            if message.type != data_pb2.ROLLOUT_ACK:
-                continue
-            ack = message.header
-            if not ack.HasField("error") or ack.error.code == common_pb2.ERROR_CODE_UNSPECIFIED:
-                if not ack.durable:
-                    raise RolloutStreamError(f"broker acked batch {header.batch_id!r} without making it durable")
-                return ack
-            if ack.error.code != common_pb2.ERROR_CODE_BACKPRESSURE:
-                raise RolloutRefused(f"broker refused batch {header.batch_id!r}: {ack.error.message}", ack.error.code)
-            self.num_backpressure_waits += 1
-            last_refusal = ack.error.message
-            delay_s = max(0.005, ack.error.retry_after_ms / 1000)
-            # Sleep until the retry time (or the deadline, which then raises), then resend.
-            time.sleep(max(0.0, min(delay_s, deadline_s - time.monotonic())))
-            if time.monotonic() < deadline_s:
-                resend_at_s = send()
+    def _send_inflight(self, entry: _InFlight, by_message: dict[str, _InFlight]) -> None:
+        message_id = uuid.uuid4().hex
+        entry.message_ids.add(message_id)
+        by_message[message_id] = entry
+        frames = framing.encode_raw(data_pb2.ROLLOUT_BATCH, entry.header_bytes, [entry.payload], checksum=entry.checksum,
+                                    auth_token=self.auth_token or "", sender=self.sender, message_id=message_id)
+        self._send_frames(frames, entry.deadline_s)
+        entry.retry_at_s = None
+        entry.resend_at_s = time.monotonic() + self.resend_interval_s
 
 
 class RolloutConsumer(_DealerClient):

@@ -16,6 +16,15 @@ peer in each direction (each at most ``limits.max_message_bytes``); a consumer g
 batches per request, and a send to a peer whose queue is full is not retried blindly: the batch is handed
 out again on that consumer's next request.
 
+Group commit: every message already waiting on the socket is drained (at most ``max_group_batches``
+batches, never more than ``hwm // 2`` since the group's acks leave in one burst, and ``max_group_bytes``
+payload bytes per group); the batches among them are decided and spooled
+together (``RolloutQueue.offer_many``: one directory fsync per group) and only then acked, in arrival
+order. A request or HELLO ends the group before it is handled, so messages are still handled in the order
+they came. An ack never precedes durability. A batch handed to a trainer is sent as spooled: its header
+bytes and verified CRC are reused (``framing.encode_raw``) and its payload comes from the spool's read
+cache while there, so a delivery costs neither a CRC pass nor a disk read.
+
 Only the IO thread touches the socket. ``release_through`` and ``status`` are safe from any thread:
 they go to the queue (its own lock) and to the throughput meters (their own lock). A commit frees space
 but needs no send: producers that were told to wait resend on their own.
@@ -38,6 +47,8 @@ from primerl.broker.rollout_queue import (
     Backpressure,
     Delivery,
     Duplicate,
+    OfferItem,
+    OfferResult,
     Refused,
     RolloutQueue,
     RolloutQueueStatus,
@@ -53,6 +64,10 @@ log = get_logger("primerl.broker.rollout_plane")
 
 ACCEPTED_TYPES = frozenset({data_pb2.ROLLOUT_BATCH, data_pb2.ROLLOUT_REQUEST, data_pb2.HELLO})
 MAX_MESSAGES_PER_POLL = 256
+DEFAULT_MAX_GROUP_BATCHES = 64
+ACK_SEND_WAIT_S = 0.5  # bounded wait for room in a peer's pipe for an ack (see _send)
+ACK_RETRY_SLEEP_S = 0.0005
+DEFAULT_MAX_GROUP_BYTES = 256 << 20
 BIND_RETRY_S = 2.0
 REFUSAL_SUMMARY_INTERVAL_S = 10.0
 MAX_REFUSAL_KEYS = 1024
@@ -140,9 +155,19 @@ class RolloutPlane:
         poll_interval_s: float = 0.05,
         throughput_window_s: float = 10.0,
         sender: str = "broker",
+        max_group_batches: int = DEFAULT_MAX_GROUP_BATCHES,
+        max_group_bytes: int = DEFAULT_MAX_GROUP_BYTES,
     ):
         if max_credits < 1:
             raise ValueError(f"max_credits must be >= 1, got {max_credits}")
+        if max_group_batches < 1 or max_group_bytes < 1:
+            raise ValueError(f"max_group_batches ({max_group_batches}) and max_group_bytes ({max_group_bytes}) must be >= 1")
+        # The acks of a group leave in one burst into a pipe of ``hwm`` messages: keep a group under it.
+        self.max_group_batches = min(max_group_batches, max(1, hwm // 2))
+        self.max_group_bytes = max_group_bytes
+        # Batches received but not yet spooled and acked: (routing id, message), arrival order.
+        self._group: list[tuple[bytes, framing.Message]] = []
+        self._group_bytes = 0
         self.queue = queue
         self.context = context
         self.host = host
@@ -249,6 +274,8 @@ class RolloutPlane:
                     except zmq.Again:
                         break
                     self._handle(socket, frames)
+                # Nothing more waiting: make the group durable and ack it.
+                self._commit_group(socket)
         except Exception as exc:
             # A bug or a broken context: the plane is useless now. Log once with the traceback and report.
             self.failure = exc
@@ -286,10 +313,15 @@ class RolloutPlane:
             self._refuse(socket, routing_id, exc.detail(), refused_type=framing.peek_type(body),
                          in_reply_to=_try_message_id(body, self.limits))
             return
+        if message.type == data_pb2.ROLLOUT_BATCH:
+            self._group.append((routing_id, message))
+            self._group_bytes += message.payload[0].nbytes
+            if len(self._group) >= self.max_group_batches or self._group_bytes >= self.max_group_bytes:
+                self._commit_group(socket)
+            return
+        self._commit_group(socket)  # handle messages in the order they came
         try:
-            if message.type == data_pb2.ROLLOUT_BATCH:
-                self._on_batch(socket, routing_id, message)
-            elif message.type == data_pb2.ROLLOUT_REQUEST:
+            if message.type == data_pb2.ROLLOUT_REQUEST:
                 self._on_request(socket, routing_id, message)
             else:
                 self._on_hello(socket, routing_id, message)
@@ -304,10 +336,34 @@ class RolloutPlane:
 
     # ------------------------------------------------------------------ handlers
 
-    def _on_batch(self, socket: zmq.Socket, routing_id: bytes, message: framing.Message) -> None:
+    def _commit_group(self, socket: zmq.Socket) -> None:
+        """Spool the batches received so far together (group commit), then ack each, then deliver."""
+        if not self._group:
+            return
+        group, self._group, self._group_bytes = self._group, [], 0
+        items = [OfferItem(m.header, m.payload[0], m.envelope.header, m.envelope.checksum) for _, m in group]
+        try:
+            outcome = self.queue.offer_many(items)
+        except SpoolError as exc:
+            log.error("rollout plane cannot spool a group of batches", num_batches=len(group), error=str(exc))
+            for routing_id, message in group:
+                self._refuse(socket, routing_id, _detail(common_pb2.ERROR_CODE_INTERNAL, f"broker spool failed: {exc}"),
+                             refused_type=message.type, in_reply_to=message.envelope.message_id, authenticated=True)
+            return
+        except Exception as exc:  # a bug handling valid batches: tell the senders, keep serving
+            log.exception("rollout plane failed handling a group of batches", num_batches=len(group))
+            for routing_id, message in group:
+                self._refuse(socket, routing_id, _detail(common_pb2.ERROR_CODE_INTERNAL, f"broker failed: {exc!r}"),
+                             refused_type=message.type, in_reply_to=message.envelope.message_id, authenticated=True)
+            return
+        for (routing_id, message), result in zip(group, outcome.results):
+            self._ack_batch(socket, routing_id, message, result)
+        for delivery in outcome.deliveries:
+            self._deliver(socket, delivery)
+
+    def _ack_batch(self, socket: zmq.Socket, routing_id: bytes, message: framing.Message, result: OfferResult) -> None:
         header = message.header
         payload = message.payload[0]
-        result = self.queue.offer(header, payload, header_bytes=message.envelope.header, crc32=message.envelope.checksum)
         ack = data_pb2.RolloutAck(batch_id=result.batch_id or header.batch_id, step=header.step)
         if isinstance(result, (Accepted, Duplicate, Stale)):
             ack.durable = True
@@ -333,10 +389,7 @@ class RolloutPlane:
             self._note_refusal(routing_id, result.code, result.message)
         self._send(socket, routing_id, framing.encode(
             data_pb2.ROLLOUT_ACK, ack, auth_token=self.auth_token or "", sender=self.sender,
-            in_reply_to=message.envelope.message_id))
-        if isinstance(result, Accepted):
-            for delivery in result.deliveries:
-                self._deliver(socket, delivery)
+            in_reply_to=message.envelope.message_id), wait_s=ACK_SEND_WAIT_S)
 
     def _on_request(self, socket: zmq.Socket, routing_id: bytes, message: framing.Message) -> None:
         request = message.header
@@ -367,7 +420,7 @@ class RolloutPlane:
         while pending:
             batch_id = pending.pop(0)
             try:
-                header, payload = self.queue.read(batch_id)
+                header_bytes, payload, crc32 = self.queue.read_record(batch_id)
             except BatchGone:
                 continue  # released by a commit meanwhile: nobody needs it any more
             except SpoolCorruption as exc:
@@ -376,7 +429,9 @@ class RolloutPlane:
                              f"spooled batch {batch_id!r} is damaged on the broker's disk and was quarantined: {exc}"),
                              refused_type=data_pb2.ROLLOUT_REQUEST, in_reply_to="", authenticated=True)
                 continue
-            frames = framing.encode(data_pb2.ROLLOUT_BATCH, header, [payload], auth_token=self.auth_token or "", sender=self.sender)
+            # As spooled: the header bytes and CRC the batch arrived with, verified then (no CRC pass here).
+            frames = framing.encode_raw(data_pb2.ROLLOUT_BATCH, header_bytes, [payload], checksum=crc32,
+                                        auth_token=self.auth_token or "", sender=self.sender)
             if not self._send(socket, routing_id, frames):
                 for unsent in [batch_id, *pending]:
                     self.queue.forget_delivery(routing_id, unsent)
@@ -406,11 +461,23 @@ class RolloutPlane:
         self._refusals.note(peer, code, message)
         self._report(code, message, peer)
 
-    def _send(self, socket: zmq.Socket, routing_id: bytes, frames: Sequence[Any]) -> bool:
-        """Send without blocking; a peer that is gone or not reading is logged (once) and False returned."""
+    def _send(self, socket: zmq.Socket, routing_id: bytes, frames: Sequence[Any], *, wait_s: float = 0.0) -> bool:
+        """Send without blocking; a peer that is gone or not reading is logged (once) and False returned.
+
+        ``wait_s``: how long to keep retrying while the peer's pipe is full (for acks, which leave in
+        bursts after a group commit); never for a peer already found unreachable, so a stuck peer costs
+        the IO thread this wait once, not per message."""
+        deadline_s = time.monotonic() + wait_s if wait_s > 0 and routing_id not in self._unreachable_logged else 0.0
         try:
-            socket.send_multipart([routing_id, *frames], flags=zmq.NOBLOCK, copy=False)
-            return True
+            while True:
+                try:
+                    socket.send_multipart([routing_id, *frames], flags=zmq.NOBLOCK, copy=False)
+                    self._unreachable_logged.discard(routing_id)
+                    return True
+                except zmq.Again:
+                    if time.monotonic() >= deadline_s:
+                        raise
+                    time.sleep(ACK_RETRY_SLEEP_S)
         except zmq.Again:
             reason = "its receive queue is full (high-water mark)"
         except zmq.ZMQError as exc:

@@ -20,9 +20,14 @@ Rules:
   until the commit (a checkpoint, maybe many steps later) without blocking producers, so the bound limits
   how far the orchestrator runs ahead, and disk use is bounded by the checkpoint interval times one step.
 
-Thread-safety: one lock around all state; the IO thread calls ``offer``/``request``, gRPC threads call
-``release_through`` and ``status``. Spool writes happen under the lock (one fsync per batch), spool reads
-for sending (``read``) outside it.
+Group commit: ``offer_many`` decides a group of batches in order (each sees the ones before it, as if
+offered one by one), spools the accepted ones together (``RolloutSpool.put_many``: one fsync per file, one
+directory fsync) and only then returns; the caller acks after that, so no ack precedes durability. If the
+spool write fails, none of the group is kept and the error is raised for the whole group.
+
+Thread-safety: one lock around all state; the IO thread calls ``offer``/``offer_many``/``request``, gRPC
+threads call ``release_through`` and ``status``. Spool writes happen under the lock, spool reads for
+sending (``read``, ``read_record``) outside it.
 """
 
 from __future__ import annotations
@@ -106,6 +111,26 @@ class Refused:
 
 
 OfferResult = Accepted | Duplicate | Stale | Backpressure | Refused
+
+
+@dataclass(frozen=True)
+class OfferItem:
+    """One batch of a group for ``offer_many``. ``header_bytes``/``crc32``: the exact serialized header the
+    payload's verified envelope checksum covers, to spool without recomputing the CRC."""
+
+    header: data_pb2.RolloutBatchHeader
+    payload: Any
+    header_bytes: bytes | None = None
+    crc32: int | None = None
+
+
+@dataclass(frozen=True)
+class GroupResult:
+    """The outcome of each batch of a group (in order), and the deliveries the accepted ones made possible
+    (send them after the acks)."""
+
+    results: tuple[OfferResult, ...]
+    deliveries: tuple[Delivery, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -196,51 +221,89 @@ class RolloutQueue:
         ``header_bytes``/``crc32``: the exact serialized header the payload's verified envelope checksum
         covers, to spool without recomputing the CRC (only used when the header needs no change).
         """
+        group = self.offer_many([OfferItem(header, payload, header_bytes, crc32)])
+        result = group.results[0]
+        if isinstance(result, Accepted):
+            return Accepted(result.batch_id, result.step, group.deliveries)
+        return result
+
+    def offer_many(self, items: list[OfferItem]) -> GroupResult:
+        """Decide a group of batches in order, spool the accepted ones durably together (group commit),
+        then serve pending requests with them. Raises ``SpoolError`` (nothing of the group kept) when the
+        spool cannot write."""
+        prepared = []
+        for item in items:
+            header, header_bytes, crc32 = item.header, item.header_bytes, item.crc32
+            if not _check_header(header) and not header.batch_id:
+                header = _with_default_batch_id(header)
+                header_bytes = crc32 = None
+            if header_bytes is None:
+                header_bytes = header.SerializeToString(deterministic=True)
+            prepared.append((header, item.payload, header_bytes, crc32))
+        with self._lock:
+            results: list[OfferResult] = []
+            accepted: list[tuple[data_pb2.RolloutBatchHeader, Any, bytes, int | None]] = []
+            group_ids: set[str] = set()
+            num_ahead, bytes_ahead = self._ahead()
+            for header, payload, header_bytes, crc32 in prepared:
+                result = self._decide_locked(header, payload, header_bytes, group_ids, num_ahead, bytes_ahead)
+                results.append(result)
+                if isinstance(result, Accepted):
+                    self._index(header)
+                    group_ids.add(header.batch_id)
+                    accepted.append((header, payload, header_bytes, crc32))
+                    if header.step > self._frontier_step:
+                        num_ahead += 1
+                        bytes_ahead += spooled_size_bytes(header_bytes, payload)
+            if not accepted:
+                return GroupResult(tuple(results))
+            try:
+                self.spool.put_many([(h.batch_id, hb, p, crc) for h, p, hb, crc in accepted])  # SpoolError on disk failure
+            except BaseException:
+                for header, *_ in accepted:
+                    self._unindex(header)
+                raise
+            self._counts["accepted"] += len(accepted)
+            keys = {(h.step, h.rank) for h, *_ in accepted}
+            deliveries = tuple(d for d in (self._serve(sid, s) for sid, s in self._sessions.items()
+                                           if s.pending and (s.pending.step, s.pending.rank) in keys) if d)
+        return GroupResult(tuple(results), deliveries)
+
+    def _decide_locked(self, header: data_pb2.RolloutBatchHeader, payload: Any, header_bytes: bytes, group_ids: set[str],
+                       num_ahead: int, bytes_ahead: int) -> OfferResult:
         problem = _check_header(header)
         if problem:
             return Refused(common_pb2.ERROR_CODE_MALFORMED_HEADER, problem, header.batch_id, header.step)
-        if not header.batch_id:
-            header = _with_default_batch_id(header)
-            header_bytes = crc32 = None
         batch_id, step, rank, index = header.batch_id, header.step, header.rank, header.micro_batch_index
-        if header_bytes is None:
-            header_bytes = header.SerializeToString(deterministic=True)
         size_bytes = spooled_size_bytes(header_bytes, payload)
-        with self._lock:
-            committed = self.spool.committed_step
-            if batch_id in self.spool:
-                self._counts["duplicates"] += 1
-                return Duplicate(batch_id, step)
-            if committed is not None and step <= committed:
-                self._counts["duplicates"] += 1
-                return Stale(batch_id, step, committed)
-            slot = self._slots.get((step, rank))
-            if slot is not None:
-                if slot.num_micro_batches != header.num_micro_batches:
-                    return Refused(common_pb2.ERROR_CODE_MALFORMED_HEADER,
-                                   f"batch {batch_id!r} says step {step} rank {rank} has {header.num_micro_batches} "
-                                   f"micro-batches; earlier batches of it said {slot.num_micro_batches}", batch_id, step)
-                other = slot.batch_ids.get(index)
-                if other is not None:
-                    return Refused(common_pb2.ERROR_CODE_MALFORMED_HEADER,
-                                   f"micro-batch {index} of step {step} rank {rank} is already spooled as batch "
-                                   f"{other!r}; a different batch {batch_id!r} cannot take its place", batch_id, step)
-            if size_bytes > self.max_bytes:
-                return Refused(common_pb2.ERROR_CODE_OVERSIZED,
-                               f"batch {batch_id!r} ({size_bytes} bytes spooled) can never fit in max_queue_bytes = "
-                               f"{self.max_bytes}; raise it or send smaller micro-batches", batch_id, step)
-            num_batches, num_bytes = self._ahead()
-            if num_batches >= self.max_batches or num_bytes + size_bytes > self.max_bytes:
-                self._counts["backpressured"] += 1
-                reason = (f"{num_batches} of {self.max_batches} batches" if num_batches >= self.max_batches
-                          else f"{num_bytes} + {size_bytes} of {self.max_bytes} bytes")
-                return Backpressure(batch_id, step, self.retry_after_ms, f"rollout queue full ({reason} ahead of the trainers); wait until a trainer asks for the next step")
-            self.spool.put(batch_id, header_bytes, payload, crc32=crc32)  # raises SpoolError on disk failure
-            self._index(header)
-            self._counts["accepted"] += 1
-            deliveries = tuple(d for d in (self._serve(sid, s) for sid, s in self._sessions.items()
-                                           if s.pending and (s.pending.step, s.pending.rank) == (step, rank)) if d)
-        return Accepted(batch_id, step, deliveries)
+        committed = self.spool.committed_step
+        if batch_id in group_ids or batch_id in self.spool:
+            self._counts["duplicates"] += 1
+            return Duplicate(batch_id, step)
+        if committed is not None and step <= committed:
+            self._counts["duplicates"] += 1
+            return Stale(batch_id, step, committed)
+        slot = self._slots.get((step, rank))
+        if slot is not None:
+            if slot.num_micro_batches != header.num_micro_batches:
+                return Refused(common_pb2.ERROR_CODE_MALFORMED_HEADER,
+                               f"batch {batch_id!r} says step {step} rank {rank} has {header.num_micro_batches} "
+                               f"micro-batches; earlier batches of it said {slot.num_micro_batches}", batch_id, step)
+            other = slot.batch_ids.get(index)
+            if other is not None:
+                return Refused(common_pb2.ERROR_CODE_MALFORMED_HEADER,
+                               f"micro-batch {index} of step {step} rank {rank} is already spooled as batch "
+                               f"{other!r}; a different batch {batch_id!r} cannot take its place", batch_id, step)
+        if size_bytes > self.max_bytes:
+            return Refused(common_pb2.ERROR_CODE_OVERSIZED,
+                           f"batch {batch_id!r} ({size_bytes} bytes spooled) can never fit in max_queue_bytes = "
+                           f"{self.max_bytes}; raise it or send smaller micro-batches", batch_id, step)
+        if num_ahead >= self.max_batches or bytes_ahead + size_bytes > self.max_bytes:
+            self._counts["backpressured"] += 1
+            reason = (f"{num_ahead} of {self.max_batches} batches" if num_ahead >= self.max_batches
+                      else f"{bytes_ahead} + {size_bytes} of {self.max_bytes} bytes")
+            return Backpressure(batch_id, step, self.retry_after_ms, f"rollout queue full ({reason} ahead of the trainers); wait until a trainer asks for the next step")
+        return Accepted(batch_id, step)
 
     # ------------------------------------------------------------------ consumer side
 
@@ -295,6 +358,20 @@ class RolloutQueue:
         raised."""
         try:
             return self.spool.get(batch_id)
+        except SpoolCorruption:
+            with self._lock:
+                for slot in self._slots.values():
+                    for index, other in list(slot.batch_ids.items()):
+                        if other == batch_id:
+                            del slot.batch_ids[index]
+            raise
+
+    def read_record(self, batch_id: str) -> tuple[bytes, memoryview, int]:
+        """(header bytes, payload, crc32) of a batch as spooled, for sending on with ``framing.encode_raw``
+        (no header re-serialization, no CRC pass; no disk read while the spool's read cache holds it).
+        Raises like ``read``."""
+        try:
+            return self.spool.get_record(batch_id)
         except SpoolCorruption:
             with self._lock:
                 for slot in self._slots.values():
@@ -381,6 +458,14 @@ class RolloutQueue:
     def _index(self, header: data_pb2.RolloutBatchHeader) -> None:
         slot = self._slots.setdefault((header.step, header.rank), _Slot(header.num_micro_batches))
         slot.batch_ids[header.micro_batch_index] = header.batch_id
+
+    def _unindex(self, header: data_pb2.RolloutBatchHeader) -> None:
+        key = (header.step, header.rank)
+        slot = self._slots.get(key)
+        if slot is not None and slot.batch_ids.get(header.micro_batch_index) == header.batch_id:
+            del slot.batch_ids[header.micro_batch_index]
+            if not slot.batch_ids:
+                del self._slots[key]
 
     def _session(self, session_id: bytes) -> _Session:
         session = self._sessions.get(session_id)

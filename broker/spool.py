@@ -23,6 +23,16 @@ computing it again. The file is exactly ``24 + h + p`` bytes. Nothing here unpic
 ``LOCK`` is held with ``flock`` by the one process that uses the directory (released by the kernel when
 that process dies, even by SIGKILL), so two brokers never share a spool.
 
+Group commit (``put_many``): the batches of one group are each written to their temporary file, then
+every file is fsynced, renamed, and the directory fsynced once; ``put_many`` returns only after that, so
+a caller that acks after it never acks a batch that a crash could lose. A crash in the middle leaves each
+batch of the group wholly present or absent, exactly as ``put`` does.
+
+Read cache (decision): the payloads of recently spooled batches stay in memory, as the read-only buffers
+they arrived in, up to ``cache_max_bytes`` (oldest evicted first), so handing a batch to a trainer shortly
+after it arrived costs neither a disk read nor a CRC pass. A cached record is the same bytes whose CRC was
+verified on arrival and that are on disk. ``cache_max_bytes=0`` turns the cache off.
+
 A third file, ``COMMITTED``, holds the highest step the trainer has committed (decimal text), written
 atomically the same way. Batches of steps at or below it are deleted.
 """
@@ -35,7 +45,8 @@ import os
 import struct
 import threading
 import time
-from collections.abc import Iterable
+from collections import OrderedDict
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -57,6 +68,7 @@ QUARANTINE_DIR = "quarantine"
 COMMITTED_FILE = "COMMITTED"
 LOCK_FILE = "LOCK"
 MAX_HEADER_BYTES = 16 << 20
+DEFAULT_CACHE_MAX_BYTES = 256 << 20
 
 
 class SpoolError(RuntimeError):
@@ -95,26 +107,54 @@ def _fsync_dir(directory: Path) -> None:
         os.close(fd)
 
 
+def _write_parts(handle: Any, parts: Iterable[Any]) -> int:
+    num_bytes = 0
+    for part in parts:
+        view = memoryview(part).cast("B")
+        while view.nbytes:
+            written = handle.write(view)
+            num_bytes += written
+            view = view[written:]
+    return num_bytes
+
+
+def _temp_path(directory: Path, name: str) -> Path:
+    return directory / f".{name}.{os.getpid()}.{threading.get_ident()}{TEMP_SUFFIX}"
+
+
 def _write_atomic(directory: Path, name: str, parts: Iterable[Any]) -> int:
     """Write ``parts`` to ``directory/name`` via temp file + fsync + rename + directory fsync; returns bytes."""
-    final = directory / name
-    temp = directory / f".{name}.{os.getpid()}.{threading.get_ident()}{TEMP_SUFFIX}"
-    num_bytes = 0
+    return _write_group(directory, [(name, parts)])[0]
+
+
+def _write_group(directory: Path, files: Sequence[tuple[str, Iterable[Any]]]) -> list[int]:
+    """Write several files atomically with one directory fsync: write every temp file, fsync each, rename
+    each, fsync the directory. Returns the bytes of each file. On an error no temp file is left behind
+    (files already renamed stay: each is whole)."""
+    temps: list[tuple[Path, Path]] = []
+    sizes: list[int] = []
     try:
-        with open(temp, "wb", buffering=0) as handle:
-            for part in parts:
-                view = memoryview(part).cast("B")
-                while view.nbytes:
-                    written = handle.write(view)
-                    num_bytes += written
-                    view = view[written:]
-            os.fsync(handle.fileno())
-        os.replace(temp, final)
+        handles = []
+        try:
+            for name, parts in files:
+                temp = _temp_path(directory, name)
+                handle = open(temp, "wb", buffering=0)
+                handles.append(handle)
+                temps.append((temp, directory / name))
+                sizes.append(_write_parts(handle, parts))
+            for handle in handles:
+                os.fsync(handle.fileno())
+        finally:
+            for handle in handles:
+                handle.close()
+        for temp, final in temps:
+            os.replace(temp, final)
     except BaseException:
-        temp.unlink(missing_ok=True)
+        for temp, _ in temps:
+            temp.unlink(missing_ok=True)
         raise
     _fsync_dir(directory)
-    return num_bytes
+    return sizes
 
 
 def _as_view(data: Any) -> memoryview:
@@ -129,9 +169,16 @@ class RolloutSpool:
     ever sees a batch that is wholly written, or ``BatchGone`` if it was deleted meanwhile.
     """
 
-    def __init__(self, directory: str | os.PathLike[str], *, verify_on_read: bool = True):
+    def __init__(self, directory: str | os.PathLike[str], *, verify_on_read: bool = True,
+                 cache_max_bytes: int = DEFAULT_CACHE_MAX_BYTES):
+        if cache_max_bytes < 0:
+            raise ValueError(f"cache_max_bytes must be >= 0, got {cache_max_bytes}")
         self.directory = Path(directory)
         self.verify_on_read = verify_on_read
+        self.cache_max_bytes = cache_max_bytes
+        # batch id -> (header bytes, payload view, crc32) of recently spooled batches, oldest first
+        self._cache: OrderedDict[str, tuple[bytes, memoryview, int]] = OrderedDict()
+        self._cache_bytes = 0
         self._lock = threading.Lock()
         self._entries: dict[str, SpoolEntry] = {}
         self._num_file_bytes = 0
@@ -161,7 +208,7 @@ class RolloutSpool:
             if not path.name.endswith(BATCH_SUFFIX):
                 continue
             try:
-                entry, _ = self._read_file(path, verify=True)
+                entry = self._read_file(path, verify=True)[0]
             except SpoolCorruption:
                 continue  # quarantined and logged by _read_file
             if entry.batch_id in entries or batch_file_name(entry.batch_id) != path.name:
@@ -192,33 +239,74 @@ class RolloutSpool:
         ``payload`` any bytes-like object (a received zmq frame's buffer works). ``crc32``, when given, is
         the already verified envelope checksum of exactly these bytes (see the module docstring).
         """
+        return self.put_many([(batch_id, header_bytes, payload, crc32)])[0]
+
+    def put_many(self, records: Sequence[tuple[str, bytes, Any, int | None]]) -> list[bool]:
+        """Write a group of batches ``(batch_id, header_bytes, payload, crc32)`` durably together (group
+        commit: one fsync per file, one directory fsync); returns, per record, whether it was written
+        (False: already spooled, or a repeat of an earlier record of the group). Every record is checked
+        before anything is written; raises ``ValueError`` for a bad record and ``SpoolError`` on a disk
+        failure (then none of the group is indexed)."""
         self._check_loaded()
-        if not batch_id:
-            raise ValueError("batch_id must not be empty")
-        if len(header_bytes) > MAX_HEADER_BYTES:
-            raise ValueError(f"batch header of {len(header_bytes)} bytes exceeds {MAX_HEADER_BYTES}")
-        header = _parse_header(header_bytes)
-        if header is None or header.batch_id != batch_id:
-            raise ValueError(f"header_bytes must be a RolloutBatchHeader with batch_id {batch_id!r}")
-        with self._lock:
-            if batch_id in self._entries:
-                return False
-        view = _as_view(payload)
-        if crc32 is None:
-            crc32 = compute_checksum(data_pb2.ROLLOUT_BATCH, header_bytes, [view])
-        prefix = PREFIX.pack(MAGIC, len(header_bytes), view.nbytes, crc32)
-        name = batch_file_name(batch_id)
+        prepared: list[tuple[str, data_pb2.RolloutBatchHeader, bytes, memoryview, int] | None] = []
+        seen: set[str] = set()
+        for batch_id, header_bytes, payload, crc32 in records:
+            if not batch_id:
+                raise ValueError("batch_id must not be empty")
+            if len(header_bytes) > MAX_HEADER_BYTES:
+                raise ValueError(f"batch header of {len(header_bytes)} bytes exceeds {MAX_HEADER_BYTES}")
+            header = _parse_header(header_bytes)
+            if header is None or header.batch_id != batch_id:
+                raise ValueError(f"header_bytes must be a RolloutBatchHeader with batch_id {batch_id!r}")
+            with self._lock:
+                known = batch_id in self._entries
+            if known or batch_id in seen:
+                prepared.append(None)
+                continue
+            seen.add(batch_id)
+            view = _as_view(payload).toreadonly()
+            if crc32 is None:
+                crc32 = compute_checksum(data_pb2.ROLLOUT_BATCH, header_bytes, [view])
+            prepared.append((batch_id, header, bytes(header_bytes), view, crc32))
+        files = [(batch_file_name(p[0]), [PREFIX.pack(MAGIC, len(p[2]), p[3].nbytes, p[4]), p[2], p[3]])
+                 for p in prepared if p is not None]
+        if not files:
+            return [False] * len(prepared)
         try:
-            file_bytes = _write_atomic(self.directory, name, [prefix, header_bytes, view])
+            sizes = iter(_write_group(self.directory, files))
         except OSError as exc:
-            raise SpoolError(f"cannot write batch {batch_id!r} to {self.directory}: {exc}") from exc
-        entry = SpoolEntry(batch_id, header, self.directory / name, view.nbytes, file_bytes)
+            raise SpoolError(f"cannot write {len(files)} batch(es) to {self.directory}: {exc}") from exc
+        written: list[bool] = []
         with self._lock:
-            if batch_id in self._entries:  # a concurrent put of the same batch won; same bytes on disk
-                return False
-            self._entries[batch_id] = entry
-            self._num_file_bytes += file_bytes
-        return True
+            for item in prepared:
+                if item is None:
+                    written.append(False)
+                    continue
+                batch_id, header, header_bytes, view, crc32 = item
+                file_bytes = next(sizes)
+                if batch_id in self._entries:  # a concurrent put of the same batch won; same bytes on disk
+                    written.append(False)
+                    continue
+                self._entries[batch_id] = SpoolEntry(batch_id, header, self.directory / batch_file_name(batch_id),
+                                                     view.nbytes, file_bytes)
+                self._num_file_bytes += file_bytes
+                self._cache_put_locked(batch_id, header_bytes, view, crc32)
+                written.append(True)
+        return written
+
+    def get_record(self, batch_id: str) -> tuple[bytes, memoryview, int]:
+        """(header bytes, payload view, crc32) of a spooled batch, exactly as spooled: what a relay needs to
+        send it on without re-serializing the header or computing the CRC again (``framing.encode_raw``).
+        From the read cache when there, else from disk (checked like ``get``)."""
+        with self._lock:
+            cached = self._cache.get(batch_id)
+            entry = self._entries.get(batch_id)
+        if entry is None:
+            raise BatchGone(batch_id)
+        if cached is not None:
+            return cached
+        header, payload, crc32, header_bytes = self._read_entry(batch_id, entry)
+        return header_bytes, payload, crc32
 
     def get(self, batch_id: str) -> tuple[data_pb2.RolloutBatchHeader, memoryview]:
         """The header and payload of a spooled batch. The payload is a view of one buffer read from disk
@@ -227,16 +315,21 @@ class RolloutSpool:
             entry = self._entries.get(batch_id)
         if entry is None:
             raise BatchGone(batch_id)
+        header, payload, _, _ = self._read_entry(batch_id, entry)
+        return header, payload
+
+    def _read_entry(self, batch_id: str, entry: SpoolEntry) -> tuple[data_pb2.RolloutBatchHeader, memoryview, int, bytes]:
         try:
-            read_entry, payload = self._read_file(entry.path, verify=self.verify_on_read)
+            read_entry, payload, crc32, header_bytes = self._read_file(entry.path, verify=self.verify_on_read)
         except FileNotFoundError:
             raise BatchGone(batch_id) from None
         except SpoolCorruption:
             with self._lock:
                 if self._entries.pop(batch_id, None) is not None:
                     self._num_file_bytes -= entry.file_bytes
+                self._cache_drop_locked(batch_id)
             raise
-        return read_entry.header, payload
+        return read_entry.header, payload, crc32, header_bytes
 
     def delete(self, batch_ids: Iterable[str]) -> int:
         """Delete batches (missing ones are skipped); returns how many were deleted."""
@@ -246,6 +339,7 @@ class RolloutSpool:
             entries = [self._entries.pop(b) for b in batch_ids if b in self._entries]
             for entry in entries:
                 self._num_file_bytes -= entry.file_bytes
+                self._cache_drop_locked(entry.batch_id)
         for entry in entries:
             try:
                 entry.path.unlink()
@@ -298,14 +392,37 @@ class RolloutSpool:
         with self._lock:
             self._committed_step = step
 
+    @property
+    def num_cached_bytes(self) -> int:
+        """Payload bytes held by the read cache (at most ``cache_max_bytes``)."""
+        with self._lock:
+            return self._cache_bytes
+
     def close(self) -> None:
         """Release the directory lock (the files stay). The process exiting, even killed, does the same."""
+        with self._lock:
+            self._cache.clear()
+            self._cache_bytes = 0
         if self._lock_fd is not None:
             os.close(self._lock_fd)
             self._lock_fd = None
         self._loaded = False
 
     # ------------------------------------------------------------------ internals
+
+    def _cache_put_locked(self, batch_id: str, header_bytes: bytes, payload: memoryview, crc32: int) -> None:
+        if payload.nbytes > self.cache_max_bytes:
+            return
+        self._cache[batch_id] = (header_bytes, payload, crc32)
+        self._cache_bytes += payload.nbytes
+        while self._cache_bytes > self.cache_max_bytes:
+            _, (_, evicted, _) = self._cache.popitem(last=False)
+            self._cache_bytes -= evicted.nbytes
+
+    def _cache_drop_locked(self, batch_id: str) -> None:
+        dropped = self._cache.pop(batch_id, None)
+        if dropped is not None:
+            self._cache_bytes -= dropped[1].nbytes
 
     def _lock_directory(self) -> None:
         if self._lock_fd is not None:
@@ -338,7 +455,7 @@ class RolloutSpool:
             return None
         return step
 
-    def _read_file(self, path: Path, *, verify: bool) -> tuple[SpoolEntry, memoryview]:
+    def _read_file(self, path: Path, *, verify: bool) -> tuple[SpoolEntry, memoryview, int, bytes]:
         with open(path, "rb", buffering=0) as handle:
             file_bytes = os.fstat(handle.fileno()).st_size
             if file_bytes < PREFIX_BYTES:
@@ -364,7 +481,7 @@ class RolloutSpool:
         if header is None or not header.batch_id:
             self._quarantine(path, "header is not a RolloutBatchHeader with a batch id")
         entry = SpoolEntry(header.batch_id, header, path, payload_len, file_bytes)
-        return entry, payload
+        return entry, payload, crc, header_bytes
 
     def _quarantine(self, path: Path, reason: str) -> None:
         """Move a damaged file aside (kept for inspection) and raise SpoolCorruption."""

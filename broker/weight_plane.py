@@ -13,8 +13,10 @@ Peers (all DEALER sockets, see ``weight_clients``):
 
 Fan-out never lets one worker hold up the others: every send is ``NOBLOCK`` with ``ROUTER_MANDATORY``; a
 full pipe (high-water mark) leaves the message in that worker's outbox for the next round; a gone peer
-(``EHOSTUNREACH``) is forgotten with one log line. The chunk messages of an update are encoded once (CRC
-over the payload once) and sent to every worker as zero-copy views of the stored payload. A worker that
+(``EHOSTUNREACH``) is forgotten with one log line. The chunk messages of an update are encoded once and
+sent to every worker as zero-copy views of the stored payload; when the update arrived in chunks of the
+size this plane sends, the header bytes and the CRC-32 of each chunk, verified on arrival, are reused, so
+forwarding makes no pass over the payload (the SHA-256 is computed once, as the chunks arrive). A worker that
 does not acknowledge within ``ack_timeout_s`` is sent its plan again, at most ``max_retries`` times in a
 row; then it is forgotten until it says HELLO again (``WeightSubscriber`` does so on its own).
 
@@ -29,6 +31,7 @@ import contextvars
 import hashlib
 import threading
 import time
+import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -205,6 +208,8 @@ class WeightPlane:
         self.max_pending_replies = max_pending_replies
         self._assembler = framing.ChunkAssembler(limits=limits, max_open_transfers=max_open_transfers, timeout_s=transfer_timeout_s)
         self._hashers: dict[tuple[str, str], Any] = {}
+        # Verified CRC-32 and size of each chunk received so far, per open transfer (see ``_encoded``).
+        self._chunk_crcs: dict[tuple[str, str], list[tuple[int, int]]] = {}
         # Transfers refused at one chunk: their later chunks are dropped without replies (bounded memory).
         self._refused_transfers: collections.OrderedDict[tuple[str, str], None] = collections.OrderedDict()
         self._workers: dict[bytes, _Worker] = {}
@@ -366,12 +371,16 @@ class WeightPlane:
                 if chunk.index == 0:
                     self.store.check_header(header)
                     self._hashers[key] = hashlib.sha256()
+                    self._chunk_crcs[key] = []
                 whole = self._assembler.add(message)
+                if key in self._chunk_crcs:
+                    self._chunk_crcs[key].append((envelope.checksum, message.payload[0].nbytes))
                 hasher = self._hashers.get(key)
                 if hasher is not None:
                     hasher.update(message.payload[0])
             except (WeightUpdateRefused, framing.FramingError) as exc:
                 self._hashers.pop(key, None)
+                self._chunk_crcs.pop(key, None)
                 self._remember_refused(key)
                 self._refuse_update(identity, header, exc, reply_to)
                 return
@@ -379,12 +388,18 @@ class WeightPlane:
                 return
             hasher = self._hashers.pop(key, None)
             digest = None if hasher is None else hasher.hexdigest()
+            chunk_crcs = self._chunk_crcs.pop(key, None)
+        else:
+            chunk_crcs = [(envelope.checksum, whole.payload[0].nbytes)]
         assert whole is not None
         try:
             result = self.store.put(header, whole.payload[0], computed_digest=digest)
         except WeightUpdateRefused as exc:
             self._refuse_update(identity, header, exc, reply_to)
             return
+        if chunk_crcs is not None:
+            # The exact header bytes and verified chunk CRCs it arrived with: forwarding costs no CRC pass.
+            result.update.cache["received"] = (envelope.header, chunk_crcs)
         log.info("weight update stored", update=result.update.describe(), full_required=result.full_required)
         ack = data_pb2.WeightAck(policy_version=header.policy_version, worker_id=BROKER_SENDER, applied=True,
                                  full_required=result.full_required)
@@ -582,12 +597,29 @@ class WeightPlane:
         return True
 
     def _encoded(self, update: StoredUpdate) -> list[list[Any]]:
-        """The chunk messages of ``update`` (CRC computed once; payload slices are zero-copy views)."""
+        """The chunk messages of ``update`` (payload slices are zero-copy views), built once per update.
+
+        When the update arrived in chunks of the size this plane sends, their header bytes and verified
+        CRC-32s are reused (``framing.encode_raw``): no pass over the payload at all. Otherwise the CRC of
+        each chunk is computed once here."""
         messages = update.cache.get("chunks")
-        if messages is None:
+        if messages is not None:
+            return messages
+        received = update.cache.pop("received", None)
+        total = update.payload.nbytes
+        count = max(1, -(-total // self.chunk_bytes))
+        if received is not None and [size for _, size in received[1]] == [
+                min(self.chunk_bytes, total - index * self.chunk_bytes) for index in range(count)]:
+            header_bytes, crcs = received
+            transfer_id = uuid.uuid4().hex
+            messages = [framing.encode_raw(
+                data_pb2.WEIGHT_UPDATE, header_bytes, [update.payload[index * self.chunk_bytes:(index + 1) * self.chunk_bytes]],
+                checksum=crc, chunk=data_pb2.Chunk(transfer_id=transfer_id, index=index, count=count, total_bytes=total),
+                **self._envelope("")) for index, (crc, _) in enumerate(crcs)]
+        else:
             messages = list(framing.encode_chunked(data_pb2.WEIGHT_UPDATE, update.header, update.payload,
                                                    chunk_bytes=self.chunk_bytes, **self._envelope("")))
-            update.cache["chunks"] = messages
+        update.cache["chunks"] = messages
         return messages
 
     def _queue_reply(self, identity: bytes, frames: list[Any]) -> None:
@@ -613,6 +645,7 @@ class WeightPlane:
             log.warning("incomplete weight transfer expired", transfer_id=transfer_id)
             for key in [k for k in self._hashers if k[1] == transfer_id]:
                 del self._hashers[key]
+                self._chunk_crcs.pop(key, None)
         for worker in list(self._workers.values()):
             if worker.unacked and worker.current is None and now_s - worker.last_progress_s > self.ack_timeout_s:
                 worker.retries += 1

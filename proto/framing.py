@@ -160,17 +160,44 @@ def encode(
     in_reply_to: str = "",
     message_id: str | None = None,
     chunk: data_pb2.Chunk | None = None,
+    checksum: int | None = None,
 ) -> list[Any]:
     """Frames of one message, ready for ``socket.send_multipart(frames, copy=False)``.
 
     Payload frames are passed through untouched (no copy); the caller must not mutate them until sent.
+    ``checksum``: the CRC-32 of exactly this type, serialized header and payload, when the caller already
+    has it (see ``encode_raw``).
     """
     expected = HEADER_TYPES.get(message_type)
     if expected is None:
         raise ValueError(f"unknown message type {message_type}")
     if not isinstance(header, expected):
         raise TypeError(f"{MessageType.Name(message_type)} needs a {expected.__name__} header, got {type(header).__name__}")
-    header_bytes = header.SerializeToString(deterministic=True)
+    return encode_raw(message_type, header.SerializeToString(deterministic=True), payload, auth_token=auth_token,
+                      sender=sender, in_reply_to=in_reply_to, message_id=message_id, chunk=chunk, checksum=checksum)
+
+
+def encode_raw(
+    message_type: int,
+    header_bytes: bytes,
+    payload: Sequence[Any] = (),
+    *,
+    auth_token: str = "",
+    sender: str = "",
+    in_reply_to: str = "",
+    message_id: str | None = None,
+    chunk: data_pb2.Chunk | None = None,
+    checksum: int | None = None,
+) -> list[Any]:
+    """``encode`` for a header that is already serialized, e.g. one received or spooled earlier.
+
+    With ``checksum`` (the verified CRC-32 of this type, ``header_bytes`` and ``payload``, e.g. the one a
+    batch arrived or was spooled with) no pass over the payload is made: relaying and resending a message
+    costs no CRC. The caller vouches that the checksum belongs to exactly these bytes; a wrong one makes
+    the receiver refuse the message (ERROR_CODE_BAD_CHECKSUM), never accept other bytes.
+    """
+    if message_type not in HEADER_TYPES:
+        raise ValueError(f"unknown message type {message_type}")
     payload_sizes = [_view(frame).nbytes for frame in payload]
     envelope = data_pb2.Envelope(
         message_id=message_id or uuid.uuid4().hex,
@@ -179,7 +206,7 @@ def encode(
         chunk=chunk or data_pb2.Chunk(index=0, count=1, total_bytes=sum(payload_sizes)),
         num_payload_frames=len(payload),
         payload_frame_bytes=payload_sizes,
-        checksum=compute_checksum(message_type, header_bytes, payload),
+        checksum=compute_checksum(message_type, header_bytes, payload) if checksum is None else checksum,
         auth_token=auth_token,
         in_reply_to=in_reply_to,
         sender=sender,

@@ -318,3 +318,15 @@ def test_random_frames_never_crash_the_decoder(frames):
     with pytest.raises(framing.FramingError) as info:  # random bytes never make a valid message
         framing.decode(frames)
     assert info.value.code != common_pb2.ERROR_CODE_UNSPECIFIED
+
+
+def test_encode_raw_with_a_known_checksum_makes_no_pass_and_is_checked_by_the_receiver():
+    frames, tensors = rollout_message()
+    sent = framing.decode(as_bytes(frames))
+    relayed = framing.encode_raw(data_pb2.ROLLOUT_BATCH, sent.envelope.header, sent.payload, checksum=sent.envelope.checksum,
+                                 sender="broker")
+    again = framing.decode(as_bytes(relayed))
+    assert again.envelope.header == sent.envelope.header and again.envelope.checksum == sent.envelope.checksum
+    assert bytes(again.payload[0]) == bytes(sent.payload[0])
+    wrong = framing.encode_raw(data_pb2.ROLLOUT_BATCH, sent.envelope.header, sent.payload, checksum=sent.envelope.checksum ^ 1)
+    assert isinstance(refusal(as_bytes(wrong)), framing.ChecksumMismatch)

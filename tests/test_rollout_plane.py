@@ -358,3 +358,84 @@ def fuzz_plane(tmp_path_factory):
     produce(harness.producer(plane), (1,), (0,), 1)
     check_step(harness.consumer(plane).fetch_step(1, timeout_s=5), 1, 0, 1)
     harness.close()
+
+
+# ---------------------------------------------------------------------------------------------------
+# pipelined producer and group commit
+
+
+def batches_of(step: int, rank: int, num: int, n: int = 64):
+    return [pack_batch(step, rank, index, num, tensors_for(step, rank, index, n)) for index in range(num)]
+
+
+def test_windowed_producer_gets_every_ack_in_order_and_no_ack_precedes_durability(harness):
+    plane = harness.plane()
+    spool = plane.queue.spool
+    durable: set[str] = set()
+    real_put_many = spool.put_many
+    group_sizes = []
+
+    def slow_put_many(records):
+        time.sleep(0.02)  # a slow disk: acks must still wait for the write
+        written = real_put_many(records)
+        group_sizes.append(len(records))
+        durable.update(batch_id for batch_id, *_ in records)
+        return written
+
+    spool.put_many = slow_put_many
+    producer = harness.producer(plane)
+    received_while_durable = []
+    real_recv = producer._recv
+
+    def checking_recv(timeout_s):
+        message = real_recv(timeout_s)
+        if message is not None and message.type == data_pb2.ROLLOUT_ACK:
+            received_while_durable.append(message.header.batch_id in durable)
+        return message
+
+    producer._recv = checking_recv
+    batches = batches_of(1, 0, 12)
+    acks = producer.send_batches(batches, window=6, timeout_s=10)
+    assert [a.batch_id for a in acks] == [f"1:0:{i}" for i in range(12)] and all(a.durable for a in acks)
+    assert received_while_durable and all(received_while_durable)
+    assert max(group_sizes) > 1, "with a window, the plane spools several batches per group commit"
+    consumer = harness.consumer(plane, credits=8)
+    check_step(consumer.fetch_step(1, timeout_s=10), 1, 0, 12)
+
+
+def test_windowed_producer_waits_through_backpressure(harness):
+    plane = harness.plane(max_batches=3, retry_after_ms=10)
+    producer = harness.producer(plane)
+    consumer = harness.consumer(plane, credits=8)
+    result = {}
+
+    def consume():
+        result["step1"] = consumer.fetch_step(1, timeout_s=10)  # moves the frontier: step 2 may come in
+        result["step2"] = consumer.fetch_step(2, timeout_s=10)
+
+    thread = threading.Thread(target=consume)
+    thread.start()
+    acks = producer.send_batches(batches_of(1, 0, 4) + batches_of(2, 0, 4), window=8, timeout_s=10)
+    thread.join(10)
+    assert len(acks) == 8 and all(a.durable for a in acks)
+    check_step(result["step1"], 1, 0, 4)
+    check_step(result["step2"], 2, 0, 4)
+
+
+def test_windowed_producer_refuses_clearly_and_times_out_under_a_full_queue(harness):
+    plane = harness.plane(max_batches=2, retry_after_ms=10)
+    producer = harness.producer(plane)
+    header, payload = pack_batch(1, 0, 0, 2, tensors_for(1, 0, 0))
+    bad = data_pb2.RolloutBatchHeader()
+    bad.CopyFrom(header)
+    bad.num_micro_batches = 3  # disagrees with the batch before it
+    bad.micro_batch_index = 1
+    bad.batch_id = "1:0:1"
+    with pytest.raises(RolloutRefused) as refused:
+        producer.send_batches([(header, payload), (bad, payload)], window=2, timeout_s=5)
+    assert "1:0:1" in str(refused.value) and refused.value.code == common_pb2.ERROR_CODE_MALFORMED_HEADER
+    with pytest.raises(RolloutTimeout) as timed_out:  # step 2 and 3 are ahead of any trainer: only 2 fit
+        producer.send_batches(batches_of(2, 0, 2) + batches_of(3, 0, 2), window=4, timeout_s=0.3)
+    assert timed_out.value.code == common_pb2.ERROR_CODE_BACKPRESSURE
+    with pytest.raises(ValueError):
+        producer.send_batches([], window=0)

@@ -271,3 +271,43 @@ def test_concurrent_release_and_offer(tmp_path):
 def test_bad_capacities_are_refused(tmp_path):
     with pytest.raises(ValueError, match="max_batches"):
         make_queue(tmp_path, max_batches=0)
+
+
+# ---------------------------------------------------------------------------------------------------
+# group commit
+
+
+def test_offer_many_decides_in_order_and_spools_the_group(tmp_path):
+    from primerl.broker.rollout_queue import OfferItem
+
+    queue = make_queue(tmp_path, max_batches=3)
+    queue.open_session(A)
+    assert queue.request(A, 1, 0, credits=8).batch_ids == ()
+    items = [OfferItem(*batch(1, 0, 0)),  # the step the session waits for: not ahead of the trainers
+             OfferItem(*batch(2, 0, 0)), OfferItem(*batch(2, 0, 0)),  # a resend inside the group
+             OfferItem(*batch(2, 0, 1, batch_id="other")), OfferItem(*batch(2, 0, 1)),
+             OfferItem(*batch(2, 0, 2)), OfferItem(*batch(3, 0, 0))]
+    outcome = queue.offer_many(items)
+    kinds = [type(r) for r in outcome.results]
+    # slot 1 of step 2 goes to "other", 2:0:1 may not take it; the bound (3 ahead of step 1) stops 3:0:0
+    assert kinds == [Accepted, Accepted, Duplicate, Accepted, Refused, Accepted, Backpressure]
+    assert [d.batch_ids for d in outcome.deliveries] == [("1:0:0",)]
+    assert queue.status().num_batches == 4 and len(list((tmp_path / "spool").glob("*.rbatch"))) == 4
+
+
+def test_offer_many_keeps_nothing_when_the_spool_fails(tmp_path, monkeypatch):
+    from primerl.broker.rollout_queue import OfferItem
+    from primerl.broker.spool import SpoolError
+
+    queue = make_queue(tmp_path)
+
+    def fail(records):
+        raise SpoolError("disk full")
+
+    monkeypatch.setattr(queue.spool, "put_many", fail)
+    with pytest.raises(SpoolError):
+        queue.offer_many([OfferItem(*batch(1, 0, i)) for i in range(3)])
+    monkeypatch.undo()
+    status = queue.status()
+    assert (status.num_batches, status.num_accepted, status.highest_step) == (0, 0, None)
+    assert all(isinstance(r, Accepted) for r in queue.offer_many([OfferItem(*batch(1, 0, i)) for i in range(3)]).results)

@@ -211,3 +211,65 @@ def test_sigkill_during_writes_keeps_every_acked_batch(tmp_path):
     assert len(index) - len(acked) <= 1
     assert not list(directory.glob("*.tmp")) and not (directory / "quarantine").exists()
     assert not [e for e in logs if e["log_level"] == "error"]
+
+
+# ---------------------------------------------------------------------------------------------------
+# group commit and the read cache
+
+
+def test_put_many_writes_a_group_durably_and_skips_repeats(spool, monkeypatch):
+    batches = [make_batch(index=i, num=4) for i in range(3)]
+    assert spool.put(batches[0][2], batches[0][0], batches[0][1])
+    dir_fsyncs = []
+    real_fsync_dir = spool_module._fsync_dir
+    monkeypatch.setattr(spool_module, "_fsync_dir", lambda d: (dir_fsyncs.append(d), real_fsync_dir(d)))
+    records = [(b, h, p, None) for h, p, b in batches] + [(batches[1][2], batches[1][0], batches[1][1], None)]
+    assert spool.put_many(records) == [False, True, True, False]  # already spooled; new; new; repeat in the group
+    assert len(dir_fsyncs) == 1  # one directory fsync for the whole group
+    assert not list(spool.directory.glob("*.tmp"))
+    reloaded = RolloutSpool(spool.directory)
+    spool.close()
+    index = reloaded.load()
+    assert set(index) == {b for _, _, b in batches}
+    for header_bytes, payload, batch_id in batches:
+        assert reloaded.get(batch_id)[1].tobytes() == payload
+
+
+def test_put_many_checks_every_record_before_writing(spool):
+    good, bad = make_batch(index=0), make_batch(index=1)
+    with pytest.raises(ValueError):
+        spool.put_many([(good[2], good[0], good[1], None), ("other-id", bad[0], bad[1], None)])
+    assert spool.num_batches == 0 and not list(spool.directory.glob("*.rbatch"))
+
+
+def test_put_many_disk_failure_indexes_nothing_and_leaves_no_temp_files(spool, monkeypatch):
+    batches = [make_batch(index=i) for i in range(2)]
+    real_fsync = os.fsync
+
+    def failing_fsync(fd):
+        real_fsync(fd)
+        raise OSError(5, "I/O error")
+
+    monkeypatch.setattr(spool_module.os, "fsync", failing_fsync)
+    with pytest.raises(SpoolError):
+        spool.put_many([(b, h, p, None) for h, p, b in batches])
+    monkeypatch.undo()
+    assert spool.num_batches == 0 and not list(spool.directory.glob("*.tmp")) and not list(spool.directory.glob(".*.tmp"))
+
+
+def test_get_record_serves_from_the_cache_and_falls_back_to_disk(tmp_path):
+    spool = RolloutSpool(tmp_path / "spool", cache_max_bytes=3000)
+    spool.load()
+    batches = [make_batch(index=i, num=4, n=256) for i in range(3)]  # ~2 KiB payload each: one fits the cache
+    for header_bytes, payload, batch_id in batches:
+        spool.put(batch_id, header_bytes, payload)
+    assert 0 < spool.num_cached_bytes <= 3000
+    for header_bytes, payload, batch_id in batches:  # the newest from memory, older ones from disk
+        got_header, got_payload, crc = spool.get_record(batch_id)
+        assert (got_header, got_payload.tobytes()) == (header_bytes, payload)
+        assert crc == spool_module.compute_checksum(data_pb2.ROLLOUT_BATCH, header_bytes, [payload])
+    spool.delete([batches[-1][2]])
+    assert spool.num_cached_bytes == 0
+    with pytest.raises(BatchGone):
+        spool.get_record(batches[-1][2])
+    spool.close()

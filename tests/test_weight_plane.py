@@ -399,3 +399,20 @@ def test_subscriber_checks_digest_and_token_of_what_it_receives():
         subscriber.close()
         router.close(linger=0)
         context.destroy(linger=0)
+
+
+def test_forwarded_chunks_reuse_the_verified_crcs_when_chunk_sizes_match(harness, monkeypatch):
+    h = harness()
+    subscriber = h.subscriber("infer-0", verify_digest=True)
+    subscriber.hello()
+    wait_for(lambda: len(h.plane.worker_versions()) == 1)
+    passes = []
+    real_checksum = framing.compute_checksum
+    monkeypatch.setattr(framing, "compute_checksum", lambda t, hb, p: (passes.append(sum(len(memoryview(x)) for x in p)),
+                                                                       real_checksum(t, hb, p))[1])
+    header, data = make_update(1, num_bytes=5 * CHUNK_BYTES + 17)  # several chunks, the last one short
+    h.publisher().publish(header, data, timeout_s=RECEIVE_S)
+    got, payload = receive_and_ack(subscriber)
+    assert payload == data and got.policy_version == 1
+    # publisher encodes (1 pass), broker decodes (1), subscriber decodes (1): the broker's forwarding adds none
+    assert sum(passes) == 3 * len(data)

@@ -212,6 +212,9 @@ class TrainerConfig(BaseConfig):
         None, ge=1, description="Micro-batches per optimizer step per rank (unset: all that the step's batch holds)."
     )
     max_steps: int | None = Field(None, ge=1, description="Stop after this many optimizer steps (unset: no limit).")
+    data_timeout_s: float = Field(
+        3600.0, gt=0, description="Longest wait for one step's micro-batches from the broker before the trainer gives up."
+    )
     seq_len: int = Field(2048, ge=1, description="Tokens per packed training sequence.")
     broker: BrokerClientConfig = Field(default_factory=BrokerClientConfig, description="Broker connection.")
     output_dir: Path = Field(Path("outputs"), description="Directory for weights, checkpoints and logs.")

@@ -1,0 +1,566 @@
+"""Trainer checkpoints and HF weight export, written atomically (prime-rl layout).
+
+A checkpoint is `{root}/step_{N}/`; it exists only once its `STABLE` marker does. Everything is written into
+`step_{N}.tmp-<pid>` next to it, each file fsynced, `STABLE` written and fsynced last, the directory fsynced,
+renamed to `step_{N}` and the parent fsynced. A process killed at any point leaves the previous checkpoints as
+they were plus a temp directory that the next save or load (rank 0) removes.
+
+Layout of `step_{N}/` (replicated model: single rank or DDP; rank 0 writes the shared files):
+
+    model.safetensors        full state dict, or only the trainable (adapter) parameters of a peft model
+    optimizer.pt             optimizer.state_dict() (tensors and plain values; loaded with weights_only=True)
+    scheduler.pt             scheduler.state_dict()
+    extra_state.json         the caller's `extra_state` (step, policy_version, data positions...)
+    meta.json                format version, step, world size, model kind, peft base model
+    rank{r}_rng.safetensors  RNG states of rank r: python `random`, numpy, torch CPU and the current CUDA device
+    STABLE                   written last
+
+Exported weights (`export_hf_weights`) are a Hugging Face model directory (config, safetensors, tokenizer) with
+the same temp + STABLE + rename commit; for a peft model the adapter is merged into the weights.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import re
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from primerl.runtime.log_setup import get_logger
+
+log = get_logger("primerl.trainer.checkpoint")
+
+FORMAT_VERSION = 1
+STABLE_FILE = "STABLE"
+MODEL_FILE = "model.safetensors"
+OPTIMIZER_FILE = "optimizer.pt"
+SCHEDULER_FILE = "scheduler.pt"
+EXTRA_STATE_FILE = "extra_state.json"
+META_FILE = "meta.json"
+
+_STEP_DIR = re.compile(r"^step_(\d+)$")
+_LEFTOVER_DIR = re.compile(r"^step_\d+\.(tmp|trash)-[0-9A-Za-z]+$")
+
+MODEL_KIND_FULL = "full"
+MODEL_KIND_PEFT = "peft_trainable"
+
+
+class CheckpointNotFoundError(FileNotFoundError):
+    """No committed (STABLE) checkpoint of the requested step."""
+
+
+def step_dir(root: str | os.PathLike[str], step: int) -> Path:
+    """`{root}/step_{step}`: where the checkpoint of `step` lives once committed."""
+    return Path(root) / f"step_{step}"
+
+
+def rng_file(rank: int) -> str:
+    return f"rank{rank}_rng.safetensors"
+
+
+# ---------------------------------------------------------------------------------------------------- listing
+
+
+def list_checkpoints(root: str | os.PathLike[str]) -> list[int]:
+    """Steps of the committed checkpoints under `root` (those with a `STABLE` marker), ascending."""
+    root = Path(root)
+    if not root.is_dir():
+        return []
+    steps = []
+    for path in root.iterdir():
+        match = _STEP_DIR.match(path.name)
+        if match and path.is_dir() and (path / STABLE_FILE).is_file():
+            steps.append(int(match.group(1)))
+    return sorted(steps)
+
+
+def latest_checkpoint(root: str | os.PathLike[str]) -> int | None:
+    """Step of the newest committed checkpoint under `root`, or None."""
+    steps = list_checkpoints(root)
+    return steps[-1] if steps else None
+
+
+def clean_leftovers(root: str | os.PathLike[str]) -> list[str]:
+    """Remove temp and trash directories left by an interrupted save or prune; returns their names."""
+    root = Path(root)
+    if not root.is_dir():
+        return []
+    removed = sorted(path.name for path in root.iterdir() if _LEFTOVER_DIR.match(path.name))
+    for name in removed:
+        shutil.rmtree(root / name, ignore_errors=True)
+    if removed:
+        _fsync_dir(root)
+        log.info("removed leftovers of interrupted checkpoint writes", root=str(root), dirs=removed)
+    return removed
+
+
+# ---------------------------------------------------------------------------------------------------- save
+
+
+def save_checkpoint(
+    directory_root: str | os.PathLike[str],
+    step: int,
+    *,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer | None,
+    scheduler: Any | None,
+    extra_state: dict[str, Any],
+    rank: int = 0,
+    world_size: int = 1,
+    barrier: Callable[[], None] | None = None,
+) -> Path:
+    """Write the checkpoint of `step` to `{directory_root}/step_{step}` atomically and return that path.
+
+    Every rank calls this with the same `step`; with `world_size > 1`, `barrier` (e.g.
+    `torch.distributed.barrier`) is required. The model must be replicated (single rank or DDP): rank 0 writes
+    model, optimizer, scheduler and `extra_state`, every rank its RNG state. When this returns on any rank the
+    checkpoint is committed. An existing `step_{step}` is replaced.
+    """
+    _check_rank(rank, world_size)
+    if step < 0:
+        raise ValueError(f"step must be >= 0, got {step}")
+    if world_size > 1 and barrier is None:
+        raise ValueError("save_checkpoint with world_size > 1 needs barrier= (e.g. torch.distributed.barrier)")
+    sync = barrier or (lambda: None)
+    root = Path(directory_root)
+    final_dir = step_dir(root, step)
+    model = _unwrap(model)
+
+    extra_json = ""
+    if rank == 0:
+        # Serialise the small parts first: a non-JSON extra_state fails before anything is written.
+        extra_json = json.dumps(extra_state, indent=2, sort_keys=True, allow_nan=True)
+        root.mkdir(parents=True, exist_ok=True)
+        clean_leftovers(root)
+        tmp_dir = root / f"{final_dir.name}.tmp-{os.getpid()}"
+        tmp_dir.mkdir()
+    sync()
+    if rank != 0:
+        candidates = sorted(root.glob(f"{final_dir.name}.tmp-*"))
+        if len(candidates) != 1:
+            raise RuntimeError(
+                f"rank {rank} expected exactly one temp dir {final_dir.name}.tmp-* from rank 0 under {root}, "
+                f"found {[p.name for p in candidates]}"
+            )
+        tmp_dir = candidates[0]
+
+    try:
+        _write_rank_files(tmp_dir, step, model=model, optimizer=optimizer, scheduler=scheduler,
+                          extra_json=extra_json, rank=rank, world_size=world_size)
+    except BaseException:
+        if world_size == 1:  # with more ranks, others may still be writing: the next save or load cleans up
+            shutil.rmtree(tmp_dir, ignore_errors=True)
+        raise
+    sync()
+
+    if rank == 0:
+        _write_bytes(tmp_dir / STABLE_FILE, b"")
+        _commit_dir(tmp_dir, final_dir)
+        log.info("checkpoint saved", step=step, path=str(final_dir))
+    sync()
+    return final_dir
+
+
+def _write_rank_files(tmp_dir: Path, step: int, *, model: torch.nn.Module, optimizer: Any, scheduler: Any,
+                      extra_json: str, rank: int, world_size: int) -> None:
+    if rank == 0:
+        tensors, metadata = _model_state(model)
+        _write_safetensors(tmp_dir / MODEL_FILE, tensors, metadata)
+        del tensors
+        if optimizer is not None:
+            _write_torch(tmp_dir / OPTIMIZER_FILE, optimizer.state_dict())
+        if scheduler is not None:
+            _write_torch(tmp_dir / SCHEDULER_FILE, scheduler.state_dict())
+        _write_bytes(tmp_dir / EXTRA_STATE_FILE, extra_json.encode())
+        meta = {
+            "format_version": FORMAT_VERSION,
+            "step": step,
+            "world_size": world_size,
+            "model_kind": metadata["model_kind"],
+            "peft_base_model": metadata.get("peft_base_model"),
+            "has_optimizer": optimizer is not None,
+            "has_scheduler": scheduler is not None,
+        }
+        _write_bytes(tmp_dir / META_FILE, (json.dumps(meta, indent=2, sort_keys=True) + "\n").encode())
+    rng_tensors, rng_metadata = _rng_state()
+    _write_safetensors(tmp_dir / rng_file(rank), rng_tensors, rng_metadata)
+
+
+# ---------------------------------------------------------------------------------------------------- load
+
+
+def load_checkpoint(
+    root: str | os.PathLike[str],
+    step: int | None = None,
+    *,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer | None,
+    scheduler: Any | None,
+    rank: int = 0,
+) -> dict[str, Any]:
+    """Restore model, optimizer, scheduler and this rank's RNG states from the checkpoint of `step` (default:
+    the newest) and return its `extra_state`.
+
+    `model`, `optimizer` and `scheduler` must be built as for the run that saved it; a None optimizer or
+    scheduler is left out. Raises CheckpointNotFoundError, listing the available steps, when there is none.
+    """
+    root = Path(root)
+    if rank == 0:
+        clean_leftovers(root)
+    available = list_checkpoints(root)
+    if step is None:
+        if not available:
+            raise CheckpointNotFoundError(f"no checkpoint (step_N/ with a {STABLE_FILE} marker) under {root}")
+        step = available[-1]
+    elif step not in available:
+        raise CheckpointNotFoundError(
+            f"no checkpoint of step {step} under {root}; available steps: {available or 'none'}"
+        )
+    ckpt_dir = step_dir(root, step)
+    meta = json.loads((ckpt_dir / META_FILE).read_text())
+    if meta.get("format_version") != FORMAT_VERSION:
+        raise ValueError(
+            f"{ckpt_dir} has checkpoint format {meta.get('format_version')}, this trainer reads {FORMAT_VERSION}"
+        )
+
+    _load_model_state(_unwrap(model), ckpt_dir / MODEL_FILE)
+    if optimizer is not None:
+        if not meta["has_optimizer"]:
+            raise ValueError(f"{ckpt_dir} holds no optimizer state; pass optimizer=None to load without one")
+        optimizer.load_state_dict(_read_torch(ckpt_dir / OPTIMIZER_FILE))
+    if scheduler is not None:
+        if not meta["has_scheduler"]:
+            raise ValueError(f"{ckpt_dir} holds no scheduler state; pass scheduler=None to load without one")
+        scheduler.load_state_dict(_read_torch(ckpt_dir / SCHEDULER_FILE))
+
+    rng_path = ckpt_dir / rng_file(rank)
+    if rng_path.is_file():
+        _set_rng_state(rng_path)
+    else:
+        log.warning(
+            "checkpoint has no RNG state for this rank; random streams are not restored and the run will not "
+            "repeat the uninterrupted one exactly",
+            step=step, rank=rank, saved_world_size=meta["world_size"],
+        )
+    log.info("checkpoint loaded", step=step, path=str(ckpt_dir))
+    return json.loads((ckpt_dir / EXTRA_STATE_FILE).read_text())
+
+
+# ---------------------------------------------------------------------------------------------------- retention
+
+
+def steps_to_prune(steps: list[int], *, keep_last: int | None, keep_interval: int | None) -> list[int]:
+    """The steps retention deletes: all but the newest `keep_last` (None: keep all) and the multiples of
+    `keep_interval`; never the newest."""
+    if keep_last is not None and keep_last < 1:
+        raise ValueError(f"keep_last must be >= 1 or None, got {keep_last}")
+    if keep_interval is not None and keep_interval < 1:
+        raise ValueError(f"keep_interval must be >= 1 or None, got {keep_interval}")
+    if keep_last is None or not steps:
+        return []
+    ordered = sorted(steps)
+    keep = set(ordered[-keep_last:])
+    if keep_interval is not None:
+        keep.update(step for step in ordered if step % keep_interval == 0)
+    return [step for step in ordered if step not in keep]
+
+
+def prune_checkpoints(
+    root: str | os.PathLike[str], *, keep_last: int | None, keep_interval: int | None
+) -> list[int]:
+    """Delete committed checkpoints per `steps_to_prune` (call it on rank 0 only, after a save); returns the
+    deleted steps.
+
+    Each one is first renamed to `step_N.trash-<pid>` (atomic, so a kill never leaves a half-deleted
+    `step_N`), then removed.
+    """
+    root = Path(root)
+    deleted = steps_to_prune(list_checkpoints(root), keep_last=keep_last, keep_interval=keep_interval)
+    for step in deleted:
+        path = step_dir(root, step)
+        trash = root / f"{path.name}.trash-{os.getpid()}"
+        os.rename(path, trash)
+        _fsync_dir(root)
+        shutil.rmtree(trash)
+    if deleted:
+        log.info("pruned checkpoints", root=str(root), steps=deleted)
+    return deleted
+
+
+# ---------------------------------------------------------------------------------------------------- export
+
+
+def export_hf_weights(
+    model: torch.nn.Module,
+    tokenizer_or_dir: Any | str | os.PathLike[str] | None,
+    out_dir: str | os.PathLike[str],
+) -> Path:
+    """Write `model` as a Hugging Face model directory (config, safetensors, tokenizer) that
+    `AutoModelForCausalLM.from_pretrained` and vLLM load, atomically (temp + STABLE + rename) to `out_dir`,
+    e.g. `{output_dir}/weights/step_{N}`; an existing `out_dir` is replaced.
+
+    A peft model is exported with its adapters merged into the base weights, computed without changing the
+    training model. `tokenizer_or_dir` is a tokenizer, a directory to load one from, or None for no tokenizer.
+    """
+    out_dir = Path(out_dir)
+    model = _unwrap(model)
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    leftovers = sorted(out_dir.parent.glob(f"{out_dir.name}.tmp-*")) + sorted(
+        out_dir.parent.glob(f"{out_dir.name}.trash-*"))
+    for leftover in leftovers:
+        shutil.rmtree(leftover, ignore_errors=True)
+    if leftovers:
+        log.info("removed leftovers of an interrupted weight export", dirs=[p.name for p in leftovers])
+    tmp_dir = out_dir.parent / f"{out_dir.name}.tmp-{os.getpid()}"
+    tmp_dir.mkdir()
+    try:
+        if _is_peft(model):
+            base = model.get_base_model()
+            base.save_pretrained(str(tmp_dir), state_dict=_merged_state_dict(base))
+        else:
+            model.save_pretrained(str(tmp_dir))
+        if tokenizer_or_dir is not None:
+            tokenizer = tokenizer_or_dir
+            if isinstance(tokenizer_or_dir, (str, os.PathLike)):
+                from transformers import AutoTokenizer
+
+                tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_or_dir))
+            tokenizer.save_pretrained(str(tmp_dir))
+        for path in sorted(tmp_dir.rglob("*")):
+            if path.is_file():
+                _fsync_path(path)
+        _write_bytes(tmp_dir / STABLE_FILE, b"")
+        _commit_dir(tmp_dir, out_dir)
+    except BaseException:
+        shutil.rmtree(tmp_dir, ignore_errors=True)
+        raise
+    log.info("exported weights", path=str(out_dir))
+    return out_dir
+
+
+def _merged_state_dict(base: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """HF-named state dict of a peft-injected model with every active LoRA adapter added to its base weight."""
+    from peft.tuners.lora import LoraLayer
+
+    merged_weights: dict[str, torch.Tensor] = {}
+    for module_name, module in base.named_modules():
+        if not isinstance(module, LoraLayer) or module.merged:
+            continue  # an already-merged layer holds the sum in its base weight
+        adapters = [name for name in module.active_adapters if name in module.lora_A or name in
+                    getattr(module, "lora_embedding_A", {})]
+        if not adapters:
+            continue
+        for name in adapters:
+            if module.use_dora.get(name) or getattr(module, "lora_bias", {}).get(name):
+                raise ValueError(f"export of DoRA / LoRA-bias adapters is not supported ({module_name})")
+        weight = module.get_base_layer().weight.detach()
+        delta = sum(module.get_delta_weight(name) for name in adapters)
+        merged_weights[f"{module_name}.base_layer.weight"] = (weight + delta.to(weight.dtype)).detach()
+
+    state: dict[str, torch.Tensor] = {}
+    for key, tensor in base.state_dict().items():
+        if key in merged_weights:
+            tensor = merged_weights[key]
+        parts = key.split(".")
+        if any(part.startswith("lora_") for part in parts):
+            continue
+        if "modules_to_save" in parts or "original_module" in parts:
+            raise ValueError(f"export of peft modules_to_save is not supported ({key})")
+        state[".".join(part for part in parts if part != "base_layer")] = tensor.detach()
+    return state
+
+
+# ---------------------------------------------------------------------------------------------------- model state
+
+
+def _unwrap(model: torch.nn.Module) -> torch.nn.Module:
+    if isinstance(model, torch.nn.parallel.DistributedDataParallel):
+        model = model.module
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # a torch build without distributed support has no sharded models either
+        return model
+    if any(isinstance(param, DTensor) for param in model.parameters()):
+        raise NotImplementedError(
+            "the model has sharded (FSDP2 / DTensor) parameters; these checkpoints handle replicated models "
+            "(one rank or DDP) only"
+        )
+    return model
+
+
+def _is_peft(model: torch.nn.Module) -> bool:
+    return hasattr(model, "peft_config") and hasattr(model, "get_base_model")
+
+
+def _model_state(model: torch.nn.Module) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """Tensors to save (CPU, tied duplicates stored once) and safetensors metadata describing them."""
+    metadata = {"format": "pt"}
+    if _is_peft(model):
+        trainable = {name for name, param in model.named_parameters() if param.requires_grad}
+        source = {name: t for name, t in model.state_dict().items() if name in trainable}
+        metadata["model_kind"] = MODEL_KIND_PEFT
+        configs = getattr(model, "peft_config", {})
+        bases = {str(cfg.base_model_name_or_path) for cfg in configs.values()}
+        metadata["peft_base_model"] = ",".join(sorted(bases))
+    else:
+        source = model.state_dict()
+        metadata["model_kind"] = MODEL_KIND_FULL
+    tensors: dict[str, torch.Tensor] = {}
+    aliases: dict[str, str] = {}
+    seen: dict[tuple[Any, ...], str] = {}
+    for name, tensor in source.items():
+        key = (tensor.device, tensor.data_ptr(), tensor.dtype, tuple(tensor.shape), tensor.stride())
+        if tensor.numel() and key in seen:
+            aliases[name] = seen[key]
+            continue
+        seen[key] = name
+        tensors[name] = tensor.detach().to("cpu").contiguous()
+    metadata["aliases"] = json.dumps(aliases, sort_keys=True)
+    return tensors, metadata
+
+
+def _load_model_state(model: torch.nn.Module, path: Path) -> None:
+    from safetensors import safe_open
+    from safetensors.torch import load_file
+
+    with safe_open(str(path), framework="pt") as handle:
+        metadata = handle.metadata() or {}
+    state = load_file(str(path))
+    for alias, name in json.loads(metadata.get("aliases", "{}")).items():
+        state[alias] = state[name]
+    kind = metadata.get("model_kind")
+    expected = MODEL_KIND_PEFT if _is_peft(model) else MODEL_KIND_FULL
+    if kind != expected:
+        raise ValueError(f"{path} holds a {kind!r} model state but the model to load into is {expected!r}")
+    if kind == MODEL_KIND_FULL:
+        model.load_state_dict(state, strict=True)
+        return
+    saved_base = metadata.get("peft_base_model", "")
+    base = ",".join(sorted({str(cfg.base_model_name_or_path) for cfg in model.peft_config.values()}))
+    if saved_base != base:
+        log.warning("checkpoint adapter was trained on another base model", saved=saved_base, current=base)
+    trainable = {name for name, param in model.named_parameters() if param.requires_grad}
+    unexpected = sorted(set(state) - set(model.state_dict()))
+    missing = sorted(trainable - set(state))
+    if unexpected or missing:
+        raise ValueError(
+            f"{path} does not match the model's trainable parameters: missing {missing[:5]}, "
+            f"unexpected {unexpected[:5]} (is the LoRA config the same as in the run that saved it?)"
+        )
+    model.load_state_dict(state, strict=False)
+
+
+# ---------------------------------------------------------------------------------------------------- RNG
+
+
+def _rng_state() -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    version, mt_state, gauss_next = random.getstate()
+    tensors = {"torch_cpu": torch.random.get_rng_state(), "python_mt": torch.tensor(mt_state, dtype=torch.int64)}
+    info: dict[str, Any] = {"python_version": version, "python_gauss_next": gauss_next}
+    try:
+        import numpy as np
+    except ImportError:
+        np = None  # type: ignore[assignment]
+    if np is not None:
+        bit_generator, keys, pos, has_gauss, cached_gaussian = np.random.get_state(legacy=True)
+        tensors["numpy_keys"] = torch.from_numpy(keys.astype(np.int64))
+        info["numpy"] = {"bit_generator": bit_generator, "pos": int(pos), "has_gauss": int(has_gauss),
+                         "cached_gaussian": float(cached_gaussian)}
+    if torch.cuda.is_available():
+        device = torch.cuda.current_device()
+        tensors["torch_cuda"] = torch.cuda.get_rng_state(device)
+        info["cuda_device"] = device
+    return tensors, {"format": "pt", "rng": json.dumps(info)}
+
+
+def _set_rng_state(path: Path) -> None:
+    from safetensors import safe_open
+    from safetensors.torch import load_file
+
+    with safe_open(str(path), framework="pt") as handle:
+        info = json.loads((handle.metadata() or {})["rng"])
+    tensors = load_file(str(path))
+    random.setstate((info["python_version"], tuple(int(v) for v in tensors["python_mt"].tolist()),
+                     info["python_gauss_next"]))
+    torch.random.set_rng_state(tensors["torch_cpu"])
+    if "numpy" in info:
+        import numpy as np
+
+        numpy_info = info["numpy"]
+        np.random.set_state((numpy_info["bit_generator"], tensors["numpy_keys"].numpy().astype(np.uint32),
+                             numpy_info["pos"], numpy_info["has_gauss"], numpy_info["cached_gaussian"]))
+    if "torch_cuda" in tensors:
+        if torch.cuda.is_available():
+            torch.cuda.set_rng_state(tensors["torch_cuda"], torch.cuda.current_device())
+        else:
+            log.warning("checkpoint has a CUDA RNG state but CUDA is not available; it is not restored")
+
+
+# ---------------------------------------------------------------------------------------------------- files
+
+
+def _check_rank(rank: int, world_size: int) -> None:
+    if world_size < 1 or not 0 <= rank < world_size:
+        raise ValueError(f"need 0 <= rank < world_size, got rank={rank}, world_size={world_size}")
+
+
+def _fsync_path(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _write_bytes(path: Path, data: bytes) -> None:
+    with open(path, "xb") as handle:
+        handle.write(data)
+        handle.flush()
+        os.fsync(handle.fileno())
+
+
+def _write_torch(path: Path, obj: Any) -> None:
+    with open(path, "xb") as handle:
+        torch.save(obj, handle)
+        handle.flush()
+        os.fsync(handle.fileno())
+
+
+def _read_torch(path: Path) -> Any:
+    return torch.load(path, map_location="cpu", weights_only=True)
+
+
+def _write_safetensors(path: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> None:
+    from safetensors.torch import save_file
+
+    save_file(tensors, str(path), metadata=metadata)
+    _fsync_path(path)
+
+
+def _commit_dir(tmp_dir: Path, final_dir: Path) -> None:
+    """fsync `tmp_dir`, rename it to `final_dir` (replacing an existing one) and fsync the parent."""
+    _fsync_dir(tmp_dir)
+    parent = final_dir.parent
+    if final_dir.exists():
+        trash = parent / f"{final_dir.name}.trash-{os.getpid()}"
+        os.rename(final_dir, trash)
+        os.rename(tmp_dir, final_dir)
+        _fsync_dir(parent)
+        shutil.rmtree(trash)
+    else:
+        os.rename(tmp_dir, final_dir)
+    _fsync_dir(parent)

@@ -1,0 +1,175 @@
+"""The RL trainer daemon: pull each step's micro-batches from the broker, step, publish, checkpoint, commit.
+
+    rank r (torchrun) ── RolloutConsumer ──► broker rollout stream   (its micro-batches of step N)
+                     ── TrainStep ──► optimizer step N
+    rank 0           ── PolicyPublisher ──► broker weight plane      (policy version N)
+                     ── every ckpt.interval: checkpoint (all ranks), then CommitStep(N) over gRPC
+                     ── ReportMetrics(N), one line of {output_dir}/trainer_metrics.jsonl
+
+Resume: with ``ckpt.resume_step`` (or ``latest``), model, optimizer, scheduler and RNG come back from the
+checkpoint and the run continues at the next step; the broker still holds every batch after the last
+committed step and hands them out again.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+
+import torch
+
+from primerl.runtime.log_setup import bind_context, get_logger
+from primerl.trainer.config import TrainerConfig
+from primerl.trainer.distributed import DistInfo, barrier, unwrap_model, wrap_model
+from primerl.trainer.train_step import TrainStep, distillation_objective, rl_objective, sft_objective
+
+log = get_logger("primerl.trainer")
+
+
+class TrainerRunner:
+    def __init__(self, config: TrainerConfig, dist_info: DistInfo, *, objective: str = "rl",
+                 stop_event: threading.Event | None = None):
+        if config.max_steps is None:
+            raise ValueError("the trainer needs max_steps (top-level `max_steps` or `trainer.max_steps`)")
+        self.config = config
+        self.dist = dist_info
+        self.objective_name = objective
+        self.stop_event = stop_event or threading.Event()
+        self.metrics_path = config.output_dir / "trainer_metrics.jsonl"
+        self.control = None
+        self.consumer = None
+        self.publisher = None
+
+    # -- set-up --------------------------------------------------------------------------------------
+
+    def _build(self) -> int:
+        """Model, optimizer, scheduler, step function; returns the first step to train."""
+        from primerl.trainer.checkpoint import latest_checkpoint, load_checkpoint
+        from primerl.trainer.model import load_model
+        from primerl.trainer.optim import build_optimizer, build_scheduler
+
+        config = self.config
+        if self.dist.enabled and config.model.parallel == "fsdp2":
+            raise ValueError(
+                "several trainer ranks with model.parallel = \"fsdp2\": publishing and checkpointing sharded "
+                "weights are not built yet; set [trainer.model] parallel = \"ddp\" (TrainStep itself supports FSDP2)"
+            )
+        torch.manual_seed(0)
+        model = load_model(config.model)
+        self.model = wrap_model(model, config.model.parallel, self.dist)
+        self.optimizer = build_optimizer(self.model, config.optim)
+        self.scheduler = build_scheduler(self.optimizer, config.scheduler, config.max_steps)
+        reference = None
+        if config.kl is not None:
+            reference = load_model(config.model.model_copy(update={"lora": None, "ac": None})).eval()
+            reference.requires_grad_(False)
+        objective = {"rl": lambda: rl_objective(config.loss), "sft": lambda: sft_objective,
+                     "distill": lambda: distillation_objective(config.loss.max_is_ratio)}[self.objective_name]()
+        self.step_fn = TrainStep(self.model, self.optimizer, self.scheduler, objective, self.dist,
+                                 max_grad_norm=config.optim.max_norm, reference_model=reference, kl_config=config.kl)
+        start_step = 1
+        ckpt = config.ckpt
+        if ckpt is not None:
+            resume = ckpt.resume_step if ckpt.resume_step is not None else latest_checkpoint(config.checkpoint_dir)
+            if resume is not None:
+                state = load_checkpoint(config.checkpoint_dir, resume, model=unwrap_model(self.model),
+                                        optimizer=self.optimizer, scheduler=self.scheduler, rank=self.dist.rank)
+                start_step = int(state["step"]) + 1
+                log.info("resumed from checkpoint", step=state["step"], checkpoint_dir=str(config.checkpoint_dir))
+        return start_step
+
+    def _connect(self) -> None:
+        from primerl.broker.control_client import ControlClient
+        from primerl.broker.rollout_clients import RolloutConsumer
+        from primerl.trainer.publish import PolicyPublisher
+
+        config = self.config
+        name = f"trainer-rank{self.dist.rank}"
+        self.control = ControlClient(config.broker, "trainer", name, rank=self.dist.rank,
+                                     world_size=self.dist.world_size,
+                                     capabilities={"objective": self.objective_name,
+                                                   "weight_broadcast": str(config.weight_broadcast.type)})
+        self.control.wait_ready(config.broker.connect_timeout_s)
+        registration = self.control.register()
+        self.progress = {"trainer_step": 0}
+        self.control.start_heartbeats(lambda: dict(self.progress))
+        self.consumer = RolloutConsumer(registration.rollout_endpoint, auth_token=config.broker.run_token,
+                                        worker_id=registration.worker_id, rank=self.dist.rank)
+        if self.dist.is_main:
+            self.publisher = PolicyPublisher(
+                registration.weight_endpoint, config.broker.run_token, name, chunk_bytes=64 << 20,
+                kind=config.weight_broadcast.type, policy_name=config.model.name,
+            )
+
+    # -- the loop ------------------------------------------------------------------------------------
+
+    def run(self) -> int:
+        start_step = self._build()
+        self._connect()
+        config = self.config
+        try:
+            for step in range(start_step, config.max_steps + 1):
+                if self.stop_event.is_set():
+                    log.info("stopping before step", step=step)
+                    return 0
+                bind_context(step=step)
+                self._train_one(step)
+            log.info("training finished", max_steps=config.max_steps)
+            return 0
+        finally:
+            self.close()
+
+    def _train_one(self, step: int) -> None:
+        from primerl.trainer.batch import MicroBatch
+
+        config = self.config
+        started_s = time.monotonic()
+        batches = self.consumer.fetch_step(step, timeout_s=config.data_timeout_s)
+        micro_batches = [MicroBatch.from_tensors(tensors) for _, tensors in batches]
+        waited_s = time.monotonic() - started_s
+        stats = self.step_fn.step(step, micro_batches)
+        self.progress["trainer_step"] = step
+        publish_ms = 0.0
+        if self.publisher is not None:
+            result = self.publisher.publish(unwrap_model(self.model), version=step)
+            publish_ms = result.build_ms + result.send_ms
+        checkpointed = self._maybe_checkpoint(step)
+        metrics = stats.as_metrics()
+        metrics.update({"perf/wait_for_data_s": waited_s, "perf/step_time_s": time.monotonic() - started_s,
+                        "perf/publish_ms": publish_ms, "train/num_micro_batches": float(len(micro_batches))})
+        if self.dist.is_main:
+            self.control.report_metrics(step, metrics)
+            with self.metrics_path.open("a") as handle:
+                handle.write(json.dumps({"step": step, "checkpointed": checkpointed, **metrics}) + "\n")
+        log.info("step done", loss=round(stats.loss, 6), grad_norm=round(stats.grad_norm, 4),
+                 mismatch_kl=stats.metrics.get("mismatch_kl"), tokens=stats.num_loss_tokens,
+                 wait_s=round(waited_s, 3), publish_ms=round(publish_ms, 1))
+
+    def _maybe_checkpoint(self, step: int) -> bool:
+        from primerl.trainer.checkpoint import prune_checkpoints, save_checkpoint
+
+        ckpt = self.config.ckpt
+        if ckpt is None:
+            return False
+        due = step == self.config.max_steps if ckpt.interval is None else step % ckpt.interval == 0 or step == self.config.max_steps
+        if not due:
+            return False
+        save_checkpoint(self.config.checkpoint_dir, step, model=unwrap_model(self.model), optimizer=self.optimizer,
+                        scheduler=self.scheduler, extra_state={"step": step, "policy_version": step},
+                        rank=self.dist.rank, world_size=self.dist.world_size, barrier=lambda: barrier(self.dist))
+        barrier(self.dist)
+        if self.dist.is_main:
+            prune_checkpoints(self.config.checkpoint_dir, keep_last=ckpt.keep_last, keep_interval=ckpt.keep_interval)
+            response = self.control.commit_step(step)  # the broker may now delete the batches of steps <= step
+            log.info("checkpoint committed", step=step, batches_released=response.num_batches_released)
+        return True
+
+    def close(self) -> None:
+        for closer in (self.publisher, self.consumer):
+            if closer is not None:
+                closer.close()
+        if self.control is not None:
+            self.control.deregister("training finished")
+            self.control.close()
+

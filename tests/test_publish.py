@@ -1,0 +1,234 @@
+"""Policy publishing against an in-process broker: FULL (Hugging Face names, loadable), LORA (peft's files),
+DELTA (bit-exact against the previous version), fallbacks to FULL, and the broker's refusals."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load as load_safetensors
+from safetensors.torch import load_file
+
+from primerl.broker.config import BrokerConfig
+from primerl.broker.service import BrokerService
+from primerl.broker.weight_clients import WeightUpdateRefused
+from primerl.proto.v1 import common_pb2, data_pb2
+from primerl.trainer.config import LoRAConfig, ModelConfig, OptimizerConfig
+from primerl.trainer.model import load_model
+from primerl.trainer.optim import build_optimizer
+from primerl.trainer.publish import PolicyPublisher, hf_state_dict
+from primerl.trainer.tiny_model import TinyModelSpec, build_tiny_model
+
+CHUNK_BYTES = 1 << 20  # the tiny model's 2.5 MB travel in 3 chunks
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_tiny_model(tmp_path_factory.mktemp("tiny") / "model", TinyModelSpec(seed=0))
+
+
+@pytest.fixture
+def broker(tmp_path: Path) -> Iterator[tuple[BrokerService, str]]:
+    service = BrokerService(BrokerConfig(grpc_port=0, rollout_port=0, weight_port=0, spool_dir=tmp_path / "spool"))
+    try:
+        endpoints = service.start()
+        yield service, f"tcp://127.0.0.1:{endpoints.weight_port}"
+    finally:
+        service.stop(grace_s=0)
+
+
+@pytest.fixture
+def publishers() -> Iterator[list[PolicyPublisher]]:
+    opened: list[PolicyPublisher] = []
+    yield opened
+    for publisher in opened:
+        publisher.close()
+
+
+def make_publisher(opened: list[PolicyPublisher], endpoint: str, kind: str, **kwargs) -> PolicyPublisher:
+    publisher = PolicyPublisher(endpoint, None, "trainer-0", CHUNK_BYTES, kind, "tiny", **kwargs)
+    opened.append(publisher)
+    return publisher
+
+
+def adamw_step(model: torch.nn.Module, lr: float = 1e-5, seed: int = 0) -> None:
+    optimizer = build_optimizer(model, OptimizerConfig(lr=lr, weight_decay=0.0))
+    input_ids = torch.randint(0, 1000, (2, 16), generator=torch.Generator().manual_seed(seed))
+    model(input_ids=input_ids, labels=input_ids).loss.backward()
+    optimizer.step()
+    optimizer.zero_grad()
+
+
+def stored_payload(service: BrokerService) -> tuple[data_pb2.WeightUpdateHeader, bytes]:
+    update = service.weight_store.latest()
+    return update.header, bytes(update.payload)
+
+
+def randomize_lora_b(model: torch.nn.Module) -> None:
+    torch.manual_seed(3)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "lora_B" in name:
+                param.normal_(std=0.05)
+
+
+def test_full_publish_has_save_pretrained_names_and_reproduces_logits(model_dir, broker, publishers, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    service, endpoint = broker
+    model = load_model(ModelConfig(name=str(model_dir)))
+    adamw_step(model, lr=1e-3)  # differ from the checkpoint on disk
+    result = make_publisher(publishers, endpoint, "full").publish(model, 1, timeout_s=30)
+    assert result.ack.applied and result.kind == "full" and result.fallback is None
+    assert service.weight_store.latest_version == 1
+    assert result.build_ms > 0 and result.send_ms > 0
+
+    header, payload = stored_payload(service)
+    assert header.kind == data_pb2.WEIGHT_UPDATE_KIND_FULL and header.policy_name == "tiny"
+    assert header.payload_bytes == len(payload) == result.payload_bytes
+    saved = tmp_path / "saved"
+    model.save_pretrained(saved)
+    reference = load_file(saved / "model.safetensors")
+    received = load_safetensors(payload)
+    assert "lm_head.weight" not in received  # tied to embed_tokens: saved once, as transformers does
+    assert {k: tuple(v.shape) for k, v in received.items()} == {k: tuple(v.shape) for k, v in reference.items()}
+    assert {spec.name for spec in header.tensors} == set(reference)
+    assert payload == (saved / "model.safetensors").read_bytes()  # byte for byte the file save_pretrained writes
+
+    # A fresh transformers model loaded from the payload (as an inference worker would) gives the same logits.
+    (saved / "model.safetensors").write_bytes(payload)
+    fresh = AutoModelForCausalLM.from_pretrained(saved, dtype=torch.float32, attn_implementation="sdpa").eval()
+    input_ids = torch.randint(0, 1000, (1, 20), generator=torch.Generator().manual_seed(5))
+    model.eval()
+    with torch.no_grad():
+        torch.testing.assert_close(fresh(input_ids=input_ids).logits, model(input_ids=input_ids).logits,
+                                   rtol=0, atol=0)
+
+
+def test_lora_publish_is_peft_adapter_file_and_config(model_dir, broker, publishers, tmp_path):
+    service, endpoint = broker
+    model = load_model(ModelConfig(name=str(model_dir), lora=LoRAConfig(rank=4, alpha=8)))
+    randomize_lora_b(model)
+    result = make_publisher(publishers, endpoint, "lora").publish(model, 1, timeout_s=30)
+    assert result.ack.applied and result.kind == "lora"
+    assert service.weight_store.latest_version == 1
+
+    header, payload = stored_payload(service)
+    assert header.kind == data_pb2.WEIGHT_UPDATE_KIND_LORA
+    model.save_pretrained(tmp_path / "adapter")
+    reference = load_file(tmp_path / "adapter" / "adapter_model.safetensors")
+    received = load_safetensors(payload)
+    assert received.keys() == reference.keys()
+    assert "base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight" in received
+    for name, tensor in reference.items():
+        assert torch.equal(received[name], tensor), name
+    assert any(tensor.abs().sum() > 0 for name, tensor in received.items() if "lora_B" in name)
+    assert payload == (tmp_path / "adapter" / "adapter_model.safetensors").read_bytes()
+    adapter_config = json.loads(header.adapter_config_json)
+    saved_config = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
+    assert adapter_config.keys() == saved_config.keys()
+    for key, value in saved_config.items():  # peft writes sets as list(set): compare those as sets
+        same = sorted(value) == adapter_config[key] if key == "target_modules" else value == adapter_config[key]
+        assert same, key
+    assert adapter_config["r"] == 4 and adapter_config["lora_alpha"] == 8 and adapter_config["inference_mode"]
+
+
+def test_full_publish_of_a_lora_model_is_the_merged_model(model_dir, broker, publishers, tmp_path):
+    service, endpoint = broker
+    model = load_model(ModelConfig(name=str(model_dir), lora=LoRAConfig(rank=4, alpha=8)))
+    randomize_lora_b(model)
+    before = {name: p.detach().clone() for name, p in model.named_parameters()}
+    result = make_publisher(publishers, endpoint, "full").publish(model, 1, timeout_s=30)
+    assert result.ack.applied
+    assert all(torch.equal(p, before[name]) for name, p in model.named_parameters())  # nothing merged in place
+
+    _, payload = stored_payload(service)
+    merged = model.merge_and_unload()  # the reference: peft's own merge (changes the model, last use)
+    merged.save_pretrained(tmp_path / "merged")
+    assert payload == (tmp_path / "merged" / "model.safetensors").read_bytes()
+
+
+def test_delta_after_full_decodes_to_the_new_weights_bit_exactly(model_dir, broker, publishers):
+    from primerl.proto.weight_delta import decode_delta
+
+    service, endpoint = broker
+    model = load_model(ModelConfig(name=str(model_dir)))
+    publisher = make_publisher(publishers, endpoint, "delta")
+    assert publisher.base_version is None
+    first = publisher.publish(model, 1, timeout_s=30)
+    assert first.kind == "full" and first.fallback == "no base version yet"
+    full_header, full_payload = stored_payload(service)
+    base = load_safetensors(full_payload)
+
+    adamw_step(model, lr=1e-5)
+    second = publisher.publish(model, 2, timeout_s=30)
+    assert second.ack.applied and second.kind == "delta" and second.base_version == 1
+    assert service.weight_store.latest_version == 2
+    assert second.payload_bytes < first.payload_bytes
+    header, payload = stored_payload(service)
+    assert header.kind == data_pb2.WEIGHT_UPDATE_KIND_DELTA and header.base_version == 1
+    assert header.delta_encoding == data_pb2.DELTA_ENCODING_XOR_ZLIB
+
+    changed = decode_delta(payload, header, base)
+    expected = hf_state_dict(model)
+    rebuilt = {**base, **changed}
+    assert rebuilt.keys() == expected.keys()
+    for name, tensor in expected.items():
+        assert torch.equal(rebuilt[name].view(torch.uint8), tensor.detach().contiguous().view(torch.uint8)), name
+    assert changed  # the step changed something
+
+    # Unchanged weights give an (almost) empty delta, still accepted.
+    third = publisher.publish(model, 3, timeout_s=30)
+    assert third.kind == "delta" and third.num_tensors == 0 and service.weight_store.latest_version == 3
+
+
+def test_delta_publisher_sends_full_when_the_broker_requires_it(model_dir, broker, publishers):
+    service, endpoint = broker
+    service.weight_store.max_deltas = 1  # the chain is full after one delta
+    model = load_model(ModelConfig(name=str(model_dir)))
+    publisher = make_publisher(publishers, endpoint, "delta")
+    assert publisher.publish(model, 1, timeout_s=30).kind == "full"
+    adamw_step(model)
+    second = publisher.publish(model, 2, timeout_s=30)
+    assert second.kind == "delta" and second.ack.full_required
+    adamw_step(model, seed=1)
+    third = publisher.publish(model, 3, timeout_s=30)
+    assert third.kind == "full" and third.fallback == "full required by the broker"
+    assert service.weight_store.status().snapshot_version == 3
+
+
+def test_delta_refused_as_out_of_order_is_resent_as_full(model_dir, broker, publishers):
+    service, endpoint = broker
+    model = load_model(ModelConfig(name=str(model_dir)))
+    publisher = make_publisher(publishers, endpoint, "delta")
+    publisher.publish(model, 1, timeout_s=30)
+    # Another publisher moves the broker on: the delta publisher's base (v1) is no longer the latest.
+    make_publisher(publishers, endpoint, "full").publish(model, 2, timeout_s=30)
+    adamw_step(model)
+    result = publisher.publish(model, 3, timeout_s=30)
+    assert result.kind == "full" and result.fallback.startswith("delta refused: ERROR_CODE_OUT_OF_ORDER")
+    assert service.weight_store.latest_version == 3
+
+
+def test_out_of_order_version_is_refused_with_the_brokers_error(model_dir, broker, publishers):
+    service, endpoint = broker
+    model = load_model(ModelConfig(name=str(model_dir)))
+    publisher = make_publisher(publishers, endpoint, "full")
+    publisher.publish(model, 5, timeout_s=30)
+    with pytest.raises(WeightUpdateRefused) as info:
+        publisher.publish(model, 4, timeout_s=30)
+    assert info.value.code == common_pb2.ERROR_CODE_OUT_OF_ORDER
+    assert "FULL v4 is not newer than the latest version v5 held" in str(info.value)
+    assert service.weight_store.latest_version == 5
+    # The publisher is still usable.
+    assert publisher.publish(model, 6, timeout_s=30).ack.applied
+
+
+def test_lora_kind_on_a_model_without_lora_is_a_clear_error(model_dir, broker, publishers):
+    _, endpoint = broker
+    model = load_model(ModelConfig(name=str(model_dir)))
+    with pytest.raises(ValueError, match=r"needs a LoRA model"):
+        make_publisher(publishers, endpoint, "lora").publish(model, 1, timeout_s=30)

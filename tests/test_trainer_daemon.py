@@ -1,0 +1,119 @@
+"""`primerl-trainer` as users run it: a real process that pulls its batches from a real broker, publishes
+every step's policy to it, checkpoints, commits, and resumes on the same loss curve."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from primerl.broker.config import BrokerConfig
+from primerl.broker.rollout_clients import RolloutProducer, pack_batch
+from primerl.broker.service import BrokerService
+from primerl.trainer.tiny_model import TinyModelSpec, build_tiny_model
+
+BIN = Path(sys.executable).parent
+sys.path.insert(0, str(Path(__file__).parent / "scripts"))
+from train_ranks import samples  # noqa: E402
+
+sys.path.pop(0)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return build_tiny_model(tmp_path_factory.mktemp("tiny") / "model",
+                            TinyModelSpec(hidden_size=64, num_layers=1, num_attention_heads=2, num_key_value_heads=1))
+
+
+class Broker:
+    def __init__(self, tmp_path: Path, steps: range, num_micro_batches: int = 2):
+        self.service = BrokerService(BrokerConfig(grpc_port=0, rollout_port=0, weight_port=0,
+                                                  spool_dir=tmp_path / "spool", max_queue_batches=64, run_id="t"))
+        self.endpoints = self.service.start()
+        with RolloutProducer(f"tcp://127.0.0.1:{self.endpoints.rollout_port}") as producer:
+            for step in steps:
+                group = samples(step)
+                per_batch = len(group) // num_micro_batches
+                for index in range(num_micro_batches):
+                    part = group[index * per_batch:(index + 1) * per_batch]
+                    tensors = {name: np.concatenate([s[name] for s in part]) for name in part[0]}
+                    producer.send_batch(*pack_batch(step, 0, index, num_micro_batches, tensors), timeout_s=20)
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.endpoints.grpc_port}"
+
+    def stop(self):
+        self.service.stop(grace_s=1)
+
+
+def run_trainer(model_dir: Path, broker: Broker, output_dir: Path, *extra: str) -> subprocess.CompletedProcess:
+    args = [str(BIN / "primerl-trainer"), "--model.name", str(model_dir), "--broker.address", broker.address,
+            "--output-dir", str(output_dir), "--optim.lr", "1e-3", "--optim.weight-decay", "0",
+            "--model.parallel", "ddp", "--log.format", "json", *extra]
+    return subprocess.run(args, capture_output=True, text=True, timeout=300)
+
+
+def metrics(output_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (output_dir / "trainer_metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.mark.slow
+def test_trainer_trains_publishes_checkpoints_and_commits(model_dir, tmp_path):
+    broker = Broker(tmp_path, range(1, 4))
+    try:
+        result = run_trainer(model_dir, broker, tmp_path / "out", "--max-steps", "3", "--ckpt.interval", "2")
+        assert result.returncode == 0, result.stderr[-3000:]
+        rows = metrics(tmp_path / "out")
+        assert [r["step"] for r in rows] == [1, 2, 3]
+        assert [r["checkpointed"] for r in rows] == [False, True, True]
+        assert all(np.isfinite(r["train/loss"]) and r["train/num_micro_batches"] == 2 for r in rows)
+        assert broker.service.weight_store.latest_version == 3  # one policy version per step, all accepted
+        status = broker.service.registry.run_status(broker.service.data_plane_status())
+        assert status.last_committed_step == 3 and status.trainer_step == 3
+        assert status.last_metrics["train/loss"] == pytest.approx(rows[-1]["train/loss"])
+        rollouts = {q.name: q for q in status.queues}["rollouts"]
+        assert rollouts.num_items == 0  # every batch released by the commits
+        assert sorted(p.name for p in (tmp_path / "out" / "checkpoints").iterdir()) == ["step_2", "step_3"]
+    finally:
+        broker.stop()
+
+
+@pytest.mark.slow
+def test_lora_run_publishes_adapters_the_broker_accepts(model_dir, tmp_path):
+    broker = Broker(tmp_path, range(1, 3))
+    try:
+        result = run_trainer(model_dir, broker, tmp_path / "out", "--max-steps", "2", "--model.lora.rank", "8",
+                             "--model.lora.target-modules", '["q_proj", "v_proj"]')
+        assert result.returncode == 0, result.stderr[-3000:]
+        latest = broker.service.weight_store.latest()
+        assert latest.policy_version == 2
+        assert latest.kind == 2  # WEIGHT_UPDATE_KIND_LORA
+    finally:
+        broker.stop()
+
+
+@pytest.mark.slow
+def test_resume_continues_the_same_loss_curve(model_dir, tmp_path):
+    straight_broker = Broker(tmp_path / "a", range(1, 5))
+    try:
+        straight = run_trainer(model_dir, straight_broker, tmp_path / "straight", "--max-steps", "4")
+        assert straight.returncode == 0, straight.stderr[-3000:]
+    finally:
+        straight_broker.stop()
+    broker = Broker(tmp_path / "b", range(1, 5))
+    try:
+        first = run_trainer(model_dir, broker, tmp_path / "resumed", "--max-steps", "2", "--ckpt.interval", "2")
+        assert first.returncode == 0, first.stderr[-3000:]
+        second = run_trainer(model_dir, broker, tmp_path / "resumed", "--max-steps", "4", "--ckpt.interval", "2")
+        assert second.returncode == 0, second.stderr[-3000:]
+    finally:
+        broker.stop()
+    expected = [r["train/loss"] for r in metrics(tmp_path / "straight")]
+    resumed = [r["train/loss"] for r in metrics(tmp_path / "resumed")]
+    assert [r["step"] for r in metrics(tmp_path / "resumed")] == [1, 2, 3, 4]
+    assert resumed == pytest.approx(expected, abs=1e-6)

@@ -1,0 +1,331 @@
+"""Publish the policy to the broker after each optimizer step: full weights, a LoRA adapter, or a lossless delta.
+
+What goes on the wire (``WeightUpdateHeader`` + one safetensors payload):
+
+- FULL: every tensor of the model exactly as ``save_pretrained`` writes ``model.safetensors`` (Hugging Face
+  names; tied weights once, e.g. no ``lm_head.weight`` with ``tie_word_embeddings``; transformers' load-time
+  renamings reverted), in the serving dtype. A LoRA-trained model is sent merged (W + scale * B @ A), computed
+  aside: the training weights are never merged in place. The payload bytes equal the file ``save_pretrained``
+  writes (same tensors, same ``{"format": "pt"}`` metadata), so a receiver may write them to disk as is.
+- LORA: the adapter exactly as peft's ``save_pretrained`` writes ``adapter_model.safetensors`` (names like
+  ``base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight``) and ``adapter_config_json`` exactly as
+  it writes ``adapter_config.json``. The adapter keeps its training dtype (as peft saves it).
+- DELTA: ``encode_delta`` (XOR + zlib, bit-exact) of the FULL tensors against the last version published, kept
+  as a host copy. The first publish of a run, the one after the broker says ``full_required`` (or refuses a
+  delta as out of order, e.g. after a broker restart), and the one after any failed publish are FULL.
+
+``publish`` = ``build`` (on the training thread: it reads the parameters) + ``send`` (socket I/O, which a
+trainer may run in its own thread: a ``PreparedUpdate`` owns its bytes and no longer touches the model).
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Literal
+
+from primerl.broker.weight_clients import WeightPublisher, WeightUpdateRefused
+from primerl.broker.weight_store import payload_digest
+from primerl.proto.tensor_frames import encode_tensors
+from primerl.proto.v1 import common_pb2, data_pb2
+from primerl.runtime.log_setup import get_logger
+from primerl.trainer.model import is_peft_model
+
+if TYPE_CHECKING:
+    import torch
+
+__all__ = [
+    "PolicyPublisher", "PreparedUpdate", "PublishKind", "PublishResult",
+    "hf_state_dict", "lora_adapter_config_json", "lora_state_dict",
+]
+
+log = get_logger(__name__)
+
+PublishKind = Literal["full", "lora", "delta"]
+_KIND_TO_WIRE = {
+    "full": data_pb2.WEIGHT_UPDATE_KIND_FULL,
+    "lora": data_pb2.WEIGHT_UPDATE_KIND_LORA,
+    "delta": data_pb2.WEIGHT_UPDATE_KIND_DELTA,
+}
+_SAFETENSORS_METADATA = {"format": "pt"}  # what transformers and peft write
+# Parts of a peft state-dict key that belong to the adapter, not to the base model.
+_LORA_KEY_PARTS = frozenset({"lora_A", "lora_B", "lora_embedding_A", "lora_embedding_B", "lora_magnitude_vector"})
+
+
+# -- tensors as Hugging Face and peft save them ------------------------------------------------------
+
+
+def hf_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The tensors ``save_pretrained`` would write, under the names it would write them (views of the model's
+    parameters where it can; merged weights for a peft LoRA model). Not copied: copy before the next step."""
+    from transformers.core_model_loading import revert_weight_conversion
+    from transformers.modeling_utils import remove_tied_weights_from_state_dict
+
+    if is_peft_model(model):
+        hf_model = model.get_base_model()
+        state = _merged_lora_state(hf_model)
+    else:
+        hf_model = model
+        state = model.state_dict()
+    for key in getattr(hf_model, "_keys_to_ignore_on_save", None) or ():
+        state.pop(key, None)
+    state = remove_tied_weights_from_state_dict(state, hf_model)
+    return dict(revert_weight_conversion(hf_model, state))
+
+
+def _merged_lora_state(hf_model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """State dict of a model with LoRA layers injected, with each adapted weight merged and peft's names
+    (``.base_layer.``, ``lora_*``) removed: what ``merge_and_unload()`` would give, without touching the model."""
+    import torch
+    from peft.tuners.lora import LoraLayer
+
+    merged: dict[str, torch.Tensor] = {}
+    with torch.no_grad():
+        for name, module in hf_model.named_modules():
+            if not isinstance(module, LoraLayer) or module.merged:
+                continue
+            weight = module.get_base_layer().weight.detach()
+            for adapter in module.active_adapters:
+                if adapter not in module.lora_A and adapter not in module.lora_embedding_A:
+                    continue
+                if module.use_dora.get(adapter, False):
+                    raise NotImplementedError(f"{name}: merging DoRA adapters for a full publish is not supported")
+                weight = weight + module.get_delta_weight(adapter)
+            merged[f"{name}.base_layer.weight"] = weight
+    state = {}
+    for key, tensor in hf_model.state_dict().items():
+        parts = key.split(".")
+        if _LORA_KEY_PARTS.intersection(parts):
+            continue
+        if "modules_to_save" in parts or "original_module" in parts:
+            raise NotImplementedError(f"{key}: peft modules_to_save are not supported in a full publish")
+        state[key.replace(".base_layer.", ".")] = merged.get(key, tensor)
+    return state
+
+
+def lora_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The adapter tensors exactly as peft's ``save_pretrained`` writes them (contiguous, no aliasing)."""
+    from peft.utils import get_peft_model_state_dict
+
+    if not is_peft_model(model):
+        raise ValueError('weight_broadcast.type = "lora" needs a LoRA model (set [trainer.model.lora])')
+    state = get_peft_model_state_dict(model, adapter_name=model.active_adapter)
+    seen: set[int] = set()
+    out = {}
+    for name, tensor in state.items():
+        tensor = tensor.detach()
+        pointer = tensor.untyped_storage().data_ptr()
+        if pointer in seen:
+            tensor = tensor.clone()
+        seen.add(pointer)
+        out[name] = tensor.contiguous()
+    return out
+
+
+def lora_adapter_config_json(model: torch.nn.Module) -> str:
+    """``adapter_config.json`` as peft's ``save_pretrained`` writes it for the active adapter (same keys, values
+    and layout; sets such as ``target_modules`` sorted, where peft's order depends on hashing)."""
+    config = copy.deepcopy(model.peft_config[model.active_adapter])
+    if config.base_model_name_or_path is None:
+        config.base_model_name_or_path = model.base_model.model.__dict__.get("name_or_path", None) or None
+    config.inference_mode = True
+    output = config.to_dict()
+    for key, value in output.items():
+        if isinstance(value, set):
+            output[key] = sorted(value)  # peft writes list(set): an order that varies between processes
+    return json.dumps(output, indent=2, sort_keys=True)
+
+
+def _host_copy(state: dict[str, torch.Tensor], dtype: torch.dtype | None) -> dict[str, torch.Tensor]:
+    """Contiguous CPU copies (gathered when sharded), cast to ``dtype`` when given: a snapshot the next
+    optimizer step cannot change."""
+    out = {}
+    for name, tensor in state.items():
+        tensor = tensor.detach()
+        if hasattr(tensor, "full_tensor"):  # DTensor (FSDP2): every rank must build
+            tensor = tensor.full_tensor()
+        cast = dtype if dtype is not None and tensor.is_floating_point() else tensor.dtype
+        out[name] = tensor.to(device="cpu", dtype=cast, copy=True).contiguous()
+    return out
+
+
+# -- publishing ------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class PreparedUpdate:
+    """A built update: ``header`` (digest and sizes set) and ``payload``; ``snapshot`` is the full host state
+    it encodes (FULL/DELTA of a delta publisher), kept as the base of the next delta once this one is stored."""
+
+    kind: PublishKind
+    header: data_pb2.WeightUpdateHeader
+    payload: bytes
+    build_ms: float
+    snapshot: dict[str, torch.Tensor] | None = None
+
+    @property
+    def policy_version(self) -> int:
+        return self.header.policy_version
+
+
+@dataclass(frozen=True)
+class PublishResult:
+    """What one ``publish`` did. ``kind`` is what was sent (a delta publisher sends "full" when it must);
+    ``fallback`` says why it sent FULL instead of DELTA (None when it sent what was asked)."""
+
+    ack: data_pb2.WeightAck
+    kind: PublishKind
+    policy_version: int
+    base_version: int
+    payload_bytes: int
+    num_tensors: int
+    build_ms: float
+    send_ms: float
+    fallback: str | None = None
+
+
+class PolicyPublisher:
+    """Sends the policy of each step to the broker's weight plane. One per trainer (rank 0).
+
+    Not thread-safe: ``build`` may run on the training thread and ``send`` on an I/O thread, but a delta's
+    ``build`` needs the previous ``send`` to have finished (its result is the delta's base)."""
+
+    def __init__(
+        self,
+        endpoint: str,
+        auth_token: str | None,
+        sender: str,
+        chunk_bytes: int,
+        kind: PublishKind,
+        policy_name: str,
+        *,
+        serving_dtype: torch.dtype | None = None,
+        delta_level: int = 1,
+        publisher: WeightPublisher | None = None,
+    ):
+        """``serving_dtype``: cast floating-point FULL/DELTA tensors to this dtype (None: the model's own).
+        ``delta_level``: zlib level of deltas. ``publisher``: an existing ``WeightPublisher`` to use (tests)."""
+        if kind not in _KIND_TO_WIRE:
+            raise ValueError(f'kind must be "full", "lora" or "delta", got {kind!r}')
+        if not policy_name:
+            raise ValueError("policy_name must not be empty")
+        self.kind: PublishKind = kind
+        self.policy_name = policy_name
+        self.serving_dtype = serving_dtype
+        self.delta_level = delta_level
+        self._publisher = publisher or WeightPublisher(endpoint, auth_token, sender, chunk_bytes)
+        # Base of the next delta: the host copy of the last version the broker stored, and its version.
+        self._base: dict[str, torch.Tensor] | None = None
+        self._base_version: int | None = None
+        self._full_required = False
+
+    @property
+    def base_version(self) -> int | None:
+        """The version the next delta would apply to (None: the next update is FULL)."""
+        return None if self._base is None or self._full_required else self._base_version
+
+    def publish(self, model: torch.nn.Module, version: int, timeout_s: float = 120.0) -> PublishResult:
+        """Build and send ``model`` as ``version``; returns once the broker stored it.
+
+        Raises ``WeightUpdateRefused`` with the broker's error (e.g. OUT_OF_ORDER for a version not newer than
+        the latest it holds) and ``WeightPublishTimeout``; after any failure the next publish is FULL.
+        """
+        fallback = None
+        kind = self.kind
+        if kind == "delta" and self.base_version is None:
+            fallback = "full required by the broker" if self._full_required else "no base version yet"
+            kind = "full"
+        prepared = self.build(model, version, kind=kind)
+        try:
+            ack, send_ms = self.send(prepared, timeout_s)
+        except WeightUpdateRefused as exc:
+            if prepared.kind != "delta" or not (exc.full_required
+                                                 or exc.code == common_pb2.ERROR_CODE_OUT_OF_ORDER):
+                raise
+            fallback = f"delta refused: {exc}"
+            log.warning("delta refused; sending the version as FULL", policy_version=version, error=str(exc))
+            assert prepared.snapshot is not None
+            prepared = self._build_from_snapshot("full", version, prepared.snapshot, prepared.build_ms)
+            ack, send_ms = self.send(prepared, timeout_s)
+        header = prepared.header
+        return PublishResult(ack=ack, kind=prepared.kind, policy_version=version, base_version=header.base_version,
+                             payload_bytes=header.payload_bytes, num_tensors=len(header.tensors),
+                             build_ms=prepared.build_ms, send_ms=send_ms, fallback=fallback)
+
+    def build(self, model: torch.nn.Module, version: int, *, kind: PublishKind | None = None) -> PreparedUpdate:
+        """Read the model and encode one update of ``kind`` (default: this publisher's kind; "delta" needs a
+        base). Runs on the training thread, between optimizer steps."""
+        kind = kind or self.kind
+        start_s = time.perf_counter()
+        if kind == "lora":
+            tensors = lora_state_dict(model)
+            payload, specs = encode_tensors(tensors, metadata=_SAFETENSORS_METADATA)
+            header = self._header(version, kind, payload, specs)
+            header.adapter_config_json = lora_adapter_config_json(model)
+            return PreparedUpdate(kind, header, payload, _elapsed_ms(start_s))
+        state = hf_state_dict(model)
+        sharded = any(hasattr(t, "full_tensor") for t in state.values())
+        if self.kind != "delta" and self.serving_dtype is None and not sharded:
+            # Nothing to keep: encoding copies the tensors into the payload straight from the parameters.
+            payload, specs = encode_tensors({k: v.detach().contiguous() for k, v in state.items()},
+                                            metadata=_SAFETENSORS_METADATA)
+            return PreparedUpdate(kind, self._header(version, kind, payload, specs), payload, _elapsed_ms(start_s))
+        snapshot = _host_copy(state, self.serving_dtype)
+        return self._build_from_snapshot(kind, version, snapshot, 0.0, start_s=start_s)
+
+    def _build_from_snapshot(self, kind: PublishKind, version: int, snapshot: dict[str, torch.Tensor],
+                             spent_ms: float, *, start_s: float | None = None) -> PreparedUpdate:
+        start_s = time.perf_counter() if start_s is None else start_s
+        if kind == "delta":
+            from primerl.proto.weight_delta import encode_delta
+
+            if self.base_version is None or self._base is None:
+                raise ValueError("a delta needs a base: publish a FULL update first")
+            payload, specs, decoded = encode_delta(snapshot, self._base, changed_only=True, level=self.delta_level)
+            header = self._header(version, kind, payload, specs)
+            header.base_version = self.base_version
+            header.delta_encoding = data_pb2.DELTA_ENCODING_XOR_ZLIB
+            header.decoded_tensors.extend(decoded)
+        else:
+            payload, specs = encode_tensors(snapshot, metadata=_SAFETENSORS_METADATA)
+            header = self._header(version, kind, payload, specs)
+        keep = snapshot if self.kind == "delta" else None
+        return PreparedUpdate(kind, header, payload, spent_ms + _elapsed_ms(start_s), keep)
+
+    def _header(self, version: int, kind: PublishKind, payload: bytes, specs: list) -> data_pb2.WeightUpdateHeader:
+        if version < 1:
+            raise ValueError(f"policy versions start at 1 (the first optimizer step), got {version}")
+        return data_pb2.WeightUpdateHeader(policy_version=version, kind=_KIND_TO_WIRE[kind], tensors=specs,
+                                           digest=payload_digest(payload), payload_bytes=len(payload),
+                                           policy_name=self.policy_name)
+
+    def send(self, prepared: PreparedUpdate, timeout_s: float = 120.0) -> tuple[data_pb2.WeightAck, float]:
+        """Send a built update; returns (ack, send ms). Keeps the delta base in step with what the broker holds:
+        a stored update becomes the base; a failed send leaves none (the next publish is FULL)."""
+        start_s = time.perf_counter()
+        # Until the broker answers, nothing is known to be held: a failed send leaves the next publish FULL.
+        self._base, self._base_version, self._full_required = None, None, False
+        ack = self._publisher.publish(prepared.header, prepared.payload, timeout_s)
+        send_ms = _elapsed_ms(start_s)
+        if prepared.snapshot is not None:
+            self._base, self._base_version = prepared.snapshot, prepared.policy_version
+        self._full_required = ack.full_required
+        log.info("policy published", policy_version=prepared.policy_version, kind=prepared.kind,
+                 base_version=prepared.header.base_version or None, payload_bytes=prepared.header.payload_bytes,
+                 build_ms=round(prepared.build_ms, 2), send_ms=round(send_ms, 2), full_required=ack.full_required)
+        return ack, send_ms
+
+    def close(self) -> None:
+        self._publisher.close()
+
+    def __enter__(self) -> PolicyPublisher:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _elapsed_ms(start_s: float) -> float:
+    return (time.perf_counter() - start_s) * 1000.0

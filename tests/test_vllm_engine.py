@@ -213,3 +213,36 @@ def test_generate_cli_checks_logprobs(engine: Any, tiny_model_dir: Path, capsys:
 
     assert generate.main([str(tiny_model_dir / "missing")], llm=engine) == 2
     assert "not a model directory" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_trainer_and_vllm_agree_mismatch_kl(engine: Any, reference_model: Any, temperature: float) -> None:
+    """The trainer's view of vLLM's own samples: with identical weights the mismatch KL is ~0 (<= 1e-5, fp32)."""
+    import numpy as np
+
+    from primerl.inference.logprob_check import generate_with_logprobs
+    from primerl.trainer.batch import MicroBatch, packed_token_logprobs
+    from primerl.trainer.config import DefaultLossConfig
+    from primerl.trainer.losses import rl_loss
+
+    result = generate_with_logprobs(engine, PROMPTS, max_tokens=16, seed=3, temperature=temperature)
+    parts = []
+    for sample in result.samples:
+        prompt, completion = sample.prompt_token_ids, sample.completion_token_ids
+        n = len(prompt) + len(completion)
+        parts.append({
+            "input_ids": np.array(prompt + completion, np.int64),
+            "position_ids": np.arange(n, dtype=np.int64),
+            "loss_mask": np.arange(n) >= len(prompt),
+            "advantages": np.ones(n, np.float32),
+            "inference_logprobs": np.array([0.0] * len(prompt) + sample.completion_logprobs, np.float32),
+            "temperatures": np.full(n, temperature, np.float32),
+        })
+    batch = MicroBatch.from_tensors({name: np.concatenate([p[name] for p in parts]) for name in parts[0]})
+    logprobs, _ = packed_token_logprobs(reference_model, batch, with_entropy=False)
+    out = rl_loss(DefaultLossConfig(), logprobs, batch.inference_logprobs, batch.advantages, batch.loss_mask,
+                  batch.num_loss_tokens)
+    assert batch.num_loss_tokens == result.num_completion_tokens
+    assert out.metrics["mismatch_kl"] <= 1e-5, out.metrics
+    assert out.metrics["is_truncated"] == 0.0 and out.metrics["masked"] == 0.0

@@ -8,6 +8,7 @@ import sys
 # name -> (module with `main(argv) -> int`, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
     "rl": ("primerl.cli.rl", "train with RL from one config: `primerl rl @ config.toml [--a.b value ...] [--dry-run]`"),
+    "sft": ("primerl.cli.sft", "supervised fine-tuning on a JSONL file of chat samples: `primerl sft @ sft.toml`"),
     "init-tiny-model": ("primerl.cli.tiny_model", "build the tiny Qwen2 model and tokenizer offline into a directory"),
     "generate": ("primerl.cli.generate", "generate from a model with vLLM; --check-logprobs compares with transformers"),
     "broker": ("primerl.cli.broker", "run the broker daemon (same as primerl-broker)"),

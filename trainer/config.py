@@ -247,3 +247,18 @@ class TrainerConfig(BaseConfig):
         if self.ckpt is not None and self.ckpt.dir is not None:
             return self.ckpt.dir
         return self.output_dir / "checkpoints"
+
+
+class SFTDataConfig(BaseConfig):
+    """The SFT dataset: a JSONL file of chat samples."""
+
+    path: Path = Field(description='JSONL file; each line `{"messages": [...]}` or `{"prompt": [...], "completion": [...]}`.')
+    batch_size: int = Field(8, ge=1, description="Samples per optimizer step (over all ranks).")
+    epochs: int = Field(1, ge=1, description="Passes over the dataset (when `max_steps` is unset).")
+    seed: int = Field(0, description="Seed of the sample order (shuffled each epoch).")
+
+
+class SFTConfig(TrainerConfig):
+    """`primerl sft`: supervised fine-tuning on chat samples (masked cross-entropy on assistant tokens)."""
+
+    data: SFTDataConfig = Field(description="The dataset.")

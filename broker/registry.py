@@ -308,7 +308,8 @@ class WorkerRegistry:
                 self._bump_locked()
 
     def report_metrics(self, worker_id: str, step: int, metrics: Mapping[str, float]) -> None:
-        """Merge the metrics into ``last_metrics`` (later reports win). Non-finite values are refused."""
+        """Merge the metrics into ``last_metrics`` (later reports win) and advance the reporter's step.
+        Non-finite values are refused."""
         if len(metrics) > MAX_METRICS_PER_REPORT:
             raise InvalidRequest(f"{len(metrics)} metrics in one report; at most {MAX_METRICS_PER_REPORT}")
         bad = sorted(name for name, value in metrics.items() if not math.isfinite(value))
@@ -317,7 +318,12 @@ class WorkerRegistry:
         if any(not name for name in metrics):
             raise InvalidRequest("metric names must not be empty")
         with self._lock:
-            self._live_worker_locked(worker_id)
+            worker = self._live_worker_locked(worker_id)
+            # A step's metrics also say the step is done: progress shows even if no heartbeat follows.
+            if worker.role == common_pb2.ROLE_TRAINER:
+                worker.trainer_step = max(worker.trainer_step or 0, step)
+            elif worker.role == common_pb2.ROLE_ORCHESTRATOR:
+                worker.orchestrator_step = max(worker.orchestrator_step or 0, step)
             self._last_metrics.update(metrics)
             self._last_metrics_step = step
             self._bump_locked()

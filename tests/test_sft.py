@@ -83,3 +83,7 @@ def test_sft_command_lowers_the_loss_and_exports_weights(model_dir, tmp_path):
     weights = out / "weights" / "step_24"
     assert (weights / "STABLE").exists()
     AutoModelForCausalLM.from_pretrained(weights)
+    # vLLM serves the exported weights, with logprobs equal to transformers'
+    check = subprocess.run([str(BIN / "primerl"), "generate", str(weights), "--num-prompts", "2", "--max-tokens", "8",
+                            "--check-logprobs"], capture_output=True, text=True, timeout=300)
+    assert check.returncode == 0, check.stdout[-2000:] + check.stderr[-2000:]

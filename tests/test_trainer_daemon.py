@@ -79,6 +79,8 @@ def test_trainer_trains_publishes_checkpoints_and_commits(model_dir, tmp_path):
         rollouts = {q.name: q for q in status.queues}["rollouts"]
         assert rollouts.num_items == 0  # every batch released by the commits
         assert sorted(p.name for p in (tmp_path / "out" / "checkpoints").iterdir()) == ["step_2", "step_3"]
+        for step in (2, 3):  # Hugging Face weights of every checkpoint, for evals and vLLM
+            assert (tmp_path / "out" / "weights" / f"step_{step}" / "STABLE").exists()
     finally:
         broker.stop()
 
@@ -117,3 +119,42 @@ def test_resume_continues_the_same_loss_curve(model_dir, tmp_path):
     resumed = [r["train/loss"] for r in metrics(tmp_path / "resumed")]
     assert [r["step"] for r in metrics(tmp_path / "resumed")] == [1, 2, 3, 4]
     assert resumed == pytest.approx(expected, abs=1e-6)
+
+
+class TwoRankBroker(Broker):
+    """The same samples as ``Broker`` for one rank, split for two: rank r gets samples r, r + 2, ..."""
+
+    def __init__(self, tmp_path: Path, steps: range):
+        self.service = BrokerService(BrokerConfig(grpc_port=0, rollout_port=0, weight_port=0,
+                                                  spool_dir=tmp_path / "spool", max_queue_batches=64, run_id="t2"))
+        self.endpoints = self.service.start()
+        with RolloutProducer(f"tcp://127.0.0.1:{self.endpoints.rollout_port}") as producer:
+            for step in steps:
+                for rank in range(2):
+                    part = samples(step)[rank::2]
+                    tensors = {name: np.concatenate([s[name] for s in part]) for name in part[0]}
+                    producer.send_batch(*pack_batch(step, rank, 0, 1, tensors), timeout_s=20)
+
+
+@pytest.mark.slow
+def test_two_trainer_ranks_under_torchrun_match_one(model_dir, tmp_path):
+    one_broker = Broker(tmp_path / "one", range(1, 3), num_micro_batches=1)
+    try:
+        one = run_trainer(model_dir, one_broker, tmp_path / "one-out", "--max-steps", "2")
+        assert one.returncode == 0, one.stderr[-3000:]
+    finally:
+        one_broker.stop()
+    two_broker = TwoRankBroker(tmp_path / "two", range(1, 3))
+    try:
+        args = ["--model.name", str(model_dir), "--broker.address", two_broker.address, "--output-dir",
+                str(tmp_path / "two-out"), "--optim.lr", "1e-3", "--optim.weight-decay", "0", "--model.parallel", "ddp",
+                "--max-steps", "2"]
+        two = subprocess.run([str(BIN / "torchrun"), "--standalone", "--nproc-per-node=2", str(BIN / "primerl-trainer"),
+                              *args], capture_output=True, text=True, timeout=600)
+        assert two.returncode == 0, two.stderr[-3000:]
+        assert two_broker.service.weight_store.latest_version == 2
+    finally:
+        two_broker.stop()
+    one_losses = [r["train/loss"] for r in metrics(tmp_path / "one-out")]
+    two_losses = [r["train/loss"] for r in metrics(tmp_path / "two-out")]
+    assert two_losses == pytest.approx(one_losses, abs=1e-5)

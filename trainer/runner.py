@@ -55,6 +55,7 @@ class TrainerRunner:
                 "several trainer ranks with model.parallel = \"fsdp2\": publishing and checkpointing sharded "
                 "weights are not built yet; set [trainer.model] parallel = \"ddp\" (TrainStep itself supports FSDP2)"
             )
+        warn_unused_options(config)
         torch.manual_seed(0)
         model = load_model(config.model)
         self.model = wrap_model(model, config.model.parallel, self.dist)
@@ -147,7 +148,7 @@ class TrainerRunner:
                  wait_s=round(waited_s, 3), publish_ms=round(publish_ms, 1))
 
     def _maybe_checkpoint(self, step: int) -> bool:
-        from primerl.trainer.checkpoint import prune_checkpoints, save_checkpoint
+        from primerl.trainer.checkpoint import export_hf_weights, prune_checkpoints, save_checkpoint
 
         ckpt = self.config.ckpt
         if ckpt is None:
@@ -160,6 +161,8 @@ class TrainerRunner:
                         rank=self.dist.rank, world_size=self.dist.world_size, barrier=lambda: barrier(self.dist))
         barrier(self.dist)
         if self.dist.is_main:
+            export_hf_weights(unwrap_model(self.model), self.config.tokenizer.name,
+                              self.config.output_dir / "weights" / f"step_{step}")
             prune_checkpoints(self.config.checkpoint_dir, keep_last=ckpt.keep_last, keep_interval=ckpt.keep_interval)
             response = self.control.commit_step(step)  # the broker may now delete the batches of steps <= step
             log.info("checkpoint committed", step=step, batches_released=response.num_batches_released)
@@ -173,3 +176,18 @@ class TrainerRunner:
             self.control.deregister("training finished")
             self.control.close()
 
+
+
+def warn_unused_options(config: TrainerConfig) -> None:
+    """Options that exist for config compatibility but change nothing in this trainer: say so once."""
+    unused = []
+    if config.micro_batch_size is not None:
+        unused.append("micro_batch_size (the orchestrator packs micro-batches up to seq_len)")
+    if config.gradient_accumulation_steps is not None:
+        unused.append("gradient_accumulation_steps (every micro-batch of a step is accumulated into one update)")
+    if config.model.reduce_dtype != "float32":
+        unused.append("model.reduce_dtype (gradients are reduced in the parameters' dtype)")
+    if config.model.fsdp_cpu_offload:
+        unused.append("model.fsdp_cpu_offload (no CPU offloading is built)")
+    for option in unused:
+        log.warning("config option has no effect", option=option)

@@ -34,6 +34,9 @@ def run_sft(config: SFTConfig, dist_info: DistInfo, stop_event: threading.Event 
     from primerl.trainer.model import load_model
     from primerl.trainer.optim import build_optimizer, build_scheduler
 
+    from primerl.trainer.runner import warn_unused_options
+
+    warn_unused_options(config)
     tokenizer = AutoTokenizer.from_pretrained(config.tokenizer.name)
     samples = [tokenize_conversation(tokenizer, messages) for messages in read_chat_samples(config.data.path)]
     steps_per_epoch = math.ceil(len(samples) / config.data.batch_size)

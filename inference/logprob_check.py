@@ -76,11 +76,12 @@ def generate_with_logprobs(
     seed: int | None = 0,
     temperature: float = 1.0,
     ignore_eos: bool = False,
+    lora_request: Any = None,
 ) -> GenerationResult:
     """Sample one completion per prompt (text, or token ids used as they are) with the sampled-token logprobs.
 
     With an integer `seed`, prompt i is sampled with its own generator seeded seed + i: its tokens do not depend
-    on the other requests in the batch.
+    on the other requests in the batch. `lora_request` (a vLLM `LoRARequest`) applies an adapter to every prompt.
     """
     from vllm import SamplingParams
 
@@ -104,7 +105,7 @@ def generate_with_logprobs(
         p if isinstance(p, str) else {"prompt_token_ids": [int(t) for t in p]} for p in prompts
     ]
     start = time.perf_counter()
-    outputs = llm.generate(inputs, params, use_tqdm=False)
+    outputs = llm.generate(inputs, params, use_tqdm=False, lora_request=lora_request)
     elapsed_s = time.perf_counter() - start
 
     samples = []

@@ -1,0 +1,386 @@
+"""Apply weight updates (FULL, LORA, DELTA) to a running vLLM engine: the logic, without sockets.
+
+`PolicyUpdater` holds the policy version the engine serves and applies a ``(WeightUpdateHeader, payload)`` to
+it through `EngineOps`, a small synchronous view of the engine. `LLMEngineOps` adapts an offline `vllm.LLM`;
+the server adapts its `AsyncLLM` the same way (each method run to completion, e.g. with
+``asyncio.run_coroutine_threadsafe(...).result(timeout)`` from a thread that calls `PolicyUpdater.apply`).
+
+    llm = create_llm(EngineOptions(..., worker_extension_cls=WORKER_EXTENSION_CLS, enable_lora=True))
+    updater = PolicyUpdater.for_llm(llm, work_dir=run_dir / "policy")
+    apply_ms = updater.apply(header, payload)          # raises UpdateRefused; the served policy is then unchanged
+    llm.generate(prompts, params, lora_request=updater.lora_request())
+
+Checks come first, and a refused update (`UpdateRefused` with a wire ``ErrorCode``) changes nothing:
+
+- BAD_DIGEST: the payload's SHA-256 is not ``header.digest`` (TRUNCATED when ``payload_bytes`` disagrees);
+- OUT_OF_ORDER: a FULL or LORA update not newer than the served version; a DELTA whose ``base_version`` is not
+  the served version, or that arrives while a LoRA adapter is served (a delta applies to full weights);
+- TENSOR_MISMATCH / MALFORMED_HEADER: unknown, missing or misshapen tensors, an unreadable payload, a corrupt
+  delta, an adapter whose rank exceeds the engine's ``max_lora_rank``.
+
+FULL and DELTA go through `primerl.inference.worker_extension` (safetensors bytes through ``collective_rpc``,
+reloaded in place); LORA is written to a new directory under ``work_dir`` and added under a NEW int id each
+version (re-using an id with new files serves the old weights), then the previous id is removed. Older adapter
+directories are kept for ``keep_adapter_versions`` versions, because a request still in flight with the previous
+`LoRARequest` makes vLLM reload it from its path.
+
+Requests in flight keep generating while an update is applied: their later tokens come from the new weights.
+Pausing the engine around an update (so a response is produced by one version) is the server's job.
+`apply` is serialised by one lock; `policy_version` and `lora_request()` can be read from any thread.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import json
+import re
+import shutil
+import threading
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Protocol
+
+from primerl.inference.worker_extension import REFUSAL_PREFIX, WeightUpdateInvalid, check_against
+from primerl.proto.tensor_frames import TensorFrameError, check_tensor_frame
+from primerl.proto.v1 import common_pb2, data_pb2
+from primerl.runtime.log_setup import get_logger
+
+if TYPE_CHECKING:
+    import vllm
+    from vllm.lora.request import LoRARequest
+
+log = get_logger(__name__)
+
+__all__ = ["EngineOps", "LLMEngineOps", "PolicyUpdater", "UpdateRefused"]
+
+FULL = data_pb2.WEIGHT_UPDATE_KIND_FULL
+LORA = data_pb2.WEIGHT_UPDATE_KIND_LORA
+DELTA = data_pb2.WEIGHT_UPDATE_KIND_DELTA
+
+ADAPTER_WEIGHTS_FILE = "adapter_model.safetensors"
+ADAPTER_CONFIG_FILE = "adapter_config.json"
+DEFAULT_POLICY_NAME = "policy"
+
+# In multiprocess mode vLLM re-raises a worker's exception as text: "... Worker failed with error '<message>',
+# please check the stack trace above for the root cause".
+_REFUSAL_RE = re.compile(re.escape(REFUSAL_PREFIX) + r"(ERROR_CODE_[A-Z_]+)\]\s*(.*?)(?:', please check .*)?$",
+                         re.DOTALL)
+_LORA_NAME_RE = re.compile(r"^(?:base_model\.model\.)?(?P<module>.+)\.lora_(?P<ab>[AB])(?:\.[^.]+)?\.weight$")
+
+
+class UpdateRefused(Exception):
+    """A weight update that was not applied; the engine still serves the previous policy."""
+
+    def __init__(self, code: int, message: str):
+        super().__init__(f"{common_pb2.ErrorCode.Name(code)}: {message}")
+        self.code = code
+        self.message = message
+
+    def detail(self) -> common_pb2.ErrorDetail:
+        return common_pb2.ErrorDetail(code=self.code, message=self.message)
+
+
+class EngineOps(Protocol):
+    """What `PolicyUpdater` needs from an engine. Every call returns when the engine has done it."""
+
+    def collective_rpc(self, method: str, args: tuple[Any, ...] = ()) -> list[Any]:
+        """Run a worker-extension method on every worker; one result per worker."""
+        ...
+
+    def reset_prefix_cache(self) -> None: ...
+
+    def add_lora(self, lora_request: LoRARequest) -> bool: ...
+
+    def remove_lora(self, lora_id: int) -> bool: ...
+
+
+class LLMEngineOps:
+    """`EngineOps` of an offline `vllm.LLM`."""
+
+    def __init__(self, llm: vllm.LLM, *, timeout_s: float | None = 600.0):
+        self.llm = llm
+        self.timeout_s = timeout_s
+
+    def collective_rpc(self, method: str, args: tuple[Any, ...] = ()) -> list[Any]:
+        return self.llm.collective_rpc(method, timeout=self.timeout_s, args=args)
+
+    def reset_prefix_cache(self) -> None:
+        self.llm.reset_prefix_cache()
+
+    def add_lora(self, lora_request: LoRARequest) -> bool:
+        return self.llm.llm_engine.add_lora(lora_request)
+
+    def remove_lora(self, lora_id: int) -> bool:
+        return self.llm.llm_engine.remove_lora(lora_id)
+
+
+def engine_max_lora_rank(vllm_config: Any) -> int | None:
+    """The engine's ``max_lora_rank``, or None when it was started without LoRA (``llm.llm_engine.vllm_config``,
+    ``async_llm.vllm_config``)."""
+    lora_config = getattr(vllm_config, "lora_config", None)
+    return None if lora_config is None else int(lora_config.max_lora_rank)
+
+
+class PolicyUpdater:
+    """The policy an engine serves, and the one way to change it. See the module docstring."""
+
+    def __init__(
+        self,
+        engine: EngineOps,
+        work_dir: str | Path,
+        *,
+        max_lora_rank: int | None,
+        policy_name: str = DEFAULT_POLICY_NAME,
+        policy_version: int = 0,
+        keep_adapter_versions: int = 2,
+    ):
+        """`max_lora_rank`: the engine's (None: started without LoRA, LORA updates are refused).
+        `policy_name`: the adapter name when a LORA header has none. `policy_version`: what the engine serves
+        now (0: the checkpoint it was started from). `keep_adapter_versions`: adapter directories kept on disk,
+        the served one included (>= 2, so requests still on the previous adapter can reload it)."""
+        if keep_adapter_versions < 2:
+            raise ValueError(f"keep_adapter_versions must be >= 2, got {keep_adapter_versions}")
+        if policy_version < 0:
+            raise ValueError(f"policy_version must be >= 0, got {policy_version}")
+        self.engine = engine
+        self.work_dir = Path(work_dir)
+        self.max_lora_rank = max_lora_rank
+        self.policy_name = policy_name
+        self.keep_adapter_versions = keep_adapter_versions
+        self._policy_version = policy_version
+        self._lora_request: LoRARequest | None = None
+        self._next_lora_id = 1
+        self._adapter_dirs: list[Path] = []
+        self._manifest: dict[str, tuple[str, list[int]]] | None = None
+        self._lock = threading.Lock()
+
+    @classmethod
+    def for_llm(cls, llm: vllm.LLM, work_dir: str | Path, **kwargs: Any) -> PolicyUpdater:
+        """A `PolicyUpdater` of an offline `vllm.LLM` started with the primerl worker extension."""
+        return cls(LLMEngineOps(llm), work_dir,
+                   max_lora_rank=engine_max_lora_rank(llm.llm_engine.vllm_config), **kwargs)
+
+    # ---- what is served ----------------------------------------------------------------------------------------
+
+    @property
+    def policy_version(self) -> int:
+        """The policy version the engine serves (0: the weights it started with)."""
+        return self._policy_version
+
+    @property
+    def kind(self) -> str:
+        """"lora" while an adapter is served, else "full"."""
+        return "full" if self._lora_request is None else "lora"
+
+    def lora_request(self) -> LoRARequest | None:
+        """The `LoRARequest` requests must carry to get the served policy; None while full weights are served."""
+        return self._lora_request
+
+    def prepare(self) -> None:
+        """Read the model's weight names and shapes from the worker (which loads its host copy of the weights
+        then). `apply` does it on first use; call it at start-up to keep that time out of the first update."""
+        with self._lock:
+            self._weight_manifest()
+
+    def weight_digest(self) -> str:
+        """SHA-256 of the worker's host copy of the full weights (for tests and diagnostics; not cheap)."""
+        digests = set(self.engine.collective_rpc("primerl_weight_digest"))
+        if len(digests) != 1:
+            raise RuntimeError(f"workers hold different weights: {sorted(digests)}")
+        return digests.pop()
+
+    # ---- applying ----------------------------------------------------------------------------------------------
+
+    def apply(self, header: data_pb2.WeightUpdateHeader, payload: bytes | bytearray | memoryview) -> float:
+        """Apply one update; returns the milliseconds it took, checks included. Raises `UpdateRefused` (nothing
+        changed). Any other exception is a fault of the engine: what it serves is then unknown."""
+        start = time.perf_counter()
+        with self._lock:
+            self._check_common(header, payload)
+            if header.kind == LORA:
+                self._apply_lora(header, payload)
+            else:
+                self._apply_weights(header, bytes(payload))
+            self._policy_version = int(header.policy_version)
+        apply_ms = (time.perf_counter() - start) * 1000.0
+        log.info("applied weight update", policy_version=header.policy_version,
+                 kind=data_pb2.WeightUpdateKind.Name(header.kind), apply_ms=round(apply_ms, 2))
+        return apply_ms
+
+    def _check_common(self, header: data_pb2.WeightUpdateHeader, payload: Any) -> None:
+        if header.kind not in (FULL, LORA, DELTA):
+            raise UpdateRefused(common_pb2.ERROR_CODE_MALFORMED_HEADER,
+                                f"weight update kind {header.kind} is not FULL, LORA or DELTA")
+        size = memoryview(payload).nbytes
+        if header.payload_bytes and header.payload_bytes != size:
+            raise UpdateRefused(common_pb2.ERROR_CODE_TRUNCATED,
+                                f"the payload has {size} bytes but the header says {header.payload_bytes}")
+        digest = hashlib.sha256(memoryview(payload)).hexdigest()
+        if not hmac.compare_digest(digest, header.digest.lower()):
+            raise UpdateRefused(common_pb2.ERROR_CODE_BAD_DIGEST,
+                                f"payload SHA-256 is {digest} but the header says {header.digest or '(none)'}")
+        version, served = header.policy_version, self._policy_version
+        if header.kind == DELTA:
+            if self._lora_request is not None:
+                raise UpdateRefused(common_pb2.ERROR_CODE_OUT_OF_ORDER,
+                                    f"DELTA v{version} needs full weights but a LoRA adapter (v{served}) is served; "
+                                    "send a FULL update")
+            if header.base_version != served:
+                raise UpdateRefused(common_pb2.ERROR_CODE_OUT_OF_ORDER,
+                                    f"DELTA v{version} applies to v{header.base_version} but v{served} is served")
+            if version <= header.base_version:
+                raise UpdateRefused(common_pb2.ERROR_CODE_OUT_OF_ORDER,
+                                    f"DELTA v{version} is not newer than its base v{header.base_version}")
+        elif version <= served:
+            raise UpdateRefused(common_pb2.ERROR_CODE_OUT_OF_ORDER,
+                                f"{data_pb2.WeightUpdateKind.Name(header.kind)} v{version} is not newer than the "
+                                f"served v{served}")
+
+    def _weight_manifest(self) -> dict[str, tuple[str, list[int]]]:
+        if self._manifest is None:
+            manifests = self.engine.collective_rpc("primerl_weight_manifest")
+            self._manifest = {name: (dtype, list(shape)) for name, (dtype, shape) in manifests[0].items()}
+        return self._manifest
+
+    def _apply_weights(self, header: data_pb2.WeightUpdateHeader, payload: bytes) -> None:
+        """FULL or DELTA, through the worker extension."""
+        manifest = self._weight_manifest()
+        what = f"{data_pb2.WeightUpdateKind.Name(header.kind)} v{header.policy_version}"
+        try:
+            check_tensor_frame(payload, header.tensors)
+            if header.kind == FULL:
+                check_against({s.name: (s.dtype, list(s.shape)) for s in header.tensors}, manifest,
+                              require_all=True, what=what)
+            else:
+                if header.delta_encoding != data_pb2.DELTA_ENCODING_XOR_ZLIB:
+                    raise UpdateRefused(common_pb2.ERROR_CODE_MALFORMED_HEADER,
+                                        f"{what}: delta_encoding {header.delta_encoding} is not XOR_ZLIB")
+                check_against({s.name: (s.dtype, list(s.shape)) for s in header.decoded_tensors}, manifest,
+                              require_all=False, what=what)
+        except TensorFrameError as exc:
+            code = (common_pb2.ERROR_CODE_TRUNCATED if exc.truncated else
+                    common_pb2.ERROR_CODE_TENSOR_MISMATCH if exc.mismatch else common_pb2.ERROR_CODE_MALFORMED_HEADER)
+            raise UpdateRefused(code, f"{what}: {exc}") from None
+        except WeightUpdateInvalid as exc:
+            raise UpdateRefused(exc.code, exc.reason) from None
+
+        if header.kind == FULL:
+            results = self._rpc("primerl_load_full", payload)
+        else:
+            results = self._rpc("primerl_apply_delta", payload, header.SerializeToString())
+        self.engine.reset_prefix_cache()
+        if self._lora_request is not None:
+            # vLLM's reload already dropped the adapter inside the worker; tell the engine too.
+            self.engine.remove_lora(self._lora_request.lora_int_id)
+            self._lora_request = None
+        log.debug("worker applied weights", results=results)
+
+    def _rpc(self, method: str, *args: Any) -> list[Any]:
+        try:
+            return self.engine.collective_rpc(method, args)
+        except Exception as exc:
+            refusal = _refusal_from(exc)
+            if refusal is None:
+                raise
+            raise refusal from None
+
+    def _apply_lora(self, header: data_pb2.WeightUpdateHeader, payload: Any) -> None:
+        from vllm.lora.request import LoRARequest
+
+        what = f"LORA v{header.policy_version}"
+        if self.max_lora_rank is None:
+            raise UpdateRefused(common_pb2.ERROR_CODE_TENSOR_MISMATCH,
+                                f"{what}: the engine was started without LoRA (enable_lora)")
+        try:
+            adapter_config = json.loads(header.adapter_config_json)
+        except ValueError as exc:
+            raise UpdateRefused(common_pb2.ERROR_CODE_MALFORMED_HEADER,
+                                f"{what}: adapter_config_json is not JSON ({exc})") from None
+        if not isinstance(adapter_config, dict):
+            raise UpdateRefused(common_pb2.ERROR_CODE_MALFORMED_HEADER, f"{what}: adapter_config_json is not an object")
+        try:
+            entries = check_tensor_frame(payload, header.tensors)
+        except TensorFrameError as exc:
+            code = (common_pb2.ERROR_CODE_TRUNCATED if exc.truncated else
+                    common_pb2.ERROR_CODE_TENSOR_MISMATCH if exc.mismatch else common_pb2.ERROR_CODE_MALFORMED_HEADER)
+            raise UpdateRefused(code, f"{what}: {exc}") from None
+        self._check_lora_tensors(what, adapter_config, {n: list(e.shape) for n, e in entries.items()})
+
+        lora_id = self._next_lora_id
+        policy_name = header.policy_name or self.policy_name
+        adapter_dir = self._write_adapter(header.policy_version, lora_id, payload, header.adapter_config_json)
+        request = LoRARequest(lora_name=policy_name, lora_int_id=lora_id, lora_path=str(adapter_dir))
+        try:
+            added = self.engine.add_lora(request)
+        except Exception as exc:  # vLLM raises ValueError and others for an adapter it cannot load
+            shutil.rmtree(adapter_dir, ignore_errors=True)
+            raise UpdateRefused(common_pb2.ERROR_CODE_TENSOR_MISMATCH,
+                                f"{what}: the engine could not load the adapter: {exc}") from None
+        if not added:
+            shutil.rmtree(adapter_dir, ignore_errors=True)
+            raise UpdateRefused(common_pb2.ERROR_CODE_INTERNAL, f"{what}: the engine did not add the adapter")
+        self._next_lora_id += 1
+        previous, self._lora_request = self._lora_request, request
+        if previous is not None:
+            self.engine.remove_lora(previous.lora_int_id)
+        self.engine.reset_prefix_cache()
+        self._adapter_dirs.append(adapter_dir)
+        while len(self._adapter_dirs) > self.keep_adapter_versions:
+            shutil.rmtree(self._adapter_dirs.pop(0), ignore_errors=True)
+
+    def _check_lora_tensors(self, what: str, adapter_config: dict[str, Any], shapes: dict[str, list[int]]) -> None:
+        """Every tensor is a lora_A/lora_B of a 2-D weight of the model, with matching shapes and a rank of at most
+        the engine's `max_lora_rank`."""
+        assert self.max_lora_rank is not None
+        manifest = self._weight_manifest()
+        ranks = [adapter_config.get("r", 0), *dict(adapter_config.get("rank_pattern") or {}).values()]
+        if not shapes:
+            raise UpdateRefused(common_pb2.ERROR_CODE_TENSOR_MISMATCH, f"{what}: the adapter holds no tensors")
+        for name, shape in shapes.items():
+            match = _LORA_NAME_RE.match(name)
+            base_name = f"{match['module']}.weight" if match else None
+            if base_name not in manifest:
+                raise UpdateRefused(common_pb2.ERROR_CODE_TENSOR_MISMATCH,
+                                    f"{what}: {name!r} is not the lora_A/lora_B weight of a layer of the model")
+            base_shape = manifest[base_name][1]
+            if len(shape) != 2 or len(base_shape) != 2:
+                raise UpdateRefused(common_pb2.ERROR_CODE_TENSOR_MISMATCH,
+                                    f"{what}: {name!r} is {shape}; LoRA weights of 2-D layers are 2-D")
+            out_features, in_features = base_shape
+            rank, expected = (shape[0], [shape[0], in_features]) if match["ab"] == "A" else \
+                (shape[1], [out_features, shape[1]])
+            if shape != expected:
+                raise UpdateRefused(common_pb2.ERROR_CODE_TENSOR_MISMATCH,
+                                    f"{what}: {name!r} is {shape} but {base_name} {base_shape} needs {expected}")
+            ranks.append(rank)
+        rank = max(int(r) for r in ranks)
+        if rank > self.max_lora_rank:
+            raise UpdateRefused(common_pb2.ERROR_CODE_TENSOR_MISMATCH,
+                                f"{what}: adapter rank {rank} exceeds the engine's max_lora_rank "
+                                f"{self.max_lora_rank}; restart the engine with a larger max_lora_rank")
+
+    def _write_adapter(self, policy_version: int, lora_id: int, payload: Any, adapter_config_json: str) -> Path:
+        """Write the adapter to a new directory, atomically (a temporary name, renamed when complete)."""
+        adapters = self.work_dir / "adapters"
+        adapters.mkdir(parents=True, exist_ok=True)
+        final = adapters / f"v{policy_version:08d}-id{lora_id}"
+        tmp = adapters / f".{final.name}.tmp"
+        shutil.rmtree(tmp, ignore_errors=True)
+        shutil.rmtree(final, ignore_errors=True)
+        tmp.mkdir()
+        (tmp / ADAPTER_WEIGHTS_FILE).write_bytes(memoryview(payload))
+        (tmp / ADAPTER_CONFIG_FILE).write_text(adapter_config_json)
+        tmp.rename(final)
+        return final
+
+
+def _refusal_from(exc: BaseException) -> UpdateRefused | None:
+    """The `UpdateRefused` a worker's `WeightUpdateInvalid` stands for (its message survives process
+    boundaries as text), or None when `exc` is not one."""
+    match = _REFUSAL_RE.search(str(exc))
+    if match is None:
+        return None
+    code = common_pb2.ErrorCode.Value(match[1]) if match[1] in common_pb2.ErrorCode.keys() else \
+        common_pb2.ERROR_CODE_TENSOR_MISMATCH
+    return UpdateRefused(code, match[2].strip())

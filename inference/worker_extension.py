@@ -1,0 +1,266 @@
+"""Methods mixed into vLLM's worker to change the weights of the running model.
+
+Start the engine with ``EngineOptions(worker_extension_cls=WORKER_EXTENSION_CLS)`` and call the methods through
+``llm.collective_rpc("primerl_load_full", args=(payload,))`` (offline) or ``await async_llm.collective_rpc(...)``
+(server); `primerl.inference.policy_updates.PolicyUpdater` does both. What works on the CPU build (see
+"Facts measured here" in the design notes):
+
+- weights travel as safetensors *bytes*: tensors passed through ``collective_rpc`` arrive as lists in
+  multiprocess mode;
+- they are applied with ``model_runner.reload_weights(weights_iterator=...)``: ``model.load_weights`` alone
+  breaks on CPU (linear weights are repacked after loading). A partial update reloads each vLLM layer it
+  touches as a whole, so the tensors that vLLM fuses into one layer (q/k/v, gate/up) and a module's weight and
+  bias are always sent together (`_load_groups`): a layer given only part of its tensors would be rebuilt
+  with the rest uninitialised.
+- with tied embeddings the CPU build's LM head keeps a GEMM packed from the old embedding after a reload;
+  `_refresh_tied_cpu_layers` rebuilds it (without it, logprobs were off by ~0.6 after an embedding change).
+- ``reload_weights`` drops the LoRA adapters loaded in the worker (vLLM reloads an adapter from its path the
+  next time a request asks for it).
+
+The worker keeps a host copy of the raw weights under their Hugging Face names (read from the model
+directory's safetensors on first use, then kept equal to what was loaded): deltas decode against it, and every
+update is checked against its names, dtypes and shapes *before* the model is touched. A refused update raises
+`WeightUpdateInvalid` (a ValueError) whose message starts with ``[primerl:<ERROR_CODE>]``, so the refusal and
+its code survive vLLM's process boundary (where exceptions arrive as text); the model is then unchanged.
+
+The caller must reset the prefix cache after an update (engine level: ``llm.reset_prefix_cache()``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import logging
+import time
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from google.protobuf.message import DecodeError
+
+from primerl.proto import weight_delta
+from primerl.proto.tensor_frames import TensorFrameError, decode_tensors
+from primerl.proto.v1 import common_pb2, data_pb2
+
+if TYPE_CHECKING:
+    import torch
+
+WORKER_EXTENSION_CLS = "primerl.inference.worker_extension.PolicyWorkerExtension"
+"""What to pass as `EngineOptions.worker_extension_cls`."""
+
+REFUSAL_PREFIX = "[primerl:"
+
+FUSED_FAMILIES: tuple[frozenset[str], ...] = (
+    frozenset({"q_proj", "k_proj", "v_proj"}),
+    frozenset({"gate_proj", "up_proj"}),
+)
+"""Sibling modules (Hugging Face names) that vLLM loads into one fused layer (QKV, gate-up)."""
+
+
+class WeightUpdateInvalid(ValueError):
+    """An update that does not fit the model (unknown, missing or misshapen tensors; a corrupt delta)."""
+
+    def __init__(self, message: str, code: int = common_pb2.ERROR_CODE_TENSOR_MISMATCH):
+        super().__init__(f"{REFUSAL_PREFIX}{common_pb2.ErrorCode.Name(code)}] {message}")
+        self.code = code
+        self.reason = message
+
+
+def dtype_name(tensor: torch.Tensor) -> str:
+    return weight_delta.torch_dtype_name(tensor.dtype)
+
+
+def manifest_of(tensors: Mapping[str, torch.Tensor]) -> dict[str, tuple[str, list[int]]]:
+    """{name: (safetensors dtype, shape)}: plain data that crosses process boundaries."""
+    return {name: (dtype_name(t), list(t.shape)) for name, t in tensors.items()}
+
+
+def weights_digest(tensors: Mapping[str, torch.Tensor]) -> str:
+    """SHA-256 (hex) over name, dtype, shape and raw bytes of each tensor, in name order."""
+    import torch
+
+    digest = hashlib.sha256()
+    for name in sorted(tensors):
+        tensor = tensors[name].detach().contiguous().reshape(-1)
+        digest.update(f"{name}\0{dtype_name(tensors[name])}\0{list(tensors[name].shape)}\0".encode())
+        digest.update(tensor.view(torch.uint8).numpy().data)
+    return digest.hexdigest()
+
+
+def check_against(tensors: Mapping[str, Any], manifest: Mapping[str, tuple[str, list[int]]], *,
+                  require_all: bool, what: str) -> None:
+    """Raise `WeightUpdateInvalid` unless every tensor (dtype name, shape) of `tensors` is in `manifest` with the
+    same dtype and shape, and, with `require_all`, every tensor of `manifest` is there."""
+    unknown = sorted(set(tensors) - set(manifest))
+    if unknown:
+        raise WeightUpdateInvalid(f"{what}: {len(unknown)} unknown tensor(s), e.g. {unknown[:3]}; the model has "
+                                  f"no such weights")
+    if require_all:
+        missing = sorted(set(manifest) - set(tensors))
+        if missing:
+            raise WeightUpdateInvalid(f"{what}: {len(missing)} missing tensor(s), e.g. {missing[:3]}; a full update "
+                                      "must hold every weight of the model")
+    for name, (dtype, shape) in tensors.items():
+        expected_dtype, expected_shape = manifest[name]
+        if dtype != expected_dtype or list(shape) != list(expected_shape):
+            raise WeightUpdateInvalid(f"{what}: tensor {name!r} is {dtype}{list(shape)} but the model's is "
+                                      f"{expected_dtype}{list(expected_shape)}")
+
+
+def _load_groups(names: list[str]) -> dict[str, list[str]]:
+    """{name: every name that must be loaded with it}: the module's other parameters and its fused siblings."""
+    groups: dict[tuple[str, ...], list[str]] = {}
+    key_of: dict[str, tuple[str, ...]] = {}
+    for name in names:
+        module, _, _ = name.rpartition(".")
+        parent, _, leaf = module.rpartition(".")
+        family = next((f for f in FUSED_FAMILIES if leaf in f), None)
+        key = (parent, *sorted(family)) if family else (module,)
+        key_of[name] = key
+        groups.setdefault(key, []).append(name)
+    return {name: groups[key_of[name]] for name in names}
+
+
+_RELOAD_LOGGERS = ("vllm.model_executor.model_loader.reload.layerwise",
+                   "vllm.model_executor.model_loader.reload.inplace")
+
+
+@contextlib.contextmanager
+def _quiet_partial_reload(partial: bool) -> Iterator[None]:
+    """Raise vLLM's reload loggers to ERROR while a partial update loads ("Failed to load weights" for every
+    layer that was left out)."""
+    if not partial:
+        yield
+        return
+    loggers = [logging.getLogger(name) for name in _RELOAD_LOGGERS]
+    levels = [logger.level for logger in loggers]
+    for logger in loggers:
+        logger.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        for logger, level in zip(loggers, levels, strict=True):
+            logger.setLevel(level)
+
+
+def _refresh_tied_cpu_layers(model: torch.nn.Module, loaded_names: set[str] | None) -> None:
+    """Rebuild the CPU GEMM of layers that share their weight with a reloaded layer (None: all were reloaded).
+
+    On CPU, vLLM gives each linear layer a ``cpu_linear`` built from its weight when it is processed (oneDNN or
+    packed kernels hold their own copy). With tied embeddings the LM head shares the embedding's weight but is
+    not reloaded itself, so it would keep computing logits with the old embedding: measured here, a full update
+    that changes ``embed_tokens`` gave logprobs off by ~0.6 until this refresh.
+    """
+    modules_of_weight: dict[int, list[tuple[str, torch.nn.Module]]] = {}
+    for module_name, module in model.named_modules():
+        weight = module.__dict__.get("_parameters", {}).get("weight")
+        if weight is not None:
+            modules_of_weight.setdefault(id(weight), []).append((module_name, module))
+    for tied in modules_of_weight.values():
+        if len(tied) < 2:
+            continue
+        touched = loaded_names is None or any(
+            f"{name}.weight" in loaded_names or f"{name.replace('.base_layer', '')}.weight" in loaded_names
+            for name, _ in tied)
+        if not touched:
+            continue
+        for _, module in tied:
+            quant_method = getattr(module, "quant_method", None)
+            if hasattr(module, "cpu_linear") and quant_method is not None:
+                quant_method.process_weights_after_loading(module)
+
+
+class PolicyWorkerExtension:
+    """Mixed into vLLM's worker class: every attribute is prefixed ``primerl_`` (vLLM refuses an extension
+    that shadows a worker attribute). ``self.model_runner`` is the worker's."""
+
+    model_runner: Any  # provided by the worker
+
+    # ---- host copy ---------------------------------------------------------------------------------------------
+
+    def primerl_host_weights(self) -> dict[str, torch.Tensor]:
+        """The host copy of the raw weights (read from the model directory on first use)."""
+        host = getattr(self, "_primerl_host", None)
+        if host is None:
+            host = self._primerl_read_checkpoint()
+            self._primerl_host = host
+            self._primerl_manifest = manifest_of(host)
+            self._primerl_groups = _load_groups(list(host))
+        return host
+
+    def _primerl_read_checkpoint(self) -> dict[str, torch.Tensor]:
+        from safetensors.torch import load_file
+
+        model_dir = Path(self.model_runner.vllm_config.model_config.model)
+        files = sorted(model_dir.glob("*.safetensors")) if model_dir.is_dir() else []
+        if not files:
+            raise RuntimeError(f"the model {model_dir} is not a local directory of safetensors files: weight "
+                               "updates need the checkpoint to initialise their host copy")
+        host: dict[str, torch.Tensor] = {}
+        for path in files:
+            host.update(load_file(str(path)))
+        return host
+
+    def primerl_weight_manifest(self) -> dict[str, tuple[str, list[int]]]:
+        """{Hugging Face name: (safetensors dtype, shape)} of every weight in the host copy."""
+        self.primerl_host_weights()
+        return self._primerl_manifest
+
+    def primerl_weight_digest(self) -> str:
+        """SHA-256 over the host copy (see `weights_digest`): equal on two workers iff they hold the same bits."""
+        return weights_digest(self.primerl_host_weights())
+
+    # ---- updates -----------------------------------------------------------------------------------------------
+
+    def primerl_load_full(self, payload: bytes, require_all: bool = True) -> dict[str, Any]:
+        """Load the tensors of a safetensors blob into the model and the host copy.
+
+        Every tensor must be a known weight with the model's dtype and shape, and (``require_all``) every weight
+        must be there; else `WeightUpdateInvalid` and nothing changes. Returns ``{"num_tensors",
+        "num_loaded_tensors" (with fused siblings), "num_bytes", "apply_ms"}``.
+        """
+        start = time.perf_counter()
+        self.primerl_host_weights()
+        try:
+            tensors = decode_tensors(payload, as_torch=True)
+        except TensorFrameError as exc:
+            code = common_pb2.ERROR_CODE_TENSOR_MISMATCH if exc.mismatch else common_pb2.ERROR_CODE_MALFORMED_HEADER
+            raise WeightUpdateInvalid(f"full update: {exc}", code) from None
+        check_against(manifest_of(tensors), self._primerl_manifest, require_all=require_all, what="full update")
+        return self._primerl_load(tensors, start)
+
+    def primerl_apply_delta(self, payload: bytes, header_bytes: bytes) -> dict[str, Any]:
+        """Decode a DELTA (a serialized ``WeightUpdateHeader`` and its payload) against the host copy and load
+        the tensors it changes. A delta that does not fit raises `WeightUpdateInvalid`; nothing changes then."""
+        start = time.perf_counter()
+        header = data_pb2.WeightUpdateHeader()
+        try:
+            header.ParseFromString(header_bytes)
+        except DecodeError as exc:
+            raise WeightUpdateInvalid(f"delta: unreadable header ({exc})",
+                                      common_pb2.ERROR_CODE_MALFORMED_HEADER) from None
+        try:
+            changed = weight_delta.decode_delta(payload, header, self.primerl_host_weights())
+        except weight_delta.DeltaError as exc:
+            raise WeightUpdateInvalid(f"delta: {exc}", exc.code) from None
+        return self._primerl_load(changed, start)
+
+    def _primerl_load(self, tensors: dict[str, torch.Tensor], start: float) -> dict[str, Any]:
+        host = self._primerl_host
+        to_load = dict(tensors)
+        for name in tensors:
+            for sibling in self._primerl_groups[name]:
+                to_load.setdefault(sibling, host[sibling])
+        if to_load:
+            # A partial reload makes vLLM warn about every layer it was not given: expected here, so muted.
+            partial = len(to_load) < len(host)
+            with _quiet_partial_reload(partial):
+                self.model_runner.reload_weights(weights_iterator=iter(list(to_load.items())))
+            _refresh_tied_cpu_layers(self.model_runner.get_model(), set(to_load) if partial else None)
+        host.update(tensors)
+        return {
+            "num_tensors": len(tensors),
+            "num_loaded_tensors": len(to_load),
+            "num_bytes": sum(t.numel() * t.element_size() for t in tensors.values()),
+            "apply_ms": (time.perf_counter() - start) * 1000.0,
+        }

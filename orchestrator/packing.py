@@ -1,0 +1,264 @@
+"""Packing samples into the trainer's micro-batches, balanced across trainer ranks.
+
+1. A sample longer than ``seq_len`` is truncated to its first ``seq_len`` tokens (``overlong="truncate"``, the
+   default: the rollout already counts in its group's advantages, and its prompt and early tokens still train) or
+   left out (``overlong="reject"``); either way it is counted.
+2. Samples are spread over the ranks by token count, largest first, each to the rank with the fewest tokens so far
+   (LPT). The ranks' token counts then differ by at most one sample's length (the largest), and every rank gets a
+   sample when there are at least ``num_ranks`` samples. Balancing samples rather than whole bins is what gives
+   that bound: bins of up to ``seq_len`` tokens could leave the ranks a whole bin apart.
+3. Each rank packs its samples first-fit-decreasing into bins of at most ``seq_len`` tokens; a bin is a micro-batch.
+4. Ranks are given the same number of micro-batches where possible: a rank with fewer bins than the most any rank
+   has splits its fullest bin of two or more samples in two (balanced by tokens) until the counts match. A rank
+   whose samples are all alone in their bins cannot split further and keeps fewer micro-batches; the trainer
+   handles unequal counts (padding passes), equal counts just waste less of it.
+5. A rank left without samples (fewer samples than ranks) gets one padding micro-batch: a single ``pad_token_id``
+   token with no loss, so that every rank has a micro-batch for the step, as the trainer requires.
+
+Micro-batch tensors, as ``primerl.trainer.batch.MicroBatch`` reads them: ``input_ids`` int64, ``position_ids``
+int64 (0 where each sample starts), ``loss_mask`` bool, ``advantages`` float32 (the sample's advantage on all of
+its tokens; only loss tokens use it), ``inference_logprobs`` float32, ``temperatures`` float32, ``policy_versions``
+int64, and ``teacher_logprobs`` float32 when every sample has them.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import numpy as np
+
+from primerl.orchestrator.samples import TrainingSample
+
+OverlongPolicy = Literal["truncate", "reject"]
+
+
+@dataclass
+class PackedMicroBatch:
+    tensors: dict[str, np.ndarray]
+    sample_indices: list[int]  # positions in the packed input list, in packed order; empty for padding
+    num_loss_tokens: int
+    min_policy_version: int
+    max_policy_version: int
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.tensors["input_ids"].shape[0])
+
+    @property
+    def num_samples(self) -> int:
+        return len(self.sample_indices)
+
+    @property
+    def is_padding(self) -> bool:
+        return not self.sample_indices
+
+
+@dataclass
+class PackedStep:
+    per_rank: list[list[PackedMicroBatch]]
+    num_loss_tokens_global: int
+    num_overlong_truncated: int = 0
+    num_overlong_rejected: int = 0
+    num_padding_micro_batches: int = 0
+    rank_num_tokens: list[int] = field(default_factory=list)  # real (non-padding) tokens per rank
+
+    def metrics(self) -> dict[str, float]:
+        counts = [len(batches) for batches in self.per_rank]
+        tokens = self.rank_num_tokens or [0]
+        return {
+            "packing/num_micro_batches": float(sum(counts)),
+            "packing/max_micro_batches_per_rank": float(max(counts)),
+            "packing/min_micro_batches_per_rank": float(min(counts)),
+            "packing/num_loss_tokens": float(self.num_loss_tokens_global),
+            "packing/rank_token_imbalance": float(max(tokens) - min(tokens)),
+            "packing/num_overlong_truncated": float(self.num_overlong_truncated),
+            "packing/num_overlong_rejected": float(self.num_overlong_rejected),
+            "packing/num_padding_micro_batches": float(self.num_padding_micro_batches),
+        }
+
+
+def first_fit_decreasing(lengths: Sequence[int], capacity: int) -> list[list[int]]:
+    """Indices of ``lengths`` in bins whose sums are <= ``capacity``: longest first, each into the first bin with
+    room. Deterministic (ties by index). Every length must be in [1, capacity]."""
+    if capacity < 1:
+        raise ValueError(f"capacity must be >= 1, got {capacity}")
+    bins: list[list[int]] = []
+    loads: list[int] = []
+    for index in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
+        length = lengths[index]
+        if not 1 <= length <= capacity:
+            raise ValueError(f"item {index} has length {length}, outside [1, {capacity}]")
+        for b, load in enumerate(loads):
+            if load + length <= capacity:
+                bins[b].append(index)
+                loads[b] += length
+                break
+        else:
+            bins.append([index])
+            loads.append(length)
+    return bins
+
+
+def balance_across_ranks(lengths: Sequence[int], num_ranks: int) -> list[list[int]]:
+    """Indices of ``lengths`` per rank: longest first, each to the rank with the least total so far (LPT; ties
+    to the lower rank). Rank totals differ by at most ``max(lengths)``."""
+    if num_ranks < 1:
+        raise ValueError(f"num_ranks must be >= 1, got {num_ranks}")
+    heap = [(0, rank) for rank in range(num_ranks)]
+    per_rank: list[list[int]] = [[] for _ in range(num_ranks)]
+    for index in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
+        load, rank = heapq.heappop(heap)
+        per_rank[rank].append(index)
+        heapq.heappush(heap, (load + lengths[index], rank))
+    return per_rank
+
+
+def _split_bin(bin_indices: list[int], lengths: Sequence[int]) -> tuple[list[int], list[int]]:
+    halves: tuple[list[int], list[int]] = ([], [])
+    loads = [0, 0]
+    for index in sorted(bin_indices, key=lambda i: (-lengths[i], i)):
+        side = 0 if loads[0] <= loads[1] else 1
+        halves[side].append(index)
+        loads[side] += lengths[index]
+    return halves
+
+
+def _equalize_bin_counts(bins: list[list[int]], target: int, lengths: Sequence[int]) -> list[list[int]]:
+    bins = [list(b) for b in bins]
+    while len(bins) < target:
+        splittable = [b for b in range(len(bins)) if len(bins[b]) >= 2]
+        if not splittable:
+            break
+        fullest = max(splittable, key=lambda b: (sum(lengths[i] for i in bins[b]), -b))
+        first, second = _split_bin(bins[fullest], lengths)
+        bins[fullest] = first
+        bins.append(second)
+    return bins
+
+
+def _sample_arrays(sample: TrainingSample, seq_len: int, with_teacher: bool) -> dict[str, np.ndarray]:
+    end = min(sample.num_tokens, seq_len)
+    arrays = {
+        "input_ids": np.asarray(sample.token_ids[:end], dtype=np.int64),
+        "position_ids": np.arange(end, dtype=np.int64),
+        "loss_mask": np.asarray(sample.loss_mask[:end], dtype=bool),
+        "advantages": np.full(end, sample.advantage, dtype=np.float32),
+        "inference_logprobs": np.asarray(sample.inference_logprobs[:end], dtype=np.float32),
+        "temperatures": np.asarray(sample.temperatures[:end], dtype=np.float32),
+        "policy_versions": np.asarray(sample.policy_versions[:end], dtype=np.int64),
+    }
+    if with_teacher:
+        arrays["teacher_logprobs"] = np.asarray(sample.teacher_logprobs[:end], dtype=np.float32)
+    return arrays
+
+
+def _micro_batch(indices: list[int], arrays: list[dict[str, np.ndarray]]) -> PackedMicroBatch:
+    names = arrays[indices[0]].keys()
+    tensors = {name: np.concatenate([arrays[i][name] for i in indices]) for name in names}
+    versions = tensors["policy_versions"]
+    return PackedMicroBatch(tensors=tensors, sample_indices=list(indices),
+                            num_loss_tokens=int(np.count_nonzero(tensors["loss_mask"])),
+                            min_policy_version=int(versions.min()), max_policy_version=int(versions.max()))
+
+
+def _padding_micro_batch(pad_token_id: int, policy_version: int, max_policy_version: int,
+                         with_teacher: bool) -> PackedMicroBatch:
+    tensors = {
+        "input_ids": np.array([pad_token_id], dtype=np.int64),
+        "position_ids": np.zeros(1, dtype=np.int64),
+        "loss_mask": np.zeros(1, dtype=bool),
+        "advantages": np.zeros(1, dtype=np.float32),
+        "inference_logprobs": np.zeros(1, dtype=np.float32),
+        "temperatures": np.ones(1, dtype=np.float32),
+        "policy_versions": np.array([policy_version], dtype=np.int64),
+    }
+    if with_teacher:
+        tensors["teacher_logprobs"] = np.zeros(1, dtype=np.float32)
+    return PackedMicroBatch(tensors=tensors, sample_indices=[], num_loss_tokens=0,
+                            min_policy_version=policy_version, max_policy_version=max_policy_version)
+
+
+def pack_samples(samples: Sequence[TrainingSample], *, seq_len: int, num_ranks: int = 1,
+                 overlong: OverlongPolicy = "truncate", pad_token_id: int = 0) -> PackedStep:
+    """Pack one step's samples into micro-batches per rank (see the module docstring)."""
+    if seq_len < 1:
+        raise ValueError(f"seq_len must be >= 1, got {seq_len}")
+    if num_ranks < 1:
+        raise ValueError(f"num_ranks must be >= 1, got {num_ranks}")
+    if overlong not in ("truncate", "reject"):
+        raise ValueError(f"overlong must be 'truncate' or 'reject', got {overlong!r}")
+    if not samples:
+        raise ValueError("no samples to pack: a step needs at least one")
+    num_with_teacher = sum(sample.teacher_logprobs is not None for sample in samples)
+    if num_with_teacher not in (0, len(samples)):
+        raise ValueError(f"{num_with_teacher} of {len(samples)} samples have teacher_logprobs: all or none must")
+    with_teacher = num_with_teacher > 0
+
+    overlong_indices = [i for i, sample in enumerate(samples) if sample.num_tokens > seq_len]
+    if overlong == "reject":
+        rejected = set(overlong_indices)
+        kept = [i for i in range(len(samples)) if i not in rejected]
+        if not kept:
+            raise ValueError(f"all {len(samples)} samples are longer than seq_len ({seq_len}) and were rejected")
+    else:
+        kept = list(range(len(samples)))
+    lengths = [min(samples[i].num_tokens, seq_len) for i in kept]
+    arrays = [_sample_arrays(samples[i], seq_len, with_teacher) for i in kept]
+
+    rank_items = balance_across_ranks(lengths, num_ranks)  # positions in `kept`
+    rank_bins = []
+    for items in rank_items:
+        local = first_fit_decreasing([lengths[i] for i in items], seq_len)
+        rank_bins.append([[items[j] for j in b] for b in local])
+    target = max(len(bins) for bins in rank_bins)
+    rank_bins = [_equalize_bin_counts(bins, target, lengths) for bins in rank_bins]
+
+    min_version = min(sample.min_policy_version for sample in samples)
+    max_version = max(sample.max_policy_version for sample in samples)
+    per_rank: list[list[PackedMicroBatch]] = []
+    num_padding = 0
+    for bins in rank_bins:
+        if bins:
+            batches = [_micro_batch(b, arrays) for b in bins]
+            for batch in batches:  # report indices into the caller's list
+                batch.sample_indices = [kept[i] for i in batch.sample_indices]
+        else:
+            batches = [_padding_micro_batch(pad_token_id, min_version, max_version, with_teacher)]
+            num_padding += 1
+        per_rank.append(batches)
+    return PackedStep(
+        per_rank=per_rank,
+        num_loss_tokens_global=sum(b.num_loss_tokens for batches in per_rank for b in batches),
+        num_overlong_truncated=len(overlong_indices) if overlong == "truncate" else 0,
+        num_overlong_rejected=len(overlong_indices) if overlong == "reject" else 0,
+        num_padding_micro_batches=num_padding,
+        rank_num_tokens=[sum(lengths[i] for i in items) for items in rank_items],
+    )
+
+
+def to_broker_batches(step: int, per_rank: Sequence[Sequence[PackedMicroBatch]] | PackedStep, *,
+                      num_loss_tokens_global: int | None = None) -> list[tuple[Any, bytes]]:
+    """``(header, payload)`` of every micro-batch for ``RolloutProducer.send_batches``, rank by rank."""
+    from primerl.broker.rollout_clients import pack_batch
+
+    if isinstance(per_rank, PackedStep):
+        if num_loss_tokens_global is None:
+            num_loss_tokens_global = per_rank.num_loss_tokens_global
+        per_rank = per_rank.per_rank
+    empty = [rank for rank, batches in enumerate(per_rank) if not batches]
+    if empty:
+        raise ValueError(f"ranks {empty} have no micro-batch for step {step}: every rank needs one")
+    if num_loss_tokens_global is None:
+        num_loss_tokens_global = sum(b.num_loss_tokens for batches in per_rank for b in batches)
+    messages = []
+    for rank, batches in enumerate(per_rank):
+        for index, batch in enumerate(batches):
+            messages.append(pack_batch(
+                step, rank, index, len(batches), batch.tensors, num_samples=batch.num_samples,
+                num_tokens=batch.num_tokens, min_policy_version=batch.min_policy_version,
+                max_policy_version=batch.max_policy_version, num_loss_tokens_global=num_loss_tokens_global,
+            ))
+    return messages

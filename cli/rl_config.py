@@ -134,6 +134,9 @@ class RLConfig(BaseConfig):
             _fill_table(data, f"{role}.wandb", shared.get("wandb"))
         if "max_steps" in shared:
             _set_default(data, "broker.max_steps", shared["max_steps"])
+        trainer_gpu_ids = data.get("trainer_gpu_ids")
+        if isinstance(trainer_gpu_ids, list) and trainer_gpu_ids:
+            _set_default(data, "orchestrator.num_train_ranks", len(trainer_gpu_ids))
         if "max_async_level" in shared:
             _set_default(data, "orchestrator.max_async_level", shared["max_async_level"])
         _fill_seq_len(data, shared.get("seq_len"))

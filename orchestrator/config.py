@@ -152,6 +152,9 @@ class OrchestratorConfig(BaseConfig):
     )
     rollout_timeout_s: float = Field(1800.0, gt=0, description="A rollout that takes longer is abandoned.")
     max_steps: int | None = Field(None, ge=1, description="Stop after this many steps (unset: no limit).")
+    num_train_ranks: int = Field(
+        1, ge=1, description="Trainer ranks that each get their share of every step (set from trainer_gpu_ids)."
+    )
     broker: BrokerClientConfig = Field(default_factory=BrokerClientConfig, description="Broker connection.")
     output_dir: Path = Field(Path("outputs"), description="Directory for rollout logs and eval results.")
     wandb: WandbConfig | None = Field(None, description="Weights & Biases logging; off when absent.")

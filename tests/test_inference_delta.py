@@ -1,0 +1,165 @@
+"""DELTA updates end to end: the trainer's `PolicyPublisher(kind="delta")` -> an in-process broker -> the real
+`primerl-infer` daemon on the tiny model. The publisher sends FULL first (no base yet), then XOR+zlib deltas of a
+transformers model stepped with AdamW; after each update the served logprobs match a transformers forward pass
+with the same weights. A DELTA on a base that is not the latest version is refused by the broker (OUT_OF_ORDER)
+and never reaches the worker, which keeps serving what it served.
+
+The daemon, broker and helpers are those of `test_inference_server.py` (imported, not copied).
+"""
+
+from __future__ import annotations
+
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from test_inference_server import (
+    AUTH,
+    TOKEN,
+    TOLERANCE,
+    Broker,
+    Daemon,
+    greedy_completion,
+    reference_max_diff,
+    served_versions,
+    wait_applied,
+)
+
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.vllm,
+    pytest.mark.filterwarnings("ignore:`torch.distributed.reduce_op` is deprecated:FutureWarning"),
+]
+
+LR = 1e-3  # large enough that one step moves the served logprobs well past the tolerance
+NUM_TRAIN_TOKENS = 16
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from primerl.trainer.tiny_model import build_tiny_model
+
+    return build_tiny_model(tmp_path_factory.mktemp("model") / "tiny")
+
+
+@pytest.fixture(scope="module")
+def broker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Broker]:
+    broker = Broker(tmp_path_factory.mktemp("spool"))
+    try:
+        yield broker
+    finally:
+        broker.stop()
+
+
+@pytest.fixture(scope="module")
+def daemon(tmp_path_factory: pytest.TempPathFactory, tiny_model: Path, broker: Broker) -> Iterator[Daemon]:
+    daemon = Daemon(tmp_path_factory.mktemp("infer"), tiny_model, broker)
+    print(f"\nprimerl-infer ready in {daemon.start_s:.1f} s")
+    try:
+        yield daemon
+    finally:
+        daemon.stop()
+
+
+@pytest.fixture(scope="module")
+def http(daemon: Daemon) -> Iterator[httpx.Client]:
+    with httpx.Client(base_url=daemon.url, timeout=60.0) as client:
+        yield client
+
+
+def adamw_step(model: Any, optimizer: Any, seed: int) -> None:
+    """One real optimizer step: next-token loss on a few random tokens."""
+    import torch
+
+    generator = torch.Generator().manual_seed(seed)
+    input_ids = torch.randint(0, model.config.vocab_size, (1, NUM_TRAIN_TOKENS), generator=generator)
+    loss = model(input_ids=input_ids, labels=input_ids).loss
+    loss.backward()
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+
+
+def snapshot(model: Any) -> dict[str, Any]:
+    """The tensors a FULL publish would send, copied (the next step must not change them)."""
+    from primerl.trainer.publish import hf_state_dict
+
+    return {name: t.detach().clone().contiguous() for name, t in hf_state_dict(model).items()}
+
+
+def save_weights(base_dir: Path, out_dir: Path, tensors: dict[str, Any]) -> Path:
+    """A copy of the model directory holding `tensors` (what the reference forward pass loads)."""
+    from safetensors.torch import save_file
+
+    shutil.copytree(base_dir, out_dir)
+    save_file(tensors, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
+    return out_dir
+
+
+def token_logprobs(body: dict[str, Any]) -> list[float]:
+    return body["choices"][0]["logprobs"]["token_logprobs"]
+
+
+def test_delta_updates_are_served_and_a_wrong_base_is_refused(daemon: Daemon, http: httpx.Client, broker: Broker,
+                                                              tiny_model: Path, tmp_path: Path) -> None:
+    from primerl.broker.weight_clients import WeightUpdateRefused
+    from primerl.proto.v1 import common_pb2, data_pb2
+    from primerl.proto.weight_delta import encode_delta
+    from primerl.trainer.config import ModelConfig, OptimizerConfig
+    from primerl.trainer.model import load_model
+    from primerl.trainer.optim import build_optimizer
+    from primerl.trainer.publish import PolicyPublisher
+
+    model = load_model(ModelConfig(name=str(tiny_model)))
+    optimizer = build_optimizer(model, OptimizerConfig(lr=LR))
+    endpoint = f"tcp://127.0.0.1:{broker.endpoints.weight_port}"
+    snapshots: dict[int, dict[str, Any]] = {}
+    _, previous = greedy_completion(http)
+    with PolicyPublisher(endpoint, TOKEN, "trainer", broker.service.chunk_bytes, kind="delta",
+                         policy_name="policy") as publisher:
+        for version, expected_kind in ((1, "full"), (2, "delta"), (3, "delta")):
+            adamw_step(model, optimizer, seed=version)
+            snapshots[version] = snapshot(model)
+            result = publisher.publish(model, version)
+            assert (result.kind, result.policy_version) == (expected_kind, version), result
+            if expected_kind == "delta":
+                assert result.base_version == version - 1 and result.fallback is None
+                full_bytes = sum(t.numel() * t.element_size() for t in snapshots[version].values())
+                assert 0 < result.payload_bytes < full_bytes  # XOR + zlib of one small step
+            wait_applied(broker, version)
+
+            response, body = greedy_completion(http)
+            assert served_versions(response) == (version, version)
+            assert max(abs(a - b) for a, b in zip(token_logprobs(previous), token_logprobs(body))) > 1e-3
+            weights_dir = save_weights(tiny_model, tmp_path / f"v{version}", snapshots[version])
+            assert reference_max_diff(http, weights_dir, body) <= TOLERANCE, f"v{version} ({expected_kind})"
+            previous = body
+
+        # A delta from v2 to v4 while the broker holds v3: the broker refuses it, the worker never sees it.
+        adamw_step(model, optimizer, seed=4)
+        payload, specs, decoded = encode_delta(snapshot(model), snapshots[2])
+        header = data_pb2.WeightUpdateHeader(policy_version=4, kind=data_pb2.WEIGHT_UPDATE_KIND_DELTA,
+                                             base_version=2, delta_encoding=data_pb2.DELTA_ENCODING_XOR_ZLIB,
+                                             policy_name="policy", tensors=specs, decoded_tensors=decoded)
+        with pytest.raises(WeightUpdateRefused) as refused:
+            broker.publish(header, payload)
+        assert refused.value.code == common_pb2.ERROR_CODE_OUT_OF_ORDER, refused.value
+        with broker.client() as client:
+            assert client.get_run_status().latest_policy_version == 3
+        assert broker.inference_worker().policy_version == 3
+        response, body = greedy_completion(http)
+        assert served_versions(response) == (3, 3)
+        assert token_logprobs(body) == token_logprobs(previous)
+
+        # The publisher's own chain was not disturbed: its next delta applies on v3.
+        result = publisher.publish(model, 4)
+        assert (result.kind, result.base_version) == ("delta", 3), result
+        wait_applied(broker, 4)
+        response, body = greedy_completion(http)
+        assert served_versions(response) == (4, 4)
+        weights_dir = save_weights(tiny_model, tmp_path / "v4", snapshot(model))
+        assert reference_max_diff(http, weights_dir, body) <= TOLERANCE
+    assert daemon.process.poll() is None
+    assert http.get("/health", headers=AUTH).status_code == 200

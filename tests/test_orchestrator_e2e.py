@@ -49,7 +49,7 @@ def stack(tmp_path_factory):
 def run_orchestrator(model: Path, broker: Broker, output_dir: Path, env_id: str, *extra: str) -> subprocess.CompletedProcess:
     args = [str(BIN / "primerl-orchestrator"), "--model.name", str(model), "--env", f'[{{id = "{env_id}"}}]',
             "--batch-size", "8", "--rollouts-per-example", "4", "--max-steps", "2", "--seq-len", "512",
-            "--sampling.max-tokens", "12", "--sampling.temperature", "1.0", "--sampling.seed", "7",
+            "--sampling.max-tokens", "12", "--sampling.temperature", "1.0",
             "--broker.address", broker.grpc_address, "--output-dir", str(output_dir), "--env-python", ENV_PYTHON,
             *extra]
     return subprocess.run(args, capture_output=True, text=True, timeout=600,
@@ -80,24 +80,41 @@ def check_batches(model: Path, broker: Broker, steps: range) -> None:
                 assert bool((batch.policy_versions == 0).all())  # no update was published
 
 
-def test_single_turn_rollouts_reach_the_broker_aligned(stack, tmp_path):
+@pytest.fixture(scope="module")
+def output_dir(tmp_path_factory):
+    return tmp_path_factory.mktemp("orchestrator")
+
+
+def test_single_turn_rollouts_reach_the_broker_aligned(stack, output_dir):
     model, broker, _ = stack
-    result = run_orchestrator(model, broker, tmp_path / "out", "reverse-text")
+    result = run_orchestrator(model, broker, output_dir, "reverse-text")
     assert result.returncode == 0, result.stderr[-4000:]
-    rows = [json.loads(line) for line in (tmp_path / "out" / "orchestrator_metrics.jsonl").read_text().splitlines()]
+    rows = [json.loads(line) for line in (output_dir / "orchestrator_metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2]
     for row in rows:
         assert 0.0 <= row["train/reward"] <= 1.0 and row["rollout/mean_length"] > 0
     check_batches(model, broker, range(1, 3))
-    state = json.loads((tmp_path / "out" / "orchestrator_state.json").read_text())
+    state = json.loads((output_dir / "orchestrator_state.json").read_text())
     assert state["step"] == 2
 
 
-def test_multi_turn_rollouts_reach_the_broker_aligned(stack, tmp_path):
+def test_multi_turn_rollouts_reach_the_broker_aligned(stack, output_dir):
+    """The same run resumed (its state in output_dir) with a multi-turn environment: steps 3 and 4. Nothing is
+    published in these tests, so the async bound is lifted to let steps 3-4 use the base policy."""
     model, broker, _ = stack
-    # Steps 1-2 of this run are refused as duplicates of the first test's (same broker): it carries on to 3-4,
-    # which no trainer policy gates here (max_async_level lifted; nothing is published in these tests).
-    result = run_orchestrator(model, broker, tmp_path / "out", "reverse-text-multiturn", "--max-steps", "4",
+    result = run_orchestrator(model, broker, output_dir, "reverse-text-multiturn", "--max-steps", "4",
                               "--max-async-level", "8", "--trajectory-strategy", "interleaved")
     assert result.returncode == 0, result.stderr[-4000:]
+    rows = [json.loads(line) for line in (output_dir / "orchestrator_metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2, 3, 4]
     check_batches(model, broker, range(3, 5))
+
+
+def test_a_refused_batch_is_a_clear_error(stack, tmp_path):
+    """A new run pointed at a broker whose spool holds another run's step 1, packed differently (one sample per
+    micro-batch here), is refused by the broker; the orchestrator stops with an explanation, not a traceback."""
+    model, broker, _ = stack
+    result = run_orchestrator(model, broker, tmp_path / "fresh", "reverse-text", "--max-steps", "1",
+                              "--batch-size", "4", "--seq-len", "80")
+    assert result.returncode == 2
+    assert "refused the batches of step 1" in result.stderr and "Traceback" not in result.stderr

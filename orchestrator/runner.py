@@ -143,6 +143,14 @@ class OrchestratorRunner:
                 raise ValueError(f"environment {env.id!r} has no training examples")
             log.info("environment loaded", env_id=env.id, env_class=info.env_class, num_examples=info.num_examples)
         self.sampler = EnvSampler(sizes, weights, seed=config.sampling.seed or 0)
+        self.eval_workers: dict[str, Any] = {}
+        if config.eval is not None:
+            for env in config.eval.env:
+                worker = EnvWorker(self.env_python, env.id, env.args, request_timeout_s=config.rollout_timeout_s)
+                info = worker.start()
+                self.eval_workers[env.id] = worker
+                log.info("eval environment loaded", env_id=env.id, num_eval_examples=info.num_eval_examples,
+                         has_eval_dataset=info.has_eval_dataset)
 
     def _restore(self) -> int:
         if not self.state_path.exists():
@@ -200,7 +208,55 @@ class OrchestratorRunner:
         self._save_state(step)
         self.progress["orchestrator_step"] = step
         self._report(step, batch, packed, time.monotonic() - started_s)
+        if self.config.eval is not None and step % self.config.eval.interval == 0:
+            self._evaluate(step)
         return True
+
+    def _evaluate(self, step: int) -> None:
+        """Each eval environment's eval split against the current policy, logged apart as ``eval/<env>/...``."""
+        config = self.config
+        eval_config = config.eval
+        endpoint = min(self.endpoints.values(), key=lambda e: e.num_inflight) if self.endpoints else None
+        if endpoint is None:
+            log.warning("no inference worker for the eval; skipped", step=step)
+            return
+        started_s = time.monotonic()
+        metrics: dict[str, float] = {}
+        for env_id, worker in self.eval_workers.items():
+            count = worker.info.num_eval_examples
+            if eval_config.num_examples is not None:
+                count = min(count, eval_config.num_examples)
+            futures = [worker.submit_rollout(index, split="eval", num_rollouts=eval_config.rollouts_per_example,
+                                             base_url=endpoint.base_url, model=config.model.name,
+                                             api_key=config.broker.run_token or "EMPTY",
+                                             sampling=config.sampling.model_dump() | {"seed": None})
+                       for index in range(count)]
+            rewards, errors, per_metric = [], 0, collections.defaultdict(list)
+            for future in futures:
+                try:
+                    group = future.result(timeout=config.rollout_timeout_s)
+                except Exception as exc:  # counted and reported like training rollouts
+                    errors += eval_config.rollouts_per_example
+                    log.warning("eval group failed", env_id=env_id, error=str(exc))
+                    continue
+                for rollout in group.rollouts:
+                    if not rollout.ok or rollout.reward is None:
+                        errors += 1
+                        continue
+                    rewards.append(float(rollout.reward))
+                    for name, value in rollout.metrics.items():
+                        if value is not None:
+                            per_metric[name].append(float(value))
+            prefix = f"eval/{env_id}"
+            metrics[f"{prefix}/reward"] = float(np.mean(rewards)) if rewards else 0.0
+            metrics[f"{prefix}/num_rollouts"] = float(len(rewards))
+            metrics[f"{prefix}/errors"] = float(errors)
+            metrics.update({f"{prefix}/{name}": float(np.mean(values)) for name, values in per_metric.items()})
+        metrics["eval/time_s"] = time.monotonic() - started_s
+        self.control.report_metrics(step, metrics)
+        with (config.output_dir / "eval_metrics.jsonl").open("a") as handle:
+            handle.write(json.dumps({"step": step, **metrics}) + "\n")
+        log.info("eval done", step=step, **{k: round(v, 4) for k, v in metrics.items() if k.endswith("/reward")})
 
     def _refresh_endpoints(self) -> None:
         now = time.monotonic()
@@ -335,7 +391,7 @@ class OrchestratorRunner:
         for future, entry in list(self.inflight.items()):
             self.workers[entry.env_id].cancel(future)
         self.inflight.clear()
-        for worker in self.workers.values():
+        for worker in [*self.workers.values(), *getattr(self, "eval_workers", {}).values()]:
             worker.close()
         if self.producer is not None:
             self.producer.close()

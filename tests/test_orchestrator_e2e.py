@@ -87,8 +87,12 @@ def output_dir(tmp_path_factory):
 
 def test_single_turn_rollouts_reach_the_broker_aligned(stack, output_dir):
     model, broker, _ = stack
-    result = run_orchestrator(model, broker, output_dir, "reverse-text")
+    result = run_orchestrator(model, broker, output_dir, "reverse-text",
+                              "--eval", '{interval = 2, num_examples = 4, env = [{id = "reverse-text"}]}')
     assert result.returncode == 0, result.stderr[-4000:]
+    evals = [json.loads(line) for line in (output_dir / "eval_metrics.jsonl").read_text().splitlines()]
+    assert [e["step"] for e in evals] == [2]  # eval every 2 steps, logged apart from training
+    assert evals[0]["eval/reverse-text/num_rollouts"] == 4 and 0 <= evals[0]["eval/reverse-text/reward"] <= 1
     rows = [json.loads(line) for line in (output_dir / "orchestrator_metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2]
     for row in rows:

@@ -244,5 +244,6 @@ def test_trainer_and_vllm_agree_mismatch_kl(engine: Any, reference_model: Any, t
     out = rl_loss(DefaultLossConfig(), logprobs, batch.inference_logprobs, batch.advantages, batch.loss_mask,
                   batch.num_loss_tokens)
     assert batch.num_loss_tokens == result.num_completion_tokens
+    print(f"\nmismatch_kl at temperature {temperature}: {out.metrics['mismatch_kl']:.3g} over {batch.num_loss_tokens} tokens")
     assert out.metrics["mismatch_kl"] <= 1e-5, out.metrics
     assert out.metrics["is_truncated"] == 0.0 and out.metrics["masked"] == 0.0

@@ -15,6 +15,7 @@ has not proved it knows it, and an error can only make the call fail.
 from __future__ import annotations
 
 import hmac
+import threading
 import time
 import uuid
 from collections.abc import Iterable, Mapping
@@ -51,6 +52,10 @@ class RolloutStreamError(RuntimeError):
 
 class RolloutRefused(RolloutStreamError):
     """The broker refused the message; resending it unchanged will not help."""
+
+
+class FetchStopped(RolloutStreamError):
+    """``fetch_step`` gave up because its ``stop_event`` was set."""
 
 
 class RolloutTimeout(RolloutStreamError, TimeoutError):
@@ -343,8 +348,10 @@ class RolloutConsumer(_DealerClient):
                     self._said_hello = True
                     return
 
-    def fetch_step(self, step: int, timeout_s: float = 60.0) -> list[tuple[data_pb2.RolloutBatchHeader, dict[str, Any]]]:
+    def fetch_step(self, step: int, timeout_s: float = 60.0, *, stop_event: threading.Event | None = None,
+                   ) -> list[tuple[data_pb2.RolloutBatchHeader, dict[str, Any]]]:
         """All micro-batches of ``step`` for this rank, ordered by micro_batch_index, as (header, tensors).
+        ``stop_event``: set it (e.g. from a signal handler) to give up within about a second (``FetchStopped``).
 
         numpy tensors are read-only zero-copy views of the received frames (torch copies with
         ``as_torch=True``). A batch received twice (e.g. after a broker restart) is kept once.
@@ -365,6 +372,8 @@ class RolloutConsumer(_DealerClient):
 
         resend_at_s, outstanding = request()
         while num_expected is None or len(received) < num_expected:
+            if stop_event is not None and stop_event.is_set():
+                raise FetchStopped(f"step {step} rank {self.rank}: stopped while waiting for micro-batches")
             now_s = time.monotonic()
             if now_s >= deadline_s:
                 raise RolloutTimeout(f"step {step} rank {self.rank}: {len(received)} of "

@@ -10,7 +10,8 @@ from pathlib import Path
 from primerl.runtime.config_base import ConfigError, ConfigWarning
 from primerl.runtime.config_loader import dump_toml, load_config, parse_config_args, write_toml
 
-USAGE = "primerl rl @ CONFIG.toml [@ MORE.toml ...] [--section.key VALUE ...] [--dry-run] [--write DIR]"
+USAGE = ("primerl rl @ CONFIG.toml [@ MORE.toml ...] [--section.key VALUE ...] [--run-dir DIR] [--tmux]\n"
+         "                  [--dry-run [--write DIR]]")
 EPILOG = """\
 config files (later ones win; tables merge, arrays and values replace):
   @ config.toml          a run config in the prime-rl shape, the flat lab shape or the legacy vf-rl shape
@@ -20,6 +21,11 @@ settings (applied after all files; dashes in keys are underscores):
   --trainer.ckpt.resume-step 50         --inference-gpu-ids [0,1]
   --orchestrator.buffer.online-difficulty-filtering   (true)
   --no-orchestrator.mask-truncated-completions        (false)
+
+a run (without --dry-run) writes rl.toml and one <role>.toml per role into the run directory (output_dir),
+starts broker, inference, orchestrator and trainer with their logs in {run_dir}/logs/<role>.log, shows the
+progress, and stops every role when the trainer finishes, when a role fails, or on Ctrl-C. The run token is
+passed to the roles as $PRIMERL_RUN_TOKEN (a fresh one when broker.run_token is unset), never written to files.
 """
 
 
@@ -34,6 +40,13 @@ def _parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--dry-run", action="store_true", help="print the resolved config of each role and exit")
     parser.add_argument("--write", metavar="DIR", type=Path, help="with --dry-run: write each role's config to DIR")
+    parser.add_argument("--run-dir", metavar="DIR", type=Path,
+                        help="directory of the run (sets output_dir, which every role writes under)")
+    parser.add_argument("--tmux", action="store_true", help="also open a tmux session with one pane per role's log")
+    parser.add_argument("--inference-timeout-s", type=float, default=300.0, metavar="S",
+                        help="how long inference may take to start serving (default %(default)g)")
+    parser.add_argument("--stop-timeout-s", type=float, default=30.0, metavar="S",
+                        help="how long a role may take to stop before it is killed (default %(default)g)")
     return parser
 
 
@@ -42,7 +55,8 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     parser = _parser()
     try:
-        parsed = parse_config_args(argv, cli_flags={"--dry-run", "-h", "--help"}, cli_options={"--write"})
+        parsed = parse_config_args(argv, cli_flags={"--dry-run", "--tmux", "-h", "--help"},
+                                   cli_options={"--write", "--run-dir", "--inference-timeout-s", "--stop-timeout-s"})
         try:
             args = parser.parse_args(parsed.rest)
         except SystemExit as exit_:  # --help (0) or a usage error (2), already printed by argparse
@@ -53,9 +67,13 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         from primerl.cli.rl_config import RLConfig
 
+        overrides = dict(parsed.overrides)
+        if args.run_dir is not None:
+            overrides["output_dir"] = str(args.run_dir)
+
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always", ConfigWarning)
-            config = load_config(RLConfig, [*map(Path, parsed.files)], parsed.overrides)
+            config = load_config(RLConfig, [*map(Path, parsed.files)], overrides)
         for warning in caught:
             print(f"warning: {warning.message}", file=sys.stderr)
     except ConfigError as err:
@@ -63,12 +81,14 @@ def main(argv: list[str] | None = None) -> int:
         return 2
 
     if not args.dry_run:
-        print(
-            "primerl rl: starting the roles is not implemented yet; "
-            "use --dry-run to check the config and see each role's resolved settings",
-            file=sys.stderr,
-        )
-        return 2
+        if args.inference_timeout_s <= 0 or args.stop_timeout_s <= 0:
+            print("primerl rl: --inference-timeout-s and --stop-timeout-s must be > 0", file=sys.stderr)
+            return 2
+        from primerl.cli.launcher import LaunchOptions, Launcher
+
+        options = LaunchOptions(inference_timeout_s=args.inference_timeout_s, stop_timeout_s=args.stop_timeout_s,
+                                tmux=args.tmux)
+        return Launcher(config, options).run()
     roles = config.role_configs()
     if args.write is not None:
         write_toml(config, args.write / "rl.toml")

@@ -572,11 +572,6 @@ def test_rl_errors_exit_2_without_traceback(base: Path, capsys) -> None:
     assert "did you mean `batch_size`?" in err and "Traceback" not in err
 
 
-def test_rl_without_dry_run_is_not_implemented(base: Path, capsys) -> None:
-    assert rl_main(["@", str(base)]) == 2
-    assert "not implemented yet" in capsys.readouterr().err
-
-
 def test_rl_help_and_usage(capsys) -> None:
     assert rl_main(["--help"]) == 0
     assert "--dry-run" in capsys.readouterr().out

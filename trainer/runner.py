@@ -19,6 +19,7 @@ import time
 
 import torch
 
+from primerl.broker.rollout_clients import FetchStopped
 from primerl.runtime.log_setup import bind_context, get_logger
 from primerl.trainer.config import TrainerConfig
 from primerl.trainer.distributed import DistInfo, barrier, unwrap_model, wrap_model
@@ -115,7 +116,11 @@ class TrainerRunner:
                     log.info("stopping before step", step=step)
                     return 0
                 bind_context(step=step)
-                self._train_one(step)
+                try:
+                    self._train_one(step)
+                except FetchStopped:
+                    log.info("stopped while waiting for the step's data", step=step)
+                    return 0
             log.info("training finished", max_steps=config.max_steps)
             return 0
         finally:
@@ -126,7 +131,7 @@ class TrainerRunner:
 
         config = self.config
         started_s = time.monotonic()
-        batches = self.consumer.fetch_step(step, timeout_s=config.data_timeout_s)
+        batches = self.consumer.fetch_step(step, timeout_s=config.data_timeout_s, stop_event=self.stop_event)
         micro_batches = [MicroBatch.from_tensors(tensors) for _, tensors in batches]
         waited_s = time.monotonic() - started_s
         stats = self.step_fn.step(step, micro_batches)

@@ -1,0 +1,352 @@
+"""`primerl rl` without `--dry-run`: the run directory, the four roles as child processes, live progress, the end.
+
+Order: broker (ready file) -> inference (ready file, once /health answers) -> orchestrator and trainer. Each
+role logs to ``{run_dir}/logs/<role>.log`` and runs in its own process group (``primerl.runtime.process_supervisor``).
+The run token reaches the children as ``$PRIMERL_RUN_TOKEN`` only; the config files written hold none.
+A role that exits non-zero (or a broker or inference server that exits at all) stops the run; so do Ctrl-C and
+SIGTERM. The run succeeds when the trainer exits 0.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import secrets
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TextIO
+
+from primerl.runtime.config_loader import write_toml
+from primerl.runtime.process_supervisor import ChildFailed, ChildProcess, Supervisor
+
+RUN_TOKEN_ENV = "PRIMERL_RUN_TOKEN"
+BIN = Path(sys.executable).parent
+STATUS_TIMEOUT_S = 2.0
+TAIL_LINES = 30
+
+
+@dataclass
+class LaunchOptions:
+    broker_timeout_s: float = 60.0
+    inference_timeout_s: float = 300.0
+    stop_timeout_s: float = 30.0
+    final_version_timeout_s: float = 30.0
+    tmux: bool = False
+    progress_interval_s: float = 1.0
+    plain_interval_s: float = 10.0  # a new progress line at most this often when stdout is not a terminal
+
+
+@dataclass
+class Progress:
+    """What the progress line shows, from the broker's run status."""
+
+    step: int = 0
+    max_steps: int = 0
+    reward: float | None = None
+    loss: float | None = None
+    tokens_per_s: float | None = None
+    served_version: int | None = None
+    published_version: int = 0
+    step_times: list[tuple[float, int]] = field(default_factory=list)  # (monotonic s, step) when the step changed
+
+    def update(self, status) -> None:
+        from primerl.proto.v1 import common_pb2
+
+        metrics = status.last_metrics
+        self.reward = metrics.get("train/reward", self.reward)
+        self.loss = metrics.get("train/loss", self.loss)
+        self.tokens_per_s = metrics.get("rollout/tokens_per_s", self.tokens_per_s)
+        self.max_steps = status.max_steps or self.max_steps
+        self.published_version = status.latest_policy_version
+        versions = [w.policy_version for w in status.workers
+                    if w.role == common_pb2.ROLE_INFERENCE and w.HasField("policy_version")]
+        if versions:
+            self.served_version = min(versions)
+        if status.trainer_step != self.step or not self.step_times:
+            self.step_times.append((time.monotonic(), status.trainer_step))
+        self.step = status.trainer_step
+
+    def eta_s(self) -> float | None:
+        if not self.max_steps or len(self.step_times) < 2:
+            return None
+        (first_s, first_step), (last_s, last_step) = self.step_times[0], self.step_times[-1]
+        if last_step <= first_step:
+            return None
+        per_step_s = (last_s - first_s) / (last_step - first_step)
+        return max(0, self.max_steps - self.step) * per_step_s
+
+    def line(self) -> str:
+        def number(value: float | None, fmt: str) -> str:
+            return "-" if value is None else format(value, fmt)
+
+        max_steps = str(self.max_steps) if self.max_steps else "?"
+        served = "-" if self.served_version is None else str(self.served_version)
+        lag = "-" if self.served_version is None else str(max(0, self.step - self.served_version))
+        eta = self.eta_s()
+        return (f"step {self.step}/{max_steps}  reward {number(self.reward, '.3f')}  loss {number(self.loss, '.4f')}  "
+                f"{number(self.tokens_per_s, '.0f')} tok/s  served v{served} (lag {lag})  "
+                f"ETA {'-' if eta is None else _duration(eta)}")
+
+
+def _duration(seconds: float) -> str:
+    seconds = int(round(seconds))
+    minutes, seconds = divmod(seconds, 60)
+    hours, minutes = divmod(minutes, 60)
+    return f"{hours}h{minutes:02d}m{seconds:02d}s" if hours else f"{minutes}m{seconds:02d}s"
+
+
+def _without_token(config):
+    """A copy of a role config (or of the run config) with every run token removed, for writing to disk."""
+    fields = type(config).model_fields
+    if "run_token" in fields:
+        return config.model_copy(update={"run_token": None})
+    sections = ("broker", "trainer", "orchestrator", "inference")
+    updates = {name: _without_token(getattr(config, name)) for name in sections if name in fields}
+    return config.model_copy(update=updates)
+
+
+def _has_gpus() -> bool:
+    return Path("/dev/nvidiactl").exists() or shutil.which("nvidia-smi") is not None
+
+
+class Launcher:
+    """One `primerl rl` run: ``run()`` returns the launcher's exit status."""
+
+    def __init__(self, config, options: LaunchOptions, out: TextIO = sys.stdout, err: TextIO = sys.stderr):
+        self.config = config
+        self.options = options
+        self.out, self.err = out, err
+        self.run_dir = Path(config.output_dir)
+        self.logs_dir = self.run_dir / "logs"
+        self.token = config.broker.run_token or secrets.token_urlsafe(24)
+        self.signal_count = 0
+        self.signal_name = ""
+        self.supervisor = Supervisor(interrupted=lambda: self.signal_count > 0)
+        self.tmux_session: str | None = None
+        self.progress = Progress(max_steps=config.trainer.max_steps or 0)
+        self.final_status = None
+        self.is_tty = out.isatty()
+
+    # ----------------------------------------------------------------------------------------- helpers
+    def say(self, text: str) -> None:
+        if self.is_tty:
+            text = "\r\x1b[K" + text
+        print(text, file=self.out, flush=True)
+
+    def _on_signal(self, signum: int, _frame: object) -> None:
+        self.signal_count += 1
+        self.signal_name = signal.Signals(signum).name
+        if self.signal_count > 1:  # a second Ctrl-C: no more waiting
+            self.supervisor.kill_all()
+
+    def _env(self, gpu_ids: list[int] | None) -> dict[str, str]:
+        env = {**os.environ, RUN_TOKEN_ENV: self.token, "PYTHONUNBUFFERED": "1"}
+        if gpu_ids is not None and self.use_gpus:
+            env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, gpu_ids))
+        return env
+
+    def _child(self, role: str, argv: list[str], gpu_ids: list[int] | None = None) -> ChildProcess:
+        child = self.supervisor.start(ChildProcess(role, argv, self.logs_dir / f"{role}.log", self._env(gpu_ids)))
+        self.supervisor.write_pids(self.run_dir / "pids.json")
+        return child
+
+    def _write_configs(self, roles: dict) -> dict[str, Path]:
+        write_toml(_without_token(self.config), self.run_dir / "rl.toml")
+        return {role: write_toml(_without_token(c), self.run_dir / f"{role}.toml") for role, c in roles.items()}
+
+    # -------------------------------------------------------------------------------------------- run
+    def run(self) -> int:
+        previous = {s: signal.signal(s, self._on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+        self.use_gpus = _has_gpus()
+        started_s = time.monotonic()
+        try:
+            return self._run(started_s)
+        except ChildFailed as failure:
+            return self._fail(failure.child, str(failure))
+        finally:
+            self.supervisor.stop(timeout_s=self.options.stop_timeout_s, on_kill=self._on_kill)
+            self._close_tmux()
+            for signum, handler in previous.items():
+                signal.signal(signum, handler)
+
+    def _on_kill(self, child: ChildProcess) -> None:
+        print(f"primerl rl: {child.name} did not stop within {self.options.stop_timeout_s:g} s; killing it",
+              file=self.err, flush=True)
+
+    def _run(self, started_s: float) -> int:
+        config = self.config
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.logs_dir.mkdir(parents=True, exist_ok=True)
+        for stale in ("broker.ready.json", "inference.ready.json"):
+            (self.run_dir / stale).unlink(missing_ok=True)
+        roles = config.role_configs()
+        paths = self._write_configs(roles)
+        self.say(f"primerl rl: run directory {self.run_dir} (configs, logs/, pids.json)")
+        if self.options.tmux:
+            self._open_tmux(["broker", "inference", "orchestrator", "trainer"])
+
+        broker_ready = self.run_dir / "broker.ready.json"
+        broker = self._child("broker", [BIN / "primerl-broker", "@", paths["broker"], "--ready-file", broker_ready])
+        endpoints = self.supervisor.wait_ready_file(broker, broker_ready, self.options.broker_timeout_s)
+        if endpoints is None:
+            return self._interrupted()
+        address = f"{config.broker.client_host}:{endpoints['grpc_port']}"
+        self.say(f"  broker ready in {broker.ready_s:.1f} s at {address} (log {broker.log_path})")
+        for role in ("trainer", "orchestrator", "inference"):
+            if roles[role].broker.address != address:  # the others dial the port the broker bound
+                roles[role] = roles[role].model_copy(
+                    update={"broker": roles[role].broker.model_copy(update={"address": address})})
+                write_toml(_without_token(roles[role]), paths[role])
+
+        inference_ready = self.run_dir / "inference.ready.json"
+        inference = self._child("inference", [BIN / "primerl-infer", "@", paths["inference"], "--ready-file",
+                                              inference_ready], config.inference_gpu_ids)
+        self.say(f"  starting inference (vLLM takes a while; log {inference.log_path}) ...")
+        served = self.supervisor.wait_ready_file(inference, inference_ready, self.options.inference_timeout_s)
+        if served is None:
+            return self._interrupted()
+        self.say(f"  inference ready in {inference.ready_s:.1f} s at {served.get('base_url')}")
+
+        self._child("orchestrator", [BIN / "primerl-orchestrator", "@", paths["orchestrator"]], [])
+        num_ranks = len(config.trainer_gpu_ids)
+        trainer_argv = [BIN / "primerl-trainer", "@", paths["trainer"]]
+        if num_ranks > 1:
+            trainer_argv = [BIN / "torchrun", "--standalone", f"--nproc-per-node={num_ranks}", *trainer_argv]
+        self._child("trainer", trainer_argv, config.trainer_gpu_ids)
+        ranks = f" ({num_ranks} ranks under torchrun)" if num_ranks > 1 else ""
+        self.say(f"  orchestrator and trainer{ranks} started; training ...")
+        self.startup_s = time.monotonic() - started_s
+        return self._supervise(address, started_s)
+
+    def _supervise(self, address: str, started_s: float) -> int:
+        from primerl.broker.control_client import BrokerError, ControlClient
+        from primerl.runtime.config_common import BrokerClientConfig
+
+        client = ControlClient(BrokerClientConfig(address=address, run_token=self.token,
+                                                  tls_ca_path=self.config.trainer.broker.tls_ca_path),
+                               role="client", name="primerl-rl", rpc_timeout_s=STATUS_TIMEOUT_S)
+        last_line_s = 0.0
+        last_step = -1
+        try:
+            while True:
+                if self.signal_count:
+                    return self._interrupted()
+                for child in self.supervisor.exited():
+                    code = child.poll()
+                    if child.name == "trainer" and code == 0:
+                        return self._finish(client, started_s)
+                    if child.name == "orchestrator" and code == 0:
+                        continue  # it produced every step; the trainer is still consuming them
+                    return self._fail(child, f"{child.name} {child.describe_exit()}")
+                try:
+                    self.progress.update(client.get_run_status())
+                except BrokerError:
+                    pass  # the broker's own exit is caught above; a slow answer only delays the display
+                now = time.monotonic()
+                if self.is_tty:
+                    self.out.write("\r\x1b[K" + self.progress.line()[: shutil.get_terminal_size().columns - 1])
+                    self.out.flush()
+                elif self.progress.step != last_step or now - last_line_s >= self.options.plain_interval_s:
+                    print(self.progress.line(), file=self.out, flush=True)
+                    last_line_s, last_step = now, self.progress.step
+                time.sleep(self.options.progress_interval_s)
+        finally:
+            client.close()
+
+    # ------------------------------------------------------------------------------------------ ends
+    def _finish(self, client, started_s: float) -> int:
+        """The trainer finished: wait (bounded) for inference to serve the last policy, then stop the rest."""
+        from primerl.broker.control_client import BrokerError
+
+        deadline = time.monotonic() + self.options.final_version_timeout_s
+        while time.monotonic() < deadline and not self.signal_count:
+            try:
+                self.progress.update(client.get_run_status())
+            except BrokerError:
+                break
+            served = self.progress.served_version
+            if served is not None and served >= self.progress.published_version:
+                break
+            time.sleep(0.2)
+        if self.is_tty:
+            self.out.write("\n")
+        stop_timeout_s = self.options.stop_timeout_s
+        self.supervisor.stop(["orchestrator", "inference"], timeout_s=stop_timeout_s, on_kill=self._on_kill)
+        self.supervisor.stop(["broker"], timeout_s=stop_timeout_s, on_kill=self._on_kill)  # last: the others deregister
+        for name in ("orchestrator", "inference", "broker"):
+            code = self.supervisor.children[name].poll()
+            if code not in (0, None, -signal.SIGTERM):
+                print(f"primerl rl: note: {name} exited with status {code} while stopping; see "
+                      f"{self.supervisor.children[name].log_path}", file=self.err)
+        self._summary(time.monotonic() - started_s)
+        return 0
+
+    def _summary(self, wall_s: float) -> None:
+        rows = _read_jsonl(Path(self.config.orchestrator.output_dir) / "orchestrator_metrics.jsonl")
+        rewards = [r["train/reward"] for r in rows if "train/reward" in r]
+        trainer_rows = _read_jsonl(Path(self.config.trainer.output_dir) / "trainer_metrics.jsonl")
+        steps = trainer_rows[-1]["step"] if trainer_rows else self.progress.step
+        reward = f"{rewards[0]:.3f} -> {rewards[-1]:.3f}" if rewards else "-"
+        served = "-" if self.progress.served_version is None else str(self.progress.served_version)
+        startup = ", ".join(f"{c.name} {c.ready_s:.1f} s" for c in self.supervisor.children.values()
+                            if c.ready_s is not None)
+        print(f"primerl rl: run finished: {steps} steps in {_duration(wall_s)} (start-up {startup})\n"
+              f"  reward (first -> last step): {reward}\n"
+              f"  policy version served by inference: {served} (trainer published {self.progress.published_version})\n"
+              f"  run directory: {self.run_dir}", file=self.out, flush=True)
+
+    def _fail(self, child: ChildProcess, message: str) -> int:
+        if self.is_tty:
+            self.out.write("\n")
+            self.out.flush()
+        others = [name for name in self.supervisor.children if name != child.name]
+        self.supervisor.stop(others, timeout_s=self.options.stop_timeout_s, on_kill=self._on_kill)
+        self.supervisor.stop([child.name], timeout_s=self.options.stop_timeout_s, on_kill=self._on_kill)
+        print(f"primerl rl: {message}; stopped the run.\n"
+              f"--- last {TAIL_LINES} lines of {child.log_path} ---\n{child.log_tail(TAIL_LINES)}\n"
+              f"--- end of {child.name} log ---", file=self.err, flush=True)
+        return 1
+
+    def _interrupted(self) -> int:
+        if self.is_tty:
+            self.out.write("\n")
+        print(f"primerl rl: {self.signal_name}: stopping every role (at most {self.options.stop_timeout_s:g} s; "
+              "again to kill at once)", file=self.err, flush=True)
+        self.supervisor.stop(timeout_s=self.options.stop_timeout_s, on_kill=self._on_kill)
+        print(f"primerl rl: stopped; logs in {self.logs_dir}", file=self.err, flush=True)
+        return 128 + (signal.SIGINT if self.signal_name == "SIGINT" else signal.SIGTERM)
+
+    # ------------------------------------------------------------------------------------------ tmux
+    def _open_tmux(self, roles: list[str]) -> None:
+        tmux = shutil.which("tmux")
+        if tmux is None:
+            raise SystemExit("primerl rl: --tmux needs tmux, which is not installed (e.g. `apt-get install tmux`); "
+                             "or run without --tmux and read the logs under " + str(self.logs_dir))
+        session = re.sub(r"[^A-Za-z0-9_-]", "-", f"primerl-{self.run_dir.resolve().name}-{os.getpid()}")
+        for role in roles:
+            (self.logs_dir / f"{role}.log").touch()
+        commands = [f"tail -n +1 -F {self.logs_dir.resolve() / f'{role}.log'}" for role in roles]
+        subprocess.run([tmux, "new-session", "-d", "-s", session, "-n", "roles", commands[0]], check=True)
+        for command in commands[1:]:
+            subprocess.run([tmux, "split-window", "-t", f"{session}:roles", command], check=True)
+            subprocess.run([tmux, "select-layout", "-t", f"{session}:roles", "tiled"], check=True)
+        self.tmux_session = session
+        self.say(f"  tmux session {session}: `tmux attach -t {session}` shows one pane per role")
+
+    def _close_tmux(self) -> None:
+        if self.tmux_session is not None:
+            subprocess.run(["tmux", "kill-session", "-t", self.tmux_session], check=False,
+                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+
+def _read_jsonl(path: Path) -> list[dict]:
+    try:
+        return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    except (OSError, json.JSONDecodeError):
+        return []

@@ -1,0 +1,133 @@
+"""`primerl rl` end to end: the launcher starts broker, inference (vLLM), orchestrator and trainer from
+`examples/reverse_text_rl.toml` on the tiny model, trains a few steps, and stops every role; a role that crashes
+stops the run with its log lines shown and no process left behind."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from primerl.cli.launcher import Progress, _without_token
+
+BIN = Path(sys.executable).parent
+REPO_ROOT = Path(__file__).resolve().parents[1]
+EXAMPLE = REPO_ROOT / "examples" / "reverse_text_rl.toml"
+ENV_PYTHON = os.environ.get("PRIMERL_ENV_PYTHON", str(REPO_ROOT / ".venv-envs" / "bin" / "python"))
+ROLES = ("broker", "inference", "orchestrator", "trainer")
+RUN_TIMEOUT_S = 600
+CRASH_TIMEOUT_S = 300
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def group_gone(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return True
+    return False
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory):
+    if not Path(ENV_PYTHON).exists():
+        pytest.skip(f"no env-worker interpreter at {ENV_PYTHON}: run `make setup` (it builds .venv-envs)")
+    from primerl.trainer.tiny_model import build_tiny_model
+
+    return build_tiny_model(tmp_path_factory.mktemp("model") / "tiny")
+
+
+def primerl_rl(model: Path, run_dir: Path, *extra: str, timeout_s: float) -> tuple[subprocess.CompletedProcess, float]:
+    env = {**os.environ, "PRIMERL_ENV_PYTHON": ENV_PYTHON, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
+           "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1"}
+    env.pop("PRIMERL_RUN_TOKEN", None)
+    args = [str(BIN / "primerl"), "rl", "@", str(EXAMPLE), "--model.name", str(model), "--output-dir", str(run_dir),
+            "--broker.grpc-port", str(free_port()), *extra]
+    started_s = time.monotonic()
+    result = subprocess.run(args, capture_output=True, text=True, timeout=timeout_s, env=env, cwd=run_dir.parent)
+    return result, time.monotonic() - started_s
+
+
+def assert_no_child_left(run_dir: Path) -> None:
+    pids = json.loads((run_dir / "pids.json").read_text())
+    assert sorted(pids) == sorted(ROLES)
+    left = {role: pid for role, pid in pids.items() if not group_gone(pid)}
+    assert not left, f"process groups still alive after primerl rl exited: {left}"
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
+def test_a_short_run_trains_every_step_and_inference_serves_the_last_policy(tiny_model, tmp_path):
+    run_dir = tmp_path / "run"
+    result, wall_s = primerl_rl(tiny_model, run_dir, "--max-steps", "3", timeout_s=RUN_TIMEOUT_S)
+    output = result.stdout + result.stderr
+    assert result.returncode == 0, output[-6000:]
+    assert "run finished: 3 steps" in result.stdout, output[-6000:]
+    rows = [json.loads(line) for line in (run_dir / "trainer_metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    # The version inference served at the end, read from the broker before it was stopped.
+    assert "policy version served by inference: 3 (trainer published 3)" in result.stdout, output[-6000:]
+    for role in ROLES:
+        assert (run_dir / "logs" / f"{role}.log").stat().st_size > 0
+        assert (run_dir / f"{role}.toml").exists()
+    assert "run_token" not in "".join(p.read_text() for p in run_dir.glob("*.toml"))  # only in the environment
+    assert_no_child_left(run_dir)
+    print(f"3-step run: {wall_s:.1f} s wall\n{result.stdout}")
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
+def test_a_crashing_role_stops_the_run_and_shows_its_log(tiny_model, tmp_path):
+    run_dir = tmp_path / "run"
+    result, wall_s = primerl_rl(tiny_model, run_dir, "--max-steps", "3", "--orchestrator.env",
+                                '[{id = "no-such-env"}]', "--stop-timeout-s", "10", timeout_s=CRASH_TIMEOUT_S)
+    assert result.returncode == 1, (result.stdout + result.stderr)[-6000:]
+    assert "orchestrator exited with status" in result.stderr
+    assert "last 30 lines of" in result.stderr and "no-such-env" in result.stderr  # the orchestrator's log lines
+    assert_no_child_left(run_dir)
+    print(f"crash run: {wall_s:.1f} s wall")
+
+
+# ---------------------------------------------------------------------------------------- fast, no daemons
+class _Status:
+    def __init__(self, step: int, version: int, metrics: dict[str, float]):
+        from primerl.proto.v1 import common_pb2, control_pb2
+
+        self.message = control_pb2.RunStatus(trainer_step=step, latest_policy_version=step, max_steps=10,
+                                             last_metrics=metrics)
+        self.message.workers.add(role=common_pb2.ROLE_INFERENCE, policy_version=version)
+
+
+def test_progress_line_shows_step_reward_loss_lag_and_eta(monkeypatch):
+    clock = iter([100.0, 110.0, 120.0])
+    monkeypatch.setattr("primerl.cli.launcher.time.monotonic", lambda: next(clock))
+    progress = Progress()
+    progress.update(_Status(0, 0, {}).message)
+    progress.update(_Status(1, 0, {"train/reward": 0.25, "train/loss": 0.5, "rollout/tokens_per_s": 300}).message)
+    progress.update(_Status(2, 1, {"train/loss": 0.4}).message)
+    line = progress.line()
+    assert "step 2/10" in line and "reward 0.250" in line and "loss 0.4000" in line and "300 tok/s" in line
+    assert "served v1 (lag 1)" in line
+    assert "ETA 1m20s" in line  # 10 s per step, 8 steps left
+
+
+def test_configs_written_to_disk_hold_no_run_token():
+    from primerl.cli.rl_config import RLConfig
+    from primerl.runtime.config_loader import dump_toml, load_config
+
+    config = load_config(RLConfig, [EXAMPLE], {"broker": {"run_token": "secret-token"}})
+    assert config.trainer.broker.run_token == "secret-token"
+    texts = [dump_toml(_without_token(config))]
+    texts += [dump_toml(_without_token(c)) for c in config.role_configs().values()]
+    assert not any("secret-token" in text for text in texts)

@@ -48,11 +48,13 @@ proto: $(STAMP)
 docs: $(STAMP)
 	$(PY) scripts/gen_config_reference.py
 
-# The main job. Until the end-to-end demo lands: build the tiny model, generate from it with vLLM and
-# check vLLM's logprobs against a transformers forward pass.
+# The main job: build the tiny model, check vLLM against transformers on it, then RL on the toy reverse-text
+# task with all four daemons (examples/reverse_text_rl.toml; a fresh run each time, logs in runs/demo/rl/logs).
 run: $(STAMP) $(ENV_STAMP)
 	$(VENV)/bin/primerl init-tiny-model $(RUN_DIR)/tiny-model
 	$(VENV)/bin/primerl generate $(RUN_DIR)/tiny-model --check-logprobs
+	rm -rf $(RUN_DIR)/rl
+	$(VENV)/bin/primerl rl @ examples/reverse_text_rl.toml --model.name $(RUN_DIR)/tiny-model --output-dir $(RUN_DIR)/rl
 
 test: $(STAMP) $(ENV_STAMP)
 	$(PY) -m pytest -q

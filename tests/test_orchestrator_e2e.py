@@ -46,14 +46,17 @@ def stack(tmp_path_factory):
         broker.stop()
 
 
-def run_orchestrator(model: Path, broker: Broker, output_dir: Path, env_id: str, *extra: str) -> subprocess.CompletedProcess:
+def run_orchestrator(model: Path, broker: Broker, output_dir: Path, env_id: str, *extra: str,
+                     pythonpath: str | None = None) -> subprocess.CompletedProcess:
     args = [str(BIN / "primerl-orchestrator"), "--model.name", str(model), "--env", f'[{{id = "{env_id}"}}]',
             "--batch-size", "8", "--rollouts-per-example", "4", "--max-steps", "2", "--seq-len", "512",
             "--sampling.max-tokens", "12", "--sampling.temperature", "1.0",
             "--broker.address", broker.grpc_address, "--output-dir", str(output_dir), "--env-python", ENV_PYTHON,
             *extra]
-    return subprocess.run(args, capture_output=True, text=True, timeout=600,
-                          env={**os.environ, "PRIMERL_RUN_TOKEN": TOKEN})
+    env = {**os.environ, "PRIMERL_RUN_TOKEN": TOKEN}
+    if pythonpath:  # inherited by the env workers: environments outside the installed packages
+        env["PYTHONPATH"] = pythonpath
+    return subprocess.run(args, capture_output=True, text=True, timeout=600, env=env)
 
 
 def check_batches(model: Path, broker: Broker, steps: range) -> None:
@@ -122,3 +125,17 @@ def test_a_refused_batch_is_a_clear_error(stack, tmp_path):
                               "--batch-size", "4", "--seq-len", "80")
     assert result.returncode == 2
     assert "refused the batches of step 1" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_failing_environment_rollouts_are_counted_not_fatal(stack, output_dir):
+    """The run resumed once more (steps 5-6) with an environment whose scoring raises for some rollouts: those
+    are counted and reported as errors, the others are trained on, and the orchestrator finishes its steps."""
+    model, broker, _ = stack
+    result = run_orchestrator(model, broker, output_dir, "sometimes_broken_env", "--max-steps", "6",
+                              "--max-async-level", "8", pythonpath=str(Path(__file__).parent / "env_fixtures"))
+    assert result.returncode == 0, result.stderr[-4000:]
+    rows = [json.loads(line) for line in (output_dir / "orchestrator_metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows][-2:] == [5, 6]
+    assert sum(r["rollout/errors"] for r in rows[-2:]) > 0
+    assert all(r["buffer/num_rollouts"] > 0 for r in rows[-2:])
+    check_batches(model, broker, range(5, 7))

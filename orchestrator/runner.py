@@ -79,7 +79,7 @@ class EnvSampler:
         return env_id, self._order(env_id, epoch)[offset]
 
     def state(self) -> dict[str, Any]:
-        return {"positions": self.positions, "rng": _encode_rng(self.rng.getstate())}
+        return {"positions": dict(self.positions), "rng": _encode_rng(self.rng.getstate())}
 
     def restore(self, state: dict[str, Any]) -> None:
         self.positions.update(state["positions"])

@@ -387,7 +387,7 @@ def _unwrap(model: torch.nn.Module) -> torch.nn.Module:
     except ImportError:  # a torch build without distributed support has no sharded models either
         return model
     if any(isinstance(param, DTensor) for param in model.parameters()):
-        raise NotImplementedError(
+        raise ValueError(
             "the model has sharded (FSDP2 / DTensor) parameters; these checkpoints handle replicated models "
             "(one rank or DDP) only"
         )

@@ -91,7 +91,7 @@ def _merged_lora_state(hf_model: torch.nn.Module) -> dict[str, torch.Tensor]:
                 if adapter not in module.lora_A and adapter not in module.lora_embedding_A:
                     continue
                 if module.use_dora.get(adapter, False):
-                    raise NotImplementedError(f"{name}: merging DoRA adapters for a full publish is not supported")
+                    raise ValueError(f"{name}: merging DoRA adapters for a full publish is not supported")
                 weight = weight + module.get_delta_weight(adapter)
             merged[f"{name}.base_layer.weight"] = weight
     state = {}

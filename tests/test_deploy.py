@@ -13,6 +13,12 @@ import pytest
 REPO_ROOT = Path(__file__).resolve().parents[1]
 UNITS = sorted((REPO_ROOT / "deploy" / "systemd").glob("*.service"))
 BIN = Path(sys.executable).parent
+# The least each role's config file must say (the broker has a default for every key).
+MINIMAL_CONFIGS = {
+    "primerl-trainer": '[model]\nname = "some/model"\n',
+    "primerl-infer": '[model]\nname = "some/model"\n',
+    "primerl-orchestrator": '[model]\nname = "some/model"\n[[env]]\nid = "reverse-text"\n',
+}
 
 
 def exec_start(unit: Path) -> list[str]:
@@ -27,7 +33,7 @@ def test_unit_command_line_is_accepted(unit, tmp_path):
     program = BIN / Path(argv[0]).name
     assert program.exists(), f"{unit.name} starts {argv[0]}, which this package does not install"
     config = tmp_path / "role.toml"
-    config.write_text("")  # every key has a default for the broker; others get theirs from the run config
+    config.write_text(MINIMAL_CONFIGS.get(unit.stem, ""))
     args = [str(config) if a.startswith("/etc/primerl/") and a.endswith(".toml") else a for a in argv[1:]]
     result = subprocess.run([str(program), *args, "--dry-run"], capture_output=True, text=True, timeout=60,
                             env={"PATH": str(BIN), "PRIMERL_RUN_TOKEN": "t"})

@@ -1,7 +1,5 @@
-"""What the four role daemons' entry points share: config loading from `@ file.toml` and overrides,
-`--dry-run` printing the resolved config, and `--ready-file` for launchers. A role whose daemon has not
-landed yet passes no `serve` function: its command checks and prints the config and says so instead of
-pretending to run."""
+"""What the role daemons' entry points share: config loading from `@ file.toml` and overrides, `--dry-run`
+printing the resolved config, `--ready-file` for launchers, and the run token from `$PRIMERL_RUN_TOKEN`."""
 
 from __future__ import annotations
 
@@ -35,7 +33,7 @@ def run_role(
     argv: list[str] | None,
     *,
     example: str,
-    serve: Callable[[object, argparse.Namespace], int] | None = None,
+    serve: Callable[[object, argparse.Namespace], int],
     token_key: str = "broker.run_token",
 ) -> int:
     """Parse the command line of a role daemon; ``serve(config, args)`` runs the daemon and returns its exit code.
@@ -83,9 +81,6 @@ def run_role(
     if args.dry_run:
         print(dump_toml(config, redact_secrets=True), end="")
         return 0
-    if serve is None:
-        print(f"{prog}: the {role} daemon is not implemented yet; `--dry-run` checks and prints its config", file=sys.stderr)
-        return 2
     return serve(config, args)
 
 

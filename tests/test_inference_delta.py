@@ -10,7 +10,6 @@ The daemon, broker and helpers are those of `test_inference_server.py` (imported
 from __future__ import annotations
 
 import shutil
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -22,9 +21,13 @@ from test_inference_server import (
     TOLERANCE,
     Broker,
     Daemon,
+    broker,
+    daemon,
     greedy_completion,
+    http,
     reference_max_diff,
     served_versions,
+    tiny_model,
     wait_applied,
 )
 
@@ -38,36 +41,8 @@ LR = 1e-3  # large enough that one step moves the served logprobs well past the 
 NUM_TRAIN_TOKENS = 16
 
 
-@pytest.fixture(scope="module")
-def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from primerl.trainer.tiny_model import build_tiny_model
-
-    return build_tiny_model(tmp_path_factory.mktemp("model") / "tiny")
-
-
-@pytest.fixture(scope="module")
-def broker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Broker]:
-    broker = Broker(tmp_path_factory.mktemp("spool"))
-    try:
-        yield broker
-    finally:
-        broker.stop()
-
-
-@pytest.fixture(scope="module")
-def daemon(tmp_path_factory: pytest.TempPathFactory, tiny_model: Path, broker: Broker) -> Iterator[Daemon]:
-    daemon = Daemon(tmp_path_factory.mktemp("infer"), tiny_model, broker)
-    print(f"\nprimerl-infer ready in {daemon.start_s:.1f} s")
-    try:
-        yield daemon
-    finally:
-        daemon.stop()
-
-
-@pytest.fixture(scope="module")
-def http(daemon: Daemon) -> Iterator[httpx.Client]:
-    with httpx.Client(base_url=daemon.url, timeout=60.0) as client:
-        yield client
+# The module-scoped fixtures (a tiny model, a broker, one primerl-infer daemon and an HTTP client) are the
+# ones tests/test_inference_server.py defines, imported above; this module gets its own instances.
 
 
 def adamw_step(model: Any, optimizer: Any, seed: int) -> None:

@@ -100,7 +100,7 @@ def _merged_lora_state(hf_model: torch.nn.Module) -> dict[str, torch.Tensor]:
         if _LORA_KEY_PARTS.intersection(parts):
             continue
         if "modules_to_save" in parts or "original_module" in parts:
-            raise NotImplementedError(f"{key}: peft modules_to_save are not supported in a full publish")
+            raise ValueError(f"{key}: peft modules_to_save are not supported in a full publish")
         state[key.replace(".base_layer.", ".")] = merged.get(key, tensor)
     return state
 

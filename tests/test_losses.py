@@ -95,13 +95,13 @@ def test_cispo_matches_hand_computation():
     assert logprobs.grad[3].item() == 0.0
 
 
-def test_mismatch_kl_is_the_k3_estimate_and_zero_for_identical_policies():
+def test_kl_divergence_is_the_k3_estimate_and_zero_for_identical_policies():
     logprobs, inference, advantages, mask = tensors()
     out = rl_loss(DefaultLossConfig(), logprobs, inference, advantages, mask, NUM_TOKENS)
     expected = [math.exp(ilp - lp) - (ilp - lp) - 1 for lp, ilp in zip(TRAINER, INFERENCE)]
-    assert out.metrics["mismatch_kl"] == pytest.approx(by_hand(expected), rel=1e-12)
+    assert out.metrics["kl_divergence"] == pytest.approx(by_hand(expected), rel=1e-12)
     same = rl_loss(DefaultLossConfig(), logprobs, logprobs.detach().clone(), advantages, mask, NUM_TOKENS)
-    assert same.metrics["mismatch_kl"] == 0.0
+    assert same.metrics["kl_divergence"] == 0.0
 
 
 def test_kl_penalty_and_adaptive_beta():
@@ -110,7 +110,7 @@ def test_kl_penalty_and_adaptive_beta():
     out = kl_penalty(KLConfig(beta=0.1), 0.1, logprobs, reference, mask, NUM_TOKENS)
     expected = [math.exp(r - lp) - (r - lp) - 1 for lp, r in zip(TRAINER, reference.tolist())]
     assert out.loss.item() == pytest.approx(0.1 * by_hand(expected), rel=1e-12)
-    assert out.metrics["kl_divergence"] == pytest.approx(by_hand(expected), rel=1e-12)
+    assert out.metrics["reference_kl"] == pytest.approx(by_hand(expected), rel=1e-12)
     out.loss.backward()
     assert logprobs.grad[3].item() == 0.0 and logprobs.grad[1].item() == 0.0  # equal to the reference: no pull
     controller = AdaptiveKLController(KLConfig(beta=0.1, target_kl=0.01))

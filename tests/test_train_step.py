@@ -70,7 +70,7 @@ def test_step_reports_the_metrics_users_expect(model_dir):
     stats = TrainStep(model, optimizer, scheduler, rl_objective(DefaultLossConfig()), ONE_RANK, max_grad_norm=1.0).step(
         1, [pack(synthetic())])
     metrics = stats.as_metrics()
-    for name in ("train/loss", "train/grad_norm", "train/learning_rate", "train/entropy", "train/mismatch_kl",
+    for name in ("train/loss", "train/grad_norm", "train/learning_rate", "train/entropy", "train/kl_divergence",
                  "train/is_truncated", "train/masked"):
         assert name in metrics and np.isfinite(metrics[name]), name
     assert metrics["train/entropy"] > 0

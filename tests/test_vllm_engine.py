@@ -217,8 +217,8 @@ def test_generate_cli_checks_logprobs(engine: Any, tiny_model_dir: Path, capsys:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
-def test_trainer_and_vllm_agree_mismatch_kl(engine: Any, reference_model: Any, temperature: float) -> None:
-    """The trainer's view of vLLM's own samples: with identical weights the mismatch KL is ~0 (<= 1e-5, fp32)."""
+def test_trainer_and_vllm_agree_kl_divergence(engine: Any, reference_model: Any, temperature: float) -> None:
+    """The trainer's view of vLLM's own samples: with identical weights the KL divergence is ~0 (<= 1e-5, fp32)."""
     import numpy as np
 
     from primerl.inference.logprob_check import generate_with_logprobs
@@ -244,6 +244,6 @@ def test_trainer_and_vllm_agree_mismatch_kl(engine: Any, reference_model: Any, t
     out = rl_loss(DefaultLossConfig(), logprobs, batch.inference_logprobs, batch.advantages, batch.loss_mask,
                   batch.num_loss_tokens)
     assert batch.num_loss_tokens == result.num_completion_tokens
-    print(f"\nmismatch_kl at temperature {temperature}: {out.metrics['mismatch_kl']:.3g} over {batch.num_loss_tokens} tokens")
-    assert out.metrics["mismatch_kl"] <= 1e-5, out.metrics
+    print(f"\nkl_divergence at temperature {temperature}: {out.metrics['kl_divergence']:.3g} over {batch.num_loss_tokens} tokens")
+    assert out.metrics["kl_divergence"] <= 1e-5, out.metrics
     assert out.metrics["is_truncated"] == 0.0 and out.metrics["masked"] == 0.0

@@ -11,7 +11,9 @@ worker reported when it sampled the token), ``log_ratio = logprobs - inference_l
 generated the token. Gradients flow only through ``logprobs``.
 
 Metrics (detached floats, token sums divided by the same ``num_loss_tokens`` so they add up across
-micro-batches): ``mismatch_kl`` (k3 estimate of KL(inference || trainer) on the sampled tokens),
+micro-batches): ``kl_divergence`` (k3 estimate of KL(inference || trainer) on the sampled tokens: how far the
+policy being trained has moved from the one that sampled them), ``reference_kl`` (the KL penalty's k3 KL to
+the frozen reference policy, with ``[trainer.kl]``),
 ``is_truncated`` (fraction of tokens whose ratio was truncated at ``max_is_ratio``), ``masked`` (fraction
 masked by the default recipe's probability-difference test), ``clipped`` (GRPO/CISPO ratio clipping).
 """
@@ -129,7 +131,7 @@ def rl_loss(
 
     loss = _mask_sum(per_token, mask) / num_loss_tokens
     metrics["is_truncated"] = float(_mask_sum(truncated.float(), mask)) / num_loss_tokens
-    metrics["mismatch_kl"] = float(_mask_sum(k3_kl(logprobs.detach(), inference_logprobs), mask)) / num_loss_tokens
+    metrics["kl_divergence"] = float(_mask_sum(k3_kl(logprobs.detach(), inference_logprobs), mask)) / num_loss_tokens
     return LossOutput(loss, metrics)
 
 
@@ -156,7 +158,7 @@ def kl_penalty(
     mask = loss_mask.bool()
     kl = k3_kl(logprobs, reference_logprobs.to(logprobs.dtype))
     kl_sum = _mask_sum(kl, mask) / num_loss_tokens
-    return LossOutput(beta * kl_sum, {"kl_divergence": float(kl_sum.detach()), "kl_beta": beta})
+    return LossOutput(beta * kl_sum, {"reference_kl": float(kl_sum.detach()), "kl_beta": beta})
 
 
 class AdaptiveKLController:

@@ -112,8 +112,8 @@ class TrainStep:
 
         totals["entropy"] = entropy_sum
         summed = {name: all_reduce_sum(value, self.dist) for name, value in totals.items() if name != "kl_beta"}
-        if self.kl_controller is not None and "kl_divergence" in summed:
-            summed["kl_beta"] = self.kl_controller.update(summed["kl_divergence"])
+        if self.kl_controller is not None and "reference_kl" in summed:
+            summed["kl_beta"] = self.kl_controller.update(summed["reference_kl"])
         return StepStats(step=step, loss=all_reduce_sum(loss_sum, self.dist), num_loss_tokens=num_loss_tokens,
                          grad_norm=grad_norm, learning_rate=learning_rate, metrics=summed)
 

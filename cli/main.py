@@ -16,6 +16,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "infer": ("primerl.cli.infer", "run an inference worker (same as primerl-infer)"),
     "orchestrator": ("primerl.cli.orchestrator", "run the orchestrator (same as primerl-orchestrator)"),
     "status": ("primerl.cli.status", "show a running job's status from the broker"),
+    "sft-data": ("primerl.cli.sft_data", "write an environment's reference answers as SFT samples (JSONL)"),
     "eval": ("primerl.cli.eval", "evaluate a model or checkpoint on an environment: `primerl eval ENV_ID -m MODEL`"),
     "plot": ("primerl.cli.plot", "write PNG curves of a run (reward, loss, lag, throughput): `primerl plot RUN_DIR`"),
 }

@@ -1,0 +1,252 @@
+"""`primerl eval ENV_ID -m MODEL`: evaluate a model or a run's weights on an environment, like `prime eval run`.
+
+Without `--base-url`, the model is served by a vLLM server started in this process (127.0.0.1, a free port,
+a fresh bearer token) and stopped at the end; with it, any OpenAI-compatible endpoint is used (e.g. a running
+`primerl-infer`). The environment runs in an env worker with the environments' interpreter (`--env-python`,
+else $PRIMERL_ENV_PYTHON), exactly as in training. Results go to `--output` (default
+`outputs/evals/<env>--<model>/<time>`): `results.jsonl` (one line per rollout) and `summary.json`.
+
+    primerl eval reverse-text -m runs/demo/rl -n 200 -r 1 -t 16 -T 0
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import re
+import secrets
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from primerl.cli.orchestrator import ENV_PYTHON_VAR
+
+DEFAULT_OUTPUT_ROOT = Path("outputs/evals")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="primerl eval",
+        description="Evaluate a model on an environment's eval split (the train split when it has none) and "
+        "print the mean reward and the environment's metrics. Flags follow `prime eval run` / `vf-eval`.",
+        epilog="MODEL may be a Hugging Face model directory, a run directory (its latest exported weights, "
+        "RUN/weights/step_N) or, with --base-url, the model name the server knows.",
+    )
+    parser.add_argument("env_id", metavar="ENV_ID", help="environment id (an installed verifiers environment)")
+    parser.add_argument("-m", "--model", required=True, help="model directory, run directory, or served name")
+    parser.add_argument("-a", "--env-args", default="{}", metavar="JSON",
+                        help='arguments of load_environment, as a JSON object (e.g. \'{"max_len": 8}\')')
+    parser.add_argument("-n", "--num-examples", type=int, default=5, metavar="N",
+                        help="examples to evaluate, from the first; -1 for all (default: %(default)s)")
+    parser.add_argument("-r", "--rollouts-per-example", type=int, default=3, metavar="R",
+                        help="rollouts per example (default: %(default)s)")
+    parser.add_argument("-t", "--max-tokens", type=int, default=None, metavar="N",
+                        help="completion tokens per model call (default: up to the context length)")
+    parser.add_argument("-T", "--temperature", type=float, default=1.0, metavar="T",
+                        help="sampling temperature; 0 is greedy (default: %(default)s)")
+    parser.add_argument("--top-p", type=float, default=1.0, metavar="P", help="nucleus sampling (default: 1.0)")
+    parser.add_argument("--split", choices=("eval", "train"), default=None,
+                        help="dataset split (default: eval when the environment has one, else train)")
+    parser.add_argument("-c", "--max-concurrent", type=int, default=16, metavar="N",
+                        help="examples in flight at once (default: %(default)s)")
+    parser.add_argument("-b", "--base-url", default=None, metavar="URL",
+                        help="an OpenAI-compatible server to use instead of starting vLLM (e.g. http://host:8000/v1)")
+    parser.add_argument("-k", "--api-key-var", default="PRIMERL_RUN_TOKEN", metavar="VAR",
+                        help="environment variable holding the server's API key, with --base-url "
+                        "(default: %(default)s; unset means no key)")
+    parser.add_argument("--max-model-len", type=int, default=None, metavar="N",
+                        help="context length of the started vLLM server (default: the model's)")
+    parser.add_argument("-o", "--output", type=Path, default=None, metavar="DIR",
+                        help=f"where results.jsonl and summary.json go (default: {DEFAULT_OUTPUT_ROOT}/<env>--<model>/<time>)")
+    parser.add_argument("--env-python", default=None, metavar="PATH",
+                        help=f"interpreter of the environments (default: ${ENV_PYTHON_VAR}, else this one)")
+    parser.add_argument("--timeout-s", type=float, default=600.0, metavar="S",
+                        help="deadline of one example's rollouts (default: %(default)g)")
+    parser.add_argument("--verbose", action="store_true", help="show vLLM's log (default: warnings and errors)")
+    return parser
+
+
+class EvalInputError(ValueError):
+    """Bad input: the message says what is wrong and how to fix it."""
+
+
+def resolve_model(model: str, *, served: bool) -> str:
+    """The model directory to serve: a HF directory as is, a run directory's latest `weights/step_N`.
+    With a server given (`served`), the name is passed through untouched."""
+    if served:
+        return model
+    path = Path(model)
+    if not path.exists():
+        if model.count("/") == 1 and not model.startswith((".", "/")):
+            return model  # a hub id: vLLM loads it from the local cache (no downloads here)
+        raise EvalInputError(f"model {model!r} does not exist; give a model directory, a run directory or a hub id")
+    if (path / "config.json").is_file():
+        return str(path)
+    steps = sorted((int(m.group(1)), p) for p in (path / "weights").glob("step_*")
+                   if (m := re.fullmatch(r"step_(\d+)", p.name)) and (p / "config.json").is_file())
+    if steps:
+        return str(steps[-1][1])
+    if re.fullmatch(r"step_\d+", path.name) and path.parent.name == "checkpoints":
+        raise EvalInputError(f"{path} is a training checkpoint (optimizer state, sharded); evaluate the exported "
+                             f"weights instead: {path.parent.parent / 'weights' / path.name}")
+    raise EvalInputError(f"{path} holds no config.json and no weights/step_N: not a model or run directory")
+
+
+def _check(args: argparse.Namespace) -> dict[str, Any]:
+    try:
+        env_args = json.loads(args.env_args)
+    except json.JSONDecodeError as exc:
+        raise EvalInputError(f"--env-args is not JSON ({exc.msg}): give an object, e.g. '{{\"max_len\": 8}}'") from None
+    if not isinstance(env_args, dict):
+        raise EvalInputError(f"--env-args must be a JSON object, got {type(env_args).__name__}")
+    if args.num_examples == 0 or args.num_examples < -1:
+        raise EvalInputError(f"--num-examples must be >= 1 or -1 (all), got {args.num_examples}")
+    for flag, value, low in (("--rollouts-per-example", args.rollouts_per_example, 1),
+                             ("--max-concurrent", args.max_concurrent, 1), ("--max-tokens", args.max_tokens, 1),
+                             ("--max-model-len", args.max_model_len, 1)):
+        if value is not None and value < low:
+            raise EvalInputError(f"{flag} must be >= {low}, got {value}")
+    if args.temperature < 0:
+        raise EvalInputError(f"--temperature must be >= 0, got {args.temperature}")
+    if not 0 < args.top_p <= 1:
+        raise EvalInputError(f"--top-p must be in (0, 1], got {args.top_p}")
+    if args.timeout_s <= 0:
+        raise EvalInputError(f"--timeout-s must be > 0, got {args.timeout_s}")
+    env_python = args.env_python or os.environ.get(ENV_PYTHON_VAR) or sys.executable
+    if not Path(env_python).exists():
+        raise EvalInputError(f"env python {env_python} does not exist: build the env venv (make setup) or pass "
+                             "--env-python")
+    return env_args
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    argv = sys.argv[1:] if argv is None else list(argv)
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as exit_:  # --help (0) or a usage error (2), already printed by argparse
+        return int(exit_.code or 0)
+    try:
+        env_args = _check(args)
+        model = resolve_model(args.model, served=args.base_url is not None)
+    except EvalInputError as exc:
+        print(f"primerl eval: error: {exc}", file=sys.stderr)
+        return 2
+    if not args.verbose:
+        os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+    from primerl.runtime.log_setup import configure_logging
+
+    configure_logging("eval", level="warning" if not args.verbose else "info")
+    try:
+        return asyncio.run(_evaluate(args, model, env_args))
+    except EvalInputError as exc:
+        print(f"primerl eval: error: {exc}", file=sys.stderr)
+        return 2
+
+
+async def _evaluate(args: argparse.Namespace, model: str, env_args: dict[str, Any]) -> int:
+    from primerl.orchestrator.env_client import EnvWorker, EnvWorkerError
+
+    env_python = args.env_python or os.environ.get(ENV_PYTHON_VAR) or sys.executable
+    worker = EnvWorker(env_python, args.env_id, env_args, request_timeout_s=args.timeout_s)
+    try:
+        info = await asyncio.to_thread(worker.start)
+    except EnvWorkerError as exc:
+        await asyncio.to_thread(worker.close)
+        raise EvalInputError(f"environment {args.env_id!r} cannot be loaded: {exc}") from None
+    server = None
+    try:
+        split = args.split or ("eval" if info.has_eval_dataset else "train")
+        size = info.num_eval_examples if split == "eval" else info.num_examples
+        if size == 0:
+            raise EvalInputError(f"environment {args.env_id!r} has no {split} examples")
+        count = size if args.num_examples == -1 else min(args.num_examples, size)
+        if args.base_url is not None:
+            base_url, served_name = args.base_url.rstrip("/"), model
+            api_key = os.environ.get(args.api_key_var) or "EMPTY"
+        else:
+            print(f"primerl eval: starting vLLM on {model} ...", file=sys.stderr, flush=True)
+            server = await _start_server(model, args.max_model_len)
+            api_key = server.config.broker.run_token  # the server refuses requests without it
+            base_url, served_name = server.address.base_url + "/v1", server.served_model_name
+        return await _run(args, worker, info, split, count, base_url, served_name, api_key, model, env_args)
+    finally:
+        await asyncio.to_thread(worker.close)
+        if server is not None:
+            await server.stop(grace_s=2.0)
+
+
+async def _start_server(model: str, max_model_len: int | None):
+    from primerl.inference.config import InferenceConfig
+    from primerl.inference.server import InferenceServer
+
+    token = secrets.token_urlsafe(24)
+    config = InferenceConfig.model_validate({"model": {"name": model, "max_model_len": max_model_len},
+                                             "server": {"host": "127.0.0.1", "port": 0},
+                                             "broker": {"run_token": token}})
+    server = InferenceServer(config, version_fn=lambda: 0, worker_extension_cls=None)
+    try:
+        await server.start()
+        await server.wait_healthy(60.0)
+    except Exception as exc:
+        raise EvalInputError(f"vLLM could not serve {model}: {type(exc).__name__}: {exc}") from None
+    return server
+
+
+async def _run(args, worker, info, split: str, count: int, base_url: str, served_name: str, api_key: str,
+               model: str, env_args: dict[str, Any]) -> int:
+    from primerl.orchestrator.evaluation import run_eval_groups, summarize_groups
+
+    output = args.output or _default_output(args.env_id, model)
+    output.mkdir(parents=True, exist_ok=True)
+    sampling = {"temperature": args.temperature, "top_p": args.top_p, "max_tokens": args.max_tokens}
+    started_s = time.monotonic()
+    done = 0
+    with (output / "results.jsonl").open("w") as results:
+        def on_group(group) -> None:
+            nonlocal done
+            done += 1
+            for rollout in group.rollouts:
+                results.write(json.dumps({
+                    "example_index": group.example_index, "rollout_index": rollout.rollout_index,
+                    "reward": rollout.reward, "metrics": rollout.metrics, "prompt": rollout.prompt,
+                    "completion": rollout.completion, "num_completion_tokens": rollout.num_completion_tokens,
+                    "is_truncated": rollout.is_truncated, "error": rollout.error,
+                }) + "\n")
+            if sys.stderr.isatty():
+                print(f"\r  {done}/{count} examples", end="", file=sys.stderr, flush=True)
+
+        groups, failed = await asyncio.to_thread(
+            run_eval_groups, worker, range(count), num_rollouts=args.rollouts_per_example, base_url=base_url,
+            model=served_name, sampling=sampling, split=split, api_key=api_key,
+            max_concurrent_groups=args.max_concurrent, timeout_s=args.timeout_s, on_group=on_group)
+    if sys.stderr.isatty():
+        print(file=sys.stderr)
+    summary = summarize_groups(groups, failed, rollouts_per_group=args.rollouts_per_example)
+    elapsed_s = time.monotonic() - started_s
+    record = {"env_id": args.env_id, "env_args": env_args, "model": model, "split": split, "num_examples": count,
+              "rollouts_per_example": args.rollouts_per_example, "sampling": sampling, "time_s": elapsed_s,
+              **summary.as_dict()}
+    (output / "summary.json").write_text(json.dumps(record, indent=2) + "\n")
+    metrics = "  ".join(f"{name} {value:.3f}" for name, value in summary.metrics.items())
+    print(f"primerl eval: {args.env_id} ({split}, {count} examples x {args.rollouts_per_example}) on {model}\n"
+          f"  reward: mean {summary.reward_mean:.4f}  std {summary.reward_std:.4f}  "
+          f"over {summary.num_rollouts} rollouts ({summary.num_errors} failed)\n"
+          f"  metrics: {metrics or '-'}\n"
+          f"  completion tokens: mean {summary.mean_completion_tokens:.1f}, truncated {summary.truncation_rate:.1%}\n"
+          f"  {elapsed_s:.1f} s; results in {output}", flush=True)
+    for error in summary.errors:
+        print(f"  error: {error}", file=sys.stderr)
+    return 1 if summary.num_rollouts == 0 else 0
+
+
+def _default_output(env_id: str, model: str) -> Path:
+    tag = re.sub(r"[^A-Za-z0-9._-]+", "-", "-".join(Path(model).parts[-3:]))[:80]
+    return DEFAULT_OUTPUT_ROOT / f"{env_id}--{tag}" / time.strftime("%Y%m%d-%H%M%S")
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

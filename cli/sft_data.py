@@ -1,0 +1,83 @@
+"""`primerl sft-data ENV_ID -o samples.jsonl`: SFT samples from an environment's reference answers.
+
+Each example of the split becomes `{"prompt": [...], "completion": [{"role": "assistant", "content": answer}]}`,
+the shape `primerl sft` reads. Only for environments whose `answer` is the text the model should write (like
+`reverse-text`); the prompt is the environment's own (system prompt included), so SFT and RL see the same one.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+from primerl.cli.orchestrator import ENV_PYTHON_VAR
+
+BATCH = 500
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="primerl sft-data",
+        description="Write an environment's examples with their reference answers as SFT samples (JSONL).")
+    parser.add_argument("env_id", metavar="ENV_ID", help="environment id (an installed verifiers environment)")
+    parser.add_argument("-o", "--output", type=Path, required=True, metavar="FILE", help="the JSONL file to write")
+    parser.add_argument("-a", "--env-args", default="{}", metavar="JSON", help="load_environment arguments (JSON)")
+    parser.add_argument("-n", "--num-examples", type=int, default=-1, metavar="N",
+                        help="examples to write, from the first; -1 for all (default)")
+    parser.add_argument("--split", choices=("train", "eval"), default="train", help="dataset split (default: train)")
+    parser.add_argument("--env-python", default=None, metavar="PATH",
+                        help=f"interpreter of the environments (default: ${ENV_PYTHON_VAR}, else this one)")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    try:
+        args = parser.parse_args(sys.argv[1:] if argv is None else list(argv))
+    except SystemExit as exit_:
+        return int(exit_.code or 0)
+    try:
+        env_args = json.loads(args.env_args)
+        if not isinstance(env_args, dict):
+            raise ValueError("not an object")
+    except ValueError as exc:
+        print(f"primerl sft-data: error: --env-args must be a JSON object ({exc})", file=sys.stderr)
+        return 2
+    if args.num_examples == 0 or args.num_examples < -1:
+        print(f"primerl sft-data: error: --num-examples must be >= 1 or -1, got {args.num_examples}", file=sys.stderr)
+        return 2
+    from primerl.orchestrator.env_client import EnvWorker, EnvWorkerError
+
+    env_python = args.env_python or os.environ.get(ENV_PYTHON_VAR) or sys.executable
+    worker = EnvWorker(env_python, args.env_id, env_args)
+    try:
+        info = worker.start()
+        size = info.num_examples if args.split == "train" else info.num_eval_examples
+        count = size if args.num_examples == -1 else min(size, args.num_examples)
+        args.output.parent.mkdir(parents=True, exist_ok=True)
+        temporary = args.output.with_name(f".{args.output.name}.tmp")
+        written = 0
+        with temporary.open("w") as handle:
+            for start in range(0, count, BATCH):
+                for example in worker.examples(args.split, start, min(BATCH, count - start)):
+                    if not isinstance(example.answer, str) or not example.answer:
+                        raise EnvWorkerError(f"example {example.index} has no text answer; this environment's "
+                                             "answers cannot serve as SFT targets")
+                    completion = [{"role": "assistant", "content": example.answer}]
+                    handle.write(json.dumps({"prompt": example.prompt, "completion": completion}) + "\n")
+                    written += 1
+        temporary.replace(args.output)
+    except EnvWorkerError as exc:
+        print(f"primerl sft-data: error: {exc}", file=sys.stderr)
+        return 1
+    finally:
+        worker.close()
+    print(f"wrote {written} samples of {args.env_id} ({args.split}) to {args.output}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -11,6 +11,7 @@ from primerl.runtime.config_common import (
     DEFAULT_BROKER_GRPC_PORT,
     DEFAULT_BROKER_HOST,
     LogConfig,
+    PrometheusConfig,
     is_loopback_host,
 )
 
@@ -72,6 +73,9 @@ class BrokerConfig(BaseConfig):
     )
     max_steps: int | None = Field(None, ge=1, description="Training steps of the run, shown in status (unset: no limit).")
     log: LogConfig = Field(default_factory=LogConfig, description="Logging of the broker.")
+    prometheus: PrometheusConfig = Field(
+        default_factory=PrometheusConfig, description="Prometheus `/metrics` of the broker."
+    )
 
     @model_validator(mode="after")
     def _check(self) -> BrokerConfig:
@@ -84,9 +88,11 @@ class BrokerConfig(BaseConfig):
                 "set `run_token` (a shared secret that every worker also gets), or bind host = \"127.0.0.1\""
             )
         ports = {"grpc_port": self.grpc_port, "rollout_port": self.rollout_port, "weight_port": self.weight_port}
+        if self.prometheus.enabled:
+            ports["prometheus.port"] = self.prometheus.port
         used = [p for p in ports.values() if p != 0]
         if len(used) != len(set(used)):
-            problems.append(f"grpc_port, rollout_port and weight_port must differ, got {ports}")
+            problems.append(f"{', '.join(ports)} must differ (or be 0), got {ports}")
         if problems:
             raise ValueError("; ".join(problems))
         return self

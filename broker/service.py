@@ -2,6 +2,7 @@
 
     service = BrokerService(config)
     endpoints = service.start()      # binds everything (port 0 picks free ports); returns the bound ports
+                                      # and the Prometheus URL (``primerl.broker.metrics``)
     service.serve_until(stop_event)   # blocks; SIGTERM/SIGINT handling is the caller's (cli/broker.py)
     service.stop(grace_s=5.0)
 
@@ -20,6 +21,7 @@ import zmq
 
 from primerl.broker.config import BrokerConfig
 from primerl.broker.control_service import BrokerServicer, HeartbeatMonitor, create_grpc_server
+from primerl.broker.metrics import BrokerCollector
 from primerl.broker.registry import DataPlaneStatus, QueueDepth, WorkerRegistry
 from primerl.broker.rollout_plane import RolloutPlane
 from primerl.broker.rollout_queue import RolloutQueue
@@ -27,6 +29,7 @@ from primerl.broker.spool import RolloutSpool
 from primerl.broker.weight_plane import WeightPlane, weight_limits
 from primerl.broker.weight_store import WeightStore
 from primerl.runtime.log_setup import get_logger
+from primerl.runtime.prometheus import MetricsExporter, start_exporter
 from primerl.runtime.zmq_sockets import tcp_endpoint
 
 log = get_logger("primerl.broker")
@@ -38,6 +41,7 @@ class BrokerEndpoints:
     rollout_port: int
     weight_port: int
     run_id: str
+    metrics_url: str | None = None  # Prometheus /metrics; None when prometheus.enabled = false
 
     def as_dict(self) -> dict[str, object]:
         return asdict(self)
@@ -67,13 +71,18 @@ class BrokerService:
         self._monitor = HeartbeatMonitor(self.registry)
         self._stopped = threading.Event()
         self.endpoints: BrokerEndpoints | None = None
+        self.exporter: MetricsExporter | None = None
 
     # -- lifecycle -----------------------------------------------------------------------------------
 
     def start(self) -> BrokerEndpoints:
-        """Bind and start every plane; on any failure, stop what started and re-raise."""
+        """Bind and start every plane; on any failure, stop what started and re-raise (``ValueError`` when the
+        Prometheus port cannot be bound, ``OSError`` for the other ports)."""
         config = self.config
         try:
+            self.exporter = start_exporter("broker", config.prometheus)
+            if self.exporter is not None:
+                self.exporter.register(BrokerCollector(self))
             self._context = zmq.Context()
             self._queue = RolloutQueue(RolloutSpool(config.spool_dir), config.max_queue_batches, config.max_queue_bytes)
             self.rollout_plane = RolloutPlane(
@@ -98,7 +107,8 @@ class BrokerService:
         except BaseException:
             self.stop(grace_s=0)
             raise
-        self.endpoints = BrokerEndpoints(grpc_port, rollout_port, weight_port, self.run_id)
+        metrics_url = self.exporter.url if self.exporter is not None else None
+        self.endpoints = BrokerEndpoints(grpc_port, rollout_port, weight_port, self.run_id, metrics_url)
         log.info("broker serving", host=config.host, spool_dir=str(config.spool_dir), auth=bool(config.run_token),
                  tls=config.tls_cert_path is not None, **self.endpoints.as_dict())
         return self.endpoints
@@ -128,6 +138,8 @@ class BrokerService:
             self._queue.close()
         if self._context is not None:
             self._context.destroy(linger=0)
+        if self.exporter is not None:
+            self.exporter.stop()
         log.info("broker stopped")
 
     # -- wiring --------------------------------------------------------------------------------------

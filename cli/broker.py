@@ -26,7 +26,7 @@ def serve(config, args: argparse.Namespace) -> int:
     signal.signal(signal.SIGINT, on_signal)
     try:
         endpoints = service.start()
-    except (OSError, SpoolError) as exc:  # a port in use, a spool directory that cannot be written or is locked
+    except (OSError, SpoolError, ValueError) as exc:  # a port in use, a spool that cannot be written or is locked
         log.error("broker cannot start", error=str(exc))
         return 1
     try:

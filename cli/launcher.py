@@ -5,6 +5,10 @@ role logs to ``{run_dir}/logs/<role>.log`` and runs in its own process group (``
 The run token reaches the children as ``$PRIMERL_RUN_TOKEN`` only; the config files written hold none.
 A role that exits non-zero (or a broker or inference server that exits at all) stops the run; so do Ctrl-C and
 SIGTERM. The run succeeds when the trainer exits 0.
+
+Every role serves Prometheus metrics on a free port unless its config fixes one (fixed ports that clash stop
+the launch before anything starts); the launcher prints each role's metrics URL once it is known. Trainer and
+orchestrator write their rows to ``{run_dir}/metrics.jsonl``, which the closing summary reads.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ from pathlib import Path
 from typing import TextIO
 
 from primerl.runtime.config_loader import write_toml
+from primerl.runtime.metrics_sink import METRICS_FILE_NAME
 from primerl.runtime.process_supervisor import ChildFailed, ChildProcess, Supervisor
 
 RUN_TOKEN_ENV = "PRIMERL_RUN_TOKEN"
@@ -132,6 +137,7 @@ class Launcher:
         self.progress = Progress(max_steps=config.trainer.max_steps or 0)
         self.final_status = None
         self.is_tty = out.isatty()
+        self.announced_metrics: set[str] = set()
 
     # ----------------------------------------------------------------------------------------- helpers
     def say(self, text: str) -> None:
@@ -181,6 +187,11 @@ class Launcher:
 
     def _run(self, started_s: float) -> int:
         config = self.config
+        clashes = config.port_clashes()
+        if clashes:
+            print("primerl rl: every role runs on this machine, so their ports must differ:\n  " + "\n  ".join(clashes),
+                  file=self.err, flush=True)
+            return 2
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.logs_dir.mkdir(parents=True, exist_ok=True)
         for stale in ("broker.ready.json", "inference.ready.json"):
@@ -198,6 +209,8 @@ class Launcher:
             return self._interrupted()
         address = f"{config.broker.client_host}:{endpoints['grpc_port']}"
         self.say(f"  broker ready in {broker.ready_s:.1f} s at {address} (log {broker.log_path})")
+        if endpoints.get("metrics_url"):
+            self.say(f"  broker metrics at {endpoints['metrics_url']}")
         for role in ("trainer", "orchestrator", "inference"):
             if roles[role].broker.address != address:  # the others dial the port the broker bound
                 roles[role] = roles[role].model_copy(
@@ -245,7 +258,9 @@ class Launcher:
                         continue  # it produced every step; the trainer is still consuming them
                     return self._fail(child, f"{child.name} {child.describe_exit()}")
                 try:
-                    self.progress.update(client.get_run_status())
+                    status = client.get_run_status()
+                    self.progress.update(status)
+                    self._announce_metrics(status)
                 except BrokerError:
                     pass  # the broker's own exit is caught above; a slow answer only delays the display
                 now = time.monotonic()
@@ -258,6 +273,17 @@ class Launcher:
                 time.sleep(self.options.progress_interval_s)
         finally:
             client.close()
+
+    def _announce_metrics(self, status) -> None:
+        """Print each worker's metrics URL (the `metrics_url` it registered with) the first time it shows up."""
+        from primerl.proto.v1 import common_pb2
+
+        for worker in status.workers:
+            url = worker.capabilities.get("metrics_url")
+            if url and worker.name not in self.announced_metrics:
+                self.announced_metrics.add(worker.name)
+                auth = " (with the run token as bearer token)" if worker.role == common_pb2.ROLE_INFERENCE else ""
+                self.say(f"  {worker.name} metrics at {url}{auth}")
 
     # ------------------------------------------------------------------------------------------ ends
     def _finish(self, client, started_s: float) -> int:
@@ -288,9 +314,9 @@ class Launcher:
         return 0
 
     def _summary(self, wall_s: float) -> None:
-        rows = _read_jsonl(Path(self.config.orchestrator.output_dir) / "orchestrator_metrics.jsonl")
-        rewards = [r["train/reward"] for r in rows if "train/reward" in r]
-        trainer_rows = _read_jsonl(Path(self.config.trainer.output_dir) / "trainer_metrics.jsonl")
+        rows = _read_metrics(Path(self.config.orchestrator.output_dir), Path(self.config.trainer.output_dir))
+        rewards = [r["train/reward"] for r in rows if r.get("role") == "orchestrator" and "train/reward" in r]
+        trainer_rows = [r for r in rows if r.get("role") == "trainer"]
         steps = trainer_rows[-1]["step"] if trainer_rows else self.progress.step
         reward = f"{rewards[0]:.3f} -> {rewards[-1]:.3f}" if rewards else "-"
         served = "-" if self.progress.served_version is None else str(self.progress.served_version)
@@ -345,8 +371,17 @@ class Launcher:
                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
 
-def _read_jsonl(path: Path) -> list[dict]:
-    try:
-        return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-    except (OSError, json.JSONDecodeError):
-        return []
+def _read_metrics(*output_dirs: Path) -> list[dict]:
+    """The rows of the ``metrics.jsonl`` files of these output directories (each file once), in file order."""
+    rows: list[dict] = []
+    for path in dict.fromkeys(d.resolve() / METRICS_FILE_NAME for d in output_dirs):
+        try:
+            lines = path.read_text().splitlines()
+        except OSError:
+            continue
+        for line in lines:
+            try:
+                rows.append(json.loads(line))
+            except json.JSONDecodeError:
+                continue  # a line cut short by a role that was killed
+    return rows

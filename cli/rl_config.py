@@ -3,6 +3,9 @@
 Top-level shared values (`[model] name`, `max_steps`, `seq_len`, `output_dir`, `max_async_level`, `[wandb]`,
 `[log]`, the broker's address and token) fill the role sections wherever the role left them unset; a value
 set in a role section wins. `role_configs()` splits the run into the four fully resolved role configs.
+Prometheus ports are per role (`[broker.prometheus]`, `[trainer.prometheus]`, `[orchestrator.prometheus]`;
+inference serves its metrics on its API port) and default to 0, a free port each, so the daemons of one
+machine never collide; fixed ports that clash are reported (`port_clashes`).
 Files in the flat lab shape and the legacy vf-rl shape are translated first (`primerl.runtime.config_shapes`).
 """
 
@@ -163,6 +166,9 @@ class RLConfig(BaseConfig):
             problems.append("broker.grpc_port = 0 (a random port) cannot be told to the other roles; set a port")
         if problems:
             raise ValueError("\n".join(problems))
+        for clash in self.port_clashes():
+            warnings.warn(f"{clash}: fine on separate machines, but `primerl rl` runs every role on this one and "
+                          "refuses to start", ConfigWarning, stacklevel=2)
         if self.trainer.max_steps != self.orchestrator.max_steps:
             warnings.warn(
                 f"trainer.max_steps ({self.trainer.max_steps}) differs from orchestrator.max_steps "
@@ -249,6 +255,25 @@ class RLConfig(BaseConfig):
                 f"gradient_accumulation_steps = {batch_size // per_round} or remove it"
             ]
         return []
+
+    def port_clashes(self) -> list[str]:
+        """Fixed (non-zero) ports that two roles would bind on one machine, one message per clash."""
+        ports = {
+            "broker.grpc_port": self.broker.grpc_port,
+            "broker.rollout_port": self.broker.rollout_port,
+            "broker.weight_port": self.broker.weight_port,
+            "inference.server.port": self.inference.server.port,
+        }
+        for role in ("broker", "trainer", "orchestrator"):
+            prometheus = getattr(self, role).prometheus
+            if prometheus.enabled:
+                ports[f"{role}.prometheus.port"] = prometheus.port
+        by_port: dict[int, list[str]] = {}
+        for key, port in ports.items():
+            if port != 0:
+                by_port.setdefault(port, []).append(key)
+        return [f"{' and '.join(keys)} are {'both' if len(keys) == 2 else 'all'} {port}; give each its own port, "
+                "or 0 for a free one" for port, keys in by_port.items() if len(keys) > 1]
 
     # ------------------------------------------------------------------------------------------------------
 

@@ -157,9 +157,10 @@ def render_status(status) -> str:
                     w.address or "-",
                     ", ".join(progress) or "-",
                     f"{age_ms / 1000:.1f}s ago",
+                    w.capabilities.get("metrics_url") or "-",
                 ]
             )
-        lines += _table(["WORKER", "ROLE", "STATE", "ADDRESS", "PROGRESS", "HEARTBEAT"], rows)
+        lines += _table(["WORKER", "ROLE", "STATE", "ADDRESS", "PROGRESS", "HEARTBEAT", "METRICS"], rows)
     else:
         lines.append("no workers registered")
     if status.last_metrics:

@@ -121,7 +121,7 @@ def vllm_cli_args(config: InferenceConfig, *, on_cpu: bool, work_dir: str | os.P
     argv: list[str] = []
     for key, value in kwargs.items():
         if key == "disable_log_stats":
-            argv += ["--disable-log-stats"] if value else []
+            continue  # the server keeps vLLM's engine stats: they are its /metrics (`quiet_stats_logging`)
         elif key == "enforce_eager":
             argv += ["--enforce-eager"] if value else []
         elif key == "enable_lora":
@@ -148,6 +148,15 @@ def parse_vllm_args(argv: list[str]) -> Namespace:
     args = parser.parse_args(argv)
     validate_parsed_serve_args(args)
     return args
+
+
+def quiet_stats_logging() -> None:
+    """With engine stats on, vLLM would also log "Avg prompt throughput ..." every few seconds: its logging stat
+    logger is only made when its module logger is enabled for INFO. The Prometheus one (``vllm:*`` on /metrics)
+    is always made."""
+    import logging
+
+    logging.getLogger("vllm.v1.metrics.loggers").setLevel(logging.WARNING)
 
 
 def force_dev_mode_off() -> None:
@@ -344,6 +353,7 @@ class InferenceServer:
         t0 = time.monotonic()
         apply_env_defaults(self.work_dir)
         force_dev_mode_off()
+        quiet_stats_logging()
         import uvicorn
         import vllm.envs
         from vllm.entrypoints.launchers.api_server.app_state import init_app_state

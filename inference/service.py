@@ -22,6 +22,10 @@ update's arrival to the resume). `pause_mode` is "keep" on GPUs (in-flight reque
 new weights) and "wait" on CPU (they finish first: keep-mode pauses crash the CPU engine on requests with a
 per-request seed). A refused update (`UpdateRefused`) is acknowledged with its error and the previous version
 keeps serving; any other failure leaves the engine in an unknown state: the daemon reports it and exits 1.
+
+Metrics: vLLM's ``GET /metrics`` on the API port also carries primerl's ``primerl_inference_*`` families
+(``primerl.inference.metrics``: served policy version, updates applied and refused, last update ms); its URL
+goes to the broker as the ``metrics_url`` capability.
 """
 
 from __future__ import annotations
@@ -39,6 +43,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from primerl.inference.config import InferenceConfig
+from primerl.inference.metrics import inference_families
 from primerl.inference.server import InferenceServer, ServerAddress
 from primerl.runtime.log_setup import bind_context, get_logger
 
@@ -140,6 +145,7 @@ class InferenceService:
         self.fatal_error: str | None = None
         self.num_updates_applied = 0
         self.num_updates_refused = 0
+        self.metrics = inference_families()
         self._served_adapter_name: str | None = None
         self._refused: collections.OrderedDict[tuple[int, str], Any] = collections.OrderedDict()
         self._stop = threading.Event()
@@ -172,12 +178,14 @@ class InferenceService:
                                          max_lora_rank=engine_max_lora_rank(engine.vllm_config))
             # Reads the weight manifest (and the worker's host copy) now rather than during the first update.
             await asyncio.to_thread(self.updater.prepare)
+            self.metrics.policy_version.set(self.updater.policy_version)
             capabilities = {
                 "lora": str(self.config.enable_lora).lower(),
                 "max_lora_rank": str(engine_max_lora_rank(engine.vllm_config) or 0),
                 "dtype": str(engine.model_config.dtype).removeprefix("torch."),
                 "model": self.server.served_model_name,
                 "pause_mode": self.server.pause_mode,
+                "metrics_url": f"{self.address.base_url}/metrics",
             }
             self.control = ControlClient(self.config.broker, "inference", self.name, address=self.address.base_url,
                                          capabilities=capabilities, rpc_timeout_s=5.0)
@@ -191,7 +199,7 @@ class InferenceService:
             await self.stop(grace_s=2.0)
             raise
         log.info("inference worker ready", url=self.address.base_url, worker_id=self.control.worker_id,
-                 start_s=round(self.server.start_s or 0.0, 1))
+                 metrics_url=capabilities["metrics_url"], start_s=round(self.server.start_s or 0.0, 1))
         return self.address
 
     async def serve_until(self, stop_event: asyncio.Event, check_interval_s: float = 0.5) -> int:
@@ -340,6 +348,9 @@ class InferenceService:
         apply_ms = (time.monotonic() - received_s) * 1000.0
         subscriber.ack(version, applied=True, apply_ms=round(apply_ms))
         self.num_updates_applied += 1
+        self.metrics.updates_applied.inc()
+        self.metrics.policy_version.set(version)
+        self.metrics.last_update_ms.set(apply_ms)
         bind_context(policy_version=version)
         log.info("weight update live", policy_version=version, kind=kind, apply_ms=round(apply_ms, 1),
                  engine_ms=round(engine_ms, 1))
@@ -348,6 +359,7 @@ class InferenceService:
         from primerl.proto.v1 import common_pb2
 
         self.num_updates_refused += 1
+        self.metrics.updates_refused.inc()
         code = common_pb2.ErrorCode.Name(detail.code)
         log.warning("weight update refused; still serving the previous version", policy_version=version, code=code,
                     error=detail.message, served_version=self.policy_version)

@@ -13,7 +13,7 @@ from typing import Any, Literal
 from pydantic import Field, model_validator
 
 from primerl.runtime.config_base import BaseConfig, ConfigWarning, nearest_divisors, nearest_multiples
-from primerl.runtime.config_common import BrokerClientConfig, LogConfig, WandbConfig
+from primerl.runtime.config_common import BrokerClientConfig, LogConfig, PrometheusConfig, WandbConfig
 
 # `[orchestrator.buffer] type = ...` as older prime-rl versions spell the filtering switch.
 BUFFER_TYPES = {"online-difficulty": True, "simple": False}
@@ -158,6 +158,9 @@ class OrchestratorConfig(BaseConfig):
     broker: BrokerClientConfig = Field(default_factory=BrokerClientConfig, description="Broker connection.")
     output_dir: Path = Field(Path("outputs"), description="Directory for rollout logs and eval results.")
     wandb: WandbConfig | None = Field(None, description="Weights & Biases logging; off when absent.")
+    prometheus: PrometheusConfig = Field(
+        default_factory=PrometheusConfig, description="Prometheus `/metrics` of the orchestrator."
+    )
     log: LogConfig = Field(default_factory=LogConfig, description="Logging of the orchestrator.")
 
     @model_validator(mode="before")

@@ -9,6 +9,12 @@ while the served policy is recent enough for the step (``max_async_level``). Fin
 pass the difficulty filter and accumulate until ``batch_size`` rollouts; the batch is packed into
 micro-batches per trainer rank and sent to the broker. In-flight groups that became too stale are cancelled.
 State (step, sampler positions, RNG) is saved after every step to ``{output_dir}/orchestrator_state.json``.
+
+Metrics: one row per step (and one per eval) in ``{output_dir}/metrics.jsonl``, W&B with ``[wandb]``
+(``primerl.runtime.metrics_sink``), and a Prometheus endpoint (``[orchestrator.prometheus]``, its URL sent to
+the broker as ``metrics_url``) with the rows' ``primerl_step`` / ``primerl_metric`` families and live
+``primerl_orchestrator_step``, ``primerl_orchestrator_inflight_rollouts``,
+``primerl_orchestrator_rollout_errors_total``.
 """
 
 from __future__ import annotations
@@ -32,6 +38,8 @@ from primerl.orchestrator.filtering import BatchAssembler, DifficultyFilter
 from primerl.orchestrator.packing import pack_samples, to_broker_batches
 from primerl.orchestrator.samples import Group, MalformedTrajectory, TurnTokens, trajectory_to_samples
 from primerl.runtime.log_setup import bind_context, get_logger
+from primerl.runtime.metrics_sink import MetricsSink
+from primerl.runtime.prometheus import MetricsExporter, start_exporter
 
 log = get_logger("primerl.orchestrator")
 
@@ -104,7 +112,6 @@ class OrchestratorRunner:
         self.env_python = env_python
         self.stop_event = stop_event or threading.Event()
         self.state_path = config.output_dir / "orchestrator_state.json"
-        self.metrics_path = config.output_dir / "orchestrator_metrics.jsonl"
         self.bound = AsyncBound(config.max_async_level)
         self.assembler = BatchAssembler(config.batch_size, difficulty_filter=DifficultyFilter.from_config(config.buffer))
         self.inflight: dict[concurrent.futures.Future, _Inflight] = {}
@@ -113,10 +120,24 @@ class OrchestratorRunner:
         self.workers: dict[str, Any] = {}
         self.control = None
         self.producer = None
+        self.exporter: MetricsExporter | None = None
+        self.sink: MetricsSink | None = None
         self._next_group_id = 0
         self._endpoints_refreshed_s = 0.0
 
     # -- set-up --------------------------------------------------------------------------------------
+
+    def _open_metrics(self) -> None:
+        """The Prometheus endpoint and the metrics sink (first: a bad [wandb] or port fails at once)."""
+        config = self.config
+        self.exporter = start_exporter("orchestrator", config.prometheus)
+        if self.exporter is not None:
+            self.step_gauge = self.exporter.gauge("primerl_orchestrator_step", "Latest step whose batch was sent.")
+            self.inflight_gauge = self.exporter.gauge("primerl_orchestrator_inflight_rollouts",
+                                                      "Rollouts in flight against the inference workers.")
+            self.errors_counter = self.exporter.counter("primerl_orchestrator_rollout_errors", "Failed rollouts "
+                                                        "and rollout groups (the sum of rollout/errors).")
+        self.sink = MetricsSink("orchestrator", config.output_dir, config.wandb, config, exporter=self.exporter)
 
     def _connect(self) -> None:
         from primerl.broker.control_client import ControlClient
@@ -124,7 +145,8 @@ class OrchestratorRunner:
         from primerl.orchestrator.env_client import EnvWorker
 
         config = self.config
-        self.control = ControlClient(config.broker, "orchestrator", "orchestrator")
+        capabilities = {"metrics_url": self.exporter.url} if self.exporter is not None else {}
+        self.control = ControlClient(config.broker, "orchestrator", "orchestrator", capabilities=capabilities)
         self.control.wait_ready(config.broker.connect_timeout_s)
         registration = self.control.register()
         self.progress = {"orchestrator_step": 0, "num_inflight": 0}
@@ -172,8 +194,11 @@ class OrchestratorRunner:
     def run(self) -> int:
         self.config.output_dir.mkdir(parents=True, exist_ok=True)
         try:
+            self._open_metrics()
             self._connect()
             start_step = self._restore()
+            if self.exporter is not None:
+                self.step_gauge.set(start_step - 1)
             for step in range(start_step, self.config.max_steps + 1):
                 bind_context(step=step)
                 if not self._produce_step(step):
@@ -187,6 +212,8 @@ class OrchestratorRunner:
     def _produce_step(self, step: int) -> bool:
         started_s = time.monotonic()
         self.counters = collections.Counter()
+        # Surplus groups of earlier steps may already fill the batch: drop the ones this step may not use first.
+        self.assembler.drop_stale(self.bound.min_policy_version(step))
         while not self.assembler.is_full():
             if self.stop_event.is_set():
                 return False
@@ -207,6 +234,8 @@ class OrchestratorRunner:
                              "broker a fresh spool_dir; to continue a run, keep the orchestrator's output_dir") from None
         self._save_state(step)
         self.progress["orchestrator_step"] = step
+        if self.exporter is not None:
+            self.step_gauge.set(step)
         self._report(step, batch, packed, time.monotonic() - started_s)
         if self.config.eval is not None and step % self.config.eval.interval == 0:
             self._evaluate(step)
@@ -254,8 +283,7 @@ class OrchestratorRunner:
             metrics.update({f"{prefix}/{name}": float(np.mean(values)) for name, values in per_metric.items()})
         metrics["eval/time_s"] = time.monotonic() - started_s
         self.control.report_metrics(step, metrics)
-        with (config.output_dir / "eval_metrics.jsonl").open("a") as handle:
-            handle.write(json.dumps({"step": step, **metrics}) + "\n")
+        self.sink.log(step, metrics)
         log.info("eval done", step=step, **{k: round(v, 4) for k, v in metrics.items() if k.endswith("/reward")})
 
     def _refresh_endpoints(self) -> None:
@@ -301,7 +329,19 @@ class OrchestratorRunner:
             endpoint.num_inflight += config.rollouts_per_example
             self.inflight[future] = _Inflight(env_id, example_index, endpoint, served_version)
             self._next_group_id += 1
-        self.progress["num_inflight"] = len(self.inflight) * config.rollouts_per_example
+        self._inflight_changed()
+
+    def _inflight_changed(self) -> None:
+        num_inflight = len(self.inflight) * self.config.rollouts_per_example
+        self.progress["num_inflight"] = num_inflight
+        if self.exporter is not None:
+            self.inflight_gauge.set(num_inflight)
+
+    def _count_error(self, kind: str) -> None:
+        """A failed rollout (``rollout_errors``) or rollout group (``env_errors``): both add to rollout/errors."""
+        self.counters[kind] += 1
+        if self.exporter is not None:
+            self.errors_counter.inc()
 
     def _collect(self, timeout_s: float) -> None:
         if not self.inflight:
@@ -315,7 +355,7 @@ class OrchestratorRunner:
             try:
                 rollout_group = future.result()
             except Exception as exc:  # an env worker failure: counted, reported, the group is dropped
-                self.counters["env_errors"] += 1
+                self._count_error("env_errors")
                 log.warning("rollout group failed", env_id=entry.env_id, error=str(exc))
                 self.control.report_error(f"{entry.env_id}: {exc}")
                 continue
@@ -326,6 +366,8 @@ class OrchestratorRunner:
             self.assembler.add([group])
             self.counters["generation_s"] += time.monotonic() - entry.started_s
             self.counters["groups_done"] += 1
+        if done:
+            self._inflight_changed()
 
     def _to_group(self, rollout_group: Any, entry: _Inflight) -> Group | None:
         config = self.config
@@ -333,7 +375,7 @@ class OrchestratorRunner:
         samples = []
         for rollout in rollout_group.rollouts:
             if not rollout.ok or rollout.reward is None:
-                self.counters["rollout_errors"] += 1
+                self._count_error("rollout_errors")
                 continue
             turns = [TurnTokens.from_wire_turn(t, temperature=config.sampling.temperature,
                                                default_policy_version=entry.dispatched_version) for t in rollout.turns]
@@ -345,7 +387,7 @@ class OrchestratorRunner:
                 )
             except MalformedTrajectory as exc:
                 self.counters[f"malformed_{exc.reason}"] += 1
-                self.counters["rollout_errors"] += 1
+                self._count_error("rollout_errors")
             self.counters["rollouts"] += 1
             self.counters["completion_tokens"] += rollout.num_completion_tokens
             self.counters["truncated"] += int(rollout.is_truncated)
@@ -360,6 +402,8 @@ class OrchestratorRunner:
             entry.endpoint.num_inflight -= self.config.rollouts_per_example
             self.workers[entry.env_id].cancel(future)
             self.counters["stale_groups_cancelled"] += 1
+        if stale:
+            self._inflight_changed()
 
     # -- metrics and shutdown ------------------------------------------------------------------------
 
@@ -382,8 +426,7 @@ class OrchestratorRunner:
         }
         metrics = {k: float(v) for k, v in metrics.items() if isinstance(v, (int, float)) and math.isfinite(v)}
         self.control.report_metrics(step, metrics)
-        with self.metrics_path.open("a") as handle:
-            handle.write(json.dumps({"step": step, **metrics}) + "\n")
+        self.sink.log(step, metrics)
         log.info("batch sent", reward=round(metrics["train/reward"], 4), num_samples=len(batch.samples),
                  seconds=round(elapsed_s, 2), tokens_per_s=round(metrics["rollout/tokens_per_s"], 1))
 
@@ -398,4 +441,8 @@ class OrchestratorRunner:
         if self.control is not None:
             self.control.deregister("orchestrator finished")
             self.control.close()
+        if self.sink is not None:
+            self.sink.close()
+        if self.exporter is not None:
+            self.exporter.stop()
 

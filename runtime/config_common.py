@@ -1,4 +1,4 @@
-"""Config sections that several roles share: logging, the broker client, Weights & Biases."""
+"""Config sections that several roles share: logging, the broker client, Weights & Biases, Prometheus."""
 
 from __future__ import annotations
 
@@ -70,3 +70,18 @@ class WandbConfig(BaseConfig):
     name: str | None = Field(None, description="Run name shown in W&B (W&B picks one when unset).")
     entity: str | None = Field(None, description="W&B team or user that owns the project.")
     offline: bool = Field(False, description="Log to local files only; sync later with `wandb sync`.")
+
+
+class PrometheusConfig(BaseConfig):
+    """The daemon's Prometheus endpoint: `GET http://host:port/metrics` (its URL is logged at start and shown by
+    `primerl status`)."""
+
+    enabled: bool = Field(True, description="Serve `/metrics` over HTTP.")
+    host: str = Field(
+        "127.0.0.1",
+        min_length=1,
+        description="Interface the metrics server binds; use `0.0.0.0` for scraping from other machines.",
+    )
+    port: int = Field(
+        0, ge=0, le=65535, description="Port of the metrics server (0: a free port, logged at start)."
+    )

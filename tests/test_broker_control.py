@@ -496,7 +496,9 @@ def calm_broker():
 
 def _populate(broker: Broker) -> None:
     registry = broker.registry
-    trainer = registry.register(control_pb2.RegisterRequest(role=common_pb2.ROLE_TRAINER, name="trainer-0")).worker_id
+    trainer = registry.register(control_pb2.RegisterRequest(
+        role=common_pb2.ROLE_TRAINER, name="trainer-0", capabilities={"metrics_url": "http://127.0.0.1:9311/metrics"},
+    )).worker_id
     infer = registry.register(
         control_pb2.RegisterRequest(role=common_pb2.ROLE_INFERENCE, name="infer-0", address="http://127.0.0.1:8000")
     ).worker_id
@@ -512,7 +514,7 @@ def test_status_cli_table_and_json(calm_broker, capsys):
     table = capsys.readouterr().out
     for text in ("run test-run", "trainer step 3 (committed 0) / 20", "policy version 2", "rollouts",
                  "trainer-0", "infer-0", "http://127.0.0.1:8000", "policy v2", "alive", "train/loss",
-                 "rollout-plane: bad digest"):
+                 "rollout-plane: bad digest", "METRICS", "http://127.0.0.1:9311/metrics"):
         assert text in table, f"{text!r} missing from:\n{table}"
 
     assert status_cli.main(["--broker", calm_broker.address, "--json"]) == 0

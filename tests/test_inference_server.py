@@ -445,6 +445,31 @@ def test_bad_update_is_refused_and_the_old_version_keeps_serving(daemon: Daemon,
     assert http.get("/health").status_code == 200
 
 
+def test_metrics_carry_primerl_families_next_to_vllms(daemon: Daemon, http: httpx.Client, broker: Broker) -> None:
+    """vLLM's own GET /metrics (run token required) also serves the served policy version and the update counts
+    of the tests above (v1 and v2 applied, v3 refused); the broker lists it as the worker's metrics_url."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    assert broker.inference_worker().capabilities["metrics_url"] == f"{daemon.url}/metrics"
+    assert http.get("/metrics").status_code == 401
+    response = http.get("/metrics", headers=AUTH)
+    assert response.status_code == 200
+    samples = {(sample.name, tuple(sorted(sample.labels.items()))): sample.value
+               for family in text_string_to_metric_families(response.text) for sample in family.samples}
+    primerl = {name: value for (name, _), value in samples.items() if name.startswith("primerl_")}
+    print("\n" + "\n".join(f"{name} {value:g}" for name, value in sorted(primerl.items())))
+    assert primerl["primerl_inference_policy_version"] == 2
+    assert primerl["primerl_inference_weight_updates_applied_total"] == 2
+    assert primerl["primerl_inference_weight_updates_refused_total"] == 1
+    assert 0 < primerl["primerl_inference_last_update_ms"] < 60_000
+    vllm = {name: value for (name, _), value in samples.items() if name.startswith("vllm:")}  # vLLM's own
+    print(f"{len(samples)} samples in all; vLLM's include " + ", ".join(
+        f"{name} {vllm[name]:g}" for name in ("vllm:num_requests_running", "vllm:generation_tokens_total",
+                                              "vllm:prompt_tokens_total") if name in vllm))
+    assert vllm["vllm:generation_tokens_total"] > 0 and "vllm:num_requests_running" in vllm
+    assert "Avg prompt throughput" not in daemon.log_tail(10**8)  # stats on /metrics, not in the log
+
+
 def test_survives_a_broker_restart_and_resyncs(daemon: Daemon, http: httpx.Client, broker: Broker,
                                                tiny_model: Path, tmp_path: Path, served: dict[str, Path]) -> None:
     old_worker_id = broker.inference_worker().worker_id

@@ -6,14 +6,19 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
+import httpx
 import numpy as np
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from primerl.broker.rollout_clients import RolloutConsumer
+from primerl.proto.v1 import common_pb2
 
 sys.path.insert(0, str(Path(__file__).parent))
 from test_inference_server import TOKEN, Broker, Daemon  # noqa: E402
@@ -46,17 +51,39 @@ def stack(tmp_path_factory):
         broker.stop()
 
 
-def run_orchestrator(model: Path, broker: Broker, output_dir: Path, env_id: str, *extra: str,
-                     pythonpath: str | None = None) -> subprocess.CompletedProcess:
-    args = [str(BIN / "primerl-orchestrator"), "--model.name", str(model), "--env", f'[{{id = "{env_id}"}}]',
+def orchestrator_args(model: Path, broker: Broker, output_dir: Path, env_id: str, *extra: str) -> list[str]:
+    return [str(BIN / "primerl-orchestrator"), "--model.name", str(model), "--env", f'[{{id = "{env_id}"}}]',
             "--batch-size", "8", "--rollouts-per-example", "4", "--max-steps", "2", "--seq-len", "512",
             "--sampling.max-tokens", "12", "--sampling.temperature", "1.0",
             "--broker.address", broker.grpc_address, "--output-dir", str(output_dir), "--env-python", ENV_PYTHON,
             *extra]
+
+
+def run_orchestrator(model: Path, broker: Broker, output_dir: Path, env_id: str, *extra: str,
+                     pythonpath: str | None = None) -> subprocess.CompletedProcess:
+    args = orchestrator_args(model, broker, output_dir, env_id, *extra)
     env = {**os.environ, "PRIMERL_RUN_TOKEN": TOKEN}
     if pythonpath:  # inherited by the env workers: environments outside the installed packages
         env["PYTHONPATH"] = pythonpath
     return subprocess.run(args, capture_output=True, text=True, timeout=600, env=env)
+
+
+def metric_rows(output_dir: Path) -> list[dict]:
+    """The orchestrator's training rows of metrics.jsonl (eval rows apart: `eval_rows`)."""
+    rows = [json.loads(line) for line in (output_dir / "metrics.jsonl").read_text().splitlines()]
+    assert {row["role"] for row in rows} == {"orchestrator"}
+    return [row for row in rows if "train/reward" in row]
+
+
+def eval_rows(output_dir: Path) -> list[dict]:
+    rows = [json.loads(line) for line in (output_dir / "metrics.jsonl").read_text().splitlines()]
+    return [row for row in rows if "eval/time_s" in row]
+
+
+def scrape(url: str) -> dict[tuple[str, tuple], float]:
+    text = httpx.get(url, timeout=10).text
+    return {(sample.name, tuple(sorted(sample.labels.items()))): sample.value
+            for family in text_string_to_metric_families(text) for sample in family.samples}
 
 
 def check_batches(model: Path, broker: Broker, steps: range) -> None:
@@ -93,13 +120,14 @@ def test_single_turn_rollouts_reach_the_broker_aligned(stack, output_dir):
     result = run_orchestrator(model, broker, output_dir, "reverse-text",
                               "--eval", '{interval = 2, num_examples = 4, env = [{id = "reverse-text"}]}')
     assert result.returncode == 0, result.stderr[-4000:]
-    evals = [json.loads(line) for line in (output_dir / "eval_metrics.jsonl").read_text().splitlines()]
+    evals = eval_rows(output_dir)
     assert [e["step"] for e in evals] == [2]  # eval every 2 steps, logged apart from training
     assert evals[0]["eval/reverse-text/num_rollouts"] == 4 and 0 <= evals[0]["eval/reverse-text/reward"] <= 1
-    rows = [json.loads(line) for line in (output_dir / "orchestrator_metrics.jsonl").read_text().splitlines()]
+    rows = metric_rows(output_dir)
     assert [r["step"] for r in rows] == [1, 2]
     for row in rows:
         assert 0.0 <= row["train/reward"] <= 1.0 and row["rollout/mean_length"] > 0
+        assert row["rollout/generation_time"] > 0
     check_batches(model, broker, range(1, 3))
     state = json.loads((output_dir / "orchestrator_state.json").read_text())
     assert state["step"] == 2
@@ -112,7 +140,7 @@ def test_multi_turn_rollouts_reach_the_broker_aligned(stack, output_dir):
     result = run_orchestrator(model, broker, output_dir, "reverse-text-multiturn", "--max-steps", "4",
                               "--max-async-level", "8", "--trajectory-strategy", "interleaved")
     assert result.returncode == 0, result.stderr[-4000:]
-    rows = [json.loads(line) for line in (output_dir / "orchestrator_metrics.jsonl").read_text().splitlines()]
+    rows = metric_rows(output_dir)
     assert [r["step"] for r in rows] == [1, 2, 3, 4]
     check_batches(model, broker, range(3, 5))
 
@@ -134,8 +162,69 @@ def test_failing_environment_rollouts_are_counted_not_fatal(stack, output_dir):
     result = run_orchestrator(model, broker, output_dir, "sometimes_broken_env", "--max-steps", "6",
                               "--max-async-level", "8", pythonpath=str(Path(__file__).parent / "env_fixtures"))
     assert result.returncode == 0, result.stderr[-4000:]
-    rows = [json.loads(line) for line in (output_dir / "orchestrator_metrics.jsonl").read_text().splitlines()]
+    rows = metric_rows(output_dir)
     assert [r["step"] for r in rows][-2:] == [5, 6]
     assert sum(r["rollout/errors"] for r in rows[-2:]) > 0
     assert all(r["buffer/num_rollouts"] > 0 for r in rows[-2:])
     check_batches(model, broker, range(5, 7))
+
+
+def test_metrics_over_http_and_wandb_offline_while_waiting_for_the_trainer(stack, output_dir):
+    """The run resumed once more (the environment whose scoring fails for some rollouts): step 7 may use policy
+    v0 (max_async_level 6), step 8 may not, and nothing is published, so the orchestrator waits at step 8.
+    Meanwhile its /metrics (URL from the broker's worker list) shows step 7's row and live gauges; SIGTERM then
+    stops it and finishes its offline W&B run."""
+    model, broker, _ = stack
+    args = orchestrator_args(model, broker, output_dir, "sometimes_broken_env", "--max-steps", "8",
+                             "--max-async-level", "6", "--wandb.project", "primerl-e2e", "--wandb.name", "orch",
+                             "--wandb.offline")
+    log_path = output_dir / "waiting.log"
+    with open(log_path, "w") as log_file:
+        process = subprocess.Popen(args, stdout=log_file, stderr=subprocess.STDOUT,
+                                   env={**os.environ, "PRIMERL_RUN_TOKEN": TOKEN,
+                                        "PYTHONPATH": str(Path(__file__).parent / "env_fixtures")})
+    try:
+        deadline = time.monotonic() + 300
+        samples: dict = {}
+        while samples.get(("primerl_step", (("role", "orchestrator"),))) != 7 or \
+                samples.get(("primerl_orchestrator_inflight_rollouts", ())) != 0:  # step 8's stale groups cancelled
+            assert process.poll() is None and time.monotonic() < deadline, log_path.read_text()[-4000:]
+            time.sleep(0.5)
+            with broker.client() as client:
+                workers = client.list_workers(role=common_pb2.ROLE_ORCHESTRATOR)
+            if workers:
+                url = workers[0].capabilities["metrics_url"]
+                samples = scrape(url)
+        row = metric_rows(output_dir)[-1]
+        assert row["step"] == 7
+        print(f"\n{url}\n" + "\n".join(f"{name}{dict(labels) or ''} {value:g}" for (name, labels), value
+                                       in sorted(samples.items()) if name.startswith("primerl_")))
+        assert samples[("primerl_orchestrator_step", ())] == 7
+        for name in ("train/reward", "rollout/mean_length", "rollout/generation_time", "rollout/errors"):
+            assert samples[("primerl_metric", (("name", name), ("role", "orchestrator")))] == pytest.approx(row[name])
+        # every failure so far: step 7's, and those of groups that finished while waiting at step 8
+        assert samples[("primerl_orchestrator_rollout_errors_total", ())] >= row["rollout/errors"] > 0
+    finally:
+        process.send_signal(signal.SIGTERM)
+        try:
+            process.wait(timeout=60)
+        finally:
+            if process.poll() is None:
+                process.kill()
+                process.wait(10)
+    assert process.returncode == 0, log_path.read_text()[-4000:]
+    assert "wandb:" not in log_path.read_text()  # W&B wrote nothing into the daemon's log
+
+    run_dirs = list((output_dir / "wandb").glob("offline-run-*"))
+    assert len(run_dirs) == 1
+    inspect = subprocess.run([str(BIN / "wandb"), "leet", "inspect", "--json", str(run_dirs[0])], capture_output=True,
+                             text=True, timeout=120)
+    assert inspect.returncode == 0, inspect.stderr
+    records = [json.loads(line) for line in inspect.stdout.splitlines() if line.strip()]
+    run = next(r["run"] for r in records if r["type"] == "run")
+    assert run["display_name"] == "orch-orchestrator" and run["run_group"] == "orch" and run["project"] == "primerl-e2e"
+    assert TOKEN not in inspect.stdout
+    history = [r["history"]["item"] for r in records if r["type"] == "history"]
+    assert [h["orchestrator/step"] for h in history] == [7]
+    assert history[0]["train/reward"] == pytest.approx(row["train/reward"])
+    assert history[0]["rollout/mean_length"] == pytest.approx(row["rollout/mean_length"])

@@ -14,7 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from primerl.cli.launcher import Progress, _without_token
+from primerl.cli.launcher import LaunchOptions, Launcher, Progress, _without_token
+from primerl.runtime.config_base import ConfigWarning
 
 BIN = Path(sys.executable).parent
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -74,8 +75,11 @@ def test_a_short_run_trains_every_step_and_inference_serves_the_last_policy(tiny
     output = result.stdout + result.stderr
     assert result.returncode == 0, output[-6000:]
     assert "run finished: 3 steps" in result.stdout, output[-6000:]
-    rows = [json.loads(line) for line in (run_dir / "trainer_metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in rows] == [1, 2, 3]
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows if r["role"] == "trainer"] == [1, 2, 3]
+    assert [r["step"] for r in rows if r["role"] == "orchestrator"][:2] == [1, 2]
+    for role in ("broker", "trainer-rank0", "orchestrator"):  # every role's Prometheus URL was printed
+        assert f"{role} metrics at http://127.0.0.1:" in result.stdout, output[-6000:]
     # The version inference served at the end, read from the broker before it was stopped.
     assert "policy version served by inference: 3 (trainer published 3)" in result.stdout, output[-6000:]
     for role in ROLES:
@@ -131,3 +135,28 @@ def test_configs_written_to_disk_hold_no_run_token():
     texts = [dump_toml(_without_token(config))]
     texts += [dump_toml(_without_token(c)) for c in config.role_configs().values()]
     assert not any("secret-token" in text for text in texts)
+
+
+def test_every_role_gets_a_free_metrics_port_unless_set():
+    from primerl.cli.rl_config import RLConfig
+    from primerl.runtime.config_loader import load_config
+
+    roles = load_config(RLConfig, [EXAMPLE], {}).role_configs()
+    assert [roles[role].prometheus.port for role in ("broker", "trainer", "orchestrator")] == [0, 0, 0]
+    assert all(roles[role].prometheus.enabled for role in ("broker", "trainer", "orchestrator"))
+
+
+def test_clashing_fixed_ports_warn_and_stop_the_launch_before_anything_starts(tmp_path):
+    import io
+
+    from primerl.cli.rl_config import RLConfig
+    from primerl.runtime.config_loader import load_config
+
+    overrides = {"trainer": {"prometheus": {"port": 9400}}, "orchestrator": {"prometheus": {"port": 9400}},
+                 "output_dir": str(tmp_path / "run")}
+    with pytest.warns(ConfigWarning, match="trainer.prometheus.port and orchestrator.prometheus.port are both 9400"):
+        config = load_config(RLConfig, [EXAMPLE], overrides)
+    out, err = io.StringIO(), io.StringIO()
+    assert Launcher(config, LaunchOptions(), out=out, err=err).run() == 2
+    assert "ports must differ" in err.getvalue() and "are both 9400" in err.getvalue()
+    assert not (tmp_path / "run").exists()

@@ -75,8 +75,9 @@ def test_sft_command_lowers_the_loss_and_exports_weights(model_dir, tmp_path):
          "--data.epochs", "6", "--optim.lr", "3e-3", "--seq-len", "256", "--output-dir", str(out), "--model.parallel", "ddp"],
         capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
-    losses = [json.loads(line)["sft/loss"] for line in (out / "sft_metrics.jsonl").read_text().splitlines()]
-    assert len(losses) == 24
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert {row["role"] for row in rows} == {"sft"} and [row["step"] for row in rows] == list(range(1, 25))
+    losses = [row["sft/loss"] for row in rows]
     assert sum(losses[-4:]) / 4 < 0.6 * sum(losses[:4]) / 4, losses
     from transformers import AutoModelForCausalLM
 

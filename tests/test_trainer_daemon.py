@@ -1,19 +1,23 @@
 """`primerl-trainer` as users run it: a real process that pulls its batches from a real broker, publishes
-every step's policy to it, checkpoints, commits, and resumes on the same loss curve."""
+every step's policy to it, checkpoints, commits, resumes on the same loss curve, and serves its metrics."""
 
 from __future__ import annotations
 
 import json
 import subprocess
 import sys
+import time
 from pathlib import Path
 
+import httpx
 import numpy as np
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from primerl.broker.config import BrokerConfig
 from primerl.broker.rollout_clients import RolloutProducer, pack_batch
 from primerl.broker.service import BrokerService
+from primerl.proto.v1 import common_pb2
 from primerl.trainer.tiny_model import TinyModelSpec, build_tiny_model
 
 BIN = Path(sys.executable).parent
@@ -34,6 +38,9 @@ class Broker:
         self.service = BrokerService(BrokerConfig(grpc_port=0, rollout_port=0, weight_port=0,
                                                   spool_dir=tmp_path / "spool", max_queue_batches=64, run_id="t"))
         self.endpoints = self.service.start()
+        self.send(steps, num_micro_batches)
+
+    def send(self, steps: range, num_micro_batches: int = 2) -> None:
         with RolloutProducer(f"tcp://127.0.0.1:{self.endpoints.rollout_port}") as producer:
             for step in steps:
                 group = samples(step)
@@ -59,7 +66,8 @@ def run_trainer(model_dir: Path, broker: Broker, output_dir: Path, *extra: str) 
 
 
 def metrics(output_dir: Path) -> list[dict]:
-    return [json.loads(line) for line in (output_dir / "trainer_metrics.jsonl").read_text().splitlines()]
+    rows = [json.loads(line) for line in (output_dir / "metrics.jsonl").read_text().splitlines()]
+    return [row for row in rows if row["role"] == "trainer"]
 
 
 @pytest.mark.slow
@@ -70,7 +78,7 @@ def test_trainer_trains_publishes_checkpoints_and_commits(model_dir, tmp_path):
         assert result.returncode == 0, result.stderr[-3000:]
         rows = metrics(tmp_path / "out")
         assert [r["step"] for r in rows] == [1, 2, 3]
-        assert [r["checkpointed"] for r in rows] == [False, True, True]
+        assert [r["ckpt/saved"] for r in rows] == [0.0, 1.0, 1.0]
         assert all(np.isfinite(r["train/loss"]) and r["train/num_micro_batches"] == 2 for r in rows)
         assert broker.service.weight_store.latest_version == 3  # one policy version per step, all accepted
         status = broker.service.registry.run_status(broker.service.data_plane_status())
@@ -119,6 +127,53 @@ def test_resume_continues_the_same_loss_curve(model_dir, tmp_path):
     resumed = [r["train/loss"] for r in metrics(tmp_path / "resumed")]
     assert [r["step"] for r in metrics(tmp_path / "resumed")] == [1, 2, 3, 4]
     assert resumed == pytest.approx(expected, abs=1e-6)
+
+
+def scrape(url: str) -> dict[tuple[str, tuple], float]:
+    text = httpx.get(url, timeout=10).text
+    return {(sample.name, tuple(sorted(sample.labels.items()))): sample.value
+            for family in text_string_to_metric_families(text) for sample in family.samples}
+
+
+@pytest.mark.slow
+def test_trainer_serves_its_metrics_over_http(model_dir, tmp_path):
+    """Steps 1-2 are there, step 3 is not yet: the trainer waits for it while its /metrics (URL from the broker's
+    worker list) shows the state after step 2; then step 3 arrives and the run finishes."""
+    broker = Broker(tmp_path, range(1, 3))
+    args = [str(BIN / "primerl-trainer"), "--model.name", str(model_dir), "--broker.address", broker.address,
+            "--output-dir", str(tmp_path / "out"), "--optim.lr", "1e-3", "--model.parallel", "ddp",
+            "--log.format", "json", "--max-steps", "3"]
+    log_path = tmp_path / "trainer.log"
+    with open(log_path, "w") as log_file:
+        process = subprocess.Popen(args, stdout=log_file, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 240
+        samples: dict = {}
+        while samples.get(("primerl_trainer_step", ())) != 2:
+            assert process.poll() is None and time.monotonic() < deadline, log_path.read_text()[-3000:]
+            time.sleep(0.5)
+            trainers = broker.service.registry.list_workers(common_pb2.ROLE_TRAINER)
+            if trainers:
+                url = trainers[0].capabilities["metrics_url"]
+                samples = scrape(url)
+        rows = metrics(tmp_path / "out")
+        assert [r["step"] for r in rows] == [1, 2]
+        print(f"\n{url}\n" + "\n".join(f"{name}{dict(labels) or ''} {value:g}" for (name, labels), value
+                                       in sorted(samples.items()) if name.startswith("primerl_")))
+        assert samples[("primerl_step", (("role", "trainer"),))] == 2
+        assert samples[("primerl_trainer_loss", ())] == pytest.approx(rows[-1]["train/loss"])
+        assert samples[("primerl_trainer_loss_tokens_total", ())] == sum(r["train/num_loss_tokens"] for r in rows)
+        for name in ("train/loss", "train/learning_rate", "train/kl_divergence", "perf/step_time_s"):
+            assert samples[("primerl_metric", (("name", name), ("role", "trainer")))] == pytest.approx(rows[-1][name])
+        assert f'"metrics_url": "{url}"' in log_path.read_text()  # logged at start
+        broker.send(range(3, 4))
+        assert process.wait(timeout=120) == 0, log_path.read_text()[-3000:]
+        assert [r["step"] for r in metrics(tmp_path / "out")] == [1, 2, 3]
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait(10)
+        broker.stop()
 
 
 class TwoRankBroker(Broker):

@@ -11,7 +11,7 @@ from typing import Annotated, Any, ClassVar, Literal, Union
 from pydantic import Field, model_validator
 
 from primerl.runtime.config_base import BaseConfig
-from primerl.runtime.config_common import BrokerClientConfig, LogConfig, WandbConfig
+from primerl.runtime.config_common import BrokerClientConfig, LogConfig, PrometheusConfig, WandbConfig
 
 DEFAULT_LORA_TARGET_MODULES = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
@@ -219,6 +219,9 @@ class TrainerConfig(BaseConfig):
     broker: BrokerClientConfig = Field(default_factory=BrokerClientConfig, description="Broker connection.")
     output_dir: Path = Field(Path("outputs"), description="Directory for weights, checkpoints and logs.")
     wandb: WandbConfig | None = Field(None, description="Weights & Biases logging; off when absent.")
+    prometheus: PrometheusConfig = Field(
+        default_factory=PrometheusConfig, description="Prometheus `/metrics` of the trainer (rank 0)."
+    )
     log: LogConfig = Field(default_factory=LogConfig, description="Logging of the trainer.")
 
     @model_validator(mode="before")

@@ -4,7 +4,11 @@
                      ── TrainStep ──► optimizer step N
     rank 0           ── PolicyPublisher ──► broker weight plane      (policy version N)
                      ── every ckpt.interval: checkpoint (all ranks), then CommitStep(N) over gRPC
-                     ── ReportMetrics(N), one line of {output_dir}/trainer_metrics.jsonl
+                     ── ReportMetrics(N); one row of {output_dir}/metrics.jsonl (and W&B, Prometheus)
+
+Rank 0 serves the trainer's Prometheus metrics (``[trainer.prometheus]``; its URL goes to the broker as the
+``metrics_url`` capability): the generic ``primerl_step`` / ``primerl_metric`` families of every row, and
+``primerl_trainer_step``, ``primerl_trainer_loss``, ``primerl_trainer_loss_tokens_total``.
 
 Resume: with ``ckpt.resume_step`` (or ``latest``), model, optimizer, scheduler and RNG come back from the
 checkpoint and the run continues at the next step; the broker still holds every batch after the last
@@ -13,7 +17,6 @@ committed step and hands them out again.
 
 from __future__ import annotations
 
-import json
 import threading
 import time
 
@@ -21,6 +24,8 @@ import torch
 
 from primerl.broker.rollout_clients import FetchStopped
 from primerl.runtime.log_setup import bind_context, get_logger
+from primerl.runtime.metrics_sink import MetricsSink
+from primerl.runtime.prometheus import MetricsExporter, start_exporter
 from primerl.trainer.config import TrainerConfig
 from primerl.trainer.distributed import DistInfo, barrier, unwrap_model, wrap_model
 from primerl.trainer.train_step import TrainStep, distillation_objective, rl_objective, sft_objective
@@ -37,12 +42,27 @@ class TrainerRunner:
         self.dist = dist_info
         self.objective_name = objective
         self.stop_event = stop_event or threading.Event()
-        self.metrics_path = config.output_dir / "trainer_metrics.jsonl"
         self.control = None
         self.consumer = None
         self.publisher = None
+        self.exporter: MetricsExporter | None = None
+        self.sink: MetricsSink | None = None
 
     # -- set-up --------------------------------------------------------------------------------------
+
+    def _open_metrics(self) -> None:
+        """Rank 0: the Prometheus endpoint and the metrics sink (first: a bad [wandb] or port fails at once)."""
+        if not self.dist.is_main:
+            return
+        config = self.config
+        self.exporter = start_exporter("trainer", config.prometheus)
+        if self.exporter is not None:
+            self.step_gauge = self.exporter.gauge("primerl_trainer_step", "Latest optimizer step done (= the "
+                                                  "policy version published).")
+            self.loss_gauge = self.exporter.gauge("primerl_trainer_loss", "Loss of the latest step.")
+            self.tokens_counter = self.exporter.counter("primerl_trainer_loss_tokens", "Loss tokens trained on, "
+                                                        "over all ranks.")
+        self.sink = MetricsSink("trainer", config.output_dir, config.wandb, config, exporter=self.exporter)
 
     def _build(self) -> int:
         """Model, optimizer, scheduler, step function; returns the first step to train."""
@@ -88,10 +108,11 @@ class TrainerRunner:
 
         config = self.config
         name = f"trainer-rank{self.dist.rank}"
+        capabilities = {"objective": self.objective_name, "weight_broadcast": str(config.weight_broadcast.type)}
+        if self.exporter is not None:
+            capabilities["metrics_url"] = self.exporter.url
         self.control = ControlClient(config.broker, "trainer", name, rank=self.dist.rank,
-                                     world_size=self.dist.world_size,
-                                     capabilities={"objective": self.objective_name,
-                                                   "weight_broadcast": str(config.weight_broadcast.type)})
+                                     world_size=self.dist.world_size, capabilities=capabilities)
         self.control.wait_ready(config.broker.connect_timeout_s)
         registration = self.control.register()
         self.progress = {"trainer_step": 0}
@@ -107,10 +128,11 @@ class TrainerRunner:
     # -- the loop ------------------------------------------------------------------------------------
 
     def run(self) -> int:
-        start_step = self._build()
-        self._connect()
         config = self.config
         try:
+            self._open_metrics()
+            start_step = self._build()
+            self._connect()
             for step in range(start_step, config.max_steps + 1):
                 if self.stop_event.is_set():
                     log.info("stopping before step", step=step)
@@ -143,13 +165,17 @@ class TrainerRunner:
         checkpointed = self._maybe_checkpoint(step)
         metrics = stats.as_metrics()
         metrics.update({"perf/wait_for_data_s": waited_s, "perf/step_time_s": time.monotonic() - started_s,
-                        "perf/publish_ms": publish_ms, "train/num_micro_batches": float(len(micro_batches))})
+                        "perf/publish_ms": publish_ms, "train/num_micro_batches": float(len(micro_batches)),
+                        "ckpt/saved": float(checkpointed)})
         if self.dist.is_main:
             self.control.report_metrics(step, metrics)
-            with self.metrics_path.open("a") as handle:
-                handle.write(json.dumps({"step": step, "checkpointed": checkpointed, **metrics}) + "\n")
+            self.sink.log(step, metrics)
+            if self.exporter is not None:
+                self.step_gauge.set(step)
+                self.loss_gauge.set(stats.loss)
+                self.tokens_counter.inc(stats.num_loss_tokens)
         log.info("step done", loss=round(stats.loss, 6), grad_norm=round(stats.grad_norm, 4),
-                 mismatch_kl=stats.metrics.get("mismatch_kl"), tokens=stats.num_loss_tokens,
+                 kl_divergence=stats.metrics.get("kl_divergence"), tokens=stats.num_loss_tokens,
                  wait_s=round(waited_s, 3), publish_ms=round(publish_ms, 1))
 
     def _maybe_checkpoint(self, step: int) -> bool:
@@ -180,6 +206,10 @@ class TrainerRunner:
         if self.control is not None:
             self.control.deregister("training finished")
             self.control.close()
+        if self.sink is not None:
+            self.sink.close()
+        if self.exporter is not None:
+            self.exporter.stop()
 
 
 

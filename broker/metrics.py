@@ -1,0 +1,72 @@
+"""The broker's Prometheus families, read live from the registry and the data planes at every scrape.
+
+    primerl_broker_workers{role}                      workers alive per role (trainer counts ranks)
+    primerl_broker_latest_policy_version               newest policy version the trainer published
+    primerl_broker_committed_step                      last step the trainer committed (checkpointed)
+    primerl_broker_trainer_step / _orchestrator_step   the roles' progress from their heartbeats
+    primerl_broker_rollout_batches_queued              rollout micro-batches held (memory and spool)
+    primerl_broker_rollout_bytes_spooled               their bytes
+    primerl_broker_rollout_batches_received_total      micro-batches accepted from the orchestrator
+    primerl_broker_weight_bytes_received_total         weight-update bytes received from the trainer
+    primerl_broker_weight_bytes_pushed_total           weight-update bytes sent to inference workers
+    primerl_broker_weight_updates_stored               snapshot + deltas held in the weight store
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import TYPE_CHECKING
+
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.metrics_core import Metric
+
+from primerl.broker.registry import ALIVE
+from primerl.proto.v1 import common_pb2
+
+if TYPE_CHECKING:
+    from primerl.broker.service import BrokerService
+
+ROLES = {common_pb2.ROLE_TRAINER: "trainer", common_pb2.ROLE_ORCHESTRATOR: "orchestrator",
+         common_pb2.ROLE_INFERENCE: "inference"}
+
+
+class BrokerCollector:
+    """A custom prometheus_client collector over a running ``BrokerService``."""
+
+    def __init__(self, service: BrokerService):
+        self.service = service
+
+    def collect(self) -> Iterator[Metric]:
+        service = self.service
+        status = service.registry.run_status()
+        workers = GaugeMetricFamily("primerl_broker_workers", "Workers alive per role.", labels=["role"])
+        for role, name in ROLES.items():
+            workers.add_metric([name], sum(1 for w in status.workers if w.role == role and w.state == ALIVE))
+        yield workers
+        latest_version = status.latest_policy_version
+        if service.weight_plane is not None:
+            weights = service.weight_plane.status()
+            latest_version = max(latest_version, weights.store.latest_version or 0)
+            yield CounterMetricFamily("primerl_broker_weight_bytes_received", "Weight-update bytes received from "
+                                      "the trainer.", value=weights.bytes_in_total)
+            yield CounterMetricFamily("primerl_broker_weight_bytes_pushed", "Weight-update bytes sent to inference "
+                                      "workers.", value=weights.bytes_out_total)
+            yield GaugeMetricFamily("primerl_broker_weight_updates_stored", "Weight updates held in the store "
+                                    "(snapshot and deltas).",
+                                    value=(weights.store.snapshot_version is not None) + weights.store.num_deltas)
+        yield GaugeMetricFamily("primerl_broker_latest_policy_version", "Newest policy version published by the "
+                                "trainer.", value=latest_version)
+        yield GaugeMetricFamily("primerl_broker_committed_step", "Last step the trainer committed.",
+                                value=status.last_committed_step)
+        yield GaugeMetricFamily("primerl_broker_trainer_step", "Trainer step from its heartbeats.",
+                                value=status.trainer_step)
+        yield GaugeMetricFamily("primerl_broker_orchestrator_step", "Orchestrator step from its heartbeats.",
+                                value=status.orchestrator_step)
+        if service.rollout_plane is not None:
+            queue = service.rollout_plane.status().queue
+            yield GaugeMetricFamily("primerl_broker_rollout_batches_queued", "Rollout micro-batches held (memory "
+                                    "and spool) until their step is committed.", value=queue.num_batches)
+            yield GaugeMetricFamily("primerl_broker_rollout_bytes_spooled", "Bytes of the rollout micro-batches "
+                                    "held.", value=queue.num_bytes)
+            yield CounterMetricFamily("primerl_broker_rollout_batches_received", "Rollout micro-batches accepted "
+                                      "from the orchestrator.", value=queue.num_accepted)

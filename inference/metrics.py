@@ -1,0 +1,48 @@
+"""The inference daemon's primerl families, served on vLLM's own ``GET /metrics`` (the API port, run token
+required like every route but /health), next to vLLM's ``vllm:*`` families:
+
+    primerl_inference_policy_version                 policy version served
+    primerl_inference_weight_updates_applied_total   weight updates applied
+    primerl_inference_weight_updates_refused_total   weight updates refused (the previous version kept serving)
+    primerl_inference_last_update_ms                 the last applied update, from its arrival to resumed serving
+
+vLLM's route serves prometheus_client's global registry (``vllm.v1.metrics.prometheus.get_prometheus_registry``),
+so these families are registered there, once per process. In prometheus_client's multiprocess mode
+(``PROMETHEUS_MULTIPROC_DIR`` set, which primerl-infer never does itself) the values go through its files like
+vLLM's own; the gauges say how to merge them (``mostrecent``).
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+
+from prometheus_client import Counter, Gauge
+
+_lock = threading.Lock()
+_families: InferenceFamilies | None = None
+
+
+@dataclass(frozen=True)
+class InferenceFamilies:
+    policy_version: Gauge
+    updates_applied: Counter
+    updates_refused: Counter
+    last_update_ms: Gauge
+
+
+def inference_families() -> InferenceFamilies:
+    """The families, made (and registered in the global registry) on first use."""
+    global _families
+    with _lock:
+        if _families is None:
+            _families = InferenceFamilies(
+                policy_version=Gauge("primerl_inference_policy_version", "Policy version served.",
+                                     multiprocess_mode="mostrecent"),
+                updates_applied=Counter("primerl_inference_weight_updates_applied", "Weight updates applied."),
+                updates_refused=Counter("primerl_inference_weight_updates_refused", "Weight updates refused (the "
+                                        "previous version kept serving)."),
+                last_update_ms=Gauge("primerl_inference_last_update_ms", "Milliseconds of the last applied update, "
+                                     "from its arrival to resumed serving.", multiprocess_mode="mostrecent"),
+            )
+        return _families

@@ -176,6 +176,22 @@ def test_trainer_serves_its_metrics_over_http(model_dir, tmp_path):
         broker.stop()
 
 
+@pytest.mark.slow
+def test_a_taken_metrics_port_is_a_clear_error(model_dir, tmp_path):
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        result = subprocess.run([str(BIN / "primerl-trainer"), "--model.name", str(model_dir), "--output-dir",
+                                 str(tmp_path / "out"), "--max-steps", "1", "--prometheus.port", str(port)],
+                                capture_output=True, text=True, timeout=300)
+    assert result.returncode == 2
+    assert f"cannot serve Prometheus metrics on 127.0.0.1:{port}: Address already in use" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
 class TwoRankBroker(Broker):
     """The same samples as ``Broker`` for one rank, split for two: rank r gets samples r, r + 2, ..."""
 

@@ -344,6 +344,9 @@ class Launcher:
             self.out.write("\n")
         print(f"primerl rl: {self.signal_name}: stopping every role (at most {self.options.stop_timeout_s:g} s; "
               "again to kill at once)", file=self.err, flush=True)
+        # The broker last: the others finish their step's RPCs, publish and deregister while it still answers.
+        others = [name for name in self.supervisor.children if name != "broker"]
+        self.supervisor.stop(others, timeout_s=self.options.stop_timeout_s, on_kill=self._on_kill)
         self.supervisor.stop(timeout_s=self.options.stop_timeout_s, on_kill=self._on_kill)
         print(f"primerl rl: stopped; logs in {self.logs_dir}", file=self.err, flush=True)
         return 128 + (signal.SIGINT if self.signal_name == "SIGINT" else signal.SIGTERM)

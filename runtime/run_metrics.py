@@ -15,9 +15,8 @@ from pathlib import Path
 
 import numpy as np
 
-METRICS_FILE_NAME = "metrics.jsonl"
-# Keys of a row that are not metrics.
-ROW_FIELDS = ("step", "role", "time")
+from primerl.runtime.metrics_sink import METRICS_FILE_NAME, ROW_FIELDS  # the writer's format  # noqa: F401
+
 EVAL_REWARD_PATTERN = re.compile(r"^eval/(?P<env_id>.+)/reward$")
 
 

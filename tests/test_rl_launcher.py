@@ -78,6 +78,13 @@ def test_a_short_run_trains_every_step_and_inference_serves_the_last_policy(tiny
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows if r["role"] == "trainer"] == [1, 2, 3]
     assert [r["step"] for r in rows if r["role"] == "orchestrator"][:2] == [1, 2]
+    # The async bound held: no batch trained on samples more than max_async_level (1) versions old.
+    lags = [r["async/off_policy_lag_max"] for r in rows if "async/off_policy_lag_max" in r]
+    assert lags and max(lags) <= 1, lags
+    # The run's curves, from the run directory as a user would draw them.
+    plot = subprocess.run([str(BIN / "primerl"), "plot", str(run_dir)], capture_output=True, text=True, timeout=120)
+    assert plot.returncode == 0, plot.stderr
+    assert all((run_dir / "plots" / f"{name}.png").stat().st_size > 0 for name in ("reward", "loss", "summary"))
     for role in ("broker", "trainer-rank0", "orchestrator"):  # every role's Prometheus URL was printed
         assert f"{role} metrics at http://127.0.0.1:" in result.stdout, output[-6000:]
     # The version inference served at the end, read from the broker before it was stopped.
@@ -101,6 +108,39 @@ def test_a_crashing_role_stops_the_run_and_shows_its_log(tiny_model, tmp_path):
     assert "last 30 lines of" in result.stderr and "no-such-env" in result.stderr  # the orchestrator's log lines
     assert_no_child_left(run_dir)
     print(f"crash run: {wall_s:.1f} s wall")
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
+def test_ctrl_c_mid_run_stops_every_role_without_killing_any(tiny_model, tmp_path):
+    import signal
+
+    run_dir = tmp_path / "run"
+    env = {**os.environ, "PRIMERL_ENV_PYTHON": ENV_PYTHON, "HF_HUB_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1"}
+    env.pop("PRIMERL_RUN_TOKEN", None)
+    process = subprocess.Popen(
+        [str(BIN / "primerl"), "rl", "@", str(EXAMPLE), "--model.name", str(tiny_model), "--output-dir", str(run_dir),
+         "--broker.grpc-port", str(free_port()), "--max-steps", "200", "--stop-timeout-s", "30"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=run_dir.parent)
+    try:
+        deadline = time.monotonic() + CRASH_TIMEOUT_S
+        metrics = run_dir / "metrics.jsonl"
+        while not (metrics.exists() and '"role": "trainer"' in metrics.read_text()):  # mid-run: a step trained
+            assert process.poll() is None and time.monotonic() < deadline, "the run ended or stalled before step 1"
+            time.sleep(0.5)
+        process.send_signal(signal.SIGINT)
+        sent_s = time.monotonic()
+        stdout, stderr = process.communicate(timeout=120)
+        stop_s = time.monotonic() - sent_s
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.communicate()
+    assert process.returncode == 128 + signal.SIGINT, stderr[-4000:]
+    assert "SIGINT: stopping every role" in stderr and "primerl rl: stopped" in stderr
+    assert "did not stop within" not in stderr, stderr[-4000:]  # every role stopped on SIGTERM, none killed
+    assert_no_child_left(run_dir)
+    print(f"Ctrl-C to all stopped: {stop_s:.1f} s")
 
 
 # ---------------------------------------------------------------------------------------- fast, no daemons

@@ -48,13 +48,31 @@ proto: $(STAMP)
 docs: $(STAMP)
 	$(PY) scripts/gen_config_reference.py
 
-# The main job: build the tiny model, check vLLM against transformers on it, then RL on the toy reverse-text
-# task with all four daemons (examples/reverse_text_rl.toml; a fresh run each time, logs in runs/demo/rl/logs).
+# The main job, the demo: build the tiny model, check vLLM against transformers on it, SFT warm-up on the toy
+# reverse-text task (70% of its answers chatty, see examples/reverse_text_sft.toml), then RL with all four
+# daemons from the SFT weights; the held-out reward (the env's eval split) is measured before and after RL with
+# `primerl eval`. A fresh run each time, everything under RUN_DIR.
+PRIMERL := $(VENV)/bin/primerl
+SFT_STEPS ?= 1000
+EVAL_ARGS := -n 200 -r 1 -t 24 -T 1.0
 run: $(STAMP) $(ENV_STAMP)
-	$(VENV)/bin/primerl init-tiny-model $(RUN_DIR)/tiny-model
-	$(VENV)/bin/primerl generate $(RUN_DIR)/tiny-model --check-logprobs
-	rm -rf $(RUN_DIR)/rl
-	$(VENV)/bin/primerl rl @ examples/reverse_text_rl.toml --model.name $(RUN_DIR)/tiny-model --output-dir $(RUN_DIR)/rl
+	$(PRIMERL) init-tiny-model $(RUN_DIR)/tiny-model
+	$(PRIMERL) generate $(RUN_DIR)/tiny-model --check-logprobs
+	rm -rf $(RUN_DIR)/sft $(RUN_DIR)/rl $(RUN_DIR)/eval
+	$(PRIMERL) sft-data reverse-text -o $(RUN_DIR)/sft/clean.jsonl
+	$(PY) examples/reverse_text/chatty_sft_data.py $(RUN_DIR)/sft/clean.jsonl $(RUN_DIR)/sft/data.jsonl
+	@echo "SFT warm-up: $(SFT_STEPS) steps (log: $(RUN_DIR)/sft.log) ..."
+	$(PRIMERL) sft @ examples/reverse_text_sft.toml --model.name $(RUN_DIR)/tiny-model \
+		--tokenizer.name $(RUN_DIR)/tiny-model --data.path $(RUN_DIR)/sft/data.jsonl --output-dir $(RUN_DIR)/sft \
+		--max-steps $(SFT_STEPS) > $(RUN_DIR)/sft.log 2>&1 || (tail -20 $(RUN_DIR)/sft.log; exit 1)
+	$(PRIMERL) eval reverse-text -m $(RUN_DIR)/sft $(EVAL_ARGS) -o $(RUN_DIR)/eval/sft 2> $(RUN_DIR)/eval-sft.log \
+		|| (tail -20 $(RUN_DIR)/eval-sft.log; exit 1)
+	$(PRIMERL) rl @ examples/reverse_text_rl.toml --model.name $(RUN_DIR)/sft/weights/step_$(SFT_STEPS) \
+		--output-dir $(RUN_DIR)/rl
+	$(PRIMERL) eval reverse-text -m $(RUN_DIR)/rl $(EVAL_ARGS) -o $(RUN_DIR)/eval/rl 2> $(RUN_DIR)/eval-rl.log \
+		|| (tail -20 $(RUN_DIR)/eval-rl.log; exit 1)
+	$(PRIMERL) plot $(RUN_DIR)/rl
+	$(PY) scripts/demo_report.py $(RUN_DIR)/eval/sft $(RUN_DIR)/eval/rl
 
 test: $(STAMP) $(ENV_STAMP)
 	$(PY) -m pytest -q

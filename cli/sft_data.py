@@ -50,6 +50,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"primerl sft-data: error: --num-examples must be >= 1 or -1, got {args.num_examples}", file=sys.stderr)
         return 2
     from primerl.orchestrator.env_client import EnvWorker, EnvWorkerError
+    from primerl.runtime.log_setup import configure_logging
+
+    configure_logging("sft-data", level="warning")
 
     env_python = args.env_python or os.environ.get(ENV_PYTHON_VAR) or sys.executable
     worker = EnvWorker(env_python, args.env_id, env_args)

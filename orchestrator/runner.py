@@ -249,38 +249,23 @@ class OrchestratorRunner:
         if endpoint is None:
             log.warning("no inference worker for the eval; skipped", step=step)
             return
+        from primerl.orchestrator.evaluation import run_eval_groups, summarize_groups
+
         started_s = time.monotonic()
         metrics: dict[str, float] = {}
         for env_id, worker in self.eval_workers.items():
             count = worker.info.num_eval_examples
             if eval_config.num_examples is not None:
                 count = min(count, eval_config.num_examples)
-            futures = [worker.submit_rollout(index, split="eval", num_rollouts=eval_config.rollouts_per_example,
-                                             base_url=endpoint.base_url, model=config.model.name,
-                                             api_key=config.broker.run_token or "EMPTY",
-                                             sampling=config.sampling.model_dump() | {"seed": None})
-                       for index in range(count)]
-            rewards, errors, per_metric = [], 0, collections.defaultdict(list)
-            for future in futures:
-                try:
-                    group = future.result(timeout=config.rollout_timeout_s)
-                except Exception as exc:  # counted and reported like training rollouts
-                    errors += eval_config.rollouts_per_example
-                    log.warning("eval group failed", env_id=env_id, error=str(exc))
-                    continue
-                for rollout in group.rollouts:
-                    if not rollout.ok or rollout.reward is None:
-                        errors += 1
-                        continue
-                    rewards.append(float(rollout.reward))
-                    for name, value in rollout.metrics.items():
-                        if value is not None:
-                            per_metric[name].append(float(value))
-            prefix = f"eval/{env_id}"
-            metrics[f"{prefix}/reward"] = float(np.mean(rewards)) if rewards else 0.0
-            metrics[f"{prefix}/num_rollouts"] = float(len(rewards))
-            metrics[f"{prefix}/errors"] = float(errors)
-            metrics.update({f"{prefix}/{name}": float(np.mean(values)) for name, values in per_metric.items()})
+            groups, failed = run_eval_groups(
+                worker, range(count), num_rollouts=eval_config.rollouts_per_example, base_url=endpoint.base_url,
+                model=config.model.name, api_key=config.broker.run_token or "EMPTY",
+                sampling=config.sampling.model_dump() | {"seed": None}, split="eval",
+                max_concurrent_groups=max(1, count), timeout_s=config.rollout_timeout_s)
+            for index, error in failed.items():  # counted and reported like training rollouts
+                log.warning("eval group failed", env_id=env_id, example_index=index, error=error)
+            summary = summarize_groups(groups, failed, rollouts_per_group=eval_config.rollouts_per_example)
+            metrics.update(summary.as_metrics(f"eval/{env_id}"))
         metrics["eval/time_s"] = time.monotonic() - started_s
         self.control.report_metrics(step, metrics)
         self.sink.log(step, metrics)

@@ -184,9 +184,12 @@ class BatchAssembler:
         self._num_stale_dropped += num_dropped
         return num_dropped
 
-    def take(self) -> AssembledBatch | None:
+    def take(self, min_policy_version: int | None = None) -> AssembledBatch | None:
         """The next batch (oldest groups first), or None while fewer than ``batch_size`` rollouts wait. The
-        metrics cover the groups added since the previous batch."""
+        metrics cover the groups added since the previous batch. With ``min_policy_version``, waiting groups
+        older than it are dropped first, so a batch never holds one (even one filled by an earlier surplus)."""
+        if min_policy_version is not None:
+            self.drop_stale(min_policy_version)
         if not self.is_full():
             return None
         groups: list[Group] = []

@@ -212,17 +212,14 @@ class OrchestratorRunner:
     def _produce_step(self, step: int) -> bool:
         started_s = time.monotonic()
         self.counters = collections.Counter()
-        # Surplus groups of earlier steps may already fill the batch: drop the ones this step may not use first.
-        self.assembler.drop_stale(self.bound.min_policy_version(step))
-        while not self.assembler.is_full():
+        min_version = self.bound.min_policy_version(step)
+        while (batch := self.assembler.take(min_policy_version=min_version)) is None:
             if self.stop_event.is_set():
                 return False
             self._refresh_endpoints()
             self._dispatch(step)
             self._collect(timeout_s=0.5)
             self._cancel_stale(step)
-            self.assembler.drop_stale(self.bound.min_policy_version(step))
-        batch = self.assembler.take()
         samples = batch.samples
         packed = pack_samples(samples, seq_len=self.config.seq_len, num_ranks=self.config.num_train_ranks)
         from primerl.broker.rollout_clients import RolloutRefused

@@ -456,3 +456,15 @@ def test_to_broker_batches_headers_and_payloads():
     assert len(to_broker_batches(9, packed.per_rank)) == len(messages)
     with pytest.raises(ValueError, match="no micro-batch"):
         to_broker_batches(9, [packed.per_rank[0], []])
+
+
+def test_a_batch_filled_by_an_earlier_surplus_never_holds_stale_groups():
+    # Step n's surplus (version 3) already fills step n+1's batch; with max_async_level 0 step n+1 needs version 4.
+    assembler = BatchAssembler(4)
+    assembler.add([make_group([0, 1], group_id=i, version=3) for i in range(2)])
+    assert assembler.is_full()
+    assert assembler.take(min_policy_version=4) is None and assembler.num_pending_rollouts == 0
+    assembler.add([make_group([0, 1], group_id=i, version=4) for i in (2, 3)])
+    batch = assembler.take(min_policy_version=4)
+    assert [g.group_id for g in batch.groups] == [2, 3]
+    assert batch.metrics["buffer/num_stale_groups_dropped"] == 2

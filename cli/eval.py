@@ -22,7 +22,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from primerl.cli.orchestrator import ENV_PYTHON_VAR
+from primerl.cli.orchestrator import ENV_PYTHON_VAR, resolve_env_python
 
 DEFAULT_OUTPUT_ROOT = Path("outputs/evals")
 
@@ -115,9 +115,9 @@ def _check(args: argparse.Namespace) -> dict[str, Any]:
         raise EvalInputError(f"--top-p must be in (0, 1], got {args.top_p}")
     if args.timeout_s <= 0:
         raise EvalInputError(f"--timeout-s must be > 0, got {args.timeout_s}")
-    env_python = args.env_python or os.environ.get(ENV_PYTHON_VAR) or sys.executable
-    if not Path(env_python).exists():
-        raise EvalInputError(f"env python {env_python} does not exist: build the env venv (make setup) or pass "
+    args.env_python = resolve_env_python(args.env_python)
+    if not Path(args.env_python).exists():
+        raise EvalInputError(f"env python {args.env_python} does not exist: build the env venv (make setup) or pass "
                              "--env-python")
     return env_args
 
@@ -150,8 +150,7 @@ def main(argv: list[str] | None = None) -> int:
 async def _evaluate(args: argparse.Namespace, model: str, env_args: dict[str, Any]) -> int:
     from primerl.orchestrator.env_client import EnvWorker, EnvWorkerError
 
-    env_python = args.env_python or os.environ.get(ENV_PYTHON_VAR) or sys.executable
-    worker = EnvWorker(env_python, args.env_id, env_args, request_timeout_s=args.timeout_s)
+    worker = EnvWorker(args.env_python, args.env_id, env_args, request_timeout_s=args.timeout_s)
     try:
         info = await asyncio.to_thread(worker.start)
     except EnvWorkerError as exc:

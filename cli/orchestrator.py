@@ -15,8 +15,13 @@ ENV_PYTHON_VAR = "PRIMERL_ENV_PYTHON"
 
 def env_python(config) -> str:
     """The env workers' interpreter: `env_python`, else $PRIMERL_ENV_PYTHON (the set-up's .venv-envs), else ours."""
-    if config.env_python is not None:
-        return str(config.env_python)
+    return resolve_env_python(config.env_python)
+
+
+def resolve_env_python(explicit: object = None) -> str:
+    """`explicit` when given, else $PRIMERL_ENV_PYTHON, else this interpreter."""
+    if explicit is not None:
+        return str(explicit)
     return os.environ.get(ENV_PYTHON_VAR) or sys.executable
 
 

@@ -9,11 +9,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 from pathlib import Path
 
-from primerl.cli.orchestrator import ENV_PYTHON_VAR
+from primerl.cli.orchestrator import ENV_PYTHON_VAR, resolve_env_python
 
 BATCH = 500
 
@@ -54,7 +53,7 @@ def main(argv: list[str] | None = None) -> int:
 
     configure_logging("sft-data", level="warning")
 
-    env_python = args.env_python or os.environ.get(ENV_PYTHON_VAR) or sys.executable
+    env_python = resolve_env_python(args.env_python)
     worker = EnvWorker(env_python, args.env_id, env_args)
     try:
         info = worker.start()

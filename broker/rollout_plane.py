@@ -42,6 +42,7 @@ from typing import Any
 import zmq
 from google.protobuf.message import DecodeError
 
+from primerl.broker.log_limits import RateLimitedLog
 from primerl.broker.rollout_queue import (
     Accepted,
     Backpressure,
@@ -116,13 +117,13 @@ class _Meter:
 
 
 class _RefusalLog:
-    """One log line per kind of refusal per peer, then a summary at most every few seconds."""
+    """One log line per kind of refusal (error code), then a summary at most every few seconds."""
 
     def __init__(self) -> None:
-        self._seen: dict[tuple[str, int], list[float | int]] = {}  # key -> [last_logged_s, num_since]
+        self._seen: dict[int, list[float | int]] = {}  # code -> [last_logged_s, num_since]
 
     def note(self, peer: str, code: int, message: str) -> None:
-        key = (peer, code)
+        key = code  # one line per kind of refusal, whichever peer (a peer can make many identities)
         now_s = time.monotonic()
         seen = self._seen.get(key)
         if seen is None:
@@ -191,6 +192,7 @@ class RolloutPlane:
         self._num_refused = 0
         self._num_backpressure_replies = 0
         self._refusals = _RefusalLog()
+        self._guard_log = RateLimitedLog(log, interval_s=REFUSAL_SUMMARY_INTERVAL_S)
         self._backpressure_since_s: float | None = None
         self._unreachable_logged: set[bytes] = set()
         self._peer_names: dict[bytes, str] = {}
@@ -273,7 +275,7 @@ class RolloutPlane:
                         frames = socket.recv_multipart(zmq.NOBLOCK, copy=False)
                     except zmq.Again:
                         break
-                    self._handle(socket, frames)
+                    self._handle_guarded(socket, frames)
                 # Nothing more waiting: make the group durable and ack it.
                 self._commit_group(socket)
         except Exception as exc:
@@ -297,6 +299,36 @@ class RolloutPlane:
                 if exc.errno != zmq.EADDRINUSE or self._requested_port == 0 or time.monotonic() >= deadline_s:
                     raise
                 time.sleep(0.05)
+
+    def _handle_guarded(self, socket: zmq.Socket, frames: list[zmq.Frame]) -> None:
+        """The per-message guard: no single message can end the IO thread.
+
+        A failure handling one message (a bug that a peer's bytes found) is logged with its traceback the
+        first time its kind is seen, then rate-limited, and the sender is told INTERNAL; serving goes on.
+        Only a broken context (``ETERM``) or ``stop`` ends the loop."""
+        try:
+            self._handle(socket, frames)
+        except zmq.ZMQError as exc:
+            if exc.errno == zmq.ETERM:
+                raise
+            self._unexpected(socket, frames, exc)
+        except Exception as exc:
+            self._unexpected(socket, frames, exc)
+
+    def _unexpected(self, socket: zmq.Socket, frames: list[zmq.Frame], exc: Exception) -> None:
+        routing_id = frames[0].bytes if frames else b""
+        self._guard_log.exception(("unexpected", type(exc).__name__), "rollout plane failed handling one message; serving on",
+                                  peer=self._peer(routing_id), error=repr(exc)[:300])
+        with self._meter_lock:
+            self._num_refused += 1
+        try:
+            body = frames[1:]
+            self._send(socket, routing_id, framing.encode_error(
+                _detail(common_pb2.ERROR_CODE_INTERNAL, f"broker failed handling this message: {type(exc).__name__}"),
+                refused_type=framing.peek_type(body), in_reply_to=_try_message_id(body, self.limits), sender=self.sender))
+        except zmq.ZMQError as send_exc:
+            if send_exc.errno == zmq.ETERM:
+                raise
 
     def _handle(self, socket: zmq.Socket, frames: list[zmq.Frame]) -> None:
         routing_id = frames[0].bytes
@@ -408,8 +440,7 @@ class RolloutPlane:
             self._peer_names = {routing_id: self._peer_names[routing_id]}
         self._unreachable_logged.discard(routing_id)
         self.queue.open_session(routing_id, hello.worker_id)
-        log.info("rollout peer said hello", worker_id=hello.worker_id, role=common_pb2.Role.Name(hello.role)
-                 if hello.role in common_pb2.Role.values() else hello.role, rank=hello.rank)
+        log.info("rollout peer said hello", worker_id=hello.worker_id[:128], role=framing.role_name(hello.role), rank=hello.rank)
         reply = data_pb2.Hello(worker_id=self.sender, role=common_pb2.ROLE_BROKER)
         self._send(socket, routing_id, framing.encode(data_pb2.HELLO, reply, auth_token=self.auth_token or "",
                                                       sender=self.sender, in_reply_to=message.envelope.message_id))

@@ -46,6 +46,10 @@ log = get_logger("primerl.broker.rollout_queue")
 
 DEFAULT_RETRY_AFTER_MS = 100
 DEFAULT_MAX_SESSIONS = 256
+# Steps beyond the run's position (the highest step a trainer asked for, or the committed step) that a
+# request or a batch may name. Without it one request for step 2**64-1 would move the frontier so far that
+# every batch counts as "asked for" and the queue bound stops holding.
+DEFAULT_MAX_STEP_LEAD = 1024
 
 
 # ---------------------------------------------------------------------- results
@@ -196,9 +200,13 @@ class RolloutQueue:
         *,
         retry_after_ms: int = DEFAULT_RETRY_AFTER_MS,
         max_sessions: int = DEFAULT_MAX_SESSIONS,
+        max_step_lead: int = DEFAULT_MAX_STEP_LEAD,
     ):
         if max_batches < 1 or max_bytes < 1:
             raise ValueError(f"max_batches ({max_batches}) and max_bytes ({max_bytes}) must be >= 1")
+        if max_step_lead < 1:
+            raise ValueError(f"max_step_lead must be >= 1, got {max_step_lead}")
+        self.max_step_lead = max_step_lead
         self.spool = spool
         self.max_batches = max_batches
         self.max_bytes = max_bytes
@@ -277,6 +285,9 @@ class RolloutQueue:
         batch_id, step, rank, index = header.batch_id, header.step, header.rank, header.micro_batch_index
         size_bytes = spooled_size_bytes(header_bytes, payload)
         committed = self.spool.committed_step
+        too_far = self._beyond_window_locked(step)
+        if too_far:
+            return Refused(common_pb2.ERROR_CODE_OUT_OF_ORDER, f"batch {batch_id!r}: {too_far}", batch_id, step)
         if batch_id in group_ids or batch_id in self.spool:
             self._counts["duplicates"] += 1
             return Duplicate(batch_id, step)
@@ -330,6 +341,9 @@ class RolloutQueue:
                 return Refused(common_pb2.ERROR_CODE_NOT_FOUND,
                                f"step {step} is already committed (through step {committed}) and its batches are "
                                "deleted; ask for a later step (a new run needs a fresh spool_dir)", step=step)
+            too_far = self._beyond_window_locked(step)
+            if too_far:
+                return Refused(common_pb2.ERROR_CODE_OUT_OF_ORDER, f"request refused: {too_far}", step=step)
             session = self._session(session_id)
             if step <= session.finished_step.get(rank, -1):
                 # The trainer went back (restarted from a checkpoint): this is a new session for it.
@@ -339,6 +353,16 @@ class RolloutQueue:
             session.pending = _PendingRequest(step, rank, max(0, credits))
             self._frontier_step = max(self._frontier_step, step)
             return self._serve(session_id, session)
+
+    def _beyond_window_locked(self, step: int) -> str:
+        """Why ``step`` is too far ahead of the run (more than ``max_step_lead`` past the highest step asked
+        for or committed), or "" when it is within the window."""
+        committed = self.spool.committed_step
+        anchor = max(self._frontier_step, -1 if committed is None else committed)
+        if step - anchor <= self.max_step_lead:
+            return ""
+        return (f"step {step} is more than {self.max_step_lead} steps beyond the run's position (step {anchor}: the "
+                "highest step a trainer asked for or committed); raise the broker's `max_step_lead` if this is intended")
 
     def forget_delivery(self, session_id: bytes, batch_id: str) -> None:
         """A batch handed out by ``request``/``offer`` could not be sent: give it again on the next request."""

@@ -38,6 +38,7 @@ from typing import Any
 
 import zmq
 
+from primerl.broker.log_limits import RateLimitedLog
 from primerl.broker.weight_store import StoredUpdate, WeightStore, WeightStoreStatus, WeightUpdateRefused
 from primerl.proto import framing
 from primerl.proto.v1 import common_pb2, data_pb2
@@ -214,6 +215,7 @@ class WeightPlane:
         self._refused_transfers: collections.OrderedDict[tuple[str, str], None] = collections.OrderedDict()
         self._workers: dict[bytes, _Worker] = {}
         self._replies: collections.deque[tuple[bytes, list[Any]]] = collections.deque()
+        self._guard_log = RateLimitedLog(log)
         self._rate_in = RateMeter()
         self._rate_out = RateMeter()
         self._lock = threading.Lock()  # guards the published copies below (read by other threads)
@@ -323,15 +325,34 @@ class WeightPlane:
             except zmq.Again:
                 return
             identity = frames[0].bytes
-            self._handle(identity, frames[1:])
+            self._handle_guarded(identity, frames[1:])
+
+    def _handle_guarded(self, identity: bytes, frames: list[Any]) -> None:
+        """The per-message guard: a failure handling one message (a bug a peer's bytes found) is logged
+        with its traceback once per kind, then rate-limited; the peer is told INTERNAL and serving goes on."""
+        try:
+            self._handle(identity, frames)
+        except zmq.ZMQError as exc:
+            if exc.errno == zmq.ETERM:
+                raise
+            self._unexpected(identity, frames, exc)
+        except Exception as exc:
+            self._unexpected(identity, frames, exc)
+
+    def _unexpected(self, identity: bytes, frames: list[Any], exc: Exception) -> None:
+        self._guard_log.exception(("unexpected", type(exc).__name__), "weight plane failed handling one message; serving on",
+                                  peer=identity.hex(), error=repr(exc)[:300])
+        self._send_error(identity, common_pb2.ErrorDetail(
+            code=common_pb2.ERROR_CODE_INTERNAL, message=f"broker failed handling this message: {type(exc).__name__}"),
+            framing.peek_type(frames))
 
     def _handle(self, identity: bytes, frames: list[Any]) -> None:
         self._rate_in.add(sum(len(f) for f in frames))
         try:
             message = framing.decode(frames, limits=self.limits, auth_token=self.auth_token)
         except framing.FramingError as exc:
-            log.warning("refused a message on the weight socket", error=str(exc), code=common_pb2.ErrorCode.Name(exc.code),
-                        peer=identity.hex())
+            self._guard_log.warning(("refused", exc.code), "refused a message on the weight socket", error=str(exc)[:300],
+                                    code=framing.error_code_name(exc.code), peer=identity.hex())
             self._send_error(identity, exc.detail(), framing.peek_type(frames))
             return
         if message.type == data_pb2.WEIGHT_UPDATE:
@@ -341,8 +362,10 @@ class WeightPlane:
         elif message.type == data_pb2.WEIGHT_ACK:
             self._on_worker_ack(identity, message)
         elif message.type == data_pb2.ERROR:
-            log.warning("peer reported an error", peer=message.envelope.sender or identity.hex(),
-                        code=common_pb2.ErrorCode.Name(message.header.error.code), message=message.header.error.message)
+            self._guard_log.warning(("peer error", message.header.error.code), "peer reported an error",
+                                    peer=message.envelope.sender[:128] or identity.hex(),
+                                    code=framing.error_code_name(message.header.error.code),
+                                    message=message.header.error.message[:300])
         else:
             self._send_error(identity, common_pb2.ErrorDetail(
                 code=common_pb2.ERROR_CODE_UNKNOWN_MESSAGE_TYPE,
@@ -413,8 +436,8 @@ class WeightPlane:
         else:
             assert isinstance(exc, framing.FramingError)
             detail, full_required = exc.detail(), False
-        log.warning("weight update refused", policy_version=header.policy_version, code=common_pb2.ErrorCode.Name(detail.code),
-                    error=detail.message)
+        self._guard_log.warning(("update refused", detail.code), "weight update refused", policy_version=header.policy_version,
+                                code=framing.error_code_name(detail.code), error=detail.message[:300])
         ack = data_pb2.WeightAck(policy_version=header.policy_version, worker_id=BROKER_SENDER, applied=False, error=detail,
                                  full_required=full_required)
         self._queue_reply(identity, framing.encode(data_pb2.WEIGHT_ACK, ack, **self._envelope(reply_to)))
@@ -431,7 +454,7 @@ class WeightPlane:
     def _on_hello(self, identity: bytes, message: framing.Message) -> None:
         hello: data_pb2.Hello = message.header
         if hello.role != common_pb2.ROLE_INFERENCE:
-            log.debug("hello from a non-inference peer", role=common_pb2.Role.Name(hello.role), worker_id=hello.worker_id)
+            log.debug("hello from a non-inference peer", role=framing.role_name(hello.role), worker_id=hello.worker_id[:128])
             return
         if not hello.worker_id:
             self._send_error(identity, common_pb2.ErrorDetail(code=common_pb2.ERROR_CODE_MALFORMED_HEADER,
@@ -486,8 +509,8 @@ class WeightPlane:
         else:
             detail = ack.error
             log.warning("weight subscriber failed to apply an update; it will get the full snapshot",
-                        worker_id=worker.worker_id, policy_version=version, code=common_pb2.ErrorCode.Name(detail.code),
-                        error=detail.message)
+                        worker_id=worker.worker_id, policy_version=version, code=framing.error_code_name(detail.code),
+                        error=detail.message[:300])
             worker.retries += 1
             if worker.retries > self.max_retries:
                 self._forget(worker, reason=f"failed to apply updates {worker.retries} times in a row")
@@ -624,7 +647,7 @@ class WeightPlane:
 
     def _queue_reply(self, identity: bytes, frames: list[Any]) -> None:
         if len(self._replies) >= self.max_pending_replies:
-            log.warning("reply queue full; dropping a reply", peer=identity.hex())
+            self._guard_log.warning("reply queue full", "reply queue full; dropping a reply", peer=identity.hex())
             return
         self._replies.append((identity, frames))
 

@@ -243,10 +243,27 @@ def encode_chunked(
 def decode(frames: Sequence[Any], *, limits: Limits = DEFAULT_LIMITS, auth_token: str | None = None) -> Message:
     """Parse and check one received multipart message, or raise the ``FramingError`` that says why not.
 
-    With ``auth_token`` set, the envelope must carry the same token (constant-time comparison).
+    Total: whatever the bytes, the only exception that leaves is a ``FramingError`` (a parser bug that
+    raises anything else becomes ``MalformedHeader``), so a receiver's per-message guard never sees a
+    peer's bytes take its IO thread down.
+
+    Order of checks (cheapest first, nothing large kept before the sender is known): frame count and
+    sizes, protocol and type frames, envelope, run token (``auth_token`` set: constant-time comparison),
+    declared payload sizes, checksum, header, chunk fields, tensor payload.
     Tensor payloads of unchunked ROLLOUT_BATCH and WEIGHT_UPDATE messages are checked against the
     header's tensor specs; chunked ones are checked by ``ChunkAssembler`` once complete.
     """
+    try:
+        return _decode(frames, limits, auth_token)
+    except FramingError:
+        raise
+    except (RecursionError, MemoryError) as exc:
+        raise MalformedHeader(f"message could not be parsed: {type(exc).__name__}") from None
+    except Exception as exc:  # totality: a peer's bytes never raise anything but a FramingError
+        raise MalformedHeader(f"message could not be parsed: {type(exc).__name__}: {str(exc)[:200]}") from None
+
+
+def _decode(frames: Sequence[Any], limits: Limits, auth_token: str | None) -> Message:
     if len(frames) < NUM_FIXED_FRAMES:
         raise TruncatedMessage(f"message has {len(frames)} frame(s); at least {NUM_FIXED_FRAMES} are required")
     if len(frames) - NUM_FIXED_FRAMES > limits.max_payload_frames:
@@ -279,6 +296,10 @@ def decode(frames: Sequence[Any], *, limits: Limits = DEFAULT_LIMITS, auth_token
     except DecodeError as exc:
         raise MalformedHeader(f"envelope frame is not a valid Envelope protobuf: {exc}") from None
 
+    # The token is checked before anything is done with the payload: an unauthenticated peer costs no CRC pass.
+    if auth_token is not None and not hmac.compare_digest(envelope.auth_token.encode(), auth_token.encode()):
+        raise Unauthenticated("missing or wrong run token: configure the same run token on every daemon of the run")
+
     payload = views[NUM_FIXED_FRAMES:]
     if len(payload) < envelope.num_payload_frames:
         raise TruncatedMessage(f"envelope declares {envelope.num_payload_frames} payload frame(s); {len(payload)} arrived")
@@ -295,9 +316,6 @@ def decode(frames: Sequence[Any], *, limits: Limits = DEFAULT_LIMITS, auth_token
 
     if compute_checksum(message_type, envelope.header, payload) != envelope.checksum:
         raise ChecksumMismatch("checksum over header and payload does not match the envelope (corrupted in transit?)")
-
-    if auth_token is not None and not hmac.compare_digest(envelope.auth_token.encode(), auth_token.encode()):
-        raise Unauthenticated("missing or wrong run token: configure the same run token on every daemon of the run")
 
     header = HEADER_TYPES[message_type]()
     try:
@@ -317,6 +335,23 @@ def decode(frames: Sequence[Any], *, limits: Limits = DEFAULT_LIMITS, auth_token
     if message_type in TENSOR_MESSAGE_TYPES and chunk.count == 1:
         check_tensor_payload(message)
     return message
+
+
+def enum_name(enum: Any, value: int) -> str:
+    """``enum.Name(value)`` that never raises: a value outside the known set (a newer peer, or a hostile
+    one) reads as ``<ENUM>_<value>``, e.g. ``ErrorCode(999)``. For logs and messages."""
+    try:
+        return enum.Name(value)
+    except (ValueError, TypeError):
+        return f"{getattr(enum, '_enum_type', None) and enum._enum_type.name or 'enum'}({value})"
+
+
+def error_code_name(code: int) -> str:
+    return enum_name(common_pb2.ErrorCode, code)
+
+
+def role_name(role: int) -> str:
+    return enum_name(common_pb2.Role, role)
 
 
 def check_tensor_payload(message: Message) -> None:

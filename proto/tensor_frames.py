@@ -36,6 +36,10 @@ DTYPES: dict[str, tuple[int, Any, str]] = {
 }
 _NUMPY_TO_SAFETENSORS = {np.dtype(np_dtype): name for name, (_, np_dtype, _) in DTYPES.items() if np_dtype is not None}
 MAX_HEADER_BYTES = 16 << 20
+# A safetensors header nests 3 levels (object, tensor entry, list); __metadata__ is a flat object.
+MAX_JSON_NESTING = 8
+MAX_INT_DIGITS = 20  # uint64 has 20 decimal digits
+MAX_TENSOR_DIMS = 64
 
 
 class TensorFrameError(ValueError):
@@ -71,37 +75,95 @@ def parse_header(frame: Any) -> dict[str, TensorEntry]:
         raise TensorFrameError(f"safetensors header claims {header_len} bytes; the limit is {MAX_HEADER_BYTES}")
     if 8 + header_len > view.nbytes:
         raise TensorFrameError(f"safetensors header claims {header_len} bytes but the frame has {view.nbytes - 8}", truncated=True)
-    try:
-        raw = json.loads(bytes(view[8 : 8 + header_len]))
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise TensorFrameError(f"safetensors header is not valid JSON: {exc}") from None
-    if not isinstance(raw, dict):
-        raise TensorFrameError("safetensors header is not a JSON object")
+    raw = _load_header_json(view[8 : 8 + header_len])
     data_start = 8 + header_len
     data_bytes = view.nbytes - data_start
     entries: dict[str, TensorEntry] = {}
     for name, info in raw.items():
         if name == "__metadata__":
+            if not isinstance(info, dict) or not all(isinstance(v, str) for v in info.values()):
+                raise TensorFrameError("safetensors __metadata__ must be a JSON object of strings")
             continue
         if not isinstance(info, dict) or set(info) != {"dtype", "shape", "data_offsets"}:
-            raise TensorFrameError(f"tensor {name!r}: header entry must have exactly dtype, shape and data_offsets")
+            raise TensorFrameError(f"tensor {_short(name)}: header entry must have exactly dtype, shape and data_offsets")
         dtype, shape, offsets = info["dtype"], info["shape"], info["data_offsets"]
-        if dtype not in DTYPES:
-            raise TensorFrameError(f"tensor {name!r}: unsupported dtype {dtype!r}")
-        if not isinstance(shape, list) or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape):
-            raise TensorFrameError(f"tensor {name!r}: shape {shape!r} is not a list of non-negative integers")
+        if not isinstance(dtype, str) or dtype not in DTYPES:
+            raise TensorFrameError(f"tensor {_short(name)}: unsupported dtype {_short(dtype)}")
+        if (not isinstance(shape, list) or len(shape) > MAX_TENSOR_DIMS
+                or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape)):
+            raise TensorFrameError(f"tensor {_short(name)}: shape {_short(shape)} is not a list of at most "
+                                   f"{MAX_TENSOR_DIMS} non-negative integers")
         if not (isinstance(offsets, list) and len(offsets) == 2 and all(isinstance(o, int) and not isinstance(o, bool) for o in offsets)):
-            raise TensorFrameError(f"tensor {name!r}: data_offsets {offsets!r} is not [begin, end]")
+            raise TensorFrameError(f"tensor {_short(name)}: data_offsets {_short(offsets)} is not [begin, end]")
         begin, end = offsets
         if not 0 <= begin <= end:
-            raise TensorFrameError(f"tensor {name!r}: data_offsets {offsets!r} are not ordered")
+            raise TensorFrameError(f"tensor {_short(name)}: data_offsets {_short(offsets)} are not ordered")
         if end > data_bytes:
-            raise TensorFrameError(f"tensor {name!r}: data ends at byte {end} but the frame holds {data_bytes}", truncated=True)
+            raise TensorFrameError(f"tensor {_short(name)}: data ends at byte {end} but the frame holds {data_bytes}", truncated=True)
         expected = math.prod(shape) * DTYPES[dtype][0]
         if end - begin != expected:
-            raise TensorFrameError(f"tensor {name!r}: {end - begin} bytes for shape {shape} of {dtype} (expected {expected})", mismatch=True)
+            raise TensorFrameError(f"tensor {_short(name)}: {end - begin} bytes for shape {shape} of {dtype} (expected {expected})",
+                                   mismatch=True)
         entries[name] = TensorEntry(name, dtype, tuple(shape), data_start + begin, data_start + end)
     return entries
+
+
+def _refuse_number(text: str) -> int:
+    """``parse_int`` for header JSON: at most ``MAX_INT_DIGITS`` digits (offsets and dims fit in uint64)."""
+    if len(text.lstrip("-")) > MAX_INT_DIGITS:
+        raise TensorFrameError(f"safetensors header holds an integer of {len(text)} characters; at most {MAX_INT_DIGITS} digits")
+    return int(text)
+
+
+def _refuse_float(text: str) -> float:
+    raise TensorFrameError(f"safetensors header holds a non-integer number {text[:32]!r}")
+
+
+def _load_header_json(raw: memoryview) -> dict[str, Any]:
+    """The header's JSON object, or ``TensorFrameError``: total over any bytes (no RecursionError,
+    ValueError from huge integers, or TypeError escapes)."""
+    # Nesting deeper than the format needs (object -> tensor entry -> list) is refused before parsing,
+    # so the recursive decoder never runs deep.
+    data = bytes(raw)
+    if _max_nesting(data) > MAX_JSON_NESTING:
+        raise TensorFrameError(f"safetensors header nests JSON deeper than {MAX_JSON_NESTING} levels")
+    try:
+        parsed = json.loads(data, parse_int=_refuse_number, parse_float=_refuse_float, parse_constant=_refuse_float)
+    except TensorFrameError:
+        raise
+    except (ValueError, RecursionError, TypeError, OverflowError) as exc:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+        raise TensorFrameError(f"safetensors header is not valid JSON: {str(exc)[:200]}") from None
+    if not isinstance(parsed, dict):
+        raise TensorFrameError("safetensors header is not a JSON object")
+    return parsed
+
+
+def _max_nesting(data: bytes) -> int:
+    """Upper bound of the JSON nesting depth of ``data`` (brackets inside strings are counted too, which
+    only over-estimates: a header whose tensor names hold many brackets is refused, never mis-parsed)."""
+    brackets = data.translate(None, _NOT_BRACKETS)
+    if len(brackets) <= MAX_JSON_NESTING:
+        return len(brackets)
+    depth = deepest = 0
+    for byte in brackets:
+        if byte in (0x5B, 0x7B):  # [ {
+            depth += 1
+            if depth > deepest:
+                deepest = depth
+                if deepest > MAX_JSON_NESTING:
+                    break
+        else:
+            depth -= 1
+    return deepest
+
+
+_NOT_BRACKETS = bytes(b for b in range(256) if b not in b"[]{}")
+
+
+def _short(value: Any, limit: int = 80) -> str:
+    """repr of a peer's value, cut to ``limit`` characters (error messages stay small)."""
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def specs_of(entries: Mapping[str, TensorEntry]) -> list[common_pb2.TensorSpec]:

@@ -12,6 +12,7 @@ from pydantic import Field, model_validator
 
 from primerl.runtime.config_base import BaseConfig
 from primerl.runtime.config_common import BrokerClientConfig, LogConfig
+from primerl.runtime.cpu_budget import ThreadsConfig
 
 # LoRA ranks that vLLM accepts for `max_lora_rank`.
 VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
@@ -84,3 +85,7 @@ class InferenceConfig(BaseConfig):
     server: ServerConfig = Field(default_factory=ServerConfig, description="HTTP server.")
     broker: BrokerClientConfig = Field(default_factory=BrokerClientConfig, description="Broker connection.")
     log: LogConfig = Field(default_factory=LogConfig, description="Logging of the inference daemon.")
+    threads: ThreadsConfig = Field(
+        default_factory=ThreadsConfig,
+        description="CPU thread budget: vLLM's OpenMP threads and their CPU binding (`cpus`), the wait policy.",
+    )

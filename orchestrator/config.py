@@ -14,6 +14,7 @@ from pydantic import Field, model_validator
 
 from primerl.runtime.config_base import BaseConfig, ConfigWarning, nearest_divisors, nearest_multiples
 from primerl.runtime.config_common import BrokerClientConfig, LogConfig, PrometheusConfig, WandbConfig
+from primerl.runtime.cpu_budget import ThreadsConfig
 
 # `[orchestrator.buffer] type = ...` as older prime-rl versions spell the filtering switch.
 BUFFER_TYPES = {"online-difficulty": True, "simple": False}
@@ -162,6 +163,9 @@ class OrchestratorConfig(BaseConfig):
         default_factory=PrometheusConfig, description="Prometheus `/metrics` of the orchestrator."
     )
     log: LogConfig = Field(default_factory=LogConfig, description="Logging of the orchestrator.")
+    threads: ThreadsConfig = Field(
+        default_factory=ThreadsConfig, description="CPU thread budget of the orchestrator and its env workers."
+    )
 
     @model_validator(mode="before")
     @classmethod

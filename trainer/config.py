@@ -12,6 +12,7 @@ from pydantic import Field, model_validator
 
 from primerl.runtime.config_base import BaseConfig
 from primerl.runtime.config_common import BrokerClientConfig, LogConfig, PrometheusConfig, WandbConfig
+from primerl.runtime.cpu_budget import ThreadsConfig
 
 DEFAULT_LORA_TARGET_MODULES = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
@@ -223,6 +224,9 @@ class TrainerConfig(BaseConfig):
         default_factory=PrometheusConfig, description="Prometheus `/metrics` of the trainer (rank 0)."
     )
     log: LogConfig = Field(default_factory=LogConfig, description="Logging of the trainer.")
+    threads: ThreadsConfig = Field(
+        default_factory=ThreadsConfig, description="CPU thread budget of each rank (`primerl.runtime.cpu_budget`)."
+    )
 
     @model_validator(mode="before")
     @classmethod

@@ -1,0 +1,199 @@
+"""CPU thread budget of each role: how many threads its math libraries run, and that idle ones sleep.
+
+Why: on a CPU machine the trainer, vLLM's worker, the orchestrator and its env workers share the cores. Left
+alone, torch starts one OpenMP thread per core in every process, and GNU OpenMP threads *spin* at the end of
+each parallel region waiting for their siblings. When two such processes share two cores, a sibling is often
+descheduled, so every one of the thousands of small parallel regions of a training step waits a scheduler
+time slice: profiled on the demo, 92 % of the trainer's compute samples sat in libgomp's spin loop and a step
+that needs 0.2 s of arithmetic took 5-30 s.
+
+The budget of a role (``ThreadsConfig``, the ``[<role>.threads]`` table):
+
+- ``num_threads``: intra-op threads of torch and of the OpenMP / MKL / OpenBLAS pools (``OMP_NUM_THREADS``,
+  ``MKL_NUM_THREADS``, ``OPENBLAS_NUM_THREADS``, ``torch.set_num_threads``);
+- ``num_interop_threads``: torch's inter-op pool (``torch.set_num_interop_threads``);
+- ``wait_policy``: ``passive`` (default) sets ``OMP_WAIT_POLICY=PASSIVE`` and ``KMP_BLOCKTIME=0``: an idle
+  OpenMP thread sleeps at once instead of burning a core another role needs;
+- ``cpus``: CPU ids the role's compute threads are bound to. For inference this becomes vLLM's
+  ``VLLM_CPU_OMP_THREADS_BIND`` (vLLM binds its worker's OpenMP threads, one per listed CPU); for the other
+  roles it is the process's affinity (``os.sched_setaffinity``).
+
+Defaults (``default_budgets``), from the CPUs this process may use (``os.sched_getaffinity(0)``, n of them):
+
+===============  ==================================  =================================================
+role             all roles on one CPU-only machine   with GPUs (compute is on the GPUs)
+===============  ==================================  =================================================
+inference        the first max(1, n // 2) CPUs,       vLLM's own choice (no CPU binding set)
+                 one vLLM OpenMP thread on each
+trainer          max(1, n - n // 2) threads, unbound  max(1, n // 2) threads
+orchestrator     1 thread (its env workers inherit)   1 thread
+broker           1 thread                             1 thread
+===============  ==================================  =================================================
+
+On 2 cores: vLLM's worker on CPU 0 with 1 thread, the trainer 1 thread, everything else 1 thread: no role has
+an OpenMP team that could wait on a descheduled sibling. A standalone daemon (not started by ``primerl rl``)
+with no budget set takes every CPU of its affinity for its own pools, still with the passive wait policy.
+
+Who applies it: ``primerl rl`` fills each role's unset fields with the defaults above, writes them into the
+role configs of the run directory, and puts the environment variables into each child's environment
+(``role_env``), so they hold before any library is loaded. Every daemon then applies its own config at start
+(``apply_budget``): env vars (effective when torch is not imported yet), torch's pools, the affinity.
+Imports neither torch nor vLLM at module level.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Literal
+
+from pydantic import Field, field_validator
+
+from primerl.runtime.config_base import BaseConfig
+
+ROLES = ("broker", "trainer", "orchestrator", "inference")
+THREAD_COUNT_VARS = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS")
+"""Environment variables that size the math libraries' thread pools (read when the library loads)."""
+VLLM_BIND_VAR = "VLLM_CPU_OMP_THREADS_BIND"
+
+
+class ThreadsConfig(BaseConfig):
+    """CPU thread budget of a role (see `primerl.runtime.cpu_budget`); unset fields take the role's default."""
+
+    num_threads: int | None = Field(
+        None, ge=1, description="Intra-op threads: torch, OpenMP, MKL, OpenBLAS (unset: the role's share of the "
+        "CPUs; all of them for a standalone daemon)."
+    )
+    num_interop_threads: int | None = Field(None, ge=1, description="torch inter-op threads (unset: 1).")
+    wait_policy: Literal["passive", "active"] = Field(
+        "passive", description="OpenMP wait policy: `passive` idle threads sleep at once (right when roles share "
+        "cores); `active` they spin (a dedicated machine may gain a little)."
+    )
+    cpus: list[int] | None = Field(
+        None, description="CPU ids the role's compute threads are bound to (inference: vLLM's OpenMP binding, "
+        "one thread per CPU; other roles: the process affinity). Unset: no binding (vLLM: its own)."
+    )
+
+    @field_validator("cpus")
+    @classmethod
+    def _check_cpus(cls, cpus: list[int] | None) -> list[int] | None:
+        if cpus is None:
+            return None
+        if not cpus or any(c < 0 for c in cpus) or len(set(cpus)) != len(cpus):
+            raise ValueError(f"cpus = {cpus} must list distinct CPU ids >= 0 (or be left unset)")
+        return cpus
+
+
+def available_cpus() -> list[int]:
+    """The CPU ids this process may run on, sorted."""
+    try:
+        return sorted(os.sched_getaffinity(0))
+    except AttributeError:  # pragma: no cover - not Linux
+        return list(range(os.cpu_count() or 1))
+
+
+def default_budgets(cpus: Sequence[int], *, gpus: bool) -> dict[str, ThreadsConfig]:
+    """The default budget of every role when all of them run on a machine with these CPUs (module table)."""
+    cpus = sorted(cpus)
+    if not cpus:
+        raise ValueError("no CPU to split between the roles")
+    n = len(cpus)
+    half = max(1, n // 2)
+    if gpus:
+        inference = ThreadsConfig(num_threads=half)
+        trainer = ThreadsConfig(num_threads=half)
+    else:
+        inference = ThreadsConfig(num_threads=half, cpus=list(cpus[:half]))
+        trainer = ThreadsConfig(num_threads=max(1, n - n // 2))
+    single = ThreadsConfig(num_threads=1)
+    return {"inference": inference, "trainer": trainer, "orchestrator": single, "broker": single.model_copy()}
+
+
+def fill_budget(explicit: ThreadsConfig | None, default: ThreadsConfig) -> ThreadsConfig:
+    """``explicit`` with its unset fields (None, or the default wait policy) taken from ``default``."""
+    if explicit is None:
+        return default.model_copy()
+    values = explicit.model_dump()
+    for name, value in default.model_dump().items():
+        if values.get(name) is None:
+            values[name] = value
+    return ThreadsConfig(**values)
+
+
+def resolved(budget: ThreadsConfig | None, cpus: Sequence[int] | None = None) -> ThreadsConfig:
+    """A standalone daemon's budget: unset thread counts become every CPU of its affinity (or of ``cpus``)."""
+    budget = budget or ThreadsConfig()
+    num_cpus = len(budget.cpus or cpus or available_cpus())
+    return fill_budget(budget, ThreadsConfig(num_threads=num_cpus, num_interop_threads=1))
+
+
+def role_env(role: str, budget: ThreadsConfig) -> dict[str, str]:
+    """Environment variables that give a child process this budget (set before it loads any math library)."""
+    if role not in ROLES:
+        raise ValueError(f"unknown role {role!r}; one of {ROLES}")
+    env: dict[str, str] = {}
+    num_threads = budget.num_threads
+    if role == "inference" and budget.cpus:
+        num_threads = len(budget.cpus)  # vLLM runs one OpenMP thread per bound CPU
+        env[VLLM_BIND_VAR] = ",".join(str(c) for c in budget.cpus)
+    if num_threads is not None:
+        env.update({name: str(num_threads) for name in THREAD_COUNT_VARS})
+    if budget.wait_policy == "passive":
+        env.update(OMP_WAIT_POLICY="PASSIVE", KMP_BLOCKTIME="0")
+    else:
+        env.update(OMP_WAIT_POLICY="ACTIVE")
+    return env
+
+
+def apply_budget(role: str, budget: ThreadsConfig | None, *, environ: Mapping[str, str] | None = None,
+                 log=None) -> ThreadsConfig:
+    """Apply ``budget`` to this process (a daemon calls it first thing); returns the budget applied.
+
+    Sets the environment variables of ``role_env`` (a value already in the environment wins: the launcher's or
+    the user's), then, if torch is imported (or importable without vLLM's in-process engine), torch's pools; and
+    the affinity for non-inference roles with ``cpus``. The OpenMP variables only take effect when libgomp has
+    not been loaded yet, i.e. when this runs before ``import torch``: the launcher sets them in the child's
+    environment for that reason.
+    """
+    applied = resolved(budget)
+    target = os.environ if environ is None else environ
+    for name, value in role_env(role, applied).items():
+        if name not in target:
+            target[name] = value  # type: ignore[index]
+    if applied.cpus and role != "inference" and hasattr(os, "sched_setaffinity"):
+        os.sched_setaffinity(0, applied.cpus)
+    if role == "trainer" or "torch" in sys.modules:
+        set_torch_threads(applied, log=log)
+    if log is not None:
+        log.info("thread budget", role=role, num_threads=applied.num_threads,
+                 num_interop_threads=applied.num_interop_threads, wait_policy=applied.wait_policy,
+                 cpus=applied.cpus, omp_num_threads=os.environ.get("OMP_NUM_THREADS"),
+                 omp_wait_policy=os.environ.get("OMP_WAIT_POLICY"))
+    return applied
+
+
+def set_torch_threads(budget: ThreadsConfig, log=None) -> None:
+    """torch's intra-op and inter-op pools to the budget (the inter-op size can only be set once, before any
+    inter-op work: a later call keeps what is there and says so)."""
+    import torch
+
+    if budget.num_threads is not None:
+        torch.set_num_threads(budget.num_threads)
+    if budget.num_interop_threads is not None and torch.get_num_interop_threads() != budget.num_interop_threads:
+        try:
+            torch.set_num_interop_threads(budget.num_interop_threads)
+        except RuntimeError as exc:
+            if log is not None:
+                log.warning("inter-op threads already started; keeping them", threads=torch.get_num_interop_threads(),
+                            error=str(exc))
+
+
+def describe(budgets: Mapping[str, ThreadsConfig], roles: Iterable[str] = ROLES) -> str:
+    """One line per role, for the launcher's start-up output."""
+    parts = []
+    for role in roles:
+        budget = budgets[role]
+        where = f" on CPUs {','.join(map(str, budget.cpus))}" if budget.cpus else ""
+        parts.append(f"{role} {budget.num_threads}{where}")
+    return "threads: " + ", ".join(parts) + f" (OpenMP wait policy {budgets['trainer'].wait_policy})"

@@ -41,7 +41,10 @@ async def _serve(config, args: argparse.Namespace, log) -> int:
 def serve(config, args: argparse.Namespace) -> int:
     from primerl.runtime.log_setup import configure_logging
 
+    from primerl.runtime.cpu_budget import apply_budget
+
     log = configure_logging("inference", level=config.log.level, fmt=config.log.format)
+    apply_budget("inference", config.threads, log=log)  # before vLLM starts: its CPU binding, the wait policy
     return asyncio.run(_serve(config, args, log))
 
 

@@ -1,6 +1,8 @@
 """`primerl rl` without `--dry-run`: the run directory, the four roles as child processes, live progress, the end.
 
-Order: broker (ready file) -> inference (ready file, once /health answers) -> orchestrator and trainer. Each
+Order: broker (ready file) -> inference and trainer at once (the trainer builds its model while vLLM starts;
+it only talks to the broker) and the orchestrator too unless it runs evals (it waits for a live inference
+worker by itself; an eval at step 0 needs one) -> once inference is ready, the orchestrator if not started. Each
 role logs to ``{run_dir}/logs/<role>.log`` and runs in its own process group (``primerl.runtime.process_supervisor``).
 The run token reaches the children as ``$PRIMERL_RUN_TOKEN`` only; the config files written hold none.
 A role that exits non-zero (or a broker or inference server that exits at all) stops the run; so do Ctrl-C and
@@ -9,6 +11,11 @@ SIGTERM. The run succeeds when the trainer exits 0.
 Every role serves Prometheus metrics on a free port unless its config fixes one (fixed ports that clash stop
 the launch before anything starts); the launcher prints each role's metrics URL once it is known. Trainer and
 orchestrator write their rows to ``{run_dir}/metrics.jsonl``, which the closing summary reads.
+
+CPU threads: each role gets a budget (``primerl.runtime.cpu_budget``): the unset fields of its ``[<role>.threads]``
+table are filled from the default split of this process's CPUs, written into the role's config, and set as
+environment variables of its process (OpenMP/MKL/OpenBLAS thread counts, passive OpenMP wait policy, vLLM's
+CPU binding) so that they hold before any library loads.
 """
 
 from __future__ import annotations
@@ -27,6 +34,7 @@ from pathlib import Path
 from typing import TextIO
 
 from primerl.runtime.config_loader import write_toml
+from primerl.runtime.cpu_budget import ThreadsConfig, available_cpus, default_budgets, describe, fill_budget, role_env
 from primerl.runtime.metrics_sink import METRICS_FILE_NAME
 from primerl.runtime.process_supervisor import ChildFailed, ChildProcess, Supervisor
 
@@ -158,9 +166,26 @@ class Launcher:
         return env
 
     def _child(self, role: str, argv: list[str], gpu_ids: list[int] | None = None) -> ChildProcess:
-        child = self.supervisor.start(ChildProcess(role, argv, self.logs_dir / f"{role}.log", self._env(gpu_ids)))
+        env = {**self._env(gpu_ids), **role_env(role, self.budgets[role])}
+        child = self.supervisor.start(ChildProcess(role, argv, self.logs_dir / f"{role}.log", env))
         self.supervisor.write_pids(self.run_dir / "pids.json")
         return child
+
+    def _thread_budgets(self, roles: dict) -> dict[str, ThreadsConfig]:
+        """Fill each role's unset ``threads`` fields from the default split (module docstring); returns every
+        role's budget, the broker's included (its config has no ``threads`` table: environment only)."""
+        cpus = available_cpus()
+        defaults = default_budgets(cpus, gpus=self.use_gpus)
+        budgets = {"broker": defaults["broker"]}
+        for role in ("trainer", "orchestrator", "inference"):
+            explicit = roles[role].threads
+            default = defaults[role]
+            if role == "inference" and explicit.num_threads is not None and explicit.cpus is None and default.cpus:
+                # vLLM runs one thread per bound CPU: a thread count asked for binds that many CPUs.
+                default = default.model_copy(update={"cpus": cpus[: explicit.num_threads]})
+            budgets[role] = fill_budget(explicit, default)
+            roles[role] = roles[role].model_copy(update={"threads": budgets[role]})
+        return budgets
 
     def _write_configs(self, roles: dict) -> dict[str, Path]:
         write_toml(_without_token(self.config), self.run_dir / "rl.toml")
@@ -197,8 +222,10 @@ class Launcher:
         for stale in ("broker.ready.json", "inference.ready.json"):
             (self.run_dir / stale).unlink(missing_ok=True)
         roles = config.role_configs()
+        self.budgets = self._thread_budgets(roles)
         paths = self._write_configs(roles)
         self.say(f"primerl rl: run directory {self.run_dir} (configs, logs/, pids.json)")
+        self.say(f"  {describe(self.budgets)}")
         if self.options.tmux:
             self._open_tmux(["broker", "inference", "orchestrator", "trainer"])
 
@@ -220,20 +247,28 @@ class Launcher:
         inference_ready = self.run_dir / "inference.ready.json"
         inference = self._child("inference", [BIN / "primerl-infer", "@", paths["inference"], "--ready-file",
                                               inference_ready], config.inference_gpu_ids)
-        self.say(f"  starting inference (vLLM takes a while; log {inference.log_path}) ...")
-        served = self.supervisor.wait_ready_file(inference, inference_ready, self.options.inference_timeout_s)
-        if served is None:
-            return self._interrupted()
-        self.say(f"  inference ready in {inference.ready_s:.1f} s at {served.get('base_url')}")
-
-        self._child("orchestrator", [BIN / "primerl-orchestrator", "@", paths["orchestrator"]], [])
+        # The trainer only needs the broker: it loads its model while vLLM starts.
         num_ranks = len(config.trainer_gpu_ids)
         trainer_argv = [BIN / "primerl-trainer", "@", paths["trainer"]]
         if num_ranks > 1:
             trainer_argv = [BIN / "torchrun", "--standalone", f"--nproc-per-node={num_ranks}", *trainer_argv]
-        self._child("trainer", trainer_argv, config.trainer_gpu_ids)
+        early = [self._child("trainer", trainer_argv, config.trainer_gpu_ids)]
         ranks = f" ({num_ranks} ranks under torchrun)" if num_ranks > 1 else ""
-        self.say(f"  orchestrator and trainer{ranks} started; training ...")
+        orchestrator_argv = [BIN / "primerl-orchestrator", "@", paths["orchestrator"]]
+        early_orchestrator = config.orchestrator.eval is None  # it waits for inference workers by itself
+        if early_orchestrator:
+            early.append(self._child("orchestrator", orchestrator_argv, []))
+        started = "trainer" + ranks + (" and orchestrator" if early_orchestrator else "")
+        self.say(f"  starting inference (vLLM takes a while; log {inference.log_path}); {started} started meanwhile ...")
+        served = self.supervisor.wait_ready_file(inference, inference_ready, self.options.inference_timeout_s,
+                                                 watch=early)
+        if served is None:
+            return self._interrupted()
+        self.say(f"  inference ready in {inference.ready_s:.1f} s at {served.get('base_url')}")
+        if not early_orchestrator:
+            self._child("orchestrator", orchestrator_argv, [])
+            self.say("  orchestrator started (after inference: it runs evals)")
+        self.say("  training ...")
         self.startup_s = time.monotonic() - started_s
         return self._supervise(address, started_s)
 

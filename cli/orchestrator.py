@@ -29,7 +29,10 @@ def serve(config, args: argparse.Namespace) -> int:
     from primerl.orchestrator.runner import OrchestratorRunner
     from primerl.runtime.log_setup import configure_logging
 
+    from primerl.runtime.cpu_budget import apply_budget
+
     log = configure_logging("orchestrator", "", level=config.log.level, fmt=config.log.format)
+    apply_budget("orchestrator", config.threads, log=log)  # env workers inherit its environment
     stop_event = threading.Event()
 
     def on_signal(signum: int, _frame: object) -> None:

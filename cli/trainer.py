@@ -10,12 +10,16 @@ from primerl.cli.role_entry import run_role
 
 
 def serve(config, args: argparse.Namespace, *, objective: str = "rl") -> int:
+    from primerl.runtime.cpu_budget import apply_budget
     from primerl.runtime.log_setup import bind_context, configure_logging
+
+    log = configure_logging("trainer", "", level=config.log.level, fmt=config.log.format)
+    apply_budget("trainer", config.threads, log=log)  # before torch loads OpenMP: thread counts, wait policy
+
     from primerl.trainer.distributed import init_distributed, shutdown_distributed
     from primerl.trainer.runner import TrainerRunner
 
     dist_info = init_distributed()
-    log = configure_logging("trainer", "", level=config.log.level, fmt=config.log.format)
     bind_context(rank=dist_info.rank)
     stop_event = threading.Event()
 

@@ -32,7 +32,8 @@ broker           1 thread                             1 thread
 
 On 2 cores: vLLM's worker on CPU 0 with 1 thread, the trainer 1 thread, everything else 1 thread: no role has
 an OpenMP team that could wait on a descheduled sibling. A standalone daemon (not started by ``primerl rl``)
-with no budget set takes every CPU of its affinity for its own pools, still with the passive wait policy.
+with no budget set takes every CPU of its affinity for its own pools (inference: vLLM's own binding), still
+with the passive wait policy.
 
 Who applies it: ``primerl rl`` fills each role's unset fields with the defaults above, writes them into the
 role configs of the run directory, and puts the environment variables into each child's environment
@@ -156,7 +157,9 @@ def apply_budget(role: str, budget: ThreadsConfig | None, *, environ: Mapping[st
     not been loaded yet, i.e. when this runs before ``import torch``: the launcher sets them in the child's
     environment for that reason.
     """
-    applied = resolved(budget)
+    # vLLM sizes its own pools (one OpenMP thread per bound CPU, its engine core down to 1 torch thread unless
+    # OMP_NUM_THREADS is set): a standalone inference daemon passes on only what its config sets.
+    applied = (budget or ThreadsConfig()) if role == "inference" else resolved(budget)
     target = os.environ if environ is None else environ
     for name, value in role_env(role, applied).items():
         if name not in target:

@@ -121,9 +121,11 @@ class Supervisor:
         child.start()
         return child
 
-    def wait_ready_file(self, child: ChildProcess, ready_file: Path, timeout_s: float) -> dict | None:
+    def wait_ready_file(self, child: ChildProcess, ready_file: Path, timeout_s: float,
+                        watch: Sequence[ChildProcess] = ()) -> dict | None:
         """The JSON that ``child`` writes to ``ready_file`` once serving; None if interrupted. Raises
-        ``ChildFailed`` when the child exits first or ``timeout_s`` passes."""
+        ``ChildFailed`` when the child exits first or ``timeout_s`` passes, or when one of ``watch`` (children
+        started alongside it, which must keep running meanwhile) exits."""
         deadline = time.monotonic() + timeout_s
         while True:
             if ready_file.exists():
@@ -131,6 +133,9 @@ class Supervisor:
                 return json.loads(ready_file.read_text())
             if child.poll() is not None:
                 raise ChildFailed(child, f"{child.name} {child.describe_exit()} before it was ready")
+            for other in watch:
+                if other.poll() is not None:
+                    raise ChildFailed(other, f"{other.name} {other.describe_exit()} while {child.name} was starting")
             if time.monotonic() > deadline:
                 raise ChildFailed(child, f"{child.name} was not ready within {timeout_s:g} s")
             if self.interrupted():

@@ -19,7 +19,7 @@ export VLLM_NO_USAGE_STATS := 1
 export DO_NOT_TRACK := 1
 export PRIMERL_ENV_PYTHON := $(CURDIR)/$(ENV_VENV)/bin/python
 
-.PHONY: run test test-fast setup proto docs clean
+.PHONY: run test test-fast setup proto docs clean bench bench-venv
 
 setup: $(STAMP) $(ENV_STAMP)
 
@@ -73,6 +73,27 @@ run: $(STAMP) $(ENV_STAMP)
 		|| (tail -20 $(RUN_DIR)/eval-rl.log; exit 1)
 	$(PRIMERL) plot $(RUN_DIR)/rl
 	$(PY) scripts/demo_report.py $(RUN_DIR)/eval/sft $(RUN_DIR)/eval/rl
+
+# Issue 12's benchmarks (parts a-g) -> bench/RESULTS.md and bench/plots/ (about 25 min after set-up; try
+# `make bench BENCH_ARGS=--quick` first). TRL, the peer of part a and g, lives in its own venv: trl's dependencies
+# would move the project's; it gets the project venv's transformers and accelerate so both run the same model code.
+BENCH_VENV := .venv-bench
+BENCH_STAMP := $(BENCH_VENV)/.primerl-bench-installed
+TRL_VERSION ?= 1.16.0
+BENCH_ARGS ?=
+bench: $(STAMP) $(ENV_STAMP) $(BENCH_STAMP)
+	$(PY) bench/run_all.py $(BENCH_ARGS)
+
+bench-venv: $(BENCH_STAMP)
+
+$(BENCH_STAMP): $(STAMP)
+	test -x $(BENCH_VENV)/bin/python || $(PYTHON) -m venv $(BENCH_VENV)
+	$(BENCH_VENV)/bin/python -m pip install -q --upgrade "pip>=24"
+	$(BENCH_VENV)/bin/python -m pip install -q "torch==2.13.0" "trl==$(TRL_VERSION)" \
+		"transformers==$$($(PY) -c 'import transformers; print(transformers.__version__)')" \
+		"accelerate==$$($(PY) -c 'import accelerate; print(accelerate.__version__)')"
+	$(BENCH_VENV)/bin/python -c "import trl, torch, transformers"
+	touch $(BENCH_STAMP)
 
 test: $(STAMP) $(ENV_STAMP)
 	$(PY) -m pytest -q

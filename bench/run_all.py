@@ -1,0 +1,297 @@
+#!/usr/bin/env python
+"""``make bench``: run every benchmark of issue 12 (parts a-g) with a time limit each and write bench/RESULTS.md.
+
+    .venv/bin/python bench/run_all.py            # the full profile (what `make bench` runs)
+    .venv/bin/python bench/run_all.py --quick    # fewer steps and repeats, for trying the harness
+    .venv/bin/python bench/run_all.py --parts a,f --sft runs/demo/sft/weights/step_1000
+
+Each part is a script in bench/ that takes ``--markdown PATH`` and writes its own section (command line, machine
+load, min/median/max over repeats, ratios, met/missed):
+
+====  ==========================  =========================================================================
+part  script                      what
+====  ==========================  =========================================================================
+a     rl_vs_trl.py --part a       primerl rl vs TRL GRPOTrainer on the demo task (wall/step, start-up, reward)
+b     trainer_step.py             trainer daemon step vs a bare loop on the same micro-batches
+c     rollout_path.py             orchestrator rollouts/s vs a plain async HTTP client on one primerl-infer
+d     broker_throughput.py        broker relay vs raw pyzmq; weight fan-out vs raw sends
+d     broker_flood.py             the broker under a flood of rollout batches
+e     weight_update.py            weight update publish->applied (full / LoRA / delta) vs raw copy and zmq
+f     async_levels.py             max_async_level 0 vs 1 vs 2: steps/s and reward
+g     rl_vs_trl.py --part g       ~100M-parameter model: primerl vs TRL samples/s
+====  ==========================  =========================================================================
+
+The harness never hides a failure: a script that does not exist, fails, or runs past its limit gets a
+"not run: <why>" section with the tail of its output; a script without ``--markdown`` gets its output quoted.
+``--quick`` is passed on to a script only when its ``--help`` mentions it. Parts run one after another (they
+would distort each other's timings otherwise); the time plan is printed first and the actual times go into
+RESULTS.md. Parts a and f need the demo's SFT checkpoint: ``--sft`` if given, else
+runs/bench/sft/weights/step_1000, else runs/demo/sft/weights/step_1000 (from ``make run``), else it is built in
+runs/bench with the Makefile's commands (tiny model, sft-data, chatty data, ``primerl sft`` 1000 steps).
+Outputs: bench/RESULTS.md, bench/plots/*.png; raw data and logs under runs/bench/ (not committed).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from primerl_runs import BENCH_PYTHON, ENV_PYTHON, PRIMERL, ROOT, BenchRunError, child_env, run_child  # noqa: E402
+from report import machine_load, markdown_table  # noqa: E402
+
+BENCH = ROOT / "bench"
+PYTHON = ROOT / ".venv" / "bin" / "python"
+SFT_STEPS = 1000
+QUICK_SFT_STEPS = 150
+
+
+@dataclass
+class Part:
+    key: str            # a..g (d has two scripts)
+    script: str
+    args: list[str]
+    full_limit_s: int
+    quick_limit_s: int
+    expected_full_s: int  # the plan: what the part should take on an idle 2-core machine
+    needs_sft: bool = False
+    needs_bench_venv: bool = False
+    own: bool = False     # written by this harness's author: arguments known, --quick always understood
+    status: str = "planned"
+    took_s: float = 0.0
+    section: Path | None = None
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def name(self) -> str:
+        return f"{self.key}: {self.script} {' '.join(self.args)}".strip()
+
+
+PARTS = [
+    Part("a", "rl_vs_trl.py", ["--part", "a"], 1200, 600, 540, needs_sft=True, needs_bench_venv=True, own=True),
+    Part("b", "trainer_step.py", [], 300, 180, 120),
+    Part("c", "rollout_path.py", [], 300, 180, 120),
+    Part("d", "broker_throughput.py", [], 300, 180, 120),
+    Part("d", "broker_flood.py", [], 180, 120, 60),
+    Part("e", "weight_update.py", [], 420, 240, 240),
+    Part("f", "async_levels.py", [], 480, 300, 200, needs_sft=True, own=True),
+    Part("g", "rl_vs_trl.py", ["--part", "g"], 600, 360, 300, needs_bench_venv=True, own=True),
+]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="short runs for trying the harness (not for the numbers)")
+    parser.add_argument("--parts", default="a,b,c,d,e,f,g", help="comma-separated parts to run (default: all)")
+    parser.add_argument("--sft", default=None, help="the demo's SFT checkpoint to start parts a and f from")
+    parser.add_argument("--output", type=Path, default=BENCH / "RESULTS.md")
+    parser.add_argument("--plots-dir", type=Path, default=BENCH / "plots")
+    parser.add_argument("--work-dir", type=Path, default=ROOT / "runs" / "bench")
+    parser.add_argument("--limit-scale", type=float, default=1.0, help="multiply every part's time limit")
+    return parser
+
+
+def help_text(script: Path) -> str:
+    try:
+        out = subprocess.run([str(PYTHON), str(script), "--help"], capture_output=True, text=True, timeout=120,
+                             cwd=ROOT, env=child_env())
+        return out.stdout + out.stderr
+    except (OSError, subprocess.TimeoutExpired):
+        return ""
+
+
+def find_or_build_sft(args: argparse.Namespace, log) -> str:
+    """The SFT checkpoint: given, reused, or built with the Makefile's commands (see the module doc)."""
+    steps = QUICK_SFT_STEPS if args.quick else SFT_STEPS
+    if args.sft:
+        if not (Path(args.sft) / "config.json").is_file():
+            raise BenchRunError(f"--sft {args.sft}: no config.json there")
+        return args.sft
+    run_dir = args.work_dir / ("sft-quick" if args.quick else "") if args.quick else args.work_dir
+    candidates = [run_dir / "sft" / "weights" / f"step_{steps}"]
+    if not args.quick:
+        candidates.append(ROOT / "runs" / "demo" / "sft" / "weights" / f"step_{SFT_STEPS}")
+    for candidate in candidates:
+        if (candidate / "config.json").is_file():
+            log(f"SFT checkpoint: reusing {candidate}")
+            return str(candidate)
+    log(f"SFT checkpoint: building it in {run_dir} ({steps} SFT steps, the Makefile's commands) ...")
+    started = time.time()
+    tiny, sft = run_dir / "tiny-model", run_dir / "sft"
+    if sft.exists():
+        import shutil
+
+        shutil.rmtree(sft)
+    sft.mkdir(parents=True)
+    commands = [
+        [str(PRIMERL), "init-tiny-model", str(tiny)],
+        [str(PRIMERL), "sft-data", "reverse-text", "-o", str(sft / "clean.jsonl")],
+        [str(PYTHON), "examples/reverse_text/chatty_sft_data.py", str(sft / "clean.jsonl"), str(sft / "data.jsonl")],
+        [str(PRIMERL), "sft", "@", "examples/reverse_text_sft.toml", "--model.name", str(tiny), "--tokenizer.name",
+         str(tiny), "--data.path", str(sft / "data.jsonl"), "--output-dir", str(sft), "--max-steps", str(steps)],
+    ]
+    for index, command in enumerate(commands):
+        run_child(command, run_dir / f"sft-build-{index}.log", 1800, f"building the SFT checkpoint ({command[1]})")
+    checkpoint = sft / "weights" / f"step_{steps}"
+    if not (checkpoint / "config.json").is_file():
+        raise BenchRunError(f"the SFT run ended without {checkpoint}")
+    log(f"SFT checkpoint built in {time.time() - started:.0f} s: {checkpoint}")
+    return str(checkpoint)
+
+
+def run_part(part: Part, args: argparse.Namespace, sft: str | None, sections: Path, log) -> None:
+    script = BENCH / part.script
+    part.section = sections / f"{part.key}-{Path(part.script).stem}.md"
+    if part.section.exists():
+        part.section.unlink()
+    limit_s = int((part.quick_limit_s if args.quick else part.full_limit_s) * args.limit_scale)
+    if not script.exists():
+        part.status = f"not run: bench/{part.script} does not exist (yet)"
+        return
+    if part.needs_bench_venv and not BENCH_PYTHON.exists():
+        part.status = f"not run: {BENCH_PYTHON.relative_to(ROOT)} is missing (`make bench` builds it)"
+        return
+    if part.needs_sft and sft is None:
+        part.status = "not run: no SFT checkpoint (see the SFT line above)"
+        return
+    cmd = [str(PYTHON), str(script), *part.args]
+    help_ = "--markdown --quick --sft --work-dir --plots-dir --json" if part.own else help_text(script)
+    has_markdown = "--markdown" in help_
+    if has_markdown:
+        cmd += ["--markdown", str(part.section)]
+    else:
+        part.notes.append("the script has no --markdown yet: its output is quoted")
+    if args.quick:
+        if "--quick" in help_:
+            cmd.append("--quick")
+        else:
+            part.notes.append("the script has no --quick: ran its default profile")
+    if part.own:
+        cmd += ["--work-dir", str(args.work_dir), "--plots-dir", str(args.plots_dir),
+                "--json", str(sections / f"{part.key}-{Path(part.script).stem}.json")]
+        if part.needs_sft:
+            cmd += ["--sft", sft]
+    log_path = sections / f"{part.key}-{Path(part.script).stem}.log"
+    log(f"[{part.key}] {' '.join(os.path.relpath(c, ROOT) if c.startswith(str(ROOT)) else c for c in cmd)} "
+        f"(limit {limit_s} s) ...")
+    started = time.time()
+    try:
+        run_child(cmd, log_path, limit_s, f"bench/{part.script}")
+        part.status = "ok"
+    except BenchRunError as error:
+        part.status = f"not run: {str(error).splitlines()[0]}"
+        part.notes.append("output tail:\n\n```\n" + "\n".join(str(error).splitlines()[1:]) + "\n```")
+    part.took_s = time.time() - started
+    if part.status == "ok" and not has_markdown:
+        output = log_path.read_text(errors="replace")
+        part.section.write_text(f"### {part.key}. bench/{part.script}\n\nCommand: `{' '.join(cmd)}`\n\n"
+                                f"```\n{output[-6000:]}\n```\n")
+    log(f"[{part.key}] {part.status} in {part.took_s:.0f} s")
+
+
+def count_verdicts(text: str) -> tuple[int, int]:
+    lowered = text.lower()
+    return lowered.count("**met**") + lowered.count("| met"), lowered.count("**missed**") + lowered.count("| missed")
+
+
+def write_results(args: argparse.Namespace, parts: list[Part], plan_lines: list[str], started: float,
+                  sft_line: str, commit: str) -> None:
+    rows, bodies = [], []
+    for part in parts:
+        text = part.section.read_text() if part.section and part.section.exists() else ""
+        met, missed = count_verdicts(text)
+        status = part.status if part.status != "ok" or text else "not run: the script wrote no section"
+        rows.append([part.key, f"`bench/{part.script} {' '.join(part.args)}`".replace(" `", "`"), status,
+                     f"{part.took_s:.0f}", str(met), str(missed)])
+        if text:
+            body = text.replace("](../../bench/plots/", "](plots/")
+            bodies.append(body + ("\n" + "\n".join(f"_{n}_" for n in part.notes) + "\n" if part.notes else ""))
+        else:
+            notes = "\n\n".join(part.notes)
+            bodies.append(f"### {part.key}. bench/{part.script}\n\n**{status}**\n\n{notes}\n")
+    profile = "quick (short runs, for trying the harness; not for the numbers)" if args.quick else "full"
+    header = [
+        "# primerl benchmarks (issue 12)", "",
+        f"Written by `{os.path.relpath(PYTHON, ROOT)} bench/run_all.py{' --quick' if args.quick else ''}` "
+        f"(`make bench`{' BENCH_ARGS=--quick' if args.quick else ''}) at commit `{commit}`, profile **{profile}**, "
+        f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime(started))}; took {time.time() - started:.0f} s. "
+        f"Machine: {machine_load()} at the end. Every figure is a ratio measured side by side in one run; "
+        "each part's section gives its command line and the load when it ran.", "",
+        sft_line, "",
+        markdown_table(["part", "script", "status", "took, s", "met", "missed"], rows), "",
+        "<details><summary>Time plan</summary>", "", "```", *plan_lines, "```", "", "</details>", "",
+    ]
+    text = "\n".join(header) + "\n" + "\n".join(bodies)
+    # Sections link their plots relative to where they were written; RESULTS.md sits in bench/.
+    sections_rel = os.path.relpath(args.plots_dir, args.work_dir / "sections")
+    text = text.replace(f"]({sections_rel}/", f"]({os.path.relpath(args.plots_dir, args.output.parent)}/")
+    args.output.parent.mkdir(parents=True, exist_ok=True)
+    tmp = args.output.with_name(args.output.name + ".tmp")
+    tmp.write_text(text)
+    tmp.replace(args.output)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    wanted = {p.strip() for p in args.parts.split(",") if p.strip()}
+    unknown = wanted - {p.key for p in PARTS}
+    if unknown:
+        raise SystemExit(f"--parts: unknown part(s) {sorted(unknown)}; choose from a,b,c,d,e,f,g")
+    parts = [p for p in PARTS if p.key in wanted]
+    sections = args.work_dir / "sections"
+    sections.mkdir(parents=True, exist_ok=True)
+    args.plots_dir.mkdir(parents=True, exist_ok=True)
+    started = time.time()
+
+    def log(message: str) -> None:
+        print(f"[bench {time.time() - started:6.0f} s] {message}", flush=True)
+
+    for path, what in ((PYTHON, "make setup"), (ENV_PYTHON, "make setup")):
+        if not Path(path).exists():
+            raise SystemExit(f"{path} is missing: run `{what}` first")
+    plan = [f"profile: {'quick' if args.quick else 'full'}; parts run one at a time; limit = the most a part may take",
+            f"{'part':<28} {'expected, s':>11} {'limit, s':>9}"]
+    needs_sft = any(p.needs_sft for p in parts)
+    if needs_sft and not args.sft:
+        plan.append(f"{'SFT checkpoint (if absent)':<28} {'~180':>11} {'1800':>9}")
+    for part in parts:
+        limit = int((part.quick_limit_s if args.quick else part.full_limit_s) * args.limit_scale)
+        expected = part.expected_full_s if not args.quick else part.quick_limit_s // 2
+        plan.append(f"{part.key + ': ' + part.script:<28} {expected:>11} {limit:>9}")
+    total_expected = sum(p.expected_full_s if not args.quick else p.quick_limit_s // 2 for p in parts)
+    plan.append(f"{'total (parts)':<28} {total_expected:>11} "
+                f"{sum(int((p.quick_limit_s if args.quick else p.full_limit_s) * args.limit_scale) for p in parts):>9}")
+    plan.append("from a fresh clone add `make setup` (~3 min), the bench venv (~2 min) and the SFT checkpoint (~3 min)")
+    print("\n".join(plan), flush=True)
+
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT).stdout.strip()
+    dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True, text=True,
+                           cwd=ROOT).stdout.strip()
+    commit = commit + (" (with uncommitted changes)" if dirty else "")
+    sft = None
+    sft_line = "SFT checkpoint: not needed by the parts run."
+    if needs_sft:
+        try:
+            sft = find_or_build_sft(args, log)
+            sft_line = f"SFT checkpoint (start of parts a and f): `{os.path.relpath(sft, ROOT)}`."
+        except BenchRunError as error:
+            sft_line = f"SFT checkpoint: **not available: {error}**".replace("\n", "  \n")
+            log(sft_line)
+    try:
+        for part in parts:
+            run_part(part, args, sft, sections, log)
+            write_results(args, parts, plan, started, sft_line, commit)  # partial results survive an interruption
+    finally:
+        write_results(args, parts, plan, started, sft_line, commit)
+    log(f"wrote {os.path.relpath(args.output, ROOT)} in {time.time() - started:.0f} s")
+    return 0 if all(p.status == "ok" for p in parts) else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

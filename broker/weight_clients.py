@@ -11,6 +11,7 @@ from __future__ import annotations
 import hmac
 import time
 import uuid
+from collections.abc import Callable
 from typing import Any
 
 import zmq
@@ -168,6 +169,49 @@ class WeightPublisher:
         self.close()
 
 
+class _InPlaceTransfer:
+    """The one chunked update being received straight into a caller's buffer (``WeightSubscriber`` with
+    ``payload_buffer``): the same checks as ``framing.ChunkAssembler`` (chunks in order, one header, the declared
+    size, a time bound), without its intermediate ``bytearray``."""
+
+    def __init__(self, first: framing.Message, buffer: memoryview, timeout_s: float):
+        chunk = first.envelope.chunk
+        if buffer.nbytes != chunk.total_bytes:
+            raise ValueError(f"payload_buffer gave {buffer.nbytes} bytes for a {chunk.total_bytes}-byte transfer")
+        self.first = first
+        self.key = (first.envelope.sender, chunk.transfer_id)
+        self.buffer = buffer
+        self.num_bytes = 0
+        self.next_index = 0
+        self.deadline_s = time.monotonic() + timeout_s
+
+    def add(self, message: framing.Message) -> framing.Message | None:
+        """Write one chunk; the whole message once the last one is in, else None. ``BadChunk`` when it does not
+        continue this transfer."""
+        chunk, first = message.envelope.chunk, self.first.envelope
+        if chunk.index != self.next_index:
+            raise framing.BadChunk(f"transfer {chunk.transfer_id}: expected chunk {self.next_index}, got {chunk.index}")
+        if chunk.count != first.chunk.count or chunk.total_bytes != first.chunk.total_bytes:
+            raise framing.BadChunk(f"transfer {chunk.transfer_id}: chunk {chunk.index} changes the count or total size")
+        if message.type != self.first.type or message.envelope.header != first.header:
+            raise framing.BadChunk(f"transfer {chunk.transfer_id}: chunk {chunk.index} carries a different header")
+        piece = message.payload[0]
+        end = self.num_bytes + piece.nbytes
+        if end > self.buffer.nbytes:
+            raise framing.BadChunk(f"transfer {chunk.transfer_id}: chunks exceed the declared {self.buffer.nbytes} bytes")
+        self.buffer[self.num_bytes:end] = piece
+        self.num_bytes = end
+        self.next_index += 1
+        if self.next_index < chunk.count:
+            return None
+        if self.num_bytes != self.buffer.nbytes:
+            raise framing.TruncatedMessage(f"transfer {chunk.transfer_id}: {self.num_bytes} of {self.buffer.nbytes} "
+                                           "bytes arrived")
+        whole = framing.Message(type=message.type, header=self.first.header, envelope=first, payload=[self.buffer])
+        framing.check_tensor_payload(whole)
+        return whole
+
+
 class WeightSubscriber:
     """The inference worker's side: ``hello()``, then ``receive()`` updates and ``ack()`` each one.
 
@@ -178,6 +222,11 @@ class WeightSubscriber:
     ``verify_digest`` is off by default: the broker checked the SHA-256 of exactly the bytes it forwards
     (a read-only view), and every chunk carries a CRC-32 that ``framing.decode`` checks, so a second SHA-256
     here (~0.6 ms per MiB on this CPU) only guards against a faulty broker; turn it on where that matters.
+
+    ``payload_buffer(num_bytes) -> memoryview``: where a chunked update is assembled (e.g. the inference worker's
+    shared payload file), instead of a new ``bytearray`` per update; the payload ``receive`` returns is then a view
+    of it, valid until the next ``receive``. One chunked transfer is received at a time (the broker sends a
+    worker's updates one after the other); a new one replaces an unfinished one.
     """
 
     def __init__(
@@ -191,6 +240,7 @@ class WeightSubscriber:
         verify_digest: bool = False,
         hello_interval_s: float = 5.0,
         transfer_timeout_s: float = 300.0,
+        payload_buffer: Callable[[int], memoryview] | None = None,
     ):
         if not worker_id:
             raise ValueError("worker_id must not be empty")
@@ -202,6 +252,9 @@ class WeightSubscriber:
         self.hello_interval_s = hello_interval_s
         self.current_version: int | None = None
         self._assembler = framing.ChunkAssembler(limits=limits, max_open_transfers=2, timeout_s=transfer_timeout_s)
+        self.transfer_timeout_s = transfer_timeout_s
+        self._payload_buffer = payload_buffer
+        self._in_place: _InPlaceTransfer | None = None
         self._context = context or zmq.Context.instance()
         self._socket: zmq.Socket | None = connect_dealer(self._context, endpoint, max_message_bytes=limits.max_frame_bytes)
         self._hello_sent_s: float | None = None
@@ -255,19 +308,14 @@ class WeightSubscriber:
         if message.type != data_pb2.WEIGHT_UPDATE:
             log.debug("ignored a message", type=message.type_name)
             return None
-        try:
-            whole = self._assembler.add(message)
-        except framing.BadChunk:
-            if message.envelope.chunk.index != 0:
-                log.warning("dropped a chunk of an abandoned transfer", transfer_id=message.envelope.chunk.transfer_id)
+        if self._payload_buffer is not None and message.is_chunk:
+            whole = self._add_in_place(message)
+            if whole is None:
                 return None
-            # A resent transfer reuses its id: the stale partial one is gone now, start again.
-            whole = self._assembler.add(message)
-        except framing.FramingError as exc:
-            log.warning("dropped a weight transfer", error=str(exc))
-            return None
-        if whole is None:
-            return None
+        else:
+            whole = self._assemble(message)
+            if whole is None:
+                return None
         header: data_pb2.WeightUpdateHeader = whole.header
         payload = whole.payload[0]
         if self.current_version is not None and header.policy_version <= self.current_version:
@@ -281,6 +329,48 @@ class WeightSubscriber:
                 code=common_pb2.ERROR_CODE_BAD_DIGEST, message="SHA-256 of the received payload does not match the header"))
             return None
         return header, payload
+
+    def _add_in_place(self, message: framing.Message) -> framing.Message | None:
+        """A chunk of an update assembled in ``payload_buffer``: the whole message, or None (incomplete or dropped)."""
+        chunk = message.envelope.chunk
+        transfer = self._in_place
+        if transfer is not None and time.monotonic() > transfer.deadline_s:
+            log.warning("incomplete weight transfer expired", transfer_id=transfer.key[1])
+            transfer = self._in_place = None
+        try:
+            if chunk.index == 0:
+                # A new transfer (or one resent under its id) replaces an unfinished one: the broker sends one at a time.
+                if chunk.total_bytes > self.limits.max_transfer_bytes:
+                    raise framing.OversizedFrame(f"transfer of {chunk.total_bytes} bytes exceeds "
+                                                 f"{self.limits.max_transfer_bytes}")
+                self._in_place = None
+                transfer = self._in_place = _InPlaceTransfer(message, self._payload_buffer(chunk.total_bytes),
+                                                             self.transfer_timeout_s)
+            elif transfer is None or transfer.key != (message.envelope.sender, chunk.transfer_id):
+                log.warning("dropped a chunk of an abandoned transfer", transfer_id=chunk.transfer_id)
+                return None
+            whole = transfer.add(message)
+        except framing.FramingError as exc:
+            self._in_place = None
+            log.warning("dropped a weight transfer", error=str(exc))
+            return None
+        if whole is not None:
+            self._in_place = None
+        return whole
+
+    def _assemble(self, message: framing.Message) -> framing.Message | None:
+        try:
+            whole = self._assembler.add(message)
+        except framing.BadChunk:
+            if message.envelope.chunk.index != 0:
+                log.warning("dropped a chunk of an abandoned transfer", transfer_id=message.envelope.chunk.transfer_id)
+                return None
+            # A resent transfer reuses its id: the stale partial one is gone now, start again.
+            whole = self._assembler.add(message)
+        except framing.FramingError as exc:
+            log.warning("dropped a weight transfer", error=str(exc))
+            return None
+        return whole
 
     def ack(self, version: int, applied: bool = True, error: common_pb2.ErrorDetail | None = None, apply_ms: int = 0) -> None:
         """Report an update as applied (the worker now serves ``version``) or failed (``applied=False``).

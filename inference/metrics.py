@@ -5,6 +5,7 @@ required like every route but /health), next to vLLM's ``vllm:*`` families:
     primerl_inference_weight_updates_applied_total   weight updates applied
     primerl_inference_weight_updates_refused_total   weight updates refused (the previous version kept serving)
     primerl_inference_last_update_ms                 the last applied update, from its arrival to resumed serving
+    primerl_inference_last_update_phase_ms{phase}    its phases: wait_engine (pause), check, stage, engine, reset_cache
 
 vLLM's route serves prometheus_client's global registry (``vllm.v1.metrics.prometheus.get_prometheus_registry``),
 so these families are registered there, once per process. In prometheus_client's multiprocess mode
@@ -29,6 +30,7 @@ class InferenceFamilies:
     updates_applied: Counter
     updates_refused: Counter
     last_update_ms: Gauge
+    last_update_phase_ms: Gauge
 
 
 def inference_families() -> InferenceFamilies:
@@ -44,5 +46,9 @@ def inference_families() -> InferenceFamilies:
                                         "previous version kept serving)."),
                 last_update_ms=Gauge("primerl_inference_last_update_ms", "Milliseconds of the last applied update, "
                                      "from its arrival to resumed serving.", multiprocess_mode="mostrecent"),
+                last_update_phase_ms=Gauge("primerl_inference_last_update_phase_ms", "Milliseconds of each phase "
+                                           "of the last applied update (wait_engine: pausing generation; check; "
+                                           "stage: payload into the shared file; engine: the worker's reload; "
+                                           "reset_cache).", ["phase"], multiprocess_mode="mostrecent"),
             )
         return _families

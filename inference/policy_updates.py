@@ -12,14 +12,19 @@ the server adapts its `AsyncLLM` the same way (each method run to completion, e.
 
 Checks come first, and a refused update (`UpdateRefused` with a wire ``ErrorCode``) changes nothing:
 
-- BAD_DIGEST: the payload's SHA-256 is not ``header.digest`` (TRUNCATED when ``payload_bytes`` disagrees);
+- BAD_DIGEST: the payload's SHA-256 is not ``header.digest`` (TRUNCATED when ``payload_bytes`` disagrees). Only
+  with ``verify_digest`` (the default): the daemon turns it off, because the broker checked the SHA-256 of exactly
+  the bytes it forwards and every chunk's CRC-32 was checked on arrival (the digest is computed once by the trainer
+  and checked once by the broker, not again at every hop);
 - OUT_OF_ORDER: a FULL or LORA update not newer than the served version; a DELTA whose ``base_version`` is not
   the served version, or that arrives while a LoRA adapter is served (a delta applies to full weights);
 - TENSOR_MISMATCH / MALFORMED_HEADER: unknown, missing or misshapen tensors, an unreadable payload, a corrupt
   delta, an adapter whose rank exceeds the engine's ``max_lora_rank``.
 
-FULL and DELTA go through `primerl.inference.worker_extension` (safetensors bytes through ``collective_rpc``,
-reloaded in place); LORA is written to a new directory under ``work_dir`` and added under a NEW int id each
+FULL and DELTA go through `primerl.inference.worker_extension`: the payload is put in one shared-memory file
+(`primerl.inference.shared_payload`, reused from update to update; a caller may assemble the payload straight into
+it with `staging_buffer`) and only its path crosses ``collective_rpc``; the worker reads it in place and reloads
+the weights; LORA is written to a new directory under ``work_dir`` and added under a NEW int id each
 version (re-using an id with new files serves the old weights), then the previous id is removed. Older adapter
 directories are kept for ``keep_adapter_versions`` versions, because a request still in flight with the previous
 `LoRARequest` makes vLLM reload it from its path.
@@ -41,6 +46,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
+from primerl.inference.shared_payload import SharedPayload
 from primerl.inference.worker_extension import REFUSAL_PREFIX, WeightUpdateInvalid, check_against
 from primerl.proto.tensor_frames import TensorFrameError, check_tensor_frame
 from primerl.proto.v1 import common_pb2, data_pb2
@@ -134,11 +140,15 @@ class PolicyUpdater:
         policy_name: str = DEFAULT_POLICY_NAME,
         policy_version: int = 0,
         keep_adapter_versions: int = 2,
+        verify_digest: bool = True,
+        staging_dir: str | Path | None = None,
     ):
         """`max_lora_rank`: the engine's (None: started without LoRA, LORA updates are refused).
         `policy_name`: the adapter name when a LORA header has none. `policy_version`: what the engine serves
         now (0: the checkpoint it was started from). `keep_adapter_versions`: adapter directories kept on disk,
-        the served one included (>= 2, so requests still on the previous adapter can reload it)."""
+        the served one included (>= 2, so requests still on the previous adapter can reload it).
+        `verify_digest`: check each payload's SHA-256 against the header (see the module docstring).
+        `staging_dir`: where the shared payload file lives (None: /dev/shm when writable)."""
         if keep_adapter_versions < 2:
             raise ValueError(f"keep_adapter_versions must be >= 2, got {keep_adapter_versions}")
         if policy_version < 0:
@@ -154,6 +164,13 @@ class PolicyUpdater:
         self._adapter_dirs: list[Path] = []
         self._manifest: dict[str, tuple[str, list[int]]] | None = None
         self._lock = threading.Lock()
+        self.verify_digest = verify_digest
+        self._staging_dir = staging_dir
+        self._staging: SharedPayload | None = None
+        self.last_phases_ms: dict[str, float] = {}
+        """Milliseconds of each phase of the last applied update: ``check`` (header, digest, tensor specs),
+        ``stage`` (payload into the shared file; 0 when it was assembled there), ``engine`` (the worker's reload),
+        ``reset_cache``; LORA: ``check``, ``engine`` (write + add the adapter)."""
 
     @classmethod
     def for_llm(cls, llm: vllm.LLM, work_dir: str | Path, **kwargs: Any) -> PolicyUpdater:
@@ -192,20 +209,43 @@ class PolicyUpdater:
 
     # ---- applying ----------------------------------------------------------------------------------------------
 
+    def staging_buffer(self, num_bytes: int) -> memoryview:
+        """A writable view of ``num_bytes`` in the shared payload file, to assemble a payload in place; passed to
+        `apply` as is, it is not copied again. Valid until the next call (one update at a time)."""
+        with self._lock:
+            return self._staging_file().buffer(num_bytes)
+
+    def _staging_file(self) -> SharedPayload:
+        if self._staging is None:
+            self._staging = SharedPayload(self._staging_dir)
+        return self._staging
+
+    def close(self) -> None:
+        """Remove the shared payload file (the updater can still be used: it makes a new one)."""
+        with self._lock:
+            if self._staging is not None:
+                self._staging.close()
+                self._staging = None
+
     def apply(self, header: data_pb2.WeightUpdateHeader, payload: bytes | bytearray | memoryview) -> float:
         """Apply one update; returns the milliseconds it took, checks included. Raises `UpdateRefused` (nothing
         changed). Any other exception is a fault of the engine: what it serves is then unknown."""
         start = time.perf_counter()
+        phases: dict[str, float] = {}
         with self._lock:
             self._check_common(header, payload)
             if header.kind == LORA:
+                phases["check"] = _ms_since(start)
                 self._apply_lora(header, payload)
+                phases["engine"] = _ms_since(start) - phases["check"]
             else:
-                self._apply_weights(header, bytes(payload))
+                self._apply_weights(header, payload, phases, start)
             self._policy_version = int(header.policy_version)
-        apply_ms = (time.perf_counter() - start) * 1000.0
+            self.last_phases_ms = phases
+        apply_ms = _ms_since(start)
         log.info("applied weight update", policy_version=header.policy_version,
-                 kind=data_pb2.WeightUpdateKind.Name(header.kind), apply_ms=round(apply_ms, 2))
+                 kind=data_pb2.WeightUpdateKind.Name(header.kind), apply_ms=round(apply_ms, 2),
+                 **{f"{name}_ms": round(value, 1) for name, value in phases.items()})
         return apply_ms
 
     def _check_common(self, header: data_pb2.WeightUpdateHeader, payload: Any) -> None:
@@ -216,8 +256,8 @@ class PolicyUpdater:
         if header.payload_bytes and header.payload_bytes != size:
             raise UpdateRefused(common_pb2.ERROR_CODE_TRUNCATED,
                                 f"the payload has {size} bytes but the header says {header.payload_bytes}")
-        digest = hashlib.sha256(memoryview(payload)).hexdigest()
-        if not hmac.compare_digest(digest, header.digest.lower()):
+        digest = hashlib.sha256(memoryview(payload)).hexdigest() if self.verify_digest else None
+        if digest is not None and not hmac.compare_digest(digest, header.digest.lower()):
             raise UpdateRefused(common_pb2.ERROR_CODE_BAD_DIGEST,
                                 f"payload SHA-256 is {digest} but the header says {header.digest or '(none)'}")
         version, served = header.policy_version, self._policy_version
@@ -243,8 +283,9 @@ class PolicyUpdater:
             self._manifest = {name: (dtype, list(shape)) for name, (dtype, shape) in manifests[0].items()}
         return self._manifest
 
-    def _apply_weights(self, header: data_pb2.WeightUpdateHeader, payload: bytes) -> None:
-        """FULL or DELTA, through the worker extension."""
+    def _apply_weights(self, header: data_pb2.WeightUpdateHeader, payload: Any, phases: dict[str, float],
+                       start: float) -> None:
+        """FULL or DELTA, through the worker extension and the shared payload file."""
         manifest = self._weight_manifest()
         what = f"{data_pb2.WeightUpdateKind.Name(header.kind)} v{header.policy_version}"
         try:
@@ -265,11 +306,22 @@ class PolicyUpdater:
         except WeightUpdateInvalid as exc:
             raise UpdateRefused(exc.code, exc.reason) from None
 
+        phases["check"] = _ms_since(start)
+        staging = self._staging_file()
+        view = memoryview(payload)
+        num_bytes = view.nbytes
+        if not staging.holds(view):
+            staging.write(view)
+        phases["stage"] = _ms_since(start) - phases["check"]
+        mark = time.perf_counter()
         if header.kind == FULL:
-            results = self._rpc("primerl_load_full", payload)
+            results = self._rpc("primerl_load_full_file", staging.path, num_bytes)
         else:
-            results = self._rpc("primerl_apply_delta", payload, header.SerializeToString())
+            results = self._rpc("primerl_apply_delta_file", staging.path, num_bytes, header.SerializeToString())
+        phases["engine"] = _ms_since(mark)
+        mark = time.perf_counter()
         self.engine.reset_prefix_cache()
+        phases["reset_cache"] = _ms_since(mark)
         if self._lora_request is not None:
             # vLLM's reload already dropped the adapter inside the worker; tell the engine too.
             self.engine.remove_lora(self._lora_request.lora_int_id)
@@ -373,6 +425,10 @@ class PolicyUpdater:
         (tmp / ADAPTER_CONFIG_FILE).write_text(adapter_config_json)
         tmp.rename(final)
         return final
+
+
+def _ms_since(start: float) -> float:
+    return (time.perf_counter() - start) * 1000.0
 
 
 def _refusal_from(exc: BaseException) -> UpdateRefused | None:

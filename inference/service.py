@@ -174,8 +174,11 @@ class InferenceService:
             await self.server.wait_healthy(health_timeout_s)
             engine = self.server.engine
             self.ops = AsyncEngineOps(engine, self._loop)
+            # No SHA-256 here: the broker checked it over exactly the bytes it forwards, and the subscriber
+            # checked each chunk's CRC-32 on arrival (see policy_updates: computed once, checked once).
             self.updater = PolicyUpdater(self.ops, self.work_dir / "policy",
-                                         max_lora_rank=engine_max_lora_rank(engine.vllm_config))
+                                         max_lora_rank=engine_max_lora_rank(engine.vllm_config),
+                                         verify_digest=False)
             # Reads the weight manifest (and the worker's host copy) now rather than during the first update.
             await asyncio.to_thread(self.updater.prepare)
             self.metrics.policy_version.set(self.updater.policy_version)
@@ -239,6 +242,8 @@ class InferenceService:
         if self.control is not None:
             await asyncio.to_thread(self.control.close, 5.0)
         await self.server.stop(grace_s)
+        if self.updater is not None:
+            self.updater.close()  # the shared payload file
         if self._own_work_dir:
             shutil.rmtree(self.work_dir, ignore_errors=True)
         log.info("inference worker stopped")
@@ -269,7 +274,10 @@ class InferenceService:
                         log.info("registered again: resubscribing to weights", worker_id=worker_id,
                                  policy_version=self.policy_version)
                         subscriber.close()
-                    subscriber = WeightSubscriber(registration.weight_endpoint, self.config.broker.run_token, worker_id)
+                    # Chunked updates are assembled straight into the updater's shared payload file: the engine's
+                    # worker reads them there, with no further copy.
+                    subscriber = WeightSubscriber(registration.weight_endpoint, self.config.broker.run_token, worker_id,
+                                                  payload_buffer=self.updater.staging_buffer)
                     try:
                         subscriber.hello(self.policy_version)
                     except TimeoutError:
@@ -326,6 +334,7 @@ class InferenceService:
                 code=common_pb2.ERROR_CODE_INTERNAL,
                 message=f"requests in flight did not finish within {DRAIN_TIMEOUT_S:g} s; send the update again"))
             return
+        engine_wait_ms = (time.monotonic() - received_s) * 1000.0
         try:
             try:
                 engine_ms = self.updater.apply(header, payload)
@@ -351,6 +360,9 @@ class InferenceService:
         self.metrics.updates_applied.inc()
         self.metrics.policy_version.set(version)
         self.metrics.last_update_ms.set(apply_ms)
+        phases_ms = {"wait_engine": engine_wait_ms, **self.updater.last_phases_ms}
+        for phase, value in phases_ms.items():
+            self.metrics.last_update_phase_ms.labels(phase=phase).set(value)
         bind_context(policy_version=version)
         log.info("weight update live", policy_version=version, kind=kind, apply_ms=round(apply_ms, 1),
                  engine_ms=round(engine_ms, 1))

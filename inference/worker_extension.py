@@ -38,8 +38,9 @@ from typing import TYPE_CHECKING, Any
 
 from google.protobuf.message import DecodeError
 
+from primerl.inference.shared_payload import map_shared
 from primerl.proto import weight_delta
-from primerl.proto.tensor_frames import TensorFrameError, decode_tensors
+from primerl.proto.tensor_frames import DTYPES, TensorFrameError, decode_tensors, parse_header
 from primerl.proto.v1 import common_pb2, data_pb2
 
 if TYPE_CHECKING:
@@ -105,6 +106,24 @@ def check_against(tensors: Mapping[str, Any], manifest: Mapping[str, tuple[str, 
         if dtype != expected_dtype or list(shape) != list(expected_shape):
             raise WeightUpdateInvalid(f"{what}: tensor {name!r} is {dtype}{list(shape)} but the model's is "
                                       f"{expected_dtype}{list(expected_shape)}")
+
+
+def torch_views(frame: Any) -> dict[str, torch.Tensor]:
+    """The tensors of a safetensors frame as torch tensors that VIEW the frame (no copy; the frame must stay
+    unchanged while they are used). Raises `TensorFrameError` for an unreadable frame."""
+    import torch
+
+    view = memoryview(frame)
+    entries = parse_header(view)
+    out = {}
+    for name, entry in entries.items():
+        dtype = getattr(torch, DTYPES[entry.dtype][2])
+        if entry.end > entry.start:
+            tensor = torch.frombuffer(view[entry.start:entry.end], dtype=dtype)
+        else:
+            tensor = torch.empty(0, dtype=dtype)
+        out[name] = tensor.reshape(entry.shape)
+    return out
 
 
 def _load_groups(names: list[str]) -> dict[str, list[str]]:
@@ -229,7 +248,20 @@ class PolicyWorkerExtension:
         check_against(manifest_of(tensors), self._primerl_manifest, require_all=require_all, what="full update")
         return self._primerl_load(tensors, start)
 
-    def primerl_apply_delta(self, payload: bytes, header_bytes: bytes) -> dict[str, Any]:
+    def primerl_load_full_file(self, path: str, num_bytes: int, require_all: bool = True) -> dict[str, Any]:
+        """`primerl_load_full` of the payload held in the first ``num_bytes`` of the shared file ``path``
+        (`primerl.inference.shared_payload`): read in place, nothing crosses the RPC but the path."""
+        start = time.perf_counter()
+        self.primerl_host_weights()
+        try:
+            tensors = torch_views(map_shared(path, num_bytes))
+        except TensorFrameError as exc:
+            code = common_pb2.ERROR_CODE_TENSOR_MISMATCH if exc.mismatch else common_pb2.ERROR_CODE_MALFORMED_HEADER
+            raise WeightUpdateInvalid(f"full update: {exc}", code) from None
+        check_against(manifest_of(tensors), self._primerl_manifest, require_all=require_all, what="full update")
+        return self._primerl_load(tensors, start)
+
+    def primerl_apply_delta(self, payload: bytes | memoryview, header_bytes: bytes) -> dict[str, Any]:
         """Decode a DELTA (a serialized ``WeightUpdateHeader`` and its payload) against the host copy and load
         the tensors it changes. A delta that does not fit raises `WeightUpdateInvalid`; nothing changes then."""
         start = time.perf_counter()
@@ -245,6 +277,10 @@ class PolicyWorkerExtension:
             raise WeightUpdateInvalid(f"delta: {exc}", exc.code) from None
         return self._primerl_load(changed, start)
 
+    def primerl_apply_delta_file(self, path: str, num_bytes: int, header_bytes: bytes) -> dict[str, Any]:
+        """`primerl_apply_delta` of the payload held in the first ``num_bytes`` of the shared file ``path``."""
+        return self.primerl_apply_delta(map_shared(path, num_bytes), header_bytes)
+
     def _primerl_load(self, tensors: dict[str, torch.Tensor], start: float) -> dict[str, Any]:
         host = self._primerl_host
         to_load = dict(tensors)
@@ -257,7 +293,9 @@ class PolicyWorkerExtension:
             with _quiet_partial_reload(partial):
                 self.model_runner.reload_weights(weights_iterator=iter(list(to_load.items())))
             _refresh_tied_cpu_layers(self.model_runner.get_model(), set(to_load) if partial else None)
-        host.update(tensors)
+        for name, tensor in tensors.items():
+            # In place: no fresh memory, and never a view of the caller's buffer (a shared file is reused).
+            host[name].copy_(tensor)
         return {
             "num_tensors": len(tensors),
             "num_loaded_tensors": len(to_load),

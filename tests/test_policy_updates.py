@@ -103,7 +103,7 @@ class FakeEngine:
         self.calls.append((method, len(args)))
         if method == "primerl_weight_manifest":
             return [self.manifest]
-        if method == "primerl_apply_delta":
+        if method in ("primerl_apply_delta", "primerl_apply_delta_file"):
             # what vLLM's multiprocess executor raises for a worker's WeightUpdateInvalid
             raise Exception("Call to collective_rpc method failed: Worker failed with error '[primerl:"
                             "ERROR_CODE_MALFORMED_HEADER] delta: corrupt', please check the stack trace above")
@@ -148,8 +148,10 @@ def test_updater_checks_without_an_engine(tmp_path: Path) -> None:
     updater = PolicyUpdater(engine, tmp_path, max_lora_rank=4)
     assert updater.apply(*full_update(weights, 3)) > 0
     assert updater.policy_version == 3
-    assert [call for call, _ in engine.calls] == ["primerl_weight_manifest", "primerl_load_full",
+    # The payload reaches the worker through the shared payload file: only its path crosses the RPC.
+    assert [call for call, _ in engine.calls] == ["primerl_weight_manifest", "primerl_load_full_file",
                                                  "reset_prefix_cache"]
+    assert set(updater.last_phases_ms) == {"check", "stage", "engine", "reset_cache"}
 
     header, payload = full_update(weights, 4)
     for mutate, code in [

@@ -1,10 +1,21 @@
 """The RL trainer daemon: pull each step's micro-batches from the broker, step, publish, checkpoint, commit.
 
-    rank r (torchrun) ── RolloutConsumer ──► broker rollout stream   (its micro-batches of step N)
-                     ── TrainStep ──► optimizer step N
-    rank 0           ── PolicyPublisher ──► broker weight plane      (policy version N)
-                     ── every ckpt.interval: checkpoint (all ranks), then CommitStep(N) over gRPC
+    rank r (torchrun) ── fetch thread: RolloutConsumer ──► broker rollout stream (step N+1, while N computes)
+                     ── compute loop: TrainStep ──► optimizer step N
+    rank 0           ── IO thread, in order: PolicyPublisher ──► broker weight plane (policy version N)
+                     ── every ckpt.interval: checkpoint, then CommitStep(N) over gRPC
                      ── ReportMetrics(N); one row of {output_dir}/metrics.jsonl (and W&B, Prometheus)
+
+The threads and their invariants are in ``primerl.trainer.step_io``: the compute loop only computes; the
+previous step's publish and checkpoint finish before the next optimizer step changes the weights; a step is
+committed only after its checkpoint is durable; an IO failure stops the run as ``TrainerIOError``. With
+several ranks the checkpoint itself (it has barriers) is written on the compute thread.
+
+Phase timers (metrics, seconds unless named ``_ms``): ``perf/wait_for_data_s`` (compute loop waiting for the
+prefetched step), ``perf/fetch_s`` and ``perf/decode_s`` (fetch thread), ``perf/forward_s``,
+``perf/backward_s``, ``perf/update_wait_s`` (waiting for the previous step's publish/checkpoint),
+``perf/optimizer_s``, ``perf/step_time_s`` (the compute loop's whole step), and from the IO thread
+``perf/publish_ms``, ``perf/checkpoint_s``, ``perf/commit_s``, ``perf/io_s``.
 
 Rank 0 serves the trainer's Prometheus metrics (``[trainer.prometheus]``; its URL goes to the broker as the
 ``metrics_url`` capability): the generic ``primerl_step`` / ``primerl_metric`` families of every row, and
@@ -31,6 +42,11 @@ from primerl.trainer.distributed import DistInfo, barrier, unwrap_model, wrap_mo
 from primerl.trainer.train_step import TrainStep, distillation_objective, rl_objective, sft_objective
 
 log = get_logger("primerl.trainer")
+
+WEIGHTS_JOB_TIMEOUT_S = 600.0
+"""Longest wait of the compute loop for the previous step's publish and checkpoint before its optimizer step."""
+IO_DRAIN_TIMEOUT_S = 600.0
+"""Longest wait at shutdown for the IO thread to finish its queued jobs."""
 
 
 class TrainerRunner:
@@ -133,6 +149,7 @@ class TrainerRunner:
             self._open_metrics()
             start_step = self._build()
             self._connect()
+            self._start_io(start_step)
             for step in range(start_step, config.max_steps + 1):
                 if self.stop_event.is_set():
                     log.info("stopping before step", step=step)
@@ -148,45 +165,97 @@ class TrainerRunner:
         finally:
             self.close()
 
-    def _train_one(self, step: int) -> None:
+    def _start_io(self, start_step: int) -> None:
+        """The fetch thread (from ``start_step``) and the ordered IO thread (``primerl.trainer.step_io``)."""
         from primerl.trainer.batch import MicroBatch
+        from primerl.trainer.step_io import StepIOThread, StepPrefetcher
 
         config = self.config
+
+        def fetch(step: int, halt: threading.Event) -> list:
+            return self.consumer.fetch_step(step, timeout_s=config.data_timeout_s, stop_event=halt)
+
+        def decode(raw: list) -> list:
+            return [MicroBatch.from_tensors(tensors) for _, tensors in raw]
+
+        self.io = StepIOThread()
+        self.prefetcher = StepPrefetcher(fetch, decode, start_step, config.max_steps)
+        self.weights_ticket = None  # the previous step's job that reads the weights
+
+    def _wait_for_weights(self) -> None:
+        """Before the optimizer changes the parameters: the previous step's publish and checkpoint have read them."""
+        if self.weights_ticket is not None:
+            self.weights_ticket.wait(WEIGHTS_JOB_TIMEOUT_S)
+            self.weights_ticket = None
+
+    def _train_one(self, step: int) -> None:
+        config = self.config
         started_s = time.monotonic()
-        batches = self.consumer.fetch_step(step, timeout_s=config.data_timeout_s, stop_event=self.stop_event)
-        micro_batches = [MicroBatch.from_tensors(tensors) for _, tensors in batches]
+        self.io.check()
+        # A bound on the wait of its own: the fetch thread gives up after data_timeout_s and says so here.
+        fetched = self.prefetcher.get(step, timeout_s=config.data_timeout_s + 30.0, stop_event=self.stop_event)
+        micro_batches = fetched.micro_batches
         waited_s = time.monotonic() - started_s
-        stats = self.step_fn.step(step, micro_batches)
+        stats = self.step_fn.step(step, micro_batches, before_update=self._wait_for_weights)
         self.progress["trainer_step"] = step
-        publish_ms = 0.0
-        if self.publisher is not None:
-            result = self.publisher.publish(unwrap_model(self.model), version=step)
-            publish_ms = result.build_ms + result.send_ms
-        checkpointed = self._maybe_checkpoint(step)
+        due = self._checkpoint_due(step)
+        timings: dict[str, float] = {}
+        if due and self.dist.enabled:
+            # Collectives (barriers) stay on the compute thread: they must not interleave with DDP's.
+            timings["checkpoint_s"] = self._write_checkpoint(step)
+        compute_s = time.monotonic() - started_s
         metrics = stats.as_metrics()
-        metrics.update({"perf/wait_for_data_s": waited_s, "perf/step_time_s": time.monotonic() - started_s,
-                        "perf/publish_ms": publish_ms, "train/num_micro_batches": float(len(micro_batches)),
-                        "ckpt/saved": float(checkpointed)})
-        if self.dist.is_main:
+        metrics.update({"perf/wait_for_data_s": waited_s, "perf/step_time_s": compute_s,
+                        "perf/fetch_s": fetched.fetch_s, "perf/decode_s": fetched.decode_s,
+                        "train/num_micro_batches": float(len(micro_batches)), "ckpt/saved": float(due)})
+        metrics.update({f"perf/{name}": value for name, value in stats.timings.items()})
+        if not self.dist.is_main:
+            return
+        model = unwrap_model(self.model)
+
+        def weights_job() -> None:  # reads the weights of this step: runs before the next optimizer step
+            if self.publisher is not None:
+                result = self.publisher.publish(model, version=step)
+                timings["publish_ms"] = result.build_ms + result.send_ms
+            if due and not self.dist.enabled:
+                timings["checkpoint_s"] = self._write_checkpoint(step)
+
+        def finish_job() -> None:  # after the weights job (same ordered thread): commit only a durable checkpoint
+            if due:
+                commit_started_s = time.perf_counter()
+                self._commit(step)
+                timings["commit_s"] = time.perf_counter() - commit_started_s
+            metrics["perf/publish_ms"] = timings.get("publish_ms", 0.0)
+            metrics.update({f"perf/{name}": timings[name] for name in ("checkpoint_s", "commit_s") if name in timings})
+            metrics["perf/io_s"] = time.monotonic() - io_started_s
             self.control.report_metrics(step, metrics)
             self.sink.log(step, metrics)
             if self.exporter is not None:
                 self.step_gauge.set(step)
                 self.loss_gauge.set(stats.loss)
                 self.tokens_counter.inc(stats.num_loss_tokens)
-        log.info("step done", loss=round(stats.loss, 6), grad_norm=round(stats.grad_norm, 4),
-                 kl_divergence=stats.metrics.get("kl_divergence"), tokens=stats.num_loss_tokens,
-                 wait_s=round(waited_s, 3), publish_ms=round(publish_ms, 1))
+            log.info("step done", step=step, loss=round(stats.loss, 6), grad_norm=round(stats.grad_norm, 4),
+                     kl_divergence=stats.metrics.get("kl_divergence"), tokens=stats.num_loss_tokens,
+                     wait_s=round(waited_s, 3), step_s=round(compute_s, 3),
+                     publish_ms=round(metrics["perf/publish_ms"], 1))
 
-    def _maybe_checkpoint(self, step: int) -> bool:
-        from primerl.trainer.checkpoint import export_hf_weights, prune_checkpoints, save_checkpoint
+        io_started_s = time.monotonic()
+        self.weights_ticket = self.io.submit(f"publish/checkpoint step {step}", weights_job)
+        self.io.submit(f"commit/metrics step {step}", finish_job)
 
+    def _checkpoint_due(self, step: int) -> bool:
         ckpt = self.config.ckpt
         if ckpt is None:
             return False
-        due = step == self.config.max_steps if ckpt.interval is None else step % ckpt.interval == 0 or step == self.config.max_steps
-        if not due:
-            return False
+        if ckpt.interval is None:
+            return step == self.config.max_steps
+        return step % ckpt.interval == 0 or step == self.config.max_steps
+
+    def _write_checkpoint(self, step: int) -> float:
+        """Model, optimizer, scheduler (all ranks) and, on rank 0, the HF weights export; returns seconds."""
+        from primerl.trainer.checkpoint import export_hf_weights, save_checkpoint
+
+        started_s = time.perf_counter()
         save_checkpoint(self.config.checkpoint_dir, step, model=unwrap_model(self.model), optimizer=self.optimizer,
                         scheduler=self.scheduler, extra_state={"step": step, "policy_version": step},
                         rank=self.dist.rank, world_size=self.dist.world_size, barrier=lambda: barrier(self.dist))
@@ -194,23 +263,45 @@ class TrainerRunner:
         if self.dist.is_main:
             export_hf_weights(unwrap_model(self.model), self.config.tokenizer.name,
                               self.config.output_dir / "weights" / f"step_{step}")
-            prune_checkpoints(self.config.checkpoint_dir, keep_last=ckpt.keep_last, keep_interval=ckpt.keep_interval)
-            response = self.control.commit_step(step)  # the broker may now delete the batches of steps <= step
-            log.info("checkpoint committed", step=step, batches_released=response.num_batches_released)
-        return True
+        return time.perf_counter() - started_s
+
+    def _commit(self, step: int) -> None:
+        """Rank 0, after the step's checkpoint is durable: prune old checkpoints, CommitStep(step)."""
+        from primerl.trainer.checkpoint import prune_checkpoints
+
+        ckpt = self.config.ckpt
+        prune_checkpoints(self.config.checkpoint_dir, keep_last=ckpt.keep_last, keep_interval=ckpt.keep_interval)
+        response = self.control.commit_step(step)  # the broker may now delete the batches of steps <= step
+        log.info("checkpoint committed", step=step, batches_released=response.num_batches_released)
 
     def close(self) -> None:
+        """Stop fetching, drain the IO thread in order (publish, checkpoint, commit of the last steps), then close
+        the connections. A failed IO job is raised here (after everything is closed) unless an error is already
+        on its way out."""
+        import sys
+
+        io_error: BaseException | None = None
+        prefetcher = getattr(self, "prefetcher", None)
+        if prefetcher is not None:
+            prefetcher.close()
+        io = getattr(self, "io", None)
+        if io is not None:
+            try:
+                io.close(IO_DRAIN_TIMEOUT_S)
+            except Exception as exc:  # raised below, once the connections are closed
+                io_error = exc
         for closer in (self.publisher, self.consumer):
             if closer is not None:
                 closer.close()
         if self.control is not None:
-            self.control.deregister("training finished")
+            self.control.deregister("training finished" if io_error is None else "trainer IO failed")
             self.control.close()
         if self.sink is not None:
             self.sink.close()
         if self.exporter is not None:
             self.exporter.stop()
-
+        if io_error is not None and sys.exc_info()[1] is None:
+            raise io_error
 
 
 def warn_unused_options(config: TrainerConfig) -> None:

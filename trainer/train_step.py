@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -33,6 +34,7 @@ class StepStats:
     grad_norm: float
     learning_rate: float
     metrics: dict[str, float] = field(default_factory=dict)
+    timings: dict[str, float] = field(default_factory=dict)  # seconds per phase: forward, backward, optimizer...
 
     def as_metrics(self, prefix: str = "train") -> dict[str, float]:
         out = {f"{prefix}/loss": self.loss, f"{prefix}/grad_norm": self.grad_norm,
@@ -68,8 +70,14 @@ class TrainStep:
         self.kl_config = kl_config
         self.kl_controller = AdaptiveKLController(kl_config) if kl_config is not None else None
 
-    def step(self, step: int, micro_batches: Sequence[MicroBatch]) -> StepStats:
+    def step(self, step: int, micro_batches: Sequence[MicroBatch],
+             before_update: Callable[[], None] | None = None) -> StepStats:
+        """One optimizer step. ``before_update`` runs after the last backward and before the parameters change
+        (the runner waits there until the previous step's publish and checkpoint have read the weights).
+        ``StepStats.timings``: ``forward_s`` (forward, logprobs, loss), ``backward_s``, ``update_wait_s`` (in
+        ``before_update``), ``optimizer_s`` (clip, optimizer and scheduler step, zero_grad)."""
         self.model.train()
+        forward_s = backward_s = 0.0
         # Every rank reaches the same decisions from the same reduced numbers: none raises alone.
         num_loss_tokens = int(all_reduce_sum(sum(b.num_loss_tokens for b in micro_batches), self.dist))
         num_passes = all_reduce_max(len(micro_batches), self.dist)
@@ -85,6 +93,7 @@ class TrainStep:
             padding = index >= len(micro_batches)  # a pass that only matches the other ranks' collectives
             batch = micro_batches[min(index, len(micro_batches) - 1)]
             with self._no_sync(last=index == num_passes - 1):
+                started_s = time.perf_counter()
                 logprobs, entropy = packed_token_logprobs(self.model, batch)
                 out = self.objective(batch, logprobs, num_loss_tokens)
                 loss = out.loss
@@ -93,7 +102,10 @@ class TrainStep:
                     loss = loss + kl.loss
                     out.metrics.update(kl.metrics)
                 scale = 0.0 if padding else float(self.dist.world_size)
+                forward_done_s = time.perf_counter()
                 (loss * scale).backward()
+                forward_s += forward_done_s - started_s
+                backward_s += time.perf_counter() - forward_done_s
             if padding:
                 continue
             loss_sum += float(loss.detach())
@@ -101,6 +113,10 @@ class TrainStep:
                 entropy_sum += float(entropy[batch.loss_mask].sum()) / num_loss_tokens
             for name, value in out.metrics.items():
                 totals[name] = totals.get(name, 0.0) + value
+        wait_started_s = time.perf_counter()
+        if before_update is not None:
+            before_update()
+        update_started_s = time.perf_counter()
         grad_norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.max_grad_norm))
         if not math.isfinite(grad_norm):
             self.optimizer.zero_grad(set_to_none=True)
@@ -109,13 +125,15 @@ class TrainStep:
         self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
+        timings = {"forward_s": forward_s, "backward_s": backward_s, "update_wait_s": update_started_s - wait_started_s,
+                   "optimizer_s": time.perf_counter() - update_started_s}
 
         totals["entropy"] = entropy_sum
         summed = {name: all_reduce_sum(value, self.dist) for name, value in totals.items() if name != "kl_beta"}
         if self.kl_controller is not None and "reference_kl" in summed:
             summed["kl_beta"] = self.kl_controller.update(summed["reference_kl"])
         return StepStats(step=step, loss=all_reduce_sum(loss_sum, self.dist), num_loss_tokens=num_loss_tokens,
-                         grad_norm=grad_norm, learning_rate=learning_rate, metrics=summed)
+                         grad_norm=grad_norm, learning_rate=learning_rate, metrics=summed, timings=timings)
 
     def _kl(self, batch: MicroBatch, logprobs: torch.Tensor, num_loss_tokens: int) -> LossOutput:
         with torch.no_grad():

@@ -156,7 +156,7 @@ def test_delta_after_full_decodes_to_the_new_weights_bit_exactly(model_dir, brok
 
     service, endpoint = broker
     model = load_model(ModelConfig(name=str(model_dir)))
-    publisher = make_publisher(publishers, endpoint, "delta")
+    publisher = make_publisher(publishers, endpoint, "delta", delta_policy="always")
     assert publisher.base_version is None
     first = publisher.publish(model, 1, timeout_s=30)
     assert first.kind == "full" and first.fallback == "no base version yet"
@@ -189,7 +189,7 @@ def test_delta_publisher_sends_full_when_the_broker_requires_it(model_dir, broke
     service, endpoint = broker
     service.weight_store.max_deltas = 1  # the chain is full after one delta
     model = load_model(ModelConfig(name=str(model_dir)))
-    publisher = make_publisher(publishers, endpoint, "delta")
+    publisher = make_publisher(publishers, endpoint, "delta", delta_policy="always")
     assert publisher.publish(model, 1, timeout_s=30).kind == "full"
     adamw_step(model)
     second = publisher.publish(model, 2, timeout_s=30)
@@ -203,7 +203,7 @@ def test_delta_publisher_sends_full_when_the_broker_requires_it(model_dir, broke
 def test_delta_refused_as_out_of_order_is_resent_as_full(model_dir, broker, publishers):
     service, endpoint = broker
     model = load_model(ModelConfig(name=str(model_dir)))
-    publisher = make_publisher(publishers, endpoint, "delta")
+    publisher = make_publisher(publishers, endpoint, "delta", delta_policy="always")
     publisher.publish(model, 1, timeout_s=30)
     # Another publisher moves the broker on: the delta publisher's base (v1) is no longer the latest.
     make_publisher(publishers, endpoint, "full").publish(model, 2, timeout_s=30)
@@ -211,6 +211,52 @@ def test_delta_refused_as_out_of_order_is_resent_as_full(model_dir, broker, publ
     result = publisher.publish(model, 3, timeout_s=30)
     assert result.kind == "full" and result.fallback.startswith("delta refused: ERROR_CODE_OUT_OF_ORDER")
     assert service.weight_store.latest_version == 3
+
+
+def test_auto_delta_falls_back_to_full_when_it_would_not_pay(model_dir, broker, publishers):
+    """An AdamW step moves every fp32 element: the delta's encode + decode time exceeds what its bytes save, so
+    FULL goes (and says why); a change to one small tensor is sent as a delta; the base is kept in step."""
+    from primerl.proto.weight_delta import decode_delta
+
+    service, endpoint = broker
+    model = load_model(ModelConfig(name=str(model_dir)))
+    publisher = make_publisher(publishers, endpoint, "delta")  # delta_policy="auto"
+    assert publisher.publish(model, 1, timeout_s=30).kind == "full"
+    adamw_step(model, lr=1e-5)
+    dense = publisher.publish(model, 2, timeout_s=30)
+    assert dense.kind == "full" and dense.fallback.startswith("delta would not pay"), dense.fallback
+    assert {"read", "snapshot", "estimate", "encode", "digest", "send"} <= set(dense.phases_ms)
+    full_header, full_payload = stored_payload(service)
+    assert full_header.kind == data_pb2.WEIGHT_UPDATE_KIND_FULL
+    base = load_safetensors(full_payload)
+
+    with torch.no_grad():
+        model.model.norm.weight.add_(0.5)  # one small tensor changes
+    sparse = publisher.publish(model, 3, timeout_s=30)
+    assert sparse.kind == "delta" and sparse.fallback is None and sparse.base_version == 2
+    assert sparse.num_tensors == 1 and sparse.payload_bytes < dense.payload_bytes / 10
+    header, payload = stored_payload(service)
+    changed = decode_delta(payload, header, base)
+    assert torch.equal(changed["model.norm.weight"], model.model.norm.weight.detach())
+
+
+def test_full_payload_buffers_are_reused_and_stay_exact(model_dir, broker, publishers):
+    """FULL payloads go into pooled buffers: the second publish reuses the first one's buffer and the broker
+    still stores exactly the bytes safetensors would write for the new weights."""
+    from safetensors.torch import save
+
+    service, endpoint = broker
+    model = load_model(ModelConfig(name=str(model_dir)))
+    publisher = make_publisher(publishers, endpoint, "full")
+    publisher.publish(model, 1, timeout_s=30)
+    idle = list(publisher._pool._idle)
+    assert len(idle) == 1
+    adamw_step(model)
+    publisher.publish(model, 2, timeout_s=30)
+    assert publisher._pool._idle == idle and publisher._pool._idle[0] is idle[0]
+    _, payload = stored_payload(service)
+    expected = save({k: v.detach().contiguous() for k, v in hf_state_dict(model).items()}, metadata={"format": "pt"})
+    assert payload == expected
 
 
 def test_out_of_order_version_is_refused_with_the_brokers_error(model_dir, broker, publishers):

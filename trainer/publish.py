@@ -13,9 +13,23 @@ What goes on the wire (``WeightUpdateHeader`` + one safetensors payload):
 - DELTA: ``encode_delta`` (XOR + zlib, bit-exact) of the FULL tensors against the last version published, kept
   as a host copy. The first publish of a run, the one after the broker says ``full_required`` (or refuses a
   delta as out of order, e.g. after a broker restart), and the one after any failed publish are FULL.
+  With ``delta_policy="auto"`` (the default) a delta is also sent as FULL when it would not pay (``fallback``
+  says so, with the numbers): before building it, ``estimate_delta`` XORs, compresses and decompresses a slice
+  of every tensor (timed), which gives the delta's size and the time to encode it here and decode it on each
+  worker. The delta pays when that time is less than the time its saved bytes would take on the wire, twice
+  (trainer -> broker -> worker), at the rate this publisher's last sends achieved (bytes per second from
+  publish to the broker's ack; 1 GB/s until one was measured). With dense fp32 changes (every element moves
+  after an AdamW step) zlib's ~50-100 MB/s loses to a ~1 GB/s link and FULL is sent; a delta of a few changed
+  tensors, or of bf16 weights that mostly keep their bits, is sent as a delta. ``delta_policy="always"`` skips
+  the estimate.
 
 ``publish`` = ``build`` (on the training thread: it reads the parameters) + ``send`` (socket I/O, which a
 trainer may run in its own thread: a ``PreparedUpdate`` owns its bytes and no longer touches the model).
+FULL payloads are written into buffers reused from one publish to the next (``payload_writer``); a buffer goes
+back to the pool once the broker acknowledged the update, so ``PreparedUpdate.payload`` is valid until ``send``
+returns. The SHA-256 digest is computed once, here, over the finished payload.
+``PublishResult.phases_ms`` has the phases (``read``, ``snapshot``, ``estimate``, ``encode``, ``digest``,
+``send``) for the trainer's metrics.
 """
 
 from __future__ import annotations
@@ -23,15 +37,16 @@ from __future__ import annotations
 import copy
 import json
 import time
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Literal
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Literal
 
 from primerl.broker.weight_clients import WeightPublisher, WeightUpdateRefused
 from primerl.broker.weight_store import payload_digest
-from primerl.proto.tensor_frames import encode_tensors
+from primerl.proto.tensor_frames import encode_tensors, parse_header, specs_of
 from primerl.proto.v1 import common_pb2, data_pb2
 from primerl.runtime.log_setup import get_logger
 from primerl.trainer.model import is_peft_model
+from primerl.trainer.payload_writer import PayloadPool, safetensors_layout, write_safetensors
 
 if TYPE_CHECKING:
     import torch
@@ -44,6 +59,11 @@ __all__ = [
 log = get_logger(__name__)
 
 PublishKind = Literal["full", "lora", "delta"]
+DeltaPolicy = Literal["auto", "always"]
+DEFAULT_WIRE_BYTES_PER_S = 1e9
+"""Assumed publish rate (bytes/s from send to the broker's ack) until one was measured."""
+WIRE_HOPS = 2
+"""Times a saved byte is not moved: trainer -> broker, broker -> each worker (in parallel)."""
 _KIND_TO_WIRE = {
     "full": data_pb2.WEIGHT_UPDATE_KIND_FULL,
     "lora": data_pb2.WEIGHT_UPDATE_KIND_LORA,
@@ -138,16 +158,22 @@ def lora_adapter_config_json(model: torch.nn.Module) -> str:
     return json.dumps(output, indent=2, sort_keys=True)
 
 
-def _host_copy(state: dict[str, torch.Tensor], dtype: torch.dtype | None) -> dict[str, torch.Tensor]:
+def _host_copy(state: dict[str, torch.Tensor], dtype: torch.dtype | None,
+               reuse: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
     """Contiguous CPU copies (gathered when sharded), cast to ``dtype`` when given: a snapshot the next
-    optimizer step cannot change."""
+    optimizer step cannot change. Tensors of ``reuse`` (a snapshot nothing reads any more) with the same dtype
+    and shape are written in place (no fresh memory)."""
     out = {}
     for name, tensor in state.items():
         tensor = tensor.detach()
         if hasattr(tensor, "full_tensor"):  # DTensor (FSDP2): every rank must build
             tensor = tensor.full_tensor()
         cast = dtype if dtype is not None and tensor.is_floating_point() else tensor.dtype
-        out[name] = tensor.to(device="cpu", dtype=cast, copy=True).contiguous()
+        spare = None if reuse is None else reuse.get(name)
+        if spare is not None and spare.dtype == cast and spare.shape == tensor.shape and spare.is_contiguous():
+            out[name] = spare.copy_(tensor)
+        else:
+            out[name] = tensor.to(device="cpu", dtype=cast, copy=True).contiguous()
     return out
 
 
@@ -161,9 +187,13 @@ class PreparedUpdate:
 
     kind: PublishKind
     header: data_pb2.WeightUpdateHeader
-    payload: bytes
+    payload: bytes | memoryview
     build_ms: float
     snapshot: dict[str, torch.Tensor] | None = None
+    # The pooled buffer under ``payload`` (None: the payload owns its bytes); back to the pool once stored.
+    buffer: bytearray | None = None
+    phases_ms: dict[str, float] = field(default_factory=dict)
+    fallback: str | None = None
 
     @property
     def policy_version(self) -> int:
@@ -184,6 +214,7 @@ class PublishResult:
     build_ms: float
     send_ms: float
     fallback: str | None = None
+    phases_ms: dict[str, float] = field(default_factory=dict)
 
 
 class PolicyPublisher:
@@ -203,18 +234,28 @@ class PolicyPublisher:
         *,
         serving_dtype: torch.dtype | None = None,
         delta_level: int = 1,
+        delta_policy: DeltaPolicy = "auto",
         publisher: WeightPublisher | None = None,
     ):
         """``serving_dtype``: cast floating-point FULL/DELTA tensors to this dtype (None: the model's own).
-        ``delta_level``: zlib level of deltas. ``publisher``: an existing ``WeightPublisher`` to use (tests)."""
+        ``delta_level``: zlib level of deltas. ``delta_policy``: "auto" sends FULL when a delta would not pay
+        (module docstring), "always" sends every possible delta. ``publisher``: an existing ``WeightPublisher``
+        to use (tests)."""
         if kind not in _KIND_TO_WIRE:
             raise ValueError(f'kind must be "full", "lora" or "delta", got {kind!r}')
+        if delta_policy not in ("auto", "always"):
+            raise ValueError(f'delta_policy must be "auto" or "always", got {delta_policy!r}')
         if not policy_name:
             raise ValueError("policy_name must not be empty")
         self.kind: PublishKind = kind
         self.policy_name = policy_name
         self.serving_dtype = serving_dtype
         self.delta_level = delta_level
+        self.delta_policy: DeltaPolicy = delta_policy
+        self._pool = PayloadPool()
+        self._spare_snapshot: dict[str, torch.Tensor] | None = None
+        self._wire_bytes_per_s: float | None = None
+        self._previous_base: dict[str, torch.Tensor] | None = None
         self._publisher = publisher or WeightPublisher(endpoint, auth_token, sender, chunk_bytes)
         # Base of the next delta: the host copy of the last version the broker stored, and its version.
         self._base: dict[str, torch.Tensor] | None = None
@@ -238,6 +279,7 @@ class PolicyPublisher:
             fallback = "full required by the broker" if self._full_required else "no base version yet"
             kind = "full"
         prepared = self.build(model, version, kind=kind)
+        fallback = prepared.fallback or fallback
         try:
             ack, send_ms = self.send(prepared, timeout_s)
         except WeightUpdateRefused as exc:
@@ -252,11 +294,13 @@ class PolicyPublisher:
         header = prepared.header
         return PublishResult(ack=ack, kind=prepared.kind, policy_version=version, base_version=header.base_version,
                              payload_bytes=header.payload_bytes, num_tensors=len(header.tensors),
-                             build_ms=prepared.build_ms, send_ms=send_ms, fallback=fallback)
+                             build_ms=prepared.build_ms, send_ms=send_ms, fallback=fallback,
+                             phases_ms={**prepared.phases_ms, "send": send_ms})
 
     def build(self, model: torch.nn.Module, version: int, *, kind: PublishKind | None = None) -> PreparedUpdate:
         """Read the model and encode one update of ``kind`` (default: this publisher's kind; "delta" needs a
-        base). Runs on the training thread, between optimizer steps."""
+        base, and may come back as FULL when it would not pay, with ``fallback`` set). Runs on the training
+        thread, between optimizer steps."""
         kind = kind or self.kind
         start_s = time.perf_counter()
         if kind == "lora":
@@ -266,35 +310,89 @@ class PolicyPublisher:
             header.adapter_config_json = lora_adapter_config_json(model)
             return PreparedUpdate(kind, header, payload, _elapsed_ms(start_s))
         state = hf_state_dict(model)
+        phases = {"read": _elapsed_ms(start_s)}
         sharded = any(hasattr(t, "full_tensor") for t in state.values())
         if self.kind != "delta" and self.serving_dtype is None and not sharded:
-            # Nothing to keep: encoding copies the tensors into the payload straight from the parameters.
-            payload, specs = encode_tensors({k: v.detach().contiguous() for k, v in state.items()},
-                                            metadata=_SAFETENSORS_METADATA)
-            return PreparedUpdate(kind, self._header(version, kind, payload, specs), payload, _elapsed_ms(start_s))
-        snapshot = _host_copy(state, self.serving_dtype)
-        return self._build_from_snapshot(kind, version, snapshot, 0.0, start_s=start_s)
+            # Nothing to keep: the tensors go into the payload straight from the parameters.
+            return self._encode_full(kind, version, {k: v.detach() for k, v in state.items()}, phases, start_s)
+        mark = time.perf_counter()
+        snapshot = _host_copy(state, self.serving_dtype, reuse=self._spare_snapshot)
+        self._spare_snapshot = None
+        phases["snapshot"] = _elapsed_ms(mark)
+        fallback = None
+        if kind == "delta" and self.delta_policy == "auto":
+            mark = time.perf_counter()
+            fallback = self._delta_would_not_pay(snapshot)
+            phases["estimate"] = _elapsed_ms(mark)
+            if fallback is not None:
+                kind = "full"
+        prepared = self._build_from_snapshot(kind, version, snapshot, 0.0, start_s=start_s, phases=phases)
+        if fallback is not None:
+            log.info("sending FULL: the delta would not pay", policy_version=version, reason=fallback)
+        return PreparedUpdate(prepared.kind, prepared.header, prepared.payload, prepared.build_ms, prepared.snapshot,
+                              prepared.buffer, prepared.phases_ms, fallback)
+
+    def _delta_would_not_pay(self, snapshot: dict[str, torch.Tensor]) -> str | None:
+        """None when a delta against the base pays (module docstring), else why not, with the numbers."""
+        from primerl.proto.weight_delta import estimate_delta
+
+        assert self._base is not None
+        estimate = estimate_delta(snapshot, self._base, level=self.delta_level)
+        rate = self._wire_bytes_per_s or DEFAULT_WIRE_BYTES_PER_S
+        saved_s = WIRE_HOPS * max(0, estimate.full_bytes - estimate.delta_bytes) / rate
+        cost_s = estimate.encode_s + estimate.decode_s
+        if cost_s < saved_s:
+            return None
+        mib = 1 << 20
+        return (f"delta would not pay: ~{estimate.delta_bytes / mib:.1f} of {estimate.full_bytes / mib:.1f} MiB "
+                f"({estimate.changed_bytes / max(1, estimate.full_bytes):.0%} of the bytes changed), encode + decode "
+                f"~{cost_s * 1000:.0f} ms vs ~{saved_s * 1000:.0f} ms saved on the wire at {rate / mib:.0f} MiB/s")
+
+    def _encode_full(self, kind: PublishKind, version: int, tensors: dict[str, torch.Tensor],
+                     phases: dict[str, float], start_s: float) -> PreparedUpdate:
+        """A FULL payload written into a pooled buffer, and its header (digest computed once, here)."""
+        mark = time.perf_counter()
+        prefix, spans = safetensors_layout(tensors, _SAFETENSORS_METADATA)
+        total = spans[-1][2] if spans else len(prefix)
+        buffer = self._pool.acquire(total)
+        try:
+            payload = write_safetensors(tensors, buffer, prefix, spans)
+            phases["encode"] = _elapsed_ms(mark)
+            mark = time.perf_counter()
+            specs = specs_of(parse_header(payload))
+            header = self._header(version, kind, payload, specs)
+            phases["digest"] = _elapsed_ms(mark)
+        except BaseException:
+            self._pool.release(buffer)
+            raise
+        return PreparedUpdate(kind, header, payload, _elapsed_ms(start_s), None, buffer, phases)
 
     def _build_from_snapshot(self, kind: PublishKind, version: int, snapshot: dict[str, torch.Tensor],
-                             spent_ms: float, *, start_s: float | None = None) -> PreparedUpdate:
+                             spent_ms: float, *, start_s: float | None = None,
+                             phases: dict[str, float] | None = None) -> PreparedUpdate:
         start_s = time.perf_counter() if start_s is None else start_s
+        phases = {} if phases is None else phases
+        keep = snapshot if self.kind == "delta" else None
         if kind == "delta":
             from primerl.proto.weight_delta import encode_delta
 
             if self.base_version is None or self._base is None:
                 raise ValueError("a delta needs a base: publish a FULL update first")
+            mark = time.perf_counter()
             payload, specs, decoded = encode_delta(snapshot, self._base, changed_only=True, level=self.delta_level)
+            phases["encode"] = _elapsed_ms(mark)
+            mark = time.perf_counter()
             header = self._header(version, kind, payload, specs)
+            phases["digest"] = _elapsed_ms(mark)
             header.base_version = self.base_version
             header.delta_encoding = data_pb2.DELTA_ENCODING_XOR_ZLIB
             header.decoded_tensors.extend(decoded)
-        else:
-            payload, specs = encode_tensors(snapshot, metadata=_SAFETENSORS_METADATA)
-            header = self._header(version, kind, payload, specs)
-        keep = snapshot if self.kind == "delta" else None
-        return PreparedUpdate(kind, header, payload, spent_ms + _elapsed_ms(start_s), keep)
+            return PreparedUpdate(kind, header, payload, spent_ms + _elapsed_ms(start_s), keep, None, phases)
+        prepared = self._encode_full(kind, version, snapshot, phases, start_s)
+        return PreparedUpdate(kind, prepared.header, prepared.payload, spent_ms + prepared.build_ms, keep,
+                              prepared.buffer, phases)
 
-    def _header(self, version: int, kind: PublishKind, payload: bytes, specs: list) -> data_pb2.WeightUpdateHeader:
+    def _header(self, version: int, kind: PublishKind, payload: Any, specs: list) -> data_pb2.WeightUpdateHeader:
         if version < 1:
             raise ValueError(f"policy versions start at 1 (the first optimizer step), got {version}")
         return data_pb2.WeightUpdateHeader(policy_version=version, kind=_KIND_TO_WIRE[kind], tensors=specs,
@@ -305,17 +403,36 @@ class PolicyPublisher:
         """Send a built update; returns (ack, send ms). Keeps the delta base in step with what the broker holds:
         a stored update becomes the base; a failed send leaves none (the next publish is FULL)."""
         start_s = time.perf_counter()
+        self._previous_base = self._base
         # Until the broker answers, nothing is known to be held: a failed send leaves the next publish FULL.
         self._base, self._base_version, self._full_required = None, None, False
-        ack = self._publisher.publish(prepared.header, prepared.payload, timeout_s)
+        previous_base = self._previous_base
+        try:
+            ack = self._publisher.publish(prepared.header, prepared.payload, timeout_s)
+        except WeightUpdateRefused:
+            self._release(prepared)  # refused: the broker holds none of it
+            raise
+        # (Any other failure, e.g. a timeout, may leave the payload referenced by the socket: never reused.)
         send_ms = _elapsed_ms(start_s)
+        self._release(prepared)
+        if send_ms > 0:
+            self._wire_bytes_per_s = prepared.header.payload_bytes / (send_ms / 1000.0)
         if prepared.snapshot is not None:
             self._base, self._base_version = prepared.snapshot, prepared.policy_version
+            # The base it replaces is read by nothing now: the next snapshot is written into it.
+            if previous_base is not None and previous_base is not prepared.snapshot:
+                self._spare_snapshot = previous_base
         self._full_required = ack.full_required
         log.info("policy published", policy_version=prepared.policy_version, kind=prepared.kind,
                  base_version=prepared.header.base_version or None, payload_bytes=prepared.header.payload_bytes,
                  build_ms=round(prepared.build_ms, 2), send_ms=round(send_ms, 2), full_required=ack.full_required)
         return ack, send_ms
+
+    def _release(self, prepared: PreparedUpdate) -> None:
+        buffer = prepared.buffer
+        if buffer is not None:
+            object.__setattr__(prepared, "buffer", None)  # released once, even if send is called again
+            self._pool.release(buffer)
 
     def close(self) -> None:
         self._publisher.close()

@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """``max_async_level`` 0 vs 1 vs 2 on the demo's task: steps/s and reward (issue 12, part f).
 
-    .venv/bin/python bench/async_levels.py --sft runs/bench/sft/weights/step_1000 [--steps 15] [--repeats 1] \
+    .venv/bin/python bench/async_levels.py --sft runs/bench/sft/weights/step_1000 [--steps 12] [--repeats 2] \
         [--levels 0,1,2] [--markdown bench/sections/f.md] [--plots-dir bench/plots]
 
 For each level, ``primerl rl @ examples/reverse_text_rl.toml --model.name SFT --max-async-level L --max-steps N``
@@ -37,13 +37,15 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--sft", required=True, help="the SFT checkpoint (HF model directory) the runs start from")
     parser.add_argument("--levels", default="0,1,2", help="comma-separated max_async_level values")
-    parser.add_argument("--steps", type=int, default=None, help="steps per run (default 15; --quick 5)")
+    parser.add_argument("--steps", type=int, default=None, help="steps per run (default 12; --quick 5)")
     parser.add_argument("--repeats", type=int, default=None, help="runs per level (default 1)")
     parser.add_argument("--run-timeout-s", type=float, default=900.0)
     parser.add_argument("--work-dir", type=Path, default=ROOT / "runs" / "bench")
     parser.add_argument("--markdown", type=Path, default=None)
     parser.add_argument("--json", type=Path, default=None)
     parser.add_argument("--plots-dir", type=Path, default=ROOT / "bench" / "plots")
+    parser.add_argument("--budget-s", type=float, default=None,
+                        help="time budget: fewer repeats (never fewer than 1) when the next would run over")
     parser.add_argument("--quick", action="store_true", help="5 steps x 1 repeat")
     return parser
 
@@ -57,8 +59,8 @@ def late_reward(run: RunTimeline) -> float | None:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    args.steps = args.steps or (5 if args.quick else 15)
-    args.repeats = args.repeats or 1
+    args.steps = args.steps or (5 if args.quick else 12)
+    args.repeats = args.repeats or (1 if args.quick else 2)
     try:
         levels = [int(x) for x in args.levels.split(",") if x.strip()]
     except ValueError:
@@ -78,6 +80,12 @@ def main(argv: list[str] | None = None) -> int:
     errors: dict[int, str] = {}
     status = 0
     for repeat in range(args.repeats):
+        if repeat > 0 and args.budget_s is not None:
+            per_repeat_s = (time.time() - started) / repeat
+            if time.time() - started + per_repeat_s > args.budget_s:
+                section.line(f"_Repeats cut from {args.repeats} to {repeat} by the time budget ({args.budget_s:.0f} s)._")
+                section.line()
+                break
         for level in levels:
             if level in errors:
                 continue

@@ -217,6 +217,7 @@ def read_primerl_timeline(run_dir: Path, launch: float, end: float) -> RunTimeli
     steps = sorted(trainer)
     first_rollouts = min(when for when, _ in orchestrator.values()) if orchestrator else None
     rewards = [reward for _, (_, reward) in sorted(orchestrator.items())]
+    extra["reward_times"] = [when for _, (when, _) in sorted(orchestrator.items())]
     return RunTimeline(launch=launch, first_rollouts=first_rollouts, step_ends=[trainer[s] for s in steps],
                        step_rewards=rewards, end=end, model_dir=str(run_dir), extra=extra)
 

@@ -32,6 +32,7 @@ reward after the steps not worse than TRL's beyond the eval noise; g: primerl/TR
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import json
 import math
 import sys
@@ -56,6 +57,7 @@ from primerl_runs import (  # noqa: E402
 from report import Section, Stats, fmt, save_bars, save_curves, target_line  # noqa: E402
 
 SAMPLES_PER_STEP = 64
+EVAL_ESTIMATE_S = 60.0  # one held-out eval (vLLM start-up and 200 rollouts), two run at once
 MODEL_100M_ARGS = ["--hidden", "768", "--layers", "12", "--heads", "12", "--kv-heads", "4", "--intermediate", "3072"]
 TRL_SETTINGS = ("per_device_train_batch_size=64, num_generations=8, gradient_accumulation_steps=1, "
                 "max_completion_length=24, temperature=1.0, top_p=1.0, top_k=0, use_vllm=False, beta=0.0, "
@@ -79,6 +81,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--markdown", type=Path, default=None, help="write this part's RESULTS.md section here")
     parser.add_argument("--json", type=Path, default=None, help="write the raw timelines here")
     parser.add_argument("--plots-dir", type=Path, default=ROOT / "bench" / "plots")
+    parser.add_argument("--budget-s", type=float, default=None,
+                        help="time budget of the part: fewer repeats (never fewer than 1) when it would run over")
     parser.add_argument("--quick", action="store_true", help="a: 5 steps x 1 repeat, evals on 50 examples; g: 2 steps")
     return parser
 
@@ -144,7 +148,8 @@ def plot_rewards(path: Path, primerl: RunTimeline, trl: RunTimeline, trl_wall: R
     for label, run in (("primerl rl", primerl), ("TRL GRPOTrainer", trl), ("TRL, equal wall time", trl_wall)):
         if run is None:
             continue
-        rewards = [(t - run.launch, r) for t, r in zip(run.step_ends, run.step_rewards) if r is not None]
+        times = run.extra.get("reward_times") or run.step_ends  # primerl: when each batch was scored
+        rewards = [(t - run.launch, r) for t, r in zip(times, run.step_rewards) if r is not None]
         if rewards:
             curves[label] = ([t for t, _ in rewards], [r for _, r in rewards])
     return save_curves(path, title, "wall time since launch, s", "mean training reward of the step's batch", curves)
@@ -170,7 +175,17 @@ def part_a(args: argparse.Namespace, section: Section, raw: dict) -> None:
     section.line()
     primerl_runs: list[RunTimeline] = []
     trl_runs: list[RunTimeline] = []
+    started = time.time()
     for repeat in range(args.repeats):
+        if repeat > 0 and args.budget_s is not None:
+            # What is left after this repeat: the equal-wall TRL run (about one primerl run) and the evals.
+            per_repeat_s = (time.time() - started) / repeat
+            reserve_s = (0 if args.no_equal_wall else per_repeat_s) + (0 if args.no_eval else 2 * EVAL_ESTIMATE_S)
+            if time.time() - args.part_started + per_repeat_s + reserve_s > args.budget_s:
+                section.line(f"_Repeats cut from {args.repeats} to {repeat} by the time budget ({args.budget_s:.0f} s; "
+                             f"one repeat took {per_repeat_s:.0f} s)._")
+                section.line()
+                break
         primerl_runs.append(run_primerl(args.sft, work / f"primerl-{repeat}", args.steps, args.run_timeout_s,
                                         what=f"primerl rl (repeat {repeat})"))
         trl_runs.append(run_trl(args.sft, prompts, work / f"trl-{repeat}", args.steps, args.run_timeout_s,
@@ -213,14 +228,19 @@ def part_a(args: argparse.Namespace, section: Section, raw: dict) -> None:
             targets.append((f"TRL after primerl's wall time ({fmt(primerl_wall_s)} s: {trl_wall.num_steps} steps)",
                             trl_wall.model_dir))
         eval_rows = []
-        for index, (label, model) in enumerate(targets):
-            try:
-                result = run_eval(model, work / f"eval-{index}", args.eval_timeout_s, num_examples=n)
-                evals[label] = result
-                eval_rows.append([label, fmt(result.reward_mean), fmt(result.reward_sem, 2), str(result.num_rollouts)])
-            except BenchRunError as error:
-                evals[label] = None
-                eval_rows.append([label, f"not run: {str(error).splitlines()[0]}", "—", "—"])
+        # Evals are reward measurements, not timings: two at a time (each starts its own vLLM).
+        with concurrent.futures.ThreadPoolExecutor(max_workers=2) as pool:
+            futures = [pool.submit(run_eval, model, work / f"eval-{index}", args.eval_timeout_s, num_examples=n)
+                       for index, (_, model) in enumerate(targets)]
+            for (label, _), future in zip(targets, futures):
+                try:
+                    result = future.result()
+                    evals[label] = result
+                    eval_rows.append([label, fmt(result.reward_mean), fmt(result.reward_sem, 2),
+                                      str(result.num_rollouts)])
+                except BenchRunError as error:
+                    evals[label] = None
+                    eval_rows.append([label, f"not run: {str(error).splitlines()[0]}", "—", "—"])
         raw["evals"] = {k: (vars(v) if v is not None else None) for k, v in evals.items()}
         section.line(f"**Held-out reward** (`primerl eval reverse-text -m DIR -n {n} -r 1 -t 24 -T 1.0`, the demo's "
                      "eval; se = standard error of the mean over the rollouts, the eval's sampling noise):")
@@ -271,7 +291,14 @@ def part_g(args: argparse.Namespace, section: Section, raw: dict) -> None:
                  "step (start-up excluded).")
     section.line()
     primerl_runs, trl_runs = [], []
+    started = time.time()
     for repeat in range(args.repeats):
+        if repeat > 0 and args.budget_s is not None:
+            per_repeat_s = (time.time() - started) / repeat
+            if time.time() - args.part_started + per_repeat_s > args.budget_s:
+                section.line(f"_Repeats cut from {args.repeats} to {repeat} by the time budget ({args.budget_s:.0f} s)._")
+                section.line()
+                break
         primerl_runs.append(run_primerl(str(model_dir), work / f"primerl-{repeat}", args.steps, args.run_timeout_s,
                                         what=f"primerl rl 100M (repeat {repeat})"))
         trl_runs.append(run_trl(str(model_dir), prompts, work / f"trl-{repeat}", args.steps, args.run_timeout_s,
@@ -310,7 +337,7 @@ def main(argv: list[str] | None = None) -> int:
              "g": "g. ~100M-parameter model: `primerl rl` vs TRL `GRPOTrainer` samples/s"}[args.part]
     section = Section(title)
     raw: dict = {"part": args.part, "steps": args.steps, "repeats": args.repeats}
-    started = time.time()
+    started = args.part_started = time.time()
     status = 0
     try:
         (part_a if args.part == "a" else part_g)(args, section, raw)

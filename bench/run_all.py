@@ -113,10 +113,11 @@ def find_or_build_sft(args: argparse.Namespace, log) -> str:
         if not (Path(args.sft) / "config.json").is_file():
             raise BenchRunError(f"--sft {args.sft}: no config.json there")
         return args.sft
-    run_dir = args.work_dir / ("sft-quick" if args.quick else "") if args.quick else args.work_dir
-    candidates = [run_dir / "sft" / "weights" / f"step_{steps}"]
-    if not args.quick:
-        candidates.append(ROOT / "runs" / "demo" / "sft" / "weights" / f"step_{SFT_STEPS}")
+    run_dir = args.work_dir / "sft-quick" if args.quick else args.work_dir
+    candidates = [args.work_dir / "sft" / "weights" / f"step_{SFT_STEPS}",
+                  ROOT / "runs" / "demo" / "sft" / "weights" / f"step_{SFT_STEPS}"]
+    if args.quick:  # a full checkpoint if there is one, else a short SFT (quick runs are for trying the harness)
+        candidates.append(run_dir / "sft" / "weights" / f"step_{steps}")
     for candidate in candidates:
         if (candidate / "config.json").is_file():
             log(f"SFT checkpoint: reusing {candidate}")
@@ -174,7 +175,7 @@ def run_part(part: Part, args: argparse.Namespace, sft: str | None, sections: Pa
             part.notes.append("the script has no --quick: ran its default profile")
     if part.own:
         cmd += ["--work-dir", str(args.work_dir), "--plots-dir", str(args.plots_dir),
-                "--json", str(sections / f"{part.key}-{Path(part.script).stem}.json")]
+                "--json", str(sections / f"{part.key}-{Path(part.script).stem}.json"), "--budget-s", str(int(limit_s * 0.8))]
         if part.needs_sft:
             cmd += ["--sft", sft]
     log_path = sections / f"{part.key}-{Path(part.script).stem}.log"
@@ -210,8 +211,7 @@ def write_results(args: argparse.Namespace, parts: list[Part], plan_lines: list[
         rows.append([part.key, f"`bench/{part.script} {' '.join(part.args)}`".replace(" `", "`"), status,
                      f"{part.took_s:.0f}", str(met), str(missed)])
         if text:
-            body = text.replace("](../../bench/plots/", "](plots/")
-            bodies.append(body + ("\n" + "\n".join(f"_{n}_" for n in part.notes) + "\n" if part.notes else ""))
+            bodies.append(text + ("\n" + "\n".join(f"_{n}_" for n in part.notes) + "\n" if part.notes else ""))
         else:
             notes = "\n\n".join(part.notes)
             bodies.append(f"### {part.key}. bench/{part.script}\n\n**{status}**\n\n{notes}\n")

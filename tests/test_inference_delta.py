@@ -92,8 +92,9 @@ def test_delta_updates_are_served_and_a_wrong_base_is_refused(daemon: Daemon, ht
     endpoint = f"tcp://127.0.0.1:{broker.endpoints.weight_port}"
     snapshots: dict[int, dict[str, Any]] = {}
     _, previous = greedy_completion(http)
+    # "always": this test is about deltas end to end (with "auto", dense fp32 steps go as FULL: test_publish).
     with PolicyPublisher(endpoint, TOKEN, "trainer", broker.service.chunk_bytes, kind="delta",
-                         policy_name="policy") as publisher:
+                         policy_name="policy", delta_policy="always") as publisher:
         for version, expected_kind in ((1, "full"), (2, "delta"), (3, "delta")):
             adamw_step(model, optimizer, seed=version)
             snapshots[version] = snapshot(model)

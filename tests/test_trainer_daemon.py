@@ -229,3 +229,23 @@ def test_two_trainer_ranks_under_torchrun_match_one(model_dir, tmp_path):
     one_losses = [r["train/loss"] for r in metrics(tmp_path / "one-out")]
     two_losses = [r["train/loss"] for r in metrics(tmp_path / "two-out")]
     assert two_losses == pytest.approx(one_losses, abs=1e-5)
+
+
+@pytest.mark.slow
+def test_a_failed_checkpoint_write_stops_the_trainer_and_its_step_is_never_committed(model_dir, tmp_path):
+    """The IO thread's checkpoint of step 2 fails (its directory is a file): the error stops the run, typed and
+    with its cause; step 2 is published but never committed; step 3 never changes the weights."""
+    broker = Broker(tmp_path, range(1, 4))
+    blocker = tmp_path / "not-a-directory"
+    blocker.write_text("a file where the checkpoints should go")
+    try:
+        result = run_trainer(model_dir, broker, tmp_path / "out", "--max-steps", "3", "--ckpt.interval", "2",
+                             "--ckpt.dir", str(blocker))
+        assert result.returncode not in (0, None), result.stderr[-3000:]
+        assert "TrainerIOError" in result.stderr and "checkpoint step 2" in result.stderr, result.stderr[-3000:]
+        status = broker.service.registry.run_status(broker.service.data_plane_status())
+        assert status.last_committed_step == 0  # exactly once: no commit without its durable checkpoint
+        assert broker.service.weight_store.latest_version == 2
+        assert [r["step"] for r in metrics(tmp_path / "out")] == [1]  # step 2's row comes after its checkpoint
+    finally:
+        broker.stop()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 from pydantic import Field, model_validator
@@ -17,6 +18,14 @@ from primerl.runtime.config_common import (
 
 MIB = 2**20
 GIB = 2**30
+
+
+def physical_memory_bytes() -> int:
+    """Physical memory of this machine (16 GiB when the OS does not say)."""
+    try:
+        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return 16 * GIB
 
 
 class BrokerConfig(BaseConfig):
@@ -57,6 +66,53 @@ class BrokerConfig(BaseConfig):
         ge=MIB,
         description="Largest message accepted on any socket; bigger payloads (weights) are sent in chunks.",
     )
+    max_payload_frames: int = Field(
+        8, ge=1, le=64,
+        description="Most payload frames in one data-plane message (rollout batches and weight chunks carry 1).",
+    )
+    rollout_hwm: int = Field(
+        4, ge=1, le=1024,
+        description="ZeroMQ receive high-water mark of the rollout socket, in messages per peer: bounds what one "
+        "producer can have buffered in the broker before it is read (each at most `max_message_bytes`).",
+    )
+    weight_hwm: int = Field(
+        16, ge=1, le=1024,
+        description="ZeroMQ high-water mark of the weight socket, in messages per peer and direction.",
+    )
+    read_cache_bytes: int = Field(
+        256 * MIB, ge=0,
+        description="Bytes of recently spooled rollout batches kept in memory so a trainer gets them without a "
+        "disk read (0: off).",
+    )
+    max_step_lead: int = Field(
+        1024, ge=1,
+        description="Steps beyond the highest step a trainer asked for (or committed) that a rollout request or "
+        "batch may name; further ones are refused (OUT_OF_ORDER) so the queue bound cannot be switched off.",
+    )
+    max_transfer_bytes: int | None = Field(
+        None, ge=MIB,
+        description="Largest weight update (one chunked transfer), checked at its first chunk before any memory "
+        "is set aside. Unset: a quarter of this machine's memory, at most 16 GiB.",
+    )
+    max_open_transfer_bytes: int | None = Field(
+        None, ge=MIB,
+        description="Bytes that all weight transfers still being received may declare together; a transfer that "
+        "would exceed it is told to retry later (BACKPRESSURE). Unset: `max_transfer_bytes`.",
+    )
+    max_open_transfers_per_publisher: int = Field(
+        1, ge=1, le=16,
+        description="Weight transfers one publisher connection may have open; a new one beyond it replaces its "
+        "oldest (a publisher that restarted a transfer abandoned the old one).",
+    )
+    transfer_stall_timeout_s: float = Field(
+        30.0, gt=0,
+        description="A weight transfer with no chunk for this long is dropped, freeing its memory and its slot.",
+    )
+    allow_remote_without_token: bool = Field(
+        False,
+        description="Let a broker without `run_token` bind a non-loopback `host` (anyone who can reach the ports "
+        "can then feed or read the run). Without it, such a broker refuses to start; with it, it warns.",
+    )
     run_token: str | None = Field(
         None,
         repr=False,
@@ -82,10 +138,11 @@ class BrokerConfig(BaseConfig):
         problems = []
         if (self.tls_cert_path is None) != (self.tls_key_path is None):
             problems.append("set both `tls_cert_path` and `tls_key_path` for TLS, or neither")
-        if not is_loopback_host(self.host) and not self.run_token:
+        if not is_loopback_host(self.host) and not self.run_token and not self.allow_remote_without_token:
             problems.append(
                 f"host = {self.host!r} makes the broker reachable from other machines, so it needs credentials: "
-                "set `run_token` (a shared secret that every worker also gets), or bind host = \"127.0.0.1\""
+                "set `run_token` (a shared secret that every worker also gets), or bind host = \"127.0.0.1\" "
+                "(or, knowingly, set `allow_remote_without_token = true`)"
             )
         ports = {"grpc_port": self.grpc_port, "rollout_port": self.rollout_port, "weight_port": self.weight_port}
         if self.prometheus.enabled:
@@ -96,6 +153,20 @@ class BrokerConfig(BaseConfig):
         if problems:
             raise ValueError("; ".join(problems))
         return self
+
+    @property
+    def resolved_max_transfer_bytes(self) -> int:
+        """``max_transfer_bytes``, or its default for this machine: a quarter of physical memory, at most 16 GiB."""
+        if self.max_transfer_bytes is not None:
+            return self.max_transfer_bytes
+        return max(MIB, min(16 * GIB, physical_memory_bytes() // 4))
+
+    @property
+    def resolved_max_open_transfer_bytes(self) -> int:
+        """``max_open_transfer_bytes``, or ``resolved_max_transfer_bytes`` when unset."""
+        if self.max_open_transfer_bytes is not None:
+            return self.max_open_transfer_bytes
+        return self.resolved_max_transfer_bytes
 
     @property
     def client_host(self) -> str:

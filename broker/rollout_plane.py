@@ -11,8 +11,8 @@ Error replies to messages that did not decode never carry the run token (the sen
 Libzmq itself drops the connection of a peer that sends a frame above ``limits.max_message_bytes``
 (socket option MAXMSGSIZE), before buffering it.
 
-Memory: batches live in the spool, not here. What the socket may hold is bounded by ``hwm`` messages per
-peer in each direction (each at most ``limits.max_message_bytes``); a consumer gets at most ``max_credits``
+Memory: batches live in the spool, not here. What the socket may hold is bounded by ``rcv_hwm`` messages per
+peer inbound and ``hwm`` outbound (each at most ``limits.max_message_bytes``); a consumer gets at most ``max_credits``
 batches per request, and a send to a peer whose queue is full is not retried blindly: the batch is handed
 out again on that consumer's next request.
 
@@ -153,6 +153,7 @@ class RolloutPlane:
         *,
         max_credits: int = 8,
         hwm: int = 16,
+        rcv_hwm: int | None = None,
         poll_interval_s: float = 0.05,
         throughput_window_s: float = 10.0,
         sender: str = "broker",
@@ -177,6 +178,11 @@ class RolloutPlane:
         self.on_error = on_error
         self.max_credits = max_credits
         self.hwm = hwm
+        # Receive side: messages one peer may have waiting in the broker before it is read (each at most
+        # limits.max_message_bytes); the send side keeps ``hwm`` (acks leave in bursts).
+        self.rcv_hwm = hwm if rcv_hwm is None else rcv_hwm
+        if self.rcv_hwm < 1:
+            raise ValueError(f"rcv_hwm must be >= 1, got {self.rcv_hwm}")
         self.poll_interval_s = poll_interval_s
         self.sender = sender
         self._requested_port = port
@@ -294,6 +300,7 @@ class RolloutPlane:
             try:
                 socket, self._port = bind_router(self.context, self.host, self._requested_port,
                                                  max_message_bytes=self.limits.max_message_bytes, hwm=self.hwm)
+                socket.setsockopt(zmq.RCVHWM, self.rcv_hwm)  # before any peer connects: every pipe gets it
                 return socket
             except zmq.ZMQError as exc:
                 if exc.errno != zmq.EADDRINUSE or self._requested_port == 0 or time.monotonic() >= deadline_s:

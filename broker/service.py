@@ -13,6 +13,7 @@ its policy version in the registry, and status reads every plane's counters.
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import uuid
 from dataclasses import asdict, dataclass
@@ -53,7 +54,9 @@ class BrokerService:
         self.run_id = config.run_id or f"run-{uuid.uuid4().hex[:8]}"
         # One payload frame of at most max_message_bytes (libzmq's MAXMSGSIZE is per frame); bigger weight
         # updates travel as chunks of that size.
-        self.limits, self.chunk_bytes = weight_limits(config.max_message_bytes)
+        limits, self.chunk_bytes = weight_limits(config.max_message_bytes,
+                                                 max_transfer_bytes=config.resolved_max_transfer_bytes)
+        self.limits = dataclasses.replace(limits, max_payload_frames=config.max_payload_frames)
         self._context: zmq.Context | None = None
         self._queue: RolloutQueue | None = None
         self.rollout_plane: RolloutPlane | None = None
@@ -84,16 +87,22 @@ class BrokerService:
             if self.exporter is not None:
                 self.exporter.register(BrokerCollector(self))
             self._context = zmq.Context()
-            self._queue = RolloutQueue(RolloutSpool(config.spool_dir), config.max_queue_batches, config.max_queue_bytes)
+            self._queue = RolloutQueue(RolloutSpool(config.spool_dir, cache_max_bytes=config.read_cache_bytes),
+                                       config.max_queue_batches, config.max_queue_bytes,
+                                       max_step_lead=config.max_step_lead)
             self.rollout_plane = RolloutPlane(
                 self._queue, self._context, config.host, config.rollout_port,
                 limits=self.limits, auth_token=config.run_token, on_error=self._on_data_plane_error,
+                rcv_hwm=config.rollout_hwm,
             )
             rollout_port = self.rollout_plane.start()
             self.weight_plane = WeightPlane(
                 self.weight_store, self._context, config.host, config.weight_port,
                 limits=self.limits, auth_token=config.run_token, chunk_bytes=self.chunk_bytes,
-                on_applied=self._on_weights_applied,
+                on_applied=self._on_weights_applied, hwm=config.weight_hwm,
+                transfer_stall_timeout_s=config.transfer_stall_timeout_s,
+                max_open_transfer_bytes=config.resolved_max_open_transfer_bytes,
+                max_open_transfers_per_publisher=config.max_open_transfers_per_publisher,
             )
             weight_port = self.weight_plane.start()
             client_host = config.client_host

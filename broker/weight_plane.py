@@ -184,8 +184,11 @@ class WeightPlane:
         max_retries: int = 3,
         max_workers: int = 1024,
         hwm: int = DEFAULT_HWM,
-        max_open_transfers: int = 2,
+        max_open_transfers: int = 8,
         transfer_timeout_s: float = 300.0,
+        transfer_stall_timeout_s: float = 30.0,
+        max_open_transfer_bytes: int | None = None,
+        max_open_transfers_per_publisher: int = 1,
         max_pending_replies: int = 4096,
         poll_interval_s: float = 0.05,
     ):
@@ -207,7 +210,13 @@ class WeightPlane:
         self.hwm = hwm
         self.poll_interval_s = poll_interval_s
         self.max_pending_replies = max_pending_replies
-        self._assembler = framing.ChunkAssembler(limits=limits, max_open_transfers=max_open_transfers, timeout_s=transfer_timeout_s)
+        # Transfer limits (checked at a first chunk, before memory is set aside): declared size, total declared
+        # bytes of open transfers, open transfers per publisher connection (a new one replaces the oldest), and
+        # a short stall timeout, so one peer cannot block another's publishing for long.
+        self._assembler = framing.ChunkAssembler(
+            limits=limits, max_open_transfers=max_open_transfers, timeout_s=transfer_timeout_s,
+            stall_timeout_s=transfer_stall_timeout_s, max_open_bytes=max_open_transfer_bytes,
+            max_open_per_publisher=max_open_transfers_per_publisher)
         self._hashers: dict[tuple[str, str], Any] = {}
         # Verified CRC-32 and size of each chunk received so far, per open transfer (see ``_encoded``).
         self._chunk_crcs: dict[tuple[str, str], list[tuple[int, int]]] = {}
@@ -395,7 +404,7 @@ class WeightPlane:
                     self.store.check_header(header)
                     self._hashers[key] = hashlib.sha256()
                     self._chunk_crcs[key] = []
-                whole = self._assembler.add(message)
+                whole = self._assembler.add(message, publisher=identity)
                 if key in self._chunk_crcs:
                     self._chunk_crcs[key].append((envelope.checksum, message.payload[0].nbytes))
                 hasher = self._hashers.get(key)
@@ -665,10 +674,14 @@ class WeightPlane:
 
     def _tick(self, now_s: float) -> None:
         for transfer_id in self._assembler.expire(now_s):
-            log.warning("incomplete weight transfer expired", transfer_id=transfer_id)
+            self._guard_log.warning("transfer expired", "incomplete weight transfer expired", transfer_id=transfer_id[:64])
             for key in [k for k in self._hashers if k[1] == transfer_id]:
                 del self._hashers[key]
                 self._chunk_crcs.pop(key, None)
+        # Transfers replaced by a newer one of the same publisher: drop their running hashes too.
+        for key in [k for k in self._hashers if not self._assembler.is_open(k)]:
+            del self._hashers[key]
+            self._chunk_crcs.pop(key, None)
         for worker in list(self._workers.values()):
             if worker.unacked and worker.current is None and now_s - worker.last_progress_s > self.ack_timeout_s:
                 worker.retries += 1

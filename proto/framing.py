@@ -16,6 +16,7 @@ Payloads larger than a sender's chunk size travel as several messages of one tra
 from __future__ import annotations
 
 import hmac
+import mmap
 import time
 import uuid
 import zlib
@@ -115,6 +116,19 @@ class BadChunk(FramingError):
 
 class Unauthenticated(FramingError):
     code = common_pb2.ERROR_CODE_UNAUTHENTICATED
+
+
+class Busy(FramingError):
+    """Not now: the receiver is at a memory bound; the sender may retry after ``retry_after_ms``."""
+
+    code = common_pb2.ERROR_CODE_BACKPRESSURE
+
+    def __init__(self, message: str, retry_after_ms: int = 1000):
+        super().__init__(message)
+        self.retry_after_ms = retry_after_ms
+
+    def detail(self) -> common_pb2.ErrorDetail:
+        return common_pb2.ErrorDetail(code=self.code, message=str(self), retry_after_ms=self.retry_after_ms)
 
 
 @dataclass
@@ -277,13 +291,13 @@ def _decode(frames: Sequence[Any], limits: Limits, auth_token: str | None) -> Me
     if total_bytes > limits.max_message_bytes:
         raise OversizedFrame(f"message is {total_bytes} bytes; the limit is {limits.max_message_bytes}")
 
-    protocol = views[0].tobytes()
+    protocol = views[0][: len(PROTOCOL_FRAME) + 1].tobytes()  # never copy a large first frame
     if len(protocol) != len(PROTOCOL_FRAME) or not protocol.startswith(PROTOCOL_ID):
         raise UnknownProtocol(f"first frame {protocol[:16]!r} is not the primerl protocol id {PROTOCOL_ID!r} + version byte")
     if protocol[-1] != PROTOCOL_VERSION:
         raise UnsupportedVersion(f"protocol version {protocol[-1]} is not supported; this peer speaks version {PROTOCOL_VERSION}")
 
-    type_frame = views[1].tobytes()
+    type_frame = views[1][:8].tobytes()
     if len(type_frame) != 1 or type_frame[0] not in HEADER_TYPES:
         raise UnknownMessageType(f"unknown message type frame {type_frame[:8]!r}")
     message_type = type_frame[0]
@@ -390,10 +404,23 @@ def peek_type(frames: Sequence[Any]) -> int:
 @dataclass
 class _Transfer:
     first: Message
-    buffer: bytearray
+    buffer: Any  # bytearray, or an anonymous mmap whose pages are only touched as chunks arrive
+    publisher: Any = None
     next_index: int = 0
     num_bytes: int = 0
     started_s: float = field(default_factory=time.monotonic)
+    last_chunk_s: float = field(default_factory=time.monotonic)
+
+
+LAZY_BUFFER_MIN_BYTES = 1 << 20
+
+
+def _transfer_buffer(num_bytes: int) -> Any:
+    """A writable buffer of ``num_bytes``; above 1 MiB an anonymous mmap, so memory is committed only as
+    chunks are written into it (a first chunk that declares 1 GiB costs nothing until the bytes come)."""
+    if num_bytes < LAZY_BUFFER_MIN_BYTES:
+        return bytearray(num_bytes)
+    return mmap.mmap(-1, num_bytes)
 
 
 class ChunkAssembler:
@@ -402,13 +429,31 @@ class ChunkAssembler:
     ``add`` returns the whole message once its last chunk arrives (payload = one frame with all bytes),
     ``None`` while chunks are missing, and raises ``BadChunk`` (dropping the transfer) on a chunk that is
     out of order, duplicated or inconsistent with the first one.
+
+    Bounds, all checked at a transfer's first chunk, before any memory is set aside:
+    - its declared ``total_bytes`` <= ``limits.max_transfer_bytes`` (``OversizedFrame``);
+    - one publisher (``add(..., publisher=)``, e.g. the ZeroMQ routing id) has at most
+      ``max_open_per_publisher`` transfers open: a new one replaces that publisher's oldest;
+    - at most ``max_open_transfers`` open in all (``BadChunk``) and their declared bytes together at most
+      ``max_open_bytes`` (``Busy``: retry later), so total reassembly memory is bounded;
+    - a transfer with no chunk for ``stall_timeout_s`` (or open longer than ``timeout_s``) is dropped by
+      ``expire`` (also called at each new transfer), so a stalled peer cannot hold a slot for long.
     """
 
-    def __init__(self, *, limits: Limits = DEFAULT_LIMITS, max_open_transfers: int = 4, timeout_s: float = 60.0):
+    def __init__(self, *, limits: Limits = DEFAULT_LIMITS, max_open_transfers: int = 4, timeout_s: float = 60.0,
+                 stall_timeout_s: float | None = None, max_open_bytes: int | None = None,
+                 max_open_per_publisher: int | None = None):
         self.limits = limits
         self.max_open_transfers = max_open_transfers
         self.timeout_s = timeout_s
+        self.stall_timeout_s = timeout_s if stall_timeout_s is None else stall_timeout_s
+        self.max_open_bytes = limits.max_transfer_bytes if max_open_bytes is None else max_open_bytes
+        self.max_open_per_publisher = max_open_per_publisher
         self._transfers: dict[tuple[str, str], _Transfer] = {}
+
+    def is_open(self, key: tuple[str, str]) -> bool:
+        """Whether the transfer ``(sender, transfer_id)`` is still being assembled."""
+        return key in self._transfers
 
     @property
     def num_open_transfers(self) -> int:
@@ -418,21 +463,31 @@ class ChunkAssembler:
     def num_buffered_bytes(self) -> int:
         return sum(len(t.buffer) for t in self._transfers.values())
 
-    def add(self, message: Message) -> Message | None:
+    def add(self, message: Message, publisher: Any = None) -> Message | None:
         chunk = message.envelope.chunk
         if chunk.count <= 1:
             return message
         key = (message.envelope.sender, chunk.transfer_id)
+        publisher = message.envelope.sender if publisher is None else publisher
         transfer = self._transfers.get(key)
         if transfer is None:
             if chunk.index != 0:
                 raise BadChunk(f"transfer {chunk.transfer_id}: chunk {chunk.index} arrived before chunk 0")
+            if chunk.total_bytes > self.limits.max_transfer_bytes:
+                raise OversizedFrame(f"transfer of {chunk.total_bytes} bytes exceeds the limit of {self.limits.max_transfer_bytes}")
             self.expire()
+            if self.max_open_per_publisher is not None:
+                own = [k for k, t in self._transfers.items() if t.publisher == publisher]
+                for old in own[: max(0, len(own) - self.max_open_per_publisher + 1)]:
+                    del self._transfers[old]  # insertion order: the oldest first
             if len(self._transfers) >= self.max_open_transfers:
                 raise BadChunk(f"too many open transfers ({len(self._transfers)}); finish or abandon one first")
-            if chunk.total_bytes > self.limits.max_transfer_bytes:
-                raise OversizedFrame(f"transfer of {chunk.total_bytes} bytes exceeds {self.limits.max_transfer_bytes}")
-            transfer = _Transfer(first=message, buffer=bytearray(chunk.total_bytes))
+            open_bytes = sum(len(t.buffer) for t in self._transfers.values())
+            if open_bytes + chunk.total_bytes > self.max_open_bytes:
+                raise Busy(f"transfers being received already declare {open_bytes} bytes; {chunk.total_bytes} more would "
+                           f"exceed the broker's {self.max_open_bytes} (max_open_transfer_bytes): retry later",
+                           retry_after_ms=1000)
+            transfer = _Transfer(first=message, buffer=_transfer_buffer(chunk.total_bytes), publisher=publisher)
             self._transfers[key] = transfer
         first = transfer.first.envelope
         try:
@@ -452,6 +507,7 @@ class ChunkAssembler:
             raise
         transfer.num_bytes = end
         transfer.next_index += 1
+        transfer.last_chunk_s = time.monotonic()
         if transfer.next_index < chunk.count:
             return None
         del self._transfers[key]
@@ -463,9 +519,11 @@ class ChunkAssembler:
         return whole
 
     def expire(self, now_s: float | None = None) -> list[str]:
-        """Drop transfers whose first chunk is older than ``timeout_s``; returns their transfer ids."""
+        """Drop transfers open longer than ``timeout_s`` or without a chunk for ``stall_timeout_s``; returns
+        their transfer ids."""
         now_s = time.monotonic() if now_s is None else now_s
-        stale = [key for key, t in self._transfers.items() if now_s - t.started_s > self.timeout_s]
+        stale = [key for key, t in self._transfers.items()
+                 if now_s - t.started_s > self.timeout_s or now_s - t.last_chunk_s > self.stall_timeout_s]
         for key in stale:
             del self._transfers[key]
         return [transfer_id for _, transfer_id in stale]

@@ -1,0 +1,97 @@
+"""Limits before buffering: declared transfer sizes, open-transfer memory, per-publisher transfers, stalls."""
+
+from __future__ import annotations
+
+import resource
+
+import numpy as np
+import pytest
+
+from primerl.broker.config import BrokerConfig
+from primerl.proto import framing
+from primerl.proto import tensor_frames as tf
+from primerl.proto.v1 import data_pb2
+
+GIB = 1 << 30
+
+
+def _first_chunk(total_bytes: int, transfer_id: str, sender: str = "pub") -> framing.Message:
+    header = data_pb2.WeightUpdateHeader(policy_version=1, kind=data_pb2.WEIGHT_UPDATE_KIND_FULL)
+    chunk = data_pb2.Chunk(transfer_id=transfer_id, index=0, count=4, total_bytes=total_bytes)
+    frames = framing.encode(data_pb2.WEIGHT_UPDATE, header, [b"\1" * 16], chunk=chunk, sender=sender)
+    return framing.decode(frames)
+
+
+def _rss_kib() -> int:
+    with open("/proc/self/status") as status:
+        for line in status:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1])
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+
+
+def test_declared_size_above_the_limit_is_refused_at_the_first_chunk():
+    limits = framing.Limits(max_transfer_bytes=64 << 20)
+    assembler = framing.ChunkAssembler(limits=limits)
+    with pytest.raises(framing.OversizedFrame):
+        assembler.add(_first_chunk(65 << 20, "t"))
+    assert assembler.num_open_transfers == 0
+
+
+def test_a_first_chunk_declaring_a_gib_does_not_take_a_gib():
+    assembler = framing.ChunkAssembler(limits=framing.Limits(max_transfer_bytes=2 * GIB), max_open_bytes=2 * GIB)
+    before = _rss_kib()
+    assert assembler.add(_first_chunk(GIB, "big")) is None
+    grown_mib = (_rss_kib() - before) / 1024
+    assert grown_mib < 64, f"RSS grew by {grown_mib:.0f} MiB for 16 bytes received"
+
+
+def test_open_transfer_bytes_are_bounded_and_refused_as_busy():
+    assembler = framing.ChunkAssembler(limits=framing.Limits(max_transfer_bytes=GIB), max_open_bytes=GIB)
+    assembler.add(_first_chunk(700 << 20, "a", sender="one"))
+    with pytest.raises(framing.Busy) as info:
+        assembler.add(_first_chunk(400 << 20, "b", sender="two"))
+    assert info.value.detail().retry_after_ms > 0
+    assert assembler.num_open_transfers == 1
+
+
+def test_a_publisher_new_transfer_replaces_its_half_open_one_and_others_are_not_blocked():
+    assembler = framing.ChunkAssembler(max_open_transfers=2, max_open_per_publisher=1)
+    assembler.add(_first_chunk(1 << 20, "a1", sender="attacker"), publisher=b"x")
+    assembler.add(_first_chunk(1 << 20, "a2", sender="attacker"), publisher=b"x")
+    assert assembler.num_open_transfers == 1 and assembler.is_open(("attacker", "a2"))
+    assembler.add(_first_chunk(1 << 20, "t1", sender="trainer"), publisher=b"y")  # not blocked
+    assert assembler.is_open(("trainer", "t1"))
+
+
+def test_a_stalled_transfer_expires_after_the_stall_timeout():
+    assembler = framing.ChunkAssembler(timeout_s=300, stall_timeout_s=5)
+    assembler.add(_first_chunk(1 << 20, "s"))
+    transfer = next(iter(assembler._transfers.values()))
+    assert assembler.expire(transfer.last_chunk_s + 4) == []
+    assert assembler.expire(transfer.last_chunk_s + 6) == ["s"]
+
+
+def test_chunked_transfer_still_joins_with_lazy_buffers():
+    tensors = {"w": np.arange(600_000, dtype=np.float32)}
+    payload, specs = tf.encode_tensors(tensors)
+    header = data_pb2.WeightUpdateHeader(policy_version=1, kind=data_pb2.WEIGHT_UPDATE_KIND_FULL, tensors=specs)
+    assembler = framing.ChunkAssembler()
+    whole = None
+    for frames in framing.encode_chunked(data_pb2.WEIGHT_UPDATE, header, payload, chunk_bytes=1 << 20):
+        whole = assembler.add(framing.decode(frames))
+    assert whole is not None and bytes(whole.payload[0]) == payload
+
+
+def test_too_many_payload_frames_are_refused():
+    frames = framing.encode(data_pb2.HELLO, data_pb2.Hello(), [b"x"] * 9)
+    with pytest.raises(framing.OversizedFrame):
+        framing.decode(frames, limits=framing.Limits(max_payload_frames=8))
+
+
+def test_default_transfer_limits_fit_the_machine():
+    config = BrokerConfig()
+    from primerl.broker.config import physical_memory_bytes
+
+    assert config.resolved_max_transfer_bytes <= physical_memory_bytes() // 4
+    assert config.resolved_max_open_transfer_bytes <= physical_memory_bytes() // 4

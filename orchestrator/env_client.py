@@ -9,7 +9,7 @@ to it over JSON lines (the protocol is documented in `env_worker.py`). Imports n
     worker.close()
 
 Several requests may be in flight at once (`submit_rollout` returns a `concurrent.futures.Future`; `rollout`
-awaits one). Every request has a deadline. If the process dies, every pending request fails with
+awaits one; `submit_rollouts` hands many groups over in one write). Every request has a deadline. If the process dies, every pending request fails with
 `EnvWorkerDied`, whose message holds the exit code and the last lines of the worker's stderr;
 `ensure_alive()` (or `restart()`) starts it again, up to `max_restarts` times.
 """
@@ -19,13 +19,14 @@ from __future__ import annotations
 import asyncio
 import collections
 import concurrent.futures
+import dataclasses
 import itertools
 import json
 import os
 import subprocess
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -221,27 +222,44 @@ class EnvWorker:
                        sampling: SamplingParams | Mapping[str, Any] | None = None, max_concurrent: int | None = None,
                        timeout_s: float | None = None) -> concurrent.futures.Future[RolloutGroup]:
         """Start a group of rollouts of one example; the future gives a RolloutGroup (errors per rollout inside)."""
+        return self.submit_rollouts([example_index], num_rollouts=num_rollouts, base_url=base_url, model=model,
+                                    split=split, api_key=api_key, sampling=sampling, max_concurrent=max_concurrent,
+                                    timeout_s=timeout_s)[0]
+
+    def submit_rollouts(self, example_indices: Sequence[int], *, num_rollouts: int, base_url: str, model: str,
+                        split: Split = "train", api_key: str = "EMPTY",
+                        sampling: SamplingParams | Mapping[str, Any] | None = None,
+                        max_concurrent: int | None = None,
+                        timeout_s: float | None = None) -> list[concurrent.futures.Future[RolloutGroup]]:
+        """`submit_rollout` for several examples at once: one group (request) each, all written to the worker in
+        one write. The futures come back in the order of `example_indices`; each group's `roundtrip_s` is the
+        time from this call to its answer."""
         timeout_s = timeout_s or self.request_timeout_s
-        params = {
-            "example_index": example_index, "split": split, "num_rollouts": num_rollouts, "base_url": base_url,
+        common = {
+            "split": split, "num_rollouts": num_rollouts, "base_url": base_url,
             "api_key": api_key, "model": model, "sampling": as_wire_sampling(sampling),
             # the model calls time out a little after the request's deadline: the deadline (and cancel) come first
             "max_concurrent": max_concurrent or num_rollouts, "http_timeout_s": timeout_s + 5.0,
         }
-        raw = self._submit("rollout", params, timeout_s)
-        group: concurrent.futures.Future[RolloutGroup] = concurrent.futures.Future()
-        group.request_id = raw.request_id  # type: ignore[attr-defined]
+        submitted_s = time.monotonic()
+        raws = self._submit_many("rollout", [{"example_index": i, **common} for i in example_indices], timeout_s)
+        groups = []
+        for raw in raws:
+            group: concurrent.futures.Future[RolloutGroup] = concurrent.futures.Future()
+            group.request_id = raw.request_id  # type: ignore[attr-defined]
 
-        def convert(done: concurrent.futures.Future) -> None:
-            if group.cancelled():
-                return
-            try:
-                group.set_result(parse_group(self.env_id, done.result()))
-            except BaseException as exc:  # noqa: BLE001 - handed to the waiter, not swallowed
-                group.set_exception(exc)
+            def convert(done: concurrent.futures.Future, group: concurrent.futures.Future = group) -> None:
+                if group.cancelled():
+                    return
+                try:
+                    result = parse_group(self.env_id, done.result())
+                    group.set_result(dataclasses.replace(result, roundtrip_s=time.monotonic() - submitted_s))
+                except BaseException as exc:  # noqa: BLE001 - handed to the waiter, not swallowed
+                    group.set_exception(exc)
 
-        raw.add_done_callback(convert)
-        return group
+            raw.add_done_callback(convert)
+            groups.append(group)
+        return groups
 
     async def rollout(self, example_index: int, **kwargs: Any) -> RolloutGroup:
         """`submit_rollout` for asyncio; cancelling the awaiting task cancels the request in the worker."""
@@ -275,28 +293,40 @@ class EnvWorker:
                 f"{op} got no answer from the env worker of {self.env_id!r} in {timeout_s} s") from None
 
     def _submit(self, op: str, params: dict[str, Any], timeout_s: float) -> concurrent.futures.Future:
+        return self._submit_many(op, [params], timeout_s)[0]
+
+    def _submit_many(self, op: str, params_list: Sequence[dict[str, Any]],
+                     timeout_s: float) -> list[concurrent.futures.Future]:
+        """One request per params, written with one write; a failed write fails all of them (EnvWorkerDied)."""
         if self._dead_reason is not None or self._process is None:
             raise EnvWorkerDied(self._dead_reason or f"env worker of {self.env_id!r} is not started")
-        request_id = next(self._ids)
-        future: concurrent.futures.Future = concurrent.futures.Future()
-        future.request_id = request_id  # type: ignore[attr-defined]
-        with self._lock:
-            self._pending[request_id] = _Pending(op, future, time.monotonic() + timeout_s)
+        futures, messages = [], []
+        deadline = time.monotonic() + timeout_s
+        for params in params_list:
+            request_id = next(self._ids)
+            future: concurrent.futures.Future = concurrent.futures.Future()
+            future.request_id = request_id  # type: ignore[attr-defined]
+            with self._lock:
+                self._pending[request_id] = _Pending(op, future, deadline)
+            futures.append(future)
+            messages.append({"id": request_id, "op": op, **params})
         try:
-            self._send({"id": request_id, "op": op, **params})
+            self._send(*messages)
         except EnvWorkerDied as exc:
             with self._lock:
-                self._pending.pop(request_id, None)
-            future.set_exception(exc)
-        return future
+                for future in futures:
+                    self._pending.pop(future.request_id, None)
+            for future in futures:
+                future.set_exception(exc)
+        return futures
 
-    def _send(self, message: dict[str, Any]) -> None:
+    def _send(self, *messages: dict[str, Any]) -> None:
         process = self._process
-        line = (json.dumps(message) + "\n").encode()
+        data = "".join(json.dumps(message) + "\n" for message in messages).encode()
         try:
             with self._write_lock:
                 assert process is not None and process.stdin is not None
-                process.stdin.write(line)
+                process.stdin.write(data)
                 process.stdin.flush()
         except (BrokenPipeError, OSError, ValueError) as exc:
             raise EnvWorkerDied(self._death_message(f"writing to it failed ({exc})")) from exc

@@ -18,10 +18,10 @@ answered as they finish, in any order: each response carries the request's `id`.
                                                                            num_eval_examples, has_eval_dataset}
     examples    split="train"|"eval", start=0, count                      {split, examples: [{index, example_id,
                                                                            prompt, answer, info}]}
-    rollout     example_index, split="train", num_rollouts, base_url,     {split, example_index, rollouts: [...]}
-                api_key="EMPTY", model, sampling={temperature, top_p,      (one entry per rollout, see
-                top_k, min_p, repetition_penalty, max_tokens, stop,         `rollout_output`)
-                seed}, max_concurrent=num_rollouts, http_timeout_s=600
+    rollout     example_index, split="train", num_rollouts, base_url,     {split, example_index, rollouts: [...],
+                api_key="EMPTY", model, sampling={temperature, top_p,      timings: {generate_s, score_s,
+                top_k, min_p, repetition_penalty, max_tokens, stop,         encode_s, total_s}} (one entry per
+                seed}, max_concurrent=num_rollouts, http_timeout_s=600      rollout, see `rollout_output`)
     cancel      target_id                                                 {cancelled: bool}; the cancelled
                                                                            request answers error "cancelled"
     shutdown    -                                                         {}; then the worker exits 0
@@ -30,6 +30,18 @@ A malformed line or request gets an error response (type "bad_request") and the 
 exception of the environment inside a rollout (its env_response, its reward functions, an unusable model
 response) becomes that rollout's `error`, never the worker's. Rollout `i` of a group is sampled with seed
 `sampling.seed + i` when a seed is given. EOF on stdin ends the worker like `shutdown`.
+
+Speed (issue 12): a group's `timings` say where its wall time went (`generate_s`: its model calls, from the
+first start to the last end; `score_s`: the rubric; `encode_s`: building the reply; `total_s`: from the request's
+arrival to the reply). Model calls go through `HTTP_CLIENT_SHARDS` HTTP clients per endpoint, round robin, each
+keeping its connections alive: httpcore scans every connection of its pool on each request and each response
+(`has_expired`, `is_idle`), so one pool of ~128 connections spent about half of this loop's time in that scan.
+Scoring: a plain (non-async) reward function runs on the event loop until one of its calls takes more than
+`SCORE_ON_LOOP_MAX_CPU_S` of CPU; from then on its calls run on a small thread pool (`SCORING_THREADS`), so a
+slow reward function never stalls the model calls of the other rollouts. A cheap one stays on the loop: handing
+it to a thread costs more than it takes (the GIL passes back and forth; ~0.25 s per group was measured with a
+whole group scored on another thread while the loop is busy). Async reward functions (judges that use the env's
+client) always run on the loop, as verifiers runs them.
 """
 
 from __future__ import annotations
@@ -43,6 +55,7 @@ if sys.path and os.path.abspath(sys.path[0] or ".") == os.path.dirname(os.path.a
     del sys.path[0]
 
 import asyncio
+import concurrent.futures
 import contextvars
 import copy
 import functools
@@ -56,6 +69,9 @@ import traceback
 from typing import Any
 
 PROTOCOL_VERSION = 1
+HTTP_CLIENT_SHARDS = 8
+SCORE_ON_LOOP_MAX_CPU_S = 0.005
+SCORING_THREADS = 4
 POLICY_VERSION_HEADER = "x-primerl-policy-version"
 POLICY_VERSION_END_HEADER = "x-primerl-policy-version-end"
 HEADERS_STATE_KEY = "primerl_response_headers"
@@ -154,10 +170,24 @@ def _wrap_reward_func(func: Any) -> Any:
         return func
     name = getattr(func, "__name__", repr(func))
 
+    is_plain = not (inspect.iscoroutinefunction(func) or inspect.iscoroutinefunction(getattr(func, "__call__", None)))
+    off_loop = False
+
     @functools.wraps(func)
     async def wrapper(*args: Any, **kwargs: Any) -> Any:
+        nonlocal off_loop
         try:
-            result = func(*args, **kwargs)
+            if off_loop:
+                call = functools.partial(contextvars.copy_context().run, func, *args, **kwargs)
+                result = await asyncio.get_running_loop().run_in_executor(_scoring_pool(), call)
+            else:
+                cpu_started = time.thread_time()
+                result = func(*args, **kwargs)
+                cpu_s = time.thread_time() - cpu_started
+                if is_plain and cpu_s > SCORE_ON_LOOP_MAX_CPU_S:
+                    off_loop = True
+                    log.info("reward function %r took %.1f ms of CPU on the event loop: its calls move to the scoring "
+                             "threads", name, 1000 * cpu_s)
             if inspect.isawaitable(result):
                 result = await result
             return result
@@ -176,6 +206,8 @@ def _wrap_reward_func(func: Any) -> Any:
             raise
 
     wrapper._primerl_wrapped = True  # type: ignore[attr-defined]
+    wrapper._primerl_sync = not (inspect.iscoroutinefunction(func)  # type: ignore[attr-defined]
+                                 or inspect.iscoroutinefunction(getattr(func, "__call__", None)))
     return wrapper
 
 
@@ -185,6 +217,12 @@ def wrap_rubric(rubric: Any) -> None:
     funcs = getattr(rubric, "funcs", None)
     if isinstance(funcs, list):
         rubric.funcs = [_wrap_reward_func(f) for f in funcs]
+
+
+
+@functools.cache
+def _scoring_pool() -> concurrent.futures.ThreadPoolExecutor:
+    return concurrent.futures.ThreadPoolExecutor(SCORING_THREADS, thread_name_prefix="scoring")
 
 
 def to_jsonable(value: Any) -> Any:
@@ -331,7 +369,8 @@ class Worker:
         self.env: Any = None
         self.env_id: str | None = None
         self.env_args: dict[str, Any] = {}
-        self.clients: dict[tuple[str, str, float], Any] = {}
+        self.clients: dict[tuple[str, str, float], list[Any]] = {}
+        self.next_shard = 0
         self.tasks: dict[Any, asyncio.Task] = {}
         self.stopping = asyncio.Event()
 
@@ -447,6 +486,7 @@ class Worker:
         return {"split": split, "examples": examples}
 
     async def op_rollout(self, request: dict[str, Any]) -> dict[str, Any]:
+        received = time.monotonic()
         split = _split(request)
         dataset = self.dataset(split)
         index = _param(request, "example_index", int)
@@ -459,8 +499,8 @@ class Worker:
         model = _param(request, "model", str)
         sampling = _param(request, "sampling", dict, {})
         per_rollout_args = [sampling_args(self.env.sampling_args, sampling, i) for i in range(num_rollouts)]
-        client = self.client(_param(request, "base_url", str), _param(request, "api_key", str, "EMPTY"),
-                             float(_param(request, "http_timeout_s", (int, float), 600.0)))
+        clients = self.client_shards(_param(request, "base_url", str), _param(request, "api_key", str, "EMPTY"),
+                                     float(_param(request, "http_timeout_s", (int, float), 600.0)))
         row = dataset[index]
         row.setdefault("example_id", index)
         semaphore = asyncio.Semaphore(max_concurrent)
@@ -468,6 +508,8 @@ class Worker:
         async def one(i: int) -> tuple[Any, float]:
             async with semaphore:
                 started = time.monotonic()
+                client = clients[self.next_shard % len(clients)]
+                self.next_shard += 1
                 try:
                     state = await self.env.rollout(copy.deepcopy(row), client, model, per_rollout_args[i])
                 except Exception as exc:  # the environment's own code failed: this rollout's error
@@ -475,11 +517,17 @@ class Worker:
                     state = exc
                 return state, time.monotonic() - started
 
+        generate_started = time.monotonic()
         results = await asyncio.gather(*(one(i) for i in range(num_rollouts)))
+        score_started = time.monotonic()
         states = [state for state, _ in results if not isinstance(state, BaseException)]
         group_errors = await self.score(states)
+        encode_started = time.monotonic()
         outputs = [rollout_output(i, state, group_errors, elapsed) for i, (state, elapsed) in enumerate(results)]
-        return {"split": split, "example_index": index, "rollouts": outputs}
+        done = time.monotonic()
+        timings = {"generate_s": score_started - generate_started, "score_s": encode_started - score_started,
+                   "encode_s": done - encode_started, "total_s": done - received}
+        return {"split": split, "example_index": index, "rollouts": outputs, "timings": timings}
 
     # helpers ---------------------------------------------------------------------------------------------------
     async def score(self, states: list[Any]) -> list[str]:
@@ -514,19 +562,24 @@ class Worker:
             raise BadRequest(f"the environment has no {split} dataset")
         return dataset
 
-    def client(self, base_url: str, api_key: str, timeout_s: float) -> Any:
+    def client_shards(self, base_url: str, api_key: str, timeout_s: float) -> list[Any]:
+        """The `HTTP_CLIENT_SHARDS` model clients of an endpoint, made once and kept (connections stay alive)."""
         key = (base_url, api_key, timeout_s)
         if key not in self.clients:
             import httpx
             from openai import AsyncOpenAI
 
-            http_client = httpx.AsyncClient(
-                timeout=httpx.Timeout(timeout_s, connect=min(timeout_s, 10.0)),
-                limits=httpx.Limits(max_connections=None, max_keepalive_connections=256),
-                event_hooks={"response": [_capture_headers]},
-            )
-            openai_client = AsyncOpenAI(base_url=base_url, api_key=api_key, max_retries=0, http_client=http_client)
-            self.clients[key] = _client_class()(openai_client)
+            shards = []
+            for _ in range(HTTP_CLIENT_SHARDS):
+                http_client = httpx.AsyncClient(
+                    timeout=httpx.Timeout(timeout_s, connect=min(timeout_s, 10.0)),
+                    limits=httpx.Limits(max_connections=None, max_keepalive_connections=64),
+                    event_hooks={"response": [_capture_headers]},
+                )
+                openai_client = AsyncOpenAI(base_url=base_url, api_key=api_key, max_retries=0,
+                                            http_client=http_client)
+                shards.append(_client_class()(openai_client))
+            self.clients[key] = shards
         return self.clients[key]
 
     async def close(self) -> None:
@@ -534,7 +587,7 @@ class Worker:
             task.cancel()
         if self.tasks:
             await asyncio.wait(list(self.tasks.values()), timeout=5.0)
-        for client in self.clients.values():
+        for client in [c for shards in self.clients.values() for c in shards]:
             try:
                 await client.close()
             except Exception:

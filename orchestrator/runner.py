@@ -10,6 +10,20 @@ pass the difficulty filter and accumulate until ``batch_size`` rollouts; the bat
 micro-batches per trainer rank and sent to the broker. In-flight groups that became too stale are cancelled.
 State (step, sampler positions, RNG) is saved after every step to ``{output_dir}/orchestrator_state.json``.
 
+Threads: the main loop dispatches, collects, computes advantages and packs; a send thread
+(``primerl.orchestrator.batch_sender``) ships each packed step to the broker, in step order, and saves the state
+once that step's batches are durable, so collection goes on while the broker applies back-pressure (at most one
+step waits for the send thread besides the one being sent). While dispatch waits for a newer policy version, the
+served versions are re-read every ``VERSION_WAIT_S`` instead of every ``WORKER_REFRESH_S``.
+
+Per-phase timers (issue 12), in every training row: ``perf/step_s`` (= ``rollout/generation_time``),
+``perf/dispatch_s``, ``perf/collect_wait_s`` (the main loop idle, waiting for rollouts), ``perf/to_samples_s``,
+``perf/advantages_s``, ``perf/packing_s`` (sums over the step); ``perf/send_wait_s`` (the main loop blocked on
+the send queue) and ``perf/send_s`` (the latest completed send); per rollout group, means over the groups that
+finished during the step: ``perf/env_roundtrip_s`` (submit to answer), ``perf/inference_wait_s`` (the group's
+model calls, as the env worker timed them), ``perf/env_score_s``, ``perf/env_encode_s`` and
+``perf/env_overhead_s`` (round trip minus the worker's own time: the pipe, JSON, queueing).
+
 Metrics: one row per step (and one per eval) in ``{output_dir}/metrics.jsonl``, W&B with ``[wandb]``
 (``primerl.runtime.metrics_sink``), and a Prometheus endpoint (``[orchestrator.prometheus]``, its URL sent to
 the broker as ``metrics_url``) with the rows' ``primerl_step`` / ``primerl_metric`` families and live
@@ -21,11 +35,13 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures
+import contextlib
 import json
 import math
 import random
 import threading
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -33,6 +49,7 @@ import numpy as np
 
 from primerl.orchestrator.advantages import prepare_groups
 from primerl.orchestrator.async_bound import AsyncBound
+from primerl.orchestrator.batch_sender import BatchSender
 from primerl.orchestrator.config import OrchestratorConfig
 from primerl.orchestrator.filtering import BatchAssembler, DifficultyFilter
 from primerl.orchestrator.packing import pack_samples, to_broker_batches
@@ -44,6 +61,9 @@ from primerl.runtime.prometheus import MetricsExporter, start_exporter
 log = get_logger("primerl.orchestrator")
 
 WORKER_REFRESH_S = 1.0
+VERSION_WAIT_S = 0.05  # re-read the served versions this often while dispatch waits for a newer policy
+COLLECT_WAIT_S = 0.5  # the longest the main loop waits for a rollout group before looking at the rest again
+STOP_FLUSH_S = 30.0  # on stop, how long steps already handed to the send thread may take to be sent
 
 
 @dataclass
@@ -124,6 +144,8 @@ class OrchestratorRunner:
         self.sink: MetricsSink | None = None
         self._next_group_id = 0
         self._endpoints_refreshed_s = 0.0
+        self._waiting_for_version = False
+        self.sender: BatchSender | None = None
 
     # -- set-up --------------------------------------------------------------------------------------
 
@@ -153,6 +175,7 @@ class OrchestratorRunner:
         self.control.start_heartbeats(lambda: dict(self.progress))
         self.producer = RolloutProducer(registration.rollout_endpoint, auth_token=config.broker.run_token,
                                         sender="orchestrator")
+        self.sender = BatchSender(self._send_step)
         sizes, weights = {}, {}
         for env in config.env:
             if env.id in self.workers:
@@ -183,8 +206,10 @@ class OrchestratorRunner:
         log.info("resumed orchestrator state", step=state["step"])
         return int(state["step"]) + 1
 
-    def _save_state(self, step: int) -> None:
-        state = {"step": step, "sampler": self.sampler.state(), "next_group_id": self._next_group_id}
+    def _state(self, step: int) -> dict[str, Any]:
+        return {"step": step, "sampler": self.sampler.state(), "next_group_id": self._next_group_id}
+
+    def _save_state(self, state: dict[str, Any]) -> None:
         temporary = self.state_path.with_suffix(".tmp")
         temporary.write_text(json.dumps(state))
         temporary.replace(self.state_path)
@@ -203,40 +228,71 @@ class OrchestratorRunner:
                 bind_context(step=step)
                 if not self._produce_step(step):
                     log.info("stopping", step=step)
+                    self._flush_sender(min(STOP_FLUSH_S, self.config.rollout_timeout_s))
                     return 0
+            self._flush_sender(self.config.rollout_timeout_s)
             log.info("all steps produced", max_steps=self.config.max_steps)
             return 0
         finally:
             self.close()
 
+    def _flush_sender(self, timeout_s: float) -> None:
+        """Wait until the steps handed to the send thread are sent (their errors are raised here)."""
+        if self.sender is not None:
+            self.sender.flush(timeout_s)
+
     def _produce_step(self, step: int) -> bool:
         started_s = time.monotonic()
         self.counters = collections.Counter()
+        self.timers: collections.Counter = collections.Counter()
         min_version = self.bound.min_policy_version(step)
         while (batch := self.assembler.take(min_policy_version=min_version)) is None:
             if self.stop_event.is_set():
                 return False
+            if self.sender is not None:
+                self.sender.check()  # a failed send stops the run here, in the main thread
             self._refresh_endpoints()
-            self._dispatch(step)
-            self._collect(timeout_s=0.5)
+            with self._timed("dispatch_s"):
+                self._dispatch(step)
+            self._collect(timeout_s=VERSION_WAIT_S if self._waiting_for_version else COLLECT_WAIT_S)
             self._cancel_stale(step)
         samples = batch.samples
-        packed = pack_samples(samples, seq_len=self.config.seq_len, num_ranks=self.config.num_train_ranks)
-        from primerl.broker.rollout_clients import RolloutRefused
+        with self._timed("packing_s"):
+            packed = pack_samples(samples, seq_len=self.config.seq_len, num_ranks=self.config.num_train_ranks)
+            messages = to_broker_batches(step, packed)
+        state = self._state(step)  # what a restart after this step must resume from (saved once it is sent)
 
-        try:
-            self.producer.send_batches(to_broker_batches(step, packed), timeout_s=self.config.rollout_timeout_s)
-        except RolloutRefused as exc:  # e.g. a broker spool that still holds another run's step
-            raise ValueError(f"the broker refused the batches of step {step}: {exc}. If this is a new run, give the "
-                             "broker a fresh spool_dir; to continue a run, keep the orchestrator's output_dir") from None
-        self._save_state(step)
-        self.progress["orchestrator_step"] = step
-        if self.exporter is not None:
-            self.step_gauge.set(step)
+        def on_sent(send_s: float) -> None:  # on the send thread, once the step's batches are durable
+            self._save_state(state)
+            self.progress["orchestrator_step"] = step
+            if self.exporter is not None:
+                self.step_gauge.set(step)
+
+        assert self.sender is not None
+        self.timers["send_wait_s"] += self.sender.put(step, messages, on_sent, timeout_s=self.config.rollout_timeout_s)
+        self.timers["send_s"] = self.sender.last_send_s
         self._report(step, batch, packed, time.monotonic() - started_s)
         if self.config.eval is not None and step % self.config.eval.interval == 0:
             self._evaluate(step)
         return True
+
+    def _send_step(self, step: int, messages: list[tuple[Any, bytes]]) -> None:
+        """On the send thread: one step's batches to the broker, until every one is durable."""
+        from primerl.broker.rollout_clients import RolloutRefused
+
+        try:
+            self.producer.send_batches(messages, timeout_s=self.config.rollout_timeout_s)
+        except RolloutRefused as exc:  # e.g. a broker spool that still holds another run's step
+            raise ValueError(f"the broker refused the batches of step {step}: {exc}. If this is a new run, give the "
+                             "broker a fresh spool_dir; to continue a run, keep the orchestrator's output_dir") from None
+
+    @contextlib.contextmanager
+    def _timed(self, name: str) -> Iterator[None]:
+        started = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.timers[name] += time.perf_counter() - started
 
     def _evaluate(self, step: int) -> None:
         """Each eval environment's eval split against the current policy, logged apart as ``eval/<env>/...``."""
@@ -270,7 +326,8 @@ class OrchestratorRunner:
 
     def _refresh_endpoints(self) -> None:
         now = time.monotonic()
-        if now - self._endpoints_refreshed_s < WORKER_REFRESH_S and self.endpoints:
+        interval_s = VERSION_WAIT_S if self._waiting_for_version else WORKER_REFRESH_S
+        if now - self._endpoints_refreshed_s < interval_s and self.endpoints:
             return
         self._endpoints_refreshed_s = now
         from primerl.proto.v1 import common_pb2
@@ -293,24 +350,37 @@ class OrchestratorRunner:
         if not self.endpoints:
             return
         served_version = min(e.policy_version for e in self.endpoints.values())
-        if not self.bound.may_dispatch(step, served_version):
+        self._waiting_for_version = not self.bound.may_dispatch(step, served_version)
+        if self._waiting_for_version:
             self.counters["dispatch_waits"] += 1
             return
         max_inflight = config.max_inflight or 2 * config.batch_size
         groups_wanted = math.ceil(max_inflight / config.rollouts_per_example)
-        while len(self.inflight) < groups_wanted:
+        # Groups are drawn one by one (the same draws, seeds and group ids as one at a time), then handed to
+        # each env worker in one write per (env, endpoint, seed).
+        batches: dict[tuple[str, str, int | None], list[int]] = collections.defaultdict(list)
+        entries: dict[tuple[str, str, int | None], list[_Inflight]] = collections.defaultdict(list)
+        for _ in range(groups_wanted - len(self.inflight)):
             endpoint = min(self.endpoints.values(), key=lambda e: e.num_inflight)
             env_id, example_index = self.sampler.next()
-            sampling = config.sampling.model_dump()
-            if sampling.get("seed") is not None:  # a different, reproducible seed per group
-                sampling["seed"] = sampling["seed"] + self._next_group_id
-            future = self.workers[env_id].submit_rollout(
-                example_index, num_rollouts=config.rollouts_per_example, base_url=endpoint.base_url,
-                model=config.model.name, api_key=config.broker.run_token or "EMPTY", sampling=sampling,
-            )
+            seed = config.sampling.seed
+            if seed is not None:  # a different, reproducible seed per group
+                seed = seed + self._next_group_id
+            key = (env_id, endpoint.worker_id, seed)
+            batches[key].append(example_index)
+            entries[key].append(_Inflight(env_id, example_index, endpoint, served_version))
             endpoint.num_inflight += config.rollouts_per_example
-            self.inflight[future] = _Inflight(env_id, example_index, endpoint, served_version)
             self._next_group_id += 1
+        for key, example_indices in batches.items():
+            env_id, _, seed = key
+            endpoint = entries[key][0].endpoint
+            futures = self.workers[env_id].submit_rollouts(
+                example_indices, num_rollouts=config.rollouts_per_example, base_url=endpoint.base_url,
+                model=config.model.name, api_key=config.broker.run_token or "EMPTY",
+                sampling=config.sampling.model_dump() | {"seed": seed},
+            )
+            for future, entry in zip(futures, entries[key]):
+                self.inflight[future] = entry
         self._inflight_changed()
 
     def _inflight_changed(self) -> None:
@@ -327,10 +397,12 @@ class OrchestratorRunner:
 
     def _collect(self, timeout_s: float) -> None:
         if not self.inflight:
-            self.stop_event.wait(timeout_s)
+            with self._timed("collect_wait_s"):
+                self.stop_event.wait(timeout_s)
             return
-        done, _ = concurrent.futures.wait(list(self.inflight), timeout=timeout_s,
-                                          return_when=concurrent.futures.FIRST_COMPLETED)
+        with self._timed("collect_wait_s"):
+            done, _ = concurrent.futures.wait(list(self.inflight), timeout=timeout_s,
+                                              return_when=concurrent.futures.FIRST_COMPLETED)
         for future in done:
             entry = self.inflight.pop(future)
             entry.endpoint.num_inflight -= self.config.rollouts_per_example
@@ -341,15 +413,42 @@ class OrchestratorRunner:
                 log.warning("rollout group failed", env_id=entry.env_id, error=str(exc))
                 self.control.report_error(f"{entry.env_id}: {exc}")
                 continue
-            group = self._to_group(rollout_group, entry)
+            self._time_group(rollout_group)
+            with self._timed("to_samples_s"):
+                group = self._to_group(rollout_group, entry)
             if group is None:
                 continue
-            prepare_groups([group], self.config)
+            with self._timed("advantages_s"):
+                prepare_groups([group], self.config)
             self.assembler.add([group])
             self.counters["generation_s"] += time.monotonic() - entry.started_s
             self.counters["groups_done"] += 1
         if done:
             self._inflight_changed()
+
+    def _time_group(self, rollout_group: Any) -> None:
+        """Add a finished group's env-worker timings to the step's sums (means are taken in ``_report``)."""
+        timings = getattr(rollout_group, "timings", None) or {}
+        roundtrip_s = getattr(rollout_group, "roundtrip_s", None)
+        self.timers["groups_timed"] += 1
+        for wire_name, name in (("generate_s", "inference_wait_s"), ("score_s", "env_score_s"),
+                                ("encode_s", "env_encode_s")):
+            self.timers[f"group_{name}"] += float(timings.get(wire_name, 0.0))
+        if roundtrip_s is not None:
+            self.timers["group_env_roundtrip_s"] += roundtrip_s
+            if "total_s" in timings:
+                self.timers["group_env_overhead_s"] += max(0.0, roundtrip_s - float(timings["total_s"]))
+
+    def _perf_metrics(self, elapsed_s: float) -> dict[str, float]:
+        timers = getattr(self, "timers", collections.Counter())
+        groups = max(1, timers["groups_timed"])
+        metrics = {f"perf/{name}": float(timers[name]) for name in
+                   ("dispatch_s", "collect_wait_s", "to_samples_s", "advantages_s", "packing_s", "send_wait_s",
+                    "send_s")}
+        for name in ("env_roundtrip_s", "inference_wait_s", "env_score_s", "env_encode_s", "env_overhead_s"):
+            metrics[f"perf/{name}"] = float(timers[f"group_{name}"]) / groups
+        metrics["perf/step_s"] = elapsed_s
+        return metrics
 
     def _to_group(self, rollout_group: Any, entry: _Inflight) -> Group | None:
         config = self.config
@@ -405,6 +504,7 @@ class OrchestratorRunner:
             "rollout/errors": float(self.counters["rollout_errors"] + self.counters["env_errors"]),
             "rollout/stale_groups_cancelled": float(self.counters["stale_groups_cancelled"]),
             **batch.metrics, **packed.metrics(), **self.bound.lag_metrics(step, versions),
+            **self._perf_metrics(elapsed_s),
         }
         metrics = {k: float(v) for k, v in metrics.items() if isinstance(v, (int, float)) and math.isfinite(v)}
         self.control.report_metrics(step, metrics)
@@ -418,7 +518,13 @@ class OrchestratorRunner:
         self.inflight.clear()
         for worker in [*self.workers.values(), *getattr(self, "eval_workers", {}).values()]:
             worker.close()
-        if self.producer is not None:
+        sender_stopped = True
+        if self.sender is not None:
+            sender_stopped = self.sender.close(timeout_s=STOP_FLUSH_S)
+            if not sender_stopped:
+                log.warning("the send thread is still sending; its step is not saved as done",
+                            num_unsent=self.sender.num_unsent)
+        if self.producer is not None and sender_stopped:  # never close a socket another thread still uses
             self.producer.close()
         if self.control is not None:
             self.control.deregister("orchestrator finished")

@@ -124,6 +124,11 @@ class RolloutGroup:
     split: Split
     example_index: int
     rollouts: list[Rollout]
+    # Where the group's time went, as the env worker measured it (generate_s, score_s, encode_s, total_s);
+    # empty from a worker that does not report it.
+    timings: dict[str, float] = field(default_factory=dict)
+    # Submit to answer, measured by the orchestrator's EnvWorker client (None: not measured).
+    roundtrip_s: float | None = None
 
     @property
     def num_errors(self) -> int:
@@ -208,8 +213,13 @@ def parse_group(env_id: str, data: Mapping[str, Any]) -> RolloutGroup:
     split = data.get("split", "train")
     index = int(data.get("example_index", -1))
     where = f"{env_id} {split} example {index}"
+    timings = data.get("timings")
+    timings = {str(k): float(v) for k, v in timings.items()
+               if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)} \
+        if isinstance(timings, Mapping) else {}
     return RolloutGroup(env_id=env_id, split=split, example_index=index,
-                        rollouts=[parse_rollout(r, f"{where} rollout {i}") for i, r in enumerate(rollouts)])
+                        rollouts=[parse_rollout(r, f"{where} rollout {i}") for i, r in enumerate(rollouts)],
+                        timings=timings)
 
 
 def branch(rollout: Rollout) -> list[TokenSample]:

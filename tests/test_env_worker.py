@@ -312,6 +312,36 @@ def test_many_requests_in_flight_answer_out_of_order(reverse_worker: EnvWorker, 
     assert evals.split == "eval" and evals.rollouts[0].prompt == reverse_worker.examples("eval", 4, 1)[0].prompt
 
 
+def test_submit_rollouts_hands_many_groups_over_at_once_with_timings(reverse_worker: EnvWorker,
+                                                                    fake: FakeOpenAI) -> None:
+    futures = reverse_worker.submit_rollouts([3, 1, 4, 1, 5], num_rollouts=2, base_url=fake.base_url, model="reverse")
+    assert len({f.request_id for f in futures}) == 5  # one request per group, all in one write
+    groups = [f.result(timeout=60) for f in futures]
+    assert [g.example_index for g in groups] == [3, 1, 4, 1, 5]
+    for group in groups:
+        assert all(r.ok and r.reward == 1.0 for r in group.rollouts)
+        assert set(group.timings) == {"generate_s", "score_s", "encode_s", "total_s"}
+        assert group.roundtrip_s is not None and group.roundtrip_s >= group.timings["total_s"]
+        assert group.timings["total_s"] >= group.timings["generate_s"] + group.timings["score_s"] >= 0
+
+
+def test_a_slow_reward_function_moves_scoring_off_the_event_loop(fake: FakeOpenAI) -> None:
+    with make_worker("slow_rubric_env", {"num_examples": 4}) as worker:
+        first = worker.submit_rollout(0, num_rollouts=2, base_url=fake.base_url, model="reverse").result(60)
+        assert all(r.ok and r.reward == 1.0 for r in first.rollouts)
+        deadline = time.monotonic() + 10
+        while "move to the scoring threads" not in worker.stderr_tail() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert "move to the scoring threads" in worker.stderr_tail()
+        groups = [f.result(60) for f in worker.submit_rollouts([1, 2, 0], num_rollouts=2, base_url=fake.base_url,
+                                                                model="reverse")]
+        broken, *good = groups
+        assert {r.error_type for r in broken.rollouts} == {"ScoringError"}
+        assert all("broken for example 1" in r.error for r in broken.rollouts)
+        assert all(r.ok and r.reward == 1.0 and r.metrics["slow_reward"] == 0.0 for g in good for r in g.rollouts)
+        assert worker.ping()["env_id"] == "slow_rubric_env"
+
+
 def test_missing_token_ids_is_a_rollout_error(reverse_worker: EnvWorker, fake: FakeOpenAI) -> None:
     group = reverse_worker.submit_rollout(0, num_rollouts=2, base_url=fake.base_url, model="no-tokens").result(60)
     assert group.num_errors == 2

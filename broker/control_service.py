@@ -31,7 +31,9 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from primerl.broker.log_limits import RateLimitedLog
 from primerl.broker.registry import DataPlaneStatus, RegistryError, WorkerRegistry, format_workers
+from primerl.proto import framing
 from primerl.proto.v1 import common_pb2, control_pb2, control_pb2_grpc
 from primerl.runtime.log_setup import get_logger
 
@@ -50,6 +52,7 @@ SERVER_OPTIONS = [
 ]
 
 _log = get_logger("primerl.broker.control")
+_refusal_log = RateLimitedLog(_log)
 
 
 # ------------------------------------------------------------------------------------------------- auth
@@ -83,16 +86,19 @@ class TokenAuthInterceptor(grpc.ServerInterceptor):
 
 
 def _refusal(handler, code: grpc.StatusCode, message: str):
-    """A handler of the same kind as ``handler`` that aborts every call with ``code``."""
+    """A handler of the same kind as ``handler`` that aborts every call with ``code``.
+
+    Its request deserializer never parses the body (it keeps nothing), so an unauthenticated call is refused
+    with ``code`` whatever bytes it carries, before any protobuf parser sees them."""
 
     def abort(request_or_iterator, context):
+        _refusal_log.warning(("refused", code.name), "control plane refused a call", code=code.name, reason=message,
+                             peer=context.peer())
         context.abort(code, message)
 
     if handler is None:  # unknown method: do not reveal that, refuse like any other unauthenticated call
-        return grpc.unary_unary_rpc_method_handler(abort)
-    kwargs = dict(
-        request_deserializer=handler.request_deserializer, response_serializer=handler.response_serializer
-    )
+        return grpc.unary_unary_rpc_method_handler(abort, request_deserializer=_ignore_body)
+    kwargs = dict(request_deserializer=_ignore_body, response_serializer=handler.response_serializer)
     if handler.request_streaming and handler.response_streaming:
         return grpc.stream_stream_rpc_method_handler(abort, **kwargs)
     if handler.request_streaming:
@@ -100,6 +106,76 @@ def _refusal(handler, code: grpc.StatusCode, message: str):
     if handler.response_streaming:
         return grpc.unary_stream_rpc_method_handler(abort, **kwargs)
     return grpc.unary_unary_rpc_method_handler(abort, **kwargs)
+
+
+_UNREAD = object()  # gRPC treats a deserializer's None as a failure: return a placeholder instead
+
+
+def _ignore_body(_body: bytes) -> object:
+    return _UNREAD
+
+
+class _BadBody:
+    """What a request deserializer returns for bytes that do not parse (instead of raising, which makes
+    gRPC log a traceback per call and answer INTERNAL)."""
+
+    def __init__(self, error: Exception):
+        self.error = error
+
+
+def _safe_deserializer(deserialize):
+    if deserialize is None:
+        return None
+
+    def parse(body: bytes):
+        try:
+            return deserialize(body)
+        except Exception as exc:  # DecodeError, RecursionError, ...: a peer's bytes, never a broker fault
+            return _BadBody(exc)
+
+    return parse
+
+
+def _refuse_bad_body(context, method: str, bad: _BadBody):
+    message = f"request body of {method.rsplit('/', 1)[-1]} is not a valid protobuf message: {type(bad.error).__name__}"
+    _refusal_log.warning(("bad body", method), "control plane refused a malformed request", method=method,
+                         error=str(bad.error)[:200], peer=context.peer())
+    context.abort(grpc.StatusCode.INVALID_ARGUMENT, message)
+
+
+class RequestBodyGuard(grpc.ServerInterceptor):
+    """Every method's request deserializer made total: a body that does not parse is refused with
+    INVALID_ARGUMENT and one rate-limited log line, instead of INTERNAL and a traceback per call."""
+
+    def intercept_service(self, continuation, handler_call_details):
+        handler = continuation(handler_call_details)
+        if handler is None or handler.request_deserializer is None:
+            return handler
+        method = handler_call_details.method or ""
+        kwargs = dict(request_deserializer=_safe_deserializer(handler.request_deserializer),
+                      response_serializer=handler.response_serializer)
+        if handler.request_streaming:
+            behavior = handler.stream_stream if handler.response_streaming else handler.stream_unary
+
+            def checked_stream(request_iterator, context, behavior=behavior):
+                def requests():
+                    for request in request_iterator:
+                        if isinstance(request, _BadBody):
+                            _refuse_bad_body(context, method, request)
+                        yield request
+                return behavior(requests(), context)
+
+            factory = grpc.stream_stream_rpc_method_handler if handler.response_streaming else grpc.stream_unary_rpc_method_handler
+            return factory(checked_stream, **kwargs)
+        behavior = handler.unary_stream if handler.response_streaming else handler.unary_unary
+
+        def checked(request, context, behavior=behavior):
+            if isinstance(request, _BadBody):
+                _refuse_bad_body(context, method, request)
+            return behavior(request, context)
+
+        factory = grpc.unary_stream_rpc_method_handler if handler.response_streaming else grpc.unary_unary_rpc_method_handler
+        return factory(checked, **kwargs)
 
 
 # --------------------------------------------------------------------------------------------- servicer
@@ -148,7 +224,7 @@ class BrokerServicer(control_pb2_grpc.BrokerServicer):
         _log.info(
             "worker registered",
             worker=request.name,
-            role=common_pb2.Role.Name(request.role),
+            role=framing.role_name(request.role),
             worker_id=response.worker_id,
             address=request.address,
             peer=context.peer(),
@@ -258,7 +334,8 @@ def create_grpc_server(
     """
     if (tls_cert_path is None) != (tls_key_path is None):
         raise ValueError("TLS needs both tls_cert_path and tls_key_path, or neither")
-    interceptors = [TokenAuthInterceptor(run_token)] if run_token else []
+    # Auth first (it answers before any body is parsed), then the guard that makes parsing total.
+    interceptors = ([TokenAuthInterceptor(run_token)] if run_token else []) + [RequestBodyGuard()]
     server = grpc.server(
         futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="broker-grpc"),
         interceptors=interceptors,

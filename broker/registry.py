@@ -35,6 +35,17 @@ MAX_NAME_CHARS = 128
 MAX_ERROR_CHARS = 500
 MAX_ERRORS_PER_HEARTBEAT = 8
 MAX_METRICS_PER_REPORT = 1024
+# Bounds that keep RunStatus far below the 4 MiB gRPC message limit of a default client (checked in tests).
+MAX_METRIC_NAME_CHARS = 128
+MAX_METRIC_NAMES_PER_WORKER = 512
+MAX_METRIC_NAMES = 2048
+MAX_LIVE_WORKERS = 512
+MAX_CAPABILITIES = 32
+MAX_CAPABILITY_CHARS = 256
+MAX_ADDRESS_CHARS = 256
+MAX_CAPABILITY_TOTAL_CHARS = 2048
+# RunStatus is trimmed (capabilities, then departed workers, then the rest) to stay under this.
+MAX_STATUS_BYTES = 3 * 2**20
 
 
 # ----------------------------------------------------------------------------------------------- errors
@@ -60,6 +71,12 @@ class NameTaken(RegistryError):
 
 class StepOutOfOrder(RegistryError):
     status_code = "FAILED_PRECONDITION"
+
+
+class LimitReached(RegistryError):
+    """A bound of the registry (workers, metric names) would be exceeded; the message says which."""
+
+    status_code = "RESOURCE_EXHAUSTED"
 
 
 class CommitFailed(RegistryError):
@@ -171,6 +188,7 @@ class WorkerRegistry:
         weight_endpoint: str = "",
         max_recent_errors: int = 32,
         max_gone_workers: int = 256,
+        step_window: Callable[[int], str] | None = None,
     ):
         if heartbeat_interval_s <= 0:
             raise ValueError(f"heartbeat_interval_s must be > 0, got {heartbeat_interval_s}")
@@ -186,6 +204,10 @@ class WorkerRegistry:
         self._rollout_endpoint = rollout_endpoint
         self._weight_endpoint = weight_endpoint
         self._max_gone_workers = max_gone_workers
+        # step -> why it is too far from the run's position ("" when fine); e.g. the rollout queue's window.
+        self._step_window = step_window
+        self._metric_names_by_worker: dict[str, set[str]] = {}
+        self._num_status_trims = 0
 
         self._lock = threading.Lock()
         self._changed = threading.Condition(self._lock)
@@ -234,9 +256,19 @@ class WorkerRegistry:
             raise InvalidRequest(f"name is {len(name)} characters long; at most {MAX_NAME_CHARS} are allowed")
         if request.world_size and request.rank >= request.world_size:
             raise InvalidRequest(f"rank {request.rank} is not below world_size {request.world_size}")
+        if len(request.address) > MAX_ADDRESS_CHARS or len(request.hostname) > MAX_ADDRESS_CHARS:
+            raise InvalidRequest(f"address and hostname must be at most {MAX_ADDRESS_CHARS} characters")
+        if len(request.capabilities) > MAX_CAPABILITIES or any(
+                len(k) > MAX_CAPABILITY_CHARS or len(v) > MAX_CAPABILITY_CHARS for k, v in request.capabilities.items()):
+            raise InvalidRequest(f"at most {MAX_CAPABILITIES} capabilities of at most {MAX_CAPABILITY_CHARS} characters each")
+        if sum(len(k) + len(v) for k, v in request.capabilities.items()) > MAX_CAPABILITY_TOTAL_CHARS:
+            raise InvalidRequest(f"capabilities hold at most {MAX_CAPABILITY_TOTAL_CHARS} characters in all")
         with self._lock:
             now = self._clock()
             self._expire_locked(now)
+            num_alive = sum(1 for w in self._workers.values() if w.state == ALIVE)
+            if num_alive >= MAX_LIVE_WORKERS:
+                raise LimitReached(f"{num_alive} workers are registered, the broker's limit; deregister some first")
             for old in list(self._workers.values()):
                 if old.name != name:
                     continue
@@ -317,8 +349,24 @@ class WorkerRegistry:
             raise InvalidRequest(f"non-finite metric values are refused: {', '.join(bad[:10])}")
         if any(not name for name in metrics):
             raise InvalidRequest("metric names must not be empty")
+        long_names = [name for name in metrics if len(name) > MAX_METRIC_NAME_CHARS]
+        if long_names:
+            raise InvalidRequest(f"metric names are at most {MAX_METRIC_NAME_CHARS} characters: {long_names[0][:40]!r}...")
         with self._lock:
             worker = self._live_worker_locked(worker_id)
+            # Bounded names, per worker and in all: refused (never evicted silently) with what to do.
+            own = self._metric_names_by_worker.setdefault(worker.name, set())
+            new_names = [name for name in metrics if name not in self._last_metrics]
+            unseen_by_worker = [name for name in metrics if name not in own]
+            if len(own) + len(unseen_by_worker) > MAX_METRIC_NAMES_PER_WORKER:
+                raise LimitReached(f"worker {worker.name!r} would report {len(own) + len(unseen_by_worker)} distinct metric "
+                                   f"names; the broker keeps at most {MAX_METRIC_NAMES_PER_WORKER} per worker")
+            if len(self._last_metrics) + len(new_names) > MAX_METRIC_NAMES:
+                raise LimitReached(f"the run would have {len(self._last_metrics) + len(new_names)} distinct metric names; "
+                                   f"the broker keeps at most {MAX_METRIC_NAMES}")
+            if len(self._metric_names_by_worker) > 4 * MAX_LIVE_WORKERS:
+                self._metric_names_by_worker = {worker.name: own}
+            own.update(unseen_by_worker)
             # A step's metrics also say the step is done: progress shows even if no heartbeat follows.
             if worker.role == common_pb2.ROLE_TRAINER:
                 worker.trainer_step = max(worker.trainer_step or 0, step)
@@ -345,6 +393,9 @@ class WorkerRegistry:
                     raise StepOutOfOrder(
                         f"step {step} is lower than the last committed step {self._last_committed_step}"
                     )
+            too_far = self._step_window(step) if self._step_window is not None else ""
+            if too_far:
+                raise StepOutOfOrder(f"commit refused: {too_far}")
             num_released = 0
             if self._on_commit is not None:
                 try:
@@ -435,7 +486,7 @@ class WorkerRegistry:
             workers = list(self._workers.values())
             trainer_steps = [w.trainer_step for w in workers if w.role == common_pb2.ROLE_TRAINER]
             orchestrator_steps = [w.orchestrator_step for w in workers if w.role == common_pb2.ROLE_ORCHESTRATOR]
-            return control_pb2.RunStatus(
+            status = control_pb2.RunStatus(
                 run_id=self.run_id,
                 broker_started_unix_ms=self.started_unix_ms,
                 updated_unix_ms=self._unix_ms(),
@@ -453,6 +504,10 @@ class WorkerRegistry:
                 recent_errors=list(self._recent_errors),
                 max_steps=self.max_steps or 0,
             )
+            if status.ByteSize() > MAX_STATUS_BYTES:
+                self._num_status_trims += 1
+                _trim_status(status, MAX_STATUS_BYTES)
+            return status
 
     def recent_errors(self) -> list[str]:
         with self._lock:
@@ -523,6 +578,28 @@ class WorkerRegistry:
         if len(message) > MAX_ERROR_CHARS:
             message = message[: MAX_ERROR_CHARS - 3] + "..."
         self._recent_errors.append(f"{source}: {message}")
+
+
+def _trim_status(status: control_pb2.RunStatus, max_bytes: int) -> None:
+    """Cut ``status`` to at most ``max_bytes`` serialized: worker capabilities go first, then departed
+    workers, then live workers beyond what fits, then metrics (alphabetical order kept); a line in
+    ``recent_errors`` says it was trimmed. The limits on the inputs make this a last resort."""
+    original = status.ByteSize()
+    for worker in status.workers:
+        worker.capabilities.clear()
+    if status.ByteSize() > max_bytes:
+        alive = [w for w in status.workers if w.state == ALIVE]
+        del status.workers[:]
+        status.workers.extend(alive)
+    while status.ByteSize() > max_bytes and len(status.workers) > 1:
+        del status.workers[len(status.workers) // 2:]
+    if status.ByteSize() > max_bytes:
+        kept = dict(sorted(status.last_metrics.items())[: MAX_METRIC_NAMES // 4])
+        status.last_metrics.clear()
+        status.last_metrics.update(kept)
+    status.recent_errors.append(
+        f"broker: run status trimmed from {original} to {status.ByteSize()} bytes to fit a client's 4 MiB limit"
+    )
 
 
 def _role_name(role: int) -> str:

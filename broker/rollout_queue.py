@@ -354,6 +354,12 @@ class RolloutQueue:
             self._frontier_step = max(self._frontier_step, step)
             return self._serve(session_id, session)
 
+    def step_window(self, step: int) -> str:
+        """Why ``step`` is too far ahead of the run for a request, a batch or a commit ("" when within
+        ``max_step_lead``); thread-safe (the registry asks it for commits)."""
+        with self._lock:
+            return self._beyond_window_locked(step)
+
     def _beyond_window_locked(self, step: int) -> str:
         """Why ``step`` is too far ahead of the run (more than ``max_step_lead`` past the highest step asked
         for or committed), or "" when it is within the window."""

@@ -68,6 +68,7 @@ class BrokerService:
             config.heartbeat_liveness,
             max_steps=config.max_steps,
             on_commit=self._release_through,
+            step_window=self._step_window,
         )
         self.servicer = BrokerServicer(self.registry, self.data_plane_status)
         self._server = None
@@ -103,6 +104,7 @@ class BrokerService:
                 transfer_stall_timeout_s=config.transfer_stall_timeout_s,
                 max_open_transfer_bytes=config.resolved_max_open_transfer_bytes,
                 max_open_transfers_per_publisher=config.max_open_transfers_per_publisher,
+                max_version_lead=config.max_step_lead,
             )
             weight_port = self.weight_plane.start()
             client_host = config.client_host
@@ -157,6 +159,12 @@ class BrokerService:
         if self.rollout_plane is None:
             return 0
         return self.rollout_plane.release_through(step)
+
+    def _step_window(self, step: int) -> str:
+        """Commits far beyond the run's position are refused, like rollout requests (``max_step_lead``)."""
+        if self._queue is None:
+            return ""
+        return self._queue.step_window(step)
 
     def _on_weights_applied(self, worker_id: str, version: int) -> None:
         self.registry.record_applied_version(worker_id, version)

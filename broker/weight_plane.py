@@ -189,6 +189,7 @@ class WeightPlane:
         transfer_stall_timeout_s: float = 30.0,
         max_open_transfer_bytes: int | None = None,
         max_open_transfers_per_publisher: int = 1,
+        max_version_lead: int = 1024,
         max_pending_replies: int = 4096,
         poll_interval_s: float = 0.05,
     ):
@@ -210,6 +211,7 @@ class WeightPlane:
         self.hwm = hwm
         self.poll_interval_s = poll_interval_s
         self.max_pending_replies = max_pending_replies
+        self.max_version_lead = max_version_lead
         # Transfer limits (checked at a first chunk, before memory is set aside): declared size, total declared
         # bytes of open transfers, open transfers per publisher connection (a new one replaces the oldest), and
         # a short stall timeout, so one peer cannot block another's publishing for long.
@@ -401,6 +403,7 @@ class WeightPlane:
                 return
             try:
                 if chunk.index == 0:
+                    self._check_version_window(header)
                     self.store.check_header(header)
                     self._hashers[key] = hashlib.sha256()
                     self._chunk_crcs[key] = []
@@ -425,6 +428,7 @@ class WeightPlane:
             chunk_crcs = [(envelope.checksum, whole.payload[0].nbytes)]
         assert whole is not None
         try:
+            self._check_version_window(header)
             result = self.store.put(header, whole.payload[0], computed_digest=digest)
         except WeightUpdateRefused as exc:
             self._refuse_update(identity, header, exc, reply_to)
@@ -438,6 +442,15 @@ class WeightPlane:
         self._queue_reply(identity, framing.encode(data_pb2.WEIGHT_ACK, ack, **self._envelope(reply_to)))
         for worker in self._workers.values():
             self._replan(worker)
+
+    def _check_version_window(self, header: data_pb2.WeightUpdateHeader) -> None:
+        """A version more than ``max_version_lead`` past the latest stored one is refused: accepted, it would
+        make every later update of the real trainer look out of order."""
+        latest = self.store.latest_version
+        if latest is not None and header.policy_version > latest + self.max_version_lead:
+            raise WeightUpdateRefused(common_pb2.ERROR_CODE_OUT_OF_ORDER,
+                                      f"policy_version {header.policy_version} is more than {self.max_version_lead} "
+                                      f"versions past the latest stored one ({latest})")
 
     def _refuse_update(self, identity: bytes, header: data_pb2.WeightUpdateHeader, exc: Exception, reply_to: str) -> None:
         if isinstance(exc, WeightUpdateRefused):

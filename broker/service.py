@@ -29,6 +29,7 @@ from primerl.broker.rollout_queue import RolloutQueue
 from primerl.broker.spool import RolloutSpool
 from primerl.broker.weight_plane import WeightPlane, weight_limits
 from primerl.broker.weight_store import WeightStore
+from primerl.runtime.config_common import is_loopback_host
 from primerl.runtime.log_setup import get_logger
 from primerl.runtime.prometheus import MetricsExporter, start_exporter
 from primerl.runtime.zmq_sockets import tcp_endpoint
@@ -118,11 +119,25 @@ class BrokerService:
         except BaseException:
             self.stop(grace_s=0)
             raise
+        self._warn_about_auth()
         metrics_url = self.exporter.url if self.exporter is not None else None
         self.endpoints = BrokerEndpoints(grpc_port, rollout_port, weight_port, self.run_id, metrics_url)
         log.info("broker serving", host=config.host, spool_dir=str(config.spool_dir), auth=bool(config.run_token),
                  tls=config.tls_cert_path is not None, **self.endpoints.as_dict())
         return self.endpoints
+
+    def _warn_about_auth(self) -> None:
+        """A broker without a run token binds loopback only (``BrokerConfig`` refuses anything else unless
+        ``allow_remote_without_token`` is set); either way it says what that means."""
+        config = self.config
+        if config.run_token:
+            return
+        if is_loopback_host(config.host):
+            log.warning("no run_token: any process on this machine can send to and read from the broker; "
+                        "set run_token (or PRIMERL_RUN_TOKEN) to require it", host=config.host)
+        else:
+            log.warning("no run_token on a non-loopback address (allow_remote_without_token = true): anyone who "
+                        "can reach these ports can feed rollouts, publish weights and read the run", host=config.host)
 
     def serve_until(self, stop_event: threading.Event, check_interval_s: float = 0.5) -> int:
         """Block until ``stop_event`` is set; returns 1 if a data plane's IO thread died, else 0."""

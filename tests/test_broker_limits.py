@@ -95,3 +95,17 @@ def test_default_transfer_limits_fit_the_machine():
 
     assert config.resolved_max_transfer_bytes <= physical_memory_bytes() // 4
     assert config.resolved_max_open_transfer_bytes <= physical_memory_bytes() // 4
+
+
+def test_without_a_token_the_broker_binds_loopback_unless_told_and_warns(tmp_path, capsys):
+    from pydantic import ValidationError
+
+    from primerl.broker.service import BrokerService
+
+    with pytest.raises(ValidationError, match="allow_remote_without_token"):
+        BrokerConfig(host="0.0.0.0")
+    assert BrokerConfig(host="0.0.0.0", allow_remote_without_token=True).run_token is None
+    service = BrokerService(BrokerConfig(grpc_port=0, rollout_port=0, weight_port=0, spool_dir=tmp_path / "spool"))
+    service.start()
+    service.stop(grace_s=0)
+    assert "no run_token" in capsys.readouterr().out

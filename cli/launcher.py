@@ -175,7 +175,7 @@ class Launcher:
         """Fill each role's unset ``threads`` fields from the default split (module docstring); returns every
         role's budget, the broker's included (its config has no ``threads`` table: environment only)."""
         cpus = available_cpus()
-        defaults = default_budgets(cpus, gpus=self.use_gpus)
+        defaults = default_budgets(cpus, gpus=self.use_gpus, num_trainer_ranks=len(self.config.trainer_gpu_ids))
         budgets = {"broker": defaults["broker"]}
         for role in ("trainer", "orchestrator", "inference"):
             explicit = roles[role].threads

@@ -10,12 +10,16 @@ from primerl.cli.role_entry import run_role
 
 
 def serve(config, args: argparse.Namespace) -> int:
+    from primerl.runtime.cpu_budget import apply_budget
     from primerl.runtime.log_setup import configure_logging
+
+    log = configure_logging("sft", "", level=config.log.level, fmt=config.log.format)
+    apply_budget("trainer", config.threads, log=log)  # [threads]: before torch loads OpenMP
+
     from primerl.trainer.distributed import init_distributed, shutdown_distributed
     from primerl.trainer.sft_runner import run_sft
 
     dist_info = init_distributed()
-    log = configure_logging("sft", "", level=config.log.level, fmt=config.log.format)
     stop_event = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop_event.set())
     signal.signal(signal.SIGINT, lambda *_: stop_event.set())

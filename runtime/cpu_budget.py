@@ -26,6 +26,7 @@ role             all roles on one CPU-only machine   with GPUs (compute is on th
 inference        the first max(1, n // 2) CPUs,       vLLM's own choice (no CPU binding set)
                  one vLLM OpenMP thread on each
 trainer          max(1, n - n // 2) threads, unbound  max(1, n // 2) threads
+                 (divided between its ranks)          (divided between its ranks)
 orchestrator     1 thread (its env workers inherit)   1 thread
 broker           1 thread                             1 thread
 ===============  ==================================  =================================================
@@ -94,8 +95,9 @@ def available_cpus() -> list[int]:
         return list(range(os.cpu_count() or 1))
 
 
-def default_budgets(cpus: Sequence[int], *, gpus: bool) -> dict[str, ThreadsConfig]:
-    """The default budget of every role when all of them run on a machine with these CPUs (module table)."""
+def default_budgets(cpus: Sequence[int], *, gpus: bool, num_trainer_ranks: int = 1) -> dict[str, ThreadsConfig]:
+    """The default budget of every role when all of them run on a machine with these CPUs (module table); the
+    trainer's share is divided between its ``num_trainer_ranks`` ranks (each gets at least one thread)."""
     cpus = sorted(cpus)
     if not cpus:
         raise ValueError("no CPU to split between the roles")
@@ -103,10 +105,10 @@ def default_budgets(cpus: Sequence[int], *, gpus: bool) -> dict[str, ThreadsConf
     half = max(1, n // 2)
     if gpus:
         inference = ThreadsConfig(num_threads=half)
-        trainer = ThreadsConfig(num_threads=half)
+        trainer = ThreadsConfig(num_threads=max(1, half // num_trainer_ranks))
     else:
         inference = ThreadsConfig(num_threads=half, cpus=list(cpus[:half]))
-        trainer = ThreadsConfig(num_threads=max(1, n - n // 2))
+        trainer = ThreadsConfig(num_threads=max(1, (n - n // 2) // num_trainer_ranks))
     single = ThreadsConfig(num_threads=1)
     return {"inference": inference, "trainer": trainer, "orchestrator": single, "broker": single.model_copy()}
 
@@ -123,10 +125,12 @@ def fill_budget(explicit: ThreadsConfig | None, default: ThreadsConfig) -> Threa
 
 
 def resolved(budget: ThreadsConfig | None, cpus: Sequence[int] | None = None) -> ThreadsConfig:
-    """A standalone daemon's budget: unset thread counts become every CPU of its affinity (or of ``cpus``)."""
+    """A standalone daemon's budget: unset thread counts become every CPU of its affinity (or of ``cpus``),
+    shared by the ranks torchrun started on this machine (``LOCAL_WORLD_SIZE``)."""
     budget = budget or ThreadsConfig()
     num_cpus = len(budget.cpus or cpus or available_cpus())
-    return fill_budget(budget, ThreadsConfig(num_threads=num_cpus, num_interop_threads=1))
+    local_ranks = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1))
+    return fill_budget(budget, ThreadsConfig(num_threads=max(1, num_cpus // local_ranks), num_interop_threads=1))
 
 
 def role_env(role: str, budget: ThreadsConfig) -> dict[str, str]:

@@ -29,6 +29,8 @@ def test_larger_machines_split_the_cpus_between_inference_and_trainer():
     assert one["inference"].cpus == [3] and one["trainer"].num_threads == 1
     gpus = default_budgets(list(range(8)), gpus=True)
     assert gpus["inference"].cpus is None and gpus["trainer"].num_threads == 4
+    assert default_budgets(list(range(8)), gpus=False, num_trainer_ranks=2)["trainer"].num_threads == 2
+    assert default_budgets([0, 1], gpus=False, num_trainer_ranks=2)["trainer"].num_threads == 1
     with pytest.raises(ValueError):
         default_budgets([], gpus=False)
 
@@ -39,6 +41,12 @@ def test_explicit_values_win_over_the_default_split():
     assert (filled.num_threads, filled.wait_policy, filled.cpus) == (3, "active", [0])
     assert fill_budget(None, default) == default
     assert resolved(None, cpus=[0, 1, 2]).num_threads == 3
+
+
+def test_torchrun_ranks_of_a_standalone_trainer_share_the_cpus(monkeypatch):
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    assert resolved(None, cpus=[0, 1, 2, 3]).num_threads == 2
+    assert resolved(ThreadsConfig(num_threads=3), cpus=[0, 1, 2, 3]).num_threads == 3
 
 
 def test_role_env_sets_thread_counts_wait_policy_and_the_vllm_binding():

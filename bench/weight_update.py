@@ -2,6 +2,7 @@
 """Weight updates from publish to "applied", next to a raw copy and a raw zmq send of the same bytes.
 
     .venv/bin/python bench/weight_update.py [--models tiny,100m] [--repeats 3] [--warmup 1] [--lr 1e-5]
+                                            [--markdown PATH] [--delta-policy auto|always]
 
 For each model (built with ``build_tiny_model``: "tiny" is the default spec, "100m" a ~100M-parameter model of
 the same family) this starts an in-process broker (``BrokerService``, ports 0) and one ``primerl-infer`` daemon
@@ -19,8 +20,15 @@ DELTA updates, each after one real AdamW step on a few tokens:
   says it has them. Both are measured right after each update, in the same run, so the load of the machine
   (2 cores, possibly shared) is the same for all three.
 
-The DELTA publisher's first publish is FULL (it has no base yet) and is not counted. ``--warmup`` updates of
-each kind run before the ``--repeats`` that are counted; the table shows medians.
+The DELTA publisher's first publish is FULL (it has no base yet) and is not counted. With ``--delta-policy auto``
+(the trainer's default) a DELTA publish whose delta would not pay is sent as FULL: the row "delta" then shows
+what was sent ("sent" column) and its time, which is what "DELTA never slower than FULL" is about; ``always``
+measures the delta itself. ``--warmup`` updates of each kind run before the ``--repeats`` that are counted;
+the tables show medians, the markdown min / median / max.
+
+Targets (issue 12, 4e), printed as met / missed: FULL publish->applied of the ~100M model <= 5x the raw zmq send
+of the same bytes; DELTA publish->applied <= FULL's (median, same model). ``--markdown PATH`` writes this
+section for ``make bench``: command line, machine load, the tables and the verdicts.
 
 A second table gives the size of a delta (XOR + zlib level 1, what the publisher sends) as a fraction of the
 FULL payload (fp32) after one AdamW step from the initial weights at lr 1e-6 and 1e-5 (weight decay 0.01).
@@ -36,6 +44,7 @@ import argparse
 import json
 import multiprocessing as mp
 import os
+import re
 import shutil
 import signal
 import statistics
@@ -224,6 +233,15 @@ class Daemon:
         assert self.ready is not None
         return self.ready["worker_id"]
 
+    def apply_phases(self, version: int) -> dict[str, float]:
+        """The ``*_ms`` phases the daemon logged for applying ``version`` ("applied weight update" line)."""
+        if not self.log_file.closed:
+            self.log_file.flush()
+        for line in reversed(self.log_path.read_text(errors="replace").splitlines()):
+            if "applied weight update" in line and re.search(rf"\bpolicy_version={version}\b", line):
+                return {m[1]: float(m[2]) for m in re.finditer(r"\b(\w+)_ms=([0-9.]+)", line) if m[1] != "apply"}
+        return {}
+
     def log_tail(self, num_chars: int = 4000) -> str:
         if not self.log_file.closed:
             self.log_file.flush()
@@ -252,6 +270,7 @@ class Target:
     daemon: Daemon | None = None
     next_version: int = 1
     rows: dict[str, dict[str, list[float]]] = field(default_factory=dict)
+    sent: dict[str, list[str]] = field(default_factory=dict)  # kind asked for -> kinds sent
 
     @property
     def weight_endpoint(self) -> str:
@@ -350,17 +369,21 @@ def measure_update(target: Target, publisher: Any, model: Any, optimizer: Any, k
     wait_for(lambda: target.worker_version() == version, APPLY_TIMEOUT_S,
              f"{target.name}: the worker to apply {kind} v{version}")
     applied_ms = (time.perf_counter() - start) * 1000.0
-    if result.kind != kind:
+    if result.kind != kind and not (kind == "delta" and result.kind == "full" and result.fallback):
         raise RuntimeError(f"{target.name}: asked for {kind} v{version}, sent {result.kind} ({result.fallback})")
     apply_ms = target.acks.apply_ms.get(version, float("nan"))
     view = buffer.view(result.payload_bytes)
     copy_ms = raw_copy_ms(view)
     zmq_ms = raw.send_ms(view)
     label = "measured" if record else "warm-up"
-    print(f"  {target.name:>5} {kind:>5} v{version:<3} {label:8}: {result.payload_bytes / MiB:8.2f} MiB, "
-          f"applied {applied_ms:8.1f} ms (build {result.build_ms:.1f}, ack {acked_ms:.1f}, worker {apply_ms} ms), "
-          f"raw copy {copy_ms:.1f} ms, raw zmq {zmq_ms:.1f} ms", flush=True)
+    phases = " ".join(f"{k}={v:.0f}" for k, v in result.phases_ms.items())
+    worker_phases = " ".join(f"{k}={v:.0f}" for k, v in target.daemon.apply_phases(version).items())
+    print(f"  {target.name:>5} {kind:>5} v{version:<3} {label:8}: sent {result.kind}, "
+          f"{result.payload_bytes / MiB:8.2f} MiB, applied {applied_ms:8.1f} ms (build {result.build_ms:.1f}, "
+          f"ack {acked_ms:.1f}, worker {apply_ms} ms), raw copy {copy_ms:.1f} ms, raw zmq {zmq_ms:.1f} ms "
+          f"[publish: {phases}] [worker: {worker_phases}]", flush=True)
     if record:
+        target.sent.setdefault(kind, []).append(result.kind)
         row = target.rows.setdefault(kind, {})
         for key, value in (("payload_bytes", result.payload_bytes), ("applied_ms", applied_ms),
                            ("build_ms", result.build_ms), ("ack_ms", acked_ms), ("apply_ms", apply_ms),
@@ -380,7 +403,7 @@ def measure_target(target: Target, kinds: list[str], args: argparse.Namespace, r
         model = load_trainer_model(target.model_dir, lora=kind == "lora")
         optimizer = build_optimizer(model, OptimizerConfig(lr=args.lr))
         with PolicyPublisher(target.weight_endpoint, TOKEN, "bench-trainer", chunk_bytes, kind=kind,
-                             policy_name=POLICY_NAME) as publisher:
+                             policy_name=POLICY_NAME, delta_policy=args.delta_policy) as publisher:
             if kind == "delta":  # the first publish of a delta publisher is FULL: its base
                 version = target.take_version()
                 adamw_step(model, optimizer, seed=version)
@@ -425,6 +448,70 @@ def print_tables(targets: list[Target], fractions: list[dict[str, Any]], kinds: 
               f"{f['changed_elements']:16.3f}")
 
 
+FULL_TARGET_RATIO = 5.0
+"""Issue 12, 4e: FULL publish->applied at ~100M params <= 5x a raw zmq send of the same bytes."""
+TARGET_MODEL = "100m"
+
+
+def verdicts(targets: list[Target]) -> list[tuple[str, str, str]]:
+    """(target, measured, "met"/"missed") for the targets of issue 12 (4e) that this run measured."""
+    med = statistics.median
+    out = []
+    for target in targets:
+        full, delta = target.rows.get("full"), target.rows.get("delta")
+        if full and target.name == TARGET_MODEL:
+            ratio = med(full["applied_ms"]) / med(full["zmq_ms"])
+            out.append((f"FULL publish->applied / raw zmq, {target.name} <= {FULL_TARGET_RATIO:g}",
+                        f"{ratio:.1f}x", "met" if ratio <= FULL_TARGET_RATIO else "missed"))
+        if full and delta:
+            full_ms, delta_ms = med(full["applied_ms"]), med(delta["applied_ms"])
+            sent = ", ".join(sorted(set(target.sent.get("delta", []))))
+            # Medians of separate runs of one path: within 10 % counts as "not slower" (the machine's noise).
+            out.append((f"DELTA never slower than FULL, {target.name}",
+                        f"{delta_ms:.0f} ms vs {full_ms:.0f} ms (DELTA sent as: {sent})",
+                        "met" if delta_ms <= full_ms * 1.10 else "missed"))
+    return out
+
+
+def write_markdown(path: Path, argv: list[str], targets: list[Target], fractions: list[dict[str, Any]],
+                   kinds: list[str], load_start: float, load_end: float, repeats: int) -> None:
+    """The section of bench/RESULTS.md for weight updates."""
+
+    def mmm(values: list[float], fmt: str = "{:.0f}") -> str:
+        return " / ".join(fmt.format(v) for v in (min(values), statistics.median(values), max(values)))
+
+    lines = ["## e. Weight updates: publish -> applied vs a raw zmq send of the same bytes", "",
+             f"`.venv/bin/python bench/weight_update.py {' '.join(argv)}`", "",
+             f"Machine: {os.cpu_count()} CPUs, load average {load_start:.2f} at start, {load_end:.2f} at end "
+             f"(shared machine: ratios are measured side by side, in one run). Values are min / median / max over "
+             f"{repeats} measured updates (after warm-up).", "",
+             "| model | params | kind | sent | payload MiB | publish->applied ms | build ms | broker ack ms | "
+             "worker apply ms | raw zmq ms | applied / raw zmq (median) |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for target in targets:
+        for kind in kinds:
+            row = target.rows.get(kind)
+            if not row:
+                continue
+            sent = ", ".join(sorted(set(target.sent.get(kind, []))))
+            ratio = statistics.median(row["applied_ms"]) / statistics.median(row["zmq_ms"])
+            lines.append(f"| {target.name} | {target.num_params / 1e6:.1f}M | {kind} | {sent} | "
+                         f"{statistics.median(row['payload_bytes']) / MiB:.2f} | {mmm(row['applied_ms'])} | "
+                         f"{mmm(row['build_ms'])} | {mmm(row['ack_ms'])} | {mmm(row['apply_ms'])} | "
+                         f"{mmm(row['zmq_ms'], '{:.1f}')} | {ratio:.1f} |")
+    if fractions:
+        lines += ["", "Delta size / full size after one AdamW step from the initial weights (fp32, XOR + zlib 1):", "",
+                  "| model | lr | full MiB | delta MiB | fraction | elements changed |", "|---|---|---|---|---|---|"]
+        for f in fractions:
+            lines.append(f"| {f['model']} | {f['lr']:.0e} | {f['full_bytes'] / MiB:.2f} | {f['delta_bytes'] / MiB:.2f} "
+                         f"| {f['fraction']:.3f} | {f['changed_elements']:.3f} |")
+    lines += ["", "| target | measured | verdict |", "|---|---|---|"]
+    lines += [f"| {name} | {value} | {verdict} |" for name, value, verdict in verdicts(targets)]
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("\n".join(lines) + "\n")
+    print(f"wrote {path}")
+
+
 # ---------------------------------------------------------------------------------------------------------
 # main
 
@@ -436,6 +523,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--repeats", type=int, default=3, help="measured updates per model and kind")
     parser.add_argument("--warmup", type=int, default=1, help="updates per model and kind before measuring")
     parser.add_argument("--lr", type=float, default=1e-5, help="AdamW learning rate of the timed steps")
+    parser.add_argument("--delta-policy", choices=["auto", "always"], default="auto",
+                        help="the DELTA publisher's policy (auto: FULL when the delta would not pay)")
+    parser.add_argument("--markdown", type=Path, default=None, help="write the results as a markdown section here")
     args = parser.parse_args(argv)
     specs = model_specs()
     args.models = [m.strip() for m in args.models.split(",") if m.strip()]
@@ -466,7 +556,8 @@ def main(argv: list[str] | None = None) -> int:
 
     signal.signal(signal.SIGTERM, on_sigterm)
     wall_start = time.monotonic()
-    print(f"machine: {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.2f} at start", flush=True)
+    load_start = os.getloadavg()[0]
+    print(f"machine: {os.cpu_count()} CPUs, load average {load_start:.2f} at start", flush=True)
 
     from primerl.trainer.tiny_model import build_tiny_model, count_parameters
 
@@ -509,7 +600,14 @@ def main(argv: list[str] | None = None) -> int:
             measure_target(target, args.kinds, args, raw, buffer)
             target.daemon.stop()  # an idle daemon costs little, but the next model is measured without it
             target.broker.stop(grace_s=1.0)
-        print_tables(targets, fractions, [k for k in ("full", "lora", "delta") if k in args.kinds], args.repeats)
+        kinds = [k for k in ("full", "lora", "delta") if k in args.kinds]
+        print_tables(targets, fractions, kinds, args.repeats)
+        print("\nTargets (issue 12, 4e)")
+        for name, value, verdict in verdicts(targets):
+            print(f"  {verdict:>6}: {name}: {value}")
+        if args.markdown is not None:
+            write_markdown(args.markdown, sys.argv[1:] if argv is None else argv, targets, fractions, kinds,
+                           load_start, os.getloadavg()[0], args.repeats)
         print(f"\ntotal wall time {time.monotonic() - wall_start:.0f} s; load average at end "
               f"{os.getloadavg()[0]:.2f}")
         return 0

@@ -17,7 +17,6 @@ releases it only once nothing reads it any more (for a publish: once the broker 
 
 from __future__ import annotations
 
-import hashlib
 import json
 import struct
 import threading
@@ -29,7 +28,7 @@ from primerl.proto.weight_delta import torch_dtype_name
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["PayloadPool", "safetensors_layout", "write_safetensors"]
+__all__ = ["PayloadPool", "payload_tensors", "safetensors_layout", "write_safetensors"]
 
 
 def _data_order(tensors: Mapping[str, torch.Tensor]) -> list[str]:
@@ -115,5 +114,19 @@ class PayloadPool:
             del self._idle[self.max_idle:]
 
 
-def sha256_hex(view: memoryview) -> str:
-    return hashlib.sha256(view).hexdigest()
+def payload_tensors(payload: memoryview) -> dict[str, torch.Tensor]:
+    """The tensors of a safetensors payload as torch tensors that VIEW it (valid while its buffer is unchanged)."""
+    import torch
+
+    from primerl.proto.tensor_frames import DTYPES, parse_header
+
+    out = {}
+    for name, entry in parse_header(payload).items():
+        dtype = getattr(torch, DTYPES[entry.dtype][2])
+        if entry.end > entry.start:
+            tensor = torch.frombuffer(payload, dtype=dtype, count=(entry.end - entry.start) // dtype.itemsize,
+                                      offset=entry.start)
+        else:
+            tensor = torch.empty(0, dtype=dtype)
+        out[name] = tensor.reshape(entry.shape)
+    return out

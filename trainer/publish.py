@@ -37,7 +37,7 @@ from __future__ import annotations
 import copy
 import json
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, Literal
 
 from primerl.broker.weight_clients import WeightPublisher, WeightUpdateRefused
@@ -46,7 +46,7 @@ from primerl.proto.tensor_frames import encode_tensors, parse_header, specs_of
 from primerl.proto.v1 import common_pb2, data_pb2
 from primerl.runtime.log_setup import get_logger
 from primerl.trainer.model import is_peft_model
-from primerl.trainer.payload_writer import PayloadPool, safetensors_layout, write_safetensors
+from primerl.trainer.payload_writer import PayloadPool, payload_tensors, safetensors_layout, write_safetensors
 
 if TYPE_CHECKING:
     import torch
@@ -194,6 +194,8 @@ class PreparedUpdate:
     buffer: bytearray | None = None
     phases_ms: dict[str, float] = field(default_factory=dict)
     fallback: str | None = None
+    # ``snapshot`` views ``buffer`` (a FULL of a delta publisher): the buffer lives as long as that base.
+    owns_snapshot: bool = False
 
     @property
     def policy_version(self) -> int:
@@ -255,7 +257,7 @@ class PolicyPublisher:
         self._pool = PayloadPool()
         self._spare_snapshot: dict[str, torch.Tensor] | None = None
         self._wire_bytes_per_s: float | None = None
-        self._previous_base: dict[str, torch.Tensor] | None = None
+        self._base_buffer: bytearray | None = None  # the pooled payload buffer the base views, if any
         self._publisher = publisher or WeightPublisher(endpoint, auth_token, sender, chunk_bytes)
         # Base of the next delta: the host copy of the last version the broker stored, and its version.
         self._base: dict[str, torch.Tensor] | None = None
@@ -312,32 +314,50 @@ class PolicyPublisher:
         state = hf_state_dict(model)
         phases = {"read": _elapsed_ms(start_s)}
         sharded = any(hasattr(t, "full_tensor") for t in state.values())
-        if self.kind != "delta" and self.serving_dtype is None and not sharded:
-            # Nothing to keep: the tensors go into the payload straight from the parameters.
-            return self._encode_full(kind, version, {k: v.detach() for k, v in state.items()}, phases, start_s)
-        mark = time.perf_counter()
-        snapshot = _host_copy(state, self.serving_dtype, reuse=self._spare_snapshot)
-        self._spare_snapshot = None
-        phases["snapshot"] = _elapsed_ms(mark)
+        if sharded or self.serving_dtype is not None:
+            # Gathered / cast host copies first (the general path).
+            mark = time.perf_counter()
+            snapshot = _host_copy(state, self.serving_dtype, reuse=self._take_spare())
+            phases["snapshot"] = _elapsed_ms(mark)
+            return self._build_delta_or_full(kind, version, snapshot, phases, start_s, snapshot_is_copy=True)
+        # The parameters themselves are read: encoding copies them into the payload (FULL) or the delta base.
+        live = {k: v.detach() for k, v in state.items()}
+        return self._build_delta_or_full(kind, version, live, phases, start_s, snapshot_is_copy=False)
+
+    def _build_delta_or_full(self, kind: PublishKind, version: int, tensors: dict[str, torch.Tensor],
+                             phases: dict[str, float], start_s: float, *, snapshot_is_copy: bool) -> PreparedUpdate:
         fallback = None
         if kind == "delta" and self.delta_policy == "auto":
             mark = time.perf_counter()
-            fallback = self._delta_would_not_pay(snapshot)
+            fallback = self._delta_would_not_pay(tensors)
             phases["estimate"] = _elapsed_ms(mark)
             if fallback is not None:
                 kind = "full"
-        prepared = self._build_from_snapshot(kind, version, snapshot, 0.0, start_s=start_s, phases=phases)
-        if fallback is not None:
-            log.info("sending FULL: the delta would not pay", policy_version=version, reason=fallback)
-        return PreparedUpdate(prepared.kind, prepared.header, prepared.payload, prepared.build_ms, prepared.snapshot,
-                              prepared.buffer, prepared.phases_ms, fallback)
+                log.info("sending FULL: the delta would not pay", policy_version=version, reason=fallback)
+        if kind == "delta":
+            snapshot = tensors
+            if not snapshot_is_copy:
+                mark = time.perf_counter()
+                snapshot = _host_copy(tensors, None, reuse=self._take_spare())
+                phases["snapshot"] = _elapsed_ms(mark)
+            prepared = self._build_from_snapshot("delta", version, snapshot, 0.0, start_s=start_s, phases=phases)
+        else:
+            prepared = self._encode_full(kind, version, tensors, phases, start_s)
+            if self.kind == "delta":
+                # The payload's own tensor bytes are the next delta's base: no separate host copy.
+                prepared = replace(prepared, snapshot=payload_tensors(prepared.payload), owns_snapshot=True)
+        return replace(prepared, fallback=fallback)
 
-    def _delta_would_not_pay(self, snapshot: dict[str, torch.Tensor]) -> str | None:
+    def _take_spare(self) -> dict[str, torch.Tensor] | None:
+        spare, self._spare_snapshot = self._spare_snapshot, None
+        return spare
+
+    def _delta_would_not_pay(self, tensors: dict[str, torch.Tensor]) -> str | None:
         """None when a delta against the base pays (module docstring), else why not, with the numbers."""
         from primerl.proto.weight_delta import estimate_delta
 
         assert self._base is not None
-        estimate = estimate_delta(snapshot, self._base, level=self.delta_level)
+        estimate = estimate_delta(tensors, self._base, level=self.delta_level)
         rate = self._wire_bytes_per_s or DEFAULT_WIRE_BYTES_PER_S
         saved_s = WIRE_HOPS * max(0, estimate.full_bytes - estimate.delta_bytes) / rate
         cost_s = estimate.encode_s + estimate.decode_s
@@ -389,8 +409,7 @@ class PolicyPublisher:
             header.decoded_tensors.extend(decoded)
             return PreparedUpdate(kind, header, payload, spent_ms + _elapsed_ms(start_s), keep, None, phases)
         prepared = self._encode_full(kind, version, snapshot, phases, start_s)
-        return PreparedUpdate(kind, prepared.header, prepared.payload, spent_ms + prepared.build_ms, keep,
-                              prepared.buffer, phases)
+        return replace(prepared, build_ms=spent_ms + prepared.build_ms, snapshot=keep)
 
     def _header(self, version: int, kind: PublishKind, payload: Any, specs: list) -> data_pb2.WeightUpdateHeader:
         if version < 1:
@@ -403,25 +422,30 @@ class PolicyPublisher:
         """Send a built update; returns (ack, send ms). Keeps the delta base in step with what the broker holds:
         a stored update becomes the base; a failed send leaves none (the next publish is FULL)."""
         start_s = time.perf_counter()
-        self._previous_base = self._base
+        previous_base, previous_buffer = self._base, self._base_buffer
         # Until the broker answers, nothing is known to be held: a failed send leaves the next publish FULL.
-        self._base, self._base_version, self._full_required = None, None, False
-        previous_base = self._previous_base
+        self._base, self._base_version, self._base_buffer, self._full_required = None, None, None, False
         try:
             ack = self._publisher.publish(prepared.header, prepared.payload, timeout_s)
         except WeightUpdateRefused:
-            self._release(prepared)  # refused: the broker holds none of it
+            if not prepared.owns_snapshot:
+                self._release(prepared)  # refused: the broker holds none of it, nothing else reads it
             raise
         # (Any other failure, e.g. a timeout, may leave the payload referenced by the socket: never reused.)
         send_ms = _elapsed_ms(start_s)
-        self._release(prepared)
         if send_ms > 0:
             self._wire_bytes_per_s = prepared.header.payload_bytes / (send_ms / 1000.0)
         if prepared.snapshot is not None:
             self._base, self._base_version = prepared.snapshot, prepared.policy_version
-            # The base it replaces is read by nothing now: the next snapshot is written into it.
-            if previous_base is not None and previous_base is not prepared.snapshot:
+            if prepared.owns_snapshot:  # the base views this buffer: it goes back when the base is replaced
+                self._base_buffer = prepared.buffer
+                object.__setattr__(prepared, "buffer", None)
+            # The base replaced is read by nothing now: its memory serves the next snapshot or payload.
+            if previous_buffer is not None:
+                self._pool.release(previous_buffer)
+            elif previous_base is not None and previous_base is not prepared.snapshot:
                 self._spare_snapshot = previous_base
+        self._release(prepared)
         self._full_required = ack.full_required
         log.info("policy published", policy_version=prepared.policy_version, kind=prepared.kind,
                  base_version=prepared.header.base_version or None, payload_bytes=prepared.header.payload_bytes,

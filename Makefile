@@ -19,7 +19,7 @@ export VLLM_NO_USAGE_STATS := 1
 export DO_NOT_TRACK := 1
 export PRIMERL_ENV_PYTHON := $(CURDIR)/$(ENV_VENV)/bin/python
 
-.PHONY: run test test-fast setup proto docs clean bench bench-venv
+.PHONY: run test test-fast fuzz setup proto docs clean bench bench-venv
 
 setup: $(STAMP) $(ENV_STAMP)
 
@@ -100,6 +100,13 @@ test: $(STAMP) $(ENV_STAMP)
 
 test-fast: $(STAMP) $(ENV_STAMP)
 	$(PY) -m pytest -q -m "not slow"
+
+# Issue 13's full fuzz profile: >= 10,000 hostile messages and gRPC calls against a primerl-broker process
+# (CI runs the same tests with fewer cases). FUZZ_CASES sets the count.
+FUZZ_CASES ?= 10500
+fuzz: $(STAMP)
+	PRIMERL_FUZZ_CASES=$(FUZZ_CASES) $(PY) -m pytest -q -s tests/test_broker_fuzz_process.py tests/test_broker_fuzz.py \
+		tests/test_broker_regressions.py
 
 clean:
 	rm -rf $(VENV) $(ENV_VENV) runs .pytest_cache

@@ -49,7 +49,8 @@ def log_tail(path: Path, lines: int = 15) -> str:
         return "(no log)"
 
 
-def run_child(cmd: list[str], log_path: Path, timeout_s: float, what: str) -> float:
+def run_child(cmd: list[str], log_path: Path, timeout_s: float, what: str,
+              extra_env: dict[str, str] | None = None) -> float:
     """Run ``cmd`` (own process group, output to ``log_path``) and return its launch time (Unix seconds).
     Raises BenchRunError on a non-zero exit or after ``timeout_s``; the group is stopped either way."""
     log_path.parent.mkdir(parents=True, exist_ok=True)
@@ -57,7 +58,7 @@ def run_child(cmd: list[str], log_path: Path, timeout_s: float, what: str) -> fl
         log.write("$ " + " ".join(cmd) + "\n")
         log.flush()
         launch = time.time()
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT, env=child_env(),
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT, env={**child_env(), **(extra_env or {})},
                                 start_new_session=True)
         try:
             rc = proc.wait(timeout=timeout_s)

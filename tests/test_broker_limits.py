@@ -97,10 +97,16 @@ def test_default_transfer_limits_fit_the_machine():
     assert config.resolved_max_open_transfer_bytes <= physical_memory_bytes() // 4
 
 
-def test_without_a_token_the_broker_binds_loopback_unless_told_and_warns(tmp_path, capsys):
+def test_without_a_token_the_broker_binds_loopback_unless_told_and_warns(tmp_path):
+    import io
+
     from pydantic import ValidationError
 
     from primerl.broker.service import BrokerService
+    from primerl.runtime.log_setup import configure_logging
+
+    stream = io.StringIO()  # its own log stream: earlier tests may have pointed logging elsewhere
+    configure_logging("broker", stream=stream)
 
     with pytest.raises(ValidationError, match="allow_remote_without_token"):
         BrokerConfig(host="0.0.0.0")
@@ -108,4 +114,4 @@ def test_without_a_token_the_broker_binds_loopback_unless_told_and_warns(tmp_pat
     service = BrokerService(BrokerConfig(grpc_port=0, rollout_port=0, weight_port=0, spool_dir=tmp_path / "spool"))
     service.start()
     service.stop(grace_s=0)
-    assert "no run_token" in capsys.readouterr().out
+    assert "no run_token" in stream.getvalue()

@@ -15,6 +15,11 @@ the same spread of machine load. Per level:
 - trainer/inference KL: mean ``train/kl_divergence`` over the steps (0 at level 0 up to numerics: the batch was
   sampled by the very weights being trained).
 
+A control row (``--control``, on by default): level 1 with a learning rate of 1e-12, so the trainer's weights
+stay those that sampled the batch while everything else (the lag, the weight pushes, the version tags) runs as at
+level 1. Its KL is the engine/trainer mismatch alone; the KL of the real level-1 runs minus it is how far one
+optimizer step moved the policy (issue 12 asked whether a k3 KL of 4.04 at lag 1 and lr 5e-4 is one or the other).
+
 Targets: none of its own in the issue; the table shows what asynchrony buys (level 1 and 2 over level 0).
 """
 
@@ -47,7 +52,13 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--budget-s", type=float, default=None,
                         help="time budget: fewer repeats (never fewer than 1) when the next would run over")
     parser.add_argument("--quick", action="store_true", help="5 steps x 1 repeat")
+    parser.add_argument("--control", action=argparse.BooleanOptionalAction, default=True,
+                        help="add level 1 with lr 1e-12: the KL of engine/trainer mismatch alone (default: on)")
     return parser
+
+
+CONTROL = "1, lr 1e-12 (control)"
+CONTROL_LR = 1e-12
 
 
 def late_reward(run: RunTimeline) -> float | None:
@@ -76,8 +87,11 @@ def main(argv: list[str] | None = None) -> int:
                  "over the last half of the steps; KL = mean `train/kl_divergence` (k3, inference || trainer).")
     section.line()
     started = time.time()
-    runs: dict[int, list[RunTimeline]] = {level: [] for level in levels}
-    errors: dict[int, str] = {}
+    variants = [(str(level), level, []) for level in levels]
+    if args.control:
+        variants.append((CONTROL, 1, ["--trainer.optim.lr", str(CONTROL_LR)]))
+    runs: dict[str, list[RunTimeline]] = {label: [] for label, _, _ in variants}
+    errors: dict[str, str] = {}
     status = 0
     for repeat in range(args.repeats):
         if repeat > 0 and args.budget_s is not None:
@@ -86,29 +100,30 @@ def main(argv: list[str] | None = None) -> int:
                 section.line(f"_Repeats cut from {args.repeats} to {repeat} by the time budget ({args.budget_s:.0f} s)._")
                 section.line()
                 break
-        for level in levels:
-            if level in errors:
+        for label, level, overrides in variants:
+            if label in errors or (label == CONTROL and repeat > 0):  # the control needs one run
                 continue
+            name = "control" if label == CONTROL else f"level{level}"
             try:
-                run = run_primerl(args.sft, args.work_dir / "f" / f"level{level}-{repeat}", args.steps,
-                                  args.run_timeout_s, overrides=["--max-async-level", str(level)],
-                                  what=f"primerl rl max_async_level={level} (repeat {repeat})")
+                run = run_primerl(args.sft, args.work_dir / "f" / f"{name}-{repeat}", args.steps,
+                                  args.run_timeout_s, overrides=["--max-async-level", str(level), *overrides],
+                                  what=f"primerl rl max_async_level={level} {' '.join(overrides)} (repeat {repeat})")
             except BenchRunError as error:
-                errors[level] = str(error)
+                errors[label] = str(error)
                 status = 1
                 continue
-            runs[level].append(run)
-            print(f"[f] level {level} repeat {repeat}: {fmt(run.steady_wall_per_step_s)} s/step", flush=True)
+            runs[label].append(run)
+            print(f"[f] {label} repeat {repeat}: {fmt(run.steady_wall_per_step_s)} s/step", flush=True)
 
     rows = []
     steps_per_s: dict[str, Stats] = {}
     base = None
-    for level in levels:
-        if level in errors:
-            rows.append([str(level), f"not run: {errors[level].splitlines()[0]}", "—", "—", "—", "—"])
+    for label, level, _ in variants:
+        if label in errors:
+            rows.append([label, f"not run: {errors[label].splitlines()[0]}", "—", "—", "—", "—", "—"])
             continue
-        rate, interval, reward, kl = Stats(), Stats(), Stats(), Stats()
-        for run in runs[level]:
+        rate, interval, reward, kl, kl_max = Stats(), Stats(), Stats(), Stats(), Stats()
+        for run in runs[label]:
             if run.steady_wall_per_step_s:
                 rate.add(1.0 / run.steady_wall_per_step_s)
             for value in run.step_intervals_s:
@@ -119,23 +134,30 @@ def main(argv: list[str] | None = None) -> int:
             kls = run.extra.get("kl_divergence") or []
             if kls:
                 kl.add(statistics.fmean(kls))
-        if level == levels[0] and rate.values:
+                kl_max.add(max(kls))
+        if label == variants[0][0] and rate.values:
             base = rate.median
-        steps_per_s[f"level {level}"] = rate
-        rows.append([str(level), rate.cell(), fmt(rate.median / base) if base and rate.values else "—",
-                     interval.cell(), reward.cell(), kl.cell(2)])
+        if label != CONTROL:
+            steps_per_s[f"level {level}"] = rate
+        rows.append([label, rate.cell(), fmt(rate.median / base) if base and rate.values else "—",
+                     interval.cell(), reward.cell(), kl.cell(4), kl_max.cell(4)])
     section.table(["max_async_level", "steps/s (per run)", f"vs level {levels[0]}", "step interval, s (all steps)",
-                   "late training reward", "mean KL(inf || trainer)"], rows)
-    for level, error in errors.items():
-        section.line(f"**not run: level {level}: {error}**".replace("\n", "  \n"))
+                   "late training reward", "mean KL(inf || trainer)", "largest step KL"], rows)
+    if args.control:
+        section.line(f"`{CONTROL}`: max_async_level 1 with `--trainer.optim.lr {CONTROL_LR}` (weights do not move): its "
+                     "KL is what engine and trainer disagree on by themselves; above it, the KL of a level-1 run is "
+                     "the policy moving one optimizer step between sampling and training.")
+        section.line()
+    for label, error in errors.items():
+        section.line(f"**not run: {label}: {error}**".replace("\n", "  \n"))
     if any(runs.values()):
         rel = args.markdown.parent if args.markdown else ROOT / "bench"
         section.image(save_bars(args.plots_dir / "f_steps_per_s.png", "f. steps/s by max_async_level", "steps/s",
                                 {k: v for k, v in steps_per_s.items() if v.values}), rel, "f. steps/s")
         curves = {}
         for level in levels:
-            if runs[level]:
-                run = runs[level][0]
+            if runs[str(level)]:
+                run = runs[str(level)][0]
                 rewards = [r for r in run.step_rewards if r is not None]
                 curves[f"max_async_level {level}"] = (list(range(len(rewards))), rewards)
         section.image(save_curves(args.plots_dir / "f_reward.png", "f. training reward per step (first repeat)",

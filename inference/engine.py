@@ -52,8 +52,10 @@ ENV_DEFAULTS = {
 }
 """Set (if unset) before vLLM is imported, on every platform."""
 
-CPU_ENV_DEFAULTS = {"TORCHDYNAMO_DISABLE": "1"}
-"""Set (if unset) on CPU only: on a GPU, torch.compile and CUDA graphs are worth their start-up time."""
+CPU_ENV_DEFAULTS = {"TORCHDYNAMO_DISABLE": "1", "PRIMERL_VLLM_BUSY_LOOP_S": "0.05"}
+"""Set (if unset) on CPU only: on a GPU, torch.compile and CUDA graphs are worth their start-up time; on CPU,
+vLLM's message queues spin 50 ms after a message instead of 1 s, which took a share of a core from the trainer
+beside them (`primerl.inference.vllm_plugin`)."""
 
 LogprobsMode = Literal["raw_logprobs", "processed_logprobs", "raw_logits", "processed_logits"]
 

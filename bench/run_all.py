@@ -94,6 +94,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--plots-dir", type=Path, default=BENCH / "plots")
     parser.add_argument("--work-dir", type=Path, default=ROOT / "runs" / "bench")
     parser.add_argument("--limit-scale", type=float, default=1.0, help="multiply every part's time limit")
+    parser.add_argument("--keep-other-parts", action="store_true",
+                        help="with --parts: keep the sections the other parts wrote in an earlier run (each says "
+                             "when it ran) instead of leaving them out of RESULTS.md")
     return parser
 
 
@@ -247,6 +250,7 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         raise SystemExit(f"--parts: unknown part(s) {sorted(unknown)}; choose from a,b,c,d,e,f,g")
     parts = [p for p in PARTS if p.key in wanted]
+    kept = [p for p in PARTS if p.key not in wanted] if args.keep_other_parts else []
     sections = args.work_dir / "sections"
     sections.mkdir(parents=True, exist_ok=True)
     args.plots_dir.mkdir(parents=True, exist_ok=True)
@@ -286,12 +290,21 @@ def main(argv: list[str] | None = None) -> int:
         except BenchRunError as error:
             sft_line = f"SFT checkpoint: **not available: {error}**".replace("\n", "  \n")
             log(sft_line)
+    for part in kept:
+        part.section = sections / f"{part.key}-{Path(part.script).stem}.md"
+        if part.section.exists():
+            part.status = "ok"
+            part.notes.append(f"kept from an earlier run (`--keep-other-parts`): written "
+                              f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime(part.section.stat().st_mtime))}")
+        else:
+            part.status = "not run: not selected, and no earlier section to keep"
+    everything = [p for p in PARTS if p in parts or p in kept]
     try:
         for part in parts:
             run_part(part, args, sft, sections, log)
-            write_results(args, parts, plan, started, sft_line, commit)  # partial results survive an interruption
+            write_results(args, everything, plan, started, sft_line, commit)  # partial results survive an interruption
     finally:
-        write_results(args, parts, plan, started, sft_line, commit)
+        write_results(args, everything, plan, started, sft_line, commit)
     log(f"wrote {os.path.relpath(args.output, ROOT)} in {time.time() - started:.0f} s")
     return 0 if all(p.status == "ok" for p in parts) else 1
 

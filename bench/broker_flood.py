@@ -1,0 +1,234 @@
+#!/usr/bin/env python
+"""The broker's memory under a flood of rollout batches (issue 13, point 4; `make bench` part d).
+
+    .venv/bin/python bench/broker_flood.py [--producers 1 4 16] [--batch-mib 32] [--seconds 15] [--markdown PATH]
+
+For each producer count N, a fresh ``primerl-broker`` process (spool on disk, ``--max-queue-batches``
+``--queue-batches``, read cache ``--read-cache-mib``, rollout high-water mark ``--rollout-hwm``, defaults
+otherwise) is flooded by N producer processes. Each producer has its own ZeroMQ DEALER connection and sends
+valid, signed ``ROLLOUT_BATCH`` messages of ``--batch-mib`` MiB (distinct batch ids, steps inside the run's
+window) as fast as its socket lets it, never waiting for an ack, reading and dropping whatever comes back
+(acks, BACKPRESSURE). Nobody consumes, so the queue fills to its bound and everything after that is refused.
+The broker's resident memory is sampled every 20 ms (``/proc/PID/status`` VmRSS) and its peak read at the end
+(VmHWM, the kernel's own high-water mark).
+
+Bound: what the configuration lets the broker hold, whatever N: the idle broker's RSS (measured before the flood)
++ the queue's bytes (``min(queue_batches x batch, max_queue_bytes)``: batches are spooled to disk, but their
+pages may stay resident) + the read cache + a fixed allowance for the messages the broker is working on
+(``--allowance-mib``, default 2 x ``max_message_bytes``: one message being decoded and one being spooled).
+The table shows the peak against that bound for each N, and what a per-connection buffer
+(``rollout_hwm`` messages per producer) would add, so a peak that grows with N is visible as such.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from report import Section, Stats, fmt, machine_load  # noqa: E402
+
+MiB = 1 << 20
+TOKEN = "flood-token"
+BIN = Path(sys.executable).parent
+
+
+def proc_status_kib(pid: int, field: str) -> int | None:
+    try:
+        with open(f"/proc/{pid}/status") as status:
+            for line in status:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1])
+    except OSError:
+        return None
+    return None
+
+
+def start_broker(work: Path, args: argparse.Namespace) -> tuple[subprocess.Popen, dict, Path]:
+    ready = work / "ready.json"
+    log_path = work / "broker.log"
+    cmd = [str(BIN / "primerl-broker"), "--grpc-port", "0", "--rollout-port", "0", "--weight-port", "0",
+           "--spool-dir", str(work / "spool"), "--run-token", TOKEN, "--prometheus.enabled", "false",
+           "--max-queue-batches", str(args.queue_batches), "--read-cache-bytes", str(args.read_cache_mib * MiB),
+           "--rollout-hwm", str(args.rollout_hwm), "--ready-file", str(ready)]
+    log = open(log_path, "w")
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+    log.close()
+    deadline = time.monotonic() + 60
+    while not ready.exists():
+        if proc.poll() is not None or time.monotonic() > deadline:
+            stop(proc)
+            raise SystemExit(f"the broker did not start: {log_path.read_text()[-2000:]}")
+        time.sleep(0.05)
+    time.sleep(0.2)
+    return proc, json.loads(ready.read_text()), log_path
+
+
+def stop(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(timeout=10)
+
+
+def producer(endpoint: str, index: int, batch_bytes: int, seconds: float, result: mp.Queue) -> None:
+    """Send signed batches as fast as the socket takes them for ``seconds``; count sends and replies."""
+    import numpy as np
+    import zmq
+
+    from primerl.broker.rollout_clients import pack_batch
+    from primerl.proto import framing
+
+    context = zmq.Context()
+    socket = context.socket(zmq.DEALER)
+    socket.setsockopt(zmq.LINGER, 0)
+    socket.setsockopt(zmq.SNDTIMEO, 100)
+    socket.connect(endpoint)
+    tensor = np.zeros(batch_bytes // 8, dtype=np.int64)
+    sent = replies = 0
+    deadline = time.monotonic() + seconds
+    try:
+        while time.monotonic() < deadline:
+            header, payload = pack_batch(1 + sent % 4, index, sent, 1_000_000, {"input_ids": tensor},
+                                         batch_id=f"flood-{index}-{sent}")
+            frames = framing.encode(framing.data_pb2.ROLLOUT_BATCH, header, [payload], auth_token=TOKEN,
+                                    sender=f"flood-{index}")
+            try:
+                socket.send_multipart(frames, copy=False)
+                sent += 1
+            except zmq.Again:
+                pass  # the connection's high-water mark: the broker is not reading; try again
+            while socket.poll(0):
+                socket.recv_multipart()
+                replies += 1
+    finally:
+        context.destroy(linger=0)
+        result.put((index, sent, replies))
+
+
+def flood(num_producers: int, args: argparse.Namespace) -> dict:
+    with tempfile.TemporaryDirectory(prefix="primerl-flood-", dir=args.spool_parent) as tmp:
+        work = Path(tmp)
+        proc, ports, log_path = start_broker(work, args)
+        try:
+            time.sleep(0.5)
+            idle_kib = proc_status_kib(proc.pid, "VmRSS") or 0
+            samples: list[int] = []
+            stop_sampling = threading.Event()
+
+            def sample() -> None:
+                while not stop_sampling.is_set():
+                    value = proc_status_kib(proc.pid, "VmRSS")
+                    if value is not None:
+                        samples.append(value)
+                    time.sleep(0.02)
+
+            sampler = threading.Thread(target=sample, daemon=True)
+            sampler.start()
+            context = mp.get_context("spawn")
+            result: mp.Queue = context.Queue()
+            endpoint = f"tcp://127.0.0.1:{ports['rollout_port']}"
+            workers = [context.Process(target=producer, args=(endpoint, i, args.batch_mib * MiB, args.seconds, result))
+                       for i in range(num_producers)]
+            for worker in workers:
+                worker.start()
+            counts = [result.get(timeout=args.seconds + 120) for _ in workers]
+            for worker in workers:
+                worker.join(timeout=30)
+            time.sleep(1.0)  # what the broker still holds once the producers are gone
+            stop_sampling.set()
+            sampler.join()
+            alive = proc.poll() is None
+            peak_kib = proc_status_kib(proc.pid, "VmHWM") or (max(samples) if samples else 0)
+            end_kib = proc_status_kib(proc.pid, "VmRSS") or 0
+        finally:
+            stop(proc)
+        log_text = log_path.read_text(errors="replace")
+    return {"producers": num_producers, "idle_mib": idle_kib / 1024, "peak_mib": peak_kib / 1024,
+            "sampled_peak_mib": (max(samples) if samples else 0) / 1024,
+            "sampled_median_mib": (sorted(samples)[len(samples) // 2] if samples else 0) / 1024, "end_mib": end_kib / 1024,
+            "sent": sum(c[1] for c in counts), "replies": sum(c[2] for c in counts), "alive": alive,
+            "tracebacks": log_text.count("Traceback")}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--producers", type=int, nargs="+", default=[1, 4, 16])
+    parser.add_argument("--batch-mib", type=int, default=32)
+    parser.add_argument("--seconds", type=float, default=15.0, help="flood duration per producer count")
+    parser.add_argument("--repeats", type=int, default=1)
+    parser.add_argument("--queue-batches", type=int, default=8, help="the broker's max_queue_batches")
+    parser.add_argument("--read-cache-mib", type=int, default=256, help="the broker's read_cache_bytes, MiB")
+    parser.add_argument("--rollout-hwm", type=int, default=4, help="the broker's rollout_hwm (its default: 4)")
+    parser.add_argument("--max-message-mib", type=int, default=256, help="the broker's max_message_bytes (default)")
+    parser.add_argument("--allowance-mib", type=int, default=None,
+                        help="fixed allowance of the bound (default: 2 x max_message_bytes)")
+    parser.add_argument("--spool-parent", default=None, help="where the spool goes (default: the temp dir)")
+    parser.add_argument("--markdown", type=Path, default=None)
+    parser.add_argument("--quick", action="store_true", help="5 s per producer count")
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.seconds = 5.0
+    allowance = args.allowance_mib if args.allowance_mib is not None else 2 * args.max_message_mib
+    queue_mib = min(args.queue_batches * args.batch_mib, 2048)  # max_queue_bytes default: 2 GiB
+    load_before = machine_load()
+    results: dict[int, list[dict]] = {n: [] for n in args.producers}
+    for _ in range(args.repeats):
+        for n in args.producers:
+            outcome = flood(n, args)
+            results[n].append(outcome)
+            print(f"[flood] {n} producers: peak {outcome['peak_mib']:.0f} MiB (idle {outcome['idle_mib']:.0f}), "
+                  f"sampled median {outcome['sampled_median_mib']:.0f}, sent {outcome['sent']}, replies {outcome['replies']}, alive {outcome['alive']}", flush=True)
+
+    section = Section("d. The broker's memory under a flood of rollout batches", argv)
+    section.line(f"Machine load before the first flood: {load_before}.")
+    section.line()
+    section.line(f"A fresh `primerl-broker` per row (spool on disk, `max_queue_batches` {args.queue_batches}, read cache "
+                 f"{args.read_cache_mib} MiB, `rollout_hwm` {args.rollout_hwm}, `max_message_bytes` "
+                 f"{args.max_message_mib} MiB), N producer processes, each its own connection, sending signed "
+                 f"{args.batch_mib} MiB batches as fast as their sockets take them for {args.seconds:.0f} s, nobody "
+                 "consuming. Peak = the broker's VmHWM. Bound = idle RSS + queue "
+                 f"({queue_mib} MiB) + read cache ({args.read_cache_mib} MiB) + allowance ({allowance} MiB: two messages "
+                 "in hand).")
+    section.line()
+    rows = []
+    verdicts = []
+    for n in args.producers:
+        peak, idle = Stats(), Stats()
+        for outcome in results[n]:
+            peak.add(outcome["peak_mib"])
+            idle.add(outcome["idle_mib"])
+        bound = idle.median + queue_mib + args.read_cache_mib + allowance
+        per_connection = n * args.rollout_hwm * args.batch_mib
+        met = peak.max <= bound and all(o["alive"] for o in results[n])
+        verdicts.append(met)
+        first = results[n][0]
+        rows.append([str(n), peak.cell(0), fmt(idle.median, 0), fmt(bound, 0), fmt(per_connection, 0),
+                     str(sum(o["sent"] for o in results[n])), "yes" if all(o["alive"] for o in results[n]) else "**no**",
+                     str(first["tracebacks"]), "met" if met else "missed"])
+    section.table(["producers", "peak RSS, MiB", "idle RSS, MiB", "bound, MiB",
+                   "N x rollout_hwm x batch, MiB (if every connection held its HWM)", "batches sent",
+                   "broker alive", "tracebacks in log", "verdict"], rows)
+    section.line(f"- **{'met' if all(verdicts) else 'missed'}** d: peak RSS within the configured bound for "
+                 f"{', '.join(str(n) for n in args.producers)} producers")
+    section.line()
+    if args.markdown:
+        section.write(args.markdown)
+    print(section.text())
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -2,6 +2,7 @@
 """Broker throughput versus raw pyzmq PUSH->PULL on loopback, measured side by side in one run.
 
     .venv/bin/python bench/broker_throughput.py [--sizes-mib 1 16 64] [--receivers 1 4] [--repeats 3]
+                                                 [--quick] [--markdown PATH]
 
 For each message size S and receiver count N:
 
@@ -40,8 +41,13 @@ import statistics
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from report import Section, Stats, fmt, target_line  # noqa: E402
 
 MiB = 1 << 20
 TOKEN = "bench-token"
@@ -267,6 +273,14 @@ class Row:
     relay_shm_s: float | None
     fanout_s: float
     fanout_stored_s: float
+    samples: dict[str, list[float]] = field(default_factory=dict)  # every kept repeat, per measurement
+
+    def ratios(self, numerator: str, denominator: str) -> Stats:
+        """Per-repeat ratio of two measurements taken back to back in the same repeat."""
+        stats = Stats()
+        for top, bottom in zip(self.samples.get(numerator, []), self.samples.get(denominator, [])):
+            stats.add(top / bottom)
+        return stats
 
     def mbps(self, seconds: float, count: int) -> float:
         return self.size_mib * MiB * self.receivers * count / seconds / 1e6
@@ -282,7 +296,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--verify-digest", action="store_true", help="subscribers check the SHA-256 themselves too")
     parser.add_argument("--window", type=int, default=8, help="rollout batches the producer keeps in flight")
     parser.add_argument("--no-shm", action="store_true", help="skip the relay with the spool on /dev/shm")
+    parser.add_argument("--quick", action="store_true", help="16 and 64 MiB only, 1 repeat (trying the harness)")
+    parser.add_argument("--markdown", type=Path, default=None, help="write a RESULTS.md section there")
     args = parser.parse_args(argv)
+    if args.quick:
+        args.sizes_mib, args.repeats = [16, 64], 1
     if args.repeats < 1 or min(args.sizes_mib) < 1 or min(args.receivers) < 1 or args.window < 1:
         parser.error("--repeats, --sizes-mib, --receivers and --window must be >= 1")
     max_message_bytes = max(DEFAULT_MAX_MESSAGE_BYTES, max(args.sizes_mib) * MiB)
@@ -409,12 +427,14 @@ def main(argv: list[str] | None = None) -> int:
                         samples["stored"].append(stored)
                 median = {key: statistics.median(values) if values else None for key, values in samples.items()}
                 row = Row(size_mib, num_receivers, count, median["stream"], median["single"], median["relay"],
-                          median["relay_shm"], median["fanout"], median["stored"])
+                          median["relay_shm"], median["fanout"], median["stored"], samples)
                 rows.append(row)
                 print(f"  measured {size_mib} MiB x {num_receivers} receivers", file=sys.stderr, flush=True)
             for subscriber in active:
                 assert ask(subscriber, ("weight_leave",)) == "ok"
         print_table(rows, relay_available, args, chunk_bytes, time.perf_counter() - started)
+        if args.markdown:
+            write_markdown(args.markdown, argv, rows, args, chunk_bytes, time.perf_counter() - started)
         return 0
     finally:
         for client in (*producers, publisher):
@@ -469,6 +489,63 @@ def print_table(rows: list[Row], relay_available: bool, args, chunk_bytes: int, 
               f"{row.fanout_s / row.raw_single_s:>6.2f} {row.fanout_stored_s:>9.4f} {phase_s:>8.4f} {phase_s / row.raw_single_s:>12.2f}")
     print()
     print(f"total bench time {total_s:.1f} s")
+
+
+RELAY_TARGET_SHM = 0.8
+RELAY_TARGET_DISK = 0.5
+FANOUT_TARGET = 1.5
+
+
+def write_markdown(path: Path, argv: list[str] | None, rows: list[Row], args, chunk_bytes: int, total_s: float) -> None:
+    """The part-d section: relay and fan-out against raw pyzmq, every ratio paired within its repeat."""
+    section = Section("d. Broker relay and fan-out (bench/broker_throughput.py)", argv)
+    section.line(f"Loopback TCP; broker, receivers and sender in separate processes; {args.repeats} repeat(s) after a "
+                 f"warm-up, cells are median (min–max); each ratio is taken within one repeat (raw and broker back to "
+                 f"back), then summarised. Weight chunk {chunk_bytes // MiB} MiB; producer window {args.window}; "
+                 f"total {total_s:.0f} s.")
+    section.line()
+    section.line("Rollout relay: K batches of S per receiver (K = 64 // S), orchestrator `RolloutProducer` -> broker "
+                 "(spooled and fsynced by group commit before the ack) -> one trainer `RolloutConsumer` per receiver; "
+                 "raw = pyzmq PUSH->PULL. Ratio = raw time / relay time (1 = as fast as raw).")
+    section.line()
+    relay_rows = []
+    worst = {"relay": None, "relay_shm": None}
+    for row in rows:
+        raw = Stats([row.mbps(s, row.count) for s in row.samples.get("stream", [])])
+        cells = [f"{row.size_mib} MiB", str(row.receivers), str(row.count), raw.cell(3)]
+        for key in ("relay", "relay_shm"):
+            speed = Stats([row.mbps(s, row.count) for s in row.samples.get(key, [])])
+            ratio = row.ratios("stream", key)
+            if len(ratio):
+                worst[key] = ratio.median if worst[key] is None else min(worst[key], ratio.median)
+            cells += [speed.cell(3), ratio.cell(2)]
+        relay_rows.append(cells)
+    section.table(["S", "receivers", "K", "raw MB/s", "disk spool MB/s", "disk ratio", "tmpfs spool MB/s",
+                   "tmpfs ratio"], relay_rows)
+    section.line("Weight fan-out: one FULL update of S, trainer `WeightPublisher` -> broker -> N `WeightSubscriber`s, "
+                 "from the start of `publish` (SHA-256 included) until every subscriber holds it; raw = N separate "
+                 "pyzmq sends of S. Stored = the publisher has the broker's ack; phase = the rest (the fan-out alone).")
+    section.line()
+    fan_rows = []
+    headline = None
+    for row in rows:
+        ratio = row.ratios("fanout", "single")
+        phase = Stats([f - s for f, s in zip(row.samples.get("fanout", []), row.samples.get("stored", []))])
+        fan_rows.append([f"{row.size_mib} MiB", str(row.receivers), Stats(row.samples.get("single", [])).cell(3),
+                         Stats(row.samples.get("fanout", [])).cell(3), ratio.cell(2),
+                         Stats(row.samples.get("stored", [])).cell(3), phase.cell(3)])
+        if row.size_mib == 64 and row.receivers == 4 and len(ratio):
+            headline = ratio.median
+    section.table(["S", "receivers", "raw s", "broker s", "ratio", "stored s", "phase s"], fan_rows)
+    section.line(target_line("d: relay, spool on tmpfs, lowest median ratio over the rows", worst["relay_shm"], ">=",
+                             RELAY_TARGET_SHM))
+    section.line(target_line("d: relay, spool on disk, lowest median ratio over the rows", worst["relay"], ">=",
+                             RELAY_TARGET_DISK))
+    section.line(target_line("d: fan-out 64 MiB x 4 receivers, broker / raw sends", headline, "<=", FANOUT_TARGET,
+                             "" if headline is not None else "(run with 64 MiB and 4 receivers)"))
+    section.line()
+    section.write(path)
+    print(section.text())
 
 
 if __name__ == "__main__":

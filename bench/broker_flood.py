@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """The broker's memory under a flood of rollout batches (issue 13, point 4; `make bench` part d).
 
-    .venv/bin/python bench/broker_flood.py [--producers 1 4 16] [--batch-mib 32] [--seconds 15] [--markdown PATH]
+    .venv/bin/python bench/broker_flood.py [--producers 1 4 16] [--batch-mib 32] [--seconds 8] [--repeats 2] [--quick] [--markdown PATH]
 
 For each producer count N, a fresh ``primerl-broker`` process (spool on disk, ``--max-queue-batches``
 ``--queue-batches``, read cache ``--read-cache-mib``, rollout high-water mark ``--rollout-hwm``, defaults
@@ -196,8 +196,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--producers", type=int, nargs="+", default=[1, 4, 16])
     parser.add_argument("--batch-mib", type=int, default=32)
-    parser.add_argument("--seconds", type=float, default=15.0, help="flood duration per producer count")
-    parser.add_argument("--repeats", type=int, default=1)
+    parser.add_argument("--seconds", type=float, default=8.0, help="flood duration per producer count")
+    parser.add_argument("--repeats", type=int, default=2, help="floods per producer count (a fresh broker each)")
     parser.add_argument("--queue-batches", type=int, default=8, help="the broker's max_queue_batches")
     parser.add_argument("--read-cache-mib", type=int, default=256, help="the broker's read_cache_bytes, MiB")
     parser.add_argument("--rollout-hwm", type=int, default=4, help="the broker's rollout_hwm (its default: 4)")
@@ -206,10 +206,10 @@ def main(argv: list[str] | None = None) -> int:
                         help="fixed allowance of the bound (default: 2 x max_message_bytes)")
     parser.add_argument("--spool-parent", default=None, help="where the spool goes (default: the temp dir)")
     parser.add_argument("--markdown", type=Path, default=None)
-    parser.add_argument("--quick", action="store_true", help="5 s per producer count")
+    parser.add_argument("--quick", action="store_true", help="5 s per producer count, one repeat")
     args = parser.parse_args(argv)
     if args.quick:
-        args.seconds = 5.0
+        args.seconds, args.repeats = 5.0, 1
     allowance = args.allowance_mib if args.allowance_mib is not None else 2 * args.max_message_mib
     queue_mib = min(args.queue_batches * args.batch_mib, 2048)  # max_queue_bytes default: 2 GiB
     load_before = machine_load()

@@ -299,8 +299,8 @@ class RolloutPlane:
         while True:
             try:
                 socket, self._port = bind_router(self.context, self.host, self._requested_port,
-                                                 max_message_bytes=self.limits.max_message_bytes, hwm=self.hwm)
-                socket.setsockopt(zmq.RCVHWM, self.rcv_hwm)  # before any peer connects: every pipe gets it
+                                                 max_message_bytes=self.limits.max_message_bytes, hwm=self.hwm,
+                                                 rcv_hwm=self.rcv_hwm)  # set before bind, or peers never get it
                 return socket
             except zmq.ZMQError as exc:
                 if exc.errno != zmq.EADDRINUSE or self._requested_port == 0 or time.monotonic() >= deadline_s:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import resource
+import time
 
 import numpy as np
 import pytest
@@ -115,3 +116,34 @@ def test_without_a_token_the_broker_binds_loopback_unless_told_and_warns(tmp_pat
     service.start()
     service.stop(grace_s=0)
     assert "no run_token" in stream.getvalue()
+
+
+def test_rollout_hwm_reaches_the_pipes_of_accepted_peers():
+    """libzmq copies a socket's options into its listener at bind: RCVHWM set afterwards never reached a peer
+    (a never-read ROUTER then buffered 21 messages of 4 MiB from one peer instead of a handful)."""
+    import zmq
+
+    from primerl.runtime.zmq_sockets import bind_router
+
+    def messages_taken(rcv_hwm: int) -> int:
+        context = zmq.Context()
+        try:
+            _, port = bind_router(context, "127.0.0.1", 0, max_message_bytes=8 << 20, hwm=16, rcv_hwm=rcv_hwm)
+            dealer = context.socket(zmq.DEALER)
+            dealer.setsockopt(zmq.SNDHWM, 1)
+            dealer.connect(f"tcp://127.0.0.1:{port}")
+            payload = b"x" * (4 << 20)
+            sent, deadline = 0, time.monotonic() + 3
+            while time.monotonic() < deadline and sent < 64:
+                try:
+                    dealer.send(payload, zmq.NOBLOCK)
+                    sent += 1
+                except zmq.Again:
+                    time.sleep(0.05)
+            return sent
+        finally:
+            context.destroy(linger=0)
+
+    small, large = messages_taken(1), messages_taken(16)
+    assert small <= 8, small  # 1 in the pipe, 1 being decoded, 1 in the dealer, the rest in kernel buffers
+    assert large >= small + 10, (small, large)

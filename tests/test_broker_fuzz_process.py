@@ -14,10 +14,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import signal
 import struct
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -34,8 +31,8 @@ from primerl.broker.weight_clients import WeightPublisher
 from primerl.proto import framing
 from primerl.proto import tensor_frames as tf
 from primerl.proto.v1 import common_pb2, control_pb2, control_pb2_grpc, data_pb2
+from test_broker_process import BrokerProcess  # one way to run a broker child in tests
 
-BIN = Path(sys.executable).parent
 TOKEN = "fuzz-token"
 CI_CASES = 1500
 NUM_CASES = int(os.environ.get("PRIMERL_FUZZ_CASES", CI_CASES))
@@ -190,39 +187,13 @@ def grpc_calls(draw) -> tuple[str, bytes, str | None]:
 
 
 # ------------------------------------------------------------------------------------------ the broker
-class BrokerProcess:
-    def __init__(self, tmp_path: Path):
-        self.ready_file = tmp_path / "ready.json"
-        self.log_path = tmp_path / "broker.log"
-        self.log_file = open(self.log_path, "w")
-        self.process = subprocess.Popen(
-            [str(BIN / "primerl-broker"), "--grpc-port", "0", "--rollout-port", "0", "--weight-port", "0",
-             "--spool-dir", str(tmp_path / "spool"), "--run-token", TOKEN, "--max-queue-batches", "100000",
-             "--max-message-bytes", str(1 << 20), "--max-transfer-bytes", str(64 << 20), "--prometheus.enabled", "false",
-             "--ready-file", str(self.ready_file)],
-            stdout=self.log_file, stderr=subprocess.STDOUT)
-        deadline = time.monotonic() + 60
-        while not self.ready_file.exists():
-            if self.process.poll() is not None or time.monotonic() > deadline:
-                self.stop()
-                pytest.fail(f"broker did not start: {self.log_path.read_text()[-2000:]}")
-            time.sleep(0.05)
-        time.sleep(0.1)
-        self.ports = json.loads(self.ready_file.read_text())
-
-    def alive(self) -> bool:
-        return self.process.poll() is None
-
-    def stop(self) -> int | None:
-        if self.process.poll() is None:
-            self.process.send_signal(signal.SIGTERM)
-            try:
-                self.process.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait(timeout=10)
-        self.log_file.close()
-        return self.process.returncode
+def start_broker(tmp_path: Path) -> BrokerProcess:
+    """A ``primerl-broker`` child with a run token and small limits, so hostile sizes are cheap to reach."""
+    broker = BrokerProcess(tmp_path, tmp_path / "spool", "--run-token", TOKEN, "--max-queue-batches", "100000",
+                           "--max-message-bytes", str(1 << 20), "--max-transfer-bytes", str(64 << 20),
+                           "--prometheus.enabled", "false")
+    time.sleep(0.1)
+    return broker
 
 
 def _raw_grpc(channels: dict, method: str, body: bytes, token: str | None) -> None:
@@ -248,7 +219,7 @@ def _raw_grpc(channels: dict, method: str, body: bytes, token: str | None) -> No
 
 
 def _check_serving(broker: BrokerProcess, channels: dict, check: int) -> None:
-    assert broker.alive(), f"broker exited with {broker.process.returncode}: {broker.log_path.read_text()[-3000:]}"
+    assert broker.process.poll() is None, f"broker exited with {broker.process.returncode}: {broker.log_path.read_text()[-3000:]}"
     rollout = f"tcp://127.0.0.1:{broker.ports['rollout_port']}"
     tensors = {"input_ids": np.arange(32, dtype=np.int64) + check}
     rank = 100_000 + check
@@ -283,7 +254,7 @@ def _fuzz_socket(socket: zmq.Socket, target: str, counts: dict, num_cases: int, 
 
 @pytest.mark.slow
 def test_broker_process_survives_fuzzing_of_every_socket_and_method(tmp_path):
-    broker = BrokerProcess(tmp_path)
+    broker = start_broker(tmp_path)
     context = zmq.Context()
     channels = {token: create_channel(f"127.0.0.1:{broker.ports['grpc_port']}", run_token=token)
                 for token in (TOKEN, None, "wrong")}

@@ -5,7 +5,7 @@
 
 For each producer count N, a fresh ``primerl-broker`` process (spool on disk, ``--max-queue-batches``
 ``--queue-batches``, read cache ``--read-cache-mib``, rollout high-water mark ``--rollout-hwm``, defaults
-otherwise) is flooded by N producer processes. Each producer has its own ZeroMQ DEALER connection and sends
+``--max-rollout-connections``, defaults otherwise) is flooded by N producer processes. Each producer has its own ZeroMQ DEALER connection and sends
 valid, signed ``ROLLOUT_BATCH`` messages of ``--batch-mib`` MiB (distinct batch ids, steps inside the run's
 window) as fast as its socket lets it, never waiting for an ack, reading and dropping whatever comes back
 (acks, BACKPRESSURE). Nobody consumes, so the queue fills to its bound and everything after that is refused.
@@ -16,8 +16,10 @@ Bound: what the configuration lets the broker hold, whatever N: the idle broker'
 + the queue's bytes (``min(queue_batches x batch, max_queue_bytes)``: batches are spooled to disk, but their
 pages may stay resident) + the read cache + a fixed allowance for the messages the broker is working on
 (``--allowance-mib``, default 2 x ``max_message_bytes``: one message being decoded and one being spooled).
-The table shows the peak against that bound for each N, and what libzmq's per-connection buffers
-(``rollout_hwm`` + 1 messages per producer) may add, so a peak that grows with N is visible as such.
+The table shows the peak against that bound for each N, how many producers the broker admitted (it refuses
+connections past ``max_rollout_connections`` at the ZeroMQ handshake; a refused producer never gets a reply),
+and what libzmq's per-connection buffers (``rollout_hwm`` + 1 messages per admitted producer) may add, so a
+peak that grows with N is visible as such.
 """
 
 from __future__ import annotations
@@ -53,10 +55,10 @@ def proc_status_kib(pid: int, field: str) -> int | None:
     return None
 
 
-def per_connection_mib(num_producers: int, rollout_hwm: int, batch_mib: int) -> int:
-    """What libzmq may hold for the connections at worst: per producer, ``rollout_hwm`` queued messages in the
-    ROUTER's pipe plus one in the connection's decoder."""
-    return num_producers * (rollout_hwm + 1) * batch_mib
+def per_connection_mib(num_connections: int, rollout_hwm: int, batch_mib: int) -> int:
+    """What libzmq may hold for the connections at worst: per admitted connection, ``rollout_hwm`` queued
+    messages in the ROUTER's pipe plus one in the connection's decoder."""
+    return num_connections * (rollout_hwm + 1) * batch_mib
 
 
 def start_broker(work: Path, args: argparse.Namespace) -> tuple[subprocess.Popen, dict, Path]:
@@ -65,7 +67,8 @@ def start_broker(work: Path, args: argparse.Namespace) -> tuple[subprocess.Popen
     cmd = [str(BIN / "primerl-broker"), "--grpc-port", "0", "--rollout-port", "0", "--weight-port", "0",
            "--spool-dir", str(work / "spool"), "--run-token", TOKEN, "--prometheus.enabled", "false",
            "--max-queue-batches", str(args.queue_batches), "--read-cache-bytes", str(args.read_cache_mib * MiB),
-           "--rollout-hwm", str(args.rollout_hwm), "--ready-file", str(ready)]
+           "--rollout-hwm", str(args.rollout_hwm), "--max-rollout-connections", str(args.max_rollout_connections),
+           "--ready-file", str(ready)]
     log = open(log_path, "w")
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
     log.close()
@@ -189,6 +192,7 @@ def flood(num_producers: int, args: argparse.Namespace) -> dict:
             "sampled_peak_mib": (max(samples) if samples else 0) / 1024,
             "sampled_median_mib": (sorted(samples)[len(samples) // 2] if samples else 0) / 1024, "end_mib": end_kib / 1024,
             "sent": sum(c[1] for c in counts), "replies": sum(c[2] for c in counts), "alive": alive,
+            "admitted": sum(1 for c in counts if c[2] > 0),
             "tracebacks": log_text.count("Traceback")}
 
 
@@ -202,6 +206,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--read-cache-mib", type=int, default=256, help="the broker's read_cache_bytes, MiB")
     parser.add_argument("--rollout-hwm", type=int, default=4, help="the broker's rollout_hwm (its default: 4)")
     parser.add_argument("--max-message-mib", type=int, default=256, help="the broker's max_message_bytes (default)")
+    parser.add_argument("--max-rollout-connections", type=int, default=4,
+                        help="the broker's max_rollout_connections (its default: 16)")
     parser.add_argument("--allowance-mib", type=int, default=None,
                         help="fixed allowance of the bound (default: 2 x max_message_bytes)")
     parser.add_argument("--spool-parent", default=None, help="where the spool goes (default: the temp dir)")
@@ -225,7 +231,8 @@ def main(argv: list[str] | None = None) -> int:
     section.line(f"Machine load before the first flood: {load_before}.")
     section.line()
     section.line(f"A fresh `primerl-broker` per row (spool on disk, `max_queue_batches` {args.queue_batches}, read cache "
-                 f"{args.read_cache_mib} MiB, `rollout_hwm` {args.rollout_hwm}, `max_message_bytes` "
+                 f"{args.read_cache_mib} MiB, `rollout_hwm` {args.rollout_hwm}, `max_rollout_connections` "
+                 f"{args.max_rollout_connections}, `max_message_bytes` "
                  f"{args.max_message_mib} MiB), N producer processes, each its own connection, sending signed "
                  f"{args.batch_mib} MiB batches as fast as their sockets take them for {args.seconds:.0f} s, nobody "
                  "consuming. Peak = the broker's VmHWM. Bound = idle RSS + queue "
@@ -242,25 +249,30 @@ def main(argv: list[str] | None = None) -> int:
             peak.add(outcome["peak_mib"])
             idle.add(outcome["idle_mib"])
         bound = idle.median + queue_mib + args.read_cache_mib + allowance
-        per_connection = per_connection_mib(n, args.rollout_hwm, args.batch_mib)
+        admitted = Stats()
+        for outcome in results[n]:
+            admitted.add(outcome["admitted"])
+        per_connection = per_connection_mib(min(n, args.max_rollout_connections), args.rollout_hwm, args.batch_mib)
         alive = all(o["alive"] for o in results[n])
         met = peak.max <= bound and alive
         verdicts.append(met)
-        rows.append([str(n), peak.cell(0), fmt(bound, 0), "met" if met else "missed", fmt(idle.median, 0),
+        rows.append([str(n), peak.cell(0), fmt(bound, 0), "met" if met else "missed", admitted.cell(0), fmt(idle.median, 0),
                      fmt(per_connection, 0), "yes" if peak.max <= bound + per_connection else "no",
                      str(sum(o["sent"] for o in results[n])), str(sum(o["replies"] for o in results[n])),
                      "yes" if alive else "**no**", str(sum(o["tracebacks"] for o in results[n]))])
-    section.table(["producers", "peak RSS, MiB", "bound, MiB", "verdict", "idle RSS, MiB",
-                   "N x (rollout_hwm + 1) x batch, MiB", "within bound + that", "batches sent", "replies",
+    section.table(["producers", "peak RSS, MiB", "bound, MiB", "verdict", "admitted", "idle RSS, MiB",
+                   "min(N, max_rollout_connections) x (rollout_hwm + 1) x batch, MiB", "within bound + that", "batches sent", "replies",
                    "broker alive", "tracebacks in log"], rows)
     section.line(f"- **{'met' if all(verdicts) else 'missed'}** d: peak RSS within the configured bound for "
                  f"{', '.join(str(n) for n in args.producers)} producers")
     section.line()
-    section.line("The column N x (rollout_hwm + 1) x batch is what libzmq may buffer per connection at worst (the "
-                 "ROUTER's pipe holds `rollout_hwm` messages, the connection's decoder one more). It is not yet shown to "
-                 "be the cause of a peak above the bound: with `--rollout-hwm 1` four producers still peaked at 1,961 "
-                 "MiB (1,392 in the other repeat), so the excess is elsewhere (the group being spooled, frames held "
-                 "by the broker's Python side) and is still to be found.")
+    section.line("libzmq buffers up to `rollout_hwm` messages per connection in the ROUTER's pipe and one more in the "
+                 "connection's decoder before the broker reads any of them, so without a limit on connections the peak "
+                 "grows with N (before the limit existed, at 534dd3a: 553 / 907 / 1,362 MiB for 1 / 4 / 16 producers). "
+                 "The broker admits at most `max_rollout_connections` peers at the ZeroMQ handshake "
+                 "(`broker/connection_gate.py`) and refuses the others before they can send a byte; 'admitted' counts "
+                 "the producers that got any reply. So the per-connection term is at most "
+                 "`max_rollout_connections` x (`rollout_hwm` + 1) x message size, whatever N.")
     section.line()
     if args.markdown:
         section.write(args.markdown)

@@ -75,6 +75,12 @@ class BrokerConfig(BaseConfig):
         description="ZeroMQ receive high-water mark of the rollout socket, in messages per peer: bounds what one "
         "producer can have buffered in the broker before it is read (each at most `max_message_bytes`).",
     )
+    max_rollout_connections: int = Field(
+        16, ge=1, le=4096,
+        description="Peers (orchestrators and trainer ranks) the rollout socket admits at once; more are refused at "
+        "the ZeroMQ handshake, before they can send anything, and their clients retry. Bounds what the socket can "
+        "buffer whatever the number of peers: `max_rollout_connections` x (`rollout_hwm` + 1) messages.",
+    )
     weight_hwm: int = Field(
         16, ge=1, le=1024,
         description="ZeroMQ high-water mark of the weight socket, in messages per peer and direction.",

@@ -15,6 +15,7 @@ has not proved it knows it, and an error can only make the call fail.
 from __future__ import annotations
 
 import hmac
+import random
 import threading
 import time
 import uuid
@@ -36,6 +37,7 @@ log = get_logger("primerl.broker.rollout_clients")
 DEFAULT_MAX_MESSAGE_BYTES = 256 << 20
 DEFAULT_WINDOW = 8
 DEFAULT_MAX_INFLIGHT_BYTES = 512 << 20
+REOPEN_PAUSE_S = 1.0  # most a client waits before connecting again after the broker refused it at the handshake
 
 
 class RolloutStreamError(RuntimeError):
@@ -100,16 +102,60 @@ class _DealerClient:
         self.limits = limits or framing.Limits(max_frame_bytes=max_message_bytes, max_message_bytes=max_message_bytes + (1 << 20))
         self._own_context = context is None
         self._context = context or zmq.Context()
-        self._socket = connect_dealer(self._context, endpoint, max_message_bytes=self.limits.max_message_bytes)
+        self._socket: zmq.Socket | None = None
+        self._monitor: zmq.Socket | None = None
+        # Incremented each time the socket is replaced: what was sent on an older one never arrived.
+        self.generation = 0
+        self.num_handshake_refusals = 0
+        self._open()
+
+    def _open(self) -> None:
+        self._socket = connect_dealer(self._context, self.endpoint, max_message_bytes=self.limits.max_message_bytes)
+        # A broker that already has as many rollout peers as it admits refuses the connection at the handshake
+        # (broker.connection_gate) and libzmq does not try again: watch for that and reopen after a pause.
+        self._monitor = self._socket.get_monitor_socket(zmq.EVENT_HANDSHAKE_FAILED_AUTH)
         self._poller = zmq.Poller()
         self._poller.register(self._socket, zmq.POLLIN)
+        self._poller.register(self._monitor, zmq.POLLIN)
+
+    def _close_socket(self) -> None:
+        if self._socket is not None:
+            self._socket.disable_monitor()
+            self._monitor.close(linger=0)  # type: ignore[union-attr]
+            self._socket.close(linger=0)
+            self._socket = self._monitor = None
 
     def close(self) -> None:
         if self._socket is not None:
-            self._socket.close(linger=0)
-            self._socket = None
+            self._close_socket()
             if self._own_context:
                 self._context.term()
+
+    def _reopen_if_refused(self, deadline_s: float) -> bool:
+        """If the broker refused this connection at the handshake: wait a moment (within ``deadline_s``) and
+        connect again on a new socket. Returns True when the socket was replaced."""
+        refused = False
+        while self._monitor is not None and self._monitor.poll(0):
+            self._monitor.recv_multipart()
+            refused = True
+        if not refused:
+            return False
+        self.num_handshake_refusals += 1
+        if self.num_handshake_refusals == 1 or self.num_handshake_refusals % 20 == 0:
+            log.warning("the broker refused this rollout connection at the handshake: it has as many peers as "
+                        "broker.max_rollout_connections admits; retrying", endpoint=self.endpoint,
+                        refusals=self.num_handshake_refusals)
+        time.sleep(max(0.0, min(deadline_s - time.monotonic(), random.uniform(REOPEN_PAUSE_S / 2, REOPEN_PAUSE_S))))
+        self._close_socket()
+        self._open()
+        self.generation += 1
+        return True
+
+    def _unreachable_hint(self) -> str:
+        if not self.num_handshake_refusals:
+            return ""
+        return (f"; the broker refused this connection {self.num_handshake_refusals} time(s) at the handshake because it "
+                f"had as many rollout peers as it admits: raise broker.max_rollout_connections or stop idle clients")
 
     def __enter__(self):
         return self
@@ -132,16 +178,23 @@ class _DealerClient:
             except zmq.Again:
                 remaining_s = deadline_s - time.monotonic()
                 if remaining_s <= 0:
-                    raise RolloutTimeout(f"cannot send to the broker at {self.endpoint}: its queue stays full or it is unreachable") from None
-                zmq.select([], [self._socket], [], min(remaining_s, 0.1))
+                    raise RolloutTimeout(f"cannot send to the broker at {self.endpoint}: its queue stays full or it is "
+                                         f"unreachable{self._unreachable_hint()}") from None
+                if not self._reopen_if_refused(deadline_s):
+                    zmq.select([], [self._socket], [], min(remaining_s, 0.1))
 
     def _recv(self, timeout_s: float) -> framing.Message | None:
         """The next valid reply within ``timeout_s``, or None. Invalid replies are logged and skipped."""
         deadline_s = time.monotonic() + max(0.0, timeout_s)
         while True:
             remaining_ms = int((deadline_s - time.monotonic()) * 1000)
-            if not self._poller.poll(max(0, remaining_ms)):
+            ready = dict(self._poller.poll(max(0, remaining_ms)))
+            if not ready:
                 return None
+            if self._monitor in ready and self._reopen_if_refused(deadline_s):
+                return None  # what was sent on the old socket is lost: let the caller resend now
+            if self._socket not in ready:
+                continue
             frames = self._socket.recv_multipart(copy=False)
             try:
                 message = framing.decode(frames, limits=self.limits)
@@ -178,6 +231,7 @@ class _InFlight:
     retry_at_s: float | None = None
     message_ids: set[str] = field(default_factory=set)
     last_refusal: str = ""
+    generation: int = 0  # the client's socket generation of the last send
 
 
 class RolloutProducer(_DealerClient):
@@ -246,10 +300,10 @@ class RolloutProducer(_DealerClient):
                 if now_s >= entry.deadline_s:
                     raise RolloutTimeout(
                         f"batch {entry.batch_id!r} got no durable ack from {self.endpoint} within {timeout_s} s"
-                        f"{'; last answer: ' + entry.last_refusal if entry.last_refusal else ''}",
+                        f"{'; last answer: ' + entry.last_refusal if entry.last_refusal else ''}{self._unreachable_hint()}",
                         common_pb2.ERROR_CODE_BACKPRESSURE if entry.last_refusal else common_pb2.ERROR_CODE_UNSPECIFIED)
                 due_s = entry.retry_at_s if entry.retry_at_s is not None else entry.resend_at_s
-                if now_s >= due_s:
+                if now_s >= due_s or entry.generation != self.generation:
                     self._send_inflight(entry, by_message)
             wake_s = min(min(e.deadline_s, e.retry_at_s if e.retry_at_s is not None else e.resend_at_s)
                          for e in inflight.values())
@@ -304,6 +358,7 @@ class RolloutProducer(_DealerClient):
         self._send_frames(frames, entry.deadline_s)
         entry.retry_at_s = None
         entry.resend_at_s = time.monotonic() + self.resend_interval_s
+        entry.generation = self.generation
 
 
 class RolloutConsumer(_DealerClient):
@@ -331,7 +386,8 @@ class RolloutConsumer(_DealerClient):
         while True:
             now_s = time.monotonic()
             if now_s >= deadline_s:
-                raise RolloutTimeout(f"no answer to HELLO from the broker at {self.endpoint} within {timeout_s} s")
+                raise RolloutTimeout(f"no answer to HELLO from the broker at {self.endpoint} within {timeout_s} s"
+                                     f"{self._unreachable_hint()}")
             message_id = uuid.uuid4().hex
             message_ids.add(message_id)
             self._send(data_pb2.HELLO, hello, [], deadline_s, message_id)
@@ -364,12 +420,15 @@ class RolloutConsumer(_DealerClient):
         request_ids: set[str] = set()
 
         def request() -> tuple[float, int]:
+            nonlocal request_generation
             message_id = uuid.uuid4().hex
             request_ids.add(message_id)
             header = data_pb2.RolloutRequest(step=step, rank=self.rank, credits=self.credits)
             self._send(data_pb2.ROLLOUT_REQUEST, header, [], deadline_s, message_id)
+            request_generation = self.generation
             return time.monotonic() + self.request_interval_s, self.credits
 
+        request_generation = self.generation
         resend_at_s, outstanding = request()
         while num_expected is None or len(received) < num_expected:
             if stop_event is not None and stop_event.is_set():
@@ -377,8 +436,9 @@ class RolloutConsumer(_DealerClient):
             now_s = time.monotonic()
             if now_s >= deadline_s:
                 raise RolloutTimeout(f"step {step} rank {self.rank}: {len(received)} of "
-                                     f"{num_expected if num_expected is not None else '?'} micro-batches within {timeout_s} s")
-            if now_s >= resend_at_s or outstanding <= 0:
+                                     f"{num_expected if num_expected is not None else '?'} micro-batches within {timeout_s} s"
+                                     f"{self._unreachable_hint()}")
+            if now_s >= resend_at_s or outstanding <= 0 or self.generation != request_generation:
                 # Nothing for a while (the broker may have restarted and forgotten the request), or the
                 # credit is used up: ask again. A request replaces the previous one, never adds to it.
                 resend_at_s, outstanding = request()

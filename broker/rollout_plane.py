@@ -42,6 +42,7 @@ from typing import Any
 import zmq
 from google.protobuf.message import DecodeError
 
+from primerl.broker.connection_gate import ConnectionGate
 from primerl.broker.log_limits import RateLimitedLog
 from primerl.broker.rollout_queue import (
     Accepted,
@@ -70,6 +71,7 @@ ACK_SEND_WAIT_S = 0.5  # bounded wait for room in a peer's pipe for an ack (see 
 ACK_RETRY_SLEEP_S = 0.0005
 DEFAULT_MAX_GROUP_BYTES = 256 << 20
 BIND_RETRY_S = 2.0
+GATE_DOMAIN = "primerl-rollout"  # the ZAP domain of the rollout socket, when its connections are limited
 REFUSAL_SUMMARY_INTERVAL_S = 10.0
 MAX_REFUSAL_KEYS = 1024
 STALE_NOTE = -1  # pseudo error code for the log of stale (already committed) batches
@@ -159,6 +161,7 @@ class RolloutPlane:
         sender: str = "broker",
         max_group_batches: int = DEFAULT_MAX_GROUP_BATCHES,
         max_group_bytes: int = DEFAULT_MAX_GROUP_BYTES,
+        max_connections: int | None = None,
     ):
         if max_credits < 1:
             raise ValueError(f"max_credits must be >= 1, got {max_credits}")
@@ -183,6 +186,12 @@ class RolloutPlane:
         self.rcv_hwm = hwm if rcv_hwm is None else rcv_hwm
         if self.rcv_hwm < 1:
             raise ValueError(f"rcv_hwm must be >= 1, got {self.rcv_hwm}")
+        # Peers admitted at the handshake (``ConnectionGate``); None: no limit. With it, what the socket may
+        # buffer is bounded whatever the number of peers that try: max_connections x (rcv_hwm + 1) messages.
+        if max_connections is not None and max_connections < 1:
+            raise ValueError(f"max_connections must be >= 1, got {max_connections}")
+        self.max_connections = max_connections
+        self._gate: ConnectionGate | None = None
         self.poll_interval_s = poll_interval_s
         self.sender = sender
         self._requested_port = port
@@ -265,16 +274,28 @@ class RolloutPlane:
         try:
             socket = self._bind()
         except Exception as exc:  # reported to start(), which raises it
+            if self._gate is not None:
+                self._gate.close()
+                self._gate = None
             self._start_error = exc
             self._ready.set()
             return
         self._ready.set()
         poller = zmq.Poller()
         poller.register(socket, zmq.POLLIN)
+        gate_sockets = self._gate.sockets() if self._gate is not None else []
+        for gate_socket in gate_sockets:
+            poller.register(gate_socket, zmq.POLLIN)
         poll_ms = max(1, int(self.poll_interval_s * 1000))
         try:
             while not self._stop_event.is_set():
-                if not poller.poll(poll_ms):
+                ready = dict(poller.poll(poll_ms))
+                if not ready:
+                    continue
+                for gate_socket in gate_sockets:
+                    if gate_socket in ready:
+                        self._gate.handle(gate_socket)  # type: ignore[union-attr]
+                if socket not in ready:
                     continue
                 for _ in range(MAX_MESSAGES_PER_POLL):
                     try:
@@ -291,8 +312,22 @@ class RolloutPlane:
             self._report(common_pb2.ERROR_CODE_INTERNAL, f"rollout plane IO thread failed: {exc!r}", "")
         finally:
             socket.close(linger=0)
+            if self._gate is not None:
+                self._gate.close()
 
     def _bind(self) -> zmq.Socket:
+        """The bound socket; with ``max_connections``, gated at the handshake. The gate's ZAP endpoint must exist
+        before the socket binds (without a handler libzmq admits every NULL-mechanism peer), and the socket's
+        monitor must exist before any handshake can end (none can before the gate answers, in this thread)."""
+        if self.max_connections is not None and self._gate is None:
+            self._gate = ConnectionGate(self.context, max_connections=self.max_connections, domain=GATE_DOMAIN,
+                                        what="rollout connection")
+        socket = self._bind_socket()
+        if self._gate is not None:
+            self._gate.watch(socket)
+        return socket
+
+    def _bind_socket(self) -> zmq.Socket:
         # A port that a socket of this process just closed is released by libzmq asynchronously, so an
         # in-process restart on the same port may briefly see EADDRINUSE: retry within a short bound.
         deadline_s = time.monotonic() + BIND_RETRY_S
@@ -300,7 +335,8 @@ class RolloutPlane:
             try:
                 socket, self._port = bind_router(self.context, self.host, self._requested_port,
                                                  max_message_bytes=self.limits.max_message_bytes, hwm=self.hwm,
-                                                 rcv_hwm=self.rcv_hwm)  # set before bind, or peers never get it
+                                                 rcv_hwm=self.rcv_hwm,  # set before bind, or peers never get it
+                                                 zap_domain=GATE_DOMAIN if self._gate is not None else None)
                 return socket
             except zmq.ZMQError as exc:
                 if exc.errno != zmq.EADDRINUSE or self._requested_port == 0 or time.monotonic() >= deadline_s:

@@ -95,7 +95,7 @@ class BrokerService:
             self.rollout_plane = RolloutPlane(
                 self._queue, self._context, config.host, config.rollout_port,
                 limits=self.limits, auth_token=config.run_token, on_error=self._on_data_plane_error,
-                rcv_hwm=config.rollout_hwm,
+                rcv_hwm=config.rollout_hwm, max_connections=config.max_rollout_connections,
             )
             rollout_port = self.rollout_plane.start()
             self.weight_plane = WeightPlane(

@@ -1,0 +1,131 @@
+"""At most ``max_connections`` peers on one ROUTER socket, decided at the ZeroMQ handshake.
+
+Why: libzmq buffers up to ``RCVHWM`` whole messages per connection (plus one being decoded) before the
+application reads any of them, so what a ROUTER socket can hold grows with the number of peers, and the
+application cannot refuse or throttle one peer. The only point where a peer can be turned away before it
+sends a byte of payload is the handshake: with a ZAP domain set on the socket, libzmq asks the ZAP handler
+(an inproc socket at ``inproc://zeromq.zap.01`` in the same context) about every new connection and closes
+it unless the answer is "200". The gate is that handler; it admits a connection while fewer than
+``max_connections`` admitted peers are connected and refuses it (status 400) otherwise. A refused peer is
+told so (its monitor sees ``EVENT_HANDSHAKE_FAILED_AUTH`` 400) and libzmq does not reconnect it:
+``rollout_clients`` opens a new socket after a short wait.
+
+Counting: a ZAP request names neither the peer's port nor its file descriptor, so the gate counts from the
+socket's monitor events. Every accepted connection ends its handshake with exactly one outcome event
+(``HANDSHAKE_SUCCEEDED`` or a ``HANDSHAKE_FAILED_*``) and later closes with ``DISCONNECTED``, which names a
+file descriptor but not whether its handshake had succeeded (a burst of refusals comes as all the failures,
+then all their disconnects). So a disconnect is put down to a failed connection while any failure has not been
+matched with one yet, and to an admitted peer otherwise: admitted = successes - max(0, disconnects - failures).
+That errs on the side of counting a peer that already left (a refusal too many, retried by the client), never
+of admitting one too many. Monitor events are drained before every decision, so a peer that left frees its
+place for the next request.
+
+One gate per context (libzmq has one ZAP endpoint per context). Sockets are not thread-safe: create the gate
+and call ``handle`` in the thread that owns the gated socket, and bind the gate before the socket binds.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import zmq
+from zmq.utils.monitor import parse_monitor_message
+
+from primerl.broker.log_limits import RateLimitedLog
+from primerl.runtime.log_setup import get_logger
+
+log = get_logger("primerl.broker.connection_gate")
+
+ZAP_ENDPOINT = "inproc://zeromq.zap.01"
+REFUSED_STATUS = b"400"
+_FAILED_EVENTS = zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_AUTH
+_EVENTS = zmq.EVENT_HANDSHAKE_SUCCEEDED | _FAILED_EVENTS | zmq.EVENT_DISCONNECTED
+
+
+class ConnectionGate:
+    """ZAP handler that admits at most ``max_connections`` peers to the socket bound with ``domain``."""
+
+    def __init__(self, context: zmq.Context, *, max_connections: int, domain: str, what: str = "connection"):
+        if max_connections < 1:
+            raise ValueError(f"max_connections must be >= 1, got {max_connections}")
+        self.max_connections = max_connections
+        self.domain = domain.encode()
+        self.what = what
+        self.num_refused = 0
+        self._admitted = 0
+        self._approved_unconfirmed = 0  # approved, HANDSHAKE_SUCCEEDED not seen yet
+        self._failed_open = 0  # failed handshakes not yet matched with a disconnect
+        self._monitor: zmq.Socket | None = None
+        self._refusal_log = RateLimitedLog(log)
+        self._zap = context.socket(zmq.ROUTER)
+        self._zap.setsockopt(zmq.LINGER, 0)
+        self._zap.bind(ZAP_ENDPOINT)
+
+    @property
+    def num_connected(self) -> int:
+        """Peers admitted and still connected (as far as the monitor events read so far say)."""
+        return self._admitted
+
+    def watch(self, socket: zmq.Socket) -> None:
+        """Start counting ``socket``'s connections; call right after it binds, before serving."""
+        self._monitor = socket.get_monitor_socket(_EVENTS)
+
+    def sockets(self) -> list[zmq.Socket]:
+        """The sockets to poll for POLLIN; pass each readable one to ``handle``."""
+        return [self._zap] + ([self._monitor] if self._monitor is not None else [])
+
+    def handle(self, socket: zmq.Socket) -> None:
+        if socket is self._zap:
+            self._drain_monitor()
+            while self._zap.poll(0):
+                self._answer(self._zap.recv_multipart())
+        else:
+            self._drain_monitor()
+
+    def close(self) -> None:
+        if self._monitor is not None:
+            self._monitor.close(linger=0)
+            self._monitor = None
+        self._zap.close(linger=0)
+
+    def _drain_monitor(self) -> None:
+        while self._monitor is not None and self._monitor.poll(0):
+            event = parse_monitor_message(self._monitor.recv_multipart())
+            self._count(event["event"], event["value"])
+
+    def _count(self, event: int, value: int) -> None:
+        if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+            self._admitted += 1
+            self._approved_unconfirmed = max(0, self._approved_unconfirmed - 1)
+        elif event & _FAILED_EVENTS:
+            if not (event == zmq.EVENT_HANDSHAKE_FAILED_AUTH and value == int(REFUSED_STATUS)):
+                # An approved connection may still fail later in its handshake.
+                self._approved_unconfirmed = max(0, self._approved_unconfirmed - 1)
+            self._failed_open += 1
+        elif event == zmq.EVENT_DISCONNECTED:
+            if self._failed_open:
+                self._failed_open -= 1
+            else:
+                self._admitted = max(0, self._admitted - 1)
+
+    def _answer(self, frames: list[bytes]) -> None:
+        # [zap routing id, b"", version, request id, domain, address, identity, mechanism, credentials...]
+        if len(frames) < 8:
+            return  # not a ZAP request; libzmq never sends one
+        request_id, domain, address = frames[3], frames[4], frames[5]
+        admitted = domain == self.domain and self._admitted + self._approved_unconfirmed < self.max_connections
+        if admitted:
+            self._approved_unconfirmed += 1
+            status, text = b"200", b"OK"
+        else:
+            self.num_refused += 1
+            status, text = REFUSED_STATUS, b"too many connections"
+            self._refusal_log.warning(("refused", self.what), f"{self.what} refused at the handshake: the broker has as many "
+                                      "peers as it admits", peer=_text(address), connected=self._admitted,
+                                      max_connections=self.max_connections,
+                                      hint="raise the limit if these peers are legitimate, or stop idle clients")
+        self._zap.send_multipart([frames[0], b"", b"1.0", request_id, status, text, b"", b""])
+
+
+def _text(value: Any) -> str:
+    return value.decode(errors="replace") if isinstance(value, bytes) else str(value)

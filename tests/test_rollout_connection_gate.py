@@ -1,0 +1,144 @@
+"""The rollout socket admits at most ``max_connections`` peers, at the ZeroMQ handshake (broker.connection_gate),
+over real ZeroMQ on loopback: refused peers never get a message in, clients retry and get in once a place
+frees up, and the count of admitted peers stays right through bursts and churn."""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+import zmq
+from zmq.utils.monitor import parse_monitor_message
+
+from primerl.broker.rollout_clients import RolloutConsumer, RolloutProducer, RolloutTimeout, pack_batch
+from primerl.broker.rollout_plane import RolloutPlane
+from primerl.broker.rollout_queue import RolloutQueue
+from primerl.broker.spool import RolloutSpool
+from primerl.proto import framing
+from primerl.proto.v1 import data_pb2
+
+TOKEN = "gate-secret"
+MiB = 1 << 20
+
+
+@pytest.fixture
+def gated(tmp_path):
+    """A plane that admits ``max_connections`` peers (set by the test through ``make``), its own client context."""
+    server_context, client_context = zmq.Context(), zmq.Context()
+    made: list = []
+
+    def make(max_connections: int) -> RolloutPlane:
+        queue = RolloutQueue(RolloutSpool(tmp_path / "spool"), 64, 1 << 30)
+        plane = RolloutPlane(queue, server_context, "127.0.0.1", 0,
+                             framing.Limits(max_message_bytes=8 * MiB, max_frame_bytes=4 * MiB), TOKEN,
+                             max_connections=max_connections)
+        plane.start()
+        made.append(plane)
+        return plane
+
+    make.client_context = client_context
+    make.closables = []
+    yield make
+    for closable in make.closables:
+        closable.close()
+    for plane in made:
+        assert plane.stop(5.0)
+        plane.queue.close()
+    client_context.term()
+    server_context.term()
+
+
+def batch(step: int, index: int):
+    return pack_batch(step, 0, index, 100, {"input_ids": np.arange(32, dtype=np.int64) + index})
+
+
+def producer(gated, plane: RolloutPlane, name: str) -> RolloutProducer:
+    client = RolloutProducer(f"tcp://127.0.0.1:{plane.port}", TOKEN, name, context=gated.client_context)
+    gated.closables.append(client)
+    return client
+
+
+def raw_dealers(gated, plane: RolloutPlane, count: int) -> list[tuple[zmq.Socket, zmq.Socket]]:
+    """``count`` plain DEALER sockets connecting at once, each with a monitor of its handshake outcome."""
+    pairs = []
+    for _ in range(count):
+        socket = gated.client_context.socket(zmq.DEALER)
+        socket.setsockopt(zmq.LINGER, 0)
+        monitor = socket.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_HANDSHAKE_FAILED_AUTH)
+        socket.connect(f"tcp://127.0.0.1:{plane.port}")
+        pairs.append((socket, monitor))
+        gated.closables.extend([monitor, socket])
+    return pairs
+
+
+def outcomes(pairs, timeout_s: float = 10.0) -> list[tuple[int, int]]:
+    """The handshake outcome (event, value) of each raw dealer."""
+    results = []
+    for _, monitor in pairs:
+        assert monitor.poll(int(timeout_s * 1000)), "a connection got no handshake outcome"
+        event = parse_monitor_message(monitor.recv_multipart())
+        results.append((event["event"], event["value"]))
+    return results
+
+
+def wait_for(predicate, timeout_s: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        assert time.monotonic() < deadline, "condition not reached in time"
+        time.sleep(0.02)
+
+
+def test_a_burst_of_connections_admits_exactly_the_limit(gated):
+    plane = gated(3)
+    results = outcomes(raw_dealers(gated, plane, 8))
+    assert sorted(event for event, _ in results).count(zmq.EVENT_HANDSHAKE_SUCCEEDED) == 3
+    refused = [value for event, value in results if event == zmq.EVENT_HANDSHAKE_FAILED_AUTH]
+    assert refused == [400] * 5
+    wait_for(lambda: plane._gate.num_connected == 3 and plane._gate.num_refused == 5)
+
+
+def test_a_refused_peer_gets_nothing_in_and_the_admitted_ones_are_served(gated):
+    plane = gated(1)
+    first = producer(gated, plane, "first")
+    assert first.send_batch(*batch(1, 0), timeout_s=10).durable
+    (socket, monitor), = raw_dealers(gated, plane, 1)
+    assert outcomes([(socket, monitor)]) == [(zmq.EVENT_HANDSHAKE_FAILED_AUTH, 400)]
+    header, payload = batch(1, 1)
+    # The DEALER queues it locally (its pipe exists from connect()), but libzmq never connects it again.
+    socket.send_multipart(framing.encode(data_pb2.ROLLOUT_BATCH, header, [payload], auth_token=TOKEN), zmq.NOBLOCK)
+    assert not socket.poll(1000), "a refused peer got an answer"
+    assert first.send_batch(*batch(1, 2), timeout_s=10).durable
+    assert plane.queue.status().num_batches == 2
+    assert plane._gate.num_connected == 1
+
+
+def test_a_client_refused_at_the_handshake_says_why_and_gets_in_once_a_place_frees(gated):
+    plane = gated(1)
+    first = producer(gated, plane, "first")
+    assert first.send_batch(*batch(1, 0), timeout_s=10).durable
+    second = producer(gated, plane, "second")
+    with pytest.raises(RolloutTimeout, match="max_rollout_connections"):
+        second.send_batch(*batch(1, 1), timeout_s=2.5)
+    assert second.num_handshake_refusals >= 1
+    first.close()
+    assert second.send_batch(*batch(1, 1), timeout_s=15).durable
+    consumer = RolloutConsumer(f"tcp://127.0.0.1:{plane.port}", TOKEN, "trainer-0", 0, context=gated.client_context)
+    gated.closables.append(consumer)
+    second.close()  # a trainer rank counts as a peer too: it takes the freed place
+    consumer.hello(timeout_s=15)
+    wait_for(lambda: plane._gate.num_connected == 1)
+
+
+def test_the_count_follows_peers_that_leave(gated):
+    plane = gated(2)
+    for round_number in range(6):
+        pairs = raw_dealers(gated, plane, 3)
+        results = outcomes(pairs)
+        assert [event for event, _ in results].count(zmq.EVENT_HANDSHAKE_SUCCEEDED) == 2, round_number
+        for socket, monitor in pairs:
+            gated.closables.remove(socket)
+            gated.closables.remove(monitor)
+            monitor.close(linger=0)
+            socket.close(linger=0)
+        wait_for(lambda: plane._gate.num_connected == 0 and not plane._gate._approved_unconfirmed)

@@ -161,6 +161,7 @@ class RLConfig(BaseConfig):
             *self._length_problems(),
             *self._lora_problems(),
             *self._batch_problems(),
+            *self._connection_problems(),
         ]
         if self.broker.grpc_port == 0:
             problems.append("broker.grpc_port = 0 (a random port) cannot be told to the other roles; set a port")
@@ -255,6 +256,15 @@ class RLConfig(BaseConfig):
                 f"gradient_accumulation_steps = {batch_size // per_round} or remove it"
             ]
         return []
+
+    def _connection_problems(self) -> list[str]:
+        peers = len(self.trainer_gpu_ids) + 1  # a consumer per trainer rank, the orchestrator's producer
+        limit = self.broker.max_rollout_connections
+        if peers <= limit:
+            return []
+        return [f"broker.max_rollout_connections ({limit}) is less than the rollout peers of this run: "
+                f"{peers - 1} trainer ranks + 1 orchestrator = {peers}; set broker.max_rollout_connections = {peers} "
+                "or more"]
 
     def port_clashes(self) -> list[str]:
         """Fixed (non-zero) ports that two roles would bind on one machine, one message per clash."""

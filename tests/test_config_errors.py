@@ -102,6 +102,12 @@ def test_batch_size_divisibility_names_nearest_values(base: Path) -> None:
     assert "`orchestrator`" in message
 
 
+def test_more_rollout_peers_than_the_broker_admits(base: Path) -> None:
+    message = error_of(base, "--trainer-gpu-ids", "[1, 2, 3]", "--broker.max-rollout-connections", "3")
+    assert "broker.max_rollout_connections (3) is less than the rollout peers of this run: 3 trainer ranks + 1 " \
+           "orchestrator = 4; set broker.max_rollout_connections = 4 or more" in message
+
+
 def test_max_model_len_below_seq_len(base: Path) -> None:
     message = error_of(base, "--inference.model.max-model-len", "512")
     assert "inference.model.max_model_len (512) is smaller than seq_len (1024)" in message

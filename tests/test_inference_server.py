@@ -368,6 +368,20 @@ def test_worker_is_registered_with_its_policy_version(daemon: Daemon, broker: Br
     assert any(w.worker_id == worker.worker_id for w in status.workers)
 
 
+def test_the_cpu_worker_runs_inside_the_engine_core_process(daemon: Daemon) -> None:
+    """vLLM's CPU platform would start a third process for the worker; primerl-infer keeps it in the engine core
+    (`PRIMERL_VLLM_CPU_EXECUTOR=uni`, `primerl.inference.vllm_plugin`)."""
+    psutil = pytest.importorskip("psutil")
+    titles = []
+    for child in psutil.Process(daemon.process.pid).children(recursive=True):
+        try:
+            titles.append(" ".join(child.cmdline()))
+        except psutil.NoSuchProcess:
+            continue
+    assert any("EngineCore" in title for title in titles), titles
+    assert not any("Worker" in title for title in titles), titles
+
+
 # ---- updates ------------------------------------------------------------------------------------------------------
 
 

@@ -85,16 +85,28 @@ def sample_spans(position_ids: torch.Tensor) -> list[tuple[int, int]]:
     return list(zip(starts, ends))
 
 
-def forward_logits_packed(model: torch.nn.Module, input_ids: torch.Tensor, position_ids: torch.Tensor) -> list[torch.Tensor]:
-    """The model's logits for each packed sample (a list of [len_i, vocab] tensors), computed as one padded batch."""
+def _padded(values: torch.Tensor, spans: list[tuple[int, int]], longest: int, fill: float | int) -> torch.Tensor:
+    """[samples, longest]: each packed sample's values in its own row, ``fill`` after its end."""
+    rows = values.new_full((len(spans), longest), fill)
+    for row, (start, end) in enumerate(spans):
+        rows[row, : end - start] = values[start:end]
+    return rows
+
+
+def forward_logits_padded(model: torch.nn.Module, input_ids: torch.Tensor, position_ids: torch.Tensor,
+                          ) -> tuple[torch.Tensor, torch.Tensor, list[tuple[int, int]]]:
+    """The model's logits on the packed samples as one padded batch: (logits [samples, longest, vocab], the padded
+    input ids [samples, longest], the samples' spans). Row i holds sample i; positions past its end are padding."""
     spans = sample_spans(position_ids)
     longest = max(end - start for start, end in spans)
-    padded = input_ids.new_zeros((len(spans), longest))
-    attention = input_ids.new_zeros((len(spans), longest))
-    for row, (start, end) in enumerate(spans):
-        padded[row, : end - start] = input_ids[start:end]
-        attention[row, : end - start] = 1
-    logits = model(input_ids=padded, attention_mask=attention, use_cache=False).logits
+    padded = _padded(input_ids, spans, longest, 0)
+    attention = _padded(torch.ones_like(input_ids), spans, longest, 0)
+    return model(input_ids=padded, attention_mask=attention, use_cache=False).logits, padded, spans
+
+
+def forward_logits_packed(model: torch.nn.Module, input_ids: torch.Tensor, position_ids: torch.Tensor) -> list[torch.Tensor]:
+    """The model's logits for each packed sample (a list of [len_i, vocab] tensors), computed as one padded batch."""
+    logits, _, spans = forward_logits_padded(model, input_ids, position_ids)
     return [logits[row, : end - start] for row, (start, end) in enumerate(spans)]
 
 
@@ -102,16 +114,29 @@ def packed_token_logprobs(
     model: torch.nn.Module, batch: MicroBatch, *, with_entropy: bool = True
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Per-token logprobs [n] (differentiable) and entropies [n] (detached) in packed order; the first token
-    of each sample has no context: its logprob is 0 and it must not be a loss token."""
-    from primerl.trainer.losses import token_entropy, token_logprobs
+    of each sample has no context: its logprob is 0 and it must not be a loss token.
+
+    Computed on the padded batch at once (one log-softmax, one gather), the same numbers as
+    ``losses.token_logprobs``/``token_entropy`` sample by sample without a Python loop over the samples."""
+    from primerl.trainer.losses import at_least_float32
 
     spans = sample_spans(batch.position_ids)
     if any(bool(batch.loss_mask[start]) for start, _ in spans):
         raise ValueError("the first token of a sample cannot be a loss token (it has no context to predict it)")
-    logprobs, entropies = [], []
-    for (start, end), logits in zip(spans, forward_logits_packed(model, batch.input_ids, batch.position_ids)):
-        temperatures = batch.temperatures[start:end]
-        logprobs.append(token_logprobs(logits, batch.input_ids[start:end], temperatures))
-        if with_entropy:
-            entropies.append(token_entropy(logits, temperatures))
-    return torch.cat(logprobs), torch.cat(entropies) if with_entropy else None
+    logits, padded_ids, spans = forward_logits_padded(model, batch.input_ids, batch.position_ids)
+    longest = padded_ids.shape[1]
+    valid = _padded(torch.ones_like(batch.loss_mask), spans, longest, False)
+    temperatures = _padded(batch.temperatures.float(), spans, longest, 1.0)
+    # Position t's logits predict token t + 1, sampled at token t + 1's temperature.
+    scaled = at_least_float32(logits[:, :-1])
+    scaled = scaled / temperatures[:, 1:].to(scaled.dtype).clamp_min(1e-6).unsqueeze(-1)
+    log_p = torch.log_softmax(scaled, dim=-1)
+    picked = log_p.gather(-1, padded_ids[:, 1:].unsqueeze(-1)).squeeze(-1)
+    logprobs = torch.cat([picked.new_zeros((len(spans), 1)), picked], dim=1)[valid]
+    if not with_entropy:
+        return logprobs, None
+    with torch.no_grad():
+        detached = log_p.detach()
+        entropy = -(detached.exp() * detached).sum(-1)
+        entropies = torch.cat([entropy.new_zeros((len(spans), 1)), entropy], dim=1)[valid]
+    return logprobs, entropies

@@ -48,7 +48,7 @@ def token_logprobs(logits: torch.Tensor, input_ids: torch.Tensor, temperatures: 
     """
     if logits.dim() != 2 or input_ids.dim() != 1 or logits.shape[0] != input_ids.shape[0]:
         raise ValueError(f"logits {tuple(logits.shape)} and input_ids {tuple(input_ids.shape)} do not match")
-    scaled = _at_least_float32(logits[:-1])
+    scaled = at_least_float32(logits[:-1])
     if temperatures is not None:
         scaled = scaled / temperatures[1:].to(scaled.dtype).clamp_min(1e-6).unsqueeze(-1)
     picked = torch.log_softmax(scaled, dim=-1).gather(-1, input_ids[1:].unsqueeze(-1)).squeeze(-1)
@@ -58,7 +58,7 @@ def token_logprobs(logits: torch.Tensor, input_ids: torch.Tensor, temperatures: 
 def token_entropy(logits: torch.Tensor, temperatures: torch.Tensor | None = None) -> torch.Tensor:
     """Entropy of the predicted distribution for each token (aligned like ``token_logprobs``), detached."""
     with torch.no_grad():
-        scaled = _at_least_float32(logits[:-1])
+        scaled = at_least_float32(logits[:-1])
         if temperatures is not None:
             scaled = scaled / temperatures[1:].to(scaled.dtype).clamp_min(1e-6).unsqueeze(-1)
         log_p = torch.log_softmax(scaled, dim=-1)
@@ -66,7 +66,7 @@ def token_entropy(logits: torch.Tensor, temperatures: torch.Tensor | None = None
         return torch.cat([entropy.new_zeros(1), entropy])
 
 
-def _at_least_float32(tensor: torch.Tensor) -> torch.Tensor:
+def at_least_float32(tensor: torch.Tensor) -> torch.Tensor:
     """Half-precision logits are upcast: log-softmax over a vocabulary needs float32 at least."""
     return tensor.float() if tensor.dtype in (torch.float16, torch.bfloat16) else tensor
 

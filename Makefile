@@ -9,6 +9,8 @@ STAMP := $(VENV)/.primerl-installed
 ENV_VENV := .venv-envs
 ENV_STAMP := $(ENV_VENV)/.primerl-envs-installed
 VERIFIERS_VERSION ?= 0.3.1
+# httpx-aiohttp: the env worker's model requests cost ~7x less CPU than with httpx's own transport.
+HTTPX_AIOHTTP_VERSION ?= 0.2.0
 EXTRAS ?= cpu,dev
 RUN_DIR ?= runs/demo
 
@@ -37,7 +39,7 @@ $(STAMP): pyproject.toml
 $(ENV_STAMP): examples/reverse_text/pyproject.toml
 	test -x $(ENV_VENV)/bin/python || $(PYTHON) -m venv $(ENV_VENV)
 	$(ENV_VENV)/bin/python -m pip install -q --upgrade "pip>=24"
-	$(ENV_VENV)/bin/python -m pip install -q "verifiers==$(VERIFIERS_VERSION)"
+	$(ENV_VENV)/bin/python -m pip install -q "verifiers==$(VERIFIERS_VERSION)" "httpx-aiohttp==$(HTTPX_AIOHTTP_VERSION)"
 	$(ENV_VENV)/bin/python -m pip install -q --no-deps -e examples/reverse_text
 	$(ENV_VENV)/bin/python -c "import verifiers, reverse_text"
 	touch $(ENV_STAMP)

@@ -70,6 +70,7 @@ from typing import Any
 
 PROTOCOL_VERSION = 1
 HTTP_CLIENT_SHARDS = 8
+MAX_CONNECTIONS_PER_SHARD = 4096  # aiohttp's own default (100) would queue requests beyond it
 SCORE_ON_LOOP_MAX_CPU_S = 0.005
 SCORING_THREADS = 4
 POLICY_VERSION_HEADER = "x-primerl-policy-version"
@@ -151,6 +152,24 @@ def _client_class() -> type:
             return parsed
 
     return PrimerlChatClient
+
+
+def _http_client_class() -> Any:
+    """httpx's client with aiohttp underneath (``httpx-aiohttp``) when the env interpreter has it, else httpx's own.
+
+    Measured here with the openai client, 64 concurrent chat completions against a local server: 1.1 ms of CPU a
+    request with aiohttp underneath, 7.5 ms with httpx's own transport (its connection pool and HTTP/1.1 parser
+    are pure Python). The env worker makes a model request per turn of every rollout, so on a machine where it
+    shares the cores with the trainer and vLLM, that difference is a large part of a step."""
+    import httpx
+
+    try:
+        from httpx_aiohttp import HttpxAiohttpClient
+    except ImportError:
+        log.warning("httpx-aiohttp is not installed in the env interpreter; model requests use httpx's own "
+                    "transport, which costs several times the CPU (install it: <env python> -m pip install httpx-aiohttp)")
+        return httpx.AsyncClient
+    return HttpxAiohttpClient
 
 
 async def _capture_headers(response: Any) -> None:
@@ -569,11 +588,12 @@ class Worker:
             import httpx
             from openai import AsyncOpenAI
 
+            client_class = _http_client_class()
             shards = []
             for _ in range(HTTP_CLIENT_SHARDS):
-                http_client = httpx.AsyncClient(
+                http_client = client_class(
                     timeout=httpx.Timeout(timeout_s, connect=min(timeout_s, 10.0)),
-                    limits=httpx.Limits(max_connections=None, max_keepalive_connections=64),
+                    limits=httpx.Limits(max_connections=MAX_CONNECTIONS_PER_SHARD, max_keepalive_connections=64),
                     event_hooks={"response": [_capture_headers]},
                 )
                 openai_client = AsyncOpenAI(base_url=base_url, api_key=api_key, max_retries=0,

@@ -633,3 +633,13 @@ async def _gather(worker: EnvWorker, indices: Any, group_size: int, vllm_server:
                   sampling: SamplingParams) -> list[Any]:
     return list(await asyncio.gather(*(
         worker.rollout(i, num_rollouts=group_size, sampling=sampling, **_server(vllm_server)) for i in indices)))
+
+
+def test_model_requests_go_through_aiohttp_in_the_set_up_env_interpreter() -> None:
+    """`make setup` installs httpx-aiohttp beside verifiers: without it every model request costs ~7x the CPU."""
+    probe = subprocess.run(
+        [ENV_PYTHON, "-c", "import sys; sys.path.insert(0, sys.argv[1]); import env_worker; "
+         "print(env_worker._http_client_class().__name__)", str(WORKER_SCRIPT.parent)],
+        capture_output=True, text=True, timeout=120)
+    assert probe.returncode == 0, probe.stderr
+    assert probe.stdout.strip() == "HttpxAiohttpClient", probe.stderr

@@ -201,7 +201,8 @@ class BrokerServicer(control_pb2_grpc.BrokerServicer):
             self.health.set(service, health_pb2.HealthCheckResponse.SERVING)
 
     def shutdown(self) -> None:
-        """Health -> NOT_SERVING, heartbeats answer ``shutdown_requested``, status watch streams end."""
+        """Health -> NOT_SERVING, register and heartbeat answer UNAVAILABLE (workers retry: a stopping broker may be
+        restarting, so it never sets ``shutdown_requested``), status watch streams end."""
         self._stopping.set()
         self.health.enter_graceful_shutdown()
         self.registry.close()

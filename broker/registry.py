@@ -79,6 +79,12 @@ class LimitReached(RegistryError):
     status_code = "RESOURCE_EXHAUSTED"
 
 
+class BrokerStopping(RegistryError):
+    """The broker process is stopping (SIGTERM, a restart): the worker should retry, not stop."""
+
+    status_code = "UNAVAILABLE"
+
+
 class CommitFailed(RegistryError):
     """The ``on_commit`` callback (releasing spooled batches) failed; the step is not committed."""
 
@@ -219,7 +225,8 @@ class WorkerRegistry:
         self._last_committed_step = 0
         self._latest_policy_version = 0
         self._version = 0
-        self._closed = False
+        self._closed = False  # the broker process is stopping: register and heartbeat answer BrokerStopping
+        self._shutdown_requested = False  # the run is over: heartbeats tell workers to stop
         self.started_unix_ms = self._unix_ms()
 
     # ----------------------------------------------------------------------------------- properties
@@ -246,7 +253,8 @@ class WorkerRegistry:
 
     # --------------------------------------------------------------------------------- worker calls
     def register(self, request: control_pb2.RegisterRequest) -> control_pb2.RegisterResponse:
-        """Add a worker. A name may be reused once its previous holder is LOST or LEFT (that record is dropped)."""
+        """Add a worker. A name may be reused once its previous holder is LOST or LEFT (that record is dropped).
+        ``BrokerStopping`` after ``close()``."""
         if request.role == common_pb2.ROLE_UNSPECIFIED or request.role not in common_pb2.Role.values():
             raise InvalidRequest(f"role must be one of {_role_names()}, got {request.role}")
         name = request.name.strip()
@@ -264,6 +272,7 @@ class WorkerRegistry:
         if sum(len(k) + len(v) for k, v in request.capabilities.items()) > MAX_CAPABILITY_TOTAL_CHARS:
             raise InvalidRequest(f"capabilities hold at most {MAX_CAPABILITY_TOTAL_CHARS} characters in all")
         with self._lock:
+            self._refuse_if_closed_locked()
             now = self._clock()
             self._expire_locked(now)
             num_alive = sum(1 for w in self._workers.values() if w.state == ALIVE)
@@ -308,8 +317,10 @@ class WorkerRegistry:
             )
 
     def heartbeat(self, request: control_pb2.HeartbeatRequest) -> control_pb2.HeartbeatResponse:
-        """Reset the worker's liveness and store its progress. Unknown or expired id: ``WorkerNotFound``."""
+        """Reset the worker's liveness and store its progress. Unknown or expired id: ``WorkerNotFound``;
+        after ``close()``: ``BrokerStopping``. ``shutdown_requested`` only after ``request_shutdown()``."""
         with self._lock:
+            self._refuse_if_closed_locked()
             worker = self._live_worker_locked(request.worker_id)
             worker.last_heartbeat_unix_ms = self._unix_ms()
             if request.HasField("trainer_step"):
@@ -325,7 +336,7 @@ class WorkerRegistry:
             return control_pb2.HeartbeatResponse(
                 latest_policy_version=self._latest_policy_version,
                 last_committed_step=self._last_committed_step,
-                shutdown_requested=self._closed,
+                shutdown_requested=self._shutdown_requested,
             )
 
     def deregister(self, worker_id: str, reason: str = "") -> None:
@@ -528,15 +539,26 @@ class WorkerRegistry:
             self._changed.notify_all()
 
     def close(self) -> None:
-        """The broker is shutting down: heartbeats answer ``shutdown_requested`` and watchers wake up."""
+        """The broker process is stopping: watchers wake up; register and heartbeat fail with ``BrokerStopping``
+        (UNAVAILABLE), so that workers retry and ride through a restart. It never asks workers to stop."""
         with self._changed:
             self._closed = True
             self._version += 1
             self._changed.notify_all()
 
+    def request_shutdown(self) -> None:
+        """The run is over: every later heartbeat answers ``shutdown_requested`` and its worker stops."""
+        with self._lock:
+            self._shutdown_requested = True
+            self._bump_locked()
+
     # ------------------------------------------------------------------------------------- internals
     def _unix_ms(self) -> int:
         return int(self._wall_clock() * 1000)
+
+    def _refuse_if_closed_locked(self) -> None:
+        if self._closed:
+            raise BrokerStopping("the broker is stopping (a restart or a service stop): retry until it is back")
 
     def _bump_locked(self) -> None:
         self._version += 1

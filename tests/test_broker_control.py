@@ -346,6 +346,29 @@ def test_client_reregisters_after_the_broker_restarts_on_the_same_port():
             second.stop()
 
 
+def test_a_stopping_broker_never_asks_workers_to_shut_down():
+    """A broker stopping for a restart (SIGTERM, service stop) answers UNAVAILABLE during its grace window, so
+    that workers retry and ride through the restart; only an explicit end of run sets ``shutdown_requested``."""
+    broker = start_broker()
+    client = client_for(broker, "infer-0", role="inference")
+    channel = grpc.insecure_channel(broker.address)
+    try:
+        client.register()
+        assert not client.heartbeat().shutdown_requested
+        broker.servicer.shutdown()  # what BrokerService.stop does first; the server still answers meanwhile
+        with pytest.raises(BrokerUnavailable):
+            client.heartbeat()
+        stub = control_pb2_grpc.BrokerStub(channel)
+        with pytest.raises(grpc.RpcError) as refused:
+            stub.Register(control_pb2.RegisterRequest(role=common_pb2.ROLE_INFERENCE, name="infer-1"), timeout=5)
+        assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert not client.shutdown_requested.is_set()
+    finally:
+        channel.close()
+        client.close()
+        broker.stop()
+
+
 # ------------------------------------------------------------------------------------ health, reflection
 def test_health_serving_then_not_serving_on_shutdown():
     broker = start_broker()

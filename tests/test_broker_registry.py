@@ -9,6 +9,7 @@ import time
 import pytest
 
 from primerl.broker.registry import (
+    BrokerStopping,
     DataPlaneStatus,
     InvalidRequest,
     NameTaken,
@@ -277,13 +278,24 @@ def test_version_counts_changes_and_wait_for_change_wakes(registry):
     assert woke and woke[0] > v1 and time.monotonic() - started < 1.0
 
 
-def test_close_requests_shutdown_and_releases_waiters(registry):
+def test_close_releases_waiters_and_refuses_as_unavailable_without_a_shutdown_request(registry):
     worker_id = register(registry, "infer-0", INFER)
     version = registry.version
-    registry.close()
+    registry.close()  # the broker process is stopping, maybe for a restart: workers must retry, not stop
     started = time.monotonic()
     registry.wait_for_change(version + 100, timeout_s=5.0)
     assert time.monotonic() - started < 1.0
+    with pytest.raises(BrokerStopping) as refused:
+        heartbeat(registry, worker_id)
+    assert refused.value.status_code == "UNAVAILABLE"
+    with pytest.raises(BrokerStopping):
+        register(registry, "infer-1", INFER)
+
+
+def test_request_shutdown_tells_heartbeating_workers_to_stop(registry):
+    worker_id = register(registry, "infer-0", INFER)
+    assert not heartbeat(registry, worker_id).shutdown_requested
+    registry.request_shutdown()
     assert heartbeat(registry, worker_id).shutdown_requested
 
 

@@ -63,7 +63,15 @@ class BrokerCollector:
         yield GaugeMetricFamily("primerl_broker_orchestrator_step", "Orchestrator step from its heartbeats.",
                                 value=status.orchestrator_step)
         if service.rollout_plane is not None:
-            queue = service.rollout_plane.status().queue
+            rollout = service.rollout_plane.status()
+            queue = rollout.queue
+            if rollout.num_connections is not None:
+                yield GaugeMetricFamily("primerl_broker_rollout_connections", "Peers connected to the rollout socket "
+                                        "(admitted at the handshake, at most max_rollout_connections).",
+                                        value=rollout.num_connections)
+                yield CounterMetricFamily("primerl_broker_rollout_connections_refused", "Connections to the rollout "
+                                          "socket refused at the handshake: max_rollout_connections peers were "
+                                          "connected.", value=rollout.num_connections_refused)
             yield GaugeMetricFamily("primerl_broker_rollout_batches_queued", "Rollout micro-batches held (memory "
                                     "and spool) until their step is committed.", value=queue.num_batches)
             yield GaugeMetricFamily("primerl_broker_rollout_bytes_spooled", "Bytes of the rollout micro-batches "

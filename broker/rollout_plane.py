@@ -95,6 +95,10 @@ class RolloutStreamStatus:
     num_refused: int
     num_backpressure_replies: int
     throughput_window_s: float
+    # Peers admitted at the handshake and connected now, and connections refused there (``max_connections``);
+    # None and 0 when the plane admits every peer.
+    num_connections: int | None = None
+    num_connections_refused: int = 0
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -266,6 +270,9 @@ class RolloutPlane:
             batches_out_per_s=batches_out, bytes_out_per_s=bytes_out,
             num_refused=num_refused, num_backpressure_replies=num_backpressure,
             throughput_window_s=self._in.window_s,
+            # Plain int reads of counters the IO thread updates: a status may be one event behind.
+            num_connections=gate.num_connected if (gate := self._gate) is not None else None,
+            num_connections_refused=gate.num_refused if gate is not None else 0,
         )
 
     # ------------------------------------------------------------------ IO thread

@@ -67,6 +67,9 @@ def test_metrics_follow_registrations_rollouts_weights_and_commits(broker):
             for index in range(2):
                 tensors = {"input_ids": np.arange(64, dtype=np.int64) + index}
                 producer.send_batch(*pack_batch(1, 0, index, 2, tensors), timeout_s=20)
+            connected = scrape(url)
+            assert connected[("primerl_broker_rollout_connections", ())] == 1
+            assert connected[("primerl_broker_rollout_connections_refused_total", ())] == 0
         payload, specs = tensor_frames.encode_tensors({"w": np.ones(4096, dtype=np.float32)})
         header = data_pb2.WeightUpdateHeader(policy_version=1, kind=data_pb2.WEIGHT_UPDATE_KIND_FULL, tensors=specs)
         weight_endpoint = f"tcp://127.0.0.1:{broker.endpoints.weight_port}"

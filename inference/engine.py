@@ -52,11 +52,13 @@ ENV_DEFAULTS = {
 }
 """Set (if unset) before vLLM is imported, on every platform."""
 
-CPU_ENV_DEFAULTS = {"TORCHDYNAMO_DISABLE": "1", "PRIMERL_VLLM_BUSY_LOOP_S": "0.05", "PRIMERL_VLLM_CPU_EXECUTOR": "uni"}
+CPU_ENV_DEFAULTS = {"TORCHDYNAMO_DISABLE": "1", "PRIMERL_VLLM_BUSY_LOOP_S": "0.05", "PRIMERL_VLLM_CPU_EXECUTOR": "uni",
+                    "PRIMERL_VLLM_CPU_START_METHOD": "fork"}
 """Set (if unset) on CPU only: on a GPU, torch.compile and CUDA graphs are worth their start-up time; on CPU,
 vLLM's message queues spin 50 ms after a message instead of 1 s, which took a share of a core from the trainer
 beside them, and a one-worker engine runs its worker inside the engine-core process instead of a third process
-fed through those queues (`primerl.inference.vllm_plugin`)."""
+fed through those queues, and that engine core is forked rather than spawned (no second import of vLLM and
+torch) (`primerl.inference.vllm_plugin`)."""
 
 LogprobsMode = Literal["raw_logprobs", "processed_logprobs", "raw_logits", "processed_logits"]
 

@@ -1,0 +1,101 @@
+#!/usr/bin/env python
+"""CPU seconds per training step of every process of a real `primerl rl` run (where a step's CPU goes).
+
+    .venv/bin/python bench/cpu_per_process.py MODEL_DIR [--out runs/cpu] [--from-step 6] [--steps 15] [-- EXTRA ARGS]
+
+Starts the demo's RL run (`examples/reverse_text_rl.toml`) from MODEL_DIR (e.g. the demo's SFT checkpoint
+`runs/demo/sft/weights/step_1000`), reads the user + system CPU time of the launcher and all its descendants
+(`psutil`, from /proc) when the trainer has written ``--from-step`` rows to `metrics.jsonl` and again
+``--steps`` rows later, and prints each process's CPU seconds per step, their total and the wall time per step.
+On a machine with C cores, a step cannot take less than total / C seconds of wall time. Arguments after `--` go
+to `primerl rl` (e.g. `-- --inference.threads.num-threads 2`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def trainer_rows(metrics: Path) -> int:
+    try:
+        with open(metrics) as rows:
+            return sum(1 for row in rows if '"role": "trainer"' in row)
+    except OSError:
+        return 0
+
+
+def cpu_times(root: psutil.Process) -> dict[int, tuple[str, float]]:
+    """pid -> (command line, user + system CPU seconds) of ``root`` and its descendants."""
+    out = {}
+    for process in [root, *root.children(recursive=True)]:
+        try:
+            times = process.cpu_times()
+            out[process.pid] = (" ".join(process.cmdline())[:100], times.user + times.system)
+        except psutil.Error:
+            continue
+    return out
+
+
+def wait_for_rows(metrics: Path, count: int, run: subprocess.Popen, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while trainer_rows(metrics) < count:
+        if run.poll() is not None:
+            raise SystemExit(f"the run ended before step {count}: see its log")
+        if time.monotonic() > deadline:
+            raise SystemExit(f"no step {count} within {timeout_s:.0f} s")
+        time.sleep(0.05)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    extra = argv[argv.index("--") + 1:] if "--" in argv else []
+    own = argv[: argv.index("--")] if "--" in argv else argv
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("model")
+    parser.add_argument("--out", type=Path, default=REPO / "runs" / "cpu")
+    parser.add_argument("--from-step", type=int, default=6, help="start counting once this step is done (start-up excluded)")
+    parser.add_argument("--steps", type=int, default=15)
+    parser.add_argument("--timeout-s", type=float, default=600)
+    args = parser.parse_args(own)
+    shutil.rmtree(args.out, ignore_errors=True)
+    args.out.mkdir(parents=True)
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1"}
+    env.setdefault("PRIMERL_ENV_PYTHON", str(REPO / ".venv-envs" / "bin" / "python"))
+    last_step = args.from_step + args.steps
+    command = [str(REPO / ".venv" / "bin" / "primerl"), "rl", "@", str(REPO / "examples" / "reverse_text_rl.toml"),
+               "--model.name", args.model, "--max-steps", str(last_step + 2), "--output-dir", str(args.out / "run"), *extra]
+    metrics = args.out / "run" / "metrics.jsonl"
+    with open(args.out / "rl.log", "w") as log:
+        run = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=REPO)
+    try:
+        root = psutil.Process(run.pid)
+        wait_for_rows(metrics, args.from_step, run, args.timeout_s)
+        before, started_s = cpu_times(root), time.monotonic()
+        wait_for_rows(metrics, last_step, run, args.timeout_s)
+        after, wall_s = cpu_times(root), time.monotonic() - started_s
+    finally:
+        if run.poll() is None:
+            run.wait(timeout=args.timeout_s)
+    per_step = sorted(((cpu - before.get(pid, ("", 0.0))[1]) / args.steps, name) for pid, (name, cpu) in after.items())
+    print(f"steps {args.from_step + 1}..{last_step} of `{' '.join(command[1:])}`")
+    print(f"wall per step {wall_s / args.steps:.3f} s; {os.cpu_count()} CPUs")
+    for seconds, name in reversed(per_step):
+        if seconds >= 0.005:
+            print(f"{seconds:7.3f} CPU-s/step  {name}")
+    total = sum(seconds for seconds, _ in per_step)
+    print(f"{total:7.3f} CPU-s/step in all: at least {total / (os.cpu_count() or 1):.3f} s of wall per step on these CPUs")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -26,8 +26,6 @@ and call ``handle`` in the thread that owns the gated socket, and bind the gate 
 
 from __future__ import annotations
 
-from typing import Any
-
 import zmq
 from zmq.utils.monitor import parse_monitor_message
 
@@ -121,11 +119,7 @@ class ConnectionGate:
             self.num_refused += 1
             status, text = REFUSED_STATUS, b"too many connections"
             self._refusal_log.warning(("refused", self.what), f"{self.what} refused at the handshake: the broker has as many "
-                                      "peers as it admits", peer=_text(address), connected=self._admitted,
+                                      "peers as it admits", peer=address.decode(errors="replace"), connected=self._admitted,
                                       max_connections=self.max_connections,
                                       hint="raise the limit if these peers are legitimate, or stop idle clients")
         self._zap.send_multipart([frames[0], b"", b"1.0", request_id, status, text, b"", b""])
-
-
-def _text(value: Any) -> str:
-    return value.decode(errors="replace") if isinstance(value, bytes) else str(value)

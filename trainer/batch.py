@@ -104,12 +104,6 @@ def forward_logits_padded(model: torch.nn.Module, input_ids: torch.Tensor, posit
     return model(input_ids=padded, attention_mask=attention, use_cache=False).logits, padded, spans
 
 
-def forward_logits_packed(model: torch.nn.Module, input_ids: torch.Tensor, position_ids: torch.Tensor) -> list[torch.Tensor]:
-    """The model's logits for each packed sample (a list of [len_i, vocab] tensors), computed as one padded batch."""
-    logits, _, spans = forward_logits_padded(model, input_ids, position_ids)
-    return [logits[row, : end - start] for row, (start, end) in enumerate(spans)]
-
-
 def packed_token_logprobs(
     model: torch.nn.Module, batch: MicroBatch, *, with_entropy: bool = True
 ) -> tuple[torch.Tensor, torch.Tensor | None]:

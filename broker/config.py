@@ -11,6 +11,7 @@ from primerl.runtime.config_base import BaseConfig
 from primerl.runtime.config_common import (
     DEFAULT_BROKER_GRPC_PORT,
     DEFAULT_BROKER_HOST,
+    DEFAULT_OUTAGE_S,
     LogConfig,
     PrometheusConfig,
     is_loopback_host,
@@ -132,6 +133,12 @@ class BrokerConfig(BaseConfig):
     )
     run_id: str | None = Field(
         None, min_length=1, description="Name of the run, shown in status and logs (unset: a fresh id at start)."
+    )
+    outage_s: float = Field(
+        DEFAULT_OUTAGE_S,
+        gt=0,
+        description="How long the other roles wait through an outage of this broker (a restart) before they stop "
+        "with an error. `primerl rl` hands it to every role (`<role>.broker.outage_s`).",
     )
     max_steps: int | None = Field(None, ge=1, description="Training steps of the run, shown in status (unset: no limit).")
     log: LogConfig = Field(default_factory=LogConfig, description="Logging of the broker.")

@@ -343,6 +343,8 @@ def _fill_broker_client(data: dict[str, Any]) -> None:
             _set_default(data, f"{role}.broker.run_token", broker["run_token"])
         if broker.get("tls_cert_path") is not None:
             _set_default(data, f"{role}.broker.tls_ca_path", broker["tls_cert_path"])
+        if broker.get("outage_s") is not None:
+            _set_default(data, f"{role}.broker.outage_s", broker["outage_s"])
 
 
 def _fill_inference(data: dict[str, Any]) -> None:

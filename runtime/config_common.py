@@ -35,6 +35,10 @@ class LogConfig(BaseConfig):
     )
 
 
+DEFAULT_OUTAGE_S = 120.0
+"""Default ``outage_s``: a broker restart under systemd (RestartSec plus start-up) fits well inside it."""
+
+
 class BrokerClientConfig(BaseConfig):
     """How a worker (trainer, orchestrator, inference) reaches the broker."""
 
@@ -52,6 +56,12 @@ class BrokerClientConfig(BaseConfig):
     )
     connect_timeout_s: float = Field(
         60.0, gt=0, description="How long to wait for the broker at start-up before giving up."
+    )
+    outage_s: float = Field(
+        DEFAULT_OUTAGE_S,
+        gt=0,
+        description="How long a running worker waits through a broker outage (a restart, a lost network) before it "
+        "stops with an error; it logs what it waits for every few seconds meanwhile.",
     )
 
     @field_validator("address")

@@ -84,16 +84,18 @@ class Envelope(_message.Message):
     def __init__(self, message_id: _Optional[str] = ..., sent_unix_ms: _Optional[int] = ..., header: _Optional[bytes] = ..., chunk: _Optional[_Union[Chunk, _Mapping]] = ..., num_payload_frames: _Optional[int] = ..., payload_frame_bytes: _Optional[_Iterable[int]] = ..., checksum: _Optional[int] = ..., auth_token: _Optional[str] = ..., in_reply_to: _Optional[str] = ..., sender: _Optional[str] = ...) -> None: ...
 
 class Hello(_message.Message):
-    __slots__ = ("worker_id", "role", "rank", "policy_version")
+    __slots__ = ("worker_id", "role", "rank", "policy_version", "lineage")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
     POLICY_VERSION_FIELD_NUMBER: _ClassVar[int]
+    LINEAGE_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     role: _common_pb2.Role
     rank: int
     policy_version: int
-    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[_Union[_common_pb2.Role, str]] = ..., rank: _Optional[int] = ..., policy_version: _Optional[int] = ...) -> None: ...
+    lineage: int
+    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[_Union[_common_pb2.Role, str]] = ..., rank: _Optional[int] = ..., policy_version: _Optional[int] = ..., lineage: _Optional[int] = ...) -> None: ...
 
 class RolloutBatchHeader(_message.Message):
     __slots__ = ("step", "rank", "micro_batch_index", "num_micro_batches", "num_samples", "num_tokens", "min_policy_version", "max_policy_version", "tensors", "batch_id", "num_loss_tokens_global")
@@ -154,7 +156,7 @@ class RolloutStepDone(_message.Message):
     def __init__(self, step: _Optional[int] = ..., rank: _Optional[int] = ..., num_micro_batches: _Optional[int] = ...) -> None: ...
 
 class WeightUpdateHeader(_message.Message):
-    __slots__ = ("policy_version", "kind", "base_version", "digest", "tensors", "decoded_tensors", "delta_encoding", "adapter_config_json", "policy_name", "payload_bytes")
+    __slots__ = ("policy_version", "kind", "base_version", "digest", "tensors", "decoded_tensors", "delta_encoding", "adapter_config_json", "policy_name", "payload_bytes", "lineage", "lineage_base_version")
     POLICY_VERSION_FIELD_NUMBER: _ClassVar[int]
     KIND_FIELD_NUMBER: _ClassVar[int]
     BASE_VERSION_FIELD_NUMBER: _ClassVar[int]
@@ -165,6 +167,8 @@ class WeightUpdateHeader(_message.Message):
     ADAPTER_CONFIG_JSON_FIELD_NUMBER: _ClassVar[int]
     POLICY_NAME_FIELD_NUMBER: _ClassVar[int]
     PAYLOAD_BYTES_FIELD_NUMBER: _ClassVar[int]
+    LINEAGE_FIELD_NUMBER: _ClassVar[int]
+    LINEAGE_BASE_VERSION_FIELD_NUMBER: _ClassVar[int]
     policy_version: int
     kind: WeightUpdateKind
     base_version: int
@@ -175,23 +179,27 @@ class WeightUpdateHeader(_message.Message):
     adapter_config_json: str
     policy_name: str
     payload_bytes: int
-    def __init__(self, policy_version: _Optional[int] = ..., kind: _Optional[_Union[WeightUpdateKind, str]] = ..., base_version: _Optional[int] = ..., digest: _Optional[str] = ..., tensors: _Optional[_Iterable[_Union[_common_pb2.TensorSpec, _Mapping]]] = ..., decoded_tensors: _Optional[_Iterable[_Union[_common_pb2.TensorSpec, _Mapping]]] = ..., delta_encoding: _Optional[_Union[DeltaEncoding, str]] = ..., adapter_config_json: _Optional[str] = ..., policy_name: _Optional[str] = ..., payload_bytes: _Optional[int] = ...) -> None: ...
+    lineage: int
+    lineage_base_version: int
+    def __init__(self, policy_version: _Optional[int] = ..., kind: _Optional[_Union[WeightUpdateKind, str]] = ..., base_version: _Optional[int] = ..., digest: _Optional[str] = ..., tensors: _Optional[_Iterable[_Union[_common_pb2.TensorSpec, _Mapping]]] = ..., decoded_tensors: _Optional[_Iterable[_Union[_common_pb2.TensorSpec, _Mapping]]] = ..., delta_encoding: _Optional[_Union[DeltaEncoding, str]] = ..., adapter_config_json: _Optional[str] = ..., policy_name: _Optional[str] = ..., payload_bytes: _Optional[int] = ..., lineage: _Optional[int] = ..., lineage_base_version: _Optional[int] = ...) -> None: ...
 
 class WeightAck(_message.Message):
-    __slots__ = ("policy_version", "worker_id", "applied", "error", "apply_ms", "full_required")
+    __slots__ = ("policy_version", "worker_id", "applied", "error", "apply_ms", "full_required", "lineage")
     POLICY_VERSION_FIELD_NUMBER: _ClassVar[int]
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     APPLIED_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
     APPLY_MS_FIELD_NUMBER: _ClassVar[int]
     FULL_REQUIRED_FIELD_NUMBER: _ClassVar[int]
+    LINEAGE_FIELD_NUMBER: _ClassVar[int]
     policy_version: int
     worker_id: str
     applied: bool
     error: _common_pb2.ErrorDetail
     apply_ms: int
     full_required: bool
-    def __init__(self, policy_version: _Optional[int] = ..., worker_id: _Optional[str] = ..., applied: _Optional[bool] = ..., error: _Optional[_Union[_common_pb2.ErrorDetail, _Mapping]] = ..., apply_ms: _Optional[int] = ..., full_required: _Optional[bool] = ...) -> None: ...
+    lineage: int
+    def __init__(self, policy_version: _Optional[int] = ..., worker_id: _Optional[str] = ..., applied: _Optional[bool] = ..., error: _Optional[_Union[_common_pb2.ErrorDetail, _Mapping]] = ..., apply_ms: _Optional[int] = ..., full_required: _Optional[bool] = ..., lineage: _Optional[int] = ...) -> None: ...
 
 class ErrorReply(_message.Message):
     __slots__ = ("error", "refused_type")

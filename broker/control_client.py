@@ -5,6 +5,15 @@ has a deadline. The heartbeat thread never crashes the worker: when the broker f
 e.g. after a broker restart) it registers again; when the broker is unreachable it retries with capped
 exponential backoff (0.1 s doubling to 5 s) for as long as the client runs.
 
+Riding through a broker outage (a restart, a lost network). A worker's calls (``register``, ``report_metrics``,
+``commit_step``, ``list_workers``, ``get_run_status``) wait through an outage of up to ``config.outage_s``:
+they retry while the broker is unreachable or stopping, register again when it forgot the worker, and log
+``waiting for the broker`` every few seconds (``primerl.runtime.broker_outage``). Past the budget they raise
+``BrokerOutageExceeded``. The heartbeat thread measures outages the same way: when one lasts longer than the
+budget it sets ``broker_lost`` (with ``broker_lost_error``); a worker that only waits (an inference worker, a
+trainer waiting for data) calls ``check_broker()`` in its loop and stops with that one error. ``primerl status``
+(role ``client``) does not ride through: it fails at once.
+
 Errors reach callers as ``BrokerError`` (with the gRPC ``code``); ``BrokerUnavailable`` when the broker cannot
 be reached in time (those can heal: retry later).
 """
@@ -23,6 +32,7 @@ import grpc
 
 from primerl.broker.registry import role_from_name
 from primerl.proto.v1 import common_pb2, control_pb2, control_pb2_grpc
+from primerl.runtime.broker_outage import BrokerOutageExceeded, OutageWatch, retry_through_outage
 from primerl.runtime.config_common import BrokerClientConfig
 from primerl.runtime.log_setup import get_logger
 
@@ -60,6 +70,15 @@ class BrokerError(RuntimeError):
 
 class BrokerUnavailable(BrokerError):
     """The broker did not answer in time (down, restarting, wrong address, TLS mismatch). Can heal."""
+
+
+class BrokerLost(BrokerUnavailable, BrokerOutageExceeded):
+    """The broker stayed unreachable for longer than ``outage_s``: the worker should stop with this error."""
+
+
+class _NameHeld(BrokerError):
+    """ALREADY_EXISTS at registration: the name is held, e.g. by this worker's previous incarnation until the
+    broker expires it. A worker waits for that (within ``outage_s``)."""
 
 
 def broker_error(err: grpc.RpcError, what: str, address: str) -> BrokerError:
@@ -187,6 +206,12 @@ class ControlClient:
         self._errors: collections.deque[str] = collections.deque(maxlen=MAX_QUEUED_ERRORS)
         self._stop = threading.Event()
         self._heartbeat_thread: threading.Thread | None = None
+        # Outages: workers ride through them (module docstring); ``primerl status`` fails at once.
+        self.rides_through = self.role != common_pb2.ROLE_CLIENT
+        self.outage_s = config.outage_s
+        self.broker_lost = threading.Event()
+        self.broker_lost_error = ""
+        self._heartbeat_outage = OutageWatch("heartbeats", self.outage_s, worker=name)
 
     # ----------------------------------------------------------------------------------- properties
     @property
@@ -220,7 +245,31 @@ class ControlClient:
             ) from None
 
     def register(self) -> control_pb2.RegisterResponse:
-        """Register (again); the new worker id replaces the old one. ALREADY_EXISTS etc. raise ``BrokerError``."""
+        """Register (again); the new worker id replaces the old one. A worker waits through a broker outage and
+        through ALREADY_EXISTS (the registration of its own previous incarnation, until the broker expires it),
+        both within ``outage_s``; other refusals raise ``BrokerError``."""
+        if not self.rides_through:
+            return self._register_once()
+
+        def attempt() -> control_pb2.RegisterResponse:
+            try:
+                return self._register_once()
+            except BrokerError as err:
+                if err.code == grpc.StatusCode.ALREADY_EXISTS:
+                    raise _NameHeld(str(err), err.code) from None
+                raise
+
+        watch = OutageWatch("Register", self.outage_s, worker=self.name)
+        try:
+            return retry_through_outage(attempt, watch, (BrokerUnavailable, _NameHeld), stop_event=self._stop)
+        except BrokerOutageExceeded as err:
+            if isinstance(watch.last_error, _NameHeld):
+                raise BrokerError(
+                    f"cannot register as {self.name!r} within broker.outage_s = {self.outage_s:g} s: {watch.last_error}",
+                    grpc.StatusCode.ALREADY_EXISTS) from None
+            raise BrokerLost(str(err), grpc.StatusCode.UNAVAILABLE) from None
+
+    def _register_once(self) -> control_pb2.RegisterResponse:
         request = control_pb2.RegisterRequest(
             role=self.role,
             name=self.name,
@@ -240,9 +289,13 @@ class ControlClient:
         return response
 
     def _require_id(self) -> str:
+        """This worker's id; a worker that was registered before and lost its id (the broker forgot it, the
+        heartbeat thread is registering again) registers now instead of failing."""
         worker_id = self.worker_id
         if worker_id is None:
-            raise BrokerError("not registered with the broker: call register() first", grpc.StatusCode.NOT_FOUND)
+            if not self.num_registrations:
+                raise BrokerError("not registered with the broker: call register() first", grpc.StatusCode.NOT_FOUND)
+            worker_id = self._register_once().worker_id
         return worker_id
 
     def _reregister_if(self, stale_id: str) -> None:
@@ -254,7 +307,20 @@ class ControlClient:
         self.register()
 
     def _as_worker(self, what: str, method, make_request: Callable[[str], Any]):
-        """Call with the worker id; after NOT_FOUND (broker forgot us) register again and retry once."""
+        """Call with the worker id; after NOT_FOUND (broker forgot us) register again and retry once; through
+        an outage of up to ``outage_s`` (module docstring)."""
+        return self._riding_through(what, lambda: self._as_worker_once(what, method, make_request))
+
+    def _riding_through(self, what: str, call: Callable[[], Any]):
+        if not self.rides_through:
+            return call()
+        watch = OutageWatch(what, self.outage_s, worker=self.name)
+        try:
+            return retry_through_outage(call, watch, (BrokerUnavailable,), stop_event=self._stop)
+        except BrokerOutageExceeded as err:
+            raise BrokerLost(str(err), grpc.StatusCode.UNAVAILABLE) from None
+
+    def _as_worker_once(self, what: str, method, make_request: Callable[[str], Any]):
         worker_id = self._require_id()
         try:
             return self._call(what, method, make_request(worker_id))
@@ -316,13 +382,21 @@ class ControlClient:
         )
 
     def get_run_status(self, timeout_s: float | None = None) -> control_pb2.RunStatus:
-        return self._call("GetRunStatus", self._stub.GetRunStatus, control_pb2.GetRunStatusRequest(), timeout_s)
+        return self._riding_through("GetRunStatus", lambda: self._call(
+            "GetRunStatus", self._stub.GetRunStatus, control_pb2.GetRunStatusRequest(), timeout_s))
 
     def list_workers(
         self, role: int | str = common_pb2.ROLE_UNSPECIFIED, include_gone: bool = False
     ) -> list[control_pb2.WorkerInfo]:
         request = control_pb2.ListWorkersRequest(role=role_from_name(role), include_gone=include_gone)
-        return list(self._call("ListWorkers", self._stub.ListWorkers, request).workers)
+        return list(self._riding_through(
+            "ListWorkers", lambda: self._call("ListWorkers", self._stub.ListWorkers, request)).workers)
+
+    def check_broker(self) -> None:
+        """Raise ``BrokerOutageExceeded`` once the heartbeat thread has seen the broker unreachable for longer
+        than ``outage_s`` (call it in a worker's waiting loops)."""
+        if self.broker_lost.is_set():
+            raise BrokerLost(self.broker_lost_error, grpc.StatusCode.UNAVAILABLE)
 
     def watch_run_status(self, min_interval_ms: int = 0, timeout_s: float | None = None) -> RunStatusStream:
         """Stream of statuses: the current one, then one per change. ``timeout_s``: total duration (None: until
@@ -371,16 +445,18 @@ class ControlClient:
             try:
                 worker_id = self.worker_id
                 if worker_id is None:
-                    worker_id = self.register().worker_id
+                    worker_id = self._register_once().worker_id
                 self._heartbeat_as(worker_id, self._progress(progress_fn))
                 wait_s = self.heartbeat_interval_s  # as the broker asked at registration
                 if unreachable_logged:
                     _log.info("broker reachable again", worker=self.name)
                 backoff_s, unreachable_logged = BACKOFF_INITIAL_S, False
+                self._heartbeat_outage.ok()
             except BrokerUnavailable as err:
                 if not unreachable_logged:
                     _log.warning("broker unreachable; retrying with backoff", worker=self.name, error=str(err))
                     unreachable_logged = True
+                self._note_heartbeat_outage(err)
                 wait_s, backoff_s = backoff_s, min(backoff_s * 2, BACKOFF_MAX_S)
             except BrokerError as err:
                 if err.code == grpc.StatusCode.NOT_FOUND and worker_id is not None:
@@ -396,6 +472,14 @@ class ControlClient:
                 _log.exception("heartbeat failed", worker=self.name)
                 wait_s, backoff_s = backoff_s, min(backoff_s * 2, BACKOFF_MAX_S)
             self._stop.wait(wait_s)
+
+    def _note_heartbeat_outage(self, err: BrokerError) -> None:
+        try:
+            self._heartbeat_outage.failed(err)
+        except BrokerOutageExceeded as exceeded:
+            if not self.broker_lost.is_set():
+                self.broker_lost_error = str(exceeded)
+                self.broker_lost.set()
 
     def _progress(self, progress_fn: ProgressFn | None) -> Mapping[str, Any]:
         if progress_fn is None:

@@ -58,6 +58,7 @@ class OutageWatch:
         self._started_s: float | None = None
         self._next_log_s = 0.0
         self.num_outages = 0
+        self.last_error: BaseException | str = ""
 
     @property
     def in_outage(self) -> bool:
@@ -76,6 +77,7 @@ class OutageWatch:
     def failed(self, error: BaseException | str) -> None:
         """A call failed with a healable error: log (rate-limited); raise ``BrokerOutageExceeded`` past the budget."""
         now = self._clock()
+        self.last_error = error
         with self._lock:
             if self._started_s is None:
                 self._started_s = now

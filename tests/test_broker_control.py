@@ -165,11 +165,14 @@ def test_refusals_carry_status_codes_and_messages(stub, call, code):
 
 
 def test_client_errors_are_typed(broker):
-    with client_for(broker, "trainer-0") as client, client_for(broker, "trainer-0") as twin:
+    with client_for(broker, "trainer-0") as client, client_for(broker, "trainer-0", outage_s=1.0) as twin:
         client.register()
+        client.start_heartbeats()  # keeps the name held: the twin waits out its outage budget, then gives up
+        started_s = time.monotonic()
         with pytest.raises(BrokerError, match="already registered") as info:
             twin.register()
         assert info.value.code == grpc.StatusCode.ALREADY_EXISTS
+        assert 1.0 <= time.monotonic() - started_s < 5.0
         with pytest.raises(BrokerError) as info:
             client.report_metrics(1, {"train/loss": float("nan")})
         assert info.value.code == grpc.StatusCode.INVALID_ARGUMENT
@@ -494,11 +497,11 @@ def test_tls_works_and_a_plaintext_client_fails(tls_files):
             client.wait_ready(5)
             assert client.register().run_id == "test-run"
             assert status_cli.main(["--broker", broker.address, "--tls-ca", str(cert_path), "--token", TOKEN]) == 0
-        plain = client_for(broker, "infer-1", "inference", run_token=TOKEN)
+        plain = client_for(broker, "infer-1", "inference", run_token=TOKEN, outage_s=1.0)
         try:
             with pytest.raises(BrokerUnavailable, match="within 1 s"):
                 plain.wait_ready(1)
-            with pytest.raises(BrokerUnavailable):
+            with pytest.raises(BrokerUnavailable, match="broker.outage_s"):
                 plain.register()
         finally:
             plain.close()

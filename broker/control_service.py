@@ -236,8 +236,11 @@ class BrokerServicer(control_pb2_grpc.BrokerServicer):
         return _guarded(context, self.registry.heartbeat, request)
 
     def Deregister(self, request, context):
-        _guarded(context, self.registry.deregister, request.worker_id, request.reason)
+        finished = _guarded(context, self.registry.deregister, request.worker_id, request.reason)
         _log.info("worker deregistered", worker_id=request.worker_id, reason=request.reason)
+        if finished:
+            _log.info("run finished: workers are told to stop", max_steps=self.registry.max_steps,
+                      last_committed_step=self.registry.last_committed_step)
         return control_pb2.DeregisterResponse()
 
     def GetRunStatus(self, request, context):
@@ -252,8 +255,12 @@ class BrokerServicer(control_pb2_grpc.BrokerServicer):
         return control_pb2.ReportMetricsResponse()
 
     def CommitStep(self, request, context):
-        last_committed, num_released = _guarded(context, self.registry.commit_step, request.worker_id, request.step)
-        _log.info("step committed", step=last_committed, num_batches_released=num_released)
+        last_committed, num_released, already = _guarded(context, self.registry.commit_step, request.worker_id,
+                                                         request.step)
+        if already:  # a retry (its answer was lost, or the broker restarted): succeeds, changes nothing
+            _log.info("step already committed", step=request.step, last_committed_step=last_committed)
+        else:
+            _log.info("step committed", step=last_committed, num_batches_released=num_released)
         return control_pb2.CommitStepResponse(last_committed_step=last_committed, num_batches_released=num_released)
 
     def WatchRunStatus(self, request, context):

@@ -12,6 +12,15 @@ and notifies watchers within half an interval of the bound.
 Thread-safe: one lock guards all state; ``wait_for_change`` waits on a condition of that lock. Commits are
 serialized by a second lock so that the ``on_commit`` callback (the rollout queue's release) runs *outside*
 the state lock: the data plane may call back into the registry without deadlocking.
+
+Run state (``broker/run_state.py``): the run's facts (committed step, trainer and orchestrator steps, latest
+policy version, last metrics, run id, finished) are numbered by a revision that moves only when one of them
+changes; ``run_state()`` snapshots them, ``restore()`` takes them back after a broker restart. A commit and the
+end of the run call ``persist`` before they answer; everything else is written by a periodic saver.
+
+End of run: rank 0 of the trainer deregistering with reason ``"training finished"`` once the run's trainer step
+reached ``max_steps`` finishes the run (``request_shutdown``): every later heartbeat answers
+``shutdown_requested``, and the run state says so, so that a restarted broker still tells late workers to stop.
 """
 
 from __future__ import annotations
@@ -25,6 +34,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
+from primerl.broker.run_state import RunState
 from primerl.proto.v1 import common_pb2, control_pb2
 
 ALIVE = control_pb2.WORKER_STATE_ALIVE
@@ -46,6 +56,8 @@ MAX_ADDRESS_CHARS = 256
 MAX_CAPABILITY_TOTAL_CHARS = 2048
 # RunStatus is trimmed (capabilities, then departed workers, then the rest) to stay under this.
 MAX_STATUS_BYTES = 3 * 2**20
+# The reason the trainer (``trainer/runner.py``) deregisters with when its loop ran to ``max_steps``.
+TRAINING_FINISHED_REASON = "training finished"
 
 
 # ----------------------------------------------------------------------------------------------- errors
@@ -89,6 +101,15 @@ class CommitFailed(RegistryError):
     """The ``on_commit`` callback (releasing spooled batches) failed; the step is not committed."""
 
     status_code = "INTERNAL"
+
+
+class CommitResult(NamedTuple):
+    """What ``commit_step`` answers: the run's last committed step, the batches this commit released, and
+    whether the step was already committed (a retry: nothing released, nothing changed)."""
+
+    last_committed_step: int
+    num_batches_released: int
+    already_committed: bool = False
 
 
 # ------------------------------------------------------------------------------------- data-plane input
@@ -195,6 +216,7 @@ class WorkerRegistry:
         max_recent_errors: int = 32,
         max_gone_workers: int = 256,
         step_window: Callable[[int], str] | None = None,
+        persist: Callable[[int, RunState], object] | None = None,
     ):
         if heartbeat_interval_s <= 0:
             raise ValueError(f"heartbeat_interval_s must be > 0, got {heartbeat_interval_s}")
@@ -214,6 +236,8 @@ class WorkerRegistry:
         self._step_window = step_window
         self._metric_names_by_worker: dict[str, set[str]] = {}
         self._num_status_trims = 0
+        # (revision, state) -> writes it durably (``RunStateFile.write``); raises OSError when it cannot.
+        self._persist = persist
 
         self._lock = threading.Lock()
         self._changed = threading.Condition(self._lock)
@@ -227,6 +251,12 @@ class WorkerRegistry:
         self._version = 0
         self._closed = False  # the broker process is stopping: register and heartbeat answer BrokerStopping
         self._shutdown_requested = False  # the run is over: heartbeats tell workers to stop
+        self._finished_step = 0  # the run's trainer step when it finished (with _shutdown_requested)
+        # Steps of workers no longer listed (restored from an earlier broker, or dropped records): floors under
+        # the run's steps, which never go back.
+        self._trainer_step_floor = 0
+        self._orchestrator_step_floor = 0
+        self._state_revision = 0  # moves whenever a field of run_state() changes
         self.started_unix_ms = self._unix_ms()
 
     # ----------------------------------------------------------------------------------- properties
@@ -250,6 +280,55 @@ class WorkerRegistry:
     def last_committed_step(self) -> int:
         with self._lock:
             return self._last_committed_step
+
+    @property
+    def shutdown_requested(self) -> bool:
+        """The run is over (``request_shutdown``, or restored as finished): heartbeats tell workers to stop."""
+        with self._lock:
+            return self._shutdown_requested
+
+    # ------------------------------------------------------------------------------------ run state
+    def run_state(self) -> tuple[int, RunState]:
+        """``(revision, state)``: the run's facts as ``run_state.json`` keeps them; the revision moves with
+        every change of them (``RunStateFile.write`` keeps the newest)."""
+        with self._lock:
+            self._expire_locked(self._clock())
+            return self._state_revision, RunState(
+                run_id=self.run_id,
+                last_committed_step=self._last_committed_step,
+                trainer_step=self._trainer_step_locked(),
+                orchestrator_step=self._orchestrator_step_locked(),
+                latest_policy_version=self._latest_policy_version,
+                last_metrics=dict(self._last_metrics),
+                last_metrics_step=self._last_metrics_step,
+                finished=self._shutdown_requested,
+                finished_step=self._finished_step,
+            )
+
+    def restore(self, state: RunState, *, committed_step: int = 0) -> None:
+        """Take back the run state of an earlier broker (before any worker registers). ``committed_step``:
+        the spool's own commit marker; the higher of the two wins (both are written before a commit answers).
+
+        ``finished`` is kept only while it still holds: with ``max_steps`` raised since (a run extended), the
+        run goes on."""
+        with self._lock:
+            self.run_id = state.run_id
+            self._last_committed_step = max(state.last_committed_step, committed_step)
+            self._trainer_step_floor = state.trainer_step
+            self._orchestrator_step_floor = state.orchestrator_step
+            self._latest_policy_version = state.latest_policy_version
+            self._last_metrics = dict(state.last_metrics)
+            self._last_metrics_step = state.last_metrics_step
+            if state.finished and self.max_steps is not None and state.finished_step >= self.max_steps:
+                self._shutdown_requested = True
+                self._finished_step = state.finished_step
+            self._state_revision += 1
+            self._bump_locked()
+
+    def _persist_now(self) -> None:
+        """Write the run state before answering (a commit, the end of the run); ``OSError`` when it cannot."""
+        if self._persist is not None:
+            self._persist(*self.run_state())
 
     # --------------------------------------------------------------------------------- worker calls
     def register(self, request: control_pb2.RegisterRequest) -> control_pb2.RegisterResponse:
@@ -287,7 +366,7 @@ class WorkerRegistry:
                         f"{_role_name(old.role)}); pick another name or wait up to {self.timeout_s:g} s "
                         "for it to expire"
                     )
-                del self._workers[old.worker_id]
+                self._forget_worker_locked(old)
             worker_id = uuid.uuid4().hex
             unix_ms = self._unix_ms()
             self._workers[worker_id] = _Worker(
@@ -323,12 +402,14 @@ class WorkerRegistry:
             self._refuse_if_closed_locked()
             worker = self._live_worker_locked(request.worker_id)
             worker.last_heartbeat_unix_ms = self._unix_ms()
-            if request.HasField("trainer_step"):
+            if request.HasField("trainer_step") and request.trainer_step != worker.trainer_step:
                 worker.trainer_step = request.trainer_step
+                self._state_revision += 1
             if request.HasField("policy_version"):
                 worker.heartbeat_policy_version = request.policy_version
-            if request.HasField("orchestrator_step"):
+            if request.HasField("orchestrator_step") and request.orchestrator_step != worker.orchestrator_step:
                 worker.orchestrator_step = request.orchestrator_step
+                self._state_revision += 1
             worker.num_inflight = request.num_inflight
             for message in list(request.recent_errors)[-MAX_ERRORS_PER_HEARTBEAT:]:
                 self._add_error_locked(worker.name, message)
@@ -339,8 +420,11 @@ class WorkerRegistry:
                 shutdown_requested=self._shutdown_requested,
             )
 
-    def deregister(self, worker_id: str, reason: str = "") -> None:
-        """Mark the worker LEFT (kept in status). Deregistering twice is harmless."""
+    def deregister(self, worker_id: str, reason: str = "") -> bool:
+        """Mark the worker LEFT (kept in status). Deregistering twice is harmless.
+
+        Returns True when this ends the run: trainer rank 0 leaving with ``TRAINING_FINISHED_REASON`` once the
+        run's trainer step reached ``max_steps`` (then ``request_shutdown`` has run, and the state is written)."""
         with self._lock:
             worker = self._workers.get(worker_id)
             if worker is None:
@@ -349,6 +433,17 @@ class WorkerRegistry:
                 worker.state = LEFT
                 worker.left_reason = reason[:MAX_ERROR_CHARS]
                 self._bump_locked()
+            finishes = (
+                worker.role == common_pb2.ROLE_TRAINER
+                and worker.rank == 0
+                and reason == TRAINING_FINISHED_REASON
+                and self.max_steps is not None
+                and max(self._trainer_step_locked(), self._last_committed_step) >= self.max_steps
+                and not self._shutdown_requested
+            )
+        if finishes:
+            self.request_shutdown()
+        return finishes
 
     def report_metrics(self, worker_id: str, step: int, metrics: Mapping[str, float]) -> None:
         """Merge the metrics into ``last_metrics`` (later reports win) and advance the reporter's step.
@@ -385,13 +480,20 @@ class WorkerRegistry:
                 worker.orchestrator_step = max(worker.orchestrator_step or 0, step)
             self._last_metrics.update(metrics)
             self._last_metrics_step = step
+            self._state_revision += 1
             self._bump_locked()
 
-    def commit_step(self, worker_id: str, step: int) -> tuple[int, int]:
+    def commit_step(self, worker_id: str, step: int) -> CommitResult:
         """Record that ``step`` is durably checkpointed and release its spooled batches.
 
-        Returns ``(last_committed_step, num_batches_released)``. Committing the current step again is allowed
-        (a retry); a lower step raises ``StepOutOfOrder``. ``on_commit`` runs outside the state lock.
+        Returns ``CommitResult(last_committed_step, num_batches_released, already_committed)``. Idempotent: a step at or below the last
+        committed one (a retry whose answer was lost, or one sent again to a restarted broker that had kept the
+        commit) succeeds with nothing released and the last committed step unchanged. Safe because a step is
+        committed only after its checkpoint is durable, and the rollout queue never hands out a committed
+        step's batches again: no step can be trained twice through a repeated commit.
+
+        The run state is written (``persist``) before the answer; if that fails the commit answers
+        ``CommitFailed`` and the trainer's retry writes it again. ``on_commit`` runs outside the state lock.
         """
         with self._commit_lock:
             with self._lock:
@@ -400,10 +502,10 @@ class WorkerRegistry:
                     raise StepOutOfOrder(
                         f"only trainer workers commit steps; {worker.name!r} is {_role_name(worker.role)}"
                     )
-                if step < self._last_committed_step:
-                    raise StepOutOfOrder(
-                        f"step {step} is lower than the last committed step {self._last_committed_step}"
-                    )
+                last_committed = self._last_committed_step
+            if step <= last_committed:
+                self._persist_committed(step)
+                return CommitResult(last_committed, 0, already_committed=True)
             too_far = self._step_window(step) if self._step_window is not None else ""
             if too_far:
                 raise StepOutOfOrder(f"commit refused: {too_far}")
@@ -414,9 +516,18 @@ class WorkerRegistry:
                 except Exception as err:  # the callback's failure is the caller's answer, not a broker crash
                     raise CommitFailed(f"releasing the rollout batches of step {step} failed: {err}") from err
             with self._lock:
-                self._last_committed_step = step
+                self._last_committed_step = max(self._last_committed_step, step)
+                self._state_revision += 1
                 self._bump_locked()
-                return step, num_released
+            self._persist_committed(step)
+            return CommitResult(step, num_released)
+
+    def _persist_committed(self, step: int) -> None:
+        try:
+            self._persist_now()
+        except OSError as err:
+            raise CommitFailed(f"step {step} is committed but the run state could not be written ({err}); "
+                               "retry the commit") from err
 
     # ------------------------------------------------------------------------------ data-plane calls
     def record_applied_version(self, worker_id: str, version: int) -> bool:
@@ -438,6 +549,7 @@ class WorkerRegistry:
         with self._lock:
             if version != self._latest_policy_version:
                 self._latest_policy_version = version
+                self._state_revision += 1
                 self._bump_locked()
 
     def set_endpoints(self, rollout_endpoint: str, weight_endpoint: str) -> None:
@@ -495,16 +607,14 @@ class WorkerRegistry:
         with self._lock:
             self._expire_locked(self._clock())
             workers = list(self._workers.values())
-            trainer_steps = [w.trainer_step for w in workers if w.role == common_pb2.ROLE_TRAINER]
-            orchestrator_steps = [w.orchestrator_step for w in workers if w.role == common_pb2.ROLE_ORCHESTRATOR]
             status = control_pb2.RunStatus(
                 run_id=self.run_id,
                 broker_started_unix_ms=self.started_unix_ms,
                 updated_unix_ms=self._unix_ms(),
-                trainer_step=max((s for s in trainer_steps if s is not None), default=0),
+                trainer_step=self._trainer_step_locked(),
                 last_committed_step=self._last_committed_step,
                 latest_policy_version=max(self._latest_policy_version, data_plane.latest_policy_version),
-                orchestrator_step=max((s for s in orchestrator_steps if s is not None), default=0),
+                orchestrator_step=self._orchestrator_step_locked(),
                 workers=[w.info() for w in workers],
                 queues=[_queue_proto(q) for q in data_plane.queues],
                 rollout_batches_per_s=data_plane.rollout_batches_per_s,
@@ -547,10 +657,19 @@ class WorkerRegistry:
             self._changed.notify_all()
 
     def request_shutdown(self) -> None:
-        """The run is over: every later heartbeat answers ``shutdown_requested`` and its worker stops."""
+        """The run is over: every later heartbeat answers ``shutdown_requested`` and its worker stops. The run
+        state says ``finished`` (written here: a broker restarted after it still tells late workers to stop);
+        a failed write goes to the recent errors and the periodic saver retries it."""
         with self._lock:
-            self._shutdown_requested = True
+            if not self._shutdown_requested:
+                self._shutdown_requested = True
+                self._finished_step = max(self._trainer_step_locked(), self._last_committed_step)
+                self._state_revision += 1
             self._bump_locked()
+        try:
+            self._persist_now()
+        except OSError as err:
+            self.record_error("broker", f"the run is finished but the run state could not be written: {err}")
 
     # ------------------------------------------------------------------------------------- internals
     def _unix_ms(self) -> int:
@@ -563,6 +682,16 @@ class WorkerRegistry:
     def _bump_locked(self) -> None:
         self._version += 1
         self._changed.notify_all()
+
+    def _trainer_step_locked(self) -> int:
+        steps = [w.trainer_step for w in self._workers.values()
+                 if w.role == common_pb2.ROLE_TRAINER and w.trainer_step is not None]
+        return max([self._trainer_step_floor, *steps])
+
+    def _orchestrator_step_locked(self) -> int:
+        steps = [w.orchestrator_step for w in self._workers.values()
+                 if w.role == common_pb2.ROLE_ORCHESTRATOR and w.orchestrator_step is not None]
+        return max([self._orchestrator_step_floor, *steps])
 
     def _live_worker_locked(self, worker_id: str) -> _Worker:
         """The ALIVE worker with this id, its liveness reset; else ``WorkerNotFound``."""
@@ -593,7 +722,15 @@ class WorkerRegistry:
     def _drop_old_gone_locked(self) -> None:
         gone = [w.worker_id for w in self._workers.values() if w.state != ALIVE]
         for worker_id in gone[: max(0, len(gone) - self._max_gone_workers)]:
-            del self._workers[worker_id]
+            self._forget_worker_locked(self._workers[worker_id])
+
+    def _forget_worker_locked(self, worker: _Worker) -> None:
+        """Drop a gone worker's record; its progress stays in the run's steps (they never go back)."""
+        if worker.trainer_step is not None:
+            self._trainer_step_floor = max(self._trainer_step_floor, worker.trainer_step)
+        if worker.orchestrator_step is not None:
+            self._orchestrator_step_floor = max(self._orchestrator_step_floor, worker.orchestrator_step)
+        del self._workers[worker.worker_id]
 
     def _add_error_locked(self, source: str, message: str) -> None:
         message = " ".join(str(message).split())

@@ -6,9 +6,15 @@
     service.serve_until(stop_event)   # blocks; SIGTERM/SIGINT handling is the caller's (cli/broker.py)
     service.stop(grace_s=5.0)
 
-The pieces keep their own threads: gRPC's pool, one IO thread per ZeroMQ plane, the heartbeat monitor.
-They meet here only through callbacks: a commit releases spooled batches, a worker's weight ack updates
-its policy version in the registry, and status reads every plane's counters.
+The pieces keep their own threads: gRPC's pool, one IO thread per ZeroMQ plane, the heartbeat monitor, the
+run-state saver. They meet here only through callbacks: a commit releases spooled batches, an accepted weight
+update sets the run's latest policy version, a worker's weight ack updates its policy version in the registry,
+and status reads every plane's counters.
+
+Run state (``broker/run_state.py``): the registry's run facts live in ``<spool_dir>/run_state.json``, loaded
+at start (after the spool has locked the directory) and written before every commit answers, at the end of
+the run, at most every second otherwise, and once more at stop. So ``primerl status`` after a restart shows
+the committed step, steps, policy version, metrics and run id it showed before.
 """
 
 from __future__ import annotations
@@ -26,11 +32,12 @@ from primerl.broker.metrics import BrokerCollector
 from primerl.broker.registry import DataPlaneStatus, QueueDepth, WorkerRegistry
 from primerl.broker.rollout_plane import RolloutPlane
 from primerl.broker.rollout_queue import RolloutQueue
+from primerl.broker.run_state import RunState, RunStateFile, RunStateSaver
 from primerl.broker.spool import RolloutSpool
 from primerl.broker.weight_plane import WeightPlane, weight_limits
-from primerl.broker.weight_store import WeightStore
+from primerl.broker.weight_store import PutResult, WeightStore
 from primerl.runtime.config_common import is_loopback_host
-from primerl.runtime.log_setup import get_logger
+from primerl.runtime.log_setup import bind_context, get_logger
 from primerl.runtime.prometheus import MetricsExporter, start_exporter
 from primerl.runtime.zmq_sockets import tcp_endpoint
 
@@ -49,6 +56,22 @@ class BrokerEndpoints:
         return asdict(self)
 
 
+class _AnnouncingWeightStore(WeightStore):
+    """The weight store, telling the registry the latest version as soon as it accepts an update (before the
+    publisher's ack is sent), so Register/Heartbeat answers and the run state never lag behind it."""
+
+    def __init__(self, on_accepted, **kwargs):
+        super().__init__(**kwargs)
+        self._on_accepted = on_accepted
+
+    def put(self, header, payload, **kwargs) -> PutResult:
+        result = super().put(header, payload, **kwargs)
+        latest = self.latest_version
+        if latest is not None:
+            self._on_accepted(latest)
+        return result
+
+
 class BrokerService:
     def __init__(self, config: BrokerConfig):
         self.config = config
@@ -62,7 +85,6 @@ class BrokerService:
         self._queue: RolloutQueue | None = None
         self.rollout_plane: RolloutPlane | None = None
         self.weight_plane: WeightPlane | None = None
-        self.weight_store = WeightStore()
         self.registry = WorkerRegistry(
             self.run_id,
             config.heartbeat_interval_s,
@@ -70,7 +92,11 @@ class BrokerService:
             max_steps=config.max_steps,
             on_commit=self._release_through,
             step_window=self._step_window,
+            persist=self._persist_run_state,
         )
+        self.weight_store: WeightStore = _AnnouncingWeightStore(self.registry.set_latest_policy_version)
+        self.run_state_file: RunStateFile | None = None
+        self._saver: RunStateSaver | None = None
         self.servicer = BrokerServicer(self.registry, self.data_plane_status)
         self._server = None
         self._monitor = HeartbeatMonitor(self.registry)
@@ -92,6 +118,11 @@ class BrokerService:
             self._queue = RolloutQueue(RolloutSpool(config.spool_dir, cache_max_bytes=config.read_cache_bytes),
                                        config.max_queue_batches, config.max_queue_bytes,
                                        max_step_lead=config.max_step_lead)
+            self.run_state_file = RunStateFile(config.spool_dir)  # the spool holds the directory's lock now
+            self._restore_run_state()
+            self._saver = RunStateSaver(self.registry.run_state, self.run_state_file,
+                                        on_error=lambda message: self.registry.record_error("broker", message))
+            self._saver.start()
             self.rollout_plane = RolloutPlane(
                 self._queue, self._context, config.host, config.rollout_port,
                 limits=self.limits, auth_token=config.run_token, on_error=self._on_data_plane_error,
@@ -160,6 +191,8 @@ class BrokerService:
         for plane in (self.rollout_plane, self.weight_plane):
             if plane is not None:
                 plane.stop()
+        if self._saver is not None:
+            self._saver.stop()  # the last write, while the spool still holds the directory's lock
         if self._queue is not None:
             self._queue.close()
         if self._context is not None:
@@ -167,6 +200,36 @@ class BrokerService:
         if self.exporter is not None:
             self.exporter.stop()
         log.info("broker stopped")
+
+    # -- run state -----------------------------------------------------------------------------------
+
+    def _restore_run_state(self) -> None:
+        """Take back what an earlier broker on this spool knew of the run (its id too, unless the config names
+        another run: then that state is not this run's, and only the spool's commit marker carries over)."""
+        state = self.run_state_file.load()
+        committed = self._queue.spool.committed_step or 0
+        if state is not None and self.config.run_id is not None and state.run_id != self.config.run_id:
+            log.warning("run state of another run ignored", path=str(self.run_state_file.path),
+                        stored_run_id=state.run_id, configured_run_id=self.config.run_id)
+            state = None
+        if state is None and not committed:
+            return
+        self.registry.restore(state or RunState(run_id=self.run_id), committed_step=committed)
+        if state is not None and state.run_id != self.run_id:
+            self.run_id = state.run_id
+            bind_context(run_id=self.run_id)
+        _, restored = self.registry.run_state()
+        log.info("run state restored", last_committed_step=restored.last_committed_step,
+                 trainer_step=restored.trainer_step, orchestrator_step=restored.orchestrator_step,
+                 policy_version=restored.latest_policy_version, last_metrics_step=restored.last_metrics_step,
+                 num_metrics=len(restored.last_metrics), finished=restored.finished)
+        if state is not None and state.finished and not restored.finished:
+            log.warning("the run state says the run finished, but max_steps is higher now: the run goes on",
+                        finished_step=state.finished_step, max_steps=self.config.max_steps)
+
+    def _persist_run_state(self, revision: int, state: RunState) -> None:
+        if self.run_state_file is not None:
+            self.run_state_file.write(state, revision)
 
     # -- wiring --------------------------------------------------------------------------------------
 
@@ -202,7 +265,8 @@ class BrokerService:
             queues.append(QueueDepth("weights", (store.snapshot_version is not None) + store.num_deltas, store.num_bytes))
             weight_bytes_per_s = weights.bytes_out_per_s
             latest_version = store.latest_version or 0
-        self.registry.set_latest_policy_version(latest_version)
+            if store.latest_version is not None:  # after a restart the store is empty: keep the restored one
+                self.registry.set_latest_policy_version(latest_version)
         return DataPlaneStatus(
             queues=queues,
             rollout_batches_per_s=batches_per_s,

@@ -10,6 +10,7 @@ import pytest
 
 from primerl.broker.registry import (
     BrokerStopping,
+    CommitResult,
     DataPlaneStatus,
     InvalidRequest,
     NameTaken,
@@ -189,7 +190,7 @@ def test_metrics_merge_later_wins_and_non_finite_is_refused(registry):
         registry.report_metrics("unknown", 1, {"a": 1.0})
 
 
-def test_commit_calls_the_release_callback_and_refuses_lower_steps(clock):
+def test_commit_calls_the_release_callback_and_is_idempotent(clock):
     released: list[int] = []
 
     def on_commit(step: int) -> int:
@@ -198,14 +199,17 @@ def test_commit_calls_the_release_callback_and_refuses_lower_steps(clock):
 
     registry = WorkerRegistry("r", 1.0, 3, clock=clock, on_commit=on_commit)
     trainer = register(registry, "trainer-0")
-    assert registry.commit_step(trainer, 3) == (3, 2)
-    assert registry.commit_step(trainer, 3) == (3, 2)  # a retry of the same step is fine
-    with pytest.raises(StepOutOfOrder, match="lower than the last committed step 3") as info:
-        registry.commit_step(trainer, 2)
-    assert info.value.status_code == "FAILED_PRECONDITION"
-    assert released == [3, 3]
+    assert registry.commit_step(trainer, 3) == CommitResult(3, 2, already_committed=False)
+    # A retry of the same step (its answer lost) or of an older one (sent again to a restarted broker that had
+    # kept it): success, nothing released, nothing changed.
+    assert registry.commit_step(trainer, 3) == CommitResult(3, 0, already_committed=True)
+    assert registry.commit_step(trainer, 2) == CommitResult(3, 0, already_committed=True)
+    assert released == [3]
     assert registry.last_committed_step == 3
-    assert heartbeat(registry, trainer).last_committed_step == 3
+    assert registry.commit_step(trainer, 4) == CommitResult(4, 2, already_committed=False)
+    assert released == [3, 4]
+    assert registry.last_committed_step == 4
+    assert heartbeat(registry, trainer).last_committed_step == 4
     orch = register(registry, "orch", ORCH)
     with pytest.raises(StepOutOfOrder, match="only trainer"):
         registry.commit_step(orch, 4)

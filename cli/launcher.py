@@ -5,8 +5,21 @@ it only talks to the broker) and the orchestrator too unless it runs evals (it w
 worker by itself; an eval at step 0 needs one) -> once inference is ready, the orchestrator if not started. Each
 role logs to ``{run_dir}/logs/<role>.log`` and runs in its own process group (``primerl.runtime.process_supervisor``).
 The run token reaches the children as ``$PRIMERL_RUN_TOKEN`` only; the config files written hold none.
-A role that exits non-zero (or a broker or inference server that exits at all) stops the run; so do Ctrl-C and
-SIGTERM. The run succeeds when the trainer exits 0.
+The run succeeds when the trainer exits 0; Ctrl-C and SIGTERM stop it.
+
+Restarts (``--restart on-failure``, the default; ``primerl.cli.restart_policy``): a role that exits non-zero or
+is killed by a signal once the run is under way is started again with the same command after a back-off, at most
+``--restart-limit`` times within ``--restart-window-s``, with a console line each time (its exit, the restart's
+number, the delay, and its last error line). Past the limit, with exit status 2 (a configuration error) or with
+``--restart never``, the role's failure stops the run as before, with its last error line and log tail; so does a
+broker or inference server that exits 0, or that fails before it was first ready. What makes a restart resume
+where the run was: the broker is pinned to the ports and run id it bound at its first start (``broker.toml`` is
+rewritten then; its spool dir is fixed by the config), inference to its HTTP port; the trainer resumes from its
+newest checkpoint (an explicit ``ckpt.resume_step`` is dropped for restarts); the others re-register by themselves.
+
+Process hygiene: every child and every process under it carries a mark in its environment, and a reaper process
+ends all of them within ~2.5 s if ``primerl rl`` itself dies without stopping them, SIGKILL included
+(``primerl.runtime.process_reaper``); torchrun's ranks, which run in sessions of their own, are found the same way.
 
 Every role serves Prometheus metrics on a free port unless its config fixes one (fixed ports that clash stop
 the launch before anything starts); the launcher prints each role's metrics URL once it is known. Trainer and
@@ -33,6 +46,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TextIO
 
+from primerl.cli.restart_policy import RestartBudget, RestartPolicy, describe_exit_code
+from primerl.cli.role_logs import last_error_in_log
 from primerl.runtime.config_loader import write_toml
 from primerl.runtime.cpu_budget import ThreadsConfig, available_cpus, default_budgets, describe, fill_budget, role_env
 from primerl.runtime.metrics_sink import METRICS_FILE_NAME
@@ -42,6 +57,9 @@ RUN_TOKEN_ENV = "PRIMERL_RUN_TOKEN"
 BIN = Path(sys.executable).parent
 STATUS_TIMEOUT_S = 2.0
 TAIL_LINES = 30
+CHECK_INTERVAL_S = 0.2
+"""How often the supervising loop looks at the children (the progress line refreshes every progress_interval_s)."""
+READY_FILES = {"broker": "broker.ready.json", "inference": "inference.ready.json"}
 
 
 @dataclass
@@ -53,6 +71,8 @@ class LaunchOptions:
     tmux: bool = False
     progress_interval_s: float = 1.0
     plain_interval_s: float = 10.0  # a new progress line at most this often when stdout is not a terminal
+    restart: RestartPolicy = field(default_factory=RestartPolicy)
+    reaper_grace_s: float = 2.0  # from SIGTERM to SIGKILL of what a killed `primerl rl` left
 
 
 @dataclass
@@ -140,7 +160,14 @@ class Launcher:
         self.token = config.broker.run_token or secrets.token_urlsafe(24)
         self.signal_count = 0
         self.signal_name = ""
-        self.supervisor = Supervisor(interrupted=lambda: self.signal_count > 0)
+        self.supervisor = Supervisor(interrupted=lambda: self.signal_count > 0, reaper_grace_s=options.reaper_grace_s)
+        self.restart_budgets: dict[str, RestartBudget] = {}
+        self.pending_restarts: dict[str, float] = {}  # role -> monotonic s at which it starts again
+        self.handled_exits: dict[str, int] = {}  # role -> the start (num_starts) whose exit was dealt with
+        self.restarted_s: dict[str, float] = {}  # role -> monotonic s of its exit, until it is ready again
+        self.roles: dict = {}
+        self.paths: dict[str, Path] = {}
+        self.under_way = False  # every role started (and the ones with a ready file ready once)
         self.tmux_session: str | None = None
         self.progress = Progress(max_steps=config.trainer.max_steps or 0)
         self.final_status = None
@@ -202,6 +229,7 @@ class Launcher:
             return self._fail(failure.child, str(failure))
         finally:
             self.supervisor.stop(timeout_s=self.options.stop_timeout_s, on_kill=self._on_kill)
+            self.supervisor.close()
             self._close_tmux()
             for signum, handler in previous.items():
                 signal.signal(signum, handler)
@@ -224,6 +252,7 @@ class Launcher:
         roles = config.role_configs()
         self.budgets = self._thread_budgets(roles)
         paths = self._write_configs(roles)
+        self.roles, self.paths = roles, paths
         self.say(f"primerl rl: run directory {self.run_dir} (configs, logs/, pids.json)")
         self.say(f"  {describe(self.budgets)}")
         if self.options.tmux:
@@ -236,6 +265,7 @@ class Launcher:
             return self._interrupted()
         address = f"{config.broker.client_host}:{endpoints['grpc_port']}"
         self.say(f"  broker ready in {broker.ready_s:.1f} s at {address} (log {broker.log_path})")
+        self._pin_broker(endpoints)
         if endpoints.get("metrics_url"):
             self.say(f"  broker metrics at {endpoints['metrics_url']}")
         for role in ("trainer", "orchestrator", "inference"):
@@ -260,14 +290,17 @@ class Launcher:
             early.append(self._child("orchestrator", orchestrator_argv, []))
         started = "trainer" + ranks + (" and orchestrator" if early_orchestrator else "")
         self.say(f"  starting inference (vLLM takes a while; log {inference.log_path}); {started} started meanwhile ...")
+        # Meanwhile a failed trainer or orchestrator is restarted (or stops the run) as during training.
         served = self.supervisor.wait_ready_file(inference, inference_ready, self.options.inference_timeout_s,
-                                                 watch=early)
+                                                 tick=self._look_after_starting)
         if served is None:
             return self._interrupted()
         self.say(f"  inference ready in {inference.ready_s:.1f} s at {served.get('base_url')}")
+        self._pin_inference(served)
         if not early_orchestrator:
             self._child("orchestrator", orchestrator_argv, [])
             self.say("  orchestrator started (after inference: it runs evals)")
+        self.under_way = True
         self.say("  training ...")
         self.startup_s = time.monotonic() - started_s
         return self._supervise(address, started_s)
@@ -281,17 +314,18 @@ class Launcher:
                                role="client", name="primerl-rl", rpc_timeout_s=STATUS_TIMEOUT_S)
         last_line_s = 0.0
         last_step = -1
+        last_status_s = 0.0
         try:
             while True:
                 if self.signal_count:
                     return self._interrupted()
-                for child in self.supervisor.exited():
-                    code = child.poll()
-                    if child.name == "trainer" and code == 0:
-                        return self._finish(client, started_s)
-                    if child.name == "orchestrator" and code == 0:
-                        continue  # it produced every step; the trainer is still consuming them
-                    return self._fail(child, f"{child.name} {child.describe_exit()}")
+                if self._look_after_children():
+                    return self._finish(client, started_s)
+                now = time.monotonic()
+                if now - last_status_s < self.options.progress_interval_s:
+                    time.sleep(CHECK_INTERVAL_S)
+                    continue
+                last_status_s = now
                 try:
                     status = client.get_run_status()
                     self.progress.update(status)
@@ -305,9 +339,102 @@ class Launcher:
                 elif self.progress.step != last_step or now - last_line_s >= self.options.plain_interval_s:
                     print(self.progress.line(), file=self.out, flush=True)
                     last_line_s, last_step = now, self.progress.step
-                time.sleep(self.options.progress_interval_s)
         finally:
             client.close()
+
+    # -------------------------------------------------------------------------------------- restarts
+    def _pin_broker(self, endpoints: dict) -> None:
+        """Write the ports and run id the broker bound into its config: a restarted broker (same command) comes
+        back where the others look for it, with the same run id (its spool dir is the config's already)."""
+        broker = self.roles["broker"]
+        update = {key: endpoints[key] for key in ("grpc_port", "rollout_port", "weight_port", "run_id")
+                  if endpoints.get(key) not in (None, "")}
+        port = _url_port(endpoints.get("metrics_url"))
+        if port is not None and broker.prometheus.enabled:
+            update["prometheus"] = broker.prometheus.model_copy(update={"port": port})
+        self.roles["broker"] = broker.model_copy(update=update)
+        write_toml(_without_token(self.roles["broker"]), self.paths["broker"])
+
+    def _pin_inference(self, served: dict) -> None:
+        """The HTTP port inference bound, into its config: a restarted server answers at the same URL."""
+        inference = self.roles["inference"]
+        if served.get("http_port") and inference.server.port != served["http_port"]:
+            server = inference.server.model_copy(update={"port": int(served["http_port"])})
+            self.roles["inference"] = inference.model_copy(update={"server": server})
+            write_toml(_without_token(self.roles["inference"]), self.paths["inference"])
+
+    def _look_after_starting(self) -> None:
+        """While inference starts: the trainer and orchestrator (started alongside) fail or restart as later;
+        one that exits 0 now stops the run."""
+        self._look_after_children(starting=True)
+
+    def _look_after_children(self, starting: bool = False) -> bool:
+        """Deal with every child that exited since the last look: restart it (after its back-off) or stop the
+        run (``ChildFailed``). Returns True when the trainer finished (exit 0)."""
+        now = time.monotonic()
+        for child in self.supervisor.exited():
+            if self.handled_exits.get(child.name) == child.num_starts:
+                continue  # waiting for its restart, or an orchestrator that finished
+            code = child.poll()
+            if child.name == "trainer" and code == 0 and not starting:
+                return True
+            if child.name == "orchestrator" and code == 0 and not starting:
+                self.handled_exits[child.name] = child.num_starts
+                continue  # it produced every step; the trainer is still consuming them
+            budget = self.restart_budgets.setdefault(child.name, RestartBudget(self.options.restart))
+            decision = budget.decide(code, now)
+            message = f"{child.name} {child.describe_exit()}"
+            if starting:
+                message += " while inference was starting"
+            if not decision.restart:
+                raise ChildFailed(child, message if self.options.restart.mode == "never" or code == 0
+                                  else f"{message}; not restarted: {decision.reason}")
+            self.handled_exits[child.name] = child.num_starts
+            self.pending_restarts[child.name] = now + decision.delay_s
+            self.restarted_s.setdefault(child.name, now)
+            if self.is_tty:
+                self.out.write("\n")
+            self.say(f"primerl rl: restarting {child.name} after {describe_exit_code(code)} (restart "
+                     f"{decision.number} of {self.options.restart.limit} within {self.options.restart.window_s:g} s) "
+                     f"in {decision.delay_s:g} s")
+            error = last_error_in_log(child.log_path) if code > 0 else None
+            if error:
+                self.say(f"  {child.name}'s last error: {error}")
+        for name, due_s in list(self.pending_restarts.items()):
+            if now >= due_s:
+                del self.pending_restarts[name]
+                self._restart(self.supervisor.children[name])
+        self._announce_back()
+        return False
+
+    def _restart(self, child: ChildProcess) -> None:
+        ready_file = READY_FILES.get(child.name)
+        if ready_file is not None:
+            (self.run_dir / ready_file).unlink(missing_ok=True)
+        ckpt = getattr(self.roles["trainer"], "ckpt", None) if child.name == "trainer" else None
+        if ckpt is not None and ckpt.resume_step is not None:
+            # The same command would resume from that step again; a restart resumes from the newest checkpoint.
+            self.roles["trainer"] = self.roles["trainer"].model_copy(
+                update={"ckpt": ckpt.model_copy(update={"resume_step": None})})
+            write_toml(_without_token(self.roles["trainer"]), self.paths["trainer"])
+            self.say("  trainer: ckpt.resume_step dropped for the restart: it resumes from its newest checkpoint")
+        self.supervisor.restart(child)
+        self.supervisor.write_pids(self.run_dir / "pids.json")
+        if ready_file is None:
+            self.say(f"  {child.name} started again (pid {child.pid}, start {child.num_starts})")
+            self.restarted_s.pop(child.name, None)
+
+    def _announce_back(self) -> None:
+        """Say when a restarted broker or inference server is ready again, and how long after its exit."""
+        for name, exited_s in list(self.restarted_s.items()):
+            child = self.supervisor.children[name]
+            ready_file = READY_FILES.get(name)
+            if name in self.pending_restarts or ready_file is None or not (self.run_dir / ready_file).exists():
+                continue
+            child.ready_s = time.monotonic() - child.started_s
+            del self.restarted_s[name]
+            self.say(f"  {name} back (start {child.num_starts}, pid {child.pid}): ready {child.ready_s:.1f} s "
+                     f"after its restart, {time.monotonic() - exited_s:.1f} s after its exit was seen")
 
     def _announce_metrics(self, status) -> None:
         """Print each worker's metrics URL (the `metrics_url` it registered with) the first time it shows up."""
@@ -369,9 +496,12 @@ class Launcher:
         others = [name for name in self.supervisor.children if name != child.name]
         self.supervisor.stop(others, timeout_s=self.options.stop_timeout_s, on_kill=self._on_kill)
         self.supervisor.stop([child.name], timeout_s=self.options.stop_timeout_s, on_kill=self._on_kill)
+        code = child.poll()
+        error = last_error_in_log(child.log_path) if code is None or code > 0 else None
+        error_line = f"primerl rl: {child.name}'s last error: {error}\n" if error else ""
         print(f"primerl rl: {message}; stopped the run.\n"
               f"--- last {TAIL_LINES} lines of {child.log_path} ---\n{child.log_tail(TAIL_LINES)}\n"
-              f"--- end of {child.name} log ---", file=self.err, flush=True)
+              f"--- end of {child.name} log ---\n{error_line}", file=self.err, flush=True)
         return 1
 
     def _interrupted(self) -> int:
@@ -407,6 +537,11 @@ class Launcher:
         if self.tmux_session is not None:
             subprocess.run(["tmux", "kill-session", "-t", self.tmux_session], check=False,
                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+
+def _url_port(url: str | None) -> int | None:
+    match = re.match(r"^[a-z]+://[^/]*:(\d+)(/|$)", url or "")
+    return int(match.group(1)) if match else None
 
 
 def _read_metrics(*output_dirs: Path) -> list[dict]:

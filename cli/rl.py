@@ -7,11 +7,12 @@ import sys
 import warnings
 from pathlib import Path
 
+from primerl.cli.restart_policy import RESTART_MODES, RestartPolicy
 from primerl.runtime.config_base import ConfigError, ConfigWarning
 from primerl.runtime.config_loader import dump_toml, load_config, parse_config_args, write_toml
 
 USAGE = ("primerl rl @ CONFIG.toml [@ MORE.toml ...] [--section.key VALUE ...] [--run-dir DIR] [--tmux]\n"
-         "                  [--dry-run [--write DIR]]")
+         "                  [--restart {on-failure,never}] [--restart-limit N] [--dry-run [--write DIR]]")
 EPILOG = """\
 config files (later ones win; tables merge, arrays and values replace):
   @ config.toml          a run config in the prime-rl shape, the flat lab shape or the legacy vf-rl shape
@@ -24,9 +25,22 @@ settings (applied after all files; dashes in keys are underscores):
 
 a run (without --dry-run) writes rl.toml and one <role>.toml per role into the run directory (output_dir),
 starts broker, inference, orchestrator and trainer with their logs in {run_dir}/logs/<role>.log, shows the
-progress, and stops every role when the trainer finishes, when a role fails, or on Ctrl-C. The run token is
-passed to the roles as $PRIMERL_RUN_TOKEN (a fresh one when broker.run_token is unset), never written to files.
+progress, and stops every role when the trainer finishes, when a role fails for good, or on Ctrl-C. The run token
+is passed to the roles as $PRIMERL_RUN_TOKEN (a fresh one when broker.run_token is unset), never written to files.
+
+restarts (like systemd's Restart=on-failure, StartLimitBurst, StartLimitIntervalSec, RestartSec):
+  with --restart on-failure (the default) a role that exits non-zero or is killed by a signal during the run is
+  started again with the same command after --restart-delay-s (doubled for each further restart of that role
+  within the window, at most --restart-delay-max-s), at most --restart-limit times per --restart-window-s; one
+  more failure, an exit status of 2 (a configuration or data error) or --restart never stops the run and prints
+  the role's last error line. The broker comes back on the same ports, spool and run id; the trainer resumes
+  from its newest checkpoint; the others wait for the broker (broker.outage_s) and register again.
+
+If primerl rl itself is killed (even with SIGKILL), every process it started ends within a few seconds.
 """
+
+
+RESTART_OPTIONS = ("--restart", "--restart-limit", "--restart-window-s", "--restart-delay-s", "--restart-delay-max-s")
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -47,6 +61,16 @@ def _parser() -> argparse.ArgumentParser:
                         help="how long inference may take to start serving (default %(default)g)")
     parser.add_argument("--stop-timeout-s", type=float, default=30.0, metavar="S",
                         help="how long a role may take to stop before it is killed (default %(default)g)")
+    parser.add_argument("--restart", choices=RESTART_MODES, default="on-failure",
+                        help="restart a role that fails during the run (default %(default)s), or stop the run")
+    parser.add_argument("--restart-limit", type=int, default=5, metavar="N",
+                        help="most restarts of one role within --restart-window-s (default %(default)d)")
+    parser.add_argument("--restart-window-s", type=float, default=300.0, metavar="S",
+                        help="the window of --restart-limit (default %(default)g)")
+    parser.add_argument("--restart-delay-s", type=float, default=1.0, metavar="S",
+                        help="wait before a restart, doubled for each further one in the window (default %(default)g)")
+    parser.add_argument("--restart-delay-max-s", type=float, default=30.0, metavar="S",
+                        help="longest wait before a restart (default %(default)g)")
     return parser
 
 
@@ -56,7 +80,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = _parser()
     try:
         parsed = parse_config_args(argv, cli_flags={"--dry-run", "--tmux", "-h", "--help"},
-                                   cli_options={"--write", "--run-dir", "--inference-timeout-s", "--stop-timeout-s"})
+                                   cli_options={"--write", "--run-dir", "--inference-timeout-s", "--stop-timeout-s",
+                                                *RESTART_OPTIONS})
         try:
             args = parser.parse_args(parsed.rest)
         except SystemExit as exit_:  # --help (0) or a usage error (2), already printed by argparse
@@ -84,10 +109,16 @@ def main(argv: list[str] | None = None) -> int:
         if args.inference_timeout_s <= 0 or args.stop_timeout_s <= 0:
             print("primerl rl: --inference-timeout-s and --stop-timeout-s must be > 0", file=sys.stderr)
             return 2
+        try:
+            restart = RestartPolicy(mode=args.restart, limit=args.restart_limit, window_s=args.restart_window_s,
+                                    delay_s=args.restart_delay_s, max_delay_s=args.restart_delay_max_s)
+        except ValueError as err:
+            print(f"primerl rl: {err}", file=sys.stderr)
+            return 2
         from primerl.cli.launcher import LaunchOptions, Launcher
 
         options = LaunchOptions(inference_timeout_s=args.inference_timeout_s, stop_timeout_s=args.stop_timeout_s,
-                                tmux=args.tmux)
+                                tmux=args.tmux, restart=restart)
         return Launcher(config, options).run()
     roles = config.role_configs()
     if args.write is not None:

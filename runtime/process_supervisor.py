@@ -1,8 +1,14 @@
 """Child processes of a launcher: one process group each, output to a log file, bounded waits and stops.
 
 Knows nothing of primerl's roles: `primerl rl` (`primerl.cli.launcher`) builds the commands and decides the
-order; this module starts them, tells when one exits, and ends them (SIGTERM to the whole group, then SIGKILL
-after a bound) so that grandchildren (vLLM's engine core, env workers, torchrun's ranks) go with them.
+order; this module starts them (and again, ``restart``), tells when one exits, and ends them (SIGTERM to the
+whole group, then SIGKILL after a bound) so that grandchildren (vLLM's engine core, env workers) go with them.
+
+Descendants that leave the group (torchrun starts its ranks in sessions of their own) are found by the mark
+every child carries in its environment (``primerl.runtime.process_reaper``): a child counts as running while
+any process with its mark runs, and ending a child ends those too. The reaper the supervisor starts with its
+first child ends every marked process within ``reaper_grace_s`` + ~1 s when the launcher dies without stopping
+them (SIGKILL included); the children also get SIGTERM from PR_SET_PDEATHSIG at that moment.
 """
 
 from __future__ import annotations
@@ -10,12 +16,15 @@ from __future__ import annotations
 import ctypes
 import json
 import os
+import secrets
 import signal
 import subprocess
 import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
+
+from primerl.runtime import process_reaper
 
 POLL_INTERVAL_S = 0.1
 PR_SET_PDEATHSIG = 1
@@ -29,9 +38,16 @@ class ChildFailed(RuntimeError):
         self.child = child
 
 
+# Looked up once here: between fork and exec (where ``_die_with_parent`` runs, possibly beside other threads of
+# the launcher, e.g. gRPC's) the child should do as little as possible.
+_PRCTL = ctypes.CDLL(None, use_errno=True).prctl if sys.platform.startswith("linux") else None
+
+
 def _die_with_parent() -> None:  # runs in the child between fork and exec
-    if sys.platform.startswith("linux"):
-        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+    # The signal comes when the *thread* that forked ends: the supervisor starts children from the launcher's
+    # main thread, whose end is the launcher's end.
+    if _PRCTL is not None:
+        _PRCTL(PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
 class ChildProcess:
@@ -46,9 +62,11 @@ class ChildProcess:
         self.process: subprocess.Popen | None = None
         self.started_s = 0.0
         self.ready_s: float | None = None  # seconds from start to ready, once known
+        self.num_starts = 0
+        self.pids: list[int] = []  # of every start, oldest first
 
     def start(self) -> None:
-        assert self.process is None, f"{self.name} started twice"
+        assert self.process is None or self.process.poll() is not None, f"{self.name} started while running"
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         with open(self.log_path, "ab") as log_file:
             log_file.write(f"=== {time.strftime('%Y-%m-%d %H:%M:%S')} {' '.join(self.argv)}\n".encode())
@@ -59,6 +77,9 @@ class ChildProcess:
                                             stdin=subprocess.DEVNULL, env=self.env, cwd=self.cwd,
                                             start_new_session=True, preexec_fn=_die_with_parent)
         self.started_s = time.monotonic()
+        self.ready_s = None
+        self.num_starts += 1
+        self.pids.append(self.process.pid)
 
     @property
     def pid(self) -> int:
@@ -109,23 +130,71 @@ class ChildProcess:
 
 
 class Supervisor:
-    """Children started in order and stopped together; ``interrupted`` (a callable) aborts any wait."""
+    """Children started in order and stopped together; ``interrupted`` (a callable) aborts any wait.
 
-    def __init__(self, interrupted: Callable[[], bool] = lambda: False):
+    With ``reap`` (the default) the first ``start`` also starts the reaper (module docstring); ``close()``
+    ends it once every child is stopped."""
+
+    def __init__(self, interrupted: Callable[[], bool] = lambda: False, *, reap: bool = True,
+                 reaper_grace_s: float = process_reaper.DEFAULT_GRACE_S, reaper_log: Path | None = None):
         self.children: dict[str, ChildProcess] = {}
         self.interrupted = interrupted
+        self.reap = reap
+        self.reaper_grace_s = reaper_grace_s
+        self.reaper_log = reaper_log
+        self.token = secrets.token_hex(8)
+        self.reaper: subprocess.Popen | None = None
+
+    @property
+    def mark_variable(self) -> str:
+        """The environment variable (value: the child's name) that every child and its descendants carry."""
+        return process_reaper.mark_variable(self.token)
 
     def start(self, child: ChildProcess) -> ChildProcess:
         assert child.name not in self.children, f"two children named {child.name}"
+        if self.reap and self.reaper is None:
+            self.reaper = process_reaper.start_reaper(self.token, grace_s=self.reaper_grace_s, log_path=self.reaper_log)
+        child.env[self.mark_variable] = child.name
         self.children[child.name] = child
         child.start()
         return child
 
+    def restart(self, child: ChildProcess, timeout_s: float = 10.0) -> ChildProcess:
+        """Start ``child`` again with the same command, once what is left of its previous start is ended
+        (its group, and marked descendants that left it: SIGKILL, bounded by ``timeout_s``)."""
+        assert self.children.get(child.name) is child, f"{child.name} is not a child of this supervisor"
+        if self.alive(child):
+            child.signal_group(signal.SIGKILL)
+            process_reaper.signal_marked(self.token, signal.SIGKILL, roles=[child.name])
+            deadline = time.monotonic() + timeout_s
+            while self.alive(child) and time.monotonic() < deadline:
+                time.sleep(POLL_INTERVAL_S)
+            if self.alive(child):
+                raise ChildFailed(child, f"{child.name}: processes of its previous start still run after SIGKILL "
+                                         f"and {timeout_s:g} s; not starting it again")
+        child.start()
+        return child
+
+    def alive(self, child: ChildProcess) -> bool:
+        """True while any process of ``child`` runs: its group, or a descendant that left the group."""
+        return bool(self._alive([child]))
+
+    def _alive(self, children: Sequence[ChildProcess]) -> list[ChildProcess]:
+        """Those of ``children`` with a process running (one scan of /proc for all of them)."""
+        running = [c for c in children if c.group_alive()]
+        rest = [c for c in children if c not in running]
+        if rest and self.reap:
+            names = {c.name for c in rest}
+            marked = set(process_reaper.marked_roles(self.token, roles=names))
+            running += [c for c in rest if c.name in marked]
+        return running
+
     def wait_ready_file(self, child: ChildProcess, ready_file: Path, timeout_s: float,
-                        watch: Sequence[ChildProcess] = ()) -> dict | None:
+                        watch: Sequence[ChildProcess] = (), tick: Callable[[], None] | None = None) -> dict | None:
         """The JSON that ``child`` writes to ``ready_file`` once serving; None if interrupted. Raises
         ``ChildFailed`` when the child exits first or ``timeout_s`` passes, or when one of ``watch`` (children
-        started alongside it, which must keep running meanwhile) exits."""
+        started alongside it, which must keep running meanwhile) exits. ``tick``, when given, is called at every
+        poll (a launcher looks after its other children there; it may raise)."""
         deadline = time.monotonic() + timeout_s
         while True:
             if ready_file.exists():
@@ -136,6 +205,8 @@ class Supervisor:
             for other in watch:
                 if other.poll() is not None:
                     raise ChildFailed(other, f"{other.name} {other.describe_exit()} while {child.name} was starting")
+            if tick is not None:
+                tick()
             if time.monotonic() > deadline:
                 raise ChildFailed(child, f"{child.name} was not ready within {timeout_s:g} s")
             if self.interrupted():
@@ -154,25 +225,40 @@ class Supervisor:
 
     def stop(self, names: Sequence[str] | None = None, timeout_s: float = 30.0,
              on_kill: Callable[[ChildProcess], None] | None = None) -> None:
-        """SIGTERM to the groups of ``names`` (default: all), then SIGKILL to what is left after ``timeout_s``.
-        Returns once every group is gone (or, after SIGKILL, after a short bounded wait)."""
+        """SIGTERM to the groups of ``names`` (default: all), then SIGKILL to what is left after ``timeout_s``
+        (the groups and their marked descendants). Returns once all of it is gone (or, after SIGKILL, after a
+        short bounded wait)."""
         names = list(self.children) if names is None else names
         targets = [self.children[name] for name in names if name in self.children]
-        targets = [c for c in targets if c.group_alive()]
-        for child in targets:
-            child.signal_group(signal.SIGTERM)
-        deadline = time.monotonic() + timeout_s
-        while any(c.group_alive() for c in targets) and time.monotonic() < deadline:
-            time.sleep(POLL_INTERVAL_S)
+        targets = self._alive(targets)
         for child in targets:
             if child.group_alive():
-                if on_kill is not None:
-                    on_kill(child)
-                child.signal_group(signal.SIGKILL)
-        kill_deadline = time.monotonic() + 5.0
-        while any(c.group_alive() for c in targets) and time.monotonic() < kill_deadline:
+                child.signal_group(signal.SIGTERM)  # the leader passes it on (torchrun to its ranks)
+            elif self.reap:  # the leader is gone: what it left behind
+                process_reaper.signal_marked(self.token, signal.SIGTERM, roles=[child.name])
+        deadline = time.monotonic() + timeout_s
+        while self._alive(targets) and time.monotonic() < deadline:
             time.sleep(POLL_INTERVAL_S)
+        for child in self._alive(targets):
+            if on_kill is not None:
+                on_kill(child)
+            self._kill(child)
+        kill_deadline = time.monotonic() + 5.0
+        while self._alive(targets) and time.monotonic() < kill_deadline:
+            time.sleep(POLL_INTERVAL_S)
+
+    def _kill(self, child: ChildProcess) -> None:
+        child.signal_group(signal.SIGKILL)
+        if self.reap:
+            process_reaper.signal_marked(self.token, signal.SIGKILL, roles=[child.name])
 
     def kill_all(self) -> None:
         for child in self.children.values():
-            child.signal_group(signal.SIGKILL)
+            self._kill(child)
+
+    def close(self) -> None:
+        """End the reaper (call after ``stop``: from then on nothing guards the children)."""
+        if self.reaper is not None and self.reaper.poll() is None:
+            self.reaper.kill()
+            self.reaper.wait(5.0)
+        self.reaper = None

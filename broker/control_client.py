@@ -220,6 +220,11 @@ class ControlClient:
             return self._worker_id
 
     @property
+    def broker_unreachable(self) -> bool:
+        """Whether the heartbeat thread is in an outage of the broker right now."""
+        return self._heartbeat_outage.in_outage
+
+    @property
     def heartbeat_interval_s(self) -> float:
         registration = self.registration
         return registration.heartbeat_interval_ms / 1000 if registration else 1.0

@@ -19,7 +19,7 @@ import random
 import threading
 import time
 import uuid
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -405,9 +405,12 @@ class RolloutConsumer(_DealerClient):
                     return
 
     def fetch_step(self, step: int, timeout_s: float = 60.0, *, stop_event: threading.Event | None = None,
+                   on_wait: Callable[[int, int | None], None] | None = None,
                    ) -> list[tuple[data_pb2.RolloutBatchHeader, dict[str, Any]]]:
         """All micro-batches of ``step`` for this rank, ordered by micro_batch_index, as (header, tensors).
         ``stop_event``: set it (e.g. from a signal handler) to give up within about a second (``FetchStopped``).
+        ``on_wait(num_received, num_expected)``: called about every ``request_interval_s`` while nothing
+        arrives (to log what is awaited, or to give up by raising).
 
         numpy tensors are read-only zero-copy views of the received frames (torch copies with
         ``as_torch=True``). A batch received twice (e.g. after a broker restart) is kept once.
@@ -444,6 +447,8 @@ class RolloutConsumer(_DealerClient):
                 resend_at_s, outstanding = request()
             message = self._recv(min(deadline_s, resend_at_s) - time.monotonic())
             if message is None:
+                if on_wait is not None:
+                    on_wait(len(received), num_expected)
                 continue
             if message.type == data_pb2.ERROR:
                 if message.envelope.in_reply_to and message.envelope.in_reply_to not in request_ids:

@@ -23,7 +23,19 @@ Rank 0 serves the trainer's Prometheus metrics (``[trainer.prometheus]``; its UR
 
 Resume: with ``ckpt.resume_step`` (or ``latest``), model, optimizer, scheduler and RNG come back from the
 checkpoint and the run continues at the next step; the broker still holds every batch after the last
-committed step and hands them out again.
+committed step and hands them out again. The resumed step is committed again (idempotent on the broker: a
+trainer killed between its checkpoint and its commit leaves that step uncommitted), and its metrics row and
+"step done" line are written from the checkpoint when ``metrics.jsonl`` lacks them (the checkpoint carries the
+step's metrics), never twice.
+
+Riding through a broker outage: control calls (register, commit, metrics) wait up to ``broker.outage_s``
+(``primerl.broker.control_client``); while it waits for a step's micro-batches the fetch thread logs
+``waiting for the step's micro-batches`` every ``DATA_WAIT_LOG_S`` (saying whether the broker is reachable) and
+gives up with ``BrokerLost`` once the broker has been unreachable for longer than ``broker.outage_s``. When the
+broker says the run is over (``shutdown_requested``) the trainer stops within a few seconds, exit 0.
+
+Every "step done" line carries ``data_digest`` (``primerl.runtime.data_digest`` of rank 0's micro-batches as
+received), the same digest the orchestrator logs in its ``step sent`` line.
 """
 
 from __future__ import annotations
@@ -34,8 +46,9 @@ import time
 import torch
 
 from primerl.broker.rollout_clients import FetchStopped
+from primerl.runtime.data_digest import data_digest
 from primerl.runtime.log_setup import bind_context, get_logger
-from primerl.runtime.metrics_sink import MetricsSink
+from primerl.runtime.metrics_sink import MetricsSink, finite_values
 from primerl.runtime.prometheus import MetricsExporter, start_exporter
 from primerl.trainer.config import TrainerConfig
 from primerl.trainer.distributed import DistInfo, barrier, unwrap_model, wrap_model
@@ -47,6 +60,8 @@ WEIGHTS_JOB_TIMEOUT_S = 600.0
 """Longest wait of the compute loop for the previous step's publish and checkpoint before its optimizer step."""
 IO_DRAIN_TIMEOUT_S = 600.0
 """Longest wait at shutdown for the IO thread to finish its queued jobs."""
+DATA_WAIT_LOG_S = 10.0
+"""How often the fetch thread says what it waits for while a step's micro-batches do not come."""
 
 
 class TrainerRunner:
@@ -63,6 +78,7 @@ class TrainerRunner:
         self.publisher = None
         self.exporter: MetricsExporter | None = None
         self.sink: MetricsSink | None = None
+        self.resumed_state: dict | None = None  # extra_state of the checkpoint resumed from
 
     # -- set-up --------------------------------------------------------------------------------------
 
@@ -114,6 +130,7 @@ class TrainerRunner:
                 state = load_checkpoint(config.checkpoint_dir, resume, model=unwrap_model(self.model),
                                         optimizer=self.optimizer, scheduler=self.scheduler, rank=self.dist.rank)
                 start_step = int(state["step"]) + 1
+                self.resumed_state = state
                 log.info("resumed from checkpoint", step=state["step"], checkpoint_dir=str(config.checkpoint_dir))
         return start_step
 
@@ -149,10 +166,14 @@ class TrainerRunner:
             self._open_metrics()
             start_step = self._build()
             self._connect()
+            self._settle_resumed_step()
             self._start_io(start_step)
             for step in range(start_step, config.max_steps + 1):
                 if self.stop_event.is_set():
                     log.info("stopping before step", step=step)
+                    return 0
+                if self.control.shutdown_requested.is_set():
+                    log.info("the broker says the run is over; stopping before step", step=step)
                     return 0
                 bind_context(step=step)
                 try:
@@ -173,13 +194,17 @@ class TrainerRunner:
         config = self.config
 
         def fetch(step: int, halt: threading.Event) -> list:
-            return self.consumer.fetch_step(step, timeout_s=config.data_timeout_s, stop_event=halt)
+            return self.consumer.fetch_step(step, timeout_s=config.data_timeout_s, stop_event=halt,
+                                            on_wait=_DataWait(step, self.control))
 
         def decode(raw: list) -> list:
             return [MicroBatch.from_tensors(tensors) for _, tensors in raw]
 
+        def describe(raw: list) -> str:
+            return data_digest([tensors for _, tensors in raw])
+
         self.io = StepIOThread()
-        self.prefetcher = StepPrefetcher(fetch, decode, start_step, config.max_steps)
+        self.prefetcher = StepPrefetcher(fetch, decode, start_step, config.max_steps, describe=describe)
         self.weights_ticket = None  # the previous step's job that reads the weights
 
     def _wait_for_weights(self) -> None:
@@ -200,15 +225,19 @@ class TrainerRunner:
         self.progress["trainer_step"] = step
         due = self._checkpoint_due(step)
         timings: dict[str, float] = {}
-        if due and self.dist.enabled:
-            # Collectives (barriers) stay on the compute thread: they must not interleave with DDP's.
-            timings["checkpoint_s"] = self._write_checkpoint(step)
         compute_s = time.monotonic() - started_s
         metrics = stats.as_metrics()
         metrics.update({"perf/wait_for_data_s": waited_s, "perf/step_time_s": compute_s,
                         "perf/fetch_s": fetched.fetch_s, "perf/decode_s": fetched.decode_s,
                         "train/num_micro_batches": float(len(micro_batches)), "ckpt/saved": float(due)})
         metrics.update({f"perf/{name}": value for name, value in stats.timings.items()})
+        done_line = {"loss": round(stats.loss, 6), "grad_norm": round(stats.grad_norm, 4),
+                     "kl_divergence": stats.metrics.get("kl_divergence"), "tokens": stats.num_loss_tokens,
+                     "wait_s": round(waited_s, 3), "step_s": round(compute_s, 3), "data_digest": fetched.data_digest}
+        record = {"metrics": metrics, "done_line": done_line}  # goes into the step's checkpoint (resume back-fill)
+        if due and self.dist.enabled:
+            # Collectives (barriers) stay on the compute thread: they must not interleave with DDP's.
+            timings["checkpoint_s"] = self._write_checkpoint(step, record if self.dist.is_main else None)
         if not self.dist.is_main:
             return
         model = unwrap_model(self.model)
@@ -217,8 +246,9 @@ class TrainerRunner:
             if self.publisher is not None:
                 result = self.publisher.publish(model, version=step)
                 timings["publish_ms"] = result.build_ms + result.send_ms
+                metrics["perf/publish_ms"] = timings["publish_ms"]  # also in the checkpoint's record
             if due and not self.dist.enabled:
-                timings["checkpoint_s"] = self._write_checkpoint(step)
+                timings["checkpoint_s"] = self._write_checkpoint(step, record)
 
         def finish_job() -> None:  # after the weights job (same ordered thread): commit only a durable checkpoint
             if due:
@@ -228,20 +258,38 @@ class TrainerRunner:
             metrics["perf/publish_ms"] = timings.get("publish_ms", 0.0)
             metrics.update({f"perf/{name}": timings[name] for name in ("checkpoint_s", "commit_s") if name in timings})
             metrics["perf/io_s"] = time.monotonic() - io_started_s
-            self.control.report_metrics(step, metrics)
-            self.sink.log(step, metrics)
+            self._record_step(step, metrics, {**done_line, "publish_ms": round(metrics["perf/publish_ms"], 1)})
             if self.exporter is not None:
-                self.step_gauge.set(step)
                 self.loss_gauge.set(stats.loss)
                 self.tokens_counter.inc(stats.num_loss_tokens)
-            log.info("step done", step=step, loss=round(stats.loss, 6), grad_norm=round(stats.grad_norm, 4),
-                     kl_divergence=stats.metrics.get("kl_divergence"), tokens=stats.num_loss_tokens,
-                     wait_s=round(waited_s, 3), step_s=round(compute_s, 3),
-                     publish_ms=round(metrics["perf/publish_ms"], 1))
 
         io_started_s = time.monotonic()
         self.weights_ticket = self.io.submit(f"publish/checkpoint step {step}", weights_job)
         self.io.submit(f"commit/metrics step {step}", finish_job)
+
+    def _record_step(self, step: int, metrics: dict, done_line: dict, **extra) -> None:
+        """Rank 0: the step's metrics row (file, W&B, Prometheus), its report to the broker, its "step done" line."""
+        self.sink.log(step, metrics)
+        if self.exporter is not None:
+            self.step_gauge.set(step)
+        self.control.report_metrics(step, metrics)
+        log.info("step done", step=step, **done_line, **extra)
+
+    def _settle_resumed_step(self) -> None:
+        """Rank 0, after resuming from checkpoint c: commit c (a trainer killed between its checkpoint and its
+        commit left it uncommitted; committing again is harmless), and write c's metrics row and "step done"
+        line from the checkpoint if ``metrics.jsonl`` lacks them."""
+        state = self.resumed_state
+        if state is None or not self.dist.is_main:
+            return
+        step = int(state["step"])
+        self._commit(step)
+        self.progress["trainer_step"] = step
+        record = state.get("record")
+        if record is None or _has_trainer_row(self.sink.path, step):
+            return
+        log.info("writing the resumed step's record from its checkpoint", step=step)
+        self._record_step(step, record["metrics"], record["done_line"], from_checkpoint=True)
 
     def _checkpoint_due(self, step: int) -> bool:
         ckpt = self.config.ckpt
@@ -251,13 +299,17 @@ class TrainerRunner:
             return step == self.config.max_steps
         return step % ckpt.interval == 0 or step == self.config.max_steps
 
-    def _write_checkpoint(self, step: int) -> float:
-        """Model, optimizer, scheduler (all ranks) and, on rank 0, the HF weights export; returns seconds."""
+    def _write_checkpoint(self, step: int, record: dict | None = None) -> float:
+        """Model, optimizer, scheduler (all ranks) and, on rank 0, the HF weights export; returns seconds.
+        ``record``: the step's metrics and "step done" fields, kept for a resumed trainer to write them."""
         from primerl.trainer.checkpoint import export_hf_weights, save_checkpoint
 
         started_s = time.perf_counter()
+        extra_state = {"step": step, "policy_version": step}
+        if record is not None:
+            extra_state["record"] = {"metrics": finite_values(record["metrics"]), "done_line": record["done_line"]}
         save_checkpoint(self.config.checkpoint_dir, step, model=unwrap_model(self.model), optimizer=self.optimizer,
-                        scheduler=self.scheduler, extra_state={"step": step, "policy_version": step},
+                        scheduler=self.scheduler, extra_state=extra_state,
                         rank=self.dist.rank, world_size=self.dist.world_size, barrier=lambda: barrier(self.dist))
         barrier(self.dist)
         if self.dist.is_main:
@@ -302,6 +354,42 @@ class TrainerRunner:
             self.exporter.stop()
         if io_error is not None and sys.exc_info()[1] is None:
             raise io_error
+
+
+class _DataWait:
+    """``on_wait`` of one step's fetch: say what is awaited every ``DATA_WAIT_LOG_S``; stop when the broker is
+    lost (``BrokerLost``) or says the run is over (``FetchStopped``)."""
+
+    def __init__(self, step: int, control):
+        self.step = step
+        self.control = control
+        self.started_s = time.monotonic()
+        self.next_log_s = self.started_s + DATA_WAIT_LOG_S
+
+    def __call__(self, num_received: int, num_expected: int | None) -> None:
+        self.control.check_broker()
+        if self.control.shutdown_requested.is_set():
+            raise FetchStopped(f"step {self.step}: the broker says the run is over")
+        now_s = time.monotonic()
+        if now_s >= self.next_log_s:
+            self.next_log_s = now_s + DATA_WAIT_LOG_S
+            log.info("waiting for the step's micro-batches", step=self.step, received=num_received,
+                     expected=num_expected, waited_s=round(now_s - self.started_s, 1),
+                     broker="unreachable" if self.control.broker_unreachable else "reachable")
+
+
+def _has_trainer_row(path, step: int) -> bool:
+    """Whether ``metrics.jsonl`` at ``path`` has a trainer row for ``step`` (a half-written last line is not one)."""
+    from primerl.runtime.run_metrics import MetricsFileError, read_metrics_file
+
+    try:
+        rows = read_metrics_file(path).rows
+    except FileNotFoundError:
+        return False
+    except MetricsFileError as err:
+        log.warning("cannot read metrics.jsonl to check the resumed step's row; writing it", error=str(err))
+        return False
+    return any(row.get("role") == "trainer" and row.get("step") == step for row in rows)
 
 
 def warn_unused_options(config: TrainerConfig) -> None:

@@ -47,6 +47,7 @@ class PrefetchedStep:
     micro_batches: list
     fetch_s: float  # receiving the step's micro-batches (mostly waiting for the orchestrator)
     decode_s: float  # frames -> MicroBatch tensors
+    data_digest: str = ""  # ``describe(raw)``: e.g. primerl.runtime.data_digest of what was received
 
 
 class StepPrefetcher:
@@ -54,13 +55,16 @@ class StepPrefetcher:
 
     ``fetch(step, halt_event)`` returns the step's raw micro-batches (it must give up with ``FetchStopped`` soon
     after ``halt_event`` is set); ``decode(raw)`` turns them into ``MicroBatch``es. Only this thread touches what
-    ``fetch`` uses (e.g. the ZMQ socket of the rollout consumer) until ``close`` has joined it.
+    ``fetch`` uses (e.g. the ZMQ socket of the rollout consumer) until ``close`` has joined it. ``describe(raw)``,
+    when given, is computed on this thread too (``PrefetchedStep.data_digest``).
     """
 
     def __init__(self, fetch: Callable[[int, threading.Event], list], decode: Callable[[list], list],
-                 first_step: int, last_step: int, *, name: str = "trainer-fetch"):
+                 first_step: int, last_step: int, *, name: str = "trainer-fetch",
+                 describe: Callable[[list], str] | None = None):
         self._fetch = fetch
         self._decode = decode
+        self._describe = describe
         self._halt = threading.Event()
         self._queue: queue.Queue[tuple[int, PrefetchedStep | BaseException]] = queue.Queue(maxsize=1)
         self._steps = range(first_step, last_step + 1)
@@ -74,7 +78,8 @@ class StepPrefetcher:
                 raw = self._fetch(step, self._halt)
                 fetched_s = time.perf_counter()
                 item: PrefetchedStep | BaseException = PrefetchedStep(
-                    step, self._decode(raw), fetched_s - started_s, time.perf_counter() - fetched_s)
+                    step, self._decode(raw), fetched_s - started_s, time.perf_counter() - fetched_s,
+                    self._describe(raw) if self._describe is not None else "")
             except BaseException as exc:  # handed to the compute loop, which raises it
                 item = exc
             while not self._halt.is_set():

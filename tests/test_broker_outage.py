@@ -1,0 +1,117 @@
+"""The one way clients wait through a broker outage (``primerl.runtime.broker_outage``), with a fake clock."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+from primerl.runtime.broker_outage import (
+    BrokerOutageExceeded,
+    OutageStopped,
+    OutageWatch,
+    retry_through_outage,
+)
+
+
+class FakeClock:
+    def __init__(self):
+        self.now_s = 100.0
+
+    def __call__(self) -> float:
+        return self.now_s
+
+    def sleep(self, seconds: float) -> None:
+        self.now_s += seconds
+
+
+class RecordingLogger:
+    def __init__(self):
+        self.events: list[tuple[str, str, dict]] = []
+
+    def _record(self, level):
+        return lambda event, **fields: self.events.append((level, event, fields))
+
+    def __getattr__(self, level):
+        return self._record(level)
+
+
+def test_a_watch_logs_at_once_then_every_interval_and_gives_up_past_the_budget():
+    clock, logger = FakeClock(), RecordingLogger()
+    watch = OutageWatch("CommitStep(3)", 10.0, worker="trainer-rank0", log_every_s=5.0, clock=clock, logger=logger)
+    assert not watch.in_outage and watch.remaining_s() == 10.0
+    for _ in range(10):  # 0..9 s
+        watch.failed(ConnectionError("refused"))
+        clock.sleep(1.0)
+    waits = [fields["outage_s"] for level, event, fields in logger.events if event == "waiting for the broker"]
+    assert waits == [0.0, 5.0]
+    assert watch.in_outage and watch.remaining_s() == pytest.approx(0.0)
+    clock.sleep(1.0)
+    with pytest.raises(BrokerOutageExceeded, match=r"CommitStep\(3\).*broker.outage_s = 10 s.*refused"):
+        watch.failed(ConnectionError("refused"))
+    assert logger.events[-1][:2] == ("error", "broker outage exceeded the budget")
+
+
+def test_ok_ends_an_outage_once_and_the_next_one_has_a_fresh_budget():
+    clock, logger = FakeClock(), RecordingLogger()
+    watch = OutageWatch("heartbeats", 10.0, clock=clock, logger=logger)
+    watch.failed("down")
+    clock.sleep(8.0)
+    watch.ok()
+    watch.ok()  # no outage: nothing logged
+    assert [event for _, event, _ in logger.events] == ["waiting for the broker", "broker back"]
+    assert logger.events[-1][2]["outage_s"] == 8.0
+    assert watch.num_outages == 1 and not watch.in_outage
+    clock.sleep(100.0)
+    watch.failed("down again")
+    clock.sleep(9.0)
+    watch.failed("still down")  # 9 s into the second outage: within budget
+    assert watch.num_outages == 2
+
+
+def test_retry_through_outage_retries_only_healable_errors_until_success():
+    clock = FakeClock()
+    watch = OutageWatch("ListWorkers", 30.0, clock=clock, logger=RecordingLogger())
+    calls = []
+
+    def flaky():
+        calls.append(clock())
+        if len(calls) < 4:
+            raise ConnectionError("broker restarting")
+        return "workers"
+
+    seen = []
+    assert retry_through_outage(flaky, watch, (ConnectionError,), sleep=clock.sleep, on_failure=seen.append) == "workers"
+    assert len(calls) == 4 and len(seen) == 3
+    gaps = [b - a for a, b in zip(calls, calls[1:])]
+    assert gaps == sorted(gaps) and gaps[0] == pytest.approx(0.1)  # capped exponential backoff
+    assert not watch.in_outage
+
+    def refused():
+        raise ValueError("bad request")
+
+    with pytest.raises(ValueError):
+        retry_through_outage(refused, watch, (ConnectionError,), sleep=clock.sleep)
+
+
+def test_retry_through_outage_gives_up_past_the_budget_and_when_stopped():
+    clock = FakeClock()
+
+    def down():
+        raise ConnectionError("down")
+
+    watch = OutageWatch("Register", 5.0, clock=clock, logger=RecordingLogger())
+    with pytest.raises(BrokerOutageExceeded):
+        retry_through_outage(down, watch, (ConnectionError,), sleep=clock.sleep)
+    assert 5.0 < clock() - 100.0 < 8.0
+
+    stop = threading.Event()
+    stop.set()
+    with pytest.raises(OutageStopped):
+        retry_through_outage(down, OutageWatch("Register", 5.0, logger=RecordingLogger()), (ConnectionError,),
+                             stop_event=stop)
+
+
+def test_a_budget_must_be_positive():
+    with pytest.raises(ValueError, match="budget_s"):
+        OutageWatch("x", 0)

@@ -1,0 +1,238 @@
+"""The checks of one chaos run, from primerl's own outputs (the roles' logs, ``metrics.jsonl``, the checkpoints
+directory, the run status) plus the harness's record of what it killed, and the per-run summary.
+
+The final lineage of the weights: the last trainer incarnation resumed from checkpoint ``r`` (0: from scratch)
+and trained steps ``r+1..``; checkpoint ``r`` was written by the latest earlier incarnation that logged
+``checkpoint saved step=r``, which itself trained from its own resume point, and so on back to step 0. A step
+trained by an incarnation outside that chain (killed before its checkpoint, the step then trained again after
+the rollback) is counted as retrained, which is fine. Checks:
+
+- lost: a step of 1..N with no ``step done`` in the lineage; duplicated: a step done twice in the lineage;
+- metrics rows: each step of 1..N has a trainer row in ``metrics.jsonl``, and no step has more rows than
+  trainings;
+- mismatched: a lineage step whose ``data_digest`` is not one the orchestrator logged (``step sent``) for that
+  step (a digest missing on either side is unverified, and fails too);
+- unplanned exits: an exit the harness did not cause (a kill or the stop at the end; the trainer's exit 0 and the
+  orchestrator's exit 0 once every step is produced are the run's normal end);
+- final status: every inference worker serves the latest policy version, which is N;
+- leftovers: no process started by the run alive after it.
+"""
+
+from __future__ import annotations
+
+from collections import Counter, defaultdict
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from driver import RunRecord, served_final
+from logs import Incarnation, read_incarnations, read_metrics_rows
+from runs import ROLES
+
+
+@dataclass
+class Lineage:
+    steps: dict[int, list[dict]] = field(default_factory=dict)  # step -> its "step done" fields in the lineage
+    retrained: Counter = field(default_factory=Counter)  # step -> times done outside the lineage
+    chain: list[tuple[int, int]] = field(default_factory=list)  # (incarnation, resumed from step)
+    broken: str = ""
+
+
+def lineage(trainer: list[Incarnation]) -> Lineage:
+    result = Lineage()
+    resumed = {inc.number: int(inc.named("resumed from checkpoint")[0].get("step", 0))
+               if inc.named("resumed from checkpoint") else 0 for inc in trainer}
+    done = {inc.number: inc.named("step done") for inc in trainer}
+    active = [inc for inc in trainer if done[inc.number] or inc.named("checkpoint saved")]
+    if not active:
+        result.broken = "no trainer incarnation trained a step"
+        return result
+    in_chain: set[int] = set()
+    current, upper = active[-1], None
+    while True:
+        in_chain.add(current.number)
+        start = resumed[current.number]
+        result.chain.append((current.number, start))
+        for event in done[current.number]:
+            step = int(event.get("step", 0))
+            if step > start and (upper is None or step <= upper):
+                result.steps.setdefault(step, []).append(event.fields)
+        if start == 0:
+            break
+        writers = [inc for inc in trainer if inc.number < current.number
+                   and any(int(e.get("step", -1)) == start for e in inc.named("checkpoint saved"))]
+        if not writers:
+            result.broken = f"incarnation {current.number} resumed from checkpoint {start}, which no earlier " \
+                            "incarnation logged as saved"
+            break
+        current, upper = writers[-1], start
+    for inc in trainer:
+        for event in done[inc.number]:
+            step = int(event.get("step", 0))
+            if inc.number not in in_chain or step not in result.steps or event.fields not in result.steps[step]:
+                result.retrained[step] += 1
+    return result
+
+
+@dataclass
+class Verdict:
+    record: RunRecord
+    lost: list[int] = field(default_factory=list)
+    duplicated: list[int] = field(default_factory=list)
+    retrained: dict[int, int] = field(default_factory=dict)
+    mismatched: list[str] = field(default_factory=list)
+    unverified: list[int] = field(default_factory=list)
+    missing_rows: list[int] = field(default_factory=list)
+    extra_rows: list[int] = field(default_factory=list)
+    unplanned: list[str] = field(default_factory=list)
+    failures: list[str] = field(default_factory=list)
+    findings: list[str] = field(default_factory=list)  # worth reading; not a failed check
+
+    @property
+    def ok(self) -> bool:
+        return not self.failures
+
+
+def judge(record: RunRecord) -> Verdict:
+    spec = record.spec
+    verdict = Verdict(record)
+    logs = {role: read_incarnations(role, spec.run_dir / "logs" / f"{role}.log") for role in ROLES}
+    n = spec.max_steps
+
+    chain = lineage(logs["trainer"])
+    if chain.broken:
+        verdict.failures.append(f"lineage: {chain.broken}")
+    verdict.lost = [s for s in range(1, n + 1) if s not in chain.steps]
+    verdict.duplicated = [s for s, events in sorted(chain.steps.items()) if len(events) > 1]
+    verdict.retrained = dict(sorted(chain.retrained.items()))
+
+    sent: dict[int, set[str]] = defaultdict(set)
+    for inc in logs["orchestrator"]:
+        for event in inc.named("step sent"):
+            if event.get("data_digest"):
+                sent[int(event.get("step", 0))].add(str(event.get("data_digest")))
+    for step, events in sorted(chain.steps.items()):
+        digest = events[-1].get("data_digest")
+        if not digest or not sent.get(step):
+            verdict.unverified.append(step)
+        elif digest not in sent[step]:
+            verdict.mismatched.append(f"step {step}: trained {digest}, sent {sorted(sent[step])}")
+    resent = {s: len(d) for s, d in sent.items() if len(d) > 1}
+    if resent:
+        verdict.findings.append(f"steps sent with more than one data digest (orchestrator restarts): {resent}")
+
+    rows = Counter(int(r.get("step", 0)) for r in read_metrics_rows(spec.run_dir / "metrics.jsonl")
+                   if r.get("role") == "trainer")
+    trainings = Counter({s: len(e) for s, e in chain.steps.items()}) + chain.retrained
+    verdict.missing_rows = [s for s in range(1, n + 1) if rows[s] == 0]
+    verdict.extra_rows = [s for s in sorted(rows) if rows[s] > trainings[s]]
+
+    for ended in record.exits:
+        if ended.planned or _normal_end(ended, logs):
+            continue
+        incarnation = _incarnation_of(logs[ended.role], ended.at_s)
+        why = incarnation.last_error() if incarnation else "(no log)"
+        verdict.unplanned.append(f"{ended.role} pid {ended.pid} status {ended.code} at "
+                                 f"+{ended.at_s - record.started_s:.0f}s: {why}")
+
+    final = record.final_status
+    if not served_final(final, n):
+        versions = [(w.get("name"), w.get("policy_version")) for w in (final or {}).get("workers", [])
+                    if w.get("role") == "ROLE_INFERENCE"]
+        verdict.failures.append(
+            f"final status: latest policy version {(final or {}).get('latest_policy_version')} (want {n}), "
+            f"inference workers serving {versions or 'none'} {record.final_status_error}".rstrip())
+    if not (spec.run_dir / "checkpoints" / f"step_{n}").exists():
+        verdict.failures.append(f"no checkpoint of the last step (checkpoints/step_{n})")
+
+    for name, values in (("steps lost", verdict.lost), ("steps duplicated", verdict.duplicated),
+                         ("steps mismatched", verdict.mismatched), ("steps unverified (no data_digest)",
+                                                                     verdict.unverified),
+                         ("metrics rows missing", verdict.missing_rows), ("metrics rows extra", verdict.extra_rows),
+                         ("unplanned exits", verdict.unplanned), ("left running", record.leftovers)):
+        if values:
+            verdict.failures.append(f"{name}: {_short(values)}")
+    if record.aborted:
+        verdict.failures.append(f"run aborted: {record.aborted}")
+    if record.unfired:
+        verdict.failures.append(f"kills never fired: {[k.describe() for k in record.unfired]}")
+    if record.rl_exit_code not in (None, 0):
+        verdict.failures.append(f"primerl rl exited {record.rl_exit_code}")
+    for kill in record.kills:
+        if kill.orphans:
+            verdict.findings.append(f"{kill.spec.role} killed: {len(kill.orphans)} of its processes alive 2 s "
+                                    f"later: {_short(kill.orphans)}")
+        if kill.recovered_s is None:
+            verdict.failures.append(f"{kill.spec.role} never came back after its kill ({kill.spec.moment})")
+    survivors = [f"{e.role} pid {e.pid}: {_short(e.survivors)}" for e in record.exits if e.survivors]
+    if survivors:
+        verdict.findings.append(f"processes left in a role's group when it ended (the restarter killed them): "
+                                f"{_short(survivors)}")
+    _status_findings(record, verdict)
+    return verdict
+
+
+def _normal_end(ended, logs) -> bool:
+    """An exit 0 that ends the run as designed: the orchestrator's once every step is produced, any role's once
+    the trainer logged ``training finished`` (the broker then tells the others to stop)."""
+    if ended.code != 0:
+        return False
+    finished = [e.at_s for inc in logs["trainer"] for e in inc.named("training finished")]
+    if finished and ended.at_s >= min(finished):
+        return True
+    incarnation = _incarnation_of(logs[ended.role], ended.at_s)
+    return ended.role == "orchestrator" and incarnation is not None and bool(incarnation.named("all steps produced"))
+
+
+def _incarnation_of(incarnations: list[Incarnation], at_s: float) -> Incarnation | None:
+    """The last incarnation with a log line before ``at_s`` (the one that ended then)."""
+    before = [inc for inc in incarnations if any(0 < e.at_s <= at_s + 1.0 for e in inc.events)]
+    return before[-1] if before else (incarnations[-1] if incarnations else None)
+
+
+def _status_findings(record: RunRecord, verdict: Verdict) -> None:
+    """Run status after a broker restart should say what it said before (issue 14, item 2)."""
+    best = {"last_committed_step": 0, "latest_policy_version": 0}
+    regressions: list[str] = []
+    for _, status in record.statuses:
+        for key in best:
+            value = int(status.get(key, 0))
+            if value < best[key] and f"{key} {best[key]} -> {value}" not in regressions:
+                regressions.append(f"{key} {best[key]} -> {value}")
+            best[key] = max(best[key], value)
+    if regressions:
+        verdict.findings.append(f"run status went backwards (broker restart forgot state): {_short(regressions)}")
+
+
+def _short(values, limit: int = 6) -> str:
+    values = list(values)
+    shown = "; ".join(str(v) for v in values[:limit])
+    return shown + (f"; ... ({len(values)} in all)" if len(values) > limit else "")
+
+
+def summary(verdict: Verdict) -> str:
+    record, spec = verdict.record, verdict.record.spec
+    lines = [f"== mode {spec.mode} seed {spec.seed}: {'PASS' if verdict.ok else 'FAIL'} "
+             f"({spec.max_steps} steps, {record.wall_s:.0f} s, run dir {spec.run_dir})"]
+    lines.append(f"  kills {len(record.kills)}, starts per role {record.starts} "
+                 f"(restarts {sum(max(0, c - 1) for c in record.starts.values())})")
+    for kill in record.kills:
+        def seconds(value):
+            return "never" if value is None else f"{value:.1f}s"
+        lines.append(f"  - {kill.spec.role:<12} {kill.spec.moment:<25} at step {kill.trainer_step:>2}: back in "
+                     f"{seconds(kill.recovered_s)}, next step done in {seconds(kill.next_step_s)}  [{kill.note}]")
+    lines.append(f"  steps lost {len(verdict.lost)}, duplicated {len(verdict.duplicated)}, mismatched "
+                 f"{len(verdict.mismatched)}, unverified {len(verdict.unverified)}, retrained after a rollback "
+                 f"{verdict.retrained or 0}, unplanned exits {len(verdict.unplanned)}")
+    for exit_line in verdict.unplanned:
+        lines.append(f"  unplanned: {exit_line}")
+    for failure in verdict.failures:
+        lines.append(f"  FAIL {failure}")
+    for finding in verdict.findings:
+        lines.append(f"  note {finding}")
+    return "\n".join(lines)
+
+
+def write_summary(verdict: Verdict) -> Path:
+    path = verdict.record.spec.run_dir / "chaos_summary.txt"
+    path.write_text(summary(verdict) + "\n")
+    return path

@@ -1,0 +1,80 @@
+"""`make chaos` / `python scripts/chaos`: seeded kill-and-restart runs of a real short RL run (tiny model, toy
+reverse-text environment), in mode ``separate`` (the four daemons under a systemd-like restarter) and mode ``rl``
+(`primerl rl --restart on-failure`); prints a summary per seed and mode; exit status 1 when any check fails.
+docs/chaos.md describes the kills and the checks."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+from checks import judge, summary, write_summary
+from driver import Driver
+from plan import make_plan, steps_needed
+from runs import REPO_ROOT, RunSpec, build_tiny_model, rl_has_restart_option, shipped_restart_sec
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python scripts/chaos", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--seeds", default="1,2,3", help="comma-separated seeds (default %(default)s)")
+    parser.add_argument("--modes", default="separate,rl", help="separate, rl or both (default %(default)s)")
+    parser.add_argument("--quick", action="store_true",
+                        help="the CI profile: one kill per role (broker during a push, trainer between a publish "
+                             "and its checkpoint, orchestrator and inference at random moments)")
+    parser.add_argument("--steps", type=int, default=None, help="max_steps (default: enough for the plan)")
+    parser.add_argument("--run-root", type=Path, default=REPO_ROOT / "runs" / "chaos",
+                        help="runs go to RUN_ROOT/<mode>-seed<seed> (default %(default)s)")
+    parser.add_argument("--restart-sec", type=float, default=None,
+                        help="RestartSec of every role (default: the shipped systemd units' values)")
+    parser.add_argument("--timeout-s", type=float, default=900.0, help="bound of one run (default %(default)g)")
+    parser.add_argument("--stall-s", type=float, default=240.0,
+                        help="give a run up when no step is done for this long (default %(default)g)")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    seeds = [int(s) for s in args.seeds.split(",") if s.strip()]
+    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+    unknown = set(modes) - {"separate", "rl"}
+    if unknown or not seeds:
+        print(f"chaos: --modes takes separate and/or rl (got {sorted(unknown)}); --seeds at least one", file=sys.stderr)
+        return 2
+    restart_sec = shipped_restart_sec()
+    if args.restart_sec is not None:
+        restart_sec = {role: args.restart_sec for role in restart_sec}
+    model = build_tiny_model(args.run_root / "tiny-model")
+    results: list[tuple[str, bool]] = []
+    summaries: list[str] = []
+    if "rl" in modes and not rl_has_restart_option():
+        message = "== mode rl: FAIL: `primerl rl --help` shows no --restart option; mode rl not run"
+        print(message, flush=True)
+        summaries.append(message)
+        results.append(("rl", False))
+        modes.remove("rl")
+    for mode in modes:
+        for seed in seeds:
+            plan = make_plan(seed, full=not args.quick)
+            max_steps = args.steps or steps_needed(plan)
+            run_dir = (args.run_root / f"{mode}-seed{seed}").resolve()
+            if run_dir.exists():
+                import shutil
+
+                shutil.rmtree(run_dir)
+            run_dir.mkdir(parents=True)
+            spec = RunSpec.create(mode, seed, run_dir, model.resolve(), max_steps, restart_sec)
+            print(f"chaos: mode {mode} seed {seed}: {max_steps} steps, kills "
+                  f"{', '.join(k.describe() for k in plan)} ({time.strftime('%H:%M:%S')})", flush=True)
+            record = Driver(spec, plan, timeout_s=args.timeout_s, stall_s=args.stall_s,
+                            say=lambda text: print(text, flush=True)).run()
+            verdict = judge(record)
+            write_summary(verdict)
+            text = summary(verdict)
+            print(text, flush=True)
+            summaries.append(text)
+            results.append((f"{mode}-seed{seed}", verdict.ok))
+    print("\n".join(["", "chaos summary:", *summaries]))
+    print("chaos: " + ", ".join(f"{name} {'PASS' if ok else 'FAIL'}" for name, ok in results))
+    return 0 if all(ok for _, ok in results) else 1

@@ -1,0 +1,296 @@
+"""One chaos run from start to end: start the roles, follow their logs, fire the seeded kills at their moments,
+poll the broker's run status (the RPC behind `primerl status --json`), wait for the trainer to finish, take the
+final status, stop everything, and look for any process left. What it records is judged in ``checks``."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import threading
+import time
+from dataclasses import dataclass, field
+
+from logs import Event, LogFollower
+from plan import KillSpec
+from procs import Exit, describe, marked_processes
+from runs import BIN, CKPT_INTERVAL, ROLES, RlBackend, RunSpec, SeparateBackend, base_env
+
+POLL_S = 0.02
+STATUS_POLL_S = 1.0
+RECOVERY_BOUND_S = 240.0  # a kill whose role is not back by then: the next kill is armed anyway
+FINAL_VERSION_TIMEOUT_S = 60.0
+LEFTOVER_GRACE_S = 5.0
+RECOVERED_BY = {"broker": "broker serving", "inference": "inference worker ready",
+                "orchestrator": "registered with the broker", "trainer": "registered with the broker"}
+
+
+@dataclass
+class Kill:
+    spec: KillSpec
+    pid: int | None = None
+    at_s: float = 0.0
+    trainer_step: int = 0  # the newest "step done" at the kill
+    note: str = ""  # what the moment was (the version pushed, published)
+    recovered_s: float | None = None  # the role registered (served) again, seconds after the kill
+    next_step_s: float | None = None  # the trainer's next "step done" after the kill
+    orphans: list[str] = field(default_factory=list)  # its descendants still alive 2 s after the kill
+
+
+@dataclass
+class RunRecord:
+    spec: RunSpec
+    kills: list[Kill] = field(default_factory=list)
+    unfired: list[KillSpec] = field(default_factory=list)
+    exits: list[Exit] = field(default_factory=list)
+    starts: dict[str, int] = field(default_factory=dict)
+    statuses: list[tuple[float, dict]] = field(default_factory=list)  # (wall s, RunStatus as a dict)
+    final_status: dict | None = None
+    final_status_error: str = ""
+    leftovers: list[str] = field(default_factory=list)
+    aborted: str = ""  # why the run was given up (stall, timeout, a role given up by the restarter)
+    started_s: float = 0.0  # wall clock
+    wall_s: float = 0.0
+    rl_exit_code: int | None = None
+
+
+class StatusPoller(threading.Thread):
+    """Polls GetRunStatus once a second in its own thread (an RPC may wait through an outage: not on the loop)."""
+
+    def __init__(self, spec: RunSpec, record: RunRecord):
+        super().__init__(name="chaos-status", daemon=True)
+        self.spec, self.record = spec, record
+        self.halt = threading.Event()
+
+    def run(self) -> None:
+        from google.protobuf.json_format import MessageToDict
+
+        from primerl.broker.control_client import BrokerError, ControlClient
+        from primerl.runtime.config_common import BrokerClientConfig
+
+        client = ControlClient(BrokerClientConfig(address=self.spec.broker_address, run_token=self.spec.token),
+                               role="client", name="chaos-status", rpc_timeout_s=2.0)
+        try:
+            while not self.halt.wait(STATUS_POLL_S):
+                try:
+                    status = client.get_run_status()
+                except (BrokerError, ValueError, RuntimeError):
+                    continue
+                self.record.statuses.append((time.time(), MessageToDict(
+                    status, preserving_proto_field_name=True, always_print_fields_with_no_presence=True)))
+        finally:
+            client.close()
+
+
+def primerl_status_json(spec: RunSpec) -> tuple[dict | None, str]:
+    """`primerl status --json` against the run's broker."""
+    env = {**base_env(spec.marker), "PRIMERL_RUN_TOKEN": spec.token}
+    try:
+        result = subprocess.run([str(BIN / "primerl"), "status", "--broker", spec.broker_address, "--json",
+                                 "--timeout-s", "10"], capture_output=True, text=True, timeout=60, env=env)
+    except subprocess.TimeoutExpired:
+        return None, "primerl status did not answer within 60 s"
+    if result.returncode != 0:
+        return None, f"primerl status exited {result.returncode}: {result.stderr.strip()[-300:]}"
+    return json.loads(result.stdout), ""
+
+
+def served_final(status: dict | None, max_steps: int) -> bool:
+    if not status:
+        return False
+    workers = [w for w in status.get("workers", []) if w.get("role") == "ROLE_INFERENCE"]
+    latest = int(status.get("latest_policy_version", 0))
+    return latest == max_steps and bool(workers) and all(int(w.get("policy_version", -1)) == latest for w in workers)
+
+
+class Driver:
+    def __init__(self, spec: RunSpec, plan: list[KillSpec], *, timeout_s: float, stall_s: float, say=print):
+        self.spec, self.plan = spec, list(plan)
+        self.timeout_s, self.stall_s = timeout_s, stall_s
+        self.say = say
+        self.record = RunRecord(spec)
+        self.backend = SeparateBackend(spec) if spec.mode == "separate" else RlBackend(spec)
+        self.followers = {r: LogFollower(r, spec.run_dir / "logs" / f"{r}.log") for r in ROLES}
+        self.events: list[Event] = []
+        self.last_step = 0
+        self.last_step_s = time.time()
+        self.trainer_finished = False
+
+    # ------------------------------------------------------------------------------------------------ run
+    def run(self) -> RunRecord:
+        record, spec = self.record, self.spec
+        started_s = record.started_s = time.time()
+        poller = StatusPoller(spec, record)
+        try:
+            self.backend.start()
+            poller.start()
+            self._loop(started_s)
+            if not record.aborted and spec.mode == "separate":
+                self._final_status()
+        except Exception as error:  # the harness's own failure: recorded, and everything is still stopped
+            record.aborted = record.aborted or f"harness error: {type(error).__name__}: {error}"
+            raise
+        finally:
+            poller.halt.set()
+            if spec.mode == "rl":
+                self.backend.trainer_finished = self.trainer_finished
+            self.backend.stop()
+            poller.join(5.0)
+            self._drain_logs()
+            for kill in record.kills:  # over every event now: a later kill's wait no longer hides one
+                if kill.pid is not None:
+                    kill.recovered_s = kill.next_step_s = None
+                    self._update_recovery(kill, self.events)
+            record.exits = self.backend.exits()
+            record.starts = self.backend.starts()
+            record.unfired = self.plan
+            if isinstance(self.backend, RlBackend):
+                record.rl_exit_code = self.backend.exit_code()
+                record.final_status = self._last_status_after_finish()
+            record.leftovers = self._leftovers()
+            record.wall_s = time.time() - started_s
+        return record
+
+    def _loop(self, started_s: float) -> None:
+        armed_at_step: int | None = None
+        current: Kill | None = None
+        fire_at_s: float | None = None
+        note = ""
+        while True:
+            now = time.time()
+            for ended in self.backend.poll():
+                tag = "harness" if ended.planned else "not caused by the harness"
+                self.say(f"    exit: {ended.role} pid {ended.pid} status {ended.code} ({tag})")
+            new_events = self._drain_logs()
+            if self.backend.finished():
+                return
+            given_up = self.backend.given_up()
+            if given_up:
+                self.record.aborted = f"the restarter gave up on {given_up} (start limit hit)"
+                return
+            if now - started_s > self.timeout_s:
+                self.record.aborted = f"run timeout ({self.timeout_s:g} s) at trainer step {self.last_step}"
+                return
+            if now - self.last_step_s > self.stall_s:
+                self.record.aborted = f"stalled: no trainer step done for {self.stall_s:g} s (at step {self.last_step})"
+                return
+            # the previous kill's recovery, then arming the next one
+            if current is not None:
+                self._update_recovery(current, new_events)
+                if current.recovered_s is not None or now - current.at_s > RECOVERY_BOUND_S:
+                    current = None
+            if current is None and self.plan and armed_at_step is None and self.last_step > 0:
+                armed_at_step = self.last_step + self.plan[0].gap_steps
+            if current is None and armed_at_step is not None and self.plan and not self.trainer_finished:
+                spec = self.plan[0]
+                moment = self._moment(spec, armed_at_step, new_events) if fire_at_s is None else None
+                if moment is not None:
+                    fire_at_s, note = now + spec.delay_s, moment
+                if fire_at_s is not None and now >= fire_at_s:
+                    current = self._kill(spec, note)
+                    self.plan.pop(0)
+                    armed_at_step, fire_at_s = None, None
+            time.sleep(POLL_S)
+
+    def _moment(self, spec: KillSpec, armed_at_step: int, new_events: list[Event]) -> str | None:
+        """A note describing the moment when ``spec`` should fire now, else None."""
+        if spec.moment == "random":
+            return f"{spec.delay_s:.2f} s after step {self.last_step} done" if self.last_step >= armed_at_step else None
+        for event in new_events:
+            if spec.moment == "push" and event.role == "broker" and event.name == "weight update stored" \
+                    and self.last_step >= armed_at_step - 1:
+                return f"broker stored {event.get('update')}"
+            if spec.moment == "publish-before-checkpoint" and event.role == "trainer" \
+                    and event.name == "policy published":
+                version = int(event.get("policy_version", 0))
+                if version >= armed_at_step and version % CKPT_INTERVAL and version < self.spec.max_steps:
+                    return f"trainer published v{version} (newest checkpoint older)"
+        return None
+
+    def _kill(self, spec: KillSpec, note: str) -> Kill:
+        import psutil
+
+        kill = Kill(spec, at_s=time.time(), trainer_step=self.last_step, note=note)
+        pid = self.backend.pid(spec.role)
+        children = []
+        if pid is not None:
+            try:
+                children = psutil.Process(pid).children(recursive=True)
+            except psutil.Error:
+                children = []
+        kill.pid = self.backend.kill(spec.role)
+        self.record.kills.append(kill)
+        self.say(f"    kill: {spec.describe()} pid {kill.pid} at trainer step {self.last_step}: {note}")
+        if kill.pid is None:
+            kill.note += " (role not running: nothing killed)"
+            kill.recovered_s = 0.0
+        elif children:
+            time.sleep(2.0)
+            kill.orphans = [describe(c) for c in children if c.is_running()
+                            and c.status() != psutil.STATUS_ZOMBIE]
+        if spec.role == "broker" and spec.moment == "push":
+            live = [e for e in self.events if e.role == "inference" and e.name == "weight update live"]
+            kill.note += f"; inference had applied up to v{live[-1].get('policy_version') if live else '-'}"
+        return kill
+
+    def _update_recovery(self, kill: Kill, new_events: list[Event]) -> None:
+        for event in new_events:
+            if event.at_s < kill.at_s:
+                continue
+            if kill.recovered_s is None and event.role == kill.spec.role and event.name == RECOVERED_BY[kill.spec.role]:
+                kill.recovered_s = event.at_s - kill.at_s
+            if kill.next_step_s is None and event.role == "trainer" and event.name == "step done":
+                kill.next_step_s = event.at_s - kill.at_s
+
+    def _drain_logs(self) -> list[Event]:
+        new = []
+        for follower in self.followers.values():
+            new += follower.read()
+        for event in new:
+            if event.role == "trainer" and event.name == "step done":
+                self.last_step = max(self.last_step, int(event.get("step", 0)))
+                self.last_step_s = time.time()
+            if event.role == "trainer" and event.name == "training finished":
+                self.trainer_finished = True
+                if isinstance(self.backend, RlBackend):
+                    self.backend.trainer_finished = True
+        self.events += new
+        # kills still waiting on a recovery see the events through the loop's new_events
+        return new
+
+    # ------------------------------------------------------------------------------------------------ end
+    def _final_status(self) -> None:
+        """Separate mode: the trainer is done; wait (bounded) for every inference worker to serve the final
+        version, then keep what `primerl status --json` says."""
+        deadline = time.time() + FINAL_VERSION_TIMEOUT_S
+        status, error = primerl_status_json(self.spec)
+        while not served_final(status, self.spec.max_steps) and time.time() < deadline:
+            time.sleep(2.0)
+            status, error = primerl_status_json(self.spec)
+        self.record.final_status, self.record.final_status_error = status, error
+        (self.spec.run_dir / "final_status.json").write_text(json.dumps(status, indent=2) if status else error)
+
+    def _last_status_after_finish(self) -> dict | None:
+        """Mode rl: `primerl rl` stops the broker itself; the last status polled once the trainer finished."""
+        finished = [s for _, s in self.record.statuses if int(s.get("trainer_step", 0)) >= self.spec.max_steps]
+        if not finished:
+            self.record.final_status_error = "no run status polled after the trainer's last step"
+            return None
+        best = next((s for s in reversed(finished) if served_final(s, self.spec.max_steps)), finished[-1])
+        (self.spec.run_dir / "final_status.json").write_text(json.dumps(best, indent=2))
+        return best
+
+    def _leftovers(self) -> list[str]:
+        import psutil
+
+        deadline = time.time() + LEFTOVER_GRACE_S
+        left = marked_processes(self.spec.marker)
+        while left and time.time() < deadline:
+            time.sleep(0.5)
+            left = marked_processes(self.spec.marker)
+        described = [describe(p) for p in left]
+        for process in left:  # recorded; now end them: the next run must not share the machine with them
+            try:
+                process.kill()
+            except psutil.Error:  # gone already
+                pass
+        return described

@@ -1,0 +1,52 @@
+"""The seeded kill plan of one chaos run: which role is SIGKILLed, at which kind of moment, in which order.
+
+Kinds of moment:
+- ``random``: a random delay (0 to ``MAX_RANDOM_DELAY_S``) after the trainer's ``step done`` of the arming step;
+- ``push`` (broker only): the moment the broker logs ``weight update stored`` for a new version, i.e. while it
+  fans the update out to the inference workers (the report says whether a worker had applied it before the kill);
+- ``publish-before-checkpoint`` (trainer only): the moment the trainer logs ``policy published`` for a step that
+  is not a checkpoint step, so the newest published version is newer than its newest checkpoint.
+
+Kills run one after another: kill ``i`` is armed once the role of kill ``i - 1`` is back (or a bound passed) and
+the trainer has done ``gap_steps`` more steps, so each recovery is seen on its own.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+
+MAX_RANDOM_DELAY_S = 1.5
+ROLES = ("broker", "inference", "orchestrator", "trainer")
+
+
+@dataclass(frozen=True)
+class KillSpec:
+    role: str
+    moment: str  # random | push | publish-before-checkpoint
+    gap_steps: int  # trainer steps done after the previous recovery before this kill is armed
+    delay_s: float = 0.0  # for moment "random"
+
+    def describe(self) -> str:
+        delay = f" +{self.delay_s:.2f}s" if self.moment == "random" else ""
+        return f"{self.role}@{self.moment}{delay} (after {self.gap_steps} more steps)"
+
+
+def make_plan(seed: int, *, full: bool) -> list[KillSpec]:
+    """Every kind once at a random moment, the broker during a push and the trainer between a publish and its
+    checkpoint; ``full=False`` (the CI profile) keeps one kill per role: push, publish-before-checkpoint, and
+    random moments for the orchestrator and inference."""
+    rng = random.Random(seed)
+    moments = [("broker", "push"), ("trainer", "publish-before-checkpoint"), ("orchestrator", "random"),
+               ("inference", "random")]
+    if full:
+        moments += [("broker", "random"), ("trainer", "random")]
+    rng.shuffle(moments)
+    return [KillSpec(role, moment, gap_steps=rng.randint(1, 2),
+                     delay_s=round(rng.uniform(0.0, MAX_RANDOM_DELAY_S), 3) if moment == "random" else 0.0)
+            for role, moment in moments]
+
+
+def steps_needed(plan: list[KillSpec]) -> int:
+    """Enough steps for every kill to fire with a few steps left to finish on (a rollback retrains one step)."""
+    return 2 + sum(kill.gap_steps + 2 for kill in plan)

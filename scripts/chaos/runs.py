@@ -1,0 +1,261 @@
+"""Setting up one chaos run and running its roles: mode ``separate`` (the four daemons as separate processes, each
+under the systemd-like restarter of ``procs``) or mode ``rl`` (`primerl rl --restart on-failure`, which restarts
+the roles itself; the harness kills the role processes it lists in ``pids.json``).
+
+Config: the example run (``examples/reverse_text_rl.toml``) on the tiny model, shortened (``RUN_OVERRIDES``),
+checkpoints every 2 steps, JSON logs. Mode ``separate`` writes the role configs with
+`primerl rl ... --dry-run --write DIR` and fixes the broker's three ports (as a deployment would); each role gets
+the run token as ``$PRIMERL_RUN_TOKEN`` and `primerl rl`'s default CPU thread budget as environment variables.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import secrets
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import psutil
+
+from procs import MARKER_ENV, Exit, Unit, _die_with_parent
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+EXAMPLE = REPO_ROOT / "examples" / "reverse_text_rl.toml"
+BIN = Path(sys.executable).parent
+ROLES = ("broker", "inference", "orchestrator", "trainer")
+DAEMONS = {"broker": "primerl-broker", "inference": "primerl-infer", "orchestrator": "primerl-orchestrator",
+           "trainer": "primerl-trainer"}
+CKPT_INTERVAL = 2
+RUN_OVERRIDES = ["--orchestrator.batch-size", "16", "--orchestrator.rollouts-per-example", "4",
+                 "--orchestrator.sampling.max-tokens", "16", "--trainer.ckpt.interval", str(CKPT_INTERVAL),
+                 "--log.format", "json"]
+DEFAULT_RESTART_SEC = {"broker": 2.0, "inference": 5.0, "orchestrator": 5.0, "trainer": 5.0}
+BROKER_READY_TIMEOUT_S = 60.0
+RL_STOP_TIMEOUT_S = 90.0
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def shipped_restart_sec() -> dict[str, float]:
+    """``RestartSec`` of the shipped systemd units (deploy/systemd), per role."""
+    found = dict(DEFAULT_RESTART_SEC)
+    for role, daemon in DAEMONS.items():
+        unit = REPO_ROOT / "deploy" / "systemd" / f"{daemon}.service"
+        match = re.search(r"^RestartSec=([0-9.]+)\s*$", unit.read_text(), re.M) if unit.exists() else None
+        if match:
+            found[role] = float(match.group(1))
+    return found
+
+
+def base_env(marker: str) -> dict[str, str]:
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1",
+           "DO_NOT_TRACK": "1", "PYTHONUNBUFFERED": "1", MARKER_ENV: marker}
+    env.setdefault("PRIMERL_ENV_PYTHON", str(REPO_ROOT / ".venv-envs" / "bin" / "python"))
+    env.pop("PRIMERL_RUN_TOKEN", None)
+    return env
+
+
+def build_tiny_model(path: Path) -> Path:
+    if not (path / "config.json").exists():
+        subprocess.run([str(BIN / "primerl"), "init-tiny-model", str(path)], check=True, timeout=300,
+                       stdout=subprocess.DEVNULL)
+    return path
+
+
+def rl_has_restart_option() -> bool:
+    result = subprocess.run([str(BIN / "primerl"), "rl", "--help"], capture_output=True, text=True, timeout=120)
+    return "--restart" in result.stdout
+
+
+@dataclass
+class RunSpec:
+    mode: str  # separate | rl
+    seed: int
+    run_dir: Path
+    model: Path
+    max_steps: int
+    restart_sec: dict[str, float]
+    grpc_port: int
+    token: str
+    marker: str
+
+    @classmethod
+    def create(cls, mode: str, seed: int, run_dir: Path, model: Path, max_steps: int,
+               restart_sec: dict[str, float]) -> RunSpec:
+        return cls(mode, seed, run_dir, model, max_steps, restart_sec, free_port(), secrets.token_urlsafe(24),
+                   f"chaos-{os.getpid()}-{mode}-{seed}-{secrets.token_hex(4)}")
+
+    @property
+    def broker_address(self) -> str:
+        return f"127.0.0.1:{self.grpc_port}"
+
+    def rl_args(self) -> list[str]:
+        return ["@", str(EXAMPLE), "--model.name", str(self.model), "--output-dir", str(self.run_dir),
+                "--max-steps", str(self.max_steps), "--broker.grpc-port", str(self.grpc_port), *RUN_OVERRIDES]
+
+
+class SeparateBackend:
+    """The four daemons, each a ``Unit`` under the restarter."""
+
+    def __init__(self, spec: RunSpec):
+        self.spec = spec
+        self.units: dict[str, Unit] = {}
+
+    def start(self) -> None:
+        from primerl.runtime.cpu_budget import available_cpus, default_budgets, role_env
+
+        spec = self.spec
+        fixed_ports = ["--broker.rollout-port", str(free_port()), "--broker.weight-port", str(free_port())]
+        subprocess.run([str(BIN / "primerl"), "rl", *spec.rl_args(), *fixed_ports, "--dry-run", "--write",
+                        str(spec.run_dir)], check=True, timeout=120, stdout=subprocess.DEVNULL,
+                       env=base_env(spec.marker))
+        budgets = default_budgets(available_cpus(), gpus=False)
+        for role in ROLES:
+            env = {**base_env(spec.marker), "PRIMERL_RUN_TOKEN": spec.token, **role_env(role, budgets[role])}
+            argv = [BIN / DAEMONS[role], "@", spec.run_dir / f"{role}.toml"]
+            if role == "broker":
+                argv += ["--ready-file", spec.run_dir / "broker.ready.json"]
+            self.units[role] = Unit(role, argv, env, spec.run_dir / "logs" / f"{role}.log", spec.restart_sec[role],
+                                    cwd=spec.run_dir)
+        self.units["broker"].start()
+        deadline = time.monotonic() + BROKER_READY_TIMEOUT_S
+        while not (spec.run_dir / "broker.ready.json").exists():
+            if time.monotonic() > deadline or self.units["broker"].poll() is not None:
+                raise RuntimeError(f"the broker did not become ready; see {spec.run_dir / 'logs' / 'broker.log'}")
+            time.sleep(0.1)
+        for role in ("inference", "trainer", "orchestrator"):
+            self.units[role].start()
+
+    def poll(self) -> list[Exit]:
+        return [e for e in (unit.poll() for unit in self.units.values()) if e is not None]
+
+    def pid(self, role: str) -> int | None:
+        return self.units[role].pid
+
+    def kill(self, role: str) -> int | None:
+        return self.units[role].kill()
+
+    def finished(self) -> bool:
+        return self.units["trainer"].state == "done"
+
+    def given_up(self) -> list[str]:
+        return [role for role, unit in self.units.items() if unit.state == "failed"]
+
+    def stop(self, timeout_s: float = 30.0) -> None:
+        """Like `primerl rl` at the end: the others first, the broker last."""
+        for role in ("trainer", "orchestrator", "inference", "broker"):
+            if role in self.units:
+                self.units[role].stop(timeout_s)
+
+    def exits(self) -> list[Exit]:
+        return [e for unit in self.units.values() for e in unit.exits]
+
+    def starts(self) -> dict[str, int]:
+        return {role: len(unit.starts) for role, unit in self.units.items()}
+
+
+class RlBackend:
+    """`primerl rl --restart on-failure`; its roles' pids come from ``pids.json``."""
+
+    def __init__(self, spec: RunSpec):
+        self.spec = spec
+        self.process: subprocess.Popen | None = None
+        self.seen: dict[str, list[int]] = {role: [] for role in ROLES}
+        self.ended: set[int] = set()
+        self.killed: set[int] = set()
+        self._exits: list[Exit] = []
+        self.trainer_finished = False  # set by the driver once the trainer logged "training finished"
+
+    def start(self) -> None:
+        spec = self.spec
+        spec.run_dir.mkdir(parents=True, exist_ok=True)
+        env = {**base_env(spec.marker), "PRIMERL_RUN_TOKEN": spec.token}
+        self.log_path = spec.run_dir / "logs" / "primerl-rl.log"
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.log_path, "ab") as log_file:
+            self.process = subprocess.Popen(
+                [str(BIN / "primerl"), "rl", *spec.rl_args(), "--restart", "on-failure"], stdout=log_file,
+                stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env, cwd=spec.run_dir.parent,
+                start_new_session=True, preexec_fn=_die_with_parent)
+
+    def _pids(self) -> dict[str, int]:
+        try:
+            return {k: int(v) for k, v in json.loads((self.spec.run_dir / "pids.json").read_text()).items()}
+        except (OSError, ValueError):
+            return {}
+
+    @staticmethod
+    def _alive(pid: int) -> bool:
+        try:
+            return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+        except psutil.Error:
+            return False
+
+    def poll(self) -> list[Exit]:
+        for role, pid in self._pids().items():
+            if role in self.seen and pid not in self.seen[role]:
+                self.seen[role].append(pid)
+        new = []
+        for role, pids in self.seen.items():
+            for pid in pids:
+                if pid in self.ended or self._alive(pid):
+                    continue
+                self.ended.add(pid)
+                ending = self.process is not None and self.process.poll() is not None
+                planned = pid in self.killed or ending or (role == "trainer" and self.trainer_finished) \
+                    or (self.trainer_finished and role != "trainer")
+                new.append(Exit(role, pid, -signal.SIGKILL if pid in self.killed else 0, time.time(), planned))
+        self._exits += new
+        return new
+
+    def pid(self, role: str) -> int | None:
+        pid = self._pids().get(role)
+        return pid if pid is not None and self._alive(pid) else None
+
+    def kill(self, role: str) -> int | None:
+        pid = self.pid(role)
+        if pid is None:
+            return None
+        self.killed.add(pid)
+        os.kill(pid, signal.SIGKILL)
+        return pid
+
+    def finished(self) -> bool:
+        return self.process is not None and self.process.poll() is not None
+
+    def given_up(self) -> list[str]:
+        return []
+
+    def stop(self, timeout_s: float = RL_STOP_TIMEOUT_S) -> None:
+        if self.process is None:
+            return
+        try:
+            self.process.wait(timeout_s if self.trainer_finished else 0.1)
+        except subprocess.TimeoutExpired:
+            os.kill(self.process.pid, signal.SIGTERM)
+            try:
+                self.process.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                os.kill(self.process.pid, signal.SIGKILL)
+                self.process.wait(10.0)
+        self.poll()
+
+    def exits(self) -> list[Exit]:
+        return list(self._exits)
+
+    def starts(self) -> dict[str, int]:
+        return {role: len(pids) for role, pids in self.seen.items()}
+
+    def exit_code(self) -> int | None:
+        return None if self.process is None else self.process.poll()

@@ -9,6 +9,8 @@ import signal
 from primerl.cli.role_entry import run_role, write_ready_file
 
 STOP_GRACE_S = 10.0
+SHUTDOWN_GRACE_S = 4.0
+"""When the broker ends the run: in-flight requests get this long, so the daemon is gone within 10 s."""
 
 
 async def _serve(config, args: argparse.Namespace, log) -> int:
@@ -35,7 +37,7 @@ async def _serve(config, args: argparse.Namespace, log) -> int:
                                                "base_url": address.base_url, "worker_id": service.control.worker_id})
         return await service.serve_until(stop_event)
     finally:
-        await service.stop(grace_s=STOP_GRACE_S)
+        await service.stop(grace_s=SHUTDOWN_GRACE_S if service.stopped_by_broker else STOP_GRACE_S)
 
 
 def serve(config, args: argparse.Namespace) -> int:
@@ -43,7 +45,15 @@ def serve(config, args: argparse.Namespace) -> int:
 
     from primerl.runtime.cpu_budget import apply_budget
 
+    import os
+
+    from primerl.inference.vllm_plugin import INFER_PID_ENV
+    from primerl.runtime.parent_death import install_fork_hook
+
     log = configure_logging("inference", level=config.log.level, fmt=config.log.format)
+    # vLLM's engine core (forked on CPU, spawned on GPU) and what it starts end with this daemon, even SIGKILLed.
+    install_fork_hook()
+    os.environ[INFER_PID_ENV] = str(os.getpid())
     apply_budget("inference", config.threads, log=log)  # before vLLM starts: its CPU binding, the wait policy
     return asyncio.run(_serve(config, args, log))
 

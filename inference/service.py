@@ -119,13 +119,44 @@ class AsyncEngineOps:
         self.run(self.engine.resume_generation(), 30.0)
 
 
+WORK_DIR_PREFIX = "primerl-infer-"
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's process has that pid now
+        return True
+    return True
+
+
+def remove_stale_work_dirs(base: str | os.PathLike[str]) -> list[Path]:
+    """Remove the work directories (``primerl-infer-<pid>-*``) under ``base`` whose daemon is dead (one killed
+    before its `stop`); returns them. A directory whose pid is alive (maybe reused) is left alone."""
+    removed = []
+    for path in Path(base).glob(f"{WORK_DIR_PREFIX}*"):
+        pid = path.name[len(WORK_DIR_PREFIX):].split("-", 1)[0]
+        if not path.is_dir() or not pid.isdigit() or int(pid) == os.getpid() or _pid_alive(int(pid)):
+            continue
+        shutil.rmtree(path, ignore_errors=True)
+        if not path.exists():
+            removed.append(path)
+    if removed:
+        log.info("removed work directories of dead inference daemons", paths=[str(p) for p in removed])
+    return removed
+
+
 def _make_work_dir() -> Path:
-    """A private directory for vLLM's IPC sockets and the LoRA adapters (removed at stop). Unix socket paths are
-    short, so it lives in the temp dir only when that path is short too."""
+    """A private directory for vLLM's IPC sockets and the LoRA adapters (removed at stop), named with this
+    daemon's pid: the next daemon to start removes it if this one is killed. Unix socket paths are short, so it
+    lives in the temp dir only when that path is short too."""
     base = tempfile.gettempdir()
-    if len(os.fsencode(base)) > _MAX_WORK_DIR_BYTES - 25:
+    if len(os.fsencode(base)) > _MAX_WORK_DIR_BYTES - 33:  # "/primerl-infer-<pid>-<8>/vllm"
         base = "/tmp"
-    return Path(tempfile.mkdtemp(prefix="primerl-infer-", dir=base))
+    remove_stale_work_dirs(base)
+    return Path(tempfile.mkdtemp(prefix=f"{WORK_DIR_PREFIX}{os.getpid()}-", dir=base))
 
 
 class InferenceService:
@@ -143,6 +174,7 @@ class InferenceService:
         self.control: ControlClient | None = None
         self.address: ServerAddress | None = None
         self.fatal_error: str | None = None
+        self.stopped_by_broker = False  # serve_until returned because the broker ended the run
         self.num_updates_applied = 0
         self.num_updates_refused = 0
         self.metrics = inference_families()
@@ -225,6 +257,7 @@ class InferenceService:
                 return 1
             if self.control is not None and self.control.shutdown_requested.is_set():
                 log.info("stopping: the broker asked this worker to shut down")
+                self.stopped_by_broker = True
                 return 0
 
     async def stop(self, grace_s: float = 10.0) -> None:

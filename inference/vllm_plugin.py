@@ -27,6 +27,10 @@ spawn because its multiprocess executor's workers must set up OpenMP in a fresh 
 engine core there is no such process, and primerl-infer runs no torch work before the engine starts.
 primerl-infer sets it on CPU; ``spawn`` goes back to vLLM's choice. Measured on 2 cores, the demo: vLLM ready
 in 13.0 / 12.8 s against 18.4 / 20.1 s.
+
+``PRIMERL_INFER_PID``: the pid of the primerl-infer daemon. A vLLM process whose parent it is (an engine core
+*spawned* by it; a forked one is covered by ``primerl.runtime.parent_death.install_fork_hook``) ends with
+SIGKILL when the daemon dies, SIGKILL included, instead of living on for seconds.
 """
 
 from __future__ import annotations
@@ -37,12 +41,14 @@ import os
 BUSY_LOOP_ENV = "PRIMERL_VLLM_BUSY_LOOP_S"
 EXECUTOR_ENV = "PRIMERL_VLLM_CPU_EXECUTOR"
 START_METHOD_ENV = "PRIMERL_VLLM_CPU_START_METHOD"
+INFER_PID_ENV = "PRIMERL_INFER_PID"
 
 logger = logging.getLogger("primerl.inference.vllm_plugin")
 
 
 def register() -> None:
     """vLLM calls this in every process it starts (API server, engine core, workers) before their queues exist."""
+    die_with_the_daemon()
     if os.environ.get(EXECUTOR_ENV) == "uni":
         keep_uniproc_executor_on_cpu()
     value = os.environ.get(BUSY_LOOP_ENV)
@@ -56,6 +62,18 @@ def register() -> None:
         logger.warning("%s=%r is not a number of seconds >= 0; vLLM's default is kept", BUSY_LOOP_ENV, value)
         return
     set_queue_busy_loop(busy_loop_s)
+
+
+def die_with_the_daemon() -> bool:
+    """In a process spawned by primerl-infer (``PRIMERL_INFER_PID`` is its parent): end with it. Returns True
+    when armed."""
+    value = os.environ.get(INFER_PID_ENV, "")
+    if not value.isdigit() or int(value) == os.getpid() or int(value) != os.getppid():
+        return False
+    from primerl.runtime.parent_death import die_with_parent
+
+    die_with_parent(int(value))
+    return True
 
 
 def set_queue_busy_loop(busy_loop_s: float) -> bool:

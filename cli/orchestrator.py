@@ -41,11 +41,20 @@ def serve(config, args: argparse.Namespace) -> int:
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
+    from primerl.broker.control_client import BrokerError
+    from primerl.orchestrator.env_client import EnvWorkerError
+    from primerl.orchestrator.rollout_failures import RolloutsFailing
+    from primerl.runtime.broker_outage import BrokerOutageExceeded
+
     try:
         return OrchestratorRunner(config, env_python=env_python(config), stop_event=stop_event).run()
     except ValueError as exc:
         log.error("orchestrator cannot continue", error=str(exc))
         return 2
+    except (RolloutsFailing, BrokerOutageExceeded, BrokerError, EnvWorkerError, TimeoutError) as exc:
+        # faults that make the orchestrator useless: one clear line (the launcher prints it), exit non-zero
+        log.error("orchestrator cannot continue", error=str(exc), error_type=type(exc).__name__)
+        return 1
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -36,6 +36,10 @@ class BatchSenderClosed(RuntimeError):
     """The sender was closed (or its thread stopped) while steps were still to be sent."""
 
 
+class SendInterrupted(RuntimeError):
+    """``put`` gave up waiting for room because its stop event was set (the step was not queued)."""
+
+
 class BatchSender:
     def __init__(self, send_step: Callable[[int, Any], None], *, max_pending: int = 1, name: str = "batch-sender"):
         if max_pending < 1:
@@ -54,9 +58,11 @@ class BatchSender:
 
     # -- caller side ---------------------------------------------------------------------------------
 
-    def put(self, step: int, item: Any, on_sent: Callable[[float], None], timeout_s: float) -> float:
-        """Queue one step; returns the seconds this call waited for room. Raises the send thread's error, or
-        ``TimeoutError`` when no room came within ``timeout_s``."""
+    def put(self, step: int, item: Any, on_sent: Callable[[float], None], timeout_s: float,
+            should_stop: Callable[[], bool] | None = None) -> float:
+        """Queue one step; returns the seconds this call waited for room. Raises the send thread's error,
+        ``TimeoutError`` when no room came within ``timeout_s``, or ``SendInterrupted`` once ``should_stop()`` is
+        true while it waits (looked at every ``PUT_POLL_S``)."""
         self.check()
         started = time.monotonic()
         deadline = started + timeout_s
@@ -70,6 +76,10 @@ class BatchSender:
                 self.check()
                 if not self._thread.is_alive():
                     raise BatchSenderClosed("the send thread is not running") from None
+                if should_stop is not None and should_stop():
+                    with self._lock:
+                        self._num_put -= 1
+                    raise SendInterrupted(f"stopped while step {step} waited for room in the send queue") from None
                 if time.monotonic() >= deadline:
                     with self._lock:
                         self._num_put -= 1
@@ -138,4 +148,4 @@ class BatchSender:
                 self._idle.notify_all()
 
 
-__all__ = ["BatchSender", "BatchSenderClosed"]
+__all__ = ["BatchSender", "BatchSenderClosed", "SendInterrupted"]

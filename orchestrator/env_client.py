@@ -151,11 +151,22 @@ class EnvWorker:
         return self._process.pid if self._process is not None else None
 
     def restart(self) -> EnvInfo:
-        """Stop the process (pending requests fail with EnvWorkerDied) and start a new one."""
+        """Stop the process (pending requests fail with EnvWorkerDied) and start a new one. Logs
+        ``restarting env worker`` with the old process's exit code (None: it was still running)."""
+        old_pid = self.pid
+        exit_code = self._process.poll() if self._process is not None else None
+        reason = self._dead_reason
         self.close()
         self.num_restarts += 1
-        log.warning("restarting env worker", env_id=self.env_id, num_restarts=self.num_restarts)
+        log.warning("restarting env worker", env_id=self.env_id, num_restarts=self.num_restarts,
+                    max_restarts=self.max_restarts, pid=old_pid, exit_code=exit_code,
+                    reason=(reason or "").split("\n", 1)[0][:300])
         return self.start()
+
+    @property
+    def exit_code(self) -> int | None:
+        """The process's exit code once it ended (None while it runs, or before ``start``)."""
+        return self._process.poll() if self._process is not None else None
 
     def ensure_alive(self) -> EnvInfo:
         """Restart a dead worker; raises EnvWorkerDied once `max_restarts` restarts are used up."""
@@ -359,12 +370,14 @@ class EnvWorker:
             process.wait(timeout=5.0)
         except subprocess.TimeoutExpired:
             pass
+        if process is not self._process:
+            return  # restarted meanwhile: close() failed this process's requests; the new one is not ours to fail
         for thread in self._threads:
             if thread.name.endswith("-err") and thread is not threading.current_thread():
                 thread.join(timeout=2.0)
         if not self._closed.is_set():
             self._dead_reason = self._death_message("its stdout closed")
-            log.error("env worker died", env_id=self.env_id, reason=self._dead_reason)
+            log.error("env worker died", env_id=self.env_id, exit_code=process.returncode, reason=self._dead_reason)
         self._fail_all(EnvWorkerDied(self._dead_reason or f"env worker of {self.env_id!r} was closed"))
 
     def _read_stderr(self, process: subprocess.Popen[bytes]) -> None:

@@ -24,6 +24,21 @@ finished during the step: ``perf/env_roundtrip_s`` (submit to answer), ``perf/in
 model calls, as the env worker timed them), ``perf/env_score_s``, ``perf/env_encode_s`` and
 ``perf/env_overhead_s`` (round trip minus the worker's own time: the pipe, JSON, queueing).
 
+Faults (issue 14):
+- An env worker that dies is restarted (``EnvWorker.ensure_alive``, at most ``ENV_WORKER_MAX_RESTARTS`` times,
+  log ``restarting env worker`` with its exit code); its in-flight groups are dispatched again first
+  (``rollout/rescheduled`` counts their rollouts). Past the limit the orchestrator stops with the worker's error.
+- Failed rollouts are counted by kind (``primerl.orchestrator.rollout_failures``): each kind logged once
+  (``rollout failed``) and sent to the broker's status, counted in ``rollout/errors`` and
+  ``rollout/errors/<kind>``; ``batch_size`` failures in a row stop the orchestrator with one clear error.
+- Broker outages: the worker list is read in its own thread (``primerl.orchestrator.endpoints``) and steps are
+  sent through outages (``primerl.orchestrator.step_send``), both within ``broker.outage_s``, logging
+  ``waiting for the broker`` every 5 s; meanwhile the main loop keeps collecting rollouts (it blocks only once
+  two steps wait to be sent, or to report a step's metrics). Past the budget: ``BrokerOutageExceeded``.
+- ``control.shutdown_requested`` (the broker ended the run) or SIGTERM: the loop stops, steps already handed
+  to the send thread get a short grace, and ``run`` returns 0.
+- Once every micro-batch of a step is durable, one ``step sent`` line per rank names its ``data_digest``.
+
 Metrics: one row per step (and one per eval) in ``{output_dir}/metrics.jsonl``, W&B with ``[wandb]``
 (``primerl.runtime.metrics_sink``), and a Prometheus endpoint (``[orchestrator.prometheus]``, its URL sent to
 the broker as ``metrics_url``) with the rows' ``primerl_step`` / ``primerl_metric`` families and live
@@ -49,11 +64,15 @@ import numpy as np
 
 from primerl.orchestrator.advantages import prepare_groups
 from primerl.orchestrator.async_bound import AsyncBound
-from primerl.orchestrator.batch_sender import BatchSender
+from primerl.orchestrator.batch_sender import BatchSender, SendInterrupted
 from primerl.orchestrator.config import OrchestratorConfig
+from primerl.orchestrator.endpoints import EndpointWatcher
 from primerl.orchestrator.filtering import BatchAssembler, DifficultyFilter
 from primerl.orchestrator.packing import pack_samples, to_broker_batches
+from primerl.orchestrator.rollout_failures import RolloutFailures, kind_name
 from primerl.orchestrator.samples import Group, MalformedTrajectory, TurnTokens, trajectory_to_samples
+from primerl.orchestrator.step_send import RESEND_INTERVAL_S, log_step_sent, send_step
+from primerl.runtime.broker_outage import OutageStopped, OutageWatch, retry_through_outage
 from primerl.runtime.log_setup import bind_context, get_logger
 from primerl.runtime.metrics_sink import MetricsSink
 from primerl.runtime.prometheus import MetricsExporter, start_exporter
@@ -64,6 +83,8 @@ WORKER_REFRESH_S = 1.0
 VERSION_WAIT_S = 0.05  # re-read the served versions this often while dispatch waits for a newer policy
 COLLECT_WAIT_S = 0.5  # the longest the main loop waits for a rollout group before looking at the rest again
 STOP_FLUSH_S = 30.0  # on stop, how long steps already handed to the send thread may take to be sent
+SHUTDOWN_FLUSH_S = 2.0  # the same when the broker ended the run (the role must be gone within 10 s)
+ENV_WORKER_MAX_RESTARTS = 3  # restarts of each env worker before the orchestrator gives up
 
 
 @dataclass
@@ -143,9 +164,15 @@ class OrchestratorRunner:
         self.exporter: MetricsExporter | None = None
         self.sink: MetricsSink | None = None
         self._next_group_id = 0
-        self._endpoints_refreshed_s = 0.0
         self._waiting_for_version = False
         self.sender: BatchSender | None = None
+        self.endpoint_watcher: EndpointWatcher | None = None
+        self._endpoints_generation = -1
+        self._rescheduled: collections.deque[tuple[str, int]] = collections.deque()  # (env_id, example)
+        self._send_stop = threading.Event()  # ends the send thread's waits when the orchestrator stops
+        self._broker_lost = False  # stopped by BrokerOutageExceeded: no goodbye to the broker
+        self._stop_reason = ""
+        self.failures: RolloutFailures | None = None
 
     # -- set-up --------------------------------------------------------------------------------------
 
@@ -162,9 +189,10 @@ class OrchestratorRunner:
         self.sink = MetricsSink("orchestrator", config.output_dir, config.wandb, config, exporter=self.exporter)
 
     def _connect(self) -> None:
-        from primerl.broker.control_client import ControlClient
+        from primerl.broker.control_client import BrokerUnavailable, ControlClient
         from primerl.broker.rollout_clients import RolloutProducer
         from primerl.orchestrator.env_client import EnvWorker
+        from primerl.proto.v1 import common_pb2
 
         config = self.config
         capabilities = {"metrics_url": self.exporter.url} if self.exporter is not None else {}
@@ -174,13 +202,23 @@ class OrchestratorRunner:
         self.progress = {"orchestrator_step": 0, "num_inflight": 0}
         self.control.start_heartbeats(lambda: dict(self.progress))
         self.producer = RolloutProducer(registration.rollout_endpoint, auth_token=config.broker.run_token,
-                                        sender="orchestrator")
+                                        sender="orchestrator", resend_interval_s=RESEND_INTERVAL_S)
         self.sender = BatchSender(self._send_step)
+        self._broker_unavailable = (BrokerUnavailable,)
+        self.endpoint_watcher = EndpointWatcher(lambda: self.control.list_workers(common_pb2.ROLE_INFERENCE),
+                                                outage_s=config.broker.outage_s, healable=self._broker_unavailable,
+                                                interval_s=WORKER_REFRESH_S, fast_interval_s=VERSION_WAIT_S)
+        self.endpoint_watcher.start()
+        self.failures = RolloutFailures(
+            config.batch_size, report=self.control.report_error,
+            hint_values={"seq_len": config.seq_len, "model": config.model.name,
+                         "rollout_timeout_s": config.rollout_timeout_s})
         sizes, weights = {}, {}
         for env in config.env:
             if env.id in self.workers:
                 raise ValueError(f"environment {env.id!r} is listed twice in orchestrator.env")
-            worker = EnvWorker(self.env_python, env.id, env.args, request_timeout_s=config.rollout_timeout_s)
+            worker = EnvWorker(self.env_python, env.id, env.args, request_timeout_s=config.rollout_timeout_s,
+                               max_restarts=ENV_WORKER_MAX_RESTARTS)
             info = worker.start()
             self.workers[env.id] = worker
             sizes[env.id], weights[env.id] = info.num_examples, env.weight
@@ -191,7 +229,8 @@ class OrchestratorRunner:
         self.eval_workers: dict[str, Any] = {}
         if config.eval is not None:
             for env in config.eval.env:
-                worker = EnvWorker(self.env_python, env.id, env.args, request_timeout_s=config.rollout_timeout_s)
+                worker = EnvWorker(self.env_python, env.id, env.args, request_timeout_s=config.rollout_timeout_s,
+                                   max_restarts=ENV_WORKER_MAX_RESTARTS)
                 info = worker.start()
                 self.eval_workers[env.id] = worker
                 log.info("eval environment loaded", env_id=env.id, num_eval_examples=info.num_eval_examples,
@@ -217,6 +256,8 @@ class OrchestratorRunner:
     # -- the loop ------------------------------------------------------------------------------------
 
     def run(self) -> int:
+        from primerl.runtime.broker_outage import BrokerOutageExceeded
+
         self.config.output_dir.mkdir(parents=True, exist_ok=True)
         try:
             self._open_metrics()
@@ -226,15 +267,60 @@ class OrchestratorRunner:
                 self.step_gauge.set(start_step - 1)
             for step in range(start_step, self.config.max_steps + 1):
                 bind_context(step=step)
-                if not self._produce_step(step):
-                    log.info("stopping", step=step)
-                    self._flush_sender(min(STOP_FLUSH_S, self.config.rollout_timeout_s))
+                try:
+                    produced = self._produce_step(step)
+                except SendInterrupted:
+                    produced = False
+                if not produced:
+                    log.info("stopping", step=step, reason=self._stop_reason)
+                    self._stop_flush()
                     return 0
-            self._flush_sender(self.config.rollout_timeout_s)
+            self._flush_sender(self.config.rollout_timeout_s + self.config.broker.outage_s)
             log.info("all steps produced", max_steps=self.config.max_steps)
             return 0
+        except BrokerOutageExceeded:
+            self._broker_lost = True
+            raise
+        except BaseException as exc:
+            self._report_fatal(exc)
+            raise
         finally:
             self.close()
+
+    def _should_stop(self) -> bool:
+        """SIGTERM (``stop_event``), or the broker ended the run (``control.shutdown_requested``)."""
+        if self.stop_event.is_set():
+            self._stop_reason = self._stop_reason or "stop requested (signal)"
+            return True
+        if self.control is not None and self.control.shutdown_requested.is_set():
+            self._stop_reason = self._stop_reason or "the broker asked the orchestrator to shut down"
+            return True
+        return False
+
+    def _stop_flush(self) -> None:
+        """On stop: give the steps already handed to the send thread a grace (short when the broker ended the run:
+        it takes no more batches), then end the send thread's waits."""
+        shutdown = self.control is not None and self.control.shutdown_requested.is_set()
+        grace_s = SHUTDOWN_FLUSH_S if shutdown else min(STOP_FLUSH_S, self.config.rollout_timeout_s)
+        try:
+            self._flush_sender(grace_s)
+        except (TimeoutError, OutageStopped) as exc:
+            log.warning("steps not sent before stopping; a restart sends them again",
+                        num_unsent=self.sender.num_unsent if self.sender else 0, error=str(exc))
+        finally:
+            self._send_stop.set()
+
+    def _report_fatal(self, exc: BaseException) -> None:
+        """Hand the error that stops the orchestrator to the broker's status (one heartbeat, best effort)."""
+        from primerl.broker.control_client import BrokerError
+
+        if self.control is None or isinstance(exc, (KeyboardInterrupt, SystemExit)):
+            return
+        self.control.report_error(f"orchestrator stopped: {type(exc).__name__}: {str(exc)[:600]}")
+        try:
+            self.control.heartbeat(dict(getattr(self, "progress", {})))
+        except (BrokerError, ValueError) as err:
+            log.warning("could not report the error to the broker", error=str(err))
 
     def _flush_sender(self, timeout_s: float) -> None:
         """Wait until the steps handed to the send thread are sent (their errors are raised here)."""
@@ -247,7 +333,7 @@ class OrchestratorRunner:
         self.timers: collections.Counter = collections.Counter()
         min_version = self.bound.min_policy_version(step)
         while (batch := self.assembler.take(min_policy_version=min_version)) is None:
-            if self.stop_event.is_set():
+            if self._should_stop():
                 return False
             if self.sender is not None:
                 self.sender.check()  # a failed send stops the run here, in the main thread
@@ -269,22 +355,37 @@ class OrchestratorRunner:
                 self.step_gauge.set(step)
 
         assert self.sender is not None
-        self.timers["send_wait_s"] += self.sender.put(step, messages, on_sent, timeout_s=self.config.rollout_timeout_s)
+        self.timers["send_wait_s"] += self.sender.put(
+            step, (messages, packed.per_rank), on_sent,
+            timeout_s=self.config.rollout_timeout_s + self.config.broker.outage_s, should_stop=self._should_stop)
         self.timers["send_s"] = self.sender.last_send_s
         self._report(step, batch, packed, time.monotonic() - started_s)
         if self.config.eval is not None and step % self.config.eval.interval == 0:
             self._evaluate(step)
         return True
 
-    def _send_step(self, step: int, messages: list[tuple[Any, bytes]]) -> None:
-        """On the send thread: one step's batches to the broker, until every one is durable."""
+    def _send_step(self, step: int, item: tuple[list[tuple[Any, bytes]], Any]) -> None:
+        """On the send thread: one step's batches to the broker, through outages, until every one is durable;
+        then its ``step sent`` lines (``primerl.orchestrator.step_send``)."""
         from primerl.broker.rollout_clients import RolloutRefused
 
+        messages, per_rank = item
         try:
-            self.producer.send_batches(messages, timeout_s=self.config.rollout_timeout_s)
+            send_step(self.producer, step, messages, outage_s=self.config.broker.outage_s,
+                      backpressure_timeout_s=self.config.rollout_timeout_s, stop_event=self._send_stop)
         except RolloutRefused as exc:  # e.g. a broker spool that still holds another run's step
             raise ValueError(f"the broker refused the batches of step {step}: {exc}. If this is a new run, give the "
                              "broker a fresh spool_dir; to continue a run, keep the orchestrator's output_dir") from None
+        log_step_sent(step, per_rank)
+
+    def _report_metrics(self, step: int, metrics: dict[str, float]) -> None:
+        """``report_metrics`` to the broker, waiting through an outage (within ``broker.outage_s``)."""
+        watch = OutageWatch(f"ReportMetrics({step})", self.config.broker.outage_s, worker="orchestrator")
+        try:
+            retry_through_outage(lambda: self.control.report_metrics(step, metrics), watch, self._broker_unavailable,
+                                 stop_event=self.stop_event)
+        except OutageStopped:
+            log.warning("metrics not reported to the broker: stopping", step=step)
 
     @contextlib.contextmanager
     def _timed(self, name: str) -> Iterator[None]:
@@ -302,6 +403,8 @@ class OrchestratorRunner:
         if endpoint is None:
             log.warning("no inference worker for the eval; skipped", step=step)
             return
+        for worker in self.eval_workers.values():
+            worker.ensure_alive()
         from primerl.orchestrator.evaluation import run_eval_groups, summarize_groups
 
         started_s = time.monotonic()
@@ -320,27 +423,25 @@ class OrchestratorRunner:
             summary = summarize_groups(groups, failed, rollouts_per_group=eval_config.rollouts_per_example)
             metrics.update(summary.as_metrics(f"eval/{env_id}"))
         metrics["eval/time_s"] = time.monotonic() - started_s
-        self.control.report_metrics(step, metrics)
+        self._report_metrics(step, metrics)
         self.sink.log(step, metrics)
         log.info("eval done", step=step, **{k: round(v, 4) for k, v in metrics.items() if k.endswith("/reward")})
 
     def _refresh_endpoints(self) -> None:
-        now = time.monotonic()
-        interval_s = VERSION_WAIT_S if self._waiting_for_version else WORKER_REFRESH_S
-        if now - self._endpoints_refreshed_s < interval_s and self.endpoints:
+        """Take the endpoint watcher's latest worker list (no IO here; its thread reads the broker)."""
+        watcher = self.endpoint_watcher
+        assert watcher is not None
+        watcher.check()  # BrokerOutageExceeded (or another error of the list call) stops the run here
+        watcher.set_fast(self._waiting_for_version)
+        generation, workers = watcher.snapshot()
+        if generation == self._endpoints_generation:
             return
-        self._endpoints_refreshed_s = now
-        from primerl.proto.v1 import common_pb2
-
+        self._endpoints_generation = generation
         alive = {}
-        for info in self.control.list_workers(common_pb2.ROLE_INFERENCE):
-            if not info.address:
-                continue
-            known = self.endpoints.get(info.worker_id)
-            version = info.policy_version if info.HasField("policy_version") else 0
-            endpoint = known or InferenceEndpoint(info.worker_id, info.address.rstrip("/") + "/v1", version)
+        for worker_id, (base_url, version) in workers.items():
+            endpoint = self.endpoints.get(worker_id) or InferenceEndpoint(worker_id, base_url, version)
             endpoint.policy_version = version
-            alive[info.worker_id] = endpoint
+            alive[worker_id] = endpoint
         if not alive and self.endpoints:
             log.warning("no inference worker is alive; waiting for one")
         self.endpoints = alive
@@ -362,7 +463,8 @@ class OrchestratorRunner:
         entries: dict[tuple[str, str, int | None], list[_Inflight]] = collections.defaultdict(list)
         for _ in range(groups_wanted - len(self.inflight)):
             endpoint = min(self.endpoints.values(), key=lambda e: e.num_inflight)
-            env_id, example_index = self.sampler.next()
+            # groups lost with a dead env worker go first (their draws were made already)
+            env_id, example_index = self._rescheduled.popleft() if self._rescheduled else self.sampler.next()
             seed = config.sampling.seed
             if seed is not None:  # a different, reproducible seed per group
                 seed = seed + self._next_group_id
@@ -374,6 +476,7 @@ class OrchestratorRunner:
         for key, example_indices in batches.items():
             env_id, _, seed = key
             endpoint = entries[key][0].endpoint
+            self._ensure_worker(env_id)
             futures = self.workers[env_id].submit_rollouts(
                 example_indices, num_rollouts=config.rollouts_per_example, base_url=endpoint.base_url,
                 model=config.model.name, api_key=config.broker.run_token or "EMPTY",
@@ -389,11 +492,35 @@ class OrchestratorRunner:
         if self.exporter is not None:
             self.inflight_gauge.set(num_inflight)
 
-    def _count_error(self, kind: str) -> None:
-        """A failed rollout (``rollout_errors``) or rollout group (``env_errors``): both add to rollout/errors."""
+    def _count_error(self, kind: str, failure_kind: str, error: str, num_rollouts: int = 1) -> None:
+        """A failed rollout (``rollout_errors``) or rollout group (``env_errors``): both add to rollout/errors;
+        ``failure_kind`` (the error's class) is counted apart and reported (``RolloutFailures``)."""
         self.counters[kind] += 1
+        self.counters[f"errors/{kind_name(failure_kind)}"] += num_rollouts
         if self.exporter is not None:
             self.errors_counter.inc()
+        assert self.failures is not None
+        self.failures.failed(failure_kind, error, num_rollouts)
+
+    def _ensure_worker(self, env_id: str) -> None:
+        """Restart a dead env worker (``EnvWorkerDied`` once its restarts are used up)."""
+        from primerl.orchestrator.env_client import EnvWorkerDied
+
+        worker = self.workers[env_id]
+        while not worker.is_alive():
+            try:
+                worker.ensure_alive()
+            except EnvWorkerDied:  # the new process died at start: try again while restarts are left
+                if worker.num_restarts >= worker.max_restarts:
+                    raise
+
+    def _reschedule(self, entry: _Inflight, exc: BaseException) -> None:
+        """A group lost with its env worker: restart the worker, dispatch the same example again."""
+        self._ensure_worker(entry.env_id)
+        self._rescheduled.append((entry.env_id, entry.example_index))
+        self.counters["rescheduled"] += self.config.rollouts_per_example
+        log.info("rollout group rescheduled", env_id=entry.env_id, example_index=entry.example_index,
+                 reason=str(exc).split("\n", 1)[0][:200])
 
     def _collect(self, timeout_s: float) -> None:
         if not self.inflight:
@@ -403,15 +530,20 @@ class OrchestratorRunner:
         with self._timed("collect_wait_s"):
             done, _ = concurrent.futures.wait(list(self.inflight), timeout=timeout_s,
                                               return_when=concurrent.futures.FIRST_COMPLETED)
+        from primerl.orchestrator.env_client import EnvRequestError, EnvWorkerDied
+
         for future in done:
             entry = self.inflight.pop(future)
             entry.endpoint.num_inflight -= self.config.rollouts_per_example
             try:
                 rollout_group = future.result()
+            except EnvWorkerDied as exc:  # the worker is restarted and the group dispatched again
+                self._reschedule(entry, exc)
+                continue
             except Exception as exc:  # an env worker failure: counted, reported, the group is dropped
-                self._count_error("env_errors")
-                log.warning("rollout group failed", env_id=entry.env_id, error=str(exc))
-                self.control.report_error(f"{entry.env_id}: {exc}")
+                failure_kind = exc.error_type if isinstance(exc, EnvRequestError) else type(exc).__name__
+                self._count_error("env_errors", failure_kind, f"{entry.env_id}: {exc}",
+                                  self.config.rollouts_per_example)
                 continue
             self._time_group(rollout_group)
             with self._timed("to_samples_s"):
@@ -425,6 +557,8 @@ class OrchestratorRunner:
             self.counters["groups_done"] += 1
         if done:
             self._inflight_changed()
+            assert self.failures is not None
+            self.failures.check()  # a step's worth of failures in a row stops the run
 
     def _time_group(self, rollout_group: Any) -> None:
         """Add a finished group's env-worker timings to the step's sums (means are taken in ``_report``)."""
@@ -456,7 +590,8 @@ class OrchestratorRunner:
         samples = []
         for rollout in rollout_group.rollouts:
             if not rollout.ok or rollout.reward is None:
-                self._count_error("rollout_errors")
+                self._count_error("rollout_errors", rollout.error_type or "RolloutError",
+                                  f"{entry.env_id}: {rollout.error}")
                 continue
             turns = [TurnTokens.from_wire_turn(t, temperature=config.sampling.temperature,
                                                default_policy_version=entry.dispatched_version) for t in rollout.turns]
@@ -468,7 +603,10 @@ class OrchestratorRunner:
                 )
             except MalformedTrajectory as exc:
                 self.counters[f"malformed_{exc.reason}"] += 1
-                self._count_error("rollout_errors")
+                self._count_error("rollout_errors", f"malformed_{exc.reason}", f"{entry.env_id}: {exc}")
+            else:
+                assert self.failures is not None
+                self.failures.succeeded()
             self.counters["rollouts"] += 1
             self.counters["completion_tokens"] += rollout.num_completion_tokens
             self.counters["truncated"] += int(rollout.is_truncated)
@@ -502,17 +640,22 @@ class OrchestratorRunner:
             # generation during this step's wait (0 when the batch came from the previous step's surplus)
             "rollout/tokens_per_s": self.counters["completion_tokens"] / max(elapsed_s, 1e-9),
             "rollout/errors": float(self.counters["rollout_errors"] + self.counters["env_errors"]),
+            **{f"rollout/{name}": float(count) for name, count in self.counters.items() if name.startswith("errors/")},
+            "rollout/rescheduled": float(self.counters["rescheduled"]),
             "rollout/stale_groups_cancelled": float(self.counters["stale_groups_cancelled"]),
             **batch.metrics, **packed.metrics(), **self.bound.lag_metrics(step, versions),
             **self._perf_metrics(elapsed_s),
         }
         metrics = {k: float(v) for k, v in metrics.items() if isinstance(v, (int, float)) and math.isfinite(v)}
-        self.control.report_metrics(step, metrics)
+        self._report_metrics(step, metrics)
         self.sink.log(step, metrics)
         log.info("batch sent", reward=round(metrics["train/reward"], 4), num_samples=len(batch.samples),
                  seconds=round(elapsed_s, 2), tokens_per_s=round(metrics["rollout/tokens_per_s"], 1))
 
     def close(self) -> None:
+        self._send_stop.set()  # a send still waiting for the broker gives up (a restart sends its step again)
+        if self.endpoint_watcher is not None:
+            self.endpoint_watcher.stop()
         for future, entry in list(self.inflight.items()):
             self.workers[entry.env_id].cancel(future)
         self.inflight.clear()
@@ -527,7 +670,8 @@ class OrchestratorRunner:
         if self.producer is not None and sender_stopped:  # never close a socket another thread still uses
             self.producer.close()
         if self.control is not None:
-            self.control.deregister("orchestrator finished")
+            if not self._broker_lost:  # an unreachable broker would only make the goodbye time out
+                self.control.deregister("orchestrator finished")
             self.control.close()
         if self.sink is not None:
             self.sink.close()

@@ -1,0 +1,135 @@
+"""Failed rollouts are never silent: each kind is logged once with its first error and reported to the broker, and
+a streak of failures as long as a step's batch stops the orchestrator with one clear error.
+
+    failures = RolloutFailures(step_num_rollouts=64, report=control.report_error, hints=hints)
+    failures.failed("BadRequestError", "This model's maximum context length is 16 tokens ...")  # per rollout
+    failures.succeeded()       # a rollout that became training samples: the streak ends
+    failures.check()           # raises RolloutsFailing once `step_num_rollouts` rollouts failed in a row
+
+Invariants:
+- A *kind* is the failure's class: the exception type the env worker reported for a rollout
+  (``BadRequestError``, ``ScoringError``...), the env-worker error of a whole group (``EnvRequestTimeout``...),
+  or ``malformed_<reason>`` for a trajectory that cannot become samples.
+- The first failure of a kind is logged (event ``rollout failed``, fields ``kind``, ``error``, ``count``) and sent
+  to the broker's status (``report``); later ones of the same kind are only counted (``counts``, and the
+  per-step ``rollout/errors/<kind>`` metrics the runner reports).
+- ``consecutive`` counts rollouts failed since the last success (a group failing as a whole counts as all its
+  rollouts). Stale groups cancelled by the async bound and groups dropped by the difficulty filter are neither.
+- When ``consecutive`` reaches ``step_num_rollouts`` (the rollouts of one step's batch), ``check`` raises
+  ``RolloutsFailing`` naming the most frequent kind of the streak, its first error and, for known causes, how
+  to fix it.
+"""
+
+from __future__ import annotations
+
+import collections
+import re
+from collections.abc import Callable, Sequence
+
+from primerl.runtime.log_setup import get_logger
+
+log = get_logger("primerl.orchestrator.failures")
+
+MAX_ERROR_CHARS = 600
+"""Errors are cut to this length in log lines, in status and in the final error."""
+
+
+class RolloutsFailing(RuntimeError):
+    """A step's worth of consecutive rollouts failed: the run cannot make progress (the message says why)."""
+
+
+def kind_name(kind: str) -> str:
+    """A failure kind as a metric-name part: letters, digits, ``_``, ``.``, ``-``; at most 64 characters."""
+    return re.sub(r"[^A-Za-z0-9_.-]+", "_", kind)[:64] or "unknown"
+
+
+def _cut(error: str) -> str:
+    error = " ".join(str(error).split())
+    return error if len(error) <= MAX_ERROR_CHARS else error[:MAX_ERROR_CHARS] + "..."
+
+
+# (pattern over "kind: error", fix) -- the first match gives the hint; `{...}` are filled from `hint_values`.
+KNOWN_CAUSES: Sequence[tuple[str, str]] = (
+    (r"maximum context length|max_model_len|maximum model length|context length|prompt is too long|too many tokens",
+     "the prompts (plus sampling.max_tokens) do not fit the inference server's context length, which is seq_len "
+     "(= {seq_len}) under `primerl rl`: raise seq_len (or inference.model.max_model_len), or lower "
+     "sampling.max_tokens"),
+    (r"connect(ion)? ?(error|refused)|APIConnectionError|ConnectError|Name or service not known",
+     "the env worker cannot reach the inference server: is primerl-infer running, and is its address (as "
+     "registered with the broker) reachable from the orchestrator's machine?"),
+    (r"\b401\b|Unauthorized|AuthenticationError",
+     "the inference server refused the credentials: give the orchestrator the run's token (broker.run_token / "
+     "$PRIMERL_RUN_TOKEN) that primerl-infer was started with"),
+    (r"\b404\b|NotFoundError|does not exist",
+     "the inference server does not serve model.name = {model!r}: set the orchestrator's model.name to the "
+     "served model"),
+    (r"EnvRequestTimeout|passed its deadline",
+     "rollouts take longer than rollout_timeout_s = {rollout_timeout_s:g} s: raise it, or lower "
+     "sampling.max_tokens"),
+    (r"^ScoringError|reward",
+     "the environment's rubric fails: fix the environment (its first error is above)"),
+)
+
+
+def hint_for(kind: str, error: str, hint_values: dict[str, object]) -> str:
+    text = f"{kind}: {error}"
+    for pattern, fix in KNOWN_CAUSES:
+        if re.search(pattern, text, flags=re.IGNORECASE):
+            try:
+                return fix.format(**hint_values)
+            except (KeyError, ValueError):
+                return fix
+    return "the first error of this kind is above; fix its cause and start the run again"
+
+
+class RolloutFailures:
+    """Counts failed rollouts by kind and stops a run whose rollouts all fail (module docstring)."""
+
+    def __init__(self, step_num_rollouts: int, *, report: Callable[[str], None] | None = None,
+                 hint_values: dict[str, object] | None = None):
+        if step_num_rollouts < 1:
+            raise ValueError(f"step_num_rollouts must be >= 1, got {step_num_rollouts}")
+        self.step_num_rollouts = step_num_rollouts
+        self._report = report
+        self.hint_values = dict(hint_values or {})
+        self.counts: collections.Counter[str] = collections.Counter()  # every failure of the run, by kind
+        self.first_errors: dict[str, str] = {}
+        self.consecutive = 0
+        self._streak: collections.Counter[str] = collections.Counter()
+
+    def failed(self, kind: str, error: str, num_rollouts: int = 1) -> None:
+        """``num_rollouts`` rollouts failed with ``kind`` (a rollout's error type, or a whole group's error)."""
+        kind = kind_name(kind)
+        self.counts[kind] += num_rollouts
+        self.consecutive += num_rollouts
+        self._streak[kind] += num_rollouts
+        if kind in self.first_errors:
+            return
+        self.first_errors[kind] = _cut(error)
+        log.warning("rollout failed", kind=kind, error=self.first_errors[kind], count=self.counts[kind],
+                    hint=hint_for(kind, error, self.hint_values))
+        if self._report is not None:
+            self._report(f"rollout failed ({kind}): {self.first_errors[kind]}")
+
+    def succeeded(self, num_rollouts: int = 1) -> None:
+        """``num_rollouts`` rollouts became training samples: the streak of failures ends."""
+        if num_rollouts and self.consecutive:
+            self.consecutive = 0
+            self._streak.clear()
+
+    def check(self) -> None:
+        """Raise ``RolloutsFailing`` once a step's worth of consecutive rollouts failed."""
+        if self.consecutive < self.step_num_rollouts:
+            return
+        raise RolloutsFailing(self.message())
+
+    def message(self) -> str:
+        kind, count = self._streak.most_common(1)[0] if self._streak else ("unknown", self.consecutive)
+        others = ", ".join(f"{k} x{n}" for k, n in self._streak.most_common()[1:4])
+        error = self.first_errors.get(kind, "")
+        return (f"{self.consecutive} rollouts in a row failed (a step needs {self.step_num_rollouts}), "
+                f"{count} of them with {kind}{' (also ' + others + ')' if others else ''}: {error}. "
+                f"Fix: {hint_for(kind, error, self.hint_values)}")
+
+
+__all__ = ["KNOWN_CAUSES", "RolloutFailures", "RolloutsFailing", "hint_for", "kind_name"]

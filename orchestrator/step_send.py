@@ -1,0 +1,81 @@
+"""Sending one packed step to the broker, through broker outages, and the ``step sent`` line that names its data.
+
+    send_step(producer, step, messages, outage_s=120, backpressure_timeout_s=1800, stop_event=stop)
+    log_step_sent(step, packed)     # once every micro-batch is durable: one line per rank, with its data digest
+
+Sending (on the orchestrator's send thread):
+- ``RolloutProducer.send_batches`` runs in attempts of ``SEND_ATTEMPT_S``. An attempt that ends because the
+  broker kept answering "wait" (``RolloutTimeout`` with ERROR_CODE_BACKPRESSURE: the trainer is behind) is
+  normal flow control: the step is sent again, for up to ``backpressure_timeout_s`` in all (then
+  ``TimeoutError``). An attempt that got no answer at all is a broker outage: it is retried through
+  ``retry_through_outage`` (``waiting for the broker`` every 5 s), for up to ``outage_s`` (then
+  ``BrokerOutageExceeded``). Every retry sends the whole step again: resends are idempotent by batch id (the
+  broker acks a batch it already spooled, or whose step is committed, without a second copy).
+- ``stop_event`` set: the wait ends with ``OutageStopped``.
+
+``step sent`` (event; fields ``step``, ``rank``, ``num_micro_batches``, ``data_digest``): one line per trainer
+rank, logged after the broker has made all of the step's micro-batches durable. ``data_digest`` is
+``primerl.runtime.data_digest.data_digest`` over that rank's micro-batch tensors in index order: the numpy arrays
+that were encoded into the payloads, i.e. the values the trainer decodes (the trainer logs the same digest over
+what it trained, so logs can show every step was trained on the data produced for it).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from primerl.runtime.broker_outage import OutageStopped, OutageWatch, retry_through_outage
+from primerl.runtime.data_digest import data_digest
+from primerl.runtime.log_setup import get_logger
+
+log = get_logger("primerl.orchestrator.send")
+
+SEND_ATTEMPT_S = 5.0
+"""One attempt at a step: without any answer from the broker for this long, the broker counts as unreachable."""
+RESEND_INTERVAL_S = 2.0
+"""The producer resends a batch that got no answer after this long (within an attempt)."""
+
+
+def send_step(producer: Any, step: int, messages: Sequence[tuple[Any, Any]], *, outage_s: float,
+              backpressure_timeout_s: float, stop_event: threading.Event | None = None,
+              attempt_s: float = SEND_ATTEMPT_S) -> None:
+    """Send one step's micro-batches until every one is durable (module docstring)."""
+    from primerl.broker.rollout_clients import RolloutTimeout
+    from primerl.proto.v1 import common_pb2
+
+    started_s = time.monotonic()
+
+    def attempt() -> None:
+        while True:
+            try:
+                producer.send_batches(messages, timeout_s=attempt_s)
+                return
+            except RolloutTimeout as exc:
+                if exc.code != common_pb2.ERROR_CODE_BACKPRESSURE:
+                    raise  # no answer: an outage (retried by retry_through_outage)
+                watch.ok()  # the broker answers; it only asks us to wait
+                if time.monotonic() - started_s >= backpressure_timeout_s:
+                    raise TimeoutError(f"the broker kept step {step} waiting (back-pressure: the trainer is behind) "
+                                       f"for more than rollout_timeout_s = {backpressure_timeout_s:g} s: {exc}") from None
+                if stop_event is not None and stop_event.is_set():
+                    raise OutageStopped(f"stopped while the broker kept step {step} waiting") from None
+
+    watch = OutageWatch(f"the broker to take step {step}", outage_s, worker="orchestrator")
+    retry_through_outage(attempt, watch, (RolloutTimeout,), stop_event=stop_event)
+
+
+def rank_digests(per_rank: Sequence[Sequence[Any]]) -> list[str]:
+    """The data digest of each rank's micro-batches (``PackedMicroBatch.tensors``, in index order)."""
+    return [data_digest([batch.tensors for batch in batches]) for batches in per_rank]
+
+
+def log_step_sent(step: int, per_rank: Sequence[Sequence[Any]]) -> None:
+    """One ``step sent`` line per rank (module docstring)."""
+    for rank, (batches, digest) in enumerate(zip(per_rank, rank_digests(per_rank))):
+        log.info("step sent", step=step, rank=rank, num_micro_batches=len(batches), data_digest=digest)
+
+
+__all__ = ["RESEND_INTERVAL_S", "SEND_ATTEMPT_S", "log_step_sent", "rank_digests", "send_step"]

@@ -2,6 +2,13 @@
 
 Each owns one DEALER socket and must be used from one thread. Every wait has a timeout.
 
+Broker outages (issue 14): the publisher watches its connection (a ZMQ socket monitor): a publish fails at once,
+with ``WeightBrokerLost`` (a ``WeightPublishTimeout``), when the connection drops while it waits or when no
+connection is up within ``connect_timeout_s``; the caller (``primerl.trainer.publish``) retries it through the
+outage. The subscriber says HELLO every ``hello_interval_s``; the broker answers each with a WEIGHT_ACK, so a
+subscriber given ``outage_s`` knows when it has heard nothing for ``liveness_s``: it logs ``waiting for the
+broker`` (``OutageWatch``) and raises ``BrokerOutageExceeded`` once the outage outlasts ``outage_s``.
+
 Auth: messages to the broker carry the run token; messages from the broker must carry it too, except ERROR
 replies (the broker never puts its token in an ERROR, since the peer may be one that failed to authenticate).
 """
@@ -16,15 +23,23 @@ from typing import Any
 
 import zmq
 
-from primerl.broker.weight_store import WeightUpdateRefused, payload_digest
+from primerl.broker.weight_store import LineageSuperseded, WeightUpdateRefused, payload_digest
 from primerl.proto import framing
 from primerl.proto.v1 import common_pb2, data_pb2
+from primerl.runtime.broker_outage import OutageWatch
 from primerl.runtime.log_setup import get_logger
-from primerl.runtime.zmq_sockets import connect_dealer
+from primerl.runtime.zmq_sockets import configure_socket, connect_dealer
 
 log = get_logger(__name__)
 
-__all__ = ["WeightPublisher", "WeightSubscriber", "WeightPlaneError", "WeightPublishTimeout", "WeightUpdateRefused"]
+__all__ = ["LineageSuperseded", "WeightBrokerLost", "WeightPublisher", "WeightSubscriber", "WeightPlaneError",
+           "WeightPublishTimeout", "WeightUpdateRefused"]
+
+BROKER_WORKER_ID = "broker"
+"""``WeightAck.worker_id`` of the broker's own acks (``weight_plane.BROKER_SENDER``)."""
+CONNECT_TIMEOUT_S = 2.0
+"""How long a publish waits for a connection to the broker before it fails as ``WeightBrokerLost``."""
+_CONNECTION_EVENTS = zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED
 
 
 class WeightPlaneError(RuntimeError):
@@ -38,6 +53,11 @@ class WeightPlaneError(RuntimeError):
 
 class WeightPublishTimeout(TimeoutError):
     """No WEIGHT_ACK from the broker within the timeout (the transfer is abandoned)."""
+
+
+class WeightBrokerLost(WeightPublishTimeout):
+    """The connection to the broker dropped during a publish, or none came up in time (the transfer is abandoned;
+    the broker may be restarting: send it again once it is back)."""
 
 
 def _decode(frames: list[Any], limits: framing.Limits, auth_token: str | None) -> framing.Message:
@@ -65,27 +85,84 @@ class WeightPublisher:
         *,
         context: zmq.Context | None = None,
         limits: framing.Limits = framing.DEFAULT_LIMITS,
+        connect_timeout_s: float = CONNECT_TIMEOUT_S,
     ):
         if chunk_bytes <= 0 or chunk_bytes > limits.max_frame_bytes:
             raise ValueError(f"chunk_bytes must be in 1..{limits.max_frame_bytes}, got {chunk_bytes}")
+        if connect_timeout_s <= 0:
+            raise ValueError(f"connect_timeout_s must be > 0, got {connect_timeout_s}")
         self.endpoint = endpoint
         self.auth_token = auth_token
         self.sender = sender
         self.chunk_bytes = chunk_bytes
         self.limits = limits
+        self.connect_timeout_s = connect_timeout_s
         self._context = context or zmq.Context.instance()
         self._socket: zmq.Socket | None = None
+        self._monitor: zmq.Socket | None = None
+        self._connected = False
+        self._dropped = False  # the connection dropped since the current publish began
         self._connect()
 
     def _connect(self) -> None:
-        self._socket = connect_dealer(self._context, self.endpoint, max_message_bytes=self.limits.max_frame_bytes)
+        # As ``connect_dealer``, with a monitor started before ``connect`` so that no connection event is missed.
+        socket = configure_socket(self._context.socket(zmq.DEALER), max_message_bytes=self.limits.max_frame_bytes)
+        socket.setsockopt(zmq.RECONNECT_IVL, 100)
+        socket.setsockopt(zmq.RECONNECT_IVL_MAX, 5000)
+        self._monitor = socket.get_monitor_socket(_CONNECTION_EVENTS)
+        socket.connect(self.endpoint)
+        self._socket, self._connected, self._dropped = socket, False, False
+
+    def _pump_events(self) -> None:
+        """Read the monitor's pending connection events."""
+        from zmq.utils.monitor import recv_monitor_message
+
+        assert self._monitor is not None
+        while self._monitor.poll(0, zmq.POLLIN):
+            event = recv_monitor_message(self._monitor)["event"]
+            if event == zmq.EVENT_CONNECTED:
+                self._connected = True
+            elif event == zmq.EVENT_DISCONNECTED:
+                self._connected, self._dropped = False, True
+
+    def _wait(self, deadline_s: float, flags: int) -> bool:
+        """Wait until the socket is ready for ``flags`` (True) or the deadline passes (False); raises
+        ``WeightBrokerLost`` as soon as the connection drops."""
+        assert self._socket is not None and self._monitor is not None
+        poller = zmq.Poller()
+        poller.register(self._socket, flags)
+        poller.register(self._monitor, zmq.POLLIN)
+        while True:
+            ready = dict(poller.poll(self._remaining_ms(deadline_s)))
+            if self._monitor in ready:
+                self._pump_events()
+                if self._dropped:
+                    raise WeightBrokerLost(f"the connection to the broker at {self.endpoint} dropped")
+            if self._socket in ready:
+                return True
+            if time.monotonic() >= deadline_s:
+                return False
+
+    def _await_connection(self, deadline_s: float) -> None:
+        self._pump_events()
+        connect_deadline_s = min(deadline_s, time.monotonic() + self.connect_timeout_s)
+        while not self._connected:
+            assert self._monitor is not None
+            if not self._monitor.poll(self._remaining_ms(connect_deadline_s), zmq.POLLIN):
+                raise WeightBrokerLost(f"no connection to the broker at {self.endpoint} within "
+                                       f"{self.connect_timeout_s:g} s (is it running?)")
+            self._pump_events()
+        self._dropped = False
 
     def publish(self, header: data_pb2.WeightUpdateHeader, payload: Any, timeout_s: float = 120.0) -> data_pb2.WeightAck:
         """Send one update (chunked, zero-copy) and return the broker's WEIGHT_ACK once it is stored.
 
         Fills ``digest`` (SHA-256 hex) and ``payload_bytes`` when empty. Raises ``WeightUpdateRefused`` (with
-        ``code`` and ``full_required``) when the broker refuses it, ``WeightPublishTimeout`` when no answer
-        comes within ``timeout_s``. ``payload`` must not change until this returns.
+        ``code`` and ``full_required``) when the broker refuses it (``LineageSuperseded`` when the broker holds a
+        newer lineage than the header's), ``WeightPublishTimeout`` when no answer comes within ``timeout_s``, and
+        ``WeightBrokerLost`` (a ``WeightPublishTimeout``) when the connection drops or is not up within
+        ``connect_timeout_s``: sending the same update again is then safe (the broker acknowledges a resend of the
+        latest update it holds). ``payload`` must not change until this returns.
         """
         assert self._socket is not None, "publisher is closed"
         deadline_s = time.monotonic() + timeout_s
@@ -99,31 +176,36 @@ class WeightPublisher:
         self._drain_stale()
         transfer_id = uuid.uuid4().hex
         try:
+            self._await_connection(deadline_s)
             for frames in framing.encode_chunked(data_pb2.WEIGHT_UPDATE, header_out, view, chunk_bytes=self.chunk_bytes,
                                                  transfer_id=transfer_id, sender=self.sender,
                                                  auth_token=self.auth_token or ""):
                 # The broker refuses a bad transfer at its first chunk: stop sending the rest then.
                 if self._socket.poll(0, zmq.POLLIN):
-                    ack = self._read_reply(transfer_id, header_out.policy_version, deadline_s)
+                    ack = self._read_reply(transfer_id, header_out.policy_version, deadline_s, header_out.lineage)
                     if ack is not None:
                         return ack
-                if not self._socket.poll(self._remaining_ms(deadline_s), zmq.POLLOUT):
+                if not self._wait(deadline_s, zmq.POLLOUT):
                     raise WeightPublishTimeout(f"could not send weight update v{header_out.policy_version} to "
                                                f"{self.endpoint} within {timeout_s} s (broker unreachable?)")
                 self._socket.send_multipart(frames, zmq.NOBLOCK, copy=False)
             while True:
-                ack = self._read_reply(transfer_id, header_out.policy_version, deadline_s)
+                ack = self._read_reply(transfer_id, header_out.policy_version, deadline_s, header_out.lineage)
                 if ack is not None:
                     return ack
-        except (WeightPublishTimeout, zmq.Again):
+        except WeightBrokerLost:
             self._reset()  # drop the chunks still queued so that the broker never completes an abandoned transfer
+            raise
+        except (WeightPublishTimeout, zmq.Again):
+            self._reset()
             raise WeightPublishTimeout(f"no WEIGHT_ACK for v{header_out.policy_version} from {self.endpoint} "
                                        f"within {timeout_s} s") from None
 
-    def _read_reply(self, transfer_id: str, policy_version: int, deadline_s: float) -> data_pb2.WeightAck | None:
+    def _read_reply(self, transfer_id: str, policy_version: int, deadline_s: float,
+                    lineage: int = 0) -> data_pb2.WeightAck | None:
         """Read one reply (waiting until the deadline); the ack of this transfer, or None for anything else."""
         assert self._socket is not None
-        if not self._socket.poll(self._remaining_ms(deadline_s), zmq.POLLIN):
+        if not self._wait(deadline_s, zmq.POLLIN):
             raise WeightPublishTimeout()
         frames = self._socket.recv_multipart(copy=False)
         try:
@@ -138,7 +220,9 @@ class WeightPublisher:
             return None
         ack: data_pb2.WeightAck = message.header
         if not ack.applied:
-            raise WeightUpdateRefused.from_detail(ack.error, full_required=ack.full_required)
+            if lineage and ack.lineage > lineage:
+                raise LineageSuperseded.from_detail(ack.error, broker_lineage=ack.lineage)
+            raise WeightUpdateRefused.from_detail(ack.error, full_required=ack.full_required, broker_lineage=ack.lineage)
         if ack.policy_version != policy_version:
             raise WeightUpdateRefused(common_pb2.ERROR_CODE_INTERNAL,
                                       f"broker acknowledged v{ack.policy_version} for a transfer of v{policy_version}")
@@ -159,8 +243,12 @@ class WeightPublisher:
 
     def close(self) -> None:
         if self._socket is not None:
+            self._socket.disable_monitor()
             self._socket.close(linger=0)
             self._socket = None
+        if self._monitor is not None:
+            self._monitor.close(linger=0)
+            self._monitor = None
 
     def __enter__(self) -> WeightPublisher:
         return self
@@ -218,6 +306,13 @@ class WeightSubscriber:
     ``receive`` returns whole updates (chunks reassembled, digest checked when ``verify_digest``), skips
     (and re-acknowledges) updates not newer than the version held, and says HELLO again every
     ``hello_interval_s`` and when the broker no longer knows this worker (e.g. after a broker restart).
+    Lineage: an update of a newer lineage than the one held is passed on even when its version is not newer (a
+    trainer resumed from an older checkpoint re-published it: the worker must load it); one of an older lineage
+    is skipped. ``ack`` reports the lineage with the version, so the broker knows which weights the worker holds.
+
+    ``outage_s``: when set, ``receive`` raises ``BrokerOutageExceeded`` once the broker has answered nothing (no
+    update, no answer to a HELLO) for ``liveness_s`` plus ``outage_s``, having logged ``waiting for the broker``
+    every few seconds from ``liveness_s`` on; None: wait for the broker forever, saying nothing.
 
     ``verify_digest`` is off by default: the broker checked the SHA-256 of exactly the bytes it forwards
     (a read-only view), and every chunk carries a CRC-32 that ``framing.decode`` checks, so a second SHA-256
@@ -241,9 +336,13 @@ class WeightSubscriber:
         hello_interval_s: float = 5.0,
         transfer_timeout_s: float = 300.0,
         payload_buffer: Callable[[int], memoryview] | None = None,
+        outage_s: float | None = None,
+        liveness_s: float | None = None,
     ):
         if not worker_id:
             raise ValueError("worker_id must not be empty")
+        if outage_s is not None and outage_s <= 0:
+            raise ValueError(f"outage_s must be > 0 (or None), got {outage_s}")
         self.endpoint = endpoint
         self.auth_token = auth_token
         self.worker_id = worker_id
@@ -251,6 +350,14 @@ class WeightSubscriber:
         self.verify_digest = verify_digest
         self.hello_interval_s = hello_interval_s
         self.current_version: int | None = None
+        self.current_lineage = 0
+        # The latest version and lineage the broker said it holds (its answer to HELLO); None: no answer yet.
+        self.broker_latest: tuple[int, int] | None = None
+        self._last_update: tuple[int, int] | None = None  # (version, lineage) of the update ``receive`` returned last
+        self.liveness_s = 3 * hello_interval_s if liveness_s is None else liveness_s
+        self._watch = None if outage_s is None else OutageWatch(f"weight updates for {worker_id}", outage_s,
+                                                                  worker=worker_id)
+        self._last_heard_s = time.monotonic()
         self._assembler = framing.ChunkAssembler(limits=limits, max_open_transfers=2, timeout_s=transfer_timeout_s)
         self.transfer_timeout_s = transfer_timeout_s
         self._payload_buffer = payload_buffer
@@ -259,15 +366,19 @@ class WeightSubscriber:
         self._socket: zmq.Socket | None = connect_dealer(self._context, endpoint, max_message_bytes=limits.max_frame_bytes)
         self._hello_sent_s: float | None = None
 
-    def hello(self, current_version: int | None = None) -> None:
-        """Tell the broker who this worker is and which version it holds (None: none)."""
+    def hello(self, current_version: int | None = None, lineage: int = 0) -> None:
+        """Tell the broker who this worker is and which version it holds (None: none), of which lineage (0:
+        unknown; pass ``PolicyUpdater.lineage``, else a worker holding a rolled-back version is not told)."""
         self.current_version = current_version
+        self.current_lineage = lineage if current_version is not None else 0
+        self._last_heard_s = time.monotonic()
         self._send_hello()
 
     def _send_hello(self) -> None:
         hello = data_pb2.Hello(worker_id=self.worker_id, role=common_pb2.ROLE_INFERENCE)
         if self.current_version is not None:
             hello.policy_version = self.current_version
+            hello.lineage = self.current_lineage
         self._send(framing.encode(data_pb2.HELLO, hello, sender=self.worker_id, auth_token=self.auth_token or ""))
         self._hello_sent_s = time.monotonic()
 
@@ -282,21 +393,39 @@ class WeightSubscriber:
             now_s = time.monotonic()
             if self._hello_sent_s is not None and now_s - self._hello_sent_s >= self.hello_interval_s:
                 self._send_hello()
+            self._check_liveness(now_s)
             remaining_s = deadline_s - now_s
             if remaining_s <= 0:
                 return None
             wait_s = remaining_s if self._hello_sent_s is None else min(remaining_s, self.hello_interval_s)
+            if self._watch is not None:
+                wait_s = min(wait_s, max(0.05, self.liveness_s / 2))
             if not self._socket.poll(max(1, int(wait_s * 1000)), zmq.POLLIN):
                 continue
             update = self._handle(self._socket.recv_multipart(copy=False))
             if update is not None:
                 return update
 
+    def _check_liveness(self, now_s: float) -> None:
+        """With ``outage_s``: nothing heard from the broker for ``liveness_s`` is an outage (logged, bounded)."""
+        silent_s = now_s - self._last_heard_s
+        if self._watch is not None and self._hello_sent_s is not None and silent_s > self.liveness_s:
+            self._watch.failed(f"no answer from the broker at {self.endpoint} for {silent_s:.0f} s")
+
+    def _heard(self) -> None:
+        self._last_heard_s = time.monotonic()
+        if self._watch is not None:
+            self._watch.ok()
+
     def _handle(self, frames: list[Any]) -> tuple[data_pb2.WeightUpdateHeader, memoryview] | None:
         try:
             message = _decode(frames, self.limits, self.auth_token)
         except framing.FramingError as exc:
             log.warning("ignored an unreadable message from the broker", error=str(exc))
+            return None
+        self._heard()
+        if message.type == data_pb2.WEIGHT_ACK and message.header.worker_id == BROKER_WORKER_ID:
+            self.broker_latest = (message.header.policy_version, message.header.lineage)
             return None
         if message.type == data_pb2.ERROR:
             detail = message.header.error
@@ -318,16 +447,24 @@ class WeightSubscriber:
                 return None
         header: data_pb2.WeightUpdateHeader = whole.header
         payload = whole.payload[0]
-        if self.current_version is not None and header.policy_version <= self.current_version:
+        held_lineage = self.current_lineage
+        if header.lineage and held_lineage and header.lineage < held_lineage:
+            log.info("skipped an update of an older lineage", policy_version=header.policy_version,
+                     lineage=header.lineage, current_version=self.current_version, current_lineage=held_lineage)
+            self.ack(self.current_version or 0, lineage=held_lineage)
+            return None
+        newer_lineage = header.lineage > held_lineage and header.kind != data_pb2.WEIGHT_UPDATE_KIND_DELTA
+        if self.current_version is not None and header.policy_version <= self.current_version and not newer_lineage:
             log.debug("skipped an update not newer than the version held", policy_version=header.policy_version,
                       current_version=self.current_version)
-            self.ack(self.current_version)
+            self.ack(self.current_version, lineage=held_lineage)
             return None
         if self.verify_digest and payload_digest(payload) != header.digest.lower():
             log.warning("weight update failed its digest check", policy_version=header.policy_version)
             self.ack(header.policy_version, applied=False, error=common_pb2.ErrorDetail(
                 code=common_pb2.ERROR_CODE_BAD_DIGEST, message="SHA-256 of the received payload does not match the header"))
             return None
+        self._last_update = (header.policy_version, header.lineage)
         return header, payload
 
     def _add_in_place(self, message: framing.Message) -> framing.Message | None:
@@ -372,16 +509,24 @@ class WeightSubscriber:
             return None
         return whole
 
-    def ack(self, version: int, applied: bool = True, error: common_pb2.ErrorDetail | None = None, apply_ms: int = 0) -> None:
+    def ack(self, version: int, applied: bool = True, error: common_pb2.ErrorDetail | None = None, apply_ms: int = 0,
+            lineage: int | None = None) -> None:
         """Report an update as applied (the worker now serves ``version``) or failed (``applied=False``).
 
+        ``lineage``: of the version served (pass ``PolicyUpdater.lineage``); None: the lineage of the update
+        ``receive`` returned last when ``version`` is its version, else the lineage held before.
         After a failure the worker's state counts as unknown: the broker resends the full snapshot and the
         deltas after it, and this subscriber passes them all on (it skips nothing until the next applied ack).
         """
-        ack = data_pb2.WeightAck(policy_version=version, worker_id=self.worker_id, applied=applied, apply_ms=apply_ms)
+        if lineage is None:
+            last = self._last_update
+            lineage = last[1] if last is not None and last[0] == version else self.current_lineage
+        ack = data_pb2.WeightAck(policy_version=version, worker_id=self.worker_id, applied=applied, apply_ms=apply_ms,
+                                 lineage=lineage if applied else 0)
         if error is not None:
             ack.error.CopyFrom(error)
         self.current_version = version if applied else None
+        self.current_lineage = lineage if applied else 0
         self._send(framing.encode(data_pb2.WEIGHT_ACK, ack, sender=self.worker_id, auth_token=self.auth_token or ""))
 
     def _send(self, frames: list[Any], timeout_s: float = 5.0) -> None:

@@ -20,6 +20,15 @@ forwarding makes no pass over the payload (the SHA-256 is computed once, as the 
 does not acknowledge within ``ack_timeout_s`` is sent its plan again, at most ``max_retries`` times in a
 row; then it is forgotten until it says HELLO again (``WeightSubscriber`` does so on its own).
 
+Lineage (a rollback, ``weight_store``): the plane tracks the (version, lineage) each worker holds. When a newer
+lineage's FULL replaces the store's chain (a trainer resumed from an older checkpoint, ``policy rolled back`` in
+the log when its version is not above the latest), every worker is re-planned: one of an older lineage gets the
+new snapshot even when it "already has" that version number. Each HELLO is answered with a WEIGHT_ACK from
+``broker`` carrying the latest version and lineage held: the subscriber's sign that the broker is there.
+
+Durability: with ``durable_dir`` the store's chain is kept on disk there (``weight_durable``), reloaded by
+``start()`` before the socket binds, so a worker that joins after a broker restart gets the current policy.
+
 Every input goes through ``framing.decode`` with the limits and the run token: a malformed, oversized or
 unauthenticated message gets an ERROR reply and is logged; the plane keeps serving.
 """
@@ -34,11 +43,13 @@ import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import zmq
 
 from primerl.broker.log_limits import RateLimitedLog
+from primerl.broker.weight_durable import WeightDurability
 from primerl.broker.weight_store import StoredUpdate, WeightStore, WeightStoreStatus, WeightUpdateRefused
 from primerl.proto import framing
 from primerl.proto.v1 import common_pb2, data_pb2
@@ -117,6 +128,8 @@ class WeightWorkerStatus:
     num_pending: int
     num_unacked: int
     num_retries: int
+    # The lineage of ``policy_version`` (0: unknown).
+    lineage: int = 0
 
 
 @dataclass(frozen=True)
@@ -151,9 +164,13 @@ class _Worker:
     acked_version: int | None
     # The version the worker will hold once it applied everything already sent to it.
     sent_version: int | None
+    # The lineages of those two versions (0: unknown).
+    acked_lineage: int = 0
+    sent_lineage: int = 0
     current: _Transfer | None = None
     queue: list[StoredUpdate] = field(default_factory=list)
-    unacked: collections.deque[int] = field(default_factory=collections.deque)
+    # (version, lineage) of each update sent and not acknowledged yet, in order.
+    unacked: collections.deque[tuple[int, int]] = field(default_factory=collections.deque)
     last_progress_s: float = field(default_factory=time.monotonic)
     retries: int = 0
 
@@ -192,6 +209,7 @@ class WeightPlane:
         max_version_lead: int = 1024,
         max_pending_replies: int = 4096,
         poll_interval_s: float = 0.05,
+        durable_dir: str | Path | None = None,
     ):
         if chunk_bytes <= 0 or chunk_bytes > limits.max_frame_bytes:
             raise ValueError(f"chunk_bytes must be in 1..limits.max_frame_bytes ({limits.max_frame_bytes}), got {chunk_bytes}")
@@ -238,6 +256,7 @@ class WeightPlane:
         self._thread: threading.Thread | None = None
         self._startup_error: BaseException | None = None
         self.port: int | None = None
+        self.durable_dir = None if durable_dir is None else Path(durable_dir)
 
     # -- lifecycle (any thread) ----------------------------------------------------------------------
 
@@ -245,6 +264,8 @@ class WeightPlane:
         """Bind and start the IO thread; returns the bound port (also ``self.port``)."""
         if self._thread is not None:
             raise RuntimeError("WeightPlane.start() called twice")
+        if self.durable_dir is not None:
+            self.store.attach_durable(WeightDurability(self.durable_dir))
         context = contextvars.copy_context()
         self._thread = threading.Thread(target=context.run, args=(self._run,), name="weight-plane-io", daemon=True)
         self._thread.start()
@@ -259,12 +280,12 @@ class WeightPlane:
         """Ask the IO thread to end and wait up to ``timeout_s``; True once it has ended."""
         self._stop_event.set()
         if self._thread is None:
-            return True
+            return self.store.close(timeout_s)
         self._thread.join(timeout_s)
         if self._thread.is_alive():
             log.error("weight plane IO thread did not stop in time", timeout_s=timeout_s)
             return False
-        return True
+        return self.store.close(timeout_s)
 
     @property
     def running(self) -> bool:
@@ -433,12 +454,23 @@ class WeightPlane:
         except WeightUpdateRefused as exc:
             self._refuse_update(identity, header, exc, reply_to)
             return
+        if result.duplicate:
+            log.info("weight update already held; acknowledged again", update=result.update.describe())
+            ack = data_pb2.WeightAck(policy_version=header.policy_version, worker_id=BROKER_SENDER, applied=True,
+                                     full_required=result.full_required, lineage=self.store.lineage)
+            self._queue_reply(identity, framing.encode(data_pb2.WEIGHT_ACK, ack, **self._envelope(reply_to)))
+            return
         if chunk_crcs is not None:
             # The exact header bytes and verified chunk CRCs it arrived with: forwarding costs no CRC pass.
             result.update.cache["received"] = (envelope.header, chunk_crcs)
         log.info("weight update stored", update=result.update.describe(), full_required=result.full_required)
+        if result.previous_lineage is not None and result.previous_lineage:
+            event = "policy rolled back" if result.rolled_back_from is not None else "policy lineage replaced"
+            log.warning(event, policy_version=header.policy_version, rolled_back_from=result.rolled_back_from,
+                        lineage=header.lineage, previous_lineage=result.previous_lineage,
+                        lineage_base_version=header.lineage_base_version, num_workers=len(self._workers))
         ack = data_pb2.WeightAck(policy_version=header.policy_version, worker_id=BROKER_SENDER, applied=True,
-                                 full_required=result.full_required)
+                                 full_required=result.full_required, lineage=self.store.lineage)
         self._queue_reply(identity, framing.encode(data_pb2.WEIGHT_ACK, ack, **self._envelope(reply_to)))
         for worker in self._workers.values():
             self._replan(worker)
@@ -461,7 +493,7 @@ class WeightPlane:
         self._guard_log.warning(("update refused", detail.code), "weight update refused", policy_version=header.policy_version,
                                 code=framing.error_code_name(detail.code), error=detail.message[:300])
         ack = data_pb2.WeightAck(policy_version=header.policy_version, worker_id=BROKER_SENDER, applied=False, error=detail,
-                                 full_required=full_required)
+                                 full_required=full_required, lineage=self.store.lineage)
         self._queue_reply(identity, framing.encode(data_pb2.WEIGHT_ACK, ack, **self._envelope(reply_to)))
         with self._lock:
             self._num_errors_sent += 1
@@ -484,8 +516,11 @@ class WeightPlane:
                              in_reply_to=message.envelope.message_id)
             return
         version = hello.policy_version if hello.HasField("policy_version") else None
+        lineage = hello.lineage if version is not None else 0
+        self._answer_hello(identity, message)
         worker = self._workers.get(identity)
-        if worker is not None and worker.worker_id == hello.worker_id and worker.acked_version == version:
+        if (worker is not None and worker.worker_id == hello.worker_id and worker.acked_version == version
+                and worker.acked_lineage == lineage):
             return  # a repeated HELLO (the subscriber's keep-alive): nothing changed
         if worker is None:
             for other in [w for w in self._workers.values() if w.worker_id == hello.worker_id]:
@@ -496,16 +531,26 @@ class WeightPlane:
                     code=common_pb2.ERROR_CODE_BACKPRESSURE, retry_after_ms=5000,
                     message=f"the broker serves at most {self.max_workers} weight subscribers"), message.type)
                 return
-            worker = _Worker(identity=identity, worker_id=hello.worker_id, acked_version=version, sent_version=version)
+            worker = _Worker(identity=identity, worker_id=hello.worker_id, acked_version=version, sent_version=version,
+                             acked_lineage=lineage, sent_lineage=lineage)
             self._workers[identity] = worker
-            log.info("weight subscriber joined", worker_id=worker.worker_id, policy_version=version)
+            log.info("weight subscriber joined", worker_id=worker.worker_id, policy_version=version, lineage=lineage)
         else:
             worker.worker_id = hello.worker_id
-            self._declare_version(worker, version)
+            self._declare_version(worker, version, lineage)
         if version is not None:
             self._notify_applied(worker, version)
         self._replan(worker)
         self._publish_worker(worker)
+
+    def _answer_hello(self, identity: bytes, message: framing.Message) -> None:
+        """Every HELLO gets a WEIGHT_ACK from the broker with the latest version and lineage held: the
+        subscriber's keep-alive doubles as its check that the broker is there."""
+        status = self.store.status()
+        ack = data_pb2.WeightAck(policy_version=status.latest_version or 0, worker_id=BROKER_SENDER, applied=True,
+                                 lineage=status.lineage)
+        self._queue_reply(identity, framing.encode(data_pb2.WEIGHT_ACK, ack,
+                                                   **self._envelope(message.envelope.message_id)))
 
     def _on_worker_ack(self, identity: bytes, message: framing.Message) -> None:
         ack: data_pb2.WeightAck = message.header
@@ -516,16 +561,31 @@ class WeightPlane:
                 message="WEIGHT_ACK from a peer that has not said HELLO (or was forgotten): send HELLO first"),
                 message.type, in_reply_to=message.envelope.message_id)
             return
-        version = ack.policy_version
+        version, lineage = ack.policy_version, ack.lineage
         worker.last_progress_s = time.monotonic()
         if ack.applied:
-            worker.retries = 0
-            if version in worker.unacked:
-                while worker.unacked and worker.unacked.popleft() != version:
+            sent = next((entry for entry in worker.unacked
+                         if entry[0] == version and (lineage == entry[1] or not lineage)), None)
+            if sent is not None:
+                worker.retries = 0
+                while worker.unacked and worker.unacked.popleft() != sent:
                     pass
-                worker.acked_version = version
+                worker.acked_version, worker.acked_lineage = sent
+            elif any(entry[0] == version for entry in worker.unacked):
+                # Sent (v, new lineage), acknowledged (v, another lineage): it kept the weights it had.
+                worker.retries += 1
+                log.warning("weight subscriber kept another lineage's weights of the version it was sent",
+                            worker_id=worker.worker_id, policy_version=version, lineage=lineage,
+                            sent_lineage=next(entry[1] for entry in worker.unacked if entry[0] == version),
+                            attempt=worker.retries)
+                if worker.retries > self.max_retries:
+                    self._forget(worker, reason=f"did not load lineage {self.store.lineage} after {worker.retries} tries")
+                    return
+                self._declare_version(worker, version, lineage)
+                self._replan(worker)
             else:
-                self._declare_version(worker, version)
+                worker.retries = 0
+                self._declare_version(worker, version, lineage)
                 self._replan(worker)
             self._notify_applied(worker, version)
         else:
@@ -538,19 +598,22 @@ class WeightPlane:
                 self._forget(worker, reason=f"failed to apply updates {worker.retries} times in a row")
                 return
             worker.unacked.clear()
-            worker.sent_version = None  # unknown state: start again from the snapshot
+            worker.sent_version, worker.sent_lineage = None, 0  # unknown state: start again from the snapshot
             self._replan(worker)
         self._publish_worker(worker)
 
-    def _declare_version(self, worker: _Worker, version: int | None) -> None:
-        """The worker says it holds ``version`` (not one we sent it): plan from there."""
-        worker.acked_version = version
-        worker.sent_version = version
+    def _declare_version(self, worker: _Worker, version: int | None, lineage: int) -> None:
+        """The worker says it holds ``version`` of ``lineage`` (not one we sent it): plan from there."""
+        worker.acked_version = worker.sent_version = version
+        worker.acked_lineage = worker.sent_lineage = lineage
         worker.unacked.clear()
 
     def _replan(self, worker: _Worker) -> None:
-        basis = worker.current.update.policy_version if worker.current is not None else worker.sent_version
-        worker.queue = self.store.plan_for(basis)
+        if worker.current is not None:
+            basis, lineage = worker.current.update.policy_version, worker.current.update.lineage
+        else:
+            basis, lineage = worker.sent_version, worker.sent_lineage
+        worker.queue = self.store.plan_for(basis, lineage)
         self._publish_worker(worker)
 
     def _notify_applied(self, worker: _Worker, version: int) -> None:
@@ -578,7 +641,7 @@ class WeightPlane:
             self._versions[worker.worker_id] = WeightWorkerStatus(
                 worker_id=worker.worker_id, policy_version=worker.acked_version,
                 num_pending=len(worker.queue) + (worker.current is not None), num_unacked=len(worker.unacked),
-                num_retries=worker.retries)
+                num_retries=worker.retries, lineage=worker.acked_lineage)
 
     # -- sending -------------------------------------------------------------------------------------
 
@@ -622,7 +685,8 @@ class WeightPlane:
                 if transfer.next_index == len(transfer.messages):
                     worker.current = None
                     worker.sent_version = transfer.update.policy_version
-                    worker.unacked.append(transfer.update.policy_version)
+                    worker.sent_lineage = transfer.update.lineage
+                    worker.unacked.append((transfer.update.policy_version, transfer.update.lineage))
                     worker.last_progress_s = time.monotonic()
                     self._publish_worker(worker)
             if not progressed:
@@ -699,12 +763,12 @@ class WeightPlane:
             if worker.unacked and worker.current is None and now_s - worker.last_progress_s > self.ack_timeout_s:
                 worker.retries += 1
                 if worker.retries > self.max_retries:
-                    self._forget(worker, reason=f"no WEIGHT_ACK for v{worker.unacked[-1]} after {worker.retries} tries")
+                    self._forget(worker, reason=f"no WEIGHT_ACK for v{worker.unacked[-1][0]} after {worker.retries} tries")
                     continue
                 log.warning("no WEIGHT_ACK in time; sending the plan again", worker_id=worker.worker_id,
-                            awaited_version=worker.unacked[-1], acked_version=worker.acked_version, attempt=worker.retries)
+                            awaited_version=worker.unacked[-1][0], acked_version=worker.acked_version, attempt=worker.retries)
                 worker.unacked.clear()
-                worker.sent_version = worker.acked_version
+                worker.sent_version, worker.sent_lineage = worker.acked_version, worker.acked_lineage
                 worker.last_progress_s = now_s
                 self._replan(worker)
                 self._publish_worker(worker)

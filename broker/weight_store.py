@@ -21,7 +21,26 @@ not fit gets that delta refused (``ERROR_CODE_BACKPRESSURE``, ``retry_after_ms=0
 it should resend the same version as FULL. Nothing is evicted silently: the chain always reconstructs the
 latest version from the snapshot.
 
-``plan_for(worker_version)`` says what a worker must receive to reach the latest version.
+Lineage (a rollback is a first-class event): every update carries ``lineage``, the trainer incarnation that made
+it (the unix microseconds when its publisher started; 0: a sender that predates lineages), and
+``lineage_base_version``, the version it resumed from. A larger lineage supersedes every smaller one:
+
+- a FULL or LORA update of a NEWER lineage is accepted whatever its version, even one not above the latest held:
+  a trainer that resumed from a checkpoint older than the newest published version re-publishes those versions.
+  The older lineage's snapshot and deltas are dropped (``PutResult.rolled_back_from`` names the latest version
+  that was dropped when the new one is not above it), and the new lineage is what late joiners get;
+- a DELTA of a newer lineage is refused (OUT_OF_ORDER): a lineage starts with a FULL (or LORA) update;
+- any update of an OLDER lineage is refused (OUT_OF_ORDER, the message says it was superseded): e.g. a trainer
+  that a restarted one replaced but that still runs. The sender reads the store's lineage in the refusal.
+Lineage 0 on both sides is the ordering by version alone, as before lineages existed.
+
+``plan_for(worker_version, worker_lineage)`` says what a worker must receive to reach the latest version: a
+worker whose (known) lineage is older than the store's gets the snapshot even when its version number is the
+same or higher (it serves weights of a rolled-back step).
+
+Durability (``attach_durable``): with a ``WeightDurability`` (``weight_durable``) the store reloads the latest
+chain at start and has every change written to disk by that writer thread, off the weight plane's IO thread.
+
 Thread-safe: one lock guards all state; payloads are read-only views that are never mutated.
 """
 
@@ -30,9 +49,15 @@ from __future__ import annotations
 import hashlib
 import threading
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from primerl.proto.v1 import common_pb2, data_pb2
+from primerl.runtime.log_setup import get_logger
+
+if TYPE_CHECKING:
+    from primerl.broker.weight_durable import WeightDurability
+
+log = get_logger(__name__)
 
 FULL = data_pb2.WEIGHT_UPDATE_KIND_FULL
 LORA = data_pb2.WEIGHT_UPDATE_KIND_LORA
@@ -46,11 +71,14 @@ class WeightUpdateRefused(ValueError):
     """A weight update that was not accepted. ``code`` is an ``ErrorCode``; ``full_required`` says the
     sender must send a FULL (or LORA) update next."""
 
-    def __init__(self, code: int, message: str, *, full_required: bool = False, retry_after_ms: int = 0):
+    def __init__(self, code: int, message: str, *, full_required: bool = False, retry_after_ms: int = 0,
+                 broker_lineage: int = 0):
         super().__init__(message)
         self.code = code
         self.full_required = full_required
         self.retry_after_ms = retry_after_ms
+        # The lineage the broker holds (from the refusal's WEIGHT_ACK; 0: unknown).
+        self.broker_lineage = broker_lineage
 
     @property
     def code_name(self) -> str:
@@ -60,12 +88,18 @@ class WeightUpdateRefused(ValueError):
         return common_pb2.ErrorDetail(code=self.code, message=self.args[0], retry_after_ms=self.retry_after_ms)
 
     @classmethod
-    def from_detail(cls, detail: common_pb2.ErrorDetail, *, full_required: bool = False) -> WeightUpdateRefused:
+    def from_detail(cls, detail: common_pb2.ErrorDetail, *, full_required: bool = False,
+                    broker_lineage: int = 0) -> WeightUpdateRefused:
         return cls(detail.code, detail.message or common_pb2.ErrorCode.Name(detail.code), full_required=full_required,
-                   retry_after_ms=detail.retry_after_ms)
+                   retry_after_ms=detail.retry_after_ms, broker_lineage=broker_lineage)
 
     def __str__(self) -> str:
         return f"{self.code_name}: {self.args[0]}"
+
+
+class LineageSuperseded(WeightUpdateRefused):
+    """The broker holds a newer lineage than the sender's: a newer trainer incarnation replaced this one, which
+    must stop publishing (it will never be accepted again)."""
 
 
 def payload_digest(payload: Any) -> str:
@@ -98,12 +132,17 @@ class StoredUpdate:
         return self.header.base_version
 
     @property
+    def lineage(self) -> int:
+        return self.header.lineage
+
+    @property
     def num_bytes(self) -> int:
         return self.payload.nbytes
 
     def describe(self) -> str:
         base = f" on v{self.base_version}" if self.kind == DELTA else ""
-        return f"{kind_name(self.kind)} v{self.policy_version}{base} ({self.num_bytes} bytes)"
+        lineage = f" lineage {self.lineage}" if self.lineage else ""
+        return f"{kind_name(self.kind)} v{self.policy_version}{base}{lineage} ({self.num_bytes} bytes)"
 
 
 @dataclass(frozen=True)
@@ -111,6 +150,12 @@ class PutResult:
     update: StoredUpdate
     # The delta chain is full: the next update must be FULL or LORA.
     full_required: bool
+    # A newer lineage replaced the one held (None: same lineage as before, or the store was empty).
+    previous_lineage: int | None = None
+    # The latest version of the replaced lineage when this update's version is not above it: a rollback.
+    rolled_back_from: int | None = None
+    # The update is the latest one held already (same version, lineage and digest: a resend after an outage).
+    duplicate: bool = False
 
 
 @dataclass(frozen=True)
@@ -122,6 +167,10 @@ class WeightStoreStatus:
     num_bytes: int
     num_accepted: int
     num_refused: int
+    # The lineage held (0: none, or senders without lineages) and the version it resumed from.
+    lineage: int = 0
+    lineage_base_version: int = 0
+    num_rollbacks: int = 0
 
 
 class WeightStore:
@@ -140,6 +189,33 @@ class WeightStore:
         self._deltas: list[StoredUpdate] = []
         self._num_accepted = 0
         self._num_refused = 0
+        self._lineage = 0
+        self._lineage_base_version = 0
+        self._num_rollbacks = 0
+        self._durable: WeightDurability | None = None
+
+    def attach_durable(self, durable: WeightDurability) -> None:
+        """Load the chain ``durable`` holds (after a broker restart: the latest snapshot and its deltas) and have
+        every later change written by it. Call once, before any update arrives."""
+        lineage, base_version, updates = durable.load()
+        with self._lock:
+            if self._snapshot is not None or self._durable is not None:
+                raise RuntimeError("attach_durable() must be called once, on an empty store")
+            self._lineage, self._lineage_base_version = lineage, base_version
+            if updates:
+                self._snapshot = updates[0]
+                self._deltas = list(updates[1:])
+            self._durable = durable
+        durable.start(self)
+        if updates:
+            log.info("weight store reloaded", latest_version=updates[-1].policy_version, lineage=lineage,
+                     num_deltas=len(updates) - 1, num_bytes=sum(u.num_bytes for u in updates))
+
+    def durable_chain(self) -> tuple[int, list[StoredUpdate]]:
+        """(lineage, [snapshot, *deltas]) as held now: what the durability writer mirrors to disk."""
+        with self._lock:
+            chain = [] if self._snapshot is None else [self._snapshot, *self._deltas]
+            return self._lineage, chain
 
     # -- writes --------------------------------------------------------------------------------------
 
@@ -167,6 +243,11 @@ class WeightStore:
             computed_digest = payload_digest(view)
         digest_ok = not self.verify_digest or computed_digest == header.digest.lower()
         with self._lock:
+            latest_update = self._latest_update_locked()
+            if self._is_resend_locked(header) and (not self.verify_digest or computed_digest == header.digest.lower()):
+                assert latest_update is not None
+                return PutResult(update=latest_update, full_required=self._full_required_after_locked(latest_update),
+                                 duplicate=True)
             try:
                 self._check_header_locked(header, payload_bytes=view.nbytes)
                 if not header.digest:
@@ -180,18 +261,47 @@ class WeightStore:
                 self._num_refused += 1
                 raise
             stored = StoredUpdate(header=_copy_header(header), payload=view)
+            previous_lineage = rolled_back_from = None
+            if header.lineage > self._lineage:
+                latest = self._latest_locked()
+                previous_lineage = self._lineage
+                if latest is not None and header.policy_version <= latest:
+                    rolled_back_from = latest
+                    self._num_rollbacks += 1
+                self._lineage, self._lineage_base_version = header.lineage, header.lineage_base_version
+                if self._durable is not None:
+                    # Before the ack: after a crash the disk never offers the replaced lineage's weights again.
+                    self._durable.set_lineage(self._lineage, self._lineage_base_version)
             if stored.kind in SNAPSHOT_KINDS:
                 self._snapshot = stored
                 self._deltas = []
             else:
                 self._deltas.append(stored)
             self._num_accepted += 1
-            # For the next delta's size, the last delta's is the best guess there is.
-            full_required = (self.max_deltas == 0 if stored.kind in SNAPSHOT_KINDS
-                             else self._chain_full_locked(next_delta_bytes=stored.num_bytes))
-            return PutResult(update=stored, full_required=full_required)
+            full_required = self._full_required_after_locked(stored)
+        if self._durable is not None:
+            self._durable.notify()
+        return PutResult(update=stored, full_required=full_required, previous_lineage=previous_lineage,
+                         rolled_back_from=rolled_back_from)
+
+    def _full_required_after_locked(self, latest: StoredUpdate) -> bool:
+        # For the next delta's size, the last delta's is the best guess there is.
+        return (self.max_deltas == 0 if latest.kind in SNAPSHOT_KINDS
+                else self._chain_full_locked(next_delta_bytes=latest.num_bytes))
+
+    def _latest_update_locked(self) -> StoredUpdate | None:
+        return self._deltas[-1] if self._deltas else self._snapshot
+
+    def _is_resend_locked(self, header: data_pb2.WeightUpdateHeader) -> bool:
+        """``header`` is the latest update held, sent again (a publisher that lost the broker's ack)."""
+        latest = self._latest_update_locked()
+        return (latest is not None and bool(header.digest) and latest.policy_version == header.policy_version
+                and latest.lineage == header.lineage and latest.kind == header.kind
+                and latest.header.digest.lower() == header.digest.lower())
 
     def _check_header_locked(self, header: data_pb2.WeightUpdateHeader, *, payload_bytes: int | None) -> None:
+        if payload_bytes is None and self._is_resend_locked(header):
+            return  # a resend of the latest update: ``put`` acknowledges it once its bytes are checked
         kind = header.kind
         version = header.policy_version
         latest = self._latest_locked()
@@ -201,15 +311,28 @@ class WeightStore:
         if payload_bytes is not None and header.payload_bytes and header.payload_bytes != payload_bytes:
             raise WeightUpdateRefused(common_pb2.ERROR_CODE_TRUNCATED,
                                       f"header says {header.payload_bytes} payload bytes but {payload_bytes} arrived")
+        if header.lineage < self._lineage:
+            raise WeightUpdateRefused(
+                common_pb2.ERROR_CODE_OUT_OF_ORDER,
+                f"{kind_name(kind)} v{version} belongs to lineage {header.lineage}, which lineage {self._lineage} "
+                f"(a trainer resumed at v{self._lineage_base_version}) superseded: this sender is a replaced trainer "
+                "incarnation; stop it")
+        new_lineage = header.lineage > self._lineage
         if kind in SNAPSHOT_KINDS:
             if header.base_version != 0:
                 raise WeightUpdateRefused(common_pb2.ERROR_CODE_MALFORMED_HEADER,
                                           f"a {kind_name(kind)} update must have base_version 0, got {header.base_version}")
-            if latest is not None and version <= latest:
+            if not new_lineage and latest is not None and version <= latest:
                 raise WeightUpdateRefused(common_pb2.ERROR_CODE_OUT_OF_ORDER,
-                                          f"{kind_name(kind)} v{version} is not newer than the latest version v{latest} held")
+                                          f"{kind_name(kind)} v{version} is not newer than the latest version v{latest} "
+                                          "held (a trainer that resumed from an older checkpoint publishes under a new "
+                                          "lineage)")
             return
         # DELTA
+        if new_lineage:
+            raise WeightUpdateRefused(common_pb2.ERROR_CODE_OUT_OF_ORDER,
+                                      f"DELTA v{version} starts lineage {header.lineage} (the broker holds lineage "
+                                      f"{self._lineage}): a new lineage starts with a FULL (or LORA) update")
         if latest is None:
             raise WeightUpdateRefused(common_pb2.ERROR_CODE_OUT_OF_ORDER,
                                       f"DELTA v{version} on v{header.base_version}: the broker holds no version yet; "
@@ -237,18 +360,27 @@ class WeightStore:
 
     # -- reads ---------------------------------------------------------------------------------------
 
-    def plan_for(self, worker_version: int | None) -> list[StoredUpdate]:
-        """Updates that bring a worker holding ``worker_version`` (``None``: nothing) to the latest version.
+    def plan_for(self, worker_version: int | None, worker_lineage: int = 0) -> list[StoredUpdate]:
+        """Updates that bring a worker holding ``worker_version`` (``None``: nothing) of ``worker_lineage`` (0:
+        unknown) to the latest version.
 
+        - of an older lineage than the store's (it serves a rolled-back or replaced lineage): the snapshot, then
+          every delta since it, whatever its version number;
+        - of a newer lineage (the broker restarted and lost it): nothing, never an older lineage's weights;
         - at the latest version, or ahead of it (the broker restarted and holds less): nothing;
         - at the snapshot version or a version on the delta chain: the deltas after that version;
         - anything else (new, far behind, off the chain): the snapshot, then every delta since it.
+        A lineage of 0 on either side plans by version alone.
         """
         with self._lock:
             latest = self._latest_locked()
-            if latest is None or (worker_version is not None and worker_version >= latest):
+            if latest is None:
                 return []
             assert self._snapshot is not None
+            if worker_lineage and self._lineage and worker_lineage != self._lineage:
+                return [self._snapshot, *self._deltas] if worker_lineage < self._lineage else []
+            if worker_version is not None and worker_version >= latest:
+                return []
             if worker_version == self._snapshot.policy_version:
                 return list(self._deltas)
             for index, delta in enumerate(self._deltas):
@@ -263,7 +395,7 @@ class WeightStore:
 
     def latest(self) -> StoredUpdate | None:
         with self._lock:
-            return self._deltas[-1] if self._deltas else self._snapshot
+            return self._latest_update_locked()
 
     def status(self) -> WeightStoreStatus:
         with self._lock:
@@ -276,7 +408,19 @@ class WeightStore:
                 num_bytes=(0 if snapshot is None else snapshot.num_bytes) + self._delta_bytes_locked(),
                 num_accepted=self._num_accepted,
                 num_refused=self._num_refused,
+                lineage=self._lineage,
+                lineage_base_version=self._lineage_base_version,
+                num_rollbacks=self._num_rollbacks,
             )
+
+    @property
+    def lineage(self) -> int:
+        with self._lock:
+            return self._lineage
+
+    def close(self, timeout_s: float = 10.0) -> bool:
+        """Stop the durability writer (after it wrote the latest chain, within ``timeout_s``); True when done."""
+        return True if self._durable is None else self._durable.stop(timeout_s)
 
     def _latest_locked(self) -> int | None:
         if self._deltas:

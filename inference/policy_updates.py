@@ -16,8 +16,10 @@ Checks come first, and a refused update (`UpdateRefused` with a wire ``ErrorCode
   with ``verify_digest`` (the default): the daemon turns it off, because the broker checked the SHA-256 of exactly
   the bytes it forwards and every chunk's CRC-32 was checked on arrival (the digest is computed once by the trainer
   and checked once by the broker, not again at every hop);
-- OUT_OF_ORDER: a FULL or LORA update not newer than the served version; a DELTA whose ``base_version`` is not
-  the served version, or that arrives while a LoRA adapter is served (a delta applies to full weights);
+- OUT_OF_ORDER: a FULL or LORA update not newer than the served version, unless it belongs to a newer lineage
+  (below); any update of an older lineage than the served one; a DELTA whose ``base_version`` is not the served
+  version or whose lineage is not the served one, or that arrives while a LoRA adapter is served (a delta applies
+  to full weights);
 - TENSOR_MISMATCH / MALFORMED_HEADER: unknown, missing or misshapen tensors, an unreadable payload, a corrupt
   delta, an adapter whose rank exceeds the engine's ``max_lora_rank``.
 
@@ -28,6 +30,13 @@ the weights; LORA is written to a new directory under ``work_dir`` and added und
 version (re-using an id with new files serves the old weights), then the previous id is removed. Older adapter
 directories are kept for ``keep_adapter_versions`` versions, because a request still in flight with the previous
 `LoRARequest` makes vLLM reload it from its path.
+
+Lineage (a rollback): each update carries the trainer incarnation that made it (``header.lineage``, larger is
+newer; 0: unknown). A trainer that resumed from a checkpoint older than the newest published version re-publishes
+versions the engine may already serve, under a newer lineage: a FULL or LORA update of a newer lineage is applied
+whatever its version, even one at or below the served version, so no engine keeps serving weights of a rolled-back
+step under a live version number. ``wants(header)`` says whether an update would be applied by that rule (the
+daemon asks it before pausing the engine); ``lineage`` is the lineage served (report it with the version).
 
 Requests in flight keep generating while an update is applied: their later tokens come from the new weights.
 Pausing the engine around an update (so a response is produced by one version) is the server's job.
@@ -159,6 +168,8 @@ class PolicyUpdater:
         self.policy_name = policy_name
         self.keep_adapter_versions = keep_adapter_versions
         self._policy_version = policy_version
+        self._lineage = 0
+        self._lineage_base_version = 0
         self._lora_request: LoRARequest | None = None
         self._next_lora_id = 1
         self._adapter_dirs: list[Path] = []
@@ -184,6 +195,22 @@ class PolicyUpdater:
     def policy_version(self) -> int:
         """The policy version the engine serves (0: the weights it started with)."""
         return self._policy_version
+
+    @property
+    def lineage(self) -> int:
+        """The lineage of the served version (``WeightUpdateHeader.lineage``; 0: the start weights or unknown)."""
+        return self._lineage
+
+    @property
+    def lineage_base_version(self) -> int:
+        """The version the served lineage resumed from: an older lineage's versions above it were rolled back."""
+        return self._lineage_base_version
+
+    def wants(self, header: data_pb2.WeightUpdateHeader) -> bool:
+        """Whether ``header`` would pass the version and lineage checks of `apply` (not the payload's): a newer
+        version of the served lineage, a FULL or LORA of a newer lineage (a rollback included), or a DELTA on the
+        served version. False for a resend of what is served and for an older lineage's update."""
+        return self._order_refusal(header) is None
 
     @property
     def kind(self) -> str:
@@ -240,10 +267,17 @@ class PolicyUpdater:
                 phases["engine"] = _ms_since(start) - phases["check"]
             else:
                 self._apply_weights(header, payload, phases, start)
+            rolled_back_from = self._policy_version if header.policy_version <= self._policy_version else None
             self._policy_version = int(header.policy_version)
+            if header.lineage:
+                self._lineage, self._lineage_base_version = int(header.lineage), int(header.lineage_base_version)
             self.last_phases_ms = phases
         apply_ms = _ms_since(start)
-        log.info("applied weight update", policy_version=header.policy_version,
+        if rolled_back_from is not None:
+            log.warning("served policy rolled back", policy_version=header.policy_version,
+                        rolled_back_from=rolled_back_from, lineage=header.lineage,
+                        lineage_base_version=header.lineage_base_version)
+        log.info("applied weight update", policy_version=header.policy_version, lineage=header.lineage or None,
                  kind=data_pb2.WeightUpdateKind.Name(header.kind), apply_ms=round(apply_ms, 2),
                  **{f"{name}_ms": round(value, 1) for name, value in phases.items()})
         return apply_ms
@@ -260,22 +294,32 @@ class PolicyUpdater:
         if digest is not None and not hmac.compare_digest(digest, header.digest.lower()):
             raise UpdateRefused(common_pb2.ERROR_CODE_BAD_DIGEST,
                                 f"payload SHA-256 is {digest} but the header says {header.digest or '(none)'}")
+        refusal = self._order_refusal(header)
+        if refusal is not None:
+            raise UpdateRefused(common_pb2.ERROR_CODE_OUT_OF_ORDER, refusal)
+
+    def _order_refusal(self, header: data_pb2.WeightUpdateHeader) -> str | None:
+        """Why ``header`` is out of order for what is served (versions and lineages), or None."""
         version, served = header.policy_version, self._policy_version
+        lineage, served_lineage = header.lineage, self._lineage
+        name = data_pb2.WeightUpdateKind.Name(header.kind)
+        if lineage and served_lineage and lineage < served_lineage:
+            return (f"{name} v{version} is of lineage {lineage}, older than the served v{served}'s lineage "
+                    f"{served_lineage}: a replaced trainer's update")
         if header.kind == DELTA:
             if self._lora_request is not None:
-                raise UpdateRefused(common_pb2.ERROR_CODE_OUT_OF_ORDER,
-                                    f"DELTA v{version} needs full weights but a LoRA adapter (v{served}) is served; "
-                                    "send a FULL update")
+                return f"DELTA v{version} needs full weights but a LoRA adapter (v{served}) is served; send a FULL update"
+            if lineage != served_lineage and lineage and served_lineage:
+                return (f"DELTA v{version} is of lineage {lineage} but v{served} of lineage {served_lineage} is served; "
+                        "a new lineage starts with a FULL update")
             if header.base_version != served:
-                raise UpdateRefused(common_pb2.ERROR_CODE_OUT_OF_ORDER,
-                                    f"DELTA v{version} applies to v{header.base_version} but v{served} is served")
+                return f"DELTA v{version} applies to v{header.base_version} but v{served} is served"
             if version <= header.base_version:
-                raise UpdateRefused(common_pb2.ERROR_CODE_OUT_OF_ORDER,
-                                    f"DELTA v{version} is not newer than its base v{header.base_version}")
-        elif version <= served:
-            raise UpdateRefused(common_pb2.ERROR_CODE_OUT_OF_ORDER,
-                                f"{data_pb2.WeightUpdateKind.Name(header.kind)} v{version} is not newer than the "
-                                f"served v{served}")
+                return f"DELTA v{version} is not newer than its base v{header.base_version}"
+            return None
+        if version <= served and not lineage > served_lineage:
+            return f"{name} v{version} is not newer than the served v{served}"
+        return None
 
     def _weight_manifest(self) -> dict[str, tuple[str, list[int]]]:
         if self._manifest is None:

@@ -203,14 +203,34 @@ def test_delta_publisher_sends_full_when_the_broker_requires_it(model_dir, broke
 def test_delta_refused_as_out_of_order_is_resent_as_full(model_dir, broker, publishers):
     service, endpoint = broker
     model = load_model(ModelConfig(name=str(model_dir)))
-    publisher = make_publisher(publishers, endpoint, "delta", delta_policy="always")
+    publisher = make_publisher(publishers, endpoint, "delta", delta_policy="always", lineage=7)
     publisher.publish(model, 1, timeout_s=30)
-    # Another publisher moves the broker on: the delta publisher's base (v1) is no longer the latest.
-    make_publisher(publishers, endpoint, "full").publish(model, 2, timeout_s=30)
+    # Another publisher of the same lineage moves the broker on: the delta publisher's base (v1) is no longer the
+    # latest.
+    make_publisher(publishers, endpoint, "full", lineage=7).publish(model, 2, timeout_s=30)
     adamw_step(model)
     result = publisher.publish(model, 3, timeout_s=30)
     assert result.kind == "full" and result.fallback.startswith("delta refused: ERROR_CODE_OUT_OF_ORDER")
     assert service.weight_store.latest_version == 3
+
+
+def test_a_superseded_publisher_is_told_to_stop(model_dir, broker, publishers):
+    """A trainer replaced by a newer incarnation (a newer lineage) gets ``LineageSuperseded`` on its next update,
+    delta or FULL, and the broker keeps the newer lineage's version."""
+    from primerl.broker.weight_clients import LineageSuperseded
+
+    service, endpoint = broker
+    model = load_model(ModelConfig(name=str(model_dir)))
+    old = make_publisher(publishers, endpoint, "delta", delta_policy="always", lineage=100)
+    old.publish(model, 1, timeout_s=30)
+    new = make_publisher(publishers, endpoint, "full", lineage=200)
+    assert new.publish(model, 2, timeout_s=30).ack.lineage == 200
+    adamw_step(model)
+    for _ in range(2):  # the delta, then (a publish after a failure is FULL) a FULL update
+        with pytest.raises(LineageSuperseded) as info:
+            old.publish(model, 3, timeout_s=30)
+        assert info.value.broker_lineage == 200 and "superseded" in str(info.value)
+    assert (service.weight_store.latest_version, service.weight_store.lineage) == (2, 200)
 
 
 def test_auto_delta_falls_back_to_full_when_it_would_not_pay(model_dir, broker, publishers):

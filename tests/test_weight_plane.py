@@ -168,7 +168,7 @@ def test_bad_digest_and_out_of_order_are_refused_and_change_nothing(harness):
         publisher.publish(header, data, timeout_s=RECEIVE_S)
     assert info.value.code == common_pb2.ERROR_CODE_BAD_DIGEST
 
-    for header, data in (make_update(5), make_update(4, num_bytes=300_000), make_update(7, DELTA, base=6),
+    for header, data in (make_update(5, num_bytes=5000), make_update(4, num_bytes=300_000), make_update(7, DELTA, base=6),
                          make_update(6, DELTA, base=4)):
         with pytest.raises(WeightUpdateRefused) as info:
             publisher.publish(header, data, timeout_s=RECEIVE_S)

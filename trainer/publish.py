@@ -28,6 +28,21 @@ trainer may run in its own thread: a ``PreparedUpdate`` owns its bytes and no lo
 FULL payloads are written into buffers reused from one publish to the next (``payload_writer``); a buffer goes
 back to the pool once the broker acknowledged the update, so ``PreparedUpdate.payload`` is valid until ``send``
 returns. The SHA-256 digest is computed once, here, over the finished payload.
+Lineage (a rollback is a first-class event): every update carries ``lineage``, the unix microseconds when this
+publisher was made (one per trainer incarnation), and ``lineage_base_version``, the version the trainer resumed
+from (its first published version - 1: the trainer publishes every step, version = step). A trainer that resumed
+from a checkpoint older than the newest published version thus re-publishes those versions under a newer
+lineage: the broker accepts its first FULL even at a version it holds, drops the rolled-back updates and has every
+inference worker load the new ones. Should a replaced incarnation still run, its next update is refused with
+``LineageSuperseded``, which ends it (it must not publish again). Lineages are ordered by the wall clock:
+a restarted trainer on another machine needs a clock within its restart time of the first machine's (NTP).
+
+Broker outages: ``send`` retries a publish that failed on a lost or missing connection, or a missing ack
+(``WeightPublishTimeout``), through ``primerl.runtime.broker_outage.retry_through_outage``: it logs ``waiting for
+the broker`` every few seconds and raises ``BrokerOutageExceeded`` once the outage outlasts ``outage_s`` (the
+role's ``broker.outage_s``). Resending is safe: a broker that stored the update before it went down acknowledges
+the resend; one that came back without it stores it (a refused delta is sent as FULL, as after any refusal).
+
 ``PublishResult.phases_ms`` has the phases (``read``, ``snapshot``, ``estimate``, ``encode``, ``digest``,
 ``send``) for the trainer's metrics.
 """
@@ -36,14 +51,22 @@ from __future__ import annotations
 
 import copy
 import json
+import threading
 import time
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, Literal
 
-from primerl.broker.weight_clients import WeightPublisher, WeightUpdateRefused
+from primerl.broker.weight_clients import (
+    LineageSuperseded,
+    WeightPublisher,
+    WeightPublishTimeout,
+    WeightUpdateRefused,
+)
 from primerl.broker.weight_store import payload_digest
 from primerl.proto.tensor_frames import encode_tensors, parse_header, specs_of
 from primerl.proto.v1 import common_pb2, data_pb2
+from primerl.runtime.broker_outage import OutageWatch, retry_through_outage
+from primerl.runtime.config_common import DEFAULT_OUTAGE_S
 from primerl.runtime.log_setup import get_logger
 from primerl.trainer.model import is_peft_model
 from primerl.trainer.payload_writer import PayloadPool, payload_tensors, safetensors_layout, write_safetensors
@@ -238,11 +261,18 @@ class PolicyPublisher:
         delta_level: int = 1,
         delta_policy: DeltaPolicy = "auto",
         publisher: WeightPublisher | None = None,
+        outage_s: float = DEFAULT_OUTAGE_S,
+        stop_event: threading.Event | None = None,
+        lineage: int | None = None,
     ):
         """``serving_dtype``: cast floating-point FULL/DELTA tensors to this dtype (None: the model's own).
         ``delta_level``: zlib level of deltas. ``delta_policy``: "auto" sends FULL when a delta would not pay
         (module docstring), "always" sends every possible delta. ``publisher``: an existing ``WeightPublisher``
-        to use (tests)."""
+        to use (tests). ``outage_s``: how long a publish waits through a broker outage (the role's
+        ``broker.outage_s``); ``stop_event``: ends that wait early (``OutageStopped``). ``lineage``: this trainer
+        incarnation's lineage (default: now, in unix microseconds; tests pass their own)."""
+        if outage_s <= 0:
+            raise ValueError(f"outage_s must be > 0, got {outage_s}")
         if kind not in _KIND_TO_WIRE:
             raise ValueError(f'kind must be "full", "lora" or "delta", got {kind!r}')
         if delta_policy not in ("auto", "always"):
@@ -263,6 +293,14 @@ class PolicyPublisher:
         self._base: dict[str, torch.Tensor] | None = None
         self._base_version: int | None = None
         self._full_required = False
+        self.outage_s = outage_s
+        self.sender = sender
+        self._stop_event = stop_event
+        self.lineage = time.time_ns() // 1000 if lineage is None else lineage
+        if self.lineage <= 0:
+            raise ValueError(f"lineage must be > 0, got {self.lineage}")
+        # The version this incarnation resumed from: its first published version - 1 (set by the first build).
+        self.lineage_base_version: int | None = None
 
     @property
     def base_version(self) -> int | None:
@@ -285,7 +323,7 @@ class PolicyPublisher:
         try:
             ack, send_ms = self.send(prepared, timeout_s)
         except WeightUpdateRefused as exc:
-            if prepared.kind != "delta" or not (exc.full_required
+            if isinstance(exc, LineageSuperseded) or prepared.kind != "delta" or not (exc.full_required
                                                  or exc.code == common_pb2.ERROR_CODE_OUT_OF_ORDER):
                 raise
             fallback = f"delta refused: {exc}"
@@ -414,9 +452,13 @@ class PolicyPublisher:
     def _header(self, version: int, kind: PublishKind, payload: Any, specs: list) -> data_pb2.WeightUpdateHeader:
         if version < 1:
             raise ValueError(f"policy versions start at 1 (the first optimizer step), got {version}")
+        if self.lineage_base_version is None:
+            self.lineage_base_version = version - 1
+            log.info("policy lineage", lineage=self.lineage, lineage_base_version=self.lineage_base_version)
         return data_pb2.WeightUpdateHeader(policy_version=version, kind=_KIND_TO_WIRE[kind], tensors=specs,
                                            digest=payload_digest(payload), payload_bytes=len(payload),
-                                           policy_name=self.policy_name)
+                                           policy_name=self.policy_name, lineage=self.lineage,
+                                           lineage_base_version=self.lineage_base_version)
 
     def send(self, prepared: PreparedUpdate, timeout_s: float = 120.0) -> tuple[data_pb2.WeightAck, float]:
         """Send a built update; returns (ack, send ms). Keeps the delta base in step with what the broker holds:
@@ -426,10 +468,14 @@ class PolicyPublisher:
         # Until the broker answers, nothing is known to be held: a failed send leaves the next publish FULL.
         self._base, self._base_version, self._base_buffer, self._full_required = None, None, None, False
         try:
-            ack = self._publisher.publish(prepared.header, prepared.payload, timeout_s)
-        except WeightUpdateRefused:
+            ack = self._publish_through_outage(prepared, timeout_s)
+        except WeightUpdateRefused as exc:
             if not prepared.owns_snapshot:
                 self._release(prepared)  # refused: the broker holds none of it, nothing else reads it
+            if isinstance(exc, LineageSuperseded):
+                log.error("policy lineage superseded: a newer trainer incarnation publishes; this one must stop",
+                          policy_version=prepared.policy_version, lineage=self.lineage,
+                          broker_lineage=exc.broker_lineage)
             raise
         # (Any other failure, e.g. a timeout, may leave the payload referenced by the socket: never reused.)
         send_ms = _elapsed_ms(start_s)
@@ -451,6 +497,12 @@ class PolicyPublisher:
                  base_version=prepared.header.base_version or None, payload_bytes=prepared.header.payload_bytes,
                  build_ms=round(prepared.build_ms, 2), send_ms=round(send_ms, 2), full_required=ack.full_required)
         return ack, send_ms
+
+    def _publish_through_outage(self, prepared: PreparedUpdate, timeout_s: float) -> data_pb2.WeightAck:
+        """One publish, sent again while the broker is unreachable or lost (within ``outage_s``)."""
+        watch = OutageWatch(f"the broker to store policy v{prepared.policy_version}", self.outage_s, worker=self.sender)
+        return retry_through_outage(lambda: self._publisher.publish(prepared.header, prepared.payload, timeout_s),
+                                    watch, (WeightPublishTimeout,), stop_event=self._stop_event)
 
     def _release(self, prepared: PreparedUpdate) -> None:
         buffer = prepared.buffer

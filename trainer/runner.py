@@ -156,6 +156,7 @@ class TrainerRunner:
             self.publisher = PolicyPublisher(
                 registration.weight_endpoint, config.broker.run_token, name, chunk_bytes=64 << 20,
                 kind=config.weight_broadcast.type, policy_name=config.model.name,
+                outage_s=config.broker.outage_s, stop_event=self.stop_event,
             )
 
     # -- the loop ------------------------------------------------------------------------------------

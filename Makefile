@@ -21,7 +21,7 @@ export VLLM_NO_USAGE_STATS := 1
 export DO_NOT_TRACK := 1
 export PRIMERL_ENV_PYTHON := $(CURDIR)/$(ENV_VENV)/bin/python
 
-.PHONY: run test test-fast fuzz setup proto docs clean bench bench-venv
+.PHONY: run test test-fast fuzz setup proto docs clean bench bench-venv chaos
 
 setup: $(STAMP) $(ENV_STAMP)
 
@@ -109,6 +109,16 @@ FUZZ_CASES ?= 10500
 fuzz: $(STAMP)
 	PRIMERL_FUZZ_CASES=$(FUZZ_CASES) $(PY) -m pytest -q -s tests/test_broker_fuzz_process.py tests/test_broker_fuzz.py \
 		tests/test_broker_regressions.py
+
+# Issue 14's chaos runs (docs/chaos.md): a short real run (tiny model, reverse-text) per seed and mode, its roles
+# SIGKILLed at seeded moments (the broker during a weight push, the trainer between a publish and its checkpoint)
+# and restarted: as separate daemons under a systemd-like restarter, and under `primerl rl --restart on-failure`.
+# Fails when a step is lost, duplicated or trained on other data, a role exits unplanned, inference does not serve
+# the final version, or a process is left. Runs under runs/chaos/ (about 3 min per seed and mode here).
+CHAOS_SEEDS ?= 1,2,3
+CHAOS_ARGS ?=
+chaos: $(STAMP) $(ENV_STAMP)
+	$(PY) scripts/chaos --seeds $(CHAOS_SEEDS) --modes separate,rl $(CHAOS_ARGS)
 
 clean:
 	rm -rf $(VENV) $(ENV_VENV) runs .pytest_cache

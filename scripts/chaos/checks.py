@@ -68,7 +68,7 @@ def lineage(trainer: list[Incarnation]) -> Lineage:
     for inc in trainer:
         for event in done[inc.number]:
             step = int(event.get("step", 0))
-            if inc.number not in in_chain or step not in result.steps or event.fields not in result.steps[step]:
+            if not any(kept is event.fields for kept in result.steps.get(step, [])):
                 result.retrained[step] += 1
     return result
 
@@ -131,7 +131,8 @@ def judge(record: RunRecord) -> Verdict:
             continue
         incarnation = _incarnation_of(logs[ended.role], ended.at_s)
         why = incarnation.last_error() if incarnation else "(no log)"
-        verdict.unplanned.append(f"{ended.role} pid {ended.pid} status {ended.code} at "
+        code = "?" if ended.code is None else ended.code
+        verdict.unplanned.append(f"{ended.role} pid {ended.pid} status {code} at "
                                  f"+{ended.at_s - record.started_s:.0f}s: {why}")
 
     final = record.final_status

@@ -16,7 +16,7 @@ from procs import Exit, describe, marked_processes
 from runs import BIN, CKPT_INTERVAL, ROLES, RlBackend, RunSpec, SeparateBackend, base_env
 
 POLL_S = 0.02
-STATUS_POLL_S = 1.0
+STATUS_POLL_S = 0.5
 RECOVERY_BOUND_S = 240.0  # a kill whose role is not back by then: the next kill is armed anyway
 FINAL_VERSION_TIMEOUT_S = 60.0
 LEFTOVER_GRACE_S = 5.0
@@ -54,7 +54,7 @@ class RunRecord:
 
 
 class StatusPoller(threading.Thread):
-    """Polls GetRunStatus once a second in its own thread (an RPC may wait through an outage: not on the loop)."""
+    """Polls GetRunStatus twice a second in its own thread (an RPC may wait through an outage: not on the loop)."""
 
     def __init__(self, spec: RunSpec, record: RunRecord):
         super().__init__(name="chaos-status", daemon=True)
@@ -147,6 +147,9 @@ class Driver:
                 record.rl_exit_code = self.backend.exit_code()
                 record.final_status = self._last_status_after_finish()
             record.leftovers = self._leftovers()
+            with open(spec.run_dir / "status_polls.jsonl", "w") as polls:  # what the checks of the status saw
+                for at_s, status in record.statuses:
+                    polls.write(json.dumps({"at_s": round(at_s, 3), **status}) + "\n")
             record.wall_s = time.time() - started_s
         return record
 

@@ -40,7 +40,7 @@ class Exit:
 
     role: str
     pid: int
-    code: int  # negative: killed by that signal
+    code: int | None  # negative: killed by that signal; None: not known (not the harness's child)
     at_s: float  # wall clock (time.time())
     planned: bool  # caused by the harness (a chaos kill, or the stop at the end)
     survivors: list[str] = field(default_factory=list)  # processes of its group still alive when it ended

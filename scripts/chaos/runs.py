@@ -215,7 +215,7 @@ class RlBackend:
                 ending = self.process is not None and self.process.poll() is not None
                 planned = pid in self.killed or ending or (role == "trainer" and self.trainer_finished) \
                     or (self.trainer_finished and role != "trainer")
-                new.append(Exit(role, pid, -signal.SIGKILL if pid in self.killed else 0, time.time(), planned))
+                new.append(Exit(role, pid, -signal.SIGKILL if pid in self.killed else None, time.time(), planned))
         self._exits += new
         return new
 

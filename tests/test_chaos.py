@@ -1,0 +1,148 @@
+"""`make chaos` (scripts/chaos): the harness's own parts on real processes and real log lines, and a short seeded
+chaos run in CI: the four daemons as separate processes under the systemd-like restarter, each kind SIGKILLed
+once (the broker during a weight push, the trainer between a publish and its checkpoint), with every check of
+the harness (steps lost / duplicated / mismatched, unplanned exits, final versions served, nothing left)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+CHAOS_DIR = REPO_ROOT / "scripts" / "chaos"
+ENV_PYTHON = os.environ.get("PRIMERL_ENV_PYTHON", str(REPO_ROOT / ".venv-envs" / "bin" / "python"))
+CI_RUN_TIMEOUT_S = 180
+
+sys.path.insert(0, str(CHAOS_DIR))
+try:
+    from checks import _normal_end, lineage
+    from logs import read_incarnations
+    from plan import make_plan, steps_needed
+    from procs import Exit, Unit, marked_processes, MARKER_ENV
+finally:
+    sys.path.remove(str(CHAOS_DIR))
+
+
+def _line(event: str, **fields) -> str:
+    return json.dumps({"event": event, "level": "info", "timestamp": "2026-01-01T00:00:00.000000Z", **fields})
+
+
+def _trainer_log(path: Path, incarnations: list[list[str]]) -> Path:
+    lines = []
+    for number, body in enumerate(incarnations, 1):
+        lines.append(f"=== 2026-01-01 00:00:0{number} primerl-trainer @ trainer.toml")
+        lines += body
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def test_plan_is_seeded_and_holds_every_kind_of_kill():
+    assert make_plan(7, full=True) == make_plan(7, full=True)
+    assert make_plan(1, full=True) != make_plan(2, full=True)
+    moments = {(k.role, k.moment) for k in make_plan(3, full=True)}
+    assert moments == {("broker", "push"), ("trainer", "publish-before-checkpoint"), ("orchestrator", "random"),
+                       ("inference", "random"), ("broker", "random"), ("trainer", "random")}
+    quick = make_plan(3, full=False)
+    assert sorted(k.role for k in quick) == ["broker", "inference", "orchestrator", "trainer"]
+    assert steps_needed(quick) >= sum(k.gap_steps for k in quick) + 2 * len(quick)
+
+
+def test_lineage_follows_checkpoints_back_and_counts_a_rolled_back_step_as_retrained(tmp_path):
+    done = lambda s: _line("step done", step=s, data_digest=f"d{s}")  # noqa: E731
+    saved = lambda s: _line("checkpoint saved", step=s)  # noqa: E731
+    resumed = lambda s: _line("resumed from checkpoint", step=s)  # noqa: E731
+    # 1: steps 1-3, checkpoint 2, killed after 3. 2: resumes at 2, trains 3-4 (checkpoint 4), killed after 5's done.
+    # 3: resumes at 4, trains 5-6.
+    path = _trainer_log(tmp_path / "trainer.log", [
+        [done(1), saved(2), done(2), done(3)],
+        [resumed(2), done(3), saved(4), done(4), done(5)],
+        [resumed(4), done(5), saved(6), done(6)],
+    ])
+    result = lineage(read_incarnations("trainer", path))
+    assert result.broken == ""
+    assert sorted(result.steps) == [1, 2, 3, 4, 5, 6]
+    assert all(len(events) == 1 for events in result.steps.values())
+    assert dict(result.retrained) == {3: 1, 5: 1}
+    assert [number for number, _ in result.chain] == [3, 2, 1]
+
+
+def test_lineage_reports_a_lost_step_and_a_resume_from_an_unknown_checkpoint(tmp_path):
+    path = _trainer_log(tmp_path / "trainer.log", [
+        [_line("step done", step=1), _line("checkpoint saved", step=2)],  # killed before step 2's "step done"
+        [_line("resumed from checkpoint", step=2), _line("step done", step=3)],
+    ])
+    result = lineage(read_incarnations("trainer", path))
+    assert sorted(result.steps) == [1, 3]  # step 2 is lost: its record never written
+    broken = _trainer_log(tmp_path / "broken.log", [[_line("resumed from checkpoint", step=4), _line("step done", step=5)]])
+    assert "no earlier incarnation" in lineage(read_incarnations("trainer", broken)).broken
+
+
+def test_an_exit_0_is_a_normal_end_only_once_the_trainer_finished(tmp_path):
+    logs = {"trainer": read_incarnations("trainer", _trainer_log(tmp_path / "t.log", [[
+        json.dumps({"event": "training finished", "timestamp": "2026-01-01T00:01:00Z"})]])),
+            "inference": [], "orchestrator": [], "broker": []}
+    finished_s = logs["trainer"][0].events[0].at_s
+    assert _normal_end(Exit("inference", 1, 0, finished_s + 1, False), logs)
+    assert not _normal_end(Exit("inference", 1, 0, finished_s - 5, False), logs)
+    assert not _normal_end(Exit("broker", 1, 1, finished_s + 1, False), logs)
+
+
+def _wait(unit: Unit, until, timeout_s: float = 20.0) -> list[Exit]:
+    exits, deadline = [], time.monotonic() + timeout_s
+    while not until() and time.monotonic() < deadline:
+        ended = unit.poll()
+        if ended is not None:
+            exits.append(ended)
+        time.sleep(0.05)
+    assert until(), f"unit state {unit.state}, exits {exits}"
+    return exits
+
+
+def test_restarter_restarts_after_a_kill_or_a_failure_and_ends_on_exit_0(tmp_path):
+    marker = f"chaos-test-{os.getpid()}"
+    counter = tmp_path / "count"
+    # each start counts itself; the 3rd start exits 0, the 2nd exits 3, the 1st waits to be killed
+    script = ("import pathlib, sys, time; p = pathlib.Path(sys.argv[1]); n = int(p.read_text() or 0) + 1 "
+              "if p.exists() else 1; p.write_text(str(n)); print('start', n, flush=True); "
+              "time.sleep(60) if n == 1 else sys.exit(3 if n == 2 else 0)")
+    env = {**os.environ, MARKER_ENV: marker}
+    unit = Unit("trainer", [sys.executable, "-c", script, counter], env, tmp_path / "logs" / "trainer.log",
+                restart_sec=0.2)
+    unit.start()
+    _wait(unit, lambda: counter.exists())
+    assert marked_processes(marker), "the started process carries the marker"
+    killed_pid = unit.kill()
+    exits = _wait(unit, lambda: unit.state == "done")
+    assert [(e.pid == killed_pid, e.code, e.planned) for e in exits] == [(True, -9, True), (False, 3, False),
+                                                                          (False, 0, False)]
+    assert len(unit.starts) == 3
+    assert read_text_count(tmp_path / "logs" / "trainer.log") == 3
+    assert not marked_processes(marker)
+
+
+def read_text_count(path: Path) -> int:
+    return sum(1 for line in path.read_text().splitlines() if line.startswith("=== "))
+
+
+@pytest.mark.slow
+def test_short_seeded_chaos_run_in_separate_processes_passes_every_check(tmp_path):
+    if not Path(ENV_PYTHON).exists():
+        pytest.skip(f"no env-worker interpreter at {ENV_PYTHON}: run `make setup` (it builds .venv-envs)")
+    env = {**os.environ, "PRIMERL_ENV_PYTHON": ENV_PYTHON, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+    started_s = time.monotonic()
+    result = subprocess.run(
+        [sys.executable, str(CHAOS_DIR), "--seeds", "1", "--modes", "separate", "--quick", "--restart-sec", "1",
+         "--run-root", str(tmp_path), "--timeout-s", str(CI_RUN_TIMEOUT_S - 30), "--stall-s", "90"],
+        capture_output=True, text=True, timeout=CI_RUN_TIMEOUT_S + 60, env=env, cwd=REPO_ROOT)
+    wall_s = time.monotonic() - started_s
+    report = result.stdout[-6000:] + result.stderr[-3000:]
+    assert result.returncode == 0, f"chaos run failed (exit {result.returncode}):\n{report}"
+    summary = (tmp_path / "separate-seed1" / "chaos_summary.txt").read_text()
+    assert "PASS" in summary and "steps lost 0, duplicated 0, mismatched 0, unverified 0" in summary, summary
+    assert wall_s < CI_RUN_TIMEOUT_S + 60, f"the CI chaos run took {wall_s:.0f} s"

@@ -1,0 +1,145 @@
+"""`primerl-infer`'s process hygiene, with the real daemon (vLLM on the tiny model) and an in-process broker:
+a SIGKILLed daemon takes its vLLM processes with it at once, the next daemon removes the work directory the
+killed one left in $TMPDIR, and a daemon whose broker ends the run stops within 10 s with exit status 0."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from primerl.broker.config import BrokerConfig
+from primerl.broker.service import BrokerService
+
+pytestmark = [pytest.mark.slow, pytest.mark.vllm]
+
+BIN = Path(sys.executable).parent
+TOKEN = "lifecycle-token"
+START_TIMEOUT_S = 240.0
+
+
+def running(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as handle:
+            stat = handle.read()
+    except OSError:
+        return False
+    return stat[stat.rfind(")") + 2] not in "ZX"
+
+
+def descendants(root: int) -> list[int]:
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as handle:
+                    stat = handle.read()
+            except OSError:
+                continue
+            children.setdefault(int(stat[stat.rfind(")") + 2:].split()[1]), []).append(int(entry))
+    found, todo = [], [root]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.append(child)
+            todo.append(child)
+    return found
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory) -> Path:
+    from primerl.trainer.tiny_model import build_tiny_model
+
+    return build_tiny_model(tmp_path_factory.mktemp("model") / "tiny")
+
+
+@pytest.fixture(scope="module")
+def broker(tmp_path_factory) -> Iterator[BrokerService]:
+    config = BrokerConfig(host="127.0.0.1", grpc_port=0, rollout_port=0, weight_port=0, run_token=TOKEN,
+                          spool_dir=tmp_path_factory.mktemp("spool"), heartbeat_interval_s=0.2, run_id="lifecycle")
+    service = BrokerService(config)
+    service.start()
+    try:
+        yield service
+    finally:
+        service.stop(grace_s=1.0)
+
+
+@pytest.fixture
+def short_tmpdir() -> Iterator[Path]:
+    """A $TMPDIR short enough for the daemon's work directory to live in it (Unix socket paths are short)."""
+    path = Path(tempfile.mkdtemp(prefix="pi-", dir="/tmp"))
+    try:
+        yield path
+    finally:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def start_daemon(tmp: Path, model: Path, broker: BrokerService, tmpdir: Path, name: str) -> subprocess.Popen:
+    ready_file = tmp / f"{name}.ready.json"
+    env = {**os.environ, "PRIMERL_RUN_TOKEN": TOKEN, "TMPDIR": str(tmpdir)}
+    log = open(tmp / f"{name}.log", "w")  # noqa: SIM115
+    process = subprocess.Popen(
+        [str(BIN / "primerl-infer"), "--model.name", str(model), "--model.max-model-len", "512", "--server.port", "0",
+         "--broker.address", f"127.0.0.1:{broker.endpoints.grpc_port}", "--ready-file", str(ready_file)],
+        stdout=log, stderr=subprocess.STDOUT, env=env, cwd=tmp)
+    log.close()
+    deadline = time.monotonic() + START_TIMEOUT_S
+    while not ready_file.exists():
+        if process.poll() is not None or time.monotonic() > deadline:
+            process.kill()
+            pytest.fail(f"{name} did not start:\n{(tmp / f'{name}.log').read_text()[-4000:]}")
+        time.sleep(0.2)
+    return process
+
+
+def test_killed_daemon_takes_vllm_along_and_its_work_dir_goes_at_the_next_start(tmp_path, tiny_model, broker,
+                                                                                 short_tmpdir):
+    first = start_daemon(tmp_path, tiny_model, broker, short_tmpdir, "first")
+    children = descendants(first.pid)
+    try:
+        assert children, "the daemon runs no vLLM process"  # the engine core (forked on CPU)
+        work_dirs = list(short_tmpdir.glob(f"primerl-infer-{first.pid}-*"))
+        assert len(work_dirs) == 1, list(short_tmpdir.iterdir())
+        first.kill()
+        killed_s = time.monotonic()
+        first.wait(10)
+        while any(running(pid) for pid in children):
+            assert time.monotonic() - killed_s < 5.0, f"vLLM processes outlived the daemon: {children}"
+            time.sleep(0.01)
+        gone_s = time.monotonic() - killed_s
+    finally:
+        for pid in children:
+            if running(pid):
+                os.kill(pid, signal.SIGKILL)
+    assert gone_s < 1.0, gone_s
+    assert work_dirs[0].exists()  # nobody removed it: the daemon was killed
+    print(f"\nSIGKILLed primerl-infer: its {len(children)} vLLM processes gone in {gone_s:.3f} s")
+
+    second = start_daemon(tmp_path, tiny_model, broker, short_tmpdir, "second")
+    try:
+        assert not work_dirs[0].exists(), "the next daemon did not remove the dead one's work directory"
+        assert "removed work directories of dead inference daemons" in (tmp_path / "second.log").read_text()
+        children = descendants(second.pid)
+        broker.registry.request_shutdown()  # the run is over
+        asked_s = time.monotonic()
+        code = second.wait(15)
+        stop_s = time.monotonic() - asked_s
+    finally:
+        if second.poll() is None:
+            second.kill()
+            second.wait(10)
+    log = (tmp_path / "second.log").read_text()
+    assert code == 0, log[-4000:]
+    assert "the broker asked this worker to shut down" in log
+    assert stop_s < 10.0, stop_s
+    assert not any(running(pid) for pid in children)
+    assert not list(short_tmpdir.glob(f"primerl-infer-{second.pid}-*"))  # a clean stop removes its own
+    print(f"broker ended the run: primerl-infer exited 0 in {stop_s:.1f} s")

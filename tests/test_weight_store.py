@@ -227,3 +227,80 @@ def test_concurrent_puts_and_plans_stay_consistent():
     for thread in threads:
         thread.join(10)
     assert not errors and store.latest_version == 199
+
+
+# ---- lineages: a rollback is a first-class event ---------------------------------------------------------------
+
+
+def lineage_update(version: int, lineage: int, kind: int = FULL, base: int = 0, lineage_base: int = 0, fill: int = 0):
+    header, data = update(version, kind, base, num_values=16 + fill)
+    header.lineage, header.lineage_base_version = lineage, lineage_base
+    return header, data
+
+
+def test_newer_lineage_full_replaces_the_chain_even_at_a_version_held():
+    """Trainer A published v1..v3 (FULL, deltas); trainer B resumed at v2 publishes v3 again: accepted as a
+    rollback, A's chain is gone, late joiners get B's v3, and A's late updates are refused."""
+    store = WeightStore()
+    store.put(*lineage_update(1, 10))
+    store.put(*lineage_update(2, 10, DELTA, base=1))
+    store.put(*lineage_update(3, 10, DELTA, base=2))
+    header, data = lineage_update(3, 20, lineage_base=2, fill=1)
+    result = store.put(header, data)
+    assert (result.previous_lineage, result.rolled_back_from, result.duplicate) == (10, 3, False)
+    status = store.status()
+    assert (status.latest_version, status.lineage, status.lineage_base_version, status.num_deltas,
+            status.num_rollbacks) == (3, 20, 2, 0, 1)
+    assert [(u.policy_version, u.lineage) for u in store.plan_for(None)] == [(3, 20)]
+    assert bytes(store.latest().payload) == data
+    # A's v4 (delta or FULL) comes late: refused, store unchanged.
+    for late in (lineage_update(4, 10, DELTA, base=3), lineage_update(4, 10)):
+        before = store.status()
+        with pytest.raises(WeightUpdateRefused) as info:
+            store.put(*late)
+        assert info.value.code == common_pb2.ERROR_CODE_OUT_OF_ORDER and "superseded" in str(info.value)
+        assert store.status().latest_version == before.latest_version == 3 and store.lineage == 20
+    # B goes on with deltas of its own lineage.
+    store.put(*lineage_update(4, 20, DELTA, base=3, lineage_base=2))
+    assert versions(store.plan_for(3, 20)) == [4]
+
+
+def test_a_new_lineage_starts_with_a_full_update_and_may_move_back_several_versions():
+    store = WeightStore()
+    for version in (1, 2, 3, 4, 5):
+        store.put(*lineage_update(version, 10))
+    with pytest.raises(WeightUpdateRefused) as info:
+        store.put(*lineage_update(6, 20, DELTA, base=5))
+    assert info.value.code == common_pb2.ERROR_CODE_OUT_OF_ORDER and "starts with a FULL" in str(info.value)
+    result = store.put(*lineage_update(3, 20, lineage_base=2, fill=2))  # checkpoint 2, versions 3..5 rolled back
+    assert result.rolled_back_from == 5 and store.latest_version == 3
+    # Without a newer lineage, the old rule holds: a FULL must be newer than the latest.
+    with pytest.raises(WeightUpdateRefused):
+        store.put(*lineage_update(3, 20, fill=3))
+    # A new lineage above the latest (a trainer resumed from its newest checkpoint) is no rollback.
+    result = store.put(*lineage_update(4, 30, lineage_base=3))
+    assert (result.previous_lineage, result.rolled_back_from) == (20, None)
+
+
+def test_plans_by_lineage():
+    """A worker of an older lineage gets the snapshot whatever its version number; one of a newer lineage (the
+    broker lost it) gets nothing; lineage 0 plans by version as before."""
+    store = WeightStore()
+    store.put(*lineage_update(3, 20, lineage_base=2))
+    store.put(*lineage_update(4, 20, DELTA, base=3, lineage_base=2))
+    assert versions(store.plan_for(3, 10)) == [3, 4]   # holds A's rolled-back v3
+    assert versions(store.plan_for(7, 10)) == [3, 4]   # holds A's v7, far past the rollback point
+    assert versions(store.plan_for(3, 20)) == [4]
+    assert versions(store.plan_for(4, 20)) == []
+    assert versions(store.plan_for(9, 30)) == []       # a newer lineage than the broker's: never moved back
+    assert versions(store.plan_for(3, 0)) == [4] and versions(store.plan_for(None, 0)) == [3, 4]
+
+
+def test_a_resend_of_the_latest_update_is_acknowledged_not_stored_twice():
+    store = WeightStore()
+    store.put(*lineage_update(1, 10))
+    header, data = lineage_update(2, 10, DELTA, base=1)
+    store.put(header, data)
+    store.check_header(header)  # the first chunk of a resend is not refused
+    again = store.put(header, data)
+    assert again.duplicate and store.status().num_deltas == 1 and store.status().num_accepted == 2

@@ -149,9 +149,11 @@ def judge(record: RunRecord) -> Verdict:
                          ("steps mismatched", verdict.mismatched), ("steps unverified (no data_digest)",
                                                                      verdict.unverified),
                          ("metrics rows missing", verdict.missing_rows), ("metrics rows extra", verdict.extra_rows),
-                         ("unplanned exits", verdict.unplanned), ("left running", record.leftovers)):
+                         ("left running", record.leftovers)):
         if values:
             verdict.failures.append(f"{name}: {_short(values)}")
+    if verdict.unplanned:
+        verdict.failures.append(f"unplanned exits: {len(verdict.unplanned)} (listed above)")
     if record.aborted:
         verdict.failures.append(f"run aborted: {record.aborted}")
     if record.unfired:

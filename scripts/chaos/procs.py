@@ -59,7 +59,7 @@ def group_members(pgid: int) -> list[psutil.Process]:
 
 def describe(process: psutil.Process) -> str:
     try:
-        return f"{process.pid} {' '.join(process.cmdline())[:120]}"
+        return f"{process.pid} {' '.join(process.cmdline()).strip()[:120]}"
     except psutil.Error:
         return str(process.pid)
 

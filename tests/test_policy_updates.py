@@ -179,6 +179,40 @@ def test_updater_checks_without_an_engine(tmp_path: Path) -> None:
     assert updater.policy_version == 4
 
 
+def test_updater_follows_lineages_without_an_engine(tmp_path: Path) -> None:
+    """A FULL of a newer lineage is applied even at (or below) the served version (a rollback); an older
+    lineage's update and a delta across lineages are refused; `wants` says the same before any payload check."""
+    from primerl.inference.policy_updates import PolicyUpdater, UpdateRefused
+
+    weights = tiny_weights()
+    updater = PolicyUpdater(FakeEngine(weights), tmp_path, max_lora_rank=4)
+
+    def with_lineage(update, lineage, base=0):
+        update[0].lineage, update[0].lineage_base_version = lineage, base
+        return update
+
+    updater.apply(*with_lineage(full_update(weights, 3), 10))
+    assert (updater.policy_version, updater.lineage) == (3, 10)
+    same_version = with_lineage(full_update(perturbed(weights, seed=2), 3), 10)
+    assert not updater.wants(same_version[0])  # a resend of the served version, same lineage
+    rollback = with_lineage(full_update(perturbed(weights, seed=3), 3), 20, base=2)
+    assert updater.wants(rollback[0])
+    updater.apply(*rollback)
+    assert (updater.policy_version, updater.lineage, updater.lineage_base_version) == (3, 20, 2)
+    further_back = with_lineage(full_update(weights, 2), 30, base=1)  # resumed from checkpoint 1: v2 again
+    updater.apply(*further_back)
+    assert (updater.policy_version, updater.lineage) == (2, 30)
+    for update, text in [
+        (with_lineage(full_update(weights, 9), 20), "older than the served"),
+        (with_lineage(delta_update(perturbed(weights, seed=4), weights, 3, 2), 40), "new lineage starts with a FULL"),
+    ]:
+        assert not updater.wants(update[0])
+        with pytest.raises(UpdateRefused) as excinfo:
+            updater.apply(*update)
+        assert excinfo.value.code == common_pb2.ERROR_CODE_OUT_OF_ORDER and text in excinfo.value.message
+    assert (updater.policy_version, updater.lineage) == (2, 30)
+
+
 def test_updater_swaps_lora_adapters_under_new_ids(tmp_path: Path) -> None:
     from primerl.inference.policy_updates import PolicyUpdater, UpdateRefused
 

@@ -240,7 +240,8 @@ class BrokerServicer(control_pb2_grpc.BrokerServicer):
         _log.info("worker deregistered", worker_id=request.worker_id, reason=request.reason)
         if finished:
             _log.info("run finished: workers are told to stop", max_steps=self.registry.max_steps,
-                      last_committed_step=self.registry.last_committed_step)
+                      last_committed_step=self.registry.last_committed_step,
+                      stop_in_s=self.registry.end_of_run_grace_s)
         return control_pb2.DeregisterResponse()
 
     def GetRunStatus(self, request, context):

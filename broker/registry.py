@@ -19,8 +19,11 @@ changes; ``run_state()`` snapshots them, ``restore()`` takes them back after a b
 end of the run call ``persist`` before they answer; everything else is written by a periodic saver.
 
 End of run: rank 0 of the trainer deregistering with reason ``"training finished"`` once the run's trainer step
-reached ``max_steps`` finishes the run (``request_shutdown``): every later heartbeat answers
-``shutdown_requested``, and the run state says so, so that a restarted broker still tells late workers to stop.
+reached ``max_steps`` finishes the run (``request_shutdown``): heartbeats answer ``shutdown_requested`` from
+``end_of_run_grace_s`` later on, and the run state says so, so that a restarted broker still tells late workers
+to stop (at once). The grace lets the last policy reach the inference workers and lets a supervisor that ends the
+run itself (``primerl rl`` stops the roles once the trainer has exited) have the first word; the broker's request
+is what ends roles that nobody else stops (separate daemons, systemd).
 """
 
 from __future__ import annotations
@@ -217,11 +220,15 @@ class WorkerRegistry:
         max_gone_workers: int = 256,
         step_window: Callable[[int], str] | None = None,
         persist: Callable[[int, RunState], object] | None = None,
+        end_of_run_grace_s: float = 0.0,
     ):
         if heartbeat_interval_s <= 0:
             raise ValueError(f"heartbeat_interval_s must be > 0, got {heartbeat_interval_s}")
         if liveness < 1:
             raise ValueError(f"liveness must be >= 1, got {liveness}")
+        if end_of_run_grace_s < 0:
+            raise ValueError(f"end_of_run_grace_s must be >= 0, got {end_of_run_grace_s}")
+        self.end_of_run_grace_s = end_of_run_grace_s
         self.run_id = run_id
         self.heartbeat_interval_s = heartbeat_interval_s
         self.liveness = liveness
@@ -250,7 +257,8 @@ class WorkerRegistry:
         self._latest_policy_version = 0
         self._version = 0
         self._closed = False  # the broker process is stopping: register and heartbeat answer BrokerStopping
-        self._shutdown_requested = False  # the run is over: heartbeats tell workers to stop
+        self._shutdown_requested = False  # the run is over: heartbeats tell workers to stop (after _stop_workers_at)
+        self._stop_workers_at = 0.0  # registry clock from which heartbeats say shutdown_requested
         self._finished_step = 0  # the run's trainer step when it finished (with _shutdown_requested)
         # Steps of workers no longer listed (restored from an earlier broker, or dropped records): floors under
         # the run's steps, which never go back.
@@ -283,7 +291,8 @@ class WorkerRegistry:
 
     @property
     def shutdown_requested(self) -> bool:
-        """The run is over (``request_shutdown``, or restored as finished): heartbeats tell workers to stop."""
+        """The run is over (``request_shutdown``, or restored as finished): heartbeats tell workers to stop
+        (once the grace of ``request_shutdown`` has passed)."""
         with self._lock:
             return self._shutdown_requested
 
@@ -322,6 +331,7 @@ class WorkerRegistry:
             if state.finished and self.max_steps is not None and state.finished_step >= self.max_steps:
                 self._shutdown_requested = True
                 self._finished_step = state.finished_step
+                self._stop_workers_at = self._clock()  # the grace passed long ago
             self._state_revision += 1
             self._bump_locked()
 
@@ -417,7 +427,7 @@ class WorkerRegistry:
             return control_pb2.HeartbeatResponse(
                 latest_policy_version=self._latest_policy_version,
                 last_committed_step=self._last_committed_step,
-                shutdown_requested=self._shutdown_requested,
+                shutdown_requested=self._shutdown_requested and self._clock() >= self._stop_workers_at,
             )
 
     def deregister(self, worker_id: str, reason: str = "") -> bool:
@@ -442,7 +452,7 @@ class WorkerRegistry:
                 and not self._shutdown_requested
             )
         if finishes:
-            self.request_shutdown()
+            self.request_shutdown(grace_s=self.end_of_run_grace_s)
         return finishes
 
     def report_metrics(self, worker_id: str, step: int, metrics: Mapping[str, float]) -> None:
@@ -656,13 +666,14 @@ class WorkerRegistry:
             self._version += 1
             self._changed.notify_all()
 
-    def request_shutdown(self) -> None:
-        """The run is over: every later heartbeat answers ``shutdown_requested`` and its worker stops. The run
-        state says ``finished`` (written here: a broker restarted after it still tells late workers to stop);
+    def request_shutdown(self, grace_s: float = 0.0) -> None:
+        """The run is over: every heartbeat from ``grace_s`` on answers ``shutdown_requested`` and its worker
+        stops. The run state says ``finished`` (written here: a broker restarted after it still tells late workers to stop);
         a failed write goes to the recent errors and the periodic saver retries it."""
         with self._lock:
             if not self._shutdown_requested:
                 self._shutdown_requested = True
+                self._stop_workers_at = self._clock() + max(0.0, grace_s)
                 self._finished_step = max(self._trainer_step_locked(), self._last_committed_step)
                 self._state_revision += 1
             self._bump_locked()

@@ -43,6 +43,11 @@ from primerl.runtime.zmq_sockets import tcp_endpoint
 
 log = get_logger("primerl.broker")
 
+# After the trainer finished the run, heartbeats tell the other workers to stop from this many seconds on: time for
+# the last policy to reach the inference workers, and for a supervisor that ends the run itself (``primerl rl``
+# stops the roles once it has seen the trainer exit) to do so first. Past it, the roles stop within ~10 s.
+END_OF_RUN_GRACE_S = 10.0
+
 
 @dataclass(frozen=True)
 class BrokerEndpoints:
@@ -93,6 +98,7 @@ class BrokerService:
             on_commit=self._release_through,
             step_window=self._step_window,
             persist=self._persist_run_state,
+            end_of_run_grace_s=END_OF_RUN_GRACE_S,
         )
         self.weight_store: WeightStore = _AnnouncingWeightStore(self.registry.set_latest_policy_version)
         self.run_state_file: RunStateFile | None = None

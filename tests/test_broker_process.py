@@ -22,6 +22,7 @@ import zmq
 
 from primerl.broker.control_client import BrokerError, ControlClient
 from primerl.broker.rollout_clients import RolloutConsumer, RolloutProducer, RolloutRefused, pack_batch
+from primerl.broker.service import END_OF_RUN_GRACE_S
 from primerl.proto import framing
 from primerl.proto.v1 import common_pb2, data_pb2
 from primerl.runtime.config_common import BrokerClientConfig
@@ -214,3 +215,119 @@ def test_run_token_is_required_on_every_socket(tmp_path, processes):
         member.close()
     produce(broker.rollout_endpoint, range(1, 2), ranks=1, num_micro_batches=1, token="s3cret")
     assert broker.stop() == 0
+
+
+# ------------------------------------------------------------------------------------------- run state
+STATUS_FACTS = ("run_id", "trainer_step", "last_committed_step", "latest_policy_version", "orchestrator_step",
+                "last_metrics", "last_metrics_step", "max_steps")
+
+
+def status_json(address: str) -> dict:
+    """`primerl status --json`, the way an operator runs it."""
+    result = subprocess.run([str(BIN / "primerl"), "status", "--broker", address, "--json"], capture_output=True,
+                            text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    return json.loads(result.stdout)
+
+
+def publish_full(endpoint: str, version: int) -> None:
+    from primerl.broker.weight_clients import WeightPublisher
+    from primerl.proto import tensor_frames
+
+    data, specs = tensor_frames.encode_tensors({"w": np.arange(256, dtype=np.float32)})
+    header = data_pb2.WeightUpdateHeader(policy_version=version, kind=data_pb2.WEIGHT_UPDATE_KIND_FULL, tensors=specs)
+    publisher = WeightPublisher(endpoint, None, "trainer-0", 1 << 20)
+    try:
+        assert publisher.publish(header, data, timeout_s=20).applied
+    finally:
+        publisher.close()
+
+
+def wait_for_file_state(path: Path, predicate, timeout_s: float = 10.0) -> dict:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        state = json.loads(path.read_text()) if path.exists() else {}
+        if state and predicate(state):
+            return state
+        assert time.monotonic() < deadline, f"run state never matched: {state}"
+        time.sleep(0.1)
+
+
+@pytest.mark.slow
+def test_run_state_survives_sigkill_and_restart_and_the_end_of_the_run_too(tmp_path, processes):
+    spool = tmp_path / "spool"
+    args = ("--max-queue-batches", "16", "--max-steps", "3")
+    broker = BrokerProcess(tmp_path, spool, *args)
+    processes.append(broker)
+    produce(broker.rollout_endpoint, range(1, 3), ranks=1, num_micro_batches=1)
+    trainer = ControlClient(BrokerClientConfig(address=broker.grpc_address), "trainer", "trainer-0")
+    orchestrator = ControlClient(BrokerClientConfig(address=broker.grpc_address), "orchestrator", "orchestrator")
+    try:
+        trainer.register()
+        orchestrator.register()
+        with RolloutConsumer(broker.rollout_endpoint, worker_id="trainer-0", rank=0) as consumer:
+            for step in (1, 2):
+                check_step(consumer, step, 0, 1)
+                trainer.report_metrics(step, {"train/loss": 1.0 / step})
+        publish_full(f"tcp://127.0.0.1:{broker.ports['weight_port']}", 2)
+        assert trainer.commit_step(2).num_batches_released == 2
+        orchestrator.report_metrics(3, {"reward/mean": 0.375})
+        before = trainer.get_run_status()
+        before_json = status_json(broker.grpc_address)
+    finally:
+        trainer.close()
+        orchestrator.close()
+    assert (before.trainer_step, before.last_committed_step, before.latest_policy_version) == (2, 2, 2)
+    assert (before.orchestrator_step, before.last_metrics_step) == (3, 3)
+    # The commit was written before it answered; the metrics since within about a second.
+    wait_for_file_state(spool / "run_state.json", lambda state: state["last_metrics_step"] == 3)
+    broker.kill()  # no chance to write anything more
+
+    reborn = BrokerProcess(tmp_path, spool, *args)
+    processes.append(reborn)
+    checker = ControlClient(BrokerClientConfig(address=reborn.grpc_address), "client", "checker")
+    trainer = ControlClient(BrokerClientConfig(address=reborn.grpc_address), "trainer", "trainer-0")
+    late = ControlClient(BrokerClientConfig(address=reborn.grpc_address), "inference", "infer-0")
+    try:
+        after = checker.get_run_status()
+        for name in STATUS_FACTS:
+            assert getattr(after, name) == getattr(before, name), name
+        after_json = status_json(reborn.grpc_address)
+        for name in STATUS_FACTS:
+            assert after_json[name] == before_json[name], name
+        assert after_json["last_metrics"] == {"train/loss": 0.5, "reward/mean": 0.375}
+        assert late.register().latest_policy_version == 2
+        assert late.heartbeat().last_committed_step == 2
+
+        # The trainer's commit of step 2 sent again to the restarted broker (its answer was lost): a success.
+        trainer.register()
+        again = trainer.commit_step(2)
+        assert (again.last_committed_step, again.num_batches_released) == (2, 0)
+        # The last step, then the end of the run: late workers are told to stop, before and after a restart.
+        trainer.report_metrics(3, {"train/loss": 0.25})
+        assert trainer.commit_step(3).last_committed_step == 3
+        assert not late.heartbeat().shutdown_requested
+        assert trainer.deregister("training finished")
+        finished_s = time.monotonic()
+        assert not late.heartbeat().shutdown_requested  # the grace: the last policy, a supervisor's own stop
+        while not late.heartbeat().shutdown_requested:
+            assert time.monotonic() - finished_s < END_OF_RUN_GRACE_S + 5, "never told to stop"
+            time.sleep(0.1)
+        assert time.monotonic() - finished_s >= END_OF_RUN_GRACE_S - 0.5
+    finally:
+        for client in (checker, trainer, late):
+            client.close()
+    reborn.kill()
+
+    third = BrokerProcess(tmp_path, spool, *args)
+    processes.append(third)
+    straggler = ControlClient(BrokerClientConfig(address=third.grpc_address), "orchestrator", "orchestrator")
+    try:
+        straggler.register()
+        assert straggler.heartbeat().shutdown_requested
+        assert straggler.shutdown_requested.is_set()
+        final = straggler.get_run_status()
+        assert (final.trainer_step, final.last_committed_step, final.run_id) == (3, 3, before.run_id)
+    finally:
+        straggler.close()
+    assert third.stop() == 0

@@ -229,6 +229,22 @@ def test_a_finished_run_is_persisted_and_a_restarted_broker_tells_late_workers_t
     assert not heartbeat(extended, register(extended, "infer-1", INFER)).shutdown_requested
 
 
+def test_workers_are_told_to_stop_after_the_grace_and_at_once_by_a_restarted_broker():
+    clock = FakeClock()
+    registry = WorkerRegistry("run-1", 1.0, 100, clock=clock, max_steps=10, end_of_run_grace_s=10.0)
+    infer = register(registry, "infer-0", INFER)
+    assert finish_run(registry)
+    assert registry.shutdown_requested and registry.run_state()[1].finished
+    clock.now += 9.9
+    assert not heartbeat(registry, infer).shutdown_requested  # the last policy may still be on its way
+    clock.now += 0.1
+    assert heartbeat(registry, infer).shutdown_requested
+
+    restarted = WorkerRegistry("run-1", 1.0, 100, clock=FakeClock(), max_steps=10, end_of_run_grace_s=10.0)
+    restarted.restore(registry.run_state()[1])
+    assert heartbeat(restarted, register(restarted, "infer-0", INFER)).shutdown_requested
+
+
 # ------------------------------------------------------------------------------------------ the saver
 def test_the_saver_writes_changes_at_most_once_per_interval_and_flushes_at_stop(tmp_path):
     registry = make_registry()

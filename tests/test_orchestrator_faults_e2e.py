@@ -1,0 +1,228 @@
+"""The orchestrator's faults through the real path (issue 14): the real `primerl-orchestrator` daemon, real env
+workers (verifiers, their own interpreter), a real `primerl-infer` (vLLM, the tiny model) and an in-process broker.
+
+- every rollout failing (seq_len 16, shorter than the prompts) ends the orchestrator within 60 s with one error
+  line naming the cause and the fix, the cause in the broker's status;
+- an env worker that dies mid-step is restarted and its groups are rolled out again;
+- a broker restart mid-run is waited through, and every step's data reaches the broker (the `step sent` digests
+  match what a trainer rank fetches);
+- the broker ending the run stops the orchestrator within 10 s, exit code 0.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from primerl.broker.rollout_clients import RolloutConsumer
+
+sys.path.insert(0, str(Path(__file__).parent))
+from test_inference_server import START_TIMEOUT_S, TOKEN, Broker, Daemon  # noqa: E402
+from test_orchestrator_e2e import ENV_PYTHON, metric_rows, orchestrator_args  # noqa: E402
+
+sys.path.pop(0)
+
+pytestmark = [pytest.mark.slow, pytest.mark.vllm,
+              pytest.mark.filterwarnings("ignore:`torch.distributed.reduce_op` is deprecated:FutureWarning")]
+
+BIN = Path(sys.executable).parent
+FIXTURES = Path(__file__).parent / "env_fixtures"
+ALL_FAIL_LIMIT_S = 60.0
+SHUTDOWN_LIMIT_S = 10.0
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory):
+    if not Path(ENV_PYTHON).exists():
+        pytest.skip(f"no env-worker interpreter at {ENV_PYTHON}: run `make setup` (it builds .venv-envs)")
+    from primerl.trainer.tiny_model import build_tiny_model
+
+    return build_tiny_model(tmp_path_factory.mktemp("model") / "tiny")
+
+
+class ShortContextDaemon(Daemon):
+    """`primerl-infer` with a 16-token context (what `primerl rl` starts for `seq_len = 16`)."""
+
+    def __init__(self, tmp: Path, model_dir: Path, broker: Broker):
+        self.log_path = tmp / "infer.log"
+        ready_file = tmp / "infer-ready.json"
+        self.log_file = open(self.log_path, "w")
+        self.started_s = time.monotonic()
+        self.process = subprocess.Popen(
+            [str(BIN / "primerl-infer"), "--model.name", str(model_dir), "--model.max-model-len", "16",
+             "--server.port", "0", "--broker.address", broker.grpc_address, "--broker.connect-timeout-s", "30",
+             "--ready-file", str(ready_file)],
+            stdout=self.log_file, stderr=subprocess.STDOUT, env={**os.environ, "PRIMERL_RUN_TOKEN": TOKEN}, cwd=tmp)
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while not ready_file.exists():
+            if self.process.poll() is not None or time.monotonic() > deadline:
+                self.stop()
+                pytest.fail(f"primerl-infer did not start:\n{self.log_tail()}")
+            time.sleep(0.1)
+        self.ready = json.loads(ready_file.read_text())
+
+
+def start_orchestrator(model: Path, broker: Broker, output_dir: Path, env: str, log_path: Path,
+                       *extra: str, env_table: str | None = None) -> subprocess.Popen:
+    args = orchestrator_args(model, broker, output_dir, env, "--max-async-level", "50", *extra)
+    if env_table is not None:
+        args[args.index("--env") + 1] = f"[{env_table}]"
+    log_file = open(log_path, "a")
+    try:
+        return subprocess.Popen(args, stdout=log_file, stderr=subprocess.STDOUT,
+                                env={**os.environ, "PRIMERL_RUN_TOKEN": TOKEN, "PYTHONPATH": str(FIXTURES)})
+    finally:
+        log_file.close()
+
+
+def finish(process: subprocess.Popen, timeout_s: float) -> int:
+    """Wait for the orchestrator we started; kill it (ours only) if it overstays."""
+    try:
+        return process.wait(timeout_s)
+    except subprocess.TimeoutExpired:
+        process.send_signal(signal.SIGTERM)
+        try:
+            process.wait(30)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait(10)
+        raise
+
+
+def wait_for_line(process: subprocess.Popen, log_path: Path, pattern: str, timeout_s: float) -> float:
+    deadline = time.monotonic() + timeout_s
+    while not re.search(pattern, log_path.read_text(errors="replace")):
+        if process.poll() is not None or time.monotonic() > deadline:
+            process.kill()
+            process.wait(10)
+            pytest.fail(f"no {pattern!r} in the orchestrator's log:\n{log_path.read_text()[-4000:]}")
+        time.sleep(0.1)
+    return time.monotonic()
+
+
+def step_sent_digests(log_text: str) -> dict[int, str]:
+    """{step: data_digest} of the `step sent` lines (one rank here)."""
+    digests = {}
+    for line in log_text.splitlines():
+        if "step sent" in line:
+            step = int(re.search(r"\bstep=(\d+)", line).group(1))
+            digests[step] = re.search(r"data_digest=(\w+)", line).group(1)
+    return digests
+
+
+def test_all_rollouts_failing_stop_the_orchestrator_with_the_cause(tiny_model, tmp_path):
+    broker = Broker(tmp_path / "spool")
+    daemon = None
+    try:
+        daemon = ShortContextDaemon(tmp_path, tiny_model, broker)
+        log_path = tmp_path / "orchestrator.log"
+        started_s = time.monotonic()
+        process = start_orchestrator(tiny_model, broker, tmp_path / "out", "reverse-text", log_path,
+                                     "--seq-len", "16", "--max-steps", "4")
+        returncode = finish(process, 300)
+        elapsed_s = time.monotonic() - started_s
+        text = log_path.read_text(errors="replace")
+        print(f"\nall rollouts failing: the orchestrator exited {returncode} after {elapsed_s:.1f} s")
+        with broker.client() as client:
+            status = client.get_run_status()
+    finally:
+        if daemon is not None:
+            daemon.stop()
+        broker.stop()
+    assert returncode == 1, text[-4000:]
+    assert elapsed_s <= ALL_FAIL_LIMIT_S, text[-4000:]
+    errors = [line for line in text.splitlines() if "orchestrator cannot continue" in line]
+    assert len(errors) == 1, text[-4000:]
+    assert "rollouts in a row failed" in errors[0] and "raise seq_len" in errors[0]
+    assert re.search(r"maximum context length|max_model_len|maximum model length", errors[0], re.I), errors[0]
+    failed_lines = [line for line in text.splitlines() if "rollout failed" in line]
+    assert len(failed_lines) == len({re.search(r"kind=(\S+)", line).group(1) for line in failed_lines}) >= 1
+    assert "Traceback" not in text
+    assert any("rollout failed" in error for error in status.recent_errors), list(status.recent_errors)
+    assert any("orchestrator stopped" in error for error in status.recent_errors), list(status.recent_errors)
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory, tiny_model):
+    broker = Broker(tmp_path_factory.mktemp("spool"))
+    daemon = None
+    try:
+        daemon = Daemon(tmp_path_factory.mktemp("infer"), tiny_model, broker)
+        yield tiny_model, broker, daemon
+    finally:
+        if daemon is not None:
+            daemon.stop()
+        broker.stop()
+
+
+@pytest.fixture(scope="module")
+def run_dir(tmp_path_factory):
+    """One run, resumed by each of the tests below (the broker's spool holds its steps)."""
+    return tmp_path_factory.mktemp("run")
+
+
+def test_a_crashed_env_worker_is_restarted_and_its_rollouts_done_again(stack, run_dir, tmp_path):
+    model, broker, _ = stack
+    log_path = run_dir / "crash.log"
+    marker = tmp_path / "crashed"
+    process = start_orchestrator(model, broker, run_dir, "crash_once_env", log_path, "--max-steps", "2",
+                                 env_table=f'{{id = "crash_once_env", args = {{marker = "{marker}"}}}}')
+    returncode = finish(process, 300)
+    text = log_path.read_text(errors="replace")
+    assert returncode == 0, text[-4000:]
+    assert marker.exists()  # the worker did die once
+    restarts = [line for line in text.splitlines() if "restarting env worker" in line]
+    assert len(restarts) == 1 and "exit_code=3" in restarts[0] and "num_restarts=1" in restarts[0], text[-4000:]
+    rows = metric_rows(run_dir)
+    assert [r["step"] for r in rows] == [1, 2]
+    assert sum(r["rollout/rescheduled"] for r in rows) >= 4  # at least one group of 4 rollouts done again
+    assert all(r["buffer/num_rollouts"] > 0 for r in rows)
+    assert sorted(step_sent_digests(text)) == [1, 2]
+
+
+def test_a_broker_restart_mid_run_is_waited_through(stack, run_dir):
+    model, broker, _ = stack
+    log_path = run_dir / "restart.log"
+    process = start_orchestrator(model, broker, run_dir, "reverse-text", log_path, "--max-steps", "5")
+    wait_for_line(process, log_path, r"step sent .*step=3", 300)
+    broker.stop()
+    time.sleep(6.0)  # long enough for the orchestrator to say it waits
+    broker.restart()
+    returncode = finish(process, 300)
+    text = log_path.read_text(errors="replace")
+    assert returncode == 0, text[-4000:]
+    assert "waiting for the broker" in text and "broker back" in text, text[-4000:]
+    assert [r["step"] for r in metric_rows(run_dir)][-3:] == [3, 4, 5]
+    digests = step_sent_digests(text)
+    assert sorted(digests) == [3, 4, 5]
+    from primerl.runtime.data_digest import data_digest
+
+    endpoint = f"tcp://127.0.0.1:{broker.endpoints.rollout_port}"
+    with RolloutConsumer(endpoint, auth_token=TOKEN, worker_id="checker", rank=0) as consumer:
+        for step, digest in digests.items():  # what a trainer rank gets is what was logged as sent
+            fetched = consumer.fetch_step(step, timeout_s=60)
+            assert data_digest([tensors for _, tensors in fetched]) == digest
+
+
+def test_the_broker_ending_the_run_stops_the_orchestrator(stack, run_dir):
+    model, broker, _ = stack
+    log_path = run_dir / "shutdown.log"
+    process = start_orchestrator(model, broker, run_dir, "reverse-text", log_path, "--max-steps", "40")
+    wait_for_line(process, log_path, r"step sent .*step=7", 300)
+    requested_s = time.monotonic()
+    broker.service.registry.request_shutdown()
+    returncode = finish(process, 60)
+    stop_s = time.monotonic() - requested_s
+    text = log_path.read_text(errors="replace")
+    print(f"\nthe orchestrator stopped {stop_s:.1f} s after the broker ended the run")
+    assert returncode == 0, text[-4000:]
+    assert stop_s <= SHUTDOWN_LIMIT_S, text[-4000:]
+    assert "the broker asked the orchestrator to shut down" in text

@@ -21,6 +21,8 @@ MAX_LINE_CHARS = 400
 TAIL_BYTES = 256 * 1024
 _CONSOLE_ERROR = re.compile(r"\[(error|critical)\s*\]\s*(.*)$")
 _ERROR_LEVELS = ("error", "critical", "exception")
+_CONSOLE_NOISE = re.compile(r"\s+\[[\w.]+\](?=\s|$)|\s+(role|run_id)=\S*")
+"""What every console line of a role carries (its logger's name, role and run id): left out of the summary."""
 
 
 def _shorten(text: str) -> str:
@@ -69,7 +71,7 @@ def last_error_line(text: str) -> str | None:
         if found is None:
             match = _CONSOLE_ERROR.search(line)
             if match:
-                found = f"[{match.group(1)}] {match.group(2)}"
+                found = _CONSOLE_NOISE.sub("", f"[{match.group(1)}] {match.group(2)}")
         if found is None and line.startswith("Traceback (most recent call last)"):
             found = _traceback_exception(lines, index)
         if found:

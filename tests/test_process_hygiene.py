@@ -126,8 +126,9 @@ def test_last_error_line_of_json_console_and_traceback_logs(tmp_path):
                                  "exception": "Traceback (most recent call last):\n  File \"x\", line 1\nKeyError: 'w'"})
     assert last_error_line(with_exception) == "weight thread failed: KeyError: 'w'"
     console = ("2026-11-24T15:22:09Z [info     ] step done  step=3\n"
-               "2026-11-24T15:22:10Z [error    ] trainer cannot continue  error='bad batch' role=trainer\n")
-    assert last_error_line(console) == "[error] trainer cannot continue error='bad batch' role=trainer"
+               "2026-11-24T15:22:10Z [error    ] trainer cannot continue  [primerl.trainer] error='bad batch' "
+               "role=trainer run_id=\n")
+    assert last_error_line(console) == "[error] trainer cannot continue error='bad batch'"
     traceback = ("starting\nTraceback (most recent call last):\n  File \"/x.py\", line 3, in <module>\n"
                  "    main()\nRuntimeError: env 'no-such-env' is not installed\n")
     assert last_error_line(console + traceback) == "RuntimeError: env 'no-such-env' is not installed"

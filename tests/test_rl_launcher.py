@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -99,15 +100,36 @@ def test_a_short_run_trains_every_step_and_inference_serves_the_last_policy(tiny
 
 @pytest.mark.slow
 @pytest.mark.vllm
-def test_a_crashing_role_stops_the_run_and_shows_its_log(tiny_model, tmp_path):
+def test_a_crashing_role_is_restarted_then_stops_the_run_and_shows_its_error(tiny_model, tmp_path):
     run_dir = tmp_path / "run"
     result, wall_s = primerl_rl(tiny_model, run_dir, "--max-steps", "3", "--orchestrator.env",
-                                '[{id = "no-such-env"}]', "--stop-timeout-s", "10", timeout_s=CRASH_TIMEOUT_S)
-    assert result.returncode == 1, (result.stdout + result.stderr)[-6000:]
-    assert "orchestrator exited with status" in result.stderr
+                                '[{id = "no-such-env"}]', "--stop-timeout-s", "10", "--restart-limit", "1",
+                                "--restart-delay-s", "0.5", timeout_s=CRASH_TIMEOUT_S)
+    output = result.stdout + result.stderr
+    assert result.returncode == 1, output[-6000:]
+    assert "restarting orchestrator after exit code 1 (restart 1 of 1 within 300 s) in 0.5 s" in result.stdout, \
+        output[-6000:]
+    assert re.search(r"orchestrator exited with status 1( while inference was starting)?; not restarted: it was "
+                     r"restarted 1 times within 300 s", result.stderr), output[-6000:]
     assert "last 30 lines of" in result.stderr and "no-such-env" in result.stderr  # the orchestrator's log lines
+    error_lines = [line for line in result.stderr.splitlines() if "orchestrator's last error:" in line]
+    assert error_lines and "no-such-env" in error_lines[-1], output[-6000:]
+    assert json.loads((run_dir / "pids.json").read_text())["orchestrator"] != 0
     assert_no_child_left(run_dir)
-    print(f"crash run: {wall_s:.1f} s wall")
+    print(f"crash run: {wall_s:.1f} s wall\n{error_lines[-1]}")
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
+def test_a_config_error_with_restart_never_stops_the_run_at_once(tiny_model, tmp_path):
+    run_dir = tmp_path / "run"
+    result, _ = primerl_rl(tiny_model, run_dir, "--max-steps", "3", "--orchestrator.env", '[{id = "no-such-env"}]',
+                           "--stop-timeout-s", "10", "--restart", "never", timeout_s=CRASH_TIMEOUT_S)
+    assert result.returncode == 1, (result.stdout + result.stderr)[-6000:]
+    assert "restarting" not in result.stdout
+    assert re.search(r"orchestrator exited with status 1( while inference was starting)?; stopped the run",
+                     result.stderr), result.stderr[-6000:]
+    assert_no_child_left(run_dir)
 
 
 @pytest.mark.slow

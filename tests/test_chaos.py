@@ -21,7 +21,7 @@ CI_RUN_TIMEOUT_S = 180
 
 sys.path.insert(0, str(CHAOS_DIR))
 try:
-    from checks import _normal_end, lineage
+    from checks import Verdict, _normal_end, _spool_checks, lineage
     from logs import read_incarnations
     from plan import make_plan, steps_needed
     from procs import Exit, Unit, marked_processes, MARKER_ENV
@@ -91,6 +91,19 @@ def test_an_exit_0_is_a_normal_end_only_once_the_trainer_finished(tmp_path):
     assert _normal_end(Exit("inference", 1, 0, finished_s + 1, False), logs)
     assert not _normal_end(Exit("inference", 1, 0, finished_s - 5, False), logs)
     assert not _normal_end(Exit("broker", 1, 1, finished_s + 1, False), logs)
+
+
+def test_spool_must_have_committed_the_last_step(tmp_path):
+    spool = tmp_path / "spool"
+    spool.mkdir()
+    (spool / "COMMITTED").write_text("6")
+    (spool / "ab.rbatch").write_bytes(b"x")
+    verdict = Verdict(None)
+    _spool_checks(spool, 6, verdict)
+    assert verdict.failures == [] and "1 batch files left" in verdict.findings[0]
+    verdict = Verdict(None)
+    _spool_checks(spool, 8, verdict)
+    assert "committed step 6 (want 8)" in verdict.failures[0]
 
 
 def _wait(unit: Unit, until, timeout_s: float = 20.0) -> list[Exit]:

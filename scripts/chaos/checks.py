@@ -15,6 +15,7 @@ the rollback) is counted as retrained, which is fine. Checks:
 - unplanned exits: an exit the harness did not cause (a kill or the stop at the end; the trainer's exit 0 and the
   orchestrator's exit 0 once every step is produced are the run's normal end);
 - final status: every inference worker serves the latest policy version, which is N;
+- spool: the broker's ``COMMITTED`` file says N (every step committed); batch files left are noted;
 - leftovers: no process started by the run alive after it.
 """
 
@@ -142,6 +143,7 @@ def judge(record: RunRecord) -> Verdict:
         verdict.failures.append(
             f"final status: latest policy version {(final or {}).get('latest_policy_version')} (want {n}), "
             f"inference workers serving {versions or 'none'} {record.final_status_error}".rstrip())
+    _spool_checks(spec.run_dir / "broker" / "spool", n, verdict)
     if not (spec.run_dir / "checkpoints" / f"step_{n}").exists():
         verdict.failures.append(f"no checkpoint of the last step (checkpoints/step_{n})")
 
@@ -172,6 +174,22 @@ def judge(record: RunRecord) -> Verdict:
                                 f"{_short(survivors)}")
     _status_findings(record, verdict)
     return verdict
+
+
+def _spool_checks(spool: Path, n: int, verdict: Verdict) -> None:
+    """The broker's spool at the end: step N committed (``COMMITTED``); batches left or quarantined are noted."""
+    try:
+        committed = int((spool / "COMMITTED").read_text().strip())
+    except (OSError, ValueError):
+        committed = None
+    if committed != n:
+        verdict.failures.append(f"spool: committed step {committed} (want {n}) in {spool / 'COMMITTED'}")
+    left = sorted(p.name for p in spool.glob("*.rbatch"))
+    if left:
+        verdict.findings.append(f"spool: {len(left)} batch files left after step {committed} was committed")
+    quarantined = sorted(p.name for p in (spool / "quarantine").glob("*")) if (spool / "quarantine").is_dir() else []
+    if quarantined:
+        verdict.findings.append(f"spool: {len(quarantined)} files quarantined (torn or damaged): {_short(quarantined)}")
 
 
 def _normal_end(ended, logs) -> bool:

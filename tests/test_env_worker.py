@@ -424,6 +424,34 @@ def test_a_dead_worker_fails_pending_requests_and_restarts(fake: FakeOpenAI) -> 
         worker.close()
 
 
+def test_a_restart_right_after_a_crash_logs_the_exit_code_and_keeps_the_new_process(fake: FakeOpenAI) -> None:
+    """Restarted at once after SIGKILL (before the old process's reader has seen its end): the log line names the
+    exit code, the old process's requests fail, and nothing of the old process touches the new one."""
+    import structlog
+
+    worker = make_worker("reverse-text", {"num_examples": 4}, max_restarts=2)
+    try:
+        worker.start()
+        lost = worker.submit_rollout(0, num_rollouts=1, base_url=fake.base_url, model="slow")
+        old_pid = worker.pid
+        os.kill(old_pid, signal.SIGKILL)  # type: ignore[arg-type]
+        deadline = time.monotonic() + 10
+        while worker.exit_code is None and time.monotonic() < deadline:
+            time.sleep(0.01)
+        with structlog.testing.capture_logs() as logs:
+            assert worker.ensure_alive().num_examples == 4
+        with pytest.raises(EnvWorkerDied):
+            lost.result(timeout=15)
+        restarts = [e for e in logs if e["event"] == "restarting env worker"]
+        assert [(e["exit_code"], e["pid"], e["num_restarts"]) for e in restarts] == [(-9, old_pid, 1)]
+        time.sleep(1.0)  # the old reader and watchdog threads have ended by now
+        assert worker.is_alive() and worker.pid != old_pid and worker.exit_code is None
+        after = worker.submit_rollout(1, num_rollouts=1, base_url=fake.base_url, model="reverse").result(30)
+        assert after.num_errors == 0
+    finally:
+        worker.close()
+
+
 # ------------------------------------------------------------------------------------- trajectories (pure)
 
 

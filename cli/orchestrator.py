@@ -51,8 +51,11 @@ def serve(config, args: argparse.Namespace) -> int:
     except ValueError as exc:
         log.error("orchestrator cannot continue", error=str(exc))
         return 2
-    except (RolloutsFailing, BrokerOutageExceeded, BrokerError, EnvWorkerError, TimeoutError) as exc:
-        # faults that make the orchestrator useless: one clear line (the launcher prints it), exit non-zero
+    except RolloutsFailing as exc:  # e.g. seq_len shorter than the prompts: a restart would fail the same way
+        log.error("orchestrator cannot continue", error=str(exc), error_type=type(exc).__name__)
+        return 2
+    except (BrokerOutageExceeded, BrokerError, EnvWorkerError, TimeoutError) as exc:
+        # faults that make this process useless but that a restart may get past: one clear line, exit 1
         log.error("orchestrator cannot continue", error=str(exc), error_type=type(exc).__name__)
         return 1
 

@@ -83,6 +83,21 @@ def test_lineage_reports_a_lost_step_and_a_resume_from_an_unknown_checkpoint(tmp
     assert "no earlier incarnation" in lineage(read_incarnations("trainer", broken)).broken
 
 
+def test_a_record_written_from_the_checkpoint_counts_once_and_twice_is_a_duplicate(tmp_path):
+    path = _trainer_log(tmp_path / "trainer.log", [
+        [_line("step done", step=1), _line("checkpoint saved", step=2)],  # killed before step 2's "step done"
+        [_line("resumed from checkpoint", step=2), _line("step done", step=2, from_checkpoint=True),
+         _line("step done", step=3)],
+    ])
+    result = lineage(read_incarnations("trainer", path))
+    assert {s: len(e) for s, e in result.steps.items()} == {1: 1, 2: 1, 3: 1} and not result.retrained
+    twice = _trainer_log(tmp_path / "twice.log", [
+        [_line("step done", step=1), _line("checkpoint saved", step=2), _line("step done", step=2)],
+        [_line("resumed from checkpoint", step=2), _line("step done", step=2, from_checkpoint=True)],
+    ])
+    assert len(lineage(read_incarnations("trainer", twice)).steps[2]) == 2
+
+
 def test_an_exit_0_is_a_normal_end_only_once_the_trainer_finished(tmp_path):
     logs = {"trainer": read_incarnations("trainer", _trainer_log(tmp_path / "t.log", [[
         json.dumps({"event": "training finished", "timestamp": "2026-01-01T00:01:00Z"})]])),

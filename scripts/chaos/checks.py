@@ -5,7 +5,9 @@ The final lineage of the weights: the last trainer incarnation resumed from chec
 and trained steps ``r+1..``; checkpoint ``r`` was written by the latest earlier incarnation that logged
 ``checkpoint saved step=r``, which itself trained from its own resume point, and so on back to step 0. A step
 trained by an incarnation outside that chain (killed before its checkpoint, the step then trained again after
-the rollback) is counted as retrained, which is fine. Checks:
+the rollback) is counted as retrained, which is fine. A ``step done`` with ``from_checkpoint`` for the step an
+incarnation resumed at is the record of that step (its trainer died between the checkpoint and the record).
+Checks:
 
 - lost: a step of 1..N with no ``step done`` in the lineage; duplicated: a step done twice in the lineage;
 - metrics rows: each step of 1..N has a trainer row in ``metrics.jsonl``, and no step has more rows than
@@ -22,7 +24,8 @@ the rollback) is counted as retrained, which is fine. Checks:
 from __future__ import annotations
 
 from collections import Counter, defaultdict
-from dataclasses import dataclass, field
+import json
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from driver import RunRecord, served_final
@@ -55,7 +58,10 @@ def lineage(trainer: list[Incarnation]) -> Lineage:
         result.chain.append((current.number, start))
         for event in done[current.number]:
             step = int(event.get("step", 0))
-            if step > start and (upper is None or step <= upper):
+            # a resumed trainer writes the record of the step it resumed at (``from_checkpoint``) when the
+            # incarnation that trained it died before its "step done": that record is the step's
+            record_of_resumed = step == start and bool(event.get("from_checkpoint"))
+            if (step > start or record_of_resumed) and (upper is None or step <= upper):
                 result.steps.setdefault(step, []).append(event.fields)
         if start == 0:
             break
@@ -254,6 +260,17 @@ def summary(verdict: Verdict) -> str:
 
 
 def write_summary(verdict: Verdict) -> Path:
-    path = verdict.record.spec.run_dir / "chaos_summary.txt"
+    """``chaos_summary.txt`` and ``chaos_record.json`` (kills, exits, starts, verdict; no run token)."""
+    record = verdict.record
+    run_dir = record.spec.run_dir
+    facts = {"mode": record.spec.mode, "seed": record.spec.seed, "max_steps": record.spec.max_steps,
+             "wall_s": round(record.wall_s, 1), "aborted": record.aborted, "starts": record.starts,
+             "kills": [asdict(k) for k in record.kills], "unfired": [asdict(k) for k in record.unfired],
+             "exits": [asdict(e) for e in record.exits], "leftovers": record.leftovers,
+             "failures": verdict.failures, "findings": verdict.findings, "unplanned": verdict.unplanned,
+             "lost": verdict.lost, "duplicated": verdict.duplicated, "mismatched": verdict.mismatched,
+             "unverified": verdict.unverified, "retrained": verdict.retrained}
+    (run_dir / "chaos_record.json").write_text(json.dumps(facts, indent=1, default=str) + "\n")
+    path = run_dir / "chaos_summary.txt"
     path.write_text(summary(verdict) + "\n")
     return path

@@ -19,14 +19,14 @@ CHAOS_DIR = REPO_ROOT / "scripts" / "chaos"
 ENV_PYTHON = os.environ.get("PRIMERL_ENV_PYTHON", str(REPO_ROOT / ".venv-envs" / "bin" / "python"))
 CI_RUN_TIMEOUT_S = 180
 
-sys.path.insert(0, str(CHAOS_DIR))
+sys.path.insert(0, str(CHAOS_DIR.parent))
 try:
-    from checks import Verdict, _normal_end, _spool_checks, lineage
-    from logs import read_incarnations
-    from plan import make_plan, steps_needed
-    from procs import Exit, Unit, marked_processes, MARKER_ENV
+    from chaos.checks import Verdict, _normal_end, _spool_checks, lineage
+    from chaos.logs import read_incarnations
+    from chaos.plan import make_plan, steps_needed
+    from chaos.procs import MARKER_ENV, Exit, Unit, marked_processes
 finally:
-    sys.path.remove(str(CHAOS_DIR))
+    sys.path.remove(str(CHAOS_DIR.parent))
 
 
 def _line(event: str, **fields) -> str:

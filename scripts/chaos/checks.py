@@ -28,9 +28,9 @@ import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from driver import RunRecord, served_final
-from logs import Incarnation, read_incarnations, read_metrics_rows
-from runs import ROLES
+from .driver import RunRecord, served_final
+from .logs import Incarnation, read_incarnations, read_metrics_rows
+from .runs import ROLES
 
 
 @dataclass

@@ -10,10 +10,10 @@ import sys
 import time
 from pathlib import Path
 
-from checks import judge, summary, write_summary
-from driver import Driver
-from plan import make_plan, steps_needed
-from runs import REPO_ROOT, RunSpec, build_tiny_model, rl_has_restart_option, shipped_restart_sec
+from .checks import judge, summary, write_summary
+from .driver import Driver
+from .plan import make_plan, steps_needed
+from .runs import REPO_ROOT, RunSpec, build_tiny_model, rl_has_restart_option, shipped_restart_sec
 
 
 def _parser() -> argparse.ArgumentParser:

@@ -10,10 +10,10 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-from logs import Event, LogFollower
-from plan import KillSpec
-from procs import Exit, describe, marked_processes
-from runs import BIN, CKPT_INTERVAL, ROLES, RlBackend, RunSpec, SeparateBackend, base_env
+from .logs import Event, LogFollower
+from .plan import KillSpec
+from .procs import Exit, describe, marked_processes
+from .runs import BIN, CKPT_INTERVAL, ROLES, RlBackend, RunSpec, SeparateBackend, base_env
 
 POLL_S = 0.02
 STATUS_POLL_S = 0.5

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import psutil
 
-from procs import MARKER_ENV, Exit, Unit, _die_with_parent
+from .procs import MARKER_ENV, Exit, Unit, _die_with_parent
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = REPO_ROOT / "examples" / "reverse_text_rl.toml"

@@ -30,12 +30,13 @@ File format of an update (integers little-endian), as the rollout spool's batch 
     0       8     magic  b"PRMLWU01"
     8       4     header_len   uint32: bytes of the WeightUpdateHeader protobuf
     12      8     payload_len  uint64
-    20      4     crc32        zlib CRC-32 over header + payload
+    20      4     crc32        zlib CRC-32 over the header (the payload is checked by the header's SHA-256)
     24      h     WeightUpdateHeader, serialized
     24+h    p     payload (safetensors bytes, exactly as published)
 
-Every file is written to a temporary name, fsynced, renamed, and the directory fsynced. At load, a chain that
-fails any check (CRC, the header's SHA-256 digest, a delta that does not continue the chain, a lineage other
+Every file is written to a temporary name, fsynced, renamed, and the directory fsynced: no pass over the payload
+but the write (the SHA-256 that the broker verified on arrival covers it). At load, a chain that fails any check
+(the CRC, the header's SHA-256 digest of the payload, a delta that does not continue the chain, a lineage other
 than the manifest's) is dropped with one error line: the broker starts without a snapshot, as it did before
 this module, and the trainer's next publish (a FULL, since its delta is refused) restores one.
 """
@@ -244,7 +245,7 @@ class WeightDurability:
 
 def _write_update(path: Path, update: StoredUpdate) -> None:
     header = update.header.SerializeToString()
-    crc = zlib.crc32(update.payload, zlib.crc32(header))
+    crc = zlib.crc32(header)
     tmp = path.with_name(path.name + TEMP_SUFFIX)
     with open(tmp, "wb") as handle:
         handle.write(PREFIX.pack(MAGIC, len(header), update.num_bytes, crc))
@@ -269,8 +270,8 @@ def _read_update(path: Path) -> StoredUpdate:
     view = memoryview(data)
     header_bytes = view[PREFIX.size:PREFIX.size + header_len]
     payload = view[PREFIX.size + header_len:].toreadonly()
-    if zlib.crc32(payload, zlib.crc32(header_bytes)) != crc:
-        raise DurableWeightsError(f"{path.name}: CRC-32 mismatch (the file is damaged)")
+    if zlib.crc32(header_bytes) != crc:
+        raise DurableWeightsError(f"{path.name}: CRC-32 of the header mismatch (the file is damaged)")
     header = data_pb2.WeightUpdateHeader.FromString(bytes(header_bytes))
     if payload_digest(payload) != header.digest.lower():
         raise DurableWeightsError(f"{path.name}: SHA-256 of the payload does not match the header's digest")

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import signal
 import socket
 import subprocess
 import sys
@@ -222,3 +223,120 @@ def test_clashing_fixed_ports_warn_and_stop_the_launch_before_anything_starts(tm
     assert Launcher(config, LaunchOptions(), out=out, err=err).run() == 2
     assert "ports must differ" in err.getvalue() and "are both 9400" in err.getvalue()
     assert not (tmp_path / "run").exists()
+
+
+# ------------------------------------------------------------------------------- restarts and process hygiene
+def _start_rl(tiny_model: Path, run_dir: Path, *extra: str) -> subprocess.Popen:
+    env = {**os.environ, "PRIMERL_ENV_PYTHON": ENV_PYTHON, "HF_HUB_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1"}
+    env.pop("PRIMERL_RUN_TOKEN", None)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    return subprocess.Popen(
+        [str(BIN / "primerl"), "rl", "@", str(EXAMPLE), "--model.name", str(tiny_model), "--output-dir", str(run_dir),
+         "--broker.grpc-port", str(free_port()), *extra],
+        stdout=open(run_dir / "rl.stdout", "w"), stderr=open(run_dir / "rl.stderr", "w"), text=True, env=env,
+        cwd=run_dir.parent)
+
+
+def _trainer_steps(run_dir: Path) -> list[int]:
+    metrics = run_dir / "metrics.jsonl"
+    if not metrics.exists():
+        return []
+    steps = []
+    for line in metrics.read_text().splitlines():
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if row.get("role") == "trainer":
+            steps.append(row["step"])
+    return steps
+
+
+def _wait_for_step(process: subprocess.Popen, run_dir: Path, step: int, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while max(_trainer_steps(run_dir), default=0) < step:
+        assert process.poll() is None, (run_dir / "rl.stderr").read_text()[-4000:]
+        assert time.monotonic() < deadline, f"no trainer step {step} within {timeout_s} s"
+        time.sleep(0.2)
+
+
+def _process_tree(root: int) -> list[int]:
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                stat = Path(f"/proc/{entry}/stat").read_text()
+            except OSError:
+                continue
+            children.setdefault(int(stat[stat.rfind(")") + 2:].split()[1]), []).append(int(entry))
+    found, todo = [], [root]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.append(child)
+            todo.append(child)
+    return found
+
+
+def _running(pid: int) -> bool:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat[stat.rfind(")") + 2] not in "ZX"
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
+def test_a_sigkilled_primerl_rl_leaves_no_process_behind(tiny_model, tmp_path):
+    run_dir = tmp_path / "run"
+    process = _start_rl(tiny_model, run_dir, "--max-steps", "200")
+    tree: list[int] = []
+    try:
+        _wait_for_step(process, run_dir, 1, CRASH_TIMEOUT_S)
+        tree = _process_tree(process.pid)
+        roles = json.loads((run_dir / "pids.json").read_text())
+        assert set(roles.values()) <= set(tree) and len(tree) > len(roles), tree  # roles, vLLM, env workers, reaper
+        process.kill()
+        killed_s = time.monotonic()
+        process.wait(10)
+        while any(_running(pid) for pid in tree):
+            assert time.monotonic() - killed_s < 5.0, f"still running 5 s after primerl rl's SIGKILL: " \
+                                                      f"{[pid for pid in tree if _running(pid)]}"
+            time.sleep(0.02)
+        gone_s = time.monotonic() - killed_s
+    finally:
+        for pid in tree:
+            if _running(pid):
+                os.kill(pid, signal.SIGKILL)
+        if process.poll() is None:
+            process.kill()
+    print(f"SIGKILLed primerl rl: all {len(tree)} processes it started gone in {gone_s:.2f} s")
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
+def test_a_killed_trainer_is_restarted_and_the_run_finishes(tiny_model, tmp_path):
+    run_dir = tmp_path / "run"
+    process = _start_rl(tiny_model, run_dir, "--max-steps", "6", "--trainer.ckpt.interval", "1",
+                        "--restart-delay-s", "0.5")
+    try:
+        _wait_for_step(process, run_dir, 2, CRASH_TIMEOUT_S)
+        trainer = json.loads((run_dir / "pids.json").read_text())["trainer"]
+        os.killpg(trainer, signal.SIGKILL)
+        killed_s = time.monotonic()
+        while json.loads((run_dir / "pids.json").read_text())["trainer"] == trainer:
+            assert process.poll() is None and time.monotonic() - killed_s < 30, "the trainer was not restarted"
+            time.sleep(0.05)
+        restart_s = time.monotonic() - killed_s
+        process.wait(RUN_TIMEOUT_S)
+    finally:
+        if process.poll() is None:
+            process.send_signal(signal.SIGINT)
+            process.wait(60)
+    stdout, stderr = (run_dir / "rl.stdout").read_text(), (run_dir / "rl.stderr").read_text()
+    assert process.returncode == 0, (stdout + stderr)[-6000:]
+    assert "restarting trainer after signal SIGKILL (restart 1 of 5 within 300 s) in 0.5 s" in stdout
+    assert "trainer started again" in stdout and "run finished: 6 steps" in stdout, stdout[-4000:]
+    assert max(_trainer_steps(run_dir)) == 6
+    assert_no_child_left(run_dir)
+    print(f"trainer SIGKILLed after step 2: started again {restart_s:.2f} s later; the run finished")

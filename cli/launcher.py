@@ -431,9 +431,9 @@ class Launcher:
             ready_file = READY_FILES.get(name)
             if name in self.pending_restarts or ready_file is None or not (self.run_dir / ready_file).exists():
                 continue
-            child.ready_s = time.monotonic() - child.started_s
+            ready_s = time.monotonic() - child.started_s  # child.ready_s stays the first start's (the summary's)
             del self.restarted_s[name]
-            self.say(f"  {name} back (start {child.num_starts}, pid {child.pid}): ready {child.ready_s:.1f} s "
+            self.say(f"  {name} back (start {child.num_starts}, pid {child.pid}): ready {ready_s:.1f} s "
                      f"after its restart, {time.monotonic() - exited_s:.1f} s after its exit was seen")
 
     def _announce_metrics(self, status) -> None:

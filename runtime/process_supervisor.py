@@ -77,7 +77,6 @@ class ChildProcess:
                                             stdin=subprocess.DEVNULL, env=self.env, cwd=self.cwd,
                                             start_new_session=True, preexec_fn=_die_with_parent)
         self.started_s = time.monotonic()
-        self.ready_s = None
         self.num_starts += 1
         self.pids.append(self.process.pid)
 

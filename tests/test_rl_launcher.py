@@ -340,3 +340,39 @@ def test_a_killed_trainer_is_restarted_and_the_run_finishes(tiny_model, tmp_path
     assert max(_trainer_steps(run_dir)) == 6
     assert_no_child_left(run_dir)
     print(f"trainer SIGKILLed after step 2: started again {restart_s:.2f} s later; the run finished")
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
+def test_a_killed_broker_comes_back_on_its_ports_and_the_run_finishes(tiny_model, tmp_path):
+    run_dir = tmp_path / "run"
+    process = _start_rl(tiny_model, run_dir, "--max-steps", "6", "--trainer.ckpt.interval", "1",
+                        "--restart-delay-s", "0.5")
+    try:
+        _wait_for_step(process, run_dir, 2, CRASH_TIMEOUT_S)
+        first = json.loads((run_dir / "broker.ready.json").read_text())
+        broker = json.loads((run_dir / "pids.json").read_text())["broker"]
+        os.killpg(broker, signal.SIGKILL)
+        killed_s = time.monotonic()
+        ready = run_dir / "broker.ready.json"
+        while not (ready.exists() and json.loads(ready.read_text())["pid"] != first["pid"]):
+            assert process.poll() is None and time.monotonic() - killed_s < 60, "the broker did not come back"
+            time.sleep(0.05)
+        back_s = time.monotonic() - killed_s
+        second = json.loads(ready.read_text())
+        process.wait(RUN_TIMEOUT_S)
+    finally:
+        if process.poll() is None:
+            process.send_signal(signal.SIGINT)
+            process.wait(60)
+    stdout, stderr = (run_dir / "rl.stdout").read_text(), (run_dir / "rl.stderr").read_text()
+    # The same ports and run id: clients find it where it was.
+    assert {k: second[k] for k in ("grpc_port", "rollout_port", "weight_port", "run_id")} == \
+        {k: first[k] for k in ("grpc_port", "rollout_port", "weight_port", "run_id")}
+    assert "restarting broker after signal SIGKILL (restart 1 of 5 within 300 s) in 0.5 s" in stdout
+    assert "broker back (start 2" in stdout
+    assert process.returncode == 0, (stdout + stderr)[-6000:]
+    assert "run finished: 6 steps" in stdout, stdout[-4000:]
+    assert_no_child_left(run_dir)
+    print(f"broker SIGKILLed after step 2: ready again {back_s:.2f} s later; the run finished\n"
+          + "\n".join(line for line in stdout.splitlines() if "broker" in line))

@@ -52,3 +52,18 @@ def test_role_daemon_reports_config_errors_without_traceback(tmp_path):
     assert result.returncode == 2
     assert "unknown key `optim.lrr`; did you mean `lr`?" in result.stderr
     assert "Traceback" not in result.stderr
+
+
+def test_rl_help_documents_restarts_and_bad_restart_settings_are_clear_errors(tmp_path):
+    result = run(str(BIN / "primerl"), "rl", "--help")
+    assert result.returncode == 0, result.stderr
+    for flag in ("--restart {on-failure,never}", "--restart-limit N", "--restart-window-s S", "--restart-delay-s S",
+                 "--restart-delay-max-s S", "Restart=on-failure"):
+        assert flag in result.stdout, flag
+    config = REPO_ROOT / "examples" / "reverse_text_rl.toml"
+    bad = run(str(BIN / "primerl"), "rl", "@", str(config), "--run-dir", str(tmp_path / "run"), "--restart", "always")
+    assert bad.returncode == 2 and "invalid choice: 'always'" in bad.stderr
+    bad = run(str(BIN / "primerl"), "rl", "@", str(config), "--run-dir", str(tmp_path / "run"),
+              "--restart-delay-s", "60")
+    assert bad.returncode == 2 and "restart delays must satisfy 0 <= delay (60 s) <= max delay (30 s)" in bad.stderr
+    assert not (tmp_path / "run").exists()  # nothing started

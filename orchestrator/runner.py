@@ -67,6 +67,7 @@ from primerl.orchestrator.async_bound import AsyncBound
 from primerl.orchestrator.batch_sender import BatchSender, SendInterrupted
 from primerl.orchestrator.config import OrchestratorConfig
 from primerl.orchestrator.endpoints import EndpointWatcher
+from primerl.orchestrator.env_client import EnvRequestError, EnvWorkerDied
 from primerl.orchestrator.filtering import BatchAssembler, DifficultyFilter
 from primerl.orchestrator.packing import pack_samples, to_broker_batches
 from primerl.orchestrator.rollout_failures import RolloutFailures, kind_name
@@ -477,11 +478,17 @@ class OrchestratorRunner:
             env_id, _, seed = key
             endpoint = entries[key][0].endpoint
             self._ensure_worker(env_id)
-            futures = self.workers[env_id].submit_rollouts(
-                example_indices, num_rollouts=config.rollouts_per_example, base_url=endpoint.base_url,
-                model=config.model.name, api_key=config.broker.run_token or "EMPTY",
-                sampling=config.sampling.model_dump() | {"seed": seed},
-            )
+            try:
+                futures = self.workers[env_id].submit_rollouts(
+                    example_indices, num_rollouts=config.rollouts_per_example, base_url=endpoint.base_url,
+                    model=config.model.name, api_key=config.broker.run_token or "EMPTY",
+                    sampling=config.sampling.model_dump() | {"seed": seed},
+                )
+            except EnvWorkerDied as exc:  # it died since the check above: the next dispatch restarts it
+                for entry in entries[key]:
+                    entry.endpoint.num_inflight -= config.rollouts_per_example
+                    self._reschedule(entry, exc, restart=False)
+                continue
             for future, entry in zip(futures, entries[key]):
                 self.inflight[future] = entry
         self._inflight_changed()
@@ -504,8 +511,6 @@ class OrchestratorRunner:
 
     def _ensure_worker(self, env_id: str) -> None:
         """Restart a dead env worker (``EnvWorkerDied`` once its restarts are used up)."""
-        from primerl.orchestrator.env_client import EnvWorkerDied
-
         worker = self.workers[env_id]
         while not worker.is_alive():
             try:
@@ -514,9 +519,10 @@ class OrchestratorRunner:
                 if worker.num_restarts >= worker.max_restarts:
                     raise
 
-    def _reschedule(self, entry: _Inflight, exc: BaseException) -> None:
+    def _reschedule(self, entry: _Inflight, exc: BaseException, *, restart: bool = True) -> None:
         """A group lost with its env worker: restart the worker, dispatch the same example again."""
-        self._ensure_worker(entry.env_id)
+        if restart:
+            self._ensure_worker(entry.env_id)
         self._rescheduled.append((entry.env_id, entry.example_index))
         self.counters["rescheduled"] += self.config.rollouts_per_example
         log.info("rollout group rescheduled", env_id=entry.env_id, example_index=entry.example_index,
@@ -530,8 +536,6 @@ class OrchestratorRunner:
         with self._timed("collect_wait_s"):
             done, _ = concurrent.futures.wait(list(self.inflight), timeout=timeout_s,
                                               return_when=concurrent.futures.FIRST_COMPLETED)
-        from primerl.orchestrator.env_client import EnvRequestError, EnvWorkerDied
-
         for future in done:
             entry = self.inflight.pop(future)
             entry.endpoint.num_inflight -= self.config.rollouts_per_example

@@ -96,3 +96,24 @@ def test_flush_times_out_and_bad_arguments_are_value_errors():
     assert sender.close(timeout_s=5)
     with pytest.raises(ValueError, match="max_pending"):
         BatchSender(lambda step, item: None, max_pending=0)
+
+
+def test_a_blocked_put_ends_when_the_orchestrator_stops():
+    """While the send thread waits (e.g. through a broker outage) a full queue blocks `put`; once `should_stop()`
+    turns true (SIGTERM, the broker ended the run) `put` gives up within a poll and the step is not counted."""
+    from primerl.orchestrator.batch_sender import SendInterrupted
+
+    release = threading.Event()
+    stop = threading.Event()
+    sender = BatchSender(lambda step, item: release.wait(10), max_pending=1)
+    sender.put(1, None, lambda _s: None, timeout_s=5)
+    sender.put(2, None, lambda _s: None, timeout_s=5)
+    threading.Timer(0.3, stop.set).start()
+    started = time.monotonic()
+    with pytest.raises(SendInterrupted, match="step 3"):
+        sender.put(3, None, lambda _s: None, timeout_s=30, should_stop=stop.is_set)
+    assert 0.2 < time.monotonic() - started < 2
+    assert sender.num_unsent == 2
+    release.set()
+    sender.flush(timeout_s=5)
+    assert sender.close(timeout_s=5)

@@ -21,7 +21,7 @@ end of the run call ``persist`` before they answer; everything else is written b
 End of run: rank 0 of the trainer deregistering with reason ``"training finished"`` once the run's trainer step
 reached ``max_steps`` finishes the run (``request_shutdown``): heartbeats answer ``shutdown_requested`` from
 ``end_of_run_grace_s`` later on, and the run state says so, so that a restarted broker still tells late workers
-to stop (at once). The grace lets the last policy reach the inference workers and lets a supervisor that ends the
+to stop (after the same grace, counted from its restart). The grace lets the last policy reach the inference workers and lets a supervisor that ends the
 run itself (``primerl rl`` stops the roles once the trainer has exited) have the first word; the broker's request
 is what ends roles that nobody else stops (separate daemons, systemd).
 """
@@ -331,7 +331,8 @@ class WorkerRegistry:
             if state.finished and self.max_steps is not None and state.finished_step >= self.max_steps:
                 self._shutdown_requested = True
                 self._finished_step = state.finished_step
-                self._stop_workers_at = self._clock()  # the grace passed long ago
+                # Counted again from the restart: a supervisor may still be ending the run itself.
+                self._stop_workers_at = self._clock() + self.end_of_run_grace_s
             self._state_revision += 1
             self._bump_locked()
 

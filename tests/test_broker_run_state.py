@@ -229,7 +229,7 @@ def test_a_finished_run_is_persisted_and_a_restarted_broker_tells_late_workers_t
     assert not heartbeat(extended, register(extended, "infer-1", INFER)).shutdown_requested
 
 
-def test_workers_are_told_to_stop_after_the_grace_and_at_once_by_a_restarted_broker():
+def test_workers_are_told_to_stop_after_the_grace_also_by_a_restarted_broker():
     clock = FakeClock()
     registry = WorkerRegistry("run-1", 1.0, 100, clock=clock, max_steps=10, end_of_run_grace_s=10.0)
     infer = register(registry, "infer-0", INFER)
@@ -240,9 +240,13 @@ def test_workers_are_told_to_stop_after_the_grace_and_at_once_by_a_restarted_bro
     clock.now += 0.1
     assert heartbeat(registry, infer).shutdown_requested
 
-    restarted = WorkerRegistry("run-1", 1.0, 100, clock=FakeClock(), max_steps=10, end_of_run_grace_s=10.0)
+    restarted_clock = FakeClock()
+    restarted = WorkerRegistry("run-1", 1.0, 100, clock=restarted_clock, max_steps=10, end_of_run_grace_s=10.0)
     restarted.restore(registry.run_state()[1])
-    assert heartbeat(restarted, register(restarted, "infer-0", INFER)).shutdown_requested
+    late = register(restarted, "infer-0", INFER)
+    assert restarted.shutdown_requested and not heartbeat(restarted, late).shutdown_requested
+    restarted_clock.now += 10.0
+    assert heartbeat(restarted, late).shutdown_requested
 
 
 # ------------------------------------------------------------------------------------------ the saver

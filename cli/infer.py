@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
+import shutil
 import signal
+import sys
 
 from primerl.cli.role_entry import run_role, write_ready_file
 
@@ -23,14 +26,28 @@ async def _serve(config, args: argparse.Namespace, log) -> int:
         log.info("stopping on signal", signal=signal.Signals(signum).name)
         stop_event.set()
 
-    for signum in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(signum, on_signal, signum)
     service = InferenceService(config)
+
+    def on_signal_while_starting(signum: int, _frame: object) -> None:
+        # vLLM's start-up (10-40 s on CPU) blocks the event loop for seconds at a time, so a signal would wait
+        # for it. Nothing is served or owed yet: leave at once. The engine core dies with this process
+        # (`parent_death`); the work directory goes now.
+        log.info("stopping on signal during start-up: exiting now", signal=signal.Signals(signum).name)
+        if service._own_work_dir:
+            shutil.rmtree(service.work_dir, ignore_errors=True)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
+
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, on_signal_while_starting)
     try:
         address = await service.start()
     except Exception as exc:  # engine that cannot start, broker unreachable, port in use
         log.error("inference worker cannot start", error=f"{type(exc).__name__}: {exc}")
         return 1
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(signum, on_signal, signum)
     try:
         if args.ready_file is not None:
             write_ready_file(args.ready_file, {"role": "inference", "http_port": address.port,
@@ -44,8 +61,6 @@ def serve(config, args: argparse.Namespace) -> int:
     from primerl.runtime.log_setup import configure_logging
 
     from primerl.runtime.cpu_budget import apply_budget
-
-    import os
 
     from primerl.inference.vllm_plugin import INFER_PID_ENV
     from primerl.runtime.parent_death import install_fork_hook

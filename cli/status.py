@@ -115,10 +115,12 @@ def render_status(status) -> str:
     from primerl.proto.v1 import common_pb2, control_pb2
 
     max_steps = str(status.max_steps) if status.max_steps else "-"
+    # Every step up to max_steps checkpointed: the run is complete (the broker then tells workers to stop).
+    finished = "    run finished" if status.max_steps and status.last_committed_step >= status.max_steps else ""
     lines = [
         f"run {status.run_id}    broker up {_duration(status.updated_unix_ms - status.broker_started_unix_ms)}",
         f"trainer step {status.trainer_step} (committed {status.last_committed_step}) / {max_steps}    "
-        f"policy version {status.latest_policy_version}    orchestrator step {status.orchestrator_step}",
+        f"policy version {status.latest_policy_version}    orchestrator step {status.orchestrator_step}{finished}",
         f"rollouts {status.rollout_batches_per_s:.2f} batches/s, {_bytes(status.rollout_bytes_per_s)}/s    "
         f"weights {_bytes(status.weight_bytes_per_s)}/s",
     ]

@@ -331,6 +331,10 @@ def test_run_state_survives_sigkill_and_restart_and_the_end_of_the_run_too(tmp_p
         assert straggler.shutdown_requested.is_set()
         final = straggler.get_run_status()
         assert (final.trainer_step, final.last_committed_step, final.run_id) == (3, 3, before.run_id)
+        shown = subprocess.run([str(BIN / "primerl"), "status", "--broker", third.grpc_address], capture_output=True,
+                               text=True, timeout=60)
+        assert shown.returncode == 0, shown.stderr
+        assert "trainer step 3 (committed 3) / 3" in shown.stdout and "run finished" in shown.stdout, shown.stdout
     finally:
         straggler.close()
     assert third.stop() == 0

@@ -362,3 +362,13 @@ def test_a_state_of_another_named_run_is_not_taken(tmp_path):
     finally:
         service.stop(grace_s=0)
     assert os.path.exists(spool_dir / RUN_STATE_FILE)
+
+
+def test_primerl_status_says_when_every_step_is_committed():
+    from primerl.cli.status import render_status
+
+    status = control_pb2.RunStatus(run_id="r", trainer_step=3, last_committed_step=2, max_steps=3)
+    assert "run finished" not in render_status(status)
+    status.last_committed_step = 3
+    assert "trainer step 3 (committed 3) / 3" in render_status(status) and "run finished" in render_status(status)
+    assert "run finished" not in render_status(control_pb2.RunStatus(run_id="r", last_committed_step=3))  # no max

@@ -21,9 +21,10 @@ end of the run call ``persist`` before they answer; everything else is written b
 End of run: rank 0 of the trainer deregistering with reason ``"training finished"`` once the run's trainer step
 reached ``max_steps`` finishes the run (``request_shutdown``): heartbeats answer ``shutdown_requested`` from
 ``end_of_run_grace_s`` later on, and the run state says so, so that a restarted broker still tells late workers
-to stop (after the same grace, counted from its restart). The grace lets the last policy reach the inference workers and lets a supervisor that ends the
-run itself (``primerl rl`` stops the roles once the trainer has exited) have the first word; the broker's request
-is what ends roles that nobody else stops (separate daemons, systemd).
+to stop (after the same grace, counted from its restart). The grace lets the last policy reach the inference
+workers and lets a supervisor that ends the run itself (``primerl rl`` stops the roles once the trainer has
+exited) have the first word; the broker's request is what ends roles that nobody else stops (separate daemons,
+systemd).
 """
 
 from __future__ import annotations
@@ -497,11 +498,11 @@ class WorkerRegistry:
     def commit_step(self, worker_id: str, step: int) -> CommitResult:
         """Record that ``step`` is durably checkpointed and release its spooled batches.
 
-        Returns ``CommitResult(last_committed_step, num_batches_released, already_committed)``. Idempotent: a step at or below the last
-        committed one (a retry whose answer was lost, or one sent again to a restarted broker that had kept the
-        commit) succeeds with nothing released and the last committed step unchanged. Safe because a step is
-        committed only after its checkpoint is durable, and the rollout queue never hands out a committed
-        step's batches again: no step can be trained twice through a repeated commit.
+        Returns ``CommitResult(last_committed_step, num_batches_released, already_committed)``. Idempotent: a
+        step at or below the last committed one (a retry whose answer was lost, or one sent again to a restarted
+        broker that had kept the commit) succeeds with nothing released and the last committed step unchanged.
+        Safe because a step is committed only after its checkpoint is durable, and the rollout queue never hands
+        out a committed step's batches again: no step can be trained twice through a repeated commit.
 
         The run state is written (``persist``) before the answer; if that fails the commit answers
         ``CommitFailed`` and the trainer's retry writes it again. ``on_commit`` runs outside the state lock.
@@ -669,8 +670,8 @@ class WorkerRegistry:
 
     def request_shutdown(self, grace_s: float = 0.0) -> None:
         """The run is over: every heartbeat from ``grace_s`` on answers ``shutdown_requested`` and its worker
-        stops. The run state says ``finished`` (written here: a broker restarted after it still tells late workers to stop);
-        a failed write goes to the recent errors and the periodic saver retries it."""
+        stops. The run state says ``finished`` (written here: a broker restarted after it still tells late workers
+        to stop); a failed write goes to the recent errors and the periodic saver retries it."""
         with self._lock:
             if not self._shutdown_requested:
                 self._shutdown_requested = True

@@ -353,7 +353,8 @@ class WeightSubscriber:
         self.current_lineage = 0
         # The latest version and lineage the broker said it holds (its answer to HELLO); None: no answer yet.
         self.broker_latest: tuple[int, int] | None = None
-        self._last_update: tuple[int, int] | None = None  # (version, lineage) of the update ``receive`` returned last
+        # (version, lineage, version not above the one held) of the update ``receive`` returned last.
+        self._last_update: tuple[int, int, bool] | None = None
         self.liveness_s = 3 * hello_interval_s if liveness_s is None else liveness_s
         self._watch = None if outage_s is None else OutageWatch(f"weight updates for {worker_id}", outage_s,
                                                                   worker=worker_id)
@@ -464,7 +465,8 @@ class WeightSubscriber:
             self.ack(header.policy_version, applied=False, error=common_pb2.ErrorDetail(
                 code=common_pb2.ERROR_CODE_BAD_DIGEST, message="SHA-256 of the received payload does not match the header"))
             return None
-        self._last_update = (header.policy_version, header.lineage)
+        self._last_update = (header.policy_version, header.lineage,
+                             self.current_version is not None and header.policy_version <= self.current_version)
         return header, payload
 
     def _add_in_place(self, message: framing.Message) -> framing.Message | None:
@@ -514,13 +516,15 @@ class WeightSubscriber:
         """Report an update as applied (the worker now serves ``version``) or failed (``applied=False``).
 
         ``lineage``: of the version served (pass ``PolicyUpdater.lineage``); None: the lineage of the update
-        ``receive`` returned last when ``version`` is its version, else the lineage held before.
+        ``receive`` returned last when ``version`` is its version and it was above the version held, else the
+        lineage held before (so a caller that acknowledges a re-published version without loading it, the way it
+        acknowledges a resend, never claims the new lineage: the broker sees the worker kept its weights).
         After a failure the worker's state counts as unknown: the broker resends the full snapshot and the
         deltas after it, and this subscriber passes them all on (it skips nothing until the next applied ack).
         """
         if lineage is None:
             last = self._last_update
-            lineage = last[1] if last is not None and last[0] == version else self.current_lineage
+            lineage = last[1] if last is not None and last[0] == version and not last[2] else self.current_lineage
         ack = data_pb2.WeightAck(policy_version=version, worker_id=self.worker_id, applied=applied, apply_ms=apply_ms,
                                  lineage=lineage if applied else 0)
         if error is not None:

@@ -100,7 +100,7 @@ def receive_and_ack(subscriber: WeightSubscriber, timeout_s: float = RECEIVE_S):
     got = subscriber.receive(timeout_s)
     assert got is not None, f"{subscriber.worker_id} received nothing"
     header, payload = got
-    subscriber.ack(header.policy_version, apply_ms=1)
+    subscriber.ack(header.policy_version, apply_ms=1, lineage=header.lineage)  # as the worker does once it applied it
     return header, bytes(payload)
 
 
@@ -252,3 +252,24 @@ def test_subscriber_gets_the_broker_back_and_what_it_missed(mesh: Mesh) -> None:
     got, payload = receive_and_ack(subscriber)
     assert (got.policy_version, payload) == (2, data)
     wait_for(lambda: mesh.planes[-1].worker_versions() == {"infer-0": 2})
+
+
+def test_a_worker_that_keeps_the_rolled_back_weights_is_retried_then_forgotten(mesh: Mesh) -> None:
+    """A worker that answers the re-published v3 by acknowledging v3 without loading it (the way it acknowledges a
+    resend) keeps its old lineage in the broker's view: sent again, then forgotten, never counted as current."""
+    plane = WeightPlane(WeightStore(), mesh.context, "127.0.0.1", 0, LIMITS, TOKEN, CHUNK_BYTES, max_retries=1)
+    mesh.port = plane.start()
+    mesh.planes.append(plane)
+    publisher = mesh.publisher()
+    worker = mesh.subscriber("stubborn", hello_interval_s=60.0)
+    worker.hello()
+    publisher.publish(*make_update(3, 10), timeout_s=RECEIVE_S)
+    receive_and_ack(worker)
+    mesh.publisher().publish(*make_update(3, 20, seed=1, lineage_base=2), timeout_s=RECEIVE_S)
+    for _ in range(2):
+        got = worker.receive(RECEIVE_S)
+        assert got is not None and (got[0].policy_version, got[0].lineage) == (3, 20)
+        worker.ack(3)  # "already serving v3": no lineage given, so the subscriber does not claim lineage 20
+        if _ == 0:
+            wait_for(lambda: [(w.policy_version, w.lineage) for w in plane.status().workers] == [(3, 10)])
+    wait_for(lambda: plane.status().num_workers_forgotten == 1 and plane.worker_versions() == {})

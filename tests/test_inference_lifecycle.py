@@ -143,3 +143,41 @@ def test_killed_daemon_takes_vllm_along_and_its_work_dir_goes_at_the_next_start(
     assert not any(running(pid) for pid in children)
     assert not list(short_tmpdir.glob(f"primerl-infer-{second.pid}-*"))  # a clean stop removes its own
     print(f"broker ended the run: primerl-infer exited 0 in {stop_s:.1f} s")
+
+
+def test_a_signal_during_start_up_stops_the_daemon_at_once(tmp_path, tiny_model, broker, short_tmpdir):
+    """vLLM's start-up blocks the event loop for seconds; a SIGTERM then (a launcher ending the run while it
+    restarts inference) must not wait for it to finish."""
+    env = {**os.environ, "PRIMERL_RUN_TOKEN": TOKEN, "TMPDIR": str(short_tmpdir)}
+    log_path = tmp_path / "starting.log"
+    with open(log_path, "w") as log:
+        process = subprocess.Popen(
+            [str(BIN / "primerl-infer"), "--model.name", str(tiny_model), "--model.max-model-len", "512",
+             "--server.port", "0", "--broker.address", f"127.0.0.1:{broker.endpoints.grpc_port}"],
+            stdout=log, stderr=subprocess.STDOUT, env=env, cwd=tmp_path)
+    children: list[int] = []
+    try:
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while not children:  # the engine core is being set up
+            assert process.poll() is None and time.monotonic() < deadline, log_path.read_text()[-4000:]
+            children = descendants(process.pid)
+            time.sleep(0.05)
+        process.send_signal(signal.SIGTERM)
+        sent_s = time.monotonic()
+        code = process.wait(30)
+        exit_s = time.monotonic() - sent_s
+        while any(running(pid) for pid in children):
+            assert time.monotonic() - sent_s < 5.0, children
+            time.sleep(0.01)
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait(10)
+        for pid in children:
+            if running(pid):
+                os.kill(pid, signal.SIGKILL)
+    assert code == 0, log_path.read_text()[-4000:]
+    assert exit_s < 3.0, exit_s
+    assert "stopping on signal during start-up" in log_path.read_text()
+    assert not list(short_tmpdir.glob(f"primerl-infer-{process.pid}-*"))
+    print(f"\nSIGTERM during start-up: primerl-infer exited 0 in {exit_s:.2f} s")

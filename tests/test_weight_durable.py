@@ -151,3 +151,32 @@ def test_a_worker_joining_a_restarted_plane_gets_the_current_policy(tmp_path: Pa
         for p in planes:
             p.stop(5.0)
         context.destroy(linger=0)
+
+
+def test_a_restarted_broker_daemon_serves_the_policy_to_a_joining_worker(tmp_path: Path) -> None:
+    """The broker daemon's core (``BrokerService``) with its spool directory: publish, stop (a restart), start on
+    the same spool: a worker that joins gets the latest version before the trainer publishes anything."""
+    from primerl.broker.config import BrokerConfig
+    from primerl.broker.service import BrokerService
+
+    def start() -> tuple[BrokerService, str]:
+        service = BrokerService(BrokerConfig(grpc_port=0, rollout_port=0, weight_port=0, spool_dir=tmp_path / "spool"))
+        endpoints = service.start()
+        return service, f"tcp://127.0.0.1:{endpoints.weight_port}"
+
+    service, endpoint = start()
+    try:
+        with WeightPublisher(endpoint, None, "trainer", CHUNK_BYTES, limits=LIMITS) as publisher:
+            for header, data in (make_update(1, 10), make_update(2, 10, DELTA, base=1)):
+                assert publisher.publish(header, data, timeout_s=10).applied
+    finally:
+        service.stop(grace_s=0)
+    service, endpoint = start()
+    try:
+        assert service.weight_store.status().latest_version == 2
+        with WeightSubscriber(endpoint, None, "joiner", limits=LIMITS) as worker:
+            worker.hello()
+            got = [worker.receive(10.0) for _ in range(2)]
+            assert [(g[0].policy_version, g[0].lineage) for g in got if g is not None] == [(1, 10), (2, 10)]
+    finally:
+        service.stop(grace_s=0)

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 import zmq
 
 from primerl.broker.weight_clients import (
@@ -173,8 +174,6 @@ def test_publish_fails_fast_when_the_broker_is_gone(mesh: Mesh) -> None:
 def test_policy_publisher_rides_through_a_broker_restart_during_a_push(mesh: Mesh, tmp_path: Path) -> None:
     """The broker is stopped as the first chunk of a 16 MiB FULL arrives and restarted 1.5 s later: the trainer's
     publish waits (logging), resends, and returns; the restarted broker holds the version and the next one."""
-    import torch
-
     from primerl.trainer.publish import PolicyPublisher
 
     first_chunk = threading.Event()
@@ -211,7 +210,7 @@ def test_policy_publisher_rides_through_a_broker_restart_during_a_push(mesh: Mes
     assert restarted.store.latest_version == 2
 
 
-class _Wrapped(__import__("torch").nn.Module):
+class _Wrapped(torch.nn.Module):
     """A minimal Hugging Face-like model (what ``hf_state_dict`` reads) around one linear layer."""
 
     _keys_to_ignore_on_save = None

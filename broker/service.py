@@ -47,6 +47,7 @@ log = get_logger("primerl.broker")
 # the last policy to reach the inference workers, and for a supervisor that ends the run itself (``primerl rl``
 # stops the roles once it has seen the trainer exit) to do so first. Past it, the roles stop within ~10 s.
 END_OF_RUN_GRACE_S = 10.0
+WEIGHTS_SUBDIR = "weights"  # <spool_dir>/weights: the durable weight chain (``broker/weight_durable.py``)
 
 
 @dataclass(frozen=True)
@@ -143,6 +144,8 @@ class BrokerService:
                 max_open_transfer_bytes=config.resolved_max_open_transfer_bytes,
                 max_open_transfers_per_publisher=config.max_open_transfers_per_publisher,
                 max_version_lead=config.max_step_lead,
+                # The latest weight chain survives a restart too (``weight_durable``; the spool's lock covers it).
+                durable_dir=config.spool_dir / WEIGHTS_SUBDIR,
             )
             weight_port = self.weight_plane.start()
             client_host = config.client_host

@@ -292,6 +292,7 @@ def test_run_state_survives_sigkill_and_restart_and_the_end_of_the_run_too(tmp_p
         after = checker.get_run_status()
         for name in STATUS_FACTS:
             assert getattr(after, name) == getattr(before, name), name
+        assert {q.name: q.num_items for q in after.queues}["weights"] == 1  # the FULL v2 is back (weight_durable)
         after_json = status_json(reborn.grpc_address)
         for name in STATUS_FACTS:
             assert after_json[name] == before_json[name], name

@@ -330,6 +330,7 @@ def test_a_restarted_service_shows_the_status_it_showed_before(tmp_path):
             assert getattr(after, name) == getattr(before, name), name
         assert (after.last_committed_step, after.latest_policy_version, after.trainer_step) == (2, 2, 2)
         assert after.orchestrator_step == 3 and dict(after.last_metrics) == {"train/loss": 0.75, "reward/mean": 0.5}
+        assert again.weight_store.latest_version == 2  # the policy itself came back too (weight_durable)
     finally:
         again.stop(grace_s=0)
 

@@ -35,8 +35,31 @@ def serve(config, args: argparse.Namespace, *, objective: str = "rl") -> int:
     except ValueError as exc:  # a config or data problem the user must fix
         log.error("trainer cannot continue", error=str(exc))
         return 2
+    except Exception as exc:
+        return _exit_status_of(exc, log)
     finally:
         shutdown_distributed(dist_info)
+
+
+def _exit_status_of(exc: Exception, log) -> int:
+    """Faults with one clear line and a status that tells a restarter what to do (``primerl rl``, systemd):
+    2 (do not restart) when a newer trainer took over the run's policy lineage, 1 when the broker stayed
+    unreachable past ``broker.outage_s`` (a restart may heal it). Anything else is raised (traceback)."""
+    from primerl.broker.control_client import BrokerLost
+    from primerl.broker.weight_store import LineageSuperseded
+    from primerl.runtime.broker_outage import BrokerOutageExceeded
+
+    cause: BaseException | None = exc
+    while cause is not None:
+        if isinstance(cause, LineageSuperseded):
+            log.error("a newer trainer publishes this run's policy; this one stops and must not be restarted",
+                      error=str(cause))
+            return 2
+        if isinstance(cause, (BrokerLost, BrokerOutageExceeded)):
+            log.error("trainer cannot continue: the broker is unreachable", error=str(cause))
+            return 1
+        cause = cause.__cause__
+    raise exc
 
 
 def main(argv: list[str] | None = None) -> int:

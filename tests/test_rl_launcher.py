@@ -380,9 +380,6 @@ def test_a_killed_broker_comes_back_on_its_ports_and_the_run_finishes(tiny_model
 
 @pytest.mark.slow
 @pytest.mark.vllm
-@pytest.mark.xfail(strict=True, reason="the orchestrator counts the rollouts refused while its only inference worker "
-                   "restarts as failures and exits 2 ('88 rollouts in a row failed ... ModelError ... Connection "
-                   "reset by peer'); it must wait for a live worker instead (orchestrator/*, not the launcher's)")
 def test_a_killed_inference_server_comes_back_on_its_port_and_the_run_finishes(tiny_model, tmp_path):
     run_dir = tmp_path / "run"
     process = _start_rl(tiny_model, run_dir, "--max-steps", "5", "--trainer.ckpt.interval", "1",

@@ -4,7 +4,8 @@ a streak of failures as long as a step's batch stops the orchestrator with one c
     failures = RolloutFailures(step_num_rollouts=64, report=control.report_error, hints=hints)
     failures.failed("BadRequestError", "This model's maximum context length is 16 tokens ...")  # per rollout
     failures.succeeded()       # a rollout that became training samples: the streak ends
-    failures.check()           # raises RolloutsFailing once `step_num_rollouts` rollouts failed in a row
+    failures.check()           # raises RolloutsFailing once `step_num_rollouts` rollouts failed in a row, or
+                               # no inference worker answered for `inference_outage_s`
 
 Invariants:
 - A *kind* is the failure's class: the exception type the env worker reported for a rollout
@@ -18,12 +19,18 @@ Invariants:
 - When ``consecutive`` reaches ``step_num_rollouts`` (the rollouts of one step's batch), ``check`` raises
   ``RolloutsFailing`` naming the most frequent kind of the streak, its first error and, for known causes, how
   to fix it.
+- A failure whose error says the inference server could not be reached (connection refused or reset, 502/503:
+  ``is_unreachable``) can heal: the server may be restarting. It is counted, logged and reported like the others
+  but not added to the streak; ``failed`` returns True for it (the runner then backs off from that endpoint).
+  From the first such failure after the last success a clock runs: ``waiting for an inference worker`` is logged
+  every ``LOG_EVERY_S`` (by ``check``), and past ``inference_outage_s`` ``check`` raises ``RolloutsFailing``.
 """
 
 from __future__ import annotations
 
 import collections
 import re
+import time
 from collections.abc import Callable, Sequence
 
 from primerl.runtime.log_setup import get_logger
@@ -32,6 +39,12 @@ log = get_logger("primerl.orchestrator.failures")
 
 MAX_ERROR_CHARS = 600
 """Errors are cut to this length in log lines, in status and in the final error."""
+LOG_EVERY_S = 5.0
+"""While rollouts fail because no inference worker answers, say so this often."""
+UNREACHABLE = re.compile(
+    r"connection (refused|reset|aborted)|APIConnectionError|ConnectError|Connection error|RemoteProtocolError|"
+    r"Server ?Disconnected|ClientConnectorError|Cannot connect to host|ConnectionResetError|ConnectionRefusedError|"
+    r"\b50[23]\b|Service Unavailable|Bad Gateway", re.IGNORECASE)
 
 
 class RolloutsFailing(RuntimeError):
@@ -61,14 +74,19 @@ KNOWN_CAUSES: Sequence[tuple[str, str]] = (
      "the inference server refused the credentials: give the orchestrator the run's token (broker.run_token / "
      "$PRIMERL_RUN_TOKEN) that primerl-infer was started with"),
     (r"\b404\b|NotFoundError|does not exist",
-     "the inference server does not serve model.name = {model!r}: set the orchestrator's model.name to the "
-     "served model"),
+     "the inference server does not serve the orchestrator's model.name (= {model!r}): set it to the served "
+     "model"),
     (r"EnvRequestTimeout|passed its deadline",
-     "rollouts take longer than rollout_timeout_s = {rollout_timeout_s:g} s: raise it, or lower "
+     "rollouts take longer than rollout_timeout_s (= {rollout_timeout_s:g} s): raise it, or lower "
      "sampling.max_tokens"),
     (r"^ScoringError|reward",
      "the environment's rubric fails: fix the environment (its first error is above)"),
 )
+
+
+def is_unreachable(kind: str, error: str) -> bool:
+    """The failure says the inference server could not be reached (it may be restarting): it can heal."""
+    return UNREACHABLE.search(f"{kind}: {error}") is not None
 
 
 def hint_for(kind: str, error: str, hint_values: dict[str, object]) -> str:
@@ -77,8 +95,8 @@ def hint_for(kind: str, error: str, hint_values: dict[str, object]) -> str:
         if re.search(pattern, text, flags=re.IGNORECASE):
             try:
                 return fix.format(**hint_values)
-            except (KeyError, ValueError):
-                return fix
+            except (KeyError, ValueError):  # a value is not known here: leave it out
+                return re.sub(r" \(= \{[^}]*\}[^)]*\)", "", fix)
     return "the first error of this kind is above; fix its cause and start the run again"
 
 
@@ -86,9 +104,17 @@ class RolloutFailures:
     """Counts failed rollouts by kind and stops a run whose rollouts all fail (module docstring)."""
 
     def __init__(self, step_num_rollouts: int, *, report: Callable[[str], None] | None = None,
-                 hint_values: dict[str, object] | None = None):
+                 hint_values: dict[str, object] | None = None, inference_outage_s: float = 300.0,
+                 clock: Callable[[], float] = time.monotonic):
         if step_num_rollouts < 1:
             raise ValueError(f"step_num_rollouts must be >= 1, got {step_num_rollouts}")
+        if inference_outage_s <= 0:
+            raise ValueError(f"inference_outage_s must be > 0, got {inference_outage_s}")
+        self.inference_outage_s = inference_outage_s
+        self._clock = clock
+        self.unreachable_since: float | None = None  # first "no inference worker answers" since the last success
+        self._unreachable_error = ""
+        self._next_unreachable_log_s = 0.0
         self.step_num_rollouts = step_num_rollouts
         self._report = report
         self.hint_values = dict(hint_values or {})
@@ -97,31 +123,57 @@ class RolloutFailures:
         self.consecutive = 0
         self._streak: collections.Counter[str] = collections.Counter()
 
-    def failed(self, kind: str, error: str, num_rollouts: int = 1) -> None:
-        """``num_rollouts`` rollouts failed with ``kind`` (a rollout's error type, or a whole group's error)."""
+    def failed(self, kind: str, error: str, num_rollouts: int = 1) -> bool:
+        """``num_rollouts`` rollouts failed with ``kind`` (a rollout's error type, or a whole group's error).
+        Returns True when the inference server could not be reached (``is_unreachable``)."""
+        unreachable = is_unreachable(kind, error)
         kind = kind_name(kind)
         self.counts[kind] += num_rollouts
-        self.consecutive += num_rollouts
-        self._streak[kind] += num_rollouts
-        if kind in self.first_errors:
-            return
-        self.first_errors[kind] = _cut(error)
-        log.warning("rollout failed", kind=kind, error=self.first_errors[kind], count=self.counts[kind],
-                    hint=hint_for(kind, error, self.hint_values))
-        if self._report is not None:
-            self._report(f"rollout failed ({kind}): {self.first_errors[kind]}")
+        if unreachable:
+            if self.unreachable_since is None:
+                self.unreachable_since = self._clock()
+                self._unreachable_error = _cut(error)
+                self._next_unreachable_log_s = self.unreachable_since + LOG_EVERY_S
+        else:
+            self.consecutive += num_rollouts
+            self._streak[kind] += num_rollouts
+        if kind not in self.first_errors:
+            self.first_errors[kind] = _cut(error)
+            hint = ("the inference server did not answer (restarting?): waiting for it up to "
+                    f"{self.inference_outage_s:g} s" if unreachable else hint_for(kind, error, self.hint_values))
+            log.warning("rollout failed", kind=kind, error=self.first_errors[kind], count=self.counts[kind], hint=hint)
+            if self._report is not None:
+                self._report(f"rollout failed ({kind}): {self.first_errors[kind]}")
+        return unreachable
 
     def succeeded(self, num_rollouts: int = 1) -> None:
         """``num_rollouts`` rollouts became training samples: the streak of failures ends."""
         if num_rollouts and self.consecutive:
             self.consecutive = 0
             self._streak.clear()
+        if num_rollouts and self.unreachable_since is not None:
+            log.info("inference worker back", outage_s=round(self._clock() - self.unreachable_since, 1))
+            self.unreachable_since = None
 
     def check(self) -> None:
-        """Raise ``RolloutsFailing`` once a step's worth of consecutive rollouts failed."""
-        if self.consecutive < self.step_num_rollouts:
+        """Raise ``RolloutsFailing`` once a step's worth of consecutive rollouts failed, or once no inference
+        worker answered for ``inference_outage_s``; meanwhile say that we wait (every ``LOG_EVERY_S``)."""
+        if self.consecutive >= self.step_num_rollouts:
+            raise RolloutsFailing(self.message())
+        if self.unreachable_since is None:
             return
-        raise RolloutsFailing(self.message())
+        now = self._clock()
+        waited_s = now - self.unreachable_since
+        if waited_s > self.inference_outage_s:
+            raise RolloutsFailing(
+                f"no inference worker answered for {waited_s:.0f} s (the orchestrator waits up to "
+                f"{self.inference_outage_s:g} s); first error: {self._unreachable_error}. Fix: is primerl-infer "
+                "running, and is the address it registered with the broker reachable from the orchestrator's "
+                "machine?")
+        if now >= self._next_unreachable_log_s:
+            self._next_unreachable_log_s = now + LOG_EVERY_S
+            log.warning("waiting for an inference worker", outage_s=round(waited_s, 1),
+                        budget_s=self.inference_outage_s, error=self._unreachable_error)
 
     def message(self) -> str:
         kind, count = self._streak.most_common(1)[0] if self._streak else ("unknown", self.consecutive)
@@ -132,4 +184,4 @@ class RolloutFailures:
                 f"Fix: {hint_for(kind, error, self.hint_values)}")
 
 
-__all__ = ["KNOWN_CAUSES", "RolloutFailures", "RolloutsFailing", "hint_for", "kind_name"]
+__all__ = ["KNOWN_CAUSES", "RolloutFailures", "RolloutsFailing", "hint_for", "is_unreachable", "kind_name"]

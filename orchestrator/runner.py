@@ -86,6 +86,8 @@ COLLECT_WAIT_S = 0.5  # the longest the main loop waits for a rollout group befo
 STOP_FLUSH_S = 30.0  # on stop, how long steps already handed to the send thread may take to be sent
 SHUTDOWN_FLUSH_S = 2.0  # the same when the broker ended the run (the role must be gone within 10 s)
 ENV_WORKER_MAX_RESTARTS = 3  # restarts of each env worker before the orchestrator gives up
+INFERENCE_OUTAGE_S = 300.0  # how long rollouts may fail because no inference worker answers (one restarting)
+ENDPOINT_BACKOFF_S = (0.5, 5.0)  # first and longest pause of dispatch to an endpoint that did not answer
 
 
 @dataclass
@@ -94,6 +96,18 @@ class InferenceEndpoint:
     base_url: str
     policy_version: int
     num_inflight: int = 0
+    # While it does not answer (connection refused/reset: restarting?): no dispatch before retry_at_s.
+    retry_at_s: float = 0.0
+    backoff_s: float = 0.0
+
+    def unreachable(self, now_s: float) -> None:
+        """A rollout on it failed because it could not be reached: pause dispatch to it (doubling, capped)."""
+        if now_s >= self.retry_at_s:  # one back-off step per probe, not per failure of a burst
+            self.backoff_s = min(max(ENDPOINT_BACKOFF_S[0], 2 * self.backoff_s), ENDPOINT_BACKOFF_S[1])
+            self.retry_at_s = now_s + self.backoff_s
+
+    def answered(self) -> None:
+        self.retry_at_s = self.backoff_s = 0.0
 
 
 @dataclass
@@ -213,7 +227,7 @@ class OrchestratorRunner:
         self.failures = RolloutFailures(
             config.batch_size, report=self.control.report_error,
             hint_values={"seq_len": config.seq_len, "model": config.model.name,
-                         "rollout_timeout_s": config.rollout_timeout_s})
+                         "rollout_timeout_s": config.rollout_timeout_s}, inference_outage_s=INFERENCE_OUTAGE_S)
         sizes, weights = {}, {}
         for env in config.env:
             if env.id in self.workers:
@@ -338,6 +352,8 @@ class OrchestratorRunner:
                 return False
             if self.sender is not None:
                 self.sender.check()  # a failed send stops the run here, in the main thread
+            assert self.failures is not None
+            self.failures.check()  # a step's worth of failures in a row, or no inference worker for long: stop
             self._refresh_endpoints()
             with self._timed("dispatch_s"):
                 self._dispatch(step)
@@ -456,6 +472,10 @@ class OrchestratorRunner:
         if self._waiting_for_version:
             self.counters["dispatch_waits"] += 1
             return
+        now_s = time.monotonic()
+        answering = [e for e in self.endpoints.values() if e.retry_at_s <= now_s]  # not backing off
+        if not answering:
+            return
         max_inflight = config.max_inflight or 2 * config.batch_size
         groups_wanted = math.ceil(max_inflight / config.rollouts_per_example)
         # Groups are drawn one by one (the same draws, seeds and group ids as one at a time), then handed to
@@ -463,7 +483,7 @@ class OrchestratorRunner:
         batches: dict[tuple[str, str, int | None], list[int]] = collections.defaultdict(list)
         entries: dict[tuple[str, str, int | None], list[_Inflight]] = collections.defaultdict(list)
         for _ in range(groups_wanted - len(self.inflight)):
-            endpoint = min(self.endpoints.values(), key=lambda e: e.num_inflight)
+            endpoint = min(answering, key=lambda e: e.num_inflight)
             # groups lost with a dead env worker go first (their draws were made already)
             env_id, example_index = self._rescheduled.popleft() if self._rescheduled else self.sampler.next()
             seed = config.sampling.seed
@@ -499,15 +519,18 @@ class OrchestratorRunner:
         if self.exporter is not None:
             self.inflight_gauge.set(num_inflight)
 
-    def _count_error(self, kind: str, failure_kind: str, error: str, num_rollouts: int = 1) -> None:
+    def _count_error(self, kind: str, failure_kind: str, error: str, endpoint: InferenceEndpoint,
+                     num_rollouts: int = 1) -> None:
         """A failed rollout (``rollout_errors``) or rollout group (``env_errors``): both add to rollout/errors;
-        ``failure_kind`` (the error's class) is counted apart and reported (``RolloutFailures``)."""
+        ``failure_kind`` (the error's class) is counted apart and reported (``RolloutFailures``). A failure that
+        says the inference worker could not be reached pauses dispatch to it (it may be restarting)."""
         self.counters[kind] += 1
         self.counters[f"errors/{kind_name(failure_kind)}"] += num_rollouts
         if self.exporter is not None:
             self.errors_counter.inc()
         assert self.failures is not None
-        self.failures.failed(failure_kind, error, num_rollouts)
+        if self.failures.failed(failure_kind, error, num_rollouts):
+            endpoint.unreachable(time.monotonic())
 
     def _ensure_worker(self, env_id: str) -> None:
         """Restart a dead env worker (``EnvWorkerDied`` once its restarts are used up)."""
@@ -546,7 +569,7 @@ class OrchestratorRunner:
                 continue
             except Exception as exc:  # an env worker failure: counted, reported, the group is dropped
                 failure_kind = exc.error_type if isinstance(exc, EnvRequestError) else type(exc).__name__
-                self._count_error("env_errors", failure_kind, f"{entry.env_id}: {exc}",
+                self._count_error("env_errors", failure_kind, f"{entry.env_id}: {exc}", entry.endpoint,
                                   self.config.rollouts_per_example)
                 continue
             self._time_group(rollout_group)
@@ -561,8 +584,6 @@ class OrchestratorRunner:
             self.counters["groups_done"] += 1
         if done:
             self._inflight_changed()
-            assert self.failures is not None
-            self.failures.check()  # a step's worth of failures in a row stops the run
 
     def _time_group(self, rollout_group: Any) -> None:
         """Add a finished group's env-worker timings to the step's sums (means are taken in ``_report``)."""
@@ -595,8 +616,9 @@ class OrchestratorRunner:
         for rollout in rollout_group.rollouts:
             if not rollout.ok or rollout.reward is None:
                 self._count_error("rollout_errors", rollout.error_type or "RolloutError",
-                                  f"{entry.env_id}: {rollout.error}")
+                                  f"{entry.env_id}: {rollout.error}", entry.endpoint)
                 continue
+            entry.endpoint.answered()
             turns = [TurnTokens.from_wire_turn(t, temperature=config.sampling.temperature,
                                                default_policy_version=entry.dispatched_version) for t in rollout.turns]
             try:
@@ -607,7 +629,8 @@ class OrchestratorRunner:
                 )
             except MalformedTrajectory as exc:
                 self.counters[f"malformed_{exc.reason}"] += 1
-                self._count_error("rollout_errors", f"malformed_{exc.reason}", f"{entry.env_id}: {exc}")
+                self._count_error("rollout_errors", f"malformed_{exc.reason}", f"{entry.env_id}: {exc}",
+                                  entry.endpoint)
             else:
                 assert self.failures is not None
                 self.failures.succeeded()

@@ -80,6 +80,34 @@ def test_an_unknown_failure_still_says_what_failed():
         RolloutFailures(0)
 
 
+UNREACHABLE_ERROR = ("reverse-text: ModelError: <- APIConnectionError: Connection error. <- ConnectError: "
+                     "[Errno 111] Connection refused")
+
+
+def test_an_unreachable_inference_server_is_waited_for_not_counted_in_the_streak():
+    """Rollouts refused while the only inference worker restarts are not a step of failures: the orchestrator
+    waits (saying so every 5 s), the clock restarts at the next success, and past the budget it stops."""
+    now = [100.0]
+    failures = RolloutFailures(4, inference_outage_s=60, clock=lambda: now[0])
+    with structlog.testing.capture_logs() as logs:
+        assert failures.failed("ModelError", UNREACHABLE_ERROR, num_rollouts=40) is True
+        assert failures.failed("BadRequestError", CONTEXT_ERROR) is False
+        assert failures.consecutive == 1 and failures.counts["ModelError"] == 40
+        for _ in range(12):  # 60 s of waiting, checked every 5 s
+            now[0] += 5
+            failures.check()
+        failures.succeeded()
+        assert failures.unreachable_since is None and failures.consecutive == 0
+        failures.failed("ModelError", UNREACHABLE_ERROR)
+        now[0] += 61
+        with pytest.raises(RolloutsFailing, match="no inference worker answered for 61 s .*Connection refused"):
+            failures.check()
+    events = [e["event"] for e in logs]
+    assert events.count("rollout failed") == 2  # ModelError and BadRequestError, once each
+    assert events.count("waiting for an inference worker") == 12 and events.count("inference worker back") == 1
+    assert "waiting for it up to 60 s" in next(e["hint"] for e in logs if e.get("kind") == "ModelError")
+
+
 # ------------------------------------------------------------------------------------------------ broker
 class Broker:
     """An in-process broker that can be stopped and started again on the same ports (as after a crash)."""

@@ -152,13 +152,14 @@ def test_all_rollouts_failing_stop_the_orchestrator_with_the_cause(tiny_model, t
 
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory, tiny_model):
+    """The tiny model, the broker and a list holding the current `primerl-infer` (a test may replace it)."""
     broker = Broker(tmp_path_factory.mktemp("spool"))
-    daemon = None
+    daemons: list[Daemon] = []
     try:
-        daemon = Daemon(tmp_path_factory.mktemp("infer"), tiny_model, broker)
-        yield tiny_model, broker, daemon
+        daemons.append(Daemon(tmp_path_factory.mktemp("infer"), tiny_model, broker))
+        yield tiny_model, broker, daemons
     finally:
-        if daemon is not None:
+        for daemon in daemons:
             daemon.stop()
         broker.stop()
 
@@ -212,11 +213,32 @@ def test_a_broker_restart_mid_run_is_waited_through(stack, run_dir):
             assert data_digest([tensors for _, tensors in fetched]) == digest
 
 
+def test_a_killed_inference_server_is_waited_for(stack, run_dir, tmp_path):
+    """The only inference server is SIGKILLed mid-run (its registration stays until it expires) and a new one
+    starts: the rollouts refused meanwhile are counted but do not stop the run; the orchestrator waits, saying
+    so, and finishes its steps on the new server."""
+    model, broker, daemons = stack
+    log_path = run_dir / "infer-restart.log"
+    process = start_orchestrator(model, broker, run_dir, "reverse-text", log_path, "--max-steps", "9")
+    wait_for_line(process, log_path, r"step sent .*step=6", 300)
+    killed = daemons.pop()
+    killed.process.kill()
+    killed.stop()
+    killed_s = time.monotonic()
+    daemons.append(Daemon(tmp_path, model, broker))
+    print(f"\nprimerl-infer killed; a new one serves {time.monotonic() - killed_s:.1f} s later")
+    returncode = finish(process, 300)
+    text = log_path.read_text(errors="replace")
+    assert returncode == 0, text[-4000:]
+    assert "waiting for an inference worker" in text or "no inference worker is alive" in text, text[-4000:]
+    assert [r["step"] for r in metric_rows(run_dir)][-3:] == [7, 8, 9]
+
+
 def test_the_broker_ending_the_run_stops_the_orchestrator(stack, run_dir):
     model, broker, _ = stack
     log_path = run_dir / "shutdown.log"
     process = start_orchestrator(model, broker, run_dir, "reverse-text", log_path, "--max-steps", "40")
-    wait_for_line(process, log_path, r"step sent .*step=7", 300)
+    wait_for_line(process, log_path, r"step sent", 300)
     requested_s = time.monotonic()
     broker.service.registry.request_shutdown()
     returncode = finish(process, 60)

@@ -53,7 +53,6 @@ import concurrent.futures
 import contextlib
 import json
 import math
-import random
 import threading
 import time
 from collections.abc import Iterator
@@ -67,6 +66,7 @@ from primerl.orchestrator.async_bound import AsyncBound
 from primerl.orchestrator.batch_sender import BatchSender, SendInterrupted
 from primerl.orchestrator.config import OrchestratorConfig
 from primerl.orchestrator.endpoints import EndpointWatcher
+from primerl.orchestrator.env_sampler import EnvSampler
 from primerl.orchestrator.env_client import EnvRequestError, EnvWorkerDied
 from primerl.orchestrator.filtering import BatchAssembler, DifficultyFilter
 from primerl.orchestrator.packing import pack_samples, to_broker_batches
@@ -117,47 +117,6 @@ class _Inflight:
     endpoint: InferenceEndpoint
     dispatched_version: int
     started_s: float = field(default_factory=time.monotonic)
-
-
-class EnvSampler:
-    """Draws (env, example) pairs: an env by weight, then the next example of its shuffled order."""
-
-    def __init__(self, env_sizes: dict[str, int], weights: dict[str, float], seed: int):
-        self.env_ids = list(env_sizes)
-        self.weights = [weights[env_id] for env_id in self.env_ids]
-        self.sizes = env_sizes
-        self.rng = random.Random(seed)
-        self.positions = {env_id: 0 for env_id in self.env_ids}
-        self.seed = seed
-
-    def _order(self, env_id: str, epoch: int) -> list[int]:
-        order = list(range(self.sizes[env_id]))
-        random.Random(f"{self.seed}:{env_id}:{epoch}").shuffle(order)
-        return order
-
-    def next(self) -> tuple[str, int]:
-        env_id = self.rng.choices(self.env_ids, weights=self.weights)[0]
-        position = self.positions[env_id]
-        self.positions[env_id] = position + 1
-        epoch, offset = divmod(position, self.sizes[env_id])
-        return env_id, self._order(env_id, epoch)[offset]
-
-    def state(self) -> dict[str, Any]:
-        return {"positions": dict(self.positions), "rng": _encode_rng(self.rng.getstate())}
-
-    def restore(self, state: dict[str, Any]) -> None:
-        self.positions.update(state["positions"])
-        self.rng.setstate(_decode_rng(state["rng"]))
-
-
-def _encode_rng(state: tuple) -> list:
-    version, internal, gauss = state
-    return [version, list(internal), gauss]
-
-
-def _decode_rng(state: list) -> tuple:
-    version, internal, gauss = state
-    return (version, tuple(internal), gauss)
 
 
 class OrchestratorRunner:

@@ -247,6 +247,7 @@ def summary(verdict: Verdict) -> str:
             return "never" if value is None else f"{value:.1f}s"
         lines.append(f"  - {kill.spec.role:<12} {kill.spec.moment:<25} at step {kill.trainer_step:>2}: back in "
                      f"{seconds(kill.recovered_s)}, next step done in {seconds(kill.next_step_s)}  [{kill.note}]")
+    lines.append(f"  run status polls: {len(record.statuses)} answered, {record.status_errors} failed")
     lines.append(f"  steps lost {len(verdict.lost)}, duplicated {len(verdict.duplicated)}, mismatched "
                  f"{len(verdict.mismatched)}, unverified {len(verdict.unverified)}, retrained after a rollback "
                  f"{verdict.retrained or 0}, unplanned exits {len(verdict.unplanned)}")

@@ -46,6 +46,8 @@ class RunRecord:
     statuses: list[tuple[float, dict]] = field(default_factory=list)  # (wall s, RunStatus as a dict)
     final_status: dict | None = None
     final_status_error: str = ""
+    status_errors: int = 0  # GetRunStatus polls that failed (an outage explains some)
+    last_status_error: str = ""
     leftovers: list[str] = field(default_factory=list)
     aborted: str = ""  # why the run was given up (stall, timeout, a role given up by the restarter)
     started_s: float = 0.0  # wall clock
@@ -73,7 +75,9 @@ class StatusPoller(threading.Thread):
             while not self.halt.wait(STATUS_POLL_S):
                 try:
                     status = client.get_run_status()
-                except (BrokerError, ValueError, RuntimeError):
+                except (BrokerError, ValueError, RuntimeError) as error:
+                    self.record.status_errors += 1
+                    self.record.last_status_error = f"{type(error).__name__}: {error}"[:300]
                     continue
                 self.record.statuses.append((time.time(), MessageToDict(
                     status, preserving_proto_field_name=True, always_print_fields_with_no_presence=True)))
@@ -276,7 +280,9 @@ class Driver:
         """Mode rl: `primerl rl` stops the broker itself; the last status polled once the trainer finished."""
         finished = [s for _, s in self.record.statuses if int(s.get("trainer_step", 0)) >= self.spec.max_steps]
         if not finished:
-            self.record.final_status_error = "no run status polled after the trainer's last step"
+            self.record.final_status_error = (
+                f"no run status polled after the trainer's last step ({len(self.record.statuses)} polls answered, "
+                f"{self.record.status_errors} failed; last error: {self.record.last_status_error or '-'})")
             return None
         best = next((s for s in reversed(finished) if served_final(s, self.spec.max_steps)), finished[-1])
         (self.spec.run_dir / "final_status.json").write_text(json.dumps(best, indent=2))

@@ -180,12 +180,18 @@ class RlBackend:
     def start(self) -> None:
         spec = self.spec
         spec.run_dir.mkdir(parents=True, exist_ok=True)
-        env = {**base_env(spec.marker), "PRIMERL_RUN_TOKEN": spec.token}
+        env = base_env(spec.marker)
+        # `primerl rl` takes the run token from its config only (it makes one up otherwise): a file only we can
+        # read, removed at the end (``stop``), so that the harness can ask the broker for the run status.
+        self.token_file = spec.run_dir / ".chaos-run-token.toml"
+        self.token_file.touch(mode=0o600)
+        self.token_file.write_text(f'[broker]\nrun_token = "{spec.token}"\n')
         self.log_path = spec.run_dir / "logs" / "primerl-rl.log"
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         with open(self.log_path, "ab") as log_file:
             self.process = subprocess.Popen(
-                [str(BIN / "primerl"), "rl", *spec.rl_args(), "--restart", "on-failure"], stdout=log_file,
+                [str(BIN / "primerl"), "rl", *spec.rl_args(), "@", str(self.token_file), "--restart", "on-failure"],
+                stdout=log_file,
                 stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env, cwd=spec.run_dir.parent,
                 start_new_session=True, preexec_fn=_die_with_parent)
 
@@ -240,6 +246,7 @@ class RlBackend:
     def stop(self, timeout_s: float = RL_STOP_TIMEOUT_S) -> None:
         if self.process is None:
             return
+        self.token_file.unlink(missing_ok=True)
         try:
             self.process.wait(timeout_s if self.trainer_finished else 0.1)
         except subprocess.TimeoutExpired:

@@ -248,6 +248,8 @@ class InferenceService:
             except asyncio.TimeoutError:
                 pass
             problem = self.fatal_error or self.server.check_running()
+            if problem is None and self.control is not None and self.control.broker_lost.is_set():
+                problem = self.control.broker_lost_error
             if problem is None and self._weights_thread is not None and not self._weights_thread.is_alive():
                 problem = "the weight-update thread stopped"
             if problem is not None:
@@ -291,6 +293,7 @@ class InferenceService:
     # ---- weight updates (weight thread) -------------------------------------------------------------------------
     def _weights_loop(self) -> None:
         from primerl.broker.weight_clients import WeightPlaneError, WeightSubscriber
+        from primerl.runtime.broker_outage import BrokerOutageExceeded
 
         subscriber: WeightSubscriber | None = None
         unreachable_logged = False
@@ -310,9 +313,10 @@ class InferenceService:
                     # Chunked updates are assembled straight into the updater's shared payload file: the engine's
                     # worker reads them there, with no further copy.
                     subscriber = WeightSubscriber(registration.weight_endpoint, self.config.broker.run_token, worker_id,
-                                                  payload_buffer=self.updater.staging_buffer)
+                                                  payload_buffer=self.updater.staging_buffer,
+                                                  outage_s=self.config.broker.outage_s)
                     try:
-                        subscriber.hello(self.policy_version)
+                        subscriber.hello(self.policy_version, lineage=self.updater.lineage)
                     except TimeoutError:
                         pass  # the broker is away: receive() says HELLO again every few seconds
                 try:
@@ -323,6 +327,9 @@ class InferenceService:
                         log.warning("weight plane unreachable; retrying", error=str(exc))
                         unreachable_logged = True
                     continue
+                except BrokerOutageExceeded as exc:  # past broker.outage_s: one clear line, then exit non-zero
+                    self.fatal_error = str(exc)
+                    return
                 except WeightPlaneError as exc:  # e.g. UNAUTHENTICATED: will not heal by itself
                     log.error("the broker's weight plane refused this worker", error=str(exc))
                     self.control.report_error(f"weight plane: {exc}")
@@ -348,9 +355,10 @@ class InferenceService:
         received_s = time.monotonic()
         version, served = int(header.policy_version), self.updater.policy_version
         kind = data_pb2.WeightUpdateKind.Name(header.kind)
-        if version <= served and header.kind != DELTA:
-            # Sent again (a refusal made the broker resend its snapshot): say what is served instead.
-            subscriber.ack(served)
+        if header.kind != DELTA and not self.updater.wants(header):
+            # Sent again (a refusal made the broker resend its snapshot), or an older lineage's: say what is served.
+            # A newer lineage's FULL at or below the served version is wanted: a rollback (PolicyUpdater.wants).
+            subscriber.ack(served, lineage=self.updater.lineage)
             return
         refusal = self._refused.get((version, header.digest))
         if refusal is not None:
@@ -388,7 +396,7 @@ class InferenceService:
         finally:
             self.ops.resume()
         apply_ms = (time.monotonic() - received_s) * 1000.0
-        subscriber.ack(version, applied=True, apply_ms=round(apply_ms))
+        subscriber.ack(version, applied=True, apply_ms=round(apply_ms), lineage=self.updater.lineage)
         self.num_updates_applied += 1
         self.metrics.updates_applied.inc()
         self.metrics.policy_version.set(version)

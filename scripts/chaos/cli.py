@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+import traceback
 from pathlib import Path
 
 from .checks import judge, summary, write_summary
@@ -67,8 +68,13 @@ def main(argv: list[str] | None = None) -> int:
             spec = RunSpec.create(mode, seed, run_dir, model.resolve(), max_steps, restart_sec)
             print(f"chaos: mode {mode} seed {seed}: {max_steps} steps, kills "
                   f"{', '.join(k.describe() for k in plan)} ({time.strftime('%H:%M:%S')})", flush=True)
-            record = Driver(spec, plan, timeout_s=args.timeout_s, stall_s=args.stall_s,
-                            say=lambda text: print(text, flush=True)).run()
+            driver = Driver(spec, plan, timeout_s=args.timeout_s, stall_s=args.stall_s,
+                            say=lambda text: print(text, flush=True))
+            try:
+                record = driver.run()
+            except Exception:  # the harness's own fault: shown, judged as aborted (the roles are stopped)
+                traceback.print_exc()
+                record = driver.record
             verdict = judge(record)
             write_summary(verdict)
             text = summary(verdict)

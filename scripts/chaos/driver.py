@@ -133,6 +133,9 @@ class Driver:
         except Exception as error:  # the harness's own failure: recorded, and everything is still stopped
             record.aborted = record.aborted or f"harness error: {type(error).__name__}: {error}"
             raise
+        except KeyboardInterrupt:
+            record.aborted = "interrupted"
+            raise
         finally:
             poller.halt.set()
             if spec.mode == "rl":

@@ -256,6 +256,10 @@ class WorkerRegistry:
         self._last_metrics_step = 0
         self._last_committed_step = 0
         self._latest_policy_version = 0
+        # The latest policy's lineage (a trainer incarnation), the version it resumed from, rollbacks so far.
+        self._policy_lineage = 0
+        self._lineage_base_version = 0
+        self._num_rollbacks = 0
         self._version = 0
         self._closed = False  # the broker process is stopping: register and heartbeat answer BrokerStopping
         self._shutdown_requested = False  # the run is over: heartbeats tell workers to stop (after _stop_workers_at)
@@ -430,6 +434,8 @@ class WorkerRegistry:
                 latest_policy_version=self._latest_policy_version,
                 last_committed_step=self._last_committed_step,
                 shutdown_requested=self._shutdown_requested and self._clock() >= self._stop_workers_at,
+                policy_lineage=self._policy_lineage,
+                lineage_base_version=self._lineage_base_version,
             )
 
     def deregister(self, worker_id: str, reason: str = "") -> bool:
@@ -564,6 +570,15 @@ class WorkerRegistry:
                 self._state_revision += 1
                 self._bump_locked()
 
+    def set_policy_lineage(self, lineage: int, base_version: int, num_rollbacks: int) -> None:
+        """The weight store's lineage of its latest version (told to workers in Heartbeat, shown in status)."""
+        with self._lock:
+            if (lineage, base_version, num_rollbacks) != (
+                    self._policy_lineage, self._lineage_base_version, self._num_rollbacks):
+                self._policy_lineage, self._lineage_base_version = lineage, base_version
+                self._num_rollbacks = num_rollbacks
+                self._bump_locked()
+
     def set_endpoints(self, rollout_endpoint: str, weight_endpoint: str) -> None:
         """ZMQ endpoints handed to registering workers (known once the data plane has bound its ports)."""
         with self._lock:
@@ -636,6 +651,9 @@ class WorkerRegistry:
                 last_metrics_step=self._last_metrics_step,
                 recent_errors=list(self._recent_errors),
                 max_steps=self.max_steps or 0,
+                policy_lineage=self._policy_lineage,
+                lineage_base_version=self._lineage_base_version,
+                num_rollbacks=self._num_rollbacks,
             )
             if status.ByteSize() > MAX_STATUS_BYTES:
                 self._num_status_trims += 1

@@ -66,16 +66,23 @@ class _AnnouncingWeightStore(WeightStore):
     """The weight store, telling the registry the latest version as soon as it accepts an update (before the
     publisher's ack is sent), so Register/Heartbeat answers and the run state never lag behind it."""
 
-    def __init__(self, on_accepted, **kwargs):
+    def __init__(self, on_accepted, on_lineage, **kwargs):
         super().__init__(**kwargs)
         self._on_accepted = on_accepted
+        self._on_lineage = on_lineage
 
     def put(self, header, payload, **kwargs) -> PutResult:
         result = super().put(header, payload, **kwargs)
         latest = self.latest_version
         if latest is not None:
             self._on_accepted(latest)
+        self.announce_lineage()
         return result
+
+    def announce_lineage(self) -> None:
+        """Tell the registry the lineage held (after a put, and once the durable chain is reloaded)."""
+        status = self.status()
+        self._on_lineage(status.lineage, status.lineage_base_version, status.num_rollbacks)
 
 
 class BrokerService:
@@ -101,7 +108,8 @@ class BrokerService:
             persist=self._persist_run_state,
             end_of_run_grace_s=END_OF_RUN_GRACE_S,
         )
-        self.weight_store: WeightStore = _AnnouncingWeightStore(self.registry.set_latest_policy_version)
+        self.weight_store: WeightStore = _AnnouncingWeightStore(self.registry.set_latest_policy_version,
+                                                                    self.registry.set_policy_lineage)
         self.run_state_file: RunStateFile | None = None
         self._saver: RunStateSaver | None = None
         self.servicer = BrokerServicer(self.registry, self.data_plane_status)
@@ -148,6 +156,8 @@ class BrokerService:
                 durable_dir=config.spool_dir / WEIGHTS_SUBDIR,
             )
             weight_port = self.weight_plane.start()
+            if self.weight_store.latest_version is not None:  # a reloaded durable chain: its lineage too
+                self.weight_store.announce_lineage()
             client_host = config.client_host
             self.registry.set_endpoints(tcp_endpoint(client_host, rollout_port), tcp_endpoint(client_host, weight_port))
             self._server, grpc_port = create_grpc_server(
@@ -276,6 +286,7 @@ class BrokerService:
             latest_version = store.latest_version or 0
             if store.latest_version is not None:  # after a restart the store is empty: keep the restored one
                 self.registry.set_latest_policy_version(latest_version)
+                self.registry.set_policy_lineage(store.lineage, store.lineage_base_version, store.num_rollbacks)
         return DataPlaneStatus(
             queues=queues,
             rollout_batches_per_s=batches_per_s,

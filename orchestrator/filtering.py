@@ -175,6 +175,10 @@ class BatchAssembler:
             self._num_pending_rollouts += group.num_rollouts
         return result
 
+    def pending_groups(self) -> list[Group]:
+        """The groups waiting for a batch, oldest first (their samples may be changed in place, not removed)."""
+        return list(self._pending)
+
     def drop_stale(self, min_policy_version: int) -> int:
         """Drop waiting groups holding a sample older than ``min_policy_version``; returns how many."""
         kept = deque(group for group in self._pending if group.min_policy_version >= min_policy_version)

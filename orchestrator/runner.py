@@ -63,6 +63,7 @@ import numpy as np
 
 from primerl.orchestrator.advantages import prepare_groups
 from primerl.orchestrator.async_bound import AsyncBound
+from primerl.orchestrator.lineage import PolicyLineage, cap_versions
 from primerl.orchestrator.batch_sender import BatchSender, SendInterrupted
 from primerl.orchestrator.config import OrchestratorConfig
 from primerl.orchestrator.endpoints import EndpointWatcher
@@ -117,6 +118,7 @@ class _Inflight:
     endpoint: InferenceEndpoint
     dispatched_version: int
     started_s: float = field(default_factory=time.monotonic)
+    lineage_epoch: int = 0  # ``PolicyLineage.epoch`` at dispatch: rollbacks after it cap the samples' versions
 
 
 class OrchestratorRunner:
@@ -128,6 +130,7 @@ class OrchestratorRunner:
         self.stop_event = stop_event or threading.Event()
         self.state_path = config.output_dir / "orchestrator_state.json"
         self.bound = AsyncBound(config.max_async_level)
+        self.lineage = PolicyLineage()
         self.assembler = BatchAssembler(config.batch_size, difficulty_filter=DifficultyFilter.from_config(config.buffer))
         self.inflight: dict[concurrent.futures.Future, _Inflight] = {}
         self.endpoints: dict[str, InferenceEndpoint] = {}
@@ -306,6 +309,7 @@ class OrchestratorRunner:
         self.counters = collections.Counter()
         self.timers: collections.Counter = collections.Counter()
         min_version = self.bound.min_policy_version(step)
+        self._observe_lineage()
         while (batch := self.assembler.take(min_policy_version=min_version)) is None:
             if self._should_stop():
                 return False
@@ -314,6 +318,7 @@ class OrchestratorRunner:
             assert self.failures is not None
             self.failures.check()  # a step's worth of failures in a row, or no inference worker for long: stop
             self._refresh_endpoints()
+            self._observe_lineage()
             with self._timed("dispatch_s"):
                 self._dispatch(step)
             self._collect(timeout_s=VERSION_WAIT_S if self._waiting_for_version else COLLECT_WAIT_S)
@@ -450,7 +455,8 @@ class OrchestratorRunner:
                 seed = seed + self._next_group_id
             key = (env_id, endpoint.worker_id, seed)
             batches[key].append(example_index)
-            entries[key].append(_Inflight(env_id, example_index, endpoint, served_version))
+            entries[key].append(_Inflight(env_id, example_index, endpoint, served_version,
+                                          lineage_epoch=self.lineage.epoch))
             endpoint.num_inflight += config.rollouts_per_example
             self._next_group_id += 1
         for key, example_indices in batches.items():
@@ -598,7 +604,29 @@ class OrchestratorRunner:
             self.counters["truncated"] += int(rollout.is_truncated)
         if not samples:
             return None
+        ceiling = self.lineage.ceiling_since(entry.lineage_epoch)
+        if ceiling is not None:  # made by weights a rollback since its dispatch removed
+            cap_versions(samples, ceiling)
         return Group(group_id=group_id, example_id=entry.example_index, env_id=entry.env_id, samples=samples)
+
+    def _observe_lineage(self) -> None:
+        """A rollback (a newer policy lineage in the broker's heartbeat answer): samples made with the rolled-back
+        weights count as the lineage's base version from now on (``primerl.orchestrator.lineage``)."""
+        heartbeat = self.control.last_heartbeat if self.control is not None else None
+        if heartbeat is None:
+            return
+        base = self.lineage.observe(heartbeat.policy_lineage, heartbeat.lineage_base_version)
+        if base is None:
+            return
+        num_waiting = cap_versions((s for group in self.assembler.pending_groups() for s in group.samples), base)
+        num_inflight = 0
+        for entry in self.inflight.values():
+            if entry.dispatched_version > base:
+                entry.dispatched_version = base
+                num_inflight += 1
+        log.warning("policy rolled back: samples made with the rolled-back weights count as the base version",
+                    lineage=heartbeat.policy_lineage, base_version=base, waiting_samples_capped=num_waiting,
+                    inflight_groups_capped=num_inflight)
 
     def _cancel_stale(self, step: int) -> None:
         stale = self.bound.stale_groups({f: e.dispatched_version for f, e in self.inflight.items()}, step)

@@ -81,14 +81,18 @@ class HeartbeatRequest(_message.Message):
     def __init__(self, worker_id: _Optional[str] = ..., trainer_step: _Optional[int] = ..., policy_version: _Optional[int] = ..., orchestrator_step: _Optional[int] = ..., num_inflight: _Optional[int] = ..., recent_errors: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class HeartbeatResponse(_message.Message):
-    __slots__ = ("latest_policy_version", "last_committed_step", "shutdown_requested")
+    __slots__ = ("latest_policy_version", "last_committed_step", "shutdown_requested", "policy_lineage", "lineage_base_version")
     LATEST_POLICY_VERSION_FIELD_NUMBER: _ClassVar[int]
     LAST_COMMITTED_STEP_FIELD_NUMBER: _ClassVar[int]
     SHUTDOWN_REQUESTED_FIELD_NUMBER: _ClassVar[int]
+    POLICY_LINEAGE_FIELD_NUMBER: _ClassVar[int]
+    LINEAGE_BASE_VERSION_FIELD_NUMBER: _ClassVar[int]
     latest_policy_version: int
     last_committed_step: int
     shutdown_requested: bool
-    def __init__(self, latest_policy_version: _Optional[int] = ..., last_committed_step: _Optional[int] = ..., shutdown_requested: _Optional[bool] = ...) -> None: ...
+    policy_lineage: int
+    lineage_base_version: int
+    def __init__(self, latest_policy_version: _Optional[int] = ..., last_committed_step: _Optional[int] = ..., shutdown_requested: _Optional[bool] = ..., policy_lineage: _Optional[int] = ..., lineage_base_version: _Optional[int] = ...) -> None: ...
 
 class DeregisterRequest(_message.Message):
     __slots__ = ("worker_id", "reason")
@@ -221,7 +225,7 @@ class QueueStatus(_message.Message):
     def __init__(self, name: _Optional[str] = ..., num_items: _Optional[int] = ..., num_bytes: _Optional[int] = ..., capacity_items: _Optional[int] = ..., capacity_bytes: _Optional[int] = ...) -> None: ...
 
 class RunStatus(_message.Message):
-    __slots__ = ("run_id", "broker_started_unix_ms", "updated_unix_ms", "trainer_step", "last_committed_step", "latest_policy_version", "orchestrator_step", "workers", "queues", "rollout_batches_per_s", "rollout_bytes_per_s", "weight_bytes_per_s", "last_metrics", "last_metrics_step", "recent_errors", "max_steps")
+    __slots__ = ("run_id", "broker_started_unix_ms", "updated_unix_ms", "trainer_step", "last_committed_step", "latest_policy_version", "orchestrator_step", "workers", "queues", "rollout_batches_per_s", "rollout_bytes_per_s", "weight_bytes_per_s", "last_metrics", "last_metrics_step", "recent_errors", "max_steps", "policy_lineage", "lineage_base_version", "num_rollbacks")
     class LastMetricsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -245,6 +249,9 @@ class RunStatus(_message.Message):
     LAST_METRICS_STEP_FIELD_NUMBER: _ClassVar[int]
     RECENT_ERRORS_FIELD_NUMBER: _ClassVar[int]
     MAX_STEPS_FIELD_NUMBER: _ClassVar[int]
+    POLICY_LINEAGE_FIELD_NUMBER: _ClassVar[int]
+    LINEAGE_BASE_VERSION_FIELD_NUMBER: _ClassVar[int]
+    NUM_ROLLBACKS_FIELD_NUMBER: _ClassVar[int]
     run_id: str
     broker_started_unix_ms: int
     updated_unix_ms: int
@@ -261,4 +268,7 @@ class RunStatus(_message.Message):
     last_metrics_step: int
     recent_errors: _containers.RepeatedScalarFieldContainer[str]
     max_steps: int
-    def __init__(self, run_id: _Optional[str] = ..., broker_started_unix_ms: _Optional[int] = ..., updated_unix_ms: _Optional[int] = ..., trainer_step: _Optional[int] = ..., last_committed_step: _Optional[int] = ..., latest_policy_version: _Optional[int] = ..., orchestrator_step: _Optional[int] = ..., workers: _Optional[_Iterable[_Union[WorkerInfo, _Mapping]]] = ..., queues: _Optional[_Iterable[_Union[QueueStatus, _Mapping]]] = ..., rollout_batches_per_s: _Optional[float] = ..., rollout_bytes_per_s: _Optional[float] = ..., weight_bytes_per_s: _Optional[float] = ..., last_metrics: _Optional[_Mapping[str, float]] = ..., last_metrics_step: _Optional[int] = ..., recent_errors: _Optional[_Iterable[str]] = ..., max_steps: _Optional[int] = ...) -> None: ...
+    policy_lineage: int
+    lineage_base_version: int
+    num_rollbacks: int
+    def __init__(self, run_id: _Optional[str] = ..., broker_started_unix_ms: _Optional[int] = ..., updated_unix_ms: _Optional[int] = ..., trainer_step: _Optional[int] = ..., last_committed_step: _Optional[int] = ..., latest_policy_version: _Optional[int] = ..., orchestrator_step: _Optional[int] = ..., workers: _Optional[_Iterable[_Union[WorkerInfo, _Mapping]]] = ..., queues: _Optional[_Iterable[_Union[QueueStatus, _Mapping]]] = ..., rollout_batches_per_s: _Optional[float] = ..., rollout_bytes_per_s: _Optional[float] = ..., weight_bytes_per_s: _Optional[float] = ..., last_metrics: _Optional[_Mapping[str, float]] = ..., last_metrics_step: _Optional[int] = ..., recent_errors: _Optional[_Iterable[str]] = ..., max_steps: _Optional[int] = ..., policy_lineage: _Optional[int] = ..., lineage_base_version: _Optional[int] = ..., num_rollbacks: _Optional[int] = ...) -> None: ...

@@ -327,6 +327,18 @@ class TrainerRunner:
         response = self.control.commit_step(step)  # the broker may now delete the batches of steps <= step
         log.info("checkpoint committed", step=step, batches_released=response.num_batches_released)
 
+    def _leaving_reason(self, io_error: BaseException | None) -> str:
+        """Why this rank deregisters: "training finished" (the broker's end-of-run signal) only when it did."""
+        import sys
+
+        if io_error is not None:
+            return "trainer IO failed"
+        if sys.exc_info()[1] is not None:
+            return "trainer failed"
+        if self.stop_event.is_set():
+            return "stopped"
+        return "training finished"
+
     def close(self) -> None:
         """Stop fetching, drain the IO thread in order (publish, checkpoint, commit of the last steps), then close
         the connections. A failed IO job is raised here (after everything is closed) unless an error is already
@@ -347,7 +359,7 @@ class TrainerRunner:
             if closer is not None:
                 closer.close()
         if self.control is not None:
-            self.control.deregister("training finished" if io_error is None else "trainer IO failed")
+            self.control.deregister(self._leaving_reason(io_error))
             self.control.close()
         if self.sink is not None:
             self.sink.close()

@@ -136,8 +136,9 @@ class BrokerServicer:
 
     def CommitStep(self, request, context):
         """Caller: trainer rank 0, after the checkpoint of `step` is durable. The broker then deletes spooled
-        rollout batches of steps <= `step`. Errors: NOT_FOUND (unknown worker), FAILED_PRECONDITION (a step
-        lower than one already committed), UNAUTHENTICATED.
+        rollout batches of steps <= `step`. Idempotent: a step at or below the last committed one (a retry, a
+        resumed trainer) succeeds with num_batches_released = 0. Errors: NOT_FOUND (unknown worker),
+        FAILED_PRECONDITION (not a trainer, or a step beyond the broker's max_step_lead), UNAUTHENTICATED.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -117,6 +117,9 @@ def render_status(status) -> str:
     max_steps = str(status.max_steps) if status.max_steps else "-"
     # Every step up to max_steps checkpointed: the run is complete (the broker then tells workers to stop).
     finished = "    run finished" if status.max_steps and status.last_committed_step >= status.max_steps else ""
+    if status.num_rollbacks:
+        finished += (f"    rolled back {status.num_rollbacks}x (now from v{status.lineage_base_version}, "
+                     f"lineage {status.policy_lineage})")
     lines = [
         f"run {status.run_id}    broker up {_duration(status.updated_unix_ms - status.broker_started_unix_ms)}",
         f"trainer step {status.trainer_step} (committed {status.last_committed_step}) / {max_steps}    "

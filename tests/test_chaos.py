@@ -98,6 +98,19 @@ def test_a_record_written_from_the_checkpoint_counts_once_and_twice_is_a_duplica
     assert len(lineage(read_incarnations("trainer", twice)).steps[2]) == 2
 
 
+def test_a_step_published_then_killed_before_its_record_counts_as_a_training(tmp_path):
+    published = lambda v: _line("policy published", policy_version=v)  # noqa: E731
+    path = _trainer_log(tmp_path / "trainer.log", [
+        [_line("step done", step=1), published(1), _line("checkpoint saved", step=2), _line("step done", step=2),
+         published(2), published(3)],  # killed after publishing 3, before its "step done"
+        [_line("resumed from checkpoint", step=2), published(2), _line("step done", step=3), published(3)],
+    ])
+    result = lineage(read_incarnations("trainer", path))
+    assert sorted(result.steps) == [1, 2, 3]
+    assert dict(result.retrained) == {3: 1}  # the re-publish of v2 at resume is no training
+    assert result.trainings[3] == 2 and result.trainings[2] == 1
+
+
 def test_an_exit_0_is_a_normal_end_only_once_the_trainer_finished(tmp_path):
     logs = {"trainer": read_incarnations("trainer", _trainer_log(tmp_path / "t.log", [[
         json.dumps({"event": "training finished", "timestamp": "2026-01-01T00:01:00Z"})]])),

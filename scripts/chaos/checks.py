@@ -5,7 +5,8 @@ The final lineage of the weights: the last trainer incarnation resumed from chec
 and trained steps ``r+1..``; checkpoint ``r`` was written by the latest earlier incarnation that logged
 ``checkpoint saved step=r``, which itself trained from its own resume point, and so on back to step 0. A step
 trained by an incarnation outside that chain (killed before its checkpoint, the step then trained again after
-the rollback) is counted as retrained, which is fine. A ``step done`` with ``from_checkpoint`` for the step an
+the rollback) is counted as retrained, which is fine; an incarnation trained a step when it logged its
+``step done`` or published its version (it may die between the two). A ``step done`` with ``from_checkpoint`` for the step an
 incarnation resumed at is the record of that step (its trainer died between the checkpoint and the record).
 Checks:
 
@@ -36,7 +37,8 @@ from .runs import ROLES
 @dataclass
 class Lineage:
     steps: dict[int, list[dict]] = field(default_factory=dict)  # step -> its "step done" fields in the lineage
-    retrained: Counter = field(default_factory=Counter)  # step -> times done outside the lineage
+    retrained: Counter = field(default_factory=Counter)  # step -> times trained outside the lineage
+    trainings: Counter = field(default_factory=Counter)  # step -> times trained by any incarnation
     chain: list[tuple[int, int]] = field(default_factory=list)  # (incarnation, resumed from step)
     broken: str = ""
 
@@ -46,10 +48,45 @@ def lineage(trainer: list[Incarnation]) -> Lineage:
     resumed = {inc.number: int(inc.named("resumed from checkpoint")[0].get("step", 0))
                if inc.named("resumed from checkpoint") else 0 for inc in trainer}
     done = {inc.number: inc.named("step done") for inc in trainer}
-    active = [inc for inc in trainer if done[inc.number] or inc.named("checkpoint saved")]
+    # the steps each incarnation trained: its own "step done" lines and the versions it published (a trainer
+    # killed between a publish and its "step done" trained that step too)
+    trained = {inc.number: {int(e.get("step", 0)) for e in done[inc.number] if not e.get("from_checkpoint")}
+               | {int(e.get("policy_version", 0)) for e in inc.named("policy published")
+                  if int(e.get("policy_version", 0)) > resumed[inc.number]} for inc in trainer}
+    active = [inc for inc in trainer if done[inc.number] or trained[inc.number] or inc.named("checkpoint saved")]
     if not active:
         result.broken = "no trainer incarnation trained a step"
         return result
+    owned: set[tuple[int, int]] = set()  # (incarnation, step): the trainings the final weights hold
+    current, upper = active[-1], None
+    while True:
+        start = resumed[current.number]
+        result.chain.append((current.number, start))
+        owned |= {(current.number, step) for step in trained[current.number]
+                  if step > start and (upper is None or step <= upper)}
+        for event in done[current.number]:
+            step = int(event.get("step", 0))
+            # a resumed trainer writes the record of the step it resumed at (``from_checkpoint``) when the
+            # incarnation that trained it died before its "step done": that record is the step's
+            record_of_resumed = step == start and bool(event.get("from_checkpoint"))
+            if (step > start or record_of_resumed) and (upper is None or step <= upper):
+                result.steps.setdefault(step, []).append(event.fields)
+        if start == 0:
+            break
+        writers = [inc for inc in trainer if inc.number < current.number
+                   and any(int(e.get("step", -1)) == start for e in inc.named("checkpoint saved"))]
+        if not writers:
+            result.broken = f"incarnation {current.number} resumed from checkpoint {start}, which no earlier " \
+                            "incarnation logged as saved"
+            break
+        current, upper = writers[-1], start
+        owned.add((current.number, start))
+    for number, steps in trained.items():
+        for step in steps:
+            result.trainings[step] += 1
+            if (number, step) not in owned:
+                result.retrained[step] += 1
+    return result
     in_chain: set[int] = set()
     current, upper = active[-1], None
     while True:
@@ -129,9 +166,8 @@ def judge(record: RunRecord) -> Verdict:
 
     rows = Counter(int(r.get("step", 0)) for r in read_metrics_rows(spec.run_dir / "metrics.jsonl")
                    if r.get("role") == "trainer")
-    trainings = Counter({s: len(e) for s, e in chain.steps.items()}) + chain.retrained
     verdict.missing_rows = [s for s in range(1, n + 1) if rows[s] == 0]
-    verdict.extra_rows = [s for s in sorted(rows) if rows[s] > trainings[s]]
+    verdict.extra_rows = [s for s in sorted(rows) if rows[s] > chain.trainings[s]]
 
     for ended in record.exits:
         if ended.planned or _normal_end(ended, logs):
@@ -200,8 +236,9 @@ def _spool_checks(spool: Path, n: int, verdict: Verdict) -> None:
 
 def _normal_end(ended, logs) -> bool:
     """An exit 0 that ends the run as designed: the orchestrator's once every step is produced, any role's once
-    the trainer logged ``training finished`` (the broker then tells the others to stop)."""
-    if ended.code != 0:
+    the trainer logged ``training finished`` (the broker then tells the others to stop). In mode rl the status
+    of an exit is not known to the harness (None): the role's own log lines decide."""
+    if ended.code not in (0, None):
         return False
     finished = [e.at_s for inc in logs["trainer"] for e in inc.named("training finished")]
     if finished and ended.at_s >= min(finished):

@@ -59,6 +59,8 @@ STATUS_TIMEOUT_S = 2.0
 TAIL_LINES = 30
 CHECK_INTERVAL_S = 0.2
 """How often the supervising loop looks at the children (the progress line refreshes every progress_interval_s)."""
+FINISH_WAIT_S = 60.0
+"""How long an inference worker that exited 0 (the broker said the run is over) may precede the trainer's exit."""
 READY_FILES = {"broker": "broker.ready.json", "inference": "inference.ready.json"}
 
 
@@ -164,6 +166,7 @@ class Launcher:
         self.restart_budgets: dict[str, RestartBudget] = {}
         self.pending_restarts: dict[str, float] = {}  # role -> monotonic s at which it starts again
         self.handled_exits: dict[str, int] = {}  # role -> the start (num_starts) whose exit was dealt with
+        self.clean_exit_s: dict[str, float] = {}  # inference that exited 0 mid-run -> when (the run may be over)
         self.restarted_s: dict[str, float] = {}  # role -> monotonic s of its exit, until it is ready again
         self.roles: dict = {}
         self.paths: dict[str, Path] = {}
@@ -381,6 +384,11 @@ class Launcher:
             if child.name == "orchestrator" and code == 0 and not starting:
                 self.handled_exits[child.name] = child.num_starts
                 continue  # it produced every step; the trainer is still consuming them
+            if child.name == "inference" and code == 0 and not starting:
+                # The broker tells workers the run is over once the trainer finished: its exit follows soon.
+                self.handled_exits[child.name] = child.num_starts
+                self.clean_exit_s.setdefault(child.name, now)
+                continue
             budget = self.restart_budgets.setdefault(child.name, RestartBudget(self.options.restart))
             decision = budget.decide(code, now)
             message = f"{child.name} {child.describe_exit()}"
@@ -400,6 +408,10 @@ class Launcher:
             error = last_error_in_log(child.log_path) if code > 0 else None
             if error:
                 self.say(f"  {child.name}'s last error: {error}")
+        for name, exited_s in self.clean_exit_s.items():
+            if now - exited_s > FINISH_WAIT_S:
+                raise ChildFailed(self.supervisor.children[name], f"{name} exited with status 0 but the trainer has "
+                                  f"not finished {FINISH_WAIT_S:g} s later")
         for name, due_s in list(self.pending_restarts.items()):
             if now >= due_s:
                 del self.pending_restarts[name]

@@ -48,5 +48,6 @@ def make_plan(seed: int, *, full: bool) -> list[KillSpec]:
 
 
 def steps_needed(plan: list[KillSpec]) -> int:
-    """Enough steps for every kill to fire with a few steps left to finish on (a rollback retrains one step)."""
-    return 2 + sum(kill.gap_steps + 2 for kill in plan)
+    """Enough steps for every kill to fire with a few left to finish on: a step takes well under a second here,
+    so the trainer goes on for a few steps during a random delay and while a killed role comes back."""
+    return 4 + sum(kill.gap_steps + 4 for kill in plan)

@@ -271,10 +271,10 @@ class TrainerRunner:
     def _record_step(self, step: int, metrics: dict, done_line: dict, **extra) -> None:
         """Rank 0: the step's metrics row (file, W&B, Prometheus), its report to the broker, its "step done" line."""
         self.sink.log(step, metrics)
+        log.info("step done", step=step, **done_line, **extra)  # with the row: the broker may be away next
         if self.exporter is not None:
             self.step_gauge.set(step)
         self.control.report_metrics(step, metrics)
-        log.info("step done", step=step, **done_line, **extra)
 
     def _settle_resumed_step(self) -> None:
         """Rank 0, after resuming from checkpoint c: commit c (a trainer killed between its checkpoint and its

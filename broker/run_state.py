@@ -39,6 +39,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
+from primerl.runtime.durable_files import write_atomically
 from primerl.runtime.log_setup import get_logger
 
 log = get_logger("primerl.broker.run_state")
@@ -150,21 +151,7 @@ class RunStateFile:
                 self._written_revision = revision
                 return False
             data = state.to_json(int(self._wall_clock() * 1000))
-            temp = self.directory / f".{RUN_STATE_FILE}.{os.getpid()}.tmp"
-            try:
-                with open(temp, "wb") as handle:
-                    handle.write(data)
-                    handle.flush()
-                    os.fsync(handle.fileno())
-                os.replace(temp, self.path)
-            except OSError:
-                temp.unlink(missing_ok=True)
-                raise
-            fd = os.open(self.directory, os.O_RDONLY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
+            write_atomically(self.path, [data], temp_path=self.directory / f".{RUN_STATE_FILE}.{os.getpid()}.tmp")
             self._written_revision = revision
             self._written = replace(state, last_metrics=dict(state.last_metrics))
             return True

@@ -55,6 +55,7 @@ from google.protobuf.message import DecodeError
 
 from primerl.proto.framing import compute_checksum
 from primerl.proto.v1 import data_pb2
+from primerl.runtime.durable_files import fsync_dir
 from primerl.runtime.log_setup import get_logger
 
 log = get_logger("primerl.broker.spool")
@@ -97,14 +98,6 @@ class SpoolEntry:
 def batch_file_name(batch_id: str) -> str:
     """Fixed-length, filesystem-safe name of a batch's file (the batch id itself is inside the file)."""
     return hashlib.sha256(batch_id.encode()).hexdigest()[:40] + BATCH_SUFFIX
-
-
-def _fsync_dir(directory: Path) -> None:
-    fd = os.open(directory, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _write_parts(handle: Any, parts: Iterable[Any]) -> int:
@@ -153,7 +146,7 @@ def _write_group(directory: Path, files: Sequence[tuple[str, Iterable[Any]]]) ->
         for temp, _ in temps:
             temp.unlink(missing_ok=True)
         raise
-    _fsync_dir(directory)
+    fsync_dir(directory)
     return sizes
 
 
@@ -220,7 +213,7 @@ class RolloutSpool:
                 continue
             entries[entry.batch_id] = entry
         if removed_any:
-            _fsync_dir(self.directory)
+            fsync_dir(self.directory)
         with self._lock:
             self._entries = entries
             self._num_file_bytes = sum(e.file_bytes for e in entries.values())
@@ -349,7 +342,7 @@ class RolloutSpool:
             except OSError as exc:
                 log.error("spool: cannot delete a released batch file", path=str(entry.path), error=str(exc))
         if entries:
-            _fsync_dir(self.directory)
+            fsync_dir(self.directory)
         return deleted
 
     def entries(self) -> list[SpoolEntry]:
@@ -490,7 +483,7 @@ class RolloutSpool:
             target_dir.mkdir(exist_ok=True)
             target = target_dir / f"{path.name}.{time.time_ns()}"
             os.replace(path, target)
-            _fsync_dir(self.directory)
+            fsync_dir(self.directory)
         except OSError as exc:
             target = None
             log.error("spool: cannot quarantine a damaged file", path=str(path), error=str(exc))

@@ -44,7 +44,6 @@ this module, and the trainer's next publish (a FULL, since its delta is refused)
 from __future__ import annotations
 
 import json
-import os
 import struct
 import threading
 import zlib
@@ -53,6 +52,7 @@ from typing import TYPE_CHECKING
 
 from primerl.broker.weight_store import DELTA, SNAPSHOT_KINDS, StoredUpdate, kind_name, payload_digest
 from primerl.proto.v1 import data_pb2
+from primerl.runtime.durable_files import fsync_dir, write_atomically
 from primerl.runtime.log_setup import get_logger
 
 if TYPE_CHECKING:
@@ -219,7 +219,7 @@ class WeightDurability:
                     self._written.discard(path.name)
                     removed = True
             if removed:
-                _fsync_dir(self.directory)
+                fsync_dir(self.directory)
         if chain:
             log.debug("durable weights written", latest_version=chain[-1].policy_version, lineage=lineage,
                       num_updates=len(chain))
@@ -246,15 +246,8 @@ class WeightDurability:
 def _write_update(path: Path, update: StoredUpdate) -> None:
     header = update.header.SerializeToString()
     crc = zlib.crc32(header)
-    tmp = path.with_name(path.name + TEMP_SUFFIX)
-    with open(tmp, "wb") as handle:
-        handle.write(PREFIX.pack(MAGIC, len(header), update.num_bytes, crc))
-        handle.write(header)
-        handle.write(update.payload)
-        handle.flush()
-        os.fsync(handle.fileno())
-    os.replace(tmp, path)
-    _fsync_dir(path.parent)
+    write_atomically(path, [PREFIX.pack(MAGIC, len(header), update.num_bytes, crc), header, update.payload],
+                     temp_path=path.with_name(path.name + TEMP_SUFFIX))
 
 
 def _read_update(path: Path) -> StoredUpdate:
@@ -279,18 +272,4 @@ def _read_update(path: Path) -> StoredUpdate:
 
 
 def _write_atomic(path: Path, data: bytes) -> None:
-    tmp = path.with_name(path.name + TEMP_SUFFIX)
-    with open(tmp, "wb") as handle:
-        handle.write(data)
-        handle.flush()
-        os.fsync(handle.fileno())
-    os.replace(tmp, path)
-    _fsync_dir(path.parent)
-
-
-def _fsync_dir(directory: Path) -> None:
-    fd = os.open(directory, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    write_atomically(path, [data], temp_path=path.with_name(path.name + TEMP_SUFFIX))

@@ -221,8 +221,8 @@ def test_put_many_writes_a_group_durably_and_skips_repeats(spool, monkeypatch):
     batches = [make_batch(index=i, num=4) for i in range(3)]
     assert spool.put(batches[0][2], batches[0][0], batches[0][1])
     dir_fsyncs = []
-    real_fsync_dir = spool_module._fsync_dir
-    monkeypatch.setattr(spool_module, "_fsync_dir", lambda d: (dir_fsyncs.append(d), real_fsync_dir(d)))
+    real_fsync_dir = spool_module.fsync_dir
+    monkeypatch.setattr(spool_module, "fsync_dir", lambda d: (dir_fsyncs.append(d), real_fsync_dir(d)))
     records = [(b, h, p, None) for h, p, b in batches] + [(batches[1][2], batches[1][0], batches[1][1], None)]
     assert spool.put_many(records) == [False, True, True, False]  # already spooled; new; new; repeat in the group
     assert len(dir_fsyncs) == 1  # one directory fsync for the whole group

@@ -1,0 +1,36 @@
+"""Files that survive a crash whole: written to a temporary name beside them, fsynced, renamed over the old one,
+and the directory fsynced, so that after a SIGKILL or a power loss a reader sees the old file or the new one,
+never a mix. The broker's spool, run state and weight chain use these."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+
+def fsync_dir(directory: str | os.PathLike[str]) -> None:
+    """Make the directory's entries (a rename, a new file) durable."""
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_atomically(path: Path, parts: Iterable[Any], *, temp_path: Path | None = None) -> None:
+    """Write ``parts`` (bytes-like, in order) as the whole content of ``path``; see the module docstring.
+    ``temp_path``: the temporary name (default ``<path>.tmp``); removed again when the write fails."""
+    temp = temp_path or path.with_name(path.name + ".tmp")
+    try:
+        with open(temp, "wb") as handle:
+            for part in parts:
+                handle.write(part)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(temp, path)
+    except OSError:
+        temp.unlink(missing_ok=True)
+        raise
+    fsync_dir(path.parent)

@@ -326,6 +326,7 @@ class OrchestratorRunner:
         samples = batch.samples
         with self._timed("packing_s"):
             packed = pack_samples(samples, seq_len=self.config.seq_len, num_ranks=self.config.num_train_ranks)
+            _check_loss_tokens_survive(packed, samples, self.config.seq_len)
             messages = to_broker_batches(step, packed)
         state = self._state(step)  # what a restart after this step must resume from (saved once it is sent)
 
@@ -692,3 +693,13 @@ class OrchestratorRunner:
         if self.exporter is not None:
             self.exporter.stop()
 
+
+def _check_loss_tokens_survive(packed: Any, samples: list, seq_len: int) -> None:
+    """A step whose completions were all cut off by truncation to ``seq_len`` would stop the trainer with "no loss
+    tokens"; say the cause here instead (a configuration error: exit 2, not restarted)."""
+    if packed.num_loss_tokens_global or not any(any(sample.loss_mask) for sample in samples):
+        return
+    longest_prompt = max(next((i for i, in_loss in enumerate(s.loss_mask) if in_loss), s.num_tokens) for s in samples)
+    raise ValueError(f"no sample keeps a completion token within seq_len = {seq_len}: prompts are up to "
+                     f"{longest_prompt} tokens long, so truncation to seq_len leaves nothing to train on; raise "
+                     "seq_len (and the inference max_model_len) above the prompts' length plus max_tokens")

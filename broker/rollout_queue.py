@@ -309,7 +309,10 @@ class RolloutQueue:
             return Refused(common_pb2.ERROR_CODE_OVERSIZED,
                            f"batch {batch_id!r} ({size_bytes} bytes spooled) can never fit in max_queue_bytes = "
                            f"{self.max_bytes}; raise it or send smaller micro-batches", batch_id, step)
-        if num_ahead >= self.max_batches or bytes_ahead + size_bytes > self.max_bytes:
+        # Only a batch ahead of the trainers counts against the bounds: one of a step a trainer already asks for is
+        # always taken, or later steps filling the queue first would keep that step from ever completing.
+        ahead = step > self._frontier_step
+        if ahead and (num_ahead >= self.max_batches or bytes_ahead + size_bytes > self.max_bytes):
             self._counts["backpressured"] += 1
             reason = (f"{num_ahead} of {self.max_batches} batches" if num_ahead >= self.max_batches
                       else f"{bytes_ahead} + {size_bytes} of {self.max_bytes} bytes")

@@ -195,6 +195,22 @@ def test_batches_the_trainer_asked_for_do_not_count_against_the_bound(tmp_path):
     assert queue.release_through(2) == 4 and queue.status().num_batches == 2
 
 
+def test_a_batch_of_a_step_the_trainer_asks_for_is_taken_however_full_the_queue(tmp_path):
+    """Step 1 has 3 micro-batches but only 2 fit before any trainer asks; once the trainer asks for step 1, later
+    steps fill the queue; the last batch of step 1 must still get in, or step 1 never completes (a deadlock that
+    a windowed producer hit: tests/test_rollout_plane.py::test_windowed_producer_waits_through_backpressure)."""
+    queue = make_queue(tmp_path, max_batches=2)
+    assert isinstance(queue.offer(*batch(1, 0, 0, num=3)), Accepted)
+    assert isinstance(queue.offer(*batch(1, 0, 1, num=3)), Accepted)
+    assert isinstance(queue.offer(*batch(1, 0, 2, num=3)), Backpressure)  # nobody asked yet: 2 ahead
+    queue.request(A, 1, 0, credits=8)
+    assert isinstance(queue.offer(*batch(2, 0, 0, num=2)), Accepted)
+    assert isinstance(queue.offer(*batch(2, 0, 1, num=2)), Accepted)
+    assert isinstance(queue.offer(*batch(3, 0, 0, num=2)), Backpressure)  # steps ahead are still bounded
+    assert isinstance(queue.offer(*batch(1, 0, 2, num=3)), Accepted)
+    assert queue.request(A, 1, 0, credits=8).step_done is not None
+
+
 def test_backpressure_by_bytes(tmp_path):
     header, payload = batch(1, 0, 0, n=64)
     one = 24 + len(header.SerializeToString()) + len(payload)

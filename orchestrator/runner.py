@@ -73,7 +73,7 @@ from primerl.orchestrator.filtering import BatchAssembler, DifficultyFilter
 from primerl.orchestrator.packing import pack_samples, to_broker_batches
 from primerl.orchestrator.rollout_failures import RolloutFailures, kind_name
 from primerl.orchestrator.samples import Group, MalformedTrajectory, TurnTokens, trajectory_to_samples
-from primerl.orchestrator.step_send import RESEND_INTERVAL_S, log_step_sent, send_step
+from primerl.orchestrator.step_send import RESEND_INTERVAL_S, log_step_data, rank_digests, send_step
 from primerl.runtime.broker_outage import OutageStopped, OutageWatch, retry_through_outage
 from primerl.runtime.log_setup import bind_context, get_logger
 from primerl.runtime.metrics_sink import MetricsSink
@@ -352,13 +352,15 @@ class OrchestratorRunner:
         from primerl.broker.rollout_clients import RolloutRefused
 
         messages, per_rank = item
+        digests = rank_digests(per_rank)
+        log_step_data("step sending", step, per_rank, digests)
         try:
             send_step(self.producer, step, messages, outage_s=self.config.broker.outage_s,
                       backpressure_timeout_s=self.config.rollout_timeout_s, stop_event=self._send_stop)
         except RolloutRefused as exc:  # e.g. a broker spool that still holds another run's step
             raise ValueError(f"the broker refused the batches of step {step}: {exc}. If this is a new run, give the "
                              "broker a fresh spool_dir; to continue a run, keep the orchestrator's output_dir") from None
-        log_step_sent(step, per_rank)
+        log_step_data("step sent", step, per_rank, digests)
 
     def _report_metrics(self, step: int, metrics: dict[str, float]) -> None:
         """``report_metrics`` to the broker, waiting through an outage (within ``broker.outage_s``)."""

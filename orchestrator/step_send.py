@@ -13,8 +13,11 @@ Sending (on the orchestrator's send thread):
   broker acks a batch it already spooled, or whose step is committed, without a second copy).
 - ``stop_event`` set: the wait ends with ``OutageStopped``.
 
-``step sent`` (event; fields ``step``, ``rank``, ``num_micro_batches``, ``data_digest``): one line per trainer
-rank, logged after the broker has made all of the step's micro-batches durable. ``data_digest`` is
+``step sending`` and ``step sent`` (events; fields ``step``, ``rank``, ``num_micro_batches``, ``data_digest``): one
+line per trainer rank, logged before the first send and after the broker has made all of the step's micro-batches
+durable. An orchestrator killed between the two leaves its step spooled with only ``step sending`` on record; the
+one restarted after it makes that step again, and the broker keeps the first copy (resends are idempotent by batch
+id), so the data trained for that step is the one the ``step sending`` line names. ``data_digest`` is
 ``primerl.runtime.data_digest.data_digest`` over that rank's micro-batch tensors in index order: the numpy arrays
 that were encoded into the payloads, i.e. the values the trainer decodes (the trainer logs the same digest over
 what it trained, so logs can show every step was trained on the data produced for it).
@@ -72,10 +75,15 @@ def rank_digests(per_rank: Sequence[Sequence[Any]]) -> list[str]:
     return [data_digest([batch.tensors for batch in batches]) for batches in per_rank]
 
 
+def log_step_data(event: str, step: int, per_rank: Sequence[Sequence[Any]], digests: Sequence[str]) -> None:
+    """One ``step sending`` or ``step sent`` line per rank (module docstring)."""
+    for rank, (batches, digest) in enumerate(zip(per_rank, digests)):
+        log.info(event, step=step, rank=rank, num_micro_batches=len(batches), data_digest=digest)
+
+
 def log_step_sent(step: int, per_rank: Sequence[Sequence[Any]]) -> None:
     """One ``step sent`` line per rank (module docstring)."""
-    for rank, (batches, digest) in enumerate(zip(per_rank, rank_digests(per_rank))):
-        log.info("step sent", step=step, rank=rank, num_micro_batches=len(batches), data_digest=digest)
+    log_step_data("step sent", step, per_rank, rank_digests(per_rank))
 
 
-__all__ = ["RESEND_INTERVAL_S", "SEND_ATTEMPT_S", "log_step_sent", "rank_digests", "send_step"]
+__all__ = ["RESEND_INTERVAL_S", "SEND_ATTEMPT_S", "log_step_data", "log_step_sent", "rank_digests", "send_step"]

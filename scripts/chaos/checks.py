@@ -13,8 +13,10 @@ Checks:
 - lost: a step of 1..N with no ``step done`` in the lineage; duplicated: a step done twice in the lineage;
 - metrics rows: each step of 1..N has a trainer row in ``metrics.jsonl``, and no step has more rows than
   trainings;
-- mismatched: a lineage step whose ``data_digest`` is not one the orchestrator logged (``step sent``) for that
-  step (a digest missing on either side is unverified, and fails too);
+- mismatched: a lineage step whose ``data_digest`` is not one the orchestrator logged (``step sending`` or
+  ``step sent``) for that step (a digest missing on either side is unverified, and fails too). ``step sending``
+  counts: an orchestrator killed after the broker spooled its step but before ``step sent`` leaves only that line,
+  and the broker keeps its copy over the restarted orchestrator's (idempotent by batch id);
 - unplanned exits: an exit the harness did not cause (a kill or the stop at the end; the trainer's exit 0 and the
   orchestrator's exit 0 once every step is produced are the run's normal end);
 - final status: every inference worker serves the latest policy version, which is N;
@@ -151,7 +153,7 @@ def judge(record: RunRecord) -> Verdict:
 
     sent: dict[int, set[str]] = defaultdict(set)
     for inc in logs["orchestrator"]:
-        for event in inc.named("step sent"):
+        for event in [*inc.named("step sending"), *inc.named("step sent")]:
             if event.get("data_digest"):
                 sent[int(event.get("step", 0))].add(str(event.get("data_digest")))
     for step, events in sorted(chain.steps.items()):

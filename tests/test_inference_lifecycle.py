@@ -18,39 +18,13 @@ import pytest
 
 from primerl.broker.config import BrokerConfig
 from primerl.broker.service import BrokerService
+from proc_tree import descendants, running  # noqa: E402  (tests/ is on sys.path under pytest)
 
 pytestmark = [pytest.mark.slow, pytest.mark.vllm]
 
 BIN = Path(sys.executable).parent
 TOKEN = "lifecycle-token"
 START_TIMEOUT_S = 240.0
-
-
-def running(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as handle:
-            stat = handle.read()
-    except OSError:
-        return False
-    return stat[stat.rfind(")") + 2] not in "ZX"
-
-
-def descendants(root: int) -> list[int]:
-    children: dict[int, list[int]] = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat") as handle:
-                    stat = handle.read()
-            except OSError:
-                continue
-            children.setdefault(int(stat[stat.rfind(")") + 2:].split()[1]), []).append(int(entry))
-    found, todo = [], [root]
-    while todo:
-        for child in children.get(todo.pop(), []):
-            found.append(child)
-            todo.append(child)
-    return found
 
 
 @pytest.fixture(scope="module")

@@ -20,6 +20,7 @@ import pytest
 from primerl.cli.restart_policy import RestartBudget, RestartPolicy, describe_exit_code
 from primerl.cli.role_logs import last_error_in_log, last_error_line
 from primerl.runtime.process_supervisor import ChildFailed, ChildProcess, Supervisor
+from proc_tree import descendants, running  # noqa: E402  (tests/ is on sys.path under pytest)
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = REPO_ROOT / "examples" / "reverse_text_rl.toml"
@@ -36,33 +37,6 @@ STUBBORN_ROLE = textwrap.dedent("""
     print("rank pid", rank.pid, flush=True)
     time.sleep(600)
 """)
-
-
-def running(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as handle:
-            stat = handle.read()
-    except OSError:
-        return False
-    return stat[stat.rfind(")") + 2] not in "ZX"
-
-
-def descendants(root: int) -> list[int]:
-    children: dict[int, list[int]] = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat") as handle:
-                    stat = handle.read()
-            except OSError:
-                continue
-            children.setdefault(int(stat[stat.rfind(")") + 2:].split()[1]), []).append(int(entry))
-    found, todo = [], [root]
-    while todo:
-        for child in children.get(todo.pop(), []):
-            found.append(child)
-            todo.append(child)
-    return found
 
 
 def wait_gone(pids: list[int], timeout_s: float) -> float:

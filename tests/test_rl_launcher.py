@@ -18,6 +18,7 @@ import pytest
 
 from primerl.cli.launcher import LaunchOptions, Launcher, Progress, _without_token
 from primerl.runtime.config_base import ConfigWarning
+from proc_tree import descendants, running  # noqa: E402  (tests/ is on sys.path under pytest)
 
 BIN = Path(sys.executable).parent
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -260,31 +261,6 @@ def _wait_for_step(process: subprocess.Popen, run_dir: Path, step: int, timeout_
         time.sleep(0.2)
 
 
-def _process_tree(root: int) -> list[int]:
-    children: dict[int, list[int]] = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                stat = Path(f"/proc/{entry}/stat").read_text()
-            except OSError:
-                continue
-            children.setdefault(int(stat[stat.rfind(")") + 2:].split()[1]), []).append(int(entry))
-    found, todo = [], [root]
-    while todo:
-        for child in children.get(todo.pop(), []):
-            found.append(child)
-            todo.append(child)
-    return found
-
-
-def _running(pid: int) -> bool:
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return False
-    return stat[stat.rfind(")") + 2] not in "ZX"
-
-
 @pytest.mark.slow
 @pytest.mark.vllm
 def test_a_sigkilled_primerl_rl_leaves_no_process_behind(tiny_model, tmp_path):
@@ -293,20 +269,20 @@ def test_a_sigkilled_primerl_rl_leaves_no_process_behind(tiny_model, tmp_path):
     tree: list[int] = []
     try:
         _wait_for_step(process, run_dir, 1, CRASH_TIMEOUT_S)
-        tree = _process_tree(process.pid)
+        tree = descendants(process.pid)
         roles = json.loads((run_dir / "pids.json").read_text())
         assert set(roles.values()) <= set(tree) and len(tree) > len(roles), tree  # roles, vLLM, env workers, reaper
         process.kill()
         killed_s = time.monotonic()
         process.wait(10)
-        while any(_running(pid) for pid in tree):
+        while any(running(pid) for pid in tree):
             assert time.monotonic() - killed_s < 5.0, f"still running 5 s after primerl rl's SIGKILL: " \
-                                                      f"{[pid for pid in tree if _running(pid)]}"
+                                                      f"{[pid for pid in tree if running(pid)]}"
             time.sleep(0.02)
         gone_s = time.monotonic() - killed_s
     finally:
         for pid in tree:
-            if _running(pid):
+            if running(pid):
                 os.kill(pid, signal.SIGKILL)
         if process.poll() is None:
             process.kill()

@@ -89,34 +89,6 @@ def lineage(trainer: list[Incarnation]) -> Lineage:
             if (number, step) not in owned:
                 result.retrained[step] += 1
     return result
-    in_chain: set[int] = set()
-    current, upper = active[-1], None
-    while True:
-        in_chain.add(current.number)
-        start = resumed[current.number]
-        result.chain.append((current.number, start))
-        for event in done[current.number]:
-            step = int(event.get("step", 0))
-            # a resumed trainer writes the record of the step it resumed at (``from_checkpoint``) when the
-            # incarnation that trained it died before its "step done": that record is the step's
-            record_of_resumed = step == start and bool(event.get("from_checkpoint"))
-            if (step > start or record_of_resumed) and (upper is None or step <= upper):
-                result.steps.setdefault(step, []).append(event.fields)
-        if start == 0:
-            break
-        writers = [inc for inc in trainer if inc.number < current.number
-                   and any(int(e.get("step", -1)) == start for e in inc.named("checkpoint saved"))]
-        if not writers:
-            result.broken = f"incarnation {current.number} resumed from checkpoint {start}, which no earlier " \
-                            "incarnation logged as saved"
-            break
-        current, upper = writers[-1], start
-    for inc in trainer:
-        for event in done[inc.number]:
-            step = int(event.get("step", 0))
-            if not any(kept is event.fields for kept in result.steps.get(step, [])):
-                result.retrained[step] += 1
-    return result
 
 
 @dataclass

@@ -274,7 +274,9 @@ class ControlClient:
                     grpc.StatusCode.ALREADY_EXISTS) from None
             raise BrokerLost(str(err), grpc.StatusCode.UNAVAILABLE) from None
 
-    def _register_once(self) -> control_pb2.RegisterResponse:
+    def _register_once(self, *, only_if_unregistered: bool = False) -> control_pb2.RegisterResponse:
+        """One Register call. ``only_if_unregistered``: unless another thread registered meanwhile (the check and
+        the call happen under the same lock, so the heartbeat thread and a worker call never both register)."""
         request = control_pb2.RegisterRequest(
             role=self.role,
             name=self.name,
@@ -286,6 +288,8 @@ class ControlClient:
             hostname=socket.gethostname(),
         )
         with self._lock:
+            if only_if_unregistered and self._worker_id is not None and self.registration is not None:
+                return self.registration
             response = self._call("Register", self._stub.Register, request)
             self._worker_id = response.worker_id
             self.registration = response
@@ -300,7 +304,7 @@ class ControlClient:
         if worker_id is None:
             if not self.num_registrations:
                 raise BrokerError("not registered with the broker: call register() first", grpc.StatusCode.NOT_FOUND)
-            worker_id = self._register_once().worker_id
+            worker_id = self._register_once(only_if_unregistered=True).worker_id
         return worker_id
 
     def _reregister_if(self, stale_id: str) -> None:
@@ -450,7 +454,7 @@ class ControlClient:
             try:
                 worker_id = self.worker_id
                 if worker_id is None:
-                    worker_id = self._register_once().worker_id
+                    worker_id = self._register_once(only_if_unregistered=True).worker_id
                 self._heartbeat_as(worker_id, self._progress(progress_fn))
                 wait_s = self.heartbeat_interval_s  # as the broker asked at registration
                 if unreachable_logged:

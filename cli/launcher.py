@@ -48,6 +48,7 @@ from typing import TextIO
 
 from primerl.cli.restart_policy import RestartBudget, RestartPolicy, describe_exit_code
 from primerl.cli.role_logs import last_error_in_log
+from primerl.cli.run_progress import Progress, duration as _duration
 from primerl.runtime.config_loader import write_toml
 from primerl.runtime.cpu_budget import ThreadsConfig, available_cpus, default_budgets, describe, fill_budget, role_env
 from primerl.runtime.metrics_sink import METRICS_FILE_NAME
@@ -75,65 +76,6 @@ class LaunchOptions:
     plain_interval_s: float = 10.0  # a new progress line at most this often when stdout is not a terminal
     restart: RestartPolicy = field(default_factory=RestartPolicy)
     reaper_grace_s: float = 2.0  # from SIGTERM to SIGKILL of what a killed `primerl rl` left
-
-
-@dataclass
-class Progress:
-    """What the progress line shows, from the broker's run status."""
-
-    step: int = 0
-    max_steps: int = 0
-    reward: float | None = None
-    loss: float | None = None
-    tokens_per_s: float | None = None
-    served_version: int | None = None
-    published_version: int = 0
-    step_times: list[tuple[float, int]] = field(default_factory=list)  # (monotonic s, step) when the step changed
-
-    def update(self, status) -> None:
-        from primerl.proto.v1 import common_pb2
-
-        metrics = status.last_metrics
-        self.reward = metrics.get("train/reward", self.reward)
-        self.loss = metrics.get("train/loss", self.loss)
-        self.tokens_per_s = metrics.get("rollout/tokens_per_s", self.tokens_per_s)
-        self.max_steps = status.max_steps or self.max_steps
-        self.published_version = status.latest_policy_version
-        versions = [w.policy_version for w in status.workers
-                    if w.role == common_pb2.ROLE_INFERENCE and w.HasField("policy_version")]
-        if versions:
-            self.served_version = min(versions)
-        if status.trainer_step != self.step or not self.step_times:
-            self.step_times.append((time.monotonic(), status.trainer_step))
-        self.step = status.trainer_step
-
-    def eta_s(self) -> float | None:
-        if not self.max_steps or len(self.step_times) < 2:
-            return None
-        (first_s, first_step), (last_s, last_step) = self.step_times[0], self.step_times[-1]
-        if last_step <= first_step:
-            return None
-        per_step_s = (last_s - first_s) / (last_step - first_step)
-        return max(0, self.max_steps - self.step) * per_step_s
-
-    def line(self) -> str:
-        def number(value: float | None, fmt: str) -> str:
-            return "-" if value is None else format(value, fmt)
-
-        max_steps = str(self.max_steps) if self.max_steps else "?"
-        served = "-" if self.served_version is None else str(self.served_version)
-        lag = "-" if self.served_version is None else str(max(0, self.step - self.served_version))
-        eta = self.eta_s()
-        return (f"step {self.step}/{max_steps}  reward {number(self.reward, '.3f')}  loss {number(self.loss, '.4f')}  "
-                f"{number(self.tokens_per_s, '.0f')} tok/s  served v{served} (lag {lag})  "
-                f"ETA {'-' if eta is None else _duration(eta)}")
-
-
-def _duration(seconds: float) -> str:
-    seconds = int(round(seconds))
-    minutes, seconds = divmod(seconds, 60)
-    hours, minutes = divmod(minutes, 60)
-    return f"{hours}h{minutes:02d}m{seconds:02d}s" if hours else f"{minutes}m{seconds:02d}s"
 
 
 def _without_token(config):

@@ -22,7 +22,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from primerl.cli.orchestrator import ENV_PYTHON_VAR, resolve_env_python
+from primerl.runtime.env_python import ENV_PYTHON_VAR, resolve_env_python
 
 DEFAULT_OUTPUT_ROOT = Path("outputs/evals")
 

@@ -3,26 +3,16 @@
 from __future__ import annotations
 
 import argparse
-import os
 import signal
-import sys
 import threading
 
 from primerl.cli.role_entry import run_role
-
-ENV_PYTHON_VAR = "PRIMERL_ENV_PYTHON"
+from primerl.runtime.env_python import ENV_PYTHON_VAR, resolve_env_python  # noqa: F401 (re-exported)
 
 
 def env_python(config) -> str:
-    """The env workers' interpreter: `env_python`, else $PRIMERL_ENV_PYTHON (the set-up's .venv-envs), else ours."""
+    """The env workers' interpreter: `env_python`, else the default (``primerl.runtime.env_python``)."""
     return resolve_env_python(config.env_python)
-
-
-def resolve_env_python(explicit: object = None) -> str:
-    """`explicit` when given, else $PRIMERL_ENV_PYTHON, else this interpreter."""
-    if explicit is not None:
-        return str(explicit)
-    return os.environ.get(ENV_PYTHON_VAR) or sys.executable
 
 
 def serve(config, args: argparse.Namespace) -> int:

@@ -12,7 +12,7 @@ import json
 import sys
 from pathlib import Path
 
-from primerl.cli.orchestrator import ENV_PYTHON_VAR, resolve_env_python
+from primerl.runtime.env_python import ENV_PYTHON_VAR, resolve_env_python
 
 BATCH = 500
 

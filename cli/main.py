@@ -18,6 +18,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "status": ("primerl.cli.status", "show a running job's status from the broker"),
     "sft-data": ("primerl.cli.sft_data", "write an environment's reference answers as SFT samples (JSONL)"),
     "eval": ("primerl.cli.eval", "evaluate a model or checkpoint on an environment: `primerl eval ENV_ID -m MODEL`"),
+    "env": ("primerl.cli.env", "install an environment into the env interpreter and check it loads: `primerl env install PATH|PACKAGE`; `primerl env list`"),
     "plot": ("primerl.cli.plot", "write PNG curves of a run (reward, loss, lag, throughput): `primerl plot RUN_DIR`"),
 }
 

@@ -63,6 +63,9 @@ CHECK_INTERVAL_S = 0.2
 FINISH_WAIT_S = 60.0
 """How long an inference worker that exited 0 (the broker said the run is over) may precede the trainer's exit."""
 READY_FILES = {"broker": "broker.ready.json", "inference": "inference.ready.json"}
+EARLY_STOP_TIMEOUT_S = 10.0
+"""Before the run is under way, how long a role may take to stop (it stops at once; the bound covers a stop that
+lands in a library call that holds the signal off) before it is killed; ``--stop-timeout-s`` applies afterwards."""
 
 
 @dataclass
@@ -173,14 +176,14 @@ class Launcher:
         except ChildFailed as failure:
             return self._fail(failure.child, str(failure))
         finally:
-            self.supervisor.stop(timeout_s=self.options.stop_timeout_s, on_kill=self._on_kill)
+            self.supervisor.stop(timeout_s=self._stop_timeout_s(), on_kill=self._on_kill)
             self.supervisor.close()
             self._close_tmux()
             for signum, handler in previous.items():
                 signal.signal(signum, handler)
 
     def _on_kill(self, child: ChildProcess) -> None:
-        print(f"primerl rl: {child.name} did not stop within {self.options.stop_timeout_s:g} s; killing it",
+        print(f"primerl rl: {child.name} did not stop within {self._stop_timeout_s():g} s; killing it",
               file=self.err, flush=True)
 
     def _run(self, started_s: float) -> int:
@@ -443,13 +446,28 @@ class Launcher:
               f"  policy version served by inference: {served} (trainer published {self.progress.published_version})\n"
               f"  run directory: {self.run_dir}", file=self.out, flush=True)
 
+    def _stop_timeout_s(self) -> float:
+        """How long a role may take to stop: ``stop_timeout_s`` once the run is under way (a step's publish,
+        checkpoint and commit may be in hand); before that a role has nothing to finish and stops at once
+        (``primerl.cli.role_signals``), so a few seconds bound it."""
+        if self.under_way:
+            return self.options.stop_timeout_s
+        return min(self.options.stop_timeout_s, EARLY_STOP_TIMEOUT_S)
+
+    def _stop_all(self, first: list[str]) -> None:
+        """Stop ``first`` together, then the broker (the others deregister while it still answers), then the
+        rest."""
+        timeout_s = self._stop_timeout_s()
+        first = [name for name in first if name != "broker"]
+        self.supervisor.stop(first, timeout_s=timeout_s, on_kill=self._on_kill)
+        self.supervisor.stop(["broker"], timeout_s=timeout_s, on_kill=self._on_kill)
+        self.supervisor.stop(timeout_s=timeout_s, on_kill=self._on_kill)
+
     def _fail(self, child: ChildProcess, message: str) -> int:
         if self.is_tty:
             self.out.write("\n")
             self.out.flush()
-        others = [name for name in self.supervisor.children if name != child.name]
-        self.supervisor.stop(others, timeout_s=self.options.stop_timeout_s, on_kill=self._on_kill)
-        self.supervisor.stop([child.name], timeout_s=self.options.stop_timeout_s, on_kill=self._on_kill)
+        self._stop_all([name for name in self.supervisor.children if name != child.name])
         code = child.poll()
         error = last_error_in_log(child.log_path) if code is None or code > 0 else None
         error_line = f"primerl rl: {child.name}'s last error: {error}\n" if error else ""
@@ -461,12 +479,10 @@ class Launcher:
     def _interrupted(self) -> int:
         if self.is_tty:
             self.out.write("\n")
-        print(f"primerl rl: {self.signal_name}: stopping every role (at most {self.options.stop_timeout_s:g} s; "
+        print(f"primerl rl: {self.signal_name}: stopping every role (at most {self._stop_timeout_s():g} s; "
               "again to kill at once)", file=self.err, flush=True)
         # The broker last: the others finish their step's RPCs, publish and deregister while it still answers.
-        others = [name for name in self.supervisor.children if name != "broker"]
-        self.supervisor.stop(others, timeout_s=self.options.stop_timeout_s, on_kill=self._on_kill)
-        self.supervisor.stop(timeout_s=self.options.stop_timeout_s, on_kill=self._on_kill)
+        self._stop_all(list(self.supervisor.children))
         print(f"primerl rl: stopped; logs in {self.logs_dir}", file=self.err, flush=True)
         return 128 + (signal.SIGINT if self.signal_name == "SIGINT" else signal.SIGTERM)
 

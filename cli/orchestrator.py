@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import argparse
-import signal
 import threading
 
 from primerl.cli.role_entry import run_role
+from primerl.cli.role_signals import STARTUP_EXIT_STATUS, StoppedWhileStarting, StopSignals
 from primerl.runtime.env_python import ENV_PYTHON_VAR, resolve_env_python  # noqa: F401 (re-exported)
 
 
@@ -24,20 +24,25 @@ def serve(config, args: argparse.Namespace) -> int:
     log = configure_logging("orchestrator", "", level=config.log.level, fmt=config.log.format)
     apply_budget("orchestrator", config.threads, log=log)  # env workers inherit its environment
     stop_event = threading.Event()
+    runner: OrchestratorRunner | None = None
 
-    def on_signal(signum: int, _frame: object) -> None:
-        log.info("stopping", signal=signal.Signals(signum).name)
-        stop_event.set()
+    def set_up() -> bool:
+        """Registered and its training environments loaded (the runner's sampler exists from then on): a stop
+        then ends the step in hand as before; before it (connecting, loading environments) it ends the
+        start-up at once."""
+        return getattr(runner, "sampler", None) is not None
 
-    signal.signal(signal.SIGTERM, on_signal)
-    signal.signal(signal.SIGINT, on_signal)
+    StopSignals(log, stop_event, set_up, stopping_message="stopping").install()
     from primerl.broker.control_client import BrokerError
     from primerl.orchestrator.env_client import EnvWorkerError
     from primerl.orchestrator.rollout_failures import RolloutsFailing
     from primerl.runtime.broker_outage import BrokerOutageExceeded
 
     try:
-        return OrchestratorRunner(config, env_python=env_python(config), stop_event=stop_event).run()
+        runner = OrchestratorRunner(config, env_python=env_python(config), stop_event=stop_event)
+        return runner.run()
+    except StoppedWhileStarting:
+        return STARTUP_EXIT_STATUS
     except ValueError as exc:
         log.error("orchestrator cannot continue", error=str(exc))
         return 2

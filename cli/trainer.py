@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import argparse
-import signal
 import threading
 
 from primerl.cli.role_entry import run_role
+from primerl.cli.role_signals import STARTUP_EXIT_STATUS, StoppedWhileStarting, StopSignals
 
 
 def serve(config, args: argparse.Namespace, *, objective: str = "rl") -> int:
@@ -22,16 +22,21 @@ def serve(config, args: argparse.Namespace, *, objective: str = "rl") -> int:
     dist_info = init_distributed()
     bind_context(rank=dist_info.rank)
     stop_event = threading.Event()
+    runner: TrainerRunner | None = None
 
-    def on_signal(signum: int, _frame: object) -> None:
-        log.info("stopping after the current step", signal=signal.Signals(signum).name)
-        stop_event.set()
+    def set_up() -> bool:
+        """Registered with the broker: from then on a stop lets the step in hand finish (publish, checkpoint,
+        commit) and deregisters; before it (metrics, model, optimizer, connecting) a stop ends the start-up."""
+        control = getattr(runner, "control", None)
+        return control is not None and control.worker_id is not None
 
-    signal.signal(signal.SIGTERM, on_signal)
-    signal.signal(signal.SIGINT, on_signal)
+    StopSignals(log, stop_event, set_up, stopping_message="stopping after the current step").install()
     config.output_dir.mkdir(parents=True, exist_ok=True)
     try:
-        return TrainerRunner(config, dist_info, objective=objective, stop_event=stop_event).run()
+        runner = TrainerRunner(config, dist_info, objective=objective, stop_event=stop_event)
+        return runner.run()
+    except StoppedWhileStarting:
+        return STARTUP_EXIT_STATUS
     except ValueError as exc:  # a config or data problem the user must fix
         log.error("trainer cannot continue", error=str(exc))
         return 2

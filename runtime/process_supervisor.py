@@ -230,13 +230,21 @@ class Supervisor:
         names = list(self.children) if names is None else names
         targets = [self.children[name] for name in names if name in self.children]
         targets = self._alive(targets)
+        left_behind: set[str] = set()  # children whose leftovers (outside their group) got SIGTERM
         for child in targets:
             if child.group_alive():
                 child.signal_group(signal.SIGTERM)  # the leader passes it on (torchrun to its ranks)
             elif self.reap:  # the leader is gone: what it left behind
                 process_reaper.signal_marked(self.token, signal.SIGTERM, roles=[child.name])
+                left_behind.add(child.name)
         deadline = time.monotonic() + timeout_s
-        while self._alive(targets) and time.monotonic() < deadline:
+        while (alive := self._alive(targets)) and time.monotonic() < deadline:
+            # A group that ended while processes it started in sessions of their own still run (an env worker
+            # the role was starting when it stopped): they are told too, not waited for until the timeout.
+            for child in alive:
+                if self.reap and child.name not in left_behind and not child.group_alive():
+                    process_reaper.signal_marked(self.token, signal.SIGTERM, roles=[child.name])
+                    left_behind.add(child.name)
             time.sleep(POLL_INTERVAL_S)
         for child in self._alive(targets):
             if on_kill is not None:

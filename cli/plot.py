@@ -10,7 +10,9 @@ PROG = "primerl plot"
 DESCRIPTION = """\
 Write PNG curves of a run from {RUN_DIR}/metrics.jsonl (written by the trainer, orchestrator and sft daemons):
 
-  reward.png      train/reward per step with a mean ± std band (rollout/reward_std), eval/<env>/reward as markers
+  reward.png      train/reward per step with a band of the 10th-90th percentile of its rollouts' rewards
+                  (rollout/reward_p10/_p90; older runs: ± rollout/reward_std within the rewards' min-max),
+                  eval/<env>/reward as markers
   loss.png        train/loss and sft/loss; train/kl_divergence on a second panel
   lag.png         async/off_policy_lag_mean and _max
   throughput.png  rollout tokens/s and trainer loss tokens/s; trainer step time and wait for data

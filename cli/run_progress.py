@@ -1,9 +1,21 @@
-"""The live progress line of `primerl rl` (``Progress``), fed from the broker's run status."""
+"""The live progress line of `primerl rl` (``Progress``), fed from the broker's run status.
+
+Each figure belongs to the step it is shown with. The broker merges the roles' last metrics by name, so
+``train/reward`` there is the orchestrator's latest batch, usually a step or more ahead of the trainer. The
+orchestrator reports the step of its batch as ``orchestrator/step`` alongside; ``Progress`` keeps the rewards of
+recent batches by step and shows, next to ``step N``, the reward of the batch trained at step N. When that batch's
+reward was not seen (not yet reported, or missed between two polls), it shows the newest reward it has and says
+which batch it is from: ``reward 0.512 (batch 7)``. The loss is the trainer's, of its latest reported step.
+``gen N tok/s`` is the orchestrator's generation throughput over a trailing window, not a per-step figure.
+"""
 
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+
+
+MAX_BATCHES = 64  # rewards of recent batches kept by step
 
 
 @dataclass
@@ -18,12 +30,23 @@ class Progress:
     served_version: int | None = None
     published_version: int = 0
     step_times: list[tuple[float, int]] = field(default_factory=list)  # (monotonic s, step) when the step changed
+    # train/reward of the orchestrator's recent batches by step (``orchestrator/step``), newest MAX_BATCHES kept
+    batch_rewards: dict[int, float] = field(default_factory=dict)
+    # the step of ``reward`` when the orchestrator did not say it (an older orchestrator): None
+    reward_step: int | None = None
 
     def update(self, status) -> None:
         from primerl.proto.v1 import common_pb2
 
         metrics = status.last_metrics
-        self.reward = metrics.get("train/reward", self.reward)
+        if "train/reward" in metrics:
+            self.reward = metrics["train/reward"]
+            self.reward_step = None
+            if "orchestrator/step" in metrics:
+                self.reward_step = int(metrics["orchestrator/step"])
+                self.batch_rewards[self.reward_step] = self.reward
+                while len(self.batch_rewards) > MAX_BATCHES:
+                    del self.batch_rewards[min(self.batch_rewards)]
         self.loss = metrics.get("train/loss", self.loss)
         self.tokens_per_s = metrics.get("rollout/tokens_per_s", self.tokens_per_s)
         self.max_steps = status.max_steps or self.max_steps
@@ -53,9 +76,18 @@ class Progress:
         served = "-" if self.served_version is None else str(self.served_version)
         lag = "-" if self.served_version is None else str(max(0, self.step - self.served_version))
         eta = self.eta_s()
-        return (f"step {self.step}/{max_steps}  reward {number(self.reward, '.3f')}  loss {number(self.loss, '.4f')}  "
-                f"{number(self.tokens_per_s, '.0f')} tok/s  served v{served} (lag {lag})  "
+        return (f"step {self.step}/{max_steps}  reward {self.reward_text()}  loss {number(self.loss, '.4f')}  "
+                f"gen {number(self.tokens_per_s, '.0f')} tok/s  served v{served} (lag {lag})  "
                 f"ETA {'-' if eta is None else duration(eta)}")
+
+    def reward_text(self) -> str:
+        """The reward of the batch trained at the shown step, else the newest one labelled with its batch."""
+        if self.step in self.batch_rewards:
+            return format(self.batch_rewards[self.step], ".3f")
+        if self.reward is None:
+            return "-"
+        batch = "latest batch" if self.reward_step is None else f"batch {self.reward_step}"
+        return f"{self.reward:.3f} ({batch})"
 
 
 def duration(seconds: float) -> str:

@@ -23,13 +23,9 @@ def render_status(status) -> str:
     if status.queues:
         lines.append("")
         lines += _table(
-            ["QUEUE", "ITEMS", "BYTES"],
+            ["QUEUE", "ITEMS", "BYTES", "BOUND"],
             [
-                [
-                    q.name,
-                    f"{q.num_items}/{q.capacity_items}" if q.capacity_items else str(q.num_items),
-                    f"{_bytes(q.num_bytes)}/{_bytes(q.capacity_bytes)}" if q.capacity_bytes else _bytes(q.num_bytes),
-                ]
+                _queue_row(q)
                 for q in status.queues
             ],
         )
@@ -68,6 +64,25 @@ def render_status(status) -> str:
         lines += ["", "recent errors (newest last):"]
         lines += [f"  {error}" for error in status.recent_errors]
     return "\n".join(lines)
+
+
+# Queues whose capacity bounds only part of what they hold: the broker's rollout spool keeps every batch until
+# the trainer commits its step, while ``max_batches`` / ``max_bytes`` bound only the batches of steps no trainer
+# asked for yet (how far the orchestrator runs ahead). "10/8" would read as a queue over its capacity.
+SPOOL_QUEUES = {"rollouts"}
+
+
+def _queue_row(queue) -> list[str]:
+    """NAME, ITEMS, BYTES of one queue; a spool's bound is shown as the bound on what is ahead of the trainer."""
+    if queue.name in SPOOL_QUEUES and (queue.capacity_items or queue.capacity_bytes):
+        return [f"{queue.name} (spooled until committed)", str(queue.num_items), _bytes(queue.num_bytes),
+                f"at most {queue.capacity_items} batches / {_bytes(queue.capacity_bytes)} ahead of the trainer"]
+    return [
+        queue.name,
+        f"{queue.num_items}/{queue.capacity_items}" if queue.capacity_items else str(queue.num_items),
+        f"{_bytes(queue.num_bytes)}/{_bytes(queue.capacity_bytes)}" if queue.capacity_bytes else _bytes(queue.num_bytes),
+        "",
+    ]
 
 
 def _table(header: list[str], rows: list[list[str]]) -> list[str]:

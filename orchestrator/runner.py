@@ -73,6 +73,7 @@ from primerl.orchestrator.filtering import BatchAssembler, DifficultyFilter
 from primerl.orchestrator.packing import pack_samples, to_broker_batches
 from primerl.orchestrator.rollout_failures import RolloutFailures, kind_name
 from primerl.orchestrator.samples import Group, MalformedTrajectory, TurnTokens, trajectory_to_samples
+from primerl.orchestrator.throughput import ThroughputWindow
 from primerl.orchestrator.step_send import RESEND_INTERVAL_S, log_step_data, rank_digests, send_step
 from primerl.runtime.broker_outage import OutageStopped, OutageWatch, retry_through_outage
 from primerl.runtime.log_setup import bind_context, get_logger
@@ -150,6 +151,11 @@ class OrchestratorRunner:
         self._broker_lost = False  # stopped by BrokerOutageExceeded: no goodbye to the broker
         self._stop_reason = ""
         self.failures: RolloutFailures | None = None
+        # rollout/tokens_per_s: generated tokens over a trailing window of wall time (never per step: a step's
+        # batch may be all surplus, its interval near zero); it always covers at least one batch's groups
+        self.throughput = ThroughputWindow(min_groups=max(1, config.batch_size // config.rollouts_per_example))
+        self.fallbacks: collections.Counter = collections.Counter()  # interleaved -> branching, by reason, this step
+        self._fallback_reasons_logged: set[str] = set()
 
     # -- set-up --------------------------------------------------------------------------------------
 
@@ -307,6 +313,7 @@ class OrchestratorRunner:
     def _produce_step(self, step: int) -> bool:
         started_s = time.monotonic()
         self.counters = collections.Counter()
+        self.fallbacks = collections.Counter()
         self.timers: collections.Counter = collections.Counter()
         min_version = self.bound.min_policy_version(step)
         self._observe_lineage()
@@ -453,9 +460,7 @@ class OrchestratorRunner:
             endpoint = min(answering, key=lambda e: e.num_inflight)
             # groups lost with a dead env worker go first (their draws were made already)
             env_id, example_index = self._rescheduled.popleft() if self._rescheduled else self.sampler.next()
-            seed = config.sampling.seed
-            if seed is not None:  # a different, reproducible seed per group
-                seed = seed + self._next_group_id
+            seed = group_seed(config.sampling.seed, self._next_group_id, config.rollouts_per_example)
             key = (env_id, endpoint.worker_id, seed)
             batches[key].append(example_index)
             entries[key].append(_Inflight(env_id, example_index, endpoint, served_version,
@@ -541,8 +546,10 @@ class OrchestratorRunner:
                                   self.config.rollouts_per_example)
                 continue
             self._time_group(rollout_group)
+            tokens_before = self.counters["completion_tokens"]
             with self._timed("to_samples_s"):
                 group = self._to_group(rollout_group, entry)
+            self.throughput.add(entry.started_s, time.monotonic(), self.counters["completion_tokens"] - tokens_before)
             if group is None:
                 continue
             with self._timed("advantages_s"):
@@ -591,7 +598,7 @@ class OrchestratorRunner:
                                                default_policy_version=entry.dispatched_version) for t in rollout.turns]
             try:
                 samples += trajectory_to_samples(
-                    turns, config.trajectory_strategy, fallback_counts=self.counters, reward=float(rollout.reward),
+                    turns, config.trajectory_strategy, fallback_counts=self.fallbacks, reward=float(rollout.reward),
                     truncated=rollout.is_truncated, group_id=group_id, example_id=entry.example_index,
                     env_id=entry.env_id, rollout_id=rollout.rollout_index,
                 )
@@ -645,6 +652,7 @@ class OrchestratorRunner:
 
     def _report(self, step: int, batch: Any, packed: Any, elapsed_s: float) -> None:
         rewards = [reward for g in batch.groups for reward in g.rollout_rewards()]
+        multi_env = len(self.config.env) > 1
         versions = [s.min_policy_version for s in batch.samples]
         rollouts = [samples for g in batch.groups for samples in g.rollouts().values()]
         lengths = [sum(s.num_completion_tokens or 0 for s in samples) for samples in rollouts]
@@ -654,8 +662,12 @@ class OrchestratorRunner:
             "rollout/mean_length": float(np.mean(lengths)),
             "rollout/truncation_rate": float(np.mean([any(s.truncated for s in samples) for samples in rollouts])),
             "rollout/generation_time": elapsed_s,
-            # generation during this step's wait (0 when the batch came from the previous step's surplus)
-            "rollout/tokens_per_s": self.counters["completion_tokens"] / max(elapsed_s, 1e-9),
+            # generated tokens per second of wall time over a trailing window (primerl.orchestrator.throughput)
+            "rollout/tokens_per_s": self.throughput.tokens_per_s(time.monotonic()),
+            "rollout/completion_tokens": float(self.counters["completion_tokens"]),  # of rollouts collected this step
+            **reward_spread_metrics(rewards),
+            **fallback_metrics(self.fallbacks),
+            **(env_reward_metrics(batch.groups) if multi_env else {}),
             "rollout/errors": float(self.counters["rollout_errors"] + self.counters["env_errors"]),
             **{f"rollout/{name}": float(count) for name, count in self.counters.items() if name.startswith("errors/")},
             "rollout/rescheduled": float(self.counters["rescheduled"]),
@@ -664,10 +676,21 @@ class OrchestratorRunner:
             **self._perf_metrics(elapsed_s),
         }
         metrics = {k: float(v) for k, v in metrics.items() if isinstance(v, (int, float)) and math.isfinite(v)}
-        self._report_metrics(step, metrics)
+        self._log_new_fallbacks()
+        # the broker merges all roles' last metrics: the batch's step lets the progress line pair its reward
+        self._report_metrics(step, {**metrics, "orchestrator/step": float(step)})
         self.sink.log(step, metrics)
         log.info("batch sent", reward=round(metrics["train/reward"], 4), num_samples=len(batch.samples),
                  seconds=round(elapsed_s, 2), tokens_per_s=round(metrics["rollout/tokens_per_s"], 1))
+
+    def _log_new_fallbacks(self) -> None:
+        """Once per reason and run: interleaved trajectories that were trained as branching samples instead."""
+        for reason, count in self.fallbacks.items():
+            if reason not in self._fallback_reasons_logged:
+                self._fallback_reasons_logged.add(reason)
+                log.warning("interleaved trajectories fall back to branching samples (more samples, prompts "
+                            "trained again); counted in rollout/interleave_fallbacks", reason=reason,
+                            num_this_step=count)
 
     def close(self) -> None:
         self._send_stop.set()  # a send still waiting for the broker gives up (a restart sends its step again)
@@ -705,3 +728,48 @@ def _check_loss_tokens_survive(packed: Any, samples: list, seq_len: int) -> None
     raise ValueError(f"no sample keeps a completion token within seq_len = {seq_len}: prompts are up to "
                      f"{longest_prompt} tokens long, so truncation to seq_len leaves nothing to train on; raise "
                      "seq_len (and the inference max_model_len) above the prompts' length plus max_tokens")
+
+
+def group_seed(run_seed: int | None, group_id: int, rollouts_per_example: int) -> int | None:
+    """The sampling seed of a rollout group; the env worker seeds rollout ``i`` of the group with this plus ``i``.
+
+    Groups are numbered in draw order (``next_group_id``, saved with the orchestrator's state), so the seeds
+    depend only on the run seed and the draw, not on timing; ``group_id * rollouts_per_example`` keeps the seeds of
+    different groups' rollouts apart (the seed + group id used before gave group g's rollout 1 the seed of group
+    g+1's rollout 0). None (no run seed): unseeded. Kept below 2**31 (backends that take an int32 seed)."""
+    if run_seed is None:
+        return None
+    return (run_seed * 1_000_003 + group_id * rollouts_per_example) % (2**31 - rollouts_per_example)
+
+
+def reward_spread_metrics(rewards: list[float]) -> dict[str, float]:
+    """Where the batch's rollout rewards lie: min, max and the 10th/90th percentiles (the plot's band)."""
+    if not rewards:
+        return {}
+    p10, p90 = np.percentile(rewards, [10, 90])
+    return {"rollout/reward_min": float(min(rewards)), "rollout/reward_max": float(max(rewards)),
+            "rollout/reward_p10": float(p10), "rollout/reward_p90": float(p90)}
+
+
+def fallback_metrics(fallbacks: collections.Counter) -> dict[str, float]:
+    """``rollout/interleave_fallbacks`` (trajectories of this step's rollouts that could not be interleaved and
+    were trained as branching samples) and one ``rollout/interleave_fallbacks/<reason>`` per reason seen."""
+    return {"rollout/interleave_fallbacks": float(sum(fallbacks.values())),
+            **{f"rollout/interleave_fallbacks/{reason}": float(count) for reason, count in sorted(fallbacks.items())}}
+
+
+def env_reward_metrics(groups: list) -> dict[str, float]:
+    """Per environment of a batch: ``env/<id>/reward`` (mean rollout reward), ``env/<id>/num_rollouts`` and
+    ``env/<id>/num_samples``."""
+    rewards: dict[str, list[float]] = collections.defaultdict(list)
+    num_samples: collections.Counter = collections.Counter()
+    for group in groups:
+        rewards[group.env_id].extend(group.rollout_rewards().tolist())
+        num_samples[group.env_id] += len(group.samples)
+    metrics = {}
+    for env_id in sorted(rewards):
+        if rewards[env_id]:
+            metrics[f"env/{env_id}/reward"] = float(np.mean(rewards[env_id]))
+        metrics[f"env/{env_id}/num_rollouts"] = float(len(rewards[env_id]))
+        metrics[f"env/{env_id}/num_samples"] = float(num_samples[env_id])
+    return metrics

@@ -1,5 +1,9 @@
 """The figures of ``primerl plot``: which curves go in which panel (pure, testable) and drawing them to PNG.
 
+The reward's band shows where the batch's rollout rewards lie, never outside them: the 10th to 90th percentile
+of each step's rollout rewards (``rollout/reward_p10`` / ``_p90``). Runs logged before those metrics existed get
+mean ± std (``rollout/reward_std``), clipped to the step's ``rollout/reward_min`` / ``_max`` where logged.
+
 Drawing uses matplotlib's Agg canvas on ``Figure`` objects directly, never pyplot, so no window can open and
 no global figure state is kept between calls.
 """
@@ -19,12 +23,20 @@ FIGURE_DPI = 100
 
 
 @dataclass(frozen=True)
+class Band:
+    """A shaded band: ``low`` to ``high`` on the steps both have, named ``label`` in the legend."""
+
+    low: Series
+    high: Series
+    label: str
+
+
+@dataclass(frozen=True)
 class Curve:
     label: str
     series: Series
     markers_only: bool = False  # eval points: sparse, drawn as markers and never smoothed
-    # Half-width of a shaded band around the curve (e.g. the reward std), on the steps it has.
-    band: Series | None = None
+    band: Band | None = None
 
 
 @dataclass(frozen=True)
@@ -41,12 +53,39 @@ def _curves(series: dict[str, Series], labels: dict[str, str]) -> list[Curve]:
 def reward_panel(series: dict[str, Series]) -> Panel:
     curves = []
     if len(series.get("train/reward", ())) > 0:
-        std = series.get("rollout/reward_std")
-        curves.append(Curve("train reward", series["train/reward"], band=std if std is not None and len(std) else None))
+        curves.append(Curve("train reward", series["train/reward"], band=reward_band(series)))
     for env_id, name in eval_reward_names(series).items():
         if len(series[name]) > 0:
             curves.append(Curve(f"eval {env_id}", series[name], markers_only=True))
     return Panel("Reward", "reward", curves)
+
+
+def reward_band(series: dict[str, Series]) -> Band | None:
+    """Percentiles 10-90 of the rollout rewards when logged, else mean ± std clipped to the rewards' min/max."""
+    p10, p90 = series.get("rollout/reward_p10"), series.get("rollout/reward_p90")
+    if p10 is not None and p90 is not None and len(p10) and len(p90):
+        return Band(p10, p90, "10th-90th percentile of rollouts")
+    mean, std = series.get("train/reward"), series.get("rollout/reward_std")
+    if mean is None or std is None or not len(std):
+        return None
+    steps, mean_index, std_index = np.intersect1d(mean.steps, std.steps, return_indices=True)
+    low = mean.values[mean_index] - std.values[std_index]
+    high = mean.values[mean_index] + std.values[std_index]
+    floor = _on_steps(series.get("rollout/reward_min"), steps)
+    ceiling = _on_steps(series.get("rollout/reward_max"), steps)
+    clipped = np.isfinite(floor).any() or np.isfinite(ceiling).any()
+    low = np.where(np.isfinite(floor), np.maximum(low, floor), low)
+    high = np.where(np.isfinite(ceiling), np.minimum(high, ceiling), high)
+    return Band(Series(steps, low), Series(steps, high), "± std, within min-max" if clipped else "± std")
+
+
+def _on_steps(bound: Series | None, steps: np.ndarray) -> np.ndarray:
+    """``bound``'s values on ``steps`` (NaN where it has none)."""
+    values = np.full(len(steps), np.nan)
+    if bound is not None:
+        _, step_index, bound_index = np.intersect1d(steps, bound.steps, return_indices=True)
+        values[step_index] = bound.values[bound_index]
+    return values
 
 
 def loss_panel(series: dict[str, Series]) -> Panel:
@@ -162,10 +201,10 @@ def draw_panel(ax, panel: Panel, smooth_steps: int) -> None:
             ax.plot(steps, values, linestyle="none", marker="D", markersize=5, color=color, label=curve.label)
             continue
         if curve.band is not None:
-            common, value_index, band_index = np.intersect1d(steps, curve.band.steps, return_indices=True)
-            half_width = curve.band.values[band_index]
-            ax.fill_between(common, values[value_index] - half_width, values[value_index] + half_width,
-                            color=color, alpha=0.15, linewidth=0, label=f"{curve.label} ± std")
+            common, low_index, high_index = np.intersect1d(curve.band.low.steps, curve.band.high.steps,
+                                                           return_indices=True)
+            ax.fill_between(common, curve.band.low.values[low_index], curve.band.high.values[high_index],
+                            color=color, alpha=0.15, linewidth=0, label=f"{curve.label} {curve.band.label}")
         marker = "o" if len(steps) < 2 else None
         if smooth_steps > 1:
             ax.plot(steps, values, color=color, alpha=0.35, linewidth=1, marker=marker, label=f"{curve.label} (raw)")

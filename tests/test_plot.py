@@ -93,7 +93,30 @@ def test_series_have_the_steps_and_values_of_each_role(run_dir):
     curves = reward_panel(series).curves
     assert [(c.label, c.markers_only) for c in curves] == [
         ("train reward", False), ("eval org/math", True), ("eval reverse-text", True)]
-    np.testing.assert_allclose(curves[0].band.values, 0.05)
+    # an older run (no percentiles, no min/max): mean ± std, unclipped
+    assert curves[0].band.label == "± std"
+    np.testing.assert_allclose(curves[0].band.low.values, 0.1 * steps - 0.05)
+    np.testing.assert_allclose(curves[0].band.high.values, 0.1 * steps + 0.05)
+
+
+def test_reward_band_is_the_rollout_percentiles_when_logged():
+    rows = [{**orchestrator_row(step), "train/reward": 0.05, "rollout/reward_std": 0.2, "rollout/reward_p10": 0.0,
+             "rollout/reward_p90": 0.25} for step in (1, 2)]
+    band = reward_panel(extract_series(rows)).curves[0].band
+    assert band.label == "10th-90th percentile of rollouts"
+    np.testing.assert_allclose(band.low.values, [0.0, 0.0])
+    np.testing.assert_allclose(band.high.values, [0.25, 0.25])
+
+
+def test_std_band_never_leaves_the_rewards_min_max():
+    """Mean 0.05 ± std 0.2 would go down to -0.15 with rewards in [0, 1]: the band stops at the step's min."""
+    rows = [{**orchestrator_row(1), "train/reward": 0.05, "rollout/reward_std": 0.2, "rollout/reward_min": 0.0,
+             "rollout/reward_max": 0.2},
+            {**orchestrator_row(2), "train/reward": 0.9, "rollout/reward_std": 0.2}]  # no min/max: unclipped
+    band = reward_panel(extract_series(rows)).curves[0].band
+    assert band.label == "± std, within min-max"
+    np.testing.assert_allclose(band.low.values, [0.0, 0.7])
+    np.testing.assert_allclose(band.high.values, [0.2, 1.1])
 
 
 def test_trainer_tokens_per_s_is_loss_tokens_over_step_time(run_dir):

@@ -185,7 +185,8 @@ def _classify(target: str, *, editable: bool) -> tuple[list[str], str | None, Pa
     try:
         requirement = Requirement(target)
     except InvalidRequirement as exc:
-        raise EnvCommandError(f"{target!r} is neither a directory nor a valid PyPI requirement ({exc})") from None
+        reason = str(exc).splitlines()[0]
+        raise EnvCommandError(f"{target!r} is neither a directory nor a valid PyPI requirement ({reason})") from None
     return [target], requirement.name, None
 
 

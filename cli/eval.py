@@ -3,8 +3,14 @@
 Without `--base-url`, the model is served by a vLLM server started in this process (127.0.0.1, a free port,
 a fresh bearer token) and stopped at the end; with it, any OpenAI-compatible endpoint is used (e.g. a running
 `primerl-infer`). The environment runs in an env worker with the environments' interpreter (`--env-python`,
-else $PRIMERL_ENV_PYTHON), exactly as in training. Results go to `--output` (default
-`outputs/evals/<env>--<model>/<time>`): `results.jsonl` (one line per rollout) and `summary.json`.
+else the default of `primerl.runtime.env_python`), exactly as in training. Results go to `--output` (default
+`outputs/evals/<env>--<model>/<time>`): `results.jsonl` (one line per rollout) and `summary.json`; what vLLM
+writes goes to `eval.log` there (`eval_console.py`), so the terminal shows eval's own lines only (`--verbose`:
+everything on the terminal).
+
+Tool environments (a ToolEnv: its requests carry `tools`) need vLLM's auto tool choice and a tool-call parser,
+else every request is refused with HTTP 400. They are turned on by themselves when the environment has tools
+(`DEFAULT_TOOL_CALL_PARSER`, right for Qwen models), or by `--enable-auto-tool-choice` / `--tool-call-parser`.
 
     primerl eval reverse-text -m runs/demo/rl -n 200 -r 1 -t 16 -T 0
 """
@@ -19,12 +25,20 @@ import re
 import secrets
 import sys
 import time
+import traceback
 from pathlib import Path
 from typing import Any
 
-from primerl.runtime.env_python import ENV_PYTHON_VAR, resolve_env_python
+from primerl.cli.eval_console import Console
+from primerl.runtime.env_python import ENV_PYTHON_VAR, ENV_VENV_NAME, resolve_env_python
 
 DEFAULT_OUTPUT_ROOT = Path("outputs/evals")
+DEFAULT_TOOL_CALL_PARSER = "hermes"
+"""vLLM's parser of `<tool_call>{json}</tool_call>`: the format of Qwen2/2.5/3 chat templates (and the tiny model's)."""
+TOOL_ENV_CLASSES = ("ToolEnv", "StatefulToolEnv", "SandboxEnv", "PythonEnv", "MCPEnv")
+"""verifiers classes whose requests carry tools: used only while the env worker does not report `has_tools`."""
+LOG_NAME = "eval.log"
+MAX_ERRORS_SHOWN = 3
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -62,10 +76,18 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("-o", "--output", type=Path, default=None, metavar="DIR",
                         help=f"where results.jsonl and summary.json go (default: {DEFAULT_OUTPUT_ROOT}/<env>--<model>/<time>)")
     parser.add_argument("--env-python", default=None, metavar="PATH",
-                        help=f"interpreter of the environments (default: ${ENV_PYTHON_VAR}, else this one)")
+                        help=f"interpreter of the environments (default: ${ENV_PYTHON_VAR}, else {ENV_VENV_NAME} "
+                        "next to primerl's venv, else this one)")
     parser.add_argument("--timeout-s", type=float, default=600.0, metavar="S",
                         help="deadline of one example's rollouts (default: %(default)g)")
-    parser.add_argument("--verbose", action="store_true", help="show vLLM's log (default: warnings and errors)")
+    parser.add_argument("--enable-auto-tool-choice", action=argparse.BooleanOptionalAction, default=None,
+                        help="let the started vLLM server accept tool calls (default: on when the environment has "
+                        "tools)")
+    parser.add_argument("--tool-call-parser", default=None, metavar="NAME",
+                        help=f"vLLM tool-call parser of the started server (default: {DEFAULT_TOOL_CALL_PARSER}, "
+                        "for Qwen models; e.g. llama3_json, mistral)")
+    parser.add_argument("--verbose", action="store_true",
+                        help=f"show vLLM's log on the terminal (default: warnings and errors go to OUTPUT/{LOG_NAME})")
     return parser
 
 
@@ -115,10 +137,12 @@ def _check(args: argparse.Namespace) -> dict[str, Any]:
         raise EvalInputError(f"--top-p must be in (0, 1], got {args.top_p}")
     if args.timeout_s <= 0:
         raise EvalInputError(f"--timeout-s must be > 0, got {args.timeout_s}")
+    if args.tool_call_parser is not None and not args.tool_call_parser.strip():
+        raise EvalInputError("--tool-call-parser is empty: give a vLLM parser name, e.g. hermes")
     args.env_python = resolve_env_python(args.env_python)
     if not Path(args.env_python).exists():
-        raise EvalInputError(f"env python {args.env_python} does not exist: build the env venv (make setup) or pass "
-                             "--env-python")
+        raise EvalInputError(f"env python {args.env_python} does not exist: install an environment with `primerl env "
+                             "install PATH|PACKAGE` (it creates the env venv) or pass --env-python")
     return env_args
 
 
@@ -140,14 +164,22 @@ def main(argv: list[str] | None = None) -> int:
     from primerl.runtime.log_setup import configure_logging
 
     configure_logging("eval", level="warning" if not args.verbose else "info")
+    console = Console()
     try:
-        return asyncio.run(_evaluate(args, model, env_args))
+        return asyncio.run(_evaluate(args, model, env_args, console))
     except EvalInputError as exc:
-        print(f"primerl eval: error: {exc}", file=sys.stderr)
+        print(f"primerl eval: error: {exc}", file=console.err, flush=True)
         return 2
+    except (Exception, KeyboardInterrupt) as exc:
+        if console.log_path is None:
+            raise
+        traceback.print_exc()  # into the log, with vLLM's lines around it
+        what = "interrupted" if isinstance(exc, KeyboardInterrupt) else f"{type(exc).__name__}: {exc}"
+        print(f"primerl eval: error: {what} (traceback in {console.log_path})", file=console.err, flush=True)
+        return 130 if isinstance(exc, KeyboardInterrupt) else 1
 
 
-async def _evaluate(args: argparse.Namespace, model: str, env_args: dict[str, Any]) -> int:
+async def _evaluate(args: argparse.Namespace, model: str, env_args: dict[str, Any], console: Console) -> int:
     from primerl.orchestrator.env_client import EnvWorker, EnvWorkerError
 
     worker = EnvWorker(args.env_python, args.env_id, env_args, request_timeout_s=args.timeout_s)
@@ -155,7 +187,7 @@ async def _evaluate(args: argparse.Namespace, model: str, env_args: dict[str, An
         info = await asyncio.to_thread(worker.start)
     except EnvWorkerError as exc:
         await asyncio.to_thread(worker.close)
-        raise EvalInputError(f"environment {args.env_id!r} cannot be loaded: {exc}") from None
+        raise EvalInputError(f"environment {args.env_id!r} cannot be loaded: {exc}{_did_you_mean(args, exc)}") from None
     server = None
     try:
         split = args.split or ("eval" if info.has_eval_dataset else "train")
@@ -163,43 +195,93 @@ async def _evaluate(args: argparse.Namespace, model: str, env_args: dict[str, An
         if size == 0:
             raise EvalInputError(f"environment {args.env_id!r} has no {split} examples")
         count = size if args.num_examples == -1 else min(args.num_examples, size)
+        output = args.output or _default_output(args.env_id, model)
+        tool_choice, tool_parser = _tool_settings(args, info, console)
         if args.base_url is not None:
             base_url, served_name = args.base_url.rstrip("/"), model
             api_key = os.environ.get(args.api_key_var) or "EMPTY"
         else:
-            print(f"primerl eval: starting vLLM on {model} ...", file=sys.stderr, flush=True)
-            server = await _start_server(model, args.max_model_len)
+            log_note = ""
+            if not args.verbose:
+                console.divert(output / LOG_NAME)
+                log_note = f" (its log: {console.log_path})"
+            tools_note = f", auto tool choice with the {tool_parser} parser" if tool_choice else ""
+            print(f"primerl eval: starting vLLM on {model}{tools_note} ...{log_note}", file=console.err, flush=True)
+            server = await _start_server(model, args.max_model_len, tool_choice, tool_parser, console)
             api_key = server.config.broker.run_token  # the server refuses requests without it
             base_url, served_name = server.address.base_url + "/v1", server.served_model_name
-        return await _run(args, worker, info, split, count, base_url, served_name, api_key, model, env_args)
+        return await _run(args, worker, info, split, count, base_url, served_name, api_key, model, env_args, output,
+                          console)
     finally:
         await asyncio.to_thread(worker.close)
         if server is not None:
             await server.stop(grace_s=2.0)
 
 
-async def _start_server(model: str, max_model_len: int | None):
+def _did_you_mean(args: argparse.Namespace, exc: Exception) -> str:
+    """For an environment that is not installed: the installed ids closest to it, or how to install it."""
+    from primerl.runtime.env_python import EnvProbeError, installed_env_ids, suggest_env_ids
+
+    if "Could not import" not in str(exc) and "No module named" not in str(exc):
+        return ""
+    try:
+        installed = installed_env_ids(args.env_python)
+    except EnvProbeError:
+        return ""
+    close = suggest_env_ids(args.env_id, installed)
+    if close:
+        return f". Did you mean {' or '.join(repr(c) for c in close)}?"
+    known = ", ".join(installed) if installed else "none"
+    return (f". Installed in {args.env_python}: {known}; install yours with `primerl env install PATH|PACKAGE`")
+
+
+def _has_tools(info: Any) -> bool:
+    """Whether the environment's requests carry tools: the env worker's own report when it gives one."""
+    reported = getattr(info, "has_tools", None)
+    if reported is not None:
+        return bool(reported)
+    return info.env_class in TOOL_ENV_CLASSES or info.env_class.endswith("ToolEnv")
+
+
+def _tool_settings(args: argparse.Namespace, info: Any, console: Console) -> tuple[bool, str | None]:
+    """(auto tool choice, parser) for the vLLM server eval starts: the flags, else on when the env has tools."""
+    if args.base_url is not None:
+        if args.enable_auto_tool_choice is not None or args.tool_call_parser is not None:
+            print("primerl eval: warning: --enable-auto-tool-choice and --tool-call-parser have no effect with "
+                  "--base-url (the server's own settings apply)", file=console.err, flush=True)
+        return False, None
+    enabled = args.enable_auto_tool_choice
+    if enabled is None:
+        enabled = args.tool_call_parser is not None or _has_tools(info)
+    parser = (args.tool_call_parser or DEFAULT_TOOL_CALL_PARSER) if enabled else args.tool_call_parser
+    return enabled, parser
+
+
+async def _start_server(model: str, max_model_len: int | None, tool_choice: bool, tool_parser: str | None,
+                        console: Console):
     from primerl.inference.config import InferenceConfig
     from primerl.inference.server import InferenceServer
 
     token = secrets.token_urlsafe(24)
-    config = InferenceConfig.model_validate({"model": {"name": model, "max_model_len": max_model_len},
+    config = InferenceConfig.model_validate({"model": {"name": model, "max_model_len": max_model_len,
+                                                       "enable_auto_tool_choice": tool_choice,
+                                                       "tool_call_parser": tool_parser},
                                              "server": {"host": "127.0.0.1", "port": 0},
                                              "broker": {"run_token": token}})
     server = InferenceServer(config, version_fn=lambda: 0, worker_extension_cls=None)
     try:
         await server.start()
         await server.wait_healthy(60.0)
-    except Exception as exc:
-        raise EvalInputError(f"vLLM could not serve {model}: {type(exc).__name__}: {exc}") from None
+    except (Exception, SystemExit) as exc:  # vLLM's argument parser exits on a bad value (e.g. a parser name)
+        where = f"; its log: {console.log_path}" if console.log_path else ""
+        raise EvalInputError(f"vLLM could not serve {model}: {type(exc).__name__}: {exc}{where}") from None
     return server
 
 
 async def _run(args, worker, info, split: str, count: int, base_url: str, served_name: str, api_key: str,
-               model: str, env_args: dict[str, Any]) -> int:
+               model: str, env_args: dict[str, Any], output: Path, console: Console) -> int:
     from primerl.orchestrator.evaluation import run_eval_groups, summarize_groups
 
-    output = args.output or _default_output(args.env_id, model)
     output.mkdir(parents=True, exist_ok=True)
     sampling = {"temperature": args.temperature, "top_p": args.top_p, "max_tokens": args.max_tokens}
     started_s = time.monotonic()
@@ -215,15 +297,15 @@ async def _run(args, worker, info, split: str, count: int, base_url: str, served
                     "completion": rollout.completion, "num_completion_tokens": rollout.num_completion_tokens,
                     "is_truncated": rollout.is_truncated, "error": rollout.error,
                 }) + "\n")
-            if sys.stderr.isatty():
-                print(f"\r  {done}/{count} examples", end="", file=sys.stderr, flush=True)
+            if console.err.isatty():
+                print(f"\r  {done}/{count} examples", end="", file=console.err, flush=True)
 
         groups, failed = await asyncio.to_thread(
             run_eval_groups, worker, range(count), num_rollouts=args.rollouts_per_example, base_url=base_url,
             model=served_name, sampling=sampling, split=split, api_key=api_key,
             max_concurrent_groups=args.max_concurrent, timeout_s=args.timeout_s, on_group=on_group)
-    if sys.stderr.isatty():
-        print(file=sys.stderr)
+    if console.err.isatty():
+        print(file=console.err)
     summary = summarize_groups(groups, failed, rollouts_per_group=args.rollouts_per_example)
     elapsed_s = time.monotonic() - started_s
     record = {"env_id": args.env_id, "env_args": env_args, "model": model, "split": split, "num_examples": count,
@@ -236,9 +318,13 @@ async def _run(args, worker, info, split: str, count: int, base_url: str, served
           f"over {summary.num_rollouts} rollouts ({summary.num_errors} failed)\n"
           f"  metrics: {metrics or '-'}\n"
           f"  completion tokens: mean {summary.mean_completion_tokens:.1f}, truncated {summary.truncation_rate:.1%}\n"
-          f"  {elapsed_s:.1f} s; results in {output}", flush=True)
-    for error in summary.errors:
-        print(f"  error: {error}", file=sys.stderr)
+          f"  {elapsed_s:.1f} s; results in {output}", file=console.out, flush=True)
+    for error in summary.errors[:MAX_ERRORS_SHOWN]:
+        print(f"  error: {error.splitlines()[0]}", file=console.err)
+    if len(summary.errors) > MAX_ERRORS_SHOWN:
+        print(f"  ... {len(summary.errors) - MAX_ERRORS_SHOWN} more errors in {output / 'results.jsonl'}",
+              file=console.err)
+    console.err.flush()
     return 1 if summary.num_rollouts == 0 else 0
 
 

@@ -6,6 +6,7 @@ orchestrator reports the step of its batch as ``orchestrator/step`` alongside; `
 recent batches by step and shows, next to ``step N``, the reward of the batch trained at step N. When that batch's
 reward was not seen (not yet reported, or missed between two polls), it shows the newest reward it has and says
 which batch it is from: ``reward 0.512 (batch 7)``. The loss is the trainer's, of its latest reported step.
+Interleaved trajectories trained as branching samples show as ``fallbacks N`` (over the run) once there are any.
 ``gen N tok/s`` is the orchestrator's generation throughput over a trailing window, not a per-step figure.
 """
 
@@ -34,6 +35,7 @@ class Progress:
     batch_rewards: dict[int, float] = field(default_factory=dict)
     # the step of ``reward`` when the orchestrator did not say it (an older orchestrator): None
     reward_step: int | None = None
+    num_interleave_fallbacks: int = 0
 
     def update(self, status) -> None:
         from primerl.proto.v1 import common_pb2
@@ -49,6 +51,8 @@ class Progress:
                     del self.batch_rewards[min(self.batch_rewards)]
         self.loss = metrics.get("train/loss", self.loss)
         self.tokens_per_s = metrics.get("rollout/tokens_per_s", self.tokens_per_s)
+        self.num_interleave_fallbacks = max(self.num_interleave_fallbacks,
+                                            int(metrics.get("rollout/interleave_fallbacks_total", 0)))
         self.max_steps = status.max_steps or self.max_steps
         self.published_version = status.latest_policy_version
         versions = [w.policy_version for w in status.workers
@@ -78,6 +82,7 @@ class Progress:
         eta = self.eta_s()
         return (f"step {self.step}/{max_steps}  reward {self.reward_text()}  loss {number(self.loss, '.4f')}  "
                 f"gen {number(self.tokens_per_s, '.0f')} tok/s  served v{served} (lag {lag})  "
+                f"{f'fallbacks {self.num_interleave_fallbacks}  ' if self.num_interleave_fallbacks else ''}"
                 f"ETA {'-' if eta is None else duration(eta)}")
 
     def reward_text(self) -> str:

@@ -39,6 +39,16 @@ Faults (issue 14):
   to the send thread get a short grace, and ``run`` returns 0.
 - Once every micro-batch of a step is durable, one ``step sent`` line per rank names its ``data_digest``.
 
+Metrics of the batch (issue 15): ``train/reward``, ``rollout/reward_std`` and where the rollout rewards lie
+(``rollout/reward_min``, ``_max``, ``_p10``, ``_p90``); ``rollout/tokens_per_s`` is generation throughput, the
+completion tokens of the groups that finished over a trailing window of wall time
+(``primerl.orchestrator.throughput``), not a per-step figure; ``rollout/completion_tokens`` counts those
+collected during the step. ``rollout/interleave_fallbacks`` (and ``/<reason>``; ``_total`` over the run):
+trajectories of the step that could not be interleaved and were trained as branching samples (a warning the first
+time per reason). With several environments: ``env/<id>/reward``, ``env/<id>/num_rollouts``, ``_num_samples``.
+The broker also gets ``orchestrator/step`` with each batch's metrics (the progress line pairs rewards by step).
+Sampling seeds: with ``[orchestrator.sampling] seed``, group g's rollout i gets ``group_seed(seed, g, n) + i``.
+
 Metrics: one row per step (and one per eval) in ``{output_dir}/metrics.jsonl``, W&B with ``[wandb]``
 (``primerl.runtime.metrics_sink``), and a Prometheus endpoint (``[orchestrator.prometheus]``, its URL sent to
 the broker as ``metrics_url``) with the rows' ``primerl_step`` / ``primerl_metric`` families and live
@@ -156,6 +166,7 @@ class OrchestratorRunner:
         self.throughput = ThroughputWindow(min_groups=max(1, config.batch_size // config.rollouts_per_example))
         self.fallbacks: collections.Counter = collections.Counter()  # interleaved -> branching, by reason, this step
         self._fallback_reasons_logged: set[str] = set()
+        self._num_fallbacks_total = 0
 
     # -- set-up --------------------------------------------------------------------------------------
 
@@ -677,6 +688,8 @@ class OrchestratorRunner:
         }
         metrics = {k: float(v) for k, v in metrics.items() if isinstance(v, (int, float)) and math.isfinite(v)}
         self._log_new_fallbacks()
+        self._num_fallbacks_total += sum(self.fallbacks.values())
+        metrics["rollout/interleave_fallbacks_total"] = float(self._num_fallbacks_total)
         # the broker merges all roles' last metrics: the batch's step lets the progress line pair its reward
         self._report_metrics(step, {**metrics, "orchestrator/step": float(step)})
         self.sink.log(step, metrics)

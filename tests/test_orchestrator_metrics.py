@@ -106,6 +106,15 @@ def test_progress_labels_a_reward_of_another_batch_with_its_step():
     assert "reward 0.300 (latest batch)" in old.line()
 
 
+def test_progress_shows_interleave_fallbacks_once_there_are_any():
+    progress = Progress()
+    progress.update(_Status(1, {"train/reward": 0.2, "orchestrator/step": 1,
+                                "rollout/interleave_fallbacks_total": 0}).message)
+    assert "fallbacks" not in progress.line()
+    progress.update(_Status(2, {"rollout/interleave_fallbacks_total": 5}).message)
+    assert "fallbacks 5 " in progress.line()
+
+
 def test_progress_keeps_a_bounded_number_of_batch_rewards():
     from primerl.cli.run_progress import MAX_BATCHES
 

@@ -1,9 +1,12 @@
 """Print the demo's before/after: held-out mean reward of the SFT checkpoint and of the RL run's final weights.
 
     python scripts/demo_report.py runs/demo/eval/sft runs/demo/eval/rl
+    python scripts/demo_report.py --runs runs/demo runs/demo2 runs/demo3     # several runs: mean and spread
 
-Each argument is a `primerl eval --output` directory (its summary.json). The demo's target: RL raises the
-held-out mean reward by >= 0.1 over the SFT checkpoint, or to >= 0.9.
+Each argument of the first form is a `primerl eval --output` directory (its summary.json). The demo's target:
+RL raises the held-out mean reward by >= 0.1 over the SFT checkpoint, or to >= 0.9. With ``--runs``, each
+argument is a demo's RUN_DIR (its eval/sft and eval/rl); one row per run, then mean, min-max and whether the
+runs' figures are identical.
 """
 
 from __future__ import annotations
@@ -24,7 +27,30 @@ def _summary(directory: str) -> dict:
         raise SystemExit(f"demo_report: cannot read {path}: {exc}") from None
 
 
+def spread(run_dirs: list[str]) -> str:
+    """One row per demo run (SFT, RL, gain held-out), then the mean and min-max of each column."""
+    rows = []
+    for run_dir in run_dirs:
+        before, after = _summary(str(Path(run_dir) / "eval" / "sft")), _summary(str(Path(run_dir) / "eval" / "rl"))
+        rows.append((run_dir, before["reward_mean"], after["reward_mean"], after["reward_mean"] - before["reward_mean"]))
+    lines = [f"  {'run':<28}{'SFT':>14}{'RL':>14}{'gain':>14}"]
+    lines += [f"  {name:<28}{sft:>14.3f}{rl:>14.3f}{gain:>+14.3f}" for name, sft, rl, gain in rows]
+    columns = list(zip(*(row[1:] for row in rows)))
+    lines.append(f"  {'mean':<28}" + "".join(f"{sum(c) / len(c):>+14.3f}" if i == 2 else f"{sum(c) / len(c):>14.3f}"
+                                            for i, c in enumerate(columns)))
+    lines.append(f"  {'min-max':<28}" + "".join(f"{min(c):.3f}-{max(c):.3f}".rjust(14) for c in columns))
+    for label, column in zip(("SFT", "RL"), columns[:2]):
+        lines.append(f"  {label} held-out identical in every run: {'yes' if len(set(column)) == 1 else 'no'}")
+    return "\n".join(lines)
+
+
 def main(argv: list[str]) -> int:
+    if argv[:1] == ["--runs"]:
+        if len(argv) < 2:
+            print(__doc__, file=sys.stderr)
+            return 2
+        print(spread(argv[1:]))
+        return 0
     if len(argv) != 2:
         print(__doc__, file=sys.stderr)
         return 2

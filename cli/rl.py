@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import warnings
 from pathlib import Path
@@ -12,7 +13,8 @@ from primerl.runtime.config_base import ConfigError, ConfigWarning
 from primerl.runtime.config_loader import dump_toml, load_config, parse_config_args, write_toml
 
 USAGE = ("primerl rl @ CONFIG.toml [@ MORE.toml ...] [--section.key VALUE ...] [--run-dir DIR] [--tmux]\n"
-         "                  [--restart {on-failure,never}] [--restart-limit N] [--dry-run [--write DIR]]")
+         "                  [--restart {on-failure,never}] [--restart-limit N] [--check | --no-preflight]\n"
+         "                  [--dry-run [--write DIR]]")
 EPILOG = """\
 config files (later ones win; tables merge, arrays and values replace):
   @ config.toml          a run config in the prime-rl shape, the flat lab shape or the legacy vf-rl shape
@@ -22,6 +24,12 @@ settings (applied after all files; dashes in keys are underscores):
   --trainer.ckpt.resume-step 50         --inference-gpu-ids [0,1]
   --orchestrator.buffer.online-difficulty-filtering   (true)
   --no-orchestrator.mask-truncated-completions        (false)
+
+before anything starts, a preflight (a few seconds) checks the config against this machine: the env interpreter
+imports verifiers, every environment loads with its args, sampled prompts fit seq_len after the chat template,
+the model and tokenizer paths exist, fixed ports are free, W&B has a login (else it logs offline, with a warning).
+Each mistake is one line and exit status 2; details in {run_dir}/logs/preflight.log. --check runs only the
+preflight; --no-preflight skips it.
 
 a run (without --dry-run) writes rl.toml and one <role>.toml per role into the run directory (output_dir),
 starts broker, inference, orchestrator and trainer with their logs in {run_dir}/logs/<role>.log, shows the
@@ -54,6 +62,9 @@ def _parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--dry-run", action="store_true", help="print the resolved config of each role and exit")
     parser.add_argument("--write", metavar="DIR", type=Path, help="with --dry-run: write each role's config to DIR")
+    parser.add_argument("--check", action="store_true",
+                        help="run the preflight checks (environments, prompts, model, ports, W&B) and exit")
+    parser.add_argument("--no-preflight", action="store_true", help="start without the preflight checks")
     parser.add_argument("--run-dir", metavar="DIR", type=Path,
                         help="directory of the run (sets output_dir, which every role writes under)")
     parser.add_argument("--tmux", action="store_true", help="also open a tmux session with one pane per role's log")
@@ -74,12 +85,20 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _preflight(config) -> int | None:
+    """The preflight of the whole run (`primerl.cli.preflight`): None when nothing stops the start, else 2."""
+    from primerl.cli.preflight import rl_preflight
+
+    return rl_preflight(config, Path(config.output_dir) / "logs" / "preflight.log")
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of `primerl rl`; returns the exit status."""
     argv = sys.argv[1:] if argv is None else list(argv)
     parser = _parser()
     try:
-        parsed = parse_config_args(argv, cli_flags={"--dry-run", "--tmux", "-h", "--help"},
+        parsed = parse_config_args(argv, cli_flags={"--dry-run", "--tmux", "--check", "--no-preflight", "-h",
+                                              "--help"},
                                    cli_options={"--write", "--run-dir", "--inference-timeout-s", "--stop-timeout-s",
                                                 *RESTART_OPTIONS})
         try:
@@ -105,6 +124,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"primerl rl: {err}", file=sys.stderr)
         return 2
 
+    if args.check:
+        return _preflight(config) or 0
     if not args.dry_run:
         if args.inference_timeout_s <= 0 or args.stop_timeout_s <= 0:
             print("primerl rl: --inference-timeout-s and --stop-timeout-s must be > 0", file=sys.stderr)
@@ -115,7 +136,13 @@ def main(argv: list[str] | None = None) -> int:
         except ValueError as err:
             print(f"primerl rl: {err}", file=sys.stderr)
             return 2
+        status = None if args.no_preflight else _preflight(config)
+        if status is not None:
+            return status
+        from primerl.cli.preflight import SKIP_VAR
         from primerl.cli.launcher import LaunchOptions, Launcher
+
+        os.environ[SKIP_VAR] = "1"  # checked here (or skipped on purpose): the roles inherit it and skip theirs
 
         options = LaunchOptions(inference_timeout_s=args.inference_timeout_s, stop_timeout_s=args.stop_timeout_s,
                                 tmux=args.tmux, restart=restart)

@@ -1,5 +1,7 @@
 """What the role daemons' entry points share: config loading from `@ file.toml` and overrides, `--dry-run`
-printing the resolved config, `--ready-file` for launchers, and the run token from `$PRIMERL_RUN_TOKEN`."""
+printing the resolved config, `--ready-file` for launchers, the run token from `$PRIMERL_RUN_TOKEN`, and the
+preflight checks of the role before it starts (`primerl.cli.preflight`; skipped under `primerl rl`, which ran
+them for every role)."""
 
 from __future__ import annotations
 
@@ -23,6 +25,7 @@ config files (later ones win) and settings (dashes in keys are underscores):
 
 environment:
   PRIMERL_RUN_TOKEN             the run token, unless given on the command line (keeps it out of files)
+  PRIMERL_SKIP_PREFLIGHT=1      start without the preflight checks (primerl rl sets it: it checked already)
 """
 
 
@@ -81,6 +84,11 @@ def run_role(
     if args.dry_run:
         print(dump_toml(config, redact_secrets=True), end="")
         return 0
+    from primerl.cli.preflight import role_preflight
+
+    status = role_preflight(prog, role, config)  # a mistake: one line each and 2, before anything starts
+    if status is not None:
+        return status
     return serve(config, args)
 
 

@@ -23,6 +23,10 @@ line is a few KB at most). A reader of a running run may see a half-written last
 
 Weights & Biases (``[wandb]`` in the role config): one W&B run per role, named ``{name}-{role}`` and grouped by
 ``name``, in ``{output_dir}/wandb``; ``offline = true`` logs to files only (``wandb sync`` uploads them later).
+Without a W&B login on this machine (no ``$WANDB_API_KEY`` or ``$WANDB_IDENTITY_TOKEN_FILE``, no entry for the W&B
+host in ``~/.netrc``, no key in wandb's settings file) an online run is logged offline instead, with a warning;
+without the wandb package W&B is left off, with a warning (``wandb_plan``; the preflight prints the same line).
+``$WANDB_MODE=offline`` or ``disabled`` wins over the config.
 Every metric is plotted against ``{role}/step`` (logged with each row), not W&B's own step counter, so roles
 at different steps and rows logged twice for a step never trip W&B's monotonic-step check. W&B prints
 nothing and captures no console output (daemon logs stay clean). The keys users look for: ``train/reward``,
@@ -32,13 +36,17 @@ tokens), ``rollout/mean_length``, ``rollout/generation_time``.
 
 from __future__ import annotations
 
+import configparser
 import json
 import math
+import netrc
 import os
 import time
 from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
+from urllib.parse import urlparse
 
 from primerl.runtime.config_common import WandbConfig
 from primerl.runtime.log_setup import get_logger
@@ -63,7 +71,7 @@ class MetricsSink:
         output_dir.mkdir(parents=True, exist_ok=True)
         self.path = output_dir / METRICS_FILE_NAME
         self._wandb_run = None
-        if wandb_config is not None:  # first: a missing package or a W&B refusal stops the role at start
+        if wandb_config is not None:  # first: a W&B refusal stops the role at start
             self._wandb_run = start_wandb_run(role, wandb_config, output_dir, run_config)
         self._fd: int | None = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
 
@@ -125,15 +133,79 @@ def config_for_wandb(run_config: Any) -> dict[str, Any]:
     return without_secrets(data)
 
 
-def start_wandb_run(role: str, config: WandbConfig, output_dir: Path, run_config: Any = None) -> Any:
-    """``wandb.init`` for one role; ``ValueError`` with the fix when wandb is missing or refuses to start."""
-    os.environ.setdefault("WANDB_SILENT", "true")
+WandbMode = Literal["online", "offline", "disabled", "off"]
+DEFAULT_WANDB_HOST = "https://api.wandb.ai"
+
+
+@dataclass(frozen=True)
+class WandbPlan:
+    """How W&B will run for a ``[wandb]`` config on this machine. ``mode`` "off": no W&B run at all (no wandb
+    package); ``note``: the warning line when the plan differs from the config (None when it does not)."""
+
+    mode: WandbMode
+    note: str | None = None
+
+
+def wandb_login_source() -> str | None:
+    """Where wandb would find an API key on this machine (read from files, no network), or None."""
+    for variable in ("WANDB_API_KEY", "WANDB_IDENTITY_TOKEN_FILE"):
+        if os.environ.get(variable):
+            return f"${variable}"
+    host = urlparse(os.environ.get("WANDB_BASE_URL") or DEFAULT_WANDB_HOST).hostname or ""
+    netrc_path = Path(os.environ.get("NETRC") or Path.home() / ".netrc")
     try:
-        import wandb
-    except ImportError:
-        raise ValueError("[wandb] is set but the wandb package is not installed: pip install 'primerl[wandb]', "
-                         "or remove [wandb] from the config") from None
-    mode = "offline" if config.offline else "online"
+        entry = netrc.netrc(str(netrc_path)).authenticators(host) if netrc_path.is_file() else None
+    except (OSError, netrc.NetrcParseError):
+        entry = None
+    if entry and entry[2]:
+        return str(netrc_path)
+    config_dir = Path(os.environ.get("WANDB_CONFIG_DIR") or Path.home() / ".config" / "wandb")
+    settings = configparser.ConfigParser()
+    try:
+        settings.read(config_dir / "settings")
+    except configparser.Error:
+        return None
+    if settings.get("default", "api_key", fallback=None):
+        return str(config_dir / "settings")
+    return None
+
+
+def wandb_plan(config: WandbConfig, output_dir: str | os.PathLike[str]) -> WandbPlan:
+    """Online when configured and logged in; offline (with a note) when there is no login; off (with a note)
+    without the wandb package. ``$WANDB_MODE`` = offline / disabled wins over the config."""
+    import importlib.util
+
+    wandb_dir = Path(output_dir) / "wandb"
+    if importlib.util.find_spec("wandb") is None:
+        return WandbPlan("off", "[wandb] is set but the wandb package is not installed: metrics go to "
+                                f"{Path(output_dir) / METRICS_FILE_NAME} only (pip install 'primerl[wandb]' to log "
+                                "to W&B)")
+    forced = os.environ.get("WANDB_MODE", "").strip().lower()
+    if forced in ("offline", "dryrun", "disabled"):
+        return WandbPlan("disabled" if forced == "disabled" else "offline")
+    if config.offline:
+        return WandbPlan("offline")
+    if wandb_login_source() is None:
+        host = urlparse(os.environ.get("WANDB_BASE_URL") or DEFAULT_WANDB_HOST).hostname
+        return WandbPlan("offline", f"W&B is on ([wandb], or run_name in a vf-rl config) but this machine has no "
+                                    f"W&B login (no $WANDB_API_KEY, no {host} in ~/.netrc): logging offline to "
+                                    f"{wandb_dir}; `wandb login` then `wandb sync {wandb_dir}/offline-run-*` "
+                                    "uploads it (set [wandb] offline = true to silence this)")
+    return WandbPlan("online")
+
+
+def start_wandb_run(role: str, config: WandbConfig, output_dir: Path, run_config: Any = None) -> Any:
+    """``wandb.init`` for one role as ``wandb_plan`` says (None when it says "off"); ``ValueError`` with the fix
+    when W&B refuses to start."""
+    plan = wandb_plan(config, output_dir)
+    if plan.note:
+        log.warning(plan.note, role=role)
+    if plan.mode == "off":
+        return None
+    os.environ.setdefault("WANDB_SILENT", "true")
+    import wandb
+
+    mode = plan.mode
     try:
         run = wandb.init(
             project=config.project, name=f"{config.name}-{role}" if config.name else None, group=config.name,
@@ -141,8 +213,8 @@ def start_wandb_run(role: str, config: WandbConfig, output_dir: Path, run_config
             settings=wandb.Settings(console="off", silent=True, show_info=False, show_warnings=False),
             reinit="create_new",
         )
-    except Exception as exc:  # wandb's errors (no API key, no network, bad entity) have no common base class
-        hint = "log in with `wandb login` (or set WANDB_API_KEY), " if mode == "online" else ""
+    except Exception as exc:  # wandb's errors (a refused key, no network, bad entity) have no common base class
+        hint = "check the login (`wandb login`, or WANDB_API_KEY), " if mode == "online" else ""
         raise ValueError(f"W&B could not start the {role} run ({type(exc).__name__}: {exc}); {hint}"
                          "set [wandb] offline = true to log to files only, or remove [wandb]") from None
     run.define_metric(f"{role}/step", hidden=True)

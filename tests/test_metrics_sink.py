@@ -148,11 +148,64 @@ def test_wandb_offline_run_holds_every_row_against_the_roles_step(tmp_path, capf
     assert [r["step"] for r in rows] == [1, 2, 3, 2]
 
 
-def test_wandb_missing_is_a_clear_error(tmp_path, monkeypatch):
+@pytest.fixture
+def no_wandb_login(tmp_path, monkeypatch):
+    """A machine without a W&B login: no key in the environment, an empty home (no ~/.netrc, no settings)."""
+    home = tmp_path / "home"
+    home.mkdir()
+    for variable in ("WANDB_API_KEY", "WANDB_IDENTITY_TOKEN_FILE", "WANDB_MODE", "NETRC", "WANDB_CONFIG_DIR",
+                     "WANDB_BASE_URL"):
+        monkeypatch.delenv(variable, raising=False)
+    monkeypatch.setenv("HOME", str(home))
+    return home
+
+
+def test_wandb_missing_leaves_wandb_off_with_a_warning(tmp_path, monkeypatch, capfd):
+    from primerl.runtime.log_setup import configure_logging
+
+    configure_logging("trainer", level="info")
     monkeypatch.setitem(sys.modules, "wandb", None)  # import wandb raises ImportError
-    with pytest.raises(ValueError, match=r"pip install 'primerl\[wandb\]', or remove \[wandb\]"):
-        MetricsSink("trainer", tmp_path, WandbConfig(offline=True))
-    assert not (tmp_path / "metrics.jsonl").exists()
+    with MetricsSink("trainer", tmp_path, WandbConfig(offline=True)) as sink:
+        sink.log(1, {"train/loss": 0.5})
+    assert [r["train/loss"] for r in read_rows(tmp_path)] == [0.5]  # the run goes on: metrics.jsonl has them
+    assert "wandb package is not installed" in capfd.readouterr().err
+    assert not (tmp_path / "wandb").exists()
+
+
+def test_wandb_plan_online_without_a_login_is_offline_with_the_fix(no_wandb_login, tmp_path, monkeypatch):
+    from primerl.runtime.metrics_sink import WandbPlan, wandb_login_source, wandb_plan
+
+    config = WandbConfig(name="demo")
+    plan = wandb_plan(config, tmp_path / "run")
+    assert plan.mode == "offline"
+    assert "no W&B login" in plan.note and f"logging offline to {tmp_path / 'run' / 'wandb'}" in plan.note
+    assert "`wandb login`" in plan.note and "wandb sync" in plan.note
+    assert wandb_plan(WandbConfig(offline=True), tmp_path) == WandbPlan("offline")  # asked for: no note
+    # a login in ~/.netrc (what `wandb login` writes), or a key in the environment: online as configured
+    (no_wandb_login / ".netrc").write_text("machine api.wandb.ai\n  login user\n  password " + "k" * 40 + "\n")
+    (no_wandb_login / ".netrc").chmod(0o600)
+    assert wandb_login_source() == str(no_wandb_login / ".netrc")
+    assert wandb_plan(config, tmp_path).mode == "online"
+    (no_wandb_login / ".netrc").unlink()
+    monkeypatch.setenv("WANDB_API_KEY", "k" * 40)
+    assert wandb_plan(config, tmp_path).mode == "online"
+    monkeypatch.setenv("WANDB_MODE", "disabled")  # the environment wins over the config
+    assert wandb_plan(config, tmp_path).mode == "disabled"
+
+
+def test_wandb_online_without_a_login_logs_offline(no_wandb_login, tmp_path, capfd):
+    """The vf-rl example's `run_name` turns W&B on; on a machine without a login the role logs offline instead of
+    stopping (it stopped with `UsageError: No API key configured` after vLLM's start-up)."""
+    from primerl.runtime.log_setup import configure_logging
+
+    configure_logging("orchestrator", level="info")
+    with MetricsSink("orchestrator", tmp_path, WandbConfig(project="primerl-test", name="demo")) as sink:
+        sink.log(1, {"train/reward": 0.25})
+    assert "no W&B login" in capfd.readouterr().err
+    run_dirs = list((tmp_path / "wandb").glob("offline-run-*"))
+    assert len(run_dirs) == 1
+    history = [r["history"]["item"] for r in wandb_records(run_dirs[0]) if r["type"] == "history"]
+    assert [(h["orchestrator/step"], h["train/reward"]) for h in history] == [(1, 0.25)]
 
 
 def test_config_for_wandb_drops_secrets_at_any_depth():

@@ -1,0 +1,212 @@
+"""Preflight checks of the environments: the env interpreter imports verifiers, each environment loads in an env
+worker with its args (an unknown id gets a did-you-mean among the installed ones), and a sample of its prompts,
+after the model's chat template, fits `seq_len` and the inference server's `max_model_len`.
+
+The env workers are the ones training uses (`primerl.orchestrator.env_client.EnvWorker`, started the same way),
+so what loads here loads in the run; they are closed before the run starts its own. All environments load at
+once, and the tokenizer loads meanwhile."""
+
+from __future__ import annotations
+
+import concurrent.futures
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from primerl.cli.preflight import Check, Finding, error, warning
+
+ENV_START_TIMEOUT_S = 60.0
+"""An env worker that has not loaded its environment by then is reported (the run would wait 120 s for it)."""
+NUM_SAMPLED_PROMPTS = 8
+"""Prompts per environment measured against seq_len, spread evenly over its dataset."""
+INSTALL_HINT = "Install yours with `primerl env install PATH`."
+
+
+@dataclass(frozen=True)
+class EnvUse:
+    """One environment of the config: ``setting`` names its table (``orchestrator.env[0]``)."""
+
+    setting: str
+    id: str
+    args: dict[str, Any]
+    split: str  # where its prompts come from: "train" for training envs, "eval" for eval envs
+
+
+@dataclass
+class LoadedEnv:
+    use: EnvUse
+    prompts: list[Any]  # chat messages (list of dicts) or a plain string, as the environment gives them
+    num_examples: int
+    error: BaseException | None = None
+    stderr: str = ""
+
+
+def env_uses(orchestrator, prefix: str) -> list[EnvUse]:
+    uses = [EnvUse(f"{prefix}env[{i}]", env.id, dict(env.args), "train") for i, env in enumerate(orchestrator.env)]
+    if orchestrator.eval is not None:
+        uses += [EnvUse(f"{prefix}eval.env[{i}]", env.id, dict(env.args), "eval")
+                 for i, env in enumerate(orchestrator.eval.env)]
+    return uses
+
+
+def env_checks(orchestrator, *, prefix: str, tokenizer: str | None, max_model_len: int | None) -> Check:
+    """The environments of an orchestrator config; prompts measured with ``tokenizer`` (skipped when None)."""
+
+    def check() -> list[Finding]:
+        from primerl.runtime.env_python import find_env_python
+
+        env_python = find_env_python(orchestrator.env_python)
+        setting = f"{prefix}env_python"
+        if not Path(env_python.path).exists():
+            return [error(f"the env interpreter {env_python.describe()} does not exist: build it (`make setup`, or "
+                          f"`primerl env install PATH` creates it) or set {setting}")]
+        return check_environments(env_uses(orchestrator, prefix), env_python.path, env_python.describe(),
+                                  setting=setting, tokenizer=tokenizer, seq_len=orchestrator.seq_len,
+                                  max_model_len=max_model_len, max_tokens=orchestrator.sampling.max_tokens,
+                                  prefix=prefix)
+
+    return check
+
+
+def check_environments(uses: list[EnvUse], env_python: str, described: str, *, setting: str,
+                       tokenizer: str | None, seq_len: int, max_model_len: int | None, max_tokens: int | None,
+                       prefix: str) -> list[Finding]:
+    from primerl.runtime.env_python import EnvProbeError, probe_env_python
+
+    unique: dict[tuple[str, str, str], EnvUse] = {}
+    for use in uses:
+        unique.setdefault((use.id, repr(sorted(use.args.items())), use.split), use)
+    with concurrent.futures.ThreadPoolExecutor(len(unique) + 2, thread_name_prefix="preflight-env") as pool:
+        probe = pool.submit(probe_env_python, env_python, timeout_s=ENV_START_TIMEOUT_S)
+        loads = {key: pool.submit(load_env, use, env_python) for key, use in unique.items()}
+        loaded_tokenizer = pool.submit(load_tokenizer, tokenizer) if tokenizer is not None else None
+        try:
+            installed = probe.result()
+        except EnvProbeError as exc:
+            return [error(f"the env interpreter {described} cannot be run: {exc}; set {setting} to a working "
+                          "interpreter")]
+        results = {key: future.result() for key, future in loads.items()}
+        tok, tokenizer_error = loaded_tokenizer.result() if loaded_tokenizer is not None else (None, None)
+
+    if installed.verifiers_version is None or any(_no_verifiers(r.error) for r in results.values()):
+        detail = next((r.stderr for r in results.values() if _no_verifiers(r.error)), "")
+        return [error(f"the env interpreter {described} cannot import verifiers: install it there "
+                      f"(`{env_python} -m pip install verifiers==0.3.1`, or `primerl env install PATH` with the "
+                      f"default interpreter) or set {setting} to an interpreter that has it", detail)]
+    findings = []
+    installed_ids = [env.id for env in installed.envs]
+    for key, use in unique.items():
+        result = results[key]
+        if result.error is not None:
+            findings.append(load_finding(use, result, installed_ids))
+    if tokenizer_error is not None:
+        findings.append(warning(f"prompt lengths not checked: the tokenizer {tokenizer!r} did not load "
+                                f"({tokenizer_error.splitlines()[-1]})", tokenizer_error))
+    elif tok is not None:
+        for key, use in unique.items():
+            if results[key].error is None:
+                findings.extend(length_findings(use, results[key].prompts, tok, seq_len=seq_len,
+                                                max_model_len=max_model_len, max_tokens=max_tokens, prefix=prefix))
+    return findings
+
+
+def load_env(use: EnvUse, env_python: str) -> LoadedEnv:
+    """Load the environment in an env worker and read a sample of its prompts; errors come back in the result."""
+    from primerl.orchestrator.env_client import EnvWorker, EnvWorkerError
+
+    worker = EnvWorker(env_python, use.id, use.args, start_timeout_s=ENV_START_TIMEOUT_S,
+                       request_timeout_s=ENV_START_TIMEOUT_S, max_restarts=0)
+    try:
+        info = worker.start()
+        split = use.split if use.split == "train" or info.has_eval_dataset else "train"
+        size = info.num_examples if split == "train" else info.num_eval_examples
+        indices = sorted({i * size // NUM_SAMPLED_PROMPTS for i in range(min(size, NUM_SAMPLED_PROMPTS))})
+        prompts = [example.prompt for i in indices for example in worker.examples(split, i, 1)]
+        return LoadedEnv(use, prompts, size)
+    except EnvWorkerError as exc:
+        return LoadedEnv(use, [], 0, exc, worker.stderr_tail())
+    finally:
+        worker.close()
+
+
+def _no_verifiers(exc: BaseException | None) -> bool:
+    return exc is not None and "verifiers is not importable" in str(exc)
+
+
+def load_finding(use: EnvUse, result: LoadedEnv, installed_ids: list[str]) -> Finding:
+    """The one line for an environment that did not load: an unknown id, or its `load_environment` failing."""
+    from primerl.orchestrator.env_client import EnvRequestError, EnvRequestTimeout
+    from primerl.runtime.env_python import suggest_env_ids
+
+    exc = result.error
+    detail = f"{type(exc).__name__}: {exc}\n--- env worker stderr ---\n{result.stderr}"
+    module = use.id.replace("-", "_").split("/")[-1]  # verifiers' rule: id reverse-text is module reverse_text
+    if isinstance(exc, EnvRequestError) and f"No module named '{module}'" in str(exc):
+        suggestions = suggest_env_ids(use.id, installed_ids)
+        if suggestions:
+            hint = "did you mean " + " or ".join(f'"{s}"' for s in suggestions) + f"? {INSTALL_HINT}"
+        elif installed_ids:
+            hint = f"installed: {', '.join(installed_ids)}. {INSTALL_HINT}"
+        else:
+            hint = f"none is installed there. {INSTALL_HINT}"
+        return error(f'{use.setting}.id "{use.id}" is not an installed environment; {hint}', detail)
+    if isinstance(exc, EnvRequestTimeout):
+        return error(f'{use.setting} "{use.id}" did not load within {ENV_START_TIMEOUT_S:g} s; see what its '
+                     "load_environment waits for (the log has its output)", detail)
+    if isinstance(exc, EnvRequestError):
+        cause = str(exc).split(" <- ")[-1]  # the innermost exception of the chain the worker sends
+        return error(f'{use.setting} "{use.id}": load_environment({_args(use.args)}) raised {cause}; fix the '
+                     f"environment or its args ({use.setting}.args); the traceback is in the log", detail)
+    first_line = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+    return error(f'{use.setting} "{use.id}": its env worker failed: {first_line}', detail)
+
+
+def _args(args: dict[str, Any]) -> str:
+    text = ", ".join(f"{k}={v!r}" for k, v in args.items())
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def load_tokenizer(name: str) -> tuple[Any, str | None]:
+    """(tokenizer, None), or (None, the traceback) when it does not load (the model check says why)."""
+    import traceback
+
+    try:
+        from transformers import AutoTokenizer
+
+        return AutoTokenizer.from_pretrained(name), None
+    except Exception:  # noqa: BLE001 - handed back as a warning with its traceback
+        return None, traceback.format_exc()
+
+
+def prompt_tokens(tokenizer: Any, prompt: Any) -> int:
+    """Tokens of a prompt as the inference server sees it: chat messages through the chat template with the
+    generation prompt, a plain string as is."""
+    if isinstance(prompt, str):
+        return len(tokenizer(prompt)["input_ids"])
+    text = tokenizer.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True)
+    return len(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
+def length_findings(use: EnvUse, prompts: list[Any], tokenizer: Any, *, seq_len: int, max_model_len: int | None,
+                    max_tokens: int | None, prefix: str) -> list[Finding]:
+    """A prompt that leaves no room for a completion within seq_len, or that vLLM would refuse with max_tokens."""
+    if not prompts:
+        return []
+    try:
+        longest = max(prompt_tokens(tokenizer, prompt) for prompt in prompts)
+    except Exception as exc:  # noqa: BLE001 - e.g. a tokenizer without a chat template
+        import traceback
+
+        message = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        return [error(f'{use.setting} "{use.id}": its prompts cannot be put through the tokenizer\'s chat template '
+                      f"({message}); use a model with a chat template (an instruct model)", traceback.format_exc())]
+    what = f'{use.setting} "{use.id}": prompts are up to {longest} tokens after the chat template ({len(prompts)} sampled)'
+    room = f" + {prefix}sampling.max_tokens ({max_tokens})" if max_tokens else ""
+    if longest >= seq_len:
+        return [error(f"{what}, which leaves no room for a completion within {prefix}seq_len = {seq_len}; raise "
+                      f"seq_len above {longest}{room}, or shorten the prompts ({use.setting}.args)")]
+    if max_model_len is not None and longest + (max_tokens or 1) > max_model_len:
+        return [error(f"{what}{room} > inference.model.max_model_len = {max_model_len}: vLLM would refuse them; "
+                      f"raise max_model_len (and seq_len) to {longest + (max_tokens or 1)} or more, or lower "
+                      f"{prefix}sampling.max_tokens")]
+    return []

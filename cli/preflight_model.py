@@ -1,0 +1,121 @@
+"""Preflight checks of the model and tokenizer names: a local directory that holds what it should, or a Hugging
+Face id that is in the local cache (or, for vLLM alone, one it may download). The trainer loads from a directory
+only (`trainer/model.py`), so its names must be directories. No network is used.
+
+Without this, a missing local path reached vLLM as a repo id and failed after its start-up with
+`HFValidationError: Repo id must be in the form 'repo_name'...`."""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Literal
+
+from primerl.cli.preflight import Check, Finding, error
+
+Kind = Literal["model", "tokenizer"]
+
+WEIGHT_PATTERNS = ("*.safetensors", "*.bin", "*.pt", "*.pth", "*.gguf")
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "tekken.json")
+# huggingface_hub's rule for repo ids: one optional namespace, word characters, '-' and '.', no '--' or '..'.
+HUB_ID = re.compile(r"^(?!.*(--|\.\.))[\w.-]{1,96}(/[\w.-]{1,96})?$")
+
+
+def looks_like_hub_id(name: str) -> bool:
+    return not name.startswith((".", "/", "~")) and HUB_ID.match(name) is not None
+
+
+def hub_offline() -> bool:
+    return any(os.environ.get(var, "").strip().lower() in ("1", "true", "yes", "on")
+               for var in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"))
+
+
+def local_problem(setting: str, path: Path, kind: Kind) -> str | None:
+    """What is wrong with an existing local path as a ``kind`` directory, or None."""
+    if not path.is_dir():
+        return f"{setting} = {str(path)!r} is a file, not a {kind} directory; give the directory that holds it"
+    files = {p.name for p in path.iterdir()}
+    if kind == "model":
+        if "config.json" not in files:
+            steps = sorted((int(m.group(1)), p) for p in (path / "weights").glob("step_*")
+                           if (m := re.fullmatch(r"step_(\d+)", p.name)) and (p / "config.json").is_file())
+            if steps:
+                return (f"{setting} = {str(path)!r} is a run directory, not a model; give its exported weights, "
+                        f"e.g. {steps[-1][1]}")
+            if "adapter_config.json" in files:
+                return (f"{setting} = {str(path)!r} is a LoRA adapter, not a model; give the base model (and the "
+                        "adapter as a checkpoint to resume from)")
+            return f"{setting} = {str(path)!r} holds no config.json: not a Hugging Face model directory"
+        if not any(path.glob(pattern) for pattern in WEIGHT_PATTERNS):
+            return f"{setting} = {str(path)!r} holds a config.json but no weights (*.safetensors, *.bin)"
+    if kind == "tokenizer" and not files.intersection(TOKENIZER_FILES):
+        return (f"{setting} = {str(path)!r} holds no tokenizer files ({', '.join(TOKENIZER_FILES[:2])}); set it "
+                "to a directory with a tokenizer")
+    return None
+
+
+def cached_snapshot(name: str, kind: Kind) -> Path | None:
+    """The directory of ``name`` in the local Hugging Face cache (its snapshot), or None when it is not there."""
+    from huggingface_hub import try_to_load_from_cache
+
+    for file in ("config.json",) if kind == "model" else ("tokenizer_config.json", "tokenizer.json"):
+        cached = try_to_load_from_cache(name, file)
+        if isinstance(cached, str):
+            return Path(cached).parent
+    return None
+
+
+def hub_problem(setting: str, name: str, kind: Kind, *, local_only: bool) -> str | None:
+    """A name that is not a local path: is it a Hugging Face id that can be loaded here? None when it can.
+    ``local_only``: the role loads from a directory only (the trainer), so a hub id never does."""
+    if not looks_like_hub_id(name):
+        return f"{setting} = {name!r} does not exist (no {Path.cwd() / name}); give the path of a {kind} directory"
+    snapshot = cached_snapshot(name, kind)
+    if snapshot is not None:
+        if local_only:
+            return (f"{setting} = {name!r} is a Hugging Face id, but the trainer loads from a directory only; "
+                    f"set {setting} to its cached copy: {snapshot}")
+        return None
+    offline = hub_offline()
+    if not (local_only or offline):
+        return None  # vLLM downloads it at start
+    return (f"{setting} = {name!r} is neither a directory (no {Path.cwd() / name}) nor a model in the Hugging Face "
+            f"cache{', and downloads are off (HF_HUB_OFFLINE=1)' if offline else ''}: give the path of a {kind} "
+            f"directory, or download it where there is network (`hf download {name} --local-dir DIR`) and give DIR")
+
+
+def name_problem(setting: str, name: str, kind: Kind, *, local_only: bool = False) -> str | None:
+    path = Path(name).expanduser()
+    if path.exists():
+        return local_problem(setting, path, kind)
+    return hub_problem(setting, name, kind, local_only=local_only)
+
+
+def model_checks(names: Mapping[str, tuple[str | None, Kind]], *, shared_name: str | None = None,
+                 local_only: frozenset[str] = frozenset()) -> Check:
+    """Check each ``{setting: (name, kind)}``; settings whose name is the run's ``shared_name`` (`[model] name`)
+    are checked and reported together as ``model.name``. A setting under ``trainer.model.`` (or of a trainer's own
+    config, ``local_only`` below) must be a local directory: the trainer loads nothing from the hub."""
+
+    def check() -> list[Finding]:
+        by_name: dict[tuple[str, str], set[Kind]] = {}
+        local: set[tuple[str, str]] = set()
+        for setting, (name, kind) in names.items():
+            if name is None:
+                continue
+            label = "model.name" if shared_name is not None and name == shared_name else setting
+            by_name.setdefault((label, name), set()).add(kind)
+            if setting.startswith("trainer.model.") or setting in local_only:
+                local.add((label, name))
+        findings = []
+        for (label, name), kinds in by_name.items():
+            for kind in sorted(kinds):  # "model" before "tokenizer": a missing path is reported once
+                problem = name_problem(label, name, kind, local_only=(label, name) in local)
+                if problem is not None:
+                    findings.append(error(problem))
+                    break
+        return findings
+
+    return check

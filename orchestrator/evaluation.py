@@ -16,6 +16,7 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from primerl.orchestrator.seeds import rollout_seed_base
 from primerl.orchestrator.trajectory import RolloutGroup, Split
 
 
@@ -94,7 +95,9 @@ def run_eval_groups(worker: Any, example_indices: Iterable[int], *, num_rollouts
     """Roll out every example (at most `max_concurrent_groups` at once) on `worker` (an `EnvWorker`).
 
     Returns the finished groups in example order and the examples whose request failed (index -> error).
-    `on_group` sees each group as it finishes (progress, streaming results to a file)."""
+    `on_group` sees each group as it finishes (progress, streaming results to a file). A `seed` in `sampling`
+    seeds each example's rollouts apart (``primerl.orchestrator.seeds``, by example index): the same figures
+    whatever the order in which the examples run, where the server honours per-request seeds."""
     if max_concurrent_groups < 1:
         raise ValueError(f"max_concurrent_groups must be >= 1, got {max_concurrent_groups}")
     pending = iter(example_indices)
@@ -106,8 +109,11 @@ def run_eval_groups(worker: Any, example_indices: Iterable[int], *, num_rollouts
         index = next(pending, None)
         if index is None:
             return False
+        example_sampling = dict(sampling)
+        if example_sampling.get("seed") is not None:
+            example_sampling["seed"] = rollout_seed_base(int(example_sampling["seed"]), index, num_rollouts)
         future = worker.submit_rollout(index, split=split, num_rollouts=num_rollouts, base_url=base_url, model=model,
-                                       api_key=api_key, sampling=dict(sampling), timeout_s=timeout_s)
+                                       api_key=api_key, sampling=example_sampling, timeout_s=timeout_s)
         inflight[future] = index
         return True
 

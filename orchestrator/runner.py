@@ -83,6 +83,7 @@ from primerl.orchestrator.filtering import BatchAssembler, DifficultyFilter
 from primerl.orchestrator.packing import pack_samples, to_broker_batches
 from primerl.orchestrator.rollout_failures import RolloutFailures, kind_name
 from primerl.orchestrator.samples import Group, MalformedTrajectory, TurnTokens, trajectory_to_samples
+from primerl.orchestrator.seeds import rollout_seed_base
 from primerl.orchestrator.throughput import ThroughputWindow
 from primerl.orchestrator.step_send import RESEND_INTERVAL_S, log_step_data, rank_digests, send_step
 from primerl.runtime.broker_outage import OutageStopped, OutageWatch, retry_through_outage
@@ -744,15 +745,8 @@ def _check_loss_tokens_survive(packed: Any, samples: list, seq_len: int) -> None
 
 
 def group_seed(run_seed: int | None, group_id: int, rollouts_per_example: int) -> int | None:
-    """The sampling seed of a rollout group; the env worker seeds rollout ``i`` of the group with this plus ``i``.
-
-    Groups are numbered in draw order (``next_group_id``, saved with the orchestrator's state), so the seeds
-    depend only on the run seed and the draw, not on timing; ``group_id * rollouts_per_example`` keeps the seeds of
-    different groups' rollouts apart (the seed + group id used before gave group g's rollout 1 the seed of group
-    g+1's rollout 0). None (no run seed): unseeded. Kept below 2**31 (backends that take an int32 seed)."""
-    if run_seed is None:
-        return None
-    return (run_seed * 1_000_003 + group_id * rollouts_per_example) % (2**31 - rollouts_per_example)
+    """The sampling seed of training group ``group_id`` (its rollout i: this plus i); ``primerl.orchestrator.seeds``."""
+    return rollout_seed_base(run_seed, group_id, rollouts_per_example)
 
 
 def reward_spread_metrics(rewards: list[float]) -> dict[str, float]:

@@ -297,6 +297,31 @@ def test_rollouts_capture_tokens_logprobs_headers_and_rewards(reverse_worker: En
         assert body["max_completion_tokens"] == 16 and body["stop"] == ["\n\n"]
 
 
+def test_eval_groups_seed_each_example_apart_whatever_the_order(reverse_worker: EnvWorker, fake: FakeOpenAI) -> None:
+    """`run_eval_groups` with a sampling seed: example e's rollout i is sampled with rollout_seed_base(seed, e, n) + i,
+    the same seeds however many groups run at once (so in whichever order they reach the server)."""
+    from primerl.orchestrator.evaluation import run_eval_groups
+    from primerl.orchestrator.seeds import rollout_seed_base
+
+    questions = {reverse_worker.examples("eval", index, 1)[0].prompt[-1]["content"]: index for index in range(5)}
+    seen = []
+    for max_concurrent_groups in (5, 1):
+        num_before = len(fake.requests)
+        groups, failed = run_eval_groups(reverse_worker, range(5), num_rollouts=2, base_url=fake.base_url,
+                                         model="reverse", sampling={"temperature": 1.0, "seed": 3},
+                                         max_concurrent_groups=max_concurrent_groups, timeout_s=60)
+        assert not failed and len(groups) == 5
+        by_example = {}
+        for body in fake.requests[num_before:]:
+            index = questions[[m for m in body["messages"] if m["role"] == "user"][-1]["content"]]
+            by_example.setdefault(index, []).append(body["seed"])
+        assert {index: sorted(seeds) for index, seeds in by_example.items()} == {
+            index: [rollout_seed_base(3, index, 2), rollout_seed_base(3, index, 2) + 1] for index in range(5)}
+        seen.append(by_example)
+    assert len({seed for seeds in seen[0].values() for seed in seeds}) == 10  # no two rollouts share a seed
+    assert {i: sorted(s) for i, s in seen[0].items()} == {i: sorted(s) for i, s in seen[1].items()}
+
+
 def test_many_requests_in_flight_answer_out_of_order(reverse_worker: EnvWorker, fake: FakeOpenAI) -> None:
     async def run() -> list[Any]:
         return await asyncio.gather(*(

@@ -419,7 +419,7 @@ class OrchestratorRunner:
             groups, failed = run_eval_groups(
                 worker, range(count), num_rollouts=eval_config.rollouts_per_example, base_url=endpoint.base_url,
                 model=config.model.name, api_key=config.broker.run_token or "EMPTY",
-                sampling=config.sampling.model_dump() | {"seed": None}, split="eval",
+                sampling=config.sampling.model_dump(), split="eval",  # seeded by example index when seeded
                 max_concurrent_groups=max(1, count), timeout_s=config.rollout_timeout_s)
             for index, error in failed.items():  # counted and reported like training rollouts
                 log.warning("eval group failed", env_id=env_id, example_index=index, error=error)

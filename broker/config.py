@@ -38,13 +38,19 @@ class BrokerConfig(BaseConfig):
         description="Interface that the gRPC server and the ZeroMQ sockets bind (`0.0.0.0` for all interfaces).",
     )
     grpc_port: int = Field(
-        DEFAULT_BROKER_GRPC_PORT, ge=0, le=65535, description="gRPC control-plane port (0: pick a free port)."
+        DEFAULT_BROKER_GRPC_PORT, ge=0, le=65535,
+        description="gRPC control-plane port (0: pick a free port). Under `primerl rl`, unset means a free port: the "
+        "launcher tells the other roles the one bound.",
     )
     rollout_port: int = Field(
-        50052, ge=0, le=65535, description="ZeroMQ port for rollout batches (orchestrator in, trainer ranks out)."
+        50052, ge=0, le=65535,
+        description="ZeroMQ port for rollout batches (orchestrator in, trainer ranks out); workers learn it when they "
+        "register. Under `primerl rl`, unset means a free port.",
     )
     weight_port: int = Field(
-        50053, ge=0, le=65535, description="ZeroMQ port for weight updates (trainer in, inference workers out)."
+        50053, ge=0, le=65535,
+        description="ZeroMQ port for weight updates (trainer in, inference workers out); workers learn it when they "
+        "register. Under `primerl rl`, unset means a free port.",
     )
     spool_dir: Path = Field(
         Path("outputs/broker/spool"),

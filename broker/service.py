@@ -19,9 +19,12 @@ the committed step, steps, policy version, metrics and run id it showed before.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import errno
 import threading
 import uuid
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 
 import zmq
@@ -85,6 +88,33 @@ class _AnnouncingWeightStore(WeightStore):
         self._on_lineage(status.lineage, status.lineage_base_version, status.num_rollbacks)
 
 
+class PortUnavailable(OSError):
+    """A port of the broker cannot be bound (in use, or ``host`` is no address of this machine); the message
+    names the address and the setting to change."""
+
+
+@contextlib.contextmanager
+def _naming_the_setting(setting: str, what: str, host: str, port: int) -> Iterator[None]:
+    """Turn a bind failure of one plane into ``PortUnavailable`` that says which setting to change."""
+    try:
+        yield
+    except (OSError, RuntimeError) as exc:  # gRPC: OSError; the ZeroMQ planes: RuntimeError from a ZMQError
+        code = getattr(exc.__cause__, "errno", None) or getattr(exc, "errno", None)
+        if code == errno.EADDRINUSE:
+            reason = "the port is in use (by another run's broker?)"
+        elif code == errno.EADDRNOTAVAIL:
+            reason = f"{host} is not an address of this machine"
+        elif isinstance(exc, OSError) and code is None:  # gRPC does not say which
+            reason = "the port is in use or the host is not an address of this machine"
+        else:
+            reason = str(exc.__cause__ or exc)
+        raise PortUnavailable(
+            f"the broker cannot bind its {what} port {host}:{port}: {reason}. Change broker.{setting} "
+            f"(primerl-broker --{setting.replace('_', '-')} N; 0 picks a free port; under `primerl rl`, unset means "
+            "a free one) or broker.host"
+        ) from exc
+
+
 class BrokerService:
     def __init__(self, config: BrokerConfig):
         self.config = config
@@ -123,7 +153,8 @@ class BrokerService:
 
     def start(self) -> BrokerEndpoints:
         """Bind and start every plane; on any failure, stop what started and re-raise (``ValueError`` when the
-        Prometheus port cannot be bound, ``OSError`` for the other ports)."""
+        Prometheus port cannot be bound, ``PortUnavailable``, an ``OSError``, for the other ports: both name the
+        setting to change)."""
         config = self.config
         try:
             self.exporter = start_exporter("broker", config.prometheus)
@@ -143,7 +174,8 @@ class BrokerService:
                 limits=self.limits, auth_token=config.run_token, on_error=self._on_data_plane_error,
                 rcv_hwm=config.rollout_hwm, max_connections=config.max_rollout_connections,
             )
-            rollout_port = self.rollout_plane.start()
+            with _naming_the_setting("rollout_port", "ZeroMQ rollout", config.host, config.rollout_port):
+                rollout_port = self.rollout_plane.start()
             self.weight_plane = WeightPlane(
                 self.weight_store, self._context, config.host, config.weight_port,
                 limits=self.limits, auth_token=config.run_token, chunk_bytes=self.chunk_bytes,
@@ -155,15 +187,17 @@ class BrokerService:
                 # The latest weight chain survives a restart too (``weight_durable``; the spool's lock covers it).
                 durable_dir=config.spool_dir / WEIGHTS_SUBDIR,
             )
-            weight_port = self.weight_plane.start()
+            with _naming_the_setting("weight_port", "ZeroMQ weight", config.host, config.weight_port):
+                weight_port = self.weight_plane.start()
             if self.weight_store.latest_version is not None:  # a reloaded durable chain: its lineage too
                 self.weight_store.announce_lineage()
             client_host = config.client_host
             self.registry.set_endpoints(tcp_endpoint(client_host, rollout_port), tcp_endpoint(client_host, weight_port))
-            self._server, grpc_port = create_grpc_server(
-                self.servicer, config.host, config.grpc_port, run_token=config.run_token,
-                tls_cert_path=config.tls_cert_path, tls_key_path=config.tls_key_path,
-            )
+            with _naming_the_setting("grpc_port", "gRPC", config.host, config.grpc_port):
+                self._server, grpc_port = create_grpc_server(
+                    self.servicer, config.host, config.grpc_port, run_token=config.run_token,
+                    tls_cert_path=config.tls_cert_path, tls_key_path=config.tls_key_path,
+                )
             self._server.start()
             self._monitor.start()
         except BaseException:

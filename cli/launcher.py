@@ -4,7 +4,10 @@ Order: broker (ready file) -> inference and trainer at once (the trainer builds 
 it only talks to the broker) and the orchestrator too unless it runs evals (it waits for a live inference
 worker by itself; an eval at step 0 needs one) -> once inference is ready, the orchestrator if not started. Each
 role logs to ``{run_dir}/logs/<role>.log`` and runs in its own process group (``primerl.runtime.process_supervisor``).
-The run token reaches the children as ``$PRIMERL_RUN_TOKEN`` only; the config files written hold none.
+The run token (the config's ``broker.run_token``, else an exported ``$PRIMERL_RUN_TOKEN``, else a fresh one)
+reaches the children as ``$PRIMERL_RUN_TOKEN`` only; the config files written hold none. Once the broker is
+ready, ``{run_dir}/run.json`` (mode 0600, ``primerl.cli.run_file``) holds its address and the token, and the
+launcher prints the ``primerl status RUN_DIR`` command that reads it.
 The run succeeds when the trainer exits 0; Ctrl-C and SIGTERM stop it.
 
 Restarts (``--restart on-failure``, the default; ``primerl.cli.restart_policy``): a role that exits non-zero or
@@ -37,6 +40,7 @@ import json
 import os
 import re
 import secrets
+import shlex
 import shutil
 import signal
 import subprocess
@@ -48,6 +52,7 @@ from typing import TextIO
 
 from primerl.cli.restart_policy import RestartBudget, RestartPolicy, describe_exit_code
 from primerl.cli.role_logs import last_error_in_log
+from primerl.cli.run_file import RUN_FILE_NAME, RunFile, write_run_file
 from primerl.cli.run_progress import Progress, duration as _duration
 from primerl.runtime.config_loader import write_toml
 from primerl.runtime.cpu_budget import ThreadsConfig, available_cpus, default_budgets, describe, fill_budget, role_env
@@ -104,7 +109,8 @@ class Launcher:
         self.out, self.err = out, err
         self.run_dir = Path(config.output_dir)
         self.logs_dir = self.run_dir / "logs"
-        self.token = config.broker.run_token or secrets.token_urlsafe(24)
+        # The config's token, else an exported one (a user who set it can reach the run with it), else a fresh one.
+        self.token = config.broker.run_token or os.environ.get(RUN_TOKEN_ENV) or secrets.token_urlsafe(24)
         self.signal_count = 0
         self.signal_name = ""
         self.supervisor = Supervisor(interrupted=lambda: self.signal_count > 0, reaper_grace_s=options.reaper_grace_s)
@@ -187,7 +193,8 @@ class Launcher:
               file=self.err, flush=True)
 
     def _run(self, started_s: float) -> int:
-        config = self.config
+        # Unset broker ports: free ones (two runs on one machine never collide); the others learn them below.
+        config = self.config = self.config.with_free_broker_ports()
         clashes = config.port_clashes()
         if clashes:
             print("primerl rl: every role runs on this machine, so their ports must differ:\n  " + "\n  ".join(clashes),
@@ -195,7 +202,7 @@ class Launcher:
             return 2
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.logs_dir.mkdir(parents=True, exist_ok=True)
-        for stale in ("broker.ready.json", "inference.ready.json"):
+        for stale in ("broker.ready.json", "inference.ready.json", RUN_FILE_NAME):
             (self.run_dir / stale).unlink(missing_ok=True)
         roles = config.role_configs()
         self.budgets = self._thread_budgets(roles)
@@ -214,6 +221,7 @@ class Launcher:
         address = f"{config.broker.client_host}:{endpoints['grpc_port']}"
         self.say(f"  broker ready in {broker.ready_s:.1f} s at {address} (log {broker.log_path})")
         self._pin_broker(endpoints)
+        self._write_run_file(address, endpoints.get("run_id"))
         if endpoints.get("metrics_url"):
             self.say(f"  broker metrics at {endpoints['metrics_url']}")
         for role in ("trainer", "orchestrator", "inference"):
@@ -289,6 +297,15 @@ class Launcher:
                     last_line_s, last_step = now, self.progress.step
         finally:
             client.close()
+
+    def _write_run_file(self, address: str, run_id: str | None) -> None:
+        """``RUN_DIR/run.json`` (owner-only): the broker's address and the token, for ``primerl status RUN_DIR``."""
+        tls_ca_path = self.config.trainer.broker.tls_ca_path
+        write_run_file(self.run_dir, RunFile(broker_address=address, run_token=self.token,
+                                             tls_ca_path=str(Path(tls_ca_path).resolve()) if tls_ca_path else None,
+                                             run_id=run_id or None, launcher_pid=os.getpid()))
+        self.say(f"  status: primerl status {shlex.quote(str(self.run_dir))}   (address and token in "
+                 f"{self.run_dir / RUN_FILE_NAME}, readable by you only)")
 
     # -------------------------------------------------------------------------------------- restarts
     def _pin_broker(self, endpoints: dict) -> None:
@@ -495,11 +512,20 @@ class Launcher:
         session = re.sub(r"[^A-Za-z0-9_-]", "-", f"primerl-{self.run_dir.resolve().name}-{os.getpid()}")
         for role in roles:
             (self.logs_dir / f"{role}.log").touch()
-        commands = [f"tail -n +1 -F {self.logs_dir.resolve() / f'{role}.log'}" for role in roles]
-        subprocess.run([tmux, "new-session", "-d", "-s", session, "-n", "roles", commands[0]], check=True)
-        for command in commands[1:]:
-            subprocess.run([tmux, "split-window", "-t", f"{session}:roles", command], check=True)
+        commands = [f"tail -n +1 -F {shlex.quote(str(self.logs_dir.resolve() / f'{role}.log'))}" for role in roles]
+        pane_ids = []
+        for index, command in enumerate(commands):
+            # -P -F: print the new pane's id, to title it with its role (tmux's default title is the host name).
+            start = ([tmux, "new-session", "-d", "-s", session, "-n", "roles"] if index == 0
+                     else [tmux, "split-window", "-t", f"{session}:roles"])
+            created = subprocess.run([*start, "-P", "-F", "#{pane_id}", command], check=True, capture_output=True,
+                                     text=True)
+            pane_ids.append(created.stdout.strip())
             subprocess.run([tmux, "select-layout", "-t", f"{session}:roles", "tiled"], check=True)
+        for role, pane_id in zip(roles, pane_ids):
+            subprocess.run([tmux, "select-pane", "-t", pane_id, "-T", role], check=True)
+        for option, value in (("pane-border-status", "top"), ("pane-border-format", " #{pane_title} ")):
+            subprocess.run([tmux, "set-option", "-w", "-t", f"{session}:roles", option, value], check=True)
         self.tmux_session = session
         self.say(f"  tmux session {session}: `tmux attach -t {session}` shows one pane per role")
 

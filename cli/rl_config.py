@@ -3,9 +3,14 @@
 Top-level shared values (`[model] name`, `max_steps`, `seq_len`, `output_dir`, `max_async_level`, `[wandb]`,
 `[log]`, the broker's address and token) fill the role sections wherever the role left them unset; a value
 set in a role section wins. `role_configs()` splits the run into the four fully resolved role configs.
-Prometheus ports are per role (`[broker.prometheus]`, `[trainer.prometheus]`, `[orchestrator.prometheus]`;
-inference serves its metrics on its API port) and default to 0, a free port each, so the daemons of one
-machine never collide; fixed ports that clash are reported (`port_clashes`).
+Ports: `primerl rl` gives the broker free ports for the ones the config leaves unset (`with_free_broker_ports`;
+the launcher reads the bound ones from the broker and tells the other roles, so `[broker] grpc_port = 0` is
+allowed too), inference picks a free HTTP port by default (`inference.server.port = 0`; the orchestrator finds
+it through the broker), and Prometheus ports are per role (`[broker.prometheus]`, `[trainer.prometheus]`,
+`[orchestrator.prometheus]`; inference serves its metrics on its API port) and default to 0, a free port each.
+So two runs on one machine never collide unless their configs fix ports; fixed ports that clash within a run
+are reported (`port_clashes`). `--dry-run --write` shows the ports as configured (the standalone defaults
+50051-50053 for unset broker ports).
 Files in the flat lab shape and the legacy vf-rl shape are translated first (`primerl.runtime.config_shapes`).
 """
 
@@ -28,6 +33,7 @@ from primerl.runtime.config_shapes import to_canonical
 from primerl.trainer.config import LoRAConfig, TrainerConfig
 
 ROLES = ("broker", "trainer", "orchestrator", "inference")
+BROKER_PORTS = ("grpc_port", "rollout_port", "weight_port")
 
 # Where the shared model name goes in each role.
 MODEL_NAME_PATHS = ("trainer.model.name", "trainer.tokenizer.name", "orchestrator.model.name", "inference.model.name")
@@ -163,8 +169,6 @@ class RLConfig(BaseConfig):
             *self._batch_problems(),
             *self._connection_problems(),
         ]
-        if self.broker.grpc_port == 0:
-            problems.append("broker.grpc_port = 0 (a random port) cannot be told to the other roles; set a port")
         if problems:
             raise ValueError("\n".join(problems))
         for clash in self.port_clashes():
@@ -266,14 +270,22 @@ class RLConfig(BaseConfig):
                 f"{peers - 1} trainer ranks + 1 orchestrator = {peers}; set broker.max_rollout_connections = {peers} "
                 "or more"]
 
+    def with_free_broker_ports(self) -> RLConfig:
+        """This run as `primerl rl` starts it: the broker ports that the config leaves unset are 0, so the broker
+        binds free ones and two runs on one machine never collide; the launcher tells the other roles the ports
+        bound (they dial a placeholder until then). Ports set in the config, even to the standalone defaults
+        50051-50053, are kept."""
+        free = {name: 0 for name in BROKER_PORTS if name not in self.broker.model_fields_set}
+        if not free:
+            return self
+        return self.model_copy(update={"broker": self.broker.model_copy(update=free)})
+
     def port_clashes(self) -> list[str]:
-        """Fixed (non-zero) ports that two roles would bind on one machine, one message per clash."""
-        ports = {
-            "broker.grpc_port": self.broker.grpc_port,
-            "broker.rollout_port": self.broker.rollout_port,
-            "broker.weight_port": self.broker.weight_port,
-            "inference.server.port": self.inference.server.port,
-        }
+        """Fixed (non-zero) ports that two roles would bind on one machine, one message per clash (broker ports
+        left unset count as free: ``with_free_broker_ports``)."""
+        ports = {f"broker.{name}": getattr(self.broker, name) if name in self.broker.model_fields_set else 0
+                 for name in BROKER_PORTS}
+        ports["inference.server.port"] = self.inference.server.port
         for role in ("broker", "trainer", "orchestrator"):
             prometheus = getattr(self, role).prometheus
             if prometheus.enabled:
@@ -337,6 +349,8 @@ def _fill_broker_client(data: dict[str, Any]) -> None:
     if host in ("0.0.0.0", "::", "[::]"):
         host = "127.0.0.1"
     port = broker.get("grpc_port", DEFAULT_BROKER_GRPC_PORT)
+    if port == 0:  # a free port: `primerl rl` tells the roles the one bound; a placeholder until then
+        port = DEFAULT_BROKER_GRPC_PORT
     for role in ("trainer", "orchestrator", "inference"):
         _set_default(data, f"{role}.broker.address", f"{host}:{port}")
         if broker.get("run_token") is not None:

@@ -1,4 +1,7 @@
-"""`primerl status`: show a running job's status from its broker, as a table or JSON, once or live."""
+"""`primerl status [RUN_DIR]`: show a running job's status from its broker, as a table or JSON, once or live.
+
+The broker's address and the token come from the command line, else from RUN_DIR/run.json (written by
+`primerl rl`, ``primerl.cli.run_file``), else from ``$PRIMERL_BROKER`` and ``$PRIMERL_RUN_TOKEN``."""
 
 from __future__ import annotations
 
@@ -8,6 +11,7 @@ import os
 import sys
 from typing import TextIO
 
+from primerl.cli.run_file import RunFileError, read_run_file
 from primerl.cli.status_view import render_status
 
 ENV_TOKEN = "PRIMERL_RUN_TOKEN"
@@ -16,13 +20,24 @@ DEFAULT_BROKER = "127.0.0.1:50051"
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="primerl status", description="Show a running job's status from the broker.")
+    parser = argparse.ArgumentParser(
+        prog="primerl status",
+        usage="primerl status [RUN_DIR] [--broker HOST:PORT] [--token TOKEN] [--json] [--watch]",
+        description="Show a running job's status from the broker.",
+        epilog="A `primerl rl` run: `primerl status RUN_DIR` (the run's output_dir) reads the broker's address and "
+        "the run token from RUN_DIR/run.json, which only the user who started the run can read. Daemons started "
+        "on their own: --broker and --token (or $PRIMERL_BROKER and $PRIMERL_RUN_TOKEN).",
+    )
+    parser.add_argument(
+        "run_dir", nargs="?", default=None, metavar="RUN_DIR",
+        help="run directory of a `primerl rl` run: address, token and TLS CA from its run.json",
+    )
     parser.add_argument(
         "--broker",
-        default=os.environ.get(ENV_BROKER, DEFAULT_BROKER),
-        help=f"gRPC address of the broker, host:port (default: ${ENV_BROKER} or {DEFAULT_BROKER})",
+        default=None,
+        help=f"gRPC address of the broker, host:port (default: RUN_DIR's, else ${ENV_BROKER}, else {DEFAULT_BROKER})",
     )
-    parser.add_argument("--token", default=None, help=f"run token (default: ${ENV_TOKEN})")
+    parser.add_argument("--token", default=None, help=f"run token (default: RUN_DIR's, else ${ENV_TOKEN})")
     parser.add_argument(
         "--tls-ca", default=None, help="PEM CA file: connect with TLS, checking the broker's certificate"
     )
@@ -51,10 +66,14 @@ def main(argv: list[str] | None = None) -> int:
     from primerl.broker.control_client import BrokerError, ControlClient
     from primerl.runtime.config_common import BrokerClientConfig
 
-    token = args.token if args.token is not None else os.environ.get(ENV_TOKEN) or None
+    try:
+        address, token, tls_ca = _connection(args)
+    except RunFileError as err:
+        print(f"primerl status: {err}", file=sys.stderr)
+        return 2
     try:
         config = BrokerClientConfig(
-            address=args.broker, run_token=token, tls_ca_path=args.tls_ca, connect_timeout_s=args.timeout_s
+            address=address, run_token=token, tls_ca_path=tls_ca, connect_timeout_s=args.timeout_s
         )
     except ValidationError as err:
         problems = "; ".join(e["msg"] for e in err.errors())
@@ -80,7 +99,7 @@ def main(argv: list[str] | None = None) -> int:
             stream.cancel()
             return 0
     except BrokerError as err:
-        print(f"primerl status: {_explain(err)}", file=sys.stderr)
+        print(f"primerl status: {_explain(err, args.run_dir)}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         return 130
@@ -88,11 +107,24 @@ def main(argv: list[str] | None = None) -> int:
         client.close()
 
 
-def _explain(err) -> str:
+def _connection(args: argparse.Namespace) -> tuple[str, str | None, str | None]:
+    """Address, token and TLS CA: the command line's, else RUN_DIR's run.json, else the environment's."""
+    if args.run_dir is not None:
+        run = read_run_file(args.run_dir)
+        return (args.broker or run.broker_address, args.token if args.token is not None else run.run_token,
+                args.tls_ca or run.tls_ca_path)
+    address = args.broker or os.environ.get(ENV_BROKER) or DEFAULT_BROKER
+    token = args.token if args.token is not None else os.environ.get(ENV_TOKEN) or None
+    return address, token, args.tls_ca
+
+
+def _explain(err, run_dir: str | None = None) -> str:
     import grpc
 
     if err.code == grpc.StatusCode.UNAUTHENTICATED:
         return f"{err}\n  pass the run's token with --token or ${ENV_TOKEN}"
+    if err.code == grpc.StatusCode.UNAVAILABLE and run_dir is not None:
+        return f"{err}\n  (the run in {run_dir} may have ended: its run.json names the broker it last had)"
     return str(err)
 
 

@@ -61,7 +61,11 @@ class ServerConfig(BaseConfig):
     """The OpenAI-compatible HTTP server."""
 
     host: str = Field("127.0.0.1", min_length=1, description="Interface the HTTP server binds.")
-    port: int = Field(8000, ge=0, le=65535, description="HTTP port (0: pick a free port).")
+    port: int = Field(
+        0, ge=0, le=65535,
+        description="HTTP port (0: a free port, found by the orchestrator through the broker, where every inference "
+        "worker registers the address it bound).",
+    )
 
 
 class InferenceConfig(BaseConfig):

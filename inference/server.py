@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import gc
 import hashlib
 import json
@@ -310,6 +311,20 @@ class ServerAddress:
         return f"http://{host}:{self.port}"
 
 
+class PortUnavailable(OSError):
+    """The HTTP port cannot be bound; the message names the address and the setting to change."""
+
+
+def _bind_reason(exc: OSError, host: str) -> str:
+    if exc.errno == errno.EADDRINUSE:
+        return "the port is in use (by another run's inference server?)"
+    if exc.errno == errno.EADDRNOTAVAIL:
+        return f"{host} is not an address of this machine"
+    if exc.errno == errno.EACCES:
+        return "ports below 1024 need privileges"
+    return exc.strerror or str(exc)
+
+
 class InferenceServer:
     """One vLLM engine and its OpenAI-compatible HTTP server, in this process's event loop.
 
@@ -366,7 +381,13 @@ class InferenceServer:
                              worker_extension_cls=self.worker_extension_cls)
         log.info("starting vLLM", argv=" ".join(argv))
         args = self.args = parse_vllm_args(argv)
-        _, sock = setup_server(args, reuse_port=False)
+        try:
+            _, sock = setup_server(args, reuse_port=False)
+        except OSError as exc:  # before the engine starts: one line that says what to change
+            raise PortUnavailable(
+                f"the inference server cannot bind its HTTP port {args.host}:{args.port}: "
+                f"{_bind_reason(exc, args.host)}. Change inference.server.port (primerl-infer --server.port N; "
+                "0, the default, picks a free port) or inference.server.host") from exc
         self._exit_stack.callback(sock.close)
         try:
             port = sock.getsockname()[1]

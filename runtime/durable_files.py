@@ -1,6 +1,7 @@
 """Files that survive a crash whole: written to a temporary name beside them, fsynced, renamed over the old one,
 and the directory fsynced, so that after a SIGKILL or a power loss a reader sees the old file or the new one,
-never a mix. The broker's spool, run state and weight chain use these."""
+never a mix. The broker's spool, run state and weight chain use these; `primerl rl` writes the run's
+address and token (``run.json``, owner-only) with ``write_private_atomically``."""
 
 from __future__ import annotations
 
@@ -27,6 +28,25 @@ def write_atomically(path: Path, parts: Iterable[Any], *, temp_path: Path | None
         with open(temp, "wb") as handle:
             for part in parts:
                 handle.write(part)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(temp, path)
+    except OSError:
+        temp.unlink(missing_ok=True)
+        raise
+    fsync_dir(path.parent)
+
+
+def write_private_atomically(path: Path, data: bytes) -> None:
+    """Write ``data`` as the whole content of ``path`` like ``write_atomically``, readable by the owner only
+    (mode 0600): the temporary file is created with that mode, so the content is never readable by others,
+    not even for a moment; a stale temporary file from an earlier crash is replaced."""
+    temp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    temp.unlink(missing_ok=True)
+    try:
+        fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "wb") as handle:
+            handle.write(data)
             handle.flush()
             os.fsync(handle.fileno())
         os.replace(temp, path)

@@ -90,9 +90,12 @@ class MetricsExporter:
             self._server, self._thread = start_http_server(port, addr=host, registry=self.registry)
         except OSError as exc:  # port taken, no such interface, permission denied (ports < 1024)
             reason = exc.strerror or str(exc)
+            in_rl = (f"; {self.role}.prometheus.port in a `primerl rl` config"
+                     if self.role in ("broker", "trainer", "orchestrator") else "")
             raise ValueError(
                 f"cannot serve Prometheus metrics on {host}:{port}: {reason}. Set prometheus.port to a free port "
-                "(0 picks one), prometheus.host to an interface of this machine, or prometheus.enabled = false"
+                f"(0, the default, picks one{in_rl}), prometheus.host to an interface of this machine, or "
+                "prometheus.enabled = false"
             ) from None
         self.url = metrics_url(host, self._server.server_port)
         log.info("serving Prometheus metrics", role=self.role, metrics_url=self.url)

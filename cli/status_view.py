@@ -80,7 +80,8 @@ def _queue_row(queue) -> list[str]:
     return [
         queue.name,
         f"{queue.num_items}/{queue.capacity_items}" if queue.capacity_items else str(queue.num_items),
-        f"{_bytes(queue.num_bytes)}/{_bytes(queue.capacity_bytes)}" if queue.capacity_bytes else _bytes(queue.num_bytes),
+        (f"{_bytes(queue.num_bytes)}/{_bytes(queue.capacity_bytes)}" if queue.capacity_bytes
+         else _bytes(queue.num_bytes)),
         "",
     ]
 

@@ -32,7 +32,8 @@ def spread(run_dirs: list[str]) -> str:
     rows = []
     for run_dir in run_dirs:
         before, after = _summary(str(Path(run_dir) / "eval" / "sft")), _summary(str(Path(run_dir) / "eval" / "rl"))
-        rows.append((run_dir, before["reward_mean"], after["reward_mean"], after["reward_mean"] - before["reward_mean"]))
+        sft, rl = before["reward_mean"], after["reward_mean"]
+        rows.append((run_dir, sft, rl, rl - sft))
     lines = [f"  {'run':<28}{'SFT':>14}{'RL':>14}{'gain':>14}"]
     lines += [f"  {name:<28}{sft:>14.3f}{rl:>14.3f}{gain:>+14.3f}" for name, sft, rl, gain in rows]
     columns = list(zip(*(row[1:] for row in rows)))

@@ -179,3 +179,19 @@ def test_eval_serves_the_model_and_scores_every_rollout(tmp_path):
     assert summary["reward_mean"] == pytest.approx(sum(rewards) / len(rewards))
     assert all(1 <= r["num_completion_tokens"] <= 8 for r in rows if r["error"] is None)
     assert "lcs_reward" in summary["metrics"] and f"reward: mean {summary['reward_mean']:.4f}" in result.stdout
+    # Only eval's own lines on the console ("starting vLLM ... (its log: ...)" and the summary); vLLM's
+    # warnings and the interpreter-exit noise (AsyncLLM.__del__, leak reports) are in the log.
+    console = (result.stdout + result.stderr).strip().splitlines()
+    assert len(console) == 6, console
+    assert not any("WARNING" in line or "Exception ignored" in line for line in console), console
+    assert f"(its log: {out / 'eval.log'})" in result.stderr and "WARNING" in (out / "eval.log").read_text()
+
+
+@needs_env_python
+def test_an_env_id_typo_gets_the_installed_ids_closest_to_it(tmp_path):
+    model = tmp_path / "m"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    result = _run("eval", "revers-text", "-m", str(model))
+    assert result.returncode == 2 and len(result.stderr.strip().splitlines()) == 1
+    assert "Did you mean 'reverse-text'" in result.stderr

@@ -57,8 +57,11 @@ class ModelConfig(BaseConfig):
         None,
         description="LoRA training; full fine-tuning when absent. `[trainer.model.experimental.lora]` is an alias.",
     )
-    parallel: Literal["ddp", "fsdp2"] = Field(
-        "fsdp2", description="How ranks share the model: `fsdp2` shards it, `ddp` replicates it."
+    parallel: Literal["ddp", "fsdp2"] | None = Field(
+        None,
+        description="How ranks share the model: `ddp` replicates it, `fsdp2` shards it (unset: `ddp` with several "
+        "ranks, the only layout whose weights are published, checkpointed and exported; one rank needs neither). "
+        "`fsdp2` with several ranks is refused at start-up.",
     )
     fsdp_cpu_offload: bool = Field(False, description="Keep sharded parameters and optimizer state in CPU memory.")
 
@@ -262,7 +265,10 @@ class SFTDataConfig(BaseConfig):
     path: Path = Field(description='JSONL file; each line `{"messages": [...]}` or `{"prompt": [...], "completion": [...]}`.')
     batch_size: int = Field(8, ge=1, description="Samples per optimizer step (over all ranks).")
     epochs: int = Field(1, ge=1, description="Passes over the dataset (when `max_steps` is unset).")
-    seed: int = Field(0, description="Seed of the sample order (shuffled each epoch).")
+    seed: int = Field(
+        0, description="Seed of the sample order (shuffled each epoch) and of the run's random streams (Python, "
+        "NumPy, torch: LoRA initialisation, dropout): the same seed, data and config give the same weights."
+    )
 
 
 class SFTThreadsConfig(ThreadsConfig):

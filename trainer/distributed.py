@@ -55,6 +55,25 @@ def shutdown_distributed(info: DistInfo) -> None:
         dist.destroy_process_group()
 
 
+FSDP2_SEVERAL_RANKS = (
+    'model.parallel = "fsdp2" with {world_size} ranks: publishing, checkpointing and exporting sharded weights '
+    'are not built yet; set model.parallel = "ddp" ([trainer.model] parallel = "ddp" under `primerl rl`, '
+    '[model] under `primerl sft` and `primerl-trainer`), or leave it unset'
+)
+"""What a trainer or SFT run with several ranks and an explicit FSDP2 is told at start-up (``{world_size}``)."""
+
+
+def resolve_parallel(parallel: str | None, world_size: int) -> str:
+    """The ``model.parallel`` a run with ``world_size`` ranks uses: unset means ``ddp`` (the only layout whose
+    weights are published, checkpointed and exported; with one rank the model is not wrapped at all). An explicit
+    ``fsdp2`` with several ranks is a ``ValueError`` (``FSDP2_SEVERAL_RANKS``), raised before anything loads."""
+    if parallel is None:
+        return "ddp"
+    if parallel == "fsdp2" and world_size > 1:
+        raise ValueError(FSDP2_SEVERAL_RANKS.format(world_size=world_size))
+    return parallel
+
+
 def wrap_model(model: torch.nn.Module, parallel: str, info: DistInfo) -> torch.nn.Module:
     """DDP or FSDP2 around ``model`` when there are several ranks; the model itself otherwise."""
     if not info.enabled:

@@ -4,22 +4,40 @@
                      ── compute loop: TrainStep ──► optimizer step N
     rank 0           ── IO thread, in order: PolicyPublisher ──► broker weight plane (policy version N)
                      ── every ckpt.interval: checkpoint, then CommitStep(N) over gRPC
+                        (without [trainer.ckpt]: CommitStep(N) after every step)
                      ── ReportMetrics(N); one row of {output_dir}/metrics.jsonl (and W&B, Prometheus)
 
 The threads and their invariants are in ``primerl.trainer.step_io``: the compute loop only computes; the
 previous step's publish and checkpoint finish before the next optimizer step changes the weights; a step is
 committed only after its checkpoint is durable; an IO failure stops the run as ``TrainerIOError``. With
-several ranks the checkpoint itself (it has barriers) is written on the compute thread.
+several ranks the checkpoint itself (it has barriers) is written on the compute thread. Several ranks replicate
+the model (``model.parallel`` unset or ``ddp``); an explicit ``fsdp2`` with several ranks is refused before
+anything loads (``primerl.trainer.distributed.resolve_parallel``).
 
 Phase timers (metrics, seconds unless named ``_ms``): ``perf/wait_for_data_s`` (compute loop waiting for the
 prefetched step), ``perf/fetch_s`` and ``perf/decode_s`` (fetch thread), ``perf/forward_s``,
 ``perf/backward_s``, ``perf/update_wait_s`` (waiting for the previous step's publish/checkpoint),
 ``perf/optimizer_s``, ``perf/step_time_s`` (the compute loop's whole step), and from the IO thread
-``perf/publish_ms``, ``perf/checkpoint_s``, ``perf/commit_s``, ``perf/io_s``.
+``perf/publish_ms``, ``perf/checkpoint_s``, ``perf/commit_s``, ``perf/export_s`` (the last step's weights
+without ``[trainer.ckpt]``), ``perf/io_s``.
 
 Rank 0 serves the trainer's Prometheus metrics (``[trainer.prometheus]``; its URL goes to the broker as the
 ``metrics_url`` capability): the generic ``primerl_step`` / ``primerl_metric`` families of every row, and
 ``primerl_trainer_step``, ``primerl_trainer_loss``, ``primerl_trainer_loss_tokens_total``.
+
+The trained model is always saved: every checkpoint exports its step's Hugging Face weights to
+``{output_dir}/weights/step_N``; without ``[trainer.ckpt]`` the last step (``max_steps``) is exported all the
+same, and a clean stop before it (SIGTERM/SIGINT, the broker ending the run) exports the last step trained
+(rank 0, on the IO thread after that step's publish; ``primerl eval -m RUN_DIR`` takes the newest).
+
+Commits: with ``[trainer.ckpt]`` a step is committed (``CommitStep``: the broker deletes the batches of every step up
+to it) only once its checkpoint is durable, so a restarted trainer resumes from that checkpoint and trains every
+later step exactly once ("checkpoint committed"). Without ``[trainer.ckpt]`` there is nothing durable to wait for:
+each step is committed as soon as it is trained ("step committed"), so the broker's spool holds only the steps not
+yet trained. A restart then cannot resume: the model would start again from ``model.name`` while the batches of
+the committed steps are gone. A trainer that would train a step the broker has already committed refuses before
+registering, with one line and exit 2 (``CannotResume``; ``primerl rl`` does not restart an exit 2): add
+``[trainer.ckpt]`` for runs that must survive a trainer crash.
 
 Resume: with ``ckpt.resume_step`` (or ``latest``), model, optimizer, scheduler and RNG come back from the
 checkpoint and the run continues at the next step; the broker still holds every batch after the last
@@ -51,7 +69,7 @@ from primerl.runtime.log_setup import bind_context, get_logger
 from primerl.runtime.metrics_sink import MetricsSink, finite_values
 from primerl.runtime.prometheus import MetricsExporter, start_exporter
 from primerl.trainer.config import TrainerConfig
-from primerl.trainer.distributed import DistInfo, barrier, unwrap_model, wrap_model
+from primerl.trainer.distributed import DistInfo, barrier, resolve_parallel, unwrap_model, wrap_model
 from primerl.trainer.train_step import TrainStep, distillation_objective, rl_objective, sft_objective
 
 log = get_logger("primerl.trainer")
@@ -79,6 +97,9 @@ class TrainerRunner:
         self.exporter: MetricsExporter | None = None
         self.sink: MetricsSink | None = None
         self.resumed_state: dict | None = None  # extra_state of the checkpoint resumed from
+        self.last_trained_step: int | None = None  # the last step this incarnation trained
+        # First, before anything loads: an explicit fsdp2 with several ranks is refused here (ValueError).
+        self.parallel = resolve_parallel(config.model.parallel, dist_info.world_size)
 
     # -- set-up --------------------------------------------------------------------------------------
 
@@ -103,15 +124,10 @@ class TrainerRunner:
         from primerl.trainer.optim import build_optimizer, build_scheduler
 
         config = self.config
-        if self.dist.enabled and config.model.parallel == "fsdp2":
-            raise ValueError(
-                "several trainer ranks with model.parallel = \"fsdp2\": publishing and checkpointing sharded "
-                "weights are not built yet; set [trainer.model] parallel = \"ddp\" (TrainStep itself supports FSDP2)"
-            )
         warn_unused_options(config)
         torch.manual_seed(0)
         model = load_model(config.model)
-        self.model = wrap_model(model, config.model.parallel, self.dist)
+        self.model = wrap_model(model, self.parallel, self.dist)
         self.optimizer = build_optimizer(self.model, config.optim)
         self.scheduler = build_scheduler(self.optimizer, config.scheduler, config.max_steps)
         reference = None
@@ -134,7 +150,7 @@ class TrainerRunner:
                 log.info("resumed from checkpoint", step=state["step"], checkpoint_dir=str(config.checkpoint_dir))
         return start_step
 
-    def _connect(self) -> None:
+    def _connect(self, start_step: int) -> None:
         from primerl.broker.control_client import ControlClient
         from primerl.broker.rollout_clients import RolloutConsumer
         from primerl.trainer.publish import PolicyPublisher
@@ -147,6 +163,7 @@ class TrainerRunner:
         self.control = ControlClient(config.broker, "trainer", name, rank=self.dist.rank,
                                      world_size=self.dist.world_size, capabilities=capabilities)
         self.control.wait_ready(config.broker.connect_timeout_s)
+        self._refuse_going_back(start_step)
         registration = self.control.register()
         self.progress = {"trainer_step": 0}
         self.control.start_heartbeats(lambda: dict(self.progress))
@@ -166,22 +183,22 @@ class TrainerRunner:
         try:
             self._open_metrics()
             start_step = self._build()
-            self._connect()
+            self._connect(start_step)
             self._settle_resumed_step()
             self._start_io(start_step)
             for step in range(start_step, config.max_steps + 1):
                 if self.stop_event.is_set():
                     log.info("stopping before step", step=step)
-                    return 0
+                    return self._stopped()
                 if self.control.shutdown_requested.is_set():
                     log.info("the broker says the run is over; stopping before step", step=step)
-                    return 0
+                    return self._stopped()
                 bind_context(step=step)
                 try:
                     self._train_one(step)
                 except FetchStopped:
                     log.info("stopped while waiting for the step's data", step=step)
-                    return 0
+                    return self._stopped()
             log.info("training finished", max_steps=config.max_steps)
             return 0
         finally:
@@ -224,7 +241,10 @@ class TrainerRunner:
         waited_s = time.monotonic() - started_s
         stats = self.step_fn.step(step, micro_batches, before_update=self._wait_for_weights)
         self.progress["trainer_step"] = step
+        self.last_trained_step = step
         due = self._checkpoint_due(step)
+        export_final = step == config.max_steps and not due  # a checkpoint exports its step's weights itself
+        commit = due or config.ckpt is None  # without checkpoints nothing durable is awaited
         timings: dict[str, float] = {}
         compute_s = time.monotonic() - started_s
         metrics = stats.as_metrics()
@@ -250,14 +270,17 @@ class TrainerRunner:
                 metrics["perf/publish_ms"] = timings["publish_ms"]  # also in the checkpoint's record
             if due and not self.dist.enabled:
                 timings["checkpoint_s"] = self._write_checkpoint(step, record)
+            if export_final:
+                timings["export_s"] = self._export_weights(step)
 
         def finish_job() -> None:  # after the weights job (same ordered thread): commit only a durable checkpoint
-            if due:
+            if commit:
                 commit_started_s = time.perf_counter()
                 self._commit(step)
                 timings["commit_s"] = time.perf_counter() - commit_started_s
             metrics["perf/publish_ms"] = timings.get("publish_ms", 0.0)
-            metrics.update({f"perf/{name}": timings[name] for name in ("checkpoint_s", "commit_s") if name in timings})
+            metrics.update({f"perf/{name}": timings[name] for name in ("checkpoint_s", "commit_s", "export_s")
+                            if name in timings})
             metrics["perf/io_s"] = time.monotonic() - io_started_s
             self._record_step(step, metrics, {**done_line, "publish_ms": round(metrics["perf/publish_ms"], 1)})
             if self.exporter is not None:
@@ -314,18 +337,61 @@ class TrainerRunner:
                         rank=self.dist.rank, world_size=self.dist.world_size, barrier=lambda: barrier(self.dist))
         barrier(self.dist)
         if self.dist.is_main:
-            export_hf_weights(unwrap_model(self.model), self.config.tokenizer.name,
-                              self.config.output_dir / "weights" / f"step_{step}")
+            self._export_weights(step)
         return time.perf_counter() - started_s
 
+    def _export_weights(self, step: int) -> float:
+        """Rank 0: the model as Hugging Face weights in ``{output_dir}/weights/step_{step}``; returns seconds."""
+        from primerl.trainer.checkpoint import export_hf_weights
+
+        started_s = time.perf_counter()
+        export_hf_weights(unwrap_model(self.model), self.config.tokenizer.name,
+                          self.config.output_dir / "weights" / f"step_{step}")
+        return time.perf_counter() - started_s
+
+    def _stopped(self) -> int:
+        """A clean stop before ``max_steps`` (a signal, the broker's end of the run): rank 0 exports the weights of
+        the last step trained, after its publish and commit on the IO thread, unless its checkpoint did. Exit 0."""
+        step = self.last_trained_step
+        if self.dist.is_main and step is not None and not self._checkpoint_due(step):
+            log.info("exporting the weights of the last step trained", step=step, max_steps=self.config.max_steps)
+            self.io.submit(f"export step {step}", lambda: self._export_weights(step))
+        return 0
+
     def _commit(self, step: int) -> None:
-        """Rank 0, after the step's checkpoint is durable: prune old checkpoints, CommitStep(step)."""
+        """Rank 0: CommitStep(step) once the step's checkpoint is durable (pruning old checkpoints first), or,
+        without ``[trainer.ckpt]``, as soon as the step is trained (nothing durable to wait for)."""
         from primerl.trainer.checkpoint import prune_checkpoints
 
         ckpt = self.config.ckpt
-        prune_checkpoints(self.config.checkpoint_dir, keep_last=ckpt.keep_last, keep_interval=ckpt.keep_interval)
+        if ckpt is not None:
+            prune_checkpoints(self.config.checkpoint_dir, keep_last=ckpt.keep_last, keep_interval=ckpt.keep_interval)
         response = self.control.commit_step(step)  # the broker may now delete the batches of steps <= step
-        log.info("checkpoint committed", step=step, batches_released=response.num_batches_released)
+        log.info("checkpoint committed" if ckpt is not None else "step committed", step=step,
+                 batches_released=response.num_batches_released)
+
+    def _refuse_going_back(self, start_step: int) -> None:
+        """Before registering: refuse (``CannotResume``, exit 2) to train a step the broker has already committed.
+        Its batches are released, and training it again would train a step twice. This is a trainer restarted
+        without ``[trainer.ckpt]`` (nothing to resume from), or one whose newer checkpoints were removed."""
+        committed = int(self.control.get_run_status().last_committed_step)
+        if start_step > committed:
+            return
+        config = self.config
+        resumed = (f"it resumes from the checkpoint of step {start_step - 1}" if start_step > 1
+                   else f"no checkpoint under {config.checkpoint_dir}")
+        if config.ckpt is None:
+            raise CannotResume(
+                f"the broker has committed steps 1-{committed} of this run and this trainer would start again at "
+                f"step {start_step}: without [trainer.ckpt] there is no checkpoint to resume from, so a restarted "
+                "trainer cannot continue the run. Start a new run (a fresh output_dir, so a fresh broker spool), "
+                "or add [trainer.ckpt] to make runs resumable"
+            )
+        raise CannotResume(
+            f"the broker has committed steps through {committed} of this run, but this trainer would start at "
+            f"step {start_step} ({resumed}): the checkpoint of step {committed} or later is missing. Restore it (or "
+            "set ckpt.dir to where it is; drop an older ckpt.resume_step), or start a new run"
+        )
 
     def _leaving_reason(self, io_error: BaseException | None) -> str:
         """Why this rank deregisters: "training finished" (the broker's end-of-run signal) only when it did."""
@@ -367,6 +433,10 @@ class TrainerRunner:
             self.exporter.stop()
         if io_error is not None and sys.exc_info()[1] is None:
             raise io_error
+
+
+class CannotResume(ValueError):
+    """This trainer would train a step the broker already committed (a config or run-directory problem: exit 2)."""
 
 
 class _DataWait:

@@ -3,9 +3,9 @@
 Each line is ``{"messages": [{"role": ..., "content": ...}, ...]}`` or ``{"prompt": [...], "completion":
 [...]}`` (verifiers' shape: the completion's messages follow the prompt's). Loss tokens are the assistant
 messages' tokens (content and end-of-turn), never the prompt, the other roles or the
-``<|im_start|>assistant`` header that the inference server adds itself. Samples are packed
-first-fit-decreasing into micro-batches of at most ``seq_len`` tokens; the packed micro-batches of one
-optimizer step are split round-robin over ranks.
+``<|im_start|>assistant`` header that the inference server adds itself. One optimizer step's samples are packed
+by the orchestrator's packer, as RL batches are: balanced over the ranks by tokens, then first-fit-decreasing into
+micro-batches of at most ``seq_len`` tokens, so that every rank gets its share (``pack_for_ranks``).
 """
 
 from __future__ import annotations
@@ -15,8 +15,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
-
-import numpy as np
 
 from primerl.trainer.batch import MicroBatch
 
@@ -82,36 +80,23 @@ def _extend(input_ids: list[int], loss_mask: list[bool], new_ids: list[int], is_
     loss_mask.extend([is_loss] * len(new_ids))
 
 
-def pack_samples(samples: Sequence[TokenizedSample], seq_len: int) -> list[MicroBatch]:
-    """First-fit-decreasing into bins of at most ``seq_len`` tokens; a longer sample is truncated (its loss
-    tokens beyond ``seq_len`` are lost, which is counted by the caller from the returned batches)."""
-    order = sorted(range(len(samples)), key=lambda i: -len(samples[i].input_ids))
-    bins: list[list[TokenizedSample]] = []
-    sizes: list[int] = []
-    for index in order:
-        sample = samples[index]
-        if len(sample.input_ids) > seq_len:
-            sample = TokenizedSample(sample.input_ids[:seq_len], sample.loss_mask[:seq_len])
-        size = len(sample.input_ids)
-        for slot, used in enumerate(sizes):
-            if used + size <= seq_len:
-                bins[slot].append(sample)
-                sizes[slot] += size
-                break
-        else:
-            bins.append([sample])
-            sizes.append(size)
-    return [_as_micro_batch(group) for group in bins]
+def as_training_samples(samples: Sequence[TokenizedSample]) -> list[Any]:
+    """The samples in the orchestrator's shape (``primerl.orchestrator.samples.TrainingSample``), for its packer;
+    the RL-only fields are neutral (zero advantage and logprobs, temperature 1, policy version 0)."""
+    from primerl.orchestrator.samples import TrainingSample
+
+    return [TrainingSample(token_ids=s.input_ids, loss_mask=s.loss_mask, inference_logprobs=[0.0] * len(s.input_ids),
+                           temperatures=[1.0] * len(s.input_ids), policy_versions=[0] * len(s.input_ids))
+            for s in samples]
 
 
-def _as_micro_batch(group: Sequence[TokenizedSample]) -> MicroBatch:
-    input_ids = np.concatenate([np.asarray(s.input_ids, np.int64) for s in group])
-    n = len(input_ids)
-    return MicroBatch.from_tensors({
-        "input_ids": input_ids,
-        "position_ids": np.concatenate([np.arange(len(s.input_ids), dtype=np.int64) for s in group]),
-        "loss_mask": np.concatenate([np.asarray(s.loss_mask, bool) for s in group]),
-        "advantages": np.zeros(n, np.float32),
-        "inference_logprobs": np.zeros(n, np.float32),
-        "temperatures": np.ones(n, np.float32),
-    })
+def pack_for_ranks(samples: Sequence[Any], seq_len: int, num_ranks: int = 1,
+                   pad_token_id: int = 0) -> list[list[MicroBatch]]:
+    """One step's micro-batches for each rank, by the orchestrator's packer (``primerl.orchestrator.packing``):
+    samples (``as_training_samples``) balanced over the ranks by tokens, then first-fit-decreasing into bins of at
+    most ``seq_len`` tokens (a longer sample is truncated); a rank left without samples gets one padding
+    micro-batch (a ``pad_token_id`` token, no loss), so every rank has its share of the step."""
+    from primerl.orchestrator.packing import pack_samples
+
+    packed = pack_samples(samples, seq_len=seq_len, num_ranks=num_ranks, pad_token_id=pad_token_id)
+    return [[MicroBatch.from_tensors(batch.tensors) for batch in batches] for batches in packed.per_rank]

@@ -1,11 +1,23 @@
 """`primerl sft`: supervised fine-tuning from a JSONL file of chat samples, without the broker.
 
-Each optimizer step takes the next ``data.batch_size`` samples (shuffled per epoch with ``data.seed``),
-packs them into micro-batches of ``seq_len`` tokens, gives rank r every N-th micro-batch, and minimises the
-masked cross-entropy of the assistant tokens. Checkpoints follow ``[ckpt]``; the final weights are exported
-in Hugging Face format to ``{output_dir}/weights/step_{N}`` (what vLLM and RL runs start from). Rank 0
-appends each step's ``sft/...`` metrics to ``{output_dir}/metrics.jsonl`` (role ``sft``; W&B with ``[wandb]``)
-and serves them on its Prometheus endpoint (``[prometheus]``).
+Each optimizer step takes the next ``data.batch_size`` samples (shuffled per epoch with ``data.seed``), packs
+them with the orchestrator's packer (``primerl.trainer.sft_data.pack_for_ranks``: every rank gets its share, a
+padding micro-batch when there are fewer samples than ranks), and minimises the masked cross-entropy of the
+assistant tokens. Checkpoints follow ``[ckpt]``; the final weights are exported in Hugging Face format to
+``{output_dir}/weights/step_{max_steps}`` (what vLLM and RL runs start from). Rank 0 appends each step's
+``sft/...`` metrics to ``{output_dir}/metrics.jsonl`` (role ``sft``; W&B with ``[wandb]``) and serves them on its
+Prometheus endpoint (``[prometheus]``).
+
+Reproducible: ``data.seed`` seeds the sample order and every random stream of the run (Python, NumPy, torch: the
+initialisation of a LoRA adapter, dropout), so the same data, config and thread count give the same weights.
+
+Several ranks (torchrun) replicate the model (``model.parallel`` unset or ``ddp``); an explicit ``fsdp2`` with
+several ranks is refused before anything loads: sharded weights cannot be checkpointed or exported yet.
+
+Interrupted (SIGINT/SIGTERM, ``stop_event``): the ranks agree to stop at the same step boundary (one all-reduce
+per step with several ranks), the last step trained is checkpointed when ``[ckpt]`` is set (a re-run resumes
+there) and its weights are exported to ``weights/step_{N}`` with N the step reached, never ``max_steps``: nothing
+that looks final. ``SFTResult.finished`` is false, and ``primerl sft`` exits 128 + the signal number.
 """
 
 from __future__ import annotations
@@ -14,6 +26,7 @@ import math
 import random
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -22,24 +35,40 @@ from primerl.runtime.log_setup import bind_context, get_logger
 from primerl.runtime.metrics_sink import MetricsSink
 from primerl.runtime.prometheus import start_exporter
 from primerl.trainer.config import SFTConfig
-from primerl.trainer.distributed import DistInfo, barrier, unwrap_model, wrap_model
-from primerl.trainer.sft_data import pack_samples, read_chat_samples, tokenize_conversation
+from primerl.trainer.distributed import DistInfo, all_reduce_sum, barrier, resolve_parallel, unwrap_model, wrap_model
+from primerl.trainer.sft_data import as_training_samples, pack_for_ranks, read_chat_samples, tokenize_conversation
 from primerl.trainer.train_step import TrainStep, sft_objective
 
 log = get_logger("primerl.trainer.sft")
 
 
-def run_sft(config: SFTConfig, dist_info: DistInfo, stop_event: threading.Event | None = None) -> Path:
-    """Train; returns the directory of the exported final weights."""
+@dataclass(frozen=True)
+class SFTResult:
+    """What a run of ``run_sft`` did."""
+
+    weights_dir: Path | None
+    """The exported weights (``weights/step_{last_step}``); None when stopped before any step."""
+    last_step: int
+    """The last optimizer step trained (or resumed from)."""
+    max_steps: int
+
+    @property
+    def finished(self) -> bool:
+        return self.last_step >= self.max_steps
+
+
+def run_sft(config: SFTConfig, dist_info: DistInfo, stop_event: threading.Event | None = None) -> SFTResult:
+    """Train to ``max_steps`` or until ``stop_event`` is set; see ``SFTResult``."""
     from primerl.trainer.runner import warn_unused_options
 
+    parallel = resolve_parallel(config.model.parallel, dist_info.world_size)  # first: before anything loads
     warn_unused_options(config)
     exporter = start_exporter("sft", config.prometheus) if dist_info.is_main else None
     sink = None
     try:
         if dist_info.is_main:  # first: a bad [wandb] fails before the model loads
             sink = MetricsSink("sft", config.output_dir, config.wandb, config, exporter=exporter)
-        return _train(config, dist_info, stop_event, sink)
+        return _train(config, dist_info, parallel, stop_event or threading.Event(), sink)
     finally:
         if sink is not None:
             sink.close()
@@ -47,20 +76,31 @@ def run_sft(config: SFTConfig, dist_info: DistInfo, stop_event: threading.Event 
             exporter.stop()
 
 
-def _train(config: SFTConfig, dist_info: DistInfo, stop_event: threading.Event | None,
-           sink: MetricsSink | None) -> Path:
+def seed_everything(seed: int) -> None:
+    """Python's, NumPy's and torch's random streams from ``seed``."""
+    import numpy as np
+
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
+def _train(config: SFTConfig, dist_info: DistInfo, parallel: str, stop_event: threading.Event,
+           sink: MetricsSink | None) -> SFTResult:
     from transformers import AutoTokenizer
 
-    from primerl.trainer.checkpoint import export_hf_weights, latest_checkpoint, load_checkpoint, prune_checkpoints, save_checkpoint
+    from primerl.trainer.checkpoint import export_hf_weights, latest_checkpoint, load_checkpoint
     from primerl.trainer.model import load_model
     from primerl.trainer.optim import build_optimizer, build_scheduler
 
+    seed_everything(config.data.seed)
     tokenizer = AutoTokenizer.from_pretrained(config.tokenizer.name)
-    samples = [tokenize_conversation(tokenizer, messages) for messages in read_chat_samples(config.data.path)]
+    samples = as_training_samples([tokenize_conversation(tokenizer, messages)
+                                   for messages in read_chat_samples(config.data.path)])
+    pad_token_id = next((t for t in (tokenizer.pad_token_id, tokenizer.eos_token_id) if t is not None), 0)
     steps_per_epoch = math.ceil(len(samples) / config.data.batch_size)
     max_steps = config.max_steps or steps_per_epoch * config.data.epochs
-    torch.manual_seed(config.data.seed)
-    model = wrap_model(load_model(config.model), config.model.parallel, dist_info)
+    model = wrap_model(load_model(config.model), parallel, dist_info)
     optimizer = build_optimizer(model, config.optim)
     scheduler = build_scheduler(optimizer, config.scheduler, max_steps)
     step_fn = TrainStep(model, optimizer, scheduler, sft_objective, dist_info, max_grad_norm=config.optim.max_norm)
@@ -70,33 +110,62 @@ def _train(config: SFTConfig, dist_info: DistInfo, stop_event: threading.Event |
         if resume is not None:
             start_step = load_checkpoint(config.checkpoint_dir, resume, model=unwrap_model(model), optimizer=optimizer,
                                          scheduler=scheduler, rank=dist_info.rank)["step"] + 1
-    log.info("sft starting", num_samples=len(samples), max_steps=max_steps, start_step=start_step)
+    log.info("sft starting", num_samples=len(samples), max_steps=max_steps, start_step=start_step,
+             world_size=dist_info.world_size)
+
+    def checkpoint(step: int) -> None:
+        _save_checkpoint(config, dist_info, step, unwrap_model(model), optimizer, scheduler)
+
+    last_step = start_step - 1
+    saved_step = None
     for step in range(start_step, max_steps + 1):
-        if stop_event is not None and stop_event.is_set():
+        if _stop_agreed(stop_event, dist_info):
             break
         bind_context(step=step)
         started_s = time.monotonic()
         batch = _step_samples(samples, step, config.data.batch_size, config.data.seed)
-        micro_batches = pack_samples(batch, config.seq_len)
-        mine = micro_batches[dist_info.rank :: dist_info.world_size]
+        mine = pack_for_ranks(batch, config.seq_len, dist_info.world_size, pad_token_id)[dist_info.rank]
         stats = step_fn.step(step, mine)
+        last_step = step
         if sink is not None:
             sink.log(step, stats.as_metrics("sft"))
         log.info("sft step", loss=round(stats.loss, 5), tokens=stats.num_loss_tokens,
                  step_s=round(time.monotonic() - started_s, 3))
         ckpt = config.ckpt
         if ckpt is not None and (step == max_steps or (ckpt.interval and step % ckpt.interval == 0)):
-            save_checkpoint(config.checkpoint_dir, step, model=unwrap_model(model), optimizer=optimizer,
-                            scheduler=scheduler, extra_state={"step": step}, rank=dist_info.rank,
-                            world_size=dist_info.world_size, barrier=lambda: barrier(dist_info))
-            if dist_info.is_main:
-                prune_checkpoints(config.checkpoint_dir, keep_last=ckpt.keep_last, keep_interval=ckpt.keep_interval)
-    final_dir = config.output_dir / "weights" / f"step_{max_steps}"
+            checkpoint(step)
+            saved_step = step
+    result = SFTResult(None, last_step, max_steps)
+    if not result.finished:
+        log.warning("sft interrupted: the weights of the step reached are exported, not the final model",
+                    step=last_step, max_steps=max_steps)
+        if last_step < start_step:  # nothing trained in this run: nothing new to save
+            return result
+        if config.ckpt is not None and saved_step != last_step:
+            checkpoint(last_step)  # a re-run resumes here
+    weights_dir = config.output_dir / "weights" / f"step_{last_step}"
     if dist_info.is_main:
-        export_hf_weights(unwrap_model(model), tokenizer, final_dir)
-        log.info("sft weights exported", path=str(final_dir))
+        export_hf_weights(unwrap_model(model), tokenizer, weights_dir)
+        log.info("sft weights exported", path=str(weights_dir), final=result.finished)
     barrier(dist_info)
-    return final_dir
+    return SFTResult(weights_dir, last_step, max_steps)
+
+
+def _save_checkpoint(config: SFTConfig, dist_info: DistInfo, step: int, model, optimizer, scheduler) -> None:
+    from primerl.trainer.checkpoint import prune_checkpoints, save_checkpoint
+
+    save_checkpoint(config.checkpoint_dir, step, model=model, optimizer=optimizer, scheduler=scheduler,
+                    extra_state={"step": step}, rank=dist_info.rank, world_size=dist_info.world_size,
+                    barrier=lambda: barrier(dist_info))
+    if dist_info.is_main:
+        ckpt = config.ckpt
+        prune_checkpoints(config.checkpoint_dir, keep_last=ckpt.keep_last, keep_interval=ckpt.keep_interval)
+
+
+def _stop_agreed(stop_event: threading.Event, dist_info: DistInfo) -> bool:
+    """Whether to stop before the next step; with several ranks, true on all of them once any rank's event is set
+    (a signal may reach the ranks at different steps: stopping alone would leave the others in a collective)."""
+    return all_reduce_sum(float(stop_event.is_set()), dist_info) > 0
 
 
 def _step_samples(samples: list, step: int, batch_size: int, seed: int) -> list:

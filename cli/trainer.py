@@ -28,10 +28,11 @@ def serve(config, args: argparse.Namespace, *, objective: str = "rl") -> int:
         """Registered with the broker: from then on a stop lets the step in hand finish (publish, checkpoint,
         commit) and deregisters; before it (metrics, model, optimizer, connecting) a stop ends the start-up."""
         control = getattr(runner, "control", None)
-        return control is not None and control.worker_id is not None
+        return control is not None and control.registration is not None  # kept after a deregistration
 
-    StopSignals(log, stop_event, set_up, stopping_message="stopping after the current step").install()
     config.output_dir.mkdir(parents=True, exist_ok=True)
+    # Until here SIGTERM's default action ends the process at once; from here StoppedWhileStarting is caught below.
+    StopSignals(log, stop_event, set_up, stopping_message="stopping after the current step").install()
     try:
         runner = TrainerRunner(config, dist_info, objective=objective, stop_event=stop_event)
         return runner.run()

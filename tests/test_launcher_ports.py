@@ -305,8 +305,10 @@ def test_an_early_failure_stops_every_role_without_waiting_for_the_stop_timeout(
     """The orchestrator fails at start (an environment that does not exist) while vLLM starts and the trainer
     builds its model: every other role stops on its SIGTERM (none is killed after the 30 s stop timeout)."""
     run_dir = tmp_path / "run"
+    # --no-preflight: the preflight would refuse the unknown environment before anything starts; this is about a
+    # failure it cannot foresee, in a role already started.
     process = _start(default_ports_config(tmp_path), tiny_model, run_dir, "--max-steps", "3",
-                     "--orchestrator.env", '[{id = "no-such-env"}]', "--restart", "never")
+                     "--orchestrator.env", '[{id = "no-such-env"}]', "--restart", "never", "--no-preflight")
     try:
         process.wait(RUN_TIMEOUT_S)
     finally:
@@ -318,3 +320,22 @@ def test_an_early_failure_stops_every_role_without_waiting_for_the_stop_timeout(
     failed_s = (run_dir / "logs" / "orchestrator.log").stat().st_mtime
     exited_s = max(p.stat().st_mtime for p in (run_dir.parent / "run.stdout", run_dir.parent / "run.stderr"))
     print(f"early failure to primerl rl's exit: {exited_s - failed_s:.1f} s")
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
+def test_a_taken_inference_port_names_the_address_and_the_setting(tiny_model, tmp_path):
+    """The bind itself (the preflight, skipped here, catches a port taken before the start; this is a port taken
+    between the preflight and the bind): one line that names the address and the setting, before vLLM's engine."""
+    env = {**_env(), "PRIMERL_SKIP_PREFLIGHT": "1", "TMPDIR": str(tmp_path)}
+    with taken_port() as taken:
+        port = taken.getsockname()[1]
+        result = subprocess.run(
+            [str(BIN / "primerl-infer"), "--model.name", str(tiny_model), "--model.max-model-len", "512",
+             "--server.port", str(port), "--broker.address", "127.0.0.1:1", "--broker.connect-timeout-s", "1"],
+            capture_output=True, text=True, timeout=RUN_TIMEOUT_S, env=env, cwd=tmp_path)
+    output = result.stdout + result.stderr
+    assert result.returncode == 1, output[-4000:]
+    assert "Traceback" not in output and "Errno 98" not in output, output[-4000:]
+    assert f"cannot bind its HTTP port 127.0.0.1:{port}: the port is in use" in output, output[-4000:]
+    assert "Change inference.server.port" in output, output[-4000:]

@@ -104,9 +104,11 @@ def test_a_short_run_trains_every_step_and_inference_serves_the_last_policy(tiny
 @pytest.mark.vllm
 def test_a_crashing_role_is_restarted_then_stops_the_run_and_shows_its_error(tiny_model, tmp_path):
     run_dir = tmp_path / "run"
+    # --no-preflight: the preflight would refuse the unknown environment before anything starts; this is about a
+    # role that fails once started.
     result, wall_s = primerl_rl(tiny_model, run_dir, "--max-steps", "3", "--orchestrator.env",
-                                '[{id = "no-such-env"}]', "--stop-timeout-s", "10", "--restart-limit", "1",
-                                "--restart-delay-s", "0.5", timeout_s=CRASH_TIMEOUT_S)
+                                '[{id = "no-such-env"}]', "--no-preflight", "--stop-timeout-s", "10",
+                                "--restart-limit", "1", "--restart-delay-s", "0.5", timeout_s=CRASH_TIMEOUT_S)
     output = result.stdout + result.stderr
     assert result.returncode == 1, output[-6000:]
     assert "restarting orchestrator after exit code 1 (restart 1 of 1 within 300 s) in 0.5 s" in result.stdout, \
@@ -126,7 +128,7 @@ def test_a_crashing_role_is_restarted_then_stops_the_run_and_shows_its_error(tin
 def test_a_config_error_with_restart_never_stops_the_run_at_once(tiny_model, tmp_path):
     run_dir = tmp_path / "run"
     result, _ = primerl_rl(tiny_model, run_dir, "--max-steps", "3", "--orchestrator.env", '[{id = "no-such-env"}]',
-                           "--stop-timeout-s", "10", "--restart", "never", timeout_s=CRASH_TIMEOUT_S)
+                           "--no-preflight", "--stop-timeout-s", "10", "--restart", "never", timeout_s=CRASH_TIMEOUT_S)
     assert result.returncode == 1, (result.stdout + result.stderr)[-6000:]
     assert "restarting" not in result.stdout
     assert re.search(r"orchestrator exited with status 1( while inference was starting)?; stopped the run",

@@ -131,7 +131,8 @@ def install(args: argparse.Namespace) -> int:
         constraints.write(f"verifiers=={verifiers_version}\n")  # an environment never moves the env venv's verifiers
         constraints.flush()
         _pip(python, ["install", *pip_target, "-c", constraints.name], verbose=args.verbose,
-             what=f"install {args.target}")
+             what=f"install {args.target}", on_conflict=f"the env venv keeps verifiers=={verifiers_version}; an "
+             f"environment that needs another verifiers cannot be installed into it")
     envs = _provided_envs(python, dist_name, project_dir)
     if not envs:
         raise EnvInstallFailed(
@@ -240,7 +241,7 @@ def _ensure_verifiers(python: Path, *, verbose: bool) -> str:
     return VERIFIERS_VERSION
 
 
-def _pip(python: Path, pip_args: list[str], *, verbose: bool, what: str) -> None:
+def _pip(python: Path, pip_args: list[str], *, verbose: bool, what: str, on_conflict: str = "") -> None:
     command = [str(python), "-m", "pip", *pip_args, "--disable-pip-version-check"]
     if verbose:
         done = subprocess.run(command, stdin=subprocess.DEVNULL)
@@ -252,7 +253,9 @@ def _pip(python: Path, pip_args: list[str], *, verbose: bool, what: str) -> None
         tail = "\n".join(output.splitlines()[-PIP_TAIL_LINES:])
         if tail:
             print(tail, file=sys.stderr)
-        raise EnvInstallFailed(f"pip could not {what} into {python} (exit {done.returncode}; pip's output above)")
+        hint = f"; {on_conflict}" if on_conflict and "ResolutionImpossible" in output else ""
+        raise EnvInstallFailed(f"pip could not {what} into {python} (exit {done.returncode}; pip's output "
+                               f"above{hint})")
 
 
 def _normalize(name: str) -> str:

@@ -170,7 +170,7 @@ def role_checks(role: str, config) -> dict[str, Check]:
     if role == "trainer":
         return {"model": model_checks({"model.name": (config.model.name, "model"),
                                        "tokenizer.name": (config.tokenizer.name or config.model.name, "tokenizer")},
-                                      local_only=frozenset({"model.name"})),
+                                      shared_name=config.model.name, local_only=frozenset({"model.name"})),
                 "wandb": wandb_check({"trainer": config})}
     if role == "orchestrator":
         # Its model name is the served name: a tokenizer to measure prompts with only when it is a local directory.

@@ -50,9 +50,11 @@ def env_uses(orchestrator, prefix: str) -> list[EnvUse]:
 
 
 def env_checks(orchestrator, *, prefix: str, tokenizer: str | None, max_model_len: int | None) -> Check:
-    """The environments of an orchestrator config; prompts measured with ``tokenizer`` (skipped when None)."""
+    """The environments of an orchestrator config; prompts measured with ``tokenizer`` (skipped when None, or
+    when it is not a usable name: the model check says why)."""
 
     def check() -> list[Finding]:
+        from primerl.cli.preflight_model import name_problem
         from primerl.runtime.env_python import find_env_python
 
         env_python = find_env_python(orchestrator.env_python)
@@ -60,8 +62,10 @@ def env_checks(orchestrator, *, prefix: str, tokenizer: str | None, max_model_le
         if not Path(env_python.path).exists():
             return [error(f"the env interpreter {env_python.describe()} does not exist: build it (`make setup`, or "
                           f"`primerl env install PATH` creates it) or set {setting}")]
+        usable = tokenizer is not None and name_problem("tokenizer", tokenizer, "tokenizer") is None
         return check_environments(env_uses(orchestrator, prefix), env_python.path, env_python.describe(),
-                                  setting=setting, tokenizer=tokenizer, seq_len=orchestrator.seq_len,
+                                  setting=setting, tokenizer=tokenizer if usable else None,
+                                  seq_len=orchestrator.seq_len,
                                   max_model_len=max_model_len, max_tokens=orchestrator.sampling.max_tokens,
                                   prefix=prefix)
 

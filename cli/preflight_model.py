@@ -48,7 +48,7 @@ def local_problem(setting: str, path: Path, kind: Kind) -> str | None:
                 return (f"{setting} = {str(path)!r} is a LoRA adapter, not a model; give the base model (and the "
                         "adapter as a checkpoint to resume from)")
             return f"{setting} = {str(path)!r} holds no config.json: not a Hugging Face model directory"
-        if not any(path.glob(pattern) for pattern in WEIGHT_PATTERNS):
+        if not any(next(path.glob(pattern), None) for pattern in WEIGHT_PATTERNS):
             return f"{setting} = {str(path)!r} holds a config.json but no weights (*.safetensors, *.bin)"
     if kind == "tokenizer" and not files.intersection(TOKENIZER_FILES):
         return (f"{setting} = {str(path)!r} holds no tokenizer files ({', '.join(TOKENIZER_FILES[:2])}); set it "

@@ -34,8 +34,9 @@ $(STAMP): pyproject.toml
 
 # The env workers' interpreter and the example environments, the way a user installs theirs: `primerl env install`
 # creates the venv with verifiers pinned (VERIFIERS_VERSION in primerl.runtime.env_python), installs the project
-# editable (edits apply at once) and loads each environment in an env worker.
-$(ENV_STAMP): $(STAMP) examples/reverse_text/pyproject.toml
+# editable (edits apply at once) and loads each environment in an env worker. (It needs primerl: order-only on
+# $(STAMP), so a change of the project's dependencies does not re-run it.)
+$(ENV_STAMP): examples/reverse_text/pyproject.toml | $(STAMP)
 	$(VENV)/bin/primerl env install examples/reverse_text --env-python $(abspath $(ENV_VENV))/bin/python
 	touch $(ENV_STAMP)
 

@@ -80,29 +80,30 @@ def check_environments(uses: list[EnvUse], env_python: str, described: str, *, s
     unique: dict[tuple[str, str, str], EnvUse] = {}
     for use in uses:
         unique.setdefault((use.id, repr(sorted(use.args.items())), use.split), use)
-    with concurrent.futures.ThreadPoolExecutor(len(unique) + 2, thread_name_prefix="preflight-env") as pool:
-        probe = pool.submit(probe_env_python, env_python, timeout_s=ENV_START_TIMEOUT_S)
+    loaded_tokenizer = _in_daemon_thread(load_tokenizer, tokenizer) if tokenizer is not None else None
+    with concurrent.futures.ThreadPoolExecutor(len(unique), thread_name_prefix="preflight-env") as pool:
         loads = {key: pool.submit(load_env, use, env_python) for key, use in unique.items()}
-        loaded_tokenizer = pool.submit(load_tokenizer, tokenizer) if tokenizer is not None else None
-        try:
-            installed = probe.result()
-        except EnvProbeError as exc:
-            return [error(f"the env interpreter {described} cannot be run: {exc}; set {setting} to a working "
-                          "interpreter")]
         results = {key: future.result() for key, future in loads.items()}
-        tok, tokenizer_error = loaded_tokenizer.result() if loaded_tokenizer is not None else (None, None)
+    tok, tokenizer_error = None, None
+    if loaded_tokenizer is not None and any(r.error is None for r in results.values()):
+        try:  # not waited for when no environment loaded
+            tok, tokenizer_error = loaded_tokenizer.result(timeout=ENV_START_TIMEOUT_S)
+        except concurrent.futures.TimeoutError:
+            tokenizer_error = f"TimeoutError: not loaded within {ENV_START_TIMEOUT_S:g} s"
 
-    if installed.verifiers_version is None or any(_no_verifiers(r.error) for r in results.values()):
-        detail = next((r.stderr for r in results.values() if _no_verifiers(r.error)), "")
+    if any(_no_verifiers(r.error) for r in results.values()):
+        detail = next(r.stderr for r in results.values() if _no_verifiers(r.error))
         return [error(f"the env interpreter {described} cannot import verifiers: install it there "
                       f"(`{env_python} -m pip install verifiers==0.3.1`, or `primerl env install PATH` with the "
                       f"default interpreter) or set {setting} to an interpreter that has it", detail)]
     findings = []
-    installed_ids = [env.id for env in installed.envs]
-    for key, use in unique.items():
-        result = results[key]
-        if result.error is not None:
-            findings.append(load_finding(use, result, installed_ids))
+    failed = [(use, results[key]) for key, use in unique.items() if results[key].error is not None]
+    if failed:
+        try:  # only now: the installed ids are for did-you-mean
+            installed_ids = [env.id for env in probe_env_python(env_python, timeout_s=ENV_START_TIMEOUT_S).envs]
+        except EnvProbeError:
+            installed_ids = None  # the line points at `primerl env list` instead
+        findings += [load_finding(use, result, installed_ids) for use, result in failed]
     if tokenizer_error is not None:
         findings.append(warning(f"prompt lengths not checked: the tokenizer {tokenizer!r} did not load "
                                 f"({tokenizer_error.splitlines()[-1]})", tokenizer_error))
@@ -114,12 +115,29 @@ def check_environments(uses: list[EnvUse], env_python: str, described: str, *, s
     return findings
 
 
+def _in_daemon_thread(function: Any, *args: Any) -> concurrent.futures.Future:
+    """``function(*args)`` in a daemon thread: a result nobody waits for does not hold up the exit."""
+    import threading
+
+    future: concurrent.futures.Future = concurrent.futures.Future()
+
+    def run() -> None:
+        try:
+            future.set_result(function(*args))
+        except BaseException as exc:  # noqa: BLE001 - handed to the waiter
+            future.set_exception(exc)
+
+    threading.Thread(target=run, name="preflight-tokenizer", daemon=True).start()
+    return future
+
+
 def load_env(use: EnvUse, env_python: str) -> LoadedEnv:
     """Load the environment in an env worker and read a sample of its prompts; errors come back in the result."""
     from primerl.orchestrator.env_client import EnvWorker, EnvWorkerError
 
     worker = EnvWorker(env_python, use.id, use.args, start_timeout_s=ENV_START_TIMEOUT_S,
-                       request_timeout_s=ENV_START_TIMEOUT_S, max_restarts=0)
+                       request_timeout_s=ENV_START_TIMEOUT_S, max_restarts=0,
+                       stderr_tail_lines=200)
     try:
         info = worker.start()
         split = use.split if use.split == "train" or info.has_eval_dataset else "train"
@@ -128,16 +146,17 @@ def load_env(use: EnvUse, env_python: str) -> LoadedEnv:
         prompts = [example.prompt for i in indices for example in worker.examples(split, i, 1)]
         return LoadedEnv(use, prompts, size)
     except EnvWorkerError as exc:
-        return LoadedEnv(use, [], 0, exc, worker.stderr_tail())
+        failure = exc
     finally:
-        worker.close()
+        worker.close()  # joins its stderr reader: the tail below holds the worker's traceback
+    return LoadedEnv(use, [], 0, failure, worker.stderr_tail())
 
 
 def _no_verifiers(exc: BaseException | None) -> bool:
     return exc is not None and "verifiers is not importable" in str(exc)
 
 
-def load_finding(use: EnvUse, result: LoadedEnv, installed_ids: list[str]) -> Finding:
+def load_finding(use: EnvUse, result: LoadedEnv, installed_ids: list[str] | None) -> Finding:
     """The one line for an environment that did not load: an unknown id, or its `load_environment` failing."""
     from primerl.orchestrator.env_client import EnvRequestError, EnvRequestTimeout
     from primerl.runtime.env_python import suggest_env_ids
@@ -146,8 +165,10 @@ def load_finding(use: EnvUse, result: LoadedEnv, installed_ids: list[str]) -> Fi
     detail = f"{type(exc).__name__}: {exc}\n--- env worker stderr ---\n{result.stderr}"
     module = use.id.replace("-", "_").split("/")[-1]  # verifiers' rule: id reverse-text is module reverse_text
     if isinstance(exc, EnvRequestError) and f"No module named '{module}'" in str(exc):
-        suggestions = suggest_env_ids(use.id, installed_ids)
-        if suggestions:
+        suggestions = suggest_env_ids(use.id, installed_ids or [])
+        if installed_ids is None:
+            hint = f"`primerl env list` shows the installed ones. {INSTALL_HINT}"
+        elif suggestions:
             hint = "did you mean " + " or ".join(f'"{s}"' for s in suggestions) + f"? {INSTALL_HINT}"
         elif installed_ids:
             hint = f"installed: {', '.join(installed_ids)}. {INSTALL_HINT}"

@@ -216,7 +216,8 @@ def start_wandb_run(role: str, config: WandbConfig, output_dir: Path, run_config
     except Exception as exc:  # wandb's errors (a refused key, no network, bad entity) have no common base class
         hint = "check the login (`wandb login`, or WANDB_API_KEY), " if mode == "online" else ""
         raise ValueError(f"W&B could not start the {role} run ({type(exc).__name__}: {exc}); {hint}"
-                         "set [wandb] offline = true to log to files only, or remove [wandb]") from None
+                         "set [wandb] offline = true to log to files only, or remove [wandb] (in a vf-rl config: "
+                         "[trainer.args] run_name)") from None
     run.define_metric(f"{role}/step", hidden=True)
     run.define_metric("*", step_metric=f"{role}/step")
     log.info("logging to Weights & Biases", mode=mode, project=config.project, run_name=run.name,

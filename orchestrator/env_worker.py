@@ -71,6 +71,10 @@ from typing import Any
 PROTOCOL_VERSION = 1
 HTTP_CLIENT_SHARDS = 8
 MAX_CONNECTIONS_PER_SHARD = 4096  # aiohttp's own default (100) would queue requests beyond it
+# An idle connection is dropped by the client well before the server closes it (vLLM's uvicorn: 5 s,
+# VLLM_HTTP_TIMEOUT_KEEP_ALIVE). At httpx's default of 5 s, a request sent on a connection the server was just
+# closing failed with "Server disconnected" (seen: 2 of 200 eval rollouts after a few idle seconds).
+KEEPALIVE_EXPIRY_S = 2.0
 SCORE_ON_LOOP_MAX_CPU_S = 0.005
 SCORING_THREADS = 4
 POLICY_VERSION_HEADER = "x-primerl-policy-version"
@@ -593,7 +597,8 @@ class Worker:
             for _ in range(HTTP_CLIENT_SHARDS):
                 http_client = client_class(
                     timeout=httpx.Timeout(timeout_s, connect=min(timeout_s, 10.0)),
-                    limits=httpx.Limits(max_connections=MAX_CONNECTIONS_PER_SHARD, max_keepalive_connections=64),
+                    limits=httpx.Limits(max_connections=MAX_CONNECTIONS_PER_SHARD, max_keepalive_connections=64,
+                                        keepalive_expiry=KEEPALIVE_EXPIRY_S),
                     event_hooks={"response": [_capture_headers]},
                 )
                 openai_client = AsyncOpenAI(base_url=base_url, api_key=api_key, max_retries=0,

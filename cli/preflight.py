@@ -5,14 +5,17 @@ should not cost that); each daemon started on its own runs the checks of its rol
 `Finding`s: an error is one line saying what is wrong and how to fix it, and stops the start with exit status 2;
 a warning is printed and the start goes on. Tracebacks and the env workers' output go to a log file only.
 
-    checks                          primerl rl   broker   trainer   orchestrator   inference
-    env interpreter, environments       x                             x
-    prompt lengths (chat template)      x                             x (local model dir)
-    model and tokenizer paths           x                   x                            x
-    W&B login (offline fallback)        x                   x         x
-    fixed ports free                    x          x
+    checks                            primerl rl  broker  trainer/sft  orchestrator  inference
+    env interpreter, environments          x                                 x
+    prompt lengths (chat template)         x                                 *
+    model and tokenizer paths              x                   x                         x
+    W&B login (offline fallback)           x                   x             x
+    fixed ports free                       x         x
+    * when its model name is a local directory (that tokenizer measures the prompts)
 
-The checks run concurrently (the env workers' start dominates: ~2-3 s for reverse-text here). `primerl rl` sets
+The checks run concurrently; loading the environments (an env worker each, ~2.3 s for reverse-text on an idle core)
+and the tokenizer (importing transformers, ~3 s) dominate: 6.2 s in all for the example config on 2 cores under a
+load average of 6. `primerl rl` sets
 `$PRIMERL_SKIP_PREFLIGHT` for its roles, which it has checked already; a user may set it to skip the checks.
 """
 
@@ -167,7 +170,7 @@ def role_checks(role: str, config) -> dict[str, Check]:
         return {"ports": port_check(broker_ports(config, prefix=""))}
     if role == "inference":
         return {"model": model_checks({"model.name": (config.model.name, "model")})}
-    if role == "trainer":
+    if role in ("trainer", "sft"):  # `primerl sft` is a trainer with a data file
         return {"model": model_checks({"model.name": (config.model.name, "model"),
                                        "tokenizer.name": (config.tokenizer.name or config.model.name, "tokenizer")},
                                       shared_name=config.model.name, local_only=frozenset({"model.name"})),

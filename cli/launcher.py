@@ -304,8 +304,8 @@ class Launcher:
         write_run_file(self.run_dir, RunFile(broker_address=address, run_token=self.token,
                                              tls_ca_path=str(Path(tls_ca_path).resolve()) if tls_ca_path else None,
                                              run_id=run_id or None, launcher_pid=os.getpid()))
-        self.say(f"  status: primerl status {shlex.quote(str(self.run_dir))}   (address and token in "
-                 f"{self.run_dir / RUN_FILE_NAME}, readable by you only)")
+        self.say(f"  status: primerl status {shlex.quote(str(self.run_dir))}   (address and token in its "
+                 f"{RUN_FILE_NAME}, readable by you only)")
 
     # -------------------------------------------------------------------------------------- restarts
     def _pin_broker(self, endpoints: dict) -> None:

@@ -168,6 +168,25 @@ def test_hub_ids_and_the_trainer(monkeypatch):
     assert len(findings) == 1 and findings[0].message.startswith("model.name = 'someorg/some-model' is neither")
 
 
+def test_a_cached_hub_id_serves_vllm_and_the_trainer_gets_its_directory(tmp_path):
+    """An id in the local Hugging Face cache: fine for vLLM; the trainer loads from a directory only, so the line
+    gives the cached snapshot to use. (A subprocess: huggingface_hub reads HF_HUB_CACHE when it is imported.)"""
+    snapshot = tmp_path / "hub" / "models--someorg--some-model" / "snapshots" / ("a" * 40)
+    snapshot.mkdir(parents=True)
+    (snapshot / "config.json").write_text("{}")
+    (snapshot.parents[1] / "refs").mkdir()
+    (snapshot.parents[1] / "refs" / "main").write_text("a" * 40)
+    code = ("from primerl.cli.preflight_model import name_problem as p\n"
+            "print(p('inference.model.name', 'someorg/some-model', 'model'))\n"
+            "print(p('model.name', 'someorg/some-model', 'model', local_only=True))")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                            env={**os.environ, "HF_HUB_CACHE": str(tmp_path / "hub"), "HF_HUB_OFFLINE": "1"})
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.splitlines() == [
+        "None", f"model.name = 'someorg/some-model' is a Hugging Face id, but the trainer loads from a directory only; "
+                f"set model.name to its cached copy: {snapshot}"]
+
+
 def test_one_line_for_a_name_shared_by_every_role(monkeypatch, tmp_path):
     monkeypatch.chdir(tmp_path)
     gone = "runs/demo/gone"

@@ -62,6 +62,11 @@ def env_checks(orchestrator, *, prefix: str, tokenizer: str | None, max_model_le
         if not Path(env_python.path).exists():
             return [error(f"the env interpreter {env_python.describe()} does not exist: build it (`make setup`, or "
                           f"`primerl env install PATH` creates it) or set {setting}")]
+        first: dict[str, str] = {}
+        for use in env_uses(orchestrator, prefix):
+            if use.split == "train" and first.setdefault(use.id, use.setting) != use.setting:
+                return [error(f'{use.setting}.id "{use.id}" is listed twice (also {first[use.id]}); keep one table '
+                              "per environment (its weight sets how often it is sampled)")]
         usable = tokenizer is not None and name_problem("tokenizer", tokenizer, "tokenizer") is None
         return check_environments(env_uses(orchestrator, prefix), env_python.path, env_python.describe(),
                                   setting=setting, tokenizer=tokenizer if usable else None,
@@ -104,6 +109,11 @@ def check_environments(uses: list[EnvUse], env_python: str, described: str, *, s
         except EnvProbeError:
             installed_ids = None  # the line points at `primerl env list` instead
         findings += [load_finding(use, result, installed_ids) for use, result in failed]
+    for key, use in unique.items():
+        if results[key].error is None and results[key].num_examples == 0:
+            split = "training" if use.split == "train" else "eval"
+            findings.append(error(f'{use.setting} "{use.id}" has no {split} examples: load_environment('
+                                  f"{_args(use.args)}) gave an empty dataset; check {use.setting}.args"))
     if tokenizer_error is not None:
         findings.append(warning(f"prompt lengths not checked: the tokenizer {tokenizer!r} did not load "
                                 f"({tokenizer_error.splitlines()[-1]})", tokenizer_error))

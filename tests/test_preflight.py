@@ -250,6 +250,23 @@ def test_an_interpreter_without_verifiers_is_one_line(bare_python):
         "orchestrator.env_python to an interpreter that has it"]
 
 
+def test_an_environment_without_examples(env_python, monkeypatch):
+    monkeypatch.setenv("PYTHONPATH", str(FIXTURES))
+    [finding] = check([use("empty_dataset_env", {"min_len": 2})], env_python)
+    assert finding.message == ('orchestrator.env[0] "empty_dataset_env" has no training examples: '
+                               "load_environment(min_len=2) gave an empty dataset; check orchestrator.env[0].args")
+
+
+def test_an_environment_listed_twice():
+    from primerl.cli.preflight_envs import env_checks
+    from primerl.orchestrator.config import OrchestratorConfig
+
+    config = OrchestratorConfig.model_validate({"model": {"name": "m"}, "env": [{"id": "a"}, {"id": "b"}, {"id": "a"}]})
+    assert [f.message for f in env_checks(config, prefix="orchestrator.", tokenizer=None, max_model_len=None)()] == [
+        'orchestrator.env[2].id "a" is listed twice (also orchestrator.env[0]); keep one table per environment (its '
+        "weight sets how often it is sampled)"]
+
+
 def test_prompt_lengths_after_the_chat_template(tiny_model):
     from transformers import AutoTokenizer
 

@@ -28,7 +28,7 @@ Rank 0 serves the trainer's Prometheus metrics (``[trainer.prometheus]``; its UR
 The trained model is always saved: every checkpoint exports its step's Hugging Face weights to
 ``{output_dir}/weights/step_N``; without ``[trainer.ckpt]`` the last step (``max_steps``) is exported all the
 same, and a clean stop before it (SIGTERM/SIGINT, the broker ending the run) exports the last step trained
-(rank 0, on the IO thread after that step's publish; ``primerl eval -m RUN_DIR`` takes the newest).
+(rank 0; ``primerl eval -m RUN_DIR`` takes the newest ``weights/step_N``).
 
 Commits: with ``[trainer.ckpt]`` a step is committed (``CommitStep``: the broker deletes the batches of every step up
 to it) only once its checkpoint is durable, so a restarted trainer resumes from that checkpoint and trains every
@@ -351,11 +351,12 @@ class TrainerRunner:
 
     def _stopped(self) -> int:
         """A clean stop before ``max_steps`` (a signal, the broker's end of the run): rank 0 exports the weights of
-        the last step trained, after its publish and commit on the IO thread, unless its checkpoint did. Exit 0."""
+        the last step trained unless its checkpoint did, here and now (nothing changes the weights any more; the
+        IO thread may still be publishing or committing them, and may wait for the broker). Exit 0."""
         step = self.last_trained_step
         if self.dist.is_main and step is not None and not self._checkpoint_due(step):
             log.info("exporting the weights of the last step trained", step=step, max_steps=self.config.max_steps)
-            self.io.submit(f"export step {step}", lambda: self._export_weights(step))
+            self._export_weights(step)
         return 0
 
     def _commit(self, step: int) -> None:

@@ -70,9 +70,8 @@ def env_checks(orchestrator, *, prefix: str, tokenizer: str | None, max_model_le
         usable = tokenizer is not None and name_problem("tokenizer", tokenizer, "tokenizer") is None
         return check_environments(env_uses(orchestrator, prefix), env_python.path, env_python.describe(),
                                   setting=setting, tokenizer=tokenizer if usable else None,
-                                  seq_len=orchestrator.seq_len,
-                                  max_model_len=max_model_len, max_tokens=orchestrator.sampling.max_tokens,
-                                  prefix=prefix)
+                                  seq_len=orchestrator.seq_len, max_model_len=max_model_len,
+                                  max_tokens=orchestrator.sampling.max_tokens, prefix=prefix)
 
     return check
 
@@ -235,7 +234,8 @@ def length_findings(use: EnvUse, prompts: list[Any], tokenizer: Any, *, seq_len:
         message = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
         return [error(f'{use.setting} "{use.id}": its prompts cannot be put through the tokenizer\'s chat template '
                       f"({message}); use a model with a chat template (an instruct model)", traceback.format_exc())]
-    what = f'{use.setting} "{use.id}": prompts are up to {longest} tokens after the chat template ({len(prompts)} sampled)'
+    what = (f'{use.setting} "{use.id}": prompts are up to {longest} tokens after the chat template '
+            f"({len(prompts)} sampled)")
     room = f" + {prefix}sampling.max_tokens ({max_tokens})" if max_tokens else ""
     if longest >= seq_len:
         return [error(f"{what}, which leaves no room for a completion within {prefix}seq_len = {seq_len}; raise "

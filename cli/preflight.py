@@ -156,7 +156,7 @@ def rl_checks(config) -> dict[str, Check]:
                                "inference.model.name": (inference.model.name, "model")},
                               shared_name=config.model.name),
         "wandb": wandb_check({"trainer": trainer, "orchestrator": orchestrator}),
-        "ports": port_check(rl_ports(config)),
+        "ports": port_check(rl_ports(config.with_free_broker_ports())),
     }
 
 

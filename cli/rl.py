@@ -34,7 +34,8 @@ preflight; --no-preflight skips it.
 a run (without --dry-run) writes rl.toml and one <role>.toml per role into the run directory (output_dir),
 starts broker, inference, orchestrator and trainer with their logs in {run_dir}/logs/<role>.log, shows the
 progress, and stops every role when the trainer finishes, when a role fails for good, or on Ctrl-C. The run token
-is passed to the roles as $PRIMERL_RUN_TOKEN (a fresh one when broker.run_token is unset), never written to files.
+(broker.run_token, else an exported $PRIMERL_RUN_TOKEN, else a fresh one) reaches the roles as $PRIMERL_RUN_TOKEN;
+only RUN_DIR/run.json (mode 0600) holds it, for `primerl status RUN_DIR`.
 
 restarts (like systemd's Restart=on-failure, StartLimitBurst, StartLimitIntervalSec, RestartSec):
   with --restart on-failure (the default) a role that exits non-zero or is killed by a signal during the run is

@@ -168,6 +168,7 @@ class RLConfig(BaseConfig):
             *self._lora_problems(),
             *self._batch_problems(),
             *self._connection_problems(),
+            *self._trainer_rank_problems(),
         ]
         if problems:
             raise ValueError("\n".join(problems))
@@ -258,6 +259,16 @@ class RLConfig(BaseConfig):
                 f"trainer.gradient_accumulation_steps ({accumulation}) x micro_batch_size ({micro_batch_size}) x "
                 f"ranks ({num_ranks}) must equal orchestrator.batch_size ({batch_size}): set "
                 f"gradient_accumulation_steps = {batch_size // per_round} or remove it"
+            ]
+        return []
+
+    def _trainer_rank_problems(self) -> list[str]:
+        num_ranks = len(self.trainer_gpu_ids)
+        if num_ranks > 1 and self.trainer.model.parallel == "fsdp2":
+            return [
+                f'trainer.model.parallel = "fsdp2" with {num_ranks} trainer ranks (trainer_gpu_ids = '
+                f'{self.trainer_gpu_ids}): publishing, checkpointing and exporting sharded weights are not built '
+                'yet; set [trainer.model] parallel = "ddp", or leave it unset (ddp with several ranks)'
             ]
         return []
 

@@ -108,6 +108,17 @@ def test_more_rollout_peers_than_the_broker_admits(base: Path) -> None:
            "orchestrator = 4; set broker.max_rollout_connections = 4 or more" in message
 
 
+def test_fsdp2_with_several_trainer_ranks_is_refused_before_the_start(base: Path) -> None:
+    message = error_of(base, "--trainer-gpu-ids", "[1, 2]", "--trainer.model.parallel", "fsdp2")
+    assert 'trainer.model.parallel = "fsdp2" with 2 trainer ranks' in message
+    assert 'set [trainer.model] parallel = "ddp", or leave it unset' in message
+
+
+def test_several_trainer_ranks_with_parallel_unset_are_fine(base: Path) -> None:
+    config = load("@", base, "--trainer-gpu-ids", "[1, 2]")
+    assert config.trainer.model.parallel in (None, "ddp")
+
+
 def test_max_model_len_below_seq_len(base: Path) -> None:
     message = error_of(base, "--inference.model.max-model-len", "512")
     assert "inference.model.max_model_len (512) is smaller than seq_len (1024)" in message

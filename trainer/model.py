@@ -52,7 +52,7 @@ def load_model(
         raise ValueError(
             f"model.name = {config.name!r} is not a local model directory; primerl loads models from disk only "
             "(no hub downloads): point it at a directory with config.json and *.safetensors, e.g. the one "
-            "`primerl tiny-model` builds"
+            "`primerl init-tiny-model DIR` builds"
         )
     if attn_implementation not in ("sdpa", "eager"):
         raise ValueError(f'attn_implementation must be "sdpa" or "eager", got {attn_implementation!r}')

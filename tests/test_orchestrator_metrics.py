@@ -198,3 +198,20 @@ def test_group_seeds_give_every_rollout_its_own_seed_and_repeat_for_the_same_run
     assert group_seed(8, 0, rollouts_per_example) != group_seed(7, 0, rollouts_per_example)
     assert all(0 <= seed < 2**31 for seed in seeds)
     assert group_seed(None, 3, rollouts_per_example) is None
+
+
+def test_the_runner_warns_once_per_fallback_reason(tmp_path):
+    import structlog
+
+    from primerl.orchestrator.config import OrchestratorConfig
+    from primerl.orchestrator.runner import OrchestratorRunner
+
+    config = OrchestratorConfig.model_validate({"model": {"name": "m"}, "env": [{"id": "e"}], "batch_size": 4,
+                                                "rollouts_per_example": 2, "max_steps": 3, "output_dir": str(tmp_path)})
+    runner = OrchestratorRunner(config, env_python="python")
+    with structlog.testing.capture_logs() as logs:
+        for step_fallbacks in ({"prefix_mismatch": 2}, {"prefix_mismatch": 1, "no_prompt_ids": 1}, {}):
+            runner.fallbacks = Counter(step_fallbacks)
+            runner._log_new_fallbacks()
+    warnings = [entry for entry in logs if "fall back to branching" in entry["event"]]
+    assert [(w["reason"], w["num_this_step"]) for w in warnings] == [("prefix_mismatch", 2), ("no_prompt_ids", 1)]

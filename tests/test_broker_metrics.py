@@ -5,6 +5,7 @@ errors."""
 from __future__ import annotations
 
 import json
+import os
 import socket
 import subprocess
 import sys
@@ -137,10 +138,11 @@ def test_prometheus_port_clashing_with_a_broker_port_is_a_config_error(tmp_path)
 
 
 # ---------------------------------------------------------------------------------------------- the process
-def run_broker(tmp_path: Path, *extra: str, timeout_s: float = 30) -> subprocess.CompletedProcess:
+def run_broker(tmp_path: Path, *extra: str, timeout_s: float = 30, env: dict | None = None
+               ) -> subprocess.CompletedProcess:
     return subprocess.run([str(BIN / "primerl-broker"), "--grpc-port", "0", "--rollout-port", "0", "--weight-port", "0",
                            "--spool-dir", str(tmp_path / "spool"), *extra], capture_output=True, text=True,
-                          timeout=timeout_s)
+                          timeout=timeout_s, env=env)
 
 
 def test_process_with_a_port_out_of_range_says_so(tmp_path):
@@ -154,11 +156,18 @@ def test_process_with_a_taken_port_says_so(tmp_path):
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         port = taken.getsockname()[1]
-        result = run_broker(tmp_path, "--prometheus.port", str(port))
-    output = result.stdout + result.stderr
-    assert result.returncode == 1, output
+        checked = run_broker(tmp_path, "--prometheus.port", str(port))
+        # past the preflight (a port taken between the check and the bind): the daemon's own bind error
+        unchecked = run_broker(tmp_path, "--prometheus.port", str(port),
+                               env={**os.environ, "PRIMERL_SKIP_PREFLIGHT": "1"})
+    output = checked.stdout + checked.stderr
+    assert checked.returncode == 2, output  # the preflight: nothing started
+    assert f"prometheus.port = {port}: 127.0.0.1:{port} is already in use" in output
+    assert "set prometheus.port to a free port, or 0 to pick one" in output and "Traceback" not in output
+    output = unchecked.stdout + unchecked.stderr
+    assert unchecked.returncode == 1, output
     assert f"cannot serve Prometheus metrics on 127.0.0.1:{port}: Address already in use" in output
-    assert "Traceback" not in output
+    assert "Set prometheus.port to a free port" in output and "Traceback" not in output
 
 
 def test_process_writes_its_metrics_url_to_the_ready_file(tmp_path):

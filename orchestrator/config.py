@@ -149,7 +149,8 @@ class OrchestratorConfig(BaseConfig):
     advantage: AdvantageConfig = Field(default_factory=AdvantageConfig, description="Advantage computation.")
     eval: EvalConfig | None = Field(None, description="Evaluation during training; off when absent.")
     env_python: Path | None = Field(
-        None, description="Python interpreter of the env-worker processes (unset: the orchestrator's own)."
+        None, description="Python interpreter of the env-worker processes (unset: $PRIMERL_ENV_PYTHON, else "
+        ".venv-envs/bin/python beside primerl's venv when it exists, else the orchestrator's own)."
     )
     rollout_timeout_s: float = Field(1800.0, gt=0, description="A rollout that takes longer is abandoned.")
     max_steps: int | None = Field(None, ge=1, description="Stop after this many steps (unset: no limit).")

@@ -140,7 +140,7 @@ class EnvWorker:
 
     def load(self) -> EnvInfo:
         result = self._call("load", {"env_id": self.env_id, "args": self.args}, self.start_timeout_s)
-        self.info = EnvInfo(**{k: result[k] for k in EnvInfo.__dataclass_fields__})
+        self.info = EnvInfo(**{k: result[k] for k in EnvInfo.__dataclass_fields__ if k in result})
         return self.info
 
     def is_alive(self) -> bool:

@@ -15,7 +15,8 @@ answered as they finish, in any order: each response carries the request's `id`.
     op          params                                                    result
     ping        -                                                         {protocol_version, pid, env_id|null}
     load        env_id, args={}                                           {env_id, env_class, num_examples,
-                                                                           num_eval_examples, has_eval_dataset}
+                                                                           num_eval_examples, has_eval_dataset,
+                                                                           has_tools}
     examples    split="train"|"eval", start=0, count                      {split, examples: [{index, example_id,
                                                                            prompt, answer, info}]}
     rollout     example_index, split="train", num_rollouts, base_url,     {split, example_index, rollouts: [...],
@@ -478,6 +479,7 @@ class Worker:
             "num_examples": len(train) if train is not None else 0,
             "num_eval_examples": len(evals) if evals is not None else len(train or []),
             "has_eval_dataset": evals is not None,
+            "has_tools": bool(getattr(self.env, "oai_tools", None) or getattr(self.env, "tool_defs", None)),
         }
 
     def op_cancel(self, request: dict[str, Any]) -> dict[str, Any]:

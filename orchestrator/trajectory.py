@@ -36,6 +36,8 @@ class EnvInfo:
     num_examples: int
     num_eval_examples: int
     has_eval_dataset: bool
+    has_tools: bool = False
+    """Its model requests carry tool definitions (a ToolEnv): the server needs auto tool choice and a parser."""
 
 
 @dataclass(frozen=True)

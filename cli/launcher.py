@@ -455,6 +455,8 @@ class Launcher:
         trainer_rows = [r for r in rows if r.get("role") == "trainer"]
         steps = trainer_rows[-1]["step"] if trainer_rows else self.progress.step
         reward = f"{rewards[0]:.3f} -> {rewards[-1]:.3f}" if rewards else "-"
+        orchestrator_rows = [r for r in rows if r.get("role") == "orchestrator"]
+        fallbacks = orchestrator_rows[-1].get("rollout/interleave_fallbacks_total", 0) if orchestrator_rows else 0
         served = "-" if self.progress.served_version is None else str(self.progress.served_version)
         startup = ", ".join(f"{c.name} {c.ready_s:.1f} s" for c in self.supervisor.children.values()
                             if c.ready_s is not None)
@@ -462,6 +464,10 @@ class Launcher:
               f"  reward (first -> last step): {reward}\n"
               f"  policy version served by inference: {served} (trainer published {self.progress.published_version})\n"
               f"  run directory: {self.run_dir}", file=self.out, flush=True)
+        if fallbacks:
+            print(f"  interleave fallbacks: {int(fallbacks)} multi-turn rollouts trained as branching samples (turns that do "
+                  "not extend the previous one; rollout/interleave_fallbacks/<reason> in metrics.jsonl)",
+                  file=self.out, flush=True)
 
     def _stop_timeout_s(self) -> float:
         """How long a role may take to stop: ``stop_timeout_s`` once the run is under way (a step's publish,

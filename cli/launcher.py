@@ -465,8 +465,8 @@ class Launcher:
               f"  policy version served by inference: {served} (trainer published {self.progress.published_version})\n"
               f"  run directory: {self.run_dir}", file=self.out, flush=True)
         if fallbacks:
-            print(f"  interleave fallbacks: {int(fallbacks)} multi-turn rollouts trained as branching samples (turns that do "
-                  "not extend the previous one; rollout/interleave_fallbacks/<reason> in metrics.jsonl)",
+            print(f"  interleave fallbacks: {int(fallbacks)} multi-turn rollouts trained as branching samples "
+                  "(turns that do not extend the previous one; rollout/interleave_fallbacks/<reason> in metrics.jsonl)",
                   file=self.out, flush=True)
 
     def _stop_timeout_s(self) -> float:

@@ -62,6 +62,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("-T", "--temperature", type=float, default=1.0, metavar="T",
                         help="sampling temperature; 0 is greedy (default: %(default)s)")
     parser.add_argument("--top-p", type=float, default=1.0, metavar="P", help="nucleus sampling (default: 1.0)")
+    parser.add_argument("--seed", type=int, default=0, metavar="N",
+                        help="sampling seed: each example's requests are seeded apart from it, so the same seed "
+                             "gives the same figures again (default: %(default)s)")
     parser.add_argument("--split", choices=("eval", "train"), default=None,
                         help="dataset split (default: eval when the environment has one, else train)")
     parser.add_argument("-c", "--max-concurrent", type=int, default=16, metavar="N",
@@ -283,7 +286,8 @@ async def _run(args, worker, info, split: str, count: int, base_url: str, served
     from primerl.orchestrator.evaluation import run_eval_groups, summarize_groups
 
     output.mkdir(parents=True, exist_ok=True)
-    sampling = {"temperature": args.temperature, "top_p": args.top_p, "max_tokens": args.max_tokens}
+    sampling = {"temperature": args.temperature, "top_p": args.top_p, "max_tokens": args.max_tokens,
+                "seed": args.seed}
     started_s = time.monotonic()
     done = 0
     with (output / "results.jsonl").open("w") as results:

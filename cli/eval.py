@@ -35,8 +35,6 @@ from primerl.runtime.env_python import ENV_PYTHON_VAR, ENV_VENV_NAME, resolve_en
 DEFAULT_OUTPUT_ROOT = Path("outputs/evals")
 DEFAULT_TOOL_CALL_PARSER = "hermes"
 """vLLM's parser of `<tool_call>{json}</tool_call>`: the format of Qwen2/2.5/3 chat templates (and the tiny model's)."""
-TOOL_ENV_CLASSES = ("ToolEnv", "StatefulToolEnv", "SandboxEnv", "PythonEnv", "MCPEnv")
-"""verifiers classes whose requests carry tools: used only while the env worker does not report `has_tools`."""
 LOG_NAME = "eval.log"
 MAX_ERRORS_SHOWN = 3
 
@@ -238,14 +236,6 @@ def _did_you_mean(args: argparse.Namespace, exc: Exception) -> str:
     return (f". Installed in {args.env_python}: {known}; install yours with `primerl env install PATH|PACKAGE`")
 
 
-def _has_tools(info: Any) -> bool:
-    """Whether the environment's requests carry tools: the env worker's own report when it gives one."""
-    reported = getattr(info, "has_tools", None)
-    if reported is not None:
-        return bool(reported)
-    return info.env_class in TOOL_ENV_CLASSES or info.env_class.endswith("ToolEnv")
-
-
 def _tool_settings(args: argparse.Namespace, info: Any, console: Console) -> tuple[bool, str | None]:
     """(auto tool choice, parser) for the vLLM server eval starts: the flags, else on when the env has tools."""
     if args.base_url is not None:
@@ -255,7 +245,7 @@ def _tool_settings(args: argparse.Namespace, info: Any, console: Console) -> tup
         return False, None
     enabled = args.enable_auto_tool_choice
     if enabled is None:
-        enabled = args.tool_call_parser is not None or _has_tools(info)
+        enabled = args.tool_call_parser is not None or info.has_tools
     parser = (args.tool_call_parser or DEFAULT_TOOL_CALL_PARSER) if enabled else args.tool_call_parser
     return enabled, parser
 

@@ -132,23 +132,23 @@ def test_bad_arguments_are_refused_with_the_fix(tmp_path, capsys, args, message)
     assert message in capsys.readouterr().err
 
 
-@pytest.mark.parametrize(("env_class", "argv", "expected"), [
-    ("SingleTurnEnv", [], (False, None)),
-    ("ToolEnv", [], (True, "hermes")),
-    ("MyToolEnv", [], (True, "hermes")),
-    ("StatefulToolEnv", ["--tool-call-parser", "llama3_json"], (True, "llama3_json")),
-    ("ToolEnv", ["--no-enable-auto-tool-choice"], (False, None)),
-    ("SingleTurnEnv", ["--enable-auto-tool-choice"], (True, "hermes")),
-    ("SingleTurnEnv", ["--tool-call-parser", "mistral"], (True, "mistral")),
-    ("ToolEnv", ["-b", "http://host:8000/v1"], (False, None)),  # the server's own settings apply
+@pytest.mark.parametrize(("has_tools", "argv", "expected"), [
+    (False, [], (False, None)),
+    (True, [], (True, "hermes")),
+    (True, ["--tool-call-parser", "llama3_json"], (True, "llama3_json")),
+    (True, ["--no-enable-auto-tool-choice"], (False, None)),
+    (False, ["--enable-auto-tool-choice"], (True, "hermes")),
+    (False, ["--tool-call-parser", "mistral"], (True, "mistral")),
+    (True, ["-b", "http://host:8000/v1"], (False, None)),  # the server's own settings apply
 ])
-def test_tool_settings_of_the_started_server(env_class, argv, expected):
+def test_tool_settings_of_the_started_server(has_tools, argv, expected):
     from primerl.cli.eval import _tool_settings, build_parser
     from primerl.cli.eval_console import Console
     from primerl.orchestrator.trajectory import EnvInfo
 
     args = build_parser().parse_args(["env", "-m", "m", *argv])
-    info = EnvInfo(env_id="env", env_class=env_class, num_examples=1, num_eval_examples=1, has_eval_dataset=False)
+    info = EnvInfo(env_id="env", env_class="ToolEnv" if has_tools else "SingleTurnEnv", num_examples=1,
+                   num_eval_examples=1, has_eval_dataset=False, has_tools=has_tools)
     assert _tool_settings(args, info, Console()) == expected
 
 

@@ -20,12 +20,14 @@ def fsync_dir(directory: str | os.PathLike[str]) -> None:
         os.close(fd)
 
 
-def write_atomically(path: Path, parts: Iterable[Any], *, temp_path: Path | None = None) -> None:
+def write_atomically(path: Path, parts: Iterable[Any], *, temp_path: Path | None = None, mode: int = 0o666) -> None:
     """Write ``parts`` (bytes-like, in order) as the whole content of ``path``; see the module docstring.
-    ``temp_path``: the temporary name (default ``<path>.tmp``); removed again when the write fails."""
+    ``temp_path``: the temporary name (default ``<path>.tmp``); removed again when the write fails. ``mode``: of a
+    newly created temporary file (less the umask), so the content is never readable more widely than that."""
     temp = temp_path or path.with_name(path.name + ".tmp")
     try:
-        with open(temp, "wb") as handle:
+        fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode)
+        with os.fdopen(fd, "wb") as handle:
             for part in parts:
                 handle.write(part)
             handle.flush()
@@ -40,17 +42,8 @@ def write_atomically(path: Path, parts: Iterable[Any], *, temp_path: Path | None
 def write_private_atomically(path: Path, data: bytes) -> None:
     """Write ``data`` as the whole content of ``path`` like ``write_atomically``, readable by the owner only
     (mode 0600): the temporary file is created with that mode, so the content is never readable by others,
-    not even for a moment; a stale temporary file from an earlier crash is replaced."""
+    not even for a moment; a stale temporary file from an earlier crash is removed first (its mode could be
+    wider)."""
     temp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     temp.unlink(missing_ok=True)
-    try:
-        fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-        with os.fdopen(fd, "wb") as handle:
-            handle.write(data)
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.replace(temp, path)
-    except OSError:
-        temp.unlink(missing_ok=True)
-        raise
-    fsync_dir(path.parent)
+    write_atomically(path, [data], temp_path=temp, mode=0o600)

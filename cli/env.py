@@ -21,6 +21,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from primerl.cli.env_args import parse_env_args
 from primerl.runtime.env_python import (
     ENV_PYTHON_VAR,
     HTTPX_AIOHTTP_VERSION,
@@ -155,12 +156,9 @@ def install(args: argparse.Namespace) -> int:
 
 def _env_args(text: str) -> dict:
     try:
-        env_args = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise EnvCommandError(f"--env-args is not JSON ({exc.msg}): give an object, e.g. '{{\"max_len\": 8}}'") from None
-    if not isinstance(env_args, dict):
-        raise EnvCommandError(f"--env-args must be a JSON object, got {type(env_args).__name__}")
-    return env_args
+        return parse_env_args(text)
+    except ValueError as exc:
+        raise EnvCommandError(str(exc)) from None
 
 
 def _classify(target: str, *, editable: bool) -> tuple[list[str], str | None, Path | None]:

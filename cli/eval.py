@@ -29,6 +29,7 @@ import traceback
 from pathlib import Path
 from typing import Any
 
+from primerl.cli.env_args import parse_env_args
 from primerl.cli.eval_console import Console
 from primerl.runtime.env_python import ENV_PYTHON_VAR, ENV_VENV_NAME, resolve_env_python
 
@@ -120,11 +121,9 @@ def resolve_model(model: str, *, served: bool) -> str:
 
 def _check(args: argparse.Namespace) -> dict[str, Any]:
     try:
-        env_args = json.loads(args.env_args)
-    except json.JSONDecodeError as exc:
-        raise EvalInputError(f"--env-args is not JSON ({exc.msg}): give an object, e.g. '{{\"max_len\": 8}}'") from None
-    if not isinstance(env_args, dict):
-        raise EvalInputError(f"--env-args must be a JSON object, got {type(env_args).__name__}")
+        env_args = parse_env_args(args.env_args)
+    except ValueError as exc:
+        raise EvalInputError(str(exc)) from None
     if args.num_examples == 0 or args.num_examples < -1:
         raise EvalInputError(f"--num-examples must be >= 1 or -1 (all), got {args.num_examples}")
     for flag, value, low in (("--rollouts-per-example", args.rollouts_per_example, 1),

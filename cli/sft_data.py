@@ -12,6 +12,7 @@ import json
 import sys
 from pathlib import Path
 
+from primerl.cli.env_args import parse_env_args
 from primerl.runtime.env_python import ENV_PYTHON_VAR, ENV_VENV_NAME, resolve_env_python
 
 BATCH = 500
@@ -40,11 +41,9 @@ def main(argv: list[str] | None = None) -> int:
     except SystemExit as exit_:
         return int(exit_.code or 0)
     try:
-        env_args = json.loads(args.env_args)
-        if not isinstance(env_args, dict):
-            raise ValueError("not an object")
+        env_args = parse_env_args(args.env_args)
     except ValueError as exc:
-        print(f"primerl sft-data: error: --env-args must be a JSON object ({exc})", file=sys.stderr)
+        print(f"primerl sft-data: error: {exc}", file=sys.stderr)
         return 2
     if args.num_examples == 0 or args.num_examples < -1:
         print(f"primerl sft-data: error: --num-examples must be >= 1 or -1, got {args.num_examples}", file=sys.stderr)

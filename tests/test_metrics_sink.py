@@ -148,18 +148,6 @@ def test_wandb_offline_run_holds_every_row_against_the_roles_step(tmp_path, capf
     assert [r["step"] for r in rows] == [1, 2, 3, 2]
 
 
-@pytest.fixture
-def no_wandb_login(tmp_path, monkeypatch):
-    """A machine without a W&B login: no key in the environment, an empty home (no ~/.netrc, no settings)."""
-    home = tmp_path / "home"
-    home.mkdir()
-    for variable in ("WANDB_API_KEY", "WANDB_IDENTITY_TOKEN_FILE", "WANDB_MODE", "NETRC", "WANDB_CONFIG_DIR",
-                     "WANDB_BASE_URL"):
-        monkeypatch.delenv(variable, raising=False)
-    monkeypatch.setenv("HOME", str(home))
-    return home
-
-
 def test_wandb_missing_leaves_wandb_off_with_a_warning(tmp_path, monkeypatch, capfd):
     from primerl.runtime.log_setup import configure_logging
 

@@ -56,17 +56,6 @@ def bare_python(tmp_path_factory) -> str:
     return str(venv / "bin" / "python")
 
 
-@pytest.fixture
-def no_wandb_login(tmp_path, monkeypatch) -> Path:
-    home = tmp_path / "home"
-    home.mkdir()
-    for variable in ("WANDB_API_KEY", "WANDB_IDENTITY_TOKEN_FILE", "WANDB_MODE", "NETRC", "WANDB_CONFIG_DIR",
-                     "WANDB_BASE_URL"):
-        monkeypatch.delenv(variable, raising=False)
-    monkeypatch.setenv("HOME", str(home))
-    return home
-
-
 # ------------------------------------------------------------------------------------------- the runner
 def test_checks_run_at_once_and_report_in_order(tmp_path, capsys):
     def slow(finding: Finding):

@@ -43,6 +43,8 @@ LOG_EVERY_S = 5.0
 """While rollouts fail because no inference worker answers, say so this often."""
 UNREACHABLE = re.compile(
     r"connection (refused|reset|aborted)|APIConnectionError|ConnectError|Connection error|RemoteProtocolError|"
+    # a restarting server's port can be bound before it accepts: connecting then times out (aiohttp, httpx)
+    r"ConnectTimeout|Connection timeout to host|ServerTimeoutError|"
     r"Server ?Disconnected|ClientConnectorError|Cannot connect to host|ConnectionResetError|ConnectionRefusedError|"
     r"\b50[23]\b|Service Unavailable|Bad Gateway", re.IGNORECASE)
 

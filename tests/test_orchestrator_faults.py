@@ -20,7 +20,7 @@ from primerl.broker.rollout_clients import RolloutConsumer, RolloutProducer
 from primerl.broker.service import BrokerService
 from primerl.orchestrator.endpoints import EndpointWatcher
 from primerl.orchestrator.packing import pack_samples, to_broker_batches
-from primerl.orchestrator.rollout_failures import RolloutFailures, RolloutsFailing, kind_name
+from primerl.orchestrator.rollout_failures import RolloutFailures, RolloutsFailing, is_unreachable, kind_name
 from primerl.orchestrator.samples import TrainingSample
 from primerl.orchestrator.step_send import log_step_sent, rank_digests, send_step
 from primerl.proto.tensor_frames import decode_tensors
@@ -82,6 +82,21 @@ def test_an_unknown_failure_still_says_what_failed():
 
 UNREACHABLE_ERROR = ("reverse-text: ModelError: <- APIConnectionError: Connection error. <- ConnectError: "
                      "[Errno 111] Connection refused")
+
+
+@pytest.mark.parametrize("error", [
+    UNREACHABLE_ERROR,
+    "reverse-text: ModelError: <- APITimeoutError: Request timed out. <- ConnectTimeout: <- ConnectionTimeoutError: "
+    "Connection timeout to host http://127.0.0.1:8000/v1/chat/completions",
+    "reverse-text: ModelError: <- InternalServerError: Error code: 503 - Service Unavailable",
+])
+def test_failures_of_a_server_that_is_down_or_restarting_count_as_unreachable(error):
+    assert is_unreachable("ModelError", error)
+
+
+def test_a_server_that_answers_with_an_error_is_not_unreachable():
+    assert not is_unreachable("BadRequestError", CONTEXT_ERROR)
+    assert not is_unreachable("ScoringError", "reward function 'x' raised ValueError: bad")
 
 
 def test_an_unreachable_inference_server_is_waited_for_not_counted_in_the_streak():

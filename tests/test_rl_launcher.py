@@ -255,6 +255,14 @@ def _trainer_steps(run_dir: Path) -> list[int]:
     return steps
 
 
+def _run_output(run_dir: Path, tail_chars: int = 3000) -> str:
+    """What a failed run left: the launcher's stdout and stderr, and the end of each role's log."""
+    parts = [f"--- {path.name} ---\n{path.read_text(errors='replace')[-tail_chars:]}"
+             for path in [run_dir / "rl.stdout", run_dir / "rl.stderr", *sorted((run_dir / "logs").glob("*.log"))]
+             if path.exists()]
+    return "\n".join(parts)
+
+
 def _wait_for_step(process: subprocess.Popen, run_dir: Path, step: int, timeout_s: float) -> None:
     deadline = time.monotonic() + timeout_s
     while max(_trainer_steps(run_dir), default=0) < step:
@@ -369,7 +377,8 @@ def test_a_killed_inference_server_comes_back_on_its_port_and_the_run_finishes(t
         killed_s = time.monotonic()
         ready = run_dir / "inference.ready.json"
         while not (ready.exists() and json.loads(ready.read_text())["pid"] != first["pid"]):
-            assert process.poll() is None and time.monotonic() - killed_s < 180, "inference did not come back"
+            assert process.poll() is None and time.monotonic() - killed_s < 180, \
+                f"inference did not come back\n{_run_output(run_dir)}"
             time.sleep(0.1)
         back_s = time.monotonic() - killed_s
         second = json.loads(ready.read_text())

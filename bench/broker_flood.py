@@ -108,7 +108,7 @@ def producer(endpoint: str, index: int, batch_bytes: int, num_distinct: int, sec
     import numpy as np
     import zmq
 
-    from primerl.broker.rollout_clients import pack_batch
+    from primerl.client.rollouts import pack_batch
     from primerl.proto import framing
 
     context = zmq.Context()

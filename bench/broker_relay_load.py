@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import json
 import multiprocessing as mp
-import os
 import subprocess
 import sys
 import time
@@ -30,7 +29,7 @@ LOG_FILE = Path("/tmp/relay_broker.log")
 
 
 def produce(endpoint: str, num_steps: int, batches_per_step: int, batch_bytes: int) -> None:
-    from primerl.broker.rollout_clients import RolloutProducer, pack_batch
+    from primerl.client.rollouts import RolloutProducer, pack_batch
 
     tensor = np.zeros(batch_bytes // 8, dtype=np.int64)
     with RolloutProducer(endpoint, TOKEN, "orchestrator") as producer:
@@ -40,7 +39,7 @@ def produce(endpoint: str, num_steps: int, batches_per_step: int, batch_bytes: i
 
 
 def consume(endpoint: str, num_steps: int, result: mp.Queue) -> None:
-    from primerl.broker.rollout_clients import RolloutConsumer
+    from primerl.client.rollouts import RolloutConsumer
 
     with RolloutConsumer(endpoint, TOKEN, "trainer-0", 0, credits=8) as consumer:
         started_s = time.monotonic()

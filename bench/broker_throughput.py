@@ -47,7 +47,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from report import Section, Stats, fmt, target_line  # noqa: E402
+from report import Section, Stats, target_line  # noqa: E402
 
 MiB = 1 << 20
 TOKEN = "bench-token"
@@ -63,7 +63,7 @@ def rollout_batch(step: int, rank: int, index: int, count: int, size_bytes: int)
     """A packed micro-batch whose safetensors payload is about ``size_bytes``."""
     import numpy as np
 
-    from primerl.broker.rollout_clients import pack_batch
+    from primerl.client.rollouts import pack_batch
 
     bytes_per_token = 8 + 8 + 1 + 4 + 4 + 4 + 8
     n = max(1, size_bytes // bytes_per_token)
@@ -154,8 +154,8 @@ def receiver_main(conn, index: int, max_message_bytes: int, verify_digest: bool)
 
     configure_logging(f"receiver-{index}", "bench", level="warning")
 
-    from primerl.broker.rollout_clients import RolloutConsumer
-    from primerl.broker.weight_clients import WeightSubscriber
+    from primerl.client.rollouts import RolloutConsumer
+    from primerl.client.weights import WeightSubscriber
     from primerl.broker.weight_plane import weight_limits
 
     context = zmq.Context()
@@ -316,11 +316,11 @@ def main(argv: list[str] | None = None) -> int:
 
     import zmq
 
-    from primerl.broker.rollout_clients import RolloutProducer
+    from primerl.client.rollouts import RolloutProducer
     from primerl.runtime.log_setup import configure_logging
 
     configure_logging("bench", "bench", level="warning")
-    from primerl.broker.weight_clients import WeightPublisher
+    from primerl.client.weights import WeightPublisher
     from primerl.broker.weight_plane import weight_limits
 
     spawn = mp.get_context("spawn")

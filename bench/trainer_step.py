@@ -43,7 +43,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from report import Section, Stats, fmt, target_line  # noqa: E402
+from report import Section, Stats, target_line  # noqa: E402
 
 TARGET = 1.25
 SEQ_LEN = 256

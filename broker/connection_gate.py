@@ -8,7 +8,7 @@ sends a byte of payload is the handshake: with a ZAP domain set on the socket, l
 it unless the answer is "200". The gate is that handler; it admits a connection while fewer than
 ``max_connections`` admitted peers are connected and refuses it (status 400) otherwise. A refused peer is
 told so (its monitor sees ``EVENT_HANDSHAKE_FAILED_AUTH`` 400) and libzmq does not reconnect it:
-``rollout_clients`` opens a new socket after a short wait.
+``primerl.client.rollouts`` opens a new socket after a short wait.
 
 Counting: a ZAP request names neither the peer's port nor its file descriptor, so the gate counts from the
 socket's monitor events. Every accepted connection ends its handshake with exactly one outcome event

@@ -34,14 +34,14 @@ from grpc_reflection.v1alpha import reflection
 from primerl.broker.log_limits import RateLimitedLog
 from primerl.broker.registry import DataPlaneStatus, RegistryError, WorkerRegistry, format_workers
 from primerl.proto import framing
-from primerl.proto.v1 import common_pb2, control_pb2, control_pb2_grpc
+from primerl.proto.v1 import control_pb2, control_pb2_grpc
 from primerl.runtime.log_setup import get_logger
 
 SERVICE_NAME = control_pb2.DESCRIPTOR.services_by_name["Broker"].full_name  # "primerl.v1.Broker"
 HEALTH_METHOD_PREFIX = f"/{health.SERVICE_NAME}/"
 AUTH_METADATA_KEY = "authorization"
 
-# Keepalive: clients ping every 20 s (see control_client); the server must allow it or it sends GOAWAY.
+# Keepalive: clients ping every 20 s (see primerl.client.control); the server must allow it or it sends GOAWAY.
 SERVER_OPTIONS = [
     ("grpc.so_reuseport", 0),  # a second broker on the same port must fail, not share it
     ("grpc.keepalive_time_ms", 30_000),

@@ -39,6 +39,7 @@ from dataclasses import dataclass, field
 from typing import NamedTuple
 
 from primerl.broker.run_state import RunState
+from primerl.proto.roles import role_names
 from primerl.proto.v1 import common_pb2, control_pb2
 
 ALIVE = control_pb2.WORKER_STATE_ALIVE
@@ -351,7 +352,7 @@ class WorkerRegistry:
         """Add a worker. A name may be reused once its previous holder is LOST or LEFT (that record is dropped).
         ``BrokerStopping`` after ``close()``."""
         if request.role == common_pb2.ROLE_UNSPECIFIED or request.role not in common_pb2.Role.values():
-            raise InvalidRequest(f"role must be one of {_role_names()}, got {request.role}")
+            raise InvalidRequest(f"role must be one of {role_names()}, got {request.role}")
         name = request.name.strip()
         if not name:
             raise InvalidRequest("name must not be empty (e.g. 'infer-0', 'trainer-rank1')")
@@ -797,23 +798,6 @@ def _role_name(role: int) -> str:
         return common_pb2.Role.Name(role)
     except ValueError:
         return f"role {role}"
-
-
-def _role_names() -> list[str]:
-    return [name for name in common_pb2.Role.keys() if name != "ROLE_UNSPECIFIED"]
-
-
-def role_from_name(role: int | str) -> int:
-    """``"trainer"``, ``"ROLE_TRAINER"`` or ``common_pb2.ROLE_TRAINER`` -> ``common_pb2.ROLE_TRAINER``."""
-    if isinstance(role, int):
-        return role
-    key = role.strip().upper()
-    key = key if key.startswith("ROLE_") else f"ROLE_{key}"
-    if key == "ROLE_INFER":
-        key = "ROLE_INFERENCE"
-    if key not in common_pb2.Role.keys():
-        raise ValueError(f"unknown role {role!r}; expected one of {[n[5:].lower() for n in _role_names()]}")
-    return common_pb2.Role.Value(key)
 
 
 def format_workers(workers: Iterable[control_pb2.WorkerInfo]) -> str:

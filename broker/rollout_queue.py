@@ -39,6 +39,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from primerl.broker.spool import PREFIX_BYTES, RolloutSpool, SpoolCorruption
+from primerl.proto.batch_ids import default_batch_id
 from primerl.proto.v1 import common_pb2, data_pb2
 from primerl.runtime.log_setup import get_logger
 
@@ -551,10 +552,6 @@ def _with_default_batch_id(header: data_pb2.RolloutBatchHeader) -> data_pb2.Roll
     named.CopyFrom(header)
     named.batch_id = default_batch_id(header.step, header.rank, header.micro_batch_index)
     return named
-
-
-def default_batch_id(step: int, rank: int, micro_batch_index: int) -> str:
-    return f"{step}:{rank}:{micro_batch_index}"
 
 
 def _order_key(header: data_pb2.RolloutBatchHeader) -> tuple[int, int, int, str]:

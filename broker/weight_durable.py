@@ -50,7 +50,8 @@ import zlib
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from primerl.broker.weight_store import DELTA, SNAPSHOT_KINDS, StoredUpdate, kind_name, payload_digest
+from primerl.broker.weight_store import DELTA, SNAPSHOT_KINDS, StoredUpdate, kind_name
+from primerl.proto.digests import payload_digest
 from primerl.proto.v1 import data_pb2
 from primerl.runtime.durable_files import fsync_dir, write_atomically
 from primerl.runtime.log_setup import get_logger

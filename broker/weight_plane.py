@@ -1,6 +1,6 @@
 """The broker's weight plane: one ZMQ ROUTER socket, owned by one IO thread.
 
-Peers (all DEALER sockets, see ``weight_clients``):
+Peers (all DEALER sockets, see ``primerl.client.weights``):
 
 - the trainer sends WEIGHT_UPDATE transfers (chunked); the plane reassembles them (``ChunkAssembler``,
   bounded), hashes them as the chunks arrive, hands them to the ``WeightStore`` and answers WEIGHT_ACK
@@ -50,7 +50,8 @@ import zmq
 
 from primerl.broker.log_limits import RateLimitedLog
 from primerl.broker.weight_durable import WeightDurability
-from primerl.broker.weight_store import StoredUpdate, WeightStore, WeightStoreStatus, WeightUpdateRefused
+from primerl.broker.weight_store import StoredUpdate, WeightStore, WeightStoreStatus
+from primerl.proto.weight_refusals import WeightUpdateRefused
 from primerl.proto import framing
 from primerl.proto.v1 import common_pb2, data_pb2
 from primerl.runtime.log_setup import get_logger

@@ -2,7 +2,7 @@
 
 `install` puts a verifiers environment (a project directory, editable by default, a wheel, or a PyPI package)
 into the interpreter `primerl rl`, `primerl eval` and `primerl sft-data` use by default (the rule is in
-`primerl.runtime.env_python`), creating the env venv with the pinned verifiers when there is none, then loads
+`primerl.orchestrator.env_python`), creating the env venv with the pinned verifiers when there is none, then loads
 each environment the package provides in an env worker, exactly as a run would, and says how to use it.
 
     primerl env install ./my_env          # a project directory (pyproject.toml), editable
@@ -22,7 +22,7 @@ import time
 from pathlib import Path
 
 from primerl.cli.env_args import parse_env_args
-from primerl.runtime.env_python import (
+from primerl.orchestrator.env_python import (
     ENV_PYTHON_VAR,
     HTTPX_AIOHTTP_VERSION,
     VERIFIERS_VERSION,

@@ -3,7 +3,7 @@
 Without `--base-url`, the model is served by a vLLM server started in this process (127.0.0.1, a free port,
 a fresh bearer token) and stopped at the end; with it, any OpenAI-compatible endpoint is used (e.g. a running
 `primerl-infer`). The environment runs in an env worker with the environments' interpreter (`--env-python`,
-else the default of `primerl.runtime.env_python`), exactly as in training. Results go to `--output` (default
+else the default of `primerl.orchestrator.env_python`), exactly as in training. Results go to `--output` (default
 `outputs/evals/<env>--<model>/<time>`): `results.jsonl` (one line per rollout) and `summary.json`; what vLLM
 writes goes to `eval.log` there (`eval_console.py`), so the terminal shows eval's own lines only (`--verbose`:
 everything on the terminal).
@@ -31,7 +31,7 @@ from typing import Any
 
 from primerl.cli.env_args import parse_env_args
 from primerl.cli.eval_console import Console
-from primerl.runtime.env_python import ENV_PYTHON_VAR, ENV_VENV_NAME, resolve_env_python
+from primerl.orchestrator.env_python import ENV_PYTHON_VAR, ENV_VENV_NAME, resolve_env_python
 
 DEFAULT_OUTPUT_ROOT = Path("outputs/evals")
 DEFAULT_TOOL_CALL_PARSER = "hermes"
@@ -220,7 +220,7 @@ async def _evaluate(args: argparse.Namespace, model: str, env_args: dict[str, An
 
 def _did_you_mean(args: argparse.Namespace, exc: Exception) -> str:
     """For an environment that is not installed: the installed ids closest to it, or how to install it."""
-    from primerl.runtime.env_python import EnvProbeError, installed_env_ids, suggest_env_ids
+    from primerl.orchestrator.env_python import EnvProbeError, installed_env_ids, suggest_env_ids
 
     if "Could not import" not in str(exc) and "No module named" not in str(exc):
         return ""

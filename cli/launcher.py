@@ -3,7 +3,7 @@
 Order: broker (ready file) -> inference and trainer at once (the trainer builds its model while vLLM starts;
 it only talks to the broker) and the orchestrator too unless it runs evals (it waits for a live inference
 worker by itself; an eval at step 0 needs one) -> once inference is ready, the orchestrator if not started. Each
-role logs to ``{run_dir}/logs/<role>.log`` and runs in its own process group (``primerl.runtime.process_supervisor``).
+role logs to ``{run_dir}/logs/<role>.log`` and runs in its own process group (``primerl.cli.process_supervisor``).
 The run token (the config's ``broker.run_token``, else an exported ``$PRIMERL_RUN_TOKEN``, else a fresh one)
 reaches the children as ``$PRIMERL_RUN_TOKEN`` only; the config files written hold none. Once the broker is
 ready, ``{run_dir}/run.json`` (mode 0600, ``primerl.cli.run_file``) holds its address and the token, and the
@@ -22,7 +22,7 @@ newest checkpoint (an explicit ``ckpt.resume_step`` is dropped for restarts); th
 
 Process hygiene: every child and every process under it carries a mark in its environment, and a reaper process
 ends all of them within ~2.5 s if ``primerl rl`` itself dies without stopping them, SIGKILL included
-(``primerl.runtime.process_reaper``); torchrun's ranks, which run in sessions of their own, are found the same way.
+(``primerl.cli.process_reaper``); torchrun's ranks, which run in sessions of their own, are found the same way.
 
 Every role serves Prometheus metrics on a free port unless its config fixes one (fixed ports that clash stop
 the launch before anything starts); the launcher prints each role's metrics URL once it is known. Trainer and
@@ -57,7 +57,7 @@ from primerl.cli.run_progress import Progress, duration as _duration
 from primerl.runtime.config_loader import write_toml
 from primerl.runtime.cpu_budget import ThreadsConfig, available_cpus, default_budgets, describe, fill_budget, role_env
 from primerl.runtime.metrics_sink import METRICS_FILE_NAME
-from primerl.runtime.process_supervisor import ChildFailed, ChildProcess, Supervisor
+from primerl.cli.process_supervisor import ChildFailed, ChildProcess, Supervisor
 
 RUN_TOKEN_ENV = "PRIMERL_RUN_TOKEN"
 BIN = Path(sys.executable).parent
@@ -262,7 +262,7 @@ class Launcher:
         return self._supervise(address, started_s)
 
     def _supervise(self, address: str, started_s: float) -> int:
-        from primerl.broker.control_client import BrokerError, ControlClient
+        from primerl.client.control import BrokerError, ControlClient
         from primerl.runtime.config_common import BrokerClientConfig
 
         client = ControlClient(BrokerClientConfig(address=address, run_token=self.token,
@@ -424,7 +424,7 @@ class Launcher:
     # ------------------------------------------------------------------------------------------ ends
     def _finish(self, client, started_s: float) -> int:
         """The trainer finished: wait (bounded) for inference to serve the last policy, then stop the rest."""
-        from primerl.broker.control_client import BrokerError
+        from primerl.client.control import BrokerError
 
         deadline = time.monotonic() + self.options.final_version_timeout_s
         while time.monotonic() < deadline and not self.signal_count:

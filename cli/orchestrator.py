@@ -7,11 +7,11 @@ import threading
 
 from primerl.cli.role_entry import run_role
 from primerl.cli.role_signals import STARTUP_EXIT_STATUS, StoppedWhileStarting, StopSignals
-from primerl.runtime.env_python import ENV_PYTHON_VAR, resolve_env_python  # noqa: F401 (re-exported)
+from primerl.orchestrator.env_python import ENV_PYTHON_VAR, resolve_env_python  # noqa: F401 (re-exported)
 
 
 def env_python(config) -> str:
-    """The env workers' interpreter: `env_python`, else the default (``primerl.runtime.env_python``)."""
+    """The env workers' interpreter: `env_python`, else the default (``primerl.orchestrator.env_python``)."""
     return resolve_env_python(config.env_python)
 
 
@@ -32,10 +32,10 @@ def serve(config, args: argparse.Namespace) -> int:
         start-up at once."""
         return getattr(runner, "sampler", None) is not None
 
-    from primerl.broker.control_client import BrokerError
+    from primerl.client.control import BrokerError
     from primerl.orchestrator.env_client import EnvWorkerError
     from primerl.orchestrator.rollout_failures import RolloutsFailing
-    from primerl.runtime.broker_outage import BrokerOutageExceeded
+    from primerl.client.outage import BrokerOutageExceeded
 
     # Until here SIGTERM's default action ends the process at once; from here StoppedWhileStarting is caught below.
     StopSignals(log, stop_event, set_up, stopping_message="stopping").install()

@@ -76,7 +76,7 @@ def main(argv: list[str] | None = None) -> int:
     if not metrics.rows:
         return _fail(f"{metrics_path} has no complete line yet: nothing to plot")
 
-    from primerl.runtime.run_plots import plan_plots, write_plots
+    from primerl.cli.run_plots import plan_plots, write_plots
 
     plan = plan_plots(extract_series(metrics.rows))
     if not plan.figures:

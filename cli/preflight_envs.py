@@ -55,7 +55,7 @@ def env_checks(orchestrator, *, prefix: str, tokenizer: str | None, max_model_le
 
     def check() -> list[Finding]:
         from primerl.cli.preflight_model import name_problem
-        from primerl.runtime.env_python import find_env_python
+        from primerl.orchestrator.env_python import find_env_python
 
         env_python = find_env_python(orchestrator.env_python)
         setting = f"{prefix}env_python"
@@ -79,7 +79,7 @@ def env_checks(orchestrator, *, prefix: str, tokenizer: str | None, max_model_le
 def check_environments(uses: list[EnvUse], env_python: str, described: str, *, setting: str,
                        tokenizer: str | None, seq_len: int, max_model_len: int | None, max_tokens: int | None,
                        prefix: str) -> list[Finding]:
-    from primerl.runtime.env_python import EnvProbeError, probe_env_python
+    from primerl.orchestrator.env_python import EnvProbeError, probe_env_python
 
     unique: dict[tuple[str, str, str], EnvUse] = {}
     for use in uses:
@@ -168,7 +168,7 @@ def _no_verifiers(exc: BaseException | None) -> bool:
 def load_finding(use: EnvUse, result: LoadedEnv, installed_ids: list[str] | None) -> Finding:
     """The one line for an environment that did not load: an unknown id, or its `load_environment` failing."""
     from primerl.orchestrator.env_client import EnvRequestError, EnvRequestTimeout
-    from primerl.runtime.env_python import suggest_env_ids
+    from primerl.orchestrator.env_python import suggest_env_ids
 
     exc = result.error
     detail = f"{type(exc).__name__}: {exc}\n--- env worker stderr ---\n{result.stderr}"

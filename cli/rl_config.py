@@ -11,7 +11,7 @@ it through the broker), and Prometheus ports are per role (`[broker.prometheus]`
 So two runs on one machine never collide unless their configs fix ports; fixed ports that clash within a run
 are reported (`port_clashes`). `--dry-run --write` shows the ports as configured (the standalone defaults
 50051-50053 for unset broker ports).
-Files in the flat lab shape and the legacy vf-rl shape are translated first (`primerl.runtime.config_shapes`).
+Files in the flat lab shape and the legacy vf-rl shape are translated first (`primerl.cli.config_shapes`).
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from primerl.inference.config import InferenceConfig, vllm_max_lora_rank_for
 from primerl.orchestrator.config import OrchestratorConfig
 from primerl.runtime.config_base import BaseConfig, ConfigWarning, nearest_multiples
 from primerl.runtime.config_common import DEFAULT_BROKER_GRPC_PORT, DEFAULT_BROKER_HOST, LogConfig, WandbConfig
-from primerl.runtime.config_shapes import to_canonical
+from primerl.cli.config_shapes import to_canonical
 from primerl.trainer.config import LoRAConfig, TrainerConfig
 
 ROLES = ("broker", "trainer", "orchestrator", "inference")

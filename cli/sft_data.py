@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 
 from primerl.cli.env_args import parse_env_args
-from primerl.runtime.env_python import ENV_PYTHON_VAR, ENV_VENV_NAME, resolve_env_python
+from primerl.orchestrator.env_python import ENV_PYTHON_VAR, ENV_VENV_NAME, resolve_env_python
 
 BATCH = 500
 

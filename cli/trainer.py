@@ -51,9 +51,9 @@ def _exit_status_of(exc: Exception, log) -> int:
     """Faults with one clear line and a status that tells a restarter what to do (``primerl rl``, systemd):
     2 (do not restart) when a newer trainer took over the run's policy lineage, 1 when the broker stayed
     unreachable past ``broker.outage_s`` (a restart may heal it). Anything else is raised (traceback)."""
-    from primerl.broker.control_client import BrokerLost
-    from primerl.broker.weight_store import LineageSuperseded
-    from primerl.runtime.broker_outage import BrokerOutageExceeded
+    from primerl.client.control import BrokerLost
+    from primerl.proto.weight_refusals import LineageSuperseded
+    from primerl.client.outage import BrokerOutageExceeded
 
     cause: BaseException | None = exc
     while cause is not None:

@@ -48,8 +48,8 @@ from primerl.inference.server import InferenceServer, ServerAddress
 from primerl.runtime.log_setup import bind_context, get_logger
 
 if TYPE_CHECKING:
-    from primerl.broker.control_client import ControlClient
-    from primerl.broker.weight_clients import WeightSubscriber
+    from primerl.client.control import ControlClient
+    from primerl.client.weights import WeightSubscriber
     from primerl.inference.policy_updates import PolicyUpdater
     from primerl.proto.v1 import data_pb2
 
@@ -197,7 +197,7 @@ class InferenceService:
 
         Raises (after stopping what started) when the engine cannot start or the broker cannot be reached
         within `config.broker.connect_timeout_s`."""
-        from primerl.broker.control_client import ControlClient
+        from primerl.client.control import ControlClient
         from primerl.inference.policy_updates import PolicyUpdater, engine_max_lora_rank
 
         self._loop = asyncio.get_running_loop()
@@ -292,8 +292,8 @@ class InferenceService:
 
     # ---- weight updates (weight thread) -------------------------------------------------------------------------
     def _weights_loop(self) -> None:
-        from primerl.broker.weight_clients import WeightPlaneError, WeightSubscriber
-        from primerl.runtime.broker_outage import BrokerOutageExceeded
+        from primerl.client.weights import WeightPlaneError, WeightSubscriber
+        from primerl.client.outage import BrokerOutageExceeded
 
         subscriber: WeightSubscriber | None = None
         unreachable_logged = False

@@ -23,7 +23,7 @@ import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from primerl.runtime.broker_outage import OutageStopped, OutageWatch, retry_through_outage
+from primerl.client.outage import OutageStopped, OutageWatch, retry_through_outage
 from primerl.runtime.log_setup import get_logger
 
 log = get_logger("primerl.orchestrator.endpoints")

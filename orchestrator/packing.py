@@ -242,7 +242,7 @@ def pack_samples(samples: Sequence[TrainingSample], *, seq_len: int, num_ranks: 
 def to_broker_batches(step: int, per_rank: Sequence[Sequence[PackedMicroBatch]] | PackedStep, *,
                       num_loss_tokens_global: int | None = None) -> list[tuple[Any, bytes]]:
     """``(header, payload)`` of every micro-batch for ``RolloutProducer.send_batches``, rank by rank."""
-    from primerl.broker.rollout_clients import pack_batch
+    from primerl.client.rollouts import pack_batch
 
     if isinstance(per_rank, PackedStep):
         if num_loss_tokens_global is None:

@@ -86,7 +86,7 @@ from primerl.orchestrator.samples import Group, MalformedTrajectory, TurnTokens,
 from primerl.orchestrator.seeds import rollout_seed_base
 from primerl.orchestrator.throughput import ThroughputWindow
 from primerl.orchestrator.step_send import RESEND_INTERVAL_S, log_step_data, rank_digests, send_step
-from primerl.runtime.broker_outage import OutageStopped, OutageWatch, retry_through_outage
+from primerl.client.outage import OutageStopped, OutageWatch, retry_through_outage
 from primerl.runtime.log_setup import bind_context, get_logger
 from primerl.runtime.metrics_sink import MetricsSink
 from primerl.runtime.prometheus import MetricsExporter, start_exporter
@@ -184,8 +184,8 @@ class OrchestratorRunner:
         self.sink = MetricsSink("orchestrator", config.output_dir, config.wandb, config, exporter=self.exporter)
 
     def _connect(self) -> None:
-        from primerl.broker.control_client import BrokerUnavailable, ControlClient
-        from primerl.broker.rollout_clients import RolloutProducer
+        from primerl.client.control import BrokerUnavailable, ControlClient
+        from primerl.client.rollouts import RolloutProducer
         from primerl.orchestrator.env_client import EnvWorker
         from primerl.proto.v1 import common_pb2
 
@@ -251,7 +251,7 @@ class OrchestratorRunner:
     # -- the loop ------------------------------------------------------------------------------------
 
     def run(self) -> int:
-        from primerl.runtime.broker_outage import BrokerOutageExceeded
+        from primerl.client.outage import BrokerOutageExceeded
 
         self.config.output_dir.mkdir(parents=True, exist_ok=True)
         try:
@@ -307,7 +307,7 @@ class OrchestratorRunner:
 
     def _report_fatal(self, exc: BaseException) -> None:
         """Hand the error that stops the orchestrator to the broker's status (one heartbeat, best effort)."""
-        from primerl.broker.control_client import BrokerError
+        from primerl.client.control import BrokerError
 
         if self.control is None or isinstance(exc, (KeyboardInterrupt, SystemExit)):
             return
@@ -368,7 +368,7 @@ class OrchestratorRunner:
     def _send_step(self, step: int, item: tuple[list[tuple[Any, bytes]], Any]) -> None:
         """On the send thread: one step's batches to the broker, through outages, until every one is durable;
         then its ``step sent`` lines (``primerl.orchestrator.step_send``)."""
-        from primerl.broker.rollout_clients import RolloutRefused
+        from primerl.client.rollouts import RolloutRefused
 
         messages, per_rank = item
         digests = rank_digests(per_rank)

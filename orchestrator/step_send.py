@@ -30,7 +30,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from primerl.runtime.broker_outage import OutageStopped, OutageWatch, retry_through_outage
+from primerl.client.outage import OutageStopped, OutageWatch, retry_through_outage
 from primerl.runtime.data_digest import data_digest
 from primerl.runtime.log_setup import get_logger
 
@@ -46,7 +46,7 @@ def send_step(producer: Any, step: int, messages: Sequence[tuple[Any, Any]], *, 
               backpressure_timeout_s: float, stop_event: threading.Event | None = None,
               attempt_s: float = SEND_ATTEMPT_S) -> None:
     """Send one step's micro-batches until every one is durable (module docstring)."""
-    from primerl.broker.rollout_clients import RolloutTimeout
+    from primerl.client.rollouts import RolloutTimeout
     from primerl.proto.v1 import common_pb2
 
     started_s = time.monotonic()

@@ -13,10 +13,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from primerl.broker.config import BrokerConfig
-from primerl.broker.control_client import ControlClient
-from primerl.broker.rollout_clients import RolloutConsumer, RolloutProducer, pack_batch
+from primerl.client.control import ControlClient
+from primerl.client.rollouts import RolloutConsumer, RolloutProducer, pack_batch
 from primerl.broker.service import BrokerService
-from primerl.broker.weight_clients import WeightPublisher, WeightSubscriber
+from primerl.client.weights import WeightPublisher, WeightSubscriber
 from primerl.proto import framing
 from primerl.proto import tensor_frames as tf
 from primerl.proto.v1 import common_pb2, data_pb2

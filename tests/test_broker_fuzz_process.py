@@ -25,9 +25,9 @@ import zmq
 from hypothesis import HealthCheck, given, seed, settings
 from hypothesis import strategies as st
 
-from primerl.broker.control_client import create_channel
-from primerl.broker.rollout_clients import RolloutConsumer, RolloutProducer, pack_batch
-from primerl.broker.weight_clients import WeightPublisher
+from primerl.client.control import create_channel
+from primerl.client.rollouts import RolloutConsumer, RolloutProducer, pack_batch
+from primerl.client.weights import WeightPublisher
 from primerl.proto import framing
 from primerl.proto import tensor_frames as tf
 from primerl.proto.v1 import common_pb2, control_pb2, control_pb2_grpc, data_pb2

@@ -18,10 +18,10 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from primerl.broker.config import BrokerConfig
-from primerl.broker.control_client import ControlClient
-from primerl.broker.rollout_clients import RolloutProducer, pack_batch
+from primerl.client.control import ControlClient
+from primerl.client.rollouts import RolloutProducer, pack_batch
 from primerl.broker.service import BrokerService
-from primerl.broker.weight_clients import WeightPublisher, WeightSubscriber
+from primerl.client.weights import WeightPublisher, WeightSubscriber
 from primerl.proto import tensor_frames
 from primerl.proto.v1 import data_pb2
 from primerl.runtime.config_common import BrokerClientConfig

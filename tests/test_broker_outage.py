@@ -1,4 +1,4 @@
-"""The one way clients wait through a broker outage (``primerl.runtime.broker_outage``), with a fake clock."""
+"""The one way clients wait through a broker outage (``primerl.client.outage``), with a fake clock."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import threading
 
 import pytest
 
-from primerl.runtime.broker_outage import (
+from primerl.client.outage import (
     BrokerOutageExceeded,
     OutageStopped,
     OutageWatch,

@@ -8,11 +8,9 @@ memory stays bounded, and auth refusals on every socket.
 from __future__ import annotations
 
 import json
-import os
 import signal
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -20,8 +18,8 @@ import numpy as np
 import pytest
 import zmq
 
-from primerl.broker.control_client import BrokerError, ControlClient
-from primerl.broker.rollout_clients import RolloutConsumer, RolloutProducer, RolloutRefused, pack_batch
+from primerl.client.control import BrokerError, ControlClient
+from primerl.client.rollouts import RolloutConsumer, RolloutProducer, RolloutRefused, pack_batch
 from primerl.broker.service import END_OF_RUN_GRACE_S
 from primerl.proto import framing
 from primerl.proto.v1 import common_pb2, data_pb2
@@ -231,7 +229,7 @@ def status_json(address: str) -> dict:
 
 
 def publish_full(endpoint: str, version: int) -> None:
-    from primerl.broker.weight_clients import WeightPublisher
+    from primerl.client.weights import WeightPublisher
     from primerl.proto import tensor_frames
 
     data, specs = tensor_frames.encode_tensors({"w": np.arange(256, dtype=np.float32)})

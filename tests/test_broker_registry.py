@@ -8,18 +8,8 @@ import time
 
 import pytest
 
-from primerl.broker.registry import (
-    BrokerStopping,
-    CommitResult,
-    DataPlaneStatus,
-    InvalidRequest,
-    NameTaken,
-    QueueDepth,
-    StepOutOfOrder,
-    WorkerNotFound,
-    WorkerRegistry,
-    role_from_name,
-)
+from primerl.broker.registry import BrokerStopping, CommitResult, DataPlaneStatus, InvalidRequest, NameTaken, QueueDepth, StepOutOfOrder, WorkerNotFound, WorkerRegistry
+from primerl.proto.roles import role_from_name
 from primerl.proto.v1 import common_pb2, control_pb2
 
 TRAINER, INFER, ORCH = common_pb2.ROLE_TRAINER, common_pb2.ROLE_INFERENCE, common_pb2.ROLE_ORCHESTRATOR

@@ -12,7 +12,7 @@ import pytest
 import zmq
 
 from primerl.broker.config import BrokerConfig
-from primerl.broker.rollout_clients import RolloutConsumer, RolloutProducer, pack_batch
+from primerl.client.rollouts import RolloutConsumer, RolloutProducer, pack_batch
 from primerl.broker.service import BrokerService
 from primerl.proto import framing
 from primerl.proto import tensor_frames as tf

@@ -23,7 +23,7 @@ from primerl.broker.run_state import (
     RunStateSaver,
 )
 from primerl.broker.service import BrokerService
-from primerl.broker.weight_clients import WeightPublisher
+from primerl.client.weights import WeightPublisher
 from primerl.proto import tensor_frames as tf
 from primerl.proto.v1 import common_pb2, control_pb2, data_pb2
 

@@ -25,7 +25,7 @@ from primerl.runtime.config_loader import (
     parse_config_args,
     parse_override_value,
 )
-from primerl.runtime.config_shapes import LAB_SAMPLING_KEYS, detect_shape
+from primerl.cli.config_shapes import LAB_SAMPLING_KEYS, detect_shape
 from primerl.trainer.config import TrainerConfig
 
 BASE = """

@@ -79,7 +79,7 @@ def token_logprobs(body: dict[str, Any]) -> list[float]:
 
 def test_delta_updates_are_served_and_a_wrong_base_is_refused(daemon: Daemon, http: httpx.Client, broker: Broker,
                                                               tiny_model: Path, tmp_path: Path) -> None:
-    from primerl.broker.weight_clients import WeightUpdateRefused
+    from primerl.client.weights import WeightUpdateRefused
     from primerl.proto.v1 import common_pb2, data_pb2
     from primerl.proto.weight_delta import encode_delta
     from primerl.trainer.config import ModelConfig, OptimizerConfig

@@ -23,9 +23,9 @@ import httpx
 import pytest
 
 from primerl.broker.config import BrokerConfig
-from primerl.broker.control_client import ControlClient
+from primerl.client.control import ControlClient
 from primerl.broker.service import BrokerService
-from primerl.broker.weight_clients import WeightPublisher
+from primerl.client.weights import WeightPublisher
 from primerl.proto.tensor_frames import encode_tensors
 from primerl.proto.v1 import control_pb2, data_pb2
 from primerl.runtime.config_common import BrokerClientConfig

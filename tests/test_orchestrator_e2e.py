@@ -13,11 +13,10 @@ import time
 from pathlib import Path
 
 import httpx
-import numpy as np
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from primerl.broker.rollout_clients import RolloutConsumer
+from primerl.client.rollouts import RolloutConsumer
 from primerl.proto.v1 import common_pb2
 
 sys.path.insert(0, str(Path(__file__).parent))

@@ -15,8 +15,8 @@ import pytest
 import structlog
 
 from primerl.broker.config import BrokerConfig
-from primerl.broker.control_client import BrokerUnavailable, ControlClient
-from primerl.broker.rollout_clients import RolloutConsumer, RolloutProducer
+from primerl.client.control import BrokerUnavailable, ControlClient
+from primerl.client.rollouts import RolloutConsumer, RolloutProducer
 from primerl.broker.service import BrokerService
 from primerl.orchestrator.endpoints import EndpointWatcher
 from primerl.orchestrator.packing import pack_samples, to_broker_batches
@@ -25,7 +25,7 @@ from primerl.orchestrator.samples import TrainingSample
 from primerl.orchestrator.step_send import log_step_sent, rank_digests, send_step
 from primerl.proto.tensor_frames import decode_tensors
 from primerl.proto.v1 import common_pb2
-from primerl.runtime.broker_outage import BrokerOutageExceeded
+from primerl.client.outage import BrokerOutageExceeded
 from primerl.runtime.config_common import BrokerClientConfig
 from primerl.runtime.data_digest import data_digest
 
@@ -255,7 +255,7 @@ def test_a_send_gives_up_past_the_outage_budget(broker):
         assert time.monotonic() - started < 10
         stop = threading.Event()
         stop.set()
-        from primerl.runtime.broker_outage import OutageStopped
+        from primerl.client.outage import OutageStopped
 
         with pytest.raises(OutageStopped):  # a stopping orchestrator does not wait out the budget
             send_step(producer, 1, messages, outage_s=60, backpressure_timeout_s=60, attempt_s=1.0, stop_event=stop)

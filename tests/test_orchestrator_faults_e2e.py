@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from primerl.broker.rollout_clients import RolloutConsumer
+from primerl.client.rollouts import RolloutConsumer
 
 sys.path.insert(0, str(Path(__file__).parent))
 from test_inference_server import START_TIMEOUT_S, TOKEN, Broker, Daemon  # noqa: E402

@@ -20,7 +20,7 @@ from primerl.runtime.run_metrics import (
     moving_average,
     read_metrics_file,
 )
-from primerl.runtime.run_plots import plan_plots, reward_panel, tokens_per_s_panel
+from primerl.cli.run_plots import plan_plots, reward_panel, tokens_per_s_panel
 
 BIN = Path(sys.executable).parent
 NUM_STEPS = 12

@@ -19,7 +19,7 @@ import pytest
 
 from primerl.cli.restart_policy import RestartBudget, RestartPolicy, describe_exit_code
 from primerl.cli.role_logs import last_error_in_log, last_error_line
-from primerl.runtime.process_supervisor import ChildFailed, ChildProcess, Supervisor
+from primerl.cli.process_supervisor import ChildFailed, ChildProcess, Supervisor
 from proc_tree import descendants, running  # noqa: E402  (tests/ is on sys.path under pytest)
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -124,7 +124,7 @@ def test_a_sigkilled_launcher_leaves_nothing_running(tmp_path):
     driver.write_text(textwrap.dedent(f"""
         import os, sys, time
         from pathlib import Path
-        from primerl.runtime.process_supervisor import ChildProcess, Supervisor
+        from primerl.cli.process_supervisor import ChildProcess, Supervisor
         supervisor = Supervisor()
         for name in ("trainer", "orchestrator"):
             supervisor.start(ChildProcess(name, [sys.executable, "-c", {STUBBORN_ROLE!r}],

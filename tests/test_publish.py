@@ -14,7 +14,7 @@ from safetensors.torch import load_file
 
 from primerl.broker.config import BrokerConfig
 from primerl.broker.service import BrokerService
-from primerl.broker.weight_clients import WeightUpdateRefused
+from primerl.client.weights import WeightUpdateRefused
 from primerl.proto.v1 import common_pb2, data_pb2
 from primerl.trainer.config import LoRAConfig, ModelConfig, OptimizerConfig
 from primerl.trainer.model import load_model
@@ -217,7 +217,7 @@ def test_delta_refused_as_out_of_order_is_resent_as_full(model_dir, broker, publ
 def test_a_superseded_publisher_is_told_to_stop(model_dir, broker, publishers):
     """A trainer replaced by a newer incarnation (a newer lineage) gets ``LineageSuperseded`` on its next update,
     delta or FULL, and the broker keeps the newer lineage's version."""
-    from primerl.broker.weight_clients import LineageSuperseded
+    from primerl.client.weights import LineageSuperseded
 
     service, endpoint = broker
     model = load_model(ModelConfig(name=str(model_dir)))

@@ -11,7 +11,7 @@ import pytest
 import zmq
 from zmq.utils.monitor import parse_monitor_message
 
-from primerl.broker.rollout_clients import RolloutConsumer, RolloutProducer, RolloutTimeout, pack_batch
+from primerl.client.rollouts import RolloutConsumer, RolloutProducer, RolloutTimeout, pack_batch
 from primerl.broker.rollout_plane import RolloutPlane
 from primerl.broker.rollout_queue import RolloutQueue
 from primerl.broker.spool import RolloutSpool

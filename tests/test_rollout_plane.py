@@ -11,7 +11,7 @@ import zmq
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from primerl.broker.rollout_clients import RolloutConsumer, RolloutProducer, RolloutRefused, RolloutTimeout, pack_batch
+from primerl.client.rollouts import RolloutConsumer, RolloutProducer, RolloutRefused, RolloutTimeout, pack_batch
 from primerl.broker.rollout_plane import RolloutPlane
 from primerl.broker.rollout_queue import RolloutQueue
 from primerl.broker.spool import RolloutSpool

@@ -15,7 +15,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from primerl.broker.config import BrokerConfig
-from primerl.broker.rollout_clients import RolloutProducer, pack_batch
+from primerl.client.rollouts import RolloutProducer, pack_batch
 from primerl.broker.service import BrokerService
 from primerl.proto.v1 import common_pb2
 from primerl.trainer.tiny_model import TinyModelSpec, build_tiny_model

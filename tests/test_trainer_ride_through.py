@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from primerl.broker.config import BrokerConfig
-from primerl.broker.rollout_clients import RolloutProducer, pack_batch
+from primerl.client.rollouts import RolloutProducer, pack_batch
 from primerl.broker.service import BrokerService
 from primerl.runtime.data_digest import data_digest
 from primerl.trainer.tiny_model import TinyModelSpec, build_tiny_model

@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from primerl.broker.rollout_clients import FetchStopped
+from primerl.client.rollouts import FetchStopped
 from primerl.trainer.step_io import StepIOThread, StepPrefetcher, TrainerIOError
 
 

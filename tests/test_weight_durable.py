@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 import zmq
 
-from primerl.broker.weight_clients import WeightPublisher, WeightSubscriber
+from primerl.client.weights import WeightPublisher, WeightSubscriber
 from primerl.broker.weight_durable import LINEAGE_FILE, MANIFEST_FILE, WeightDurability
 from primerl.broker.weight_plane import WeightPlane, weight_limits
 from primerl.broker.weight_store import WeightStore

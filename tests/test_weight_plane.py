@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import zmq
 
-from primerl.broker.weight_clients import (
+from primerl.client.weights import (
     WeightPlaneError,
     WeightPublisher,
     WeightSubscriber,

@@ -20,7 +20,7 @@ import pytest
 import torch
 import zmq
 
-from primerl.broker.weight_clients import (
+from primerl.client.weights import (
     LineageSuperseded,
     WeightBrokerLost,
     WeightPublisher,
@@ -30,7 +30,7 @@ from primerl.broker.weight_plane import WeightPlane, weight_limits
 from primerl.broker.weight_store import WeightStore
 from primerl.proto import tensor_frames as tf
 from primerl.proto.v1 import data_pb2
-from primerl.runtime.broker_outage import BrokerOutageExceeded
+from primerl.client.outage import BrokerOutageExceeded
 
 FULL = data_pb2.WEIGHT_UPDATE_KIND_FULL
 DELTA = data_pb2.WEIGHT_UPDATE_KIND_DELTA

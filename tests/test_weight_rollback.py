@@ -20,7 +20,7 @@ import torch
 
 from primerl.broker.config import BrokerConfig
 from primerl.broker.service import BrokerService
-from primerl.broker.weight_clients import LineageSuperseded, WeightSubscriber
+from primerl.client.weights import LineageSuperseded, WeightSubscriber
 from primerl.inference.engine import EngineOptions
 from primerl.inference.worker_extension import WORKER_EXTENSION_CLS, weights_digest
 from primerl.trainer.config import ModelConfig, OptimizerConfig

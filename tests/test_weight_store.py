@@ -8,7 +8,8 @@ import threading
 import numpy as np
 import pytest
 
-from primerl.broker.weight_store import WeightStore, WeightUpdateRefused
+from primerl.broker.weight_store import WeightStore
+from primerl.proto.weight_refusals import WeightUpdateRefused
 from primerl.proto import tensor_frames as tf
 from primerl.proto.v1 import common_pb2, data_pb2
 

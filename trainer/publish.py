@@ -38,7 +38,7 @@ inference worker load the new ones. Should a replaced incarnation still run, its
 a restarted trainer on another machine needs a clock within its restart time of the first machine's (NTP).
 
 Broker outages: ``send`` retries a publish that failed on a lost or missing connection, or a missing ack
-(``WeightPublishTimeout``), through ``primerl.runtime.broker_outage.retry_through_outage``: it logs ``waiting for
+(``WeightPublishTimeout``), through ``primerl.client.outage.retry_through_outage``: it logs ``waiting for
 the broker`` every few seconds and raises ``BrokerOutageExceeded`` once the outage outlasts ``outage_s`` (the
 role's ``broker.outage_s``). Resending is safe: a broker that stored the update before it went down acknowledges
 the resend; one that came back without it stores it (a refused delta is sent as FULL, as after any refusal).
@@ -56,16 +56,16 @@ import time
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, Literal
 
-from primerl.broker.weight_clients import (
+from primerl.client.weights import (
     LineageSuperseded,
     WeightPublisher,
     WeightPublishTimeout,
     WeightUpdateRefused,
 )
-from primerl.broker.weight_store import payload_digest
+from primerl.proto.digests import payload_digest
 from primerl.proto.tensor_frames import encode_tensors, parse_header, specs_of
 from primerl.proto.v1 import common_pb2, data_pb2
-from primerl.runtime.broker_outage import OutageWatch, retry_through_outage
+from primerl.client.outage import OutageWatch, retry_through_outage
 from primerl.runtime.config_common import DEFAULT_OUTAGE_S
 from primerl.runtime.log_setup import get_logger
 from primerl.trainer.model import is_peft_model

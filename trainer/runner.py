@@ -47,7 +47,7 @@ trainer killed between its checkpoint and its commit leaves that step uncommitte
 step's metrics), never twice.
 
 Riding through a broker outage: control calls (register, commit, metrics) wait up to ``broker.outage_s``
-(``primerl.broker.control_client``); while it waits for a step's micro-batches the fetch thread logs
+(``primerl.client.control``); while it waits for a step's micro-batches the fetch thread logs
 ``waiting for the step's micro-batches`` every ``DATA_WAIT_LOG_S`` (saying whether the broker is reachable) and
 gives up with ``BrokerLost`` once the broker has been unreachable for longer than ``broker.outage_s``. When the
 broker says the run is over (``shutdown_requested``) the trainer stops within a few seconds, exit 0.
@@ -63,7 +63,7 @@ import time
 
 import torch
 
-from primerl.broker.rollout_clients import FetchStopped
+from primerl.client.rollouts import FetchStopped
 from primerl.runtime.data_digest import data_digest
 from primerl.runtime.log_setup import bind_context, get_logger
 from primerl.runtime.metrics_sink import MetricsSink, finite_values
@@ -151,8 +151,8 @@ class TrainerRunner:
         return start_step
 
     def _connect(self, start_step: int) -> None:
-        from primerl.broker.control_client import ControlClient
-        from primerl.broker.rollout_clients import RolloutConsumer
+        from primerl.client.control import ControlClient
+        from primerl.client.rollouts import RolloutConsumer
         from primerl.trainer.publish import PolicyPublisher
 
         config = self.config
@@ -326,7 +326,7 @@ class TrainerRunner:
     def _write_checkpoint(self, step: int, record: dict | None = None) -> float:
         """Model, optimizer, scheduler (all ranks) and, on rank 0, the HF weights export; returns seconds.
         ``record``: the step's metrics and "step done" fields, kept for a resumed trainer to write them."""
-        from primerl.trainer.checkpoint import export_hf_weights, save_checkpoint
+        from primerl.trainer.checkpoint import save_checkpoint
 
         started_s = time.perf_counter()
         extra_state = {"step": step, "policy_version": step}

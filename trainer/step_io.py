@@ -28,7 +28,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from primerl.broker.rollout_clients import FetchStopped
+from primerl.client.rollouts import FetchStopped
 from primerl.runtime.log_setup import get_logger
 
 log = get_logger("primerl.trainer.step_io")

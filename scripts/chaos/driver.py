@@ -66,7 +66,7 @@ class StatusPoller(threading.Thread):
     def run(self) -> None:
         from google.protobuf.json_format import MessageToDict
 
-        from primerl.broker.control_client import BrokerError, ControlClient
+        from primerl.client.control import BrokerError, ControlClient
         from primerl.runtime.config_common import BrokerClientConfig
 
         client = ControlClient(BrokerClientConfig(address=self.spec.broker_address, run_token=self.spec.token),

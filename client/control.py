@@ -8,7 +8,7 @@ exponential backoff (0.1 s doubling to 5 s) for as long as the client runs.
 Riding through a broker outage (a restart, a lost network). A worker's calls (``register``, ``report_metrics``,
 ``commit_step``, ``list_workers``, ``get_run_status``) wait through an outage of up to ``config.outage_s``:
 they retry while the broker is unreachable or stopping, register again when it forgot the worker, and log
-``waiting for the broker`` every few seconds (``primerl.runtime.broker_outage``). Past the budget they raise
+``waiting for the broker`` every few seconds (``primerl.client.outage``). Past the budget they raise
 ``BrokerOutageExceeded``. The heartbeat thread measures outages the same way: when one lasts longer than the
 budget it sets ``broker_lost`` (with ``broker_lost_error``); a worker that only waits (an inference worker, a
 trainer waiting for data) calls ``check_broker()`` in its loop and stops with that one error. ``primerl status``
@@ -30,9 +30,9 @@ from typing import Any
 
 import grpc
 
-from primerl.broker.registry import role_from_name
+from primerl.proto.roles import role_from_name
 from primerl.proto.v1 import common_pb2, control_pb2, control_pb2_grpc
-from primerl.runtime.broker_outage import BrokerOutageExceeded, OutageWatch, retry_through_outage
+from primerl.client.outage import BrokerOutageExceeded, OutageWatch, retry_through_outage
 from primerl.runtime.config_common import BrokerClientConfig
 from primerl.runtime.log_setup import get_logger
 

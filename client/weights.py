@@ -23,10 +23,11 @@ from typing import Any
 
 import zmq
 
-from primerl.broker.weight_store import LineageSuperseded, WeightUpdateRefused, payload_digest
+from primerl.proto.weight_refusals import LineageSuperseded, WeightUpdateRefused
+from primerl.proto.digests import payload_digest
 from primerl.proto import framing
 from primerl.proto.v1 import common_pb2, data_pb2
-from primerl.runtime.broker_outage import OutageWatch
+from primerl.client.outage import OutageWatch
 from primerl.runtime.log_setup import get_logger
 from primerl.runtime.zmq_sockets import configure_socket, connect_dealer
 

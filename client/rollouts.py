@@ -25,14 +25,14 @@ from typing import Any
 
 import zmq
 
-from primerl.broker.rollout_queue import default_batch_id
+from primerl.proto.batch_ids import default_batch_id
 from primerl.proto import framing
 from primerl.proto.tensor_frames import decode_tensors, encode_tensors
 from primerl.proto.v1 import common_pb2, data_pb2
 from primerl.runtime.log_setup import get_logger
 from primerl.runtime.zmq_sockets import connect_dealer
 
-log = get_logger("primerl.broker.rollout_clients")
+log = get_logger("primerl.client.rollouts")
 
 DEFAULT_MAX_MESSAGE_BYTES = 256 << 20
 DEFAULT_WINDOW = 8

@@ -36,7 +36,6 @@ unauthenticated message gets an ERROR reply and is logged; the plane keeps servi
 from __future__ import annotations
 
 import collections
-import contextvars
 import hashlib
 import threading
 import time
@@ -49,17 +48,19 @@ from typing import Any
 import zmq
 
 from primerl.broker.log_limits import RateLimitedLog
+from primerl.broker.plane_lifecycle import RouterPlane
 from primerl.broker.weight_durable import WeightDurability
 from primerl.broker.weight_store import StoredUpdate, WeightStore, WeightStoreStatus
 from primerl.proto.weight_refusals import WeightUpdateRefused
 from primerl.proto import framing
+from primerl.proto.units import MiB
 from primerl.proto.v1 import common_pb2, data_pb2
 from primerl.runtime.log_setup import get_logger
-from primerl.runtime.zmq_sockets import DEFAULT_HWM, bind_router
+from primerl.runtime.meters import RateMeter
+from primerl.runtime.zmq_sockets import DEFAULT_HWM
 
 log = get_logger(__name__)
 
-MiB = 1 << 20
 # Room for the fixed frames and the envelope next to one chunk of payload.
 ENVELOPE_ALLOWANCE_BYTES = 1 * MiB
 BROKER_SENDER = "broker"
@@ -80,44 +81,6 @@ def weight_limits(max_message_bytes: int, *, max_transfer_bytes: int = framing.D
         max_transfer_bytes=max_transfer_bytes,
     )
     return limits, max_message_bytes
-
-
-class RateMeter:
-    """Bytes per second over a sliding window (fixed buckets, bounded memory). Thread-safe."""
-
-    def __init__(self, window_s: float = 10.0, bucket_s: float = 0.25):
-        self.window_s = window_s
-        self.bucket_s = bucket_s
-        self._buckets: collections.deque[list[float]] = collections.deque()
-        self._total = 0
-        self._lock = threading.Lock()
-        self._started_s = time.monotonic()
-
-    def add(self, num_bytes: int, now_s: float | None = None) -> None:
-        now_s = time.monotonic() if now_s is None else now_s
-        with self._lock:
-            self._total += num_bytes
-            if self._buckets and now_s - self._buckets[-1][0] < self.bucket_s:
-                self._buckets[-1][1] += num_bytes
-            else:
-                self._buckets.append([now_s, num_bytes])
-            self._trim(now_s)
-
-    def rate(self, now_s: float | None = None) -> float:
-        now_s = time.monotonic() if now_s is None else now_s
-        with self._lock:
-            self._trim(now_s)
-            span_s = min(self.window_s, max(now_s - self._started_s, self.bucket_s))
-            return sum(b[1] for b in self._buckets) / span_s
-
-    @property
-    def total_bytes(self) -> int:
-        with self._lock:
-            return self._total
-
-    def _trim(self, now_s: float) -> None:
-        while self._buckets and now_s - self._buckets[0][0] > self.window_s:
-            self._buckets.popleft()
 
 
 @dataclass(frozen=True)
@@ -180,8 +143,9 @@ class _Worker:
         return self.current is not None or bool(self.queue)
 
 
-class WeightPlane:
-    """Weight fan-out over one ROUTER socket. ``start()`` binds and runs the IO thread; ``stop()`` ends it.
+class WeightPlane(RouterPlane):
+    """Weight fan-out over one ROUTER socket. ``start()`` binds and runs the IO thread; ``stop()`` ends it
+    (``RouterPlane``).
 
     ``on_applied(worker_id, policy_version)`` is called from the IO thread whenever a worker acknowledges
     an applied version (or declares one in HELLO); it must be quick and thread-safe.
@@ -216,10 +180,8 @@ class WeightPlane:
             raise ValueError(f"chunk_bytes must be in 1..limits.max_frame_bytes ({limits.max_frame_bytes}), got {chunk_bytes}")
         if ack_timeout_s <= 0 or max_retries < 0:
             raise ValueError("ack_timeout_s must be > 0 and max_retries >= 0")
+        super().__init__(context, host, port)
         self.store = store
-        self.context = context
-        self.host = host
-        self._requested_port = port
         self.limits = limits
         self.auth_token = auth_token
         self.chunk_bytes = chunk_bytes
@@ -252,45 +214,19 @@ class WeightPlane:
         self._versions: dict[str, WeightWorkerStatus] = {}
         self._num_errors_sent = 0
         self._num_forgotten = 0
-        self._stop_event = threading.Event()
-        self._ready = threading.Event()
-        self._thread: threading.Thread | None = None
-        self._startup_error: BaseException | None = None
-        self.port: int | None = None
         self.durable_dir = None if durable_dir is None else Path(durable_dir)
 
     # -- lifecycle (any thread) ----------------------------------------------------------------------
 
     def start(self, timeout_s: float = 10.0) -> int:
         """Bind and start the IO thread; returns the bound port (also ``self.port``)."""
-        if self._thread is not None:
-            raise RuntimeError("WeightPlane.start() called twice")
-        if self.durable_dir is not None:
+        if self._thread is None and self.durable_dir is not None:
             self.store.attach_durable(WeightDurability(self.durable_dir))
-        context = contextvars.copy_context()
-        self._thread = threading.Thread(target=context.run, args=(self._run,), name="weight-plane-io", daemon=True)
-        self._thread.start()
-        if not self._ready.wait(timeout_s):
-            raise TimeoutError(f"weight plane did not bind within {timeout_s} s")
-        if self._startup_error is not None:
-            raise RuntimeError(f"weight plane could not bind {self.host}:{self._requested_port}: {self._startup_error}") from self._startup_error
-        assert self.port is not None
-        return self.port
+        return super().start(timeout_s)
 
     def stop(self, timeout_s: float = 5.0) -> bool:
-        """Ask the IO thread to end and wait up to ``timeout_s``; True once it has ended."""
-        self._stop_event.set()
-        if self._thread is None:
-            return self.store.close(timeout_s)
-        self._thread.join(timeout_s)
-        if self._thread.is_alive():
-            log.error("weight plane IO thread did not stop in time", timeout_s=timeout_s)
-            return False
-        return self.store.close(timeout_s)
-
-    @property
-    def running(self) -> bool:
-        return self._thread is not None and self._thread.is_alive()
+        """Ask the IO thread to end and wait up to ``timeout_s``; True once it has ended and the store closed."""
+        return super().stop(timeout_s) and self.store.close(timeout_s)
 
     # -- status (any thread) -------------------------------------------------------------------------
 
@@ -306,8 +242,8 @@ class WeightPlane:
         return WeightPlaneStatus(
             store=self.store.status(),
             workers=workers,
-            bytes_in_per_s=self._rate_in.rate(),
-            bytes_out_per_s=self._rate_out.rate(),
+            bytes_in_per_s=self._rate_in.bytes_per_s(),
+            bytes_out_per_s=self._rate_out.bytes_per_s(),
             bytes_in_total=self._rate_in.total_bytes,
             bytes_out_total=self._rate_out.total_bytes,
             num_errors_sent=errors,
@@ -316,16 +252,15 @@ class WeightPlane:
 
     # -- IO thread -----------------------------------------------------------------------------------
 
-    def _run(self) -> None:
-        try:
-            socket, self.port = bind_router(self.context, self.host, self._requested_port,
-                                            max_message_bytes=self.limits.max_frame_bytes, hwm=self.hwm)
-        except zmq.ZMQError as exc:
-            self._startup_error = exc
-            self._ready.set()
-            return
+    name = "weight plane"
+    thread_name = "weight-plane-io"
+
+    def _bind(self) -> zmq.Socket:
+        socket = self._bind_router(max_message_bytes=self.limits.max_frame_bytes, hwm=self.hwm)
         log.info("weight plane listening", host=self.host, port=self.port)
-        self._ready.set()
+        return socket
+
+    def _serve(self, socket: zmq.Socket) -> None:
         poller = zmq.Poller()
         poller.register(socket, zmq.POLLIN)
         next_tick_s = 0.0
@@ -348,7 +283,6 @@ class WeightPlane:
             log.exception("weight plane IO thread failed")
             raise
         finally:
-            socket.close(linger=0)
             log.info("weight plane stopped")
 
     def _receive_some(self, socket: zmq.Socket, max_messages: int = 64) -> None:
@@ -359,18 +293,6 @@ class WeightPlane:
                 return
             identity = frames[0].bytes
             self._handle_guarded(identity, frames[1:])
-
-    def _handle_guarded(self, identity: bytes, frames: list[Any]) -> None:
-        """The per-message guard: a failure handling one message (a bug a peer's bytes found) is logged
-        with its traceback once per kind, then rate-limited; the peer is told INTERNAL and serving goes on."""
-        try:
-            self._handle(identity, frames)
-        except zmq.ZMQError as exc:
-            if exc.errno == zmq.ETERM:
-                raise
-            self._unexpected(identity, frames, exc)
-        except Exception as exc:
-            self._unexpected(identity, frames, exc)
 
     def _unexpected(self, identity: bytes, frames: list[Any], exc: Exception) -> None:
         self._guard_log.exception(("unexpected", type(exc).__name__), "weight plane failed handling one message; serving on",

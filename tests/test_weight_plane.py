@@ -360,7 +360,7 @@ def test_plane_rejects_bad_chunk_size_and_reports_bind_errors():
         first = WeightPlane(WeightStore(), context, "127.0.0.1", 0, LIMITS, None, CHUNK_BYTES)
         port = first.start()
         second = WeightPlane(WeightStore(), context, "127.0.0.1", port, LIMITS, None, CHUNK_BYTES)
-        with pytest.raises(RuntimeError, match="could not bind"):
+        with pytest.raises(RuntimeError, match="cannot bind"):
             second.start()
         assert first.stop(5.0) and second.stop(5.0)
     finally:

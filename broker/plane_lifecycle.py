@@ -1,0 +1,152 @@
+"""The lifecycle of a broker data plane: one ZeroMQ ROUTER socket, bound and served by one IO thread.
+
+``RouterPlane`` is the part the rollout plane and the weight plane share: ``start()`` runs the IO thread, which
+binds the socket (retrying briefly while a port this process just closed is still held) and reports the bound
+port or the bind error back to ``start()``; ``stop()`` ends the thread within a bound; ``running`` says whether
+it still runs; ``_handle_guarded`` keeps one bad message from ending the thread. A plane supplies ``_bind``
+(the socket, with whatever it needs around it) and ``_serve`` (its loop, which returns once ``_stop_event``
+is set), and ``_handle``/``_unexpected`` for the guard.
+
+Only the IO thread touches the socket.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import threading
+import time
+from typing import Any
+
+import zmq
+
+from primerl.runtime.log_setup import get_logger
+from primerl.runtime.zmq_sockets import bind_router
+
+log = get_logger("primerl.broker.plane_lifecycle")
+
+BIND_RETRY_S = 2.0
+BIND_RETRY_SLEEP_S = 0.05
+MAX_CLOSED_PORTS = 256
+
+# Ports a plane of this process closed: binding one again may meet libzmq still holding it (see _bind_router).
+_closed_ports: set[int] = set()
+_closed_ports_lock = threading.Lock()
+
+
+class RouterPlane:
+    """Start, bind, serve and stop one ROUTER socket in one IO thread. ``name`` says which plane in logs and errors."""
+
+    name = "router plane"
+    thread_name = "router-plane-io"
+
+    def __init__(self, context: zmq.Context, host: str, port: int):
+        self.context = context
+        self.host = host
+        self._requested_port = port
+        self.port = 0  # the bound port, once ``start`` returned
+        self._thread: threading.Thread | None = None
+        self._stop_event = threading.Event()
+        self._ready = threading.Event()
+        self._start_error: BaseException | None = None
+
+    # -- any thread ----------------------------------------------------------------------------------
+
+    @property
+    def running(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def start(self, timeout_s: float = 10.0) -> int:
+        """Bind the socket (in the IO thread) and start serving; returns the bound port (also ``self.port``)."""
+        if self._thread is not None:
+            raise RuntimeError(f"{type(self).__name__}.start() was already called")
+        context = contextvars.copy_context()  # the IO thread logs with the caller's bound fields
+        self._thread = threading.Thread(target=context.run, args=(self._run,), name=self.thread_name, daemon=True)
+        self._thread.start()
+        if not self._ready.wait(timeout_s):
+            self._stop_event.set()
+            raise TimeoutError(f"{self.name} did not bind {self.host}:{self._requested_port} within {timeout_s} s")
+        if self._start_error is not None:
+            raise RuntimeError(f"{self.name} cannot bind {self.host}:{self._requested_port}: {self._start_error}") from self._start_error
+        return self.port
+
+    def stop(self, timeout_s: float = 5.0) -> bool:
+        """Ask the IO thread to end and wait up to ``timeout_s``; True once it has ended (or never started)."""
+        self._stop_event.set()
+        if self._thread is None:
+            return True
+        self._thread.join(timeout_s)
+        if self._thread.is_alive():
+            log.error(f"{self.name} IO thread did not stop in time", timeout_s=timeout_s)
+            return False
+        return True
+
+    # -- IO thread -----------------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        try:
+            socket = self._bind()
+        except Exception as exc:  # reported to start(), which raises it
+            self._start_error = exc
+            self._release()
+            self._ready.set()
+            return
+        self._ready.set()
+        try:
+            self._serve(socket)
+        finally:
+            socket.close(linger=0)
+            with _closed_ports_lock:
+                if len(_closed_ports) >= MAX_CLOSED_PORTS:
+                    _closed_ports.clear()
+                _closed_ports.add(self.port)
+            self._release()
+
+    def _bind_router(self, **options: Any) -> zmq.Socket:
+        """``bind_router`` on this plane's host and port. A port that a plane of this process closed is released
+        by libzmq asynchronously, so an in-process restart on the same port may briefly see EADDRINUSE: retry
+        within a short bound then, and only then (a port another process holds fails at once)."""
+        deadline_s = time.monotonic() + BIND_RETRY_S
+        while True:
+            try:
+                socket, self.port = bind_router(self.context, self.host, self._requested_port, **options)
+                return socket
+            except zmq.ZMQError as exc:
+                with _closed_ports_lock:
+                    closed_here = self._requested_port in _closed_ports
+                if exc.errno != zmq.EADDRINUSE or not closed_here or time.monotonic() >= deadline_s:
+                    raise
+                time.sleep(BIND_RETRY_SLEEP_S)
+
+    def _handle_guarded(self, *args: Any) -> None:
+        """The per-message guard: no single message can end the IO thread.
+
+        A failure handling one message (a bug that a peer's bytes found) goes to ``_unexpected(*args, exc)``,
+        which logs it (rate-limited) and tells the sender INTERNAL; serving goes on. Only a broken context
+        (``ETERM``) or ``stop`` ends the loop."""
+        try:
+            self._handle(*args)
+        except zmq.ZMQError as exc:
+            if exc.errno == zmq.ETERM:
+                raise
+            self._unexpected(*args, exc)
+        except Exception as exc:
+            self._unexpected(*args, exc)
+
+    # -- what a plane supplies -----------------------------------------------------------------------
+
+    def _bind(self) -> zmq.Socket:
+        """The bound socket (use ``_bind_router``)."""
+        raise NotImplementedError
+
+    def _serve(self, socket: zmq.Socket) -> None:
+        """The IO loop; returns once ``_stop_event`` is set. The socket is closed after it."""
+        raise NotImplementedError
+
+    def _release(self) -> None:
+        """Free what ``_bind`` set up beside the socket (after a failed bind, or after serving)."""
+
+    def _handle(self, *args: Any) -> None:
+        raise NotImplementedError
+
+    def _unexpected(self, *args: Any) -> None:
+        raise NotImplementedError

@@ -34,16 +34,15 @@ from __future__ import annotations
 
 import threading
 import time
-from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Any
 
 import zmq
-from google.protobuf.message import DecodeError
 
 from primerl.broker.connection_gate import ConnectionGate
 from primerl.broker.log_limits import RateLimitedLog
+from primerl.broker.plane_lifecycle import RouterPlane
 from primerl.broker.rollout_queue import (
     Accepted,
     Backpressure,
@@ -56,25 +55,29 @@ from primerl.broker.rollout_queue import (
     RolloutQueueStatus,
     Stale,
 )
+from primerl.broker.rollout_replies import (
+    REFUSAL_SUMMARY_INTERVAL_S,
+    STALE_NOTE,
+    PeerSender,
+    RefusalLog,
+    error_detail,
+    try_message_id,
+)
 from primerl.broker.spool import BatchGone, SpoolCorruption, SpoolError
 from primerl.proto import framing
+from primerl.proto.units import MiB
 from primerl.proto.v1 import common_pb2, data_pb2
 from primerl.runtime.log_setup import get_logger
-from primerl.runtime.zmq_sockets import bind_router
+from primerl.runtime.meters import RateMeter
 
 log = get_logger("primerl.broker.rollout_plane")
 
 ACCEPTED_TYPES = frozenset({data_pb2.ROLLOUT_BATCH, data_pb2.ROLLOUT_REQUEST, data_pb2.HELLO})
 MAX_MESSAGES_PER_POLL = 256
 DEFAULT_MAX_GROUP_BATCHES = 64
-ACK_SEND_WAIT_S = 0.5  # bounded wait for room in a peer's pipe for an ack (see _send)
-ACK_RETRY_SLEEP_S = 0.0005
-DEFAULT_MAX_GROUP_BYTES = 256 << 20
-BIND_RETRY_S = 2.0
+ACK_SEND_WAIT_S = 0.5  # bounded wait for room in a peer's pipe for an ack (see PeerSender.send)
+DEFAULT_MAX_GROUP_BYTES = 256 * MiB
 GATE_DOMAIN = "primerl-rollout"  # the ZAP domain of the rollout socket, when its connections are limited
-REFUSAL_SUMMARY_INTERVAL_S = 10.0
-MAX_REFUSAL_KEYS = 1024
-STALE_NOTE = -1  # pseudo error code for the log of stale (already committed) batches
 
 # on_error(code, message, peer): called in the IO thread for every refusal other than backpressure,
 # and once if the IO thread dies. Keep it cheap; it must not block.
@@ -104,49 +107,10 @@ class RolloutStreamStatus:
         return asdict(self)
 
 
-class _Meter:
-    """Events and bytes over a sliding window (bounded memory: old events fall out)."""
+class RolloutPlane(RouterPlane):
+    name = "rollout plane"
+    thread_name = "rollout-plane-io"
 
-    def __init__(self, window_s: float, max_events: int = 100_000):
-        self.window_s = window_s
-        self._events: deque[tuple[float, int]] = deque(maxlen=max_events)
-        self._started_s = time.monotonic()
-
-    def add(self, num_bytes: int, now_s: float) -> None:
-        self._events.append((now_s, num_bytes))
-
-    def rates(self, now_s: float) -> tuple[float, float]:
-        while self._events and now_s - self._events[0][0] > self.window_s:
-            self._events.popleft()
-        span_s = min(self.window_s, max(now_s - self._started_s, 1.0))
-        return len(self._events) / span_s, sum(n for _, n in self._events) / span_s
-
-
-class _RefusalLog:
-    """One log line per kind of refusal (error code), then a summary at most every few seconds."""
-
-    def __init__(self) -> None:
-        self._seen: dict[int, list[float | int]] = {}  # code -> [last_logged_s, num_since]
-
-    def note(self, peer: str, code: int, message: str) -> None:
-        key = code  # one line per kind of refusal, whichever peer (a peer can make many identities)
-        now_s = time.monotonic()
-        seen = self._seen.get(key)
-        if seen is None:
-            if len(self._seen) >= MAX_REFUSAL_KEYS:
-                self._seen.clear()
-            self._seen[key] = [now_s, 0]
-            log.warning("rollout plane refused a message" if code >= 0 else "rollout plane note", peer=peer,
-                        code=_code_name(code), reason=message)
-            return
-        seen[1] += 1
-        if now_s - seen[0] >= REFUSAL_SUMMARY_INTERVAL_S:
-            log.warning("rollout plane keeps refusing messages", peer=peer, code=_code_name(code),
-                        num_refused_since_last_line=seen[1], last_reason=message)
-            seen[0], seen[1] = now_s, 0
-
-
-class RolloutPlane:
     def __init__(
         self,
         queue: RolloutQueue,
@@ -177,9 +141,8 @@ class RolloutPlane:
         # Batches received but not yet spooled and acked: (routing id, message), arrival order.
         self._group: list[tuple[bytes, framing.Message]] = []
         self._group_bytes = 0
+        super().__init__(context, host, port)
         self.queue = queue
-        self.context = context
-        self.host = host
         self.limits = limits
         self.auth_token = auth_token or None
         self.on_error = on_error
@@ -198,59 +161,25 @@ class RolloutPlane:
         self._gate: ConnectionGate | None = None
         self.poll_interval_s = poll_interval_s
         self.sender = sender
-        self._requested_port = port
-        self._port = 0
-        self._thread: threading.Thread | None = None
-        self._stop_event = threading.Event()
-        self._ready = threading.Event()
-        self._start_error: BaseException | None = None
         self.failure: BaseException | None = None
-        self._meter_lock = threading.Lock()
-        self._in = _Meter(throughput_window_s)
-        self._out = _Meter(throughput_window_s)
+        self._in = RateMeter(throughput_window_s)
+        self._out = RateMeter(throughput_window_s)
+        self._counter_lock = threading.Lock()  # the refusal counters (read by ``status`` from any thread)
         self._num_refused = 0
         self._num_backpressure_replies = 0
-        self._refusals = _RefusalLog()
+        self._refusals = RefusalLog()
         self._guard_log = RateLimitedLog(log, interval_s=REFUSAL_SUMMARY_INTERVAL_S)
         self._backpressure_since_s: float | None = None
-        self._unreachable_logged: set[bytes] = set()
+        self._replies = PeerSender(on_disconnected=self.queue.close_session, peer_name=self._peer)
         self._peer_names: dict[bytes, str] = {}
 
     # ------------------------------------------------------------------ lifecycle
 
-    @property
-    def port(self) -> int:
-        """The bound port (known after ``start``)."""
-        return self._port
-
-    @property
-    def is_running(self) -> bool:
-        return self._thread is not None and self._thread.is_alive()
-
     def start(self, timeout_s: float = 10.0) -> int:
         """Bind the socket (in the IO thread) and start serving; returns the port."""
-        if self._thread is not None:
-            raise RuntimeError("RolloutPlane.start() was already called")
-        self._thread = threading.Thread(target=self._run, name="rollout-plane-io", daemon=True)
-        self._thread.start()
-        if not self._ready.wait(timeout_s):
-            self._stop_event.set()
-            raise TimeoutError(f"rollout plane did not bind {self.host}:{self._requested_port} within {timeout_s} s")
-        if self._start_error is not None:
-            raise RuntimeError(f"rollout plane cannot bind {self.host}:{self._requested_port}: {self._start_error}") from self._start_error
-        log.info("rollout plane listening", host=self.host, port=self._port, auth=self.auth_token is not None)
-        return self._port
-
-    def stop(self, timeout_s: float = 5.0) -> bool:
-        """Stop the IO thread and close the socket; returns False if the thread did not end in time."""
-        self._stop_event.set()
-        if self._thread is None:
-            return True
-        self._thread.join(timeout_s)
-        stopped = not self._thread.is_alive()
-        if not stopped:
-            log.error("rollout plane IO thread did not stop in time", timeout_s=timeout_s)
-        return stopped
+        port = super().start(timeout_s)
+        log.info("rollout plane listening", host=self.host, port=port, auth=self.auth_token is not None)
+        return port
 
     # ------------------------------------------------------------------ any thread
 
@@ -260,12 +189,12 @@ class RolloutPlane:
 
     def status(self) -> RolloutStreamStatus:
         now_s = time.monotonic()
-        with self._meter_lock:
-            batches_in, bytes_in = self._in.rates(now_s)
-            batches_out, bytes_out = self._out.rates(now_s)
+        batches_in, bytes_in = self._in.rates(now_s)
+        batches_out, bytes_out = self._out.rates(now_s)
+        with self._counter_lock:
             num_refused, num_backpressure = self._num_refused, self._num_backpressure_replies
         return RolloutStreamStatus(
-            queue=self.queue.status(), port=self._port, running=self.is_running,
+            queue=self.queue.status(), port=self.port, running=self.running,
             batches_in_per_s=batches_in, bytes_in_per_s=bytes_in,
             batches_out_per_s=batches_out, bytes_out_per_s=bytes_out,
             num_refused=num_refused, num_backpressure_replies=num_backpressure,
@@ -277,17 +206,7 @@ class RolloutPlane:
 
     # ------------------------------------------------------------------ IO thread
 
-    def _run(self) -> None:
-        try:
-            socket = self._bind()
-        except Exception as exc:  # reported to start(), which raises it
-            if self._gate is not None:
-                self._gate.close()
-                self._gate = None
-            self._start_error = exc
-            self._ready.set()
-            return
-        self._ready.set()
+    def _serve(self, socket: zmq.Socket) -> None:
         poller = zmq.Poller()
         poller.register(socket, zmq.POLLIN)
         gate_sockets = self._gate.sockets() if self._gate is not None else []
@@ -317,10 +236,11 @@ class RolloutPlane:
             self.failure = exc
             log.exception("rollout plane IO thread failed; the rollout stream is down")
             self._report(common_pb2.ERROR_CODE_INTERNAL, f"rollout plane IO thread failed: {exc!r}", "")
-        finally:
-            socket.close(linger=0)
-            if self._gate is not None:
-                self._gate.close()
+
+    def _release(self) -> None:
+        if self._gate is not None:
+            self._gate.close()
+            self._gate = None
 
     def _bind(self) -> zmq.Socket:
         """The bound socket; with ``max_connections``, gated at the handshake. The gate's ZAP endpoint must exist
@@ -329,53 +249,24 @@ class RolloutPlane:
         if self.max_connections is not None and self._gate is None:
             self._gate = ConnectionGate(self.context, max_connections=self.max_connections, domain=GATE_DOMAIN,
                                         what="rollout connection")
-        socket = self._bind_socket()
+        # rcv_hwm is set before the bind, or peers never get it.
+        socket = self._bind_router(max_message_bytes=self.limits.max_message_bytes, hwm=self.hwm, rcv_hwm=self.rcv_hwm,
+                                   zap_domain=GATE_DOMAIN if self._gate is not None else None)
         if self._gate is not None:
             self._gate.watch(socket)
         return socket
-
-    def _bind_socket(self) -> zmq.Socket:
-        # A port that a socket of this process just closed is released by libzmq asynchronously, so an
-        # in-process restart on the same port may briefly see EADDRINUSE: retry within a short bound.
-        deadline_s = time.monotonic() + BIND_RETRY_S
-        while True:
-            try:
-                socket, self._port = bind_router(self.context, self.host, self._requested_port,
-                                                 max_message_bytes=self.limits.max_message_bytes, hwm=self.hwm,
-                                                 rcv_hwm=self.rcv_hwm,  # set before bind, or peers never get it
-                                                 zap_domain=GATE_DOMAIN if self._gate is not None else None)
-                return socket
-            except zmq.ZMQError as exc:
-                if exc.errno != zmq.EADDRINUSE or self._requested_port == 0 or time.monotonic() >= deadline_s:
-                    raise
-                time.sleep(0.05)
-
-    def _handle_guarded(self, socket: zmq.Socket, frames: list[zmq.Frame]) -> None:
-        """The per-message guard: no single message can end the IO thread.
-
-        A failure handling one message (a bug that a peer's bytes found) is logged with its traceback the
-        first time its kind is seen, then rate-limited, and the sender is told INTERNAL; serving goes on.
-        Only a broken context (``ETERM``) or ``stop`` ends the loop."""
-        try:
-            self._handle(socket, frames)
-        except zmq.ZMQError as exc:
-            if exc.errno == zmq.ETERM:
-                raise
-            self._unexpected(socket, frames, exc)
-        except Exception as exc:
-            self._unexpected(socket, frames, exc)
 
     def _unexpected(self, socket: zmq.Socket, frames: list[zmq.Frame], exc: Exception) -> None:
         routing_id = frames[0].bytes if frames else b""
         self._guard_log.exception(("unexpected", type(exc).__name__), "rollout plane failed handling one message; serving on",
                                   peer=self._peer(routing_id), error=repr(exc)[:300])
-        with self._meter_lock:
+        with self._counter_lock:
             self._num_refused += 1
         try:
             body = frames[1:]
-            self._send(socket, routing_id, framing.encode_error(
-                _detail(common_pb2.ERROR_CODE_INTERNAL, f"broker failed handling this message: {type(exc).__name__}"),
-                refused_type=framing.peek_type(body), in_reply_to=_try_message_id(body, self.limits), sender=self.sender))
+            self._replies.send(socket, routing_id, framing.encode_error(
+                error_detail(common_pb2.ERROR_CODE_INTERNAL, f"broker failed handling this message: {type(exc).__name__}"),
+                refused_type=framing.peek_type(body), in_reply_to=try_message_id(body, self.limits), sender=self.sender))
         except zmq.ZMQError as send_exc:
             if send_exc.errno == zmq.ETERM:
                 raise
@@ -393,7 +284,7 @@ class RolloutPlane:
                                        f"(keep a micro-batch under {self.limits.max_message_bytes} bytes)")
         except framing.FramingError as exc:
             self._refuse(socket, routing_id, exc.detail(), refused_type=framing.peek_type(body),
-                         in_reply_to=_try_message_id(body, self.limits))
+                         in_reply_to=try_message_id(body, self.limits))
             return
         if message.type == data_pb2.ROLLOUT_BATCH:
             self._group.append((routing_id, message))
@@ -409,11 +300,11 @@ class RolloutPlane:
                 self._on_hello(socket, routing_id, message)
         except SpoolError as exc:
             log.error("rollout plane cannot spool a batch", peer=self._peer(routing_id), error=str(exc))
-            self._refuse(socket, routing_id, _detail(common_pb2.ERROR_CODE_INTERNAL, f"broker spool failed: {exc}"),
+            self._refuse(socket, routing_id, error_detail(common_pb2.ERROR_CODE_INTERNAL, f"broker spool failed: {exc}"),
                          refused_type=message.type, in_reply_to=message.envelope.message_id, authenticated=True)
         except Exception as exc:  # a valid message that we failed to handle: tell the sender, keep serving
             log.exception("rollout plane failed handling a message", peer=self._peer(routing_id), type=message.type_name)
-            self._refuse(socket, routing_id, _detail(common_pb2.ERROR_CODE_INTERNAL, f"broker failed: {exc!r}"),
+            self._refuse(socket, routing_id, error_detail(common_pb2.ERROR_CODE_INTERNAL, f"broker failed: {exc!r}"),
                          refused_type=message.type, in_reply_to=message.envelope.message_id, authenticated=True)
 
     # ------------------------------------------------------------------ handlers
@@ -429,13 +320,13 @@ class RolloutPlane:
         except SpoolError as exc:
             log.error("rollout plane cannot spool a group of batches", num_batches=len(group), error=str(exc))
             for routing_id, message in group:
-                self._refuse(socket, routing_id, _detail(common_pb2.ERROR_CODE_INTERNAL, f"broker spool failed: {exc}"),
+                self._refuse(socket, routing_id, error_detail(common_pb2.ERROR_CODE_INTERNAL, f"broker spool failed: {exc}"),
                              refused_type=message.type, in_reply_to=message.envelope.message_id, authenticated=True)
             return
         except Exception as exc:  # a bug handling valid batches: tell the senders, keep serving
             log.exception("rollout plane failed handling a group of batches", num_batches=len(group))
             for routing_id, message in group:
-                self._refuse(socket, routing_id, _detail(common_pb2.ERROR_CODE_INTERNAL, f"broker failed: {exc!r}"),
+                self._refuse(socket, routing_id, error_detail(common_pb2.ERROR_CODE_INTERNAL, f"broker failed: {exc!r}"),
                              refused_type=message.type, in_reply_to=message.envelope.message_id, authenticated=True)
             return
         for (routing_id, message), result in zip(group, outcome.results):
@@ -450,8 +341,7 @@ class RolloutPlane:
         if isinstance(result, (Accepted, Duplicate, Stale)):
             ack.durable = True
             if isinstance(result, Accepted):
-                with self._meter_lock:
-                    self._in.add(payload.nbytes, time.monotonic())
+                self._in.add(payload.nbytes)
                 if self._backpressure_since_s is not None:
                     log.info("rollout queue accepts batches again", waited_s=round(time.monotonic() - self._backpressure_since_s, 3))
                     self._backpressure_since_s = None
@@ -459,17 +349,17 @@ class RolloutPlane:
                 self._refusals.note(self._peer(routing_id), STALE_NOTE,
                                     f"batch of step {result.step} arrived after step {result.committed_step} was committed; acked, not kept")
         elif isinstance(result, Backpressure):
-            ack.error.CopyFrom(_detail(common_pb2.ERROR_CODE_BACKPRESSURE, result.reason, result.retry_after_ms))
-            with self._meter_lock:
+            ack.error.CopyFrom(error_detail(common_pb2.ERROR_CODE_BACKPRESSURE, result.reason, result.retry_after_ms))
+            with self._counter_lock:
                 self._num_backpressure_replies += 1
             if self._backpressure_since_s is None:
                 self._backpressure_since_s = time.monotonic()
                 log.info("rollout queue full: producers are told to wait", reason=result.reason)
         else:
             assert isinstance(result, Refused)
-            ack.error.CopyFrom(_detail(result.code, result.message))
+            ack.error.CopyFrom(error_detail(result.code, result.message))
             self._note_refusal(routing_id, result.code, result.message)
-        self._send(socket, routing_id, framing.encode(
+        self._replies.send(socket, routing_id, framing.encode(
             data_pb2.ROLLOUT_ACK, ack, auth_token=self.auth_token or "", sender=self.sender,
             in_reply_to=message.envelope.message_id), wait_s=ACK_SEND_WAIT_S)
 
@@ -478,7 +368,7 @@ class RolloutPlane:
         credits = min(request.credits, self.max_credits)
         result = self.queue.request(routing_id, request.step, request.rank, credits)
         if isinstance(result, Refused):
-            self._refuse(socket, routing_id, _detail(result.code, result.message), refused_type=message.type,
+            self._refuse(socket, routing_id, error_detail(result.code, result.message), refused_type=message.type,
                          in_reply_to=message.envelope.message_id, authenticated=True)
             return
         self._deliver(socket, result)
@@ -488,11 +378,11 @@ class RolloutPlane:
         self._peer_names[routing_id] = hello.worker_id or routing_id.hex()
         if len(self._peer_names) > 4 * self.queue.max_sessions:
             self._peer_names = {routing_id: self._peer_names[routing_id]}
-        self._unreachable_logged.discard(routing_id)
+        self._replies.reachable_again(routing_id)
         self.queue.open_session(routing_id, hello.worker_id)
         log.info("rollout peer said hello", worker_id=hello.worker_id[:128], role=framing.role_name(hello.role), rank=hello.rank)
         reply = data_pb2.Hello(worker_id=self.sender, role=common_pb2.ROLE_BROKER)
-        self._send(socket, routing_id, framing.encode(data_pb2.HELLO, reply, auth_token=self.auth_token or "",
+        self._replies.send(socket, routing_id, framing.encode(data_pb2.HELLO, reply, auth_token=self.auth_token or "",
                                                       sender=self.sender, in_reply_to=message.envelope.message_id))
 
     def _deliver(self, socket: zmq.Socket, delivery: Delivery) -> None:
@@ -506,23 +396,22 @@ class RolloutPlane:
                 continue  # released by a commit meanwhile: nobody needs it any more
             except SpoolCorruption as exc:
                 # The trainer would wait for this batch forever: tell it, and whoever watches the broker.
-                self._refuse(socket, routing_id, _detail(common_pb2.ERROR_CODE_INTERNAL,
+                self._refuse(socket, routing_id, error_detail(common_pb2.ERROR_CODE_INTERNAL,
                              f"spooled batch {batch_id!r} is damaged on the broker's disk and was quarantined: {exc}"),
                              refused_type=data_pb2.ROLLOUT_REQUEST, in_reply_to="", authenticated=True)
                 continue
             # As spooled: the header bytes and CRC the batch arrived with, verified then (no CRC pass here).
             frames = framing.encode_raw(data_pb2.ROLLOUT_BATCH, header_bytes, [payload], checksum=crc32,
                                         auth_token=self.auth_token or "", sender=self.sender)
-            if not self._send(socket, routing_id, frames):
+            if not self._replies.send(socket, routing_id, frames):
                 for unsent in [batch_id, *pending]:
                     self.queue.forget_delivery(routing_id, unsent)
                 return
-            with self._meter_lock:
-                self._out.add(payload.nbytes, time.monotonic())
+            self._out.add(payload.nbytes)
         if delivery.step_done is not None:
             done = delivery.step_done
             reply = data_pb2.RolloutStepDone(step=done.step, rank=done.rank, num_micro_batches=done.num_micro_batches)
-            self._send(socket, routing_id, framing.encode(data_pb2.ROLLOUT_STEP_DONE, reply,
+            self._replies.send(socket, routing_id, framing.encode(data_pb2.ROLLOUT_STEP_DONE, reply,
                                                           auth_token=self.auth_token or "", sender=self.sender))
 
     # ------------------------------------------------------------------ replies
@@ -533,48 +422,14 @@ class RolloutPlane:
         # The token goes only to a peer that proved it knows it.
         frames = framing.encode_error(detail, refused_type=refused_type, in_reply_to=in_reply_to, sender=self.sender,
                                       auth_token=(self.auth_token or "") if authenticated else "")
-        self._send(socket, routing_id, frames)
+        self._replies.send(socket, routing_id, frames)
 
     def _note_refusal(self, routing_id: bytes, code: int, message: str) -> None:
-        with self._meter_lock:
+        with self._counter_lock:
             self._num_refused += 1
         peer = self._peer(routing_id)
         self._refusals.note(peer, code, message)
         self._report(code, message, peer)
-
-    def _send(self, socket: zmq.Socket, routing_id: bytes, frames: Sequence[Any], *, wait_s: float = 0.0) -> bool:
-        """Send without blocking; a peer that is gone or not reading is logged (once) and False returned.
-
-        ``wait_s``: how long to keep retrying while the peer's pipe is full (for acks, which leave in
-        bursts after a group commit); never for a peer already found unreachable, so a stuck peer costs
-        the IO thread this wait once, not per message."""
-        deadline_s = time.monotonic() + wait_s if wait_s > 0 and routing_id not in self._unreachable_logged else 0.0
-        try:
-            while True:
-                try:
-                    socket.send_multipart([routing_id, *frames], flags=zmq.NOBLOCK, copy=False)
-                    self._unreachable_logged.discard(routing_id)
-                    return True
-                except zmq.Again:
-                    if time.monotonic() >= deadline_s:
-                        raise
-                    time.sleep(ACK_RETRY_SLEEP_S)
-        except zmq.Again:
-            reason = "its receive queue is full (high-water mark)"
-        except zmq.ZMQError as exc:
-            if exc.errno == zmq.ETERM:
-                raise
-            if exc.errno == zmq.EHOSTUNREACH:
-                reason = "it is disconnected"
-                self.queue.close_session(routing_id)
-            else:
-                reason = f"send failed: {exc}"
-        if routing_id not in self._unreachable_logged:
-            if len(self._unreachable_logged) > MAX_REFUSAL_KEYS:
-                self._unreachable_logged.clear()
-            self._unreachable_logged.add(routing_id)
-            log.warning("rollout plane dropped a reply: peer unreachable", peer=self._peer(routing_id), reason=reason)
-        return False
 
     def _report(self, code: int, message: str, peer: str) -> None:
         if self.on_error is None:
@@ -586,29 +441,3 @@ class RolloutPlane:
 
     def _peer(self, routing_id: bytes) -> str:
         return self._peer_names.get(routing_id) or routing_id.hex()
-
-
-def _detail(code: int, message: str, retry_after_ms: int = 0) -> common_pb2.ErrorDetail:
-    return common_pb2.ErrorDetail(code=code, message=message, retry_after_ms=retry_after_ms)
-
-
-def _code_name(code: int) -> str:
-    if code == STALE_NOTE:
-        return "STALE_BATCH_ACKED"
-    return common_pb2.ErrorCode.Name(code) if code in common_pb2.ErrorCode.values() else str(code)
-
-
-def _try_message_id(body: Sequence[Any], limits: framing.Limits) -> str:
-    """The message id of a message that failed to decode, if its envelope parses (for ``in_reply_to``)."""
-    if len(body) < framing.NUM_FIXED_FRAMES:
-        return ""
-    raw = body[2]
-    view = memoryview(getattr(raw, "buffer", raw))
-    if view.nbytes > limits.max_envelope_bytes:
-        return ""
-    envelope = data_pb2.Envelope()
-    try:
-        envelope.ParseFromString(view.tobytes())
-    except DecodeError:
-        return ""
-    return envelope.message_id[:128]

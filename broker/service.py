@@ -226,7 +226,7 @@ class BrokerService:
     def serve_until(self, stop_event: threading.Event, check_interval_s: float = 0.5) -> int:
         """Block until ``stop_event`` is set; returns 1 if a data plane's IO thread died, else 0."""
         while not stop_event.wait(check_interval_s):
-            for name, alive in (("rollout plane", self.rollout_plane.is_running), ("weight plane", self.weight_plane.running)):
+            for name, alive in (("rollout plane", self.rollout_plane.running), ("weight plane", self.weight_plane.running)):
                 if not alive:
                     log.error("a data plane stopped unexpectedly; shutting down", plane=name)
                     return 1

@@ -108,7 +108,7 @@ def test_broker_survives_hostile_frames_and_still_serves(tmp_path):
                     socket.recv_multipart()
                     replies["count"] += 1
         assert replies["count"] > NUM_EXAMPLES // 2, "the broker answers bad messages with errors"
-        assert service.rollout_plane.is_running and service.weight_plane.running
+        assert service.rollout_plane.running and service.weight_plane.running
 
         # Still serves: a rollout round trip, a weight fan-out, and gRPC status.
         rollout_endpoint = f"tcp://127.0.0.1:{endpoints.rollout_port}"

@@ -71,7 +71,7 @@ def _spec_list() -> list[common_pb2.TensorSpec]:
 
 def _assert_serving(service: BrokerService, endpoints) -> None:
     time.sleep(0.3)  # the broker used to exit ~1 s after such a message; its IO thread died at once
-    assert service.rollout_plane.is_running and service.weight_plane.running
+    assert service.rollout_plane.running and service.weight_plane.running
     endpoint = f"tcp://127.0.0.1:{endpoints.rollout_port}"
     tensors = {"input_ids": np.arange(8, dtype=np.int64)}
     step = int(time.monotonic_ns() % 500) + 1

@@ -259,7 +259,7 @@ def test_malformed_messages_get_error_replies_and_the_plane_keeps_serving(harnes
             error = reply.header.error
         assert error.code == code, (name, error)
         assert error.message
-    assert plane.is_running and plane.status().num_refused == len(bad_messages())
+    assert plane.running and plane.status().num_refused == len(bad_messages())
     assert len(harness.errors) == len(bad_messages())
     produce(harness.producer(plane), (1,), (0,), 2)
     check_step(harness.consumer(plane).fetch_step(1, timeout_s=10), 1, 0, 2)
@@ -333,7 +333,7 @@ def test_stop_is_prompt(harness):
     plane = harness.plane()
     started = time.monotonic()
     assert plane.stop(2.0)
-    assert time.monotonic() - started < 1.0 and not plane.is_running
+    assert time.monotonic() - started < 1.0 and not plane.running
 
 
 @settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
@@ -345,7 +345,7 @@ def test_fuzzed_frames_never_break_the_plane(fuzz_plane, frames, keep_prefix):
     socket.send_multipart(message)
     reply = recv(socket)
     assert reply.type in (data_pb2.ERROR, data_pb2.ROLLOUT_ACK)
-    assert plane.is_running
+    assert plane.running
 
 
 @pytest.fixture(scope="module")

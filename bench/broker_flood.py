@@ -39,7 +39,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from report import Section, Stats, fmt, machine_load  # noqa: E402
 
-MiB = 1 << 20
+from primerl.proto.units import MiB  # noqa: E402
+
 TOKEN = "flood-token"
 BIN = Path(sys.executable).parent
 

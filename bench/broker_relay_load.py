@@ -21,7 +21,8 @@ from pathlib import Path
 
 import numpy as np
 
-MiB = 1 << 20
+from primerl.proto.units import MiB
+
 TOKEN = "relay-load"
 REPO = Path(__file__).resolve().parent.parent
 PID_FILE = Path("/tmp/relay_broker.pid")

@@ -49,7 +49,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from report import Section, Stats, target_line  # noqa: E402
 
-MiB = 1 << 20
+from primerl.proto.units import MiB
+
 TOKEN = "bench-token"
 DEFAULT_MAX_MESSAGE_BYTES = 256 * MiB
 REPLY_TIMEOUT_S = 120.0

@@ -56,7 +56,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-MiB = 1 << 20
+from primerl.proto.units import MiB
+
 TOKEN = "bench-token"
 POLICY_NAME = "policy"
 LORA_RANK = 16

@@ -16,9 +16,7 @@ from primerl.runtime.config_common import (
     PrometheusConfig,
     is_loopback_host,
 )
-
-MIB = 2**20
-GIB = 2**30
+from primerl.proto.units import GiB, MiB
 
 
 def physical_memory_bytes() -> int:
@@ -26,7 +24,7 @@ def physical_memory_bytes() -> int:
     try:
         return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     except (ValueError, OSError, AttributeError):
-        return 16 * GIB
+        return 16 * GiB
 
 
 class BrokerConfig(BaseConfig):
@@ -66,11 +64,11 @@ class BrokerConfig(BaseConfig):
         8, ge=1, description="Rollout batches held (in memory and spool) before the orchestrator is made to wait."
     )
     max_queue_bytes: int = Field(
-        2 * GIB, ge=MIB, description="Bytes of rollout batches held before the orchestrator is made to wait."
+        2 * GiB, ge=MiB, description="Bytes of rollout batches held before the orchestrator is made to wait."
     )
     max_message_bytes: int = Field(
-        256 * MIB,
-        ge=MIB,
+        256 * MiB,
+        ge=MiB,
         description="Largest message accepted on any socket; bigger payloads (weights) are sent in chunks.",
     )
     max_payload_frames: int = Field(
@@ -93,7 +91,7 @@ class BrokerConfig(BaseConfig):
         description="ZeroMQ high-water mark of the weight socket, in messages per peer and direction.",
     )
     read_cache_bytes: int = Field(
-        256 * MIB, ge=0,
+        256 * MiB, ge=0,
         description="Bytes of recently spooled rollout batches kept in memory so a trainer gets them without a "
         "disk read (0: off).",
     )
@@ -103,12 +101,12 @@ class BrokerConfig(BaseConfig):
         "batch may name; further ones are refused (OUT_OF_ORDER) so the queue bound cannot be switched off.",
     )
     max_transfer_bytes: int | None = Field(
-        None, ge=MIB,
+        None, ge=MiB,
         description="Largest weight update (one chunked transfer), checked at its first chunk before any memory "
         "is set aside. Unset: a quarter of this machine's memory, at most 16 GiB.",
     )
     max_open_transfer_bytes: int | None = Field(
-        None, ge=MIB,
+        None, ge=MiB,
         description="Bytes that all weight transfers still being received may declare together; a transfer that "
         "would exceed it is told to retry later (BACKPRESSURE). Unset: `max_transfer_bytes`.",
     )
@@ -178,7 +176,7 @@ class BrokerConfig(BaseConfig):
         """``max_transfer_bytes``, or its default for this machine: a quarter of physical memory, at most 16 GiB."""
         if self.max_transfer_bytes is not None:
             return self.max_transfer_bytes
-        return max(MIB, min(16 * GIB, physical_memory_bytes() // 4))
+        return max(MiB, min(16 * GiB, physical_memory_bytes() // 4))
 
     @property
     def resolved_max_open_transfer_bytes(self) -> int:

@@ -52,6 +52,7 @@ from typing import TYPE_CHECKING, Any
 
 from primerl.proto.v1 import common_pb2, data_pb2
 from primerl.proto.digests import payload_digest
+from primerl.proto.units import GiB
 from primerl.proto.weight_refusals import WeightUpdateRefused
 from primerl.runtime.log_setup import get_logger
 
@@ -64,8 +65,6 @@ FULL = data_pb2.WEIGHT_UPDATE_KIND_FULL
 LORA = data_pb2.WEIGHT_UPDATE_KIND_LORA
 DELTA = data_pb2.WEIGHT_UPDATE_KIND_DELTA
 SNAPSHOT_KINDS = frozenset({FULL, LORA})
-
-GIB = 1 << 30
 
 
 def kind_name(kind: int) -> str:
@@ -137,7 +136,7 @@ class WeightStoreStatus:
 class WeightStore:
     """The latest snapshot (FULL or LORA) and the DELTAs since it, bounded in count and bytes."""
 
-    def __init__(self, *, max_deltas: int = 16, max_delta_bytes: int = 4 * GIB, verify_digest: bool = True):
+    def __init__(self, *, max_deltas: int = 16, max_delta_bytes: int = 4 * GiB, verify_digest: bool = True):
         if max_deltas < 0:
             raise ValueError(f"max_deltas must be >= 0, got {max_deltas}")
         if max_delta_bytes < 0:

@@ -38,12 +38,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
+from primerl.proto.units import MiB
+
 if TYPE_CHECKING:
     import vllm
 
 logger = logging.getLogger(__name__)
 
-MiB = 1024 * 1024
 CPU_DEFAULT_KV_CACHE_BYTES = 256 * MiB
 CPU_DEFAULT_DTYPE = "float32"
 CPU_MIN_BATCHED_TOKENS = 8192

@@ -28,6 +28,7 @@ from google.protobuf.message import DecodeError
 from google.protobuf.message import Message as ProtoMessage
 
 from primerl.proto.tensor_frames import TensorFrameError, check_tensor_frame
+from primerl.proto.units import GiB, MiB
 from primerl.proto.v1 import common_pb2, data_pb2
 
 PROTOCOL_ID = b"PRML"
@@ -51,8 +52,6 @@ HEADER_TYPES: dict[int, type[ProtoMessage]] = {
 # Types whose payload is one safetensors blob described by the header's `tensors` field.
 TENSOR_MESSAGE_TYPES = frozenset({data_pb2.ROLLOUT_BATCH, data_pb2.WEIGHT_UPDATE})
 
-MiB = 1 << 20
-
 
 @dataclass(frozen=True)
 class Limits:
@@ -63,7 +62,7 @@ class Limits:
     max_envelope_bytes: int = 1 * MiB
     max_payload_frames: int = 64
     # A chunked transfer may be larger than one message, up to this.
-    max_transfer_bytes: int = 16 * 1024 * MiB
+    max_transfer_bytes: int = 16 * GiB
 
 
 DEFAULT_LIMITS = Limits()

@@ -2,11 +2,11 @@
 
 What goes on the wire (``WeightUpdateHeader`` + one safetensors payload):
 
-- FULL: every tensor of the model exactly as ``save_pretrained`` writes ``model.safetensors`` (Hugging Face
-  names; tied weights once, e.g. no ``lm_head.weight`` with ``tie_word_embeddings``; transformers' load-time
-  renamings reverted), in the serving dtype. A LoRA-trained model is sent merged (W + scale * B @ A), computed
-  aside: the training weights are never merged in place. The payload bytes equal the file ``save_pretrained``
-  writes (same tensors, same ``{"format": "pt"}`` metadata), so a receiver may write them to disk as is.
+- FULL: every tensor of the model exactly as ``save_pretrained`` writes ``model.safetensors``
+  (``primerl.trainer.hf_state_dict``: Hugging Face names, tied weights once; a LoRA-trained model merged, in the
+  base model's dtype, computed aside), cast to the serving dtype when one is set. The payload bytes equal the
+  file ``save_pretrained`` writes, and the one the trainer exports (``primerl.trainer.weights_export``): same
+  tensors, same ``{"format": "pt"}`` metadata, so a receiver may write them to disk as is.
 - LORA: the adapter exactly as peft's ``save_pretrained`` writes ``adapter_model.safetensors`` (names like
   ``base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight``) and ``adapter_config_json`` exactly as
   it writes ``adapter_config.json``. The adapter keeps its training dtype (as peft saves it).
@@ -49,8 +49,6 @@ the resend; one that came back without it stores it (a refused delta is sent as 
 
 from __future__ import annotations
 
-import copy
-import json
 import threading
 import time
 from dataclasses import dataclass, field, replace
@@ -64,20 +62,23 @@ from primerl.client.weights import (
 )
 from primerl.proto.digests import payload_digest
 from primerl.proto.tensor_frames import encode_tensors, parse_header, specs_of
+from primerl.proto.units import MiB
 from primerl.proto.v1 import common_pb2, data_pb2
 from primerl.client.outage import OutageWatch, retry_through_outage
 from primerl.runtime.config_common import DEFAULT_OUTAGE_S
 from primerl.runtime.log_setup import get_logger
-from primerl.trainer.model import is_peft_model
+from primerl.trainer.hf_state_dict import (
+    SAFETENSORS_METADATA,
+    hf_state_dict,
+    lora_adapter_config_json,
+    lora_state_dict,
+)
 from primerl.trainer.payload_writer import PayloadPool, payload_tensors, safetensors_layout, write_safetensors
 
 if TYPE_CHECKING:
     import torch
 
-__all__ = [
-    "PolicyPublisher", "PreparedUpdate", "PublishKind", "PublishResult",
-    "hf_state_dict", "lora_adapter_config_json", "lora_state_dict",
-]
+__all__ = ["PolicyPublisher", "PreparedUpdate", "PublishKind", "PublishResult"]
 
 log = get_logger(__name__)
 
@@ -92,93 +93,6 @@ _KIND_TO_WIRE = {
     "lora": data_pb2.WEIGHT_UPDATE_KIND_LORA,
     "delta": data_pb2.WEIGHT_UPDATE_KIND_DELTA,
 }
-_SAFETENSORS_METADATA = {"format": "pt"}  # what transformers and peft write
-# Parts of a peft state-dict key that belong to the adapter, not to the base model.
-_LORA_KEY_PARTS = frozenset({"lora_A", "lora_B", "lora_embedding_A", "lora_embedding_B", "lora_magnitude_vector"})
-
-
-# -- tensors as Hugging Face and peft save them ------------------------------------------------------
-
-
-def hf_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """The tensors ``save_pretrained`` would write, under the names it would write them (views of the model's
-    parameters where it can; merged weights for a peft LoRA model). Not copied: copy before the next step."""
-    from transformers.core_model_loading import revert_weight_conversion
-    from transformers.modeling_utils import remove_tied_weights_from_state_dict
-
-    if is_peft_model(model):
-        hf_model = model.get_base_model()
-        state = _merged_lora_state(hf_model)
-    else:
-        hf_model = model
-        state = model.state_dict()
-    for key in getattr(hf_model, "_keys_to_ignore_on_save", None) or ():
-        state.pop(key, None)
-    state = remove_tied_weights_from_state_dict(state, hf_model)
-    return dict(revert_weight_conversion(hf_model, state))
-
-
-def _merged_lora_state(hf_model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """State dict of a model with LoRA layers injected, with each adapted weight merged and peft's names
-    (``.base_layer.``, ``lora_*``) removed: what ``merge_and_unload()`` would give, without touching the model."""
-    import torch
-    from peft.tuners.lora import LoraLayer
-
-    merged: dict[str, torch.Tensor] = {}
-    with torch.no_grad():
-        for name, module in hf_model.named_modules():
-            if not isinstance(module, LoraLayer) or module.merged:
-                continue
-            weight = module.get_base_layer().weight.detach()
-            for adapter in module.active_adapters:
-                if adapter not in module.lora_A and adapter not in module.lora_embedding_A:
-                    continue
-                if module.use_dora.get(adapter, False):
-                    raise ValueError(f"{name}: merging DoRA adapters for a full publish is not supported")
-                weight = weight + module.get_delta_weight(adapter)
-            merged[f"{name}.base_layer.weight"] = weight
-    state = {}
-    for key, tensor in hf_model.state_dict().items():
-        parts = key.split(".")
-        if _LORA_KEY_PARTS.intersection(parts):
-            continue
-        if "modules_to_save" in parts or "original_module" in parts:
-            raise ValueError(f"{key}: peft modules_to_save are not supported in a full publish")
-        state[key.replace(".base_layer.", ".")] = merged.get(key, tensor)
-    return state
-
-
-def lora_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """The adapter tensors exactly as peft's ``save_pretrained`` writes them (contiguous, no aliasing)."""
-    from peft.utils import get_peft_model_state_dict
-
-    if not is_peft_model(model):
-        raise ValueError('weight_broadcast.type = "lora" needs a LoRA model (set [trainer.model.lora])')
-    state = get_peft_model_state_dict(model, adapter_name=model.active_adapter)
-    seen: set[int] = set()
-    out = {}
-    for name, tensor in state.items():
-        tensor = tensor.detach()
-        pointer = tensor.untyped_storage().data_ptr()
-        if pointer in seen:
-            tensor = tensor.clone()
-        seen.add(pointer)
-        out[name] = tensor.contiguous()
-    return out
-
-
-def lora_adapter_config_json(model: torch.nn.Module) -> str:
-    """``adapter_config.json`` as peft's ``save_pretrained`` writes it for the active adapter (same keys, values
-    and layout; sets such as ``target_modules`` sorted, where peft's order depends on hashing)."""
-    config = copy.deepcopy(model.peft_config[model.active_adapter])
-    if config.base_model_name_or_path is None:
-        config.base_model_name_or_path = model.base_model.model.__dict__.get("name_or_path", None) or None
-    config.inference_mode = True
-    output = config.to_dict()
-    for key, value in output.items():
-        if isinstance(value, set):
-            output[key] = sorted(value)  # peft writes list(set): an order that varies between processes
-    return json.dumps(output, indent=2, sort_keys=True)
 
 
 def _host_copy(state: dict[str, torch.Tensor], dtype: torch.dtype | None,
@@ -198,9 +112,6 @@ def _host_copy(state: dict[str, torch.Tensor], dtype: torch.dtype | None,
         else:
             out[name] = tensor.to(device="cpu", dtype=cast, copy=True).contiguous()
     return out
-
-
-# -- publishing ------------------------------------------------------------------------------------
 
 
 @dataclass(frozen=True)
@@ -345,7 +256,7 @@ class PolicyPublisher:
         start_s = time.perf_counter()
         if kind == "lora":
             tensors = lora_state_dict(model)
-            payload, specs = encode_tensors(tensors, metadata=_SAFETENSORS_METADATA)
+            payload, specs = encode_tensors(tensors, metadata=SAFETENSORS_METADATA)
             header = self._header(version, kind, payload, specs)
             header.adapter_config_json = lora_adapter_config_json(model)
             return PreparedUpdate(kind, header, payload, _elapsed_ms(start_s))
@@ -401,16 +312,15 @@ class PolicyPublisher:
         cost_s = estimate.encode_s + estimate.decode_s
         if cost_s < saved_s:
             return None
-        mib = 1 << 20
-        return (f"delta would not pay: ~{estimate.delta_bytes / mib:.1f} of {estimate.full_bytes / mib:.1f} MiB "
+        return (f"delta would not pay: ~{estimate.delta_bytes / MiB:.1f} of {estimate.full_bytes / MiB:.1f} MiB "
                 f"({estimate.changed_bytes / max(1, estimate.full_bytes):.0%} of the bytes changed), encode + decode "
-                f"~{cost_s * 1000:.0f} ms vs ~{saved_s * 1000:.0f} ms saved on the wire at {rate / mib:.0f} MiB/s")
+                f"~{cost_s * 1000:.0f} ms vs ~{saved_s * 1000:.0f} ms saved on the wire at {rate / MiB:.0f} MiB/s")
 
     def _encode_full(self, kind: PublishKind, version: int, tensors: dict[str, torch.Tensor],
                      phases: dict[str, float], start_s: float) -> PreparedUpdate:
         """A FULL payload written into a pooled buffer, and its header (digest computed once, here)."""
         mark = time.perf_counter()
-        prefix, spans = safetensors_layout(tensors, _SAFETENSORS_METADATA)
+        prefix, spans = safetensors_layout(tensors, SAFETENSORS_METADATA)
         total = spans[-1][2] if spans else len(prefix)
         buffer = self._pool.acquire(total)
         try:

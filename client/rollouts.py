@@ -7,34 +7,33 @@ here, at the IO edge: a send is repeated when the broker asked to wait (BACKPRES
 ``retry_after_ms``) or when no reply came within ``resend_interval_s`` (the broker may have restarted;
 resends are idempotent by batch id), always within the caller's timeout.
 
-Replies are checked like every other message (``framing.decode``). With a run token, data messages must
-carry it; ERROR replies are read even without it, since a broker never sends its token to a peer that
-has not proved it knows it, and an error can only make the call fail.
+Sockets, bounded waits, reply checks and auth come from ``client.dealer.DealerClient``; sizes from ``limits``
+(the broker's, ``BrokerLimits.frames`` of its ``RegisterResponse``). A batch bigger than the broker accepts
+is refused here at once (``RolloutRefused``, OVERSIZED) instead of costing the connection.
 """
 
 from __future__ import annotations
 
-import hmac
 import random
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import zmq
 
-from primerl.proto.batch_ids import default_batch_id
+from primerl.client.dealer import DealerClient
 from primerl.proto import framing
+from primerl.proto.batch_ids import default_batch_id
+from primerl.proto.data_plane_limits import DEFAULT_BROKER_LIMITS
 from primerl.proto.tensor_frames import decode_tensors, encode_tensors
 from primerl.proto.v1 import common_pb2, data_pb2
 from primerl.runtime.log_setup import get_logger
-from primerl.runtime.zmq_sockets import connect_dealer
 
 log = get_logger("primerl.client.rollouts")
 
-DEFAULT_MAX_MESSAGE_BYTES = 256 << 20
 DEFAULT_WINDOW = 8
 DEFAULT_MAX_INFLIGHT_BYTES = 512 << 20
 REOPEN_PAUSE_S = 1.0  # most a client waits before connecting again after the broker refused it at the handshake
@@ -93,52 +92,22 @@ def pack_batch(
     return header, payload
 
 
-class _DealerClient:
+class _RolloutClient(DealerClient):
+    """A DEALER client of the rollout plane: watches for a refusal at the handshake and reconnects after it."""
+
+    # A broker that already has as many rollout peers as it admits refuses the connection at the handshake
+    # (broker.connection_gate) and libzmq does not try again: watch for that and reopen after a pause.
+    MONITOR_EVENTS = zmq.EVENT_HANDSHAKE_FAILED_AUTH
+
     def __init__(self, endpoint: str, auth_token: str | None, sender: str, *, context: zmq.Context | None,
-                 max_message_bytes: int, limits: framing.Limits | None):
-        self.endpoint = endpoint
-        self.auth_token = auth_token or None
-        self.sender = sender
-        self.limits = limits or framing.Limits(max_frame_bytes=max_message_bytes, max_message_bytes=max_message_bytes + (1 << 20))
-        self._own_context = context is None
-        self._context = context or zmq.Context()
-        self._socket: zmq.Socket | None = None
-        self._monitor: zmq.Socket | None = None
-        # Incremented each time the socket is replaced: what was sent on an older one never arrived.
-        self.generation = 0
+                 limits: framing.Limits | None):
         self.num_handshake_refusals = 0
-        self._open()
+        super().__init__(endpoint, auth_token, sender, limits=limits or DEFAULT_BROKER_LIMITS.frames, context=context)
 
-    def _open(self) -> None:
-        self._socket = connect_dealer(self._context, self.endpoint, max_message_bytes=self.limits.max_message_bytes)
-        # A broker that already has as many rollout peers as it admits refuses the connection at the handshake
-        # (broker.connection_gate) and libzmq does not try again: watch for that and reopen after a pause.
-        self._monitor = self._socket.get_monitor_socket(zmq.EVENT_HANDSHAKE_FAILED_AUTH)
-        self._poller = zmq.Poller()
-        self._poller.register(self._socket, zmq.POLLIN)
-        self._poller.register(self._monitor, zmq.POLLIN)
-
-    def _close_socket(self) -> None:
-        if self._socket is not None:
-            self._socket.disable_monitor()
-            self._monitor.close(linger=0)  # type: ignore[union-attr]
-            self._socket.close(linger=0)
-            self._socket = self._monitor = None
-
-    def close(self) -> None:
-        if self._socket is not None:
-            self._close_socket()
-            if self._own_context:
-                self._context.term()
-
-    def _reopen_if_refused(self, deadline_s: float) -> bool:
-        """If the broker refused this connection at the handshake: wait a moment (within ``deadline_s``) and
-        connect again on a new socket. Returns True when the socket was replaced."""
-        refused = False
-        while self._monitor is not None and self._monitor.poll(0):
-            self._monitor.recv_multipart()
-            refused = True
-        if not refused:
+    def _on_monitor_events(self, events: Sequence[int], deadline_s: float) -> bool:
+        """The broker refused this connection at the handshake: wait a moment (within ``deadline_s``) and connect
+        again on a new socket (what was sent on the old one is lost: the wait ends so that the caller resends)."""
+        if not events:
             return False
         self.num_handshake_refusals += 1
         if self.num_handshake_refusals == 1 or self.num_handshake_refusals % 20 == 0:
@@ -146,9 +115,7 @@ class _DealerClient:
                         "broker.max_rollout_connections admits; retrying", endpoint=self.endpoint,
                         refusals=self.num_handshake_refusals)
         time.sleep(max(0.0, min(deadline_s - time.monotonic(), random.uniform(REOPEN_PAUSE_S / 2, REOPEN_PAUSE_S))))
-        self._close_socket()
-        self._open()
-        self.generation += 1
+        self._reopen()
         return True
 
     def _unreachable_hint(self) -> str:
@@ -157,55 +124,12 @@ class _DealerClient:
         return (f"; the broker refused this connection {self.num_handshake_refusals} time(s) at the handshake because it "
                 f"had as many rollout peers as it admits: raise broker.max_rollout_connections or stop idle clients")
 
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc_info: Any) -> None:
-        self.close()
-
-    def _send(self, message_type: int, header: Any, payload: list[Any], deadline_s: float, message_id: str) -> None:
-        frames = framing.encode(message_type, header, payload, auth_token=self.auth_token or "", sender=self.sender,
-                                message_id=message_id)
-        self._send_frames(frames, deadline_s)
-
-    def _send_frames(self, frames: list[Any], deadline_s: float) -> None:
-        if self._socket is None:
+    def _send_by(self, frames: list[Any], deadline_s: float) -> None:
+        if self.is_closed:
             raise RolloutStreamError("the client is closed")
-        while True:
-            try:
-                self._socket.send_multipart(frames, flags=zmq.NOBLOCK, copy=False)
-                return
-            except zmq.Again:
-                remaining_s = deadline_s - time.monotonic()
-                if remaining_s <= 0:
-                    raise RolloutTimeout(f"cannot send to the broker at {self.endpoint}: its queue stays full or it is "
-                                         f"unreachable{self._unreachable_hint()}") from None
-                if not self._reopen_if_refused(deadline_s):
-                    zmq.select([], [self._socket], [], min(remaining_s, 0.1))
-
-    def _recv(self, timeout_s: float) -> framing.Message | None:
-        """The next valid reply within ``timeout_s``, or None. Invalid replies are logged and skipped."""
-        deadline_s = time.monotonic() + max(0.0, timeout_s)
-        while True:
-            remaining_ms = int((deadline_s - time.monotonic()) * 1000)
-            ready = dict(self._poller.poll(max(0, remaining_ms)))
-            if not ready:
-                return None
-            if self._monitor in ready and self._reopen_if_refused(deadline_s):
-                return None  # what was sent on the old socket is lost: let the caller resend now
-            if self._socket not in ready:
-                continue
-            frames = self._socket.recv_multipart(copy=False)
-            try:
-                message = framing.decode(frames, limits=self.limits)
-            except framing.FramingError as exc:
-                log.warning("rollout client ignores a malformed reply", endpoint=self.endpoint, error=str(exc))
-                continue
-            if (self.auth_token and message.type != data_pb2.ERROR
-                    and not hmac.compare_digest(message.envelope.auth_token.encode(), self.auth_token.encode())):
-                log.warning("rollout client ignores a reply without the run token", endpoint=self.endpoint, type=message.type_name)
-                continue
-            return message
+        if not self._send(frames, deadline_s):
+            raise RolloutTimeout(f"cannot send to the broker at {self.endpoint}: its queue stays full or it is "
+                                 f"unreachable{self._unreachable_hint()}")
 
     @staticmethod
     def _error_of(message: framing.Message) -> RolloutRefused:
@@ -234,7 +158,7 @@ class _InFlight:
     generation: int = 0  # the client's socket generation of the last send
 
 
-class RolloutProducer(_DealerClient):
+class RolloutProducer(_RolloutClient):
     """Sends rollout micro-batches to the broker and waits until each one is spooled (durable).
 
     ``send_batches`` keeps a window of batches in flight (sent, durable ack not yet back) so that the broker
@@ -243,9 +167,10 @@ class RolloutProducer(_DealerClient):
     """
 
     def __init__(self, endpoint: str, auth_token: str | None = None, sender: str = "orchestrator", *,
-                 context: zmq.Context | None = None, max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
-                 resend_interval_s: float = 5.0, limits: framing.Limits | None = None):
-        super().__init__(endpoint, auth_token, sender, context=context, max_message_bytes=max_message_bytes, limits=limits)
+                 context: zmq.Context | None = None, resend_interval_s: float = 5.0,
+                 limits: framing.Limits | None = None):
+        """``limits``: the broker's (``BrokerLimits.frames``; default: a broker's defaults)."""
+        super().__init__(endpoint, auth_token, sender, context=context, limits=limits)
         self.resend_interval_s = resend_interval_s
         self.num_backpressure_waits = 0
 
@@ -307,7 +232,7 @@ class RolloutProducer(_DealerClient):
                     self._send_inflight(entry, by_message)
             wake_s = min(min(e.deadline_s, e.retry_at_s if e.retry_at_s is not None else e.resend_at_s)
                          for e in inflight.values())
-            message = self._recv(max(0.0, wake_s - time.monotonic()))
+            message = self._recv(wake_s)
             if message is None:
                 continue
             reply_to = message.envelope.in_reply_to
@@ -345,6 +270,10 @@ class RolloutProducer(_DealerClient):
         header_bytes = header.SerializeToString(deterministic=True)
         view = memoryview(getattr(payload, "buffer", payload))
         view = view if view.format == "B" and view.ndim == 1 else view.cast("B")
+        if view.nbytes > self.limits.max_frame_bytes:
+            raise RolloutRefused(f"batch {header.batch_id!r} is {view.nbytes} bytes; the broker accepts at most "
+                                 f"{self.limits.max_frame_bytes} (broker.max_message_bytes): send smaller micro-batches",
+                                 common_pb2.ERROR_CODE_OVERSIZED)
         checksum = framing.compute_checksum(data_pb2.ROLLOUT_BATCH, header_bytes, [view])
         return _InFlight(position, header.batch_id, header_bytes, payload, checksum, view.nbytes,
                          deadline_s=time.monotonic() + timeout_s)
@@ -355,22 +284,22 @@ class RolloutProducer(_DealerClient):
         by_message[message_id] = entry
         frames = framing.encode_raw(data_pb2.ROLLOUT_BATCH, entry.header_bytes, [entry.payload], checksum=entry.checksum,
                                     auth_token=self.auth_token or "", sender=self.sender, message_id=message_id)
-        self._send_frames(frames, entry.deadline_s)
+        self._send_by(frames, entry.deadline_s)
         entry.retry_at_s = None
         entry.resend_at_s = time.monotonic() + self.resend_interval_s
         entry.generation = self.generation
 
 
-class RolloutConsumer(_DealerClient):
+class RolloutConsumer(_RolloutClient):
     """Fetches one trainer rank's micro-batches of a step, with credit-based flow control."""
 
     def __init__(self, endpoint: str, auth_token: str | None = None, worker_id: str = "trainer-0", rank: int = 0,
-                 credits: int = 4, *, context: zmq.Context | None = None,
-                 max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES, request_interval_s: float = 1.0,
+                 credits: int = 4, *, context: zmq.Context | None = None, request_interval_s: float = 1.0,
                  as_torch: bool = False, limits: framing.Limits | None = None):
+        """``limits``: the broker's (``BrokerLimits.frames``; default: a broker's defaults)."""
         if credits < 1:
             raise ValueError(f"credits must be >= 1, got {credits}")
-        super().__init__(endpoint, auth_token, worker_id, context=context, max_message_bytes=max_message_bytes, limits=limits)
+        super().__init__(endpoint, auth_token, worker_id, context=context, limits=limits)
         self.worker_id = worker_id
         self.rank = rank
         self.credits = credits
@@ -390,10 +319,10 @@ class RolloutConsumer(_DealerClient):
                                      f"{self._unreachable_hint()}")
             message_id = uuid.uuid4().hex
             message_ids.add(message_id)
-            self._send(data_pb2.HELLO, hello, [], deadline_s, message_id)
+            self._send_by(self._encode(data_pb2.HELLO, hello, message_id=message_id), deadline_s)
             wait_until_s = min(deadline_s, now_s + self.request_interval_s)
-            while (remaining_s := wait_until_s - time.monotonic()) > 0:
-                message = self._recv(remaining_s)
+            while time.monotonic() < wait_until_s:
+                message = self._recv(wait_until_s)
                 if message is None:
                     break
                 if message.envelope.in_reply_to not in message_ids:
@@ -427,7 +356,7 @@ class RolloutConsumer(_DealerClient):
             message_id = uuid.uuid4().hex
             request_ids.add(message_id)
             header = data_pb2.RolloutRequest(step=step, rank=self.rank, credits=self.credits)
-            self._send(data_pb2.ROLLOUT_REQUEST, header, [], deadline_s, message_id)
+            self._send_by(self._encode(data_pb2.ROLLOUT_REQUEST, header, message_id=message_id), deadline_s)
             request_generation = self.generation
             return time.monotonic() + self.request_interval_s, self.credits
 
@@ -445,7 +374,7 @@ class RolloutConsumer(_DealerClient):
                 # Nothing for a while (the broker may have restarted and forgotten the request), or the
                 # credit is used up: ask again. A request replaces the previous one, never adds to it.
                 resend_at_s, outstanding = request()
-            message = self._recv(min(deadline_s, resend_at_s) - time.monotonic())
+            message = self._recv(min(deadline_s, resend_at_s))
             if message is None:
                 if on_wait is not None:
                     on_wait(len(received), num_expected)

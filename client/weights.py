@@ -9,27 +9,29 @@ outage. The subscriber says HELLO every ``hello_interval_s``; the broker answers
 subscriber given ``outage_s`` knows when it has heard nothing for ``liveness_s``: it logs ``waiting for the
 broker`` (``OutageWatch``) and raises ``BrokerOutageExceeded`` once the outage outlasts ``outage_s``.
 
-Auth: messages to the broker carry the run token; messages from the broker must carry it too, except ERROR
-replies (the broker never puts its token in an ERROR, since the peer may be one that failed to authenticate).
+Sockets, bounded waits, reply checks and auth (the run token on every message, ERROR replies read without it) come
+from ``client.dealer.DealerClient``; sizes from ``limits`` (the broker's, ``BrokerLimits.frames`` of its
+``RegisterResponse``: a subscriber must accept the chunks the broker sends, a publisher's chunks must fit them).
 """
 
 from __future__ import annotations
 
-import hmac
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import zmq
 
-from primerl.proto.weight_refusals import LineageSuperseded, WeightUpdateRefused
-from primerl.proto.digests import payload_digest
-from primerl.proto import framing
-from primerl.proto.v1 import common_pb2, data_pb2
+from primerl.client.dealer import DealerClient
 from primerl.client.outage import OutageWatch
+from primerl.client.weight_transfer import InPlaceTransfer
+from primerl.proto import framing
+from primerl.proto.data_plane_limits import DEFAULT_BROKER_LIMITS
+from primerl.proto.digests import payload_digest
+from primerl.proto.v1 import common_pb2, data_pb2
+from primerl.proto.weight_refusals import LineageSuperseded, WeightUpdateRefused
 from primerl.runtime.log_setup import get_logger
-from primerl.runtime.zmq_sockets import configure_socket, connect_dealer
 
 log = get_logger(__name__)
 
@@ -40,7 +42,8 @@ BROKER_WORKER_ID = "broker"
 """``WeightAck.worker_id`` of the broker's own acks (``weight_plane.BROKER_SENDER``)."""
 CONNECT_TIMEOUT_S = 2.0
 """How long a publish waits for a connection to the broker before it fails as ``WeightBrokerLost``."""
-_CONNECTION_EVENTS = zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED
+SEND_TIMEOUT_S = 5.0
+"""How long a subscriber's HELLO or ACK may wait for the socket to take it."""
 
 
 class WeightPlaneError(RuntimeError):
@@ -61,21 +64,17 @@ class WeightBrokerLost(WeightPublishTimeout):
     the broker may be restarting: send it again once it is back)."""
 
 
-def _decode(frames: list[Any], limits: framing.Limits, auth_token: str | None) -> framing.Message:
-    message = framing.decode(frames, limits=limits, auth_token=None)
-    if (message.type != data_pb2.ERROR and auth_token is not None
-            and not hmac.compare_digest(message.envelope.auth_token.encode(), auth_token.encode())):
-        raise framing.Unauthenticated("a message from the broker lacks the run token: is the broker's run token the same?")
-    return message
-
-
 def _to_view(payload: Any) -> memoryview:
     view = memoryview(payload)
     return view if view.format == "B" and view.ndim == 1 else view.cast("B")
 
 
-class WeightPublisher:
-    """The trainer's side: ``publish()`` one update and wait for the broker to store it."""
+class WeightPublisher(DealerClient):
+    """The trainer's side: ``publish()`` one update and wait for the broker to store it. ``chunk_bytes``: payload
+    bytes per chunk, at most ``limits.max_frame_bytes`` (the broker's ``weight_chunk_bytes``)."""
+
+    # The connection is watched: a publish fails at once when it drops (module docstring).
+    MONITOR_EVENTS = zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED
 
     def __init__(
         self,
@@ -85,74 +84,46 @@ class WeightPublisher:
         chunk_bytes: int,
         *,
         context: zmq.Context | None = None,
-        limits: framing.Limits = framing.DEFAULT_LIMITS,
+        limits: framing.Limits = DEFAULT_BROKER_LIMITS.frames,
         connect_timeout_s: float = CONNECT_TIMEOUT_S,
     ):
         if chunk_bytes <= 0 or chunk_bytes > limits.max_frame_bytes:
             raise ValueError(f"chunk_bytes must be in 1..{limits.max_frame_bytes}, got {chunk_bytes}")
         if connect_timeout_s <= 0:
             raise ValueError(f"connect_timeout_s must be > 0, got {connect_timeout_s}")
-        self.endpoint = endpoint
-        self.auth_token = auth_token
-        self.sender = sender
         self.chunk_bytes = chunk_bytes
-        self.limits = limits
         self.connect_timeout_s = connect_timeout_s
-        self._context = context or zmq.Context.instance()
-        self._socket: zmq.Socket | None = None
-        self._monitor: zmq.Socket | None = None
         self._connected = False
         self._dropped = False  # the connection dropped since the current publish began
-        self._connect()
+        super().__init__(endpoint, auth_token, sender, limits=limits, context=context)
 
-    def _connect(self) -> None:
-        # As ``connect_dealer``, with a monitor started before ``connect`` so that no connection event is missed.
-        socket = configure_socket(self._context.socket(zmq.DEALER), max_message_bytes=self.limits.max_frame_bytes)
-        socket.setsockopt(zmq.RECONNECT_IVL, 100)
-        socket.setsockopt(zmq.RECONNECT_IVL_MAX, 5000)
-        self._monitor = socket.get_monitor_socket(_CONNECTION_EVENTS)
-        socket.connect(self.endpoint)
-        self._socket, self._connected, self._dropped = socket, False, False
+    def _open(self) -> None:
+        super()._open()
+        self._connected, self._dropped = False, False
 
-    def _pump_events(self) -> None:
-        """Read the monitor's pending connection events."""
-        from zmq.utils.monitor import recv_monitor_message
-
-        assert self._monitor is not None
-        while self._monitor.poll(0, zmq.POLLIN):
-            event = recv_monitor_message(self._monitor)["event"]
+    def _track_connection(self, events: Sequence[int]) -> None:
+        for event in events:
             if event == zmq.EVENT_CONNECTED:
                 self._connected = True
             elif event == zmq.EVENT_DISCONNECTED:
                 self._connected, self._dropped = False, True
 
-    def _wait(self, deadline_s: float, flags: int) -> bool:
-        """Wait until the socket is ready for ``flags`` (True) or the deadline passes (False); raises
-        ``WeightBrokerLost`` as soon as the connection drops."""
-        assert self._socket is not None and self._monitor is not None
-        poller = zmq.Poller()
-        poller.register(self._socket, flags)
-        poller.register(self._monitor, zmq.POLLIN)
-        while True:
-            ready = dict(poller.poll(self._remaining_ms(deadline_s)))
-            if self._monitor in ready:
-                self._pump_events()
-                if self._dropped:
-                    raise WeightBrokerLost(f"the connection to the broker at {self.endpoint} dropped")
-            if self._socket in ready:
-                return True
-            if time.monotonic() >= deadline_s:
-                return False
+    def _on_monitor_events(self, events: Sequence[int], deadline_s: float) -> bool:
+        """Raises ``WeightBrokerLost`` as soon as the connection drops during a wait."""
+        self._track_connection(events)
+        if self._dropped:
+            raise WeightBrokerLost(f"the connection to the broker at {self.endpoint} dropped")
+        return False
 
     def _await_connection(self, deadline_s: float) -> None:
-        self._pump_events()
+        self._track_connection(self._read_monitor_events())
         connect_deadline_s = min(deadline_s, time.monotonic() + self.connect_timeout_s)
         while not self._connected:
             assert self._monitor is not None
-            if not self._monitor.poll(self._remaining_ms(connect_deadline_s), zmq.POLLIN):
+            if not self._monitor.poll(max(0, int((connect_deadline_s - time.monotonic()) * 1000)), zmq.POLLIN):
                 raise WeightBrokerLost(f"no connection to the broker at {self.endpoint} within "
                                        f"{self.connect_timeout_s:g} s (is it running?)")
-            self._pump_events()
+            self._track_connection(self._read_monitor_events())
         self._dropped = False
 
     def publish(self, header: data_pb2.WeightUpdateHeader, payload: Any, timeout_s: float = 120.0) -> data_pb2.WeightAck:
@@ -165,7 +136,7 @@ class WeightPublisher:
         ``connect_timeout_s``: sending the same update again is then safe (the broker acknowledges a resend of the
         latest update it holds). ``payload`` must not change until this returns.
         """
-        assert self._socket is not None, "publisher is closed"
+        assert not self.is_closed, "publisher is closed"
         deadline_s = time.monotonic() + timeout_s
         view = _to_view(payload)
         header_out = data_pb2.WeightUpdateHeader()
@@ -174,7 +145,7 @@ class WeightPublisher:
             header_out.digest = payload_digest(view)
         if not header_out.payload_bytes:
             header_out.payload_bytes = view.nbytes
-        self._drain_stale()
+        self._drain()
         transfer_id = uuid.uuid4().hex
         try:
             self._await_connection(deadline_s)
@@ -186,19 +157,18 @@ class WeightPublisher:
                     ack = self._read_reply(transfer_id, header_out.policy_version, deadline_s, header_out.lineage)
                     if ack is not None:
                         return ack
-                if not self._wait(deadline_s, zmq.POLLOUT):
+                if not self._send(frames, deadline_s):
                     raise WeightPublishTimeout(f"could not send weight update v{header_out.policy_version} to "
                                                f"{self.endpoint} within {timeout_s} s (broker unreachable?)")
-                self._socket.send_multipart(frames, zmq.NOBLOCK, copy=False)
             while True:
                 ack = self._read_reply(transfer_id, header_out.policy_version, deadline_s, header_out.lineage)
                 if ack is not None:
                     return ack
         except WeightBrokerLost:
-            self._reset()  # drop the chunks still queued so that the broker never completes an abandoned transfer
+            self._reopen()  # drop the chunks still queued so that the broker never completes an abandoned transfer
             raise
         except (WeightPublishTimeout, zmq.Again):
-            self._reset()
+            self._reopen()
             raise WeightPublishTimeout(f"no WEIGHT_ACK for v{header_out.policy_version} from {self.endpoint} "
                                        f"within {timeout_s} s") from None
 
@@ -208,11 +178,8 @@ class WeightPublisher:
         assert self._socket is not None
         if not self._wait(deadline_s, zmq.POLLIN):
             raise WeightPublishTimeout()
-        frames = self._socket.recv_multipart(copy=False)
-        try:
-            message = _decode(frames, self.limits, self.auth_token)
-        except framing.FramingError as exc:
-            log.warning("ignored an unreadable reply from the broker", error=str(exc))
+        message = self._decode(self._socket.recv_multipart(copy=False))
+        if message is None:
             return None
         if message.type == data_pb2.ERROR:
             raise WeightUpdateRefused.from_detail(message.header.error)
@@ -229,79 +196,8 @@ class WeightPublisher:
                                       f"broker acknowledged v{ack.policy_version} for a transfer of v{policy_version}")
         return ack
 
-    def _drain_stale(self) -> None:
-        assert self._socket is not None
-        while self._socket.poll(0, zmq.POLLIN):
-            self._socket.recv_multipart(copy=False)
 
-    def _reset(self) -> None:
-        self.close()
-        self._connect()
-
-    @staticmethod
-    def _remaining_ms(deadline_s: float) -> int:
-        return max(0, int((deadline_s - time.monotonic()) * 1000))
-
-    def close(self) -> None:
-        if self._socket is not None:
-            self._socket.disable_monitor()
-            self._socket.close(linger=0)
-            self._socket = None
-        if self._monitor is not None:
-            self._monitor.close(linger=0)
-            self._monitor = None
-
-    def __enter__(self) -> WeightPublisher:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-
-class _InPlaceTransfer:
-    """The one chunked update being received straight into a caller's buffer (``WeightSubscriber`` with
-    ``payload_buffer``): the same checks as ``framing.ChunkAssembler`` (chunks in order, one header, the declared
-    size, a time bound), without its intermediate ``bytearray``."""
-
-    def __init__(self, first: framing.Message, buffer: memoryview, timeout_s: float):
-        chunk = first.envelope.chunk
-        if buffer.nbytes != chunk.total_bytes:
-            raise ValueError(f"payload_buffer gave {buffer.nbytes} bytes for a {chunk.total_bytes}-byte transfer")
-        self.first = first
-        self.key = (first.envelope.sender, chunk.transfer_id)
-        self.buffer = buffer
-        self.num_bytes = 0
-        self.next_index = 0
-        self.deadline_s = time.monotonic() + timeout_s
-
-    def add(self, message: framing.Message) -> framing.Message | None:
-        """Write one chunk; the whole message once the last one is in, else None. ``BadChunk`` when it does not
-        continue this transfer."""
-        chunk, first = message.envelope.chunk, self.first.envelope
-        if chunk.index != self.next_index:
-            raise framing.BadChunk(f"transfer {chunk.transfer_id}: expected chunk {self.next_index}, got {chunk.index}")
-        if chunk.count != first.chunk.count or chunk.total_bytes != first.chunk.total_bytes:
-            raise framing.BadChunk(f"transfer {chunk.transfer_id}: chunk {chunk.index} changes the count or total size")
-        if message.type != self.first.type or message.envelope.header != first.header:
-            raise framing.BadChunk(f"transfer {chunk.transfer_id}: chunk {chunk.index} carries a different header")
-        piece = message.payload[0]
-        end = self.num_bytes + piece.nbytes
-        if end > self.buffer.nbytes:
-            raise framing.BadChunk(f"transfer {chunk.transfer_id}: chunks exceed the declared {self.buffer.nbytes} bytes")
-        self.buffer[self.num_bytes:end] = piece
-        self.num_bytes = end
-        self.next_index += 1
-        if self.next_index < chunk.count:
-            return None
-        if self.num_bytes != self.buffer.nbytes:
-            raise framing.TruncatedMessage(f"transfer {chunk.transfer_id}: {self.num_bytes} of {self.buffer.nbytes} "
-                                           "bytes arrived")
-        whole = framing.Message(type=message.type, header=self.first.header, envelope=first, payload=[self.buffer])
-        framing.check_tensor_payload(whole)
-        return whole
-
-
-class WeightSubscriber:
+class WeightSubscriber(DealerClient):
     """The inference worker's side: ``hello()``, then ``receive()`` updates and ``ack()`` each one.
 
     ``receive`` returns whole updates (chunks reassembled, digest checked when ``verify_digest``), skips
@@ -332,7 +228,7 @@ class WeightSubscriber:
         worker_id: str,
         *,
         context: zmq.Context | None = None,
-        limits: framing.Limits = framing.DEFAULT_LIMITS,
+        limits: framing.Limits = DEFAULT_BROKER_LIMITS.frames,
         verify_digest: bool = False,
         hello_interval_s: float = 5.0,
         transfer_timeout_s: float = 300.0,
@@ -344,10 +240,7 @@ class WeightSubscriber:
             raise ValueError("worker_id must not be empty")
         if outage_s is not None and outage_s <= 0:
             raise ValueError(f"outage_s must be > 0 (or None), got {outage_s}")
-        self.endpoint = endpoint
-        self.auth_token = auth_token
         self.worker_id = worker_id
-        self.limits = limits
         self.verify_digest = verify_digest
         self.hello_interval_s = hello_interval_s
         self.current_version: int | None = None
@@ -363,10 +256,9 @@ class WeightSubscriber:
         self._assembler = framing.ChunkAssembler(limits=limits, max_open_transfers=2, timeout_s=transfer_timeout_s)
         self.transfer_timeout_s = transfer_timeout_s
         self._payload_buffer = payload_buffer
-        self._in_place: _InPlaceTransfer | None = None
-        self._context = context or zmq.Context.instance()
-        self._socket: zmq.Socket | None = connect_dealer(self._context, endpoint, max_message_bytes=limits.max_frame_bytes)
+        self._in_place: InPlaceTransfer | None = None
         self._hello_sent_s: float | None = None
+        super().__init__(endpoint, auth_token, worker_id, limits=limits, context=context)
 
     def hello(self, current_version: int | None = None, lineage: int = 0) -> None:
         """Tell the broker who this worker is and which version it holds (None: none), of which lineage (0:
@@ -381,7 +273,7 @@ class WeightSubscriber:
         if self.current_version is not None:
             hello.policy_version = self.current_version
             hello.lineage = self.current_lineage
-        self._send(framing.encode(data_pb2.HELLO, hello, sender=self.worker_id, auth_token=self.auth_token or ""))
+        self._send_within(self._encode(data_pb2.HELLO, hello))
         self._hello_sent_s = time.monotonic()
 
     def receive(self, timeout_s: float) -> tuple[data_pb2.WeightUpdateHeader, memoryview] | None:
@@ -389,7 +281,7 @@ class WeightSubscriber:
 
         Raises ``WeightPlaneError`` when the broker refuses this worker (e.g. a wrong run token).
         """
-        assert self._socket is not None, "subscriber is closed"
+        assert not self.is_closed, "subscriber is closed"
         deadline_s = time.monotonic() + timeout_s
         while True:
             now_s = time.monotonic()
@@ -402,9 +294,10 @@ class WeightSubscriber:
             wait_s = remaining_s if self._hello_sent_s is None else min(remaining_s, self.hello_interval_s)
             if self._watch is not None:
                 wait_s = min(wait_s, max(0.05, self.liveness_s / 2))
-            if not self._socket.poll(max(1, int(wait_s * 1000)), zmq.POLLIN):
+            message = self._recv(time.monotonic() + wait_s)
+            if message is None:
                 continue
-            update = self._handle(self._socket.recv_multipart(copy=False))
+            update = self._handle(message)
             if update is not None:
                 return update
 
@@ -419,12 +312,7 @@ class WeightSubscriber:
         if self._watch is not None:
             self._watch.ok()
 
-    def _handle(self, frames: list[Any]) -> tuple[data_pb2.WeightUpdateHeader, memoryview] | None:
-        try:
-            message = _decode(frames, self.limits, self.auth_token)
-        except framing.FramingError as exc:
-            log.warning("ignored an unreadable message from the broker", error=str(exc))
-            return None
+    def _handle(self, message: framing.Message) -> tuple[data_pb2.WeightUpdateHeader, memoryview] | None:
         self._heard()
         if message.type == data_pb2.WEIGHT_ACK and message.header.worker_id == BROKER_WORKER_ID:
             self.broker_latest = (message.header.policy_version, message.header.lineage)
@@ -484,7 +372,7 @@ class WeightSubscriber:
                     raise framing.OversizedFrame(f"transfer of {chunk.total_bytes} bytes exceeds "
                                                  f"{self.limits.max_transfer_bytes}")
                 self._in_place = None
-                transfer = self._in_place = _InPlaceTransfer(message, self._payload_buffer(chunk.total_bytes),
+                transfer = self._in_place = InPlaceTransfer(message, self._payload_buffer(chunk.total_bytes),
                                                              self.transfer_timeout_s)
             elif transfer is None or transfer.key != (message.envelope.sender, chunk.transfer_id):
                 log.warning("dropped a chunk of an abandoned transfer", transfer_id=chunk.transfer_id)
@@ -532,21 +420,9 @@ class WeightSubscriber:
             ack.error.CopyFrom(error)
         self.current_version = version if applied else None
         self.current_lineage = lineage if applied else 0
-        self._send(framing.encode(data_pb2.WEIGHT_ACK, ack, sender=self.worker_id, auth_token=self.auth_token or ""))
+        self._send_within(self._encode(data_pb2.WEIGHT_ACK, ack))
 
-    def _send(self, frames: list[Any], timeout_s: float = 5.0) -> None:
-        assert self._socket is not None, "subscriber is closed"
-        if not self._socket.poll(int(timeout_s * 1000), zmq.POLLOUT):
+    def _send_within(self, frames: list[Any], timeout_s: float = SEND_TIMEOUT_S) -> None:
+        assert not self.is_closed, "subscriber is closed"
+        if not self._send(frames, time.monotonic() + timeout_s):
             raise TimeoutError(f"could not send to the broker at {self.endpoint} within {timeout_s} s")
-        self._socket.send_multipart(frames, zmq.NOBLOCK)
-
-    def close(self) -> None:
-        if self._socket is not None:
-            self._socket.close(linger=0)
-            self._socket = None
-
-    def __enter__(self) -> WeightSubscriber:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()

@@ -47,7 +47,7 @@ class RegisterRequest(_message.Message):
     def __init__(self, role: _Optional[_Union[_common_pb2.Role, str]] = ..., name: _Optional[str] = ..., address: _Optional[str] = ..., capabilities: _Optional[_Mapping[str, str]] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., pid: _Optional[int] = ..., hostname: _Optional[str] = ...) -> None: ...
 
 class RegisterResponse(_message.Message):
-    __slots__ = ("worker_id", "run_id", "heartbeat_interval_ms", "liveness", "rollout_endpoint", "weight_endpoint", "latest_policy_version")
+    __slots__ = ("worker_id", "run_id", "heartbeat_interval_ms", "liveness", "rollout_endpoint", "weight_endpoint", "latest_policy_version", "limits")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     HEARTBEAT_INTERVAL_MS_FIELD_NUMBER: _ClassVar[int]
@@ -55,6 +55,7 @@ class RegisterResponse(_message.Message):
     ROLLOUT_ENDPOINT_FIELD_NUMBER: _ClassVar[int]
     WEIGHT_ENDPOINT_FIELD_NUMBER: _ClassVar[int]
     LATEST_POLICY_VERSION_FIELD_NUMBER: _ClassVar[int]
+    LIMITS_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     run_id: str
     heartbeat_interval_ms: int
@@ -62,7 +63,24 @@ class RegisterResponse(_message.Message):
     rollout_endpoint: str
     weight_endpoint: str
     latest_policy_version: int
-    def __init__(self, worker_id: _Optional[str] = ..., run_id: _Optional[str] = ..., heartbeat_interval_ms: _Optional[int] = ..., liveness: _Optional[int] = ..., rollout_endpoint: _Optional[str] = ..., weight_endpoint: _Optional[str] = ..., latest_policy_version: _Optional[int] = ...) -> None: ...
+    limits: DataPlaneLimits
+    def __init__(self, worker_id: _Optional[str] = ..., run_id: _Optional[str] = ..., heartbeat_interval_ms: _Optional[int] = ..., liveness: _Optional[int] = ..., rollout_endpoint: _Optional[str] = ..., weight_endpoint: _Optional[str] = ..., latest_policy_version: _Optional[int] = ..., limits: _Optional[_Union[DataPlaneLimits, _Mapping]] = ...) -> None: ...
+
+class DataPlaneLimits(_message.Message):
+    __slots__ = ("max_frame_bytes", "max_message_bytes", "max_envelope_bytes", "max_payload_frames", "max_transfer_bytes", "weight_chunk_bytes")
+    MAX_FRAME_BYTES_FIELD_NUMBER: _ClassVar[int]
+    MAX_MESSAGE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    MAX_ENVELOPE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    MAX_PAYLOAD_FRAMES_FIELD_NUMBER: _ClassVar[int]
+    MAX_TRANSFER_BYTES_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_CHUNK_BYTES_FIELD_NUMBER: _ClassVar[int]
+    max_frame_bytes: int
+    max_message_bytes: int
+    max_envelope_bytes: int
+    max_payload_frames: int
+    max_transfer_bytes: int
+    weight_chunk_bytes: int
+    def __init__(self, max_frame_bytes: _Optional[int] = ..., max_message_bytes: _Optional[int] = ..., max_envelope_bytes: _Optional[int] = ..., max_payload_frames: _Optional[int] = ..., max_transfer_bytes: _Optional[int] = ..., weight_chunk_bytes: _Optional[int] = ...) -> None: ...
 
 class HeartbeatRequest(_message.Message):
     __slots__ = ("worker_id", "trainer_step", "policy_version", "orchestrator_step", "num_inflight", "recent_errors")

@@ -1,0 +1,172 @@
+"""``DealerClient``: one DEALER socket to one of the broker's ZeroMQ planes, what every data-plane client shares
+(``RolloutProducer``, ``RolloutConsumer``, ``WeightPublisher``, ``WeightSubscriber``).
+
+- Sizes: ``limits`` (``framing.Limits``, normally ``BrokerLimits.frames`` from the broker's ``RegisterResponse``)
+  set the socket's ``MAXMSGSIZE`` and bound every reply ``framing.decode`` accepts.
+- Auth: every message out carries the run token and the client's ``sender`` name; every reply must carry the run
+  token too, except ERROR replies (a broker never sends its token to a peer that has not proved it knows it, and
+  an error can only make a call fail).
+- Bounded waits: ``_wait`` polls the socket (and the socket monitor, when the client watches ``MONITOR_EVENTS``)
+  until a deadline; ``_send`` and ``_recv`` are built on it and return False / None at the deadline, so that each
+  client raises its own typed error.
+- Re-connecting: ``_reopen`` replaces the socket (``generation`` counts replacements: what was sent on an older
+  socket never arrived). A client that watches monitor events reacts to them in ``_on_monitor_events``.
+
+Sockets are not thread-safe: each client must be used from one thread.
+"""
+
+from __future__ import annotations
+
+import hmac
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import zmq
+from zmq.utils.monitor import recv_monitor_message
+
+from primerl.proto import framing
+from primerl.proto.v1 import data_pb2
+from primerl.runtime.log_setup import get_logger
+from primerl.runtime.zmq_sockets import configure_socket
+
+log = get_logger("primerl.client.dealer")
+
+RECONNECT_INTERVAL_MS = 100
+RECONNECT_INTERVAL_MAX_MS = 5000
+
+
+class DealerClient:
+    """One DEALER socket to ``endpoint``; see the module docstring. ``context``: None gives the client its own
+    (terminated at ``close``)."""
+
+    MONITOR_EVENTS = 0
+    """Socket-monitor events the client reacts to (``_on_monitor_events``); 0: no monitor."""
+
+    def __init__(self, endpoint: str, auth_token: str | None, sender: str, *, limits: framing.Limits,
+                 context: zmq.Context | None = None):
+        self.endpoint = endpoint
+        self.auth_token = auth_token or None
+        self.sender = sender
+        self.limits = limits
+        self._own_context = context is None
+        self._context = context or zmq.Context()
+        self._socket: zmq.Socket | None = None
+        self._monitor: zmq.Socket | None = None
+        self.generation = 0
+        self._open()
+
+    # ------------------------------------------------------------------------------------------ socket
+    def _open(self) -> None:
+        socket = configure_socket(self._context.socket(zmq.DEALER), max_message_bytes=self.limits.max_message_bytes)
+        socket.setsockopt(zmq.RECONNECT_IVL, RECONNECT_INTERVAL_MS)
+        socket.setsockopt(zmq.RECONNECT_IVL_MAX, RECONNECT_INTERVAL_MAX_MS)
+        # The monitor starts before ``connect`` so that no connection event is missed.
+        self._monitor = socket.get_monitor_socket(self.MONITOR_EVENTS) if self.MONITOR_EVENTS else None
+        socket.connect(self.endpoint)
+        self._socket = socket
+
+    def _close_socket(self) -> None:
+        if self._socket is not None:
+            if self._monitor is not None:
+                self._socket.disable_monitor()
+                self._monitor.close(linger=0)
+            self._socket.close(linger=0)
+            self._socket = self._monitor = None
+
+    def _reopen(self) -> None:
+        """A new socket in place of the current one (whatever the old one still queued is dropped)."""
+        self._close_socket()
+        self._open()
+        self.generation += 1
+
+    @property
+    def is_closed(self) -> bool:
+        return self._socket is None
+
+    def close(self) -> None:
+        if self._socket is not None:
+            self._close_socket()
+            if self._own_context:
+                self._context.term()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    # ---------------------------------------------------------------------------------------- waiting
+    def _read_monitor_events(self) -> list[int]:
+        events = []
+        while self._monitor is not None and self._monitor.poll(0, zmq.POLLIN):
+            events.append(recv_monitor_message(self._monitor)["event"])
+        return events
+
+    def _on_monitor_events(self, events: Sequence[int], deadline_s: float) -> bool:
+        """React to socket-monitor events (may raise); True ends the current wait (e.g. the socket was replaced)."""
+        return False
+
+    def _wait(self, deadline_s: float, flags: int = zmq.POLLIN) -> bool:
+        """Wait until the socket is ready for ``flags`` (True), or the deadline passes or a monitor event ends the
+        wait (False)."""
+        assert self._socket is not None, "the client is closed"
+        poller = zmq.Poller()
+        poller.register(self._socket, flags)
+        if self._monitor is not None:
+            poller.register(self._monitor, zmq.POLLIN)
+        while True:
+            ready = dict(poller.poll(max(0, int((deadline_s - time.monotonic()) * 1000))))
+            if self._monitor is not None and self._monitor in ready:
+                if self._on_monitor_events(self._read_monitor_events(), deadline_s):
+                    return False
+            if self._socket in ready:
+                return True
+            if time.monotonic() >= deadline_s:
+                return False
+
+    # ---------------------------------------------------------------------------------- sending, receiving
+    def _encode(self, message_type: int, header: Any, payload: Sequence[Any] = (), **envelope: Any) -> list[Any]:
+        """One message from this client (its run token and sender name)."""
+        return framing.encode(message_type, header, list(payload), auth_token=self.auth_token or "",
+                              sender=self.sender, **envelope)
+
+    def _send(self, frames: list[Any], deadline_s: float) -> bool:
+        """Send one message (zero-copy) as soon as the socket takes it; False when it did not by the deadline."""
+        while True:
+            assert self._socket is not None, "the client is closed"
+            try:
+                self._socket.send_multipart(frames, flags=zmq.NOBLOCK, copy=False)
+                return True
+            except zmq.Again:
+                if not self._wait(deadline_s, zmq.POLLOUT) and time.monotonic() >= deadline_s:
+                    return False
+
+    def _decode(self, frames: list[Any]) -> framing.Message | None:
+        """A reply checked against the limits and the run token; None (logged) for anything else."""
+        try:
+            message = framing.decode(frames, limits=self.limits)
+        except framing.FramingError as exc:
+            log.warning("ignored an unreadable message from the broker", endpoint=self.endpoint, error=str(exc))
+            return None
+        if (self.auth_token and message.type != data_pb2.ERROR
+                and not hmac.compare_digest(message.envelope.auth_token.encode(), self.auth_token.encode())):
+            log.warning("ignored a message from the broker without the run token: is the broker's run token the "
+                        "same?", endpoint=self.endpoint, type=message.type_name)
+            return None
+        return message
+
+    def _recv(self, deadline_s: float) -> framing.Message | None:
+        """The next valid reply by the deadline, or None (also when a monitor event ended the wait)."""
+        while self._wait(deadline_s):
+            assert self._socket is not None
+            message = self._decode(self._socket.recv_multipart(copy=False))
+            if message is not None:
+                return message
+        return None
+
+    def _drain(self) -> None:
+        """Drop every reply already received (answers to an abandoned call)."""
+        assert self._socket is not None, "the client is closed"
+        while self._socket.poll(0, zmq.POLLIN):
+            self._socket.recv_multipart(copy=False)

@@ -20,7 +20,7 @@ import pytest
 from primerl.cli.restart_policy import RestartBudget, RestartPolicy, describe_exit_code
 from primerl.cli.role_logs import last_error_in_log, last_error_line
 from primerl.cli.process_supervisor import ChildFailed, ChildProcess, Supervisor
-from proc_tree import descendants, running  # noqa: E402  (tests/ is on sys.path under pytest)
+from support.proc_tree import descendants, running
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = REPO_ROOT / "examples" / "reverse_text_rl.toml"

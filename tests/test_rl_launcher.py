@@ -18,7 +18,7 @@ import pytest
 
 from primerl.cli.launcher import LaunchOptions, Launcher, Progress, _without_token
 from primerl.runtime.config_base import ConfigWarning
-from proc_tree import descendants, running  # noqa: E402  (tests/ is on sys.path under pytest)
+from support.proc_tree import descendants, running
 
 BIN = Path(sys.executable).parent
 REPO_ROOT = Path(__file__).resolve().parents[1]

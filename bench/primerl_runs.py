@@ -193,17 +193,15 @@ def run_primerl(model: str, out_dir: Path, max_steps: int, timeout_s: float, ove
 def read_primerl_timeline(run_dir: Path, launch: float, end: float) -> RunTimeline:
     """Step ends from the trainer's rows of ``metrics.jsonl``, first rollouts from the orchestrator's first row
     (its first batch sent), rewards from the orchestrator's ``train/reward`` of each batch."""
+    from primerl.runtime.run_metrics import read_metrics_file
+
     path = run_dir / "metrics.jsonl"
     if not path.exists():
         raise BenchRunError(f"{path} is missing: the run wrote no metrics")
     trainer: dict[int, float] = {}
     orchestrator: dict[int, tuple[float, float | None]] = {}
     extra: dict[str, list[float]] = {"step_time_s": [], "kl_divergence": []}
-    for line in path.read_text().splitlines():
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError:
-            continue  # a half-written last line
+    for row in read_metrics_file(path, skip_bad_lines=True).rows:
         step, when = int(row.get("step", -1)), float(row.get("time", 0.0))
         if row.get("role") == "trainer" and step not in trainer:
             trainer[step] = when

@@ -184,7 +184,9 @@ def orchestrator_run(work_dir: Path, model_dir: Path, broker_address: str, steps
             raise RuntimeError(f"primerl-orchestrator ran past {ORCHESTRATOR_TIMEOUT_S} s") from None
     if code != 0:
         raise RuntimeError(f"primerl-orchestrator exited {code}:\n{log_path.read_text()[-4000:]}")
-    rows = [json.loads(line) for line in (output_dir / "metrics.jsonl").read_text().splitlines()]
+    from primerl.runtime.run_metrics import read_metrics_file
+
+    rows = read_metrics_file(output_dir / "metrics.jsonl").rows
     rows = sorted((r for r in rows if "train/reward" in r and first_step <= r["step"] <= last_step),
                   key=lambda r: r["step"])
     if [r["step"] for r in rows] != list(range(first_step, last_step + 1)):

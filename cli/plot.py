@@ -52,7 +52,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(sys.argv[1:] if argv is None else argv)
-    from primerl.runtime.run_metrics import METRICS_FILE_NAME, MetricsFileError, extract_series, read_metrics_file
+    from primerl.cli.run_series import extract_series
+    from primerl.runtime.run_metrics import METRICS_FILE_NAME, MetricsFileError, read_metrics_file
 
     run_dir: Path = args.run_dir
     if not run_dir.is_dir():

@@ -17,7 +17,7 @@ from typing import Callable
 
 import numpy as np
 
-from primerl.runtime.run_metrics import Series, eval_reward_names, moving_average, ratio_series
+from primerl.cli.run_series import Series, eval_reward_names, moving_average, ratio_series
 
 FIGURE_DPI = 100
 

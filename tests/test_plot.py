@@ -13,13 +13,8 @@ import pytest
 from matplotlib.image import imread
 
 from primerl.cli.plot import main
-from primerl.runtime.run_metrics import (
-    MetricsFileError,
-    eval_reward_names,
-    extract_series,
-    moving_average,
-    read_metrics_file,
-)
+from primerl.cli.run_series import eval_reward_names, extract_series, moving_average
+from primerl.runtime.run_metrics import MetricsFileError, read_metrics_file, read_run_rows
 from primerl.cli.run_plots import plan_plots, reward_panel, tokens_per_s_panel
 
 BIN = Path(sys.executable).parent
@@ -149,6 +144,16 @@ def test_a_bad_line_before_the_last_names_its_line_number(tmp_path):
     path.write_text(json.dumps(trainer_row(1)) + '\n{"role": "trainer"}\n' + json.dumps(trainer_row(2)) + "\n")
     with pytest.raises(MetricsFileError, match=r'line 2 is malformed: "step" must be an integer'):
         read_metrics_file(path)
+
+
+def test_what_a_run_left_skips_bad_lines_anywhere_and_reads_each_file_once(tmp_path):
+    """The launcher's closing summary, the chaos checks and the benches read whatever a run left."""
+    path = write_metrics(tmp_path, [trainer_row(1)], tail='{"step": 2, "role": "tra\n' + json.dumps(trainer_row(3)) + "\n{\"st")
+    metrics = read_metrics_file(path, skip_bad_lines=True)
+    assert [row["step"] for row in metrics.rows] == [1, 3]
+    assert metrics.num_skipped_lines == 1 and "line 4" in metrics.dropped_last_line
+    rows = read_run_rows(tmp_path, tmp_path / ".", tmp_path / "missing")  # one file, a missing dir skipped
+    assert [row["step"] for row in rows] == [1, 3]
 
 
 # ---- the command ---------------------------------------------------------------------------------------------

@@ -9,6 +9,8 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
 
+from primerl.runtime.run_metrics import read_metrics_file
+
 
 @dataclass
 class Event:
@@ -118,16 +120,8 @@ def read_incarnations(role: str, path: Path) -> list[Incarnation]:
 
 
 def read_metrics_rows(path: Path) -> list[dict]:
-    rows = []
+    """The rows of ``metrics.jsonl`` at ``path`` (none when it is missing), a row cut short by a kill skipped."""
     try:
-        lines = Path(path).read_text().splitlines()
+        return read_metrics_file(path, skip_bad_lines=True).rows
     except OSError:
-        return rows
-    for line in lines:
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError:
-            continue  # a row cut short by a kill
-        if isinstance(row, dict):
-            rows.append(row)
-    return rows
+        return []

@@ -36,7 +36,6 @@ CPU binding) so that they hold before any library loads.
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import secrets
@@ -56,7 +55,7 @@ from primerl.cli.run_file import RUN_FILE_NAME, RunFile, write_run_file
 from primerl.cli.run_progress import Progress, duration as _duration
 from primerl.runtime.config_loader import write_toml
 from primerl.runtime.cpu_budget import ThreadsConfig, available_cpus, default_budgets, describe, fill_budget, role_env
-from primerl.runtime.metrics_sink import METRICS_FILE_NAME
+from primerl.runtime.run_metrics import read_run_rows
 from primerl.cli.process_supervisor import ChildFailed, ChildProcess, Supervisor
 
 RUN_TOKEN_ENV = "PRIMERL_RUN_TOKEN"
@@ -450,7 +449,7 @@ class Launcher:
         return 0
 
     def _summary(self, wall_s: float) -> None:
-        rows = _read_metrics(Path(self.config.orchestrator.output_dir), Path(self.config.trainer.output_dir))
+        rows = read_run_rows(Path(self.config.orchestrator.output_dir), Path(self.config.trainer.output_dir))
         rewards = [r["train/reward"] for r in rows if r.get("role") == "orchestrator" and "train/reward" in r]
         trainer_rows = [r for r in rows if r.get("role") == "trainer"]
         steps = trainer_rows[-1]["step"] if trainer_rows else self.progress.step
@@ -545,18 +544,3 @@ def _url_port(url: str | None) -> int | None:
     match = re.match(r"^[a-z]+://[^/]*:(\d+)(/|$)", url or "")
     return int(match.group(1)) if match else None
 
-
-def _read_metrics(*output_dirs: Path) -> list[dict]:
-    """The rows of the ``metrics.jsonl`` files of these output directories (each file once), in file order."""
-    rows: list[dict] = []
-    for path in dict.fromkeys(d.resolve() / METRICS_FILE_NAME for d in output_dirs):
-        try:
-            lines = path.read_text().splitlines()
-        except OSError:
-            continue
-        for line in lines:
-            try:
-                rows.append(json.loads(line))
-            except json.JSONDecodeError:
-                continue  # a line cut short by a role that was killed
-    return rows

@@ -25,13 +25,13 @@ import zmq
 from hypothesis import HealthCheck, given, seed, settings
 from hypothesis import strategies as st
 
-from primerl.client.control import create_channel
+from primerl.client.channel import create_channel
 from primerl.client.rollouts import RolloutConsumer, RolloutProducer, pack_batch
 from primerl.client.weights import WeightPublisher
 from primerl.proto import framing
 from primerl.proto import tensor_frames as tf
 from primerl.proto.v1 import common_pb2, control_pb2, control_pb2_grpc, data_pb2
-from test_broker_process import BrokerProcess  # one way to run a broker child in tests
+from support.daemons import BrokerProcess
 
 TOKEN = "fuzz-token"
 CI_CASES = 1500

@@ -8,9 +8,7 @@ memory stays bounded, and auth refusals on every socket.
 from __future__ import annotations
 
 import json
-import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -24,60 +22,7 @@ from primerl.broker.service import END_OF_RUN_GRACE_S
 from primerl.proto import framing
 from primerl.proto.v1 import common_pb2, data_pb2
 from primerl.runtime.config_common import BrokerClientConfig
-
-BIN = Path(sys.executable).parent
-START_TIMEOUT_S = 30
-
-
-class BrokerProcess:
-    """One `primerl-broker` child; stopped (or killed) only by the test that started it."""
-
-    def __init__(self, tmp_path: Path, spool_dir: Path, *extra: str):
-        self.ready_file = tmp_path / f"ready-{time.monotonic_ns()}.json"
-        self.log_path = tmp_path / f"broker-{time.monotonic_ns()}.log"
-        self.log_file = open(self.log_path, "w")
-        self.process = subprocess.Popen(
-            [str(BIN / "primerl-broker"), "--grpc-port", "0", "--rollout-port", "0", "--weight-port", "0",
-             "--spool-dir", str(spool_dir), "--heartbeat-interval-s", "0.2", "--ready-file", str(self.ready_file), *extra],
-            stdout=self.log_file, stderr=subprocess.STDOUT,
-        )
-        deadline = time.monotonic() + START_TIMEOUT_S
-        while not self.ready_file.exists():
-            if self.process.poll() is not None or time.monotonic() > deadline:
-                self.stop()
-                pytest.fail(f"broker did not start: {self.log_path.read_text()[-2000:]}")
-            time.sleep(0.05)
-        self.ports = json.loads(self.ready_file.read_text())
-
-    @property
-    def grpc_address(self) -> str:
-        return f"127.0.0.1:{self.ports['grpc_port']}"
-
-    @property
-    def rollout_endpoint(self) -> str:
-        return f"tcp://127.0.0.1:{self.ports['rollout_port']}"
-
-    def rss_bytes(self) -> int:
-        for line in Path(f"/proc/{self.process.pid}/status").read_text().splitlines():
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) * 1024
-        raise AssertionError("no VmRSS")
-
-    def kill(self) -> None:
-        self.process.send_signal(signal.SIGKILL)
-        self.process.wait(timeout=10)
-        self.log_file.close()
-
-    def stop(self) -> int:
-        if self.process.poll() is None:
-            self.process.send_signal(signal.SIGTERM)
-            try:
-                self.process.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait(timeout=10)
-        self.log_file.close()
-        return self.process.returncode
+from support.daemons import BIN, BrokerProcess
 
 
 @pytest.fixture

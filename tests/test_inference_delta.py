@@ -4,30 +4,26 @@ transformers model stepped with AdamW; after each update the served logprobs mat
 with the same weights. A DELTA on a base that is not the latest version is refused by the broker (OUT_OF_ORDER)
 and never reaches the worker, which keeps serving what it served.
 
-The daemon, broker and helpers are those of `test_inference_server.py` (imported, not copied).
+The daemon, broker and helpers are those of tests/conftest.py and tests/support/inference.py.
 """
 
 from __future__ import annotations
 
-import shutil
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
-from test_inference_server import (
+from support.broker import BrokerHarness
+from support.daemons import InferenceDaemon
+from support.inference import (
     AUTH,
     TOKEN,
     TOLERANCE,
-    Broker,
-    Daemon,
-    broker,
-    daemon,
     greedy_completion,
-    http,
     reference_max_diff,
+    save_weights,
     served_versions,
-    tiny_model,
     wait_applied,
 )
 
@@ -41,8 +37,8 @@ LR = 1e-3  # large enough that one step moves the served logprobs well past the 
 NUM_TRAIN_TOKENS = 16
 
 
-# The module-scoped fixtures (a tiny model, a broker, one primerl-infer daemon and an HTTP client) are the
-# ones tests/test_inference_server.py defines, imported above; this module gets its own instances.
+# The module-scoped fixtures (a broker, one primerl-infer daemon and an HTTP client) are conftest.py's; this
+# module gets its own instances.
 
 
 def adamw_step(model: Any, optimizer: Any, seed: int) -> None:
@@ -59,26 +55,18 @@ def adamw_step(model: Any, optimizer: Any, seed: int) -> None:
 
 def snapshot(model: Any) -> dict[str, Any]:
     """The tensors a FULL publish would send, copied (the next step must not change them)."""
-    from primerl.trainer.publish import hf_state_dict
+    from primerl.trainer.hf_state_dict import hf_state_dict
 
     return {name: t.detach().clone().contiguous() for name, t in hf_state_dict(model).items()}
-
-
-def save_weights(base_dir: Path, out_dir: Path, tensors: dict[str, Any]) -> Path:
-    """A copy of the model directory holding `tensors` (what the reference forward pass loads)."""
-    from safetensors.torch import save_file
-
-    shutil.copytree(base_dir, out_dir)
-    save_file(tensors, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
-    return out_dir
 
 
 def token_logprobs(body: dict[str, Any]) -> list[float]:
     return body["choices"][0]["logprobs"]["token_logprobs"]
 
 
-def test_delta_updates_are_served_and_a_wrong_base_is_refused(daemon: Daemon, http: httpx.Client, broker: Broker,
-                                                              tiny_model: Path, tmp_path: Path) -> None:
+def test_delta_updates_are_served_and_a_wrong_base_is_refused(infer_daemon: InferenceDaemon, infer_http: httpx.Client,
+                                                              infer_broker: BrokerHarness, tiny_model: Path,
+                                                              tmp_path: Path) -> None:
     from primerl.client.weights import WeightUpdateRefused
     from primerl.proto.v1 import common_pb2, data_pb2
     from primerl.proto.weight_delta import encode_delta
@@ -89,11 +77,11 @@ def test_delta_updates_are_served_and_a_wrong_base_is_refused(daemon: Daemon, ht
 
     model = load_model(ModelConfig(name=str(tiny_model)))
     optimizer = build_optimizer(model, OptimizerConfig(lr=LR))
-    endpoint = f"tcp://127.0.0.1:{broker.endpoints.weight_port}"
+    endpoint = infer_broker.weight_endpoint
     snapshots: dict[int, dict[str, Any]] = {}
-    _, previous = greedy_completion(http)
+    _, previous = greedy_completion(infer_http)
     # "always": this test is about deltas end to end (with "auto", dense fp32 steps go as FULL: test_publish).
-    with PolicyPublisher(endpoint, TOKEN, "trainer", broker.service.chunk_bytes, kind="delta",
+    with PolicyPublisher(endpoint, TOKEN, "trainer", infer_broker.service.chunk_bytes, kind="delta",
                          policy_name="policy", delta_policy="always") as publisher:
         for version, expected_kind in ((1, "full"), (2, "delta"), (3, "delta")):
             adamw_step(model, optimizer, seed=version)
@@ -104,13 +92,13 @@ def test_delta_updates_are_served_and_a_wrong_base_is_refused(daemon: Daemon, ht
                 assert result.base_version == version - 1 and result.fallback is None
                 full_bytes = sum(t.numel() * t.element_size() for t in snapshots[version].values())
                 assert 0 < result.payload_bytes < full_bytes  # XOR + zlib of one small step
-            wait_applied(broker, version)
+            wait_applied(infer_broker, version)
 
-            response, body = greedy_completion(http)
+            response, body = greedy_completion(infer_http)
             assert served_versions(response) == (version, version)
             assert max(abs(a - b) for a, b in zip(token_logprobs(previous), token_logprobs(body))) > 1e-3
             weights_dir = save_weights(tiny_model, tmp_path / f"v{version}", snapshots[version])
-            assert reference_max_diff(http, weights_dir, body) <= TOLERANCE, f"v{version} ({expected_kind})"
+            assert reference_max_diff(infer_http, weights_dir, body) <= TOLERANCE, f"v{version} ({expected_kind})"
             previous = body
 
         # A delta from v2 to v4 while the broker holds v3: the broker refuses it, the worker never sees it.
@@ -120,22 +108,22 @@ def test_delta_updates_are_served_and_a_wrong_base_is_refused(daemon: Daemon, ht
                                              base_version=2, delta_encoding=data_pb2.DELTA_ENCODING_XOR_ZLIB,
                                              policy_name="policy", tensors=specs, decoded_tensors=decoded)
         with pytest.raises(WeightUpdateRefused) as refused:
-            broker.publish(header, payload)
+            infer_broker.publish(header, payload)
         assert refused.value.code == common_pb2.ERROR_CODE_OUT_OF_ORDER, refused.value
-        with broker.client() as client:
+        with infer_broker.client() as client:
             assert client.get_run_status().latest_policy_version == 3
-        assert broker.inference_worker().policy_version == 3
-        response, body = greedy_completion(http)
+        assert infer_broker.inference_worker().policy_version == 3
+        response, body = greedy_completion(infer_http)
         assert served_versions(response) == (3, 3)
         assert token_logprobs(body) == token_logprobs(previous)
 
         # The publisher's own chain was not disturbed: its next delta applies on v3.
         result = publisher.publish(model, 4)
         assert (result.kind, result.base_version) == ("delta", 3), result
-        wait_applied(broker, 4)
-        response, body = greedy_completion(http)
+        wait_applied(infer_broker, 4)
+        response, body = greedy_completion(infer_http)
         assert served_versions(response) == (4, 4)
         weights_dir = save_weights(tiny_model, tmp_path / "v4", snapshot(model))
-        assert reference_max_diff(http, weights_dir, body) <= TOLERANCE
-    assert daemon.process.poll() is None
-    assert http.get("/health", headers=AUTH).status_code == 200
+        assert reference_max_diff(infer_http, weights_dir, body) <= TOLERANCE
+    assert infer_daemon.process.poll() is None
+    assert infer_http.get("/health", headers=AUTH).status_code == 200

@@ -8,7 +8,6 @@ import os
 import shutil
 import signal
 import subprocess
-import sys
 import tempfile
 import time
 from collections.abc import Iterator
@@ -16,34 +15,12 @@ from pathlib import Path
 
 import pytest
 
-from primerl.broker.config import BrokerConfig
-from primerl.broker.service import BrokerService
-from proc_tree import descendants, running  # noqa: E402  (tests/ is on sys.path under pytest)
+from support.broker import BrokerHarness
+from support.daemons import BIN, INFERENCE_START_TIMEOUT_S, InferenceDaemon
+from support.inference import TOKEN
+from support.proc_tree import descendants, running
 
 pytestmark = [pytest.mark.slow, pytest.mark.vllm]
-
-BIN = Path(sys.executable).parent
-TOKEN = "lifecycle-token"
-START_TIMEOUT_S = 240.0
-
-
-@pytest.fixture(scope="module")
-def tiny_model(tmp_path_factory) -> Path:
-    from primerl.trainer.tiny_model import build_tiny_model
-
-    return build_tiny_model(tmp_path_factory.mktemp("model") / "tiny")
-
-
-@pytest.fixture(scope="module")
-def broker(tmp_path_factory) -> Iterator[BrokerService]:
-    config = BrokerConfig(host="127.0.0.1", grpc_port=0, rollout_port=0, weight_port=0, run_token=TOKEN,
-                          spool_dir=tmp_path_factory.mktemp("spool"), heartbeat_interval_s=0.2, run_id="lifecycle")
-    service = BrokerService(config)
-    service.start()
-    try:
-        yield service
-    finally:
-        service.stop(grace_s=1.0)
 
 
 @pytest.fixture
@@ -56,35 +33,22 @@ def short_tmpdir() -> Iterator[Path]:
         shutil.rmtree(path, ignore_errors=True)
 
 
-def start_daemon(tmp: Path, model: Path, broker: BrokerService, tmpdir: Path, name: str) -> subprocess.Popen:
-    ready_file = tmp / f"{name}.ready.json"
-    env = {**os.environ, "PRIMERL_RUN_TOKEN": TOKEN, "TMPDIR": str(tmpdir)}
-    log = open(tmp / f"{name}.log", "w")  # noqa: SIM115
-    process = subprocess.Popen(
-        [str(BIN / "primerl-infer"), "--model.name", str(model), "--model.max-model-len", "512", "--server.port", "0",
-         "--broker.address", f"127.0.0.1:{broker.endpoints.grpc_port}", "--ready-file", str(ready_file)],
-        stdout=log, stderr=subprocess.STDOUT, env=env, cwd=tmp)
-    log.close()
-    deadline = time.monotonic() + START_TIMEOUT_S
-    while not ready_file.exists():
-        if process.poll() is not None or time.monotonic() > deadline:
-            process.kill()
-            pytest.fail(f"{name} did not start:\n{(tmp / f'{name}.log').read_text()[-4000:]}")
-        time.sleep(0.2)
-    return process
+def start_daemon(tmp: Path, model: Path, broker: BrokerHarness, tmpdir: Path, name: str) -> InferenceDaemon:
+    """`primerl-infer` with `tmpdir` as its $TMPDIR, logging to tmp/{name}.log."""
+    return InferenceDaemon(tmp, model, broker.grpc_address, TOKEN, env={"TMPDIR": str(tmpdir)}, name=name)
 
 
-def test_killed_daemon_takes_vllm_along_and_its_work_dir_goes_at_the_next_start(tmp_path, tiny_model, broker,
+def test_killed_daemon_takes_vllm_along_and_its_work_dir_goes_at_the_next_start(tmp_path, tiny_model, infer_broker,
                                                                                  short_tmpdir):
-    first = start_daemon(tmp_path, tiny_model, broker, short_tmpdir, "first")
+    first = start_daemon(tmp_path, tiny_model, infer_broker, short_tmpdir, "first")
     children = descendants(first.pid)
     try:
         assert children, "the daemon runs no vLLM process"  # the engine core (forked on CPU)
         work_dirs = list(short_tmpdir.glob(f"primerl-infer-{first.pid}-*"))
         assert len(work_dirs) == 1, list(short_tmpdir.iterdir())
-        first.kill()
+        first.process.kill()
         killed_s = time.monotonic()
-        first.wait(10)
+        first.process.wait(10)
         while any(running(pid) for pid in children):
             assert time.monotonic() - killed_s < 5.0, f"vLLM processes outlived the daemon: {children}"
             time.sleep(0.01)
@@ -97,19 +61,18 @@ def test_killed_daemon_takes_vllm_along_and_its_work_dir_goes_at_the_next_start(
     assert work_dirs[0].exists()  # nobody removed it: the daemon was killed
     print(f"\nSIGKILLed primerl-infer: its {len(children)} vLLM processes gone in {gone_s:.3f} s")
 
-    second = start_daemon(tmp_path, tiny_model, broker, short_tmpdir, "second")
+    second = start_daemon(tmp_path, tiny_model, infer_broker, short_tmpdir, "second")
     try:
         assert not work_dirs[0].exists(), "the next daemon did not remove the dead one's work directory"
         assert "removed work directories of dead inference daemons" in (tmp_path / "second.log").read_text()
         children = descendants(second.pid)
-        broker.registry.request_shutdown()  # the run is over
+        infer_broker.service.registry.request_shutdown()  # the run is over
         asked_s = time.monotonic()
-        code = second.wait(15)
+        code = second.process.wait(15)
         stop_s = time.monotonic() - asked_s
     finally:
-        if second.poll() is None:
+        if second.process.poll() is None:
             second.kill()
-            second.wait(10)
     log = (tmp_path / "second.log").read_text()
     assert code == 0, log[-4000:]
     assert "the broker asked this worker to shut down" in log
@@ -119,7 +82,7 @@ def test_killed_daemon_takes_vllm_along_and_its_work_dir_goes_at_the_next_start(
     print(f"broker ended the run: primerl-infer exited 0 in {stop_s:.1f} s")
 
 
-def test_a_signal_during_start_up_stops_the_daemon_at_once(tmp_path, tiny_model, broker, short_tmpdir):
+def test_a_signal_during_start_up_stops_the_daemon_at_once(tmp_path, tiny_model, infer_broker, short_tmpdir):
     """vLLM's start-up blocks the event loop for seconds; a SIGTERM then (a launcher ending the run while it
     restarts inference) must not wait for it to finish."""
     env = {**os.environ, "PRIMERL_RUN_TOKEN": TOKEN, "TMPDIR": str(short_tmpdir)}
@@ -127,11 +90,11 @@ def test_a_signal_during_start_up_stops_the_daemon_at_once(tmp_path, tiny_model,
     with open(log_path, "w") as log:
         process = subprocess.Popen(
             [str(BIN / "primerl-infer"), "--model.name", str(tiny_model), "--model.max-model-len", "512",
-             "--server.port", "0", "--broker.address", f"127.0.0.1:{broker.endpoints.grpc_port}"],
+             "--server.port", "0", "--broker.address", infer_broker.grpc_address],
             stdout=log, stderr=subprocess.STDOUT, env=env, cwd=tmp_path)
     children: list[int] = []
     try:
-        deadline = time.monotonic() + START_TIMEOUT_S
+        deadline = time.monotonic() + INFERENCE_START_TIMEOUT_S
         while not children:  # the engine core is being set up
             assert process.poll() is None and time.monotonic() < deadline, log_path.read_text()[-4000:]
             children = descendants(process.pid)

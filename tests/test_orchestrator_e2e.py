@@ -8,41 +8,33 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
-import httpx
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
 from primerl.client.rollouts import RolloutConsumer
 from primerl.proto.v1 import common_pb2
 
-sys.path.insert(0, str(Path(__file__).parent))
-from test_inference_server import TOKEN, Broker, Daemon  # noqa: E402
-
-sys.path.pop(0)
+from support.broker import BrokerHarness
+from support.daemons import BIN
+from support.inference import TOKEN, start_broker, start_daemon
+from support.orchestrator import ENV_PYTHON, eval_rows, metric_rows, orchestrator_args
+from support.probes import scrape_metrics as scrape
 
 pytestmark = [pytest.mark.slow, pytest.mark.vllm,
               pytest.mark.filterwarnings("ignore:`torch.distributed.reduce_op` is deprecated:FutureWarning")]
 
-BIN = Path(sys.executable).parent
-REPO_ROOT = Path(__file__).resolve().parents[1]
-ENV_PYTHON = os.environ.get("PRIMERL_ENV_PYTHON", str(REPO_ROOT / ".venv-envs" / "bin" / "python"))
-
 
 @pytest.fixture(scope="module")
-def stack(tmp_path_factory):
+def stack(tmp_path_factory, tiny_model):
     if not Path(ENV_PYTHON).exists():
         pytest.skip(f"no env-worker interpreter at {ENV_PYTHON}: run `make setup` (it builds .venv-envs)")
-    from primerl.trainer.tiny_model import build_tiny_model
-
-    model = build_tiny_model(tmp_path_factory.mktemp("model") / "tiny")
-    broker = Broker(tmp_path_factory.mktemp("spool"))
+    model = tiny_model
+    broker = start_broker(tmp_path_factory.mktemp("spool"))
     daemon = None
     try:
-        daemon = Daemon(tmp_path_factory.mktemp("infer"), model, broker)
+        daemon = start_daemon(tmp_path_factory.mktemp("infer"), model, broker)
         yield model, broker, daemon
     finally:
         if daemon is not None:
@@ -50,15 +42,7 @@ def stack(tmp_path_factory):
         broker.stop()
 
 
-def orchestrator_args(model: Path, broker: Broker, output_dir: Path, env_id: str, *extra: str) -> list[str]:
-    return [str(BIN / "primerl-orchestrator"), "--model.name", str(model), "--env", f'[{{id = "{env_id}"}}]',
-            "--batch-size", "8", "--rollouts-per-example", "4", "--max-steps", "2", "--seq-len", "512",
-            "--sampling.max-tokens", "12", "--sampling.temperature", "1.0",
-            "--broker.address", broker.grpc_address, "--output-dir", str(output_dir), "--env-python", ENV_PYTHON,
-            *extra]
-
-
-def run_orchestrator(model: Path, broker: Broker, output_dir: Path, env_id: str, *extra: str,
+def run_orchestrator(model: Path, broker: BrokerHarness, output_dir: Path, env_id: str, *extra: str,
                      pythonpath: str | None = None) -> subprocess.CompletedProcess:
     args = orchestrator_args(model, broker, output_dir, env_id, *extra)
     env = {**os.environ, "PRIMERL_RUN_TOKEN": TOKEN}
@@ -67,25 +51,7 @@ def run_orchestrator(model: Path, broker: Broker, output_dir: Path, env_id: str,
     return subprocess.run(args, capture_output=True, text=True, timeout=600, env=env)
 
 
-def metric_rows(output_dir: Path) -> list[dict]:
-    """The orchestrator's training rows of metrics.jsonl (eval rows apart: `eval_rows`)."""
-    rows = [json.loads(line) for line in (output_dir / "metrics.jsonl").read_text().splitlines()]
-    assert {row["role"] for row in rows} == {"orchestrator"}
-    return [row for row in rows if "train/reward" in row]
-
-
-def eval_rows(output_dir: Path) -> list[dict]:
-    rows = [json.loads(line) for line in (output_dir / "metrics.jsonl").read_text().splitlines()]
-    return [row for row in rows if "eval/time_s" in row]
-
-
-def scrape(url: str) -> dict[tuple[str, tuple], float]:
-    text = httpx.get(url, timeout=10).text
-    return {(sample.name, tuple(sorted(sample.labels.items()))): sample.value
-            for family in text_string_to_metric_families(text) for sample in family.samples}
-
-
-def check_batches(model: Path, broker: Broker, steps: range) -> None:
+def check_batches(model: Path, broker: BrokerHarness, steps: range) -> None:
     from transformers import AutoModelForCausalLM
 
     from primerl.trainer.batch import MicroBatch, packed_token_logprobs

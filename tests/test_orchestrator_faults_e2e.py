@@ -11,66 +11,35 @@ workers (verifiers, their own interpreter), a real `primerl-infer` (vLLM, the ti
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
+from support.broker import BrokerHarness
+from support.daemons import InferenceDaemon
+from support.inference import TOKEN, start_broker, start_daemon
+from support.orchestrator import ENV_FIXTURES, ENV_PYTHON, metric_rows, orchestrator_args
 
 from primerl.client.rollouts import RolloutConsumer
-
-sys.path.insert(0, str(Path(__file__).parent))
-from test_inference_server import START_TIMEOUT_S, TOKEN, Broker, Daemon  # noqa: E402
-from test_orchestrator_e2e import ENV_PYTHON, metric_rows, orchestrator_args  # noqa: E402
-
-sys.path.pop(0)
 
 pytestmark = [pytest.mark.slow, pytest.mark.vllm,
               pytest.mark.filterwarnings("ignore:`torch.distributed.reduce_op` is deprecated:FutureWarning")]
 
-BIN = Path(sys.executable).parent
-FIXTURES = Path(__file__).parent / "env_fixtures"
 ALL_FAIL_LIMIT_S = 60.0
 SHUTDOWN_LIMIT_S = 10.0
 
 
-@pytest.fixture(scope="module")
-def tiny_model(tmp_path_factory):
+@pytest.fixture(scope="module", autouse=True)
+def env_python() -> None:
     if not Path(ENV_PYTHON).exists():
         pytest.skip(f"no env-worker interpreter at {ENV_PYTHON}: run `make setup` (it builds .venv-envs)")
-    from primerl.trainer.tiny_model import build_tiny_model
-
-    return build_tiny_model(tmp_path_factory.mktemp("model") / "tiny")
 
 
-class ShortContextDaemon(Daemon):
-    """`primerl-infer` with a 16-token context (what `primerl rl` starts for `seq_len = 16`)."""
-
-    def __init__(self, tmp: Path, model_dir: Path, broker: Broker):
-        self.log_path = tmp / "infer.log"
-        ready_file = tmp / "infer-ready.json"
-        self.log_file = open(self.log_path, "w")
-        self.started_s = time.monotonic()
-        self.process = subprocess.Popen(
-            [str(BIN / "primerl-infer"), "--model.name", str(model_dir), "--model.max-model-len", "16",
-             "--server.port", "0", "--broker.address", broker.grpc_address, "--broker.connect-timeout-s", "30",
-             "--ready-file", str(ready_file)],
-            stdout=self.log_file, stderr=subprocess.STDOUT, env={**os.environ, "PRIMERL_RUN_TOKEN": TOKEN}, cwd=tmp)
-        deadline = time.monotonic() + START_TIMEOUT_S
-        while not ready_file.exists():
-            if self.process.poll() is not None or time.monotonic() > deadline:
-                self.stop()
-                pytest.fail(f"primerl-infer did not start:\n{self.log_tail()}")
-            time.sleep(0.1)
-        self.ready = json.loads(ready_file.read_text())
-
-
-def start_orchestrator(model: Path, broker: Broker, output_dir: Path, env: str, log_path: Path,
+def start_orchestrator(model: Path, broker: BrokerHarness, output_dir: Path, env: str, log_path: Path,
                        *extra: str, env_table: str | None = None, preflight: bool = True) -> subprocess.Popen:
     args = orchestrator_args(model, broker, output_dir, env, "--max-async-level", "50", *extra)
     if env_table is not None:
@@ -79,7 +48,7 @@ def start_orchestrator(model: Path, broker: Broker, output_dir: Path, env: str, 
     try:
         skip = {} if preflight else {"PRIMERL_SKIP_PREFLIGHT": "1"}
         return subprocess.Popen(args, stdout=log_file, stderr=subprocess.STDOUT,
-                                env={**os.environ, "PRIMERL_RUN_TOKEN": TOKEN, "PYTHONPATH": str(FIXTURES), **skip})
+                                env={**os.environ, "PRIMERL_RUN_TOKEN": TOKEN, "PYTHONPATH": str(ENV_FIXTURES), **skip})
     finally:
         log_file.close()
 
@@ -120,10 +89,11 @@ def step_sent_digests(log_text: str) -> dict[int, str]:
 
 
 def test_all_rollouts_failing_stop_the_orchestrator_with_the_cause(tiny_model, tmp_path):
-    broker = Broker(tmp_path / "spool")
+    broker = start_broker(tmp_path / "spool")
     daemon = None
     try:
-        daemon = ShortContextDaemon(tmp_path, tiny_model, broker)
+        # what `primerl rl` starts for `seq_len = 16`
+        daemon = start_daemon(tmp_path, tiny_model, broker, lora=False, max_model_len=16)
         log_path = tmp_path / "orchestrator.log"
         started_s = time.monotonic()
         # past the preflight (which refuses seq_len 16 at once: prompts are 41 tokens): the run-time guard
@@ -155,10 +125,10 @@ def test_all_rollouts_failing_stop_the_orchestrator_with_the_cause(tiny_model, t
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory, tiny_model):
     """The tiny model, the broker and a list holding the current `primerl-infer` (a test may replace it)."""
-    broker = Broker(tmp_path_factory.mktemp("spool"))
-    daemons: list[Daemon] = []
+    broker = start_broker(tmp_path_factory.mktemp("spool"))
+    daemons: list[InferenceDaemon] = []
     try:
-        daemons.append(Daemon(tmp_path_factory.mktemp("infer"), tiny_model, broker))
+        daemons.append(start_daemon(tmp_path_factory.mktemp("infer"), tiny_model, broker))
         yield tiny_model, broker, daemons
     finally:
         for daemon in daemons:
@@ -206,10 +176,9 @@ def test_a_broker_restart_mid_run_is_waited_through(stack, run_dir):
     assert [r["step"] for r in metric_rows(run_dir)][-3:] == [3, 4, 5]
     digests = step_sent_digests(text)
     assert sorted(digests) == [3, 4, 5]
-    from primerl.runtime.data_digest import data_digest
+    from primerl.proto.step_digest import data_digest
 
-    endpoint = f"tcp://127.0.0.1:{broker.endpoints.rollout_port}"
-    with RolloutConsumer(endpoint, auth_token=TOKEN, worker_id="checker", rank=0) as consumer:
+    with RolloutConsumer(broker.rollout_endpoint, auth_token=TOKEN, worker_id="checker", rank=0) as consumer:
         for step, digest in digests.items():  # what a trainer rank gets is what was logged as sent
             fetched = consumer.fetch_step(step, timeout_s=60)
             assert data_digest([tensors for _, tensors in fetched]) == digest
@@ -224,10 +193,9 @@ def test_a_killed_inference_server_is_waited_for(stack, run_dir, tmp_path):
     process = start_orchestrator(model, broker, run_dir, "reverse-text", log_path, "--max-steps", "9")
     wait_for_line(process, log_path, r"step sent .*step=6", 300)
     killed = daemons.pop()
-    killed.process.kill()
-    killed.stop()
+    killed.kill()
     killed_s = time.monotonic()
-    daemons.append(Daemon(tmp_path, model, broker))
+    daemons.append(start_daemon(tmp_path, model, broker))
     print(f"\nprimerl-infer killed; a new one serves {time.monotonic() - killed_s:.1f} s later")
     returncode = finish(process, 300)
     text = log_path.read_text(errors="replace")

@@ -43,7 +43,8 @@ import zmq
 from primerl.broker.connection_gate import ConnectionGate
 from primerl.broker.log_limits import RateLimitedLog
 from primerl.broker.plane_lifecycle import RouterPlane
-from primerl.broker.rollout_queue import (
+from primerl.broker.rollout_queue import RolloutQueue
+from primerl.broker.rollout_results import (
     Accepted,
     Backpressure,
     Delivery,
@@ -51,7 +52,6 @@ from primerl.broker.rollout_queue import (
     OfferItem,
     OfferResult,
     Refused,
-    RolloutQueue,
     RolloutQueueStatus,
     Stale,
 )

@@ -35,15 +35,30 @@ from __future__ import annotations
 import threading
 import time
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
+from primerl.broker.rollout_results import (
+    Accepted,
+    Backpressure,
+    Delivery,
+    Duplicate,
+    GroupResult,
+    OfferItem,
+    OfferResult,
+    Refused,
+    RolloutQueueStatus,
+    Stale,
+    StepDone,
+)
 from primerl.broker.spool import PREFIX_BYTES, RolloutSpool, SpoolCorruption
 from primerl.proto.batch_ids import default_batch_id
 from primerl.proto.v1 import common_pb2, data_pb2
 from primerl.runtime.log_setup import get_logger
 
 log = get_logger("primerl.broker.rollout_queue")
+_Read = TypeVar("_Read")
 
 DEFAULT_RETRY_AFTER_MS = 100
 DEFAULT_MAX_SESSIONS = 256
@@ -51,116 +66,6 @@ DEFAULT_MAX_SESSIONS = 256
 # request or a batch may name. Without it one request for step 2**64-1 would move the frontier so far that
 # every batch counts as "asked for" and the queue bound stops holding.
 DEFAULT_MAX_STEP_LEAD = 1024
-
-
-# ---------------------------------------------------------------------- results
-
-
-@dataclass(frozen=True)
-class StepDone:
-    step: int
-    rank: int
-    num_micro_batches: int
-
-
-@dataclass(frozen=True)
-class Delivery:
-    """Batches to send to one session now (in order), then ``step_done`` if set."""
-
-    session_id: bytes
-    batch_ids: tuple[str, ...] = ()
-    step_done: StepDone | None = None
-
-    def __bool__(self) -> bool:
-        return bool(self.batch_ids) or self.step_done is not None
-
-
-@dataclass(frozen=True)
-class Accepted:
-    batch_id: str
-    step: int
-    deliveries: tuple[Delivery, ...] = ()
-
-
-@dataclass(frozen=True)
-class Duplicate:
-    batch_id: str
-    step: int
-
-
-@dataclass(frozen=True)
-class Stale:
-    """The batch's step is already committed (e.g. a resend whose ack was lost): acked, not stored."""
-
-    batch_id: str
-    step: int
-    committed_step: int
-
-
-@dataclass(frozen=True)
-class Backpressure:
-    batch_id: str
-    step: int
-    retry_after_ms: int
-    reason: str
-
-
-@dataclass(frozen=True)
-class Refused:
-    """A message that can never succeed as sent; ``code`` is an ErrorCode."""
-
-    code: int
-    message: str
-    batch_id: str = ""
-    step: int = 0
-
-
-OfferResult = Accepted | Duplicate | Stale | Backpressure | Refused
-
-
-@dataclass(frozen=True)
-class OfferItem:
-    """One batch of a group for ``offer_many``. ``header_bytes``/``crc32``: the exact serialized header the
-    payload's verified envelope checksum covers, to spool without recomputing the CRC."""
-
-    header: data_pb2.RolloutBatchHeader
-    payload: Any
-    header_bytes: bytes | None = None
-    crc32: int | None = None
-
-
-@dataclass(frozen=True)
-class GroupResult:
-    """The outcome of each batch of a group (in order), and the deliveries the accepted ones made possible
-    (send them after the acks)."""
-
-    results: tuple[OfferResult, ...]
-    deliveries: tuple[Delivery, ...] = ()
-
-
-@dataclass(frozen=True)
-class RolloutQueueStatus:
-    num_batches: int
-    num_bytes: int
-    max_batches: int
-    max_bytes: int
-    num_pending_requests: int
-    num_sessions: int
-    committed_step: int | None
-    lowest_step: int | None
-    highest_step: int | None
-    num_accepted: int
-    num_duplicates: int
-    num_backpressured: int
-    num_released: int
-    # Batches and bytes of steps above the highest step a trainer asked for: what the bounds count.
-    num_ahead_batches: int = 0
-    num_ahead_bytes: int = 0
-    frontier_step: int | None = None
-
-    @property
-    def is_full(self) -> bool:
-        return self.num_ahead_batches >= self.max_batches or self.num_ahead_bytes >= self.max_bytes
 
 
 # ---------------------------------------------------------------------- state
@@ -390,23 +295,18 @@ class RolloutQueue:
         """Header and payload of a batch, from the spool (outside the lock). Raises ``BatchGone`` if it was
         released meanwhile; a damaged file is quarantined, dropped from the index and ``SpoolCorruption``
         raised."""
-        try:
-            return self.spool.get(batch_id)
-        except SpoolCorruption:
-            with self._lock:
-                for slot in self._slots.values():
-                    for index, other in list(slot.batch_ids.items()):
-                        if other == batch_id:
-                            del slot.batch_ids[index]
-            raise
+        return self._read_from_spool(self.spool.get, batch_id)
 
     def read_record(self, batch_id: str) -> tuple[bytes, memoryview, int]:
         """(header bytes, payload, crc32) of a batch as spooled, for sending on with ``framing.encode_raw``
         (no header re-serialization, no CRC pass; no disk read while the spool's read cache holds it).
         Raises like ``read``."""
+        return self._read_from_spool(self.spool.get_record, batch_id)
+
+    def _read_from_spool(self, read: Callable[[str], _Read], batch_id: str) -> _Read:
         try:
-            return self.spool.get_record(batch_id)
-        except SpoolCorruption:
+            return read(batch_id)
+        except SpoolCorruption:  # quarantined by the spool: forget it here too
             with self._lock:
                 for slot in self._slots.values():
                     for index, other in list(slot.batch_ids.items()):

@@ -7,13 +7,13 @@ import threading
 import numpy as np
 import pytest
 
-from primerl.broker.rollout_queue import (
+from primerl.broker.rollout_queue import RolloutQueue
+from primerl.broker.rollout_results import (
     Accepted,
     Backpressure,
     Delivery,
     Duplicate,
     Refused,
-    RolloutQueue,
     Stale,
     StepDone,
 )
@@ -294,7 +294,7 @@ def test_bad_capacities_are_refused(tmp_path):
 
 
 def test_offer_many_decides_in_order_and_spools_the_group(tmp_path):
-    from primerl.broker.rollout_queue import OfferItem
+    from primerl.broker.rollout_results import OfferItem
 
     queue = make_queue(tmp_path, max_batches=3)
     queue.open_session(A)
@@ -312,7 +312,7 @@ def test_offer_many_decides_in_order_and_spools_the_group(tmp_path):
 
 
 def test_offer_many_keeps_nothing_when_the_spool_fails(tmp_path, monkeypatch):
-    from primerl.broker.rollout_queue import OfferItem
+    from primerl.broker.rollout_results import OfferItem
     from primerl.broker.spool import SpoolError
 
     queue = make_queue(tmp_path)

@@ -115,7 +115,8 @@ def test_commit_far_beyond_the_run_is_refused(broker):
 
 
 def test_rollout_request_far_beyond_the_run_is_refused(tmp_path):
-    from primerl.broker.rollout_queue import Refused, RolloutQueue
+    from primerl.broker.rollout_queue import RolloutQueue
+    from primerl.broker.rollout_results import Refused
     from primerl.broker.spool import RolloutSpool
 
     queue = RolloutQueue(RolloutSpool(tmp_path / "spool"), 8, 1 << 30)

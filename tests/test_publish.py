@@ -12,32 +12,27 @@ import torch
 from safetensors.torch import load as load_safetensors
 from safetensors.torch import load_file
 
-from primerl.broker.config import BrokerConfig
 from primerl.broker.service import BrokerService
 from primerl.client.weights import WeightUpdateRefused
 from primerl.proto.v1 import common_pb2, data_pb2
 from primerl.trainer.config import LoRAConfig, ModelConfig, OptimizerConfig
 from primerl.trainer.model import load_model
 from primerl.trainer.optim import build_optimizer
-from primerl.trainer.publish import PolicyPublisher, hf_state_dict
-from primerl.trainer.tiny_model import TinyModelSpec, build_tiny_model
+from primerl.trainer.hf_state_dict import hf_state_dict
+from primerl.trainer.publish import PolicyPublisher
 
 CHUNK_BYTES = 1 << 20  # the tiny model's 2.5 MB travel in 3 chunks
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return build_tiny_model(tmp_path_factory.mktemp("tiny") / "model", TinyModelSpec(seed=0))
+def model_dir(tiny_model: Path) -> Path:
+    return tiny_model
 
 
 @pytest.fixture
-def broker(tmp_path: Path) -> Iterator[tuple[BrokerService, str]]:
-    service = BrokerService(BrokerConfig(grpc_port=0, rollout_port=0, weight_port=0, spool_dir=tmp_path / "spool"))
-    try:
-        endpoints = service.start()
-        yield service, f"tcp://127.0.0.1:{endpoints.weight_port}"
-    finally:
-        service.stop(grace_s=0)
+def broker(make_broker) -> tuple[BrokerService, str]:
+    harness = make_broker(stop_grace_s=0)
+    return harness.service, harness.weight_endpoint
 
 
 @pytest.fixture
@@ -136,9 +131,12 @@ def test_lora_publish_is_peft_adapter_file_and_config(model_dir, broker, publish
     assert adapter_config["r"] == 4 and adapter_config["lora_alpha"] == 8 and adapter_config["inference_mode"]
 
 
-def test_full_publish_of_a_lora_model_is_the_merged_model(model_dir, broker, publishers, tmp_path):
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_full_publish_of_a_lora_model_is_the_merged_model(model_dir, broker, publishers, tmp_path, dtype):
+    """Bit for bit peft's merge_and_unload, in the base model's dtype (in bf16 the fp32 adapter's delta is added
+    in fp32 and the sum rounded once to bf16, as peft does)."""
     service, endpoint = broker
-    model = load_model(ModelConfig(name=str(model_dir), lora=LoRAConfig(rank=4, alpha=8)))
+    model = load_model(ModelConfig(name=str(model_dir), optimization_dtype=dtype, lora=LoRAConfig(rank=4, alpha=8)))
     randomize_lora_b(model)
     before = {name: p.detach().clone() for name, p in model.named_parameters()}
     result = make_publisher(publishers, endpoint, "full").publish(model, 1, timeout_s=30)
@@ -146,9 +144,36 @@ def test_full_publish_of_a_lora_model_is_the_merged_model(model_dir, broker, pub
     assert all(torch.equal(p, before[name]) for name, p in model.named_parameters())  # nothing merged in place
 
     _, payload = stored_payload(service)
+    assert {tensor.dtype for tensor in load_safetensors(payload).values()} == {getattr(torch, dtype)}
     merged = model.merge_and_unload()  # the reference: peft's own merge (changes the model, last use)
     merged.save_pretrained(tmp_path / "merged")
     assert payload == (tmp_path / "merged" / "model.safetensors").read_bytes()
+
+
+@pytest.mark.parametrize("lora", [False, True], ids=["full-fine-tune", "lora"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_full_publish_sends_the_weights_the_trainer_exports(model_dir, broker, publishers, tmp_path, lora, dtype):
+    """What inference workers load and what ``weights/step_N`` holds are the same tensors: same keys, dtypes and
+    bits (the same file, byte for byte)."""
+    from primerl.trainer.weights_export import export_hf_weights
+
+    service, endpoint = broker
+    model = load_model(ModelConfig(name=str(model_dir), optimization_dtype=dtype,
+                                   lora=LoRAConfig(rank=4, alpha=8) if lora else None))
+    randomize_lora_b(model)
+    adamw_step(model, lr=1e-3)
+    assert make_publisher(publishers, endpoint, "full").publish(model, 1, timeout_s=30).ack.applied
+    _, payload = stored_payload(service)
+    exported_dir = export_hf_weights(model, None, tmp_path / "weights" / "step_1")
+
+    published = load_safetensors(payload)
+    exported = load_file(exported_dir / "model.safetensors")
+    assert published.keys() == exported.keys()
+    assert not [key for key in exported if "lora" in key or "base_layer" in key]
+    for key, tensor in exported.items():
+        assert published[key].dtype == tensor.dtype == getattr(torch, dtype), key
+        assert torch.equal(published[key].view(torch.uint8), tensor.view(torch.uint8)), key
+    assert payload == (exported_dir / "model.safetensors").read_bytes()
 
 
 def test_delta_after_full_decodes_to_the_new_weights_bit_exactly(model_dir, broker, publishers):

@@ -34,6 +34,7 @@ from grpc_reflection.v1alpha import reflection
 from primerl.broker.log_limits import RateLimitedLog
 from primerl.broker.registry import DataPlaneStatus, RegistryError, WorkerRegistry, format_workers
 from primerl.proto import framing
+from primerl.proto.data_plane_limits import BrokerLimits
 from primerl.proto.v1 import control_pb2, control_pb2_grpc
 from primerl.runtime.log_setup import get_logger
 
@@ -189,8 +190,11 @@ class BrokerServicer(control_pb2_grpc.BrokerServicer):
         *,
         max_concurrent_watches: int = 8,
         watch_poll_s: float = 0.5,
+        data_plane_limits: BrokerLimits | None = None,
     ):
         self.registry = registry
+        # Sent with every RegisterResponse: the clients size themselves from them (None: the clients' defaults).
+        self._data_plane_limits = data_plane_limits.to_proto() if data_plane_limits is not None else None
         self._data_plane_status_fn = data_plane_status_fn
         self._watch_slots = threading.BoundedSemaphore(max_concurrent_watches)
         self._max_concurrent_watches = max_concurrent_watches
@@ -222,6 +226,8 @@ class BrokerServicer(control_pb2_grpc.BrokerServicer):
     # ------------------------------------------------------------------------------------ the RPCs
     def Register(self, request, context):
         response = _guarded(context, self.registry.register, request)
+        if self._data_plane_limits is not None:
+            response.limits.CopyFrom(self._data_plane_limits)
         _log.info(
             "worker registered",
             worker=request.name,

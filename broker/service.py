@@ -20,7 +20,6 @@ the committed step, steps, policy version, metrics and run id it showed before.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import errno
 import threading
 import uuid
@@ -37,8 +36,9 @@ from primerl.broker.rollout_plane import RolloutPlane
 from primerl.broker.rollout_queue import RolloutQueue
 from primerl.broker.run_state import RunState, RunStateFile, RunStateSaver
 from primerl.broker.spool import RolloutSpool
-from primerl.broker.weight_plane import WeightPlane, weight_limits
+from primerl.broker.weight_plane import WeightPlane
 from primerl.broker.weight_store import PutResult, WeightStore
+from primerl.proto.data_plane_limits import BrokerLimits
 from primerl.runtime.config_common import is_loopback_host
 from primerl.runtime.log_setup import bind_context, get_logger
 from primerl.runtime.prometheus import MetricsExporter, start_exporter
@@ -120,10 +120,11 @@ class BrokerService:
         self.config = config
         self.run_id = config.run_id or f"run-{uuid.uuid4().hex[:8]}"
         # One payload frame of at most max_message_bytes (libzmq's MAXMSGSIZE is per frame); bigger weight
-        # updates travel as chunks of that size.
-        limits, self.chunk_bytes = weight_limits(config.max_message_bytes,
-                                                 max_transfer_bytes=config.resolved_max_transfer_bytes)
-        self.limits = dataclasses.replace(limits, max_payload_frames=config.max_payload_frames)
+        # updates travel as chunks of that size. Every worker learns them when it registers.
+        self.data_plane_limits = BrokerLimits.for_max_message_bytes(
+            config.max_message_bytes, max_payload_frames=config.max_payload_frames,
+            max_transfer_bytes=config.resolved_max_transfer_bytes)
+        self.limits, self.chunk_bytes = self.data_plane_limits.frames, self.data_plane_limits.weight_chunk_bytes
         self._context: zmq.Context | None = None
         self._queue: RolloutQueue | None = None
         self.rollout_plane: RolloutPlane | None = None
@@ -142,7 +143,7 @@ class BrokerService:
                                                                     self.registry.set_policy_lineage)
         self.run_state_file: RunStateFile | None = None
         self._saver: RunStateSaver | None = None
-        self.servicer = BrokerServicer(self.registry, self.data_plane_status)
+        self.servicer = BrokerServicer(self.registry, self.data_plane_status, data_plane_limits=self.data_plane_limits)
         self._server = None
         self._monitor = HeartbeatMonitor(self.registry)
         self._stopped = threading.Event()

@@ -25,34 +25,22 @@ import os
 import socket
 import threading
 from collections.abc import Callable, Mapping
-from pathlib import Path
 from typing import Any
 
 import grpc
 
+from primerl.client.channel import BACKOFF_INITIAL_S, BACKOFF_MAX_S, create_channel
+from primerl.client.outage import BrokerOutageExceeded, OutageWatch, retry_through_outage
+from primerl.proto.data_plane_limits import BrokerLimits
 from primerl.proto.roles import role_from_name
 from primerl.proto.v1 import common_pb2, control_pb2, control_pb2_grpc
-from primerl.client.outage import BrokerOutageExceeded, OutageWatch, retry_through_outage
 from primerl.runtime.config_common import BrokerClientConfig
 from primerl.runtime.log_setup import get_logger
 
 DEFAULT_RPC_TIMEOUT_S = 10.0
-BACKOFF_INITIAL_S = 0.1
-BACKOFF_MAX_S = 5.0
 MAX_QUEUED_ERRORS = 8
 # What a heartbeat's progress_fn may return (see HeartbeatRequest).
 PROGRESS_FIELDS = frozenset({"trainer_step", "policy_version", "orchestrator_step", "num_inflight", "recent_errors"})
-
-CHANNEL_OPTIONS = [
-    # gRPC's own reconnect backoff defaults to 1 s growing to 120 s: far too slow to notice a restarted broker.
-    ("grpc.initial_reconnect_backoff_ms", int(BACKOFF_INITIAL_S * 1000)),
-    ("grpc.min_reconnect_backoff_ms", int(BACKOFF_INITIAL_S * 1000)),
-    ("grpc.max_reconnect_backoff_ms", int(BACKOFF_MAX_S * 1000)),
-    # Detect a silently dead connection (e.g. during a long WatchRunStatus) within ~30 s.
-    ("grpc.keepalive_time_ms", 20_000),
-    ("grpc.keepalive_timeout_ms", 10_000),
-    ("grpc.enable_retries", 0),
-]
 
 _UNAVAILABLE_CODES = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
 _log = get_logger("primerl.broker.client")
@@ -87,64 +75,6 @@ def broker_error(err: grpc.RpcError, what: str, address: str) -> BrokerError:
     if code in _UNAVAILABLE_CODES:
         return BrokerUnavailable(f"{what}: broker at {address} unreachable ({code.name}: {details})", code)
     return BrokerError(f"{what}: {code.name}: {details}", code)
-
-
-# ----------------------------------------------------------------------------------------------- channel
-class _TokenInterceptor(
-    grpc.UnaryUnaryClientInterceptor,
-    grpc.UnaryStreamClientInterceptor,
-    grpc.StreamUnaryClientInterceptor,
-    grpc.StreamStreamClientInterceptor,
-):
-    """Adds ``authorization: Bearer <token>`` to every call."""
-
-    def __init__(self, run_token: str):
-        self._metadata = ("authorization", f"Bearer {run_token}")
-
-    def _with_token(self, details):
-        metadata = list(details.metadata or ()) + [self._metadata]
-        return details._replace(metadata=metadata) if hasattr(details, "_replace") else _Details(details, metadata)
-
-    def intercept_unary_unary(self, continuation, client_call_details, request):
-        return continuation(self._with_token(client_call_details), request)
-
-    def intercept_unary_stream(self, continuation, client_call_details, request):
-        return continuation(self._with_token(client_call_details), request)
-
-    def intercept_stream_unary(self, continuation, client_call_details, request_iterator):
-        return continuation(self._with_token(client_call_details), request_iterator)
-
-    def intercept_stream_stream(self, continuation, client_call_details, request_iterator):
-        return continuation(self._with_token(client_call_details), request_iterator)
-
-
-class _Details(grpc.ClientCallDetails):
-    def __init__(self, details, metadata):
-        self.method = details.method
-        self.timeout = details.timeout
-        self.metadata = metadata
-        self.credentials = details.credentials
-        self.wait_for_ready = getattr(details, "wait_for_ready", None)
-        self.compression = getattr(details, "compression", None)
-
-
-def create_channel(
-    address: str, *, run_token: str | None = None, tls_ca_path: str | Path | None = None
-) -> grpc.Channel:
-    """A channel to the broker: TLS when ``tls_ca_path`` is given, the run token on every call when set."""
-    if tls_ca_path is not None:
-        try:
-            root_certificates = Path(tls_ca_path).read_bytes()
-        except OSError as err:
-            raise ValueError(f"cannot read the broker's TLS CA file {tls_ca_path}: {err}") from err
-        channel = grpc.secure_channel(
-            address, grpc.ssl_channel_credentials(root_certificates=root_certificates), options=CHANNEL_OPTIONS
-        )
-    else:
-        channel = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
-    if run_token:
-        channel = grpc.intercept_channel(channel, _TokenInterceptor(run_token))
-    return channel
 
 
 # ------------------------------------------------------------------------------------------------ client
@@ -223,6 +153,12 @@ class ControlClient:
     def broker_unreachable(self) -> bool:
         """Whether the heartbeat thread is in an outage of the broker right now."""
         return self._heartbeat_outage.in_outage
+
+    @property
+    def limits(self) -> BrokerLimits:
+        """The broker's data-plane limits from the last registration (a broker's defaults before one): size the
+        ZeroMQ clients from them (``limits.frames``, ``limits.weight_chunk_bytes``)."""
+        return BrokerLimits.from_registration(self.registration)
 
     @property
     def heartbeat_interval_s(self) -> float:

@@ -314,7 +314,8 @@ class InferenceService:
                     # worker reads them there, with no further copy.
                     subscriber = WeightSubscriber(registration.weight_endpoint, self.config.broker.run_token, worker_id,
                                                   payload_buffer=self.updater.staging_buffer,
-                                                  outage_s=self.config.broker.outage_s)
+                                                  outage_s=self.config.broker.outage_s,
+                                                  limits=self.control.limits.frames)
                     try:
                         subscriber.hello(self.policy_version, lineage=self.updater.lineage)
                     except TimeoutError:

@@ -197,7 +197,8 @@ class OrchestratorRunner:
         self.progress = {"orchestrator_step": 0, "num_inflight": 0}
         self.control.start_heartbeats(lambda: dict(self.progress))
         self.producer = RolloutProducer(registration.rollout_endpoint, auth_token=config.broker.run_token,
-                                        sender="orchestrator", resend_interval_s=RESEND_INTERVAL_S)
+                                        sender="orchestrator", resend_interval_s=RESEND_INTERVAL_S,
+                                        limits=self.control.limits.frames)
         self.sender = BatchSender(self._send_step)
         self._broker_unavailable = (BrokerUnavailable,)
         self.endpoint_watcher = EndpointWatcher(lambda: self.control.list_workers(common_pb2.ROLE_INFERENCE),

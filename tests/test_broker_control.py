@@ -19,7 +19,8 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
 
-from primerl.client.control import BrokerError, BrokerUnavailable, ControlClient, create_channel
+from primerl.client.channel import create_channel
+from primerl.client.control import BrokerError, BrokerUnavailable, ControlClient
 from primerl.broker.control_service import BrokerServicer, HeartbeatMonitor, create_grpc_server
 from primerl.broker.registry import DataPlaneStatus, QueueDepth, WorkerRegistry
 from primerl.cli import status as status_cli

@@ -7,7 +7,7 @@ import grpc
 import pytest
 
 from primerl.broker.config import BrokerConfig
-from primerl.client.control import create_channel
+from primerl.client.channel import create_channel
 from primerl.broker.registry import MAX_METRIC_NAMES, MAX_METRIC_NAMES_PER_WORKER, MAX_STATUS_BYTES
 from primerl.broker.service import BrokerService
 from primerl.proto.v1 import common_pb2, control_pb2, control_pb2_grpc

@@ -167,11 +167,13 @@ class TrainerRunner:
         registration = self.control.register()
         self.progress = {"trainer_step": 0}
         self.control.start_heartbeats(lambda: dict(self.progress))
+        limits = self.control.limits  # the broker's: every client sizes itself from them
         self.consumer = RolloutConsumer(registration.rollout_endpoint, auth_token=config.broker.run_token,
-                                        worker_id=registration.worker_id, rank=self.dist.rank)
+                                        worker_id=registration.worker_id, rank=self.dist.rank, limits=limits.frames)
         if self.dist.is_main:
             self.publisher = PolicyPublisher(
-                registration.weight_endpoint, config.broker.run_token, name, chunk_bytes=64 << 20,
+                registration.weight_endpoint, config.broker.run_token, name,
+                chunk_bytes=min(64 << 20, limits.weight_chunk_bytes),
                 kind=config.weight_broadcast.type, policy_name=config.model.name,
                 outage_s=config.broker.outage_s, stop_event=self.stop_event,
             )

@@ -1,0 +1,79 @@
+"""The gRPC channel to the broker's control plane: TLS when a CA is given, the run token on every call, and
+reconnect and keepalive settings that notice a restarted or silently dead broker within seconds."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import grpc
+
+BACKOFF_INITIAL_S = 0.1
+BACKOFF_MAX_S = 5.0
+
+CHANNEL_OPTIONS = [
+    # gRPC's own reconnect backoff defaults to 1 s growing to 120 s: far too slow to notice a restarted broker.
+    ("grpc.initial_reconnect_backoff_ms", int(BACKOFF_INITIAL_S * 1000)),
+    ("grpc.min_reconnect_backoff_ms", int(BACKOFF_INITIAL_S * 1000)),
+    ("grpc.max_reconnect_backoff_ms", int(BACKOFF_MAX_S * 1000)),
+    # Detect a silently dead connection (e.g. during a long WatchRunStatus) within ~30 s.
+    ("grpc.keepalive_time_ms", 20_000),
+    ("grpc.keepalive_timeout_ms", 10_000),
+    ("grpc.enable_retries", 0),
+]
+
+
+class _TokenInterceptor(
+    grpc.UnaryUnaryClientInterceptor,
+    grpc.UnaryStreamClientInterceptor,
+    grpc.StreamUnaryClientInterceptor,
+    grpc.StreamStreamClientInterceptor,
+):
+    """Adds ``authorization: Bearer <token>`` to every call."""
+
+    def __init__(self, run_token: str):
+        self._metadata = ("authorization", f"Bearer {run_token}")
+
+    def _with_token(self, details):
+        metadata = list(details.metadata or ()) + [self._metadata]
+        return details._replace(metadata=metadata) if hasattr(details, "_replace") else _Details(details, metadata)
+
+    def intercept_unary_unary(self, continuation, client_call_details, request):
+        return continuation(self._with_token(client_call_details), request)
+
+    def intercept_unary_stream(self, continuation, client_call_details, request):
+        return continuation(self._with_token(client_call_details), request)
+
+    def intercept_stream_unary(self, continuation, client_call_details, request_iterator):
+        return continuation(self._with_token(client_call_details), request_iterator)
+
+    def intercept_stream_stream(self, continuation, client_call_details, request_iterator):
+        return continuation(self._with_token(client_call_details), request_iterator)
+
+
+class _Details(grpc.ClientCallDetails):
+    def __init__(self, details, metadata):
+        self.method = details.method
+        self.timeout = details.timeout
+        self.metadata = metadata
+        self.credentials = details.credentials
+        self.wait_for_ready = getattr(details, "wait_for_ready", None)
+        self.compression = getattr(details, "compression", None)
+
+
+def create_channel(
+    address: str, *, run_token: str | None = None, tls_ca_path: str | Path | None = None
+) -> grpc.Channel:
+    """A channel to the broker: TLS when ``tls_ca_path`` is given, the run token on every call when set."""
+    if tls_ca_path is not None:
+        try:
+            root_certificates = Path(tls_ca_path).read_bytes()
+        except OSError as err:
+            raise ValueError(f"cannot read the broker's TLS CA file {tls_ca_path}: {err}") from err
+        channel = grpc.secure_channel(
+            address, grpc.ssl_channel_credentials(root_certificates=root_certificates), options=CHANNEL_OPTIONS
+        )
+    else:
+        channel = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
+    if run_token:
+        channel = grpc.intercept_channel(channel, _TokenInterceptor(run_token))
+    return channel

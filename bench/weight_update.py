@@ -337,7 +337,7 @@ def delta_fractions(target: Target) -> list[dict[str, Any]]:
     from primerl.proto.weight_delta import encode_delta
     from primerl.trainer.config import OptimizerConfig
     from primerl.trainer.optim import build_optimizer
-    from primerl.trainer.publish import hf_state_dict
+    from primerl.trainer.hf_state_dict import hf_state_dict
 
     def snapshot(model: Any) -> dict[str, Any]:
         return {k: v.detach().clone().contiguous() for k, v in hf_state_dict(model).items()}

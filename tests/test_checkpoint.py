@@ -19,9 +19,7 @@ import torch
 
 from primerl.trainer.checkpoint import (
     MODEL_FILE,
-    STABLE_FILE,
     CheckpointNotFoundError,
-    export_hf_weights,
     latest_checkpoint,
     list_checkpoints,
     load_checkpoint,
@@ -30,7 +28,9 @@ from primerl.trainer.checkpoint import (
     save_checkpoint,
     steps_to_prune,
 )
+from primerl.trainer.committed_dir import STABLE_FILE
 from primerl.trainer.tiny_model import TinyModelSpec, build_tiny_model
+from primerl.trainer.weights_export import export_hf_weights
 
 SMALL = TinyModelSpec(hidden_size=64, num_layers=1, num_attention_heads=2, num_key_value_heads=1)
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -287,13 +287,13 @@ def block(*args):
     time.sleep(120)
 
 if kill_at == "after_first_file":
-    fsync_path = ck._fsync_path
+    fsync_file = ck.fsync_file
     def slow_fsync(path):
-        fsync_path(path)
+        fsync_file(path)
         block()
-    ck._fsync_path = slow_fsync
+    ck.fsync_file = slow_fsync
 else:  # before_rename: STABLE is in the temp dir already
-    ck._commit_dir = block
+    ck.commit_dir = block
 ck.save_checkpoint(root, 2, model=model, optimizer=optimizer, scheduler=scheduler, extra_state={"step": 2})
 print("unexpected: save finished", flush=True)
 """
@@ -437,9 +437,9 @@ def test_export_lora_merges_without_touching_the_training_model(tiny_dir: Path, 
 
     loaded = AutoModelForCausalLM.from_pretrained(str(out), attn_implementation="eager").eval()
     torch.testing.assert_close(_logits(loaded, TOKEN_POOL), _logits(model, TOKEN_POOL), rtol=1e-5, atol=1e-5)
-    reference = model.merge_and_unload()  # the last use of the training model: peft's own merge agrees
+    reference = model.merge_and_unload()  # the last use of the training model: peft's own merge, bit for bit
     for name, tensor in reference.state_dict().items():
-        torch.testing.assert_close(loaded.state_dict()[name], tensor, rtol=0, atol=1e-6)
+        assert torch.equal(loaded.state_dict()[name], tensor), name
 
 
 def test_export_replaces_an_existing_directory(tiny_dir: Path, tmp_path: Path) -> None:

@@ -18,7 +18,6 @@ from typing import Any
 import pytest
 import torch
 
-from primerl.broker.config import BrokerConfig
 from primerl.broker.service import BrokerService
 from primerl.client.weights import LineageSuperseded, WeightSubscriber
 from primerl.inference.engine import EngineOptions
@@ -26,7 +25,8 @@ from primerl.inference.worker_extension import WORKER_EXTENSION_CLS, weights_dig
 from primerl.trainer.config import ModelConfig, OptimizerConfig
 from primerl.trainer.model import load_model
 from primerl.trainer.optim import build_optimizer
-from primerl.trainer.publish import PolicyPublisher, hf_state_dict
+from primerl.trainer.hf_state_dict import hf_state_dict
+from primerl.trainer.publish import PolicyPublisher
 
 pytestmark = pytest.mark.filterwarnings("ignore:`torch.distributed.reduce_op` is deprecated:FutureWarning")
 
@@ -35,18 +35,16 @@ RECEIVE_S = 30.0
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from primerl.trainer.tiny_model import TinyModelSpec, build_tiny_model
-
-    return build_tiny_model(tmp_path_factory.mktemp("rollback") / "tiny-model", TinyModelSpec(seed=0))
+def model_dir(tiny_model: Path) -> Path:
+    return tiny_model
 
 
 @pytest.fixture(scope="module")
-def llm(model_dir: Path) -> Iterator[Any]:
+def llm(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
     from primerl.inference.engine import create_llm, shutdown_llm
 
     saved_env, saved_tempdir = dict(os.environ), tempfile.tempdir
-    llm = create_llm(EngineOptions(model=model_dir, in_process=True, work_dir=model_dir.parent / "work", seed=0,
+    llm = create_llm(EngineOptions(model=model_dir, in_process=True, work_dir=tmp_path_factory.mktemp("work"), seed=0,
                                    worker_extension_cls=WORKER_EXTENSION_CLS))
     try:
         yield llm
@@ -59,13 +57,9 @@ def llm(model_dir: Path) -> Iterator[Any]:
 
 
 @pytest.fixture
-def broker(tmp_path: Path) -> Iterator[tuple[BrokerService, str]]:
-    service = BrokerService(BrokerConfig(grpc_port=0, rollout_port=0, weight_port=0, spool_dir=tmp_path / "spool"))
-    try:
-        endpoints = service.start()
-        yield service, f"tcp://127.0.0.1:{endpoints.weight_port}"
-    finally:
-        service.stop(grace_s=0)
+def broker(make_broker) -> tuple[BrokerService, str]:
+    harness = make_broker(stop_grace_s=0)
+    return harness.service, harness.weight_endpoint
 
 
 def train_step(model: torch.nn.Module, seed: int) -> None:

@@ -1,9 +1,9 @@
-"""Trainer checkpoints and HF weight export, written atomically (prime-rl layout).
+"""Trainer checkpoints: model, optimizer, scheduler, RNG and progress, written atomically (prime-rl layout).
 
-A checkpoint is `{root}/step_{N}/`; it exists only once its `STABLE` marker does. Everything is written into
-`step_{N}.tmp-<pid>` next to it, each file fsynced, `STABLE` written and fsynced last, the directory fsynced,
-renamed to `step_{N}` and the parent fsynced. A process killed at any point leaves the previous checkpoints as
-they were plus a temp directory that the next save or load (rank 0) removes.
+A checkpoint is `{root}/step_{N}/`; it exists only once its `STABLE` marker does (`primerl.trainer.committed_dir`:
+everything is written into `step_{N}.tmp-<pid>` next to it, each file fsynced, `STABLE` written and fsynced last,
+the directory fsynced, renamed to `step_{N}` and the parent fsynced). A process killed at any point leaves the
+previous checkpoints as they were plus a temp directory that the next save or load (rank 0) removes.
 
 Layout of `step_{N}/` (replicated model: single rank or DDP; rank 0 writes the shared files):
 
@@ -15,8 +15,7 @@ Layout of `step_{N}/` (replicated model: single rank or DDP; rank 0 writes the s
     rank{r}_rng.safetensors  RNG states of rank r: python `random`, numpy, torch CPU and the current CUDA device
     STABLE                   written last
 
-Exported weights (`export_hf_weights`) are a Hugging Face model directory (config, safetensors, tokenizer) with
-the same temp + STABLE + rename commit; for a peft model the adapter is merged into the weights.
+The Hugging Face weights exported beside each checkpoint are `primerl.trainer.weights_export`'s.
 """
 
 from __future__ import annotations
@@ -32,12 +31,22 @@ from typing import Any
 
 import torch
 
+from primerl.runtime.durable_files import fsync_dir
 from primerl.runtime.log_setup import get_logger
+from primerl.trainer.committed_dir import (
+    STABLE_FILE,
+    commit_dir,
+    fsync_file,
+    remove_leftovers,
+    temp_dir_of,
+    write_new_file,
+)
+from primerl.trainer.distributed import replicated_model
+from primerl.trainer.model import is_peft_model
 
 log = get_logger("primerl.trainer.checkpoint")
 
 FORMAT_VERSION = 1
-STABLE_FILE = "STABLE"
 MODEL_FILE = "model.safetensors"
 OPTIMIZER_FILE = "optimizer.pt"
 SCHEDULER_FILE = "scheduler.pt"
@@ -45,7 +54,6 @@ EXTRA_STATE_FILE = "extra_state.json"
 META_FILE = "meta.json"
 
 _STEP_DIR = re.compile(r"^step_(\d+)$")
-_LEFTOVER_DIR = re.compile(r"^step_\d+\.(tmp|trash)-[0-9A-Za-z]+$")
 
 MODEL_KIND_FULL = "full"
 MODEL_KIND_PEFT = "peft_trainable"
@@ -88,14 +96,8 @@ def latest_checkpoint(root: str | os.PathLike[str]) -> int | None:
 
 def clean_leftovers(root: str | os.PathLike[str]) -> list[str]:
     """Remove temp and trash directories left by an interrupted save or prune; returns their names."""
-    root = Path(root)
-    if not root.is_dir():
-        return []
-    removed = sorted(path.name for path in root.iterdir() if _LEFTOVER_DIR.match(path.name))
-    for name in removed:
-        shutil.rmtree(root / name, ignore_errors=True)
+    removed = remove_leftovers(Path(root), r"step_\d+")
     if removed:
-        _fsync_dir(root)
         log.info("removed leftovers of interrupted checkpoint writes", root=str(root), dirs=removed)
     return removed
 
@@ -130,7 +132,7 @@ def save_checkpoint(
     sync = barrier or (lambda: None)
     root = Path(directory_root)
     final_dir = step_dir(root, step)
-    model = _unwrap(model)
+    model = replicated_model(model)
 
     extra_json = ""
     if rank == 0:
@@ -138,7 +140,7 @@ def save_checkpoint(
         extra_json = json.dumps(extra_state, indent=2, sort_keys=True, allow_nan=True)
         root.mkdir(parents=True, exist_ok=True)
         clean_leftovers(root)
-        tmp_dir = root / f"{final_dir.name}.tmp-{os.getpid()}"
+        tmp_dir = temp_dir_of(final_dir)
         tmp_dir.mkdir()
     sync()
     if rank != 0:
@@ -160,8 +162,8 @@ def save_checkpoint(
     sync()
 
     if rank == 0:
-        _write_bytes(tmp_dir / STABLE_FILE, b"")
-        _commit_dir(tmp_dir, final_dir)
+        write_new_file(tmp_dir / STABLE_FILE, b"")
+        commit_dir(tmp_dir, final_dir)
         log.info("checkpoint saved", step=step, path=str(final_dir))
     sync()
     return final_dir
@@ -177,7 +179,7 @@ def _write_rank_files(tmp_dir: Path, step: int, *, model: torch.nn.Module, optim
             _write_torch(tmp_dir / OPTIMIZER_FILE, optimizer.state_dict())
         if scheduler is not None:
             _write_torch(tmp_dir / SCHEDULER_FILE, scheduler.state_dict())
-        _write_bytes(tmp_dir / EXTRA_STATE_FILE, extra_json.encode())
+        write_new_file(tmp_dir / EXTRA_STATE_FILE, extra_json.encode())
         meta = {
             "format_version": FORMAT_VERSION,
             "step": step,
@@ -187,7 +189,7 @@ def _write_rank_files(tmp_dir: Path, step: int, *, model: torch.nn.Module, optim
             "has_optimizer": optimizer is not None,
             "has_scheduler": scheduler is not None,
         }
-        _write_bytes(tmp_dir / META_FILE, (json.dumps(meta, indent=2, sort_keys=True) + "\n").encode())
+        write_new_file(tmp_dir / META_FILE, (json.dumps(meta, indent=2, sort_keys=True) + "\n").encode())
     rng_tensors, rng_metadata = _rng_state()
     _write_safetensors(tmp_dir / rng_file(rank), rng_tensors, rng_metadata)
 
@@ -229,7 +231,7 @@ def load_checkpoint(
             f"{ckpt_dir} has checkpoint format {meta.get('format_version')}, this trainer reads {FORMAT_VERSION}"
         )
 
-    _load_model_state(_unwrap(model), ckpt_dir / MODEL_FILE)
+    _load_model_state(replicated_model(model), ckpt_dir / MODEL_FILE)
     if optimizer is not None:
         if not meta["has_optimizer"]:
             raise ValueError(f"{ckpt_dir} holds no optimizer state; pass optimizer=None to load without one")
@@ -286,122 +288,20 @@ def prune_checkpoints(
         path = step_dir(root, step)
         trash = root / f"{path.name}.trash-{os.getpid()}"
         os.rename(path, trash)
-        _fsync_dir(root)
+        fsync_dir(root)
         shutil.rmtree(trash)
     if deleted:
         log.info("pruned checkpoints", root=str(root), steps=deleted)
     return deleted
 
 
-# ---------------------------------------------------------------------------------------------------- export
-
-
-def export_hf_weights(
-    model: torch.nn.Module,
-    tokenizer_or_dir: Any | str | os.PathLike[str] | None,
-    out_dir: str | os.PathLike[str],
-) -> Path:
-    """Write `model` as a Hugging Face model directory (config, safetensors, tokenizer) that
-    `AutoModelForCausalLM.from_pretrained` and vLLM load, atomically (temp + STABLE + rename) to `out_dir`,
-    e.g. `{output_dir}/weights/step_{N}`; an existing `out_dir` is replaced.
-
-    A peft model is exported with its adapters merged into the base weights, computed without changing the
-    training model. `tokenizer_or_dir` is a tokenizer, a directory to load one from, or None for no tokenizer.
-    """
-    out_dir = Path(out_dir)
-    model = _unwrap(model)
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    leftovers = sorted(out_dir.parent.glob(f"{out_dir.name}.tmp-*")) + sorted(
-        out_dir.parent.glob(f"{out_dir.name}.trash-*"))
-    for leftover in leftovers:
-        shutil.rmtree(leftover, ignore_errors=True)
-    if leftovers:
-        log.info("removed leftovers of an interrupted weight export", dirs=[p.name for p in leftovers])
-    tmp_dir = out_dir.parent / f"{out_dir.name}.tmp-{os.getpid()}"
-    tmp_dir.mkdir()
-    try:
-        if _is_peft(model):
-            base = model.get_base_model()
-            base.save_pretrained(str(tmp_dir), state_dict=_merged_state_dict(base))
-        else:
-            model.save_pretrained(str(tmp_dir))
-        if tokenizer_or_dir is not None:
-            tokenizer = tokenizer_or_dir
-            if isinstance(tokenizer_or_dir, (str, os.PathLike)):
-                from transformers import AutoTokenizer
-
-                tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_or_dir))
-            tokenizer.save_pretrained(str(tmp_dir))
-        for path in sorted(tmp_dir.rglob("*")):
-            if path.is_file():
-                _fsync_path(path)
-        _write_bytes(tmp_dir / STABLE_FILE, b"")
-        _commit_dir(tmp_dir, out_dir)
-    except BaseException:
-        shutil.rmtree(tmp_dir, ignore_errors=True)
-        raise
-    log.info("exported weights", path=str(out_dir))
-    return out_dir
-
-
-def _merged_state_dict(base: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """HF-named state dict of a peft-injected model with every active LoRA adapter added to its base weight."""
-    from peft.tuners.lora import LoraLayer
-
-    merged_weights: dict[str, torch.Tensor] = {}
-    for module_name, module in base.named_modules():
-        if not isinstance(module, LoraLayer) or module.merged:
-            continue  # an already-merged layer holds the sum in its base weight
-        adapters = [name for name in module.active_adapters if name in module.lora_A or name in
-                    getattr(module, "lora_embedding_A", {})]
-        if not adapters:
-            continue
-        for name in adapters:
-            if module.use_dora.get(name) or getattr(module, "lora_bias", {}).get(name):
-                raise ValueError(f"export of DoRA / LoRA-bias adapters is not supported ({module_name})")
-        weight = module.get_base_layer().weight.detach()
-        delta = sum(module.get_delta_weight(name) for name in adapters)
-        merged_weights[f"{module_name}.base_layer.weight"] = (weight + delta.to(weight.dtype)).detach()
-
-    state: dict[str, torch.Tensor] = {}
-    for key, tensor in base.state_dict().items():
-        if key in merged_weights:
-            tensor = merged_weights[key]
-        parts = key.split(".")
-        if any(part.startswith("lora_") for part in parts):
-            continue
-        if "modules_to_save" in parts or "original_module" in parts:
-            raise ValueError(f"export of peft modules_to_save is not supported ({key})")
-        state[".".join(part for part in parts if part != "base_layer")] = tensor.detach()
-    return state
-
-
 # ---------------------------------------------------------------------------------------------------- model state
-
-
-def _unwrap(model: torch.nn.Module) -> torch.nn.Module:
-    if isinstance(model, torch.nn.parallel.DistributedDataParallel):
-        model = model.module
-    try:
-        from torch.distributed.tensor import DTensor
-    except ImportError:  # a torch build without distributed support has no sharded models either
-        return model
-    if any(isinstance(param, DTensor) for param in model.parameters()):
-        raise ValueError(
-            "the model has sharded (FSDP2 / DTensor) parameters; these checkpoints handle replicated models "
-            "(one rank or DDP) only"
-        )
-    return model
-
-
-def _is_peft(model: torch.nn.Module) -> bool:
-    return hasattr(model, "peft_config") and hasattr(model, "get_base_model")
 
 
 def _model_state(model: torch.nn.Module) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
     """Tensors to save (CPU, tied duplicates stored once) and safetensors metadata describing them."""
     metadata = {"format": "pt"}
-    if _is_peft(model):
+    if is_peft_model(model):
         trainable = {name for name, param in model.named_parameters() if param.requires_grad}
         source = {name: t for name, t in model.state_dict().items() if name in trainable}
         metadata["model_kind"] = MODEL_KIND_PEFT
@@ -435,7 +335,7 @@ def _load_model_state(model: torch.nn.Module, path: Path) -> None:
     for alias, name in json.loads(metadata.get("aliases", "{}")).items():
         state[alias] = state[name]
     kind = metadata.get("model_kind")
-    expected = MODEL_KIND_PEFT if _is_peft(model) else MODEL_KIND_FULL
+    expected = MODEL_KIND_PEFT if is_peft_model(model) else MODEL_KIND_FULL
     if kind != expected:
         raise ValueError(f"{path} holds a {kind!r} model state but the model to load into is {expected!r}")
     if kind == MODEL_KIND_FULL:
@@ -510,29 +410,6 @@ def _check_rank(rank: int, world_size: int) -> None:
         raise ValueError(f"need 0 <= rank < world_size, got rank={rank}, world_size={world_size}")
 
 
-def _fsync_path(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _write_bytes(path: Path, data: bytes) -> None:
-    with open(path, "xb") as handle:
-        handle.write(data)
-        handle.flush()
-        os.fsync(handle.fileno())
-
-
 def _write_torch(path: Path, obj: Any) -> None:
     with open(path, "xb") as handle:
         torch.save(obj, handle)
@@ -548,19 +425,4 @@ def _write_safetensors(path: Path, tensors: dict[str, torch.Tensor], metadata: d
     from safetensors.torch import save_file
 
     save_file(tensors, str(path), metadata=metadata)
-    _fsync_path(path)
-
-
-def _commit_dir(tmp_dir: Path, final_dir: Path) -> None:
-    """fsync `tmp_dir`, rename it to `final_dir` (replacing an existing one) and fsync the parent."""
-    _fsync_dir(tmp_dir)
-    parent = final_dir.parent
-    if final_dir.exists():
-        trash = parent / f"{final_dir.name}.trash-{os.getpid()}"
-        os.rename(final_dir, trash)
-        os.rename(tmp_dir, final_dir)
-        _fsync_dir(parent)
-        shutil.rmtree(trash)
-    else:
-        os.rename(tmp_dir, final_dir)
-    _fsync_dir(parent)
+    fsync_file(path)

@@ -98,6 +98,22 @@ def unwrap_model(model: torch.nn.Module) -> torch.nn.Module:
     return getattr(model, "module", model)
 
 
+def replicated_model(model: torch.nn.Module) -> torch.nn.Module:
+    """The module under DDP, for what reads the whole model on one rank (checkpoints, weight export); a model with
+    sharded (FSDP2 / DTensor) parameters is a ``ValueError``."""
+    model = unwrap_model(model)
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # a torch build without distributed support has no sharded models either
+        return model
+    if any(isinstance(param, DTensor) for param in model.parameters()):
+        raise ValueError(
+            "the model has sharded (FSDP2 / DTensor) parameters; these checkpoints handle replicated models "
+            "(one rank or DDP) only"
+        )
+    return model
+
+
 def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
     """The transformer blocks of a Hugging Face causal LM (through a peft wrapper if any)."""
     for module in model.modules():

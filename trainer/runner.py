@@ -52,7 +52,7 @@ Riding through a broker outage: control calls (register, commit, metrics) wait u
 gives up with ``BrokerLost`` once the broker has been unreachable for longer than ``broker.outage_s``. When the
 broker says the run is over (``shutdown_requested``) the trainer stops within a few seconds, exit 0.
 
-Every "step done" line carries ``data_digest`` (``primerl.runtime.data_digest`` of rank 0's micro-batches as
+Every "step done" line carries ``data_digest`` (``primerl.proto.step_digest`` of rank 0's micro-batches as
 received), the same digest the orchestrator logs in its ``step sent`` line.
 """
 
@@ -64,7 +64,7 @@ import time
 import torch
 
 from primerl.client.rollouts import FetchStopped
-from primerl.runtime.data_digest import data_digest
+from primerl.proto.step_digest import data_digest
 from primerl.runtime.log_setup import bind_context, get_logger
 from primerl.runtime.metrics_sink import MetricsSink, finite_values
 from primerl.runtime.prometheus import MetricsExporter, start_exporter
@@ -344,7 +344,7 @@ class TrainerRunner:
 
     def _export_weights(self, step: int) -> float:
         """Rank 0: the model as Hugging Face weights in ``{output_dir}/weights/step_{step}``; returns seconds."""
-        from primerl.trainer.checkpoint import export_hf_weights
+        from primerl.trainer.weights_export import export_hf_weights
 
         started_s = time.perf_counter()
         export_hf_weights(unwrap_model(self.model), self.config.tokenizer.name,

@@ -89,7 +89,8 @@ def _train(config: SFTConfig, dist_info: DistInfo, parallel: str, stop_event: th
            sink: MetricsSink | None) -> SFTResult:
     from transformers import AutoTokenizer
 
-    from primerl.trainer.checkpoint import export_hf_weights, latest_checkpoint, load_checkpoint
+    from primerl.trainer.checkpoint import latest_checkpoint, load_checkpoint
+    from primerl.trainer.weights_export import export_hf_weights
     from primerl.trainer.model import load_model
     from primerl.trainer.optim import build_optimizer, build_scheduler
 

@@ -12,10 +12,8 @@ import sys
 import time
 from pathlib import Path
 
-import httpx
 import numpy as np
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
 from primerl.broker.config import BrokerConfig
 from primerl.client.control import ControlClient
@@ -25,15 +23,9 @@ from primerl.client.weights import WeightPublisher, WeightSubscriber
 from primerl.proto import tensor_frames
 from primerl.proto.v1 import data_pb2
 from primerl.runtime.config_common import BrokerClientConfig
+from support.probes import scrape_metrics as scrape
 
 BIN = Path(sys.executable).parent
-
-
-def scrape(url: str) -> dict[tuple[str, tuple], float]:
-    """``{(sample name, sorted labels): value}`` of one scrape."""
-    text = httpx.get(url, timeout=10).text
-    return {(sample.name, tuple(sorted(sample.labels.items()))): sample.value
-            for family in text_string_to_metric_families(text) for sample in family.samples}
 
 
 def workers(samples: dict, role: str) -> float:
@@ -41,14 +33,8 @@ def workers(samples: dict, role: str) -> float:
 
 
 @pytest.fixture
-def broker(tmp_path):
-    service = BrokerService(BrokerConfig(grpc_port=0, rollout_port=0, weight_port=0, spool_dir=tmp_path / "spool",
-                                         run_id="metrics-test", heartbeat_interval_s=0.2))
-    service.start()
-    try:
-        yield service
-    finally:
-        service.stop(grace_s=1.0)
+def broker(make_broker) -> BrokerService:
+    return make_broker(run_id="metrics-test", heartbeat_interval_s=0.2).service
 
 
 def test_metrics_follow_registrations_rollouts_weights_and_commits(broker):

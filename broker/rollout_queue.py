@@ -52,7 +52,8 @@ from primerl.broker.rollout_results import (
     Stale,
     StepDone,
 )
-from primerl.broker.spool import PREFIX_BYTES, RolloutSpool, SpoolCorruption
+from primerl.broker.spool import RolloutSpool, SpoolCorruption
+from primerl.broker.spool_format import PREFIX_BYTES
 from primerl.proto.batch_ids import default_batch_id
 from primerl.proto.v1 import common_pb2, data_pb2
 from primerl.runtime.log_setup import get_logger

@@ -40,9 +40,7 @@ atomically the same way. Batches of steps at or below it are deleted.
 from __future__ import annotations
 
 import fcntl
-import hashlib
 import os
-import struct
 import threading
 import time
 from collections import OrderedDict
@@ -51,25 +49,30 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from google.protobuf.message import DecodeError
-
+from primerl.broker.spool_format import (
+    BATCH_SUFFIX,
+    MAGIC,
+    MAX_HEADER_BYTES,
+    PREFIX,
+    DamagedBatchFile,
+    as_byte_view,
+    batch_file_name,
+    parse_header,
+    read_batch_file,
+)
 from primerl.proto.framing import compute_checksum
+from primerl.proto.units import MiB
 from primerl.proto.v1 import data_pb2
-from primerl.runtime.durable_files import fsync_dir
+from primerl.runtime.durable_files import fsync_dir, write_files_atomically
 from primerl.runtime.log_setup import get_logger
 
 log = get_logger("primerl.broker.spool")
 
-MAGIC = b"PRMLRB01"
-PREFIX = struct.Struct("<8sIQI")  # magic, header_len, payload_len, crc32
-PREFIX_BYTES = PREFIX.size  # 24
-BATCH_SUFFIX = ".rbatch"
-TEMP_SUFFIX = ".tmp"
+TEMP_SUFFIX = ".tmp"  # of the temporary files of atomic writes (``write_files_atomically``)
 QUARANTINE_DIR = "quarantine"
 COMMITTED_FILE = "COMMITTED"
 LOCK_FILE = "LOCK"
-MAX_HEADER_BYTES = 16 << 20
-DEFAULT_CACHE_MAX_BYTES = 256 << 20
+DEFAULT_CACHE_MAX_BYTES = 256 * MiB
 
 
 class SpoolError(RuntimeError):
@@ -93,66 +96,6 @@ class SpoolEntry:
     path: Path
     payload_bytes: int
     file_bytes: int
-
-
-def batch_file_name(batch_id: str) -> str:
-    """Fixed-length, filesystem-safe name of a batch's file (the batch id itself is inside the file)."""
-    return hashlib.sha256(batch_id.encode()).hexdigest()[:40] + BATCH_SUFFIX
-
-
-def _write_parts(handle: Any, parts: Iterable[Any]) -> int:
-    num_bytes = 0
-    for part in parts:
-        view = memoryview(part).cast("B")
-        while view.nbytes:
-            written = handle.write(view)
-            num_bytes += written
-            view = view[written:]
-    return num_bytes
-
-
-def _temp_path(directory: Path, name: str) -> Path:
-    return directory / f".{name}.{os.getpid()}.{threading.get_ident()}{TEMP_SUFFIX}"
-
-
-def _write_atomic(directory: Path, name: str, parts: Iterable[Any]) -> int:
-    """Write ``parts`` to ``directory/name`` via temp file + fsync + rename + directory fsync; returns bytes."""
-    return _write_group(directory, [(name, parts)])[0]
-
-
-def _write_group(directory: Path, files: Sequence[tuple[str, Iterable[Any]]]) -> list[int]:
-    """Write several files atomically with one directory fsync: write every temp file, fsync each, rename
-    each, fsync the directory. Returns the bytes of each file. On an error no temp file is left behind
-    (files already renamed stay: each is whole)."""
-    temps: list[tuple[Path, Path]] = []
-    sizes: list[int] = []
-    try:
-        handles = []
-        try:
-            for name, parts in files:
-                temp = _temp_path(directory, name)
-                handle = open(temp, "wb", buffering=0)
-                handles.append(handle)
-                temps.append((temp, directory / name))
-                sizes.append(_write_parts(handle, parts))
-            for handle in handles:
-                os.fsync(handle.fileno())
-        finally:
-            for handle in handles:
-                handle.close()
-        for temp, final in temps:
-            os.replace(temp, final)
-    except BaseException:
-        for temp, _ in temps:
-            temp.unlink(missing_ok=True)
-        raise
-    fsync_dir(directory)
-    return sizes
-
-
-def _as_view(data: Any) -> memoryview:
-    view = memoryview(getattr(data, "buffer", data))
-    return view if view.format == "B" and view.ndim == 1 else view.cast("B")
 
 
 class RolloutSpool:
@@ -248,7 +191,7 @@ class RolloutSpool:
                 raise ValueError("batch_id must not be empty")
             if len(header_bytes) > MAX_HEADER_BYTES:
                 raise ValueError(f"batch header of {len(header_bytes)} bytes exceeds {MAX_HEADER_BYTES}")
-            header = _parse_header(header_bytes)
+            header = parse_header(header_bytes)
             if header is None or header.batch_id != batch_id:
                 raise ValueError(f"header_bytes must be a RolloutBatchHeader with batch_id {batch_id!r}")
             with self._lock:
@@ -257,7 +200,7 @@ class RolloutSpool:
                 prepared.append(None)
                 continue
             seen.add(batch_id)
-            view = _as_view(payload).toreadonly()
+            view = as_byte_view(payload).toreadonly()
             if crc32 is None:
                 crc32 = compute_checksum(data_pb2.ROLLOUT_BATCH, header_bytes, [view])
             prepared.append((batch_id, header, bytes(header_bytes), view, crc32))
@@ -266,7 +209,7 @@ class RolloutSpool:
         if not files:
             return [False] * len(prepared)
         try:
-            sizes = iter(_write_group(self.directory, files))
+            sizes = iter(write_files_atomically(self.directory, files))
         except OSError as exc:
             raise SpoolError(f"cannot write {len(files)} batch(es) to {self.directory}: {exc}") from exc
         written: list[bool] = []
@@ -381,7 +324,7 @@ class RolloutSpool:
         self._check_loaded()
         if step < 0:
             raise ValueError(f"step must be >= 0, got {step}")
-        _write_atomic(self.directory, COMMITTED_FILE, [f"{step}\n".encode()])
+        write_files_atomically(self.directory, [(COMMITTED_FILE, [f"{step}\n".encode()])])
         with self._lock:
             self._committed_step = step
 
@@ -449,31 +392,11 @@ class RolloutSpool:
         return step
 
     def _read_file(self, path: Path, *, verify: bool) -> tuple[SpoolEntry, memoryview, int, bytes]:
-        with open(path, "rb", buffering=0) as handle:
-            file_bytes = os.fstat(handle.fileno()).st_size
-            if file_bytes < PREFIX_BYTES:
-                self._quarantine(path, f"file of {file_bytes} bytes is shorter than the {PREFIX_BYTES}-byte prefix")
-            magic, header_len, payload_len, crc = PREFIX.unpack(handle.read(PREFIX_BYTES))
-            if magic != MAGIC:
-                self._quarantine(path, f"magic {magic!r} is not {MAGIC!r}")
-            if header_len > MAX_HEADER_BYTES or PREFIX_BYTES + header_len + payload_len != file_bytes:
-                self._quarantine(path, f"lengths (header {header_len}, payload {payload_len}) do not add up to the file size {file_bytes}")
-            buffer = bytearray(header_len + payload_len)
-            view = memoryview(buffer)
-            filled = 0
-            while filled < len(buffer):
-                num = handle.readinto(view[filled:])
-                if not num:
-                    self._quarantine(path, "file ended early")
-                filled += num
-        header_bytes = bytes(view[:header_len])
-        payload = view[header_len:]
-        if verify and compute_checksum(data_pb2.ROLLOUT_BATCH, header_bytes, [payload]) != crc:
-            self._quarantine(path, "CRC-32 does not match (torn or damaged write)")
-        header = _parse_header(header_bytes)
-        if header is None or not header.batch_id:
-            self._quarantine(path, "header is not a RolloutBatchHeader with a batch id")
-        entry = SpoolEntry(header.batch_id, header, path, payload_len, file_bytes)
+        try:
+            header, header_bytes, payload, crc, file_bytes = read_batch_file(path, verify=verify)
+        except DamagedBatchFile as exc:
+            self._quarantine(path, str(exc))
+        entry = SpoolEntry(header.batch_id, header, path, payload.nbytes, file_bytes)
         return entry, payload, crc, header_bytes
 
     def _quarantine(self, path: Path, reason: str) -> None:
@@ -490,12 +413,3 @@ class RolloutSpool:
         log.error("spool: damaged batch file quarantined", path=str(path), reason=reason,
                   moved_to=str(target) if target else None)
         raise SpoolCorruption(f"{path}: {reason}")
-
-
-def _parse_header(header_bytes: bytes) -> data_pb2.RolloutBatchHeader | None:
-    header = data_pb2.RolloutBatchHeader()
-    try:
-        header.ParseFromString(header_bytes)
-    except DecodeError:
-        return None
-    return header

@@ -9,6 +9,8 @@ import pytest
 import structlog
 
 from primerl.broker import spool as spool_module
+from primerl.broker.spool_format import PREFIX_BYTES
+from primerl.runtime import durable_files
 from primerl.broker.spool import BatchGone, RolloutSpool, SpoolCorruption, SpoolError, batch_file_name
 from primerl.proto import tensor_frames as tf
 from primerl.proto.v1 import data_pb2
@@ -36,7 +38,7 @@ def test_put_get_round_trip_and_sizes(spool):
     assert header.batch_id == batch_id and header.step == 1
     assert bytes(data) == payload
     assert spool.num_batches == 1
-    assert spool.num_bytes == spool_module.PREFIX_BYTES + len(header_bytes) + len(payload)
+    assert spool.num_bytes == PREFIX_BYTES + len(header_bytes) + len(payload)
     assert (spool.directory / batch_file_name(batch_id)).stat().st_size == spool.num_bytes
 
 
@@ -221,8 +223,8 @@ def test_put_many_writes_a_group_durably_and_skips_repeats(spool, monkeypatch):
     batches = [make_batch(index=i, num=4) for i in range(3)]
     assert spool.put(batches[0][2], batches[0][0], batches[0][1])
     dir_fsyncs = []
-    real_fsync_dir = spool_module.fsync_dir
-    monkeypatch.setattr(spool_module, "fsync_dir", lambda d: (dir_fsyncs.append(d), real_fsync_dir(d)))
+    real_fsync_dir = durable_files.fsync_dir
+    monkeypatch.setattr(durable_files, "fsync_dir", lambda d: (dir_fsyncs.append(d), real_fsync_dir(d)))
     records = [(b, h, p, None) for h, p, b in batches] + [(batches[1][2], batches[1][0], batches[1][1], None)]
     assert spool.put_many(records) == [False, True, True, False]  # already spooled; new; new; repeat in the group
     assert len(dir_fsyncs) == 1  # one directory fsync for the whole group

@@ -6,7 +6,8 @@ import argparse
 import signal
 import threading
 
-from primerl.cli.role_entry import run_role, write_ready_file
+from primerl.cli.role_entry import run_role
+from primerl.proto.ready_file import write_ready_file
 
 
 def serve(config, args: argparse.Namespace) -> int:
@@ -31,7 +32,7 @@ def serve(config, args: argparse.Namespace) -> int:
         return 1
     try:
         if args.ready_file is not None:
-            write_ready_file(args.ready_file, {**endpoints.as_dict(), "role": "broker"})
+            write_ready_file(args.ready_file, "broker", endpoints.as_dict())
         return service.serve_until(stop_event)
     finally:
         service.stop(grace_s=5.0)

@@ -9,7 +9,8 @@ import shutil
 import signal
 import sys
 
-from primerl.cli.role_entry import run_role, write_ready_file
+from primerl.cli.role_entry import run_role
+from primerl.proto.ready_file import write_ready_file
 
 STOP_GRACE_S = 10.0
 SHUTDOWN_GRACE_S = 4.0
@@ -50,8 +51,8 @@ async def _serve(config, args: argparse.Namespace, log) -> int:
         loop.add_signal_handler(signum, on_signal, signum)
     try:
         if args.ready_file is not None:
-            write_ready_file(args.ready_file, {"role": "inference", "http_port": address.port,
-                                               "base_url": address.base_url, "worker_id": service.control.worker_id})
+            write_ready_file(args.ready_file, "inference", {"http_port": address.port, "base_url": address.base_url,
+                                                            "worker_id": service.control.worker_id})
         return await service.serve_until(stop_event)
     finally:
         await service.stop(grace_s=SHUTDOWN_GRACE_S if service.stopped_by_broker else STOP_GRACE_S)

@@ -57,6 +57,7 @@ from primerl.runtime.config_loader import write_toml
 from primerl.runtime.cpu_budget import ThreadsConfig, available_cpus, default_budgets, describe, fill_budget, role_env
 from primerl.runtime.run_metrics import read_run_rows
 from primerl.cli.process_supervisor import ChildFailed, ChildProcess, Supervisor
+from primerl.proto.ready_file import READY_FILE_NAMES, ready_file_path
 
 RUN_TOKEN_ENV = "PRIMERL_RUN_TOKEN"
 BIN = Path(sys.executable).parent
@@ -66,7 +67,6 @@ CHECK_INTERVAL_S = 0.2
 """How often the supervising loop looks at the children (the progress line refreshes every progress_interval_s)."""
 FINISH_WAIT_S = 60.0
 """How long an inference worker that exited 0 (the broker said the run is over) may precede the trainer's exit."""
-READY_FILES = {"broker": "broker.ready.json", "inference": "inference.ready.json"}
 EARLY_STOP_TIMEOUT_S = 10.0
 """Before the run is under way, how long a role may take to stop (it stops at once; the bound covers a stop that
 lands in a library call that holds the signal off) before it is killed; ``--stop-timeout-s`` applies afterwards."""
@@ -201,7 +201,7 @@ class Launcher:
             return 2
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.logs_dir.mkdir(parents=True, exist_ok=True)
-        for stale in ("broker.ready.json", "inference.ready.json", RUN_FILE_NAME):
+        for stale in (*READY_FILE_NAMES.values(), RUN_FILE_NAME):
             (self.run_dir / stale).unlink(missing_ok=True)
         roles = config.role_configs()
         self.budgets = self._thread_budgets(roles)
@@ -212,7 +212,7 @@ class Launcher:
         if self.options.tmux:
             self._open_tmux(["broker", "inference", "orchestrator", "trainer"])
 
-        broker_ready = self.run_dir / "broker.ready.json"
+        broker_ready = ready_file_path(self.run_dir, "broker")
         broker = self._child("broker", [BIN / "primerl-broker", "@", paths["broker"], "--ready-file", broker_ready])
         endpoints = self.supervisor.wait_ready_file(broker, broker_ready, self.options.broker_timeout_s)
         if endpoints is None:
@@ -229,7 +229,7 @@ class Launcher:
                     update={"broker": roles[role].broker.model_copy(update={"address": address})})
                 write_toml(_without_token(roles[role]), paths[role])
 
-        inference_ready = self.run_dir / "inference.ready.json"
+        inference_ready = ready_file_path(self.run_dir, "inference")
         inference = self._child("inference", [BIN / "primerl-infer", "@", paths["inference"], "--ready-file",
                                               inference_ready], config.inference_gpu_ids)
         # The trainer only needs the broker: it loads its model while vLLM starts.
@@ -381,7 +381,7 @@ class Launcher:
         return False
 
     def _restart(self, child: ChildProcess) -> None:
-        ready_file = READY_FILES.get(child.name)
+        ready_file = READY_FILE_NAMES.get(child.name)
         if ready_file is not None:
             (self.run_dir / ready_file).unlink(missing_ok=True)
         ckpt = getattr(self.roles["trainer"], "ckpt", None) if child.name == "trainer" else None
@@ -401,7 +401,7 @@ class Launcher:
         """Say when a restarted broker or inference server is ready again, and how long after its exit."""
         for name, exited_s in list(self.restarted_s.items()):
             child = self.supervisor.children[name]
-            ready_file = READY_FILES.get(name)
+            ready_file = READY_FILE_NAMES.get(name)
             if name in self.pending_restarts or ready_file is None or not (self.run_dir / ready_file).exists():
                 continue
             ready_s = time.monotonic() - child.started_s  # child.ready_s stays the first start's (the summary's)
@@ -543,4 +543,3 @@ class Launcher:
 def _url_port(url: str | None) -> int | None:
     match = re.match(r"^[a-z]+://[^/]*:(\d+)(/|$)", url or "")
     return int(match.group(1)) if match else None
-

@@ -25,6 +25,7 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
 from primerl.cli import process_reaper
+from primerl.proto.ready_file import read_ready_file
 
 POLL_INTERVAL_S = 0.1
 PR_SET_PDEATHSIG = 1
@@ -196,9 +197,10 @@ class Supervisor:
         poll (a launcher looks after its other children there; it may raise)."""
         deadline = time.monotonic() + timeout_s
         while True:
-            if ready_file.exists():
+            ready = read_ready_file(ready_file)
+            if ready is not None:
                 child.ready_s = time.monotonic() - child.started_s
-                return json.loads(ready_file.read_text())
+                return ready
             if child.poll() is not None:
                 raise ChildFailed(child, f"{child.name} {child.describe_exit()} before it was ready")
             for other in watch:

@@ -1,7 +1,7 @@
 """What the role daemons' entry points share: config loading from `@ file.toml` and overrides, `--dry-run`
-printing the resolved config, `--ready-file` for launchers, the run token from `$PRIMERL_RUN_TOKEN`, and the
-preflight checks of the role before it starts (`primerl.cli.preflight`; skipped under `primerl rl`, which ran
-them for every role)."""
+printing the resolved config, `--ready-file` for launchers (its format: `primerl.proto.ready_file`), the run
+token from `$PRIMERL_RUN_TOKEN`, and the preflight checks of the role before it starts (`primerl.cli.preflight`;
+skipped under `primerl rl`, which ran them for every role)."""
 
 from __future__ import annotations
 
@@ -90,13 +90,3 @@ def run_role(
     if status is not None:
         return status
     return serve(config, args)
-
-
-def write_ready_file(path: Path, info: dict[str, object]) -> None:
-    """Write ``info`` (plus the pid) as JSON to ``path`` atomically: a reader sees all of it or nothing."""
-    import json
-
-    path.parent.mkdir(parents=True, exist_ok=True)
-    temporary = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    temporary.write_text(json.dumps({**info, "pid": os.getpid()}))
-    os.replace(temporary, path)

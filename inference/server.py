@@ -45,6 +45,7 @@ from typing import TYPE_CHECKING, Any
 
 from primerl.inference.config import InferenceConfig
 from primerl.inference.engine import EngineOptions, apply_env_defaults, is_cpu_platform, resolve_llm_kwargs
+from primerl.proto.env_protocol import POLICY_VERSION_END_HEADER, POLICY_VERSION_HEADER
 from primerl.runtime.log_setup import get_logger
 
 if TYPE_CHECKING:
@@ -53,8 +54,6 @@ if TYPE_CHECKING:
 
 log = get_logger("primerl.inference.server")
 
-POLICY_VERSION_HEADER = "x-primerl-policy-version"
-POLICY_VERSION_END_HEADER = "x-primerl-policy-version-end"
 WORKER_EXTENSION_CLS = "primerl.inference.worker_extension.PolicyWorkerExtension"
 DEFAULT_MAX_LORA_RANK = 16
 

@@ -1,5 +1,5 @@
 """The orchestrator's side of an env worker: starts `env_worker.py` with the environments' interpreter and talks
-to it over JSON lines (the protocol is documented in `env_worker.py`). Imports no verifiers.
+to it over JSON lines (the protocol: `primerl.proto.env_protocol`). Imports no verifiers.
 
     worker = EnvWorker("/path/.venv-envs/bin/python", "reverse-text", {"num_examples": 2000})
     info = worker.start()                 # spawn, ping, load: EnvInfo
@@ -40,12 +40,21 @@ from primerl.orchestrator.trajectory import (
     as_wire_sampling,
     parse_group,
 )
+from primerl.proto.env_protocol import (
+    OP_CANCEL,
+    OP_EXAMPLES,
+    OP_LOAD,
+    OP_PING,
+    OP_ROLLOUT,
+    OP_SHUTDOWN,
+    PROTOCOL_VERSION,
+    request_line,
+)
 from primerl.runtime.log_setup import get_logger
 
 log = get_logger("primerl.orchestrator.env")
 
 WORKER_SCRIPT = Path(__file__).with_name("env_worker.py")
-PROTOCOL_VERSION = 1
 WATCHDOG_INTERVAL_S = 0.5
 
 
@@ -130,7 +139,7 @@ class EnvWorker:
         ]
         for thread in self._threads:
             thread.start()
-        pong = self._call("ping", {}, self.start_timeout_s)
+        pong = self._call(OP_PING, {}, self.start_timeout_s)
         if pong.get("protocol_version") != PROTOCOL_VERSION:
             self.close()
             raise EnvWorkerError(
@@ -139,7 +148,7 @@ class EnvWorker:
         return self.load()
 
     def load(self) -> EnvInfo:
-        result = self._call("load", {"env_id": self.env_id, "args": self.args}, self.start_timeout_s)
+        result = self._call(OP_LOAD, {"env_id": self.env_id, "args": self.args}, self.start_timeout_s)
         self.info = EnvInfo(**{k: result[k] for k in EnvInfo.__dataclass_fields__ if k in result})
         return self.info
 
@@ -185,7 +194,7 @@ class EnvWorker:
         self._closed.set()
         if process.poll() is None and self._dead_reason is None:
             try:
-                self._send({"id": next(self._ids), "op": "shutdown"})
+                self._send((next(self._ids), OP_SHUTDOWN, {}))
                 if process.stdin is not None:
                     process.stdin.close()
             except (OSError, ValueError):
@@ -222,10 +231,10 @@ class EnvWorker:
 
     # requests ----------------------------------------------------------------------------------------------------
     def ping(self, timeout_s: float = 10.0) -> dict[str, Any]:
-        return self._call("ping", {}, timeout_s)
+        return self._call(OP_PING, {}, timeout_s)
 
     def examples(self, split: Split = "train", start: int = 0, count: int = 1) -> list[Example]:
-        result = self._call("examples", {"split": split, "start": start, "count": count}, self.request_timeout_s)
+        result = self._call(OP_EXAMPLES, {"split": split, "start": start, "count": count}, self.request_timeout_s)
         return [Example(**example) for example in result["examples"]]
 
     def submit_rollout(self, example_index: int, *, num_rollouts: int, base_url: str, model: str,
@@ -253,7 +262,7 @@ class EnvWorker:
             "max_concurrent": max_concurrent or num_rollouts, "http_timeout_s": timeout_s + 5.0,
         }
         submitted_s = time.monotonic()
-        raws = self._submit_many("rollout", [{"example_index": i, **common} for i in example_indices], timeout_s)
+        raws = self._submit_many(OP_ROLLOUT, [{"example_index": i, **common} for i in example_indices], timeout_s)
         groups = []
         for raw in raws:
             group: concurrent.futures.Future[RolloutGroup] = concurrent.futures.Future()
@@ -286,7 +295,7 @@ class EnvWorker:
         request_id = getattr(future, "request_id", None)
         if request_id is not None and self.is_alive():
             try:
-                self._send({"id": next(self._ids), "op": "cancel", "target_id": request_id})
+                self._send((next(self._ids), OP_CANCEL, {"target_id": request_id}))
             except EnvWorkerDied:
                 pass
 
@@ -320,7 +329,7 @@ class EnvWorker:
             with self._lock:
                 self._pending[request_id] = _Pending(op, future, deadline)
             futures.append(future)
-            messages.append({"id": request_id, "op": op, **params})
+            messages.append((request_id, op, params))
         try:
             self._send(*messages)
         except EnvWorkerDied as exc:
@@ -331,9 +340,10 @@ class EnvWorker:
                 future.set_exception(exc)
         return futures
 
-    def _send(self, *messages: dict[str, Any]) -> None:
+    def _send(self, *requests: tuple[int, str, dict[str, Any]]) -> None:
+        """Write ``(request id, op, params)`` requests to the worker in one write."""
         process = self._process
-        data = "".join(json.dumps(message) + "\n" for message in messages).encode()
+        data = "".join(request_line(*request) for request in requests).encode()
         try:
             with self._write_lock:
                 assert process is not None and process.stdin is not None
@@ -397,9 +407,9 @@ class EnvWorker:
             for rid, pending in expired:
                 pending.future.set_exception(EnvRequestTimeout(
                     f"{pending.op} request {rid} to the env worker of {self.env_id!r} passed its deadline"))
-                if pending.op == "rollout" and process.poll() is None:
+                if pending.op == OP_ROLLOUT and process.poll() is None:
                     try:
-                        self._send({"id": next(self._ids), "op": "cancel", "target_id": rid})
+                        self._send((next(self._ids), OP_CANCEL, {"target_id": rid}))
                     except EnvWorkerDied:
                         pass
             if process.poll() is not None:

@@ -15,10 +15,8 @@
 5. A rank left without samples (fewer samples than ranks) gets one padding micro-batch: a single ``pad_token_id``
    token with no loss, so that every rank has a micro-batch for the step, as the trainer requires.
 
-Micro-batch tensors, as ``primerl.trainer.batch.MicroBatch`` reads them: ``input_ids`` int64, ``position_ids``
-int64 (0 where each sample starts), ``loss_mask`` bool, ``advantages`` float32 (the sample's advantage on all of
-its tokens; only loss tokens use it), ``inference_logprobs`` float32, ``temperatures`` float32, ``policy_versions``
-int64, and ``teacher_logprobs`` float32 when every sample has them.
+Micro-batch tensors: the schema of ``primerl.proto.micro_batch`` (names and dtypes), which the trainer's
+``MicroBatch`` reads; ``policy_versions`` always, ``teacher_logprobs`` when every sample has them.
 """
 
 from __future__ import annotations
@@ -31,6 +29,7 @@ from typing import Any, Literal
 import numpy as np
 
 from primerl.orchestrator.samples import TrainingSample
+from primerl.proto.micro_batch import TENSOR_DTYPES
 
 OverlongPolicy = Literal["truncate", "reject"]
 
@@ -141,18 +140,14 @@ def _equalize_bin_counts(bins: list[list[int]], target: int, lengths: Sequence[i
 
 def _sample_arrays(sample: TrainingSample, seq_len: int, with_teacher: bool) -> dict[str, np.ndarray]:
     end = min(sample.num_tokens, seq_len)
-    arrays = {
-        "input_ids": np.asarray(sample.token_ids[:end], dtype=np.int64),
-        "position_ids": np.arange(end, dtype=np.int64),
-        "loss_mask": np.asarray(sample.loss_mask[:end], dtype=bool),
-        "advantages": np.full(end, sample.advantage, dtype=np.float32),
-        "inference_logprobs": np.asarray(sample.inference_logprobs[:end], dtype=np.float32),
-        "temperatures": np.asarray(sample.temperatures[:end], dtype=np.float32),
-        "policy_versions": np.asarray(sample.policy_versions[:end], dtype=np.int64),
+    values = {
+        "input_ids": sample.token_ids[:end], "position_ids": np.arange(end), "loss_mask": sample.loss_mask[:end],
+        "advantages": np.full(end, sample.advantage), "inference_logprobs": sample.inference_logprobs[:end],
+        "temperatures": sample.temperatures[:end], "policy_versions": sample.policy_versions[:end],
     }
     if with_teacher:
-        arrays["teacher_logprobs"] = np.asarray(sample.teacher_logprobs[:end], dtype=np.float32)
-    return arrays
+        values["teacher_logprobs"] = sample.teacher_logprobs[:end]
+    return {name: np.asarray(value, dtype=TENSOR_DTYPES[name]) for name, value in values.items()}
 
 
 def _micro_batch(indices: list[int], arrays: list[dict[str, np.ndarray]]) -> PackedMicroBatch:
@@ -166,17 +161,11 @@ def _micro_batch(indices: list[int], arrays: list[dict[str, np.ndarray]]) -> Pac
 
 def _padding_micro_batch(pad_token_id: int, policy_version: int, max_policy_version: int,
                          with_teacher: bool) -> PackedMicroBatch:
-    tensors = {
-        "input_ids": np.array([pad_token_id], dtype=np.int64),
-        "position_ids": np.zeros(1, dtype=np.int64),
-        "loss_mask": np.zeros(1, dtype=bool),
-        "advantages": np.zeros(1, dtype=np.float32),
-        "inference_logprobs": np.zeros(1, dtype=np.float32),
-        "temperatures": np.ones(1, dtype=np.float32),
-        "policy_versions": np.array([policy_version], dtype=np.int64),
-    }
+    values = {"input_ids": pad_token_id, "position_ids": 0, "loss_mask": False, "advantages": 0.0,
+              "inference_logprobs": 0.0, "temperatures": 1.0, "policy_versions": policy_version}
     if with_teacher:
-        tensors["teacher_logprobs"] = np.zeros(1, dtype=np.float32)
+        values["teacher_logprobs"] = 0.0
+    tensors = {name: np.full(1, value, dtype=TENSOR_DTYPES[name]) for name, value in values.items()}
     return PackedMicroBatch(tensors=tensors, sample_indices=[], num_loss_tokens=0,
                             min_policy_version=policy_version, max_policy_version=max_policy_version)
 

@@ -18,7 +18,7 @@ line per trainer rank, logged before the first send and after the broker has mad
 durable. An orchestrator killed between the two leaves its step spooled with only ``step sending`` on record; the
 one restarted after it makes that step again, and the broker keeps the first copy (resends are idempotent by batch
 id), so the data trained for that step is the one the ``step sending`` line names. ``data_digest`` is
-``primerl.runtime.data_digest.data_digest`` over that rank's micro-batch tensors in index order: the numpy arrays
+``primerl.proto.step_digest.data_digest`` over that rank's micro-batch tensors in index order: the numpy arrays
 that were encoded into the payloads, i.e. the values the trainer decodes (the trainer logs the same digest over
 what it trained, so logs can show every step was trained on the data produced for it).
 """
@@ -31,7 +31,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from primerl.client.outage import OutageStopped, OutageWatch, retry_through_outage
-from primerl.runtime.data_digest import data_digest
+from primerl.proto.step_digest import data_digest
 from primerl.runtime.log_setup import get_logger
 
 log = get_logger("primerl.orchestrator.send")

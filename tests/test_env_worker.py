@@ -690,10 +690,12 @@ async def _gather(worker: EnvWorker, indices: Any, group_size: int, vllm_server:
 
 
 def test_model_requests_go_through_aiohttp_in_the_set_up_env_interpreter() -> None:
-    """`make setup` installs httpx-aiohttp beside verifiers: without it every model request costs ~7x the CPU."""
+    """`make setup` installs httpx-aiohttp beside verifiers: without it every model request costs ~7x the CPU. (The
+    env interpreter has no primerl: importing env_worker makes its two primerl modules importable by path.)"""
     probe = subprocess.run(
         [ENV_PYTHON, "-c", "import sys; sys.path.insert(0, sys.argv[1]); import env_worker; "
-         "print(env_worker._http_client_class().__name__)", str(WORKER_SCRIPT.parent)],
+         "from primerl.orchestrator.env_rollouts import _http_client_class; print(_http_client_class().__name__)",
+         str(WORKER_SCRIPT.parent)],
         capture_output=True, text=True, timeout=120)
     assert probe.returncode == 0, probe.stderr
     assert probe.stdout.strip() == "HttpxAiohttpClient", probe.stderr

@@ -27,7 +27,7 @@ from primerl.proto.tensor_frames import decode_tensors
 from primerl.proto.v1 import common_pb2
 from primerl.client.outage import BrokerOutageExceeded
 from primerl.runtime.config_common import BrokerClientConfig
-from primerl.runtime.data_digest import data_digest
+from primerl.proto.step_digest import data_digest
 
 TOKEN = "faults-token"
 CONTEXT_ERROR = ("BadRequestError: Error code: 400 - This model's maximum context length is 16 tokens. However, "

@@ -63,6 +63,31 @@ def test_micro_batch_checks_its_tensors():
         MicroBatch.from_tensors({**tensors, "advantages": tensors["advantages"][:3]})
 
 
+def test_packer_and_micro_batch_follow_the_schema():
+    """What the orchestrator packs is what the trainer reads: the names and dtypes of ``primerl.proto.micro_batch``."""
+    from primerl.orchestrator.packing import pack_samples
+    from primerl.orchestrator.samples import TrainingSample
+    from primerl.proto.micro_batch import REQUIRED_TENSORS, TENSOR_DTYPES
+
+    def sample(teacher):
+        return TrainingSample(token_ids=[3, 4, 5], loss_mask=[False, True, True], inference_logprobs=[0.0, -0.5, -0.2],
+                              temperatures=[1.0] * 3, policy_versions=[2] * 3, advantage=0.5,
+                              teacher_logprobs=[0.0, -0.4, -0.1] if teacher else None)
+
+    torch_dtypes = {np.dtype(np.int64): torch.int64, np.dtype(np.bool_): torch.bool, np.dtype(np.float32): torch.float32}
+    for teacher in (False, True):
+        step = pack_samples([sample(teacher)] * 2, seq_len=8, num_ranks=3)  # a padding micro-batch for rank 2
+        for batch in (b for batches in step.per_rank for b in batches):
+            expected = TENSOR_DTYPES if teacher else {k: v for k, v in TENSOR_DTYPES.items() if k != "teacher_logprobs"}
+            assert {name: t.dtype for name, t in batch.tensors.items()} == expected
+            read = MicroBatch.from_tensors(batch.tensors).to_tensors()
+            assert {name: t.dtype for name, t in read.items()} == {n: torch_dtypes[d] for n, d in expected.items()}
+    assert set(REQUIRED_TENSORS) <= set(TENSOR_DTYPES)
+    # the trainer casts what it gets to the schema's dtypes (a producer may send float64 advantages, say)
+    cast = MicroBatch.from_tensors({**packed([4]), "advantages": np.zeros(4, dtype=np.float64)})
+    assert cast.advantages.dtype == torch.float32
+
+
 def test_first_token_of_a_sample_cannot_be_a_loss_token(model):
     tensors = packed([5, 5])
     tensors["loss_mask"] = tensors["loss_mask"].copy()

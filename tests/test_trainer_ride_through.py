@@ -17,7 +17,7 @@ import pytest
 from primerl.broker.config import BrokerConfig
 from primerl.client.rollouts import RolloutProducer, pack_batch
 from primerl.broker.service import BrokerService
-from primerl.runtime.data_digest import data_digest
+from primerl.proto.step_digest import data_digest
 from primerl.trainer.tiny_model import TinyModelSpec, build_tiny_model
 
 BIN = Path(sys.executable).parent

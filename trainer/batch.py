@@ -15,12 +15,15 @@ from typing import Any
 import numpy as np
 import torch
 
-REQUIRED_TENSORS = ("input_ids", "position_ids", "loss_mask", "advantages", "inference_logprobs", "temperatures")
-OPTIONAL_TENSORS = ("policy_versions", "teacher_logprobs")
+from primerl.proto.micro_batch import OPTIONAL_TENSORS, REQUIRED_TENSORS, TENSOR_DTYPES, check_tensor_names
+
+_TORCH_DTYPES = {np.dtype(np.int64): torch.int64, np.dtype(np.bool_): torch.bool, np.dtype(np.float32): torch.float32}
 
 
 @dataclass
 class MicroBatch:
+    """A micro-batch's tensors (the schema: ``primerl.proto.micro_batch``)."""
+
     input_ids: torch.Tensor  # [n] int64
     position_ids: torch.Tensor  # [n] int64, restarting at 0 for each sample
     loss_mask: torch.Tensor  # [n] bool
@@ -32,27 +35,14 @@ class MicroBatch:
 
     @classmethod
     def from_tensors(cls, tensors: Mapping[str, Any]) -> MicroBatch:
-        """From decoded frame tensors (numpy views or torch tensors); checks names and lengths."""
-        missing = [name for name in REQUIRED_TENSORS if name not in tensors]
-        if missing:
-            raise ValueError(f"micro-batch lacks tensors {missing}; it has {sorted(tensors)}")
-        unknown = sorted(set(tensors) - set(REQUIRED_TENSORS) - set(OPTIONAL_TENSORS))
-        if unknown:
-            raise ValueError(f"micro-batch has unknown tensors {unknown}")
+        """From decoded frame tensors (numpy views or torch tensors), in the schema's dtypes; checks names and
+        lengths."""
+        check_tensor_names(tensors)
         values = {name: _as_tensor(array) for name, array in tensors.items()}
         lengths = {name: tuple(t.shape) for name, t in values.items()}
         if len(set(lengths.values())) != 1 or len(next(iter(lengths.values()))) != 1:
             raise ValueError(f"micro-batch tensors must be 1-D of one length, got {lengths}")
-        batch = cls(
-            input_ids=values["input_ids"].long(),
-            position_ids=values["position_ids"].long(),
-            loss_mask=values["loss_mask"].bool(),
-            advantages=values["advantages"].float(),
-            inference_logprobs=values["inference_logprobs"].float(),
-            temperatures=values["temperatures"].float(),
-            policy_versions=values["policy_versions"].long() if "policy_versions" in values else None,
-            teacher_logprobs=values["teacher_logprobs"].float() if "teacher_logprobs" in values else None,
-        )
+        batch = cls(**{name: tensor.to(_TORCH_DTYPES[TENSOR_DTYPES[name]]) for name, tensor in values.items()})
         if batch.num_tokens and batch.position_ids[0].item() != 0:
             raise ValueError("position_ids of a micro-batch must start at 0 (the first sample's first token)")
         return batch

@@ -47,7 +47,7 @@ class PrefetchedStep:
     micro_batches: list
     fetch_s: float  # receiving the step's micro-batches (mostly waiting for the orchestrator)
     decode_s: float  # frames -> MicroBatch tensors
-    data_digest: str = ""  # ``describe(raw)``: e.g. primerl.runtime.data_digest of what was received
+    data_digest: str = ""  # ``describe(raw)``: e.g. primerl.proto.step_digest of what was received
 
 
 class StepPrefetcher:

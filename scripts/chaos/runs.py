@@ -24,6 +24,8 @@ from pathlib import Path
 
 import psutil
 
+from primerl.proto.ready_file import read_ready_file, ready_file_path
+
 from .procs import MARKER_ENV, Exit, Unit, _die_with_parent
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -125,12 +127,12 @@ class SeparateBackend:
             env = {**base_env(spec.marker), "PRIMERL_RUN_TOKEN": spec.token, **role_env(role, budgets[role])}
             argv = [BIN / DAEMONS[role], "@", spec.run_dir / f"{role}.toml"]
             if role == "broker":
-                argv += ["--ready-file", spec.run_dir / "broker.ready.json"]
+                argv += ["--ready-file", ready_file_path(spec.run_dir, "broker")]
             self.units[role] = Unit(role, argv, env, spec.run_dir / "logs" / f"{role}.log", spec.restart_sec[role],
                                     cwd=spec.run_dir)
         self.units["broker"].start()
         deadline = time.monotonic() + BROKER_READY_TIMEOUT_S
-        while not (spec.run_dir / "broker.ready.json").exists():
+        while read_ready_file(ready_file_path(spec.run_dir, "broker")) is None:
             if time.monotonic() > deadline or self.units["broker"].poll() is not None:
                 raise RuntimeError(f"the broker did not become ready; see {spec.run_dir / 'logs' / 'broker.log'}")
             time.sleep(0.1)

@@ -1,0 +1,51 @@
+"""Contracts in ``proto/`` that are not protobuf messages: the env-worker protocol, the ready file."""
+
+from __future__ import annotations
+
+import ast
+import json
+import sys
+from pathlib import Path
+
+from primerl.orchestrator.trajectory import SamplingParams
+from primerl.proto import env_protocol
+from primerl.proto.ready_file import READY_FILE_NAMES, read_ready_file, ready_file_path, write_ready_file
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _imports(path: Path) -> set[str]:
+    tree = ast.parse(path.read_text())
+    names = {alias.name for node in ast.walk(tree) if isinstance(node, ast.Import) for alias in node.names}
+    return names | {node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom) and node.module}
+
+
+def test_the_env_protocol_is_stdlib_only_and_the_env_side_imports_only_it_of_primerl():
+    """The env worker runs where primerl is not installed: it may reach only these modules of primerl."""
+    assert {name.split(".")[0] for name in _imports(ROOT / "proto" / "env_protocol.py")} <= set(sys.stdlib_module_names)
+    for module in ("env_worker.py", "env_rollouts.py"):
+        primerl_imports = {name for name in _imports(ROOT / "orchestrator" / module) if name.startswith("primerl")}
+        assert primerl_imports <= {"primerl.proto.env_protocol", "primerl.orchestrator.env_rollouts"}, module
+
+
+def test_the_orchestrators_sampling_params_are_the_protocols_sampling_keys():
+    assert tuple(SamplingParams().to_wire()) == env_protocol.SAMPLING_KEYS
+
+
+def test_protocol_lines():
+    assert json.loads(env_protocol.request_line(7, env_protocol.OP_CANCEL, {"target_id": 3})) == {
+        "id": 7, "op": "cancel", "target_id": 3}
+    assert env_protocol.request_line(1, env_protocol.OP_PING).endswith("\n")
+    assert json.loads(env_protocol.result_line("a", {"x": 1})) == {"id": "a", "ok": True, "result": {"x": 1}}
+    assert json.loads(env_protocol.error_line(None, env_protocol.ERROR_BAD_REQUEST, "no")) == {
+        "id": None, "ok": False, "error": {"type": "bad_request", "message": "no"}}
+
+
+def test_ready_file_round_trip(tmp_path):
+    path = ready_file_path(tmp_path / "run", "broker")
+    assert path.name == READY_FILE_NAMES["broker"] == "broker.ready.json"
+    assert read_ready_file(path) is None
+    write_ready_file(path, "broker", {"grpc_port": 1234, "run_id": "r"})
+    ready = read_ready_file(path)
+    assert ready == {"grpc_port": 1234, "run_id": "r", "role": "broker", "pid": ready["pid"]} and ready["pid"] > 0
+    assert [p.name for p in path.parent.iterdir()] == [path.name]  # no temporary file left behind

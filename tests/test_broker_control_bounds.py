@@ -6,7 +6,6 @@ from __future__ import annotations
 import grpc
 import pytest
 
-from primerl.broker.config import BrokerConfig
 from primerl.client.channel import create_channel
 from primerl.broker.registry import MAX_METRIC_NAMES, MAX_METRIC_NAMES_PER_WORKER, MAX_STATUS_BYTES
 from primerl.broker.service import BrokerService
@@ -19,18 +18,11 @@ STREAMING = {"/primerl.v1.Broker/WatchRunStatus"}
 
 
 @pytest.fixture
-def broker(tmp_path):
-    config = BrokerConfig(grpc_port=0, rollout_port=0, weight_port=0, spool_dir=tmp_path / "spool", run_token=TOKEN,
-                          run_id="bounds")
-    service = BrokerService(config)
-    endpoints = service.start()
-    address = f"127.0.0.1:{endpoints.grpc_port}"
-    with grpc.insecure_channel(address) as probe:  # the server answers before the first checked call
+def broker(make_broker) -> tuple[BrokerService, str]:
+    harness = make_broker(run_token=TOKEN, run_id="bounds")
+    with grpc.insecure_channel(harness.grpc_address) as probe:  # the server answers before the first checked call
         grpc.channel_ready_future(probe).result(timeout=30)
-    try:
-        yield service, address
-    finally:
-        service.stop(grace_s=1)
+    return harness.service, harness.grpc_address
 
 
 def _raw_call(channel: grpc.Channel, method: str, body: bytes) -> grpc.StatusCode:

@@ -1,1 +1,15 @@
-"""What every role shares: config loading, logging set-up, socket factories. Imports neither torch nor vLLM."""
+"""Shared infrastructure of every role and command; imports neither torch nor vLLM, and nothing of the role
+packages (broker, client, trainer, inference, orchestrator) or of ``cli``.
+
+- config: ``config_base`` (the pydantic base every role config extends), ``config_common`` (sections several
+  roles share: logging, broker client, W&B, Prometheus), ``config_loader`` (``@ file.toml`` and overrides in,
+  TOML out);
+- logging: ``log_setup`` (structlog, one set-up);
+- metrics: ``metrics_sink`` (writes ``metrics.jsonl``, W&B, Prometheus rows), ``run_metrics`` (the one reader of
+  ``metrics.jsonl``), ``prometheus`` (the exporter), ``meters`` (throughput over a sliding window);
+- sockets: ``zmq_sockets`` (ROUTER/DEALER factories with the limits set before bind/connect);
+- files: ``durable_files`` (crash-safe atomic writes);
+- processes: ``cpu_budget`` (each role's thread budget), ``parent_death`` (children that die with their parent).
+
+Byte units (``MiB``) live in ``primerl.proto.units``, beside the wire code that needs them.
+"""

@@ -11,7 +11,6 @@ import numpy as np
 import pytest
 import zmq
 
-from primerl.broker.config import BrokerConfig
 from primerl.client.rollouts import RolloutConsumer, RolloutProducer, pack_batch
 from primerl.broker.service import BrokerService
 from primerl.proto import framing
@@ -39,17 +38,13 @@ def test_parse_header_refuses_hostile_json(name):
 
 
 @pytest.fixture
-def broker(tmp_path):
-    config = BrokerConfig(grpc_port=0, rollout_port=0, weight_port=0, spool_dir=tmp_path / "spool",
-                          run_token=TOKEN, run_id="regressions", max_message_bytes=8 << 20)
-    service = BrokerService(config)
-    endpoints = service.start()
+def broker(make_broker):
+    harness = make_broker(run_token=TOKEN, run_id="regressions", max_message_bytes=8 << 20)
     context = zmq.Context()
     try:
-        yield service, endpoints, context
+        yield harness.service, harness.endpoints, context
     finally:
         context.destroy(linger=0)
-        service.stop(grace_s=1)
 
 
 def _dealer(context: zmq.Context, port: int) -> zmq.Socket:

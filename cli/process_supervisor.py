@@ -51,6 +51,19 @@ def _die_with_parent() -> None:  # runs in the child between fork and exec
         _PRCTL(PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
+def start_in_own_session(argv: Sequence[str], log_path: Path, env: Mapping[str, str], cwd: Path | None = None) -> subprocess.Popen:
+    """Start ``argv`` with stdout and stderr appended to ``log_path``, after a ``=== <time> <argv>`` line (so a
+    log splits into the starts of its role). ``start_new_session``: its own process group, out of the terminal's,
+    so Ctrl-C reaches only the launcher, which then stops the children in order. PDEATHSIG: a launcher killed
+    with SIGKILL still ends them."""
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    with open(log_path, "ab") as log_file:
+        log_file.write(f"=== {time.strftime('%Y-%m-%d %H:%M:%S')} {' '.join(argv)}\n".encode())
+        log_file.flush()
+        return subprocess.Popen(list(argv), stdout=log_file, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                env=dict(env), cwd=cwd, start_new_session=True, preexec_fn=_die_with_parent)
+
+
 class ChildProcess:
     """One command in its own process group (its own session), stdout and stderr appended to ``log_path``."""
 
@@ -68,15 +81,7 @@ class ChildProcess:
 
     def start(self) -> None:
         assert self.process is None or self.process.poll() is not None, f"{self.name} started while running"
-        self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        with open(self.log_path, "ab") as log_file:
-            log_file.write(f"=== {time.strftime('%Y-%m-%d %H:%M:%S')} {' '.join(self.argv)}\n".encode())
-            log_file.flush()
-            # start_new_session: own process group, and out of the terminal's, so Ctrl-C reaches only the launcher,
-            # which then stops the children in order. PDEATHSIG: a launcher killed with SIGKILL still ends them.
-            self.process = subprocess.Popen(self.argv, stdout=log_file, stderr=subprocess.STDOUT,
-                                            stdin=subprocess.DEVNULL, env=self.env, cwd=self.cwd,
-                                            start_new_session=True, preexec_fn=_die_with_parent)
+        self.process = start_in_own_session(self.argv, self.log_path, self.env, self.cwd)
         self.started_s = time.monotonic()
         self.num_starts += 1
         self.pids.append(self.process.pid)

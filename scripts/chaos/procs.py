@@ -13,7 +13,6 @@ after it was re-parented away from its role.
 
 from __future__ import annotations
 
-import ctypes
 import os
 import signal
 import subprocess
@@ -24,14 +23,11 @@ from pathlib import Path
 
 import psutil
 
+from primerl.cli.process_supervisor import start_in_own_session
+
 MARKER_ENV = "PRIMERL_CHAOS_MARKER"
-PR_SET_PDEATHSIG = 1
 START_LIMIT_BURST = 5
 START_LIMIT_INTERVAL_S = 10.0
-
-
-def _die_with_parent() -> None:  # between fork and exec: a harness killed with SIGKILL still ends its roles
-    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
 @dataclass
@@ -107,13 +103,7 @@ class Unit:
         if len(recent) >= START_LIMIT_BURST:
             self.state = "failed"
             return
-        self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        with open(self.log_path, "ab") as log_file:
-            log_file.write(f"=== {time.strftime('%Y-%m-%d %H:%M:%S')} {' '.join(self.argv)}\n".encode())
-            log_file.flush()
-            self.process = subprocess.Popen(self.argv, stdout=log_file, stderr=subprocess.STDOUT,
-                                            stdin=subprocess.DEVNULL, env=self.env, cwd=self.cwd,
-                                            start_new_session=True, preexec_fn=_die_with_parent)
+        self.process = start_in_own_session(self.argv, self.log_path, self.env, self.cwd)
         self.starts.append(now)
         self.state = "running"
         self.restart_at_s = None

@@ -24,9 +24,10 @@ from pathlib import Path
 
 import psutil
 
+from primerl.cli.process_supervisor import start_in_own_session
 from primerl.proto.ready_file import read_ready_file, ready_file_path
 
-from .procs import MARKER_ENV, Exit, Unit, _die_with_parent
+from .procs import MARKER_ENV, Exit, Unit
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = REPO_ROOT / "examples" / "reverse_text_rl.toml"
@@ -189,13 +190,8 @@ class RlBackend:
         self.token_file.touch(mode=0o600)
         self.token_file.write_text(f'[broker]\nrun_token = "{spec.token}"\n')
         self.log_path = spec.run_dir / "logs" / "primerl-rl.log"
-        self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        with open(self.log_path, "ab") as log_file:
-            self.process = subprocess.Popen(
-                [str(BIN / "primerl"), "rl", *spec.rl_args(), "@", str(self.token_file), "--restart", "on-failure"],
-                stdout=log_file,
-                stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env, cwd=spec.run_dir.parent,
-                start_new_session=True, preexec_fn=_die_with_parent)
+        argv = [str(BIN / "primerl"), "rl", *spec.rl_args(), "@", str(self.token_file), "--restart", "on-failure"]
+        self.process = start_in_own_session(argv, self.log_path, env, spec.run_dir.parent)
 
     def _pids(self) -> dict[str, int]:
         try:

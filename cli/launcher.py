@@ -37,12 +37,10 @@ CPU binding) so that they hold before any library loads.
 from __future__ import annotations
 
 import os
-import re
 import secrets
 import shlex
 import shutil
 import signal
-import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
@@ -52,9 +50,11 @@ from typing import TextIO
 from primerl.cli.restart_policy import RestartBudget, RestartPolicy, describe_exit_code
 from primerl.cli.role_logs import last_error_in_log
 from primerl.cli.run_file import RUN_FILE_NAME, RunFile, write_run_file
-from primerl.cli.run_progress import Progress, duration as _duration
+from primerl.cli.launcher_tmux import close_tmux, open_tmux
+from primerl.cli.role_configs import has_gpus, pinned_broker, pinned_inference, thread_budgets, without_token
+from primerl.cli.run_progress import Progress, run_summary
 from primerl.runtime.config_loader import write_toml
-from primerl.runtime.cpu_budget import ThreadsConfig, available_cpus, default_budgets, describe, fill_budget, role_env
+from primerl.runtime.cpu_budget import describe, role_env
 from primerl.runtime.run_metrics import read_run_rows
 from primerl.cli.process_supervisor import ChildFailed, ChildProcess, Supervisor
 from primerl.proto.ready_file import READY_FILE_NAMES, ready_file_path
@@ -83,20 +83,6 @@ class LaunchOptions:
     plain_interval_s: float = 10.0  # a new progress line at most this often when stdout is not a terminal
     restart: RestartPolicy = field(default_factory=RestartPolicy)
     reaper_grace_s: float = 2.0  # from SIGTERM to SIGKILL of what a killed `primerl rl` left
-
-
-def _without_token(config):
-    """A copy of a role config (or of the run config) with every run token removed, for writing to disk."""
-    fields = type(config).model_fields
-    if "run_token" in fields:
-        return config.model_copy(update={"run_token": None})
-    sections = ("broker", "trainer", "orchestrator", "inference")
-    updates = {name: _without_token(getattr(config, name)) for name in sections if name in fields}
-    return config.model_copy(update=updates)
-
-
-def _has_gpus() -> bool:
-    return Path("/dev/nvidiactl").exists() or shutil.which("nvidia-smi") is not None
 
 
 class Launcher:
@@ -151,30 +137,22 @@ class Launcher:
         self.supervisor.write_pids(self.run_dir / "pids.json")
         return child
 
-    def _thread_budgets(self, roles: dict) -> dict[str, ThreadsConfig]:
-        """Fill each role's unset ``threads`` fields from the default split (module docstring); returns every
-        role's budget, the broker's included (its config has no ``threads`` table: environment only)."""
-        cpus = available_cpus()
-        defaults = default_budgets(cpus, gpus=self.use_gpus, num_trainer_ranks=len(self.config.trainer_gpu_ids))
-        budgets = {"broker": defaults["broker"]}
-        for role in ("trainer", "orchestrator", "inference"):
-            explicit = roles[role].threads
-            default = defaults[role]
-            if role == "inference" and explicit.num_threads is not None and explicit.cpus is None and default.cpus:
-                # vLLM runs one thread per bound CPU: a thread count asked for binds that many CPUs.
-                default = default.model_copy(update={"cpus": cpus[: explicit.num_threads]})
-            budgets[role] = fill_budget(explicit, default)
-            roles[role] = roles[role].model_copy(update={"threads": budgets[role]})
-        return budgets
+    def _open_tmux(self, roles: list[str]) -> None:
+        self.tmux_session = open_tmux(self.run_dir, self.logs_dir, roles)
+        self.say(f"  tmux session {self.tmux_session}: `tmux attach -t {self.tmux_session}` shows one pane per role")
+
+    def _close_tmux(self) -> None:
+        if self.tmux_session is not None:
+            close_tmux(self.tmux_session)
 
     def _write_configs(self, roles: dict) -> dict[str, Path]:
-        write_toml(_without_token(self.config), self.run_dir / "rl.toml")
-        return {role: write_toml(_without_token(c), self.run_dir / f"{role}.toml") for role, c in roles.items()}
+        write_toml(without_token(self.config), self.run_dir / "rl.toml")
+        return {role: write_toml(without_token(c), self.run_dir / f"{role}.toml") for role, c in roles.items()}
 
     # -------------------------------------------------------------------------------------------- run
     def run(self) -> int:
         previous = {s: signal.signal(s, self._on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
-        self.use_gpus = _has_gpus()
+        self.use_gpus = has_gpus()
         started_s = time.monotonic()
         try:
             return self._run(started_s)
@@ -204,7 +182,7 @@ class Launcher:
         for stale in (*READY_FILE_NAMES.values(), RUN_FILE_NAME):
             (self.run_dir / stale).unlink(missing_ok=True)
         roles = config.role_configs()
-        self.budgets = self._thread_budgets(roles)
+        self.budgets = thread_budgets(config, roles, gpus=self.use_gpus)
         paths = self._write_configs(roles)
         self.roles, self.paths = roles, paths
         self.say(f"primerl rl: run directory {self.run_dir} (configs, logs/, pids.json)")
@@ -227,7 +205,7 @@ class Launcher:
             if roles[role].broker.address != address:  # the others dial the port the broker bound
                 roles[role] = roles[role].model_copy(
                     update={"broker": roles[role].broker.model_copy(update={"address": address})})
-                write_toml(_without_token(roles[role]), paths[role])
+                write_toml(without_token(roles[role]), paths[role])
 
         inference_ready = ready_file_path(self.run_dir, "inference")
         inference = self._child("inference", [BIN / "primerl-infer", "@", paths["inference"], "--ready-file",
@@ -308,24 +286,16 @@ class Launcher:
 
     # -------------------------------------------------------------------------------------- restarts
     def _pin_broker(self, endpoints: dict) -> None:
-        """Write the ports and run id the broker bound into its config: a restarted broker (same command) comes
-        back where the others look for it, with the same run id (its spool dir is the config's already)."""
-        broker = self.roles["broker"]
-        update = {key: endpoints[key] for key in ("grpc_port", "rollout_port", "weight_port", "run_id")
-                  if endpoints.get(key) not in (None, "")}
-        port = _url_port(endpoints.get("metrics_url"))
-        if port is not None and broker.prometheus.enabled:
-            update["prometheus"] = broker.prometheus.model_copy(update={"port": port})
-        self.roles["broker"] = broker.model_copy(update=update)
-        write_toml(_without_token(self.roles["broker"]), self.paths["broker"])
+        """A restarted broker (same command) comes back where the others look for it (``pinned_broker``)."""
+        self.roles["broker"] = pinned_broker(self.roles["broker"], endpoints)
+        write_toml(without_token(self.roles["broker"]), self.paths["broker"])
 
     def _pin_inference(self, served: dict) -> None:
-        """The HTTP port inference bound, into its config: a restarted server answers at the same URL."""
-        inference = self.roles["inference"]
-        if served.get("http_port") and inference.server.port != served["http_port"]:
-            server = inference.server.model_copy(update={"port": int(served["http_port"])})
-            self.roles["inference"] = inference.model_copy(update={"server": server})
-            write_toml(_without_token(self.roles["inference"]), self.paths["inference"])
+        """A restarted inference server answers at the same URL (``pinned_inference``)."""
+        pinned = pinned_inference(self.roles["inference"], served)
+        if pinned is not None:
+            self.roles["inference"] = pinned
+            write_toml(without_token(pinned), self.paths["inference"])
 
     def _look_after_starting(self) -> None:
         """While inference starts: the trainer and orchestrator (started alongside) fail or restart as later;
@@ -389,7 +359,7 @@ class Launcher:
             # The same command would resume from that step again; a restart resumes from the newest checkpoint.
             self.roles["trainer"] = self.roles["trainer"].model_copy(
                 update={"ckpt": ckpt.model_copy(update={"resume_step": None})})
-            write_toml(_without_token(self.roles["trainer"]), self.paths["trainer"])
+            write_toml(without_token(self.roles["trainer"]), self.paths["trainer"])
             self.say("  trainer: ckpt.resume_step dropped for the restart: it resumes from its newest checkpoint")
         self.supervisor.restart(child)
         self.supervisor.write_pids(self.run_dir / "pids.json")
@@ -445,28 +415,10 @@ class Launcher:
             if code not in (0, None, -signal.SIGTERM):
                 print(f"primerl rl: note: {name} exited with status {code} while stopping; see "
                       f"{self.supervisor.children[name].log_path}", file=self.err)
-        self._summary(time.monotonic() - started_s)
-        return 0
-
-    def _summary(self, wall_s: float) -> None:
         rows = read_run_rows(Path(self.config.orchestrator.output_dir), Path(self.config.trainer.output_dir))
-        rewards = [r["train/reward"] for r in rows if r.get("role") == "orchestrator" and "train/reward" in r]
-        trainer_rows = [r for r in rows if r.get("role") == "trainer"]
-        steps = trainer_rows[-1]["step"] if trainer_rows else self.progress.step
-        reward = f"{rewards[0]:.3f} -> {rewards[-1]:.3f}" if rewards else "-"
-        orchestrator_rows = [r for r in rows if r.get("role") == "orchestrator"]
-        fallbacks = orchestrator_rows[-1].get("rollout/interleave_fallbacks_total", 0) if orchestrator_rows else 0
-        served = "-" if self.progress.served_version is None else str(self.progress.served_version)
-        startup = ", ".join(f"{c.name} {c.ready_s:.1f} s" for c in self.supervisor.children.values()
-                            if c.ready_s is not None)
-        print(f"primerl rl: run finished: {steps} steps in {_duration(wall_s)} (start-up {startup})\n"
-              f"  reward (first -> last step): {reward}\n"
-              f"  policy version served by inference: {served} (trainer published {self.progress.published_version})\n"
-              f"  run directory: {self.run_dir}", file=self.out, flush=True)
-        if fallbacks:
-            print(f"  interleave fallbacks: {int(fallbacks)} multi-turn rollouts trained as branching samples "
-                  "(turns that do not extend the previous one; rollout/interleave_fallbacks/<reason> in metrics.jsonl)",
-                  file=self.out, flush=True)
+        print(run_summary(rows, self.progress, self.supervisor.children.values(), time.monotonic() - started_s,
+                          self.run_dir), file=self.out, flush=True)
+        return 0
 
     def _stop_timeout_s(self) -> float:
         """How long a role may take to stop: ``stop_timeout_s`` once the run is under way (a step's publish,
@@ -508,38 +460,3 @@ class Launcher:
         print(f"primerl rl: stopped; logs in {self.logs_dir}", file=self.err, flush=True)
         return 128 + (signal.SIGINT if self.signal_name == "SIGINT" else signal.SIGTERM)
 
-    # ------------------------------------------------------------------------------------------ tmux
-    def _open_tmux(self, roles: list[str]) -> None:
-        tmux = shutil.which("tmux")
-        if tmux is None:
-            raise SystemExit("primerl rl: --tmux needs tmux, which is not installed (e.g. `apt-get install tmux`); "
-                             "or run without --tmux and read the logs under " + str(self.logs_dir))
-        session = re.sub(r"[^A-Za-z0-9_-]", "-", f"primerl-{self.run_dir.resolve().name}-{os.getpid()}")
-        for role in roles:
-            (self.logs_dir / f"{role}.log").touch()
-        commands = [f"tail -n +1 -F {shlex.quote(str(self.logs_dir.resolve() / f'{role}.log'))}" for role in roles]
-        pane_ids = []
-        for index, command in enumerate(commands):
-            # -P -F: print the new pane's id, to title it with its role (tmux's default title is the host name).
-            start = ([tmux, "new-session", "-d", "-s", session, "-n", "roles"] if index == 0
-                     else [tmux, "split-window", "-t", f"{session}:roles"])
-            created = subprocess.run([*start, "-P", "-F", "#{pane_id}", command], check=True, capture_output=True,
-                                     text=True)
-            pane_ids.append(created.stdout.strip())
-            subprocess.run([tmux, "select-layout", "-t", f"{session}:roles", "tiled"], check=True)
-        for role, pane_id in zip(roles, pane_ids):
-            subprocess.run([tmux, "select-pane", "-t", pane_id, "-T", role], check=True)
-        for option, value in (("pane-border-status", "top"), ("pane-border-format", " #{pane_title} ")):
-            subprocess.run([tmux, "set-option", "-w", "-t", f"{session}:roles", option, value], check=True)
-        self.tmux_session = session
-        self.say(f"  tmux session {session}: `tmux attach -t {session}` shows one pane per role")
-
-    def _close_tmux(self) -> None:
-        if self.tmux_session is not None:
-            subprocess.run(["tmux", "kill-session", "-t", self.tmux_session], check=False,
-                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-
-
-def _url_port(url: str | None) -> int | None:
-    match = re.match(r"^[a-z]+://[^/]*:(\d+)(/|$)", url or "")
-    return int(match.group(1)) if match else None

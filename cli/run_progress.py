@@ -1,4 +1,5 @@
-"""The live progress line of `primerl rl` (``Progress``), fed from the broker's run status.
+"""The live progress line of `primerl rl` (``Progress``), fed from the broker's run status, and the summary it
+prints at the end (``run_summary``).
 
 Each figure belongs to the step it is shown with. The broker merges the roles' last metrics by name, so
 ``train/reward`` there is the orchestrator's latest batch, usually a step or more ahead of the trainer. The
@@ -13,7 +14,10 @@ Interleaved trajectories trained as branching samples show as ``fallbacks N`` (o
 from __future__ import annotations
 
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
 
 
 MAX_BATCHES = 64  # rewards of recent batches kept by step
@@ -100,3 +104,25 @@ def duration(seconds: float) -> str:
     minutes, seconds = divmod(seconds, 60)
     hours, minutes = divmod(minutes, 60)
     return f"{hours}h{minutes:02d}m{seconds:02d}s" if hours else f"{minutes}m{seconds:02d}s"
+
+
+def run_summary(rows: list[dict], progress: Progress, children: Iterable[Any], wall_s: float, run_dir: Path) -> str:
+    """The closing summary of a run that finished: steps, wall time and each role's start-up, the reward of the
+    first and last batch, the policy version served, and the interleave fallbacks when there were any.
+    ``rows``: the run's ``metrics.jsonl``; ``children``: the roles' processes (``name``, ``ready_s``)."""
+    rewards = [r["train/reward"] for r in rows if r.get("role") == "orchestrator" and "train/reward" in r]
+    trainer_rows = [r for r in rows if r.get("role") == "trainer"]
+    steps = trainer_rows[-1]["step"] if trainer_rows else progress.step
+    reward = f"{rewards[0]:.3f} -> {rewards[-1]:.3f}" if rewards else "-"
+    orchestrator_rows = [r for r in rows if r.get("role") == "orchestrator"]
+    fallbacks = orchestrator_rows[-1].get("rollout/interleave_fallbacks_total", 0) if orchestrator_rows else 0
+    served = "-" if progress.served_version is None else str(progress.served_version)
+    startup = ", ".join(f"{c.name} {c.ready_s:.1f} s" for c in children if c.ready_s is not None)
+    text = (f"primerl rl: run finished: {steps} steps in {duration(wall_s)} (start-up {startup})\n"
+            f"  reward (first -> last step): {reward}\n"
+            f"  policy version served by inference: {served} (trainer published {progress.published_version})\n"
+            f"  run directory: {run_dir}")
+    if fallbacks:
+        text += (f"\n  interleave fallbacks: {int(fallbacks)} multi-turn rollouts trained as branching samples "
+                 "(turns that do not extend the previous one; rollout/interleave_fallbacks/<reason> in metrics.jsonl)")
+    return text

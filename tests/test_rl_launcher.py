@@ -16,7 +16,9 @@ from pathlib import Path
 
 import pytest
 
-from primerl.cli.launcher import LaunchOptions, Launcher, Progress, _without_token
+from primerl.cli.launcher import LaunchOptions, Launcher
+from primerl.cli.role_configs import without_token
+from primerl.cli.run_progress import Progress
 from primerl.runtime.config_base import ConfigWarning
 from support.proc_tree import descendants, running
 
@@ -192,14 +194,31 @@ def test_progress_line_shows_step_reward_loss_lag_and_eta(monkeypatch):
     assert "ETA 1m20s" in line  # 10 s per step, 8 steps left
 
 
+def test_the_closing_summary_reads_the_runs_rows():
+    from types import SimpleNamespace
+
+    from primerl.cli.run_progress import run_summary
+
+    rows = [{"step": 1, "role": "orchestrator", "train/reward": 0.25}, {"step": 1, "role": "trainer"},
+            {"step": 2, "role": "orchestrator", "train/reward": 0.5, "rollout/interleave_fallbacks_total": 3},
+            {"step": 2, "role": "trainer"}]
+    progress = Progress(served_version=2, published_version=2)
+    children = [SimpleNamespace(name="broker", ready_s=1.25), SimpleNamespace(name="trainer", ready_s=None)]
+    text = run_summary(rows, progress, children, 75.0, Path("/runs/x"))
+    assert text.startswith("primerl rl: run finished: 2 steps in 1m15s (start-up broker 1.2 s)\n")
+    assert "reward (first -> last step): 0.250 -> 0.500" in text and "served by inference: 2 (trainer published 2)" in text
+    assert "run directory: /runs/x" in text and "interleave fallbacks: 3 multi-turn rollouts" in text
+    assert "interleave" not in run_summary(rows[:2], Progress(), [], 1.0, Path("r"))
+
+
 def test_configs_written_to_disk_hold_no_run_token():
     from primerl.cli.rl_config import RLConfig
     from primerl.runtime.config_loader import dump_toml, load_config
 
     config = load_config(RLConfig, [EXAMPLE], {"broker": {"run_token": "secret-token"}})
     assert config.trainer.broker.run_token == "secret-token"
-    texts = [dump_toml(_without_token(config))]
-    texts += [dump_toml(_without_token(c)) for c in config.role_configs().values()]
+    texts = [dump_toml(without_token(config))]
+    texts += [dump_toml(without_token(c)) for c in config.role_configs().values()]
     assert not any("secret-token" in text for text in texts)
 
 

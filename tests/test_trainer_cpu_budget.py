@@ -82,8 +82,8 @@ def test_a_daemon_applies_its_budget_before_torch_loads():
 
 
 def test_the_launcher_writes_each_roles_budget_into_its_config(tmp_path, monkeypatch):
-    from primerl.cli.launcher import Launcher, LaunchOptions
     from primerl.cli.rl_config import RLConfig
+    from primerl.cli.role_configs import thread_budgets
 
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1, 2, 3})
     config = RLConfig.model_validate({
@@ -91,10 +91,8 @@ def test_the_launcher_writes_each_roles_budget_into_its_config(tmp_path, monkeyp
         "broker": {}, "trainer": {"threads": {"num_threads": 3}}, "orchestrator": {"env": [{"id": "reverse-text"}]},
         "inference": {"threads": {"num_threads": 1}},
     })
-    launcher = Launcher(config, LaunchOptions())
-    launcher.use_gpus = False
     roles = config.role_configs()
-    budgets = launcher._thread_budgets(roles)
+    budgets = thread_budgets(config, roles, gpus=False)
     assert roles["trainer"].threads.num_threads == 3  # explicit wins
     assert roles["inference"].threads.cpus == [0]  # one thread asked for: one CPU bound
     assert roles["orchestrator"].threads.num_threads == 1

@@ -6,4 +6,5 @@
 - `daemons`: a `primerl-*` child process started with a ready file and stopped by whoever started it.
 - `inference`: HTTP and weight-update helpers for tests that talk to a running `primerl-infer`.
 - `proc_tree`: the process tree read from /proc (what a test started, and whether it is gone).
+- `rl_configs`: whole-run config files in each shape, written into a test's directory, and loading them.
 """

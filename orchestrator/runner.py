@@ -82,7 +82,7 @@ from primerl.orchestrator.env_client import EnvRequestError, EnvWorkerDied
 from primerl.orchestrator.filtering import BatchAssembler, DifficultyFilter
 from primerl.orchestrator.packing import pack_samples, to_broker_batches
 from primerl.orchestrator.rollout_failures import RolloutFailures, kind_name
-from primerl.orchestrator.samples import Group, MalformedTrajectory, TurnTokens, trajectory_to_samples
+from primerl.orchestrator.samples import Group, MalformedTrajectory, rollout_to_samples
 from primerl.orchestrator.seeds import rollout_seed_base
 from primerl.orchestrator.throughput import ThroughputWindow
 from primerl.orchestrator.step_send import RESEND_INTERVAL_S, log_step_data, rank_digests, send_step
@@ -607,13 +607,11 @@ class OrchestratorRunner:
                                   f"{entry.env_id}: {rollout.error}", entry.endpoint)
                 continue
             entry.endpoint.answered()
-            turns = [TurnTokens.from_wire_turn(t, temperature=config.sampling.temperature,
-                                               default_policy_version=entry.dispatched_version) for t in rollout.turns]
             try:
-                samples += trajectory_to_samples(
-                    turns, config.trajectory_strategy, fallback_counts=self.fallbacks, reward=float(rollout.reward),
-                    truncated=rollout.is_truncated, group_id=group_id, example_id=entry.example_index,
-                    env_id=entry.env_id, rollout_id=rollout.rollout_index,
+                samples += rollout_to_samples(
+                    rollout, config.trajectory_strategy, temperature=config.sampling.temperature,
+                    default_policy_version=entry.dispatched_version, fallback_counts=self.fallbacks,
+                    group_id=group_id, example_id=entry.example_index, env_id=entry.env_id,
                 )
             except MalformedTrajectory as exc:
                 self.counters[f"malformed_{exc.reason}"] += 1

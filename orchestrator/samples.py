@@ -304,3 +304,18 @@ def trajectory_to_samples(
         if fallback_counts is not None:
             fallback_counts[exc.reason] += 1
         return branching_samples(turns, **meta)
+
+
+def rollout_to_samples(
+    rollout: Any, strategy: TrajectoryStrategy, *, temperature: float, default_policy_version: int = 0,
+    fallback_counts: Counter | None = None, group_id: Hashable = 0, example_id: Hashable = 0, env_id: str = "",
+) -> list[TrainingSample]:
+    """The samples of one finished env-worker rollout (``orchestrator.trajectory.Rollout`` with a reward): its
+    turns as ``TurnTokens.from_wire_turn`` reads them, then ``trajectory_to_samples``. What the orchestrator
+    trains on; raises ``MalformedTrajectory`` like ``trajectory_to_samples``."""
+    turns = [TurnTokens.from_wire_turn(turn, temperature=temperature, default_policy_version=default_policy_version)
+             for turn in rollout.turns]
+    return trajectory_to_samples(
+        turns, strategy, fallback_counts=fallback_counts, reward=float(rollout.reward), truncated=rollout.is_truncated,
+        group_id=group_id, example_id=example_id, env_id=env_id, rollout_id=rollout.rollout_index,
+    )

@@ -1,15 +1,9 @@
-"""Typed rollouts as the env worker returns them, and their token samples for training.
+"""Typed rollouts as the env worker returns them (``primerl.proto.env_protocol``), and the sampling parameters
+of a rollout request.
 
 The env worker (`env_worker.py`, in the environments' virtual environment) answers with JSON; `parse_group`
-turns it into the dataclasses below and checks the invariants the trainer relies on. A multi-turn trajectory
-becomes training samples in one of two ways (`[orchestrator] trajectory_strategy`):
-
-- interleaved: one sample, when each turn's prompt tokens start with the previous turn's prompt + completion
-  tokens (the chat template re-renders earlier turns to the same tokens); the tokens the environment added
-  between turns get loss mask 0 and logprob 0;
-- branching: one sample per turn (its prompt, its completion).
-
-`to_samples(rollout, "interleaved")` falls back to branching for a trajectory that cannot be interleaved.
+turns it into the dataclasses below and checks the invariants the trainer relies on. The orchestrator turns a
+finished `Rollout` into training samples with `primerl.orchestrator.samples.rollout_to_samples`.
 """
 
 from __future__ import annotations
@@ -20,7 +14,6 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 Split = Literal["train", "eval"]
-TrajectoryStrategy = Literal["interleaved", "branching"]
 
 
 class MalformedRolloutError(ValueError):
@@ -137,16 +130,6 @@ class RolloutGroup:
         return sum(not r.ok for r in self.rollouts)
 
 
-@dataclass(frozen=True)
-class TokenSample:
-    """A training sample: prompt tokens, then completion tokens with their loss mask and sampling logprobs."""
-
-    prompt_ids: list[int]
-    completion_ids: list[int]
-    completion_mask: list[int]
-    completion_logprobs: list[float]
-
-
 def _int_list(value: Any, what: str) -> list[int]:
     if not isinstance(value, list) or not all(isinstance(v, int) and not isinstance(v, bool) for v in value):
         raise MalformedRolloutError(f"{what} must be a list of integers")
@@ -224,44 +207,6 @@ def parse_group(env_id: str, data: Mapping[str, Any]) -> RolloutGroup:
                         timings=timings)
 
 
-def branch(rollout: Rollout) -> list[TokenSample]:
-    """One sample per turn."""
-    return [
-        TokenSample(list(t.prompt_token_ids), list(t.completion_token_ids), list(t.completion_mask),
-                    list(t.completion_logprobs))
-        for t in rollout.turns
-    ]
-
-
-def interleave(rollout: Rollout) -> TokenSample | None:
-    """One sample for the whole trajectory, or None when a turn's prompt does not extend the tokens so far."""
-    if not rollout.turns:
-        return None
-    first = rollout.turns[0]
-    prompt_ids = list(first.prompt_token_ids)
-    completion_ids = list(first.completion_token_ids)
-    mask = list(first.completion_mask)
-    logprobs = list(first.completion_logprobs)
-    for turn in rollout.turns[1:]:
-        so_far = len(prompt_ids) + len(completion_ids)
-        if turn.prompt_token_ids[:so_far] != prompt_ids + completion_ids:
-            return None
-        added = turn.prompt_token_ids[so_far:]  # the environment's response and the template's glue
-        completion_ids += added + turn.completion_token_ids
-        mask += [0] * len(added) + turn.completion_mask
-        logprobs += [0.0] * len(added) + turn.completion_logprobs
-    return TokenSample(prompt_ids, completion_ids, mask, logprobs)
-
-
-def to_samples(rollout: Rollout, strategy: TrajectoryStrategy) -> list[TokenSample]:
-    """Training samples of a rollout; `interleaved` falls back to `branching` where it cannot apply."""
-    if strategy == "interleaved":
-        sample = interleave(rollout)
-        if sample is not None:
-            return [sample]
-    return branch(rollout)
-
-
 def sampling_from(config: Any) -> SamplingParams:
     """SamplingParams from `[orchestrator.sampling]` (a pydantic model or a mapping)."""
     values = config.model_dump() if hasattr(config, "model_dump") else dict(config)
@@ -278,7 +223,6 @@ def as_wire_sampling(sampling: SamplingParams | Mapping[str, Any] | None) -> dic
 
 
 __all__ = [
-    "EnvInfo", "Example", "MalformedRolloutError", "Rollout", "RolloutGroup", "SamplingParams", "Split",
-    "TokenSample", "TrajectoryStrategy", "Turn", "as_wire_sampling", "branch", "interleave", "parse_group",
-    "parse_rollout", "parse_turn", "sampling_from", "to_samples",
+    "EnvInfo", "Example", "MalformedRolloutError", "Rollout", "RolloutGroup", "SamplingParams", "Split", "Turn",
+    "as_wire_sampling", "parse_group", "parse_rollout", "parse_turn", "sampling_from",
 ]

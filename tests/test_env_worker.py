@@ -1,30 +1,27 @@
-"""Env workers: `env_worker.py` run by the environments' interpreter (verifiers 0.3.1), driven by `EnvWorker`.
+"""Env workers: `env_worker.py` run by the environments' interpreter (verifiers 0.3.1), driven by `EnvWorker`:
+the protocol, rollouts against a fake OpenAI server in this process (canned completions with token ids, logprobs
+and policy-version headers), timeouts, cancels, crashes and restarts. With the real vLLM server:
+`test_env_worker_vllm.py`; what a rollout becomes for training: `test_orchestrator_samples.py`.
 
 The env interpreter comes from `PRIMERL_ENV_PYTHON` (default `.venv-envs/bin/python`, then `/tmp/vfenv/bin/python`);
 it must have `verifiers` and the `reverse-text` example package (`pip install -e examples/reverse_text`).
-Fast tests run rollouts against a fake OpenAI server in this process (canned completions with token ids,
-logprobs and policy-version headers). The slow ones run the real vLLM OpenAI server on the tiny model.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
-import math
 import os
 import signal
 import socket
 import subprocess
 import sys
-import threading
 import time
-import uuid
 from collections.abc import Iterator
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from pathlib import Path
 from typing import Any
 
 import pytest
+from support.env_workers import ENV_PYTHON, FIXTURES, SKIP_REASON, FakeOpenAI, make_worker
 
 from primerl.orchestrator.env_client import (
     EnvRequestError,
@@ -33,111 +30,9 @@ from primerl.orchestrator.env_client import (
     EnvWorkerDied,
     WORKER_SCRIPT,
 )
-from primerl.orchestrator.trajectory import (
-    Rollout,
-    SamplingParams,
-    Turn,
-    branch,
-    interleave,
-    parse_rollout,
-    sampling_from,
-    to_samples,
-)
+from primerl.orchestrator.trajectory import SamplingParams
 
-ROOT = Path(__file__).resolve().parent.parent
-FIXTURES = Path(__file__).resolve().parent / "env_fixtures"
-VERSION, VERSION_END = "x-primerl-policy-version", "x-primerl-policy-version-end"
-
-
-def find_env_python() -> tuple[str | None, str]:
-    candidates = [os.environ.get("PRIMERL_ENV_PYTHON")] if os.environ.get("PRIMERL_ENV_PYTHON") else [
-        str(ROOT / ".venv-envs/bin/python"), "/tmp/vfenv/bin/python"]
-    for candidate in candidates:
-        if not Path(candidate).exists():
-            continue
-        probe = subprocess.run([candidate, "-c", "import verifiers, reverse_text"], capture_output=True, timeout=120)
-        if probe.returncode == 0:
-            return candidate, ""
-        return None, (f"{candidate} cannot import verifiers and reverse_text (build the env venv: verifiers==0.3.1 "
-                      f"and `pip install -e examples/reverse_text`): {probe.stderr.decode()[-300:]}")
-    return None, f"no env python with verifiers: tried {candidates} (set PRIMERL_ENV_PYTHON)"
-
-
-ENV_PYTHON, SKIP_REASON = find_env_python()
 pytestmark = pytest.mark.skipif(ENV_PYTHON is None, reason=SKIP_REASON)
-
-
-def make_worker(env_id: str, args: dict[str, Any] | None = None, **kwargs: Any) -> EnvWorker:
-    extra_env = {"PYTHONPATH": str(FIXTURES)}
-    return EnvWorker(ENV_PYTHON, env_id, args or {}, start_timeout_s=120.0, request_timeout_s=60.0,
-                     extra_env=extra_env, **kwargs)
-
-
-# ------------------------------------------------------------------------------------------- fake OpenAI server
-
-
-class FakeOpenAI:
-    """Chat completions with canned tokens. The model name picks the behaviour:
-    `reverse` answers the reversed user string; `no-tokens` omits token ids; `slow` sleeps 30 s first."""
-
-    def __init__(self) -> None:
-        self.requests: list[dict[str, Any]] = []
-        fake = self
-
-        class Handler(BaseHTTPRequestHandler):
-            protocol_version = "HTTP/1.1"  # keep-alive, like a real server
-
-            def log_message(self, *args: Any) -> None:
-                pass
-
-            def do_POST(self) -> None:  # noqa: N802
-                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-                fake.requests.append(body)
-                if body["model"] == "slow":
-                    time.sleep(30)
-                user = [m for m in body["messages"] if m["role"] == "user"][-1]["content"]
-                content = " ".join(reversed(user.split()))
-                completion_ids = [100 + ord(ch) for ch in content] + [2]
-                prompt_ids = [1] + [100 + ord(ch) for m in body["messages"] for ch in m["content"]]
-                choice: dict[str, Any] = {
-                    "index": 0, "message": {"role": "assistant", "content": content}, "finish_reason": "stop",
-                    "logprobs": {"content": [{"token": "t", "logprob": -0.25, "bytes": None, "top_logprobs": []}
-                                             for _ in completion_ids]},
-                }
-                response: dict[str, Any] = {
-                    "id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion", "created": 0,
-                    "model": body["model"], "choices": [choice],
-                    "usage": {"prompt_tokens": len(prompt_ids), "completion_tokens": len(completion_ids),
-                              "total_tokens": len(prompt_ids) + len(completion_ids)},
-                }
-                if body["model"] != "no-tokens":
-                    choice["token_ids"] = completion_ids
-                    response["prompt_token_ids"] = prompt_ids
-                data = json.dumps(response).encode()
-                self.send_response(200)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(data)))
-                self.send_header(VERSION, "7")
-                self.send_header(VERSION_END, "8")
-                self.end_headers()
-                self.wfile.write(data)
-
-        class Server(ThreadingHTTPServer):
-            request_queue_size = 256  # the default backlog of 5 resets bursts of connections
-            daemon_threads = True
-
-            def handle_error(self, request: Any, client_address: Any) -> None:
-                if not isinstance(sys.exc_info()[1], (BrokenPipeError, ConnectionResetError)):
-                    super().handle_error(request, client_address)  # a client that went away is expected
-
-        self.server = Server(("127.0.0.1", 0), Handler)
-        self.base_url = f"http://127.0.0.1:{self.server.server_address[1]}/v1"
-        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
-        self.thread.start()
-
-    def close(self) -> None:
-        self.server.shutdown()
-        self.server.server_close()
 
 
 @pytest.fixture(scope="module")
@@ -475,218 +370,6 @@ def test_a_restart_right_after_a_crash_logs_the_exit_code_and_keeps_the_new_proc
         assert after.num_errors == 0
     finally:
         worker.close()
-
-
-# ------------------------------------------------------------------------------------- trajectories (pure)
-
-
-def make_turn(prompt: list[int], completion: list[int]) -> Turn:
-    return Turn(prompt, completion, [-0.5] * len(completion), [1] * len(completion), "stop", False, 1, 1)
-
-
-def test_interleave_and_branch() -> None:
-    turns = [make_turn([1, 2, 3], [4, 5]), make_turn([1, 2, 3, 4, 5, 6, 7], [8]),
-             make_turn([1, 2, 3, 4, 5, 6, 7, 8, 9], [10])]
-    rollout = Rollout(0, turns, 1.0, {}, False, None, None, None, [], [], 0.0)
-    sample = interleave(rollout)
-    assert sample is not None
-    assert sample.prompt_ids == [1, 2, 3] and sample.completion_ids == [4, 5, 6, 7, 8, 9, 10]
-    assert sample.completion_mask == [1, 1, 0, 0, 1, 0, 1]
-    assert sample.completion_logprobs == [-0.5, -0.5, 0.0, 0.0, -0.5, 0.0, -0.5]
-    assert to_samples(rollout, "interleaved") == [sample]
-    assert [s.completion_ids for s in to_samples(rollout, "branching")] == [[4, 5], [8], [10]]
-    rewritten = Rollout(0, [turns[0], make_turn([1, 2, 3, 9, 5, 6], [7])], 1.0, {}, False, None, None, None, [], [],
-                        0.0)
-    assert interleave(rewritten) is None and to_samples(rewritten, "interleaved") == branch(rewritten)
-
-
-def test_parse_rollout_turns_broken_payloads_into_errors() -> None:
-    good = {"rollout_index": 0, "reward": 0.5, "metrics": {}, "turns": [
-        {"prompt_token_ids": [1], "completion_token_ids": [2, 3], "completion_logprobs": [-1.0, -0.5]}]}
-    assert parse_rollout(good, "r").ok
-    for turn_patch in ({"completion_logprobs": [-1.0]}, {"completion_logprobs": [-1.0, float("nan")]},
-                       {"completion_logprobs": [-1.0, 0.5]}, {"completion_token_ids": None},
-                       {"completion_mask": [1]}):
-        broken = {**good, "turns": [{**good["turns"][0], **turn_patch}]}
-        assert parse_rollout(broken, "r").error_type == "MalformedRolloutError", turn_patch
-    assert parse_rollout({**good, "turns": []}, "r").error_type == "MalformedRolloutError"
-    assert parse_rollout({**good, "reward": None}, "r").error_type == "MalformedRolloutError"
-    assert parse_rollout({**good, "error": {"type": "X", "message": "m"}}, "r").error == "m"
-
-
-def test_sampling_from_config() -> None:
-    from primerl.orchestrator.config import SamplingConfig
-
-    params = sampling_from(SamplingConfig(temperature=0.5, stop=["x"], max_tokens=9))
-    assert params == SamplingParams(temperature=0.5, stop=("x",), max_tokens=9)
-    assert params.to_wire()["stop"] == ["x"]
-
-
-# --------------------------------------------------------------------------------------- end to end with vLLM
-
-START_TIMEOUT_S = 240.0
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-@pytest.fixture(scope="module")
-def vllm_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
-    pytest.importorskip("vllm")
-    from primerl.trainer.tiny_model import build_tiny_model
-
-    tmp = tmp_path_factory.mktemp("vllm-env")
-    model_dir = build_tiny_model(tmp / "tiny-model")
-    port = free_port()
-    env = {**os.environ, "TORCHDYNAMO_DISABLE": "1", "VLLM_NO_USAGE_STATS": "1", "HF_HUB_OFFLINE": "1",
-           "TMPDIR": str(tmp)}
-    log_path = tmp / "vllm.log"
-    with open(log_path, "wb") as log_file:
-        process = subprocess.Popen(
-            [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
-             "--served-model-name", "tiny", "--dtype", "float32", "--enforce-eager", "--max-model-len", "512",
-             "--kv-cache-memory-bytes", str(256 * 2**20), "--port", str(port), "--host", "127.0.0.1"],
-            stdout=log_file, stderr=subprocess.STDOUT, env=env, cwd=tmp, start_new_session=True)
-    import httpx
-
-    try:
-        deadline = time.monotonic() + START_TIMEOUT_S
-        while True:
-            if process.poll() is not None:
-                pytest.fail(f"vLLM server exited {process.returncode}:\n{log_path.read_text()[-4000:]}")
-            try:
-                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline:
-                pytest.fail(f"vLLM server not ready in {START_TIMEOUT_S} s:\n{log_path.read_text()[-4000:]}")
-            time.sleep(0.5)
-        yield {"base_url": f"http://127.0.0.1:{port}/v1", "model": "tiny", "model_dir": model_dir}
-    finally:
-        process.terminate()
-        try:
-            process.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait(timeout=10)
-
-
-def check_turn_tokens(tokenizer: Any, turn: Turn, prompt_messages: list[dict[str, Any]]) -> None:
-    """Logprobs align with the completion, and the prompt is what the chat template gives for the messages."""
-    assert len(turn.completion_logprobs) == len(turn.completion_token_ids) == len(turn.completion_mask) > 0
-    assert all(math.isfinite(lp) and lp <= 0 for lp in turn.completion_logprobs)
-    assert set(turn.completion_mask) == {1}
-    expected = tokenizer.apply_chat_template(prompt_messages, add_generation_prompt=True, tokenize=True)
-    if hasattr(expected, "keys"):  # transformers 5 returns a BatchEncoding
-        expected = expected["input_ids"]
-    assert turn.prompt_token_ids == list(expected)
-    text = tokenizer.decode(turn.completion_token_ids, skip_special_tokens=True)
-    # vLLM holds back a trailing incomplete UTF-8 sequence when a turn is cut at max_tokens
-    assert text.rstrip("\ufffd") == turn.completion[0]["content"].rstrip("\ufffd")
-    assert (turn.finish_reason == "length") == turn.is_truncated
-    if turn.finish_reason == "stop":
-        assert turn.completion_token_ids[-1] == tokenizer.convert_tokens_to_ids("<|im_end|>")
-
-
-@pytest.mark.slow
-@pytest.mark.vllm
-def test_single_turn_rollouts_with_vllm(vllm_server: dict[str, Any]) -> None:
-    from transformers import AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(vllm_server["model_dir"])
-    with make_worker("reverse-text", {"num_examples": 64}) as worker:
-        # No per-request seed: this bare vLLM server keeps chunked prefill on, and on CPU vLLM 0.32 crashes its
-        # engine ("CPU Generator does not use offset") when a seeded request's prefill is split across steps,
-        # which happens under this load (primerl-infer turns chunked prefill off on CPU, so seeds are safe there).
-        sampling = SamplingParams(temperature=1.0, max_tokens=12)
-        started = time.monotonic()
-        groups = asyncio.run(_gather(worker, range(16), 8, vllm_server, sampling))
-        elapsed = time.monotonic() - started
-        rollouts = [r for g in groups for r in g.rollouts]
-        assert len(rollouts) == 128 and all(r.ok for r in rollouts), [r.error for r in rollouts if not r.ok][:3]
-        num_tokens = sum(r.num_completion_tokens for r in rollouts)
-        print(f"\nsingle-turn: {len(rollouts)} rollouts, {num_tokens} completion tokens in {elapsed:.2f} s: "
-              f"{len(rollouts) / elapsed:.1f} rollouts/s, {num_tokens / elapsed:.0f} tokens/s")
-        for group in groups:
-            example = worker.examples("train", group.example_index, 1)[0]
-            for rollout in group.rollouts:
-                assert 0.0 <= rollout.reward <= 1.0 and rollout.metrics["exact_match"] in (0.0, 1.0)
-                (turn,) = rollout.turns
-                assert rollout.prompt == example.prompt
-                check_turn_tokens(tokenizer, turn, example.prompt)
-                (sample,) = to_samples(rollout, "interleaved")
-                assert sample.prompt_ids + sample.completion_ids == turn.prompt_token_ids + turn.completion_token_ids
-        # the rollouts of a group are different samples
-        assert all(len({tuple(r.turns[0].completion_token_ids) for r in g.rollouts}) > 1 for g in groups)
-
-
-@pytest.mark.slow
-@pytest.mark.vllm
-def test_multi_turn_rollouts_with_vllm(vllm_server: dict[str, Any]) -> None:
-    from transformers import AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(vllm_server["model_dir"])
-    with make_worker("reverse-text-multiturn", {"num_examples": 64, "max_turns": 3}) as worker:
-        sampling = SamplingParams(temperature=1.0, max_tokens=4)
-        started = time.monotonic()
-        groups = asyncio.run(_gather(worker, range(8), 8, vllm_server, sampling))
-        elapsed = time.monotonic() - started
-        rollouts = [r for g in groups for r in g.rollouts]
-        assert all(r.ok for r in rollouts), [r.error for r in rollouts if not r.ok][:3]
-        print(f"\nmulti-turn: {len(rollouts)} rollouts, {sum(len(r.turns) for r in rollouts)} turns in {elapsed:.2f} s")
-        num_interleaved = 0
-        for rollout in rollouts:
-            assert 0.0 <= rollout.reward <= 1.0 and 1 <= len(rollout.turns) <= 3
-            messages = list(rollout.prompt)
-            for k, turn in enumerate(rollout.turns):
-                check_turn_tokens(tokenizer, turn, messages)
-                if k > 0:
-                    previous = rollout.turns[k - 1]
-                    so_far = previous.prompt_token_ids + previous.completion_token_ids
-                    # The template re-renders the previous answer from its text: the prompt extends the tokens
-                    # so far exactly when the sampled tokens re-encode to themselves (random tokens may not).
-                    stable = tokenizer.encode(tokenizer.decode(previous.completion_token_ids,
-                                                               skip_special_tokens=True)) == [
-                        t for t in previous.completion_token_ids if t != tokenizer.convert_tokens_to_ids("<|im_end|>")]
-                    if stable:
-                        assert turn.prompt_token_ids[:len(so_far)] == so_far
-                if k + 1 < len(rollout.turns):
-                    messages = messages + turn.completion + [rollout.completion[2 * k + 1]]
-            samples = to_samples(rollout, "interleaved")
-            if len(samples) == 1 and len(rollout.turns) > 1:
-                num_interleaved += 1
-                (sample,) = samples
-                last = rollout.turns[-1]
-                assert sample.prompt_ids + sample.completion_ids == last.prompt_token_ids + last.completion_token_ids
-                assert sum(sample.completion_mask) == sum(len(t.completion_token_ids) for t in rollout.turns)
-                assert len(sample.completion_logprobs) == len(sample.completion_ids)
-            assert [s.completion_ids for s in branch(rollout)] == [t.completion_token_ids for t in rollout.turns]
-        assert num_interleaved > 0, "no trajectory could be interleaved"
-
-
-@pytest.mark.slow
-@pytest.mark.vllm
-def test_broken_rubric_with_vllm_is_counted_and_the_worker_keeps_serving(vllm_server: dict[str, Any]) -> None:
-    with make_worker("broken_rubric_env", {"num_examples": 8}) as worker:
-        group = worker.submit_rollout(0, num_rollouts=4, sampling=SamplingParams(max_tokens=8),
-                                      **_server(vllm_server)).result(120)
-        assert group.num_errors == 4 and {r.error_type for r in group.rollouts} == {"ScoringError"}
-        assert all(r.turns for r in group.rollouts)  # the tokens are there; only the score is broken
-        assert worker.is_alive() and worker.ping()["env_id"] == "broken_rubric_env"
-
-
-def _server(vllm_server: dict[str, Any]) -> dict[str, Any]:
-    return {"base_url": vllm_server["base_url"], "model": vllm_server["model"]}
-
-
-async def _gather(worker: EnvWorker, indices: Any, group_size: int, vllm_server: dict[str, Any],
-                  sampling: SamplingParams) -> list[Any]:
-    return list(await asyncio.gather(*(
-        worker.rollout(i, num_rollouts=group_size, sampling=sampling, **_server(vllm_server)) for i in indices)))
 
 
 def test_model_requests_go_through_aiohttp_in_the_set_up_env_interpreter() -> None:

@@ -1,4 +1,5 @@
-"""Pure orchestrator logic: samples from trajectories, advantages, difficulty filtering, the async bound, packing."""
+"""Pure orchestrator logic: advantages, difficulty filtering, the async bound, packing (samples from trajectories:
+`test_orchestrator_samples.py`)."""
 
 from __future__ import annotations
 
@@ -30,16 +31,7 @@ from primerl.orchestrator.packing import (
     pack_samples,
     to_broker_batches,
 )
-from primerl.orchestrator.samples import (
-    Group,
-    MalformedTrajectory,
-    NotInterleavable,
-    TrainingSample,
-    TurnTokens,
-    branching_samples,
-    interleaved_sample,
-    trajectory_to_samples,
-)
+from primerl.orchestrator.samples import Group, TrainingSample
 
 
 def make_sample(num_tokens=6, *, reward=0.0, num_prompt=2, rollout_id=0, version=0, truncated=False, token_base=0,
@@ -61,89 +53,6 @@ def make_group(rewards, *, group_id=0, version=0, completion_lengths=None, trunc
         samples.append(make_sample(2 + completion, reward=reward, rollout_id=rollout_id, version=version,
                                    truncated=bool(truncated and truncated[rollout_id]), group_id=group_id))
     return Group(group_id=group_id, example_id=group_id, env_id="env", samples=samples)
-
-
-# -- samples ---------------------------------------------------------------------------------------------------
-
-
-def two_turns(extend=True):
-    first = TurnTokens(prompt_ids=[1, 2, 3], completion_ids=[10, 11], completion_logprobs=[-0.1, -0.2],
-                       policy_version=4, temperature=0.7)
-    second_prompt = [1, 2, 3, 10, 11, 20, 21] if extend else [1, 2, 99, 10, 11, 20, 21]
-    second = TurnTokens(prompt_ids=second_prompt, completion_ids=[30, 31, 32], completion_logprobs=[-0.3, -0.4, -0.5],
-                        policy_version=5, temperature=0.7, completion_policy_versions=[5, 5, 6])
-    return [first, second]
-
-
-def test_interleaved_concatenates_turns_and_masks_env_tokens():
-    sample = interleaved_sample(two_turns(), reward=1.0, group_id=7, example_id=3, env_id="toy", rollout_id=2)
-    assert sample.token_ids == [1, 2, 3, 10, 11, 20, 21, 30, 31, 32]
-    assert sample.loss_mask == [False, False, False, True, True, False, False, True, True, True]
-    assert sample.inference_logprobs == pytest.approx([0, 0, 0, -0.1, -0.2, 0, 0, -0.3, -0.4, -0.5])
-    assert sample.policy_versions == [4, 4, 4, 4, 4, 5, 5, 5, 5, 6]
-    assert sample.temperatures == pytest.approx([0.7] * 10)
-    meta = (sample.reward, sample.group_id, sample.example_id, sample.env_id, sample.rollout_id)
-    assert meta == (1.0, 7, 3, "toy", 2)
-    assert sample.num_completion_tokens == 5 and sample.min_policy_version == 4 and sample.max_policy_version == 6
-
-
-def test_branching_gives_one_sample_per_turn():
-    samples = branching_samples(two_turns(), reward=0.5, rollout_id=1)
-    assert [s.token_ids for s in samples] == [[1, 2, 3, 10, 11], [1, 2, 3, 10, 11, 20, 21, 30, 31, 32]]
-    assert samples[1].loss_mask == [False] * 7 + [True] * 3  # the first turn's completion is context here
-    assert samples[1].policy_versions == [5] * 7 + [5, 5, 6]
-    assert all(s.reward == 0.5 and s.rollout_id == 1 for s in samples)
-
-
-def test_interleaved_falls_back_to_branching_and_counts_the_reason():
-    with pytest.raises(NotInterleavable) as info:
-        interleaved_sample(two_turns(extend=False), reward=0.0)
-    assert info.value.reason == "prefix_mismatch" and "token 2" in str(info.value)
-    counts = Counter()
-    samples = trajectory_to_samples(two_turns(extend=False), "interleaved", fallback_counts=counts, reward=1.0)
-    assert len(samples) == 2 and counts == {"prefix_mismatch": 1}
-    assert len(trajectory_to_samples(two_turns(), "interleaved", fallback_counts=counts, reward=1.0)) == 1
-    assert counts == {"prefix_mismatch": 1}
-    assert len(trajectory_to_samples(two_turns(), "branching", reward=1.0)) == 2
-
-
-def test_completion_mask_zeroes_logprobs_of_tokens_not_generated():
-    turn = TurnTokens(prompt_ids=[1], completion_ids=[5, 6, 7], completion_logprobs=[-1.0, -2.0, -3.0],
-                      policy_version=0, completion_mask=[True, False, True])
-    (sample,) = branching_samples([turn], reward=0.0)
-    assert sample.loss_mask == [False, True, False, True]
-    assert sample.inference_logprobs == [0.0, -1.0, 0.0, -3.0]
-
-
-def test_turn_from_the_env_worker_wire_shape():
-    from types import SimpleNamespace
-
-    wire = SimpleNamespace(prompt_token_ids=[1, 2], completion_token_ids=[3, 4], completion_logprobs=[-0.1, -0.2],
-                           completion_mask=[1, 0], policy_version=None, policy_version_end=3)
-    turn = TurnTokens.from_wire_turn(wire, temperature=0.8, default_policy_version=2)
-    (sample,) = branching_samples([turn], reward=1.0)
-    assert sample.loss_mask == [False, False, True, False] and sample.policy_versions == [2, 2, 2, 2]
-    assert sample.temperatures == pytest.approx([0.8] * 4)
-
-
-@pytest.mark.parametrize(("turns", "reason"), [
-    ([], "no_turns"),
-    ([TurnTokens(prompt_ids=[], completion_ids=[1], completion_logprobs=[-1.0], policy_version=0)], "empty_prompt"),
-    ([TurnTokens(prompt_ids=[1], completion_ids=[1, 2], completion_logprobs=[-1.0], policy_version=0)],
-     "length_mismatch"),
-])
-def test_malformed_trajectories_raise_with_a_reason(turns, reason):
-    for strategy in ("interleaved", "branching"):
-        with pytest.raises(MalformedTrajectory) as info:
-            trajectory_to_samples(turns, strategy, reward=0.0)
-        assert info.value.reason == reason
-
-
-def test_sample_checks_its_fields():
-    with pytest.raises(MalformedTrajectory, match="first_token_is_loss"):
-        TrainingSample([1, 2], [True, True], [0, 0], [1, 1], [0, 0])
-    with pytest.raises(MalformedTrajectory, match="length_mismatch"):
-        TrainingSample([1, 2], [False, True], [0], [1, 1], [0, 0])
 
 
 # -- advantages ------------------------------------------------------------------------------------------------

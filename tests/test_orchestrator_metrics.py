@@ -167,16 +167,6 @@ def test_fallback_metrics_report_the_total_and_each_reason():
         "rollout/interleave_fallbacks/prefix_mismatch": 3.0}
 
 
-def test_runner_counts_fallbacks_apart_from_its_other_counters():
-    """The runner hands its own per-step Counter to trajectory_to_samples; the reasons become metrics."""
-    from primerl.orchestrator.samples import trajectory_to_samples
-    from tests.test_orchestrator_logic import two_turns
-
-    fallbacks = Counter()
-    trajectory_to_samples(two_turns(extend=False), "interleaved", fallback_counts=fallbacks, reward=1.0)
-    assert fallback_metrics(fallbacks)["rollout/interleave_fallbacks/prefix_mismatch"] == 1.0
-
-
 def test_reward_spread_stays_within_the_rewards():
     rewards = [0.0] * 8 + [1.0] * 2
     spread = reward_spread_metrics(rewards)

@@ -48,7 +48,7 @@ step's metrics), never twice.
 
 Riding through a broker outage: control calls (register, commit, metrics) wait up to ``broker.outage_s``
 (``primerl.client.control``); while it waits for a step's micro-batches the fetch thread logs
-``waiting for the step's micro-batches`` every ``DATA_WAIT_LOG_S`` (saying whether the broker is reachable) and
+``waiting for the step's micro-batches`` every ``step_io.DATA_WAIT_LOG_S`` (saying whether the broker is reachable) and
 gives up with ``BrokerLost`` once the broker has been unreachable for longer than ``broker.outage_s``. When the
 broker says the run is over (``shutdown_requested``) the trainer stops within a few seconds, exit 0.
 
@@ -69,8 +69,14 @@ from primerl.runtime.log_setup import bind_context, get_logger
 from primerl.runtime.metrics_sink import MetricsSink, finite_values
 from primerl.runtime.prometheus import MetricsExporter, start_exporter
 from primerl.trainer.config import TrainerConfig
-from primerl.trainer.distributed import DistInfo, barrier, resolve_parallel, unwrap_model, wrap_model
-from primerl.trainer.train_step import TrainStep, distillation_objective, rl_objective, sft_objective
+from primerl.trainer.distributed import DistInfo, barrier, resolve_parallel, unwrap_model
+from primerl.trainer.train_step import distillation_objective, rl_objective, sft_objective
+from primerl.trainer.training_setup import (
+    build_training,
+    resume_from_checkpoint,
+    save_training_checkpoint,
+    warn_unused_options,
+)
 
 log = get_logger("primerl.trainer")
 
@@ -78,8 +84,6 @@ WEIGHTS_JOB_TIMEOUT_S = 600.0
 """Longest wait of the compute loop for the previous step's publish and checkpoint before its optimizer step."""
 IO_DRAIN_TIMEOUT_S = 600.0
 """Longest wait at shutdown for the IO thread to finish its queued jobs."""
-DATA_WAIT_LOG_S = 10.0
-"""How often the fetch thread says what it waits for while a step's micro-batches do not come."""
 
 
 class TrainerRunner:
@@ -119,35 +123,19 @@ class TrainerRunner:
 
     def _build(self) -> int:
         """Model, optimizer, scheduler, step function; returns the first step to train."""
-        from primerl.trainer.checkpoint import latest_checkpoint, load_checkpoint
-        from primerl.trainer.model import load_model
-        from primerl.trainer.optim import build_optimizer, build_scheduler
-
         config = self.config
         warn_unused_options(config)
         torch.manual_seed(0)
-        model = load_model(config.model)
-        self.model = wrap_model(model, self.parallel, self.dist)
-        self.optimizer = build_optimizer(self.model, config.optim)
-        self.scheduler = build_scheduler(self.optimizer, config.scheduler, config.max_steps)
-        reference = None
-        if config.kl is not None:
-            reference = load_model(config.model.model_copy(update={"lora": None, "ac": None})).eval()
-            reference.requires_grad_(False)
         objective = {"rl": lambda: rl_objective(config.loss), "sft": lambda: sft_objective,
                      "distill": lambda: distillation_objective(config.loss.max_is_ratio)}[self.objective_name]()
-        self.step_fn = TrainStep(self.model, self.optimizer, self.scheduler, objective, self.dist,
-                                 max_grad_norm=config.optim.max_norm, reference_model=reference, kl_config=config.kl)
+        self.training = build_training(config, self.parallel, self.dist, config.max_steps, objective,
+                                       kl_config=config.kl)
         start_step = 1
-        ckpt = config.ckpt
-        if ckpt is not None:
-            resume = ckpt.resume_step if ckpt.resume_step is not None else latest_checkpoint(config.checkpoint_dir)
-            if resume is not None:
-                state = load_checkpoint(config.checkpoint_dir, resume, model=unwrap_model(self.model),
-                                        optimizer=self.optimizer, scheduler=self.scheduler, rank=self.dist.rank)
-                start_step = int(state["step"]) + 1
-                self.resumed_state = state
-                log.info("resumed from checkpoint", step=state["step"], checkpoint_dir=str(config.checkpoint_dir))
+        state = resume_from_checkpoint(config, self.training, self.dist.rank)
+        if state is not None:
+            start_step = int(state["step"]) + 1
+            self.resumed_state = state
+            log.info("resumed from checkpoint", step=state["step"], checkpoint_dir=str(config.checkpoint_dir))
         return start_step
 
     def _connect(self, start_step: int) -> None:
@@ -209,13 +197,13 @@ class TrainerRunner:
     def _start_io(self, start_step: int) -> None:
         """The fetch thread (from ``start_step``) and the ordered IO thread (``primerl.trainer.step_io``)."""
         from primerl.trainer.batch import MicroBatch
-        from primerl.trainer.step_io import StepIOThread, StepPrefetcher
+        from primerl.trainer.step_io import StepDataWait, StepIOThread, StepPrefetcher
 
         config = self.config
 
         def fetch(step: int, halt: threading.Event) -> list:
             return self.consumer.fetch_step(step, timeout_s=config.data_timeout_s, stop_event=halt,
-                                            on_wait=_DataWait(step, self.control))
+                                            on_wait=StepDataWait(step, self.control))
 
         def decode(raw: list) -> list:
             return [MicroBatch.from_tensors(tensors) for _, tensors in raw]
@@ -241,7 +229,7 @@ class TrainerRunner:
         fetched = self.prefetcher.get(step, timeout_s=config.data_timeout_s + 30.0, stop_event=self.stop_event)
         micro_batches = fetched.micro_batches
         waited_s = time.monotonic() - started_s
-        stats = self.step_fn.step(step, micro_batches, before_update=self._wait_for_weights)
+        stats = self.training.step_fn.step(step, micro_batches, before_update=self._wait_for_weights)
         self.progress["trainer_step"] = step
         self.last_trained_step = step
         due = self._checkpoint_due(step)
@@ -263,7 +251,7 @@ class TrainerRunner:
             timings["checkpoint_s"] = self._write_checkpoint(step, record if self.dist.is_main else None)
         if not self.dist.is_main:
             return
-        model = unwrap_model(self.model)
+        model = unwrap_model(self.training.model)
 
         def weights_job() -> None:  # reads the weights of this step: runs before the next optimizer step
             if self.publisher is not None:
@@ -328,15 +316,11 @@ class TrainerRunner:
     def _write_checkpoint(self, step: int, record: dict | None = None) -> float:
         """Model, optimizer, scheduler (all ranks) and, on rank 0, the HF weights export; returns seconds.
         ``record``: the step's metrics and "step done" fields, kept for a resumed trainer to write them."""
-        from primerl.trainer.checkpoint import save_checkpoint
-
         started_s = time.perf_counter()
         extra_state = {"step": step, "policy_version": step}
         if record is not None:
             extra_state["record"] = {"metrics": finite_values(record["metrics"]), "done_line": record["done_line"]}
-        save_checkpoint(self.config.checkpoint_dir, step, model=unwrap_model(self.model), optimizer=self.optimizer,
-                        scheduler=self.scheduler, extra_state=extra_state,
-                        rank=self.dist.rank, world_size=self.dist.world_size, barrier=lambda: barrier(self.dist))
+        save_training_checkpoint(self.config, self.training, step, extra_state, self.dist)
         barrier(self.dist)
         if self.dist.is_main:
             self._export_weights(step)
@@ -347,7 +331,7 @@ class TrainerRunner:
         from primerl.trainer.weights_export import export_hf_weights
 
         started_s = time.perf_counter()
-        export_hf_weights(unwrap_model(self.model), self.config.tokenizer.name,
+        export_hf_weights(unwrap_model(self.training.model), self.config.tokenizer.name,
                           self.config.output_dir / "weights" / f"step_{step}")
         return time.perf_counter() - started_s
 
@@ -442,28 +426,6 @@ class CannotResume(ValueError):
     """This trainer would train a step the broker already committed (a config or run-directory problem: exit 2)."""
 
 
-class _DataWait:
-    """``on_wait`` of one step's fetch: say what is awaited every ``DATA_WAIT_LOG_S``; stop when the broker is
-    lost (``BrokerLost``) or says the run is over (``FetchStopped``)."""
-
-    def __init__(self, step: int, control):
-        self.step = step
-        self.control = control
-        self.started_s = time.monotonic()
-        self.next_log_s = self.started_s + DATA_WAIT_LOG_S
-
-    def __call__(self, num_received: int, num_expected: int | None) -> None:
-        self.control.check_broker()
-        if self.control.shutdown_requested.is_set():
-            raise FetchStopped(f"step {self.step}: the broker says the run is over")
-        now_s = time.monotonic()
-        if now_s >= self.next_log_s:
-            self.next_log_s = now_s + DATA_WAIT_LOG_S
-            log.info("waiting for the step's micro-batches", step=self.step, received=num_received,
-                     expected=num_expected, waited_s=round(now_s - self.started_s, 1),
-                     broker="unreachable" if self.control.broker_unreachable else "reachable")
-
-
 def _has_trainer_row(path, step: int) -> bool:
     """Whether ``metrics.jsonl`` at ``path`` has a trainer row for ``step`` (a half-written last line is not one)."""
     from primerl.runtime.run_metrics import MetricsFileError, read_metrics_file
@@ -476,18 +438,3 @@ def _has_trainer_row(path, step: int) -> bool:
         log.warning("cannot read metrics.jsonl to check the resumed step's row; writing it", error=str(err))
         return False
     return any(row.get("role") == "trainer" and row.get("step") == step for row in rows)
-
-
-def warn_unused_options(config: TrainerConfig) -> None:
-    """Options that exist for config compatibility but change nothing in this trainer: say so once."""
-    unused = []
-    if config.micro_batch_size is not None:
-        unused.append("micro_batch_size (the orchestrator packs micro-batches up to seq_len)")
-    if config.gradient_accumulation_steps is not None:
-        unused.append("gradient_accumulation_steps (every micro-batch of a step is accumulated into one update)")
-    if config.model.reduce_dtype != "float32":
-        unused.append("model.reduce_dtype (gradients are reduced in the parameters' dtype)")
-    if config.model.fsdp_cpu_offload:
-        unused.append("model.fsdp_cpu_offload (no CPU offloading is built)")
-    for option in unused:
-        log.warning("config option has no effect", option=option)

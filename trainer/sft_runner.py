@@ -35,9 +35,15 @@ from primerl.runtime.log_setup import bind_context, get_logger
 from primerl.runtime.metrics_sink import MetricsSink
 from primerl.runtime.prometheus import start_exporter
 from primerl.trainer.config import SFTConfig
-from primerl.trainer.distributed import DistInfo, all_reduce_sum, barrier, resolve_parallel, unwrap_model, wrap_model
+from primerl.trainer.distributed import DistInfo, all_reduce_sum, barrier, resolve_parallel, unwrap_model
 from primerl.trainer.sft_data import as_training_samples, pack_for_ranks, read_chat_samples, tokenize_conversation
-from primerl.trainer.train_step import TrainStep, sft_objective
+from primerl.trainer.train_step import sft_objective
+from primerl.trainer.training_setup import (
+    build_training,
+    resume_from_checkpoint,
+    save_training_checkpoint,
+    warn_unused_options,
+)
 
 log = get_logger("primerl.trainer.sft")
 
@@ -59,8 +65,6 @@ class SFTResult:
 
 def run_sft(config: SFTConfig, dist_info: DistInfo, stop_event: threading.Event | None = None) -> SFTResult:
     """Train to ``max_steps`` or until ``stop_event`` is set; see ``SFTResult``."""
-    from primerl.trainer.runner import warn_unused_options
-
     parallel = resolve_parallel(config.model.parallel, dist_info.world_size)  # first: before anything loads
     warn_unused_options(config)
     exporter = start_exporter("sft", config.prometheus) if dist_info.is_main else None
@@ -89,10 +93,8 @@ def _train(config: SFTConfig, dist_info: DistInfo, parallel: str, stop_event: th
            sink: MetricsSink | None) -> SFTResult:
     from transformers import AutoTokenizer
 
-    from primerl.trainer.checkpoint import latest_checkpoint, load_checkpoint
+    from primerl.trainer.checkpoint import prune_checkpoints
     from primerl.trainer.weights_export import export_hf_weights
-    from primerl.trainer.model import load_model
-    from primerl.trainer.optim import build_optimizer, build_scheduler
 
     seed_everything(config.data.seed)
     tokenizer = AutoTokenizer.from_pretrained(config.tokenizer.name)
@@ -101,21 +103,17 @@ def _train(config: SFTConfig, dist_info: DistInfo, parallel: str, stop_event: th
     pad_token_id = next((t for t in (tokenizer.pad_token_id, tokenizer.eos_token_id) if t is not None), 0)
     steps_per_epoch = math.ceil(len(samples) / config.data.batch_size)
     max_steps = config.max_steps or steps_per_epoch * config.data.epochs
-    model = wrap_model(load_model(config.model), parallel, dist_info)
-    optimizer = build_optimizer(model, config.optim)
-    scheduler = build_scheduler(optimizer, config.scheduler, max_steps)
-    step_fn = TrainStep(model, optimizer, scheduler, sft_objective, dist_info, max_grad_norm=config.optim.max_norm)
-    start_step = 1
-    if config.ckpt is not None:
-        resume = config.ckpt.resume_step or latest_checkpoint(config.checkpoint_dir)
-        if resume is not None:
-            start_step = load_checkpoint(config.checkpoint_dir, resume, model=unwrap_model(model), optimizer=optimizer,
-                                         scheduler=scheduler, rank=dist_info.rank)["step"] + 1
+    training = build_training(config, parallel, dist_info, max_steps, sft_objective)
+    resumed = resume_from_checkpoint(config, training, dist_info.rank)
+    start_step = 1 if resumed is None else resumed["step"] + 1
     log.info("sft starting", num_samples=len(samples), max_steps=max_steps, start_step=start_step,
              world_size=dist_info.world_size)
 
     def checkpoint(step: int) -> None:
-        _save_checkpoint(config, dist_info, step, unwrap_model(model), optimizer, scheduler)
+        save_training_checkpoint(config, training, step, {"step": step}, dist_info)
+        if dist_info.is_main:
+            prune_checkpoints(config.checkpoint_dir, keep_last=config.ckpt.keep_last,
+                              keep_interval=config.ckpt.keep_interval)
 
     last_step = start_step - 1
     saved_step = None
@@ -126,7 +124,7 @@ def _train(config: SFTConfig, dist_info: DistInfo, parallel: str, stop_event: th
         started_s = time.monotonic()
         batch = _step_samples(samples, step, config.data.batch_size, config.data.seed)
         mine = pack_for_ranks(batch, config.seq_len, dist_info.world_size, pad_token_id)[dist_info.rank]
-        stats = step_fn.step(step, mine)
+        stats = training.step_fn.step(step, mine)
         last_step = step
         if sink is not None:
             sink.log(step, stats.as_metrics("sft"))
@@ -146,21 +144,10 @@ def _train(config: SFTConfig, dist_info: DistInfo, parallel: str, stop_event: th
             checkpoint(last_step)  # a re-run resumes here
     weights_dir = config.output_dir / "weights" / f"step_{last_step}"
     if dist_info.is_main:
-        export_hf_weights(unwrap_model(model), tokenizer, weights_dir)
+        export_hf_weights(unwrap_model(training.model), tokenizer, weights_dir)
         log.info("sft weights exported", path=str(weights_dir), final=result.finished)
     barrier(dist_info)
     return SFTResult(weights_dir, last_step, max_steps)
-
-
-def _save_checkpoint(config: SFTConfig, dist_info: DistInfo, step: int, model, optimizer, scheduler) -> None:
-    from primerl.trainer.checkpoint import prune_checkpoints, save_checkpoint
-
-    save_checkpoint(config.checkpoint_dir, step, model=model, optimizer=optimizer, scheduler=scheduler,
-                    extra_state={"step": step}, rank=dist_info.rank, world_size=dist_info.world_size,
-                    barrier=lambda: barrier(dist_info))
-    if dist_info.is_main:
-        ckpt = config.ckpt
-        prune_checkpoints(config.checkpoint_dir, keep_last=ckpt.keep_last, keep_interval=ckpt.keep_interval)
 
 
 def _stop_agreed(stop_event: threading.Event, dist_info: DistInfo) -> bool:

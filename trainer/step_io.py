@@ -17,6 +17,10 @@ Invariants:
   (forward and backward of the next step may overlap with them: they only read the weights).
 - **Bounded.** The fetch queue holds one step; the IO queue ``max_pending`` jobs (``submit`` blocks when full);
   every wait has a timeout; ``close`` drains in order within a bound.
+
+While a step's micro-batches do not come, ``StepDataWait`` (the fetch's ``on_wait``) logs ``waiting for the
+step's micro-batches`` every ``DATA_WAIT_LOG_S`` and ends the wait when the broker is lost (``BrokerLost``) or
+says the run is over (``FetchStopped``).
 """
 
 from __future__ import annotations
@@ -35,6 +39,8 @@ log = get_logger("primerl.trainer.step_io")
 
 POLL_S = 0.2
 """How often blocked waits look at the stop event and the other thread's health."""
+DATA_WAIT_LOG_S = 10.0
+"""How often the fetch thread says what it waits for while a step's micro-batches do not come."""
 
 
 class TrainerIOError(RuntimeError):
@@ -212,3 +218,25 @@ class StepIOThread:
                 log.error("IO thread did not drain in time; queued jobs are lost", timeout_s=timeout_s)
         if raise_error:
             self.check()
+
+
+class StepDataWait:
+    """``on_wait`` of one step's fetch: say what is awaited every ``DATA_WAIT_LOG_S``; stop when the broker is
+    lost (``BrokerLost``) or says the run is over (``FetchStopped``)."""
+
+    def __init__(self, step: int, control):
+        self.step = step
+        self.control = control
+        self.started_s = time.monotonic()
+        self.next_log_s = self.started_s + DATA_WAIT_LOG_S
+
+    def __call__(self, num_received: int, num_expected: int | None) -> None:
+        self.control.check_broker()
+        if self.control.shutdown_requested.is_set():
+            raise FetchStopped(f"step {self.step}: the broker says the run is over")
+        now_s = time.monotonic()
+        if now_s >= self.next_log_s:
+            self.next_log_s = now_s + DATA_WAIT_LOG_S
+            log.info("waiting for the step's micro-batches", step=self.step, received=num_received,
+                     expected=num_expected, waited_s=round(now_s - self.started_s, 1),
+                     broker="unreachable" if self.control.broker_unreachable else "reachable")

@@ -21,6 +21,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from primerl.cli.command_args import parse_command_args
 from primerl.cli.env_args import parse_env_args
 from primerl.orchestrator.env_python import (
     ENV_PYTHON_VAR,
@@ -78,10 +79,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
-    try:
-        args = parser.parse_args(sys.argv[1:] if argv is None else list(argv))
-    except SystemExit as exit_:
-        return int(exit_.code or 0)
+    args = parse_command_args(parser, argv)
+    if isinstance(args, int):
+        return args
     try:
         return install(args) if args.command == "install" else list_envs(args)
     except EnvCommandError as exc:

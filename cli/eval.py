@@ -29,6 +29,7 @@ import traceback
 from pathlib import Path
 from typing import Any
 
+from primerl.cli.command_args import parse_command_args
 from primerl.cli.env_args import parse_env_args
 from primerl.cli.eval_console import Console
 from primerl.orchestrator.env_python import ENV_PYTHON_VAR, ENV_VENV_NAME, resolve_env_python
@@ -149,10 +150,9 @@ def _check(args: argparse.Namespace) -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     argv = sys.argv[1:] if argv is None else list(argv)
-    try:
-        args = parser.parse_args(argv)
-    except SystemExit as exit_:  # --help (0) or a usage error (2), already printed by argparse
-        return int(exit_.code or 0)
+    args = parse_command_args(parser, argv)
+    if isinstance(args, int):
+        return args
     try:
         env_args = _check(args)
         model = resolve_model(args.model, served=args.base_url is not None)

@@ -12,6 +12,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from primerl.cli.command_args import parse_command_args
+
 LOGPROB_TOLERANCE = 1e-4
 DEFAULT_PROMPTS = (
     "Reverse the string: a b c d",
@@ -55,10 +57,9 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str], *, llm: Any = None) -> int:
     """Run the command. `llm`: an already started `vllm.LLM` to use instead of starting one (tests, notebooks)."""
     parser = build_parser()
-    try:
-        args = parser.parse_args(argv)
-    except SystemExit as exit_:  # --help (0) or a usage error (2), already printed by argparse
-        return int(exit_.code or 0)
+    args = parse_command_args(parser, argv)
+    if isinstance(args, int):
+        return args
     error = _validate(args)
     if error:
         print(f"primerl generate: error: {error}", file=sys.stderr)

@@ -5,11 +5,11 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import warnings
 from pathlib import Path
 
+from primerl.cli.command_args import config_warnings_printed, parse_command_args
 from primerl.cli.restart_policy import RESTART_MODES, RestartPolicy
-from primerl.runtime.config_base import ConfigError, ConfigWarning
+from primerl.runtime.config_base import ConfigError
 from primerl.runtime.config_loader import dump_toml, load_config, parse_config_args, write_toml
 
 USAGE = ("primerl rl @ CONFIG.toml [@ MORE.toml ...] [--section.key VALUE ...] [--run-dir DIR] [--tmux]\n"
@@ -102,10 +102,9 @@ def main(argv: list[str] | None = None) -> int:
                                               "--help"},
                                    cli_options={"--write", "--run-dir", "--inference-timeout-s", "--stop-timeout-s",
                                                 *RESTART_OPTIONS})
-        try:
-            args = parser.parse_args(parsed.rest)
-        except SystemExit as exit_:  # --help (0) or a usage error (2), already printed by argparse
-            return int(exit_.code or 0)
+        args = parse_command_args(parser, parsed.rest)
+        if isinstance(args, int):
+            return args
         if not parsed.files and not parsed.overrides:
             parser.print_usage(sys.stderr)
             print("primerl rl: error: give a config file: primerl rl @ config.toml", file=sys.stderr)
@@ -116,11 +115,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.run_dir is not None:
             overrides["output_dir"] = str(args.run_dir)
 
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always", ConfigWarning)
+        with config_warnings_printed():
             config = load_config(RLConfig, [*map(Path, parsed.files)], overrides)
-        for warning in caught:
-            print(f"warning: {warning.message}", file=sys.stderr)
     except ConfigError as err:
         print(f"primerl rl: {err}", file=sys.stderr)
         return 2

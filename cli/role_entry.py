@@ -8,11 +8,11 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import warnings
 from collections.abc import Callable
 from pathlib import Path
 
-from primerl.runtime.config_base import ConfigError, ConfigWarning
+from primerl.cli.command_args import config_warnings_printed, parse_command_args
+from primerl.runtime.config_base import ConfigError
 from primerl.runtime.config_loader import dump_toml, load_role_config
 
 RUN_TOKEN_ENV = "PRIMERL_RUN_TOKEN"
@@ -67,17 +67,13 @@ def run_role(
         parser.print_help()
         return 0
     try:
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always", ConfigWarning)
+        with config_warnings_printed():
             config, rest = load_role_config(
                 config_cls, argv, cli_flags={"--dry-run", "-h", "--help"}, cli_options={"--ready-file"}
             )
-        try:
-            args = parser.parse_args(rest)
-        except SystemExit as exit_:
-            return int(exit_.code or 0)
-        for warning in caught:
-            print(f"warning: {warning.message}", file=sys.stderr)
+        args = parse_command_args(parser, rest)
+        if isinstance(args, int):
+            return args
     except ConfigError as err:
         print(f"{prog}: {err}", file=sys.stderr)
         return 2

@@ -12,6 +12,7 @@ import json
 import sys
 from pathlib import Path
 
+from primerl.cli.command_args import parse_command_args
 from primerl.cli.env_args import parse_env_args
 from primerl.orchestrator.env_python import ENV_PYTHON_VAR, ENV_VENV_NAME, resolve_env_python
 
@@ -36,10 +37,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
-    try:
-        args = parser.parse_args(sys.argv[1:] if argv is None else list(argv))
-    except SystemExit as exit_:
-        return int(exit_.code or 0)
+    args = parse_command_args(parser, argv)
+    if isinstance(args, int):
+        return args
     try:
         env_args = parse_env_args(args.env_args)
     except ValueError as exc:

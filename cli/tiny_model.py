@@ -6,6 +6,8 @@ import argparse
 import sys
 import time
 
+from primerl.cli.command_args import parse_command_args
+
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
@@ -30,10 +32,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str]) -> int:
     parser = build_parser()
-    try:
-        args = parser.parse_args(argv)
-    except SystemExit as exit_:  # --help (0) or a usage error (2), already printed by argparse
-        return int(exit_.code or 0)
+    args = parse_command_args(parser, argv)
+    if isinstance(args, int):
+        return args
 
     from primerl.trainer.tiny_model import TinyModelSpec, build_tiny_model, count_parameters, read_spec
 

@@ -29,13 +29,14 @@ from primerl.proto import framing
 from primerl.proto.batch_ids import default_batch_id
 from primerl.proto.data_plane_limits import DEFAULT_BROKER_LIMITS
 from primerl.proto.tensor_frames import decode_tensors, encode_tensors
+from primerl.proto.units import MiB
 from primerl.proto.v1 import common_pb2, data_pb2
 from primerl.runtime.log_setup import get_logger
 
 log = get_logger("primerl.client.rollouts")
 
 DEFAULT_WINDOW = 8
-DEFAULT_MAX_INFLIGHT_BYTES = 512 << 20
+DEFAULT_MAX_INFLIGHT_BYTES = 512 * MiB
 REOPEN_PAUSE_S = 1.0  # most a client waits before connecting again after the broker refused it at the handshake
 
 

@@ -14,9 +14,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from primerl.proto import framing
+from primerl.proto.units import MiB
 from primerl.proto.v1 import control_pb2
 
-MiB = 1 << 20
 ENVELOPE_ALLOWANCE_BYTES = 1 * MiB
 """Room for the fixed frames and the envelope next to one frame of payload."""
 DEFAULT_MAX_MESSAGE_BYTES = 256 * MiB

@@ -12,8 +12,8 @@ from primerl.broker.config import BrokerConfig
 from primerl.proto import framing
 from primerl.proto import tensor_frames as tf
 from primerl.proto.v1 import data_pb2
+from primerl.proto.units import GiB
 
-GIB = 1 << 30
 
 
 def _first_chunk(total_bytes: int, transfer_id: str, sender: str = "pub") -> framing.Message:
@@ -40,15 +40,15 @@ def test_declared_size_above_the_limit_is_refused_at_the_first_chunk():
 
 
 def test_a_first_chunk_declaring_a_gib_does_not_take_a_gib():
-    assembler = framing.ChunkAssembler(limits=framing.Limits(max_transfer_bytes=2 * GIB), max_open_bytes=2 * GIB)
+    assembler = framing.ChunkAssembler(limits=framing.Limits(max_transfer_bytes=2 * GiB), max_open_bytes=2 * GiB)
     before = _rss_kib()
-    assert assembler.add(_first_chunk(GIB, "big")) is None
+    assert assembler.add(_first_chunk(GiB, "big")) is None
     grown_mib = (_rss_kib() - before) / 1024
     assert grown_mib < 64, f"RSS grew by {grown_mib:.0f} MiB for 16 bytes received"
 
 
 def test_open_transfer_bytes_are_bounded_and_refused_as_busy():
-    assembler = framing.ChunkAssembler(limits=framing.Limits(max_transfer_bytes=GIB), max_open_bytes=GIB)
+    assembler = framing.ChunkAssembler(limits=framing.Limits(max_transfer_bytes=GiB), max_open_bytes=GiB)
     assembler.add(_first_chunk(700 << 20, "a", sender="one"))
     with pytest.raises(framing.Busy) as info:
         assembler.add(_first_chunk(400 << 20, "b", sender="two"))

@@ -17,9 +17,9 @@ from primerl.broker.rollout_queue import RolloutQueue
 from primerl.broker.spool import RolloutSpool
 from primerl.proto import framing
 from primerl.proto.v1 import data_pb2
+from primerl.proto.units import MiB
 
 TOKEN = "gate-secret"
-MiB = 1 << 20
 
 
 @pytest.fixture

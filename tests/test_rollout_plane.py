@@ -17,9 +17,9 @@ from primerl.broker.rollout_queue import RolloutQueue
 from primerl.broker.spool import RolloutSpool
 from primerl.proto import framing
 from primerl.proto.v1 import common_pb2, data_pb2
+from primerl.proto.units import MiB
 
 TOKEN = "run-secret"
-MiB = 1 << 20
 
 
 def tensors_for(step: int, rank: int, index: int, n: int = 64) -> dict[str, np.ndarray]:

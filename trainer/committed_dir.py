@@ -6,6 +6,8 @@ The protocol: everything is written into ``{name}.tmp-<pid>`` beside the final d
 (an existing one is first renamed to ``{name}.trash-<pid>``, then removed) and fsyncs the parent. A reader takes
 a directory as valid only once its ``STABLE`` marker exists. A process killed at any point leaves the previous
 directory as it was plus a temp (or trash) directory, which ``remove_leftovers`` deletes at the next write.
+``writing_committed_dir`` runs the whole protocol for a directory one process writes (the weight export); a
+checkpoint, written by several ranks between barriers, takes the steps one by one.
 """
 
 from __future__ import annotations
@@ -13,11 +15,14 @@ from __future__ import annotations
 import os
 import re
 import shutil
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 from primerl.runtime.durable_files import fsync_dir
 
-__all__ = ["STABLE_FILE", "commit_dir", "fsync_file", "remove_leftovers", "temp_dir_of", "write_new_file"]
+__all__ = ["STABLE_FILE", "commit_dir", "fsync_file", "remove_leftovers", "temp_dir_of", "write_new_file",
+           "writing_committed_dir"]
 
 STABLE_FILE = "STABLE"
 """The marker written last: a directory without it is not committed."""
@@ -71,3 +76,21 @@ def commit_dir(tmp_dir: Path, final_dir: Path) -> None:
     else:
         os.rename(tmp_dir, final_dir)
     fsync_dir(parent)
+
+
+@contextmanager
+def writing_committed_dir(final_dir: Path) -> Iterator[Path]:
+    """The whole protocol for one process: yields the temp directory to write ``final_dir``'s files into; when the
+    block ends normally, fsyncs them, writes ``STABLE`` and commits; when it raises, removes the temp directory."""
+    tmp_dir = temp_dir_of(final_dir)
+    tmp_dir.mkdir()
+    try:
+        yield tmp_dir
+        for path in sorted(tmp_dir.rglob("*")):
+            if path.is_file():
+                fsync_file(path)
+        write_new_file(tmp_dir / STABLE_FILE, b"")
+        commit_dir(tmp_dir, final_dir)
+    except BaseException:
+        shutil.rmtree(tmp_dir, ignore_errors=True)
+        raise

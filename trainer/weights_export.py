@@ -12,19 +12,11 @@ from __future__ import annotations
 
 import os
 import re
-import shutil
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from primerl.runtime.log_setup import get_logger
-from primerl.trainer.committed_dir import (
-    STABLE_FILE,
-    commit_dir,
-    fsync_file,
-    remove_leftovers,
-    temp_dir_of,
-    write_new_file,
-)
+from primerl.trainer.committed_dir import remove_leftovers, writing_committed_dir
 from primerl.trainer.distributed import replicated_model
 from primerl.trainer.hf_state_dict import hf_model_and_state
 
@@ -54,12 +46,9 @@ def export_hf_weights(
     leftovers = remove_leftovers(out_dir.parent, re.escape(out_dir.name))
     if leftovers:
         log.info("removed leftovers of an interrupted weight export", dirs=leftovers)
-    tmp_dir = temp_dir_of(out_dir)
-    tmp_dir.mkdir()
-    try:
+    with writing_committed_dir(out_dir) as tmp_dir:
         hf_model, state = hf_model_and_state(model)
         hf_model.save_pretrained(str(tmp_dir), state_dict=state)
-        del state
         if tokenizer_or_dir is not None:
             tokenizer = tokenizer_or_dir
             if isinstance(tokenizer_or_dir, (str, os.PathLike)):
@@ -67,13 +56,5 @@ def export_hf_weights(
 
                 tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_or_dir))
             tokenizer.save_pretrained(str(tmp_dir))
-        for path in sorted(tmp_dir.rglob("*")):
-            if path.is_file():
-                fsync_file(path)
-        write_new_file(tmp_dir / STABLE_FILE, b"")
-        commit_dir(tmp_dir, out_dir)
-    except BaseException:
-        shutil.rmtree(tmp_dir, ignore_errors=True)
-        raise
     log.info("exported weights", path=str(out_dir))
     return out_dir

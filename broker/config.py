@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import Any
 
 from pydantic import Field, model_validator
 
@@ -27,6 +28,11 @@ def physical_memory_bytes() -> int:
         return 16 * GiB
 
 
+def _port(default: int, description: str) -> Any:
+    """A port field: 0 picks a free port."""
+    return Field(default, ge=0, le=65535, description=description)
+
+
 class BrokerConfig(BaseConfig):
     """The hub of a run: worker registry and run status (gRPC), rollout queue and weight fan-out (ZeroMQ)."""
 
@@ -35,19 +41,19 @@ class BrokerConfig(BaseConfig):
         min_length=1,
         description="Interface that the gRPC server and the ZeroMQ sockets bind (`0.0.0.0` for all interfaces).",
     )
-    grpc_port: int = Field(
-        DEFAULT_BROKER_GRPC_PORT, ge=0, le=65535,
-        description="gRPC control-plane port (0: pick a free port). Under `primerl rl`, unset means a free port: the "
+    grpc_port: int = _port(
+        DEFAULT_BROKER_GRPC_PORT,
+        "gRPC control-plane port (0: pick a free port). Under `primerl rl`, unset means a free port: the "
         "launcher tells the other roles the one bound.",
     )
-    rollout_port: int = Field(
-        50052, ge=0, le=65535,
-        description="ZeroMQ port for rollout batches (orchestrator in, trainer ranks out); workers learn it when they "
+    rollout_port: int = _port(
+        50052,
+        "ZeroMQ port for rollout batches (orchestrator in, trainer ranks out); workers learn it when they "
         "register. Under `primerl rl`, unset means a free port.",
     )
-    weight_port: int = Field(
-        50053, ge=0, le=65535,
-        description="ZeroMQ port for weight updates (trainer in, inference workers out); workers learn it when they "
+    weight_port: int = _port(
+        50053,
+        "ZeroMQ port for weight updates (trainer in, inference workers out); workers learn it when they "
         "register. Under `primerl rl`, unset means a free port.",
     )
     spool_dir: Path = Field(

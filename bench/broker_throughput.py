@@ -105,11 +105,12 @@ def broker_main(conn, spool_dirs: list[str], max_message_bytes: int, chunk_bytes
 
     configure_logging("broker", "bench", level="warning")
 
-    from primerl.broker.weight_plane import WeightPlane, weight_limits
+    from primerl.broker.weight_plane import WeightPlane
+    from primerl.proto.data_plane_limits import BrokerLimits
     from primerl.broker.weight_store import WeightStore
 
     context = zmq.Context()
-    limits, _ = weight_limits(max_message_bytes)
+    limits = BrokerLimits.for_max_message_bytes(max_message_bytes).frames
     weight_plane = WeightPlane(WeightStore(), context, "127.0.0.1", 0, limits, TOKEN, chunk_bytes)
     info: dict[str, Any] = {"weight_port": weight_plane.start()}
     rollout_planes = []
@@ -157,10 +158,10 @@ def receiver_main(conn, index: int, max_message_bytes: int, verify_digest: bool)
 
     from primerl.client.rollouts import RolloutConsumer
     from primerl.client.weights import WeightSubscriber
-    from primerl.broker.weight_plane import weight_limits
+    from primerl.proto.data_plane_limits import BrokerLimits
 
     context = zmq.Context()
-    limits, _ = weight_limits(max_message_bytes)
+    limits = BrokerLimits.for_max_message_bytes(max_message_bytes).frames
     pull = None
     consumers: dict[int, Any] = {}
     subscriber = None
@@ -322,7 +323,7 @@ def main(argv: list[str] | None = None) -> int:
 
     configure_logging("bench", "bench", level="warning")
     from primerl.client.weights import WeightPublisher
-    from primerl.broker.weight_plane import weight_limits
+    from primerl.proto.data_plane_limits import BrokerLimits
 
     spawn = mp.get_context("spawn")
     processes: list = []
@@ -348,7 +349,7 @@ def main(argv: list[str] | None = None) -> int:
         relay_available = "rollout_error" not in info
         if not relay_available:
             print(f"rollout relay not measured: {info['rollout_error']}", file=sys.stderr)
-        limits, _ = weight_limits(max_message_bytes)
+        limits = BrokerLimits.for_max_message_bytes(max_message_bytes).frames
         weight_endpoint = f"tcp://127.0.0.1:{info['weight_port']}"
 
         for receiver in receivers:

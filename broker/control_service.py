@@ -32,7 +32,9 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from primerl.broker.log_limits import RateLimitedLog
-from primerl.broker.registry import DataPlaneStatus, RegistryError, WorkerRegistry, format_workers
+from primerl.broker.registry import WorkerRegistry
+from primerl.broker.registry_errors import RegistryError
+from primerl.broker.run_status import DataPlaneStatus, format_workers
 from primerl.proto import framing
 from primerl.proto.data_plane_limits import BrokerLimits
 from primerl.proto.v1 import control_pb2, control_pb2_grpc

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.metrics_core import Metric
 
-from primerl.broker.registry import ALIVE
+from primerl.broker.worker_record import ALIVE
 from primerl.proto.v1 import common_pb2
 
 if TYPE_CHECKING:
@@ -43,10 +43,8 @@ class BrokerCollector:
         for role, name in ROLES.items():
             workers.add_metric([name], sum(1 for w in status.workers if w.role == role and w.state == ALIVE))
         yield workers
-        latest_version = status.latest_policy_version
         if service.weight_plane is not None:
             weights = service.weight_plane.status()
-            latest_version = max(latest_version, weights.store.latest_version or 0)
             yield CounterMetricFamily("primerl_broker_weight_bytes_received", "Weight-update bytes received from "
                                       "the trainer.", value=weights.bytes_in_total)
             yield CounterMetricFamily("primerl_broker_weight_bytes_pushed", "Weight-update bytes sent to inference "
@@ -55,7 +53,7 @@ class BrokerCollector:
                                     "(snapshot and deltas).",
                                     value=(weights.store.snapshot_version is not None) + weights.store.num_deltas)
         yield GaugeMetricFamily("primerl_broker_latest_policy_version", "Newest policy version published by the "
-                                "trainer.", value=latest_version)
+                                "trainer.", value=status.latest_policy_version)
         yield GaugeMetricFamily("primerl_broker_committed_step", "Last step the trainer committed.",
                                 value=status.last_committed_step)
         yield GaugeMetricFamily("primerl_broker_trainer_step", "Trainer step from its heartbeats.",

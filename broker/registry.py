@@ -1,8 +1,11 @@
 """The broker's worker registry and run status: the core of the control plane, with no sockets.
 
-Every worker registers, heartbeats and reports progress here (through ``control_service.BrokerServicer``);
-the data plane records what it observes (policy versions applied by inference workers, the latest policy
-version, queue depths). ``run_status`` aggregates it all into one ``RunStatus`` message.
+Every worker registers, heartbeats and reports progress here (through ``control_service.BrokerServicer``).
+The policy versions are not the registry's: it reads them from the weight fan-out core (``weight_fanout``), which
+owns the latest version and the version each inference worker holds, and is told when the latest one changes
+(``WeightFanout.watch``). A worker the registry marks LOST, or that deregisters, leaves the fan-out (no more weight
+pushes). ``run_status`` aggregates it all, with the data plane's queues and rates (``run_status.DataPlaneStatus``),
+into one ``RunStatus`` message. The records are ``worker_record.WorkerRecord``; the refusals ``registry_errors``.
 
 Liveness follows the Paranoid Pirate pattern: a worker silent for ``liveness * heartbeat_interval_s`` is
 marked LOST (and stays listed so status shows it); any traffic from a worker resets its liveness. Expiry is
@@ -14,8 +17,8 @@ serialized by a second lock so that the ``on_commit`` callback (the rollout queu
 the state lock: the data plane may call back into the registry without deadlocking.
 
 Run state (``broker/run_state.py``): the run's facts (committed step, trainer and orchestrator steps, latest
-policy version, last metrics, run id, finished) are numbered by a revision that moves only when one of them
-changes; ``run_state()`` snapshots them, ``restore()`` takes them back after a broker restart. A commit and the
+policy version (the fan-out's), last metrics, run id, finished) are numbered by a revision that moves only when one
+of them changes; ``run_state()`` snapshots them, ``restore()`` takes them back after a broker restart. A commit and the
 end of the run call ``persist`` before they answer; everything else is written by a periodic saver.
 
 End of run: rank 0 of the trainer deregistering with reason ``"training finished"`` once the run's trainer step
@@ -29,180 +32,28 @@ systemd).
 
 from __future__ import annotations
 
-import math
 import threading
 import time
 import uuid
 from collections import deque
-from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
-from typing import NamedTuple
+from collections.abc import Callable, Mapping
 
+from primerl.broker.registry_errors import (BrokerStopping, CommitFailed, CommitResult, LimitReached, NameTaken,
+                                            StepOutOfOrder, WorkerNotFound)
 from primerl.broker.run_state import RunState
-from primerl.proto.roles import role_names
+from primerl.broker.run_status import MAX_STATUS_BYTES, DataPlaneStatus, queue_proto, role_name, trim_status
+from primerl.broker.weight_fanout import WeightFanout
+from primerl.broker.weight_store import WeightStore
+from primerl.broker.worker_record import (
+    ALIVE, LEFT, LOST, MAX_ERROR_CHARS, MAX_ERRORS_PER_HEARTBEAT, MAX_LIVE_WORKERS, MAX_METRIC_NAMES,
+    MAX_METRIC_NAMES_PER_WORKER, WorkerRecord, check_metrics_report, check_register_request)
 from primerl.proto.v1 import common_pb2, control_pb2
 
-ALIVE = control_pb2.WORKER_STATE_ALIVE
-LOST = control_pb2.WORKER_STATE_LOST
-LEFT = control_pb2.WORKER_STATE_LEFT
-
-MAX_NAME_CHARS = 128
-MAX_ERROR_CHARS = 500
-MAX_ERRORS_PER_HEARTBEAT = 8
-MAX_METRICS_PER_REPORT = 1024
-# Bounds that keep RunStatus far below the 4 MiB gRPC message limit of a default client (checked in tests).
-MAX_METRIC_NAME_CHARS = 128
-MAX_METRIC_NAMES_PER_WORKER = 512
-MAX_METRIC_NAMES = 2048
-MAX_LIVE_WORKERS = 512
-MAX_CAPABILITIES = 32
-MAX_CAPABILITY_CHARS = 256
-MAX_ADDRESS_CHARS = 256
-MAX_CAPABILITY_TOTAL_CHARS = 2048
-# RunStatus is trimmed (capabilities, then departed workers, then the rest) to stay under this.
-MAX_STATUS_BYTES = 3 * 2**20
 # The reason the trainer (``trainer/runner.py``) deregisters with when its loop ran to ``max_steps``.
 TRAINING_FINISHED_REASON = "training finished"
 
 
-# ----------------------------------------------------------------------------------------------- errors
-class RegistryError(Exception):
-    """A refused request. ``status_code`` names the ``grpc.StatusCode`` member the gRPC layer answers with."""
-
-    status_code = "INTERNAL"
-
-
-class InvalidRequest(RegistryError):
-    status_code = "INVALID_ARGUMENT"
-
-
-class WorkerNotFound(RegistryError):
-    """Unknown, expired (LOST) or departed worker id: the worker must register again."""
-
-    status_code = "NOT_FOUND"
-
-
-class NameTaken(RegistryError):
-    status_code = "ALREADY_EXISTS"
-
-
-class StepOutOfOrder(RegistryError):
-    status_code = "FAILED_PRECONDITION"
-
-
-class LimitReached(RegistryError):
-    """A bound of the registry (workers, metric names) would be exceeded; the message says which."""
-
-    status_code = "RESOURCE_EXHAUSTED"
-
-
-class BrokerStopping(RegistryError):
-    """The broker process is stopping (SIGTERM, a restart): the worker should retry, not stop."""
-
-    status_code = "UNAVAILABLE"
-
-
-class CommitFailed(RegistryError):
-    """The ``on_commit`` callback (releasing spooled batches) failed; the step is not committed."""
-
-    status_code = "INTERNAL"
-
-
-class CommitResult(NamedTuple):
-    """What ``commit_step`` answers: the run's last committed step, the batches this commit released, and
-    whether the step was already committed (a retry: nothing released, nothing changed)."""
-
-    last_committed_step: int
-    num_batches_released: int
-    already_committed: bool = False
-
-
-# ------------------------------------------------------------------------------------- data-plane input
-class QueueDepth(NamedTuple):
-    """One queue of the data plane, as ``RunStatus.queues`` shows it."""
-
-    name: str
-    num_items: int
-    num_bytes: int
-    capacity_items: int = 0
-    capacity_bytes: int = 0
-
-
-@dataclass
-class DataPlaneStatus:
-    """What the data plane (rollout queue, weight store) contributes to ``RunStatus``; filled on demand."""
-
-    queues: Sequence[QueueDepth | control_pb2.QueueStatus] = field(default_factory=list)
-    rollout_batches_per_s: float = 0.0
-    rollout_bytes_per_s: float = 0.0
-    weight_bytes_per_s: float = 0.0
-    latest_policy_version: int = 0
-
-
-def _queue_proto(queue: QueueDepth | control_pb2.QueueStatus | tuple) -> control_pb2.QueueStatus:
-    if isinstance(queue, control_pb2.QueueStatus):
-        return queue
-    depth = QueueDepth(*queue)
-    return control_pb2.QueueStatus(
-        name=depth.name,
-        num_items=depth.num_items,
-        num_bytes=depth.num_bytes,
-        capacity_items=depth.capacity_items,
-        capacity_bytes=depth.capacity_bytes,
-    )
-
-
 # ------------------------------------------------------------------------------------------- registry
-@dataclass
-class _Worker:
-    worker_id: str
-    role: int
-    name: str
-    address: str
-    capabilities: dict[str, str]
-    rank: int
-    world_size: int
-    pid: int
-    hostname: str
-    registered_unix_ms: int
-    last_seen: float  # registry clock (monotonic)
-    last_heartbeat_unix_ms: int
-    state: int = ALIVE
-    trainer_step: int | None = None
-    heartbeat_policy_version: int | None = None
-    applied_policy_version: int | None = None  # acked through the weight plane: preferred
-    orchestrator_step: int | None = None
-    num_inflight: int = 0
-    left_reason: str = ""
-
-    def info(self) -> control_pb2.WorkerInfo:
-        info = control_pb2.WorkerInfo(
-            worker_id=self.worker_id,
-            role=self.role,
-            name=self.name,
-            address=self.address,
-            capabilities=self.capabilities,
-            state=self.state,
-            rank=self.rank,
-            world_size=self.world_size,
-            registered_unix_ms=self.registered_unix_ms,
-            last_heartbeat_unix_ms=self.last_heartbeat_unix_ms,
-            num_inflight=self.num_inflight,
-            hostname=self.hostname,
-            pid=self.pid,
-        )
-        if self.trainer_step is not None:
-            info.trainer_step = self.trainer_step
-        policy_version = (
-            self.applied_policy_version if self.applied_policy_version is not None else self.heartbeat_policy_version
-        )
-        if policy_version is not None:
-            info.policy_version = policy_version
-        if self.orchestrator_step is not None:
-            info.orchestrator_step = self.orchestrator_step
-        return info
-
-
 class WorkerRegistry:
     """Registered workers, their liveness and progress, and the run status built from them."""
 
@@ -223,6 +74,7 @@ class WorkerRegistry:
         step_window: Callable[[int], str] | None = None,
         persist: Callable[[int, RunState], object] | None = None,
         end_of_run_grace_s: float = 0.0,
+        policy: WeightFanout | None = None,
     ):
         if heartbeat_interval_s <= 0:
             raise ValueError(f"heartbeat_interval_s must be > 0, got {heartbeat_interval_s}")
@@ -247,20 +99,18 @@ class WorkerRegistry:
         self._num_status_trims = 0
         # (revision, state) -> writes it durably (``RunStateFile.write``); raises OSError when it cannot.
         self._persist = persist
+        # The owner of the policy versions (latest, per worker); None: one over an empty store of its own.
+        self.policy = policy if policy is not None else WeightFanout(WeightStore())
+        self.policy.watch(self._on_policy_changed)
 
         self._lock = threading.Lock()
         self._changed = threading.Condition(self._lock)
         self._commit_lock = threading.Lock()
-        self._workers: dict[str, _Worker] = {}  # insertion order = registration order
+        self._workers: dict[str, WorkerRecord] = {}  # insertion order = registration order
         self._recent_errors: deque[str] = deque(maxlen=max_recent_errors)
         self._last_metrics: dict[str, float] = {}
         self._last_metrics_step = 0
         self._last_committed_step = 0
-        self._latest_policy_version = 0
-        # The latest policy's lineage (a trainer incarnation), the version it resumed from, rollbacks so far.
-        self._policy_lineage = 0
-        self._lineage_base_version = 0
-        self._num_rollbacks = 0
         self._version = 0
         self._closed = False  # the broker process is stopping: register and heartbeat answer BrokerStopping
         self._shutdown_requested = False  # the run is over: heartbeats tell workers to stop (after _stop_workers_at)
@@ -313,7 +163,7 @@ class WorkerRegistry:
                 last_committed_step=self._last_committed_step,
                 trainer_step=self._trainer_step_locked(),
                 orchestrator_step=self._orchestrator_step_locked(),
-                latest_policy_version=self._latest_policy_version,
+                latest_policy_version=self.policy.latest().version,
                 last_metrics=dict(self._last_metrics),
                 last_metrics_step=self._last_metrics_step,
                 finished=self._shutdown_requested,
@@ -323,6 +173,7 @@ class WorkerRegistry:
     def restore(self, state: RunState, *, committed_step: int = 0) -> None:
         """Take back the run state of an earlier broker (before any worker registers). ``committed_step``:
         the spool's own commit marker; the higher of the two wins (both are written before a commit answers).
+        The latest policy version goes to the fan-out (``restore_latest``), which answers it until it holds one.
 
         ``finished`` is kept only while it still holds: with ``max_steps`` raised since (a run extended), the
         run goes on."""
@@ -331,7 +182,7 @@ class WorkerRegistry:
             self._last_committed_step = max(state.last_committed_step, committed_step)
             self._trainer_step_floor = state.trainer_step
             self._orchestrator_step_floor = state.orchestrator_step
-            self._latest_policy_version = state.latest_policy_version
+            self.policy.restore_latest(state.latest_policy_version)
             self._last_metrics = dict(state.last_metrics)
             self._last_metrics_step = state.last_metrics_step
             if state.finished and self.max_steps is not None and state.finished_step >= self.max_steps:
@@ -351,22 +202,7 @@ class WorkerRegistry:
     def register(self, request: control_pb2.RegisterRequest) -> control_pb2.RegisterResponse:
         """Add a worker. A name may be reused once its previous holder is LOST or LEFT (that record is dropped).
         ``BrokerStopping`` after ``close()``."""
-        if request.role == common_pb2.ROLE_UNSPECIFIED or request.role not in common_pb2.Role.values():
-            raise InvalidRequest(f"role must be one of {role_names()}, got {request.role}")
-        name = request.name.strip()
-        if not name:
-            raise InvalidRequest("name must not be empty (e.g. 'infer-0', 'trainer-rank1')")
-        if len(name) > MAX_NAME_CHARS:
-            raise InvalidRequest(f"name is {len(name)} characters long; at most {MAX_NAME_CHARS} are allowed")
-        if request.world_size and request.rank >= request.world_size:
-            raise InvalidRequest(f"rank {request.rank} is not below world_size {request.world_size}")
-        if len(request.address) > MAX_ADDRESS_CHARS or len(request.hostname) > MAX_ADDRESS_CHARS:
-            raise InvalidRequest(f"address and hostname must be at most {MAX_ADDRESS_CHARS} characters")
-        if len(request.capabilities) > MAX_CAPABILITIES or any(
-                len(k) > MAX_CAPABILITY_CHARS or len(v) > MAX_CAPABILITY_CHARS for k, v in request.capabilities.items()):
-            raise InvalidRequest(f"at most {MAX_CAPABILITIES} capabilities of at most {MAX_CAPABILITY_CHARS} characters each")
-        if sum(len(k) + len(v) for k, v in request.capabilities.items()) > MAX_CAPABILITY_TOTAL_CHARS:
-            raise InvalidRequest(f"capabilities hold at most {MAX_CAPABILITY_TOTAL_CHARS} characters in all")
+        name = check_register_request(request)
         with self._lock:
             self._refuse_if_closed_locked()
             now = self._clock()
@@ -380,13 +216,13 @@ class WorkerRegistry:
                 if old.state == ALIVE:
                     raise NameTaken(
                         f"a live worker is already registered as {name!r} (id {old.worker_id}, "
-                        f"{_role_name(old.role)}); pick another name or wait up to {self.timeout_s:g} s "
+                        f"{role_name(old.role)}); pick another name or wait up to {self.timeout_s:g} s "
                         "for it to expire"
                     )
                 self._forget_worker_locked(old)
             worker_id = uuid.uuid4().hex
             unix_ms = self._unix_ms()
-            self._workers[worker_id] = _Worker(
+            self._workers[worker_id] = WorkerRecord(
                 worker_id=worker_id,
                 role=request.role,
                 name=name,
@@ -409,7 +245,7 @@ class WorkerRegistry:
                 liveness=self.liveness,
                 rollout_endpoint=self._rollout_endpoint,
                 weight_endpoint=self._weight_endpoint,
-                latest_policy_version=self._latest_policy_version,
+                latest_policy_version=self.policy.latest().version,
             )
 
     def heartbeat(self, request: control_pb2.HeartbeatRequest) -> control_pb2.HeartbeatResponse:
@@ -431,12 +267,13 @@ class WorkerRegistry:
             for message in list(request.recent_errors)[-MAX_ERRORS_PER_HEARTBEAT:]:
                 self._add_error_locked(worker.name, message)
             self._bump_locked()
+            latest = self.policy.latest()
             return control_pb2.HeartbeatResponse(
-                latest_policy_version=self._latest_policy_version,
+                latest_policy_version=latest.version,
                 last_committed_step=self._last_committed_step,
                 shutdown_requested=self._shutdown_requested and self._clock() >= self._stop_workers_at,
-                policy_lineage=self._policy_lineage,
-                lineage_base_version=self._lineage_base_version,
+                policy_lineage=latest.lineage,
+                lineage_base_version=latest.lineage_base_version,
             )
 
     def deregister(self, worker_id: str, reason: str = "") -> bool:
@@ -451,6 +288,7 @@ class WorkerRegistry:
             if worker.state != LEFT:
                 worker.state = LEFT
                 worker.left_reason = reason[:MAX_ERROR_CHARS]
+                self._leave_fanout_locked(worker, "deregistered")
                 self._bump_locked()
             finishes = (
                 worker.role == common_pb2.ROLE_TRAINER
@@ -467,16 +305,7 @@ class WorkerRegistry:
     def report_metrics(self, worker_id: str, step: int, metrics: Mapping[str, float]) -> None:
         """Merge the metrics into ``last_metrics`` (later reports win) and advance the reporter's step.
         Non-finite values are refused."""
-        if len(metrics) > MAX_METRICS_PER_REPORT:
-            raise InvalidRequest(f"{len(metrics)} metrics in one report; at most {MAX_METRICS_PER_REPORT}")
-        bad = sorted(name for name, value in metrics.items() if not math.isfinite(value))
-        if bad:
-            raise InvalidRequest(f"non-finite metric values are refused: {', '.join(bad[:10])}")
-        if any(not name for name in metrics):
-            raise InvalidRequest("metric names must not be empty")
-        long_names = [name for name in metrics if len(name) > MAX_METRIC_NAME_CHARS]
-        if long_names:
-            raise InvalidRequest(f"metric names are at most {MAX_METRIC_NAME_CHARS} characters: {long_names[0][:40]!r}...")
+        check_metrics_report(metrics)
         with self._lock:
             worker = self._live_worker_locked(worker_id)
             # Bounded names, per worker and in all: refused (never evicted silently) with what to do.
@@ -519,7 +348,7 @@ class WorkerRegistry:
                 worker = self._live_worker_locked(worker_id)
                 if worker.role != common_pb2.ROLE_TRAINER:
                     raise StepOutOfOrder(
-                        f"only trainer workers commit steps; {worker.name!r} is {_role_name(worker.role)}"
+                        f"only trainer workers commit steps; {worker.name!r} is {role_name(worker.role)}"
                     )
                 last_committed = self._last_committed_step
             if step <= last_committed:
@@ -549,36 +378,25 @@ class WorkerRegistry:
                                "retry the commit") from err
 
     # ------------------------------------------------------------------------------ data-plane calls
-    def record_applied_version(self, worker_id: str, version: int) -> bool:
-        """The weight plane saw ``worker_id`` acknowledge policy ``version``; counts as traffic from it.
+    def record_weight_ack(self, worker_id: str) -> bool:
+        """The weight plane heard ``worker_id`` acknowledge (or declare) a policy version: counts as traffic from
+        it, and wakes status watchers (the version itself is the fan-out's).
 
         Never raises (it runs on the weight plane's IO thread): returns False when the id is not a live worker.
         """
         with self._lock:
             try:
-                worker = self._live_worker_locked(worker_id)
+                self._live_worker_locked(worker_id)
             except WorkerNotFound:
                 return False
-            worker.applied_policy_version = version
             self._bump_locked()
             return True
 
-    def set_latest_policy_version(self, version: int) -> None:
-        """The weight store accepted a new policy version (returned to workers in Register/Heartbeat)."""
+    def _on_policy_changed(self) -> None:
+        """The fan-out's latest policy changed (``WeightFanout.watch``): the run state has a new revision."""
         with self._lock:
-            if version != self._latest_policy_version:
-                self._latest_policy_version = version
-                self._state_revision += 1
-                self._bump_locked()
-
-    def set_policy_lineage(self, lineage: int, base_version: int, num_rollbacks: int) -> None:
-        """The weight store's lineage of its latest version (told to workers in Heartbeat, shown in status)."""
-        with self._lock:
-            if (lineage, base_version, num_rollbacks) != (
-                    self._policy_lineage, self._lineage_base_version, self._num_rollbacks):
-                self._policy_lineage, self._lineage_base_version = lineage, base_version
-                self._num_rollbacks = num_rollbacks
-                self._bump_locked()
+            self._state_revision += 1
+            self._bump_locked()
 
     def set_endpoints(self, rollout_endpoint: str, weight_endpoint: str) -> None:
         """ZMQ endpoints handed to registering workers (known once the data plane has bound its ports)."""
@@ -591,7 +409,7 @@ class WorkerRegistry:
         with self._lock:
             self._expire_locked(self._clock())
             worker = self._workers.get(worker_id)
-            return worker.info() if worker is not None else None
+            return self._info_locked(worker) if worker is not None else None
 
     def is_alive(self, worker_id: str, role: int | None = None) -> bool:
         with self._lock:
@@ -624,7 +442,7 @@ class WorkerRegistry:
         with self._lock:
             self._expire_locked(self._clock())
             return [
-                worker.info()
+                self._info_locked(worker)
                 for worker in self._workers.values()
                 if (role == common_pb2.ROLE_UNSPECIFIED or worker.role == role)
                 and (include_gone or worker.state == ALIVE)
@@ -634,17 +452,18 @@ class WorkerRegistry:
         data_plane = data_plane or DataPlaneStatus()
         with self._lock:
             self._expire_locked(self._clock())
-            workers = list(self._workers.values())
+            versions = self.policy.worker_versions()
+            latest = self.policy.latest()
             status = control_pb2.RunStatus(
                 run_id=self.run_id,
                 broker_started_unix_ms=self.started_unix_ms,
                 updated_unix_ms=self._unix_ms(),
                 trainer_step=self._trainer_step_locked(),
                 last_committed_step=self._last_committed_step,
-                latest_policy_version=max(self._latest_policy_version, data_plane.latest_policy_version),
+                latest_policy_version=latest.version,
                 orchestrator_step=self._orchestrator_step_locked(),
-                workers=[w.info() for w in workers],
-                queues=[_queue_proto(q) for q in data_plane.queues],
+                workers=[w.info(versions.get(w.worker_id)) for w in self._workers.values()],
+                queues=[queue_proto(q) for q in data_plane.queues],
                 rollout_batches_per_s=data_plane.rollout_batches_per_s,
                 rollout_bytes_per_s=data_plane.rollout_bytes_per_s,
                 weight_bytes_per_s=data_plane.weight_bytes_per_s,
@@ -652,13 +471,13 @@ class WorkerRegistry:
                 last_metrics_step=self._last_metrics_step,
                 recent_errors=list(self._recent_errors),
                 max_steps=self.max_steps or 0,
-                policy_lineage=self._policy_lineage,
-                lineage_base_version=self._lineage_base_version,
-                num_rollbacks=self._num_rollbacks,
+                policy_lineage=latest.lineage,
+                lineage_base_version=latest.lineage_base_version,
+                num_rollbacks=latest.num_rollbacks,
             )
             if status.ByteSize() > MAX_STATUS_BYTES:
                 self._num_status_trims += 1
-                _trim_status(status, MAX_STATUS_BYTES)
+                trim_status(status, MAX_STATUS_BYTES, MAX_METRIC_NAMES)
             return status
 
     def recent_errors(self) -> list[str]:
@@ -725,7 +544,15 @@ class WorkerRegistry:
                  if w.role == common_pb2.ROLE_ORCHESTRATOR and w.orchestrator_step is not None]
         return max([self._orchestrator_step_floor, *steps])
 
-    def _live_worker_locked(self, worker_id: str) -> _Worker:
+    def _info_locked(self, worker: WorkerRecord) -> control_pb2.WorkerInfo:
+        return worker.info(self.policy.worker_version(worker.worker_id))
+
+    def _leave_fanout_locked(self, worker: WorkerRecord, why: str) -> None:
+        """A LOST or departed inference worker gets no more weight pushes (it registers again under a new id)."""
+        if worker.role == common_pb2.ROLE_INFERENCE:
+            self.policy.leave(worker.worker_id, reason=f"the registry marked it {why}")
+
+    def _live_worker_locked(self, worker_id: str) -> WorkerRecord:
         """The ALIVE worker with this id, its liveness reset; else ``WorkerNotFound``."""
         now = self._clock()
         self._expire_locked(now)
@@ -746,7 +573,8 @@ class WorkerRegistry:
                 self._add_error_locked(
                     "broker", f"worker {worker.name} lost: no heartbeat for {now - worker.last_seen:.1f} s"
                 )
-                lost.append(worker.info())
+                self._leave_fanout_locked(worker, "lost")
+                lost.append(self._info_locked(worker))
         if lost:
             self._bump_locked()
         return lost
@@ -756,7 +584,7 @@ class WorkerRegistry:
         for worker_id in gone[: max(0, len(gone) - self._max_gone_workers)]:
             self._forget_worker_locked(self._workers[worker_id])
 
-    def _forget_worker_locked(self, worker: _Worker) -> None:
+    def _forget_worker_locked(self, worker: WorkerRecord) -> None:
         """Drop a gone worker's record; its progress stays in the run's steps (they never go back)."""
         if worker.trainer_step is not None:
             self._trainer_step_floor = max(self._trainer_step_floor, worker.trainer_step)
@@ -769,39 +597,3 @@ class WorkerRegistry:
         if len(message) > MAX_ERROR_CHARS:
             message = message[: MAX_ERROR_CHARS - 3] + "..."
         self._recent_errors.append(f"{source}: {message}")
-
-
-def _trim_status(status: control_pb2.RunStatus, max_bytes: int) -> None:
-    """Cut ``status`` to at most ``max_bytes`` serialized: worker capabilities go first, then departed
-    workers, then live workers beyond what fits, then metrics (alphabetical order kept); a line in
-    ``recent_errors`` says it was trimmed. The limits on the inputs make this a last resort."""
-    original = status.ByteSize()
-    for worker in status.workers:
-        worker.capabilities.clear()
-    if status.ByteSize() > max_bytes:
-        alive = [w for w in status.workers if w.state == ALIVE]
-        del status.workers[:]
-        status.workers.extend(alive)
-    while status.ByteSize() > max_bytes and len(status.workers) > 1:
-        del status.workers[len(status.workers) // 2:]
-    if status.ByteSize() > max_bytes:
-        kept = dict(sorted(status.last_metrics.items())[: MAX_METRIC_NAMES // 4])
-        status.last_metrics.clear()
-        status.last_metrics.update(kept)
-    status.recent_errors.append(
-        f"broker: run status trimmed from {original} to {status.ByteSize()} bytes to fit a client's 4 MiB limit"
-    )
-
-
-def _role_name(role: int) -> str:
-    try:
-        return common_pb2.Role.Name(role)
-    except ValueError:
-        return f"role {role}"
-
-
-def format_workers(workers: Iterable[control_pb2.WorkerInfo]) -> str:
-    """``name (ROLE, STATE)`` list, for log lines."""
-    return ", ".join(
-        f"{w.name} ({_role_name(w.role)}, {control_pb2.WorkerState.Name(w.state)})" for w in workers
-    )

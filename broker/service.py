@@ -7,9 +7,10 @@
     service.stop(grace_s=5.0)
 
 The pieces keep their own threads: gRPC's pool, one IO thread per ZeroMQ plane, the heartbeat monitor, the
-run-state saver. They meet here only through callbacks: a commit releases spooled batches, an accepted weight
-update sets the run's latest policy version, a worker's weight ack updates its policy version in the registry,
-and status reads every plane's counters.
+run-state saver. They meet here only through callbacks and one shared core: a commit releases spooled batches;
+the weight fan-out (``weight_fanout``) owns the policy versions (the latest, and each inference worker's), which
+the weight plane drives and the registry reads; a worker's weight ack counts as its traffic; status reads every
+plane's counters.
 
 Run state (``broker/run_state.py``): the registry's run facts live in ``<spool_dir>/run_state.json``, loaded
 at start (after the spool has locked the directory) and written before every commit answers, at the end of
@@ -31,13 +32,15 @@ import zmq
 from primerl.broker.config import BrokerConfig
 from primerl.broker.control_service import BrokerServicer, HeartbeatMonitor, create_grpc_server
 from primerl.broker.metrics import BrokerCollector
-from primerl.broker.registry import DataPlaneStatus, QueueDepth, WorkerRegistry
+from primerl.broker.registry import WorkerRegistry
 from primerl.broker.rollout_plane import RolloutPlane
 from primerl.broker.rollout_queue import RolloutQueue
 from primerl.broker.run_state import RunState, RunStateFile, RunStateSaver
 from primerl.broker.spool import RolloutSpool
 from primerl.broker.weight_plane import WeightPlane
-from primerl.broker.weight_store import PutResult, WeightStore
+from primerl.broker.run_status import DataPlaneStatus, QueueDepth
+from primerl.broker.weight_fanout import WeightFanout
+from primerl.broker.weight_store import WeightStore
 from primerl.proto.data_plane_limits import BrokerLimits
 from primerl.runtime.config_common import is_loopback_host
 from primerl.runtime.log_setup import bind_context, get_logger
@@ -63,29 +66,6 @@ class BrokerEndpoints:
 
     def as_dict(self) -> dict[str, object]:
         return asdict(self)
-
-
-class _AnnouncingWeightStore(WeightStore):
-    """The weight store, telling the registry the latest version as soon as it accepts an update (before the
-    publisher's ack is sent), so Register/Heartbeat answers and the run state never lag behind it."""
-
-    def __init__(self, on_accepted, on_lineage, **kwargs):
-        super().__init__(**kwargs)
-        self._on_accepted = on_accepted
-        self._on_lineage = on_lineage
-
-    def put(self, header, payload, **kwargs) -> PutResult:
-        result = super().put(header, payload, **kwargs)
-        latest = self.latest_version
-        if latest is not None:
-            self._on_accepted(latest)
-        self.announce_lineage()
-        return result
-
-    def announce_lineage(self) -> None:
-        """Tell the registry the lineage held (after a put, and once the durable chain is reloaded)."""
-        status = self.status()
-        self._on_lineage(status.lineage, status.lineage_base_version, status.num_rollbacks)
 
 
 class PortUnavailable(OSError):
@@ -129,6 +109,8 @@ class BrokerService:
         self._queue: RolloutQueue | None = None
         self.rollout_plane: RolloutPlane | None = None
         self.weight_plane: WeightPlane | None = None
+        self.weight_store = WeightStore()
+        self.weight_fanout = WeightFanout(self.weight_store)
         self.registry = WorkerRegistry(
             self.run_id,
             config.heartbeat_interval_s,
@@ -138,9 +120,8 @@ class BrokerService:
             step_window=self._step_window,
             persist=self._persist_run_state,
             end_of_run_grace_s=END_OF_RUN_GRACE_S,
+            policy=self.weight_fanout,
         )
-        self.weight_store: WeightStore = _AnnouncingWeightStore(self.registry.set_latest_policy_version,
-                                                                    self.registry.set_policy_lineage)
         self.run_state_file: RunStateFile | None = None
         self._saver: RunStateSaver | None = None
         self.servicer = BrokerServicer(self.registry, self.data_plane_status, data_plane_limits=self.data_plane_limits)
@@ -187,11 +168,10 @@ class BrokerService:
                 max_version_lead=config.max_step_lead,
                 # The latest weight chain survives a restart too (``weight_durable``; the spool's lock covers it).
                 durable_dir=config.spool_dir / WEIGHTS_SUBDIR,
+                fanout=self.weight_fanout,
             )
             with _naming_the_setting("weight_port", "ZeroMQ weight", config.host, config.weight_port):
                 weight_port = self.weight_plane.start()
-            if self.weight_store.latest_version is not None:  # a reloaded durable chain: its lineage too
-                self.weight_store.announce_lineage()
             client_host = config.client_host
             self.registry.set_endpoints(tcp_endpoint(client_host, rollout_port), tcp_endpoint(client_host, weight_port))
             with _naming_the_setting("grpc_port", "gRPC", config.host, config.grpc_port):
@@ -299,7 +279,7 @@ class BrokerService:
         return self._queue.step_window(step)
 
     def _on_weights_applied(self, worker_id: str, version: int) -> None:
-        self.registry.record_applied_version(worker_id, version)
+        self.registry.record_weight_ack(worker_id)
 
     def _on_data_plane_error(self, code: int, message: str, peer: str) -> None:
         self.registry.record_error(f"rollouts ({peer})", message)
@@ -307,7 +287,6 @@ class BrokerService:
     def data_plane_status(self) -> DataPlaneStatus:
         queues = []
         batches_per_s = bytes_per_s = weight_bytes_per_s = 0.0
-        latest_version = 0
         if self.rollout_plane is not None:
             rollout = self.rollout_plane.status()
             queue = rollout.queue
@@ -318,14 +297,9 @@ class BrokerService:
             store = weights.store
             queues.append(QueueDepth("weights", (store.snapshot_version is not None) + store.num_deltas, store.num_bytes))
             weight_bytes_per_s = weights.bytes_out_per_s
-            latest_version = store.latest_version or 0
-            if store.latest_version is not None:  # after a restart the store is empty: keep the restored one
-                self.registry.set_latest_policy_version(latest_version)
-                self.registry.set_policy_lineage(store.lineage, store.lineage_base_version, store.num_rollbacks)
         return DataPlaneStatus(
             queues=queues,
             rollout_batches_per_s=batches_per_s,
             rollout_bytes_per_s=bytes_per_s,
             weight_bytes_per_s=weight_bytes_per_s,
-            latest_policy_version=latest_version,
         )

@@ -22,7 +22,8 @@ from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoRe
 from primerl.client.channel import create_channel
 from primerl.client.control import BrokerError, BrokerUnavailable, ControlClient
 from primerl.broker.control_service import BrokerServicer, HeartbeatMonitor, create_grpc_server
-from primerl.broker.registry import DataPlaneStatus, QueueDepth, WorkerRegistry
+from primerl.broker.registry import WorkerRegistry
+from primerl.broker.run_status import DataPlaneStatus, QueueDepth
 from primerl.cli import status as status_cli
 from primerl.proto.v1 import common_pb2, control_pb2, control_pb2_grpc
 from primerl.runtime.config_common import BrokerClientConfig
@@ -75,9 +76,10 @@ def start_broker(
         return 1
 
     registry = WorkerRegistry("test-run", interval_s, liveness, max_steps=20, on_commit=on_commit)
+    registry.policy.restore_latest(2)  # the weight fan-out's latest version (as a restarted broker restores it)
     servicer = BrokerServicer(
         registry,
-        lambda: DataPlaneStatus(queues=[QueueDepth("rollouts", 1, 4096, 8, 1 << 20)], latest_policy_version=2),
+        lambda: DataPlaneStatus(queues=[QueueDepth("rollouts", 1, 4096, 8, 1 << 20)]),
         watch_poll_s=0.2,
         max_concurrent_watches=max_concurrent_watches,
     )
@@ -531,7 +533,7 @@ def _populate(broker: Broker) -> None:
         control_pb2.RegisterRequest(role=common_pb2.ROLE_INFERENCE, name="infer-0", address="http://127.0.0.1:8000")
     ).worker_id
     registry.heartbeat(control_pb2.HeartbeatRequest(worker_id=trainer, trainer_step=3))
-    registry.record_applied_version(infer, 2)
+    registry.policy.hello(infer, 2, 0)  # the weight fan-out hears infer-0 say it holds v2
     registry.report_metrics(trainer, 3, {"train/loss": 0.25})
     registry.record_error("rollout-plane", "bad digest from trainer-0")
 

@@ -7,7 +7,8 @@ import grpc
 import pytest
 
 from primerl.client.channel import create_channel
-from primerl.broker.registry import MAX_METRIC_NAMES, MAX_METRIC_NAMES_PER_WORKER, MAX_STATUS_BYTES
+from primerl.broker.run_status import MAX_STATUS_BYTES
+from primerl.broker.worker_record import MAX_METRIC_NAMES, MAX_METRIC_NAMES_PER_WORKER
 from primerl.broker.service import BrokerService
 from primerl.proto.v1 import common_pb2, control_pb2, control_pb2_grpc
 

@@ -8,7 +8,11 @@ import time
 
 import pytest
 
-from primerl.broker.registry import BrokerStopping, CommitResult, DataPlaneStatus, InvalidRequest, NameTaken, QueueDepth, StepOutOfOrder, WorkerNotFound, WorkerRegistry
+from primerl.broker.registry import WorkerRegistry
+from primerl.broker.registry_errors import (BrokerStopping, CommitResult, InvalidRequest, NameTaken, StepOutOfOrder,
+                                            WorkerNotFound)
+from primerl.broker.run_status import DataPlaneStatus, QueueDepth
+from support.weight_updates import publish
 from primerl.proto.roles import role_from_name
 from primerl.proto.v1 import common_pb2, control_pb2
 
@@ -47,7 +51,7 @@ def heartbeat(registry, worker_id, **fields):
 
 def test_register_returns_the_run_settings(registry):
     registry.set_endpoints("tcp://127.0.0.1:1", "tcp://127.0.0.1:2")
-    registry.set_latest_policy_version(4)
+    publish(registry.policy, 4)
     response = registry.register(
         control_pb2.RegisterRequest(role=INFER, name="infer-0", address="http://h:8000", capabilities={"lora": "true"})
     )
@@ -226,30 +230,30 @@ def test_status_aggregates_every_role(registry):
     heartbeat(registry, t1, trainer_step=6)
     heartbeat(registry, i0, policy_version=1)
     heartbeat(registry, i1, policy_version=1)
-    assert registry.record_applied_version(i1, 3)  # the weight plane's ack wins over the heartbeat
+    registry.policy.hello(i1, 3, 0)  # the weight fan-out's record wins over the heartbeat
+    assert registry.record_weight_ack(i1)
     heartbeat(registry, i1, policy_version=2)
     heartbeat(registry, orch, orchestrator_step=9)
     registry.commit_step(t0, 4)
-    registry.set_latest_policy_version(3)
+    publish(registry.policy, 5)
 
     data_plane = DataPlaneStatus(
         queues=[QueueDepth("rollouts", 2, 2048, 8, 1 << 30), control_pb2.QueueStatus(name="weights", num_items=1)],
         rollout_batches_per_s=1.5,
         rollout_bytes_per_s=1e6,
         weight_bytes_per_s=2e6,
-        latest_policy_version=5,
     )
     status = registry.run_status(data_plane)
     assert (status.run_id, status.max_steps) == ("run-1", 10)
     assert (status.trainer_step, status.last_committed_step, status.orchestrator_step) == (6, 4, 9)
-    assert status.latest_policy_version == 5  # the larger of the data plane's and the registry's
+    assert status.latest_policy_version == 5  # the weight fan-out's, read without any status getter writing
     versions = {w.name: (w.policy_version if w.HasField("policy_version") else None) for w in status.workers
                 if w.role == INFER}
     assert versions == {"infer-0": 1, "infer-1": 3, "infer-2": None}
     assert [(q.name, q.num_items, q.capacity_items) for q in status.queues] == [("rollouts", 2, 8), ("weights", 1, 0)]
     assert (status.rollout_batches_per_s, status.weight_bytes_per_s) == (1.5, 2e6)
     assert status.updated_unix_ms >= status.broker_started_unix_ms > 0
-    assert registry.record_applied_version("unknown", 1) is False
+    assert registry.record_weight_ack("unknown") is False
 
 
 def test_version_counts_changes_and_wait_for_change_wakes(registry):

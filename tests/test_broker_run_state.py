@@ -13,7 +13,8 @@ import pytest
 import structlog
 
 from primerl.broker.config import BrokerConfig
-from primerl.broker.registry import CommitFailed, CommitResult, WorkerRegistry
+from primerl.broker.registry import WorkerRegistry
+from primerl.broker.registry_errors import CommitFailed, CommitResult
 from primerl.broker.run_state import (
     CORRUPT_SUFFIX,
     FORMAT,
@@ -26,6 +27,7 @@ from primerl.broker.service import BrokerService
 from primerl.client.weights import WeightPublisher
 from primerl.proto import tensor_frames as tf
 from primerl.proto.v1 import common_pb2, control_pb2, data_pb2
+from support.weight_updates import publish
 
 TRAINER, INFER, ORCH = common_pb2.ROLE_TRAINER, common_pb2.ROLE_INFERENCE, common_pb2.ROLE_ORCHESTRATOR
 
@@ -116,7 +118,7 @@ def test_snapshot_and_restore_give_the_same_status_and_worker_answers():
     before.report_metrics(trainer, 3, {"train/loss": 0.5})
     before.report_metrics(orch, 4, {"reward/mean": 0.25})
     before.commit_step(trainer, 3)
-    before.set_latest_policy_version(3)
+    publish(before.policy, 3)
     _, state = before.run_state()
     assert state == RunState(run_id="run-1", last_committed_step=3, trainer_step=3, orchestrator_step=4,
                              latest_policy_version=3, last_metrics={"train/loss": 0.5, "reward/mean": 0.25},

@@ -1,0 +1,369 @@
+"""The weight fan-out core: the latest policy version, which version each inference worker holds, and what to send
+it next. No sockets: ``WeightPlane`` drives it with socket events, the registry reads it.
+
+One owner per fact:
+
+- the latest policy is the head of the ``WeightStore``'s chain, which only ``put`` here changes (the plane hands it
+  every whole update it received); before any update arrives after a broker restart it is the version the run
+  state restored (``restore_latest``). ``latest()`` is what Register, Heartbeat, run status, the run state and the
+  Prometheus gauge all answer; ``watch(callback)`` is told (outside the lock) whenever it changes.
+- the version a worker holds is what it acknowledged (or declared in HELLO); ``worker_version(worker_id)`` is what
+  ``RunStatus.workers[].policy_version`` shows.
+
+Membership: a worker joins with HELLO and is forgotten when its peer disconnects, after ``max_retries`` missed or
+failed acknowledgements in a row (it rejoins with its next HELLO), or when the registry says it is gone (LOST or
+deregistered: ``leave``). A gone worker id never joins again: a LOST worker registers again under a new id, and its
+new subscriber says HELLO with that id.
+
+Per worker the core keeps the (version, lineage) acknowledged and the one it will hold once it applied everything
+sent (planning starts there), the queue of updates planned (``store.plan_for``), the update being sent and its next
+chunk, and the updates sent but not yet acknowledged. A worker that does not acknowledge within ``ack_timeout_s``
+is planned again from what it acknowledged.
+
+Thread-safe: one lock guards the state; callbacks (``watch``) run outside it, so a caller may hold its own lock
+(the registry does) while it reads or calls ``leave``.
+"""
+
+from __future__ import annotations
+
+import collections
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Any, NamedTuple
+
+from primerl.broker.weight_store import PutResult, StoredUpdate, WeightStore
+from primerl.proto import framing
+from primerl.proto.v1 import common_pb2, data_pb2
+from primerl.runtime.log_setup import get_logger
+
+log = get_logger(__name__)
+
+MAX_GONE_WORKERS = 4096
+"""Ids of gone workers remembered (refused at HELLO); the oldest are dropped beyond this."""
+
+
+class LatestPolicy(NamedTuple):
+    """The run's latest policy: its version (0: none yet), lineage, the version its lineage resumed from, and the
+    number of rollbacks the store has seen."""
+
+    version: int = 0
+    lineage: int = 0
+    lineage_base_version: int = 0
+    num_rollbacks: int = 0
+
+
+@dataclass(frozen=True)
+class WeightWorkerStatus:
+    worker_id: str
+    # Last version the worker acknowledged as applied (or declared in HELLO); None: nothing yet.
+    policy_version: int | None
+    # Updates queued or being sent to it, and sent but not yet acknowledged.
+    num_pending: int
+    num_unacked: int
+    num_retries: int
+    # The lineage of ``policy_version`` (0: unknown).
+    lineage: int = 0
+
+
+class Joined(Enum):
+    """What a HELLO did."""
+
+    JOINED = "joined"  # a new member (or one that reconnected)
+    DECLARED = "declared"  # a member said it holds another version than we knew
+    REPEATED = "repeated"  # a keep-alive: nothing changed
+    FULL = "full"  # refused: ``max_workers`` members already
+    GONE = "gone"  # refused: the registry said this worker is gone (it must register again)
+
+
+@dataclass
+class _Member:
+    worker_id: str
+    acked_version: int | None
+    # The version the worker will hold once it applied everything already sent to it.
+    sent_version: int | None
+    # The lineages of those two versions (0: unknown).
+    acked_lineage: int = 0
+    sent_lineage: int = 0
+    sending: StoredUpdate | None = None
+    next_chunk: int = 0
+    queue: list[StoredUpdate] = field(default_factory=list)
+    # (version, lineage) of each update sent and not acknowledged yet, in order.
+    unacked: collections.deque[tuple[int, int]] = field(default_factory=collections.deque)
+    last_progress_s: float = 0.0
+    retries: int = 0
+
+    def status(self) -> WeightWorkerStatus:
+        return WeightWorkerStatus(worker_id=self.worker_id, policy_version=self.acked_version,
+                                  num_pending=len(self.queue) + (self.sending is not None),
+                                  num_unacked=len(self.unacked), num_retries=self.retries, lineage=self.acked_lineage)
+
+
+class WeightFanout:
+    """See the module docstring."""
+
+    def __init__(self, store: WeightStore, *, ack_timeout_s: float = 30.0, max_retries: int = 3,
+                 max_workers: int = 1024, clock: Callable[[], float] = time.monotonic):
+        if ack_timeout_s <= 0 or max_retries < 0:
+            raise ValueError("ack_timeout_s must be > 0 and max_retries >= 0")
+        self.store = store
+        self.ack_timeout_s = ack_timeout_s
+        self.max_retries = max_retries
+        self.max_workers = max_workers
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._members: dict[str, _Member] = {}
+        self._gone: collections.OrderedDict[str, None] = collections.OrderedDict()
+        self._restored_version = 0
+        self._num_forgotten = 0
+        self._watchers: list[Callable[[], None]] = []
+
+    # -- the latest policy ---------------------------------------------------------------------------
+
+    def latest(self) -> LatestPolicy:
+        """The run's latest policy (see the module docstring)."""
+        status = self.store.status()
+        if status.latest_version is None:
+            with self._lock:
+                return LatestPolicy(self._restored_version, status.lineage, status.lineage_base_version,
+                                    status.num_rollbacks)
+        return LatestPolicy(status.latest_version, status.lineage, status.lineage_base_version, status.num_rollbacks)
+
+    def watch(self, callback: Callable[[], None]) -> None:
+        """Call ``callback()`` (no lock held) whenever ``latest()`` changes; it must be quick and thread-safe."""
+        self._watchers.append(callback)
+
+    def restore_latest(self, version: int) -> None:
+        """The run state of an earlier broker says ``version`` was the latest: answered until the store holds one.
+        Watchers are not told (the registry calls this while it restores that run state)."""
+        with self._lock:
+            self._restored_version = version
+
+    def put(self, header: data_pb2.WeightUpdateHeader, payload: Any, *, computed_digest: str | None = None) -> PutResult:
+        """Store a whole update (``WeightStore.put``: raises ``WeightUpdateRefused``) and, unless it is one held
+        already, plan every member again. ``latest()`` says the new version before this returns (before the
+        publisher's ack is sent)."""
+        result = self.store.put(header, payload, computed_digest=computed_digest)
+        if result.duplicate:
+            return result
+        with self._lock:
+            for member in self._members.values():
+                self._replan_locked(member)
+        self._announce()
+        return result
+
+    def store_reloaded(self) -> None:
+        """The store took back a durable chain (``WeightStore.attach_durable``): its head is the latest now."""
+        self._announce()
+
+    def _announce(self) -> None:
+        for callback in self._watchers:
+            try:
+                callback()
+            except Exception:
+                log.exception("policy watcher failed")
+
+    # -- membership ----------------------------------------------------------------------------------
+
+    def hello(self, worker_id: str, version: int | None, lineage: int, *, reconnected: bool = False) -> Joined:
+        """A worker says HELLO holding ``version`` (None: nothing) of ``lineage``; ``reconnected``: from another
+        connection than the one it joined on (the old one is dropped)."""
+        with self._lock:
+            if worker_id in self._gone:
+                return Joined.GONE
+            member = self._members.get(worker_id)
+            if (member is not None and not reconnected and member.acked_version == version
+                    and member.acked_lineage == lineage):
+                return Joined.REPEATED
+            if member is None or reconnected:
+                if member is not None:
+                    log.info("weight subscriber reconnected; dropping its old connection", worker_id=worker_id)
+                    self._forget_locked(member, count=False)
+                if len(self._members) >= self.max_workers:
+                    return Joined.FULL
+                member = _Member(worker_id=worker_id, acked_version=version, sent_version=version,
+                                 acked_lineage=lineage, sent_lineage=lineage, last_progress_s=self._clock())
+                self._members[worker_id] = member
+                log.info("weight subscriber joined", worker_id=worker_id, policy_version=version, lineage=lineage)
+                outcome = Joined.JOINED
+            else:
+                self._declare_locked(member, version, lineage)
+                outcome = Joined.DECLARED
+            self._replan_locked(member)
+            return outcome
+
+    def leave(self, worker_id: str, reason: str) -> None:
+        """The registry says the worker is gone (LOST, deregistered): no more pushes, and no HELLO of this id is
+        taken again."""
+        with self._lock:
+            self._gone[worker_id] = None
+            while len(self._gone) > MAX_GONE_WORKERS:
+                self._gone.popitem(last=False)
+            member = self._members.get(worker_id)
+            if member is not None:
+                self._forget_locked(member, reason=reason)
+
+    def forget(self, worker_id: str, reason: str, *, count: bool = True) -> None:
+        """Drop a member (its peer disconnected: ``reason`` is logged; ``count``: in ``num_forgotten``); it rejoins
+        with its next HELLO."""
+        with self._lock:
+            member = self._members.get(worker_id)
+            if member is not None:
+                self._forget_locked(member, reason=reason, count=count)
+
+    def is_member(self, worker_id: str) -> bool:
+        with self._lock:
+            return worker_id in self._members
+
+    # -- acknowledgements ----------------------------------------------------------------------------
+
+    def ack(self, worker_id: str, version: int, lineage: int, *, applied: bool,
+            error: common_pb2.ErrorDetail | None = None) -> bool | None:
+        """A member acknowledged ``version`` (``applied``) or failed to apply it. None: not a member (it must say
+        HELLO); False: it was forgotten (too many failures in a row); True: taken."""
+        with self._lock:
+            member = self._members.get(worker_id)
+            if member is None:
+                return None
+            member.last_progress_s = self._clock()
+            if applied:
+                return self._applied_locked(member, version, lineage)
+            detail = error or common_pb2.ErrorDetail()
+            log.warning("weight subscriber failed to apply an update; it will get the full snapshot",
+                        worker_id=worker_id, policy_version=version, code=framing.error_code_name(detail.code),
+                        error=detail.message[:300])
+            member.retries += 1
+            if member.retries > self.max_retries:
+                self._forget_locked(member, reason=f"failed to apply updates {member.retries} times in a row")
+                return False
+            member.unacked.clear()
+            member.sent_version, member.sent_lineage = None, 0  # unknown state: start again from the snapshot
+            self._replan_locked(member)
+            return True
+
+    def _applied_locked(self, member: _Member, version: int, lineage: int) -> bool:
+        sent = next((entry for entry in member.unacked
+                     if entry[0] == version and (lineage == entry[1] or not lineage)), None)
+        if sent is not None:
+            member.retries = 0
+            while member.unacked and member.unacked.popleft() != sent:
+                pass
+            member.acked_version, member.acked_lineage = sent
+            return True
+        if any(entry[0] == version for entry in member.unacked):
+            # Sent (v, new lineage), acknowledged (v, another lineage): it kept the weights it had.
+            member.retries += 1
+            log.warning("weight subscriber kept another lineage's weights of the version it was sent",
+                        worker_id=member.worker_id, policy_version=version, lineage=lineage,
+                        sent_lineage=next(entry[1] for entry in member.unacked if entry[0] == version),
+                        attempt=member.retries)
+            if member.retries > self.max_retries:
+                self._forget_locked(member, reason=f"did not load lineage {self.store.lineage} after "
+                                                   f"{member.retries} tries")
+                return False
+        else:
+            member.retries = 0
+        self._declare_locked(member, version, lineage)
+        self._replan_locked(member)
+        return True
+
+    # -- sending -------------------------------------------------------------------------------------
+
+    def next_chunk(self, worker_id: str) -> tuple[StoredUpdate, int] | None:
+        """(update, chunk index) to send the member next, or None (nothing to send, or not a member)."""
+        with self._lock:
+            member = self._members.get(worker_id)
+            if member is None:
+                return None
+            if member.sending is None:
+                if not member.queue:
+                    return None
+                member.sending, member.next_chunk = member.queue.pop(0), 0
+            return member.sending, member.next_chunk
+
+    def chunk_sent(self, worker_id: str, update: StoredUpdate, *, last: bool) -> None:
+        """The chunk ``next_chunk`` named went out; ``last``: it was the update's last one."""
+        with self._lock:
+            member = self._members.get(worker_id)
+            if member is None or member.sending is not update:
+                return
+            member.next_chunk += 1
+            if last:
+                member.sending = None
+                member.sent_version, member.sent_lineage = update.policy_version, update.lineage
+                member.unacked.append((update.policy_version, update.lineage))
+                member.last_progress_s = self._clock()
+
+    def tick(self, now_s: float | None = None) -> None:
+        """Members whose acknowledgement is overdue are planned again from what they acknowledged (at most
+        ``max_retries`` times in a row; then forgotten until their next HELLO)."""
+        now_s = self._clock() if now_s is None else now_s
+        with self._lock:
+            for member in list(self._members.values()):
+                if not (member.unacked and member.sending is None
+                        and now_s - member.last_progress_s > self.ack_timeout_s):
+                    continue
+                member.retries += 1
+                if member.retries > self.max_retries:
+                    self._forget_locked(member, reason=f"no WEIGHT_ACK for v{member.unacked[-1][0]} after "
+                                                       f"{member.retries} tries")
+                    continue
+                log.warning("no WEIGHT_ACK in time; sending the plan again", worker_id=member.worker_id,
+                            awaited_version=member.unacked[-1][0], acked_version=member.acked_version,
+                            attempt=member.retries)
+                member.unacked.clear()
+                member.sent_version, member.sent_lineage = member.acked_version, member.acked_lineage
+                member.last_progress_s = now_s
+                self._replan_locked(member)
+
+    # -- reads ---------------------------------------------------------------------------------------
+
+    def worker_version(self, worker_id: str) -> int | None:
+        """The version the member acknowledged (or declared); None: not a member, or nothing yet."""
+        with self._lock:
+            member = self._members.get(worker_id)
+            return None if member is None else member.acked_version
+
+    def worker_versions(self) -> dict[str, int | None]:
+        """worker_id -> the policy version it last acknowledged (None: none yet), for every member."""
+        with self._lock:
+            return {worker_id: member.acked_version for worker_id, member in self._members.items()}
+
+    def workers(self) -> tuple[WeightWorkerStatus, ...]:
+        with self._lock:
+            return tuple(member.status() for member in self._members.values())
+
+    @property
+    def num_workers(self) -> int:
+        with self._lock:
+            return len(self._members)
+
+    @property
+    def num_forgotten(self) -> int:
+        with self._lock:
+            return self._num_forgotten
+
+    # -- internals -----------------------------------------------------------------------------------
+
+    def _declare_locked(self, member: _Member, version: int | None, lineage: int) -> None:
+        """The worker says it holds ``version`` of ``lineage`` (not one we sent it): plan from there."""
+        member.acked_version = member.sent_version = version
+        member.acked_lineage = member.sent_lineage = lineage
+        member.unacked.clear()
+
+    def _replan_locked(self, member: _Member) -> None:
+        if member.sending is not None:
+            basis, lineage = member.sending.policy_version, member.sending.lineage
+        else:
+            basis, lineage = member.sent_version, member.sent_lineage
+        member.queue = self.store.plan_for(basis, lineage)
+
+    def _forget_locked(self, member: _Member, *, reason: str = "", count: bool = True) -> None:
+        del self._members[member.worker_id]
+        if count:
+            self._num_forgotten += 1
+        if reason:
+            log.warning("weight subscriber forgotten", worker_id=member.worker_id, reason=reason,
+                        policy_version=member.acked_version)

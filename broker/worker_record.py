@@ -1,0 +1,114 @@
+"""One registered worker as the registry keeps it (``WorkerRecord``), the bounds on what a worker may send, and
+the checks of its requests that need no registry state (``check_register_request``, ``check_metrics_report``)."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from primerl.broker.registry_errors import InvalidRequest
+from primerl.proto.roles import role_names
+from primerl.proto.v1 import common_pb2, control_pb2
+
+ALIVE = control_pb2.WORKER_STATE_ALIVE
+LOST = control_pb2.WORKER_STATE_LOST
+LEFT = control_pb2.WORKER_STATE_LEFT
+
+MAX_NAME_CHARS = 128
+MAX_ERROR_CHARS = 500
+MAX_ERRORS_PER_HEARTBEAT = 8
+MAX_METRICS_PER_REPORT = 1024
+# Bounds that keep RunStatus far below the 4 MiB gRPC message limit of a default client (checked in tests).
+MAX_METRIC_NAME_CHARS = 128
+MAX_METRIC_NAMES_PER_WORKER = 512
+MAX_METRIC_NAMES = 2048
+MAX_LIVE_WORKERS = 512
+MAX_CAPABILITIES = 32
+MAX_CAPABILITY_CHARS = 256
+MAX_ADDRESS_CHARS = 256
+MAX_CAPABILITY_TOTAL_CHARS = 2048
+
+
+@dataclass
+class WorkerRecord:
+    worker_id: str
+    role: int
+    name: str
+    address: str
+    capabilities: dict[str, str]
+    rank: int
+    world_size: int
+    pid: int
+    hostname: str
+    registered_unix_ms: int
+    last_seen: float  # registry clock (monotonic)
+    last_heartbeat_unix_ms: int
+    state: int = ALIVE
+    trainer_step: int | None = None
+    # The version the worker's own heartbeat says it serves; the weight fan-out's record wins where it has one.
+    heartbeat_policy_version: int | None = None
+    orchestrator_step: int | None = None
+    num_inflight: int = 0
+    left_reason: str = ""
+
+    def info(self, applied_policy_version: int | None = None) -> control_pb2.WorkerInfo:
+        """The record as ``WorkerInfo``; ``applied_policy_version``: what the weight fan-out saw it acknowledge."""
+        info = control_pb2.WorkerInfo(
+            worker_id=self.worker_id,
+            role=self.role,
+            name=self.name,
+            address=self.address,
+            capabilities=self.capabilities,
+            state=self.state,
+            rank=self.rank,
+            world_size=self.world_size,
+            registered_unix_ms=self.registered_unix_ms,
+            last_heartbeat_unix_ms=self.last_heartbeat_unix_ms,
+            num_inflight=self.num_inflight,
+            hostname=self.hostname,
+            pid=self.pid,
+        )
+        if self.trainer_step is not None:
+            info.trainer_step = self.trainer_step
+        policy_version = applied_policy_version if applied_policy_version is not None else self.heartbeat_policy_version
+        if policy_version is not None:
+            info.policy_version = policy_version
+        if self.orchestrator_step is not None:
+            info.orchestrator_step = self.orchestrator_step
+        return info
+
+
+def check_register_request(request: control_pb2.RegisterRequest) -> str:
+    """The worker's name (stripped), or ``InvalidRequest`` saying what is wrong with the request."""
+    if request.role == common_pb2.ROLE_UNSPECIFIED or request.role not in common_pb2.Role.values():
+        raise InvalidRequest(f"role must be one of {role_names()}, got {request.role}")
+    name = request.name.strip()
+    if not name:
+        raise InvalidRequest("name must not be empty (e.g. 'infer-0', 'trainer-rank1')")
+    if len(name) > MAX_NAME_CHARS:
+        raise InvalidRequest(f"name is {len(name)} characters long; at most {MAX_NAME_CHARS} are allowed")
+    if request.world_size and request.rank >= request.world_size:
+        raise InvalidRequest(f"rank {request.rank} is not below world_size {request.world_size}")
+    if len(request.address) > MAX_ADDRESS_CHARS or len(request.hostname) > MAX_ADDRESS_CHARS:
+        raise InvalidRequest(f"address and hostname must be at most {MAX_ADDRESS_CHARS} characters")
+    if len(request.capabilities) > MAX_CAPABILITIES or any(
+            len(k) > MAX_CAPABILITY_CHARS or len(v) > MAX_CAPABILITY_CHARS for k, v in request.capabilities.items()):
+        raise InvalidRequest(f"at most {MAX_CAPABILITIES} capabilities of at most {MAX_CAPABILITY_CHARS} characters each")
+    if sum(len(k) + len(v) for k, v in request.capabilities.items()) > MAX_CAPABILITY_TOTAL_CHARS:
+        raise InvalidRequest(f"capabilities hold at most {MAX_CAPABILITY_TOTAL_CHARS} characters in all")
+    return name
+
+
+def check_metrics_report(metrics: Mapping[str, float]) -> None:
+    """``InvalidRequest`` for a report that is too big, has non-finite values, or empty or overlong names."""
+    if len(metrics) > MAX_METRICS_PER_REPORT:
+        raise InvalidRequest(f"{len(metrics)} metrics in one report; at most {MAX_METRICS_PER_REPORT}")
+    bad = sorted(name for name, value in metrics.items() if not math.isfinite(value))
+    if bad:
+        raise InvalidRequest(f"non-finite metric values are refused: {', '.join(bad[:10])}")
+    if any(not name for name in metrics):
+        raise InvalidRequest("metric names must not be empty")
+    long_names = [name for name in metrics if len(name) > MAX_METRIC_NAME_CHARS]
+    if long_names:
+        raise InvalidRequest(f"metric names are at most {MAX_METRIC_NAME_CHARS} characters: {long_names[0][:40]!r}...")

@@ -12,7 +12,8 @@ marked LOST (and stays listed so status shows it); any traffic from a worker res
 applied on every call (so answers are exact) and by a periodic ``expire()`` (``HeartbeatMonitor``), which logs
 and notifies watchers within half an interval of the bound.
 
-Thread-safe: one lock guards all state; ``wait_for_change`` waits on a condition of that lock. Commits are
+Thread-safe: one lock guards all state; ``wait_for_change`` waits on a condition of that lock
+(``watched_state.WatchedState``, with the recent errors). Commits are
 serialized by a second lock so that the ``on_commit`` callback (the rollout queue's release) runs *outside*
 the state lock: the data plane may call back into the registry without deadlocking.
 
@@ -35,18 +36,18 @@ from __future__ import annotations
 import threading
 import time
 import uuid
-from collections import deque
 from collections.abc import Callable, Mapping
 
 from primerl.broker.registry_errors import (BrokerStopping, CommitFailed, CommitResult, LimitReached, NameTaken,
                                             StepOutOfOrder, WorkerNotFound)
+from primerl.broker.run_metrics import LastMetrics
 from primerl.broker.run_state import RunState
 from primerl.broker.run_status import MAX_STATUS_BYTES, DataPlaneStatus, queue_proto, role_name, trim_status
+from primerl.broker.watched_state import MAX_ERROR_CHARS, WatchedState
 from primerl.broker.weight_fanout import WeightFanout
 from primerl.broker.weight_store import WeightStore
-from primerl.broker.worker_record import (
-    ALIVE, LEFT, LOST, MAX_ERROR_CHARS, MAX_ERRORS_PER_HEARTBEAT, MAX_LIVE_WORKERS, MAX_METRIC_NAMES,
-    MAX_METRIC_NAMES_PER_WORKER, WorkerRecord, check_metrics_report, check_register_request)
+from primerl.broker.worker_record import (ALIVE, LEFT, LOST, MAX_ERRORS_PER_HEARTBEAT, MAX_LIVE_WORKERS,
+                                          MAX_METRIC_NAMES, WorkerRecord, check_metrics_report, check_register_request)
 from primerl.proto.v1 import common_pb2, control_pb2
 
 # The reason the trainer (``trainer/runner.py``) deregisters with when its loop ran to ``max_steps``.
@@ -54,7 +55,7 @@ TRAINING_FINISHED_REASON = "training finished"
 
 
 # ------------------------------------------------------------------------------------------- registry
-class WorkerRegistry:
+class WorkerRegistry(WatchedState):
     """Registered workers, their liveness and progress, and the run status built from them."""
 
     def __init__(
@@ -82,6 +83,7 @@ class WorkerRegistry:
             raise ValueError(f"liveness must be >= 1, got {liveness}")
         if end_of_run_grace_s < 0:
             raise ValueError(f"end_of_run_grace_s must be >= 0, got {end_of_run_grace_s}")
+        super().__init__(max_recent_errors)
         self.end_of_run_grace_s = end_of_run_grace_s
         self.run_id = run_id
         self.heartbeat_interval_s = heartbeat_interval_s
@@ -95,7 +97,6 @@ class WorkerRegistry:
         self._max_gone_workers = max_gone_workers
         # step -> why it is too far from the run's position ("" when fine); e.g. the rollout queue's window.
         self._step_window = step_window
-        self._metric_names_by_worker: dict[str, set[str]] = {}
         self._num_status_trims = 0
         # (revision, state) -> writes it durably (``RunStateFile.write``); raises OSError when it cannot.
         self._persist = persist
@@ -103,16 +104,11 @@ class WorkerRegistry:
         self.policy = policy if policy is not None else WeightFanout(WeightStore())
         self.policy.watch(self._on_policy_changed)
 
-        self._lock = threading.Lock()
-        self._changed = threading.Condition(self._lock)
         self._commit_lock = threading.Lock()
         self._workers: dict[str, WorkerRecord] = {}  # insertion order = registration order
-        self._recent_errors: deque[str] = deque(maxlen=max_recent_errors)
-        self._last_metrics: dict[str, float] = {}
-        self._last_metrics_step = 0
+        self._metrics = LastMetrics()
         self._last_committed_step = 0
-        self._version = 0
-        self._closed = False  # the broker process is stopping: register and heartbeat answer BrokerStopping
+        # ``closed`` (WatchedState): the broker process is stopping: register and heartbeat answer BrokerStopping.
         self._shutdown_requested = False  # the run is over: heartbeats tell workers to stop (after _stop_workers_at)
         self._stop_workers_at = 0.0  # registry clock from which heartbeats say shutdown_requested
         self._finished_step = 0  # the run's trainer step when it finished (with _shutdown_requested)
@@ -128,17 +124,6 @@ class WorkerRegistry:
     def timeout_s(self) -> float:
         """Silence after which a worker is marked LOST."""
         return self.liveness * self.heartbeat_interval_s
-
-    @property
-    def version(self) -> int:
-        """Counter that increases on every change of the registry's state."""
-        with self._lock:
-            return self._version
-
-    @property
-    def closed(self) -> bool:
-        with self._lock:
-            return self._closed
 
     @property
     def last_committed_step(self) -> int:
@@ -164,8 +149,8 @@ class WorkerRegistry:
                 trainer_step=self._trainer_step_locked(),
                 orchestrator_step=self._orchestrator_step_locked(),
                 latest_policy_version=self.policy.latest().version,
-                last_metrics=dict(self._last_metrics),
-                last_metrics_step=self._last_metrics_step,
+                last_metrics=dict(self._metrics.values),
+                last_metrics_step=self._metrics.step,
                 finished=self._shutdown_requested,
                 finished_step=self._finished_step,
             )
@@ -183,8 +168,7 @@ class WorkerRegistry:
             self._trainer_step_floor = state.trainer_step
             self._orchestrator_step_floor = state.orchestrator_step
             self.policy.restore_latest(state.latest_policy_version)
-            self._last_metrics = dict(state.last_metrics)
-            self._last_metrics_step = state.last_metrics_step
+            self._metrics.restore(state.last_metrics, state.last_metrics_step)
             if state.finished and self.max_steps is not None and state.finished_step >= self.max_steps:
                 self._shutdown_requested = True
                 self._finished_step = state.finished_step
@@ -308,26 +292,12 @@ class WorkerRegistry:
         check_metrics_report(metrics)
         with self._lock:
             worker = self._live_worker_locked(worker_id)
-            # Bounded names, per worker and in all: refused (never evicted silently) with what to do.
-            own = self._metric_names_by_worker.setdefault(worker.name, set())
-            new_names = [name for name in metrics if name not in self._last_metrics]
-            unseen_by_worker = [name for name in metrics if name not in own]
-            if len(own) + len(unseen_by_worker) > MAX_METRIC_NAMES_PER_WORKER:
-                raise LimitReached(f"worker {worker.name!r} would report {len(own) + len(unseen_by_worker)} distinct metric "
-                                   f"names; the broker keeps at most {MAX_METRIC_NAMES_PER_WORKER} per worker")
-            if len(self._last_metrics) + len(new_names) > MAX_METRIC_NAMES:
-                raise LimitReached(f"the run would have {len(self._last_metrics) + len(new_names)} distinct metric names; "
-                                   f"the broker keeps at most {MAX_METRIC_NAMES}")
-            if len(self._metric_names_by_worker) > 4 * MAX_LIVE_WORKERS:
-                self._metric_names_by_worker = {worker.name: own}
-            own.update(unseen_by_worker)
+            self._metrics.merge(worker.name, step, metrics)
             # A step's metrics also say the step is done: progress shows even if no heartbeat follows.
             if worker.role == common_pb2.ROLE_TRAINER:
                 worker.trainer_step = max(worker.trainer_step or 0, step)
             elif worker.role == common_pb2.ROLE_ORCHESTRATOR:
                 worker.orchestrator_step = max(worker.orchestrator_step or 0, step)
-            self._last_metrics.update(metrics)
-            self._last_metrics_step = step
             self._state_revision += 1
             self._bump_locked()
 
@@ -417,17 +387,6 @@ class WorkerRegistry:
             worker = self._workers.get(worker_id)
             return worker is not None and worker.state == ALIVE and (role is None or worker.role == role)
 
-    def record_error(self, source: str, message: str) -> None:
-        """Add ``"<source>: <message>"`` to the recent errors shown in status (e.g. from the data plane)."""
-        with self._lock:
-            self._add_error_locked(source, message)
-            self._bump_locked()
-
-    def notify_change(self) -> None:
-        """Wake status watchers: something outside the registry (queues, rates) changed."""
-        with self._lock:
-            self._bump_locked()
-
     # ------------------------------------------------------------------------------------ liveness
     def expire(self, now: float | None = None) -> list[control_pb2.WorkerInfo]:
         """Mark workers silent for longer than ``timeout_s`` LOST; returns the ones newly marked."""
@@ -467,8 +426,8 @@ class WorkerRegistry:
                 rollout_batches_per_s=data_plane.rollout_batches_per_s,
                 rollout_bytes_per_s=data_plane.rollout_bytes_per_s,
                 weight_bytes_per_s=data_plane.weight_bytes_per_s,
-                last_metrics=self._last_metrics,
-                last_metrics_step=self._last_metrics_step,
+                last_metrics=self._metrics.values,
+                last_metrics_step=self._metrics.step,
                 recent_errors=list(self._recent_errors),
                 max_steps=self.max_steps or 0,
                 policy_lineage=latest.lineage,
@@ -480,31 +439,11 @@ class WorkerRegistry:
                 trim_status(status, MAX_STATUS_BYTES, MAX_METRIC_NAMES)
             return status
 
-    def recent_errors(self) -> list[str]:
-        with self._lock:
-            return list(self._recent_errors)
-
-    # -------------------------------------------------------------------------------------- watching
-    def wait_for_change(self, after_version: int, timeout_s: float) -> int:
-        """Wait until ``version > after_version``, the registry closes, someone calls ``wake_waiters``, or
-        ``timeout_s`` passes; returns the current version."""
-        with self._changed:
-            if self._version <= after_version and not self._closed:
-                self._changed.wait(timeout=max(0.0, timeout_s))
-            return self._version
-
-    def wake_waiters(self) -> None:
-        """Wake every ``wait_for_change`` without a change (a watcher was cancelled and should look)."""
-        with self._changed:
-            self._changed.notify_all()
-
+    # -------------------------------------------------------------------------------------- the end
     def close(self) -> None:
         """The broker process is stopping: watchers wake up; register and heartbeat fail with ``BrokerStopping``
         (UNAVAILABLE), so that workers retry and ride through a restart. It never asks workers to stop."""
-        with self._changed:
-            self._closed = True
-            self._version += 1
-            self._changed.notify_all()
+        self._close()
 
     def request_shutdown(self, grace_s: float = 0.0) -> None:
         """The run is over: every heartbeat from ``grace_s`` on answers ``shutdown_requested`` and its worker
@@ -529,10 +468,6 @@ class WorkerRegistry:
     def _refuse_if_closed_locked(self) -> None:
         if self._closed:
             raise BrokerStopping("the broker is stopping (a restart or a service stop): retry until it is back")
-
-    def _bump_locked(self) -> None:
-        self._version += 1
-        self._changed.notify_all()
 
     def _trainer_step_locked(self) -> int:
         steps = [w.trainer_step for w in self._workers.values()
@@ -591,9 +526,3 @@ class WorkerRegistry:
         if worker.orchestrator_step is not None:
             self._orchestrator_step_floor = max(self._orchestrator_step_floor, worker.orchestrator_step)
         del self._workers[worker.worker_id]
-
-    def _add_error_locked(self, source: str, message: str) -> None:
-        message = " ".join(str(message).split())
-        if len(message) > MAX_ERROR_CHARS:
-            message = message[: MAX_ERROR_CHARS - 3] + "..."
-        self._recent_errors.append(f"{source}: {message}")

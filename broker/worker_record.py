@@ -16,7 +16,6 @@ LOST = control_pb2.WORKER_STATE_LOST
 LEFT = control_pb2.WORKER_STATE_LEFT
 
 MAX_NAME_CHARS = 128
-MAX_ERROR_CHARS = 500
 MAX_ERRORS_PER_HEARTBEAT = 8
 MAX_METRICS_PER_REPORT = 1024
 # Bounds that keep RunStatus far below the 4 MiB gRPC message limit of a default client (checked in tests).

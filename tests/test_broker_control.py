@@ -1,105 +1,30 @@
-"""The broker's gRPC control plane over loopback (port 0): RPCs, watch, expiry, health, reflection, auth, TLS,
-the worker client's re-registration, and `primerl status`."""
+"""The broker's gRPC control plane over loopback (port 0): RPCs, watch, liveness and expiry, the worker client's
+re-registration, health and reflection. Auth and TLS: `test_broker_control_auth.py`; `primerl status`:
+`test_status_cli.py`."""
 
 from __future__ import annotations
 
-import datetime
-import ipaddress
-import json
-import socket
-import subprocess
-import sys
 import threading
 import time
-from dataclasses import dataclass
-from pathlib import Path
 
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
+from support.control_plane import INTERVAL_S, LIVENESS, client_for, running_broker, start_broker
+from support.probes import wait_until
 
-from primerl.client.channel import create_channel
 from primerl.client.control import BrokerError, BrokerUnavailable, ControlClient
-from primerl.broker.control_service import BrokerServicer, HeartbeatMonitor, create_grpc_server
+from primerl.broker.control_service import BrokerServicer, create_grpc_server
 from primerl.broker.registry import WorkerRegistry
-from primerl.broker.run_status import DataPlaneStatus, QueueDepth
-from primerl.cli import status as status_cli
 from primerl.proto.v1 import common_pb2, control_pb2, control_pb2_grpc
 from primerl.runtime.config_common import BrokerClientConfig
-from primerl.runtime.log_setup import configure_logging
-
-REPO_ROOT = Path(__file__).resolve().parents[1]
-INTERVAL_S = 0.1
-LIVENESS = 3
-TOKEN = "s3cret-token"
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _logging_to_stderr():
-    """Broker and client log lines go to stderr, so that `primerl status --json` output stays parseable."""
-    configure_logging("test", level="info")
-
-
-@dataclass
-class Broker:
-    registry: WorkerRegistry
-    servicer: BrokerServicer
-    server: grpc.Server
-    monitor: HeartbeatMonitor
-    port: int
-    released: list[int]
-
-    @property
-    def address(self) -> str:
-        return f"127.0.0.1:{self.port}"
-
-    def stop(self) -> None:
-        self.servicer.shutdown()
-        self.monitor.stop()
-        self.server.stop(0.5).wait(5)
-
-
-def start_broker(
-    port: int = 0,
-    *,
-    run_token: str | None = None,
-    tls: tuple[Path, Path] | None = None,
-    interval_s: float = INTERVAL_S,
-    liveness: int = LIVENESS,
-    max_concurrent_watches: int = 8,
-) -> Broker:
-    released: list[int] = []
-
-    def on_commit(step: int) -> int:
-        released.append(step)
-        return 1
-
-    registry = WorkerRegistry("test-run", interval_s, liveness, max_steps=20, on_commit=on_commit)
-    registry.policy.restore_latest(2)  # the weight fan-out's latest version (as a restarted broker restores it)
-    servicer = BrokerServicer(
-        registry,
-        lambda: DataPlaneStatus(queues=[QueueDepth("rollouts", 1, 4096, 8, 1 << 20)]),
-        watch_poll_s=0.2,
-        max_concurrent_watches=max_concurrent_watches,
-    )
-    cert, key = tls if tls else (None, None)
-    server, bound = create_grpc_server(
-        servicer, "127.0.0.1", port, run_token=run_token, tls_cert_path=cert, tls_key_path=key
-    )
-    monitor = HeartbeatMonitor(registry)
-    server.start()
-    monitor.start()
-    return Broker(registry, servicer, server, monitor, bound, released)
 
 
 @pytest.fixture
 def broker():
-    broker = start_broker()
-    try:
+    with running_broker() as broker:
         yield broker
-    finally:
-        broker.stop()
 
 
 @pytest.fixture
@@ -109,25 +34,6 @@ def stub(broker):
         yield control_pb2_grpc.BrokerStub(channel)
     finally:
         channel.close()
-
-
-def client_for(broker: Broker, name: str, role="trainer", **config) -> ControlClient:
-    return ControlClient(BrokerClientConfig(address=broker.address, connect_timeout_s=5, **config), role, name)
-
-
-def wait_until(predicate, timeout_s: float = 5.0, what: str = "condition") -> float:
-    started = time.monotonic()
-    while time.monotonic() - started < timeout_s:
-        if predicate():
-            return time.monotonic() - started
-        time.sleep(0.02)
-    raise AssertionError(f"{what} not reached within {timeout_s} s")
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 # ----------------------------------------------------------------------------------------------- RPCs
@@ -406,200 +312,3 @@ def test_second_server_on_a_taken_port_fails_clearly(broker):
     registry = WorkerRegistry("other", 1.0, 3)
     with pytest.raises(OSError, match="cannot bind"):
         create_grpc_server(BrokerServicer(registry), "127.0.0.1", broker.port)
-
-
-# ------------------------------------------------------------------------------------------------ auth
-@pytest.fixture
-def auth_broker():
-    broker = start_broker(run_token=TOKEN)
-    try:
-        yield broker
-    finally:
-        broker.stop()
-
-
-@pytest.mark.parametrize("token", [None, "wrong-token"])
-def test_calls_without_the_right_token_are_unauthenticated(auth_broker, token):
-    channel = create_channel(auth_broker.address, run_token=token)
-    try:
-        stub = control_pb2_grpc.BrokerStub(channel)
-        for call in (
-            lambda: stub.GetRunStatus(control_pb2.GetRunStatusRequest(), timeout=5),
-            lambda: stub.Register(control_pb2.RegisterRequest(role=common_pb2.ROLE_TRAINER, name="t"), timeout=5),
-            lambda: next(stub.WatchRunStatus(control_pb2.WatchRunStatusRequest(), timeout=5)),
-        ):
-            with pytest.raises(grpc.RpcError) as info:
-                call()
-            assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
-            assert ("missing" if token is None else "wrong") in info.value.details()
-        with pytest.raises(grpc.RpcError) as info:
-            list(ProtoReflectionDescriptorDatabase(channel).get_services())
-        assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
-        # health stays open for probes
-        response = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=5)
-        assert response.status == health_pb2.HealthCheckResponse.SERVING
-    finally:
-        channel.close()
-    assert auth_broker.registry.list_workers() == []
-
-
-def test_calls_with_the_token_succeed(auth_broker):
-    with client_for(auth_broker, "trainer-0", run_token=TOKEN) as client:
-        client.register()
-        client.heartbeat({"trainer_step": 1})
-        assert client.get_run_status().trainer_step == 1
-        assert next(client.watch_run_status(timeout_s=5)).run_id == "test-run"
-    channel = create_channel(auth_broker.address, run_token=TOKEN)
-    try:
-        assert "primerl.v1.Broker" in set(ProtoReflectionDescriptorDatabase(channel).get_services())
-    finally:
-        channel.close()
-
-
-# ------------------------------------------------------------------------------------------------- TLS
-@pytest.fixture(scope="module")
-def tls_files(tmp_path_factory) -> tuple[Path, Path]:
-    from cryptography import x509
-    from cryptography.hazmat.primitives import hashes, serialization
-    from cryptography.hazmat.primitives.asymmetric import ec
-    from cryptography.x509.oid import NameOID
-
-    key = ec.generate_private_key(ec.SECP256R1())
-    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "primerl-test-broker")])
-    now = datetime.datetime.now(datetime.timezone.utc)
-    cert = (
-        x509.CertificateBuilder()
-        .subject_name(name)
-        .issuer_name(name)
-        .public_key(key.public_key())
-        .serial_number(x509.random_serial_number())
-        .not_valid_before(now - datetime.timedelta(minutes=5))
-        .not_valid_after(now + datetime.timedelta(days=1))
-        .add_extension(
-            x509.SubjectAlternativeName([x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]),
-            critical=False,
-        )
-        .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
-        .sign(key, hashes.SHA256())
-    )
-    folder = tmp_path_factory.mktemp("tls")
-    cert_path, key_path = folder / "broker.crt", folder / "broker.key"
-    cert_path.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
-    key_path.write_bytes(
-        key.private_bytes(
-            serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
-        )
-    )
-    return cert_path, key_path
-
-
-def test_tls_works_and_a_plaintext_client_fails(tls_files):
-    cert_path, _ = tls_files
-    broker = start_broker(tls=tls_files, run_token=TOKEN)
-    try:
-        with client_for(broker, "infer-0", "inference", tls_ca_path=cert_path, run_token=TOKEN) as client:
-            client.wait_ready(5)
-            assert client.register().run_id == "test-run"
-            assert status_cli.main(["--broker", broker.address, "--tls-ca", str(cert_path), "--token", TOKEN]) == 0
-        plain = client_for(broker, "infer-1", "inference", run_token=TOKEN, outage_s=1.0)
-        try:
-            with pytest.raises(BrokerUnavailable, match="within 1 s"):
-                plain.wait_ready(1)
-            with pytest.raises(BrokerUnavailable, match="broker.outage_s"):
-                plain.register()
-        finally:
-            plain.close()
-    finally:
-        broker.stop()
-
-
-# ------------------------------------------------------------------------------------------ primerl status
-@pytest.fixture
-def calm_broker():
-    """Workers registered by `_populate` never heartbeat: a long interval keeps them alive during a test."""
-    broker = start_broker(interval_s=30.0)
-    try:
-        yield broker
-    finally:
-        broker.stop()
-
-
-def _populate(broker: Broker) -> None:
-    registry = broker.registry
-    trainer = registry.register(control_pb2.RegisterRequest(
-        role=common_pb2.ROLE_TRAINER, name="trainer-0", capabilities={"metrics_url": "http://127.0.0.1:9311/metrics"},
-    )).worker_id
-    infer = registry.register(
-        control_pb2.RegisterRequest(role=common_pb2.ROLE_INFERENCE, name="infer-0", address="http://127.0.0.1:8000")
-    ).worker_id
-    registry.heartbeat(control_pb2.HeartbeatRequest(worker_id=trainer, trainer_step=3))
-    registry.policy.hello(infer, 2, 0)  # the weight fan-out hears infer-0 say it holds v2
-    registry.report_metrics(trainer, 3, {"train/loss": 0.25})
-    registry.record_error("rollout-plane", "bad digest from trainer-0")
-
-
-def test_status_cli_table_and_json(calm_broker, capsys):
-    _populate(calm_broker)
-    assert status_cli.main(["--broker", calm_broker.address]) == 0
-    table = capsys.readouterr().out
-    for text in ("run test-run", "trainer step 3 (committed 0) / 20", "policy version 2", "rollouts",
-                 "trainer-0", "infer-0", "http://127.0.0.1:8000", "policy v2", "alive", "train/loss",
-                 "rollout-plane: bad digest", "METRICS", "http://127.0.0.1:9311/metrics"):
-        assert text in table, f"{text!r} missing from:\n{table}"
-
-    assert status_cli.main(["--broker", calm_broker.address, "--json"]) == 0
-    data = json.loads(capsys.readouterr().out)
-    assert data["run_id"] == "test-run" and int(data["trainer_step"]) == 3
-    assert {w["name"] for w in data["workers"]} == {"trainer-0", "infer-0"}
-
-
-def test_status_cli_watch_json_lines(calm_broker, capsys):
-    _populate(calm_broker)
-    # Ctrl-C arrives as KeyboardInterrupt from the stream; simulate it after the first update.
-    original = status_cli._show
-    shown: list[int] = []
-
-    def show_then_interrupt(*args, **kwargs):
-        original(*args, **kwargs)
-        shown.append(1)
-        raise KeyboardInterrupt
-
-    status_cli._show = show_then_interrupt
-    try:
-        assert status_cli.main(["--broker", calm_broker.address, "--json", "--watch"]) == 0
-    finally:
-        status_cli._show = original
-    lines = capsys.readouterr().out.strip().splitlines()
-    assert len(lines) == 1 and json.loads(lines[0])["run_id"] == "test-run"
-
-
-def test_status_subprocess_json(calm_broker):
-    _populate(calm_broker)
-    result = subprocess.run(
-        [sys.executable, "-m", "primerl", "status", "--broker", calm_broker.address, "--json"],
-        capture_output=True, text=True, timeout=60, cwd=REPO_ROOT,
-    )
-    assert result.returncode == 0, result.stderr
-    assert json.loads(result.stdout)["run_id"] == "test-run"
-
-
-def test_status_unreachable_broker_exits_1_with_a_message(capsys):
-    address = f"127.0.0.1:{free_port()}"
-    started = time.monotonic()
-    assert status_cli.main(["--broker", address, "--timeout-s", "0.5"]) == 1
-    assert time.monotonic() - started < 5
-    captured = capsys.readouterr()
-    assert f"cannot reach the broker at {address}" in captured.err and "Traceback" not in captured.err
-
-
-def test_status_wrong_token_exits_1_with_a_hint(auth_broker, capsys, monkeypatch):
-    monkeypatch.delenv("PRIMERL_RUN_TOKEN", raising=False)
-    assert status_cli.main(["--broker", auth_broker.address]) == 1
-    assert "--token" in capsys.readouterr().err
-    monkeypatch.setenv("PRIMERL_RUN_TOKEN", TOKEN)
-    assert status_cli.main(["--broker", auth_broker.address, "--json"]) == 0
-
-
-def test_status_bad_address_exits_2(capsys):
-    assert status_cli.main(["--broker", "no-port"]) == 2
-    assert "host:port" in capsys.readouterr().err

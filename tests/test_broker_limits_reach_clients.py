@@ -20,7 +20,7 @@ from primerl.proto.digests import payload_digest
 from primerl.proto.v1 import common_pb2, data_pb2
 from primerl.runtime.config_common import BrokerClientConfig
 from primerl.proto.units import MiB
-from tests.support.broker import BrokerHarness
+from support.broker import BrokerHarness
 
 TRAINER_CHUNK_BYTES = 64 * MiB  # what the trainer asks for (trainer/runner.py), capped by the broker's chunk size
 

@@ -3,6 +3,7 @@
 - `probes`: a free loopback port, waiting for a condition, a Prometheus scrape.
 - `tiny_models`: the tiny-model specs the tests use; `conftest.py` builds each once per session.
 - `broker`: an in-process broker on free loopback ports that can be stopped and restarted on the same ports.
+- `control_plane`: an in-process control plane only (registry + gRPC server + heartbeat monitor) and its clients.
 - `daemons`: a `primerl-*` child process started with a ready file and stopped by whoever started it.
 - `inference`: HTTP and weight-update helpers for tests that talk to a running `primerl-infer`.
 - `proc_tree`: the process tree read from /proc (what a test started, and whether it is gone).

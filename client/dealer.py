@@ -117,9 +117,9 @@ class DealerClient:
             poller.register(self._monitor, zmq.POLLIN)
         while True:
             ready = dict(poller.poll(max(0, int((deadline_s - time.monotonic()) * 1000))))
-            if self._monitor is not None and self._monitor in ready:
-                if self._on_monitor_events(self._read_monitor_events(), deadline_s):
-                    return False
+            if (self._monitor is not None and self._monitor in ready
+                    and self._on_monitor_events(self._read_monitor_events(), deadline_s)):
+                return False
             if self._socket in ready:
                 return True
             if time.monotonic() >= deadline_s:

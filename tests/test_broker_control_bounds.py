@@ -65,46 +65,45 @@ def test_garbage_with_the_token_is_invalid_argument_not_internal(broker):
         channel.close()
 
 
-def test_metric_names_are_bounded_and_status_stays_readable(broker):
-    service, address = broker
+@pytest.fixture
+def stub(broker):
+    """A stub of the broker's control plane that authenticates with the run token."""
+    _, address = broker
     channel = create_channel(address, run_token=TOKEN)
-    stub = control_pb2_grpc.BrokerStub(channel)
     try:
-        refused = 0
-        for index in range(8):
-            worker_id = stub.Register(control_pb2.RegisterRequest(role=common_pb2.ROLE_ORCHESTRATOR, name=f"w{index}"),
-                                      timeout=5).worker_id
-            for batch in range(5):
-                metrics = {f"m{index}/{batch}/{i:04d}/" + "x" * 100: 1.0 for i in range(1024)}
-                try:
-                    stub.ReportMetrics(control_pb2.ReportMetricsRequest(worker_id=worker_id, step=1, metrics=metrics),
-                                       timeout=5)
-                except grpc.RpcError as err:
-                    assert err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
-                    assert "metric names" in err.details()
-                    refused += 1
-        assert refused > 0
-        status = stub.GetRunStatus(control_pb2.GetRunStatusRequest(), timeout=5)  # default 4 MiB client limit
-        assert len(status.last_metrics) <= MAX_METRIC_NAMES
-        assert status.ByteSize() <= MAX_STATUS_BYTES
-        assert MAX_METRIC_NAMES_PER_WORKER < 1024 * 5
+        yield control_pb2_grpc.BrokerStub(channel)
     finally:
         channel.close()
 
 
-def test_commit_far_beyond_the_run_is_refused(broker):
-    service, address = broker
-    channel = create_channel(address, run_token=TOKEN)
-    stub = control_pb2_grpc.BrokerStub(channel)
-    try:
-        worker_id = stub.Register(control_pb2.RegisterRequest(role=common_pb2.ROLE_TRAINER, name="t"), timeout=5).worker_id
-        with pytest.raises(grpc.RpcError) as info:
-            stub.CommitStep(control_pb2.CommitStepRequest(worker_id=worker_id, step=2**64 - 1), timeout=5)
-        assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION
-        assert "max_step_lead" in info.value.details()
-        assert stub.CommitStep(control_pb2.CommitStepRequest(worker_id=worker_id, step=3), timeout=5).last_committed_step == 3
-    finally:
-        channel.close()
+def test_metric_names_are_bounded_and_status_stays_readable(stub):
+    refused = 0
+    for index in range(8):
+        worker_id = stub.Register(control_pb2.RegisterRequest(role=common_pb2.ROLE_ORCHESTRATOR, name=f"w{index}"),
+                                  timeout=5).worker_id
+        for batch in range(5):
+            metrics = {f"m{index}/{batch}/{i:04d}/" + "x" * 100: 1.0 for i in range(1024)}
+            try:
+                stub.ReportMetrics(control_pb2.ReportMetricsRequest(worker_id=worker_id, step=1, metrics=metrics),
+                                   timeout=5)
+            except grpc.RpcError as err:
+                assert err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+                assert "metric names" in err.details()
+                refused += 1
+    assert refused > 0
+    status = stub.GetRunStatus(control_pb2.GetRunStatusRequest(), timeout=5)  # default 4 MiB client limit
+    assert len(status.last_metrics) <= MAX_METRIC_NAMES
+    assert status.ByteSize() <= MAX_STATUS_BYTES
+    assert MAX_METRIC_NAMES_PER_WORKER < 1024 * 5
+
+
+def test_commit_far_beyond_the_run_is_refused(stub):
+    worker_id = stub.Register(control_pb2.RegisterRequest(role=common_pb2.ROLE_TRAINER, name="t"), timeout=5).worker_id
+    with pytest.raises(grpc.RpcError) as info:
+        stub.CommitStep(control_pb2.CommitStepRequest(worker_id=worker_id, step=2**64 - 1), timeout=5)
+    assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert "max_step_lead" in info.value.details()
+    assert stub.CommitStep(control_pb2.CommitStepRequest(worker_id=worker_id, step=3), timeout=5).last_committed_step == 3
 
 
 def test_rollout_request_far_beyond_the_run_is_refused(tmp_path):

@@ -104,7 +104,7 @@ def test_weights_and_rollouts_cross_a_broker_with_small_messages(tmp_path):
             assert refused.value.code == common_pb2.ERROR_CODE_OVERSIZED and time.monotonic() - started_s < 5
         with RolloutConsumer(trainer.registration.rollout_endpoint, worker_id=trainer.worker_id, rank=0,
                              limits=trainer.limits.frames) as consumer:
-            [(header, tensors)] = consumer.fetch_step(1, timeout_s=30)
+            [(_, tensors)] = consumer.fetch_step(1, timeout_s=30)
             assert np.array_equal(tensors["input_ids"], near_limit["input_ids"])
         orchestrator.close()
         trainer.close()

@@ -23,15 +23,17 @@ from pathlib import Path
 
 import psutil
 
+from primerl.runtime.run_metrics import read_metrics_file
+
 REPO = Path(__file__).resolve().parent.parent
 
 
 def trainer_rows(metrics: Path) -> int:
     try:
-        with open(metrics) as rows:
-            return sum(1 for row in rows if '"role": "trainer"' in row)
+        rows = read_metrics_file(metrics, skip_bad_lines=True).rows
     except OSError:
         return 0
+    return sum(1 for row in rows if row["role"] == "trainer")
 
 
 def cpu_times(root: psutil.Process) -> dict[int, tuple[str, float]]:

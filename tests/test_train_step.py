@@ -10,21 +10,20 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from support.trainer_runs import packed, samples
 
 from primerl.trainer.batch import MicroBatch
 from primerl.trainer.config import DefaultLossConfig
 from primerl.trainer.distributed import DistInfo
-from primerl.trainer.tiny_model import TinyModelSpec, build_tiny_model
 from primerl.trainer.train_step import TrainStep, rl_objective, sft_objective
 
 SCRIPT = Path(__file__).parent / "scripts" / "train_ranks.py"
 ONE_RANK = DistInfo(0, 1, 0, None)
 
 
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    return build_tiny_model(tmp_path_factory.mktemp("tiny") / "model",
-                            TinyModelSpec(hidden_size=64, num_layers=1, num_attention_heads=2, num_key_value_heads=1))
+@pytest.fixture
+def model_dir(small_tiny_model):
+    return small_tiny_model
 
 
 def fresh(model_dir, dtype=torch.float64):
@@ -38,16 +37,11 @@ def fresh(model_dir, dtype=torch.float64):
 
 
 def synthetic(count=4, seed=0):
-    sys.path.insert(0, str(SCRIPT.parent))
-    try:
-        from train_ranks import samples
-    finally:
-        sys.path.pop(0)
     return samples(seed)[:count]
 
 
 def pack(group):
-    return MicroBatch.from_tensors({name: np.concatenate([s[name] for s in group]) for name in group[0]})
+    return MicroBatch.from_tensors(packed(group))
 
 
 def test_packing_does_not_change_the_update(model_dir):

@@ -7,36 +7,32 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
-import sys
 import time
 import tomllib
 from pathlib import Path
 
 import pytest
 import tomli_w
+from support.probes import free_port
+from support.trainer_runs import BIN, run_trainer, send_steps, trainer_args, trainer_rows
 
 from primerl.trainer.distributed import resolve_parallel
-from primerl.trainer.tiny_model import TinyModelSpec, build_tiny_model
-from test_trainer_daemon import Broker, metrics, run_trainer  # noqa: E402  (tests/ is on sys.path under pytest)
 
-BIN = Path(sys.executable).parent
 REPO_ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = REPO_ROOT / "examples" / "reverse_text_rl.toml"
 ENV_PYTHON = os.environ.get("PRIMERL_ENV_PYTHON", str(REPO_ROOT / ".venv-envs" / "bin" / "python"))
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+@pytest.fixture
+def model_dir(small_tiny_model):
+    return small_tiny_model
 
 
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    return build_tiny_model(tmp_path_factory.mktemp("tiny") / "model",
-                            TinyModelSpec(hidden_size=64, num_layers=1, num_attention_heads=2, num_key_value_heads=1))
+@pytest.fixture
+def broker(make_broker):
+    """An in-process broker (``run_id`` "t", room for 64 batches); stopped after the test."""
+    return make_broker(max_queue_batches=64, run_id="t")
 
 
 def test_parallel_defaults_to_what_works_for_the_ranks_given():
@@ -47,39 +43,35 @@ def test_parallel_defaults_to_what_works_for_the_ranks_given():
 
 
 @pytest.mark.slow
-def test_without_ckpt_steps_are_committed_as_trained_and_the_last_step_is_exported(model_dir, tmp_path):
-    broker = Broker(tmp_path, range(1, 4))
-    try:
-        result = run_trainer(model_dir, broker, tmp_path / "out", "--max-steps", "3")
-        assert result.returncode == 0, result.stderr[-3000:]
-        status = broker.service.registry.run_status(broker.service.data_plane_status())
-        assert status.last_committed_step == 3
-        assert {q.name: q for q in status.queues}["rollouts"].num_items == 0  # the spool is released
-        assert not list((tmp_path / "spool").glob("*.rbatch"))
-        assert sorted(p.name for p in (tmp_path / "out" / "weights").iterdir()) == ["step_3"]
-        assert (tmp_path / "out" / "weights" / "step_3" / "STABLE").exists()
-        assert not (tmp_path / "out" / "checkpoints").exists()
-        assert [r["step"] for r in metrics(tmp_path / "out")] == [1, 2, 3]
-        assert metrics(tmp_path / "out")[-1]["perf/export_s"] > 0
+def test_without_ckpt_steps_are_committed_as_trained_and_the_last_step_is_exported(model_dir, broker, tmp_path):
+    send_steps(broker.rollout_endpoint, range(1, 4))
+    result = run_trainer(model_dir, broker.grpc_address, tmp_path / "out", "--max-steps", "3")
+    assert result.returncode == 0, result.stderr[-3000:]
+    status = broker.service.registry.run_status(broker.service.data_plane_status())
+    assert status.last_committed_step == 3
+    assert {q.name: q for q in status.queues}["rollouts"].num_items == 0  # the spool is released
+    assert not list((tmp_path / "spool").glob("*.rbatch"))
+    assert sorted(p.name for p in (tmp_path / "out" / "weights").iterdir()) == ["step_3"]
+    assert (tmp_path / "out" / "weights" / "step_3" / "STABLE").exists()
+    assert not (tmp_path / "out" / "checkpoints").exists()
+    assert [r["step"] for r in trainer_rows(tmp_path / "out")] == [1, 2, 3]
+    assert trainer_rows(tmp_path / "out")[-1]["perf/export_s"] > 0
 
-        # A restart without checkpoints cannot resume: steps 1-3 are committed and their batches are gone.
-        broker.send(range(4, 5))
-        again = run_trainer(model_dir, broker, tmp_path / "out", "--max-steps", "4")
-        assert again.returncode == 2, again.stderr[-3000:]
-        assert "the broker has committed steps 1-3 of this run and this trainer would start again at step 1: " \
-               "without [trainer.ckpt] there is no checkpoint to resume from" in again.stderr, again.stderr[-3000:]
-        assert "Traceback" not in again.stderr
-        assert [w.name for w in broker.service.registry.list_workers(include_gone=True)] == ["trainer-rank0"]
-    finally:
-        broker.stop()
+    # A restart without checkpoints cannot resume: steps 1-3 are committed and their batches are gone.
+    send_steps(broker.rollout_endpoint, range(4, 5))
+    again = run_trainer(model_dir, broker.grpc_address, tmp_path / "out", "--max-steps", "4")
+    assert again.returncode == 2, again.stderr[-3000:]
+    assert "the broker has committed steps 1-3 of this run and this trainer would start again at step 1: " \
+           "without [trainer.ckpt] there is no checkpoint to resume from" in again.stderr, again.stderr[-3000:]
+    assert "Traceback" not in again.stderr
+    assert [w.name for w in broker.service.registry.list_workers(include_gone=True)] == ["trainer-rank0"]
 
 
 @pytest.mark.slow
-def test_a_clean_stop_exports_the_last_step_trained(model_dir, tmp_path):
+def test_a_clean_stop_exports_the_last_step_trained(model_dir, broker, tmp_path):
     """Data for 2 of 5 steps; SIGTERM while the trainer waits for step 3: exit 0 with weights/step_2, not step_5."""
-    broker = Broker(tmp_path, range(1, 3))
-    args = [str(BIN / "primerl-trainer"), "--model.name", str(model_dir), "--broker.address", broker.address,
-            "--output-dir", str(tmp_path / "out"), "--optim.lr", "1e-3", "--log.format", "json", "--max-steps", "5"]
+    send_steps(broker.rollout_endpoint, range(1, 3))
+    args = trainer_args(model_dir, broker.grpc_address, tmp_path / "out", "--max-steps", "5")
     log_path = tmp_path / "trainer.log"
     with open(log_path, "w") as log_file:
         process = subprocess.Popen(args, stdout=log_file, stderr=subprocess.STDOUT)
@@ -94,7 +86,6 @@ def test_a_clean_stop_exports_the_last_step_trained(model_dir, tmp_path):
         if process.poll() is None:
             process.kill()
             process.wait(10)
-        broker.stop()
     assert sorted(p.name for p in (tmp_path / "out" / "weights").iterdir()) == ["step_2"]
     assert (tmp_path / "out" / "weights" / "step_2" / "config.json").is_file()
     assert "exporting the weights of the last step trained" in log_path.read_text()
@@ -115,14 +106,14 @@ def test_fsdp2_with_two_trainer_ranks_is_refused_before_anything_loads(model_dir
 
 @pytest.mark.slow
 @pytest.mark.vllm
-def test_a_run_without_ckpt_saves_the_model_and_releases_the_spool(tmp_path):
+def test_a_run_without_ckpt_saves_the_model_and_releases_the_spool(tiny_model, tmp_path):
     """`primerl rl` on the example without its [trainer.ckpt] table: `primerl eval -m RUN_DIR` finds the trained
     model, and the broker's spool ends (nearly) empty (before: 136 batch files after 8 steps, growing)."""
     if not Path(ENV_PYTHON).exists():
         pytest.skip(f"no env-worker interpreter at {ENV_PYTHON}: run `make setup` (it builds .venv-envs)")
     from primerl.cli.eval import resolve_model
 
-    model = build_tiny_model(tmp_path / "tiny")
+    model = tiny_model
     config = tomllib.loads(EXAMPLE.read_text())
     del config["trainer"]["ckpt"]
     config_path = tmp_path / "rl-no-ckpt.toml"

@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -18,25 +19,12 @@ from primerl.trainer.config import DefaultLossConfig, OptimizerConfig
 from primerl.trainer.distributed import init_distributed, shutdown_distributed, wrap_model
 from primerl.trainer.train_step import TrainStep, rl_objective
 
-
-def samples(step: int, count: int = 6) -> list[dict[str, np.ndarray]]:
-    rng = np.random.default_rng(1000 + step)
-    out = []
-    for _ in range(count):
-        length = int(rng.integers(6, 14))
-        out.append({
-            "input_ids": rng.integers(5, 500, length).astype(np.int64),
-            "position_ids": np.arange(length, dtype=np.int64),
-            "loss_mask": np.arange(length) >= 3,
-            "advantages": np.full(length, rng.standard_normal(), np.float32),
-            "inference_logprobs": -(rng.random(length) * 3 + 3).astype(np.float32),
-            "temperatures": np.ones(length, np.float32),
-        })
-    return out
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: the samples every trainer test uses
+from support.trainer_runs import packed, samples  # noqa: E402
 
 
 def pack(group: list[dict[str, np.ndarray]]) -> MicroBatch:
-    return MicroBatch.from_tensors({name: np.concatenate([s[name] for s in group]) for name in group[0]})
+    return MicroBatch.from_tensors(packed(group))
 
 
 def main() -> int:

@@ -78,8 +78,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
-    args = parse_command_args(parser, argv)
+    args = parse_command_args(build_parser(), argv)
     if isinstance(args, int):
         return args
     try:

@@ -56,8 +56,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str], *, llm: Any = None) -> int:
     """Run the command. `llm`: an already started `vllm.LLM` to use instead of starting one (tests, notebooks)."""
-    parser = build_parser()
-    args = parse_command_args(parser, argv)
+    args = parse_command_args(build_parser(), argv)
     if isinstance(args, int):
         return args
     error = _validate(args)

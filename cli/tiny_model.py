@@ -31,8 +31,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str]) -> int:
-    parser = build_parser()
-    args = parse_command_args(parser, argv)
+    args = parse_command_args(build_parser(), argv)
     if isinstance(args, int):
         return args
 

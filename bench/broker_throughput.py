@@ -158,6 +158,7 @@ def receiver_main(conn, index: int, max_message_bytes: int, verify_digest: bool)
 
     from primerl.client.rollouts import RolloutConsumer
     from primerl.client.weights import WeightSubscriber
+    from primerl.proto.digests import payload_digest
     from primerl.proto.data_plane_limits import BrokerLimits
 
     context = zmq.Context()
@@ -198,8 +199,7 @@ def receiver_main(conn, index: int, max_message_bytes: int, verify_digest: bool)
                 conn.send(("done", num_bytes))
             elif command == "weight_join":
                 (endpoint,) = args
-                subscriber = WeightSubscriber(endpoint, TOKEN, f"infer-{index}", context=context, limits=limits,
-                                              verify_digest=verify_digest)
+                subscriber = WeightSubscriber(endpoint, TOKEN, f"infer-{index}", context=context, limits=limits)
                 subscriber.hello(None)
                 conn.send("ok")
             elif command == "weight":
@@ -212,6 +212,8 @@ def receiver_main(conn, index: int, max_message_bytes: int, verify_digest: bool)
                         raise TimeoutError(f"subscriber {index} got no update")
                     header, payload = got
                     num_bytes += payload.nbytes
+                    if verify_digest and payload_digest(payload) != header.digest:  # as a worker's PolicyUpdater would
+                        raise ValueError(f"subscriber {index}: v{header.policy_version} failed its SHA-256 check")
                     subscriber.ack(header.policy_version)
                     if header.policy_version >= final_version:
                         break

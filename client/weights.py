@@ -200,20 +200,16 @@ class WeightPublisher(DealerClient):
 class WeightSubscriber(DealerClient):
     """The inference worker's side: ``hello()``, then ``receive()`` updates and ``ack()`` each one.
 
-    ``receive`` returns whole updates (chunks reassembled, digest checked when ``verify_digest``), skips
-    (and re-acknowledges) updates not newer than the version held, and says HELLO again every
-    ``hello_interval_s`` and when the broker no longer knows this worker (e.g. after a broker restart).
-    Lineage: an update of a newer lineage than the one held is passed on even when its version is not newer (a
-    trainer resumed from an older checkpoint re-published it: the worker must load it); one of an older lineage
-    is skipped. ``ack`` reports the lineage with the version, so the broker knows which weights the worker holds.
+    ``receive`` returns whole updates (chunks reassembled, each chunk's CRC-32 checked by ``framing.decode``) and
+    says HELLO again every ``hello_interval_s`` and when the broker no longer knows this worker (e.g. after a
+    broker restart). It passes on every update it receives: whether one is newer than what the worker serves (its
+    version and lineage) and whether its bytes match its digest is for the worker's one checker to say
+    (``primerl.inference.policy_updates.PolicyUpdater``), which the caller asks before it acknowledges. ``ack``
+    reports the lineage with the version, so the broker knows which weights the worker holds.
 
     ``outage_s``: when set, ``receive`` raises ``BrokerOutageExceeded`` once the broker has answered nothing (no
     update, no answer to a HELLO) for ``liveness_s`` plus ``outage_s``, having logged ``waiting for the broker``
     every few seconds from ``liveness_s`` on; None: wait for the broker forever, saying nothing.
-
-    ``verify_digest`` is off by default: the broker checked the SHA-256 of exactly the bytes it forwards
-    (a read-only view), and every chunk carries a CRC-32 that ``framing.decode`` checks, so a second SHA-256
-    here (~0.6 ms per MiB on this CPU) only guards against a faulty broker; turn it on where that matters.
 
     ``payload_buffer(num_bytes) -> memoryview``: where a chunked update is assembled (e.g. the inference worker's
     shared payload file), instead of a new ``bytearray`` per update; the payload ``receive`` returns is then a view
@@ -229,7 +225,6 @@ class WeightSubscriber(DealerClient):
         *,
         context: zmq.Context | None = None,
         limits: framing.Limits = DEFAULT_BROKER_LIMITS.frames,
-        verify_digest: bool = False,
         hello_interval_s: float = 5.0,
         transfer_timeout_s: float = 300.0,
         payload_buffer: Callable[[int], memoryview] | None = None,
@@ -241,7 +236,6 @@ class WeightSubscriber(DealerClient):
         if outage_s is not None and outage_s <= 0:
             raise ValueError(f"outage_s must be > 0 (or None), got {outage_s}")
         self.worker_id = worker_id
-        self.verify_digest = verify_digest
         self.hello_interval_s = hello_interval_s
         self.current_version: int | None = None
         self.current_lineage = 0
@@ -337,23 +331,6 @@ class WeightSubscriber(DealerClient):
                 return None
         header: data_pb2.WeightUpdateHeader = whole.header
         payload = whole.payload[0]
-        held_lineage = self.current_lineage
-        if header.lineage and held_lineage and header.lineage < held_lineage:
-            log.info("skipped an update of an older lineage", policy_version=header.policy_version,
-                     lineage=header.lineage, current_version=self.current_version, current_lineage=held_lineage)
-            self.ack(self.current_version or 0, lineage=held_lineage)
-            return None
-        newer_lineage = header.lineage > held_lineage and header.kind != data_pb2.WEIGHT_UPDATE_KIND_DELTA
-        if self.current_version is not None and header.policy_version <= self.current_version and not newer_lineage:
-            log.debug("skipped an update not newer than the version held", policy_version=header.policy_version,
-                      current_version=self.current_version)
-            self.ack(self.current_version, lineage=held_lineage)
-            return None
-        if self.verify_digest and payload_digest(payload) != header.digest.lower():
-            log.warning("weight update failed its digest check", policy_version=header.policy_version)
-            self.ack(header.policy_version, applied=False, error=common_pb2.ErrorDetail(
-                code=common_pb2.ERROR_CODE_BAD_DIGEST, message="SHA-256 of the received payload does not match the header"))
-            return None
         self._last_update = (header.policy_version, header.lineage,
                              self.current_version is not None and header.policy_version <= self.current_version)
         return header, payload

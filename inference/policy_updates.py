@@ -10,7 +10,11 @@ the server adapts its `AsyncLLM` the same way (each method run to completion, e.
     apply_ms = updater.apply(header, payload)          # raises UpdateRefused; the served policy is then unchanged
     llm.generate(prompts, params, lora_request=updater.lora_request())
 
-Checks come first, and a refused update (`UpdateRefused` with a wire ``ErrorCode``) changes nothing:
+This is the one place on the inference host that checks an update's order and digest: the weight subscriber
+(`primerl.client.weights`) passes on every update it receives, the daemon (`primerl.inference.service`) asks
+``holds(header)`` (acknowledge the served version, apply nothing) and otherwise `apply`, and the worker extension
+checks only that the tensors fit the model. Checks come first, and a refused update (`UpdateRefused` with a wire
+``ErrorCode``) changes nothing:
 
 - BAD_DIGEST: the payload's SHA-256 is not ``header.digest`` (TRUNCATED when ``payload_bytes`` disagrees). Only
   with ``verify_digest`` (the default): the daemon turns it off, because the broker checked the SHA-256 of exactly
@@ -35,8 +39,10 @@ Lineage (a rollback): each update carries the trainer incarnation that made it (
 newer; 0: unknown). A trainer that resumed from a checkpoint older than the newest published version re-publishes
 versions the engine may already serve, under a newer lineage: a FULL or LORA update of a newer lineage is applied
 whatever its version, even one at or below the served version, so no engine keeps serving weights of a rolled-back
-step under a live version number. ``wants(header)`` says whether an update would be applied by that rule (the
-daemon asks it before pausing the engine); ``lineage`` is the lineage served (report it with the version).
+step under a live version number. ``wants(header)`` says whether an update would be applied by that rule;
+``holds(header)`` says the engine already serves it or something newer (a resend, an older lineage's update: the
+daemon acknowledges the served version without pausing the engine); ``lineage`` is the lineage served (report it
+with the version).
 
 Requests in flight keep generating while an update is applied: their later tokens come from the new weights.
 Pausing the engine around an update (so a response is produced by one version) is the server's job.
@@ -211,6 +217,17 @@ class PolicyUpdater:
         version of the served lineage, a FULL or LORA of a newer lineage (a rollback included), or a DELTA on the
         served version. False for a resend of what is served and for an older lineage's update."""
         return self._order_refusal(header) is None
+
+    def holds(self, header: data_pb2.WeightUpdateHeader) -> bool:
+        """Whether what is served already covers ``header``: an update of an older lineage than the served one, or
+        one not newer than the served version (a FULL or LORA of a newer lineage excepted: a rollback). Such an
+        update is acknowledged with the served version and not applied; any other that `apply` refuses is
+        refused (OUT_OF_ORDER: it is newer, but cannot apply to what is served)."""
+        lineage, served_lineage = header.lineage, self._lineage
+        if lineage and served_lineage and lineage < served_lineage:
+            return True
+        rollback = lineage > served_lineage and header.kind != DELTA
+        return header.policy_version <= self._policy_version and not rollback
 
     @property
     def kind(self) -> str:

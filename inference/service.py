@@ -349,16 +349,16 @@ class InferenceService:
 
     def _handle_update(self, subscriber: WeightSubscriber, header: data_pb2.WeightUpdateHeader,
                        payload: memoryview) -> None:
-        from primerl.inference.policy_updates import DELTA, UpdateRefused
+        from primerl.inference.policy_updates import UpdateRefused
         from primerl.proto.v1 import common_pb2, data_pb2
 
         assert self.updater is not None and self.ops is not None and self.control is not None
         received_s = time.monotonic()
         version, served = int(header.policy_version), self.updater.policy_version
         kind = data_pb2.WeightUpdateKind.Name(header.kind)
-        if header.kind != DELTA and not self.updater.wants(header):
+        if self.updater.holds(header):
             # Sent again (a refusal made the broker resend its snapshot), or an older lineage's: say what is served.
-            # A newer lineage's FULL at or below the served version is wanted: a rollback (PolicyUpdater.wants).
+            # A newer lineage's FULL at or below the served version is not held: a rollback (PolicyUpdater.holds).
             subscriber.ack(served, lineage=self.updater.lineage)
             return
         refusal = self._refused.get((version, header.digest))

@@ -1,19 +1,18 @@
 """In-flight weight updates on a real vLLM engine (the tiny model): after each FULL, LORA and DELTA update the
 served logprobs match a transformers forward pass with the same new weights, and bad updates are refused with the
-right code while the engine keeps serving the previous policy. One in-process engine serves the slow tests;
-they move its policy version forward, and each starts from whatever the engine serves. Two fast tests drive the
-updater's checks and adapter bookkeeping against a fake engine."""
+right code while the engine keeps serving the previous policy. One in-process engine serves these tests;
+they move its policy version forward, and each starts from whatever the engine serves. Fast tests of the
+updater's checks against a fake engine: ``test_policy_updater.py``; what the updates cost:
+``bench/policy_apply_times.py``."""
 
 from __future__ import annotations
 
 import copy
-import hashlib
-import json
 import os
 import tempfile
 import zlib
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -31,7 +30,8 @@ from primerl.inference.logprob_check import (
 from primerl.inference.worker_extension import REFUSAL_PREFIX, WORKER_EXTENSION_CLS, weights_digest
 from primerl.proto.tensor_frames import encode_tensors, parse_header, specs_of
 from primerl.proto.v1 import common_pb2, data_pb2
-from primerl.proto.weight_delta import encode_delta, torch_dtype_name
+from primerl.proto.weight_delta import torch_dtype_name
+from support.policy_updates import DELTA, delta_update, full_update, lora_update, perturbed, sha256
 
 # vLLM's own import-time deprecation noise (torch.distributed.reduce_op), not ours.
 pytestmark = pytest.mark.filterwarnings("ignore:`torch.distributed.reduce_op` is deprecated:FutureWarning")
@@ -42,209 +42,7 @@ MAX_TOKENS = 12
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 MAX_LORA_RANK = 8
 
-FULL = data_pb2.WEIGHT_UPDATE_KIND_FULL
-LORA = data_pb2.WEIGHT_UPDATE_KIND_LORA
-DELTA = data_pb2.WEIGHT_UPDATE_KIND_DELTA
 
-
-# ---- building updates -------------------------------------------------------------------------------------------
-
-
-def sha256(payload: bytes) -> str:
-    return hashlib.sha256(payload).hexdigest()
-
-
-def full_update(weights: dict[str, torch.Tensor], version: int) -> tuple[data_pb2.WeightUpdateHeader, bytes]:
-    payload, specs = encode_tensors(weights)
-    return data_pb2.WeightUpdateHeader(policy_version=version, kind=FULL, digest=sha256(payload), tensors=specs,
-                                       payload_bytes=len(payload)), payload
-
-
-def delta_update(new: dict[str, torch.Tensor], base: dict[str, torch.Tensor], version: int,
-                 base_version: int) -> tuple[data_pb2.WeightUpdateHeader, bytes]:
-    payload, specs, decoded = encode_delta(new, base)
-    return data_pb2.WeightUpdateHeader(
-        policy_version=version, kind=DELTA, base_version=base_version, digest=sha256(payload), tensors=specs,
-        decoded_tensors=decoded, delta_encoding=data_pb2.DELTA_ENCODING_XOR_ZLIB, payload_bytes=len(payload),
-    ), payload
-
-
-def lora_update(adapter_dir: Path, version: int, policy_name: str = "tiny-policy",
-                ) -> tuple[data_pb2.WeightUpdateHeader, bytes]:
-    payload = (adapter_dir / "adapter_model.safetensors").read_bytes()
-    return data_pb2.WeightUpdateHeader(
-        policy_version=version, kind=LORA, digest=sha256(payload), tensors=specs_of(parse_header(payload)),
-        adapter_config_json=(adapter_dir / "adapter_config.json").read_text(), policy_name=policy_name,
-        payload_bytes=len(payload),
-    ), payload
-
-
-def perturbed(weights: dict[str, torch.Tensor], seed: int, scale: float = 0.02,
-              names: list[str] | None = None) -> dict[str, torch.Tensor]:
-    """`weights` with seeded Gaussian noise added to `names` (all by default)."""
-    generator = torch.Generator().manual_seed(seed)
-    return {name: (t + scale * torch.randn(t.shape, generator=generator)) if names is None or name in names
-            else t.clone() for name, t in weights.items()}
-
-
-# ---- fast: the updater's own logic against a fake engine ----------------------------------------------------------
-
-
-class FakeEngine:
-    """`EngineOps` that records calls; the worker methods answer like the real extension would."""
-
-    def __init__(self, weights: dict[str, torch.Tensor]):
-        self.manifest = {name: (torch_dtype_name(t.dtype), list(t.shape)) for name, t in weights.items()}
-        self.calls: list[tuple[str, Any]] = []
-        self.loras: dict[int, Any] = {}
-        self.fail_add_lora = False
-
-    def collective_rpc(self, method: str, args: tuple[Any, ...] = ()) -> list[Any]:
-        self.calls.append((method, len(args)))
-        if method == "primerl_weight_manifest":
-            return [self.manifest]
-        if method in ("primerl_apply_delta", "primerl_apply_delta_file"):
-            # what vLLM's multiprocess executor raises for a worker's WeightUpdateInvalid
-            raise Exception("Call to collective_rpc method failed: Worker failed with error '[primerl:"
-                            "ERROR_CODE_MALFORMED_HEADER] delta: corrupt', please check the stack trace above")
-        return [{"apply_ms": 1.0}]
-
-    def reset_prefix_cache(self) -> None:
-        self.calls.append(("reset_prefix_cache", 0))
-
-    def add_lora(self, lora_request: Any) -> bool:
-        if self.fail_add_lora:
-            raise ValueError("cannot load adapter")
-        self.loras[lora_request.lora_int_id] = lora_request
-        return True
-
-    def remove_lora(self, lora_id: int) -> bool:
-        return self.loras.pop(lora_id, None) is not None
-
-
-def tiny_weights() -> dict[str, torch.Tensor]:
-    generator = torch.Generator().manual_seed(0)
-    return {"model.layers.0.self_attn.q_proj.weight": torch.randn(8, 4, generator=generator),
-            "model.layers.0.self_attn.q_proj.bias": torch.randn(8, generator=generator),
-            "model.norm.weight": torch.ones(4)}
-
-
-def fake_adapter(version: int, rank: int = 2) -> tuple[data_pb2.WeightUpdateHeader, bytes]:
-    from safetensors.torch import save
-
-    prefix = "base_model.model.model.layers.0.self_attn.q_proj"
-    payload = save({f"{prefix}.lora_A.weight": torch.ones(rank, 4), f"{prefix}.lora_B.weight": torch.ones(8, rank)})
-    return data_pb2.WeightUpdateHeader(
-        policy_version=version, kind=LORA, digest=sha256(payload), tensors=specs_of(parse_header(payload)),
-        adapter_config_json=json.dumps({"r": rank, "lora_alpha": rank, "target_modules": ["q_proj"]}),
-    ), payload
-
-
-def test_updater_checks_without_an_engine(tmp_path: Path) -> None:
-    from primerl.inference.policy_updates import PolicyUpdater, UpdateRefused
-
-    weights = tiny_weights()
-    engine = FakeEngine(weights)
-    updater = PolicyUpdater(engine, tmp_path, max_lora_rank=4)
-    assert updater.apply(*full_update(weights, 3)) > 0
-    assert updater.policy_version == 3
-    # The payload reaches the worker through the shared payload file: only its path crosses the RPC.
-    assert [call for call, _ in engine.calls] == ["primerl_weight_manifest", "primerl_load_full_file",
-                                                 "reset_prefix_cache"]
-    assert set(updater.last_phases_ms) == {"check", "stage", "engine", "reset_cache"}
-
-    header, payload = full_update(weights, 4)
-    for mutate, code in [
-        (lambda h: setattr(h, "digest", "00" * 32), common_pb2.ERROR_CODE_BAD_DIGEST),
-        (lambda h: setattr(h, "payload_bytes", 12), common_pb2.ERROR_CODE_TRUNCATED),
-        (lambda h: setattr(h, "policy_version", 3), common_pb2.ERROR_CODE_OUT_OF_ORDER),
-        (lambda h: setattr(h, "kind", data_pb2.WEIGHT_UPDATE_KIND_UNSPECIFIED), common_pb2.ERROR_CODE_MALFORMED_HEADER),
-        (lambda h: h.tensors[0].shape.append(1), common_pb2.ERROR_CODE_TENSOR_MISMATCH),
-    ]:
-        bad = data_pb2.WeightUpdateHeader()
-        bad.CopyFrom(header)
-        mutate(bad)
-        with pytest.raises(UpdateRefused) as excinfo:
-            updater.apply(bad, payload)
-        assert excinfo.value.code == code, excinfo.value
-    updater.apply(*full_update(weights, 4))
-    with pytest.raises(UpdateRefused) as excinfo:
-        updater.apply(*delta_update(perturbed(weights, seed=1), weights, 6, 3))
-    assert excinfo.value.code == common_pb2.ERROR_CODE_OUT_OF_ORDER and "v4 is served" in excinfo.value.message
-    # A refusal raised inside the worker comes back as text in multiprocess mode and keeps its code.
-    with pytest.raises(UpdateRefused) as excinfo:
-        updater.apply(*delta_update(perturbed(weights, seed=1), weights, 5, 4))
-    assert excinfo.value.code == common_pb2.ERROR_CODE_MALFORMED_HEADER
-    assert excinfo.value.message == "delta: corrupt"
-    assert updater.policy_version == 4
-
-
-def test_updater_follows_lineages_without_an_engine(tmp_path: Path) -> None:
-    """A FULL of a newer lineage is applied even at (or below) the served version (a rollback); an older
-    lineage's update and a delta across lineages are refused; `wants` says the same before any payload check."""
-    from primerl.inference.policy_updates import PolicyUpdater, UpdateRefused
-
-    weights = tiny_weights()
-    updater = PolicyUpdater(FakeEngine(weights), tmp_path, max_lora_rank=4)
-
-    def with_lineage(update, lineage, base=0):
-        update[0].lineage, update[0].lineage_base_version = lineage, base
-        return update
-
-    updater.apply(*with_lineage(full_update(weights, 3), 10))
-    assert (updater.policy_version, updater.lineage) == (3, 10)
-    same_version = with_lineage(full_update(perturbed(weights, seed=2), 3), 10)
-    assert not updater.wants(same_version[0])  # a resend of the served version, same lineage
-    rollback = with_lineage(full_update(perturbed(weights, seed=3), 3), 20, base=2)
-    assert updater.wants(rollback[0])
-    updater.apply(*rollback)
-    assert (updater.policy_version, updater.lineage, updater.lineage_base_version) == (3, 20, 2)
-    further_back = with_lineage(full_update(weights, 2), 30, base=1)  # resumed from checkpoint 1: v2 again
-    updater.apply(*further_back)
-    assert (updater.policy_version, updater.lineage) == (2, 30)
-    for update, text in [
-        (with_lineage(full_update(weights, 9), 20), "older than the served"),
-        (with_lineage(delta_update(perturbed(weights, seed=4), weights, 3, 2), 40), "new lineage starts with a FULL"),
-    ]:
-        assert not updater.wants(update[0])
-        with pytest.raises(UpdateRefused) as excinfo:
-            updater.apply(*update)
-        assert excinfo.value.code == common_pb2.ERROR_CODE_OUT_OF_ORDER and text in excinfo.value.message
-    assert (updater.policy_version, updater.lineage) == (2, 30)
-
-
-def test_updater_swaps_lora_adapters_under_new_ids(tmp_path: Path) -> None:
-    from primerl.inference.policy_updates import PolicyUpdater, UpdateRefused
-
-    engine = FakeEngine(tiny_weights())
-    updater = PolicyUpdater(engine, tmp_path, max_lora_rank=4, policy_name="served")
-    requests = []
-    for version in (1, 2, 3):
-        updater.apply(*fake_adapter(version))
-        requests.append(updater.lora_request())
-        assert set(engine.loras) == {requests[-1].lora_int_id}  # the previous id was removed
-        assert (Path(requests[-1].lora_path) / "adapter_config.json").is_file()
-    assert len({r.lora_int_id for r in requests}) == 3 and {r.lora_name for r in requests} == {"served"}
-    # The previous adapter's files stay (requests in flight may reload them), older ones go.
-    assert [Path(r.lora_path).is_dir() for r in requests] == [False, True, True]
-
-    engine.fail_add_lora = True
-    with pytest.raises(UpdateRefused, match="could not load the adapter"):
-        updater.apply(*fake_adapter(4))
-    assert updater.lora_request() == requests[-1] and updater.policy_version == 3
-    assert sorted(p.name for p in (tmp_path / "adapters").iterdir()) == [Path(r.lora_path).name for r in requests[1:]]
-    engine.fail_add_lora = False
-    with pytest.raises(UpdateRefused, match="rank 8 exceeds"):
-        updater.apply(*fake_adapter(4, rank=8))
-    without_lora = PolicyUpdater(FakeEngine(tiny_weights()), tmp_path / "other", max_lora_rank=None)
-    with pytest.raises(UpdateRefused, match="without LoRA"):
-        without_lora.apply(*fake_adapter(1))
-
-    updater.apply(*full_update(tiny_weights(), 4))
-    assert updater.lora_request() is None and engine.loras == {}
-
-
-# ---- slow: one real engine ---------------------------------------------------------------------------------------
 
 # ---- fixtures ---------------------------------------------------------------------------------------------------
 
@@ -256,7 +54,6 @@ class Served:
     model_dir: Path
     weights: dict[str, torch.Tensor]
     adapter_dir: Path | None = None
-    apply_ms: dict[str, list[float]] = field(default_factory=dict)
 
     def model(self, weights: dict[str, torch.Tensor] | None = None) -> Any:
         model = load_reference_model(self.model_dir)
@@ -326,7 +123,6 @@ def served_diff(llm: Any, updater: Any, served: Served) -> float:
 
 def apply(updater: Any, served: Served, label: str, update: tuple[data_pb2.WeightUpdateHeader, bytes]) -> float:
     apply_ms = updater.apply(*update)
-    served.apply_ms.setdefault(label, []).append(apply_ms)
     print(f"\n{label}: v{update[0].policy_version} applied in {apply_ms:.1f} ms, payload {len(update[1])} bytes")
     return apply_ms
 
@@ -612,12 +408,3 @@ def test_worker_checks_a_full_update_before_touching_the_model(llm: Any, updater
     assert str(excinfo.value).startswith(f"{REFUSAL_PREFIX}ERROR_CODE_TENSOR_MISMATCH]")
     assert updater.weight_digest() == digest_before
     assert served_diff(llm, updater, served) <= TOLERANCE
-
-
-@pytest.mark.slow
-@pytest.mark.vllm
-def test_apply_times(served: Served) -> None:
-    """Not a check: prints what the updates above cost on this machine."""
-    for label, times in sorted(served.apply_ms.items()):
-        print(f"\n{label}: {len(times)} updates, median {sorted(times)[len(times) // 2]:.1f} ms, "
-              f"max {max(times):.1f} ms")

@@ -9,9 +9,9 @@ import pytest
 import structlog
 
 from primerl.broker import spool as spool_module
-from primerl.broker.spool_format import PREFIX_BYTES
+from primerl.broker.spool import BatchGone, RolloutSpool, SpoolCorruption, SpoolError
+from primerl.broker.spool_format import PREFIX_BYTES, batch_file_name
 from primerl.runtime import durable_files
-from primerl.broker.spool import BatchGone, RolloutSpool, SpoolCorruption, SpoolError, batch_file_name
 from primerl.proto import tensor_frames as tf
 from primerl.proto.v1 import data_pb2
 

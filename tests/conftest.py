@@ -3,6 +3,7 @@
 - `tiny_model`, `small_tiny_model`: the tiny model in its two shapes (`support.tiny_models`), each built once per
   session. Read-only: a test that writes into a model directory copies it first.
 - `make_broker`: starts in-process brokers (`support.broker.BrokerHarness`) and stops them after the test.
+- `make_weight_plane`: starts weight planes (`support.weight_plane.WeightPlaneHarness`) and closes them after.
 - `infer_broker`, `infer_daemon`, `infer_http`: one broker and one `primerl-infer` on the tiny model
   per module that asks for them (`support.inference`), and an HTTP client of the daemon.
 - `no_wandb_login`: a machine without a W&B login.
@@ -20,6 +21,7 @@ if TYPE_CHECKING:  # imported in the fixtures: collecting a module that needs no
     import httpx
     from support.broker import BrokerHarness
     from support.daemons import InferenceDaemon
+    from support.weight_plane import WeightPlaneHarness
 
 
 @pytest.fixture(scope="session")
@@ -58,6 +60,25 @@ def make_broker(tmp_path: Path) -> Iterator[Callable[..., BrokerHarness]]:
     finally:
         for harness in reversed(started):
             harness.stop()
+
+
+@pytest.fixture
+def make_weight_plane() -> Iterator[Callable[..., WeightPlaneHarness]]:
+    """`make_weight_plane(**WeightPlane keyword arguments)`: a started weight plane on loopback; every one made
+    is closed after the test."""
+    from support.weight_plane import WeightPlaneHarness
+
+    created: list[WeightPlaneHarness] = []
+
+    def make(**plane_kwargs: Any) -> WeightPlaneHarness:
+        created.append(WeightPlaneHarness(**plane_kwargs))
+        return created[-1]
+
+    try:
+        yield make
+    finally:
+        for harness in created:
+            harness.close()
 
 
 @pytest.fixture(scope="module")

@@ -3,91 +3,31 @@
 from __future__ import annotations
 
 import hashlib
-import threading
 import time
 
-import numpy as np
 import pytest
 import zmq
 
 from primerl.client.weights import (
     WeightPlaneError,
-    WeightPublisher,
     WeightSubscriber,
     WeightUpdateRefused,
 )
-from primerl.broker.weight_plane import WeightPlane, weight_limits
+from primerl.broker.weight_plane import WeightPlane
 from primerl.broker.weight_store import WeightStore
 from primerl.proto import framing
-from primerl.proto import tensor_frames as tf
 from primerl.proto.v1 import common_pb2, data_pb2
-from primerl.runtime.zmq_sockets import connect_dealer
+from support.weight_plane import CHUNK_BYTES, LIMITS, RECEIVE_S, TOKEN, make_update
 
 FULL = data_pb2.WEIGHT_UPDATE_KIND_FULL
 LORA = data_pb2.WEIGHT_UPDATE_KIND_LORA
 DELTA = data_pb2.WEIGHT_UPDATE_KIND_DELTA
-TOKEN = "run-secret"
-CHUNK_BYTES = 64 * 1024
-LIMITS, _ = weight_limits(1 << 20)
-RECEIVE_S = 10.0
-
-
-def make_update(version: int, kind: int = FULL, base: int = 0, num_bytes: int = 4096, **fields):
-    rng = np.random.default_rng(version)
-    data, specs = tf.encode_tensors({"w": rng.integers(0, 255, num_bytes, dtype=np.uint8)})
-    header = data_pb2.WeightUpdateHeader(policy_version=version, kind=kind, base_version=base, tensors=specs, **fields)
-    return header, data
-
-
-class Harness:
-    def __init__(self, **plane_kwargs):
-        self.context = zmq.Context()
-        self.store = WeightStore(max_deltas=plane_kwargs.pop("max_deltas", 16))
-        self.applied: list[tuple[str, int]] = []
-        self._applied_lock = threading.Lock()
-        self.plane = WeightPlane(self.store, self.context, "127.0.0.1", 0, LIMITS, TOKEN, CHUNK_BYTES,
-                                 on_applied=self._on_applied, **plane_kwargs)
-        self.port = self.plane.start()
-        self.endpoint = f"tcp://127.0.0.1:{self.port}"
-        self._clients: list = []
-
-    def _on_applied(self, worker_id: str, version: int) -> None:
-        with self._applied_lock:
-            self.applied.append((worker_id, version))
-
-    def publisher(self, token: str | None = TOKEN) -> WeightPublisher:
-        publisher = WeightPublisher(self.endpoint, token, "trainer", CHUNK_BYTES, context=self.context, limits=LIMITS)
-        self._clients.append(publisher)
-        return publisher
-
-    def subscriber(self, worker_id: str, token: str | None = TOKEN, **kwargs) -> WeightSubscriber:
-        subscriber = WeightSubscriber(self.endpoint, token, worker_id, context=self.context, limits=LIMITS, **kwargs)
-        self._clients.append(subscriber)
-        return subscriber
-
-    def dealer(self) -> zmq.Socket:
-        socket = connect_dealer(self.context, self.endpoint, max_message_bytes=LIMITS.max_frame_bytes)
-        self._clients.append(socket)
-        return socket
-
-    def close(self) -> None:
-        for client in self._clients:
-            client.close(linger=0) if isinstance(client, zmq.Socket) else client.close()
-        assert self.plane.stop(5.0)
-        self.context.destroy(linger=0)
 
 
 @pytest.fixture
-def harness():
-    created: list[Harness] = []
-
-    def make(**kwargs) -> Harness:
-        created.append(Harness(**kwargs))
-        return created[-1]
-
-    yield make
-    for h in created:
-        h.close()
+def harness(make_weight_plane):
+    """`harness(**WeightPlane keyword arguments)`: a weight plane on loopback (conftest's `make_weight_plane`)."""
+    return make_weight_plane
 
 
 def wait_for(predicate, timeout_s: float = 5.0) -> None:

@@ -12,7 +12,7 @@ import torch
 from primerl.inference.shared_payload import SharedPayload, map_shared
 from primerl.inference.worker_extension import torch_views
 from primerl.proto import tensor_frames as tf
-from test_weight_plane import CHUNK_BYTES, RECEIVE_S, harness, make_update  # noqa: F401 (fixture)
+from support.weight_plane import CHUNK_BYTES, RECEIVE_S, make_update
 
 
 def test_shared_payload_grows_is_reused_and_is_read_in_place(tmp_path):
@@ -49,7 +49,13 @@ def test_torch_views_read_the_frame_without_copying():
         torch_views(memoryview(bytearray(b"\x00" * 4)))
 
 
-def test_subscriber_assembles_chunks_in_the_given_buffer(harness, tmp_path):  # noqa: F811
+@pytest.fixture
+def harness(make_weight_plane):
+    """`harness(**WeightPlane keyword arguments)`: a weight plane on loopback (conftest's `make_weight_plane`)."""
+    return make_weight_plane
+
+
+def test_subscriber_assembles_chunks_in_the_given_buffer(harness, tmp_path):
     h = harness()
     staging = SharedPayload(tmp_path)
     buffers: list[memoryview] = []

@@ -8,5 +8,6 @@
 - `inference`: HTTP and weight-update helpers for tests that talk to a running `primerl-infer`.
 - `proc_tree`: the process tree read from /proc (what a test started, and whether it is gone).
 - `rl_configs`: whole-run config files in each shape, written into a test's directory, and loading them.
+- `weight_plane`: the broker's weight plane alone on loopback, its clients, and small updates to send.
 - `trainer_runs`: a `primerl-trainer` fed by a test: synthetic samples, their batches, its command line and outputs.
 """

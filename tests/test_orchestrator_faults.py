@@ -8,16 +8,13 @@ from __future__ import annotations
 import random
 import threading
 import time
-from pathlib import Path
 
 import numpy as np
 import pytest
 import structlog
 
-from primerl.broker.config import BrokerConfig
 from primerl.client.control import BrokerUnavailable, ControlClient
 from primerl.client.rollouts import RolloutConsumer, RolloutProducer
-from primerl.broker.service import BrokerService
 from primerl.orchestrator.endpoints import EndpointWatcher
 from primerl.orchestrator.packing import pack_samples, to_broker_batches
 from primerl.orchestrator.rollout_failures import RolloutFailures, RolloutsFailing, is_unreachable, kind_name
@@ -28,6 +25,8 @@ from primerl.proto.v1 import common_pb2
 from primerl.client.outage import BrokerOutageExceeded
 from primerl.runtime.config_common import BrokerClientConfig
 from primerl.proto.step_digest import data_digest
+from support.broker import BrokerHarness
+from support.probes import wait_until as wait_for
 
 TOKEN = "faults-token"
 CONTEXT_ERROR = ("BadRequestError: Error code: 400 - This model's maximum context length is 16 tokens. However, "
@@ -124,53 +123,17 @@ def test_an_unreachable_inference_server_is_waited_for_not_counted_in_the_streak
 
 
 # ------------------------------------------------------------------------------------------------ broker
-class Broker:
-    """An in-process broker that can be stopped and started again on the same ports (as after a crash)."""
-
-    def __init__(self, spool_dir: Path):
-        self.config = BrokerConfig(host="127.0.0.1", grpc_port=0, rollout_port=0, weight_port=0, spool_dir=spool_dir,
-                                   run_token=TOKEN, heartbeat_interval_s=0.2, run_id="faults-test")
-        self.service = BrokerService(self.config)
-        endpoints = self.service.start()
-        self.config = self.config.model_copy(update={"grpc_port": endpoints.grpc_port,
-                                                     "rollout_port": endpoints.rollout_port,
-                                                     "weight_port": endpoints.weight_port})
-        self.running = True
-
-    @property
-    def grpc_address(self) -> str:
-        return f"127.0.0.1:{self.config.grpc_port}"
-
-    @property
-    def rollout_endpoint(self) -> str:
-        return f"tcp://127.0.0.1:{self.config.rollout_port}"
-
-    def stop(self) -> None:
-        if self.running:
-            self.service.stop(grace_s=0.5)
-            self.running = False
-
-    def start(self) -> None:
-        deadline = time.monotonic() + 10
-        while True:
-            try:
-                self.service = BrokerService(self.config)
-                self.service.start()
-                break
-            except OSError:  # the old sockets may linger for a moment
-                if time.monotonic() > deadline:
-                    raise
-                time.sleep(0.2)
-        self.running = True
+class Broker(BrokerHarness):
+    """The in-process broker (`support.broker`) whose clients are the orchestrator's."""
 
     def client(self, role: str = "orchestrator", name: str = "orchestrator", outage_s: float = 120.0) -> ControlClient:
-        return ControlClient(BrokerClientConfig(address=self.grpc_address, run_token=TOKEN, outage_s=outage_s), role,
-                             name)
+        return super().client(role, name, outage_s=outage_s)
 
 
 @pytest.fixture
 def broker(tmp_path):
-    broker = Broker(tmp_path / "spool")
+    broker = Broker(tmp_path / "spool", stop_grace_s=0.5, run_token=TOKEN, heartbeat_interval_s=0.2,
+                    run_id="faults-test")
     try:
         yield broker
     finally:
@@ -261,14 +224,6 @@ def test_a_send_gives_up_past_the_outage_budget(broker):
             send_step(producer, 1, messages, outage_s=60, backpressure_timeout_s=60, attempt_s=1.0, stop_event=stop)
     finally:
         producer.close()
-
-
-def wait_for(predicate, timeout_s: float, what: str):
-    deadline = time.monotonic() + timeout_s
-    while not (value := predicate()):
-        assert time.monotonic() < deadline, f"timed out after {timeout_s} s waiting for {what}"
-        time.sleep(0.05)
-    return value
 
 
 def test_the_worker_list_rides_through_a_broker_restart(broker):

@@ -52,6 +52,10 @@ class BrokerHarness:
     def restart(self) -> None:
         """A new broker (empty registry and weight store unless the spool keeps them) on the same ports."""
         self.stop()
+        self.start()
+
+    def start(self) -> None:
+        """Start a new broker on the same ports after `stop()`."""
         deadline = time.monotonic() + RESTART_TIMEOUT_S
         while True:
             try:
@@ -64,10 +68,11 @@ class BrokerHarness:
                 time.sleep(0.2)
         self.running = True
 
-    def client(self, role: str = "trainer", name: str = "test-observer") -> ControlClient:
-        """A control client (not yet registered) that authenticates with the broker's run token."""
-        return ControlClient(BrokerClientConfig(address=self.grpc_address, run_token=self.config.run_token), role,
-                             name)
+    def client(self, role: str = "trainer", name: str = "test-observer", **config: Any) -> ControlClient:
+        """A control client (not yet registered) with the broker's run token; `config`: more
+        `BrokerClientConfig` fields."""
+        client_config = BrokerClientConfig(address=self.grpc_address, run_token=self.config.run_token, **config)
+        return ControlClient(client_config, role, name)
 
     def inference_worker(self) -> Any:
         """The one inference worker the broker lists, or None while there is not exactly one."""

@@ -55,7 +55,6 @@ from primerl.broker.weight_fanout import Joined, WeightFanout, WeightWorkerStatu
 from primerl.broker.weight_intake import BROKER_SENDER, WeightIntake
 from primerl.broker.weight_store import StoredUpdate, WeightStore, WeightStoreStatus
 from primerl.proto import framing
-from primerl.proto.units import MiB
 from primerl.proto.v1 import common_pb2, data_pb2
 from primerl.runtime.log_setup import get_logger
 from primerl.runtime.meters import RateMeter
@@ -63,25 +62,8 @@ from primerl.runtime.zmq_sockets import DEFAULT_HWM
 
 log = get_logger(__name__)
 
-# Room for the fixed frames and the envelope next to one chunk of payload.
-ENVELOPE_ALLOWANCE_BYTES = 1 * MiB
 
 OnApplied = Callable[[str, int], None]
-
-
-def weight_limits(max_message_bytes: int, *, max_transfer_bytes: int = framing.DEFAULT_LIMITS.max_transfer_bytes) -> tuple[framing.Limits, int]:
-    """(limits, chunk_bytes) for a plane and its clients from the config's ``max_message_bytes``.
-
-    A chunk is one payload frame of at most ``max_message_bytes`` (libzmq's ``MAXMSGSIZE`` applies per frame);
-    a whole message may exceed it by the envelope.
-    """
-    limits = framing.Limits(
-        max_frame_bytes=max_message_bytes,
-        max_message_bytes=max_message_bytes + ENVELOPE_ALLOWANCE_BYTES,
-        max_envelope_bytes=ENVELOPE_ALLOWANCE_BYTES,
-        max_transfer_bytes=max_transfer_bytes,
-    )
-    return limits, max_message_bytes
 
 
 @dataclass(frozen=True)

@@ -12,14 +12,15 @@ import zmq
 
 from primerl.client.weights import WeightPublisher, WeightSubscriber
 from primerl.broker.weight_durable import LINEAGE_FILE, MANIFEST_FILE, WeightDurability
-from primerl.broker.weight_plane import WeightPlane, weight_limits
+from primerl.broker.weight_plane import WeightPlane
 from primerl.broker.weight_store import WeightStore
 from primerl.proto import tensor_frames as tf
+from primerl.proto.data_plane_limits import BrokerLimits
 from primerl.proto.v1 import data_pb2
 
 FULL = data_pb2.WEIGHT_UPDATE_KIND_FULL
 DELTA = data_pb2.WEIGHT_UPDATE_KIND_DELTA
-LIMITS, _ = weight_limits(1 << 20)
+LIMITS = BrokerLimits.for_max_message_bytes(1 << 20).frames
 CHUNK_BYTES = 64 * 1024
 
 

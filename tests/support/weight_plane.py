@@ -9,17 +9,18 @@ import threading
 import numpy as np
 import zmq
 
-from primerl.broker.weight_plane import WeightPlane, weight_limits
+from primerl.broker.weight_plane import WeightPlane
 from primerl.broker.weight_store import WeightStore
 from primerl.client.weights import WeightPublisher, WeightSubscriber
 from primerl.proto import tensor_frames as tf
+from primerl.proto.data_plane_limits import BrokerLimits
 from primerl.proto.v1 import data_pb2
 from primerl.runtime.zmq_sockets import connect_dealer
 
 FULL = data_pb2.WEIGHT_UPDATE_KIND_FULL
 TOKEN = "run-secret"
 CHUNK_BYTES = 64 * 1024
-LIMITS, _ = weight_limits(1 << 20)
+LIMITS = BrokerLimits.for_max_message_bytes(1 << 20).frames
 RECEIVE_S = 10.0
 
 

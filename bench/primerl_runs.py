@@ -111,7 +111,7 @@ def write_prompts(path: Path, num_prompts: int, work_dir: Path) -> Path:
     """The environment's train split (exported by its own interpreter, ``.venv-envs``), in the order primerl's
     orchestrator draws it (``EnvSampler``, seed 0 = ``sampling.seed`` unset), repeated over epochs up to
     ``num_prompts`` lines."""
-    from primerl.orchestrator.runner import EnvSampler
+    from primerl.orchestrator.env_sampler import EnvSampler
 
     rows_path = work_dir / "train_rows.jsonl"
     if not rows_path.exists():

@@ -18,6 +18,9 @@ from typing import Any
 
 from primerl.orchestrator.seeds import rollout_seed_base
 from primerl.orchestrator.trajectory import RolloutGroup, Split
+from primerl.runtime.log_setup import get_logger
+
+log = get_logger("primerl.orchestrator")
 
 
 @dataclass
@@ -133,3 +136,24 @@ def run_eval_groups(worker: Any, example_indices: Iterable[int], *, num_rollouts
                     on_group(group)
             submit_next()
     return [finished[i] for i in sorted(finished)], failed
+
+
+def evaluate_workers(eval_workers: Mapping[str, Any], eval_config: Any, *, base_url: str, model: str, api_key: str,
+                     sampling: Mapping[str, Any], timeout_s: float) -> dict[str, float]:
+    """The orchestrator's periodic eval: each eval environment's eval split (at most ``eval_config.num_examples``
+    examples, ``eval_config.rollouts_per_example`` rollouts each) as ``eval/<env id>/...`` metrics. Failed groups
+    are logged and counted in the summary."""
+    metrics: dict[str, float] = {}
+    for env_id, worker in eval_workers.items():
+        count = worker.info.num_eval_examples
+        if eval_config.num_examples is not None:
+            count = min(count, eval_config.num_examples)
+        groups, failed = run_eval_groups(
+            worker, range(count), num_rollouts=eval_config.rollouts_per_example, base_url=base_url, model=model,
+            api_key=api_key, sampling=sampling, split="eval",  # seeded by example index when seeded
+            max_concurrent_groups=max(1, count), timeout_s=timeout_s)
+        for index, error in failed.items():  # counted and reported like training rollouts
+            log.warning("eval group failed", env_id=env_id, example_index=index, error=error)
+        summary = summarize_groups(groups, failed, rollouts_per_group=eval_config.rollouts_per_example)
+        metrics.update(summary.as_metrics(f"eval/{env_id}"))
+    return metrics

@@ -228,6 +228,17 @@ def pack_samples(samples: Sequence[TrainingSample], *, seq_len: int, num_ranks: 
     )
 
 
+def check_loss_tokens_survive(packed: PackedStep, samples: Sequence[TrainingSample], seq_len: int) -> None:
+    """A step whose completions were all cut off by truncation to ``seq_len`` would stop the trainer with "no loss
+    tokens"; say the cause here instead (a configuration error: exit 2, not restarted)."""
+    if packed.num_loss_tokens_global or not any(any(sample.loss_mask) for sample in samples):
+        return
+    longest_prompt = max(next((i for i, in_loss in enumerate(s.loss_mask) if in_loss), s.num_tokens) for s in samples)
+    raise ValueError(f"no sample keeps a completion token within seq_len = {seq_len}: prompts are up to "
+                     f"{longest_prompt} tokens long, so truncation to seq_len leaves nothing to train on; raise "
+                     "seq_len (and the inference max_model_len) above the prompts' length plus max_tokens")
+
+
 def to_broker_batches(step: int, per_rank: Sequence[Sequence[PackedMicroBatch]] | PackedStep, *,
                       num_loss_tokens_global: int | None = None) -> list[tuple[Any, bytes]]:
     """``(header, payload)`` of every micro-batch for ``RolloutProducer.send_batches``, rank by rank."""

@@ -76,7 +76,7 @@ def test_bench_reward_equals_the_environments():
 
 def test_bench_prompt_order_is_the_orchestrators(tmp_path):
     primerl_runs = _load("primerl_runs")
-    from primerl.orchestrator.runner import EnvSampler
+    from primerl.orchestrator.env_sampler import EnvSampler
 
     rows = [{"prompt": [{"role": "user", "content": f"q{i}"}], "answer": f"a{i}"} for i in range(7)]
     (tmp_path / "train_rows.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))

@@ -11,12 +11,8 @@ import pytest
 
 from primerl.cli.run_progress import Progress
 from primerl.cli.status_view import render_status
-from primerl.orchestrator.runner import (
-    env_reward_metrics,
-    fallback_metrics,
-    group_seed,
-    reward_spread_metrics,
-)
+from primerl.orchestrator.seeds import rollout_seed_base
+from primerl.orchestrator.step_metrics import env_reward_metrics, fallback_metrics, reward_spread_metrics
 from primerl.orchestrator.samples import Group, TrainingSample
 from primerl.orchestrator.throughput import ThroughputWindow
 
@@ -181,13 +177,13 @@ def test_reward_spread_stays_within_the_rewards():
 
 def test_group_seeds_give_every_rollout_its_own_seed_and_repeat_for_the_same_run_seed():
     rollouts_per_example = 8
-    seeds = [group_seed(7, group_id, rollouts_per_example) + index
+    seeds = [rollout_seed_base(7, group_id, rollouts_per_example) + index
              for group_id in range(500) for index in range(rollouts_per_example)]
     assert len(set(seeds)) == len(seeds)  # the old seed + group_id gave group g's rollout 1 group g+1's rollout 0
-    assert seeds == [group_seed(7, g, rollouts_per_example) + i for g in range(500) for i in range(8)]
-    assert group_seed(8, 0, rollouts_per_example) != group_seed(7, 0, rollouts_per_example)
+    assert seeds == [rollout_seed_base(7, g, rollouts_per_example) + i for g in range(500) for i in range(8)]
+    assert rollout_seed_base(8, 0, rollouts_per_example) != rollout_seed_base(7, 0, rollouts_per_example)
     assert all(0 <= seed < 2**31 for seed in seeds)
-    assert group_seed(None, 3, rollouts_per_example) is None
+    assert rollout_seed_base(None, 3, rollouts_per_example) is None
 
 
 def test_the_runner_warns_once_per_fallback_reason(tmp_path):
@@ -201,7 +197,7 @@ def test_the_runner_warns_once_per_fallback_reason(tmp_path):
     runner = OrchestratorRunner(config, env_python="python")
     with structlog.testing.capture_logs() as logs:
         for step_fallbacks in ({"prefix_mismatch": 2}, {"prefix_mismatch": 1, "no_prompt_ids": 1}, {}):
-            runner.fallbacks = Counter(step_fallbacks)
+            runner.scheduler.fallbacks = Counter(step_fallbacks)
             runner._log_new_fallbacks()
     warnings = [entry for entry in logs if "fall back to branching" in entry["event"]]
     assert [(w["reason"], w["num_this_step"]) for w in warnings] == [("prefix_mismatch", 2), ("no_prompt_ids", 1)]

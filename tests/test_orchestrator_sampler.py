@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import collections
 
-from primerl.orchestrator.runner import EnvSampler
+from primerl.orchestrator.env_sampler import EnvSampler
 
 
 def test_environments_are_drawn_by_weight_and_every_example_once_per_epoch():

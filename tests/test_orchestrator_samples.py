@@ -103,7 +103,7 @@ def test_sample_checks_its_fields():
 
 def test_fallback_reasons_become_the_runners_metrics():
     """The runner hands its own per-step Counter to the sample conversion; the reasons become metrics."""
-    from primerl.orchestrator.runner import fallback_metrics
+    from primerl.orchestrator.step_metrics import fallback_metrics
 
     fallbacks = Counter()
     trajectory_to_samples(two_turns(extend=False), "interleaved", fallback_counts=fallbacks, reward=1.0)

@@ -16,8 +16,10 @@ import numpy as np
 import torch
 
 from primerl.proto.micro_batch import OPTIONAL_TENSORS, REQUIRED_TENSORS, TENSOR_DTYPES, check_tensor_names
+from primerl.proto.tensor_frames import DTYPES
 
-_TORCH_DTYPES = {np.dtype(np.int64): torch.int64, np.dtype(np.bool_): torch.bool, np.dtype(np.float32): torch.float32}
+_TORCH_DTYPES = {np.dtype(numpy_dtype): getattr(torch, torch_name) for _, numpy_dtype, torch_name in DTYPES.values()
+                 if numpy_dtype is not None}
 
 
 @dataclass

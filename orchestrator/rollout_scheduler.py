@@ -1,0 +1,326 @@
+"""The orchestrator's rollout scheduling, without sockets: which groups are in flight on which env worker and
+inference endpoint, and what their results become.
+
+Each round of the main loop (``OrchestratorRunner``): ``refresh_endpoints`` takes the latest worker list,
+``observe_lineage`` the broker's policy lineage, ``dispatch`` draws groups of ``rollouts_per_example`` rollouts
+(examples by environment weight; groups lost with a dead env worker first) up to ``max_inflight`` rollouts, spread
+over the answering inference workers, but only while the served policy is recent enough for the step
+(``max_async_level``); ``collect`` turns finished groups into samples (``samples.rollout_to_samples``), computes
+their advantages and hands them to the batch assembler; ``cancel_stale`` cancels groups that became too stale.
+
+Faults (issue 14): an env worker that dies is restarted (``EnvWorker.ensure_alive``, at most its
+``max_restarts`` times, log ``restarting env worker`` with its exit code); its in-flight groups are dispatched
+again first (``rollout/rescheduled`` counts their rollouts). Failed rollouts are counted by kind
+(``primerl.orchestrator.rollout_failures``): each kind logged once (``rollout failed``) and reported, counted in
+``rollout/errors`` and ``rollout/errors/<kind>``. A rollout that could not reach its inference worker pauses
+dispatch to that worker (doubling back-off up to ``ENDPOINT_BACKOFF_S``: it may be restarting).
+
+Sampling seeds: with ``[orchestrator.sampling] seed``, group g's rollout i gets
+``seeds.rollout_seed_base(seed, g, n) + i``.
+"""
+
+from __future__ import annotations
+
+import collections
+import concurrent.futures
+import math
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from primerl.orchestrator.advantages import prepare_groups
+from primerl.orchestrator.async_bound import AsyncBound
+from primerl.orchestrator.config import OrchestratorConfig
+from primerl.orchestrator.env_client import EnvRequestError, EnvWorkerDied
+from primerl.orchestrator.filtering import BatchAssembler, DifficultyFilter
+from primerl.orchestrator.lineage import PolicyLineage, cap_versions
+from primerl.orchestrator.rollout_failures import RolloutFailures, kind_name
+from primerl.orchestrator.samples import Group, MalformedTrajectory, rollout_to_samples
+from primerl.orchestrator.seeds import rollout_seed_base
+from primerl.orchestrator.step_metrics import StepTimers
+from primerl.orchestrator.throughput import ThroughputWindow
+from primerl.runtime.log_setup import get_logger
+
+log = get_logger("primerl.orchestrator")
+
+ENDPOINT_BACKOFF_S = (0.5, 5.0)  # first and longest pause of dispatch to an endpoint that did not answer
+
+
+@dataclass
+class InferenceEndpoint:
+    """An inference worker rollouts are sent to (from the broker's worker list), and its dispatch state."""
+
+    worker_id: str
+    base_url: str
+    policy_version: int
+    num_inflight: int = 0
+    # While it does not answer (connection refused/reset: restarting?): no dispatch before retry_at_s.
+    retry_at_s: float = 0.0
+    backoff_s: float = 0.0
+
+    def unreachable(self, now_s: float) -> None:
+        """A rollout on it failed because it could not be reached: pause dispatch to it (doubling, capped)."""
+        if now_s >= self.retry_at_s:  # one back-off step per probe, not per failure of a burst
+            self.backoff_s = min(max(ENDPOINT_BACKOFF_S[0], 2 * self.backoff_s), ENDPOINT_BACKOFF_S[1])
+            self.retry_at_s = now_s + self.backoff_s
+
+    def answered(self) -> None:
+        self.retry_at_s = self.backoff_s = 0.0
+
+
+@dataclass
+class InflightGroup:
+    """A rollout group dispatched to an env worker, not yet collected."""
+
+    env_id: str
+    example_index: int
+    endpoint: InferenceEndpoint
+    dispatched_version: int
+    started_s: float = field(default_factory=time.monotonic)
+    lineage_epoch: int = 0  # ``PolicyLineage.epoch`` at dispatch: rollbacks after it cap the samples' versions
+
+
+class RolloutScheduler:
+    """Rollout groups in flight and what becomes of them (module docstring). The runner adds the env workers
+    (``workers``), the sampler and the failure counter once they exist; ``on_inflight(num_rollouts)`` and
+    ``on_error()`` tell it when the rollouts in flight change and when one fails."""
+
+    def __init__(self, config: OrchestratorConfig, *, stop_event: threading.Event):
+        self.config = config
+        self.stop_event = stop_event
+        self.bound = AsyncBound(config.max_async_level)
+        self.lineage = PolicyLineage()
+        self.assembler = BatchAssembler(config.batch_size, difficulty_filter=DifficultyFilter.from_config(config.buffer))
+        self.workers: dict[str, Any] = {}  # env id -> EnvWorker
+        self.sampler: Any = None  # EnvSampler
+        self.failures: RolloutFailures | None = None
+        self.on_inflight: Callable[[int], None] | None = None
+        self.on_error: Callable[[], None] | None = None
+        self.inflight: dict[concurrent.futures.Future, InflightGroup] = {}
+        self.endpoints: dict[str, InferenceEndpoint] = {}
+        self.next_group_id = 0
+        self.waiting_for_version = False
+        self._endpoints_generation = -1
+        self._rescheduled: collections.deque[tuple[str, int]] = collections.deque()  # (env_id, example)
+        # rollout/tokens_per_s: generated tokens over a trailing window of wall time (never per step: a step's
+        # batch may be all surplus, its interval near zero); it always covers at least one batch's groups
+        self.throughput = ThroughputWindow(min_groups=max(1, config.batch_size // config.rollouts_per_example))
+        self.new_step()
+
+    def new_step(self) -> None:
+        """Start the counts of a new step: ``counters``, ``fallbacks`` (interleaved -> branching, by reason) and
+        ``timers``."""
+        self.counters: collections.Counter = collections.Counter()
+        self.fallbacks: collections.Counter = collections.Counter()
+        self.timers = StepTimers()
+
+    def refresh_endpoints(self, watcher: Any) -> None:
+        """Take the endpoint watcher's latest worker list (no IO here; its thread reads the broker)."""
+        watcher.check()  # BrokerOutageExceeded (or another error of the list call) stops the run here
+        watcher.set_fast(self.waiting_for_version)
+        generation, workers = watcher.snapshot()
+        if generation == self._endpoints_generation:
+            return
+        self._endpoints_generation = generation
+        alive = {}
+        for worker_id, (base_url, version) in workers.items():
+            endpoint = self.endpoints.get(worker_id) or InferenceEndpoint(worker_id, base_url, version)
+            endpoint.policy_version = version
+            alive[worker_id] = endpoint
+        if not alive and self.endpoints:
+            log.warning("no inference worker is alive; waiting for one")
+        self.endpoints = alive
+
+    def dispatch(self, step: int) -> None:
+        config = self.config
+        if not self.endpoints:
+            return
+        served_version = min(e.policy_version for e in self.endpoints.values())
+        self.waiting_for_version = not self.bound.may_dispatch(step, served_version)
+        if self.waiting_for_version:
+            self.counters["dispatch_waits"] += 1
+            return
+        now_s = time.monotonic()
+        answering = [e for e in self.endpoints.values() if e.retry_at_s <= now_s]  # not backing off
+        if not answering:
+            return
+        max_inflight = config.max_inflight or 2 * config.batch_size
+        groups_wanted = math.ceil(max_inflight / config.rollouts_per_example)
+        # Groups are drawn one by one (the same draws, seeds and group ids as one at a time), then handed to
+        # each env worker in one write per (env, endpoint, seed).
+        batches: dict[tuple[str, str, int | None], list[int]] = collections.defaultdict(list)
+        entries: dict[tuple[str, str, int | None], list[InflightGroup]] = collections.defaultdict(list)
+        for _ in range(groups_wanted - len(self.inflight)):
+            endpoint = min(answering, key=lambda e: e.num_inflight)
+            # groups lost with a dead env worker go first (their draws were made already)
+            env_id, example_index = self._rescheduled.popleft() if self._rescheduled else self.sampler.next()
+            seed = rollout_seed_base(config.sampling.seed, self.next_group_id, config.rollouts_per_example)
+            key = (env_id, endpoint.worker_id, seed)
+            batches[key].append(example_index)
+            entries[key].append(InflightGroup(env_id, example_index, endpoint, served_version,
+                                          lineage_epoch=self.lineage.epoch))
+            endpoint.num_inflight += config.rollouts_per_example
+            self.next_group_id += 1
+        for key, example_indices in batches.items():
+            env_id, _, seed = key
+            endpoint = entries[key][0].endpoint
+            self.ensure_worker(env_id)
+            try:
+                futures = self.workers[env_id].submit_rollouts(
+                    example_indices, num_rollouts=config.rollouts_per_example, base_url=endpoint.base_url,
+                    model=config.model.name, api_key=config.broker.run_token or "EMPTY",
+                    sampling=config.sampling.model_dump() | {"seed": seed},
+                )
+            except EnvWorkerDied as exc:  # it died since the check above: the next dispatch restarts it
+                for entry in entries[key]:
+                    entry.endpoint.num_inflight -= config.rollouts_per_example
+                    self._reschedule(entry, exc, restart=False)
+                continue
+            for future, entry in zip(futures, entries[key]):
+                self.inflight[future] = entry
+        self._inflight_changed()
+
+    def _inflight_changed(self) -> None:
+        if self.on_inflight is not None:
+            self.on_inflight(len(self.inflight) * self.config.rollouts_per_example)
+
+    def _count_error(self, kind: str, failure_kind: str, error: str, endpoint: InferenceEndpoint,
+                     num_rollouts: int = 1) -> None:
+        """A failed rollout (``rollout_errors``) or rollout group (``env_errors``): both add to rollout/errors;
+        ``failure_kind`` (the error's class) is counted apart and reported (``RolloutFailures``). A failure that
+        says the inference worker could not be reached pauses dispatch to it (it may be restarting)."""
+        self.counters[kind] += 1
+        self.counters[f"errors/{kind_name(failure_kind)}"] += num_rollouts
+        if self.on_error is not None:
+            self.on_error()
+        assert self.failures is not None
+        if self.failures.failed(failure_kind, error, num_rollouts):
+            endpoint.unreachable(time.monotonic())
+
+    def ensure_worker(self, env_id: str) -> None:
+        """Restart a dead env worker (``EnvWorkerDied`` once its restarts are used up)."""
+        worker = self.workers[env_id]
+        while not worker.is_alive():
+            try:
+                worker.ensure_alive()
+            except EnvWorkerDied:  # the new process died at start: try again while restarts are left
+                if worker.num_restarts >= worker.max_restarts:
+                    raise
+
+    def _reschedule(self, entry: InflightGroup, exc: BaseException, *, restart: bool = True) -> None:
+        """A group lost with its env worker: restart the worker, dispatch the same example again."""
+        if restart:
+            self.ensure_worker(entry.env_id)
+        self._rescheduled.append((entry.env_id, entry.example_index))
+        self.counters["rescheduled"] += self.config.rollouts_per_example
+        log.info("rollout group rescheduled", env_id=entry.env_id, example_index=entry.example_index,
+                 reason=str(exc).split("\n", 1)[0][:200])
+
+    def collect(self, timeout_s: float) -> None:
+        if not self.inflight:
+            with self.timers.timed("collect_wait_s"):
+                self.stop_event.wait(timeout_s)
+            return
+        with self.timers.timed("collect_wait_s"):
+            done, _ = concurrent.futures.wait(list(self.inflight), timeout=timeout_s,
+                                              return_when=concurrent.futures.FIRST_COMPLETED)
+        for future in done:
+            entry = self.inflight.pop(future)
+            entry.endpoint.num_inflight -= self.config.rollouts_per_example
+            try:
+                rollout_group = future.result()
+            except EnvWorkerDied as exc:  # the worker is restarted and the group dispatched again
+                self._reschedule(entry, exc)
+                continue
+            except Exception as exc:  # an env worker failure: counted, reported, the group is dropped
+                failure_kind = exc.error_type if isinstance(exc, EnvRequestError) else type(exc).__name__
+                self._count_error("env_errors", failure_kind, f"{entry.env_id}: {exc}", entry.endpoint,
+                                  self.config.rollouts_per_example)
+                continue
+            self.timers.add_group(rollout_group)
+            tokens_before = self.counters["completion_tokens"]
+            with self.timers.timed("to_samples_s"):
+                group = self._to_group(rollout_group, entry)
+            self.throughput.add(entry.started_s, time.monotonic(), self.counters["completion_tokens"] - tokens_before)
+            if group is None:
+                continue
+            with self.timers.timed("advantages_s"):
+                prepare_groups([group], self.config)
+            self.assembler.add([group])
+            self.counters["generation_s"] += time.monotonic() - entry.started_s
+            self.counters["groups_done"] += 1
+        if done:
+            self._inflight_changed()
+
+    def _to_group(self, rollout_group: Any, entry: InflightGroup) -> Group | None:
+        config = self.config
+        group_id = f"{entry.env_id}:{entry.example_index}:{self.next_group_id}"
+        samples = []
+        for rollout in rollout_group.rollouts:
+            if not rollout.ok or rollout.reward is None:
+                self._count_error("rollout_errors", rollout.error_type or "RolloutError",
+                                  f"{entry.env_id}: {rollout.error}", entry.endpoint)
+                continue
+            entry.endpoint.answered()
+            try:
+                samples += rollout_to_samples(
+                    rollout, config.trajectory_strategy, temperature=config.sampling.temperature,
+                    default_policy_version=entry.dispatched_version, fallback_counts=self.fallbacks,
+                    group_id=group_id, example_id=entry.example_index, env_id=entry.env_id,
+                )
+            except MalformedTrajectory as exc:
+                self.counters[f"malformed_{exc.reason}"] += 1
+                self._count_error("rollout_errors", f"malformed_{exc.reason}", f"{entry.env_id}: {exc}",
+                                  entry.endpoint)
+            else:
+                assert self.failures is not None
+                self.failures.succeeded()
+            self.counters["rollouts"] += 1
+            self.counters["completion_tokens"] += rollout.num_completion_tokens
+            self.counters["truncated"] += int(rollout.is_truncated)
+        if not samples:
+            return None
+        ceiling = self.lineage.ceiling_since(entry.lineage_epoch)
+        if ceiling is not None:  # made by weights a rollback since its dispatch removed
+            cap_versions(samples, ceiling)
+        return Group(group_id=group_id, example_id=entry.example_index, env_id=entry.env_id, samples=samples)
+
+    def observe_lineage(self, heartbeat: Any) -> None:
+        """A rollback (a newer policy lineage in the broker's heartbeat answer): samples made with the rolled-back
+        weights count as the lineage's base version from now on (``primerl.orchestrator.lineage``)."""
+        if heartbeat is None:
+            return
+        base = self.lineage.observe(heartbeat.policy_lineage, heartbeat.lineage_base_version)
+        if base is None:
+            return
+        num_waiting = cap_versions((s for group in self.assembler.pending_groups() for s in group.samples), base)
+        num_inflight = 0
+        for entry in self.inflight.values():
+            if entry.dispatched_version > base:
+                entry.dispatched_version = base
+                num_inflight += 1
+        log.warning("policy rolled back: samples made with the rolled-back weights count as the base version",
+                    lineage=heartbeat.policy_lineage, base_version=base, waiting_samples_capped=num_waiting,
+                    inflight_groups_capped=num_inflight)
+
+    def cancel_stale(self, step: int) -> None:
+        stale = self.bound.stale_groups({f: e.dispatched_version for f, e in self.inflight.items()}, step)
+        for future in stale:
+            entry = self.inflight.pop(future)
+            entry.endpoint.num_inflight -= self.config.rollouts_per_example
+            self.workers[entry.env_id].cancel(future)
+            self.counters["stale_groups_cancelled"] += 1
+        if stale:
+            self._inflight_changed()
+
+
+    def cancel_all(self) -> None:
+        """Cancel every group in flight (on stop)."""
+        for future, entry in list(self.inflight.items()):
+            self.workers[entry.env_id].cancel(future)
+        self.inflight.clear()
+
+
+__all__ = ["ENDPOINT_BACKOFF_S", "InferenceEndpoint", "InflightGroup", "RolloutScheduler"]

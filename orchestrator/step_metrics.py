@@ -1,0 +1,138 @@
+"""The orchestrator's metrics of a step: its per-phase timers and the metrics of the batch it sends.
+
+Per-phase timers (issue 12, ``StepTimers``), in every training row: ``perf/step_s`` (= ``rollout/generation_time``),
+``perf/dispatch_s``, ``perf/collect_wait_s`` (the main loop idle, waiting for rollouts), ``perf/to_samples_s``,
+``perf/advantages_s``, ``perf/packing_s`` (sums over the step); ``perf/send_wait_s`` (the main loop blocked on
+the send queue) and ``perf/send_s`` (the latest completed send); per rollout group, means over the groups that
+finished during the step: ``perf/env_roundtrip_s`` (submit to answer), ``perf/inference_wait_s`` (the group's
+model calls, as the env worker timed them), ``perf/env_score_s``, ``perf/env_encode_s`` and
+``perf/env_overhead_s`` (round trip minus the worker's own time: the pipe, JSON, queueing).
+
+Metrics of the batch (issue 15, ``batch_metrics``): ``train/reward``, ``rollout/reward_std`` and where the rollout
+rewards lie (``rollout/reward_min``, ``_max``, ``_p10``, ``_p90``); ``rollout/tokens_per_s`` is generation
+throughput, the completion tokens of the groups that finished over a trailing window of wall time
+(``primerl.orchestrator.throughput``), not a per-step figure; ``rollout/completion_tokens`` counts those
+collected during the step. ``rollout/interleave_fallbacks`` (and ``/<reason>``; ``_total`` over the run):
+trajectories of the step that could not be interleaved and were trained as branching samples (a warning the first
+time per reason). With several environments: ``env/<id>/reward``, ``env/<id>/num_rollouts``, ``_num_samples``.
+Failed rollouts: ``rollout/errors`` and ``rollout/errors/<kind>``; ``rollout/rescheduled``,
+``rollout/stale_groups_cancelled``.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import math
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+
+_GROUP_TIMINGS = (("generate_s", "inference_wait_s"), ("score_s", "env_score_s"), ("encode_s", "env_encode_s"))
+_STEP_PHASES = ("dispatch_s", "collect_wait_s", "to_samples_s", "advantages_s", "packing_s", "send_wait_s", "send_s")
+_GROUP_MEANS = ("env_roundtrip_s", "inference_wait_s", "env_score_s", "env_encode_s", "env_overhead_s")
+
+
+class StepTimers:
+    """Seconds spent per phase of one step, and the env-worker timings of the groups that finished in it."""
+
+    def __init__(self) -> None:
+        self.totals: collections.Counter = collections.Counter()
+
+    @contextlib.contextmanager
+    def timed(self, name: str) -> Iterator[None]:
+        started = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.totals[name] += time.perf_counter() - started
+
+    def add_group(self, rollout_group: Any) -> None:
+        """A finished group's env-worker timings and round trip (means are taken in ``metrics``)."""
+        timings = getattr(rollout_group, "timings", None) or {}
+        roundtrip_s = getattr(rollout_group, "roundtrip_s", None)
+        self.totals["groups_timed"] += 1
+        for wire_name, name in _GROUP_TIMINGS:
+            self.totals[f"group_{name}"] += float(timings.get(wire_name, 0.0))
+        if roundtrip_s is not None:
+            self.totals["group_env_roundtrip_s"] += roundtrip_s
+            if "total_s" in timings:
+                self.totals["group_env_overhead_s"] += max(0.0, roundtrip_s - float(timings["total_s"]))
+
+    def metrics(self, elapsed_s: float) -> dict[str, float]:
+        groups = max(1, self.totals["groups_timed"])
+        metrics = {f"perf/{name}": float(self.totals[name]) for name in _STEP_PHASES}
+        for name in _GROUP_MEANS:
+            metrics[f"perf/{name}"] = float(self.totals[f"group_{name}"]) / groups
+        metrics["perf/step_s"] = elapsed_s
+        return metrics
+
+
+def batch_metrics(batch: Any, counters: collections.Counter, fallbacks: collections.Counter, *, elapsed_s: float,
+                  tokens_per_s: float, multi_env: bool) -> dict[str, float]:
+    """The metrics of a step's batch (``filtering.Batch``) and of the rollouts collected during the step
+    (``counters``, ``fallbacks``); only finite numbers."""
+    rewards = [reward for g in batch.groups for reward in g.rollout_rewards()]
+    rollouts = [samples for g in batch.groups for samples in g.rollouts().values()]
+    lengths = [sum(s.num_completion_tokens or 0 for s in samples) for samples in rollouts]
+    metrics = {
+        "train/reward": float(np.mean(rewards)),
+        "rollout/reward_std": float(np.std(rewards)),
+        "rollout/mean_length": float(np.mean(lengths)),
+        "rollout/truncation_rate": float(np.mean([any(s.truncated for s in samples) for samples in rollouts])),
+        "rollout/generation_time": elapsed_s,
+        "rollout/tokens_per_s": tokens_per_s,
+        "rollout/completion_tokens": float(counters["completion_tokens"]),  # of rollouts collected this step
+        **reward_spread_metrics(rewards),
+        **fallback_metrics(fallbacks),
+        **(env_reward_metrics(batch.groups) if multi_env else {}),
+        "rollout/errors": float(counters["rollout_errors"] + counters["env_errors"]),
+        **{f"rollout/{name}": float(count) for name, count in counters.items() if name.startswith("errors/")},
+        "rollout/rescheduled": float(counters["rescheduled"]),
+        "rollout/stale_groups_cancelled": float(counters["stale_groups_cancelled"]),
+        **batch.metrics,
+    }
+    return finite(metrics)
+
+
+def finite(metrics: dict[str, Any]) -> dict[str, float]:
+    """The entries that are finite numbers, as floats."""
+    return {k: float(v) for k, v in metrics.items() if isinstance(v, (int, float)) and math.isfinite(v)}
+
+
+def reward_spread_metrics(rewards: list[float]) -> dict[str, float]:
+    """Where the batch's rollout rewards lie: min, max and the 10th/90th percentiles (the plot's band)."""
+    if not rewards:
+        return {}
+    p10, p90 = np.percentile(rewards, [10, 90])
+    return {"rollout/reward_min": float(min(rewards)), "rollout/reward_max": float(max(rewards)),
+            "rollout/reward_p10": float(p10), "rollout/reward_p90": float(p90)}
+
+
+def fallback_metrics(fallbacks: collections.Counter) -> dict[str, float]:
+    """``rollout/interleave_fallbacks`` (trajectories of this step's rollouts that could not be interleaved and
+    were trained as branching samples) and one ``rollout/interleave_fallbacks/<reason>`` per reason seen."""
+    return {"rollout/interleave_fallbacks": float(sum(fallbacks.values())),
+            **{f"rollout/interleave_fallbacks/{reason}": float(count) for reason, count in sorted(fallbacks.items())}}
+
+
+def env_reward_metrics(groups: list) -> dict[str, float]:
+    """Per environment of a batch: ``env/<id>/reward`` (mean rollout reward), ``env/<id>/num_rollouts`` and
+    ``env/<id>/num_samples``."""
+    rewards: dict[str, list[float]] = collections.defaultdict(list)
+    num_samples: collections.Counter = collections.Counter()
+    for group in groups:
+        rewards[group.env_id].extend(group.rollout_rewards().tolist())
+        num_samples[group.env_id] += len(group.samples)
+    metrics = {}
+    for env_id in sorted(rewards):
+        if rewards[env_id]:
+            metrics[f"env/{env_id}/reward"] = float(np.mean(rewards[env_id]))
+        metrics[f"env/{env_id}/num_rollouts"] = float(len(rewards[env_id]))
+        metrics[f"env/{env_id}/num_samples"] = float(num_samples[env_id])
+    return metrics
+
+
+__all__ = ["StepTimers", "batch_metrics", "env_reward_metrics", "fallback_metrics", "finite", "reward_spread_metrics"]

@@ -182,12 +182,11 @@ def test_tmux_panes_are_titled_with_their_roles(tmp_path):
 
 # ------------------------------------------------------------------------------------ slow: real runs
 @pytest.fixture(scope="module")
-def tiny_model(tmp_path_factory):
+def tiny_model(tiny_model):
+    """conftest's tiny model, where the env workers' interpreter is set up."""
     if not Path(ENV_PYTHON).exists():
         pytest.skip(f"no env-worker interpreter at {ENV_PYTHON}: run `make setup` (it builds .venv-envs)")
-    from primerl.trainer.tiny_model import build_tiny_model
-
-    return build_tiny_model(tmp_path_factory.mktemp("model") / "tiny")
+    return tiny_model
 
 
 def _env(token: str | None = None) -> dict[str, str]:

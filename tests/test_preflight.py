@@ -19,6 +19,7 @@ from primerl.cli.preflight_envs import EnvUse, check_environments, length_findin
 from primerl.cli.preflight_model import looks_like_hub_id, model_checks, name_problem
 from primerl.cli.preflight_system import PortUse, port_check, port_problem, wandb_check
 from primerl.runtime.config_common import WandbConfig
+from support.probes import free_port
 
 BIN = Path(sys.executable).parent
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -26,19 +27,6 @@ EXAMPLE = REPO_ROOT / "examples" / "reverse_text_rl.toml"
 FIXTURES = REPO_ROOT / "tests" / "env_fixtures"
 ENV_PYTHON = os.environ.get("PRIMERL_ENV_PYTHON", str(REPO_ROOT / ".venv-envs" / "bin" / "python"))
 CLI_TIMEOUT_S = 240  # the preflight takes seconds; a run that got past it would start vLLM and be stopped here
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-@pytest.fixture(scope="module")
-def tiny_model(tmp_path_factory) -> Path:
-    from primerl.trainer.tiny_model import build_tiny_model
-
-    return build_tiny_model(tmp_path_factory.mktemp("model") / "tiny")
 
 
 @pytest.fixture(scope="module")

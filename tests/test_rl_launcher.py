@@ -8,7 +8,6 @@ import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -20,6 +19,7 @@ from primerl.cli.launcher import LaunchOptions, Launcher
 from primerl.cli.role_configs import without_token
 from primerl.cli.run_progress import Progress
 from primerl.runtime.config_base import ConfigWarning
+from support.probes import free_port
 from support.proc_tree import descendants, running
 
 BIN = Path(sys.executable).parent
@@ -31,12 +31,6 @@ RUN_TIMEOUT_S = 600
 CRASH_TIMEOUT_S = 300
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def group_gone(pgid: int) -> bool:
     try:
         os.killpg(pgid, 0)
@@ -46,12 +40,11 @@ def group_gone(pgid: int) -> bool:
 
 
 @pytest.fixture(scope="module")
-def tiny_model(tmp_path_factory):
+def tiny_model(tiny_model):
+    """conftest's tiny model, where the env workers' interpreter is set up."""
     if not Path(ENV_PYTHON).exists():
         pytest.skip(f"no env-worker interpreter at {ENV_PYTHON}: run `make setup` (it builds .venv-envs)")
-    from primerl.trainer.tiny_model import build_tiny_model
-
-    return build_tiny_model(tmp_path_factory.mktemp("model") / "tiny")
+    return tiny_model
 
 
 def primerl_rl(model: Path, run_dir: Path, *extra: str, timeout_s: float) -> tuple[subprocess.CompletedProcess, float]:

@@ -29,17 +29,15 @@ from primerl.trainer.checkpoint import (
     steps_to_prune,
 )
 from primerl.trainer.committed_dir import STABLE_FILE
-from primerl.trainer.tiny_model import TinyModelSpec, build_tiny_model
 from primerl.trainer.weights_export import export_hf_weights
 
-SMALL = TinyModelSpec(hidden_size=64, num_layers=1, num_attention_heads=2, num_key_value_heads=1)
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 TOKEN_POOL = torch.randint(0, 1024, (8, 12), generator=torch.Generator().manual_seed(0))
 
 
-@pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return build_tiny_model(tmp_path_factory.mktemp("tiny") / "model", SMALL)
+@pytest.fixture
+def tiny_dir(small_tiny_model: Path) -> Path:
+    return small_tiny_model
 
 
 def seed_all(seed: int) -> None:

@@ -14,15 +14,13 @@ from pathlib import Path
 import pytest
 
 from primerl.trainer.sft_data import as_training_samples, pack_for_ranks, read_chat_samples, tokenize_conversation
-from primerl.trainer.tiny_model import TinyModelSpec, build_tiny_model
 
 BIN = Path(sys.executable).parent
 
 
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    return build_tiny_model(tmp_path_factory.mktemp("tiny") / "model",
-                            TinyModelSpec(hidden_size=64, num_layers=1, num_attention_heads=2, num_key_value_heads=1))
+@pytest.fixture
+def model_dir(small_tiny_model):
+    return small_tiny_model
 
 
 def reverse_dataset(path: Path, count: int = 64, seed: int = 0) -> Path:

@@ -26,9 +26,9 @@ def file_hashes(model_dir: Path) -> dict[str, str]:
     return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(model_dir.iterdir())}
 
 
-@pytest.fixture(scope="module")
-def default_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return build_tiny_model(tmp_path_factory.mktemp("tiny") / "model", TinyModelSpec())
+@pytest.fixture
+def default_model(tiny_model: Path) -> Path:
+    return tiny_model  # the session's build of the default spec (conftest)
 
 
 def test_same_seed_gives_identical_files_and_other_seed_other_weights(tmp_path: Path) -> None:

@@ -11,12 +11,11 @@ import torch
 from primerl.trainer.config import ActivationCheckpointConfig, LoRAConfig, ModelConfig, OptimizerConfig, SchedulerConfig
 from primerl.trainer.model import enable_activation_checkpointing, load_model, trainable_parameters
 from primerl.trainer.optim import build_optimizer, build_scheduler, clip_grad_norm
-from primerl.trainer.tiny_model import TinyModelSpec, build_tiny_model
 
 
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return build_tiny_model(tmp_path_factory.mktemp("tiny") / "model", TinyModelSpec(seed=0))
+@pytest.fixture
+def model_dir(tiny_model: Path) -> Path:
+    return tiny_model
 
 
 def lm_loss(model: torch.nn.Module, seed: int = 0) -> torch.Tensor:

@@ -14,24 +14,17 @@ from pathlib import Path
 import httpx
 import pydantic
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
 from primerl.runtime.config_common import PrometheusConfig, WandbConfig
 from primerl.runtime.metrics_sink import MetricsSink, config_for_wandb
 from primerl.runtime.prometheus import MetricsExporter, start_exporter
+from support.probes import scrape_metrics as scrape
 
 BIN = Path(sys.executable).parent
 
 
 def read_rows(output_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (output_dir / "metrics.jsonl").read_text().splitlines()]
-
-
-def scrape(url: str) -> dict[tuple[str, tuple], float]:
-    """``{(sample name, sorted labels): value}`` of one scrape."""
-    text = httpx.get(url, timeout=10).text
-    return {(sample.name, tuple(sorted(sample.labels.items()))): sample.value
-            for family in text_string_to_metric_families(text) for sample in family.samples}
 
 
 # ------------------------------------------------------------------------------------------------ jsonl

@@ -8,16 +8,13 @@ import torch
 
 from primerl.trainer.batch import MicroBatch, packed_token_logprobs, sample_spans
 from primerl.trainer.losses import token_logprobs
-from primerl.trainer.tiny_model import TinyModelSpec, build_tiny_model
 
 
 @pytest.fixture(scope="module")
-def model(tmp_path_factory):
+def model(small_tiny_model):
     from transformers import AutoModelForCausalLM
 
-    directory = build_tiny_model(tmp_path_factory.mktemp("tiny") / "model", TinyModelSpec(hidden_size=64, num_layers=1,
-                                                                                        num_attention_heads=2, num_key_value_heads=1))
-    return AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
+    return AutoModelForCausalLM.from_pretrained(small_tiny_model, dtype=torch.float32).eval()
 
 
 def packed(lengths, seed=0):

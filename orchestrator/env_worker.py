@@ -80,6 +80,9 @@ log = logging.getLogger("primerl.env_worker")
 
 
 class Worker:
+    """Serves one environment: each request line (``submit``) is handled by its ``op_<op>`` method, the quick ones
+    at once, the others as tasks on the event loop; every answer goes out through ``write_line``."""
+
     def __init__(self, write_line: Any) -> None:
         self.write_line = write_line
         self.vf: Any = None

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import ast
 import json
+import shutil
+import subprocess
 import sys
 from pathlib import Path
 
@@ -27,6 +29,23 @@ def test_the_env_protocol_is_stdlib_only_and_the_env_side_imports_only_it_of_pri
         primerl_imports = {name for name in _imports(ROOT / "orchestrator" / module) if name.startswith("primerl")}
         assert primerl_imports <= {"primerl.proto.env_protocol", "primerl.orchestrator.env_rollouts"}, module
 
+
+
+def test_the_env_worker_runs_without_primerl_in_the_wheel_layout(tmp_path):
+    """An installed wheel has primerl/orchestrator/ and primerl/proto/ side by side: the env worker finds its two
+    primerl modules there, with no primerl importable (``-S``: no site-packages) and nothing on sys.path."""
+    package = tmp_path / "site-packages" / "primerl"
+    for folder, name in (("orchestrator", "env_worker.py"), ("orchestrator", "env_rollouts.py"),
+                         ("proto", "env_protocol.py")):
+        (package / folder).mkdir(parents=True, exist_ok=True)
+        shutil.copy(ROOT / folder / name, package / folder / name)
+    requests = env_protocol.request_line(1, env_protocol.OP_PING) + env_protocol.request_line(2, "fly")
+    done = subprocess.run([sys.executable, "-S", str(package / "orchestrator" / "env_worker.py")], input=requests,
+                          capture_output=True, text=True, timeout=60, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    pong, refusal = (json.loads(line) for line in done.stdout.splitlines())
+    assert pong["result"]["protocol_version"] == env_protocol.PROTOCOL_VERSION
+    assert refusal["error"]["type"] == env_protocol.ERROR_BAD_REQUEST
 
 def test_the_orchestrators_sampling_params_are_the_protocols_sampling_keys():
     assert tuple(SamplingParams().to_wire()) == env_protocol.SAMPLING_KEYS

@@ -132,19 +132,12 @@ def test_env_defaults_never_override_and_work_dir_is_checked(monkeypatch: pytest
 
 
 @pytest.fixture(scope="module")
-def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from primerl.trainer.tiny_model import TinyModelSpec, build_tiny_model
-
-    return build_tiny_model(tmp_path_factory.mktemp("vllm") / "tiny-model", TinyModelSpec(seed=0))
-
-
-@pytest.fixture(scope="module")
-def engine(tiny_model_dir: Path) -> Iterator[Any]:
+def engine(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
     from primerl.inference.engine import create_llm, shutdown_llm
 
     saved_env, saved_tempdir = dict(os.environ), tempfile.tempdir
-    work_dir = tiny_model_dir.parent / "work"
-    llm = create_llm(EngineOptions(model=tiny_model_dir, in_process=True, work_dir=work_dir, seed=0))
+    work_dir = tmp_path_factory.mktemp("vllm-work")
+    llm = create_llm(EngineOptions(model=tiny_model, in_process=True, work_dir=work_dir, seed=0))
     try:
         yield llm
     finally:
@@ -156,10 +149,10 @@ def engine(tiny_model_dir: Path) -> Iterator[Any]:
 
 
 @pytest.fixture(scope="module")
-def reference_model(tiny_model_dir: Path) -> Any:
+def reference_model(tiny_model: Path) -> Any:
     from primerl.inference.logprob_check import load_reference_model
 
-    return load_reference_model(tiny_model_dir)
+    return load_reference_model(tiny_model)
 
 
 @pytest.mark.slow
@@ -180,7 +173,7 @@ def test_platform_detection_agrees_with_vllm(engine: Any) -> None:
 
 @pytest.mark.slow
 @pytest.mark.vllm
-def test_generates_with_logprobs_reproducibly(engine: Any, tiny_model_dir: Path) -> None:
+def test_generates_with_logprobs_reproducibly(engine: Any, tiny_model: Path) -> None:
     from primerl.inference.logprob_check import generate_with_logprobs
 
     result = generate_with_logprobs(engine, PROMPTS, max_tokens=16, seed=7, ignore_eos=True)
@@ -249,17 +242,17 @@ def test_chat_prompt_uses_the_chat_template(engine: Any, reference_model: Any) -
 
 @pytest.mark.slow
 @pytest.mark.vllm
-def test_generate_cli_checks_logprobs(engine: Any, tiny_model_dir: Path, capsys: pytest.CaptureFixture) -> None:
+def test_generate_cli_checks_logprobs(engine: Any, tiny_model: Path, capsys: pytest.CaptureFixture) -> None:
     from primerl.cli import generate
 
-    code = generate.main([str(tiny_model_dir), "--check-logprobs", "--num-prompts", "6", "--max-tokens", "12",
+    code = generate.main([str(tiny_model), "--check-logprobs", "--num-prompts", "6", "--max-tokens", "12",
                           "--chat", "--prompt", "Reverse the string: a b", "--prompt", "hi"], llm=engine)
     out = capsys.readouterr().out
     assert code == 0, out
     assert "tokens/s" in out and ": OK" in out
     assert out.count("completion:") == 6
 
-    assert generate.main([str(tiny_model_dir / "missing")], llm=engine) == 2
+    assert generate.main([str(tiny_model / "missing")], llm=engine) == 2
     assert "not a model directory" in capsys.readouterr().err
 
 

@@ -55,6 +55,7 @@ from primerl.broker.rollout_results import (
 from primerl.broker.spool import RolloutSpool, SpoolCorruption
 from primerl.broker.spool_format import PREFIX_BYTES
 from primerl.proto.batch_ids import default_batch_id
+from primerl.proto.micro_batch import tensor_spec_problem
 from primerl.proto.v1 import common_pb2, data_pb2
 from primerl.runtime.log_setup import get_logger
 
@@ -186,7 +187,7 @@ class RolloutQueue:
 
     def _decide_locked(self, header: data_pb2.RolloutBatchHeader, payload: Any, header_bytes: bytes, group_ids: set[str],
                        num_ahead: int, bytes_ahead: int) -> OfferResult:
-        problem = _check_header(header)
+        problem = _check_header(header) or tensor_spec_problem(header.tensors)
         if problem:
             return Refused(common_pb2.ERROR_CODE_MALFORMED_HEADER, problem, header.batch_id, header.step)
         batch_id, step, rank, index = header.batch_id, header.step, header.rank, header.micro_batch_index

@@ -20,10 +20,12 @@ The first token of a sample is never a loss token: nothing precedes it to predic
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 import numpy as np
+
+from primerl.proto.tensor_frames import DTYPES
 
 TENSOR_DTYPES: dict[str, np.dtype] = {
     "input_ids": np.dtype(np.int64),
@@ -51,4 +53,21 @@ def check_tensor_names(tensors: Mapping[str, Any]) -> None:
         raise ValueError(f"micro-batch has unknown tensors {unknown}")
 
 
-__all__ = ["OPTIONAL_TENSORS", "REQUIRED_TENSORS", "TENSOR_DTYPES", "check_tensor_names"]
+
+def tensor_spec_problem(specs: Iterable[Any]) -> str:
+    """What is wrong with a micro-batch's ``TensorSpec`` list against the schema ("" when nothing): a tensor the
+    schema does not name, one of another dtype, or one that is not 1-D. (The broker checks this at intake; a
+    missing tensor is the trainer's to refuse: producers of test traffic send a few tensors only.)"""
+    for spec in specs:
+        expected = TENSOR_DTYPES.get(spec.name)
+        if expected is None:
+            return f"tensor {spec.name!r} is not a micro-batch tensor; they are {list(TENSOR_DTYPES)}"
+        entry = DTYPES.get(spec.dtype)
+        if entry is None or entry[1] is None or np.dtype(entry[1]) != expected:
+            return f"tensor {spec.name!r} has dtype {spec.dtype}; a micro-batch carries it as {expected}"
+        if len(spec.shape) != 1:
+            return f"tensor {spec.name!r} has shape {list(spec.shape)}; micro-batch tensors are 1-D"
+    return ""
+
+
+__all__ = ["OPTIONAL_TENSORS", "REQUIRED_TENSORS", "TENSOR_DTYPES", "check_tensor_names", "tensor_spec_problem"]

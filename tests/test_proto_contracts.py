@@ -68,3 +68,31 @@ def test_ready_file_round_trip(tmp_path):
     ready = read_ready_file(path)
     assert ready == {"grpc_port": 1234, "run_id": "r", "role": "broker", "pid": ready["pid"]} and ready["pid"] > 0
     assert [p.name for p in path.parent.iterdir()] == [path.name]  # no temporary file left behind
+
+
+def test_the_broker_refuses_micro_batches_outside_the_schema(tmp_path):
+    """At intake (``RolloutQueue``): a tensor the schema does not name, or of another dtype or shape, is a
+    malformed header; what the orchestrator packs passes."""
+    import numpy as np
+
+    from primerl.broker.rollout_queue import RolloutQueue
+    from primerl.broker.rollout_results import Accepted, Refused
+    from primerl.broker.spool import RolloutSpool
+    from primerl.proto import tensor_frames
+    from primerl.proto.micro_batch import TENSOR_DTYPES
+    from primerl.proto.v1 import common_pb2, data_pb2
+
+    queue = RolloutQueue(RolloutSpool(tmp_path / "spool"), 100, 1 << 30)
+
+    def offer(index, tensors):
+        payload, specs = tensor_frames.encode_tensors(tensors)
+        header = data_pb2.RolloutBatchHeader(step=1, rank=0, micro_batch_index=index, num_micro_batches=4,
+                                             tensors=specs, batch_id=f"b{index}")
+        return queue.offer(header, payload)
+
+    packed = {name: np.zeros(4, dtype=dtype) for name, dtype in TENSOR_DTYPES.items()}
+    assert isinstance(offer(0, packed), Accepted)
+    for index, tensors in enumerate([{"rewards": np.zeros(4, np.float32)}, {"advantages": np.zeros(4, np.float64)},
+                                     {"input_ids": np.zeros((2, 2), np.int64)}], start=1):
+        refused = offer(index, tensors)
+        assert isinstance(refused, Refused) and refused.code == common_pb2.ERROR_CODE_MALFORMED_HEADER, refused

@@ -4,7 +4,6 @@ frees up, and the count of admitted peers stays right through bursts and churn."
 
 from __future__ import annotations
 
-import time
 
 import numpy as np
 import pytest
@@ -18,6 +17,7 @@ from primerl.broker.spool import RolloutSpool
 from primerl.proto import framing
 from primerl.proto.v1 import data_pb2
 from primerl.proto.units import MiB
+from support.probes import wait_until
 
 TOKEN = "gate-secret"
 
@@ -82,11 +82,8 @@ def outcomes(pairs, timeout_s: float = 10.0) -> list[tuple[int, int]]:
     return results
 
 
-def wait_for(predicate, timeout_s: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        assert time.monotonic() < deadline, "condition not reached in time"
-        time.sleep(0.02)
+def wait_for(predicate) -> None:
+    wait_until(predicate, timeout_s=10.0)
 
 
 def test_a_burst_of_connections_admits_exactly_the_limit(gated):

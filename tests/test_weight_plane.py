@@ -18,6 +18,7 @@ from primerl.broker.weight_store import WeightStore
 from primerl.proto import framing
 from primerl.proto.v1 import common_pb2, data_pb2
 from support.weight_plane import CHUNK_BYTES, LIMITS, RECEIVE_S, TOKEN, make_update
+from support.probes import wait_until as wait_for
 
 FULL = data_pb2.WEIGHT_UPDATE_KIND_FULL
 LORA = data_pb2.WEIGHT_UPDATE_KIND_LORA
@@ -28,15 +29,6 @@ DELTA = data_pb2.WEIGHT_UPDATE_KIND_DELTA
 def harness(make_weight_plane):
     """`harness(**WeightPlane keyword arguments)`: a weight plane on loopback (conftest's `make_weight_plane`)."""
     return make_weight_plane
-
-
-def wait_for(predicate, timeout_s: float = 5.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if predicate():
-            return
-        time.sleep(0.01)
-    raise AssertionError("condition not met in time")
 
 
 def receive_and_ack(subscriber: WeightSubscriber) -> tuple[data_pb2.WeightUpdateHeader, bytes]:

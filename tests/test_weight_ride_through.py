@@ -32,6 +32,7 @@ from primerl.proto import tensor_frames as tf
 from primerl.proto.data_plane_limits import BrokerLimits
 from primerl.proto.v1 import data_pb2
 from primerl.client.outage import BrokerOutageExceeded
+from support.probes import wait_until
 
 FULL = data_pb2.WEIGHT_UPDATE_KIND_FULL
 DELTA = data_pb2.WEIGHT_UPDATE_KIND_DELTA
@@ -106,13 +107,8 @@ def receive_and_ack(subscriber: WeightSubscriber, timeout_s: float = RECEIVE_S):
     return header, bytes(payload)
 
 
-def wait_for(predicate, timeout_s: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if predicate():
-            return
-        time.sleep(0.02)
-    raise AssertionError("condition not met in time")
+def wait_for(predicate) -> None:
+    wait_until(predicate, timeout_s=10.0)
 
 
 def test_a_rollback_reaches_every_worker_and_late_joiners(mesh: Mesh) -> None:

@@ -70,18 +70,16 @@ class Served:
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from primerl.trainer.tiny_model import TinyModelSpec, build_tiny_model
-
-    return build_tiny_model(tmp_path_factory.mktemp("updates") / "tiny-model", TinyModelSpec(seed=0))
+def model_dir(tiny_model: Path) -> Path:
+    return tiny_model
 
 
 @pytest.fixture(scope="module")
-def llm(model_dir: Path) -> Iterator[Any]:
+def llm(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
     from primerl.inference.engine import create_llm, shutdown_llm
 
     saved_env, saved_tempdir = dict(os.environ), tempfile.tempdir
-    llm = create_llm(EngineOptions(model=model_dir, in_process=True, work_dir=model_dir.parent / "work", seed=0,
+    llm = create_llm(EngineOptions(model=model_dir, in_process=True, work_dir=tmp_path_factory.mktemp("work"), seed=0,
                                    enable_lora=True, max_lora_rank=MAX_LORA_RANK,
                                    worker_extension_cls=WORKER_EXTENSION_CLS))
     try:
@@ -95,10 +93,10 @@ def llm(model_dir: Path) -> Iterator[Any]:
 
 
 @pytest.fixture(scope="module")
-def updater(llm: Any, model_dir: Path) -> Any:
+def updater(llm: Any, tmp_path_factory: pytest.TempPathFactory) -> Any:
     from primerl.inference.policy_updates import PolicyUpdater
 
-    updater = PolicyUpdater.for_llm(llm, model_dir.parent / "policy")
+    updater = PolicyUpdater.for_llm(llm, tmp_path_factory.mktemp("policy"))
     updater.prepare()
     return updater
 

@@ -29,6 +29,7 @@ def _register(broker: BrokerHarness, role: str, name: str) -> ControlClient:
     client = ControlClient(BrokerClientConfig(address=broker.grpc_address), role, name,
                            address="http://127.0.0.1:8000" if role == "inference" else "")
     client.register()
+    client.start_heartbeats()  # as a role does: a worker the registry marks lost gets no weight pushes
     return client
 
 
@@ -42,7 +43,7 @@ def _publish_and_receive(broker: BrokerHarness, payload_bytes: int) -> None:
     payload, specs = tensor_frames.encode_tensors({"w": weights})
     header = data_pb2.WeightUpdateHeader(policy_version=1, kind=data_pb2.WEIGHT_UPDATE_KIND_FULL, tensors=specs)
     try:
-        subscriber = WeightSubscriber(infer.registration.weight_endpoint, None, infer.worker_id, verify_digest=True,
+        subscriber = WeightSubscriber(infer.registration.weight_endpoint, None, infer.worker_id,
                                       limits=infer.limits.frames)
         with subscriber, WeightPublisher(trainer.registration.weight_endpoint, None, "trainer-rank0",
                                          min(TRAINER_CHUNK_BYTES, limits.weight_chunk_bytes),

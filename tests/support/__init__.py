@@ -9,5 +9,7 @@
 - `proc_tree`: the process tree read from /proc (what a test started, and whether it is gone).
 - `rl_configs`: whole-run config files in each shape, written into a test's directory, and loading them.
 - `weight_plane`: the broker's weight plane alone on loopback, its clients, and small updates to send.
+- `weight_updates`: tiny updates put straight into a broker's weight fan-out (a policy version, no sockets).
+- `policy_updates`: FULL, DELTA and LORA updates of real tensors for the inference side (`PolicyUpdater`).
 - `trainer_runs`: a `primerl-trainer` fed by a test: synthetic samples, their batches, its command line and outputs.
 """

@@ -20,15 +20,8 @@ the state lock: the data plane may call back into the registry without deadlocki
 Run state (``broker/run_state.py``): the run's facts (committed step, trainer and orchestrator steps, latest
 policy version (the fan-out's), last metrics, run id, finished) are numbered by a revision that moves only when one
 of them changes; ``run_state()`` snapshots them, ``restore()`` takes them back after a broker restart. A commit and the
-end of the run call ``persist`` before they answer; everything else is written by a periodic saver.
-
-End of run: rank 0 of the trainer deregistering with reason ``"training finished"`` once the run's trainer step
-reached ``max_steps`` finishes the run (``request_shutdown``): heartbeats answer ``shutdown_requested`` from
-``end_of_run_grace_s`` later on, and the run state says so, so that a restarted broker still tells late workers
-to stop (after the same grace, counted from its restart). The grace lets the last policy reach the inference
-workers and lets a supervisor that ends the run itself (``primerl rl`` stops the roles once the trainer has
-exited) have the first word; the broker's request is what ends roles that nobody else stops (separate daemons,
-systemd).
+end of the run call ``persist`` before they answer; everything else is written by a periodic saver. The steps and
+the end of the run (``request_shutdown``): ``run_progress.RunProgress``.
 """
 
 from __future__ import annotations
@@ -41,6 +34,7 @@ from collections.abc import Callable, Mapping
 from primerl.broker.registry_errors import (BrokerStopping, CommitFailed, CommitResult, LimitReached, NameTaken,
                                             StepOutOfOrder, WorkerNotFound)
 from primerl.broker.run_metrics import LastMetrics
+from primerl.broker.run_progress import RunProgress
 from primerl.broker.run_state import RunState
 from primerl.broker.run_status import MAX_STATUS_BYTES, DataPlaneStatus, queue_proto, role_name, trim_status
 from primerl.broker.watched_state import MAX_ERROR_CHARS, WatchedState
@@ -107,15 +101,8 @@ class WorkerRegistry(WatchedState):
         self._commit_lock = threading.Lock()
         self._workers: dict[str, WorkerRecord] = {}  # insertion order = registration order
         self._metrics = LastMetrics()
-        self._last_committed_step = 0
+        self._progress = RunProgress()
         # ``closed`` (WatchedState): the broker process is stopping: register and heartbeat answer BrokerStopping.
-        self._shutdown_requested = False  # the run is over: heartbeats tell workers to stop (after _stop_workers_at)
-        self._stop_workers_at = 0.0  # registry clock from which heartbeats say shutdown_requested
-        self._finished_step = 0  # the run's trainer step when it finished (with _shutdown_requested)
-        # Steps of workers no longer listed (restored from an earlier broker, or dropped records): floors under
-        # the run's steps, which never go back.
-        self._trainer_step_floor = 0
-        self._orchestrator_step_floor = 0
         self._state_revision = 0  # moves whenever a field of run_state() changes
         self.started_unix_ms = self._unix_ms()
 
@@ -128,14 +115,14 @@ class WorkerRegistry(WatchedState):
     @property
     def last_committed_step(self) -> int:
         with self._lock:
-            return self._last_committed_step
+            return self._progress.last_committed_step
 
     @property
     def shutdown_requested(self) -> bool:
         """The run is over (``request_shutdown``, or restored as finished): heartbeats tell workers to stop
         (once the grace of ``request_shutdown`` has passed)."""
         with self._lock:
-            return self._shutdown_requested
+            return self._progress.finished
 
     # ------------------------------------------------------------------------------------ run state
     def run_state(self) -> tuple[int, RunState]:
@@ -145,35 +132,28 @@ class WorkerRegistry(WatchedState):
             self._expire_locked(self._clock())
             return self._state_revision, RunState(
                 run_id=self.run_id,
-                last_committed_step=self._last_committed_step,
-                trainer_step=self._trainer_step_locked(),
-                orchestrator_step=self._orchestrator_step_locked(),
+                last_committed_step=self._progress.last_committed_step,
+                trainer_step=self._progress.trainer_step(self._workers.values()),
+                orchestrator_step=self._progress.orchestrator_step(self._workers.values()),
                 latest_policy_version=self.policy.latest().version,
                 last_metrics=dict(self._metrics.values),
                 last_metrics_step=self._metrics.step,
-                finished=self._shutdown_requested,
-                finished_step=self._finished_step,
+                finished=self._progress.finished,
+                finished_step=self._progress.finished_step,
             )
 
     def restore(self, state: RunState, *, committed_step: int = 0) -> None:
         """Take back the run state of an earlier broker (before any worker registers). ``committed_step``:
         the spool's own commit marker; the higher of the two wins (both are written before a commit answers).
         The latest policy version goes to the fan-out (``restore_latest``), which answers it until it holds one.
-
-        ``finished`` is kept only while it still holds: with ``max_steps`` raised since (a run extended), the
-        run goes on."""
+        ``finished`` is kept only while it still holds (``RunProgress.restore``)."""
         with self._lock:
             self.run_id = state.run_id
-            self._last_committed_step = max(state.last_committed_step, committed_step)
-            self._trainer_step_floor = state.trainer_step
-            self._orchestrator_step_floor = state.orchestrator_step
+            # The grace is counted again from the restart: a supervisor may still be ending the run itself.
+            self._progress.restore(state, committed_step=committed_step, max_steps=self.max_steps,
+                                   stop_workers_at=self._clock() + self.end_of_run_grace_s)
             self.policy.restore_latest(state.latest_policy_version)
             self._metrics.restore(state.last_metrics, state.last_metrics_step)
-            if state.finished and self.max_steps is not None and state.finished_step >= self.max_steps:
-                self._shutdown_requested = True
-                self._finished_step = state.finished_step
-                # Counted again from the restart: a supervisor may still be ending the run itself.
-                self._stop_workers_at = self._clock() + self.end_of_run_grace_s
             self._state_revision += 1
             self._bump_locked()
 
@@ -254,8 +234,8 @@ class WorkerRegistry(WatchedState):
             latest = self.policy.latest()
             return control_pb2.HeartbeatResponse(
                 latest_policy_version=latest.version,
-                last_committed_step=self._last_committed_step,
-                shutdown_requested=self._shutdown_requested and self._clock() >= self._stop_workers_at,
+                last_committed_step=self._progress.last_committed_step,
+                shutdown_requested=self._progress.tells_workers_to_stop(self._clock()),
                 policy_lineage=latest.lineage,
                 lineage_base_version=latest.lineage_base_version,
             )
@@ -279,8 +259,9 @@ class WorkerRegistry(WatchedState):
                 and worker.rank == 0
                 and reason == TRAINING_FINISHED_REASON
                 and self.max_steps is not None
-                and max(self._trainer_step_locked(), self._last_committed_step) >= self.max_steps
-                and not self._shutdown_requested
+                and max(self._progress.trainer_step(self._workers.values()),
+                        self._progress.last_committed_step) >= self.max_steps
+                and not self._progress.finished
             )
         if finishes:
             self.request_shutdown(grace_s=self.end_of_run_grace_s)
@@ -320,7 +301,7 @@ class WorkerRegistry(WatchedState):
                     raise StepOutOfOrder(
                         f"only trainer workers commit steps; {worker.name!r} is {role_name(worker.role)}"
                     )
-                last_committed = self._last_committed_step
+                last_committed = self._progress.last_committed_step
             if step <= last_committed:
                 self._persist_committed(step)
                 return CommitResult(last_committed, 0, already_committed=True)
@@ -334,7 +315,7 @@ class WorkerRegistry(WatchedState):
                 except Exception as err:  # the callback's failure is the caller's answer, not a broker crash
                     raise CommitFailed(f"releasing the rollout batches of step {step} failed: {err}") from err
             with self._lock:
-                self._last_committed_step = max(self._last_committed_step, step)
+                self._progress.last_committed_step = max(self._progress.last_committed_step, step)
                 self._state_revision += 1
                 self._bump_locked()
             self._persist_committed(step)
@@ -417,10 +398,10 @@ class WorkerRegistry(WatchedState):
                 run_id=self.run_id,
                 broker_started_unix_ms=self.started_unix_ms,
                 updated_unix_ms=self._unix_ms(),
-                trainer_step=self._trainer_step_locked(),
-                last_committed_step=self._last_committed_step,
+                trainer_step=self._progress.trainer_step(self._workers.values()),
+                last_committed_step=self._progress.last_committed_step,
                 latest_policy_version=latest.version,
-                orchestrator_step=self._orchestrator_step_locked(),
+                orchestrator_step=self._progress.orchestrator_step(self._workers.values()),
                 workers=[w.info(versions.get(w.worker_id)) for w in self._workers.values()],
                 queues=[queue_proto(q) for q in data_plane.queues],
                 rollout_batches_per_s=data_plane.rollout_batches_per_s,
@@ -450,10 +431,8 @@ class WorkerRegistry(WatchedState):
         stops. The run state says ``finished`` (written here: a broker restarted after it still tells late workers
         to stop); a failed write goes to the recent errors and the periodic saver retries it."""
         with self._lock:
-            if not self._shutdown_requested:
-                self._shutdown_requested = True
-                self._stop_workers_at = self._clock() + max(0.0, grace_s)
-                self._finished_step = max(self._trainer_step_locked(), self._last_committed_step)
+            if self._progress.finish(self._progress.trainer_step(self._workers.values()),
+                                     self._clock() + max(0.0, grace_s)):
                 self._state_revision += 1
             self._bump_locked()
         try:
@@ -468,16 +447,6 @@ class WorkerRegistry(WatchedState):
     def _refuse_if_closed_locked(self) -> None:
         if self._closed:
             raise BrokerStopping("the broker is stopping (a restart or a service stop): retry until it is back")
-
-    def _trainer_step_locked(self) -> int:
-        steps = [w.trainer_step for w in self._workers.values()
-                 if w.role == common_pb2.ROLE_TRAINER and w.trainer_step is not None]
-        return max([self._trainer_step_floor, *steps])
-
-    def _orchestrator_step_locked(self) -> int:
-        steps = [w.orchestrator_step for w in self._workers.values()
-                 if w.role == common_pb2.ROLE_ORCHESTRATOR and w.orchestrator_step is not None]
-        return max([self._orchestrator_step_floor, *steps])
 
     def _info_locked(self, worker: WorkerRecord) -> control_pb2.WorkerInfo:
         return worker.info(self.policy.worker_version(worker.worker_id))
@@ -521,8 +490,5 @@ class WorkerRegistry(WatchedState):
 
     def _forget_worker_locked(self, worker: WorkerRecord) -> None:
         """Drop a gone worker's record; its progress stays in the run's steps (they never go back)."""
-        if worker.trainer_step is not None:
-            self._trainer_step_floor = max(self._trainer_step_floor, worker.trainer_step)
-        if worker.orchestrator_step is not None:
-            self._orchestrator_step_floor = max(self._orchestrator_step_floor, worker.orchestrator_step)
+        self._progress.keep_steps_of(worker)
         del self._workers[worker.worker_id]

@@ -32,7 +32,6 @@ from support.inference import (
     perturbed_model,
     reference_max_diff,
     served_versions,
-    throughput,
     wait_applied,
 )
 from support.probes import parse_metrics, wait_until
@@ -166,7 +165,6 @@ def test_the_cpu_worker_runs_inside_the_engine_core_process(infer_daemon: Infere
 def test_full_update_is_applied_and_served(infer_http: httpx.Client, infer_broker: BrokerHarness, tiny_model: Path,
                                            tmp_path: Path) -> None:
     _, before = greedy_completion(infer_http)
-    tokens_per_s_before = throughput(infer_http)
 
     new_dir, tensors = perturbed_model(tiny_model, tmp_path / "v1", seed=1)
     header, payload = full_update(1, tensors)
@@ -184,10 +182,6 @@ def test_full_update_is_applied_and_served(infer_http: httpx.Client, infer_broke
     assert reference_max_diff(infer_http, new_dir, after) <= TOLERANCE
     with infer_broker.client() as client:
         assert client.get_run_status().latest_policy_version == 1
-
-    tokens_per_s_after = throughput(infer_http)
-    print(f"throughput (16 concurrent x 32 tokens): {tokens_per_s_before:.0f} tok/s before, "
-          f"{tokens_per_s_after:.0f} tok/s after the update")
 
 
 def test_update_during_requests_keeps_them_going(infer_http: httpx.Client, infer_broker: BrokerHarness,

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import shutil
 import time
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -65,23 +64,6 @@ def reference_max_diff(http: httpx.Client, model_dir: Path, body: dict[str, Any]
 def served_versions(response: httpx.Response) -> tuple[int, int]:
     """(version when the request arrived, version when the response started)."""
     return int(response.headers[VERSION]), int(response.headers[VERSION_END])
-
-
-def throughput(http: httpx.Client, num_requests: int = 16, max_tokens: int = 32) -> float:
-    """Completion tokens per second over `num_requests` concurrent requests."""
-    name = model_name(http)
-
-    def one(i: int) -> int:
-        response = http.post("/v1/completions", headers=AUTH, json={
-            "model": name, "prompt": f"{PROMPT} {i}", "max_tokens": max_tokens, "temperature": 1.0,
-            "ignore_eos": True})
-        assert response.status_code == 200, response.text
-        return response.json()["usage"]["completion_tokens"]
-
-    start = time.monotonic()
-    with ThreadPoolExecutor(num_requests) as pool:
-        tokens = sum(pool.map(one, range(num_requests)))
-    return tokens / (time.monotonic() - start)
 
 
 def perturbed_model(base_dir: Path, out_dir: Path, seed: int, scale: float = 0.05) -> tuple[Path, dict[str, Any]]:

@@ -1,11 +1,8 @@
 """The pure helpers of bench/broker_flood.py (the flood itself runs under `make bench`)."""
 
-import importlib.util
-from pathlib import Path
+from support.bench import load_bench_module
 
-SPEC = importlib.util.spec_from_file_location("broker_flood", Path(__file__).resolve().parents[1] / "bench" / "broker_flood.py")
-broker_flood = importlib.util.module_from_spec(SPEC)
-SPEC.loader.exec_module(broker_flood)
+broker_flood = load_bench_module("broker_flood")
 
 
 def test_producers_together_offer_more_batches_than_the_queue_holds():

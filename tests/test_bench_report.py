@@ -2,31 +2,16 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
-import sys
-from pathlib import Path
 
 import pytest
-
-ROOT = Path(__file__).resolve().parent.parent
-
-
-def _load(name: str):
-    spec = importlib.util.spec_from_file_location(f"bench_{name}", ROOT / "bench" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    sys.path.insert(0, str(ROOT / "bench"))
-    try:
-        spec.loader.exec_module(module)
-    finally:
-        sys.path.remove(str(ROOT / "bench"))
-    return module
+from support.bench import load_bench_module
 
 
-report = _load("report")
-primerl_runs = _load("primerl_runs")
+
+report = load_bench_module("report")
+primerl_runs = load_bench_module("primerl_runs")
 
 
 def test_stats_cell_and_verdicts():

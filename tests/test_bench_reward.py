@@ -7,29 +7,16 @@ requires equal floats. It also checks that the bench's prompt order is the orche
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import random
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from support.bench import load_bench_module
 
 ROOT = Path(__file__).resolve().parent.parent
 ENV_PYTHON = ROOT / ".venv-envs" / "bin" / "python"
-
-
-def _load(name: str):
-    spec = importlib.util.spec_from_file_location(f"bench_{name}", ROOT / "bench" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up there
-    sys.path.insert(0, str(ROOT / "bench"))
-    try:
-        spec.loader.exec_module(module)
-    finally:
-        sys.path.remove(str(ROOT / "bench"))
-    return module
 
 
 def _cases() -> list[tuple[object, str]]:
@@ -62,7 +49,7 @@ print(json.dumps([reverse_text.lcs_reward(c, a, parser) for c, a in cases]))
 
 @pytest.mark.skipif(not ENV_PYTHON.exists(), reason="the environments' venv (.venv-envs) is not built")
 def test_bench_reward_equals_the_environments():
-    trl_grpo = _load("trl_grpo")
+    trl_grpo = load_bench_module("trl_grpo")
     cases = _cases()
     result = subprocess.run([str(ENV_PYTHON), "-c", _ENV_SCORER], input=json.dumps(cases), capture_output=True,
                             text=True, timeout=300, cwd=ROOT)
@@ -75,7 +62,7 @@ def test_bench_reward_equals_the_environments():
 
 
 def test_bench_prompt_order_is_the_orchestrators(tmp_path):
-    primerl_runs = _load("primerl_runs")
+    primerl_runs = load_bench_module("primerl_runs")
     from primerl.orchestrator.env_sampler import EnvSampler
 
     rows = [{"prompt": [{"role": "user", "content": f"q{i}"}], "answer": f"a{i}"} for i in range(7)]

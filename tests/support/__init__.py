@@ -1,5 +1,6 @@
 """What the test modules share (tests/ is on sys.path under pytest, so `from support.probes import free_port`).
 
+- `bench`: a bench/ script loaded as a module, for tests of its helpers.
 - `probes`: a free loopback port, waiting for a condition, a Prometheus scrape.
 - `tiny_models`: the tiny-model specs the tests use; `conftest.py` builds each once per session.
 - `broker`: an in-process broker on free loopback ports that can be stopped and restarted on the same ports.

@@ -49,6 +49,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from report import Section, Stats, target_line  # noqa: E402
 
+from primerl.proto.batch_ids import default_batch_id
 from primerl.proto.units import MiB
 
 TOKEN = "bench-token"
@@ -406,7 +407,7 @@ def main(argv: list[str] | None = None) -> int:
                                     for rank in range(num_receivers):
                                         header, payload = batches[rank][index]
                                         header.step = step
-                                        header.batch_id = f"{step}:{rank}:{index}"
+                                        header.batch_id = default_batch_id(step, rank, index)
                                         yield header, payload
 
                             producer.send_batches(stream(), window=args.window, timeout_s=REPLY_TIMEOUT_S)

@@ -75,7 +75,8 @@ class BrokerConfig(BaseConfig):
     max_message_bytes: int = Field(
         256 * MiB,
         ge=MiB,
-        description="Largest message accepted on any socket; bigger payloads (weights) are sent in chunks.",
+        description="Largest message accepted on any socket; bigger payloads (weights) are sent in chunks. "
+                    "Workers learn it (and the chunk size that follows) when they register.",
     )
     max_payload_frames: int = Field(
         8, ge=1, le=64,

@@ -1,1 +1,14 @@
-"""Wire contracts: generated protobuf/gRPC modules (``primerl.proto.v1``) and the ZMQ framing module."""
+"""The wire contracts: what two processes must agree on, one source of truth each.
+
+- ``primerl/v1/*.proto`` and their generated modules ``primerl.proto.v1`` (``make proto``): the gRPC control
+  plane and the headers of the ZeroMQ data plane.
+- ``framing`` (the only code that reads and writes data-plane messages) and ``tensor_frames`` (tensors as
+  safetensors frames); ``weight_delta``: the lossless delta encoding.
+- One module per contract that is not a protobuf message: ``micro_batch`` (the training micro-batch's tensors),
+  ``env_protocol`` (the env-worker JSON-lines protocol and the policy-version HTTP headers; standard library only),
+  ``ready_file`` (a daemon's ``--ready-file`` JSON), ``step_digest`` (the digest of a step's data),
+  ``data_plane_limits`` (the broker's limits, sent to every worker at registration), ``batch_ids``, ``digests``
+  (a weight payload's digest), ``roles``, ``weight_refusals``, ``units``.
+
+Imports nothing of the roles, the broker or ``primerl.runtime``.
+"""

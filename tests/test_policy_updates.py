@@ -264,7 +264,7 @@ def test_lora_update_then_replacement_then_full(llm: Any, updater: Any, served: 
     assert served_diff(llm, updater, served) <= TOLERANCE
 
     # A delta needs full weights: refused while an adapter is served.
-    from primerl.inference.policy_updates import UpdateRefused
+    from primerl.inference.update_checks import UpdateRefused
 
     with pytest.raises(UpdateRefused) as excinfo:
         updater.apply(*delta_update(perturbed(base_weights, seed=7), base_weights, version + 2, version + 1))
@@ -368,7 +368,7 @@ BAD_UPDATES: dict[str, tuple[Callable[..., tuple[data_pb2.WeightUpdateHeader, by
 def test_bad_update_is_refused_and_the_previous_policy_still_served(
     llm: Any, updater: Any, served: Served, case: str, tmp_path: Path,
 ) -> None:
-    from primerl.inference.policy_updates import UpdateRefused
+    from primerl.inference.update_checks import UpdateRefused
 
     if updater.lora_request() is not None:
         apply(updater, served, "full", full_update(served.weights, updater.policy_version + 1))

@@ -4,9 +4,9 @@
 of a transfer) and answers the WEIGHT_ACK to send back, or None (a chunk of an unfinished transfer, or a later
 chunk of a refused one, which gets no further reply):
 
-- chunks are reassembled by a bounded ``framing.ChunkAssembler`` and hashed (SHA-256) as they arrive, so the
-  store never makes a second pass over the payload; the header bytes and the verified CRC-32 of each chunk are
-  kept with the stored update (``cache["received"]``), so forwarding can reuse them;
+- chunks are reassembled by a bounded ``chunked_transfer.ChunkAssembler`` and hashed (SHA-256) as they arrive, so
+  the store never makes a second pass over the payload; the header bytes and the verified CRC-32 of each chunk
+  are kept with the stored update (``cache["received"]``), so forwarding can reuse them;
 - a transfer whose header is refusable (``WeightStore.check_header``, or a version more than
   ``max_version_lead`` past the latest) is refused at its first chunk;
 - a whole update goes to ``WeightFanout.put`` (stored, every worker planned again); the ack says
@@ -24,7 +24,7 @@ from typing import Any, NamedTuple
 
 from primerl.broker.log_limits import RateLimitedLog
 from primerl.broker.weight_fanout import WeightFanout
-from primerl.proto import framing
+from primerl.proto import chunked_transfer, framing
 from primerl.proto.v1 import common_pb2, data_pb2
 from primerl.proto.weight_refusals import WeightUpdateRefused
 from primerl.runtime.log_setup import get_logger
@@ -55,7 +55,7 @@ class WeightIntake:
         self.fanout = fanout
         self.store = fanout.store
         self.max_version_lead = max_version_lead
-        self._assembler = framing.ChunkAssembler(
+        self._assembler = chunked_transfer.ChunkAssembler(
             limits=limits, max_open_transfers=max_open_transfers, timeout_s=transfer_timeout_s,
             stall_timeout_s=transfer_stall_timeout_s, max_open_bytes=max_open_transfer_bytes,
             max_open_per_publisher=max_open_transfers_per_publisher)

@@ -54,7 +54,7 @@ from primerl.broker.weight_durable import WeightDurability
 from primerl.broker.weight_fanout import Joined, WeightFanout, WeightWorkerStatus
 from primerl.broker.weight_intake import BROKER_SENDER, WeightIntake
 from primerl.broker.weight_store import StoredUpdate, WeightStore, WeightStoreStatus
-from primerl.proto import framing
+from primerl.proto import chunked_transfer, framing
 from primerl.proto.v1 import common_pb2, data_pb2
 from primerl.runtime.log_setup import get_logger
 from primerl.runtime.meters import RateMeter
@@ -426,8 +426,8 @@ class WeightPlane(RouterPlane):
                 checksum=crc, chunk=data_pb2.Chunk(transfer_id=transfer_id, index=index, count=count, total_bytes=total),
                 **self._envelope("")) for index, (crc, _) in enumerate(crcs)]
         else:
-            messages = list(framing.encode_chunked(data_pb2.WEIGHT_UPDATE, update.header, update.payload,
-                                                   chunk_bytes=self.chunk_bytes, **self._envelope("")))
+            messages = list(chunked_transfer.encode_chunked(data_pb2.WEIGHT_UPDATE, update.header, update.payload,
+                                                            chunk_bytes=self.chunk_bytes, **self._envelope("")))
         update.cache["chunks"] = messages
         return messages
 

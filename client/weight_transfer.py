@@ -10,8 +10,8 @@ from primerl.proto import framing
 
 class InPlaceTransfer:
     """The one chunked update being received straight into a caller's buffer (``WeightSubscriber`` with
-    ``payload_buffer``): the same checks as ``framing.ChunkAssembler`` (chunks in order, one header, the declared
-    size, a time bound), without its intermediate ``bytearray``."""
+    ``payload_buffer``): the same checks as ``chunked_transfer.ChunkAssembler`` (chunks in order, one header, the
+    declared size, a time bound), without its intermediate ``bytearray``."""
 
     def __init__(self, first: framing.Message, buffer: memoryview, timeout_s: float):
         chunk = first.envelope.chunk

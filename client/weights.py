@@ -26,7 +26,7 @@ import zmq
 from primerl.client.dealer import DealerClient
 from primerl.client.outage import OutageWatch
 from primerl.client.weight_transfer import InPlaceTransfer
-from primerl.proto import framing
+from primerl.proto import chunked_transfer, framing
 from primerl.proto.data_plane_limits import DEFAULT_BROKER_LIMITS
 from primerl.proto.digests import payload_digest
 from primerl.proto.v1 import common_pb2, data_pb2
@@ -149,9 +149,9 @@ class WeightPublisher(DealerClient):
         transfer_id = uuid.uuid4().hex
         try:
             self._await_connection(deadline_s)
-            for frames in framing.encode_chunked(data_pb2.WEIGHT_UPDATE, header_out, view, chunk_bytes=self.chunk_bytes,
-                                                 transfer_id=transfer_id, sender=self.sender,
-                                                 auth_token=self.auth_token or ""):
+            for frames in chunked_transfer.encode_chunked(data_pb2.WEIGHT_UPDATE, header_out, view,
+                                                          chunk_bytes=self.chunk_bytes, transfer_id=transfer_id,
+                                                          sender=self.sender, auth_token=self.auth_token or ""):
                 # The broker refuses a bad transfer at its first chunk: stop sending the rest then.
                 if self._socket.poll(0, zmq.POLLIN):
                     ack = self._read_reply(transfer_id, header_out.policy_version, deadline_s, header_out.lineage)
@@ -247,7 +247,8 @@ class WeightSubscriber(DealerClient):
         self._watch = None if outage_s is None else OutageWatch(f"weight updates for {worker_id}", outage_s,
                                                                   worker=worker_id)
         self._last_heard_s = time.monotonic()
-        self._assembler = framing.ChunkAssembler(limits=limits, max_open_transfers=2, timeout_s=transfer_timeout_s)
+        self._assembler = chunked_transfer.ChunkAssembler(limits=limits, max_open_transfers=2,
+                                                          timeout_s=transfer_timeout_s)
         self.transfer_timeout_s = transfer_timeout_s
         self._payload_buffer = payload_buffer
         self._in_place: InPlaceTransfer | None = None

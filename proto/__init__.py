@@ -2,7 +2,8 @@
 
 - ``primerl/v1/*.proto`` and their generated modules ``primerl.proto.v1`` (``make proto``): the gRPC control
   plane and the headers of the ZeroMQ data plane.
-- ``framing`` (the only code that reads and writes data-plane messages) and ``tensor_frames`` (tensors as
+- ``framing`` (the only code that reads and writes data-plane messages), ``chunked_transfer`` (a payload split
+  into the messages of one transfer, and their bounded reassembly) and ``tensor_frames`` (tensors as
   safetensors frames); ``weight_delta``: the lossless delta encoding.
 - One module per contract that is not a protobuf message: ``micro_batch`` (the training micro-batch's tensors),
   ``env_protocol`` (the env-worker JSON-lines protocol and the policy-version HTTP headers; standard library only),

@@ -9,18 +9,17 @@ Layout of one message (DESIGN.md, "Wire contracts"; headers in proto/primerl/v1/
 
 Decoding never unpickles and never trusts a length it has not checked: every refusal is a
 ``FramingError`` subclass carrying the ``ErrorCode`` to send back in an ERROR reply.
-Payloads larger than a sender's chunk size travel as several messages of one transfer
-(``encode_chunked``) that ``ChunkAssembler`` joins again, in order, within byte and time bounds.
+Payloads larger than a sender's chunk size travel as several messages of one transfer: the split and the
+reassembly are ``chunked_transfer``'s (``encode_chunked``, ``ChunkAssembler``); here each chunk is one message.
 """
 
 from __future__ import annotations
 
 import hmac
-import mmap
 import time
 import uuid
 import zlib
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -148,7 +147,7 @@ class Message:
         return self.envelope.chunk.count > 1
 
 
-def _view(frame: Any) -> memoryview:
+def byte_view(frame: Any) -> memoryview:
     """bytes, bytearray, memoryview or a zmq.Frame (received with copy=False) as a flat byte view."""
     buffer = getattr(frame, "buffer", frame)
     view = memoryview(buffer)
@@ -159,7 +158,7 @@ def compute_checksum(message_type: int, header_bytes: bytes, payload: Sequence[A
     crc = zlib.crc32(bytes([message_type]))
     crc = zlib.crc32(header_bytes, crc)
     for frame in payload:
-        crc = zlib.crc32(_view(frame), crc)
+        crc = zlib.crc32(byte_view(frame), crc)
     return crc
 
 
@@ -211,7 +210,7 @@ def encode_raw(
     """
     if message_type not in HEADER_TYPES:
         raise ValueError(f"unknown message type {message_type}")
-    payload_sizes = [_view(frame).nbytes for frame in payload]
+    payload_sizes = [byte_view(frame).nbytes for frame in payload]
     envelope = data_pb2.Envelope(
         message_id=message_id or uuid.uuid4().hex,
         sent_unix_ms=int(time.time() * 1000),
@@ -227,32 +226,6 @@ def encode_raw(
     return [PROTOCOL_FRAME, bytes([message_type]), envelope.SerializeToString(), *payload]
 
 
-def encode_chunked(
-    message_type: int,
-    header: ProtoMessage,
-    payload: Any,
-    *,
-    chunk_bytes: int,
-    transfer_id: str | None = None,
-    **envelope_fields: Any,
-) -> Iterator[list[Any]]:
-    """Split one payload (bytes-like) into messages of at most ``chunk_bytes`` payload each.
-
-    Yields the frames of each message; every chunk repeats the header so a receiver can refuse a
-    transfer at its first chunk. Slices are views: nothing is copied here.
-    """
-    if chunk_bytes <= 0:
-        raise ValueError("chunk_bytes must be positive")
-    view = _view(payload)
-    total = view.nbytes
-    count = max(1, -(-total // chunk_bytes))
-    transfer_id = transfer_id or uuid.uuid4().hex
-    for index in range(count):
-        piece = view[index * chunk_bytes : (index + 1) * chunk_bytes]
-        chunk = data_pb2.Chunk(transfer_id=transfer_id, index=index, count=count, total_bytes=total)
-        yield encode(message_type, header, [piece], chunk=chunk, **envelope_fields)
-
-
 def decode(frames: Sequence[Any], *, limits: Limits = DEFAULT_LIMITS, auth_token: str | None = None) -> Message:
     """Parse and check one received multipart message, or raise the ``FramingError`` that says why not.
 
@@ -264,7 +237,7 @@ def decode(frames: Sequence[Any], *, limits: Limits = DEFAULT_LIMITS, auth_token
     sizes, protocol and type frames, envelope, run token (``auth_token`` set: constant-time comparison),
     declared payload sizes, checksum, header, chunk fields, tensor payload.
     Tensor payloads of unchunked ROLLOUT_BATCH and WEIGHT_UPDATE messages are checked against the
-    header's tensor specs; chunked ones are checked by ``ChunkAssembler`` once complete.
+    header's tensor specs; chunked ones are checked by ``chunked_transfer.ChunkAssembler`` once complete.
     """
     try:
         return _decode(frames, limits, auth_token)
@@ -281,7 +254,7 @@ def _decode(frames: Sequence[Any], limits: Limits, auth_token: str | None) -> Me
         raise TruncatedMessage(f"message has {len(frames)} frame(s); at least {NUM_FIXED_FRAMES} are required")
     if len(frames) - NUM_FIXED_FRAMES > limits.max_payload_frames:
         raise OversizedFrame(f"message has {len(frames) - NUM_FIXED_FRAMES} payload frames; the limit is {limits.max_payload_frames}")
-    views = [_view(frame) for frame in frames]
+    views = [byte_view(frame) for frame in frames]
     total_bytes = 0
     for index, view in enumerate(views):
         if view.nbytes > limits.max_frame_bytes:
@@ -394,135 +367,7 @@ def encode_error(
 def peek_type(frames: Sequence[Any]) -> int:
     """The message type of frames that may not decode, for error replies; UNSPECIFIED if unreadable."""
     if len(frames) >= 2:
-        raw = _view(frames[1])
+        raw = byte_view(frames[1])
         if raw.nbytes == 1 and raw[0] in HEADER_TYPES:
             return raw[0]
     return data_pb2.MESSAGE_TYPE_UNSPECIFIED
-
-
-@dataclass
-class _Transfer:
-    first: Message
-    buffer: Any  # bytearray, or an anonymous mmap whose pages are only touched as chunks arrive
-    publisher: Any = None
-    next_index: int = 0
-    num_bytes: int = 0
-    started_s: float = field(default_factory=time.monotonic)
-    last_chunk_s: float = field(default_factory=time.monotonic)
-
-
-LAZY_BUFFER_MIN_BYTES = 1 << 20
-
-
-def _transfer_buffer(num_bytes: int) -> Any:
-    """A writable buffer of ``num_bytes``; above 1 MiB an anonymous mmap, so memory is committed only as
-    chunks are written into it (a first chunk that declares 1 GiB costs nothing until the bytes come)."""
-    if num_bytes < LAZY_BUFFER_MIN_BYTES:
-        return bytearray(num_bytes)
-    return mmap.mmap(-1, num_bytes)
-
-
-class ChunkAssembler:
-    """Joins the chunks of transfers, in order, within bounds on bytes, open transfers and time.
-
-    ``add`` returns the whole message once its last chunk arrives (payload = one frame with all bytes),
-    ``None`` while chunks are missing, and raises ``BadChunk`` (dropping the transfer) on a chunk that is
-    out of order, duplicated or inconsistent with the first one.
-
-    Bounds, all checked at a transfer's first chunk, before any memory is set aside:
-    - its declared ``total_bytes`` <= ``limits.max_transfer_bytes`` (``OversizedFrame``);
-    - one publisher (``add(..., publisher=)``, e.g. the ZeroMQ routing id) has at most
-      ``max_open_per_publisher`` transfers open: a new one replaces that publisher's oldest;
-    - at most ``max_open_transfers`` open in all (``BadChunk``) and their declared bytes together at most
-      ``max_open_bytes`` (``Busy``: retry later), so total reassembly memory is bounded;
-    - a transfer with no chunk for ``stall_timeout_s`` (or open longer than ``timeout_s``) is dropped by
-      ``expire`` (also called at each new transfer), so a stalled peer cannot hold a slot for long.
-    """
-
-    def __init__(self, *, limits: Limits = DEFAULT_LIMITS, max_open_transfers: int = 4, timeout_s: float = 60.0,
-                 stall_timeout_s: float | None = None, max_open_bytes: int | None = None,
-                 max_open_per_publisher: int | None = None):
-        self.limits = limits
-        self.max_open_transfers = max_open_transfers
-        self.timeout_s = timeout_s
-        self.stall_timeout_s = timeout_s if stall_timeout_s is None else stall_timeout_s
-        self.max_open_bytes = limits.max_transfer_bytes if max_open_bytes is None else max_open_bytes
-        self.max_open_per_publisher = max_open_per_publisher
-        self._transfers: dict[tuple[str, str], _Transfer] = {}
-
-    def is_open(self, key: tuple[str, str]) -> bool:
-        """Whether the transfer ``(sender, transfer_id)`` is still being assembled."""
-        return key in self._transfers
-
-    @property
-    def num_open_transfers(self) -> int:
-        return len(self._transfers)
-
-    @property
-    def num_buffered_bytes(self) -> int:
-        return sum(len(t.buffer) for t in self._transfers.values())
-
-    def add(self, message: Message, publisher: Any = None) -> Message | None:
-        chunk = message.envelope.chunk
-        if chunk.count <= 1:
-            return message
-        key = (message.envelope.sender, chunk.transfer_id)
-        publisher = message.envelope.sender if publisher is None else publisher
-        transfer = self._transfers.get(key)
-        if transfer is None:
-            if chunk.index != 0:
-                raise BadChunk(f"transfer {chunk.transfer_id}: chunk {chunk.index} arrived before chunk 0")
-            if chunk.total_bytes > self.limits.max_transfer_bytes:
-                raise OversizedFrame(f"transfer of {chunk.total_bytes} bytes exceeds the limit of {self.limits.max_transfer_bytes}")
-            self.expire()
-            if self.max_open_per_publisher is not None:
-                own = [k for k, t in self._transfers.items() if t.publisher == publisher]
-                for old in own[: max(0, len(own) - self.max_open_per_publisher + 1)]:
-                    del self._transfers[old]  # insertion order: the oldest first
-            if len(self._transfers) >= self.max_open_transfers:
-                raise BadChunk(f"too many open transfers ({len(self._transfers)}); finish or abandon one first")
-            open_bytes = sum(len(t.buffer) for t in self._transfers.values())
-            if open_bytes + chunk.total_bytes > self.max_open_bytes:
-                raise Busy(f"transfers being received already declare {open_bytes} bytes; {chunk.total_bytes} more would "
-                           f"exceed the broker's {self.max_open_bytes} (max_open_transfer_bytes): retry later",
-                           retry_after_ms=1000)
-            transfer = _Transfer(first=message, buffer=_transfer_buffer(chunk.total_bytes), publisher=publisher)
-            self._transfers[key] = transfer
-        first = transfer.first.envelope
-        try:
-            if chunk.index != transfer.next_index:
-                raise BadChunk(f"transfer {chunk.transfer_id}: expected chunk {transfer.next_index}, got {chunk.index}")
-            if chunk.count != first.chunk.count or chunk.total_bytes != first.chunk.total_bytes:
-                raise BadChunk(f"transfer {chunk.transfer_id}: chunk {chunk.index} changes the count or total size")
-            if message.type != transfer.first.type or message.envelope.header != first.header:
-                raise BadChunk(f"transfer {chunk.transfer_id}: chunk {chunk.index} carries a different header")
-            piece = message.payload[0]
-            end = transfer.num_bytes + piece.nbytes
-            if end > len(transfer.buffer):
-                raise BadChunk(f"transfer {chunk.transfer_id}: chunks exceed the declared {len(transfer.buffer)} bytes")
-            transfer.buffer[transfer.num_bytes : end] = piece
-        except FramingError:
-            del self._transfers[key]
-            raise
-        transfer.num_bytes = end
-        transfer.next_index += 1
-        transfer.last_chunk_s = time.monotonic()
-        if transfer.next_index < chunk.count:
-            return None
-        del self._transfers[key]
-        if transfer.num_bytes != len(transfer.buffer):
-            raise TruncatedMessage(f"transfer {chunk.transfer_id}: {transfer.num_bytes} of {len(transfer.buffer)} bytes arrived")
-        whole = Message(type=message.type, header=transfer.first.header, envelope=first, payload=[memoryview(transfer.buffer)])
-        if whole.type in TENSOR_MESSAGE_TYPES:
-            check_tensor_payload(whole)
-        return whole
-
-    def expire(self, now_s: float | None = None) -> list[str]:
-        """Drop transfers open longer than ``timeout_s`` or without a chunk for ``stall_timeout_s``; returns
-        their transfer ids."""
-        now_s = time.monotonic() if now_s is None else now_s
-        stale = [key for key, t in self._transfers.items()
-                 if now_s - t.started_s > self.timeout_s or now_s - t.last_chunk_s > self.stall_timeout_s]
-        for key in stale:
-            del self._transfers[key]
-        return [transfer_id for _, transfer_id in stale]

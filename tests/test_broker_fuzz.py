@@ -17,7 +17,7 @@ from primerl.client.control import ControlClient
 from primerl.client.rollouts import RolloutConsumer, RolloutProducer, pack_batch
 from primerl.broker.service import BrokerService
 from primerl.client.weights import WeightPublisher, WeightSubscriber
-from primerl.proto import framing
+from primerl.proto import chunked_transfer, framing
 from primerl.proto import tensor_frames as tf
 from primerl.proto.v1 import common_pb2, data_pb2
 from primerl.runtime.config_common import BrokerClientConfig
@@ -32,7 +32,7 @@ def valid_messages() -> list[list[bytes]]:
     weight_header = data_pb2.WeightUpdateHeader(policy_version=1, kind=data_pb2.WEIGHT_UPDATE_KIND_FULL,
                                                 digest=hashlib.sha256(weights).hexdigest(), tensors=specs,
                                                 payload_bytes=len(weights))
-    chunked = list(framing.encode_chunked(data_pb2.WEIGHT_UPDATE, weight_header, weights, chunk_bytes=40))
+    chunked = list(chunked_transfer.encode_chunked(data_pb2.WEIGHT_UPDATE, weight_header, weights, chunk_bytes=40))
     messages = [
         framing.encode(data_pb2.ROLLOUT_BATCH, rollout_header, [rollout_payload]),
         framing.encode(data_pb2.ROLLOUT_REQUEST, data_pb2.RolloutRequest(step=3, rank=0, credits=2)),

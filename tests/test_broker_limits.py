@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from primerl.broker.config import BrokerConfig
-from primerl.proto import framing
+from primerl.proto import chunked_transfer, framing
 from primerl.proto import tensor_frames as tf
 from primerl.proto.v1 import data_pb2
 from primerl.proto.units import GiB
@@ -33,14 +33,14 @@ def _rss_kib() -> int:
 
 def test_declared_size_above_the_limit_is_refused_at_the_first_chunk():
     limits = framing.Limits(max_transfer_bytes=64 << 20)
-    assembler = framing.ChunkAssembler(limits=limits)
+    assembler = chunked_transfer.ChunkAssembler(limits=limits)
     with pytest.raises(framing.OversizedFrame):
         assembler.add(_first_chunk(65 << 20, "t"))
     assert assembler.num_open_transfers == 0
 
 
 def test_a_first_chunk_declaring_a_gib_does_not_take_a_gib():
-    assembler = framing.ChunkAssembler(limits=framing.Limits(max_transfer_bytes=2 * GiB), max_open_bytes=2 * GiB)
+    assembler = chunked_transfer.ChunkAssembler(limits=framing.Limits(max_transfer_bytes=2 * GiB), max_open_bytes=2 * GiB)
     before = _rss_kib()
     assert assembler.add(_first_chunk(GiB, "big")) is None
     grown_mib = (_rss_kib() - before) / 1024
@@ -48,7 +48,7 @@ def test_a_first_chunk_declaring_a_gib_does_not_take_a_gib():
 
 
 def test_open_transfer_bytes_are_bounded_and_refused_as_busy():
-    assembler = framing.ChunkAssembler(limits=framing.Limits(max_transfer_bytes=GiB), max_open_bytes=GiB)
+    assembler = chunked_transfer.ChunkAssembler(limits=framing.Limits(max_transfer_bytes=GiB), max_open_bytes=GiB)
     assembler.add(_first_chunk(700 << 20, "a", sender="one"))
     with pytest.raises(framing.Busy) as info:
         assembler.add(_first_chunk(400 << 20, "b", sender="two"))
@@ -57,7 +57,7 @@ def test_open_transfer_bytes_are_bounded_and_refused_as_busy():
 
 
 def test_a_publisher_new_transfer_replaces_its_half_open_one_and_others_are_not_blocked():
-    assembler = framing.ChunkAssembler(max_open_transfers=2, max_open_per_publisher=1)
+    assembler = chunked_transfer.ChunkAssembler(max_open_transfers=2, max_open_per_publisher=1)
     assembler.add(_first_chunk(1 << 20, "a1", sender="attacker"), publisher=b"x")
     assembler.add(_first_chunk(1 << 20, "a2", sender="attacker"), publisher=b"x")
     assert assembler.num_open_transfers == 1 and assembler.is_open(("attacker", "a2"))
@@ -66,7 +66,7 @@ def test_a_publisher_new_transfer_replaces_its_half_open_one_and_others_are_not_
 
 
 def test_a_stalled_transfer_expires_after_the_stall_timeout():
-    assembler = framing.ChunkAssembler(timeout_s=300, stall_timeout_s=5)
+    assembler = chunked_transfer.ChunkAssembler(timeout_s=300, stall_timeout_s=5)
     assembler.add(_first_chunk(1 << 20, "s"))
     transfer = next(iter(assembler._transfers.values()))
     assert assembler.expire(transfer.last_chunk_s + 4) == []
@@ -77,9 +77,9 @@ def test_chunked_transfer_still_joins_with_lazy_buffers():
     tensors = {"w": np.arange(600_000, dtype=np.float32)}
     payload, specs = tf.encode_tensors(tensors)
     header = data_pb2.WeightUpdateHeader(policy_version=1, kind=data_pb2.WEIGHT_UPDATE_KIND_FULL, tensors=specs)
-    assembler = framing.ChunkAssembler()
+    assembler = chunked_transfer.ChunkAssembler()
     whole = None
-    for frames in framing.encode_chunked(data_pb2.WEIGHT_UPDATE, header, payload, chunk_bytes=1 << 20):
+    for frames in chunked_transfer.encode_chunked(data_pb2.WEIGHT_UPDATE, header, payload, chunk_bytes=1 << 20):
         whole = assembler.add(framing.decode(frames))
     assert whole is not None and bytes(whole.payload[0]) == payload
 

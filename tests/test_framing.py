@@ -8,7 +8,7 @@ import struct
 import numpy as np
 import pytest
 
-from primerl.proto import framing
+from primerl.proto import chunked_transfer, framing
 from primerl.proto import tensor_frames as tf
 from primerl.proto.v1 import common_pb2, data_pb2
 
@@ -83,9 +83,9 @@ def test_weight_update_round_trip_in_chunks(kind):
     header = data_pb2.WeightUpdateHeader(policy_version=5, kind=kind, base_version=4 if kind == data_pb2.WEIGHT_UPDATE_KIND_DELTA else 0,
                                          digest=hashlib.sha256(data).hexdigest(), tensors=specs, payload_bytes=len(data),
                                          adapter_config_json='{"r": 8}' if kind == data_pb2.WEIGHT_UPDATE_KIND_LORA else "")
-    messages = list(framing.encode_chunked(data_pb2.WEIGHT_UPDATE, header, data, chunk_bytes=1000, sender="trainer"))
+    messages = list(chunked_transfer.encode_chunked(data_pb2.WEIGHT_UPDATE, header, data, chunk_bytes=1000, sender="trainer"))
     assert len(messages) == -(-len(data) // 1000) > 1
-    assembler = framing.ChunkAssembler()
+    assembler = chunked_transfer.ChunkAssembler()
     results = [assembler.add(framing.decode(as_bytes(frames))) for frames in messages]
     assert results[:-1] == [None] * (len(messages) - 1)
     whole = results[-1]
@@ -213,28 +213,29 @@ def test_safetensors_header_lies_are_refused():
 def test_chunk_errors_are_refused():
     data = bytes(range(256)) * 40
     header = data_pb2.WeightUpdateHeader(policy_version=1, kind=data_pb2.WEIGHT_UPDATE_KIND_FULL)
-    messages = [framing.decode(f) for f in framing.encode_chunked(data_pb2.WEIGHT_UPDATE, header, data, chunk_bytes=1024)]
+    messages = [framing.decode(f) for f in chunked_transfer.encode_chunked(data_pb2.WEIGHT_UPDATE, header, data, chunk_bytes=1024)]
     assert len(messages) == 10
 
-    out_of_order = framing.ChunkAssembler()
+    out_of_order = chunked_transfer.ChunkAssembler()
     assert out_of_order.add(messages[0]) is None
     with pytest.raises(framing.BadChunk, match="expected chunk 1, got 2"):
         out_of_order.add(messages[2])
     assert out_of_order.num_open_transfers == 0  # the broken transfer is dropped
 
-    late_start = framing.ChunkAssembler()
+    late_start = chunked_transfer.ChunkAssembler()
     with pytest.raises(framing.BadChunk, match="before chunk 0"):
         late_start.add(messages[3])
 
-    duplicate = framing.ChunkAssembler()
+    duplicate = chunked_transfer.ChunkAssembler()
     duplicate.add(messages[0])
     with pytest.raises(framing.BadChunk):
         duplicate.add(messages[0])
 
     other_header = data_pb2.WeightUpdateHeader(policy_version=2, kind=data_pb2.WEIGHT_UPDATE_KIND_FULL)
-    swapped = [framing.decode(f) for f in framing.encode_chunked(data_pb2.WEIGHT_UPDATE, other_header, data, chunk_bytes=1024,
-                                                                 transfer_id=messages[0].envelope.chunk.transfer_id)]
-    mixed = framing.ChunkAssembler()
+    swapped = [framing.decode(f) for f in chunked_transfer.encode_chunked(data_pb2.WEIGHT_UPDATE, other_header, data,
+                                                                          chunk_bytes=1024,
+                                                                          transfer_id=messages[0].envelope.chunk.transfer_id)]
+    mixed = chunked_transfer.ChunkAssembler()
     mixed.add(messages[0])
     with pytest.raises(framing.BadChunk, match="different header"):
         mixed.add(swapped[1])
@@ -243,11 +244,11 @@ def test_chunk_errors_are_refused():
 def test_chunked_transfers_are_bounded():
     data = b"\0" * 4096
     header = data_pb2.WeightUpdateHeader(policy_version=1)
-    assembler = framing.ChunkAssembler(max_open_transfers=2, timeout_s=10)
+    assembler = chunked_transfer.ChunkAssembler(max_open_transfers=2, timeout_s=10)
     for _ in range(2):
-        first = next(framing.encode_chunked(data_pb2.WEIGHT_UPDATE, header, data, chunk_bytes=1024))
+        first = next(chunked_transfer.encode_chunked(data_pb2.WEIGHT_UPDATE, header, data, chunk_bytes=1024))
         assembler.add(framing.decode(first))
-    third = next(framing.encode_chunked(data_pb2.WEIGHT_UPDATE, header, data, chunk_bytes=1024))
+    third = next(chunked_transfer.encode_chunked(data_pb2.WEIGHT_UPDATE, header, data, chunk_bytes=1024))
     with pytest.raises(framing.BadChunk, match="too many open transfers"):
         assembler.add(framing.decode(third))
     import time
@@ -256,7 +257,7 @@ def test_chunked_transfers_are_bounded():
     assert assembler.num_open_transfers == 0
     limited = framing.Limits(max_transfer_bytes=2048)
     with pytest.raises(framing.OversizedFrame):
-        framing.decode(next(framing.encode_chunked(data_pb2.WEIGHT_UPDATE, header, data, chunk_bytes=1024)), limits=limited)
+        framing.decode(next(chunked_transfer.encode_chunked(data_pb2.WEIGHT_UPDATE, header, data, chunk_bytes=1024)), limits=limited)
 
 
 def test_error_reply_carries_the_refusal():

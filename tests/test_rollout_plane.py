@@ -15,7 +15,7 @@ from primerl.client.rollouts import RolloutConsumer, RolloutProducer, RolloutRef
 from primerl.broker.rollout_plane import RolloutPlane
 from primerl.broker.rollout_queue import RolloutQueue
 from primerl.broker.spool import RolloutSpool
-from primerl.proto import framing
+from primerl.proto import chunked_transfer, framing
 from primerl.proto.v1 import common_pb2, data_pb2
 from primerl.proto.units import MiB
 
@@ -226,7 +226,7 @@ def bad_messages():
     mismatch = framing.encode(data_pb2.ROLLOUT_BATCH, header, [wrong_tensors], auth_token=TOKEN)
     weight_ack = framing.encode(data_pb2.WEIGHT_ACK, data_pb2.WeightAck(policy_version=1), auth_token=TOKEN)
     ack = framing.encode(data_pb2.ROLLOUT_ACK, data_pb2.RolloutAck(batch_id="x"), auth_token=TOKEN)
-    chunked = next(framing.encode_chunked(data_pb2.ROLLOUT_BATCH, header, payload, chunk_bytes=64, auth_token=TOKEN))
+    chunked = next(chunked_transfer.encode_chunked(data_pb2.ROLLOUT_BATCH, header, payload, chunk_bytes=64, auth_token=TOKEN))
     big = framing.encode(data_pb2.ROLLOUT_BATCH, header, [b"\0" * (5 * MiB)], auth_token=TOKEN)
     bad_index = data_pb2.RolloutBatchHeader(); bad_index.CopyFrom(header); bad_index.micro_batch_index = 7
     return {

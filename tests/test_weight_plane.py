@@ -15,7 +15,7 @@ from primerl.client.weights import (
 )
 from primerl.broker.weight_plane import WeightPlane
 from primerl.broker.weight_store import WeightStore
-from primerl.proto import framing
+from primerl.proto import chunked_transfer, framing
 from primerl.proto.v1 import common_pb2, data_pb2
 from support.weight_plane import CHUNK_BYTES, LIMITS, RECEIVE_S, TOKEN, make_update
 from support.probes import wait_until as wait_for
@@ -159,7 +159,7 @@ def test_malformed_frames_get_errors_and_the_plane_keeps_serving(harness):
     cases.append((framing.encode(data_pb2.WEIGHT_UPDATE, header, [data], auth_token=TOKEN), common_pb2.ERROR_CODE_TENSOR_MISMATCH))
     # A chunk that arrives without its transfer's first chunk.
     header, data = make_update(1, num_bytes=200_000)
-    chunks = list(framing.encode_chunked(data_pb2.WEIGHT_UPDATE, header, data, chunk_bytes=CHUNK_BYTES, auth_token=TOKEN, sender="t"))
+    chunks = list(chunked_transfer.encode_chunked(data_pb2.WEIGHT_UPDATE, header, data, chunk_bytes=CHUNK_BYTES, auth_token=TOKEN, sender="t"))
     cases.append((chunks[1], common_pb2.ERROR_CODE_BAD_CHUNK))
     for frames, code in cases:
         raw.send_multipart(frames)

@@ -168,7 +168,9 @@ def test_stop_and_restart_end_the_ranks_that_left_the_group(tmp_path):
         assert child.num_starts == 2 and child.poll() is None
         started = time.monotonic()
         supervisor.stop(timeout_s=1.0)
-        assert not supervisor.alive(child) and time.monotonic() - started < 4.0
+        # stop() escalates to SIGKILL after its 1 s: well under the 15 s bound even on a loaded machine (a stop
+        # that waited for the stubborn role would never return)
+        assert not supervisor.alive(child) and time.monotonic() - started < 15.0
     finally:
         supervisor.kill_all()
         supervisor.close()

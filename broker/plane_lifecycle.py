@@ -12,6 +12,7 @@ Only the IO thread touches the socket.
 
 from __future__ import annotations
 
+import abc
 import contextvars
 import threading
 import time
@@ -33,7 +34,7 @@ _closed_ports: set[int] = set()
 _closed_ports_lock = threading.Lock()
 
 
-class RouterPlane:
+class RouterPlane(abc.ABC):
     """Start, bind, serve and stop one ROUTER socket in one IO thread. ``name`` says which plane in logs and errors."""
 
     name = "router plane"
@@ -134,19 +135,21 @@ class RouterPlane:
 
     # -- what a plane supplies -----------------------------------------------------------------------
 
+    @abc.abstractmethod
     def _bind(self) -> zmq.Socket:
         """The bound socket (use ``_bind_router``)."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def _serve(self, socket: zmq.Socket) -> None:
         """The IO loop; returns once ``_stop_event`` is set. The socket is closed after it."""
-        raise NotImplementedError
 
     def _release(self) -> None:
         """Free what ``_bind`` set up beside the socket (after a failed bind, or after serving)."""
 
+    @abc.abstractmethod
     def _handle(self, *args: Any) -> None:
-        raise NotImplementedError
+        """One message from a peer (called through ``_handle_guarded``)."""
 
+    @abc.abstractmethod
     def _unexpected(self, *args: Any) -> None:
-        raise NotImplementedError
+        """A failure ``_handle`` did not expect: log it (rate-limited) and answer the peer if it can."""

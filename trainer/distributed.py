@@ -50,9 +50,20 @@ def init_distributed(timeout_s: float = 300.0) -> DistInfo:
     return DistInfo(rank, world_size, local_rank, backend)
 
 
-def shutdown_distributed(info: DistInfo) -> None:
-    if info.enabled and dist.is_initialized():
-        dist.destroy_process_group()
+def shutdown_distributed(info: DistInfo, peer_wait_s: float = 10.0) -> None:
+    """Leave the process group. Ranks first wait for each other (at most ``peer_wait_s``): gloo aborts a process
+    (SIGABRT, "terminate called without an active exception") that tears its group down while a peer is still
+    talking to it, as rank 0 gathering a full state dict can be. A peer that already exited only costs the wait."""
+    if not (info.enabled and dist.is_initialized()):
+        return
+    try:
+        if info.backend == "gloo":
+            dist.monitored_barrier(timeout=timedelta(seconds=peer_wait_s), wait_all_ranks=True)
+        else:
+            dist.barrier()
+    except Exception as exc:  # a peer that stopped first or died: leaving is all that is left to do
+        log.warning("ranks did not meet before leaving the process group", rank=info.rank, error=str(exc))
+    dist.destroy_process_group()
 
 
 FSDP2_SEVERAL_RANKS = (

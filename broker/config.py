@@ -6,8 +6,9 @@ import os
 from pathlib import Path
 from typing import Any
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 
+from primerl.runtime.addresses import check_advertise_host
 from primerl.runtime.config_base import BaseConfig
 from primerl.runtime.config_common import (
     DEFAULT_BROKER_GRPC_PORT,
@@ -40,6 +41,14 @@ class BrokerConfig(BaseConfig):
         DEFAULT_BROKER_HOST,
         min_length=1,
         description="Interface that the gRPC server and the ZeroMQ sockets bind (`0.0.0.0` for all interfaces).",
+    )
+    advertise_host: str | None = Field(
+        None,
+        min_length=1,
+        description="Host that workers are told to dial for the ZeroMQ planes (the endpoints handed out at "
+        "registration), when it differs from `host` (NAT, a wildcard bind). Unset: `host` when it is a concrete "
+        "address; with a wildcard `host` the endpoints carry the wildcard and each worker dials the host it "
+        "reached the broker's gRPC server at (its `broker.address`).",
     )
     grpc_port: int = _port(
         DEFAULT_BROKER_GRPC_PORT,
@@ -157,6 +166,11 @@ class BrokerConfig(BaseConfig):
         default_factory=PrometheusConfig, description="Prometheus `/metrics` of the broker."
     )
 
+    @field_validator("advertise_host")
+    @classmethod
+    def _check_advertise_host(cls, host: str | None) -> str | None:
+        return None if host is None else check_advertise_host(host, "broker.advertise_host")
+
     @model_validator(mode="after")
     def _check(self) -> BrokerConfig:
         problems = []
@@ -196,6 +210,13 @@ class BrokerConfig(BaseConfig):
     def client_host(self) -> str:
         """Host that clients on this machine use to reach the broker (a wildcard bind is reached on loopback)."""
         return "127.0.0.1" if self.host in ("0.0.0.0", "::", "[::]") else self.host
+
+    @property
+    def endpoint_host(self) -> str:
+        """Host put into the ZeroMQ endpoints handed to registering workers: ``advertise_host``, else ``host``
+        (a wildcard stays a wildcard: ``primerl.runtime.addresses.dialable_endpoint`` makes each worker replace
+        it with the host it dialed the broker at)."""
+        return self.advertise_host or self.host
 
     @property
     def grpc_address(self) -> str:

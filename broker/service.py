@@ -42,6 +42,7 @@ from primerl.broker.run_status import DataPlaneStatus, QueueDepth
 from primerl.broker.weight_fanout import WeightFanout
 from primerl.broker.weight_store import WeightStore
 from primerl.proto.data_plane_limits import BrokerLimits
+from primerl.runtime.addresses import url_host
 from primerl.runtime.config_common import is_loopback_host
 from primerl.runtime.log_setup import bind_context, get_logger
 from primerl.runtime.prometheus import MetricsExporter, start_exporter
@@ -172,8 +173,11 @@ class BrokerService:
             )
             with _naming_the_setting("weight_port", "ZeroMQ weight", config.host, config.weight_port):
                 weight_port = self.weight_plane.start()
-            client_host = config.client_host
-            self.registry.set_endpoints(tcp_endpoint(client_host, rollout_port), tcp_endpoint(client_host, weight_port))
+            # What workers dial: advertise_host, else host; a wildcard is replaced by each worker with the host it
+            # dialed the broker at (primerl.runtime.addresses), so nothing here assumes loopback.
+            endpoint_host = url_host(config.endpoint_host)
+            self.registry.set_endpoints(tcp_endpoint(endpoint_host, rollout_port),
+                                        tcp_endpoint(endpoint_host, weight_port))
             with _naming_the_setting("grpc_port", "gRPC", config.host, config.grpc_port):
                 self._server, grpc_port = create_grpc_server(
                     self.servicer, config.host, config.grpc_port, run_token=config.run_token,
@@ -187,7 +191,8 @@ class BrokerService:
         self._warn_about_auth()
         metrics_url = self.exporter.url if self.exporter is not None else None
         self.endpoints = BrokerEndpoints(grpc_port, rollout_port, weight_port, self.run_id, metrics_url)
-        log.info("broker serving", host=config.host, spool_dir=str(config.spool_dir), auth=bool(config.run_token),
+        log.info("broker serving", host=config.host, endpoint_host=config.endpoint_host, spool_dir=str(config.spool_dir),
+                 auth=bool(config.run_token),
                  tls=config.tls_cert_path is not None, **self.endpoints.as_dict())
         return self.endpoints
 

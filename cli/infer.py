@@ -52,6 +52,7 @@ async def _serve(config, args: argparse.Namespace, log) -> int:
     try:
         if args.ready_file is not None:
             write_ready_file(args.ready_file, "inference", {"http_port": address.port, "base_url": address.base_url,
+                                                            "advertised_url": address.advertised_url,
                                                             "worker_id": service.control.worker_id})
         return await service.serve_until(stop_event)
     finally:

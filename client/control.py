@@ -34,6 +34,7 @@ from primerl.client.outage import BrokerOutageExceeded, OutageWatch, retry_throu
 from primerl.proto.data_plane_limits import BrokerLimits
 from primerl.proto.roles import role_from_name
 from primerl.proto.v1 import common_pb2, control_pb2, control_pb2_grpc
+from primerl.runtime.addresses import dialable_endpoint
 from primerl.runtime.config_common import BrokerClientConfig
 from primerl.runtime.log_setup import get_logger
 
@@ -227,6 +228,9 @@ class ControlClient:
             if only_if_unregistered and self._worker_id is not None and self.registration is not None:
                 return self.registration
             response = self._call("Register", self._stub.Register, request)
+            # A broker bound to a wildcard hands out wildcard endpoints: dial its planes where we reached it.
+            response.rollout_endpoint = dialable_endpoint(response.rollout_endpoint, self.config.address)
+            response.weight_endpoint = dialable_endpoint(response.weight_endpoint, self.config.address)
             self._worker_id = response.worker_id
             self.registration = response
             self.num_registrations += 1

@@ -8,8 +8,9 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 
+from primerl.runtime.addresses import check_advertise_host
 from primerl.runtime.config_base import BaseConfig
 from primerl.runtime.config_common import BrokerClientConfig, LogConfig
 from primerl.runtime.cpu_budget import ThreadsConfig
@@ -60,12 +61,27 @@ class ParallelConfig(BaseConfig):
 class ServerConfig(BaseConfig):
     """The OpenAI-compatible HTTP server."""
 
-    host: str = Field("127.0.0.1", min_length=1, description="Interface the HTTP server binds.")
+    host: str = Field(
+        "127.0.0.1", min_length=1, description="Interface the HTTP server binds (`0.0.0.0` for all interfaces)."
+    )
+    advertise_host: str | None = Field(
+        None,
+        min_length=1,
+        description="Host in the URL this worker registers with the broker, which the orchestrator and its env "
+        "workers dial, when it differs from `host` (NAT, a wildcard bind). Unset: `host` when it is a concrete "
+        "address; with a wildcard `host`, the address of this machine's interface that routes to the broker "
+        "(`broker.address`), else this machine's host name.",
+    )
     port: int = Field(
         0, ge=0, le=65535,
         description="HTTP port (0: a free port, found by the orchestrator through the broker, where every inference "
         "worker registers the address it bound).",
     )
+
+    @field_validator("advertise_host")
+    @classmethod
+    def _check_advertise_host(cls, host: str | None) -> str | None:
+        return None if host is None else check_advertise_host(host, "inference.server.advertise_host")
 
 
 class InferenceConfig(BaseConfig):

@@ -37,6 +37,7 @@ from typing import TYPE_CHECKING, Any
 from primerl.inference.config import InferenceConfig
 from primerl.inference.engine import EngineOptions, apply_env_defaults, is_cpu_platform, resolve_llm_kwargs
 from primerl.inference.http_middleware import BearerAuthMiddleware, DropSeedMiddleware, PolicyVersionMiddleware
+from primerl.runtime.addresses import advertised_host, url_host
 from primerl.runtime.log_setup import get_logger
 
 if TYPE_CHECKING:
@@ -174,15 +175,25 @@ def _keep_root_logging() -> Any:
 # ---------------------------------------------------------------------------------------------- server
 @dataclass(frozen=True)
 class ServerAddress:
+    """The bound ``host`` and ``port``, and ``advertise_host``: the host other machines dial (see
+    ``primerl.runtime.addresses.advertised_host``; empty: ``host``)."""
+
     host: str
     port: int
+    advertise_host: str = ""
 
     @property
     def base_url(self) -> str:
+        """The URL as this machine dials it (a wildcard bind is reached on loopback)."""
         host = "127.0.0.1" if self.host in ("0.0.0.0", "") else ("[::1]" if self.host in ("::", "[::]") else self.host)
-        if ":" in host and not host.startswith("["):
-            host = f"[{host}]"
-        return f"http://{host}:{self.port}"
+        return f"http://{url_host(host)}:{self.port}"
+
+    @property
+    def advertised_url(self) -> str:
+        """The URL other machines dial: the one registered with the broker (what the orchestrator sends to)."""
+        if not self.advertise_host:
+            return self.base_url
+        return f"http://{url_host(self.advertise_host)}:{self.port}"
 
 
 class PortUnavailable(OSError):
@@ -268,7 +279,9 @@ class InferenceServer:
         self._exit_stack.callback(sock.close)
         try:
             port = sock.getsockname()[1]
-            self.address = ServerAddress(args.host or "0.0.0.0", port)
+            bind_host = args.host or "0.0.0.0"
+            self.address = ServerAddress(bind_host, port, advertised_host(
+                bind_host, self.config.server.advertise_host, peer_address=self.config.broker.address))
             engine = self.engine = await self._exit_stack.enter_async_context(build_async_engine_client(args))
             supported_tasks = await engine.get_supported_tasks()
             app = build_app(args, supported_tasks, engine.model_config)
@@ -305,7 +318,8 @@ class InferenceServer:
             await self.stop()
             raise
         self.start_s = time.monotonic() - t0
-        log.info("serving", url=self.address.base_url, model=self.config.model.name, start_s=round(self.start_s, 1),
+        log.info("serving", url=self.address.base_url, advertised_url=self.address.advertised_url,
+                 model=self.config.model.name, start_s=round(self.start_s, 1),
                  pause_mode=self.pause_mode, drops_seeds=self.drops_seeds, routes=sorted(self._paths(app)))
         return self.address
 

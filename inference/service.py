@@ -220,9 +220,10 @@ class InferenceService:
                 "dtype": str(engine.model_config.dtype).removeprefix("torch."),
                 "model": self.server.served_model_name,
                 "pause_mode": self.server.pause_mode,
-                "metrics_url": f"{self.address.base_url}/metrics",
+                "metrics_url": f"{self.address.advertised_url}/metrics",
             }
-            self.control = ControlClient(self.config.broker, "inference", self.name, address=self.address.base_url,
+            # Registered: the URL other machines dial (server.advertise_host), not the one this machine would.
+            self.control = ControlClient(self.config.broker, "inference", self.name, address=self.address.advertised_url,
                                          capabilities=capabilities, rpc_timeout_s=5.0)
             await asyncio.to_thread(self.control.wait_ready)
             registration = await asyncio.to_thread(self.control.register)
@@ -233,7 +234,7 @@ class InferenceService:
         except BaseException:
             await self.stop(grace_s=2.0)
             raise
-        log.info("inference worker ready", url=self.address.base_url, worker_id=self.control.worker_id,
+        log.info("inference worker ready", url=self.address.advertised_url, worker_id=self.control.worker_id,
                  metrics_url=capabilities["metrics_url"], start_s=round(self.server.start_s or 0.0, 1))
         return self.address
 
@@ -315,7 +316,8 @@ class InferenceService:
                     subscriber = WeightSubscriber(registration.weight_endpoint, self.config.broker.run_token, worker_id,
                                                   payload_buffer=self.updater.staging_buffer,
                                                   outage_s=self.config.broker.outage_s,
-                                                  limits=self.control.limits.frames)
+                                                  limits=self.control.limits.frames,
+                                                  curve=self.control.curve)
                     try:
                         subscriber.hello(self.policy_version, lineage=self.updater.lineage)
                     except TimeoutError:

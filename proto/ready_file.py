@@ -12,6 +12,7 @@ reader sees all of it or no file) and one reader (``read_ready_file``).
     metrics_url   broker              its Prometheus /metrics URL, or null
     http_port     inference           the OpenAI-compatible server's port
     base_url      inference           its base URL (``http://host:port/v1``)
+    advertised_url inference          the URL it registered with the broker (``server.advertise_host``)
     worker_id     inference           its worker id at the broker
 
 In a ``primerl rl`` run directory the files are named by ``READY_FILE_NAMES``.

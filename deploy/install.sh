@@ -52,6 +52,7 @@ while [[ $# -gt 0 ]]; do
 done
 [[ "$INFER_WORKERS" =~ ^[0-9]+$ ]] || { echo "install.sh: --infer-workers takes a number, got $INFER_WORKERS" >&2; exit 2; }
 [[ "$VENV" == /* && "$ENV_VENV" == /* ]] || { echo "install.sh: --venv and --env-venv take absolute paths" >&2; exit 2; }
+[[ ! "$VENV$ENV_VENV" =~ [[:space:]%\$] ]] || { echo "install.sh: --venv and --env-venv cannot hold spaces, % or \$ (unit command lines)" >&2; exit 2; }
 [[ "$USER_NAME" =~ ^[a-z_][a-z0-9_-]*$ ]] || { echo "install.sh: --user $USER_NAME is not a valid user name" >&2; exit 2; }
 if [[ -n "$ROOT" ]]; then
     mkdir -p "$ROOT"

@@ -1,0 +1,329 @@
+"""The systemd units of deploy/: installed by deploy/install.sh into a temporary root, their command lines (after
+systemd's substitutions: instance names, `Environment=`, the environment files install.sh wrote) are accepted by
+the real daemons with the example configs, `systemd-analyze` verifies them, and install.sh is idempotent."""
+
+from __future__ import annotations
+
+import os
+import re
+import shlex
+import shutil
+import stat
+import subprocess
+import sys
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+DEPLOY = REPO_ROOT / "deploy"
+INSTALL_SH = DEPLOY / "install.sh"
+BIN = Path(sys.executable).parent
+VENV = BIN.parent
+SERVICES = sorted(p.name for p in (DEPLOY / "systemd").glob("*.service"))
+# Each unit as a node runs it: the template as two instances (ports 8000 and 8001 from install.sh).
+INSTANCES = [s for s in SERVICES if not s.endswith("@.service")] + ["primerl-infer@0.service", "primerl-infer@1.service"]
+SYSTEMD_ANALYZE = shutil.which("systemd-analyze")
+needs_systemd_analyze = pytest.mark.skipif(
+    SYSTEMD_ANALYZE is None, reason="systemd-analyze is not installed (Debian: apt-get install systemd)")
+
+
+@dataclass
+class Unit:
+    """The settings of a unit file (and its drop-ins) that the checks need, each key's values in order."""
+
+    path: Path
+    settings: dict[str, list[str]] = field(default_factory=dict)
+
+    @classmethod
+    def read(cls, path: Path, *drop_ins: Path) -> Unit:
+        unit = cls(path)
+        for file in (path, *drop_ins):
+            for line in file.read_text().splitlines():
+                if line.startswith(("#", ";", "[")) or "=" not in line:
+                    continue
+                key, value = line.split("=", 1)
+                if key == "ExecStart" and not value:  # a drop-in's empty ExecStart= clears the list
+                    unit.settings[key] = []
+                    continue
+                unit.settings.setdefault(key, []).append(value)
+        return unit
+
+    def values(self, key: str) -> list[str]:
+        return self.settings.get(key, [])
+
+
+def read_env_file(path: Path) -> dict[str, str]:
+    """A systemd `EnvironmentFile=`: KEY=value lines; comments and blank lines skipped, one pair of quotes dropped."""
+    env = {}
+    for line in path.read_text().splitlines():
+        line = line.strip()
+        if not line or line.startswith(("#", ";")):
+            continue
+        key, sep, value = line.partition("=")
+        assert sep, f"{path}: not KEY=value: {line!r}"
+        value = value.strip()
+        if len(value) >= 2 and value[0] == value[-1] and value[0] in "'\"":
+            value = value[1:-1]
+        env[key.strip()] = value
+    return env
+
+
+def unit_environment(unit: Unit, root: Path, instance: str) -> dict[str, str]:
+    """The environment systemd gives the unit: `Environment=` lines, then its `EnvironmentFile=`s (read from
+    ``root``), which win."""
+    env: dict[str, str] = {}
+    for assignment in unit.values("Environment"):
+        for word in shlex.split(assignment):
+            key, _, value = word.partition("=")
+            env[key] = value
+    for name in unit.values("EnvironmentFile"):
+        name = name.replace("%i", instance)
+        optional = name.startswith("-")
+        path = root / name.removeprefix("-").lstrip("/")
+        if optional and not path.exists():
+            continue
+        env.update(read_env_file(path))
+    return env
+
+
+def command_line(unit: Unit, env: dict[str, str], instance: str) -> list[str]:
+    """`ExecStart=` as systemd runs it: specifiers, then `${NAME}` as one word (or part of one) and a bare `$NAME`
+    word split at whitespace into zero or more words."""
+    (exec_start,) = unit.values("ExecStart")
+    exec_start = exec_start.replace("%i", instance).replace("%%", "%")
+    assert "%" not in exec_start, f"{unit.path.name}: a specifier this check does not expand: {exec_start}"
+    argv = []
+    for word in shlex.split(exec_start):
+        bare = re.fullmatch(r"\$([A-Za-z_][A-Za-z0-9_]*)", word)
+        if bare:
+            argv += env.get(bare.group(1), "").split()
+            continue
+        word = re.sub(r"\$\{([A-Za-z_][A-Za-z0-9_]*)\}", lambda m: env.get(m.group(1), ""), word)
+        assert "$" not in word, f"{unit.path.name}: a variable this check does not expand: {word}"
+        argv.append(word)
+    return argv
+
+
+def dry_run(argv: list[str], env: dict[str, str], root: Path) -> dict:
+    """Run the daemon's own command-line and config parsing (`--dry-run`) on a unit's command line, the files it
+    names under /etc/primerl read from ``root``; the resolved config it prints."""
+    program = Path(argv[0])
+    assert program.exists(), f"{argv[0]} is not installed in this environment"
+    args = [str(root / a.lstrip("/")) if a.startswith("/etc/primerl/") else a for a in argv[1:]]
+    result = subprocess.run([str(program), *args, "--dry-run"], capture_output=True, text=True, timeout=120,
+                            env={**env, "PATH": str(BIN), "HF_HUB_OFFLINE": "1"})
+    assert result.returncode == 0, f"{shlex.join(argv)}\n{result.stderr}"
+    return tomllib.loads(result.stdout)
+
+
+def run_install(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(["bash", str(INSTALL_SH), *args], capture_output=True, text=True, timeout=60)
+
+
+@pytest.fixture(scope="module")
+def node_root(tmp_path_factory) -> Path:
+    """A node's filesystem as install.sh leaves it (primerl in this test's virtual environment, two workers)."""
+    root = tmp_path_factory.mktemp("node")
+    result = run_install("--root", str(root), "--venv", str(VENV), "--infer-workers", "2", "--token", "sekrit")
+    assert result.returncode == 0, result.stderr
+    return root
+
+
+def installed_unit(root: Path, name: str, *drop_ins: Path) -> Unit:
+    template = re.sub(r"@[^.]+\.service$", "@.service", name)
+    return Unit.read(root / "etc/systemd/system" / template, *drop_ins)
+
+
+def instance_of(name: str) -> str:
+    match = re.search(r"@([^.]+)\.service$", name)
+    return match.group(1) if match else ""
+
+
+@pytest.mark.parametrize("name", INSTANCES)
+def test_unit_command_line_is_accepted_by_the_daemon(node_root, name):
+    unit = installed_unit(node_root, name)
+    env = unit_environment(unit, node_root, instance_of(name))
+    config = dry_run(command_line(unit, env, instance_of(name)), env, node_root)
+    assert config["log"]["format"] == "json"
+    if name.startswith("primerl-broker"):
+        assert config["spool_dir"] == "/var/lib/primerl/spool" and config["prometheus"]["port"] == 9310
+        assert config["host"] == "0.0.0.0"
+    elif name.startswith("primerl-infer"):
+        assert config["server"]["port"] == {"": 8000, "0": 8000, "1": 8001}[instance_of(name)]
+        assert config["broker"]["address"] == "broker-node:50051"
+    else:
+        assert config["output_dir"].startswith("/var/lib/primerl/")
+
+
+def test_per_role_and_per_instance_settings_win(node_root, tmp_path):
+    """PRIMERL_INFER_INSTANCE_ARGS (the instance's file) adds a config file and overrides after the shared ones."""
+    unit = installed_unit(node_root, "primerl-infer@1.service")
+    env = unit_environment(unit, node_root, "1")
+    extra = tmp_path / "1.toml"
+    extra.write_text("[model]\nmax_model_len = 1024\n")
+    env["PRIMERL_INFER_ARGS"] = "--gpu-memory-utilization 0.5"
+    env["PRIMERL_INFER_INSTANCE_ARGS"] = f"@ {extra} --server.port 9001"
+    config = dry_run(command_line(unit, env, "1"), env, node_root)
+    assert config["model"]["max_model_len"] == 1024
+    assert config["gpu_memory_utilization"] == 0.5
+    assert config["server"]["port"] == 9001
+
+
+def security_examples() -> dict[str, str]:
+    """The commented examples of the wire-security variables in deploy/etc/primerl.env."""
+    found = re.findall(r"^#\s+(PRIMERL_\w+_SECURITY_ARGS)=(.+)$", (DEPLOY / "etc/primerl.env").read_text(), re.M)
+    return dict(found)
+
+
+def test_wire_security_examples_are_accepted(node_root, tmp_path):
+    """The TLS/CURVE settings primerl.env shows (once uncommented) are settings the daemons know."""
+    examples = security_examples()
+    assert set(examples) == {"PRIMERL_BROKER_SECURITY_ARGS", "PRIMERL_CLIENT_SECURITY_ARGS"}
+    for name in INSTANCES:
+        unit = installed_unit(node_root, name)
+        env = {**unit_environment(unit, node_root, instance_of(name)), **examples}
+        argv = command_line(unit, env, instance_of(name))
+        assert any(a.startswith("/etc/primerl/certs/") for a in argv), f"{name} uses no security example"
+        for path in {a for a in argv if a.startswith("/etc/primerl/certs/")}:
+            (node_root / path.lstrip("/")).write_text("placeholder: the dry run reads no key material\n")
+        dry_run(argv, env, node_root)
+
+
+def test_torchrun_drop_in(node_root):
+    """The torchrun drop-in replaces ExecStart with torchrun flags torchrun knows and a trainer command line the
+    trainer accepts."""
+    drop_in = node_root / "etc/primerl/examples/trainer-torchrun.conf"
+    unit = installed_unit(node_root, "primerl-trainer.service", drop_in)
+    env = unit_environment(unit, node_root, "")
+    argv = command_line(unit, env, "")
+    split = next(i for i, a in enumerate(argv) if a.endswith("/primerl-trainer"))
+    assert Path(argv[0]).name == "torchrun" and Path(argv[0]).exists()
+    check = ("import sys; from torch.distributed.run import get_args_parser; "
+             "a = get_args_parser().parse_args(sys.argv[1:]); print(a.nnodes, a.nproc_per_node, a.rdzv_endpoint)")
+    result = subprocess.run([sys.executable, "-c", check, *argv[1:split + 1]], capture_output=True, text=True,
+                            timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split() == ["1", "2", "trainer-node-1:29400"]
+    dry_run(argv[split:], env, node_root)
+
+
+def test_units_join_the_target_and_are_hardened(node_root):
+    target = Unit.read(node_root / "etc/systemd/system/primerl.target")
+    assert target.values("WantedBy") == ["multi-user.target"]
+    for name in SERVICES:
+        unit = installed_unit(node_root, name)
+        one = {key: values[-1] for key, values in unit.settings.items()}
+        assert one["PartOf"] == "primerl.target" and one["WantedBy"] == "primerl.target", name
+        assert one["Restart"] == "on-failure" and int(one["StartLimitBurst"]) >= 1, name
+        assert int(one["StartLimitIntervalSec"]) > 0 and one["RestartPreventExitStatus"] == "2", name
+        assert one["NoNewPrivileges"] == "true" and one["ProtectSystem"] == "strict", name
+        assert one["PrivateTmp"] == "true" and one["ProtectHome"] == "true", name
+        assert one["StandardError"] == "journal" and one["User"] == "primerl", name
+        assert one["StateDirectory"].split()[0] == "primerl" and one["RuntimeDirectory"].startswith("primerl-"), name
+        assert one["ExecStart"].startswith(f"{BIN}/"), name
+        # Inference and trainer ranks need the GPUs in /dev; the broker and orchestrator do not.
+        gpus = name.startswith(("primerl-infer", "primerl-trainer"))
+        assert one.get("PrivateDevices", "false") == ("false" if gpus else "true"), name
+
+
+@needs_systemd_analyze
+def test_systemd_analyze_verify(node_root):
+    """systemd's own check of every unit, the template as instances and the trainer with its torchrun drop-in:
+    no message at all (unknown keys, bad values, missing executables, dependencies on units that do not exist)."""
+    unit_dir = node_root / "etc/systemd/system"
+    drop_in_dir = unit_dir / "primerl-trainer.service.d"
+    drop_in_dir.mkdir(exist_ok=True)
+    shutil.copy(node_root / "etc/primerl/examples/trainer-torchrun.conf", drop_in_dir / "torchrun.conf")
+    try:
+        names = [*INSTANCES, "primerl.target"]
+        result = subprocess.run([SYSTEMD_ANALYZE, "verify", "--man=no", "--generators=no",
+                                 *(f"./{name}" for name in names)],
+                                cwd=unit_dir, capture_output=True, text=True, timeout=120)
+    finally:
+        shutil.rmtree(drop_in_dir)
+    assert result.returncode == 0 and not result.stderr.strip(), result.stderr
+
+
+@needs_systemd_analyze
+@pytest.mark.parametrize("name", INSTANCES)
+def test_systemd_analyze_security_exposure(node_root, name):
+    """`systemd-analyze security` rates every unit 5.0 or less (out of 10; the units before hardening: 8.7)."""
+    result = subprocess.run([SYSTEMD_ANALYZE, "security", "--offline=true", "--no-pager", "--threshold=50",
+                             f"./{name}"], cwd=node_root / "etc/systemd/system", capture_output=True, text=True,
+                            timeout=60)
+    assert result.returncode == 0, result.stdout[-600:] + result.stderr
+
+
+@pytest.mark.skipif(shutil.which("systemctl") is None, reason="systemctl is not installed")
+def test_systemctl_enables_units_into_the_target(tmp_path):
+    root = tmp_path / "node"
+    assert run_install("--root", str(root), "--venv", str(VENV), "--infer-workers", "2").returncode == 0
+    result = subprocess.run(["systemctl", f"--root={root}", "enable", "primerl.target", "primerl-broker.service",
+                             "primerl-infer@0.service", "primerl-infer@1.service"],
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    wants = root / "etc/systemd/system/primerl.target.wants"
+    assert sorted(p.name for p in wants.iterdir()) == [
+        "primerl-broker.service", "primerl-infer@0.service", "primerl-infer@1.service"]
+    assert (root / "etc/systemd/system/multi-user.target.wants/primerl.target").is_symlink()
+
+
+def test_install_is_idempotent_and_keeps_edited_files(tmp_path):
+    root = tmp_path / "node"
+    first = run_install("--root", str(root), "--venv", str(VENV), "--infer-workers", "1")
+    assert first.returncode == 0, first.stderr
+    etc = root / "etc/primerl"
+    token = read_env_file(etc / "primerl.env")["PRIMERL_RUN_TOKEN"]
+    assert re.fullmatch(r"[0-9a-f]{48}", token)
+    assert stat.S_IMODE((etc / "primerl.env").stat().st_mode) == 0o640
+    assert stat.S_IMODE(etc.stat().st_mode) == 0o750
+    assert stat.S_IMODE((root / "var/lib/primerl").stat().st_mode) == 0o750
+    edited = etc / "broker.toml"
+    edited.write_text('host = "10.0.0.5"\n')
+    unit = root / "etc/systemd/system/primerl-broker.service"
+    shipped = unit.read_text()
+    unit.write_text(shipped + "# a local edit: belongs in a drop-in\n")
+    second = run_install("--root", str(root), "--venv", str(VENV), "--infer-workers", "2")
+    assert second.returncode == 0, second.stderr
+    assert edited.read_text() == 'host = "10.0.0.5"\n'
+    assert read_env_file(etc / "primerl.env")["PRIMERL_RUN_TOKEN"] == token
+    assert unit.read_text() == shipped
+    assert "kept     /etc/primerl/broker.toml (exists)" in second.stdout
+    assert "updated  /etc/systemd/system/primerl-broker.service" in second.stdout
+    assert read_env_file(etc / "infer/1.env")["PRIMERL_INFER_PORT"] == "8001"
+    third = run_install("--root", str(root), "--venv", str(VENV), "--infer-workers", "2")
+    assert "wrote" not in third.stdout and "updated" not in third.stdout, third.stdout
+
+
+def test_install_takes_the_token_of_an_earlier_release(tmp_path):
+    root = tmp_path / "node"
+    (root / "etc/primerl").mkdir(parents=True)
+    (root / "etc/primerl/run-token.env").write_text("PRIMERL_RUN_TOKEN=from-before\n")
+    assert run_install("--root", str(root), "--venv", str(VENV)).returncode == 0
+    assert read_env_file(root / "etc/primerl/primerl.env")["PRIMERL_RUN_TOKEN"] == "from-before"
+
+
+def test_install_renders_paths_and_refuses_bad_arguments(tmp_path):
+    root = tmp_path / "node"
+    result = run_install("--root", str(root), "--venv", "/srv/p/.venv", "--env-venv", "/srv/envs", "--user", "rl")
+    assert result.returncode == 0, result.stderr
+    assert "WARNING  /srv/p/.venv/bin/primerl-broker is missing" in result.stdout
+    orchestrator = Unit.read(root / "etc/systemd/system/primerl-orchestrator.service")
+    assert orchestrator.values("ExecStart")[0].startswith("/srv/p/.venv/bin/primerl-orchestrator ")
+    assert "PRIMERL_ENV_PYTHON=/srv/envs/bin/python" in orchestrator.values("Environment")
+    assert orchestrator.values("User") == ["rl"]
+    for args, message in [(["--infer-workers", "two"], "--infer-workers takes a number"),
+                          (["--venv", "relative"], "absolute paths"),
+                          (["--venv", "/srv/a b"], "cannot hold spaces"), (["--bogus"], "unknown argument --bogus"),
+                          (["--root"], "--root needs a value")]:
+        bad = run_install("--root", str(root), *args) if args[0] != "--root" else run_install(*args)
+        assert bad.returncode == 2 and message in bad.stderr, (args, bad.stderr)
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="the refusal is for users other than root")
+def test_install_without_root_needs_a_root_dir():
+    result = run_install()
+    assert result.returncode == 1 and "--root DIR" in result.stderr

@@ -140,6 +140,10 @@ make_dir 0755 root:root "$CONF_DIR/examples"
 make_dir 0750 "$USER_NAME:$USER_NAME" "$ROOT/var/lib/primerl"
 make_dir 0750 "$USER_NAME:$USER_NAME" "$ROOT/var/cache/primerl"
 say "ok       /etc/primerl{,/infer,/certs,/examples} /var/lib/primerl /var/cache/primerl"
+if [[ -z "$ROOT" ]]; then  # credentials copied in from `primerl certs` (owner-only): readable by the daemons' group
+    chgrp -R "$USER_NAME" "$CONF_DIR/certs" && chmod -R g+rX,g-w,o-rwx "$CONF_DIR/certs"
+    say "ok       /etc/primerl/certs: group $USER_NAME may read, others nothing"
+fi
 
 echo "units"
 for unit in "$HERE"/systemd/*.service "$HERE"/systemd/*.target; do

@@ -172,24 +172,35 @@ def test_per_role_and_per_instance_settings_win(node_root, tmp_path):
     assert config["server"]["port"] == 9001
 
 
-def security_examples() -> dict[str, str]:
-    """The commented examples of the wire-security variables in deploy/etc/primerl.env."""
-    found = re.findall(r"^#\s+(PRIMERL_\w+_SECURITY_ARGS)=(.+)$", (DEPLOY / "etc/primerl.env").read_text(), re.M)
-    return dict(found)
+def security_examples(node: str) -> dict[str, str]:
+    """The commented examples of the wire-security variables in deploy/etc/primerl.env, for client ``node``."""
+    found = re.findall(r"^#\s+(PRIMERL_\w+_(?:TLS|CURVE)_ARGS)=(.+)$", (DEPLOY / "etc/primerl.env").read_text(), re.M)
+    return {key: value.replace("NODE", node) for key, value in found}
 
 
-def test_wire_security_examples_are_accepted(node_root, tmp_path):
-    """The TLS/CURVE settings primerl.env shows (once uncommented) are settings the daemons know."""
-    examples = security_examples()
-    assert set(examples) == {"PRIMERL_BROKER_SECURITY_ARGS", "PRIMERL_CLIENT_SECURITY_ARGS"}
+def test_wire_security_examples_are_accepted(node_root):
+    """The TLS/CURVE settings primerl.env shows (once uncommented) name the files `primerl certs` writes, copied to
+    /etc/primerl/certs, and are settings the daemons know."""
+    examples = security_examples("node1")
+    assert set(examples) == {f"PRIMERL_{side}_{kind}_ARGS" for side in ("BROKER", "CLIENT") for kind in ("TLS", "CURVE")}
+    certs = node_root / "etc/primerl/certs"
+    result = subprocess.run([str(BIN / "primerl"), "certs", "--out", str(certs), "--host", "broker-node",
+                             "--clients", "node1", "--force"], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
     for name in INSTANCES:
         unit = installed_unit(node_root, name)
         env = {**unit_environment(unit, node_root, instance_of(name)), **examples}
         argv = command_line(unit, env, instance_of(name))
-        assert any(a.startswith("/etc/primerl/certs/") for a in argv), f"{name} uses no security example"
-        for path in {a for a in argv if a.startswith("/etc/primerl/certs/")}:
-            (node_root / path.lstrip("/")).write_text("placeholder: the dry run reads no key material\n")
-        dry_run(argv, env, node_root)
+        paths = [a for a in argv if a.startswith("/etc/primerl/certs/")]
+        assert len(paths) == 5, f"{name}: {argv}"
+        missing = [p for p in paths if not (node_root / p.lstrip("/")).exists()]
+        assert not missing, f"{name}: `primerl certs` wrote no {missing}"
+        config = dry_run(argv, env, node_root)
+        security = config if name.startswith("primerl-broker") else config["broker"]
+        assert {k for k in security if k.startswith(("tls_", "curve_"))} == (
+            {"tls_cert_path", "tls_key_path", "tls_client_ca_path", "curve_secret_key_path", "curve_authorized_keys_dir"}
+            if name.startswith("primerl-broker") else
+            {"tls_ca_path", "tls_cert_path", "tls_key_path", "curve_secret_key_path", "curve_broker_key_path"})
 
 
 def test_torchrun_drop_in(node_root):
@@ -323,7 +334,48 @@ def test_install_renders_paths_and_refuses_bad_arguments(tmp_path):
         assert bad.returncode == 2 and message in bad.stderr, (args, bad.stderr)
 
 
-@pytest.mark.skipif(os.geteuid() == 0, reason="the refusal is for users other than root")
 def test_install_without_root_needs_a_root_dir():
-    result = run_install()
-    assert result.returncode == 1 and "--root DIR" in result.stderr
+    """Run as another user (as nobody, through setpriv, when the test runs as root), install.sh refuses / itself."""
+    as_user = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups"] if os.geteuid() == 0 else []
+    if as_user and shutil.which("setpriv") is None:
+        pytest.skip("running as root and setpriv (util-linux) is missing")
+    result = subprocess.run([*as_user, "bash", str(INSTALL_SH)], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 1 and "--root DIR" in result.stderr, result.stderr
+
+
+def can_unshare_mounts() -> bool:
+    if os.geteuid() != 0 or shutil.which("unshare") is None:
+        return False
+    return subprocess.run(["unshare", "-m", "true"], capture_output=True, timeout=30).returncode == 0
+
+
+@pytest.mark.skipif(not can_unshare_mounts(), reason="needs root and a private mount namespace (unshare -m)")
+def test_install_on_a_real_root_in_a_private_mount_namespace(tmp_path):
+    """install.sh without --root (system user, owners, modes), twice, in a mount namespace whose /etc is a copy
+    and whose /var/lib and /var/cache are empty: the machine's own /etc and /var are not touched."""
+    script = f"""
+set -euo pipefail
+mount --make-rprivate /
+cp -a /etc {tmp_path}/etc && mount --bind {tmp_path}/etc /etc
+mount -t tmpfs tmpfs /var/lib && mount -t tmpfs tmpfs /var/cache
+bash {INSTALL_SH} --venv {VENV} --infer-workers 1 --user primerltest > {tmp_path}/first.txt
+bash {INSTALL_SH} --venv {VENV} --infer-workers 1 --user primerltest > {tmp_path}/second.txt
+getent passwd primerltest
+stat -c '%n %U:%G %a' /etc/primerl /etc/primerl/primerl.env /etc/primerl/infer/0.env /etc/primerl/certs \
+    /var/lib/primerl /var/cache/primerl /etc/systemd/system/primerl.target
+"""
+    result = subprocess.run(["unshare", "-m", "bash", "-c", script], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stdout + result.stderr
+    lines = result.stdout.splitlines()
+    assert lines[0].split(":")[5:] == ["/var/lib/primerl", "/usr/sbin/nologin"]
+    assert lines[1:] == [
+        "/etc/primerl root:primerltest 750", "/etc/primerl/primerl.env root:primerltest 640",
+        "/etc/primerl/infer/0.env root:primerltest 640", "/etc/primerl/certs root:primerltest 750",
+        "/var/lib/primerl primerltest:primerltest 750", "/var/cache/primerl primerltest:primerltest 750",
+        "/etc/systemd/system/primerl.target root:root 644"]
+    first, second = ((tmp_path / f"{n}.txt").read_text() for n in ("first", "second"))
+    assert "created  system user primerltest" in first and "exists   primerltest" in second
+    assert "wrote" not in second and "updated" not in second, second
+    assert "daemon-reload" in second
+    host_user = subprocess.run(["getent", "passwd", "primerltest"], capture_output=True, timeout=30)
+    assert host_user.returncode != 0, "the user was made outside the namespace"

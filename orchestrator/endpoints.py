@@ -15,20 +15,80 @@ Invariants:
   (``retry_through_outage``) and logs ``waiting for the broker`` every 5 s; past ``outage_s`` the thread stops
   with ``BrokerOutageExceeded``, which ``check`` raises in the caller's thread. Any other error of the list
   call stops the thread the same way (logged once).
+
+``InferenceWorkers`` turns successive snapshots into the endpoints rollouts go to, and says who joined and left:
+
+- a worker id not seen before *joins* (log ``inference worker joined``: worker id, name, url, version). It gets
+  no rollouts until it serves the policy version that was current when it joined (``ready``; log ``inference
+  worker serving`` with ``join_to_serving_s``, from its registration to the first list showing it there);
+- a worker id gone from the list (LOST or deregistered at the broker) *leaves* (log ``inference worker left``);
+  ``update`` returns it so that its groups in flight are dispatched again elsewhere;
+- a new id at the URL of an id that vanished in the same list is that server registered again (after a broker
+  restart): the same endpoint, neither joined nor left.
 """
 
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Sequence
-from typing import Any
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, NamedTuple
 
 from primerl.client.outage import OutageStopped, OutageWatch, retry_through_outage
 from primerl.runtime.log_setup import get_logger
 
 log = get_logger("primerl.orchestrator.endpoints")
 
-Snapshot = dict[str, tuple[str, int]]
+ENDPOINT_BACKOFF_S = (0.5, 5.0)  # first and longest pause of dispatch to an endpoint that did not answer
+
+
+class WorkerEndpoint(NamedTuple):
+    """One inference worker as the broker lists it."""
+
+    base_url: str  # ending in /v1
+    policy_version: int
+    name: str = ""
+    registered_unix_ms: int = 0
+
+
+Snapshot = dict[str, WorkerEndpoint]
+
+
+@dataclass(eq=False)
+class InferenceEndpoint:
+    """An inference worker rollouts are sent to (from the broker's worker list), and its dispatch state."""
+
+    worker_id: str
+    base_url: str
+    policy_version: int
+    num_inflight: int = 0
+    # While it does not answer (connection refused/reset: restarting?): no dispatch before retry_at_s.
+    retry_at_s: float = 0.0
+    backoff_s: float = 0.0
+    name: str = ""
+    registered_unix_ms: int = 0
+    # A worker that joined serves no rollouts before it serves ``target_version`` (the current one when it joined).
+    ready: bool = True
+    target_version: int = 0
+
+    def unreachable(self, now_s: float) -> None:
+        """A rollout on it failed because it could not be reached: pause dispatch to it (doubling, capped)."""
+        if now_s >= self.retry_at_s:  # one back-off step per probe, not per failure of a burst
+            self.backoff_s = min(max(ENDPOINT_BACKOFF_S[0], 2 * self.backoff_s), ENDPOINT_BACKOFF_S[1])
+            self.retry_at_s = now_s + self.backoff_s
+
+    def answered(self) -> None:
+        self.retry_at_s = self.backoff_s = 0.0
+
+    def may_take(self, now_s: float) -> bool:
+        """Whether a group may go to it now: not backing off, and after a back-off one group at a time (a probe)
+        until one of its rollouts succeeds."""
+        return self.retry_at_s <= now_s and not (self.backoff_s and self.num_inflight)
+
+    def describe(self) -> dict[str, Any]:
+        return {"worker_id": self.worker_id, "name": self.name, "url": self.base_url,
+                "policy_version": self.policy_version}
 
 
 class EndpointWatcher:
@@ -88,7 +148,8 @@ class EndpointWatcher:
             for info in infos:
                 if info.address:
                     version = info.policy_version if info.HasField("policy_version") else 0
-                    snapshot[info.worker_id] = (info.address.rstrip("/") + "/v1", version)
+                    snapshot[info.worker_id] = WorkerEndpoint(info.address.rstrip("/") + "/v1", version, info.name,
+                                                              info.registered_unix_ms)
             with self._lock:
                 self._snapshot = snapshot
                 self._generation += 1
@@ -96,4 +157,84 @@ class EndpointWatcher:
             self._wake.clear()
 
 
-__all__ = ["EndpointWatcher", "Snapshot"]
+class InferenceWorkers:
+    """The endpoints rollouts may go to, kept from the watcher's snapshots (module docstring). Counts since the
+    last ``take_counts``: ``num_joined``, ``num_left``, ``join_to_serving_s`` (one value per worker that caught
+    up; only workers that registered after this object was made, i.e. during this orchestrator's run)."""
+
+    def __init__(self, *, clock_unix_s: Callable[[], float] = time.time):
+        self._clock_unix_s = clock_unix_s
+        self._started_unix_ms = int(clock_unix_s() * 1000)
+        self.endpoints: dict[str, InferenceEndpoint] = {}
+        self.num_joined = 0
+        self.num_left = 0
+        self.join_to_serving_s: list[float] = []
+
+    def update(self, workers: Mapping[str, tuple], current_version: int) -> list[InferenceEndpoint]:
+        """Take a new snapshot (values: ``WorkerEndpoint`` or ``(base_url, policy_version)``); returns the endpoints
+        that left."""
+        infos = {worker_id: WorkerEndpoint(*value) for worker_id, value in workers.items()}
+        vanished = {e.base_url: e for worker_id, e in self.endpoints.items() if worker_id not in infos}
+        alive: dict[str, InferenceEndpoint] = {}
+        for worker_id, info in infos.items():
+            endpoint = self.endpoints.get(worker_id)
+            if endpoint is None and info.base_url in vanished:  # registered again under a new id: same server
+                endpoint = vanished.pop(info.base_url)
+                log.info("inference worker registered again", old_worker_id=endpoint.worker_id, worker_id=worker_id,
+                         url=info.base_url)
+                endpoint.worker_id = worker_id
+            if endpoint is None:
+                endpoint = InferenceEndpoint(worker_id, info.base_url, info.policy_version, name=info.name,
+                                             registered_unix_ms=info.registered_unix_ms,
+                                             ready=info.policy_version >= current_version,
+                                             target_version=current_version)
+                self.num_joined += 1
+                log.info("inference worker joined", **endpoint.describe(), current_version=current_version,
+                         serving=endpoint.ready)
+                if endpoint.ready:
+                    self._now_serving(endpoint)
+            endpoint.policy_version = info.policy_version
+            alive[worker_id] = endpoint
+        for endpoint in vanished.values():
+            self.num_left += 1
+            log.info("inference worker left", **endpoint.describe(), num_inflight_rollouts=endpoint.num_inflight)
+        if not alive and self.endpoints:
+            log.warning("no inference worker is alive; waiting for one")
+        self.endpoints = alive
+        for endpoint in alive.values():  # (a rollback may have moved the current version below the target)
+            if not endpoint.ready and endpoint.policy_version >= min(endpoint.target_version, current_version):
+                endpoint.ready = True
+                self._now_serving(endpoint)
+        return list(vanished.values())
+
+    def _now_serving(self, endpoint: InferenceEndpoint) -> None:
+        """A worker that joined serves the current version: log how long that took since it registered."""
+        fields: dict[str, Any] = {}
+        if endpoint.registered_unix_ms and endpoint.registered_unix_ms >= self._started_unix_ms:
+            seconds = max(0.0, self._clock_unix_s() - endpoint.registered_unix_ms / 1000)
+            self.join_to_serving_s.append(seconds)
+            fields["join_to_serving_s"] = round(seconds, 2)
+        log.info("inference worker serving", **endpoint.describe(), **fields)
+
+    @property
+    def joining(self) -> bool:
+        """Some worker joined and does not serve the current version yet."""
+        return any(not e.ready for e in self.endpoints.values())
+
+    def ready(self) -> list[InferenceEndpoint]:
+        return [e for e in self.endpoints.values() if e.ready]
+
+    def take_counts(self) -> dict[str, float]:
+        """``inference/*`` metrics since the last call: workers listed and serving, joined, left, and the longest
+        time a worker took from registering to serving the current version (absent when none caught up)."""
+        metrics = {"inference/workers": float(len(self.endpoints)), "inference/workers_serving": float(len(self.ready())),
+                   "inference/workers_joined": float(self.num_joined), "inference/workers_left": float(self.num_left)}
+        if self.join_to_serving_s:
+            metrics["inference/join_to_serving_s"] = max(self.join_to_serving_s)
+        self.num_joined = self.num_left = 0
+        self.join_to_serving_s = []
+        return metrics
+
+
+__all__ = ["ENDPOINT_BACKOFF_S", "EndpointWatcher", "InferenceEndpoint", "InferenceWorkers", "Snapshot",
+           "WorkerEndpoint"]

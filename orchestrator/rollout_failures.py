@@ -24,6 +24,8 @@ Invariants:
   but not added to the streak; ``failed`` returns True for it (the runner then backs off from that endpoint).
   From the first such failure after the last success a clock runs: ``waiting for an inference worker`` is logged
   every ``LOG_EVERY_S`` (by ``check``), and past ``inference_outage_s`` ``check`` raises ``RolloutsFailing``.
+- Rollouts dispatched again because their inference worker could not be reached or left (``retried``) are not
+  failures: they start the same clock, nothing else.
 """
 
 from __future__ import annotations
@@ -147,6 +149,15 @@ class RolloutFailures:
             if self._report is not None:
                 self._report(f"rollout failed ({kind}): {self.first_errors[kind]}")
         return unreachable
+
+    def retried(self, error: str) -> None:
+        """Rollouts that could not reach their inference worker are dispatched again elsewhere: not failures (not in
+        ``counts`` nor the streak), but the clock of ``inference_outage_s`` runs from the first such event since
+        the last success, so that a run whose workers all stay unreachable still stops."""
+        if self.unreachable_since is None:
+            self.unreachable_since = self._clock()
+            self._unreachable_error = _cut(error)
+            self._next_unreachable_log_s = self.unreachable_since + LOG_EVERY_S
 
     def succeeded(self, num_rollouts: int = 1) -> None:
         """``num_rollouts`` rollouts became training samples: the streak of failures ends."""

@@ -2,11 +2,22 @@
 inference endpoint, and what their results become.
 
 Each round of the main loop (``OrchestratorRunner``): ``refresh_endpoints`` takes the latest worker list,
-``observe_lineage`` the broker's policy lineage, ``dispatch`` draws groups of ``rollouts_per_example`` rollouts
-(examples by environment weight; groups lost with a dead env worker first) up to ``max_inflight`` rollouts, spread
-over the answering inference workers, but only while the served policy is recent enough for the step
-(``max_async_level``); ``collect`` turns finished groups into samples (``samples.rollout_to_samples``), computes
-their advantages and hands them to the batch assembler; ``cancel_stale`` cancels groups that became too stale.
+``observe_lineage`` the broker's policy lineage and latest version, ``dispatch`` draws groups of
+``rollouts_per_example`` rollouts (examples by environment weight; groups lost with a dead env worker or an
+unreachable inference worker first) up to ``max_inflight`` rollouts, each to the answering inference worker with
+the fewest rollouts in flight among those whose served version is recent enough for the step (``max_async_level``,
+judged per worker: a worker still at an old version holds up no other); ``collect`` turns finished groups into
+samples (``samples.rollout_to_samples``), computes their advantages and hands them to the batch assembler;
+``cancel_stale`` cancels groups that became too stale.
+
+Inference workers join and leave at any time (issue 17; ``primerl.orchestrator.endpoints.InferenceWorkers``): one
+that joins gets rollouts once it serves the version that was current when it joined; one that leaves the broker's
+list gets no more, and its groups in flight are cancelled and dispatched again elsewhere. A group whose rollouts
+failed because their inference worker could not be reached (connection refused or reset, 502/503:
+``rollout_failures.is_unreachable``) is dispatched again as a whole too, up to ``MAX_GROUP_RETRIES`` times (then
+its failures count as usual): these are not failures (not in ``rollout/errors``), they are counted in
+``rollout/retried`` (rollouts) and logged (``rollout group retried``), and the worker is backed off, then probed
+with one group at a time until it answers.
 
 Faults (issue 14): an env worker that dies is restarted (``EnvWorker.ensure_alive``, at most its
 ``max_restarts`` times, log ``restarting env worker`` with its exit code); its in-flight groups are dispatched
@@ -33,10 +44,11 @@ from typing import Any
 from primerl.orchestrator.advantages import prepare_groups
 from primerl.orchestrator.async_bound import AsyncBound
 from primerl.orchestrator.config import OrchestratorConfig
+from primerl.orchestrator.endpoints import ENDPOINT_BACKOFF_S, InferenceEndpoint, InferenceWorkers
 from primerl.orchestrator.env_client import EnvRequestError, EnvWorkerDied
 from primerl.orchestrator.filtering import BatchAssembler, DifficultyFilter
 from primerl.orchestrator.lineage import PolicyLineage, cap_versions
-from primerl.orchestrator.rollout_failures import RolloutFailures, kind_name
+from primerl.orchestrator.rollout_failures import RolloutFailures, is_unreachable, kind_name
 from primerl.orchestrator.samples import Group, MalformedTrajectory, rollout_to_samples
 from primerl.orchestrator.seeds import rollout_seed_base
 from primerl.orchestrator.step_metrics import StepTimers
@@ -45,29 +57,8 @@ from primerl.runtime.log_setup import get_logger
 
 log = get_logger("primerl.orchestrator")
 
-ENDPOINT_BACKOFF_S = (0.5, 5.0)  # first and longest pause of dispatch to an endpoint that did not answer
-
-
-@dataclass
-class InferenceEndpoint:
-    """An inference worker rollouts are sent to (from the broker's worker list), and its dispatch state."""
-
-    worker_id: str
-    base_url: str
-    policy_version: int
-    num_inflight: int = 0
-    # While it does not answer (connection refused/reset: restarting?): no dispatch before retry_at_s.
-    retry_at_s: float = 0.0
-    backoff_s: float = 0.0
-
-    def unreachable(self, now_s: float) -> None:
-        """A rollout on it failed because it could not be reached: pause dispatch to it (doubling, capped)."""
-        if now_s >= self.retry_at_s:  # one back-off step per probe, not per failure of a burst
-            self.backoff_s = min(max(ENDPOINT_BACKOFF_S[0], 2 * self.backoff_s), ENDPOINT_BACKOFF_S[1])
-            self.retry_at_s = now_s + self.backoff_s
-
-    def answered(self) -> None:
-        self.retry_at_s = self.backoff_s = 0.0
+MAX_GROUP_RETRIES = 8
+"""Times a group is dispatched again because its inference worker could not be reached (then its failures count)."""
 
 
 @dataclass
@@ -80,6 +71,7 @@ class InflightGroup:
     dispatched_version: int
     started_s: float = field(default_factory=time.monotonic)
     lineage_epoch: int = 0  # ``PolicyLineage.epoch`` at dispatch: rollbacks after it cap the samples' versions
+    num_retries: int = 0  # times this example's group was dispatched again after an unreachable inference worker
 
 
 class RolloutScheduler:
@@ -99,11 +91,13 @@ class RolloutScheduler:
         self.on_inflight: Callable[[int], None] | None = None
         self.on_error: Callable[[], None] | None = None
         self.inflight: dict[concurrent.futures.Future, InflightGroup] = {}
-        self.endpoints: dict[str, InferenceEndpoint] = {}
+        self.inference = InferenceWorkers()
+        self.latest_policy_version: int | None = None  # the broker's, from its heartbeat answers
         self.next_group_id = 0
         self.waiting_for_version = False
         self._endpoints_generation = -1
-        self._rescheduled: collections.deque[tuple[str, int]] = collections.deque()  # (env_id, example)
+        # (env_id, example, num_retries) of groups to dispatch again before new draws
+        self._rescheduled: collections.deque[tuple[str, int, int]] = collections.deque()
         # rollout/tokens_per_s: generated tokens over a trailing window of wall time (never per step: a step's
         # batch may be all surplus, its interval near zero); it always covers at least one batch's groups
         self.throughput = ThroughputWindow(min_groups=max(1, config.batch_size // config.rollouts_per_example))
@@ -116,36 +110,65 @@ class RolloutScheduler:
         self.fallbacks: collections.Counter = collections.Counter()
         self.timers = StepTimers()
 
+    @property
+    def endpoints(self) -> dict[str, InferenceEndpoint]:
+        """The inference workers listed by the broker, by worker id."""
+        return self.inference.endpoints
+
+    def current_version(self) -> int:
+        """The run's current policy version as far as the orchestrator knows: the broker's latest, or the highest
+        version the workers serve before the first heartbeat answer."""
+        if self.latest_policy_version is not None:
+            return self.latest_policy_version
+        return max((e.policy_version for e in self.inference.ready()), default=0)
+
     def refresh_endpoints(self, watcher: Any) -> None:
-        """Take the endpoint watcher's latest worker list (no IO here; its thread reads the broker)."""
+        """Take the endpoint watcher's latest worker list (no IO here; its thread reads the broker): workers that
+        joined wait for the current version, the groups of workers that left are dispatched again."""
         watcher.check()  # BrokerOutageExceeded (or another error of the list call) stops the run here
-        watcher.set_fast(self.waiting_for_version)
+        watcher.set_fast(self.waiting_for_version or self.inference.joining)
         generation, workers = watcher.snapshot()
         if generation == self._endpoints_generation:
             return
         self._endpoints_generation = generation
-        alive = {}
-        for worker_id, (base_url, version) in workers.items():
-            endpoint = self.endpoints.get(worker_id) or InferenceEndpoint(worker_id, base_url, version)
-            endpoint.policy_version = version
-            alive[worker_id] = endpoint
-        if not alive and self.endpoints:
-            log.warning("no inference worker is alive; waiting for one")
-        self.endpoints = alive
+        for endpoint in self.inference.update(workers, self.current_version()):
+            self._retry_groups_on(endpoint)
+
+    def _retry_groups_on(self, endpoint: InferenceEndpoint) -> None:
+        """The worker left: cancel its groups in flight and dispatch them again elsewhere."""
+        for future, entry in list(self.inflight.items()):
+            if entry.endpoint is endpoint:
+                del self.inflight[future]
+                endpoint.num_inflight -= self.config.rollouts_per_example
+                self.workers[entry.env_id].cancel(future)
+                self._retry(entry, "the inference worker left the broker's list")
+        self._inflight_changed()
+
+    def _retry(self, entry: InflightGroup, reason: str) -> bool:
+        """Dispatch the group again (its inference worker could not be reached, or left); False once it was retried
+        ``MAX_GROUP_RETRIES`` times (its failures then count as usual)."""
+        if entry.num_retries >= MAX_GROUP_RETRIES:
+            return False
+        self._rescheduled.append((entry.env_id, entry.example_index, entry.num_retries + 1))
+        self.counters["retried"] += self.config.rollouts_per_example
+        assert self.failures is not None
+        self.failures.retried(reason)
+        log.info("rollout group retried", env_id=entry.env_id, example_index=entry.example_index,
+                 worker_id=entry.endpoint.worker_id, url=entry.endpoint.base_url, attempt=entry.num_retries + 1,
+                 reason=reason.split("\n", 1)[0][:200])
+        return True
 
     def dispatch(self, step: int) -> None:
         config = self.config
         if not self.endpoints:
             return
-        served_version = min(e.policy_version for e in self.endpoints.values())
-        self.waiting_for_version = not self.bound.may_dispatch(step, served_version)
+        # per worker: one still at an old version (e.g. one that just joined) holds up no other
+        usable = [e for e in self.inference.ready() if self.bound.may_dispatch(step, e.policy_version)]
+        self.waiting_for_version = not usable
         if self.waiting_for_version:
             self.counters["dispatch_waits"] += 1
             return
         now_s = time.monotonic()
-        answering = [e for e in self.endpoints.values() if e.retry_at_s <= now_s]  # not backing off
-        if not answering:
-            return
         max_inflight = config.max_inflight or 2 * config.batch_size
         groups_wanted = math.ceil(max_inflight / config.rollouts_per_example)
         # Groups are drawn one by one (the same draws, seeds and group ids as one at a time), then handed to
@@ -153,14 +176,18 @@ class RolloutScheduler:
         batches: dict[tuple[str, str, int | None], list[int]] = collections.defaultdict(list)
         entries: dict[tuple[str, str, int | None], list[InflightGroup]] = collections.defaultdict(list)
         for _ in range(groups_wanted - len(self.inflight)):
+            answering = [e for e in usable if e.may_take(now_s)]  # not backing off; probed one group at a time
+            if not answering:
+                break
             endpoint = min(answering, key=lambda e: e.num_inflight)
-            # groups lost with a dead env worker go first (their draws were made already)
-            env_id, example_index = self._rescheduled.popleft() if self._rescheduled else self.sampler.next()
+            # groups lost with a dead env worker or an unreachable inference worker go first (drawn already)
+            env_id, example_index, num_retries = (self._rescheduled.popleft() if self._rescheduled
+                                                  else (*self.sampler.next(), 0))
             seed = rollout_seed_base(config.sampling.seed, self.next_group_id, config.rollouts_per_example)
             key = (env_id, endpoint.worker_id, seed)
             batches[key].append(example_index)
-            entries[key].append(InflightGroup(env_id, example_index, endpoint, served_version,
-                                          lineage_epoch=self.lineage.epoch))
+            entries[key].append(InflightGroup(env_id, example_index, endpoint, endpoint.policy_version,
+                                              lineage_epoch=self.lineage.epoch, num_retries=num_retries))
             endpoint.num_inflight += config.rollouts_per_example
             self.next_group_id += 1
         for key, example_indices in batches.items():
@@ -213,7 +240,7 @@ class RolloutScheduler:
         """A group lost with its env worker: restart the worker, dispatch the same example again."""
         if restart:
             self.ensure_worker(entry.env_id)
-        self._rescheduled.append((entry.env_id, entry.example_index))
+        self._rescheduled.append((entry.env_id, entry.example_index, entry.num_retries))
         self.counters["rescheduled"] += self.config.rollouts_per_example
         log.info("rollout group rescheduled", env_id=entry.env_id, example_index=entry.example_index,
                  reason=str(exc).split("\n", 1)[0][:200])
@@ -236,6 +263,8 @@ class RolloutScheduler:
                 continue
             except Exception as exc:  # an env worker failure: counted, reported, the group is dropped
                 failure_kind = exc.error_type if isinstance(exc, EnvRequestError) else type(exc).__name__
+                if is_unreachable(failure_kind, str(exc)) and self._retry_unreachable(entry, f"{failure_kind}: {exc}"):
+                    continue
                 self._count_error("env_errors", failure_kind, f"{entry.env_id}: {exc}", entry.endpoint,
                                   self.config.rollouts_per_example)
                 continue
@@ -254,8 +283,20 @@ class RolloutScheduler:
         if done:
             self._inflight_changed()
 
+    def _retry_unreachable(self, entry: InflightGroup, reason: str) -> bool:
+        """The group's inference worker could not be reached: back off from it and dispatch the group again."""
+        if not self._retry(entry, reason):
+            return False
+        entry.endpoint.unreachable(time.monotonic())
+        return True
+
     def _to_group(self, rollout_group: Any, entry: InflightGroup) -> Group | None:
         config = self.config
+        unreachable = next((r for r in rollout_group.rollouts
+                            if not r.ok and is_unreachable(r.error_type or "", r.error or "")), None)
+        if unreachable is not None and self._retry_unreachable(
+                entry, f"{unreachable.error_type or 'RolloutError'}: {unreachable.error}"):
+            return None  # the whole group again, elsewhere: its other rollouts are not counted either
         group_id = f"{entry.env_id}:{entry.example_index}:{self.next_group_id}"
         samples = []
         for rollout in rollout_group.rollouts:
@@ -288,10 +329,12 @@ class RolloutScheduler:
         return Group(group_id=group_id, example_id=entry.example_index, env_id=entry.env_id, samples=samples)
 
     def observe_lineage(self, heartbeat: Any) -> None:
-        """A rollback (a newer policy lineage in the broker's heartbeat answer): samples made with the rolled-back
-        weights count as the lineage's base version from now on (``primerl.orchestrator.lineage``)."""
+        """The broker's heartbeat answer: its latest policy version (what a joining worker must serve), and a
+        rollback (a newer policy lineage): samples made with the rolled-back weights count as the lineage's base
+        version from now on (``primerl.orchestrator.lineage``)."""
         if heartbeat is None:
             return
+        self.latest_policy_version = heartbeat.latest_policy_version
         base = self.lineage.observe(heartbeat.policy_lineage, heartbeat.lineage_base_version)
         if base is None:
             return
@@ -315,6 +358,10 @@ class RolloutScheduler:
         if stale:
             self._inflight_changed()
 
+    def worker_metrics(self) -> dict[str, float]:
+        """This step's ``rollout/retried`` (rollouts dispatched again after their inference worker could not be
+        reached or left) and the ``inference/*`` membership metrics (``InferenceWorkers.take_counts``)."""
+        return {"rollout/retried": float(self.counters["retried"]), **self.inference.take_counts()}
 
     def cancel_all(self) -> None:
         """Cancel every group in flight (on stop)."""
@@ -323,4 +370,4 @@ class RolloutScheduler:
         self.inflight.clear()
 
 
-__all__ = ["ENDPOINT_BACKOFF_S", "InferenceEndpoint", "InflightGroup", "RolloutScheduler"]
+__all__ = ["ENDPOINT_BACKOFF_S", "MAX_GROUP_RETRIES", "InferenceEndpoint", "InflightGroup", "RolloutScheduler"]

@@ -28,6 +28,10 @@ Faults (issue 14):
 - ``control.shutdown_requested`` (the broker ended the run) or SIGTERM: the loop stops, steps already handed
   to the send thread get a short grace, and ``run`` returns 0.
 - Once every micro-batch of a step is durable, one ``step sent`` line per rank names its ``data_digest``.
+- Inference workers join and leave at any time (issue 17, ``primerl.orchestrator.rollout_scheduler``): a joining
+  one gets rollouts once it serves the current version; the groups of one that leaves or cannot be reached are
+  dispatched again elsewhere (``rollout/retried``); each step row has ``inference/workers``,
+  ``inference/workers_joined``, ``inference/workers_left`` and ``inference/join_to_serving_s``.
 
 Metrics (``primerl.orchestrator.step_metrics``: what each one means): one row per step (and one per eval) in
 ``{output_dir}/metrics.jsonl``, W&B with ``[wandb]`` (``primerl.runtime.metrics_sink``), and a Prometheus endpoint
@@ -331,8 +335,8 @@ class OrchestratorRunner:
         from primerl.orchestrator.evaluation import evaluate_workers
 
         config = self.config
-        endpoints = self.scheduler.endpoints
-        endpoint = min(endpoints.values(), key=lambda e: e.num_inflight) if endpoints else None
+        endpoints = self.scheduler.inference.ready()  # not one that joined and has yet to catch up
+        endpoint = min(endpoints, key=lambda e: e.num_inflight) if endpoints else None
         if endpoint is None:
             log.warning("no inference worker for the eval; skipped", step=step)
             return
@@ -357,7 +361,7 @@ class OrchestratorRunner:
                                 tokens_per_s=scheduler.throughput.tokens_per_s(time.monotonic()),
                                 multi_env=len(self.config.env) > 1)
         metrics.update(finite({**packed.metrics(), **scheduler.bound.lag_metrics(step, versions),
-                               **scheduler.timers.metrics(elapsed_s)}))
+                               **scheduler.timers.metrics(elapsed_s), **scheduler.worker_metrics()}))
         self._log_new_fallbacks()
         self._num_fallbacks_total += sum(scheduler.fallbacks.values())
         metrics["rollout/interleave_fallbacks_total"] = float(self._num_fallbacks_total)

@@ -16,7 +16,11 @@ collected during the step. ``rollout/interleave_fallbacks`` (and ``/<reason>``; 
 trajectories of the step that could not be interleaved and were trained as branching samples (a warning the first
 time per reason). With several environments: ``env/<id>/reward``, ``env/<id>/num_rollouts``, ``_num_samples``.
 Failed rollouts: ``rollout/errors`` and ``rollout/errors/<kind>``; ``rollout/rescheduled``,
-``rollout/stale_groups_cancelled``.
+``rollout/stale_groups_cancelled``. Inference workers (``RolloutScheduler.worker_metrics``): ``rollout/retried``
+(rollouts dispatched again because their worker could not be reached or left: not errors), ``inference/workers``
+and ``inference/workers_serving`` (listed, and serving the current version), ``inference/workers_joined`` and
+``inference/workers_left`` (this step), ``inference/join_to_serving_s`` (the longest a worker that joined this
+step took from registering to serving the current version; absent when none).
 """
 
 from __future__ import annotations

@@ -242,7 +242,8 @@ def test_the_worker_list_rides_through_a_broker_restart(broker):
     watcher.start()
     try:
         generation, workers = wait_for(lambda: watcher.snapshot()[1] and watcher.snapshot(), 10, "the first list")
-        assert list(workers.values()) == [("http://127.0.0.1:9/v1", 0)]
+        assert [(w.base_url, w.policy_version, w.name) for w in workers.values()] == [("http://127.0.0.1:9/v1", 0,
+                                                                                       "infer-0")]
         broker.stop()
         time.sleep(1.5)
         watcher.check()  # still within the budget

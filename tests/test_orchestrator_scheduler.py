@@ -4,14 +4,16 @@ count failed rollouts, cancel stale groups."""
 
 from __future__ import annotations
 
+import collections
 import concurrent.futures
 import threading
 
 from primerl.orchestrator.config import OrchestratorConfig
+from primerl.orchestrator.endpoints import InferenceWorkers, WorkerEndpoint
 from primerl.orchestrator.env_client import EnvWorkerDied
 from primerl.orchestrator.env_sampler import EnvSampler
 from primerl.orchestrator.rollout_failures import RolloutFailures
-from primerl.orchestrator.rollout_scheduler import RolloutScheduler
+from primerl.orchestrator.rollout_scheduler import MAX_GROUP_RETRIES, RolloutScheduler
 from primerl.orchestrator.seeds import rollout_seed_base
 from primerl.orchestrator.trajectory import Rollout, RolloutGroup, Turn
 
@@ -127,9 +129,9 @@ def test_groups_of_a_dead_worker_are_dispatched_again_first():
     assert again == first  # the same examples, before any new draw
 
 
-def test_failed_rollouts_are_counted_by_kind_and_back_off_an_unreachable_endpoint():
+def test_failed_rollouts_are_counted_by_kind():
     worker = FakeWorker(lambda index, n: RolloutGroup("e", "train", index, [
-        rollout(i, 0.0, error="connection refused: All connection attempts failed") for i in range(n)]))
+        rollout(i, 0.0, error="This model's maximum context length is 16 tokens") for i in range(n)]))
     scheduler = make_scheduler(worker)
     errors = []
     scheduler.on_error = lambda: errors.append(1)
@@ -138,7 +140,42 @@ def test_failed_rollouts_are_counted_by_kind_and_back_off_an_unreachable_endpoin
     scheduler.collect(timeout_s=1.0)
     assert scheduler.counters["rollout_errors"] == 4 and scheduler.counters["errors/ModelError"] == 4
     assert len(errors) == 4 and scheduler.assembler.take(min_policy_version=0) is None
-    assert scheduler.endpoints["w1"].retry_at_s > 0  # no dispatch to it for a while: it may be restarting
+    assert scheduler.counters["retried"] == 0 and scheduler.endpoints["w1"].retry_at_s == 0
+
+
+def test_unreachable_rollouts_are_retried_backing_off_the_endpoint_then_counted_past_the_retries():
+    worker = FakeWorker(lambda index, n: RolloutGroup("e", "train", index, [
+        rollout(i, 0.0, error="connection refused: All connection attempts failed") for i in range(n)]))
+    scheduler = make_scheduler(worker)
+    errors = []
+    scheduler.on_error = lambda: errors.append(1)
+    scheduler.refresh_endpoints(FakeWatcher({"w1": ("http://w1/v1", 0)}))
+    scheduler.dispatch(step=1)
+    first = sorted(index for indices, _ in worker.requests for index in indices)
+    scheduler.collect(timeout_s=1.0)
+    # not failures: dispatched again (the whole groups), counted apart, and the endpoint backs off
+    assert scheduler.counters["retried"] == 4 and scheduler.counters["rollout_errors"] == 0 and not errors
+    assert scheduler.failures.unreachable_since is not None and not scheduler.failures.counts
+    endpoint = scheduler.endpoints["w1"]
+    assert endpoint.retry_at_s > 0
+    num_sent = len(worker.requests)
+    scheduler.dispatch(step=1)
+    assert len(worker.requests) == num_sent  # backing off: nothing sent
+    endpoint.retry_at_s = 0.0  # the back-off is over: one probe group at a time, the retried ones first
+    scheduler.dispatch(step=1)
+    assert len(scheduler.inflight) == 1 and worker.requests[-1][0][0] in first
+    for _ in range(4 * MAX_GROUP_RETRIES):
+        if scheduler.counters["rollout_errors"]:
+            break
+        scheduler.collect(timeout_s=1.0)
+        endpoint.retry_at_s = 0.0
+        scheduler.dispatch(step=1)
+        assert len(scheduler.inflight) <= 1
+    # a group that was dispatched 1 + MAX_GROUP_RETRIES times: its rollouts count as failures now
+    assert scheduler.counters["rollout_errors"] == 2 and scheduler.counters["errors/ModelError"] == 2
+    sent = collections.Counter(index for indices, _ in worker.requests for index in indices)
+    assert MAX_GROUP_RETRIES + 1 in sent.values() and len(errors) == 2
+    assert scheduler.counters["retried"] == 2 * (sum(sent.values()) - 1 - len(scheduler.inflight))
 
 
 def test_stale_groups_are_cancelled():
@@ -156,3 +193,99 @@ def test_stale_groups_are_cancelled():
     scheduler.cancel_stale(step=2)  # made by version 0, step 2 needs version 1
     assert not scheduler.inflight and len(worker.cancelled) == 2
     assert scheduler.counters["stale_groups_cancelled"] == 2
+
+
+# -- inference workers joining and leaving (issue 17) ---------------------------------------------------------------
+
+def never_answering_worker() -> FakeWorker:
+    worker = FakeWorker()
+
+    def submit(example_indices, *, num_rollouts, **kwargs):
+        worker.requests.append((list(example_indices), kwargs))
+        return [concurrent.futures.Future() for _ in example_indices]
+
+    worker.submit_rollouts = submit
+    return worker
+
+
+class Heartbeat:
+    def __init__(self, latest_policy_version: int) -> None:
+        self.latest_policy_version, self.policy_lineage, self.lineage_base_version = latest_policy_version, 0, 0
+
+
+def test_a_worker_at_an_old_version_holds_up_no_other():
+    worker = never_answering_worker()
+    scheduler = make_scheduler(worker, max_async_level=0)
+    scheduler.refresh_endpoints(FakeWatcher({"old": ("http://old/v1", 0), "new": ("http://new/v1", 2)}))
+    scheduler.dispatch(step=3)  # step 3 needs version >= 2: only "new" may take it
+    assert not scheduler.waiting_for_version
+    assert {kwargs["base_url"] for _, kwargs in worker.requests} == {"http://new/v1"}
+    assert all(entry.dispatched_version == 2 for entry in scheduler.inflight.values())
+    assert scheduler.endpoints["old"].num_inflight == 0 and scheduler.endpoints["new"].num_inflight == 4
+
+
+def test_a_joining_worker_gets_rollouts_once_it_serves_the_current_version():
+    worker = never_answering_worker()
+    scheduler = make_scheduler(worker, max_async_level=4)
+    now_s = [1000.0]
+    scheduler.inference = InferenceWorkers(clock_unix_s=lambda: now_s[0])
+    scheduler.observe_lineage(Heartbeat(latest_policy_version=3))
+    watcher = FakeWatcher({"w1": ("http://w1/v1", 3)})
+    scheduler.refresh_endpoints(watcher)
+    # w2 registers mid-run, still at version 0 (the bound alone would allow it: 0 >= 3 - 4)
+    registered_ms = 1_001_000
+    now_s[0] = 1001.5
+    watcher.workers = {**watcher.workers, "w2": WorkerEndpoint("http://w2/v1", 0, "infer-2", registered_ms)}
+    watcher.generation += 1
+    scheduler.refresh_endpoints(watcher)
+    assert not scheduler.endpoints["w2"].ready and scheduler.inference.joining
+    scheduler.dispatch(step=4)
+    assert {kwargs["base_url"] for _, kwargs in worker.requests} == {"http://w1/v1"}
+    scheduler.cancel_all()
+    scheduler.endpoints["w1"].num_inflight = 0
+    watcher.workers = {**watcher.workers, "w2": WorkerEndpoint("http://w2/v1", 3, "infer-2", registered_ms)}
+    now_s[0] = 1004.0
+    watcher.generation += 1
+    scheduler.refresh_endpoints(watcher)
+    assert scheduler.endpoints["w2"].ready and not scheduler.inference.joining
+    scheduler.dispatch(step=4)
+    assert "http://w2/v1" in {kwargs["base_url"] for _, kwargs in worker.requests[1:]}
+    metrics = scheduler.inference.take_counts()
+    assert metrics["inference/workers_joined"] == 2 and metrics["inference/workers"] == 2
+    assert metrics["inference/join_to_serving_s"] == 3.0
+    assert scheduler.inference.take_counts()["inference/workers_joined"] == 0
+
+
+def test_the_groups_of_a_worker_that_left_are_cancelled_and_retried_on_another():
+    worker = never_answering_worker()
+    scheduler = make_scheduler(worker)
+    watcher = FakeWatcher({"w1": ("http://w1/v1", 0), "w2": ("http://w2/v1", 0)})
+    scheduler.refresh_endpoints(watcher)
+    scheduler.dispatch(step=1)  # one group each (fewest in flight first)
+    on_w1 = [(future, entry.example_index) for future, entry in scheduler.inflight.items()
+             if entry.endpoint.worker_id == "w1"]
+    assert len(on_w1) == 1 and scheduler.endpoints["w2"].num_inflight == 2
+    watcher.workers = {"w2": ("http://w2/v1", 0)}  # w1 is LOST or deregistered: gone from the list
+    watcher.generation += 1
+    scheduler.refresh_endpoints(watcher)
+    assert worker.cancelled == [on_w1[0][0]] and len(scheduler.inflight) == 1
+    assert scheduler.counters["retried"] == 2 and scheduler.counters["rollout_errors"] == 0
+    scheduler.dispatch(step=1)
+    indices, kwargs = worker.requests[-1]
+    assert indices == [on_w1[0][1]] and kwargs["base_url"] == "http://w2/v1"  # the same example, elsewhere
+    assert scheduler.inference.take_counts()["inference/workers_left"] == 1
+
+
+def test_a_worker_registered_again_under_a_new_id_keeps_its_groups():
+    worker = never_answering_worker()
+    scheduler = make_scheduler(worker)
+    watcher = FakeWatcher({"w1": ("http://w1/v1", 0)})
+    scheduler.refresh_endpoints(watcher)
+    scheduler.dispatch(step=1)
+    watcher.workers = {"w1-again": ("http://w1/v1", 0)}  # a broker restart: the same server, a new id
+    watcher.generation += 1
+    scheduler.refresh_endpoints(watcher)
+    assert not worker.cancelled and len(scheduler.inflight) == 2 and scheduler.counters["retried"] == 0
+    assert scheduler.endpoints["w1-again"].num_inflight == 4
+    counts = scheduler.inference.take_counts()
+    assert counts["inference/workers_left"] == 0 and counts["inference/workers_joined"] == 1

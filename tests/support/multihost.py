@@ -33,9 +33,12 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = REPO_ROOT / "examples" / "reverse_text_rl.toml"
 BIN = Path(sys.executable).parent
 HOST_NAMES = ["a", "b", "c", "d", "e", "f", "g"]
-RUN_OVERRIDES = ["--orchestrator.batch-size", "16", "--orchestrator.rollouts-per-example", "4",
-                 "--orchestrator.sampling.max-tokens", "12", "--seq-len", "128", "--trainer.ckpt.interval", "100",
-                 "--log.format", "json"]
+BATCH_SIZE, ROLLOUTS_PER_EXAMPLE = 64, 8
+RUN_OVERRIDES = ["--orchestrator.batch-size", str(BATCH_SIZE), "--orchestrator.rollouts-per-example",
+                 str(ROLLOUTS_PER_EXAMPLE), "--orchestrator.sampling.max-tokens", "24", "--trainer.ckpt.interval",
+                 "100", "--log.format", "json"]
+"""The example's batch (8 prompts x 8 rollouts of at most 24 tokens): a step takes a few seconds here, so that the
+run is still going when the joining worker is up (~15-40 s after its start)."""
 BROKER_READY_S = 60.0
 INFER_READY_S = 300.0
 
@@ -105,16 +108,22 @@ class Report:
     broker_status: dict = field(default_factory=dict)  # the test process's last RunStatus (JSON)
     g_status: dict = field(default_factory=dict)  # `primerl status --json` run on host g
     g_status_text: str = ""
+    g_status_lines: int = 0
     workers_left: list[str] = field(default_factory=list)
     workers_joined: list[str] = field(default_factory=list)
     stopped_at_step: int = 0
     joined_ready_at_step: int = 0
     join_ready_s: float = 0.0  # start of the joining worker's process -> its ready file
     join_serving_s: float = 0.0  # its ready file -> it serves the policy version current then
-    rescheduled_events: int = 0
-    rescheduled_rollouts: float = 0.0  # the orchestrator's rollout/rescheduled, summed over its metric rows
+    retried_events: int = 0  # "rollout group retried" (worker unreachable or gone): dispatched again
+    retried_rollouts: float = 0.0  # the orchestrator's rollout/retried, summed over its metric rows
+    rescheduled_events: int = 0  # "rollout group rescheduled" (the worker's request failed): sampled again
+    rescheduled_rollouts: float = 0.0  # rollout/rescheduled, summed
+    orchestrator_rows: int = 0
+    orchestrator_saw: dict[str, list[dict]] = field(default_factory=dict)  # joined / left / serving events
     metrics: dict[str, dict] = field(default_factory=dict)  # label -> the worker's scraped metrics
     wall_s: float = 0.0
+    rollouts_per_example: int = ROLLOUTS_PER_EXAMPLE
     errors: list[str] = field(default_factory=list)
 
     def problems(self) -> list[str]:
@@ -145,12 +154,24 @@ class Report:
                                           u not in self.workers_left]:
             if infer.get(url, {}).get("state") != "WORKER_STATE_ALIVE":
                 found.append(f"primerl status does not list {url} as alive: {infer.get(url, {}).get('state')}")
-        if self.rescheduled_rollouts != self.rescheduled_events * self.rollouts_per_example:
-            found.append(f"rollout/rescheduled {self.rescheduled_rollouts} != {self.rescheduled_events} rescheduled "
-                         f"groups x {self.rollouts_per_example}")
+        if self.retried_rollouts > self.retried_events * self.rollouts_per_example:
+            found.append(f"rollout/retried {self.retried_rollouts:g} > {self.retried_events} groups retried x "
+                         f"{self.rollouts_per_example}")
+        if not self.orchestrator_rows:
+            found.append("no orchestrator metrics rows (rollout/retried, rollout/rescheduled) in metrics.jsonl")
+        left = {e.get("url", "").removesuffix("/v1") for e in self.orchestrator_saw.get("left", [])}
+        for url in self.workers_left:
+            if url not in left:
+                found.append(f"the orchestrator did not log 'inference worker left' for {url}")
+        joined = {e.get("url", "").removesuffix("/v1") for e in self.orchestrator_saw.get("joined", [])}
+        for url in self.workers_joined:
+            if url not in joined:
+                found.append(f"the orchestrator did not log 'inference worker joined' for {url}")
+        joiner = self.metrics.get("infer@f", {})
+        if self.joined_ready_at_step < self.max_steps - 2 and not joiner.get("requests"):
+            found.append(f"the worker that joined after step {self.joined_ready_at_step} answered no request")
         return found
 
-    rollouts_per_example: int = 4
 
     def summary(self) -> str:
         roles = "\n".join(f"  {label:<22} {address}" for label, address in self.roles.items())
@@ -160,7 +181,9 @@ class Report:
                 f"workers joined: {self.workers_joined} (ready {self.join_ready_s:.1f} s after its start, at step "
                 f"{self.joined_ready_at_step}; serving the current version {self.join_serving_s:.1f} s after ready)\n"
                 f"live workers' metrics: {self.metrics}\n"
-                f"rollouts retried: {self.rescheduled_rollouts:g} ({self.rescheduled_events} groups rescheduled)\n"
+                f"rollouts retried: {self.retried_rollouts:g} ({self.retried_events} groups; rescheduled after a "
+                f"failed request: {self.rescheduled_rollouts:g} in {self.rescheduled_events} groups)\n"
+                f"the orchestrator saw: {json.dumps(self.orchestrator_saw)}\n"
                 f"wall time: {self.wall_s:.0f} s\n"
                 f"primerl status on host g:\n{self.g_status_text}")
 
@@ -315,6 +338,7 @@ class MultihostRun:
             self.write_configs()
             self.start_broker()
             self.say(f"broker up at {self.broker_address}")
+            self.watch_from_g()
             d, e = self.start_inference("d"), self.start_inference("e")
             self.start_trainer_rank("b", True)
             self.start_trainer_rank("c", False)
@@ -323,25 +347,24 @@ class MultihostRun:
             orch = self.start("orchestrator@a", "orchestrator", "a",
                               [BIN / "primerl-orchestrator", *self.config_args("orchestrator", "a")])
             report.roles["orchestrator@a"] = self.hosts["a"].address
-            running = ["broker@a", "infer@d", "infer@e", "trainer@b", "trainer@c", "orchestrator@a"]
+            running = ["broker@a", "infer@e", "trainer@b", "trainer@c", "orchestrator@a"]
             with self.client() as client:
                 self.wait_until(client, f"trainer step {self.stop_at_step}",
-                                lambda s: int(s.get("trainer_step", 0)) >= self.stop_at_step, running, deadline)
+                                lambda s: int(s.get("trainer_step", 0)) >= self.stop_at_step, running + ["infer@d"],
+                                deadline)
                 report.stopped_at_step = int(self.status(client).get("trainer_step", 0))
                 self.say(f"step {report.stopped_at_step}: stopping {url_d} (SIGTERM)")
                 report.exit_codes["infer@d (SIGTERM)"] = d.stop()
                 report.workers_left.append(url_d)
-                running.remove("infer@d")
                 f = self.start_inference("f")
                 url_f = self.wait_inference(f)
                 report.join_ready_s = time.monotonic() - f.started_s
                 report.workers_joined.append(url_f)
-                running.append("infer@f")
                 ready_s = time.monotonic()
                 status = self.status(client)
                 report.joined_ready_at_step = int(status.get("trainer_step", 0))
                 current = int(status.get("latest_policy_version", 0))
-                self.say(f"{url_f} joined at step {report.joined_ready_at_step} (v{current})")
+                self.say(f"{url_f} joined after step {report.joined_ready_at_step} (v{current} current)")
                 self.wait_until(client, f"{url_f} serving v{current}",
                                 lambda s: any(w.get("address") == url_f and int(w.get("policy_version", -1))
                                               >= current for w in s.get("workers", [])), running, deadline)
@@ -351,48 +374,93 @@ class MultihostRun:
                     self._check_alive([r for r in running if not r.startswith("trainer@")])
                     if time.monotonic() > deadline:
                         raise RuntimeError("timed out waiting for the trainer to finish")
-                    time.sleep(0.5)
+                    time.sleep(0.2)
                 for t in trainers:
                     report.exit_codes[t.label] = t.poll()
                 n = self.max_steps
-                report.broker_status = self.wait_until(
-                    client, f"every live worker serving v{n}",
-                    lambda s: int(s.get("latest_policy_version", 0)) >= n and all(
-                        int(w.get("policy_version", -1)) == n for w in s.get("workers", [])
-                        if w.get("role") == "ROLE_INFERENCE" and w.get("state") == "WORKER_STATE_ALIVE"),
-                    ["broker@a", "infer@e", "infer@f"], deadline)
-            self.status_from_g()
-            self.scrape_inference()
-            report.exit_codes["orchestrator@a"] = orch.stop(60)
+                # The broker asks the workers to stop END_OF_RUN_GRACE_S (10 s) after the last step: look now.
+                report.broker_status = self.wait_until(client, f"every live worker serving v{n}", served(n),
+                                                       ["broker@a"], deadline)
+                self.say(f"step {n} done; every live worker serves v{n}")
+                self.scrape_inference()
+            report.exit_codes["orchestrator@a"] = self.wait_exit(orch, 60.0)
+            for label in ("infer@e", "infer@f"):  # they stop when the broker tells them the run is over
+                report.exit_codes[label] = self.wait_exit(self.procs[label], 60.0)
             self.collect()
         except Exception as err:
             report.errors.append(f"{type(err).__name__}: {err}")
         finally:
             self.stop_all()
+            self.read_g_statuses()
             report.wall_s = time.monotonic() - start_s
         return report
 
-    def status_from_g(self) -> None:
+    @staticmethod
+    def wait_exit(proc: Proc, timeout_s: float) -> int | None:
+        try:
+            return proc.popen.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            return proc.stop(30.0)
+
+    def watch_from_g(self) -> None:
+        """`primerl status --watch --json` on host g for the whole run: the worker list is read from what it
+        printed once the last step was done (``read_g_statuses``), before the workers are told to stop."""
         g = self.hosts["g"]
-        argv = [BIN / "primerl", "status", "--broker", self.broker_address, "--timeout-s", "10"]
-        env = {**self.env(), "PRIMERL_RUN_TOKEN": self.token}
-        text = subprocess.run(g.argv(argv), capture_output=True, text=True, timeout=120, env=env)
-        as_json = subprocess.run(g.argv([*argv, "--json"]), capture_output=True, text=True, timeout=120, env=env)
-        self.report.g_status_text = text.stdout or text.stderr
+        argv = [BIN / "primerl", "status", "--broker", self.broker_address, "--json", "--watch",
+                "--interval-ms", "300", "--timeout-s", "30"]
+        proc = Proc("status@g", g, argv, {**self.env(), "PRIMERL_RUN_TOKEN": self.token},
+                    self.run_dir / "logs" / "status@g.jsonl", self.run_dir)
+        self.procs["status@g"] = proc
         self.report.roles["primerl status@g"] = g.address
-        if as_json.returncode != 0:
-            raise RuntimeError(f"primerl status on host g exited {as_json.returncode}: {as_json.stderr[-1000:]}")
-        self.report.g_status = json.loads(as_json.stdout)
+
+    def read_g_statuses(self) -> None:
+        """The last status host g's `primerl status` printed with the last step committed and every live worker
+        serving it (else the last it printed with the step committed), as JSON and as the table it shows."""
+        from google.protobuf.json_format import ParseDict
+
+        from primerl.cli.status_view import render_status
+        from primerl.proto.v1 import control_pb2
+
+        proc = self.procs.get("status@g")
+        if proc is None:
+            return
+        statuses = []
+        for line in proc.log.read_text(errors="replace").splitlines():
+            if line.startswith("{") and '"run_id"' in line:
+                try:
+                    statuses.append(json.loads(line))
+                except ValueError:
+                    pass
+        n = self.max_steps
+        done = [s for s in statuses if int(s.get("last_committed_step", 0)) >= n]
+        good = [s for s in done if served(n)(s)]
+        chosen = good[-1] if good else (done[-1] if done else (statuses[-1] if statuses else {}))
+        self.report.g_status = chosen
+        self.report.g_status_lines = len(statuses)
+        if chosen:
+            message = ParseDict(chosen, control_pb2.RunStatus(), ignore_unknown_fields=True)
+            self.report.g_status_text = render_status(message)
 
     def collect(self) -> None:
+        """From the roles' logs and metrics rows: the trainer's steps, the orchestrator's retried rollouts and
+        the workers it saw join, serve and leave."""
         report = self.report
         rank0 = [p for p in (self.procs["trainer@b"], self.procs["trainer@c"]) if p.events("step done")]
         report.steps_done = [int(e["step"]) for p in rank0 for e in p.events("step done")]
         orch = self.procs["orchestrator@a"]
+        report.retried_events = len(orch.events("rollout group retried"))
         report.rescheduled_events = len(orch.events("rollout group rescheduled"))
         rows = [json.loads(line) for line in (self.run_dir / "metrics.jsonl").read_text().splitlines()
                 if line.strip()] if (self.run_dir / "metrics.jsonl").exists() else []
+        report.retried_rollouts = sum(float(r.get("rollout/retried", 0.0)) for r in rows)
         report.rescheduled_rollouts = sum(float(r.get("rollout/rescheduled", 0.0)) for r in rows)
+        report.orchestrator_rows = len([r for r in rows if "rollout/retried" in r or "rollout/rescheduled" in r])
+        for name, key in (("inference worker joined", "joined"), ("inference worker left", "left"),
+                          ("inference worker serving", "serving")):
+            report.orchestrator_saw[key] = [{k: e.get(k) for k in ("url", "step", "policy_version",
+                                                                    "current_version", "join_to_serving_s",
+                                                                    "num_inflight_rollouts") if k in e}
+                                            for e in orch.events(name)]
 
     def scrape_inference(self) -> None:
         """Each live worker's Prometheus metrics (from this process, over the hosts' network): the policy
@@ -413,7 +481,21 @@ class MultihostRun:
             self.report.metrics[label] = values
 
     def stop_all(self) -> None:
-        for label in ("orchestrator@a", "trainer@b", "trainer@c", "infer@d", "infer@e", "infer@f", "broker@a"):
+        for label in ("orchestrator@a", "trainer@b", "trainer@c", "infer@d", "infer@e", "infer@f", "status@g",
+                      "broker@a"):
             if label in self.procs:
                 code = self.procs[label].stop(60)
-                self.report.exit_codes.setdefault(label, code)
+                if label != "status@g":
+                    self.report.exit_codes.setdefault(label, code)
+
+
+def served(max_steps: int) -> Callable[[dict], bool]:
+    """A status (JSON) predicate: the last step is committed and published, and every live inference worker
+    serves it."""
+    def check(status: dict) -> bool:
+        live = [w for w in status.get("workers", []) if w.get("role") == "ROLE_INFERENCE"
+                and w.get("state") == "WORKER_STATE_ALIVE"]
+        return (int(status.get("last_committed_step", 0)) >= max_steps
+                and int(status.get("latest_policy_version", 0)) >= max_steps and bool(live)
+                and all(int(w.get("policy_version", -1)) == max_steps for w in live))
+    return check

@@ -151,6 +151,23 @@ class BrokerConfig(BaseConfig):
     tls_key_path: Path | None = Field(
         None, description="PEM private key for TLS on the gRPC server (set together with `tls_cert_path`)."
     )
+    tls_client_ca_path: Path | None = Field(
+        None,
+        description="PEM file of the CA that signs client certificates (mutual TLS): when set, the gRPC server "
+        "requires every client to present a certificate signed by it (`<role>.broker.tls_cert_path` and "
+        "`tls_key_path`). Needs `tls_cert_path`. `primerl certs` makes one.",
+    )
+    curve_secret_key_path: Path | None = Field(
+        None,
+        description="The broker's CURVE key pair (a ZeroMQ `.key_secret` certificate file, as `primerl certs` "
+        "writes): when set, the rollout and weight planes are encrypted with CURVE and admit only the client keys in "
+        "`curve_authorized_keys_dir` (set both, or neither).",
+    )
+    curve_authorized_keys_dir: Path | None = Field(
+        None,
+        description="Directory of the CURVE public keys (`*.key` files) of the clients the ZeroMQ planes admit; a "
+        "client with another key is refused at the handshake. Read at start.",
+    )
     run_id: str | None = Field(
         None, min_length=1, description="Name of the run, shown in status and logs (unset: a fresh id at start)."
     )
@@ -176,6 +193,12 @@ class BrokerConfig(BaseConfig):
         problems = []
         if (self.tls_cert_path is None) != (self.tls_key_path is None):
             problems.append("set both `tls_cert_path` and `tls_key_path` for TLS, or neither")
+        if self.tls_client_ca_path is not None and self.tls_cert_path is None:
+            problems.append("`tls_client_ca_path` (client certificates) needs TLS: set `tls_cert_path` and "
+                            "`tls_key_path` too")
+        if (self.curve_secret_key_path is None) != (self.curve_authorized_keys_dir is None):
+            problems.append("set both `curve_secret_key_path` and `curve_authorized_keys_dir` for CURVE on the ZeroMQ "
+                            "planes, or neither")
         if not is_loopback_host(self.host) and not self.run_token and not self.allow_remote_without_token:
             problems.append(
                 f"host = {self.host!r} makes the broker reachable from other machines, so it needs credentials: "

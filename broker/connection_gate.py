@@ -26,6 +26,8 @@ and call ``handle`` in the thread that owns the gated socket, and bind the gate 
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import zmq
 from zmq.utils.monitor import parse_monitor_message
 
@@ -43,12 +45,16 @@ _EVENTS = zmq.EVENT_HANDSHAKE_SUCCEEDED | _FAILED_EVENTS | zmq.EVENT_DISCONNECTE
 class ConnectionGate:
     """ZAP handler that admits at most ``max_connections`` peers to the socket bound with ``domain``."""
 
-    def __init__(self, context: zmq.Context, *, max_connections: int, domain: str, what: str = "connection"):
+    def __init__(self, context: zmq.Context, *, max_connections: int, domain: str, what: str = "connection",
+                 authorize: Callable[[bytes, list[bytes]], str | None] | None = None):
+        """``authorize(mechanism, credentials)``: a further check of each peer's credentials (CURVE keys,
+        ``runtime.wire_security.CurveServer.authorize``); a string it returns refuses the peer (status 400)."""
         if max_connections < 1:
             raise ValueError(f"max_connections must be >= 1, got {max_connections}")
         self.max_connections = max_connections
         self.domain = domain.encode()
         self.what = what
+        self.authorize = authorize
         self.num_refused = 0
         self._admitted = 0
         self._approved_unconfirmed = 0  # approved, HANDSHAKE_SUCCEEDED not seen yet
@@ -111,6 +117,14 @@ class ConnectionGate:
         if len(frames) < 8:
             return  # not a ZAP request; libzmq never sends one
         request_id, domain, address = frames[3], frames[4], frames[5]
+        refusal = self.authorize(frames[7], frames[8:]) if self.authorize is not None else None
+        if refusal is not None:
+            self.num_refused += 1
+            self._refusal_log.warning(("credentials", self.what), f"{self.what} refused at the handshake: {refusal}",
+                                      peer=address.decode(errors="replace"),
+                                      hint="add the client's public key to broker.curve_authorized_keys_dir")
+            self._zap.send_multipart([frames[0], b"", b"1.0", request_id, REFUSED_STATUS, refusal.encode(), b"", b""])
+            return
         admitted = domain == self.domain and self._admitted + self._approved_unconfirmed < self.max_connections
         if admitted:
             self._approved_unconfirmed += 1

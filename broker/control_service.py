@@ -341,16 +341,29 @@ def create_grpc_server(
     *,
     tls_cert_path: str | Path | None = None,
     tls_key_path: str | Path | None = None,
+    tls_client_ca_path: str | Path | None = None,
     run_token: str | None = None,
     max_workers: int = 16,
 ) -> tuple[grpc.Server, int]:
     """A gRPC server with the Broker, health and reflection services, bound but not started.
 
     Port 0 binds a free port; the bound port is returned. Raises ``OSError`` when the address cannot be bound
-    and ``ValueError`` for an incomplete TLS set-up.
+    and ``ValueError`` for an incomplete TLS set-up or an unreadable file. ``tls_client_ca_path``: every client
+    must present a certificate signed by this CA (mutual TLS).
     """
     if (tls_cert_path is None) != (tls_key_path is None):
         raise ValueError("TLS needs both tls_cert_path and tls_key_path, or neither")
+    if tls_client_ca_path is not None and tls_cert_path is None:
+        raise ValueError("tls_client_ca_path (client certificates) needs tls_cert_path and tls_key_path")
+    credentials = None
+    if tls_cert_path is not None:
+        from primerl.runtime.wire_security import read_pem
+
+        client_ca = read_pem(tls_client_ca_path, "broker.tls_client_ca_path") if tls_client_ca_path else None
+        credentials = grpc.ssl_server_credentials(
+            [(read_pem(tls_key_path, "broker.tls_key_path"), read_pem(tls_cert_path, "broker.tls_cert_path"))],
+            root_certificates=client_ca, require_client_auth=client_ca is not None,
+        )
     # Auth first (it answers before any body is parsed), then the guard that makes parsing total.
     interceptors = ([TokenAuthInterceptor(run_token)] if run_token else []) + [RequestBodyGuard()]
     server = grpc.server(
@@ -364,10 +377,7 @@ def create_grpc_server(
 
     address = f"[{host}]:{port}" if ":" in host and not host.startswith("[") else f"{host}:{port}"
     try:
-        if tls_cert_path is not None:
-            credentials = grpc.ssl_server_credentials(
-                [(Path(tls_key_path).read_bytes(), Path(tls_cert_path).read_bytes())]
-            )
+        if credentials is not None:
             bound_port = server.add_secure_port(address, credentials)
         else:
             bound_port = server.add_insecure_port(address)

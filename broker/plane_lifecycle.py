@@ -7,6 +7,13 @@ it still runs; ``_handle_guarded`` keeps one bad message from ending the thread.
 (the socket, with whatever it needs around it) and ``_serve`` (its loop, which returns once ``_stop_event``
 is set), and ``_handle``/``_unexpected`` for the guard.
 
+Encryption: with ``curve`` set (``runtime.wire_security.CurveServer``, before ``start``) the socket is a CURVE
+server and admits only the client keys ``curve`` authorizes. libzmq asks the ZAP handler of the socket's context
+(one per context) about every connection, and without a handler it admits any key: a plane that brings its own
+handler (the rollout plane's connection gate, which asks ``curve_authorize``) says so with ``zap_domain``; for
+any other, ``_bind_router`` starts a ZAP authenticator thread on the context before binding. So each plane needs
+a context of its own when CURVE is on.
+
 Only the IO thread touches the socket.
 """
 
@@ -16,12 +23,16 @@ import abc
 import contextvars
 import threading
 import time
-from typing import Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 import zmq
 
 from primerl.runtime.log_setup import get_logger
 from primerl.runtime.zmq_sockets import bind_router
+
+if TYPE_CHECKING:
+    from primerl.runtime.wire_security import CurveServer
 
 log = get_logger("primerl.broker.plane_lifecycle")
 
@@ -49,6 +60,8 @@ class RouterPlane(abc.ABC):
         self._stop_event = threading.Event()
         self._ready = threading.Event()
         self._start_error: BaseException | None = None
+        self.curve: CurveServer | None = None
+        self._authenticator: Any = None
 
     # -- any thread ----------------------------------------------------------------------------------
 
@@ -81,6 +94,11 @@ class RouterPlane(abc.ABC):
             return False
         return True
 
+    @property
+    def curve_authorize(self) -> Callable[[bytes, list[bytes]], str | None] | None:
+        """The ZAP decision on a peer's credentials for a plane's own ZAP handler (None: CURVE off)."""
+        return self.curve.authorize if self.curve is not None else None
+
     # -- IO thread -----------------------------------------------------------------------------------
 
     def _run(self) -> None:
@@ -89,6 +107,7 @@ class RouterPlane(abc.ABC):
         except Exception as exc:  # reported to start(), which raises it
             self._start_error = exc
             self._release()
+            self._stop_authenticator()
             self._ready.set()
             return
         self._ready.set()
@@ -101,11 +120,21 @@ class RouterPlane(abc.ABC):
                     _closed_ports.clear()
                 _closed_ports.add(self.port)
             self._release()
+            self._stop_authenticator()
+
+    def _stop_authenticator(self) -> None:
+        if self._authenticator is not None:
+            self._authenticator.stop()
+            self._authenticator = None
 
     def _bind_router(self, **options: Any) -> zmq.Socket:
         """``bind_router`` on this plane's host and port. A port that a plane of this process closed is released
         by libzmq asynchronously, so an in-process restart on the same port may briefly see EADDRINUSE: retry
         within a short bound then, and only then (a port another process holds fails at once)."""
+        if self.curve is not None:
+            options["curve"] = self.curve
+            if not options.get("zap_domain") and self._authenticator is None:
+                self._authenticator = self.curve.start_authenticator(self.context)
         deadline_s = time.monotonic() + BIND_RETRY_S
         while True:
             try:

@@ -248,7 +248,7 @@ class RolloutPlane(RouterPlane):
         monitor must exist before any handshake can end (none can before the gate answers, in this thread)."""
         if self.max_connections is not None and self._gate is None:
             self._gate = ConnectionGate(self.context, max_connections=self.max_connections, domain=GATE_DOMAIN,
-                                        what="rollout connection")
+                                        what="rollout connection", authorize=self.curve_authorize)
         # rcv_hwm is set before the bind, or peers never get it.
         socket = self._bind_router(max_message_bytes=self.limits.max_message_bytes, hwm=self.hwm, rcv_hwm=self.rcv_hwm,
                                    zap_domain=GATE_DOMAIN if self._gate is not None else None)

@@ -7,7 +7,8 @@
     service.stop(grace_s=5.0)
 
 The pieces keep their own threads: gRPC's pool, one IO thread per ZeroMQ plane, the heartbeat monitor, the
-run-state saver. They meet here only through callbacks and one shared core: a commit releases spooled batches;
+run-state saver. Each ZeroMQ plane has a context of its own (a context has one ZAP handler: the rollout
+plane's connection gate, or with CURVE the weight plane's key check). They meet here only through callbacks and one shared core: a commit releases spooled batches;
 the weight fan-out (``weight_fanout``) owns the policy versions (the latest, and each inference worker's), which
 the weight plane drives and the registry reads; a worker's weight ack counts as its traffic; status reads every
 plane's counters.
@@ -46,6 +47,7 @@ from primerl.runtime.addresses import url_host
 from primerl.runtime.config_common import is_loopback_host
 from primerl.runtime.log_setup import bind_context, get_logger
 from primerl.runtime.prometheus import MetricsExporter, start_exporter
+from primerl.runtime.wire_security import CurveServer
 from primerl.runtime.zmq_sockets import tcp_endpoint
 
 log = get_logger("primerl.broker")
@@ -106,7 +108,8 @@ class BrokerService:
             config.max_message_bytes, max_payload_frames=config.max_payload_frames,
             max_transfer_bytes=config.resolved_max_transfer_bytes)
         self.limits, self.chunk_bytes = self.data_plane_limits.frames, self.data_plane_limits.weight_chunk_bytes
-        self._context: zmq.Context | None = None
+        self._context: zmq.Context | None = None  # the rollout plane's
+        self._weight_context: zmq.Context | None = None  # one per plane: each context has one ZAP handler
         self._queue: RolloutQueue | None = None
         self.rollout_plane: RolloutPlane | None = None
         self.weight_plane: WeightPlane | None = None
@@ -143,7 +146,9 @@ class BrokerService:
             self.exporter = start_exporter("broker", config.prometheus)
             if self.exporter is not None:
                 self.exporter.register(BrokerCollector(self))
+            curve = self._curve_server()
             self._context = zmq.Context()
+            self._weight_context = zmq.Context()
             self._queue = RolloutQueue(RolloutSpool(config.spool_dir, cache_max_bytes=config.read_cache_bytes),
                                        config.max_queue_batches, config.max_queue_bytes,
                                        max_step_lead=config.max_step_lead)
@@ -157,10 +162,11 @@ class BrokerService:
                 limits=self.limits, auth_token=config.run_token, on_error=self._on_data_plane_error,
                 rcv_hwm=config.rollout_hwm, max_connections=config.max_rollout_connections,
             )
+            self.rollout_plane.curve = curve
             with _naming_the_setting("rollout_port", "ZeroMQ rollout", config.host, config.rollout_port):
                 rollout_port = self.rollout_plane.start()
             self.weight_plane = WeightPlane(
-                self.weight_store, self._context, config.host, config.weight_port,
+                self.weight_store, self._weight_context, config.host, config.weight_port,
                 limits=self.limits, auth_token=config.run_token, chunk_bytes=self.chunk_bytes,
                 on_applied=self._on_weights_applied, hwm=config.weight_hwm,
                 transfer_stall_timeout_s=config.transfer_stall_timeout_s,
@@ -171,6 +177,7 @@ class BrokerService:
                 durable_dir=config.spool_dir / WEIGHTS_SUBDIR,
                 fanout=self.weight_fanout,
             )
+            self.weight_plane.curve = curve
             with _naming_the_setting("weight_port", "ZeroMQ weight", config.host, config.weight_port):
                 weight_port = self.weight_plane.start()
             # What workers dial: advertise_host, else host; a wildcard is replaced by each worker with the host it
@@ -182,6 +189,7 @@ class BrokerService:
                 self._server, grpc_port = create_grpc_server(
                     self.servicer, config.host, config.grpc_port, run_token=config.run_token,
                     tls_cert_path=config.tls_cert_path, tls_key_path=config.tls_key_path,
+                    tls_client_ca_path=config.tls_client_ca_path,
                 )
             self._server.start()
             self._monitor.start()
@@ -193,8 +201,19 @@ class BrokerService:
         self.endpoints = BrokerEndpoints(grpc_port, rollout_port, weight_port, self.run_id, metrics_url)
         log.info("broker serving", host=config.host, endpoint_host=config.endpoint_host, spool_dir=str(config.spool_dir),
                  auth=bool(config.run_token),
-                 tls=config.tls_cert_path is not None, **self.endpoints.as_dict())
+                 tls=config.tls_cert_path is not None, client_certificates=config.tls_client_ca_path is not None,
+                 curve=curve is not None, **self.endpoints.as_dict())
         return self.endpoints
+
+    def _curve_server(self) -> CurveServer | None:
+        """The CURVE keys of the ZeroMQ planes (``ValueError`` naming the setting when a file is wrong)."""
+        config = self.config
+        if config.curve_secret_key_path is None or config.curve_authorized_keys_dir is None:
+            return None
+        curve = CurveServer.load(config.curve_secret_key_path, config.curve_authorized_keys_dir)
+        log.info("CURVE on the ZeroMQ planes", num_authorized_keys=len(curve.authorized_keys),
+                 authorized_keys_dir=str(config.curve_authorized_keys_dir))
+        return curve
 
     def _warn_about_auth(self) -> None:
         """A broker without a run token binds loopback only (``BrokerConfig`` refuses anything else unless
@@ -234,8 +253,9 @@ class BrokerService:
             self._saver.stop()  # the last write, while the spool still holds the directory's lock
         if self._queue is not None:
             self._queue.close()
-        if self._context is not None:
-            self._context.destroy(linger=0)
+        for context in (self._context, self._weight_context):
+            if context is not None:
+                context.destroy(linger=0)
         if self.exporter is not None:
             self.exporter.stop()
         log.info("broker stopped")

@@ -242,8 +242,11 @@ class Launcher:
         from primerl.client.control import BrokerError, ControlClient
         from primerl.runtime.config_common import BrokerClientConfig
 
+        trainer_broker = self.config.trainer.broker  # the launcher reads status with the trainer's credentials
         client = ControlClient(BrokerClientConfig(address=address, run_token=self.token,
-                                                  tls_ca_path=self.config.trainer.broker.tls_ca_path),
+                                                  tls_ca_path=trainer_broker.tls_ca_path,
+                                                  tls_cert_path=trainer_broker.tls_cert_path,
+                                                  tls_key_path=trainer_broker.tls_key_path),
                                role="client", name="primerl-rl", rpc_timeout_s=STATUS_TIMEOUT_S)
         last_line_s = 0.0
         last_step = -1
@@ -277,10 +280,15 @@ class Launcher:
 
     def _write_run_file(self, address: str, run_id: str | None) -> None:
         """``RUN_DIR/run.json`` (owner-only): the broker's address and the token, for ``primerl status RUN_DIR``."""
-        tls_ca_path = self.config.trainer.broker.tls_ca_path
+        broker = self.config.trainer.broker
+
+        def absolute(path: Path | None) -> str | None:
+            return str(Path(path).resolve()) if path else None
+
         write_run_file(self.run_dir, RunFile(broker_address=address, run_token=self.token,
-                                             tls_ca_path=str(Path(tls_ca_path).resolve()) if tls_ca_path else None,
-                                             run_id=run_id or None, launcher_pid=os.getpid()))
+                                             tls_ca_path=absolute(broker.tls_ca_path), run_id=run_id or None,
+                                             launcher_pid=os.getpid(), tls_cert_path=absolute(broker.tls_cert_path),
+                                             tls_key_path=absolute(broker.tls_key_path)))
         self.say(f"  status: primerl status {shlex.quote(str(self.run_dir))}   (address and token in its "
                  f"{RUN_FILE_NAME}, readable by you only)")
 

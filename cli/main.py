@@ -16,6 +16,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "infer": ("primerl.cli.infer", "run an inference worker (same as primerl-infer)"),
     "orchestrator": ("primerl.cli.orchestrator", "run the orchestrator (same as primerl-orchestrator)"),
     "status": ("primerl.cli.status", "show a running job's status from the broker"),
+    "certs": ("primerl.cli.certs", "make a CA, TLS certificates and CURVE keys for an encrypted wire: `primerl certs --out DIR --host H`"),
     "sft-data": ("primerl.cli.sft_data", "write an environment's reference answers as SFT samples (JSONL)"),
     "eval": ("primerl.cli.eval", "evaluate a model or checkpoint on an environment: `primerl eval ENV_ID -m MODEL`"),
     "env": ("primerl.cli.env", "install an environment into the env interpreter and check it loads: `primerl env install PATH|PACKAGE`; `primerl env list`"),

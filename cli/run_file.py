@@ -7,7 +7,8 @@ first byte) and replaced whole (``primerl.runtime.durable_files.write_private_at
     {"broker_address": "127.0.0.1:41235", "run_token": "...", "tls_ca_path": null, "run_id": "run-1a2b3c4d",
      "launcher_pid": 12345}
 
-``tls_ca_path`` is absolute (``primerl status`` may run from another directory); null without TLS.
+``tls_ca_path`` is absolute (``primerl status`` may run from another directory); null without TLS. With mutual TLS
+``tls_cert_path`` and ``tls_key_path`` name the client certificate the launcher itself uses (the trainer's).
 """
 
 from __future__ import annotations
@@ -33,6 +34,8 @@ class RunFile:
     tls_ca_path: str | None = None
     run_id: str | None = None
     launcher_pid: int | None = None
+    tls_cert_path: str | None = None  # a client certificate (mutual TLS), absolute; null without
+    tls_key_path: str | None = None
 
 
 def write_run_file(run_dir: Path, run: RunFile) -> Path:

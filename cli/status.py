@@ -41,6 +41,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--tls-ca", default=None, help="PEM CA file: connect with TLS, checking the broker's certificate"
     )
+    parser.add_argument(
+        "--tls-cert", default=None,
+        help="PEM client certificate, for a broker that requires one (broker.tls_client_ca_path); with --tls-key",
+    )
+    parser.add_argument("--tls-key", default=None, help="PEM private key of --tls-cert")
     parser.add_argument("--json", action="store_true", help="print JSON (with --watch: one object per line)")
     parser.add_argument("--watch", action="store_true", help="redraw on every change until Ctrl-C")
     parser.add_argument(
@@ -67,17 +72,17 @@ def main(argv: list[str] | None = None) -> int:
     from primerl.runtime.config_common import BrokerClientConfig
 
     try:
-        address, token, tls_ca = _connection(args)
+        address, token, tls = _connection(args)
     except RunFileError as err:
         print(f"primerl status: {err}", file=sys.stderr)
         return 2
     try:
         config = BrokerClientConfig(
-            address=address, run_token=token, tls_ca_path=tls_ca, connect_timeout_s=args.timeout_s
+            address=address, run_token=token, connect_timeout_s=args.timeout_s, **tls
         )
     except ValidationError as err:
         problems = "; ".join(e["msg"] for e in err.errors())
-        print(f"primerl status: --broker: {problems}", file=sys.stderr)
+        print(f"primerl status: --broker/--tls-*: {problems}", file=sys.stderr)
         return 2
     try:
         client = ControlClient(config, role="client", name="primerl-status", rpc_timeout_s=args.timeout_s)
@@ -107,15 +112,18 @@ def main(argv: list[str] | None = None) -> int:
         client.close()
 
 
-def _connection(args: argparse.Namespace) -> tuple[str, str | None, str | None]:
-    """Address, token and TLS CA: the command line's, else RUN_DIR's run.json, else the environment's."""
+def _connection(args: argparse.Namespace) -> tuple[str, str | None, dict[str, str | None]]:
+    """Address, token and TLS files (CA, client certificate and key): the command line's, else RUN_DIR's run.json,
+    else the environment's."""
+    tls = {"tls_ca_path": args.tls_ca, "tls_cert_path": args.tls_cert, "tls_key_path": args.tls_key}
     if args.run_dir is not None:
         run = read_run_file(args.run_dir)
-        return (args.broker or run.broker_address, args.token if args.token is not None else run.run_token,
-                args.tls_ca or run.tls_ca_path)
+        if not any(tls.values()):
+            tls = {"tls_ca_path": run.tls_ca_path, "tls_cert_path": run.tls_cert_path, "tls_key_path": run.tls_key_path}
+        return (args.broker or run.broker_address, args.token if args.token is not None else run.run_token, tls)
     address = args.broker or os.environ.get(ENV_BROKER) or DEFAULT_BROKER
     token = args.token if args.token is not None else os.environ.get(ENV_TOKEN) or None
-    return address, token, args.tls_ca
+    return address, token, tls
 
 
 def _explain(err, run_dir: str | None = None) -> str:

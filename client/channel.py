@@ -1,11 +1,13 @@
-"""The gRPC channel to the broker's control plane: TLS when a CA is given, the run token on every call, and
-reconnect and keepalive settings that notice a restarted or silently dead broker within seconds."""
+"""The gRPC channel to the broker's control plane: TLS when a CA is given (mutual TLS with a client certificate),
+the run token on every call, and reconnect and keepalive settings that notice a restarted or silently dead broker within seconds."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
 import grpc
+
+from primerl.runtime.wire_security import read_pem
 
 BACKOFF_INITIAL_S = 0.1
 BACKOFF_MAX_S = 5.0
@@ -61,17 +63,25 @@ class _Details(grpc.ClientCallDetails):
 
 
 def create_channel(
-    address: str, *, run_token: str | None = None, tls_ca_path: str | Path | None = None
+    address: str, *, run_token: str | None = None, tls_ca_path: str | Path | None = None,
+    tls_cert_path: str | Path | None = None, tls_key_path: str | Path | None = None,
 ) -> grpc.Channel:
-    """A channel to the broker: TLS when ``tls_ca_path`` is given, the run token on every call when set."""
+    """A channel to the broker: TLS when ``tls_ca_path`` is given (with this client's certificate when
+    ``tls_cert_path`` and ``tls_key_path`` are: mutual TLS), the run token on every call when set. Raises
+    ``ValueError`` naming the setting when a file cannot be read."""
+    if (tls_cert_path is None) != (tls_key_path is None):
+        raise ValueError("broker.tls_cert_path and broker.tls_key_path (a client certificate) go together")
     if tls_ca_path is not None:
-        try:
-            root_certificates = Path(tls_ca_path).read_bytes()
-        except OSError as err:
-            raise ValueError(f"cannot read the broker's TLS CA file {tls_ca_path}: {err}") from err
-        channel = grpc.secure_channel(
-            address, grpc.ssl_channel_credentials(root_certificates=root_certificates), options=CHANNEL_OPTIONS
-        )
+        root_certificates = read_pem(tls_ca_path, "broker.tls_ca_path (the CA of the broker's TLS certificate)")
+        private_key = certificate_chain = None
+        if tls_cert_path is not None:
+            certificate_chain = read_pem(tls_cert_path, "broker.tls_cert_path (this client's certificate)")
+            private_key = read_pem(tls_key_path, "broker.tls_key_path (this client's private key)")
+        credentials = grpc.ssl_channel_credentials(root_certificates=root_certificates, private_key=private_key,
+                                                   certificate_chain=certificate_chain)
+        channel = grpc.secure_channel(address, credentials, options=CHANNEL_OPTIONS)
+    elif tls_cert_path is not None:
+        raise ValueError("broker.tls_cert_path (a client certificate) needs TLS: set broker.tls_ca_path too")
     else:
         channel = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
     if run_token:

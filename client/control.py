@@ -126,7 +126,10 @@ class ControlClient:
         self.rank = rank
         self.world_size = world_size
         self.rpc_timeout_s = rpc_timeout_s
-        self._channel = create_channel(config.address, run_token=config.run_token, tls_ca_path=config.tls_ca_path)
+        self._channel = create_channel(config.address, run_token=config.run_token, tls_ca_path=config.tls_ca_path,
+                                       tls_cert_path=config.tls_cert_path, tls_key_path=config.tls_key_path)
+        # The data-plane clients' CURVE credentials, read now so that a wrong file fails at start.
+        self.curve = config.curve_client()
         self._stub = control_pb2_grpc.BrokerStub(self._channel)
         self._lock = threading.Lock()  # guards registration state
         self._worker_id: str | None = None
@@ -179,10 +182,13 @@ class ControlClient:
         try:
             grpc.channel_ready_future(self._channel).result(timeout=timeout_s)
         except grpc.FutureTimeoutError:
-            tls = "with TLS" if self.config.tls_ca_path else "without TLS"
+            tls = ("with TLS and a client certificate" if self.config.tls_cert_path else
+                   "with TLS" if self.config.tls_ca_path else "without TLS")
             raise BrokerUnavailable(
                 f"cannot reach the broker at {self.config.address} within {timeout_s:g} s ({tls}): is it running, "
-                "and is the address (and TLS setting) right?",
+                "and is the address right? A broker with TLS (broker.tls_cert_path) needs broker.tls_ca_path here, "
+                "one that requires client certificates (broker.tls_client_ca_path) also broker.tls_cert_path and "
+                "tls_key_path signed by that CA",
                 grpc.StatusCode.UNAVAILABLE,
             ) from None
 

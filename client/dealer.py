@@ -9,6 +9,9 @@
 - Bounded waits: ``_wait`` polls the socket (and the socket monitor, when the client watches ``MONITOR_EVENTS``)
   until a deadline; ``_send`` and ``_recv`` are built on it and return False / None at the deadline, so that each
   client raises its own typed error.
+- Encryption: with ``curve`` (``runtime.wire_security.CurveClient``, from ``BrokerClientConfig.curve_client()``)
+  the socket is a CURVE client; a broker that does not know its key refuses it at the handshake, which the client
+  only sees as no answer: ``timeout_hint`` goes into every timeout error.
 - Re-connecting: ``_reopen`` replaces the socket (``generation`` counts replacements: what was sent on an older
   socket never arrived). A client that watches monitor events reacts to them in ``_on_monitor_events``.
 
@@ -29,6 +32,7 @@ from primerl.proto import framing
 from primerl.proto.v1 import data_pb2
 from primerl.runtime.log_setup import get_logger
 from primerl.runtime.zmq_sockets import configure_socket
+from primerl.runtime.wire_security import CurveClient, timeout_hint
 
 log = get_logger("primerl.client.dealer")
 
@@ -44,8 +48,9 @@ class DealerClient:
     """Socket-monitor events the client reacts to (``_on_monitor_events``); 0: no monitor."""
 
     def __init__(self, endpoint: str, auth_token: str | None, sender: str, *, limits: framing.Limits,
-                 context: zmq.Context | None = None):
+                 context: zmq.Context | None = None, curve: CurveClient | None = None):
         self.endpoint = endpoint
+        self.curve = curve
         self.auth_token = auth_token or None
         self.sender = sender
         self.limits = limits
@@ -59,6 +64,8 @@ class DealerClient:
     # ------------------------------------------------------------------------------------------ socket
     def _open(self) -> None:
         socket = configure_socket(self._context.socket(zmq.DEALER), max_message_bytes=self.limits.max_message_bytes)
+        if self.curve is not None:
+            self.curve.apply(socket)
         socket.setsockopt(zmq.RECONNECT_IVL, RECONNECT_INTERVAL_MS)
         socket.setsockopt(zmq.RECONNECT_IVL_MAX, RECONNECT_INTERVAL_MAX_MS)
         # The monitor starts before ``connect`` so that no connection event is missed.
@@ -79,6 +86,11 @@ class DealerClient:
         self._close_socket()
         self._open()
         self.generation += 1
+
+    @property
+    def timeout_hint(self) -> str:
+        """What to check besides the broker being up when no answer comes (CURVE credentials)."""
+        return timeout_hint(self.curve)
 
     @property
     def is_closed(self) -> bool:

@@ -25,6 +25,7 @@ from typing import Any
 import zmq
 
 from primerl.client.dealer import DealerClient
+from primerl.runtime.wire_security import CurveClient
 from primerl.proto import framing
 from primerl.proto.batch_ids import default_batch_id
 from primerl.proto.data_plane_limits import DEFAULT_BROKER_LIMITS
@@ -101,9 +102,10 @@ class _RolloutClient(DealerClient):
     MONITOR_EVENTS = zmq.EVENT_HANDSHAKE_FAILED_AUTH
 
     def __init__(self, endpoint: str, auth_token: str | None, sender: str, *, context: zmq.Context | None,
-                 limits: framing.Limits | None):
+                 limits: framing.Limits | None, curve: CurveClient | None = None):
         self.num_handshake_refusals = 0
-        super().__init__(endpoint, auth_token, sender, limits=limits or DEFAULT_BROKER_LIMITS.frames, context=context)
+        super().__init__(endpoint, auth_token, sender, limits=limits or DEFAULT_BROKER_LIMITS.frames, context=context,
+                         curve=curve)
 
     def _on_monitor_events(self, events: Sequence[int], deadline_s: float) -> bool:
         """The broker refused this connection at the handshake: wait a moment (within ``deadline_s``) and connect
@@ -113,7 +115,9 @@ class _RolloutClient(DealerClient):
         self.num_handshake_refusals += 1
         if self.num_handshake_refusals == 1 or self.num_handshake_refusals % 20 == 0:
             log.warning("the broker refused this rollout connection at the handshake: it has as many peers as "
-                        "broker.max_rollout_connections admits; retrying", endpoint=self.endpoint,
+                        "broker.max_rollout_connections admits"
+                        + ("" if self.curve is None else ", or this client's CURVE key is not in "
+                           "broker.curve_authorized_keys_dir") + "; retrying", endpoint=self.endpoint,
                         refusals=self.num_handshake_refusals)
         time.sleep(max(0.0, min(deadline_s - time.monotonic(), random.uniform(REOPEN_PAUSE_S / 2, REOPEN_PAUSE_S))))
         self._reopen()
@@ -121,7 +125,11 @@ class _RolloutClient(DealerClient):
 
     def _unreachable_hint(self) -> str:
         if not self.num_handshake_refusals:
-            return ""
+            return self.timeout_hint
+        if self.curve is not None:
+            return (f"; the broker refused this connection {self.num_handshake_refusals} time(s) at the handshake: "
+                    "this client's CURVE public key is not in broker.curve_authorized_keys_dir, or the broker had as "
+                    "many rollout peers as it admits (broker.max_rollout_connections)")
         return (f"; the broker refused this connection {self.num_handshake_refusals} time(s) at the handshake because it "
                 f"had as many rollout peers as it admits: raise broker.max_rollout_connections or stop idle clients")
 
@@ -169,9 +177,10 @@ class RolloutProducer(_RolloutClient):
 
     def __init__(self, endpoint: str, auth_token: str | None = None, sender: str = "orchestrator", *,
                  context: zmq.Context | None = None, resend_interval_s: float = 5.0,
-                 limits: framing.Limits | None = None):
-        """``limits``: the broker's (``BrokerLimits.frames``; default: a broker's defaults)."""
-        super().__init__(endpoint, auth_token, sender, context=context, limits=limits)
+                 limits: framing.Limits | None = None, curve: CurveClient | None = None):
+        """``limits``: the broker's (``BrokerLimits.frames``; default: a broker's defaults). ``curve``: CURVE
+        credentials (``BrokerClientConfig.curve_client()``) for a broker that encrypts its planes."""
+        super().__init__(endpoint, auth_token, sender, context=context, limits=limits, curve=curve)
         self.resend_interval_s = resend_interval_s
         self.num_backpressure_waits = 0
 
@@ -296,11 +305,12 @@ class RolloutConsumer(_RolloutClient):
 
     def __init__(self, endpoint: str, auth_token: str | None = None, worker_id: str = "trainer-0", rank: int = 0,
                  credits: int = 4, *, context: zmq.Context | None = None, request_interval_s: float = 1.0,
-                 as_torch: bool = False, limits: framing.Limits | None = None):
-        """``limits``: the broker's (``BrokerLimits.frames``; default: a broker's defaults)."""
+                 as_torch: bool = False, limits: framing.Limits | None = None, curve: CurveClient | None = None):
+        """``limits``: the broker's (``BrokerLimits.frames``; default: a broker's defaults). ``curve``: CURVE
+        credentials (``BrokerClientConfig.curve_client()``) for a broker that encrypts its planes."""
         if credits < 1:
             raise ValueError(f"credits must be >= 1, got {credits}")
-        super().__init__(endpoint, auth_token, worker_id, context=context, limits=limits)
+        super().__init__(endpoint, auth_token, worker_id, context=context, limits=limits, curve=curve)
         self.worker_id = worker_id
         self.rank = rank
         self.credits = credits

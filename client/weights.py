@@ -24,6 +24,7 @@ from typing import Any
 import zmq
 
 from primerl.client.dealer import DealerClient
+from primerl.runtime.wire_security import CurveClient
 from primerl.client.outage import OutageWatch
 from primerl.client.weight_transfer import InPlaceTransfer
 from primerl.proto import chunked_transfer, framing
@@ -86,6 +87,7 @@ class WeightPublisher(DealerClient):
         context: zmq.Context | None = None,
         limits: framing.Limits = DEFAULT_BROKER_LIMITS.frames,
         connect_timeout_s: float = CONNECT_TIMEOUT_S,
+        curve: CurveClient | None = None,
     ):
         if chunk_bytes <= 0 or chunk_bytes > limits.max_frame_bytes:
             raise ValueError(f"chunk_bytes must be in 1..{limits.max_frame_bytes}, got {chunk_bytes}")
@@ -95,7 +97,7 @@ class WeightPublisher(DealerClient):
         self.connect_timeout_s = connect_timeout_s
         self._connected = False
         self._dropped = False  # the connection dropped since the current publish began
-        super().__init__(endpoint, auth_token, sender, limits=limits, context=context)
+        super().__init__(endpoint, auth_token, sender, limits=limits, context=context, curve=curve)
 
     def _open(self) -> None:
         super()._open()
@@ -112,7 +114,7 @@ class WeightPublisher(DealerClient):
         """Raises ``WeightBrokerLost`` as soon as the connection drops during a wait."""
         self._track_connection(events)
         if self._dropped:
-            raise WeightBrokerLost(f"the connection to the broker at {self.endpoint} dropped")
+            raise WeightBrokerLost(f"the connection to the broker at {self.endpoint} dropped{self.timeout_hint}")
         return False
 
     def _await_connection(self, deadline_s: float) -> None:
@@ -122,7 +124,7 @@ class WeightPublisher(DealerClient):
             assert self._monitor is not None
             if not self._monitor.poll(max(0, int((connect_deadline_s - time.monotonic()) * 1000)), zmq.POLLIN):
                 raise WeightBrokerLost(f"no connection to the broker at {self.endpoint} within "
-                                       f"{self.connect_timeout_s:g} s (is it running?)")
+                                       f"{self.connect_timeout_s:g} s (is it running?){self.timeout_hint}")
             self._track_connection(self._read_monitor_events())
         self._dropped = False
 
@@ -159,7 +161,8 @@ class WeightPublisher(DealerClient):
                         return ack
                 if not self._send(frames, deadline_s):
                     raise WeightPublishTimeout(f"could not send weight update v{header_out.policy_version} to "
-                                               f"{self.endpoint} within {timeout_s} s (broker unreachable?)")
+                                               f"{self.endpoint} within {timeout_s} s (broker unreachable?)"
+                                               f"{self.timeout_hint}")
             while True:
                 ack = self._read_reply(transfer_id, header_out.policy_version, deadline_s, header_out.lineage)
                 if ack is not None:
@@ -170,7 +173,7 @@ class WeightPublisher(DealerClient):
         except (WeightPublishTimeout, zmq.Again):
             self._reopen()
             raise WeightPublishTimeout(f"no WEIGHT_ACK for v{header_out.policy_version} from {self.endpoint} "
-                                       f"within {timeout_s} s") from None
+                                       f"within {timeout_s} s{self.timeout_hint}") from None
 
     def _read_reply(self, transfer_id: str, policy_version: int, deadline_s: float,
                     lineage: int = 0) -> data_pb2.WeightAck | None:
@@ -230,6 +233,7 @@ class WeightSubscriber(DealerClient):
         payload_buffer: Callable[[int], memoryview] | None = None,
         outage_s: float | None = None,
         liveness_s: float | None = None,
+        curve: CurveClient | None = None,
     ):
         if not worker_id:
             raise ValueError("worker_id must not be empty")
@@ -253,7 +257,7 @@ class WeightSubscriber(DealerClient):
         self._payload_buffer = payload_buffer
         self._in_place: InPlaceTransfer | None = None
         self._hello_sent_s: float | None = None
-        super().__init__(endpoint, auth_token, worker_id, limits=limits, context=context)
+        super().__init__(endpoint, auth_token, worker_id, limits=limits, context=context, curve=curve)
 
     def hello(self, current_version: int | None = None, lineage: int = 0) -> None:
         """Tell the broker who this worker is and which version it holds (None: none), of which lineage (0:
@@ -300,7 +304,7 @@ class WeightSubscriber(DealerClient):
         """With ``outage_s``: nothing heard from the broker for ``liveness_s`` is an outage (logged, bounded)."""
         silent_s = now_s - self._last_heard_s
         if self._watch is not None and self._hello_sent_s is not None and silent_s > self.liveness_s:
-            self._watch.failed(f"no answer from the broker at {self.endpoint} for {silent_s:.0f} s")
+            self._watch.failed(f"no answer from the broker at {self.endpoint} for {silent_s:.0f} s{self.timeout_hint}")
 
     def _heard(self) -> None:
         self._last_heard_s = time.monotonic()
@@ -403,4 +407,5 @@ class WeightSubscriber(DealerClient):
     def _send_within(self, frames: list[Any], timeout_s: float = SEND_TIMEOUT_S) -> None:
         assert not self.is_closed, "subscriber is closed"
         if not self._send(frames, time.monotonic() + timeout_s):
-            raise TimeoutError(f"could not send to the broker at {self.endpoint} within {timeout_s} s")
+            raise TimeoutError(f"could not send to the broker at {self.endpoint} within {timeout_s} s"
+                               f"{self.timeout_hint}")

@@ -124,7 +124,7 @@ class OrchestratorRunner:
         self.control.start_heartbeats(lambda: dict(self.progress))
         self.producer = RolloutProducer(registration.rollout_endpoint, auth_token=config.broker.run_token,
                                         sender="orchestrator", resend_interval_s=RESEND_INTERVAL_S,
-                                        limits=self.control.limits.frames)
+                                        limits=self.control.limits.frames, curve=self.control.curve)
         self.sender = BatchSender(self._send_step)
         self._broker_unavailable = (BrokerUnavailable,)
         self.endpoint_watcher = EndpointWatcher(lambda: self.control.list_workers(common_pb2.ROLE_INFERENCE),

@@ -6,7 +6,7 @@ import ipaddress
 from pathlib import Path
 from typing import Literal
 
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 
 from primerl.runtime.config_base import BaseConfig
 
@@ -54,6 +54,23 @@ class BrokerClientConfig(BaseConfig):
     tls_ca_path: Path | None = Field(
         None, description="PEM file of the CA (or self-signed certificate) that signed the broker's TLS certificate."
     )
+    tls_cert_path: Path | None = Field(
+        None,
+        description="PEM client certificate for mutual TLS (set with `tls_key_path` and `tls_ca_path`), for a "
+        "broker that sets `tls_client_ca_path`.",
+    )
+    tls_key_path: Path | None = Field(
+        None, description="PEM private key of `tls_cert_path` (mutual TLS)."
+    )
+    curve_secret_key_path: Path | None = Field(
+        None,
+        description="This client's CURVE key pair (a ZeroMQ `.key_secret` file, as `primerl certs` writes), for a "
+        "broker that sets `curve_secret_key_path`: the rollout and weight planes are then encrypted. Set together "
+        "with `curve_broker_key_path`.",
+    )
+    curve_broker_key_path: Path | None = Field(
+        None, description="The broker's CURVE public key file (`.key`), with `curve_secret_key_path`."
+    )
     connect_timeout_s: float = Field(
         60.0, gt=0, description="How long to wait for the broker at start-up before giving up."
     )
@@ -63,6 +80,29 @@ class BrokerClientConfig(BaseConfig):
         description="How long a running worker waits through a broker outage (a restart, a lost network) before it "
         "stops with an error; it logs what it waits for every few seconds meanwhile.",
     )
+
+    @model_validator(mode="after")
+    def _check_credentials(self) -> BrokerClientConfig:
+        problems = []
+        if (self.tls_cert_path is None) != (self.tls_key_path is None):
+            problems.append("set both `tls_cert_path` and `tls_key_path` (a client certificate), or neither")
+        if self.tls_cert_path is not None and self.tls_ca_path is None:
+            problems.append("a client certificate (`tls_cert_path`) needs TLS: set `tls_ca_path` to the CA of the "
+                            "broker's certificate too")
+        if (self.curve_secret_key_path is None) != (self.curve_broker_key_path is None):
+            problems.append("set both `curve_secret_key_path` and `curve_broker_key_path` for CURVE, or neither")
+        if problems:
+            raise ValueError("; ".join(problems))
+        return self
+
+    def curve_client(self):
+        """This client's CURVE credentials (``runtime.wire_security.CurveClient``), loaded now; None without CURVE.
+        Raises ``ValueError`` naming the setting when a file is missing or wrong."""
+        if self.curve_secret_key_path is None or self.curve_broker_key_path is None:
+            return None
+        from primerl.runtime.wire_security import CurveClient
+
+        return CurveClient.load(self.curve_secret_key_path, self.curve_broker_key_path)
 
     @field_validator("address")
     @classmethod

@@ -4,14 +4,20 @@
   limit before buffering it, so an oversized message cannot exhaust memory;
 - ``LINGER`` bounded, so closing never hangs on an unreachable peer;
 - high-water marks bounded, so a slow peer makes senders wait (or fail to send) instead of growing queues;
-- TCP keep-alive, so a peer that vanished without closing is noticed.
+- TCP keep-alive, so a peer that vanished without closing is noticed;
+- CURVE encryption and authentication when keys are given (``runtime.wire_security``).
 
 Sockets are not thread-safe: create and use each one in the single thread that owns it.
 """
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import zmq
+
+if TYPE_CHECKING:
+    from primerl.runtime.wire_security import CurveClient, CurveServer
 
 DEFAULT_LINGER_MS = 1000
 DEFAULT_HWM = 64
@@ -29,7 +35,8 @@ def configure_socket(socket: zmq.Socket, *, max_message_bytes: int, hwm: int = D
 
 
 def bind_router(context: zmq.Context, host: str, port: int, *, max_message_bytes: int, hwm: int = DEFAULT_HWM,
-                rcv_hwm: int | None = None, zap_domain: str | None = None) -> tuple[zmq.Socket, int]:
+                rcv_hwm: int | None = None, zap_domain: str | None = None,
+                curve: CurveServer | None = None) -> tuple[zmq.Socket, int]:
     """A ROUTER socket bound to ``tcp://host:port`` (port 0 picks a free one); returns (socket, port).
 
     ``hwm`` is the high-water mark of both directions, ``rcv_hwm`` (if given) of the inbound one. Both must be
@@ -39,6 +46,8 @@ def bind_router(context: zmq.Context, host: str, port: int, *, max_message_bytes
     ``ROUTER_MANDATORY`` makes a send to a peer that is gone raise instead of vanishing silently.
     ``zap_domain``: every new connection is first put to the ZAP handler of ``context`` (see
     ``broker.connection_gate``); like the high-water marks it only applies if set before ``bind``.
+    ``curve``: the socket is a CURVE server with these keys (``runtime.wire_security``); also set before ``bind``,
+    and a ZAP handler must exist in ``context`` by then, or libzmq admits any client key.
     """
     socket = configure_socket(context.socket(zmq.ROUTER), max_message_bytes=max_message_bytes, hwm=hwm)
     if rcv_hwm is not None:
@@ -46,6 +55,8 @@ def bind_router(context: zmq.Context, host: str, port: int, *, max_message_bytes
     socket.setsockopt(zmq.ROUTER_MANDATORY, 1)
     if zap_domain:
         socket.setsockopt(zmq.ZAP_DOMAIN, zap_domain.encode())
+    if curve is not None:
+        curve.apply(socket)
     try:
         if port == 0:
             port = socket.bind_to_random_port(f"tcp://{_bind_host(host)}")
@@ -57,9 +68,13 @@ def bind_router(context: zmq.Context, host: str, port: int, *, max_message_bytes
     return socket, port
 
 
-def connect_dealer(context: zmq.Context, endpoint: str, *, max_message_bytes: int, hwm: int = DEFAULT_HWM, identity: bytes | None = None) -> zmq.Socket:
-    """A DEALER socket connected to ``endpoint`` (``tcp://host:port``); reconnects on its own."""
+def connect_dealer(context: zmq.Context, endpoint: str, *, max_message_bytes: int, hwm: int = DEFAULT_HWM,
+                   identity: bytes | None = None, curve: CurveClient | None = None) -> zmq.Socket:
+    """A DEALER socket connected to ``endpoint`` (``tcp://host:port``); reconnects on its own. ``curve``: a CURVE
+    client with these keys (``runtime.wire_security``)."""
     socket = configure_socket(context.socket(zmq.DEALER), max_message_bytes=max_message_bytes, hwm=hwm)
+    if curve is not None:
+        curve.apply(socket)
     if identity:
         socket.setsockopt(zmq.IDENTITY, identity)
     socket.setsockopt(zmq.RECONNECT_IVL, 100)

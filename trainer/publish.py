@@ -175,6 +175,7 @@ class PolicyPublisher:
         outage_s: float = DEFAULT_OUTAGE_S,
         stop_event: threading.Event | None = None,
         lineage: int | None = None,
+        curve: Any = None,
     ):
         """``serving_dtype``: cast floating-point FULL/DELTA tensors to this dtype (None: the model's own).
         ``delta_level``: zlib level of deltas. ``delta_policy``: "auto" sends FULL when a delta would not pay
@@ -199,7 +200,8 @@ class PolicyPublisher:
         self._spare_snapshot: dict[str, torch.Tensor] | None = None
         self._wire_bytes_per_s: float | None = None
         self._base_buffer: bytearray | None = None  # the pooled payload buffer the base views, if any
-        self._publisher = publisher or WeightPublisher(endpoint, auth_token, sender, chunk_bytes)
+        # ``curve``: CURVE credentials (``BrokerClientConfig.curve_client()``) for a broker that encrypts its planes.
+        self._publisher = publisher or WeightPublisher(endpoint, auth_token, sender, chunk_bytes, curve=curve)
         # Base of the next delta: the host copy of the last version the broker stored, and its version.
         self._base: dict[str, torch.Tensor] | None = None
         self._base_version: int | None = None

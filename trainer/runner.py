@@ -157,13 +157,14 @@ class TrainerRunner:
         self.control.start_heartbeats(lambda: dict(self.progress))
         limits = self.control.limits  # the broker's: every client sizes itself from them
         self.consumer = RolloutConsumer(registration.rollout_endpoint, auth_token=config.broker.run_token,
-                                        worker_id=registration.worker_id, rank=self.dist.rank, limits=limits.frames)
+                                        worker_id=registration.worker_id, rank=self.dist.rank, limits=limits.frames,
+                                        curve=self.control.curve)
         if self.dist.is_main:
             self.publisher = PolicyPublisher(
                 registration.weight_endpoint, config.broker.run_token, name,
                 chunk_bytes=min(64 << 20, limits.weight_chunk_bytes),
                 kind=config.weight_broadcast.type, policy_name=config.model.name,
-                outage_s=config.broker.outage_s, stop_event=self.stop_event,
+                outage_s=config.broker.outage_s, stop_event=self.stop_event, curve=self.control.curve,
             )
 
     # -- the loop ------------------------------------------------------------------------------------

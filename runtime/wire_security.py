@@ -1,0 +1,171 @@
+"""Credentials of an encrypted, authenticated wire, read from files: TLS for the gRPC control plane (server
+certificate, client certificates signed by a CA the broker names) and CURVE for the ZeroMQ planes.
+
+Opt-in. A run without any of these settings keeps plain TCP; the run token stays the application-level credential
+either way (checked on every gRPC call and every ZeroMQ message).
+
+CURVE (ZeroMQ's elliptic-curve encryption and authentication, RFC 26):
+
+- the broker holds a key pair (``broker.curve_secret_key_path``, a ``.key_secret`` file of ``zmq.auth``'s
+  certificate format) and a directory of the public keys it admits (``broker.curve_authorized_keys_dir``:
+  ``*.key`` files). A client whose public key is not there is refused at the handshake by the ZAP handler of the
+  socket's context (``CurveServer.authorize``), before it can send a byte of application data;
+- a client holds its own key pair (``<role>.broker.curve_secret_key_path``) and the broker's public key
+  (``<role>.broker.curve_broker_key_path``): without the right broker key its handshake fails too.
+
+A ZeroMQ peer whose handshake fails never "connects": the client only sees its operation time out. So every
+client timeout of the data plane says that missing or wrong CURVE credentials are one possible cause
+(``CurveClient.timeout_hint``).
+
+Every loader raises ``ValueError`` naming the setting when a file is missing, unreadable or of the wrong kind.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import zmq
+import zmq.auth
+from zmq.utils import z85
+
+CURVE_MECHANISM = b"CURVE"
+
+
+def _load_certificate(path: Path, setting: str) -> tuple[bytes, bytes | None]:
+    if not path.is_file():
+        raise ValueError(f"{setting} = {str(path)!r}: no such file (make one with `primerl certs`)")
+    try:
+        return zmq.auth.load_certificate(path)
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"{setting} = {str(path)!r} is not a ZeroMQ CURVE certificate file: {exc}") from exc
+
+
+def load_curve_key_pair(path: str | Path, setting: str) -> tuple[bytes, bytes]:
+    """(public, secret) Z85 keys from a ``.key_secret`` file; ``setting`` names the config key in errors."""
+    public, secret = _load_certificate(Path(path), setting)
+    if not secret:
+        raise ValueError(f"{setting} = {str(path)!r} holds only a public key: name the `.key_secret` file of the "
+                         "key pair instead")
+    return public, secret
+
+
+def load_curve_public_key(path: str | Path, setting: str) -> bytes:
+    """The Z85 public key of a ``.key`` (or ``.key_secret``) file."""
+    public, _ = _load_certificate(Path(path), setting)
+    return public
+
+
+def load_authorized_keys(directory: str | Path, setting: str) -> frozenset[bytes]:
+    """The Z85 public keys of every ``*.key`` file in ``directory`` (secret files are not read)."""
+    directory = Path(directory)
+    if not directory.is_dir():
+        raise ValueError(f"{setting} = {str(directory)!r}: no such directory (make one with `primerl certs`)")
+    keys = set()
+    for path in sorted(directory.glob("*.key")):
+        keys.add(load_curve_public_key(path, f"{setting} (file {path.name})"))
+    if not keys:
+        raise ValueError(f"{setting} = {str(directory)!r} holds no `*.key` public key files: every client would be "
+                         "refused; copy each client's public key file there")
+    return frozenset(keys)
+
+
+def read_pem(path: str | Path, setting: str) -> bytes:
+    """The bytes of a PEM file (certificate or key) named by ``setting``."""
+    try:
+        data = Path(path).read_bytes()
+    except OSError as exc:
+        raise ValueError(f"cannot read {setting} = {str(path)!r}: {exc.strerror or exc}") from exc
+    if b"-----BEGIN " not in data:
+        raise ValueError(f"{setting} = {str(path)!r} is not a PEM file")
+    return data
+
+
+@dataclass(frozen=True)
+class CurveServer:
+    """The broker's side of CURVE: its key pair and the client public keys it admits."""
+
+    public_key: bytes
+    secret_key: bytes
+    authorized_keys: frozenset[bytes]
+
+    @classmethod
+    def load(cls, secret_key_path: str | Path, authorized_keys_dir: str | Path,
+             prefix: str = "broker.") -> CurveServer:
+        public, secret = load_curve_key_pair(secret_key_path, f"{prefix}curve_secret_key_path")
+        authorized = load_authorized_keys(authorized_keys_dir, f"{prefix}curve_authorized_keys_dir")
+        return cls(public, secret, authorized)
+
+    def apply(self, socket: zmq.Socket) -> None:
+        """Make ``socket`` a CURVE server (before it binds)."""
+        socket.curve_server = True
+        socket.curve_publickey = self.public_key
+        socket.curve_secretkey = self.secret_key
+
+    def authorize(self, mechanism: bytes, credentials: list[bytes]) -> str | None:
+        """A ZAP decision: None admits the peer, a string is why it is refused (only CURVE with a known key)."""
+        if mechanism != CURVE_MECHANISM:
+            return f"mechanism {mechanism.decode(errors='replace')} instead of CURVE"
+        if not credentials or len(credentials[0]) != 32:
+            return "no CURVE public key"
+        if z85.encode(credentials[0]) not in self.authorized_keys:
+            return "unknown CURVE public key"
+        return None
+
+    def start_authenticator(self, context: zmq.Context):
+        """A ZAP handler thread on ``context`` (its one ZAP endpoint) that admits the authorized keys only; stop it
+        with ``.stop()`` after the sockets it guards are closed. Use it for a context without another handler."""
+        from zmq.auth.thread import ThreadAuthenticator
+
+        authenticator = ThreadAuthenticator(context, log=_quiet_log())
+        authenticator.start()
+        authenticator.configure_curve_callback(domain="*", credentials_provider=_KeySet(self.authorized_keys))
+        return authenticator
+
+
+class _KeySet:
+    """``configure_curve_callback``'s provider: admits a client public key found in the set."""
+
+    def __init__(self, keys: frozenset[bytes]):
+        self._keys = keys
+
+    def callback(self, domain: str, z85_key: bytes) -> bool:
+        return z85_key in self._keys
+
+
+def _quiet_log():
+    import logging
+
+    logger = logging.getLogger("primerl.runtime.wire_security.zap")
+    logger.setLevel(logging.WARNING)
+    return logger
+
+
+@dataclass(frozen=True)
+class CurveClient:
+    """A client's side of CURVE: its key pair and the broker's public key."""
+
+    public_key: bytes
+    secret_key: bytes
+    server_key: bytes
+
+    @classmethod
+    def load(cls, secret_key_path: str | Path, broker_key_path: str | Path, prefix: str = "broker.") -> CurveClient:
+        public, secret = load_curve_key_pair(secret_key_path, f"{prefix}curve_secret_key_path")
+        server = load_curve_public_key(broker_key_path, f"{prefix}curve_broker_key_path")
+        return cls(public, secret, server)
+
+    def apply(self, socket: zmq.Socket) -> None:
+        """Make ``socket`` a CURVE client of the broker (before it connects)."""
+        socket.curve_publickey = self.public_key
+        socket.curve_secretkey = self.secret_key
+        socket.curve_serverkey = self.server_key
+
+
+def timeout_hint(curve: CurveClient | None) -> str:
+    """What to check when a data-plane connection never comes up: a CURVE mismatch looks like no answer at all."""
+    if curve is None:
+        return ("; if the broker encrypts its ZeroMQ planes (broker.curve_secret_key_path), this client needs "
+                "curve_secret_key_path and curve_broker_key_path in its [broker] table")
+    return ("; with CURVE on, also check that the broker encrypts its planes, that this client's public key is in "
+            "broker.curve_authorized_keys_dir and that curve_broker_key_path is the broker's public key")

@@ -233,6 +233,7 @@ def test_units_join_the_target_and_are_hardened(node_root):
         assert one["NoNewPrivileges"] == "true" and one["ProtectSystem"] == "strict", name
         assert one["PrivateTmp"] == "true" and one["ProtectHome"] == "true", name
         assert one["StandardError"] == "journal" and one["User"] == "primerl", name
+        assert one["WorkingDirectory"] == "/var/lib/primerl", name  # writable: relative paths do not hit ProtectSystem
         assert one["StateDirectory"].split()[0] == "primerl" and one["RuntimeDirectory"].startswith("primerl-"), name
         assert one["ExecStart"].startswith(f"{BIN}/"), name
         # Inference and trainer ranks need the GPUs in /dev; the broker and orchestrator do not.

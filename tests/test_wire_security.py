@@ -18,7 +18,8 @@ import zmq.auth
 from cryptography import x509
 
 from primerl.broker.config import BrokerConfig
-from primerl.cli.certs import CertPaths, config_lines, make_certs, parse_clients, CertsError
+from primerl.cli.certs import CertPaths, CertsError, config_lines, make_certs, parse_clients
+from primerl.cli.run_file import RunFile, write_run_file
 from primerl.client.control import BrokerError, ControlClient
 from primerl.client.outage import BrokerOutageExceeded
 from primerl.client.rollouts import RolloutConsumer, RolloutProducer, RolloutTimeout, pack_batch
@@ -196,7 +197,20 @@ def test_primerl_status_needs_the_client_certificate(broker, certs, other_certs)
     ok = run_status(*address, "--tls-ca", str(certs.ca_cert), "--tls-cert", str(certs.client_cert("status")),
                     "--tls-key", str(certs.client_key("status")))
     assert ok.returncode == 0, ok.stderr
-    assert '"run_id"' in ok.stdout or "run_id" in ok.stdout
+    assert broker.service.run_id in ok.stdout
+
+
+def test_primerl_status_reads_the_client_certificate_from_run_json(broker, certs, tmp_path):
+    """`primerl rl` records the CA and the launcher's client certificate in run.json; `primerl status RUN_DIR`
+    uses them."""
+    run = RunFile(broker_address=broker.grpc_address, run_token=TOKEN, tls_ca_path=str(certs.ca_cert),
+                  tls_cert_path=str(certs.client_cert("trainer")), tls_key_path=str(certs.client_key("trainer")))
+    write_run_file(tmp_path, run)
+    ok = run_status(str(tmp_path))
+    assert ok.returncode == 0, ok.stderr
+    write_run_file(tmp_path, RunFile(broker_address=broker.grpc_address, run_token=TOKEN,
+                                     tls_ca_path=str(certs.ca_cert)))
+    assert run_status(str(tmp_path)).returncode != 0
 
 
 # ------------------------------------------------------------------------------------- the data planes

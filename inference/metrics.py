@@ -6,6 +6,7 @@ required like every route but /health), next to vLLM's ``vllm:*`` families:
     primerl_inference_weight_updates_refused_total   weight updates refused (the previous version kept serving)
     primerl_inference_last_update_ms                 the last applied update, from its arrival to resumed serving
     primerl_inference_last_update_phase_ms{phase}    its phases: wait_engine (pause), check, stage, engine, reset_cache
+    primerl_inference_join_to_serving_seconds        from registering to serving the version current then
 
 vLLM's route serves prometheus_client's global registry (``vllm.v1.metrics.prometheus.get_prometheus_registry``),
 so these families are registered there, once per process. In prometheus_client's multiprocess mode
@@ -31,6 +32,7 @@ class InferenceFamilies:
     updates_refused: Counter
     last_update_ms: Gauge
     last_update_phase_ms: Gauge
+    join_to_serving_s: Gauge
 
 
 def inference_families() -> InferenceFamilies:
@@ -50,5 +52,8 @@ def inference_families() -> InferenceFamilies:
                                            "of the last applied update (wait_engine: pausing generation; check; "
                                            "stage: payload into the shared file; engine: the worker's reload; "
                                            "reset_cache).", ["phase"], multiprocess_mode="mostrecent"),
+                join_to_serving_s=Gauge("primerl_inference_join_to_serving_seconds", "Seconds from registering "
+                                        "with the broker to serving the policy version that was current then.",
+                                        multiprocess_mode="mostrecent"),
             )
         return _families

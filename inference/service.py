@@ -183,6 +183,9 @@ class InferenceService:
         self._stop = threading.Event()
         self._weights_thread: threading.Thread | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
+        # Joining: the version current at the broker when this worker registered, and when it registered.
+        self._join_target: int | None = None
+        self._registered_s = 0.0
 
     def _policy_version(self) -> int:
         return 0 if self.updater is None else self.updater.policy_version
@@ -227,7 +230,9 @@ class InferenceService:
                                          capabilities=capabilities, rpc_timeout_s=5.0)
             await asyncio.to_thread(self.control.wait_ready)
             registration = await asyncio.to_thread(self.control.register)
+            self._registered_s, self._join_target = time.monotonic(), registration.latest_policy_version
             bind_context(run_id=registration.run_id, policy_version=self.policy_version)
+            self._check_caught_up()
             self.control.start_heartbeats(self._progress)
             self._weights_thread = threading.Thread(target=self._weights_loop, name="weights", daemon=True)
             self._weights_thread.start()
@@ -410,6 +415,19 @@ class InferenceService:
         bind_context(policy_version=version)
         log.info("weight update live", policy_version=version, kind=kind, apply_ms=round(apply_ms, 1),
                  engine_ms=round(engine_ms, 1))
+        self._check_caught_up()
+
+    def _check_caught_up(self) -> None:
+        """Once: this worker serves the version that was current when it registered (log ``inference worker
+        caught up`` with ``join_to_serving_s``, and the ``primerl_inference_join_to_serving_seconds`` gauge). The
+        orchestrator sends it rollouts from then on."""
+        if self._join_target is None or self.policy_version < self._join_target:
+            return
+        seconds = time.monotonic() - self._registered_s
+        self.metrics.join_to_serving_s.set(seconds)
+        log.info("inference worker caught up", policy_version=self.policy_version, current_version=self._join_target,
+                 join_to_serving_s=round(seconds, 3))
+        self._join_target = None
 
     def _refuse(self, subscriber: WeightSubscriber, version: int, detail: Any) -> None:
         from primerl.proto.v1 import common_pb2

@@ -18,7 +18,7 @@ export TRANSFORMERS_OFFLINE := 1
 export VLLM_NO_USAGE_STATS := 1
 export DO_NOT_TRACK := 1
 
-.PHONY: run test test-fast fuzz setup proto docs clean bench bench-venv chaos
+.PHONY: run test test-fast fuzz setup proto docs clean bench bench-venv chaos multihost
 
 setup: $(STAMP) $(ENV_STAMP)
 
@@ -115,6 +115,15 @@ CHAOS_SEEDS ?= 1,2,3
 CHAOS_ARGS ?=
 chaos: $(STAMP) $(ENV_STAMP)
 	$(PY) scripts/chaos --seeds $(CHAOS_SEEDS) --modes separate,rl $(CHAOS_ARGS)
+
+# Issue 17's several hosts on one machine: one RL run (tiny model, reverse-text) over seven "hosts" -- network
+# namespaces joined by a bridge (as root; else the loopback addresses 127.0.0.2...): broker + orchestrator, two
+# trainer ranks under torchrun (c10d rendezvous across two hosts), two inference workers (one stopped mid-run), a
+# third joining, `primerl status` from a seventh. Prints the roles and addresses, workers joined/left, rollouts
+# retried, steps and the joining worker's time to serve; about 2-3 min. MULTIHOST_ARGS: e.g. --mode loopback.
+MULTIHOST_ARGS ?=
+multihost: $(STAMP) $(ENV_STAMP)
+	$(PY) scripts/multihost_demo.py --run-dir runs/multihost $(MULTIHOST_ARGS)
 
 clean:
 	rm -rf $(VENV) $(ENV_VENV) runs .pytest_cache

@@ -9,7 +9,8 @@ process may make them, else the loopback addresses 127.0.0.2...), the scenario o
 Prints the roles and addresses, workers joined and left, rollouts retried, steps completed and how long the
 joining worker took to serve the current version; exits 1 when the run got something wrong.
 
-  python scripts/multihost_demo.py [--run-dir runs/multihost] [--model runs/demo/tiny-model] [--max-steps 10]
+  python scripts/multihost_demo.py [--run-dir runs/multihost] [--model runs/demo/tiny-model] [--max-steps 40]
+                                   [--mode auto|netns|loopback] [--encrypted]
 """
 
 from __future__ import annotations
@@ -32,10 +33,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--run-dir", type=Path, default=REPO_ROOT / "runs" / "multihost")
     parser.add_argument("--model", type=Path, default=REPO_ROOT / "runs" / "demo" / "tiny-model",
                         help="a model directory (built with `primerl init-tiny-model` when missing)")
-    parser.add_argument("--max-steps", type=int, default=10)
-    parser.add_argument("--stop-at-step", type=int, default=3, help="stop host d's worker once this step is done")
+    parser.add_argument("--max-steps", type=int, default=40)
+    parser.add_argument("--stop-at-step", type=int, default=1, help="stop host d's worker once this step is done")
     parser.add_argument("--mode", choices=["auto", "netns", "loopback"], default="auto")
     parser.add_argument("--subnet", default="10.231.0.0/24")
+    parser.add_argument("--encrypted", action="store_true",
+                        help="mutual TLS on gRPC and CURVE on the ZeroMQ planes, credentials from `primerl certs`")
     parser.add_argument("--timeout-s", type=float, default=900.0)
     args = parser.parse_args(argv)
 
@@ -44,7 +47,7 @@ def main(argv: list[str] | None = None) -> int:
     shutil.rmtree(args.run_dir, ignore_errors=True)
     with Hosts.create(["a", "b", "c", "d", "e", "f", "g"], subnet=args.subnet, mode=args.mode) as hosts:
         run = MultihostRun(hosts, args.run_dir.resolve(), args.model.resolve(), max_steps=args.max_steps,
-                           stop_at_step=args.stop_at_step, timeout_s=args.timeout_s,
+                           stop_at_step=args.stop_at_step, timeout_s=args.timeout_s, encrypted=args.encrypted,
                            say=lambda line: print(line, flush=True))
         report = run.run()
     print(report.summary())

@@ -114,7 +114,9 @@ class Report:
     stopped_at_step: int = 0
     joined_ready_at_step: int = 0
     join_ready_s: float = 0.0  # start of the joining worker's process -> its ready file
-    join_serving_s: float = 0.0  # its ready file -> it serves the policy version current then
+    join_version: int = 0  # the latest policy version when the joining worker was ready
+    join_serving_s: float = 0.0  # its "registered with the broker" -> "weight update live" for >= join_version
+    join_seen_serving_s: float = 0.0  # its ready file -> the broker's status shows it serving join_version
     retried_events: int = 0  # "rollout group retried" (worker unreachable or gone): dispatched again
     retried_rollouts: float = 0.0  # the orchestrator's rollout/retried, summed over its metric rows
     rescheduled_events: int = 0  # "rollout group rescheduled" (the worker's request failed): sampled again
@@ -163,23 +165,32 @@ class Report:
         for url in self.workers_left:
             if url not in left:
                 found.append(f"the orchestrator did not log 'inference worker left' for {url}")
-        joined = {e.get("url", "").removesuffix("/v1") for e in self.orchestrator_saw.get("joined", [])}
-        for url in self.workers_joined:
-            if url not in joined:
-                found.append(f"the orchestrator did not log 'inference worker joined' for {url}")
-        joiner = self.metrics.get("infer@f", {})
-        if self.joined_ready_at_step < self.max_steps - 2 and not joiner.get("requests"):
-            found.append(f"the worker that joined after step {self.joined_ready_at_step} answered no request")
+        if self.joined_mid_run:  # else the run was over before the worker was up: nothing was left to use it for
+            joined = {e.get("url", "").removesuffix("/v1") for e in self.orchestrator_saw.get("joined", [])}
+            for url in self.workers_joined:
+                if url not in joined:
+                    found.append(f"the orchestrator did not log 'inference worker joined' for {url}")
+            if not self.metrics.get("infer@f", {}).get("requests"):
+                found.append(f"the worker that joined after step {self.joined_ready_at_step} answered no request")
         return found
 
+
+    @property
+    def joined_mid_run(self) -> bool:
+        """The joining worker was up with steps still to go (two, so that the orchestrator had rollouts to
+        send it)."""
+        return bool(self.workers_joined) and self.joined_ready_at_step < self.max_steps - 2
 
     def summary(self) -> str:
         roles = "\n".join(f"  {label:<22} {address}" for label, address in self.roles.items())
         return (f"{self.hosts}\nroles:\n{roles}\n"
                 f"steps completed: {len(self.steps_done)} of {self.max_steps} ({self.steps_done})\n"
                 f"workers left: {self.workers_left} (SIGTERM after step {self.stopped_at_step})\n"
-                f"workers joined: {self.workers_joined} (ready {self.join_ready_s:.1f} s after its start, at step "
-                f"{self.joined_ready_at_step}; serving the current version {self.join_serving_s:.1f} s after ready)\n"
+                f"workers joined: {self.workers_joined} (process start -> ready {self.join_ready_s:.1f} s, after "
+                f"step {self.joined_ready_at_step}{'' if self.joined_mid_run else ', too late to be sent rollouts'}; "
+                f"registered -> serving the current version v{self.join_version}: {self.join_serving_s:.2f} s by its "
+                f"log; the test saw it in the broker's status {self.join_seen_serving_s:.2f} s after its ready "
+                f"file)\n"
                 f"live workers' metrics: {self.metrics}\n"
                 f"rollouts retried: {self.retried_rollouts:g} ({self.retried_events} groups; rescheduled after a "
                 f"failed request: {self.rescheduled_rollouts:g} in {self.rescheduled_events} groups)\n"
@@ -191,18 +202,19 @@ class Report:
 class MultihostRun:
     """The scenario (module docstring) in ``run_dir`` on ``hosts`` with the model at ``model``."""
 
-    def __init__(self, hosts: Hosts, run_dir: Path, model: Path, max_steps: int = 10, stop_at_step: int = 3,
-                 timeout_s: float = 600.0, extra_role_files: dict[str, list[Path]] | None = None,
-                 extra_env: dict[str, str] | None = None, say: Callable[[str], None] = print):
+    def __init__(self, hosts: Hosts, run_dir: Path, model: Path, max_steps: int = 40, stop_at_step: int = 1,
+                 timeout_s: float = 600.0, encrypted: bool = False, extra_env: dict[str, str] | None = None,
+                 say: Callable[[str], None] = print):
         self.hosts, self.run_dir, self.model = hosts, run_dir, model
         self.max_steps, self.stop_at_step, self.timeout_s = max_steps, stop_at_step, timeout_s
-        self.extra_role_files = extra_role_files or {}
+        self.encrypted = encrypted
         self.extra_env = extra_env or {}
         self.say = say
         self.token = secrets.token_urlsafe(24)
         self.ports = {"grpc": free_port(), "rollout": free_port(), "weight": free_port(), "rdzv": free_port()}
         self.procs: dict[str, Proc] = {}
-        self.report = Report(hosts=hosts.describe(), max_steps=max_steps)
+        self.report = Report(hosts=hosts.describe() + ("\nwire: mutual TLS (gRPC) + CURVE (ZeroMQ)" if encrypted
+                                                       else "\nwire: plain (run token only)"), max_steps=max_steps)
         self.broker_address = hosts["a"].endpoint(self.ports["grpc"])
 
     # -------------------------------------------------------------------------------------------- configs
@@ -224,12 +236,42 @@ class MultihostRun:
         for name in ("d", "e", "f"):
             self._write(f"inference-{name}.toml", client + f'\n[server]\nhost = "{self.hosts[name].address}"\n')
 
+        if self.encrypted:
+            self.write_credentials()
+
+    def write_credentials(self) -> None:
+        """`primerl certs` for the broker's address (a CA, server and client certificates, CURVE key pairs) and
+        a ``secure-{role}.toml`` per role: mutual TLS on gRPC, CURVE on both ZeroMQ planes."""
+        certs = self.run_dir / "certs"
+        subprocess.run([str(BIN / "primerl"), "certs", "--out", str(certs), "--host", self.hosts["a"].address,
+                        "--clients", "trainer,orchestrator,inference,status"], check=True, timeout=120,
+                       stdout=subprocess.DEVNULL, env=self.env())
+        self._write("secure-broker.toml", f'tls_cert_path = "{certs}/broker.pem"\ntls_key_path = "{certs}/broker.key"\n'
+                                          f'tls_client_ca_path = "{certs}/ca.pem"\n'
+                                          f'curve_secret_key_path = "{certs}/curve/broker.key_secret"\n'
+                                          f'curve_authorized_keys_dir = "{certs}/curve/authorized"\n')
+        for role in ("trainer", "orchestrator", "inference"):
+            self._write(f"secure-{role}.toml", f'[broker]\n{self.client_credentials(role)}')
+
+    def client_credentials(self, client: str) -> str:
+        certs = self.run_dir / "certs"
+        return (f'tls_ca_path = "{certs}/ca.pem"\ntls_cert_path = "{certs}/clients/{client}.pem"\n'
+                f'tls_key_path = "{certs}/clients/{client}.key"\n'
+                f'curve_secret_key_path = "{certs}/curve/clients/{client}.key_secret"\n'
+                f'curve_broker_key_path = "{certs}/curve/broker.key"\n')
+
+    def status_tls_args(self) -> list[str]:
+        certs = self.run_dir / "certs"
+        return ["--tls-ca", str(certs / "ca.pem"), "--tls-cert", str(certs / "clients" / "status.pem"),
+                "--tls-key", str(certs / "clients" / "status.key")] if self.encrypted else []
+
     def _write(self, name: str, text: str) -> None:
         (self.run_dir / name).write_text(text)
 
     def config_args(self, role: str, host: str) -> list[str]:
-        files = [self.run_dir / f"{role}.toml", self.run_dir / f"{role}-{host}.toml",
-                 *self.extra_role_files.get(role, [])]
+        files = [self.run_dir / f"{role}.toml", self.run_dir / f"{role}-{host}.toml"]
+        if self.encrypted:
+            files.append(self.run_dir / f"secure-{role}.toml")
         return [arg for path in files for arg in ("@", str(path))]
 
     def env(self, role: str | None = None, host: Host | None = None) -> dict[str, str]:
@@ -301,7 +343,11 @@ class MultihostRun:
         from primerl.client.control import ControlClient
         from primerl.runtime.config_common import BrokerClientConfig
 
-        config = BrokerClientConfig(address=self.broker_address, run_token=self.token, connect_timeout_s=10.0)
+        certs = self.run_dir / "certs"
+        tls = {"tls_ca_path": str(certs / "ca.pem"), "tls_cert_path": str(certs / "clients" / "status.pem"),
+               "tls_key_path": str(certs / "clients" / "status.key")} if self.encrypted else {}
+        config = BrokerClientConfig(address=self.broker_address, run_token=self.token, connect_timeout_s=10.0,
+                                    **tls)
         return ControlClient(config, role="client", name="multihost-test", rpc_timeout_s=10.0)
 
     def status(self, client) -> dict:
@@ -310,9 +356,11 @@ class MultihostRun:
         return MessageToDict(client.get_run_status(), preserving_proto_field_name=True)
 
     def _check_alive(self, labels: list[str]) -> None:
+        """Each of ``labels`` still runs; the orchestrator may also have finished (exit 0): it ends once it
+        produced the last step."""
         for label in labels:
             code = self.procs[label].poll()
-            if code is not None:
+            if code is not None and not (label == "orchestrator@a" and code == 0):
                 raise RuntimeError(f"{label} exited {code} mid-run:\n{self.procs[label].tail()}")
 
     def wait_until(self, client, what: str, predicate: Callable[[dict], bool], alive: list[str],
@@ -368,7 +416,8 @@ class MultihostRun:
                 self.wait_until(client, f"{url_f} serving v{current}",
                                 lambda s: any(w.get("address") == url_f and int(w.get("policy_version", -1))
                                               >= current for w in s.get("workers", [])), running, deadline)
-                report.join_serving_s = time.monotonic() - ready_s
+                report.join_seen_serving_s = time.monotonic() - ready_s
+                report.join_version = current
                 trainers = [self.procs["trainer@b"], self.procs["trainer@c"]]
                 while any(t.poll() is None for t in trainers):
                     self._check_alive([r for r in running if not r.startswith("trainer@")])
@@ -407,7 +456,7 @@ class MultihostRun:
         printed once the last step was done (``read_g_statuses``), before the workers are told to stop."""
         g = self.hosts["g"]
         argv = [BIN / "primerl", "status", "--broker", self.broker_address, "--json", "--watch",
-                "--interval-ms", "300", "--timeout-s", "30"]
+                "--interval-ms", "300", "--timeout-s", "30", *self.status_tls_args()]
         proc = Proc("status@g", g, argv, {**self.env(), "PRIMERL_RUN_TOKEN": self.token},
                     self.run_dir / "logs" / "status@g.jsonl", self.run_dir)
         self.procs["status@g"] = proc
@@ -455,6 +504,13 @@ class MultihostRun:
         report.retried_rollouts = sum(float(r.get("rollout/retried", 0.0)) for r in rows)
         report.rescheduled_rollouts = sum(float(r.get("rollout/rescheduled", 0.0)) for r in rows)
         report.orchestrator_rows = len([r for r in rows if "rollout/retried" in r or "rollout/rescheduled" in r])
+        joiner = self.procs.get("infer@f")
+        if joiner is not None:
+            registered = [parse_ts(e) for e in joiner.events("registered with the broker")]
+            live = [parse_ts(e) for e in joiner.events("weight update live")
+                    if int(e.get("policy_version", 0)) >= report.join_version]
+            if registered and live:
+                report.join_serving_s = live[0] - registered[0]
         for name, key in (("inference worker joined", "joined"), ("inference worker left", "left"),
                           ("inference worker serving", "serving")):
             report.orchestrator_saw[key] = [{k: e.get(k) for k in ("url", "step", "policy_version",
@@ -499,3 +555,9 @@ def served(max_steps: int) -> Callable[[dict], bool]:
                 and int(status.get("latest_policy_version", 0)) >= max_steps and bool(live)
                 and all(int(w.get("policy_version", -1)) == max_steps for w in live))
     return check
+
+
+def parse_ts(event: dict) -> float:
+    from datetime import datetime
+
+    return datetime.fromisoformat(str(event.get("timestamp")).replace("Z", "+00:00")).timestamp()

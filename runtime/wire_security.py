@@ -22,6 +22,7 @@ Every loader raises ``ValueError`` naming the setting when a file is missing, un
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -29,7 +30,12 @@ import zmq
 import zmq.auth
 from zmq.utils import z85
 
+from primerl.runtime.log_setup import get_logger
+
 CURVE_MECHANISM = b"CURVE"
+REFUSAL_LOG_INTERVAL_S = 10.0
+
+log = get_logger("primerl.runtime.wire_security")
 
 
 def _load_certificate(path: Path, setting: str) -> tuple[bytes, bytes | None]:
@@ -124,13 +130,25 @@ class CurveServer:
 
 
 class _KeySet:
-    """``configure_curve_callback``'s provider: admits a client public key found in the set."""
+    """``configure_curve_callback``'s provider: admits a client public key found in the set; logs refusals (at
+    most one line per ``REFUSAL_LOG_INTERVAL_S``, with the count since the last)."""
 
     def __init__(self, keys: frozenset[bytes]):
         self._keys = keys
+        self._num_refused = 0
+        self._next_log_s = 0.0
 
     def callback(self, domain: str, z85_key: bytes) -> bool:
-        return z85_key in self._keys
+        if z85_key in self._keys:
+            return True
+        self._num_refused += 1
+        now_s = time.monotonic()
+        if now_s >= self._next_log_s:
+            log.warning("weight connection refused at the handshake: unknown CURVE public key",
+                        public_key=z85_key.decode(errors="replace"), num_refused=self._num_refused,
+                        hint="add the client's public key to broker.curve_authorized_keys_dir")
+            self._next_log_s = now_s + REFUSAL_LOG_INTERVAL_S
+        return False
 
 
 def _quiet_log():

@@ -166,7 +166,8 @@ class BrokerConfig(BaseConfig):
     curve_authorized_keys_dir: Path | None = Field(
         None,
         description="Directory of the CURVE public keys (`*.key` files) of the clients the ZeroMQ planes admit; a "
-        "client with another key is refused at the handshake. Read at start.",
+        "client with another key is refused at the handshake. Read at start and again whenever a key file is added "
+        "or removed: admitting or revoking a client needs no restart (connections already open stay).",
     )
     run_id: str | None = Field(
         None, min_length=1, description="Name of the run, shown in status and logs (unset: a fresh id at start)."

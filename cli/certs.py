@@ -1,5 +1,5 @@
-"""`primerl certs --out DIR --host H [--host H2 ...] [--clients N|NAME,NAME...]`: the credentials of an encrypted,
-authenticated wire for one run, and the config lines that use them.
+"""`primerl certs --out DIR --host H [--host H2 ...] [--clients N|NAME,NAME...]` (or `--add-clients NAMES` to an
+existing DIR): the credentials of an encrypted, authenticated wire for one run, and the config lines that use them.
 
 What it writes under DIR (secrets mode 0600, created so from the first byte; the rest 0644):
 
@@ -13,7 +13,8 @@ What it writes under DIR (secrets mode 0600, created so from the first byte; the
 A client named ``status`` (one of the defaults) is `primerl status`'s: a certificate only (it speaks gRPC only).
 
 A second run on the same DIR refuses to replace an existing CA (every certificate made from it would stop
-verifying) unless --force is given.
+verifying) unless --force is given. ``--add-clients`` signs more clients with the existing CA and puts their CURVE
+public keys into curve/authorized/, which a running broker reads again at the next handshake.
 """
 
 from __future__ import annotations
@@ -213,37 +214,77 @@ def make_certs(out: str | Path, hosts: list[str], clients: tuple[str, ...] = DEF
         _write(paths.broker_key, _key_pem(broker_key), secret=True)
         _write(paths.broker_cert, broker_cert.public_bytes(serialization.Encoding.PEM), secret=False)
 
-        for name in clients:
-            key = ec.generate_private_key(ec.SECP256R1())
-            cert = _certificate(name, key.public_key(), "primerl run CA", ca_key, days=days)
-            _write(paths.client_key(name), _key_pem(key), secret=True)
-            _write(paths.client_cert(name), cert.public_bytes(serialization.Encoding.PEM), secret=False)
-
         for directory in (paths.curve_broker_public.parent, paths.curve_client_public("x").parent,
                           paths.curve_authorized):
             directory.mkdir(parents=True, exist_ok=True)
         zmq.auth.create_certificates(paths.curve_broker_public.parent, "broker")
         for name in clients:
-            if name == "status":  # `primerl status` speaks gRPC only
-                continue
-            zmq.auth.create_certificates(paths.curve_client_public(name).parent, name)
-            shutil.copyfile(paths.curve_client_public(name), paths.curve_authorized / f"{name}.key")
-    for path in paths.out.rglob("*"):  # secrets stay 0600 (the umask made them so); public files and dirs readable
-        if path.is_dir():
-            os.chmod(path, 0o755)
-        elif path.suffix != ".key_secret" and path not in _secret_files(paths):
-            os.chmod(path, 0o644)
+            _make_client(paths, name, ca_key, days)
+    _open_public_files(paths)
     return paths
 
 
-def _secret_files(paths: CertPaths) -> set[Path]:
-    return {paths.ca_key, paths.broker_key} | {paths.client_key(name) for name in paths.clients}
+def add_clients(out: str | Path, clients: tuple[str, ...], *, days: int = 365) -> CertPaths:
+    """Credentials for more clients, signed by the CA already under ``out``; their CURVE public keys go into the
+    authorized-keys directory, which a running broker reads again (no restart). Raises ``CertsError`` when there
+    is no CA or a client of that name exists."""
+    from cryptography.hazmat.primitives import serialization
+
+    paths = CertPaths(Path(out).resolve(), tuple(clients))
+    if not paths.ca_key.is_file():
+        raise CertsError(f"no CA under {paths.out} (ca.key): make one first with `primerl certs --out {out} --host H`")
+    taken = [name for name in clients if paths.client_cert(name).exists() or paths.curve_client_secret(name).exists()]
+    if taken:
+        raise CertsError(f"clients {', '.join(taken)} exist already under {paths.out}: choose other names")
+    try:
+        ca_key = serialization.load_pem_private_key(paths.ca_key.read_bytes(), password=None)
+    except (OSError, ValueError, TypeError) as exc:
+        raise CertsError(f"cannot read the CA key {paths.ca_key}: {exc}") from exc
+    with _private_umask():
+        for name in clients:
+            _make_client(paths, name, ca_key, days)
+    _open_public_files(paths)
+    return paths
 
 
-def config_lines(paths: CertPaths) -> str:
+def _make_client(paths: CertPaths, name: str, ca_key, days: int) -> None:
+    """A client certificate, and (except for `primerl status`) a CURVE key pair whose public key is authorized."""
+    import zmq.auth
+    from cryptography.hazmat.primitives import serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+
+    key = ec.generate_private_key(ec.SECP256R1())
+    cert = _certificate(name, key.public_key(), "primerl run CA", ca_key, days=days)
+    _write(paths.client_key(name), _key_pem(key), secret=True)
+    _write(paths.client_cert(name), cert.public_bytes(serialization.Encoding.PEM), secret=False)
+    if name == "status":  # `primerl status` speaks gRPC only
+        return
+    paths.curve_client_public(name).parent.mkdir(parents=True, exist_ok=True)
+    zmq.auth.create_certificates(paths.curve_client_public(name).parent, name)
+    paths.curve_authorized.mkdir(parents=True, exist_ok=True)
+    staged = paths.curve_authorized / f".{name}.key.tmp"  # appears whole: a broker may read the directory now
+    shutil.copyfile(paths.curve_client_public(name), staged)
+    os.chmod(staged, 0o644)
+    os.replace(staged, paths.curve_authorized / f"{name}.key")
+
+
+def _open_public_files(paths: CertPaths) -> None:
+    """Secrets stay 0600 (the umask made them so); public files and directories become readable."""
+    client_keys_dir = paths.client_key("x").parent  # clients/NAME.key: PEM private keys
+    for path in paths.out.rglob("*"):
+        if path.is_dir():
+            os.chmod(path, 0o755)
+        elif not (path.suffix == ".key_secret" or path in (paths.ca_key, paths.broker_key)
+                  or (path.parent == client_keys_dir and path.suffix == ".key")):
+            os.chmod(path, 0o644)
+
+
+def config_lines(paths: CertPaths, *, broker: bool = True) -> str:
     """The TOML tables (and the `primerl status` flags) that use what ``make_certs`` wrote."""
-    lines = ["# the broker (primerl-broker, or [broker] of a `primerl rl` config)", "[broker]"]
-    lines += [f'{key} = "{value}"' for key, value in paths.broker_settings().items()]
+    lines = []
+    if broker:
+        lines += ["# the broker (primerl-broker, or [broker] of a `primerl rl` config)", "[broker]"]
+        lines += [f'{key} = "{value}"' for key, value in paths.broker_settings().items()]
     for name in paths.clients:
         settings = paths.client_settings(name)
         if name == "status":
@@ -266,19 +307,25 @@ def build_parser() -> argparse.ArgumentParser:
         "config lines that turn them on.",
     )
     parser.add_argument("--out", required=True, help="directory to write into (created)")
-    parser.add_argument("--host", action="append", required=True, dest="hosts",
+    parser.add_argument("--host", action="append", default=[], dest="hosts",
                         help="a name or IP address the workers dial the broker by (repeat for several)")
     parser.add_argument("--clients", default=",".join(DEFAULT_CLIENTS),
                         help="a count (client-1..N) or comma-separated names (default: %(default)s)")
     parser.add_argument("--days", type=int, default=365, help="validity of the certificates (default 365)")
     parser.add_argument("--force", action="store_true", help="replace an existing CA and everything made from it")
+    parser.add_argument("--add-clients", default=None, metavar="NAMES",
+                        help="add these clients (a count or names) to the CA already in --out; their CURVE keys are "
+                        "admitted by a running broker without a restart (--host is not needed)")
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(sys.argv[1:] if argv is None else argv)
     try:
-        paths = make_certs(args.out, args.hosts, parse_clients(args.clients), force=args.force, days=args.days)
+        if args.add_clients is not None:
+            paths = add_clients(args.out, parse_clients(args.add_clients), days=args.days)
+        else:
+            paths = make_certs(args.out, args.hosts, parse_clients(args.clients), force=args.force, days=args.days)
     except CertsError as err:
         print(f"primerl certs: {err}", file=sys.stderr)
         return 2
@@ -287,5 +334,5 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     print(f"# written under {paths.out} (keep ca.key off the worker machines; *.key_secret and *.key PEM files are "
           "owner-only)")
-    print(config_lines(paths))
+    print(config_lines(paths, broker=args.add_clients is None))
     return 0

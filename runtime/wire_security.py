@@ -8,7 +8,7 @@ CURVE (ZeroMQ's elliptic-curve encryption and authentication, RFC 26):
 
 - the broker holds a key pair (``broker.curve_secret_key_path``, a ``.key_secret`` file of ``zmq.auth``'s
   certificate format) and a directory of the public keys it admits (``broker.curve_authorized_keys_dir``:
-  ``*.key`` files). A client whose public key is not there is refused at the handshake by the ZAP handler of the
+  ``*.key`` files, read again when files are added or removed: ``AuthorizedKeys``). A client whose public key is not there is refused at the handshake by the ZAP handler of the
   socket's context (``CurveServer.authorize``), before it can send a byte of application data;
 - a client holds its own key pair (``<role>.broker.curve_secret_key_path``) and the broker's public key
   (``<role>.broker.curve_broker_key_path``): without the right broker key its handshake fails too.
@@ -22,6 +22,7 @@ Every loader raises ``ValueError`` naming the setting when a file is missing, un
 
 from __future__ import annotations
 
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -87,19 +88,63 @@ def read_pem(path: str | Path, setting: str) -> bytes:
     return data
 
 
+class AuthorizedKeys:
+    """The client public keys in a directory, read again whenever the directory changes (a key file added or
+    removed: ``st_mtime_ns`` of the directory), so that a client can be admitted or revoked without restarting the
+    broker. Checked at every handshake; thread-safe (the two planes' ZAP handlers run in different threads). A
+    directory that becomes unreadable or empty keeps the keys read last (logged)."""
+
+    def __init__(self, directory: str | Path, setting: str):
+        self.directory = Path(directory)
+        self.setting = setting
+        self._lock = threading.Lock()
+        self._keys = load_authorized_keys(self.directory, setting)
+        self._mtime_ns = self._stat()
+
+    def _stat(self) -> int | None:
+        try:
+            return self.directory.stat().st_mtime_ns
+        except OSError:
+            return None
+
+    def _refresh(self) -> None:
+        mtime_ns = self._stat()
+        if mtime_ns is None or mtime_ns == self._mtime_ns:
+            return
+        self._mtime_ns = mtime_ns
+        try:
+            keys = load_authorized_keys(self.directory, self.setting)
+        except ValueError as exc:
+            log.warning("authorized CURVE keys changed but cannot be read; the previous ones stay", error=str(exc))
+            return
+        if keys != self._keys:
+            log.info("authorized CURVE keys reloaded", num_keys=len(keys), num_added=len(keys - self._keys),
+                     num_removed=len(self._keys - keys), directory=str(self.directory))
+            self._keys = keys
+
+    def __contains__(self, z85_key: object) -> bool:
+        with self._lock:
+            self._refresh()
+            return z85_key in self._keys
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._keys)
+
+
 @dataclass(frozen=True)
 class CurveServer:
     """The broker's side of CURVE: its key pair and the client public keys it admits."""
 
     public_key: bytes
     secret_key: bytes
-    authorized_keys: frozenset[bytes]
+    authorized_keys: AuthorizedKeys
 
     @classmethod
     def load(cls, secret_key_path: str | Path, authorized_keys_dir: str | Path,
              prefix: str = "broker.") -> CurveServer:
         public, secret = load_curve_key_pair(secret_key_path, f"{prefix}curve_secret_key_path")
-        authorized = load_authorized_keys(authorized_keys_dir, f"{prefix}curve_authorized_keys_dir")
+        authorized = AuthorizedKeys(authorized_keys_dir, f"{prefix}curve_authorized_keys_dir")
         return cls(public, secret, authorized)
 
     def apply(self, socket: zmq.Socket) -> None:
@@ -133,7 +178,7 @@ class _KeySet:
     """``configure_curve_callback``'s provider: admits a client public key found in the set; logs refusals (at
     most one line per ``REFUSAL_LOG_INTERVAL_S``, with the count since the last)."""
 
-    def __init__(self, keys: frozenset[bytes]):
+    def __init__(self, keys: AuthorizedKeys):
         self._keys = keys
         self._num_refused = 0
         self._next_log_s = 0.0

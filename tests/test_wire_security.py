@@ -125,6 +125,33 @@ def test_certs_refuses_to_replace_a_ca(tmp_path):
     assert (tmp_path / "ca.pem").read_bytes() != first
 
 
+def test_added_clients_are_admitted_by_a_running_broker_without_a_restart(broker, certs):
+    """`primerl certs --add-clients` signs with the same CA and writes into curve/authorized/, which the broker reads
+    again at the next handshake; revoking (removing the key file) works the same way."""
+    result = subprocess.run([sys.executable, "-m", "primerl.cli.main", "certs", "--out", str(certs.out),
+                             "--add-clients", "infer-node-7"], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    assert "[<role>.broker]" in result.stdout and "tls_client_ca_path" not in result.stdout  # no broker table
+    assert stat.S_IMODE(certs.curve_client_secret("infer-node-7").stat().st_mode) == 0o600
+    assert stat.S_IMODE(certs.client_key("infer-node-7").stat().st_mode) == 0o600
+    settings = certs.client_settings("infer-node-7")
+    with control(broker, settings, "infer-node-7", role="inference") as infer:
+        infer.wait_ready(OK_S)
+        registration = infer.register()
+        with RolloutConsumer(registration.rollout_endpoint, TOKEN, registration.worker_id, 0,
+                             curve=infer.curve) as consumer:
+            consumer.hello(OK_S)  # admitted: the broker answers
+        (certs.curve_authorized / "infer-node-7.key").unlink()
+        time.sleep(0.05)  # a new directory mtime
+        with RolloutConsumer(registration.rollout_endpoint, TOKEN, registration.worker_id, 0,
+                             curve=infer.curve) as consumer:
+            with pytest.raises(RolloutTimeout, match="CURVE"):
+                consumer.hello(REFUSED_S)
+    again = subprocess.run([sys.executable, "-m", "primerl.cli.main", "certs", "--out", str(certs.out),
+                            "--add-clients", "infer-node-7"], capture_output=True, text=True, timeout=60)
+    assert again.returncode == 2 and "exist already" in again.stderr
+
+
 @pytest.mark.parametrize("spec", ["0", "a,a", "broker", "a b"])
 def test_certs_rejects_bad_client_names(spec):
     with pytest.raises(CertsError):

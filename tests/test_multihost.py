@@ -33,7 +33,8 @@ def test_a_run_across_hosts_survives_a_worker_leaving_and_one_joining(hosts, tin
                                                                        wire: str):
     from support.multihost import MultihostRun
 
-    run = MultihostRun(hosts, tmp_path / "run", tiny_model, encrypted=wire == "encrypted", timeout_s=480.0)
+    run = MultihostRun(hosts, tmp_path / "run", tiny_model, max_steps=32, encrypted=wire == "encrypted",
+                       timeout_s=480.0)
     report = run.run()
     print("\n" + report.summary())
     problems = report.problems()

@@ -117,6 +117,7 @@ class Report:
     join_version: int = 0  # the latest policy version when the joining worker was ready
     join_serving_s: float = 0.0  # its "registered with the broker" -> "weight update live" for >= join_version
     join_seen_serving_s: float = 0.0  # its ready file -> the broker's status shows it serving join_version
+    join_caught_up_s: float | None = None  # the worker's own "inference worker caught up" join_to_serving_s
     retried_events: int = 0  # "rollout group retried" (worker unreachable or gone): dispatched again
     retried_rollouts: float = 0.0  # the orchestrator's rollout/retried, summed over its metric rows
     rescheduled_events: int = 0  # "rollout group rescheduled" (the worker's request failed): sampled again
@@ -189,8 +190,8 @@ class Report:
                 f"workers joined: {self.workers_joined} (process start -> ready {self.join_ready_s:.1f} s, after "
                 f"step {self.joined_ready_at_step}{'' if self.joined_mid_run else ', too late to be sent rollouts'}; "
                 f"registered -> serving the current version v{self.join_version}: {self.join_serving_s:.2f} s by its "
-                f"log; the test saw it in the broker's status {self.join_seen_serving_s:.2f} s after its ready "
-                f"file)\n"
+                f"log, {self.join_caught_up_s} s by its 'inference worker caught up'; the test saw it in the broker's "
+                f"status {self.join_seen_serving_s:.2f} s after its ready file)\n"
                 f"live workers' metrics: {self.metrics}\n"
                 f"rollouts retried: {self.retried_rollouts:g} ({self.retried_events} groups; rescheduled after a "
                 f"failed request: {self.rescheduled_rollouts:g} in {self.rescheduled_events} groups)\n"
@@ -463,8 +464,9 @@ class MultihostRun:
         self.report.roles["primerl status@g"] = g.address
 
     def read_g_statuses(self) -> None:
-        """The last status host g's `primerl status` printed with the last step committed and every live worker
-        serving it (else the last it printed with the step committed), as JSON and as the table it shows."""
+        """The last status host g's `primerl status` printed with the last step committed, every live worker
+        serving it and the most workers alive (else the last it printed with the step committed), as JSON and as
+        the table it shows."""
         from google.protobuf.json_format import ParseDict
 
         from primerl.cli.status_view import render_status
@@ -483,6 +485,9 @@ class MultihostRun:
         n = self.max_steps
         done = [s for s in statuses if int(s.get("last_committed_step", 0)) >= n]
         good = [s for s in done if served(n)(s)]
+        # the workers leave one by one once the broker tells them the run is over: the last status before any did
+        most = max((num_alive_inference(s) for s in good), default=0)
+        good = [s for s in good if num_alive_inference(s) == most]
         chosen = good[-1] if good else (done[-1] if done else (statuses[-1] if statuses else {}))
         self.report.g_status = chosen
         self.report.g_status_lines = len(statuses)
@@ -511,6 +516,9 @@ class MultihostRun:
                     if int(e.get("policy_version", 0)) >= report.join_version]
             if registered and live:
                 report.join_serving_s = live[0] - registered[0]
+            caught_up = joiner.events("inference worker caught up")
+            if caught_up:
+                report.join_caught_up_s = float(caught_up[0].get("join_to_serving_s", 0.0))
         for name, key in (("inference worker joined", "joined"), ("inference worker left", "left"),
                           ("inference worker serving", "serving")):
             report.orchestrator_saw[key] = [{k: e.get(k) for k in ("url", "step", "policy_version",
@@ -543,6 +551,11 @@ class MultihostRun:
                 code = self.procs[label].stop(60)
                 if label != "status@g":
                     self.report.exit_codes.setdefault(label, code)
+
+
+def num_alive_inference(status: dict) -> int:
+    return sum(1 for w in status.get("workers", []) if w.get("role") == "ROLE_INFERENCE"
+               and w.get("state") == "WORKER_STATE_ALIVE")
 
 
 def served(max_steps: int) -> Callable[[dict], bool]:

@@ -141,7 +141,7 @@ class RolloutScheduler:
                 del self.inflight[future]
                 endpoint.num_inflight -= self.config.rollouts_per_example
                 self.workers[entry.env_id].cancel(future)
-                self._retry(entry, "the inference worker left the broker's list")
+                self._retry(entry, "its inference worker is no longer listed by the broker")
         self._inflight_changed()
 
     def _retry(self, entry: InflightGroup, reason: str) -> bool:

@@ -1,7 +1,7 @@
 """Inference workers join and leave a running run (issue 17), through the real path: an in-process broker bound
 to 0.0.0.0, real `primerl-infer` daemons on the tiny model, the real `primerl-orchestrator` with real env workers,
 and this test as the trainer (it publishes FULL v1 and DELTA v2 with the trainer's publisher and fetches each
-step's batch, which paces the orchestrator: the broker holds at most 2 steps ahead).
+step's batch, which paces the orchestrator: it runs at most a few steps ahead of the fetches).
 
 Distinct loopback addresses stand for distinct machines: the orchestrator dials the broker at 127.0.0.3 and so
 gets its ZeroMQ endpoints at 127.0.0.3 (a wildcard bind hands out the wildcard; the client substitutes the host
@@ -39,7 +39,7 @@ from primerl.proto.v1.control_pb2 import WORKER_STATE_ALIVE as ALIVE
 from primerl.proto.v1.control_pb2 import WORKER_STATE_LEFT as LEFT
 from primerl.proto.v1.control_pb2 import WORKER_STATE_LOST as LOST
 
-MAX_STEPS = 10
+MAX_STEPS = 16
 STEP_TIMEOUT_S = 240.0
 
 
@@ -118,10 +118,12 @@ def test_workers_leave_and_join_a_running_run(tiny_model, tmp_path):
             with broker.client() as client:
                 wait_until(lambda: any(w.address.startswith("http://127.0.0.2:") and w.policy_version == 2
                                        for w in client.list_workers(role="inference")), 60, "C to serve v2")
-            for step in (6, 7):  # the orchestrator goes on (it waited for these to be fetched) and sees C
+            # The orchestrator runs a few steps ahead of the fetches (2 batches queued at the broker, 2 steps at
+            # its send thread): it goes on now, sees C and spreads over B and C; the last steps are C's alone.
+            for step in (6, 7, 8, 9):
                 fetch(step)
             daemons["B"].stop()  # SIGTERM: it deregisters (LEFT); its groups in flight are retried on C
-            for step in range(8, MAX_STEPS + 1):
+            for step in range(10, MAX_STEPS + 1):
                 fetch(step)
         assert orchestrator.wait(120) == 0, log_path.read_text()[-4000:]
         served_c = _requests_served(daemons["C"].url)
@@ -142,22 +144,21 @@ def test_workers_leave_and_join_a_running_run(tiny_model, tmp_path):
     errors = sum(row.get("rollout/errors", 0) for row in rows)
     join_s = [row["inference/join_to_serving_s"] for row in rows if "inference/join_to_serving_s" in row]
     c_log = daemons["C"].log_path.read_text(errors="replace")
-    applied = re.findall(r"weight update live.*?kind=(\w+).*?policy_version=(\d+)|weight update live.*?"
-                         r"policy_version=(\d+).*?kind=(\w+)", c_log)
+    applied = [(kind, int(version)) for kind, version in
+               re.findall(r"weight update live.*?kind=WEIGHT_UPDATE_KIND_(\w+) policy_version=(\d+)", c_log)]
     summary = {"received": received, "retried": retried, "errors": errors, "join_to_serving_s": join_s,
                "served_by_c": served_c, "joined": len(_log_lines(log_path, "inference worker joined")),
                "left": len(_log_lines(log_path, "inference worker left")), "gone": gone}
     print("\njoin/leave run:", json.dumps({k: v for k, v in summary.items() if k != "gone"}))
     assert sorted(received) == list(range(1, MAX_STEPS + 1)) and all(received.values()), summary
     assert retried > 0 and errors == 0, summary
-    assert summary["joined"] >= 3 and summary["left"] >= 2, summary
+    assert summary["joined"] == 3 and summary["left"] == 2, summary  # A, B, C joined; A and B left
     assert len(join_s) >= 1 and all(0 < s < 300 for s in join_s), summary
     assert served_c > 0, summary
     assert [w.address for w in alive] == [daemons["C"].ready["advertised_url"]] and alive[0].policy_version == 2
     assert sorted(gone.values()) == sorted([LOST, LEFT, ALIVE]), gone  # A killed, B stopped, C serving
     assert re.search(r"inference worker caught up.*join_to_serving_s=", c_log), c_log[-3000:]
-    kinds = [(a or d, int(b or c)) for a, b, c, d in applied]
-    assert kinds[:2] == [("FULL", 1), ("DELTA", 2)], (kinds, c_log[-3000:])
+    assert applied == [("FULL", 1), ("DELTA", 2)], (applied, c_log[-3000:])  # the snapshot first
     assert "rollout group retried" in text and "Traceback" not in text
 
 

@@ -24,8 +24,8 @@ from pathlib import Path
 REPO_ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO_ROOT / "tests"))
 
-from support.multihost import BIN, MultihostRun  # noqa: E402
-from support.netns import Hosts  # noqa: E402
+from support.multihost import BIN, MultihostRun
+from support.netns import Hosts
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -39,6 +39,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--subnet", default="10.231.0.0/24")
     parser.add_argument("--encrypted", action="store_true",
                         help="mutual TLS on gRPC and CURVE on the ZeroMQ planes, credentials from `primerl certs`")
+    parser.add_argument("--stop-signal", choices=["TERM", "KILL"], default="TERM",
+                        help="how host d's worker is stopped: TERM (it finishes its requests and deregisters) or KILL "
+                        "(it vanishes mid-request: its rollouts are retried elsewhere)")
     parser.add_argument("--timeout-s", type=float, default=900.0)
     args = parser.parse_args(argv)
 
@@ -48,6 +51,7 @@ def main(argv: list[str] | None = None) -> int:
     with Hosts.create(["a", "b", "c", "d", "e", "f", "g"], subnet=args.subnet, mode=args.mode) as hosts:
         run = MultihostRun(hosts, args.run_dir.resolve(), args.model.resolve(), max_steps=args.max_steps,
                            stop_at_step=args.stop_at_step, timeout_s=args.timeout_s, encrypted=args.encrypted,
+                           stop_signal=args.stop_signal,
                            say=lambda line: print(line, flush=True))
         report = run.run()
     print(report.summary())

@@ -16,24 +16,27 @@ from __future__ import annotations
 import json
 import os
 import secrets
-import signal
 import socket
 import subprocess
 import sys
 import time
-from dataclasses import dataclass, field
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
-import psutil
-
-from .netns import Host, Hosts
+from .multihost_report import (
+    BATCH_SIZE,
+    ROLLOUTS_PER_EXAMPLE,
+    Report,
+    num_alive_inference,
+    parse_ts,
+    served,
+)
+from .netns import Host, Hosts, Proc
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = REPO_ROOT / "examples" / "reverse_text_rl.toml"
 BIN = Path(sys.executable).parent
 HOST_NAMES = ["a", "b", "c", "d", "e", "f", "g"]
-BATCH_SIZE, ROLLOUTS_PER_EXAMPLE = 64, 8
 RUN_OVERRIDES = ["--orchestrator.batch-size", str(BATCH_SIZE), "--orchestrator.rollouts-per-example",
                  str(ROLLOUTS_PER_EXAMPLE), "--orchestrator.sampling.max-tokens", "24", "--trainer.ckpt.interval",
                  "100", "--log.format", "json"]
@@ -49,166 +52,16 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-class Proc:
-    """One process started on a host, its output in ``log``; stopped with SIGTERM (then SIGKILL, its
-    descendants too: torchrun's ranks run in sessions of their own)."""
-
-    def __init__(self, label: str, host: Host, argv: list, env: dict[str, str], log: Path, cwd: Path):
-        self.label, self.host, self.log = label, host, log
-        self.started_s = time.monotonic()
-        with open(log, "w") as out:
-            self.popen = subprocess.Popen(host.argv(argv), stdout=out, stderr=subprocess.STDOUT, env=env, cwd=cwd,
-                                          start_new_session=True)
-
-    def poll(self) -> int | None:
-        return self.popen.poll()
-
-    def tail(self, num_chars: int = 3000) -> str:
-        return self.log.read_text(errors="replace")[-num_chars:]
-
-    def events(self, name: str | None = None) -> list[dict]:
-        found = []
-        for line in self.log.read_text(errors="replace").splitlines():
-            if line.startswith("{"):
-                try:
-                    event = json.loads(line)
-                except ValueError:
-                    continue
-                if name is None or event.get("event") == name:
-                    found.append(event)
-        return found
-
-    def stop(self, timeout_s: float = 60.0) -> int | None:
-        if self.popen.poll() is None:
-            try:
-                family = psutil.Process(self.popen.pid).children(recursive=True)
-            except psutil.Error:
-                family = []
-            self.popen.send_signal(signal.SIGTERM)
-            try:
-                self.popen.wait(timeout_s)
-            except subprocess.TimeoutExpired:
-                self.popen.kill()
-                self.popen.wait(10)
-            for child in family:
-                try:
-                    child.kill()
-                except psutil.Error:
-                    pass
-        return self.popen.returncode
-
-
-@dataclass
-class Report:
-    hosts: str = ""
-    roles: dict[str, str] = field(default_factory=dict)  # label -> address
-    max_steps: int = 0
-    steps_done: list[int] = field(default_factory=list)  # rank 0's "step done" steps, in order
-    exit_codes: dict[str, int | None] = field(default_factory=dict)
-    broker_status: dict = field(default_factory=dict)  # the test process's last RunStatus (JSON)
-    g_status: dict = field(default_factory=dict)  # `primerl status --json` run on host g
-    g_status_text: str = ""
-    g_status_lines: int = 0
-    workers_left: list[str] = field(default_factory=list)
-    workers_joined: list[str] = field(default_factory=list)
-    stopped_at_step: int = 0
-    joined_ready_at_step: int = 0
-    join_ready_s: float = 0.0  # start of the joining worker's process -> its ready file
-    join_version: int = 0  # the latest policy version when the joining worker was ready
-    join_serving_s: float = 0.0  # its "registered with the broker" -> "weight update live" for >= join_version
-    join_seen_serving_s: float = 0.0  # its ready file -> the broker's status shows it serving join_version
-    join_caught_up_s: float | None = None  # the worker's own "inference worker caught up" join_to_serving_s
-    retried_events: int = 0  # "rollout group retried" (worker unreachable or gone): dispatched again
-    retried_rollouts: float = 0.0  # the orchestrator's rollout/retried, summed over its metric rows
-    rescheduled_events: int = 0  # "rollout group rescheduled" (the worker's request failed): sampled again
-    rescheduled_rollouts: float = 0.0  # rollout/rescheduled, summed
-    orchestrator_rows: int = 0
-    orchestrator_saw: dict[str, list[dict]] = field(default_factory=dict)  # joined / left / serving events
-    metrics: dict[str, dict] = field(default_factory=dict)  # label -> the worker's scraped metrics
-    wall_s: float = 0.0
-    rollouts_per_example: int = ROLLOUTS_PER_EXAMPLE
-    errors: list[str] = field(default_factory=list)
-
-    def problems(self) -> list[str]:
-        found = list(self.errors)
-        want = list(range(1, self.max_steps + 1))
-        if self.steps_done != want:
-            found.append(f"the trainer's steps were {self.steps_done}, want each of {want} once")
-        for label, code in self.exit_codes.items():
-            if code not in (0, None):
-                found.append(f"{label} exited {code}")
-        status = self.g_status
-        if int(status.get("last_committed_step", 0)) != self.max_steps:
-            found.append(f"broker: last committed step {status.get('last_committed_step')} != {self.max_steps}")
-        if int(status.get("latest_policy_version", 0)) != self.max_steps:
-            found.append(f"broker: latest policy version {status.get('latest_policy_version')} != {self.max_steps}")
-        infer = {w.get("address"): w for w in status.get("workers", []) if w.get("role") == "ROLE_INFERENCE"}
-        for url in self.workers_left:
-            state = infer.get(url, {}).get("state", "absent")
-            if state == "WORKER_STATE_ALIVE":
-                found.append(f"primerl status lists the stopped worker {url} as alive")
-        for url, worker in infer.items():
-            if worker.get("state") == "WORKER_STATE_ALIVE" and int(worker.get("policy_version", -1)) != self.max_steps:
-                found.append(f"worker {url} serves v{worker.get('policy_version')}, not the final v{self.max_steps}")
-        for label, values in self.metrics.items():
-            if values.get("policy_version") != self.max_steps:
-                found.append(f"{label}: primerl_inference_policy_version {values.get('policy_version')}")
-        for url in self.workers_joined + [u for u in self.roles.values() if u.startswith("http") and
-                                          u not in self.workers_left]:
-            if infer.get(url, {}).get("state") != "WORKER_STATE_ALIVE":
-                found.append(f"primerl status does not list {url} as alive: {infer.get(url, {}).get('state')}")
-        if self.retried_rollouts > self.retried_events * self.rollouts_per_example:
-            found.append(f"rollout/retried {self.retried_rollouts:g} > {self.retried_events} groups retried x "
-                         f"{self.rollouts_per_example}")
-        if not self.orchestrator_rows:
-            found.append("no orchestrator metrics rows (rollout/retried, rollout/rescheduled) in metrics.jsonl")
-        left = {e.get("url", "").removesuffix("/v1") for e in self.orchestrator_saw.get("left", [])}
-        for url in self.workers_left:
-            if url not in left:
-                found.append(f"the orchestrator did not log 'inference worker left' for {url}")
-        if self.joined_mid_run:  # else the run was over before the worker was up: nothing was left to use it for
-            joined = {e.get("url", "").removesuffix("/v1") for e in self.orchestrator_saw.get("joined", [])}
-            for url in self.workers_joined:
-                if url not in joined:
-                    found.append(f"the orchestrator did not log 'inference worker joined' for {url}")
-            if not self.metrics.get("infer@f", {}).get("requests"):
-                found.append(f"the worker that joined after step {self.joined_ready_at_step} answered no request")
-        return found
-
-
-    @property
-    def joined_mid_run(self) -> bool:
-        """The joining worker was up with steps still to go (two, so that the orchestrator had rollouts to
-        send it)."""
-        return bool(self.workers_joined) and self.joined_ready_at_step < self.max_steps - 2
-
-    def summary(self) -> str:
-        roles = "\n".join(f"  {label:<22} {address}" for label, address in self.roles.items())
-        return (f"{self.hosts}\nroles:\n{roles}\n"
-                f"steps completed: {len(self.steps_done)} of {self.max_steps} ({self.steps_done})\n"
-                f"workers left: {self.workers_left} (SIGTERM after step {self.stopped_at_step})\n"
-                f"workers joined: {self.workers_joined} (process start -> ready {self.join_ready_s:.1f} s, after "
-                f"step {self.joined_ready_at_step}{'' if self.joined_mid_run else ', too late to be sent rollouts'}; "
-                f"registered -> serving the current version v{self.join_version}: {self.join_serving_s:.2f} s by its "
-                f"log, {self.join_caught_up_s} s by its 'inference worker caught up'; the test saw it in the broker's "
-                f"status {self.join_seen_serving_s:.2f} s after its ready file)\n"
-                f"live workers' metrics: {self.metrics}\n"
-                f"rollouts retried: {self.retried_rollouts:g} ({self.retried_events} groups; rescheduled after a "
-                f"failed request: {self.rescheduled_rollouts:g} in {self.rescheduled_events} groups)\n"
-                f"the orchestrator saw: {json.dumps(self.orchestrator_saw)}\n"
-                f"wall time: {self.wall_s:.0f} s\n"
-                f"primerl status on host g:\n{self.g_status_text}")
-
-
 class MultihostRun:
     """The scenario (module docstring) in ``run_dir`` on ``hosts`` with the model at ``model``."""
 
     def __init__(self, hosts: Hosts, run_dir: Path, model: Path, max_steps: int = 40, stop_at_step: int = 1,
-                 timeout_s: float = 600.0, encrypted: bool = False, extra_env: dict[str, str] | None = None,
-                 say: Callable[[str], None] = print):
+                 timeout_s: float = 600.0, encrypted: bool = False, stop_signal: str = "TERM",
+                 extra_env: dict[str, str] | None = None, say: Callable[[str], None] = print):
         self.hosts, self.run_dir, self.model = hosts, run_dir, model
         self.max_steps, self.stop_at_step, self.timeout_s = max_steps, stop_at_step, timeout_s
         self.encrypted = encrypted
+        self.stop_signal = stop_signal  # TERM: a clean stop of host d's worker; KILL: it vanishes mid-request
         self.extra_env = extra_env or {}
         self.say = say
         self.token = secrets.token_urlsafe(24)
@@ -402,8 +255,12 @@ class MultihostRun:
                                 lambda s: int(s.get("trainer_step", 0)) >= self.stop_at_step, running + ["infer@d"],
                                 deadline)
                 report.stopped_at_step = int(self.status(client).get("trainer_step", 0))
-                self.say(f"step {report.stopped_at_step}: stopping {url_d} (SIGTERM)")
-                report.exit_codes["infer@d (SIGTERM)"] = d.stop()
+                self.say(f"step {report.stopped_at_step}: stopping {url_d} (SIG{self.stop_signal})")
+                report.stop_signal = self.stop_signal
+                if self.stop_signal == "KILL":
+                    d.kill()
+                else:
+                    report.exit_codes["infer@d (SIGTERM)"] = d.stop()
                 report.workers_left.append(url_d)
                 f = self.start_inference("f")
                 url_f = self.wait_inference(f)
@@ -468,7 +325,6 @@ class MultihostRun:
         serving it and the most workers alive (else the last it printed with the step committed), as JSON and as
         the table it shows."""
         from google.protobuf.json_format import ParseDict
-
         from primerl.cli.status_view import render_status
         from primerl.proto.v1 import control_pb2
 
@@ -549,28 +405,5 @@ class MultihostRun:
                       "broker@a"):
             if label in self.procs:
                 code = self.procs[label].stop(60)
-                if label != "status@g":
+                if label != "status@g" and not (label == "infer@d" and self.stop_signal == "KILL"):
                     self.report.exit_codes.setdefault(label, code)
-
-
-def num_alive_inference(status: dict) -> int:
-    return sum(1 for w in status.get("workers", []) if w.get("role") == "ROLE_INFERENCE"
-               and w.get("state") == "WORKER_STATE_ALIVE")
-
-
-def served(max_steps: int) -> Callable[[dict], bool]:
-    """A status (JSON) predicate: the last step is committed and published, and every live inference worker
-    serves it."""
-    def check(status: dict) -> bool:
-        live = [w for w in status.get("workers", []) if w.get("role") == "ROLE_INFERENCE"
-                and w.get("state") == "WORKER_STATE_ALIVE"]
-        return (int(status.get("last_committed_step", 0)) >= max_steps
-                and int(status.get("latest_policy_version", 0)) >= max_steps and bool(live)
-                and all(int(w.get("policy_version", -1)) == max_steps for w in live))
-    return check
-
-
-def parse_ts(event: dict) -> float:
-    from datetime import datetime
-
-    return datetime.fromisoformat(str(event.get("timestamp")).replace("Z", "+00:00")).timestamp()

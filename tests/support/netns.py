@@ -12,11 +12,14 @@
 Names are unique per run (``prl`` + 6 random hex digits + a host index), so that concurrent runs never meet and
 teardown (``Hosts.close``, also on failure or from a context manager) removes only what this run created: the
 processes left in its namespaces, the namespaces (which take their veth ends along), the bridge.
+
+``Proc`` is one process started on a host, its output (JSON log lines: ``events``) in a file.
 """
 
 from __future__ import annotations
 
 import ipaddress
+import json
 import os
 import secrets
 import shutil
@@ -25,6 +28,8 @@ import subprocess
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+
+import psutil
 
 DEFAULT_SUBNET = "10.231.0.0/24"
 COMMAND_TIMEOUT_S = 20.0
@@ -206,3 +211,65 @@ def _alive(pid: int) -> bool:
         return Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0] != "Z"
     except OSError:
         return False
+
+
+class Proc:
+    """One process started on a host, its output in ``log``; stopped with SIGTERM (then SIGKILL, its
+    descendants too: torchrun's ranks run in sessions of their own)."""
+
+    def __init__(self, label: str, host: Host, argv: list, env: dict[str, str], log: Path, cwd: Path):
+        self.label, self.host, self.log = label, host, log
+        self.started_s = time.monotonic()
+        with open(log, "w") as out:
+            self.popen = subprocess.Popen(host.argv(argv), stdout=out, stderr=subprocess.STDOUT, env=env, cwd=cwd,
+                                          start_new_session=True)
+
+    def poll(self) -> int | None:
+        return self.popen.poll()
+
+    def tail(self, num_chars: int = 3000) -> str:
+        return self.log.read_text(errors="replace")[-num_chars:]
+
+    def events(self, name: str | None = None) -> list[dict]:
+        found = []
+        for line in self.log.read_text(errors="replace").splitlines():
+            if line.startswith("{"):
+                try:
+                    event = json.loads(line)
+                except ValueError:
+                    continue
+                if name is None or event.get("event") == name:
+                    found.append(event)
+        return found
+
+    def kill(self) -> int | None:
+        """SIGKILL to the process and its descendants at once, as a machine that drops off would."""
+        try:
+            family = [psutil.Process(self.popen.pid), *psutil.Process(self.popen.pid).children(recursive=True)]
+        except psutil.Error:
+            family = []
+        for member in family:
+            try:
+                member.kill()
+            except psutil.Error:
+                pass
+        return self.popen.wait(30)
+
+    def stop(self, timeout_s: float = 60.0) -> int | None:
+        if self.popen.poll() is None:
+            try:
+                family = psutil.Process(self.popen.pid).children(recursive=True)
+            except psutil.Error:
+                family = []
+            self.popen.send_signal(signal.SIGTERM)
+            try:
+                self.popen.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                self.popen.kill()
+                self.popen.wait(10)
+            for child in family:
+                try:
+                    child.kill()
+                except psutil.Error:
+                    pass
+        return self.popen.returncode

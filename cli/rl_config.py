@@ -169,6 +169,7 @@ class RLConfig(BaseConfig):
             *self._batch_problems(),
             *self._connection_problems(),
             *self._trainer_rank_problems(),
+            *self._wire_security_problems(),
         ]
         if problems:
             raise ValueError("\n".join(problems))
@@ -280,6 +281,22 @@ class RLConfig(BaseConfig):
         return [f"broker.max_rollout_connections ({limit}) is less than the rollout peers of this run: "
                 f"{peers - 1} trainer ranks + 1 orchestrator = {peers}; set broker.max_rollout_connections = {peers} "
                 "or more"]
+
+    def _wire_security_problems(self) -> list[str]:
+        """Every role must match the broker's wire security (a mismatch would only show as timeouts)."""
+        broker, problems = self.broker, []
+        for role in ("trainer", "orchestrator", "inference"):
+            client = getattr(self, role).broker
+            if (broker.curve_secret_key_path is None) != (client.curve_secret_key_path is None):
+                problems.append(
+                    f"broker.curve_secret_key_path and {role}.broker.curve_secret_key_path: CURVE must be on for the "
+                    f"broker and every role, or off for all (`primerl certs` prints the [{role}.broker] keys)")
+            if broker.tls_client_ca_path is not None and client.tls_cert_path is None:
+                problems.append(f"broker.tls_client_ca_path requires client certificates: set {role}.broker."
+                                "tls_cert_path and tls_key_path (`primerl certs` prints them)")
+            if broker.tls_cert_path is None and client.tls_ca_path is not None:
+                problems.append(f"{role}.broker.tls_ca_path is set but the broker has no TLS (broker.tls_cert_path)")
+        return problems
 
     def with_free_broker_ports(self) -> RLConfig:
         """This run as `primerl rl` starts it: the broker ports that the config leaves unset are 0, so the broker

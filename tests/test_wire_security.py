@@ -11,6 +11,7 @@ import stat
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -156,6 +157,38 @@ def test_added_clients_are_admitted_by_a_running_broker_without_a_restart(broker
 def test_certs_rejects_bad_client_names(spec):
     with pytest.raises(CertsError):
         parse_clients(spec)
+
+
+# ---------------------------------------------------------------------------------------------- primerl rl
+REPO = Path(__file__).resolve().parents[1]
+
+
+def dry_run(*configs: Path, write: Path) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "primerl.cli.main", "rl", "@", str(REPO / "examples" /
+                           "reverse_text_rl.toml"), *[arg for config in configs for arg in ("@", str(config))],
+                           "--dry-run", "--write", str(write)], capture_output=True, text=True, timeout=120, cwd=REPO)
+
+
+def test_primerl_rl_hands_each_role_its_credentials(certs, tmp_path):
+    """The tables `primerl certs` prints, given to `primerl rl`, reach every role's config; a role left without
+    them is refused before anything starts, naming the setting."""
+    security = tmp_path / "security.toml"
+    security.write_text("\n".join(line for line in config_lines(certs).splitlines() if not line.startswith("#")))
+    result = dry_run(security, write=tmp_path / "roles")
+    assert result.returncode == 0, result.stderr
+    for role in ("trainer", "orchestrator", "inference"):
+        written = (tmp_path / "roles" / f"{role}.toml").read_text()
+        for value in certs.client_settings(role).values():
+            assert f'"{value}"' in written, (role, value)
+    broker = (tmp_path / "roles" / "broker.toml").read_text()
+    assert all(f'"{value}"' in broker for value in certs.broker_settings().values())
+    partial = tmp_path / "partial.toml"
+    text = security.read_text()
+    partial.write_text(text[: text.index("[orchestrator.broker]")] + text[text.index("[inference.broker]"):])
+    refused = dry_run(partial, write=tmp_path / "refused")
+    assert refused.returncode != 0
+    assert "orchestrator.broker.curve_secret_key_path" in refused.stderr
+    assert "orchestrator.broker.tls_cert_path" in refused.stderr
 
 
 # ------------------------------------------------------------------------------------- misconfiguration

@@ -46,6 +46,8 @@ def build_parser() -> argparse.ArgumentParser:
         help="PEM client certificate, for a broker that requires one (broker.tls_client_ca_path); with --tls-key",
     )
     parser.add_argument("--tls-key", default=None, help="PEM private key of --tls-cert")
+    parser.add_argument("--tls-server-name", default=None,
+                        help="name to check the broker's certificate against instead of --broker's host")
     parser.add_argument("--json", action="store_true", help="print JSON (with --watch: one object per line)")
     parser.add_argument("--watch", action="store_true", help="redraw on every change until Ctrl-C")
     parser.add_argument(
@@ -78,7 +80,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         config = BrokerClientConfig(
-            address=address, run_token=token, connect_timeout_s=args.timeout_s, **tls
+            address=address, run_token=token, connect_timeout_s=args.timeout_s, tls_server_name=args.tls_server_name,
+            **tls
         )
     except ValidationError as err:
         problems = "; ".join(e["msg"] for e in err.errors())

@@ -65,9 +65,11 @@ class _Details(grpc.ClientCallDetails):
 def create_channel(
     address: str, *, run_token: str | None = None, tls_ca_path: str | Path | None = None,
     tls_cert_path: str | Path | None = None, tls_key_path: str | Path | None = None,
+    tls_server_name: str | None = None,
 ) -> grpc.Channel:
     """A channel to the broker: TLS when ``tls_ca_path`` is given (with this client's certificate when
-    ``tls_cert_path`` and ``tls_key_path`` are: mutual TLS), the run token on every call when set. Raises
+    ``tls_cert_path`` and ``tls_key_path`` are: mutual TLS; the broker's certificate checked against
+    ``tls_server_name`` instead of the address's host when given), the run token on every call when set. Raises
     ``ValueError`` naming the setting when a file cannot be read."""
     if (tls_cert_path is None) != (tls_key_path is None):
         raise ValueError("broker.tls_cert_path and broker.tls_key_path (a client certificate) go together")
@@ -79,7 +81,8 @@ def create_channel(
             private_key = read_pem(tls_key_path, "broker.tls_key_path (this client's private key)")
         credentials = grpc.ssl_channel_credentials(root_certificates=root_certificates, private_key=private_key,
                                                    certificate_chain=certificate_chain)
-        channel = grpc.secure_channel(address, credentials, options=CHANNEL_OPTIONS)
+        options = CHANNEL_OPTIONS + ([("grpc.ssl_target_name_override", tls_server_name)] if tls_server_name else [])
+        channel = grpc.secure_channel(address, credentials, options=options)
     elif tls_cert_path is not None:
         raise ValueError("broker.tls_cert_path (a client certificate) needs TLS: set broker.tls_ca_path too")
     else:

@@ -127,7 +127,8 @@ class ControlClient:
         self.world_size = world_size
         self.rpc_timeout_s = rpc_timeout_s
         self._channel = create_channel(config.address, run_token=config.run_token, tls_ca_path=config.tls_ca_path,
-                                       tls_cert_path=config.tls_cert_path, tls_key_path=config.tls_key_path)
+                                       tls_cert_path=config.tls_cert_path, tls_key_path=config.tls_key_path,
+                                       tls_server_name=config.tls_server_name)
         # The data-plane clients' CURVE credentials, read now so that a wrong file fails at start.
         self.curve = config.curve_client()
         self._stub = control_pb2_grpc.BrokerStub(self._channel)

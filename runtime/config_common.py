@@ -62,6 +62,11 @@ class BrokerClientConfig(BaseConfig):
     tls_key_path: Path | None = Field(
         None, description="PEM private key of `tls_cert_path` (mutual TLS)."
     )
+    tls_server_name: str | None = Field(
+        None, min_length=1,
+        description="Name to check the broker's TLS certificate against instead of the host in `address` (one of "
+        "the `--host` names given to `primerl certs`), e.g. when dialing it through NAT or a tunnel.",
+    )
     curve_secret_key_path: Path | None = Field(
         None,
         description="This client's CURVE key pair (a ZeroMQ `.key_secret` file, as `primerl certs` writes), for a "
@@ -89,6 +94,8 @@ class BrokerClientConfig(BaseConfig):
         if self.tls_cert_path is not None and self.tls_ca_path is None:
             problems.append("a client certificate (`tls_cert_path`) needs TLS: set `tls_ca_path` to the CA of the "
                             "broker's certificate too")
+        if self.tls_server_name is not None and self.tls_ca_path is None:
+            problems.append("`tls_server_name` needs TLS: set `tls_ca_path` too")
         if (self.curve_secret_key_path is None) != (self.curve_broker_key_path is None):
             problems.append("set both `curve_secret_key_path` and `curve_broker_key_path` for CURVE, or neither")
         if problems:

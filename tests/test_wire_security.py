@@ -273,6 +273,26 @@ def test_primerl_status_reads_the_client_certificate_from_run_json(broker, certs
     assert run_status(str(tmp_path)).returncode != 0
 
 
+def test_tls_server_name_checks_the_certificate_against_another_name(tmp_path):
+    """A broker whose certificate names only broker.example, dialed at 127.0.0.1 (as through NAT)."""
+    named = make_certs(tmp_path / "named", ["broker.example"], ("trainer", "status"))
+    settings = {key: value for key, value in named.broker_settings().items() if key.startswith("tls")}
+    harness = BrokerHarness(tmp_path / "spool", run_token=TOKEN, **settings)
+    try:
+        client_tls = {key: value for key, value in named.client_settings("trainer").items() if key.startswith("tls")}
+        with control(harness, client_tls, "by-address") as client, pytest.raises(BrokerError):
+            client.wait_ready(REFUSED_S)
+        with control(harness, {**client_tls, "tls_server_name": "broker.example"}, "by-name", role="client") as client:
+            client.wait_ready(OK_S)
+            assert client.get_run_status().run_id == harness.service.run_id
+        ok = run_status("--broker", harness.grpc_address, "--tls-ca", str(named.ca_cert), "--tls-cert",
+                        str(named.client_cert("status")), "--tls-key", str(named.client_key("status")),
+                        "--tls-server-name", "broker.example")
+        assert ok.returncode == 0, ok.stderr
+    finally:
+        harness.stop()
+
+
 # ------------------------------------------------------------------------------------- the data planes
 def test_the_right_credentials_do_everything(broker, certs):
     settings = certs.client_settings("trainer")

@@ -358,6 +358,11 @@ class MultihostRun:
         rank0 = [p for p in (self.procs["trainer@b"], self.procs["trainer@c"]) if p.events("step done")]
         report.steps_done = [int(e["step"]) for p in rank0 for e in p.events("step done")]
         orch = self.procs["orchestrator@a"]
+        # rank 0's batch of each step as the orchestrator sent it and as the trainer trained it
+        report.sent_digests = {int(e["step"]): str(e.get("data_digest")) for e in orch.events("step sent")
+                               if int(e.get("rank", 0)) == 0}
+        report.trained_digests = {int(e["step"]): str(e.get("data_digest")) for p in rank0
+                                  for e in p.events("step done")}
         report.retried_events = len(orch.events("rollout group retried"))
         report.rescheduled_events = len(orch.events("rollout group rescheduled"))
         rows = [json.loads(line) for line in (self.run_dir / "metrics.jsonl").read_text().splitlines()

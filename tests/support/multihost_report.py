@@ -17,6 +17,8 @@ class Report:
     roles: dict[str, str] = field(default_factory=dict)  # label -> address
     max_steps: int = 0
     steps_done: list[int] = field(default_factory=list)  # rank 0's "step done" steps, in order
+    sent_digests: dict[int, str] = field(default_factory=dict)  # step -> rank 0's batch digest, as sent
+    trained_digests: dict[int, str] = field(default_factory=dict)  # step -> rank 0's batch digest, as trained
     exit_codes: dict[str, int | None] = field(default_factory=dict)
     broker_status: dict = field(default_factory=dict)  # the test process's last RunStatus (JSON)
     g_status: dict = field(default_factory=dict)  # `primerl status --json` run on host g
@@ -48,6 +50,10 @@ class Report:
         want = list(range(1, self.max_steps + 1))
         if self.steps_done != want:
             found.append(f"the trainer's steps were {self.steps_done}, want each of {want} once")
+        differ = [step for step in want if self.sent_digests.get(step) != self.trained_digests.get(step)]
+        if differ:
+            found.append(f"steps {differ[:10]}: the trainer trained other data than the orchestrator sent (rank 0's "
+                         "data_digest)")
         for label, code in self.exit_codes.items():
             if code not in (0, None):
                 found.append(f"{label} exited {code}")
@@ -99,7 +105,11 @@ class Report:
     def summary(self) -> str:
         roles = "\n".join(f"  {label:<22} {address}" for label, address in self.roles.items())
         return (f"{self.hosts}\nroles:\n{roles}\n"
-                f"steps completed: {len(self.steps_done)} of {self.max_steps} ({self.steps_done})\n"
+                f"steps completed: {len(self.steps_done)} of {self.max_steps}"
+                f"{', each once' if self.steps_done == list(range(1, self.max_steps + 1)) else f' ({self.steps_done})'}"
+                f"; trained data = sent data "
+                f"(rank 0's digest) for {sum(self.sent_digests.get(k) == v for k, v in self.trained_digests.items())} "
+                f"steps\n"
                 f"workers left: {self.workers_left} (SIG{self.stop_signal} after step {self.stopped_at_step})\n"
                 f"workers joined: {self.workers_joined} (process start -> ready {self.join_ready_s:.1f} s, after "
                 f"step {self.joined_ready_at_step}{'' if self.joined_mid_run else ', too late to be sent rollouts'}; "

@@ -62,6 +62,11 @@ class Report:
             found.append(f"broker: last committed step {status.get('last_committed_step')} != {self.max_steps}")
         if int(status.get("latest_policy_version", 0)) != self.max_steps:
             found.append(f"broker: latest policy version {status.get('latest_policy_version')} != {self.max_steps}")
+        for queue in status.get("queues", []):
+            if queue.get("name") == "rollouts" and int(queue.get("num_items", 0)):
+                found.append(f"broker: {queue.get('num_items')} rollout batches still spooled after the last step")
+        if int(status.get("num_rollbacks", 0)):
+            found.append(f"broker: {status.get('num_rollbacks')} rollbacks")
         infer = {w.get("address"): w for w in status.get("workers", []) if w.get("role") == "ROLE_INFERENCE"}
         for url in self.workers_left:
             state = infer.get(url, {}).get("state", "absent")
@@ -120,6 +125,7 @@ class Report:
                 f"rollouts retried: {self.retried_rollouts:g} ({self.retried_events} groups; rescheduled after a "
                 f"failed request: {self.rescheduled_rollouts:g} in {self.rescheduled_events} groups)\n"
                 f"the orchestrator saw: {json.dumps(self.orchestrator_saw)}\n"
+                f"errors the roles reported to the broker: {self.g_status.get('recent_errors') or 'none'}\n"
                 f"wall time: {self.wall_s:.0f} s\n"
                 f"primerl status on host g:\n{self.g_status_text}")
 

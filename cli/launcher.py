@@ -246,7 +246,8 @@ class Launcher:
         client = ControlClient(BrokerClientConfig(address=address, run_token=self.token,
                                                   tls_ca_path=trainer_broker.tls_ca_path,
                                                   tls_cert_path=trainer_broker.tls_cert_path,
-                                                  tls_key_path=trainer_broker.tls_key_path),
+                                                  tls_key_path=trainer_broker.tls_key_path,
+                                                  tls_server_name=trainer_broker.tls_server_name),
                                role="client", name="primerl-rl", rpc_timeout_s=STATUS_TIMEOUT_S)
         last_line_s = 0.0
         last_step = -1
@@ -288,7 +289,8 @@ class Launcher:
         write_run_file(self.run_dir, RunFile(broker_address=address, run_token=self.token,
                                              tls_ca_path=absolute(broker.tls_ca_path), run_id=run_id or None,
                                              launcher_pid=os.getpid(), tls_cert_path=absolute(broker.tls_cert_path),
-                                             tls_key_path=absolute(broker.tls_key_path)))
+                                             tls_key_path=absolute(broker.tls_key_path),
+                                             tls_server_name=broker.tls_server_name))
         self.say(f"  status: primerl status {shlex.quote(str(self.run_dir))}   (address and token in its "
                  f"{RUN_FILE_NAME}, readable by you only)")
 

@@ -36,6 +36,7 @@ class RunFile:
     launcher_pid: int | None = None
     tls_cert_path: str | None = None  # a client certificate (mutual TLS), absolute; null without
     tls_key_path: str | None = None
+    tls_server_name: str | None = None  # the name the broker's certificate is checked against, if not the host
 
 
 def write_run_file(run_dir: Path, run: RunFile) -> Path:

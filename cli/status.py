@@ -123,6 +123,7 @@ def _connection(args: argparse.Namespace) -> tuple[str, str | None, dict[str, st
         run = read_run_file(args.run_dir)
         if not any(tls.values()):
             tls = {"tls_ca_path": run.tls_ca_path, "tls_cert_path": run.tls_cert_path, "tls_key_path": run.tls_key_path}
+            args.tls_server_name = args.tls_server_name or run.tls_server_name
         return (args.broker or run.broker_address, args.token if args.token is not None else run.run_token, tls)
     address = args.broker or os.environ.get(ENV_BROKER) or DEFAULT_BROKER
     token = args.token if args.token is not None else os.environ.get(ENV_TOKEN) or None

@@ -254,8 +254,11 @@ class MultihostRun:
                 self.wait_until(client, f"trainer step {self.stop_at_step}",
                                 lambda s: int(s.get("trainer_step", 0)) >= self.stop_at_step, running + ["infer@d"],
                                 deadline)
+                busy = self.wait_busy(client, url_d, time.monotonic() + 30.0)
+                report.d_inflight_at_stop = int(busy.get("num_inflight", 0))
                 report.stopped_at_step = int(self.status(client).get("trainer_step", 0))
-                self.say(f"step {report.stopped_at_step}: stopping {url_d} (SIG{self.stop_signal})")
+                self.say(f"step {report.stopped_at_step}: stopping {url_d} (SIG{self.stop_signal}; "
+                         f"{report.d_inflight_at_stop} requests in flight at its last heartbeat)")
                 report.stop_signal = self.stop_signal
                 if self.stop_signal == "KILL":
                     d.kill()
@@ -301,6 +304,20 @@ class MultihostRun:
             self.read_g_statuses()
             report.wall_s = time.monotonic() - start_s
         return report
+
+    def wait_busy(self, client, url: str, until: float) -> dict:
+        """The worker at ``url`` as the broker lists it once it has requests in flight (its last heartbeat), so
+        that stopping it catches rollouts mid-request; as it is at ``until`` when it never has."""
+        worker: dict = {}
+        while True:
+            try:
+                workers = self.status(client).get("workers", [])
+            except Exception:  # the broker not answering for a moment: ``until`` bounds it
+                workers = []
+            worker = next((w for w in workers if w.get("address") == url), worker)
+            if int(worker.get("num_inflight", 0)) > 0 or time.monotonic() > until:
+                return worker
+            time.sleep(0.1)
 
     @staticmethod
     def wait_exit(proc: Proc, timeout_s: float) -> int | None:

@@ -28,6 +28,7 @@ class Report:
     workers_joined: list[str] = field(default_factory=list)
     stopped_at_step: int = 0
     stop_signal: str = "TERM"
+    d_inflight_at_stop: int = 0  # the stopped worker's requests in flight at its last heartbeat before the stop
     joined_ready_at_step: int = 0
     join_ready_s: float = 0.0  # start of the joining worker's process -> its ready file
     join_version: int = 0  # the latest policy version when the joining worker was ready
@@ -115,7 +116,8 @@ class Report:
                 f"; trained data = sent data "
                 f"(rank 0's digest) for {sum(self.sent_digests.get(k) == v for k, v in self.trained_digests.items())} "
                 f"steps\n"
-                f"workers left: {self.workers_left} (SIG{self.stop_signal} after step {self.stopped_at_step})\n"
+                f"workers left: {self.workers_left} (SIG{self.stop_signal} after step {self.stopped_at_step}, "
+                f"{self.d_inflight_at_stop} requests in flight at its last heartbeat)\n"
                 f"workers joined: {self.workers_joined} (process start -> ready {self.join_ready_s:.1f} s, after "
                 f"step {self.joined_ready_at_step}{'' if self.joined_mid_run else ', too late to be sent rollouts'}; "
                 f"registered -> serving the current version v{self.join_version}: {self.join_serving_s:.2f} s by its "

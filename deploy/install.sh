@@ -176,6 +176,13 @@ for command in primerl-broker primerl-trainer primerl-orchestrator primerl-infer
         say "WARNING  $VENV/bin/$command is missing: install primerl there (pip install /path/to/primerl), or pass --venv"
     fi
 done
+interpreter="$(readlink -f "$ROOT$VENV/bin/python" 2>/dev/null || true)"
+[[ -e "$interpreter" ]] || interpreter="$(readlink -f "$VENV/bin/python" 2>/dev/null || true)"
+if [[ "$interpreter" == /root/* || "$interpreter" == /home/* ]]; then
+    say "WARNING  $VENV/bin/python is $interpreter: the units cannot reach it (ProtectHome=true, and a home is" \
+        "not the daemons' to read); make the venv from a Python outside /root and /home (e.g. uv python install" \
+        "--install-dir /opt/python, or the system's python3)"
+fi
 if [[ "$RELOAD" == 1 && -z "$ROOT" && -d /run/systemd/system ]]; then
     systemctl daemon-reload
     say "ran      systemctl daemon-reload"

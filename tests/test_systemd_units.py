@@ -1,126 +1,40 @@
 """The systemd units of deploy/: installed by deploy/install.sh into a temporary root, their command lines (after
 systemd's substitutions: instance names, `Environment=`, the environment files install.sh wrote) are accepted by
-the real daemons with the example configs, `systemd-analyze` verifies them, and install.sh is idempotent."""
+the real daemons with the example configs, `systemd-analyze` verifies them, and install.sh is idempotent (in a
+temporary root, and on a real root inside a private mount namespace). test_systemd_units_running.py runs them."""
 
 from __future__ import annotations
 
 import os
 import re
-import shlex
 import shutil
 import stat
 import subprocess
 import sys
-import tomllib
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
+from support.systemd_units import (
+    BIN,
+    DEPLOY,
+    INSTALL_SH,
+    INSTANCES,
+    SERVICES,
+    SYSTEMD_ANALYZE,
+    VENV,
+    Unit,
+    can_unshare_mounts,
+    command_line,
+    dry_run,
+    installed_unit,
+    instance_of,
+    read_env_file,
+    run_install,
+    unit_environment,
+)
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
-DEPLOY = REPO_ROOT / "deploy"
-INSTALL_SH = DEPLOY / "install.sh"
-BIN = Path(sys.executable).parent
-VENV = BIN.parent
-SERVICES = sorted(p.name for p in (DEPLOY / "systemd").glob("*.service"))
-# Each unit as a node runs it: the template as two instances (ports 8000 and 8001 from install.sh).
-INSTANCES = [s for s in SERVICES if not s.endswith("@.service")] + ["primerl-infer@0.service", "primerl-infer@1.service"]
-SYSTEMD_ANALYZE = shutil.which("systemd-analyze")
 needs_systemd_analyze = pytest.mark.skipif(
     SYSTEMD_ANALYZE is None, reason="systemd-analyze is not installed (Debian: apt-get install systemd)")
-
-
-@dataclass
-class Unit:
-    """The settings of a unit file (and its drop-ins) that the checks need, each key's values in order."""
-
-    path: Path
-    settings: dict[str, list[str]] = field(default_factory=dict)
-
-    @classmethod
-    def read(cls, path: Path, *drop_ins: Path) -> Unit:
-        unit = cls(path)
-        for file in (path, *drop_ins):
-            for line in file.read_text().splitlines():
-                if line.startswith(("#", ";", "[")) or "=" not in line:
-                    continue
-                key, value = line.split("=", 1)
-                if key == "ExecStart" and not value:  # a drop-in's empty ExecStart= clears the list
-                    unit.settings[key] = []
-                    continue
-                unit.settings.setdefault(key, []).append(value)
-        return unit
-
-    def values(self, key: str) -> list[str]:
-        return self.settings.get(key, [])
-
-
-def read_env_file(path: Path) -> dict[str, str]:
-    """A systemd `EnvironmentFile=`: KEY=value lines; comments and blank lines skipped, one pair of quotes dropped."""
-    env = {}
-    for line in path.read_text().splitlines():
-        line = line.strip()
-        if not line or line.startswith(("#", ";")):
-            continue
-        key, sep, value = line.partition("=")
-        assert sep, f"{path}: not KEY=value: {line!r}"
-        value = value.strip()
-        if len(value) >= 2 and value[0] == value[-1] and value[0] in "'\"":
-            value = value[1:-1]
-        env[key.strip()] = value
-    return env
-
-
-def unit_environment(unit: Unit, root: Path, instance: str) -> dict[str, str]:
-    """The environment systemd gives the unit: `Environment=` lines, then its `EnvironmentFile=`s (read from
-    ``root``), which win."""
-    env: dict[str, str] = {}
-    for assignment in unit.values("Environment"):
-        for word in shlex.split(assignment):
-            key, _, value = word.partition("=")
-            env[key] = value
-    for name in unit.values("EnvironmentFile"):
-        name = name.replace("%i", instance)
-        optional = name.startswith("-")
-        path = root / name.removeprefix("-").lstrip("/")
-        if optional and not path.exists():
-            continue
-        env.update(read_env_file(path))
-    return env
-
-
-def command_line(unit: Unit, env: dict[str, str], instance: str) -> list[str]:
-    """`ExecStart=` as systemd runs it: specifiers, then `${NAME}` as one word (or part of one) and a bare `$NAME`
-    word split at whitespace into zero or more words."""
-    (exec_start,) = unit.values("ExecStart")
-    exec_start = exec_start.replace("%i", instance).replace("%%", "%")
-    assert "%" not in exec_start, f"{unit.path.name}: a specifier this check does not expand: {exec_start}"
-    argv = []
-    for word in shlex.split(exec_start):
-        bare = re.fullmatch(r"\$([A-Za-z_][A-Za-z0-9_]*)", word)
-        if bare:
-            argv += env.get(bare.group(1), "").split()
-            continue
-        word = re.sub(r"\$\{([A-Za-z_][A-Za-z0-9_]*)\}", lambda m: env.get(m.group(1), ""), word)
-        assert "$" not in word, f"{unit.path.name}: a variable this check does not expand: {word}"
-        argv.append(word)
-    return argv
-
-
-def dry_run(argv: list[str], env: dict[str, str], root: Path) -> dict:
-    """Run the daemon's own command-line and config parsing (`--dry-run`) on a unit's command line, the files it
-    names under /etc/primerl read from ``root``; the resolved config it prints."""
-    program = Path(argv[0])
-    assert program.exists(), f"{argv[0]} is not installed in this environment"
-    args = [str(root / a.lstrip("/")) if a.startswith("/etc/primerl/") else a for a in argv[1:]]
-    result = subprocess.run([str(program), *args, "--dry-run"], capture_output=True, text=True, timeout=120,
-                            env={**env, "PATH": str(BIN), "HF_HUB_OFFLINE": "1"})
-    assert result.returncode == 0, f"{shlex.join(argv)}\n{result.stderr}"
-    return tomllib.loads(result.stdout)
-
-
-def run_install(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run(["bash", str(INSTALL_SH), *args], capture_output=True, text=True, timeout=60)
 
 
 @pytest.fixture(scope="module")
@@ -130,16 +44,6 @@ def node_root(tmp_path_factory) -> Path:
     result = run_install("--root", str(root), "--venv", str(VENV), "--infer-workers", "2", "--token", "sekrit")
     assert result.returncode == 0, result.stderr
     return root
-
-
-def installed_unit(root: Path, name: str, *drop_ins: Path) -> Unit:
-    template = re.sub(r"@[^.]+\.service$", "@.service", name)
-    return Unit.read(root / "etc/systemd/system" / template, *drop_ins)
-
-
-def instance_of(name: str) -> str:
-    match = re.search(r"@([^.]+)\.service$", name)
-    return match.group(1) if match else ""
 
 
 @pytest.mark.parametrize("name", INSTANCES)
@@ -174,7 +78,7 @@ def test_per_role_and_per_instance_settings_win(node_root, tmp_path):
 
 def security_examples(node: str) -> dict[str, str]:
     """The commented examples of the wire-security variables in deploy/etc/primerl.env, for client ``node``."""
-    found = re.findall(r"^#\s+(PRIMERL_\w+_(?:TLS|CURVE)_ARGS)=(.+)$", (DEPLOY / "etc/primerl.env").read_text(), re.M)
+    found = re.findall(r"^#\s+(PRIMERL_\w+_(?:TLS|CURVE)_ARGS)=(.+)$", (DEPLOY / "etc/primerl.env").read_text(), re.MULTILINE)
     return {key: value.replace("NODE", node) for key, value in found}
 
 
@@ -185,7 +89,7 @@ def test_wire_security_examples_are_accepted(node_root):
     assert set(examples) == {f"PRIMERL_{side}_{kind}_ARGS" for side in ("BROKER", "CLIENT") for kind in ("TLS", "CURVE")}
     certs = node_root / "etc/primerl/certs"
     result = subprocess.run([str(BIN / "primerl"), "certs", "--out", str(certs), "--host", "broker-node",
-                             "--clients", "node1", "--force"], capture_output=True, text=True, timeout=120)
+                             "--clients", "node1", "--force"], capture_output=True, text=True, check=False, timeout=120)
     assert result.returncode == 0, result.stderr
     for name in INSTANCES:
         unit = installed_unit(node_root, name)
@@ -215,7 +119,7 @@ def test_torchrun_drop_in(node_root):
     check = ("import sys; from torch.distributed.run import get_args_parser; "
              "a = get_args_parser().parse_args(sys.argv[1:]); print(a.nnodes, a.nproc_per_node, a.rdzv_endpoint)")
     result = subprocess.run([sys.executable, "-c", check, *argv[1:split + 1]], capture_output=True, text=True,
-                            timeout=120)
+                            check=False, timeout=120)
     assert result.returncode == 0, result.stderr
     assert result.stdout.split() == ["1", "2", "trainer-node-1:29400"]
     dry_run(argv[split:], env, node_root)
@@ -253,7 +157,7 @@ def test_systemd_analyze_verify(node_root):
         names = [*INSTANCES, "primerl.target"]
         result = subprocess.run([SYSTEMD_ANALYZE, "verify", "--man=no", "--generators=no",
                                  *(f"./{name}" for name in names)],
-                                cwd=unit_dir, capture_output=True, text=True, timeout=120)
+                                cwd=unit_dir, capture_output=True, text=True, check=False, timeout=120)
     finally:
         shutil.rmtree(drop_in_dir)
     assert result.returncode == 0 and not result.stderr.strip(), result.stderr
@@ -265,7 +169,7 @@ def test_systemd_analyze_security_exposure(node_root, name):
     """`systemd-analyze security` rates every unit 5.0 or less (out of 10; the units before hardening: 8.7)."""
     result = subprocess.run([SYSTEMD_ANALYZE, "security", "--offline=true", "--no-pager", "--threshold=50",
                              f"./{name}"], cwd=node_root / "etc/systemd/system", capture_output=True, text=True,
-                            timeout=60)
+                            check=False, timeout=60)
     assert result.returncode == 0, result.stdout[-600:] + result.stderr
 
 
@@ -275,7 +179,7 @@ def test_systemctl_enables_units_into_the_target(tmp_path):
     assert run_install("--root", str(root), "--venv", str(VENV), "--infer-workers", "2").returncode == 0
     result = subprocess.run(["systemctl", f"--root={root}", "enable", "primerl.target", "primerl-broker.service",
                              "primerl-infer@0.service", "primerl-infer@1.service"],
-                            capture_output=True, text=True, timeout=60)
+                            capture_output=True, text=True, check=False, timeout=60)
     assert result.returncode == 0, result.stderr
     wants = root / "etc/systemd/system/primerl.target.wants"
     assert sorted(p.name for p in wants.iterdir()) == [
@@ -340,14 +244,8 @@ def test_install_without_root_needs_a_root_dir():
     as_user = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups"] if os.geteuid() == 0 else []
     if as_user and shutil.which("setpriv") is None:
         pytest.skip("running as root and setpriv (util-linux) is missing")
-    result = subprocess.run([*as_user, "bash", str(INSTALL_SH)], capture_output=True, text=True, timeout=60)
+    result = subprocess.run([*as_user, "bash", str(INSTALL_SH)], capture_output=True, text=True, check=False, timeout=60)
     assert result.returncode == 1 and "--root DIR" in result.stderr, result.stderr
-
-
-def can_unshare_mounts() -> bool:
-    if os.geteuid() != 0 or shutil.which("unshare") is None:
-        return False
-    return subprocess.run(["unshare", "-m", "true"], capture_output=True, timeout=30).returncode == 0
 
 
 @pytest.mark.skipif(not can_unshare_mounts(), reason="needs root and a private mount namespace (unshare -m)")
@@ -365,7 +263,7 @@ getent passwd primerltest
 stat -c '%n %U:%G %a' /etc/primerl /etc/primerl/primerl.env /etc/primerl/infer/0.env /etc/primerl/certs \
     /var/lib/primerl /var/cache/primerl /etc/systemd/system/primerl.target
 """
-    result = subprocess.run(["unshare", "-m", "bash", "-c", script], capture_output=True, text=True, timeout=120)
+    result = subprocess.run(["unshare", "-m", "bash", "-c", script], capture_output=True, text=True, check=False, timeout=120)
     assert result.returncode == 0, result.stdout + result.stderr
     lines = result.stdout.splitlines()
     assert lines[0].split(":")[5:] == ["/var/lib/primerl", "/usr/sbin/nologin"]
@@ -378,5 +276,7 @@ stat -c '%n %U:%G %a' /etc/primerl /etc/primerl/primerl.env /etc/primerl/infer/0
     assert "created  system user primerltest" in first and "exists   primerltest" in second
     assert "wrote" not in second and "updated" not in second, second
     assert "daemon-reload" in second
-    host_user = subprocess.run(["getent", "passwd", "primerltest"], capture_output=True, timeout=30)
+    host_user = subprocess.run(["getent", "passwd", "primerltest"], capture_output=True, check=False, timeout=30)
     assert host_user.returncode != 0, "the user was made outside the namespace"
+
+

@@ -1,0 +1,81 @@
+"""The units' command lines run the way systemd runs them (their environment, user, umask, directories, a
+read-only / and a private /tmp), without systemd, which does not run here: in private mount, network and pid
+namespaces (support.systemd_units.run_like_systemd)."""
+
+from __future__ import annotations
+
+import re
+import shutil
+
+import pytest
+from support.systemd_units import (
+    BIN,
+    VENV,
+    WAIT_FOR,
+    can_unshare_mounts,
+    run_install,
+    run_like_systemd,
+    start_like_the_unit,
+)
+
+needs_sandbox = pytest.mark.skipif(
+    not can_unshare_mounts() or shutil.which("setpriv") is None or shutil.which("ip") is None,
+    reason="needs root, unshare -m -n, setpriv and ip")
+
+
+@needs_sandbox
+def test_broker_unit_serves_as_its_unit_runs_it(tmp_path):
+    """The broker started the way its unit starts it (installed config, environment file, user, directories): it
+    serves `primerl status`, writes its ready file and spool where the unit says, and stops with status 0 on
+    SIGTERM well within TimeoutStopSec."""
+    shadow = tmp_path / "shadow"
+    run_install("--root", str(shadow), "--venv", str(VENV), "--token", "t0ken")
+    start, broker = start_like_the_unit(shadow, "primerl-broker.service")
+    out = run_like_systemd(tmp_path, "", f"""{WAIT_FOR}
+{start}
+pid=$!
+wait_for /run/primerl-broker/ready.json $pid 60
+PRIMERL_RUN_TOKEN=t0ken timeout 60 {BIN}/primerl status --broker 127.0.0.1:50051 --json >/dev/null && echo STATUS_OK
+stop $pid
+stat -c 'SPOOL %U %a' /var/lib/primerl/spool
+""", timeout_s=180)
+    print(out)
+    assert '"role": "broker"' in out and "STATUS_OK" in out and "SPOOL primerl 750" in out, out
+    exit_status, stop_s = re.search(r"EXIT=(\d+) STOP_S=(\d+)", out).groups()
+    assert exit_status == "0" and int(stop_s) < int(broker["TimeoutStopSec"]), out
+
+
+@pytest.mark.slow
+@needs_sandbox
+def test_inference_instance_serves_as_its_unit_runs_it(tmp_path, tiny_model):
+    """primerl-infer@0 (vLLM) and the broker started the way their units start them: the worker, with / read-only
+    but for its directories (caches in /var/cache/primerl, its work directory in the private /tmp), registers with
+    the broker, answers a completion on the port its instance file gives (8000), and stops with status 0."""
+    shadow = tmp_path / "shadow"
+    run_install("--root", str(shadow), "--venv", str(VENV), "--token", "t0ken", "--infer-workers", "1")
+    start_broker, _ = start_like_the_unit(shadow, "primerl-broker.service")
+    start_infer, infer = start_like_the_unit(shadow, "primerl-infer@0.service")
+    setup = f"""cp -r {tiny_model} /var/lib/primerl/model && chown -R primerl:primerl /var/lib/primerl/model
+printf '[model]\nname = "/var/lib/primerl/model"\nmax_model_len = 512\n[server]\nhost = "0.0.0.0"\n[broker]\naddress = "127.0.0.1:50051"\n' > /etc/primerl/inference.toml"""
+    ask = ("import httpx; r = httpx.post('http://127.0.0.1:8000/v1/completions', timeout=60, headers={'Authorization': "
+           "'Bearer t0ken'}, json={'model': '/var/lib/primerl/model', 'prompt': 'ab', 'max_tokens': 2}); "
+           "print('COMPLETION', r.status_code)")
+    out = run_like_systemd(tmp_path, setup, f"""{WAIT_FOR}
+{start_broker}
+broker=$!
+wait_for /run/primerl-broker/ready.json $broker 60
+{start_infer}
+infer=$!
+wait_for /run/primerl-infer-0/ready.json $infer 300
+PRIMERL_RUN_TOKEN=t0ken timeout 60 {BIN}/primerl status --broker 127.0.0.1:50051 --json > /run/status.json
+{BIN}/python -c "import json; s = json.load(open('/run/status.json')); print('WORKERS', json.dumps(s)[:2000])"
+{BIN}/python -c "{ask}"
+stop $infer
+stop $broker
+ls /var/cache/primerl
+""", timeout_s=480)
+    print(out)
+    assert '"http_port": 8000' in out and "COMPLETION 200" in out, out
+    assert "8000" in out.split("WORKERS", 1)[1].split("\n", 1)[0], out
+    exit_status, stop_s = re.search(r"EXIT=(\d+) STOP_S=(\d+)", out).groups()
+    assert exit_status == "0" and int(stop_s) < int(infer["TimeoutStopSec"]), out

@@ -34,14 +34,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--model", type=Path, default=REPO_ROOT / "runs" / "demo" / "tiny-model",
                         help="a model directory (built with `primerl init-tiny-model` when missing)")
     parser.add_argument("--max-steps", type=int, default=40)
-    parser.add_argument("--stop-at-step", type=int, default=1, help="stop host d's worker once this step is done")
+    parser.add_argument("--stop-at-step", type=int, default=1, help="stop host d's worker once this step is done and it has requests in flight (30 s at most)")
     parser.add_argument("--mode", choices=["auto", "netns", "loopback"], default="auto")
     parser.add_argument("--subnet", default="10.231.0.0/24")
     parser.add_argument("--encrypted", action="store_true",
                         help="mutual TLS on gRPC and CURVE on the ZeroMQ planes, credentials from `primerl certs`")
     parser.add_argument("--stop-signal", choices=["TERM", "KILL"], default="TERM",
                         help="how host d's worker is stopped: TERM (it finishes its requests and deregisters) or KILL "
-                        "(it vanishes mid-request: its rollouts are retried elsewhere)")
+                        "(it vanishes mid-request; the broker declares it lost after heartbeat_liveness beats)")
     parser.add_argument("--timeout-s", type=float, default=900.0)
     args = parser.parse_args(argv)
 

@@ -34,7 +34,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--model", type=Path, default=REPO_ROOT / "runs" / "demo" / "tiny-model",
                         help="a model directory (built with `primerl init-tiny-model` when missing)")
     parser.add_argument("--max-steps", type=int, default=40)
-    parser.add_argument("--stop-at-step", type=int, default=1, help="stop host d's worker once this step is done and it has requests in flight (30 s at most)")
+    parser.add_argument("--stop-at-step", type=int, default=1,
+                        help="stop host d's worker once this step is done and it has requests in flight (30 s at most)")
     parser.add_argument("--mode", choices=["auto", "netns", "loopback"], default="auto")
     parser.add_argument("--subnet", default="10.231.0.0/24")
     parser.add_argument("--encrypted", action="store_true",

@@ -274,9 +274,12 @@ class MultihostRun:
                 report.joined_ready_at_step = int(status.get("trainer_step", 0))
                 current = int(status.get("latest_policy_version", 0))
                 self.say(f"{url_f} joined after step {report.joined_ready_at_step} (v{current} current)")
+                # (on a slow machine the run may be over before f is up: then the broker tells it to stop at once)
                 self.wait_until(client, f"{url_f} serving v{current}",
-                                lambda s: any(w.get("address") == url_f and int(w.get("policy_version", -1))
-                                              >= current for w in s.get("workers", [])), running, deadline)
+                                lambda s: int(s.get("last_committed_step", 0)) >= self.max_steps or any(
+                                    w.get("address") == url_f and int(w.get("policy_version", -1)) >= current
+                                    for w in s.get("workers", [])),
+                                [r for r in running if r != "infer@e"], deadline)
                 report.join_seen_serving_s = time.monotonic() - ready_s
                 report.join_version = current
                 trainers = [self.procs["trainer@b"], self.procs["trainer@c"]]
@@ -413,7 +416,12 @@ class MultihostRun:
             url = self.report.roles.get(label)
             if not url:
                 continue
-            text = httpx.get(f"{url}/metrics", headers={"Authorization": f"Bearer {self.token}"}, timeout=30).text
+            try:
+                text = httpx.get(f"{url}/metrics", headers={"Authorization": f"Bearer {self.token}"},
+                                 timeout=30).text
+            except httpx.HTTPError as err:
+                self.report.metrics[label] = {"error": f"{type(err).__name__}: {err}"}
+                continue
             values = {"policy_version": None, "requests": 0.0}
             for line in text.splitlines():
                 if line.startswith("primerl_inference_policy_version"):

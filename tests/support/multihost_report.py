@@ -77,10 +77,13 @@ class Report:
             if worker.get("state") == "WORKER_STATE_ALIVE" and int(worker.get("policy_version", -1)) != self.max_steps:
                 found.append(f"worker {url} serves v{worker.get('policy_version')}, not the final v{self.max_steps}")
         for label, values in self.metrics.items():
+            if label == "infer@f" and not self.joined_mid_run:
+                continue
             if values.get("policy_version") != self.max_steps:
                 found.append(f"{label}: primerl_inference_policy_version {values.get('policy_version')}")
-        for url in self.workers_joined + [u for u in self.roles.values() if u.startswith("http") and
-                                          u not in self.workers_left]:
+        joined = self.workers_joined if self.joined_mid_run else []  # else it was told to stop as it came up
+        for url in joined + [u for u in self.roles.values() if u.startswith("http") and
+                             u not in self.workers_left + self.workers_joined]:
             if infer.get(url, {}).get("state") != "WORKER_STATE_ALIVE":
                 found.append(f"primerl status does not list {url} as alive: {infer.get(url, {}).get('state')}")
         if self.retried_rollouts > self.retried_events * self.rollouts_per_example:

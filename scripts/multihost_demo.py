@@ -37,7 +37,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--stop-at-step", type=int, default=1,
                         help="stop host d's worker once this step is done and it has requests in flight (30 s at most)")
     parser.add_argument("--mode", choices=["auto", "netns", "loopback"], default="auto")
-    parser.add_argument("--subnet", default="10.231.0.0/24")
+    parser.add_argument("--subnet", default=None, help="the hosts' /24 (default: the first free one of "
+                        "10.231.0.0/24, 10.231.1.0/24 ...)")
     parser.add_argument("--encrypted", action="store_true",
                         help="mutual TLS on gRPC and CURVE on the ZeroMQ planes, credentials from `primerl certs`")
     parser.add_argument("--stop-signal", choices=["TERM", "KILL"], default="TERM",

@@ -3,8 +3,8 @@
 ``Hosts.create(["a", "b", ...])`` gives each name a host of its own:
 
 - network namespaces (mode ``netns``, needs root or CAP_NET_ADMIN and `ip`): one namespace per host with ``lo``
-  up and one end of a veth pair, named ``eth0`` inside, holding the host's address in a /24 (10.231.0.0/24 by
-  default; host i gets .(i+2)); the other ends are ports of one Linux bridge, which holds .1 so that this process
+  up and one end of a veth pair, named ``eth0`` inside, holding the host's address in a /24 (the first of
+  10.231.0.0/24, 10.231.1.0/24 ... that is not routed here yet; host i gets .(i+2)); the other ends are ports of one Linux bridge, which holds .1 so that this process
   (the test) reaches every host too. A command runs on a host under `ip netns exec NAME ...` (``Host.argv``).
 - distinct loopback addresses (mode ``loopback``, the fallback where namespaces cannot be made): host i is
   127.0.0.(i+2) (Linux answers all of 127/8 on ``lo``); commands run as they are.
@@ -21,10 +21,12 @@ from __future__ import annotations
 import ipaddress
 import json
 import os
+import random
 import secrets
 import shutil
 import signal
 import subprocess
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -32,6 +34,7 @@ from pathlib import Path
 import psutil
 
 DEFAULT_SUBNET = "10.231.0.0/24"
+SUBNET_FORMAT = "10.231.{}.0/24"
 COMMAND_TIMEOUT_S = 20.0
 
 
@@ -62,6 +65,19 @@ def namespaces_available() -> tuple[bool, str]:
         return False, f"`ip netns add` failed: {made.stderr.strip()}"
     _ip("netns", "del", probe, check=False)
     return True, ""
+
+
+def free_subnet() -> str:
+    """A /24 of 10.231.0.0/16 that no route of this machine's network namespace covers."""
+    routes = _ip("-4", "route", "show").stdout
+    routed = [ipaddress.ip_network(line.split()[0], strict=False) for line in routes.splitlines()
+              if line and line.split()[0][0].isdigit()]
+    order = [0] + random.sample(range(1, 256), 255)
+    for third in order:
+        candidate = ipaddress.ip_network(SUBNET_FORMAT.format(third))
+        if not any(candidate.overlaps(net) for net in routed):
+            return str(candidate)
+    raise NetnsError("every /24 of 10.231.0.0/16 is routed here already; pass a subnet")
 
 
 @dataclass
@@ -95,8 +111,10 @@ class Hosts:
     _namespaces: list[str] = field(default_factory=list)
 
     @classmethod
-    def create(cls, names: list[str], subnet: str = DEFAULT_SUBNET, mode: str = "auto") -> Hosts:
-        """Hosts for ``names``; ``mode`` ``auto`` picks namespaces where they can be made, else loopback."""
+    def create(cls, names: list[str], subnet: str | None = None, mode: str = "auto") -> Hosts:
+        """Hosts for ``names``; ``mode`` ``auto`` picks namespaces where they can be made, else loopback.
+        ``subnet`` unset: the first of 10.231.0.0/24, 10.231.1.0/24 ... (random order after the first) that
+        this machine has no route to, so that concurrent runs (whose bridges all live here) never share one."""
         why = ""
         if mode in ("auto", "netns"):
             ok, why = namespaces_available()
@@ -110,7 +128,7 @@ class Hosts:
             return hosts
         hosts = cls("netns")
         try:
-            hosts._make_namespaces(names, ipaddress.ip_network(subnet))
+            hosts._make_namespaces(names, ipaddress.ip_network(subnet or free_subnet()))
         except BaseException:
             hosts.close()
             raise
@@ -149,7 +167,7 @@ class Hosts:
         while True:
             first = self.hosts[names[0]]
             others = [self.hosts[n].address for n in names[1:]] + [self.gateway or first.address]
-            result = subprocess.run(first.argv(["python3", "-c", probe, *others]), capture_output=True,
+            result = subprocess.run(first.argv([sys.executable, "-c", probe, *others]), capture_output=True,
                                     text=True, timeout=COMMAND_TIMEOUT_S)
             if result.returncode == 0:
                 return

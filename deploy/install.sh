@@ -198,7 +198,8 @@ Next, on this node:
   1. /etc/primerl/primerl.env: the run token (the same on every node: copy this file's PRIMERL_RUN_TOKEN line to
      the others), wire-security files, extra settings per role.
   2. /etc/primerl/<role>.toml for the roles this node runs (from \`primerl rl @ run.toml --broker.host 0.0.0.0
-     --dry-run --write DIR\`); set broker.address = "<broker node>:50051" in every role but the broker.
+     --broker.run-token TOKEN --dry-run --write DIR\`, without its run_token lines: the units take it from
+     primerl.env); set broker.address = "<broker node>:50051" in every role but the broker.
   3. Inference workers: /etc/primerl/infer/NAME.env per worker (port, devices; --infer-workers N writes 0..N-1).
   4. Enable this node's roles into primerl.target and start it, e.g.
        systemctl enable primerl.target primerl-broker.service primerl-orchestrator.service

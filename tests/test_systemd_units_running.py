@@ -6,10 +6,13 @@ from __future__ import annotations
 
 import re
 import shutil
+import subprocess
 
 import pytest
 from support.systemd_units import (
     BIN,
+    ENV_VENV,
+    REPO_ROOT,
     VENV,
     WAIT_FOR,
     can_unshare_mounts,
@@ -79,3 +82,52 @@ ls /var/cache/primerl
     assert "8000" in out.split("WORKERS", 1)[1].split("\n", 1)[0], out
     exit_status, stop_s = re.search(r"EXIT=(\d+) STOP_S=(\d+)", out).groups()
     assert exit_status == "0" and int(stop_s) < int(infer["TimeoutStopSec"]), out
+
+
+@pytest.mark.slow
+@needs_sandbox
+def test_a_run_under_the_units(tmp_path, tiny_model):
+    """All four roles started as their units start them (broker, primerl-infer@0, trainer, orchestrator; role
+    configs from `primerl rl ... --dry-run --write`, as deploy/README.md says) run the tiny model to max_steps: the
+    trainer and orchestrator end with status 0 (no restart), checkpoints and weights land in /var/lib/primerl."""
+    configs = tmp_path / "cfg"
+    written = subprocess.run(
+        [str(BIN / "primerl"), "rl", "@", str(REPO_ROOT / "examples/reverse_text_rl.toml"), "--model.name",
+         "/var/lib/primerl/model", "--max-steps", "2", "--broker.host", "0.0.0.0", "--broker.run-token", "t0ken",
+         "--dry-run", "--write",
+         str(configs)], capture_output=True, text=True, check=False, timeout=120)
+    assert written.returncode == 0, written.stderr
+    for config in configs.glob("*.toml"):  # as deploy/README.md says: the units give the token (primerl.env)
+        config.write_text(re.sub(r"^run_token = .*\n", "", config.read_text(), flags=re.MULTILINE))
+    shadow = tmp_path / "shadow"
+    run_install("--root", str(shadow), "--venv", str(VENV), "--env-venv", str(ENV_VENV), "--token", "t0ken",
+                "--infer-workers", "1")
+    starts = {name: start_like_the_unit(shadow, f"primerl-{name}.service")[0]
+              for name in ("broker", "infer@0", "trainer", "orchestrator")}
+    setup = (f"cp -r {tiny_model} /var/lib/primerl/model && chown -R primerl:primerl /var/lib/primerl/model\n"
+             f"cp {configs}/broker.toml {configs}/trainer.toml {configs}/orchestrator.toml {configs}/inference.toml "
+             f"/etc/primerl/")
+    out = run_like_systemd(tmp_path, setup, f"""{WAIT_FOR}
+{starts["broker"]}
+broker=$!
+wait_for /run/primerl-broker/ready.json $broker 60
+{starts["infer@0"]}
+infer=$!
+{starts["trainer"]}
+trainer=$!
+{starts["orchestrator"]}
+orchestrator=$!
+set +e
+wait $trainer; echo "TRAINER_EXIT=$?"
+wait $orchestrator; echo "ORCHESTRATOR_EXIT=$?"
+set -e
+PRIMERL_RUN_TOKEN=t0ken timeout 60 {BIN}/primerl status --broker 127.0.0.1:50051 --json > /run/status.json
+{BIN}/python -c "import json; print('COMMITTED', json.load(open('/run/status.json'))['last_committed_step'])"
+stop $infer
+stop $broker
+ls /var/lib/primerl/trainer
+""", timeout_s=540)
+    print(out)
+    assert "TRAINER_EXIT=0" in out and "ORCHESTRATOR_EXIT=0" in out, out
+    assert "COMMITTED 2" in out, out
+    assert re.search(r"^(checkpoints|weights)$", out, re.MULTILINE), out

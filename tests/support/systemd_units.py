@@ -19,6 +19,8 @@ DEPLOY = REPO_ROOT / "deploy"
 INSTALL_SH = DEPLOY / "install.sh"
 BIN = Path(sys.executable).parent
 VENV = BIN.parent
+ENV_VENV = REPO_ROOT / ".venv-envs"
+"""The env workers' environment of this set-up (the orchestrator unit's PRIMERL_ENV_PYTHON)."""
 SERVICES = sorted(p.name for p in (DEPLOY / "systemd").glob("*.service"))
 # Each unit as a node runs it: the template as two instances (ports 8000 and 8001 from install.sh).
 INSTANCES = [s for s in SERVICES if not s.endswith("@.service")] + ["primerl-infer@0.service", "primerl-infer@1.service"]

@@ -5,7 +5,8 @@
 - network namespaces (mode ``netns``, needs root or CAP_NET_ADMIN and `ip`): one namespace per host with ``lo``
   up and one end of a veth pair, named ``eth0`` inside, holding the host's address in a /24 (the first of
   10.231.0.0/24, 10.231.1.0/24 ... that is not routed here yet; host i gets .(i+2)); the other ends are ports of
-  one Linux bridge, which holds .1 so that this process (the test) reaches every host too. A command runs on a host under `ip netns exec NAME ...` (``Host.argv``).
+  one Linux bridge, which holds .1 so that this process (the test) reaches every host too. A command runs on a
+  host under `ip netns exec NAME ...` (``Host.argv``).
 - distinct loopback addresses (mode ``loopback``, the fallback where namespaces cannot be made): host i is
   127.0.0.(i+2) (Linux answers all of 127/8 on ``lo``); commands run as they are.
 

@@ -50,46 +50,12 @@ stat -c 'SPOOL %U %a' /var/lib/primerl/spool
 
 @pytest.mark.slow
 @needs_sandbox
-def test_inference_instance_serves_as_its_unit_runs_it(tmp_path, tiny_model):
-    """primerl-infer@0 (vLLM) and the broker started the way their units start them: the worker, with / read-only
-    but for its directories (caches in /var/cache/primerl, its work directory in the private /tmp), registers with
-    the broker, answers a completion on the port its instance file gives (8000), and stops with status 0."""
-    shadow = tmp_path / "shadow"
-    run_install("--root", str(shadow), "--venv", str(VENV), "--token", "t0ken", "--infer-workers", "1")
-    start_broker, _ = start_like_the_unit(shadow, "primerl-broker.service")
-    start_infer, infer = start_like_the_unit(shadow, "primerl-infer@0.service")
-    setup = f"""cp -r {tiny_model} /var/lib/primerl/model && chown -R primerl:primerl /var/lib/primerl/model
-printf '[model]\nname = "/var/lib/primerl/model"\nmax_model_len = 512\n[server]\nhost = "0.0.0.0"\n[broker]\naddress = "127.0.0.1:50051"\n' > /etc/primerl/inference.toml"""
-    ask = ("import httpx; r = httpx.post('http://127.0.0.1:8000/v1/completions', timeout=60, headers={'Authorization': "
-           "'Bearer t0ken'}, json={'model': '/var/lib/primerl/model', 'prompt': 'ab', 'max_tokens': 2}); "
-           "print('COMPLETION', r.status_code)")
-    out = run_like_systemd(tmp_path, setup, f"""{WAIT_FOR}
-{start_broker}
-broker=$!
-wait_for /run/primerl-broker/ready.json $broker 60
-{start_infer}
-infer=$!
-wait_for /run/primerl-infer-0/ready.json $infer 300
-PRIMERL_RUN_TOKEN=t0ken timeout 60 {BIN}/primerl status --broker 127.0.0.1:50051 --json > /run/status.json
-{BIN}/python -c "import json; s = json.load(open('/run/status.json')); print('WORKERS', json.dumps(s)[:2000])"
-{BIN}/python -c "{ask}"
-stop $infer
-stop $broker
-ls /var/cache/primerl
-""", timeout_s=480)
-    print(out)
-    assert '"http_port": 8000' in out and "COMPLETION 200" in out, out
-    assert "8000" in out.split("WORKERS", 1)[1].split("\n", 1)[0], out
-    exit_status, stop_s = re.search(r"EXIT=(\d+) STOP_S=(\d+)", out).groups()
-    assert exit_status == "0" and int(stop_s) < int(infer["TimeoutStopSec"]), out
-
-
-@pytest.mark.slow
-@needs_sandbox
 def test_a_run_under_the_units(tmp_path, tiny_model):
     """All four roles started as their units start them (broker, primerl-infer@0, trainer, orchestrator; role
     configs from `primerl rl ... --dry-run --write`, as deploy/README.md says) run the tiny model to max_steps: the
-    trainer and orchestrator end with status 0 (no restart), checkpoints and weights land in /var/lib/primerl."""
+    trainer and orchestrator end with status 0 (no restart), checkpoints and weights land in /var/lib/primerl; the
+    inference worker (vLLM with / read-only but for its directories: caches in /var/cache/primerl, its work
+    directory in the private /tmp) serves on the port its instance file gives (8000) and stops with status 0."""
     configs = tmp_path / "cfg"
     written = subprocess.run(
         [str(BIN / "primerl"), "rl", "@", str(REPO_ROOT / "examples/reverse_text_rl.toml"), "--model.name",
@@ -102,6 +68,9 @@ def test_a_run_under_the_units(tmp_path, tiny_model):
     shadow = tmp_path / "shadow"
     run_install("--root", str(shadow), "--venv", str(VENV), "--env-venv", str(ENV_VENV), "--token", "t0ken",
                 "--infer-workers", "1")
+    ask = ("import httpx; r = httpx.post('http://127.0.0.1:8000/v1/completions', timeout=60, headers={'Authorization': "
+           "'Bearer t0ken'}, json={'model': '/var/lib/primerl/model', 'prompt': 'ab', 'max_tokens': 2}); "
+           "print('COMPLETION', r.status_code)")
     starts = {name: start_like_the_unit(shadow, f"primerl-{name}.service")[0]
               for name in ("broker", "infer@0", "trainer", "orchestrator")}
     setup = (f"cp -r {tiny_model} /var/lib/primerl/model && chown -R primerl:primerl /var/lib/primerl/model\n"
@@ -123,6 +92,8 @@ wait $orchestrator; echo "ORCHESTRATOR_EXIT=$?"
 set -e
 PRIMERL_RUN_TOKEN=t0ken timeout 60 {BIN}/primerl status --broker 127.0.0.1:50051 --json > /run/status.json
 {BIN}/python -c "import json; print('COMMITTED', json.load(open('/run/status.json'))['last_committed_step'])"
+cat /run/primerl-infer-0/ready.json; echo
+{BIN}/python -c "{ask}"
 stop $infer
 stop $broker
 ls /var/lib/primerl/trainer
@@ -130,4 +101,6 @@ ls /var/lib/primerl/trainer
     print(out)
     assert "TRAINER_EXIT=0" in out and "ORCHESTRATOR_EXIT=0" in out, out
     assert "COMMITTED 2" in out, out
-    assert re.search(r"^(checkpoints|weights)$", out, re.MULTILINE), out
+    assert '"http_port": 8000' in out and "COMPLETION 200" in out, out
+    assert re.findall(r"EXIT=(\d+) STOP_S=\d+", out) == ["0", "0"], out  # the inference worker, the broker
+    assert {"checkpoints", "weights"} <= set(out.splitlines()), out

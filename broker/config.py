@@ -20,6 +20,9 @@ from primerl.runtime.config_common import (
 )
 from primerl.proto.units import GiB, MiB
 
+RUN_TOKEN_ENV = "PRIMERL_RUN_TOKEN"
+"""The environment variable that gives the run token to every daemon and to `primerl rl` (no file holds it)."""
+
 
 def physical_memory_bytes() -> int:
     """Physical memory of this machine (16 GiB when the OS does not say)."""
@@ -200,7 +203,9 @@ class BrokerConfig(BaseConfig):
         if (self.curve_secret_key_path is None) != (self.curve_authorized_keys_dir is None):
             problems.append("set both `curve_secret_key_path` and `curve_authorized_keys_dir` for CURVE on the ZeroMQ "
                             "planes, or neither")
-        if not is_loopback_host(self.host) and not self.run_token and not self.allow_remote_without_token:
+        # $PRIMERL_RUN_TOKEN is how the daemons and `primerl rl` take the token without a file holding it
+        token = self.run_token or os.environ.get(RUN_TOKEN_ENV)
+        if not is_loopback_host(self.host) and not token and not self.allow_remote_without_token:
             problems.append(
                 f"host = {self.host!r} makes the broker reachable from other machines, so it needs credentials: "
                 "set `run_token` (a shared secret that every worker also gets), or bind host = \"127.0.0.1\" "

@@ -98,7 +98,7 @@ def test_default_transfer_limits_fit_the_machine():
     assert config.resolved_max_open_transfer_bytes <= physical_memory_bytes() // 4
 
 
-def test_without_a_token_the_broker_binds_loopback_unless_told_and_warns(tmp_path):
+def test_without_a_token_the_broker_binds_loopback_unless_told_and_warns(tmp_path, monkeypatch):
     import io
 
     from pydantic import ValidationError
@@ -109,6 +109,7 @@ def test_without_a_token_the_broker_binds_loopback_unless_told_and_warns(tmp_pat
     stream = io.StringIO()  # its own log stream: earlier tests may have pointed logging elsewhere
     configure_logging("broker", stream=stream)
 
+    monkeypatch.delenv("PRIMERL_RUN_TOKEN", raising=False)
     with pytest.raises(ValidationError, match="allow_remote_without_token"):
         BrokerConfig(host="0.0.0.0")
     assert BrokerConfig(host="0.0.0.0", allow_remote_without_token=True).run_token is None
@@ -147,3 +148,26 @@ def test_rollout_hwm_reaches_the_pipes_of_accepted_peers():
     small, large = messages_taken(1), messages_taken(16)
     assert small <= 8, small  # 1 in the pipe, 1 being decoded, 1 in the dealer, the rest in kernel buffers
     assert large >= small + 10, (small, large)
+
+
+def test_a_token_from_the_environment_lets_a_remote_broker_config_load_and_stays_out_of_written_files(tmp_path):
+    """`primerl rl ... --broker.host 0.0.0.0 --dry-run --write DIR` with the token in $PRIMERL_RUN_TOKEN only: the
+    configs load (the daemons get the token from the same variable) and no written file holds it."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    primerl = Path(sys.executable).parent / "primerl"
+    argv = [str(primerl), "rl", "@", "examples/reverse_text_rl.toml", "--broker.host", "0.0.0.0", "--dry-run",
+            "--write", str(tmp_path)]
+    root = Path(__file__).resolve().parents[1]
+    env = {k: v for k, v in os.environ.items() if k != "PRIMERL_RUN_TOKEN"}
+    refused = subprocess.run(argv, cwd=root, env=env, capture_output=True, text=True, timeout=120)
+    assert refused.returncode == 2 and "needs credentials" in refused.stderr, refused.stderr
+    written = subprocess.run(argv, cwd=root, env=env | {"PRIMERL_RUN_TOKEN": "tok-from-env"}, capture_output=True,
+                             text=True, timeout=120)
+    assert written.returncode == 0, written.stderr
+    files = sorted(tmp_path.glob("*.toml"))
+    assert {f.name for f in files} >= {"broker.toml", "trainer.toml", "orchestrator.toml", "inference.toml"}
+    assert not any("tok-from-env" in f.read_text() or "run_token" in f.read_text() for f in files)

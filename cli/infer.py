@@ -24,7 +24,7 @@ async def _serve(config, args: argparse.Namespace, log) -> int:
     loop = asyncio.get_running_loop()
 
     def on_signal(signum: int) -> None:
-        log.info("stopping on signal", signal=signal.Signals(signum).name)
+        log.info("stopping on signal", signal=signal.Signals(signum).name, policy_version=service.policy_version)
         stop_event.set()
 
     service = InferenceService(config)

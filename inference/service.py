@@ -264,7 +264,7 @@ class InferenceService:
                     self.control.report_error(problem)
                 return 1
             if self.control is not None and self.control.shutdown_requested.is_set():
-                log.info("stopping: the broker asked this worker to shut down")
+                log.info("stopping: the broker asked this worker to shut down", policy_version=self.policy_version)
                 self.stopped_by_broker = True
                 return 0
 
@@ -287,7 +287,8 @@ class InferenceService:
             self.updater.close()  # the shared payload file
         if self._own_work_dir:
             shutil.rmtree(self.work_dir, ignore_errors=True)
-        log.info("inference worker stopped")
+        # the version bound to the log context at start may be stale here (updates bind it in their own task)
+        log.info("inference worker stopped", policy_version=self.policy_version)
 
     def _progress(self) -> dict[str, Any]:
         progress: dict[str, Any] = {"policy_version": self.policy_version}

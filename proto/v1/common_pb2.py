@@ -24,17 +24,17 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17primerl/v1/common.proto\x12\nprimerl.v1\"[\n\x0b\x45rrorDetail\x12#\n\x04\x63ode\x18\x01 \x01(\x0e\x32\x15.primerl.v1.ErrorCode\x12\x0f\n\x07message\x18\x02 \x01(\t\x12\x16\n\x0eretry_after_ms\x18\x03 \x01(\r\"8\n\nTensorSpec\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\r\n\x05shape\x18\x03 \x03(\x04*{\n\x04Role\x12\x14\n\x10ROLE_UNSPECIFIED\x10\x00\x12\x0f\n\x0bROLE_BROKER\x10\x01\x12\x10\n\x0cROLE_TRAINER\x10\x02\x12\x12\n\x0eROLE_INFERENCE\x10\x03\x12\x15\n\x11ROLE_ORCHESTRATOR\x10\x04\x12\x0f\n\x0bROLE_CLIENT\x10\x05*\x84\x04\n\tErrorCode\x12\x1a\n\x16\x45RROR_CODE_UNSPECIFIED\x10\x00\x12\x18\n\x14\x45RROR_CODE_TRUNCATED\x10\x01\x12\x1f\n\x1b\x45RROR_CODE_UNKNOWN_PROTOCOL\x10\x02\x12\"\n\x1e\x45RROR_CODE_UNSUPPORTED_VERSION\x10\x03\x12#\n\x1f\x45RROR_CODE_UNKNOWN_MESSAGE_TYPE\x10\x04\x12\x1b\n\x17\x45RROR_CODE_BAD_CHECKSUM\x10\x05\x12\x18\n\x14\x45RROR_CODE_OVERSIZED\x10\x06\x12\x1f\n\x1b\x45RROR_CODE_MALFORMED_HEADER\x10\x07\x12\x1e\n\x1a\x45RROR_CODE_TENSOR_MISMATCH\x10\x08\x12\x18\n\x14\x45RROR_CODE_BAD_CHUNK\x10\t\x12\x1e\n\x1a\x45RROR_CODE_UNAUTHENTICATED\x10\n\x12\x19\n\x15\x45RROR_CODE_BAD_DIGEST\x10\x0b\x12\x1b\n\x17\x45RROR_CODE_OUT_OF_ORDER\x10\x0c\x12\x1b\n\x17\x45RROR_CODE_BACKPRESSURE\x10\r\x12\x1d\n\x19\x45RROR_CODE_UNKNOWN_WORKER\x10\x0e\x12\x18\n\x14\x45RROR_CODE_NOT_FOUND\x10\x0f\x12\x17\n\x13\x45RROR_CODE_INTERNAL\x10\x10\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17primerl/v1/common.proto\x12\nprimerl.v1\"[\n\x0b\x45rrorDetail\x12#\n\x04\x63ode\x18\x01 \x01(\x0e\x32\x15.primerl.v1.ErrorCode\x12\x0f\n\x07message\x18\x02 \x01(\t\x12\x16\n\x0eretry_after_ms\x18\x03 \x01(\r\"8\n\nTensorSpec\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\r\n\x05shape\x18\x03 \x03(\x04*\x8d\x01\n\x04Role\x12\x14\n\x10ROLE_UNSPECIFIED\x10\x00\x12\x0f\n\x0bROLE_BROKER\x10\x01\x12\x10\n\x0cROLE_TRAINER\x10\x02\x12\x12\n\x0eROLE_INFERENCE\x10\x03\x12\x15\n\x11ROLE_ORCHESTRATOR\x10\x04\x12\x0f\n\x0bROLE_CLIENT\x10\x05\x12\x10\n\x0cROLE_TEACHER\x10\x06*\x84\x04\n\tErrorCode\x12\x1a\n\x16\x45RROR_CODE_UNSPECIFIED\x10\x00\x12\x18\n\x14\x45RROR_CODE_TRUNCATED\x10\x01\x12\x1f\n\x1b\x45RROR_CODE_UNKNOWN_PROTOCOL\x10\x02\x12\"\n\x1e\x45RROR_CODE_UNSUPPORTED_VERSION\x10\x03\x12#\n\x1f\x45RROR_CODE_UNKNOWN_MESSAGE_TYPE\x10\x04\x12\x1b\n\x17\x45RROR_CODE_BAD_CHECKSUM\x10\x05\x12\x18\n\x14\x45RROR_CODE_OVERSIZED\x10\x06\x12\x1f\n\x1b\x45RROR_CODE_MALFORMED_HEADER\x10\x07\x12\x1e\n\x1a\x45RROR_CODE_TENSOR_MISMATCH\x10\x08\x12\x18\n\x14\x45RROR_CODE_BAD_CHUNK\x10\t\x12\x1e\n\x1a\x45RROR_CODE_UNAUTHENTICATED\x10\n\x12\x19\n\x15\x45RROR_CODE_BAD_DIGEST\x10\x0b\x12\x1b\n\x17\x45RROR_CODE_OUT_OF_ORDER\x10\x0c\x12\x1b\n\x17\x45RROR_CODE_BACKPRESSURE\x10\r\x12\x1d\n\x19\x45RROR_CODE_UNKNOWN_WORKER\x10\x0e\x12\x18\n\x14\x45RROR_CODE_NOT_FOUND\x10\x0f\x12\x17\n\x13\x45RROR_CODE_INTERNAL\x10\x10\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'primerl.v1.common_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_ROLE']._serialized_start=190
-  _globals['_ROLE']._serialized_end=313
-  _globals['_ERRORCODE']._serialized_start=316
-  _globals['_ERRORCODE']._serialized_end=832
+  _globals['_ROLE']._serialized_start=191
+  _globals['_ROLE']._serialized_end=332
+  _globals['_ERRORCODE']._serialized_start=335
+  _globals['_ERRORCODE']._serialized_end=851
   _globals['_ERRORDETAIL']._serialized_start=39
   _globals['_ERRORDETAIL']._serialized_end=130
   _globals['_TENSORSPEC']._serialized_start=132

@@ -15,6 +15,7 @@ class Role(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     ROLE_INFERENCE: _ClassVar[Role]
     ROLE_ORCHESTRATOR: _ClassVar[Role]
     ROLE_CLIENT: _ClassVar[Role]
+    ROLE_TEACHER: _ClassVar[Role]
 
 class ErrorCode(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -41,6 +42,7 @@ ROLE_TRAINER: Role
 ROLE_INFERENCE: Role
 ROLE_ORCHESTRATOR: Role
 ROLE_CLIENT: Role
+ROLE_TEACHER: Role
 ERROR_CODE_UNSPECIFIED: ErrorCode
 ERROR_CODE_TRUNCATED: ErrorCode
 ERROR_CODE_UNKNOWN_PROTOCOL: ErrorCode

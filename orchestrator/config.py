@@ -116,6 +116,84 @@ class EvalConfig(BaseConfig):
     env: list[EnvConfig] = Field(min_length=1, description="Environments to evaluate on (`[[orchestrator.eval.env]]`).")
 
 
+class TeacherConfig(BaseConfig):
+    """The teacher that scores the student's own rollouts (online distillation); off when absent.
+
+    Each finished sample's token ids are sent to the teacher's `/v1/completions` with `prompt_logprobs`, and the
+    teacher's logprob of every sampled token becomes the sample's `teacher_logprobs`. prime-rl's spelling
+    `[orchestrator.teacher_model.client] base_url = [...]` / `[orchestrator.teacher_model.model] name = ...` loads
+    into the same settings.
+    """
+
+    model: str | None = Field(
+        None,
+        min_length=1,
+        description="Model name the teacher serves (unset: the first model the teacher lists in GET /v1/models).",
+    )
+    base_url: list[str] = Field(
+        default_factory=list,
+        description="Teacher endpoints (`http://host:port`, with or without a trailing `/v1`); empty: the teacher "
+        "workers (role teacher) that the broker lists, followed as they join and leave.",
+    )
+    api_key_var: str | None = Field(
+        None,
+        min_length=1,
+        description="Environment variable holding the API key of an external teacher endpoint (sent as a Bearer "
+        "token); broker-listed teachers take the run token like inference workers.",
+    )
+    timeout_s: float = Field(120.0, gt=0, description="A teacher request that takes longer is retried.")
+    max_retries: int = Field(
+        3, ge=0, description="Retries of a failed teacher request (on another endpoint when there is one) before "
+        "its rollout group is dropped and counted as an error."
+    )
+    max_inflight: int = Field(32, ge=1, description="Teacher requests in flight at once, over all endpoints.")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _accept_single_url(cls, data: Any) -> Any:
+        if isinstance(data, dict) and isinstance(data.get("base_url"), str):
+            return {**data, "base_url": [data["base_url"]]}
+        return data
+
+    @model_validator(mode="after")
+    def _check(self) -> TeacherConfig:
+        for url in self.base_url:
+            if not url.startswith(("http://", "https://")):
+                raise ValueError(f"teacher.base_url entry {url!r} must start with http:// or https://")
+        return self
+
+
+def _teacher_from_prime_rl(data: dict[str, Any]) -> dict[str, Any]:
+    """Moves prime-rl's `teacher_model = {client = {...}, model = {name}}` into `teacher`."""
+    alias = data["teacher_model"]
+    if not isinstance(alias, dict):
+        raise ValueError(
+            "teacher_model must be a table with `client` and `model` tables (or use [orchestrator.teacher])"
+        )
+    if data.get("teacher") is not None:
+        raise ValueError(
+            "the teacher is set twice: keep [orchestrator.teacher] or [orchestrator.teacher_model], not both"
+        )
+    unknown = set(alias) - {"client", "model"}
+    if unknown:
+        raise ValueError(f"teacher_model: unknown keys {sorted(unknown)}; expected `client` and `model`")
+    client = dict(alias.get("client") or {})
+    teacher: dict[str, Any] = {}
+    for key, target in (("base_url", "base_url"), ("api_key_var", "api_key_var"), ("timeout", "timeout_s"),
+                        ("timeout_s", "timeout_s"), ("max_retries", "max_retries")):
+        if key in client:
+            teacher[target] = client.pop(key)
+    if client:
+        raise ValueError(f"teacher_model.client: unsupported keys {sorted(client)}")
+    model = alias.get("model") or {}
+    if not isinstance(model, dict):
+        raise ValueError("teacher_model.model must be a table with `name`")
+    if model.get("name") is not None:
+        teacher["model"] = model["name"]
+    rest = {k: v for k, v in data.items() if k != "teacher_model"}
+    return {**rest, "teacher": teacher}
+
+
 class OrchestratorConfig(BaseConfig):
     """The orchestrator: rollouts, rewards, advantages, filtering, packing."""
 
@@ -167,11 +245,18 @@ class OrchestratorConfig(BaseConfig):
     threads: ThreadsConfig = Field(
         default_factory=ThreadsConfig, description="CPU thread budget of the orchestrator and its env workers."
     )
+    teacher: TeacherConfig | None = Field(
+        None,
+        description="Teacher that scores every rollout for online distillation (`[orchestrator.teacher]`; "
+        "prime-rl's `[orchestrator.teacher_model]` is an alias); off when absent.",
+    )
 
     @model_validator(mode="before")
     @classmethod
     def _accept_buffer_oversampling(cls, data: Any) -> Any:
         """`oversampling_factor` may also be written under `[orchestrator.buffer]`; it lives here."""
+        if isinstance(data, dict) and "teacher_model" in data:
+            data = _teacher_from_prime_rl(data)
         if not isinstance(data, dict) or not isinstance(data.get("buffer"), dict):
             return data
         if "oversampling_factor" not in data["buffer"]:

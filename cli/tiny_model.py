@@ -1,4 +1,5 @@
-"""`primerl init-tiny-model DIR`: build the tiny Qwen2 model and tokenizer primerl's demo and tests use."""
+"""`primerl init-tiny-model DIR`: build the tiny Qwen2 model and tokenizer primerl's demo and tests use
+(`--moe`: a tiny Qwen3-MoE with the same tokenizer)."""
 
 from __future__ import annotations
 
@@ -26,6 +27,14 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--kv-heads", type=int, default=2, help="key/value heads (default: %(default)s)")
     parser.add_argument("--intermediate", type=int, default=None,
                         help="MLP intermediate size (default: 4 x hidden)")
+    parser.add_argument("--moe", action="store_true",
+                        help="build a mixture-of-experts model (Qwen3-MoE: every layer a sparse MoE block) instead "
+                        "of a dense Qwen2")
+    parser.add_argument("--experts", type=int, default=8, help="with --moe: experts per layer (default: %(default)s)")
+    parser.add_argument("--experts-per-token", type=int, default=2,
+                        help="with --moe: experts each token is routed to, top-k (default: %(default)s)")
+    parser.add_argument("--expert-size", type=int, default=64,
+                        help="with --moe: intermediate size of each expert, a multiple of 32 (default: %(default)s)")
     parser.add_argument("--overwrite", action="store_true", help="replace DIR if it is not empty")
     return parser
 
@@ -44,7 +53,12 @@ def main(argv: list[str]) -> int:
         num_attention_heads=args.heads,
         num_key_value_heads=args.kv_heads,
         intermediate_size=args.intermediate,
+        **({"num_experts": args.experts, "num_experts_per_tok": args.experts_per_token,
+            "moe_intermediate_size": args.expert_size} if args.moe else {}),
     )
+    if args.moe and args.experts < 1:
+        print(f"primerl init-tiny-model: error: --experts must be >= 1, got {args.experts}", file=sys.stderr)
+        return 2
     if not args.overwrite and read_spec(args.dir) == spec:
         print(f"tiny model already in {args.dir} (same spec, same bytes): nothing to do")
         return 0
@@ -60,6 +74,9 @@ def main(argv: list[str]) -> int:
     print(f"  {num_params:,} parameters ({num_params / 1e6:.2f} M), hidden {spec.hidden_size}, "
           f"{spec.num_layers} layers, {spec.num_attention_heads} heads / {spec.num_key_value_heads} KV heads "
           f"(head_dim {spec.head_dim}), seed {spec.seed}; built in {elapsed_s:.1f} s")
+    if spec.is_moe:
+        print(f"  Qwen3-MoE: {spec.num_experts} experts of size {spec.moe_intermediate_size} per layer, "
+              f"top-{spec.num_experts_per_tok} routing")
     return 0
 
 

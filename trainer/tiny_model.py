@@ -1,10 +1,12 @@
-"""Build a tiny Qwen2-architecture causal LM and its tokenizer, offline and deterministically.
+"""Build a tiny Qwen2-architecture causal LM (or a tiny Qwen3-MoE) and its tokenizer, offline and deterministically.
 
 No model hub is reachable on the machines primerl is developed on, so the demo and the tests use a model that
 primerl makes itself: a byte-level BPE tokenizer trained with ``tokenizers`` on a generated corpus (ChatML chat
 samples of English words, digits, punctuation and short strings over a small alphabet), and a randomly
-initialised ``Qwen2ForCausalLM`` of well under a million parameters by default. vLLM loads the result like any
-Hugging Face checkpoint. The same spec gives byte-identical files; the tokenizer does not depend on the seed, so
+initialised ``Qwen2ForCausalLM`` of well under a million parameters by default. With ``num_experts > 0`` the
+model is a ``Qwen3MoeForCausalLM`` instead (every layer a sparse MoE block of ``num_experts`` experts of size
+``moe_intermediate_size``, top-``num_experts_per_tok`` routing, the router's load-balancing loss switched on with
+``output_router_logits``), with the same tokenizer. vLLM loads the result like any Hugging Face checkpoint. The same spec gives byte-identical files; the tokenizer does not depend on the seed, so
 models built with different seeds share it.
 
     build_tiny_model("runs/demo/tiny-model", TinyModelSpec(seed=0))
@@ -32,6 +34,12 @@ SUPPORTED_HEAD_DIMS = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
 
 TOKENIZER_VOCAB_SIZE = 1024
 """Vocabulary of the trained tokenizer, special tokens included (256 byte tokens, 3 special, the rest merges)."""
+
+MOE_EXPERT_SIZE_MULTIPLE = 32
+"""vLLM's CPU MoE kernel serves other expert sizes but crashes when their weights are reloaded in flight."""
+
+MOE_INITIALIZER_RANGE = 0.2
+"""Init std of the MoE model: with transformers' 0.02 a random MoE's next-token distribution is nearly flat."""
 
 VOCAB_MULTIPLE = 64
 """The model's vocabulary (embedding rows) is the tokenizer's size rounded up to a multiple of this."""
@@ -99,7 +107,7 @@ _SYSTEM_PROMPTS = (
 @dataclass
 class TinyModelSpec:
     """Shape of the tiny model. `None` sizes are derived: intermediate = 4 x hidden, vocab = tokenizer size
-    rounded up to a multiple of 64."""
+    rounded up to a multiple of 64. ``num_experts = 0``: a dense Qwen2; ``> 0``: a Qwen3-MoE."""
 
     seed: int = 0
     hidden_size: int = 128
@@ -109,10 +117,17 @@ class TinyModelSpec:
     intermediate_size: int | None = None
     vocab_size: int | None = None
     max_position_embeddings: int = 2048
+    num_experts: int = 0
+    num_experts_per_tok: int = 2
+    moe_intermediate_size: int = 64
 
     @property
     def head_dim(self) -> int:
         return self.hidden_size // self.num_attention_heads
+
+    @property
+    def is_moe(self) -> bool:
+        return self.num_experts > 0
 
     def validate(self) -> None:
         """Raise ValueError with a fix-it message for a shape that transformers or vLLM cannot run."""
@@ -141,10 +156,36 @@ class TinyModelSpec:
                 f"{list(SUPPORTED_HEAD_DIMS)}; e.g. hidden_size={32 * self.num_attention_heads} for "
                 f"{self.num_attention_heads} heads"
             )
+        if self.num_experts < 0:
+            raise ValueError(f"num_experts must be >= 0 (0: a dense model), got {self.num_experts}")
+        if self.is_moe:
+            self._validate_moe()
         if self.vocab_size is not None and self.vocab_size < TOKENIZER_VOCAB_SIZE:
             raise ValueError(
                 f"vocab_size ({self.vocab_size}) must be >= the tokenizer's {TOKENIZER_VOCAB_SIZE} tokens"
             )
+
+
+    def _validate_moe(self) -> None:
+        if not 1 <= self.num_experts_per_tok <= self.num_experts:
+            raise ValueError(f"num_experts_per_tok ({self.num_experts_per_tok}) must be between 1 and num_experts "
+                             f"({self.num_experts})")
+        size = self.moe_intermediate_size
+        if size < 1 or size % MOE_EXPERT_SIZE_MULTIPLE:
+            raise ValueError(
+                f"moe_intermediate_size (expert size) = {size} must be a positive multiple of "
+                f"{MOE_EXPERT_SIZE_MULTIPLE}: vLLM's CPU MoE kernel serves other sizes but crashes when the "
+                f"experts' weights are updated in flight, leaving the engine broken; e.g. --expert-size "
+                f"{max(MOE_EXPERT_SIZE_MULTIPLE, size // MOE_EXPERT_SIZE_MULTIPLE * MOE_EXPERT_SIZE_MULTIPLE)}"
+            )
+
+    def to_json_dict(self) -> dict[str, Any]:
+        """The spec as SPEC_FILE stores it; a dense spec leaves out the MoE fields (its file is unchanged)."""
+        out = asdict(self)
+        if not self.is_moe:
+            for name in ("num_experts", "num_experts_per_tok", "moe_intermediate_size"):
+                out.pop(name)
+        return out
 
 
 def build_tiny_model(out_dir: str | os.PathLike[str], spec: TinyModelSpec | None = None, *,
@@ -168,7 +209,7 @@ def build_tiny_model(out_dir: str | os.PathLike[str], spec: TinyModelSpec | None
         tokenizer = _save_tokenizer(tmp_dir)
         _save_model(tmp_dir, spec, tokenizer)
         (tmp_dir / SPEC_FILE).write_text(
-            json.dumps({"spec": asdict(spec), "tokenizer_vocab_size": len(tokenizer)}, indent=2, sort_keys=True)
+            json.dumps({"spec": spec.to_json_dict(), "tokenizer_vocab_size": len(tokenizer)}, indent=2, sort_keys=True)
             + "\n"
         )
         _replace_dir(tmp_dir, out_dir)
@@ -301,14 +342,34 @@ def _save_tokenizer(out_dir: Path) -> Any:
     return tokenizer
 
 
-def _save_model(out_dir: Path, spec: TinyModelSpec, tokenizer: Any) -> None:
-    import torch
-    from transformers import GenerationConfig, Qwen2Config, Qwen2ForCausalLM
+def _model_config(spec: TinyModelSpec, vocab_size: int, eos_id: int, pad_id: int) -> Any:
+    from transformers import Qwen2Config, Qwen3MoeConfig
 
-    vocab_size = spec.vocab_size or -(-len(tokenizer) // VOCAB_MULTIPLE) * VOCAB_MULTIPLE
-    eos_id = tokenizer.convert_tokens_to_ids(IM_END)
-    pad_id = tokenizer.convert_tokens_to_ids(ENDOFTEXT)
-    config = Qwen2Config(
+    if spec.is_moe:
+        return Qwen3MoeConfig(
+            vocab_size=vocab_size,
+            hidden_size=spec.hidden_size,
+            intermediate_size=spec.intermediate_size or 4 * spec.hidden_size,
+            moe_intermediate_size=spec.moe_intermediate_size,
+            num_experts=spec.num_experts,
+            num_experts_per_tok=spec.num_experts_per_tok,
+            norm_topk_prob=True,
+            output_router_logits=True,  # the trainer adds router_aux_loss_coef x the load-balancing loss
+            router_aux_loss_coef=0.001,
+            num_hidden_layers=spec.num_layers,
+            num_attention_heads=spec.num_attention_heads,
+            num_key_value_heads=spec.num_key_value_heads,
+            head_dim=spec.head_dim,
+            max_position_embeddings=spec.max_position_embeddings,
+            initializer_range=MOE_INITIALIZER_RANGE,
+            tie_word_embeddings=True,
+            rms_norm_eps=1e-6,
+            bos_token_id=pad_id,
+            eos_token_id=eos_id,
+            pad_token_id=pad_id,
+            dtype="float32",
+        )
+    return Qwen2Config(
         vocab_size=vocab_size,
         hidden_size=spec.hidden_size,
         intermediate_size=spec.intermediate_size or 4 * spec.hidden_size,
@@ -323,9 +384,20 @@ def _save_model(out_dir: Path, spec: TinyModelSpec, tokenizer: Any) -> None:
         pad_token_id=pad_id,
         dtype="float32",
     )
+
+
+def _save_model(out_dir: Path, spec: TinyModelSpec, tokenizer: Any) -> None:
+    import torch
+    from transformers import GenerationConfig, Qwen2ForCausalLM, Qwen3MoeForCausalLM
+
+    vocab_size = spec.vocab_size or -(-len(tokenizer) // VOCAB_MULTIPLE) * VOCAB_MULTIPLE
+    eos_id = tokenizer.convert_tokens_to_ids(IM_END)
+    pad_id = tokenizer.convert_tokens_to_ids(ENDOFTEXT)
+    config = _model_config(spec, vocab_size, eos_id, pad_id)
     with torch.random.fork_rng(devices=[]):  # seed the init without touching the caller's RNG state
         torch.manual_seed(spec.seed)
-        model = Qwen2ForCausalLM(config).to(torch.float32)
+        model_class = Qwen3MoeForCausalLM if spec.is_moe else Qwen2ForCausalLM
+        model = model_class(config).to(torch.float32)
     model.generation_config = GenerationConfig(
         bos_token_id=pad_id, eos_token_id=eos_id, pad_token_id=pad_id, do_sample=True, temperature=1.0,
         top_p=1.0, top_k=0,

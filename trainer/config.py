@@ -120,6 +120,23 @@ class _LossCommon(BaseConfig):
     max_is_ratio: float = Field(
         2.0, gt=0, description="Token importance ratios (trainer / inference policy) are truncated at this value."
     )
+    teacher_tau: float = Field(
+        0.0, ge=0, description="Weight of on-policy distillation: each token's advantage gets `teacher_tau * "
+        "(teacher logprob - student logprob)` added (the reverse KL to the teacher on the student's own samples). "
+        "Above 0 it needs a teacher scoring every rollout (`[orchestrator.teacher]`, or `[teacher]` in `primerl rl`)."
+        " `teacher_tau = 1` with `adv_tau = 0` is pure on-policy distillation; both above 0 add it to RL.",
+    )
+    adv_tau: float = Field(
+        1.0, ge=0, description="Weight of the reward advantage in each token's advantage (0: rewards are ignored, "
+        "e.g. pure distillation with `teacher_tau > 0`).",
+    )
+
+    @model_validator(mode="after")
+    def _check_taus(self) -> _LossCommon:
+        if self.teacher_tau == 0 and self.adv_tau == 0:
+            raise ValueError("adv_tau = 0 and teacher_tau = 0 leave nothing to learn: set adv_tau > 0 (RL), "
+                             "teacher_tau > 0 (distillation from [orchestrator.teacher]) or both")
+        return self
 
 
 class DefaultLossConfig(_LossCommon):

@@ -15,7 +15,15 @@ micro-batches): ``kl_divergence`` (k3 estimate of KL(inference || trainer) on th
 policy being trained has moved from the one that sampled them), ``reference_kl`` (the KL penalty's k3 KL to
 the frozen reference policy, with ``[trainer.kl]``),
 ``is_truncated`` (fraction of tokens whose ratio was truncated at ``max_is_ratio``), ``masked`` (fraction
-masked by the default recipe's probability-difference test), ``clipped`` (GRPO/CISPO ratio clipping).
+masked by the default recipe's probability-difference test), ``clipped`` (GRPO/CISPO ratio clipping),
+``teacher_kl`` (with teacher logprobs: the token mean of ``logprobs - teacher_logprobs``, the sampled-token
+estimate of the reverse KL(student || teacher); falls as the student takes on the teacher's distribution).
+
+On-policy distillation (``teacher_tau`` / ``adv_tau`` of every RL loss type, like prime-rl's): the advantage
+each RL loss uses per token is ``adv_tau * advantage + teacher_tau * (teacher_logprob - logprob)``, detached.
+The second term is the negative per-token reverse KL to the teacher on the student's own samples, so the
+importance weight, masking and clipping of the loss type apply to it exactly as to the reward advantage;
+``teacher_tau = 1, adv_tau = 0`` is pure on-policy distillation, both above 0 add it to RL.
 """
 
 from __future__ import annotations
@@ -88,20 +96,37 @@ def rl_loss(
     advantages: torch.Tensor,
     loss_mask: torch.Tensor,
     num_loss_tokens: int,
+    teacher_logprobs: torch.Tensor | None = None,
 ) -> LossOutput:
-    """The policy-gradient loss selected by ``config.type``; see the module docstring for conventions."""
+    """The policy-gradient loss selected by ``config.type``; see the module docstring for conventions.
+
+    ``teacher_logprobs`` (the teacher's logprob of each sampled token, as the orchestrator attached it) turn
+    on the distillation term when ``config.teacher_tau > 0`` (required then) and the ``teacher_kl`` metric.
+    """
     _check_shapes(logprobs, inference_logprobs, advantages, loss_mask)
     if num_loss_tokens < 1:
         raise ValueError(f"num_loss_tokens must be >= 1, got {num_loss_tokens}")
     mask = loss_mask.bool()
     inference_logprobs = inference_logprobs.to(logprobs.dtype)
-    advantages = advantages.to(logprobs.dtype)
+    metrics: dict[str, float] = {}
+    advantages = config.adv_tau * advantages.to(logprobs.dtype)
+    if teacher_logprobs is not None:
+        _check_shapes(logprobs, teacher_logprobs)
+        teacher_advantage = teacher_advantages(logprobs, teacher_logprobs)
+        metrics["teacher_kl"] = float(_mask_sum(-teacher_advantage, mask)) / num_loss_tokens
+        if config.teacher_tau > 0:
+            advantages = advantages + config.teacher_tau * teacher_advantage
+    elif config.teacher_tau > 0:
+        raise ValueError(
+            f"loss.teacher_tau = {config.teacher_tau} needs the teacher's logprobs in every micro-batch, and this "
+            "one has none: give the orchestrator a teacher ([orchestrator.teacher], or a [teacher] table in "
+            "`primerl rl`) or set [trainer.loss] teacher_tau = 0"
+        )
     log_ratio = logprobs - inference_logprobs
     ratio = torch.exp(log_ratio)
     detached_ratio = ratio.detach()
     truncated = detached_ratio > config.max_is_ratio
     is_weight = detached_ratio.clamp(max=config.max_is_ratio)
-    metrics: dict[str, float] = {}
 
     if isinstance(config, DefaultLossConfig):
         # Policy gradient with truncated importance weights, on tokens where the two policies still agree:
@@ -133,6 +158,19 @@ def rl_loss(
     metrics["is_truncated"] = float(_mask_sum(truncated.float(), mask)) / num_loss_tokens
     metrics["kl_divergence"] = float(_mask_sum(k3_kl(logprobs.detach(), inference_logprobs), mask)) / num_loss_tokens
     return LossOutput(loss, metrics)
+
+
+def teacher_advantages(logprobs: torch.Tensor, teacher_logprobs: torch.Tensor) -> torch.Tensor:
+    """Per token, ``teacher_logprob - student_logprob`` (detached): the distillation advantage.
+
+    The student logprob is the TRAINER's (``logprobs``), not the inference worker's: the gradient of the
+    reverse KL(pi || teacher) on samples from the inference copy mu is E_mu[w * grad log pi * (log pi -
+    log teacher)], w the importance weight, so it is the policy being trained whose logprob belongs there.
+    The inference logprob is the sampler's, up to ``max_async`` versions old and computed by another
+    kernel; with it the term would distill a policy the trainer has already moved away from. ``teacher_kl``
+    is measured from the same value, so it tracks the policy being trained.
+    """
+    return (teacher_logprobs.to(logprobs.dtype) - logprobs).detach()
 
 
 def k3_kl(logprobs: torch.Tensor, other_logprobs: torch.Tensor) -> torch.Tensor:
@@ -196,16 +234,15 @@ def distillation_loss(
     *,
     max_is_ratio: float = 2.0,
 ) -> LossOutput:
-    """On-policy distillation: minimise the reverse KL(student || teacher) on tokens the student sampled.
+    """Pure on-policy distillation with plain importance weights truncated at ``max_is_ratio``.
 
-    Each sampled token is rewarded with ``teacher_logprob - student_logprob`` (its negative per-token reverse
-    KL), used as a detached advantage in an importance-weighted policy gradient (weights truncated at
-    ``max_is_ratio``, since the tokens came from the inference copy of the student).
+    The RL loss with ``adv_tau = 0, teacher_tau = 1`` and weights ``min(ratio, max_is_ratio)`` (CISPO whose
+    upper clip is the truncation): each sampled token's advantage is ``teacher_logprob - student_logprob``.
+    ``reverse_kl`` is the same number as ``teacher_kl``.
     """
-    _check_shapes(logprobs, inference_logprobs, teacher_logprobs, loss_mask)
-    mask = loss_mask.bool()
-    advantage = (teacher_logprobs.to(logprobs.dtype) - logprobs).detach()
-    is_weight = torch.exp(logprobs - inference_logprobs.to(logprobs.dtype)).detach().clamp(max=max_is_ratio)
-    loss = _mask_sum(-is_weight * advantage * logprobs, mask) / num_loss_tokens
-    reverse_kl = float(_mask_sum(-advantage, mask)) / num_loss_tokens
-    return LossOutput(loss, {"reverse_kl": reverse_kl})
+    config = CISPOLossConfig(max_is_ratio=max_is_ratio, eps_high=max_is_ratio - 1 if max_is_ratio > 1 else 0.0,
+                             teacher_tau=1.0, adv_tau=0.0)
+    out = rl_loss(config, logprobs, inference_logprobs, torch.zeros_like(logprobs), loss_mask, num_loss_tokens,
+                  teacher_logprobs=teacher_logprobs)
+    out.metrics["reverse_kl"] = out.metrics["teacher_kl"]
+    return out

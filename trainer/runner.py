@@ -127,7 +127,7 @@ class TrainerRunner:
         warn_unused_options(config)
         torch.manual_seed(0)
         objective = {"rl": lambda: rl_objective(config.loss), "sft": lambda: sft_objective,
-                     "distill": lambda: distillation_objective(config.loss.max_is_ratio)}[self.objective_name]()
+                     "distill": lambda: distillation_objective(config.loss)}[self.objective_name]()
         self.training = build_training(config, self.parallel, self.dist, config.max_steps, objective,
                                        kl_config=config.kl)
         start_step = 1
@@ -245,6 +245,7 @@ class TrainerRunner:
         metrics.update({f"perf/{name}": value for name, value in stats.timings.items()})
         done_line = {"loss": round(stats.loss, 6), "grad_norm": round(stats.grad_norm, 4),
                      "kl_divergence": stats.metrics.get("kl_divergence"), "tokens": stats.num_loss_tokens,
+                     **({"teacher_kl": round(stats.metrics["teacher_kl"], 6)} if "teacher_kl" in stats.metrics else {}),
                      "wait_s": round(waited_s, 3), "step_s": round(compute_s, 3), "data_digest": fetched.data_digest}
         record = {"metrics": metrics, "done_line": done_line}  # goes into the step's checkpoint (resume back-fill)
         if due and self.dist.enabled:

@@ -20,7 +20,7 @@ import torch
 from primerl.trainer.batch import MicroBatch, packed_token_logprobs
 from primerl.trainer.distributed import DistInfo, all_reduce_sum
 from primerl.trainer.config import KLConfig
-from primerl.trainer.losses import AdaptiveKLController, LossOutput, distillation_loss, kl_penalty, rl_loss, sft_loss
+from primerl.trainer.losses import AdaptiveKLController, LossOutput, kl_penalty, rl_loss, sft_loss
 
 # objective(batch, logprobs, num_loss_tokens) -> LossOutput
 Objective = Callable[[MicroBatch, torch.Tensor, int], LossOutput]
@@ -160,8 +160,10 @@ def all_reduce_max(value: int, dist_info: DistInfo) -> int:
 
 
 def rl_objective(loss_config) -> Objective:
+    """The RL loss of ``loss_config``; with ``teacher_tau > 0`` it adds on-policy distillation (``losses.py``)."""
     def objective(batch: MicroBatch, logprobs: torch.Tensor, num_loss_tokens: int) -> LossOutput:
-        return rl_loss(loss_config, logprobs, batch.inference_logprobs, batch.advantages, batch.loss_mask, num_loss_tokens)
+        return rl_loss(loss_config, logprobs, batch.inference_logprobs, batch.advantages, batch.loss_mask,
+                       num_loss_tokens, teacher_logprobs=batch.teacher_logprobs)
 
     return objective
 
@@ -170,11 +172,8 @@ def sft_objective(batch: MicroBatch, logprobs: torch.Tensor, num_loss_tokens: in
     return sft_loss(logprobs, batch.loss_mask, num_loss_tokens)
 
 
-def distillation_objective(max_is_ratio: float) -> Objective:
-    def objective(batch: MicroBatch, logprobs: torch.Tensor, num_loss_tokens: int) -> LossOutput:
-        if batch.teacher_logprobs is None:
-            raise ValueError("distillation needs teacher_logprobs in every micro-batch")
-        return distillation_loss(logprobs, batch.inference_logprobs, batch.teacher_logprobs, batch.loss_mask,
-                                 num_loss_tokens, max_is_ratio=max_is_ratio)
-
-    return objective
+def distillation_objective(loss_config) -> Objective:
+    """Pure on-policy distillation with the recipe of ``loss_config``: rewards ignored (``adv_tau = 0``),
+    ``teacher_tau`` as set (1 when unset). Every micro-batch needs ``teacher_logprobs``."""
+    pure = loss_config.model_copy(update={"adv_tau": 0.0, "teacher_tau": loss_config.teacher_tau or 1.0})
+    return rl_objective(pure)

@@ -1,6 +1,7 @@
 """The broker's Prometheus families, read live from the registry and the data planes at every scrape.
 
-    primerl_broker_workers{role}                      workers alive per role (trainer counts ranks)
+    primerl_broker_workers{role}                      workers alive per role (trainer counts ranks; teacher:
+                                                       the frozen servers of online distillation)
     primerl_broker_latest_policy_version               newest policy version the trainer published
     primerl_broker_committed_step                      last step the trainer committed (checkpointed)
     primerl_broker_trainer_step / _orchestrator_step   the roles' progress from their heartbeats
@@ -27,7 +28,7 @@ if TYPE_CHECKING:
     from primerl.broker.service import BrokerService
 
 ROLES = {common_pb2.ROLE_TRAINER: "trainer", common_pb2.ROLE_ORCHESTRATOR: "orchestrator",
-         common_pb2.ROLE_INFERENCE: "inference"}
+         common_pb2.ROLE_INFERENCE: "inference", common_pb2.ROLE_TEACHER: "teacher"}
 
 
 class BrokerCollector:

@@ -1,4 +1,5 @@
-"""`primerl-infer`: the inference daemon (a vLLM OpenAI-compatible server that joins the broker's mesh)."""
+"""`primerl-infer`: the inference daemon (a vLLM OpenAI-compatible server that joins the broker's mesh); with
+`--role teacher`, the frozen teacher of online distillation (no weight updates)."""
 
 from __future__ import annotations
 
@@ -51,7 +52,7 @@ async def _serve(config, args: argparse.Namespace, log) -> int:
         loop.add_signal_handler(signum, on_signal, signum)
     try:
         if args.ready_file is not None:
-            write_ready_file(args.ready_file, "inference", {"http_port": address.port, "base_url": address.base_url,
+            write_ready_file(args.ready_file, config.role, {"http_port": address.port, "base_url": address.base_url,
                                                             "advertised_url": address.advertised_url,
                                                             "worker_id": service.control.worker_id})
         return await service.serve_until(stop_event)
@@ -67,19 +68,19 @@ def serve(config, args: argparse.Namespace) -> int:
     from primerl.inference.vllm_plugin import INFER_PID_ENV
     from primerl.runtime.parent_death import install_fork_hook
 
-    log = configure_logging("inference", level=config.log.level, fmt=config.log.format)
+    log = configure_logging(config.role, level=config.log.level, fmt=config.log.format)  # role=inference|teacher
     # vLLM's engine core (forked on CPU, spawned on GPU) and what it starts end with this daemon, even SIGKILLed.
     install_fork_hook()
     os.environ[INFER_PID_ENV] = str(os.getpid())
-    apply_budget("inference", config.threads, log=log)  # before vLLM starts: its CPU binding, the wait policy
+    apply_budget(config.role, config.threads, log=log)  # before vLLM starts: its CPU binding, the wait policy
     return asyncio.run(_serve(config, args, log))
 
 
 def main(argv: list[str] | None = None) -> int:
     from primerl.inference.config import InferenceConfig
 
-    return run_role("primerl-infer", "inference", InferenceConfig, argv, example="--model.max-model-len 4096",
-                    serve=serve)
+    return run_role("primerl-infer", "inference", InferenceConfig, argv,
+                    example="--model.max-model-len 4096 (a teacher: --role teacher)", serve=serve)
 
 
 if __name__ == "__main__":

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 
 def render_status(status) -> str:
-    """A readable multi-line view of a ``RunStatus``; ages are relative to the broker's own clock."""
+    """A readable multi-line view of a ``RunStatus``; ages are relative to the broker's own clock. Workers are one
+    row each, with their role (``teacher``: the frozen model of online distillation, shown without a policy
+    version)."""
     from primerl.proto.v1 import common_pb2, control_pb2
 
     max_steps = str(status.max_steps) if status.max_steps else "-"
@@ -40,6 +42,8 @@ def render_status(status) -> str:
                 progress.append(f"step {w.orchestrator_step}")
             if w.HasField("policy_version"):
                 progress.append(f"policy v{w.policy_version}")
+            if w.role == common_pb2.ROLE_TEACHER:  # online distillation: a fixed model, never updated
+                progress.append("frozen teacher")
             if w.num_inflight:
                 progress.append(f"{w.num_inflight} in flight")
             age_ms = max(0, status.updated_unix_ms - w.last_heartbeat_unix_ms)

@@ -85,8 +85,16 @@ class ServerConfig(BaseConfig):
 
 
 class InferenceConfig(BaseConfig):
-    """One inference daemon: a vLLM engine that serves rollouts and applies weight updates in flight."""
+    """One inference daemon: a vLLM engine that serves rollouts and applies weight updates in flight, or (role
+    teacher) a frozen model that scores the student's rollouts for online distillation."""
 
+    role: Literal["inference", "teacher"] = Field(
+        "inference",
+        description="`inference`: serves the policy's rollouts and applies the trainer's weight updates in flight. "
+        "`teacher`: serves its fixed model (online distillation: the orchestrator asks it for the logprobs of the "
+        "student's sampled tokens); registers with the broker as a teacher, never receives weight updates, serves "
+        "no LoRA adapters.",
+    )
     model: InferenceModelConfig = Field(description="The served model.")
     gpu_memory_utilization: float = Field(
         0.9, gt=0, le=1, description="Fraction of GPU memory vLLM may use (0.6-0.9 typical)."
@@ -109,3 +117,12 @@ class InferenceConfig(BaseConfig):
         default_factory=ThreadsConfig,
         description="CPU thread budget: vLLM's OpenMP threads and their CPU binding (`cpus`), the wait policy.",
     )
+
+    @model_validator(mode="after")
+    def _check_teacher(self) -> InferenceConfig:
+        if self.role == "teacher" and self.enable_lora:
+            raise ValueError(
+                'role = "teacher" serves a fixed model and no LoRA adapters: set enable_lora = false (a teacher '
+                "with an adapter: merge it into the model directory and serve that)"
+            )
+        return self

@@ -23,6 +23,11 @@ new weights) and "wait" on CPU (they finish first: keep-mode pauses crash the CP
 per-request seed). A refused update (`UpdateRefused`) is acknowledged with its error and the previous version
 keeps serving; any other failure leaves the engine in an unknown state: the daemon reports it and exits 1.
 
+A teacher (``config.role == "teacher"``, online distillation) is the same server with a fixed model: it registers
+as ``ROLE_TEACHER`` (capability ``role=teacher``) and heartbeats like an inference worker, but has no weight
+thread and no ``PolicyUpdater``: it never subscribes to the weight plane, serves no adapters, and its served
+policy version stays 0 (its heartbeats carry none). Its HTTP server checks the run token the same way.
+
 Metrics: vLLM's ``GET /metrics`` on the API port also carries primerl's ``primerl_inference_*`` families
 (``primerl.inference.metrics``: served policy version, updates applied and refused, last update ms); its URL
 goes to the broker as the ``metrics_url`` capability.
@@ -109,7 +114,8 @@ class InferenceService:
     def __init__(self, config: InferenceConfig, *, work_dir: str | os.PathLike[str] | None = None,
                  name: str | None = None):
         self.config = config
-        self.name = name or f"infer-{socket.gethostname()}-{os.getpid()}"
+        self.is_teacher = config.role == "teacher"
+        self.name = name or f"{'teacher' if self.is_teacher else 'infer'}-{socket.gethostname()}-{os.getpid()}"
         self._own_work_dir = work_dir is None
         self.work_dir = Path(work_dir) if work_dir is not None else _make_work_dir()
         self.server = InferenceServer(config, version_fn=self._policy_version, work_dir=self.work_dir / "vllm")
@@ -140,7 +146,8 @@ class InferenceService:
 
     # ---- lifecycle ---------------------------------------------------------------------------------------------
     async def start(self, health_timeout_s: float = 60.0) -> ServerAddress:
-        """Start the engine and HTTP server, register with the broker, start heartbeats and the weight thread.
+        """Start the engine and HTTP server, register with the broker, start heartbeats and the weight thread (a
+        teacher: no weight thread).
 
         Raises (after stopping what started) when the engine cannot start or the broker cannot be reached
         within `config.broker.connect_timeout_s`."""
@@ -152,16 +159,18 @@ class InferenceService:
             self.address = await self.server.start()
             await self.server.wait_healthy(health_timeout_s)
             engine = self.server.engine
-            self.ops = AsyncEngineOps(engine, self._loop)
-            # No SHA-256 here: the broker checked it over exactly the bytes it forwards, and the subscriber
-            # checked each chunk's CRC-32 on arrival (see policy_updates: computed once, checked once).
-            self.updater = PolicyUpdater(self.ops, self.work_dir / "policy",
-                                         max_lora_rank=engine_max_lora_rank(engine.vllm_config),
-                                         verify_digest=False)
-            # Reads the weight manifest (and the worker's host copy) now rather than during the first update.
-            await asyncio.to_thread(self.updater.prepare)
-            self.metrics.policy_version.set(self.updater.policy_version)
+            if not self.is_teacher:  # a teacher's weights never change: nothing to apply updates with
+                self.ops = AsyncEngineOps(engine, self._loop)
+                # No SHA-256 here: the broker checked it over exactly the bytes it forwards, and the subscriber
+                # checked each chunk's CRC-32 on arrival (see policy_updates: computed once, checked once).
+                self.updater = PolicyUpdater(self.ops, self.work_dir / "policy",
+                                             max_lora_rank=engine_max_lora_rank(engine.vllm_config),
+                                             verify_digest=False)
+                # Reads the weight manifest (and the worker's host copy) now rather than during the first update.
+                await asyncio.to_thread(self.updater.prepare)
+            self.metrics.policy_version.set(self.policy_version)
             capabilities = {
+                "role": self.config.role,
                 "lora": str(self.config.enable_lora).lower(),
                 "max_lora_rank": str(engine_max_lora_rank(engine.vllm_config) or 0),
                 "dtype": str(engine.model_config.dtype).removeprefix("torch."),
@@ -170,21 +179,29 @@ class InferenceService:
                 "metrics_url": f"{self.address.advertised_url}/metrics",
             }
             # Registered: the URL other machines dial (server.advertise_host), not the one this machine would.
-            self.control = ControlClient(self.config.broker, "inference", self.name, address=self.address.advertised_url,
-                                         capabilities=capabilities, rpc_timeout_s=5.0)
+            self.control = ControlClient(self.config.broker, self.config.role, self.name,
+                                         address=self.address.advertised_url, capabilities=capabilities,
+                                         rpc_timeout_s=5.0)
             await asyncio.to_thread(self.control.wait_ready)
             registration = await asyncio.to_thread(self.control.register)
-            self._registered_s, self._join_target = time.monotonic(), registration.latest_policy_version
             bind_context(run_id=registration.run_id, policy_version=self.policy_version)
-            self._check_caught_up()
+            if not self.is_teacher:  # a teacher serves its own model: it has no policy version to catch up to
+                self._registered_s, self._join_target = time.monotonic(), registration.latest_policy_version
+                self._check_caught_up()
             self.control.start_heartbeats(self._progress)
-            self._weights_thread = threading.Thread(target=self._weights_loop, name="weights", daemon=True)
-            self._weights_thread.start()
+            if not self.is_teacher:
+                self._weights_thread = threading.Thread(target=self._weights_loop, name="weights", daemon=True)
+                self._weights_thread.start()
         except BaseException:
             await self.stop(grace_s=2.0)
             raise
-        log.info("inference worker ready", url=self.address.advertised_url, worker_id=self.control.worker_id,
-                 metrics_url=capabilities["metrics_url"], start_s=round(self.server.start_s or 0.0, 1))
+        if self.is_teacher:
+            log.info("teacher ready", url=self.address.advertised_url, worker_id=self.control.worker_id,
+                     model=capabilities["model"], metrics_url=capabilities["metrics_url"],
+                     start_s=round(self.server.start_s or 0.0, 1))
+        else:
+            log.info("inference worker ready", url=self.address.advertised_url, worker_id=self.control.worker_id,
+                     metrics_url=capabilities["metrics_url"], start_s=round(self.server.start_s or 0.0, 1))
         return self.address
 
     async def serve_until(self, stop_event: asyncio.Event, check_interval_s: float = 0.5) -> int:
@@ -234,10 +251,12 @@ class InferenceService:
         if self._own_work_dir:
             shutil.rmtree(self.work_dir, ignore_errors=True)
         # the version bound to the log context at start may be stale here (updates bind it in their own task)
-        log.info("inference worker stopped", policy_version=self.policy_version)
+        log.info("teacher stopped" if self.is_teacher else "inference worker stopped",
+                 policy_version=self.policy_version)
 
     def _progress(self) -> dict[str, Any]:
-        progress: dict[str, Any] = {"policy_version": self.policy_version}
+        # A teacher reports no policy version: it serves no policy (the broker and `primerl status` show it frozen).
+        progress: dict[str, Any] = {} if self.is_teacher else {"policy_version": self.policy_version}
         engine = self.server.engine
         if engine is not None:
             progress["num_inflight"] = engine.get_num_unfinished_requests()

@@ -3,7 +3,7 @@
 reader sees all of it or no file) and one reader (``read_ready_file``).
 
     key           written by          value
-    role          broker, inference   "broker" | "inference"
+    role          broker, inference   "broker" | "inference" | "teacher" (``primerl-infer --role teacher``)
     pid           broker, inference   the daemon's process id
     grpc_port     broker              the control plane's port (``BrokerEndpoints``)
     rollout_port  broker              the rollout plane's port
@@ -25,7 +25,8 @@ import os
 from pathlib import Path
 from typing import Any
 
-READY_FILE_NAMES = {"broker": "broker.ready.json", "inference": "inference.ready.json"}
+READY_FILE_NAMES = {"broker": "broker.ready.json", "inference": "inference.ready.json",
+                    "teacher": "teacher.ready.json"}
 """Role -> the name of its ready file in a run directory (the roles that write one)."""
 
 

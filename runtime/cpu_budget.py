@@ -29,12 +29,17 @@ trainer          max(1, n - n // 2) threads, unbound  max(1, n // 2) threads
                  (divided between its ranks)          (divided between its ranks)
 orchestrator     1 thread (its env workers inherit)   1 thread
 broker           1 thread                             1 thread
+teacher          inference's CPUs and threads         as inference
 ===============  ==================================  =================================================
 
-On 2 cores: vLLM's worker on CPU 0 with 1 thread, the trainer 1 thread, everything else 1 thread: no role has
-an OpenMP team that could wait on a descheduled sibling. A standalone daemon (not started by ``primerl rl``)
-with no budget set takes every CPU of its affinity for its own pools (inference: vLLM's own binding), still
-with the passive wait policy.
+A teacher (online distillation) is a second vLLM engine: it shares inference's CPUs rather than taking cores
+from the trainer. The two alternate more than they compete: the teacher only scores finished rollouts (one
+prefill pass each, no decoding), and with the passive wait policy the one that waits sleeps.
+
+On 2 cores: vLLM's worker on CPU 0 with 1 thread (a teacher's too), the trainer 1 thread, everything else 1
+thread: no role has an OpenMP team that could wait on a descheduled sibling. A standalone daemon (not started by
+``primerl rl``) with no budget set takes every CPU of its affinity for its own pools (inference: vLLM's own
+binding), still with the passive wait policy.
 
 Who applies it: ``primerl rl`` fills each role's unset fields with the defaults above, writes them into the
 role configs of the run directory, and puts the environment variables into each child's environment
@@ -54,7 +59,9 @@ from pydantic import Field, field_validator
 
 from primerl.runtime.config_base import BaseConfig
 
-ROLES = ("broker", "trainer", "orchestrator", "inference")
+ROLES = ("broker", "trainer", "orchestrator", "inference", "teacher")
+ENGINE_ROLES = ("inference", "teacher")
+"""Roles that run a vLLM engine: ``cpus`` is vLLM's OpenMP binding, not the process affinity."""
 THREAD_COUNT_VARS = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS")
 """Environment variables that size the math libraries' thread pools (read when the library loads)."""
 VLLM_BIND_VAR = "VLLM_CPU_OMP_THREADS_BIND"
@@ -110,7 +117,8 @@ def default_budgets(cpus: Sequence[int], *, gpus: bool, num_trainer_ranks: int =
         inference = ThreadsConfig(num_threads=half, cpus=list(cpus[:half]))
         trainer = ThreadsConfig(num_threads=max(1, (n - n // 2) // num_trainer_ranks))
     single = ThreadsConfig(num_threads=1)
-    return {"inference": inference, "trainer": trainer, "orchestrator": single, "broker": single.model_copy()}
+    return {"inference": inference, "trainer": trainer, "orchestrator": single, "broker": single.model_copy(),
+            "teacher": inference.model_copy(deep=True)}
 
 
 def fill_budget(explicit: ThreadsConfig | None, default: ThreadsConfig) -> ThreadsConfig:
@@ -139,7 +147,7 @@ def role_env(role: str, budget: ThreadsConfig) -> dict[str, str]:
         raise ValueError(f"unknown role {role!r}; one of {ROLES}")
     env: dict[str, str] = {}
     num_threads = budget.num_threads
-    if role == "inference" and budget.cpus:
+    if role in ENGINE_ROLES and budget.cpus:
         num_threads = len(budget.cpus)  # vLLM runs one OpenMP thread per bound CPU
         env[VLLM_BIND_VAR] = ",".join(str(c) for c in budget.cpus)
     if num_threads is not None:
@@ -163,12 +171,12 @@ def apply_budget(role: str, budget: ThreadsConfig | None, *, environ: Mapping[st
     """
     # vLLM sizes its own pools (one OpenMP thread per bound CPU, its engine core down to 1 torch thread unless
     # OMP_NUM_THREADS is set): a standalone inference daemon passes on only what its config sets.
-    applied = (budget or ThreadsConfig()) if role == "inference" else resolved(budget)
+    applied = (budget or ThreadsConfig()) if role in ENGINE_ROLES else resolved(budget)
     target = os.environ if environ is None else environ
     for name, value in role_env(role, applied).items():
         if name not in target:
             target[name] = value  # type: ignore[index]
-    if applied.cpus and role != "inference" and hasattr(os, "sched_setaffinity"):
+    if applied.cpus and role not in ENGINE_ROLES and hasattr(os, "sched_setaffinity"):
         os.sched_setaffinity(0, applied.cpus)
     if role == "trainer" or "torch" in sys.modules:
         set_torch_threads(applied, log=log)
@@ -197,9 +205,9 @@ def set_torch_threads(budget: ThreadsConfig, log=None) -> None:
 
 
 def describe(budgets: Mapping[str, ThreadsConfig], roles: Iterable[str] = ROLES) -> str:
-    """One line per role, for the launcher's start-up output."""
+    """One line per role (of ``roles`` that have a budget), for the launcher's start-up output."""
     parts = []
-    for role in roles:
+    for role in (r for r in roles if r in budgets):
         budget = budgets[role]
         where = f" on CPUs {','.join(map(str, budget.cpus))}" if budget.cpus else ""
         parts.append(f"{role} {budget.num_threads}{where}")

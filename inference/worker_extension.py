@@ -14,6 +14,11 @@ Start the engine with ``EngineOptions(worker_extension_cls=WORKER_EXTENSION_CLS)
   with the rest uninitialised.
 - with tied embeddings the CPU build's LM head keeps a GEMM packed from the old embedding after a reload;
   `_refresh_tied_cpu_layers` rebuilds it (without it, logprobs were off by ~0.6 after an embedding change).
+- a mixture-of-experts layer (vLLM's ``FusedMoE``: all experts of a layer in two fused tensors) is reloaded with
+  all its experts (`_load_groups`; one expert alone gave wrong values or NaN that persisted), and on CPU its
+  experts are packed again for the MoE kernel afterwards (`_repack_cpu_moe_layers`): vLLM packs them only at
+  first load, so after a plain reload logprobs were 7-14 nats off, even for identical weights. Only the
+  reloaded layers are re-packed: re-packing an untouched layer corrupts it.
 - ``reload_weights`` drops the LoRA adapters loaded in the worker (vLLM reloads an adapter from its path the
   next time a request asks for it).
 
@@ -31,6 +36,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import logging
+import re
 import time
 from collections.abc import Iterator, Mapping
 from pathlib import Path
@@ -56,6 +62,10 @@ FUSED_FAMILIES: tuple[frozenset[str], ...] = (
     frozenset({"gate_proj", "up_proj"}),
 )
 """Sibling modules (Hugging Face names) that vLLM loads into one fused layer (QKV, gate-up)."""
+
+_EXPERT_NAME = re.compile(r"^(.+\.experts)\.\d+\.")
+"""An expert's weight (``model.layers.0.mlp.experts.3.up_proj.weight``): group 1 is its MoE layer's name, which
+is also the vLLM module (``FusedMoE``) that holds every expert of the layer."""
 
 
 class WeightUpdateInvalid(ValueError):
@@ -134,7 +144,11 @@ def _load_groups(names: list[str]) -> dict[str, list[str]]:
         module, _, _ = name.rpartition(".")
         parent, _, leaf = module.rpartition(".")
         family = next((f for f in FUSED_FAMILIES if leaf in f), None)
-        key = (parent, *sorted(family)) if family else (module,)
+        expert = _EXPERT_NAME.match(name)
+        if expert:
+            key = (expert.group(1), "experts")  # every expert of the layer: vLLM fuses them into one module
+        else:
+            key = (parent, *sorted(family)) if family else (module,)
         key_of[name] = key
         groups.setdefault(key, []).append(name)
     return {name: groups[key_of[name]] for name in names}
@@ -187,6 +201,28 @@ def _refresh_tied_cpu_layers(model: torch.nn.Module, loaded_names: set[str] | No
             quant_method = getattr(module, "quant_method", None)
             if hasattr(module, "cpu_linear") and quant_method is not None:
                 quant_method.process_weights_after_loading(module)
+
+
+def _repack_cpu_moe_layers(model: torch.nn.Module, loaded_names: set[str] | None) -> int:
+    """Re-pack, for the CPU MoE kernel, the experts of each MoE layer that was reloaded (None: all weights were).
+
+    vLLM's unquantized MoE method packs a layer's experts for the CPU kernel (``fused_experts.
+    process_weights_after_loading``) only at first load: a reload copies the new experts in the plain layout
+    into the packed tensors (measured: logprobs ~7-14 nats off, even for identical weights). Packing again makes
+    them right; packing a layer that was not reloaded corrupts it, so only the reloaded ones are. GPU layers
+    are left alone (their reload path is complete). Returns how many layers were re-packed."""
+    reloaded = None if loaded_names is None else {
+        match.group(1) for match in map(_EXPERT_NAME.match, loaded_names) if match}
+    count = 0
+    for name, module in model.named_modules():
+        weight = getattr(module, "w13_weight", None)
+        kernel = getattr(getattr(module, "quant_method", None), "moe_kernel", None)
+        if weight is None or kernel is None or weight.device.type != "cpu":
+            continue
+        if reloaded is None or any(name == layer or name.startswith(f"{layer}.") for layer in reloaded):
+            kernel.fused_experts.process_weights_after_loading(module)
+            count += 1
+    return count
 
 
 class PolicyWorkerExtension:
@@ -292,7 +328,9 @@ class PolicyWorkerExtension:
             partial = len(to_load) < len(host)
             with _quiet_partial_reload(partial):
                 self.model_runner.reload_weights(weights_iterator=iter(list(to_load.items())))
-            _refresh_tied_cpu_layers(self.model_runner.get_model(), set(to_load) if partial else None)
+            model = self.model_runner.get_model()
+            _repack_cpu_moe_layers(model, set(to_load) if partial else None)
+            _refresh_tied_cpu_layers(model, set(to_load) if partial else None)
         for name, tensor in tensors.items():
             # In place: no fresh memory, and never a view of the caller's buffer (a shared file is reused).
             host[name].copy_(tensor)

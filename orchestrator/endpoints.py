@@ -94,12 +94,13 @@ class InferenceEndpoint:
 class EndpointWatcher:
     def __init__(self, list_workers: Callable[[], Sequence[Any]], *, outage_s: float,
                  healable: tuple[type[BaseException], ...], interval_s: float = 1.0, fast_interval_s: float = 0.05,
-                 name: str = "endpoint-watcher"):
+                 name: str = "endpoint-watcher", what: str = "inference workers"):
         self._list_workers = list_workers
         self._healable = healable
         self.interval_s = interval_s
         self.fast_interval_s = fast_interval_s
-        self._watch = OutageWatch("the list of inference workers (ListWorkers)", outage_s, worker="orchestrator")
+        self.what = what  # in log lines: "inference workers", "teacher workers"
+        self._watch = OutageWatch(f"the list of {what} (ListWorkers)", outage_s, worker="orchestrator")
         self._lock = threading.Lock()
         self._snapshot: Snapshot = {}
         self._generation = 0
@@ -140,7 +141,7 @@ class EndpointWatcher:
             except OutageStopped:
                 return
             except BaseException as exc:  # noqa: BLE001 - handed to the main loop by check()
-                log.error("reading the inference workers failed; the orchestrator stops", error=str(exc))
+                log.error(f"reading the {self.what} failed; the orchestrator stops", error=str(exc))
                 with self._lock:
                     self._error = exc
                 return

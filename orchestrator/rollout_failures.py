@@ -48,7 +48,8 @@ UNREACHABLE = re.compile(
     # a restarting server's port can be bound before it accepts: connecting then times out (aiohttp, httpx)
     r"ConnectTimeout|Connection timeout to host|ServerTimeoutError|"
     r"Server ?Disconnected|ClientConnectorError|Cannot connect to host|ConnectionResetError|ConnectionRefusedError|"
-    r"\b50[23]\b|Service Unavailable|Bad Gateway", re.IGNORECASE)
+    r"\b50[23]\b|Service Unavailable|Bad Gateway|"
+    r"^teacher_unreachable:", re.IGNORECASE)  # the teacher (issue 18): the same outage rule
 
 
 class RolloutsFailing(RuntimeError):
@@ -67,6 +68,13 @@ def _cut(error: str) -> str:
 
 # (pattern over "kind: error", fix) -- the first match gives the hint; `{...}` are filled from `hint_values`.
 KNOWN_CAUSES: Sequence[tuple[str, str]] = (
+    (r"^teacher_.*(maximum context length|max_model_len|too many tokens)",
+     "the samples (up to seq_len = {seq_len} tokens) do not fit the teacher's context: give the teacher a "
+     "max_model_len of at least seq_len + 1 ([teacher.model] max_model_len)"),
+    (r"^teacher_",
+     "the teacher ([orchestrator.teacher]) could not score the rollouts: is it running and reachable at its "
+     "base_url (or registered with the broker as a teacher), does it serve teacher.model with the student's "
+     "tokenizer, and does it take the run token (or teacher.api_key_var)?"),
     (r"maximum context length|max_model_len|maximum model length|context length|prompt is too long|too many tokens",
      "the prompts (plus sampling.max_tokens) do not fit the inference server's context length, which is seq_len "
      "(= {seq_len}) under `primerl rl`: raise seq_len (or inference.model.max_model_len), or lower "
@@ -179,7 +187,7 @@ class RolloutFailures:
         waited_s = now - self.unreachable_since
         if waited_s > self.inference_outage_s:
             raise RolloutsFailing(
-                f"no inference worker answered for {waited_s:.0f} s (the orchestrator waits up to "
+                f"no inference worker (or teacher) answered for {waited_s:.0f} s (the orchestrator waits up to "
                 f"{self.inference_outage_s:g} s); first error: {self._unreachable_error}. Fix: is primerl-infer "
                 "running, and is the address it registered with the broker reachable from the orchestrator's "
                 "machine?")

@@ -26,6 +26,15 @@ again first (``rollout/rescheduled`` counts their rollouts). Failed rollouts are
 ``rollout/errors`` and ``rollout/errors/<kind>``. A rollout that could not reach its inference worker pauses
 dispatch to that worker (doubling back-off up to ``ENDPOINT_BACKOFF_S``: it may be restarting).
 
+Teacher (issue 18, ``[orchestrator.teacher]``): a collected group goes to the teacher
+(``primerl.orchestrator.teacher_scoring.TeacherScorer``) instead of straight to advantages; ``collect`` waits on
+the scorings together with the rollouts, so both stay in flight, and a scored group (every sample with its
+``teacher_logprobs``) then gets its advantages and goes to the assembler. A group the teacher could not score
+(after its retries) is counted like a failed rollout group (``rollout/errors/teacher_<kind>``); only a scored
+group ends a streak of failures. Groups being scored hold up dispatch only while they are as many as the groups
+kept in flight (they end within the teacher's timeouts and retries). The teachers are ``teacher.base_url``, else
+the teacher workers the broker lists (``refresh_teachers``).
+
 Sampling seeds: with ``[orchestrator.sampling] seed``, group g's rollout i gets
 ``seeds.rollout_seed_base(seed, g, n) + i``.
 """
@@ -52,6 +61,8 @@ from primerl.orchestrator.rollout_failures import RolloutFailures, is_unreachabl
 from primerl.orchestrator.samples import Group, MalformedTrajectory, rollout_to_samples
 from primerl.orchestrator.seeds import rollout_seed_base
 from primerl.orchestrator.step_metrics import StepTimers
+from primerl.orchestrator.teacher_client import TeacherError
+from primerl.orchestrator.teacher_scoring import TeacherScorer
 from primerl.orchestrator.throughput import ThroughputWindow
 from primerl.runtime.log_setup import get_logger
 
@@ -91,6 +102,10 @@ class RolloutScheduler:
         self.on_inflight: Callable[[int], None] | None = None
         self.on_error: Callable[[], None] | None = None
         self.inflight: dict[concurrent.futures.Future, InflightGroup] = {}
+        self.teacher = (TeacherScorer(config.teacher, run_token=config.broker.run_token)
+                        if config.teacher is not None else None)
+        self.scoring: dict[concurrent.futures.Future, tuple[Group, float]] = {}  # -> (group, submitted_s)
+        self._teachers_generation = -1
         self.inference = InferenceWorkers()
         self.latest_policy_version: int | None = None  # the broker's, from its heartbeat answers
         self.next_group_id = 0
@@ -134,6 +149,20 @@ class RolloutScheduler:
         for endpoint in self.inference.update(workers, self.current_version()):
             self._retry_groups_on(endpoint)
 
+    def refresh_teachers(self, watcher: Any) -> None:
+        """Take the teacher workers the broker lists (``watcher``: an ``EndpointWatcher`` of ROLE_TEACHER)."""
+        watcher.check()
+        generation, workers = watcher.snapshot()
+        if generation == self._teachers_generation or self.teacher is None:
+            return
+        self._teachers_generation = generation
+        before = set(self.teacher.endpoints.endpoints)
+        self.teacher.set_endpoints({worker_id: info.base_url for worker_id, info in workers.items()})
+        for worker_id in set(workers) - before:
+            log.info("teacher worker joined", worker_id=worker_id, url=workers[worker_id].base_url)
+        for worker_id in before - set(workers):
+            log.info("teacher worker left", worker_id=worker_id)
+
     def _retry_groups_on(self, endpoint: InferenceEndpoint) -> None:
         """The worker left: cancel its groups in flight and dispatch them again elsewhere."""
         for future, entry in list(self.inflight.items()):
@@ -171,6 +200,9 @@ class RolloutScheduler:
         now_s = time.monotonic()
         max_inflight = config.max_inflight or 2 * config.batch_size
         groups_wanted = math.ceil(max_inflight / config.rollouts_per_example)
+        if len(self.scoring) >= groups_wanted:  # the teacher is behind: let it catch up (bounded by its timeouts)
+            self.counters["teacher_waits"] += 1
+            return
         # Groups are drawn one by one (the same draws, seeds and group ids as one at a time), then handed to
         # each env worker in one write per (env, endpoint, seed).
         batches: dict[tuple[str, str, int | None], list[int]] = collections.defaultdict(list)
@@ -246,14 +278,17 @@ class RolloutScheduler:
                  reason=str(exc).split("\n", 1)[0][:200])
 
     def collect(self, timeout_s: float) -> None:
-        if not self.inflight:
+        if not self.inflight and not self.scoring:
             with self.timers.timed("collect_wait_s"):
                 self.stop_event.wait(timeout_s)
             return
         with self.timers.timed("collect_wait_s"):
-            done, _ = concurrent.futures.wait(list(self.inflight), timeout=timeout_s,
+            done, _ = concurrent.futures.wait([*self.inflight, *self.scoring], timeout=timeout_s,
                                               return_when=concurrent.futures.FIRST_COMPLETED)
         for future in done:
+            if future in self.scoring:
+                self._scored(future)
+                continue
             entry = self.inflight.pop(future)
             entry.endpoint.num_inflight -= self.config.rollouts_per_example
             try:
@@ -275,13 +310,41 @@ class RolloutScheduler:
             self.throughput.add(entry.started_s, time.monotonic(), self.counters["completion_tokens"] - tokens_before)
             if group is None:
                 continue
-            with self.timers.timed("advantages_s"):
-                prepare_groups([group], self.config)
-            self.assembler.add([group])
             self.counters["generation_s"] += time.monotonic() - entry.started_s
-            self.counters["groups_done"] += 1
+            if self.teacher is not None:  # advantages and the assembler once the teacher scored it
+                self.scoring[self.teacher.submit(group.samples)] = (group, time.monotonic())
+                continue
+            self._add_group(group)
         if done:
             self._inflight_changed()
+
+    def _add_group(self, group: Group) -> None:
+        with self.timers.timed("advantages_s"):
+            prepare_groups([group], self.config)
+        self.assembler.add([group])
+        self.counters["groups_done"] += 1
+
+    def _scored(self, future: concurrent.futures.Future) -> None:
+        """A group's teacher scoring ended: its samples get their ``teacher_logprobs`` and go on, or the group's
+        rollouts count as failed (``TeacherError.kind``)."""
+        group, submitted_s = self.scoring.pop(future)
+        num_rollouts = len({sample.rollout_id for sample in group.samples})
+        assert self.failures is not None
+        try:
+            logprobs = future.result()
+        except TeacherError as exc:
+            self.counters["teacher_errors"] += 1
+            self.counters[f"errors/{kind_name(exc.kind)}"] += num_rollouts
+            if self.on_error is not None:
+                self.on_error()
+            self.failures.failed(exc.kind, f"{group.env_id}: {exc}", num_rollouts)
+            return
+        for sample, values in zip(group.samples, logprobs, strict=True):
+            sample.teacher_logprobs = values
+        self.failures.succeeded(num_rollouts)
+        log.debug("teacher scored group", group_id=group.group_id, num_samples=len(group.samples),
+                  seconds=round(time.monotonic() - submitted_s, 3))
+        self._add_group(group)
 
     def _retry_unreachable(self, entry: InflightGroup, reason: str) -> bool:
         """The group's inference worker could not be reached: back off from it and dispatch the group again."""
@@ -317,7 +380,8 @@ class RolloutScheduler:
                                   entry.endpoint)
             else:
                 assert self.failures is not None
-                self.failures.succeeded()
+                if self.teacher is None:  # with a teacher: once the teacher scored the group
+                    self.failures.succeeded()
             self.counters["rollouts"] += 1
             self.counters["completion_tokens"] += rollout.num_completion_tokens
             self.counters["truncated"] += int(rollout.is_truncated)
@@ -338,7 +402,8 @@ class RolloutScheduler:
         base = self.lineage.observe(heartbeat.policy_lineage, heartbeat.lineage_base_version)
         if base is None:
             return
-        num_waiting = cap_versions((s for group in self.assembler.pending_groups() for s in group.samples), base)
+        waiting = [*self.assembler.pending_groups(), *(group for group, _ in self.scoring.values())]
+        num_waiting = cap_versions((s for group in waiting for s in group.samples), base)
         num_inflight = 0
         for entry in self.inflight.values():
             if entry.dispatched_version > base:
@@ -360,14 +425,21 @@ class RolloutScheduler:
 
     def worker_metrics(self) -> dict[str, float]:
         """This step's ``rollout/retried`` (rollouts dispatched again after their inference worker could not be
-        reached or left) and the ``inference/*`` membership metrics (``InferenceWorkers.take_counts``)."""
-        return {"rollout/retried": float(self.counters["retried"]), **self.inference.take_counts()}
+        reached or left), the ``inference/*`` membership metrics (``InferenceWorkers.take_counts``) and, with a
+        teacher, ``teacher/*`` (``TeacherScorer.take_metrics``; ``teacher/dispatch_waits``: dispatch rounds skipped
+        because as many groups as are kept in flight waited for the teacher)."""
+        teacher = ({**self.teacher.take_metrics(), "teacher/dispatch_waits": float(self.counters["teacher_waits"])}
+                   if self.teacher is not None else {})
+        return {"rollout/retried": float(self.counters["retried"]), **self.inference.take_counts(), **teacher}
 
     def cancel_all(self) -> None:
-        """Cancel every group in flight (on stop)."""
+        """Cancel every group in flight and every teacher scoring (on stop)."""
         for future, entry in list(self.inflight.items()):
             self.workers[entry.env_id].cancel(future)
         self.inflight.clear()
+        if self.teacher is not None:
+            self.teacher.close()
+        self.scoring.clear()
 
 
 __all__ = ["ENDPOINT_BACKOFF_S", "MAX_GROUP_RETRIES", "InferenceEndpoint", "InflightGroup", "RolloutScheduler"]

@@ -32,6 +32,10 @@ Faults (issue 14):
   one gets rollouts once it serves the current version; the groups of one that leaves or cannot be reached are
   dispatched again elsewhere (``rollout/retried``); each step row has ``inference/workers``,
   ``inference/workers_joined``, ``inference/workers_left`` and ``inference/join_to_serving_s``.
+- With ``[orchestrator.teacher]`` (issue 18) every collected group is scored by the teacher before it gets its
+  advantages (``primerl.orchestrator.teacher_scoring``); the teachers are ``teacher.base_url``, else the teacher
+  workers the broker lists (read like the inference workers, in a thread of their own). A group the teacher could
+  not score counts as failed rollouts; no teacher answering for ``INFERENCE_OUTAGE_S`` stops the run too.
 
 Metrics (``primerl.orchestrator.step_metrics``: what each one means): one row per step (and one per eval) in
 ``{output_dir}/metrics.jsonl``, W&B with ``[wandb]`` (``primerl.runtime.metrics_sink``), and a Prometheus endpoint
@@ -89,6 +93,7 @@ class OrchestratorRunner:
         self.sink: MetricsSink | None = None
         self.sender: BatchSender | None = None
         self.endpoint_watcher: EndpointWatcher | None = None
+        self.teacher_watcher: EndpointWatcher | None = None  # the broker's teacher workers (no teacher.base_url)
         self._send_stop = threading.Event()  # ends the send thread's waits when the orchestrator stops
         self._broker_lost = False  # stopped by BrokerOutageExceeded: no goodbye to the broker
         self._stop_reason = ""
@@ -131,6 +136,16 @@ class OrchestratorRunner:
                                                 outage_s=config.broker.outage_s, healable=self._broker_unavailable,
                                                 interval_s=WORKER_REFRESH_S, fast_interval_s=VERSION_WAIT_S)
         self.endpoint_watcher.start()
+        if config.teacher is not None and not config.teacher.base_url:
+            self.teacher_watcher = EndpointWatcher(lambda: self.control.list_workers(common_pb2.ROLE_TEACHER),
+                                                   outage_s=config.broker.outage_s, healable=self._broker_unavailable,
+                                                   interval_s=WORKER_REFRESH_S, name="teacher-watcher",
+                                                   what="teacher workers")
+            self.teacher_watcher.start()
+        if config.teacher is not None:
+            log.info("scoring rollouts with a teacher", model=config.teacher.model or "(first listed)",
+                     base_url=config.teacher.base_url or "(teacher workers listed by the broker)",
+                     max_inflight=config.teacher.max_inflight)
         scheduler = self.scheduler
         scheduler.on_inflight, scheduler.on_error = self._inflight_changed, self._rollout_failed
         scheduler.failures = RolloutFailures(
@@ -264,6 +279,8 @@ class OrchestratorRunner:
             scheduler.failures.check()  # a step's worth of failures in a row, or no inference worker for long: stop
             assert self.endpoint_watcher is not None
             scheduler.refresh_endpoints(self.endpoint_watcher)
+            if self.teacher_watcher is not None:
+                scheduler.refresh_teachers(self.teacher_watcher)
             scheduler.observe_lineage(self._heartbeat())
             with scheduler.timers.timed("dispatch_s"):
                 scheduler.dispatch(step)
@@ -382,8 +399,9 @@ class OrchestratorRunner:
 
     def close(self) -> None:
         self._send_stop.set()  # a send still waiting for the broker gives up (a restart sends its step again)
-        if self.endpoint_watcher is not None:
-            self.endpoint_watcher.stop()
+        for watcher in (self.endpoint_watcher, self.teacher_watcher):
+            if watcher is not None:
+                watcher.stop()
         self.scheduler.cancel_all()
         for worker in [*self.scheduler.workers.values(), *getattr(self, "eval_workers", {}).values()]:
             worker.close()

@@ -21,6 +21,12 @@ Failed rollouts: ``rollout/errors`` and ``rollout/errors/<kind>``; ``rollout/res
 and ``inference/workers_serving`` (listed, and serving the current version), ``inference/workers_joined`` and
 ``inference/workers_left`` (this step), ``inference/join_to_serving_s`` (the longest a worker that joined this
 step took from registering to serving the current version; absent when none).
+
+Teacher (issue 18, with ``[orchestrator.teacher]``; ``primerl.orchestrator.teacher_scoring``): ``teacher/requests``
+(teacher requests that ended this step, answered or not), ``teacher/request_s`` (their mean seconds),
+``teacher/retried`` (requests sent again), ``teacher/errors`` (requests that failed, retried or not),
+``teacher/inflight`` (requests in flight when the step's row is made), ``teacher/dispatch_waits``. A group the
+teacher could not score counts in ``rollout/errors`` and ``rollout/errors/teacher_<kind>`` (its rollouts).
 """
 
 from __future__ import annotations
@@ -92,7 +98,7 @@ def batch_metrics(batch: Any, counters: collections.Counter, fallbacks: collecti
         **reward_spread_metrics(rewards),
         **fallback_metrics(fallbacks),
         **(env_reward_metrics(batch.groups) if multi_env else {}),
-        "rollout/errors": float(counters["rollout_errors"] + counters["env_errors"]),
+        "rollout/errors": float(counters["rollout_errors"] + counters["env_errors"] + counters["teacher_errors"]),
         **{f"rollout/{name}": float(count) for name, count in counters.items() if name.startswith("errors/")},
         "rollout/rescheduled": float(counters["rescheduled"]),
         "rollout/stale_groups_cancelled": float(counters["stale_groups_cancelled"]),

@@ -7,7 +7,9 @@ Shapes
 ------
 * ``prime-rl`` (canonical): ``[model] name``, top-level shared keys (``max_steps``, ``seq_len``,
   ``inference_gpu_ids``, ``trainer_gpu_ids``, ``[wandb]``...) and ``[trainer]``, ``[orchestrator]``,
-  ``[inference]``, ``[broker]`` tables. Kept as is; its aliases (``[trainer.model.experimental.lora]``,
+  ``[inference]``, ``[broker]`` tables, and the teacher of online distillation (``[teacher]``, prime-rl's
+  ``[teacher_inference]`` renamed to it here, ``teacher_gpu_ids``). Kept as is; its aliases
+  (``[trainer.model.experimental.lora]``,
   ``[orchestrator.buffer] type``, ``buffer.oversampling_factor``) are handled by the role models themselves,
   so that role files loaded on their own accept them too.
 * ``lab`` (flat, prime lab / hosted training): ``model = "..."``, ``batch_size``, ``rollouts_per_example``,
@@ -21,7 +23,7 @@ Detection
 Every top-level key says which shapes it can belong to:
 
 * only prime-rl: ``inference_gpu_ids``, ``trainer_gpu_ids``, ``orchestrator``, ``broker``, ``output_dir``,
-  ``max_async_level``, ``log``, ``model`` as a table, and ``trainer`` / ``inference`` tables without
+  ``max_async_level``, ``log``, ``teacher``, ``teacher_inference``, ``teacher_gpu_ids``, ``model`` as a table, and ``trainer`` / ``inference`` tables without
   ``gpus`` / ``args`` keys;
 * only lab: ``batch_size``, ``rollouts_per_example``, ``learning_rate``, ``gradient_accumulation_steps``,
   ``warmup_steps``, ``sampling``, ``lora``, ``difficulty_filter``, ``kl_penalty``, ``env`` as an array of tables;
@@ -54,7 +56,9 @@ SHAPE_NAMES = {
 _ALL = frozenset({PRIME_RL, LAB, VF_RL})
 
 _PRIME_RL_ONLY = {"inference_gpu_ids", "trainer_gpu_ids", "orchestrator", "broker", "output_dir",
-                  "max_async_level", "log"}
+                  "max_async_level", "log", "teacher", "teacher_inference", "teacher_gpu_ids"}
+TEACHER_ALIAS = "teacher_inference"
+"""prime-rl's name of the teacher's inference table; read as ``[teacher]``."""
 _VF_RL_ROLE_KEYS = {"gpus", "args"}
 
 # Flat lab shape: top-level key -> canonical dotted path (tables handled separately have None).
@@ -204,6 +208,11 @@ def to_canonical(data: dict[str, Any], source: str = "config") -> dict[str, Any]
         return _from_lab(data, source)
     if shape == VF_RL:
         return _from_vf_rl(data, source)
+    if TEACHER_ALIAS in data:
+        if "teacher" in data:
+            raise ConfigError(f"{source}: the teacher is set twice: keep [teacher] or [{TEACHER_ALIAS}] (its "
+                              "prime-rl name), not both")
+        data["teacher"] = data.pop(TEACHER_ALIAS)
     return data
 
 

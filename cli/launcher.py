@@ -1,9 +1,11 @@
 """`primerl rl` without `--dry-run`: the run directory, the four roles as child processes, live progress, the end.
 
-Order: broker (ready file) -> inference and trainer at once (the trainer builds its model while vLLM starts;
-it only talks to the broker) and the orchestrator too unless it runs evals (it waits for a live inference
-worker by itself; an eval at step 0 needs one) -> once inference is ready, the orchestrator if not started. Each
-role logs to ``{run_dir}/logs/<role>.log`` and runs in its own process group (``primerl.cli.process_supervisor``).
+Order: broker (ready file) -> inference (and the teacher, when the run has one) and trainer at once (the trainer
+builds its model while vLLM starts; it only talks to the broker) and the orchestrator too unless it runs evals (it
+waits for a live inference worker by itself; an eval at step 0 needs one) -> once inference (and the teacher)
+are ready, the orchestrator if not started. The teacher (``[teacher]``, online distillation) is a second
+``primerl-infer``, with ``role = "teacher"``, treated like inference throughout: ready file, pinned port,
+restarts, stop. Each role logs to ``{run_dir}/logs/<role>.log`` and runs in its own process group (``primerl.cli.process_supervisor``).
 The run token (the config's ``broker.run_token``, else an exported ``$PRIMERL_RUN_TOKEN``, else a fresh one)
 reaches the children as ``$PRIMERL_RUN_TOKEN`` only; the config files written hold none. Once the broker is
 ready, ``{run_dir}/run.json`` (mode 0600, ``primerl.cli.run_file``) holds its address and the token, and the
@@ -188,7 +190,8 @@ class Launcher:
         self.say(f"primerl rl: run directory {self.run_dir} (configs, logs/, pids.json)")
         self.say(f"  {describe(self.budgets)}")
         if self.options.tmux:
-            self._open_tmux(["broker", "inference", "orchestrator", "trainer"])
+            self._open_tmux(["broker", "inference", *(["teacher"] if "teacher" in roles else []), "orchestrator",
+                             "trainer"])
 
         broker_ready = ready_file_path(self.run_dir, "broker")
         broker = self._child("broker", [BIN / "primerl-broker", "@", paths["broker"], "--ready-file", broker_ready])
@@ -201,8 +204,8 @@ class Launcher:
         self._write_run_file(address, endpoints.get("run_id"))
         if endpoints.get("metrics_url"):
             self.say(f"  broker metrics at {endpoints['metrics_url']}")
-        for role in ("trainer", "orchestrator", "inference"):
-            if roles[role].broker.address != address:  # the others dial the port the broker bound
+        for role in ("trainer", "orchestrator", "inference", "teacher"):
+            if role in roles and roles[role].broker.address != address:  # the others dial the port the broker bound
                 roles[role] = roles[role].model_copy(
                     update={"broker": roles[role].broker.model_copy(update={"address": address})})
                 write_toml(without_token(roles[role]), paths[role])
@@ -210,6 +213,10 @@ class Launcher:
         inference_ready = ready_file_path(self.run_dir, "inference")
         inference = self._child("inference", [BIN / "primerl-infer", "@", paths["inference"], "--ready-file",
                                               inference_ready], config.inference_gpu_ids)
+        teacher = None
+        if "teacher" in roles:
+            teacher = self._child("teacher", [BIN / "primerl-infer", "@", paths["teacher"], "--ready-file",
+                                              ready_file_path(self.run_dir, "teacher")], config.teacher_gpu_ids)
         # The trainer only needs the broker: it loads its model while vLLM starts.
         num_ranks = len(config.trainer_gpu_ids)
         trainer_argv = [BIN / "primerl-trainer", "@", paths["trainer"]]
@@ -222,14 +229,21 @@ class Launcher:
         if early_orchestrator:
             early.append(self._child("orchestrator", orchestrator_argv, []))
         started = "trainer" + ranks + (" and orchestrator" if early_orchestrator else "")
-        self.say(f"  starting inference (vLLM takes a while; log {inference.log_path}); {started} started meanwhile ...")
+        engines = "inference and the teacher" if teacher is not None else "inference"
+        self.say(f"  starting {engines} (vLLM takes a while; log {inference.log_path}); {started} started "
+                 "meanwhile ...")
         # Meanwhile a failed trainer or orchestrator is restarted (or stops the run) as during training.
-        served = self.supervisor.wait_ready_file(inference, inference_ready, self.options.inference_timeout_s,
-                                                 tick=self._look_after_starting)
-        if served is None:
-            return self._interrupted()
-        self.say(f"  inference ready in {inference.ready_s:.1f} s at {served.get('base_url')}")
-        self._pin_inference(served)
+        for server in (inference, teacher):
+            if server is None:
+                continue
+            watch = [teacher] if server is inference and teacher is not None else []
+            served = self.supervisor.wait_ready_file(server, ready_file_path(self.run_dir, server.name),
+                                                     self.options.inference_timeout_s, watch=watch,
+                                                     tick=self._look_after_starting)
+            if served is None:
+                return self._interrupted()
+            self.say(f"  {server.name} ready in {server.ready_s:.1f} s at {served.get('base_url')}")
+            self._pin_inference(served, server.name)
         if not early_orchestrator:
             self._child("orchestrator", orchestrator_argv, [])
             self.say("  orchestrator started (after inference: it runs evals)")
@@ -300,15 +314,15 @@ class Launcher:
         self.roles["broker"] = pinned_broker(self.roles["broker"], endpoints)
         write_toml(without_token(self.roles["broker"]), self.paths["broker"])
 
-    def _pin_inference(self, served: dict) -> None:
-        """A restarted inference server answers at the same URL (``pinned_inference``)."""
-        pinned = pinned_inference(self.roles["inference"], served)
+    def _pin_inference(self, served: dict, role: str = "inference") -> None:
+        """A restarted inference server (or teacher) answers at the same URL (``pinned_inference``)."""
+        pinned = pinned_inference(self.roles[role], served)
         if pinned is not None:
-            self.roles["inference"] = pinned
-            write_toml(without_token(pinned), self.paths["inference"])
+            self.roles[role] = pinned
+            write_toml(without_token(pinned), self.paths[role])
 
     def _look_after_starting(self) -> None:
-        """While inference starts: the trainer and orchestrator (started alongside) fail or restart as later;
+        """While inference (and the teacher) starts: the trainer and orchestrator (started alongside) fail or restart as later;
         one that exits 0 now stops the run."""
         self._look_after_children(starting=True)
 
@@ -325,7 +339,7 @@ class Launcher:
             if child.name == "orchestrator" and code == 0 and not starting:
                 self.handled_exits[child.name] = child.num_starts
                 continue  # it produced every step; the trainer is still consuming them
-            if child.name == "inference" and code == 0 and not starting:
+            if child.name in ("inference", "teacher") and code == 0 and not starting:
                 # The broker tells workers the run is over once the trainer finished: its exit follows soon.
                 self.handled_exits[child.name] = child.num_starts
                 self.clean_exit_s.setdefault(child.name, now)
@@ -397,7 +411,8 @@ class Launcher:
             url = worker.capabilities.get("metrics_url")
             if url and worker.name not in self.announced_metrics:
                 self.announced_metrics.add(worker.name)
-                auth = " (with the run token as bearer token)" if worker.role == common_pb2.ROLE_INFERENCE else ""
+                served = (common_pb2.ROLE_INFERENCE, common_pb2.ROLE_TEACHER)
+                auth = " (with the run token as bearer token)" if worker.role in served else ""
                 self.say(f"  {worker.name} metrics at {url}{auth}")
 
     # ------------------------------------------------------------------------------------------ ends
@@ -418,9 +433,11 @@ class Launcher:
         if self.is_tty:
             self.out.write("\n")
         stop_timeout_s = self.options.stop_timeout_s
-        self.supervisor.stop(["orchestrator", "inference"], timeout_s=stop_timeout_s, on_kill=self._on_kill)
+        self.supervisor.stop(["orchestrator", "inference", "teacher"], timeout_s=stop_timeout_s, on_kill=self._on_kill)
         self.supervisor.stop(["broker"], timeout_s=stop_timeout_s, on_kill=self._on_kill)  # last: the others deregister
-        for name in ("orchestrator", "inference", "broker"):
+        for name in ("orchestrator", "inference", "teacher", "broker"):
+            if name not in self.supervisor.children:
+                continue
             code = self.supervisor.children[name].poll()
             if code not in (0, None, -signal.SIGTERM):
                 print(f"primerl rl: note: {name} exited with status {code} while stopping; see "

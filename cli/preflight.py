@@ -11,6 +11,8 @@ a warning is printed and the start goes on. Tracebacks and the env workers' outp
     model and tokenizer paths              x                   x                         x
     W&B login (offline fallback)           x                   x             x
     fixed ports free                       x         x
+    memory of the vLLM engines (CPU)       x
+    teacher model and tokenizer            x
     * when its model name is a local directory (that tokenizer measures the prompts)
 
 The checks run concurrently; loading the environments (an env worker each, ~2.3 s for reverse-text on an idle core)
@@ -145,18 +147,28 @@ def rl_checks(config) -> dict[str, Check]:
     """The checks of a whole `primerl rl` run (an `RLConfig`)."""
     from primerl.cli.preflight_envs import env_checks
     from primerl.cli.preflight_model import model_checks
-    from primerl.cli.preflight_system import port_check, rl_ports, wandb_check
+    from primerl.cli.preflight_model import teacher_tokenizer_check
+    from primerl.cli.preflight_system import engine_memory_check, port_check, rl_ports, wandb_check
+    from primerl.cli.role_configs import has_gpus
 
-    trainer, orchestrator, inference = config.trainer, config.orchestrator, config.inference
+    trainer, orchestrator, inference, teacher = config.trainer, config.orchestrator, config.inference, config.teacher
+    names = {"trainer.model.name": (trainer.model.name, "model"),
+             "trainer.tokenizer.name": (trainer.tokenizer.name, "tokenizer"),
+             "inference.model.name": (inference.model.name, "model")}
+    engines = {"inference": inference}
+    checks = {}
+    if teacher is not None:
+        names["teacher.model.name"] = (teacher.model.name, "model")
+        engines["teacher"] = teacher
+        checks["teacher"] = teacher_tokenizer_check(teacher.model.name, trainer.tokenizer.name)
     return {
         "environments": env_checks(orchestrator, prefix="orchestrator.", tokenizer=trainer.tokenizer.name,
                                    max_model_len=inference.model.max_model_len),
-        "model": model_checks({"trainer.model.name": (trainer.model.name, "model"),
-                               "trainer.tokenizer.name": (trainer.tokenizer.name, "tokenizer"),
-                               "inference.model.name": (inference.model.name, "model")},
-                              shared_name=config.model.name),
+        "model": model_checks(names, shared_name=config.model.name),
         "wandb": wandb_check({"trainer": trainer, "orchestrator": orchestrator}),
         "ports": port_check(rl_ports(config.with_free_broker_ports())),
+        "memory": engine_memory_check(engines, gpus=has_gpus()),
+        **checks,
     }
 
 

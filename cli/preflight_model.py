@@ -13,7 +13,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Literal
 
-from primerl.cli.preflight import Check, Finding, error
+from primerl.cli.preflight import Check, Finding, error, warning
 
 Kind = Literal["model", "tokenizer"]
 
@@ -117,5 +117,22 @@ def model_checks(names: Mapping[str, tuple[str | None, Kind]], *, shared_name: s
                     findings.append(error(problem))
                     break
         return findings
+
+    return check
+
+
+def teacher_tokenizer_check(teacher_name: str, student_tokenizer: str | None) -> Check:
+    """The teacher scores the student's token ids as they are, so both must tokenize alike: a warning when both
+    are local directories whose ``tokenizer.json`` differ (hub ids and other layouts are not compared)."""
+
+    def check() -> list[Finding]:
+        if student_tokenizer is None:
+            return []
+        files = [Path(name).expanduser() / "tokenizer.json" for name in (teacher_name, student_tokenizer)]
+        if not all(f.is_file() for f in files) or files[0].read_bytes() == files[1].read_bytes():
+            return []
+        return [warning(f"teacher.model.name = {teacher_name!r} has another tokenizer.json than the student's "
+                        f"({student_tokenizer!r}): the teacher scores the student's token ids as they are, so its "
+                        "logprobs are only meaningful with the same tokenizer (vocabulary and ids)")]
 
     return check

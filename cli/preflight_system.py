@@ -1,6 +1,7 @@
-"""Preflight checks of the machine: fixed ports that are free, and W&B without a login (logged offline instead).
+"""Preflight checks of the machine: fixed ports that are free, W&B without a login (logged offline instead), and
+memory for the vLLM engines of a CPU run (inference, and the teacher of online distillation: a second engine).
 
-Both are checked by binding and by reading files only: no network."""
+All are checked by binding and by reading files only: no network."""
 
 from __future__ import annotations
 
@@ -35,8 +36,11 @@ def broker_ports(broker, prefix: str = "broker.") -> list[PortUse]:
 def rl_ports(config) -> list[PortUse]:
     """Every port of a `primerl rl` run (all roles on this machine)."""
     uses = broker_ports(config.broker)
-    server = config.inference.server
-    uses.append(PortUse("inference.server.port", "inference.server.host", server.host, server.port))
+    for role in ("inference", "teacher"):
+        if getattr(config, role, None) is None:
+            continue
+        server = getattr(config, role).server
+        uses.append(PortUse(f"{role}.server.port", f"{role}.server.host", server.host, server.port))
     for role in ("trainer", "orchestrator"):
         prometheus = getattr(config, role).prometheus
         if prometheus.enabled:
@@ -105,5 +109,48 @@ def wandb_check(role_configs: Mapping[str, object]) -> Check:
             if plan.note:
                 notes.setdefault(plan.note, []).append(role)
         return [warning(f"W&B ({' and '.join(roles)}): {note}") for note, roles in notes.items()]
+
+    return check
+
+
+ENGINE_OVERHEAD_BYTES = 2 * 2**30
+"""Memory of one vLLM engine on CPU besides its KV cache: the server and its engine-core process with the weights
+of a small model (~2.1 GB measured for the tiny model, multiprocess mode); a larger model adds its weights."""
+
+
+def available_memory_bytes() -> int | None:
+    """MemAvailable from /proc/meminfo, or None where there is none."""
+    try:
+        for line in open("/proc/meminfo"):
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
+def engine_memory_check(engines: Mapping[str, object], *, gpus: bool,
+                        available_bytes: int | None = None) -> Check:
+    """On a CPU machine, a warning when the vLLM engines (``{role: InferenceConfig}``) need more memory than is
+    available: each holds its KV cache (``kv_cache_memory_bytes``, the CPU default when unset) plus about
+    ``ENGINE_OVERHEAD_BYTES``. On GPUs the KV cache is GPU memory: nothing to check here."""
+
+    def check() -> list[Finding]:
+        from primerl.inference.engine import CPU_DEFAULT_KV_CACHE_BYTES
+
+        available = available_memory_bytes() if available_bytes is None else available_bytes
+        if gpus or available is None:
+            return []
+        caches = {role: getattr(config, "kv_cache_memory_bytes", None) or CPU_DEFAULT_KV_CACHE_BYTES
+                  for role, config in engines.items()}
+        needed = sum(caches.values()) + ENGINE_OVERHEAD_BYTES * len(engines)
+        if needed <= available:
+            return []
+        gib = 2**30
+        parts = " + ".join(f"{role} KV cache {size / gib:.2f} GiB" for role, size in caches.items())
+        settings = " and ".join(f"{role}.kv_cache_memory_bytes" for role in engines)
+        return [warning(f"{len(engines)} vLLM engine(s) need about {needed / gib:.1f} GiB ({parts}, ~"
+                        f"{ENGINE_OVERHEAD_BYTES / gib:.0f} GiB each for the engine) but {available / gib:.1f} GiB "
+                        f"are available; lower {settings} (e.g. 67108864 = 64 MiB for a small model)")]
 
     return check

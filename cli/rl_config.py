@@ -9,7 +9,8 @@ allowed too), inference picks a free HTTP port by default (`inference.server.por
 it through the broker), and Prometheus ports are per role (`[broker.prometheus]`, `[trainer.prometheus]`,
 `[orchestrator.prometheus]`; inference serves its metrics on its API port) and default to 0, a free port each.
 So two runs on one machine never collide unless their configs fix ports; fixed ports that clash within a run
-are reported (`port_clashes`). `--dry-run --write` shows the ports as configured (the standalone defaults
+are reported (`port_clashes`). A `[teacher]` table (or `teacher_gpu_ids`) adds a fifth role, the frozen teacher
+server of online distillation (`primerl.cli.rl_teacher`: what is filled in, and the checks). `--dry-run --write` shows the ports as configured (the standalone defaults
 50051-50053 for unset broker ports).
 Files in the flat lab shape and the legacy vf-rl shape are translated first (`primerl.cli.config_shapes`).
 """
@@ -30,6 +31,7 @@ from primerl.orchestrator.config import OrchestratorConfig
 from primerl.runtime.config_base import BaseConfig, ConfigWarning, nearest_multiples
 from primerl.runtime.config_common import DEFAULT_BROKER_GRPC_PORT, DEFAULT_BROKER_HOST, LogConfig, WandbConfig
 from primerl.cli.config_shapes import to_canonical
+from primerl.cli.rl_teacher import fill_teacher, has_teacher, teacher_problems, teacher_warnings
 from primerl.trainer.config import LoRAConfig, TrainerConfig
 
 ROLES = ("broker", "trainer", "orchestrator", "inference")
@@ -101,6 +103,12 @@ class RLConfig(BaseConfig):
     trainer_gpu_ids: list[int] = Field(
         default_factory=lambda: [1], min_length=1, description="GPUs of the trainer (one rank per GPU)."
     )
+    teacher_gpu_ids: list[int] | None = Field(
+        None, min_length=1,
+        description="GPUs of the teacher server (online distillation). Setting it starts a teacher even without "
+        "a [teacher] table (prime-rl's way: it then serves the run's model). Unset with [teacher]: the GPUs after "
+        "inference_gpu_ids and trainer_gpu_ids, as many as teacher.parallel tp x dp.",
+    )
     wandb: WandbConfig | None = Field(None, description="Weights & Biases, shared by trainer and orchestrator.")
     output_dir: Path = Field(Path("outputs"), description="Directory of the run: weights, checkpoints, logs.")
     max_async_level: int | None = Field(
@@ -111,6 +119,16 @@ class RLConfig(BaseConfig):
     trainer: TrainerConfig = Field(description="The trainer.")
     orchestrator: OrchestratorConfig = Field(description="The orchestrator.")
     inference: InferenceConfig = Field(description="The inference server.")
+    teacher: InferenceConfig | None = Field(
+        None,
+        description="The teacher server of online distillation (prime-rl's `[teacher_inference]` is an alias): "
+        "`primerl rl` starts it as its own `primerl-infer` with `role = \"teacher\"` (a frozen model that never "
+        "receives weight updates, on its own HTTP port) and points `[orchestrator.teacher]` at it. "
+        "`[teacher.model] name` is the teacher's model; unset, the run's model (self-distillation: the student is "
+        "pulled toward a frozen copy of its starting weights). Engine settings that [teacher] leaves unset "
+        "(dtype, enforce_eager, max_model_len, kv_cache_memory_bytes, gpu_memory_utilization, server host) are "
+        "inference's. Absent (and no teacher_gpu_ids): no teacher server.",
+    )
 
     @classmethod
     def normalize_raw(cls, data: dict[str, Any], source: str) -> dict[str, Any]:
@@ -152,8 +170,11 @@ class RLConfig(BaseConfig):
         _set_default(data, "broker.spool_dir", str(Path(shared.get("output_dir", "outputs")) / "broker" / "spool"))
         for role in ROLES:
             _fill_table(data, f"{role}.log", shared.get("log"))
+        if has_teacher(data):
+            _fill_table(data, "teacher.log", shared.get("log"))
         _fill_broker_client(data)
         _fill_inference(data)
+        fill_teacher(data)
         data.update(not_tables)
         return data
 
@@ -170,9 +191,12 @@ class RLConfig(BaseConfig):
             *self._connection_problems(),
             *self._trainer_rank_problems(),
             *self._wire_security_problems(),
+            *teacher_problems(self),
         ]
         if problems:
             raise ValueError("\n".join(problems))
+        for note in teacher_warnings(self):
+            warnings.warn(note, ConfigWarning, stacklevel=2)
         for clash in self.port_clashes():
             warnings.warn(f"{clash}: fine on separate machines, but `primerl rl` runs every role on this one and "
                           "refuses to start", ConfigWarning, stacklevel=2)
@@ -226,6 +250,12 @@ class RLConfig(BaseConfig):
     def _lora_problems(self) -> list[str]:
         lora = self.trainer.model.lora
         problems = []
+        if self.inference.enable_lora:
+            from primerl.inference.update_checks import moe_lora_problem
+
+            moe_problem = moe_lora_problem(self.inference.model.name)
+            if moe_problem:
+                problems.append(moe_problem)
         if lora is not None and self.trainer.weight_broadcast.type == "lora":
             if not self.inference.enable_lora:
                 problems.append(
@@ -285,7 +315,9 @@ class RLConfig(BaseConfig):
     def _wire_security_problems(self) -> list[str]:
         """Every role must match the broker's wire security (a mismatch would only show as timeouts)."""
         broker, problems = self.broker, []
-        for role in ("trainer", "orchestrator", "inference"):
+        for role in ("trainer", "orchestrator", "inference", "teacher"):
+            if getattr(self, role) is None:
+                continue
             client = getattr(self, role).broker
             if (broker.curve_secret_key_path is None) != (client.curve_secret_key_path is None):
                 problems.append(
@@ -314,6 +346,8 @@ class RLConfig(BaseConfig):
         ports = {f"broker.{name}": getattr(self.broker, name) if name in self.broker.model_fields_set else 0
                  for name in BROKER_PORTS}
         ports["inference.server.port"] = self.inference.server.port
+        if self.teacher is not None:
+            ports["teacher.server.port"] = self.teacher.server.port
         for role in ("broker", "trainer", "orchestrator"):
             prometheus = getattr(self, role).prometheus
             if prometheus.enabled:
@@ -328,8 +362,12 @@ class RLConfig(BaseConfig):
     # ------------------------------------------------------------------------------------------------------
 
     def role_configs(self) -> dict[str, BaseConfig]:
-        """The four role configs of the run, fully resolved (each one independent of this object)."""
-        return {role: getattr(self, role).model_copy(deep=True) for role in ROLES}
+        """The role configs of the run, fully resolved (each one independent of this object): the four roles,
+        and `teacher` when the run has a teacher server."""
+        roles = {role: getattr(self, role).model_copy(deep=True) for role in ROLES}
+        if self.teacher is not None:
+            roles["teacher"] = self.teacher.model_copy(deep=True)
+        return roles
 
 
 def _fill_model_name(data: dict[str, Any]) -> None:
@@ -379,7 +417,9 @@ def _fill_broker_client(data: dict[str, Any]) -> None:
     port = broker.get("grpc_port", DEFAULT_BROKER_GRPC_PORT)
     if port == 0:  # a free port: `primerl rl` tells the roles the one bound; a placeholder until then
         port = DEFAULT_BROKER_GRPC_PORT
-    for role in ("trainer", "orchestrator", "inference"):
+    for role in ("trainer", "orchestrator", "inference", *(("teacher",) if has_teacher(data) else ())):
+        if not isinstance(data.get(role, {}), dict):
+            continue  # validation reports it
         _set_default(data, f"{role}.broker.address", f"{host}:{port}")
         if broker.get("run_token") is not None:
             _set_default(data, f"{role}.broker.run_token", broker["run_token"])

@@ -19,10 +19,15 @@ def thread_budgets(run_config: Any, roles: dict, *, gpus: bool) -> dict[str, Thr
     cpus = available_cpus()
     defaults = default_budgets(cpus, gpus=gpus, num_trainer_ranks=len(run_config.trainer_gpu_ids))
     budgets = {"broker": defaults["broker"]}
-    for role in ("trainer", "orchestrator", "inference"):
+    for role in ("trainer", "orchestrator", "inference", "teacher"):
+        if role not in roles:
+            continue  # no teacher in this run
         explicit = roles[role].threads
         default = defaults[role]
-        if role == "inference" and explicit.num_threads is not None and explicit.cpus is None and default.cpus:
+        if role == "teacher" and "cpus" not in explicit.model_fields_set and budgets["inference"].cpus:
+            default = default.model_copy(update={"cpus": budgets["inference"].cpus})  # inference's, as set
+        if (role in ("inference", "teacher") and explicit.num_threads is not None and explicit.cpus is None
+                and default.cpus):
             # vLLM runs one thread per bound CPU: a thread count asked for binds that many CPUs.
             default = default.model_copy(update={"cpus": cpus[: explicit.num_threads]})
         budgets[role] = fill_budget(explicit, default)
@@ -35,8 +40,9 @@ def without_token(config: Any) -> Any:
     fields = type(config).model_fields
     if "run_token" in fields:
         return config.model_copy(update={"run_token": None})
-    sections = ("broker", "trainer", "orchestrator", "inference")
-    updates = {name: without_token(getattr(config, name)) for name in sections if name in fields}
+    sections = ("broker", "trainer", "orchestrator", "inference", "teacher")
+    updates = {name: without_token(getattr(config, name)) for name in sections
+               if name in fields and getattr(config, name) is not None}
     return config.model_copy(update=updates)
 
 
@@ -52,7 +58,8 @@ def pinned_broker(broker: Any, endpoints: dict) -> Any:
 
 
 def pinned_inference(inference: Any, served: dict) -> Any | None:
-    """The inference config with the HTTP port it bound (from its ready file), or None when it has it already."""
+    """The inference (or teacher) config with the HTTP port it bound (from its ready file), or None when it has it
+    already."""
     if served.get("http_port") and inference.server.port != served["http_port"]:
         server = inference.server.model_copy(update={"port": int(served["http_port"])})
         return inference.model_copy(update={"server": server})

@@ -403,15 +403,23 @@ def test_a_teacher_that_refuses_fails_groups_into_the_streak(servers):
 
 @pytest.mark.slow
 @pytest.mark.vllm
-def test_a_real_teacher_gives_the_logprobs_of_a_float32_forward(tmp_path, tiny_model, infer_broker):
+def test_a_real_teacher_by_url_and_as_listed_gives_the_logprobs_of_a_float32_forward(tmp_path, tiny_model, infer_broker):
     from support.daemons import InferenceDaemon
     from support.inference import TOKEN as RUN_TOKEN
 
+    from primerl.client.control import BrokerUnavailable
     from primerl.inference.logprob_check import load_reference_model, reference_logprobs
+    from primerl.orchestrator.endpoints import EndpointWatcher
+    from primerl.proto.v1 import common_pb2
 
-    daemon = InferenceDaemon(tmp_path, tiny_model, infer_broker.grpc_address, RUN_TOKEN,
+    daemon = InferenceDaemon(tmp_path, tiny_model, infer_broker.grpc_address, RUN_TOKEN, "--role", "teacher",
                              env={"TMPDIR": str(tmp_path)}, name="teacher")
     scorer = TeacherScorer(TeacherConfig(base_url=[daemon.url], max_inflight=4), run_token=RUN_TOKEN)
+    listed = TeacherScorer(TeacherConfig(max_inflight=4), run_token=RUN_TOKEN)  # as the broker lists teachers
+    client = infer_broker.client("orchestrator", "teacher-test")
+    watcher = EndpointWatcher(lambda: client.list_workers(common_pb2.ROLE_TEACHER), outage_s=30,
+                              healable=(BrokerUnavailable,), what="teacher workers")
+    watcher.start()
     samples = [
         sample([3, 40, 41, 42, 200, 201, 202, 7], [False, False, False, False, True, True, True, True]),
         sample([3, 40, 41, 42, 200, 201, 202, 7, 50, 51, 300, 301], [False] * 10 + [True, True], 1),  # turn 2
@@ -420,8 +428,15 @@ def test_a_real_teacher_gives_the_logprobs_of_a_float32_forward(tmp_path, tiny_m
     try:
         scored = scorer.submit(samples).result(timeout=120)
         metrics = scorer.take_metrics()
+        _, workers = wait_until(lambda: watcher.snapshot()[1] and watcher.snapshot(), 30, "the broker to list it")
+        assert [info.base_url for info in workers.values()] == [f"{daemon.url}/v1"]
+        listed.set_endpoints({worker_id: info.base_url for worker_id, info in workers.items()})
+        assert listed.submit(samples).result(timeout=120) == scored
     finally:
-        scorer.close()
+        watcher.stop()
+        client.close()
+        for teacher in (scorer, listed):
+            teacher.close()
         daemon.stop()
     model = load_reference_model(tiny_model)
     worst = 0.0
@@ -433,5 +448,6 @@ def test_a_real_teacher_gives_the_logprobs_of_a_float32_forward(tmp_path, tiny_m
             else:
                 assert values[i] == 0.0
         assert any(values) and all(math.isfinite(v) for v in values)
+    print(f"teacher vs transformers float32: worst |diff| {worst:.2e} over the loss tokens")
     assert worst < 1e-4, worst
     assert metrics["teacher/requests"] == 3 and metrics["teacher/errors"] == 0

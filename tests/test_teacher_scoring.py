@@ -1,8 +1,10 @@
 """The orchestrator scores the student's rollouts with a teacher (issue 18): the answer's prompt logprobs become
 ``teacher_logprobs`` aligned with the loss mask; failures of a real local HTTP server (503, a closed connection,
 a 400, no answer in time, nothing listening) are retried and then fail the group with a ``teacher_*`` kind; the
-rollout scheduler keeps scorings in flight beside rollouts and counts failed scorings like failed rollouts; and,
-slow, a real ``primerl-infer`` as the teacher gives the logprobs of a transformers float32 forward pass."""
+rollout scheduler keeps scorings in flight beside rollouts and counts failed scorings like failed rollouts. Slow:
+a real ``primerl-infer`` as the teacher (by URL, and as the broker lists it) gives the logprobs of a transformers
+float32 forward pass; and the real ``primerl-orchestrator`` with a real student and teacher ships micro-batches
+whose teacher_logprobs match the student's inference logprobs (same model)."""
 
 from __future__ import annotations
 
@@ -451,3 +453,65 @@ def test_a_real_teacher_by_url_and_as_listed_gives_the_logprobs_of_a_float32_for
     print(f"teacher vs transformers float32: worst |diff| {worst:.2e} over the loss tokens")
     assert worst < 1e-4, worst
     assert metrics["teacher/requests"] == 3 and metrics["teacher/errors"] == 0
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
+def test_the_orchestrator_scores_its_rollouts_with_the_teacher_the_broker_lists(tmp_path, tiny_model):
+    """Real daemons: an in-process broker, a student primerl-infer, a teacher primerl-infer (--role teacher, the
+    same model) and primerl-orchestrator with `[orchestrator.teacher]` and no base_url. Each step's micro-batches
+    carry teacher_logprobs equal to the inference logprobs at the loss tokens (same weights, temperature 1)."""
+    import os
+    import subprocess
+
+    import numpy as np
+    from support.broker import BrokerHarness
+    from support.daemons import InferenceDaemon
+    from support.orchestrator import ENV_FIXTURES, ENV_PYTHON, metric_rows, orchestrator_args
+
+    from primerl.client.rollouts import RolloutConsumer
+
+    if not os.path.exists(ENV_PYTHON):
+        pytest.skip(f"no env-worker interpreter at {ENV_PYTHON}: run `make setup` (it builds .venv-envs)")
+    broker = BrokerHarness(tmp_path / "spool", run_token=TOKEN, heartbeat_interval_s=0.2, run_id="teacher-run")
+    daemons: list[InferenceDaemon] = []
+    orchestrator = None
+    log_path = tmp_path / "orchestrator.log"
+    steps: dict[int, list] = {}
+    try:
+        for name, extra in (("student", ()), ("teacher", ("--role", "teacher"))):
+            daemons.append(InferenceDaemon(tmp_path, tiny_model, broker.grpc_address, TOKEN, *extra,
+                                           env={"TMPDIR": str(tmp_path)}, name=name))
+        args = orchestrator_args(tiny_model, broker, tmp_path / "out", "reverse-text", "--max-async-level", "4",
+                                 "--teacher.max-inflight", "8")
+        with open(log_path, "w") as log_file:
+            orchestrator = subprocess.Popen(args, stdout=log_file, stderr=subprocess.STDOUT,
+                                            env={**os.environ, "PRIMERL_RUN_TOKEN": TOKEN,
+                                                 "PYTHONPATH": str(ENV_FIXTURES)})
+        with RolloutConsumer(broker.rollout_endpoint, auth_token=TOKEN, worker_id="trainer-0", rank=0) as consumer:
+            for step in (1, 2):
+                steps[step] = consumer.fetch_step(step, timeout_s=180)
+        assert orchestrator.wait(60) == 0, log_path.read_text()[-4000:]
+    finally:
+        if orchestrator is not None and orchestrator.poll() is None:
+            orchestrator.kill()
+            orchestrator.wait(10)
+        for daemon in daemons:
+            daemon.stop()
+        broker.stop()
+    num_loss_tokens, worst = 0, 0.0
+    for batches in steps.values():
+        for _, tensors in batches:
+            mask = np.asarray(tensors["loss_mask"], dtype=bool)
+            teacher = np.asarray(tensors["teacher_logprobs"], dtype=np.float64)
+            served = np.asarray(tensors["inference_logprobs"], dtype=np.float64)
+            assert not teacher[~mask].any()  # 0.0 wherever there is no loss
+            num_loss_tokens += int(mask.sum())
+            worst = max(worst, float(np.abs(teacher[mask] - served[mask]).max(initial=0.0)))
+    print(f"teacher vs student inference logprobs: worst |diff| {worst:.2e} over {num_loss_tokens} loss tokens")
+    assert num_loss_tokens > 0 and worst < 1e-3, (num_loss_tokens, worst)
+    rows = metric_rows(tmp_path / "out")
+    assert len(rows) == 2 and all(row["teacher/requests"] > 0 and row["teacher/errors"] == 0 for row in rows)
+    assert sum(row["teacher/requests"] for row in rows) >= 16  # every rollout of both steps, at least
+    text = log_path.read_text(errors="replace")
+    assert "teacher worker joined" in text and "scoring rollouts with a teacher" in text

@@ -4,6 +4,11 @@ A micro-batch packs several samples into one sequence of at most ``seq_len`` tok
 restart at 0 where a sample starts. The forward pass unpacks it into a padded [samples, longest] batch
 with an attention mask, so no sample attends to another whatever the attention implementation, then
 packs the per-token results back into the original order.
+
+A mixture-of-experts model (its config has ``router_aux_loss_coef``: Qwen2/3-MoE, Mixtral) also gives its router
+load-balancing loss when asked (``router_aux``): transformers' own loss of the family, computed by the model
+over the real tokens of the padded batch (its attention mask leaves the padding out), so packing changes nothing.
+`router_aux_term` turns it into the step's loss term and the ``router_aux_loss`` metric.
 """
 
 from __future__ import annotations
@@ -85,22 +90,65 @@ def _padded(values: torch.Tensor, spans: list[tuple[int, int]], longest: int, fi
     return rows
 
 
-def forward_logits_padded(model: torch.nn.Module, input_ids: torch.Tensor, position_ids: torch.Tensor,
+def hf_config(model: torch.nn.Module) -> Any:
+    """The transformers config of `model`, under DDP (``.module``) and peft wrappers; None if it has none."""
+    while not hasattr(model, "config") and isinstance(getattr(model, "module", None), torch.nn.Module):
+        model = model.module
+    return getattr(model, "config", None)
+
+
+def router_aux_loss_coef(model: torch.nn.Module) -> float | None:
+    """None for a dense model; for a mixture-of-experts model, the weight of its router load-balancing loss in
+    the training loss as the family defines it: ``router_aux_loss_coef`` when the config's
+    ``output_router_logits`` is on (transformers adds the loss only then), else 0.0 (reported, not trained)."""
+    config = hf_config(model)
+    coef = getattr(config, "router_aux_loss_coef", None)
+    if coef is None or not hasattr(config, "output_router_logits"):
+        return None
+    return float(coef) if config.output_router_logits else 0.0
+
+
+def forward_logits_padded(model: torch.nn.Module, input_ids: torch.Tensor, position_ids: torch.Tensor, *,
+                          router_aux: dict[str, Any] | None = None,
                           ) -> tuple[torch.Tensor, torch.Tensor, list[tuple[int, int]]]:
     """The model's logits on the packed samples as one padded batch: (logits [samples, longest, vocab], the padded
-    input ids [samples, longest], the samples' spans). Row i holds sample i; positions past its end are padding."""
+    input ids [samples, longest], the samples' spans). Row i holds sample i; positions past its end are padding.
+
+    ``router_aux`` (a dict to fill): for a mixture-of-experts model, ``"loss"`` (the router load-balancing loss
+    over the batch's real tokens, differentiable) and ``"coef"`` (`router_aux_loss_coef`); left empty for a
+    dense model."""
     spans = sample_spans(position_ids)
     longest = max(end - start for start, end in spans)
     padded = _padded(input_ids, spans, longest, 0)
     attention = _padded(torch.ones_like(input_ids), spans, longest, 0)
-    return model(input_ids=padded, attention_mask=attention, use_cache=False).logits, padded, spans
+    coef = router_aux_loss_coef(model) if router_aux is not None else None
+    if coef is None:
+        return model(input_ids=padded, attention_mask=attention, use_cache=False).logits, padded, spans
+    output = model(input_ids=padded, attention_mask=attention, use_cache=False, output_router_logits=True)
+    if output.aux_loss is not None:
+        router_aux.update(loss=output.aux_loss, coef=coef)
+    return output.logits, padded, spans
+
+
+def router_aux_term(router_aux: dict[str, Any], batch_loss_tokens: int, num_loss_tokens: int) -> Any:
+    """The router loss of one micro-batch as a step loss term (``losses.LossOutput``): coef x loss, weighted by
+    the micro-batch's share of the step's loss tokens, so the terms of a step add up to the token-weighted mean;
+    metric ``router_aux_loss`` (the loss without coef, same weighting). Zero for an empty ``router_aux``."""
+    from primerl.trainer.losses import LossOutput
+
+    if "loss" not in router_aux:
+        return LossOutput(loss=torch.zeros(()), metrics={})
+    share = batch_loss_tokens / max(num_loss_tokens, 1)
+    aux = router_aux["loss"] * share
+    return LossOutput(loss=aux * router_aux["coef"], metrics={"router_aux_loss": float(aux.detach())})
 
 
 def packed_token_logprobs(
-    model: torch.nn.Module, batch: MicroBatch, *, with_entropy: bool = True
+    model: torch.nn.Module, batch: MicroBatch, *, with_entropy: bool = True, router_aux: dict[str, Any] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Per-token logprobs [n] (differentiable) and entropies [n] (detached) in packed order; the first token
-    of each sample has no context: its logprob is 0 and it must not be a loss token.
+    of each sample has no context: its logprob is 0 and it must not be a loss token. ``router_aux``: see
+    `forward_logits_padded`.
 
     Computed on the padded batch at once (one log-softmax, one gather), the same numbers as
     ``losses.token_logprobs``/``token_entropy`` sample by sample without a Python loop over the samples."""
@@ -109,7 +157,8 @@ def packed_token_logprobs(
     spans = sample_spans(batch.position_ids)
     if any(bool(batch.loss_mask[start]) for start, _ in spans):
         raise ValueError("the first token of a sample cannot be a loss token (it has no context to predict it)")
-    logits, padded_ids, spans = forward_logits_padded(model, batch.input_ids, batch.position_ids)
+    logits, padded_ids, spans = forward_logits_padded(model, batch.input_ids, batch.position_ids,
+                                                      router_aux=router_aux)
     longest = padded_ids.shape[1]
     valid = _padded(torch.ones_like(batch.loss_mask), spans, longest, False)
     temperatures = _padded(batch.temperatures.float(), spans, longest, 1.0)

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from primerl.trainer.batch import MicroBatch, packed_token_logprobs
+from primerl.trainer.batch import MicroBatch, packed_token_logprobs, router_aux_term
 from primerl.trainer.distributed import DistInfo, all_reduce_sum
 from primerl.trainer.config import KLConfig
 from primerl.trainer.losses import AdaptiveKLController, LossOutput, kl_penalty, rl_loss, sft_loss
@@ -94,9 +94,14 @@ class TrainStep:
             batch = micro_batches[min(index, len(micro_batches) - 1)]
             with self._no_sync(last=index == num_passes - 1):
                 started_s = time.perf_counter()
-                logprobs, entropy = packed_token_logprobs(self.model, batch)
+                router_aux: dict = {}  # filled for a mixture-of-experts model (batch.router_aux_term)
+                logprobs, entropy = packed_token_logprobs(self.model, batch, router_aux=router_aux)
                 out = self.objective(batch, logprobs, num_loss_tokens)
                 loss = out.loss
+                if router_aux:
+                    aux = router_aux_term(router_aux, batch.num_loss_tokens, num_loss_tokens)
+                    loss = loss + aux.loss
+                    out.metrics.update(aux.metrics)
                 if self.reference_model is not None and not padding:
                     kl = self._kl(batch, logprobs, num_loss_tokens)
                     loss = loss + kl.loss

@@ -151,7 +151,8 @@ class RolloutFailures:
             self._streak[kind] += num_rollouts
         if kind not in self.first_errors:
             self.first_errors[kind] = _cut(error)
-            hint = ("the inference server did not answer (restarting?): waiting for it up to "
+            server = "the teacher" if kind.startswith("teacher_") else "the inference server"
+            hint = (f"{server} did not answer (restarting?): waiting for it up to "
                     f"{self.inference_outage_s:g} s" if unreachable else hint_for(kind, error, self.hint_values))
             log.warning("rollout failed", kind=kind, error=self.first_errors[kind], count=self.counts[kind], hint=hint)
             if self._report is not None:

@@ -218,6 +218,8 @@ class TeacherHttp:
             raise TeacherTimeout(f"teacher at {url} did not answer in time ({type(exc).__name__})") from None
         except (httpx.TransportError, OSError) as exc:  # refused, reset, closed mid-answer
             raise TeacherUnreachable(f"teacher at {url} could not be reached: {type(exc).__name__}: {exc}") from None
+        except (httpx.HTTPError, httpx.InvalidURL, RuntimeError) as exc:  # e.g. a bad URL, the client closed
+            raise TeacherError(f"teacher request to {url} failed: {type(exc).__name__}: {exc}") from None
         if response.status_code in UNREACHABLE_STATUS:
             raise TeacherUnreachable(f"teacher at {url} answered HTTP {response.status_code} (Service Unavailable): "
                                      f"{response.text[:MAX_ERROR_CHARS]}")

@@ -30,6 +30,7 @@ from __future__ import annotations
 import collections
 import concurrent.futures
 import os
+import queue
 import threading
 import time
 from collections.abc import Sequence
@@ -69,7 +70,11 @@ class TeacherScorer:
         if config.base_url:
             self.endpoints.set({url: url for url in config.base_url})
         self.http = TeacherHttp(api_key=api_key, timeout_s=config.timeout_s, max_connections=config.max_inflight)
-        self._pool = concurrent.futures.ThreadPoolExecutor(config.max_inflight, thread_name_prefix="teacher")
+        # daemon threads (not a ThreadPoolExecutor, whose threads the interpreter joins at exit): a request that
+        # hangs until timeout_s never holds up a stop
+        self._tasks: queue.SimpleQueue = queue.SimpleQueue()
+        self._threads: list[threading.Thread] = []
+        self._groups: set[concurrent.futures.Future] = set()  # group futures not done yet
         self._closing = threading.Event()
         self._lock = threading.Lock()
         self._counts: collections.Counter = collections.Counter()
@@ -83,10 +88,14 @@ class TeacherScorer:
     def submit(self, samples: Sequence[Any]) -> concurrent.futures.Future:
         """A future of ``[teacher_logprobs of each sample]`` (in order), or of the group's first ``TeacherError``."""
         group_future: concurrent.futures.Future = concurrent.futures.Future()
+        if self._closing.is_set():
+            group_future.set_exception(ScoringCancelled("teacher scoring cancelled: the scorer is closed"))
+            return group_future
+        self._start_threads()
         results: list[list[float] | None] = [None] * len(samples)
         remaining = [len(samples)]
         lock = threading.Lock()
-        futures = [self._pool.submit(self._score, s.token_ids, s.loss_mask) for s in samples]
+        futures: list[concurrent.futures.Future] = [concurrent.futures.Future() for _ in samples]
 
         def done(index: int, future: concurrent.futures.Future) -> None:
             with lock:
@@ -94,21 +103,47 @@ class TeacherScorer:
                     return
                 error = None if future.cancelled() else future.exception()
                 if future.cancelled() or error is not None:
-                    group_future.set_exception(error or ScoringCancelled("teacher scoring cancelled"))
+                    _settle(group_future, error=error or ScoringCancelled("teacher scoring cancelled"))
                 else:
                     results[index] = future.result()
                     remaining[0] -= 1
                     if not remaining[0]:
-                        group_future.set_result(results)
+                        _settle(group_future, result=results)
                     return
             for other in futures:  # outside the lock: a cancel runs this callback again, at once
                 other.cancel()
 
+        with self._lock:
+            self._groups.add(group_future)
+        group_future.add_done_callback(self._forget)
         if not samples:
-            group_future.set_result([])
-        for index, future in enumerate(futures):
+            _settle(group_future, result=[])
+        for index, (future, sample) in enumerate(zip(futures, samples)):
             future.add_done_callback(lambda f, i=index: done(i, f))
+            self._tasks.put((future, sample.token_ids, sample.loss_mask))
         return group_future
+
+    def _forget(self, group_future: concurrent.futures.Future) -> None:
+        with self._lock:
+            self._groups.discard(group_future)
+
+    def _start_threads(self) -> None:
+        if self._threads:
+            return
+        for index in range(self.config.max_inflight):
+            self._threads.append(threading.Thread(target=self._work, name=f"teacher-{index}", daemon=True))
+            self._threads[-1].start()
+
+    def _work(self) -> None:
+        """A scoring thread: one sample request after another until ``close``."""
+        while (task := self._tasks.get()) is not None:
+            future, token_ids, loss_mask = task
+            if not future.set_running_or_notify_cancel():
+                continue
+            try:
+                _settle(future, result=self._score(token_ids, loss_mask))
+            except BaseException as exc:  # noqa: BLE001 - handed to the main loop by the group's future
+                _settle(future, error=exc)
 
     def _model(self, endpoint: TeacherEndpoint) -> str:
         if self.config.model is not None:
@@ -150,6 +185,8 @@ class TeacherScorer:
         raise AssertionError("unreachable")
 
     def _ended(self, endpoint: TeacherEndpoint | None, error: TeacherError | None, seconds: float) -> None:
+        if self._closing.is_set():  # a request cut short by close: nothing to count or say
+            return
         with self._lock:
             self._counts["requests"] += 1
             self._counts["request_s"] += seconds
@@ -174,10 +211,27 @@ class TeacherScorer:
                 "teacher/inflight": float(self.endpoints.num_inflight())}
 
     def close(self) -> None:
-        """Cancel queued requests and end retry waits; requests on the wire end within ``timeout_s``."""
+        """Fail every scoring under way (``ScoringCancelled``) at once, end retry waits and the threads; a request
+        still on the wire is dropped (its thread is a daemon)."""
         self._closing.set()
-        self._pool.shutdown(wait=False, cancel_futures=True)
+        with self._lock:
+            groups, self._groups = list(self._groups), set()
+        for group_future in groups:
+            _settle(group_future, error=ScoringCancelled("teacher scoring cancelled"))
+        for _ in self._threads:
+            self._tasks.put(None)
         self.http.close()
+
+
+def _settle(future: concurrent.futures.Future, *, result: Any = None, error: BaseException | None = None) -> None:
+    """Set a future's result or error unless it is settled already (``close`` and a thread may race)."""
+    try:
+        if error is not None:
+            future.set_exception(error)
+        else:
+            future.set_result(result)
+    except concurrent.futures.InvalidStateError:
+        pass
 
 
 __all__ = ["ScoringCancelled", "TeacherScorer"]

@@ -1,11 +1,12 @@
 """`primerl rl` without `--dry-run`: the run directory, the four roles as child processes, live progress, the end.
 
 Order: broker (ready file) -> inference (and the teacher, when the run has one) and trainer at once (the trainer
-builds its model while vLLM starts; it only talks to the broker) and the orchestrator too unless it runs evals (it
-waits for a live inference worker by itself; an eval at step 0 needs one) -> once inference (and the teacher)
-are ready, the orchestrator if not started. The teacher (``[teacher]``, online distillation) is a second
-``primerl-infer``, with ``role = "teacher"``, treated like inference throughout: ready file, pinned port,
-restarts, stop. Each role logs to ``{run_dir}/logs/<role>.log`` and runs in its own process group (``primerl.cli.process_supervisor``).
+builds its model while vLLM starts; it only talks to the broker), and the orchestrator too unless it runs evals
+or scores with a teacher (it waits for a live inference worker by itself; an eval at step 0 needs one, and a
+rollout group whose teacher scoring finds no teacher listed fails) -> once inference (and the teacher) are ready,
+the orchestrator if not started. The teacher (``[teacher]``, online distillation) is a second ``primerl-infer``
+with ``role = "teacher"``, treated like inference throughout: ready file, pinned port, restarts, stop. Each role
+logs to ``{run_dir}/logs/<role>.log`` and runs in its own process group (``primerl.cli.process_supervisor``).
 The run token (the config's ``broker.run_token``, else an exported ``$PRIMERL_RUN_TOKEN``, else a fresh one)
 reaches the children as ``$PRIMERL_RUN_TOKEN`` only; the config files written hold none. Once the broker is
 ready, ``{run_dir}/run.json`` (mode 0600, ``primerl.cli.run_file``) holds its address and the token, and the
@@ -225,7 +226,10 @@ class Launcher:
         early = [self._child("trainer", trainer_argv, config.trainer_gpu_ids)]
         ranks = f" ({num_ranks} ranks under torchrun)" if num_ranks > 1 else ""
         orchestrator_argv = [BIN / "primerl-orchestrator", "@", paths["orchestrator"]]
-        early_orchestrator = config.orchestrator.eval is None  # it waits for inference workers by itself
+        # It waits for inference workers by itself; not for a teacher (a group whose scoring finds none listed
+        # fails once its retries are spent, and the teacher may be ready seconds after inference), nor before an
+        # eval at step 0.
+        early_orchestrator = config.orchestrator.eval is None and teacher is None
         if early_orchestrator:
             early.append(self._child("orchestrator", orchestrator_argv, []))
         started = "trainer" + ranks + (" and orchestrator" if early_orchestrator else "")
@@ -246,7 +250,8 @@ class Launcher:
             self._pin_inference(served, server.name)
         if not early_orchestrator:
             self._child("orchestrator", orchestrator_argv, [])
-            self.say("  orchestrator started (after inference: it runs evals)")
+            why = "it runs evals" if config.orchestrator.eval is not None else "it scores with the teacher"
+            self.say(f"  orchestrator started (after {engines}: {why})")
         self.under_way = True
         self.say("  training ...")
         self.startup_s = time.monotonic() - started_s
@@ -322,8 +327,8 @@ class Launcher:
             write_toml(without_token(pinned), self.paths[role])
 
     def _look_after_starting(self) -> None:
-        """While inference (and the teacher) starts: the trainer and orchestrator (started alongside) fail or restart as later;
-        one that exits 0 now stops the run."""
+        """While inference (and the teacher) starts: the trainer and orchestrator (started alongside) fail or restart
+        as later; one that exits 0 now stops the run."""
         self._look_after_children(starting=True)
 
     def _look_after_children(self, starting: bool = False) -> bool:

@@ -9,9 +9,9 @@ allowed too), inference picks a free HTTP port by default (`inference.server.por
 it through the broker), and Prometheus ports are per role (`[broker.prometheus]`, `[trainer.prometheus]`,
 `[orchestrator.prometheus]`; inference serves its metrics on its API port) and default to 0, a free port each.
 So two runs on one machine never collide unless their configs fix ports; fixed ports that clash within a run
-are reported (`port_clashes`). A `[teacher]` table (or `teacher_gpu_ids`) adds a fifth role, the frozen teacher
-server of online distillation (`primerl.cli.rl_teacher`: what is filled in, and the checks). `--dry-run --write` shows the ports as configured (the standalone defaults
-50051-50053 for unset broker ports).
+are reported (`port_clashes`). `--dry-run --write` shows the ports as configured (the standalone defaults
+50051-50053 for unset broker ports). A `[teacher]` table (or `teacher_gpu_ids`) adds a fifth role, the frozen
+teacher server of online distillation (`primerl.cli.rl_teacher`: what is filled in, and the checks).
 Files in the flat lab shape and the legacy vf-rl shape are translated first (`primerl.cli.config_shapes`).
 """
 

@@ -126,6 +126,7 @@ class RolloutFailures:
         self._clock = clock
         self.unreachable_since: float | None = None  # first "no inference worker answers" since the last success
         self._unreachable_error = ""
+        self._unreachable_what = "inference worker"  # or "teacher": who did not answer first
         self._next_unreachable_log_s = 0.0
         self.step_num_rollouts = step_num_rollouts
         self._report = report
@@ -145,6 +146,7 @@ class RolloutFailures:
             if self.unreachable_since is None:
                 self.unreachable_since = self._clock()
                 self._unreachable_error = _cut(error)
+                self._unreachable_what = "teacher" if kind.startswith("teacher_") else "inference worker"
                 self._next_unreachable_log_s = self.unreachable_since + LOG_EVERY_S
         else:
             self.consecutive += num_rollouts
@@ -166,6 +168,7 @@ class RolloutFailures:
         if self.unreachable_since is None:
             self.unreachable_since = self._clock()
             self._unreachable_error = _cut(error)
+            self._unreachable_what = "inference worker"
             self._next_unreachable_log_s = self.unreachable_since + LOG_EVERY_S
 
     def succeeded(self, num_rollouts: int = 1) -> None:
@@ -188,7 +191,7 @@ class RolloutFailures:
         waited_s = now - self.unreachable_since
         if waited_s > self.inference_outage_s:
             raise RolloutsFailing(
-                f"no inference worker (or teacher) answered for {waited_s:.0f} s (the orchestrator waits up to "
+                f"no {self._unreachable_what} answered for {waited_s:.0f} s (the orchestrator waits up to "
                 f"{self.inference_outage_s:g} s); first error: {self._unreachable_error}. Fix: is primerl-infer "
                 "running, and is the address it registered with the broker reachable from the orchestrator's "
                 "machine?")

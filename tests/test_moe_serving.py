@@ -84,6 +84,20 @@ def served_diff(llm: Any, model_dir: Path, weights: dict[str, torch.Tensor], wor
 
 @pytest.mark.slow
 @pytest.mark.vllm
+def test_generate_check_logprobs_passes_on_the_moe_model(llm: Any, moe_model: Path,
+                                                          capsys: pytest.CaptureFixture) -> None:
+    """`primerl generate DIR --check-logprobs` on the checkpoint's weights (before any update of this module)."""
+    from primerl.cli import generate
+
+    code = generate.main([str(moe_model), "--check-logprobs", "--num-prompts", "6", "--max-tokens", "16"], llm=llm)
+    out = capsys.readouterr().out
+    assert code == 0, out
+    assert ": OK" in out and out.count("completion:") == 6
+    print(out.splitlines()[-1])
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
 def test_moe_served_logprobs_match_and_follow_full_and_delta_updates(
         llm: Any, moe_model: Path, tmp_path: Path) -> None:
     from safetensors.torch import load_file

@@ -103,7 +103,8 @@ class DropSeedMiddleware:
     local config.json (a hub id), or engine extra arguments that set the scheduler; the server decides from the
     started engine's own scheduler config. See `primerl.inference.engine.cpu_scheduler_kwargs`."""
 
-    GENERATION_PATHS = ("/v1/chat/completions", "/v1/completions")
+    GENERATION_PATHS = ("/v1/chat/completions", "/v1/completions", "/inference/v1/generate")
+    """The token route (`primerl.inference.token_generate`) carries its seed in `sampling_params.seed`."""
 
     def __init__(self, app: Any, max_body_bytes: int = 64 << 20) -> None:
         self.app = app
@@ -127,8 +128,7 @@ class DropSeedMiddleware:
             request = json.loads(body) if size <= self.max_body_bytes else None
         except ValueError:
             request = None  # not JSON: vLLM answers with its own 400
-        if isinstance(request, dict) and request.get("seed") is not None:
-            request.pop("seed")
+        if _pop_seed(request):
             body = json.dumps(request).encode()
             if not self._warned:
                 self._warned = True
@@ -137,6 +137,18 @@ class DropSeedMiddleware:
         headers = [(k, v) for k, v in scope.get("headers", ()) if k != b"content-length"]
         headers.append((b"content-length", str(len(body)).encode()))
         await self.app({**scope, "headers": headers}, _replay([{"type": "http.request", "body": body}], receive), send)
+
+
+def _pop_seed(request: Any) -> bool:
+    """Remove the per-request seed of a generation request (top level, or `sampling_params.seed` on the token
+    route); True when there was one."""
+    if not isinstance(request, dict):
+        return False
+    found = request.pop("seed", None) is not None
+    sampling = request.get("sampling_params")
+    if isinstance(sampling, dict):
+        found = sampling.pop("seed", None) is not None or found
+    return found
 
 
 def _replay(messages: list[dict[str, Any]], receive: Any) -> Callable[[], Any]:

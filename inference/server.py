@@ -37,6 +37,7 @@ from typing import TYPE_CHECKING, Any
 from primerl.inference.config import InferenceConfig
 from primerl.inference.engine import EngineOptions, apply_env_defaults, is_cpu_platform, resolve_llm_kwargs
 from primerl.inference.http_middleware import BearerAuthMiddleware, DropSeedMiddleware, PolicyVersionMiddleware
+from primerl.inference.token_generate import SCALE_OUT_FLAG, TOKEN_ROUTE, TokenLogprobsMiddleware
 from primerl.runtime.addresses import advertised_host, url_host
 from primerl.runtime.log_setup import get_logger
 
@@ -58,6 +59,7 @@ SERVED_PATHS = frozenset({
     "/detokenize",
     "/version",
     "/metrics",
+    TOKEN_ROUTE,  # verifiers v1's training client (primerl.inference.token_generate)
 })
 """Every route vLLM registers outside this set is removed from the app (LoRA loading, profiling, elastic
 scaling, sagemaker, scale-out, dev-mode routes if they were ever enabled...)."""
@@ -125,6 +127,7 @@ def vllm_cli_args(config: InferenceConfig, *, on_cpu: bool, work_dir: str | os.P
     argv += _cli_option("reasoning_parser", model.reasoning_parser)
     # No /docs, /redoc, /openapi.json; uvicorn's access log would print every request at info level.
     argv += ["--disable-fastapi-docs", "--disable-uvicorn-access-log"]
+    argv += [SCALE_OUT_FLAG]  # registers TOKEN_ROUTE; the other scale-out routes are removed (SERVED_PATHS)
     return argv
 
 
@@ -289,7 +292,7 @@ class InferenceServer:
             await init_app_state(engine, app.state, args, supported_tasks)
             self.app = app
             # build_app already built the app's middleware stack (add_middleware refuses now): wrap it.
-            asgi_app: Any = PolicyVersionMiddleware(app, version_fn=self.version_fn)
+            asgi_app: Any = PolicyVersionMiddleware(TokenLogprobsMiddleware(app), version_fn=self.version_fn)
             self.drops_seeds = self.on_cpu and bool(engine.vllm_config.scheduler_config.enable_chunked_prefill)
             if self.drops_seeds:
                 asgi_app = DropSeedMiddleware(asgi_app)

@@ -75,6 +75,32 @@ def resolve_env_python(explicit: object = None) -> str:
     return find_env_python(explicit).path
 
 
+# ---- verifiers v1 (0.4) environments -------------------------------------------------------------------------------
+V1_ENV_PYTHON_VAR = "PRIMERL_ENV_V1_PYTHON"
+V1_ENV_VENV_NAME = ".venv-envs-v1"
+VERIFIERS_V1_VERSION = "0.4.0"
+"""verifiers pinned in the v1 env venv: 0.4 holds only `verifiers.v1` (Taskset / Task / Harness and the env server
+`verifiers.v1.serve.serve_env`, which the orchestrator starts there: `primerl.orchestrator.v1_env_server`)."""
+
+
+def default_v1_env_venv() -> Path:
+    """Where the v1 env venv lives by default: `.venv-envs-v1` beside the virtual environment primerl runs from."""
+    return Path(sys.prefix).parent / V1_ENV_VENV_NAME
+
+
+def find_v1_env_python(explicit: object = None) -> EnvPython:
+    """The interpreter of verifiers v1 environments (their env server), by the same rule as `find_env_python`
+    with `$PRIMERL_ENV_V1_PYTHON` and `.venv-envs-v1`."""
+    if explicit is not None:
+        return EnvPython(str(explicit), "explicit")
+    if os.environ.get(V1_ENV_PYTHON_VAR):
+        return EnvPython(os.environ[V1_ENV_PYTHON_VAR], "env_var")
+    candidate = venv_python(default_v1_env_venv())
+    if candidate.exists():
+        return EnvPython(str(candidate), "env_venv")
+    return EnvPython(sys.executable, "this_interpreter")
+
+
 class EnvProbeError(RuntimeError):
     """The env interpreter could not be asked what it has installed (missing, broken, or timed out)."""
 

@@ -512,6 +512,8 @@ def test_the_orchestrator_scores_its_rollouts_with_the_teacher_the_broker_lists(
     print(f"teacher vs student inference logprobs: worst |diff| {worst:.2e} over {num_loss_tokens} loss tokens")
     assert num_loss_tokens > 0 and worst < 1e-3, (num_loss_tokens, worst)
     rows = metric_rows(tmp_path / "out")
+    print("teacher metrics per step:", [{k: round(v, 4) for k, v in row.items() if k.startswith("teacher/")}
+                                        for row in rows])
     assert len(rows) == 2 and all(row["teacher/requests"] > 0 and row["teacher/errors"] == 0 for row in rows)
     assert sum(row["teacher/requests"] for row in rows) >= 16  # every rollout of both steps, at least
     text = log_path.read_text(errors="replace")

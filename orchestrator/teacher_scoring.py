@@ -8,10 +8,10 @@ sequence, so a multi-turn rollout is scored turn by turn; an interleaved sample 
     future = scorer.submit(group.samples)                   # a Future of one teacher_logprobs list per sample
     ...                                                     # the main loop waits on it with its rollout futures
     scorer.take_metrics()                                   # teacher/* of the step
-    scorer.close()                                          # cancels what is queued, ends retry waits
+    scorer.close()                                          # fails every scoring under way at once
 
 Invariants:
-- Requests run on a pool of ``max_inflight`` threads (so at most that many in flight, over all endpoints), each
+- Requests run on ``max_inflight`` daemon threads (so at most that many in flight, over all endpoints), each
   to the endpoint with the fewest requests in flight among those not backing off. The main loop never blocks on
   them: it waits on the groups' futures together with the rollouts' (``RolloutScheduler.collect``).
 - A request that fails with an error that can heal (``TeacherError.retryable``: unreachable, timeout, 408/429/

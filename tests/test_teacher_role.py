@@ -218,6 +218,18 @@ def test_a_teacher_with_another_tokenizer_is_a_warning(tmp_path):
     assert teacher_tokenizer_check(str(student), str(student))() == []
 
 
+def test_the_preflight_of_primerl_rl_checks_the_teacher_model(tmp_path, tiny_model):
+    from primerl.cli.preflight import rl_checks
+
+    config = load("@", EXAMPLE, "--model.name", str(tiny_model), "--teacher.model.name", str(tmp_path / "missing"))
+    checks = rl_checks(config)
+    [finding] = checks["model"]()
+    assert finding.error and finding.message.startswith(f"teacher.model.name = '{tmp_path / 'missing'}' does not exist")
+    assert checks["teacher"]() == [] and "memory" in checks  # no tokenizer to compare with a missing model
+    config = load("@", EXAMPLE, "--model.name", str(tiny_model), "--teacher.model.name", str(tiny_model))
+    assert rl_checks(config)["model"]() == []
+
+
 def test_status_shows_a_teacher_in_its_own_row():
     from primerl.cli.status_view import render_status
 

@@ -76,6 +76,7 @@ class TeacherScorer:
         self._threads: list[threading.Thread] = []
         self._groups: set[concurrent.futures.Future] = set()  # group futures not done yet
         self._closing = threading.Event()
+        self._said_waiting = False
         self._lock = threading.Lock()
         self._counts: collections.Counter = collections.Counter()
         self._models_lock = threading.Lock()
@@ -156,18 +157,23 @@ class TeacherScorer:
     def _score(self, token_ids: Sequence[int], loss_mask: Sequence[bool]) -> list[float]:
         """One sample's teacher logprobs, with retries (on a pool thread)."""
         failed: TeacherEndpoint | None = None
+        error: TeacherError
         for attempt in range(self.config.max_retries + 1):
+            self._wait_listed()
             endpoint, wait_s = self.endpoints.acquire(avoid=failed)
             if self._closing.wait(wait_s) if wait_s else self._closing.is_set():
                 if endpoint is not None:
                     self.endpoints.unused(endpoint)
                 raise ScoringCancelled("teacher scoring cancelled")
+            if endpoint is None:  # waited timeout_s already: not retried
+                error = TeacherUnreachable(f"no teacher endpoint was listed for {self.config.timeout_s:g} s "
+                                           "(teacher.timeout_s): start a primerl-infer with role = \"teacher\" (it "
+                                           "registers with the broker), or set teacher.base_url")
+                error.retryable = False
+                self._ended(None, error, 0.0)
+                raise error
             started_s = time.monotonic()
-            error: TeacherError
             try:
-                if endpoint is None:
-                    raise TeacherUnreachable("no teacher endpoint is listed: start a primerl-infer with role = "
-                                             "\"teacher\" (it registers with the broker), or set teacher.base_url")
                 logprobs = self.http.score(endpoint, self._model(endpoint), token_ids, loss_mask)
             except TeacherError as exc:
                 error = exc
@@ -180,9 +186,17 @@ class TeacherScorer:
             with self._lock:
                 self._counts["retried"] += 1
             failed = endpoint
-            if endpoint is None:  # nothing to back off from: pause like a first back-off step
-                self._closing.wait(0.5 * 2 ** attempt)
         raise AssertionError("unreachable")
+
+    def _wait_listed(self) -> None:
+        """While no teacher is listed (the broker's teacher may still be starting), wait up to ``timeout_s``."""
+        deadline_s = time.monotonic() + self.config.timeout_s
+        while not self.endpoints.endpoints and time.monotonic() < deadline_s and not self._closing.wait(0.05):
+            if not self._said_waiting:
+                self._said_waiting = True
+                log.info("waiting for a teacher to be listed", timeout_s=self.config.timeout_s)
+        if self.endpoints.endpoints:
+            self._said_waiting = False
 
     def _ended(self, endpoint: TeacherEndpoint | None, error: TeacherError | None, seconds: float) -> None:
         if self._closing.is_set():  # a request cut short by close: nothing to count or say

@@ -258,11 +258,25 @@ def test_nothing_listening_is_teacher_unreachable(servers):
         scorer.close()
 
 
-def test_no_teacher_listed_is_teacher_unreachable():
-    scorer = TeacherScorer(TeacherConfig(model="t", max_retries=0))
+def test_no_teacher_listed_for_timeout_s_is_teacher_unreachable():
+    scorer = TeacherScorer(TeacherConfig(model="t", timeout_s=0.5))
     try:
-        with pytest.raises(TeacherUnreachable, match="no teacher endpoint is listed"):
+        with pytest.raises(TeacherUnreachable, match="no teacher endpoint was listed for 0.5 s"):
             scorer.submit([sample([5, 6], [False, True])]).result(timeout=10)
+        assert scorer.take_metrics()["teacher/retried"] == 0  # the wait was the retry
+    finally:
+        scorer.close()
+
+
+def test_a_scoring_waits_for_a_teacher_to_be_listed(servers):
+    server = servers("ok")
+    scorer = TeacherScorer(TeacherConfig(model="t", timeout_s=30))
+    try:
+        future = scorer.submit([sample([5, 6], [False, True])])
+        time.sleep(0.3)
+        assert not future.done()
+        scorer.set_endpoints({"t1": server.url})  # the broker lists the teacher (it was still starting)
+        assert future.result(timeout=10) == [[0.0, fake_logprob(6, 1)]]
     finally:
         scorer.close()
 

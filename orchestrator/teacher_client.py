@@ -15,7 +15,8 @@ Errors are typed (``TeacherError``; ``kind`` is the failure kind the orchestrato
 ===================== ========= =======================================================================
 kind                  retryable cause
 ===================== ========= =======================================================================
-teacher_unreachable   yes       connection refused, reset or closed; HTTP 502/503; no endpoint listed
+teacher_unreachable   yes       connection refused, reset or closed; HTTP 502/503 (or no endpoint listed
+                                for ``timeout_s``: not retried, the wait was the retry)
 teacher_timeout       yes       no answer within ``timeout_s``
 teacher_refused       408/429/  any other HTTP error status (a 400 such as a too-long prompt is final)
                       500/504

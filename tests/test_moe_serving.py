@@ -37,7 +37,8 @@ def test_expert_weights_load_with_every_expert_of_their_layer() -> None:
     groups = _load_groups(names)
     layer0 = {n for n in names if n.startswith("model.layers.0.mlp.experts.")}
     assert set(groups["model.layers.0.mlp.experts.2.down_proj.weight"]) == layer0
-    assert len(layer0) == 9 and not any(".layers.1." in n for n in groups["model.layers.0.mlp.experts.0.up_proj.weight"])
+    assert len(layer0) == 9
+    assert not any(".layers.1." in n for n in groups["model.layers.0.mlp.experts.0.up_proj.weight"])
     assert groups["model.layers.0.mlp.gate.weight"] == ["model.layers.0.mlp.gate.weight"]  # the router: its own layer
     assert len(groups["model.layers.0.self_attn.k_proj.weight"]) == 3
 
@@ -72,7 +73,8 @@ def reference_model(model_dir: Path, weights: dict[str, torch.Tensor], work: Pat
     out = work / "reference"
     shutil.rmtree(out, ignore_errors=True)
     shutil.copytree(model_dir, out)
-    save_file({n: t.contiguous() for n, t in weights.items()}, str(out / "model.safetensors"), metadata={"format": "pt"})
+    save_file({n: t.contiguous() for n, t in weights.items()}, str(out / "model.safetensors"),
+              metadata={"format": "pt"})
     return load_reference_model(out)
 
 

@@ -123,9 +123,13 @@ def check_lora_targets(model: torch.nn.Module, target_modules: list[str]) -> Non
         return
     linear = sorted({name.rsplit(".", 1)[-1] for name, module in model.named_modules()
                      if isinstance(module, torch.nn.Linear)})
+    moe_hint = ""
+    if getattr(getattr(model, "config", None), "router_aux_loss_coef", None) is not None:
+        moe_hint = (" (a mixture-of-experts model keeps each layer's experts in fused 3-D parameters, not linear "
+                    'modules: adapt the attention, e.g. target_modules = ["q_proj", "k_proj", "v_proj", "o_proj"])')
     raise ValueError(
         f"lora.target_modules {missing} match no module of {type(model).__name__}; its linear modules are "
-        f"{linear}: remove the missing names from [trainer.model.lora] target_modules"
+        f"{linear}: remove the missing names from [trainer.model.lora] target_modules{moe_hint}"
     )
 
 

@@ -6,8 +6,9 @@ samples of English words, digits, punctuation and short strings over a small alp
 initialised ``Qwen2ForCausalLM`` of well under a million parameters by default. With ``num_experts > 0`` the
 model is a ``Qwen3MoeForCausalLM`` instead (every layer a sparse MoE block of ``num_experts`` experts of size
 ``moe_intermediate_size``, top-``num_experts_per_tok`` routing, the router's load-balancing loss switched on with
-``output_router_logits``), with the same tokenizer. vLLM loads the result like any Hugging Face checkpoint. The same spec gives byte-identical files; the tokenizer does not depend on the seed, so
-models built with different seeds share it.
+``output_router_logits``), with the same tokenizer. vLLM loads the result like any Hugging Face checkpoint. The
+same spec gives byte-identical files; the tokenizer does not depend on the seed, so models built with different
+seeds share it.
 
     build_tiny_model("runs/demo/tiny-model", TinyModelSpec(seed=0))
 """

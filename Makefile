@@ -18,7 +18,7 @@ export TRANSFORMERS_OFFLINE := 1
 export VLLM_NO_USAGE_STATS := 1
 export DO_NOT_TRACK := 1
 
-.PHONY: run test test-fast fuzz setup proto docs clean bench bench-venv chaos multihost
+.PHONY: run test test-fast fuzz setup proto docs clean bench bench-venv chaos multihost distill
 
 setup: $(STAMP) $(ENV_STAMP)
 
@@ -71,6 +71,14 @@ run: $(STAMP) $(ENV_STAMP)
 		|| (tail -20 $(RUN_DIR)/eval-rl.log; exit 1)
 	$(PRIMERL) plot $(RUN_DIR)/rl
 	$(PY) scripts/demo_report.py $(RUN_DIR)/eval/sft $(RUN_DIR)/eval/rl
+
+# On-policy distillation (scripts/distill_demo.py): the demo's RL-trained model teaches the SFT checkpoint it
+# started from, through `primerl rl` with a [teacher] and teacher_tau = 1, adv_tau = 0 (the reward is not used);
+# held-out reward of teacher, student before and student after with `primerl eval`, mean ± std over repeats.
+# Reuses RUN_DIR's tiny model, SFT checkpoint and RL weights (`make run`), builds what is missing.
+DISTILL_ARGS ?=
+distill: $(STAMP) $(ENV_STAMP)
+	$(PY) scripts/distill_demo.py --run-dir $(RUN_DIR) --sft-steps $(SFT_STEPS) $(DISTILL_ARGS)
 
 # Issue 12's benchmarks (parts a-g) -> bench/RESULTS.md and bench/plots/ (about 25 min after set-up; try
 # `make bench BENCH_ARGS=--quick` first). TRL, the peer of part a and g, lives in its own venv: trl's dependencies

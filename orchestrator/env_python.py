@@ -114,6 +114,8 @@ class InstalledEnv:
     dist: str
     version: str
     editable_path: str | None
+    kind: str = "classic"
+    """"classic" (`load_environment`, verifiers <= 0.3) or "v1" (a Taskset/Harness, verifiers 0.4)."""
 
 
 @dataclasses.dataclass(frozen=True)

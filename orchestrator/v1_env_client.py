@@ -35,7 +35,6 @@ import threading
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import zmq
@@ -43,6 +42,14 @@ import zmq
 from primerl.orchestrator.env_client import EnvRequestError, EnvRequestTimeout, EnvWorkerDied, EnvWorkerError
 from primerl.orchestrator.trajectory import Rollout, RolloutGroup, SamplingParams
 from primerl.orchestrator.v1_traces import episode_to_rollout
+from primerl.orchestrator.v1_env_spec import (
+    API_KEY_VAR,
+    BOOTSTRAP_SCRIPT,
+    V1EnvConfigError,
+    V1EnvInfo,
+    V1EnvSpec,
+    sampling_payload,
+)
 from primerl.orchestrator.v1_wire import (
     KIND_DELTA,
     KIND_REPLY,
@@ -56,24 +63,12 @@ from primerl.orchestrator.v1_wire import (
 )
 from primerl.runtime.log_setup import get_logger
 
+__all__ = ["API_KEY_VAR", "V1EnvConfigError", "V1EnvInfo", "V1EnvServer"]
+
 log = get_logger("primerl.orchestrator.v1_env")
 
-BOOTSTRAP_SCRIPT = Path(__file__).with_name("v1_env_bootstrap.py")
-API_KEY_VAR = "PRIMERL_V1_API_KEY"
-"""The env server reads the inference server's run token from this variable (its `client.api_key_var`)."""
 POLL_INTERVAL_MS = 20
 WATCHDOG_INTERVAL_S = 0.5
-
-
-class V1EnvConfigError(EnvWorkerError):
-    """The environment cannot run here as configured; the message names the setting to change."""
-
-
-@dataclass(frozen=True)
-class V1EnvInfo:
-    env_id: str
-    address: str
-    harnesses: dict[str, str]
 
 
 @dataclass
@@ -95,22 +90,6 @@ class _Group:
     rollouts: dict[int, Rollout] = field(default_factory=dict)
 
 
-def _sampling_payload(sampling: SamplingParams) -> dict[str, Any]:
-    """primerl's sampling as verifiers' `SamplingConfig` (extra keys pass through to vLLM's SamplingParams)."""
-    payload = {"temperature": sampling.temperature, "top_p": sampling.top_p, "max_tokens": sampling.max_tokens}
-    if sampling.top_k != -1:
-        payload["top_k"] = sampling.top_k
-    if sampling.min_p:
-        payload["min_p"] = sampling.min_p
-    if sampling.repetition_penalty != 1.0:
-        payload["repetition_penalty"] = sampling.repetition_penalty
-    if sampling.stop:
-        payload["stop"] = list(sampling.stop)
-    if sampling.seed is not None:
-        payload["seed"] = sampling.seed
-    return {k: v for k, v in payload.items() if v is not None}
-
-
 class V1EnvServer:
     """One verifiers v1 env server process serving one environment (`env_id`, its taskset `args`)."""
 
@@ -122,20 +101,17 @@ class V1EnvServer:
                  cwd: str | os.PathLike[str] | None = None) -> None:
         if start_timeout_s <= 0 or request_timeout_s <= 0:
             raise ValueError("start_timeout_s and request_timeout_s must be > 0")
-        self.env_python = str(env_python)
+        self.spec = V1EnvSpec(str(env_python), env_id, dict(args or {}), dict(v1_config or {}), api_key,
+                              dict(extra_env or {}), str(cwd) if cwd is not None else None)
+        self.env_python = self.spec.env_python
         self.env_id = env_id
-        self.args = dict(args or {})
         self.base_url = base_url.rstrip("/").removesuffix("/v1")
-        self.api_key = api_key
         self.renderer_model = renderer_model
-        self.v1_config = dict(v1_config or {})
         self.policy_version_fn = policy_version_fn
         self.start_timeout_s = start_timeout_s
         self.request_timeout_s = request_timeout_s
         self.max_restarts = max_restarts
         self.max_workers = max_workers
-        self.extra_env = dict(extra_env or {})
-        self.cwd = str(cwd) if cwd is not None else None
         self.num_restarts = 0
         self.info: V1EnvInfo | None = None
         self._process: subprocess.Popen[bytes] | None = None
@@ -148,79 +124,24 @@ class V1EnvServer:
         self._closed = threading.Event()
         self._threads: list[threading.Thread] = []
 
-    # configuration -----------------------------------------------------------------------------------------------
-    def env_config(self, taskset_args: Mapping[str, Any] | None = None) -> dict[str, Any]:
-        """The verifiers `EnvConfig` data: `v1_config` with the taskset id and args."""
-        config = json.loads(json.dumps(self.v1_config))
-        taskset = config.setdefault("taskset", {})
-        taskset.update({**self.args, **dict(taskset_args or {}), "id": self.env_id})
-        return config
-
-    def _environ(self) -> dict[str, str]:
-        env = {**os.environ, "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
-               **self.extra_env}
-        env[API_KEY_VAR] = self.api_key or "EMPTY"
-        return env
-
-    def _bootstrap(self, mode: str, spec: dict[str, Any], timeout_s: float) -> dict[str, Any]:
-        """Run the bootstrap once (`tasks`): its one event, or the typed error."""
-        if not Path(self.env_python).exists():
-            raise EnvWorkerDied(f"v1 env python {self.env_python} does not exist: build the v1 env venv (make setup, "
-                                "or `primerl env install` of a v1 environment)")
-        try:
-            done = subprocess.run([self.env_python, str(BOOTSTRAP_SCRIPT), mode], input=json.dumps(spec),
-                                  capture_output=True, text=True, timeout=timeout_s, env=self._environ(), cwd=self.cwd)
-        except subprocess.TimeoutExpired:
-            raise EnvRequestTimeout(f"v1 env {self.env_id!r}: {mode} took over {timeout_s:g} s") from None
-        event = self._last_event(done.stdout)
-        self._raise_error_event(event, done.stderr)
-        if done.returncode != 0 or event is None:
-            raise EnvWorkerDied(f"v1 env {self.env_id!r}: {mode} exited {done.returncode}: "
-                                f"{(done.stderr.strip().splitlines() or ['no output'])[-1]}")
-        return event
-
-    @staticmethod
-    def _last_event(stdout: str) -> dict[str, Any] | None:
-        for line in reversed(stdout.strip().splitlines()):
-            try:
-                event = json.loads(line)
-            except ValueError:
-                continue
-            if isinstance(event, dict) and "event" in event:
-                return event
-        return None
-
-    def _raise_error_event(self, event: dict[str, Any] | None, stderr: str = "") -> None:
-        if event is None or event.get("event") != "error":
-            return
-        message = f"v1 env {self.env_id!r}: {event.get('message')}"
-        if event.get("kind") == "config":
-            raise V1EnvConfigError(f"{message} (orchestrator.env id = {self.env_id!r})")
-        tail = "\n".join((stderr or self.stderr_tail()).strip().splitlines()[-10:])
-        raise EnvWorkerDied(f"{message}\n{tail}" if tail else message)
-
-    def tasks(self, start: int = 0, count: int = 1, *, taskset_args: Mapping[str, Any] | None = None,
-              timeout_s: float = 300.0) -> list[dict[str, Any]]:
-        """Task data `start .. start+count` of the taskset, listed in a one-shot bootstrap (the server never loads
-        data): what `run` sends. `taskset_args` override the taskset's args (e.g. an eval split)."""
-        event = self._bootstrap("tasks", {"env_config": self.env_config(taskset_args), "start": start,
-                                          "count": count}, timeout_s)
-        return list(event.get("tasks") or [])
+    def tasks(self, start: int = 0, count: int = 1, **kwargs: Any) -> list[dict[str, Any]]:
+        """The taskset's task data (`V1EnvSpec.tasks`)."""
+        return self.spec.tasks(start, count, **kwargs)
 
     # lifecycle ---------------------------------------------------------------------------------------------------
     def start(self) -> V1EnvInfo:
         """Start the env server and wait until it has loaded the environment, bound and answered `health`."""
         if self._process is not None and self._process.poll() is None:
             raise EnvWorkerError(f"v1 env server of {self.env_id!r} is already running")
-        if not Path(self.env_python).exists():
-            raise EnvWorkerDied(f"v1 env python {self.env_python} does not exist: build the v1 env venv (make setup)")
+        self.spec.check_python()
         self._closed.clear()
         self._stderr_tail.clear()
         self._events = queue.Queue()
-        spec = {"env_config": self.env_config(), "address": "tcp://127.0.0.1:0", "max_workers": self.max_workers}
+        spec = {"env_config": self.spec.env_config(), "address": "tcp://127.0.0.1:0",
+                "max_workers": self.max_workers}
         process = self._process = subprocess.Popen(
             [self.env_python, str(BOOTSTRAP_SCRIPT), "serve"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE, env=self._environ(), cwd=self.cwd, start_new_session=True)
+            stderr=subprocess.PIPE, env=self.spec.environ(), cwd=self.spec.cwd, start_new_session=True)
         assert process.stdin is not None
         process.stdin.write(json.dumps(spec).encode())
         process.stdin.close()
@@ -263,7 +184,7 @@ class V1EnvServer:
                 if time.monotonic() > deadline:
                     raise EnvWorkerDied(self._death_message(f"was not ready within {self.start_timeout_s:g} s"))
                 continue
-            self._raise_error_event(event)
+            self.spec.raise_error_event(event, self.stderr_tail())
             if event.get("event") == "ready" and isinstance(event.get("address"), str):
                 return event
 
@@ -354,7 +275,7 @@ class V1EnvServer:
         client = {"type": "train", "base_url": self.base_url + "/v1", "api_key_var": API_KEY_VAR, "headers": {},
                   "renderer_model_name": self.renderer_model}
         payload = pack({"task_data": dict(task_data), "client": client, "model": model,
-                        "sampling": _sampling_payload(sampling)})
+                        "sampling": sampling_payload(sampling)})
         with self._lock:
             for index in range(num_rollouts):
                 request_id = self._new_id()

@@ -9,6 +9,10 @@ STAMP := $(VENV)/.primerl-installed
 # .venv-envs beside .venv is where primerl looks by default (primerl.orchestrator.env_python): nothing to export.
 ENV_VENV := .venv-envs
 ENV_STAMP := $(ENV_VENV)/.primerl-envs-installed
+# verifiers v1 environments (verifiers 0.4: Taskset / Harness) run through verifiers' own env server in a third
+# interpreter, .venv-envs-v1 beside .venv (primerl.orchestrator.env_python.find_v1_env_python): nothing to export.
+ENV_V1_VENV := .venv-envs-v1
+ENV_V1_STAMP := $(ENV_V1_VENV)/.primerl-envs-v1-installed
 EXTRAS ?= cpu,dev
 RUN_DIR ?= runs/demo
 
@@ -20,7 +24,7 @@ export DO_NOT_TRACK := 1
 
 .PHONY: run test test-fast fuzz setup proto docs clean bench bench-venv chaos multihost distill
 
-setup: $(STAMP) $(ENV_STAMP)
+setup: $(STAMP) $(ENV_STAMP) $(ENV_V1_STAMP)
 
 # Re-runs only when the project's dependencies change.
 $(STAMP): pyproject.toml
@@ -39,6 +43,12 @@ $(STAMP): pyproject.toml
 $(ENV_STAMP): examples/reverse_text/pyproject.toml | $(STAMP)
 	$(VENV)/bin/primerl env install examples/reverse_text --env-python $(abspath $(ENV_VENV))/bin/python
 	touch $(ENV_STAMP)
+
+# The v1 env venv and the v1 example, the way a user installs theirs (`primerl env install` recognises a v1 package
+# and pins verifiers==0.4.0 there).
+$(ENV_V1_STAMP): examples/reverse_text_v1/pyproject.toml | $(STAMP)
+	$(VENV)/bin/primerl env install examples/reverse_text_v1 --env-python $(abspath $(ENV_V1_VENV))/bin/python
+	touch $(ENV_V1_STAMP)
 
 proto: $(STAMP)
 	$(PY) scripts/gen_proto.py
@@ -101,10 +111,10 @@ $(BENCH_STAMP): $(STAMP)
 	$(BENCH_VENV)/bin/python -c "import trl, torch, transformers"
 	touch $(BENCH_STAMP)
 
-test: $(STAMP) $(ENV_STAMP)
+test: $(STAMP) $(ENV_STAMP) $(ENV_V1_STAMP)
 	$(PY) -m pytest -q
 
-test-fast: $(STAMP) $(ENV_STAMP)
+test-fast: $(STAMP) $(ENV_STAMP) $(ENV_V1_STAMP)
 	$(PY) -m pytest -q -m "not slow"
 
 # Issue 13's full fuzz profile: >= 10,000 hostile messages and gRPC calls against a primerl-broker process
@@ -134,4 +144,4 @@ multihost: $(STAMP) $(ENV_STAMP)
 	$(PY) scripts/multihost_demo.py --run-dir runs/multihost $(MULTIHOST_ARGS)
 
 clean:
-	rm -rf $(VENV) $(ENV_VENV) runs .pytest_cache
+	rm -rf $(VENV) $(ENV_VENV) $(ENV_V1_VENV) runs .pytest_cache

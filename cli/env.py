@@ -68,6 +68,9 @@ def build_parser() -> argparse.ArgumentParser:
     install.add_argument("--env-python", default=None, metavar="PATH",
                          help=f"the env interpreter to install into; created as a venv when PATH is "
                          f"DIR/bin/python and missing (default: ${ENV_PYTHON_VAR}, else {default_env_venv()})")
+    install.add_argument("--v1", action="store_true",
+                         help="a verifiers v1 environment (Taskset/Harness, verifiers 0.4): install into the v1 env "
+                         "venv; found by itself for a project directory")
     install.add_argument("-v", "--verbose", action="store_true", help="show pip's output")
     listing = commands.add_parser("list", help="list the environments installed in the env interpreter")
     listing.add_argument("--env-python", default=None, metavar="PATH",
@@ -120,6 +123,10 @@ def list_envs(args: argparse.Namespace) -> int:
 def install(args: argparse.Namespace) -> int:
     env_args = _env_args(args.env_args)
     pip_target, dist_name, project_dir = _classify(args.target, editable=args.editable)
+    from primerl.cli.env_v1 import install_v1, is_v1_project
+
+    if args.v1 or (project_dir is not None and is_v1_project(project_dir)):
+        return install_v1(args, pip_target, dist_name, project_dir, errors=sys.modules[__name__])
     env_python = find_env_python(args.env_python)
     python = _target_python(env_python)
     started_s = time.monotonic()
@@ -213,9 +220,13 @@ def _target_python(env_python: EnvPython) -> Path:
 
 
 def _create_env_venv(python: Path, *, verbose: bool) -> None:
+    create_venv(python, verbose=verbose, what=f"the env venv (verifiers=={VERIFIERS_VERSION})")
+
+
+def create_venv(python: Path, *, verbose: bool, what: str) -> None:
+    """A venv whose interpreter is `python` (DIR/bin/python), with a current pip."""
     venv = python.parent.parent
-    print(f"primerl env install: creating the env venv {venv} (verifiers=={VERIFIERS_VERSION}) ...",
-          file=sys.stderr, flush=True)
+    print(f"primerl env install: creating {what} at {venv} ...", file=sys.stderr, flush=True)
     done = subprocess.run([sys.executable, "-m", "venv", str(venv)], capture_output=True, text=True)
     if done.returncode != 0 or not python.exists():
         raise EnvInstallFailed(f"could not create a venv at {venv}: {(done.stderr.strip().splitlines() or ['?'])[-1]}"

@@ -127,3 +127,35 @@ def test_a_group_through_the_env_server_and_a_crash_mid_group(v1_python: str, in
     finally:
         server.close()
     assert not server.is_alive()
+
+
+@pytest.mark.vllm
+def test_a_multi_turn_harness_gives_samples_matching_a_prefill(
+        v1_python: str, infer_daemon: InferenceDaemon, infer_http: httpx.Client, tiny_model: Path) -> None:
+    """Two chat turns per rollout. The second prompt re-renders the first answer: it extends the first turn's
+    tokens (one interleaved sample) unless the untrained model's answer does not survive detokenizing and
+    re-tokenizing (invalid UTF-8 pieces): then each turn is its own sample (the branching fallback)."""
+    server = V1EnvServer(v1_python, ENV_ID, {"num_examples": 5}, base_url=infer_daemon.url, api_key=TOKEN,
+                         renderer_model=str(tiny_model), start_timeout_s=90, request_timeout_s=120,
+                         v1_config={"agent": {"harness": {"id": ENV_ID, "max_turns": 2}}})
+    try:
+        server.start()
+        group = server.submit_group(server.tasks(0, 1)[0], example_index=0, num_rollouts=3,
+                                    model=model_name(infer_http), sampling=SAMPLING).result(120)
+    finally:
+        server.close()
+    for rollout in group.rollouts:
+        assert rollout.ok, (rollout.error_type, rollout.error)
+        first, second = rollout.turns
+        assert second.prompt_token_ids[:len(first.prompt_token_ids)] == first.prompt_token_ids
+        extends = second.prompt_token_ids[:len(first.prompt_token_ids) + len(first.completion_token_ids)] == \
+            first.prompt_token_ids + first.completion_token_ids
+        samples = rollout_to_samples(rollout, "interleaved", temperature=1.0)
+        assert len(samples) == (1 if extends else 2)
+        diffs = []
+        for sample in samples:
+            reference = prefill(infer_http, list(sample.token_ids))
+            diffs += [abs(lp - reference[i]) for i, (loss, lp) in
+                      enumerate(zip(sample.loss_mask, sample.inference_logprobs)) if loss]
+        assert len(diffs) == len(first.completion_token_ids) + len(second.completion_token_ids)
+        assert max(diffs) <= TOLERANCE

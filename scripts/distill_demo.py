@@ -106,12 +106,18 @@ def evaluate(label: str, model: Path, out_dir: Path, args: argparse.Namespace, t
     timings[f"eval_{label}_s"] = step(f"eval: {label} ({model})", [
         BIN / "primerl", "eval", "reverse-text", "-m", model, "-n", args.num_examples, "-r", args.repeats,
         "-t", 24, "-T", 1.0, "--seed", args.seed, "-o", out_dir], out_dir.parent / f"eval-{label}.log")
+    return {"model": str(model), **repeat_stats(out_dir / "results.jsonl")}
+
+
+def repeat_stats(results: Path) -> dict:
+    """From ``primerl eval``'s results.jsonl: the mean reward of each repeat (rollout r of every prompt), and the
+    mean and std of those means."""
     per_repeat: dict[int, list[float]] = {}
-    for line in (out_dir / "results.jsonl").read_text().splitlines():
+    for line in results.read_text().splitlines():
         row = json.loads(line)
         per_repeat.setdefault(int(row["rollout_index"]), []).append(float(row["reward"]))
     means = [sum(v) / len(v) for _, v in sorted(per_repeat.items())]
-    return {"model": str(model), "repeat_means": means, "mean": statistics.fmean(means),
+    return {"repeat_means": means, "mean": statistics.fmean(means),
             "std": statistics.stdev(means) if len(means) > 1 else 0.0}
 
 

@@ -10,6 +10,7 @@ logprob on the sampled tokens) is non-zero at every step and falls over the run.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import random
@@ -122,3 +123,31 @@ def test_a_run_with_a_teacher_trains_every_step_and_its_teacher_kl_falls(student
     assert sum(r.get("teacher/requests", 0) for r in orchestrator_rows) >= NUM_STEPS * 4, orchestrator_rows[-1]
     assert sum(r.get("teacher/errors", 0) for r in orchestrator_rows) == 0
     print(f"teacher_kl per step: {[round(v, 4) for v in kl]}\n{result.stdout[-2000:]}")
+
+
+def load_demo():
+    spec = importlib.util.spec_from_file_location("distill_demo", REPO_ROOT / "scripts" / "distill_demo.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_demo_report_gives_mean_and_spread_over_repeats(tmp_path):
+    """scripts/distill_demo.py: repeat r = rollout r of every prompt; the report shows mean ± std of the repeats
+    for teacher, student before and after, the gap closed and teacher_kl's first and last thirds."""
+    demo = load_demo()
+    results = tmp_path / "results.jsonl"
+    rewards = {(0, 0): 0.5, (1, 0): 0.7, (0, 1): 0.6, (1, 1): 1.0}  # (example, repeat) -> reward
+    results.write_text("".join(json.dumps({"example_index": e, "rollout_index": r, "reward": v}) + "\n"
+                               for (e, r), v in rewards.items()))
+    stats = demo.repeat_stats(results)
+    assert stats["repeat_means"] == pytest.approx([0.6, 0.8])
+    assert stats["mean"] == pytest.approx(0.7) and stats["std"] == pytest.approx(0.1414, abs=1e-4)
+    result = {"num_examples": 2, "repeats": 2, "distill_steps": 6, "teacher_kl": [0.3, 0.3, 0.2, 0.2, 0.1, 0.1],
+              "eval": {"teacher": {"mean": 0.8, "std": 0.01}, "before": {"mean": 0.5, "std": 0.02},
+                       "after": {"mean": 0.7, "std": 0.03}},
+              "timings": {"distill_s": 90.0, "total_s": 200.0}}
+    text = demo.report(result)
+    assert "student before          0.500 ± 0.020" in text and "student after           0.700 ± 0.030" in text
+    assert "gap to the teacher closed: 67%" in text
+    assert "first 2 steps 0.3000, last 2 0.1000" in text and "distill 90 s, total 200 s" in text

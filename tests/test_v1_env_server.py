@@ -18,7 +18,7 @@ import pytest
 from support.daemons import InferenceDaemon
 from support.inference import AUTH, TOKEN, TOLERANCE, model_name
 
-from primerl.orchestrator.env_client import EnvWorkerDied
+from primerl.orchestrator.env_client import EnvRequestError, EnvWorkerDied
 from primerl.orchestrator.env_python import find_v1_env_python, probe_env_python
 from primerl.orchestrator.samples import rollout_to_samples
 from primerl.orchestrator.trajectory import SamplingParams
@@ -123,6 +123,15 @@ def test_a_group_through_the_env_server_and_a_crash_mid_group(v1_python: str, in
         assert server.num_restarts == 1 and server.is_alive()
         again = asyncio.run(server.rollout(task, example_index=3, num_rollouts=2, model=model, sampling=SAMPLING))
         assert all(r.ok for r in again.rollouts)
+
+        # A stale group is cancelled in the server: its future fails with the classic client's "cancelled".
+        stale = server.submit_group(task, example_index=3, num_rollouts=8, model=model,
+                                    sampling=SamplingParams(temperature=1.0, max_tokens=64))
+        server.cancel(stale)
+        with pytest.raises(EnvRequestError, match="cancelled"):
+            stale.result(5)
+        assert server.num_pending() == 0
+        assert server.health()["success"] and server.is_alive()
         assert infer_daemon.process.poll() is None
     finally:
         server.close()

@@ -17,6 +17,7 @@ import pytest
 from support.daemons import InferenceDaemon
 from support.inference import AUTH, PROMPT, TOKEN, TOLERANCE, VERSION, VERSION_END, model_name, tokenize
 
+from primerl.inference.http_middleware import DropSeedMiddleware, _pop_seed
 from primerl.inference.token_generate import TOKEN_ROUTE, label_generate_answer
 from primerl.orchestrator.env_python import find_v1_env_python
 
@@ -73,6 +74,15 @@ def test_label_generate_answer_adds_the_token_field() -> None:
     assert entry["top_logprobs"][0]["token"] == "token_id:67"
     assert not label_generate_answer(answer)  # already labelled
     assert not label_generate_answer({"error": "x"}) and not label_generate_answer([1])
+
+
+def test_the_seed_rule_covers_the_token_routes_sampling_params() -> None:
+    assert TOKEN_ROUTE in DropSeedMiddleware.GENERATION_PATHS
+    request = {"token_ids": [1], "sampling_params": {"seed": 3, "max_tokens": 2}}
+    assert _pop_seed(request) and request == {"token_ids": [1], "sampling_params": {"max_tokens": 2}}
+    assert not _pop_seed(request) and not _pop_seed([1])
+    top_level = {"prompt": "x", "seed": 1}
+    assert _pop_seed(top_level) and "seed" not in top_level
 
 
 def test_token_route_serves_labelled_logprobs_behind_the_token(infer_daemon: InferenceDaemon,

@@ -104,9 +104,13 @@ def list_envs(args: argparse.Namespace) -> int:
         info = probe_env_python(env_python.path)
     except EnvProbeError as exc:
         raise EnvInstallFailed(str(exc)) from None
+    from primerl.cli.env_v1 import v1_listing
+
+    v1 = v1_listing() if args.env_python is None else None
     if args.json:
         print(json.dumps({"python": env_python.path, "source": env_python.source,
-                          "verifiers": info.verifiers_version, "envs": [vars(env) for env in info.envs]}, indent=2))
+                          "verifiers": info.verifiers_version, "envs": [vars(env) for env in info.envs],
+                          **({"v1": v1} if v1 else {})}, indent=2))
         return 0
     verifiers = f"verifiers {info.verifiers_version}" if info.verifiers_version else "NO verifiers"
     print(f"env python: {env_python.describe()}; {verifiers}")
@@ -116,6 +120,11 @@ def list_envs(args: argparse.Namespace) -> int:
         print(f"  {env.id:<{width}}  {env.dist} {env.version}{where}")
     if not info.envs:
         print("  no environments installed: `primerl env install PATH|PACKAGE`")
+    if v1:
+        print(f"v1 env python: {v1['python']}; verifiers {v1.get('verifiers') or v1.get('error')}")
+        for env in v1["envs"]:
+            where = f" (editable: {env['editable_path']})" if env["editable_path"] else ""
+            print(f"  {env['id']:<{width}}  {env['dist']} {env['version']}{where}  (v1)")
     return 0
 
 

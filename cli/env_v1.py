@@ -129,3 +129,16 @@ def _check_serves(python: Path, env_id: str, *, errors) -> str:
         raise errors.EnvInstallFailed(f"{env_id} is installed, but its taskset yields no task")
     prompt = tasks[0].get("prompt")
     return f"serves locally (first task: {str(prompt)[:40]!r})"
+
+
+def v1_listing() -> dict | None:
+    """The v1 env interpreter and its environments for `primerl env list`, when it exists (None otherwise)."""
+    found = find_v1_env_python()
+    if found.source == "this_interpreter" or not Path(found.path).exists():
+        return None
+    try:
+        info = probe_env_python(found.path)
+    except EnvProbeError as exc:
+        return {"python": found.path, "error": str(exc), "envs": []}
+    return {"python": found.path, "verifiers": info.verifiers_version,
+            "envs": [vars(env) for env in info.envs if env.kind == "v1"]}

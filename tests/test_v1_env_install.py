@@ -61,3 +61,12 @@ def test_reinstalling_the_example_checks_that_it_serves_locally() -> None:
                            v1.path], capture_output=True, text=True, timeout=300, stdin=subprocess.DEVNULL)
     assert done.returncode == 0, done.stderr[-2000:]
     assert "reverse-text-v1: serves locally" in done.stdout and "verifiers 0.4.0" in done.stdout
+
+
+def test_list_shows_the_v1_environments_beside_the_classic_ones() -> None:
+    if find_v1_env_python().source == "this_interpreter" or find_env_python().source == "this_interpreter":
+        pytest.skip("`make setup` builds .venv-envs and .venv-envs-v1")
+    done = subprocess.run([*PRIMERL, "env", "list"], capture_output=True, text=True, timeout=120,
+                          stdin=subprocess.DEVNULL)
+    assert done.returncode == 0, done.stderr
+    assert "v1 env python:" in done.stdout and "reverse-text-v1" in done.stdout and "(v1)" in done.stdout

@@ -262,8 +262,10 @@ class V1EnvServer:
             raise EnvRequestTimeout(f"v1 env server of {self.env_id!r} did not answer health in {timeout_s} s") from None
 
     def submit_group(self, task_data: Mapping[str, Any], *, example_index: int, num_rollouts: int, model: str,
-                     sampling: SamplingParams, timeout_s: float | None = None) -> concurrent.futures.Future:
-        """Start `num_rollouts` concurrent runs of one task; a future of the `RolloutGroup`."""
+                     sampling: SamplingParams, timeout_s: float | None = None,
+                     base_url: str | None = None) -> concurrent.futures.Future:
+        """Start `num_rollouts` concurrent runs of one task; a future of the `RolloutGroup`. `base_url` picks
+        another inference server than the constructor's for this group (the env server builds a client per run)."""
         if num_rollouts < 1:
             raise ValueError(f"num_rollouts must be >= 1, got {num_rollouts}")
         if not self.is_alive():
@@ -272,7 +274,8 @@ class V1EnvServer:
         future: concurrent.futures.Future = concurrent.futures.Future()
         group = _Group(example_index, num_rollouts, future, time.monotonic() + (timeout_s or self.request_timeout_s),
                        version, time.monotonic())
-        client = {"type": "train", "base_url": self.base_url + "/v1", "api_key_var": API_KEY_VAR, "headers": {},
+        inference_url = base_url.rstrip("/").removesuffix("/v1") if base_url else self.base_url
+        client = {"type": "train", "base_url": inference_url + "/v1", "api_key_var": API_KEY_VAR, "headers": {},
                   "renderer_model_name": self.renderer_model}
         payload = pack({"task_data": dict(task_data), "client": client, "model": model,
                         "sampling": sampling_payload(sampling)})

@@ -121,7 +121,8 @@ def test_a_group_through_the_env_server_and_a_crash_mid_group(v1_python: str, in
         assert server.num_pending() == 0
         server.ensure_alive()
         assert server.num_restarts == 1 and server.is_alive()
-        again = asyncio.run(server.rollout(task, example_index=3, num_rollouts=2, model=model, sampling=SAMPLING))
+        again = asyncio.run(server.rollout(task, example_index=3, num_rollouts=2, model=model, sampling=SAMPLING,
+                                           base_url=infer_daemon.url + "/v1"))  # per group: same server here
         assert all(r.ok for r in again.rollouts)
 
         # A stale group is cancelled in the server: its future fails with the classic client's "cancelled".

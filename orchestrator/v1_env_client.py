@@ -277,14 +277,18 @@ class V1EnvServer:
         inference_url = base_url.rstrip("/").removesuffix("/v1") if base_url else self.base_url
         client = {"type": "train", "base_url": inference_url + "/v1", "api_key_var": API_KEY_VAR, "headers": {},
                   "renderer_model_name": self.renderer_model}
-        payload = pack({"task_data": dict(task_data), "client": client, "model": model,
-                        "sampling": sampling_payload(sampling)})
+        request = {"task_data": dict(task_data), "client": client, "model": model,
+                   "sampling": sampling_payload(sampling)}
+        payloads = [pack(request)] * num_rollouts
+        if sampling.seed is not None:  # rollout i samples with seed + i, as the classic env worker does (seeds.py)
+            payloads = [pack({**request, "sampling": {**request["sampling"], "seed": sampling.seed + index}})
+                        for index in range(num_rollouts)]
         with self._lock:
             for index in range(num_rollouts):
                 request_id = self._new_id()
                 group.request_ids.append(request_id)
                 self._runs[request_id] = _Run(group, index)
-        for request_id in group.request_ids:
+        for request_id, payload in zip(group.request_ids, payloads):
             self._outbox.put([request_id, METHOD_RUN, payload])
         return future
 

@@ -124,6 +124,11 @@ def test_a_group_through_the_env_server_and_a_crash_mid_group(v1_python: str, in
         again = asyncio.run(server.rollout(task, example_index=3, num_rollouts=2, model=model, sampling=SAMPLING,
                                            base_url=infer_daemon.url + "/v1"))  # per group: same server here
         assert all(r.ok for r in again.rollouts)
+        seeded = SamplingParams(temperature=1.0, max_tokens=12, seed=11)
+        first, second = (server.submit_group(task, example_index=3, num_rollouts=2, model=model,
+                                             sampling=seeded).result(60) for _ in range(2))
+        tokens = [[r.turns[0].completion_token_ids for r in g.rollouts] for g in (first, second)]
+        assert tokens[0] == tokens[1] and tokens[0][0] != tokens[0][1]  # rollout i samples with seed + i
 
         # A stale group is cancelled in the server: its future fails with the classic client's "cancelled".
         stale = server.submit_group(task, example_index=3, num_rollouts=8, model=model,

@@ -106,7 +106,8 @@ def list_envs(args: argparse.Namespace) -> int:
         raise EnvInstallFailed(str(exc)) from None
     from primerl.cli.env_v1 import v1_listing
 
-    v1 = v1_listing() if args.env_python is None else None
+    # The v1 interpreter is listed too when the classic one is the default (not chosen by --env-python or $VAR).
+    v1 = v1_listing() if env_python.source in ("env_venv", "this_interpreter") else None
     if args.json:
         print(json.dumps({"python": env_python.path, "source": env_python.source,
                           "verifiers": info.verifiers_version, "envs": [vars(env) for env in info.envs],

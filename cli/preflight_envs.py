@@ -9,6 +9,7 @@ once, and the tokenizer loads meanwhile."""
 from __future__ import annotations
 
 import concurrent.futures
+import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -30,6 +31,9 @@ class EnvUse:
     id: str
     args: dict[str, Any]
     split: str  # where its prompts come from: "train" for training envs, "eval" for eval envs
+    kind: str = "classic"  # "auto" until resolved (`primerl.orchestrator.env_kinds`), then "classic" or "v1"
+    v1_config: dict[str, Any] = dataclasses.field(default_factory=dict)
+    python: str | None = None  # the interpreter that runs it (None: the one given to check_environments)
 
 
 @dataclass
@@ -42,11 +46,21 @@ class LoadedEnv:
 
 
 def env_uses(orchestrator, prefix: str) -> list[EnvUse]:
-    uses = [EnvUse(f"{prefix}env[{i}]", env.id, dict(env.args), "train") for i, env in enumerate(orchestrator.env)]
+    uses = [EnvUse(f"{prefix}env[{i}]", env.id, dict(env.args), "train", env.kind, dict(env.v1_config))
+            for i, env in enumerate(orchestrator.env)]
     if orchestrator.eval is not None:
-        uses += [EnvUse(f"{prefix}eval.env[{i}]", env.id, dict(env.args), "eval")
+        uses += [EnvUse(f"{prefix}eval.env[{i}]", env.id, dict(env.args), "eval", env.kind, dict(env.v1_config))
                  for i, env in enumerate(orchestrator.eval.env)]
     return uses
+
+
+def resolve_uses(uses: list[EnvUse], classic: Any, v1: Any) -> list[EnvUse]:
+    """Each use with its kind and interpreter (`env_kinds.resolve_env_kinds`; ValueError: a v1 package installed
+    only in the classic interpreter)."""
+    from primerl.orchestrator.env_kinds import resolve_env_kinds
+
+    resolved = resolve_env_kinds([(use.setting, use) for use in uses], classic=classic, v1=v1)
+    return [dataclasses.replace(item.env, kind=item.kind, python=item.python) for item in resolved]
 
 
 def env_checks(orchestrator, *, prefix: str, tokenizer: str | None, max_model_len: int | None) -> Check:
@@ -55,20 +69,28 @@ def env_checks(orchestrator, *, prefix: str, tokenizer: str | None, max_model_le
 
     def check() -> list[Finding]:
         from primerl.cli.preflight_model import name_problem
-        from primerl.orchestrator.env_python import find_env_python
+        from primerl.orchestrator.env_python import find_env_python, find_v1_env_python
 
         env_python = find_env_python(orchestrator.env_python)
+        v1_python = find_v1_env_python(orchestrator.env_v1_python)
         setting = f"{prefix}env_python"
-        if not Path(env_python.path).exists():
-            return [error(f"the env interpreter {env_python.describe()} does not exist: build it (`make setup`, or "
-                          f"`primerl env install PATH` creates it) or set {setting}")]
         first: dict[str, str] = {}
         for use in env_uses(orchestrator, prefix):
             if use.split == "train" and first.setdefault(use.id, use.setting) != use.setting:
                 return [error(f'{use.setting}.id "{use.id}" is listed twice (also {first[use.id]}); keep one table '
                               "per environment (its weight sets how often it is sampled)")]
+        try:
+            uses = resolve_uses(env_uses(orchestrator, prefix), env_python, v1_python)
+        except ValueError as exc:
+            return [error(str(exc))]
+        if any(use.kind == "classic" for use in uses) and not Path(env_python.path).exists():
+            return [error(f"the env interpreter {env_python.describe()} does not exist: build it (`make setup`, or "
+                          f"`primerl env install PATH` creates it) or set {setting}")]
+        if any(use.kind == "v1" for use in uses) and not Path(v1_python.path).exists():
+            return [error(f"the verifiers v1 env interpreter {v1_python.describe()} does not exist: build it (`make "
+                          f"setup`, or `primerl env install PATH` of a v1 environment) or set {prefix}env_v1_python")]
         usable = tokenizer is not None and name_problem("tokenizer", tokenizer, "tokenizer") is None
-        return check_environments(env_uses(orchestrator, prefix), env_python.path, env_python.describe(),
+        return check_environments(uses, env_python.path, env_python.describe(),
                                   setting=setting, tokenizer=tokenizer if usable else None,
                                   seq_len=orchestrator.seq_len, max_model_len=max_model_len,
                                   max_tokens=orchestrator.sampling.max_tokens, prefix=prefix)
@@ -86,7 +108,7 @@ def check_environments(uses: list[EnvUse], env_python: str, described: str, *, s
         unique.setdefault((use.id, repr(sorted(use.args.items())), use.split), use)
     loaded_tokenizer = _in_daemon_thread(load_tokenizer, tokenizer) if tokenizer is not None else None
     with concurrent.futures.ThreadPoolExecutor(len(unique), thread_name_prefix="preflight-env") as pool:
-        loads = {key: pool.submit(load_env, use, env_python) for key, use in unique.items()}
+        loads = {key: pool.submit(load_env, use, use.python or env_python) for key, use in unique.items()}
         results = {key: future.result() for key, future in loads.items()}
     tok, tokenizer_error = None, None
     if loaded_tokenizer is not None and any(r.error is None for r in results.values()):
@@ -105,6 +127,9 @@ def check_environments(uses: list[EnvUse], env_python: str, described: str, *, s
     if failed:
         try:  # only now: the installed ids are for did-you-mean
             installed_ids = [env.id for env in probe_env_python(env_python, timeout_s=ENV_START_TIMEOUT_S).envs]
+            v1_pythons = {use.python for use, _ in failed if use.kind == "v1" and use.python}
+            installed_ids += [env.id for python in v1_pythons
+                              for env in probe_env_python(python, timeout_s=ENV_START_TIMEOUT_S).envs]
         except EnvProbeError:
             installed_ids = None  # the line points at `primerl env list` instead
         findings += [load_finding(use, result, installed_ids) for use, result in failed]
@@ -144,6 +169,8 @@ def load_env(use: EnvUse, env_python: str) -> LoadedEnv:
     """Load the environment in an env worker and read a sample of its prompts; errors come back in the result."""
     from primerl.orchestrator.env_client import EnvWorker, EnvWorkerError
 
+    if use.kind == "v1":
+        return load_v1_env(use, env_python)
     worker = EnvWorker(env_python, use.id, use.args, start_timeout_s=ENV_START_TIMEOUT_S,
                        request_timeout_s=ENV_START_TIMEOUT_S, max_restarts=0,
                        stderr_tail_lines=200)
@@ -161,6 +188,21 @@ def load_env(use: EnvUse, env_python: str) -> LoadedEnv:
     return LoadedEnv(use, [], 0, failure, worker.stderr_tail())
 
 
+def load_v1_env(use: EnvUse, env_python: str) -> LoadedEnv:
+    """A v1 environment: its first tasks, listed by the bootstrap in the v1 interpreter (which also refuses a
+    sandbox runtime or an installing harness, naming the setting); errors come back in the result."""
+    from primerl.orchestrator.env_client import EnvWorkerError
+    from primerl.orchestrator.v1_env_spec import V1EnvSpec
+    from primerl.orchestrator.v1_env_worker import task_prompt
+
+    spec = V1EnvSpec(env_python, use.id, dict(use.args), dict(use.v1_config))
+    try:
+        tasks = spec.tasks(0, NUM_SAMPLED_PROMPTS, timeout_s=ENV_START_TIMEOUT_S)
+    except EnvWorkerError as exc:
+        return LoadedEnv(use, [], 0, exc, str(exc))
+    return LoadedEnv(use, [task_prompt(task) for task in tasks], len(tasks))
+
+
 def _no_verifiers(exc: BaseException | None) -> bool:
     return exc is not None and "verifiers is not importable" in str(exc)
 
@@ -172,6 +214,8 @@ def load_finding(use: EnvUse, result: LoadedEnv, installed_ids: list[str] | None
 
     exc = result.error
     detail = f"{type(exc).__name__}: {exc}\n--- env worker stderr ---\n{result.stderr}"
+    if use.kind == "v1":
+        return v1_load_finding(use, exc, detail)
     module = use.id.replace("-", "_").split("/")[-1]  # verifiers' rule: id reverse-text is module reverse_text
     if isinstance(exc, EnvRequestError) and f"No module named '{module}'" in str(exc):
         suggestions = suggest_env_ids(use.id, installed_ids or [])
@@ -193,6 +237,22 @@ def load_finding(use: EnvUse, result: LoadedEnv, installed_ids: list[str] | None
                      f"environment or its args ({use.setting}.args); the traceback is in the log", detail)
     first_line = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
     return error(f'{use.setting} "{use.id}": its env worker failed: {first_line}', detail)
+
+
+def v1_load_finding(use: EnvUse, exc: BaseException | None, detail: str) -> Finding:
+    """The one line for a v1 environment whose tasks could not be listed."""
+    from primerl.orchestrator.env_client import EnvRequestTimeout
+    from primerl.orchestrator.v1_env_spec import V1EnvConfigError
+
+    first_line = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+    if "ModuleNotFoundError" in str(exc):
+        return error(f'{use.setting}.id "{use.id}" is not installed in the verifiers v1 env interpreter '
+                     f"{use.python}; {INSTALL_HINT} (a v1 package goes there), or set {use.setting}.kind", detail)
+    if isinstance(exc, EnvRequestTimeout):
+        return error(f'{use.setting} "{use.id}": its tasks were not listed within {ENV_START_TIMEOUT_S:g} s', detail)
+    if isinstance(exc, V1EnvConfigError):
+        return error(f"{use.setting}: {first_line}; fix {use.setting}.args or {use.setting}.v1_config", detail)
+    return error(f'{use.setting} "{use.id}": the v1 environment failed to load: {first_line}', detail)
 
 
 def _args(args: dict[str, Any]) -> str:

@@ -99,12 +99,42 @@ class AdvantageConfig(BaseConfig):
     )
 
 
+EnvKind = Literal["auto", "classic", "v1"]
+
+
 class EnvConfig(BaseConfig):
-    """One verifiers environment, loaded with `load_environment(**args)`."""
+    """One verifiers environment: a classic one (`load_environment(**args)`, run by an env worker in `env_python`)
+    or a verifiers v1 one (a Taskset/Harness package, served by verifiers' env server in `env_v1_python`)."""
 
     id: str = Field(min_length=1, description="Environment id (the package name, e.g. `primeintellect/gsm8k`).")
-    args: dict[str, Any] = Field(default_factory=dict, description="Keyword arguments of `load_environment`.")
+    args: dict[str, Any] = Field(
+        default_factory=dict,
+        description="Keyword arguments of `load_environment` (classic), or the taskset's config (v1: the "
+        "`taskset` table of verifiers' EnvConfig, without `id`).",
+    )
     weight: float = Field(1.0, gt=0, description="Relative sampling weight among the environments.")
+    kind: EnvKind = Field(
+        "auto",
+        description='Which kind of environment `id` is: "classic" (verifiers <= 0.3, `load_environment`), "v1" '
+        '(verifiers 0.4 Taskset/Harness), or "auto": the kind the installed package has (the classic env '
+        "interpreter is asked first, then the v1 one; an id listed in neither is loaded as classic).",
+    )
+    v1_config: dict[str, Any] = Field(
+        default_factory=dict,
+        description="v1 only: the rest of verifiers' EnvConfig (agent roles, `agent.harness.*`, timeouts, "
+        "retries); the taskset is `id` with `args`. Local runtimes only (no sandbox).",
+    )
+
+    @model_validator(mode="after")
+    def _check_v1(self) -> EnvConfig:
+        taskset = self.v1_config.get("taskset")
+        if isinstance(taskset, dict) and "id" in taskset:
+            raise ValueError(f"v1_config.taskset.id ({taskset['id']!r}) is not allowed: the taskset is the "
+                             f"environment's `id` ({self.id!r}); remove taskset.id from v1_config")
+        if self.v1_config and self.kind == "classic":
+            raise ValueError(f'v1_config is set but kind = "classic" ({self.id!r}): v1_config configures verifiers '
+                             'v1 environments only; remove it or set kind = "v1" (or "auto")')
+        return self
 
 
 class EvalConfig(BaseConfig):
@@ -113,7 +143,11 @@ class EvalConfig(BaseConfig):
     interval: int = Field(100, ge=1, description="Evaluate every `interval` steps.")
     num_examples: int | None = Field(None, ge=1, description="Examples per environment (unset: all).")
     rollouts_per_example: int = Field(1, ge=1, description="Rollouts per example.")
-    env: list[EnvConfig] = Field(min_length=1, description="Environments to evaluate on (`[[orchestrator.eval.env]]`).")
+    env: list[EnvConfig] = Field(
+        min_length=1,
+        description="Environments to evaluate on (`[[orchestrator.eval.env]]`): a classic one on its eval split, a v1 "
+        "one on the tasks its `args` give (e.g. `split = \"eval\"` for examples/reverse_text_v1).",
+    )
 
 
 class TeacherConfig(BaseConfig):
@@ -229,6 +263,14 @@ class OrchestratorConfig(BaseConfig):
     env_python: Path | None = Field(
         None, description="Python interpreter of the env-worker processes (unset: $PRIMERL_ENV_PYTHON, else "
         ".venv-envs/bin/python beside primerl's venv when it exists, else the orchestrator's own)."
+    )
+    env_v1_python: Path | None = Field(
+        None, description="Python interpreter of the verifiers v1 env servers (unset: $PRIMERL_ENV_V1_PYTHON, else "
+        ".venv-envs-v1/bin/python beside primerl's venv when it exists, else the orchestrator's own)."
+    )
+    v1_max_workers: int = Field(
+        1, ge=1, description="Worker processes of each v1 env server (verifiers' serve_env `max_workers`; 1: one "
+        "in-process server)."
     )
     rollout_timeout_s: float = Field(1800.0, gt=0, description="A rollout that takes longer is abandoned.")
     max_steps: int | None = Field(None, ge=1, description="Stop after this many steps (unset: no limit).")

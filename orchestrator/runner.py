@@ -1,9 +1,11 @@
 """The orchestrator daemon: keep rollouts in flight, turn finished groups into training batches, ship them.
 
     env workers (verifiers, own interpreter) ◄── rollout requests ── OrchestratorRunner ── batches ──► broker
-           └── HTTP (OpenAI API) ──► inference workers listed by the broker
+    v1 env servers (verifiers 0.4, ZeroMQ) ◄──┘
+           └── HTTP (OpenAI API; v1: the token route) ──► inference workers listed by the broker
 
-Each step: the rollout scheduler (``primerl.orchestrator.rollout_scheduler``: no sockets) dispatches groups of
+Environments of both kinds (``primerl.orchestrator.env_clients``: classic env workers and verifiers v1 env servers,
+one shape) start side by side; the sampler draws among them by weight whatever their kind. Each step: the rollout scheduler (``primerl.orchestrator.rollout_scheduler``: no sockets) dispatches groups of
 ``rollouts_per_example`` rollouts to the env workers and collects them, within ``max_inflight`` and
 ``max_async_level``; finished groups get advantages, pass the difficulty filter and accumulate until
 ``batch_size`` rollouts; the batch is packed into micro-batches per trainer rank and sent to the broker. State
@@ -17,10 +19,10 @@ step waits for the send thread besides the one being sent). While dispatch waits
 served versions are re-read every ``VERSION_WAIT_S`` instead of every ``WORKER_REFRESH_S``.
 
 Faults (issue 14):
-- Env workers that die are restarted (at most ``ENV_WORKER_MAX_RESTARTS`` times each) and failed rollouts are
-  counted by kind (``primerl.orchestrator.rollout_scheduler``); ``batch_size`` failures in a row, or no inference
-  worker answering for ``INFERENCE_OUTAGE_S``, stop the orchestrator with one clear error
-  (``primerl.orchestrator.rollout_failures``). Past its restarts an env worker's error stops it too.
+- Env workers (and v1 env servers) that die are restarted (at most ``env_clients.ENV_WORKER_MAX_RESTARTS`` times
+  each) and failed rollouts are counted by kind (``primerl.orchestrator.rollout_scheduler``); ``batch_size``
+  failures in a row, or no inference worker answering for ``INFERENCE_OUTAGE_S``, stop the orchestrator with one
+  clear error (``primerl.orchestrator.rollout_failures``). Past its restarts an env worker's error stops it too.
 - Broker outages: the worker list is read in its own thread (``primerl.orchestrator.endpoints``) and steps are
   sent through outages (``primerl.orchestrator.step_send``), both within ``broker.outage_s``, logging
   ``waiting for the broker`` every 5 s; meanwhile the main loop keeps collecting rollouts (it blocks only once
@@ -74,7 +76,6 @@ VERSION_WAIT_S = 0.05  # re-read the served versions this often while dispatch w
 COLLECT_WAIT_S = 0.5  # the longest the main loop waits for a rollout group before looking at the rest again
 STOP_FLUSH_S = 30.0  # on stop, how long steps already handed to the send thread may take to be sent
 SHUTDOWN_FLUSH_S = 2.0  # the same when the broker ended the run (the role must be gone within 10 s)
-ENV_WORKER_MAX_RESTARTS = 3  # restarts of each env worker before the orchestrator gives up
 INFERENCE_OUTAGE_S = 300.0  # how long rollouts may fail because no inference worker answers (one restarting)
 
 
@@ -117,7 +118,7 @@ class OrchestratorRunner:
     def _connect(self) -> None:
         from primerl.client.control import BrokerUnavailable, ControlClient
         from primerl.client.rollouts import RolloutProducer
-        from primerl.orchestrator.env_client import EnvWorker
+        from primerl.orchestrator.env_clients import EnvClients, endpoint_version_fn
         from primerl.proto.v1 import common_pb2
 
         config = self.config
@@ -152,28 +153,21 @@ class OrchestratorRunner:
             config.batch_size, report=self.control.report_error,
             hint_values={"seq_len": config.seq_len, "model": config.model.name,
                          "rollout_timeout_s": config.rollout_timeout_s}, inference_outage_s=INFERENCE_OUTAGE_S)
+        clients = EnvClients(config, env_python=self.env_python, version_of=endpoint_version_fn(scheduler.inference))
         sizes, weights = {}, {}
-        for env in config.env:
-            if env.id in scheduler.workers:
-                raise ValueError(f"environment {env.id!r} is listed twice in orchestrator.env")
-            worker = EnvWorker(self.env_python, env.id, env.args, request_timeout_s=config.rollout_timeout_s,
-                               max_restarts=ENV_WORKER_MAX_RESTARTS)
-            info = worker.start()
-            scheduler.workers[env.id] = worker
-            sizes[env.id], weights[env.id] = info.num_examples, env.weight
+        for resolved, info in clients.start_all(config.env, "orchestrator.env", scheduler.workers):
+            env = resolved.env
             if info.num_examples == 0:
-                raise ValueError(f"environment {env.id!r} has no training examples")
-            log.info("environment loaded", env_id=env.id, env_class=info.env_class, num_examples=info.num_examples)
+                raise ValueError(f"environment {env.id!r} has no training examples ({resolved.setting}.args)")
+            sizes[env.id], weights[env.id] = info.num_examples, env.weight
+            log.info("environment loaded", env_id=env.id, kind=resolved.kind, env_class=info.env_class,
+                     num_examples=info.num_examples, weight=env.weight)
         scheduler.sampler = EnvSampler(sizes, weights, seed=config.sampling.seed or 0)
         self.eval_workers: dict[str, Any] = {}
         if config.eval is not None:
-            for env in config.eval.env:
-                worker = EnvWorker(self.env_python, env.id, env.args, request_timeout_s=config.rollout_timeout_s,
-                                   max_restarts=ENV_WORKER_MAX_RESTARTS)
-                info = worker.start()
-                self.eval_workers[env.id] = worker
-                log.info("eval environment loaded", env_id=env.id, num_eval_examples=info.num_eval_examples,
-                         has_eval_dataset=info.has_eval_dataset)
+            for resolved, info in clients.start_all(config.eval.env, "orchestrator.eval.env", self.eval_workers):
+                log.info("eval environment loaded", env_id=resolved.env.id, kind=resolved.kind,
+                         num_eval_examples=info.num_eval_examples, has_eval_dataset=info.has_eval_dataset)
 
     def _restore(self) -> int:
         if not self.state_path.exists():

@@ -87,6 +87,7 @@ class _Group:
     policy_version: int | None
     started_s: float
     request_ids: list[bytes] = field(default_factory=list)
+    version_fn: Callable[[], int | None] | None = None  # the policy version at the reply
     rollouts: dict[int, Rollout] = field(default_factory=dict)
 
 
@@ -262,18 +263,20 @@ class V1EnvServer:
             raise EnvRequestTimeout(f"v1 env server of {self.env_id!r} did not answer health in {timeout_s} s") from None
 
     def submit_group(self, task_data: Mapping[str, Any], *, example_index: int, num_rollouts: int, model: str,
-                     sampling: SamplingParams, timeout_s: float | None = None,
-                     base_url: str | None = None) -> concurrent.futures.Future:
+                     sampling: SamplingParams, timeout_s: float | None = None, base_url: str | None = None,
+                     policy_version_fn: Callable[[], int | None] | None = None) -> concurrent.futures.Future:
         """Start `num_rollouts` concurrent runs of one task; a future of the `RolloutGroup`. `base_url` picks
-        another inference server than the constructor's for this group (the env server builds a client per run)."""
+        another inference server than the constructor's for this group (the env server builds a client per run);
+        `policy_version_fn` (default: the constructor's) gives the versions at dispatch and at each reply."""
         if num_rollouts < 1:
             raise ValueError(f"num_rollouts must be >= 1, got {num_rollouts}")
         if not self.is_alive():
             raise EnvWorkerDied(self._death_message("is not running"))
-        version = self.policy_version_fn() if self.policy_version_fn else None
+        version_fn = policy_version_fn or self.policy_version_fn
+        version = version_fn() if version_fn else None
         future: concurrent.futures.Future = concurrent.futures.Future()
         group = _Group(example_index, num_rollouts, future, time.monotonic() + (timeout_s or self.request_timeout_s),
-                       version, time.monotonic())
+                       version, time.monotonic(), version_fn=version_fn)
         inference_url = base_url.rstrip("/").removesuffix("/v1") if base_url else self.base_url
         client = {"type": "train", "base_url": inference_url + "/v1", "api_key_var": API_KEY_VAR, "headers": {},
                   "renderer_model_name": self.renderer_model}
@@ -372,7 +375,7 @@ class V1EnvServer:
                 group.future.set_result(reply if isinstance(reply, dict) else {})
             return
         elapsed_s = time.monotonic() - group.started_s
-        end_version = self.policy_version_fn() if self.policy_version_fn else None
+        end_version = group.version_fn() if group.version_fn else None
         if failure is None and isinstance(reply, dict) and not reply.get("success", True):
             failure = str(reply.get("error") or "the env server reported a failed run")
         if failure is None:

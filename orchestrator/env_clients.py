@@ -1,0 +1,101 @@
+"""The orchestrator's environments, both kinds: each `[[orchestrator.env]]` (and `[[orchestrator.eval.env]]`) table
+becomes a classic env worker (`env_client.EnvWorker`, in `env_python`) or a verifiers v1 env server
+(`v1_env_worker.V1EnvWorker`, in `env_v1_python`), as `env_kinds.resolve_env_kinds` decides; both have one shape,
+so the rollout scheduler and the evals drive them alike. They start side by side (a v1 env server takes 5-20 s:
+verifiers' imports). Errors that a restart cannot fix are `ValueError`s naming the setting (the orchestrator exits
+2): an id installed nowhere, a v1 environment configured for a sandbox, an empty environment.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+from collections.abc import Callable, MutableMapping, Sequence
+from typing import Any
+
+from primerl.orchestrator.env_client import EnvRequestError, EnvWorker
+from primerl.orchestrator.env_kinds import ResolvedEnv, is_missing_module, not_installed_message, resolve_env_kinds
+from primerl.orchestrator.env_python import EnvPython, find_env_python, find_v1_env_python
+from primerl.orchestrator.trajectory import EnvInfo
+from primerl.orchestrator.v1_env_spec import V1EnvConfigError
+from primerl.orchestrator.v1_env_worker import V1EnvWorker
+from primerl.runtime.log_setup import get_logger
+
+log = get_logger("primerl.orchestrator")
+
+ENV_WORKER_MAX_RESTARTS = 3  # restarts of each env worker (or v1 env server) before the orchestrator gives up
+
+
+def strip_v1(base_url: str) -> str:
+    return base_url.rstrip("/").removesuffix("/v1")
+
+
+def endpoint_version_fn(inference: Any) -> Callable[[str], int | None]:
+    """`version_of(base_url)`: the policy version the inference worker at `base_url` serves, as last listed by the
+    broker (``endpoints.InferenceWorkers``); None for one no longer listed. Read from the v1 client's IO thread."""
+
+    def version_of(base_url: str) -> int | None:
+        wanted = strip_v1(base_url)
+        for endpoint in list(inference.endpoints.values()):
+            if strip_v1(endpoint.base_url) == wanted:
+                return int(endpoint.policy_version)
+        return None
+
+    return version_of
+
+
+class EnvClients:
+    """Builds and starts the environments of one orchestrator config (module docstring)."""
+
+    def __init__(self, config: Any, *, env_python: str, version_of: Callable[[str], int | None] | None = None,
+                 probe: Callable[[str], Any] | None = None) -> None:
+        self.config = config
+        found = find_env_python(config.env_python)
+        self.classic = found if found.path == env_python else EnvPython(env_python, "explicit")
+        self.v1 = find_v1_env_python(config.env_v1_python)
+        self.version_of = version_of
+        self.probe = probe
+
+    def resolve(self, envs: Sequence[Any], prefix: str) -> list[ResolvedEnv]:
+        kwargs = {"probe": self.probe} if self.probe is not None else {}
+        return resolve_env_kinds([(f"{prefix}[{i}]", env) for i, env in enumerate(envs)], classic=self.classic,
+                                 v1=self.v1, **kwargs)
+
+    def build(self, resolved: ResolvedEnv) -> Any:
+        config, env = self.config, resolved.env
+        if resolved.kind == "classic":
+            return EnvWorker(resolved.python, env.id, env.args, request_timeout_s=config.rollout_timeout_s,
+                             max_restarts=ENV_WORKER_MAX_RESTARTS)
+        return V1EnvWorker(resolved.python, env.id, env.args, v1_config=env.v1_config,
+                           api_key=config.broker.run_token or "EMPTY", renderer_model=config.model.name,
+                           version_of=self.version_of, max_workers=config.v1_max_workers,
+                           request_timeout_s=config.rollout_timeout_s, max_restarts=ENV_WORKER_MAX_RESTARTS)
+
+    def start_all(self, envs: Sequence[Any], prefix: str,
+                  workers: MutableMapping[str, Any]) -> list[tuple[ResolvedEnv, EnvInfo]]:
+        """Build every environment of `envs` (`prefix`: their setting, e.g. `orchestrator.env`) into `workers`
+        (env id -> worker; there first, so that closing `workers` ends them whatever happens), start them side by
+        side; their infos in config order. The first error is raised once all starts ended."""
+        resolved = self.resolve(envs, prefix)
+        for item in resolved:
+            if item.env.id in workers:
+                raise ValueError(f"environment {item.env.id!r} is listed twice in {prefix}; keep one table per "
+                                 "environment (its weight sets how often it is sampled)")
+            workers[item.env.id] = self.build(item)
+        with concurrent.futures.ThreadPoolExecutor(max(1, len(resolved)), thread_name_prefix="env-start") as pool:
+            starts = [pool.submit(workers[item.env.id].start) for item in resolved]
+            concurrent.futures.wait(starts)
+        results = []
+        for item, future in zip(resolved, starts):
+            try:
+                results.append((item, future.result()))
+            except V1EnvConfigError as exc:  # the setting to change is in the message: no restart fixes it
+                raise ValueError(f"{item.setting}: {exc}") from None
+            except EnvRequestError as exc:
+                if item.kind == "classic" and not item.listed and is_missing_module(exc, item.env.id):
+                    raise ValueError(not_installed_message(item.setting, item.env.id, classic=self.classic,
+                                                           v1=self.v1)) from None
+                raise
+        return results
+
+
+__all__ = ["ENV_WORKER_MAX_RESTARTS", "EnvClients", "endpoint_version_fn", "strip_v1"]

@@ -1,0 +1,202 @@
+"""Classic and verifiers v1 environments in one `primerl rl` run (issue 19): the env tables' `kind` (auto: asked of
+the two env interpreters) and its errors, and a short run of examples/reverse_text_mixed_rl.toml through the real
+daemons (broker, primerl-infer, trainer, orchestrator with a classic env worker and a v1 env server) that reports a
+reward per environment and trains every step once.
+
+Needs `.venv-envs` (reverse-text) and `.venv-envs-v1` (reverse-text-v1), which `make setup` builds; the tests that
+use them are skipped with that reason otherwise.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from primerl.orchestrator.config import EnvConfig, OrchestratorConfig
+from primerl.orchestrator.env_clients import EnvClients, endpoint_version_fn
+from primerl.orchestrator.env_kinds import not_installed_message, resolve_env_kinds
+from primerl.orchestrator.env_python import EnvPython, find_v1_env_python
+from primerl.orchestrator.v1_env_worker import sampling_params, task_prompt
+from primerl.orchestrator.trajectory import SamplingParams
+
+BIN = Path(sys.executable).parent
+REPO_ROOT = Path(__file__).resolve().parents[1]
+EXAMPLE = REPO_ROOT / "examples" / "reverse_text_mixed_rl.toml"
+ENV_PYTHON = os.environ.get("PRIMERL_ENV_PYTHON", str(REPO_ROOT / ".venv-envs" / "bin" / "python"))
+RUN_TIMEOUT_S = 400
+NUM_STEPS = 3
+
+
+@pytest.fixture(scope="module")
+def pythons() -> tuple[EnvPython, EnvPython]:
+    """(classic, v1) env interpreters with reverse-text and reverse-text-v1 installed."""
+    from primerl.orchestrator.env_python import probe_env_python
+
+    v1 = find_v1_env_python()
+    if not Path(ENV_PYTHON).exists():
+        pytest.skip(f"no env-worker interpreter at {ENV_PYTHON}: run `make setup` (it builds .venv-envs)")
+    if v1.source == "this_interpreter" or not Path(v1.path).exists():
+        pytest.skip(f"no verifiers v1 env venv ({v1.path}): `make setup` creates .venv-envs-v1")
+    if "reverse-text-v1" not in [env.id for env in probe_env_python(v1.path).envs]:
+        pytest.skip(f"reverse-text-v1 is not installed in {v1.path}: `make setup` installs it")
+    return EnvPython(ENV_PYTHON, "env_var"), v1
+
+
+def orchestrator_config(envs: list[dict], **extra) -> OrchestratorConfig:
+    return OrchestratorConfig.model_validate({"model": {"name": "m"}, "env": envs, **extra})
+
+
+# ------------------------------------------------------------------------------------------------ config
+def test_env_tables_take_a_kind_and_a_v1_config():
+    config = orchestrator_config([{"id": "reverse-text"}, {"id": "reverse-text-v1", "kind": "v1", "weight": 3,
+                                                          "v1_config": {"agent": {"harness": {"max_turns": 2}}}}],
+                                 env_v1_python="/x/python", v1_max_workers=2)
+    assert [env.kind for env in config.env] == ["auto", "v1"]
+    assert config.env[1].v1_config == {"agent": {"harness": {"max_turns": 2}}}
+    assert (str(config.env_v1_python), config.v1_max_workers) == ("/x/python", 2)
+    assert orchestrator_config([{"id": "a"}]).v1_max_workers == 1
+
+
+@pytest.mark.parametrize("table, message", [
+    ({"id": "t", "v1_config": {"taskset": {"id": "other"}}}, "v1_config.taskset.id ('other') is not allowed: the "
+     "taskset is the environment's `id` ('t'); remove taskset.id from v1_config"),
+    ({"id": "t", "kind": "classic", "v1_config": {"agent": {}}}, 'v1_config is set but kind = "classic"'),
+    ({"id": "t", "kind": "v2"}, "Input should be 'auto', 'classic' or 'v1'"),
+])
+def test_env_table_mistakes_name_the_setting(table, message):
+    with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        EnvConfig.model_validate(table)
+
+
+def test_the_flat_shape_takes_kind_and_v1_config():
+    from primerl.cli.config_shapes import to_canonical
+
+    canonical = to_canonical({"model": "m", "env": [{"id": "reverse-text", "weight": 2},
+                                                    {"id": "reverse-text-v1", "kind": "v1", "v1_config": {}}]})
+    assert canonical["orchestrator"]["env"][1] == {"id": "reverse-text-v1", "kind": "v1", "v1_config": {}}
+
+
+def test_the_mixed_example_loads_as_a_run_config():
+    from primerl.cli.rl_config import RLConfig
+    from primerl.runtime.config_loader import load_config
+
+    config = load_config(RLConfig, [EXAMPLE])
+    assert [(env.id, env.kind, env.weight) for env in config.orchestrator.env] == [
+        ("reverse-text", "auto", 1.0), ("reverse-text-v1", "auto", 1.0)]
+
+
+# ------------------------------------------------------------------------------------------ kind resolution
+def test_auto_kinds_come_from_what_each_interpreter_has_installed(pythons):
+    classic, v1 = pythons
+    envs = [(f"orchestrator.env[{i}]", EnvConfig(id=env_id)) for i, env_id in
+            enumerate(["reverse-text", "reverse-text-v1", "no-such-env"])]
+    resolved = resolve_env_kinds(envs, classic=classic, v1=v1)
+    assert [(r.kind, r.python, r.listed) for r in resolved] == [
+        ("classic", classic.path, True), ("v1", v1.path, True), ("classic", classic.path, False)]
+    # an explicit kind is taken as written, whatever is installed
+    explicit = resolve_env_kinds([("e", EnvConfig(id="reverse-text", kind="v1"))], classic=classic, v1=v1)
+    assert (explicit[0].kind, explicit[0].python) == ("v1", v1.path)
+
+
+def test_a_v1_package_installed_only_where_it_cannot_run_is_refused(pythons):
+    classic, v1 = pythons
+    # the v1 venv given as the classic interpreter, the classic venv as the v1 one
+    with pytest.raises(ValueError, match=r'orchestrator\.env\[0\]\.id "reverse-text-v1" is a verifiers v1 environment, '
+                                         r"installed only in the classic env interpreter .*primerl env install PATH"):
+        resolve_env_kinds([("orchestrator.env[0]", EnvConfig(id="reverse-text-v1"))],
+                          classic=EnvPython(v1.path, "explicit"), v1=EnvPython(classic.path, "explicit"))
+
+
+def test_an_id_installed_nowhere_names_both_interpreters_and_the_install_command(pythons, tmp_path):
+    classic, v1 = pythons
+    config = orchestrator_config([{"id": "reverse-text"}, {"id": "revers-text-v1"}], env_python=classic.path,
+                                 env_v1_python=v1.path, output_dir=str(tmp_path))
+    workers: dict = {}
+    try:
+        with pytest.raises(ValueError) as raised:
+            EnvClients(config, env_python=classic.path).start_all(config.env, "orchestrator.env", workers)
+    finally:
+        for worker in workers.values():
+            worker.close()
+    assert str(raised.value) == not_installed_message("orchestrator.env[1]", "revers-text-v1",
+                                                      classic=EnvPython(classic.path, "explicit"),
+                                                      v1=EnvPython(v1.path, "explicit"))
+    assert classic.path in str(raised.value) and v1.path in str(raised.value)
+    assert "`primerl env install PATH`" in str(raised.value) and "orchestrator.env[1].kind" in str(raised.value)
+
+
+@pytest.mark.slow
+def test_a_v1_env_asking_for_a_sandbox_stops_the_start_naming_the_setting(pythons, tmp_path):
+    classic, v1 = pythons
+    config = orchestrator_config([{"id": "reverse-text-v1", "v1_config": {"agent": {"runtime": {"type": "prime"}}}}],
+                                 env_python=classic.path, env_v1_python=v1.path, output_dir=str(tmp_path))
+    workers: dict = {}
+    try:
+        with pytest.raises(ValueError, match=r"^orchestrator\.env\[0\]: .*agent\.runtime"):
+            EnvClients(config, env_python=classic.path).start_all(config.env, "orchestrator.env", workers)
+    finally:
+        for worker in workers.values():
+            worker.close()
+    assert not any(worker.is_alive() for worker in workers.values())
+
+
+def test_the_adapter_takes_the_schedulers_sampling_and_the_endpoints_versions():
+    from primerl.orchestrator.endpoints import InferenceWorkers
+
+    params = sampling_params({"max_tokens": 24, "temperature": 0.7, "top_p": 1.0, "top_k": -1, "min_p": 0.0,
+                              "repetition_penalty": 1.0, "stop": ["\n"], "seed": 5})
+    assert params == SamplingParams(temperature=0.7, max_tokens=24, stop=("\n",), seed=5)
+    inference = InferenceWorkers()
+    inference.update({"w1": ("http://h:1/v1", 4), "w2": ("http://h:2/v1", 6)}, current_version=4)
+    version_of = endpoint_version_fn(inference)
+    assert (version_of("http://h:2/v1"), version_of("http://h:1"), version_of("http://h:3/v1")) == (6, 4, None)
+    assert task_prompt({"prompt": "a b", "system_prompt": "Reverse."}) == [
+        {"role": "system", "content": "Reverse."}, {"role": "user", "content": "a b"}]
+
+
+# ------------------------------------------------------------------------------------------ the mixed run
+@pytest.mark.slow
+@pytest.mark.vllm
+def test_a_run_mixing_a_classic_and_a_v1_environment_reports_a_reward_per_environment(pythons, tiny_model, tmp_path):
+    from support.probes import free_port
+
+    classic, v1 = pythons
+    run_dir = tmp_path / "run"
+    env = {**os.environ, "PRIMERL_ENV_PYTHON": classic.path, "PRIMERL_ENV_V1_PYTHON": v1.path, "HF_HUB_OFFLINE": "1",
+           "TRANSFORMERS_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1"}
+    env.pop("PRIMERL_RUN_TOKEN", None)
+    args = [str(BIN / "primerl"), "rl", "@", str(EXAMPLE), "--model.name", str(tiny_model), "--output-dir",
+            str(run_dir), "--broker.grpc-port", str(free_port()), "--max-steps", str(NUM_STEPS),
+            "--orchestrator.batch-size", "16", "--orchestrator.rollouts-per-example", "4",
+            "--orchestrator.sampling.max-tokens", "12"]
+    started_s = time.monotonic()
+    result = subprocess.run(args, capture_output=True, text=True, timeout=RUN_TIMEOUT_S, env=env, cwd=tmp_path)
+    wall_s = time.monotonic() - started_s
+    output = result.stdout + result.stderr
+    orchestrator_log = run_dir / "logs" / "orchestrator.log"
+    tail = orchestrator_log.read_text()[-4000:] if orchestrator_log.exists() else ""
+    assert result.returncode == 0, output[-6000:] + tail
+    assert f"run finished: {NUM_STEPS} steps" in result.stdout, output[-6000:]
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    trainer = [r for r in rows if r["role"] == "trainer"]
+    assert [r["step"] for r in trainer] == list(range(1, NUM_STEPS + 1))  # every step trained, once
+    steps = [r for r in rows if r["role"] == "orchestrator" and "train/reward" in r]
+    assert [r["step"] for r in steps] == list(range(1, NUM_STEPS + 1))
+    for env_id in ("reverse-text", "reverse-text-v1"):
+        rewards = [r[f"env/{env_id}/reward"] for r in steps if f"env/{env_id}/reward" in r]
+        assert rewards, f"no env/{env_id}/reward in any step: {steps}"
+        assert all(0.0 <= reward <= 1.0 for reward in rewards)
+    num_rollouts = {env_id: sum(r.get(f"env/{env_id}/num_rollouts", 0) for r in steps)
+                    for env_id in ("reverse-text", "reverse-text-v1")}
+    assert sum(num_rollouts.values()) == NUM_STEPS * 16, num_rollouts
+    assert sum(r["rollout/errors"] for r in steps) == 0, steps
+    log_text = orchestrator_log.read_text()
+    assert "v1 env server ready" in log_text, log_text[-3000:]
+    print(f"mixed classic + v1 run, {NUM_STEPS} steps: {wall_s:.1f} s wall; rollouts per env {num_rollouts}; "
+          "rewards per step " + str([{k: round(v, 3) for k, v in r.items() if k.endswith("/reward")} for r in steps]))

@@ -97,7 +97,7 @@ BENCH_VENV := .venv-bench
 BENCH_STAMP := $(BENCH_VENV)/.primerl-bench-installed
 TRL_VERSION ?= 1.16.0
 BENCH_ARGS ?=
-bench: $(STAMP) $(ENV_STAMP) $(BENCH_STAMP)
+bench: $(STAMP) $(ENV_STAMP) $(ENV_V1_STAMP) $(BENCH_STAMP)
 	$(PY) bench/run_all.py $(BENCH_ARGS)
 
 bench-venv: $(BENCH_STAMP)

@@ -1,5 +1,6 @@
 #!/usr/bin/env python
-"""``make bench``: run every benchmark of issue 12 (parts a-g) with a time limit each and write bench/RESULTS.md.
+"""``make bench``: run every benchmark of issue 12 (parts a-g) and issue 19 (part h) with a time limit each and
+write bench/RESULTS.md.
 
     .venv/bin/python bench/run_all.py            # the full profile (what `make bench` runs)
     .venv/bin/python bench/run_all.py --quick    # fewer steps and repeats, for trying the harness
@@ -19,13 +20,14 @@ d     broker_flood.py             the broker under a flood of rollout batches
 e     weight_update.py            weight update publish->applied (full / LoRA / delta) vs raw copy and zmq
 f     async_levels.py             max_async_level 0 vs 1 vs 2: steps/s and reward
 g     rl_vs_trl.py --part g       ~100M-parameter model: primerl vs TRL samples/s
+h     v1_rollouts.py              verifiers v1 env server vs the classic env worker: rollouts/s, same task
 ====  ==========================  =========================================================================
 
 The harness never hides a failure: a script that does not exist, fails, or runs past its limit gets a
 "not run: <why>" section with the tail of its output; a script without ``--markdown`` gets its output quoted.
 ``--quick`` is passed on to a script only when its ``--help`` mentions it. Parts run one after another (they
 would distort each other's timings otherwise); the time plan is printed first and the actual times go into
-RESULTS.md. Parts a and f need the demo's SFT checkpoint: ``--sft`` if given, else
+RESULTS.md. Parts a, f and h need the demo's SFT checkpoint: ``--sft`` if given, else
 runs/bench/sft/weights/step_1000, else runs/demo/sft/weights/step_1000 (from ``make run``), else it is built in
 runs/bench with the Makefile's commands (tiny model, sft-data, chatty data, ``primerl sft`` 1000 steps).
 Outputs: bench/RESULTS.md, bench/plots/*.png; raw data and logs under runs/bench/ (not committed).
@@ -82,13 +84,14 @@ PARTS = [
     Part("e", "weight_update.py", [], 420, 240, 240),
     Part("f", "async_levels.py", [], 480, 300, 200, needs_sft=True, own=True),
     Part("g", "rl_vs_trl.py", ["--part", "g"], 600, 360, 300, needs_bench_venv=True, own=True),
+    Part("h", "v1_rollouts.py", [], 480, 240, 180, needs_sft=True, own=True),
 ]
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="short runs for trying the harness (not for the numbers)")
-    parser.add_argument("--parts", default="a,b,c,d,e,f,g", help="comma-separated parts to run (default: all)")
+    parser.add_argument("--parts", default="a,b,c,d,e,f,g,h", help="comma-separated parts to run (default: all)")
     parser.add_argument("--sft", default=None, help="the demo's SFT checkpoint to start parts a and f from")
     parser.add_argument("--output", type=Path, default=BENCH / "RESULTS.md")
     parser.add_argument("--plots-dir", type=Path, default=BENCH / "plots")
@@ -248,7 +251,7 @@ def main(argv: list[str] | None = None) -> int:
     wanted = {p.strip() for p in args.parts.split(",") if p.strip()}
     unknown = wanted - {p.key for p in PARTS}
     if unknown:
-        raise SystemExit(f"--parts: unknown part(s) {sorted(unknown)}; choose from a,b,c,d,e,f,g")
+        raise SystemExit(f"--parts: unknown part(s) {sorted(unknown)}; choose from a,b,c,d,e,f,g,h")
     parts = [p for p in PARTS if p.key in wanted]
     kept = [p for p in PARTS if p.key not in wanted] if args.keep_other_parts else []
     sections = args.work_dir / "sections"
@@ -286,7 +289,7 @@ def main(argv: list[str] | None = None) -> int:
     if needs_sft:
         try:
             sft = find_or_build_sft(args, log)
-            sft_line = f"SFT checkpoint (start of parts a and f): `{os.path.relpath(sft, ROOT)}`."
+            sft_line = f"SFT checkpoint (start of parts a, f and h): `{os.path.relpath(sft, ROOT)}`."
         except BenchRunError as error:
             sft_line = f"SFT checkpoint: **not available: {error}**".replace("\n", "  \n")
             log(sft_line)

@@ -76,6 +76,9 @@ def build_parser() -> argparse.ArgumentParser:
     listing.add_argument("--env-python", default=None, metavar="PATH",
                          help=f"the env interpreter (default: ${ENV_PYTHON_VAR}, else {default_env_venv()} when it "
                          "exists, else primerl's own)")
+    listing.add_argument("--env-v1-python", default=None, metavar="PATH",
+                         help="the v1 env interpreter, listed beside the classic one (default: "
+                         "$PRIMERL_ENV_V1_PYTHON, else .venv-envs-v1 next to primerl's venv, when it exists)")
     listing.add_argument("--json", action="store_true", help="print JSON")
     return parser
 
@@ -107,7 +110,8 @@ def list_envs(args: argparse.Namespace) -> int:
     from primerl.cli.env_v1 import v1_listing
 
     # The v1 interpreter is listed too when the classic one is the default (not chosen by --env-python or $VAR).
-    v1 = v1_listing() if env_python.source in ("env_venv", "this_interpreter") else None
+    v1 = (v1_listing(args.env_v1_python) if args.env_v1_python is not None or env_python.source in
+          ("env_venv", "this_interpreter") else None)
     if args.json:
         print(json.dumps({"python": env_python.path, "source": env_python.source,
                           "verifiers": info.verifiers_version, "envs": [vars(env) for env in info.envs],

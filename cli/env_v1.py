@@ -84,15 +84,18 @@ def install_v1(args, pip_target: list[str], dist_name: str | None, project_dir: 
         raise errors.EnvInstallFailed(
             f"installed {args.target}, but no top-level module of it exports a Taskset or Harness in `__all__`: a "
             "verifiers v1 environment is a package `my_env` (id `my-env`) with `__all__ = ['MyTaskset', ...]`")
-    lines = [_check_serves(python, env.id, errors=errors) for env in envs]
+    env_args = errors._env_args(args.env_args)
+    lines = [_check_serves(python, env.id, env_args, errors=errors) for env in envs]
     elapsed_s = time.monotonic() - started_s
     print(f"primerl env install: installed {envs[0].dist} {envs[0].version}"
           f"{' (editable)' if envs[0].editable_path else ''} into {python} in {elapsed_s:.0f} s (verifiers {version})")
     for env, line in zip(envs, lines):
         print(f"  {env.id}: {line}")
+    print(f"  evaluate:  primerl eval {envs[0].id} -m MODEL")
     print(f"  train:     [[orchestrator.env]] id = \"{envs[0].id}\"   (served by its own v1 env server)")
     if find_v1_env_python().path != str(python):
-        print(f"  this is not the default v1 env interpreter: export {V1_ENV_PYTHON_VAR}={python}")
+        print(f"  this is not the default v1 env interpreter: pass --env-v1-python {python} to eval and sft-data, "
+              f"or export {V1_ENV_PYTHON_VAR}={python}")
     return 0
 
 
@@ -114,12 +117,13 @@ def _ensure_verifiers_v1(python: Path, *, verbose: bool, errors) -> str:
     return VERIFIERS_V1_VERSION
 
 
-def _check_serves(python: Path, env_id: str, *, errors) -> str:
-    """Resolve the environment as a run does (local runtime, no installing harness) and list a task."""
+def _check_serves(python: Path, env_id: str, env_args: dict | None = None, *, errors) -> str:
+    """Resolve the environment as a run does (local runtime, no installing harness) with the taskset arguments
+    `env_args` (install's --env-args) and list a task."""
     from primerl.orchestrator.env_client import EnvWorkerError
     from primerl.orchestrator.v1_env_spec import V1EnvSpec
 
-    spec = V1EnvSpec(str(python), env_id)
+    spec = V1EnvSpec(str(python), env_id, dict(env_args or {}))
     try:
         tasks = spec.tasks(0, 2, timeout_s=CHECK_TIMEOUT_S)
     except EnvWorkerError as exc:
@@ -131,9 +135,12 @@ def _check_serves(python: Path, env_id: str, *, errors) -> str:
     return f"serves locally (first task: {str(prompt)[:40]!r})"
 
 
-def v1_listing() -> dict | None:
-    """The v1 env interpreter and its environments for `primerl env list`, when it exists (None otherwise)."""
-    found = find_v1_env_python()
+def v1_listing(explicit: str | None = None) -> dict | None:
+    """The v1 env interpreter (`explicit`, else by the rule) and its environments for `primerl env list`, when it
+    exists (None otherwise; an explicit one that does not exist is listed with the error)."""
+    found = find_v1_env_python(explicit)
+    if explicit is not None and not Path(found.path).exists():
+        return {"python": found.path, "error": f"{found.path} does not exist", "envs": []}
     if found.source == "this_interpreter" or not Path(found.path).exists():
         return None
     try:

@@ -8,11 +8,16 @@ else the default of `primerl.orchestrator.env_python`), exactly as in training. 
 writes goes to `eval.log` there (`eval_console.py`), so the terminal shows eval's own lines only (`--verbose`:
 everything on the terminal).
 
+A verifiers v1 environment (a Taskset/Harness package in the v1 env venv; `--kind auto` finds it there) runs
+through verifiers' own env server against the token route of the served model (`cli/v1_tools.py`): the same
+flags, output files and console, with the taskset's reward and metrics; `-a` are the taskset's arguments.
+
 Tool environments (a ToolEnv: its requests carry `tools`) need vLLM's auto tool choice and a tool-call parser,
 else every request is refused with HTTP 400. They are turned on by themselves when the environment has tools
 (`DEFAULT_TOOL_CALL_PARSER`, right for Qwen models), or by `--enable-auto-tool-choice` / `--tool-call-parser`.
 
     primerl eval reverse-text -m runs/demo/rl -n 200 -r 1 -t 16 -T 0
+    primerl eval reverse-text-v1 -m runs/demo/rl -n 200 -r 1 -t 16 -T 0     # the v1 example
 """
 
 from __future__ import annotations
@@ -32,6 +37,7 @@ from typing import Any
 from primerl.cli.command_args import parse_command_args
 from primerl.cli.env_args import parse_env_args
 from primerl.cli.eval_console import Console
+from primerl.cli.v1_tools import V1ToolError, add_kind_arguments, resolve_kind
 from primerl.orchestrator.env_python import ENV_PYTHON_VAR, ENV_VENV_NAME, resolve_env_python
 
 DEFAULT_OUTPUT_ROOT = Path("outputs/evals")
@@ -83,6 +89,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "next to primerl's venv, else this one)")
     parser.add_argument("--timeout-s", type=float, default=600.0, metavar="S",
                         help="deadline of one example's rollouts (default: %(default)g)")
+    add_kind_arguments(parser)
     parser.add_argument("--enable-auto-tool-choice", action=argparse.BooleanOptionalAction, default=None,
                         help="let the started vLLM server accept tool calls (default: on when the environment has "
                         "tools)")
@@ -140,6 +147,12 @@ def _check(args: argparse.Namespace) -> dict[str, Any]:
         raise EvalInputError(f"--timeout-s must be > 0, got {args.timeout_s}")
     if args.tool_call_parser is not None and not args.tool_call_parser.strip():
         raise EvalInputError("--tool-call-parser is empty: give a vLLM parser name, e.g. hermes")
+    try:
+        args.kind, args.env_v1_python = resolve_kind(args.env_id, args.kind, args.env_v1_python)
+    except V1ToolError as exc:
+        raise EvalInputError(str(exc)) from None
+    if args.kind == "v1":
+        return env_args
     args.env_python = resolve_env_python(args.env_python)
     if not Path(args.env_python).exists():
         raise EvalInputError(f"env python {args.env_python} does not exist: install an environment with `primerl env "
@@ -181,6 +194,11 @@ def main(argv: list[str] | None = None) -> int:
 
 async def _evaluate(args: argparse.Namespace, model: str, env_args: dict[str, Any], console: Console) -> int:
     from primerl.orchestrator.env_client import EnvWorker, EnvWorkerError
+
+    if args.kind == "v1":
+        from primerl.cli.v1_tools import evaluate_v1
+
+        return await evaluate_v1(args, model, env_args, console)
 
     worker = EnvWorker(args.env_python, args.env_id, env_args, request_timeout_s=args.timeout_s)
     try:
@@ -228,6 +246,9 @@ def _did_you_mean(args: argparse.Namespace, exc: Exception) -> str:
         installed = installed_env_ids(args.env_python)
     except EnvProbeError:
         return ""
+    from primerl.cli.v1_tools import usable_v1_python, v1_env_ids
+
+    installed = sorted({*installed, *v1_env_ids(usable_v1_python(args.env_v1_python))})
     close = suggest_env_ids(args.env_id, installed)
     if close:
         return f". Did you mean {' or '.join(repr(c) for c in close)}?"
@@ -250,11 +271,11 @@ def _tool_settings(args: argparse.Namespace, info: Any, console: Console) -> tup
 
 
 async def _start_server(model: str, max_model_len: int | None, tool_choice: bool, tool_parser: str | None,
-                        console: Console):
+                        console: Console, token: str | None = None):
     from primerl.inference.config import InferenceConfig
     from primerl.inference.server import InferenceServer
 
-    token = secrets.token_urlsafe(24)
+    token = token or secrets.token_urlsafe(24)
     config = InferenceConfig.model_validate({"model": {"name": model, "max_model_len": max_model_len,
                                                        "enable_auto_tool_choice": tool_choice,
                                                        "tool_call_parser": tool_parser},
@@ -271,7 +292,7 @@ async def _start_server(model: str, max_model_len: int | None, tool_choice: bool
 
 
 async def _run(args, worker, info, split: str, count: int, base_url: str, served_name: str, api_key: str,
-               model: str, env_args: dict[str, Any], output: Path, console: Console) -> int:
+               model: str, env_args: dict[str, Any], output: Path, console: Console, kind: str = "classic") -> int:
     from primerl.orchestrator.evaluation import run_eval_groups, summarize_groups
 
     output.mkdir(parents=True, exist_ok=True)
@@ -301,12 +322,13 @@ async def _run(args, worker, info, split: str, count: int, base_url: str, served
         print(file=console.err)
     summary = summarize_groups(groups, failed, rollouts_per_group=args.rollouts_per_example)
     elapsed_s = time.monotonic() - started_s
-    record = {"env_id": args.env_id, "env_args": env_args, "model": model, "split": split, "num_examples": count,
-              "rollouts_per_example": args.rollouts_per_example, "sampling": sampling, "time_s": elapsed_s,
+    record = {"env_id": args.env_id, "env_kind": kind, "env_args": env_args, "model": model, "split": split,
+              "num_examples": count, "rollouts_per_example": args.rollouts_per_example, "sampling": sampling, "time_s": elapsed_s,
               **summary.as_dict()}
     (output / "summary.json").write_text(json.dumps(record, indent=2) + "\n")
     metrics = "  ".join(f"{name} {value:.3f}" for name, value in summary.metrics.items())
-    print(f"primerl eval: {args.env_id} ({split}, {count} examples x {args.rollouts_per_example}) on {model}\n"
+    what = f"v1 env, {split}" if kind == "v1" else split
+    print(f"primerl eval: {args.env_id} ({what}, {count} examples x {args.rollouts_per_example}) on {model}\n"
           f"  reward: mean {summary.reward_mean:.4f}  std {summary.reward_std:.4f}  "
           f"over {summary.num_rollouts} rollouts ({summary.num_errors} failed)\n"
           f"  metrics: {metrics or '-'}\n"

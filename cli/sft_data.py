@@ -3,6 +3,9 @@
 Each example of the split becomes `{"prompt": [...], "completion": [{"role": "assistant", "content": answer}]}`,
 the shape `primerl sft` reads. Only for environments whose `answer` is the text the model should write (like
 `reverse-text`); the prompt is the environment's own (system prompt included), so SFT and RL see the same one.
+A verifiers v1 environment (`--kind auto` finds it in the v1 env venv) gives its taskset's listed tasks: the task's
+`system_prompt` and `prompt`, its text `answer` as the reply; a taskset without reference answers is refused with
+the reason (`cli/v1_tools.py`).
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ from pathlib import Path
 
 from primerl.cli.command_args import parse_command_args
 from primerl.cli.env_args import parse_env_args
+from primerl.cli.v1_tools import V1ToolError, add_kind_arguments, resolve_kind
 from primerl.orchestrator.env_python import ENV_PYTHON_VAR, ENV_VENV_NAME, resolve_env_python
 
 BATCH = 500
@@ -32,6 +36,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--env-python", default=None, metavar="PATH",
                         help=f"interpreter of the environments (default: ${ENV_PYTHON_VAR}, else {ENV_VENV_NAME} "
                         "next to primerl's venv, else this one)")
+    add_kind_arguments(parser)
     return parser
 
 
@@ -51,6 +56,21 @@ def main(argv: list[str] | None = None) -> int:
     from primerl.runtime.log_setup import configure_logging
 
     configure_logging("sft-data", level="warning")
+    try:
+        kind, v1_python = resolve_kind(args.env_id, args.kind, args.env_v1_python)
+        if kind == "v1":
+            from primerl.cli.v1_tools import sft_data_v1
+
+            written, split = sft_data_v1(args.env_id, v1_python, env_args, split=args.split,
+                                         num_examples=args.num_examples, output=args.output)
+            print(f"wrote {written} samples of {args.env_id} (v1 env, {split}) to {args.output}")
+            return 0
+    except V1ToolError as exc:
+        print(f"primerl sft-data: error: {exc}", file=sys.stderr)
+        return 2
+    except EnvWorkerError as exc:
+        print(f"primerl sft-data: error: {exc}", file=sys.stderr)
+        return 1
 
     env_python = resolve_env_python(args.env_python)
     worker = EnvWorker(env_python, args.env_id, env_args)

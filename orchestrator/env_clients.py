@@ -73,21 +73,29 @@ class EnvClients:
     def start_all(self, envs: Sequence[Any], prefix: str,
                   workers: MutableMapping[str, Any]) -> list[tuple[ResolvedEnv, EnvInfo]]:
         """Build every environment of `envs` (`prefix`: their setting, e.g. `orchestrator.env`) into `workers`
-        (env id -> worker; there first, so that closing `workers` ends them whatever happens), start them side by
-        side; their infos in config order. The first error is raised once all starts ended."""
-        resolved = self.resolve(envs, prefix)
-        for item in resolved:
-            if item.env.id in workers:
-                raise ValueError(f"environment {item.env.id!r} is listed twice in {prefix}; keep one table per "
-                                 "environment (its weight sets how often it is sampled)")
-            workers[item.env.id] = self.build(item)
-        with concurrent.futures.ThreadPoolExecutor(max(1, len(resolved)), thread_name_prefix="env-start") as pool:
-            starts = [pool.submit(workers[item.env.id].start) for item in resolved]
+        (env id -> worker; there first, so that closing `workers` ends them whatever happens) and start them side
+        by side; their infos in config order. The first error is raised once all starts ended."""
+        return self.start_groups([(envs, prefix, workers)])[0]
+
+    def start_groups(self, groups: Sequence[tuple[Sequence[Any], str, MutableMapping[str, Any]]]
+                     ) -> list[list[tuple[ResolvedEnv, EnvInfo]]]:
+        """`start_all` of several lists of environments (training and eval) at once, all side by side."""
+        planned = []
+        for envs, prefix, workers in groups:
+            for item in self.resolve(envs, prefix):
+                if item.env.id in workers:
+                    raise ValueError(f"environment {item.env.id!r} is listed twice in {prefix}; keep one table per "
+                                     "environment (its weight sets how often it is sampled)")
+                workers[item.env.id] = self.build(item)
+                planned.append((len(planned), item, workers[item.env.id]))
+        with concurrent.futures.ThreadPoolExecutor(max(1, len(planned)), thread_name_prefix="env-start") as pool:
+            starts = [pool.submit(worker.start) for _, _, worker in planned]
             concurrent.futures.wait(starts)
-        results = []
-        for item, future in zip(resolved, starts):
+        results: list[list[tuple[ResolvedEnv, EnvInfo]]] = [[] for _ in groups]
+        group_of = [index for index, (envs, _, _) in enumerate(groups) for _ in envs]
+        for (position, item, _), future in zip(planned, starts):
             try:
-                results.append((item, future.result()))
+                info = future.result()
             except V1EnvConfigError as exc:  # the setting to change is in the message: no restart fixes it
                 raise ValueError(f"{item.setting}: {exc}") from None
             except EnvRequestError as exc:
@@ -95,6 +103,7 @@ class EnvClients:
                     raise ValueError(not_installed_message(item.setting, item.env.id, classic=self.classic,
                                                            v1=self.v1)) from None
                 raise
+            results[group_of[position]].append((item, info))
         return results
 
 

@@ -154,8 +154,11 @@ class OrchestratorRunner:
             hint_values={"seq_len": config.seq_len, "model": config.model.name,
                          "rollout_timeout_s": config.rollout_timeout_s}, inference_outage_s=INFERENCE_OUTAGE_S)
         clients = EnvClients(config, env_python=self.env_python, version_of=endpoint_version_fn(scheduler.inference))
+        self.eval_workers: dict[str, Any] = {}
+        evals = [(config.eval.env, "orchestrator.eval.env", self.eval_workers)] if config.eval is not None else []
+        loaded = clients.start_groups([(config.env, "orchestrator.env", scheduler.workers), *evals])
         sizes, weights = {}, {}
-        for resolved, info in clients.start_all(config.env, "orchestrator.env", scheduler.workers):
+        for resolved, info in loaded[0]:
             env = resolved.env
             if info.num_examples == 0:
                 raise ValueError(f"environment {env.id!r} has no training examples ({resolved.setting}.args)")
@@ -163,11 +166,9 @@ class OrchestratorRunner:
             log.info("environment loaded", env_id=env.id, kind=resolved.kind, env_class=info.env_class,
                      num_examples=info.num_examples, weight=env.weight)
         scheduler.sampler = EnvSampler(sizes, weights, seed=config.sampling.seed or 0)
-        self.eval_workers: dict[str, Any] = {}
-        if config.eval is not None:
-            for resolved, info in clients.start_all(config.eval.env, "orchestrator.eval.env", self.eval_workers):
-                log.info("eval environment loaded", env_id=resolved.env.id, kind=resolved.kind,
-                         num_eval_examples=info.num_eval_examples, has_eval_dataset=info.has_eval_dataset)
+        for resolved, info in loaded[1] if evals else []:
+            log.info("eval environment loaded", env_id=resolved.env.id, kind=resolved.kind,
+                     num_eval_examples=info.num_eval_examples, has_eval_dataset=info.has_eval_dataset)
 
     def _restore(self) -> int:
         if not self.state_path.exists():

@@ -31,6 +31,9 @@ EXAMPLE = REPO_ROOT / "examples" / "reverse_text_mixed_rl.toml"
 ENV_PYTHON = os.environ.get("PRIMERL_ENV_PYTHON", str(REPO_ROOT / ".venv-envs" / "bin" / "python"))
 RUN_TIMEOUT_S = 400
 NUM_STEPS = 3
+EVAL = ('{interval = 3, num_examples = 4, env = [{id = "reverse-text"}, '
+        '{id = "reverse-text-v1", args = {split = "eval"}}]}')
+"""An eval at the last step on both kinds (a v1 env's eval tasks are the ones its args give)."""
 
 
 @pytest.fixture(scope="module")
@@ -164,6 +167,7 @@ def test_the_adapter_takes_the_schedulers_sampling_and_the_endpoints_versions():
 @pytest.mark.slow
 @pytest.mark.vllm
 def test_a_run_mixing_a_classic_and_a_v1_environment_reports_a_reward_per_environment(pythons, tiny_model, tmp_path):
+    """examples/reverse_text_mixed_rl.toml, shortened, with an eval of both kinds at the last step."""
     from support.probes import free_port
 
     classic, v1 = pythons
@@ -174,7 +178,7 @@ def test_a_run_mixing_a_classic_and_a_v1_environment_reports_a_reward_per_enviro
     args = [str(BIN / "primerl"), "rl", "@", str(EXAMPLE), "--model.name", str(tiny_model), "--output-dir",
             str(run_dir), "--broker.grpc-port", str(free_port()), "--max-steps", str(NUM_STEPS),
             "--orchestrator.batch-size", "16", "--orchestrator.rollouts-per-example", "4",
-            "--orchestrator.sampling.max-tokens", "12"]
+            "--orchestrator.sampling.max-tokens", "12", "--orchestrator.eval", EVAL]
     started_s = time.monotonic()
     result = subprocess.run(args, capture_output=True, text=True, timeout=RUN_TIMEOUT_S, env=env, cwd=tmp_path)
     wall_s = time.monotonic() - started_s
@@ -196,6 +200,10 @@ def test_a_run_mixing_a_classic_and_a_v1_environment_reports_a_reward_per_enviro
                     for env_id in ("reverse-text", "reverse-text-v1")}
     assert sum(num_rollouts.values()) == NUM_STEPS * 16, num_rollouts
     assert sum(r["rollout/errors"] for r in steps) == 0, steps
+    evals = [r for r in rows if r["role"] == "orchestrator" and "eval/reverse-text-v1/reward" in r]
+    assert len(evals) == 1 and evals[0]["step"] == NUM_STEPS, rows
+    for env_id in ("reverse-text", "reverse-text-v1"):
+        assert evals[0][f"eval/{env_id}/num_rollouts"] == 4 and evals[0][f"eval/{env_id}/errors"] == 0, evals
     log_text = orchestrator_log.read_text()
     assert "v1 env server ready" in log_text, log_text[-3000:]
     print(f"mixed classic + v1 run, {NUM_STEPS} steps: {wall_s:.1f} s wall; rollouts per env {num_rollouts}; "

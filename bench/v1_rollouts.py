@@ -151,7 +151,7 @@ def main(argv: list[str] | None = None) -> int:
     work_dir = Path(tempfile.mkdtemp(prefix="v1-rollouts-bench-"))
     broker = daemon = worker = server = None
     try:
-        model_dir = args.sft
+        model_dir = args.sft.resolve() if args.sft is not None else None  # the daemons run elsewhere
         if model_dir is None:
             from primerl.trainer.tiny_model import build_tiny_model
 

@@ -93,8 +93,8 @@ def resolve_kind(env_id: str, kind: str, v1_python_explicit: str | None) -> tupl
 
 
 def _taskset_has_no_split(exc: Exception) -> bool:
-    text = str(exc)
-    return "split" in text and ("Extra inputs" in text or "extra" in text.lower() or "not permitted" in text)
+    text = str(exc)  # pydantic: "taskset.split\n  Extra inputs are not permitted [type=extra_forbidden, ...]"
+    return "taskset.split" in text and ("extra_forbidden" in text or "Extra inputs" in text)
 
 
 def list_tasks(spec: Any, *, split: str | None, count: int | None) -> tuple[list[dict[str, Any]], str]:

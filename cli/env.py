@@ -126,7 +126,8 @@ def list_envs(args: argparse.Namespace) -> int:
     if not info.envs:
         print("  no environments installed: `primerl env install PATH|PACKAGE`")
     if v1:
-        print(f"v1 env python: {v1['python']}; verifiers {v1.get('verifiers') or v1.get('error')}")
+        state = f"verifiers {v1.get('verifiers')}" if "error" not in v1 else f"error: {v1['error']}"
+        print(f"v1 env python: {v1['python']}; {state}")
         for env in v1["envs"]:
             where = f" (editable: {env['editable_path']})" if env["editable_path"] else ""
             print(f"  {env['id']:<{width}}  {env['dist']} {env['version']}{where}  (v1)")

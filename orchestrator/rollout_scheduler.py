@@ -420,6 +420,7 @@ class RolloutScheduler:
             entry.endpoint.num_inflight -= self.config.rollouts_per_example
             self.workers[entry.env_id].cancel(future)
             self.counters["stale_groups_cancelled"] += 1
+            self.counters[f"stale_groups_cancelled/{entry.env_id}"] += 1  # a slow env's groups outliving the bound
         if stale:
             self._inflight_changed()
 

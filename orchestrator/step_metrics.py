@@ -14,7 +14,9 @@ throughput, the completion tokens of the groups that finished over a trailing wi
 (``primerl.orchestrator.throughput``), not a per-step figure; ``rollout/completion_tokens`` counts those
 collected during the step. ``rollout/interleave_fallbacks`` (and ``/<reason>``; ``_total`` over the run):
 trajectories of the step that could not be interleaved and were trained as branching samples (a warning the first
-time per reason). With several environments: ``env/<id>/reward``, ``env/<id>/num_rollouts``, ``_num_samples``.
+time per reason). With several environments: ``env/<id>/reward``, ``env/<id>/num_rollouts``, ``_num_samples``
+(of any kind: classic or verifiers v1), and ``env/<id>/stale_groups_cancelled`` when some of its groups outlived the
+async bound this step (an environment much slower than the others: raise ``max_async_level``).
 Failed rollouts: ``rollout/errors`` and ``rollout/errors/<kind>``; ``rollout/rescheduled``,
 ``rollout/stale_groups_cancelled``. Inference workers (``RolloutScheduler.worker_metrics``): ``rollout/retried``
 (rollouts dispatched again because their worker could not be reached or left: not errors), ``inference/workers``
@@ -102,6 +104,8 @@ def batch_metrics(batch: Any, counters: collections.Counter, fallbacks: collecti
         **{f"rollout/{name}": float(count) for name, count in counters.items() if name.startswith("errors/")},
         "rollout/rescheduled": float(counters["rescheduled"]),
         "rollout/stale_groups_cancelled": float(counters["stale_groups_cancelled"]),
+        **({f"env/{name.split('/', 1)[1]}/stale_groups_cancelled": float(count) for name, count in counters.items()
+            if name.startswith("stale_groups_cancelled/")} if multi_env else {}),
         **batch.metrics,
     }
     return finite(metrics)

@@ -149,6 +149,32 @@ def test_a_v1_env_asking_for_a_sandbox_stops_the_start_naming_the_setting(python
     assert not any(worker.is_alive() for worker in workers.values())
 
 
+@pytest.mark.slow
+def test_the_preflight_checks_both_kinds_and_names_the_v1_setting(pythons, tiny_model, tmp_path):
+    """The preflight lists a v1 environment's first tasks in the v1 interpreter and measures their prompts; a v1
+    id missing there, and a v1 environment asking for a sandbox, are one line each naming the setting."""
+    from primerl.cli.preflight_envs import env_checks
+
+    classic, v1 = pythons
+
+    def findings(envs: list[dict], seq_len: int = 256) -> list[str]:
+        config = orchestrator_config(envs, env_python=classic.path, env_v1_python=v1.path, seq_len=seq_len)
+        return [f.message for f in env_checks(config, prefix="orchestrator.", tokenizer=str(tiny_model),
+                                              max_model_len=None)()]
+
+    assert findings([{"id": "reverse-text"}, {"id": "reverse-text-v1"}]) == []
+    [short] = findings([{"id": "reverse-text-v1"}], seq_len=8)
+    assert short.startswith('orchestrator.env[0] "reverse-text-v1": prompts are up to ') and "(8 sampled)" in short
+    [missing, sandbox] = findings([{"id": "revers-text-v1", "kind": "v1"},
+                                   {"id": "reverse-text-v1", "v1_config": {"agent": {"runtime": {"type": "prime"}}}}])
+    assert missing.startswith('orchestrator.env[0].id "revers-text-v1" is not installed in the verifiers v1 env '
+                              f"interpreter {v1.path}; Install yours with `primerl env install PATH`."), missing
+    assert missing.endswith("or set orchestrator.env[0].kind")
+    assert sandbox.startswith("orchestrator.env[1]: v1 env 'reverse-text-v1': role 'agent' asks for the 'prime' "
+                              "runtime (a sandbox)"), sandbox
+    assert sandbox.endswith("; fix orchestrator.env[1].args or orchestrator.env[1].v1_config")
+
+
 def test_the_adapter_takes_the_schedulers_sampling_and_the_endpoints_versions():
     from primerl.orchestrator.endpoints import InferenceWorkers
 
@@ -161,6 +187,32 @@ def test_the_adapter_takes_the_schedulers_sampling_and_the_endpoints_versions():
     assert (version_of("http://h:2/v1"), version_of("http://h:1"), version_of("http://h:3/v1")) == (6, 4, None)
     assert task_prompt({"prompt": "a b", "system_prompt": "Reverse."}) == [
         {"role": "system", "content": "Reverse."}, {"role": "user", "content": "a b"}]
+
+
+def test_per_environment_rows_include_the_stale_groups_of_each_environment():
+    """A v1 env's groups come out as any env's (`env/<id>/...`); a slow env's groups cancelled as stale are
+    counted per env, so its under-representation shows."""
+    from collections import Counter
+    from types import SimpleNamespace
+
+    from primerl.orchestrator.samples import Group, TrainingSample
+    from primerl.orchestrator.step_metrics import batch_metrics
+
+    def group(env_id: str, rewards: list[float]) -> Group:
+        return Group(group_id=f"{env_id}:0", example_id=0, env_id=env_id, samples=[
+            TrainingSample(token_ids=[1, 2], loss_mask=[False, True], inference_logprobs=[0.0, -1.0],
+                           temperatures=[1.0, 1.0], policy_versions=[0, 0], reward=reward, env_id=env_id,
+                           rollout_id=index) for index, reward in enumerate(rewards)])
+
+    batch = SimpleNamespace(groups=[group("reverse-text", [0.5, 1.0]), group("reverse-text-v1", [0.25, 0.25])],
+                            metrics={})
+    counters = Counter({"stale_groups_cancelled": 3, "stale_groups_cancelled/reverse-text-v1": 3})
+    metrics = batch_metrics(batch, counters, Counter(), elapsed_s=1.0, tokens_per_s=1.0, multi_env=True)
+    assert (metrics["env/reverse-text/reward"], metrics["env/reverse-text-v1/reward"]) == (0.75, 0.25)
+    assert metrics["env/reverse-text-v1/stale_groups_cancelled"] == 3.0
+    assert "env/reverse-text/stale_groups_cancelled" not in metrics
+    single = batch_metrics(batch, counters, Counter(), elapsed_s=1.0, tokens_per_s=1.0, multi_env=False)
+    assert not any(name.startswith("env/") for name in single)
 
 
 # ------------------------------------------------------------------------------------------ the mixed run

@@ -323,8 +323,8 @@ async def _run(args, worker, info, split: str, count: int, base_url: str, served
     summary = summarize_groups(groups, failed, rollouts_per_group=args.rollouts_per_example)
     elapsed_s = time.monotonic() - started_s
     record = {"env_id": args.env_id, "env_kind": kind, "env_args": env_args, "model": model, "split": split,
-              "num_examples": count, "rollouts_per_example": args.rollouts_per_example, "sampling": sampling, "time_s": elapsed_s,
-              **summary.as_dict()}
+              "num_examples": count, "rollouts_per_example": args.rollouts_per_example, "sampling": sampling,
+              "time_s": elapsed_s, **summary.as_dict()}
     (output / "summary.json").write_text(json.dumps(record, indent=2) + "\n")
     metrics = "  ".join(f"{name} {value:.3f}" for name, value in summary.metrics.items())
     what = f"v1 env, {split}" if kind == "v1" else split

@@ -95,7 +95,8 @@ def test_eval_of_the_v1_example_serves_the_model_and_scores_every_rollout(v1_pyt
     assert summary["env_kind"] == "v1" and summary["split"] == "eval" and summary["num_examples"] == 3
     assert summary["num_rollouts"] + summary["num_errors"] == 6 and summary["num_errors"] == 0, summary["errors"]
     rows = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
-    assert sorted((r["example_index"], r["rollout_index"]) for r in rows) == [(i, j) for i in range(3) for j in range(2)]
+    indices = sorted((r["example_index"], r["rollout_index"]) for r in rows)
+    assert indices == [(i, j) for i in range(3) for j in range(2)]
     for row in rows:
         letters = row["prompt"][-1]["content"]
         reply = row["completion"][-1]["content"] or ""

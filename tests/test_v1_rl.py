@@ -215,6 +215,53 @@ def test_per_environment_rows_include_the_stale_groups_of_each_environment():
     assert not any(name.startswith("env/") for name in single)
 
 
+@pytest.mark.slow
+@pytest.mark.vllm
+def test_the_v1_adapter_has_the_env_workers_shape(pythons, infer_daemon, infer_http, tiny_model):
+    """What the rollout scheduler calls, on a real env server and primerl-infer: groups per example on the chosen
+    inference server with its policy version, a death failing the pending groups with EnvWorkerDied (and later
+    submits with failed futures, not raises), a restart keeping the tasks, a cancel giving "cancelled"."""
+    import signal
+
+    from support.inference import TOKEN, model_name
+
+    from primerl.orchestrator.env_client import EnvRequestError, EnvWorkerDied
+    from primerl.orchestrator.v1_env_worker import V1EnvWorker
+
+    _, v1 = pythons
+    worker = V1EnvWorker(v1.path, "reverse-text-v1", {"num_examples": 30}, api_key=TOKEN,
+                         renderer_model=str(tiny_model), version_of=lambda base_url: 7, request_timeout_s=120,
+                         max_restarts=1)
+    common = dict(num_rollouts=2, base_url=infer_daemon.url + "/v1", model=model_name(infer_http),
+                  sampling={"temperature": 1.0, "max_tokens": 8, "stop": [], "seed": 3})
+    try:
+        info = worker.start()
+        assert (info.num_examples, info.num_eval_examples) == (30, 30) and worker.examples("train", 29, 5)[0].index == 29
+        groups = [future.result(120) for future in worker.submit_rollouts([4, 29], **common)]
+        assert [g.example_index for g in groups] == [4, 29]
+        for group in groups:
+            assert all(r.ok and r.turns[0].policy_version == 7 == r.turns[0].policy_version_end for r in group.rollouts)
+        [out_of_range] = worker.submit_rollouts([30], **common)
+        with pytest.raises(EnvRequestError, match="out of range"):
+            out_of_range.result(1)
+        pending = worker.submit_rollout(5, **{**common, "sampling": {"temperature": 1.0, "max_tokens": 64}})
+        os.killpg(worker.pid, signal.SIGKILL)
+        with pytest.raises(EnvWorkerDied):
+            pending.result(30)
+        [after] = worker.submit_rollouts([5], **common)
+        with pytest.raises(EnvWorkerDied):
+            after.result(1)
+        assert worker.ensure_alive() is info and worker.num_restarts == 1 and worker.is_alive()
+        assert all(r.ok for r in worker.submit_rollout(5, **common).result(120).rollouts)
+        stale = worker.submit_rollout(6, **{**common, "sampling": {"temperature": 1.0, "max_tokens": 64}})
+        worker.cancel(stale)
+        with pytest.raises(EnvRequestError, match="cancelled"):
+            stale.result(5)
+    finally:
+        worker.close()
+    assert not worker.is_alive()
+
+
 # ------------------------------------------------------------------------------------------ the mixed run
 @pytest.mark.slow
 @pytest.mark.vllm

@@ -15,7 +15,10 @@ Environments, in their own interpreter (verifiers; the protocol is ``primerl.pro
 - ``env_sampler``: which example comes next; ``seeds``: per-rollout sampling seeds.
 - verifiers v1 environments (their own env server, in their own interpreter): ``v1_env_client`` (``V1EnvServer``:
   the server's supervision and groups of runs), ``v1_env_spec`` (its settings and one-shot runs),
-  ``v1_env_bootstrap`` (run by the v1 interpreter), ``v1_wire`` (msgpack frames), ``v1_traces`` (traces to turns).
+  ``v1_env_bootstrap`` (run by the v1 interpreter), ``v1_wire`` (msgpack frames), ``v1_traces`` (traces to turns),
+  ``v1_env_worker`` (``V1EnvWorker``: a ``V1EnvServer`` with ``EnvWorker``'s shape).
+- both kinds in one run: ``env_kinds`` (an env table's kind: classic or v1, ``kind = "auto"`` asks the
+  interpreters), ``env_clients`` (``EnvClients``: builds and starts every environment of a config, side by side).
 
 From rollouts to micro-batches:
 - ``trajectory``: the env worker's answers, typed and checked; ``samples``: what a rollout becomes for training.

@@ -5,7 +5,8 @@
            └── HTTP (OpenAI API; v1: the token route) ──► inference workers listed by the broker
 
 Environments of both kinds (``primerl.orchestrator.env_clients``: classic env workers and verifiers v1 env servers,
-one shape) start side by side; the sampler draws among them by weight whatever their kind. Each step: the rollout scheduler (``primerl.orchestrator.rollout_scheduler``: no sockets) dispatches groups of
+one shape) start side by side; the sampler draws among them by weight whatever their kind. Each step: the
+rollout scheduler (``primerl.orchestrator.rollout_scheduler``: no sockets) dispatches groups of
 ``rollouts_per_example`` rollouts to the env workers and collects them, within ``max_inflight`` and
 ``max_async_level``; finished groups get advantages, pass the difficulty filter and accumulate until
 ``batch_size`` rollouts; the batch is packed into micro-batches per trainer rank and sent to the broker. State

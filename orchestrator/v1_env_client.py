@@ -260,7 +260,8 @@ class V1EnvServer:
         try:
             return future.result(timeout_s)
         except concurrent.futures.TimeoutError:
-            raise EnvRequestTimeout(f"v1 env server of {self.env_id!r} did not answer health in {timeout_s} s") from None
+            raise EnvRequestTimeout(
+                f"v1 env server of {self.env_id!r} did not answer health in {timeout_s} s") from None
 
     def submit_group(self, task_data: Mapping[str, Any], *, example_index: int, num_rollouts: int, model: str,
                      sampling: SamplingParams, timeout_s: float | None = None, base_url: str | None = None,

@@ -31,6 +31,7 @@ from primerl.orchestrator.config import OrchestratorConfig
 from primerl.runtime.config_base import BaseConfig, ConfigWarning, nearest_multiples
 from primerl.runtime.config_common import DEFAULT_BROKER_GRPC_PORT, DEFAULT_BROKER_HOST, LogConfig, WandbConfig
 from primerl.cli.config_shapes import to_canonical
+from primerl.cli.dotted_keys import dotted_get as _get, dotted_has as _has, dotted_set_default as _set_default
 from primerl.cli.rl_teacher import fill_teacher, has_teacher, teacher_problems, teacher_warnings
 from primerl.trainer.config import LoRAConfig, TrainerConfig
 
@@ -47,32 +48,6 @@ class SharedModelConfig(BaseConfig):
     name: str | None = Field(
         None, min_length=1, description="Hugging Face model id or local path; fills every role's model name."
     )
-
-
-def _get(data: dict[str, Any], dotted: str) -> Any:
-    for part in dotted.split("."):
-        if not isinstance(data, dict) or part not in data:
-            return None
-        data = data[part]
-    return data
-
-
-def _has(data: dict[str, Any], dotted: str) -> bool:
-    *parents, last = dotted.split(".")
-    for part in parents:
-        data = data.get(part) if isinstance(data, dict) else None
-    return isinstance(data, dict) and last in data
-
-
-def _set_default(data: dict[str, Any], dotted: str, value: Any) -> None:
-    """Set ``value`` at ``dotted`` unless something is there already (a user's explicit value wins)."""
-    *parents, last = dotted.split(".")
-    for part in parents:
-        child = data.setdefault(part, {})
-        if not isinstance(child, dict):
-            return  # not a table: validation reports it
-        data = child
-    data.setdefault(last, copy.deepcopy(value))
 
 
 def _fill_table(data: dict[str, Any], dotted: str, shared: Any) -> None:

@@ -29,28 +29,12 @@ from __future__ import annotations
 
 from typing import Any
 
+from primerl.cli.dotted_keys import dotted_get as _get, dotted_set_default as _set_default
+
 TEACHER_INHERITED = ("model.dtype", "model.enforce_eager", "kv_cache_memory_bytes", "gpu_memory_utilization",
                      "server.host", "server.advertise_host")
 """Settings of `[inference]` that the teacher takes when `[teacher]` leaves them unset (same machine, same
 engine kind); not the port (it would clash), LoRA (a teacher serves none) or parallelism (its own GPUs)."""
-
-
-def _get(data: Any, dotted: str) -> Any:
-    for part in dotted.split("."):
-        if not isinstance(data, dict) or part not in data:
-            return None
-        data = data[part]
-    return data
-
-
-def _set_default(data: dict[str, Any], dotted: str, value: Any) -> None:
-    *parents, last = dotted.split(".")
-    for part in parents:
-        child = data.setdefault(part, {})
-        if not isinstance(child, dict):
-            return  # not a table: validation reports it
-        data = child
-    data.setdefault(last, value)
 
 
 def has_teacher(data: dict[str, Any]) -> bool:

@@ -99,10 +99,11 @@ def test_a_short_run_trains_every_step_and_inference_serves_the_last_policy(tiny
 @pytest.mark.vllm
 def test_a_crashing_role_is_restarted_then_stops_the_run_and_shows_its_error(tiny_model, tmp_path):
     run_dir = tmp_path / "run"
-    # --no-preflight: the preflight would refuse the unknown environment before anything starts; this is about a
-    # role that fails once started.
+    # --no-preflight: the preflight would refuse the environment's bad argument before anything starts; this is about
+    # a role that fails once started, with an error a restart might not hit again (exit 1: an environment that is
+    # not installed at all is a configuration error, exit 2, never restarted: the test below).
     result, wall_s = primerl_rl(tiny_model, run_dir, "--max-steps", "3", "--orchestrator.env",
-                                '[{id = "no-such-env"}]', "--no-preflight", "--stop-timeout-s", "10",
+                                '[{id = "reverse-text", args = {num_examples = 0}}]', "--no-preflight", "--stop-timeout-s", "10",
                                 "--restart-limit", "1", "--restart-delay-s", "0.5", timeout_s=CRASH_TIMEOUT_S)
     output = result.stdout + result.stderr
     assert result.returncode == 1, output[-6000:]
@@ -110,9 +111,10 @@ def test_a_crashing_role_is_restarted_then_stops_the_run_and_shows_its_error(tin
         output[-6000:]
     assert re.search(r"orchestrator exited with status 1( while inference was starting)?; not restarted: it was "
                      r"restarted 1 times within 300 s", result.stderr), output[-6000:]
-    assert "last 30 lines of" in result.stderr and "no-such-env" in result.stderr  # the orchestrator's log lines
+    # the orchestrator's log lines
+    assert "last 30 lines of" in result.stderr and "num_examples must be >= 1" in result.stderr
     error_lines = [line for line in result.stderr.splitlines() if "orchestrator's last error:" in line]
-    assert error_lines and "no-such-env" in error_lines[-1], output[-6000:]
+    assert error_lines and "num_examples must be >= 1" in error_lines[-1], output[-6000:]
     assert json.loads((run_dir / "pids.json").read_text())["orchestrator"] != 0
     assert_no_child_left(run_dir)
     print(f"crash run: {wall_s:.1f} s wall\n{error_lines[-1]}")
@@ -126,8 +128,10 @@ def test_a_config_error_with_restart_never_stops_the_run_at_once(tiny_model, tmp
                            "--no-preflight", "--stop-timeout-s", "10", "--restart", "never", timeout_s=CRASH_TIMEOUT_S)
     assert result.returncode == 1, (result.stdout + result.stderr)[-6000:]
     assert "restarting" not in result.stdout
-    assert re.search(r"orchestrator exited with status 1( while inference was starting)?; stopped the run",
+    # an environment installed in neither env interpreter: a configuration error (exit 2), named with both
+    assert re.search(r"orchestrator exited with status 2( while inference was starting)?; stopped the run",
                      result.stderr), result.stderr[-6000:]
+    assert "is not an installed environment" in result.stderr, result.stderr[-6000:]
     assert_no_child_left(run_dir)
 
 

@@ -103,7 +103,8 @@ def test_a_crashing_role_is_restarted_then_stops_the_run_and_shows_its_error(tin
     # a role that fails once started, with an error a restart might not hit again (exit 1: an environment that is
     # not installed at all is a configuration error, exit 2, never restarted: the test below).
     result, wall_s = primerl_rl(tiny_model, run_dir, "--max-steps", "3", "--orchestrator.env",
-                                '[{id = "reverse-text", args = {num_examples = 0}}]', "--no-preflight", "--stop-timeout-s", "10",
+                                '[{id = "reverse-text", args = {num_examples = 0}}]', "--no-preflight",
+                                "--stop-timeout-s", "10",
                                 "--restart-limit", "1", "--restart-delay-s", "0.5", timeout_s=CRASH_TIMEOUT_S)
     output = result.stdout + result.stderr
     assert result.returncode == 1, output[-6000:]

@@ -20,6 +20,11 @@ class MessageType(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     HELLO: _ClassVar[MessageType]
     ROLLOUT_STEP_DONE: _ClassVar[MessageType]
 
+class ChecksumKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    CHECKSUM_KIND_CRC32: _ClassVar[ChecksumKind]
+    CHECKSUM_KIND_XXH3_64: _ClassVar[ChecksumKind]
+
 class WeightUpdateKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
     WEIGHT_UPDATE_KIND_UNSPECIFIED: _ClassVar[WeightUpdateKind]
@@ -31,6 +36,7 @@ class DeltaEncoding(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
     DELTA_ENCODING_UNSPECIFIED: _ClassVar[DeltaEncoding]
     DELTA_ENCODING_XOR_ZLIB: _ClassVar[DeltaEncoding]
+    DELTA_ENCODING_SPARSE: _ClassVar[DeltaEncoding]
 MESSAGE_TYPE_UNSPECIFIED: MessageType
 ROLLOUT_BATCH: MessageType
 ROLLOUT_ACK: MessageType
@@ -40,12 +46,15 @@ WEIGHT_ACK: MessageType
 ERROR: MessageType
 HELLO: MessageType
 ROLLOUT_STEP_DONE: MessageType
+CHECKSUM_KIND_CRC32: ChecksumKind
+CHECKSUM_KIND_XXH3_64: ChecksumKind
 WEIGHT_UPDATE_KIND_UNSPECIFIED: WeightUpdateKind
 WEIGHT_UPDATE_KIND_FULL: WeightUpdateKind
 WEIGHT_UPDATE_KIND_LORA: WeightUpdateKind
 WEIGHT_UPDATE_KIND_DELTA: WeightUpdateKind
 DELTA_ENCODING_UNSPECIFIED: DeltaEncoding
 DELTA_ENCODING_XOR_ZLIB: DeltaEncoding
+DELTA_ENCODING_SPARSE: DeltaEncoding
 
 class Chunk(_message.Message):
     __slots__ = ("transfer_id", "index", "count", "total_bytes")
@@ -60,7 +69,7 @@ class Chunk(_message.Message):
     def __init__(self, transfer_id: _Optional[str] = ..., index: _Optional[int] = ..., count: _Optional[int] = ..., total_bytes: _Optional[int] = ...) -> None: ...
 
 class Envelope(_message.Message):
-    __slots__ = ("message_id", "sent_unix_ms", "header", "chunk", "num_payload_frames", "payload_frame_bytes", "checksum", "auth_token", "in_reply_to", "sender")
+    __slots__ = ("message_id", "sent_unix_ms", "header", "chunk", "num_payload_frames", "payload_frame_bytes", "checksum", "auth_token", "in_reply_to", "sender", "checksum_kind", "checksum64")
     MESSAGE_ID_FIELD_NUMBER: _ClassVar[int]
     SENT_UNIX_MS_FIELD_NUMBER: _ClassVar[int]
     HEADER_FIELD_NUMBER: _ClassVar[int]
@@ -71,6 +80,8 @@ class Envelope(_message.Message):
     AUTH_TOKEN_FIELD_NUMBER: _ClassVar[int]
     IN_REPLY_TO_FIELD_NUMBER: _ClassVar[int]
     SENDER_FIELD_NUMBER: _ClassVar[int]
+    CHECKSUM_KIND_FIELD_NUMBER: _ClassVar[int]
+    CHECKSUM64_FIELD_NUMBER: _ClassVar[int]
     message_id: str
     sent_unix_ms: int
     header: bytes
@@ -81,7 +92,9 @@ class Envelope(_message.Message):
     auth_token: str
     in_reply_to: str
     sender: str
-    def __init__(self, message_id: _Optional[str] = ..., sent_unix_ms: _Optional[int] = ..., header: _Optional[bytes] = ..., chunk: _Optional[_Union[Chunk, _Mapping]] = ..., num_payload_frames: _Optional[int] = ..., payload_frame_bytes: _Optional[_Iterable[int]] = ..., checksum: _Optional[int] = ..., auth_token: _Optional[str] = ..., in_reply_to: _Optional[str] = ..., sender: _Optional[str] = ...) -> None: ...
+    checksum_kind: ChecksumKind
+    checksum64: int
+    def __init__(self, message_id: _Optional[str] = ..., sent_unix_ms: _Optional[int] = ..., header: _Optional[bytes] = ..., chunk: _Optional[_Union[Chunk, _Mapping]] = ..., num_payload_frames: _Optional[int] = ..., payload_frame_bytes: _Optional[_Iterable[int]] = ..., checksum: _Optional[int] = ..., auth_token: _Optional[str] = ..., in_reply_to: _Optional[str] = ..., sender: _Optional[str] = ..., checksum_kind: _Optional[_Union[ChecksumKind, str]] = ..., checksum64: _Optional[int] = ...) -> None: ...
 
 class Hello(_message.Message):
     __slots__ = ("worker_id", "role", "rank", "policy_version", "lineage")

@@ -51,7 +51,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from primerl.broker.weight_store import DELTA, SNAPSHOT_KINDS, StoredUpdate, kind_name
-from primerl.proto.digests import payload_digest
+from primerl.proto.digests import digest_matches
 from primerl.proto.v1 import data_pb2
 from primerl.runtime.durable_files import fsync_dir, write_atomically
 from primerl.runtime.log_setup import get_logger
@@ -267,7 +267,7 @@ def _read_update(path: Path) -> StoredUpdate:
     if zlib.crc32(header_bytes) != crc:
         raise DurableWeightsError(f"{path.name}: CRC-32 of the header mismatch (the file is damaged)")
     header = data_pb2.WeightUpdateHeader.FromString(bytes(header_bytes))
-    if payload_digest(payload) != header.digest.lower():
+    if not digest_matches(payload, header.digest):
         raise DurableWeightsError(f"{path.name}: SHA-256 of the payload does not match the header's digest")
     return StoredUpdate(header=header, payload=payload)
 

@@ -19,12 +19,12 @@ Run by the plane's IO thread only.
 from __future__ import annotations
 
 import collections
-import hashlib
 from typing import Any, NamedTuple
 
 from primerl.broker.log_limits import RateLimitedLog
 from primerl.broker.weight_fanout import WeightFanout
 from primerl.proto import chunked_transfer, framing
+from primerl.proto.digests import hasher_for
 from primerl.proto.v1 import common_pb2, data_pb2
 from primerl.proto.weight_refusals import WeightUpdateRefused
 from primerl.runtime.log_setup import get_logger
@@ -81,11 +81,11 @@ class WeightIntake:
                 if chunk.index == 0:
                     self._check_version_window(header)
                     self.store.check_header(header)
-                    self._hashers[key] = hashlib.sha256()
+                    self._hashers[key] = hasher_for(header.digest)
                     self._chunk_crcs[key] = []
                 whole = self._assembler.add(message, publisher=publisher)
                 if key in self._chunk_crcs:
-                    self._chunk_crcs[key].append((envelope.checksum, message.payload[0].nbytes))
+                    self._chunk_crcs[key].append((framing.envelope_checksum(envelope), message.payload[0].nbytes))
                 hasher = self._hashers.get(key)
                 if hasher is not None:
                     hasher.update(message.payload[0])
@@ -100,7 +100,7 @@ class WeightIntake:
             digest = None if hasher is None else hasher.hexdigest()
             chunk_crcs = self._chunk_crcs.pop(key, None)
         else:
-            chunk_crcs = [(envelope.checksum, whole.payload[0].nbytes)]
+            chunk_crcs = [(framing.envelope_checksum(envelope), whole.payload[0].nbytes)]
         try:
             self._check_version_window(header)
             result = self.fanout.put(header, whole.payload[0], computed_digest=digest)

@@ -51,7 +51,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from primerl.proto.v1 import common_pb2, data_pb2
-from primerl.proto.digests import payload_digest
+from primerl.proto.digests import hasher_for
 from primerl.proto.units import GiB
 from primerl.proto.weight_refusals import WeightUpdateRefused
 from primerl.runtime.log_setup import get_logger
@@ -200,7 +200,9 @@ class WeightStore:
             view = view.cast("B")
         view = view.toreadonly()
         if self.verify_digest and computed_digest is None:
-            computed_digest = payload_digest(view)
+            hasher = hasher_for(header.digest)
+            hasher.update(view)
+            computed_digest = hasher.hexdigest()
         digest_ok = not self.verify_digest or computed_digest == header.digest.lower()
         with self._lock:
             latest_update = self._latest_update_locked()

@@ -131,7 +131,8 @@ class WeightPublisher(DealerClient):
     def publish(self, header: data_pb2.WeightUpdateHeader, payload: Any, timeout_s: float = 120.0) -> data_pb2.WeightAck:
         """Send one update (chunked, zero-copy) and return the broker's WEIGHT_ACK once it is stored.
 
-        Fills ``digest`` (SHA-256 hex) and ``payload_bytes`` when empty. Raises ``WeightUpdateRefused`` (with
+        Fills ``digest`` (``proto.digests``: XXH3-128) and ``payload_bytes`` when empty. Each chunk carries an XXH3-64
+        checksum (``framing.XXH3_64``). Raises ``WeightUpdateRefused`` (with
         ``code`` and ``full_required``) when the broker refuses it (``LineageSuperseded`` when the broker holds a
         newer lineage than the header's), ``WeightPublishTimeout`` when no answer comes within ``timeout_s``, and
         ``WeightBrokerLost`` (a ``WeightPublishTimeout``) when the connection drops or is not up within
@@ -153,7 +154,8 @@ class WeightPublisher(DealerClient):
             self._await_connection(deadline_s)
             for frames in chunked_transfer.encode_chunked(data_pb2.WEIGHT_UPDATE, header_out, view,
                                                           chunk_bytes=self.chunk_bytes, transfer_id=transfer_id,
-                                                          sender=self.sender, auth_token=self.auth_token or ""):
+                                                          sender=self.sender, auth_token=self.auth_token or "",
+                                                          checksum_kind=framing.XXH3_64):
                 # The broker refuses a bad transfer at its first chunk: stop sending the rest then.
                 if self._socket.poll(0, zmq.POLLIN):
                     ack = self._read_reply(transfer_id, header_out.policy_version, deadline_s, header_out.lineage)

@@ -51,7 +51,6 @@ Pausing the engine around an update (so a response is produced by one version) i
 
 from __future__ import annotations
 
-import hashlib
 import hmac
 import json
 import shutil
@@ -68,6 +67,7 @@ from primerl.inference.update_checks import (
     refusal_from_worker_error,
 )
 from primerl.inference.worker_extension import WeightUpdateInvalid, check_against
+from primerl.proto.digests import hasher_for
 from primerl.proto.tensor_frames import TensorFrameError, check_tensor_frame
 from primerl.proto.v1 import common_pb2, data_pb2
 from primerl.runtime.log_setup import get_logger
@@ -294,10 +294,14 @@ class PolicyUpdater:
         if header.payload_bytes and header.payload_bytes != size:
             raise UpdateRefused(common_pb2.ERROR_CODE_TRUNCATED,
                                 f"the payload has {size} bytes but the header says {header.payload_bytes}")
-        digest = hashlib.sha256(memoryview(payload)).hexdigest() if self.verify_digest else None
+        digest = None
+        if self.verify_digest:
+            hasher = hasher_for(header.digest)
+            hasher.update(memoryview(payload))
+            digest = hasher.hexdigest()
         if digest is not None and not hmac.compare_digest(digest, header.digest.lower()):
             raise UpdateRefused(common_pb2.ERROR_CODE_BAD_DIGEST,
-                                f"payload SHA-256 is {digest} but the header says {header.digest or '(none)'}")
+                                f"payload digest is {digest} but the header says {header.digest or '(none)'}")
         refusal = self._order_refusal(header)
         if refusal is not None:
             raise UpdateRefused(common_pb2.ERROR_CODE_OUT_OF_ORDER, refusal)

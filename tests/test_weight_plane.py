@@ -8,6 +8,7 @@ import time
 import pytest
 import zmq
 
+from primerl.proto.digests import payload_digest
 from primerl.client.weights import (
     WeightPlaneError,
     WeightSubscriber,
@@ -52,7 +53,7 @@ def test_full_update_fans_out_to_three_subscribers(harness):
     for subscriber in subscribers:
         got_header, payload = receive_and_ack(subscriber)
         assert got_header.policy_version == 1 and payload == data
-        assert got_header.digest == hashlib.sha256(data).hexdigest()
+        assert got_header.digest == payload_digest(data)
     wait_for(lambda: h.plane.worker_versions() == {f"infer-{i}": 1 for i in range(3)})
     assert sorted(h.applied) == [(f"infer-{i}", 1) for i in range(3)]
     status = h.plane.status()
@@ -337,11 +338,16 @@ def test_forwarded_chunks_reuse_the_verified_crcs_when_chunk_sizes_match(harness
     wait_for(lambda: len(h.plane.worker_versions()) == 1)
     passes = []
     real_checksum = framing.compute_checksum
-    monkeypatch.setattr(framing, "compute_checksum", lambda t, hb, p: (passes.append(sum(len(memoryview(x)) for x in p)),
-                                                                       real_checksum(t, hb, p))[1])
+
+    def counting_checksum(message_type, header_bytes, payload, kind=framing.CRC32):
+        assert kind == framing.XXH3_64 or not payload, "weight chunks carry XXH3-64 checksums"
+        passes.append(sum(len(memoryview(x)) for x in payload))
+        return real_checksum(message_type, header_bytes, payload, kind)
+
+    monkeypatch.setattr(framing, "compute_checksum", counting_checksum)
     header, data = make_update(1, num_bytes=5 * CHUNK_BYTES + 17)  # several chunks, the last one short
     h.publisher().publish(header, data, timeout_s=RECEIVE_S)
     got, payload = receive_and_ack(subscriber)
-    assert payload == data and got.policy_version == 1 and got.digest == hashlib.sha256(data).hexdigest()
+    assert payload == data and got.policy_version == 1 and got.digest == payload_digest(data)
     # publisher encodes (1 pass), broker decodes (1), subscriber decodes (1): the broker's forwarding adds none
     assert sum(passes) == 3 * len(data)

@@ -30,13 +30,13 @@ File format of an update (integers little-endian), as the rollout spool's batch 
     0       8     magic  b"PRMLWU01"
     8       4     header_len   uint32: bytes of the WeightUpdateHeader protobuf
     12      8     payload_len  uint64
-    20      4     crc32        zlib CRC-32 over the header (the payload is checked by the header's SHA-256)
+    20      4     crc32        zlib CRC-32 over the header (the payload is checked by the header's digest)
     24      h     WeightUpdateHeader, serialized
     24+h    p     payload (safetensors bytes, exactly as published)
 
 Every file is written to a temporary name, fsynced, renamed, and the directory fsynced: no pass over the payload
-but the write (the SHA-256 that the broker verified on arrival covers it). At load, a chain that fails any check
-(the CRC, the header's SHA-256 digest of the payload, a delta that does not continue the chain, a lineage other
+but the write (the digest that the broker verified on arrival covers it). At load, a chain that fails any check
+(the CRC, the header's digest of the payload, a delta that does not continue the chain, a lineage other
 than the manifest's) is dropped with one error line: the broker starts without a snapshot, as it did before
 this module, and the trainer's next publish (a FULL, since its delta is refused) restores one.
 """
@@ -247,7 +247,7 @@ class WeightDurability:
 def _write_update(path: Path, update: StoredUpdate) -> None:
     header = update.header.SerializeToString()
     crc = zlib.crc32(header)
-    write_atomically(path, [PREFIX.pack(MAGIC, len(header), update.num_bytes, crc), header, update.payload],
+    write_atomically(path, [PREFIX.pack(MAGIC, len(header), update.num_bytes, crc), header, *update.segments],
                      temp_path=path.with_name(path.name + TEMP_SUFFIX))
 
 
@@ -268,8 +268,8 @@ def _read_update(path: Path) -> StoredUpdate:
         raise DurableWeightsError(f"{path.name}: CRC-32 of the header mismatch (the file is damaged)")
     header = data_pb2.WeightUpdateHeader.FromString(bytes(header_bytes))
     if not digest_matches(payload, header.digest):
-        raise DurableWeightsError(f"{path.name}: SHA-256 of the payload does not match the header's digest")
-    return StoredUpdate(header=header, payload=payload)
+        raise DurableWeightsError(f"{path.name}: the payload does not match the header's digest")
+    return StoredUpdate(header=header, segments=[payload])
 
 
 def _write_atomic(path: Path, data: bytes) -> None:

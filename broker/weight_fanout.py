@@ -37,6 +37,7 @@ from typing import Any, NamedTuple
 from primerl.broker.weight_store import PutResult, StoredUpdate, WeightStore
 from primerl.proto import framing
 from primerl.proto.v1 import common_pb2, data_pb2
+from primerl.proto.weight_refusals import WeightUpdateRefused
 from primerl.runtime.log_setup import get_logger
 
 log = get_logger(__name__)
@@ -145,7 +146,16 @@ class WeightFanout:
         """Store a whole update (``WeightStore.put``: raises ``WeightUpdateRefused``) and, unless it is one held
         already, plan every member again. ``latest()`` says the new version before this returns (before the
         publisher's ack is sent)."""
-        result = self.store.put(header, payload, computed_digest=computed_digest)
+        return self.put_update(StoredUpdate.of(header, payload), computed_digest=computed_digest)
+
+    def put_update(self, update: StoredUpdate, *, computed_digest: str | None = None) -> PutResult:
+        """``put`` of an update whose chunks may already be on their way to members (``begin``): they keep sending
+        it. When the store refuses it, it is ``abort``ed first, then the refusal is raised."""
+        try:
+            result = self.store.put_update(update, computed_digest=computed_digest)
+        except WeightUpdateRefused:
+            self.abort(update)
+            raise
         if result.duplicate:
             return result
         with self._lock:
@@ -153,6 +163,44 @@ class WeightFanout:
                 self._replan_locked(member)
         self._announce()
         return result
+
+    # -- cut-through: an update being received ----------------------------------------------------------
+
+    def begin(self, update: StoredUpdate) -> int:
+        """An update started arriving (its header passed ``store.check_header``): members with nothing else to send
+        for whom it is the next step start receiving it now, chunk by chunk as the chunks arrive, instead of after
+        the last one (the plane sends only chunks that are in). Returns how many members started.
+
+        The next step: a FULL or LORA update newer than what the member will hold (or of a newer lineage); a DELTA
+        on exactly the version and lineage it will hold. Members busy with another update get it by the plan made
+        when it is stored, as before."""
+        header = update.header
+        started = 0
+        with self._lock:
+            for member in self._members.values():
+                if member.sending is not None or member.queue or not self._is_next_step(member, header):
+                    continue
+                member.sending, member.next_chunk = update, 0
+                started += 1
+        return started
+
+    def abort(self, update: StoredUpdate) -> None:
+        """An update ``begin`` announced will not be stored (refused, abandoned, expired): members sending it stop
+        (the plane never sent them its last chunk, so none holds it whole) and are planned again."""
+        with self._lock:
+            for member in self._members.values():
+                if member.sending is update:
+                    member.sending, member.next_chunk = None, 0
+                    self._replan_locked(member)
+
+    @staticmethod
+    def _is_next_step(member: _Member, header: data_pb2.WeightUpdateHeader) -> bool:
+        version, lineage = member.sent_version, member.sent_lineage
+        if header.kind == data_pb2.WEIGHT_UPDATE_KIND_DELTA:
+            return version == header.base_version and (lineage == header.lineage or not lineage or not header.lineage)
+        if lineage and header.lineage and header.lineage != lineage:
+            return header.lineage > lineage
+        return version is None or header.policy_version > version
 
     def store_reloaded(self) -> None:
         """The store took back a durable chain (``WeightStore.attach_durable``): its head is the latest now."""

@@ -1,15 +1,20 @@
 """The trainer's side of the weight plane, without sockets: WEIGHT_UPDATE transfers in, WEIGHT_ACKs out.
 
 ``WeightIntake.receive(publisher, message)`` takes one decoded WEIGHT_UPDATE message (a whole update or one chunk
-of a transfer) and answers the WEIGHT_ACK to send back, or None (a chunk of an unfinished transfer, or a later
-chunk of a refused one, which gets no further reply):
+of a transfer) and answers an ``IntakeReply``: the WEIGHT_ACK to send back (None while a transfer is unfinished,
+and for later chunks of a refused one) and the update the message belongs to, whose chunks the plane may forward.
 
-- chunks are reassembled by a bounded ``chunked_transfer.ChunkAssembler`` and hashed (SHA-256) as they arrive, so
-  the store never makes a second pass over the payload; the header bytes and the verified CRC-32 of each chunk
-  are kept with the stored update (``cache["received"]``), so forwarding can reuse them;
+- chunks are kept as they arrived (``ChunkAssembler(zero_copy=True)``: no reassembly, no copy) and hashed
+  (``proto.digests``, XXH3-128) as they arrive, so the store never makes a second pass over the payload; the header
+  bytes and the verified checksum of each chunk are kept with the update (``cache["received"]``), so forwarding
+  reuses them;
+- cut-through: at a transfer's first chunk the update already exists (``StoredUpdate`` with a growing list of
+  segments) and ``WeightFanout.begin`` has the members for whom it is the next step receive its chunks as they
+  come; the last chunk is forwarded only once the whole update is stored, so a worker never holds an update the
+  broker refused, and a refused, abandoned or expired one is ``WeightFanout.abort``ed;
 - a transfer whose header is refusable (``WeightStore.check_header``, or a version more than
   ``max_version_lead`` past the latest) is refused at its first chunk;
-- a whole update goes to ``WeightFanout.put`` (stored, every worker planned again); the ack says
+- a whole update goes to ``WeightFanout.put_update`` (stored, every worker planned again); the ack says
   ``applied=true`` (stored, or held already: a resend), or ``applied=false`` with an ``ErrorDetail`` (refused,
   nothing changed); ``full_required``: the next update must be FULL.
 
@@ -19,12 +24,13 @@ Run by the plane's IO thread only.
 from __future__ import annotations
 
 import collections
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 from primerl.broker.log_limits import RateLimitedLog
 from primerl.broker.weight_fanout import WeightFanout
+from primerl.broker.weight_store import StoredUpdate, copy_header
 from primerl.proto import chunked_transfer, framing
-from primerl.proto.digests import hasher_for
+from primerl.proto.digests import PayloadHasher, hasher_for
 from primerl.proto.v1 import common_pb2, data_pb2
 from primerl.proto.weight_refusals import WeightUpdateRefused
 from primerl.runtime.log_setup import get_logger
@@ -37,10 +43,22 @@ MAX_REMEMBERED_REFUSALS = 256
 
 
 class IntakeReply(NamedTuple):
-    """The WEIGHT_ACK to send the publisher, and whether it refuses the update."""
+    """The WEIGHT_ACK to send the publisher (None: nothing to answer yet), whether it refuses the update, and the
+    update whose chunks may be forwarded now (None: nothing to forward)."""
 
-    ack: data_pb2.WeightAck
+    ack: data_pb2.WeightAck | None
     refused: bool
+    update: StoredUpdate | None = None
+
+
+class ReceivedChunks(NamedTuple):
+    """What an update arrived as: the serialized header, the verified checksum and size of each chunk so far, the
+    number of chunks and the total bytes declared."""
+
+    header_bytes: bytes
+    checksums: list[tuple[framing.Checksum, int]]
+    num_chunks: int
+    total_bytes: int
 
 
 class WeightIntake:
@@ -51,88 +69,101 @@ class WeightIntake:
     def __init__(self, fanout: WeightFanout, limits: framing.Limits, *, max_open_transfers: int = 8,
                  transfer_timeout_s: float = 300.0, transfer_stall_timeout_s: float = 30.0,
                  max_open_transfer_bytes: int | None = None, max_open_transfers_per_publisher: int = 1,
-                 max_version_lead: int = 1024):
+                 max_version_lead: int = 1024, forward_chunk_bytes: int | None = None):
+        """``forward_chunk_bytes``: the largest chunk the plane forwards as it is; a transfer whose chunks are
+        larger is forwarded once stored (re-chunked), not cut through."""
         self.fanout = fanout
         self.store = fanout.store
         self.max_version_lead = max_version_lead
+        self.forward_chunk_bytes = forward_chunk_bytes or limits.max_frame_bytes
         self._assembler = chunked_transfer.ChunkAssembler(
             limits=limits, max_open_transfers=max_open_transfers, timeout_s=transfer_timeout_s,
             stall_timeout_s=transfer_stall_timeout_s, max_open_bytes=max_open_transfer_bytes,
-            max_open_per_publisher=max_open_transfers_per_publisher)
-        self._hashers: dict[tuple[str, str], Any] = {}
-        # Verified CRC-32 and size of each chunk received so far, per open transfer.
-        self._chunk_crcs: dict[tuple[str, str], list[tuple[int, int]]] = {}
+            max_open_per_publisher=max_open_transfers_per_publisher, zero_copy=True)
+        self._hashers: dict[tuple[str, str], PayloadHasher] = {}
+        # The update each open transfer is becoming (its chunks may be on their way to members already).
+        self._incoming: dict[tuple[str, str], StoredUpdate] = {}
         # Transfers refused at one chunk: their later chunks are dropped without replies (bounded memory).
         self._refused_transfers: collections.OrderedDict[tuple[str, str], None] = collections.OrderedDict()
         self._guard_log = RateLimitedLog(log)
 
-    def receive(self, publisher: bytes, message: framing.Message) -> IntakeReply | None:
-        """One WEIGHT_UPDATE message from ``publisher`` (its connection); the reply to send, or None."""
+    def receive(self, publisher: bytes, message: framing.Message) -> IntakeReply:
+        """One WEIGHT_UPDATE message from ``publisher`` (its connection); see the module docstring."""
         envelope = message.envelope
         chunk = envelope.chunk
         header: data_pb2.WeightUpdateHeader = message.header
-        whole: framing.Message | None = message
-        digest: str | None = None
-        if chunk.count > 1:
-            key = (envelope.sender, chunk.transfer_id)
-            if key in self._refused_transfers:
-                return None
-            try:
-                if chunk.index == 0:
-                    self._check_version_window(header)
-                    self.store.check_header(header)
-                    self._hashers[key] = hasher_for(header.digest)
-                    self._chunk_crcs[key] = []
-                whole = self._assembler.add(message, publisher=publisher)
-                if key in self._chunk_crcs:
-                    self._chunk_crcs[key].append((framing.envelope_checksum(envelope), message.payload[0].nbytes))
-                hasher = self._hashers.get(key)
-                if hasher is not None:
-                    hasher.update(message.payload[0])
-            except (WeightUpdateRefused, framing.FramingError) as exc:
-                self._hashers.pop(key, None)
-                self._chunk_crcs.pop(key, None)
-                self._remember_refused(key)
-                return self._refusal(header, exc)
-            if whole is None:
-                return None
-            hasher = self._hashers.pop(key, None)
-            digest = None if hasher is None else hasher.hexdigest()
-            chunk_crcs = self._chunk_crcs.pop(key, None)
-        else:
-            chunk_crcs = [(framing.envelope_checksum(envelope), whole.payload[0].nbytes)]
+        if chunk.count <= 1:
+            update = StoredUpdate.of(header, message.payload[0])
+            update.cache["received"] = ReceivedChunks(envelope.header, [(framing.envelope_checksum(envelope),
+                                                                         message.payload[0].nbytes)], 1,
+                                                      message.payload[0].nbytes)
+            return self._store(update, None)
+        key = (envelope.sender, chunk.transfer_id)
+        if key in self._refused_transfers:
+            return IntakeReply(None, refused=False)
+        try:
+            if chunk.index == 0:
+                self._check_version_window(header)
+                self.store.check_header(header)
+            whole = self._assembler.add(message, publisher=publisher)
+            if chunk.index == 0:
+                self._hashers[key] = hasher_for(header.digest)
+                segments = self._assembler.received(key) if whole is None else whole.payload
+                update = StoredUpdate(header=copy_header(header), segments=segments)
+                update.cache["received"] = ReceivedChunks(envelope.header, [], chunk.count, chunk.total_bytes)
+                self._incoming[key] = update
+            update = self._incoming[key]
+            update.cache["received"].checksums.append((framing.envelope_checksum(envelope), message.payload[0].nbytes))
+            self._hashers[key].update(message.payload[0])
+            if chunk.index == 0 and message.payload[0].nbytes <= self.forward_chunk_bytes:
+                self.fanout.begin(update)
+        except (WeightUpdateRefused, framing.FramingError) as exc:
+            self._drop(key)
+            self._remember_refused(key)
+            return self._refusal(header, exc)
+        if whole is None:
+            return IntakeReply(None, refused=False, update=update)
+        digest = self._hashers.pop(key).hexdigest()
+        del self._incoming[key]
+        return self._store(update, digest)
+
+    def _store(self, update: StoredUpdate, digest: str | None) -> IntakeReply:
+        header = update.header
         try:
             self._check_version_window(header)
-            result = self.fanout.put(header, whole.payload[0], computed_digest=digest)
+            result = self.fanout.put_update(update, computed_digest=digest)
         except WeightUpdateRefused as exc:
+            self.fanout.abort(update)
             return self._refusal(header, exc)
         if result.duplicate:
             log.info("weight update already held; acknowledged again", update=result.update.describe())
         else:
-            if chunk_crcs is not None:
-                # The exact header bytes and verified chunk CRCs it arrived with: forwarding costs no CRC pass.
-                result.update.cache["received"] = (envelope.header, chunk_crcs)
-            log.info("weight update stored", update=result.update.describe(), full_required=result.full_required)
+            log.info("weight update stored", update=update.describe(), full_required=result.full_required)
             if result.previous_lineage:
                 event = "policy rolled back" if result.rolled_back_from is not None else "policy lineage replaced"
                 log.warning(event, policy_version=header.policy_version, rolled_back_from=result.rolled_back_from,
                             lineage=header.lineage, previous_lineage=result.previous_lineage,
                             lineage_base_version=header.lineage_base_version, num_workers=self.fanout.num_workers)
-        return IntakeReply(data_pb2.WeightAck(policy_version=header.policy_version, worker_id=BROKER_SENDER,
-                                              applied=True, full_required=result.full_required,
-                                              lineage=self.store.lineage), refused=False)
+        ack = data_pb2.WeightAck(policy_version=header.policy_version, worker_id=BROKER_SENDER, applied=True,
+                                 full_required=result.full_required, lineage=self.store.lineage)
+        return IntakeReply(ack, refused=False, update=update)
 
     def expire(self, now_s: float) -> None:
-        """Drop transfers that stalled or ran out of time, with their running hashes."""
+        """Drop transfers that stalled or ran out of time, with their running hashes; members that were receiving
+        them stop (``WeightFanout.abort``)."""
         for transfer_id in self._assembler.expire(now_s):
             self._guard_log.warning("transfer expired", "incomplete weight transfer expired", transfer_id=transfer_id[:64])
             for key in [k for k in self._hashers if k[1] == transfer_id]:
-                del self._hashers[key]
-                self._chunk_crcs.pop(key, None)
-        # Transfers replaced by a newer one of the same publisher: drop their running hashes too.
+                self._drop(key)
+        # Transfers replaced by a newer one of the same publisher: drop them too.
         for key in [k for k in self._hashers if not self._assembler.is_open(k)]:
-            del self._hashers[key]
-            self._chunk_crcs.pop(key, None)
+            self._drop(key)
+
+    def _drop(self, key: tuple[str, str]) -> None:
+        self._hashers.pop(key, None)
+        update = self._incoming.pop(key, None)
+        if update is not None:
+            self.fanout.abort(update)
 
     def _check_version_window(self, header: data_pb2.WeightUpdateHeader) -> None:
         """A version more than ``max_version_lead`` past the latest stored one is refused: accepted, it would

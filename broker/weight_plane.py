@@ -3,7 +3,8 @@
 Peers (all DEALER sockets, see ``primerl.client.weights``):
 
 - the trainer sends WEIGHT_UPDATE transfers (chunked); ``WeightIntake`` (``weight_intake``, no sockets)
-  reassembles and hashes them, hands whole ones to the fan-out core and says which WEIGHT_ACK to answer.
+  keeps their chunks as they arrived (no reassembly) and hashes them, hands whole ones to the fan-out core and says
+  which WEIGHT_ACK to answer.
 - inference workers send HELLO (role INFERENCE, optionally the version they hold), then WEIGHT_ACK for
   each update they applied. ``WeightFanout`` (``weight_fanout``, no sockets) owns which version each worker
   holds, the latest version, and what to push next: nothing when current, the missing deltas when on the
@@ -12,10 +13,11 @@ Peers (all DEALER sockets, see ``primerl.client.weights``):
 
 Fan-out never lets one worker hold up the others: every send is ``NOBLOCK`` with ``ROUTER_MANDATORY``; a
 full pipe (high-water mark) leaves the message in that worker's outbox for the next round; a gone peer
-(``EHOSTUNREACH``) leaves the fan-out with one log line. The chunk messages of an update are encoded once and
-sent to every worker as zero-copy views of the stored payload; when the update arrived in chunks of the
-size this plane sends, the header bytes and the CRC-32 of each chunk, verified on arrival, are reused, so
-forwarding makes no pass over the payload (the SHA-256 is computed once, as the chunks arrive). A worker that
+(``EHOSTUNREACH``) leaves the fan-out with one log line. Forwarding is cut-through and zero-copy: a chunk goes
+out to the workers for whom the update is the next step as soon as it arrived and passed its checksum, as the
+very frame received, with the header bytes and checksum it came with (no pass over the payload); the update's
+last chunk goes out only once the whole update is stored (digest checked), so no worker ever holds an update
+the broker refused. Every worker gets the same encoded messages (one transfer id per update). A worker that
 does not acknowledge within ``ack_timeout_s`` is sent its plan again, at most ``max_retries`` times in a
 row; then it is forgotten until it says HELLO again (``WeightSubscriber`` does so on its own). A worker the
 registry marks LOST (or that deregistered) leaves the fan-out for good (``WeightFanout.leave``): its HELLOs are
@@ -42,7 +44,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -52,9 +54,9 @@ from primerl.broker.log_limits import RateLimitedLog
 from primerl.broker.plane_lifecycle import RouterPlane
 from primerl.broker.weight_durable import WeightDurability
 from primerl.broker.weight_fanout import Joined, WeightFanout, WeightWorkerStatus
-from primerl.broker.weight_intake import BROKER_SENDER, WeightIntake
+from primerl.broker.weight_intake import BROKER_SENDER, ReceivedChunks, WeightIntake
 from primerl.broker.weight_store import StoredUpdate, WeightStore, WeightStoreStatus
-from primerl.proto import chunked_transfer, framing
+from primerl.proto import framing
 from primerl.proto.v1 import common_pb2, data_pb2
 from primerl.runtime.log_setup import get_logger
 from primerl.runtime.meters import RateMeter
@@ -64,6 +66,8 @@ log = get_logger(__name__)
 
 
 OnApplied = Callable[[str, int], None]
+FORWARD_AFTER_BYTES = 1 << 20
+"""A received message at least this large ends a receive round, so its chunk is forwarded before the next is read."""
 
 
 @dataclass(frozen=True)
@@ -76,6 +80,16 @@ class WeightPlaneStatus:
     bytes_out_total: int
     num_errors_sent: int
     num_workers_forgotten: int
+
+
+@dataclass
+class _Forward:
+    """The chunk messages of one update as the plane sends them (to every worker: one transfer id)."""
+
+    transfer_id: str
+    num_chunks: int
+    received: ReceivedChunks | None
+    messages: list[list[Any]] = field(default_factory=list)
 
 
 class _Gone(Exception):
@@ -137,7 +151,8 @@ class WeightPlane(RouterPlane):
         self._intake = WeightIntake(
             self.fanout, limits, max_open_transfers=max_open_transfers, transfer_timeout_s=transfer_timeout_s,
             transfer_stall_timeout_s=transfer_stall_timeout_s, max_open_transfer_bytes=max_open_transfer_bytes,
-            max_open_transfers_per_publisher=max_open_transfers_per_publisher, max_version_lead=max_version_lead)
+            max_open_transfers_per_publisher=max_open_transfers_per_publisher, max_version_lead=max_version_lead,
+            forward_chunk_bytes=chunk_bytes)
         # The connection each subscribed worker said HELLO on last, and the worker id of each such connection.
         self._peers: dict[str, bytes] = {}
         self._worker_ids: dict[bytes, str] = {}
@@ -218,6 +233,8 @@ class WeightPlane(RouterPlane):
             log.info("weight plane stopped")
 
     def _receive_some(self, socket: zmq.Socket, max_messages: int = 64) -> None:
+        """Handle up to ``max_messages`` waiting messages; back to sending after a large one (a weight chunk), so a
+        chunk is forwarded while the next one is still arriving."""
         for _ in range(max_messages):
             try:
                 frames = socket.recv_multipart(zmq.NOBLOCK, copy=False)
@@ -225,6 +242,8 @@ class WeightPlane(RouterPlane):
                 return
             identity = frames[0].bytes
             self._handle_guarded(identity, frames[1:])
+            if len(frames[-1]) >= FORWARD_AFTER_BYTES:
+                return
 
     def _unexpected(self, identity: bytes, frames: list[Any], exc: Exception) -> None:
         self._guard_log.exception(("unexpected", type(exc).__name__), "weight plane failed handling one message; serving on",
@@ -270,12 +289,11 @@ class WeightPlane(RouterPlane):
                 message="an inference worker may not publish weight updates"), message.type, in_reply_to=reply_to)
             return
         reply = self._intake.receive(identity, message)
-        if reply is None:
-            return
         if reply.refused:
             with self._lock:
                 self._num_errors_sent += 1
-        self._queue_reply(identity, framing.encode(data_pb2.WEIGHT_ACK, reply.ack, **self._envelope(reply_to)))
+        if reply.ack is not None:
+            self._queue_reply(identity, framing.encode(data_pb2.WEIGHT_ACK, reply.ack, **self._envelope(reply_to)))
 
     # -- worker side ---------------------------------------------------------------------------------
 
@@ -375,7 +393,9 @@ class WeightPlane(RouterPlane):
                 if step is None:
                     continue
                 update, index = step
-                messages = self._encoded(update)
+                messages, num_chunks = self._encoded(update)
+                if index >= len(messages):
+                    continue  # cut-through: that chunk has not arrived yet
                 frames = messages[index]
                 try:
                     if not self._try_send(socket, identity, frames):
@@ -388,7 +408,7 @@ class WeightPlane(RouterPlane):
                 budget -= 1
                 progressed = sent_any = True
                 self._rate_out.add(frames[-1].nbytes)
-                self.fanout.chunk_sent(worker_id, update, last=index + 1 == len(messages))
+                self.fanout.chunk_sent(worker_id, update, last=index + 1 == num_chunks)
             if not progressed:
                 break
         return sent_any, blocked
@@ -405,31 +425,47 @@ class WeightPlane(RouterPlane):
             raise
         return True
 
-    def _encoded(self, update: StoredUpdate) -> list[list[Any]]:
-        """The chunk messages of ``update`` (payload slices are zero-copy views), built once per update.
+    def _encoded(self, update: StoredUpdate) -> tuple[list[list[Any]], int]:
+        """The chunk messages of ``update`` that can be sent now (payloads are the stored segments or zero-copy
+        slices of them), and how many the update has in all; built once per update, as its chunks arrive.
 
-        When the update arrived in chunks of the size this plane sends, their header bytes and verified
-        CRC-32s are reused (``framing.encode_raw``): no pass over the payload at all. Otherwise the CRC of
-        each chunk is computed once here."""
-        messages = update.cache.get("chunks")
-        if messages is not None:
-            return messages
-        received = update.cache.pop("received", None)
-        total = update.payload.nbytes
-        count = max(1, -(-total // self.chunk_bytes))
-        if received is not None and [size for _, size in received[1]] == [
-                min(self.chunk_bytes, total - index * self.chunk_bytes) for index in range(count)]:
-            header_bytes, crcs = received
-            transfer_id = uuid.uuid4().hex
-            messages = [framing.encode_raw(
-                data_pb2.WEIGHT_UPDATE, header_bytes, [update.payload[index * self.chunk_bytes:(index + 1) * self.chunk_bytes]],
-                checksum=crc, chunk=data_pb2.Chunk(transfer_id=transfer_id, index=index, count=count, total_bytes=total),
-                **self._envelope("")) for index, (crc, _) in enumerate(crcs)]
-        else:
-            messages = list(chunked_transfer.encode_chunked(data_pb2.WEIGHT_UPDATE, update.header, update.payload,
-                                                            chunk_bytes=self.chunk_bytes, **self._envelope("")))
-        update.cache["chunks"] = messages
-        return messages
+        An update received in chunks no larger than this plane's ``chunk_bytes`` is forwarded chunk for chunk as it
+        arrived, with the header bytes and verified checksums it came with (``framing.encode_raw``): no pass over
+        the payload at all, and each chunk can go out while later ones are still on their way (cut-through).
+        Others (larger chunks, or an update reloaded from disk) are cut into chunks of ``chunk_bytes`` once whole,
+        with one XXH3-64 checksum pass each."""
+        cache = update.cache
+        forward: _Forward | None = cache.get("forward")
+        if forward is None:
+            received: ReceivedChunks | None = cache.get("received")
+            if received is not None and (received.num_chunks == 1 or received.checksums[0][1] <= self.chunk_bytes):
+                forward = _Forward(uuid.uuid4().hex, received.num_chunks, received)
+            else:
+                forward = _Forward(uuid.uuid4().hex, 0, None)
+                forward.messages = self._rechunked(update, forward.transfer_id)
+                forward.num_chunks = len(forward.messages)
+            cache["forward"] = forward
+        received = forward.received
+        if received is not None:
+            available = min(len(update.segments), len(received.checksums))
+            header_bytes = received.header_bytes
+            for index in range(len(forward.messages), available):
+                checksum, _ = received.checksums[index]
+                forward.messages.append(framing.encode_raw(
+                    data_pb2.WEIGHT_UPDATE, header_bytes, [update.segments[index]], checksum=checksum,
+                    chunk=data_pb2.Chunk(transfer_id=forward.transfer_id, index=index, count=forward.num_chunks,
+                                         total_bytes=received.total_bytes), **self._envelope("")))
+        return forward.messages, forward.num_chunks
+
+    def _rechunked(self, update: StoredUpdate, transfer_id: str) -> list[list[Any]]:
+        pieces = [segment[start:start + self.chunk_bytes] for segment in update.segments
+                  for start in range(0, max(1, segment.nbytes), self.chunk_bytes)]
+        header_bytes = update.header.SerializeToString(deterministic=True)
+        total = update.num_bytes
+        return [framing.encode_raw(data_pb2.WEIGHT_UPDATE, header_bytes, [piece], checksum_kind=framing.XXH3_64,
+                                   chunk=data_pb2.Chunk(transfer_id=transfer_id, index=index, count=len(pieces),
+                                                        total_bytes=total), **self._envelope(""))
+                for index, piece in enumerate(pieces)]
 
     def _queue_reply(self, identity: bytes, frames: list[Any]) -> None:
         if len(self._replies) >= self.max_pending_replies:

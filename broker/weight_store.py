@@ -9,7 +9,7 @@ The trainer publishes policy updates of three kinds (``WeightUpdateHeader.kind``
 
 Ordering: a FULL or LORA update must have ``policy_version`` above the latest version held (any version
 when the store is empty); a DELTA must have ``base_version == latest`` and ``policy_version > base_version``.
-The digest (SHA-256 hex of the payload) must match. A refused update raises ``WeightUpdateRefused``
+The digest (``proto.digests``) of the payload must match. A refused update raises ``WeightUpdateRefused``
 with the ``ErrorCode`` to send back, and changes nothing.
 
 Delta chain bound (decision): the store keeps at most ``max_deltas`` deltas and ``max_delta_bytes`` bytes
@@ -73,11 +73,29 @@ def kind_name(kind: int) -> str:
 
 @dataclass(frozen=True, eq=False)
 class StoredUpdate:
-    """One accepted update. ``payload`` is a read-only view; ``cache`` holds the plane's encoded chunks."""
+    """One update. ``segments`` are read-only views of its payload, in order, as it arrived (one per chunk: the
+    frames the broker received, never joined); ``cache`` holds the plane's encoded chunks.
+
+    An update being received (``incoming``) already exists so that the plane can forward its chunks as they come
+    (cut-through): its ``segments`` list grows until the last chunk is in, then the store takes it or refuses it.
+    """
 
     header: data_pb2.WeightUpdateHeader
-    payload: memoryview
+    segments: list[memoryview]
     cache: dict[str, Any] = field(default_factory=dict, repr=False)
+
+    @classmethod
+    def of(cls, header: data_pb2.WeightUpdateHeader, payload: Any) -> StoredUpdate:
+        """An update whose payload is one bytes-like object (kept by reference, not copied)."""
+        return cls(header=copy_header(header), segments=[_readonly_bytes(payload)])
+
+    @property
+    def payload(self) -> memoryview:
+        """The whole payload as one view: the segment itself when there is one, else a joined COPY (for tests and
+        tools; the broker's planes and its durable writer use ``segments``)."""
+        if len(self.segments) == 1:
+            return self.segments[0]
+        return memoryview(b"".join(self.segments)).toreadonly()
 
     @property
     def policy_version(self) -> int:
@@ -97,7 +115,7 @@ class StoredUpdate:
 
     @property
     def num_bytes(self) -> int:
-        return self.payload.nbytes
+        return sum(segment.nbytes for segment in self.segments)
 
     def describe(self) -> str:
         base = f" on v{self.base_version}" if self.kind == DELTA else ""
@@ -192,37 +210,42 @@ class WeightStore:
         """Check and store one whole update; raises ``WeightUpdateRefused`` (store unchanged) when refused.
 
         ``payload`` is kept by reference (no copy): the caller must not mutate it afterwards.
-        ``computed_digest``: the SHA-256 hex the caller already computed over exactly these bytes (e.g. chunk
-        by chunk as they arrived); otherwise the store computes it (~0.6 ms per MiB, outside the lock).
+        ``computed_digest``: the digest the caller already computed over exactly these bytes (e.g. chunk by chunk
+        as they arrived); otherwise the store computes it (outside the lock).
         """
-        view = memoryview(payload)
-        if view.format != "B" or view.ndim != 1:
-            view = view.cast("B")
-        view = view.toreadonly()
+        return self.put_update(StoredUpdate.of(header, payload), computed_digest=computed_digest)
+
+    def put_update(self, update: StoredUpdate, *, computed_digest: str | None = None) -> PutResult:
+        """``put`` of an update built by the caller (its segments complete): the object itself is stored, so a plane
+        that forwarded its chunks while they arrived keeps sending the same one."""
+        header = update.header
+        num_bytes = update.num_bytes
         if self.verify_digest and computed_digest is None:
             hasher = hasher_for(header.digest)
-            hasher.update(view)
+            for segment in update.segments:
+                hasher.update(segment)
             computed_digest = hasher.hexdigest()
         digest_ok = not self.verify_digest or computed_digest == header.digest.lower()
         with self._lock:
             latest_update = self._latest_update_locked()
-            if self._is_resend_locked(header) and (not self.verify_digest or computed_digest == header.digest.lower()):
+            if self._is_resend_locked(header) and digest_ok:
                 assert latest_update is not None
                 return PutResult(update=latest_update, full_required=self._full_required_after_locked(latest_update),
                                  duplicate=True)
             try:
-                self._check_header_locked(header, payload_bytes=view.nbytes)
+                self._check_header_locked(header, payload_bytes=num_bytes)
                 if not header.digest:
                     raise WeightUpdateRefused(common_pb2.ERROR_CODE_BAD_DIGEST,
-                                              "the header has no digest: set it to the SHA-256 hex of the payload")
+                                              "the header has no digest: set it to the digest of the payload")
                 if not digest_ok:
                     raise WeightUpdateRefused(common_pb2.ERROR_CODE_BAD_DIGEST,
-                                              f"SHA-256 of the {view.nbytes}-byte payload does not match the header's digest "
-                                              f"{header.digest[:16]}... (payload corrupted, or digest computed over other bytes)")
+                                              f"digest of the {num_bytes}-byte payload does not match the header's "
+                                              f"{header.digest[:24]}... (payload corrupted, or digest computed over "
+                                              "other bytes)")
             except WeightUpdateRefused:
                 self._num_refused += 1
                 raise
-            stored = StoredUpdate(header=_copy_header(header), payload=view)
+            stored = update
             previous_lineage = rolled_back_from = None
             if header.lineage > self._lineage:
                 latest = self._latest_locked()
@@ -393,7 +416,14 @@ class WeightStore:
         return sum(d.num_bytes for d in self._deltas)
 
 
-def _copy_header(header: data_pb2.WeightUpdateHeader) -> data_pb2.WeightUpdateHeader:
+def _readonly_bytes(payload: Any) -> memoryview:
+    view = memoryview(payload)
+    if view.format != "B" or view.ndim != 1:
+        view = view.cast("B")
+    return view.toreadonly()
+
+
+def copy_header(header: data_pb2.WeightUpdateHeader) -> data_pb2.WeightUpdateHeader:
     copy = data_pb2.WeightUpdateHeader()
     copy.CopyFrom(header)
     return copy

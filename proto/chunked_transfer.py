@@ -6,6 +6,11 @@ transfer id, its index, the count and the transfer's total bytes. A receiver dec
 ``framing.decode`` and hands it to a ``ChunkAssembler``, which joins the chunks again, in order, within
 bounds on bytes, open transfers and time, and checks the whole tensor payload once it is complete.
 
+A ``ChunkAssembler(zero_copy=True)`` joins nothing: it keeps the received chunk frames as they are (read-only
+views, in order) and hands the whole message back with one payload frame per chunk. That is what a relay wants
+(the broker forwards the frames it received, and stores them), where a copy into one buffer would cost a pass
+over the payload and a second copy of it in memory.
+
 The wire format of each message is ``framing``'s; this module only adds the split and the reassembly.
 """
 
@@ -27,13 +32,16 @@ from primerl.proto.framing import (
     Busy,
     FramingError,
     Limits,
+    MalformedHeader,
     Message,
     OversizedFrame,
+    TensorMismatch,
     TruncatedMessage,
     byte_view,
     check_tensor_payload,
     encode,
 )
+from primerl.proto.tensor_frames import MAX_HEADER_BYTES, TensorFrameError, check_tensor_frame
 from primerl.proto.v1 import data_pb2
 
 
@@ -66,7 +74,11 @@ def encode_chunked(
 @dataclass
 class _Transfer:
     first: Message
-    buffer: Any  # bytearray, or an anonymous mmap whose pages are only touched as chunks arrive
+    total_bytes: int
+    # bytearray, or an anonymous mmap whose pages are only touched as chunks arrive; None when zero-copy
+    buffer: Any = None
+    # zero-copy: the chunks' payload frames as received, in order
+    segments: list[memoryview] | None = None
     publisher: Any = None
     next_index: int = 0
     num_bytes: int = 0
@@ -75,6 +87,36 @@ class _Transfer:
 
 
 LAZY_BUFFER_MIN_BYTES = 1 << 20
+
+
+def segments_head(segments: list[memoryview], num_bytes: int) -> memoryview:
+    """The first ``num_bytes`` of a payload held as ``segments`` (fewer if it is shorter): a view of the first
+    segment when it holds them, else a copy of just those bytes."""
+    if not segments or segments[0].nbytes >= num_bytes:
+        return segments[0][:num_bytes] if segments else memoryview(b"")
+    head = bytearray()
+    for segment in segments:
+        head += segment[: num_bytes - len(head)]
+        if len(head) >= num_bytes:
+            break
+    return memoryview(bytes(head))
+
+
+def check_segmented_tensor_payload(message: Message) -> None:
+    """``framing.check_tensor_payload`` for a whole message whose payload frames are the segments of one
+    safetensors blob (a zero-copy transfer)."""
+    segments = message.payload
+    total = sum(segment.nbytes for segment in segments)
+    if not segments:
+        raise MalformedHeader(f"{message.type_name} carries no payload")
+    prefix = segments_head(segments, 8)
+    header_len = int.from_bytes(prefix, "little") if prefix.nbytes == 8 else 0
+    try:
+        head = segments_head(segments, 8 + min(header_len, MAX_HEADER_BYTES + 1))
+        check_tensor_frame(head, message.header.tensors, total_bytes=total)
+    except TensorFrameError as exc:
+        error_class = TruncatedMessage if exc.truncated else (TensorMismatch if exc.mismatch else MalformedHeader)
+        raise error_class(f"{message.type_name}: {exc}") from None
 
 
 def _transfer_buffer(num_bytes: int) -> Any:
@@ -100,17 +142,21 @@ class ChunkAssembler:
       ``max_open_bytes`` (``Busy``: retry later), so total reassembly memory is bounded;
     - a transfer with no chunk for ``stall_timeout_s`` (or open longer than ``timeout_s``) is dropped by
       ``expire`` (also called at each new transfer), so a stalled peer cannot hold a slot for long.
+
+    ``zero_copy``: keep the chunk frames instead of joining them (module docstring); the whole message has one
+    payload frame per chunk, and ``received(key)`` gives the frames received so far of an open transfer.
     """
 
     def __init__(self, *, limits: Limits = DEFAULT_LIMITS, max_open_transfers: int = 4, timeout_s: float = 60.0,
                  stall_timeout_s: float | None = None, max_open_bytes: int | None = None,
-                 max_open_per_publisher: int | None = None):
+                 max_open_per_publisher: int | None = None, zero_copy: bool = False):
         self.limits = limits
         self.max_open_transfers = max_open_transfers
         self.timeout_s = timeout_s
         self.stall_timeout_s = timeout_s if stall_timeout_s is None else stall_timeout_s
         self.max_open_bytes = limits.max_transfer_bytes if max_open_bytes is None else max_open_bytes
         self.max_open_per_publisher = max_open_per_publisher
+        self.zero_copy = zero_copy
         self._transfers: dict[tuple[str, str], _Transfer] = {}
 
     def is_open(self, key: tuple[str, str]) -> bool:
@@ -123,7 +169,12 @@ class ChunkAssembler:
 
     @property
     def num_buffered_bytes(self) -> int:
-        return sum(len(t.buffer) for t in self._transfers.values())
+        return sum(t.total_bytes if t.segments is None else t.num_bytes for t in self._transfers.values())
+
+    def received(self, key: tuple[str, str]) -> list[memoryview]:
+        """The payload frames received so far of the open zero-copy transfer ``key`` (empty: none open)."""
+        transfer = self._transfers.get(key)
+        return [] if transfer is None or transfer.segments is None else transfer.segments
 
     def add(self, message: Message, publisher: Any = None) -> Message | None:
         chunk = message.envelope.chunk
@@ -144,12 +195,16 @@ class ChunkAssembler:
                     del self._transfers[old]  # insertion order: the oldest first
             if len(self._transfers) >= self.max_open_transfers:
                 raise BadChunk(f"too many open transfers ({len(self._transfers)}); finish or abandon one first")
-            open_bytes = sum(len(t.buffer) for t in self._transfers.values())
+            open_bytes = sum(t.total_bytes for t in self._transfers.values())
             if open_bytes + chunk.total_bytes > self.max_open_bytes:
                 raise Busy(f"transfers being received already declare {open_bytes} bytes; {chunk.total_bytes} more would "
                            f"exceed the broker's {self.max_open_bytes} (max_open_transfer_bytes): retry later",
                            retry_after_ms=1000)
-            transfer = _Transfer(first=message, buffer=_transfer_buffer(chunk.total_bytes), publisher=publisher)
+            if self.zero_copy:
+                transfer = _Transfer(first=message, total_bytes=chunk.total_bytes, segments=[], publisher=publisher)
+            else:
+                transfer = _Transfer(first=message, total_bytes=chunk.total_bytes,
+                                     buffer=_transfer_buffer(chunk.total_bytes), publisher=publisher)
             self._transfers[key] = transfer
         first = transfer.first.envelope
         try:
@@ -161,9 +216,12 @@ class ChunkAssembler:
                 raise BadChunk(f"transfer {chunk.transfer_id}: chunk {chunk.index} carries a different header")
             piece = message.payload[0]
             end = transfer.num_bytes + piece.nbytes
-            if end > len(transfer.buffer):
-                raise BadChunk(f"transfer {chunk.transfer_id}: chunks exceed the declared {len(transfer.buffer)} bytes")
-            transfer.buffer[transfer.num_bytes : end] = piece
+            if end > transfer.total_bytes:
+                raise BadChunk(f"transfer {chunk.transfer_id}: chunks exceed the declared {transfer.total_bytes} bytes")
+            if transfer.segments is not None:
+                transfer.segments.append(piece.toreadonly())
+            else:
+                transfer.buffer[transfer.num_bytes : end] = piece
         except FramingError:
             del self._transfers[key]
             raise
@@ -173,8 +231,13 @@ class ChunkAssembler:
         if transfer.next_index < chunk.count:
             return None
         del self._transfers[key]
-        if transfer.num_bytes != len(transfer.buffer):
-            raise TruncatedMessage(f"transfer {chunk.transfer_id}: {transfer.num_bytes} of {len(transfer.buffer)} bytes arrived")
+        if transfer.num_bytes != transfer.total_bytes:
+            raise TruncatedMessage(f"transfer {chunk.transfer_id}: {transfer.num_bytes} of {transfer.total_bytes} bytes arrived")
+        if transfer.segments is not None:
+            whole = Message(type=message.type, header=transfer.first.header, envelope=first, payload=transfer.segments)
+            if whole.type in TENSOR_MESSAGE_TYPES:
+                check_segmented_tensor_payload(whole)
+            return whole
         whole = Message(type=message.type, header=transfer.first.header, envelope=first, payload=[memoryview(transfer.buffer)])
         if whole.type in TENSOR_MESSAGE_TYPES:
             check_tensor_payload(whole)

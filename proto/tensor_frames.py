@@ -65,19 +65,23 @@ def _view(frame: Any) -> memoryview:
     return view if view.format == "B" and view.ndim == 1 else view.cast("B")
 
 
-def parse_header(frame: Any) -> dict[str, TensorEntry]:
-    """Parse and check the safetensors header of ``frame``; offsets returned are absolute in the frame."""
+def parse_header(frame: Any, total_bytes: int | None = None) -> dict[str, TensorEntry]:
+    """Parse and check the safetensors header of ``frame``; offsets returned are absolute in the frame.
+
+    ``total_bytes``: the size of the whole blob when ``frame`` holds only its beginning (at least the length
+    prefix and the JSON header), e.g. the first of the segments a payload arrived in."""
     view = _view(frame)
+    total = view.nbytes if total_bytes is None else total_bytes
     if view.nbytes < 8:
         raise TensorFrameError(f"tensor frame of {view.nbytes} bytes is shorter than the 8-byte safetensors length prefix", truncated=True)
     (header_len,) = struct.unpack("<Q", view[:8])
     if header_len > MAX_HEADER_BYTES:
         raise TensorFrameError(f"safetensors header claims {header_len} bytes; the limit is {MAX_HEADER_BYTES}")
-    if 8 + header_len > view.nbytes:
-        raise TensorFrameError(f"safetensors header claims {header_len} bytes but the frame has {view.nbytes - 8}", truncated=True)
+    if 8 + header_len > min(view.nbytes, total):
+        raise TensorFrameError(f"safetensors header claims {header_len} bytes but the frame has {total - 8}", truncated=True)
     raw = _load_header_json(view[8 : 8 + header_len])
     data_start = 8 + header_len
-    data_bytes = view.nbytes - data_start
+    data_bytes = total - data_start
     entries: dict[str, TensorEntry] = {}
     for name, info in raw.items():
         if name == "__metadata__":
@@ -170,9 +174,11 @@ def specs_of(entries: Mapping[str, TensorEntry]) -> list[common_pb2.TensorSpec]:
     return [common_pb2.TensorSpec(name=e.name, dtype=e.dtype, shape=list(e.shape)) for e in entries.values()]
 
 
-def check_tensor_frame(frame: Any, specs: Sequence[common_pb2.TensorSpec]) -> dict[str, TensorEntry]:
-    """The frame must hold exactly the tensors of ``specs``, with the same dtypes and shapes."""
-    entries = parse_header(frame)
+def check_tensor_frame(frame: Any, specs: Sequence[common_pb2.TensorSpec],
+                       total_bytes: int | None = None) -> dict[str, TensorEntry]:
+    """The frame must hold exactly the tensors of ``specs``, with the same dtypes and shapes. ``total_bytes``: see
+    ``parse_header``."""
+    entries = parse_header(frame, total_bytes)
     declared = {spec.name: spec for spec in specs}
     if len(declared) != len(specs):
         raise TensorFrameError("the header lists a tensor name twice", mismatch=True)

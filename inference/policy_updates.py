@@ -346,9 +346,9 @@ class PolicyUpdater:
                 check_against({s.name: (s.dtype, list(s.shape)) for s in header.tensors}, manifest,
                               require_all=True, what=what)
             else:
-                if header.delta_encoding != data_pb2.DELTA_ENCODING_XOR_ZLIB:
+                if header.delta_encoding not in (data_pb2.DELTA_ENCODING_SPARSE, data_pb2.DELTA_ENCODING_XOR_ZLIB):
                     raise UpdateRefused(common_pb2.ERROR_CODE_MALFORMED_HEADER,
-                                        f"{what}: delta_encoding {header.delta_encoding} is not XOR_ZLIB")
+                                        f"{what}: delta_encoding {header.delta_encoding} is not SPARSE or XOR_ZLIB")
                 check_against({s.name: (s.dtype, list(s.shape)) for s in header.decoded_tensors}, manifest,
                               require_all=False, what=what)
         except TensorFrameError as exc:

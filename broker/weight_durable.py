@@ -44,6 +44,7 @@ this module, and the trainer's next publish (a FULL, since its delta is refused)
 from __future__ import annotations
 
 import json
+import mmap
 import struct
 import threading
 import zlib
@@ -225,6 +226,26 @@ class WeightDurability:
             log.debug("durable weights written", latest_version=chain[-1].policy_version, lineage=lineage,
                       num_updates=len(chain))
 
+    def payload_on_disk(self, update: StoredUpdate) -> memoryview | None:
+        """A read-only view of ``update``'s payload mapped from its durable file (pages of the page cache, not of
+        this process's heap), or None when that file is not written (yet, or any more) or does not match."""
+        name = update_file_name(update)
+        with self._lock:
+            if name not in self._written:
+                return None
+            try:
+                with open(self.directory / name, "rb") as handle:
+                    mapped = mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ)
+            except (OSError, ValueError):
+                return None
+        view = memoryview(mapped)
+        if view.nbytes < PREFIX.size:
+            return None
+        magic, header_len, payload_len, _ = PREFIX.unpack_from(view)
+        if magic != MAGIC or payload_len != update.num_bytes or view.nbytes != PREFIX.size + header_len + payload_len:
+            return None
+        return view[PREFIX.size + header_len:]
+
     def flush(self, timeout_s: float = 10.0) -> bool:
         """Wait until everything the store held when called is written (tests, shutdown); True when done."""
         with self._idle:
@@ -252,7 +273,8 @@ def _write_update(path: Path, update: StoredUpdate) -> None:
 
 
 def _read_update(path: Path) -> StoredUpdate:
-    data = path.read_bytes()
+    with open(path, "rb") as handle:  # mapped, not read: the payload stays in the page cache, not in the heap
+        data = mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ) if path.stat().st_size else b""
     if len(data) < PREFIX.size:
         raise DurableWeightsError(f"{path.name}: {len(data)} bytes, shorter than its prefix")
     magic, header_len, payload_len, crc = PREFIX.unpack_from(data)
@@ -269,7 +291,7 @@ def _read_update(path: Path) -> StoredUpdate:
     header = data_pb2.WeightUpdateHeader.FromString(bytes(header_bytes))
     if not digest_matches(payload, header.digest):
         raise DurableWeightsError(f"{path.name}: the payload does not match the header's digest")
-    return StoredUpdate(header=header, segments=[payload])
+    return StoredUpdate(header=header, segments=[payload], cache={"on_disk": True})
 
 
 def _write_atomic(path: Path, data: bytes) -> None:

@@ -193,6 +193,11 @@ class WeightFanout:
                     member.sending, member.next_chunk = None, 0
                     self._replan_locked(member)
 
+    def is_sending(self, update: StoredUpdate) -> bool:
+        """Whether some member is in the middle of receiving ``update``."""
+        with self._lock:
+            return any(member.sending is update for member in self._members.values())
+
     @staticmethod
     def _is_next_step(member: _Member, header: data_pb2.WeightUpdateHeader) -> bool:
         version, lineage = member.sent_version, member.sent_lineage

@@ -31,7 +31,10 @@ new snapshot even when it "already has" that version number. Each HELLO is answe
 broker is there.
 
 Durability: with ``durable_dir`` the store's chain is kept on disk there (``weight_durable``), reloaded by
-``start()`` before the socket binds, so a worker that joins after a broker restart gets the current policy.
+``start()`` before the socket binds, so a worker that joins after a broker restart gets the current policy. Once
+an update's file is written and no worker is in the middle of it, its received frames are freed and its payload
+is read from the file when needed (``WeightStore.release_written``): the broker's memory holds little more than
+the update being received.
 
 Every input goes through ``framing.decode`` with the limits and the run token: a malformed, oversized or
 unauthenticated message gets an ERROR reply and is logged; the plane keeps serving.
@@ -488,6 +491,9 @@ class WeightPlane(RouterPlane):
     def _tick(self, now_s: float) -> None:
         self._intake.expire(now_s)
         self.fanout.tick(now_s)
+        released = self.store.release_written(self.fanout.is_sending)
+        if released:
+            log.debug("weight payloads now read from their durable files", num_bytes=released)
         # Connections of workers the fan-out no longer holds (forgotten, gone): their next HELLO maps them again.
         for worker_id in [w for w in self._peers if not self.fanout.is_member(w)]:
             self._drop_peer(worker_id)

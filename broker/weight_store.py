@@ -48,6 +48,7 @@ from __future__ import annotations
 
 import threading
 from dataclasses import dataclass, field
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from primerl.proto.v1 import common_pb2, data_pb2
@@ -342,6 +343,33 @@ class WeightStore:
         """No room for one more delta of ``next_delta_bytes``."""
         return (len(self._deltas) + 1 > self.max_deltas
                 or self._delta_bytes_locked() + next_delta_bytes > self.max_delta_bytes)
+
+    def release_written(self, busy: Callable[[StoredUpdate], bool]) -> int:
+        """Memory: each update of the chain whose durable file is written, that is not ``busy`` (being sent) and
+        still holds its received frames, keeps its payload from then on as a read-only mapping of that file (the
+        page cache's pages, which the kernel may drop and read again), and its frames are freed. So the broker holds
+        in its own memory little more than the update being received. Returns the bytes released.
+
+        Caller: the weight plane's IO thread, which owns the updates' encoded chunks (``cache``): the chunks of a
+        released update are dropped with its frames and made again, from the mapping, if a worker needs them."""
+        durable = self._durable
+        if durable is None:
+            return 0
+        with self._lock:
+            chain = [] if self._snapshot is None else [self._snapshot, *self._deltas]
+        released = 0
+        for update in chain:
+            if update.cache.get("on_disk") or busy(update):
+                continue
+            mapped = durable.payload_on_disk(update)
+            if mapped is None:
+                continue
+            released += update.num_bytes
+            update.cache.pop("forward", None)
+            update.cache.pop("received", None)
+            update.segments[:] = [mapped]
+            update.cache["on_disk"] = True
+        return released
 
     # -- reads ---------------------------------------------------------------------------------------
 

@@ -189,3 +189,22 @@ def test_a_member_busy_with_another_update_gets_the_new_one_once_stored(fanout):
     fanout.chunk_sent("w", first, last=True)
     fanout.put_update(second)
     assert fanout.next_chunk("w") == (second, 0)
+
+
+def test_a_written_update_frees_its_frames_and_is_served_from_its_durable_file(make_weight_plane, tmp_path):
+    h = make_weight_plane(durable_dir=tmp_path / "weights")
+    subscriber = h.subscriber("infer-0")
+    subscriber.hello()
+    wait_until(lambda: "infer-0" in h.plane.worker_versions())
+    header, data = make_update(1, num_bytes=3 * CHUNK_BYTES + 5)
+    h.publisher().publish(header, data, timeout_s=RECEIVE_S)
+    got = subscriber.receive(RECEIVE_S)
+    assert got is not None and bytes(got[1]) == data
+    subscriber.ack(1, apply_ms=1)
+    wait_until(lambda: h.store.latest().cache.get("on_disk"))
+    stored = h.store.latest()
+    assert len(stored.segments) == 1 and "forward" not in stored.cache
+    late = h.subscriber("infer-1")  # joins later: gets the snapshot, read from the file
+    late.hello()
+    got = late.receive(RECEIVE_S)
+    assert got is not None and got[0].policy_version == 1 and bytes(got[1]) == data

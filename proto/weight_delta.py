@@ -1,25 +1,46 @@
-"""The lossless weight delta of the wire contract ``DELTA_ENCODING_XOR_ZLIB``.
+"""The lossless weight deltas of the wire contract: ``DELTA_ENCODING_SPARSE`` and ``DELTA_ENCODING_XOR_ZLIB``.
 
-For each tensor: the raw bits of the new version XOR the raw bits of the base version (same dtype, same shape),
-zlib-compressed, stored as a 1-D ``U8`` tensor under the tensor's own (model) name in one safetensors blob.
-A small optimizer step changes few high bits, so the XOR is mostly zero bytes and compresses well; the round trip
-is bit-exact whatever the dtype. Tensors whose bits did not change may be left out of the delta.
+Both are bit-exact whatever the dtype (raw bits are compared and copied: -0.0, +0.0 and NaN payloads survive),
+travel as one safetensors payload, and leave out tensors whose bits did not change. The header's ``tensors``
+lists the encoded tensors of the payload and ``decoded_tensors`` the dtype and shape of each tensor the delta
+changes.
 
-The header's ``tensors`` lists the encoded (U8) tensors and ``decoded_tensors`` the dtype and shape of each
-decoded tensor, in the same order.
+SPARSE sends only the elements that changed. A changed tensor ``T`` of n elements of w bytes, k of them changed,
+is sent in the smallest of three forms:
 
-    payload, specs, decoded = encode_delta(new_state, base_state)
-    header = WeightUpdateHeader(kind=DELTA, delta_encoding=DELTA_ENCODING_XOR_ZLIB, tensors=specs,
+- gaps (~k + k*w bytes): ``T#values`` (T's dtype, 1-D [k]) the new values in position order, and ``T#gaps``
+  (U8, 1-D) their flat positions as distances, one byte each: from position -1, a byte b in 1..255 advances b
+  and marks that position; a 0 byte advances 255 and marks nothing (a gap g > 255 is (g-1)//255 zero bytes, then
+  one marker). The stream never ends with a 0 byte.
+- mask (n/8 + k*w bytes): ``T#values`` as above, and ``T#mask`` (U8, 1-D [ceil(n/8)]): bit i (little bit order)
+  set when flat element i changed, padding bits 0. Smaller than gaps once more than ~1/8 of the elements changed.
+- whole (n*w bytes): ``T#values`` (1-D [n]) holds the tensor flattened; no positions.
+
+``decoded_tensors`` lists the changed tensors in the order of the model, ``tensors`` every ``T#...`` of the
+payload (safetensors' order) and nothing else; the suffixes keep the names apart whatever the model calls its
+tensors. The decoder checks that positions are in range (increasing by construction) and as many as the values.
+An AdamW step of fp32 master weights served in bf16 changes a few % of the elements at lr 1e-6 and ~25% at
+lr 1e-5 (``bench/delta_fraction.py`` measures it).
+
+XOR_ZLIB (still decoded, for publishers that send it): for each tensor, the raw bits of the new version XOR the
+raw bits of the base, zlib-compressed, as a 1-D ``U8`` tensor under the tensor's own name; ``tensors[i]`` and
+``decoded_tensors[i]`` name the same tensor. A small step changes few high bits, so the XOR is mostly zero bytes;
+but in fp32 every element changes (the XOR compresses to ~50-70 %) and zlib runs at ~50-100 MB/s one way.
+
+    payload, specs, decoded = encode_delta(new_state, base_state, encoding=DELTA_ENCODING_SPARSE)
+    header = WeightUpdateHeader(kind=DELTA, delta_encoding=DELTA_ENCODING_SPARSE, tensors=specs,
                                 decoded_tensors=decoded, ...)
     changed = decode_delta(payload, header, base_state)  # {name: new tensor} for the tensors in the delta
 
-Cost (measured here, fp32, one AdamW step): every element changes, the XOR compresses to ~50-70 % and zlib runs
-at ~50-100 MB/s one way, while a loopback send moves ~1 GB/s: a dense delta costs far more time than the bytes it
-saves. `estimate_delta` prices a delta on a sample before it is built, so a publisher can send FULL instead when
-the delta would not pay (see ``trainer/publish.py``).
+Choosing: a delta pays when encoding it here and decoding it on a worker takes less time than its saved bytes
+take on the wire. `estimate_delta` prices either encoding on a sample before it is built (size, encode and decode
+times), so a publisher can send FULL instead (the policy is in ``trainer/publish.py``). SPARSE runs at memory
+speed (a compare, a gather, a scatter) and its size follows the changed fraction: the encoding of 16-bit
+weights. XOR_ZLIB pays only when few tensors changed or the wire is slow.
 
-Decoding trusts nothing: names, dtypes and shapes are checked against the header and the base, and each
-tensor is decompressed with a bound equal to its expected size (a zip bomb stops there).
+Decoding trusts nothing: names, dtypes and shapes are checked against the header and the base, SPARSE positions
+against the tensor and the values, and XOR_ZLIB data is decompressed with a bound equal to the tensor's size (a
+zip bomb stops there). Anything wrong raises `DeltaError`, with the wire error code to answer.
 """
 
 from __future__ import annotations
@@ -27,29 +48,45 @@ from __future__ import annotations
 import os
 import time
 import zlib
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from primerl.proto.tensor_frames import DTYPES, TensorFrameError, check_tensor_frame, parse_header, specs_of
+from primerl.proto.tensor_frames import (
+    DTYPES,
+    TensorEntry,
+    TensorFrameError,
+    check_tensor_frame,
+    parse_header,
+    specs_of,
+)
 from primerl.proto.v1 import common_pb2, data_pb2
 
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["DeltaError", "DeltaEstimate", "decode_delta", "encode_delta", "estimate_delta", "torch_dtype_name"]
+__all__ = ["DeltaError", "DeltaEstimate", "SPARSE_SUFFIXES", "decode_delta", "encode_delta", "estimate_delta",
+           "torch_dtype_name"]
 
-# Unsigned integer of each element width: XOR is done on these (any width gives the same bits).
+XOR_ZLIB = data_pb2.DELTA_ENCODING_XOR_ZLIB
+SPARSE = data_pb2.DELTA_ENCODING_SPARSE
+_ENCODINGS = (SPARSE, XOR_ZLIB)
+# Unsigned integer of each element width: bits are compared, XORed and copied as these (any width, same bits).
 _UINT_OF_WIDTH = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
+VALUES, GAPS, MASK = "#values", "#gaps", "#mask"
+SPARSE_SUFFIXES = (VALUES, GAPS, MASK)
+"""Suffixes of the encoded tensors of a SPARSE delta (module docstring)."""
+_GAP_SKIP = 255  # how far a 0 byte of a gaps stream advances
+_ENCODE_BLOCK = 1 << 16  # elements compared at a time (a multiple of 8)
 
 
 class DeltaError(ValueError):
     """A delta that cannot be applied. ``code`` says why, as a wire ``ErrorCode``:
     TENSOR_MISMATCH (names, dtypes or shapes disagree with the header or the base) or MALFORMED_HEADER
-    (the header or the compressed data cannot be read)."""
+    (the header, the compressed data or the positions cannot be read)."""
 
     def __init__(self, message: str, code: int = common_pb2.ERROR_CODE_TENSOR_MISMATCH):
         super().__init__(message)
@@ -75,29 +112,151 @@ def _raw_bits(tensor: torch.Tensor) -> np.ndarray:
     return flat.view(torch.uint8).numpy().view(_UINT_OF_WIDTH[width])
 
 
+def _as_torch(bits: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
+    """A 1-D numpy array of raw bits as a 1-D torch tensor of ``dtype`` (sharing its memory)."""
+    import torch
+
+    return torch.from_numpy(bits.view(np.uint8)).view(dtype)
+
+
 def _default_threads() -> int:
     return max(1, min(4, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1))
+
+
+def _encoding_name(encoding: int) -> str:
+    return data_pb2.DeltaEncoding.Name(encoding) if encoding in data_pb2.DeltaEncoding.values() else str(encoding)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# SPARSE: one tensor's raw bits
+
+
+def _sparse_encode(new_bits: np.ndarray, base_bits: np.ndarray, keep_unchanged: bool) -> dict[str, np.ndarray] | None:
+    """The SPARSE form of one tensor: {suffix: array} (values as raw bits), or None when nothing changed (and
+    ``keep_unchanged`` is false; else an empty gaps form). Compared in blocks that stay in the CPU's cache."""
+    numel, width = new_bits.size, new_bits.itemsize
+    whole_bytes = numel * width
+    # From this many changes on, whole is the smallest form (gaps take at least a byte per position).
+    whole_from = max(-(-(whole_bytes - -(-numel // 8)) // width), -(-whole_bytes // (1 + width)))
+    positions, masks = [], []
+    num_changed = 0
+    for begin in range(0, numel, _ENCODE_BLOCK):
+        changed = np.not_equal(new_bits[begin:begin + _ENCODE_BLOCK], base_bits[begin:begin + _ENCODE_BLOCK])
+        where = np.flatnonzero(changed)
+        num_changed += where.size
+        if num_changed >= whole_from:
+            return {VALUES: new_bits.copy()}  # a copy: tensors of ``new`` that share memory stay apart
+        if where.size:
+            positions.append(where + begin)
+        masks.append(changed)
+    if num_changed == 0:
+        return {GAPS: np.zeros(0, np.uint8), VALUES: new_bits[:0]} if keep_unchanged else None
+    mask_bytes = -(-numel // 8) + num_changed * width
+    flat = np.concatenate(positions)
+    if mask_bytes > num_changed * (1 + width):
+        gaps = _gaps_of(flat)
+        if gaps.size + num_changed * width < min(mask_bytes, whole_bytes):
+            return {GAPS: gaps, VALUES: new_bits[flat]}
+    if mask_bytes < whole_bytes:  # blocks are multiples of 8 elements: their packed bits concatenate
+        return {MASK: np.concatenate([np.packbits(m, bitorder="little") for m in masks]), VALUES: new_bits[flat]}
+    return {VALUES: new_bits.copy()}
+
+
+def _gaps_of(positions: np.ndarray) -> np.ndarray:
+    """The gaps stream (module docstring) of strictly increasing flat positions."""
+    steps = np.diff(positions, prepend=-1)
+    if steps.max(initial=0) <= _GAP_SKIP:
+        return steps.astype(np.uint8)
+    skips = (steps - 1) // _GAP_SKIP  # 0 bytes before each marker
+    markers_at = np.cumsum(skips + 1) - 1
+    stream = np.zeros(int(markers_at[-1]) + 1, np.uint8)
+    stream[markers_at] = steps - _GAP_SKIP * skips
+    return stream
+
+
+def _positions_of(name: str, gaps: np.ndarray, numel: int, num_values: int) -> np.ndarray:
+    """The flat positions a gaps stream codes, checked: < ``numel``, as many as ``num_values``."""
+    if gaps.size == 0:
+        positions = np.zeros(0, np.int64)
+    elif gaps[-1] == 0:
+        raise _malformed(f"tensor {name!r}: the gaps stream ends with a skip byte (0)")
+    elif np.all(gaps):  # no skip byte: every byte marks a position
+        positions = np.cumsum(gaps, dtype=np.int64) - 1
+    else:
+        advances = gaps.astype(np.int64)
+        advances[gaps == 0] = _GAP_SKIP
+        positions = (np.cumsum(advances) - 1)[gaps != 0]
+    if positions.size != num_values:
+        raise _malformed(f"tensor {name!r}: {positions.size} positions but {num_values} values")
+    if positions.size and positions[-1] >= numel:
+        raise _malformed(f"tensor {name!r}: position {int(positions[-1])} is out of range for {numel} elements")
+    return positions
+
+
+def _mask_of(name: str, mask: np.ndarray, numel: int, num_values: int) -> np.ndarray:
+    """The boolean change mask of a mask form, checked: ceil(numel/8) bytes, padding bits 0, as many set bits as
+    ``num_values``."""
+    if mask.size != -(-numel // 8):
+        raise _malformed(f"tensor {name!r}: a mask of {mask.size} bytes for {numel} elements "
+                         f"(expected {-(-numel // 8)})")
+    if numel % 8 and int(mask[-1]) >> (numel % 8):
+        raise _malformed(f"tensor {name!r}: the mask sets bits past its {numel} elements")
+    changed = np.unpackbits(mask, count=numel, bitorder="little").view(np.bool_)
+    num_set = int(np.count_nonzero(changed))
+    if num_set != num_values:
+        raise _malformed(f"tensor {name!r}: the mask marks {num_set} elements but there are {num_values} values")
+    return changed
+
+
+def _sparse_decode(name: str, base_bits: np.ndarray, values: np.ndarray, gaps: np.ndarray | None,
+                   mask: np.ndarray | None) -> np.ndarray:
+    """The new raw bits of one tensor (fresh memory), from its base and its SPARSE form (checked)."""
+    numel = base_bits.size
+    if gaps is not None:
+        positions = _positions_of(name, gaps, numel, values.size)
+        out = base_bits.copy()
+        out[positions] = values
+        return out
+    if mask is not None:
+        changed = _mask_of(name, mask, numel, values.size)
+        out = base_bits.copy()
+        out[changed] = values
+        return out
+    if values.size != numel:
+        raise _malformed(f"tensor {name!r}: {values.size} values for a whole tensor of {numel} elements")
+    return values.copy()
+
+
+def _malformed(message: str) -> DeltaError:
+    return DeltaError(message, common_pb2.ERROR_CODE_MALFORMED_HEADER)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# encode
 
 
 def encode_delta(
     new: Mapping[str, torch.Tensor],
     base: Mapping[str, torch.Tensor],
     *,
+    encoding: int = XOR_ZLIB,
     changed_only: bool = True,
     level: int = 1,
     num_threads: int | None = None,
 ) -> tuple[bytes, list[common_pb2.TensorSpec], list[common_pb2.TensorSpec]]:
-    """Encode ``new`` against ``base``: returns (safetensors payload, ``tensors`` specs, ``decoded_tensors``
-    specs in the same order).
+    """Encode ``new`` against ``base`` as ``encoding`` (a ``DeltaEncoding``): returns (safetensors payload,
+    ``tensors`` specs, ``decoded_tensors`` specs).
 
-    Every tensor of ``new`` must exist in ``base`` with the same dtype and shape (ValueError otherwise); tensors
+    Every tensor of ``new`` must exist in ``base`` with the same dtype and shape (`DeltaError` otherwise); tensors
     of ``base`` absent from ``new`` are simply not part of the delta. With ``changed_only``, tensors whose bits
-    are identical are left out (the payload may then hold no tensor at all). ``level`` is zlib's (0-9).
-    Tensors are XORed and compressed on ``num_threads`` threads (zlib and numpy release the GIL; None: up to 4,
-    one per usable core); the result does not depend on it.
+    are identical are left out (the payload may then hold no tensor at all). ``level`` is zlib's (0-9, XOR_ZLIB).
+    Tensors are encoded on ``num_threads`` threads (zlib and numpy release the GIL; None: up to 4, one per usable
+    core); the result does not depend on it.
     """
-    from safetensors.numpy import save
+    from safetensors.numpy import save as save_numpy
 
+    if encoding not in _ENCODINGS:
+        raise ValueError(f"encoding must be DELTA_ENCODING_SPARSE or DELTA_ENCODING_XOR_ZLIB, got {encoding}")
     if not 0 <= level <= 9:
         raise ValueError(f"level must be in 0..9, got {level}")
     for name, tensor in new.items():
@@ -110,8 +269,11 @@ def encode_delta(
                 f"{base_tensor.dtype}{list(base_tensor.shape)}"
             )
 
-    def encode_one(name: str) -> bytes | None:
-        xor = np.bitwise_xor(_raw_bits(new[name]), _raw_bits(base[name]))
+    def encode_one(name: str) -> Any:
+        new_bits, base_bits = _raw_bits(new[name]), _raw_bits(base[name])
+        if encoding == SPARSE:
+            return _sparse_encode(new_bits, base_bits, keep_unchanged=not changed_only)
+        xor = np.bitwise_xor(new_bits, base_bits)
         if changed_only and not xor.any():
             return None
         return zlib.compress(xor.view(np.uint8).data, level)
@@ -120,37 +282,50 @@ def encode_delta(
     threads = num_threads or _default_threads()
     if threads > 1 and len(names) > 1:
         with ThreadPoolExecutor(max_workers=threads, thread_name_prefix="delta-encode") as pool:
-            compressed = list(pool.map(encode_one, names))
+            parts = list(pool.map(encode_one, names))
     else:
-        compressed = [encode_one(name) for name in names]
-    encoded: dict[str, np.ndarray] = {}
-    decoded: dict[str, common_pb2.TensorSpec] = {}
-    for name, data in zip(names, compressed, strict=True):
-        if data is None:
-            continue
-        encoded[name] = np.frombuffer(data, dtype=np.uint8)
-        decoded[name] = common_pb2.TensorSpec(name=name, dtype=torch_dtype_name(new[name].dtype),
-                                              shape=list(new[name].shape))
-    payload = save(encoded) if encoded else _empty_safetensors()
+        parts = [encode_one(name) for name in names]
+    decoded = {name: common_pb2.TensorSpec(name=name, dtype=torch_dtype_name(new[name].dtype),
+                                           shape=list(new[name].shape))
+               for name, part in zip(names, parts, strict=True) if part is not None}
+    if encoding == SPARSE:
+        encoded = {}
+        for name, part in zip(names, parts, strict=True):
+            for suffix, array in (part or {}).items():
+                encoded[name + suffix] = _as_torch(array, new[name].dtype) if suffix == VALUES else array
+        payload = _save_torch(encoded)
+        return payload, specs_of(parse_header(payload)), list(decoded.values())
+    compressed = {name: np.frombuffer(part, dtype=np.uint8)
+                  for name, part in zip(names, parts, strict=True) if part is not None}
+    payload = save_numpy(compressed) if compressed else _save_torch({})
     specs = specs_of(parse_header(payload))
     return payload, specs, [decoded[spec.name] for spec in specs]
 
 
-def _empty_safetensors() -> bytes:
+def _save_torch(tensors: dict[str, Any]) -> bytes:
+    """One safetensors blob of (writable) numpy arrays and torch tensors (none: an empty blob)."""
+    import torch
     from safetensors.torch import save
 
-    return save({})
+    return save({name: torch.from_numpy(t) if isinstance(t, np.ndarray) else t for name, t in tensors.items()})
+
+
+# ---------------------------------------------------------------------------------------------------------
+# estimate
 
 
 @dataclass(frozen=True)
 class DeltaEstimate:
     """What a delta of ``new`` against ``base`` would cost, from a sample (`estimate_delta`)."""
 
+    encoding: int  # the DeltaEncoding priced
     full_bytes: int  # raw bytes of the tensors
-    changed_bytes: int  # raw bytes of the tensors whose sample changed (what is XORed and compressed)
+    # Raw bytes that changed: of the tensors whose sample changed (XOR_ZLIB: what is XORed and compressed), of
+    # the elements that changed (SPARSE).
+    changed_bytes: int
     delta_bytes: int  # estimated payload
-    encode_s: float  # estimated XOR + compress time, one thread
-    decode_s: float  # estimated decompress + XOR time (each worker)
+    encode_s: float  # estimated encode time, one thread
+    decode_s: float  # estimated decode time (each worker)
     sample_bytes: int
 
 
@@ -158,52 +333,79 @@ def estimate_delta(
     new: Mapping[str, torch.Tensor],
     base: Mapping[str, torch.Tensor],
     *,
+    encoding: int = XOR_ZLIB,
     level: int = 1,
     sample_fraction: float = 1 / 256,
     min_sample_bytes: int = 64 * 1024,
     max_sample_bytes: int = 1 << 20,
 ) -> DeltaEstimate:
-    """Price a delta without building it: XOR, compress and decompress one contiguous slice (from the middle)
-    of each tensor, timed, and scale by size. Slices are proportional to the tensors' sizes and add up to
+    """Price a delta without building it: encode and decode one contiguous slice (from the middle) of each
+    tensor, timed, and scale by size. Slices are proportional to the tensors' sizes and add up to
     ``sample_fraction`` of the bytes, within [``min_sample_bytes``, ``max_sample_bytes``] (at least 4 KiB of each
     tensor): ~10-30 ms here for any model size. A tensor whose slice did not change counts as unchanged (a sparse
     change elsewhere in it is missed: the estimate errs towards the delta, which is then built exactly).
     Tensors missing from ``base`` or of another shape raise `DeltaError`."""
+    if encoding not in _ENCODINGS:
+        raise ValueError(f"encoding must be DELTA_ENCODING_SPARSE or DELTA_ENCODING_XOR_ZLIB, got {encoding}")
     total_bytes = sum(t.numel() * t.element_size() for t in new.values())
     budget = min(max_sample_bytes, max(min_sample_bytes, int(total_bytes * sample_fraction)))
-    full = changed = sampled = 0
-    delta_estimate = 0.0
-    encode_s = decode_s = 0.0
-    changed_sampled = 0
+    full = sampled = 0
+    changed = delta = encode_s = decode_s = 0.0
     for name, tensor in new.items():
         if name not in base or tensor.dtype != base[name].dtype or tuple(tensor.shape) != tuple(base[name].shape):
             raise DeltaError(f"tensor {name!r} does not match the base")
-        new_bits = _raw_bits(tensor).view(np.uint8)
-        base_bits = _raw_bits(base[name]).view(np.uint8)
+        new_bits, base_bits = _raw_bits(tensor), _raw_bits(base[name])
         size = new_bits.nbytes
         full += size
         if size == 0:
             continue
-        take = min(size, max(4096, budget * size // max(1, total_bytes)))
-        begin = (size - take) // 2
-        start = time.perf_counter()
-        xor = np.bitwise_xor(new_bits[begin:begin + take], base_bits[begin:begin + take])
-        if not xor.any():
-            sampled += take
+        width = new_bits.itemsize
+        take = min(new_bits.size, max(4096, budget * size // max(1, total_bytes)) // width)
+        begin = (new_bits.size - take) // 2
+        new_slice, base_slice = new_bits[begin:begin + take], base_bits[begin:begin + take]
+        price = _price_sparse if encoding == SPARSE else _price_xor_zlib
+        priced = price(new_slice, base_slice, level)
+        sampled += take * width
+        if priced is None:
             continue
-        compressed = zlib.compress(xor.data, level)
-        middle = time.perf_counter()
-        zlib.decompress(compressed)
-        end = time.perf_counter()
-        encode_s += middle - start
-        decode_s += end - middle
-        changed += size
-        changed_sampled += take
-        sampled += take
-        delta_estimate += size * len(compressed) / take
-    scale = changed / changed_sampled if changed_sampled else 0.0
-    return DeltaEstimate(full_bytes=full, changed_bytes=changed, delta_bytes=int(delta_estimate),
-                         encode_s=encode_s * scale, decode_s=decode_s * scale, sample_bytes=sampled)
+        slice_changed, slice_delta, slice_encode_s, slice_decode_s = priced
+        scale = new_bits.size / take
+        changed += slice_changed * scale
+        delta += slice_delta * scale
+        encode_s += slice_encode_s * scale
+        decode_s += slice_decode_s * scale
+    return DeltaEstimate(encoding=encoding, full_bytes=full, changed_bytes=int(changed), delta_bytes=int(delta),
+                         encode_s=encode_s, decode_s=decode_s, sample_bytes=sampled)
+
+
+def _price_sparse(new_bits: np.ndarray, base_bits: np.ndarray, level: int) -> tuple[int, int, float, float] | None:
+    """(changed bytes, encoded bytes, encode s, decode s) of a slice, or None when it did not change."""
+    start = time.perf_counter()
+    form = _sparse_encode(new_bits, base_bits, keep_unchanged=False)
+    middle = time.perf_counter()
+    if form is None:
+        return None
+    _sparse_decode("sample", base_bits, form[VALUES], form.get(GAPS), form.get(MASK))
+    end = time.perf_counter()
+    changed = int(np.count_nonzero(np.not_equal(new_bits, base_bits))) * new_bits.itemsize
+    return changed, sum(a.nbytes for a in form.values()), middle - start, end - middle
+
+
+def _price_xor_zlib(new_bits: np.ndarray, base_bits: np.ndarray, level: int) -> tuple[int, int, float, float] | None:
+    """(changed bytes, encoded bytes, encode s, decode s) of a slice, or None when it did not change."""
+    start = time.perf_counter()
+    xor = np.bitwise_xor(new_bits, base_bits)
+    if not xor.any():
+        return None
+    compressed = zlib.compress(xor.view(np.uint8).data, level)
+    middle = time.perf_counter()
+    np.bitwise_xor(np.frombuffer(zlib.decompress(compressed), dtype=base_bits.dtype), base_bits)
+    end = time.perf_counter()
+    return new_bits.nbytes, len(compressed), middle - start, end - middle
+
+
+# ---------------------------------------------------------------------------------------------------------
+# decode
 
 
 def decode_delta(
@@ -211,23 +413,82 @@ def decode_delta(
     header: data_pb2.WeightUpdateHeader,
     base: Mapping[str, torch.Tensor],
 ) -> dict[str, torch.Tensor]:
-    """Decode a delta against ``base``: {name: new tensor} for every tensor in the delta (the others are
-    unchanged). Raises `DeltaError` (a ValueError) for anything inconsistent or corrupt; ``base`` is never
-    modified and the returned tensors own their memory."""
-    import torch
-
-    if header.delta_encoding != data_pb2.DELTA_ENCODING_XOR_ZLIB:
-        raise DeltaError(f"delta_encoding {header.delta_encoding} is not DELTA_ENCODING_XOR_ZLIB",
-                         common_pb2.ERROR_CODE_MALFORMED_HEADER)
-    if len(header.tensors) != len(header.decoded_tensors):
-        raise DeltaError(f"the header lists {len(header.tensors)} encoded tensors but "
-                         f"{len(header.decoded_tensors)} decoded ones")
+    """Decode a delta (SPARSE or XOR_ZLIB, from ``header.delta_encoding``) against ``base``: {name: new tensor}
+    for every tensor in the delta (the others are unchanged). Raises `DeltaError` (a ValueError) for anything
+    inconsistent or corrupt; ``base`` is never modified and the returned tensors own their memory."""
+    if header.delta_encoding not in _ENCODINGS:
+        raise _malformed(f"delta_encoding {_encoding_name(header.delta_encoding)} is neither "
+                         "DELTA_ENCODING_SPARSE nor DELTA_ENCODING_XOR_ZLIB")
     try:
         entries = check_tensor_frame(payload, header.tensors)
     except TensorFrameError as exc:
         code = common_pb2.ERROR_CODE_TENSOR_MISMATCH if exc.mismatch else common_pb2.ERROR_CODE_MALFORMED_HEADER
         raise DeltaError(f"delta payload: {exc}", code) from None
+    view = memoryview(getattr(payload, "buffer", payload)).cast("B")
+    decode = _decode_sparse if header.delta_encoding == SPARSE else _decode_xor_zlib
+    return decode(view, entries, header, base)
 
+
+def _checked_base(decoded_spec: common_pb2.TensorSpec, base: Mapping[str, torch.Tensor]) -> torch.Tensor:
+    """The base tensor a decoded tensor replaces, of the same dtype and shape."""
+    name = decoded_spec.name
+    if name not in base:
+        raise DeltaError(f"tensor {name!r} of the delta is not in the base weights")
+    base_tensor = base[name]
+    base_dtype = torch_dtype_name(base_tensor.dtype)
+    if decoded_spec.dtype != base_dtype or tuple(decoded_spec.shape) != tuple(base_tensor.shape):
+        raise DeltaError(
+            f"tensor {name!r}: the delta decodes to {decoded_spec.dtype}{list(decoded_spec.shape)} but the "
+            f"base holds {base_dtype}{list(base_tensor.shape)}"
+        )
+    return base_tensor
+
+
+def _decode_sparse(view: memoryview, entries: dict[str, TensorEntry], header: data_pb2.WeightUpdateHeader,
+                   base: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    plan = []
+    unclaimed = set(entries)
+    for decoded_spec in header.decoded_tensors:
+        name = decoded_spec.name
+        base_tensor = _checked_base(decoded_spec, base)
+        values = entries.get(name + VALUES)
+        if values is None:
+            raise DeltaError(f"tensor {name!r}: the payload has no {name + VALUES!r}")
+        if name + VALUES not in unclaimed:
+            raise DeltaError(f"tensor {name!r} is listed twice in decoded_tensors")
+        if values.dtype != decoded_spec.dtype or len(values.shape) != 1:
+            raise DeltaError(f"tensor {name!r}: values must be 1-D {decoded_spec.dtype}, got "
+                             f"{values.dtype}{list(values.shape)}")
+        positions = [entries[name + s] for s in (GAPS, MASK) if name + s in entries]
+        if len(positions) > 1:
+            raise DeltaError(f"tensor {name!r}: the payload has both {name + GAPS!r} and {name + MASK!r}")
+        for entry in positions:
+            if entry.dtype != "U8" or len(entry.shape) != 1:
+                raise DeltaError(f"{entry.name!r} must be 1-D U8, got {entry.dtype}{list(entry.shape)}")
+        unclaimed -= {name + VALUES, *(entry.name for entry in positions)}
+        plan.append((name, base_tensor, values, positions[0] if positions else None))
+    if unclaimed:
+        raise DeltaError(f"the payload holds tensors no decoded tensor claims: {sorted(unclaimed)[:8]}")
+
+    out: dict[str, torch.Tensor] = {}
+    for name, base_tensor, values, positions in plan:
+        base_bits = _raw_bits(base_tensor)
+        value_bits = np.frombuffer(view[values.start:values.end], dtype=base_bits.dtype)
+        stream = None if positions is None else np.frombuffer(view[positions.start:positions.end], dtype=np.uint8)
+        is_gaps = positions is not None and positions.name.endswith(GAPS)
+        new_bits = _sparse_decode(name, base_bits, value_bits, stream if is_gaps else None,
+                                  None if is_gaps else stream)
+        out[name] = _as_torch(new_bits, base_tensor.dtype).reshape(base_tensor.shape)
+    return out
+
+
+def _decode_xor_zlib(view: memoryview, entries: dict[str, TensorEntry], header: data_pb2.WeightUpdateHeader,
+                     base: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    import torch
+
+    if len(header.tensors) != len(header.decoded_tensors):
+        raise DeltaError(f"the header lists {len(header.tensors)} encoded tensors but "
+                         f"{len(header.decoded_tensors)} decoded ones")
     plan = []
     for spec, decoded_spec in zip(header.tensors, header.decoded_tensors, strict=True):
         name = spec.name
@@ -236,18 +497,8 @@ def decode_delta(
                              f"is {name!r}: they must list the same names in the same order")
         if spec.dtype != "U8" or len(spec.shape) != 1:
             raise DeltaError(f"encoded tensor {name!r} must be 1-D U8, got {spec.dtype}{list(spec.shape)}")
-        if name not in base:
-            raise DeltaError(f"tensor {name!r} of the delta is not in the base weights")
-        base_tensor = base[name]
-        base_dtype = torch_dtype_name(base_tensor.dtype)
-        if decoded_spec.dtype != base_dtype or tuple(decoded_spec.shape) != tuple(base_tensor.shape):
-            raise DeltaError(
-                f"tensor {name!r}: the delta decodes to {decoded_spec.dtype}{list(decoded_spec.shape)} but the "
-                f"base holds {base_dtype}{list(base_tensor.shape)}"
-            )
-        plan.append((name, entries[name], base_tensor))
+        plan.append((name, entries[name], _checked_base(decoded_spec, base)))
 
-    view = memoryview(getattr(payload, "buffer", payload)).cast("B")
     out: dict[str, torch.Tensor] = {}
     for name, entry, base_tensor in plan:
         base_bits = _raw_bits(base_tensor)
@@ -256,8 +507,7 @@ def decode_delta(
             out[name] = torch.empty(base_tensor.shape, dtype=base_tensor.dtype)
             continue
         new_bits = np.bitwise_xor(np.frombuffer(xor, dtype=base_bits.dtype), base_bits)
-        flat = torch.from_numpy(new_bits).view(torch.uint8)  # new_bits owns fresh memory
-        out[name] = flat.view(base_tensor.dtype).reshape(base_tensor.shape)
+        out[name] = _as_torch(new_bits, base_tensor.dtype).reshape(base_tensor.shape)  # new_bits: fresh memory
     return out
 
 
@@ -269,18 +519,13 @@ def _bounded_decompress(name: str, data: memoryview, expected_bytes: int) -> byt
         # that decodes to exactly the expected size gets to read its end marker.
         out = decompressor.decompress(data, expected_bytes + 1)
     except zlib.error as exc:
-        raise DeltaError(f"tensor {name!r}: corrupt compressed delta ({exc})",
-                         common_pb2.ERROR_CODE_MALFORMED_HEADER) from None
+        raise _malformed(f"tensor {name!r}: corrupt compressed delta ({exc})") from None
     if len(out) > expected_bytes:
-        raise DeltaError(f"tensor {name!r}: the delta decompresses to more than the {expected_bytes} bytes "
-                         "expected", common_pb2.ERROR_CODE_MALFORMED_HEADER)
+        raise _malformed(f"tensor {name!r}: the delta decompresses to more than the {expected_bytes} bytes expected")
     if not decompressor.eof:
-        raise DeltaError(f"tensor {name!r}: the compressed delta is truncated",
-                         common_pb2.ERROR_CODE_MALFORMED_HEADER)
+        raise _malformed(f"tensor {name!r}: the compressed delta is truncated")
     if decompressor.unused_data:
-        raise DeltaError(f"tensor {name!r}: {len(decompressor.unused_data)} bytes after the compressed delta",
-                         common_pb2.ERROR_CODE_MALFORMED_HEADER)
+        raise _malformed(f"tensor {name!r}: {len(decompressor.unused_data)} bytes after the compressed delta")
     if len(out) != expected_bytes:
-        raise DeltaError(f"tensor {name!r}: the delta decompresses to {len(out)} bytes, expected {expected_bytes}",
-                         common_pb2.ERROR_CODE_MALFORMED_HEADER)
+        raise _malformed(f"tensor {name!r}: the delta decompresses to {len(out)} bytes, expected {expected_bytes}")
     return bytearray(out)

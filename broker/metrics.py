@@ -11,6 +11,8 @@
     primerl_broker_weight_bytes_received_total         weight-update bytes received from the trainer
     primerl_broker_weight_bytes_pushed_total           weight-update bytes sent to inference workers
     primerl_broker_weight_updates_stored               snapshot + deltas held in the weight store
+    primerl_broker_weight_forward_lag_seconds          the latest update's last byte in -> last byte out to the
+                                                       workers that were receiving it (or had it next)
 """
 
 from __future__ import annotations
@@ -53,6 +55,9 @@ class BrokerCollector:
             yield GaugeMetricFamily("primerl_broker_weight_updates_stored", "Weight updates held in the store "
                                     "(snapshot and deltas).",
                                     value=(weights.store.snapshot_version is not None) + weights.store.num_deltas)
+            yield GaugeMetricFamily("primerl_broker_weight_forward_lag_seconds", "Seconds from the latest update's "
+                                    "last byte into the broker to its last byte out to the workers that were receiving "
+                                    "it or had it next (what the broker adds to a transfer).", value=weights.forward_lag_s)
         yield GaugeMetricFamily("primerl_broker_latest_policy_version", "Newest policy version published by the "
                                 "trainer.", value=status.latest_policy_version)
         yield GaugeMetricFamily("primerl_broker_committed_step", "Last step the trainer committed.",

@@ -193,6 +193,12 @@ class WeightFanout:
                     member.sending, member.next_chunk = None, 0
                     self._replan_locked(member)
 
+    def next_receivers(self, update: StoredUpdate) -> set[str]:
+        """Members receiving ``update`` now, or next (nothing else before it)."""
+        with self._lock:
+            return {worker_id for worker_id, member in self._members.items()
+                    if member.sending is update or (member.sending is None and member.queue[:1] == [update])}
+
     def is_sending(self, update: StoredUpdate) -> bool:
         """Whether some member is in the middle of receiving ``update``."""
         with self._lock:

@@ -83,6 +83,10 @@ class WeightPlaneStatus:
     bytes_out_total: int
     num_errors_sent: int
     num_workers_forgotten: int
+    # The latest update forwarded: its version, and the seconds from its last byte into the broker (stored) to its
+    # last byte out to the last of the workers that were receiving it or had it next (what the broker adds).
+    forward_lag_version: int = 0
+    forward_lag_s: float = 0.0
 
 
 @dataclass
@@ -165,6 +169,7 @@ class WeightPlane(RouterPlane):
         self._rate_out = RateMeter()
         self._lock = threading.Lock()  # guards the counter below (read by other threads)
         self._num_errors_sent = 0
+        self._forward_lag: tuple[int, float] = (0, 0.0)
         self.durable_dir = None if durable_dir is None else Path(durable_dir)
 
     # -- lifecycle (any thread) ----------------------------------------------------------------------
@@ -189,6 +194,7 @@ class WeightPlane(RouterPlane):
     def status(self) -> WeightPlaneStatus:
         with self._lock:
             errors = self._num_errors_sent
+            lag_version, lag_s = self._forward_lag
         return WeightPlaneStatus(
             store=self.store.status(),
             workers=self.fanout.workers(),
@@ -198,6 +204,8 @@ class WeightPlane(RouterPlane):
             bytes_out_total=self._rate_out.total_bytes,
             num_errors_sent=errors,
             num_workers_forgotten=self.fanout.num_forgotten,
+            forward_lag_version=lag_version,
+            forward_lag_s=lag_s,
         )
 
     # -- IO thread -----------------------------------------------------------------------------------
@@ -292,6 +300,10 @@ class WeightPlane(RouterPlane):
                 message="an inference worker may not publish weight updates"), message.type, in_reply_to=reply_to)
             return
         reply = self._intake.receive(identity, message)
+        if reply.ack is not None and not reply.refused and reply.update is not None:
+            cache = reply.update.cache
+            if "stored_s" not in cache:
+                cache["stored_s"], cache["receivers"] = time.monotonic(), self.fanout.next_receivers(reply.update)
         if reply.refused:
             with self._lock:
                 self._num_errors_sent += 1
@@ -412,9 +424,24 @@ class WeightPlane(RouterPlane):
                 progressed = sent_any = True
                 self._rate_out.add(frames[-1].nbytes)
                 self.fanout.chunk_sent(worker_id, update, last=index + 1 == num_chunks)
+                self._note_forward(worker_id, update, index, num_chunks)
             if not progressed:
                 break
         return sent_any, blocked
+
+    def _note_forward(self, worker_id: str, update: StoredUpdate, index: int, num_chunks: int) -> None:
+        """Track what the broker adds to a transfer: for the workers that were receiving an update, or had it next,
+        when it was stored, the time from its last byte in to its last byte out to them."""
+        cache = update.cache
+        if index + 1 != num_chunks or worker_id not in cache.get("receivers", ()):
+            return
+        lag_s = time.monotonic() - cache["stored_s"]
+        with self._lock:
+            version, previous_s = self._forward_lag
+            same = version == update.policy_version
+            self._forward_lag = (update.policy_version, max(lag_s, previous_s) if same else lag_s)
+        log.debug("weight update forwarded", worker_id=worker_id, policy_version=update.policy_version,
+                  forward_lag_ms=round(lag_s * 1000, 1))
 
     def _try_send(self, socket: zmq.Socket, identity: bytes, frames: list[Any]) -> bool:
         """Send without blocking; False when the peer's pipe is full; raises ``_Gone`` for a vanished peer."""

@@ -208,3 +208,13 @@ def test_a_written_update_frees_its_frames_and_is_served_from_its_durable_file(m
     late.hello()
     got = late.receive(RECEIVE_S)
     assert got is not None and got[0].policy_version == 1 and bytes(got[1]) == data
+
+
+def test_the_plane_reports_what_it_adds_to_a_transfer(make_weight_plane):
+    h = make_weight_plane()
+    worker = raw_worker(h)
+    header, data = make_update(3, num_bytes=4 * CHUNK_BYTES)
+    h.publisher().publish(header, data, timeout_s=RECEIVE_S)
+    assert b"".join(bytes(m.payload[0]) for m in chunks_received(worker)) == data
+    status = h.plane.status()
+    assert status.forward_lag_version == 3 and 0 <= status.forward_lag_s < RECEIVE_S

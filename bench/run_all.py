@@ -17,7 +17,8 @@ b     trainer_step.py             trainer daemon step vs a bare loop on the same
 c     rollout_path.py             orchestrator rollouts/s vs a plain async HTTP client on one primerl-infer
 d     broker_throughput.py        broker relay vs raw pyzmq; weight fan-out vs raw sends
 d     broker_flood.py             the broker under a flood of rollout batches
-e     weight_update.py            weight update publish->applied (full / LoRA / delta) vs raw copy and zmq
+e     weight_update.py            weight updates publish->applied (full / LoRA / delta; 100M-1B bf16) vs raw
+                                  zmq and the filesystem hand-off; broker / worker peak RSS
 f     async_levels.py             max_async_level 0 vs 1 vs 2: steps/s and reward
 g     rl_vs_trl.py --part g       ~100M-parameter model: primerl vs TRL samples/s
 h     v1_rollouts.py              verifiers v1 env server vs the classic env worker: rollouts/s, same task
@@ -81,7 +82,9 @@ PARTS = [
     Part("c", "rollout_path.py", [], 300, 180, 120),
     Part("d", "broker_throughput.py", [], 300, 180, 120),
     Part("d", "broker_flood.py", [], 180, 120, 60),
-    Part("e", "weight_update.py", [], 420, 240, 240),
+    # Full: the tiny and 100M points of earlier runs, then 100M / 500M / 1B in bf16 (issue 26's scale table);
+    # --quick: tiny fp32 + 100M bf16.
+    Part("e", "weight_update.py", ["--models", "tiny:fp32,100m:fp32+bf16,500m:bf16,1b:bf16"], 1800, 480, 900),
     Part("f", "async_levels.py", [], 480, 300, 200, needs_sft=True, own=True),
     Part("g", "rl_vs_trl.py", ["--part", "g"], 600, 360, 300, needs_bench_venv=True, own=True),
     Part("h", "v1_rollouts.py", [], 480, 240, 180, needs_sft=True, own=True),
@@ -177,6 +180,8 @@ def run_part(part: Part, args: argparse.Namespace, sft: str | None, sections: Pa
         cmd += ["--markdown", str(part.section)]
     else:
         part.notes.append("the script has no --markdown yet: its output is quoted")
+    if "--plots-dir" in help_ and not part.own:
+        cmd += ["--plots-dir", str(args.plots_dir)]
     if args.quick:
         if "--quick" in help_:
             cmd.append("--quick")

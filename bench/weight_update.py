@@ -7,7 +7,7 @@
 
 Points: ``--models`` (tiny, 100m, 500m, 1b: one Qwen2 family, ``scale_models.py``) times ``--dtypes`` (fp32,
 bf16); a model may name its own dtypes (``tiny:fp32,100m:fp32+bf16,1b:bf16``). ``--quick``: tiny in fp32 and
-100m in bf16. Each point's checkpoint is stored in its dtype, its ``primerl-infer`` serves that dtype
+100m in bf16, whatever ``--models`` says. Each point's checkpoint is stored in its dtype, its ``primerl-infer`` serves that dtype
 (``--model.dtype``), and the trainer side loads the model in it (``optimization_dtype``) and publishes with
 ``PolicyPublisher(serving_dtype=bf16)`` for bf16 (for fp32, the model's own dtype: no cast, no snapshot copy).
 Chunks of ``min(64 MiB, the broker's chunk size)``, as the trainer sends.
@@ -21,7 +21,7 @@ AdamW's state of a 1B model would not fit beside the daemons):
 
 - publish->applied: from ``PolicyPublisher.publish`` (build: read the parameters, cast, encode, digest; send:
   chunks to the broker) until the worker logs ``weight update live`` for the version (after its WEIGHT_ACK;
-  the log is read every 1 ms; the broker's run status, asked every 50 ms, is the fallback);
+  the log is read every 1 ms; the broker's run status, asked every second, is the fallback);
 - broker ack: until ``publish`` returns (the broker stored the update and acknowledged it);
 - worker has it: until the worker logs ``weight update received`` (its subscriber holds the whole update);
 - worker apply: the ``apply_ms`` the worker reports (arrival to serving: checks, load, resume);
@@ -92,8 +92,9 @@ START_TIMEOUT_S = 600.0
 APPLY_TIMEOUT_S = 300.0
 RAW_TIMEOUT_S = 120.0
 STOP_TIMEOUT_S = 60.0
-STATUS_POLL_S = 0.05
+STATUS_POLL_S = 1.0
 """How often the broker's run status is asked, as the fallback of the worker's log (a cost to the broker)."""
+STATUS_GRACE_S = 1.0
 KINDS = ("full", "lora", "delta")
 BIN = Path(sys.executable).parent
 TRAINER_MAX_CHUNK_BYTES = 64 * MiB
@@ -526,23 +527,28 @@ class Point:
 
     def wait_applied(self, version: int, start_s: float) -> tuple[float, float | None, str]:
         """Wait until the worker serves ``version``: (seconds from ``start_s`` to the ``weight update live`` line,
-        to its ``weight update received`` line or None, what told). The broker's run status is the fallback."""
+        to its ``weight update received`` line or None, what told). The broker's run status is the fallback, asked
+        every ``STATUS_POLL_S`` (a cost to the broker); when it tells first, the log line is still awaited for
+        ``STATUS_GRACE_S`` (the worker acknowledges just before it logs)."""
         assert self.daemon is not None and self.broker is not None
         watcher = self.daemon.watcher
         deadline = time.monotonic() + APPLY_TIMEOUT_S
         next_status_s = time.monotonic() + STATUS_POLL_S
+        status_s: float | None = None  # perf_counter when the broker's status said applied
         while True:
             watcher.poll()
             live = watcher.seen_s.get((LogWatcher.LIVE, version))
             received = watcher.seen_s.get((LogWatcher.RECEIVED, version))
+            received_after = None if received is None else received - start_s
             if live is not None:
-                return live - start_s, None if received is None else received - start_s, "log"
+                return live - start_s, received_after, "log"
             now = time.monotonic()
-            if now >= next_status_s:
+            if status_s is not None and time.perf_counter() - status_s > STATUS_GRACE_S:
+                return status_s - start_s, received_after, "run status"
+            if status_s is None and now >= next_status_s:
                 next_status_s = now + STATUS_POLL_S
                 if (self.broker.worker_versions().get(self.daemon.worker_id) or 0) >= version:
-                    when = time.perf_counter()
-                    return when - start_s, None if received is None else received - start_s, "run status"
+                    status_s = time.perf_counter()
             if now > deadline:
                 raise TimeoutError(f"{self.name}: the worker did not apply v{version} within {APPLY_TIMEOUT_S} s")
             time.sleep(0.001)
@@ -1023,7 +1029,7 @@ def write_markdown(path: Path, argv: list[str], points: list[Point], fractions: 
               "core.", "",
               "| model | dtype | params | payload MiB | raw zmq s | broker ack s | worker has it s | "
               "publish->applied s | x raw | fs write s | fs load s | fs hand-off s | x fs | broker peak RSS MiB | "
-              "worker peak RSS MiB | pause p50 ms |", "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+              "worker peak RSS MiB | pause p50 ms |", "|" + "---|" * 16]
     for point in points:
         r, row = ScaleRow.of(point), point.rows.get("full")
         if r is None or row is None:
@@ -1085,7 +1091,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="comma-separated, from: tiny, 100m, 500m, 1b; NAME:DTYPE[+DTYPE] gives a model its own "
                              "dtypes (default: tiny,100m)")
     parser.add_argument("--dtypes", default="fp32", help="comma-separated, from: fp32, bf16 (default: fp32)")
-    parser.add_argument("--quick", action="store_true", help=f"short profile: --models {QUICK_MODELS}")
+    parser.add_argument("--quick", action="store_true",
+                        help=f"short profile: --models {QUICK_MODELS} (overrides --models and --dtypes)")
     parser.add_argument("--kinds", default="full,lora,delta",
                         help="comma-separated, from: full, lora, delta (lora and delta on models up to 200M only)")
     parser.add_argument("--repeats", type=int, default=3, help="measured updates per point and kind")
@@ -1096,8 +1103,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--markdown", type=Path, default=None, help="write the results as a markdown section here")
     parser.add_argument("--plots-dir", type=Path, default=ROOT / "bench" / "plots", help="where the plot goes")
     args = parser.parse_args(argv)
-    if args.quick and args.models is not None:
-        parser.error("--quick chooses the models itself; give --quick or --models")
     models = QUICK_MODELS if args.quick else (args.models or "tiny,100m")
     args.points = parse_points(models, args.dtypes, parser)
     args.kinds = [k.strip() for k in args.kinds.split(",") if k.strip()]
@@ -1169,9 +1174,12 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
     os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
 
+    from transformers.utils import logging as hf_logging
+
     from primerl.runtime.log_setup import configure_logging
 
     configure_logging("bench", "weight-update", level="warning")
+    hf_logging.disable_progress_bar()  # "Loading weights" at every trainer model load
 
     def on_sigterm(signum: int, frame: Any) -> None:
         raise SystemExit(128 + signum)  # run the finally blocks: stop the daemons

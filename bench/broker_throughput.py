@@ -301,6 +301,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--verify-digest", action="store_true", help="subscribers check the SHA-256 themselves too")
     parser.add_argument("--window", type=int, default=8, help="rollout batches the producer keeps in flight")
     parser.add_argument("--no-shm", action="store_true", help="skip the relay with the spool on /dev/shm")
+    parser.add_argument("--no-relay", action="store_true", help="skip the rollout relay (b): raw sends and fan-out only")
     parser.add_argument("--quick", action="store_true", help="16 and 64 MiB only, 1 repeat (trying the harness)")
     parser.add_argument("--markdown", type=Path, default=None, help="write a RESULTS.md section there")
     args = parser.parse_args(argv)
@@ -308,7 +309,7 @@ def main(argv: list[str] | None = None) -> int:
         args.sizes_mib, args.repeats = [16, 64], 1
     if args.repeats < 1 or min(args.sizes_mib) < 1 or min(args.receivers) < 1 or args.window < 1:
         parser.error("--repeats, --sizes-mib, --receivers and --window must be >= 1")
-    max_message_bytes = max(DEFAULT_MAX_MESSAGE_BYTES, max(args.sizes_mib) * MiB)
+    max_message_bytes = max(DEFAULT_MAX_MESSAGE_BYTES, max(args.sizes_mib) * MiB + MiB)  # + a batch header
     chunk_bytes = (args.chunk_mib * MiB) if args.chunk_mib else max_message_bytes
     max_receivers = max(args.receivers)
     spool_parent = tempfile.mkdtemp(prefix="primerl-bench-", dir=args.spool_dir)
@@ -349,8 +350,8 @@ def main(argv: list[str] | None = None) -> int:
         broker = start(broker_main, spool_dirs, max_message_bytes, chunk_bytes)
         receivers = [start(receiver_main, i, max_message_bytes, args.verify_digest) for i in range(max_receivers)]
         info = expect(broker, 60)
-        relay_available = "rollout_error" not in info
-        if not relay_available:
+        relay_available = "rollout_error" not in info and not args.no_relay
+        if not relay_available and not args.no_relay:
             print(f"rollout relay not measured: {info['rollout_error']}", file=sys.stderr)
         limits = BrokerLimits.for_max_message_bytes(max_message_bytes).frames
         weight_endpoint = f"tcp://127.0.0.1:{info['weight_port']}"

@@ -7,6 +7,10 @@
 - `infer_broker`, `infer_daemon`, `infer_http`: one broker and one `primerl-infer` on the tiny model
   per module that asks for them (`support.inference`), and an HTTP client of the daemon.
 - `no_wandb_login`: a machine without a W&B login.
+
+The report header names the machine (`support.numerics.cpu_description`, without importing torch): float32
+results that depend on summation order (ranks, threads) differ between CPUs, so every log says which one ran; the
+numerics tests add torch's kernel level and thread counts to their messages (`machine_description`).
 """
 
 from __future__ import annotations
@@ -22,6 +26,12 @@ if TYPE_CHECKING:  # imported in the fixtures: collecting a module that needs no
     from support.broker import BrokerHarness
     from support.daemons import InferenceDaemon
     from support.weight_plane import WeightPlaneHarness
+
+
+def pytest_report_header(config: pytest.Config) -> str:
+    from support.numerics import cpu_description
+
+    return f"machine: {cpu_description()}"
 
 
 @pytest.fixture(scope="session")

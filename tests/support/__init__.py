@@ -13,4 +13,6 @@
 - `weight_updates`: tiny updates put straight into a broker's weight fan-out (a policy version, no sockets).
 - `policy_updates`: FULL, DELTA and LORA updates of real tensors for the inference side (`PolicyUpdater`).
 - `trainer_runs`: a `primerl-trainer` fed by a test: synthetic samples, their batches, its command line and outputs.
+- `numerics`: float32 tolerances of runs that differ in summation order (AdamW weights, RL losses), and the
+  machine description that numerics failures and the report header print.
 """

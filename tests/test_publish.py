@@ -285,6 +285,85 @@ def test_auto_delta_falls_back_to_full_when_it_would_not_pay(model_dir, broker, 
     assert torch.equal(changed["model.norm.weight"], model.model.norm.weight.detach())
 
 
+def bf16_bits(tensors: dict[str, torch.Tensor]) -> dict[str, bytes]:
+    return {name: t.detach().to(torch.bfloat16).contiguous().view(torch.uint8).numpy().tobytes()
+            for name, t in tensors.items()}
+
+
+@pytest.mark.parametrize("encoding", ["auto", "xor_zlib"])
+def test_bf16_delta_publisher_sends_sparse_deltas_bit_exactly(model_dir, broker, publishers, encoding):
+    """fp32 master weights served in bf16: a small step keeps most elements' bits, the delta goes as SPARSE by
+    default (XOR_ZLIB when asked) and decodes, against the FULL the broker stored, to the cast weights exactly."""
+    from primerl.proto.weight_delta import decode_delta
+
+    service, endpoint = broker
+    model = load_model(ModelConfig(name=str(model_dir)))
+    publisher = make_publisher(publishers, endpoint, "delta", serving_dtype=torch.bfloat16, delta_policy="always",
+                               delta_encoding=encoding)
+    first = publisher.publish(model, 1, timeout_s=30)
+    assert first.kind == "full"
+    _, full_payload = stored_payload(service)
+    base = load_safetensors(full_payload)
+    assert all(t.dtype == torch.bfloat16 for t in base.values())
+
+    adamw_step(model, lr=1e-5)
+    second = publisher.publish(model, 2, timeout_s=30)
+    assert second.kind == "delta" and second.base_version == 1 and second.fallback is None
+    header, payload = stored_payload(service)
+    expected_encoding = data_pb2.DELTA_ENCODING_SPARSE if encoding == "auto" else data_pb2.DELTA_ENCODING_XOR_ZLIB
+    assert header.delta_encoding == expected_encoding
+    assert second.num_tensors == len(header.decoded_tensors) > 0
+    assert second.payload_bytes < 0.5 * first.payload_bytes
+    changed = decode_delta(payload, header, base)
+    assert bf16_bits({**base, **changed}) == bf16_bits(hf_state_dict(model))
+
+    # The next delta applies to v2: the publisher's base moved with what the broker stored.
+    adamw_step(model, lr=1e-5, seed=1)
+    assert publisher.publish(model, 3, timeout_s=30).base_version == 2
+    header, payload = stored_payload(service)
+    assert bf16_bits({**base, **changed, **decode_delta(payload, header, {**base, **changed})}) == bf16_bits(
+        hf_state_dict(model))
+
+
+def test_auto_sparse_delta_falls_back_to_full_when_it_would_not_pay(model_dir, broker, publishers):
+    """bf16 SPARSE under "auto": a step that moves nearly every element goes as FULL (the estimate says so); so
+    does a change the estimate's samples (the middle of each tensor) miss, once the delta built is found to be
+    nearly as large as FULL."""
+    from primerl.proto.weight_delta import sampled_elements
+
+    service, endpoint = broker
+    model = load_model(ModelConfig(name=str(model_dir)))
+    publisher = make_publisher(publishers, endpoint, "delta", serving_dtype=torch.bfloat16)
+    assert publisher.publish(model, 1, timeout_s=30).kind == "full"
+
+    with torch.no_grad():
+        for param in model.parameters():
+            param.mul_(1.5)
+    dense = publisher.publish(model, 2, timeout_s=30)
+    assert dense.kind == "full" and dense.fallback.startswith("delta would not pay: SPARSE"), dense.fallback
+
+    # Every element but those the estimate samples (of the bf16 snapshot): it sees no change, the delta built is
+    # almost FULL.
+    with torch.no_grad():
+        state = hf_state_dict(model)
+        for name, (begin, end) in sampled_elements({k: v.to(torch.bfloat16) for k, v in state.items()}).items():
+            flat = state[name].view(-1)
+            keep = flat[begin:end].clone()
+            flat.mul_(1.5)
+            flat[begin:end] = keep
+    missed = publisher.publish(model, 3, timeout_s=30)
+    assert missed.kind == "full" and missed.fallback.startswith("delta built is "), missed.fallback
+    assert "encode_delta" in missed.phases_ms
+    header, payload = stored_payload(service)
+    assert header.kind == data_pb2.WEIGHT_UPDATE_KIND_FULL and header.policy_version == 3
+    assert bf16_bits(load_safetensors(payload)) == bf16_bits(hf_state_dict(model))
+
+    with torch.no_grad():
+        model.model.norm.weight.add_(0.5)  # one small tensor changes: a delta
+    small = publisher.publish(model, 4, timeout_s=30)
+    assert small.kind == "delta" and small.fallback is None and small.num_tensors == 1
+
+
 def test_full_payload_buffers_are_reused_and_stay_exact(model_dir, broker, publishers):
     """FULL payloads go into pooled buffers: the second publish reuses the first one's buffer and the broker
     still stores exactly the bytes safetensors would write for the new weights."""

@@ -10,18 +10,24 @@ What goes on the wire (``WeightUpdateHeader`` + one safetensors payload):
 - LORA: the adapter exactly as peft's ``save_pretrained`` writes ``adapter_model.safetensors`` (names like
   ``base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight``) and ``adapter_config_json`` exactly as
   it writes ``adapter_config.json``. The adapter keeps its training dtype (as peft saves it).
-- DELTA: ``encode_delta`` (XOR + zlib, bit-exact) of the FULL tensors against the last version published, kept
-  as a host copy. The first publish of a run, the one after the broker says ``full_required`` (or refuses a
-  delta as out of order, e.g. after a broker restart), and the one after any failed publish are FULL.
+- DELTA: ``encode_delta`` (bit-exact, ``primerl.proto.weight_delta``) of the FULL tensors against the last
+  version published, kept as a host copy. The first publish of a run, the one after the broker says
+  ``full_required`` (or refuses a delta as out of order, e.g. after a broker restart), and the one after any
+  failed publish are FULL. The encoding (``delta_encoding="auto"``, the default): SPARSE (the changed elements,
+  their positions and new values) when most of the bytes are 16-bit floats (a bf16/fp16 ``serving_dtype`` or
+  model), whose elements mostly keep their bits after a small step; XOR_ZLIB otherwise (fp32, where every
+  element moves and only a delta of a few changed tensors can pay).
   With ``delta_policy="auto"`` (the default) a delta is also sent as FULL when it would not pay (``fallback``
-  says so, with the numbers): before building it, ``estimate_delta`` XORs, compresses and decompresses a slice
-  of every tensor (timed), which gives the delta's size and the time to encode it here and decode it on each
-  worker. The delta pays when that time is less than the time its saved bytes would take on the wire, twice
-  (trainer -> broker -> worker), at the rate this publisher's last sends achieved (bytes per second from
-  publish to the broker's ack; 1 GB/s until one was measured). With dense fp32 changes (every element moves
-  after an AdamW step) zlib's ~50-100 MB/s loses to a ~1 GB/s link and FULL is sent; a delta of a few changed
-  tensors, or of bf16 weights that mostly keep their bits, is sent as a delta. ``delta_policy="always"`` skips
-  the estimate.
+  says so, with the numbers): before building it, ``estimate_delta`` encodes and decodes a slice of every tensor
+  (timed), which gives the delta's size and the time to encode it here and decode it on each worker. The delta
+  pays when that time is less than the time its saved bytes would take on the wire, twice (trainer -> broker ->
+  worker), at the rate this publisher's last sends achieved (bytes per second from publish to the broker's ack;
+  1 GB/s until one was measured). SPARSE encodes at ~0.5-1 GB/s and decodes at ~1-2 GB/s of FULL bytes here (one
+  thread), so at a measured ~0.3 GB/s it pays below ~0.6 of FULL (bf16 at lr 1e-6 is ~0.06, at 1e-5 ~0.3); on a
+  wire as fast as the encoder, FULL goes. XOR_ZLIB's ~50-100 MB/s loses to any such link unless few tensors
+  changed. Should the delta built be over ``BUILT_DELTA_MAX_FRACTION`` of FULL (changes the sample missed), FULL
+  goes too.
+  ``delta_policy="always"`` skips the estimate and that check.
 
 ``publish`` = ``build`` (on the training thread: it reads the parameters) + ``send`` (socket I/O, which a
 trainer may run in its own thread: a ``PreparedUpdate`` owns its bytes and no longer touches the model).
@@ -84,10 +90,16 @@ log = get_logger(__name__)
 
 PublishKind = Literal["full", "lora", "delta"]
 DeltaPolicy = Literal["auto", "always"]
+DeltaEncodingChoice = Literal["auto", "sparse", "xor_zlib"]
+_ENCODING_OF_CHOICE = {"sparse": data_pb2.DELTA_ENCODING_SPARSE, "xor_zlib": data_pb2.DELTA_ENCODING_XOR_ZLIB}
 DEFAULT_WIRE_BYTES_PER_S = 1e9
 """Assumed publish rate (bytes/s from send to the broker's ack) until one was measured."""
 WIRE_HOPS = 2
 """Times a saved byte is not moved: trainer -> broker, broker -> each worker (in parallel)."""
+BUILT_DELTA_MAX_FRACTION = 0.9
+"""A delta that turns out larger than this fraction of FULL once built (changes the estimate's samples missed) goes
+as FULL: its encode is spent, but saving < 10 % of the bytes on two hops is worth less than decoding it on every
+worker (SPARSE decodes at ~1-2 GB/s of FULL bytes here, about the speed of one hop)."""
 _KIND_TO_WIRE = {
     "full": data_pb2.WEIGHT_UPDATE_KIND_FULL,
     "lora": data_pb2.WEIGHT_UPDATE_KIND_LORA,
@@ -171,6 +183,7 @@ class PolicyPublisher:
         serving_dtype: torch.dtype | None = None,
         delta_level: int = 1,
         delta_policy: DeltaPolicy = "auto",
+        delta_encoding: DeltaEncodingChoice = "auto",
         publisher: WeightPublisher | None = None,
         outage_s: float = DEFAULT_OUTAGE_S,
         stop_event: threading.Event | None = None,
@@ -178,8 +191,9 @@ class PolicyPublisher:
         curve: Any = None,
     ):
         """``serving_dtype``: cast floating-point FULL/DELTA tensors to this dtype (None: the model's own).
-        ``delta_level``: zlib level of deltas. ``delta_policy``: "auto" sends FULL when a delta would not pay
-        (module docstring), "always" sends every possible delta. ``publisher``: an existing ``WeightPublisher``
+        ``delta_level``: zlib level of XOR_ZLIB deltas. ``delta_policy``: "auto" sends FULL when a delta would not
+        pay (module docstring), "always" sends every possible delta. ``delta_encoding``: "sparse", "xor_zlib", or
+        "auto" (SPARSE for mostly 16-bit float weights, else XOR_ZLIB). ``publisher``: an existing ``WeightPublisher``
         to use (tests). ``outage_s``: how long a publish waits through a broker outage (the role's
         ``broker.outage_s``); ``stop_event``: ends that wait early (``OutageStopped``). ``lineage``: this trainer
         incarnation's lineage (default: now, in unix microseconds; tests pass their own)."""
@@ -189,6 +203,8 @@ class PolicyPublisher:
             raise ValueError(f'kind must be "full", "lora" or "delta", got {kind!r}')
         if delta_policy not in ("auto", "always"):
             raise ValueError(f'delta_policy must be "auto" or "always", got {delta_policy!r}')
+        if delta_encoding not in ("auto", *_ENCODING_OF_CHOICE):
+            raise ValueError(f'delta_encoding must be "auto", "sparse" or "xor_zlib", got {delta_encoding!r}')
         if not policy_name:
             raise ValueError("policy_name must not be empty")
         self.kind: PublishKind = kind
@@ -196,6 +212,7 @@ class PolicyPublisher:
         self.serving_dtype = serving_dtype
         self.delta_level = delta_level
         self.delta_policy: DeltaPolicy = delta_policy
+        self.delta_encoding: DeltaEncodingChoice = delta_encoding
         self._pool = PayloadPool()
         self._spare_snapshot: dict[str, torch.Tensor] | None = None
         self._wire_bytes_per_s: float | None = None
@@ -245,8 +262,9 @@ class PolicyPublisher:
             prepared = self._build_from_snapshot("full", version, prepared.snapshot, prepared.build_ms)
             ack, send_ms = self.send(prepared, timeout_s)
         header = prepared.header
+        num_tensors = len(header.decoded_tensors) if prepared.kind == "delta" else len(header.tensors)
         return PublishResult(ack=ack, kind=prepared.kind, policy_version=version, base_version=header.base_version,
-                             payload_bytes=header.payload_bytes, num_tensors=len(header.tensors),
+                             payload_bytes=header.payload_bytes, num_tensors=num_tensors,
                              build_ms=prepared.build_ms, send_ms=send_ms, fallback=fallback,
                              phases_ms={**prepared.phases_ms, "send": send_ms})
 
@@ -278,9 +296,10 @@ class PolicyPublisher:
     def _build_delta_or_full(self, kind: PublishKind, version: int, tensors: dict[str, torch.Tensor],
                              phases: dict[str, float], start_s: float, *, snapshot_is_copy: bool) -> PreparedUpdate:
         fallback = None
+        encoding = self._encoding_for(tensors)
         if kind == "delta" and self.delta_policy == "auto":
             mark = time.perf_counter()
-            fallback = self._delta_would_not_pay(tensors)
+            fallback = self._delta_would_not_pay(tensors, encoding)
             phases["estimate"] = _elapsed_ms(mark)
             if fallback is not None:
                 kind = "full"
@@ -291,7 +310,16 @@ class PolicyPublisher:
                 mark = time.perf_counter()
                 snapshot = _host_copy(tensors, None, reuse=self._take_spare())
                 phases["snapshot"] = _elapsed_ms(mark)
-            prepared = self._build_from_snapshot("delta", version, snapshot, 0.0, start_s=start_s, phases=phases)
+            prepared = self._build_from_snapshot("delta", version, snapshot, 0.0, start_s=start_s, phases=phases,
+                                                 encoding=encoding)
+            full_bytes = sum(t.numel() * t.element_size() for t in snapshot.values())
+            fraction = prepared.header.payload_bytes / max(1, full_bytes)
+            if self.delta_policy == "auto" and fraction > BUILT_DELTA_MAX_FRACTION:
+                fallback = (f"delta built is {fraction:.2f} of FULL ({prepared.header.payload_bytes / MiB:.1f} of "
+                            f"{full_bytes / MiB:.1f} MiB; the estimate missed changes)")
+                log.info("sending FULL: the delta would not pay", policy_version=version, reason=fallback)
+                phases["encode_delta"] = phases.pop("encode")
+                prepared = self._build_from_snapshot("full", version, snapshot, prepared.build_ms, phases=phases)
         else:
             prepared = self._encode_full(kind, version, tensors, phases, start_s)
             if self.kind == "delta":
@@ -303,18 +331,30 @@ class PolicyPublisher:
         spare, self._spare_snapshot = self._spare_snapshot, None
         return spare
 
-    def _delta_would_not_pay(self, tensors: dict[str, torch.Tensor]) -> str | None:
+    def _encoding_for(self, tensors: dict[str, torch.Tensor]) -> int:
+        """The ``DeltaEncoding`` of a delta of ``tensors`` (``delta_encoding``; module docstring)."""
+        if self.delta_encoding != "auto":
+            return _ENCODING_OF_CHOICE[self.delta_encoding]
+        total = sixteen_bit = 0
+        for tensor in tensors.values():
+            size = tensor.numel() * tensor.element_size()
+            total += size
+            sixteen_bit += size if tensor.is_floating_point() and tensor.element_size() == 2 else 0
+        return data_pb2.DELTA_ENCODING_SPARSE if 2 * sixteen_bit > total else data_pb2.DELTA_ENCODING_XOR_ZLIB
+
+    def _delta_would_not_pay(self, tensors: dict[str, torch.Tensor], encoding: int) -> str | None:
         """None when a delta against the base pays (module docstring), else why not, with the numbers."""
         from primerl.proto.weight_delta import estimate_delta
 
         assert self._base is not None
-        estimate = estimate_delta(tensors, self._base, level=self.delta_level)
+        estimate = estimate_delta(tensors, self._base, encoding=encoding, level=self.delta_level)
         rate = self._wire_bytes_per_s or DEFAULT_WIRE_BYTES_PER_S
         saved_s = WIRE_HOPS * max(0, estimate.full_bytes - estimate.delta_bytes) / rate
         cost_s = estimate.encode_s + estimate.decode_s
         if cost_s < saved_s:
             return None
-        return (f"delta would not pay: ~{estimate.delta_bytes / MiB:.1f} of {estimate.full_bytes / MiB:.1f} MiB "
+        name = data_pb2.DeltaEncoding.Name(encoding).removeprefix("DELTA_ENCODING_")
+        return (f"delta would not pay: {name} ~{estimate.delta_bytes / MiB:.1f} of {estimate.full_bytes / MiB:.1f} MiB "
                 f"({estimate.changed_bytes / max(1, estimate.full_bytes):.0%} of the bytes changed), encode + decode "
                 f"~{cost_s * 1000:.0f} ms vs ~{saved_s * 1000:.0f} ms saved on the wire at {rate / MiB:.0f} MiB/s")
 
@@ -338,8 +378,8 @@ class PolicyPublisher:
         return PreparedUpdate(kind, header, payload, _elapsed_ms(start_s), None, buffer, phases)
 
     def _build_from_snapshot(self, kind: PublishKind, version: int, snapshot: dict[str, torch.Tensor],
-                             spent_ms: float, *, start_s: float | None = None,
-                             phases: dict[str, float] | None = None) -> PreparedUpdate:
+                             spent_ms: float, *, start_s: float | None = None, phases: dict[str, float] | None = None,
+                             encoding: int | None = None) -> PreparedUpdate:
         start_s = time.perf_counter() if start_s is None else start_s
         phases = {} if phases is None else phases
         keep = snapshot if self.kind == "delta" else None
@@ -348,14 +388,16 @@ class PolicyPublisher:
 
             if self.base_version is None or self._base is None:
                 raise ValueError("a delta needs a base: publish a FULL update first")
+            encoding = self._encoding_for(snapshot) if encoding is None else encoding
             mark = time.perf_counter()
-            payload, specs, decoded = encode_delta(snapshot, self._base, changed_only=True, level=self.delta_level)
+            payload, specs, decoded = encode_delta(snapshot, self._base, encoding=encoding, changed_only=True,
+                                                   level=self.delta_level)
             phases["encode"] = _elapsed_ms(mark)
             mark = time.perf_counter()
             header = self._header(version, kind, payload, specs)
             phases["digest"] = _elapsed_ms(mark)
             header.base_version = self.base_version
-            header.delta_encoding = data_pb2.DELTA_ENCODING_XOR_ZLIB
+            header.delta_encoding = encoding
             header.decoded_tensors.extend(decoded)
             return PreparedUpdate(kind, header, payload, spent_ms + _elapsed_ms(start_s), keep, None, phases)
         prepared = self._encode_full(kind, version, snapshot, phases, start_s)

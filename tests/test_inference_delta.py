@@ -4,6 +4,9 @@ transformers model stepped with AdamW; after each update the served logprobs mat
 with the same weights. A DELTA on a base that is not the latest version is refused by the broker (OUT_OF_ORDER)
 and never reaches the worker, which keeps serving what it served.
 
+A second publisher (a newer lineage) then sends a SPARSE delta of a few rows, a third of a norm and a bias, served
+exactly too.
+
 The daemon, broker and helpers are those of tests/conftest.py and tests/support/inference.py.
 """
 
@@ -67,6 +70,8 @@ def token_logprobs(body: dict[str, Any]) -> list[float]:
 def test_delta_updates_are_served_and_a_wrong_base_is_refused(infer_daemon: InferenceDaemon, infer_http: httpx.Client,
                                                               infer_broker: BrokerHarness, tiny_model: Path,
                                                               tmp_path: Path) -> None:
+    import torch
+
     from primerl.client.weights import WeightUpdateRefused
     from primerl.proto.v1 import common_pb2, data_pb2
     from primerl.proto.weight_delta import encode_delta
@@ -124,6 +129,29 @@ def test_delta_updates_are_served_and_a_wrong_base_is_refused(infer_daemon: Infe
         response, body = greedy_completion(infer_http)
         assert served_versions(response) == (4, 4)
         weights_dir = save_weights(tiny_model, tmp_path / "v4", snapshot(model))
+        assert reference_max_diff(infer_http, weights_dir, body) <= TOLERANCE
+
+    # SPARSE (what a bf16 publisher sends; any dtype decodes) on the same path: a new trainer incarnation (a newer
+    # lineage) publishes FULL v5, then a delta with a few rows of one matrix (positions as gaps), a third of a
+    # norm (a mask) and a whole bias.
+    with PolicyPublisher(endpoint, TOKEN, "trainer-sparse", infer_broker.service.chunk_bytes, kind="delta",
+                         policy_name="policy", delta_policy="always", delta_encoding="sparse") as publisher:
+        assert publisher.publish(model, 5).kind == "full"
+        wait_applied(infer_broker, 5)
+        with torch.no_grad():
+            model.model.layers[0].self_attn.q_proj.weight[[3, 70, 101]] += 0.05
+            model.model.norm.weight[::3] += 0.1
+            model.model.layers[1].self_attn.v_proj.bias.add_(0.05)
+        result = publisher.publish(model, 6)
+        assert (result.kind, result.base_version, result.num_tensors) == ("delta", 5, 3), result
+        header = infer_broker.service.weight_store.latest().header
+        assert header.delta_encoding == data_pb2.DELTA_ENCODING_SPARSE
+        assert {"model.layers.0.self_attn.q_proj.weight#gaps", "model.norm.weight#mask",
+                "model.layers.1.self_attn.v_proj.bias#values"} <= {spec.name for spec in header.tensors}
+        wait_applied(infer_broker, 6)
+        response, body = greedy_completion(infer_http)
+        assert served_versions(response) == (6, 6)
+        weights_dir = save_weights(tiny_model, tmp_path / "v6", snapshot(model))
         assert reference_max_diff(infer_http, weights_dir, body) <= TOLERANCE
     assert infer_daemon.process.poll() is None
     assert infer_http.get("/health", headers=AUTH).status_code == 200

@@ -210,6 +210,40 @@ def test_delta_update_after_an_adamw_step(llm: Any, updater: Any, served: Served
 
 @pytest.mark.slow
 @pytest.mark.vllm
+def test_sparse_deltas_in_each_form(llm: Any, updater: Any, served: Served) -> None:
+    """SPARSE deltas (a bf16 publisher's encoding; any dtype decodes): an AdamW step moves every fp32 element
+    (whole tensors), then a few rows of one matrix (positions as gaps), a third of a norm (a mask) and a bias."""
+    if updater.lora_request() is not None:
+        apply(updater, served, "full", full_update(served.weights, updater.policy_version + 1))
+        served.adapter_dir = None
+    q_proj, norm = "model.layers.0.self_attn.q_proj.weight", "model.norm.weight"
+    bias = "model.layers.1.self_attn.v_proj.bias"
+
+    def edited(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        new = {k: v.clone() for k, v in weights.items()}
+        new[q_proj][[3, 70, 101]] += 0.05
+        new[norm][::3] += 0.1
+        new[bias] += 0.05
+        return new
+
+    for label, make in (("sparse delta, whole tensors", lambda _: adamw_step(served, lr=1e-5, seed=0)),
+                        ("sparse delta, gaps and mask", edited)):
+        base_version = updater.policy_version
+        new = make(served.weights)
+        header, payload = delta_update(new, served.weights, base_version + 1, base_version,
+                                       encoding=data_pb2.DELTA_ENCODING_SPARSE)
+        if make is edited:
+            assert {spec.name for spec in header.tensors} == {q_proj + "#gaps", q_proj + "#values", norm + "#mask",
+                                                              norm + "#values", bias + "#values"}
+        apply(updater, served, label, (header, payload))
+        served.weights = new
+        assert updater.policy_version == base_version + 1
+        assert served_diff(llm, updater, served) <= TOLERANCE
+        assert updater.weight_digest() == weights_digest(new)  # the worker's host copy is bit-exact
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
 def test_two_partial_deltas_then_a_full_update(llm: Any, updater: Any, served: Served) -> None:
     if updater.lora_request() is not None:
         apply(updater, served, "full", full_update(served.weights, updater.policy_version + 1))

@@ -27,12 +27,12 @@ def full_update(weights: dict[str, torch.Tensor], version: int) -> tuple[data_pb
                                        payload_bytes=len(payload)), payload
 
 
-def delta_update(new: dict[str, torch.Tensor], base: dict[str, torch.Tensor], version: int,
-                 base_version: int) -> tuple[data_pb2.WeightUpdateHeader, bytes]:
-    payload, specs, decoded = encode_delta(new, base)
+def delta_update(new: dict[str, torch.Tensor], base: dict[str, torch.Tensor], version: int, base_version: int,
+                 encoding: int = data_pb2.DELTA_ENCODING_XOR_ZLIB) -> tuple[data_pb2.WeightUpdateHeader, bytes]:
+    payload, specs, decoded = encode_delta(new, base, encoding=encoding)
     return data_pb2.WeightUpdateHeader(
         policy_version=version, kind=DELTA, base_version=base_version, digest=sha256(payload), tensors=specs,
-        decoded_tensors=decoded, delta_encoding=data_pb2.DELTA_ENCODING_XOR_ZLIB, payload_bytes=len(payload),
+        decoded_tensors=decoded, delta_encoding=encoding, payload_bytes=len(payload),
     ), payload
 
 

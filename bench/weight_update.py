@@ -6,11 +6,13 @@
                                             [--markdown PATH] [--plots-dir DIR] [--quick]
 
 Points: ``--models`` (tiny, 100m, 500m, 1b: one Qwen2 family, ``scale_models.py``) times ``--dtypes`` (fp32,
-bf16); a model may name its own dtypes (``tiny:fp32,100m:fp32+bf16,1b:bf16``). ``--quick``: tiny in fp32 and
-100m in bf16, whatever ``--models`` says. Each point's checkpoint is stored in its dtype, its ``primerl-infer`` serves that dtype
-(``--model.dtype``), and the trainer side loads the model in it (``optimization_dtype``) and publishes with
-``PolicyPublisher(serving_dtype=bf16)`` for bf16 (for fp32, the model's own dtype: no cast, no snapshot copy).
-Chunks of ``min(64 MiB, the broker's chunk size)``, as the trainer sends.
+bf16); a model may name its own dtypes (``tiny:fp32,100m:fp32+bf16,1b:bf16``). ``--quick``: tiny in fp32
+and 100m in bf16, whatever ``--models`` says. Each point's checkpoint is stored in its dtype, its
+``primerl-infer`` serves that dtype (``--model.dtype``), and the trainer side loads the model in it
+(``optimization_dtype``) and publishes with ``PolicyPublisher(serving_dtype=bf16)`` for bf16 (for fp32, the
+model's own dtype: no cast, no snapshot copy). Chunks of ``min(64 MiB, the broker's chunk size)``, as the
+trainer sends. Before each update the machine must have 3 x the checkpoint + 2 GiB available (it is shared);
+otherwise the point stops there and says so (its figures come from the updates before).
 
 Per point: a ``primerl-broker`` subprocess (ports 0) and one ``primerl-infer`` subprocess on the model
 (``--enable-lora --max-lora-rank 16``). Points up to ``START_TOGETHER_BYTES`` of checkpoint start their daemons
@@ -107,6 +109,10 @@ START_TOGETHER_BYTES = 1 * GiB
 """Points whose checkpoints add up to at most this start their daemons at once."""
 RAW_COPY_MAX_BYTES = 1 * GiB
 QUICK_MODELS = "tiny:fp32,100m:bf16"
+MEMORY_HEADROOM_CHECKPOINTS = 3
+MEMORY_RESERVE_BYTES = 2 * GiB
+"""An update starts only with 3 x the checkpoint + 2 GiB available: the machine is shared, and an update grows the
+worker and the raw receiver by about the payload each (the rest of a point's memory is taken already)."""
 BROKER_RSS_SLACK_BYTES = 256 * MiB
 """Target: the broker's peak RSS during an update <= payload + this."""
 FS_TARGET_RATIO = 0.7
@@ -520,6 +526,19 @@ class Point:
     def checkpoint_bytes(self) -> int:
         return sum(p.stat().st_size for p in self.model_dir.glob("*.safetensors"))
 
+    def memory_allows(self, what: str) -> bool:
+        """Whether the machine has room for one more update of this point (MEMORY_HEADROOM_CHECKPOINTS x its
+        checkpoint + MEMORY_RESERVE_BYTES available); if not, says so in a note and on the console."""
+        needed = MEMORY_HEADROOM_CHECKPOINTS * self.checkpoint_bytes + MEMORY_RESERVE_BYTES
+        available = memory_available_bytes()
+        if available >= needed:
+            return True
+        note = (f"stopped before {what}: {available / MiB:.0f} MiB available, {needed / MiB:.0f} MiB wanted "
+                f"(shared machine); the figures of this point are from the updates before")
+        self.notes.append(note)
+        print(f"  {self.name}: {note}", flush=True)
+        return False
+
     def take_version(self) -> int:
         version = self.next_version
         self.next_version += 1
@@ -552,6 +571,13 @@ class Point:
             if now > deadline:
                 raise TimeoutError(f"{self.name}: the worker did not apply v{version} within {APPLY_TIMEOUT_S} s")
             time.sleep(0.001)
+
+
+def memory_available_bytes() -> int:
+    for line in Path("/proc/meminfo").read_text().splitlines():
+        if line.startswith("MemAvailable:"):
+            return int(line.split()[1]) * 1024
+    raise RuntimeError("/proc/meminfo has no MemAvailable")
 
 
 def wait_for(predicate: Any, timeout_s: float, what: str, interval_s: float = 0.05) -> None:
@@ -717,6 +743,8 @@ def measure_point(point: Point, kinds: list[str], args: argparse.Namespace, raw:
                 assert publisher.publish(model, version).kind == "full"
                 point.wait_applied(version, time.perf_counter())
             for i in range(args.warmup + args.repeats):
+                if not point.memory_allows(f"{kind} update {i + 1}"):
+                    break
                 measure_update(point, publisher, model, optimizer, kind, raw, raw_bytes, record=i >= args.warmup,
                                pause_wanted=pause_wanted)
         if kind == "full":
@@ -740,10 +768,14 @@ def measure_filesystem(point: Point, args: argparse.Namespace, work_dir: Path) -
         model, optimizer = point.full_model
     point.full_model = None
     dtype = getattr(torch, point.dtype_name)
+    if not point.memory_allows("the filesystem hand-off engine"):
+        return
     handoff = FilesystemHandoff(Daemon.inference_config(point.model_dir, point.dtype_name), work_dir)
     point.fs_start_s = handoff.start_s
     try:
         for i in range(args.warmup + args.repeats):
+            if not point.memory_allows(f"hand-off {i + 1}"):
+                break
             version = point.take_version()
             train_step(model, optimizer, version)
             directory, write_ms, file_bytes = handoff.write(model, dtype, version)
@@ -915,11 +947,15 @@ def verdicts(points: list[Point], pause_in_source: bool) -> list[tuple[str, str,
     if scale is None:
         out.append((f"FULL publish->applied / filesystem hand-off, {SCALE_TARGET.label} <= {FS_TARGET_RATIO:g}",
                     f"{SCALE_TARGET.label} not in this run", "not measured"))
+    elif scale.fs_ms != scale.fs_ms:
+        out.append((f"FULL publish->applied / filesystem hand-off, {scale.name} <= {FS_TARGET_RATIO:g}",
+                    "the hand-off was not measured (see the notes)", "not measured"))
     else:
         ratio = scale.applied_ms / scale.fs_ms
         out.append((f"FULL publish->applied / filesystem hand-off, {scale.name} <= {FS_TARGET_RATIO:g}",
                     f"{ratio:.2f}x ({scale.applied_ms / 1000:.2f} s vs {scale.fs_ms / 1000:.2f} s)",
                     "met" if ratio <= FS_TARGET_RATIO else "missed"))
+    if scale is not None:
         ratio = scale.applied_ms / scale.zmq_ms
         out.append((f"(stretch) FULL publish->applied / raw zmq, {scale.name} <= {RAW_STRETCH_RATIO:g}",
                     f"{ratio:.1f}x ({scale.applied_ms / 1000:.2f} s vs {scale.zmq_ms / 1000:.2f} s)",
@@ -1236,7 +1272,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"\ntotal wall time {time.monotonic() - wall_start:.0f} s; load average at end "
               f"{os.getloadavg()[0]:.2f}")
         return 0
-    except Exception:
+    except BaseException:
+        try:
+            print("\nPartial results (the run did not finish):")
+            print_tables(points, [], [k for k in KINDS if k in args.kinds], args.repeats, pause_in_source)
+        except Exception as exc:  # the tables of a half-measured run may not print: say so, raise the first error
+            print(f"(no partial tables: {exc!r})")
         for point in points:
             if point.broker is not None:
                 print(f"--- {point.name} broker log tail ---\n{point.broker.log_tail()}", file=sys.stderr)

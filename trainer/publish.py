@@ -22,11 +22,12 @@ What goes on the wire (``WeightUpdateHeader`` + one safetensors payload):
   (timed), which gives the delta's size and the time to encode it here and decode it on each worker. The delta
   pays when that time is less than the time its saved bytes would take on the wire, twice (trainer -> broker ->
   worker), at the rate this publisher's last sends achieved (bytes per second from publish to the broker's ack;
-  1 GB/s until one was measured). SPARSE encodes at ~0.5-1 GB/s and decodes at ~1-2 GB/s of FULL bytes here (one
-  thread), so at a measured ~0.3 GB/s it pays below ~0.6 of FULL (bf16 at lr 1e-6 is ~0.06, at 1e-5 ~0.3); on a
-  wire as fast as the encoder, FULL goes. XOR_ZLIB's ~50-100 MB/s loses to any such link unless few tensors
-  changed. Should the delta built be over ``BUILT_DELTA_MAX_FRACTION`` of FULL (changes the sample missed), FULL
-  goes too.
+  1 GB/s until one was measured). That is a threshold on the delta's size set by the measured speeds: SPARSE
+  encodes at ~0.8 GB/s and decodes at 1-2.4 GB/s of FULL bytes here (one thread, ``bench/delta_fraction.py``),
+  so with sends measured at 0.3 GB/s it pays below ~0.75 of FULL; a bf16 step at lr 1e-6 (0.064 of FULL on the
+  1B model) pays on any wire slower than ~1.1 GB/s, at lr 1e-5 (0.31) slower than ~0.65 GB/s. XOR_ZLIB
+  (~0.06-0.3 GB/s) pays below ~0.26 GB/s at best, and fp32 steps (every element changes) go as FULL. Should the
+  delta built be over ``BUILT_DELTA_MAX_FRACTION`` of FULL (changes the sample missed), FULL goes too.
   ``delta_policy="always"`` skips the estimate and that check.
 
 ``publish`` = ``build`` (on the training thread: it reads the parameters) + ``send`` (socket I/O, which a

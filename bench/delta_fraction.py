@@ -1,0 +1,327 @@
+#!/usr/bin/env python
+"""How much of a model one optimizer step changes, and what a DELTA of it costs: SPARSE and XOR_ZLIB against FULL.
+
+    .venv/bin/python bench/delta_fraction.py [--models 100m,1b] [--lrs 1e-6,1e-5] [--dtypes bf16,fp32]
+                                             [--encodings sparse,xor_zlib] [--repeats 3] [--markdown PATH]
+
+Models: one Qwen2 family (the tiny model's: 1088-token vocabulary, tied embeddings, head_dim 64), fp32 master
+weights initialised as transformers does (seeded): ``100m`` = hidden 768, 12 layers, 12 heads, 4 KV heads,
+intermediate 3072 (~105M parameters, part e's 100M); ``1b`` = TinyLlama-1.1B's shape, hidden 2048, 22 layers, 32
+heads, 4 KV heads, intermediate 5632 (~971M parameters, part e's 1B). Each model is built once, in memory.
+
+The step: one AdamW step (the trainer's: ``OptimizerConfig`` defaults, weight decay 0.01 on matrices and
+embeddings, none on biases and norms) of next-token loss on 16 random tokens, from the initial weights, as
+``bench/weight_update.py``'s delta table does. To keep a 1B model within ~5 GB the step is taken inside the
+backward pass, one parameter at a time as its gradient is ready (a post-accumulate-grad hook: the gradient is
+freed right after), on a copy, once per learning rate; the model keeps its initial weights. Each stepped tensor
+is cast to each dtype (bf16: what inference serves, cast from the fp32 master; fp32: the master itself) and
+encoded against the initial weights cast the same way, with ``encode_delta`` and decoded with ``decode_delta``
+(checked bit-exact), one tensor at a time on one thread.
+
+Columns: changed elements (bitwise, over all elements); FULL = the safetensors payload of every tensor (what a
+FULL publish sends); each encoding's payload = its encoded tensors plus one safetensors header; encode and
+decode seconds are the sum over tensors, each the fastest of ``--repeats`` runs (XOR_ZLIB: one run); break-even
+wire rate = 2 x (FULL - delta) / (encode + decode): the delta saves time when the trainer -> broker -> worker path
+moves fewer bytes per second than that (the publisher's "auto" rule, ``trainer/publish.py``). Target (issue 26):
+bf16 DELTA payload at lr 1e-6 on the 1B model <= 0.1 of FULL.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import platform
+import sys
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from report import Section, fmt, target_line  # noqa: E402
+
+from primerl.proto.units import MiB  # noqa: E402
+
+NUM_TRAIN_TOKENS = 16
+TARGET_FRACTION = 0.1
+TARGET_POINT = ("1b", "bf16", 1e-6)
+ENCODINGS = {"sparse": "DELTA_ENCODING_SPARSE", "xor_zlib": "DELTA_ENCODING_XOR_ZLIB"}
+DTYPES = {"bf16": "bfloat16", "fp32": "float32"}
+
+
+def model_specs() -> dict[str, Any]:
+    from primerl.trainer.tiny_model import TinyModelSpec
+
+    return {
+        "100m": TinyModelSpec(hidden_size=768, num_layers=12, num_attention_heads=12, num_key_value_heads=4,
+                              intermediate_size=3072),
+        "1b": TinyModelSpec(hidden_size=2048, num_layers=22, num_attention_heads=32, num_key_value_heads=4,
+                            intermediate_size=5632),
+    }
+
+
+def cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo") as cpuinfo:
+            for line in cpuinfo:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown CPU"
+
+
+@dataclass
+class EncodingCost:
+    data_bytes: int = 0
+    specs: list = field(default_factory=list)  # every encoded TensorSpec, for the payload's one header
+    encode_s: float = 0.0
+    decode_s: float = 0.0
+    forms: Counter = field(default_factory=Counter)
+
+    def payload_bytes(self) -> int:
+        return self.data_bytes + header_bytes(self.specs)
+
+
+@dataclass
+class Point:
+    """One (model, dtype, lr): the step's changes and each encoding's cost, summed over the tensors."""
+
+    model: str
+    num_params: int
+    dtype: str
+    lr: float
+    num_elements: int = 0
+    num_changed: int = 0
+    full_specs: list = field(default_factory=list)
+    full_data_bytes: int = 0
+    costs: dict[str, EncodingCost] = field(default_factory=dict)
+
+    @property
+    def full_bytes(self) -> int:
+        return self.full_data_bytes + header_bytes(self.full_specs, metadata={"format": "pt"})
+
+
+def header_bytes(specs: list, metadata: dict[str, str] | None = None) -> int:
+    """Length prefix + padded JSON header of a safetensors blob of tensors with these specs."""
+    import torch
+
+    from primerl.proto.tensor_frames import DTYPES as ST_DTYPES
+    from primerl.trainer.payload_writer import safetensors_layout
+
+    if not specs:
+        return 16
+    meta = {s.name: torch.empty(list(s.shape), dtype=getattr(torch, ST_DTYPES[s.dtype][2]), device="meta")
+            for s in specs}
+    prefix, _ = safetensors_layout(meta, metadata)
+    return len(prefix)
+
+
+def build_model(spec: Any, seed: int) -> Any:
+    """The fp32 ``Qwen2ForCausalLM`` of ``spec``, initialised by transformers with ``seed``."""
+    import torch
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from primerl.trainer.tiny_model import TOKENIZER_VOCAB_SIZE, VOCAB_MULTIPLE
+
+    vocab_size = spec.vocab_size or -(-TOKENIZER_VOCAB_SIZE // VOCAB_MULTIPLE) * VOCAB_MULTIPLE
+    config = Qwen2Config(vocab_size=vocab_size, hidden_size=spec.hidden_size,
+                         intermediate_size=spec.intermediate_size or 4 * spec.hidden_size,
+                         num_hidden_layers=spec.num_layers, num_attention_heads=spec.num_attention_heads,
+                         num_key_value_heads=spec.num_key_value_heads,
+                         max_position_embeddings=spec.max_position_embeddings, tie_word_embeddings=True,
+                         rms_norm_eps=1e-6, dtype="float32")
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        return Qwen2ForCausalLM(config).to(torch.float32)
+
+
+def raw_bits(tensor: Any) -> Any:
+    import numpy as np
+    import torch
+
+    flat = tensor.detach().contiguous().reshape(-1).view(torch.uint8).numpy()
+    return flat.view({1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}[tensor.element_size()])
+
+
+def measure_tensor(point: Point, name: str, new: Any, base: Any, encodings: list[str], repeats: int) -> None:
+    """Add one tensor's changes and encodings (timed, checked bit-exact) to ``point``."""
+    import numpy as np
+
+    from primerl.proto.tensor_frames import TensorFrameError, specs_of
+    from primerl.proto.v1 import data_pb2
+    from primerl.proto.weight_delta import decode_delta, encode_delta, torch_dtype_name
+
+    new_bits, base_bits = raw_bits(new), raw_bits(base)
+    num_changed = int(np.count_nonzero(new_bits != base_bits))
+    point.num_elements += new_bits.size
+    point.num_changed += num_changed
+    point.full_specs.append(data_pb2.WeightUpdateHeader().tensors.add(name=name, dtype=torch_dtype_name(new.dtype),
+                                                                      shape=list(new.shape)))
+    point.full_data_bytes += new_bits.nbytes
+    for label in encodings:
+        encoding = data_pb2.DeltaEncoding.Value(ENCODINGS[label])
+        cost = point.costs.setdefault(label, EncodingCost())
+        best_encode = best_decode = math.inf
+        for _ in range(repeats if label == "sparse" else 1):
+            start = time.perf_counter()
+            payload, specs, decoded = encode_delta({name: new}, {name: base}, encoding=encoding, num_threads=1)
+            middle = time.perf_counter()
+            header = data_pb2.WeightUpdateHeader(kind=data_pb2.WEIGHT_UPDATE_KIND_DELTA, delta_encoding=encoding,
+                                                 tensors=specs, decoded_tensors=decoded)
+            out = decode_delta(payload, header, {name: base})
+            end = time.perf_counter()
+            best_encode, best_decode = min(best_encode, middle - start), min(best_decode, end - middle)
+        if num_changed and not np.array_equal(raw_bits(out[name]), new_bits):
+            raise AssertionError(f"{label}: {name} does not decode bit-exactly")
+        if not num_changed and out:
+            raise AssertionError(f"{label}: {name} did not change but is in the delta")
+        from primerl.proto.tensor_frames import parse_header
+
+        try:
+            entries = parse_header(payload)
+        except TensorFrameError as exc:  # encode_delta wrote it: a bug here
+            raise AssertionError(f"{label}: {name}: unreadable payload ({exc})") from None
+        cost.data_bytes += sum(e.end - e.start for e in entries.values())
+        cost.specs.extend(specs_of(entries))
+        cost.encode_s += best_encode
+        cost.decode_s += best_decode
+        if label == "sparse" and num_changed:
+            names = set(entries)
+            cost.forms["gaps" if name + "#gaps" in names else "mask" if name + "#mask" in names else "whole"] += 1
+
+
+def measure_model(model_name: str, spec: Any, args: argparse.Namespace) -> list[Point]:
+    """Build the model once, take the step inside one backward pass (module docstring), measure every point."""
+    import torch
+
+    from primerl.trainer.config import OptimizerConfig
+    from primerl.trainer.optim import no_weight_decay
+
+    start = time.perf_counter()
+    model = build_model(spec, args.seed)
+    num_params = sum(p.numel() for p in model.parameters())
+    print(f"[{model_name}] built: {num_params / 1e6:.0f}M parameters in {time.perf_counter() - start:.1f} s",
+          flush=True)
+    points = {(dtype, lr): Point(model_name, num_params, dtype, lr) for lr in args.lrs for dtype in args.dtypes}
+    names = {param: name for name, param in model.named_parameters()}
+    progress = {"done": 0}
+
+    def step_and_measure(param: torch.nn.Parameter) -> None:
+        name = names[param]
+        base32 = param.detach()
+        weight_decay = 0.0 if no_weight_decay(name, param) else OptimizerConfig().weight_decay
+        for lr in args.lrs:
+            config = OptimizerConfig(lr=lr)
+            stepped = torch.nn.Parameter(base32.clone())
+            stepped.grad = param.grad
+            torch.optim.AdamW([stepped], lr=lr, betas=(config.betas1, config.betas2),
+                              weight_decay=weight_decay).step()
+            for dtype in args.dtypes:
+                torch_dtype = getattr(torch, DTYPES[dtype])
+                measure_tensor(points[(dtype, lr)], name, stepped.detach().to(torch_dtype), base32.to(torch_dtype),
+                               args.encodings, args.repeats)
+        param.grad = None  # freed as soon as used: no model-sized gradient or optimizer state
+        progress["done"] += 1
+        if progress["done"] % 20 == 0:
+            print(f"[{model_name}] {progress['done']}/{len(names)} tensors measured "
+                  f"({time.perf_counter() - start:.0f} s)", flush=True)
+
+    handles = [param.register_post_accumulate_grad_hook(step_and_measure) for param in model.parameters()]
+    generator = torch.Generator().manual_seed(args.seed)
+    input_ids = torch.randint(0, model.config.vocab_size, (1, NUM_TRAIN_TOKENS), generator=generator)
+    model.train()
+    model(input_ids=input_ids, labels=input_ids).loss.backward()
+    for handle in handles:
+        handle.remove()
+    missing = [name for param, name in names.items() if param.grad is not None]
+    if progress["done"] != len(names) or missing:
+        raise RuntimeError(f"[{model_name}] {len(names) - progress['done']} parameters got no gradient: {missing}")
+    print(f"[{model_name}] done in {time.perf_counter() - start:.1f} s", flush=True)
+    del model
+    return list(points.values())
+
+
+def rows_of(points: list[Point], encodings: list[str]) -> tuple[list[str], list[list[str]]]:
+    header = ["model", "params", "dtype", "lr", "changed elements", "FULL MiB"]
+    for label in encodings:
+        name = label.upper()
+        header += [f"{name} MiB", f"{name} / FULL"]
+        if label == "sparse":
+            header.append("forms gaps / mask / whole")
+        header += [f"{name} encode s", f"{name} decode s", f"{name} break-even wire GB/s"]
+    rows = []
+    for p in points:
+        row = [p.model, f"{p.num_params / 1e6:.0f}M", p.dtype, f"{p.lr:g}", f"{p.num_changed / p.num_elements:.2%}",
+               fmt(p.full_bytes / MiB, 4)]
+        for label in encodings:
+            cost = p.costs[label]
+            delta = cost.payload_bytes()
+            row += [fmt(delta / MiB, 3), f"{delta / p.full_bytes:.3f}"]
+            if label == "sparse":
+                row.append(f"{cost.forms['gaps']} / {cost.forms['mask']} / {cost.forms['whole']}")
+            seconds = cost.encode_s + cost.decode_s
+            break_even = 2 * max(0, p.full_bytes - delta) / seconds / 1e9 if seconds > 0 else math.inf
+            row += [fmt(cost.encode_s), fmt(cost.decode_s), fmt(break_even)]
+        rows.append(row)
+    return header, rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--models", default="100m,1b", help="comma-separated: 100m, 1b")
+    parser.add_argument("--lrs", default="1e-6,1e-5", help="comma-separated learning rates")
+    parser.add_argument("--dtypes", default="bf16,fp32", help="comma-separated: bf16, fp32")
+    parser.add_argument("--encodings", default="sparse,xor_zlib", help="comma-separated: sparse, xor_zlib")
+    parser.add_argument("--repeats", type=int, default=3, help="SPARSE encode/decode runs per tensor (fastest kept)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--markdown", type=Path, default=None, help="write the markdown section here")
+    args = parser.parse_args(argv)
+    specs = model_specs()
+    models = args.models.split(",")
+    args.lrs = [float(lr) for lr in args.lrs.split(",")]
+    args.dtypes = args.dtypes.split(",")
+    args.encodings = args.encodings.split(",")
+    for values, known, what in ((models, specs, "model"), (args.dtypes, DTYPES, "dtype"),
+                                (args.encodings, ENCODINGS, "encoding")):
+        unknown = [v for v in values if v not in known]
+        if unknown:
+            parser.error(f"unknown {what} {unknown}; choose from {sorted(known)}")
+    if args.repeats < 1:
+        parser.error("--repeats must be >= 1")
+
+    section = Section("Sparse deltas: what one AdamW step changes, and what it costs to send", argv)
+    cpu = cpu_name()
+    points = []
+    for model_name in models:
+        points += measure_model(model_name, specs[model_name], args)
+    header, rows = rows_of(points, args.encodings)
+    section.line(f"CPU: {cpu}; every encode and decode on one thread.")
+    section.line()
+    section.line("One AdamW step (weight decay 0.01, 16 tokens) from transformers' initial weights, fp32 master "
+                 "weights; bf16 = the stepped and the initial weights cast to bf16 (what inference serves). "
+                 "Payload sizes are exact (one safetensors header for all encoded tensors); encode / decode: the sum "
+                 "over tensors, each the fastest of "
+                 f"{args.repeats} runs for SPARSE, one run for XOR_ZLIB. Break-even wire rate: the delta saves time "
+                 "while the trainer -> broker -> worker path moves fewer bytes/s than 2 x (FULL - delta) / "
+                 "(encode + decode). `bench/delta_fraction.py` (module docstring) says how.")
+    section.line()
+    section.table(header, rows)
+    target = next((p for p in points if (p.model, p.dtype, p.lr) == TARGET_POINT and "sparse" in p.costs), None)
+    if target is not None:
+        fraction = target.costs["sparse"].payload_bytes() / target.full_bytes
+        section.line(target_line("1B bf16 SPARSE DELTA payload / FULL at lr 1e-6", fraction, "<=", TARGET_FRACTION,
+                                 f"({target.num_changed / target.num_elements:.2%} of the elements changed)"))
+    else:
+        section.line("- **not measured** 1B bf16 SPARSE DELTA payload / FULL at lr 1e-6 (target <= 0.1)")
+    section.line()
+    if args.markdown:
+        section.write(args.markdown)
+    print(section.text())
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -4,7 +4,7 @@
   plane and the headers of the ZeroMQ data plane.
 - ``framing`` (the only code that reads and writes data-plane messages), ``chunked_transfer`` (a payload split
   into the messages of one transfer, and their bounded reassembly) and ``tensor_frames`` (tensors as
-  safetensors frames); ``weight_delta``: the lossless delta encoding.
+  safetensors frames); ``weight_delta``: the lossless delta encodings (SPARSE, XOR_ZLIB).
 - One module per contract that is not a protobuf message: ``micro_batch`` (the training micro-batch's tensors),
   ``env_protocol`` (the env-worker JSON-lines protocol and the policy-version HTTP headers; standard library only),
   ``ready_file`` (a daemon's ``--ready-file`` JSON), ``step_digest`` (the digest of a step's data),

@@ -405,6 +405,9 @@ def _fill_broker_client(data: dict[str, Any]) -> None:
 
 
 def _fill_inference(data: dict[str, Any]) -> None:
+    inference_dtype = _get(data, "inference.model.dtype")
+    if isinstance(inference_dtype, str) and inference_dtype != "auto":  # publish what the workers serve
+        _set_default(data, "trainer.weight_broadcast.dtype", inference_dtype)
     gpu_ids = data.get("inference_gpu_ids", [0])
     tp = _get(data, "inference.parallel.tp") or 1
     if isinstance(gpu_ids, list) and isinstance(tp, int) and tp > 0 and len(gpu_ids) % tp == 0 and gpu_ids:

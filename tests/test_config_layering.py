@@ -307,3 +307,12 @@ def test_dry_run_through_primerl_module(base: Path) -> None:
                             capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
     assert "# --- inference ---" in result.stdout
+
+
+def test_the_trainer_publishes_in_the_dtype_inference_serves(write) -> None:
+    assert load("@", write("a.toml", BASE)).trainer.weight_broadcast.dtype == "auto"
+    served = load("@", write("b.toml", BASE + "\n[inference.model]\ndtype = \"bfloat16\"\n"))
+    assert served.trainer.weight_broadcast.dtype == "bfloat16"
+    own = load("@", write("c.toml", BASE + "\n[inference.model]\ndtype = \"bfloat16\"\n"
+                                          "[trainer.weight_broadcast]\ndtype = \"float32\"\n"))
+    assert own.trainer.weight_broadcast.dtype == "float32"  # set explicitly: kept

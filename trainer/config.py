@@ -211,6 +211,14 @@ class WeightBroadcastConfig(BaseConfig):
         description="`full` weights, the `lora` adapter only, or a `delta` to the previous version "
         "(default: `lora` when LoRA is on, else `full`).",
     )
+    dtype: Literal["auto", "bfloat16", "float16", "float32"] = Field(
+        "auto",
+        description="Dtype of the published `full` and `delta` weights: the dtype inference serves, cast from the "
+        "trainer's own (e.g. FP32 master weights). `auto`: the model's dtype as trained; `primerl rl` sets the "
+        "inference workers' `dtype` here when that one is explicit. 16-bit weights are half the bytes of FP32, and "
+        "most of their elements keep their bits from one step to the next (`delta` then sends only those that "
+        "changed). LoRA adapters keep their training dtype.",
+    )
 
 
 class TrainerConfig(BaseConfig):

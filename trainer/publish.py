@@ -108,6 +108,20 @@ _KIND_TO_WIRE = {
 }
 
 
+SERVING_DTYPES = ("bfloat16", "float16", "float32")
+
+
+def serving_dtype(name: str) -> torch.dtype | None:
+    """``WeightBroadcastConfig.dtype`` as the publisher's ``serving_dtype`` ("auto": None, the model's own)."""
+    import torch
+
+    if name == "auto":
+        return None
+    if name not in SERVING_DTYPES:
+        raise ValueError(f"weight_broadcast.dtype must be auto, {', '.join(SERVING_DTYPES)}; got {name!r}")
+    return getattr(torch, name)
+
+
 def _host_copy(state: dict[str, torch.Tensor], dtype: torch.dtype | None,
                reuse: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
     """Contiguous CPU copies (gathered when sharded), cast to ``dtype`` when given: a snapshot the next

@@ -141,7 +141,7 @@ class TrainerRunner:
     def _connect(self, start_step: int) -> None:
         from primerl.client.control import ControlClient
         from primerl.client.rollouts import RolloutConsumer
-        from primerl.trainer.publish import PolicyPublisher
+        from primerl.trainer.publish import PolicyPublisher, serving_dtype
 
         config = self.config
         name = f"trainer-rank{self.dist.rank}"
@@ -165,6 +165,7 @@ class TrainerRunner:
                 chunk_bytes=min(64 << 20, limits.weight_chunk_bytes),
                 kind=config.weight_broadcast.type, policy_name=config.model.name,
                 outage_s=config.broker.outage_s, stop_event=self.stop_event, curve=self.control.curve,
+                serving_dtype=serving_dtype(config.weight_broadcast.dtype),
             )
 
     # -- the loop ------------------------------------------------------------------------------------

@@ -26,7 +26,7 @@ import zmq
 from primerl.client.dealer import DealerClient
 from primerl.runtime.wire_security import CurveClient
 from primerl.client.outage import OutageWatch
-from primerl.client.weight_transfer import InPlaceTransfer
+from primerl.client.weight_transfer import BufferSink, InPlaceTransfer, PayloadSink
 from primerl.proto import chunked_transfer, framing
 from primerl.proto.data_plane_limits import DEFAULT_BROKER_LIMITS
 from primerl.proto.digests import payload_digest
@@ -45,6 +45,8 @@ CONNECT_TIMEOUT_S = 2.0
 """How long a publish waits for a connection to the broker before it fails as ``WeightBrokerLost``."""
 SEND_TIMEOUT_S = 5.0
 """How long a subscriber's HELLO or ACK may wait for the socket to take it."""
+STALL_TIMEOUT_S = 30.0
+"""How long a subscriber keeps an unfinished chunked update that gets no chunk (the broker's default too)."""
 
 
 class WeightPlaneError(RuntimeError):
@@ -205,21 +207,25 @@ class WeightPublisher(DealerClient):
 class WeightSubscriber(DealerClient):
     """The inference worker's side: ``hello()``, then ``receive()`` updates and ``ack()`` each one.
 
-    ``receive`` returns whole updates (chunks reassembled, each chunk's CRC-32 checked by ``framing.decode``) and
-    says HELLO again every ``hello_interval_s`` and when the broker no longer knows this worker (e.g. after a
-    broker restart). It passes on every update it receives: whether one is newer than what the worker serves (its
-    version and lineage) and whether its bytes match its digest is for the worker's one checker to say
-    (``primerl.inference.policy_updates.PolicyUpdater``), which the caller asks before it acknowledges. ``ack``
-    reports the lineage with the version, so the broker knows which weights the worker holds.
+    ``receive`` returns whole updates (chunks reassembled, each chunk's envelope checksum checked by
+    ``framing.decode``) and says HELLO again every ``hello_interval_s`` and when the broker no longer knows this
+    worker (e.g. after a broker restart). It passes on every update it receives: whether one is newer than what the
+    worker serves (its version and lineage) and whether its bytes match its digest is for the worker's one checker
+    to say (``primerl.inference.policy_updates.PolicyUpdater``), which the caller asks before it acknowledges.
+    ``ack`` reports the lineage with the version, so the broker knows which weights the worker holds.
 
     ``outage_s``: when set, ``receive`` raises ``BrokerOutageExceeded`` once the broker has answered nothing (no
     update, no answer to a HELLO) for ``liveness_s`` plus ``outage_s``, having logged ``waiting for the broker``
     every few seconds from ``liveness_s`` on; None: wait for the broker forever, saying nothing.
 
-    ``payload_buffer(num_bytes) -> memoryview``: where a chunked update is assembled (e.g. the inference worker's
-    shared payload file), instead of a new ``bytearray`` per update; the payload ``receive`` returns is then a view
-    of it, valid until the next ``receive``. One chunked transfer is received at a time (the broker sends a
-    worker's updates one after the other); a new one replaces an unfinished one.
+    ``payload_sink`` (``weight_transfer.PayloadSink``, e.g. the inference worker's ``PolicyUpdater``): where a
+    chunked update is written as its chunks arrive (the worker's shared payload file), told of each chunk, so it can
+    start loading the update before the last one; ``payload_buffer(num_bytes) -> memoryview``: the same, given only
+    the buffer. The payload ``receive`` returns is then a view of that buffer, valid until the next ``receive``,
+    and ``received_digest`` its digest, computed as the chunks arrived. One chunked transfer is received at a time
+    (the broker sends a worker's updates one after the other): a new one replaces an unfinished one, and an
+    unfinished one that gets no chunk for ``stall_timeout_s`` (the trainer or the broker stopped sending it midway),
+    or is open longer than ``transfer_timeout_s``, is dropped; a dropped update is never returned, in part or whole.
     """
 
     def __init__(
@@ -232,7 +238,9 @@ class WeightSubscriber(DealerClient):
         limits: framing.Limits = DEFAULT_BROKER_LIMITS.frames,
         hello_interval_s: float = 5.0,
         transfer_timeout_s: float = 300.0,
+        stall_timeout_s: float = STALL_TIMEOUT_S,
         payload_buffer: Callable[[int], memoryview] | None = None,
+        payload_sink: PayloadSink | None = None,
         outage_s: float | None = None,
         liveness_s: float | None = None,
         curve: CurveClient | None = None,
@@ -241,6 +249,10 @@ class WeightSubscriber(DealerClient):
             raise ValueError("worker_id must not be empty")
         if outage_s is not None and outage_s <= 0:
             raise ValueError(f"outage_s must be > 0 (or None), got {outage_s}")
+        if stall_timeout_s <= 0:
+            raise ValueError(f"stall_timeout_s must be > 0, got {stall_timeout_s}")
+        if payload_buffer is not None and payload_sink is not None:
+            raise ValueError("give payload_buffer or payload_sink, not both")
         self.worker_id = worker_id
         self.hello_interval_s = hello_interval_s
         self.current_version: int | None = None
@@ -256,10 +268,18 @@ class WeightSubscriber(DealerClient):
         self._assembler = chunked_transfer.ChunkAssembler(limits=limits, max_open_transfers=2,
                                                           timeout_s=transfer_timeout_s)
         self.transfer_timeout_s = transfer_timeout_s
-        self._payload_buffer = payload_buffer
+        self.stall_timeout_s = stall_timeout_s
+        self._sink = BufferSink(payload_buffer) if payload_buffer is not None else payload_sink
         self._in_place: InPlaceTransfer | None = None
+        self._received_digest: str | None = None
         self._hello_sent_s: float | None = None
         super().__init__(endpoint, auth_token, worker_id, limits=limits, context=context, curve=curve)
+
+    @property
+    def received_digest(self) -> str | None:
+        """The digest of the payload ``receive`` returned last, computed (with the algorithm of its header's
+        ``digest``) as its chunks were written to the payload sink; None when it was not assembled there."""
+        return self._received_digest
 
     def hello(self, current_version: int | None = None, lineage: int = 0) -> None:
         """Tell the broker who this worker is and which version it holds (None: none), of which lineage (0:
@@ -289,10 +309,13 @@ class WeightSubscriber(DealerClient):
             if self._hello_sent_s is not None and now_s - self._hello_sent_s >= self.hello_interval_s:
                 self._send_hello()
             self._check_liveness(now_s)
+            self._expire_in_place(now_s)
             remaining_s = deadline_s - now_s
             if remaining_s <= 0:
                 return None
             wait_s = remaining_s if self._hello_sent_s is None else min(remaining_s, self.hello_interval_s)
+            if self._in_place is not None:
+                wait_s = min(wait_s, self._in_place.stall_timeout_s / 2)
             if self._watch is not None:
                 wait_s = min(wait_s, max(0.05, self.liveness_s / 2))
             message = self._recv(time.monotonic() + wait_s)
@@ -328,47 +351,65 @@ class WeightSubscriber(DealerClient):
         if message.type != data_pb2.WEIGHT_UPDATE:
             log.debug("ignored a message", type=message.type_name)
             return None
-        if self._payload_buffer is not None and message.is_chunk:
-            whole = self._add_in_place(message)
-            if whole is None:
+        if self._sink is not None and message.is_chunk:
+            finished = self._add_in_place(message)
+            if finished is None:
                 return None
+            whole, digest = finished
         else:
             whole = self._assemble(message)
             if whole is None:
                 return None
+            digest = None
+        self._received_digest = digest
         header: data_pb2.WeightUpdateHeader = whole.header
         payload = whole.payload[0]
         self._last_update = (header.policy_version, header.lineage,
                              self.current_version is not None and header.policy_version <= self.current_version)
         return header, payload
 
-    def _add_in_place(self, message: framing.Message) -> framing.Message | None:
-        """A chunk of an update assembled in ``payload_buffer``: the whole message, or None (incomplete or dropped)."""
-        chunk = message.envelope.chunk
+    def _expire_in_place(self, now_s: float) -> None:
         transfer = self._in_place
-        if transfer is not None and time.monotonic() > transfer.deadline_s:
-            log.warning("incomplete weight transfer expired", transfer_id=transfer.key[1])
-            transfer = self._in_place = None
+        reason = None if transfer is None else transfer.expired(now_s)
+        if transfer is not None and reason is not None:
+            log.warning("dropped an incomplete weight transfer", transfer_id=transfer.key[1], reason=reason,
+                        received_bytes=transfer.num_bytes, total_bytes=transfer.buffer.nbytes)
+            self._in_place = None
+            transfer.drop()
+
+    def _add_in_place(self, message: framing.Message) -> tuple[framing.Message, str | None] | None:
+        """A chunk of an update assembled in the payload sink: the whole message and its payload's digest, or None
+        (incomplete or dropped)."""
+        assert self._sink is not None
+        chunk = message.envelope.chunk
+        self._expire_in_place(time.monotonic())
+        transfer = self._in_place
         try:
             if chunk.index == 0:
-                # A new transfer (or one resent under its id) replaces an unfinished one: the broker sends one at a time.
+                # A new transfer (or one resent under its id) replaces an unfinished one: the broker sends one at
+                # a time.
+                if transfer is not None:
+                    log.warning("an unfinished weight transfer was replaced by a new one", transfer_id=transfer.key[1],
+                                received_bytes=transfer.num_bytes, total_bytes=transfer.buffer.nbytes)
+                    self._in_place = None
+                    transfer.drop()
                 if chunk.total_bytes > self.limits.max_transfer_bytes:
                     raise framing.OversizedFrame(f"transfer of {chunk.total_bytes} bytes exceeds "
                                                  f"{self.limits.max_transfer_bytes}")
-                self._in_place = None
-                transfer = self._in_place = InPlaceTransfer(message, self._payload_buffer(chunk.total_bytes),
-                                                             self.transfer_timeout_s)
+                transfer = self._in_place = InPlaceTransfer(message, self._sink, self.transfer_timeout_s,
+                                                            self.stall_timeout_s)
             elif transfer is None or transfer.key != (message.envelope.sender, chunk.transfer_id):
                 log.warning("dropped a chunk of an abandoned transfer", transfer_id=chunk.transfer_id)
                 return None
-            whole = transfer.add(message)
+            whole = transfer.add(message)  # drops the transfer itself when the chunk breaks it
         except framing.FramingError as exc:
             self._in_place = None
             log.warning("dropped a weight transfer", error=str(exc))
             return None
-        if whole is not None:
-            self._in_place = None
-        return whole
+        if whole is None:
+            return None
+        self._in_place = None
+        return whole, transfer.digest
 
     def _assemble(self, message: framing.Message) -> framing.Message | None:
         try:

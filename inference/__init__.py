@@ -13,7 +13,9 @@ HTTP API and applies weight updates in flight.
 - ``policy_updates``: the one checker of an update's order and digest on this host, and how FULL, LORA and DELTA
   updates reach the engine; ``update_checks``: ``UpdateRefused`` and the checks that need no served state (a
   LoRA adapter's tensors, a worker's refusal); ``worker_extension``: the methods mixed into vLLM's worker that
-  change the weights; ``shared_payload``: a payload handed to that worker through one shared-memory file.
+  change the weights; ``staged_load``: loading new weights into a shadow of the running model, switched to in one
+  short step; ``shared_payload``: a payload handed to that worker through shared-memory files, readable while it
+  is still being written.
 - ``vllm_plugin``: loaded by vLLM in each of its processes; ``metrics``: primerl's families on vLLM's /metrics;
   ``logprob_check``: vLLM's logprobs against a transformers pass (tests and benchmarks).
 """

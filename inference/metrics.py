@@ -5,7 +5,10 @@ required like every route but /health), next to vLLM's ``vllm:*`` families:
     primerl_inference_weight_updates_applied_total   weight updates applied
     primerl_inference_weight_updates_refused_total   weight updates refused (the previous version kept serving)
     primerl_inference_last_update_ms                 the last applied update, from its arrival to resumed serving
-    primerl_inference_last_update_phase_ms{phase}    its phases: wait_engine (pause), check, stage, engine, reset_cache
+    primerl_inference_last_update_phase_ms{phase}    its phases: check, stage, load (before the pause), wait_engine
+                                                     (pausing), engine, reset_cache
+    primerl_inference_update_pause_ms                histogram of each applied update's generation pause (ms),
+                                                     from the pause request to resumed serving
     primerl_inference_join_to_serving_seconds        from registering to serving the version current then
 
 vLLM's route serves prometheus_client's global registry (``vllm.v1.metrics.prometheus.get_prometheus_registry``),
@@ -19,7 +22,7 @@ from __future__ import annotations
 import threading
 from dataclasses import dataclass
 
-from prometheus_client import Counter, Gauge
+from prometheus_client import Counter, Gauge, Histogram
 
 _lock = threading.Lock()
 _families: InferenceFamilies | None = None
@@ -32,7 +35,12 @@ class InferenceFamilies:
     updates_refused: Counter
     last_update_ms: Gauge
     last_update_phase_ms: Gauge
+    update_pause_ms: Histogram
     join_to_serving_s: Gauge
+
+
+UPDATE_PAUSE_BUCKETS_MS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 30000)
+"""Bucket bounds (ms) of the generation-pause histogram: the target is <= 50 ms at 100M parameters."""
 
 
 def inference_families() -> InferenceFamilies:
@@ -49,9 +57,13 @@ def inference_families() -> InferenceFamilies:
                 last_update_ms=Gauge("primerl_inference_last_update_ms", "Milliseconds of the last applied update, "
                                      "from its arrival to resumed serving.", multiprocess_mode="mostrecent"),
                 last_update_phase_ms=Gauge("primerl_inference_last_update_phase_ms", "Milliseconds of each phase "
-                                           "of the last applied update (wait_engine: pausing generation; check; "
-                                           "stage: payload into the shared file; engine: the worker's reload; "
-                                           "reset_cache).", ["phase"], multiprocess_mode="mostrecent"),
+                                           "of the last applied update (check; stage: payload into the shared "
+                                           "file; load: waiting for the load beside the served weights; "
+                                           "wait_engine: pausing generation; engine: the switch or the worker's "
+                                           "reload; reset_cache).", ["phase"], multiprocess_mode="mostrecent"),
+                update_pause_ms=Histogram("primerl_inference_update_pause_ms", "Generation pause of each applied "
+                                          "weight update, from the pause request to resumed serving (ms).",
+                                          buckets=UPDATE_PAUSE_BUCKETS_MS),
                 join_to_serving_s=Gauge("primerl_inference_join_to_serving_seconds", "Seconds from registering "
                                         "with the broker to serving the policy version that was current then.",
                                         multiprocess_mode="mostrecent"),

@@ -12,14 +12,14 @@ the server adapts its `AsyncLLM` the same way (each method run to completion, e.
 
 This is the one place on the inference host that checks an update's order and digest: the weight subscriber
 (`primerl.client.weights`) passes on every update it receives, the daemon (`primerl.inference.service`) asks
-``holds(header)`` (acknowledge the served version, apply nothing) and otherwise `apply`, and the worker extension
-checks only that the tensors fit the model. Checks come first, and a refused update (`UpdateRefused` with a wire
-``ErrorCode``, `primerl.inference.update_checks`) changes nothing:
+``holds(header)`` (acknowledge the served version, apply nothing) and otherwise `preload` then `apply`, and the
+worker extension checks only that the tensors fit the model. Checks come first, and a refused update
+(`UpdateRefused` with a wire ``ErrorCode``, `primerl.inference.update_checks`) changes nothing:
 
-- BAD_DIGEST: the payload's SHA-256 is not ``header.digest`` (TRUNCATED when ``payload_bytes`` disagrees). Only
-  with ``verify_digest`` (the default): the daemon turns it off, because the broker checked the SHA-256 of exactly
-  the bytes it forwards and every chunk's CRC-32 was checked on arrival (the digest is computed once by the trainer
-  and checked once by the broker, not again at every hop);
+- BAD_DIGEST: the payload's digest is not ``header.digest`` (XXH3-128, or SHA-256 for 64 hex digits:
+  ``proto.digests``; TRUNCATED when ``payload_bytes`` disagrees). The broker forwards chunks before it has checked
+  the digest (cut-through), so the daemon checks it too, over the digest the subscriber computed as the chunks
+  arrived (``payload_digest``): no second pass over the payload. Only with ``verify_digest`` (the default);
 - OUT_OF_ORDER: a FULL or LORA update not newer than the served version, unless it belongs to a newer lineage
   (below); any update of an older lineage than the served one; a DELTA whose ``base_version`` is not the served
   version or whose lineage is not the served one, or that arrives while a LoRA adapter is served (a delta applies
@@ -27,13 +27,22 @@ checks only that the tensors fit the model. Checks come first, and a refused upd
 - TENSOR_MISMATCH / MALFORMED_HEADER: unknown, missing or misshapen tensors, an unreadable payload, a corrupt
   delta, an adapter whose rank exceeds the engine's ``max_lora_rank``.
 
-FULL and DELTA go through `primerl.inference.worker_extension`: the payload is put in one shared-memory file
-(`primerl.inference.shared_payload`, reused from update to update; a caller may assemble the payload straight into
-it with `staging_buffer`) and only its path crosses ``collective_rpc``; the worker reads it in place and reloads
-the weights; LORA is written to a new directory under ``work_dir`` and added under a NEW int id each
-version (re-using an id with new files serves the old weights), then the previous id is removed. Older adapter
-directories are kept for ``keep_adapter_versions`` versions, because a request still in flight with the previous
-`LoRARequest` makes vLLM reload it from its path.
+FULL and DELTA go through `primerl.inference.worker_extension` and shared-memory files
+(`primerl.inference.shared_payload`): only a file's path crosses ``collective_rpc``. The updater is the weight
+subscriber's payload sink (`begin_payload`, `payload_progress`, `end_payload`): chunks are written straight into a
+file, and the worker loads the update beside the served weights while it arrives (a staged load,
+`primerl.inference.staged_load`: a FULL update tensor by tensor as its bytes are in, a DELTA once complete). Once
+the update is whole, `preload` checks it and waits for that load, generation still running; `apply` then only
+switches the model to it (a few ms) and resets the prefix cache. An update is never switched to before its last
+chunk arrived and its digest matched; one that stops midway, or is refused, is dropped (`discard`) and changes
+nothing. An engine that cannot stage (`staged_load.unsupported_reason`: on a GPU, quantized, MoE; or ``streaming``
+off) reloads in place in `apply` instead. The host copy of the weights that the worker keeps views the file of the
+last FULL update, so there are two files, used in turn: an update is always written into the one the host copy does
+not view (its ``HOST_VIEWS`` control word). A caller may also assemble a payload in place with `staging_buffer`.
+LORA is written to a new directory under ``work_dir`` and added under a NEW int id each version (re-using an id
+with new files serves the old weights), then the previous id is removed. Older adapter directories are kept for
+``keep_adapter_versions`` versions, because a request still in flight with the previous `LoRARequest` makes vLLM
+reload it from its path.
 
 Lineage (a rollback): each update carries the trainer incarnation that made it (``header.lineage``, larger is
 newer; 0: unknown). A trainer that resumed from a checkpoint older than the newest published version re-publishes
@@ -45,8 +54,9 @@ daemon acknowledges the served version without pausing the engine); ``lineage`` 
 with the version).
 
 Requests in flight keep generating while an update is applied: their later tokens come from the new weights.
-Pausing the engine around an update (so a response is produced by one version) is the server's job.
-`apply` is serialised by one lock; `policy_version` and `lora_request()` can be read from any thread.
+Pausing the engine around `apply` (so a response is produced by one version) is the server's job.
+Receiving, `preload` and `apply` are for one thread (the daemon's weight thread), serialised by one lock;
+`policy_version` and `lora_request()` can be read from any thread.
 """
 
 from __future__ import annotations
@@ -56,10 +66,11 @@ import json
 import shutil
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
-from primerl.inference.shared_payload import SharedPayload
+from primerl.inference.shared_payload import PayloadControl, SharedPayload
 from primerl.inference.update_checks import (
     UpdateRefused,
     check_lora_tensors,
@@ -83,6 +94,14 @@ __all__ = ["EngineOps", "LLMEngineOps", "PolicyUpdater"]
 FULL = data_pb2.WEIGHT_UPDATE_KIND_FULL
 LORA = data_pb2.WEIGHT_UPDATE_KIND_LORA
 DELTA = data_pb2.WEIGHT_UPDATE_KIND_DELTA
+
+STAGE_STALL_TIMEOUT_S = 120.0
+"""A staged load gives up when no byte of its payload arrived for this long (the daemon drops a stalled transfer
+itself much sooner: ``WeightSubscriber.stall_timeout_s``)."""
+STAGE_TIMEOUT_S = 600.0
+"""Longest wait for a staged load once its payload is complete (as long as an engine call)."""
+STAGE_POLL_S = 0.001
+"""How often `preload` looks whether the staged load has finished."""
 
 ADAPTER_WEIGHTS_FILE = "adapter_model.safetensors"
 ADAPTER_CONFIG_FILE = "adapter_config.json"
@@ -144,13 +163,19 @@ class PolicyUpdater:
         keep_adapter_versions: int = 2,
         verify_digest: bool = True,
         staging_dir: str | Path | None = None,
+        streaming: bool = True,
+        stage_stall_timeout_s: float = STAGE_STALL_TIMEOUT_S,
+        stage_timeout_s: float = STAGE_TIMEOUT_S,
     ):
         """`max_lora_rank`: the engine's (None: started without LoRA, LORA updates are refused).
         `policy_name`: the adapter name when a LORA header has none. `policy_version`: what the engine serves
         now (0: the checkpoint it was started from). `keep_adapter_versions`: adapter directories kept on disk,
         the served one included (>= 2, so requests still on the previous adapter can reload it).
-        `verify_digest`: check each payload's SHA-256 against the header (see the module docstring).
-        `staging_dir`: where the shared payload file lives (None: /dev/shm when writable)."""
+        `verify_digest`: check each payload's digest against the header (see the module docstring).
+        `staging_dir`: where the shared payload files live (None: /dev/shm when writable). `streaming`: load FULL and
+        DELTA updates beside the served weights (staged) when the engine can; False: always reload in place.
+        `stage_stall_timeout_s`: a staged load gives up when no byte of its payload arrived for this long.
+        `stage_timeout_s`: longest wait for a staged load to finish once its payload is complete."""
         if keep_adapter_versions < 2:
             raise ValueError(f"keep_adapter_versions must be >= 2, got {keep_adapter_versions}")
         if policy_version < 0:
@@ -169,12 +194,22 @@ class PolicyUpdater:
         self._manifest: dict[str, tuple[str, list[int]]] | None = None
         self._lock = threading.Lock()
         self.verify_digest = verify_digest
+        self.streaming = streaming
+        self.stage_stall_timeout_s = stage_stall_timeout_s
+        self.stage_timeout_s = stage_timeout_s
         self._staging_dir = staging_dir
-        self._staging: SharedPayload | None = None
+        self._files: list[SharedPayload] = []
+        self._seq = 0
+        self._transfer: _Transfer | None = None
+        self._preloaded: _Preloaded | None = None
+        self._staging_unsupported: str | None = None
+        self._num_engine_workers = 0
         self.last_phases_ms: dict[str, float] = {}
-        """Milliseconds of each phase of the last applied update: ``check`` (header, digest, tensor specs),
-        ``stage`` (payload into the shared file; 0 when it was assembled there), ``engine`` (the worker's reload),
-        ``reset_cache``; LORA: ``check``, ``engine`` (write + add the adapter)."""
+        """Milliseconds of each phase of the last applied update. FULL and DELTA: ``check`` (header, digest, tensor
+        specs), ``stage`` (payload into a shared file; 0 when it was received there), ``load`` (waiting for the
+        staged load beside the served weights, once the payload was complete), ``engine`` (the switch to the staged
+        load, or the worker's reload in place), ``reset_cache``; all but ``engine`` and ``reset_cache`` happen in
+        `preload`. LORA: ``check``, ``engine`` (write + add the adapter)."""
 
     @classmethod
     def for_llm(cls, llm: vllm.LLM, work_dir: str | Path, **kwargs: Any) -> PolicyUpdater:
@@ -221,6 +256,12 @@ class PolicyUpdater:
         """"lora" while an adapter is served, else "full"."""
         return "full" if self._lora_request is None else "lora"
 
+    @property
+    def reload_in_place_reason(self) -> str | None:
+        """Why FULL and DELTA updates are reloaded in place, generation paused for the whole load (None: they are
+        loaded beside the served weights, or it is not known yet: before the first update)."""
+        return "streaming is off" if not self.streaming else self._staging_unsupported
+
     def lora_request(self) -> LoRARequest | None:
         """The `LoRARequest` requests must carry to get the served policy; None while full weights are served."""
         return self._lora_request
@@ -238,55 +279,255 @@ class PolicyUpdater:
             raise RuntimeError(f"workers hold different weights: {sorted(digests)}")
         return digests.pop()
 
-    # ---- applying ----------------------------------------------------------------------------------------------
+    # ---- receiving: the weight subscriber's payload sink --------------------------------------------------------
+
+    def begin_payload(self, header: data_pb2.WeightUpdateHeader, num_bytes: int) -> memoryview:
+        """`PayloadSink` (``primerl.client.weight_transfer``): a writable buffer of ``num_bytes`` in a shared payload
+        file for the update ``header`` announces. When it would be applied (`wants`) and is FULL or DELTA, the
+        worker's staged load of it starts now: a FULL update tensor by tensor as its bytes arrive, a DELTA once it
+        is complete. The view is passed to `preload` / `apply` as is, with no further copy."""
+        with self._lock:
+            transfer = self._begin_transfer(num_bytes)
+            if header.kind in (FULL, DELTA) and header.payload_bytes in (0, num_bytes) and self.wants(header):
+                self._start_staged_load(transfer, header)
+            return transfer.view
+
+    def payload_progress(self, num_bytes: int) -> None:
+        """`PayloadSink`: the first ``num_bytes`` of the payload are in its buffer (the staged load may read them)."""
+        transfer = self._transfer
+        if transfer is not None:
+            transfer.file.publish(num_bytes)
+
+    def end_payload(self, complete: bool) -> None:
+        """`PayloadSink`: the payload is complete, or was dropped (its staged load then stops by itself)."""
+        transfer = self._transfer
+        if transfer is not None:
+            transfer.finish(complete)
+            if not complete:
+                self._transfer = None
 
     def staging_buffer(self, num_bytes: int) -> memoryview:
-        """A writable view of ``num_bytes`` in the shared payload file, to assemble a payload in place; passed to
-        `apply` as is, it is not copied again. Valid until the next call (one update at a time)."""
+        """A writable view of ``num_bytes`` in a shared payload file, to assemble a payload in place (no staged load
+        starts before `preload` / `apply`); passed to `apply` as is, it is not copied again. Valid until the next
+        call (one update at a time)."""
         with self._lock:
-            return self._staging_file().buffer(num_bytes)
+            return self._begin_transfer(num_bytes).view
 
-    def _staging_file(self) -> SharedPayload:
-        if self._staging is None:
-            self._staging = SharedPayload(self._staging_dir)
-        return self._staging
+    def _begin_transfer(self, num_bytes: int) -> _Transfer:
+        """A new transfer into a shared file the worker's host copy does not view (its previous transfer, if
+        unfinished, is dropped)."""
+        if self._transfer is not None and not self._transfer.complete:
+            self._transfer.finish(complete=False)
+        self._transfer = None
+        file = next((f for f in self._files if not f.control.read(PayloadControl.HOST_VIEWS)), None)
+        if file is None:
+            if len(self._files) >= 2:  # only one file is ever viewed by the host copy: this is a bug
+                log.warning("every shared payload file is in use by the worker's host copy; adding one",
+                            num_files=len(self._files))
+            file = SharedPayload(self._staging_dir)
+            self._files.append(file)
+        view = file.buffer(num_bytes)
+        self._seq += 1
+        file.begin(self._seq)
+        self._transfer = _Transfer(file, self._seq, view)
+        return self._transfer
+
+    def _start_staged_load(self, transfer: _Transfer, header: data_pb2.WeightUpdateHeader) -> None:
+        """Ask the worker to load ``transfer`` beside the served weights (`primerl_stage_begin`): it reads the shared
+        file as the bytes arrive. Nothing happens when staging is off or the engine cannot stage (then `apply`
+        reloads in place, generation paused for the whole load)."""
+        if not self.streaming or self._staging_unsupported is not None or transfer.staged_header is not None:
+            return
+        self._weight_manifest()
+        if self._num_engine_workers != 1:
+            self._staging_unsupported = f"{self._num_engine_workers} workers share the engine"
+        else:
+            header_bytes = header.SerializeToString()
+            try:
+                results = self.engine.collective_rpc("primerl_stage_begin", (
+                    transfer.file.path, transfer.num_bytes, transfer.seq, header_bytes, self.stage_stall_timeout_s))
+            except Exception as exc:  # the engine's fault shows again, where it matters, when the update is applied
+                log.warning("could not start a staged load; the update will be reloaded in place", error=repr(exc))
+                return
+            if results[0].get("staging"):
+                transfer.staged_header = header_bytes
+                return
+            if results[0].get("reason") != "the previous staged load did not stop":
+                self._staging_unsupported = str(results[0].get("reason"))
+            else:
+                log.warning("staged load not started", reason=results[0].get("reason"))
+                return
+        log.info("weight updates are reloaded in place, with generation paused for the whole load",
+                 reason=self._staging_unsupported)
+
+    # ---- applying ----------------------------------------------------------------------------------------------
 
     def close(self) -> None:
-        """Remove the shared payload file (the updater can still be used: it makes a new one)."""
+        """Remove the shared payload files (the updater can still be used: it makes new ones)."""
         with self._lock:
-            if self._staging is not None:
-                self._staging.close()
-                self._staging = None
+            if self._transfer is not None:
+                self._transfer.finish(complete=False)
+                self._transfer = None
+            self._preloaded = None
+            for file in self._files:
+                file.close()
+            self._files = []
 
-    def apply(self, header: data_pb2.WeightUpdateHeader, payload: bytes | bytearray | memoryview) -> float:
-        """Apply one update; returns the milliseconds it took, checks included. Raises `UpdateRefused` (nothing
-        changed). Any other exception is a fault of the engine: what it serves is then unknown."""
-        start = time.perf_counter()
-        phases: dict[str, float] = {}
+    def preload(self, header: data_pb2.WeightUpdateHeader, payload: bytes | bytearray | memoryview, *,
+                payload_digest: str | None = None) -> None:
+        """Everything of `apply` that leaves the served policy as it is: the checks (digest included), and for FULL
+        and DELTA the load beside the served weights (the worker's staged load, started as the payload arrived or
+        now). Call it before pausing generation; `apply` of the same update then only switches to it (a few ms),
+        or reloads in place when the engine cannot stage. ``payload_digest``: the payload's digest as its receiver
+        computed it (``WeightSubscriber.received_digest``), saving a pass over the payload; None: computed here.
+        Raises `UpdateRefused` (nothing changed; nothing stays loaded)."""
         with self._lock:
-            self._check_common(header, payload)
+            self._preload(header, payload, payload_digest)
+
+    def discard(self) -> None:
+        """Drop what `begin_payload` / `preload` loaded for an update that will not be applied (frees its memory)."""
+        with self._lock:
+            self._discard()
+
+    def apply(self, header: data_pb2.WeightUpdateHeader, payload: bytes | bytearray | memoryview, *,
+              payload_digest: str | None = None) -> float:
+        """Apply one update (`preload` first, unless it was preloaded); returns the milliseconds it took, checks and
+        preload included. Raises `UpdateRefused` (nothing changed). Any other exception is a fault of the engine:
+        what it serves is then unknown."""
+        start = time.perf_counter()
+        with self._lock:
+            preloaded = self._preloaded
+            if preloaded is None or not preloaded.is_for(header, payload):
+                self._preload(header, payload, payload_digest)
+                preloaded = self._preloaded
+            assert preloaded is not None
+            self._preloaded = None
+            phases = dict(preloaded.phases_ms)
+            mark = time.perf_counter()
             if header.kind == LORA:
-                phases["check"] = _ms_since(start)
                 self._apply_lora(header, payload)
-                phases["engine"] = _ms_since(start) - phases["check"]
+                phases["engine"] = _ms_since(mark)
             else:
-                self._apply_weights(header, payload, phases, start)
+                self._switch_weights(header, preloaded.transfer, phases)
             rolled_back_from = self._policy_version if header.policy_version <= self._policy_version else None
             self._policy_version = int(header.policy_version)
             if header.lineage:
                 self._lineage, self._lineage_base_version = int(header.lineage), int(header.lineage_base_version)
             self.last_phases_ms = phases
-        apply_ms = _ms_since(start)
+        apply_ms = _ms_since(start) + (preloaded.preload_ms if preloaded.done_s < start else 0.0)
         if rolled_back_from is not None:
             log.warning("served policy rolled back", policy_version=header.policy_version,
                         rolled_back_from=rolled_back_from, lineage=header.lineage,
                         lineage_base_version=header.lineage_base_version)
         log.info("applied weight update", policy_version=header.policy_version, lineage=header.lineage or None,
                  kind=data_pb2.WeightUpdateKind.Name(header.kind), apply_ms=round(apply_ms, 2),
+                 staged=preloaded.transfer is not None and preloaded.transfer.staged_header is not None,
                  **{f"{name}_ms": round(value, 1) for name, value in phases.items()})
         return apply_ms
 
-    def _check_common(self, header: data_pb2.WeightUpdateHeader, payload: Any) -> None:
+    def _preload(self, header: data_pb2.WeightUpdateHeader, payload: Any, payload_digest: str | None) -> None:
+        self._preloaded = None
+        start = time.perf_counter()
+        phases: dict[str, float] = {}
+        transfer = None
+        try:
+            self._check_common(header, payload, payload_digest)
+            if header.kind != LORA:
+                self._check_weights(header, payload)
+            phases["check"] = _ms_since(start)
+            if header.kind != LORA:
+                mark = time.perf_counter()
+                transfer = self._transfer_of(payload)
+                phases["stage"] = _ms_since(mark)
+                mark = time.perf_counter()
+                if transfer.staged_header is not None and transfer.staged_header != header.SerializeToString():
+                    self._discard()  # staged for another header: start again
+                    transfer = self._transfer_of(payload)
+                self._start_staged_load(transfer, header)
+                if transfer.staged_header is not None:
+                    self._await_staged_load(transfer)
+                phases["load"] = _ms_since(mark)
+        except UpdateRefused:
+            self._discard()
+            raise
+        self._preloaded = _Preloaded(header.SerializeToString(), payload, transfer, phases, _ms_since(start),
+                                     time.perf_counter())
+
+    def _transfer_of(self, payload: Any) -> _Transfer:
+        """The complete transfer holding ``payload``: the one it was received into, else a new one it is copied
+        into."""
+        view = memoryview(payload)
+        transfer = self._transfer
+        if transfer is None or not transfer.file.holds(view) or transfer.num_bytes != view.nbytes:
+            transfer = self._begin_transfer(view.nbytes)
+            transfer.file.write(view)
+        if not transfer.complete:  # assembled through `staging_buffer`: no progress was published
+            transfer.file.publish(transfer.num_bytes)
+            transfer.finish(complete=True)
+        return transfer
+
+    def _await_staged_load(self, transfer: _Transfer) -> None:
+        """Until the worker's staged load of ``transfer`` has finished, bounded. `UpdateRefused` when the update does
+        not fit the model; for any other failure the staged load is dropped (`apply` then reloads in place)."""
+        deadline_s = time.monotonic() + self.stage_timeout_s
+        state = None
+        while time.monotonic() < deadline_s:
+            state = transfer.file.control.stage(transfer.seq)
+            if state in (PayloadControl.LOADED, PayloadControl.FAILED, PayloadControl.DISCARDED):
+                break
+            time.sleep(STAGE_POLL_S)
+        if state == PayloadControl.LOADED:
+            return
+        result = self.engine.collective_rpc("primerl_stage_result", (transfer.seq,))[0]
+        if result.get("refusal"):
+            refusal = refusal_from_worker_error(RuntimeError(result["refusal"]))
+            if refusal is not None:
+                raise refusal
+        reason = result.get("error") or result.get("refusal") or (
+            f"not loaded within {self.stage_timeout_s:g} s" if state is None or state == PayloadControl.LOADING
+            else "discarded")
+        log.warning("staged load failed; the update is reloaded in place", transfer=transfer.seq, reason=reason)
+        self._discard()
+        transfer.staged_header = None
+
+    def _discard(self) -> None:
+        """Drop the preloaded update and the staged load of the current transfer."""
+        self._preloaded = None
+        transfer = self._transfer
+        if transfer is None or transfer.staged_header is None:
+            return
+        transfer.staged_header = None
+        if transfer.file.control.stage(transfer.seq) in (PayloadControl.LOADING, None):
+            transfer.finish(complete=False)  # the loading thread sees it and stops; the file is not reused before
+            self._transfer = None
+            return
+        if not self.engine.collective_rpc("primerl_stage_discard")[0]:
+            log.warning("the worker's staged load did not stop", transfer=transfer.seq)
+
+    def _switch_weights(self, header: data_pb2.WeightUpdateHeader, transfer: _Transfer | None,
+                        phases: dict[str, float]) -> None:
+        """FULL or DELTA: commit the staged load, else reload in place through the shared payload file."""
+        assert transfer is not None
+        mark = time.perf_counter()
+        if transfer.staged_header is not None:
+            results = self._rpc("primerl_stage_commit", transfer.seq)
+        elif header.kind == FULL:
+            results = self._rpc("primerl_load_full_file", transfer.file.path, transfer.num_bytes)
+        else:
+            results = self._rpc("primerl_apply_delta_file", transfer.file.path, transfer.num_bytes,
+                                header.SerializeToString())
+        phases["engine"] = _ms_since(mark)
+        self._transfer = None
+        mark = time.perf_counter()
+        self.engine.reset_prefix_cache()
+        phases["reset_cache"] = _ms_since(mark)
+        if self._lora_request is not None:
+            # vLLM's reload already dropped the adapter inside the worker; tell the engine too.
+            self.engine.remove_lora(self._lora_request.lora_int_id)
+            self._lora_request = None
+        log.debug("worker applied weights", results=results)
+
+    def _check_common(self, header: data_pb2.WeightUpdateHeader, payload: Any, payload_digest: str | None) -> None:
         if header.kind not in (FULL, LORA, DELTA):
             raise UpdateRefused(common_pb2.ERROR_CODE_MALFORMED_HEADER,
                                 f"weight update kind {header.kind} is not FULL, LORA or DELTA")
@@ -294,14 +535,15 @@ class PolicyUpdater:
         if header.payload_bytes and header.payload_bytes != size:
             raise UpdateRefused(common_pb2.ERROR_CODE_TRUNCATED,
                                 f"the payload has {size} bytes but the header says {header.payload_bytes}")
-        digest = None
         if self.verify_digest:
-            hasher = hasher_for(header.digest)
-            hasher.update(memoryview(payload))
-            digest = hasher.hexdigest()
-        if digest is not None and not hmac.compare_digest(digest, header.digest.lower()):
-            raise UpdateRefused(common_pb2.ERROR_CODE_BAD_DIGEST,
-                                f"payload digest is {digest} but the header says {header.digest or '(none)'}")
+            if payload_digest is None:
+                hasher = hasher_for(header.digest)
+                hasher.update(memoryview(payload))
+                payload_digest = hasher.hexdigest()
+            if not hmac.compare_digest(payload_digest.lower(), header.digest.lower()):
+                raise UpdateRefused(common_pb2.ERROR_CODE_BAD_DIGEST,
+                                    f"payload digest is {payload_digest} but the header says "
+                                    f"{header.digest or '(none)'}")
         refusal = self._order_refusal(header)
         if refusal is not None:
             raise UpdateRefused(common_pb2.ERROR_CODE_OUT_OF_ORDER, refusal)
@@ -316,10 +558,11 @@ class PolicyUpdater:
                     f"{served_lineage}: a replaced trainer's update")
         if header.kind == DELTA:
             if self._lora_request is not None:
-                return f"DELTA v{version} needs full weights but a LoRA adapter (v{served}) is served; send a FULL update"
+                return (f"DELTA v{version} needs full weights but a LoRA adapter (v{served}) is served; send a FULL "
+                        "update")
             if lineage != served_lineage and lineage and served_lineage:
-                return (f"DELTA v{version} is of lineage {lineage} but v{served} of lineage {served_lineage} is served; "
-                        "a new lineage starts with a FULL update")
+                return (f"DELTA v{version} is of lineage {lineage} but v{served} of lineage {served_lineage} is "
+                        "served; a new lineage starts with a FULL update")
             if header.base_version != served:
                 return f"DELTA v{version} applies to v{header.base_version} but v{served} is served"
             if version <= header.base_version:
@@ -332,12 +575,12 @@ class PolicyUpdater:
     def _weight_manifest(self) -> dict[str, tuple[str, list[int]]]:
         if self._manifest is None:
             manifests = self.engine.collective_rpc("primerl_weight_manifest")
+            self._num_engine_workers = len(manifests)
             self._manifest = {name: (dtype, list(shape)) for name, (dtype, shape) in manifests[0].items()}
         return self._manifest
 
-    def _apply_weights(self, header: data_pb2.WeightUpdateHeader, payload: Any, phases: dict[str, float],
-                       start: float) -> None:
-        """FULL or DELTA, through the worker extension and the shared payload file."""
+    def _check_weights(self, header: data_pb2.WeightUpdateHeader, payload: Any) -> None:
+        """FULL or DELTA: the payload's tensors match the header, and the header's the model."""
         manifest = self._weight_manifest()
         what = f"{data_pb2.WeightUpdateKind.Name(header.kind)} v{header.policy_version}"
         try:
@@ -355,28 +598,6 @@ class PolicyUpdater:
             raise refusal_from_frame_error(what, exc) from None
         except WeightUpdateInvalid as exc:
             raise UpdateRefused(exc.code, exc.reason) from None
-
-        phases["check"] = _ms_since(start)
-        staging = self._staging_file()
-        view = memoryview(payload)
-        num_bytes = view.nbytes
-        if not staging.holds(view):
-            staging.write(view)
-        phases["stage"] = _ms_since(start) - phases["check"]
-        mark = time.perf_counter()
-        if header.kind == FULL:
-            results = self._rpc("primerl_load_full_file", staging.path, num_bytes)
-        else:
-            results = self._rpc("primerl_apply_delta_file", staging.path, num_bytes, header.SerializeToString())
-        phases["engine"] = _ms_since(mark)
-        mark = time.perf_counter()
-        self.engine.reset_prefix_cache()
-        phases["reset_cache"] = _ms_since(mark)
-        if self._lora_request is not None:
-            # vLLM's reload already dropped the adapter inside the worker; tell the engine too.
-            self.engine.remove_lora(self._lora_request.lora_int_id)
-            self._lora_request = None
-        log.debug("worker applied weights", results=results)
 
     def _rpc(self, method: str, *args: Any) -> list[Any]:
         try:
@@ -447,3 +668,38 @@ class PolicyUpdater:
 
 def _ms_since(start: float) -> float:
     return (time.perf_counter() - start) * 1000.0
+
+
+@dataclass
+class _Transfer:
+    """One payload in a shared file: its transfer number, and whether the worker loads it beside the served weights
+    (``staged_header``: the serialized header it was staged for)."""
+
+    file: SharedPayload
+    seq: int
+    view: memoryview
+    complete: bool = False
+    staged_header: bytes | None = None
+
+    @property
+    def num_bytes(self) -> int:
+        return self.view.nbytes
+
+    def finish(self, complete: bool) -> None:
+        self.complete = complete
+        self.file.finish(complete)
+
+
+@dataclass
+class _Preloaded:
+    """An update `preload` checked and loaded, waiting for `apply`."""
+
+    header_bytes: bytes
+    payload: Any
+    transfer: _Transfer | None
+    phases_ms: dict[str, float]
+    preload_ms: float
+    done_s: float
+
+    def is_for(self, header: data_pb2.WeightUpdateHeader, payload: Any) -> bool:
+        return payload is self.payload and header.SerializeToString() == self.header_bytes

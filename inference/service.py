@@ -16,12 +16,17 @@ Threads and loops:
   worker a new id (re-registration), the thread opens a new subscriber under that id and says HELLO with the
   version it serves, so the broker resynchronises it (nothing, the missing deltas, or the latest snapshot).
 
-An update is applied as: pause generation -> `PolicyUpdater.apply` (checks, load, reset prefix cache) ->
-point the served policy name at the new adapter (LoRA) -> resume; then WEIGHT_ACK with `apply_ms` (from the
-update's arrival to the resume). `pause_mode` is "keep" on GPUs (in-flight requests freeze and continue on the
-new weights) and "wait" on CPU (they finish first: keep-mode pauses crash the CPU engine on requests with a
-per-request seed). A refused update (`UpdateRefused`) is acknowledged with its error and the previous version
-keeps serving; any other failure leaves the engine in an unknown state: the daemon reports it and exits 1.
+An update is applied as: its chunks are written into the updater's shared payload file as they arrive, and the
+engine's worker loads a FULL update beside the served weights tensor by tensor meanwhile (a DELTA once complete);
+once whole, `PolicyUpdater.preload` checks it (the digest the subscriber computed on the way) and waits for that
+load -> pause generation -> `PolicyUpdater.apply` (the switch to the loaded weights, or a reload in place when the
+engine cannot stage; reset prefix cache) -> point the served policy name at the new adapter (LoRA) -> resume; then
+WEIGHT_ACK with `apply_ms` (from the update's arrival to the resume). The time from the pause request to the resume
+is the update's generation pause (``update_pause_ms``, logged with ``weight update live`` and exported).
+`pause_mode` is "keep" on GPUs (in-flight requests freeze and continue on the new weights) and "wait" on CPU (they
+finish first: keep-mode pauses crash the CPU engine on requests with a per-request seed). A refused update
+(`UpdateRefused`) is acknowledged with its error and the previous version keeps serving; any other failure leaves
+the engine in an unknown state: the daemon reports it and exits 1.
 
 A teacher (``config.role == "teacher"``, online distillation) is the same server with a fixed model: it registers
 as ``ROLE_TEACHER`` (capability ``role=teacher``) and heartbeats like an inference worker, but has no weight
@@ -29,8 +34,8 @@ thread and no ``PolicyUpdater``: it never subscribes to the weight plane, serves
 policy version stays 0 (its heartbeats carry none). Its HTTP server checks the run token the same way.
 
 Metrics: vLLM's ``GET /metrics`` on the API port also carries primerl's ``primerl_inference_*`` families
-(``primerl.inference.metrics``: served policy version, updates applied and refused, last update ms); its URL
-goes to the broker as the ``metrics_url`` capability.
+(``primerl.inference.metrics``: served policy version, updates applied and refused, last update ms, generation
+pause per update); its URL goes to the broker as the ``metrics_url`` capability.
 """
 
 from __future__ import annotations
@@ -161,11 +166,10 @@ class InferenceService:
             engine = self.server.engine
             if not self.is_teacher:  # a teacher's weights never change: nothing to apply updates with
                 self.ops = AsyncEngineOps(engine, self._loop)
-                # No SHA-256 here: the broker checked it over exactly the bytes it forwards, and the subscriber
-                # checked each chunk's CRC-32 on arrival (see policy_updates: computed once, checked once).
+                # The digest is checked here too (the broker forwards chunks before it has checked it), over the
+                # digest the subscriber computed as the chunks arrived: no pass of its own over the payload.
                 self.updater = PolicyUpdater(self.ops, self.work_dir / "policy",
-                                             max_lora_rank=engine_max_lora_rank(engine.vllm_config),
-                                             verify_digest=False)
+                                             max_lora_rank=engine_max_lora_rank(engine.vllm_config))
                 # Reads the weight manifest (and the worker's host copy) now rather than during the first update.
                 await asyncio.to_thread(self.updater.prepare)
             self.metrics.policy_version.set(self.policy_version)
@@ -282,10 +286,10 @@ class InferenceService:
                         log.info("registered again: resubscribing to weights", worker_id=worker_id,
                                  policy_version=self.policy_version)
                         subscriber.close()
-                    # Chunked updates are assembled straight into the updater's shared payload file: the engine's
-                    # worker reads them there, with no further copy.
-                    subscriber = WeightSubscriber(registration.weight_endpoint, self.config.broker.run_token, worker_id,
-                                                  payload_buffer=self.updater.staging_buffer,
+                    # Chunked updates are written straight into the updater's shared payload files: the engine's
+                    # worker reads them there, with no further copy, and loads a FULL update as its chunks arrive.
+                    subscriber = WeightSubscriber(registration.weight_endpoint, self.config.broker.run_token,
+                                                  worker_id, payload_sink=self.updater,
                                                   outage_s=self.config.broker.outage_s,
                                                   limits=self.control.limits.frames,
                                                   curve=self.control.curve)
@@ -334,58 +338,89 @@ class InferenceService:
         if self.updater.holds(header):
             # Sent again (a refusal made the broker resend its snapshot), or an older lineage's: say what is served.
             # A newer lineage's FULL at or below the served version is not held: a rollback (PolicyUpdater.holds).
+            self.updater.discard()
             subscriber.ack(served, lineage=self.updater.lineage)
             return
         refusal = self._refused.get((version, header.digest))
         if refusal is not None:
             # The broker resends its latest snapshot after a refusal until the trainer publishes a good one:
             # answer without pausing the engine or checking the same bytes again.
+            self.updater.discard()
             subscriber.ack(version, applied=False, error=refusal)
             return
         log.info("weight update received", policy_version=version, kind=kind, payload_bytes=payload.nbytes)
         try:
+            # Checks (the digest computed as the chunks arrived) and the load beside the served weights, which
+            # began with the first chunk: generation goes on meanwhile.
+            self.updater.preload(header, payload, payload_digest=subscriber.received_digest)
+        except UpdateRefused as exc:
+            self._refuse_update(subscriber, version, header, exc)
+            return
+        except EngineCallCancelled:
+            raise
+        except Exception as exc:
+            self._fail_update(subscriber, version, kind, exc)
+            raise
+        pause_start_s = time.monotonic()
+        try:
             self.ops.pause(self.server.pause_mode, DRAIN_TIMEOUT_S)
         except EngineCallTimeout:
             self.ops.resume()
+            self.updater.discard()
             self._refuse(subscriber, version, common_pb2.ErrorDetail(
                 code=common_pb2.ERROR_CODE_INTERNAL,
                 message=f"requests in flight did not finish within {DRAIN_TIMEOUT_S:g} s; send the update again"))
             return
-        engine_wait_ms = (time.monotonic() - received_s) * 1000.0
+        engine_wait_ms = (time.monotonic() - pause_start_s) * 1000.0
         try:
             try:
-                engine_ms = self.updater.apply(header, payload)
+                engine_ms = self.updater.apply(header, payload, payload_digest=subscriber.received_digest)
             except UpdateRefused as exc:
-                self._refuse(subscriber, version, exc.detail())
-                if exc.code != common_pb2.ERROR_CODE_OUT_OF_ORDER:  # the same bytes will always be refused
-                    self._refused[(version, header.digest)] = exc.detail()
-                    while len(self._refused) > MAX_REMEMBERED_REFUSALS:
-                        self._refused.popitem(last=False)
+                self._refuse_update(subscriber, version, header, exc)
                 return
             except EngineCallCancelled:
                 raise
             except Exception as exc:
-                self.fatal_error = f"applying {kind} v{version} failed; the served weights are unknown: {exc!r}"
-                log.exception("weight update failed", policy_version=version, kind=kind)
-                subscriber.ack(version, applied=False, error=common_pb2.ErrorDetail(
-                    code=common_pb2.ERROR_CODE_INTERNAL, message=self.fatal_error))
+                self._fail_update(subscriber, version, kind, exc)
                 raise
             self.ops.run(self._route_policy_name())
         finally:
             self.ops.resume()
+            pause_ms = (time.monotonic() - pause_start_s) * 1000.0
         apply_ms = (time.monotonic() - received_s) * 1000.0
         subscriber.ack(version, applied=True, apply_ms=round(apply_ms), lineage=self.updater.lineage)
         self.num_updates_applied += 1
         self.metrics.updates_applied.inc()
         self.metrics.policy_version.set(version)
         self.metrics.last_update_ms.set(apply_ms)
+        self.metrics.update_pause_ms.observe(pause_ms)
         phases_ms = {"wait_engine": engine_wait_ms, **self.updater.last_phases_ms}
         for phase, value in phases_ms.items():
             self.metrics.last_update_phase_ms.labels(phase=phase).set(value)
         bind_context(policy_version=version)
         log.info("weight update live", policy_version=version, kind=kind, apply_ms=round(apply_ms, 1),
-                 engine_ms=round(engine_ms, 1))
+                 engine_ms=round(engine_ms, 1), update_pause_ms=round(pause_ms, 1))
         self._check_caught_up()
+
+    def _refuse_update(self, subscriber: WeightSubscriber, version: int, header: data_pb2.WeightUpdateHeader,
+                       refusal: Any) -> None:
+        """Acknowledge an `UpdateRefused`; remember it unless it may pass later (OUT_OF_ORDER)."""
+        from primerl.proto.v1 import common_pb2
+
+        self._refuse(subscriber, version, refusal.detail())
+        if refusal.code != common_pb2.ERROR_CODE_OUT_OF_ORDER:  # the same bytes will always be refused
+            self._refused[(version, header.digest)] = refusal.detail()
+            while len(self._refused) > MAX_REMEMBERED_REFUSALS:
+                self._refused.popitem(last=False)
+
+    def _fail_update(self, subscriber: WeightSubscriber, version: int, kind: str, exc: Exception) -> None:
+        """An update failed in the engine: what it serves is unknown. Reported; the weight thread then ends."""
+        from primerl.proto.v1 import common_pb2
+
+        self.fatal_error = f"applying {kind} v{version} failed; the served weights are unknown: {exc!r}"
+        log.exception("weight update failed", policy_version=version, kind=kind)
+        subscriber.ack(version, applied=False, error=common_pb2.ErrorDetail(
+            code=common_pb2.ERROR_CODE_INTERNAL, message=self.fatal_error))
 
     def _check_caught_up(self) -> None:
         """Once: this worker serves the version that was current when it registered (log ``inference worker
@@ -416,7 +451,8 @@ class InferenceService:
         assert self.updater is not None
         lora_requests = self.server.serving_models.lora_requests
         current = self.updater.lora_request()
-        if self._served_adapter_name is not None and (current is None or current.lora_name != self._served_adapter_name):
+        if self._served_adapter_name is not None and (current is None
+                                                      or current.lora_name != self._served_adapter_name):
             lora_requests.pop(self._served_adapter_name, None)
             self._served_adapter_name = None
         if current is not None:

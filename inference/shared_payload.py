@@ -1,29 +1,45 @@
-"""A weight-update payload handed to vLLM's worker through one shared-memory file, not through ``collective_rpc``.
+"""A weight-update payload handed to vLLM's worker through a shared-memory file, not through ``collective_rpc``.
 
 Why: in the server the engine core and its worker are separate processes, so bytes passed to ``collective_rpc``
 are msgpack-encoded, sent over a socket, decoded, pickled into vLLM's broadcast queue and unpickled again: four
 copies of the payload into freshly allocated memory. On this kind of machine (2 vCPUs, a VM) the first touch of
 fresh memory costs more than the copy itself (measured: a 400 MiB copy into fresh memory 420-520 ms, into memory
 touched before 30-180 ms). With this file the payload is written once, into pages that stay mapped from one
-update to the next, and the worker reads it in place.
+update to the next, and the worker reads it in place, even while it is still being written.
 
-Protocol (one writer: the daemon's `PolicyUpdater`, under its lock; readers: the vLLM workers of that engine):
+File layout: one page of control words (`CONTROL_BYTES`), then the payload. The control words are 64-bit
+integers, each written by one side only and read by the other after a memory fence:
+
+    word  writer  meaning
+    0     daemon  MAGIC
+    1     daemon  seq: the transfer the payload belongs to (a new number per `begin`)
+    2     daemon  bytes_ready: payload bytes [0, n) are final for seq
+    3     daemon  writer_state: RECEIVING, COMPLETE (all bytes final), ABORTED (never complete)
+    4     worker  stage_seq: the transfer the worker's staged load works on
+    5     worker  stage_state: LOADING, LOADED (ready to switch to), FAILED, DISCARDED
+    6     worker  host_views: 1 while the worker's host copy of the weights views this payload (do not write it)
+
+Protocol (one writer: the daemon's `PolicyUpdater`, under its lock or on its weight thread; readers: the vLLM
+workers of that engine):
 
     staging = SharedPayload()                      # a private file in /dev/shm (or a given directory)
-    view = staging.buffer(num_bytes)               # writable view of the first num_bytes (file grown as needed)
-    view[:] = payload                              # or chunks written straight into it as they arrive
-    llm.collective_rpc("primerl_load_full_file", args=(staging.path, num_bytes))
+    view = staging.buffer(num_bytes)               # writable view of the payload's first num_bytes (grown as needed)
+    staging.begin(seq)                             # then, as chunks land: view[a:b] = chunk; staging.publish(b)
+    staging.finish(complete=True)
+    llm.collective_rpc("primerl_load_full_file", args=(staging.path, num_bytes))   # or a staged load
     staging.close()                                # removes the file
 
-Invariants: the writer changes the file only while no worker call on it is running (the updater's lock; a call
-returns after the worker copied what it needs into the model and its host copy); the file only grows; a worker
-maps it once per size and keeps the mapping (``map_shared``), so later updates cost no page faults there either.
-The bytes in the file are trusted as much as the bytes the caller passed: the file is created 0600 by the daemon,
-under a random name, and its path is only ever passed through the engine's own RPC.
+Invariants: within a transfer, payload bytes below ``bytes_ready`` never change; the writer writes a payload only
+while no worker call that reads it (other than a staged load of the current transfer) is running, and never while
+its ``host_views`` is 1; the file only grows; a worker maps it once per size and keeps the mapping (``map_shared``),
+so later updates cost no page faults there either, and tensors viewing it stay valid. The bytes in the file are
+trusted as much as the bytes the caller passed: the file is created 0600 by the daemon, under a random name, and
+its path is only ever passed through the engine's own RPC.
 """
 
 from __future__ import annotations
 
+import ctypes
 import mmap
 import os
 import tempfile
@@ -31,11 +47,52 @@ import threading
 import uuid
 from pathlib import Path
 
-__all__ = ["SharedPayload", "map_shared", "default_staging_dir"]
+__all__ = ["CONTROL_BYTES", "PayloadControl", "SharedPayload", "default_staging_dir", "map_control", "map_shared"]
+
+CONTROL_BYTES = mmap.ALLOCATIONGRANULARITY
+"""Bytes before the payload (one page: the payload mapping starts at this offset)."""
+MAGIC = 0x31_64_61_6F_6C_79_61_70  # "payload1"
 
 _SHM_DIR = Path("/dev/shm")
 _MAPS: dict[str, tuple[int, int, mmap.mmap]] = {}
+_CONTROLS: dict[str, tuple[int, PayloadControl]] = {}
 _MAPS_LOCK = threading.Lock()
+_FENCE = threading.Lock()
+
+
+def _fence() -> None:
+    """A full memory barrier (a lock's acquire and release), as vLLM's shared-memory queues use."""
+    with _FENCE:
+        pass
+
+
+class PayloadControl:
+    """The control words of a shared payload file (see the module docstring). Each word is read and written as one
+    aligned 64-bit integer."""
+
+    SEQ, BYTES_READY, WRITER_STATE, STAGE_SEQ, STAGE_STATE, HOST_VIEWS = 1, 2, 3, 4, 5, 6
+    RECEIVING, COMPLETE, ABORTED = 1, 2, 3
+    LOADING, LOADED, FAILED, DISCARDED = 1, 2, 3, 4
+
+    def __init__(self, fd: int):
+        self._map = mmap.mmap(fd, CONTROL_BYTES)
+        self._words = (ctypes.c_uint64 * 8).from_buffer(self._map)
+
+    def read(self, word: int) -> int:
+        value = int(self._words[word])
+        _fence()
+        return value
+
+    def write(self, word: int, value: int) -> None:
+        _fence()
+        self._words[word] = value
+
+    def stage(self, seq: int) -> int | None:
+        """The worker's stage_state for transfer ``seq``; None while it has not taken that transfer up."""
+        if self.read(self.STAGE_SEQ) != seq:
+            return None
+        state = self.read(self.STAGE_STATE)
+        return state if self.read(self.STAGE_SEQ) == seq else None
 
 
 def default_staging_dir() -> Path:
@@ -52,8 +109,12 @@ class SharedPayload:
         directory = Path(directory) if directory is not None else default_staging_dir()
         self.path = str(directory / f"primerl-weights-{os.getpid()}-{uuid.uuid4().hex[:12]}")
         self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        os.ftruncate(self._fd, CONTROL_BYTES)
+        self.control = PayloadControl(self._fd)
+        self.control.write(0, MAGIC)
         self._map: mmap.mmap | None = None
         self._size = 0
+        self.seq = 0
 
     def holds(self, view: memoryview) -> bool:
         """Whether ``view`` is a view of this file's current mapping (a payload already in place)."""
@@ -61,11 +122,11 @@ class SharedPayload:
 
     @property
     def size_bytes(self) -> int:
-        """Bytes the file holds now (its capacity; the payload is a prefix of it)."""
+        """Payload bytes the file holds now (its capacity; the payload is a prefix of it)."""
         return self._size
 
     def buffer(self, num_bytes: int) -> memoryview:
-        """A writable view of the file's first ``num_bytes`` (grown first when smaller)."""
+        """A writable view of the payload's first ``num_bytes`` (the file grown first when smaller)."""
         if self._fd < 0:
             raise RuntimeError("the shared payload file is closed")
         if num_bytes < 0:
@@ -77,10 +138,25 @@ class SharedPayload:
                     self._map.close()
                 except BufferError:  # a view of it is still alive: the mapping goes when that view does
                     pass
-            os.ftruncate(self._fd, size)
-            self._map = mmap.mmap(self._fd, size)
+            os.ftruncate(self._fd, CONTROL_BYTES + size)
+            self._map = mmap.mmap(self._fd, size, offset=CONTROL_BYTES)
             self._size = size
         return memoryview(self._map)[:num_bytes]
+
+    def begin(self, seq: int) -> None:
+        """A new transfer ``seq`` starts: no byte of it is final yet."""
+        self.seq = seq
+        self.control.write(PayloadControl.WRITER_STATE, PayloadControl.RECEIVING)
+        self.control.write(PayloadControl.BYTES_READY, 0)
+        self.control.write(PayloadControl.SEQ, seq)
+
+    def publish(self, bytes_ready: int) -> None:
+        """Payload bytes [0, ``bytes_ready``) of the current transfer are final (written before this call)."""
+        self.control.write(PayloadControl.BYTES_READY, bytes_ready)
+
+    def finish(self, complete: bool) -> None:
+        """The current transfer is complete (every byte final) or ABORTED (it never will be)."""
+        self.control.write(PayloadControl.WRITER_STATE, PayloadControl.COMPLETE if complete else PayloadControl.ABORTED)
 
     def write(self, payload: bytes | bytearray | memoryview) -> int:
         """Copy ``payload`` into the file; returns its size in bytes."""
@@ -116,14 +192,15 @@ class SharedPayload:
 
 
 def map_shared(path: str, num_bytes: int) -> memoryview:
-    """A read-write view of the first ``num_bytes`` of ``path``, from a mapping kept for the next call (mapped
-    again only when the file is replaced or grew beyond it). For the worker side of `SharedPayload`."""
+    """A read-write view of the first ``num_bytes`` of the payload in ``path``, from a mapping kept for the next
+    call (mapped again only when the file is replaced or grew beyond it). For the worker side of `SharedPayload`."""
     if num_bytes < 0:
         raise ValueError(f"num_bytes must be >= 0, got {num_bytes}")
     with _MAPS_LOCK:
         stat = os.stat(path)
-        if stat.st_size < num_bytes:
-            raise ValueError(f"{path} holds {stat.st_size} bytes; {num_bytes} were announced")
+        capacity = stat.st_size - CONTROL_BYTES
+        if capacity < num_bytes:
+            raise ValueError(f"{path} holds {max(capacity, 0)} payload bytes; {num_bytes} were announced")
         cached = _MAPS.get(path)
         if cached is None or cached[0] != stat.st_ino or cached[1] < num_bytes:
             if cached is not None:
@@ -132,7 +209,25 @@ def map_shared(path: str, num_bytes: int) -> memoryview:
                 except BufferError:
                     pass  # tensors still view it: it is unmapped when they are gone
             with open(path, "r+b") as file:
-                mapping = mmap.mmap(file.fileno(), stat.st_size)
-            cached = (stat.st_ino, stat.st_size, mapping)
+                mapping = mmap.mmap(file.fileno(), capacity, offset=CONTROL_BYTES)
+            cached = (stat.st_ino, capacity, mapping)
             _MAPS[path] = cached
         return memoryview(cached[2])[:num_bytes]
+
+
+def map_control(path: str) -> PayloadControl:
+    """The control words of the shared payload file ``path`` (mapped once per file). For the worker side."""
+    with _MAPS_LOCK:
+        inode = os.stat(path).st_ino
+        cached = _CONTROLS.get(path)
+        if cached is None or cached[0] != inode:
+            fd = os.open(path, os.O_RDWR)
+            try:
+                control = PayloadControl(fd)
+            finally:
+                os.close(fd)
+            if control.read(0) != MAGIC:
+                raise ValueError(f"{path} is not a shared payload file")
+            cached = (inode, control)
+            _CONTROLS[path] = cached
+        return cached[1]

@@ -38,6 +38,7 @@ import contextlib
 import hashlib
 import logging
 import re
+import threading
 import time
 from collections.abc import Iterator, Mapping
 from pathlib import Path
@@ -45,13 +46,15 @@ from typing import TYPE_CHECKING, Any
 
 from google.protobuf.message import DecodeError
 
-from primerl.inference.shared_payload import map_shared
+from primerl.inference.shared_payload import PayloadControl, map_control, map_shared
 from primerl.proto import weight_delta
 from primerl.proto.tensor_frames import DTYPES, TensorFrameError, decode_tensors, parse_header
 from primerl.proto.v1 import common_pb2, data_pb2
 
 if TYPE_CHECKING:
     import torch
+
+logger = logging.getLogger(__name__)
 
 WORKER_EXTENSION_CLS = "primerl.inference.worker_extension.PolicyWorkerExtension"
 """What to pass as `EngineOptions.worker_extension_cls`."""
@@ -253,11 +256,14 @@ class PolicyWorkerExtension:
     # ---- host copy ---------------------------------------------------------------------------------------------
 
     def primerl_host_weights(self) -> dict[str, torch.Tensor]:
-        """The host copy of the raw weights (read from the model directory on first use)."""
+        """The host copy of the raw weights (read from the model directory on first use). After a FULL update from
+        a shared payload file its tensors VIEW that file (no copy): the file's ``HOST_VIEWS`` control word says so,
+        and its writer must not write it again until a FULL update from another file has replaced them all."""
         host = getattr(self, "_primerl_host", None)
         if host is None:
             host = self._primerl_read_checkpoint()
             self._primerl_host = host
+            self._primerl_host_sources: dict[str, str | None] = dict.fromkeys(host)
             self._primerl_manifest = manifest_of(host)
             self._primerl_groups = _load_groups(list(host))
         return host
@@ -305,7 +311,8 @@ class PolicyWorkerExtension:
 
     def primerl_load_full_file(self, path: str, num_bytes: int, require_all: bool = True) -> dict[str, Any]:
         """`primerl_load_full` of the payload held in the first ``num_bytes`` of the shared file ``path``
-        (`primerl.inference.shared_payload`): read in place, nothing crosses the RPC but the path."""
+        (`primerl.inference.shared_payload`): read in place, nothing crosses the RPC but the path. The host copy
+        then views the file (see `primerl_host_weights`)."""
         start = time.perf_counter()
         self.primerl_host_weights()
         try:
@@ -314,12 +321,15 @@ class PolicyWorkerExtension:
             code = common_pb2.ERROR_CODE_TENSOR_MISMATCH if exc.mismatch else common_pb2.ERROR_CODE_MALFORMED_HEADER
             raise WeightUpdateInvalid(f"full update: {exc}", code) from None
         check_against(manifest_of(tensors), self._primerl_manifest, require_all=require_all, what="full update")
-        return self._primerl_load(tensors, start)
+        return self._primerl_load(tensors, start, source=path)
 
     def primerl_apply_delta(self, payload: bytes | memoryview, header_bytes: bytes) -> dict[str, Any]:
         """Decode a DELTA (a serialized ``WeightUpdateHeader`` and its payload) against the host copy and load
         the tensors it changes. A delta that does not fit raises `WeightUpdateInvalid`; nothing changes then."""
         start = time.perf_counter()
+        return self._primerl_load(self._primerl_decode_delta(payload, header_bytes), start)
+
+    def _primerl_decode_delta(self, payload: bytes | memoryview, header_bytes: bytes) -> dict[str, torch.Tensor]:
         header = data_pb2.WeightUpdateHeader()
         try:
             header.ParseFromString(header_bytes)
@@ -327,37 +337,247 @@ class PolicyWorkerExtension:
             raise WeightUpdateInvalid(f"delta: unreadable header ({exc})",
                                       common_pb2.ERROR_CODE_MALFORMED_HEADER) from None
         try:
-            changed = weight_delta.decode_delta(payload, header, self.primerl_host_weights())
+            return weight_delta.decode_delta(payload, header, self.primerl_host_weights())
         except weight_delta.DeltaError as exc:
             raise WeightUpdateInvalid(f"delta: {exc}", exc.code) from None
-        return self._primerl_load(changed, start)
 
     def primerl_apply_delta_file(self, path: str, num_bytes: int, header_bytes: bytes) -> dict[str, Any]:
         """`primerl_apply_delta` of the payload held in the first ``num_bytes`` of the shared file ``path``."""
         return self.primerl_apply_delta(map_shared(path, num_bytes), header_bytes)
 
-    def _primerl_load(self, tensors: dict[str, torch.Tensor], start: float) -> dict[str, Any]:
+    def _primerl_with_siblings(self, tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """``tensors`` and, from the host copy, every tensor that must be loaded with them (`_load_groups`)."""
         host = self._primerl_host
         to_load = dict(tensors)
         for name in tensors:
             for sibling in self._primerl_groups[name]:
                 to_load.setdefault(sibling, host[sibling])
+        return to_load
+
+    def _primerl_load(self, tensors: dict[str, torch.Tensor], start: float,
+                      source: str | None = None) -> dict[str, Any]:
+        to_load = self._primerl_with_siblings(tensors)
         if to_load:
             if getattr(getattr(self.model_runner, "device", None), "type", None) == "cpu":
                 check_cpu_moe_reload(list(to_load), self._primerl_manifest)
             # A partial reload makes vLLM warn about every layer it was not given: expected here, so muted.
-            partial = len(to_load) < len(host)
+            partial = len(to_load) < len(self._primerl_host)
             with _quiet_partial_reload(partial):
                 self.model_runner.reload_weights(weights_iterator=iter(list(to_load.items())))
             model = self.model_runner.get_model()
             _repack_cpu_moe_layers(model, set(to_load) if partial else None)
             _refresh_tied_cpu_layers(model, set(to_load) if partial else None)
-        for name, tensor in tensors.items():
-            # In place: no fresh memory, and never a view of the caller's buffer (a shared file is reused).
-            host[name].copy_(tensor)
+        self._primerl_set_host(tensors, source)
         return {
             "num_tensors": len(tensors),
             "num_loaded_tensors": len(to_load),
             "num_bytes": sum(t.numel() * t.element_size() for t in tensors.values()),
             "apply_ms": (time.perf_counter() - start) * 1000.0,
         }
+
+    def _primerl_set_host(self, tensors: Mapping[str, torch.Tensor], source: str | None) -> None:
+        """Make ``tensors`` the host copy's entries (no copy): views of the shared file ``source``, or tensors that
+        own their memory (None). Marks in each shared file whether the host copy still views it."""
+        host, sources = self._primerl_host, self._primerl_host_sources
+        before = set(sources.values())
+        for name, tensor in tensors.items():
+            host[name] = tensor
+            sources[name] = source
+        after = set(sources.values())
+        for path in before | after:
+            if path is not None and (path in before) != (path in after):
+                try:
+                    map_control(path).write(PayloadControl.HOST_VIEWS, int(path in after))
+                except (OSError, ValueError):
+                    pass  # the file is gone (its daemon closed it): nothing to mark
+
+    # ---- staged updates: loaded beside the running model, switched to in one short step ----------------------
+
+    def primerl_stage_begin(self, path: str, num_bytes: int, seq: int, header_bytes: bytes,
+                            stall_timeout_s: float) -> dict[str, Any]:
+        """Start loading the FULL or DELTA update of transfer ``seq`` of the shared file ``path`` into a shadow of
+        the model (`primerl.inference.staged_load`), on a thread of this worker, and return at once: a FULL
+        update tensor by tensor as its bytes arrive (the file's ``bytes_ready``), a DELTA once complete. The
+        thread reports LOADED or FAILED in the file's control words; `primerl_stage_commit` switches to it.
+        ``{"staging": False, "reason": ...}`` when this model cannot be staged (load it with the methods above).
+        A staged load not committed is dropped by the next `primerl_stage_begin` or `primerl_stage_discard`."""
+        from primerl.inference.staged_load import unsupported_reason
+
+        self.primerl_host_weights()
+        if not self.primerl_stage_discard():
+            return {"staging": False, "reason": "the previous staged load did not stop"}
+        reason = unsupported_reason(self.model_runner.get_model(), self.model_runner.vllm_config.model_config)
+        if reason is not None:
+            return {"staging": False, "reason": reason}
+        header = data_pb2.WeightUpdateHeader()
+        header.ParseFromString(header_bytes)
+        stage = _StagedUpdate(self, path, num_bytes, seq, header, stall_timeout_s)
+        self._primerl_stage = stage
+        stage.start()
+        return {"staging": True}
+
+    def primerl_stage_result(self, seq: int) -> dict[str, Any]:
+        """How the staged load of ``seq`` ended: ``{"state": "loaded" | "failed" | "running" | "none", "refusal":
+        the `WeightUpdateInvalid` message when the update does not fit, "error": any other failure}``."""
+        stage = getattr(self, "_primerl_stage", None)
+        if stage is None or stage.seq != seq:
+            return {"state": "none"}
+        if stage.is_alive():
+            return {"state": "running"}
+        if isinstance(stage.error, WeightUpdateInvalid):
+            return {"state": "failed", "refusal": str(stage.error)}
+        if stage.error is not None:
+            return {"state": "failed", "error": f"{type(stage.error).__name__}: {stage.error}"}
+        return {"state": "loaded"}
+
+    def primerl_stage_commit(self, seq: int) -> dict[str, Any]:
+        """Switch the model to the weights staged for ``seq`` (call it with generation paused): a few ms. Raises
+        `WeightUpdateInvalid` (nothing changed) when the update does not fit, RuntimeError when no load of
+        ``seq`` is staged."""
+        start = time.perf_counter()
+        stage = getattr(self, "_primerl_stage", None)
+        if stage is None or stage.seq != seq:
+            raise RuntimeError(f"no staged load of transfer {seq}")
+        stage.join(STAGE_JOIN_TIMEOUT_S)
+        if stage.is_alive():
+            raise RuntimeError(f"the staged load of transfer {seq} did not finish within {STAGE_JOIN_TIMEOUT_S:g} s")
+        self._primerl_stage = None
+        if stage.error is not None:
+            raise stage.error
+        assert stage.load is not None
+        num_layers = stage.load.commit()
+        runner = self.model_runner
+        for reset in ("reset_lora_state", "reset_encoder_cache", "reset_mm_cache"):  # as vLLM's reload_weights
+            method = getattr(runner, reset, None)
+            if method is not None:
+                method()
+        self._primerl_set_host(stage.host_entries, stage.host_source)
+        result = {"num_tensors": len(stage.host_entries), "num_loaded_tensors": stage.load.num_loaded_tensors,
+                  "num_layers": num_layers, "load_ms": stage.load_ms, "apply_ms": (time.perf_counter() - start) * 1e3}
+        stage.release()
+        return result
+
+    def primerl_stage_discard(self) -> bool:
+        """Drop the staged load, stopping its thread first (bounded); False when the thread did not stop."""
+        stage = getattr(self, "_primerl_stage", None)
+        if stage is None:
+            return True
+        stage.stop.set()
+        stage.join(STAGE_JOIN_TIMEOUT_S)
+        if stage.is_alive():
+            return False
+        self._primerl_stage = None
+        stage.release()
+        return True
+
+
+STAGE_JOIN_TIMEOUT_S = 30.0
+"""Longest wait for a staged load's thread to finish (commit) or stop (discard)."""
+STAGE_POLL_S = 0.001
+"""How often a staged load looks for newly arrived bytes."""
+
+
+class StageAborted(Exception):
+    """The transfer a staged load reads was abandoned, replaced, or stalled; or the load was discarded."""
+
+
+class _StagedUpdate(threading.Thread):
+    """One staged load: reads the update from the shared file as its bytes become final and loads it into a
+    `StagedLoad`; records its outcome in the file's control words (stage_seq, stage_state)."""
+
+    def __init__(self, extension: PolicyWorkerExtension, path: str, num_bytes: int, seq: int,
+                 header: data_pb2.WeightUpdateHeader, stall_timeout_s: float):
+        super().__init__(name=f"primerl-stage-{seq}", daemon=True)
+        self.extension = extension
+        self.path, self.num_bytes, self.seq, self.header = path, num_bytes, seq, header
+        self.stall_timeout_s = stall_timeout_s
+        self.control = map_control(path)
+        self.stop = threading.Event()
+        self.error: BaseException | None = None
+        self.load: Any = None
+        self.host_entries: dict[str, torch.Tensor] = {}
+        self.host_source: str | None = None
+        self.load_ms = 0.0
+        self.control.write(PayloadControl.STAGE_STATE, PayloadControl.LOADING)
+        self.control.write(PayloadControl.STAGE_SEQ, seq)
+
+    def run(self) -> None:
+        from primerl.inference.staged_load import StagedLoad
+
+        start = time.perf_counter()
+        try:
+            self.load = StagedLoad(self.extension.model_runner.get_model())
+            if self.header.kind == data_pb2.WEIGHT_UPDATE_KIND_FULL:
+                self.load.load(self._full_tensors())
+                self.host_source = self.path
+            else:
+                self._wait_for(self.num_bytes)
+                payload = map_shared(self.path, self.num_bytes)
+                changed = self.extension._primerl_decode_delta(payload, self.header.SerializeToString())
+                self.load.load(iter(list(self.extension._primerl_with_siblings(changed).items())))
+                self.host_entries = changed
+            state = PayloadControl.LOADED
+        except BaseException as exc:  # reported to the daemon (primerl_stage_result), which refuses or reloads
+            self.error = exc
+            state = PayloadControl.DISCARDED if isinstance(exc, StageAborted) else PayloadControl.FAILED
+            if not isinstance(exc, (StageAborted, WeightUpdateInvalid)):
+                logger.warning("staged load of transfer %d failed: %r", self.seq, exc, exc_info=True)
+            self.release()
+        self.load_ms = (time.perf_counter() - start) * 1000.0
+        self.control.write(PayloadControl.STAGE_STATE, state)
+
+    def release(self) -> None:
+        """Free the shadow and the tensors this load holds."""
+        if self.load is not None:
+            self.load.release()
+        self.load, self.host_entries = None, {}
+
+    def _full_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """(name, tensor viewing the file) of a FULL payload, each once its bytes are final, in payload order."""
+        import torch
+
+        self._wait_for(8)
+        payload = map_shared(self.path, self.num_bytes)
+        header_len = int.from_bytes(payload[:8], "little")
+        self._wait_for(min(8 + header_len, self.num_bytes))
+        try:
+            entries = parse_header(payload[:8 + header_len], total_bytes=self.num_bytes)
+        except TensorFrameError as exc:
+            code = common_pb2.ERROR_CODE_TENSOR_MISMATCH if exc.mismatch else common_pb2.ERROR_CODE_MALFORMED_HEADER
+            raise WeightUpdateInvalid(f"full update: {exc}", code) from None
+        extension = self.extension
+        check_against({n: (e.dtype, list(e.shape)) for n, e in entries.items()}, extension._primerl_manifest,
+                      require_all=True, what="full update")
+        for entry in sorted(entries.values(), key=lambda e: e.start):
+            self._wait_for(entry.end)
+            dtype = getattr(torch, DTYPES[entry.dtype][2])
+            if entry.end > entry.start:
+                tensor = torch.frombuffer(payload[entry.start:entry.end], dtype=dtype).reshape(entry.shape)
+            else:
+                tensor = torch.empty(entry.shape, dtype=dtype)
+            self.host_entries[entry.name] = tensor
+            yield entry.name, tensor
+
+    def _wait_for(self, num_bytes: int) -> None:
+        """Until ``num_bytes`` of the payload are final. `StageAborted` when the transfer is abandoned or replaced,
+        when no byte arrived for ``stall_timeout_s``, or when the load is discarded."""
+        control = self.control
+        ready = -1
+        deadline_s = 0.0
+        while True:
+            if self.stop.is_set():
+                raise StageAborted(f"transfer {self.seq}: the staged load was discarded")
+            if control.read(PayloadControl.SEQ) != self.seq:
+                raise StageAborted(f"transfer {self.seq}: replaced by another transfer")
+            state = control.read(PayloadControl.WRITER_STATE)
+            now_ready = control.read(PayloadControl.BYTES_READY)
+            if now_ready >= num_bytes:
+                return
+            if state == PayloadControl.ABORTED:
+                raise StageAborted(f"transfer {self.seq}: abandoned at {now_ready} of {self.num_bytes} bytes")
+            now_s = time.monotonic()
+            if now_ready != ready:
+                ready, deadline_s = now_ready, now_s + self.stall_timeout_s
+            elif now_s > deadline_s:
+                raise StageAborted(f"transfer {self.seq}: no byte for {self.stall_timeout_s:g} s")
+            time.sleep(STAGE_POLL_S)

@@ -248,6 +248,10 @@ def test_metrics_carry_primerl_families_next_to_vllms(infer_daemon: InferenceDae
     assert primerl["primerl_inference_weight_updates_applied_total"] == 2
     assert primerl["primerl_inference_weight_updates_refused_total"] == 1
     assert 0 < primerl["primerl_inference_last_update_ms"] < 60_000
+    # Each applied update's generation pause (the bench reads it as inference/update_pause_ms).
+    assert primerl["primerl_inference_update_pause_ms_count"] == 2
+    assert 0 < primerl["primerl_inference_update_pause_ms_sum"] < 2 * 60_000
+    assert "update_pause_ms=" in infer_daemon.log_tail(10**8)
     vllm = {name: value for (name, _), value in samples.items() if name.startswith("vllm:")}  # vLLM's own
     print(f"{len(samples)} samples in all; vLLM's include " + ", ".join(
         f"{name} {vllm[name]:g}" for name in ("vllm:num_requests_running", "vllm:generation_tokens_total",

@@ -30,6 +30,8 @@ class FakeEngine:
         self.calls.append((method, len(args)))
         if method == "primerl_weight_manifest":
             return [self.manifest]
+        if method == "primerl_stage_begin":
+            return [{"staging": False, "reason": "a fake engine"}]
         if method in ("primerl_apply_delta", "primerl_apply_delta_file"):
             # what vLLM's multiprocess executor raises for a worker's WeightUpdateInvalid
             raise Exception("Call to collective_rpc method failed: Worker failed with error '[primerl:"
@@ -76,10 +78,11 @@ def test_updater_checks_without_an_engine(tmp_path: Path) -> None:
     updater = PolicyUpdater(engine, tmp_path, max_lora_rank=4)
     assert updater.apply(*full_update(weights, 3)) > 0
     assert updater.policy_version == 3
-    # The payload reaches the worker through the shared payload file: only its path crosses the RPC.
-    assert [call for call, _ in engine.calls] == ["primerl_weight_manifest", "primerl_load_full_file",
-                                                 "reset_prefix_cache"]
-    assert set(updater.last_phases_ms) == {"check", "stage", "engine", "reset_cache"}
+    # The payload reaches the worker through the shared payload file: only its path crosses the RPC. An engine that
+    # cannot stage a load is asked once, then reloads in place.
+    assert [call for call, _ in engine.calls] == ["primerl_weight_manifest", "primerl_stage_begin",
+                                                 "primerl_load_full_file", "reset_prefix_cache"]
+    assert set(updater.last_phases_ms) == {"check", "stage", "load", "engine", "reset_cache"}
 
     header, payload = full_update(weights, 4)
     for mutate, code in [
@@ -194,3 +197,180 @@ def test_the_updater_says_which_updates_it_holds_already(tmp_path: Path) -> None
     older_lineage = full_update(weights, 9)
     older_lineage[0].lineage = 10
     assert updater.holds(older_lineage[0]) and not updater.wants(older_lineage[0])
+
+
+# ---- staged loads: the daemon's side of the shared payload files' protocol ---------------------------------------
+
+
+class StagingEngine(FakeEngine):
+    """A fake engine whose worker "loads" a staged update the way the real extension reports it: through the shared
+    payload file's control words (LOADING, then LOADED once the writer says the payload is complete, or FAILED);
+    a commit makes the host copy view that file (HOST_VIEWS)."""
+
+    def __init__(self, weights: dict[str, torch.Tensor]):
+        super().__init__(weights)
+        self.stages: dict[int, tuple[str, int]] = {}
+        self.refuse_next = ""  # a worker-side refusal of the next staged load
+        self.fail_next = ""  # any other failure of the next staged load
+        self.hosted: str | None = None
+        self.committed: list[int] = []
+
+    def collective_rpc(self, method: str, args: tuple[Any, ...] = ()) -> list[Any]:
+        from primerl.inference.shared_payload import PayloadControl, map_control
+
+        if method == "primerl_stage_begin":
+            self.calls.append((method, len(args)))
+            path, num_bytes, seq = args[0], args[1], args[2]
+            control = map_control(path)
+            control.write(PayloadControl.STAGE_STATE, PayloadControl.LOADING)
+            control.write(PayloadControl.STAGE_SEQ, seq)
+            self.stages[seq] = (path, num_bytes)
+            self.finish_loads()  # a payload already complete is loaded at once
+            return [{"staging": True}]
+        if method == "primerl_stage_commit":
+            self.calls.append((method, len(args)))
+            path, _ = self.stages[args[0]]
+            if self.hosted is not None and self.hosted != path:
+                map_control(self.hosted).write(PayloadControl.HOST_VIEWS, 0)
+            map_control(path).write(PayloadControl.HOST_VIEWS, 1)
+            self.hosted = path
+            self.committed.append(args[0])
+            return [{"apply_ms": 1.0}]
+        if method == "primerl_stage_result":
+            self.calls.append((method, len(args)))
+            if self.refuse_next:
+                return [{"state": "failed", "refusal": self.refuse_next}]
+            return [{"state": "failed", "error": self.fail_next}]
+        return super().collective_rpc(method, args)
+
+    def finish_loads(self) -> None:
+        """Report every staged load whose payload is complete as LOADED (or FAILED when told to fail)."""
+        from primerl.inference.shared_payload import PayloadControl, map_control
+
+        for seq, (path, _) in self.stages.items():
+            control = map_control(path)
+            if control.read(PayloadControl.SEQ) != seq or control.stage(seq) != PayloadControl.LOADING:
+                continue
+            if control.read(PayloadControl.WRITER_STATE) == PayloadControl.COMPLETE:
+                failed = self.refuse_next or self.fail_next
+                control.write(PayloadControl.STAGE_STATE, PayloadControl.FAILED if failed else PayloadControl.LOADED)
+
+
+def receive(updater: Any, header: data_pb2.WeightUpdateHeader, payload: bytes, *, chunk_bytes: int = 64,
+            complete: bool = True) -> memoryview:
+    """What the weight subscriber does with an update's chunks: the payload written into the updater's buffer."""
+    view = updater.begin_payload(header, len(payload))
+    end = len(payload) if complete else len(payload) // 2
+    for start in range(0, end, chunk_bytes):
+        stop = min(start + chunk_bytes, end)
+        view[start:stop] = payload[start:stop]
+        updater.payload_progress(stop)
+    updater.end_payload(complete)
+    return view
+
+
+def test_a_staged_update_is_loaded_while_it_arrives_and_switched_to_in_apply(tmp_path: Path) -> None:
+    """The staged load starts with the first chunk; `preload` waits for it; `apply` only commits it. Each update is
+    written into a shared file the worker's host copy does not view (two files, used in turn)."""
+    from primerl.inference.policy_updates import PolicyUpdater
+    from primerl.inference.shared_payload import PayloadControl, map_control
+
+    weights = tiny_weights()
+    engine = StagingEngine(weights)
+    updater = PolicyUpdater(engine, tmp_path, max_lora_rank=4, staging_dir=tmp_path)
+    paths = []
+    for version in (1, 2, 3):
+        header, payload = full_update(perturbed(weights, seed=version), version)
+        view = receive(updater, header, payload)
+        path, num_bytes = engine.stages[max(engine.stages)]
+        control = map_control(path)
+        assert control.read(PayloadControl.WRITER_STATE) == PayloadControl.COMPLETE
+        assert control.read(PayloadControl.BYTES_READY) == num_bytes == len(payload)
+        engine.finish_loads()
+        updater.preload(header, view)
+        assert engine.committed == list(range(1, version))  # nothing switched before apply
+        updater.apply(header, view)
+        assert updater.policy_version == version and engine.committed[-1] == max(engine.stages)
+        assert set(updater.last_phases_ms) == {"check", "stage", "load", "engine", "reset_cache"}
+        paths.append(path)
+    assert paths[0] == paths[2] != paths[1]  # never the file the host copy views
+    assert [call for call, _ in engine.calls].count("primerl_load_full_file") == 0
+
+
+def test_a_staged_update_with_a_bad_digest_is_refused_and_never_switched_to(tmp_path: Path) -> None:
+    """The broker forwards chunks before it checked the digest: the updater compares the digest the subscriber
+    computed on the way (or computes it itself) and refuses a mismatch before anything is switched."""
+    from primerl.inference.policy_updates import PolicyUpdater
+    from primerl.inference.update_checks import UpdateRefused
+    from primerl.proto.digests import payload_digest
+
+    weights = tiny_weights()
+    engine = StagingEngine(weights)
+    updater = PolicyUpdater(engine, tmp_path, max_lora_rank=4, staging_dir=tmp_path)
+    header, payload = full_update(weights, 1)
+    header.digest = payload_digest(payload)  # the publishers' XXH3-128
+    view = receive(updater, header, payload)
+    engine.finish_loads()
+    with pytest.raises(UpdateRefused) as excinfo:
+        updater.preload(header, view, payload_digest=payload_digest(payload + b"x"))
+    assert excinfo.value.code == common_pb2.ERROR_CODE_BAD_DIGEST
+    corrupt = bytearray(payload)
+    corrupt[-1] ^= 1
+    view = receive(updater, header, bytes(corrupt))
+    engine.finish_loads()
+    with pytest.raises(UpdateRefused) as excinfo:
+        updater.apply(header, view)  # no digest given: computed over the payload
+    assert excinfo.value.code == common_pb2.ERROR_CODE_BAD_DIGEST
+    assert engine.committed == [] and updater.policy_version == 0
+    view = receive(updater, header, payload)
+    engine.finish_loads()
+    updater.apply(header, view, payload_digest=payload_digest(payload))
+    assert updater.policy_version == 1 and len(engine.committed) == 1
+
+
+def test_a_staged_load_that_fails_is_refused_or_reloaded_in_place(tmp_path: Path) -> None:
+    from primerl.inference.policy_updates import PolicyUpdater
+    from primerl.inference.update_checks import UpdateRefused
+
+    weights = tiny_weights()
+    engine = StagingEngine(weights)
+    updater = PolicyUpdater(engine, tmp_path, max_lora_rank=4, staging_dir=tmp_path)
+    header, payload = full_update(weights, 1)
+    engine.refuse_next = ("[primerl:ERROR_CODE_TENSOR_MISMATCH] full update: tensor 'x' is F32[2] but the model's "
+                          "is F32[3]")
+    view = receive(updater, header, payload)
+    engine.finish_loads()
+    with pytest.raises(UpdateRefused) as excinfo:
+        updater.preload(header, view)
+    assert excinfo.value.code == common_pb2.ERROR_CODE_TENSOR_MISMATCH and "F32[3]" in excinfo.value.message
+    engine.refuse_next, engine.fail_next = "", "AttributeError: vLLM changed"
+    view = receive(updater, header, payload)
+    engine.finish_loads()
+    updater.apply(header, view)  # the staged load failed: reloaded in place instead
+    calls = [call for call, _ in engine.calls]
+    assert calls[-2:] == ["primerl_load_full_file", "reset_prefix_cache"] and engine.committed == []
+    assert updater.policy_version == 1
+
+
+def test_an_update_dropped_midway_is_never_served(tmp_path: Path) -> None:
+    """A transfer whose chunks stop (the subscriber drops it) tells the worker's staged load to stop (ABORTED), and
+    the next update starts afresh; `discard` drops a staged load that will not be applied."""
+    from primerl.inference.policy_updates import PolicyUpdater
+    from primerl.inference.shared_payload import PayloadControl, map_control
+
+    weights = tiny_weights()
+    engine = StagingEngine(weights)
+    updater = PolicyUpdater(engine, tmp_path, max_lora_rank=4, staging_dir=tmp_path)
+    header, payload = full_update(weights, 1)
+    receive(updater, header, payload, complete=False)
+    path, _ = engine.stages[1]
+    assert map_control(path).read(PayloadControl.WRITER_STATE) == PayloadControl.ABORTED
+    engine.finish_loads()
+    assert map_control(path).stage(1) == PayloadControl.LOADING  # never reported loaded: its payload never completed
+    view = receive(updater, header, payload)
+    engine.finish_loads()
+    updater.preload(header, view)
+    updater.discard()  # e.g. the daemon learnt it was refused before: nothing switched
+    assert engine.committed == [] and updater.policy_version == 0
+    updater.apply(header, view)  # loaded again from the start
+    assert engine.committed == [2] and updater.policy_version == 1

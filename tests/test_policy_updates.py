@@ -313,6 +313,73 @@ def test_lora_update_then_replacement_then_full(llm: Any, updater: Any, served: 
     assert served_diff(llm, updater, served) <= TOLERANCE
 
 
+# ---- the daemon's path: loaded while it arrives, switched to in apply ----------------------------------------------
+
+
+def receive_chunks(updater: Any, header: data_pb2.WeightUpdateHeader, payload: bytes, *, chunk_bytes: int = 1 << 16,
+                   stop_at: int | None = None) -> memoryview:
+    """What the weight subscriber does: the payload written chunk by chunk into the updater's buffer, each chunk
+    announced (``stop_at``: the transfer stops there and is dropped)."""
+    view = updater.begin_payload(header, len(payload))
+    end = len(payload) if stop_at is None else stop_at
+    for start in range(0, end, chunk_bytes):
+        stop = min(start + chunk_bytes, end)
+        view[start:stop] = payload[start:stop]
+        updater.payload_progress(stop)
+    updater.end_payload(stop_at is None)
+    return view
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
+def test_a_full_update_is_loaded_as_it_arrives_and_served_only_once_applied(llm: Any, updater: Any,
+                                                                           served: Served) -> None:
+    """The worker loads a FULL update beside the served weights while its chunks arrive (a staged load): the engine
+    serves the previous weights until `apply` switches; an update dropped midway, or whose digest does not match
+    (the broker forwards chunks before checking it), changes nothing."""
+    from primerl.inference.update_checks import UpdateRefused
+
+    if updater.lora_request() is not None:
+        apply(updater, served, "full", full_update(served.weights, updater.policy_version + 1))
+        served.adapter_dir = None
+    before = generate(llm, updater)
+    digest_before = updater.weight_digest()
+    version = updater.policy_version + 1
+    new = perturbed(served.weights, seed=100 + version)
+    header, payload = full_update(new, version)
+
+    receive_chunks(updater, header, payload, stop_at=len(payload) // 2)  # the trainer died midway
+    view = receive_chunks(updater, header, payload)
+    with pytest.raises(UpdateRefused) as excinfo:
+        updater.preload(header, view, payload_digest=sha256(payload + b"x"))  # what the subscriber computed
+    assert excinfo.value.code == common_pb2.ERROR_CODE_BAD_DIGEST
+    assert updater.policy_version == version - 1 and updater.weight_digest() == digest_before
+
+    view = receive_chunks(updater, header, payload)
+    updater.preload(header, view, payload_digest=sha256(payload))
+    assert updater.reload_in_place_reason is None  # staged, not reloaded in place
+    during = generate(llm, updater)  # loaded, not switched to: the previous weights still serve
+    assert [s.completion_token_ids for s in during.samples] == [s.completion_token_ids for s in before.samples]
+    assert max_abs_diff([s.completion_logprobs for s in during.samples],
+                        [s.completion_logprobs for s in before.samples]) == 0.0
+    apply_ms = updater.apply(header, view)
+    print(f"\nstaged full: v{version} switched in {updater.last_phases_ms['engine']:.1f} ms "
+          f"({apply_ms:.1f} ms with checks and load; phases {updater.last_phases_ms})")
+    served.weights = new
+    assert updater.policy_version == version
+    assert served_diff(llm, updater, served) <= TOLERANCE
+    assert updater.weight_digest() == weights_digest(new)
+    # The host copy now views the file this update came in: the next one goes to the other file, and a delta
+    # decodes against the viewed copy.
+    base_version = updater.policy_version
+    newer = adamw_step(served, lr=1e-5, seed=base_version)
+    header, payload = delta_update(newer, served.weights, base_version + 1, base_version)
+    updater.apply(header, receive_chunks(updater, header, payload))
+    served.weights = newer
+    assert served_diff(llm, updater, served) <= TOLERANCE
+    assert updater.weight_digest() == weights_digest(newer)
+
+
 # ---- refusals ---------------------------------------------------------------------------------------------------
 
 

@@ -752,8 +752,10 @@ def measure_point(point: Point, kinds: list[str], args: argparse.Namespace, raw:
         del model, optimizer
 
 
-def measure_filesystem(point: Point, args: argparse.Namespace, work_dir: Path) -> None:
-    """The filesystem hand-off of FULL updates (``fs_handoff.py``), with the FULL publisher's trainer model."""
+def measure_filesystem(point: Point, args: argparse.Namespace, work_dir: Path, raw: RawZmq,
+                       raw_bytes: RawBytes) -> None:
+    """The filesystem hand-off of FULL updates (``fs_handoff.py``), with the FULL publisher's trainer model; a raw
+    zmq send of the same bytes after each, for the machine's load in this phase."""
     import torch
 
     if point.full_model is None:
@@ -781,12 +783,16 @@ def measure_filesystem(point: Point, args: argparse.Namespace, work_dir: Path) -
             directory, write_ms, file_bytes = handoff.write(model, dtype, version)
             load_ms = handoff.load(directory)
             handoff.remove(directory)
+            view = raw_bytes.view(file_bytes, point.checkpoint)
+            zmq_ms = raw.send_ms(view)
+            del view
             label = "measured" if i >= args.warmup else "warm-up"
             print(f"  {point.name:>10}    fs v{version:<3} {label:8}: {file_bytes / MiB:8.2f} MiB, hand-off "
-                  f"{write_ms + load_ms:8.1f} ms (write {write_ms:.1f}, reload_weights {load_ms:.1f})", flush=True)
+                  f"{write_ms + load_ms:8.1f} ms (write {write_ms:.1f}, reload_weights {load_ms:.1f}), "
+                  f"raw zmq {zmq_ms:.1f} ms", flush=True)
             if i >= args.warmup:
                 for key, value in (("write_ms", write_ms), ("load_ms", load_ms), ("total_ms", write_ms + load_ms),
-                                   ("file_bytes", file_bytes)):
+                                   ("file_bytes", file_bytes), ("zmq_ms", zmq_ms)):
                     point.fs.setdefault(key, []).append(float(value))
         handoff.check_serves()
     finally:
@@ -840,6 +846,7 @@ class ScaleRow:
     fs_write_ms: float
     fs_load_ms: float
     fs_ms: float
+    fs_zmq_ms: float  # the raw send in the hand-off phase (the machine's load then)
     broker_peak_bytes: float  # the largest over the measured updates
     worker_peak_bytes: float
     pause_ms: float
@@ -852,8 +859,8 @@ class ScaleRow:
         return cls(point.name, point.point.model, point.point.dtype, point.num_params, med(row["payload_bytes"]),
                    med(row["zmq_ms"]), med(row["ack_ms"]), med(row["received_ms"]), med(row["applied_ms"]),
                    med(point.fs.get("write_ms", [])), med(point.fs.get("load_ms", [])),
-                   med(point.fs.get("total_ms", [])), max(row["broker_peak_bytes"]), max(row["worker_peak_bytes"]),
-                   med(row["pause_ms"]))
+                   med(point.fs.get("total_ms", [])), med(point.fs.get("zmq_ms", [])),
+                   max(row["broker_peak_bytes"]), max(row["worker_peak_bytes"]), med(row["pause_ms"]))
 
 
 def pause_cell(value_ms: float, pause_in_source: bool) -> str:
@@ -883,14 +890,16 @@ def print_tables(points: list[Point], fractions: list[dict[str, Any]], kinds: li
     print(f"\nFULL updates at scale, seconds (medians of {repeats}); peak RSS: the largest over the updates")
     header = (f"{'point':>10} {'params':>7} {'payload MiB':>11} {'raw zmq':>8} {'broker ack':>10} "
               f"{'worker has it':>13} {'applied':>8} {'x raw':>6} {'fs write':>8} {'fs load':>8} {'fs total':>8} "
-              f"{'x fs':>5} {'broker peak MiB':>15} {'worker peak MiB':>15} {'pause p50 ms':>20}")
+              f"{'x fs':>5} {'fs-phase raw zmq':>16} {'broker peak MiB':>15} {'worker peak MiB':>15} "
+              f"{'pause p50 ms':>20}")
     print(header)
     print("-" * len(header))
     for r in rows:
         print(f"{r.name:>10} {params(r.num_params):>7} {r.payload_bytes / MiB:11.1f} {seconds(r.zmq_ms):>8} "
               f"{seconds(r.ack_ms):>10} {seconds(r.received_ms):>13} {seconds(r.applied_ms):>8} "
               f"{r.applied_ms / r.zmq_ms:6.1f} {seconds(r.fs_write_ms):>8} {seconds(r.fs_load_ms):>8} "
-              f"{seconds(r.fs_ms):>8} {r.applied_ms / r.fs_ms:5.2f} {r.broker_peak_bytes / MiB:15.0f} "
+              f"{seconds(r.fs_ms):>8} {r.applied_ms / r.fs_ms:5.2f} {seconds(r.fs_zmq_ms):>16} "
+              f"{r.broker_peak_bytes / MiB:15.0f} "
               f"{r.worker_peak_bytes / MiB:15.0f} {pause_cell(r.pause_ms, pause_in_source):>20}")
     if fractions:
         print("\nDelta size / full size after one AdamW step from the initial weights (fp32, XOR + zlib level 1)")
@@ -1061,11 +1070,12 @@ def write_markdown(path: Path, argv: list[str], points: list[Point], fractions: 
     lines += ["", "FULL updates at scale, seconds (min / median / max). Worker has it: its subscriber holds the whole "
               "update; applied: it serves it. Filesystem hand-off: `save_file` of the same serving-dtype tensors to "
               "a fresh directory + `reload_weights(weights_path=dir)` on a twin vLLM engine of the worker's (same "
-              "engine options, own process). Peak RSS: the largest during the updates, worker = daemon + engine "
-              "core.", "",
+              "engine options, own process), measured after the worker stopped, with a raw zmq send of the same "
+              "bytes after each (the load in that phase). Peak RSS: the largest during the updates, worker = daemon "
+              "+ engine core.", "",
               "| model | dtype | params | payload MiB | raw zmq s | broker ack s | worker has it s | "
-              "publish->applied s | x raw | fs write s | fs load s | fs hand-off s | x fs | broker peak RSS MiB | "
-              "worker peak RSS MiB | pause p50 ms |", "|" + "---|" * 16]
+              "publish->applied s | x raw | fs write s | fs load s | fs hand-off s | x fs | raw zmq s, fs phase | "
+              "broker peak RSS MiB | worker peak RSS MiB | pause p50 ms |", "|" + "---|" * 17]
     for point in points:
         r, row = ScaleRow.of(point), point.rows.get("full")
         if r is None or row is None:
@@ -1076,6 +1086,7 @@ def write_markdown(path: Path, argv: list[str], points: list[Point], fractions: 
                      f"{r.applied_ms / r.zmq_ms:.1f} | {mmm(point.fs.get('write_ms', []), 1000, '{:.3f}')} | "
                      f"{mmm(point.fs.get('load_ms', []), 1000, '{:.3f}')} | "
                      f"{mmm(point.fs.get('total_ms', []), 1000, '{:.3f}')} | {r.applied_ms / r.fs_ms:.2f} | "
+                     f"{mmm(point.fs.get('zmq_ms', []), 1000, '{:.3f}')} | "
                      f"{r.broker_peak_bytes / MiB:.0f} | {r.worker_peak_bytes / MiB:.0f} | "
                      f"{pause_cell(r.pause_ms, pause_in_source)} |")
     if fractions:
@@ -1254,7 +1265,7 @@ def main(argv: list[str] | None = None) -> int:
                 measure_point(point, args.kinds, args, raw, raw_bytes, pause_wanted)
                 point.daemon.stop()
                 point.broker.stop()
-                measure_filesystem(point, args, work_dir / f"fs-{point.name}")
+                measure_filesystem(point, args, work_dir / f"fs-{point.name}", raw, raw_bytes)
         kinds = [k for k in KINDS if k in args.kinds]
         print_tables(points, fractions, kinds, args.repeats, pause_in_source)
         print("\nTargets (issue 26; issue 12, 4e)")

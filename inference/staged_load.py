@@ -218,6 +218,11 @@ class StagedLoad:
         info = self._layerwise.LAYERWISE_INFO
         for _, shadow in self._pairs.values():
             info.pop(shadow, None)
+            for tensor in (*shadow._parameters.values(), *shadow._buffers.values()):
+                if tensor is not None and not tensor.is_meta:
+                    # After `commit` the live layer holds this storage; a shadow tensor kept in a cycle would hold
+                    # it too, and with it the storage the next update replaces.
+                    tensor.data = torch.empty(0, dtype=tensor.dtype)
             shadow.__dict__.clear()
         for _, tied in self._tied:
             tied.__dict__.clear()

@@ -10,6 +10,7 @@ from __future__ import annotations
 import copy
 import os
 import tempfile
+import time
 import zlib
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -378,6 +379,45 @@ def test_a_full_update_is_loaded_as_it_arrives_and_served_only_once_applied(llm:
     served.weights = newer
     assert served_diff(llm, updater, served) <= TOLERANCE
     assert updater.weight_digest() == weights_digest(newer)
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
+def test_generation_beside_a_staged_load_is_served_by_the_previous_weights(llm: Any, updater: Any,
+                                                                          served: Served) -> None:
+    """The staged load runs on its own thread in the engine's process while the engine generates: what is generated
+    meanwhile comes from the previous weights, bit for bit."""
+    import threading
+
+    if updater.lora_request() is not None:
+        apply(updater, served, "full", full_update(served.weights, updater.policy_version + 1))
+        served.adapter_dir = None
+    before = generate(llm, updater)
+    version = updater.policy_version + 1
+    new = perturbed(served.weights, seed=200 + version)
+    header, payload = full_update(new, version)
+    view = updater.begin_payload(header, len(payload))  # the worker's staged load starts here
+
+    def arrive() -> None:  # the chunks trickle in while the engine generates
+        step = max(1, len(payload) // 64)
+        for start in range(0, len(payload), step):
+            stop = min(start + step, len(payload))
+            view[start:stop] = payload[start:stop]
+            updater.payload_progress(stop)
+            time.sleep(0.002)
+
+    writer = threading.Thread(target=arrive)
+    writer.start()
+    during = [generate(llm, updater) for _ in range(3)]
+    writer.join()
+    updater.end_payload(True)
+    for result in during:
+        assert [s.completion_token_ids for s in result.samples] == [s.completion_token_ids for s in before.samples]
+        assert max_abs_diff([s.completion_logprobs for s in result.samples],
+                            [s.completion_logprobs for s in before.samples]) == 0.0
+    updater.apply(header, view)
+    served.weights = new
+    assert served_diff(llm, updater, served) <= TOLERANCE
 
 
 # ---- refusals ---------------------------------------------------------------------------------------------------

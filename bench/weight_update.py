@@ -29,8 +29,9 @@ AdamW's state of a 1B model would not fit beside the daemons):
 - worker apply: the ``apply_ms`` the worker reports (arrival to serving: checks, load, resume);
 - memory: peak RSS during the update (``proc_memory.py``: VmHWM reset before it) of the broker process and of
   the inference worker (the daemon and its engine core, summed);
-- generation pause: ``update_pause`` from the worker's Prometheus ``/metrics`` (or its log line), when the
-  worker reports one; else the column says the metric is missing;
+- generation pause: the ``update_pause_ms`` of the worker's ``weight update live`` line, else from its Prometheus
+  ``/metrics`` (``update_pause``: histogram sum / count over the update), when the worker reports one; else the
+  column says the metric is missing;
 - raw zmq: one pyzmq PUSH->PULL send of the same number of bytes over TCP loopback to a receiver in another
   process (``copy=False`` both sides), until the receiver says it has them; raw copy: ``bytearray`` of them
   (payloads under 1 GiB). Both right after each update, in the same run.
@@ -503,6 +504,7 @@ class Point:
     fs: dict[str, list[float]] = field(default_factory=dict)
     fs_start_s: float | None = None
     full_model: Any = None  # (model, optimizer) of the FULL publisher, kept for the filesystem hand-off
+    pause_in_log: bool = False  # the worker logs each update's pause (no /metrics scrape needed)
     notes: list[str] = field(default_factory=list)
 
     @property
@@ -677,7 +679,9 @@ def measure_update(point: Point, publisher: Any, model: Any, optimizer: Any, kin
     daemon = point.daemon
     version = point.take_version()
     train_step(model, optimizer, version)
-    pause_before = daemon.pause_samples() if pause_wanted else {}
+    # The worker's log line carries the pause; /metrics is scraped only when it does not (not before every update).
+    scrape = pause_wanted and not point.pause_in_log
+    pause_before = daemon.pause_samples() if scrape else {}
     peaks = PeakRss({"broker": [point.broker.pid], "worker": daemon.pids})
     peaks.start()
     start = time.perf_counter()
@@ -693,7 +697,8 @@ def measure_update(point: Point, publisher: Any, model: Any, optimizer: Any, kin
         point.notes.append(f"{kind} v{version}: applied seen in the broker's run status, not the worker's log")
     apply_ms = daemon.apply_ms(version)
     pause_ms = daemon.logged_pause_ms(version)
-    if pause_ms is None and pause_wanted:
+    point.pause_in_log = pause_ms is not None
+    if pause_ms is None and scrape:
         pause_ms = pause_ms_between(pause_before, daemon.pause_samples())
     view = raw_bytes.view(result.payload_bytes, point.checkpoint if result.kind == "full" else None)
     copy_ms = raw_copy_ms(view) if view.nbytes <= RAW_COPY_MAX_BYTES else float("nan")
@@ -1067,20 +1072,21 @@ def write_markdown(path: Path, argv: list[str], points: list[Point], fractions: 
                          f"{sent} | {med(row['payload_bytes']) / MiB:.2f} | {mmm(row['applied_ms'])} | "
                          f"{mmm(row['build_ms'])} | {mmm(row['ack_ms'])} | {mmm(row['apply_ms'])} | "
                          f"{mmm(row['zmq_ms'], fmt='{:.1f}')} | {ratio:.1f} |")
-    lines += ["", "FULL updates at scale, seconds (min / median / max). Worker has it: its subscriber holds the whole "
-              "update; applied: it serves it. Filesystem hand-off: `save_file` of the same serving-dtype tensors to "
-              "a fresh directory + `reload_weights(weights_path=dir)` on a twin vLLM engine of the worker's (same "
-              "engine options, own process), measured after the worker stopped, with a raw zmq send of the same "
-              "bytes after each (the load in that phase). Peak RSS: the largest during the updates, worker = daemon "
-              "+ engine core.", "",
-              "| model | dtype | params | payload MiB | raw zmq s | broker ack s | worker has it s | "
-              "publish->applied s | x raw | fs write s | fs load s | fs hand-off s | x fs | raw zmq s, fs phase | "
-              "broker peak RSS MiB | worker peak RSS MiB | pause p50 ms |", "|" + "---|" * 17]
+    lines += ["", "FULL updates at scale, seconds (min / median / max over n updates). Worker has it: its subscriber "
+              "holds the whole update; applied: it serves it. Filesystem hand-off: `save_file` of the same "
+              "serving-dtype tensors to a fresh directory + `reload_weights(weights_path=dir)` on a twin vLLM "
+              "engine of the worker's (same engine options, own process), measured after the worker stopped, with a "
+              "raw zmq send of the same bytes after each (the load in that phase). Peak RSS: the largest during the "
+              "updates, worker = daemon + engine core.", "",
+              "| model | dtype | params | n (primerl / fs) | payload MiB | raw zmq s | broker ack s | "
+              "worker has it s | publish->applied s | x raw | fs write s | fs load s | fs hand-off s | x fs | "
+              "raw zmq s, fs phase | broker peak RSS MiB | worker peak RSS MiB | pause p50 ms |", "|" + "---|" * 18]
     for point in points:
         r, row = ScaleRow.of(point), point.rows.get("full")
         if r is None or row is None:
             continue
-        lines.append(f"| {r.model} | {r.dtype} | {params(r.num_params)} | {r.payload_bytes / MiB:.1f} | "
+        lines.append(f"| {r.model} | {r.dtype} | {params(r.num_params)} | {len(row['applied_ms'])} / "
+                     f"{len(point.fs.get('total_ms', []))} | {r.payload_bytes / MiB:.1f} | "
                      f"{mmm(row['zmq_ms'], 1000, '{:.3f}')} | {mmm(row['ack_ms'], 1000, '{:.3f}')} | "
                      f"{mmm(row['received_ms'], 1000, '{:.3f}')} | {mmm(row['applied_ms'], 1000, '{:.3f}')} | "
                      f"{r.applied_ms / r.zmq_ms:.1f} | {mmm(point.fs.get('write_ms', []), 1000, '{:.3f}')} | "

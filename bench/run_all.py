@@ -84,7 +84,7 @@ PARTS = [
     Part("d", "broker_flood.py", [], 180, 120, 60),
     # Full: the tiny and 100M points of earlier runs, then 100M / 500M / 1B in bf16 (issue 26's scale table);
     # --quick: tiny fp32 + 100M bf16.
-    Part("e", "weight_update.py", ["--models", "tiny:fp32,100m:fp32+bf16,500m:bf16,1b:bf16"], 1800, 480, 900),
+    Part("e", "weight_update.py", ["--models", "tiny:fp32,100m:fp32+bf16,500m:bf16,1b:bf16"], 1800, 480, 480),
     Part("f", "async_levels.py", [], 480, 300, 200, needs_sft=True, own=True),
     Part("g", "rl_vs_trl.py", ["--part", "g"], 600, 360, 300, needs_bench_venv=True, own=True),
     Part("h", "v1_rollouts.py", [], 480, 240, 180, needs_sft=True, own=True),

@@ -39,8 +39,9 @@ AdamW's state of a 1B model would not fit beside the daemons):
 Then, with that point's daemon and broker stopped, the filesystem hand-off of FULL updates (``fs_handoff.py``):
 the same trainer model, written with ``save_file`` in the serving dtype to a fresh directory, loaded by a twin
 vLLM engine (same ``EngineOptions``, its own process) with ``collective_rpc("reload_weights", kwargs=
-{"weights_path": dir})``; write and load are reported apart. The daemon itself cannot be asked to load a
-directory (it serves no such route), hence the twin.
+{"weights_path": dir})``; write and load are reported apart, and a raw zmq send of the same bytes follows each
+(the machine's load in this phase). The daemon itself cannot be asked to load a directory (it serves no such
+route), hence the twin.
 
 The DELTA publisher's first publish is FULL (no base yet) and is not counted; ``--delta-policy auto`` may send
 a DELTA as FULL ("sent" column). ``--warmup`` updates of each kind run before the ``--repeats`` counted; tables

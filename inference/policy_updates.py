@@ -101,7 +101,9 @@ itself much sooner: ``WeightSubscriber.stall_timeout_s``)."""
 STAGE_TIMEOUT_S = 600.0
 """Longest wait for a staged load once its payload is complete (as long as an engine call)."""
 STAGE_POLL_S = 0.001
-"""How often `preload` looks whether the staged load has finished."""
+"""How often `preload` looks whether the staged load has finished (in the shared file's control words)."""
+STAGE_PROBE_S = 1.0
+"""How often, while it waits, `preload` asks the engine itself about the staged load (a dead engine raises)."""
 
 ADAPTER_WEIGHTS_FILE = "adapter_model.safetensors"
 ADAPTER_CONFIG_FILE = "adapter_config.json"
@@ -459,6 +461,7 @@ class PolicyUpdater:
         view = memoryview(payload)
         transfer = self._transfer
         if transfer is None or not transfer.file.holds(view) or transfer.num_bytes != view.nbytes:
+            log.debug("payload copied into a shared file (it was not received there)", num_bytes=view.nbytes)
             transfer = self._begin_transfer(view.nbytes)
             transfer.file.write(view)
         if not transfer.complete:  # assembled through `staging_buffer`: no progress was published
@@ -469,13 +472,19 @@ class PolicyUpdater:
     def _await_staged_load(self, transfer: _Transfer) -> None:
         """Until the worker's staged load of ``transfer`` has finished, bounded. `UpdateRefused` when the update does
         not fit the model; for any other failure the staged load is dropped (`apply` then reloads in place)."""
-        deadline_s = time.monotonic() + self.stage_timeout_s
+        now_s = time.monotonic()
+        deadline_s, probe_s = now_s + self.stage_timeout_s, now_s + STAGE_PROBE_S
         state = None
-        while time.monotonic() < deadline_s:
+        while now_s < deadline_s:
             state = transfer.file.control.stage(transfer.seq)
             if state in (PayloadControl.LOADED, PayloadControl.FAILED, PayloadControl.DISCARDED):
                 break
+            if now_s > probe_s:  # the engine answers (a dead one raises), and still has this load
+                probe_s = now_s + STAGE_PROBE_S
+                if self.engine.collective_rpc("primerl_stage_result", (transfer.seq,))[0]["state"] == "none":
+                    break
             time.sleep(STAGE_POLL_S)
+            now_s = time.monotonic()
         if state == PayloadControl.LOADED:
             return
         result = self.engine.collective_rpc("primerl_stage_result", (transfer.seq,))[0]

@@ -356,6 +356,8 @@ class PolicyWorkerExtension:
 
     def _primerl_load(self, tensors: dict[str, torch.Tensor], start: float,
                       source: str | None = None) -> dict[str, Any]:
+        if not self.primerl_stage_discard():  # a staged load must not run beside vLLM's reload (shared state)
+            raise RuntimeError("a staged load of this worker did not stop; cannot reload in place")
         to_load = self._primerl_with_siblings(tensors)
         if to_load:
             if getattr(getattr(self.model_runner, "device", None), "type", None) == "cpu":
@@ -406,7 +408,10 @@ class PolicyWorkerExtension:
         self.primerl_host_weights()
         if not self.primerl_stage_discard():
             return {"staging": False, "reason": "the previous staged load did not stop"}
-        reason = unsupported_reason(self.model_runner.get_model(), self.model_runner.vllm_config.model_config)
+        if not hasattr(self, "_primerl_unstageable"):  # the model's structure does not change: asked once
+            self._primerl_unstageable = unsupported_reason(self.model_runner.get_model(),
+                                                           self.model_runner.vllm_config.model_config)
+        reason = self._primerl_unstageable
         if reason is not None:
             return {"staging": False, "reason": reason}
         header = data_pb2.WeightUpdateHeader()

@@ -238,6 +238,10 @@ class StagingEngine(FakeEngine):
             return [{"apply_ms": 1.0}]
         if method == "primerl_stage_result":
             self.calls.append((method, len(args)))
+            path, _ = self.stages[args[0]]
+            state = map_control(path).stage(args[0])
+            if state in (PayloadControl.LOADING, PayloadControl.LOADED):
+                return [{"state": "running" if state == PayloadControl.LOADING else "loaded"}]
             if self.refuse_next:
                 return [{"state": "failed", "refusal": self.refuse_next}]
             return [{"state": "failed", "error": self.fail_next}]
@@ -374,3 +378,22 @@ def test_an_update_dropped_midway_is_never_served(tmp_path: Path) -> None:
     assert engine.committed == [] and updater.policy_version == 0
     updater.apply(header, view)  # loaded again from the start
     assert engine.committed == [2] and updater.policy_version == 1
+
+
+def test_a_staged_load_that_does_not_finish_in_time_is_dropped_and_reloaded_in_place(tmp_path: Path) -> None:
+    """Bounded: `preload` waits ``stage_timeout_s`` for the worker's load (asking the engine itself now and then),
+    then drops it (the worker's thread sees the transfer ABORTED) and `apply` reloads in place."""
+    from primerl.inference.policy_updates import PolicyUpdater
+    from primerl.inference.shared_payload import PayloadControl, map_control
+
+    weights = tiny_weights()
+    engine = StagingEngine(weights)
+    updater = PolicyUpdater(engine, tmp_path, max_lora_rank=4, staging_dir=tmp_path, stage_timeout_s=1.5)
+    header, payload = full_update(weights, 1)
+    view = receive(updater, header, payload)  # the fake worker never reports this load done
+    updater.apply(header, view)
+    calls = [call for call, _ in engine.calls]
+    assert "primerl_stage_result" in calls and calls[-2:] == ["primerl_load_full_file", "reset_prefix_cache"]
+    path, _ = engine.stages[1]
+    assert map_control(path).read(PayloadControl.WRITER_STATE) == PayloadControl.ABORTED
+    assert engine.committed == [] and updater.policy_version == 1

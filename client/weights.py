@@ -357,6 +357,11 @@ class WeightSubscriber(DealerClient):
                 return None
             whole, digest = finished
         else:
+            if self._in_place is not None:  # a whole update comes after an unfinished one: that one is abandoned
+                log.warning("an unfinished weight transfer was replaced by a new one",
+                            transfer_id=self._in_place.key[1], received_bytes=self._in_place.num_bytes)
+                self._in_place.drop()
+                self._in_place = None
             whole = self._assemble(message)
             if whole is None:
                 return None

@@ -318,8 +318,10 @@ class PolicyUpdater:
     def _begin_transfer(self, num_bytes: int) -> _Transfer:
         """A new transfer into a shared file the worker's host copy does not view (its previous transfer, if
         unfinished, is dropped)."""
-        if self._transfer is not None and not self._transfer.complete:
-            self._transfer.finish(complete=False)
+        if self._transfer is not None:
+            self._discard()  # a load staged for it that was not applied, and what was preloaded
+            if self._transfer is not None and not self._transfer.complete:
+                self._transfer.finish(complete=False)
         self._transfer = None
         file = next((f for f in self._files if not f.control.read(PayloadControl.HOST_VIEWS)), None)
         if file is None:
@@ -351,14 +353,14 @@ class PolicyUpdater:
             except Exception as exc:  # the engine's fault shows again, where it matters, when the update is applied
                 log.warning("could not start a staged load; the update will be reloaded in place", error=repr(exc))
                 return
-            if results[0].get("staging"):
+            result = results[0]
+            if result.get("staging"):
                 transfer.staged_header = header_bytes
                 return
-            if results[0].get("reason") != "the previous staged load did not stop":
-                self._staging_unsupported = str(results[0].get("reason"))
-            else:
-                log.warning("staged load not started", reason=results[0].get("reason"))
+            if not result.get("permanent"):
+                log.warning("staged load not started; the update will be reloaded in place", reason=result["reason"])
                 return
+            self._staging_unsupported = str(result["reason"])
         log.info("weight updates are reloaded in place, with generation paused for the whole load",
                  reason=self._staging_unsupported)
 

@@ -401,19 +401,20 @@ class PolicyWorkerExtension:
         the model (`primerl.inference.staged_load`), on a thread of this worker, and return at once: a FULL
         update tensor by tensor as its bytes arrive (the file's ``bytes_ready``), a DELTA once complete. The
         thread reports LOADED or FAILED in the file's control words; `primerl_stage_commit` switches to it.
-        ``{"staging": False, "reason": ...}`` when this model cannot be staged (load it with the methods above).
+        ``{"staging": False, "reason": ..., "permanent": bool}`` when it cannot be staged (load it with the methods
+        above); permanent: never for this model.
         A staged load not committed is dropped by the next `primerl_stage_begin` or `primerl_stage_discard`."""
         from primerl.inference.staged_load import unsupported_reason
 
         self.primerl_host_weights()
         if not self.primerl_stage_discard():
-            return {"staging": False, "reason": "the previous staged load did not stop"}
+            return {"staging": False, "reason": "the previous staged load did not stop", "permanent": False}
         if not hasattr(self, "_primerl_unstageable"):  # the model's structure does not change: asked once
             self._primerl_unstageable = unsupported_reason(self.model_runner.get_model(),
                                                            self.model_runner.vllm_config.model_config)
         reason = self._primerl_unstageable
         if reason is not None:
-            return {"staging": False, "reason": reason}
+            return {"staging": False, "reason": reason, "permanent": True}
         header = data_pb2.WeightUpdateHeader()
         header.ParseFromString(header_bytes)
         stage = _StagedUpdate(self, path, num_bytes, seq, header, stall_timeout_s)

@@ -31,7 +31,7 @@ class FakeEngine:
         if method == "primerl_weight_manifest":
             return [self.manifest]
         if method == "primerl_stage_begin":
-            return [{"staging": False, "reason": "a fake engine"}]
+            return [{"staging": False, "reason": "a fake engine", "permanent": True}]
         if method in ("primerl_apply_delta", "primerl_apply_delta_file"):
             # what vLLM's multiprocess executor raises for a worker's WeightUpdateInvalid
             raise Exception("Call to collective_rpc method failed: Worker failed with error '[primerl:"
@@ -376,8 +376,13 @@ def test_an_update_dropped_midway_is_never_served(tmp_path: Path) -> None:
     updater.preload(header, view)
     updater.discard()  # e.g. the daemon learnt it was refused before: nothing switched
     assert engine.committed == [] and updater.policy_version == 0
+    assert [call for call, _ in engine.calls][-1] == "primerl_stage_discard"  # it was loaded: the worker frees it
     updater.apply(header, view)  # loaded again from the start
     assert engine.committed == [2] and updater.policy_version == 1
+    view = receive(updater, *full_update(weights, 2))
+    engine.finish_loads()
+    receive(updater, *full_update(weights, 3))  # the next update comes before v2 was applied: v2's load is freed
+    assert [call for call, _ in engine.calls][-2:] == ["primerl_stage_discard", "primerl_stage_begin"]
 
 
 def test_a_staged_load_that_does_not_finish_in_time_is_dropped_and_reloaded_in_place(tmp_path: Path) -> None:

@@ -70,7 +70,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
-from primerl.inference.shared_payload import PayloadControl, SharedPayload
+from primerl.inference.shared_payload import PayloadControl, SharedPayload, remove_stale_files
 from primerl.inference.update_checks import (
     UpdateRefused,
     check_lora_tensors,
@@ -328,6 +328,10 @@ class PolicyUpdater:
             if len(self._files) >= 2:  # only one file is ever viewed by the host copy: this is a bug
                 log.warning("every shared payload file is in use by the worker's host copy; adding one",
                             num_files=len(self._files))
+            if not self._files:
+                removed = remove_stale_files(self._staging_dir)
+                if removed:
+                    log.info("removed shared payload files of dead processes", paths=[str(p) for p in removed])
             file = SharedPayload(self._staging_dir)
             self._files.append(file)
         view = file.buffer(num_bytes)

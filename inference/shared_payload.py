@@ -47,11 +47,14 @@ import threading
 import uuid
 from pathlib import Path
 
-__all__ = ["CONTROL_BYTES", "PayloadControl", "SharedPayload", "default_staging_dir", "map_control", "map_shared"]
+__all__ = ["CONTROL_BYTES", "PayloadControl", "SharedPayload", "default_staging_dir", "map_control", "map_shared",
+           "remove_stale_files"]
 
 CONTROL_BYTES = mmap.ALLOCATIONGRANULARITY
 """Bytes before the payload (one page: the payload mapping starts at this offset)."""
 MAGIC = 0x31_64_61_6F_6C_79_61_70  # "payload1"
+FILE_PREFIX = "primerl-weights-"
+"""Shared payload files are named ``primerl-weights-<pid of their creator>-<random>``."""
 
 _SHM_DIR = Path("/dev/shm")
 _MAPS: dict[str, tuple[int, int, mmap.mmap]] = {}
@@ -102,12 +105,40 @@ def default_staging_dir() -> Path:
     return Path(tempfile.gettempdir())
 
 
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's process has that pid now
+        return True
+    return True
+
+
+def remove_stale_files(directory: str | os.PathLike[str] | None = None) -> list[Path]:
+    """Remove the shared payload files (``primerl-weights-<pid>-*``) in ``directory`` whose creator is dead (a
+    daemon killed before it closed them; in /dev/shm they hold memory); returns them. A worker that still maps one
+    keeps its mapping."""
+    directory = Path(directory) if directory is not None else default_staging_dir()
+    removed = []
+    for path in directory.glob(f"{FILE_PREFIX}*"):
+        pid = path.name[len(FILE_PREFIX):].split("-", 1)[0]
+        if not pid.isdigit() or int(pid) == os.getpid() or _pid_alive(int(pid)):
+            continue
+        try:
+            path.unlink()
+        except OSError:
+            continue
+        removed.append(path)
+    return removed
+
+
 class SharedPayload:
     """A private file, memory-mapped and grown on demand, that carries one payload at a time."""
 
     def __init__(self, directory: str | os.PathLike[str] | None = None):
         directory = Path(directory) if directory is not None else default_staging_dir()
-        self.path = str(directory / f"primerl-weights-{os.getpid()}-{uuid.uuid4().hex[:12]}")
+        self.path = str(directory / f"{FILE_PREFIX}{os.getpid()}-{uuid.uuid4().hex[:12]}")
         self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         os.ftruncate(self._fd, CONTROL_BYTES)
         self.control = PayloadControl(self._fd)

@@ -75,7 +75,7 @@ def test_updater_checks_without_an_engine(tmp_path: Path) -> None:
 
     weights = tiny_weights()
     engine = FakeEngine(weights)
-    updater = PolicyUpdater(engine, tmp_path, max_lora_rank=4)
+    updater = PolicyUpdater(engine, tmp_path, max_lora_rank=4, staging_dir=tmp_path)
     assert updater.apply(*full_update(weights, 3)) > 0
     assert updater.policy_version == 3
     # The payload reaches the worker through the shared payload file: only its path crosses the RPC. An engine that
@@ -117,7 +117,7 @@ def test_updater_follows_lineages_without_an_engine(tmp_path: Path) -> None:
     from primerl.inference.update_checks import UpdateRefused
 
     weights = tiny_weights()
-    updater = PolicyUpdater(FakeEngine(weights), tmp_path, max_lora_rank=4)
+    updater = PolicyUpdater(FakeEngine(weights), tmp_path, max_lora_rank=4, staging_dir=tmp_path)
 
     def with_lineage(update, lineage, base=0):
         update[0].lineage, update[0].lineage_base_version = lineage, base
@@ -150,7 +150,7 @@ def test_updater_swaps_lora_adapters_under_new_ids(tmp_path: Path) -> None:
     from primerl.inference.update_checks import UpdateRefused
 
     engine = FakeEngine(tiny_weights())
-    updater = PolicyUpdater(engine, tmp_path, max_lora_rank=4, policy_name="served")
+    updater = PolicyUpdater(engine, tmp_path, max_lora_rank=4, policy_name="served", staging_dir=tmp_path)
     requests = []
     for version in (1, 2, 3):
         updater.apply(*fake_adapter(version))
@@ -169,7 +169,8 @@ def test_updater_swaps_lora_adapters_under_new_ids(tmp_path: Path) -> None:
     engine.fail_add_lora = False
     with pytest.raises(UpdateRefused, match="rank 8 exceeds"):
         updater.apply(*fake_adapter(4, rank=8))
-    without_lora = PolicyUpdater(FakeEngine(tiny_weights()), tmp_path / "other", max_lora_rank=None)
+    without_lora = PolicyUpdater(FakeEngine(tiny_weights()), tmp_path / "other", max_lora_rank=None,
+                               staging_dir=tmp_path)
     with pytest.raises(UpdateRefused, match="without LoRA"):
         without_lora.apply(*fake_adapter(1))
 
@@ -184,7 +185,7 @@ def test_the_updater_says_which_updates_it_holds_already(tmp_path: Path) -> None
     from primerl.inference.policy_updates import PolicyUpdater
 
     weights = tiny_weights()
-    updater = PolicyUpdater(FakeEngine(weights), tmp_path, max_lora_rank=4)
+    updater = PolicyUpdater(FakeEngine(weights), tmp_path, max_lora_rank=4, staging_dir=tmp_path)
     updater.apply(*full_update(weights, 3))
     assert updater.holds(full_update(weights, 3)[0]) and updater.holds(full_update(weights, 2)[0])
     assert not updater.holds(full_update(weights, 4)[0])

@@ -94,12 +94,13 @@ def llm(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[A
 
 
 @pytest.fixture(scope="module")
-def updater(llm: Any, tmp_path_factory: pytest.TempPathFactory) -> Any:
+def updater(llm: Any, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
     from primerl.inference.policy_updates import PolicyUpdater
 
     updater = PolicyUpdater.for_llm(llm, tmp_path_factory.mktemp("policy"))
     updater.prepare()
-    return updater
+    yield updater
+    updater.close()  # its shared payload files
 
 
 @pytest.fixture(scope="module")

@@ -13,7 +13,13 @@ import pytest
 import torch
 import zmq
 
-from primerl.inference.shared_payload import PayloadControl, SharedPayload, map_control, map_shared
+from primerl.inference.shared_payload import (
+    PayloadControl,
+    SharedPayload,
+    map_control,
+    map_shared,
+    remove_stale_files,
+)
 from primerl.inference.worker_extension import torch_views
 from primerl.proto import chunked_transfer, framing
 from primerl.proto import tensor_frames as tf
@@ -64,6 +70,10 @@ def test_control_words_say_how_much_of_the_payload_is_final(tmp_path):
         assert staging.control.read(PayloadControl.HOST_VIEWS) == 1
         staging.buffer(5000)  # grown: the control words stay where they are
         assert control.read(PayloadControl.SEQ) == 8 and bytes(map_shared(staging.path, 600)) == b"a" * 600
+    with SharedPayload(tmp_path) as mine:  # a file of a live process (this one) stays; one of a dead process goes
+        dead = tmp_path / "primerl-weights-999999999-abc"
+        dead.write_bytes(b"x")
+        assert remove_stale_files(tmp_path) == [dead] and os.path.exists(mine.path)
     with pytest.raises(ValueError, match="not a shared payload file"):
         (tmp_path / "other").write_bytes(b"\0" * 8192)
         map_control(str(tmp_path / "other"))

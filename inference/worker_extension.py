@@ -22,10 +22,18 @@ Start the engine with ``EngineOptions(worker_extension_cls=WORKER_EXTENSION_CLS)
   multiple of 32 crash the CPU reload: such an update is refused (`check_cpu_moe_reload`).
 - ``reload_weights`` drops the LoRA adapters loaded in the worker (vLLM reloads an adapter from its path the
   next time a request asks for it).
+- ``reload_weights`` keeps the model from running until it has finished (it puts every layer on the meta device
+  first), so an update is better loaded beside the running model: `primerl_stage_begin` starts a thread of this
+  worker that loads it into a shadow of the model (`primerl.inference.staged_load`), a FULL update tensor by
+  tensor as its bytes become final in the shared payload file (its control words), and `primerl_stage_commit`
+  switches the model to it (1-3 ms, generation paused by the caller). Where that cannot work (on a GPU, quantized
+  or MoE models: `staged_load.unsupported_reason`) the caller reloads in place with the methods above. A staged
+  load never runs beside an in-place reload (both use vLLM's layerwise state).
 
 The worker keeps a host copy of the raw weights under their Hugging Face names (read from the model
-directory's safetensors on first use, then kept equal to what was loaded): deltas decode against it, and every
-update is checked against its names, dtypes and shapes *before* the model is touched. A refused update raises
+directory's safetensors on first use, then equal to what was loaded; after a FULL update from a shared payload
+file, views of that file): deltas decode against it, and every update is checked against its names, dtypes and
+shapes *before* the model is touched. A refused update raises
 `WeightUpdateInvalid` (a ValueError) whose message starts with ``[primerl:<ERROR_CODE>]``, so the refusal and
 its code survive vLLM's process boundary (where exceptions arrive as text); the model is then unchanged.
 

@@ -126,7 +126,7 @@ def test_moe_served_logprobs_match_and_follow_full_and_delta_updates(
 
     from primerl.inference.policy_updates import PolicyUpdater
 
-    updater = PolicyUpdater.for_llm(llm, tmp_path / "policy")
+    updater = PolicyUpdater.for_llm(llm, tmp_path / "policy", staging_dir=tmp_path)  # its payload files too
     updater.prepare()
     base = load_file(str(moe_model / "model.safetensors"))
     assert any(".mlp.experts.7.down_proj.weight" in name for name in base)

@@ -58,6 +58,7 @@ from primerl.inference.engine_ops import AsyncEngineOps, EngineCallCancelled, En
 from primerl.inference.metrics import inference_families
 from primerl.inference.server import InferenceServer, ServerAddress
 from primerl.runtime.log_setup import bind_context, get_logger
+from primerl.runtime.process_ids import pid_alive
 
 if TYPE_CHECKING:
     from primerl.client.control import ControlClient
@@ -78,23 +79,13 @@ _MAX_WORK_DIR_BYTES = 60
 WORK_DIR_PREFIX = "primerl-infer-"
 
 
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # someone else's process has that pid now
-        return True
-    return True
-
-
 def remove_stale_work_dirs(base: str | os.PathLike[str]) -> list[Path]:
     """Remove the work directories (``primerl-infer-<pid>-*``) under ``base`` whose daemon is dead (one killed
     before its `stop`); returns them. A directory whose pid is alive (maybe reused) is left alone."""
     removed = []
     for path in Path(base).glob(f"{WORK_DIR_PREFIX}*"):
         pid = path.name[len(WORK_DIR_PREFIX):].split("-", 1)[0]
-        if not path.is_dir() or not pid.isdigit() or int(pid) == os.getpid() or _pid_alive(int(pid)):
+        if not path.is_dir() or not pid.isdigit() or int(pid) == os.getpid() or pid_alive(int(pid)):
             continue
         shutil.rmtree(path, ignore_errors=True)
         if not path.exists():

@@ -47,6 +47,8 @@ import threading
 import uuid
 from pathlib import Path
 
+from primerl.runtime.process_ids import pid_alive
+
 __all__ = ["CONTROL_BYTES", "PayloadControl", "SharedPayload", "default_staging_dir", "map_control", "map_shared",
            "remove_stale_files"]
 
@@ -105,16 +107,6 @@ def default_staging_dir() -> Path:
     return Path(tempfile.gettempdir())
 
 
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # someone else's process has that pid now
-        return True
-    return True
-
-
 def remove_stale_files(directory: str | os.PathLike[str] | None = None) -> list[Path]:
     """Remove the shared payload files (``primerl-weights-<pid>-*``) in ``directory`` whose creator is dead (a
     daemon killed before it closed them; in /dev/shm they hold memory); returns them. A worker that still maps one
@@ -123,7 +115,7 @@ def remove_stale_files(directory: str | os.PathLike[str] | None = None) -> list[
     removed = []
     for path in directory.glob(f"{FILE_PREFIX}*"):
         pid = path.name[len(FILE_PREFIX):].split("-", 1)[0]
-        if not pid.isdigit() or int(pid) == os.getpid() or _pid_alive(int(pid)):
+        if not pid.isdigit() or int(pid) == os.getpid() or pid_alive(int(pid)):
             continue
         try:
             path.unlink()

@@ -85,6 +85,8 @@ PARTS = [
     # Full: the tiny and 100M points of earlier runs, then 100M / 500M / 1B in bf16 (issue 26's scale table);
     # --quick: tiny fp32 + 100M bf16.
     Part("e", "weight_update.py", ["--models", "tiny:fp32,100m:fp32+bf16,500m:bf16,1b:bf16"], 1800, 480, 480),
+    # What one AdamW step changes at 100M and 1B, bf16 and fp32, and the SPARSE / XOR_ZLIB deltas of it.
+    Part("e", "delta_fraction.py", ["--models", "100m,1b"], 1200, 600, 500),
     Part("f", "async_levels.py", [], 480, 300, 200, needs_sft=True, own=True),
     Part("g", "rl_vs_trl.py", ["--part", "g"], 600, 360, 300, needs_bench_venv=True, own=True),
     Part("h", "v1_rollouts.py", [], 480, 240, 180, needs_sft=True, own=True),

@@ -9,7 +9,8 @@ packages (broker, client, trainer, inference, orchestrator) or of ``cli``.
   ``metrics.jsonl``), ``prometheus`` (the exporter), ``meters`` (throughput over a sliding window);
 - sockets: ``zmq_sockets`` (ROUTER/DEALER factories with the limits set before bind/connect);
 - files: ``durable_files`` (crash-safe atomic writes);
-- processes: ``cpu_budget`` (each role's thread budget), ``parent_death`` (children that die with their parent).
+- processes: ``cpu_budget`` (each role's thread budget), ``parent_death`` (children that die with their parent),
+  ``process_ids`` (whether a pid is alive: leftovers of dead daemons).
 
 Byte units (``MiB``) live in ``primerl.proto.units``, beside the wire code that needs them.
 """

@@ -55,6 +55,6 @@ if __name__ == "__main__":
         st = plane.status()
         transfer = t_got - t0
         print(f"v{v}: ack {t_ack - t0:.2f} s, subscriber has it {transfer:.2f} s, broker forward lag "
-              f"{st.forward_lag_s * 1000:.0f} ms (v{st.forward_lag_version}) = {st.forward_lag_s / transfer:.1%} of the transfer",
-              flush=True)
+              f"{st.forward_lag_s * 1000:.0f} ms (v{st.forward_lag_version}) = "
+              f"{st.forward_lag_s / transfer:.1%} of the transfer", flush=True)
     p.join(60); pub.close(); plane.stop(); ctx.destroy(0)

@@ -56,8 +56,9 @@ class BrokerCollector:
                                     "(snapshot and deltas).",
                                     value=(weights.store.snapshot_version is not None) + weights.store.num_deltas)
             yield GaugeMetricFamily("primerl_broker_weight_forward_lag_seconds", "Seconds from the latest update's "
-                                    "last byte into the broker to its last byte out to the workers that were receiving "
-                                    "it or had it next (what the broker adds to a transfer).", value=weights.forward_lag_s)
+                                    "last byte into the broker to its last byte out to the workers that were "
+                                    "receiving it or had it next (what the broker adds to a transfer).",
+                                    value=weights.forward_lag_s)
         yield GaugeMetricFamily("primerl_broker_latest_policy_version", "Newest policy version published by the "
                                 "trainer.", value=status.latest_policy_version)
         yield GaugeMetricFamily("primerl_broker_committed_step", "Last step the trainer committed.",

@@ -232,7 +232,8 @@ class ChunkAssembler:
             return None
         del self._transfers[key]
         if transfer.num_bytes != transfer.total_bytes:
-            raise TruncatedMessage(f"transfer {chunk.transfer_id}: {transfer.num_bytes} of {transfer.total_bytes} bytes arrived")
+            raise TruncatedMessage(f"transfer {chunk.transfer_id}: {transfer.num_bytes} of {transfer.total_bytes} "
+                                   "bytes arrived")
         if transfer.segments is not None:
             whole = Message(type=message.type, header=transfer.first.header, envelope=first, payload=transfer.segments)
             if whole.type in TENSOR_MESSAGE_TYPES:

@@ -314,7 +314,10 @@ class RolloutPlane(RouterPlane):
         if not self._group:
             return
         group, self._group, self._group_bytes = self._group, [], 0
-        items = [OfferItem(m.header, m.payload[0], m.envelope.header, m.envelope.checksum) for _, m in group]
+        # The spool keeps a CRC-32: reused when the batch arrived with one, else (another checksum kind) computed.
+        items = [OfferItem(m.header, m.payload[0], m.envelope.header,
+                           m.envelope.checksum if m.envelope.checksum_kind == framing.CRC32 else None)
+                 for _, m in group]
         try:
             outcome = self.queue.offer_many(items)
         except SpoolError as exc:

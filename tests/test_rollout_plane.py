@@ -439,3 +439,21 @@ def test_windowed_producer_refuses_clearly_and_times_out_under_a_full_queue(harn
     assert timed_out.value.code == common_pb2.ERROR_CODE_BACKPRESSURE
     with pytest.raises(ValueError):
         producer.send_batches([], window=0)
+
+
+def test_a_batch_sent_with_an_xxh3_checksum_is_spooled_with_its_own_crc(harness):
+    """The spool stores a CRC-32 with each batch: one that arrived with another checksum kind gets one computed (not
+    the envelope's empty CRC field), so it survives a restart."""
+    plane = harness.plane()
+    port = plane.port
+    header, payload = pack_batch(1, 0, 0, 1, tensors_for(1, 0, 0))
+    raw = harness.dealer(plane)
+    raw.send_multipart(framing.encode(data_pb2.ROLLOUT_BATCH, header, [payload], auth_token=TOKEN, sender="orch",
+                                      checksum_kind=framing.XXH3_64))
+    ack = recv(raw)
+    assert ack.type == data_pb2.ROLLOUT_ACK and ack.header.durable
+    assert plane.stop(5.0)
+    plane.queue.close()
+    reborn = harness.plane(port=port)
+    assert reborn.status().queue.num_batches == 1
+    check_step(harness.consumer(reborn).fetch_step(1, timeout_s=10), 1, 0, 1)

@@ -197,7 +197,7 @@ def measure_model(model_name: str, spec: Any, args: argparse.Namespace) -> list[
     """Build the model once, take the step inside one backward pass (module docstring), measure every point."""
     import torch
 
-    from primerl.trainer.config import OptimizerConfig
+    from primerl.configs.trainer import OptimizerConfig
     from primerl.trainer.optim import no_weight_decay
 
     start = time.perf_counter()

@@ -41,7 +41,7 @@ def _engine_main(conn: Any, config_json: str, work_dir: str, log_path: str) -> N
     log_fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
     os.dup2(log_fd, 1)
     os.dup2(log_fd, 2)
-    from primerl.inference.config import InferenceConfig
+    from primerl.configs.inference import InferenceConfig
     from primerl.inference.engine import create_llm, shutdown_llm
     from primerl.inference.server import engine_options
 

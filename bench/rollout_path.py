@@ -56,7 +56,7 @@ ENV_PYTHON = os.environ.get("PRIMERL_ENV_PYTHON", str(REPO_ROOT / ".venv-envs" /
 
 
 def start_broker(spool_dir: Path) -> Any:
-    from primerl.broker.config import BrokerConfig
+    from primerl.configs.broker import BrokerConfig
     from primerl.broker.service import BrokerService
 
     config = BrokerConfig(host="127.0.0.1", grpc_port=0, rollout_port=0, weight_port=0, spool_dir=spool_dir,

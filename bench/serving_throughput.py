@@ -69,7 +69,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     import httpx
 
-    from primerl.trainer.config import OptimizerConfig
+    from primerl.configs.trainer import OptimizerConfig
     from primerl.trainer.optim import build_optimizer
     from primerl.trainer.publish import PolicyPublisher
     from primerl.trainer.tiny_model import build_tiny_model

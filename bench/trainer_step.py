@@ -116,7 +116,7 @@ class DaemonStep:
     """The trainer daemon's per-step code path (decode + TrainStep.step), on its own copy of the model."""
 
     def __init__(self, model_dir: Path):
-        from primerl.trainer.config import DefaultLossConfig, ModelConfig, OptimizerConfig, SchedulerConfig
+        from primerl.configs.trainer import DefaultLossConfig, ModelConfig, OptimizerConfig, SchedulerConfig
         from primerl.trainer.distributed import DistInfo
         from primerl.trainer.model import load_model
         from primerl.trainer.optim import build_optimizer, build_scheduler

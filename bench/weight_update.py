@@ -394,7 +394,7 @@ class Daemon:
     @staticmethod
     def inference_config(model_dir: Path, dtype_name: str) -> Any:
         """The ``InferenceConfig`` of the daemon's command line (for its filesystem hand-off twin)."""
-        from primerl.inference.config import InferenceConfig
+        from primerl.configs.inference import InferenceConfig
 
         return InferenceConfig(model={"name": str(model_dir), "max_model_len": MAX_MODEL_LEN, "dtype": dtype_name},
                                enable_lora=True, max_lora_rank=LORA_RANK)
@@ -625,7 +625,7 @@ def train_step(model: Any, optimizer: Any | None, version: int) -> None:
 
 
 def load_trainer_model(model_dir: Path, lora: bool, dtype_name: str = "float32") -> Any:
-    from primerl.trainer.config import LoRAConfig, ModelConfig
+    from primerl.configs.trainer import LoRAConfig, ModelConfig
     from primerl.trainer.model import load_model
 
     lora_config = LoRAConfig(rank=LORA_RANK, alpha=LORA_ALPHA, target_modules=LORA_TARGETS) if lora else None
@@ -645,7 +645,7 @@ def delta_fractions(point: Point) -> list[dict[str, Any]]:
 
     from primerl.proto.tensor_frames import encode_tensors
     from primerl.proto.weight_delta import encode_delta
-    from primerl.trainer.config import OptimizerConfig
+    from primerl.configs.trainer import OptimizerConfig
     from primerl.trainer.hf_state_dict import hf_state_dict
     from primerl.trainer.optim import build_optimizer
 
@@ -728,7 +728,7 @@ def measure_update(point: Point, publisher: Any, model: Any, optimizer: Any, kin
 def measure_point(point: Point, kinds: list[str], args: argparse.Namespace, raw: RawZmq, raw_bytes: RawBytes,
                   pause_wanted: bool) -> None:
     """The primerl path: every kind asked for (FULL only on large models); keeps the FULL model for the hand-off."""
-    from primerl.trainer.config import OptimizerConfig
+    from primerl.configs.trainer import OptimizerConfig
     from primerl.trainer.optim import build_optimizer
     from primerl.trainer.publish import PolicyPublisher
 
@@ -768,7 +768,7 @@ def measure_filesystem(point: Point, args: argparse.Namespace, work_dir: Path, r
         model = load_trainer_model(point.model_dir, lora=False, dtype_name=point.dtype_name)
         optimizer = None
         if point.small:
-            from primerl.trainer.config import OptimizerConfig
+            from primerl.configs.trainer import OptimizerConfig
             from primerl.trainer.optim import build_optimizer
 
             optimizer = build_optimizer(model, OptimizerConfig(lr=args.lr))

@@ -30,7 +30,7 @@ from dataclasses import asdict, dataclass
 
 import zmq
 
-from primerl.broker.config import BrokerConfig
+from primerl.configs.broker import BrokerConfig
 from primerl.broker.control_service import BrokerServicer, HeartbeatMonitor, create_grpc_server
 from primerl.broker.metrics import BrokerCollector
 from primerl.broker.registry import WorkerRegistry

@@ -39,7 +39,7 @@ def serve(config, args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from primerl.broker.config import BrokerConfig
+    from primerl.configs.broker import BrokerConfig
 
     return run_role("primerl-broker", "broker", BrokerConfig, argv, example="--grpc-port 50051", serve=serve,
                     token_key="run_token")

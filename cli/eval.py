@@ -272,7 +272,7 @@ def _tool_settings(args: argparse.Namespace, info: Any, console: Console) -> tup
 
 async def _start_server(model: str, max_model_len: int | None, tool_choice: bool, tool_parser: str | None,
                         console: Console, token: str | None = None):
-    from primerl.inference.config import InferenceConfig
+    from primerl.configs.inference import InferenceConfig
     from primerl.inference.server import InferenceServer
 
     token = token or secrets.token_urlsafe(24)

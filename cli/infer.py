@@ -77,7 +77,7 @@ def serve(config, args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from primerl.inference.config import InferenceConfig
+    from primerl.configs.inference import InferenceConfig
 
     return run_role("primerl-infer", "inference", InferenceConfig, argv,
                     example="--model.max-model-len 4096 (a teacher: --role teacher)", serve=serve)

@@ -57,7 +57,7 @@ def serve(config, args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from primerl.orchestrator.config import OrchestratorConfig
+    from primerl.configs.orchestrator import OrchestratorConfig
 
     return run_role("primerl-orchestrator", "orchestrator", OrchestratorConfig, argv, example="--batch-size 64",
                     serve=serve)

@@ -25,15 +25,15 @@ from typing import Annotated, Any
 import pydantic
 from pydantic import Field, model_validator
 
-from primerl.broker.config import BrokerConfig
-from primerl.inference.config import InferenceConfig, vllm_max_lora_rank_for
-from primerl.orchestrator.config import OrchestratorConfig
+from primerl.configs.broker import BrokerConfig
+from primerl.configs.inference import InferenceConfig, vllm_max_lora_rank_for
+from primerl.configs.orchestrator import OrchestratorConfig
 from primerl.runtime.config_base import BaseConfig, ConfigWarning, nearest_multiples
 from primerl.runtime.config_common import DEFAULT_BROKER_GRPC_PORT, DEFAULT_BROKER_HOST, LogConfig, WandbConfig
 from primerl.cli.config_shapes import to_canonical
 from primerl.cli.dotted_keys import dotted_get as _get, dotted_has as _has, dotted_set_default as _set_default
 from primerl.cli.rl_teacher import fill_teacher, has_teacher, teacher_problems, teacher_warnings
-from primerl.trainer.config import LoRAConfig, TrainerConfig
+from primerl.configs.trainer import LoRAConfig, TrainerConfig
 
 ROLES = ("broker", "trainer", "orchestrator", "inference")
 BROKER_PORTS = ("grpc_port", "rollout_port", "weight_port")

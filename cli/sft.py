@@ -59,7 +59,7 @@ def serve(config, args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from primerl.trainer.config import SFTConfig
+    from primerl.configs.trainer import SFTConfig
 
     return run_role("primerl sft", "sft", SFTConfig, argv, example="--data.path samples.jsonl", serve=serve)
 

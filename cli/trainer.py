@@ -69,7 +69,7 @@ def _exit_status_of(exc: Exception, log) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from primerl.trainer.config import TrainerConfig
+    from primerl.configs.trainer import TrainerConfig
 
     return run_role("primerl-trainer", "trainer", TrainerConfig, argv, example="--optim.lr 1e-5", serve=serve)
 

@@ -34,7 +34,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from primerl.inference.config import InferenceConfig
+from primerl.configs.inference import InferenceConfig
 from primerl.inference.engine import EngineOptions, apply_env_defaults, is_cpu_platform, resolve_llm_kwargs
 from primerl.inference.http_middleware import BearerAuthMiddleware, DropSeedMiddleware, PolicyVersionMiddleware
 from primerl.inference.token_generate import SCALE_OUT_FLAG, TOKEN_ROUTE, TokenLogprobsMiddleware

@@ -53,7 +53,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from primerl.inference.config import InferenceConfig
+from primerl.configs.inference import InferenceConfig
 from primerl.inference.engine_ops import AsyncEngineOps, EngineCallCancelled, EngineCallTimeout
 from primerl.inference.metrics import inference_families
 from primerl.inference.server import InferenceServer, ServerAddress

@@ -27,7 +27,7 @@ import numpy as np
 from primerl.orchestrator.samples import Group
 
 if TYPE_CHECKING:
-    from primerl.orchestrator.config import OrchestratorConfig
+    from primerl.configs.orchestrator import OrchestratorConfig
 
 DEFAULT_STD_EPS = 1e-6
 

@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING
 from primerl.orchestrator.samples import Group, TrainingSample
 
 if TYPE_CHECKING:
-    from primerl.orchestrator.config import BufferConfig
+    from primerl.configs.orchestrator import BufferConfig
 
 FILTER_REASONS = ("too_hard", "too_easy", "low_variance")
 

@@ -52,7 +52,7 @@ from typing import Any
 
 from primerl.orchestrator.advantages import prepare_groups
 from primerl.orchestrator.async_bound import AsyncBound
-from primerl.orchestrator.config import OrchestratorConfig
+from primerl.configs.orchestrator import OrchestratorConfig
 from primerl.orchestrator.endpoints import ENDPOINT_BACKOFF_S, InferenceEndpoint, InferenceWorkers
 from primerl.orchestrator.env_client import EnvRequestError, EnvWorkerDied
 from primerl.orchestrator.filtering import BatchAssembler, DifficultyFilter

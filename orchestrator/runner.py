@@ -56,7 +56,7 @@ import time
 from typing import Any
 
 from primerl.orchestrator.batch_sender import BatchSender, SendInterrupted
-from primerl.orchestrator.config import OrchestratorConfig
+from primerl.configs.orchestrator import OrchestratorConfig
 from primerl.orchestrator.endpoints import EndpointWatcher
 from primerl.orchestrator.env_sampler import EnvSampler
 from primerl.orchestrator.packing import check_loss_tokens_survive, pack_samples, to_broker_batches

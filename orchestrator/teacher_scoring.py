@@ -36,7 +36,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from primerl.orchestrator.config import TeacherConfig
+from primerl.configs.orchestrator import TeacherConfig
 from primerl.orchestrator.teacher_client import (
     TeacherEndpoint,
     TeacherEndpoints,

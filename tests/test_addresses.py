@@ -13,9 +13,9 @@ from __future__ import annotations
 import pytest
 from pydantic import ValidationError
 
-from primerl.broker.config import BrokerConfig
+from primerl.configs.broker import BrokerConfig
 from primerl.client.control import ControlClient
-from primerl.inference.config import InferenceConfig
+from primerl.configs.inference import InferenceConfig
 from primerl.inference.server import ServerAddress
 from primerl.runtime.addresses import (advertised_host, check_advertise_host, dialable_endpoint, route_to,
                                        split_host_port)

@@ -12,7 +12,7 @@ import zmq
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from primerl.broker.config import BrokerConfig
+from primerl.configs.broker import BrokerConfig
 from primerl.client.control import ControlClient
 from primerl.client.rollouts import RolloutConsumer, RolloutProducer, pack_batch
 from primerl.broker.service import BrokerService

@@ -8,7 +8,7 @@ import time
 import numpy as np
 import pytest
 
-from primerl.broker.config import BrokerConfig
+from primerl.configs.broker import BrokerConfig
 from primerl.proto import chunked_transfer, framing
 from primerl.proto import tensor_frames as tf
 from primerl.proto.v1 import data_pb2
@@ -92,7 +92,7 @@ def test_too_many_payload_frames_are_refused():
 
 def test_default_transfer_limits_fit_the_machine():
     config = BrokerConfig()
-    from primerl.broker.config import physical_memory_bytes
+    from primerl.configs.broker import physical_memory_bytes
 
     assert config.resolved_max_transfer_bytes <= physical_memory_bytes() // 4
     assert config.resolved_max_open_transfer_bytes <= physical_memory_bytes() // 4

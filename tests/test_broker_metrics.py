@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from primerl.broker.config import BrokerConfig
+from primerl.configs.broker import BrokerConfig
 from primerl.client.control import ControlClient
 from primerl.client.rollouts import RolloutProducer, pack_batch
 from primerl.broker.service import BrokerService

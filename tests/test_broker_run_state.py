@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import structlog
 
-from primerl.broker.config import BrokerConfig
+from primerl.configs.broker import BrokerConfig
 from primerl.broker.registry import WorkerRegistry
 from primerl.broker.registry_errors import CommitFailed, CommitResult
 from primerl.broker.run_state import (

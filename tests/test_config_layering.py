@@ -13,11 +13,11 @@ from pathlib import Path
 import pydantic
 import pytest
 
-from primerl.broker.config import BrokerConfig
+from primerl.configs.broker import BrokerConfig
 from primerl.cli.rl import main as rl_main
 from primerl.cli.rl_config import RLConfig
-from primerl.inference.config import InferenceConfig
-from primerl.orchestrator.config import OrchestratorConfig
+from primerl.configs.inference import InferenceConfig
+from primerl.configs.orchestrator import OrchestratorConfig
 from primerl.runtime.config_base import ConfigError, ConfigWarning
 from primerl.runtime.config_loader import (
     dump_toml,
@@ -27,7 +27,7 @@ from primerl.runtime.config_loader import (
     parse_override_value,
 )
 from primerl.cli.config_shapes import LAB_SAMPLING_KEYS
-from primerl.trainer.config import TrainerConfig
+from primerl.configs.trainer import TrainerConfig
 from support.rl_configs import BASE, LAB, VF_RL, config_writer, error_of, load
 
 

@@ -10,13 +10,13 @@ from pathlib import Path
 
 import pytest
 
-from primerl.broker.config import BrokerConfig
+from primerl.configs.broker import BrokerConfig
 from primerl.cli.rl_config import RLConfig
-from primerl.inference.config import InferenceConfig
-from primerl.orchestrator.config import OrchestratorConfig
+from primerl.configs.inference import InferenceConfig
+from primerl.configs.orchestrator import OrchestratorConfig
 from primerl.runtime.config_base import ConfigWarning
 from primerl.runtime.config_loader import dump_toml, load_config
-from primerl.trainer.config import DEFAULT_LORA_TARGET_MODULES, TrainerConfig
+from primerl.configs.trainer import DEFAULT_LORA_TARGET_MODULES, TrainerConfig
 
 REFERENCE_CONFIGS = Path(__file__).resolve().parents[1].parent / "shared" / "reference" / "configs"
 ALL_PROJ = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]

@@ -82,7 +82,7 @@ def test_an_explicit_free_grpc_port_is_allowed_and_the_run_config_loads_back(tmp
 
 
 def test_the_standalone_broker_keeps_its_documented_ports():
-    from primerl.broker.config import BrokerConfig
+    from primerl.configs.broker import BrokerConfig
 
     broker = BrokerConfig()
     assert (broker.grpc_port, broker.rollout_port, broker.weight_port) == (50051, 50052, 50053)
@@ -118,7 +118,7 @@ def test_status_of_a_directory_without_a_run_file_says_what_to_do(tmp_path):
 
 # ------------------------------------------------------------------------------------ fast: bind errors
 def test_a_taken_broker_port_names_the_address_and_the_setting(tmp_path):
-    from primerl.broker.config import BrokerConfig
+    from primerl.configs.broker import BrokerConfig
     from primerl.broker.service import BrokerService, PortUnavailable
 
     for key, what in (("grpc_port", "gRPC"), ("rollout_port", "ZeroMQ rollout"), ("weight_port", "ZeroMQ weight")):

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from primerl.trainer.batch import MicroBatch
-from primerl.trainer.config import CISPOLossConfig, DefaultLossConfig, GRPOLossConfig, KLConfig, TrainerConfig
+from primerl.configs.trainer import CISPOLossConfig, DefaultLossConfig, GRPOLossConfig, KLConfig, TrainerConfig
 from primerl.trainer.losses import (
     AdaptiveKLController,
     distillation_loss,

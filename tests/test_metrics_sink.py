@@ -190,7 +190,7 @@ def test_wandb_online_without_a_login_logs_offline(no_wandb_login, tmp_path, cap
 
 
 def test_config_for_wandb_drops_secrets_at_any_depth():
-    from primerl.trainer.config import TrainerConfig
+    from primerl.configs.trainer import TrainerConfig
 
     config = TrainerConfig(model={"name": "m"}, broker={"run_token": "t0p-secret"})
     data = config_for_wandb(config)

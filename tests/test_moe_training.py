@@ -13,7 +13,7 @@ import torch
 from support.trainer_runs import packed, samples
 
 from primerl.trainer.batch import MicroBatch, packed_token_logprobs, router_aux_loss_coef
-from primerl.trainer.config import DefaultLossConfig, LoRAConfig, ModelConfig
+from primerl.configs.trainer import DefaultLossConfig, LoRAConfig, ModelConfig
 from primerl.trainer.distributed import DistInfo
 from primerl.trainer.hf_state_dict import hf_state_dict
 from primerl.trainer.model import load_model

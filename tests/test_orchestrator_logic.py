@@ -105,7 +105,7 @@ def test_truncation_options():
 
 
 def test_prepare_groups_reads_the_config():
-    from primerl.orchestrator.config import OrchestratorConfig
+    from primerl.configs.orchestrator import OrchestratorConfig
 
     config = OrchestratorConfig.model_validate({
         "model": {"name": "m"}, "env": [{"id": "e"}], "batch_size": 4, "rollouts_per_example": 2,
@@ -140,7 +140,7 @@ def test_filter_counts_and_switch():
     assert [g.group_id for g in result.kept] == [2]
     assert result.num_groups == 6 and result.num_filtered == 5
     assert len(DifficultyFilter(enabled=False)(groups).kept) == 6
-    from primerl.orchestrator.config import BufferConfig
+    from primerl.configs.orchestrator import BufferConfig
 
     config_filter = DifficultyFilter.from_config(BufferConfig(type="online-difficulty", min_reward=0.1))
     assert config_filter(groups).counts == {"too_hard": 2, "too_easy": 0, "low_variance": 2}

@@ -189,7 +189,7 @@ def test_group_seeds_give_every_rollout_its_own_seed_and_repeat_for_the_same_run
 def test_the_runner_warns_once_per_fallback_reason(tmp_path):
     import structlog
 
-    from primerl.orchestrator.config import OrchestratorConfig
+    from primerl.configs.orchestrator import OrchestratorConfig
     from primerl.orchestrator.runner import OrchestratorRunner
 
     config = OrchestratorConfig.model_validate({"model": {"name": "m"}, "env": [{"id": "e"}], "batch_size": 4,

@@ -167,7 +167,7 @@ def test_parse_rollout_turns_broken_payloads_into_errors() -> None:
 
 
 def test_sampling_from_config() -> None:
-    from primerl.orchestrator.config import SamplingConfig
+    from primerl.configs.orchestrator import SamplingConfig
 
     params = sampling_from(SamplingConfig(temperature=0.5, stop=["x"], max_tokens=9))
     assert params == SamplingParams(temperature=0.5, stop=("x",), max_tokens=9)

@@ -8,7 +8,7 @@ import collections
 import concurrent.futures
 import threading
 
-from primerl.orchestrator.config import OrchestratorConfig
+from primerl.configs.orchestrator import OrchestratorConfig
 from primerl.orchestrator.endpoints import InferenceWorkers, WorkerEndpoint
 from primerl.orchestrator.env_client import EnvWorkerDied
 from primerl.orchestrator.env_sampler import EnvSampler

@@ -236,7 +236,7 @@ def test_an_environment_without_examples(env_python, monkeypatch):
 
 def test_an_environment_listed_twice():
     from primerl.cli.preflight_envs import env_checks
-    from primerl.orchestrator.config import OrchestratorConfig
+    from primerl.configs.orchestrator import OrchestratorConfig
 
     config = OrchestratorConfig.model_validate({"model": {"name": "m"}, "env": [{"id": "a"}, {"id": "b"}, {"id": "a"}]})
     assert [f.message for f in env_checks(config, prefix="orchestrator.", tokenizer=None, max_model_len=None)()] == [
@@ -429,7 +429,7 @@ def test_a_daemon_started_alone_checks_its_role(daemon, tiny_model, env_python, 
 
 def test_under_primerl_rl_the_roles_skip_theirs(monkeypatch):
     from primerl.cli.preflight import role_preflight
-    from primerl.inference.config import InferenceConfig
+    from primerl.configs.inference import InferenceConfig
 
     config = InferenceConfig.model_validate({"model": {"name": "/no/such/model"}})
     monkeypatch.setenv("PRIMERL_SKIP_PREFLIGHT", "1")

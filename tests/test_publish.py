@@ -15,7 +15,7 @@ from safetensors.torch import load_file
 from primerl.broker.service import BrokerService
 from primerl.client.weights import WeightUpdateRefused
 from primerl.proto.v1 import common_pb2, data_pb2
-from primerl.trainer.config import LoRAConfig, ModelConfig, OptimizerConfig
+from primerl.configs.trainer import LoRAConfig, ModelConfig, OptimizerConfig
 from primerl.trainer.model import load_model
 from primerl.trainer.optim import build_optimizer
 from primerl.trainer.hf_state_dict import hf_state_dict

@@ -127,7 +127,7 @@ def smallest_adam_denominators(model_dir: Path, checkpoints: Path, steps: range)
     import torch
     from transformers import AutoModelForCausalLM
 
-    from primerl.trainer.config import OptimizerConfig
+    from primerl.configs.trainer import OptimizerConfig
     from primerl.trainer.optim import build_optimizer
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
@@ -151,7 +151,7 @@ def test_two_ranks_train_the_same_model_as_one(model_dir, tmp_path):
     float32's rounding of the gradients summed in another order, which AdamW turns into a whole step for an element
     whose gradient is that rounding (`support.numerics.adam_weight_tolerance`; the one-rank run checkpoints every
     step for its optimizer state)."""
-    from primerl.trainer.config import OptimizerConfig
+    from primerl.configs.trainer import OptimizerConfig
 
     data = reverse_dataset(tmp_path / "reverse.jsonl", count=16)
     one = subprocess.run([str(BIN / "primerl"), *sft_args(model_dir, data, tmp_path / "one", "--max-steps", "3",

@@ -21,7 +21,7 @@ import pytest
 import structlog
 from support.probes import free_port, wait_until
 
-from primerl.orchestrator.config import OrchestratorConfig, TeacherConfig
+from primerl.configs.orchestrator import OrchestratorConfig, TeacherConfig
 from primerl.orchestrator.endpoints import WorkerEndpoint
 from primerl.orchestrator.env_sampler import EnvSampler
 from primerl.orchestrator.rollout_failures import RolloutFailures, RolloutsFailing

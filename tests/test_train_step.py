@@ -15,7 +15,7 @@ from support.numerics import FLOAT32_EPS, RL_LOSS_ATOL, assert_weights_match, ma
 from support.trainer_runs import packed, samples
 
 from primerl.trainer.batch import MicroBatch
-from primerl.trainer.config import DefaultLossConfig, OptimizerConfig
+from primerl.configs.trainer import DefaultLossConfig, OptimizerConfig
 from primerl.trainer.distributed import DistInfo
 from primerl.trainer.train_step import TrainStep, rl_objective, sft_objective
 

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from primerl.trainer.config import ActivationCheckpointConfig, LoRAConfig, ModelConfig, OptimizerConfig, SchedulerConfig
+from primerl.configs.trainer import ActivationCheckpointConfig, LoRAConfig, ModelConfig, OptimizerConfig, SchedulerConfig
 from primerl.trainer.model import enable_activation_checkpointing, load_model, trainable_parameters
 from primerl.trainer.optim import build_optimizer, build_scheduler, clip_grad_norm
 

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from primerl.orchestrator.config import EnvConfig, OrchestratorConfig
+from primerl.configs.orchestrator import EnvConfig, OrchestratorConfig
 from primerl.orchestrator.env_clients import EnvClients, endpoint_version_fn
 from primerl.orchestrator.env_kinds import not_installed_message, resolve_env_kinds
 from primerl.orchestrator.env_python import EnvPython, find_v1_env_python

@@ -264,7 +264,7 @@ def test_trainer_and_vllm_agree_kl_divergence(engine: Any, reference_model: Any,
 
     from primerl.inference.logprob_check import generate_with_logprobs
     from primerl.trainer.batch import MicroBatch, packed_token_logprobs
-    from primerl.trainer.config import DefaultLossConfig
+    from primerl.configs.trainer import DefaultLossConfig
     from primerl.trainer.losses import rl_loss
 
     result = generate_with_logprobs(engine, PROMPTS, max_tokens=16, seed=3, temperature=temperature)

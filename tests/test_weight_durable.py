@@ -157,7 +157,7 @@ def test_a_worker_joining_a_restarted_plane_gets_the_current_policy(tmp_path: Pa
 def test_a_restarted_broker_daemon_serves_the_policy_to_a_joining_worker(tmp_path: Path) -> None:
     """The broker daemon's core (``BrokerService``) with its spool directory: publish, stop (a restart), start on
     the same spool: a worker that joins gets the latest version before the trainer publishes anything."""
-    from primerl.broker.config import BrokerConfig
+    from primerl.configs.broker import BrokerConfig
     from primerl.broker.service import BrokerService
 
     def start() -> tuple[BrokerService, str]:

@@ -22,7 +22,7 @@ from primerl.broker.service import BrokerService
 from primerl.client.weights import LineageSuperseded, WeightSubscriber
 from primerl.inference.engine import EngineOptions
 from primerl.inference.worker_extension import WORKER_EXTENSION_CLS, weights_digest
-from primerl.trainer.config import ModelConfig, OptimizerConfig
+from primerl.configs.trainer import ModelConfig, OptimizerConfig
 from primerl.trainer.model import load_model
 from primerl.trainer.optim import build_optimizer
 from primerl.trainer.hf_state_dict import hf_state_dict

@@ -18,7 +18,7 @@ import pytest
 import zmq.auth
 from cryptography import x509
 
-from primerl.broker.config import BrokerConfig
+from primerl.configs.broker import BrokerConfig
 from primerl.cli.certs import CertPaths, CertsError, config_lines, make_certs, parse_clients
 from primerl.cli.run_file import RunFile, write_run_file
 from primerl.client.control import BrokerError, ControlClient

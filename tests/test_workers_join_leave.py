@@ -65,7 +65,7 @@ def _log_lines(path: Path, event: str) -> list[str]:
 def test_workers_leave_and_join_a_running_run(tiny_model, tmp_path):
     if not Path(ENV_PYTHON).exists():
         pytest.skip(f"no env-worker interpreter at {ENV_PYTHON}: run `make setup` (it builds .venv-envs)")
-    from primerl.trainer.config import ModelConfig
+    from primerl.configs.trainer import ModelConfig
     from primerl.trainer.model import load_model
     from primerl.trainer.publish import PolicyPublisher
 

@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from primerl.trainer.config import CISPOLossConfig, DefaultLossConfig, GRPOLossConfig, KLConfig
+from primerl.configs.trainer import CISPOLossConfig, DefaultLossConfig, GRPOLossConfig, KLConfig
 
 RLLossConfig = DefaultLossConfig | GRPOLossConfig | CISPOLossConfig
 

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Literal
 
 from primerl.runtime.log_setup import get_logger
-from primerl.trainer.config import ActivationCheckpointConfig, LoRAConfig, ModelConfig
+from primerl.configs.trainer import ActivationCheckpointConfig, LoRAConfig, ModelConfig
 
 if TYPE_CHECKING:
     import torch

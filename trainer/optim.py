@@ -15,7 +15,7 @@ import math
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from primerl.trainer.config import OptimizerConfig, SchedulerConfig
+from primerl.configs.trainer import OptimizerConfig, SchedulerConfig
 
 if TYPE_CHECKING:
     import torch

@@ -68,7 +68,7 @@ from primerl.proto.step_digest import data_digest
 from primerl.runtime.log_setup import bind_context, get_logger
 from primerl.runtime.metrics_sink import MetricsSink, finite_values
 from primerl.runtime.prometheus import MetricsExporter, start_exporter
-from primerl.trainer.config import TrainerConfig
+from primerl.configs.trainer import TrainerConfig
 from primerl.trainer.distributed import DistInfo, barrier, resolve_parallel, unwrap_model
 from primerl.trainer.train_step import distillation_objective, rl_objective, sft_objective
 from primerl.trainer.training_setup import (

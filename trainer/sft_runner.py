@@ -34,7 +34,7 @@ import torch
 from primerl.runtime.log_setup import bind_context, get_logger
 from primerl.runtime.metrics_sink import MetricsSink
 from primerl.runtime.prometheus import start_exporter
-from primerl.trainer.config import SFTConfig
+from primerl.configs.trainer import SFTConfig
 from primerl.trainer.distributed import DistInfo, all_reduce_sum, barrier, resolve_parallel, unwrap_model
 from primerl.trainer.sft_data import as_training_samples, pack_for_ranks, read_chat_samples, tokenize_conversation
 from primerl.trainer.train_step import sft_objective

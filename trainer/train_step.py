@@ -19,7 +19,7 @@ import torch
 
 from primerl.trainer.batch import MicroBatch, packed_token_logprobs, router_aux_term
 from primerl.trainer.distributed import DistInfo, all_reduce_sum
-from primerl.trainer.config import KLConfig
+from primerl.configs.trainer import KLConfig
 from primerl.trainer.losses import AdaptiveKLController, LossOutput, kl_penalty, rl_loss, sft_loss
 
 # objective(batch, logprobs, num_loss_tokens) -> LossOutput

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from primerl.runtime.log_setup import get_logger
-from primerl.trainer.config import KLConfig, TrainerConfig
+from primerl.configs.trainer import KLConfig, TrainerConfig
 from primerl.trainer.distributed import DistInfo, barrier, unwrap_model, wrap_model
 
 if TYPE_CHECKING:

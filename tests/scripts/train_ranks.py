@@ -23,7 +23,7 @@ import numpy as np
 import torch
 
 from primerl.trainer.batch import MicroBatch
-from primerl.trainer.config import DefaultLossConfig, OptimizerConfig
+from primerl.configs.trainer import DefaultLossConfig, OptimizerConfig
 from primerl.trainer.distributed import init_distributed, shutdown_distributed, unwrap_model, wrap_model
 from primerl.trainer.train_step import TrainStep, rl_objective
 

@@ -7,7 +7,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from primerl.broker.config import BrokerConfig
+from primerl.configs.broker import BrokerConfig
 from primerl.broker.service import BrokerService
 from primerl.client.control import ControlClient
 from primerl.client.weights import WeightPublisher

@@ -1,0 +1,1 @@
+"""The supervisor behind ``primerl rl``: starts the four daemons of a run, restarts them by policy, stops them."""

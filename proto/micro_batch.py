@@ -1,5 +1,4 @@
-"""The tensors of a training micro-batch, as the orchestrator packs them (``primerl.orchestrator.packing``), the
-broker carries them (a ``RolloutBatchHeader`` with one safetensors payload) and the trainer reads them
+"""The tensors of a training micro-batch, as the packer makes them (``primerl.proto.packing``), the broker carries them (a ``RolloutBatchHeader`` with one safetensors payload) and the trainer reads them
 (``primerl.trainer.batch.MicroBatch``).
 
 Every tensor is 1-D, one entry per token of the packed sequence, all of one length (at most ``seq_len``):

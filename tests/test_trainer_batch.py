@@ -62,9 +62,9 @@ def test_micro_batch_checks_its_tensors():
 
 def test_packer_and_micro_batch_follow_the_schema():
     """What the orchestrator packs is what the trainer reads: the names and dtypes of ``primerl.proto.micro_batch``."""
-    from primerl.orchestrator.packing import pack_samples
     from primerl.orchestrator.samples import TrainingSample
     from primerl.proto.micro_batch import REQUIRED_TENSORS, TENSOR_DTYPES
+    from primerl.proto.packing import pack_samples
 
     def sample(teacher):
         return TrainingSample(token_ids=[3, 4, 5], loss_mask=[False, True, True], inference_logprobs=[0.0, -0.5, -0.2],

@@ -4,7 +4,7 @@ Each line is ``{"messages": [{"role": ..., "content": ...}, ...]}`` or ``{"promp
 [...]}`` (verifiers' shape: the completion's messages follow the prompt's). Loss tokens are the assistant
 messages' tokens (content and end-of-turn), never the prompt, the other roles or the
 ``<|im_start|>assistant`` header that the inference server adds itself. One optimizer step's samples are packed
-by the orchestrator's packer, as RL batches are: balanced over the ranks by tokens, then first-fit-decreasing into
+by the packer of RL batches (``primerl.proto.packing``): balanced over the ranks by tokens, then first-fit-decreasing into
 micro-batches of at most ``seq_len`` tokens, so that every rank gets its share (``pack_for_ranks``).
 """
 
@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from primerl.proto.packing import pack_samples
 from primerl.trainer.batch import MicroBatch
 
 
@@ -80,23 +81,59 @@ def _extend(input_ids: list[int], loss_mask: list[bool], new_ids: list[int], is_
     loss_mask.extend([is_loss] * len(new_ids))
 
 
-def as_training_samples(samples: Sequence[TokenizedSample]) -> list[Any]:
-    """The samples in the orchestrator's shape (``primerl.orchestrator.samples.TrainingSample``), for its packer;
-    the RL-only fields are neutral (zero advantage and logprobs, temperature 1, policy version 0)."""
-    from primerl.orchestrator.samples import TrainingSample
+@dataclass(frozen=True)
+class SupervisedSample:
+    """A tokenized conversation in the packer's shape (``primerl.proto.packing.PackableSample``): the RL-only
+    fields are neutral (zero advantage and logprobs, temperature 1, policy version 0)."""
 
-    return [TrainingSample(token_ids=s.input_ids, loss_mask=s.loss_mask, inference_logprobs=[0.0] * len(s.input_ids),
-                           temperatures=[1.0] * len(s.input_ids), policy_versions=[0] * len(s.input_ids))
-            for s in samples]
+    token_ids: Sequence[int]
+    loss_mask: Sequence[bool]
+    advantage: float = 0.0
+    teacher_logprobs: None = None
+
+    def __post_init__(self) -> None:
+        if len(self.token_ids) != len(self.loss_mask):
+            raise ValueError(f"{len(self.token_ids)} tokens but {len(self.loss_mask)} loss-mask entries")
+        if not self.token_ids:
+            raise ValueError("a sample needs at least one token")
+        if self.loss_mask[0]:
+            raise ValueError("the first token of a sample cannot be a loss token: nothing precedes it")
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def inference_logprobs(self) -> list[float]:
+        return [0.0] * self.num_tokens
+
+    @property
+    def temperatures(self) -> list[float]:
+        return [1.0] * self.num_tokens
+
+    @property
+    def policy_versions(self) -> list[int]:
+        return [0] * self.num_tokens
+
+    @property
+    def min_policy_version(self) -> int:
+        return 0
+
+    @property
+    def max_policy_version(self) -> int:
+        return 0
 
 
-def pack_for_ranks(samples: Sequence[Any], seq_len: int, num_ranks: int = 1,
+def as_training_samples(samples: Sequence[TokenizedSample]) -> list[SupervisedSample]:
+    """The samples in the packer's shape."""
+    return [SupervisedSample(token_ids=s.input_ids, loss_mask=s.loss_mask) for s in samples]
+
+
+def pack_for_ranks(samples: Sequence[SupervisedSample], seq_len: int, num_ranks: int = 1,
                    pad_token_id: int = 0) -> list[list[MicroBatch]]:
-    """One step's micro-batches for each rank, by the orchestrator's packer (``primerl.orchestrator.packing``):
-    samples (``as_training_samples``) balanced over the ranks by tokens, then first-fit-decreasing into bins of at
-    most ``seq_len`` tokens (a longer sample is truncated); a rank left without samples gets one padding
-    micro-batch (a ``pad_token_id`` token, no loss), so every rank has its share of the step."""
-    from primerl.orchestrator.packing import pack_samples
-
+    """One step's micro-batches for each rank (``primerl.proto.packing.pack_samples``): samples balanced over the
+    ranks by tokens, then first-fit-decreasing into bins of at most ``seq_len`` tokens (a longer sample is
+    truncated); a rank left without samples gets one padding micro-batch (a ``pad_token_id`` token, no loss), so
+    every rank has its share of the step."""
     packed = pack_samples(samples, seq_len=seq_len, num_ranks=num_ranks, pad_token_id=pad_token_id)
     return [[MicroBatch.from_tensors(batch.tensors) for batch in batches] for batches in packed.per_rank]

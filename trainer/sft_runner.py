@@ -1,7 +1,7 @@
 """`primerl sft`: supervised fine-tuning from a JSONL file of chat samples, without the broker.
 
 Each optimizer step takes the next ``data.batch_size`` samples (shuffled per epoch with ``data.seed``), packs
-them with the orchestrator's packer (``primerl.trainer.sft_data.pack_for_ranks``: every rank gets its share, a
+them as RL batches are packed (``primerl.trainer.sft_data.pack_for_ranks``: every rank gets its share, a
 padding micro-batch when there are fewer samples than ranks), and minimises the masked cross-entropy of the
 assistant tokens. Checkpoints follow ``[ckpt]``; the final weights are exported in Hugging Face format to
 ``{output_dir}/weights/step_{max_steps}`` (what vLLM and RL runs start from). Rank 0 appends each step's

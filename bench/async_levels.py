@@ -49,11 +49,19 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--markdown", type=Path, default=None)
     parser.add_argument("--json", type=Path, default=None)
     parser.add_argument("--plots-dir", type=Path, default=ROOT / "bench" / "plots")
-    parser.add_argument("--budget-s", type=float, default=None,
-                        help="time budget: fewer repeats (never fewer than 1) when the next would run over")
+    parser.add_argument(
+        "--budget-s",
+        type=float,
+        default=None,
+        help="time budget: fewer repeats (never fewer than 1) when the next would run over",
+    )
     parser.add_argument("--quick", action="store_true", help="5 steps x 1 repeat")
-    parser.add_argument("--control", action=argparse.BooleanOptionalAction, default=True,
-                        help="add level 1 with lr 1e-12: the KL of engine/trainer mismatch alone (default: on)")
+    parser.add_argument(
+        "--control",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="add level 1 with lr 1e-12: the KL of engine/trainer mismatch alone (default: on)",
+    )
     return parser
 
 
@@ -65,7 +73,7 @@ def late_reward(run: RunTimeline) -> float | None:
     rewards = [r for r in run.step_rewards if r is not None]
     if not rewards:
         return None
-    return statistics.fmean(rewards[len(rewards) // 2:])
+    return statistics.fmean(rewards[len(rewards) // 2 :])
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -81,10 +89,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.steps < 3:
         raise SystemExit("--steps must be >= 3")
     section = Section("f. `max_async_level` 0 vs 1 vs 2: steps/s and reward")
-    section.line(f"SFT checkpoint `{args.sft}`; `primerl rl @ examples/reverse_text_rl.toml --model.name SFT "
-                 f"--max-async-level L --max-steps {args.steps}`, {args.repeats} run(s) per level, levels in "
-                 "rotation. steps/s excludes start-up; reward = mean training reward (orchestrator `train/reward`) "
-                 "over the last half of the steps; KL = mean `train/kl_divergence` (k3, inference || trainer).")
+    section.line(
+        f"SFT checkpoint `{args.sft}`; `primerl rl @ examples/reverse_text_rl.toml --model.name SFT "
+        f"--max-async-level L --max-steps {args.steps}`, {args.repeats} run(s) per level, levels in "
+        "rotation. steps/s excludes start-up; reward = mean training reward (orchestrator `train/reward`) "
+        "over the last half of the steps; KL = mean `train/kl_divergence` (k3, inference || trainer)."
+    )
     section.line()
     started = time.time()
     variants = [(str(level), level, []) for level in levels]
@@ -97,7 +107,9 @@ def main(argv: list[str] | None = None) -> int:
         if repeat > 0 and args.budget_s is not None:
             per_repeat_s = (time.time() - started) / repeat
             if time.time() - started + per_repeat_s > args.budget_s:
-                section.line(f"_Repeats cut from {args.repeats} to {repeat} by the time budget ({args.budget_s:.0f} s)._")
+                section.line(
+                    f"_Repeats cut from {args.repeats} to {repeat} by the time budget ({args.budget_s:.0f} s)._"
+                )
                 section.line()
                 break
         for label, level, overrides in variants:
@@ -105,9 +117,14 @@ def main(argv: list[str] | None = None) -> int:
                 continue
             name = "control" if label == CONTROL else f"level{level}"
             try:
-                run = run_primerl(args.sft, args.work_dir / "f" / f"{name}-{repeat}", args.steps,
-                                  args.run_timeout_s, overrides=["--max-async-level", str(level), *overrides],
-                                  what=f"primerl rl max_async_level={level} {' '.join(overrides)} (repeat {repeat})")
+                run = run_primerl(
+                    args.sft,
+                    args.work_dir / "f" / f"{name}-{repeat}",
+                    args.steps,
+                    args.run_timeout_s,
+                    overrides=["--max-async-level", str(level), *overrides],
+                    what=f"primerl rl max_async_level={level} {' '.join(overrides)} (repeat {repeat})",
+                )
             except BenchRunError as error:
                 errors[label] = str(error)
                 status = 1
@@ -139,29 +156,67 @@ def main(argv: list[str] | None = None) -> int:
             base = rate.median
         if label != CONTROL:
             steps_per_s[f"level {level}"] = rate
-        rows.append([label, rate.cell(), fmt(rate.median / base) if base and rate.values else "—",
-                     interval.cell(), reward.cell(), kl.cell(4), kl_max.cell(4)])
-    section.table(["max_async_level", "steps/s (per run)", f"vs level {levels[0]}", "step interval, s (all steps)",
-                   "late training reward", "mean KL(inf || trainer)", "largest step KL"], rows)
+        rows.append(
+            [
+                label,
+                rate.cell(),
+                fmt(rate.median / base) if base and rate.values else "—",
+                interval.cell(),
+                reward.cell(),
+                kl.cell(4),
+                kl_max.cell(4),
+            ]
+        )
+    section.table(
+        [
+            "max_async_level",
+            "steps/s (per run)",
+            f"vs level {levels[0]}",
+            "step interval, s (all steps)",
+            "late training reward",
+            "mean KL(inf || trainer)",
+            "largest step KL",
+        ],
+        rows,
+    )
     if args.control:
-        section.line(f"`{CONTROL}`: max_async_level 1 with `--trainer.optim.lr {CONTROL_LR}` (weights do not move): its "
-                     "KL is what engine and trainer disagree on by themselves; above it, the KL of a level-1 run is "
-                     "the policy moving one optimizer step between sampling and training.")
+        section.line(
+            f"`{CONTROL}`: max_async_level 1 with `--trainer.optim.lr {CONTROL_LR}` (weights do not move): its "
+            "KL is what engine and trainer disagree on by themselves; above it, the KL of a level-1 run is "
+            "the policy moving one optimizer step between sampling and training."
+        )
         section.line()
     for label, error in errors.items():
         section.line(f"**not run: {label}: {error}**".replace("\n", "  \n"))
     if any(runs.values()):
         rel = args.markdown.parent if args.markdown else ROOT / "bench"
-        section.image(save_bars(args.plots_dir / "f_steps_per_s.png", "f. steps/s by max_async_level", "steps/s",
-                                {k: v for k, v in steps_per_s.items() if v.values}), rel, "f. steps/s")
+        section.image(
+            save_bars(
+                args.plots_dir / "f_steps_per_s.png",
+                "f. steps/s by max_async_level",
+                "steps/s",
+                {k: v for k, v in steps_per_s.items() if v.values},
+            ),
+            rel,
+            "f. steps/s",
+        )
         curves = {}
         for level in levels:
             if runs[str(level)]:
                 run = runs[str(level)][0]
                 rewards = [r for r in run.step_rewards if r is not None]
                 curves[f"max_async_level {level}"] = (list(range(len(rewards))), rewards)
-        section.image(save_curves(args.plots_dir / "f_reward.png", "f. training reward per step (first repeat)",
-                                  "step", "mean training reward", curves), rel, "f. reward per step")
+        section.image(
+            save_curves(
+                args.plots_dir / "f_reward.png",
+                "f. training reward per step (first repeat)",
+                "step",
+                "mean training reward",
+                curves,
+            ),
+            rel,
+            "f. reward per step",
+        )
     section.line(f"Part took {time.time() - started:.0f} s.")
     if args.markdown:
         section.write(args.markdown)

@@ -1,11 +1,13 @@
 #!/usr/bin/env python
 """The broker's memory under a flood of rollout batches (issue 13, point 4; `make bench` part d).
 
-    .venv/bin/python bench/broker_flood.py [--producers 1 4 16] [--batch-mib 32] [--seconds 8] [--repeats 2] [--quick] [--markdown PATH]
+    .venv/bin/python bench/broker_flood.py [--producers 1 4 16] [--batch-mib 32] [--seconds 8] [--repeats 2] [--quick] \
+        [--markdown PATH]
 
 For each producer count N, a fresh ``primerl-broker`` process (spool on disk, ``--max-queue-batches``
 ``--queue-batches``, read cache ``--read-cache-mib``, rollout high-water mark ``--rollout-hwm``, defaults
-``--max-rollout-connections``, defaults otherwise) is flooded by N producer processes. Each producer has its own ZeroMQ DEALER connection and sends
+``--max-rollout-connections``, defaults otherwise) is flooded by N producer processes.
+Each producer has its own ZeroMQ DEALER connection and sends
 valid, signed ``ROLLOUT_BATCH`` messages of ``--batch-mib`` MiB (distinct batch ids, steps inside the run's
 window) as fast as its socket lets it, never waiting for an ack, reading and dropping whatever comes back
 (acks, BACKPRESSURE). Nobody consumes, so the queue fills to its bound and everything after that is refused.
@@ -65,11 +67,31 @@ def per_connection_mib(num_connections: int, rollout_hwm: int, batch_mib: int) -
 def start_broker(work: Path, args: argparse.Namespace) -> tuple[subprocess.Popen, dict, Path]:
     ready = work / "ready.json"
     log_path = work / "broker.log"
-    cmd = [str(BIN / "primerl-broker"), "--grpc-port", "0", "--rollout-port", "0", "--weight-port", "0",
-           "--spool-dir", str(work / "spool"), "--run-token", TOKEN, "--prometheus.enabled", "false",
-           "--max-queue-batches", str(args.queue_batches), "--read-cache-bytes", str(args.read_cache_mib * MiB),
-           "--rollout-hwm", str(args.rollout_hwm), "--max-rollout-connections", str(args.max_rollout_connections),
-           "--ready-file", str(ready)]
+    cmd = [
+        str(BIN / "primerl-broker"),
+        "--grpc-port",
+        "0",
+        "--rollout-port",
+        "0",
+        "--weight-port",
+        "0",
+        "--spool-dir",
+        str(work / "spool"),
+        "--run-token",
+        TOKEN,
+        "--prometheus.enabled",
+        "false",
+        "--max-queue-batches",
+        str(args.queue_batches),
+        "--read-cache-bytes",
+        str(args.read_cache_mib * MiB),
+        "--rollout-hwm",
+        str(args.rollout_hwm),
+        "--max-rollout-connections",
+        str(args.max_rollout_connections),
+        "--ready-file",
+        str(ready),
+    ]
     log = open(log_path, "w")
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
     log.close()
@@ -99,8 +121,16 @@ def distinct_batches(queue_batches: int, num_producers: int) -> int:
     return queue_batches // num_producers + 2
 
 
-def producer(endpoint: str, index: int, batch_bytes: int, num_distinct: int, seconds: float, ready: mp.Queue, go,
-             result: mp.Queue) -> None:
+def producer(
+    endpoint: str,
+    index: int,
+    batch_bytes: int,
+    num_distinct: int,
+    seconds: float,
+    ready: mp.Queue,
+    go,
+    result: mp.Queue,
+) -> None:
     """Encode ``num_distinct`` signed batches, wait for ``go``, then send them round and round as fast as the
     socket takes them for ``seconds``, reading and dropping every reply; count sends and replies.
 
@@ -120,10 +150,12 @@ def producer(endpoint: str, index: int, batch_bytes: int, num_distinct: int, sec
     tensor = np.zeros(batch_bytes // 8, dtype=np.int64)
     messages = []
     for number in range(num_distinct):
-        header, payload = pack_batch(1 + number % 4, index, number, 1_000_000, {"input_ids": tensor},
-                                     batch_id=f"flood-{index}-{number}")
-        messages.append(framing.encode(framing.data_pb2.ROLLOUT_BATCH, header, [payload], auth_token=TOKEN,
-                                       sender=f"flood-{index}"))
+        header, payload = pack_batch(
+            1 + number % 4, index, number, 1_000_000, {"input_ids": tensor}, batch_id=f"flood-{index}-{number}"
+        )
+        messages.append(
+            framing.encode(framing.data_pb2.ROLLOUT_BATCH, header, [payload], auth_token=TOKEN, sender=f"flood-{index}")
+        )
     sent = replies = 0
     ready.put(index)
     go.wait(120)
@@ -165,10 +197,22 @@ def flood(num_producers: int, args: argparse.Namespace) -> dict:
             ready: mp.Queue = context.Queue()
             go = context.Event()
             endpoint = f"tcp://127.0.0.1:{ports['rollout_port']}"
-            workers = [context.Process(target=producer, args=(endpoint, i, args.batch_mib * MiB,
-                                                              distinct_batches(args.queue_batches, num_producers),
-                                                              args.seconds, ready, go, result))
-                       for i in range(num_producers)]
+            workers = [
+                context.Process(
+                    target=producer,
+                    args=(
+                        endpoint,
+                        i,
+                        args.batch_mib * MiB,
+                        distinct_batches(args.queue_batches, num_producers),
+                        args.seconds,
+                        ready,
+                        go,
+                        result,
+                    ),
+                )
+                for i in range(num_producers)
+            ]
             for worker in workers:
                 worker.start()
             for _ in workers:  # every producer connected with its batches encoded: start them together
@@ -189,12 +233,19 @@ def flood(num_producers: int, args: argparse.Namespace) -> dict:
         finally:
             stop(proc)
         log_text = log_path.read_text(errors="replace")
-    return {"producers": num_producers, "idle_mib": idle_kib / 1024, "peak_mib": peak_kib / 1024,
-            "sampled_peak_mib": (max(samples) if samples else 0) / 1024,
-            "sampled_median_mib": (sorted(samples)[len(samples) // 2] if samples else 0) / 1024, "end_mib": end_kib / 1024,
-            "sent": sum(c[1] for c in counts), "replies": sum(c[2] for c in counts), "alive": alive,
-            "admitted": sum(1 for c in counts if c[2] > 0),
-            "tracebacks": log_text.count("Traceback")}
+    return {
+        "producers": num_producers,
+        "idle_mib": idle_kib / 1024,
+        "peak_mib": peak_kib / 1024,
+        "sampled_peak_mib": (max(samples) if samples else 0) / 1024,
+        "sampled_median_mib": (sorted(samples)[len(samples) // 2] if samples else 0) / 1024,
+        "end_mib": end_kib / 1024,
+        "sent": sum(c[1] for c in counts),
+        "replies": sum(c[2] for c in counts),
+        "alive": alive,
+        "admitted": sum(1 for c in counts if c[2] > 0),
+        "tracebacks": log_text.count("Traceback"),
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -207,10 +258,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--read-cache-mib", type=int, default=256, help="the broker's read_cache_bytes, MiB")
     parser.add_argument("--rollout-hwm", type=int, default=4, help="the broker's rollout_hwm (its default: 4)")
     parser.add_argument("--max-message-mib", type=int, default=256, help="the broker's max_message_bytes (default)")
-    parser.add_argument("--max-rollout-connections", type=int, default=4,
-                        help="the broker's max_rollout_connections (its default: 16)")
-    parser.add_argument("--allowance-mib", type=int, default=None,
-                        help="fixed allowance of the bound (default: 2 x max_message_bytes)")
+    parser.add_argument(
+        "--max-rollout-connections", type=int, default=4, help="the broker's max_rollout_connections (its default: 16)"
+    )
+    parser.add_argument(
+        "--allowance-mib", type=int, default=None, help="fixed allowance of the bound (default: 2 x max_message_bytes)"
+    )
     parser.add_argument("--spool-parent", default=None, help="where the spool goes (default: the temp dir)")
     parser.add_argument("--markdown", type=Path, default=None)
     parser.add_argument("--quick", action="store_true", help="5 s per producer count, one repeat")
@@ -225,22 +278,28 @@ def main(argv: list[str] | None = None) -> int:
         for n in args.producers:
             outcome = flood(n, args)
             results[n].append(outcome)
-            print(f"[flood] {n} producers: peak {outcome['peak_mib']:.0f} MiB (idle {outcome['idle_mib']:.0f}), "
-                  f"sampled median {outcome['sampled_median_mib']:.0f}, sent {outcome['sent']}, replies {outcome['replies']}, alive {outcome['alive']}", flush=True)
+            print(
+                f"[flood] {n} producers: peak {outcome['peak_mib']:.0f} MiB (idle {outcome['idle_mib']:.0f}), "
+                f"sampled median {outcome['sampled_median_mib']:.0f}, sent {outcome['sent']}, "
+                f"replies {outcome['replies']}, alive {outcome['alive']}",
+                flush=True,
+            )
 
     section = Section("d. The broker's memory under a flood of rollout batches", argv)
     section.line(f"Machine load before the first flood: {load_before}.")
     section.line()
-    section.line(f"A fresh `primerl-broker` per row (spool on disk, `max_queue_batches` {args.queue_batches}, read cache "
-                 f"{args.read_cache_mib} MiB, `rollout_hwm` {args.rollout_hwm}, `max_rollout_connections` "
-                 f"{args.max_rollout_connections}, `max_message_bytes` "
-                 f"{args.max_message_mib} MiB), N producer processes, each its own connection, sending signed "
-                 f"{args.batch_mib} MiB batches as fast as their sockets take them for {args.seconds:.0f} s, nobody "
-                 "consuming. Peak = the broker's VmHWM. Bound = idle RSS + queue "
-                 f"({queue_mib} MiB) + read cache ({args.read_cache_mib} MiB) + allowance ({allowance} MiB, 2 x "
-                 "`max_message_bytes` by default: the group of batches being spooled, at most `max_group_bytes`, and "
-                 "one message being decoded). Producers start together once all are connected with their batches "
-                 "encoded.")
+    section.line(
+        f"A fresh `primerl-broker` per row (spool on disk, `max_queue_batches` {args.queue_batches}, read cache "
+        f"{args.read_cache_mib} MiB, `rollout_hwm` {args.rollout_hwm}, `max_rollout_connections` "
+        f"{args.max_rollout_connections}, `max_message_bytes` "
+        f"{args.max_message_mib} MiB), N producer processes, each its own connection, sending signed "
+        f"{args.batch_mib} MiB batches as fast as their sockets take them for {args.seconds:.0f} s, nobody "
+        "consuming. Peak = the broker's VmHWM. Bound = idle RSS + queue "
+        f"({queue_mib} MiB) + read cache ({args.read_cache_mib} MiB) + allowance ({allowance} MiB, 2 x "
+        "`max_message_bytes` by default: the group of batches being spooled, at most `max_group_bytes`, and "
+        "one message being decoded). Producers start together once all are connected with their batches "
+        "encoded."
+    )
     section.line()
     rows = []
     verdicts = []
@@ -257,23 +316,53 @@ def main(argv: list[str] | None = None) -> int:
         alive = all(o["alive"] for o in results[n])
         met = peak.max <= bound and alive
         verdicts.append(met)
-        rows.append([str(n), peak.cell(0), fmt(bound, 0), "met" if met else "missed", admitted.cell(0), fmt(idle.median, 0),
-                     fmt(per_connection, 0), "yes" if peak.max <= bound + per_connection else "no",
-                     str(sum(o["sent"] for o in results[n])), str(sum(o["replies"] for o in results[n])),
-                     "yes" if alive else "**no**", str(sum(o["tracebacks"] for o in results[n]))])
-    section.table(["producers", "peak RSS, MiB", "bound, MiB", "verdict", "admitted", "idle RSS, MiB",
-                   "min(N, max_rollout_connections) x (rollout_hwm + 1) x batch, MiB", "within bound + that", "batches sent", "replies",
-                   "broker alive", "tracebacks in log"], rows)
-    section.line(f"- **{'met' if all(verdicts) else 'missed'}** d: peak RSS within the configured bound for "
-                 f"{', '.join(str(n) for n in args.producers)} producers")
+        rows.append(
+            [
+                str(n),
+                peak.cell(0),
+                fmt(bound, 0),
+                "met" if met else "missed",
+                admitted.cell(0),
+                fmt(idle.median, 0),
+                fmt(per_connection, 0),
+                "yes" if peak.max <= bound + per_connection else "no",
+                str(sum(o["sent"] for o in results[n])),
+                str(sum(o["replies"] for o in results[n])),
+                "yes" if alive else "**no**",
+                str(sum(o["tracebacks"] for o in results[n])),
+            ]
+        )
+    section.table(
+        [
+            "producers",
+            "peak RSS, MiB",
+            "bound, MiB",
+            "verdict",
+            "admitted",
+            "idle RSS, MiB",
+            "min(N, max_rollout_connections) x (rollout_hwm + 1) x batch, MiB",
+            "within bound + that",
+            "batches sent",
+            "replies",
+            "broker alive",
+            "tracebacks in log",
+        ],
+        rows,
+    )
+    section.line(
+        f"- **{'met' if all(verdicts) else 'missed'}** d: peak RSS within the configured bound for "
+        f"{', '.join(str(n) for n in args.producers)} producers"
+    )
     section.line()
-    section.line("libzmq buffers up to `rollout_hwm` messages per connection in the ROUTER's pipe and one more in the "
-                 "connection's decoder before the broker reads any of them, so without a limit on connections the peak "
-                 "grows with N (before the limit existed, at 534dd3a: 553 / 907 / 1,362 MiB for 1 / 4 / 16 producers). "
-                 "The broker admits at most `max_rollout_connections` peers at the ZeroMQ handshake "
-                 "(`broker/connection_gate.py`) and refuses the others before they can send a byte; 'admitted' counts "
-                 "the producers that got any reply. So the per-connection term is at most "
-                 "`max_rollout_connections` x (`rollout_hwm` + 1) x message size, whatever N.")
+    section.line(
+        "libzmq buffers up to `rollout_hwm` messages per connection in the ROUTER's pipe and one more in the "
+        "connection's decoder before the broker reads any of them, so without a limit on connections the peak "
+        "grows with N (before the limit existed, at 534dd3a: 553 / 907 / 1,362 MiB for 1 / 4 / 16 producers). "
+        "The broker admits at most `max_rollout_connections` peers at the ZeroMQ handshake "
+        "(`broker/connection_gate.py`) and refuses the others before they can send a byte; 'admitted' counts "
+        "the producers that got any reply. So the per-connection term is at most "
+        "`max_rollout_connections` x (`rollout_hwm` + 1) x message size, whatever N."
+    )
     section.line()
     if args.markdown:
         section.write(args.markdown)

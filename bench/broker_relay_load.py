@@ -10,6 +10,7 @@ A producer process sends STEPS steps of 64 // SIZE_MIB batches of SIZE_MIB (defa
 pid in /tmp/relay_broker.pid, its log in /tmp/relay_broker.log) spools every batch in SPOOL_DIR. Prints the
 relayed MiB/s. Not part of `make bench` (part d measures the ratios); this is the load to attach a profiler to.
 """
+
 from __future__ import annotations
 
 import json
@@ -35,7 +36,9 @@ def produce(endpoint: str, num_steps: int, batches_per_step: int, batch_bytes: i
     tensor = np.zeros(batch_bytes // 8, dtype=np.int64)
     with RolloutProducer(endpoint, TOKEN, "orchestrator") as producer:
         for step in range(1, num_steps + 1):
-            batches = (pack_batch(step, 0, index, batches_per_step, {"input_ids": tensor}) for index in range(batches_per_step))
+            batches = (
+                pack_batch(step, 0, index, batches_per_step, {"input_ids": tensor}) for index in range(batches_per_step)
+            )
             producer.send_batches(batches, window=8, timeout_s=120)
 
 
@@ -52,10 +55,29 @@ def start_broker(spool_dir: str) -> tuple[subprocess.Popen, str]:
     ready = Path(spool_dir).with_suffix(".ready.json")
     ready.unlink(missing_ok=True)
     with open(LOG_FILE, "w") as log:
-        broker = subprocess.Popen([str(REPO / ".venv" / "bin" / "primerl-broker"), "--grpc-port", "0", "--rollout-port", "0",
-                                   "--weight-port", "0", "--spool-dir", spool_dir, "--run-token", TOKEN,
-                                   "--prometheus.enabled", "false", "--max-queue-batches", "64", "--ready-file", str(ready)],
-                                  stdout=log, stderr=subprocess.STDOUT)
+        broker = subprocess.Popen(
+            [
+                str(REPO / ".venv" / "bin" / "primerl-broker"),
+                "--grpc-port",
+                "0",
+                "--rollout-port",
+                "0",
+                "--weight-port",
+                "0",
+                "--spool-dir",
+                spool_dir,
+                "--run-token",
+                TOKEN,
+                "--prometheus.enabled",
+                "false",
+                "--max-queue-batches",
+                "64",
+                "--ready-file",
+                str(ready),
+            ],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
     deadline_s = time.monotonic() + 60
     while not ready.exists():
         if broker.poll() is not None or time.monotonic() > deadline_s:
@@ -84,7 +106,10 @@ def main() -> int:
         num_batches, seconds = result.get(timeout=600)
         producer.join()
         consumer.join()
-        print(f"relayed {num_batches} batches of {size_mib} MiB in {seconds:.2f} s: {num_batches * size_mib / seconds:.0f} MiB/s")
+        print(
+            f"relayed {num_batches} batches of {size_mib} MiB in {seconds:.2f} s: "
+            f"{num_batches * size_mib / seconds:.0f} MiB/s"
+        )
     finally:
         broker.terminate()
         broker.wait(timeout=30)

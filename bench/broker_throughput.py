@@ -17,7 +17,8 @@ For each message size S and receiver count N:
     which separates the disk's cost from the broker's own overhead. ``--no-shm`` skips the second.
 (c) fan-out: trainer ``WeightPublisher`` -> broker ``WeightPlane`` -> N ``WeightSubscriber``: one FULL update
     of S bytes, time from the start of ``publish`` (which computes the SHA-256) until every subscriber holds
-    the whole update (CRC-checked per chunk; SHA-256-checked too with ``--verify-digest``) ("stored": when the broker's ack reached the publisher; "phase": the rest). Compared with raw "single".
+    the whole update (CRC-checked per chunk; SHA-256-checked too with ``--verify-digest``)
+    ("stored": when the broker's ack reached the publisher; "phase": the rest). Compared with raw "single".
 
 Placement (the machine has 2 cores): the broker runs in its own process (as the daemon does), every
 receiver (PULL socket, trainer rank, inference worker) in its own process, and the sender (raw PUSH,
@@ -107,8 +108,8 @@ def broker_main(conn, spool_dirs: list[str], max_message_bytes: int, chunk_bytes
     configure_logging("broker", "bench", level="warning")
 
     from primerl.broker.weight_plane import WeightPlane
-    from primerl.proto.data_plane_limits import BrokerLimits
     from primerl.broker.weight_store import WeightStore
+    from primerl.proto.data_plane_limits import BrokerLimits
 
     context = zmq.Context()
     limits = BrokerLimits.for_max_message_bytes(max_message_bytes).frames
@@ -159,8 +160,8 @@ def receiver_main(conn, index: int, max_message_bytes: int, verify_digest: bool)
 
     from primerl.client.rollouts import RolloutConsumer
     from primerl.client.weights import WeightSubscriber
-    from primerl.proto.digests import payload_digest
     from primerl.proto.data_plane_limits import BrokerLimits
+    from primerl.proto.digests import payload_digest
 
     context = zmq.Context()
     limits = BrokerLimits.for_max_message_bytes(max_message_bytes).frames
@@ -188,8 +189,9 @@ def receiver_main(conn, index: int, max_message_bytes: int, verify_digest: bool)
                 conn.send(("done", num_bytes))
             elif command == "relay_join":
                 plane, endpoint, rank = args
-                consumers[plane] = RolloutConsumer(endpoint, TOKEN, f"trainer-{rank}", rank, credits=4, context=context,
-                                                   limits=limits)
+                consumers[plane] = RolloutConsumer(
+                    endpoint, TOKEN, f"trainer-{rank}", rank, credits=4, context=context, limits=limits
+                )
                 consumers[plane].hello(timeout_s=30)
                 conn.send("ok")
             elif command == "relay":
@@ -296,12 +298,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sizes-mib", type=int, nargs="+", default=[1, 16, 64])
     parser.add_argument("--receivers", type=int, nargs="+", default=[1, 4])
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--chunk-mib", type=int, default=None, help="weight chunk size (default: the message limit, 256 MiB)")
-    parser.add_argument("--spool-dir", default=None, help="parent of the spool directory (default: the system temp dir)")
+    parser.add_argument(
+        "--chunk-mib", type=int, default=None, help="weight chunk size (default: the message limit, 256 MiB)"
+    )
+    parser.add_argument(
+        "--spool-dir", default=None, help="parent of the spool directory (default: the system temp dir)"
+    )
     parser.add_argument("--verify-digest", action="store_true", help="subscribers check the SHA-256 themselves too")
     parser.add_argument("--window", type=int, default=8, help="rollout batches the producer keeps in flight")
     parser.add_argument("--no-shm", action="store_true", help="skip the relay with the spool on /dev/shm")
-    parser.add_argument("--no-relay", action="store_true", help="skip the rollout relay (b): raw sends and fan-out only")
+    parser.add_argument(
+        "--no-relay", action="store_true", help="skip the rollout relay (b): raw sends and fan-out only"
+    )
     parser.add_argument("--quick", action="store_true", help="16 and 64 MiB only, 1 repeat (trying the harness)")
     parser.add_argument("--markdown", type=Path, default=None, help="write a RESULTS.md section there")
     args = parser.parse_args(argv)
@@ -365,7 +373,9 @@ def main(argv: list[str] | None = None) -> int:
         if relay_available:
             for plane, port in enumerate(info["rollout_ports"]):
                 rollout_endpoint = f"tcp://127.0.0.1:{port}"
-                producers.append(RolloutProducer(rollout_endpoint, TOKEN, "orchestrator", context=context, limits=limits))
+                producers.append(
+                    RolloutProducer(rollout_endpoint, TOKEN, "orchestrator", context=context, limits=limits)
+                )
                 for rank, receiver in enumerate(receivers):
                     assert ask(receiver, ("relay_join", plane, rollout_endpoint, rank)) == "ok"
         publisher = WeightPublisher(weight_endpoint, TOKEN, "trainer", chunk_bytes, context=context, limits=limits)
@@ -380,10 +390,18 @@ def main(argv: list[str] | None = None) -> int:
                 size = size_mib * MiB
                 count = max(1, 64 // size_mib)
                 raw_payload = rollout_batch(0, 0, 0, 1, size)[1]
-                batches = [[rollout_batch(0, rank, i, count, size) for i in range(count)] for rank in range(num_receivers)]
+                batches = [
+                    [rollout_batch(0, rank, i, count, size) for i in range(count)] for rank in range(num_receivers)
+                ]
                 update = weight_update(1, size)
-                samples: dict[str, list[float]] = {"stream": [], "single": [], "relay": [], "relay_shm": [], "fanout": [],
-                                                   "stored": []}
+                samples: dict[str, list[float]] = {
+                    "stream": [],
+                    "single": [],
+                    "relay": [],
+                    "relay_shm": [],
+                    "fanout": [],
+                    "stored": [],
+                }
                 for repeat in range(args.repeats + 1):  # the first round warms up and is not counted
                     keep = repeat > 0
 
@@ -432,8 +450,18 @@ def main(argv: list[str] | None = None) -> int:
                         samples["fanout"].append(seconds)
                         samples["stored"].append(stored)
                 median = {key: statistics.median(values) if values else None for key, values in samples.items()}
-                row = Row(size_mib, num_receivers, count, median["stream"], median["single"], median["relay"],
-                          median["relay_shm"], median["fanout"], median["stored"], samples)
+                row = Row(
+                    size_mib,
+                    num_receivers,
+                    count,
+                    median["stream"],
+                    median["single"],
+                    median["relay"],
+                    median["relay_shm"],
+                    median["fanout"],
+                    median["stored"],
+                    samples,
+                )
                 rows.append(row)
                 print(f"  measured {size_mib} MiB x {num_receivers} receivers", file=sys.stderr, flush=True)
             for subscriber in active:
@@ -466,14 +494,23 @@ def main(argv: list[str] | None = None) -> int:
 
 def print_table(rows: list[Row], relay_available: bool, args, chunk_bytes: int, total_s: float) -> None:
     print()
-    print(f"primerl broker throughput, loopback TCP, {os.cpu_count()} cores; medians of {args.repeats} after a warm-up; "
-          f"weight chunk {chunk_bytes // MiB} MiB; subscriber SHA-256 check {'on' if args.verify_digest else 'off'}")
+    print(
+        f"primerl broker throughput, loopback TCP, {os.cpu_count()} cores; medians of {args.repeats} after a warm-up; "
+        f"weight chunk {chunk_bytes // MiB} MiB; subscriber SHA-256 check {'on' if args.verify_digest else 'off'}"
+    )
     print()
-    print(f"Rollout relay (K messages per receiver; producer window {args.window}; MB/s = bytes delivered to all "
-          "receivers / time)  target: ratio >= 0.8")
-    print("  raw = pyzmq PUSH->PULL, one hop; disk = through the broker, spool on disk (fsync per group before the ack); "
-          "shm = the same with the spool on /dev/shm (no disk cost: the broker's own overhead)")
-    print(f"{'size':>6} {'recv':>4} {'K':>3} {'raw MB/s':>10} {'disk MB/s':>10} {'ratio':>6} {'shm MB/s':>10} {'ratio':>6}")
+    print(
+        f"Rollout relay (K messages per receiver; producer window {args.window}; MB/s = bytes delivered to all "
+        "receivers / time)  target: ratio >= 0.8"
+    )
+    print(
+        "  raw = pyzmq PUSH->PULL, one hop; disk = through the broker, spool on disk (fsync per group before the ack); "
+        "shm = the same with the spool on /dev/shm (no disk cost: the broker's own overhead)"
+    )
+    print(
+        f"{'size':>6} {'recv':>4} {'K':>3} {'raw MB/s':>10} {'disk MB/s':>10} {'ratio':>6} "
+        f"{'shm MB/s':>10} {'ratio':>6}"
+    )
     for row in rows:
         raw = row.mbps(row.raw_stream_s, row.count)
         cells = []
@@ -485,14 +522,22 @@ def print_table(rows: list[Row], relay_available: bool, args, chunk_bytes: int, 
                 cells.append(f"{'n/a':>10} {'n/a':>6}")
         print(f"{row.size_mib:>4}Mi {row.receivers:>4} {row.count:>3} {raw:>10.0f} {cells[0]} {cells[1]}")
     print()
-    print("Weight fan-out (one update; raw: N separate sends; broker: publish start -> every receiver holds it)  "
-          "target: ratio <= 1.5")
+    print(
+        "Weight fan-out (one update; raw: N separate sends; broker: publish start -> every receiver holds it)  "
+        "target: ratio <= 1.5"
+    )
     print("  stored = when the publisher had the broker's ack; phase = broker s - stored (the broker's fan-out alone)")
-    print(f"{'size':>6} {'recv':>4} {'raw s':>8} {'broker s':>9} {'ratio':>6} {'stored s':>9} {'phase s':>8} {'phase ratio':>12}")
+    print(
+        f"{'size':>6} {'recv':>4} {'raw s':>8} {'broker s':>9} {'ratio':>6} {'stored s':>9} {'phase s':>8} "
+        f"{'phase ratio':>12}"
+    )
     for row in rows:
         phase_s = row.fanout_s - row.fanout_stored_s
-        print(f"{row.size_mib:>4}Mi {row.receivers:>4} {row.raw_single_s:>8.4f} {row.fanout_s:>9.4f} "
-              f"{row.fanout_s / row.raw_single_s:>6.2f} {row.fanout_stored_s:>9.4f} {phase_s:>8.4f} {phase_s / row.raw_single_s:>12.2f}")
+        print(
+            f"{row.size_mib:>4}Mi {row.receivers:>4} {row.raw_single_s:>8.4f} {row.fanout_s:>9.4f} "
+            f"{row.fanout_s / row.raw_single_s:>6.2f} {row.fanout_stored_s:>9.4f} {phase_s:>8.4f} "
+            f"{phase_s / row.raw_single_s:>12.2f}"
+        )
     print()
     print(f"total bench time {total_s:.1f} s")
 
@@ -505,14 +550,18 @@ FANOUT_TARGET = 1.5
 def write_markdown(path: Path, argv: list[str] | None, rows: list[Row], args, chunk_bytes: int, total_s: float) -> None:
     """The part-d section: relay and fan-out against raw pyzmq, every ratio paired within its repeat."""
     section = Section("d. Broker relay and fan-out (bench/broker_throughput.py)", argv)
-    section.line(f"Loopback TCP; broker, receivers and sender in separate processes; {args.repeats} repeat(s) after a "
-                 f"warm-up, cells are median (min–max); each ratio is taken within one repeat (raw and broker back to "
-                 f"back), then summarised. Weight chunk {chunk_bytes // MiB} MiB; producer window {args.window}; "
-                 f"total {total_s:.0f} s.")
+    section.line(
+        f"Loopback TCP; broker, receivers and sender in separate processes; {args.repeats} repeat(s) after a "
+        f"warm-up, cells are median (min–max); each ratio is taken within one repeat (raw and broker back to "
+        f"back), then summarised. Weight chunk {chunk_bytes // MiB} MiB; producer window {args.window}; "
+        f"total {total_s:.0f} s."
+    )
     section.line()
-    section.line("Rollout relay: K batches of S per receiver (K = 64 // S), orchestrator `RolloutProducer` -> broker "
-                 "(spooled and fsynced by group commit before the ack) -> one trainer `RolloutConsumer` per receiver; "
-                 "raw = pyzmq PUSH->PULL. Ratio = raw time / relay time (1 = as fast as raw).")
+    section.line(
+        "Rollout relay: K batches of S per receiver (K = 64 // S), orchestrator `RolloutProducer` -> broker "
+        "(spooled and fsynced by group commit before the ack) -> one trainer `RolloutConsumer` per receiver; "
+        "raw = pyzmq PUSH->PULL. Ratio = raw time / relay time (1 = as fast as raw)."
+    )
     section.line()
     relay_rows = []
     worst = {"relay": None, "relay_shm": None}
@@ -526,29 +575,54 @@ def write_markdown(path: Path, argv: list[str] | None, rows: list[Row], args, ch
                 worst[key] = ratio.median if worst[key] is None else min(worst[key], ratio.median)
             cells += [speed.cell(3), ratio.cell(2)]
         relay_rows.append(cells)
-    section.table(["S", "receivers", "K", "raw MB/s", "disk spool MB/s", "disk ratio", "tmpfs spool MB/s",
-                   "tmpfs ratio"], relay_rows)
-    section.line("Weight fan-out: one FULL update of S, trainer `WeightPublisher` -> broker -> N `WeightSubscriber`s, "
-                 "from the start of `publish` (SHA-256 included) until every subscriber holds it; raw = N separate "
-                 "pyzmq sends of S. Stored = the publisher has the broker's ack; phase = the rest (the fan-out alone).")
+    section.table(
+        ["S", "receivers", "K", "raw MB/s", "disk spool MB/s", "disk ratio", "tmpfs spool MB/s", "tmpfs ratio"],
+        relay_rows,
+    )
+    section.line(
+        "Weight fan-out: one FULL update of S, trainer `WeightPublisher` -> broker -> N `WeightSubscriber`s, "
+        "from the start of `publish` (SHA-256 included) until every subscriber holds it; raw = N separate "
+        "pyzmq sends of S. Stored = the publisher has the broker's ack; phase = the rest (the fan-out alone)."
+    )
     section.line()
     fan_rows = []
     headline = None
     for row in rows:
         ratio = row.ratios("fanout", "single")
         phase = Stats([f - s for f, s in zip(row.samples.get("fanout", []), row.samples.get("stored", []))])
-        fan_rows.append([f"{row.size_mib} MiB", str(row.receivers), Stats(row.samples.get("single", [])).cell(3),
-                         Stats(row.samples.get("fanout", [])).cell(3), ratio.cell(2),
-                         Stats(row.samples.get("stored", [])).cell(3), phase.cell(3)])
+        fan_rows.append(
+            [
+                f"{row.size_mib} MiB",
+                str(row.receivers),
+                Stats(row.samples.get("single", [])).cell(3),
+                Stats(row.samples.get("fanout", [])).cell(3),
+                ratio.cell(2),
+                Stats(row.samples.get("stored", [])).cell(3),
+                phase.cell(3),
+            ]
+        )
         if row.size_mib == 64 and row.receivers == 4 and len(ratio):
             headline = ratio.median
     section.table(["S", "receivers", "raw s", "broker s", "ratio", "stored s", "phase s"], fan_rows)
-    section.line(target_line("d: relay, spool on tmpfs, lowest median ratio over the rows", worst["relay_shm"], ">=",
-                             RELAY_TARGET_SHM))
-    section.line(target_line("d: relay, spool on disk, lowest median ratio over the rows", worst["relay"], ">=",
-                             RELAY_TARGET_DISK))
-    section.line(target_line("d: fan-out 64 MiB x 4 receivers, broker / raw sends", headline, "<=", FANOUT_TARGET,
-                             "" if headline is not None else "(run with 64 MiB and 4 receivers)"))
+    section.line(
+        target_line(
+            "d: relay, spool on tmpfs, lowest median ratio over the rows", worst["relay_shm"], ">=", RELAY_TARGET_SHM
+        )
+    )
+    section.line(
+        target_line(
+            "d: relay, spool on disk, lowest median ratio over the rows", worst["relay"], ">=", RELAY_TARGET_DISK
+        )
+    )
+    section.line(
+        target_line(
+            "d: fan-out 64 MiB x 4 receivers, broker / raw sends",
+            headline,
+            "<=",
+            FANOUT_TARGET,
+            "" if headline is not None else "(run with 64 MiB and 4 receivers)",
+        )
+    )
     section.line()
     section.write(path)
     print(section.text())

@@ -60,22 +60,41 @@ def wait_for_rows(metrics: Path, count: int, run: subprocess.Popen, timeout_s: f
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    extra = argv[argv.index("--") + 1:] if "--" in argv else []
+    extra = argv[argv.index("--") + 1 :] if "--" in argv else []
     own = argv[: argv.index("--")] if "--" in argv else argv
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("model")
     parser.add_argument("--out", type=Path, default=REPO / "runs" / "cpu")
-    parser.add_argument("--from-step", type=int, default=6, help="start counting once this step is done (start-up excluded)")
+    parser.add_argument(
+        "--from-step", type=int, default=6, help="start counting once this step is done (start-up excluded)"
+    )
     parser.add_argument("--steps", type=int, default=15)
     parser.add_argument("--timeout-s", type=float, default=600)
     args = parser.parse_args(own)
     shutil.rmtree(args.out, ignore_errors=True)
     args.out.mkdir(parents=True)
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1"}
+    env = {
+        **os.environ,
+        "HF_HUB_OFFLINE": "1",
+        "TRANSFORMERS_OFFLINE": "1",
+        "VLLM_NO_USAGE_STATS": "1",
+        "DO_NOT_TRACK": "1",
+    }
     env.setdefault("PRIMERL_ENV_PYTHON", str(REPO / ".venv-envs" / "bin" / "python"))
     last_step = args.from_step + args.steps
-    command = [str(REPO / ".venv" / "bin" / "primerl"), "rl", "@", str(REPO / "examples" / "reverse_text_rl.toml"),
-               "--model.name", args.model, "--max-steps", str(last_step + 2), "--output-dir", str(args.out / "run"), *extra]
+    command = [
+        str(REPO / ".venv" / "bin" / "primerl"),
+        "rl",
+        "@",
+        str(REPO / "examples" / "reverse_text_rl.toml"),
+        "--model.name",
+        args.model,
+        "--max-steps",
+        str(last_step + 2),
+        "--output-dir",
+        str(args.out / "run"),
+        *extra,
+    ]
     metrics = args.out / "run" / "metrics.jsonl"
     with open(args.out / "rl.log", "w") as log:
         run = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=REPO)
@@ -95,7 +114,9 @@ def main(argv: list[str] | None = None) -> int:
         if seconds >= 0.005:
             print(f"{seconds:7.3f} CPU-s/step  {name}")
     total = sum(seconds for seconds, _ in per_step)
-    print(f"{total:7.3f} CPU-s/step in all: at least {total / (os.cpu_count() or 1):.3f} s of wall per step on these CPUs")
+    print(
+        f"{total:7.3f} CPU-s/step in all: at least {total / (os.cpu_count() or 1):.3f} s of wall per step on these CPUs"
+    )
     return 0
 
 

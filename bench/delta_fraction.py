@@ -55,10 +55,12 @@ def model_specs() -> dict[str, Any]:
     from primerl.trainer.tiny_model import TinyModelSpec
 
     return {
-        "100m": TinyModelSpec(hidden_size=768, num_layers=12, num_attention_heads=12, num_key_value_heads=4,
-                              intermediate_size=3072),
-        "1b": TinyModelSpec(hidden_size=2048, num_layers=22, num_attention_heads=32, num_key_value_heads=4,
-                            intermediate_size=5632),
+        "100m": TinyModelSpec(
+            hidden_size=768, num_layers=12, num_attention_heads=12, num_key_value_heads=4, intermediate_size=3072
+        ),
+        "1b": TinyModelSpec(
+            hidden_size=2048, num_layers=22, num_attention_heads=32, num_key_value_heads=4, intermediate_size=5632
+        ),
     }
 
 
@@ -113,8 +115,9 @@ def header_bytes(specs: list, metadata: dict[str, str] | None = None) -> int:
 
     if not specs:
         return 16
-    meta = {s.name: torch.empty(list(s.shape), dtype=getattr(torch, ST_DTYPES[s.dtype][2]), device="meta")
-            for s in specs}
+    meta = {
+        s.name: torch.empty(list(s.shape), dtype=getattr(torch, ST_DTYPES[s.dtype][2]), device="meta") for s in specs
+    }
     prefix, _ = safetensors_layout(meta, metadata)
     return len(prefix)
 
@@ -127,12 +130,18 @@ def build_model(spec: Any, seed: int) -> Any:
     from primerl.trainer.tiny_model import TOKENIZER_VOCAB_SIZE, VOCAB_MULTIPLE
 
     vocab_size = spec.vocab_size or -(-TOKENIZER_VOCAB_SIZE // VOCAB_MULTIPLE) * VOCAB_MULTIPLE
-    config = Qwen2Config(vocab_size=vocab_size, hidden_size=spec.hidden_size,
-                         intermediate_size=spec.intermediate_size or 4 * spec.hidden_size,
-                         num_hidden_layers=spec.num_layers, num_attention_heads=spec.num_attention_heads,
-                         num_key_value_heads=spec.num_key_value_heads,
-                         max_position_embeddings=spec.max_position_embeddings, tie_word_embeddings=True,
-                         rms_norm_eps=1e-6, dtype="float32")
+    config = Qwen2Config(
+        vocab_size=vocab_size,
+        hidden_size=spec.hidden_size,
+        intermediate_size=spec.intermediate_size or 4 * spec.hidden_size,
+        num_hidden_layers=spec.num_layers,
+        num_attention_heads=spec.num_attention_heads,
+        num_key_value_heads=spec.num_key_value_heads,
+        max_position_embeddings=spec.max_position_embeddings,
+        tie_word_embeddings=True,
+        rms_norm_eps=1e-6,
+        dtype="float32",
+    )
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         return Qwen2ForCausalLM(config).to(torch.float32)
@@ -158,8 +167,9 @@ def measure_tensor(point: Point, name: str, new: Any, base: Any, encodings: list
     num_changed = int(np.count_nonzero(new_bits != base_bits))
     point.num_elements += new_bits.size
     point.num_changed += num_changed
-    point.full_specs.append(data_pb2.WeightUpdateHeader().tensors.add(name=name, dtype=torch_dtype_name(new.dtype),
-                                                                      shape=list(new.shape)))
+    point.full_specs.append(
+        data_pb2.WeightUpdateHeader().tensors.add(name=name, dtype=torch_dtype_name(new.dtype), shape=list(new.shape))
+    )
     point.full_data_bytes += new_bits.nbytes
     for label in encodings:
         encoding = data_pb2.DeltaEncoding.Value(ENCODINGS[label])
@@ -169,8 +179,9 @@ def measure_tensor(point: Point, name: str, new: Any, base: Any, encodings: list
             start = time.perf_counter()
             payload, specs, decoded = encode_delta({name: new}, {name: base}, encoding=encoding, num_threads=1)
             middle = time.perf_counter()
-            header = data_pb2.WeightUpdateHeader(kind=data_pb2.WEIGHT_UPDATE_KIND_DELTA, delta_encoding=encoding,
-                                                 tensors=specs, decoded_tensors=decoded)
+            header = data_pb2.WeightUpdateHeader(
+                kind=data_pb2.WEIGHT_UPDATE_KIND_DELTA, delta_encoding=encoding, tensors=specs, decoded_tensors=decoded
+            )
             out = decode_delta(payload, header, {name: base})
             end = time.perf_counter()
             best_encode, best_decode = min(best_encode, middle - start), min(best_decode, end - middle)
@@ -203,8 +214,9 @@ def measure_model(model_name: str, spec: Any, args: argparse.Namespace) -> list[
     start = time.perf_counter()
     model = build_model(spec, args.seed)
     num_params = sum(p.numel() for p in model.parameters())
-    print(f"[{model_name}] built: {num_params / 1e6:.0f}M parameters in {time.perf_counter() - start:.1f} s",
-          flush=True)
+    print(
+        f"[{model_name}] built: {num_params / 1e6:.0f}M parameters in {time.perf_counter() - start:.1f} s", flush=True
+    )
     points = {(dtype, lr): Point(model_name, num_params, dtype, lr) for lr in args.lrs for dtype in args.dtypes}
     names = {param: name for name, param in model.named_parameters()}
     progress = {"done": 0}
@@ -217,17 +229,25 @@ def measure_model(model_name: str, spec: Any, args: argparse.Namespace) -> list[
             config = OptimizerConfig(lr=lr)
             stepped = torch.nn.Parameter(base32.clone())
             stepped.grad = param.grad
-            torch.optim.AdamW([stepped], lr=lr, betas=(config.betas1, config.betas2),
-                              weight_decay=weight_decay).step()
+            torch.optim.AdamW([stepped], lr=lr, betas=(config.betas1, config.betas2), weight_decay=weight_decay).step()
             for dtype in args.dtypes:
                 torch_dtype = getattr(torch, DTYPES[dtype])
-                measure_tensor(points[(dtype, lr)], name, stepped.detach().to(torch_dtype), base32.to(torch_dtype),
-                               args.encodings, args.repeats)
+                measure_tensor(
+                    points[(dtype, lr)],
+                    name,
+                    stepped.detach().to(torch_dtype),
+                    base32.to(torch_dtype),
+                    args.encodings,
+                    args.repeats,
+                )
         param.grad = None  # freed as soon as used: no model-sized gradient or optimizer state
         progress["done"] += 1
         if progress["done"] % 20 == 0:
-            print(f"[{model_name}] {progress['done']}/{len(names)} tensors measured "
-                  f"({time.perf_counter() - start:.0f} s)", flush=True)
+            print(
+                f"[{model_name}] {progress['done']}/{len(names)} tensors measured "
+                f"({time.perf_counter() - start:.0f} s)",
+                flush=True,
+            )
 
     handles = [param.register_post_accumulate_grad_hook(step_and_measure) for param in model.parameters()]
     generator = torch.Generator().manual_seed(args.seed)
@@ -254,8 +274,14 @@ def rows_of(points: list[Point], encodings: list[str]) -> tuple[list[str], list[
         header += [f"{name} encode s", f"{name} decode s", f"{name} break-even wire GB/s"]
     rows = []
     for p in points:
-        row = [p.model, f"{p.num_params / 1e6:.0f}M", p.dtype, f"{p.lr:g}", f"{p.num_changed / p.num_elements:.2%}",
-               fmt(p.full_bytes / MiB, 4)]
+        row = [
+            p.model,
+            f"{p.num_params / 1e6:.0f}M",
+            p.dtype,
+            f"{p.lr:g}",
+            f"{p.num_changed / p.num_elements:.2%}",
+            fmt(p.full_bytes / MiB, 4),
+        ]
         for label in encodings:
             cost = p.costs[label]
             delta = cost.payload_bytes()
@@ -284,8 +310,11 @@ def main(argv: list[str] | None = None) -> int:
     args.lrs = [float(lr) for lr in args.lrs.split(",")]
     args.dtypes = args.dtypes.split(",")
     args.encodings = args.encodings.split(",")
-    for values, known, what in ((models, specs, "model"), (args.dtypes, DTYPES, "dtype"),
-                                (args.encodings, ENCODINGS, "encoding")):
+    for values, known, what in (
+        (models, specs, "model"),
+        (args.dtypes, DTYPES, "dtype"),
+        (args.encodings, ENCODINGS, "encoding"),
+    ):
         unknown = [v for v in values if v not in known]
         if unknown:
             parser.error(f"unknown {what} {unknown}; choose from {sorted(known)}")
@@ -300,20 +329,29 @@ def main(argv: list[str] | None = None) -> int:
     header, rows = rows_of(points, args.encodings)
     section.line(f"CPU: {cpu}; every encode and decode on one thread.")
     section.line()
-    section.line("One AdamW step (weight decay 0.01, 16 tokens) from transformers' initial weights, fp32 master "
-                 "weights; bf16 = the stepped and the initial weights cast to bf16 (what inference serves). "
-                 "Payload sizes are exact (one safetensors header for all encoded tensors); encode / decode: the sum "
-                 "over tensors, each the fastest of "
-                 f"{args.repeats} runs for SPARSE, one run for XOR_ZLIB. Break-even wire rate: the delta saves time "
-                 "while the trainer -> broker -> worker path moves fewer bytes/s than 2 x (FULL - delta) / "
-                 "(encode + decode). `bench/delta_fraction.py` (module docstring) says how.")
+    section.line(
+        "One AdamW step (weight decay 0.01, 16 tokens) from transformers' initial weights, fp32 master "
+        "weights; bf16 = the stepped and the initial weights cast to bf16 (what inference serves). "
+        "Payload sizes are exact (one safetensors header for all encoded tensors); encode / decode: the sum "
+        "over tensors, each the fastest of "
+        f"{args.repeats} runs for SPARSE, one run for XOR_ZLIB. Break-even wire rate: the delta saves time "
+        "while the trainer -> broker -> worker path moves fewer bytes/s than 2 x (FULL - delta) / "
+        "(encode + decode). `bench/delta_fraction.py` (module docstring) says how."
+    )
     section.line()
     section.table(header, rows)
     target = next((p for p in points if (p.model, p.dtype, p.lr) == TARGET_POINT and "sparse" in p.costs), None)
     if target is not None:
         fraction = target.costs["sparse"].payload_bytes() / target.full_bytes
-        section.line(target_line("1B bf16 SPARSE DELTA payload / FULL at lr 1e-6", fraction, "<=", TARGET_FRACTION,
-                                 f"({target.num_changed / target.num_elements:.2%} of the elements changed)"))
+        section.line(
+            target_line(
+                "1B bf16 SPARSE DELTA payload / FULL at lr 1e-6",
+                fraction,
+                "<=",
+                TARGET_FRACTION,
+                f"({target.num_changed / target.num_elements:.2%} of the elements changed)",
+            )
+        )
     else:
         section.line("- **not measured** 1B bf16 SPARSE DELTA payload / FULL at lr 1e-6 (target <= 0.1)")
     section.line()

@@ -82,9 +82,9 @@ class FilesystemHandoff:
         context = mp.get_context("spawn")
         self._conn, child = context.Pipe()
         self.started_s = time.monotonic()
-        self.process = context.Process(target=_engine_main, args=(child, config.model_dump_json(), str(work_dir),
-                                                                     str(self.log_path)),
-                                       daemon=False)  # the engine starts processes of its own
+        self.process = context.Process(
+            target=_engine_main, args=(child, config.model_dump_json(), str(work_dir), str(self.log_path)), daemon=False
+        )  # the engine starts processes of its own
         self.process.start()
         child.close()
         self._expect("ready", START_TIMEOUT_S, "the filesystem hand-off engine to start")
@@ -94,16 +94,20 @@ class FilesystemHandoff:
         deadline = time.monotonic() + timeout_s
         while not self._conn.poll(0.2):
             if not self.process.is_alive():
-                raise RuntimeError(f"the filesystem hand-off engine exited (code {self.process.exitcode}) while "
-                                   f"waiting for {waiting_for}:\n{self.log_tail()}")
+                raise RuntimeError(
+                    f"the filesystem hand-off engine exited (code {self.process.exitcode}) while "
+                    f"waiting for {waiting_for}:\n{self.log_tail()}"
+                )
             if time.monotonic() > deadline:
                 raise TimeoutError(f"timed out after {timeout_s} s waiting for {waiting_for}")
         try:
             status, value = self._conn.recv()
         except EOFError:
             self.process.join(10)
-            raise RuntimeError(f"the filesystem hand-off engine exited (code {self.process.exitcode}) while "
-                               f"waiting for {waiting_for}:\n{self.log_tail()}") from None
+            raise RuntimeError(
+                f"the filesystem hand-off engine exited (code {self.process.exitcode}) while "
+                f"waiting for {waiting_for}:\n{self.log_tail()}"
+            ) from None
         if status == "error":
             raise RuntimeError(f"the filesystem hand-off engine failed ({waiting_for}): {value}\n{self.log_tail()}")
         assert status in (what, "ok"), (status, value)

@@ -27,14 +27,21 @@ import torch
 def _update(kind: int, version: int, payload: bytes, **fields):
     from primerl.proto.v1 import data_pb2
 
-    return data_pb2.WeightUpdateHeader(policy_version=version, kind=kind, digest=hashlib.sha256(payload).hexdigest(),
-                                       payload_bytes=len(payload), **fields), payload
+    return data_pb2.WeightUpdateHeader(
+        policy_version=version,
+        kind=kind,
+        digest=hashlib.sha256(payload).hexdigest(),
+        payload_bytes=len(payload),
+        **fields,
+    ), payload
 
 
 def _noisy(weights: dict[str, torch.Tensor], seed: int, names: list[str] | None = None) -> dict[str, torch.Tensor]:
     generator = torch.Generator().manual_seed(seed)
-    return {name: t + 0.02 * torch.randn(t.shape, generator=generator) if names is None or name in names
-            else t.clone() for name, t in weights.items()}
+    return {
+        name: t + 0.02 * torch.randn(t.shape, generator=generator) if names is None or name in names else t.clone()
+        for name, t in weights.items()
+    }
 
 
 def main() -> None:
@@ -54,8 +61,17 @@ def main() -> None:
 
     with tempfile.TemporaryDirectory(prefix="policy-apply-times-") as tmp:
         model_dir = build_tiny_model(Path(tmp) / "tiny-model", TinyModelSpec(seed=0))
-        llm = create_llm(EngineOptions(model=model_dir, in_process=True, work_dir=Path(tmp) / "work", seed=0,
-                                       enable_lora=True, max_lora_rank=8, worker_extension_cls=WORKER_EXTENSION_CLS))
+        llm = create_llm(
+            EngineOptions(
+                model=model_dir,
+                in_process=True,
+                work_dir=Path(tmp) / "work",
+                seed=0,
+                enable_lora=True,
+                max_lora_rank=8,
+                worker_extension_cls=WORKER_EXTENSION_CLS,
+            )
+        )
         try:
             updater = PolicyUpdater.for_llm(llm, Path(tmp) / "policy")
             updater.prepare()
@@ -67,16 +83,27 @@ def main() -> None:
                 version = updater.policy_version + 1
                 new = _noisy(served, seed=version)
                 payload, specs = encode_tensors(new)
-                times_ms["full"].append(updater.apply(*_update(data_pb2.WEIGHT_UPDATE_KIND_FULL, version, payload,
-                                                               tensors=specs)))
+                times_ms["full"].append(
+                    updater.apply(*_update(data_pb2.WEIGHT_UPDATE_KIND_FULL, version, payload, tensors=specs))
+                )
                 phases_ms["full"], served = dict(updater.last_phases_ms), new
 
                 version += 1
                 new = _noisy(served, seed=version, names=q_proj[:2])
                 payload, specs, decoded = encode_delta(new, served)
-                times_ms["delta"].append(updater.apply(*_update(
-                    data_pb2.WEIGHT_UPDATE_KIND_DELTA, version, payload, base_version=version - 1, tensors=specs,
-                    decoded_tensors=decoded, delta_encoding=data_pb2.DELTA_ENCODING_XOR_ZLIB)))
+                times_ms["delta"].append(
+                    updater.apply(
+                        *_update(
+                            data_pb2.WEIGHT_UPDATE_KIND_DELTA,
+                            version,
+                            payload,
+                            base_version=version - 1,
+                            tensors=specs,
+                            decoded_tensors=decoded,
+                            delta_encoding=data_pb2.DELTA_ENCODING_XOR_ZLIB,
+                        )
+                    )
+                )
                 phases_ms["delta"], served = dict(updater.last_phases_ms), new
 
                 version += 1
@@ -88,11 +115,25 @@ def main() -> None:
                     adapter[f"{prefix}.lora_A.weight"] = 0.01 * torch.randn(8, in_features, generator=generator)
                     adapter[f"{prefix}.lora_B.weight"] = 0.01 * torch.randn(out_features, 8, generator=generator)
                 payload = save(adapter)
-                config = {"peft_type": "LORA", "r": 8, "lora_alpha": 16, "target_modules": ["q_proj"],
-                          "base_model_name_or_path": str(model_dir)}
-                times_ms["lora"].append(updater.apply(*_update(
-                    data_pb2.WEIGHT_UPDATE_KIND_LORA, version, payload, tensors=specs_of(parse_header(payload)),
-                    adapter_config_json=json.dumps(config), policy_name="bench")))
+                config = {
+                    "peft_type": "LORA",
+                    "r": 8,
+                    "lora_alpha": 16,
+                    "target_modules": ["q_proj"],
+                    "base_model_name_or_path": str(model_dir),
+                }
+                times_ms["lora"].append(
+                    updater.apply(
+                        *_update(
+                            data_pb2.WEIGHT_UPDATE_KIND_LORA,
+                            version,
+                            payload,
+                            tensors=specs_of(parse_header(payload)),
+                            adapter_config_json=json.dumps(config),
+                            policy_name="bench",
+                        )
+                    )
+                )
                 phases_ms["lora"] = dict(updater.last_phases_ms)
                 print(f"round {repeat + 1}/{args.repeats}: served v{updater.policy_version}", flush=True)
         finally:

@@ -28,8 +28,14 @@ RL_CONFIG = ROOT / "examples" / "reverse_text_rl.toml"
 ENV_ID = "reverse-text"
 EVAL_ARGS = ["-n", "200", "-r", "1", "-t", "24", "-T", "1.0"]  # the demo's held-out eval (Makefile EVAL_ARGS)
 STOP_GRACE_S = 30.0
-OFFLINE_ENV = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1",
-               "PRIMERL_ENV_PYTHON": str(ENV_PYTHON), "TOKENIZERS_PARALLELISM": "false"}
+OFFLINE_ENV = {
+    "HF_HUB_OFFLINE": "1",
+    "TRANSFORMERS_OFFLINE": "1",
+    "VLLM_NO_USAGE_STATS": "1",
+    "DO_NOT_TRACK": "1",
+    "PRIMERL_ENV_PYTHON": str(ENV_PYTHON),
+    "TOKENIZERS_PARALLELISM": "false",
+}
 
 
 class BenchRunError(RuntimeError):
@@ -49,8 +55,9 @@ def log_tail(path: Path, lines: int = 15) -> str:
         return "(no log)"
 
 
-def run_child(cmd: list[str], log_path: Path, timeout_s: float, what: str,
-              extra_env: dict[str, str] | None = None) -> float:
+def run_child(
+    cmd: list[str], log_path: Path, timeout_s: float, what: str, extra_env: dict[str, str] | None = None
+) -> float:
     """Run ``cmd`` (own process group, output to ``log_path``) and return its launch time (Unix seconds).
     Raises BenchRunError on a non-zero exit or after ``timeout_s``; the group is stopped either way."""
     log_path.parent.mkdir(parents=True, exist_ok=True)
@@ -58,14 +65,21 @@ def run_child(cmd: list[str], log_path: Path, timeout_s: float, what: str,
         log.write("$ " + " ".join(cmd) + "\n")
         log.flush()
         launch = time.time()
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT, env={**child_env(), **(extra_env or {})},
-                                start_new_session=True)
+        proc = subprocess.Popen(
+            cmd,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            cwd=ROOT,
+            env={**child_env(), **(extra_env or {})},
+            start_new_session=True,
+        )
         try:
             rc = proc.wait(timeout=timeout_s)
         except subprocess.TimeoutExpired:
             stop_group(proc)
-            raise BenchRunError(f"{what}: no result within {timeout_s:.0f} s (stopped); log {log_path}:\n"
-                                f"{log_tail(log_path)}") from None
+            raise BenchRunError(
+                f"{what}: no result within {timeout_s:.0f} s (stopped); log {log_path}:\n{log_tail(log_path)}"
+            ) from None
         except BaseException:
             stop_group(proc)
             raise
@@ -116,8 +130,14 @@ def write_prompts(path: Path, num_prompts: int, work_dir: Path) -> Path:
     rows_path = work_dir / "train_rows.jsonl"
     if not rows_path.exists():
         work_dir.mkdir(parents=True, exist_ok=True)
-        result = subprocess.run([str(ENV_PYTHON), "-c", _EXPORT_ROWS, str(rows_path)], cwd=ROOT, env=child_env(),
-                                capture_output=True, text=True, timeout=300)
+        result = subprocess.run(
+            [str(ENV_PYTHON), "-c", _EXPORT_ROWS, str(rows_path)],
+            cwd=ROOT,
+            env=child_env(),
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
         if result.returncode != 0:
             raise BenchRunError(f"exporting the {ENV_ID} train split failed:\n{result.stderr[-2000:]}")
     rows = [json.loads(line) for line in rows_path.read_text().splitlines() if line.strip()]
@@ -130,6 +150,7 @@ def write_prompts(path: Path, num_prompts: int, work_dir: Path) -> Path:
 
 
 # -- primerl rl -------------------------------------------------------------------------------------------------
+
 
 @dataclass
 class RunTimeline:
@@ -171,19 +192,45 @@ class RunTimeline:
         return None if not per_step else samples_per_step / per_step
 
     def as_dict(self) -> dict[str, Any]:
-        return {"launch": self.launch, "first_rollouts": self.first_rollouts, "step_ends": self.step_ends,
-                "step_rewards": self.step_rewards, "end": self.end, "model_dir": self.model_dir, **self.extra}
+        return {
+            "launch": self.launch,
+            "first_rollouts": self.first_rollouts,
+            "step_ends": self.step_ends,
+            "step_rewards": self.step_rewards,
+            "end": self.end,
+            "model_dir": self.model_dir,
+            **self.extra,
+        }
 
 
-def run_primerl(model: str, out_dir: Path, max_steps: int, timeout_s: float, overrides: list[str] | None = None,
-                what: str = "primerl rl") -> RunTimeline:
+def run_primerl(
+    model: str,
+    out_dir: Path,
+    max_steps: int,
+    timeout_s: float,
+    overrides: list[str] | None = None,
+    what: str = "primerl rl",
+) -> RunTimeline:
     """``primerl rl @ examples/reverse_text_rl.toml`` from ``model`` (the demo's config, a free broker port)."""
     if out_dir.exists():
         import shutil
 
         shutil.rmtree(out_dir)
-    cmd = [str(PRIMERL), "rl", "@", str(RL_CONFIG), "--model.name", str(model), "--output-dir", str(out_dir),
-           "--max-steps", str(max_steps), "--broker.grpc-port", str(free_port()), *(overrides or [])]
+    cmd = [
+        str(PRIMERL),
+        "rl",
+        "@",
+        str(RL_CONFIG),
+        "--model.name",
+        str(model),
+        "--output-dir",
+        str(out_dir),
+        "--max-steps",
+        str(max_steps),
+        "--broker.grpc-port",
+        str(free_port()),
+        *(overrides or []),
+    ]
     log_path = out_dir.parent / f"{out_dir.name}.log"
     launch = run_child(cmd, log_path, timeout_s, what)
     end = time.time()
@@ -217,21 +264,49 @@ def read_primerl_timeline(run_dir: Path, launch: float, end: float) -> RunTimeli
     first_rollouts = min(when for when, _ in orchestrator.values()) if orchestrator else None
     rewards = [reward for _, (_, reward) in sorted(orchestrator.items())]
     extra["reward_times"] = [when for _, (when, _) in sorted(orchestrator.items())]
-    return RunTimeline(launch=launch, first_rollouts=first_rollouts, step_ends=[trainer[s] for s in steps],
-                       step_rewards=rewards, end=end, model_dir=str(run_dir), extra=extra)
+    return RunTimeline(
+        launch=launch,
+        first_rollouts=first_rollouts,
+        step_ends=[trainer[s] for s in steps],
+        step_rewards=rewards,
+        end=end,
+        model_dir=str(run_dir),
+        extra=extra,
+    )
 
 
 # -- TRL ----------------------------------------------------------------------------------------------------------
 
-def run_trl(model: str, prompts: Path, out_dir: Path, max_steps: int, timeout_s: float,
-            wall_budget_s: float | None = None, save: bool = True, what: str = "TRL GRPOTrainer") -> RunTimeline:
+
+def run_trl(
+    model: str,
+    prompts: Path,
+    out_dir: Path,
+    max_steps: int,
+    timeout_s: float,
+    wall_budget_s: float | None = None,
+    save: bool = True,
+    what: str = "TRL GRPOTrainer",
+) -> RunTimeline:
     if not BENCH_PYTHON.exists():
         raise BenchRunError(f"{BENCH_PYTHON} is missing: build the bench venv with `make bench` (or `make bench-venv`)")
     result_path = out_dir / "result.json"
     if result_path.exists():
         result_path.unlink()
-    cmd = [str(BENCH_PYTHON), str(ROOT / "bench" / "trl_grpo.py"), "--model", str(model), "--data", str(prompts),
-           "--output-dir", str(out_dir), "--result", str(result_path), "--max-steps", str(max_steps)]
+    cmd = [
+        str(BENCH_PYTHON),
+        str(ROOT / "bench" / "trl_grpo.py"),
+        "--model",
+        str(model),
+        "--data",
+        str(prompts),
+        "--output-dir",
+        str(out_dir),
+        "--result",
+        str(result_path),
+        "--max-steps",
+        str(max_steps),
+    ]
     if wall_budget_s is not None:
         cmd += ["--wall-budget-s", f"{wall_budget_s:.1f}"]
     if not save:
@@ -244,12 +319,19 @@ def run_trl(model: str, prompts: Path, out_dir: Path, max_steps: int, timeout_s:
     run_child(cmd, log_path, timeout_s, what)
     end = time.time()
     data = json.loads(result_path.read_text())
-    return RunTimeline(launch=data["launch_time"], first_rollouts=data["first_rollouts_time"],
-                       step_ends=data["step_end_times"], step_rewards=data["step_rewards"], end=end,
-                       model_dir=data.get("final_model"), extra={"num_threads": data.get("num_threads")})
+    return RunTimeline(
+        launch=data["launch_time"],
+        first_rollouts=data["first_rollouts_time"],
+        step_ends=data["step_end_times"],
+        step_rewards=data["step_rewards"],
+        end=end,
+        model_dir=data.get("final_model"),
+        extra={"num_threads": data.get("num_threads")},
+    )
 
 
 # -- eval -----------------------------------------------------------------------------------------------------------
+
 
 @dataclass
 class EvalResult:
@@ -279,8 +361,12 @@ def run_eval(model: str, out_dir: Path, timeout_s: float, num_examples: int = 20
 
 def python_version_of(python: Path, module: str) -> str:
     try:
-        out = subprocess.run([str(python), "-c", f"import {module}; print({module}.__version__)"], capture_output=True,
-                             text=True, timeout=120)
+        out = subprocess.run(
+            [str(python), "-c", f"import {module}; print({module}.__version__)"],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
         return out.stdout.strip() or "?"
     except (OSError, subprocess.TimeoutExpired):
         return "?"

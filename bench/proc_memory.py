@@ -33,7 +33,7 @@ def descendants(pid: int) -> list[int]:
         except OSError:
             continue  # gone meanwhile
         # "pid (comm) state ppid ...": comm may hold spaces and parentheses; the last ")" ends it.
-        parents[int(entry.name)] = int(stat[stat.rindex(")") + 2:].split()[1])
+        parents[int(entry.name)] = int(stat[stat.rindex(")") + 2 :].split()[1])
     found, frontier = [], [pid]
     while frontier:
         parent = frontier.pop()

@@ -90,7 +90,7 @@ def fmt(value: float | None, digits: int = 3) -> str:
 
 
 def verdict(value: float | None, op: str, target: float) -> str:
-    """"met" / "missed" / "not measured" for ``value op target`` with op in ``<=``, ``>=``."""
+    """ "met" / "missed" / "not measured" for ``value op target`` with op in ``<=``, ``>=``."""
     if value is None or not math.isfinite(value):
         return "not measured"
     if op == "<=":
@@ -119,8 +119,13 @@ class Section:
     """A RESULTS.md section, built line by line and written once (atomically) at the end."""
 
     def __init__(self, title: str, argv: Sequence[str] | None = None):
-        self.lines = [f"### {title}", "", f"Command: `{command_line(argv)}`  ", f"Run at {time.strftime('%Y-%m-%d %H:%M:%S UTC', time.gmtime())}, "
-                      f"machine {machine_load()} at the start.", ""]
+        self.lines = [
+            f"### {title}",
+            "",
+            f"Command: `{command_line(argv)}`  ",
+            f"Run at {time.strftime('%Y-%m-%d %H:%M:%S UTC', time.gmtime())}, machine {machine_load()} at the start.",
+            "",
+        ]
 
     def line(self, text: str = "") -> None:
         self.lines.append(text)
@@ -152,8 +157,9 @@ def _pyplot():
     return plt
 
 
-def save_curves(path: Path, title: str, xlabel: str, ylabel: str,
-                curves: dict[str, tuple[Sequence[float], Sequence[float]]]) -> Path:
+def save_curves(
+    path: Path, title: str, xlabel: str, ylabel: str, curves: dict[str, tuple[Sequence[float], Sequence[float]]]
+) -> Path:
     """One line per curve (label -> (x, y)) in a PNG."""
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=(7, 4))
@@ -172,8 +178,14 @@ def save_curves(path: Path, title: str, xlabel: str, ylabel: str,
     return path
 
 
-def save_bars(path: Path, title: str, ylabel: str, bars: dict[str, Stats], reference: float | None = None,
-              reference_label: str = "") -> Path:
+def save_bars(
+    path: Path,
+    title: str,
+    ylabel: str,
+    bars: dict[str, Stats],
+    reference: float | None = None,
+    reference_label: str = "",
+) -> Path:
     """Bars at the median with min-max whiskers, one per label; an optional horizontal reference line."""
     plt = _pyplot()
     labels = list(bars)

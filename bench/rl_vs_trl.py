@@ -59,11 +59,13 @@ from report import Section, Stats, fmt, save_bars, save_curves, target_line  # n
 SAMPLES_PER_STEP = 64
 EVAL_ESTIMATE_S = 60.0  # one held-out eval (vLLM start-up and 200 rollouts), two run at once
 MODEL_100M_ARGS = ["--hidden", "768", "--layers", "12", "--heads", "12", "--kv-heads", "4", "--intermediate", "3072"]
-TRL_SETTINGS = ("per_device_train_batch_size=64, num_generations=8, gradient_accumulation_steps=1, "
-                "max_completion_length=24, temperature=1.0, top_p=1.0, top_k=0, use_vllm=False, beta=0.0, "
-                "scale_rewards='none', loss_type='dapo', num_iterations=1, learning_rate=5e-4, "
-                "lr_scheduler_type='constant', warmup_steps=0, weight_decay=0.0, adam_beta1=0.9, adam_beta2=0.999, "
-                "adam_epsilon=1e-8, max_grad_norm=1.0, shuffle_dataset=False, use_cpu=True, fp32")
+TRL_SETTINGS = (
+    "per_device_train_batch_size=64, num_generations=8, gradient_accumulation_steps=1, "
+    "max_completion_length=24, temperature=1.0, top_p=1.0, top_k=0, use_vllm=False, beta=0.0, "
+    "scale_rewards='none', loss_type='dapo', num_iterations=1, learning_rate=5e-4, "
+    "lr_scheduler_type='constant', warmup_steps=0, weight_decay=0.0, adam_beta1=0.9, adam_beta2=0.999, "
+    "adam_epsilon=1e-8, max_grad_norm=1.0, shuffle_dataset=False, use_cpu=True, fp32"
+)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -81,8 +83,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--markdown", type=Path, default=None, help="write this part's RESULTS.md section here")
     parser.add_argument("--json", type=Path, default=None, help="write the raw timelines here")
     parser.add_argument("--plots-dir", type=Path, default=ROOT / "bench" / "plots")
-    parser.add_argument("--budget-s", type=float, default=None,
-                        help="time budget of the part: fewer repeats (never fewer than 1) when it would run over")
+    parser.add_argument(
+        "--budget-s",
+        type=float,
+        default=None,
+        help="time budget of the part: fewer repeats (never fewer than 1) when it would run over",
+    )
     parser.add_argument("--quick", action="store_true", help="a: 5 steps x 1 repeat, evals on 50 examples; g: 2 steps")
     return parser
 
@@ -131,9 +137,11 @@ def paired_ratios(primerl: list[RunTimeline], trl: list[RunTimeline], attr: str)
 
 def timing_rows(primerl: list[RunTimeline], trl: list[RunTimeline]) -> list[list[str]]:
     rows = []
-    for label, attr in (("wall per step, s (steady state, per run)", "steady_wall_per_step_s"),
-                        ("start-up: launch to first scored rollouts, s", "startup_to_rollouts_s"),
-                        ("start-up: launch to end of first step, s", "startup_to_first_step_s")):
+    for label, attr in (
+        ("wall per step, s (steady state, per run)", "steady_wall_per_step_s"),
+        ("start-up: launch to first scored rollouts, s", "startup_to_rollouts_s"),
+        ("start-up: launch to end of first step, s", "startup_to_first_step_s"),
+    ):
         a, b = per_run(primerl, attr), per_run(trl, attr)
         rows.append([label, a.cell(), b.cell(), fmt(ratio(a, b)), paired_ratios(primerl, trl, attr).cell()])
     a, b = interval_stats(primerl), interval_stats(trl)
@@ -157,21 +165,25 @@ def plot_rewards(path: Path, primerl: RunTimeline, trl: RunTimeline, trl_wall: R
 
 def part_a(args: argparse.Namespace, section: Section, raw: dict) -> None:
     if not args.sft or not (Path(args.sft) / "config.json").is_file():
-        raise BenchRunError(f"--sft {args.sft!r} is not a model directory (config.json); build the SFT checkpoint "
-                            "first (bench/run_all.py does)")
+        raise BenchRunError(
+            f"--sft {args.sft!r} is not a model directory (config.json); build the SFT checkpoint "
+            "first (bench/run_all.py does)"
+        )
     work = args.work_dir / "a"
     work.mkdir(parents=True, exist_ok=True)
     # Enough prompts for the equal-wall-time TRL run too (TRL runs ~0.2-0.5 s a step here).
     max_trl_steps = 4000
     prompts = write_prompts(work / "prompts.jsonl", max_trl_steps * 8, work)
-    section.line(f"SFT checkpoint `{args.sft}`; {args.steps} steps per run, {args.repeats} run(s) of each trainer, "
-                 "alternating primerl / TRL so that each pair shares the machine's load. primerl: "
-                 f"`{PRIMERL.relative_to(ROOT)} rl @ examples/reverse_text_rl.toml --model.name SFT --max-steps "
-                 f"{args.steps}` (the demo's config: max_async_level 1, default loss, 4 daemons + vLLM). TRL "
-                 f"{python_version_of(BENCH_PYTHON, 'trl')} (transformers {python_version_of(BENCH_PYTHON, 'transformers')}, "
-                 f"torch {python_version_of(BENCH_PYTHON, 'torch')}) `GRPOTrainer` in one process "
-                 f"(bench/trl_grpo.py): {TRL_SETTINGS}. Same prompts in the same order (the env's train split in "
-                 "EnvSampler order), same reward (LCS ratio).")
+    section.line(
+        f"SFT checkpoint `{args.sft}`; {args.steps} steps per run, {args.repeats} run(s) of each trainer, "
+        "alternating primerl / TRL so that each pair shares the machine's load. primerl: "
+        f"`{PRIMERL.relative_to(ROOT)} rl @ examples/reverse_text_rl.toml --model.name SFT --max-steps "
+        f"{args.steps}` (the demo's config: max_async_level 1, default loss, 4 daemons + vLLM). TRL "
+        f"{python_version_of(BENCH_PYTHON, 'trl')} (transformers {python_version_of(BENCH_PYTHON, 'transformers')}, "
+        f"torch {python_version_of(BENCH_PYTHON, 'torch')}) `GRPOTrainer` in one process "
+        f"(bench/trl_grpo.py): {TRL_SETTINGS}. Same prompts in the same order (the env's train split in "
+        "EnvSampler order), same reward (LCS ratio)."
+    )
     section.line()
     primerl_runs: list[RunTimeline] = []
     trl_runs: list[RunTimeline] = []
@@ -182,29 +194,58 @@ def part_a(args: argparse.Namespace, section: Section, raw: dict) -> None:
             per_repeat_s = (time.time() - started) / repeat
             reserve_s = (0 if args.no_equal_wall else per_repeat_s) + (0 if args.no_eval else 2 * EVAL_ESTIMATE_S)
             if time.time() - args.part_started + per_repeat_s + reserve_s > args.budget_s:
-                section.line(f"_Repeats cut from {args.repeats} to {repeat} by the time budget ({args.budget_s:.0f} s; "
-                             f"one repeat took {per_repeat_s:.0f} s)._")
+                section.line(
+                    f"_Repeats cut from {args.repeats} to {repeat} by the time budget ({args.budget_s:.0f} s; "
+                    f"one repeat took {per_repeat_s:.0f} s)._"
+                )
                 section.line()
                 break
-        primerl_runs.append(run_primerl(args.sft, work / f"primerl-{repeat}", args.steps, args.run_timeout_s,
-                                        what=f"primerl rl (repeat {repeat})"))
-        trl_runs.append(run_trl(args.sft, prompts, work / f"trl-{repeat}", args.steps, args.run_timeout_s,
-                                save=repeat == 0, what=f"TRL GRPOTrainer (repeat {repeat})"))
-        print(f"[a] repeat {repeat}: primerl {fmt(primerl_runs[-1].steady_wall_per_step_s)} s/step, "
-              f"TRL {fmt(trl_runs[-1].steady_wall_per_step_s)} s/step", flush=True)
+        primerl_runs.append(
+            run_primerl(
+                args.sft,
+                work / f"primerl-{repeat}",
+                args.steps,
+                args.run_timeout_s,
+                what=f"primerl rl (repeat {repeat})",
+            )
+        )
+        trl_runs.append(
+            run_trl(
+                args.sft,
+                prompts,
+                work / f"trl-{repeat}",
+                args.steps,
+                args.run_timeout_s,
+                save=repeat == 0,
+                what=f"TRL GRPOTrainer (repeat {repeat})",
+            )
+        )
+        print(
+            f"[a] repeat {repeat}: primerl {fmt(primerl_runs[-1].steady_wall_per_step_s)} s/step, "
+            f"TRL {fmt(trl_runs[-1].steady_wall_per_step_s)} s/step",
+            flush=True,
+        )
     raw["primerl"] = [r.as_dict() for r in primerl_runs]
     raw["trl"] = [r.as_dict() for r in trl_runs]
 
     trl_wall = None
     primerl_wall_s = primerl_runs[0].step_ends[-1] - primerl_runs[0].launch
     if not args.no_equal_wall:
-        trl_wall = run_trl(args.sft, prompts, work / "trl-equal-wall", max_trl_steps,
-                           args.run_timeout_s + primerl_wall_s, wall_budget_s=primerl_wall_s,
-                           what="TRL GRPOTrainer (equal wall time)")
+        trl_wall = run_trl(
+            args.sft,
+            prompts,
+            work / "trl-equal-wall",
+            max_trl_steps,
+            args.run_timeout_s + primerl_wall_s,
+            wall_budget_s=primerl_wall_s,
+            what="TRL GRPOTrainer (equal wall time)",
+        )
         raw["trl_equal_wall"] = trl_wall.as_dict()
 
-    section.line("**Speed** (median (min–max, n)); ratio = primerl / TRL of the medians; paired = the ratio within "
-                 "each back-to-back pair of runs:")
+    section.line(
+        "**Speed** (median (min–max, n)); ratio = primerl / TRL of the medians; paired = the ratio within "
+        "each back-to-back pair of runs:"
+    )
     section.line()
     rows = timing_rows(primerl_runs, trl_runs)
     section.table(["quantity", "primerl rl", "TRL GRPOTrainer", "ratio", "paired ratio"], rows)
@@ -214,81 +255,127 @@ def part_a(args: argparse.Namespace, section: Section, raw: dict) -> None:
     for run in primerl_runs:
         for value in run.extra.get("step_time_s", []):
             trainer_step.add(value)
-    section.line(f"primerl's own `perf/step_time_s` (trainer, all steps): {trainer_step.cell()} s. TRL threads: "
-                 f"{trl_runs[0].extra.get('num_threads')}.")
+    section.line(
+        f"primerl's own `perf/step_time_s` (trainer, all steps): {trainer_step.cell()} s. TRL threads: "
+        f"{trl_runs[0].extra.get('num_threads')}."
+    )
     section.line()
 
     evals: dict[str, object] = {}
     if not args.no_eval:
         n = args.eval_examples
-        targets = [("SFT checkpoint (start)", args.sft),
-                   (f"primerl after {args.steps} steps", primerl_runs[0].model_dir),
-                   (f"TRL after {args.steps} steps", trl_runs[0].model_dir)]
+        targets = [
+            ("SFT checkpoint (start)", args.sft),
+            (f"primerl after {args.steps} steps", primerl_runs[0].model_dir),
+            (f"TRL after {args.steps} steps", trl_runs[0].model_dir),
+        ]
         if trl_wall is not None:
-            targets.append((f"TRL after primerl's wall time ({fmt(primerl_wall_s)} s: {trl_wall.num_steps} steps)",
-                            trl_wall.model_dir))
+            targets.append(
+                (
+                    f"TRL after primerl's wall time ({fmt(primerl_wall_s)} s: {trl_wall.num_steps} steps)",
+                    trl_wall.model_dir,
+                )
+            )
         eval_rows = []
         # Evals are reward measurements, not timings: two at a time (each starts its own vLLM).
         with concurrent.futures.ThreadPoolExecutor(max_workers=2) as pool:
-            futures = [pool.submit(run_eval, model, work / f"eval-{index}", args.eval_timeout_s, num_examples=n)
-                       for index, (_, model) in enumerate(targets)]
+            futures = [
+                pool.submit(run_eval, model, work / f"eval-{index}", args.eval_timeout_s, num_examples=n)
+                for index, (_, model) in enumerate(targets)
+            ]
             for (label, _), future in zip(targets, futures):
                 try:
                     result = future.result()
                     evals[label] = result
-                    eval_rows.append([label, fmt(result.reward_mean), fmt(result.reward_sem, 2),
-                                      str(result.num_rollouts)])
+                    eval_rows.append(
+                        [label, fmt(result.reward_mean), fmt(result.reward_sem, 2), str(result.num_rollouts)]
+                    )
                 except BenchRunError as error:
                     evals[label] = None
                     eval_rows.append([label, f"not run: {str(error).splitlines()[0]}", "—", "—"])
         raw["evals"] = {k: (vars(v) if v is not None else None) for k, v in evals.items()}
-        section.line(f"**Held-out reward** (`primerl eval reverse-text -m DIR -n {n} -r 1 -t 24 -T 1.0`, the demo's "
-                     "eval; se = standard error of the mean over the rollouts, the eval's sampling noise):")
+        section.line(
+            f"**Held-out reward** (`primerl eval reverse-text -m DIR -n {n} -r 1 -t 24 -T 1.0`, the demo's "
+            "eval; se = standard error of the mean over the rollouts, the eval's sampling noise):"
+        )
         section.line()
         section.table(["model", "held-out reward", "se", "rollouts"], eval_rows)
 
     section.line("**Targets**")
     section.line()
-    section.line(target_line("a: primerl/TRL wall per step", wall_ratio, "<=", 3.0,
-                             f"(aim 2.0: {'met' if wall_ratio is not None and wall_ratio <= 2.0 else 'not yet'})"))
+    section.line(
+        target_line(
+            "a: primerl/TRL wall per step",
+            wall_ratio,
+            "<=",
+            3.0,
+            f"(aim 2.0: {'met' if wall_ratio is not None and wall_ratio <= 2.0 else 'not yet'})",
+        )
+    )
     section.line(target_line("a: start-up ratio (launch to first rollouts)", startup_ratio, "<=", 3.0))
     primerl_eval = evals.get(f"primerl after {args.steps} steps")
     trl_eval = evals.get(f"TRL after {args.steps} steps")
     if primerl_eval is not None and trl_eval is not None:
-        noise = 2 * math.sqrt(primerl_eval.reward_sem ** 2 + trl_eval.reward_sem ** 2)
+        noise = 2 * math.sqrt(primerl_eval.reward_sem**2 + trl_eval.reward_sem**2)
         gap = primerl_eval.reward_mean - trl_eval.reward_mean
-        section.line(target_line(f"a: held-out reward after {args.steps} steps, primerl - TRL", gap, ">=", -noise,
-                                 f"(primerl {fmt(primerl_eval.reward_mean)}, TRL {fmt(trl_eval.reward_mean)}; "
-                                 f"2 x combined se = {fmt(noise, 2)})"))
+        section.line(
+            target_line(
+                f"a: held-out reward after {args.steps} steps, primerl - TRL",
+                gap,
+                ">=",
+                -noise,
+                f"(primerl {fmt(primerl_eval.reward_mean)}, TRL {fmt(trl_eval.reward_mean)}; "
+                f"2 x combined se = {fmt(noise, 2)})",
+            )
+        )
     else:
         section.line("- **not measured** a: held-out reward (evals skipped or failed, see above)")
     section.line()
 
     plots = args.plots_dir
-    bars = {"primerl rl": per_run(primerl_runs, "steady_wall_per_step_s"),
-            "TRL GRPOTrainer": per_run(trl_runs, "steady_wall_per_step_s")}
-    section.image(save_bars(plots / "a_wall_per_step.png", "a. wall per step (steady state)", "seconds", bars),
-                  args.markdown.parent if args.markdown else ROOT / "bench", "a. wall per step")
-    section.image(plot_rewards(plots / "a_reward_vs_wall.png", primerl_runs[0], trl_runs[0], trl_wall,
-                               "a. training reward vs wall time (first repeat)"),
-                  args.markdown.parent if args.markdown else ROOT / "bench", "a. reward vs wall time")
+    bars = {
+        "primerl rl": per_run(primerl_runs, "steady_wall_per_step_s"),
+        "TRL GRPOTrainer": per_run(trl_runs, "steady_wall_per_step_s"),
+    }
+    section.image(
+        save_bars(plots / "a_wall_per_step.png", "a. wall per step (steady state)", "seconds", bars),
+        args.markdown.parent if args.markdown else ROOT / "bench",
+        "a. wall per step",
+    )
+    section.image(
+        plot_rewards(
+            plots / "a_reward_vs_wall.png",
+            primerl_runs[0],
+            trl_runs[0],
+            trl_wall,
+            "a. training reward vs wall time (first repeat)",
+        ),
+        args.markdown.parent if args.markdown else ROOT / "bench",
+        "a. reward vs wall time",
+    )
 
 
 def part_g(args: argparse.Namespace, section: Section, raw: dict) -> None:
     work = args.work_dir / "g"
     work.mkdir(parents=True, exist_ok=True)
     model_dir = work / "model-100m"
-    run_child([str(PRIMERL), "init-tiny-model", str(model_dir), *MODEL_100M_ARGS], work / "init-model.log", 600,
-              "primerl init-tiny-model (100M)")
+    run_child(
+        [str(PRIMERL), "init-tiny-model", str(model_dir), *MODEL_100M_ARGS],
+        work / "init-model.log",
+        600,
+        "primerl init-tiny-model (100M)",
+    )
     params = "?"
     for line in (work / "init-model.log").read_text().splitlines():
         if "parameters" in line:
             params = line.strip()
     prompts = write_prompts(work / "prompts.jsonl", args.steps * 8, args.work_dir / "a")
-    section.line(f"Model: `primerl init-tiny-model DIR {' '.join(MODEL_100M_ARGS)}` ({params}), random weights, "
-                 f"{args.steps} steps per run, {args.repeats} run(s) of each, the same settings as part a "
-                 "(every completion runs to 24 tokens: a random model rarely stops). samples/s = 64 / steady wall per "
-                 "step (start-up excluded).")
+    section.line(
+        f"Model: `primerl init-tiny-model DIR {' '.join(MODEL_100M_ARGS)}` ({params}), random weights, "
+        f"{args.steps} steps per run, {args.repeats} run(s) of each, the same settings as part a "
+        "(every completion runs to 24 tokens: a random model rarely stops). samples/s = 64 / steady wall per "
+        "step (start-up excluded)."
+    )
     section.line()
     primerl_runs, trl_runs = [], []
     started = time.time()
@@ -296,19 +383,41 @@ def part_g(args: argparse.Namespace, section: Section, raw: dict) -> None:
         if repeat > 0 and args.budget_s is not None:
             per_repeat_s = (time.time() - started) / repeat
             if time.time() - args.part_started + per_repeat_s > args.budget_s:
-                section.line(f"_Repeats cut from {args.repeats} to {repeat} by the time budget ({args.budget_s:.0f} s)._")
+                section.line(
+                    f"_Repeats cut from {args.repeats} to {repeat} by the time budget ({args.budget_s:.0f} s)._"
+                )
                 section.line()
                 break
-        primerl_runs.append(run_primerl(str(model_dir), work / f"primerl-{repeat}", args.steps, args.run_timeout_s,
-                                        what=f"primerl rl 100M (repeat {repeat})"))
-        trl_runs.append(run_trl(str(model_dir), prompts, work / f"trl-{repeat}", args.steps, args.run_timeout_s,
-                                save=False, what=f"TRL GRPOTrainer 100M (repeat {repeat})"))
-        print(f"[g] repeat {repeat}: primerl {fmt(primerl_runs[-1].samples_per_s(SAMPLES_PER_STEP))} samples/s, "
-              f"TRL {fmt(trl_runs[-1].samples_per_s(SAMPLES_PER_STEP))} samples/s", flush=True)
+        primerl_runs.append(
+            run_primerl(
+                str(model_dir),
+                work / f"primerl-{repeat}",
+                args.steps,
+                args.run_timeout_s,
+                what=f"primerl rl 100M (repeat {repeat})",
+            )
+        )
+        trl_runs.append(
+            run_trl(
+                str(model_dir),
+                prompts,
+                work / f"trl-{repeat}",
+                args.steps,
+                args.run_timeout_s,
+                save=False,
+                what=f"TRL GRPOTrainer 100M (repeat {repeat})",
+            )
+        )
+        print(
+            f"[g] repeat {repeat}: primerl {fmt(primerl_runs[-1].samples_per_s(SAMPLES_PER_STEP))} samples/s, "
+            f"TRL {fmt(trl_runs[-1].samples_per_s(SAMPLES_PER_STEP))} samples/s",
+            flush=True,
+        )
     raw["primerl"] = [r.as_dict() for r in primerl_runs]
     raw["trl"] = [r.as_dict() for r in trl_runs]
-    section.table(["quantity", "primerl rl", "TRL GRPOTrainer", "ratio", "paired ratio"],
-                  timing_rows(primerl_runs, trl_runs))
+    section.table(
+        ["quantity", "primerl rl", "TRL GRPOTrainer", "ratio", "paired ratio"], timing_rows(primerl_runs, trl_runs)
+    )
     samples_ratio = ratio(samples_stats(primerl_runs), samples_stats(trl_runs))
     section.line(f"The step-to-step intervals give min/median/max within runs ({args.steps - 1} per run).")
     section.line()
@@ -317,9 +426,13 @@ def part_g(args: argparse.Namespace, section: Section, raw: dict) -> None:
     section.line(target_line("g: primerl/TRL samples/s at ~100M", samples_ratio, ">=", 1.0))
     section.line()
     bars = {"primerl rl": samples_stats(primerl_runs), "TRL GRPOTrainer": samples_stats(trl_runs)}
-    section.image(save_bars(args.plots_dir / "g_samples_per_s.png", "g. ~100M model: samples/s (steady state)",
-                            "samples/s", bars),
-                  args.markdown.parent if args.markdown else ROOT / "bench", "g. samples/s")
+    section.image(
+        save_bars(
+            args.plots_dir / "g_samples_per_s.png", "g. ~100M model: samples/s (steady state)", "samples/s", bars
+        ),
+        args.markdown.parent if args.markdown else ROOT / "bench",
+        "g. samples/s",
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -333,8 +446,10 @@ def main(argv: list[str] | None = None) -> int:
     args.repeats = args.repeats or defaults[1]
     if args.steps < 2:
         raise SystemExit("--steps must be >= 2 (a steady-state step needs two step ends)")
-    title = {"a": "a. `primerl rl` vs TRL `GRPOTrainer` (demo task, same SFT checkpoint)",
-             "g": "g. ~100M-parameter model: `primerl rl` vs TRL `GRPOTrainer` samples/s"}[args.part]
+    title = {
+        "a": "a. `primerl rl` vs TRL `GRPOTrainer` (demo task, same SFT checkpoint)",
+        "g": "g. ~100M-parameter model: `primerl rl` vs TRL `GRPOTrainer` samples/s",
+    }[args.part]
     section = Section(title)
     raw: dict = {"part": args.part, "steps": args.steps, "repeats": args.repeats}
     started = args.part_started = time.time()

@@ -56,12 +56,20 @@ ENV_PYTHON = os.environ.get("PRIMERL_ENV_PYTHON", str(REPO_ROOT / ".venv-envs" /
 
 
 def start_broker(spool_dir: Path) -> Any:
-    from primerl.configs.broker import BrokerConfig
     from primerl.broker.service import BrokerService
+    from primerl.configs.broker import BrokerConfig
 
-    config = BrokerConfig(host="127.0.0.1", grpc_port=0, rollout_port=0, weight_port=0, spool_dir=spool_dir,
-                          run_token=TOKEN, run_id="rollout-bench", max_queue_batches=100_000,
-                          max_queue_bytes=16 << 30)
+    config = BrokerConfig(
+        host="127.0.0.1",
+        grpc_port=0,
+        rollout_port=0,
+        weight_port=0,
+        spool_dir=spool_dir,
+        run_token=TOKEN,
+        run_id="rollout-bench",
+        max_queue_batches=100_000,
+        max_queue_bytes=16 << 30,
+    )
     service = BrokerService(config)
     service.start()
     return service
@@ -76,10 +84,24 @@ class InferDaemon:
         ready_file = work_dir / "infer-ready.json"
         self.log_file = open(self.log_path, "w")  # noqa: SIM115 (closed in stop())
         self.process = subprocess.Popen(
-            [str(BIN / "primerl-infer"), "--model.name", str(model_dir), "--model.max-model-len", str(MAX_MODEL_LEN),
-             "--server.port", "0", "--broker.address", grpc_address, "--broker.connect-timeout-s", "60",
-             "--ready-file", str(ready_file)],
-            stdout=self.log_file, stderr=subprocess.STDOUT, env={**os.environ, "PRIMERL_RUN_TOKEN": TOKEN},
+            [
+                str(BIN / "primerl-infer"),
+                "--model.name",
+                str(model_dir),
+                "--model.max-model-len",
+                str(MAX_MODEL_LEN),
+                "--server.port",
+                "0",
+                "--broker.address",
+                grpc_address,
+                "--broker.connect-timeout-s",
+                "60",
+                "--ready-file",
+                str(ready_file),
+            ],
+            stdout=self.log_file,
+            stderr=subprocess.STDOUT,
+            env={**os.environ, "PRIMERL_RUN_TOKEN": TOKEN},
             cwd=work_dir,
         )
         deadline = time.monotonic() + START_TIMEOUT_S
@@ -119,10 +141,20 @@ async def plain_rounds(base_url: str, model: str, prompts: list[str], rounds: in
 
     headers = {"Authorization": f"Bearer {TOKEN}"}
     async with httpx.AsyncClient(timeout=120.0, limits=httpx.Limits(max_connections=None)) as client:
+
         async def one(prompt: str) -> int:
-            response = await client.post(f"{base_url}/completions", headers=headers, json={
-                "model": model, "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 1.0, "logprobs": 0,
-                "return_token_ids": True})
+            response = await client.post(
+                f"{base_url}/completions",
+                headers=headers,
+                json={
+                    "model": model,
+                    "prompt": prompt,
+                    "max_tokens": MAX_TOKENS,
+                    "temperature": 1.0,
+                    "logprobs": 0,
+                    "return_token_ids": True,
+                },
+            )
             response.raise_for_status()
             return int(response.json()["usage"]["completion_tokens"])
 
@@ -137,9 +169,15 @@ async def plain_rounds(base_url: str, model: str, prompts: list[str], rounds: in
 
 def env_worker_rounds(worker: Any, base_url: str, model: str, rounds: int) -> tuple[float, float, float]:
     """``rounds`` x 8 groups of 8 rollouts handed over at once; (rollouts/s, mean tokens, worker CPU s/rollout)."""
+
     def one_round() -> list[Any]:
-        kwargs = dict(num_rollouts=ROLLOUTS_PER_EXAMPLE, base_url=base_url, model=model, api_key=TOKEN,
-                      sampling={"temperature": 1.0, "max_tokens": MAX_TOKENS})
+        kwargs = dict(
+            num_rollouts=ROLLOUTS_PER_EXAMPLE,
+            base_url=base_url,
+            model=model,
+            api_key=TOKEN,
+            sampling={"temperature": 1.0, "max_tokens": MAX_TOKENS},
+        )
         if hasattr(worker, "submit_rollouts"):
             futures = worker.submit_rollouts(list(range(NUM_EXAMPLES)), **kwargs)
         else:
@@ -167,15 +205,39 @@ def orchestrator_run(work_dir: Path, model_dir: Path, broker_address: str, steps
     output_dir = work_dir / "orchestrator"
     log_path = work_dir / f"orchestrator-{repeat}.log"
     first_step, last_step = repeat * (steps + 1) + 1, (repeat + 1) * (steps + 1)
-    args = [str(BIN / "primerl-orchestrator"), "--model.name", str(model_dir), "--env", '[{id = "reverse-text"}]',
-            "--batch-size", str(NUM_EXAMPLES * ROLLOUTS_PER_EXAMPLE), "--rollouts-per-example",
-            str(ROLLOUTS_PER_EXAMPLE), "--max-steps", str(last_step), "--seq-len", "256",
-            "--sampling.max-tokens", str(MAX_TOKENS), "--sampling.temperature", "1.0",
-            "--max-async-level", "1000000", "--broker.address", broker_address, "--output-dir", str(output_dir),
-            "--env-python", ENV_PYTHON, "--prometheus.enabled", "false"]
+    args = [
+        str(BIN / "primerl-orchestrator"),
+        "--model.name",
+        str(model_dir),
+        "--env",
+        '[{id = "reverse-text"}]',
+        "--batch-size",
+        str(NUM_EXAMPLES * ROLLOUTS_PER_EXAMPLE),
+        "--rollouts-per-example",
+        str(ROLLOUTS_PER_EXAMPLE),
+        "--max-steps",
+        str(last_step),
+        "--seq-len",
+        "256",
+        "--sampling.max-tokens",
+        str(MAX_TOKENS),
+        "--sampling.temperature",
+        "1.0",
+        "--max-async-level",
+        "1000000",
+        "--broker.address",
+        broker_address,
+        "--output-dir",
+        str(output_dir),
+        "--env-python",
+        ENV_PYTHON,
+        "--prometheus.enabled",
+        "false",
+    ]
     with open(log_path, "w") as log_file:
-        process = subprocess.Popen(args, stdout=log_file, stderr=subprocess.STDOUT,
-                                   env={**os.environ, "PRIMERL_RUN_TOKEN": TOKEN})
+        process = subprocess.Popen(
+            args, stdout=log_file, stderr=subprocess.STDOUT, env={**os.environ, "PRIMERL_RUN_TOKEN": TOKEN}
+        )
         try:
             code = process.wait(ORCHESTRATOR_TIMEOUT_S)
         except subprocess.TimeoutExpired:
@@ -187,17 +249,22 @@ def orchestrator_run(work_dir: Path, model_dir: Path, broker_address: str, steps
     from primerl.runtime.run_metrics import read_metrics_file
 
     rows = read_metrics_file(output_dir / "metrics.jsonl").rows
-    rows = sorted((r for r in rows if "train/reward" in r and first_step <= r["step"] <= last_step),
-                  key=lambda r: r["step"])
+    rows = sorted(
+        (r for r in rows if "train/reward" in r and first_step <= r["step"] <= last_step), key=lambda r: r["step"]
+    )
     if [r["step"] for r in rows] != list(range(first_step, last_step + 1)):
-        raise RuntimeError(f"expected orchestrator rows of steps {first_step}..{last_step}, got "
-                           f"{[r['step'] for r in rows]}")
+        raise RuntimeError(
+            f"expected orchestrator rows of steps {first_step}..{last_step}, got {[r['step'] for r in rows]}"
+        )
     measured = rows[1:]
     elapsed = measured[-1]["time"] - rows[0]["time"]
     perf = {k: statistics.mean(r.get(k, 0.0) for r in measured) for k in sorted(measured[-1]) if k.startswith("perf/")}
-    return {"rollouts_per_s": NUM_EXAMPLES * ROLLOUTS_PER_EXAMPLE * steps / elapsed,
-            "mean_length": statistics.mean(r["rollout/mean_length"] for r in measured),
-            "generation_time": [r["rollout/generation_time"] for r in measured], "perf": perf}
+    return {
+        "rollouts_per_s": NUM_EXAMPLES * ROLLOUTS_PER_EXAMPLE * steps / elapsed,
+        "mean_length": statistics.mean(r["rollout/mean_length"] for r in measured),
+        "generation_time": [r["rollout/generation_time"] for r in measured],
+        "perf": perf,
+    }
 
 
 # ------------------------------------------------------------------------------------------------------ report
@@ -219,26 +286,31 @@ def report(results: list[dict[str, Any]], args: argparse.Namespace, load_before:
     orch_ratio = [o / p for o, p in zip(orch, plain)]
     met = statistics.median(orch_ratio) >= TARGET_RATIO
     lines = [
-        "## (c) Rollout path: orchestrator vs a plain async HTTP client on the same primerl-infer", "",
+        "## (c) Rollout path: orchestrator vs a plain async HTTP client on the same primerl-infer",
+        "",
         f"Command: `{' '.join([Path(sys.executable).name, *sys.argv])}`  ",
         f"Machine: {os.cpu_count()} CPUs; load average before {load_before}, after {load_after}  ",
         f"Work: {NUM_EXAMPLES} reverse-text prompts x {ROLLOUTS_PER_EXAMPLE} = 64 completions of up to {MAX_TOKENS} "
         f"tokens per round/step; {args.repeats} repeats (min / median / max); mean completion tokens: plain "
         f"{statistics.mean(r['plain_tokens'] for r in results):.1f}, env worker "
         f"{statistics.mean(r['env_tokens'] for r in results):.1f}, orchestrator "
-        f"{statistics.mean(r['orch']['mean_length'] for r in results):.1f}", "",
+        f"{statistics.mean(r['orch']['mean_length'] for r in results):.1f}",
+        "",
         "| path | rollouts/s (min / median / max) | ratio to plain client | target |",
         "|---|---|---|---|",
         f"| plain async HTTP client (httpx, 64-way, `/v1/completions`) | {stats(plain)} | 1 | |",
         f"| env worker alone (verifiers 0.3.1, 8 groups x 8 at once) | {stats(env)} | {ratio_stats(env_ratio)} | |",
         f"| orchestrator daemon (env worker, scoring, advantages, packing, send) | {stats(orch)} | "
-        f"{ratio_stats(orch_ratio)} | >= {TARGET_RATIO}: **{'met' if met else 'missed'}** |", "",
+        f"{ratio_stats(orch_ratio)} | >= {TARGET_RATIO}: **{'met' if met else 'missed'}** |",
+        "",
         f"Env worker CPU per rollout: {stats([1000 * r['env_cpu'] for r in results])} ms.  ",
     ]
     perf = {k: statistics.mean(r["orch"]["perf"][k] for r in results) for k in results[-1]["orch"]["perf"]}
     if perf:
-        lines.append("Orchestrator phase times (mean per step over the measured steps): "
-                     + ", ".join(f"`{k}` {v:.4g}" for k, v in perf.items()))
+        lines.append(
+            "Orchestrator phase times (mean per step over the measured steps): "
+            + ", ".join(f"`{k}` {v:.4g}" for k, v in perf.items())
+        )
     return "\n".join(lines) + "\n"
 
 
@@ -296,11 +368,22 @@ def main(argv: list[str] | None = None) -> int:
             plain, plain_tokens = asyncio.run(plain_rounds(daemon.base_url, model, prompts, args.rounds))
             env, env_tokens, env_cpu = env_worker_rounds(worker, daemon.base_url, model, args.rounds)
             orch = orchestrator_run(work_dir, model_dir, broker_address, args.steps, repeat)
-            results.append({"plain": plain, "plain_tokens": plain_tokens, "env": env, "env_tokens": env_tokens,
-                            "env_cpu": env_cpu, "orch": orch})
-            print(f"repeat {repeat + 1}: plain {plain:.1f}/s, env worker {env:.1f}/s ({1000 * env_cpu:.1f} ms CPU per "
-                  f"rollout), orchestrator {orch['rollouts_per_s']:.1f}/s (ratio {orch['rollouts_per_s'] / plain:.2f}); "
-                  f"load {loadavg()}", flush=True)
+            results.append(
+                {
+                    "plain": plain,
+                    "plain_tokens": plain_tokens,
+                    "env": env,
+                    "env_tokens": env_tokens,
+                    "env_cpu": env_cpu,
+                    "orch": orch,
+                }
+            )
+            print(
+                f"repeat {repeat + 1}: plain {plain:.1f}/s, env worker {env:.1f}/s ({1000 * env_cpu:.1f} ms CPU per "
+                f"rollout), orchestrator {orch['rollouts_per_s']:.1f}/s (ratio {orch['rollouts_per_s'] / plain:.2f}); "
+                f"load {loadavg()}",
+                flush=True,
+            )
         section = report(results, args, load_before, loadavg())
         print()
         print(section)

@@ -57,7 +57,7 @@ QUICK_SFT_STEPS = 150
 
 @dataclass
 class Part:
-    key: str            # a..g (d has two scripts)
+    key: str  # a..g (d has two scripts)
     script: str
     args: list[str]
     full_limit_s: int
@@ -65,7 +65,7 @@ class Part:
     expected_full_s: int  # the plan: what the part should take on an idle 2-core machine
     needs_sft: bool = False
     needs_bench_venv: bool = False
-    own: bool = False     # written by this harness's author: arguments known, --quick always understood
+    own: bool = False  # written by this harness's author: arguments known, --quick always understood
     status: str = "planned"
     took_s: float = 0.0
     section: Path | None = None
@@ -102,16 +102,20 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--plots-dir", type=Path, default=BENCH / "plots")
     parser.add_argument("--work-dir", type=Path, default=ROOT / "runs" / "bench")
     parser.add_argument("--limit-scale", type=float, default=1.0, help="multiply every part's time limit")
-    parser.add_argument("--keep-other-parts", action="store_true",
-                        help="with --parts: keep the sections the other parts wrote in an earlier run (each says "
-                             "when it ran) instead of leaving them out of RESULTS.md")
+    parser.add_argument(
+        "--keep-other-parts",
+        action="store_true",
+        help="with --parts: keep the sections the other parts wrote in an earlier run (each says "
+        "when it ran) instead of leaving them out of RESULTS.md",
+    )
     return parser
 
 
 def help_text(script: Path) -> str:
     try:
-        out = subprocess.run([str(PYTHON), str(script), "--help"], capture_output=True, text=True, timeout=120,
-                             cwd=ROOT, env=child_env())
+        out = subprocess.run(
+            [str(PYTHON), str(script), "--help"], capture_output=True, text=True, timeout=120, cwd=ROOT, env=child_env()
+        )
         return out.stdout + out.stderr
     except (OSError, subprocess.TimeoutExpired):
         return ""
@@ -125,8 +129,10 @@ def find_or_build_sft(args: argparse.Namespace, log) -> str:
             raise BenchRunError(f"--sft {args.sft}: no config.json there")
         return args.sft
     run_dir = args.work_dir / "sft-quick" if args.quick else args.work_dir
-    candidates = [args.work_dir / "sft" / "weights" / f"step_{SFT_STEPS}",
-                  ROOT / "runs" / "demo" / "sft" / "weights" / f"step_{SFT_STEPS}"]
+    candidates = [
+        args.work_dir / "sft" / "weights" / f"step_{SFT_STEPS}",
+        ROOT / "runs" / "demo" / "sft" / "weights" / f"step_{SFT_STEPS}",
+    ]
     if args.quick:  # a full checkpoint if there is one, else a short SFT (quick runs are for trying the harness)
         candidates.append(run_dir / "sft" / "weights" / f"step_{steps}")
     for candidate in candidates:
@@ -145,14 +151,33 @@ def find_or_build_sft(args: argparse.Namespace, log) -> str:
         [str(PRIMERL), "init-tiny-model", str(tiny)],
         [str(PRIMERL), "sft-data", "reverse-text", "-o", str(sft / "clean.jsonl")],
         [str(PYTHON), "examples/reverse_text/chatty_sft_data.py", str(sft / "clean.jsonl"), str(sft / "data.jsonl")],
-        [str(PRIMERL), "sft", "@", "examples/reverse_text_sft.toml", "--model.name", str(tiny), "--tokenizer.name",
-         str(tiny), "--data.path", str(sft / "data.jsonl"), "--output-dir", str(sft), "--max-steps", str(steps)],
+        [
+            str(PRIMERL),
+            "sft",
+            "@",
+            "examples/reverse_text_sft.toml",
+            "--model.name",
+            str(tiny),
+            "--tokenizer.name",
+            str(tiny),
+            "--data.path",
+            str(sft / "data.jsonl"),
+            "--output-dir",
+            str(sft),
+            "--max-steps",
+            str(steps),
+        ],
     ]
     for index, command in enumerate(commands):
         # One OpenMP thread: the build is not measured, and on a shared machine 2 spinning threads ran the SFT
         # 3-25x slower (0.36 s a step with one thread against 1-9 s with two, under a load of ~10).
-        run_child(command, run_dir / f"sft-build-{index}.log", 1800, f"building the SFT checkpoint ({command[1]})",
-                  extra_env={"OMP_NUM_THREADS": "1"})
+        run_child(
+            command,
+            run_dir / f"sft-build-{index}.log",
+            1800,
+            f"building the SFT checkpoint ({command[1]})",
+            extra_env={"OMP_NUM_THREADS": "1"},
+        )
     checkpoint = sft / "weights" / f"step_{steps}"
     if not (checkpoint / "config.json").is_file():
         raise BenchRunError(f"the SFT run ended without {checkpoint}")
@@ -190,13 +215,23 @@ def run_part(part: Part, args: argparse.Namespace, sft: str | None, sections: Pa
         else:
             part.notes.append("the script has no --quick: ran its default profile")
     if part.own:
-        cmd += ["--work-dir", str(args.work_dir), "--plots-dir", str(args.plots_dir),
-                "--json", str(sections / f"{part.key}-{Path(part.script).stem}.json"), "--budget-s", str(int(limit_s * 0.8))]
+        cmd += [
+            "--work-dir",
+            str(args.work_dir),
+            "--plots-dir",
+            str(args.plots_dir),
+            "--json",
+            str(sections / f"{part.key}-{Path(part.script).stem}.json"),
+            "--budget-s",
+            str(int(limit_s * 0.8)),
+        ]
         if part.needs_sft:
             cmd += ["--sft", sft]
     log_path = sections / f"{part.key}-{Path(part.script).stem}.log"
-    log(f"[{part.key}] {' '.join(os.path.relpath(c, ROOT) if c.startswith(str(ROOT)) else c for c in cmd)} "
-        f"(limit {limit_s} s) ...")
+    log(
+        f"[{part.key}] {' '.join(os.path.relpath(c, ROOT) if c.startswith(str(ROOT)) else c for c in cmd)} "
+        f"(limit {limit_s} s) ..."
+    )
     started = time.time()
     try:
         run_child(cmd, log_path, limit_s, f"bench/{part.script}")
@@ -207,8 +242,9 @@ def run_part(part: Part, args: argparse.Namespace, sft: str | None, sections: Pa
     part.took_s = time.time() - started
     if part.status == "ok" and not has_markdown:
         output = log_path.read_text(errors="replace")
-        part.section.write_text(f"### {part.key}. bench/{part.script}\n\nCommand: `{' '.join(cmd)}`\n\n"
-                                f"```\n{output[-6000:]}\n```\n")
+        part.section.write_text(
+            f"### {part.key}. bench/{part.script}\n\nCommand: `{' '.join(cmd)}`\n\n```\n{output[-6000:]}\n```\n"
+        )
     log(f"[{part.key}] {part.status} in {part.took_s:.0f} s")
 
 
@@ -217,15 +253,24 @@ def count_verdicts(text: str) -> tuple[int, int]:
     return lowered.count("**met**") + lowered.count("| met"), lowered.count("**missed**") + lowered.count("| missed")
 
 
-def write_results(args: argparse.Namespace, parts: list[Part], plan_lines: list[str], started: float,
-                  sft_line: str, commit: str) -> None:
+def write_results(
+    args: argparse.Namespace, parts: list[Part], plan_lines: list[str], started: float, sft_line: str, commit: str
+) -> None:
     rows, bodies = [], []
     for part in parts:
         text = part.section.read_text() if part.section and part.section.exists() else ""
         met, missed = count_verdicts(text)
         status = part.status if part.status != "ok" or text else "not run: the script wrote no section"
-        rows.append([part.key, f"`bench/{part.script} {' '.join(part.args)}`".replace(" `", "`"), status,
-                     f"{part.took_s:.0f}", str(met), str(missed)])
+        rows.append(
+            [
+                part.key,
+                f"`bench/{part.script} {' '.join(part.args)}`".replace(" `", "`"),
+                status,
+                f"{part.took_s:.0f}",
+                str(met),
+                str(missed),
+            ]
+        )
         if text:
             bodies.append(text + ("\n" + "\n".join(f"_{n}_" for n in part.notes) + "\n" if part.notes else ""))
         else:
@@ -233,15 +278,26 @@ def write_results(args: argparse.Namespace, parts: list[Part], plan_lines: list[
             bodies.append(f"### {part.key}. bench/{part.script}\n\n**{status}**\n\n{notes}\n")
     profile = "quick (short runs, for trying the harness; not for the numbers)" if args.quick else "full"
     header = [
-        "# primerl benchmarks (issue 12)", "",
+        "# primerl benchmarks (issue 12)",
+        "",
         f"Written by `{os.path.relpath(PYTHON, ROOT)} bench/run_all.py{' --quick' if args.quick else ''}` "
         f"(`make bench`{' BENCH_ARGS=--quick' if args.quick else ''}) at commit `{commit}`, profile **{profile}**, "
         f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime(started))}; took {time.time() - started:.0f} s. "
         f"Machine: {machine_load()} at the end. Every figure is a ratio measured side by side in one run; "
-        "each part's section gives its command line and the load when it ran.", "",
-        sft_line, "",
-        markdown_table(["part", "script", "status", "took, s", "met", "missed"], rows), "",
-        "<details><summary>Time plan</summary>", "", "```", *plan_lines, "```", "", "</details>", "",
+        "each part's section gives its command line and the load when it ran.",
+        "",
+        sft_line,
+        "",
+        markdown_table(["part", "script", "status", "took, s", "met", "missed"], rows),
+        "",
+        "<details><summary>Time plan</summary>",
+        "",
+        "```",
+        *plan_lines,
+        "```",
+        "",
+        "</details>",
+        "",
     ]
     text = "\n".join(header) + "\n" + "\n".join(bodies)
     # Sections link their plots relative to where they were written; RESULTS.md sits in bench/.
@@ -272,8 +328,10 @@ def main(argv: list[str] | None = None) -> int:
     for path, what in ((PYTHON, "make setup"), (ENV_PYTHON, "make setup")):
         if not Path(path).exists():
             raise SystemExit(f"{path} is missing: run `{what}` first")
-    plan = [f"profile: {'quick' if args.quick else 'full'}; parts run one at a time; limit = the most a part may take",
-            f"{'part':<28} {'expected, s':>11} {'limit, s':>9}"]
+    plan = [
+        f"profile: {'quick' if args.quick else 'full'}; parts run one at a time; limit = the most a part may take",
+        f"{'part':<28} {'expected, s':>11} {'limit, s':>9}",
+    ]
     needs_sft = any(p.needs_sft for p in parts)
     if needs_sft and not args.sft:
         plan.append(f"{'SFT checkpoint (if absent)':<28} {'~180':>11} {'1800':>9}")
@@ -282,14 +340,19 @@ def main(argv: list[str] | None = None) -> int:
         expected = part.expected_full_s if not args.quick else part.quick_limit_s // 2
         plan.append(f"{part.key + ': ' + part.script:<28} {expected:>11} {limit:>9}")
     total_expected = sum(p.expected_full_s if not args.quick else p.quick_limit_s // 2 for p in parts)
-    plan.append(f"{'total (parts)':<28} {total_expected:>11} "
-                f"{sum(int((p.quick_limit_s if args.quick else p.full_limit_s) * args.limit_scale) for p in parts):>9}")
+    plan.append(
+        f"{'total (parts)':<28} {total_expected:>11} "
+        f"{sum(int((p.quick_limit_s if args.quick else p.full_limit_s) * args.limit_scale) for p in parts):>9}"
+    )
     plan.append("from a fresh clone add `make setup` (~3 min), the bench venv (~2 min) and the SFT checkpoint (~3 min)")
     print("\n".join(plan), flush=True)
 
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT).stdout.strip()
-    dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True, text=True,
-                           cwd=ROOT).stdout.strip()
+    commit = subprocess.run(
+        ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT
+    ).stdout.strip()
+    dirty = subprocess.run(
+        ["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True, text=True, cwd=ROOT
+    ).stdout.strip()
     commit = commit + (" (with uncommitted changes)" if dirty else "")
     sft = None
     sft_line = "SFT checkpoint: not needed by the parts run."
@@ -304,8 +367,10 @@ def main(argv: list[str] | None = None) -> int:
         part.section = sections / f"{part.key}-{Path(part.script).stem}.md"
         if part.section.exists():
             part.status = "ok"
-            part.notes.append(f"kept from an earlier run (`--keep-other-parts`): written "
-                              f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime(part.section.stat().st_mtime))}")
+            part.notes.append(
+                f"kept from an earlier run (`--keep-other-parts`): written "
+                f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime(part.section.stat().st_mtime))}"
+            )
         else:
             part.status = "not run: not selected, and no earlier section to keep"
     everything = [p for p in PARTS if p in parts or p in kept]

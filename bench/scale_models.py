@@ -40,14 +40,17 @@ def model_specs() -> dict[str, Any]:
     return {
         "tiny": TinyModelSpec(),
         # intermediate = 4 x hidden (the default): ~105M parameters.
-        "100m": TinyModelSpec(hidden_size=768, num_layers=12, num_attention_heads=12, num_key_value_heads=4,
-                              intermediate_size=3072),
+        "100m": TinyModelSpec(
+            hidden_size=768, num_layers=12, num_attention_heads=12, num_key_value_heads=4, intermediate_size=3072
+        ),
         # ~489M parameters.
-        "500m": TinyModelSpec(hidden_size=1536, num_layers=20, num_attention_heads=24, num_key_value_heads=4,
-                              intermediate_size=4096),
+        "500m": TinyModelSpec(
+            hidden_size=1536, num_layers=20, num_attention_heads=24, num_key_value_heads=4, intermediate_size=4096
+        ),
         # TinyLlama-1.1B's shape with this vocabulary: ~971M parameters.
-        "1b": TinyModelSpec(hidden_size=2048, num_layers=22, num_attention_heads=32, num_key_value_heads=4,
-                            intermediate_size=5632),
+        "1b": TinyModelSpec(
+            hidden_size=2048, num_layers=22, num_attention_heads=32, num_key_value_heads=4, intermediate_size=5632
+        ),
     }
 
 
@@ -86,8 +89,9 @@ def build_point(out_dir: Path, point: ModelPoint, tokenizer_dir: Path | None) ->
     for path in tokenizer_dir.iterdir():
         if path.is_file() and path.suffix != ".safetensors" and path.name not in ("config.json", SPEC_FILE):
             shutil.copy2(path, out_dir / path.name)
-    (out_dir / SPEC_FILE).write_text(json.dumps({"spec": spec.to_json_dict(), "dtype": point.torch_dtype_name},
-                                                indent=2, sort_keys=True) + "\n")
+    (out_dir / SPEC_FILE).write_text(
+        json.dumps({"spec": spec.to_json_dict(), "dtype": point.torch_dtype_name}, indent=2, sort_keys=True) + "\n"
+    )
     config = _qwen2_config(spec, point.torch_dtype_name, tokenizer_dir)
     config.save_pretrained(str(out_dir))
     _save_weights(out_dir / "model.safetensors", config, spec.seed, point.torch_dtype_name)

@@ -8,7 +8,8 @@ Starts an in-process broker and one `primerl-infer` daemon on the tiny model (`b
 spec; daemon and broker as in bench/weight_update.py), then measures completion tokens per second over
 `--requests` concurrent requests of `--max-tokens` tokens each (`ignore_eos`, temperature 1), `--repeats` times
 before and after publishing one FULL update (the trainer's `PolicyPublisher`, after one AdamW step), and prints
-the median and range of each. An update must not slow serving down: the two medians should be within the machine's noise.
+the median and range of each. An update must not slow serving down: the two medians should be within the
+machine's noise.
 """
 
 from __future__ import annotations
@@ -42,9 +43,17 @@ def tokens_per_s(http, model: str, num_requests: int, max_tokens: int) -> float:
     headers = {"Authorization": f"Bearer {TOKEN}"}
 
     def one(index: int) -> int:
-        response = http.post("/v1/completions", headers=headers, json={
-            "model": model, "prompt": f"{PROMPT} {index}", "max_tokens": max_tokens, "temperature": 1.0,
-            "ignore_eos": True})
+        response = http.post(
+            "/v1/completions",
+            headers=headers,
+            json={
+                "model": model,
+                "prompt": f"{PROMPT} {index}",
+                "max_tokens": max_tokens,
+                "temperature": 1.0,
+                "ignore_eos": True,
+            },
+        )
         response.raise_for_status()
         return response.json()["usage"]["completion_tokens"]
 
@@ -89,11 +98,21 @@ def main(argv: list[str] | None = None) -> int:
                 before = [tokens_per_s(http, model, args.requests, args.max_tokens) for _ in range(args.repeats)]
                 trainer_model = load_trainer_model(model_dir, lora=False)
                 adamw_step(trainer_model, build_optimizer(trainer_model, OptimizerConfig(lr=1e-3)), seed=1)
-                with PolicyPublisher(f"tcp://127.0.0.1:{broker.endpoints.weight_port}", TOKEN, "bench-trainer",
-                                     broker.chunk_bytes, kind="full", policy_name="policy") as publisher:
+                with PolicyPublisher(
+                    f"tcp://127.0.0.1:{broker.endpoints.weight_port}",
+                    TOKEN,
+                    "bench-trainer",
+                    broker.chunk_bytes,
+                    kind="full",
+                    policy_name="policy",
+                ) as publisher:
                     publisher.publish(trainer_model, 1)
-                wait_for(lambda: broker.weight_plane.worker_versions().get(daemon.worker_id) == 1, APPLY_TIMEOUT_S,
-                         "the worker to apply v1", interval_s=0.01)
+                wait_for(
+                    lambda: broker.weight_plane.worker_versions().get(daemon.worker_id) == 1,
+                    APPLY_TIMEOUT_S,
+                    "the worker to apply v1",
+                    interval_s=0.01,
+                )
                 after = [tokens_per_s(http, model, args.requests, args.max_tokens) for _ in range(args.repeats)]
         finally:
             daemon.stop()

@@ -104,10 +104,16 @@ def make_step_tensors(vocab_size: int, seed: int) -> list[dict]:
             mask += [False] * prompt + [True] * (n - prompt)
             adv += [advantage] * n
             logp += [-rng.uniform(0.5, 5.0) if i >= prompt else 0.0 for i in range(n)]
-        out.append({"input_ids": np.array(ids, dtype=np.int64), "position_ids": np.array(pos, dtype=np.int64),
-                    "loss_mask": np.array(mask, dtype=np.bool_), "advantages": np.array(adv, dtype=np.float32),
-                    "inference_logprobs": np.array(logp, dtype=np.float32),
-                    "temperatures": np.ones(len(ids), dtype=np.float32)})
+        out.append(
+            {
+                "input_ids": np.array(ids, dtype=np.int64),
+                "position_ids": np.array(pos, dtype=np.int64),
+                "loss_mask": np.array(mask, dtype=np.bool_),
+                "advantages": np.array(adv, dtype=np.float32),
+                "inference_logprobs": np.array(logp, dtype=np.float32),
+                "temperatures": np.ones(len(ids), dtype=np.float32),
+            }
+        )
     return out
 
 
@@ -125,8 +131,14 @@ class DaemonStep:
         self.model = load_model(ModelConfig(name=str(model_dir)))
         optimizer = build_optimizer(self.model, OptimizerConfig(lr=5e-4, weight_decay=0.0))
         scheduler = build_scheduler(optimizer, SchedulerConfig(), None)
-        self.step_fn = TrainStep(self.model, optimizer, scheduler, rl_objective(DefaultLossConfig()),
-                                 DistInfo(0, 1, 0, None), max_grad_norm=1.0)
+        self.step_fn = TrainStep(
+            self.model,
+            optimizer,
+            scheduler,
+            rl_objective(DefaultLossConfig()),
+            DistInfo(0, 1, 0, None),
+            max_grad_norm=1.0,
+        )
         self.step_index = 0
 
     def __call__(self, tensors: list[dict]) -> float:
@@ -181,8 +193,9 @@ class Burner:
         from primerl.runtime.cpu_budget import ThreadsConfig, role_env
 
         env = {**os.environ, **role_env("inference", ThreadsConfig(num_threads=len(self.cpus), cpus=self.cpus))}
-        self.process = subprocess.Popen([sys.executable, "-c", BURN_CODE, ",".join(map(str, self.cpus))], env=env,
-                                        stdout=subprocess.PIPE, text=True)
+        self.process = subprocess.Popen(
+            [sys.executable, "-c", BURN_CODE, ",".join(map(str, self.cpus))], env=env, stdout=subprocess.PIPE, text=True
+        )
         line = self.process.stdout.readline()  # started and burning
         if "burning" not in line:
             raise RuntimeError(f"the CPU burner did not start: {line!r}")
@@ -202,8 +215,19 @@ class Burner:
 def untuned_bare(model_dir: Path, args: argparse.Namespace) -> list[float]:
     """The bare loop in a child with torch's default threads and OpenMP's default (active) wait policy."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("OMP_", "MKL_", "OPENBLAS_", "KMP_"))}
-    cmd = [sys.executable, __file__, "--child-bare", "--model", str(model_dir), "--repeats", str(args.repeats),
-           "--warmup", str(args.warmup), "--seed", str(args.seed)]
+    cmd = [
+        sys.executable,
+        __file__,
+        "--child-bare",
+        "--model",
+        str(model_dir),
+        "--repeats",
+        str(args.repeats),
+        "--warmup",
+        str(args.warmup),
+        "--seed",
+        str(args.seed),
+    ]
     out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900, check=True)
     return json.loads(out.stdout.strip().splitlines()[-1])["bare"]
 
@@ -270,8 +294,10 @@ def main(argv: list[str] | None = None) -> int:
                     stats["daemon"].add(d)
                     stats["bare"].add(b)
                     stats["ratio"].add(d / b)
-                    print(f"[b] load {load} repeat {repeat}: daemon {d:.3f} s, bare {b:.3f} s, ratio {d / b:.2f}",
-                          flush=True)
+                    print(
+                        f"[b] load {load} repeat {repeat}: daemon {d:.3f} s, bare {b:.3f} s, ratio {d / b:.2f}",
+                        flush=True,
+                    )
                 if args.untuned:
                     stats["untuned"] = Stats()
                     for value in untuned_bare(model_dir, args):
@@ -283,10 +309,12 @@ def main(argv: list[str] | None = None) -> int:
             raw[load] = {name: s.values for name, s in stats.items()}
 
     load_names = {"none": "alone", "burn": f"under load (CPU burner on CPUs {budgets['inference'].cpus})"}
-    section.line(f"One step: {len(tensors)} micro-batches of <= {SEQ_LEN} tokens ({num_tokens} tokens, {num_loss} "
-                 f"loss tokens), model {'a fresh tiny model' if args.model is None else args.model}; "
-                 f"threads: {trainer_budget.num_threads} intra-op, wait policy {trainer_budget.wait_policy} "
-                 f"(trainer budget on {len(cpus)} CPUs). Seconds per step, median (min–max, n).")
+    section.line(
+        f"One step: {len(tensors)} micro-batches of <= {SEQ_LEN} tokens ({num_tokens} tokens, {num_loss} "
+        f"loss tokens), model {'a fresh tiny model' if args.model is None else args.model}; "
+        f"threads: {trainer_budget.num_threads} intra-op, wait policy {trainer_budget.wait_policy} "
+        f"(trainer budget on {len(cpus)} CPUs). Seconds per step, median (min–max, n)."
+    )
     section.line()
     rows = []
     for load, stats in results.items():
@@ -302,8 +330,10 @@ def main(argv: list[str] | None = None) -> int:
         if load == "burn" or len(results) == 1:
             section.line(target_line(f"b: daemon / bare step {load_names[load]}", stats["ratio"].median, "<=", TARGET))
     section.line()
-    section.line("The daemon also fetches and decodes the next step on its fetch thread and publishes, "
-                 "checkpoints and commits on its IO thread while the compute loop goes on (`perf/*` metrics).")
+    section.line(
+        "The daemon also fetches and decodes the next step on its fetch thread and publishes, "
+        "checkpoints and commits on its IO thread while the compute loop goes on (`perf/*` metrics)."
+    )
     if args.markdown:
         section.write(args.markdown)
     print(section.text())

@@ -25,8 +25,8 @@ no KL term                                 ``beta=0.0`` (no reference model)
 loss: token sum / loss tokens of the step  ``loss_type="dapo"`` (normalised by the completion tokens of the
                                            whole batch); ``num_iterations=1`` (one update per generation, ratio 1)
 AdamW lr 5e-4 constant, wd 0, betas        ``learning_rate=5e-4``, ``lr_scheduler_type="constant"``,
-(0.9, 0.999), eps 1e-8, clip norm 1.0      ``warmup_steps=0``, ``weight_decay=0.0``, ``adam_beta1/2``, ``adam_epsilon=1e-8``,
-                                           ``max_grad_norm=1.0``; fp32, CPU
+(0.9, 0.999), eps 1e-8, clip norm 1.0      ``warmup_steps=0``, ``weight_decay=0.0``, ``adam_beta1/2``,
+                                           ``adam_epsilon=1e-8``, ``max_grad_norm=1.0``; fp32, CPU
 example order: EnvSampler                  ``shuffle_dataset=False`` on the pre-ordered ``--data``
 =========================================  =================================================================
 
@@ -67,8 +67,11 @@ def completion_text(completion: Any) -> str | None:
         return None
     content = assistant[-1].get("content") or ""
     if isinstance(content, list):
-        content = " ".join(part.get("text", "") for part in content
-                           if isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)).strip()
+        content = " ".join(
+            part.get("text", "")
+            for part in content
+            if isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)
+        ).strip()
     return content if isinstance(content, str) else ""
 
 
@@ -86,7 +89,9 @@ def read_prompts(path: Path) -> list[dict[str, Any]]:
                 continue
             row = json.loads(line)
             if not isinstance(row.get("prompt"), list) or not isinstance(row.get("answer"), str):
-                raise ValueError(f"{path}:{number}: each line needs 'prompt' (a list of messages) and 'answer' (a string)")
+                raise ValueError(
+                    f"{path}:{number}: each line needs 'prompt' (a list of messages) and 'answer' (a string)"
+                )
             rows.append({"prompt": row["prompt"], "answer": row["answer"]})
     if not rows:
         raise ValueError(f"{path} holds no prompts")
@@ -100,10 +105,18 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--output-dir", type=Path, required=True)
     parser.add_argument("--result", type=Path, required=True, help="where the timings (JSON) go")
     parser.add_argument("--max-steps", type=int, default=30)
-    parser.add_argument("--wall-budget-s", type=float, default=None,
-                        help="stop at the first step end this long after launch (equal-wall-time runs)")
-    parser.add_argument("--launch-time", type=float, default=None,
-                        help="Unix time the caller launched this process (default: when this module started)")
+    parser.add_argument(
+        "--wall-budget-s",
+        type=float,
+        default=None,
+        help="stop at the first step end this long after launch (equal-wall-time runs)",
+    )
+    parser.add_argument(
+        "--launch-time",
+        type=float,
+        default=None,
+        help="Unix time the caller launched this process (default: when this module started)",
+    )
     parser.add_argument("--prompts-per-step", type=int, default=8)
     parser.add_argument("--rollouts-per-prompt", type=int, default=8)
     parser.add_argument("--max-tokens", type=int, default=24)
@@ -132,8 +145,13 @@ def main(argv: list[str] | None = None) -> int:
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
-    timeline: dict[str, Any] = {"launch_time": launch_time, "first_rollouts_time": None, "step_end_times": [],
-                                "step_rewards": [], "num_threads": torch.get_num_threads()}
+    timeline: dict[str, Any] = {
+        "launch_time": launch_time,
+        "first_rollouts_time": None,
+        "step_end_times": [],
+        "step_rewards": [],
+        "num_threads": torch.get_num_threads(),
+    }
     pending_rewards: list[float] = []
 
     def reverse_text_reward(prompts, completions, answer, **kwargs) -> list[float]:
@@ -189,9 +207,14 @@ def main(argv: list[str] | None = None) -> int:
     )
     tokenizer = AutoTokenizer.from_pretrained(args.model)
     model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32)
-    trainer = GRPOTrainer(model=model, reward_funcs=[reverse_text_reward], args=config,
-                          train_dataset=Dataset.from_list(rows[:needed]), processing_class=tokenizer,
-                          callbacks=[Timeline()])
+    trainer = GRPOTrainer(
+        model=model,
+        reward_funcs=[reverse_text_reward],
+        args=config,
+        train_dataset=Dataset.from_list(rows[:needed]),
+        processing_class=tokenizer,
+        callbacks=[Timeline()],
+    )
     timeline["setup_done_time"] = time.time()
     trainer.train()
     timeline["train_end_time"] = time.time()

@@ -82,17 +82,24 @@ class EnvPath:
         results = [r for g in done for r in g.rollouts]
         failed = [r for r in results if not r.ok]
         if failed:
-            raise RuntimeError(f"{self.name}: {len(failed)} of {len(results)} rollouts failed, first: "
-                               f"{failed[0].error_type}: {failed[0].error}")
-        return {"rollouts_per_s": len(results) / elapsed, "reward": statistics.mean(r.reward for r in results),
-                "tokens": statistics.mean(r.num_completion_tokens for r in results),
-                "cpu_ms": 1000 * cpu / len(results), "elapsed_s": elapsed}
+            raise RuntimeError(
+                f"{self.name}: {len(failed)} of {len(results)} rollouts failed, first: "
+                f"{failed[0].error_type}: {failed[0].error}"
+            )
+        return {
+            "rollouts_per_s": len(results) / elapsed,
+            "reward": statistics.mean(r.reward for r in results),
+            "tokens": statistics.mean(r.num_completion_tokens for r in results),
+            "cpu_ms": 1000 * cpu / len(results),
+            "elapsed_s": elapsed,
+        }
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--sft", type=Path, default=None, help="model dir (the demo's SFT checkpoint); default: a "
-                        "fresh tiny model")
+    parser.add_argument(
+        "--sft", type=Path, default=None, help="model dir (the demo's SFT checkpoint); default: a fresh tiny model"
+    )
     parser.add_argument("--repeats", type=int, default=3, help="repeats of both measurements (>= 1)")
     parser.add_argument("--rounds", type=int, default=3, help="rounds per path and repeat (>= 1)")
     parser.add_argument("--groups", type=int, default=8, help="groups per round (examples; >= 1)")
@@ -115,19 +122,33 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def report(results: list[dict[str, Any]], args: argparse.Namespace, model: str, load_before: str) -> Section:
     section = Section("h. verifiers v1 env server vs the classic env worker: rollouts/s", argv=sys.argv)
     section.line(f"Machine: {load_before} before the set-up, {machine_load()} after the repeats  ")
-    section.line(f"Model: `{model}`; one primerl-infer; per round {args.groups} groups x {args.rollouts} rollouts "
-                 f"handed over at once (max_tokens {MAX_TOKENS}, temperature 1), {args.rounds} round(s) per path and "
-                 f"repeat after a warm-up round, {len(results)} repeats, order alternating; classic `{CLASSIC_ID}` "
-                 f"(verifiers 0.3.1, env worker) vs v1 `{V1_ID}` (verifiers 0.4.0 env server, in-process harness): "
-                 "same rows, same reward.")
+    section.line(
+        f"Model: `{model}`; one primerl-infer; per round {args.groups} groups x {args.rollouts} rollouts "
+        f"handed over at once (max_tokens {MAX_TOKENS}, temperature 1), {args.rounds} round(s) per path and "
+        f"repeat after a warm-up round, {len(results)} repeats, order alternating; classic `{CLASSIC_ID}` "
+        f"(verifiers 0.3.1, env worker) vs v1 `{V1_ID}` (verifiers 0.4.0 env server, in-process harness): "
+        "same rows, same reward."
+    )
     section.line("")
-    stats = {key: {name: Stats([r[name][key] for r in results]) for name in ("classic", "v1")}
-             for key in ("rollouts_per_s", "reward", "tokens", "cpu_ms")}
+    stats = {
+        key: {name: Stats([r[name][key] for r in results]) for name in ("classic", "v1")}
+        for key in ("rollouts_per_s", "reward", "tokens", "cpu_ms")
+    }
     ratio = Stats([r["v1"]["rollouts_per_s"] / r["classic"]["rollouts_per_s"] for r in results])
-    rows = [[label, stats[key]["classic"].cell(), stats[key]["v1"].cell(),
-             Stats([r["v1"][key] / r["classic"][key] for r in results]).cell()]
-            for label, key in (("rollouts/s", "rollouts_per_s"), ("mean reward", "reward"),
-                               ("mean completion tokens", "tokens"), ("env process CPU ms per rollout", "cpu_ms"))]
+    rows = [
+        [
+            label,
+            stats[key]["classic"].cell(),
+            stats[key]["v1"].cell(),
+            Stats([r["v1"][key] / r["classic"][key] for r in results]).cell(),
+        ]
+        for label, key in (
+            ("rollouts/s", "rollouts_per_s"),
+            ("mean reward", "reward"),
+            ("mean completion tokens", "tokens"),
+            ("env process CPU ms per rollout", "cpu_ms"),
+        )
+    ]
     section.table(["quantity (median (min–max, n))", "classic env worker", "v1 env server", "v1 / classic"], rows)
     section.line("")
     section.line(f"v1 / classic rollouts/s: **{ratio.cell(2)}** (no target: measured for issue 19).")
@@ -161,23 +182,42 @@ def main(argv: list[str] | None = None) -> int:
         model = str(model_dir)
         worker = EnvWorker(ENV_PYTHON, CLASSIC_ID, {})
         worker.start()
-        server = V1EnvServer(V1_ENV_PYTHON, V1_ID, {}, base_url=daemon.base_url, api_key=TOKEN,
-                             renderer_model=model, start_timeout_s=180, request_timeout_s=ROUND_TIMEOUT_S)
+        server = V1EnvServer(
+            V1_ENV_PYTHON,
+            V1_ID,
+            {},
+            base_url=daemon.base_url,
+            api_key=TOKEN,
+            renderer_model=model,
+            start_timeout_s=180,
+            request_timeout_s=ROUND_TIMEOUT_S,
+        )
         server.start()
         v1_tasks = server.tasks(0, args.groups)
         classic_examples = worker.examples("train", 0, args.groups)
         classic_prompts = [e.prompt[-1]["content"] for e in classic_examples]
         if [t["prompt"] for t in v1_tasks] != classic_prompts:
-            raise RuntimeError(f"the two paths' tasks differ: classic {classic_prompts[:3]}, v1 "
-                               f"{[t['prompt'] for t in v1_tasks][:3]}")
+            raise RuntimeError(
+                f"the two paths' tasks differ: classic {classic_prompts[:3]}, v1 {[t['prompt'] for t in v1_tasks][:3]}"
+            )
         sampling = {"temperature": 1.0, "max_tokens": MAX_TOKENS}
         paths = {
-            "classic": EnvPath("classic", lambda i, n: worker.submit_rollout(
-                i, num_rollouts=n, base_url=daemon.base_url, model=model, api_key=TOKEN, sampling=sampling),
-                worker.pid, classic_examples),
-            "v1": EnvPath("v1", lambda i, n: server.submit_group(
-                v1_tasks[i], example_index=i, num_rollouts=n, model=model, sampling=SamplingParams(**sampling)),
-                server.pid, v1_tasks),
+            "classic": EnvPath(
+                "classic",
+                lambda i, n: worker.submit_rollout(
+                    i, num_rollouts=n, base_url=daemon.base_url, model=model, api_key=TOKEN, sampling=sampling
+                ),
+                worker.pid,
+                classic_examples,
+            ),
+            "v1": EnvPath(
+                "v1",
+                lambda i, n: server.submit_group(
+                    v1_tasks[i], example_index=i, num_rollouts=n, model=model, sampling=SamplingParams(**sampling)
+                ),
+                server.pid,
+                v1_tasks,
+            ),
         }
         for path in paths.values():
             path.round(args.groups, args.rollouts)  # warm-up: connections, first-request work
@@ -189,11 +229,14 @@ def main(argv: list[str] | None = None) -> int:
             order = ["classic", "v1"] if repeat % 2 == 0 else ["v1", "classic"]
             result = {name: paths[name].measure(args.rounds, args.groups, args.rollouts) for name in order}
             results.append(result)
-            print(f"repeat {repeat + 1}: classic {result['classic']['rollouts_per_s']:.1f}/s, v1 "
-                  f"{result['v1']['rollouts_per_s']:.1f}/s (ratio "
-                  f"{result['v1']['rollouts_per_s'] / result['classic']['rollouts_per_s']:.3f}); reward classic "
-                  f"{result['classic']['reward']:.3f}, v1 {result['v1']['reward']:.3f}; CPU ms/rollout classic "
-                  f"{result['classic']['cpu_ms']:.1f}, v1 {result['v1']['cpu_ms']:.1f}; {machine_load()}", flush=True)
+            print(
+                f"repeat {repeat + 1}: classic {result['classic']['rollouts_per_s']:.1f}/s, v1 "
+                f"{result['v1']['rollouts_per_s']:.1f}/s (ratio "
+                f"{result['v1']['rollouts_per_s'] / result['classic']['rollouts_per_s']:.3f}); reward classic "
+                f"{result['classic']['reward']:.3f}, v1 {result['v1']['reward']:.3f}; CPU ms/rollout classic "
+                f"{result['classic']['cpu_ms']:.1f}, v1 {result['v1']['cpu_ms']:.1f}; {machine_load()}",
+                flush=True,
+            )
         section = report(results, args, os.path.relpath(model, REPO_ROOT), load_before)
         print()
         print(section.text())
@@ -203,8 +246,11 @@ def main(argv: list[str] | None = None) -> int:
             import json
 
             args.json.parent.mkdir(parents=True, exist_ok=True)
-            args.json.write_text(json.dumps({"model": model, "args": {k: str(v) for k, v in vars(args).items()},
-                                             "repeats": results}, indent=2))
+            args.json.write_text(
+                json.dumps(
+                    {"model": model, "args": {k: str(v) for k, v in vars(args).items()}, "repeats": results}, indent=2
+                )
+            )
         return 0
     finally:
         for thing in (server, worker):

@@ -105,7 +105,7 @@ TRAINER_MAX_CHUNK_BYTES = 64 * MiB
 """The trainer publishes chunks of min(this, the broker's weight_chunk_bytes) (trainer/runner.py)."""
 SMALL_MODEL_MAX_PARAMS = 200_000_000
 """Up to this size: a real AdamW step before each update, and LORA and DELTA measured too."""
-NUDGE = 1.0 + 2.0 ** -6
+NUDGE = 1.0 + 2.0**-6
 """Larger models: every parameter multiplied by this (odd versions) or divided by it (even) before an update."""
 START_TOGETHER_BYTES = 1 * GiB
 """Points whose checkpoints add up to at most this start their daemons at once."""
@@ -270,10 +270,28 @@ class BrokerProcess:
         self.ready: dict[str, Any] | None = None
         self._client: Any = None
         self.process = subprocess.Popen(
-            [str(BIN / "primerl-broker"), "--host", "127.0.0.1", "--grpc-port", "0", "--rollout-port", "0",
-             "--weight-port", "0", "--spool-dir", str(work_dir / "spool"), "--run-id", run_id,
-             "--prometheus.enabled", "false", "--ready-file", str(self.ready_file)],
-            stdout=self.log_file, stderr=subprocess.STDOUT, env={**os.environ, "PRIMERL_RUN_TOKEN": TOKEN},
+            [
+                str(BIN / "primerl-broker"),
+                "--host",
+                "127.0.0.1",
+                "--grpc-port",
+                "0",
+                "--rollout-port",
+                "0",
+                "--weight-port",
+                "0",
+                "--spool-dir",
+                str(work_dir / "spool"),
+                "--run-id",
+                run_id,
+                "--prometheus.enabled",
+                "false",
+                "--ready-file",
+                str(self.ready_file),
+            ],
+            stdout=self.log_file,
+            stderr=subprocess.STDOUT,
+            env={**os.environ, "PRIMERL_RUN_TOKEN": TOKEN},
             cwd=work_dir,
         )
 
@@ -313,10 +331,13 @@ class BrokerProcess:
             from primerl.client.control import ControlClient
             from primerl.runtime.config_common import BrokerClientConfig
 
-            self._client = ControlClient(BrokerClientConfig(address=self.grpc_address, run_token=TOKEN), "client",
-                                         "bench-weight-update")
-        return {w.worker_id: w.policy_version if w.HasField("policy_version") else None
-                for w in self._client.get_run_status(timeout_s=10).workers}
+            self._client = ControlClient(
+                BrokerClientConfig(address=self.grpc_address, run_token=TOKEN), "client", "bench-weight-update"
+            )
+        return {
+            w.worker_id: w.policy_version if w.HasField("policy_version") else None
+            for w in self._client.get_run_status(timeout_s=10).workers
+        }
 
     def log_tail(self, num_chars: int = 3000) -> str:
         if not self.log_file.closed:
@@ -383,11 +404,29 @@ class Daemon:
         self.pids: list[int] = []
         self.watcher = LogWatcher(self.log_path)
         self.process = subprocess.Popen(
-            [str(BIN / "primerl-infer"), "--model.name", str(model_dir), "--model.max-model-len", str(MAX_MODEL_LEN),
-             "--model.dtype", dtype_name, "--enable-lora", "--max-lora-rank", str(LORA_RANK), "--server.port", "0",
-             "--broker.address", grpc_address, "--broker.connect-timeout-s", "60",
-             "--ready-file", str(self.ready_file)],
-            stdout=self.log_file, stderr=subprocess.STDOUT, env={**os.environ, "PRIMERL_RUN_TOKEN": TOKEN},
+            [
+                str(BIN / "primerl-infer"),
+                "--model.name",
+                str(model_dir),
+                "--model.max-model-len",
+                str(MAX_MODEL_LEN),
+                "--model.dtype",
+                dtype_name,
+                "--enable-lora",
+                "--max-lora-rank",
+                str(LORA_RANK),
+                "--server.port",
+                "0",
+                "--broker.address",
+                grpc_address,
+                "--broker.connect-timeout-s",
+                "60",
+                "--ready-file",
+                str(self.ready_file),
+            ],
+            stdout=self.log_file,
+            stderr=subprocess.STDOUT,
+            env={**os.environ, "PRIMERL_RUN_TOKEN": TOKEN},
             cwd=work_dir,
         )
 
@@ -396,8 +435,11 @@ class Daemon:
         """The ``InferenceConfig`` of the daemon's command line (for its filesystem hand-off twin)."""
         from primerl.configs.inference import InferenceConfig
 
-        return InferenceConfig(model={"name": str(model_dir), "max_model_len": MAX_MODEL_LEN, "dtype": dtype_name},
-                               enable_lora=True, max_lora_rank=LORA_RANK)
+        return InferenceConfig(
+            model={"name": str(model_dir), "max_model_len": MAX_MODEL_LEN, "dtype": dtype_name},
+            enable_lora=True,
+            max_lora_rank=LORA_RANK,
+        )
 
     def poll_ready(self) -> bool:
         if self.ready is not None:
@@ -420,8 +462,10 @@ class Daemon:
 
     def apply_phases(self, version: int) -> dict[str, float]:
         """The ``*_ms`` phases the daemon logged for applying ``version``."""
-        fields = {**self.watcher.fields.get((LogWatcher.APPLIED, version), {}),
-                  **self.watcher.fields.get((LogWatcher.LIVE, version), {})}
+        fields = {
+            **self.watcher.fields.get((LogWatcher.APPLIED, version), {}),
+            **self.watcher.fields.get((LogWatcher.LIVE, version), {}),
+        }
         out = {}
         for key, value in fields.items():
             if key.endswith("_ms") and key != "apply_ms":
@@ -434,8 +478,9 @@ class Daemon:
     def pause_samples(self) -> dict[str, float]:
         """The samples of the worker's generation-pause metric on its ``/metrics`` ({} when it has none)."""
         assert self.ready is not None
-        request = urllib.request.Request(f"http://127.0.0.1:{self.ready['http_port']}/metrics",
-                                         headers={"Authorization": f"Bearer {TOKEN}"})
+        request = urllib.request.Request(
+            f"http://127.0.0.1:{self.ready['http_port']}/metrics", headers={"Authorization": f"Bearer {TOKEN}"}
+        )
         with urllib.request.urlopen(request, timeout=10) as response:
             text = response.read().decode(errors="replace")
         samples = {}
@@ -471,6 +516,7 @@ class Daemon:
 def pause_ms_between(before: dict[str, float], after: dict[str, float]) -> float | None:
     """One update's pause from two scrapes of the pause metric: a histogram's (or summary's) sum / count over
     the update, else a gauge's value after it; seconds are turned into ms. None: no metric."""
+
     def base(name: str) -> str:
         return name.split("{")[0]
 
@@ -536,8 +582,10 @@ class Point:
         available = memory_available_bytes()
         if available >= needed:
             return True
-        note = (f"stopped before {what}: {available / MiB:.0f} MiB available, {needed / MiB:.0f} MiB wanted "
-                f"(shared machine); the figures of this point are from the updates before")
+        note = (
+            f"stopped before {what}: {available / MiB:.0f} MiB available, {needed / MiB:.0f} MiB wanted "
+            f"(shared machine); the figures of this point are from the updates before"
+        )
         self.notes.append(note)
         print(f"  {self.name}: {note}", flush=True)
         return False
@@ -643,9 +691,9 @@ def delta_fractions(point: Point) -> list[dict[str, Any]]:
     """Delta size / full size after one AdamW step from the initial weights, for each lr of DELTA_FRACTION_LRS."""
     import torch
 
+    from primerl.configs.trainer import OptimizerConfig
     from primerl.proto.tensor_frames import encode_tensors
     from primerl.proto.weight_delta import encode_delta
-    from primerl.configs.trainer import OptimizerConfig
     from primerl.trainer.hf_state_dict import hf_state_dict
     from primerl.trainer.optim import build_optimizer
 
@@ -662,10 +710,19 @@ def delta_fractions(point: Point) -> list[dict[str, Any]]:
         payload, specs, _ = encode_delta(new, base, changed_only=True, level=1)
         num_changed = sum(int(torch.ne(new[k].view(torch.int32), base[k].view(torch.int32)).sum()) for k in new)
         num_elements = sum(t.numel() for t in new.values())
-        out.append({"model": point.name, "params": point.num_params, "lr": lr, "full_bytes": len(full_payload),
-                    "delta_bytes": len(payload), "fraction": len(payload) / len(full_payload),
-                    "num_tensors": len(specs), "total_tensors": len(new),
-                    "changed_elements": num_changed / num_elements})
+        out.append(
+            {
+                "model": point.name,
+                "params": point.num_params,
+                "lr": lr,
+                "full_bytes": len(full_payload),
+                "delta_bytes": len(payload),
+                "fraction": len(payload) / len(full_payload),
+                "num_tensors": len(specs),
+                "total_tensors": len(new),
+                "changed_elements": num_changed / num_elements,
+            }
+        )
         del model
     return out
 
@@ -674,8 +731,17 @@ def delta_fractions(point: Point) -> list[dict[str, Any]]:
 # measurements
 
 
-def measure_update(point: Point, publisher: Any, model: Any, optimizer: Any, kind: str, raw: RawZmq,
-                   raw_bytes: RawBytes, record: bool, pause_wanted: bool) -> None:
+def measure_update(
+    point: Point,
+    publisher: Any,
+    model: Any,
+    optimizer: Any,
+    kind: str,
+    raw: RawZmq,
+    raw_bytes: RawBytes,
+    record: bool,
+    pause_wanted: bool,
+) -> None:
     assert point.daemon is not None and point.broker is not None
     daemon = point.daemon
     version = point.take_version()
@@ -708,25 +774,37 @@ def measure_update(point: Point, publisher: Any, model: Any, optimizer: Any, kin
     label = "measured" if record else "warm-up"
     phases = " ".join(f"{k}={v:.0f}" for k, v in result.phases_ms.items())
     worker_phases = " ".join(f"{k}={v:.0f}" for k, v in daemon.apply_phases(version).items())
-    print(f"  {point.name:>10} {kind:>5} v{version:<3} {label:8}: sent {result.kind}, "
-          f"{result.payload_bytes / MiB:8.2f} MiB, applied {applied_ms:8.1f} ms (build {result.build_ms:.1f}, "
-          f"ack {acked_ms:.1f}, worker has it {received_ms:.1f}, worker apply {apply_ms:.0f} ms), "
-          f"raw copy {copy_ms:.1f} ms, raw zmq {zmq_ms:.1f} ms; peak RSS broker {peak['broker'] / MiB:.0f} MiB, "
-          f"worker {peak['worker'] / MiB:.0f} MiB; pause {fmt_ms(pause_ms)} "
-          f"[publish: {phases}] [worker: {worker_phases}]", flush=True)
+    print(
+        f"  {point.name:>10} {kind:>5} v{version:<3} {label:8}: sent {result.kind}, "
+        f"{result.payload_bytes / MiB:8.2f} MiB, applied {applied_ms:8.1f} ms (build {result.build_ms:.1f}, "
+        f"ack {acked_ms:.1f}, worker has it {received_ms:.1f}, worker apply {apply_ms:.0f} ms), "
+        f"raw copy {copy_ms:.1f} ms, raw zmq {zmq_ms:.1f} ms; peak RSS broker {peak['broker'] / MiB:.0f} MiB, "
+        f"worker {peak['worker'] / MiB:.0f} MiB; pause {fmt_ms(pause_ms)} "
+        f"[publish: {phases}] [worker: {worker_phases}]",
+        flush=True,
+    )
     if record:
         point.sent.setdefault(kind, []).append(result.kind)
         row = point.rows.setdefault(kind, {})
-        for key, value in (("payload_bytes", result.payload_bytes), ("applied_ms", applied_ms),
-                           ("build_ms", result.build_ms), ("ack_ms", acked_ms), ("received_ms", received_ms),
-                           ("apply_ms", apply_ms), ("copy_ms", copy_ms), ("zmq_ms", zmq_ms),
-                           ("broker_peak_bytes", peak["broker"]), ("worker_peak_bytes", peak["worker"]),
-                           ("pause_ms", float("nan") if pause_ms is None else pause_ms)):
+        for key, value in (
+            ("payload_bytes", result.payload_bytes),
+            ("applied_ms", applied_ms),
+            ("build_ms", result.build_ms),
+            ("ack_ms", acked_ms),
+            ("received_ms", received_ms),
+            ("apply_ms", apply_ms),
+            ("copy_ms", copy_ms),
+            ("zmq_ms", zmq_ms),
+            ("broker_peak_bytes", peak["broker"]),
+            ("worker_peak_bytes", peak["worker"]),
+            ("pause_ms", float("nan") if pause_ms is None else pause_ms),
+        ):
             row.setdefault(key, []).append(float(value))
 
 
-def measure_point(point: Point, kinds: list[str], args: argparse.Namespace, raw: RawZmq, raw_bytes: RawBytes,
-                  pause_wanted: bool) -> None:
+def measure_point(
+    point: Point, kinds: list[str], args: argparse.Namespace, raw: RawZmq, raw_bytes: RawBytes, pause_wanted: bool
+) -> None:
     """The primerl path: every kind asked for (FULL only on large models); keeps the FULL model for the hand-off."""
     from primerl.configs.trainer import OptimizerConfig
     from primerl.trainer.optim import build_optimizer
@@ -740,9 +818,16 @@ def measure_point(point: Point, kinds: list[str], args: argparse.Namespace, raw:
     for kind in sorted(kinds, key=["full", "delta", "lora"].index):
         model = load_trainer_model(point.model_dir, lora=kind == "lora", dtype_name=point.dtype_name)
         optimizer = build_optimizer(model, OptimizerConfig(lr=args.lr)) if point.small else None
-        with PolicyPublisher(point.broker.weight_endpoint, TOKEN, "bench-trainer", point.broker.chunk_bytes,
-                             kind=kind, policy_name=POLICY_NAME, delta_policy=args.delta_policy,
-                             serving_dtype=serving_dtype(point)) as publisher:
+        with PolicyPublisher(
+            point.broker.weight_endpoint,
+            TOKEN,
+            "bench-trainer",
+            point.broker.chunk_bytes,
+            kind=kind,
+            policy_name=POLICY_NAME,
+            delta_policy=args.delta_policy,
+            serving_dtype=serving_dtype(point),
+        ) as publisher:
             if kind == "delta":  # the first publish of a delta publisher is FULL: its base
                 version = point.take_version()
                 train_step(model, optimizer, version)
@@ -751,15 +836,25 @@ def measure_point(point: Point, kinds: list[str], args: argparse.Namespace, raw:
             for i in range(args.warmup + args.repeats):
                 if not point.memory_allows(f"{kind} update {i + 1}"):
                     break
-                measure_update(point, publisher, model, optimizer, kind, raw, raw_bytes, record=i >= args.warmup,
-                               pause_wanted=pause_wanted)
+                measure_update(
+                    point,
+                    publisher,
+                    model,
+                    optimizer,
+                    kind,
+                    raw,
+                    raw_bytes,
+                    record=i >= args.warmup,
+                    pause_wanted=pause_wanted,
+                )
         if kind == "full":
             point.full_model = (model, optimizer)
         del model, optimizer
 
 
-def measure_filesystem(point: Point, args: argparse.Namespace, work_dir: Path, raw: RawZmq,
-                       raw_bytes: RawBytes) -> None:
+def measure_filesystem(
+    point: Point, args: argparse.Namespace, work_dir: Path, raw: RawZmq, raw_bytes: RawBytes
+) -> None:
     """The filesystem hand-off of FULL updates (``fs_handoff.py``), with the FULL publisher's trainer model; a raw
     zmq send of the same bytes after each, for the machine's load in this phase."""
     import torch
@@ -793,12 +888,20 @@ def measure_filesystem(point: Point, args: argparse.Namespace, work_dir: Path, r
             zmq_ms = raw.send_ms(view)
             del view
             label = "measured" if i >= args.warmup else "warm-up"
-            print(f"  {point.name:>10}    fs v{version:<3} {label:8}: {file_bytes / MiB:8.2f} MiB, hand-off "
-                  f"{write_ms + load_ms:8.1f} ms (write {write_ms:.1f}, reload_weights {load_ms:.1f}), "
-                  f"raw zmq {zmq_ms:.1f} ms", flush=True)
+            print(
+                f"  {point.name:>10}    fs v{version:<3} {label:8}: {file_bytes / MiB:8.2f} MiB, hand-off "
+                f"{write_ms + load_ms:8.1f} ms (write {write_ms:.1f}, reload_weights {load_ms:.1f}), "
+                f"raw zmq {zmq_ms:.1f} ms",
+                flush=True,
+            )
             if i >= args.warmup:
-                for key, value in (("write_ms", write_ms), ("load_ms", load_ms), ("total_ms", write_ms + load_ms),
-                                   ("file_bytes", file_bytes), ("zmq_ms", zmq_ms)):
+                for key, value in (
+                    ("write_ms", write_ms),
+                    ("load_ms", load_ms),
+                    ("total_ms", write_ms + load_ms),
+                    ("file_bytes", file_bytes),
+                    ("zmq_ms", zmq_ms),
+                ):
                     point.fs.setdefault(key, []).append(float(value))
         handoff.check_serves()
     finally:
@@ -862,11 +965,24 @@ class ScaleRow:
         row = point.rows.get("full")
         if not row:
             return None
-        return cls(point.name, point.point.model, point.point.dtype, point.num_params, med(row["payload_bytes"]),
-                   med(row["zmq_ms"]), med(row["ack_ms"]), med(row["received_ms"]), med(row["applied_ms"]),
-                   med(point.fs.get("write_ms", [])), med(point.fs.get("load_ms", [])),
-                   med(point.fs.get("total_ms", [])), med(point.fs.get("zmq_ms", [])),
-                   max(row["broker_peak_bytes"]), max(row["worker_peak_bytes"]), med(row["pause_ms"]))
+        return cls(
+            point.name,
+            point.point.model,
+            point.point.dtype,
+            point.num_params,
+            med(row["payload_bytes"]),
+            med(row["zmq_ms"]),
+            med(row["ack_ms"]),
+            med(row["received_ms"]),
+            med(row["applied_ms"]),
+            med(point.fs.get("write_ms", [])),
+            med(point.fs.get("load_ms", [])),
+            med(point.fs.get("total_ms", [])),
+            med(point.fs.get("zmq_ms", [])),
+            max(row["broker_peak_bytes"]),
+            max(row["worker_peak_bytes"]),
+            med(row["pause_ms"]),
+        )
 
 
 def pause_cell(value_ms: float, pause_in_source: bool) -> str:
@@ -875,12 +991,15 @@ def pause_cell(value_ms: float, pause_in_source: bool) -> str:
     return "n/a (not reported)" if pause_in_source else "n/a (metric missing)"
 
 
-def print_tables(points: list[Point], fractions: list[dict[str, Any]], kinds: list[str], repeats: int,
-                 pause_in_source: bool) -> None:
+def print_tables(
+    points: list[Point], fractions: list[dict[str, Any]], kinds: list[str], repeats: int, pause_in_source: bool
+) -> None:
     print(f"\nWeight update, publish -> applied (medians of {repeats}; payload and raw paths: same bytes, same run)")
-    header = (f"{'point':>10} {'params':>7} {'kind':>5} {'payload MiB':>11} {'publish->applied ms':>19} "
-              f"{'build ms':>8} {'broker ack ms':>13} {'worker apply ms':>15} {'raw copy ms':>11} "
-              f"{'raw zmq ms':>10} {'applied/raw-zmq':>15}")
+    header = (
+        f"{'point':>10} {'params':>7} {'kind':>5} {'payload MiB':>11} {'publish->applied ms':>19} "
+        f"{'build ms':>8} {'broker ack ms':>13} {'worker apply ms':>15} {'raw copy ms':>11} "
+        f"{'raw zmq ms':>10} {'applied/raw-zmq':>15}"
+    )
     print(header)
     print("-" * len(header))
     for point in points:
@@ -889,34 +1008,44 @@ def print_tables(points: list[Point], fractions: list[dict[str, Any]], kinds: li
             if not row:
                 continue
             applied, zmq_ms = med(row["applied_ms"]), med(row["zmq_ms"])
-            print(f"{point.name:>10} {point.num_params / 1e6:6.1f}M {kind:>5} {med(row['payload_bytes']) / MiB:11.2f} "
-                  f"{applied:19.1f} {med(row['build_ms']):8.1f} {med(row['ack_ms']):13.1f} "
-                  f"{med(row['apply_ms']):15.0f} {med(row['copy_ms']):11.2f} {zmq_ms:10.2f} {applied / zmq_ms:15.1f}")
+            print(
+                f"{point.name:>10} {point.num_params / 1e6:6.1f}M {kind:>5} {med(row['payload_bytes']) / MiB:11.2f} "
+                f"{applied:19.1f} {med(row['build_ms']):8.1f} {med(row['ack_ms']):13.1f} "
+                f"{med(row['apply_ms']):15.0f} {med(row['copy_ms']):11.2f} {zmq_ms:10.2f} {applied / zmq_ms:15.1f}"
+            )
     rows = [r for r in (ScaleRow.of(p) for p in points) if r is not None]
     print(f"\nFULL updates at scale, seconds (medians of {repeats}); peak RSS: the largest over the updates")
-    header = (f"{'point':>10} {'params':>7} {'payload MiB':>11} {'raw zmq':>8} {'broker ack':>10} "
-              f"{'worker has it':>13} {'applied':>8} {'x raw':>6} {'fs write':>8} {'fs load':>8} {'fs total':>8} "
-              f"{'x fs':>5} {'fs-phase raw zmq':>16} {'broker peak MiB':>15} {'worker peak MiB':>15} "
-              f"{'pause p50 ms':>20}")
+    header = (
+        f"{'point':>10} {'params':>7} {'payload MiB':>11} {'raw zmq':>8} {'broker ack':>10} "
+        f"{'worker has it':>13} {'applied':>8} {'x raw':>6} {'fs write':>8} {'fs load':>8} {'fs total':>8} "
+        f"{'x fs':>5} {'fs-phase raw zmq':>16} {'broker peak MiB':>15} {'worker peak MiB':>15} "
+        f"{'pause p50 ms':>20}"
+    )
     print(header)
     print("-" * len(header))
     for r in rows:
-        print(f"{r.name:>10} {params(r.num_params):>7} {r.payload_bytes / MiB:11.1f} {seconds(r.zmq_ms):>8} "
-              f"{seconds(r.ack_ms):>10} {seconds(r.received_ms):>13} {seconds(r.applied_ms):>8} "
-              f"{r.applied_ms / r.zmq_ms:6.1f} {seconds(r.fs_write_ms):>8} {seconds(r.fs_load_ms):>8} "
-              f"{seconds(r.fs_ms):>8} {r.applied_ms / r.fs_ms:5.2f} {seconds(r.fs_zmq_ms):>16} "
-              f"{r.broker_peak_bytes / MiB:15.0f} "
-              f"{r.worker_peak_bytes / MiB:15.0f} {pause_cell(r.pause_ms, pause_in_source):>20}")
+        print(
+            f"{r.name:>10} {params(r.num_params):>7} {r.payload_bytes / MiB:11.1f} {seconds(r.zmq_ms):>8} "
+            f"{seconds(r.ack_ms):>10} {seconds(r.received_ms):>13} {seconds(r.applied_ms):>8} "
+            f"{r.applied_ms / r.zmq_ms:6.1f} {seconds(r.fs_write_ms):>8} {seconds(r.fs_load_ms):>8} "
+            f"{seconds(r.fs_ms):>8} {r.applied_ms / r.fs_ms:5.2f} {seconds(r.fs_zmq_ms):>16} "
+            f"{r.broker_peak_bytes / MiB:15.0f} "
+            f"{r.worker_peak_bytes / MiB:15.0f} {pause_cell(r.pause_ms, pause_in_source):>20}"
+        )
     if fractions:
         print("\nDelta size / full size after one AdamW step from the initial weights (fp32, XOR + zlib level 1)")
-        header = (f"{'point':>10} {'params':>7} {'lr':>7} {'full MiB':>9} {'delta MiB':>9} {'fraction':>8} "
-                  f"{'tensors in delta':>16} {'elements changed':>16}")
+        header = (
+            f"{'point':>10} {'params':>7} {'lr':>7} {'full MiB':>9} {'delta MiB':>9} {'fraction':>8} "
+            f"{'tensors in delta':>16} {'elements changed':>16}"
+        )
         print(header)
         print("-" * len(header))
         for f in fractions:
-            print(f"{f['model']:>10} {f['params'] / 1e6:6.1f}M {f['lr']:7.0e} {f['full_bytes'] / MiB:9.2f} "
-                  f"{f['delta_bytes'] / MiB:9.2f} {f['fraction']:8.3f} {f['num_tensors']:>7}/{f['total_tensors']:<8} "
-                  f"{f['changed_elements']:16.3f}")
+            print(
+                f"{f['model']:>10} {f['params'] / 1e6:6.1f}M {f['lr']:7.0e} {f['full_bytes'] / MiB:9.2f} "
+                f"{f['delta_bytes'] / MiB:9.2f} {f['fraction']:8.3f} {f['num_tensors']:>7}/{f['total_tensors']:<8} "
+                f"{f['changed_elements']:16.3f}"
+            )
 
 
 FULL_TARGET_RATIO = 5.0
@@ -928,8 +1057,9 @@ def previous_tiny_full_ms() -> tuple[float | None, str]:
     committed (the file on disk when git cannot tell), and where it came from."""
     source = "bench/RESULTS.md at HEAD"
     try:
-        text = subprocess.run(["git", "show", "HEAD:bench/RESULTS.md"], capture_output=True, text=True, cwd=ROOT,
-                              check=True, timeout=30).stdout
+        text = subprocess.run(
+            ["git", "show", "HEAD:bench/RESULTS.md"], capture_output=True, text=True, cwd=ROOT, check=True, timeout=30
+        ).stdout
     except (OSError, subprocess.SubprocessError):
         path = ROOT / "bench" / "RESULTS.md"
         text, source = (path.read_text() if path.exists() else ""), "bench/RESULTS.md on disk"
@@ -960,57 +1090,101 @@ def verdicts(points: list[Point], pause_in_source: bool) -> list[tuple[str, str,
     rows = {r.name: r for r in (ScaleRow.of(p) for p in points) if r is not None}
     scale = rows.get(SCALE_TARGET.label)
     if scale is None:
-        out.append((f"FULL publish->applied / filesystem hand-off, {SCALE_TARGET.label} <= {FS_TARGET_RATIO:g}",
-                    f"{SCALE_TARGET.label} not in this run", "not measured"))
+        out.append(
+            (
+                f"FULL publish->applied / filesystem hand-off, {SCALE_TARGET.label} <= {FS_TARGET_RATIO:g}",
+                f"{SCALE_TARGET.label} not in this run",
+                "not measured",
+            )
+        )
     elif scale.fs_ms != scale.fs_ms:
-        out.append((f"FULL publish->applied / filesystem hand-off, {scale.name} <= {FS_TARGET_RATIO:g}",
-                    "the hand-off was not measured (see the notes)", "not measured"))
+        out.append(
+            (
+                f"FULL publish->applied / filesystem hand-off, {scale.name} <= {FS_TARGET_RATIO:g}",
+                "the hand-off was not measured (see the notes)",
+                "not measured",
+            )
+        )
     else:
         ratio = scale.applied_ms / scale.fs_ms
-        out.append((f"FULL publish->applied / filesystem hand-off, {scale.name} <= {FS_TARGET_RATIO:g}",
-                    f"{ratio:.2f}x ({scale.applied_ms / 1000:.2f} s vs {scale.fs_ms / 1000:.2f} s)",
-                    "met" if ratio <= FS_TARGET_RATIO else "missed"))
+        out.append(
+            (
+                f"FULL publish->applied / filesystem hand-off, {scale.name} <= {FS_TARGET_RATIO:g}",
+                f"{ratio:.2f}x ({scale.applied_ms / 1000:.2f} s vs {scale.fs_ms / 1000:.2f} s)",
+                "met" if ratio <= FS_TARGET_RATIO else "missed",
+            )
+        )
     if scale is not None:
         ratio = scale.applied_ms / scale.zmq_ms
-        out.append((f"(stretch) FULL publish->applied / raw zmq, {scale.name} <= {RAW_STRETCH_RATIO:g}",
-                    f"{ratio:.1f}x ({scale.applied_ms / 1000:.2f} s vs {scale.zmq_ms / 1000:.2f} s)",
-                    "met" if ratio <= RAW_STRETCH_RATIO else "missed"))
+        out.append(
+            (
+                f"(stretch) FULL publish->applied / raw zmq, {scale.name} <= {RAW_STRETCH_RATIO:g}",
+                f"{ratio:.1f}x ({scale.applied_ms / 1000:.2f} s vs {scale.zmq_ms / 1000:.2f} s)",
+                "met" if ratio <= RAW_STRETCH_RATIO else "missed",
+            )
+        )
     for r in rows.values():
         limit = r.payload_bytes + BROKER_RSS_SLACK_BYTES
-        out.append((f"broker peak RSS during a FULL update <= payload + 256 MiB, {r.name}",
-                    f"{r.broker_peak_bytes / MiB:.0f} MiB vs {limit / MiB:.0f} MiB "
-                    f"(payload {r.payload_bytes / MiB:.0f})",
-                    "met" if r.broker_peak_bytes <= limit else "missed"))
+        out.append(
+            (
+                f"broker peak RSS during a FULL update <= payload + 256 MiB, {r.name}",
+                f"{r.broker_peak_bytes / MiB:.0f} MiB vs {limit / MiB:.0f} MiB (payload {r.payload_bytes / MiB:.0f})",
+                "met" if r.broker_peak_bytes <= limit else "missed",
+            )
+        )
     for r in rows.values():
         if r.model != PAUSE_TARGET_MODEL:
             continue
         if r.pause_ms == r.pause_ms:
-            out.append((f"generation pause per update (p50), {r.name} <= {PAUSE_TARGET_MS:g} ms",
-                        f"{r.pause_ms:.1f} ms", "met" if r.pause_ms <= PAUSE_TARGET_MS else "missed"))
+            out.append(
+                (
+                    f"generation pause per update (p50), {r.name} <= {PAUSE_TARGET_MS:g} ms",
+                    f"{r.pause_ms:.1f} ms",
+                    "met" if r.pause_ms <= PAUSE_TARGET_MS else "missed",
+                )
+            )
         else:
-            out.append((f"generation pause per update (p50), {r.name} <= {PAUSE_TARGET_MS:g} ms",
-                        pause_cell(r.pause_ms, pause_in_source), "not measured"))
+            out.append(
+                (
+                    f"generation pause per update (p50), {r.name} <= {PAUSE_TARGET_MS:g} ms",
+                    pause_cell(r.pause_ms, pause_in_source),
+                    "not measured",
+                )
+            )
     tiny = rows.get("tiny-fp32")
     if tiny is not None:
         before, source = previous_tiny_full_ms()
         if before is None:
             out.append(("tiny FULL publish->applied no slower than the last part e figure", source, "not measured"))
         else:
-            out.append((f"tiny FULL publish->applied no slower than the last part e figure ({source}; "
-                        f"10 % noise allowed)", f"{tiny.applied_ms:.0f} ms now vs {before:.0f} ms before",
-                        "met" if tiny.applied_ms <= before * NOISE_TOLERANCE else "missed"))
+            out.append(
+                (
+                    f"tiny FULL publish->applied no slower than the last part e figure ({source}; 10 % noise allowed)",
+                    f"{tiny.applied_ms:.0f} ms now vs {before:.0f} ms before",
+                    "met" if tiny.applied_ms <= before * NOISE_TOLERANCE else "missed",
+                )
+            )
     for point in points:
         full, delta = point.rows.get("full"), point.rows.get("delta")
         if full and point.point.model == "100m":
             ratio = med(full["applied_ms"]) / med(full["zmq_ms"])
-            out.append((f"FULL publish->applied / raw zmq, {point.name} <= {FULL_TARGET_RATIO:g}",
-                        f"{ratio:.1f}x", "met" if ratio <= FULL_TARGET_RATIO else "missed"))
+            out.append(
+                (
+                    f"FULL publish->applied / raw zmq, {point.name} <= {FULL_TARGET_RATIO:g}",
+                    f"{ratio:.1f}x",
+                    "met" if ratio <= FULL_TARGET_RATIO else "missed",
+                )
+            )
         if full and delta:
             full_ms, delta_ms = med(full["applied_ms"]), med(delta["applied_ms"])
             sent = ", ".join(sorted(set(point.sent.get("delta", []))))
-            out.append((f"DELTA never slower than FULL, {point.name} (10 % noise allowed)",
-                        f"{delta_ms:.0f} ms vs {full_ms:.0f} ms (DELTA sent as: {sent})",
-                        "met" if delta_ms <= full_ms * NOISE_TOLERANCE else "missed"))
+            out.append(
+                (
+                    f"DELTA never slower than FULL, {point.name} (10 % noise allowed)",
+                    f"{delta_ms:.0f} ms vs {full_ms:.0f} ms (DELTA sent as: {sent})",
+                    "met" if delta_ms <= full_ms * NOISE_TOLERANCE else "missed",
+                )
+            )
     return out
 
 
@@ -1025,10 +1199,12 @@ def save_plot(path: Path, points: list[Point]) -> Path | None:
     import matplotlib.pyplot as plt
 
     sizes = [r.payload_bytes / MiB for r in rows]
-    lines = {"primerl publish->applied": [r.applied_ms for r in rows],
-             "primerl broker ack": [r.ack_ms for r in rows],
-             "raw zmq send (same bytes)": [r.zmq_ms for r in rows],
-             "filesystem hand-off (write + reload_weights)": [r.fs_ms for r in rows]}
+    lines = {
+        "primerl publish->applied": [r.applied_ms for r in rows],
+        "primerl broker ack": [r.ack_ms for r in rows],
+        "raw zmq send (same bytes)": [r.zmq_ms for r in rows],
+        "filesystem hand-off (write + reload_weights)": [r.fs_ms for r in rows],
+    }
     fig, ax = plt.subplots(figsize=(7.5, 4.5))
     for label, values_ms in lines.items():
         xs = [x for x, v in zip(sizes, values_ms) if v == v]
@@ -1050,18 +1226,33 @@ def save_plot(path: Path, points: list[Point]) -> Path | None:
     return path
 
 
-def write_markdown(path: Path, argv: list[str], points: list[Point], fractions: list[dict[str, Any]],
-                   kinds: list[str], load_start: float, load_end: float, repeats: int, plot: Path | None,
-                   pause_in_source: bool, cpu_model: str) -> None:
+def write_markdown(
+    path: Path,
+    argv: list[str],
+    points: list[Point],
+    fractions: list[dict[str, Any]],
+    kinds: list[str],
+    load_start: float,
+    load_end: float,
+    repeats: int,
+    plot: Path | None,
+    pause_in_source: bool,
+    cpu_model: str,
+) -> None:
     """The section of bench/RESULTS.md for weight updates."""
-    lines = ["## e. Weight updates: publish -> applied vs a raw zmq send and the filesystem hand-off", "",
-             f"`.venv/bin/python bench/weight_update.py {' '.join(argv)}`", "",
-             f"Machine: {os.cpu_count()} CPUs ({cpu_model}), load average {load_start:.2f} at start, {load_end:.2f} "
-             f"at end (shared machine: ratios are measured side by side, in one run). Values are min / median / max "
-             f"over {repeats} measured updates (after warm-up).", "",
-             "| model | dtype | params | kind | sent | payload MiB | publish->applied ms | build ms | broker ack ms | "
-             "worker apply ms | raw zmq ms | applied / raw zmq (median) |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        "## e. Weight updates: publish -> applied vs a raw zmq send and the filesystem hand-off",
+        "",
+        f"`.venv/bin/python bench/weight_update.py {' '.join(argv)}`",
+        "",
+        f"Machine: {os.cpu_count()} CPUs ({cpu_model}), load average {load_start:.2f} at start, {load_end:.2f} "
+        f"at end (shared machine: ratios are measured side by side, in one run). Values are min / median / max "
+        f"over {repeats} measured updates (after warm-up).",
+        "",
+        "| model | dtype | params | kind | sent | payload MiB | publish->applied ms | build ms | broker ack ms | "
+        "worker apply ms | raw zmq ms | applied / raw zmq (median) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
     for point in points:
         for kind in kinds:
             row = point.rows.get(kind)
@@ -1069,39 +1260,55 @@ def write_markdown(path: Path, argv: list[str], points: list[Point], fractions: 
                 continue
             sent = ", ".join(sorted(set(point.sent.get(kind, []))))
             ratio = med(row["applied_ms"]) / med(row["zmq_ms"])
-            lines.append(f"| {point.point.model} | {point.point.dtype} | {point.num_params / 1e6:.1f}M | {kind} | "
-                         f"{sent} | {med(row['payload_bytes']) / MiB:.2f} | {mmm(row['applied_ms'])} | "
-                         f"{mmm(row['build_ms'])} | {mmm(row['ack_ms'])} | {mmm(row['apply_ms'])} | "
-                         f"{mmm(row['zmq_ms'], fmt='{:.1f}')} | {ratio:.1f} |")
-    lines += ["", "FULL updates at scale, seconds (min / median / max over n updates). Worker has it: its subscriber "
-              "holds the whole update; applied: it serves it. Filesystem hand-off: `save_file` of the same "
-              "serving-dtype tensors to a fresh directory + `reload_weights(weights_path=dir)` on a twin vLLM "
-              "engine of the worker's (same engine options, own process), measured after the worker stopped, with a "
-              "raw zmq send of the same bytes after each (the load in that phase). Peak RSS: the largest during the "
-              "updates, worker = daemon + engine core.", "",
-              "| model | dtype | params | n (primerl / fs) | payload MiB | raw zmq s | broker ack s | "
-              "worker has it s | publish->applied s | x raw | fs write s | fs load s | fs hand-off s | x fs | "
-              "raw zmq s, fs phase | broker peak RSS MiB | worker peak RSS MiB | pause p50 ms |", "|" + "---|" * 18]
+            lines.append(
+                f"| {point.point.model} | {point.point.dtype} | {point.num_params / 1e6:.1f}M | {kind} | "
+                f"{sent} | {med(row['payload_bytes']) / MiB:.2f} | {mmm(row['applied_ms'])} | "
+                f"{mmm(row['build_ms'])} | {mmm(row['ack_ms'])} | {mmm(row['apply_ms'])} | "
+                f"{mmm(row['zmq_ms'], fmt='{:.1f}')} | {ratio:.1f} |"
+            )
+    lines += [
+        "",
+        "FULL updates at scale, seconds (min / median / max over n updates). Worker has it: its subscriber "
+        "holds the whole update; applied: it serves it. Filesystem hand-off: `save_file` of the same "
+        "serving-dtype tensors to a fresh directory + `reload_weights(weights_path=dir)` on a twin vLLM "
+        "engine of the worker's (same engine options, own process), measured after the worker stopped, with a "
+        "raw zmq send of the same bytes after each (the load in that phase). Peak RSS: the largest during the "
+        "updates, worker = daemon + engine core.",
+        "",
+        "| model | dtype | params | n (primerl / fs) | payload MiB | raw zmq s | broker ack s | "
+        "worker has it s | publish->applied s | x raw | fs write s | fs load s | fs hand-off s | x fs | "
+        "raw zmq s, fs phase | broker peak RSS MiB | worker peak RSS MiB | pause p50 ms |",
+        "|" + "---|" * 18,
+    ]
     for point in points:
         r, row = ScaleRow.of(point), point.rows.get("full")
         if r is None or row is None:
             continue
-        lines.append(f"| {r.model} | {r.dtype} | {params(r.num_params)} | {len(row['applied_ms'])} / "
-                     f"{len(point.fs.get('total_ms', []))} | {r.payload_bytes / MiB:.1f} | "
-                     f"{mmm(row['zmq_ms'], 1000, '{:.3f}')} | {mmm(row['ack_ms'], 1000, '{:.3f}')} | "
-                     f"{mmm(row['received_ms'], 1000, '{:.3f}')} | {mmm(row['applied_ms'], 1000, '{:.3f}')} | "
-                     f"{r.applied_ms / r.zmq_ms:.1f} | {mmm(point.fs.get('write_ms', []), 1000, '{:.3f}')} | "
-                     f"{mmm(point.fs.get('load_ms', []), 1000, '{:.3f}')} | "
-                     f"{mmm(point.fs.get('total_ms', []), 1000, '{:.3f}')} | {r.applied_ms / r.fs_ms:.2f} | "
-                     f"{mmm(point.fs.get('zmq_ms', []), 1000, '{:.3f}')} | "
-                     f"{r.broker_peak_bytes / MiB:.0f} | {r.worker_peak_bytes / MiB:.0f} | "
-                     f"{pause_cell(r.pause_ms, pause_in_source)} |")
+        lines.append(
+            f"| {r.model} | {r.dtype} | {params(r.num_params)} | {len(row['applied_ms'])} / "
+            f"{len(point.fs.get('total_ms', []))} | {r.payload_bytes / MiB:.1f} | "
+            f"{mmm(row['zmq_ms'], 1000, '{:.3f}')} | {mmm(row['ack_ms'], 1000, '{:.3f}')} | "
+            f"{mmm(row['received_ms'], 1000, '{:.3f}')} | {mmm(row['applied_ms'], 1000, '{:.3f}')} | "
+            f"{r.applied_ms / r.zmq_ms:.1f} | {mmm(point.fs.get('write_ms', []), 1000, '{:.3f}')} | "
+            f"{mmm(point.fs.get('load_ms', []), 1000, '{:.3f}')} | "
+            f"{mmm(point.fs.get('total_ms', []), 1000, '{:.3f}')} | {r.applied_ms / r.fs_ms:.2f} | "
+            f"{mmm(point.fs.get('zmq_ms', []), 1000, '{:.3f}')} | "
+            f"{r.broker_peak_bytes / MiB:.0f} | {r.worker_peak_bytes / MiB:.0f} | "
+            f"{pause_cell(r.pause_ms, pause_in_source)} |"
+        )
     if fractions:
-        lines += ["", "Delta size / full size after one AdamW step from the initial weights (fp32, XOR + zlib 1):", "",
-                  "| model | lr | full MiB | delta MiB | fraction | elements changed |", "|---|---|---|---|---|---|"]
+        lines += [
+            "",
+            "Delta size / full size after one AdamW step from the initial weights (fp32, XOR + zlib 1):",
+            "",
+            "| model | lr | full MiB | delta MiB | fraction | elements changed |",
+            "|---|---|---|---|---|---|",
+        ]
         for f in fractions:
-            lines.append(f"| {f['model']} | {f['lr']:.0e} | {f['full_bytes'] / MiB:.2f} | {f['delta_bytes'] / MiB:.2f} "
-                         f"| {f['fraction']:.3f} | {f['changed_elements']:.3f} |")
+            lines.append(
+                f"| {f['model']} | {f['lr']:.0e} | {f['full_bytes'] / MiB:.2f} | {f['delta_bytes'] / MiB:.2f} "
+                f"| {f['fraction']:.3f} | {f['changed_elements']:.3f} |"
+            )
     lines += ["", "| target | measured | verdict |", "|---|---|---|"]
     lines += [f"| {name} | {value} | {verdict} |" for name, value, verdict in verdicts(points, pause_in_source)]
     notes = [f"{p.name}: {n}" for p in points for n in dict.fromkeys(p.notes)]
@@ -1129,7 +1336,7 @@ def parse_points(models: str, dtypes: str, parser: argparse.ArgumentParser) -> l
         name, _, own = entry.partition(":")
         if name not in specs:
             parser.error(f"unknown model {name!r}; choose from {list(specs)}")
-        for dtype in (own.split("+") if own else default_dtypes):
+        for dtype in own.split("+") if own else default_dtypes:
             if dtype not in DTYPES:
                 parser.error(f"unknown dtype {dtype!r} (in {entry!r}); choose from {list(DTYPES)}")
             if ModelPoint(name, dtype) not in points:
@@ -1141,19 +1348,30 @@ def parse_points(models: str, dtypes: str, parser: argparse.ArgumentParser) -> l
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--models", default=None,
-                        help="comma-separated, from: tiny, 100m, 500m, 1b; NAME:DTYPE[+DTYPE] gives a model its own "
-                             "dtypes (default: tiny,100m)")
+    parser.add_argument(
+        "--models",
+        default=None,
+        help="comma-separated, from: tiny, 100m, 500m, 1b; NAME:DTYPE[+DTYPE] gives a model its own "
+        "dtypes (default: tiny,100m)",
+    )
     parser.add_argument("--dtypes", default="fp32", help="comma-separated, from: fp32, bf16 (default: fp32)")
-    parser.add_argument("--quick", action="store_true",
-                        help=f"short profile: --models {QUICK_MODELS} (overrides --models and --dtypes)")
-    parser.add_argument("--kinds", default="full,lora,delta",
-                        help="comma-separated, from: full, lora, delta (lora and delta on models up to 200M only)")
+    parser.add_argument(
+        "--quick", action="store_true", help=f"short profile: --models {QUICK_MODELS} (overrides --models and --dtypes)"
+    )
+    parser.add_argument(
+        "--kinds",
+        default="full,lora,delta",
+        help="comma-separated, from: full, lora, delta (lora and delta on models up to 200M only)",
+    )
     parser.add_argument("--repeats", type=int, default=3, help="measured updates per point and kind")
     parser.add_argument("--warmup", type=int, default=1, help="updates per point and kind before measuring")
     parser.add_argument("--lr", type=float, default=1e-5, help="AdamW learning rate of the timed steps")
-    parser.add_argument("--delta-policy", choices=["auto", "always"], default="auto",
-                        help="the DELTA publisher's policy (auto: FULL when the delta would not pay)")
+    parser.add_argument(
+        "--delta-policy",
+        choices=["auto", "always"],
+        default="auto",
+        help="the DELTA publisher's policy (auto: FULL when the delta would not pay)",
+    )
     parser.add_argument("--markdown", type=Path, default=None, help="write the results as a markdown section here")
     parser.add_argument("--plots-dir", type=Path, default=ROOT / "bench" / "plots", help="where the plot goes")
     args = parser.parse_args(argv)
@@ -1201,8 +1419,9 @@ def start_group(group: list[Point], work_dir: Path, kinds: list[str]) -> list[di
         point.broker = BrokerProcess(work_dir / f"broker-{point.name}", f"bench-{point.name}")
     for point in group:
         point.broker.wait_ready()
-        point.daemon = Daemon(work_dir / f"infer-{point.name}", point.model_dir, point.dtype_name,
-                              point.broker.grpc_address)
+        point.daemon = Daemon(
+            work_dir / f"infer-{point.name}", point.model_dir, point.dtype_name, point.broker.grpc_address
+        )
     fractions = []
     if "delta" in kinds and any(p.small and p.point.dtype == "fp32" for p in group):
         print("computing delta sizes while the daemons start ...", flush=True)
@@ -1213,10 +1432,14 @@ def start_group(group: list[Point], work_dir: Path, kinds: list[str]) -> list[di
             raise TimeoutError(f"the daemons did not start within {START_TIMEOUT_S} s")
         time.sleep(0.2)
     for point in group:
-        wait_for(lambda p=point: p.daemon.worker_id in p.broker.worker_versions(), 60,
-                 f"{point.name}: the worker to register")
-        print(f"{point.name}: primerl-infer up after {point.daemon.start_s:.1f} s (pids {point.daemon.pids})",
-              flush=True)
+        wait_for(
+            lambda p=point: p.daemon.worker_id in p.broker.worker_versions(),
+            60,
+            f"{point.name}: the worker to register",
+        )
+        print(
+            f"{point.name}: primerl-infer up after {point.daemon.start_s:.1f} s (pids {point.daemon.pids})", flush=True
+        )
     time.sleep(2.0)  # let the daemons settle (compile caches, first heartbeats, the weight plane's HELLO)
     print(f"load average before measuring: {os.getloadavg()[0]:.2f}", flush=True)
     return fractions
@@ -1261,8 +1484,11 @@ def main(argv: list[str] | None = None) -> int:
             model_dir = build_point(work_dir / model_point.label, model_point, tokenizer_dir)
             point = Point(model_point, model_dir, count_parameters(model_dir))
             points.append(point)
-            print(f"{point.name}: {point.num_params:,} parameters, {point.checkpoint_bytes / MiB:.1f} MiB "
-                  f"({model_specs()[model_point.model]}), built in {time.monotonic() - start:.1f} s", flush=True)
+            print(
+                f"{point.name}: {point.num_params:,} parameters, {point.checkpoint_bytes / MiB:.1f} MiB "
+                f"({model_specs()[model_point.model]}), built in {time.monotonic() - start:.1f} s",
+                flush=True,
+            )
         raw = RawZmq()
         fractions: list[dict[str, Any]] = []
         pause_wanted = pause_in_source
@@ -1285,10 +1511,20 @@ def main(argv: list[str] | None = None) -> int:
         if plot is not None:
             print(f"wrote {plot}")
         if args.markdown is not None:
-            write_markdown(args.markdown, sys.argv[1:] if argv is None else argv, points, fractions, kinds,
-                           load_start, os.getloadavg()[0], args.repeats, plot, pause_in_source, cpu_model)
-        print(f"\ntotal wall time {time.monotonic() - wall_start:.0f} s; load average at end "
-              f"{os.getloadavg()[0]:.2f}")
+            write_markdown(
+                args.markdown,
+                sys.argv[1:] if argv is None else argv,
+                points,
+                fractions,
+                kinds,
+                load_start,
+                os.getloadavg()[0],
+                args.repeats,
+                plot,
+                pause_in_source,
+                cpu_model,
+            )
+        print(f"\ntotal wall time {time.monotonic() - wall_start:.0f} s; load average at end {os.getloadavg()[0]:.2f}")
         return 0
     except BaseException:
         try:

@@ -38,15 +38,24 @@ log = get_logger("primerl.broker.connection_gate")
 
 ZAP_ENDPOINT = "inproc://zeromq.zap.01"
 REFUSED_STATUS = b"400"
-_FAILED_EVENTS = zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_AUTH
+_FAILED_EVENTS = (
+    zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_AUTH
+)
 _EVENTS = zmq.EVENT_HANDSHAKE_SUCCEEDED | _FAILED_EVENTS | zmq.EVENT_DISCONNECTED
 
 
 class ConnectionGate:
     """ZAP handler that admits at most ``max_connections`` peers to the socket bound with ``domain``."""
 
-    def __init__(self, context: zmq.Context, *, max_connections: int, domain: str, what: str = "connection",
-                 authorize: Callable[[bytes, list[bytes]], str | None] | None = None):
+    def __init__(
+        self,
+        context: zmq.Context,
+        *,
+        max_connections: int,
+        domain: str,
+        what: str = "connection",
+        authorize: Callable[[bytes, list[bytes]], str | None] | None = None,
+    ):
         """``authorize(mechanism, credentials)``: a further check of each peer's credentials (CURVE keys,
         ``runtime.wire_security.CurveServer.authorize``); a string it returns refuses the peer (status 400)."""
         if max_connections < 1:
@@ -120,9 +129,12 @@ class ConnectionGate:
         refusal = self.authorize(frames[7], frames[8:]) if self.authorize is not None else None
         if refusal is not None:
             self.num_refused += 1
-            self._refusal_log.warning(("credentials", self.what), f"{self.what} refused at the handshake: {refusal}",
-                                      peer=address.decode(errors="replace"),
-                                      hint="add the client's public key to broker.curve_authorized_keys_dir")
+            self._refusal_log.warning(
+                ("credentials", self.what),
+                f"{self.what} refused at the handshake: {refusal}",
+                peer=address.decode(errors="replace"),
+                hint="add the client's public key to broker.curve_authorized_keys_dir",
+            )
             self._zap.send_multipart([frames[0], b"", b"1.0", request_id, REFUSED_STATUS, refusal.encode(), b"", b""])
             return
         admitted = domain == self.domain and self._admitted + self._approved_unconfirmed < self.max_connections
@@ -132,8 +144,12 @@ class ConnectionGate:
         else:
             self.num_refused += 1
             status, text = REFUSED_STATUS, b"too many connections"
-            self._refusal_log.warning(("refused", self.what), f"{self.what} refused at the handshake: the broker has as many "
-                                      "peers as it admits", peer=address.decode(errors="replace"), connected=self._admitted,
-                                      max_connections=self.max_connections,
-                                      hint="raise the limit if these peers are legitimate, or stop idle clients")
+            self._refusal_log.warning(
+                ("refused", self.what),
+                f"{self.what} refused at the handshake: the broker has as many peers as it admits",
+                peer=address.decode(errors="replace"),
+                connected=self._admitted,
+                max_connections=self.max_connections,
+                hint="raise the limit if these peers are legitimate, or stop idle clients",
+            )
         self._zap.send_multipart([frames[0], b"", b"1.0", request_id, status, text, b"", b""])

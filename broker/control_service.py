@@ -95,8 +95,9 @@ def _refusal(handler, code: grpc.StatusCode, message: str):
     with ``code`` whatever bytes it carries, before any protobuf parser sees them."""
 
     def abort(request_or_iterator, context):
-        _refusal_log.warning(("refused", code.name), "control plane refused a call", code=code.name, reason=message,
-                             peer=context.peer())
+        _refusal_log.warning(
+            ("refused", code.name), "control plane refused a call", code=code.name, reason=message, peer=context.peer()
+        )
         context.abort(code, message)
 
     if handler is None:  # unknown method: do not reveal that, refuse like any other unauthenticated call
@@ -141,8 +142,13 @@ def _safe_deserializer(deserialize):
 
 def _refuse_bad_body(context, method: str, bad: _BadBody):
     message = f"request body of {method.rsplit('/', 1)[-1]} is not a valid protobuf message: {type(bad.error).__name__}"
-    _refusal_log.warning(("bad body", method), "control plane refused a malformed request", method=method,
-                         error=str(bad.error)[:200], peer=context.peer())
+    _refusal_log.warning(
+        ("bad body", method),
+        "control plane refused a malformed request",
+        method=method,
+        error=str(bad.error)[:200],
+        peer=context.peer(),
+    )
     context.abort(grpc.StatusCode.INVALID_ARGUMENT, message)
 
 
@@ -155,8 +161,10 @@ class RequestBodyGuard(grpc.ServerInterceptor):
         if handler is None or handler.request_deserializer is None:
             return handler
         method = handler_call_details.method or ""
-        kwargs = dict(request_deserializer=_safe_deserializer(handler.request_deserializer),
-                      response_serializer=handler.response_serializer)
+        kwargs = dict(
+            request_deserializer=_safe_deserializer(handler.request_deserializer),
+            response_serializer=handler.response_serializer,
+        )
         if handler.request_streaming:
             behavior = handler.stream_stream if handler.response_streaming else handler.stream_unary
 
@@ -166,9 +174,14 @@ class RequestBodyGuard(grpc.ServerInterceptor):
                         if isinstance(request, _BadBody):
                             _refuse_bad_body(context, method, request)
                         yield request
+
                 return behavior(requests(), context)
 
-            factory = grpc.stream_stream_rpc_method_handler if handler.response_streaming else grpc.stream_unary_rpc_method_handler
+            factory = (
+                grpc.stream_stream_rpc_method_handler
+                if handler.response_streaming
+                else grpc.stream_unary_rpc_method_handler
+            )
             return factory(checked_stream, **kwargs)
         behavior = handler.unary_stream if handler.response_streaming else handler.unary_unary
 
@@ -177,7 +190,9 @@ class RequestBodyGuard(grpc.ServerInterceptor):
                 _refuse_bad_body(context, method, request)
             return behavior(request, context)
 
-        factory = grpc.unary_stream_rpc_method_handler if handler.response_streaming else grpc.unary_unary_rpc_method_handler
+        factory = (
+            grpc.unary_stream_rpc_method_handler if handler.response_streaming else grpc.unary_unary_rpc_method_handler
+        )
         return factory(checked, **kwargs)
 
 
@@ -247,9 +262,12 @@ class BrokerServicer(control_pb2_grpc.BrokerServicer):
         finished = _guarded(context, self.registry.deregister, request.worker_id, request.reason)
         _log.info("worker deregistered", worker_id=request.worker_id, reason=request.reason)
         if finished:
-            _log.info("run finished: workers are told to stop", max_steps=self.registry.max_steps,
-                      last_committed_step=self.registry.last_committed_step,
-                      stop_in_s=self.registry.end_of_run_grace_s)
+            _log.info(
+                "run finished: workers are told to stop",
+                max_steps=self.registry.max_steps,
+                last_committed_step=self.registry.last_committed_step,
+                stop_in_s=self.registry.end_of_run_grace_s,
+            )
         return control_pb2.DeregisterResponse()
 
     def GetRunStatus(self, request, context):
@@ -264,8 +282,9 @@ class BrokerServicer(control_pb2_grpc.BrokerServicer):
         return control_pb2.ReportMetricsResponse()
 
     def CommitStep(self, request, context):
-        last_committed, num_released, already = _guarded(context, self.registry.commit_step, request.worker_id,
-                                                         request.step)
+        last_committed, num_released, already = _guarded(
+            context, self.registry.commit_step, request.worker_id, request.step
+        )
         if already:  # a retry (its answer was lost, or the broker restarted): succeeds, changes nothing
             _log.info("step already committed", step=request.step, last_committed_step=last_committed)
         else:
@@ -362,7 +381,8 @@ def create_grpc_server(
         client_ca = read_pem(tls_client_ca_path, "broker.tls_client_ca_path") if tls_client_ca_path else None
         credentials = grpc.ssl_server_credentials(
             [(read_pem(tls_key_path, "broker.tls_key_path"), read_pem(tls_cert_path, "broker.tls_cert_path"))],
-            root_certificates=client_ca, require_client_auth=client_ca is not None,
+            root_certificates=client_ca,
+            require_client_auth=client_ca is not None,
         )
     # Auth first (it answers before any body is parsed), then the guard that makes parsing total.
     interceptors = ([TokenAuthInterceptor(run_token)] if run_token else []) + [RequestBodyGuard()]
@@ -425,9 +445,7 @@ class HeartbeatMonitor:
     def check_once(self) -> list[control_pb2.WorkerInfo]:
         lost = self.registry.expire()
         if lost:
-            _log.warning(
-                "workers lost: no heartbeat", workers=format_workers(lost), timeout_s=self.registry.timeout_s
-            )
+            _log.warning("workers lost: no heartbeat", workers=format_workers(lost), timeout_s=self.registry.timeout_s)
         return lost
 
     def _run(self) -> None:

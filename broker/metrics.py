@@ -1,18 +1,18 @@
 """The broker's Prometheus families, read live from the registry and the data planes at every scrape.
 
-    primerl_broker_workers{role}                      workers alive per role (trainer counts ranks; teacher:
-                                                       the frozen servers of online distillation)
-    primerl_broker_latest_policy_version               newest policy version the trainer published
-    primerl_broker_committed_step                      last step the trainer committed (checkpointed)
-    primerl_broker_trainer_step / _orchestrator_step   the roles' progress from their heartbeats
-    primerl_broker_rollout_batches_queued              rollout micro-batches held (memory and spool)
-    primerl_broker_rollout_bytes_spooled               their bytes
-    primerl_broker_rollout_batches_received_total      micro-batches accepted from the orchestrator
-    primerl_broker_weight_bytes_received_total         weight-update bytes received from the trainer
-    primerl_broker_weight_bytes_pushed_total           weight-update bytes sent to inference workers
-    primerl_broker_weight_updates_stored               snapshot + deltas held in the weight store
-    primerl_broker_weight_forward_lag_seconds          the latest update's last byte in -> last byte out to the
-                                                       workers that were receiving it (or had it next)
+primerl_broker_workers{role}                      workers alive per role (trainer counts ranks; teacher:
+                                                   the frozen servers of online distillation)
+primerl_broker_latest_policy_version               newest policy version the trainer published
+primerl_broker_committed_step                      last step the trainer committed (checkpointed)
+primerl_broker_trainer_step / _orchestrator_step   the roles' progress from their heartbeats
+primerl_broker_rollout_batches_queued              rollout micro-batches held (memory and spool)
+primerl_broker_rollout_bytes_spooled               their bytes
+primerl_broker_rollout_batches_received_total      micro-batches accepted from the orchestrator
+primerl_broker_weight_bytes_received_total         weight-update bytes received from the trainer
+primerl_broker_weight_bytes_pushed_total           weight-update bytes sent to inference workers
+primerl_broker_weight_updates_stored               snapshot + deltas held in the weight store
+primerl_broker_weight_forward_lag_seconds          the latest update's last byte in -> last byte out to the
+                                                   workers that were receiving it (or had it next)
 """
 
 from __future__ import annotations
@@ -29,8 +29,12 @@ from primerl.proto.v1 import common_pb2
 if TYPE_CHECKING:
     from primerl.broker.service import BrokerService
 
-ROLES = {common_pb2.ROLE_TRAINER: "trainer", common_pb2.ROLE_ORCHESTRATOR: "orchestrator",
-         common_pb2.ROLE_INFERENCE: "inference", common_pb2.ROLE_TEACHER: "teacher"}
+ROLES = {
+    common_pb2.ROLE_TRAINER: "trainer",
+    common_pb2.ROLE_ORCHESTRATOR: "orchestrator",
+    common_pb2.ROLE_INFERENCE: "inference",
+    common_pb2.ROLE_TEACHER: "teacher",
+}
 
 
 class BrokerCollector:
@@ -48,38 +52,71 @@ class BrokerCollector:
         yield workers
         if service.weight_plane is not None:
             weights = service.weight_plane.status()
-            yield CounterMetricFamily("primerl_broker_weight_bytes_received", "Weight-update bytes received from "
-                                      "the trainer.", value=weights.bytes_in_total)
-            yield CounterMetricFamily("primerl_broker_weight_bytes_pushed", "Weight-update bytes sent to inference "
-                                      "workers.", value=weights.bytes_out_total)
-            yield GaugeMetricFamily("primerl_broker_weight_updates_stored", "Weight updates held in the store "
-                                    "(snapshot and deltas).",
-                                    value=(weights.store.snapshot_version is not None) + weights.store.num_deltas)
-            yield GaugeMetricFamily("primerl_broker_weight_forward_lag_seconds", "Seconds from the latest update's "
-                                    "last byte into the broker to its last byte out to the workers that were "
-                                    "receiving it or had it next (what the broker adds to a transfer).",
-                                    value=weights.forward_lag_s)
-        yield GaugeMetricFamily("primerl_broker_latest_policy_version", "Newest policy version published by the "
-                                "trainer.", value=status.latest_policy_version)
-        yield GaugeMetricFamily("primerl_broker_committed_step", "Last step the trainer committed.",
-                                value=status.last_committed_step)
-        yield GaugeMetricFamily("primerl_broker_trainer_step", "Trainer step from its heartbeats.",
-                                value=status.trainer_step)
-        yield GaugeMetricFamily("primerl_broker_orchestrator_step", "Orchestrator step from its heartbeats.",
-                                value=status.orchestrator_step)
+            yield CounterMetricFamily(
+                "primerl_broker_weight_bytes_received",
+                "Weight-update bytes received from the trainer.",
+                value=weights.bytes_in_total,
+            )
+            yield CounterMetricFamily(
+                "primerl_broker_weight_bytes_pushed",
+                "Weight-update bytes sent to inference workers.",
+                value=weights.bytes_out_total,
+            )
+            yield GaugeMetricFamily(
+                "primerl_broker_weight_updates_stored",
+                "Weight updates held in the store (snapshot and deltas).",
+                value=(weights.store.snapshot_version is not None) + weights.store.num_deltas,
+            )
+            yield GaugeMetricFamily(
+                "primerl_broker_weight_forward_lag_seconds",
+                "Seconds from the latest update's "
+                "last byte into the broker to its last byte out to the workers that were "
+                "receiving it or had it next (what the broker adds to a transfer).",
+                value=weights.forward_lag_s,
+            )
+        yield GaugeMetricFamily(
+            "primerl_broker_latest_policy_version",
+            "Newest policy version published by the trainer.",
+            value=status.latest_policy_version,
+        )
+        yield GaugeMetricFamily(
+            "primerl_broker_committed_step", "Last step the trainer committed.", value=status.last_committed_step
+        )
+        yield GaugeMetricFamily(
+            "primerl_broker_trainer_step", "Trainer step from its heartbeats.", value=status.trainer_step
+        )
+        yield GaugeMetricFamily(
+            "primerl_broker_orchestrator_step", "Orchestrator step from its heartbeats.", value=status.orchestrator_step
+        )
         if service.rollout_plane is not None:
             rollout = service.rollout_plane.status()
             queue = rollout.queue
             if rollout.num_connections is not None:
-                yield GaugeMetricFamily("primerl_broker_rollout_connections", "Peers connected to the rollout socket "
-                                        "(admitted at the handshake, at most max_rollout_connections).",
-                                        value=rollout.num_connections)
-                yield CounterMetricFamily("primerl_broker_rollout_connections_refused", "Connections to the rollout "
-                                          "socket refused at the handshake: max_rollout_connections peers were "
-                                          "connected.", value=rollout.num_connections_refused)
-            yield GaugeMetricFamily("primerl_broker_rollout_batches_queued", "Rollout micro-batches held (memory "
-                                    "and spool) until their step is committed.", value=queue.num_batches)
-            yield GaugeMetricFamily("primerl_broker_rollout_bytes_spooled", "Bytes of the rollout micro-batches "
-                                    "held.", value=queue.num_bytes)
-            yield CounterMetricFamily("primerl_broker_rollout_batches_received", "Rollout micro-batches accepted "
-                                      "from the orchestrator.", value=queue.num_accepted)
+                yield GaugeMetricFamily(
+                    "primerl_broker_rollout_connections",
+                    "Peers connected to the rollout socket "
+                    "(admitted at the handshake, at most max_rollout_connections).",
+                    value=rollout.num_connections,
+                )
+                yield CounterMetricFamily(
+                    "primerl_broker_rollout_connections_refused",
+                    "Connections to the rollout "
+                    "socket refused at the handshake: max_rollout_connections peers were "
+                    "connected.",
+                    value=rollout.num_connections_refused,
+                )
+            yield GaugeMetricFamily(
+                "primerl_broker_rollout_batches_queued",
+                "Rollout micro-batches held (memory and spool) until their step is committed.",
+                value=queue.num_batches,
+            )
+            yield GaugeMetricFamily(
+                "primerl_broker_rollout_bytes_spooled",
+                "Bytes of the rollout micro-batches held.",
+                value=queue.num_bytes,
+            )
+            yield CounterMetricFamily(
+                "primerl_broker_rollout_batches_received",
+                "Rollout micro-batches accepted from the orchestrator.",
+                value=queue.num_accepted,
+            )

@@ -80,7 +80,9 @@ class RouterPlane(abc.ABC):
             self._stop_event.set()
             raise TimeoutError(f"{self.name} did not bind {self.host}:{self._requested_port} within {timeout_s} s")
         if self._start_error is not None:
-            raise RuntimeError(f"{self.name} cannot bind {self.host}:{self._requested_port}: {self._start_error}") from self._start_error
+            raise RuntimeError(
+                f"{self.name} cannot bind {self.host}:{self._requested_port}: {self._start_error}"
+            ) from self._start_error
         return self.port
 
     def stop(self, timeout_s: float = 5.0) -> bool:

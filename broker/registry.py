@@ -31,8 +31,15 @@ import time
 import uuid
 from collections.abc import Callable, Mapping
 
-from primerl.broker.registry_errors import (BrokerStopping, CommitFailed, CommitResult, LimitReached, NameTaken,
-                                            StepOutOfOrder, WorkerNotFound)
+from primerl.broker.registry_errors import (
+    BrokerStopping,
+    CommitFailed,
+    CommitResult,
+    LimitReached,
+    NameTaken,
+    StepOutOfOrder,
+    WorkerNotFound,
+)
 from primerl.broker.run_metrics import LastMetrics
 from primerl.broker.run_progress import RunProgress
 from primerl.broker.run_state import RunState
@@ -40,8 +47,17 @@ from primerl.broker.run_status import MAX_STATUS_BYTES, DataPlaneStatus, queue_p
 from primerl.broker.watched_state import MAX_ERROR_CHARS, WatchedState
 from primerl.broker.weight_fanout import WeightFanout
 from primerl.broker.weight_store import WeightStore
-from primerl.broker.worker_record import (ALIVE, LEFT, LOST, MAX_ERRORS_PER_HEARTBEAT, MAX_LIVE_WORKERS,
-                                          MAX_METRIC_NAMES, WorkerRecord, check_metrics_report, check_register_request)
+from primerl.broker.worker_record import (
+    ALIVE,
+    LEFT,
+    LOST,
+    MAX_ERRORS_PER_HEARTBEAT,
+    MAX_LIVE_WORKERS,
+    MAX_METRIC_NAMES,
+    WorkerRecord,
+    check_metrics_report,
+    check_register_request,
+)
 from primerl.proto.v1 import common_pb2, control_pb2
 
 # The reason the trainer (``trainer/runner.py``) deregisters with when its loop ran to ``max_steps``.
@@ -150,8 +166,12 @@ class WorkerRegistry(WatchedState):
         with self._lock:
             self.run_id = state.run_id
             # The grace is counted again from the restart: a supervisor may still be ending the run itself.
-            self._progress.restore(state, committed_step=committed_step, max_steps=self.max_steps,
-                                   stop_workers_at=self._clock() + self.end_of_run_grace_s)
+            self._progress.restore(
+                state,
+                committed_step=committed_step,
+                max_steps=self.max_steps,
+                stop_workers_at=self._clock() + self.end_of_run_grace_s,
+            )
             self.policy.restore_latest(state.latest_policy_version)
             self._metrics.restore(state.last_metrics, state.last_metrics_step)
             self._state_revision += 1
@@ -259,8 +279,8 @@ class WorkerRegistry(WatchedState):
                 and worker.rank == 0
                 and reason == TRAINING_FINISHED_REASON
                 and self.max_steps is not None
-                and max(self._progress.trainer_step(self._workers.values()),
-                        self._progress.last_committed_step) >= self.max_steps
+                and max(self._progress.trainer_step(self._workers.values()), self._progress.last_committed_step)
+                >= self.max_steps
                 and not self._progress.finished
             )
         if finishes:
@@ -325,8 +345,9 @@ class WorkerRegistry(WatchedState):
         try:
             self._persist_now()
         except OSError as err:
-            raise CommitFailed(f"step {step} is committed but the run state could not be written ({err}); "
-                               "retry the commit") from err
+            raise CommitFailed(
+                f"step {step} is committed but the run state could not be written ({err}); retry the commit"
+            ) from err
 
     # ------------------------------------------------------------------------------ data-plane calls
     def record_weight_ack(self, worker_id: str) -> bool:
@@ -431,8 +452,9 @@ class WorkerRegistry(WatchedState):
         stops. The run state says ``finished`` (written here: a broker restarted after it still tells late workers
         to stop); a failed write goes to the recent errors and the periodic saver retries it."""
         with self._lock:
-            if self._progress.finish(self._progress.trainer_step(self._workers.values()),
-                                     self._clock() + max(0.0, grace_s)):
+            if self._progress.finish(
+                self._progress.trainer_step(self._workers.values()), self._clock() + max(0.0, grace_s)
+            ):
                 self._state_revision += 1
             self._bump_locked()
         try:

@@ -44,6 +44,14 @@ from primerl.broker.connection_gate import ConnectionGate
 from primerl.broker.log_limits import RateLimitedLog
 from primerl.broker.plane_lifecycle import RouterPlane
 from primerl.broker.rollout_queue import RolloutQueue
+from primerl.broker.rollout_replies import (
+    REFUSAL_SUMMARY_INTERVAL_S,
+    STALE_NOTE,
+    PeerSender,
+    RefusalLog,
+    error_detail,
+    try_message_id,
+)
 from primerl.broker.rollout_results import (
     Accepted,
     Backpressure,
@@ -54,14 +62,6 @@ from primerl.broker.rollout_results import (
     Refused,
     RolloutQueueStatus,
     Stale,
-)
-from primerl.broker.rollout_replies import (
-    REFUSAL_SUMMARY_INTERVAL_S,
-    STALE_NOTE,
-    PeerSender,
-    RefusalLog,
-    error_detail,
-    try_message_id,
 )
 from primerl.broker.spool import BatchGone, SpoolCorruption, SpoolError
 from primerl.proto import framing
@@ -134,7 +134,9 @@ class RolloutPlane(RouterPlane):
         if max_credits < 1:
             raise ValueError(f"max_credits must be >= 1, got {max_credits}")
         if max_group_batches < 1 or max_group_bytes < 1:
-            raise ValueError(f"max_group_batches ({max_group_batches}) and max_group_bytes ({max_group_bytes}) must be >= 1")
+            raise ValueError(
+                f"max_group_batches ({max_group_batches}) and max_group_bytes ({max_group_bytes}) must be >= 1"
+            )
         # The acks of a group leave in one burst into a pipe of ``hwm`` messages: keep a group under it.
         self.max_group_batches = min(max_group_batches, max(1, hwm // 2))
         self.max_group_bytes = max_group_bytes
@@ -194,10 +196,15 @@ class RolloutPlane(RouterPlane):
         with self._counter_lock:
             num_refused, num_backpressure = self._num_refused, self._num_backpressure_replies
         return RolloutStreamStatus(
-            queue=self.queue.status(), port=self.port, running=self.running,
-            batches_in_per_s=batches_in, bytes_in_per_s=bytes_in,
-            batches_out_per_s=batches_out, bytes_out_per_s=bytes_out,
-            num_refused=num_refused, num_backpressure_replies=num_backpressure,
+            queue=self.queue.status(),
+            port=self.port,
+            running=self.running,
+            batches_in_per_s=batches_in,
+            bytes_in_per_s=bytes_in,
+            batches_out_per_s=batches_out,
+            bytes_out_per_s=bytes_out,
+            num_refused=num_refused,
+            num_backpressure_replies=num_backpressure,
             throughput_window_s=self._in.window_s,
             # Plain int reads of counters the IO thread updates: a status may be one event behind.
             num_connections=gate.num_connected if (gate := self._gate) is not None else None,
@@ -247,26 +254,48 @@ class RolloutPlane(RouterPlane):
         before the socket binds (without a handler libzmq admits every NULL-mechanism peer), and the socket's
         monitor must exist before any handshake can end (none can before the gate answers, in this thread)."""
         if self.max_connections is not None and self._gate is None:
-            self._gate = ConnectionGate(self.context, max_connections=self.max_connections, domain=GATE_DOMAIN,
-                                        what="rollout connection", authorize=self.curve_authorize)
+            self._gate = ConnectionGate(
+                self.context,
+                max_connections=self.max_connections,
+                domain=GATE_DOMAIN,
+                what="rollout connection",
+                authorize=self.curve_authorize,
+            )
         # rcv_hwm is set before the bind, or peers never get it.
-        socket = self._bind_router(max_message_bytes=self.limits.max_message_bytes, hwm=self.hwm, rcv_hwm=self.rcv_hwm,
-                                   zap_domain=GATE_DOMAIN if self._gate is not None else None)
+        socket = self._bind_router(
+            max_message_bytes=self.limits.max_message_bytes,
+            hwm=self.hwm,
+            rcv_hwm=self.rcv_hwm,
+            zap_domain=GATE_DOMAIN if self._gate is not None else None,
+        )
         if self._gate is not None:
             self._gate.watch(socket)
         return socket
 
     def _unexpected(self, socket: zmq.Socket, frames: list[zmq.Frame], exc: Exception) -> None:
         routing_id = frames[0].bytes if frames else b""
-        self._guard_log.exception(("unexpected", type(exc).__name__), "rollout plane failed handling one message; serving on",
-                                  peer=self._peer(routing_id), error=repr(exc)[:300])
+        self._guard_log.exception(
+            ("unexpected", type(exc).__name__),
+            "rollout plane failed handling one message; serving on",
+            peer=self._peer(routing_id),
+            error=repr(exc)[:300],
+        )
         with self._counter_lock:
             self._num_refused += 1
         try:
             body = frames[1:]
-            self._replies.send(socket, routing_id, framing.encode_error(
-                error_detail(common_pb2.ERROR_CODE_INTERNAL, f"broker failed handling this message: {type(exc).__name__}"),
-                refused_type=framing.peek_type(body), in_reply_to=try_message_id(body, self.limits), sender=self.sender))
+            self._replies.send(
+                socket,
+                routing_id,
+                framing.encode_error(
+                    error_detail(
+                        common_pb2.ERROR_CODE_INTERNAL, f"broker failed handling this message: {type(exc).__name__}"
+                    ),
+                    refused_type=framing.peek_type(body),
+                    in_reply_to=try_message_id(body, self.limits),
+                    sender=self.sender,
+                ),
+            )
         except zmq.ZMQError as send_exc:
             if send_exc.errno == zmq.ETERM:
                 raise
@@ -278,13 +307,22 @@ class RolloutPlane(RouterPlane):
             message = framing.decode(body, limits=self.limits, auth_token=self.auth_token)
             if message.type not in ACCEPTED_TYPES:
                 raise framing.UnknownMessageType(
-                    f"{message.type_name} is not accepted on the rollout socket; it takes ROLLOUT_BATCH, ROLLOUT_REQUEST and HELLO")
+                    f"{message.type_name} is not accepted on the rollout socket; "
+                    "it takes ROLLOUT_BATCH, ROLLOUT_REQUEST and HELLO"
+                )
             if message.is_chunk:
-                raise framing.BadChunk("rollout batches travel in one message each; chunked ROLLOUT_BATCH is not supported "
-                                       f"(keep a micro-batch under {self.limits.max_message_bytes} bytes)")
+                raise framing.BadChunk(
+                    "rollout batches travel in one message each; chunked ROLLOUT_BATCH is not supported "
+                    f"(keep a micro-batch under {self.limits.max_message_bytes} bytes)"
+                )
         except framing.FramingError as exc:
-            self._refuse(socket, routing_id, exc.detail(), refused_type=framing.peek_type(body),
-                         in_reply_to=try_message_id(body, self.limits))
+            self._refuse(
+                socket,
+                routing_id,
+                exc.detail(),
+                refused_type=framing.peek_type(body),
+                in_reply_to=try_message_id(body, self.limits),
+            )
             return
         if message.type == data_pb2.ROLLOUT_BATCH:
             self._group.append((routing_id, message))
@@ -300,12 +338,26 @@ class RolloutPlane(RouterPlane):
                 self._on_hello(socket, routing_id, message)
         except SpoolError as exc:
             log.error("rollout plane cannot spool a batch", peer=self._peer(routing_id), error=str(exc))
-            self._refuse(socket, routing_id, error_detail(common_pb2.ERROR_CODE_INTERNAL, f"broker spool failed: {exc}"),
-                         refused_type=message.type, in_reply_to=message.envelope.message_id, authenticated=True)
+            self._refuse(
+                socket,
+                routing_id,
+                error_detail(common_pb2.ERROR_CODE_INTERNAL, f"broker spool failed: {exc}"),
+                refused_type=message.type,
+                in_reply_to=message.envelope.message_id,
+                authenticated=True,
+            )
         except Exception as exc:  # a valid message that we failed to handle: tell the sender, keep serving
-            log.exception("rollout plane failed handling a message", peer=self._peer(routing_id), type=message.type_name)
-            self._refuse(socket, routing_id, error_detail(common_pb2.ERROR_CODE_INTERNAL, f"broker failed: {exc!r}"),
-                         refused_type=message.type, in_reply_to=message.envelope.message_id, authenticated=True)
+            log.exception(
+                "rollout plane failed handling a message", peer=self._peer(routing_id), type=message.type_name
+            )
+            self._refuse(
+                socket,
+                routing_id,
+                error_detail(common_pb2.ERROR_CODE_INTERNAL, f"broker failed: {exc!r}"),
+                refused_type=message.type,
+                in_reply_to=message.envelope.message_id,
+                authenticated=True,
+            )
 
     # ------------------------------------------------------------------ handlers
 
@@ -315,22 +367,40 @@ class RolloutPlane(RouterPlane):
             return
         group, self._group, self._group_bytes = self._group, [], 0
         # The spool keeps a CRC-32: reused when the batch arrived with one, else (another checksum kind) computed.
-        items = [OfferItem(m.header, m.payload[0], m.envelope.header,
-                           m.envelope.checksum if m.envelope.checksum_kind == framing.CRC32 else None)
-                 for _, m in group]
+        items = [
+            OfferItem(
+                m.header,
+                m.payload[0],
+                m.envelope.header,
+                m.envelope.checksum if m.envelope.checksum_kind == framing.CRC32 else None,
+            )
+            for _, m in group
+        ]
         try:
             outcome = self.queue.offer_many(items)
         except SpoolError as exc:
             log.error("rollout plane cannot spool a group of batches", num_batches=len(group), error=str(exc))
             for routing_id, message in group:
-                self._refuse(socket, routing_id, error_detail(common_pb2.ERROR_CODE_INTERNAL, f"broker spool failed: {exc}"),
-                             refused_type=message.type, in_reply_to=message.envelope.message_id, authenticated=True)
+                self._refuse(
+                    socket,
+                    routing_id,
+                    error_detail(common_pb2.ERROR_CODE_INTERNAL, f"broker spool failed: {exc}"),
+                    refused_type=message.type,
+                    in_reply_to=message.envelope.message_id,
+                    authenticated=True,
+                )
             return
         except Exception as exc:  # a bug handling valid batches: tell the senders, keep serving
             log.exception("rollout plane failed handling a group of batches", num_batches=len(group))
             for routing_id, message in group:
-                self._refuse(socket, routing_id, error_detail(common_pb2.ERROR_CODE_INTERNAL, f"broker failed: {exc!r}"),
-                             refused_type=message.type, in_reply_to=message.envelope.message_id, authenticated=True)
+                self._refuse(
+                    socket,
+                    routing_id,
+                    error_detail(common_pb2.ERROR_CODE_INTERNAL, f"broker failed: {exc!r}"),
+                    refused_type=message.type,
+                    in_reply_to=message.envelope.message_id,
+                    authenticated=True,
+                )
             return
         for (routing_id, message), result in zip(group, outcome.results):
             self._ack_batch(socket, routing_id, message, result)
@@ -346,11 +416,18 @@ class RolloutPlane(RouterPlane):
             if isinstance(result, Accepted):
                 self._in.add(payload.nbytes)
                 if self._backpressure_since_s is not None:
-                    log.info("rollout queue accepts batches again", waited_s=round(time.monotonic() - self._backpressure_since_s, 3))
+                    log.info(
+                        "rollout queue accepts batches again",
+                        waited_s=round(time.monotonic() - self._backpressure_since_s, 3),
+                    )
                     self._backpressure_since_s = None
             elif isinstance(result, Stale):
-                self._refusals.note(self._peer(routing_id), STALE_NOTE,
-                                    f"batch of step {result.step} arrived after step {result.committed_step} was committed; acked, not kept")
+                self._refusals.note(
+                    self._peer(routing_id),
+                    STALE_NOTE,
+                    f"batch of step {result.step} arrived after step {result.committed_step} was committed; "
+                    "acked, not kept",
+                )
         elif isinstance(result, Backpressure):
             ack.error.CopyFrom(error_detail(common_pb2.ERROR_CODE_BACKPRESSURE, result.reason, result.retry_after_ms))
             with self._counter_lock:
@@ -362,17 +439,32 @@ class RolloutPlane(RouterPlane):
             assert isinstance(result, Refused)
             ack.error.CopyFrom(error_detail(result.code, result.message))
             self._note_refusal(routing_id, result.code, result.message)
-        self._replies.send(socket, routing_id, framing.encode(
-            data_pb2.ROLLOUT_ACK, ack, auth_token=self.auth_token or "", sender=self.sender,
-            in_reply_to=message.envelope.message_id), wait_s=ACK_SEND_WAIT_S)
+        self._replies.send(
+            socket,
+            routing_id,
+            framing.encode(
+                data_pb2.ROLLOUT_ACK,
+                ack,
+                auth_token=self.auth_token or "",
+                sender=self.sender,
+                in_reply_to=message.envelope.message_id,
+            ),
+            wait_s=ACK_SEND_WAIT_S,
+        )
 
     def _on_request(self, socket: zmq.Socket, routing_id: bytes, message: framing.Message) -> None:
         request = message.header
         credits = min(request.credits, self.max_credits)
         result = self.queue.request(routing_id, request.step, request.rank, credits)
         if isinstance(result, Refused):
-            self._refuse(socket, routing_id, error_detail(result.code, result.message), refused_type=message.type,
-                         in_reply_to=message.envelope.message_id, authenticated=True)
+            self._refuse(
+                socket,
+                routing_id,
+                error_detail(result.code, result.message),
+                refused_type=message.type,
+                in_reply_to=message.envelope.message_id,
+                authenticated=True,
+            )
             return
         self._deliver(socket, result)
 
@@ -383,10 +475,24 @@ class RolloutPlane(RouterPlane):
             self._peer_names = {routing_id: self._peer_names[routing_id]}
         self._replies.reachable_again(routing_id)
         self.queue.open_session(routing_id, hello.worker_id)
-        log.info("rollout peer said hello", worker_id=hello.worker_id[:128], role=framing.role_name(hello.role), rank=hello.rank)
+        log.info(
+            "rollout peer said hello",
+            worker_id=hello.worker_id[:128],
+            role=framing.role_name(hello.role),
+            rank=hello.rank,
+        )
         reply = data_pb2.Hello(worker_id=self.sender, role=common_pb2.ROLE_BROKER)
-        self._replies.send(socket, routing_id, framing.encode(data_pb2.HELLO, reply, auth_token=self.auth_token or "",
-                                                      sender=self.sender, in_reply_to=message.envelope.message_id))
+        self._replies.send(
+            socket,
+            routing_id,
+            framing.encode(
+                data_pb2.HELLO,
+                reply,
+                auth_token=self.auth_token or "",
+                sender=self.sender,
+                in_reply_to=message.envelope.message_id,
+            ),
+        )
 
     def _deliver(self, socket: zmq.Socket, delivery: Delivery) -> None:
         routing_id = delivery.session_id
@@ -399,13 +505,27 @@ class RolloutPlane(RouterPlane):
                 continue  # released by a commit meanwhile: nobody needs it any more
             except SpoolCorruption as exc:
                 # The trainer would wait for this batch forever: tell it, and whoever watches the broker.
-                self._refuse(socket, routing_id, error_detail(common_pb2.ERROR_CODE_INTERNAL,
-                             f"spooled batch {batch_id!r} is damaged on the broker's disk and was quarantined: {exc}"),
-                             refused_type=data_pb2.ROLLOUT_REQUEST, in_reply_to="", authenticated=True)
+                self._refuse(
+                    socket,
+                    routing_id,
+                    error_detail(
+                        common_pb2.ERROR_CODE_INTERNAL,
+                        f"spooled batch {batch_id!r} is damaged on the broker's disk and was quarantined: {exc}",
+                    ),
+                    refused_type=data_pb2.ROLLOUT_REQUEST,
+                    in_reply_to="",
+                    authenticated=True,
+                )
                 continue
             # As spooled: the header bytes and CRC the batch arrived with, verified then (no CRC pass here).
-            frames = framing.encode_raw(data_pb2.ROLLOUT_BATCH, header_bytes, [payload], checksum=crc32,
-                                        auth_token=self.auth_token or "", sender=self.sender)
+            frames = framing.encode_raw(
+                data_pb2.ROLLOUT_BATCH,
+                header_bytes,
+                [payload],
+                checksum=crc32,
+                auth_token=self.auth_token or "",
+                sender=self.sender,
+            )
             if not self._replies.send(socket, routing_id, frames):
                 for unsent in [batch_id, *pending]:
                     self.queue.forget_delivery(routing_id, unsent)
@@ -414,17 +534,33 @@ class RolloutPlane(RouterPlane):
         if delivery.step_done is not None:
             done = delivery.step_done
             reply = data_pb2.RolloutStepDone(step=done.step, rank=done.rank, num_micro_batches=done.num_micro_batches)
-            self._replies.send(socket, routing_id, framing.encode(data_pb2.ROLLOUT_STEP_DONE, reply,
-                                                          auth_token=self.auth_token or "", sender=self.sender))
+            self._replies.send(
+                socket,
+                routing_id,
+                framing.encode(data_pb2.ROLLOUT_STEP_DONE, reply, auth_token=self.auth_token or "", sender=self.sender),
+            )
 
     # ------------------------------------------------------------------ replies
 
-    def _refuse(self, socket: zmq.Socket, routing_id: bytes, detail: common_pb2.ErrorDetail, *, refused_type: int,
-                in_reply_to: str, authenticated: bool = False) -> None:
+    def _refuse(
+        self,
+        socket: zmq.Socket,
+        routing_id: bytes,
+        detail: common_pb2.ErrorDetail,
+        *,
+        refused_type: int,
+        in_reply_to: str,
+        authenticated: bool = False,
+    ) -> None:
         self._note_refusal(routing_id, detail.code, detail.message)
         # The token goes only to a peer that proved it knows it.
-        frames = framing.encode_error(detail, refused_type=refused_type, in_reply_to=in_reply_to, sender=self.sender,
-                                      auth_token=(self.auth_token or "") if authenticated else "")
+        frames = framing.encode_error(
+            detail,
+            refused_type=refused_type,
+            in_reply_to=in_reply_to,
+            sender=self.sender,
+            auth_token=(self.auth_token or "") if authenticated else "",
+        )
         self._replies.send(socket, routing_id, frames)
 
     def _note_refusal(self, routing_id: bytes, code: int, message: str) -> None:

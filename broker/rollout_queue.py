@@ -130,8 +130,14 @@ class RolloutQueue:
 
     # ------------------------------------------------------------------ producer side
 
-    def offer(self, header: data_pb2.RolloutBatchHeader, payload: Any, *, header_bytes: bytes | None = None,
-              crc32: int | None = None) -> OfferResult:
+    def offer(
+        self,
+        header: data_pb2.RolloutBatchHeader,
+        payload: Any,
+        *,
+        header_bytes: bytes | None = None,
+        crc32: int | None = None,
+    ) -> OfferResult:
         """Spool one batch and serve pending requests with it; see the module docstring for the outcomes.
 
         ``header_bytes``/``crc32``: the exact serialized header the payload's verified envelope checksum
@@ -174,19 +180,35 @@ class RolloutQueue:
             if not accepted:
                 return GroupResult(tuple(results))
             try:
-                self.spool.put_many([(h.batch_id, hb, p, crc) for h, p, hb, crc in accepted])  # SpoolError on disk failure
+                self.spool.put_many(
+                    [(h.batch_id, hb, p, crc) for h, p, hb, crc in accepted]
+                )  # SpoolError on disk failure
             except BaseException:
                 for header, *_ in accepted:
                     self._unindex(header)
                 raise
             self._counts["accepted"] += len(accepted)
             keys = {(h.step, h.rank) for h, *_ in accepted}
-            deliveries = tuple(d for d in (self._serve(sid, s) for sid, s in self._sessions.items()
-                                           if s.pending and (s.pending.step, s.pending.rank) in keys) if d)
+            deliveries = tuple(
+                d
+                for d in (
+                    self._serve(sid, s)
+                    for sid, s in self._sessions.items()
+                    if s.pending and (s.pending.step, s.pending.rank) in keys
+                )
+                if d
+            )
         return GroupResult(tuple(results), deliveries)
 
-    def _decide_locked(self, header: data_pb2.RolloutBatchHeader, payload: Any, header_bytes: bytes, group_ids: set[str],
-                       num_ahead: int, bytes_ahead: int) -> OfferResult:
+    def _decide_locked(
+        self,
+        header: data_pb2.RolloutBatchHeader,
+        payload: Any,
+        header_bytes: bytes,
+        group_ids: set[str],
+        num_ahead: int,
+        bytes_ahead: int,
+    ) -> OfferResult:
         problem = _check_header(header) or tensor_spec_problem(header.tensors)
         if problem:
             return Refused(common_pb2.ERROR_CODE_MALFORMED_HEADER, problem, header.batch_id, header.step)
@@ -205,26 +227,46 @@ class RolloutQueue:
         slot = self._slots.get((step, rank))
         if slot is not None:
             if slot.num_micro_batches != header.num_micro_batches:
-                return Refused(common_pb2.ERROR_CODE_MALFORMED_HEADER,
-                               f"batch {batch_id!r} says step {step} rank {rank} has {header.num_micro_batches} "
-                               f"micro-batches; earlier batches of it said {slot.num_micro_batches}", batch_id, step)
+                return Refused(
+                    common_pb2.ERROR_CODE_MALFORMED_HEADER,
+                    f"batch {batch_id!r} says step {step} rank {rank} has {header.num_micro_batches} "
+                    f"micro-batches; earlier batches of it said {slot.num_micro_batches}",
+                    batch_id,
+                    step,
+                )
             other = slot.batch_ids.get(index)
             if other is not None:
-                return Refused(common_pb2.ERROR_CODE_MALFORMED_HEADER,
-                               f"micro-batch {index} of step {step} rank {rank} is already spooled as batch "
-                               f"{other!r}; a different batch {batch_id!r} cannot take its place", batch_id, step)
+                return Refused(
+                    common_pb2.ERROR_CODE_MALFORMED_HEADER,
+                    f"micro-batch {index} of step {step} rank {rank} is already spooled as batch "
+                    f"{other!r}; a different batch {batch_id!r} cannot take its place",
+                    batch_id,
+                    step,
+                )
         if size_bytes > self.max_bytes:
-            return Refused(common_pb2.ERROR_CODE_OVERSIZED,
-                           f"batch {batch_id!r} ({size_bytes} bytes spooled) can never fit in max_queue_bytes = "
-                           f"{self.max_bytes}; raise it or send smaller micro-batches", batch_id, step)
+            return Refused(
+                common_pb2.ERROR_CODE_OVERSIZED,
+                f"batch {batch_id!r} ({size_bytes} bytes spooled) can never fit in max_queue_bytes = "
+                f"{self.max_bytes}; raise it or send smaller micro-batches",
+                batch_id,
+                step,
+            )
         # Only a batch ahead of the trainers counts against the bounds: one of a step a trainer already asks for is
         # always taken, or later steps filling the queue first would keep that step from ever completing.
         ahead = step > self._frontier_step
         if ahead and (num_ahead >= self.max_batches or bytes_ahead + size_bytes > self.max_bytes):
             self._counts["backpressured"] += 1
-            reason = (f"{num_ahead} of {self.max_batches} batches" if num_ahead >= self.max_batches
-                      else f"{bytes_ahead} + {size_bytes} of {self.max_bytes} bytes")
-            return Backpressure(batch_id, step, self.retry_after_ms, f"rollout queue full ({reason} ahead of the trainers); wait until a trainer asks for the next step")
+            reason = (
+                f"{num_ahead} of {self.max_batches} batches"
+                if num_ahead >= self.max_batches
+                else f"{bytes_ahead} + {size_bytes} of {self.max_bytes} bytes"
+            )
+            return Backpressure(
+                batch_id,
+                step,
+                self.retry_after_ms,
+                f"rollout queue full ({reason} ahead of the trainers); wait until a trainer asks for the next step",
+            )
         return Accepted(batch_id, step)
 
     # ------------------------------------------------------------------ consumer side
@@ -234,7 +276,9 @@ class RolloutQueue:
         belong to a connection of that worker that is gone."""
         with self._lock:
             if worker_id:
-                for other in [sid for sid, s in self._sessions.items() if s.worker_id == worker_id and sid != session_id]:
+                for other in [
+                    sid for sid, s in self._sessions.items() if s.worker_id == worker_id and sid != session_id
+                ]:
                     del self._sessions[other]
             self._sessions.pop(session_id, None)
             self._session(session_id).worker_id = worker_id
@@ -249,9 +293,12 @@ class RolloutQueue:
         with self._lock:
             committed = self.spool.committed_step
             if committed is not None and step <= committed:
-                return Refused(common_pb2.ERROR_CODE_NOT_FOUND,
-                               f"step {step} is already committed (through step {committed}) and its batches are "
-                               "deleted; ask for a later step (a new run needs a fresh spool_dir)", step=step)
+                return Refused(
+                    common_pb2.ERROR_CODE_NOT_FOUND,
+                    f"step {step} is already committed (through step {committed}) and its batches are "
+                    "deleted; ask for a later step (a new run needs a fresh spool_dir)",
+                    step=step,
+                )
             too_far = self._beyond_window_locked(step)
             if too_far:
                 return Refused(common_pb2.ERROR_CODE_OUT_OF_ORDER, f"request refused: {too_far}", step=step)
@@ -278,8 +325,10 @@ class RolloutQueue:
         anchor = max(self._frontier_step, -1 if committed is None else committed)
         if step - anchor <= self.max_step_lead:
             return ""
-        return (f"step {step} is more than {self.max_step_lead} steps beyond the run's position (step {anchor}: the "
-                "highest step a trainer asked for or committed); raise the broker's `max_step_lead` if this is intended")
+        return (
+            f"step {step} is more than {self.max_step_lead} steps beyond the run's position (step {anchor}: the "
+            "highest step a trainer asked for or committed); raise the broker's `max_step_lead` if this is intended"
+        )
 
     def forget_delivery(self, session_id: bytes, batch_id: str) -> None:
         """A batch handed out by ``request``/``offer`` could not be sent: give it again on the next request."""
@@ -387,7 +436,9 @@ class RolloutQueue:
                     problem = f"micro-batch slot taken by {slot.batch_ids[header.micro_batch_index]!r}"
             if problem:
                 # Never silently dropped: it stays in the spool (counted against capacity) until its step is committed.
-                log.error("spool: batch cannot be served and waits for its step's commit", batch_id=batch_id, problem=problem)
+                log.error(
+                    "spool: batch cannot be served and waits for its step's commit", batch_id=batch_id, problem=problem
+                )
                 continue
             self._index(header)
 
@@ -408,8 +459,12 @@ class RolloutQueue:
         if session is None:
             if len(self._sessions) >= self.max_sessions:
                 evicted, old = self._sessions.popitem(last=False)
-                log.warning("rollout queue: too many consumer sessions, forgetting the least recently active one",
-                            max_sessions=self.max_sessions, worker_id=old.worker_id, session=evicted.hex())
+                log.warning(
+                    "rollout queue: too many consumer sessions, forgetting the least recently active one",
+                    max_sessions=self.max_sessions,
+                    worker_id=old.worker_id,
+                    session=evicted.hex(),
+                )
             session = self._sessions[session_id] = _Session()
         self._sessions.move_to_end(session_id)
         session.last_active_s = time.monotonic()
@@ -444,8 +499,10 @@ def _check_header(header: data_pb2.RolloutBatchHeader) -> str:
     if header.num_micro_batches < 1:
         return f"batch {header.batch_id!r}: num_micro_batches must be >= 1, got {header.num_micro_batches}"
     if header.micro_batch_index >= header.num_micro_batches:
-        return (f"batch {header.batch_id!r}: micro_batch_index {header.micro_batch_index} is not below "
-                f"num_micro_batches {header.num_micro_batches}")
+        return (
+            f"batch {header.batch_id!r}: micro_batch_index {header.micro_batch_index} is not below "
+            f"num_micro_batches {header.num_micro_batches}"
+        )
     return ""
 
 

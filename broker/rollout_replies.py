@@ -37,13 +37,22 @@ class RefusalLog:
             if len(self._seen) >= MAX_REFUSAL_KEYS:
                 self._seen.clear()
             self._seen[key] = [now_s, 0]
-            log.warning("rollout plane refused a message" if code >= 0 else "rollout plane note", peer=peer,
-                        code=code_name(code), reason=message)
+            log.warning(
+                "rollout plane refused a message" if code >= 0 else "rollout plane note",
+                peer=peer,
+                code=code_name(code),
+                reason=message,
+            )
             return
         seen[1] += 1
         if now_s - seen[0] >= REFUSAL_SUMMARY_INTERVAL_S:
-            log.warning("rollout plane keeps refusing messages", peer=peer, code=code_name(code),
-                        num_refused_since_last_line=seen[1], last_reason=message)
+            log.warning(
+                "rollout plane keeps refusing messages",
+                peer=peer,
+                code=code_name(code),
+                num_refused_since_last_line=seen[1],
+                last_reason=message,
+            )
             seen[0], seen[1] = now_s, 0
 
 
@@ -91,7 +100,9 @@ class PeerSender:
             if len(self._unreachable) > MAX_REFUSAL_KEYS:
                 self._unreachable.clear()
             self._unreachable.add(routing_id)
-            log.warning("rollout plane dropped a reply: peer unreachable", peer=self._peer_name(routing_id), reason=reason)
+            log.warning(
+                "rollout plane dropped a reply: peer unreachable", peer=self._peer_name(routing_id), reason=reason
+            )
         return False
 
 

@@ -11,7 +11,6 @@ from typing import Any
 from primerl.proto.v1 import data_pb2
 
 
-
 @dataclass(frozen=True)
 class StepDone:
     step: int

@@ -22,11 +22,15 @@ class LastMetrics:
         new_names = [name for name in metrics if name not in self.values]
         unseen_by_worker = [name for name in metrics if name not in own]
         if len(own) + len(unseen_by_worker) > MAX_METRIC_NAMES_PER_WORKER:
-            raise LimitReached(f"worker {worker_name!r} would report {len(own) + len(unseen_by_worker)} distinct metric "
-                               f"names; the broker keeps at most {MAX_METRIC_NAMES_PER_WORKER} per worker")
+            raise LimitReached(
+                f"worker {worker_name!r} would report {len(own) + len(unseen_by_worker)} distinct metric "
+                f"names; the broker keeps at most {MAX_METRIC_NAMES_PER_WORKER} per worker"
+            )
         if len(self.values) + len(new_names) > MAX_METRIC_NAMES:
-            raise LimitReached(f"the run would have {len(self.values) + len(new_names)} distinct metric names; "
-                               f"the broker keeps at most {MAX_METRIC_NAMES}")
+            raise LimitReached(
+                f"the run would have {len(self.values) + len(new_names)} distinct metric names; "
+                f"the broker keeps at most {MAX_METRIC_NAMES}"
+            )
         if len(self._names_by_worker) > 4 * MAX_LIVE_WORKERS:
             self._names_by_worker = {worker_name: own}
         own.update(unseen_by_worker)

@@ -36,8 +36,11 @@ class RunProgress:
         return max([self._trainer_step_floor, *steps])
 
     def orchestrator_step(self, workers: Iterable[WorkerRecord]) -> int:
-        steps = [w.orchestrator_step for w in workers
-                 if w.role == common_pb2.ROLE_ORCHESTRATOR and w.orchestrator_step is not None]
+        steps = [
+            w.orchestrator_step
+            for w in workers
+            if w.role == common_pb2.ROLE_ORCHESTRATOR and w.orchestrator_step is not None
+        ]
         return max([self._orchestrator_step_floor, *steps])
 
     def keep_steps_of(self, worker: WorkerRecord) -> None:

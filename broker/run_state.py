@@ -70,8 +70,9 @@ class RunState:
     finished_step: int = 0
 
     def to_json(self, updated_unix_ms: int) -> bytes:
-        return json.dumps({"format": FORMAT, **asdict(self), "updated_unix_ms": updated_unix_ms},
-                          sort_keys=True, allow_nan=False).encode()
+        return json.dumps(
+            {"format": FORMAT, **asdict(self), "updated_unix_ms": updated_unix_ms}, sort_keys=True, allow_nan=False
+        ).encode()
 
     @classmethod
     def from_json(cls, data: bytes) -> RunState:
@@ -88,8 +89,14 @@ class RunState:
         if not isinstance(run_id, str) or not run_id:
             raise RunStateCorrupt("run_id is missing or not a non-empty string")
         counts = {}
-        for name in ("last_committed_step", "trainer_step", "orchestrator_step", "latest_policy_version",
-                     "last_metrics_step", "finished_step"):
+        for name in (
+            "last_committed_step",
+            "trainer_step",
+            "orchestrator_step",
+            "latest_policy_version",
+            "last_metrics_step",
+            "finished_step",
+        ):
             value = raw.get(name, 0)
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
                 raise RunStateCorrupt(f"{name} is {str(value)[:40]!r}, not a count >= 0")
@@ -136,9 +143,15 @@ class RunStateFile:
         except (OSError, RunStateCorrupt) as err:
             self._set_aside(err)
             return None
-        log.info("run state loaded", path=str(self.path), run_id=state.run_id,
-                 last_committed_step=state.last_committed_step, trainer_step=state.trainer_step,
-                 policy_version=state.latest_policy_version, finished=state.finished)
+        log.info(
+            "run state loaded",
+            path=str(self.path),
+            run_id=state.run_id,
+            last_committed_step=state.last_committed_step,
+            trainer_step=state.trainer_step,
+            policy_version=state.latest_policy_version,
+            finished=state.finished,
+        )
         return state
 
     def write(self, state: RunState, revision: int) -> bool:
@@ -174,8 +187,13 @@ class RunStateSaver:
     distinct error, with the recovery when it heals) and retried at the next interval; never fatal here.
     """
 
-    def __init__(self, snapshot: Callable[[], tuple[int, RunState]], store: RunStateFile,
-                 interval_s: float = DEFAULT_SAVE_INTERVAL_S, on_error: Callable[[str], None] | None = None):
+    def __init__(
+        self,
+        snapshot: Callable[[], tuple[int, RunState]],
+        store: RunStateFile,
+        interval_s: float = DEFAULT_SAVE_INTERVAL_S,
+        on_error: Callable[[str], None] | None = None,
+    ):
         if interval_s <= 0:
             raise ValueError(f"interval_s must be > 0, got {interval_s}")
         self._snapshot = snapshot

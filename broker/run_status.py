@@ -61,7 +61,7 @@ def trim_status(status: control_pb2.RunStatus, max_bytes: int, max_metric_names:
         del status.workers[:]
         status.workers.extend(alive)
     while status.ByteSize() > max_bytes and len(status.workers) > 1:
-        del status.workers[len(status.workers) // 2:]
+        del status.workers[len(status.workers) // 2 :]
     if status.ByteSize() > max_bytes:
         kept = dict(sorted(status.last_metrics.items())[: max_metric_names // 4])
         status.last_metrics.clear()
@@ -80,6 +80,4 @@ def role_name(role: int) -> str:
 
 def format_workers(workers: Iterable[control_pb2.WorkerInfo]) -> str:
     """``name (ROLE, STATE)`` list, for log lines."""
-    return ", ".join(
-        f"{w.name} ({role_name(w.role)}, {control_pb2.WorkerState.Name(w.state)})" for w in workers
-    )
+    return ", ".join(f"{w.name} ({role_name(w.role)}, {control_pb2.WorkerState.Name(w.state)})" for w in workers)

@@ -6,12 +6,12 @@
     service.serve_until(stop_event)   # blocks; SIGTERM/SIGINT handling is the caller's (cli/broker.py)
     service.stop(grace_s=5.0)
 
-The pieces keep their own threads: gRPC's pool, one IO thread per ZeroMQ plane, the heartbeat monitor, the
-run-state saver. Each ZeroMQ plane has a context of its own (a context has one ZAP handler: the rollout
-plane's connection gate, or with CURVE the weight plane's key check). They meet here only through callbacks and one shared core: a commit releases spooled batches;
-the weight fan-out (``weight_fanout``) owns the policy versions (the latest, and each inference worker's), which
-the weight plane drives and the registry reads; a worker's weight ack counts as its traffic; status reads every
-plane's counters.
+The pieces keep their own threads: gRPC's pool, one IO thread per ZeroMQ plane, the heartbeat monitor, the run-state
+saver. Each ZeroMQ plane has a context of its own (a context has one ZAP handler: the rollout plane's connection gate,
+or with CURVE the weight plane's key check). They meet here only through callbacks and one shared core: a commit
+releases spooled batches; the weight fan-out (``weight_fanout``) owns the policy versions (the latest, and each
+inference worker's), which the weight plane drives and the registry reads; a worker's weight ack counts as its traffic;
+status reads every plane's counters.
 
 Run state (``broker/run_state.py``): the registry's run facts live in ``<spool_dir>/run_state.json``, loaded
 at start (after the spool has locked the directory) and written before every commit answers, at the end of
@@ -30,18 +30,18 @@ from dataclasses import asdict, dataclass
 
 import zmq
 
-from primerl.configs.broker import BrokerConfig
 from primerl.broker.control_service import BrokerServicer, HeartbeatMonitor, create_grpc_server
 from primerl.broker.metrics import BrokerCollector
 from primerl.broker.registry import WorkerRegistry
 from primerl.broker.rollout_plane import RolloutPlane
 from primerl.broker.rollout_queue import RolloutQueue
 from primerl.broker.run_state import RunState, RunStateFile, RunStateSaver
-from primerl.broker.spool import RolloutSpool
-from primerl.broker.weight_plane import WeightPlane
 from primerl.broker.run_status import DataPlaneStatus, QueueDepth
+from primerl.broker.spool import RolloutSpool
 from primerl.broker.weight_fanout import WeightFanout
+from primerl.broker.weight_plane import WeightPlane
 from primerl.broker.weight_store import WeightStore
+from primerl.configs.broker import BrokerConfig
 from primerl.proto.data_plane_limits import BrokerLimits
 from primerl.runtime.addresses import url_host
 from primerl.runtime.config_common import is_loopback_host
@@ -105,8 +105,10 @@ class BrokerService:
         # One payload frame of at most max_message_bytes (libzmq's MAXMSGSIZE is per frame); bigger weight
         # updates travel as chunks of that size. Every worker learns them when it registers.
         self.data_plane_limits = BrokerLimits.for_max_message_bytes(
-            config.max_message_bytes, max_payload_frames=config.max_payload_frames,
-            max_transfer_bytes=config.resolved_max_transfer_bytes)
+            config.max_message_bytes,
+            max_payload_frames=config.max_payload_frames,
+            max_transfer_bytes=config.resolved_max_transfer_bytes,
+        )
         self.limits, self.chunk_bytes = self.data_plane_limits.frames, self.data_plane_limits.weight_chunk_bytes
         self._context: zmq.Context | None = None  # the rollout plane's
         self._weight_context: zmq.Context | None = None  # one per plane: each context has one ZAP handler
@@ -149,26 +151,44 @@ class BrokerService:
             curve = self._curve_server()
             self._context = zmq.Context()
             self._weight_context = zmq.Context()
-            self._queue = RolloutQueue(RolloutSpool(config.spool_dir, cache_max_bytes=config.read_cache_bytes),
-                                       config.max_queue_batches, config.max_queue_bytes,
-                                       max_step_lead=config.max_step_lead)
+            self._queue = RolloutQueue(
+                RolloutSpool(config.spool_dir, cache_max_bytes=config.read_cache_bytes),
+                config.max_queue_batches,
+                config.max_queue_bytes,
+                max_step_lead=config.max_step_lead,
+            )
             self.run_state_file = RunStateFile(config.spool_dir)  # the spool holds the directory's lock now
             self._restore_run_state()
-            self._saver = RunStateSaver(self.registry.run_state, self.run_state_file,
-                                        on_error=lambda message: self.registry.record_error("broker", message))
+            self._saver = RunStateSaver(
+                self.registry.run_state,
+                self.run_state_file,
+                on_error=lambda message: self.registry.record_error("broker", message),
+            )
             self._saver.start()
             self.rollout_plane = RolloutPlane(
-                self._queue, self._context, config.host, config.rollout_port,
-                limits=self.limits, auth_token=config.run_token, on_error=self._on_data_plane_error,
-                rcv_hwm=config.rollout_hwm, max_connections=config.max_rollout_connections,
+                self._queue,
+                self._context,
+                config.host,
+                config.rollout_port,
+                limits=self.limits,
+                auth_token=config.run_token,
+                on_error=self._on_data_plane_error,
+                rcv_hwm=config.rollout_hwm,
+                max_connections=config.max_rollout_connections,
             )
             self.rollout_plane.curve = curve
             with _naming_the_setting("rollout_port", "ZeroMQ rollout", config.host, config.rollout_port):
                 rollout_port = self.rollout_plane.start()
             self.weight_plane = WeightPlane(
-                self.weight_store, self._weight_context, config.host, config.weight_port,
-                limits=self.limits, auth_token=config.run_token, chunk_bytes=self.chunk_bytes,
-                on_applied=self._on_weights_applied, hwm=config.weight_hwm,
+                self.weight_store,
+                self._weight_context,
+                config.host,
+                config.weight_port,
+                limits=self.limits,
+                auth_token=config.run_token,
+                chunk_bytes=self.chunk_bytes,
+                on_applied=self._on_weights_applied,
+                hwm=config.weight_hwm,
                 transfer_stall_timeout_s=config.transfer_stall_timeout_s,
                 max_open_transfer_bytes=config.resolved_max_open_transfer_bytes,
                 max_open_transfers_per_publisher=config.max_open_transfers_per_publisher,
@@ -183,12 +203,17 @@ class BrokerService:
             # What workers dial: advertise_host, else host; a wildcard is replaced by each worker with the host it
             # dialed the broker at (primerl.runtime.addresses), so nothing here assumes loopback.
             endpoint_host = url_host(config.endpoint_host)
-            self.registry.set_endpoints(tcp_endpoint(endpoint_host, rollout_port),
-                                        tcp_endpoint(endpoint_host, weight_port))
+            self.registry.set_endpoints(
+                tcp_endpoint(endpoint_host, rollout_port), tcp_endpoint(endpoint_host, weight_port)
+            )
             with _naming_the_setting("grpc_port", "gRPC", config.host, config.grpc_port):
                 self._server, grpc_port = create_grpc_server(
-                    self.servicer, config.host, config.grpc_port, run_token=config.run_token,
-                    tls_cert_path=config.tls_cert_path, tls_key_path=config.tls_key_path,
+                    self.servicer,
+                    config.host,
+                    config.grpc_port,
+                    run_token=config.run_token,
+                    tls_cert_path=config.tls_cert_path,
+                    tls_key_path=config.tls_key_path,
                     tls_client_ca_path=config.tls_client_ca_path,
                 )
             self._server.start()
@@ -199,10 +224,17 @@ class BrokerService:
         self._warn_about_auth()
         metrics_url = self.exporter.url if self.exporter is not None else None
         self.endpoints = BrokerEndpoints(grpc_port, rollout_port, weight_port, self.run_id, metrics_url)
-        log.info("broker serving", host=config.host, endpoint_host=config.endpoint_host, spool_dir=str(config.spool_dir),
-                 auth=bool(config.run_token),
-                 tls=config.tls_cert_path is not None, client_certificates=config.tls_client_ca_path is not None,
-                 curve=curve is not None, **self.endpoints.as_dict())
+        log.info(
+            "broker serving",
+            host=config.host,
+            endpoint_host=config.endpoint_host,
+            spool_dir=str(config.spool_dir),
+            auth=bool(config.run_token),
+            tls=config.tls_cert_path is not None,
+            client_certificates=config.tls_client_ca_path is not None,
+            curve=curve is not None,
+            **self.endpoints.as_dict(),
+        )
         return self.endpoints
 
     def _curve_server(self) -> CurveServer | None:
@@ -211,8 +243,11 @@ class BrokerService:
         if config.curve_secret_key_path is None or config.curve_authorized_keys_dir is None:
             return None
         curve = CurveServer.load(config.curve_secret_key_path, config.curve_authorized_keys_dir)
-        log.info("CURVE on the ZeroMQ planes", num_authorized_keys=len(curve.authorized_keys),
-                 authorized_keys_dir=str(config.curve_authorized_keys_dir))
+        log.info(
+            "CURVE on the ZeroMQ planes",
+            num_authorized_keys=len(curve.authorized_keys),
+            authorized_keys_dir=str(config.curve_authorized_keys_dir),
+        )
         return curve
 
     def _warn_about_auth(self) -> None:
@@ -222,16 +257,25 @@ class BrokerService:
         if config.run_token:
             return
         if is_loopback_host(config.host):
-            log.warning("no run_token: any process on this machine can send to and read from the broker; "
-                        "set run_token (or PRIMERL_RUN_TOKEN) to require it", host=config.host)
+            log.warning(
+                "no run_token: any process on this machine can send to and read from the broker; "
+                "set run_token (or PRIMERL_RUN_TOKEN) to require it",
+                host=config.host,
+            )
         else:
-            log.warning("no run_token on a non-loopback address (allow_remote_without_token = true): anyone who "
-                        "can reach these ports can feed rollouts, publish weights and read the run", host=config.host)
+            log.warning(
+                "no run_token on a non-loopback address (allow_remote_without_token = true): anyone who "
+                "can reach these ports can feed rollouts, publish weights and read the run",
+                host=config.host,
+            )
 
     def serve_until(self, stop_event: threading.Event, check_interval_s: float = 0.5) -> int:
         """Block until ``stop_event`` is set; returns 1 if a data plane's IO thread died, else 0."""
         while not stop_event.wait(check_interval_s):
-            for name, alive in (("rollout plane", self.rollout_plane.running), ("weight plane", self.weight_plane.running)):
+            for name, alive in (
+                ("rollout plane", self.rollout_plane.running),
+                ("weight plane", self.weight_plane.running),
+            ):
                 if not alive:
                     log.error("a data plane stopped unexpectedly; shutting down", plane=name)
                     return 1
@@ -268,8 +312,12 @@ class BrokerService:
         state = self.run_state_file.load()
         committed = self._queue.spool.committed_step or 0
         if state is not None and self.config.run_id is not None and state.run_id != self.config.run_id:
-            log.warning("run state of another run ignored", path=str(self.run_state_file.path),
-                        stored_run_id=state.run_id, configured_run_id=self.config.run_id)
+            log.warning(
+                "run state of another run ignored",
+                path=str(self.run_state_file.path),
+                stored_run_id=state.run_id,
+                configured_run_id=self.config.run_id,
+            )
             state = None
         if state is None and not committed:
             return
@@ -278,13 +326,22 @@ class BrokerService:
             self.run_id = state.run_id
             bind_context(run_id=self.run_id)
         _, restored = self.registry.run_state()
-        log.info("run state restored", last_committed_step=restored.last_committed_step,
-                 trainer_step=restored.trainer_step, orchestrator_step=restored.orchestrator_step,
-                 policy_version=restored.latest_policy_version, last_metrics_step=restored.last_metrics_step,
-                 num_metrics=len(restored.last_metrics), finished=restored.finished)
+        log.info(
+            "run state restored",
+            last_committed_step=restored.last_committed_step,
+            trainer_step=restored.trainer_step,
+            orchestrator_step=restored.orchestrator_step,
+            policy_version=restored.latest_policy_version,
+            last_metrics_step=restored.last_metrics_step,
+            num_metrics=len(restored.last_metrics),
+            finished=restored.finished,
+        )
         if state is not None and state.finished and not restored.finished:
-            log.warning("the run state says the run finished, but max_steps is higher now: the run goes on",
-                        finished_step=state.finished_step, max_steps=self.config.max_steps)
+            log.warning(
+                "the run state says the run finished, but max_steps is higher now: the run goes on",
+                finished_step=state.finished_step,
+                max_steps=self.config.max_steps,
+            )
 
     def _persist_run_state(self, revision: int, state: RunState) -> None:
         if self.run_state_file is not None:
@@ -315,12 +372,16 @@ class BrokerService:
         if self.rollout_plane is not None:
             rollout = self.rollout_plane.status()
             queue = rollout.queue
-            queues.append(QueueDepth("rollouts", queue.num_batches, queue.num_bytes, queue.max_batches, queue.max_bytes))
+            queues.append(
+                QueueDepth("rollouts", queue.num_batches, queue.num_bytes, queue.max_batches, queue.max_bytes)
+            )
             batches_per_s, bytes_per_s = rollout.batches_in_per_s, rollout.bytes_in_per_s
         if self.weight_plane is not None:
             weights = self.weight_plane.status()
             store = weights.store
-            queues.append(QueueDepth("weights", (store.snapshot_version is not None) + store.num_deltas, store.num_bytes))
+            queues.append(
+                QueueDepth("weights", (store.snapshot_version is not None) + store.num_deltas, store.num_bytes)
+            )
             weight_bytes_per_s = weights.bytes_out_per_s
         return DataPlaneStatus(
             queues=queues,

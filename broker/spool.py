@@ -105,8 +105,13 @@ class RolloutSpool:
     ever sees a batch that is wholly written, or ``BatchGone`` if it was deleted meanwhile.
     """
 
-    def __init__(self, directory: str | os.PathLike[str], *, verify_on_read: bool = True,
-                 cache_max_bytes: int = DEFAULT_CACHE_MAX_BYTES):
+    def __init__(
+        self,
+        directory: str | os.PathLike[str],
+        *,
+        verify_on_read: bool = True,
+        cache_max_bytes: int = DEFAULT_CACHE_MAX_BYTES,
+    ):
         if cache_max_bytes < 0:
             raise ValueError(f"cache_max_bytes must be >= 0, got {cache_max_bytes}")
         self.directory = Path(directory)
@@ -162,8 +167,13 @@ class RolloutSpool:
             self._num_file_bytes = sum(e.file_bytes for e in entries.values())
             self._committed_step = committed
             self._loaded = True
-        log.info("spool loaded", directory=str(self.directory), num_batches=len(entries),
-                 num_bytes=self._num_file_bytes, committed_step=committed)
+        log.info(
+            "spool loaded",
+            directory=str(self.directory),
+            num_batches=len(entries),
+            num_bytes=self._num_file_bytes,
+            committed_step=committed,
+        )
         return dict(entries)
 
     # ------------------------------------------------------------------ batches
@@ -204,8 +214,11 @@ class RolloutSpool:
             if crc32 is None:
                 crc32 = compute_checksum(data_pb2.ROLLOUT_BATCH, header_bytes, [view])
             prepared.append((batch_id, header, bytes(header_bytes), view, crc32))
-        files = [(batch_file_name(p[0]), [PREFIX.pack(MAGIC, len(p[2]), p[3].nbytes, p[4]), p[2], p[3]])
-                 for p in prepared if p is not None]
+        files = [
+            (batch_file_name(p[0]), [PREFIX.pack(MAGIC, len(p[2]), p[3].nbytes, p[4]), p[2], p[3]])
+            for p in prepared
+            if p is not None
+        ]
         if not files:
             return [False] * len(prepared)
         try:
@@ -223,8 +236,9 @@ class RolloutSpool:
                 if batch_id in self._entries:  # a concurrent put of the same batch won; same bytes on disk
                     written.append(False)
                     continue
-                self._entries[batch_id] = SpoolEntry(batch_id, header, self.directory / batch_file_name(batch_id),
-                                                     view.nbytes, file_bytes)
+                self._entries[batch_id] = SpoolEntry(
+                    batch_id, header, self.directory / batch_file_name(batch_id), view.nbytes, file_bytes
+                )
                 self._num_file_bytes += file_bytes
                 self._cache_put_locked(batch_id, header_bytes, view, crc32)
                 written.append(True)
@@ -254,7 +268,9 @@ class RolloutSpool:
         header, payload, _, _ = self._read_entry(batch_id, entry)
         return header, payload
 
-    def _read_entry(self, batch_id: str, entry: SpoolEntry) -> tuple[data_pb2.RolloutBatchHeader, memoryview, int, bytes]:
+    def _read_entry(
+        self, batch_id: str, entry: SpoolEntry
+    ) -> tuple[data_pb2.RolloutBatchHeader, memoryview, int, bytes]:
         try:
             read_entry, payload, crc32, header_bytes = self._read_file(entry.path, verify=self.verify_on_read)
         except FileNotFoundError:
@@ -368,8 +384,10 @@ class RolloutSpool:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             os.close(fd)
-            raise SpoolError(f"spool directory {self.directory} is in use by another broker (or another spool in this "
-                             "process); give each broker its own spool_dir") from None
+            raise SpoolError(
+                f"spool directory {self.directory} is in use by another broker (or another spool in this "
+                "process); give each broker its own spool_dir"
+            ) from None
         self._lock_fd = fd
 
     def _check_loaded(self) -> None:
@@ -410,6 +428,10 @@ class RolloutSpool:
         except OSError as exc:
             target = None
             log.error("spool: cannot quarantine a damaged file", path=str(path), error=str(exc))
-        log.error("spool: damaged batch file quarantined", path=str(path), reason=reason,
-                  moved_to=str(target) if target else None)
+        log.error(
+            "spool: damaged batch file quarantined",
+            path=str(path),
+            reason=reason,
+            moved_to=str(target) if target else None,
+        )
         raise SpoolCorruption(f"{path}: {reason}")

@@ -44,7 +44,9 @@ def read_batch_file(path: Path, *, verify: bool) -> tuple[data_pb2.RolloutBatchH
         if magic != MAGIC:
             raise DamagedBatchFile(f"magic {magic!r} is not {MAGIC!r}")
         if header_len > MAX_HEADER_BYTES or PREFIX_BYTES + header_len + payload_len != file_bytes:
-            raise DamagedBatchFile(f"lengths (header {header_len}, payload {payload_len}) do not add up to the file size {file_bytes}")
+            raise DamagedBatchFile(
+                f"lengths (header {header_len}, payload {payload_len}) do not add up to the file size {file_bytes}"
+            )
         buffer = bytearray(header_len + payload_len)
         view = memoryview(buffer)
         filled = 0

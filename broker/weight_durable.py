@@ -121,8 +121,11 @@ class WeightDurability:
             try:
                 updates = self._load_chain(manifest_path, lineage)
             except (DurableWeightsError, OSError, ValueError, KeyError, TypeError) as exc:
-                log.error("durable weights: the saved chain is unusable; starting without a snapshot",
-                          directory=str(self.directory), error=str(exc))
+                log.error(
+                    "durable weights: the saved chain is unusable; starting without a snapshot",
+                    directory=str(self.directory),
+                    error=str(exc),
+                )
                 manifest_path.unlink(missing_ok=True)
                 updates = []
         self._written = {update_file_name(u) for u in updates}
@@ -159,8 +162,10 @@ class WeightDurability:
         """A new lineage was accepted: record it and withdraw the old chain, durably, before returning."""
         with self._lock:
             (self.directory / MANIFEST_FILE).unlink(missing_ok=True)
-            _write_atomic(self.directory / LINEAGE_FILE,
-                          json.dumps({"lineage": lineage, "lineage_base_version": base_version}).encode())
+            _write_atomic(
+                self.directory / LINEAGE_FILE,
+                json.dumps({"lineage": lineage, "lineage_base_version": base_version}).encode(),
+            )
             self._lineage = lineage
         log.info("durable weights: new lineage recorded", lineage=lineage, lineage_base_version=base_version)
 
@@ -186,8 +191,11 @@ class WeightDurability:
                     self.last_error = None
                 except OSError as exc:  # a full or failing disk: serving goes on from memory; said once per error
                     if str(exc) != self.last_error:
-                        log.error("durable weights: could not write the latest chain; a broker restart would "
-                                  "lose it", directory=str(self.directory), error=str(exc))
+                        log.error(
+                            "durable weights: could not write the latest chain; a broker restart would lose it",
+                            directory=str(self.directory),
+                            error=str(exc),
+                        )
                     self.last_error = str(exc)
                 with self._idle:
                     self._done = target
@@ -223,8 +231,12 @@ class WeightDurability:
             if removed:
                 fsync_dir(self.directory)
         if chain:
-            log.debug("durable weights written", latest_version=chain[-1].policy_version, lineage=lineage,
-                      num_updates=len(chain))
+            log.debug(
+                "durable weights written",
+                latest_version=chain[-1].policy_version,
+                lineage=lineage,
+                num_updates=len(chain),
+            )
 
     def payload_on_disk(self, update: StoredUpdate) -> memoryview | None:
         """A read-only view of ``update``'s payload mapped from its durable file (pages of the page cache, not of
@@ -244,7 +256,7 @@ class WeightDurability:
         magic, header_len, payload_len, _ = PREFIX.unpack_from(view)
         if magic != MAGIC or payload_len != update.num_bytes or view.nbytes != PREFIX.size + header_len + payload_len:
             return None
-        return view[PREFIX.size + header_len:]
+        return view[PREFIX.size + header_len :]
 
     def flush(self, timeout_s: float = 10.0) -> bool:
         """Wait until everything the store held when called is written (tests, shutdown); True when done."""
@@ -268,8 +280,11 @@ class WeightDurability:
 def _write_update(path: Path, update: StoredUpdate) -> None:
     header = update.header.SerializeToString()
     crc = zlib.crc32(header)
-    write_atomically(path, [PREFIX.pack(MAGIC, len(header), update.num_bytes, crc), header, *update.segments],
-                     temp_path=path.with_name(path.name + TEMP_SUFFIX))
+    write_atomically(
+        path,
+        [PREFIX.pack(MAGIC, len(header), update.num_bytes, crc), header, *update.segments],
+        temp_path=path.with_name(path.name + TEMP_SUFFIX),
+    )
 
 
 def _read_update(path: Path) -> StoredUpdate:
@@ -281,11 +296,12 @@ def _read_update(path: Path) -> StoredUpdate:
     if magic != MAGIC:
         raise DurableWeightsError(f"{path.name}: not a durable weight update (magic {magic!r})")
     if len(data) != PREFIX.size + header_len + payload_len:
-        raise DurableWeightsError(f"{path.name}: {len(data)} bytes, the prefix says "
-                                  f"{PREFIX.size + header_len + payload_len}")
+        raise DurableWeightsError(
+            f"{path.name}: {len(data)} bytes, the prefix says {PREFIX.size + header_len + payload_len}"
+        )
     view = memoryview(data)
-    header_bytes = view[PREFIX.size:PREFIX.size + header_len]
-    payload = view[PREFIX.size + header_len:].toreadonly()
+    header_bytes = view[PREFIX.size : PREFIX.size + header_len]
+    payload = view[PREFIX.size + header_len :].toreadonly()
     if zlib.crc32(header_bytes) != crc:
         raise DurableWeightsError(f"{path.name}: CRC-32 of the header mismatch (the file is damaged)")
     header = data_pb2.WeightUpdateHeader.FromString(bytes(header_bytes))

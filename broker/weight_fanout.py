@@ -97,16 +97,28 @@ class _Member:
     retries: int = 0
 
     def status(self) -> WeightWorkerStatus:
-        return WeightWorkerStatus(worker_id=self.worker_id, policy_version=self.acked_version,
-                                  num_pending=len(self.queue) + (self.sending is not None),
-                                  num_unacked=len(self.unacked), num_retries=self.retries, lineage=self.acked_lineage)
+        return WeightWorkerStatus(
+            worker_id=self.worker_id,
+            policy_version=self.acked_version,
+            num_pending=len(self.queue) + (self.sending is not None),
+            num_unacked=len(self.unacked),
+            num_retries=self.retries,
+            lineage=self.acked_lineage,
+        )
 
 
 class WeightFanout:
     """See the module docstring."""
 
-    def __init__(self, store: WeightStore, *, ack_timeout_s: float = 30.0, max_retries: int = 3,
-                 max_workers: int = 1024, clock: Callable[[], float] = time.monotonic):
+    def __init__(
+        self,
+        store: WeightStore,
+        *,
+        ack_timeout_s: float = 30.0,
+        max_retries: int = 3,
+        max_workers: int = 1024,
+        clock: Callable[[], float] = time.monotonic,
+    ):
         if ack_timeout_s <= 0 or max_retries < 0:
             raise ValueError("ack_timeout_s must be > 0 and max_retries >= 0")
         self.store = store
@@ -128,8 +140,9 @@ class WeightFanout:
         status = self.store.status()
         if status.latest_version is None:
             with self._lock:
-                return LatestPolicy(self._restored_version, status.lineage, status.lineage_base_version,
-                                    status.num_rollbacks)
+                return LatestPolicy(
+                    self._restored_version, status.lineage, status.lineage_base_version, status.num_rollbacks
+                )
         return LatestPolicy(status.latest_version, status.lineage, status.lineage_base_version, status.num_rollbacks)
 
     def watch(self, callback: Callable[[], None]) -> None:
@@ -142,7 +155,9 @@ class WeightFanout:
         with self._lock:
             self._restored_version = version
 
-    def put(self, header: data_pb2.WeightUpdateHeader, payload: Any, *, computed_digest: str | None = None) -> PutResult:
+    def put(
+        self, header: data_pb2.WeightUpdateHeader, payload: Any, *, computed_digest: str | None = None
+    ) -> PutResult:
         """Store a whole update (``WeightStore.put``: raises ``WeightUpdateRefused``) and, unless it is one held
         already, plan every member again. ``latest()`` says the new version before this returns (before the
         publisher's ack is sent)."""
@@ -196,8 +211,11 @@ class WeightFanout:
     def next_receivers(self, update: StoredUpdate) -> set[str]:
         """Members receiving ``update`` now, or next (nothing else before it)."""
         with self._lock:
-            return {worker_id for worker_id, member in self._members.items()
-                    if member.sending is update or (member.sending is None and member.queue[:1] == [update])}
+            return {
+                worker_id
+                for worker_id, member in self._members.items()
+                if member.sending is update or (member.sending is None and member.queue[:1] == [update])
+            }
 
     def is_sending(self, update: StoredUpdate) -> bool:
         """Whether some member is in the middle of receiving ``update``."""
@@ -233,8 +251,12 @@ class WeightFanout:
             if worker_id in self._gone:
                 return Joined.GONE
             member = self._members.get(worker_id)
-            if (member is not None and not reconnected and member.acked_version == version
-                    and member.acked_lineage == lineage):
+            if (
+                member is not None
+                and not reconnected
+                and member.acked_version == version
+                and member.acked_lineage == lineage
+            ):
                 return Joined.REPEATED
             if member is None or reconnected:
                 if member is not None:
@@ -242,8 +264,14 @@ class WeightFanout:
                     self._forget_locked(member, count=False)
                 if len(self._members) >= self.max_workers:
                     return Joined.FULL
-                member = _Member(worker_id=worker_id, acked_version=version, sent_version=version,
-                                 acked_lineage=lineage, sent_lineage=lineage, last_progress_s=self._clock())
+                member = _Member(
+                    worker_id=worker_id,
+                    acked_version=version,
+                    sent_version=version,
+                    acked_lineage=lineage,
+                    sent_lineage=lineage,
+                    last_progress_s=self._clock(),
+                )
                 self._members[worker_id] = member
                 log.info("weight subscriber joined", worker_id=worker_id, policy_version=version, lineage=lineage)
                 outcome = Joined.JOINED
@@ -278,8 +306,9 @@ class WeightFanout:
 
     # -- acknowledgements ----------------------------------------------------------------------------
 
-    def ack(self, worker_id: str, version: int, lineage: int, *, applied: bool,
-            error: common_pb2.ErrorDetail | None = None) -> bool | None:
+    def ack(
+        self, worker_id: str, version: int, lineage: int, *, applied: bool, error: common_pb2.ErrorDetail | None = None
+    ) -> bool | None:
         """A member acknowledged ``version`` (``applied``) or failed to apply it. None: not a member (it must say
         HELLO); False: it was forgotten (too many failures in a row); True: taken."""
         with self._lock:
@@ -290,9 +319,13 @@ class WeightFanout:
             if applied:
                 return self._applied_locked(member, version, lineage)
             detail = error or common_pb2.ErrorDetail()
-            log.warning("weight subscriber failed to apply an update; it will get the full snapshot",
-                        worker_id=worker_id, policy_version=version, code=framing.error_code_name(detail.code),
-                        error=detail.message[:300])
+            log.warning(
+                "weight subscriber failed to apply an update; it will get the full snapshot",
+                worker_id=worker_id,
+                policy_version=version,
+                code=framing.error_code_name(detail.code),
+                error=detail.message[:300],
+            )
             member.retries += 1
             if member.retries > self.max_retries:
                 self._forget_locked(member, reason=f"failed to apply updates {member.retries} times in a row")
@@ -303,8 +336,9 @@ class WeightFanout:
             return True
 
     def _applied_locked(self, member: _Member, version: int, lineage: int) -> bool:
-        sent = next((entry for entry in member.unacked
-                     if entry[0] == version and (lineage == entry[1] or not lineage)), None)
+        sent = next(
+            (entry for entry in member.unacked if entry[0] == version and (lineage == entry[1] or not lineage)), None
+        )
         if sent is not None:
             member.retries = 0
             while member.unacked and member.unacked.popleft() != sent:
@@ -314,13 +348,18 @@ class WeightFanout:
         if any(entry[0] == version for entry in member.unacked):
             # Sent (v, new lineage), acknowledged (v, another lineage): it kept the weights it had.
             member.retries += 1
-            log.warning("weight subscriber kept another lineage's weights of the version it was sent",
-                        worker_id=member.worker_id, policy_version=version, lineage=lineage,
-                        sent_lineage=next(entry[1] for entry in member.unacked if entry[0] == version),
-                        attempt=member.retries)
+            log.warning(
+                "weight subscriber kept another lineage's weights of the version it was sent",
+                worker_id=member.worker_id,
+                policy_version=version,
+                lineage=lineage,
+                sent_lineage=next(entry[1] for entry in member.unacked if entry[0] == version),
+                attempt=member.retries,
+            )
             if member.retries > self.max_retries:
-                self._forget_locked(member, reason=f"did not load lineage {self.store.lineage} after "
-                                                   f"{member.retries} tries")
+                self._forget_locked(
+                    member, reason=f"did not load lineage {self.store.lineage} after {member.retries} tries"
+                )
                 return False
         else:
             member.retries = 0
@@ -361,17 +400,23 @@ class WeightFanout:
         now_s = self._clock() if now_s is None else now_s
         with self._lock:
             for member in list(self._members.values()):
-                if not (member.unacked and member.sending is None
-                        and now_s - member.last_progress_s > self.ack_timeout_s):
+                if not (
+                    member.unacked and member.sending is None and now_s - member.last_progress_s > self.ack_timeout_s
+                ):
                     continue
                 member.retries += 1
                 if member.retries > self.max_retries:
-                    self._forget_locked(member, reason=f"no WEIGHT_ACK for v{member.unacked[-1][0]} after "
-                                                       f"{member.retries} tries")
+                    self._forget_locked(
+                        member, reason=f"no WEIGHT_ACK for v{member.unacked[-1][0]} after {member.retries} tries"
+                    )
                     continue
-                log.warning("no WEIGHT_ACK in time; sending the plan again", worker_id=member.worker_id,
-                            awaited_version=member.unacked[-1][0], acked_version=member.acked_version,
-                            attempt=member.retries)
+                log.warning(
+                    "no WEIGHT_ACK in time; sending the plan again",
+                    worker_id=member.worker_id,
+                    awaited_version=member.unacked[-1][0],
+                    acked_version=member.acked_version,
+                    attempt=member.retries,
+                )
                 member.unacked.clear()
                 member.sent_version, member.sent_lineage = member.acked_version, member.acked_lineage
                 member.last_progress_s = now_s
@@ -424,5 +469,9 @@ class WeightFanout:
         if count:
             self._num_forgotten += 1
         if reason:
-            log.warning("weight subscriber forgotten", worker_id=member.worker_id, reason=reason,
-                        policy_version=member.acked_version)
+            log.warning(
+                "weight subscriber forgotten",
+                worker_id=member.worker_id,
+                reason=reason,
+                policy_version=member.acked_version,
+            )

@@ -66,10 +66,19 @@ class WeightIntake:
     declared size, total declared bytes of open transfers, open transfers per publisher connection (a new one
     replaces the oldest), and a short stall timeout, so one peer cannot block another's publishing for long."""
 
-    def __init__(self, fanout: WeightFanout, limits: framing.Limits, *, max_open_transfers: int = 8,
-                 transfer_timeout_s: float = 300.0, transfer_stall_timeout_s: float = 30.0,
-                 max_open_transfer_bytes: int | None = None, max_open_transfers_per_publisher: int = 1,
-                 max_version_lead: int = 1024, forward_chunk_bytes: int | None = None):
+    def __init__(
+        self,
+        fanout: WeightFanout,
+        limits: framing.Limits,
+        *,
+        max_open_transfers: int = 8,
+        transfer_timeout_s: float = 300.0,
+        transfer_stall_timeout_s: float = 30.0,
+        max_open_transfer_bytes: int | None = None,
+        max_open_transfers_per_publisher: int = 1,
+        max_version_lead: int = 1024,
+        forward_chunk_bytes: int | None = None,
+    ):
         """``forward_chunk_bytes``: the largest chunk the plane forwards as it is; a transfer whose chunks are
         larger is forwarded once stored (re-chunked), not cut through."""
         self.fanout = fanout
@@ -77,9 +86,14 @@ class WeightIntake:
         self.max_version_lead = max_version_lead
         self.forward_chunk_bytes = forward_chunk_bytes or limits.max_frame_bytes
         self._assembler = chunked_transfer.ChunkAssembler(
-            limits=limits, max_open_transfers=max_open_transfers, timeout_s=transfer_timeout_s,
-            stall_timeout_s=transfer_stall_timeout_s, max_open_bytes=max_open_transfer_bytes,
-            max_open_per_publisher=max_open_transfers_per_publisher, zero_copy=True)
+            limits=limits,
+            max_open_transfers=max_open_transfers,
+            timeout_s=transfer_timeout_s,
+            stall_timeout_s=transfer_stall_timeout_s,
+            max_open_bytes=max_open_transfer_bytes,
+            max_open_per_publisher=max_open_transfers_per_publisher,
+            zero_copy=True,
+        )
         self._hashers: dict[tuple[str, str], PayloadHasher] = {}
         # The update each open transfer is becoming (its chunks may be on their way to members already).
         self._incoming: dict[tuple[str, str], StoredUpdate] = {}
@@ -94,9 +108,12 @@ class WeightIntake:
         header: data_pb2.WeightUpdateHeader = message.header
         if chunk.count <= 1:
             update = StoredUpdate.of(header, message.payload[0])
-            update.cache["received"] = ReceivedChunks(envelope.header, [(framing.envelope_checksum(envelope),
-                                                                         message.payload[0].nbytes)], 1,
-                                                      message.payload[0].nbytes)
+            update.cache["received"] = ReceivedChunks(
+                envelope.header,
+                [(framing.envelope_checksum(envelope), message.payload[0].nbytes)],
+                1,
+                message.payload[0].nbytes,
+            )
             return self._store(update, None)
         key = (envelope.sender, chunk.transfer_id)
         if key in self._refused_transfers:
@@ -141,18 +158,31 @@ class WeightIntake:
             log.info("weight update stored", update=update.describe(), full_required=result.full_required)
             if result.previous_lineage:
                 event = "policy rolled back" if result.rolled_back_from is not None else "policy lineage replaced"
-                log.warning(event, policy_version=header.policy_version, rolled_back_from=result.rolled_back_from,
-                            lineage=header.lineage, previous_lineage=result.previous_lineage,
-                            lineage_base_version=header.lineage_base_version, num_workers=self.fanout.num_workers)
-        ack = data_pb2.WeightAck(policy_version=header.policy_version, worker_id=BROKER_SENDER, applied=True,
-                                 full_required=result.full_required, lineage=self.store.lineage)
+                log.warning(
+                    event,
+                    policy_version=header.policy_version,
+                    rolled_back_from=result.rolled_back_from,
+                    lineage=header.lineage,
+                    previous_lineage=result.previous_lineage,
+                    lineage_base_version=header.lineage_base_version,
+                    num_workers=self.fanout.num_workers,
+                )
+        ack = data_pb2.WeightAck(
+            policy_version=header.policy_version,
+            worker_id=BROKER_SENDER,
+            applied=True,
+            full_required=result.full_required,
+            lineage=self.store.lineage,
+        )
         return IntakeReply(ack, refused=False, update=update)
 
     def expire(self, now_s: float) -> None:
         """Drop transfers that stalled or ran out of time, with their running hashes; members that were receiving
         them stop (``WeightFanout.abort``)."""
         for transfer_id in self._assembler.expire(now_s):
-            self._guard_log.warning("transfer expired", "incomplete weight transfer expired", transfer_id=transfer_id[:64])
+            self._guard_log.warning(
+                "transfer expired", "incomplete weight transfer expired", transfer_id=transfer_id[:64]
+            )
             for key in [k for k in self._hashers if k[1] == transfer_id]:
                 self._drop(key)
         # Transfers replaced by a newer one of the same publisher: drop them too.
@@ -170,9 +200,11 @@ class WeightIntake:
         make every later update of the real trainer look out of order."""
         latest = self.store.latest_version
         if latest is not None and header.policy_version > latest + self.max_version_lead:
-            raise WeightUpdateRefused(common_pb2.ERROR_CODE_OUT_OF_ORDER,
-                                      f"policy_version {header.policy_version} is more than {self.max_version_lead} "
-                                      f"versions past the latest stored one ({latest})")
+            raise WeightUpdateRefused(
+                common_pb2.ERROR_CODE_OUT_OF_ORDER,
+                f"policy_version {header.policy_version} is more than {self.max_version_lead} "
+                f"versions past the latest stored one ({latest})",
+            )
 
     def _refusal(self, header: data_pb2.WeightUpdateHeader, exc: Exception) -> IntakeReply:
         if isinstance(exc, WeightUpdateRefused):
@@ -180,12 +212,24 @@ class WeightIntake:
         else:
             assert isinstance(exc, framing.FramingError)
             detail, full_required = exc.detail(), False
-        self._guard_log.warning(("update refused", detail.code), "weight update refused",
-                                policy_version=header.policy_version, code=framing.error_code_name(detail.code),
-                                error=detail.message[:300])
-        return IntakeReply(data_pb2.WeightAck(policy_version=header.policy_version, worker_id=BROKER_SENDER,
-                                              applied=False, error=detail, full_required=full_required,
-                                              lineage=self.store.lineage), refused=True)
+        self._guard_log.warning(
+            ("update refused", detail.code),
+            "weight update refused",
+            policy_version=header.policy_version,
+            code=framing.error_code_name(detail.code),
+            error=detail.message[:300],
+        )
+        return IntakeReply(
+            data_pb2.WeightAck(
+                policy_version=header.policy_version,
+                worker_id=BROKER_SENDER,
+                applied=False,
+                error=detail,
+                full_required=full_required,
+                lineage=self.store.lineage,
+            ),
+            refused=True,
+        )
 
     def _remember_refused(self, key: tuple[str, str]) -> None:
         self._refused_transfers[key] = None

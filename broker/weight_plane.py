@@ -141,13 +141,16 @@ class WeightPlane(RouterPlane):
         fanout: WeightFanout | None = None,
     ):
         if chunk_bytes <= 0 or chunk_bytes > limits.max_frame_bytes:
-            raise ValueError(f"chunk_bytes must be in 1..limits.max_frame_bytes ({limits.max_frame_bytes}), got {chunk_bytes}")
+            raise ValueError(
+                f"chunk_bytes must be in 1..limits.max_frame_bytes ({limits.max_frame_bytes}), got {chunk_bytes}"
+            )
         if fanout is not None and fanout.store is not store:
             raise ValueError("fanout must be the fan-out core of this plane's store")
         super().__init__(context, host, port)
         self.store = store
-        self.fanout = fanout or WeightFanout(store, ack_timeout_s=ack_timeout_s, max_retries=max_retries,
-                                             max_workers=max_workers)
+        self.fanout = fanout or WeightFanout(
+            store, ack_timeout_s=ack_timeout_s, max_retries=max_retries, max_workers=max_workers
+        )
         self.limits = limits
         self.auth_token = auth_token
         self.chunk_bytes = chunk_bytes
@@ -156,10 +159,16 @@ class WeightPlane(RouterPlane):
         self.poll_interval_s = poll_interval_s
         self.max_pending_replies = max_pending_replies
         self._intake = WeightIntake(
-            self.fanout, limits, max_open_transfers=max_open_transfers, transfer_timeout_s=transfer_timeout_s,
-            transfer_stall_timeout_s=transfer_stall_timeout_s, max_open_transfer_bytes=max_open_transfer_bytes,
-            max_open_transfers_per_publisher=max_open_transfers_per_publisher, max_version_lead=max_version_lead,
-            forward_chunk_bytes=chunk_bytes)
+            self.fanout,
+            limits,
+            max_open_transfers=max_open_transfers,
+            transfer_timeout_s=transfer_timeout_s,
+            transfer_stall_timeout_s=transfer_stall_timeout_s,
+            max_open_transfer_bytes=max_open_transfer_bytes,
+            max_open_transfers_per_publisher=max_open_transfers_per_publisher,
+            max_version_lead=max_version_lead,
+            forward_chunk_bytes=chunk_bytes,
+        )
         # The connection each subscribed worker said HELLO on last, and the worker id of each such connection.
         self._peers: dict[str, bytes] = {}
         self._worker_ids: dict[bytes, str] = {}
@@ -257,19 +266,33 @@ class WeightPlane(RouterPlane):
                 return
 
     def _unexpected(self, identity: bytes, frames: list[Any], exc: Exception) -> None:
-        self._guard_log.exception(("unexpected", type(exc).__name__), "weight plane failed handling one message; serving on",
-                                  peer=identity.hex(), error=repr(exc)[:300])
-        self._send_error(identity, common_pb2.ErrorDetail(
-            code=common_pb2.ERROR_CODE_INTERNAL, message=f"broker failed handling this message: {type(exc).__name__}"),
-            framing.peek_type(frames))
+        self._guard_log.exception(
+            ("unexpected", type(exc).__name__),
+            "weight plane failed handling one message; serving on",
+            peer=identity.hex(),
+            error=repr(exc)[:300],
+        )
+        self._send_error(
+            identity,
+            common_pb2.ErrorDetail(
+                code=common_pb2.ERROR_CODE_INTERNAL,
+                message=f"broker failed handling this message: {type(exc).__name__}",
+            ),
+            framing.peek_type(frames),
+        )
 
     def _handle(self, identity: bytes, frames: list[Any]) -> None:
         self._rate_in.add(sum(len(f) for f in frames))
         try:
             message = framing.decode(frames, limits=self.limits, auth_token=self.auth_token)
         except framing.FramingError as exc:
-            self._guard_log.warning(("refused", exc.code), "refused a message on the weight socket", error=str(exc)[:300],
-                                    code=framing.error_code_name(exc.code), peer=identity.hex())
+            self._guard_log.warning(
+                ("refused", exc.code),
+                "refused a message on the weight socket",
+                error=str(exc)[:300],
+                code=framing.error_code_name(exc.code),
+                peer=identity.hex(),
+            )
             self._send_error(identity, exc.detail(), framing.peek_type(frames))
             return
         if message.type == data_pb2.WEIGHT_UPDATE:
@@ -279,15 +302,24 @@ class WeightPlane(RouterPlane):
         elif message.type == data_pb2.WEIGHT_ACK:
             self._on_worker_ack(identity, message)
         elif message.type == data_pb2.ERROR:
-            self._guard_log.warning(("peer error", message.header.error.code), "peer reported an error",
-                                    peer=message.envelope.sender[:128] or identity.hex(),
-                                    code=framing.error_code_name(message.header.error.code),
-                                    message=message.header.error.message[:300])
+            self._guard_log.warning(
+                ("peer error", message.header.error.code),
+                "peer reported an error",
+                peer=message.envelope.sender[:128] or identity.hex(),
+                code=framing.error_code_name(message.header.error.code),
+                message=message.header.error.message[:300],
+            )
         else:
-            self._send_error(identity, common_pb2.ErrorDetail(
-                code=common_pb2.ERROR_CODE_UNKNOWN_MESSAGE_TYPE,
-                message=f"{message.type_name} is not accepted on the weight socket (send rollouts to the rollout port)"),
-                message.type, in_reply_to=message.envelope.message_id)
+            self._send_error(
+                identity,
+                common_pb2.ErrorDetail(
+                    code=common_pb2.ERROR_CODE_UNKNOWN_MESSAGE_TYPE,
+                    message=f"{message.type_name} is not accepted on the weight socket "
+                    "(send rollouts to the rollout port)",
+                ),
+                message.type,
+                in_reply_to=message.envelope.message_id,
+            )
 
     # -- trainer side --------------------------------------------------------------------------------
 
@@ -295,9 +327,15 @@ class WeightPlane(RouterPlane):
         envelope = message.envelope
         reply_to = envelope.chunk.transfer_id or envelope.message_id
         if identity in self._worker_ids:
-            self._send_error(identity, common_pb2.ErrorDetail(
-                code=common_pb2.ERROR_CODE_UNKNOWN_MESSAGE_TYPE,
-                message="an inference worker may not publish weight updates"), message.type, in_reply_to=reply_to)
+            self._send_error(
+                identity,
+                common_pb2.ErrorDetail(
+                    code=common_pb2.ERROR_CODE_UNKNOWN_MESSAGE_TYPE,
+                    message="an inference worker may not publish weight updates",
+                ),
+                message.type,
+                in_reply_to=reply_to,
+            )
             return
         reply = self._intake.receive(identity, message)
         if reply.ack is not None and not reply.refused and reply.update is not None:
@@ -315,12 +353,17 @@ class WeightPlane(RouterPlane):
     def _on_hello(self, identity: bytes, message: framing.Message) -> None:
         hello: data_pb2.Hello = message.header
         if hello.role != common_pb2.ROLE_INFERENCE:
-            log.debug("hello from a non-inference peer", role=framing.role_name(hello.role), worker_id=hello.worker_id[:128])
+            log.debug(
+                "hello from a non-inference peer", role=framing.role_name(hello.role), worker_id=hello.worker_id[:128]
+            )
             return
         if not hello.worker_id:
-            self._send_error(identity, common_pb2.ErrorDetail(code=common_pb2.ERROR_CODE_MALFORMED_HEADER,
-                                                              message="HELLO needs a worker_id"), message.type,
-                             in_reply_to=message.envelope.message_id)
+            self._send_error(
+                identity,
+                common_pb2.ErrorDetail(code=common_pb2.ERROR_CODE_MALFORMED_HEADER, message="HELLO needs a worker_id"),
+                message.type,
+                in_reply_to=message.envelope.message_id,
+            )
             return
         worker_id = hello.worker_id
         version = hello.policy_version if hello.HasField("policy_version") else None
@@ -333,13 +376,22 @@ class WeightPlane(RouterPlane):
         reconnected = self._peers.get(worker_id, identity) != identity
         outcome = self.fanout.hello(worker_id, version, lineage, reconnected=reconnected)
         if outcome is Joined.FULL:
-            self._send_error(identity, common_pb2.ErrorDetail(
-                code=common_pb2.ERROR_CODE_BACKPRESSURE, retry_after_ms=5000,
-                message=f"the broker serves at most {self.fanout.max_workers} weight subscribers"), message.type)
+            self._send_error(
+                identity,
+                common_pb2.ErrorDetail(
+                    code=common_pb2.ERROR_CODE_BACKPRESSURE,
+                    retry_after_ms=5000,
+                    message=f"the broker serves at most {self.fanout.max_workers} weight subscribers",
+                ),
+                message.type,
+            )
             return
         if outcome is Joined.GONE:
-            self._guard_log.warning("gone worker", "HELLO from a worker the registry lost or saw leave: no pushes "
-                                    "until it registers again", worker_id=worker_id[:128])
+            self._guard_log.warning(
+                "gone worker",
+                "HELLO from a worker the registry lost or saw leave: no pushes until it registers again",
+                worker_id=worker_id[:128],
+            )
             return
         self._drop_peer(worker_id)
         self._peers[worker_id], self._worker_ids[identity] = identity, worker_id
@@ -350,21 +402,31 @@ class WeightPlane(RouterPlane):
         """Every HELLO gets a WEIGHT_ACK from the broker with the latest version and lineage: the subscriber's
         keep-alive doubles as its check that the broker is there."""
         latest = self.fanout.latest()
-        ack = data_pb2.WeightAck(policy_version=latest.version, worker_id=BROKER_SENDER, applied=True,
-                                 lineage=latest.lineage)
-        self._queue_reply(identity, framing.encode(data_pb2.WEIGHT_ACK, ack,
-                                                   **self._envelope(message.envelope.message_id)))
+        ack = data_pb2.WeightAck(
+            policy_version=latest.version, worker_id=BROKER_SENDER, applied=True, lineage=latest.lineage
+        )
+        self._queue_reply(
+            identity, framing.encode(data_pb2.WEIGHT_ACK, ack, **self._envelope(message.envelope.message_id))
+        )
 
     def _on_worker_ack(self, identity: bytes, message: framing.Message) -> None:
         ack: data_pb2.WeightAck = message.header
         worker_id = self._worker_ids.get(identity)
-        taken = None if worker_id is None else self.fanout.ack(
-            worker_id, ack.policy_version, ack.lineage, applied=ack.applied, error=ack.error)
+        taken = (
+            None
+            if worker_id is None
+            else self.fanout.ack(worker_id, ack.policy_version, ack.lineage, applied=ack.applied, error=ack.error)
+        )
         if taken is None:
-            self._send_error(identity, common_pb2.ErrorDetail(
-                code=common_pb2.ERROR_CODE_UNKNOWN_WORKER,
-                message="WEIGHT_ACK from a peer that has not said HELLO (or was forgotten): send HELLO first"),
-                message.type, in_reply_to=message.envelope.message_id)
+            self._send_error(
+                identity,
+                common_pb2.ErrorDetail(
+                    code=common_pb2.ERROR_CODE_UNKNOWN_WORKER,
+                    message="WEIGHT_ACK from a peer that has not said HELLO (or was forgotten): send HELLO first",
+                ),
+                message.type,
+                in_reply_to=message.envelope.message_id,
+            )
             return
         if taken and ack.applied:
             self._notify_applied(worker_id, ack.policy_version)
@@ -440,8 +502,12 @@ class WeightPlane(RouterPlane):
             version, previous_s = self._forward_lag
             same = version == update.policy_version
             self._forward_lag = (update.policy_version, max(lag_s, previous_s) if same else lag_s)
-        log.debug("weight update forwarded", worker_id=worker_id, policy_version=update.policy_version,
-                  forward_lag_ms=round(lag_s * 1000, 1))
+        log.debug(
+            "weight update forwarded",
+            worker_id=worker_id,
+            policy_version=update.policy_version,
+            forward_lag_ms=round(lag_s * 1000, 1),
+        )
 
     def _try_send(self, socket: zmq.Socket, identity: bytes, frames: list[Any]) -> bool:
         """Send without blocking; False when the peer's pipe is full; raises ``_Gone`` for a vanished peer."""
@@ -481,21 +547,42 @@ class WeightPlane(RouterPlane):
             header_bytes = received.header_bytes
             for index in range(len(forward.messages), available):
                 checksum, _ = received.checksums[index]
-                forward.messages.append(framing.encode_raw(
-                    data_pb2.WEIGHT_UPDATE, header_bytes, [update.segments[index]], checksum=checksum,
-                    chunk=data_pb2.Chunk(transfer_id=forward.transfer_id, index=index, count=forward.num_chunks,
-                                         total_bytes=received.total_bytes), **self._envelope("")))
+                forward.messages.append(
+                    framing.encode_raw(
+                        data_pb2.WEIGHT_UPDATE,
+                        header_bytes,
+                        [update.segments[index]],
+                        checksum=checksum,
+                        chunk=data_pb2.Chunk(
+                            transfer_id=forward.transfer_id,
+                            index=index,
+                            count=forward.num_chunks,
+                            total_bytes=received.total_bytes,
+                        ),
+                        **self._envelope(""),
+                    )
+                )
         return forward.messages, forward.num_chunks
 
     def _rechunked(self, update: StoredUpdate, transfer_id: str) -> list[list[Any]]:
-        pieces = [segment[start:start + self.chunk_bytes] for segment in update.segments
-                  for start in range(0, max(1, segment.nbytes), self.chunk_bytes)]
+        pieces = [
+            segment[start : start + self.chunk_bytes]
+            for segment in update.segments
+            for start in range(0, max(1, segment.nbytes), self.chunk_bytes)
+        ]
         header_bytes = update.header.SerializeToString(deterministic=True)
         total = update.num_bytes
-        return [framing.encode_raw(data_pb2.WEIGHT_UPDATE, header_bytes, [piece], checksum_kind=framing.XXH3_64,
-                                   chunk=data_pb2.Chunk(transfer_id=transfer_id, index=index, count=len(pieces),
-                                                        total_bytes=total), **self._envelope(""))
-                for index, piece in enumerate(pieces)]
+        return [
+            framing.encode_raw(
+                data_pb2.WEIGHT_UPDATE,
+                header_bytes,
+                [piece],
+                checksum_kind=framing.XXH3_64,
+                chunk=data_pb2.Chunk(transfer_id=transfer_id, index=index, count=len(pieces), total_bytes=total),
+                **self._envelope(""),
+            )
+            for index, piece in enumerate(pieces)
+        ]
 
     def _queue_reply(self, identity: bytes, frames: list[Any]) -> None:
         if len(self._replies) >= self.max_pending_replies:
@@ -503,12 +590,16 @@ class WeightPlane(RouterPlane):
             return
         self._replies.append((identity, frames))
 
-    def _send_error(self, identity: bytes, detail: common_pb2.ErrorDetail, refused_type: int, *, in_reply_to: str = "") -> None:
+    def _send_error(
+        self, identity: bytes, detail: common_pb2.ErrorDetail, refused_type: int, *, in_reply_to: str = ""
+    ) -> None:
         with self._lock:
             self._num_errors_sent += 1
         # No run token on ERROR replies: the peer may be one that failed to authenticate.
-        self._queue_reply(identity, framing.encode_error(detail, refused_type=refused_type, sender=BROKER_SENDER,
-                                                         in_reply_to=in_reply_to))
+        self._queue_reply(
+            identity,
+            framing.encode_error(detail, refused_type=refused_type, sender=BROKER_SENDER, in_reply_to=in_reply_to),
+        )
 
     def _envelope(self, in_reply_to: str) -> dict[str, str]:
         return {"sender": BROKER_SENDER, "auth_token": self.auth_token or "", "in_reply_to": in_reply_to}

@@ -47,13 +47,13 @@ Thread-safe: one lock guards all state; payloads are read-only views that are ne
 from __future__ import annotations
 
 import threading
-from dataclasses import dataclass, field
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from primerl.proto.v1 import common_pb2, data_pb2
 from primerl.proto.digests import hasher_for
 from primerl.proto.units import GiB
+from primerl.proto.v1 import common_pb2, data_pb2
 from primerl.proto.weight_refusals import WeightUpdateRefused
 from primerl.runtime.log_setup import get_logger
 
@@ -187,8 +187,13 @@ class WeightStore:
             self._durable = durable
         durable.start(self)
         if updates:
-            log.info("weight store reloaded", latest_version=updates[-1].policy_version, lineage=lineage,
-                     num_deltas=len(updates) - 1, num_bytes=sum(u.num_bytes for u in updates))
+            log.info(
+                "weight store reloaded",
+                latest_version=updates[-1].policy_version,
+                lineage=lineage,
+                num_deltas=len(updates) - 1,
+                num_bytes=sum(u.num_bytes for u in updates),
+            )
 
     def durable_chain(self) -> tuple[int, list[StoredUpdate]]:
         """(lineage, [snapshot, *deltas]) as held now: what the durability writer mirrors to disk."""
@@ -207,7 +212,9 @@ class WeightStore:
                 self._num_refused += 1
                 raise
 
-    def put(self, header: data_pb2.WeightUpdateHeader, payload: Any, *, computed_digest: str | None = None) -> PutResult:
+    def put(
+        self, header: data_pb2.WeightUpdateHeader, payload: Any, *, computed_digest: str | None = None
+    ) -> PutResult:
         """Check and store one whole update; raises ``WeightUpdateRefused`` (store unchanged) when refused.
 
         ``payload`` is kept by reference (no copy): the caller must not mutate it afterwards.
@@ -231,18 +238,23 @@ class WeightStore:
             latest_update = self._latest_update_locked()
             if self._is_resend_locked(header) and digest_ok:
                 assert latest_update is not None
-                return PutResult(update=latest_update, full_required=self._full_required_after_locked(latest_update),
-                                 duplicate=True)
+                return PutResult(
+                    update=latest_update, full_required=self._full_required_after_locked(latest_update), duplicate=True
+                )
             try:
                 self._check_header_locked(header, payload_bytes=num_bytes)
                 if not header.digest:
-                    raise WeightUpdateRefused(common_pb2.ERROR_CODE_BAD_DIGEST,
-                                              "the header has no digest: set it to the digest of the payload")
+                    raise WeightUpdateRefused(
+                        common_pb2.ERROR_CODE_BAD_DIGEST,
+                        "the header has no digest: set it to the digest of the payload",
+                    )
                 if not digest_ok:
-                    raise WeightUpdateRefused(common_pb2.ERROR_CODE_BAD_DIGEST,
-                                              f"digest of the {num_bytes}-byte payload does not match the header's "
-                                              f"{header.digest[:24]}... (payload corrupted, or digest computed over "
-                                              "other bytes)")
+                    raise WeightUpdateRefused(
+                        common_pb2.ERROR_CODE_BAD_DIGEST,
+                        f"digest of the {num_bytes}-byte payload does not match the header's "
+                        f"{header.digest[:24]}... (payload corrupted, or digest computed over "
+                        "other bytes)",
+                    )
             except WeightUpdateRefused:
                 self._num_refused += 1
                 raise
@@ -267,13 +279,20 @@ class WeightStore:
             full_required = self._full_required_after_locked(stored)
         if self._durable is not None:
             self._durable.notify()
-        return PutResult(update=stored, full_required=full_required, previous_lineage=previous_lineage,
-                         rolled_back_from=rolled_back_from)
+        return PutResult(
+            update=stored,
+            full_required=full_required,
+            previous_lineage=previous_lineage,
+            rolled_back_from=rolled_back_from,
+        )
 
     def _full_required_after_locked(self, latest: StoredUpdate) -> bool:
         # For the next delta's size, the last delta's is the best guess there is.
-        return (self.max_deltas == 0 if latest.kind in SNAPSHOT_KINDS
-                else self._chain_full_locked(next_delta_bytes=latest.num_bytes))
+        return (
+            self.max_deltas == 0
+            if latest.kind in SNAPSHOT_KINDS
+            else self._chain_full_locked(next_delta_bytes=latest.num_bytes)
+        )
 
     def _latest_update_locked(self) -> StoredUpdate | None:
         return self._deltas[-1] if self._deltas else self._snapshot
@@ -281,9 +300,14 @@ class WeightStore:
     def _is_resend_locked(self, header: data_pb2.WeightUpdateHeader) -> bool:
         """``header`` is the latest update held, sent again (a publisher that lost the broker's ack)."""
         latest = self._latest_update_locked()
-        return (latest is not None and bool(header.digest) and latest.policy_version == header.policy_version
-                and latest.lineage == header.lineage and latest.kind == header.kind
-                and latest.header.digest.lower() == header.digest.lower())
+        return (
+            latest is not None
+            and bool(header.digest)
+            and latest.policy_version == header.policy_version
+            and latest.lineage == header.lineage
+            and latest.kind == header.kind
+            and latest.header.digest.lower() == header.digest.lower()
+        )
 
     def _check_header_locked(self, header: data_pb2.WeightUpdateHeader, *, payload_bytes: int | None) -> None:
         if payload_bytes is None and self._is_resend_locked(header):
@@ -292,57 +316,76 @@ class WeightStore:
         version = header.policy_version
         latest = self._latest_locked()
         if kind not in (FULL, LORA, DELTA):
-            raise WeightUpdateRefused(common_pb2.ERROR_CODE_MALFORMED_HEADER,
-                                      f"weight update kind {kind} is not FULL, LORA or DELTA")
+            raise WeightUpdateRefused(
+                common_pb2.ERROR_CODE_MALFORMED_HEADER, f"weight update kind {kind} is not FULL, LORA or DELTA"
+            )
         if payload_bytes is not None and header.payload_bytes and header.payload_bytes != payload_bytes:
-            raise WeightUpdateRefused(common_pb2.ERROR_CODE_TRUNCATED,
-                                      f"header says {header.payload_bytes} payload bytes but {payload_bytes} arrived")
+            raise WeightUpdateRefused(
+                common_pb2.ERROR_CODE_TRUNCATED,
+                f"header says {header.payload_bytes} payload bytes but {payload_bytes} arrived",
+            )
         if header.lineage < self._lineage:
             raise WeightUpdateRefused(
                 common_pb2.ERROR_CODE_OUT_OF_ORDER,
                 f"{kind_name(kind)} v{version} belongs to lineage {header.lineage}, which lineage {self._lineage} "
                 f"(a trainer resumed at v{self._lineage_base_version}) superseded: this sender is a replaced trainer "
-                "incarnation; stop it")
+                "incarnation; stop it",
+            )
         new_lineage = header.lineage > self._lineage
         if kind in SNAPSHOT_KINDS:
             if header.base_version != 0:
-                raise WeightUpdateRefused(common_pb2.ERROR_CODE_MALFORMED_HEADER,
-                                          f"a {kind_name(kind)} update must have base_version 0, got {header.base_version}")
+                raise WeightUpdateRefused(
+                    common_pb2.ERROR_CODE_MALFORMED_HEADER,
+                    f"a {kind_name(kind)} update must have base_version 0, got {header.base_version}",
+                )
             if not new_lineage and latest is not None and version <= latest:
-                raise WeightUpdateRefused(common_pb2.ERROR_CODE_OUT_OF_ORDER,
-                                          f"{kind_name(kind)} v{version} is not newer than the latest version v{latest} "
-                                          "held (a trainer that resumed from an older checkpoint publishes under a new "
-                                          "lineage)")
+                raise WeightUpdateRefused(
+                    common_pb2.ERROR_CODE_OUT_OF_ORDER,
+                    f"{kind_name(kind)} v{version} is not newer than the latest version v{latest} "
+                    "held (a trainer that resumed from an older checkpoint publishes under a new "
+                    "lineage)",
+                )
             return
         # DELTA
         if new_lineage:
-            raise WeightUpdateRefused(common_pb2.ERROR_CODE_OUT_OF_ORDER,
-                                      f"DELTA v{version} starts lineage {header.lineage} (the broker holds lineage "
-                                      f"{self._lineage}): a new lineage starts with a FULL (or LORA) update")
+            raise WeightUpdateRefused(
+                common_pb2.ERROR_CODE_OUT_OF_ORDER,
+                f"DELTA v{version} starts lineage {header.lineage} (the broker holds lineage "
+                f"{self._lineage}): a new lineage starts with a FULL (or LORA) update",
+            )
         if latest is None:
-            raise WeightUpdateRefused(common_pb2.ERROR_CODE_OUT_OF_ORDER,
-                                      f"DELTA v{version} on v{header.base_version}: the broker holds no version yet; "
-                                      "send a FULL (or LORA) update first")
+            raise WeightUpdateRefused(
+                common_pb2.ERROR_CODE_OUT_OF_ORDER,
+                f"DELTA v{version} on v{header.base_version}: the broker holds no version yet; "
+                "send a FULL (or LORA) update first",
+            )
         if header.base_version != latest:
-            raise WeightUpdateRefused(common_pb2.ERROR_CODE_OUT_OF_ORDER,
-                                      f"DELTA v{version} applies to v{header.base_version} but the latest version held is "
-                                      f"v{latest}; send a delta against v{latest} or a FULL update")
+            raise WeightUpdateRefused(
+                common_pb2.ERROR_CODE_OUT_OF_ORDER,
+                f"DELTA v{version} applies to v{header.base_version} but the latest version held is "
+                f"v{latest}; send a delta against v{latest} or a FULL update",
+            )
         if version <= header.base_version:
-            raise WeightUpdateRefused(common_pb2.ERROR_CODE_OUT_OF_ORDER,
-                                      f"DELTA v{version} is not newer than its base v{header.base_version}")
+            raise WeightUpdateRefused(
+                common_pb2.ERROR_CODE_OUT_OF_ORDER,
+                f"DELTA v{version} is not newer than its base v{header.base_version}",
+            )
         if self._chain_full_locked(next_delta_bytes=payload_bytes or 0):
             raise WeightUpdateRefused(
                 common_pb2.ERROR_CODE_BACKPRESSURE,
                 f"the delta chain since snapshot v{self._snapshot.policy_version} is full ({len(self._deltas)} of "
                 f"{self.max_deltas} deltas, {self._delta_bytes_locked()} of {self.max_delta_bytes} bytes"
-                f"{'' if payload_bytes is None else f', this delta {payload_bytes}'}): send v{version} as a FULL update",
+                f"{'' if payload_bytes is None else f', this delta {payload_bytes}'}): "
+                f"send v{version} as a FULL update",
                 full_required=True,
             )
 
     def _chain_full_locked(self, *, next_delta_bytes: int) -> bool:
         """No room for one more delta of ``next_delta_bytes``."""
-        return (len(self._deltas) + 1 > self.max_deltas
-                or self._delta_bytes_locked() + next_delta_bytes > self.max_delta_bytes)
+        return (
+            len(self._deltas) + 1 > self.max_deltas
+            or self._delta_bytes_locked() + next_delta_bytes > self.max_delta_bytes
+        )
 
     def release_written(self, busy: Callable[[StoredUpdate], bool]) -> int:
         """Memory: each update of the chain whose durable file is written, that is not ``busy`` (being sent) and

@@ -92,8 +92,11 @@ def check_register_request(request: control_pb2.RegisterRequest) -> str:
     if len(request.address) > MAX_ADDRESS_CHARS or len(request.hostname) > MAX_ADDRESS_CHARS:
         raise InvalidRequest(f"address and hostname must be at most {MAX_ADDRESS_CHARS} characters")
     if len(request.capabilities) > MAX_CAPABILITIES or any(
-            len(k) > MAX_CAPABILITY_CHARS or len(v) > MAX_CAPABILITY_CHARS for k, v in request.capabilities.items()):
-        raise InvalidRequest(f"at most {MAX_CAPABILITIES} capabilities of at most {MAX_CAPABILITY_CHARS} characters each")
+        len(k) > MAX_CAPABILITY_CHARS or len(v) > MAX_CAPABILITY_CHARS for k, v in request.capabilities.items()
+    ):
+        raise InvalidRequest(
+            f"at most {MAX_CAPABILITIES} capabilities of at most {MAX_CAPABILITY_CHARS} characters each"
+        )
     if sum(len(k) + len(v) for k, v in request.capabilities.items()) > MAX_CAPABILITY_TOTAL_CHARS:
         raise InvalidRequest(f"capabilities hold at most {MAX_CAPABILITY_TOTAL_CHARS} characters in all")
     return name

@@ -1,5 +1,6 @@
 """The gRPC channel to the broker's control plane: TLS when a CA is given (mutual TLS with a client certificate),
-the run token on every call, and reconnect and keepalive settings that notice a restarted or silently dead broker within seconds."""
+the run token on every call, and reconnect and keepalive settings that notice a restarted or silently dead broker
+within seconds."""
 
 from __future__ import annotations
 
@@ -63,8 +64,12 @@ class _Details(grpc.ClientCallDetails):
 
 
 def create_channel(
-    address: str, *, run_token: str | None = None, tls_ca_path: str | Path | None = None,
-    tls_cert_path: str | Path | None = None, tls_key_path: str | Path | None = None,
+    address: str,
+    *,
+    run_token: str | None = None,
+    tls_ca_path: str | Path | None = None,
+    tls_cert_path: str | Path | None = None,
+    tls_key_path: str | Path | None = None,
     tls_server_name: str | None = None,
 ) -> grpc.Channel:
     """A channel to the broker: TLS when ``tls_ca_path`` is given (with this client's certificate when
@@ -79,8 +84,9 @@ def create_channel(
         if tls_cert_path is not None:
             certificate_chain = read_pem(tls_cert_path, "broker.tls_cert_path (this client's certificate)")
             private_key = read_pem(tls_key_path, "broker.tls_key_path (this client's private key)")
-        credentials = grpc.ssl_channel_credentials(root_certificates=root_certificates, private_key=private_key,
-                                                   certificate_chain=certificate_chain)
+        credentials = grpc.ssl_channel_credentials(
+            root_certificates=root_certificates, private_key=private_key, certificate_chain=certificate_chain
+        )
         options = CHANNEL_OPTIONS + ([("grpc.ssl_target_name_override", tls_server_name)] if tls_server_name else [])
         channel = grpc.secure_channel(address, credentials, options=options)
     elif tls_cert_path is not None:

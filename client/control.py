@@ -126,9 +126,14 @@ class ControlClient:
         self.rank = rank
         self.world_size = world_size
         self.rpc_timeout_s = rpc_timeout_s
-        self._channel = create_channel(config.address, run_token=config.run_token, tls_ca_path=config.tls_ca_path,
-                                       tls_cert_path=config.tls_cert_path, tls_key_path=config.tls_key_path,
-                                       tls_server_name=config.tls_server_name)
+        self._channel = create_channel(
+            config.address,
+            run_token=config.run_token,
+            tls_ca_path=config.tls_ca_path,
+            tls_cert_path=config.tls_cert_path,
+            tls_key_path=config.tls_key_path,
+            tls_server_name=config.tls_server_name,
+        )
         # The data-plane clients' CURVE credentials, read now so that a wrong file fails at start.
         self.curve = config.curve_client()
         self._stub = control_pb2_grpc.BrokerStub(self._channel)
@@ -183,8 +188,13 @@ class ControlClient:
         try:
             grpc.channel_ready_future(self._channel).result(timeout=timeout_s)
         except grpc.FutureTimeoutError:
-            tls = ("with TLS and a client certificate" if self.config.tls_cert_path else
-                   "with TLS" if self.config.tls_ca_path else "without TLS")
+            tls = (
+                "with TLS and a client certificate"
+                if self.config.tls_cert_path
+                else "with TLS"
+                if self.config.tls_ca_path
+                else "without TLS"
+            )
             raise BrokerUnavailable(
                 f"cannot reach the broker at {self.config.address} within {timeout_s:g} s ({tls}): is it running, "
                 "and is the address right? A broker with TLS (broker.tls_cert_path) needs broker.tls_ca_path here, "
@@ -214,8 +224,10 @@ class ControlClient:
         except BrokerOutageExceeded as err:
             if isinstance(watch.last_error, _NameHeld):
                 raise BrokerError(
-                    f"cannot register as {self.name!r} within broker.outage_s = {self.outage_s:g} s: {watch.last_error}",
-                    grpc.StatusCode.ALREADY_EXISTS) from None
+                    f"cannot register as {self.name!r} within broker.outage_s = {self.outage_s:g} s: "
+                    f"{watch.last_error}",
+                    grpc.StatusCode.ALREADY_EXISTS,
+                ) from None
             raise BrokerLost(str(err), grpc.StatusCode.UNAVAILABLE) from None
 
     def _register_once(self, *, only_if_unregistered: bool = False) -> control_pb2.RegisterResponse:
@@ -338,15 +350,20 @@ class ControlClient:
         )
 
     def get_run_status(self, timeout_s: float | None = None) -> control_pb2.RunStatus:
-        return self._riding_through("GetRunStatus", lambda: self._call(
-            "GetRunStatus", self._stub.GetRunStatus, control_pb2.GetRunStatusRequest(), timeout_s))
+        return self._riding_through(
+            "GetRunStatus",
+            lambda: self._call("GetRunStatus", self._stub.GetRunStatus, control_pb2.GetRunStatusRequest(), timeout_s),
+        )
 
     def list_workers(
         self, role: int | str = common_pb2.ROLE_UNSPECIFIED, include_gone: bool = False
     ) -> list[control_pb2.WorkerInfo]:
         request = control_pb2.ListWorkersRequest(role=role_from_name(role), include_gone=include_gone)
-        return list(self._riding_through(
-            "ListWorkers", lambda: self._call("ListWorkers", self._stub.ListWorkers, request)).workers)
+        return list(
+            self._riding_through(
+                "ListWorkers", lambda: self._call("ListWorkers", self._stub.ListWorkers, request)
+            ).workers
+        )
 
     def check_broker(self) -> None:
         """Raise ``BrokerOutageExceeded`` once the heartbeat thread has seen the broker unreachable for longer

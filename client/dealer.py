@@ -31,8 +31,8 @@ from zmq.utils.monitor import recv_monitor_message
 from primerl.proto import framing
 from primerl.proto.v1 import data_pb2
 from primerl.runtime.log_setup import get_logger
-from primerl.runtime.zmq_sockets import configure_socket
 from primerl.runtime.wire_security import CurveClient, timeout_hint
+from primerl.runtime.zmq_sockets import configure_socket
 
 log = get_logger("primerl.client.dealer")
 
@@ -47,8 +47,16 @@ class DealerClient:
     MONITOR_EVENTS = 0
     """Socket-monitor events the client reacts to (``_on_monitor_events``); 0: no monitor."""
 
-    def __init__(self, endpoint: str, auth_token: str | None, sender: str, *, limits: framing.Limits,
-                 context: zmq.Context | None = None, curve: CurveClient | None = None):
+    def __init__(
+        self,
+        endpoint: str,
+        auth_token: str | None,
+        sender: str,
+        *,
+        limits: framing.Limits,
+        context: zmq.Context | None = None,
+        curve: CurveClient | None = None,
+    ):
         self.endpoint = endpoint
         self.curve = curve
         self.auth_token = auth_token or None
@@ -129,8 +137,11 @@ class DealerClient:
             poller.register(self._monitor, zmq.POLLIN)
         while True:
             ready = dict(poller.poll(max(0, int((deadline_s - time.monotonic()) * 1000))))
-            if (self._monitor is not None and self._monitor in ready
-                    and self._on_monitor_events(self._read_monitor_events(), deadline_s)):
+            if (
+                self._monitor is not None
+                and self._monitor in ready
+                and self._on_monitor_events(self._read_monitor_events(), deadline_s)
+            ):
                 return False
             if self._socket in ready:
                 return True
@@ -140,8 +151,9 @@ class DealerClient:
     # ---------------------------------------------------------------------------------- sending, receiving
     def _encode(self, message_type: int, header: Any, payload: Sequence[Any] = (), **envelope: Any) -> list[Any]:
         """One message from this client (its run token and sender name)."""
-        return framing.encode(message_type, header, list(payload), auth_token=self.auth_token or "",
-                              sender=self.sender, **envelope)
+        return framing.encode(
+            message_type, header, list(payload), auth_token=self.auth_token or "", sender=self.sender, **envelope
+        )
 
     def _send(self, frames: list[Any], deadline_s: float) -> bool:
         """Send one message (zero-copy) as soon as the socket takes it; False when it did not by the deadline."""
@@ -161,10 +173,16 @@ class DealerClient:
         except framing.FramingError as exc:
             log.warning("ignored an unreadable message from the broker", endpoint=self.endpoint, error=str(exc))
             return None
-        if (self.auth_token and message.type != data_pb2.ERROR
-                and not hmac.compare_digest(message.envelope.auth_token.encode(), self.auth_token.encode())):
-            log.warning("ignored a message from the broker without the run token: is the broker's run token the "
-                        "same?", endpoint=self.endpoint, type=message.type_name)
+        if (
+            self.auth_token
+            and message.type != data_pb2.ERROR
+            and not hmac.compare_digest(message.envelope.auth_token.encode(), self.auth_token.encode())
+        ):
+            log.warning(
+                "ignored a message from the broker without the run token: is the broker's run token the same?",
+                endpoint=self.endpoint,
+                type=message.type_name,
+            )
             return None
         return message
 

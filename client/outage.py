@@ -44,8 +44,16 @@ class OutageStopped(RuntimeError):
 class OutageWatch:
     """One thing a worker waits for from the broker (e.g. ``"CommitStep(12)"``); see the module docstring."""
 
-    def __init__(self, waiting_for: str, budget_s: float, *, worker: str = "", log_every_s: float = LOG_EVERY_S,
-                 clock: Callable[[], float] = time.monotonic, logger=None):
+    def __init__(
+        self,
+        waiting_for: str,
+        budget_s: float,
+        *,
+        worker: str = "",
+        log_every_s: float = LOG_EVERY_S,
+        clock: Callable[[], float] = time.monotonic,
+        logger=None,
+    ):
         if budget_s <= 0:
             raise ValueError(f"budget_s must be > 0, got {budget_s}")
         self.waiting_for = waiting_for
@@ -88,28 +96,51 @@ class OutageWatch:
             if due:
                 self._next_log_s = now + self.log_every_s
         if elapsed_s > self.budget_s:
-            message = (f"the broker was unreachable for {elapsed_s:.0f} s while waiting for {self.waiting_for}, "
-                       f"longer than broker.outage_s = {self.budget_s:g} s; last error: {error}. Is the broker "
-                       "running and reachable? Raise broker.outage_s to wait longer.")
-            self._log.error("broker outage exceeded the budget", waiting_for=self.waiting_for, worker=self.worker,
-                            outage_s=round(elapsed_s, 1), budget_s=self.budget_s)
+            message = (
+                f"the broker was unreachable for {elapsed_s:.0f} s while waiting for {self.waiting_for}, "
+                f"longer than broker.outage_s = {self.budget_s:g} s; last error: {error}. Is the broker "
+                "running and reachable? Raise broker.outage_s to wait longer."
+            )
+            self._log.error(
+                "broker outage exceeded the budget",
+                waiting_for=self.waiting_for,
+                worker=self.worker,
+                outage_s=round(elapsed_s, 1),
+                budget_s=self.budget_s,
+            )
             raise BrokerOutageExceeded(message)
         if due:
-            self._log.warning("waiting for the broker", waiting_for=self.waiting_for, worker=self.worker,
-                              outage_s=round(elapsed_s, 1), budget_s=self.budget_s, error=str(error)[:300])
+            self._log.warning(
+                "waiting for the broker",
+                waiting_for=self.waiting_for,
+                worker=self.worker,
+                outage_s=round(elapsed_s, 1),
+                budget_s=self.budget_s,
+                error=str(error)[:300],
+            )
 
     def ok(self) -> None:
         """A call succeeded: end the current outage (logged once)."""
         with self._lock:
             started_s, self._started_s = self._started_s, None
         if started_s is not None:
-            self._log.info("broker back", waiting_for=self.waiting_for, worker=self.worker,
-                           outage_s=round(self._clock() - started_s, 1))
+            self._log.info(
+                "broker back",
+                waiting_for=self.waiting_for,
+                worker=self.worker,
+                outage_s=round(self._clock() - started_s, 1),
+            )
 
 
-def retry_through_outage(call: Callable[[], T], watch: OutageWatch, healable: tuple[type[BaseException], ...], *,
-                         stop_event: threading.Event | None = None, sleep: Callable[[float], None] | None = None,
-                         on_failure: Callable[[BaseException], None] | None = None) -> T:
+def retry_through_outage(
+    call: Callable[[], T],
+    watch: OutageWatch,
+    healable: tuple[type[BaseException], ...],
+    *,
+    stop_event: threading.Event | None = None,
+    sleep: Callable[[float], None] | None = None,
+    on_failure: Callable[[BaseException], None] | None = None,
+) -> T:
     """``call()`` until it succeeds; while it raises one of ``healable``, back off (capped) and try again.
 
     Other errors propagate at once. ``BrokerOutageExceeded`` once the watch's budget is spent; ``OutageStopped``

@@ -25,7 +25,6 @@ from typing import Any
 import zmq
 
 from primerl.client.dealer import DealerClient
-from primerl.runtime.wire_security import CurveClient
 from primerl.proto import framing
 from primerl.proto.batch_ids import default_batch_id
 from primerl.proto.data_plane_limits import DEFAULT_BROKER_LIMITS
@@ -33,6 +32,7 @@ from primerl.proto.tensor_frames import decode_tensors, encode_tensors
 from primerl.proto.units import MiB
 from primerl.proto.v1 import common_pb2, data_pb2
 from primerl.runtime.log_setup import get_logger
+from primerl.runtime.wire_security import CurveClient
 
 log = get_logger("primerl.client.rollouts")
 
@@ -85,9 +85,15 @@ def pack_batch(
         input_ids = tensors.get("input_ids")
         num_tokens = int(input_ids.shape[-1]) if input_ids is not None else 0
     header = data_pb2.RolloutBatchHeader(
-        step=step, rank=rank, micro_batch_index=micro_batch_index, num_micro_batches=num_micro_batches,
-        num_samples=num_samples, num_tokens=num_tokens, min_policy_version=min_policy_version,
-        max_policy_version=max_policy_version, tensors=specs,
+        step=step,
+        rank=rank,
+        micro_batch_index=micro_batch_index,
+        num_micro_batches=num_micro_batches,
+        num_samples=num_samples,
+        num_tokens=num_tokens,
+        min_policy_version=min_policy_version,
+        max_policy_version=max_policy_version,
+        tensors=specs,
         batch_id=batch_id or default_batch_id(step, rank, micro_batch_index),
         num_loss_tokens_global=num_loss_tokens_global,
     )
@@ -101,11 +107,20 @@ class _RolloutClient(DealerClient):
     # (broker.connection_gate) and libzmq does not try again: watch for that and reopen after a pause.
     MONITOR_EVENTS = zmq.EVENT_HANDSHAKE_FAILED_AUTH
 
-    def __init__(self, endpoint: str, auth_token: str | None, sender: str, *, context: zmq.Context | None,
-                 limits: framing.Limits | None, curve: CurveClient | None = None):
+    def __init__(
+        self,
+        endpoint: str,
+        auth_token: str | None,
+        sender: str,
+        *,
+        context: zmq.Context | None,
+        limits: framing.Limits | None,
+        curve: CurveClient | None = None,
+    ):
         self.num_handshake_refusals = 0
-        super().__init__(endpoint, auth_token, sender, limits=limits or DEFAULT_BROKER_LIMITS.frames, context=context,
-                         curve=curve)
+        super().__init__(
+            endpoint, auth_token, sender, limits=limits or DEFAULT_BROKER_LIMITS.frames, context=context, curve=curve
+        )
 
     def _on_monitor_events(self, events: Sequence[int], deadline_s: float) -> bool:
         """The broker refused this connection at the handshake: wait a moment (within ``deadline_s``) and connect
@@ -114,11 +129,18 @@ class _RolloutClient(DealerClient):
             return False
         self.num_handshake_refusals += 1
         if self.num_handshake_refusals == 1 or self.num_handshake_refusals % 20 == 0:
-            log.warning("the broker refused this rollout connection at the handshake: it has as many peers as "
-                        "broker.max_rollout_connections admits"
-                        + ("" if self.curve is None else ", or this client's CURVE key is not in "
-                           "broker.curve_authorized_keys_dir") + "; retrying", endpoint=self.endpoint,
-                        refusals=self.num_handshake_refusals)
+            log.warning(
+                "the broker refused this rollout connection at the handshake: it has as many peers as "
+                "broker.max_rollout_connections admits"
+                + (
+                    ""
+                    if self.curve is None
+                    else ", or this client's CURVE key is not in broker.curve_authorized_keys_dir"
+                )
+                + "; retrying",
+                endpoint=self.endpoint,
+                refusals=self.num_handshake_refusals,
+            )
         time.sleep(max(0.0, min(deadline_s - time.monotonic(), random.uniform(REOPEN_PAUSE_S / 2, REOPEN_PAUSE_S))))
         self._reopen()
         return True
@@ -127,25 +149,34 @@ class _RolloutClient(DealerClient):
         if not self.num_handshake_refusals:
             return self.timeout_hint
         if self.curve is not None:
-            return (f"; the broker refused this connection {self.num_handshake_refusals} time(s) at the handshake: "
-                    "this client's CURVE public key is not in broker.curve_authorized_keys_dir, or the broker had as "
-                    "many rollout peers as it admits (broker.max_rollout_connections)")
-        return (f"; the broker refused this connection {self.num_handshake_refusals} time(s) at the handshake because it "
-                f"had as many rollout peers as it admits: raise broker.max_rollout_connections or stop idle clients")
+            return (
+                f"; the broker refused this connection {self.num_handshake_refusals} time(s) at the handshake: "
+                "this client's CURVE public key is not in broker.curve_authorized_keys_dir, or the broker had as "
+                "many rollout peers as it admits (broker.max_rollout_connections)"
+            )
+        return (
+            f"; the broker refused this connection {self.num_handshake_refusals} time(s) at the handshake because it "
+            f"had as many rollout peers as it admits: raise broker.max_rollout_connections or stop idle clients"
+        )
 
     def _send_by(self, frames: list[Any], deadline_s: float) -> None:
         if self.is_closed:
             raise RolloutStreamError("the client is closed")
         if not self._send(frames, deadline_s):
-            raise RolloutTimeout(f"cannot send to the broker at {self.endpoint}: its queue stays full or it is "
-                                 f"unreachable{self._unreachable_hint()}")
+            raise RolloutTimeout(
+                f"cannot send to the broker at {self.endpoint}: its queue stays full or it is "
+                f"unreachable{self._unreachable_hint()}"
+            )
 
     @staticmethod
     def _error_of(message: framing.Message) -> RolloutRefused:
         error = message.header.error
-        return RolloutRefused(f"broker refused {data_pb2.MessageType.Name(message.header.refused_type)}: "
-                              f"{common_pb2.ErrorCode.Name(error.code) if error.code in common_pb2.ErrorCode.values() else error.code}: "
-                              f"{error.message}", error.code)
+        return RolloutRefused(
+            f"broker refused {data_pb2.MessageType.Name(message.header.refused_type)}: "
+            f"{common_pb2.ErrorCode.Name(error.code) if error.code in common_pb2.ErrorCode.values() else error.code}: "
+            f"{error.message}",
+            error.code,
+        )
 
 
 @dataclass
@@ -175,24 +206,39 @@ class RolloutProducer(_RolloutClient):
     same with a window of one.
     """
 
-    def __init__(self, endpoint: str, auth_token: str | None = None, sender: str = "orchestrator", *,
-                 context: zmq.Context | None = None, resend_interval_s: float = 5.0,
-                 limits: framing.Limits | None = None, curve: CurveClient | None = None):
+    def __init__(
+        self,
+        endpoint: str,
+        auth_token: str | None = None,
+        sender: str = "orchestrator",
+        *,
+        context: zmq.Context | None = None,
+        resend_interval_s: float = 5.0,
+        limits: framing.Limits | None = None,
+        curve: CurveClient | None = None,
+    ):
         """``limits``: the broker's (``BrokerLimits.frames``; default: a broker's defaults). ``curve``: CURVE
         credentials (``BrokerClientConfig.curve_client()``) for a broker that encrypts its planes."""
         super().__init__(endpoint, auth_token, sender, context=context, limits=limits, curve=curve)
         self.resend_interval_s = resend_interval_s
         self.num_backpressure_waits = 0
 
-    def send_batch(self, header: data_pb2.RolloutBatchHeader, payload: Any, timeout_s: float = 60.0) -> data_pb2.RolloutAck:
+    def send_batch(
+        self, header: data_pb2.RolloutBatchHeader, payload: Any, timeout_s: float = 60.0
+    ) -> data_pb2.RolloutAck:
         """Send one batch; returns its durable ack. While the broker's queue is full, waits the time the
         broker says and resends. Raises ``RolloutRefused`` (a clear error from the broker) or
         ``RolloutTimeout`` (no durable ack within ``timeout_s``)."""
         return self.send_batches([(header, payload)], window=1, timeout_s=timeout_s)[0]
 
-    def send_batches(self, batches: Iterable[tuple[data_pb2.RolloutBatchHeader, Any]], *, window: int = DEFAULT_WINDOW,
-                     max_inflight_bytes: int = DEFAULT_MAX_INFLIGHT_BYTES,
-                     timeout_s: float = 60.0) -> list[data_pb2.RolloutAck]:
+    def send_batches(
+        self,
+        batches: Iterable[tuple[data_pb2.RolloutBatchHeader, Any]],
+        *,
+        window: int = DEFAULT_WINDOW,
+        max_inflight_bytes: int = DEFAULT_MAX_INFLIGHT_BYTES,
+        timeout_s: float = 60.0,
+    ) -> list[data_pb2.RolloutAck]:
         """Send batches ``(header, payload)`` with up to ``window`` of them (and ``max_inflight_bytes`` of
         payload; at least one) in flight; returns their durable acks in input order.
 
@@ -235,13 +281,17 @@ class RolloutProducer(_RolloutClient):
                 if now_s >= entry.deadline_s:
                     raise RolloutTimeout(
                         f"batch {entry.batch_id!r} got no durable ack from {self.endpoint} within {timeout_s} s"
-                        f"{'; last answer: ' + entry.last_refusal if entry.last_refusal else ''}{self._unreachable_hint()}",
-                        common_pb2.ERROR_CODE_BACKPRESSURE if entry.last_refusal else common_pb2.ERROR_CODE_UNSPECIFIED)
+                        f"{'; last answer: ' + entry.last_refusal if entry.last_refusal else ''}"
+                        f"{self._unreachable_hint()}",
+                        common_pb2.ERROR_CODE_BACKPRESSURE if entry.last_refusal else common_pb2.ERROR_CODE_UNSPECIFIED,
+                    )
                 due_s = entry.retry_at_s if entry.retry_at_s is not None else entry.resend_at_s
                 if now_s >= due_s or entry.generation != self.generation:
                     self._send_inflight(entry, by_message)
-            wake_s = min(min(e.deadline_s, e.retry_at_s if e.retry_at_s is not None else e.resend_at_s)
-                         for e in inflight.values())
+            wake_s = min(
+                min(e.deadline_s, e.retry_at_s if e.retry_at_s is not None else e.resend_at_s)
+                for e in inflight.values()
+            )
             message = self._recv(wake_s)
             if message is None:
                 continue
@@ -250,8 +300,13 @@ class RolloutProducer(_RolloutClient):
             if message.type == data_pb2.ERROR:
                 if reply_to and entry is None:
                     continue  # an answer to an earlier call
-                raise self._error_of(message) if entry is None else RolloutRefused(
-                    f"batch {entry.batch_id!r}: {self._error_of(message)}", message.header.error.code)
+                raise (
+                    self._error_of(message)
+                    if entry is None
+                    else RolloutRefused(
+                        f"batch {entry.batch_id!r}: {self._error_of(message)}", message.header.error.code
+                    )
+                )
             if message.type != data_pb2.ROLLOUT_ACK or entry is None or inflight.get(entry.batch_id) is not entry:
                 continue  # a late answer to an earlier call, or to a batch already acked
             ack = message.header
@@ -270,7 +325,9 @@ class RolloutProducer(_RolloutClient):
             entry.last_refusal = ack.error.message
             entry.retry_at_s = time.monotonic() + max(0.005, ack.error.retry_after_ms / 1000)
 
-    def _new_inflight(self, position: int, header: data_pb2.RolloutBatchHeader, payload: Any, timeout_s: float) -> _InFlight:
+    def _new_inflight(
+        self, position: int, header: data_pb2.RolloutBatchHeader, payload: Any, timeout_s: float
+    ) -> _InFlight:
         """Serialize the header and compute the checksum once; every (re)send reuses them."""
         if not header.batch_id:
             named = data_pb2.RolloutBatchHeader()
@@ -281,19 +338,35 @@ class RolloutProducer(_RolloutClient):
         view = memoryview(getattr(payload, "buffer", payload))
         view = view if view.format == "B" and view.ndim == 1 else view.cast("B")
         if view.nbytes > self.limits.max_frame_bytes:
-            raise RolloutRefused(f"batch {header.batch_id!r} is {view.nbytes} bytes; the broker accepts at most "
-                                 f"{self.limits.max_frame_bytes} (broker.max_message_bytes): send smaller micro-batches",
-                                 common_pb2.ERROR_CODE_OVERSIZED)
+            raise RolloutRefused(
+                f"batch {header.batch_id!r} is {view.nbytes} bytes; the broker accepts at most "
+                f"{self.limits.max_frame_bytes} (broker.max_message_bytes): send smaller micro-batches",
+                common_pb2.ERROR_CODE_OVERSIZED,
+            )
         checksum = framing.compute_checksum(data_pb2.ROLLOUT_BATCH, header_bytes, [view])
-        return _InFlight(position, header.batch_id, header_bytes, payload, checksum, view.nbytes,
-                         deadline_s=time.monotonic() + timeout_s)
+        return _InFlight(
+            position,
+            header.batch_id,
+            header_bytes,
+            payload,
+            checksum,
+            view.nbytes,
+            deadline_s=time.monotonic() + timeout_s,
+        )
 
     def _send_inflight(self, entry: _InFlight, by_message: dict[str, _InFlight]) -> None:
         message_id = uuid.uuid4().hex
         entry.message_ids.add(message_id)
         by_message[message_id] = entry
-        frames = framing.encode_raw(data_pb2.ROLLOUT_BATCH, entry.header_bytes, [entry.payload], checksum=entry.checksum,
-                                    auth_token=self.auth_token or "", sender=self.sender, message_id=message_id)
+        frames = framing.encode_raw(
+            data_pb2.ROLLOUT_BATCH,
+            entry.header_bytes,
+            [entry.payload],
+            checksum=entry.checksum,
+            auth_token=self.auth_token or "",
+            sender=self.sender,
+            message_id=message_id,
+        )
         self._send_by(frames, entry.deadline_s)
         entry.retry_at_s = None
         entry.resend_at_s = time.monotonic() + self.resend_interval_s
@@ -303,9 +376,20 @@ class RolloutProducer(_RolloutClient):
 class RolloutConsumer(_RolloutClient):
     """Fetches one trainer rank's micro-batches of a step, with credit-based flow control."""
 
-    def __init__(self, endpoint: str, auth_token: str | None = None, worker_id: str = "trainer-0", rank: int = 0,
-                 credits: int = 4, *, context: zmq.Context | None = None, request_interval_s: float = 1.0,
-                 as_torch: bool = False, limits: framing.Limits | None = None, curve: CurveClient | None = None):
+    def __init__(
+        self,
+        endpoint: str,
+        auth_token: str | None = None,
+        worker_id: str = "trainer-0",
+        rank: int = 0,
+        credits: int = 4,
+        *,
+        context: zmq.Context | None = None,
+        request_interval_s: float = 1.0,
+        as_torch: bool = False,
+        limits: framing.Limits | None = None,
+        curve: CurveClient | None = None,
+    ):
         """``limits``: the broker's (``BrokerLimits.frames``; default: a broker's defaults). ``curve``: CURVE
         credentials (``BrokerClientConfig.curve_client()``) for a broker that encrypts its planes."""
         if credits < 1:
@@ -326,8 +410,10 @@ class RolloutConsumer(_RolloutClient):
         while True:
             now_s = time.monotonic()
             if now_s >= deadline_s:
-                raise RolloutTimeout(f"no answer to HELLO from the broker at {self.endpoint} within {timeout_s} s"
-                                     f"{self._unreachable_hint()}")
+                raise RolloutTimeout(
+                    f"no answer to HELLO from the broker at {self.endpoint} within {timeout_s} s"
+                    f"{self._unreachable_hint()}"
+                )
             message_id = uuid.uuid4().hex
             message_ids.add(message_id)
             self._send_by(self._encode(data_pb2.HELLO, hello, message_id=message_id), deadline_s)
@@ -344,9 +430,14 @@ class RolloutConsumer(_RolloutClient):
                     self._said_hello = True
                     return
 
-    def fetch_step(self, step: int, timeout_s: float = 60.0, *, stop_event: threading.Event | None = None,
-                   on_wait: Callable[[int, int | None], None] | None = None,
-                   ) -> list[tuple[data_pb2.RolloutBatchHeader, dict[str, Any]]]:
+    def fetch_step(
+        self,
+        step: int,
+        timeout_s: float = 60.0,
+        *,
+        stop_event: threading.Event | None = None,
+        on_wait: Callable[[int, int | None], None] | None = None,
+    ) -> list[tuple[data_pb2.RolloutBatchHeader, dict[str, Any]]]:
         """All micro-batches of ``step`` for this rank, ordered by micro_batch_index, as (header, tensors).
         ``stop_event``: set it (e.g. from a signal handler) to give up within about a second (``FetchStopped``).
         ``on_wait(num_received, num_expected)``: called about every ``request_interval_s`` while nothing
@@ -378,9 +469,11 @@ class RolloutConsumer(_RolloutClient):
                 raise FetchStopped(f"step {step} rank {self.rank}: stopped while waiting for micro-batches")
             now_s = time.monotonic()
             if now_s >= deadline_s:
-                raise RolloutTimeout(f"step {step} rank {self.rank}: {len(received)} of "
-                                     f"{num_expected if num_expected is not None else '?'} micro-batches within {timeout_s} s"
-                                     f"{self._unreachable_hint()}")
+                raise RolloutTimeout(
+                    f"step {step} rank {self.rank}: {len(received)} of "
+                    f"{num_expected if num_expected is not None else '?'} micro-batches within {timeout_s} s"
+                    f"{self._unreachable_hint()}"
+                )
             if now_s >= resend_at_s or outstanding <= 0 or self.generation != request_generation:
                 # Nothing for a while (the broker may have restarted and forgotten the request), or the
                 # credit is used up: ask again. A request replaces the previous one, never adds to it.
@@ -402,7 +495,10 @@ class RolloutConsumer(_RolloutClient):
                 resend_at_s = time.monotonic() + self.request_interval_s
                 num_expected = header.num_micro_batches
                 if header.micro_batch_index not in received:
-                    received[header.micro_batch_index] = (header, decode_tensors(message.payload[0], header.tensors, as_torch=self.as_torch))
+                    received[header.micro_batch_index] = (
+                        header,
+                        decode_tensors(message.payload[0], header.tensors, as_torch=self.as_torch),
+                    )
             elif message.type == data_pb2.ROLLOUT_STEP_DONE and (header.step, header.rank) == (step, self.rank):
                 num_expected = header.num_micro_batches
                 if len(received) < num_expected:

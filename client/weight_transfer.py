@@ -106,17 +106,17 @@ class InPlaceTransfer:
         if chunk.index != self.next_index:
             raise framing.BadChunk(f"transfer {chunk.transfer_id}: expected chunk {self.next_index}, got {chunk.index}")
         if chunk.count != first.chunk.count or chunk.total_bytes != first.chunk.total_bytes:
-            raise framing.BadChunk(f"transfer {chunk.transfer_id}: chunk {chunk.index} changes the count or total "
-                                   "size")
+            raise framing.BadChunk(f"transfer {chunk.transfer_id}: chunk {chunk.index} changes the count or total size")
         if message.type != self.first.type or message.envelope.header != first.header:
             raise framing.BadChunk(f"transfer {chunk.transfer_id}: chunk {chunk.index} carries a different header")
         piece = message.payload[0]
         end = self.num_bytes + piece.nbytes
         if end > self.buffer.nbytes:
-            raise framing.BadChunk(f"transfer {chunk.transfer_id}: chunks exceed the declared {self.buffer.nbytes} "
-                                   "bytes")
-        self.buffer[self.num_bytes:end] = piece
-        self._hasher.update(self.buffer[self.num_bytes:end])
+            raise framing.BadChunk(
+                f"transfer {chunk.transfer_id}: chunks exceed the declared {self.buffer.nbytes} bytes"
+            )
+        self.buffer[self.num_bytes : end] = piece
+        self._hasher.update(self.buffer[self.num_bytes : end])
         self.num_bytes = end
         self.next_index += 1
         self.last_chunk_s = time.monotonic()
@@ -124,8 +124,9 @@ class InPlaceTransfer:
         if self.next_index < chunk.count:
             return None
         if self.num_bytes != self.buffer.nbytes:
-            raise framing.TruncatedMessage(f"transfer {chunk.transfer_id}: {self.num_bytes} of {self.buffer.nbytes} "
-                                           "bytes arrived")
+            raise framing.TruncatedMessage(
+                f"transfer {chunk.transfer_id}: {self.num_bytes} of {self.buffer.nbytes} bytes arrived"
+            )
         whole = framing.Message(type=message.type, header=self.first.header, envelope=first, payload=[self.buffer])
         framing.check_tensor_payload(whole)
         self.digest = self._hasher.hexdigest()

@@ -24,7 +24,6 @@ from typing import Any
 import zmq
 
 from primerl.client.dealer import DealerClient
-from primerl.runtime.wire_security import CurveClient
 from primerl.client.outage import OutageWatch
 from primerl.client.weight_transfer import BufferSink, InPlaceTransfer, PayloadSink
 from primerl.proto import chunked_transfer, framing
@@ -33,11 +32,19 @@ from primerl.proto.digests import payload_digest
 from primerl.proto.v1 import common_pb2, data_pb2
 from primerl.proto.weight_refusals import LineageSuperseded, WeightUpdateRefused
 from primerl.runtime.log_setup import get_logger
+from primerl.runtime.wire_security import CurveClient
 
 log = get_logger(__name__)
 
-__all__ = ["LineageSuperseded", "WeightBrokerLost", "WeightPublisher", "WeightSubscriber", "WeightPlaneError",
-           "WeightPublishTimeout", "WeightUpdateRefused"]
+__all__ = [
+    "LineageSuperseded",
+    "WeightBrokerLost",
+    "WeightPublisher",
+    "WeightSubscriber",
+    "WeightPlaneError",
+    "WeightPublishTimeout",
+    "WeightUpdateRefused",
+]
 
 BROKER_WORKER_ID = "broker"
 """``WeightAck.worker_id`` of the broker's own acks (``weight_plane.BROKER_SENDER``)."""
@@ -125,12 +132,16 @@ class WeightPublisher(DealerClient):
         while not self._connected:
             assert self._monitor is not None
             if not self._monitor.poll(max(0, int((connect_deadline_s - time.monotonic()) * 1000)), zmq.POLLIN):
-                raise WeightBrokerLost(f"no connection to the broker at {self.endpoint} within "
-                                       f"{self.connect_timeout_s:g} s (is it running?){self.timeout_hint}")
+                raise WeightBrokerLost(
+                    f"no connection to the broker at {self.endpoint} within "
+                    f"{self.connect_timeout_s:g} s (is it running?){self.timeout_hint}"
+                )
             self._track_connection(self._read_monitor_events())
         self._dropped = False
 
-    def publish(self, header: data_pb2.WeightUpdateHeader, payload: Any, timeout_s: float = 120.0) -> data_pb2.WeightAck:
+    def publish(
+        self, header: data_pb2.WeightUpdateHeader, payload: Any, timeout_s: float = 120.0
+    ) -> data_pb2.WeightAck:
         """Send one update (chunked, zero-copy) and return the broker's WEIGHT_ACK once it is stored.
 
         Fills ``digest`` (``proto.digests``: XXH3-128) and ``payload_bytes`` when empty. Each chunk carries an XXH3-64
@@ -154,19 +165,27 @@ class WeightPublisher(DealerClient):
         transfer_id = uuid.uuid4().hex
         try:
             self._await_connection(deadline_s)
-            for frames in chunked_transfer.encode_chunked(data_pb2.WEIGHT_UPDATE, header_out, view,
-                                                          chunk_bytes=self.chunk_bytes, transfer_id=transfer_id,
-                                                          sender=self.sender, auth_token=self.auth_token or "",
-                                                          checksum_kind=framing.XXH3_64):
+            for frames in chunked_transfer.encode_chunked(
+                data_pb2.WEIGHT_UPDATE,
+                header_out,
+                view,
+                chunk_bytes=self.chunk_bytes,
+                transfer_id=transfer_id,
+                sender=self.sender,
+                auth_token=self.auth_token or "",
+                checksum_kind=framing.XXH3_64,
+            ):
                 # The broker refuses a bad transfer at its first chunk: stop sending the rest then.
                 if self._socket.poll(0, zmq.POLLIN):
                     ack = self._read_reply(transfer_id, header_out.policy_version, deadline_s, header_out.lineage)
                     if ack is not None:
                         return ack
                 if not self._send(frames, deadline_s):
-                    raise WeightPublishTimeout(f"could not send weight update v{header_out.policy_version} to "
-                                               f"{self.endpoint} within {timeout_s} s (broker unreachable?)"
-                                               f"{self.timeout_hint}")
+                    raise WeightPublishTimeout(
+                        f"could not send weight update v{header_out.policy_version} to "
+                        f"{self.endpoint} within {timeout_s} s (broker unreachable?)"
+                        f"{self.timeout_hint}"
+                    )
             while True:
                 ack = self._read_reply(transfer_id, header_out.policy_version, deadline_s, header_out.lineage)
                 if ack is not None:
@@ -176,11 +195,14 @@ class WeightPublisher(DealerClient):
             raise
         except (WeightPublishTimeout, zmq.Again):
             self._reopen()
-            raise WeightPublishTimeout(f"no WEIGHT_ACK for v{header_out.policy_version} from {self.endpoint} "
-                                       f"within {timeout_s} s{self.timeout_hint}") from None
+            raise WeightPublishTimeout(
+                f"no WEIGHT_ACK for v{header_out.policy_version} from {self.endpoint} "
+                f"within {timeout_s} s{self.timeout_hint}"
+            ) from None
 
-    def _read_reply(self, transfer_id: str, policy_version: int, deadline_s: float,
-                    lineage: int = 0) -> data_pb2.WeightAck | None:
+    def _read_reply(
+        self, transfer_id: str, policy_version: int, deadline_s: float, lineage: int = 0
+    ) -> data_pb2.WeightAck | None:
         """Read one reply (waiting until the deadline); the ack of this transfer, or None for anything else."""
         assert self._socket is not None
         if not self._wait(deadline_s, zmq.POLLIN):
@@ -197,10 +219,14 @@ class WeightPublisher(DealerClient):
         if not ack.applied:
             if lineage and ack.lineage > lineage:
                 raise LineageSuperseded.from_detail(ack.error, broker_lineage=ack.lineage)
-            raise WeightUpdateRefused.from_detail(ack.error, full_required=ack.full_required, broker_lineage=ack.lineage)
+            raise WeightUpdateRefused.from_detail(
+                ack.error, full_required=ack.full_required, broker_lineage=ack.lineage
+            )
         if ack.policy_version != policy_version:
-            raise WeightUpdateRefused(common_pb2.ERROR_CODE_INTERNAL,
-                                      f"broker acknowledged v{ack.policy_version} for a transfer of v{policy_version}")
+            raise WeightUpdateRefused(
+                common_pb2.ERROR_CODE_INTERNAL,
+                f"broker acknowledged v{ack.policy_version} for a transfer of v{policy_version}",
+            )
         return ack
 
 
@@ -262,11 +288,13 @@ class WeightSubscriber(DealerClient):
         # (version, lineage, version not above the one held) of the update ``receive`` returned last.
         self._last_update: tuple[int, int, bool] | None = None
         self.liveness_s = 3 * hello_interval_s if liveness_s is None else liveness_s
-        self._watch = None if outage_s is None else OutageWatch(f"weight updates for {worker_id}", outage_s,
-                                                                  worker=worker_id)
+        self._watch = (
+            None if outage_s is None else OutageWatch(f"weight updates for {worker_id}", outage_s, worker=worker_id)
+        )
         self._last_heard_s = time.monotonic()
-        self._assembler = chunked_transfer.ChunkAssembler(limits=limits, max_open_transfers=2,
-                                                          timeout_s=transfer_timeout_s)
+        self._assembler = chunked_transfer.ChunkAssembler(
+            limits=limits, max_open_transfers=2, timeout_s=transfer_timeout_s
+        )
         self.transfer_timeout_s = transfer_timeout_s
         self.stall_timeout_s = stall_timeout_s
         self._sink = BufferSink(payload_buffer) if payload_buffer is not None else payload_sink
@@ -358,8 +386,11 @@ class WeightSubscriber(DealerClient):
             whole, digest = finished
         else:
             if self._in_place is not None:  # a whole update comes after an unfinished one: that one is abandoned
-                log.warning("an unfinished weight transfer was replaced by a new one",
-                            transfer_id=self._in_place.key[1], received_bytes=self._in_place.num_bytes)
+                log.warning(
+                    "an unfinished weight transfer was replaced by a new one",
+                    transfer_id=self._in_place.key[1],
+                    received_bytes=self._in_place.num_bytes,
+                )
                 self._in_place.drop()
                 self._in_place = None
             whole = self._assemble(message)
@@ -369,16 +400,24 @@ class WeightSubscriber(DealerClient):
         self._received_digest = digest
         header: data_pb2.WeightUpdateHeader = whole.header
         payload = whole.payload[0]
-        self._last_update = (header.policy_version, header.lineage,
-                             self.current_version is not None and header.policy_version <= self.current_version)
+        self._last_update = (
+            header.policy_version,
+            header.lineage,
+            self.current_version is not None and header.policy_version <= self.current_version,
+        )
         return header, payload
 
     def _expire_in_place(self, now_s: float) -> None:
         transfer = self._in_place
         reason = None if transfer is None else transfer.expired(now_s)
         if transfer is not None and reason is not None:
-            log.warning("dropped an incomplete weight transfer", transfer_id=transfer.key[1], reason=reason,
-                        received_bytes=transfer.num_bytes, total_bytes=transfer.buffer.nbytes)
+            log.warning(
+                "dropped an incomplete weight transfer",
+                transfer_id=transfer.key[1],
+                reason=reason,
+                received_bytes=transfer.num_bytes,
+                total_bytes=transfer.buffer.nbytes,
+            )
             self._in_place = None
             transfer.drop()
 
@@ -394,15 +433,21 @@ class WeightSubscriber(DealerClient):
                 # A new transfer (or one resent under its id) replaces an unfinished one: the broker sends one at
                 # a time.
                 if transfer is not None:
-                    log.warning("an unfinished weight transfer was replaced by a new one", transfer_id=transfer.key[1],
-                                received_bytes=transfer.num_bytes, total_bytes=transfer.buffer.nbytes)
+                    log.warning(
+                        "an unfinished weight transfer was replaced by a new one",
+                        transfer_id=transfer.key[1],
+                        received_bytes=transfer.num_bytes,
+                        total_bytes=transfer.buffer.nbytes,
+                    )
                     self._in_place = None
                     transfer.drop()
                 if chunk.total_bytes > self.limits.max_transfer_bytes:
-                    raise framing.OversizedFrame(f"transfer of {chunk.total_bytes} bytes exceeds "
-                                                 f"{self.limits.max_transfer_bytes}")
-                transfer = self._in_place = InPlaceTransfer(message, self._sink, self.transfer_timeout_s,
-                                                            self.stall_timeout_s)
+                    raise framing.OversizedFrame(
+                        f"transfer of {chunk.total_bytes} bytes exceeds {self.limits.max_transfer_bytes}"
+                    )
+                transfer = self._in_place = InPlaceTransfer(
+                    message, self._sink, self.transfer_timeout_s, self.stall_timeout_s
+                )
             elif transfer is None or transfer.key != (message.envelope.sender, chunk.transfer_id):
                 log.warning("dropped a chunk of an abandoned transfer", transfer_id=chunk.transfer_id)
                 return None
@@ -430,8 +475,14 @@ class WeightSubscriber(DealerClient):
             return None
         return whole
 
-    def ack(self, version: int, applied: bool = True, error: common_pb2.ErrorDetail | None = None, apply_ms: int = 0,
-            lineage: int | None = None) -> None:
+    def ack(
+        self,
+        version: int,
+        applied: bool = True,
+        error: common_pb2.ErrorDetail | None = None,
+        apply_ms: int = 0,
+        lineage: int | None = None,
+    ) -> None:
         """Report an update as applied (the worker now serves ``version``) or failed (``applied=False``).
 
         ``lineage``: of the version served (pass ``PolicyUpdater.lineage``); None: the lineage of the update
@@ -444,8 +495,13 @@ class WeightSubscriber(DealerClient):
         if lineage is None:
             last = self._last_update
             lineage = last[1] if last is not None and last[0] == version and not last[2] else self.current_lineage
-        ack = data_pb2.WeightAck(policy_version=version, worker_id=self.worker_id, applied=applied, apply_ms=apply_ms,
-                                 lineage=lineage if applied else 0)
+        ack = data_pb2.WeightAck(
+            policy_version=version,
+            worker_id=self.worker_id,
+            applied=applied,
+            apply_ms=apply_ms,
+            lineage=lineage if applied else 0,
+        )
         if error is not None:
             ack.error.CopyFrom(error)
         self.current_version = version if applied else None
@@ -455,5 +511,6 @@ class WeightSubscriber(DealerClient):
     def _send_within(self, frames: list[Any], timeout_s: float = SEND_TIMEOUT_S) -> None:
         assert not self.is_closed, "subscriber is closed"
         if not self._send(frames, time.monotonic() + timeout_s):
-            raise TimeoutError(f"could not send to the broker at {self.endpoint} within {timeout_s} s"
-                               f"{self.timeout_hint}")
+            raise TimeoutError(
+                f"could not send to the broker at {self.endpoint} within {timeout_s} s{self.timeout_hint}"
+            )

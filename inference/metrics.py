@@ -49,23 +49,38 @@ def inference_families() -> InferenceFamilies:
     with _lock:
         if _families is None:
             _families = InferenceFamilies(
-                policy_version=Gauge("primerl_inference_policy_version", "Policy version served.",
-                                     multiprocess_mode="mostrecent"),
+                policy_version=Gauge(
+                    "primerl_inference_policy_version", "Policy version served.", multiprocess_mode="mostrecent"
+                ),
                 updates_applied=Counter("primerl_inference_weight_updates_applied", "Weight updates applied."),
-                updates_refused=Counter("primerl_inference_weight_updates_refused", "Weight updates refused (the "
-                                        "previous version kept serving)."),
-                last_update_ms=Gauge("primerl_inference_last_update_ms", "Milliseconds of the last applied update, "
-                                     "from its arrival to resumed serving.", multiprocess_mode="mostrecent"),
-                last_update_phase_ms=Gauge("primerl_inference_last_update_phase_ms", "Milliseconds of each phase "
-                                           "of the last applied update (check; stage: payload into the shared "
-                                           "file; load: waiting for the load beside the served weights; "
-                                           "wait_engine: pausing generation; engine: the switch or the worker's "
-                                           "reload; reset_cache).", ["phase"], multiprocess_mode="mostrecent"),
-                update_pause_ms=Histogram("primerl_inference_update_pause_ms", "Generation pause of each applied "
-                                          "weight update, from the pause request to resumed serving (ms).",
-                                          buckets=UPDATE_PAUSE_BUCKETS_MS),
-                join_to_serving_s=Gauge("primerl_inference_join_to_serving_seconds", "Seconds from registering "
-                                        "with the broker to serving the policy version that was current then.",
-                                        multiprocess_mode="mostrecent"),
+                updates_refused=Counter(
+                    "primerl_inference_weight_updates_refused",
+                    "Weight updates refused (the previous version kept serving).",
+                ),
+                last_update_ms=Gauge(
+                    "primerl_inference_last_update_ms",
+                    "Milliseconds of the last applied update, from its arrival to resumed serving.",
+                    multiprocess_mode="mostrecent",
+                ),
+                last_update_phase_ms=Gauge(
+                    "primerl_inference_last_update_phase_ms",
+                    "Milliseconds of each phase "
+                    "of the last applied update (check; stage: payload into the shared "
+                    "file; load: waiting for the load beside the served weights; "
+                    "wait_engine: pausing generation; engine: the switch or the worker's "
+                    "reload; reset_cache).",
+                    ["phase"],
+                    multiprocess_mode="mostrecent",
+                ),
+                update_pause_ms=Histogram(
+                    "primerl_inference_update_pause_ms",
+                    "Generation pause of each applied weight update, from the pause request to resumed serving (ms).",
+                    buckets=UPDATE_PAUSE_BUCKETS_MS,
+                ),
+                join_to_serving_s=Gauge(
+                    "primerl_inference_join_to_serving_seconds",
+                    "Seconds from registering with the broker to serving the policy version that was current then.",
+                    multiprocess_mode="mostrecent",
+                ),
             )
         return _families

@@ -216,8 +216,9 @@ class PolicyUpdater:
     @classmethod
     def for_llm(cls, llm: vllm.LLM, work_dir: str | Path, **kwargs: Any) -> PolicyUpdater:
         """A `PolicyUpdater` of an offline `vllm.LLM` started with the primerl worker extension."""
-        return cls(LLMEngineOps(llm), work_dir,
-                   max_lora_rank=engine_max_lora_rank(llm.llm_engine.vllm_config), **kwargs)
+        return cls(
+            LLMEngineOps(llm), work_dir, max_lora_rank=engine_max_lora_rank(llm.llm_engine.vllm_config), **kwargs
+        )
 
     # ---- what is served ----------------------------------------------------------------------------------------
 
@@ -255,7 +256,7 @@ class PolicyUpdater:
 
     @property
     def kind(self) -> str:
-        """"lora" while an adapter is served, else "full"."""
+        """ "lora" while an adapter is served, else "full"."""
         return "full" if self._lora_request is None else "lora"
 
     @property
@@ -326,8 +327,10 @@ class PolicyUpdater:
         file = next((f for f in self._files if not f.control.read(PayloadControl.HOST_VIEWS)), None)
         if file is None:
             if len(self._files) >= 2:  # only one file is ever viewed by the host copy: this is a bug
-                log.warning("every shared payload file is in use by the worker's host copy; adding one",
-                            num_files=len(self._files))
+                log.warning(
+                    "every shared payload file is in use by the worker's host copy; adding one",
+                    num_files=len(self._files),
+                )
             if not self._files:
                 removed = remove_stale_files(self._staging_dir)
                 if removed:
@@ -352,8 +355,10 @@ class PolicyUpdater:
         else:
             header_bytes = header.SerializeToString()
             try:
-                results = self.engine.collective_rpc("primerl_stage_begin", (
-                    transfer.file.path, transfer.num_bytes, transfer.seq, header_bytes, self.stage_stall_timeout_s))
+                results = self.engine.collective_rpc(
+                    "primerl_stage_begin",
+                    (transfer.file.path, transfer.num_bytes, transfer.seq, header_bytes, self.stage_stall_timeout_s),
+                )
             except Exception as exc:  # the engine's fault shows again, where it matters, when the update is applied
                 log.warning("could not start a staged load; the update will be reloaded in place", error=repr(exc))
                 return
@@ -365,8 +370,10 @@ class PolicyUpdater:
                 log.warning("staged load not started; the update will be reloaded in place", reason=result["reason"])
                 return
             self._staging_unsupported = str(result["reason"])
-        log.info("weight updates are reloaded in place, with generation paused for the whole load",
-                 reason=self._staging_unsupported)
+        log.info(
+            "weight updates are reloaded in place, with generation paused for the whole load",
+            reason=self._staging_unsupported,
+        )
 
     # ---- applying ----------------------------------------------------------------------------------------------
 
@@ -381,8 +388,13 @@ class PolicyUpdater:
                 file.close()
             self._files = []
 
-    def preload(self, header: data_pb2.WeightUpdateHeader, payload: bytes | bytearray | memoryview, *,
-                payload_digest: str | None = None) -> None:
+    def preload(
+        self,
+        header: data_pb2.WeightUpdateHeader,
+        payload: bytes | bytearray | memoryview,
+        *,
+        payload_digest: str | None = None,
+    ) -> None:
         """Everything of `apply` that leaves the served policy as it is: the checks (digest included), and for FULL
         and DELTA the load beside the served weights (the worker's staged load, started as the payload arrived or
         now). Call it before pausing generation; `apply` of the same update then only switches to it (a few ms),
@@ -397,8 +409,13 @@ class PolicyUpdater:
         with self._lock:
             self._discard()
 
-    def apply(self, header: data_pb2.WeightUpdateHeader, payload: bytes | bytearray | memoryview, *,
-              payload_digest: str | None = None) -> float:
+    def apply(
+        self,
+        header: data_pb2.WeightUpdateHeader,
+        payload: bytes | bytearray | memoryview,
+        *,
+        payload_digest: str | None = None,
+    ) -> float:
         """Apply one update (`preload` first, unless it was preloaded); returns the milliseconds it took, checks and
         preload included. Raises `UpdateRefused` (nothing changed). Any other exception is a fault of the engine:
         what it serves is then unknown."""
@@ -424,13 +441,22 @@ class PolicyUpdater:
             self.last_phases_ms = phases
         apply_ms = _ms_since(start) + (preloaded.preload_ms if preloaded.done_s < start else 0.0)
         if rolled_back_from is not None:
-            log.warning("served policy rolled back", policy_version=header.policy_version,
-                        rolled_back_from=rolled_back_from, lineage=header.lineage,
-                        lineage_base_version=header.lineage_base_version)
-        log.info("applied weight update", policy_version=header.policy_version, lineage=header.lineage or None,
-                 kind=data_pb2.WeightUpdateKind.Name(header.kind), apply_ms=round(apply_ms, 2),
-                 staged=preloaded.transfer is not None and preloaded.transfer.staged_header is not None,
-                 **{f"{name}_ms": round(value, 1) for name, value in phases.items()})
+            log.warning(
+                "served policy rolled back",
+                policy_version=header.policy_version,
+                rolled_back_from=rolled_back_from,
+                lineage=header.lineage,
+                lineage_base_version=header.lineage_base_version,
+            )
+        log.info(
+            "applied weight update",
+            policy_version=header.policy_version,
+            lineage=header.lineage or None,
+            kind=data_pb2.WeightUpdateKind.Name(header.kind),
+            apply_ms=round(apply_ms, 2),
+            staged=preloaded.transfer is not None and preloaded.transfer.staged_header is not None,
+            **{f"{name}_ms": round(value, 1) for name, value in phases.items()},
+        )
         return apply_ms
 
     def _preload(self, header: data_pb2.WeightUpdateHeader, payload: Any, payload_digest: str | None) -> None:
@@ -458,8 +484,9 @@ class PolicyUpdater:
         except UpdateRefused:
             self._discard()
             raise
-        self._preloaded = _Preloaded(header.SerializeToString(), payload, transfer, phases, _ms_since(start),
-                                     time.perf_counter())
+        self._preloaded = _Preloaded(
+            header.SerializeToString(), payload, transfer, phases, _ms_since(start), time.perf_counter()
+        )
 
     def _transfer_of(self, payload: Any) -> _Transfer:
         """The complete transfer holding ``payload``: the one it was received into, else a new one it is copied
@@ -498,9 +525,15 @@ class PolicyUpdater:
             refusal = refusal_from_worker_error(RuntimeError(result["refusal"]))
             if refusal is not None:
                 raise refusal
-        reason = result.get("error") or result.get("refusal") or (
-            f"not loaded within {self.stage_timeout_s:g} s" if state is None or state == PayloadControl.LOADING
-            else "discarded")
+        reason = (
+            result.get("error")
+            or result.get("refusal")
+            or (
+                f"not loaded within {self.stage_timeout_s:g} s"
+                if state is None or state == PayloadControl.LOADING
+                else "discarded"
+            )
+        )
         log.warning("staged load failed; the update is reloaded in place", transfer=transfer.seq, reason=reason)
         self._discard()
         transfer.staged_header = None
@@ -519,8 +552,9 @@ class PolicyUpdater:
         if not self.engine.collective_rpc("primerl_stage_discard")[0]:
             log.warning("the worker's staged load did not stop", transfer=transfer.seq)
 
-    def _switch_weights(self, header: data_pb2.WeightUpdateHeader, transfer: _Transfer | None,
-                        phases: dict[str, float]) -> None:
+    def _switch_weights(
+        self, header: data_pb2.WeightUpdateHeader, transfer: _Transfer | None, phases: dict[str, float]
+    ) -> None:
         """FULL or DELTA: commit the staged load, else reload in place through the shared payload file."""
         assert transfer is not None
         mark = time.perf_counter()
@@ -529,8 +563,9 @@ class PolicyUpdater:
         elif header.kind == FULL:
             results = self._rpc("primerl_load_full_file", transfer.file.path, transfer.num_bytes)
         else:
-            results = self._rpc("primerl_apply_delta_file", transfer.file.path, transfer.num_bytes,
-                                header.SerializeToString())
+            results = self._rpc(
+                "primerl_apply_delta_file", transfer.file.path, transfer.num_bytes, header.SerializeToString()
+            )
         phases["engine"] = _ms_since(mark)
         self._transfer = None
         mark = time.perf_counter()
@@ -544,21 +579,25 @@ class PolicyUpdater:
 
     def _check_common(self, header: data_pb2.WeightUpdateHeader, payload: Any, payload_digest: str | None) -> None:
         if header.kind not in (FULL, LORA, DELTA):
-            raise UpdateRefused(common_pb2.ERROR_CODE_MALFORMED_HEADER,
-                                f"weight update kind {header.kind} is not FULL, LORA or DELTA")
+            raise UpdateRefused(
+                common_pb2.ERROR_CODE_MALFORMED_HEADER, f"weight update kind {header.kind} is not FULL, LORA or DELTA"
+            )
         size = memoryview(payload).nbytes
         if header.payload_bytes and header.payload_bytes != size:
-            raise UpdateRefused(common_pb2.ERROR_CODE_TRUNCATED,
-                                f"the payload has {size} bytes but the header says {header.payload_bytes}")
+            raise UpdateRefused(
+                common_pb2.ERROR_CODE_TRUNCATED,
+                f"the payload has {size} bytes but the header says {header.payload_bytes}",
+            )
         if self.verify_digest:
             if payload_digest is None:
                 hasher = hasher_for(header.digest)
                 hasher.update(memoryview(payload))
                 payload_digest = hasher.hexdigest()
             if not hmac.compare_digest(payload_digest.lower(), header.digest.lower()):
-                raise UpdateRefused(common_pb2.ERROR_CODE_BAD_DIGEST,
-                                    f"payload digest is {payload_digest} but the header says "
-                                    f"{header.digest or '(none)'}")
+                raise UpdateRefused(
+                    common_pb2.ERROR_CODE_BAD_DIGEST,
+                    f"payload digest is {payload_digest} but the header says {header.digest or '(none)'}",
+                )
         refusal = self._order_refusal(header)
         if refusal is not None:
             raise UpdateRefused(common_pb2.ERROR_CODE_OUT_OF_ORDER, refusal)
@@ -569,15 +608,20 @@ class PolicyUpdater:
         lineage, served_lineage = header.lineage, self._lineage
         name = data_pb2.WeightUpdateKind.Name(header.kind)
         if lineage and served_lineage and lineage < served_lineage:
-            return (f"{name} v{version} is of lineage {lineage}, older than the served v{served}'s lineage "
-                    f"{served_lineage}: a replaced trainer's update")
+            return (
+                f"{name} v{version} is of lineage {lineage}, older than the served v{served}'s lineage "
+                f"{served_lineage}: a replaced trainer's update"
+            )
         if header.kind == DELTA:
             if self._lora_request is not None:
-                return (f"DELTA v{version} needs full weights but a LoRA adapter (v{served}) is served; send a FULL "
-                        "update")
+                return (
+                    f"DELTA v{version} needs full weights but a LoRA adapter (v{served}) is served; send a FULL update"
+                )
             if lineage != served_lineage and lineage and served_lineage:
-                return (f"DELTA v{version} is of lineage {lineage} but v{served} of lineage {served_lineage} is "
-                        "served; a new lineage starts with a FULL update")
+                return (
+                    f"DELTA v{version} is of lineage {lineage} but v{served} of lineage {served_lineage} is "
+                    "served; a new lineage starts with a FULL update"
+                )
             if header.base_version != served:
                 return f"DELTA v{version} applies to v{header.base_version} but v{served} is served"
             if version <= header.base_version:
@@ -601,14 +645,21 @@ class PolicyUpdater:
         try:
             check_tensor_frame(payload, header.tensors)
             if header.kind == FULL:
-                check_against({s.name: (s.dtype, list(s.shape)) for s in header.tensors}, manifest,
-                              require_all=True, what=what)
+                check_against(
+                    {s.name: (s.dtype, list(s.shape)) for s in header.tensors}, manifest, require_all=True, what=what
+                )
             else:
                 if header.delta_encoding not in (data_pb2.DELTA_ENCODING_SPARSE, data_pb2.DELTA_ENCODING_XOR_ZLIB):
-                    raise UpdateRefused(common_pb2.ERROR_CODE_MALFORMED_HEADER,
-                                        f"{what}: delta_encoding {header.delta_encoding} is not SPARSE or XOR_ZLIB")
-                check_against({s.name: (s.dtype, list(s.shape)) for s in header.decoded_tensors}, manifest,
-                              require_all=False, what=what)
+                    raise UpdateRefused(
+                        common_pb2.ERROR_CODE_MALFORMED_HEADER,
+                        f"{what}: delta_encoding {header.delta_encoding} is not SPARSE or XOR_ZLIB",
+                    )
+                check_against(
+                    {s.name: (s.dtype, list(s.shape)) for s in header.decoded_tensors},
+                    manifest,
+                    require_all=False,
+                    what=what,
+                )
         except TensorFrameError as exc:
             raise refusal_from_frame_error(what, exc) from None
         except WeightUpdateInvalid as exc:
@@ -628,21 +679,28 @@ class PolicyUpdater:
 
         what = f"LORA v{header.policy_version}"
         if self.max_lora_rank is None:
-            raise UpdateRefused(common_pb2.ERROR_CODE_TENSOR_MISMATCH,
-                                f"{what}: the engine was started without LoRA (enable_lora)")
+            raise UpdateRefused(
+                common_pb2.ERROR_CODE_TENSOR_MISMATCH, f"{what}: the engine was started without LoRA (enable_lora)"
+            )
         try:
             adapter_config = json.loads(header.adapter_config_json)
         except ValueError as exc:
-            raise UpdateRefused(common_pb2.ERROR_CODE_MALFORMED_HEADER,
-                                f"{what}: adapter_config_json is not JSON ({exc})") from None
+            raise UpdateRefused(
+                common_pb2.ERROR_CODE_MALFORMED_HEADER, f"{what}: adapter_config_json is not JSON ({exc})"
+            ) from None
         if not isinstance(adapter_config, dict):
             raise UpdateRefused(common_pb2.ERROR_CODE_MALFORMED_HEADER, f"{what}: adapter_config_json is not an object")
         try:
             entries = check_tensor_frame(payload, header.tensors)
         except TensorFrameError as exc:
             raise refusal_from_frame_error(what, exc) from None
-        check_lora_tensors(what, adapter_config, {n: list(e.shape) for n, e in entries.items()},
-                           self._weight_manifest(), self.max_lora_rank)
+        check_lora_tensors(
+            what,
+            adapter_config,
+            {n: list(e.shape) for n, e in entries.items()},
+            self._weight_manifest(),
+            self.max_lora_rank,
+        )
 
         lora_id = self._next_lora_id
         policy_name = header.policy_name or self.policy_name
@@ -652,8 +710,9 @@ class PolicyUpdater:
             added = self.engine.add_lora(request)
         except Exception as exc:  # vLLM raises ValueError and others for an adapter it cannot load
             shutil.rmtree(adapter_dir, ignore_errors=True)
-            raise UpdateRefused(common_pb2.ERROR_CODE_TENSOR_MISMATCH,
-                                f"{what}: the engine could not load the adapter: {exc}") from None
+            raise UpdateRefused(
+                common_pb2.ERROR_CODE_TENSOR_MISMATCH, f"{what}: the engine could not load the adapter: {exc}"
+            ) from None
         if not added:
             shutil.rmtree(adapter_dir, ignore_errors=True)
             raise UpdateRefused(common_pb2.ERROR_CODE_INTERNAL, f"{what}: the engine did not add the adapter")

@@ -50,17 +50,19 @@ log = get_logger("primerl.inference.server")
 WORKER_EXTENSION_CLS = "primerl.inference.worker_extension.PolicyWorkerExtension"
 DEFAULT_MAX_LORA_RANK = 16
 
-SERVED_PATHS = frozenset({
-    "/health",
-    "/v1/models",
-    "/v1/chat/completions",
-    "/v1/completions",
-    "/tokenize",
-    "/detokenize",
-    "/version",
-    "/metrics",
-    TOKEN_ROUTE,  # verifiers v1's training client (primerl.inference.token_generate)
-})
+SERVED_PATHS = frozenset(
+    {
+        "/health",
+        "/v1/models",
+        "/v1/chat/completions",
+        "/v1/completions",
+        "/tokenize",
+        "/detokenize",
+        "/version",
+        "/metrics",
+        TOKEN_ROUTE,  # verifiers v1's training client (primerl.inference.token_generate)
+    }
+)
 """Every route vLLM registers outside this set is removed from the app (LoRA loading, profiling, elastic
 scaling, sagemaker, scale-out, dev-mode routes if they were ever enabled...)."""
 
@@ -68,8 +70,12 @@ DEV_MODE_ENV = ("VLLM_SERVER_DEV_MODE", "VLLM_ALLOW_RUNTIME_LORA_UPDATING")
 """vLLM variables that add weight- or adapter-changing routes; forced off in this process."""
 
 
-def engine_options(config: InferenceConfig, work_dir: str | os.PathLike[str] | None = None, *,
-                   worker_extension_cls: str | None = WORKER_EXTENSION_CLS) -> EngineOptions:
+def engine_options(
+    config: InferenceConfig,
+    work_dir: str | os.PathLike[str] | None = None,
+    *,
+    worker_extension_cls: str | None = WORKER_EXTENSION_CLS,
+) -> EngineOptions:
     """The `EngineOptions` of an inference daemon's engine (CPU quirks are resolved later, by
     `resolve_llm_kwargs`)."""
     extra: dict[str, Any] = {}
@@ -103,8 +109,13 @@ def _cli_option(key: str, value: Any) -> list[str]:
     return [flag, str(value)]
 
 
-def vllm_cli_args(config: InferenceConfig, *, on_cpu: bool, work_dir: str | os.PathLike[str] | None = None,
-                  worker_extension_cls: str | None = WORKER_EXTENSION_CLS) -> list[str]:
+def vllm_cli_args(
+    config: InferenceConfig,
+    *,
+    on_cpu: bool,
+    work_dir: str | os.PathLike[str] | None = None,
+    worker_extension_cls: str | None = WORKER_EXTENSION_CLS,
+) -> list[str]:
     """The `vllm serve` command line equivalent to `config` (engine options with the CPU quirks applied)."""
     options = engine_options(config, work_dir, worker_extension_cls=worker_extension_cls)
     options.validate()
@@ -216,16 +227,21 @@ def _bind_reason(exc: OSError, host: str) -> str:
 class InferenceServer:
     """One vLLM engine and its OpenAI-compatible HTTP server, in this process's event loop.
 
-        server = InferenceServer(config, version_fn=lambda: updater.policy_version)
-        address = await server.start()     # engine up, HTTP serving
-        await server.wait_healthy(30)
-        ...
-        await server.stop()
+    server = InferenceServer(config, version_fn=lambda: updater.policy_version)
+    address = await server.start()     # engine up, HTTP serving
+    await server.wait_healthy(30)
+    ...
+    await server.stop()
     """
 
-    def __init__(self, config: InferenceConfig, *, version_fn: Callable[[], int],
-                 work_dir: str | os.PathLike[str] | None = None,
-                 worker_extension_cls: str | None = WORKER_EXTENSION_CLS) -> None:
+    def __init__(
+        self,
+        config: InferenceConfig,
+        *,
+        version_fn: Callable[[], int],
+        work_dir: str | os.PathLike[str] | None = None,
+        worker_extension_cls: str | None = WORKER_EXTENSION_CLS,
+    ) -> None:
         self.config = config
         self.worker_extension_cls = worker_extension_cls
         self.version_fn = version_fn
@@ -268,8 +284,9 @@ class InferenceServer:
         from vllm.entrypoints.launchers.launcher import NoSignalServer, setup_server
 
         vllm.envs.disable_envs_cache()  # see the variables set above
-        argv = vllm_cli_args(self.config, on_cpu=self.on_cpu, work_dir=self.work_dir,
-                             worker_extension_cls=self.worker_extension_cls)
+        argv = vllm_cli_args(
+            self.config, on_cpu=self.on_cpu, work_dir=self.work_dir, worker_extension_cls=self.worker_extension_cls
+        )
         log.info("starting vLLM", argv=" ".join(argv))
         args = self.args = parse_vllm_args(argv)
         try:
@@ -278,13 +295,17 @@ class InferenceServer:
             raise PortUnavailable(
                 f"the inference server cannot bind its HTTP port {args.host}:{args.port}: "
                 f"{_bind_reason(exc, args.host)}. Change inference.server.port (primerl-infer --server.port N; "
-                "0, the default, picks a free port) or inference.server.host") from exc
+                "0, the default, picks a free port) or inference.server.host"
+            ) from exc
         self._exit_stack.callback(sock.close)
         try:
             port = sock.getsockname()[1]
             bind_host = args.host or "0.0.0.0"
-            self.address = ServerAddress(bind_host, port, advertised_host(
-                bind_host, self.config.server.advertise_host, peer_address=self.config.broker.address))
+            self.address = ServerAddress(
+                bind_host,
+                port,
+                advertised_host(bind_host, self.config.server.advertise_host, peer_address=self.config.broker.address),
+            )
             engine = self.engine = await self._exit_stack.enter_async_context(build_async_engine_client(args))
             supported_tasks = await engine.get_supported_tasks()
             app = build_app(args, supported_tasks, engine.model_config)
@@ -299,16 +320,21 @@ class InferenceServer:
             if self.config.broker.run_token:
                 asgi_app = BearerAuthMiddleware(asgi_app, token=self.config.broker.run_token)
             else:
-                log.warning("no run token: the HTTP API is open to anyone who can reach it",
-                            host=self.address.host, port=port)
-            uv_config = uvicorn.Config(asgi_app, host=args.host, port=port, log_level=args.uvicorn_log_level,
-                                       access_log=not args.disable_uvicorn_access_log,
-                                       timeout_keep_alive=vllm.envs.VLLM_HTTP_TIMEOUT_KEEP_ALIVE)
+                log.warning(
+                    "no run token: the HTTP API is open to anyone who can reach it", host=self.address.host, port=port
+                )
+            uv_config = uvicorn.Config(
+                asgi_app,
+                host=args.host,
+                port=port,
+                log_level=args.uvicorn_log_level,
+                access_log=not args.disable_uvicorn_access_log,
+                timeout_keep_alive=vllm.envs.VLLM_HTTP_TIMEOUT_KEEP_ALIVE,
+            )
             uv_config.load()
             server = self._uvicorn = NoSignalServer(uv_config)
             app.state.server = server
-            self._serve_task = asyncio.get_running_loop().create_task(server.serve(sockets=[sock]),
-                                                                      name="uvicorn")
+            self._serve_task = asyncio.get_running_loop().create_task(server.serve(sockets=[sock]), name="uvicorn")
             deadline_s = time.monotonic() + 30.0
             while not server.started:
                 if self._serve_task.done():
@@ -321,9 +347,16 @@ class InferenceServer:
             await self.stop()
             raise
         self.start_s = time.monotonic() - t0
-        log.info("serving", url=self.address.base_url, advertised_url=self.address.advertised_url,
-                 model=self.config.model.name, start_s=round(self.start_s, 1),
-                 pause_mode=self.pause_mode, drops_seeds=self.drops_seeds, routes=sorted(self._paths(app)))
+        log.info(
+            "serving",
+            url=self.address.base_url,
+            advertised_url=self.address.advertised_url,
+            model=self.config.model.name,
+            start_s=round(self.start_s, 1),
+            pause_mode=self.pause_mode,
+            drops_seeds=self.drops_seeds,
+            routes=sorted(self._paths(app)),
+        )
         return self.address
 
     @staticmethod

@@ -84,7 +84,7 @@ def remove_stale_work_dirs(base: str | os.PathLike[str]) -> list[Path]:
     before its `stop`); returns them. A directory whose pid is alive (maybe reused) is left alone."""
     removed = []
     for path in Path(base).glob(f"{WORK_DIR_PREFIX}*"):
-        pid = path.name[len(WORK_DIR_PREFIX):].split("-", 1)[0]
+        pid = path.name[len(WORK_DIR_PREFIX) :].split("-", 1)[0]
         if not path.is_dir() or not pid.isdigit() or int(pid) == os.getpid() or pid_alive(int(pid)):
             continue
         shutil.rmtree(path, ignore_errors=True)
@@ -109,8 +109,9 @@ def _make_work_dir() -> Path:
 class InferenceService:
     """See the module docstring."""
 
-    def __init__(self, config: InferenceConfig, *, work_dir: str | os.PathLike[str] | None = None,
-                 name: str | None = None):
+    def __init__(
+        self, config: InferenceConfig, *, work_dir: str | os.PathLike[str] | None = None, name: str | None = None
+    ):
         self.config = config
         self.is_teacher = config.role == "teacher"
         self.name = name or f"{'teacher' if self.is_teacher else 'infer'}-{socket.gethostname()}-{os.getpid()}"
@@ -161,8 +162,9 @@ class InferenceService:
                 self.ops = AsyncEngineOps(engine, self._loop)
                 # The digest is checked here too (the broker forwards chunks before it has checked it), over the
                 # digest the subscriber computed as the chunks arrived: no pass of its own over the payload.
-                self.updater = PolicyUpdater(self.ops, self.work_dir / "policy",
-                                             max_lora_rank=engine_max_lora_rank(engine.vllm_config))
+                self.updater = PolicyUpdater(
+                    self.ops, self.work_dir / "policy", max_lora_rank=engine_max_lora_rank(engine.vllm_config)
+                )
                 # Reads the weight manifest (and the worker's host copy) now rather than during the first update.
                 await asyncio.to_thread(self.updater.prepare)
             self.metrics.policy_version.set(self.policy_version)
@@ -176,9 +178,14 @@ class InferenceService:
                 "metrics_url": f"{self.address.advertised_url}/metrics",
             }
             # Registered: the URL other machines dial (server.advertise_host), not the one this machine would.
-            self.control = ControlClient(self.config.broker, self.config.role, self.name,
-                                         address=self.address.advertised_url, capabilities=capabilities,
-                                         rpc_timeout_s=5.0)
+            self.control = ControlClient(
+                self.config.broker,
+                self.config.role,
+                self.name,
+                address=self.address.advertised_url,
+                capabilities=capabilities,
+                rpc_timeout_s=5.0,
+            )
             await asyncio.to_thread(self.control.wait_ready)
             registration = await asyncio.to_thread(self.control.register)
             bind_context(run_id=registration.run_id, policy_version=self.policy_version)
@@ -193,12 +200,22 @@ class InferenceService:
             await self.stop(grace_s=2.0)
             raise
         if self.is_teacher:
-            log.info("teacher ready", url=self.address.advertised_url, worker_id=self.control.worker_id,
-                     model=capabilities["model"], metrics_url=capabilities["metrics_url"],
-                     start_s=round(self.server.start_s or 0.0, 1))
+            log.info(
+                "teacher ready",
+                url=self.address.advertised_url,
+                worker_id=self.control.worker_id,
+                model=capabilities["model"],
+                metrics_url=capabilities["metrics_url"],
+                start_s=round(self.server.start_s or 0.0, 1),
+            )
         else:
-            log.info("inference worker ready", url=self.address.advertised_url, worker_id=self.control.worker_id,
-                     metrics_url=capabilities["metrics_url"], start_s=round(self.server.start_s or 0.0, 1))
+            log.info(
+                "inference worker ready",
+                url=self.address.advertised_url,
+                worker_id=self.control.worker_id,
+                metrics_url=capabilities["metrics_url"],
+                start_s=round(self.server.start_s or 0.0, 1),
+            )
         return self.address
 
     async def serve_until(self, stop_event: asyncio.Event, check_interval_s: float = 0.5) -> int:
@@ -248,8 +265,9 @@ class InferenceService:
         if self._own_work_dir:
             shutil.rmtree(self.work_dir, ignore_errors=True)
         # the version bound to the log context at start may be stale here (updates bind it in their own task)
-        log.info("teacher stopped" if self.is_teacher else "inference worker stopped",
-                 policy_version=self.policy_version)
+        log.info(
+            "teacher stopped" if self.is_teacher else "inference worker stopped", policy_version=self.policy_version
+        )
 
     def _progress(self) -> dict[str, Any]:
         # A teacher reports no policy version: it serves no policy (the broker and `primerl status` show it frozen).
@@ -261,8 +279,8 @@ class InferenceService:
 
     # ---- weight updates (weight thread) -------------------------------------------------------------------------
     def _weights_loop(self) -> None:
-        from primerl.client.weights import WeightPlaneError, WeightSubscriber
         from primerl.client.outage import BrokerOutageExceeded
+        from primerl.client.weights import WeightPlaneError, WeightSubscriber
 
         subscriber: WeightSubscriber | None = None
         unreachable_logged = False
@@ -273,19 +291,29 @@ class InferenceService:
                 if worker_id is None or registration is None:  # re-registering
                     self._stop.wait(0.2)
                     continue
-                if (subscriber is None or subscriber.worker_id != worker_id
-                        or subscriber.endpoint != registration.weight_endpoint):
+                if (
+                    subscriber is None
+                    or subscriber.worker_id != worker_id
+                    or subscriber.endpoint != registration.weight_endpoint
+                ):
                     if subscriber is not None:
-                        log.info("registered again: resubscribing to weights", worker_id=worker_id,
-                                 policy_version=self.policy_version)
+                        log.info(
+                            "registered again: resubscribing to weights",
+                            worker_id=worker_id,
+                            policy_version=self.policy_version,
+                        )
                         subscriber.close()
                     # Chunked updates are written straight into the updater's shared payload files: the engine's
                     # worker reads them there, with no further copy, and loads a FULL update as its chunks arrive.
-                    subscriber = WeightSubscriber(registration.weight_endpoint, self.config.broker.run_token,
-                                                  worker_id, payload_sink=self.updater,
-                                                  outage_s=self.config.broker.outage_s,
-                                                  limits=self.control.limits.frames,
-                                                  curve=self.control.curve)
+                    subscriber = WeightSubscriber(
+                        registration.weight_endpoint,
+                        self.config.broker.run_token,
+                        worker_id,
+                        payload_sink=self.updater,
+                        outage_s=self.config.broker.outage_s,
+                        limits=self.control.limits.frames,
+                        curve=self.control.curve,
+                    )
                     try:
                         subscriber.hello(self.policy_version, lineage=self.updater.lineage)
                     except TimeoutError:
@@ -319,8 +347,9 @@ class InferenceService:
             if subscriber is not None:
                 subscriber.close()
 
-    def _handle_update(self, subscriber: WeightSubscriber, header: data_pb2.WeightUpdateHeader,
-                       payload: memoryview) -> None:
+    def _handle_update(
+        self, subscriber: WeightSubscriber, header: data_pb2.WeightUpdateHeader, payload: memoryview
+    ) -> None:
         from primerl.inference.update_checks import UpdateRefused
         from primerl.proto.v1 import common_pb2, data_pb2
 
@@ -360,9 +389,14 @@ class InferenceService:
         except EngineCallTimeout:
             self.ops.resume()
             self.updater.discard()
-            self._refuse(subscriber, version, common_pb2.ErrorDetail(
-                code=common_pb2.ERROR_CODE_INTERNAL,
-                message=f"requests in flight did not finish within {DRAIN_TIMEOUT_S:g} s; send the update again"))
+            self._refuse(
+                subscriber,
+                version,
+                common_pb2.ErrorDetail(
+                    code=common_pb2.ERROR_CODE_INTERNAL,
+                    message=f"requests in flight did not finish within {DRAIN_TIMEOUT_S:g} s; send the update again",
+                ),
+            )
             return
         engine_wait_ms = (time.monotonic() - pause_start_s) * 1000.0
         try:
@@ -391,12 +425,19 @@ class InferenceService:
         for phase, value in phases_ms.items():
             self.metrics.last_update_phase_ms.labels(phase=phase).set(value)
         bind_context(policy_version=version)
-        log.info("weight update live", policy_version=version, kind=kind, apply_ms=round(apply_ms, 1),
-                 engine_ms=round(engine_ms, 1), update_pause_ms=round(pause_ms, 1))
+        log.info(
+            "weight update live",
+            policy_version=version,
+            kind=kind,
+            apply_ms=round(apply_ms, 1),
+            engine_ms=round(engine_ms, 1),
+            update_pause_ms=round(pause_ms, 1),
+        )
         self._check_caught_up()
 
-    def _refuse_update(self, subscriber: WeightSubscriber, version: int, header: data_pb2.WeightUpdateHeader,
-                       refusal: Any) -> None:
+    def _refuse_update(
+        self, subscriber: WeightSubscriber, version: int, header: data_pb2.WeightUpdateHeader, refusal: Any
+    ) -> None:
         """Acknowledge an `UpdateRefused`; remember it unless it may pass later (OUT_OF_ORDER)."""
         from primerl.proto.v1 import common_pb2
 
@@ -412,8 +453,11 @@ class InferenceService:
 
         self.fatal_error = f"applying {kind} v{version} failed; the served weights are unknown: {exc!r}"
         log.exception("weight update failed", policy_version=version, kind=kind)
-        subscriber.ack(version, applied=False, error=common_pb2.ErrorDetail(
-            code=common_pb2.ERROR_CODE_INTERNAL, message=self.fatal_error))
+        subscriber.ack(
+            version,
+            applied=False,
+            error=common_pb2.ErrorDetail(code=common_pb2.ERROR_CODE_INTERNAL, message=self.fatal_error),
+        )
 
     def _check_caught_up(self) -> None:
         """Once: this worker serves the version that was current when it registered (log ``inference worker
@@ -423,8 +467,12 @@ class InferenceService:
             return
         seconds = time.monotonic() - self._registered_s
         self.metrics.join_to_serving_s.set(seconds)
-        log.info("inference worker caught up", policy_version=self.policy_version, current_version=self._join_target,
-                 join_to_serving_s=round(seconds, 3))
+        log.info(
+            "inference worker caught up",
+            policy_version=self.policy_version,
+            current_version=self._join_target,
+            join_to_serving_s=round(seconds, 3),
+        )
         self._join_target = None
 
     def _refuse(self, subscriber: WeightSubscriber, version: int, detail: Any) -> None:
@@ -433,8 +481,13 @@ class InferenceService:
         self.num_updates_refused += 1
         self.metrics.updates_refused.inc()
         code = common_pb2.ErrorCode.Name(detail.code)
-        log.warning("weight update refused; still serving the previous version", policy_version=version, code=code,
-                    error=detail.message, served_version=self.policy_version)
+        log.warning(
+            "weight update refused; still serving the previous version",
+            policy_version=version,
+            code=code,
+            error=detail.message,
+            served_version=self.policy_version,
+        )
         self.control.report_error(f"refused weight update v{version}: {code}: {detail.message}")
         subscriber.ack(version, applied=False, error=detail)
 
@@ -444,8 +497,9 @@ class InferenceService:
         assert self.updater is not None
         lora_requests = self.server.serving_models.lora_requests
         current = self.updater.lora_request()
-        if self._served_adapter_name is not None and (current is None
-                                                      or current.lora_name != self._served_adapter_name):
+        if self._served_adapter_name is not None and (
+            current is None or current.lora_name != self._served_adapter_name
+        ):
             lora_requests.pop(self._served_adapter_name, None)
             self._served_adapter_name = None
         if current is not None:

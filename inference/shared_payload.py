@@ -49,8 +49,15 @@ from pathlib import Path
 
 from primerl.runtime.process_ids import pid_alive
 
-__all__ = ["CONTROL_BYTES", "PayloadControl", "SharedPayload", "default_staging_dir", "map_control", "map_shared",
-           "remove_stale_files"]
+__all__ = [
+    "CONTROL_BYTES",
+    "PayloadControl",
+    "SharedPayload",
+    "default_staging_dir",
+    "map_control",
+    "map_shared",
+    "remove_stale_files",
+]
 
 CONTROL_BYTES = mmap.ALLOCATIONGRANULARITY
 """Bytes before the payload (one page: the payload mapping starts at this offset)."""
@@ -114,7 +121,7 @@ def remove_stale_files(directory: str | os.PathLike[str] | None = None) -> list[
     directory = Path(directory) if directory is not None else default_staging_dir()
     removed = []
     for path in directory.glob(f"{FILE_PREFIX}*"):
-        pid = path.name[len(FILE_PREFIX):].split("-", 1)[0]
+        pid = path.name[len(FILE_PREFIX) :].split("-", 1)[0]
         if not pid.isdigit() or int(pid) == os.getpid() or pid_alive(int(pid)):
             continue
         try:

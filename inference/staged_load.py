@@ -86,8 +86,9 @@ class StagedLoad:
         shadow._buffers = dict(module._buffers)
         shadow._non_persistent_buffers_set = set(module._non_persistent_buffers_set)
         self._pairs[id(module)] = (module, shadow)
-        shadow._modules = {name: None if child is None else self._shadow_of(child)
-                           for name, child in module._modules.items()}
+        shadow._modules = {
+            name: None if child is None else self._shadow_of(child) for name, child in module._modules.items()
+        }
         return shadow
 
     def _prepare_layer(self, live: torch.nn.Module, shadow: torch.nn.Module) -> None:
@@ -105,8 +106,10 @@ class StagedLoad:
         info = layerwise.get_layerwise_info(shadow)
         if recorded is not None:
             params, buffers = recorded.restore_metadata
-            info.restore_metadata = ({k: self._fresh_meta(v, live, shadow) for k, v in params.items()},
-                                     {k: self._fresh_meta(v, live, shadow) for k, v in buffers.items()})
+            info.restore_metadata = (
+                {k: self._fresh_meta(v, live, shadow) for k, v in params.items()},
+                {k: self._fresh_meta(v, live, shadow) for k, v in buffers.items()},
+            )
             info.restore_device = recorded.restore_device
         else:  # a module without tensors of its own (a container, a LoRA wrapper): nothing to restore
             info.restore_metadata = ({}, {})
@@ -156,8 +159,10 @@ class StagedLoad:
         self.num_loaded_tensors = counted.count
 
     def _check_movable(self, live: torch.nn.Module, shadow: torch.nn.Module) -> None:
-        for kind, live_tensors, new_tensors in (("parameter", live._parameters, shadow._parameters),
-                                                ("buffer", live._buffers, shadow._buffers)):
+        for kind, live_tensors, new_tensors in (
+            ("parameter", live._parameters, shadow._parameters),
+            ("buffer", live._buffers, shadow._buffers),
+        ):
             for name, tensor in new_tensors.items():
                 if tensor is None:
                     continue
@@ -165,7 +170,8 @@ class StagedLoad:
                 if current is None or current.shape != tensor.shape or current.dtype != tensor.dtype:
                     raise StagingUnsupported(
                         f"{type(live).__name__}.{name}: the new {kind} {tensor.dtype}{list(tensor.shape)} does not "
-                        f"replace the served {None if current is None else (current.dtype, list(current.shape))}")
+                        f"replace the served {None if current is None else (current.dtype, list(current.shape))}"
+                    )
                 if kind == "buffer" and name in shadow._non_persistent_buffers_set:
                     raise StagingUnsupported(f"{type(live).__name__}.{name}: a non-persistent buffer")
 
@@ -181,8 +187,9 @@ class StagedLoad:
         for live, _ in self._pairs.values():
             if id(live) in loaded or getattr(live, "quant_method", None) is None:
                 continue
-            shared = {name: replaced[id(t)] for name, t in live._parameters.items()
-                      if t is not None and id(t) in replaced}
+            shared = {
+                name: replaced[id(t)] for name, t in live._parameters.items() if t is not None and id(t) in replaced
+            }
             if not shared:
                 continue
             tied = copy.copy(live)

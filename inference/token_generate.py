@@ -99,8 +99,13 @@ class TokenLogprobsMiddleware:
             if size > self.max_answer_bytes:  # too big to hold: send what we have, unrewritten
                 passthrough = True
                 await send(start)
-                await send({"type": "http.response.body", "body": b"".join(chunks),
-                            "more_body": message.get("more_body", False)})
+                await send(
+                    {
+                        "type": "http.response.body",
+                        "body": b"".join(chunks),
+                        "more_body": message.get("more_body", False),
+                    }
+                )
                 return None
             if message.get("more_body", False):
                 return None

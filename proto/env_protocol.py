@@ -83,7 +83,21 @@ def error_line(request_id: Any, error_type: str, message: str) -> str:
 
 
 __all__ = [
-    "ERROR_BAD_REQUEST", "ERROR_CANCELLED", "OPS", "OP_CANCEL", "OP_EXAMPLES", "OP_LOAD", "OP_PING", "OP_ROLLOUT",
-    "OP_SHUTDOWN", "POLICY_VERSION_END_HEADER", "POLICY_VERSION_HEADER", "PROTOCOL_VERSION", "SAMPLING_KEYS",
-    "SPLITS", "error_line", "request_line", "result_line",
+    "ERROR_BAD_REQUEST",
+    "ERROR_CANCELLED",
+    "OPS",
+    "OP_CANCEL",
+    "OP_EXAMPLES",
+    "OP_LOAD",
+    "OP_PING",
+    "OP_ROLLOUT",
+    "OP_SHUTDOWN",
+    "POLICY_VERSION_END_HEADER",
+    "POLICY_VERSION_HEADER",
+    "PROTOCOL_VERSION",
+    "SAMPLING_KEYS",
+    "SPLITS",
+    "error_line",
+    "request_line",
+    "result_line",
 ]

@@ -210,10 +210,21 @@ def encode(
     if expected is None:
         raise ValueError(f"unknown message type {message_type}")
     if not isinstance(header, expected):
-        raise TypeError(f"{MessageType.Name(message_type)} needs a {expected.__name__} header, got {type(header).__name__}")
-    return encode_raw(message_type, header.SerializeToString(deterministic=True), payload, auth_token=auth_token,
-                      sender=sender, in_reply_to=in_reply_to, message_id=message_id, chunk=chunk, checksum=checksum,
-                      checksum_kind=checksum_kind)
+        raise TypeError(
+            f"{MessageType.Name(message_type)} needs a {expected.__name__} header, got {type(header).__name__}"
+        )
+    return encode_raw(
+        message_type,
+        header.SerializeToString(deterministic=True),
+        payload,
+        auth_token=auth_token,
+        sender=sender,
+        in_reply_to=in_reply_to,
+        message_id=message_id,
+        chunk=chunk,
+        checksum=checksum,
+        checksum_kind=checksum_kind,
+    )
 
 
 def encode_raw(
@@ -289,7 +300,9 @@ def _decode(frames: Sequence[Any], limits: Limits, auth_token: str | None) -> Me
     if len(frames) < NUM_FIXED_FRAMES:
         raise TruncatedMessage(f"message has {len(frames)} frame(s); at least {NUM_FIXED_FRAMES} are required")
     if len(frames) - NUM_FIXED_FRAMES > limits.max_payload_frames:
-        raise OversizedFrame(f"message has {len(frames) - NUM_FIXED_FRAMES} payload frames; the limit is {limits.max_payload_frames}")
+        raise OversizedFrame(
+            f"message has {len(frames) - NUM_FIXED_FRAMES} payload frames; the limit is {limits.max_payload_frames}"
+        )
     views = [byte_view(frame) for frame in frames]
     total_bytes = 0
     for index, view in enumerate(views):
@@ -301,9 +314,13 @@ def _decode(frames: Sequence[Any], limits: Limits, auth_token: str | None) -> Me
 
     protocol = views[0][: len(PROTOCOL_FRAME) + 1].tobytes()  # never copy a large first frame
     if len(protocol) != len(PROTOCOL_FRAME) or not protocol.startswith(PROTOCOL_ID):
-        raise UnknownProtocol(f"first frame {protocol[:16]!r} is not the primerl protocol id {PROTOCOL_ID!r} + version byte")
+        raise UnknownProtocol(
+            f"first frame {protocol[:16]!r} is not the primerl protocol id {PROTOCOL_ID!r} + version byte"
+        )
     if protocol[-1] != PROTOCOL_VERSION:
-        raise UnsupportedVersion(f"protocol version {protocol[-1]} is not supported; this peer speaks version {PROTOCOL_VERSION}")
+        raise UnsupportedVersion(
+            f"protocol version {protocol[-1]} is not supported; this peer speaks version {PROTOCOL_VERSION}"
+        )
 
     type_frame = views[1][:8].tobytes()
     if len(type_frame) != 1 or type_frame[0] not in HEADER_TYPES:
@@ -324,7 +341,9 @@ def _decode(frames: Sequence[Any], limits: Limits, auth_token: str | None) -> Me
 
     payload = views[NUM_FIXED_FRAMES:]
     if len(payload) < envelope.num_payload_frames:
-        raise TruncatedMessage(f"envelope declares {envelope.num_payload_frames} payload frame(s); {len(payload)} arrived")
+        raise TruncatedMessage(
+            f"envelope declares {envelope.num_payload_frames} payload frame(s); {len(payload)} arrived"
+        )
     if len(payload) > envelope.num_payload_frames or len(envelope.payload_frame_bytes) != len(payload):
         raise MalformedHeader(
             f"{len(payload)} payload frame(s) arrived but the envelope declares {envelope.num_payload_frames} "
@@ -382,7 +401,10 @@ def role_name(role: int) -> str:
 def check_tensor_payload(message: Message) -> None:
     """A ROLLOUT_BATCH / WEIGHT_UPDATE payload must be one safetensors blob matching ``header.tensors``."""
     if len(message.payload) != 1:
-        raise MalformedHeader(f"{message.type_name} carries {len(message.payload)} payload frames; exactly 1 safetensors frame is required")
+        raise MalformedHeader(
+            f"{message.type_name} carries {len(message.payload)} payload frames; "
+            "exactly 1 safetensors frame is required"
+        )
     try:
         check_tensor_frame(message.payload[0], message.header.tensors)
     except TensorFrameError as exc:

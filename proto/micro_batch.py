@@ -1,4 +1,5 @@
-"""The tensors of a training micro-batch, as the packer makes them (``primerl.proto.packing``), the broker carries them (a ``RolloutBatchHeader`` with one safetensors payload) and the trainer reads them
+"""The tensors of a training micro-batch, as the packer makes them (``primerl.proto.packing``), the broker carries
+them (a ``RolloutBatchHeader`` with one safetensors payload) and the trainer reads them
 (``primerl.trainer.batch.MicroBatch``).
 
 Every tensor is 1-D, one entry per token of the packed sequence, all of one length (at most ``seq_len``):
@@ -50,7 +51,6 @@ def check_tensor_names(tensors: Mapping[str, Any]) -> None:
     unknown = sorted(set(tensors) - set(TENSOR_DTYPES))
     if unknown:
         raise ValueError(f"micro-batch has unknown tensors {unknown}")
-
 
 
 def tensor_spec_problem(specs: Iterable[Any]) -> str:

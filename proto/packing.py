@@ -162,9 +162,13 @@ def _equalize_bin_counts(bins: list[list[int]], target: int, lengths: Sequence[i
 def _sample_arrays(sample: PackableSample, seq_len: int, with_teacher: bool) -> dict[str, np.ndarray]:
     end = min(sample.num_tokens, seq_len)
     values = {
-        "input_ids": sample.token_ids[:end], "position_ids": np.arange(end), "loss_mask": sample.loss_mask[:end],
-        "advantages": np.full(end, sample.advantage), "inference_logprobs": sample.inference_logprobs[:end],
-        "temperatures": sample.temperatures[:end], "policy_versions": sample.policy_versions[:end],
+        "input_ids": sample.token_ids[:end],
+        "position_ids": np.arange(end),
+        "loss_mask": sample.loss_mask[:end],
+        "advantages": np.full(end, sample.advantage),
+        "inference_logprobs": sample.inference_logprobs[:end],
+        "temperatures": sample.temperatures[:end],
+        "policy_versions": sample.policy_versions[:end],
     }
     if with_teacher:
         values["teacher_logprobs"] = sample.teacher_logprobs[:end]
@@ -175,24 +179,47 @@ def _micro_batch(indices: list[int], arrays: list[dict[str, np.ndarray]]) -> Pac
     names = arrays[indices[0]].keys()
     tensors = {name: np.concatenate([arrays[i][name] for i in indices]) for name in names}
     versions = tensors["policy_versions"]
-    return PackedMicroBatch(tensors=tensors, sample_indices=list(indices),
-                            num_loss_tokens=int(np.count_nonzero(tensors["loss_mask"])),
-                            min_policy_version=int(versions.min()), max_policy_version=int(versions.max()))
+    return PackedMicroBatch(
+        tensors=tensors,
+        sample_indices=list(indices),
+        num_loss_tokens=int(np.count_nonzero(tensors["loss_mask"])),
+        min_policy_version=int(versions.min()),
+        max_policy_version=int(versions.max()),
+    )
 
 
-def _padding_micro_batch(pad_token_id: int, policy_version: int, max_policy_version: int,
-                         with_teacher: bool) -> PackedMicroBatch:
-    values = {"input_ids": pad_token_id, "position_ids": 0, "loss_mask": False, "advantages": 0.0,
-              "inference_logprobs": 0.0, "temperatures": 1.0, "policy_versions": policy_version}
+def _padding_micro_batch(
+    pad_token_id: int, policy_version: int, max_policy_version: int, with_teacher: bool
+) -> PackedMicroBatch:
+    values = {
+        "input_ids": pad_token_id,
+        "position_ids": 0,
+        "loss_mask": False,
+        "advantages": 0.0,
+        "inference_logprobs": 0.0,
+        "temperatures": 1.0,
+        "policy_versions": policy_version,
+    }
     if with_teacher:
         values["teacher_logprobs"] = 0.0
     tensors = {name: np.full(1, value, dtype=TENSOR_DTYPES[name]) for name, value in values.items()}
-    return PackedMicroBatch(tensors=tensors, sample_indices=[], num_loss_tokens=0,
-                            min_policy_version=policy_version, max_policy_version=max_policy_version)
+    return PackedMicroBatch(
+        tensors=tensors,
+        sample_indices=[],
+        num_loss_tokens=0,
+        min_policy_version=policy_version,
+        max_policy_version=max_policy_version,
+    )
 
 
-def pack_samples(samples: Sequence[PackableSample], *, seq_len: int, num_ranks: int = 1,
-                 overlong: OverlongPolicy = "truncate", pad_token_id: int = 0) -> PackedStep:
+def pack_samples(
+    samples: Sequence[PackableSample],
+    *,
+    seq_len: int,
+    num_ranks: int = 1,
+    overlong: OverlongPolicy = "truncate",
+    pad_token_id: int = 0,
+) -> PackedStep:
     """Pack one step's samples into micro-batches per rank (see the module docstring)."""
     if seq_len < 1:
         raise ValueError(f"seq_len must be >= 1, got {seq_len}")
@@ -255,6 +282,8 @@ def check_loss_tokens_survive(packed: PackedStep, samples: Sequence[PackableSamp
     if packed.num_loss_tokens_global or not any(any(sample.loss_mask) for sample in samples):
         return
     longest_prompt = max(next((i for i, in_loss in enumerate(s.loss_mask) if in_loss), s.num_tokens) for s in samples)
-    raise ValueError(f"no sample keeps a completion token within seq_len = {seq_len}: prompts are up to "
-                     f"{longest_prompt} tokens long, so truncation to seq_len leaves nothing to train on; raise "
-                     "seq_len (and the inference max_model_len) above the prompts' length plus max_tokens")
+    raise ValueError(
+        f"no sample keeps a completion token within seq_len = {seq_len}: prompts are up to "
+        f"{longest_prompt} tokens long, so truncation to seq_len leaves nothing to train on; raise "
+        "seq_len (and the inference max_model_len) above the prompts' length plus max_tokens"
+    )

@@ -25,8 +25,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-READY_FILE_NAMES = {"broker": "broker.ready.json", "inference": "inference.ready.json",
-                    "teacher": "teacher.ready.json"}
+READY_FILE_NAMES = {"broker": "broker.ready.json", "inference": "inference.ready.json", "teacher": "teacher.ready.json"}
 """Role -> the name of its ready file in a run directory (the roles that write one)."""
 
 

@@ -73,12 +73,16 @@ def parse_header(frame: Any, total_bytes: int | None = None) -> dict[str, Tensor
     view = _view(frame)
     total = view.nbytes if total_bytes is None else total_bytes
     if view.nbytes < 8:
-        raise TensorFrameError(f"tensor frame of {view.nbytes} bytes is shorter than the 8-byte safetensors length prefix", truncated=True)
+        raise TensorFrameError(
+            f"tensor frame of {view.nbytes} bytes is shorter than the 8-byte safetensors length prefix", truncated=True
+        )
     (header_len,) = struct.unpack("<Q", view[:8])
     if header_len > MAX_HEADER_BYTES:
         raise TensorFrameError(f"safetensors header claims {header_len} bytes; the limit is {MAX_HEADER_BYTES}")
     if 8 + header_len > min(view.nbytes, total):
-        raise TensorFrameError(f"safetensors header claims {header_len} bytes but the frame has {total - 8}", truncated=True)
+        raise TensorFrameError(
+            f"safetensors header claims {header_len} bytes but the frame has {total - 8}", truncated=True
+        )
     raw = _load_header_json(view[8 : 8 + header_len])
     data_start = 8 + header_len
     data_bytes = total - data_start
@@ -89,25 +93,40 @@ def parse_header(frame: Any, total_bytes: int | None = None) -> dict[str, Tensor
                 raise TensorFrameError("safetensors __metadata__ must be a JSON object of strings")
             continue
         if not isinstance(info, dict) or set(info) != {"dtype", "shape", "data_offsets"}:
-            raise TensorFrameError(f"tensor {_short(name)}: header entry must have exactly dtype, shape and data_offsets")
+            raise TensorFrameError(
+                f"tensor {_short(name)}: header entry must have exactly dtype, shape and data_offsets"
+            )
         dtype, shape, offsets = info["dtype"], info["shape"], info["data_offsets"]
         if not isinstance(dtype, str) or dtype not in DTYPES:
             raise TensorFrameError(f"tensor {_short(name)}: unsupported dtype {_short(dtype)}")
-        if (not isinstance(shape, list) or len(shape) > MAX_TENSOR_DIMS
-                or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape)):
-            raise TensorFrameError(f"tensor {_short(name)}: shape {_short(shape)} is not a list of at most "
-                                   f"{MAX_TENSOR_DIMS} non-negative integers")
-        if not (isinstance(offsets, list) and len(offsets) == 2 and all(isinstance(o, int) and not isinstance(o, bool) for o in offsets)):
+        if (
+            not isinstance(shape, list)
+            or len(shape) > MAX_TENSOR_DIMS
+            or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape)
+        ):
+            raise TensorFrameError(
+                f"tensor {_short(name)}: shape {_short(shape)} is not a list of at most "
+                f"{MAX_TENSOR_DIMS} non-negative integers"
+            )
+        if not (
+            isinstance(offsets, list)
+            and len(offsets) == 2
+            and all(isinstance(o, int) and not isinstance(o, bool) for o in offsets)
+        ):
             raise TensorFrameError(f"tensor {_short(name)}: data_offsets {_short(offsets)} is not [begin, end]")
         begin, end = offsets
         if not 0 <= begin <= end:
             raise TensorFrameError(f"tensor {_short(name)}: data_offsets {_short(offsets)} are not ordered")
         if end > data_bytes:
-            raise TensorFrameError(f"tensor {_short(name)}: data ends at byte {end} but the frame holds {data_bytes}", truncated=True)
+            raise TensorFrameError(
+                f"tensor {_short(name)}: data ends at byte {end} but the frame holds {data_bytes}", truncated=True
+            )
         expected = math.prod(shape) * DTYPES[dtype][0]
         if end - begin != expected:
-            raise TensorFrameError(f"tensor {_short(name)}: {end - begin} bytes for shape {shape} of {dtype} (expected {expected})",
-                                   mismatch=True)
+            raise TensorFrameError(
+                f"tensor {_short(name)}: {end - begin} bytes for shape {shape} of {dtype} (expected {expected})",
+                mismatch=True,
+            )
         entries[name] = TensorEntry(name, dtype, tuple(shape), data_start + begin, data_start + end)
     return entries
 
@@ -115,7 +134,9 @@ def parse_header(frame: Any, total_bytes: int | None = None) -> dict[str, Tensor
 def _refuse_number(text: str) -> int:
     """``parse_int`` for header JSON: at most ``MAX_INT_DIGITS`` digits (offsets and dims fit in uint64)."""
     if len(text.lstrip("-")) > MAX_INT_DIGITS:
-        raise TensorFrameError(f"safetensors header holds an integer of {len(text)} characters; at most {MAX_INT_DIGITS} digits")
+        raise TensorFrameError(
+            f"safetensors header holds an integer of {len(text)} characters; at most {MAX_INT_DIGITS} digits"
+        )
     return int(text)
 
 
@@ -135,7 +156,12 @@ def _load_header_json(raw: memoryview) -> dict[str, Any]:
         parsed = json.loads(data, parse_int=_refuse_number, parse_float=_refuse_float, parse_constant=_refuse_float)
     except TensorFrameError:
         raise
-    except (ValueError, RecursionError, TypeError, OverflowError) as exc:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+    except (
+        ValueError,
+        RecursionError,
+        TypeError,
+        OverflowError,
+    ) as exc:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
         raise TensorFrameError(f"safetensors header is not valid JSON: {str(exc)[:200]}") from None
     if not isinstance(parsed, dict):
         raise TensorFrameError("safetensors header is not a JSON object")
@@ -174,8 +200,9 @@ def specs_of(entries: Mapping[str, TensorEntry]) -> list[common_pb2.TensorSpec]:
     return [common_pb2.TensorSpec(name=e.name, dtype=e.dtype, shape=list(e.shape)) for e in entries.values()]
 
 
-def check_tensor_frame(frame: Any, specs: Sequence[common_pb2.TensorSpec],
-                       total_bytes: int | None = None) -> dict[str, TensorEntry]:
+def check_tensor_frame(
+    frame: Any, specs: Sequence[common_pb2.TensorSpec], total_bytes: int | None = None
+) -> dict[str, TensorEntry]:
     """The frame must hold exactly the tensors of ``specs``, with the same dtypes and shapes. ``total_bytes``: see
     ``parse_header``."""
     entries = parse_header(frame, total_bytes)
@@ -190,13 +217,16 @@ def check_tensor_frame(frame: Any, specs: Sequence[common_pb2.TensorSpec],
         entry = entries[name]
         if entry.dtype != spec.dtype or entry.shape != tuple(spec.shape):
             raise TensorFrameError(
-                f"tensor {name!r} is {entry.dtype}{list(entry.shape)} but the header says {spec.dtype}{list(spec.shape)}",
+                f"tensor {name!r} is {entry.dtype}{list(entry.shape)} "
+                f"but the header says {spec.dtype}{list(spec.shape)}",
                 mismatch=True,
             )
     return entries
 
 
-def encode_tensors(tensors: Mapping[str, Any], metadata: Mapping[str, str] | None = None) -> tuple[bytes, list[common_pb2.TensorSpec]]:
+def encode_tensors(
+    tensors: Mapping[str, Any], metadata: Mapping[str, str] | None = None
+) -> tuple[bytes, list[common_pb2.TensorSpec]]:
     """Serialize numpy arrays or torch tensors to safetensors bytes; returns (bytes, specs for the header)."""
     if not tensors:
         raise ValueError("no tensors to encode")
@@ -204,18 +234,30 @@ def encode_tensors(tensors: Mapping[str, Any], metadata: Mapping[str, str] | Non
         import torch
         from safetensors.torch import save
 
-        data = save({k: (v if isinstance(v, torch.Tensor) else torch.from_numpy(np.ascontiguousarray(v))).contiguous() for k, v in tensors.items()}, metadata=dict(metadata) if metadata else None)
+        data = save(
+            {
+                k: (v if isinstance(v, torch.Tensor) else torch.from_numpy(np.ascontiguousarray(v))).contiguous()
+                for k, v in tensors.items()
+            },
+            metadata=dict(metadata) if metadata else None,
+        )
     else:
         from safetensors.numpy import save
 
         for name, array in tensors.items():
             if np.asarray(array).dtype not in _NUMPY_TO_SAFETENSORS:
-                raise ValueError(f"tensor {name!r}: numpy dtype {np.asarray(array).dtype} has no safetensors equivalent")
-        data = save({k: np.ascontiguousarray(v) for k, v in tensors.items()}, metadata=dict(metadata) if metadata else None)
+                raise ValueError(
+                    f"tensor {name!r}: numpy dtype {np.asarray(array).dtype} has no safetensors equivalent"
+                )
+        data = save(
+            {k: np.ascontiguousarray(v) for k, v in tensors.items()}, metadata=dict(metadata) if metadata else None
+        )
     return data, specs_of(parse_header(data))
 
 
-def decode_tensors(frame: Any, specs: Sequence[common_pb2.TensorSpec] | None = None, *, as_torch: bool = False) -> dict[str, Any]:
+def decode_tensors(
+    frame: Any, specs: Sequence[common_pb2.TensorSpec] | None = None, *, as_torch: bool = False
+) -> dict[str, Any]:
     """Tensors of a checked frame. numpy arrays are read-only zero-copy views of the frame;
     torch tensors (``as_torch=True``, required for BF16) are copies."""
     entries = check_tensor_frame(frame, specs) if specs is not None else parse_header(frame)

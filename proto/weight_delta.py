@@ -70,8 +70,16 @@ from primerl.proto.v1 import common_pb2, data_pb2
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["DeltaError", "DeltaEstimate", "SPARSE_SUFFIXES", "decode_delta", "encode_delta", "estimate_delta",
-           "sampled_elements", "torch_dtype_name"]
+__all__ = [
+    "DeltaError",
+    "DeltaEstimate",
+    "SPARSE_SUFFIXES",
+    "decode_delta",
+    "encode_delta",
+    "estimate_delta",
+    "sampled_elements",
+    "torch_dtype_name",
+]
 
 XOR_ZLIB = data_pb2.DELTA_ENCODING_XOR_ZLIB
 SPARSE = data_pb2.DELTA_ENCODING_SPARSE
@@ -189,8 +197,9 @@ def _mask_of(name: str, mask: np.ndarray, numel: int, num_values: int) -> np.nda
     """The boolean change mask of a mask form, checked: ceil(numel/8) bytes, padding bits 0, as many set bits as
     ``num_values``."""
     if mask.size != -(-numel // 8):
-        raise _malformed(f"tensor {name!r}: a mask of {mask.size} bytes for {numel} elements "
-                         f"(expected {-(-numel // 8)})")
+        raise _malformed(
+            f"tensor {name!r}: a mask of {mask.size} bytes for {numel} elements (expected {-(-numel // 8)})"
+        )
     if numel % 8 and int(mask[-1]) >> (numel % 8):
         raise _malformed(f"tensor {name!r}: the mask sets bits past its {numel} elements")
     changed = np.unpackbits(mask, count=numel, bitorder="little").view(np.bool_)
@@ -200,8 +209,9 @@ def _mask_of(name: str, mask: np.ndarray, numel: int, num_values: int) -> np.nda
     return changed
 
 
-def _sparse_decode(name: str, base_bits: np.ndarray, values: np.ndarray, gaps: np.ndarray | None,
-                   mask: np.ndarray | None) -> np.ndarray:
+def _sparse_decode(
+    name: str, base_bits: np.ndarray, values: np.ndarray, gaps: np.ndarray | None, mask: np.ndarray | None
+) -> np.ndarray:
     """The new raw bits of one tensor (fresh memory), from its base and its SPARSE form (checked)."""
     numel = base_bits.size
     if gaps is not None:
@@ -278,9 +288,11 @@ def encode_delta(
             parts = list(pool.map(encode_one, names))
     else:
         parts = [encode_one(name) for name in names]
-    decoded = {name: common_pb2.TensorSpec(name=name, dtype=torch_dtype_name(new[name].dtype),
-                                           shape=list(new[name].shape))
-               for name, part in zip(names, parts, strict=True) if part is not None}
+    decoded = {
+        name: common_pb2.TensorSpec(name=name, dtype=torch_dtype_name(new[name].dtype), shape=list(new[name].shape))
+        for name, part in zip(names, parts, strict=True)
+        if part is not None
+    }
     if encoding == SPARSE:
         encoded = {}
         for name, part in zip(names, parts, strict=True):
@@ -288,8 +300,9 @@ def encode_delta(
                 encoded[name + suffix] = _as_torch(array, new[name].dtype) if suffix == VALUES else array
         payload = _save_torch(encoded)
         return payload, specs_of(parse_header(payload)), list(decoded.values())
-    compressed = {name: np.frombuffer(part, dtype=np.uint8)
-                  for name, part in zip(names, parts, strict=True) if part is not None}
+    compressed = {
+        name: np.frombuffer(part, dtype=np.uint8) for name, part in zip(names, parts, strict=True) if part is not None
+    }
     payload = save_numpy(compressed) if compressed else _save_torch({})
     specs = specs_of(parse_header(payload))
     return payload, specs, [decoded[spec.name] for spec in specs]
@@ -338,8 +351,9 @@ def estimate_delta(
     delta, which is then built exactly). Tensors missing from ``base`` or of another shape raise `DeltaError`."""
     if encoding not in _ENCODINGS:
         raise ValueError(f"encoding must be DELTA_ENCODING_SPARSE or DELTA_ENCODING_XOR_ZLIB, got {encoding}")
-    spans = sampled_elements(new, sample_fraction=sample_fraction, min_sample_bytes=min_sample_bytes,
-                             max_sample_bytes=max_sample_bytes)
+    spans = sampled_elements(
+        new, sample_fraction=sample_fraction, min_sample_bytes=min_sample_bytes, max_sample_bytes=max_sample_bytes
+    )
     price = _price_sparse if encoding == SPARSE else _price_xor_zlib
     full = sampled = 0
     changed = delta = encode_s = decode_s = 0.0
@@ -361,8 +375,15 @@ def estimate_delta(
         delta += slice_delta * scale
         encode_s += slice_encode_s * scale
         decode_s += slice_decode_s * scale
-    return DeltaEstimate(encoding=encoding, full_bytes=full, changed_bytes=int(changed), delta_bytes=int(delta),
-                         encode_s=encode_s, decode_s=decode_s, sample_bytes=sampled)
+    return DeltaEstimate(
+        encoding=encoding,
+        full_bytes=full,
+        changed_bytes=int(changed),
+        delta_bytes=int(delta),
+        encode_s=encode_s,
+        decode_s=decode_s,
+        sample_bytes=sampled,
+    )
 
 
 def sampled_elements(
@@ -425,8 +446,10 @@ def decode_delta(
     for every tensor in the delta (the others are unchanged). Raises `DeltaError` (a ValueError) for anything
     inconsistent or corrupt; ``base`` is never modified and the returned tensors own their memory."""
     if header.delta_encoding not in _ENCODINGS:
-        raise _malformed(f"delta_encoding {_encoding_name(header.delta_encoding)} is neither "
-                         "DELTA_ENCODING_SPARSE nor DELTA_ENCODING_XOR_ZLIB")
+        raise _malformed(
+            f"delta_encoding {_encoding_name(header.delta_encoding)} is neither "
+            "DELTA_ENCODING_SPARSE nor DELTA_ENCODING_XOR_ZLIB"
+        )
     try:
         entries = check_tensor_frame(payload, header.tensors)
     except TensorFrameError as exc:
@@ -452,8 +475,12 @@ def _checked_base(decoded_spec: common_pb2.TensorSpec, base: Mapping[str, torch.
     return base_tensor
 
 
-def _decode_sparse(view: memoryview, entries: dict[str, TensorEntry], header: data_pb2.WeightUpdateHeader,
-                   base: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+def _decode_sparse(
+    view: memoryview,
+    entries: dict[str, TensorEntry],
+    header: data_pb2.WeightUpdateHeader,
+    base: Mapping[str, torch.Tensor],
+) -> dict[str, torch.Tensor]:
     plan = []
     unclaimed = set(entries)
     for decoded_spec in header.decoded_tensors:
@@ -465,8 +492,9 @@ def _decode_sparse(view: memoryview, entries: dict[str, TensorEntry], header: da
         if name + VALUES not in unclaimed:
             raise DeltaError(f"tensor {name!r} is listed twice in decoded_tensors")
         if values.dtype != decoded_spec.dtype or len(values.shape) != 1:
-            raise DeltaError(f"tensor {name!r}: values must be 1-D {decoded_spec.dtype}, got "
-                             f"{values.dtype}{list(values.shape)}")
+            raise DeltaError(
+                f"tensor {name!r}: values must be 1-D {decoded_spec.dtype}, got {values.dtype}{list(values.shape)}"
+            )
         positions = [entries[name + s] for s in (GAPS, MASK) if name + s in entries]
         if len(positions) > 1:
             raise DeltaError(f"tensor {name!r}: the payload has both {name + GAPS!r} and {name + MASK!r}")
@@ -481,28 +509,34 @@ def _decode_sparse(view: memoryview, entries: dict[str, TensorEntry], header: da
     out: dict[str, torch.Tensor] = {}
     for name, base_tensor, values, positions in plan:
         base_bits = _raw_bits(base_tensor)
-        value_bits = np.frombuffer(view[values.start:values.end], dtype=base_bits.dtype)
-        stream = None if positions is None else np.frombuffer(view[positions.start:positions.end], dtype=np.uint8)
+        value_bits = np.frombuffer(view[values.start : values.end], dtype=base_bits.dtype)
+        stream = None if positions is None else np.frombuffer(view[positions.start : positions.end], dtype=np.uint8)
         is_gaps = positions is not None and positions.name.endswith(GAPS)
-        new_bits = _sparse_decode(name, base_bits, value_bits, stream if is_gaps else None,
-                                  None if is_gaps else stream)
+        new_bits = _sparse_decode(name, base_bits, value_bits, stream if is_gaps else None, None if is_gaps else stream)
         out[name] = _as_torch(new_bits, base_tensor.dtype).reshape(base_tensor.shape)
     return out
 
 
-def _decode_xor_zlib(view: memoryview, entries: dict[str, TensorEntry], header: data_pb2.WeightUpdateHeader,
-                     base: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+def _decode_xor_zlib(
+    view: memoryview,
+    entries: dict[str, TensorEntry],
+    header: data_pb2.WeightUpdateHeader,
+    base: Mapping[str, torch.Tensor],
+) -> dict[str, torch.Tensor]:
     import torch
 
     if len(header.tensors) != len(header.decoded_tensors):
-        raise DeltaError(f"the header lists {len(header.tensors)} encoded tensors but "
-                         f"{len(header.decoded_tensors)} decoded ones")
+        raise DeltaError(
+            f"the header lists {len(header.tensors)} encoded tensors but {len(header.decoded_tensors)} decoded ones"
+        )
     plan = []
     for spec, decoded_spec in zip(header.tensors, header.decoded_tensors, strict=True):
         name = spec.name
         if decoded_spec.name != name:
-            raise DeltaError(f"decoded_tensors[{len(plan)}] is {decoded_spec.name!r} but tensors[{len(plan)}] "
-                             f"is {name!r}: they must list the same names in the same order")
+            raise DeltaError(
+                f"decoded_tensors[{len(plan)}] is {decoded_spec.name!r} but tensors[{len(plan)}] "
+                f"is {name!r}: they must list the same names in the same order"
+            )
         if spec.dtype != "U8" or len(spec.shape) != 1:
             raise DeltaError(f"encoded tensor {name!r} must be 1-D U8, got {spec.dtype}{list(spec.shape)}")
         plan.append((name, entries[name], _checked_base(decoded_spec, base)))
@@ -510,7 +544,7 @@ def _decode_xor_zlib(view: memoryview, entries: dict[str, TensorEntry], header: 
     out: dict[str, torch.Tensor] = {}
     for name, entry, base_tensor in plan:
         base_bits = _raw_bits(base_tensor)
-        xor = _bounded_decompress(name, view[entry.start:entry.end], base_bits.nbytes)
+        xor = _bounded_decompress(name, view[entry.start : entry.end], base_bits.nbytes)
         if base_tensor.numel() == 0:
             out[name] = torch.empty(base_tensor.shape, dtype=base_tensor.dtype)
             continue

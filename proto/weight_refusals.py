@@ -10,8 +10,9 @@ class WeightUpdateRefused(ValueError):
     """A weight update that was not accepted. ``code`` is an ``ErrorCode``; ``full_required`` says the
     sender must send a FULL (or LORA) update next."""
 
-    def __init__(self, code: int, message: str, *, full_required: bool = False, retry_after_ms: int = 0,
-                 broker_lineage: int = 0):
+    def __init__(
+        self, code: int, message: str, *, full_required: bool = False, retry_after_ms: int = 0, broker_lineage: int = 0
+    ):
         super().__init__(message)
         self.code = code
         self.full_required = full_required
@@ -27,10 +28,16 @@ class WeightUpdateRefused(ValueError):
         return common_pb2.ErrorDetail(code=self.code, message=self.args[0], retry_after_ms=self.retry_after_ms)
 
     @classmethod
-    def from_detail(cls, detail: common_pb2.ErrorDetail, *, full_required: bool = False,
-                    broker_lineage: int = 0) -> WeightUpdateRefused:
-        return cls(detail.code, detail.message or common_pb2.ErrorCode.Name(detail.code), full_required=full_required,
-                   retry_after_ms=detail.retry_after_ms, broker_lineage=broker_lineage)
+    def from_detail(
+        cls, detail: common_pb2.ErrorDetail, *, full_required: bool = False, broker_lineage: int = 0
+    ) -> WeightUpdateRefused:
+        return cls(
+            detail.code,
+            detail.message or common_pb2.ErrorCode.Name(detail.code),
+            full_required=full_required,
+            retry_after_ms=detail.retry_after_ms,
+            broker_lineage=broker_lineage,
+        )
 
     def __str__(self) -> str:
         return f"{self.code_name}: {self.args[0]}"

@@ -68,7 +68,7 @@ def dialable_endpoint(endpoint: str, dialed_address: str) -> str:
     returned as they are."""
     if not endpoint.startswith("tcp://"):
         return endpoint
-    host, sep, port = endpoint[len("tcp://"):].rpartition(":")
+    host, sep, port = endpoint[len("tcp://") :].rpartition(":")
     if not sep or not is_wildcard_host(host):
         return endpoint
     dialed_host, _ = split_host_port(dialed_address)
@@ -107,5 +107,13 @@ def advertised_host(bind_host: str, advertise_host: str | None, *, peer_address:
     return local or socket.gethostname()
 
 
-__all__ = ["WILDCARD_HOSTS", "advertised_host", "check_advertise_host", "dialable_endpoint", "is_wildcard_host",
-           "route_to", "split_host_port", "url_host"]
+__all__ = [
+    "WILDCARD_HOSTS",
+    "advertised_host",
+    "check_advertise_host",
+    "dialable_endpoint",
+    "is_wildcard_host",
+    "route_to",
+    "split_host_port",
+    "url_host",
+]

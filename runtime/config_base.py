@@ -302,7 +302,7 @@ def _describe_error(error: dict[str, Any], root: type) -> str:
         message = str(error.get("msg", ""))
         for prefix in ("Value error, ", "Assertion failed, "):
             if message.startswith(prefix):
-                message = message[len(prefix):]
+                message = message[len(prefix) :]
         return f"in `{path}`: {message}" if path else message
 
     if kind in _EXPECTED_BY_ERROR_TYPE:
@@ -310,7 +310,7 @@ def _describe_error(error: dict[str, Any], root: type) -> str:
 
     message = str(error.get("msg", kind))
     if message.startswith("Input should be"):
-        message = "must be" + message[len("Input should be"):]
+        message = "must be" + message[len("Input should be") :]
     return f"{shown}: {message} (got {toml_repr(value)})"
 
 

@@ -27,9 +27,7 @@ def is_loopback_host(host: str) -> bool:
 class LogConfig(BaseConfig):
     """How a role logs."""
 
-    level: Literal["debug", "info", "warning", "error"] = Field(
-        "info", description="Lowest level that is logged."
-    )
+    level: Literal["debug", "info", "warning", "error"] = Field("info", description="Lowest level that is logged.")
     format: Literal["console", "json"] = Field(
         "console", description="`console`: readable lines for a terminal; `json`: one JSON object per line."
     )
@@ -59,11 +57,10 @@ class BrokerClientConfig(BaseConfig):
         description="PEM client certificate for mutual TLS (set with `tls_key_path` and `tls_ca_path`), for a "
         "broker that sets `tls_client_ca_path`.",
     )
-    tls_key_path: Path | None = Field(
-        None, description="PEM private key of `tls_cert_path` (mutual TLS)."
-    )
+    tls_key_path: Path | None = Field(None, description="PEM private key of `tls_cert_path` (mutual TLS).")
     tls_server_name: str | None = Field(
-        None, min_length=1,
+        None,
+        min_length=1,
         description="Name to check the broker's TLS certificate against instead of the host in `address` (one of "
         "the `--host` names given to `primerl certs`), e.g. when dialing it through NAT or a tunnel.",
     )
@@ -92,8 +89,10 @@ class BrokerClientConfig(BaseConfig):
         if (self.tls_cert_path is None) != (self.tls_key_path is None):
             problems.append("set both `tls_cert_path` and `tls_key_path` (a client certificate), or neither")
         if self.tls_cert_path is not None and self.tls_ca_path is None:
-            problems.append("a client certificate (`tls_cert_path`) needs TLS: set `tls_ca_path` to the CA of the "
-                            "broker's certificate too")
+            problems.append(
+                "a client certificate (`tls_cert_path`) needs TLS: set `tls_ca_path` to the CA of the "
+                "broker's certificate too"
+            )
         if self.tls_server_name is not None and self.tls_ca_path is None:
             problems.append("`tls_server_name` needs TLS: set `tls_ca_path` too")
         if (self.curve_secret_key_path is None) != (self.curve_broker_key_path is None):
@@ -139,6 +138,4 @@ class PrometheusConfig(BaseConfig):
         min_length=1,
         description="Interface the metrics server binds; use `0.0.0.0` for scraping from other machines.",
     )
-    port: int = Field(
-        0, ge=0, le=65535, description="Port of the metrics server (0: a free port, logged at start)."
-    )
+    port: int = Field(0, ge=0, le=65535, description="Port of the metrics server (0: a free port, logged at start).")

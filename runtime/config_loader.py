@@ -68,7 +68,7 @@ def _set_override(overrides: dict[str, Any], option: str, key: str, value: Any) 
     for depth, part in enumerate(parts[:-1]):
         target = target.setdefault(part, {})
         if not isinstance(target, dict):
-            raise ConfigError(f"option {option} conflicts with --{'.'.join(parts[:depth + 1])} given before it")
+            raise ConfigError(f"option {option} conflicts with --{'.'.join(parts[: depth + 1])} given before it")
     target[parts[-1]] = value
 
 
@@ -191,9 +191,7 @@ def _normalize(cls: type, data: dict[str, Any], source: str) -> dict[str, Any]:
     return data
 
 
-def merge_sources(
-    cls: type, files: Sequence[Path], overrides: Mapping[str, Any] | None = None
-) -> dict[str, Any]:
+def merge_sources(cls: type, files: Sequence[Path], overrides: Mapping[str, Any] | None = None) -> dict[str, Any]:
     """The raw (unvalidated) config: every file normalised and merged in order, then the overrides."""
     merged: dict[str, Any] = {}
     for path in files:

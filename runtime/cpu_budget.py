@@ -71,17 +71,21 @@ class ThreadsConfig(BaseConfig):
     """CPU thread budget of a role (see `primerl.runtime.cpu_budget`); unset fields take the role's default."""
 
     num_threads: int | None = Field(
-        None, ge=1, description="Intra-op threads: torch, OpenMP, MKL, OpenBLAS (unset: the role's share of the "
-        "CPUs; all of them for a standalone daemon)."
+        None,
+        ge=1,
+        description="Intra-op threads: torch, OpenMP, MKL, OpenBLAS (unset: the role's share of the "
+        "CPUs; all of them for a standalone daemon).",
     )
     num_interop_threads: int | None = Field(None, ge=1, description="torch inter-op threads (unset: 1).")
     wait_policy: Literal["passive", "active"] = Field(
-        "passive", description="OpenMP wait policy: `passive` idle threads sleep at once (right when roles share "
-        "cores); `active` they spin (a dedicated machine may gain a little)."
+        "passive",
+        description="OpenMP wait policy: `passive` idle threads sleep at once (right when roles share "
+        "cores); `active` they spin (a dedicated machine may gain a little).",
     )
     cpus: list[int] | None = Field(
-        None, description="CPU ids the role's compute threads are bound to (inference: vLLM's OpenMP binding, "
-        "one thread per CPU; other roles: the process affinity). Unset: no binding (vLLM: its own)."
+        None,
+        description="CPU ids the role's compute threads are bound to (inference: vLLM's OpenMP binding, "
+        "one thread per CPU; other roles: the process affinity). Unset: no binding (vLLM: its own).",
     )
 
     @field_validator("cpus")
@@ -117,8 +121,13 @@ def default_budgets(cpus: Sequence[int], *, gpus: bool, num_trainer_ranks: int =
         inference = ThreadsConfig(num_threads=half, cpus=list(cpus[:half]))
         trainer = ThreadsConfig(num_threads=max(1, (n - n // 2) // num_trainer_ranks))
     single = ThreadsConfig(num_threads=1)
-    return {"inference": inference, "trainer": trainer, "orchestrator": single, "broker": single.model_copy(),
-            "teacher": inference.model_copy(deep=True)}
+    return {
+        "inference": inference,
+        "trainer": trainer,
+        "orchestrator": single,
+        "broker": single.model_copy(),
+        "teacher": inference.model_copy(deep=True),
+    }
 
 
 def fill_budget(explicit: ThreadsConfig | None, default: ThreadsConfig) -> ThreadsConfig:
@@ -159,8 +168,9 @@ def role_env(role: str, budget: ThreadsConfig) -> dict[str, str]:
     return env
 
 
-def apply_budget(role: str, budget: ThreadsConfig | None, *, environ: Mapping[str, str] | None = None,
-                 log=None) -> ThreadsConfig:
+def apply_budget(
+    role: str, budget: ThreadsConfig | None, *, environ: Mapping[str, str] | None = None, log=None
+) -> ThreadsConfig:
     """Apply ``budget`` to this process (a daemon calls it first thing); returns the budget applied.
 
     Sets the environment variables of ``role_env`` (a value already in the environment wins: the launcher's or
@@ -181,10 +191,16 @@ def apply_budget(role: str, budget: ThreadsConfig | None, *, environ: Mapping[st
     if role == "trainer" or "torch" in sys.modules:
         set_torch_threads(applied, log=log)
     if log is not None:
-        log.info("thread budget", role=role, num_threads=applied.num_threads,
-                 num_interop_threads=applied.num_interop_threads, wait_policy=applied.wait_policy,
-                 cpus=applied.cpus, omp_num_threads=os.environ.get("OMP_NUM_THREADS"),
-                 omp_wait_policy=os.environ.get("OMP_WAIT_POLICY"))
+        log.info(
+            "thread budget",
+            role=role,
+            num_threads=applied.num_threads,
+            num_interop_threads=applied.num_interop_threads,
+            wait_policy=applied.wait_policy,
+            cpus=applied.cpus,
+            omp_num_threads=os.environ.get("OMP_NUM_THREADS"),
+            omp_wait_policy=os.environ.get("OMP_WAIT_POLICY"),
+        )
     return applied
 
 
@@ -200,8 +216,11 @@ def set_torch_threads(budget: ThreadsConfig, log=None) -> None:
             torch.set_num_interop_threads(budget.num_interop_threads)
         except RuntimeError as exc:
             if log is not None:
-                log.warning("inter-op threads already started; keeping them", threads=torch.get_num_interop_threads(),
-                            error=str(exc))
+                log.warning(
+                    "inter-op threads already started; keeping them",
+                    threads=torch.get_num_interop_threads(),
+                    error=str(exc),
+                )
 
 
 def describe(budgets: Mapping[str, ThreadsConfig], roles: Iterable[str] = ROLES) -> str:

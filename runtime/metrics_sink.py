@@ -61,8 +61,15 @@ log = get_logger("primerl.metrics")
 class MetricsSink:
     """Appends one row per ``log`` to ``{output_dir}/metrics.jsonl``; mirrors it to W&B and Prometheus."""
 
-    def __init__(self, role: str, output_dir: str | os.PathLike[str], wandb_config: WandbConfig | None = None,
-                 run_config: Any = None, *, exporter: Any = None):
+    def __init__(
+        self,
+        role: str,
+        output_dir: str | os.PathLike[str],
+        wandb_config: WandbConfig | None = None,
+        run_config: Any = None,
+        *,
+        exporter: Any = None,
+    ):
         if role not in ROLES:
             raise ValueError(f"role must be one of {ROLES}, got {role!r}")
         self.role = role
@@ -177,9 +184,12 @@ def wandb_plan(config: WandbConfig, output_dir: str | os.PathLike[str]) -> Wandb
 
     wandb_dir = Path(output_dir) / "wandb"
     if importlib.util.find_spec("wandb") is None:
-        return WandbPlan("off", "[wandb] is set but the wandb package is not installed: metrics go to "
-                                f"{Path(output_dir) / METRICS_FILE_NAME} only (pip install 'primerl[wandb]' to log "
-                                "to W&B)")
+        return WandbPlan(
+            "off",
+            "[wandb] is set but the wandb package is not installed: metrics go to "
+            f"{Path(output_dir) / METRICS_FILE_NAME} only (pip install 'primerl[wandb]' to log "
+            "to W&B)",
+        )
     forced = os.environ.get("WANDB_MODE", "").strip().lower()
     if forced in ("offline", "dryrun", "disabled"):
         return WandbPlan("disabled" if forced == "disabled" else "offline")
@@ -187,10 +197,13 @@ def wandb_plan(config: WandbConfig, output_dir: str | os.PathLike[str]) -> Wandb
         return WandbPlan("offline")
     if wandb_login_source() is None:
         host = urlparse(os.environ.get("WANDB_BASE_URL") or DEFAULT_WANDB_HOST).hostname
-        return WandbPlan("offline", f"W&B is on ([wandb], or run_name in a vf-rl config) but this machine has no "
-                                    f"W&B login (no $WANDB_API_KEY, no {host} in ~/.netrc): logging offline to "
-                                    f"{wandb_dir}; `wandb login` then `wandb sync {wandb_dir}/offline-run-*` "
-                                    "uploads it (set [wandb] offline = true to silence this)")
+        return WandbPlan(
+            "offline",
+            f"W&B is on ([wandb], or run_name in a vf-rl config) but this machine has no "
+            f"W&B login (no $WANDB_API_KEY, no {host} in ~/.netrc): logging offline to "
+            f"{wandb_dir}; `wandb login` then `wandb sync {wandb_dir}/offline-run-*` "
+            "uploads it (set [wandb] offline = true to silence this)",
+        )
     return WandbPlan("online")
 
 
@@ -208,18 +221,30 @@ def start_wandb_run(role: str, config: WandbConfig, output_dir: Path, run_config
     mode = plan.mode
     try:
         run = wandb.init(
-            project=config.project, name=f"{config.name}-{role}" if config.name else None, group=config.name,
-            entity=config.entity, dir=str(output_dir), mode=mode, config=config_for_wandb(run_config),
+            project=config.project,
+            name=f"{config.name}-{role}" if config.name else None,
+            group=config.name,
+            entity=config.entity,
+            dir=str(output_dir),
+            mode=mode,
+            config=config_for_wandb(run_config),
             settings=wandb.Settings(console="off", silent=True, show_info=False, show_warnings=False),
             reinit="create_new",
         )
     except Exception as exc:  # wandb's errors (a refused key, no network, bad entity) have no common base class
         hint = "check the login (`wandb login`, or WANDB_API_KEY), " if mode == "online" else ""
-        raise ValueError(f"W&B could not start the {role} run ({type(exc).__name__}: {exc}); {hint}"
-                         "set [wandb] offline = true to log to files only, or remove [wandb] (in a vf-rl config: "
-                         "[trainer.args] run_name)") from None
+        raise ValueError(
+            f"W&B could not start the {role} run ({type(exc).__name__}: {exc}); {hint}"
+            "set [wandb] offline = true to log to files only, or remove [wandb] (in a vf-rl config: "
+            "[trainer.args] run_name)"
+        ) from None
     run.define_metric(f"{role}/step", hidden=True)
     run.define_metric("*", step_metric=f"{role}/step")
-    log.info("logging to Weights & Biases", mode=mode, project=config.project, run_name=run.name,
-             run_dir=str(Path(run.dir).parent))
+    log.info(
+        "logging to Weights & Biases",
+        mode=mode,
+        project=config.project,
+        run_name=run.name,
+        run_dir=str(Path(run.dir).parent),
+    )
     return run

@@ -54,8 +54,12 @@ class MetricsExporter:
         self.config = config
         self.registry = CollectorRegistry()
         self._step = Gauge("primerl_step", "Step of the role's latest metrics row.", ["role"], registry=self.registry)
-        self._metric = Gauge("primerl_metric", "Each value of the role's latest metrics row (name: its metrics.jsonl "
-                             "key).", ["role", "name"], registry=self.registry)
+        self._metric = Gauge(
+            "primerl_metric",
+            "Each value of the role's latest metrics row (name: its metrics.jsonl key).",
+            ["role", "name"],
+            registry=self.registry,
+        )
         self._server: Any = None
         self._thread: threading.Thread | None = None
         self.url: str | None = None
@@ -90,8 +94,11 @@ class MetricsExporter:
             self._server, self._thread = start_http_server(port, addr=host, registry=self.registry)
         except OSError as exc:  # port taken, no such interface, permission denied (ports < 1024)
             reason = exc.strerror or str(exc)
-            in_rl = (f"; {self.role}.prometheus.port in a `primerl rl` config"
-                     if self.role in ("broker", "trainer", "orchestrator") else "")
+            in_rl = (
+                f"; {self.role}.prometheus.port in a `primerl rl` config"
+                if self.role in ("broker", "trainer", "orchestrator")
+                else ""
+            )
             raise ValueError(
                 f"cannot serve Prometheus metrics on {host}:{port}: {reason}. Set prometheus.port to a free port "
                 f"(0, the default, picks one{in_rl}), prometheus.host to an interface of this machine, or "

@@ -7,9 +7,10 @@ either way (checked on every gRPC call and every ZeroMQ message).
 CURVE (ZeroMQ's elliptic-curve encryption and authentication, RFC 26):
 
 - the broker holds a key pair (``broker.curve_secret_key_path``, a ``.key_secret`` file of ``zmq.auth``'s
-  certificate format) and a directory of the public keys it admits (``broker.curve_authorized_keys_dir``:
-  ``*.key`` files, read again when files are added or removed: ``AuthorizedKeys``). A client whose public key is not there is refused at the handshake by the ZAP handler of the
-  socket's context (``CurveServer.authorize``), before it can send a byte of application data;
+  certificate format) and a directory of the public keys it admits (``broker.curve_authorized_keys_dir``: ``*.key``
+  files, read again when files are added or removed: ``AuthorizedKeys``). A client whose public key is not there is
+  refused at the handshake by the ZAP handler of the socket's context (``CurveServer.authorize``), before it can send a
+  byte of application data;
 - a client holds its own key pair (``<role>.broker.curve_secret_key_path``) and the broker's public key
   (``<role>.broker.curve_broker_key_path``): without the right broker key its handshake fails too.
 
@@ -52,8 +53,9 @@ def load_curve_key_pair(path: str | Path, setting: str) -> tuple[bytes, bytes]:
     """(public, secret) Z85 keys from a ``.key_secret`` file; ``setting`` names the config key in errors."""
     public, secret = _load_certificate(Path(path), setting)
     if not secret:
-        raise ValueError(f"{setting} = {str(path)!r} holds only a public key: name the `.key_secret` file of the "
-                         "key pair instead")
+        raise ValueError(
+            f"{setting} = {str(path)!r} holds only a public key: name the `.key_secret` file of the key pair instead"
+        )
     return public, secret
 
 
@@ -72,8 +74,10 @@ def load_authorized_keys(directory: str | Path, setting: str) -> frozenset[bytes
     for path in sorted(directory.glob("*.key")):
         keys.add(load_curve_public_key(path, f"{setting} (file {path.name})"))
     if not keys:
-        raise ValueError(f"{setting} = {str(directory)!r} holds no `*.key` public key files: every client would be "
-                         "refused; copy each client's public key file there")
+        raise ValueError(
+            f"{setting} = {str(directory)!r} holds no `*.key` public key files: every client would be "
+            "refused; copy each client's public key file there"
+        )
     return frozenset(keys)
 
 
@@ -118,8 +122,13 @@ class AuthorizedKeys:
             log.warning("authorized CURVE keys changed but cannot be read; the previous ones stay", error=str(exc))
             return
         if keys != self._keys:
-            log.info("authorized CURVE keys reloaded", num_keys=len(keys), num_added=len(keys - self._keys),
-                     num_removed=len(self._keys - keys), directory=str(self.directory))
+            log.info(
+                "authorized CURVE keys reloaded",
+                num_keys=len(keys),
+                num_added=len(keys - self._keys),
+                num_removed=len(self._keys - keys),
+                directory=str(self.directory),
+            )
             self._keys = keys
 
     def __contains__(self, z85_key: object) -> bool:
@@ -141,8 +150,7 @@ class CurveServer:
     authorized_keys: AuthorizedKeys
 
     @classmethod
-    def load(cls, secret_key_path: str | Path, authorized_keys_dir: str | Path,
-             prefix: str = "broker.") -> CurveServer:
+    def load(cls, secret_key_path: str | Path, authorized_keys_dir: str | Path, prefix: str = "broker.") -> CurveServer:
         public, secret = load_curve_key_pair(secret_key_path, f"{prefix}curve_secret_key_path")
         authorized = AuthorizedKeys(authorized_keys_dir, f"{prefix}curve_authorized_keys_dir")
         return cls(public, secret, authorized)
@@ -189,9 +197,12 @@ class _KeySet:
         self._num_refused += 1
         now_s = time.monotonic()
         if now_s >= self._next_log_s:
-            log.warning("weight connection refused at the handshake: unknown CURVE public key",
-                        public_key=z85_key.decode(errors="replace"), num_refused=self._num_refused,
-                        hint="add the client's public key to broker.curve_authorized_keys_dir")
+            log.warning(
+                "weight connection refused at the handshake: unknown CURVE public key",
+                public_key=z85_key.decode(errors="replace"),
+                num_refused=self._num_refused,
+                hint="add the client's public key to broker.curve_authorized_keys_dir",
+            )
             self._next_log_s = now_s + REFUSAL_LOG_INTERVAL_S
         return False
 
@@ -228,7 +239,11 @@ class CurveClient:
 def timeout_hint(curve: CurveClient | None) -> str:
     """What to check when a data-plane connection never comes up: a CURVE mismatch looks like no answer at all."""
     if curve is None:
-        return ("; if the broker encrypts its ZeroMQ planes (broker.curve_secret_key_path), this client needs "
-                "curve_secret_key_path and curve_broker_key_path in its [broker] table")
-    return ("; with CURVE on, also check that the broker encrypts its planes, that this client's public key is in "
-            "broker.curve_authorized_keys_dir and that curve_broker_key_path is the broker's public key")
+        return (
+            "; if the broker encrypts its ZeroMQ planes (broker.curve_secret_key_path), this client needs "
+            "curve_secret_key_path and curve_broker_key_path in its [broker] table"
+        )
+    return (
+        "; with CURVE on, also check that the broker encrypts its planes, that this client's public key is in "
+        "broker.curve_authorized_keys_dir and that curve_broker_key_path is the broker's public key"
+    )

@@ -23,7 +23,9 @@ DEFAULT_LINGER_MS = 1000
 DEFAULT_HWM = 64
 
 
-def configure_socket(socket: zmq.Socket, *, max_message_bytes: int, hwm: int = DEFAULT_HWM, linger_ms: int = DEFAULT_LINGER_MS) -> zmq.Socket:
+def configure_socket(
+    socket: zmq.Socket, *, max_message_bytes: int, hwm: int = DEFAULT_HWM, linger_ms: int = DEFAULT_LINGER_MS
+) -> zmq.Socket:
     # MAXMSGSIZE applies per frame of a multipart message in libzmq; chunking keeps frames under it.
     socket.setsockopt(zmq.MAXMSGSIZE, max_message_bytes)
     socket.setsockopt(zmq.LINGER, linger_ms)
@@ -34,9 +36,17 @@ def configure_socket(socket: zmq.Socket, *, max_message_bytes: int, hwm: int = D
     return socket
 
 
-def bind_router(context: zmq.Context, host: str, port: int, *, max_message_bytes: int, hwm: int = DEFAULT_HWM,
-                rcv_hwm: int | None = None, zap_domain: str | None = None,
-                curve: CurveServer | None = None) -> tuple[zmq.Socket, int]:
+def bind_router(
+    context: zmq.Context,
+    host: str,
+    port: int,
+    *,
+    max_message_bytes: int,
+    hwm: int = DEFAULT_HWM,
+    rcv_hwm: int | None = None,
+    zap_domain: str | None = None,
+    curve: CurveServer | None = None,
+) -> tuple[zmq.Socket, int]:
     """A ROUTER socket bound to ``tcp://host:port`` (port 0 picks a free one); returns (socket, port).
 
     ``hwm`` is the high-water mark of both directions, ``rcv_hwm`` (if given) of the inbound one. Both must be
@@ -68,8 +78,15 @@ def bind_router(context: zmq.Context, host: str, port: int, *, max_message_bytes
     return socket, port
 
 
-def connect_dealer(context: zmq.Context, endpoint: str, *, max_message_bytes: int, hwm: int = DEFAULT_HWM,
-                   identity: bytes | None = None, curve: CurveClient | None = None) -> zmq.Socket:
+def connect_dealer(
+    context: zmq.Context,
+    endpoint: str,
+    *,
+    max_message_bytes: int,
+    hwm: int = DEFAULT_HWM,
+    identity: bytes | None = None,
+    curve: CurveClient | None = None,
+) -> zmq.Socket:
     """A DEALER socket connected to ``endpoint`` (``tcp://host:port``); reconnects on its own. ``curve``: a CURVE
     client with these keys (``runtime.wire_security``)."""
     socket = configure_socket(context.socket(zmq.DEALER), max_message_bytes=max_message_bytes, hwm=hwm)

@@ -37,8 +37,12 @@ def spread(run_dirs: list[str]) -> str:
     lines = [f"  {'run':<28}{'SFT':>14}{'RL':>14}{'gain':>14}"]
     lines += [f"  {name:<28}{sft:>14.3f}{rl:>14.3f}{gain:>+14.3f}" for name, sft, rl, gain in rows]
     columns = list(zip(*(row[1:] for row in rows)))
-    lines.append(f"  {'mean':<28}" + "".join(f"{sum(c) / len(c):>+14.3f}" if i == 2 else f"{sum(c) / len(c):>14.3f}"
-                                            for i, c in enumerate(columns)))
+    lines.append(
+        f"  {'mean':<28}"
+        + "".join(
+            f"{sum(c) / len(c):>+14.3f}" if i == 2 else f"{sum(c) / len(c):>14.3f}" for i, c in enumerate(columns)
+        )
+    )
     lines.append(f"  {'min-max':<28}" + "".join(f"{min(c):.3f}-{max(c):.3f}".rjust(14) for c in columns))
     for label, column in zip(("SFT", "RL"), columns[:2]):
         lines.append(f"  {label} held-out identical in every run: {'yes' if len(set(column)) == 1 else 'no'}")
@@ -65,11 +69,13 @@ def main(argv: list[str]) -> int:
         return f"  {label:<16}{s['reward_mean']:.3f} ± {s['reward_std']:.3f}{extra}   ({s['model']})"
 
     sampling = after["sampling"]
-    print(f"held-out mean reward: {after['env_id']} {after['split']} split, {after['num_examples']} prompts x "
-          f"{after['rollouts_per_example']}, temperature {sampling['temperature']:g}\n"
-          f"{row('SFT checkpoint', before)}\n{row('after RL', after)}\n"
-          f"  change          {gain:+.3f}   target: >= +{TARGET_GAIN} or >= {TARGET_REWARD}: "
-          f"{'met' if met else 'NOT met'}")
+    print(
+        f"held-out mean reward: {after['env_id']} {after['split']} split, {after['num_examples']} prompts x "
+        f"{after['rollouts_per_example']}, temperature {sampling['temperature']:g}\n"
+        f"{row('SFT checkpoint', before)}\n{row('after RL', after)}\n"
+        f"  change          {gain:+.3f}   target: >= +{TARGET_GAIN} or >= {TARGET_REWARD}: "
+        f"{'met' if met else 'NOT met'}"
+    )
     return 0
 
 

@@ -24,26 +24,44 @@ from pathlib import Path
 REPO_ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO_ROOT / "tests"))
 
-from support.multihost import BIN, MultihostRun
-from support.netns import Hosts
+from support.multihost import BIN, MultihostRun  # noqa: E402 (tests/ is on the path only now)
+from support.netns import Hosts  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="multihost_demo", description=__doc__.split("\n\n")[0])
     parser.add_argument("--run-dir", type=Path, default=REPO_ROOT / "runs" / "multihost")
-    parser.add_argument("--model", type=Path, default=REPO_ROOT / "runs" / "demo" / "tiny-model",
-                        help="a model directory (built with `primerl init-tiny-model` when missing)")
+    parser.add_argument(
+        "--model",
+        type=Path,
+        default=REPO_ROOT / "runs" / "demo" / "tiny-model",
+        help="a model directory (built with `primerl init-tiny-model` when missing)",
+    )
     parser.add_argument("--max-steps", type=int, default=40)
-    parser.add_argument("--stop-at-step", type=int, default=1,
-                        help="stop host d's worker once this step is done and it has requests in flight (30 s at most)")
+    parser.add_argument(
+        "--stop-at-step",
+        type=int,
+        default=1,
+        help="stop host d's worker once this step is done and it has requests in flight (30 s at most)",
+    )
     parser.add_argument("--mode", choices=["auto", "netns", "loopback"], default="auto")
-    parser.add_argument("--subnet", default=None, help="the hosts' /24 (default: the first free one of "
-                        "10.231.0.0/24, 10.231.1.0/24 ...)")
-    parser.add_argument("--encrypted", action="store_true",
-                        help="mutual TLS on gRPC and CURVE on the ZeroMQ planes, credentials from `primerl certs`")
-    parser.add_argument("--stop-signal", choices=["TERM", "KILL"], default="TERM",
-                        help="how host d's worker is stopped: TERM (it finishes its requests and deregisters) or KILL "
-                        "(it vanishes mid-request; the broker declares it lost after heartbeat_liveness beats)")
+    parser.add_argument(
+        "--subnet",
+        default=None,
+        help="the hosts' /24 (default: the first free one of 10.231.0.0/24, 10.231.1.0/24 ...)",
+    )
+    parser.add_argument(
+        "--encrypted",
+        action="store_true",
+        help="mutual TLS on gRPC and CURVE on the ZeroMQ planes, credentials from `primerl certs`",
+    )
+    parser.add_argument(
+        "--stop-signal",
+        choices=["TERM", "KILL"],
+        default="TERM",
+        help="how host d's worker is stopped: TERM (it finishes its requests and deregisters) or KILL "
+        "(it vanishes mid-request; the broker declares it lost after heartbeat_liveness beats)",
+    )
     parser.add_argument("--timeout-s", type=float, default=900.0)
     args = parser.parse_args(argv)
 
@@ -51,10 +69,17 @@ def main(argv: list[str] | None = None) -> int:
         subprocess.run([str(BIN / "primerl"), "init-tiny-model", str(args.model)], check=True, timeout=300)
     shutil.rmtree(args.run_dir, ignore_errors=True)
     with Hosts.create(["a", "b", "c", "d", "e", "f", "g"], subnet=args.subnet, mode=args.mode) as hosts:
-        run = MultihostRun(hosts, args.run_dir.resolve(), args.model.resolve(), max_steps=args.max_steps,
-                           stop_at_step=args.stop_at_step, timeout_s=args.timeout_s, encrypted=args.encrypted,
-                           stop_signal=args.stop_signal,
-                           say=lambda line: print(line, flush=True))
+        run = MultihostRun(
+            hosts,
+            args.run_dir.resolve(),
+            args.model.resolve(),
+            max_steps=args.max_steps,
+            stop_at_step=args.stop_at_step,
+            timeout_s=args.timeout_s,
+            encrypted=args.encrypted,
+            stop_signal=args.stop_signal,
+            say=lambda line: print(line, flush=True),
+        )
         report = run.run()
     print(report.summary())
     problems = report.problems()

@@ -13,12 +13,17 @@ from __future__ import annotations
 import pytest
 from pydantic import ValidationError
 
-from primerl.configs.broker import BrokerConfig
 from primerl.client.control import ControlClient
+from primerl.configs.broker import BrokerConfig
 from primerl.configs.inference import InferenceConfig
 from primerl.inference.server import ServerAddress
-from primerl.runtime.addresses import (advertised_host, check_advertise_host, dialable_endpoint, route_to,
-                                       split_host_port)
+from primerl.runtime.addresses import (
+    advertised_host,
+    check_advertise_host,
+    dialable_endpoint,
+    route_to,
+    split_host_port,
+)
 from primerl.runtime.config_common import BrokerClientConfig
 
 TOKEN = "hosts-token"
@@ -96,7 +101,8 @@ def test_without_advertise_host_each_worker_dials_the_host_it_reached_the_broker
     # the endpoints handed out work: a batch goes in through one and out through the other
     with RolloutProducer(f"tcp://127.0.0.2:{ports.rollout_port}", auth_token=TOKEN) as producer:
         producer.send_batch(*pack_batch(1, 0, 0, 1, packed(samples(1))), timeout_s=20)
-    with RolloutConsumer(f"tcp://127.0.0.3:{ports.rollout_port}", auth_token=TOKEN, worker_id="t-127.0.0.3",
-                         rank=0) as consumer:
+    with RolloutConsumer(
+        f"tcp://127.0.0.3:{ports.rollout_port}", auth_token=TOKEN, worker_id="t-127.0.0.3", rank=0
+    ) as consumer:
         batches = consumer.fetch_step(1, timeout_s=10)
     assert batches

@@ -23,9 +23,15 @@ def _cases() -> list[tuple[object, str]]:
     rng = random.Random(12)
     letters = "abcd"
     cases: list[tuple[object, str]] = [
-        ("d c b a", "d c b a"), ("", "a b"), ("   ", "a"), ("a  b\tc\n", "c b a"), ("Sure! d c b a", "d c b a"),
-        ([{"role": "assistant", "content": "b a"}], "b a"), ([{"role": "assistant", "content": None}], "a"),
-        ([], "a b"), ([{"role": "user", "content": "a b"}], "a b"),
+        ("d c b a", "d c b a"),
+        ("", "a b"),
+        ("   ", "a"),
+        ("a  b\tc\n", "c b a"),
+        ("Sure! d c b a", "d c b a"),
+        ([{"role": "assistant", "content": "b a"}], "b a"),
+        ([{"role": "assistant", "content": None}], "a"),
+        ([], "a b"),
+        ([{"role": "user", "content": "a b"}], "a b"),
         ([{"role": "assistant", "content": "x"}, {"role": "assistant", "content": "a b c"}], "c b a"),
         ([{"role": "assistant", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}], "a b"),
     ]
@@ -51,8 +57,14 @@ print(json.dumps([reverse_text.lcs_reward(c, a, parser) for c, a in cases]))
 def test_bench_reward_equals_the_environments():
     trl_grpo = load_bench_module("trl_grpo")
     cases = _cases()
-    result = subprocess.run([str(ENV_PYTHON), "-c", _ENV_SCORER], input=json.dumps(cases), capture_output=True,
-                            text=True, timeout=300, cwd=ROOT)
+    result = subprocess.run(
+        [str(ENV_PYTHON), "-c", _ENV_SCORER],
+        input=json.dumps(cases),
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=ROOT,
+    )
     assert result.returncode == 0, result.stderr[-2000:]
     expected = json.loads(result.stdout.strip().splitlines()[-1])
     got = [trl_grpo.lcs_reward_text(c, a) for c, a in cases]

@@ -14,9 +14,9 @@ from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoRe
 from support.control_plane import INTERVAL_S, LIVENESS, client_for, running_broker, start_broker
 from support.probes import wait_until
 
-from primerl.client.control import BrokerError, BrokerUnavailable, ControlClient
 from primerl.broker.control_service import BrokerServicer, create_grpc_server
 from primerl.broker.registry import WorkerRegistry
+from primerl.client.control import BrokerError, BrokerUnavailable, ControlClient
 from primerl.proto.v1 import common_pb2, control_pb2, control_pb2_grpc
 from primerl.runtime.config_common import BrokerClientConfig
 

@@ -12,9 +12,9 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
 from support.control_plane import TOKEN, client_for, running_broker, start_broker
 
+from primerl.cli import status as status_cli
 from primerl.client.channel import create_channel
 from primerl.client.control import BrokerUnavailable
-from primerl.cli import status as status_cli
 from primerl.proto.v1 import common_pb2, control_pb2, control_pb2_grpc
 
 
@@ -93,9 +93,7 @@ def tls_files(tmp_path_factory) -> tuple[Path, Path]:
     cert_path, key_path = folder / "broker.crt", folder / "broker.key"
     cert_path.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
     key_path.write_bytes(
-        key.private_bytes(
-            serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
-        )
+        key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption())
     )
     return cert_path, key_path
 

@@ -6,10 +6,10 @@ from __future__ import annotations
 import grpc
 import pytest
 
-from primerl.client.channel import create_channel
 from primerl.broker.run_status import MAX_STATUS_BYTES
-from primerl.broker.worker_record import MAX_METRIC_NAMES, MAX_METRIC_NAMES_PER_WORKER
 from primerl.broker.service import BrokerService
+from primerl.broker.worker_record import MAX_METRIC_NAMES, MAX_METRIC_NAMES_PER_WORKER
+from primerl.client.channel import create_channel
 from primerl.proto.v1 import common_pb2, control_pb2, control_pb2_grpc
 
 TOKEN = "bounds-token"
@@ -79,13 +79,15 @@ def stub(broker):
 def test_metric_names_are_bounded_and_status_stays_readable(stub):
     refused = 0
     for index in range(8):
-        worker_id = stub.Register(control_pb2.RegisterRequest(role=common_pb2.ROLE_ORCHESTRATOR, name=f"w{index}"),
-                                  timeout=5).worker_id
+        worker_id = stub.Register(
+            control_pb2.RegisterRequest(role=common_pb2.ROLE_ORCHESTRATOR, name=f"w{index}"), timeout=5
+        ).worker_id
         for batch in range(5):
             metrics = {f"m{index}/{batch}/{i:04d}/" + "x" * 100: 1.0 for i in range(1024)}
             try:
-                stub.ReportMetrics(control_pb2.ReportMetricsRequest(worker_id=worker_id, step=1, metrics=metrics),
-                                   timeout=5)
+                stub.ReportMetrics(
+                    control_pb2.ReportMetricsRequest(worker_id=worker_id, step=1, metrics=metrics), timeout=5
+                )
             except grpc.RpcError as err:
                 assert err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
                 assert "metric names" in err.details()
@@ -103,7 +105,9 @@ def test_commit_far_beyond_the_run_is_refused(stub):
         stub.CommitStep(control_pb2.CommitStepRequest(worker_id=worker_id, step=2**64 - 1), timeout=5)
     assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION
     assert "max_step_lead" in info.value.details()
-    assert stub.CommitStep(control_pb2.CommitStepRequest(worker_id=worker_id, step=3), timeout=5).last_committed_step == 3
+    assert (
+        stub.CommitStep(control_pb2.CommitStepRequest(worker_id=worker_id, step=3), timeout=5).last_committed_step == 3
+    )
 
 
 def test_rollout_request_far_beyond_the_run_is_refused(tmp_path):

@@ -12,11 +12,11 @@ import zmq
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from primerl.configs.broker import BrokerConfig
+from primerl.broker.service import BrokerService
 from primerl.client.control import ControlClient
 from primerl.client.rollouts import RolloutConsumer, RolloutProducer, pack_batch
-from primerl.broker.service import BrokerService
 from primerl.client.weights import WeightPublisher, WeightSubscriber
+from primerl.configs.broker import BrokerConfig
 from primerl.proto import chunked_transfer, framing
 from primerl.proto import tensor_frames as tf
 from primerl.proto.v1 import common_pb2, data_pb2
@@ -29,9 +29,13 @@ def valid_messages() -> list[list[bytes]]:
     """One well-formed message of each kind a peer may send, to mutate."""
     rollout_header, rollout_payload = pack_batch(3, 0, 0, 1, {"input_ids": np.arange(16, dtype=np.int64)})
     weights, specs = tf.encode_tensors({"w": np.ones((4, 4), np.float32)})
-    weight_header = data_pb2.WeightUpdateHeader(policy_version=1, kind=data_pb2.WEIGHT_UPDATE_KIND_FULL,
-                                                digest=hashlib.sha256(weights).hexdigest(), tensors=specs,
-                                                payload_bytes=len(weights))
+    weight_header = data_pb2.WeightUpdateHeader(
+        policy_version=1,
+        kind=data_pb2.WEIGHT_UPDATE_KIND_FULL,
+        digest=hashlib.sha256(weights).hexdigest(),
+        tensors=specs,
+        payload_bytes=len(weights),
+    )
     chunked = list(chunked_transfer.encode_chunked(data_pb2.WEIGHT_UPDATE, weight_header, weights, chunk_bytes=40))
     messages = [
         framing.encode(data_pb2.ROLLOUT_BATCH, rollout_header, [rollout_payload]),
@@ -72,8 +76,15 @@ VALID = valid_messages()
 
 @pytest.mark.slow
 def test_broker_survives_hostile_frames_and_still_serves(tmp_path):
-    config = BrokerConfig(grpc_port=0, rollout_port=0, weight_port=0, spool_dir=tmp_path / "spool",
-                          max_queue_batches=1000, max_message_bytes=1 << 20, run_id="fuzz")
+    config = BrokerConfig(
+        grpc_port=0,
+        rollout_port=0,
+        weight_port=0,
+        spool_dir=tmp_path / "spool",
+        max_queue_batches=1000,
+        max_message_bytes=1 << 20,
+        run_id="fuzz",
+    )
     service = BrokerService(config)
     endpoints = service.start()
     context = zmq.Context()
@@ -87,8 +98,12 @@ def test_broker_survives_hostile_frames_and_still_serves(tmp_path):
             sockets.append(dealer)
         replies = {"count": 0, "sent": 0}
 
-        @settings(max_examples=NUM_EXAMPLES, deadline=None, derandomize=True,
-                  suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+        @settings(
+            max_examples=NUM_EXAMPLES,
+            deadline=None,
+            derandomize=True,
+            suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+        )
         @given(message=hostile_messages(), target=st.integers(0, 1))
         def send_hostile(message, target):
             socket = sockets[target]
@@ -116,16 +131,19 @@ def test_broker_survives_hostile_frames_and_still_serves(tmp_path):
         with RolloutProducer(rollout_endpoint) as producer:
             assert producer.send_batch(*pack_batch(900, 1, 0, 1, tensors), timeout_s=10).durable
         with RolloutConsumer(rollout_endpoint, worker_id="checker", rank=1) as consumer:
-            (header, received), = consumer.fetch_step(900, timeout_s=10)
+            ((header, received),) = consumer.fetch_step(900, timeout_s=10)
             np.testing.assert_array_equal(received["input_ids"], tensors["input_ids"])
 
         weight_endpoint = f"tcp://127.0.0.1:{endpoints.weight_port}"
         payload, specs = tf.encode_tensors({"w": np.full((8, 8), 2.0, np.float32)})
         latest = service.weight_store.latest_version or 0
-        header = data_pb2.WeightUpdateHeader(policy_version=latest + 1, kind=data_pb2.WEIGHT_UPDATE_KIND_FULL,
-                                             tensors=specs, payload_bytes=len(payload))
-        with WeightSubscriber(weight_endpoint, None, "checker-worker") as subscriber, \
-                WeightPublisher(weight_endpoint, None, "checker-trainer", 1 << 20) as publisher:
+        header = data_pb2.WeightUpdateHeader(
+            policy_version=latest + 1, kind=data_pb2.WEIGHT_UPDATE_KIND_FULL, tensors=specs, payload_bytes=len(payload)
+        )
+        with (
+            WeightSubscriber(weight_endpoint, None, "checker-worker") as subscriber,
+            WeightPublisher(weight_endpoint, None, "checker-trainer", 1 << 20) as publisher,
+        ):
             subscriber.hello(current_version=None)
             assert publisher.publish(header, payload, timeout_s=10).applied
             deadline = time.monotonic() + 10

@@ -24,6 +24,7 @@ import pytest
 import zmq
 from hypothesis import HealthCheck, given, seed, settings
 from hypothesis import strategies as st
+from support.daemons import BrokerProcess
 
 from primerl.client.channel import create_channel
 from primerl.client.rollouts import RolloutConsumer, RolloutProducer, pack_batch
@@ -31,7 +32,6 @@ from primerl.client.weights import WeightPublisher
 from primerl.proto import framing
 from primerl.proto import tensor_frames as tf
 from primerl.proto.v1 import common_pb2, control_pb2, control_pb2_grpc, data_pb2
-from support.daemons import BrokerProcess
 
 TOKEN = "fuzz-token"
 CI_CASES = 1500
@@ -68,8 +68,13 @@ def json_values(draw, depth: int = 0):
     items = [draw(json_values(depth + 1)) for _ in range(draw(st.integers(0, 3)))]
     if kind == "list":
         return "[" + ", ".join(items) + "]"
-    keys = draw(st.lists(st.sampled_from(["dtype", "shape", "data_offsets", "__metadata__", "x"]), max_size=len(items),
-                         min_size=len(items)))
+    keys = draw(
+        st.lists(
+            st.sampled_from(["dtype", "shape", "data_offsets", "__metadata__", "x"]),
+            max_size=len(items),
+            min_size=len(items),
+        )
+    )
     return "{" + ", ".join(f"{json.dumps(k)}: {v}" for k, v in zip(keys, items)) + "}"
 
 
@@ -83,8 +88,13 @@ def safetensors_frames(draw) -> bytes:
         return struct.pack("<Q", draw(BIG)) + draw(st.binary(max_size=64))
     if kind == "entry":
         entry = {"dtype": draw(json_values(2)), "shape": draw(json_values(2)), "data_offsets": draw(json_values(2))}
-        header = "{" + json.dumps(draw(st.sampled_from(["t", "__metadata__"]))) + ": {" + ", ".join(
-            f"{json.dumps(k)}: {v}" for k, v in entry.items()) + "}}"
+        header = (
+            "{"
+            + json.dumps(draw(st.sampled_from(["t", "__metadata__"])))
+            + ": {"
+            + ", ".join(f"{json.dumps(k)}: {v}" for k, v in entry.items())
+            + "}}"
+        )
     else:
         header = draw(json_values())
     raw = header.encode()
@@ -92,24 +102,49 @@ def safetensors_frames(draw) -> bytes:
 
 
 def _specs() -> st.SearchStrategy:
-    return st.lists(st.builds(common_pb2.TensorSpec, name=st.sampled_from(["t", "u", ""]),
-                              dtype=st.sampled_from(["F32", "BF16", "X", ""]),
-                              shape=st.lists(st.integers(0, 2**63 - 1), max_size=4)), max_size=3)
+    return st.lists(
+        st.builds(
+            common_pb2.TensorSpec,
+            name=st.sampled_from(["t", "u", ""]),
+            dtype=st.sampled_from(["F32", "BF16", "X", ""]),
+            shape=st.lists(st.integers(0, 2**63 - 1), max_size=4),
+        ),
+        max_size=3,
+    )
 
 
 HEADERS = {
-    data_pb2.ROLLOUT_BATCH: st.builds(data_pb2.RolloutBatchHeader, batch_id=TEXT, step=BIG, rank=st.integers(0, 2**32 - 1),
-                                      micro_batch_index=st.integers(0, 2**32 - 1), num_micro_batches=st.integers(0, 2**32 - 1),
-                                      tensors=_specs()),
-    data_pb2.ROLLOUT_REQUEST: st.builds(data_pb2.RolloutRequest, step=BIG, rank=st.integers(0, 2**32 - 1),
-                                        credits=st.integers(0, 2**32 - 1)),
+    data_pb2.ROLLOUT_BATCH: st.builds(
+        data_pb2.RolloutBatchHeader,
+        batch_id=TEXT,
+        step=BIG,
+        rank=st.integers(0, 2**32 - 1),
+        micro_batch_index=st.integers(0, 2**32 - 1),
+        num_micro_batches=st.integers(0, 2**32 - 1),
+        tensors=_specs(),
+    ),
+    data_pb2.ROLLOUT_REQUEST: st.builds(
+        data_pb2.RolloutRequest, step=BIG, rank=st.integers(0, 2**32 - 1), credits=st.integers(0, 2**32 - 1)
+    ),
     data_pb2.HELLO: st.builds(data_pb2.Hello, worker_id=TEXT, role=ENUM, rank=st.integers(0, 2**32 - 1)),
-    data_pb2.WEIGHT_UPDATE: st.builds(data_pb2.WeightUpdateHeader, policy_version=BIG, kind=ENUM, tensors=_specs(),
-                                      digest=st.one_of(st.just(""), st.text(max_size=70)), payload_bytes=BIG),
-    data_pb2.WEIGHT_ACK: st.builds(data_pb2.WeightAck, policy_version=BIG, worker_id=TEXT, applied=st.booleans(),
-                                   error=st.builds(common_pb2.ErrorDetail, code=ENUM, message=TEXT)),
-    data_pb2.ERROR: st.builds(data_pb2.ErrorReply, error=st.builds(common_pb2.ErrorDetail, code=ENUM, message=TEXT),
-                              refused_type=ENUM),
+    data_pb2.WEIGHT_UPDATE: st.builds(
+        data_pb2.WeightUpdateHeader,
+        policy_version=BIG,
+        kind=ENUM,
+        tensors=_specs(),
+        digest=st.one_of(st.just(""), st.text(max_size=70)),
+        payload_bytes=BIG,
+    ),
+    data_pb2.WEIGHT_ACK: st.builds(
+        data_pb2.WeightAck,
+        policy_version=BIG,
+        worker_id=TEXT,
+        applied=st.booleans(),
+        error=st.builds(common_pb2.ErrorDetail, code=ENUM, message=TEXT),
+    ),
+    data_pb2.ERROR: st.builds(
+        data_pb2.ErrorReply, error=st.builds(common_pb2.ErrorDetail, code=ENUM, message=TEXT), refused_type=ENUM
+    ),
     data_pb2.ROLLOUT_ACK: st.builds(data_pb2.RolloutAck, batch_id=TEXT, step=BIG),
     data_pb2.ROLLOUT_STEP_DONE: st.builds(data_pb2.RolloutStepDone, step=BIG, rank=st.integers(0, 2**32 - 1)),
 }
@@ -128,11 +163,21 @@ def signed_messages(draw) -> list[bytes]:
         payload = [draw(safetensors_frames())]
     chunk = None
     if draw(st.integers(0, 3)) == 0:
-        chunk = data_pb2.Chunk(transfer_id=draw(st.sampled_from(["", "t1", "t2"])), index=draw(st.integers(0, 5)),
-                               count=draw(st.integers(0, 6)), total_bytes=draw(BIG))
+        chunk = data_pb2.Chunk(
+            transfer_id=draw(st.sampled_from(["", "t1", "t2"])),
+            index=draw(st.integers(0, 5)),
+            count=draw(st.integers(0, 6)),
+            total_bytes=draw(BIG),
+        )
     token = draw(st.sampled_from([TOKEN] * 8 + ["", "wrong"]))
-    frames = framing.encode_raw(message_type, header_bytes, payload, auth_token=token, chunk=chunk,
-                                sender=draw(st.sampled_from(["fuzz", "trainer", ""])))
+    frames = framing.encode_raw(
+        message_type,
+        header_bytes,
+        payload,
+        auth_token=token,
+        chunk=chunk,
+        sender=draw(st.sampled_from(["fuzz", "trainer", ""])),
+    )
     return [bytes(memoryview(f)) for f in frames]
 
 
@@ -157,8 +202,11 @@ ZMQ_MESSAGES = st.one_of(signed_messages(), signed_messages(), raw_messages())
 
 BROKER_METHODS = [m.name for m in control_pb2.DESCRIPTOR.services_by_name["Broker"].methods]
 GRPC_METHODS = [f"/primerl.v1.Broker/{name}" for name in BROKER_METHODS] + [
-    "/grpc.health.v1.Health/Check", "/grpc.health.v1.Health/Watch",
-    "/grpc.reflection.v1alpha.ServerReflection/ServerReflectionInfo", "/primerl.v1.Broker/Nope"]
+    "/grpc.health.v1.Health/Check",
+    "/grpc.health.v1.Health/Watch",
+    "/grpc.reflection.v1alpha.ServerReflection/ServerReflectionInfo",
+    "/primerl.v1.Broker/Nope",
+]
 UNARY_STREAM = {"/primerl.v1.Broker/WatchRunStatus", "/grpc.health.v1.Health/Watch"}
 STREAM_STREAM = {"/grpc.reflection.v1alpha.ServerReflection/ServerReflectionInfo"}
 VALID_REQUESTS = [
@@ -189,9 +237,20 @@ def grpc_calls(draw) -> tuple[str, bytes, str | None]:
 # ------------------------------------------------------------------------------------------ the broker
 def start_broker(tmp_path: Path) -> BrokerProcess:
     """A ``primerl-broker`` child with a run token and small limits, so hostile sizes are cheap to reach."""
-    broker = BrokerProcess(tmp_path, tmp_path / "spool", "--run-token", TOKEN, "--max-queue-batches", "100000",
-                           "--max-message-bytes", str(1 << 20), "--max-transfer-bytes", str(64 << 20),
-                           "--prometheus.enabled", "false")
+    broker = BrokerProcess(
+        tmp_path,
+        tmp_path / "spool",
+        "--run-token",
+        TOKEN,
+        "--max-queue-batches",
+        "100000",
+        "--max-message-bytes",
+        str(1 << 20),
+        "--max-transfer-bytes",
+        str(64 << 20),
+        "--prometheus.enabled",
+        "false",
+    )
     time.sleep(0.1)
     return broker
 
@@ -201,13 +260,16 @@ def _raw_grpc(channels: dict, method: str, body: bytes, token: str | None) -> No
     identity = lambda b: b  # noqa: E731
     try:
         if method in UNARY_STREAM:
-            call = channel.unary_stream(method, request_serializer=identity, response_deserializer=identity)(body, timeout=2)
+            call = channel.unary_stream(method, request_serializer=identity, response_deserializer=identity)(
+                body, timeout=2
+            )
             for _ in call:
                 break
             call.cancel()
         elif method in STREAM_STREAM:
             call = channel.stream_stream(method, request_serializer=identity, response_deserializer=identity)(
-                iter([body]), timeout=2)
+                iter([body]), timeout=2
+            )
             for _ in call:
                 break
             call.cancel()
@@ -219,22 +281,28 @@ def _raw_grpc(channels: dict, method: str, body: bytes, token: str | None) -> No
 
 
 def _check_serving(broker: BrokerProcess, channels: dict, check: int) -> None:
-    assert broker.process.poll() is None, f"broker exited with {broker.process.returncode}: {broker.log_path.read_text()[-3000:]}"
+    assert broker.process.poll() is None, (
+        f"broker exited with {broker.process.returncode}: {broker.log_path.read_text()[-3000:]}"
+    )
     rollout = f"tcp://127.0.0.1:{broker.ports['rollout_port']}"
     tensors = {"input_ids": np.arange(32, dtype=np.int64) + check}
     rank = 100_000 + check
     with RolloutProducer(rollout, TOKEN, sender="legit") as producer:
         assert producer.send_batch(*pack_batch(1, rank, 0, 1, tensors, batch_id=f"legit-{check}"), timeout_s=20).durable
     with RolloutConsumer(rollout, TOKEN, worker_id=f"legit-{check}", rank=rank) as consumer:
-        (_, received), = consumer.fetch_step(1, timeout_s=20)
+        ((_, received),) = consumer.fetch_step(1, timeout_s=20)
         np.testing.assert_array_equal(received["input_ids"], tensors["input_ids"])
     stub = control_pb2_grpc.BrokerStub(channels[TOKEN])
     status = stub.GetRunStatus(control_pb2.GetRunStatusRequest(), timeout=10)
     weights = f"tcp://127.0.0.1:{broker.ports['weight_port']}"
     payload, specs = tf.encode_tensors({"w": np.full((16, 16), float(check), np.float32)})
-    header = data_pb2.WeightUpdateHeader(policy_version=status.latest_policy_version + 1,
-                                         kind=data_pb2.WEIGHT_UPDATE_KIND_FULL, tensors=specs, payload_bytes=len(payload),
-                                         digest=hashlib.sha256(payload).hexdigest())
+    header = data_pb2.WeightUpdateHeader(
+        policy_version=status.latest_policy_version + 1,
+        kind=data_pb2.WEIGHT_UPDATE_KIND_FULL,
+        tensors=specs,
+        payload_bytes=len(payload),
+        digest=hashlib.sha256(payload).hexdigest(),
+    )
     with WeightPublisher(weights, TOKEN, f"legit-trainer-{check}", 512) as publisher:  # chunked
         assert publisher.publish(header, payload, timeout_s=20).applied
 
@@ -256,8 +324,10 @@ def _fuzz_socket(socket: zmq.Socket, target: str, counts: dict, num_cases: int, 
 def test_broker_process_survives_fuzzing_of_every_socket_and_method(tmp_path):
     broker = start_broker(tmp_path)
     context = zmq.Context()
-    channels = {token: create_channel(f"127.0.0.1:{broker.ports['grpc_port']}", run_token=token)
-                for token in (TOKEN, None, "wrong")}
+    channels = {
+        token: create_channel(f"127.0.0.1:{broker.ports['grpc_port']}", run_token=token)
+        for token in (TOKEN, None, "wrong")
+    }
     sockets = {}
     for name in ("rollout", "weight"):
         socket = context.socket(zmq.DEALER)

@@ -11,9 +11,8 @@ import pytest
 from primerl.configs.broker import BrokerConfig
 from primerl.proto import chunked_transfer, framing
 from primerl.proto import tensor_frames as tf
-from primerl.proto.v1 import data_pb2
 from primerl.proto.units import GiB
-
+from primerl.proto.v1 import data_pb2
 
 
 def _first_chunk(total_bytes: int, transfer_id: str, sender: str = "pub") -> framing.Message:
@@ -40,7 +39,9 @@ def test_declared_size_above_the_limit_is_refused_at_the_first_chunk():
 
 
 def test_a_first_chunk_declaring_a_gib_does_not_take_a_gib():
-    assembler = chunked_transfer.ChunkAssembler(limits=framing.Limits(max_transfer_bytes=2 * GiB), max_open_bytes=2 * GiB)
+    assembler = chunked_transfer.ChunkAssembler(
+        limits=framing.Limits(max_transfer_bytes=2 * GiB), max_open_bytes=2 * GiB
+    )
     before = _rss_kib()
     assert assembler.add(_first_chunk(GiB, "big")) is None
     grown_mib = (_rss_kib() - before) / 1024
@@ -159,14 +160,24 @@ def test_a_token_from_the_environment_lets_a_remote_broker_config_load_and_stays
     from pathlib import Path
 
     primerl = Path(sys.executable).parent / "primerl"
-    argv = [str(primerl), "rl", "@", "examples/reverse_text_rl.toml", "--broker.host", "0.0.0.0", "--dry-run",
-            "--write", str(tmp_path)]
+    argv = [
+        str(primerl),
+        "rl",
+        "@",
+        "examples/reverse_text_rl.toml",
+        "--broker.host",
+        "0.0.0.0",
+        "--dry-run",
+        "--write",
+        str(tmp_path),
+    ]
     root = Path(__file__).resolve().parents[1]
     env = {k: v for k, v in os.environ.items() if k != "PRIMERL_RUN_TOKEN"}
     refused = subprocess.run(argv, cwd=root, env=env, capture_output=True, text=True, timeout=120)
     assert refused.returncode == 2 and "needs credentials" in refused.stderr, refused.stderr
-    written = subprocess.run(argv, cwd=root, env=env | {"PRIMERL_RUN_TOKEN": "tok-from-env"}, capture_output=True,
-                             text=True, timeout=120)
+    written = subprocess.run(
+        argv, cwd=root, env=env | {"PRIMERL_RUN_TOKEN": "tok-from-env"}, capture_output=True, text=True, timeout=120
+    )
     assert written.returncode == 0, written.stderr
     files = sorted(tmp_path.glob("*.toml"))
     assert {f.name for f in files} >= {"broker.toml", "trainer.toml", "orchestrator.toml", "inference.toml"}

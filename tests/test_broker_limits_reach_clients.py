@@ -10,24 +10,28 @@ import time
 
 import numpy as np
 import pytest
+from support.broker import BrokerHarness
 
 from primerl.client.control import ControlClient
 from primerl.client.rollouts import RolloutConsumer, RolloutProducer, RolloutRefused, pack_batch
 from primerl.client.weights import WeightPublisher, WeightSubscriber
-from primerl.proto.data_plane_limits import DEFAULT_BROKER_LIMITS, ENVELOPE_ALLOWANCE_BYTES
 from primerl.proto import tensor_frames
+from primerl.proto.data_plane_limits import DEFAULT_BROKER_LIMITS, ENVELOPE_ALLOWANCE_BYTES
 from primerl.proto.digests import payload_digest
+from primerl.proto.units import MiB
 from primerl.proto.v1 import common_pb2, data_pb2
 from primerl.runtime.config_common import BrokerClientConfig
-from primerl.proto.units import MiB
-from support.broker import BrokerHarness
 
 TRAINER_CHUNK_BYTES = 64 * MiB  # what the trainer asks for (trainer/runner.py), capped by the broker's chunk size
 
 
 def _register(broker: BrokerHarness, role: str, name: str) -> ControlClient:
-    client = ControlClient(BrokerClientConfig(address=broker.grpc_address), role, name,
-                           address="http://127.0.0.1:8000" if role == "inference" else "")
+    client = ControlClient(
+        BrokerClientConfig(address=broker.grpc_address),
+        role,
+        name,
+        address="http://127.0.0.1:8000" if role == "inference" else "",
+    )
     client.register()
     client.start_heartbeats()  # as a role does: a worker the registry marks lost gets no weight pushes
     return client
@@ -43,11 +47,19 @@ def _publish_and_receive(broker: BrokerHarness, payload_bytes: int) -> None:
     payload, specs = tensor_frames.encode_tensors({"w": weights})
     header = data_pb2.WeightUpdateHeader(policy_version=1, kind=data_pb2.WEIGHT_UPDATE_KIND_FULL, tensors=specs)
     try:
-        subscriber = WeightSubscriber(infer.registration.weight_endpoint, None, infer.worker_id,
-                                      limits=infer.limits.frames)
-        with subscriber, WeightPublisher(trainer.registration.weight_endpoint, None, "trainer-rank0",
-                                         min(TRAINER_CHUNK_BYTES, limits.weight_chunk_bytes),
-                                         limits=limits.frames) as publisher:
+        subscriber = WeightSubscriber(
+            infer.registration.weight_endpoint, None, infer.worker_id, limits=infer.limits.frames
+        )
+        with (
+            subscriber,
+            WeightPublisher(
+                trainer.registration.weight_endpoint,
+                None,
+                "trainer-rank0",
+                min(TRAINER_CHUNK_BYTES, limits.weight_chunk_bytes),
+                limits=limits.frames,
+            ) as publisher,
+        ):
             subscriber.hello(None)
             assert publisher.publish(header, payload, timeout_s=120).applied
             deadline_s = time.monotonic() + 120
@@ -65,8 +77,9 @@ def _publish_and_receive(broker: BrokerHarness, payload_bytes: int) -> None:
 
 
 def test_registration_carries_the_limits_of_the_broker(tmp_path):
-    broker = BrokerHarness(tmp_path / "spool", max_message_bytes=16 * MiB, max_payload_frames=4,
-                           max_transfer_bytes=64 * MiB)
+    broker = BrokerHarness(
+        tmp_path / "spool", max_message_bytes=16 * MiB, max_payload_frames=4, max_transfer_bytes=64 * MiB
+    )
     try:
         client = _register(broker, "orchestrator", "orchestrator")
         limits = client.limits
@@ -103,8 +116,9 @@ def test_weights_and_rollouts_cross_a_broker_with_small_messages(tmp_path):
             with pytest.raises(RolloutRefused) as refused:
                 producer.send_batch(*pack_batch(2, 0, 0, 1, over_limit), timeout_s=30)
             assert refused.value.code == common_pb2.ERROR_CODE_OVERSIZED and time.monotonic() - started_s < 5
-        with RolloutConsumer(trainer.registration.rollout_endpoint, worker_id=trainer.worker_id, rank=0,
-                             limits=trainer.limits.frames) as consumer:
+        with RolloutConsumer(
+            trainer.registration.rollout_endpoint, worker_id=trainer.worker_id, rank=0, limits=trainer.limits.frames
+        ) as consumer:
             [(_, tensors)] = consumer.fetch_step(1, timeout_s=30)
             assert np.array_equal(tensors["input_ids"], near_limit["input_ids"])
         orchestrator.close()

@@ -14,16 +14,16 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from support.probes import scrape_metrics as scrape
 
-from primerl.configs.broker import BrokerConfig
+from primerl.broker.service import BrokerService
 from primerl.client.control import ControlClient
 from primerl.client.rollouts import RolloutProducer, pack_batch
-from primerl.broker.service import BrokerService
 from primerl.client.weights import WeightPublisher, WeightSubscriber
+from primerl.configs.broker import BrokerConfig
 from primerl.proto import tensor_frames
 from primerl.proto.v1 import data_pb2
 from primerl.runtime.config_common import BrokerClientConfig
-from support.probes import scrape_metrics as scrape
 
 BIN = Path(sys.executable).parent
 
@@ -72,8 +72,14 @@ def test_metrics_follow_registrations_rollouts_weights_and_commits(broker):
             subscriber.close()
 
         samples = scrape(url)
-        print("\n" + "\n".join(f"{name}{dict(labels) or ''} {value:g}" for (name, labels), value in sorted(samples.items())
-                               if name.startswith("primerl_")))
+        print(
+            "\n"
+            + "\n".join(
+                f"{name}{dict(labels) or ''} {value:g}"
+                for (name, labels), value in sorted(samples.items())
+                if name.startswith("primerl_")
+            )
+        )
         assert [workers(samples, role) for role in ("trainer", "orchestrator", "inference")] == [1, 0, 1]
         assert samples[("primerl_broker_latest_policy_version", ())] == 1
         assert samples[("primerl_broker_rollout_batches_queued", ())] == 2
@@ -98,8 +104,11 @@ def test_metrics_follow_registrations_rollouts_weights_and_commits(broker):
 
 
 def test_disabled_prometheus_serves_nothing(tmp_path):
-    service = BrokerService(BrokerConfig(grpc_port=0, rollout_port=0, weight_port=0, spool_dir=tmp_path / "spool",
-                                         prometheus={"enabled": False}))
+    service = BrokerService(
+        BrokerConfig(
+            grpc_port=0, rollout_port=0, weight_port=0, spool_dir=tmp_path / "spool", prometheus={"enabled": False}
+        )
+    )
     try:
         assert service.start().metrics_url is None and service.exporter is None
     finally:
@@ -111,8 +120,11 @@ def test_taken_port_fails_start_and_leaves_nothing_bound(tmp_path):
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         port = taken.getsockname()[1]
-        service = BrokerService(BrokerConfig(grpc_port=0, rollout_port=0, weight_port=0, spool_dir=tmp_path / "spool",
-                                             prometheus={"port": port}))
+        service = BrokerService(
+            BrokerConfig(
+                grpc_port=0, rollout_port=0, weight_port=0, spool_dir=tmp_path / "spool", prometheus={"port": port}
+            )
+        )
         with pytest.raises(ValueError, match=f"cannot serve Prometheus metrics on 127.0.0.1:{port}"):
             service.start()
         assert service.exporter is None and service.rollout_plane is None
@@ -124,11 +136,27 @@ def test_prometheus_port_clashing_with_a_broker_port_is_a_config_error(tmp_path)
 
 
 # ---------------------------------------------------------------------------------------------- the process
-def run_broker(tmp_path: Path, *extra: str, timeout_s: float = 30, env: dict | None = None
-               ) -> subprocess.CompletedProcess:
-    return subprocess.run([str(BIN / "primerl-broker"), "--grpc-port", "0", "--rollout-port", "0", "--weight-port", "0",
-                           "--spool-dir", str(tmp_path / "spool"), *extra], capture_output=True, text=True,
-                          timeout=timeout_s, env=env)
+def run_broker(
+    tmp_path: Path, *extra: str, timeout_s: float = 30, env: dict | None = None
+) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [
+            str(BIN / "primerl-broker"),
+            "--grpc-port",
+            "0",
+            "--rollout-port",
+            "0",
+            "--weight-port",
+            "0",
+            "--spool-dir",
+            str(tmp_path / "spool"),
+            *extra,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=timeout_s,
+        env=env,
+    )
 
 
 def test_process_with_a_port_out_of_range_says_so(tmp_path):
@@ -144,8 +172,9 @@ def test_process_with_a_taken_port_says_so(tmp_path):
         port = taken.getsockname()[1]
         checked = run_broker(tmp_path, "--prometheus.port", str(port))
         # past the preflight (a port taken between the check and the bind): the daemon's own bind error
-        unchecked = run_broker(tmp_path, "--prometheus.port", str(port),
-                               env={**os.environ, "PRIMERL_SKIP_PREFLIGHT": "1"})
+        unchecked = run_broker(
+            tmp_path, "--prometheus.port", str(port), env={**os.environ, "PRIMERL_SKIP_PREFLIGHT": "1"}
+        )
     output = checked.stdout + checked.stderr
     assert checked.returncode == 2, output  # the preflight: nothing started
     assert f"prometheus.port = {port}: 127.0.0.1:{port} is already in use" in output
@@ -160,9 +189,23 @@ def test_process_writes_its_metrics_url_to_the_ready_file(tmp_path):
     ready_file = tmp_path / "ready.json"
     log_path = tmp_path / "broker.log"
     with open(log_path, "w") as log_file:
-        process = subprocess.Popen([str(BIN / "primerl-broker"), "--grpc-port", "0", "--rollout-port", "0",
-                                    "--weight-port", "0", "--spool-dir", str(tmp_path / "spool"), "--ready-file",
-                                    str(ready_file)], stdout=log_file, stderr=subprocess.STDOUT)
+        process = subprocess.Popen(
+            [
+                str(BIN / "primerl-broker"),
+                "--grpc-port",
+                "0",
+                "--rollout-port",
+                "0",
+                "--weight-port",
+                "0",
+                "--spool-dir",
+                str(tmp_path / "spool"),
+                "--ready-file",
+                str(ready_file),
+            ],
+            stdout=log_file,
+            stderr=subprocess.STDOUT,
+        )
         try:
             deadline = time.monotonic() + 30
             while not ready_file.exists():

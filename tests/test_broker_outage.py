@@ -81,7 +81,9 @@ def test_retry_through_outage_retries_only_healable_errors_until_success():
         return "workers"
 
     seen = []
-    assert retry_through_outage(flaky, watch, (ConnectionError,), sleep=clock.sleep, on_failure=seen.append) == "workers"
+    assert (
+        retry_through_outage(flaky, watch, (ConnectionError,), sleep=clock.sleep, on_failure=seen.append) == "workers"
+    )
     assert len(calls) == 4 and len(seen) == 3
     gaps = [b - a for a, b in zip(calls, calls[1:])]
     assert gaps == sorted(gaps) and gaps[0] == pytest.approx(0.1)  # capped exponential backoff
@@ -108,8 +110,9 @@ def test_retry_through_outage_gives_up_past_the_budget_and_when_stopped():
     stop = threading.Event()
     stop.set()
     with pytest.raises(OutageStopped):
-        retry_through_outage(down, OutageWatch("Register", 5.0, logger=RecordingLogger()), (ConnectionError,),
-                             stop_event=stop)
+        retry_through_outage(
+            down, OutageWatch("Register", 5.0, logger=RecordingLogger()), (ConnectionError,), stop_event=stop
+        )
 
 
 def test_a_budget_must_be_positive():

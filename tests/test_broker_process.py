@@ -15,14 +15,14 @@ from pathlib import Path
 import numpy as np
 import pytest
 import zmq
+from support.daemons import BIN, BrokerProcess
 
+from primerl.broker.service import END_OF_RUN_GRACE_S
 from primerl.client.control import BrokerError, ControlClient
 from primerl.client.rollouts import RolloutConsumer, RolloutProducer, RolloutRefused, pack_batch
-from primerl.broker.service import END_OF_RUN_GRACE_S
 from primerl.proto import framing
 from primerl.proto.v1 import common_pb2, data_pb2
 from primerl.runtime.config_common import BrokerClientConfig
-from support.daemons import BIN, BrokerProcess
 
 
 @pytest.fixture
@@ -161,14 +161,23 @@ def test_run_token_is_required_on_every_socket(tmp_path, processes):
 
 
 # ------------------------------------------------------------------------------------------- run state
-STATUS_FACTS = ("run_id", "trainer_step", "last_committed_step", "latest_policy_version", "orchestrator_step",
-                "last_metrics", "last_metrics_step", "max_steps")
+STATUS_FACTS = (
+    "run_id",
+    "trainer_step",
+    "last_committed_step",
+    "latest_policy_version",
+    "orchestrator_step",
+    "last_metrics",
+    "last_metrics_step",
+    "max_steps",
+)
 
 
 def status_json(address: str) -> dict:
     """`primerl status --json`, the way an operator runs it."""
-    result = subprocess.run([str(BIN / "primerl"), "status", "--broker", address, "--json"], capture_output=True,
-                            text=True, timeout=60)
+    result = subprocess.run(
+        [str(BIN / "primerl"), "status", "--broker", address, "--json"], capture_output=True, text=True, timeout=60
+    )
     assert result.returncode == 0, result.stderr
     return json.loads(result.stdout)
 
@@ -275,8 +284,9 @@ def test_run_state_survives_sigkill_and_restart_and_the_end_of_the_run_too(tmp_p
         assert straggler.shutdown_requested.is_set()
         final = straggler.get_run_status()
         assert (final.trainer_step, final.last_committed_step, final.run_id) == (3, 3, before.run_id)
-        shown = subprocess.run([str(BIN / "primerl"), "status", "--broker", third.grpc_address], capture_output=True,
-                               text=True, timeout=60)
+        shown = subprocess.run(
+            [str(BIN / "primerl"), "status", "--broker", third.grpc_address], capture_output=True, text=True, timeout=60
+        )
         assert shown.returncode == 0, shown.stderr
         assert "trainer step 3 (committed 3) / 3" in shown.stdout and "run finished" in shown.stdout, shown.stdout
     finally:

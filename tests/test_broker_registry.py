@@ -7,12 +7,18 @@ import threading
 import time
 
 import pytest
+from support.weight_updates import publish
 
 from primerl.broker.registry import WorkerRegistry
-from primerl.broker.registry_errors import (BrokerStopping, CommitResult, InvalidRequest, NameTaken, StepOutOfOrder,
-                                            WorkerNotFound)
+from primerl.broker.registry_errors import (
+    BrokerStopping,
+    CommitResult,
+    InvalidRequest,
+    NameTaken,
+    StepOutOfOrder,
+    WorkerNotFound,
+)
 from primerl.broker.run_status import DataPlaneStatus, QueueDepth
-from support.weight_updates import publish
 from primerl.proto.roles import role_from_name
 from primerl.proto.v1 import common_pb2, control_pb2
 
@@ -247,8 +253,9 @@ def test_status_aggregates_every_role(registry):
     assert (status.run_id, status.max_steps) == ("run-1", 10)
     assert (status.trainer_step, status.last_committed_step, status.orchestrator_step) == (6, 4, 9)
     assert status.latest_policy_version == 5  # the weight fan-out's, read without any status getter writing
-    versions = {w.name: (w.policy_version if w.HasField("policy_version") else None) for w in status.workers
-                if w.role == INFER}
+    versions = {
+        w.name: (w.policy_version if w.HasField("policy_version") else None) for w in status.workers if w.role == INFER
+    }
     assert versions == {"infer-0": 1, "infer-1": 3, "infer-2": None}
     assert [(q.name, q.num_items, q.capacity_items) for q in status.queues] == [("rollouts", 2, 8), ("weights", 1, 0)]
     assert (status.rollout_batches_per_s, status.weight_bytes_per_s) == (1.5, 2e6)

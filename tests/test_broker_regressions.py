@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 import zmq
 
-from primerl.client.rollouts import RolloutConsumer, RolloutProducer, pack_batch
 from primerl.broker.service import BrokerService
+from primerl.client.rollouts import RolloutConsumer, RolloutProducer, pack_batch
 from primerl.proto import framing
 from primerl.proto import tensor_frames as tf
 from primerl.proto.v1 import common_pb2, data_pb2
@@ -25,8 +25,8 @@ def safetensors_frame(header_json: str, data: bytes = b"") -> bytes:
     return struct.pack("<Q", len(raw)) + raw + data
 
 
-NESTED = '{"__metadata__": ' + '{"a": ' * 1000 + '"x"' + '}' * 1000 + '}'
-HUGE_INT = '{"t": {"dtype": "F32", "shape": [1], "data_offsets": [0, ' + "1" * 4400 + ']}}'
+NESTED = '{"__metadata__": ' + '{"a": ' * 1000 + '"x"' + "}" * 1000 + "}"
+HUGE_INT = '{"t": {"dtype": "F32", "shape": [1], "data_offsets": [0, ' + "1" * 4400 + "]}}"
 LIST_DTYPE = json.dumps({"t": {"dtype": ["F32"], "shape": [1], "data_offsets": [0, 4]}})
 BAD_HEADERS = {"nested": NESTED, "huge_int": HUGE_INT, "list_dtype": LIST_DTYPE}
 
@@ -73,7 +73,7 @@ def _assert_serving(service: BrokerService, endpoints) -> None:
     with RolloutProducer(endpoint, TOKEN) as producer:
         assert producer.send_batch(*pack_batch(step, 0, 0, 1, tensors), timeout_s=10).durable
     with RolloutConsumer(endpoint, TOKEN, worker_id=f"check-{step}", rank=0) as consumer:
-        (_, received), = consumer.fetch_step(step, timeout_s=10)
+        ((_, received),) = consumer.fetch_step(step, timeout_s=10)
         np.testing.assert_array_equal(received["input_ids"], tensors["input_ids"])
 
 
@@ -81,12 +81,20 @@ def _assert_serving(service: BrokerService, endpoints) -> None:
 def test_hostile_safetensors_header_is_refused_on_both_sockets(broker, name):
     service, endpoints, context = broker
     payload = safetensors_frame(BAD_HEADERS[name], b"\0" * 4)
-    rollout_header = data_pb2.RolloutBatchHeader(batch_id="b", step=1, rank=0, micro_batch_index=0,
-                                                 num_micro_batches=1, tensors=_spec_list())
-    weight_header = data_pb2.WeightUpdateHeader(policy_version=1, kind=data_pb2.WEIGHT_UPDATE_KIND_FULL,
-                                                tensors=_spec_list(), payload_bytes=len(payload), digest="0" * 64)
-    for port, message_type, header in ((endpoints.rollout_port, data_pb2.ROLLOUT_BATCH, rollout_header),
-                                       (endpoints.weight_port, data_pb2.WEIGHT_UPDATE, weight_header)):
+    rollout_header = data_pb2.RolloutBatchHeader(
+        batch_id="b", step=1, rank=0, micro_batch_index=0, num_micro_batches=1, tensors=_spec_list()
+    )
+    weight_header = data_pb2.WeightUpdateHeader(
+        policy_version=1,
+        kind=data_pb2.WEIGHT_UPDATE_KIND_FULL,
+        tensors=_spec_list(),
+        payload_bytes=len(payload),
+        digest="0" * 64,
+    )
+    for port, message_type, header in (
+        (endpoints.rollout_port, data_pb2.ROLLOUT_BATCH, rollout_header),
+        (endpoints.weight_port, data_pb2.WEIGHT_UPDATE, weight_header),
+    ):
         socket = _dealer(context, port)
         socket.send_multipart(framing.encode(message_type, header, [payload], auth_token=TOKEN))
         reply = _reply(socket)
@@ -101,15 +109,22 @@ def test_unknown_enum_values_on_the_weight_socket_keep_it_serving(broker):
     socket = _dealer(context, endpoints.weight_port)
     # 4. HELLO with a role outside the enum; 5. ERROR with an unknown code.
     socket.send_multipart(framing.encode(data_pb2.HELLO, data_pb2.Hello(role=6), auth_token=TOKEN))
-    socket.send_multipart(framing.encode(data_pb2.ERROR, data_pb2.ErrorReply(error=common_pb2.ErrorDetail(code=255)),
-                                         auth_token=TOKEN))
+    socket.send_multipart(
+        framing.encode(data_pb2.ERROR, data_pb2.ErrorReply(error=common_pb2.ErrorDetail(code=255)), auth_token=TOKEN)
+    )
     # 6. A known worker's WEIGHT_ACK that carries an unknown error code.
     worker = _dealer(context, endpoints.weight_port)
-    worker.send_multipart(framing.encode(data_pb2.HELLO, data_pb2.Hello(role=common_pb2.ROLE_INFERENCE, worker_id="w"),
-                                         auth_token=TOKEN))
+    worker.send_multipart(
+        framing.encode(data_pb2.HELLO, data_pb2.Hello(role=common_pb2.ROLE_INFERENCE, worker_id="w"), auth_token=TOKEN)
+    )
     time.sleep(0.2)
-    worker.send_multipart(framing.encode(data_pb2.WEIGHT_ACK, data_pb2.WeightAck(
-        applied=False, error=common_pb2.ErrorDetail(code=999)), auth_token=TOKEN))
+    worker.send_multipart(
+        framing.encode(
+            data_pb2.WEIGHT_ACK,
+            data_pb2.WeightAck(applied=False, error=common_pb2.ErrorDetail(code=999)),
+            auth_token=TOKEN,
+        )
+    )
     # Same enum values on the rollout socket.
     rollout = _dealer(context, endpoints.rollout_port)
     rollout.send_multipart(framing.encode(data_pb2.HELLO, data_pb2.Hello(role=6, worker_id="r"), auth_token=TOKEN))

@@ -11,8 +11,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 import structlog
+from support.weight_updates import publish
 
-from primerl.configs.broker import BrokerConfig
 from primerl.broker.registry import WorkerRegistry
 from primerl.broker.registry_errors import CommitFailed, CommitResult
 from primerl.broker.run_state import (
@@ -25,9 +25,9 @@ from primerl.broker.run_state import (
 )
 from primerl.broker.service import BrokerService
 from primerl.client.weights import WeightPublisher
+from primerl.configs.broker import BrokerConfig
 from primerl.proto import tensor_frames as tf
 from primerl.proto.v1 import common_pb2, control_pb2, data_pb2
-from support.weight_updates import publish
 
 TRAINER, INFER, ORCH = common_pb2.ROLE_TRAINER, common_pb2.ROLE_INFERENCE, common_pb2.ROLE_ORCHESTRATOR
 
@@ -53,8 +53,15 @@ def heartbeat(registry, worker_id, **fields):
 
 
 def sample_state(**fields) -> RunState:
-    values = dict(run_id="run-7", last_committed_step=4, trainer_step=5, orchestrator_step=6, latest_policy_version=5,
-                  last_metrics={"train/loss": 0.125, "reward/mean": -1.5e-3}, last_metrics_step=5)
+    values = dict(
+        run_id="run-7",
+        last_committed_step=4,
+        trainer_step=5,
+        orchestrator_step=6,
+        latest_policy_version=5,
+        last_metrics={"train/loss": 0.125, "reward/mean": -1.5e-3},
+        last_metrics_step=5,
+    )
     return RunState(**{**values, **fields})
 
 
@@ -120,15 +127,29 @@ def test_snapshot_and_restore_give_the_same_status_and_worker_answers():
     before.commit_step(trainer, 3)
     publish(before.policy, 3)
     _, state = before.run_state()
-    assert state == RunState(run_id="run-1", last_committed_step=3, trainer_step=3, orchestrator_step=4,
-                             latest_policy_version=3, last_metrics={"train/loss": 0.5, "reward/mean": 0.25},
-                             last_metrics_step=4)
+    assert state == RunState(
+        run_id="run-1",
+        last_committed_step=3,
+        trainer_step=3,
+        orchestrator_step=4,
+        latest_policy_version=3,
+        last_metrics={"train/loss": 0.5, "reward/mean": 0.25},
+        last_metrics_step=4,
+    )
 
     after = WorkerRegistry("fresh-id", 1.0, 3, clock=FakeClock(), max_steps=10)
     after.restore(state)
     old, new = before.run_status(), after.run_status()
-    for name in ("run_id", "trainer_step", "last_committed_step", "latest_policy_version", "orchestrator_step",
-                 "last_metrics", "last_metrics_step", "max_steps"):
+    for name in (
+        "run_id",
+        "trainer_step",
+        "last_committed_step",
+        "latest_policy_version",
+        "orchestrator_step",
+        "last_metrics",
+        "last_metrics_step",
+        "max_steps",
+    ):
         assert getattr(new, name) == getattr(old, name), name
     assert list(new.workers) == []  # workers are not kept: they register again
     registration = after.register(control_pb2.RegisterRequest(role=INFER, name="infer-0"))
@@ -327,8 +348,15 @@ def test_a_restarted_service_shows_the_status_it_showed_before(tmp_path):
     try:
         assert again.start().run_id == run_id
         after = again.servicer.run_status()
-        for name in ("run_id", "trainer_step", "last_committed_step", "latest_policy_version", "orchestrator_step",
-                     "last_metrics", "last_metrics_step"):
+        for name in (
+            "run_id",
+            "trainer_step",
+            "last_committed_step",
+            "latest_policy_version",
+            "orchestrator_step",
+            "last_metrics",
+            "last_metrics_step",
+        ):
             assert getattr(after, name) == getattr(before, name), name
         assert (after.last_committed_step, after.latest_policy_version, after.trainer_step) == (2, 2, 2)
         assert after.orchestrator_step == 3 and dict(after.last_metrics) == {"train/loss": 0.75, "reward/mean": 0.5}

@@ -54,8 +54,9 @@ def build_training(tiny_dir: Path, *, lora: bool = False):
     if lora:
         from peft import LoraConfig, get_peft_model
 
-        model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=LORA_TARGETS,
-                                                 init_lora_weights=False))
+        model = get_peft_model(
+            model, LoraConfig(r=4, lora_alpha=8, target_modules=LORA_TARGETS, init_lora_weights=False)
+        )
     model.train()
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=1e-3, weight_decay=0.01)
@@ -80,14 +81,15 @@ def linear_training(seed: int = 0):
     torch.manual_seed(seed)
     model = torch.nn.Linear(4, 3)
     optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 0.5 ** s)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 0.5**s)
     return model, optimizer, scheduler
 
 
 def save_linear(root: Path, step: int) -> Path:
     model, optimizer, scheduler = linear_training(step)
-    return save_checkpoint(root, step, model=model, optimizer=optimizer, scheduler=scheduler,
-                           extra_state={"step": step})
+    return save_checkpoint(
+        root, step, model=model, optimizer=optimizer, scheduler=scheduler, extra_state={"step": step}
+    )
 
 
 # ---------------------------------------------------------------------------------------------------- round trip
@@ -99,17 +101,21 @@ def test_round_trip_restores_model_optimizer_scheduler_and_rng(tiny_dir: Path, t
     for _ in range(2):
         train_step(model, optimizer, scheduler)
     extra = {"step": 2, "policy_version": 2, "data": {"epoch": 0, "position": 17}}
-    path = save_checkpoint(tmp_path / "ckpt", 2, model=model, optimizer=optimizer, scheduler=scheduler,
-                           extra_state=extra)
+    path = save_checkpoint(
+        tmp_path / "ckpt", 2, model=model, optimizer=optimizer, scheduler=scheduler, extra_state=extra
+    )
     assert path == tmp_path / "ckpt" / "step_2"
     assert sorted(p.name for p in path.iterdir()) == sorted(
-        [MODEL_FILE, "optimizer.pt", "scheduler.pt", "extra_state.json", "meta.json", rng_file(0), STABLE_FILE])
+        [MODEL_FILE, "optimizer.pt", "scheduler.pt", "extra_state.json", "meta.json", rng_file(0), STABLE_FILE]
+    )
     expected_draws = (random.random(), float(np.random.rand()), torch.rand(4))
 
     seed_all(99)
     fresh_model, fresh_optimizer, fresh_scheduler = build_training(tiny_dir)
-    assert load_checkpoint(tmp_path / "ckpt", model=fresh_model, optimizer=fresh_optimizer,
-                           scheduler=fresh_scheduler) == extra
+    assert (
+        load_checkpoint(tmp_path / "ckpt", model=fresh_model, optimizer=fresh_optimizer, scheduler=fresh_scheduler)
+        == extra
+    )
     assert (random.random(), float(np.random.rand())) == expected_draws[:2]
     assert torch.equal(torch.rand(4), expected_draws[2])
     for (name, want), (_, got) in zip(model.state_dict().items(), fresh_model.state_dict().items(), strict=True):
@@ -158,8 +164,7 @@ def test_resume_continues_the_same_loss_curve(tiny_dir: Path, tmp_path: Path) ->
     training = build_training(tiny_dir)
     resumed = [train_step(*training) for _ in range(3)]
     model, optimizer, scheduler = training
-    save_checkpoint(tmp_path, 3, model=model, optimizer=optimizer, scheduler=scheduler,
-                    extra_state={"step": 3})
+    save_checkpoint(tmp_path, 3, model=model, optimizer=optimizer, scheduler=scheduler, extra_state={"step": 3})
     del training, model, optimizer, scheduler
 
     seed_all(12345)  # a restarted process: other RNG states, fresh model and optimizer
@@ -189,8 +194,7 @@ def test_resume_continues_the_same_loss_curve(tiny_dir: Path, tmp_path: Path) ->
         ([2, 4, 6], 5, None, []),
     ],
 )
-def test_steps_to_prune(steps: list[int], keep_last: int | None, keep_interval: int | None,
-                        deleted: list[int]) -> None:
+def test_steps_to_prune(steps: list[int], keep_last: int | None, keep_interval: int | None, deleted: list[int]) -> None:
     assert steps_to_prune(steps, keep_last=keep_last, keep_interval=keep_interval) == deleted
 
 
@@ -226,8 +230,9 @@ def test_missing_step_lists_the_available_ones(tmp_path: Path) -> None:
 def test_unserialisable_extra_state_writes_nothing(tmp_path: Path) -> None:
     model, optimizer, scheduler = linear_training()
     with pytest.raises(TypeError):
-        save_checkpoint(tmp_path, 1, model=model, optimizer=optimizer, scheduler=scheduler,
-                        extra_state={"bad": object()})
+        save_checkpoint(
+            tmp_path, 1, model=model, optimizer=optimizer, scheduler=scheduler, extra_state={"bad": object()}
+        )
     assert not tmp_path.exists() or not any(tmp_path.iterdir())
 
 
@@ -318,8 +323,12 @@ def _wait_for_line(lines: queue.Queue[str], prefix: str, timeout_s: float) -> st
 @pytest.mark.parametrize("kill_at", ["after_first_file", "before_rename"])
 def test_sigkill_mid_save_leaves_the_previous_checkpoint(tmp_path: Path, kill_at: str) -> None:
     root = tmp_path / "ckpt"
-    proc = subprocess.Popen([sys.executable, "-c", _KILL_CHILD, str(root), kill_at], stdout=subprocess.PIPE,
-                            text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _KILL_CHILD, str(root), kill_at],
+        stdout=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
     try:
         lines = _start_line_reader(proc)
         saved = _wait_for_line(lines, "saved ", 60)
@@ -357,9 +366,17 @@ def test_two_ranks_write_one_checkpoint(tmp_path: Path) -> None:
 
     def rank_main(rank: int) -> None:
         try:
-            results[rank] = save_checkpoint(tmp_path, 4, model=model, optimizer=optimizer, scheduler=scheduler,
-                                            extra_state={"step": 4}, rank=rank, world_size=2,
-                                            barrier=barrier.wait)
+            results[rank] = save_checkpoint(
+                tmp_path,
+                4,
+                model=model,
+                optimizer=optimizer,
+                scheduler=scheduler,
+                extra_state={"step": 4},
+                rank=rank,
+                world_size=2,
+                barrier=barrier.wait,
+            )
         except BaseException as error:  # reported by the main thread
             errors.append(error)
             barrier.abort()
@@ -379,11 +396,9 @@ def test_two_ranks_write_one_checkpoint(tmp_path: Path) -> None:
     assert torch.equal(fresh.weight, model.weight)
 
     with pytest.raises(ValueError, match="barrier"):
-        save_checkpoint(tmp_path, 5, model=model, optimizer=None, scheduler=None, extra_state={}, rank=0,
-                        world_size=2)
+        save_checkpoint(tmp_path, 5, model=model, optimizer=None, scheduler=None, extra_state={}, rank=0, world_size=2)
     with pytest.raises(ValueError, match="rank"):
-        save_checkpoint(tmp_path, 5, model=model, optimizer=None, scheduler=None, extra_state={}, rank=2,
-                        world_size=2)
+        save_checkpoint(tmp_path, 5, model=model, optimizer=None, scheduler=None, extra_state={}, rank=2, world_size=2)
 
 
 # ---------------------------------------------------------------------------------------------------- HF export
@@ -464,6 +479,5 @@ def test_a_failed_save_leaves_no_temp_dir(tmp_path: Path) -> None:
     save_linear(tmp_path, 1)
     model, _, scheduler = linear_training()
     with pytest.raises(RuntimeError, match="disk full"):
-        save_checkpoint(tmp_path, 2, model=model, optimizer=BrokenOptimizer(), scheduler=scheduler,
-                        extra_state={})
+        save_checkpoint(tmp_path, 2, model=model, optimizer=BrokenOptimizer(), scheduler=scheduler, extra_state={})
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step_1"]

@@ -29,8 +29,18 @@ def rollout_tensors(n: int = 12) -> dict[str, np.ndarray]:
 def rollout_message(**envelope_fields) -> tuple[list, dict[str, np.ndarray]]:
     tensors = rollout_tensors()
     data, specs = tf.encode_tensors(tensors)
-    header = data_pb2.RolloutBatchHeader(step=7, rank=1, micro_batch_index=0, num_micro_batches=2, num_samples=3,
-                                         num_tokens=12, min_policy_version=3, max_policy_version=3, tensors=specs, batch_id="7:1:0")
+    header = data_pb2.RolloutBatchHeader(
+        step=7,
+        rank=1,
+        micro_batch_index=0,
+        num_micro_batches=2,
+        num_samples=3,
+        num_tokens=12,
+        min_policy_version=3,
+        max_policy_version=3,
+        tensors=specs,
+        batch_id="7:1:0",
+    )
     return framing.encode(data_pb2.ROLLOUT_BATCH, header, [data], **envelope_fields), tensors
 
 
@@ -39,6 +49,7 @@ def as_bytes(frames: list) -> list[bytes]:
 
 
 # ---------------------------------------------------------------- round trips
+
 
 def test_rollout_batch_round_trip_keeps_header_and_tensors():
     frames, tensors = rollout_message(sender="orchestrator", auth_token="secret")
@@ -57,12 +68,25 @@ def test_rollout_batch_round_trip_keeps_header_and_tensors():
     "message_type, header",
     [
         (data_pb2.ROLLOUT_ACK, data_pb2.RolloutAck(batch_id="1:0:0", step=1, durable=True)),
-        (data_pb2.ROLLOUT_ACK, data_pb2.RolloutAck(batch_id="1:0:0", step=1, error=common_pb2.ErrorDetail(code=common_pb2.ERROR_CODE_BACKPRESSURE, retry_after_ms=50))),
+        (
+            data_pb2.ROLLOUT_ACK,
+            data_pb2.RolloutAck(
+                batch_id="1:0:0",
+                step=1,
+                error=common_pb2.ErrorDetail(code=common_pb2.ERROR_CODE_BACKPRESSURE, retry_after_ms=50),
+            ),
+        ),
         (data_pb2.ROLLOUT_REQUEST, data_pb2.RolloutRequest(step=4, rank=1, credits=2)),
         (data_pb2.ROLLOUT_STEP_DONE, data_pb2.RolloutStepDone(step=4, rank=1, num_micro_batches=3)),
         (data_pb2.WEIGHT_ACK, data_pb2.WeightAck(policy_version=9, worker_id="w1", applied=True, apply_ms=12)),
         (data_pb2.HELLO, data_pb2.Hello(worker_id="w1", role=common_pb2.ROLE_INFERENCE)),
-        (data_pb2.ERROR, data_pb2.ErrorReply(error=common_pb2.ErrorDetail(code=common_pb2.ERROR_CODE_OUT_OF_ORDER, message="x"), refused_type=data_pb2.WEIGHT_UPDATE)),
+        (
+            data_pb2.ERROR,
+            data_pb2.ErrorReply(
+                error=common_pb2.ErrorDetail(code=common_pb2.ERROR_CODE_OUT_OF_ORDER, message="x"),
+                refused_type=data_pb2.WEIGHT_UPDATE,
+            ),
+        ),
     ],
 )
 def test_control_messages_round_trip(message_type, header):
@@ -73,17 +97,27 @@ def test_control_messages_round_trip(message_type, header):
     assert message.payload == []
 
 
-@pytest.mark.parametrize("kind", [data_pb2.WEIGHT_UPDATE_KIND_FULL, data_pb2.WEIGHT_UPDATE_KIND_LORA, data_pb2.WEIGHT_UPDATE_KIND_DELTA])
+@pytest.mark.parametrize(
+    "kind", [data_pb2.WEIGHT_UPDATE_KIND_FULL, data_pb2.WEIGHT_UPDATE_KIND_LORA, data_pb2.WEIGHT_UPDATE_KIND_DELTA]
+)
 def test_weight_update_round_trip_in_chunks(kind):
     torch = pytest.importorskip("torch")
     weights = {"model.embed_tokens.weight": torch.randn(64, 32, dtype=torch.bfloat16), "lm_head.bias": torch.randn(64)}
     data, specs = tf.encode_tensors(weights)
     import hashlib
 
-    header = data_pb2.WeightUpdateHeader(policy_version=5, kind=kind, base_version=4 if kind == data_pb2.WEIGHT_UPDATE_KIND_DELTA else 0,
-                                         digest=hashlib.sha256(data).hexdigest(), tensors=specs, payload_bytes=len(data),
-                                         adapter_config_json='{"r": 8}' if kind == data_pb2.WEIGHT_UPDATE_KIND_LORA else "")
-    messages = list(chunked_transfer.encode_chunked(data_pb2.WEIGHT_UPDATE, header, data, chunk_bytes=1000, sender="trainer"))
+    header = data_pb2.WeightUpdateHeader(
+        policy_version=5,
+        kind=kind,
+        base_version=4 if kind == data_pb2.WEIGHT_UPDATE_KIND_DELTA else 0,
+        digest=hashlib.sha256(data).hexdigest(),
+        tensors=specs,
+        payload_bytes=len(data),
+        adapter_config_json='{"r": 8}' if kind == data_pb2.WEIGHT_UPDATE_KIND_LORA else "",
+    )
+    messages = list(
+        chunked_transfer.encode_chunked(data_pb2.WEIGHT_UPDATE, header, data, chunk_bytes=1000, sender="trainer")
+    )
     assert len(messages) == -(-len(data) // 1000) > 1
     assembler = chunked_transfer.ChunkAssembler()
     results = [assembler.add(framing.decode(as_bytes(frames))) for frames in messages]
@@ -114,6 +148,7 @@ def test_zmq_frames_decode_without_copy():
 
 
 # ---------------------------------------------------------------- refusals
+
 
 def refusal(frames, **kwargs) -> framing.FramingError:
     with pytest.raises(framing.FramingError) as info:
@@ -150,7 +185,10 @@ def test_bad_checksum_is_refused():
     error = refusal(frames[:3] + [bytes(corrupted)])
     assert isinstance(error, framing.ChecksumMismatch)
     # Retyping the message (same bytes, other type) breaks the checksum too.
-    assert isinstance(refusal([frames[0], bytes([data_pb2.WEIGHT_UPDATE])] + frames[2:]), (framing.ChecksumMismatch, framing.MalformedHeader))
+    assert isinstance(
+        refusal([frames[0], bytes([data_pb2.WEIGHT_UPDATE])] + frames[2:]),
+        (framing.ChecksumMismatch, framing.MalformedHeader),
+    )
 
 
 def test_oversized_frames_and_messages_are_refused():
@@ -213,7 +251,10 @@ def test_safetensors_header_lies_are_refused():
 def test_chunk_errors_are_refused():
     data = bytes(range(256)) * 40
     header = data_pb2.WeightUpdateHeader(policy_version=1, kind=data_pb2.WEIGHT_UPDATE_KIND_FULL)
-    messages = [framing.decode(f) for f in chunked_transfer.encode_chunked(data_pb2.WEIGHT_UPDATE, header, data, chunk_bytes=1024)]
+    messages = [
+        framing.decode(f)
+        for f in chunked_transfer.encode_chunked(data_pb2.WEIGHT_UPDATE, header, data, chunk_bytes=1024)
+    ]
     assert len(messages) == 10
 
     out_of_order = chunked_transfer.ChunkAssembler()
@@ -232,9 +273,16 @@ def test_chunk_errors_are_refused():
         duplicate.add(messages[0])
 
     other_header = data_pb2.WeightUpdateHeader(policy_version=2, kind=data_pb2.WEIGHT_UPDATE_KIND_FULL)
-    swapped = [framing.decode(f) for f in chunked_transfer.encode_chunked(data_pb2.WEIGHT_UPDATE, other_header, data,
-                                                                          chunk_bytes=1024,
-                                                                          transfer_id=messages[0].envelope.chunk.transfer_id)]
+    swapped = [
+        framing.decode(f)
+        for f in chunked_transfer.encode_chunked(
+            data_pb2.WEIGHT_UPDATE,
+            other_header,
+            data,
+            chunk_bytes=1024,
+            transfer_id=messages[0].envelope.chunk.transfer_id,
+        )
+    ]
     mixed = chunked_transfer.ChunkAssembler()
     mixed.add(messages[0])
     with pytest.raises(framing.BadChunk, match="different header"):
@@ -257,7 +305,10 @@ def test_chunked_transfers_are_bounded():
     assert assembler.num_open_transfers == 0
     limited = framing.Limits(max_transfer_bytes=2048)
     with pytest.raises(framing.OversizedFrame):
-        framing.decode(next(chunked_transfer.encode_chunked(data_pb2.WEIGHT_UPDATE, header, data, chunk_bytes=1024)), limits=limited)
+        framing.decode(
+            next(chunked_transfer.encode_chunked(data_pb2.WEIGHT_UPDATE, header, data, chunk_bytes=1024)),
+            limits=limited,
+        )
 
 
 def test_error_reply_carries_the_refusal():
@@ -324,10 +375,13 @@ def test_random_frames_never_crash_the_decoder(frames):
 def test_encode_raw_with_a_known_checksum_makes_no_pass_and_is_checked_by_the_receiver():
     frames, tensors = rollout_message()
     sent = framing.decode(as_bytes(frames))
-    relayed = framing.encode_raw(data_pb2.ROLLOUT_BATCH, sent.envelope.header, sent.payload, checksum=sent.envelope.checksum,
-                                 sender="broker")
+    relayed = framing.encode_raw(
+        data_pb2.ROLLOUT_BATCH, sent.envelope.header, sent.payload, checksum=sent.envelope.checksum, sender="broker"
+    )
     again = framing.decode(as_bytes(relayed))
     assert again.envelope.header == sent.envelope.header and again.envelope.checksum == sent.envelope.checksum
     assert bytes(again.payload[0]) == bytes(sent.payload[0])
-    wrong = framing.encode_raw(data_pb2.ROLLOUT_BATCH, sent.envelope.header, sent.payload, checksum=sent.envelope.checksum ^ 1)
+    wrong = framing.encode_raw(
+        data_pb2.ROLLOUT_BATCH, sent.envelope.header, sent.payload, checksum=sent.envelope.checksum ^ 1
+    )
     assert isinstance(refusal(as_bytes(wrong)), framing.ChecksumMismatch)

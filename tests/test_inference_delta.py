@@ -67,15 +67,19 @@ def token_logprobs(body: dict[str, Any]) -> list[float]:
     return body["choices"][0]["logprobs"]["token_logprobs"]
 
 
-def test_delta_updates_are_served_and_a_wrong_base_is_refused(infer_daemon: InferenceDaemon, infer_http: httpx.Client,
-                                                              infer_broker: BrokerHarness, tiny_model: Path,
-                                                              tmp_path: Path) -> None:
+def test_delta_updates_are_served_and_a_wrong_base_is_refused(
+    infer_daemon: InferenceDaemon,
+    infer_http: httpx.Client,
+    infer_broker: BrokerHarness,
+    tiny_model: Path,
+    tmp_path: Path,
+) -> None:
     import torch
 
     from primerl.client.weights import WeightUpdateRefused
+    from primerl.configs.trainer import ModelConfig, OptimizerConfig
     from primerl.proto.v1 import common_pb2, data_pb2
     from primerl.proto.weight_delta import encode_delta
-    from primerl.configs.trainer import ModelConfig, OptimizerConfig
     from primerl.trainer.model import load_model
     from primerl.trainer.optim import build_optimizer
     from primerl.trainer.publish import PolicyPublisher
@@ -86,8 +90,15 @@ def test_delta_updates_are_served_and_a_wrong_base_is_refused(infer_daemon: Infe
     snapshots: dict[int, dict[str, Any]] = {}
     _, previous = greedy_completion(infer_http)
     # "always": this test is about deltas end to end (with "auto", dense fp32 steps go as FULL: test_publish).
-    with PolicyPublisher(endpoint, TOKEN, "trainer", infer_broker.service.chunk_bytes, kind="delta",
-                         policy_name="policy", delta_policy="always") as publisher:
+    with PolicyPublisher(
+        endpoint,
+        TOKEN,
+        "trainer",
+        infer_broker.service.chunk_bytes,
+        kind="delta",
+        policy_name="policy",
+        delta_policy="always",
+    ) as publisher:
         for version, expected_kind in ((1, "full"), (2, "delta"), (3, "delta")):
             adamw_step(model, optimizer, seed=version)
             snapshots[version] = snapshot(model)
@@ -109,9 +120,15 @@ def test_delta_updates_are_served_and_a_wrong_base_is_refused(infer_daemon: Infe
         # A delta from v2 to v4 while the broker holds v3: the broker refuses it, the worker never sees it.
         adamw_step(model, optimizer, seed=4)
         payload, specs, decoded = encode_delta(snapshot(model), snapshots[2])
-        header = data_pb2.WeightUpdateHeader(policy_version=4, kind=data_pb2.WEIGHT_UPDATE_KIND_DELTA,
-                                             base_version=2, delta_encoding=data_pb2.DELTA_ENCODING_XOR_ZLIB,
-                                             policy_name="policy", tensors=specs, decoded_tensors=decoded)
+        header = data_pb2.WeightUpdateHeader(
+            policy_version=4,
+            kind=data_pb2.WEIGHT_UPDATE_KIND_DELTA,
+            base_version=2,
+            delta_encoding=data_pb2.DELTA_ENCODING_XOR_ZLIB,
+            policy_name="policy",
+            tensors=specs,
+            decoded_tensors=decoded,
+        )
         with pytest.raises(WeightUpdateRefused) as refused:
             infer_broker.publish(header, payload)
         assert refused.value.code == common_pb2.ERROR_CODE_OUT_OF_ORDER, refused.value
@@ -134,8 +151,16 @@ def test_delta_updates_are_served_and_a_wrong_base_is_refused(infer_daemon: Infe
     # SPARSE (what a bf16 publisher sends; any dtype decodes) on the same path: a new trainer incarnation (a newer
     # lineage) publishes FULL v5, then a delta with a few rows of one matrix (positions as gaps), a third of a
     # norm (a mask) and a whole bias.
-    with PolicyPublisher(endpoint, TOKEN, "trainer-sparse", infer_broker.service.chunk_bytes, kind="delta",
-                         policy_name="policy", delta_policy="always", delta_encoding="sparse") as publisher:
+    with PolicyPublisher(
+        endpoint,
+        TOKEN,
+        "trainer-sparse",
+        infer_broker.service.chunk_bytes,
+        kind="delta",
+        policy_name="policy",
+        delta_policy="always",
+        delta_encoding="sparse",
+    ) as publisher:
         assert publisher.publish(model, 5).kind == "full"
         wait_applied(infer_broker, 5)
         with torch.no_grad():
@@ -146,8 +171,11 @@ def test_delta_updates_are_served_and_a_wrong_base_is_refused(infer_daemon: Infe
         assert (result.kind, result.base_version, result.num_tensors) == ("delta", 5, 3), result
         header = infer_broker.service.weight_store.latest().header
         assert header.delta_encoding == data_pb2.DELTA_ENCODING_SPARSE
-        assert {"model.layers.0.self_attn.q_proj.weight#gaps", "model.norm.weight#mask",
-                "model.layers.1.self_attn.v_proj.bias#values"} <= {spec.name for spec in header.tensors}
+        assert {
+            "model.layers.0.self_attn.q_proj.weight#gaps",
+            "model.norm.weight#mask",
+            "model.layers.1.self_attn.v_proj.bias#values",
+        } <= {spec.name for spec in header.tensors}
         wait_applied(infer_broker, 6)
         response, body = greedy_completion(infer_http)
         assert served_versions(response) == (6, 6)

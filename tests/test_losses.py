@@ -8,8 +8,8 @@ import math
 import pytest
 import torch
 
-from primerl.trainer.batch import MicroBatch
 from primerl.configs.trainer import CISPOLossConfig, DefaultLossConfig, GRPOLossConfig, KLConfig, TrainerConfig
+from primerl.trainer.batch import MicroBatch
 from primerl.trainer.losses import (
     AdaptiveKLController,
     distillation_loss,
@@ -32,7 +32,12 @@ NUM_TOKENS = 5  # the step has 5 loss tokens over all micro-batches; this micro-
 
 def tensors():
     logprobs = torch.tensor(TRAINER, dtype=torch.float64, requires_grad=True)
-    return logprobs, torch.tensor(INFERENCE, dtype=torch.float64), torch.tensor(ADVANTAGES, dtype=torch.float64), torch.tensor(MASK)
+    return (
+        logprobs,
+        torch.tensor(INFERENCE, dtype=torch.float64),
+        torch.tensor(ADVANTAGES, dtype=torch.float64),
+        torch.tensor(MASK),
+    )
 
 
 def by_hand(per_token, with_mask=MASK) -> float:
@@ -162,10 +167,12 @@ def test_teacher_term_is_rl_on_the_mixed_advantage(loss_type):
     _, inference, advantages, mask = tensors()
     teacher = torch.tensor(TEACHER, dtype=torch.float64)
     config = loss_type(teacher_tau=0.5, adv_tau=2.0)
-    mixed, mixed_grad = with_grad(lambda lp: rl_loss(config, lp, inference, advantages, mask, NUM_TOKENS,
-                                                     teacher_logprobs=teacher))
-    mixed_advantages = torch.tensor([2 * a + 0.5 * (t - lp) for a, t, lp in zip(ADVANTAGES, TEACHER, TRAINER)],
-                                    dtype=torch.float64)
+    mixed, mixed_grad = with_grad(
+        lambda lp: rl_loss(config, lp, inference, advantages, mask, NUM_TOKENS, teacher_logprobs=teacher)
+    )
+    mixed_advantages = torch.tensor(
+        [2 * a + 0.5 * (t - lp) for a, t, lp in zip(ADVANTAGES, TEACHER, TRAINER)], dtype=torch.float64
+    )
     plain, plain_grad = with_grad(lambda lp: rl_loss(loss_type(), lp, inference, mixed_advantages, mask, NUM_TOKENS))
     assert mixed.loss.item() == pytest.approx(plain.loss.item(), rel=1e-12)
     assert torch.allclose(mixed_grad, plain_grad, atol=1e-15)
@@ -181,8 +188,11 @@ def test_pure_distillation_moves_the_student_towards_the_teacher(loss_type):
     inference = logprobs.detach().clone()
     teacher = torch.tensor(TEACHER, dtype=torch.float64)
     config = loss_type(teacher_tau=1.0, adv_tau=0.0)
-    out, grad = with_grad(lambda lp: rl_loss(config, lp, inference, torch.zeros(4, dtype=torch.float64), mask,
-                                             NUM_TOKENS, teacher_logprobs=teacher))
+    out, grad = with_grad(
+        lambda lp: rl_loss(
+            config, lp, inference, torch.zeros(4, dtype=torch.float64), mask, NUM_TOKENS, teacher_logprobs=teacher
+        )
+    )
     assert grad[0].item() < 0  # teacher -0.5 > student -1.0
     assert grad[1].item() == pytest.approx(0.0, abs=1e-15)  # equal
     assert grad[2].item() > 0  # teacher -3.0 < student -0.5
@@ -195,10 +205,12 @@ def test_adv_tau_zero_ignores_rewards_and_adv_tau_scales_them(loss_type):
     _, inference, advantages, mask = tensors()
     teacher = torch.tensor(TEACHER, dtype=torch.float64)
     pure = loss_type(teacher_tau=1.0, adv_tau=0.0)
-    first, first_grad = with_grad(lambda lp: rl_loss(pure, lp, inference, advantages, mask, NUM_TOKENS,
-                                                     teacher_logprobs=teacher))
-    second, second_grad = with_grad(lambda lp: rl_loss(pure, lp, inference, -7.0 * advantages + 3.0, mask, NUM_TOKENS,
-                                                       teacher_logprobs=teacher))
+    first, first_grad = with_grad(
+        lambda lp: rl_loss(pure, lp, inference, advantages, mask, NUM_TOKENS, teacher_logprobs=teacher)
+    )
+    second, second_grad = with_grad(
+        lambda lp: rl_loss(pure, lp, inference, -7.0 * advantages + 3.0, mask, NUM_TOKENS, teacher_logprobs=teacher)
+    )
     assert first.loss.item() == second.loss.item() and torch.equal(first_grad, second_grad)
     # without a teacher term adv_tau is a plain factor on the advantage
     scaled, _ = with_grad(lambda lp: rl_loss(loss_type(adv_tau=3.0), lp, inference, advantages, mask, NUM_TOKENS))
@@ -233,10 +245,15 @@ def test_loss_taus_in_the_config():
 
 def micro_batch(trainer_like: list[float], teacher: list[float] | None) -> MicroBatch:
     n = len(trainer_like)
-    return MicroBatch(input_ids=torch.zeros(n, dtype=torch.int64), position_ids=torch.arange(n),
-                      loss_mask=torch.tensor(MASK), advantages=torch.tensor(ADVANTAGES, dtype=torch.float32),
-                      inference_logprobs=torch.tensor(INFERENCE, dtype=torch.float32),
-                      temperatures=torch.ones(n), teacher_logprobs=None if teacher is None else torch.tensor(teacher))
+    return MicroBatch(
+        input_ids=torch.zeros(n, dtype=torch.int64),
+        position_ids=torch.arange(n),
+        loss_mask=torch.tensor(MASK),
+        advantages=torch.tensor(ADVANTAGES, dtype=torch.float32),
+        inference_logprobs=torch.tensor(INFERENCE, dtype=torch.float32),
+        temperatures=torch.ones(n),
+        teacher_logprobs=None if teacher is None else torch.tensor(teacher),
+    )
 
 
 def test_objectives_pass_the_teacher_logprobs():
@@ -245,12 +262,26 @@ def test_objectives_pass_the_teacher_logprobs():
     logprobs = torch.tensor(TRAINER, dtype=torch.float32)
     batch = micro_batch(TRAINER, TEACHER)
     mixed = rl_objective(GRPOLossConfig(teacher_tau=0.3))(batch, logprobs, NUM_TOKENS)
-    direct = rl_loss(GRPOLossConfig(teacher_tau=0.3), logprobs, batch.inference_logprobs, batch.advantages,
-                     batch.loss_mask, NUM_TOKENS, teacher_logprobs=batch.teacher_logprobs)
+    direct = rl_loss(
+        GRPOLossConfig(teacher_tau=0.3),
+        logprobs,
+        batch.inference_logprobs,
+        batch.advantages,
+        batch.loss_mask,
+        NUM_TOKENS,
+        teacher_logprobs=batch.teacher_logprobs,
+    )
     assert mixed.loss.item() == direct.loss.item() and "teacher_kl" in mixed.metrics
     distilled = distillation_objective(GRPOLossConfig())(batch, logprobs, NUM_TOKENS)
-    pure = rl_loss(GRPOLossConfig(teacher_tau=1.0, adv_tau=0.0), logprobs, batch.inference_logprobs,
-                   batch.advantages, batch.loss_mask, NUM_TOKENS, teacher_logprobs=batch.teacher_logprobs)
+    pure = rl_loss(
+        GRPOLossConfig(teacher_tau=1.0, adv_tau=0.0),
+        logprobs,
+        batch.inference_logprobs,
+        batch.advantages,
+        batch.loss_mask,
+        NUM_TOKENS,
+        teacher_logprobs=batch.teacher_logprobs,
+    )
     assert distilled.loss.item() == pure.loss.item()
     with pytest.raises(ValueError, match="orchestrator.teacher"):
         distillation_objective(DefaultLossConfig())(micro_batch(TRAINER, None), logprobs, NUM_TOKENS)
@@ -285,17 +316,35 @@ def test_losses_add_up_across_micro_batches_like_one_batch():
     mask = torch.rand(n) > 0.3
     total = int(mask.sum())
     teacher = trainer + 0.3 * torch.randn(n, dtype=torch.float64)
-    for config in (DefaultLossConfig(), GRPOLossConfig(), CISPOLossConfig(), DefaultLossConfig(teacher_tau=0.5),
-                   GRPOLossConfig(teacher_tau=1.0, adv_tau=0.0), CISPOLossConfig(teacher_tau=2.0, adv_tau=0.5)):
+    for config in (
+        DefaultLossConfig(),
+        GRPOLossConfig(),
+        CISPOLossConfig(),
+        DefaultLossConfig(teacher_tau=0.5),
+        GRPOLossConfig(teacher_tau=1.0, adv_tau=0.0),
+        CISPOLossConfig(teacher_tau=2.0, adv_tau=0.5),
+    ):
         whole = trainer.clone().requires_grad_(True)
         whole_out = rl_loss(config, whole, inference, advantages, mask, total, teacher_logprobs=teacher)
         whole_out.loss.backward()
         parts = trainer.clone().requires_grad_(True)
-        outs = [rl_loss(config, parts[i:i + 4], inference[i:i + 4], advantages[i:i + 4], mask[i:i + 4], total,
-                        teacher_logprobs=teacher[i:i + 4]) for i in range(0, n, 4)]
+        outs = [
+            rl_loss(
+                config,
+                parts[i : i + 4],
+                inference[i : i + 4],
+                advantages[i : i + 4],
+                mask[i : i + 4],
+                total,
+                teacher_logprobs=teacher[i : i + 4],
+            )
+            for i in range(0, n, 4)
+        ]
         sum(out.loss for out in outs).backward()
         assert torch.allclose(whole.grad, parts.grad, atol=1e-12)
-        assert sum(out.metrics["teacher_kl"] for out in outs) == pytest.approx(whole_out.metrics["teacher_kl"], rel=1e-12)
+        assert sum(out.metrics["teacher_kl"] for out in outs) == pytest.approx(
+            whole_out.metrics["teacher_kl"], rel=1e-12
+        )
 
 
 def test_bad_inputs_are_refused():

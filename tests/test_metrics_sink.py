@@ -14,11 +14,11 @@ from pathlib import Path
 import httpx
 import pydantic
 import pytest
+from support.probes import scrape_metrics as scrape
 
 from primerl.runtime.config_common import PrometheusConfig, WandbConfig
 from primerl.runtime.metrics_sink import MetricsSink, config_for_wandb
 from primerl.runtime.prometheus import MetricsExporter, start_exporter
-from support.probes import scrape_metrics as scrape
 
 BIN = Path(sys.executable).parent
 
@@ -31,8 +31,16 @@ def read_rows(output_dir: Path) -> list[dict]:
 def test_rows_have_step_role_time_and_only_finite_numbers(tmp_path):
     with MetricsSink("trainer", tmp_path / "out") as sink:
         sink.log(1, {"train/loss": 0.5, "train/kl_divergence": 0.01, "ckpt/saved": True})
-        sink.log(2, {"train/loss": float("nan"), "train/grad_norm": float("inf"), "train/entropy": -float("inf"),
-                     "train/learning_rate": 1e-5, "note": "not a number"})
+        sink.log(
+            2,
+            {
+                "train/loss": float("nan"),
+                "train/grad_norm": float("inf"),
+                "train/entropy": -float("inf"),
+                "train/learning_rate": 1e-5,
+                "note": "not a number",
+            },
+        )
     first, second = read_rows(tmp_path / "out")
     assert list(first)[:3] == ["step", "role", "time"]
     assert first["step"] == 1 and first["role"] == "trainer" and isinstance(first["time"], float)
@@ -49,8 +57,11 @@ def test_roles_share_one_file_and_append(tmp_path):
         sink.log(1, {"train/loss": 0.5})
     with MetricsSink("orchestrator", tmp_path) as sink:  # a restart appends
         sink.log(2, {"train/reward": 0.5, "eval/reverse-text/reward": 0.4})
-    assert [(r["role"], r["step"]) for r in read_rows(tmp_path)] == [("orchestrator", 1), ("trainer", 1),
-                                                                    ("orchestrator", 2)]
+    assert [(r["role"], r["step"]) for r in read_rows(tmp_path)] == [
+        ("orchestrator", 1),
+        ("trainer", 1),
+        ("orchestrator", 2),
+    ]
 
 
 def test_unknown_role_is_refused(tmp_path):
@@ -79,8 +90,14 @@ def test_two_processes_appending_at_once_never_interleave(tmp_path):
     script.write_text(WRITER)
     count = 2000
     go = tmp_path / "go"
-    writers = [subprocess.Popen([sys.executable, str(script), role, str(tmp_path / "out"), str(count), str(go)],
-                                stderr=subprocess.PIPE, text=True) for role in ("trainer", "orchestrator")]
+    writers = [
+        subprocess.Popen(
+            [sys.executable, str(script), role, str(tmp_path / "out"), str(count), str(go)],
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for role in ("trainer", "orchestrator")
+    ]
     deadline = time.monotonic() + 60
     while not all((tmp_path / role).exists() for role in ("trainer", "orchestrator")):
         assert time.monotonic() < deadline and all(w.poll() is None for w in writers), "writers did not start"
@@ -103,8 +120,9 @@ def test_two_processes_appending_at_once_never_interleave(tmp_path):
 # ------------------------------------------------------------------------------------------------ W&B
 def wandb_records(run_dir: Path) -> list[dict]:
     """The records of an offline run's .wandb file, decoded by wandb's own reader (`wandb leet inspect`)."""
-    result = subprocess.run([str(BIN / "wandb"), "leet", "inspect", "--json", str(run_dir)], capture_output=True,
-                            text=True, timeout=120)
+    result = subprocess.run(
+        [str(BIN / "wandb"), "leet", "inspect", "--json", str(run_dir)], capture_output=True, text=True, timeout=120
+    )
     assert result.returncode == 0, result.stderr
     return [json.loads(line) for line in result.stdout.splitlines() if line.strip()]
 
@@ -114,8 +132,15 @@ def test_wandb_offline_run_holds_every_row_against_the_roles_step(tmp_path, capf
     wandb_config = WandbConfig(project="primerl-test", name="demo", offline=True)
     with MetricsSink("orchestrator", tmp_path, wandb_config, run_config) as sink:
         for step in (1, 2, 3):
-            sink.log(step, {"train/reward": step / 10, "rollout/mean_length": 10.0 + step,
-                            "rollout/generation_time": 0.5, "rollout/nan": float("nan")})
+            sink.log(
+                step,
+                {
+                    "train/reward": step / 10,
+                    "rollout/mean_length": 10.0 + step,
+                    "rollout/generation_time": 0.5,
+                    "rollout/nan": float("nan"),
+                },
+            )
         sink.log(2, {"eval/reverse-text/reward": 0.75})  # a second row for an earlier step: no step warning
     output = capfd.readouterr()
     assert "wandb:" not in output.out + output.err  # silent: daemon logs stay clean
@@ -124,15 +149,24 @@ def test_wandb_offline_run_holds_every_row_against_the_roles_step(tmp_path, capf
     assert len(run_dirs) == 1 and list(run_dirs[0].glob("run-*.wandb"))
     records = wandb_records(run_dirs[0])
     run = next(r["run"] for r in records if r["type"] == "run")
-    assert run["project"] == "primerl-test" and run["display_name"] == "demo-orchestrator" and run["run_group"] == "demo"
+    assert (
+        run["project"] == "primerl-test" and run["display_name"] == "demo-orchestrator" and run["run_group"] == "demo"
+    )
     assert run["config"]["update"]["broker"] == {"address": "127.0.0.1:50051"}  # the run token never leaves
     assert "do-not-upload" not in json.dumps(records)
     metrics = [r["metric"] for r in records if r["type"] == "metric"]
-    assert {"glob_name": "*", "options": {"defined": True, "step_sync": True},
-            "step_metric": "orchestrator/step"} in metrics
+    assert {
+        "glob_name": "*",
+        "options": {"defined": True, "step_sync": True},
+        "step_metric": "orchestrator/step",
+    } in metrics
     history = [r["history"]["item"] for r in records if r["type"] == "history"]
     assert [(h["orchestrator/step"], h.get("train/reward")) for h in history] == [
-        (1, 0.1), (2, 0.2), (3, pytest.approx(0.3)), (2, None)]
+        (1, 0.1),
+        (2, 0.2),
+        (3, pytest.approx(0.3)),
+        (2, None),
+    ]
     assert [h.get("rollout/mean_length") for h in history[:3]] == [11.0, 12.0, 13.0]
     assert history[3]["eval/reverse-text/reward"] == 0.75
     assert not any("rollout/nan" in h for h in history)
@@ -228,8 +262,11 @@ def test_taken_port_is_a_clear_error():
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         port = taken.getsockname()[1]
-        with pytest.raises(ValueError, match=f"cannot serve Prometheus metrics on 127.0.0.1:{port}: Address already "
-                                             "in use. Set prometheus.port to a free port"):
+        with pytest.raises(
+            ValueError,
+            match=f"cannot serve Prometheus metrics on 127.0.0.1:{port}: Address already "
+            "in use. Set prometheus.port to a free port",
+        ):
             MetricsExporter("trainer", PrometheusConfig(port=port)).start()
 
 

@@ -31,12 +31,33 @@ def test_a_short_rl_run_on_the_moe_model_finishes_and_reports_the_router_loss(tm
         pytest.skip(f"no env-worker interpreter at {ENV_PYTHON}: run `make setup` (it builds .venv-envs)")
     model = build_tiny_model(tmp_path / "tiny-moe", TinyModelSpec(seed=0, num_experts=8))
     run_dir = tmp_path / "run"
-    env = {**os.environ, "PRIMERL_ENV_PYTHON": ENV_PYTHON, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
-           "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1"}
+    env = {
+        **os.environ,
+        "PRIMERL_ENV_PYTHON": ENV_PYTHON,
+        "HF_HUB_OFFLINE": "1",
+        "TRANSFORMERS_OFFLINE": "1",
+        "VLLM_NO_USAGE_STATS": "1",
+        "DO_NOT_TRACK": "1",
+    }
     env.pop("PRIMERL_RUN_TOKEN", None)
-    args = [str(BIN / "primerl"), "rl", "@", str(EXAMPLE), "--model.name", str(model), "--output-dir", str(run_dir),
-            "--broker.grpc-port", str(free_port()), "--max-steps", "3", "--orchestrator.batch-size", "16",
-            "--orchestrator.rollouts-per-example", "4"]
+    args = [
+        str(BIN / "primerl"),
+        "rl",
+        "@",
+        str(EXAMPLE),
+        "--model.name",
+        str(model),
+        "--output-dir",
+        str(run_dir),
+        "--broker.grpc-port",
+        str(free_port()),
+        "--max-steps",
+        "3",
+        "--orchestrator.batch-size",
+        "16",
+        "--orchestrator.rollouts-per-example",
+        "4",
+    ]
     started_s = time.monotonic()
     result = subprocess.run(args, capture_output=True, text=True, timeout=RUN_TIMEOUT_S, env=env, cwd=tmp_path)
     wall_s = time.monotonic() - started_s
@@ -55,6 +76,8 @@ def test_a_short_rl_run_on_the_moe_model_finishes_and_reports_the_router_loss(tm
     for row in trainer:
         if lag.get(row["step"]) == 0:
             assert row["train/kl_divergence"] < 1e-3, row
-    print(f"MoE 3-step run: {wall_s:.1f} s wall; router_aux_loss "
-          f"{[round(r['train/router_aux_loss'], 4) for r in trainer]}, kl_divergence "
-          f"{[round(r['train/kl_divergence'], 6) for r in trainer]}\n{result.stdout}")
+    print(
+        f"MoE 3-step run: {wall_s:.1f} s wall; router_aux_loss "
+        f"{[round(r['train/router_aux_loss'], 4) for r in trainer]}, kl_divergence "
+        f"{[round(r['train/kl_divergence'], 6) for r in trainer]}\n{result.stdout}"
+    )

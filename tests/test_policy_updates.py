@@ -19,6 +19,7 @@ from typing import Any
 
 import pytest
 import torch
+from support.policy_updates import DELTA, delta_update, full_update, lora_update, perturbed, sha256
 
 from primerl.inference.engine import EngineOptions
 from primerl.inference.logprob_check import (
@@ -32,7 +33,6 @@ from primerl.inference.worker_extension import REFUSAL_PREFIX, WORKER_EXTENSION_
 from primerl.proto.tensor_frames import encode_tensors, parse_header, specs_of
 from primerl.proto.v1 import common_pb2, data_pb2
 from primerl.proto.weight_delta import torch_dtype_name
-from support.policy_updates import DELTA, delta_update, full_update, lora_update, perturbed, sha256
 
 # vLLM's own import-time deprecation noise (torch.distributed.reduce_op), not ours.
 pytestmark = pytest.mark.filterwarnings("ignore:`torch.distributed.reduce_op` is deprecated:FutureWarning")
@@ -42,7 +42,6 @@ PROMPTS = ["Reverse the string: a b c d", "What is 12 plus 30?", "hello", "Count
 MAX_TOKENS = 12
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 MAX_LORA_RANK = 8
-
 
 
 # ---- fixtures ---------------------------------------------------------------------------------------------------
@@ -80,9 +79,17 @@ def llm(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[A
     from primerl.inference.engine import create_llm, shutdown_llm
 
     saved_env, saved_tempdir = dict(os.environ), tempfile.tempdir
-    llm = create_llm(EngineOptions(model=model_dir, in_process=True, work_dir=tmp_path_factory.mktemp("work"), seed=0,
-                                   enable_lora=True, max_lora_rank=MAX_LORA_RANK,
-                                   worker_extension_cls=WORKER_EXTENSION_CLS))
+    llm = create_llm(
+        EngineOptions(
+            model=model_dir,
+            in_process=True,
+            work_dir=tmp_path_factory.mktemp("work"),
+            seed=0,
+            enable_lora=True,
+            max_lora_rank=MAX_LORA_RANK,
+            worker_extension_cls=WORKER_EXTENSION_CLS,
+        )
+    )
     try:
         yield llm
     finally:
@@ -111,8 +118,15 @@ def served(model_dir: Path) -> Served:
 
 
 def generate(llm: Any, updater: Any) -> GenerationResult:
-    return generate_with_logprobs(llm, PROMPTS, max_tokens=MAX_TOKENS, seed=0, temperature=1.0, ignore_eos=True,
-                                  lora_request=updater.lora_request())
+    return generate_with_logprobs(
+        llm,
+        PROMPTS,
+        max_tokens=MAX_TOKENS,
+        seed=0,
+        temperature=1.0,
+        ignore_eos=True,
+        lora_request=updater.lora_request(),
+    )
 
 
 def served_diff(llm: Any, updater: Any, served: Served) -> float:
@@ -132,8 +146,9 @@ def make_adapter(served: Served, out_dir: Path, seed: int, rank: int = MAX_LORA_
     from peft import LoraConfig, get_peft_model
 
     torch.manual_seed(seed)
-    config = LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=LORA_TARGETS, lora_dropout=0.0,
-                        init_lora_weights=False)
+    config = LoraConfig(
+        r=rank, lora_alpha=2 * rank, target_modules=LORA_TARGETS, lora_dropout=0.0, init_lora_weights=False
+    )
     peft_model = get_peft_model(served.model(), config)
     with torch.no_grad():
         for name, parameter in peft_model.named_parameters():
@@ -183,8 +198,11 @@ def test_full_update_serves_the_new_weights(llm: Any, updater: Any, served: Serv
     assert diff <= TOLERANCE
     after = generate(llm, updater)
     changed = any(a.completion_token_ids != b.completion_token_ids for a, b in zip(after.samples, before.samples))
-    assert changed or max_abs_diff([s.completion_logprobs for s in after.samples],
-                                   [s.completion_logprobs for s in before.samples]) > 1e-3
+    assert (
+        changed
+        or max_abs_diff([s.completion_logprobs for s in after.samples], [s.completion_logprobs for s in before.samples])
+        > 1e-3
+    )
     assert updater.weight_digest() == weights_digest(new)
 
 
@@ -198,8 +216,10 @@ def test_delta_update_after_an_adamw_step(llm: Any, updater: Any, served: Served
     new = adamw_step(served, lr=1e-5, seed=base_version)
     header, payload = delta_update(new, served.weights, base_version + 1, base_version)
     full_bytes = len(encode_tensors(new)[0])
-    print(f"\ndelta after AdamW lr=1e-5: {len(payload)} / {full_bytes} bytes = {len(payload) / full_bytes:.3f} "
-          f"of a full update ({len(header.tensors)}/{len(new)} tensors changed)")
+    print(
+        f"\ndelta after AdamW lr=1e-5: {len(payload)} / {full_bytes} bytes = {len(payload) / full_bytes:.3f} "
+        f"of a full update ({len(header.tensors)}/{len(new)} tensors changed)"
+    )
     apply(updater, served, "delta", (header, payload))
     served.weights = new
 
@@ -228,15 +248,23 @@ def test_sparse_deltas_in_each_form(llm: Any, updater: Any, served: Served) -> N
         new[bias] += 0.05
         return new
 
-    for label, make in (("sparse delta, whole tensors", lambda _: adamw_step(served, lr=1e-5, seed=0)),
-                        ("sparse delta, gaps and mask", edited)):
+    for label, make in (
+        ("sparse delta, whole tensors", lambda _: adamw_step(served, lr=1e-5, seed=0)),
+        ("sparse delta, gaps and mask", edited),
+    ):
         base_version = updater.policy_version
         new = make(served.weights)
-        header, payload = delta_update(new, served.weights, base_version + 1, base_version,
-                                       encoding=data_pb2.DELTA_ENCODING_SPARSE)
+        header, payload = delta_update(
+            new, served.weights, base_version + 1, base_version, encoding=data_pb2.DELTA_ENCODING_SPARSE
+        )
         if make is edited:
-            assert {spec.name for spec in header.tensors} == {q_proj + "#gaps", q_proj + "#values", norm + "#mask",
-                                                              norm + "#values", bias + "#values"}
+            assert {spec.name for spec in header.tensors} == {
+                q_proj + "#gaps",
+                q_proj + "#values",
+                norm + "#mask",
+                norm + "#values",
+                bias + "#values",
+            }
         apply(updater, served, label, (header, payload))
         served.weights = new
         assert updater.policy_version == base_version + 1
@@ -252,8 +280,10 @@ def test_two_partial_deltas_then_a_full_update(llm: Any, updater: Any, served: S
         served.adapter_dir = None
     # Only q_proj of layer 1 (vLLM fuses q, k and v into one layer: the worker must reload all three), then a
     # norm and one half of the fused gate-up layer.
-    for names in (["model.layers.1.self_attn.q_proj.weight"],
-                  ["model.norm.weight", "model.layers.0.mlp.up_proj.weight", "model.layers.0.self_attn.k_proj.bias"]):
+    for names in (
+        ["model.layers.1.self_attn.q_proj.weight"],
+        ["model.norm.weight", "model.layers.0.mlp.up_proj.weight", "model.layers.0.self_attn.k_proj.bias"],
+    ):
         base_version = updater.policy_version
         new = perturbed(served.weights, seed=100 + base_version, scale=0.05, names=names)
         header, payload = delta_update(new, served.weights, base_version + 1, base_version)
@@ -286,8 +316,9 @@ def test_lora_update_then_replacement_then_full(llm: Any, updater: Any, served: 
     diff = served_diff(llm, updater, served)
     print(f"lora: max |vLLM - peft| = {diff:.2e}")
     assert diff <= TOLERANCE
-    without_adapter = check_logprobs(served.model(), generate(llm, updater).samples,
-                                     logprobs_mode="processed_logprobs", temperature=1.0)
+    without_adapter = check_logprobs(
+        served.model(), generate(llm, updater).samples, logprobs_mode="processed_logprobs", temperature=1.0
+    )
     assert without_adapter > 1e-2  # the adapter really changes the policy
 
     # The next version: a new int id (same name); the previous adapter is removed from the engine.
@@ -318,8 +349,14 @@ def test_lora_update_then_replacement_then_full(llm: Any, updater: Any, served: 
 # ---- the daemon's path: loaded while it arrives, switched to in apply ----------------------------------------------
 
 
-def receive_chunks(updater: Any, header: data_pb2.WeightUpdateHeader, payload: bytes, *, chunk_bytes: int = 1 << 16,
-                   stop_at: int | None = None) -> memoryview:
+def receive_chunks(
+    updater: Any,
+    header: data_pb2.WeightUpdateHeader,
+    payload: bytes,
+    *,
+    chunk_bytes: int = 1 << 16,
+    stop_at: int | None = None,
+) -> memoryview:
     """What the weight subscriber does: the payload written chunk by chunk into the updater's buffer, each chunk
     announced (``stop_at``: the transfer stops there and is dropped)."""
     view = updater.begin_payload(header, len(payload))
@@ -334,8 +371,9 @@ def receive_chunks(updater: Any, header: data_pb2.WeightUpdateHeader, payload: b
 
 @pytest.mark.slow
 @pytest.mark.vllm
-def test_a_full_update_is_loaded_as_it_arrives_and_served_only_once_applied(llm: Any, updater: Any,
-                                                                           served: Served) -> None:
+def test_a_full_update_is_loaded_as_it_arrives_and_served_only_once_applied(
+    llm: Any, updater: Any, served: Served
+) -> None:
     """The worker loads a FULL update beside the served weights while its chunks arrive (a staged load): the engine
     serves the previous weights until `apply` switches; an update dropped midway, or whose digest does not match
     (the broker forwards chunks before checking it), changes nothing."""
@@ -362,11 +400,15 @@ def test_a_full_update_is_loaded_as_it_arrives_and_served_only_once_applied(llm:
     assert updater.reload_in_place_reason is None  # staged, not reloaded in place
     during = generate(llm, updater)  # loaded, not switched to: the previous weights still serve
     assert [s.completion_token_ids for s in during.samples] == [s.completion_token_ids for s in before.samples]
-    assert max_abs_diff([s.completion_logprobs for s in during.samples],
-                        [s.completion_logprobs for s in before.samples]) == 0.0
+    assert (
+        max_abs_diff([s.completion_logprobs for s in during.samples], [s.completion_logprobs for s in before.samples])
+        == 0.0
+    )
     apply_ms = updater.apply(header, view)
-    print(f"\nstaged full: v{version} switched in {updater.last_phases_ms['engine']:.1f} ms "
-          f"({apply_ms:.1f} ms with checks and load; phases {updater.last_phases_ms})")
+    print(
+        f"\nstaged full: v{version} switched in {updater.last_phases_ms['engine']:.1f} ms "
+        f"({apply_ms:.1f} ms with checks and load; phases {updater.last_phases_ms})"
+    )
     served.weights = new
     assert updater.policy_version == version
     assert served_diff(llm, updater, served) <= TOLERANCE
@@ -384,8 +426,9 @@ def test_a_full_update_is_loaded_as_it_arrives_and_served_only_once_applied(llm:
 
 @pytest.mark.slow
 @pytest.mark.vllm
-def test_generation_beside_a_staged_load_is_served_by_the_previous_weights(llm: Any, updater: Any,
-                                                                          served: Served) -> None:
+def test_generation_beside_a_staged_load_is_served_by_the_previous_weights(
+    llm: Any, updater: Any, served: Served
+) -> None:
     """The staged load runs on its own thread in the engine's process while the engine generates: what is generated
     meanwhile comes from the previous weights, bit for bit."""
     import threading
@@ -414,8 +457,12 @@ def test_generation_beside_a_staged_load_is_served_by_the_previous_weights(llm: 
     updater.end_payload(True)
     for result in during:
         assert [s.completion_token_ids for s in result.samples] == [s.completion_token_ids for s in before.samples]
-        assert max_abs_diff([s.completion_logprobs for s in result.samples],
-                            [s.completion_logprobs for s in before.samples]) == 0.0
+        assert (
+            max_abs_diff(
+                [s.completion_logprobs for s in result.samples], [s.completion_logprobs for s in before.samples]
+            )
+            == 0.0
+        )
     updater.apply(header, view)
     served.weights = new
     assert served_diff(llm, updater, served) <= TOLERANCE
@@ -431,8 +478,9 @@ def _bad_digest(served: Served, version: int) -> tuple[data_pb2.WeightUpdateHead
 
 
 def _unknown_tensor(served: Served, version: int) -> tuple[data_pb2.WeightUpdateHeader, bytes]:
-    return full_update({**perturbed(served.weights, seed=2), "model.layers.7.mlp.gate_proj.weight": torch.zeros(4)},
-                       version + 1)
+    return full_update(
+        {**perturbed(served.weights, seed=2), "model.layers.7.mlp.gate_proj.weight": torch.zeros(4)}, version + 1
+    )
 
 
 def _missing_tensor(served: Served, version: int) -> tuple[data_pb2.WeightUpdateHeader, bytes]:
@@ -469,12 +517,20 @@ def _corrupt_delta(served: Served, version: int) -> tuple[data_pb2.WeightUpdateH
     name = "model.layers.0.mlp.down_proj.weight"
     stream = zlib.compress(bytes(served.weights[name].numel() * 4 - 8))
     payload = save({name: torch.frombuffer(bytearray(stream), dtype=torch.uint8)})
-    decoded = [common_pb2.TensorSpec(name=name, dtype=torch_dtype_name(served.weights[name].dtype),
-                                     shape=list(served.weights[name].shape))]
+    decoded = [
+        common_pb2.TensorSpec(
+            name=name, dtype=torch_dtype_name(served.weights[name].dtype), shape=list(served.weights[name].shape)
+        )
+    ]
     return data_pb2.WeightUpdateHeader(
-        policy_version=version + 1, kind=DELTA, base_version=version, digest=sha256(payload),
-        tensors=specs_of(parse_header(payload)), decoded_tensors=decoded,
-        delta_encoding=data_pb2.DELTA_ENCODING_XOR_ZLIB), payload
+        policy_version=version + 1,
+        kind=DELTA,
+        base_version=version,
+        digest=sha256(payload),
+        tensors=specs_of(parse_header(payload)),
+        decoded_tensors=decoded,
+        delta_encoding=data_pb2.DELTA_ENCODING_XOR_ZLIB,
+    ), payload
 
 
 def _lora_rank_too_large(served: Served, version: int, tmp_path: Path) -> tuple[data_pb2.WeightUpdateHeader, bytes]:
@@ -508,7 +564,11 @@ BAD_UPDATES: dict[str, tuple[Callable[..., tuple[data_pb2.WeightUpdateHeader, by
 @pytest.mark.vllm
 @pytest.mark.parametrize("case", list(BAD_UPDATES))
 def test_bad_update_is_refused_and_the_previous_policy_still_served(
-    llm: Any, updater: Any, served: Served, case: str, tmp_path: Path,
+    llm: Any,
+    updater: Any,
+    served: Served,
+    case: str,
+    tmp_path: Path,
 ) -> None:
     from primerl.inference.update_checks import UpdateRefused
 
@@ -529,8 +589,10 @@ def test_bad_update_is_refused_and_the_previous_policy_still_served(
     assert updater.weight_digest() == digest_before
     after = generate(llm, updater)
     assert [s.completion_token_ids for s in after.samples] == [s.completion_token_ids for s in before.samples]
-    assert max_abs_diff([s.completion_logprobs for s in after.samples],
-                        [s.completion_logprobs for s in before.samples]) == 0.0
+    assert (
+        max_abs_diff([s.completion_logprobs for s in after.samples], [s.completion_logprobs for s in before.samples])
+        == 0.0
+    )
     assert served_diff(llm, updater, served) <= TOLERANCE
     assert not list((updater.work_dir / "adapters").glob(f"v{version + 1:08d}-*"))  # no adapter left behind
 

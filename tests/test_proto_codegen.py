@@ -13,7 +13,9 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 
 def test_regenerating_changes_nothing():
     pytest.importorskip("grpc_tools")
-    result = subprocess.run([sys.executable, "scripts/gen_proto.py", "--check"], cwd=REPO_ROOT, capture_output=True, text=True, timeout=120)
+    result = subprocess.run(
+        [sys.executable, "scripts/gen_proto.py", "--check"], cwd=REPO_ROOT, capture_output=True, text=True, timeout=120
+    )
     assert result.returncode == 0, result.stderr
 
 
@@ -37,11 +39,22 @@ def test_control_messages_round_trip():
     from primerl.proto.v1 import common_pb2, control_pb2
 
     status = control_pb2.RunStatus(
-        run_id="r1", trainer_step=5, last_committed_step=4, latest_policy_version=5,
-        workers=[control_pb2.WorkerInfo(worker_id="w", role=common_pb2.ROLE_INFERENCE, policy_version=4,
-                                        state=control_pb2.WORKER_STATE_ALIVE, capabilities={"lora": "true"})],
+        run_id="r1",
+        trainer_step=5,
+        last_committed_step=4,
+        latest_policy_version=5,
+        workers=[
+            control_pb2.WorkerInfo(
+                worker_id="w",
+                role=common_pb2.ROLE_INFERENCE,
+                policy_version=4,
+                state=control_pb2.WORKER_STATE_ALIVE,
+                capabilities={"lora": "true"},
+            )
+        ],
         queues=[control_pb2.QueueStatus(name="rollouts", num_items=3, capacity_items=64)],
-        last_metrics={"train/loss": 0.25}, recent_errors=["infer-0: boom"],
+        last_metrics={"train/loss": 0.25},
+        recent_errors=["infer-0: boom"],
     )
     parsed = control_pb2.RunStatus.FromString(status.SerializeToString())
     assert parsed == status

@@ -30,22 +30,31 @@ def test_the_env_protocol_is_stdlib_only_and_the_env_side_imports_only_it_of_pri
         assert primerl_imports <= {"primerl.proto.env_protocol", "primerl.orchestrator.env_rollouts"}, module
 
 
-
 def test_the_env_worker_runs_without_primerl_in_the_wheel_layout(tmp_path):
     """An installed wheel has primerl/orchestrator/ and primerl/proto/ side by side: the env worker finds its two
     primerl modules there, with no primerl importable (``-S``: no site-packages) and nothing on sys.path."""
     package = tmp_path / "site-packages" / "primerl"
-    for folder, name in (("orchestrator", "env_worker.py"), ("orchestrator", "env_rollouts.py"),
-                         ("proto", "env_protocol.py")):
+    for folder, name in (
+        ("orchestrator", "env_worker.py"),
+        ("orchestrator", "env_rollouts.py"),
+        ("proto", "env_protocol.py"),
+    ):
         (package / folder).mkdir(parents=True, exist_ok=True)
         shutil.copy(ROOT / folder / name, package / folder / name)
     requests = env_protocol.request_line(1, env_protocol.OP_PING) + env_protocol.request_line(2, "fly")
-    done = subprocess.run([sys.executable, "-S", str(package / "orchestrator" / "env_worker.py")], input=requests,
-                          capture_output=True, text=True, timeout=60, cwd=tmp_path)
+    done = subprocess.run(
+        [sys.executable, "-S", str(package / "orchestrator" / "env_worker.py")],
+        input=requests,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=tmp_path,
+    )
     assert done.returncode == 0, done.stderr
     pong, refusal = (json.loads(line) for line in done.stdout.splitlines())
     assert pong["result"]["protocol_version"] == env_protocol.PROTOCOL_VERSION
     assert refusal["error"]["type"] == env_protocol.ERROR_BAD_REQUEST
+
 
 def test_the_orchestrators_sampling_params_are_the_protocols_sampling_keys():
     assert tuple(SamplingParams().to_wire()) == env_protocol.SAMPLING_KEYS
@@ -53,11 +62,17 @@ def test_the_orchestrators_sampling_params_are_the_protocols_sampling_keys():
 
 def test_protocol_lines():
     assert json.loads(env_protocol.request_line(7, env_protocol.OP_CANCEL, {"target_id": 3})) == {
-        "id": 7, "op": "cancel", "target_id": 3}
+        "id": 7,
+        "op": "cancel",
+        "target_id": 3,
+    }
     assert env_protocol.request_line(1, env_protocol.OP_PING).endswith("\n")
     assert json.loads(env_protocol.result_line("a", {"x": 1})) == {"id": "a", "ok": True, "result": {"x": 1}}
     assert json.loads(env_protocol.error_line(None, env_protocol.ERROR_BAD_REQUEST, "no")) == {
-        "id": None, "ok": False, "error": {"type": "bad_request", "message": "no"}}
+        "id": None,
+        "ok": False,
+        "error": {"type": "bad_request", "message": "no"},
+    }
 
 
 def test_ready_file_round_trip(tmp_path):
@@ -86,13 +101,20 @@ def test_the_broker_refuses_micro_batches_outside_the_schema(tmp_path):
 
     def offer(index, tensors):
         payload, specs = tensor_frames.encode_tensors(tensors)
-        header = data_pb2.RolloutBatchHeader(step=1, rank=0, micro_batch_index=index, num_micro_batches=4,
-                                             tensors=specs, batch_id=f"b{index}")
+        header = data_pb2.RolloutBatchHeader(
+            step=1, rank=0, micro_batch_index=index, num_micro_batches=4, tensors=specs, batch_id=f"b{index}"
+        )
         return queue.offer(header, payload)
 
     packed = {name: np.zeros(4, dtype=dtype) for name, dtype in TENSOR_DTYPES.items()}
     assert isinstance(offer(0, packed), Accepted)
-    for index, tensors in enumerate([{"rewards": np.zeros(4, np.float32)}, {"advantages": np.zeros(4, np.float64)},
-                                     {"input_ids": np.zeros((2, 2), np.int64)}], start=1):
+    for index, tensors in enumerate(
+        [
+            {"rewards": np.zeros(4, np.float32)},
+            {"advantages": np.zeros(4, np.float64)},
+            {"input_ids": np.zeros((2, 2), np.int64)},
+        ],
+        start=1,
+    ):
         refused = offer(index, tensors)
         assert isinstance(refused, Refused) and refused.code == common_pb2.ERROR_CODE_MALFORMED_HEADER, refused

@@ -14,11 +14,11 @@ from safetensors.torch import load_file
 
 from primerl.broker.service import BrokerService
 from primerl.client.weights import WeightUpdateRefused
-from primerl.proto.v1 import common_pb2, data_pb2
 from primerl.configs.trainer import LoRAConfig, ModelConfig, OptimizerConfig
+from primerl.proto.v1 import common_pb2, data_pb2
+from primerl.trainer.hf_state_dict import hf_state_dict
 from primerl.trainer.model import load_model
 from primerl.trainer.optim import build_optimizer
-from primerl.trainer.hf_state_dict import hf_state_dict
 from primerl.trainer.publish import PolicyPublisher
 
 CHUNK_BYTES = 1 << 20  # the tiny model's 2.5 MB travel in 3 chunks
@@ -99,8 +99,7 @@ def test_full_publish_has_save_pretrained_names_and_reproduces_logits(model_dir,
     input_ids = torch.randint(0, 1000, (1, 20), generator=torch.Generator().manual_seed(5))
     model.eval()
     with torch.no_grad():
-        torch.testing.assert_close(fresh(input_ids=input_ids).logits, model(input_ids=input_ids).logits,
-                                   rtol=0, atol=0)
+        torch.testing.assert_close(fresh(input_ids=input_ids).logits, model(input_ids=input_ids).logits, rtol=0, atol=0)
 
 
 def test_lora_publish_is_peft_adapter_file_and_config(model_dir, broker, publishers, tmp_path):
@@ -158,8 +157,9 @@ def test_full_publish_sends_the_weights_the_trainer_exports(model_dir, broker, p
     from primerl.trainer.weights_export import export_hf_weights
 
     service, endpoint = broker
-    model = load_model(ModelConfig(name=str(model_dir), optimization_dtype=dtype,
-                                   lora=LoRAConfig(rank=4, alpha=8) if lora else None))
+    model = load_model(
+        ModelConfig(name=str(model_dir), optimization_dtype=dtype, lora=LoRAConfig(rank=4, alpha=8) if lora else None)
+    )
     randomize_lora_b(model)
     adamw_step(model, lr=1e-3)
     assert make_publisher(publishers, endpoint, "full").publish(model, 1, timeout_s=30).ack.applied
@@ -270,7 +270,9 @@ def test_auto_delta_falls_back_to_full_when_it_would_not_pay(model_dir, broker, 
     adamw_step(model, lr=1e-5)
     dense = publisher.publish(model, 2, timeout_s=30)
     assert dense.kind == "full" and dense.fallback.startswith("delta would not pay"), dense.fallback
-    assert {"read", "estimate", "encode", "digest", "send"} <= set(dense.phases_ms)  # no host copy: the payload is the base
+    assert {"read", "estimate", "encode", "digest", "send"} <= set(
+        dense.phases_ms
+    )  # no host copy: the payload is the base
     full_header, full_payload = stored_payload(service)
     assert full_header.kind == data_pb2.WEIGHT_UPDATE_KIND_FULL
     base = load_safetensors(full_payload)
@@ -286,8 +288,10 @@ def test_auto_delta_falls_back_to_full_when_it_would_not_pay(model_dir, broker, 
 
 
 def bf16_bits(tensors: dict[str, torch.Tensor]) -> dict[str, bytes]:
-    return {name: t.detach().to(torch.bfloat16).contiguous().view(torch.uint8).numpy().tobytes()
-            for name, t in tensors.items()}
+    return {
+        name: t.detach().to(torch.bfloat16).contiguous().view(torch.uint8).numpy().tobytes()
+        for name, t in tensors.items()
+    }
 
 
 @pytest.mark.parametrize("encoding", ["auto", "xor_zlib"])
@@ -298,8 +302,9 @@ def test_bf16_delta_publisher_sends_sparse_deltas_bit_exactly(model_dir, broker,
 
     service, endpoint = broker
     model = load_model(ModelConfig(name=str(model_dir)))
-    publisher = make_publisher(publishers, endpoint, "delta", serving_dtype=torch.bfloat16, delta_policy="always",
-                               delta_encoding=encoding)
+    publisher = make_publisher(
+        publishers, endpoint, "delta", serving_dtype=torch.bfloat16, delta_policy="always", delta_encoding=encoding
+    )
     first = publisher.publish(model, 1, timeout_s=30)
     assert first.kind == "full"
     _, full_payload = stored_payload(service)
@@ -322,7 +327,8 @@ def test_bf16_delta_publisher_sends_sparse_deltas_bit_exactly(model_dir, broker,
     assert publisher.publish(model, 3, timeout_s=30).base_version == 2
     header, payload = stored_payload(service)
     assert bf16_bits({**base, **changed, **decode_delta(payload, header, {**base, **changed})}) == bf16_bits(
-        hf_state_dict(model))
+        hf_state_dict(model)
+    )
 
 
 def test_auto_sparse_delta_falls_back_to_full_when_it_would_not_pay(model_dir, broker, publishers):

@@ -4,20 +4,19 @@ frees up, and the count of admitted peers stays right through bursts and churn."
 
 from __future__ import annotations
 
-
 import numpy as np
 import pytest
 import zmq
+from support.probes import wait_until
 from zmq.utils.monitor import parse_monitor_message
 
-from primerl.client.rollouts import RolloutConsumer, RolloutProducer, RolloutTimeout, pack_batch
 from primerl.broker.rollout_plane import RolloutPlane
 from primerl.broker.rollout_queue import RolloutQueue
 from primerl.broker.spool import RolloutSpool
+from primerl.client.rollouts import RolloutConsumer, RolloutProducer, RolloutTimeout, pack_batch
 from primerl.proto import framing
-from primerl.proto.v1 import data_pb2
 from primerl.proto.units import MiB
-from support.probes import wait_until
+from primerl.proto.v1 import data_pb2
 
 TOKEN = "gate-secret"
 
@@ -30,9 +29,15 @@ def gated(tmp_path):
 
     def make(max_connections: int) -> RolloutPlane:
         queue = RolloutQueue(RolloutSpool(tmp_path / "spool"), 64, 1 << 30)
-        plane = RolloutPlane(queue, server_context, "127.0.0.1", 0,
-                             framing.Limits(max_message_bytes=8 * MiB, max_frame_bytes=4 * MiB), TOKEN,
-                             max_connections=max_connections)
+        plane = RolloutPlane(
+            queue,
+            server_context,
+            "127.0.0.1",
+            0,
+            framing.Limits(max_message_bytes=8 * MiB, max_frame_bytes=4 * MiB),
+            TOKEN,
+            max_connections=max_connections,
+        )
         plane.start()
         made.append(plane)
         return plane
@@ -99,7 +104,7 @@ def test_a_refused_peer_gets_nothing_in_and_the_admitted_ones_are_served(gated):
     plane = gated(1)
     first = producer(gated, plane, "first")
     assert first.send_batch(*batch(1, 0), timeout_s=10).durable
-    (socket, monitor), = raw_dealers(gated, plane, 1)
+    ((socket, monitor),) = raw_dealers(gated, plane, 1)
     assert outcomes([(socket, monitor)]) == [(zmq.EVENT_HANDSHAKE_FAILED_AUTH, 400)]
     header, payload = batch(1, 1)
     # Either the DEALER still queues it locally, or its pipe is gone already (EAGAIN): libzmq never connects it again.

@@ -11,13 +11,13 @@ import zmq
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from primerl.client.rollouts import RolloutConsumer, RolloutProducer, RolloutRefused, RolloutTimeout, pack_batch
 from primerl.broker.rollout_plane import RolloutPlane
 from primerl.broker.rollout_queue import RolloutQueue
 from primerl.broker.spool import RolloutSpool
+from primerl.client.rollouts import RolloutConsumer, RolloutProducer, RolloutRefused, RolloutTimeout, pack_batch
 from primerl.proto import chunked_transfer, framing
-from primerl.proto.v1 import common_pb2, data_pb2
 from primerl.proto.units import MiB
+from primerl.proto.v1 import common_pb2, data_pb2
 
 TOKEN = "run-secret"
 
@@ -43,11 +43,26 @@ class Harness:
         self.closables: list = []
         self.errors: list[tuple[int, str, str]] = []
 
-    def plane(self, *, max_batches: int = 64, max_bytes: int = 1 << 30, port: int = 0, token: str | None = TOKEN,
-              limits: framing.Limits | None = None, retry_after_ms: int = 20) -> RolloutPlane:
+    def plane(
+        self,
+        *,
+        max_batches: int = 64,
+        max_bytes: int = 1 << 30,
+        port: int = 0,
+        token: str | None = TOKEN,
+        limits: framing.Limits | None = None,
+        retry_after_ms: int = 20,
+    ) -> RolloutPlane:
         queue = RolloutQueue(RolloutSpool(self.spool_dir), max_batches, max_bytes, retry_after_ms=retry_after_ms)
-        plane = RolloutPlane(queue, self.context, "127.0.0.1", port, limits or framing.Limits(max_message_bytes=8 * MiB,
-                             max_frame_bytes=4 * MiB), token, on_error=lambda *e: self.errors.append(e))
+        plane = RolloutPlane(
+            queue,
+            self.context,
+            "127.0.0.1",
+            port,
+            limits or framing.Limits(max_message_bytes=8 * MiB, max_frame_bytes=4 * MiB),
+            token,
+            on_error=lambda *e: self.errors.append(e),
+        )
         plane.start()
         self.planes.append(plane)
         return plane
@@ -226,23 +241,32 @@ def bad_messages():
     mismatch = framing.encode(data_pb2.ROLLOUT_BATCH, header, [wrong_tensors], auth_token=TOKEN)
     weight_ack = framing.encode(data_pb2.WEIGHT_ACK, data_pb2.WeightAck(policy_version=1), auth_token=TOKEN)
     ack = framing.encode(data_pb2.ROLLOUT_ACK, data_pb2.RolloutAck(batch_id="x"), auth_token=TOKEN)
-    chunked = next(chunked_transfer.encode_chunked(data_pb2.ROLLOUT_BATCH, header, payload, chunk_bytes=64, auth_token=TOKEN))
+    chunked = next(
+        chunked_transfer.encode_chunked(data_pb2.ROLLOUT_BATCH, header, payload, chunk_bytes=64, auth_token=TOKEN)
+    )
     big = framing.encode(data_pb2.ROLLOUT_BATCH, header, [b"\0" * (5 * MiB)], auth_token=TOKEN)
-    bad_index = data_pb2.RolloutBatchHeader(); bad_index.CopyFrom(header); bad_index.micro_batch_index = 7
+    bad_index = data_pb2.RolloutBatchHeader()
+    bad_index.CopyFrom(header)
+    bad_index.micro_batch_index = 7
     return {
         "one frame": ([b"junk"], common_pb2.ERROR_CODE_TRUNCATED),
         "wrong protocol": ([b"HTTP/", b"\x01", b""], common_pb2.ERROR_CODE_UNKNOWN_PROTOCOL),
         "future version": ([framing.PROTOCOL_ID + b"\x09", b"\x01", b""], common_pb2.ERROR_CODE_UNSUPPORTED_VERSION),
         "unknown type": ([framing.PROTOCOL_FRAME, b"\x63", b""], common_pb2.ERROR_CODE_UNKNOWN_MESSAGE_TYPE),
-        "garbage envelope": ([framing.PROTOCOL_FRAME, b"\x01", b"\xff\xff\xff"], common_pb2.ERROR_CODE_MALFORMED_HEADER),
+        "garbage envelope": (
+            [framing.PROTOCOL_FRAME, b"\x01", b"\xff\xff\xff"],
+            common_pb2.ERROR_CODE_MALFORMED_HEADER,
+        ),
         "bad checksum": (bad_checksum, common_pb2.ERROR_CODE_BAD_CHECKSUM),
         "tensor mismatch": (mismatch, common_pb2.ERROR_CODE_TENSOR_MISMATCH),
         "weight message on the rollout socket": (weight_ack, common_pb2.ERROR_CODE_UNKNOWN_MESSAGE_TYPE),
         "ack sent to the broker": (ack, common_pb2.ERROR_CODE_UNKNOWN_MESSAGE_TYPE),
         "chunked batch": (chunked, common_pb2.ERROR_CODE_BAD_CHUNK),
         "oversized frame": (big, common_pb2.ERROR_CODE_OVERSIZED),
-        "index beyond count": (framing.encode(data_pb2.ROLLOUT_BATCH, bad_index, [payload], auth_token=TOKEN),
-                               common_pb2.ERROR_CODE_MALFORMED_HEADER),
+        "index beyond count": (
+            framing.encode(data_pb2.ROLLOUT_BATCH, bad_index, [payload], auth_token=TOKEN),
+            common_pb2.ERROR_CODE_MALFORMED_HEADER,
+        ),
     }
 
 
@@ -448,8 +472,11 @@ def test_a_batch_sent_with_an_xxh3_checksum_is_spooled_with_its_own_crc(harness)
     port = plane.port
     header, payload = pack_batch(1, 0, 0, 1, tensors_for(1, 0, 0))
     raw = harness.dealer(plane)
-    raw.send_multipart(framing.encode(data_pb2.ROLLOUT_BATCH, header, [payload], auth_token=TOKEN, sender="orch",
-                                      checksum_kind=framing.XXH3_64))
+    raw.send_multipart(
+        framing.encode(
+            data_pb2.ROLLOUT_BATCH, header, [payload], auth_token=TOKEN, sender="orch", checksum_kind=framing.XXH3_64
+        )
+    )
     ack = recv(raw)
     assert ack.type == data_pb2.ROLLOUT_ACK and ack.header.durable
     assert plane.stop(5.0)

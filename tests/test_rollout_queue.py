@@ -26,8 +26,14 @@ A, B = b"session-a", b"session-b"
 
 def batch(step: int, rank: int, index: int, num: int = 3, n: int = 8, batch_id: str | None = None):
     payload, specs = tf.encode_tensors({"input_ids": np.full(n, step * 100 + rank * 10 + index, dtype=np.int64)})
-    header = data_pb2.RolloutBatchHeader(step=step, rank=rank, micro_batch_index=index, num_micro_batches=num,
-                                         tensors=specs, batch_id=f"{step}:{rank}:{index}" if batch_id is None else batch_id)
+    header = data_pb2.RolloutBatchHeader(
+        step=step,
+        rank=rank,
+        micro_batch_index=index,
+        num_micro_batches=num,
+        tensors=specs,
+        batch_id=f"{step}:{rank}:{index}" if batch_id is None else batch_id,
+    )
     return header, payload
 
 
@@ -299,10 +305,15 @@ def test_offer_many_decides_in_order_and_spools_the_group(tmp_path):
     queue = make_queue(tmp_path, max_batches=3)
     queue.open_session(A)
     assert queue.request(A, 1, 0, credits=8).batch_ids == ()
-    items = [OfferItem(*batch(1, 0, 0)),  # the step the session waits for: not ahead of the trainers
-             OfferItem(*batch(2, 0, 0)), OfferItem(*batch(2, 0, 0)),  # a resend inside the group
-             OfferItem(*batch(2, 0, 1, batch_id="other")), OfferItem(*batch(2, 0, 1)),
-             OfferItem(*batch(2, 0, 2)), OfferItem(*batch(3, 0, 0))]
+    items = [
+        OfferItem(*batch(1, 0, 0)),  # the step the session waits for: not ahead of the trainers
+        OfferItem(*batch(2, 0, 0)),
+        OfferItem(*batch(2, 0, 0)),  # a resend inside the group
+        OfferItem(*batch(2, 0, 1, batch_id="other")),
+        OfferItem(*batch(2, 0, 1)),
+        OfferItem(*batch(2, 0, 2)),
+        OfferItem(*batch(3, 0, 0)),
+    ]
     outcome = queue.offer_many(items)
     kinds = [type(r) for r in outcome.results]
     # slot 1 of step 2 goes to "other", 2:0:1 may not take it; the bound (3 ahead of step 1) stops 3:0:0
@@ -326,4 +337,6 @@ def test_offer_many_keeps_nothing_when_the_spool_fails(tmp_path, monkeypatch):
     monkeypatch.undo()
     status = queue.status()
     assert (status.num_batches, status.num_accepted, status.highest_step) == (0, 0, None)
-    assert all(isinstance(r, Accepted) for r in queue.offer_many([OfferItem(*batch(1, 0, i)) for i in range(3)]).results)
+    assert all(
+        isinstance(r, Accepted) for r in queue.offer_many([OfferItem(*batch(1, 0, i)) for i in range(3)]).results
+    )

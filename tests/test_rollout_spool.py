@@ -11,16 +11,17 @@ import structlog
 from primerl.broker import spool as spool_module
 from primerl.broker.spool import BatchGone, RolloutSpool, SpoolCorruption, SpoolError
 from primerl.broker.spool_format import PREFIX_BYTES, batch_file_name
-from primerl.runtime import durable_files
 from primerl.proto import tensor_frames as tf
 from primerl.proto.v1 import data_pb2
+from primerl.runtime import durable_files
 
 
 def make_batch(step: int = 1, rank: int = 0, index: int = 0, num: int = 2, n: int = 16) -> tuple[bytes, bytes, str]:
     payload, specs = tf.encode_tensors({"input_ids": np.arange(n, dtype=np.int64) + 100 * step + 10 * rank + index})
     batch_id = f"{step}:{rank}:{index}"
-    header = data_pb2.RolloutBatchHeader(step=step, rank=rank, micro_batch_index=index, num_micro_batches=num,
-                                         tensors=specs, batch_id=batch_id)
+    header = data_pb2.RolloutBatchHeader(
+        step=step, rank=rank, micro_batch_index=index, num_micro_batches=num, tensors=specs, batch_id=batch_id
+    )
     return header.SerializeToString(), payload, batch_id
 
 
@@ -155,7 +156,9 @@ def test_put_with_given_crc_matches_computed(spool, tmp_path):
     other = RolloutSpool(tmp_path / "other")
     other.load()
     other.put(batch_id, header_bytes, payload)
-    assert (spool.directory / batch_file_name(batch_id)).read_bytes() == (other.directory / batch_file_name(batch_id)).read_bytes()
+    assert (spool.directory / batch_file_name(batch_id)).read_bytes() == (
+        other.directory / batch_file_name(batch_id)
+    ).read_bytes()
 
 
 def test_two_spools_never_share_a_directory(spool):
@@ -177,7 +180,9 @@ spool.load()
 payload, specs = tf.encode_tensors({"x": np.arange(64 * 1024, dtype=np.int64)})  # 512 KiB per batch
 for index in range(100_000):
     batch_id = f"1:0:{index}"
-    header = data_pb2.RolloutBatchHeader(step=1, micro_batch_index=index, num_micro_batches=100_000, tensors=specs, batch_id=batch_id)
+    header = data_pb2.RolloutBatchHeader(
+        step=1, micro_batch_index=index, num_micro_batches=100_000, tensors=specs, batch_id=batch_id
+    )
     spool.put(batch_id, header.SerializeToString(), payload)
     print(batch_id, flush=True)  # the "ack": only after put returned
 """
@@ -256,7 +261,9 @@ def test_put_many_disk_failure_indexes_nothing_and_leaves_no_temp_files(spool, m
     with pytest.raises(SpoolError):
         spool.put_many([(b, h, p, None) for h, p, b in batches])
     monkeypatch.undo()
-    assert spool.num_batches == 0 and not list(spool.directory.glob("*.tmp")) and not list(spool.directory.glob(".*.tmp"))
+    assert (
+        spool.num_batches == 0 and not list(spool.directory.glob("*.tmp")) and not list(spool.directory.glob(".*.tmp"))
+    )
 
 
 def test_get_record_serves_from_the_cache_and_falls_back_to_disk(tmp_path):

@@ -29,9 +29,18 @@ def reverse_dataset(path: Path, count: int = 64, seed: int = 0) -> Path:
     with path.open("w") as handle:
         for _ in range(count):
             letters = [rng.choice("abcd") for _ in range(rng.randint(3, 6))]
-            handle.write(json.dumps({"prompt": [{"role": "system", "content": "Reverse the letters."},
-                                                {"role": "user", "content": " ".join(letters)}],
-                                     "completion": [{"role": "assistant", "content": " ".join(reversed(letters))}]}) + "\n")
+            handle.write(
+                json.dumps(
+                    {
+                        "prompt": [
+                            {"role": "system", "content": "Reverse the letters."},
+                            {"role": "user", "content": " ".join(letters)},
+                        ],
+                        "completion": [{"role": "assistant", "content": " ".join(reversed(letters))}],
+                    }
+                )
+                + "\n"
+            )
     return path
 
 
@@ -39,8 +48,12 @@ def test_only_assistant_tokens_are_loss_tokens(model_dir):
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    messages = [{"role": "user", "content": "a b c"}, {"role": "assistant", "content": "c b a"},
-                {"role": "user", "content": "d a"}, {"role": "assistant", "content": "a d"}]
+    messages = [
+        {"role": "user", "content": "a b c"},
+        {"role": "assistant", "content": "c b a"},
+        {"role": "user", "content": "d a"},
+        {"role": "assistant", "content": "a d"},
+    ]
     sample = tokenize_conversation(tokenizer, messages)
     assert sample.input_ids == tokenizer.apply_chat_template(messages, tokenize=True)["input_ids"]
     loss_text = tokenizer.decode([t for t, keep in zip(sample.input_ids, sample.loss_mask) if keep])
@@ -51,7 +64,9 @@ def test_packing_respects_seq_len_and_keeps_every_token(model_dir, tmp_path):
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    samples = [tokenize_conversation(tokenizer, m) for m in read_chat_samples(reverse_dataset(tmp_path / "d.jsonl", 20))]
+    samples = [
+        tokenize_conversation(tokenizer, m) for m in read_chat_samples(reverse_dataset(tmp_path / "d.jsonl", 20))
+    ]
     for num_ranks in (1, 2, 3):
         per_rank = pack_for_ranks(as_training_samples(samples), seq_len=96, num_ranks=num_ranks)
         assert len(per_rank) == num_ranks and all(per_rank)  # every rank gets its share
@@ -87,9 +102,30 @@ def test_sft_command_lowers_the_loss_and_exports_weights(model_dir, tmp_path):
     data = reverse_dataset(tmp_path / "reverse.jsonl")
     out = tmp_path / "out"
     result = subprocess.run(
-        [str(BIN / "primerl"), "sft", "--model.name", str(model_dir), "--data.path", str(data), "--data.batch-size", "16",
-         "--data.epochs", "6", "--optim.lr", "3e-3", "--seq-len", "256", "--output-dir", str(out), "--model.parallel", "ddp"],
-        capture_output=True, text=True, timeout=600)
+        [
+            str(BIN / "primerl"),
+            "sft",
+            "--model.name",
+            str(model_dir),
+            "--data.path",
+            str(data),
+            "--data.batch-size",
+            "16",
+            "--data.epochs",
+            "6",
+            "--optim.lr",
+            "3e-3",
+            "--seq-len",
+            "256",
+            "--output-dir",
+            str(out),
+            "--model.parallel",
+            "ddp",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert {row["role"] for row in rows} == {"sft"} and [row["step"] for row in rows] == list(range(1, 25))
@@ -101,8 +137,12 @@ def test_sft_command_lowers_the_loss_and_exports_weights(model_dir, tmp_path):
     assert (weights / "STABLE").exists()
     AutoModelForCausalLM.from_pretrained(weights)
     # vLLM serves the exported weights, with logprobs equal to transformers'
-    check = subprocess.run([str(BIN / "primerl"), "generate", str(weights), "--num-prompts", "2", "--max-tokens", "8",
-                            "--check-logprobs"], capture_output=True, text=True, timeout=300)
+    check = subprocess.run(
+        [str(BIN / "primerl"), "generate", str(weights), "--num-prompts", "2", "--max-tokens", "8", "--check-logprobs"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert check.returncode == 0, check.stdout[-2000:] + check.stderr[-2000:]
 
 
@@ -110,8 +150,22 @@ SFT_LR = 3e-3
 
 
 def sft_args(model_dir: Path, data: Path, out: Path, *extra: str) -> list[str]:
-    return ["sft", "--model.name", str(model_dir), "--data.path", str(data), "--data.batch-size", "4", "--seq-len",
-            "256", "--optim.lr", str(SFT_LR), "--output-dir", str(out), *extra]
+    return [
+        "sft",
+        "--model.name",
+        str(model_dir),
+        "--data.path",
+        str(data),
+        "--data.batch-size",
+        "4",
+        "--seq-len",
+        "256",
+        "--optim.lr",
+        str(SFT_LR),
+        "--output-dir",
+        str(out),
+        *extra,
+    ]
 
 
 def exported_tensors(weights: Path) -> dict:
@@ -154,21 +208,45 @@ def test_two_ranks_train_the_same_model_as_one(model_dir, tmp_path):
     from primerl.configs.trainer import OptimizerConfig
 
     data = reverse_dataset(tmp_path / "reverse.jsonl", count=16)
-    one = subprocess.run([str(BIN / "primerl"), *sft_args(model_dir, data, tmp_path / "one", "--max-steps", "3",
-                                                          "--ckpt.interval", "1")],
-                         capture_output=True, text=True, timeout=600)
+    one = subprocess.run(
+        [
+            str(BIN / "primerl"),
+            *sft_args(model_dir, data, tmp_path / "one", "--max-steps", "3", "--ckpt.interval", "1"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert one.returncode == 0, one.stderr[-3000:]
-    two = subprocess.run([str(BIN / "torchrun"), "--standalone", "--nproc-per-node=2", str(BIN / "primerl"),
-                          *sft_args(model_dir, data, tmp_path / "two", "--max-steps", "3")],
-                         capture_output=True, text=True, timeout=600)
+    two = subprocess.run(
+        [
+            str(BIN / "torchrun"),
+            "--standalone",
+            "--nproc-per-node=2",
+            str(BIN / "primerl"),
+            *sft_args(model_dir, data, tmp_path / "two", "--max-steps", "3"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert two.returncode == 0, two.stderr[-3000:]
     one_weights = exported_tensors(tmp_path / "one" / "weights" / "step_3")
     two_weights = exported_tensors(tmp_path / "two" / "weights" / "step_3")
     denominators = smallest_adam_denominators(model_dir, tmp_path / "one" / "checkpoints", range(1, 4))
     # every element of the clipped gradient is <= max_norm, whose float32 spacing bounds its rounding difference
     machines = f"{machine_description()}; the runs: 1 rank, 2 under torchrun"
-    print(assert_weights_match(one_weights, two_weights, denominators, lr=SFT_LR, num_steps=3,
-                               grad_rounding=FLOAT32_EPS * OptimizerConfig().max_norm, context=machines))
+    print(
+        assert_weights_match(
+            one_weights,
+            two_weights,
+            denominators,
+            lr=SFT_LR,
+            num_steps=3,
+            grad_rounding=FLOAT32_EPS * OptimizerConfig().max_norm,
+            context=machines,
+        )
+    )
     rows = [json.loads(line) for line in (tmp_path / "two" / "metrics.jsonl").read_text().splitlines()]
     assert [row["step"] for row in rows] == [1, 2, 3]  # rank 0 alone writes the rows
 
@@ -176,9 +254,18 @@ def test_two_ranks_train_the_same_model_as_one(model_dir, tmp_path):
 @pytest.mark.slow
 def test_fsdp2_with_two_ranks_is_refused_before_the_model_loads(model_dir, tmp_path):
     data = reverse_dataset(tmp_path / "reverse.jsonl", count=8)
-    result = subprocess.run([str(BIN / "torchrun"), "--standalone", "--nproc-per-node=2", str(BIN / "primerl"),
-                             *sft_args(model_dir, data, tmp_path / "out", "--max-steps", "2", "--model.parallel",
-                                       "fsdp2")], capture_output=True, text=True, timeout=600)
+    result = subprocess.run(
+        [
+            str(BIN / "torchrun"),
+            "--standalone",
+            "--nproc-per-node=2",
+            str(BIN / "primerl"),
+            *sft_args(model_dir, data, tmp_path / "out", "--max-steps", "2", "--model.parallel", "fsdp2"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     output = result.stdout + result.stderr
     assert result.returncode != 0
     assert "exitcode: 2" in output, output[-3000:]  # each rank: a config problem
@@ -193,9 +280,11 @@ def test_an_interrupted_sft_exits_non_zero_and_exports_only_the_step_reached(mod
     out = tmp_path / "out"
     log_path = tmp_path / "sft.log"
     with open(log_path, "w") as log_file:
-        process = subprocess.Popen([str(BIN / "primerl"), *sft_args(model_dir, data, out, "--max-steps", "100000",
-                                                                      "--ckpt.interval", "1000")],
-                                   stdout=log_file, stderr=subprocess.STDOUT)
+        process = subprocess.Popen(
+            [str(BIN / "primerl"), *sft_args(model_dir, data, out, "--max-steps", "100000", "--ckpt.interval", "1000")],
+            stdout=log_file,
+            stderr=subprocess.STDOUT,
+        )
     try:
         deadline = time.monotonic() + 300
         while "step=3 " not in log_path.read_text():
@@ -220,9 +309,15 @@ def test_an_interrupted_sft_exits_non_zero_and_exports_only_the_step_reached(mod
     assert not any(line.startswith("weights: ") for line in text.splitlines())  # the success line: final weights only
     # [ckpt]: the step reached is checkpointed, and a re-run resumes after it
     assert (out / "checkpoints" / f"step_{reached}" / "STABLE").exists()
-    again = subprocess.run([str(BIN / "primerl"), *sft_args(model_dir, data, out, "--max-steps", str(reached + 1),
-                                                              "--ckpt.interval", "1000")],
-                           capture_output=True, text=True, timeout=600)
+    again = subprocess.run(
+        [
+            str(BIN / "primerl"),
+            *sft_args(model_dir, data, out, "--max-steps", str(reached + 1), "--ckpt.interval", "1000"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert again.returncode == 0, again.stderr[-3000:]
     assert f"start_step={reached + 1}" in again.stdout + again.stderr
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
@@ -237,9 +332,16 @@ def test_the_same_sft_run_twice_gives_the_same_weights(model_dir, tmp_path):
     lora = ["--model.lora.rank", "4"]
     weights = []
     for name, seed in (("a", "0"), ("b", "0"), ("c", "1")):
-        result = subprocess.run([str(BIN / "primerl"), *sft_args(model_dir, data, tmp_path / name, "--max-steps", "4",
-                                                                  "--data.seed", seed, *lora)],
-                                capture_output=True, text=True, timeout=600, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+        result = subprocess.run(
+            [
+                str(BIN / "primerl"),
+                *sft_args(model_dir, data, tmp_path / name, "--max-steps", "4", "--data.seed", seed, *lora),
+            ],
+            capture_output=True,
+            text=True,
+            timeout=600,
+            env={**os.environ, "HF_HUB_OFFLINE": "1"},
+        )
         assert result.returncode == 0, result.stderr[-3000:]
         weights.append(exported_tensors(tmp_path / name / "weights" / "step_4"))
     first, second, other_seed = weights

@@ -41,8 +41,15 @@ def test_same_seed_gives_identical_files_and_other_seed_other_weights(tmp_path: 
     other = file_hashes(build_tiny_model(tmp_path / "c", TinyModelSpec(**{**vars(SMALL), "seed": 1})))
 
     assert first == second
-    assert {"config.json", "generation_config.json", "model.safetensors", "tokenizer.json",
-            "tokenizer_config.json", "chat_template.jinja", SPEC_FILE} <= set(first)
+    assert {
+        "config.json",
+        "generation_config.json",
+        "model.safetensors",
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "chat_template.jinja",
+        SPEC_FILE,
+    } <= set(first)
     assert other["model.safetensors"] != first["model.safetensors"]
     assert other["tokenizer.json"] == first["tokenizer.json"]  # the tokenizer does not depend on the seed
 
@@ -92,8 +99,9 @@ def test_chat_template_renders_chatml(default_model: Path) -> None:
     tokenizer = AutoTokenizer.from_pretrained(default_model)
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Reverse: a b c"}]
     text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-    assert text == (f"{IM_START}system\nBe brief.{IM_END}\n{IM_START}user\nReverse: a b c{IM_END}\n"
-                    f"{IM_START}assistant\n")
+    assert text == (
+        f"{IM_START}system\nBe brief.{IM_END}\n{IM_START}user\nReverse: a b c{IM_END}\n{IM_START}assistant\n"
+    )
     ids = tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=True, return_dict=False)
     assert list(ids) == tokenizer.encode(text)
     assert ids.count(tokenizer.convert_tokens_to_ids(IM_START)) == 3  # special tokens stay single tokens

@@ -14,8 +14,8 @@ from safetensors.torch import load_file
 from support.numerics import FLOAT32_EPS, RL_LOSS_ATOL, assert_weights_match, machine_description
 from support.trainer_runs import packed, samples
 
-from primerl.trainer.batch import MicroBatch
 from primerl.configs.trainer import DefaultLossConfig, OptimizerConfig
+from primerl.trainer.batch import MicroBatch
 from primerl.trainer.distributed import DistInfo
 from primerl.trainer.train_step import TrainStep, rl_objective, sft_objective
 
@@ -51,8 +51,9 @@ def test_packing_does_not_change_the_update(model_dir):
     results = []
     for packing in ([group], [group[:2], group[2:]], [[s] for s in group]):
         model, optimizer, scheduler = fresh(model_dir)
-        stats = TrainStep(model, optimizer, scheduler, rl_objective(DefaultLossConfig()), ONE_RANK,
-                          max_grad_norm=1.0).step(1, [pack(g) for g in packing])
+        stats = TrainStep(
+            model, optimizer, scheduler, rl_objective(DefaultLossConfig()), ONE_RANK, max_grad_norm=1.0
+        ).step(1, [pack(g) for g in packing])
         results.append((stats.loss, stats.grad_norm, [p.detach().clone() for p in model.parameters()]))
     for loss, grad_norm, params in results[1:]:
         assert loss == pytest.approx(results[0][0], abs=1e-10)
@@ -64,10 +65,18 @@ def test_packing_does_not_change_the_update(model_dir):
 def test_step_reports_the_metrics_users_expect(model_dir):
     model, optimizer, scheduler = fresh(model_dir)
     stats = TrainStep(model, optimizer, scheduler, rl_objective(DefaultLossConfig()), ONE_RANK, max_grad_norm=1.0).step(
-        1, [pack(synthetic())])
+        1, [pack(synthetic())]
+    )
     metrics = stats.as_metrics()
-    for name in ("train/loss", "train/grad_norm", "train/learning_rate", "train/entropy", "train/kl_divergence",
-                 "train/is_truncated", "train/masked"):
+    for name in (
+        "train/loss",
+        "train/grad_norm",
+        "train/learning_rate",
+        "train/entropy",
+        "train/kl_divergence",
+        "train/is_truncated",
+        "train/masked",
+    ):
         assert name in metrics and np.isfinite(metrics[name]), name
     assert metrics["train/entropy"] > 0
 
@@ -113,13 +122,31 @@ def grad_norm_rtol(largest_tensor_numel: int) -> float:
 
 def run_ranks(model_dir, tmp_path, world_size, parallel):
     prefix = tmp_path / f"ranks{world_size}-{parallel}"
-    out, weights, denominators = (prefix.with_suffix(suffix)
-                                  for suffix in (".json", ".safetensors", ".adam.safetensors"))
+    out, weights, denominators = (
+        prefix.with_suffix(suffix) for suffix in (".json", ".safetensors", ".adam.safetensors")
+    )
     torchrun = Path(sys.executable).parent / "torchrun"
-    result = subprocess.run([str(torchrun), "--standalone", f"--nproc-per-node={world_size}", str(SCRIPT),
-                             "--model", str(model_dir), "--out", str(out), "--weights", str(weights),
-                             "--adam-denominators", str(denominators), "--parallel", parallel],
-                            capture_output=True, text=True, timeout=300)
+    result = subprocess.run(
+        [
+            str(torchrun),
+            "--standalone",
+            f"--nproc-per-node={world_size}",
+            str(SCRIPT),
+            "--model",
+            str(model_dir),
+            "--out",
+            str(out),
+            "--weights",
+            str(weights),
+            "--adam-denominators",
+            str(denominators),
+            "--parallel",
+            parallel,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     return json.loads(out.read_text()), load_file(weights), load_file(denominators)
 
@@ -131,10 +158,21 @@ def test_two_ranks_match_one_rank(model_dir, tmp_path, parallel):
     rounding of sums taken in another order (bounds: `RL_LOSS_ATOL`, `grad_norm_rtol`, `GRAD_ROUNDING`)."""
     one, one_weights, one_denominators = run_ranks(model_dir, tmp_path, 1, parallel)
     two, two_weights, _ = run_ranks(model_dir, tmp_path, 2, parallel)
-    machines = (f"1 rank: {machine_description(one['num_threads'])}; "
-                f"2 ranks: {two['cpu_capability']} kernels, {two['num_threads']} threads each")
+    machines = (
+        f"1 rank: {machine_description(one['num_threads'])}; "
+        f"2 ranks: {two['cpu_capability']} kernels, {two['num_threads']} threads each"
+    )
     np.testing.assert_allclose(two["losses"], one["losses"], rtol=0, atol=RL_LOSS_ATOL, err_msg=machines)
     rtol = grad_norm_rtol(max(tensor.numel() for tensor in one_weights.values()))
     np.testing.assert_allclose(two["grad_norms"], one["grad_norms"], rtol=rtol, atol=0, err_msg=machines)
-    print(assert_weights_match(one_weights, two_weights, one_denominators, lr=one["learning_rate"],
-                               num_steps=len(one["losses"]), grad_rounding=GRAD_ROUNDING, context=machines))
+    print(
+        assert_weights_match(
+            one_weights,
+            two_weights,
+            one_denominators,
+            lr=one["learning_rate"],
+            num_steps=len(one["losses"]),
+            grad_rounding=GRAD_ROUNDING,
+            context=machines,
+        )
+    )

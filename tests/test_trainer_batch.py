@@ -67,11 +67,21 @@ def test_packer_and_micro_batch_follow_the_schema():
     from primerl.proto.packing import pack_samples
 
     def sample(teacher):
-        return TrainingSample(token_ids=[3, 4, 5], loss_mask=[False, True, True], inference_logprobs=[0.0, -0.5, -0.2],
-                              temperatures=[1.0] * 3, policy_versions=[2] * 3, advantage=0.5,
-                              teacher_logprobs=[0.0, -0.4, -0.1] if teacher else None)
+        return TrainingSample(
+            token_ids=[3, 4, 5],
+            loss_mask=[False, True, True],
+            inference_logprobs=[0.0, -0.5, -0.2],
+            temperatures=[1.0] * 3,
+            policy_versions=[2] * 3,
+            advantage=0.5,
+            teacher_logprobs=[0.0, -0.4, -0.1] if teacher else None,
+        )
 
-    torch_dtypes = {np.dtype(np.int64): torch.int64, np.dtype(np.bool_): torch.bool, np.dtype(np.float32): torch.float32}
+    torch_dtypes = {
+        np.dtype(np.int64): torch.int64,
+        np.dtype(np.bool_): torch.bool,
+        np.dtype(np.float32): torch.float32,
+    }
     for teacher in (False, True):
         step = pack_samples([sample(teacher)] * 2, seq_len=8, num_ranks=3)  # a padding micro-batch for rank 2
         for batch in (b for batches in step.per_rank for b in batches):

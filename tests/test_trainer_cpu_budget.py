@@ -78,7 +78,12 @@ def test_a_daemon_applies_its_budget_before_torch_loads():
     )
     env = {k: v for k, v in os.environ.items() if not k.startswith(("OMP_", "MKL_", "OPENBLAS_", "KMP_"))}
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120, check=True)
-    assert json.loads(out.stdout.strip().splitlines()[-1]) == {"threads": 1, "interop": 1, "omp": "1", "wait": "PASSIVE"}
+    assert json.loads(out.stdout.strip().splitlines()[-1]) == {
+        "threads": 1,
+        "interop": 1,
+        "omp": "1",
+        "wait": "PASSIVE",
+    }
 
 
 def test_the_launcher_writes_each_roles_budget_into_its_config(tmp_path, monkeypatch):
@@ -86,11 +91,17 @@ def test_the_launcher_writes_each_roles_budget_into_its_config(tmp_path, monkeyp
     from primerl.cli.role_configs import thread_budgets
 
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1, 2, 3})
-    config = RLConfig.model_validate({
-        "model": {"name": str(tmp_path)}, "max_steps": 2, "output_dir": str(tmp_path / "run"),
-        "broker": {}, "trainer": {"threads": {"num_threads": 3}}, "orchestrator": {"env": [{"id": "reverse-text"}]},
-        "inference": {"threads": {"num_threads": 1}},
-    })
+    config = RLConfig.model_validate(
+        {
+            "model": {"name": str(tmp_path)},
+            "max_steps": 2,
+            "output_dir": str(tmp_path / "run"),
+            "broker": {},
+            "trainer": {"threads": {"num_threads": 3}},
+            "orchestrator": {"env": [{"id": "reverse-text"}]},
+            "inference": {"threads": {"num_threads": 1}},
+        }
+    )
     roles = config.role_configs()
     budgets = thread_budgets(config, roles, gpus=False)
     assert roles["trainer"].threads.num_threads == 3  # explicit wins

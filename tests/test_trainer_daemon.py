@@ -25,10 +25,12 @@ def model_dir(small_tiny_model):
 def broker(make_broker):
     """``broker(steps, num_micro_batches=2, num_ranks=1)``: an in-process broker holding those steps' batches
     (``support.trainer_runs.send_steps``); stopped after the test."""
+
     def start(steps: range, num_micro_batches: int = 2, num_ranks: int = 1):
         harness = make_broker(max_queue_batches=64, run_id="t")
         send_steps(harness.rollout_endpoint, steps, num_micro_batches, num_ranks)
         return harness
+
     return start
 
 
@@ -55,8 +57,17 @@ def test_trainer_trains_publishes_checkpoints_and_commits(model_dir, broker, tmp
 @pytest.mark.slow
 def test_lora_run_publishes_adapters_the_broker_accepts(model_dir, broker, tmp_path):
     broker = broker(range(1, 3))
-    result = run_trainer(model_dir, broker.grpc_address, tmp_path / "out", "--max-steps", "2",
-                         "--model.lora.rank", "8", "--model.lora.target-modules", '["q_proj", "v_proj"]')
+    result = run_trainer(
+        model_dir,
+        broker.grpc_address,
+        tmp_path / "out",
+        "--max-steps",
+        "2",
+        "--model.lora.rank",
+        "8",
+        "--model.lora.target-modules",
+        '["q_proj", "v_proj"]',
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     latest = broker.service.weight_store.latest()
     assert latest.policy_version == 2
@@ -72,10 +83,13 @@ def test_resume_continues_the_same_loss_curve(model_dir, make_broker, tmp_path):
     straight_broker.stop()
     broker = make_broker(tmp_path / "b" / "spool", max_queue_batches=64, run_id="t")
     send_steps(broker.rollout_endpoint, range(1, 5))
-    first = run_trainer(model_dir, broker.grpc_address, tmp_path / "resumed", "--max-steps", "2", "--ckpt.interval", "2")
+    first = run_trainer(
+        model_dir, broker.grpc_address, tmp_path / "resumed", "--max-steps", "2", "--ckpt.interval", "2"
+    )
     assert first.returncode == 0, first.stderr[-3000:]
-    second = run_trainer(model_dir, broker.grpc_address, tmp_path / "resumed", "--max-steps", "4",
-                         "--ckpt.interval", "2")
+    second = run_trainer(
+        model_dir, broker.grpc_address, tmp_path / "resumed", "--max-steps", "4", "--ckpt.interval", "2"
+    )
     assert second.returncode == 0, second.stderr[-3000:]
     expected = [r["train/loss"] for r in trainer_rows(tmp_path / "straight")]
     resumed = [r["train/loss"] for r in trainer_rows(tmp_path / "resumed")]
@@ -94,8 +108,11 @@ def test_trainer_serves_its_metrics_over_http(model_dir, broker, tmp_path):
     broker = broker(range(1, 3))
     log_path = tmp_path / "trainer.log"
     with open(log_path, "w") as log_file:
-        process = subprocess.Popen(trainer_args(model_dir, broker.grpc_address, tmp_path / "out", "--max-steps", "3"),
-                                   stdout=log_file, stderr=subprocess.STDOUT)
+        process = subprocess.Popen(
+            trainer_args(model_dir, broker.grpc_address, tmp_path / "out", "--max-steps", "3"),
+            stdout=log_file,
+            stderr=subprocess.STDOUT,
+        )
     try:
         deadline = time.monotonic() + 240
         samples: dict = {}
@@ -108,8 +125,14 @@ def test_trainer_serves_its_metrics_over_http(model_dir, broker, tmp_path):
                 samples = scrape_metrics(url)
         rows = trainer_rows(tmp_path / "out")
         assert [r["step"] for r in rows] == [1, 2]
-        print(f"\n{url}\n" + "\n".join(f"{name}{dict(labels) or ''} {value:g}" for (name, labels), value
-                                       in sorted(samples.items()) if name.startswith("primerl_")))
+        print(
+            f"\n{url}\n"
+            + "\n".join(
+                f"{name}{dict(labels) or ''} {value:g}"
+                for (name, labels), value in sorted(samples.items())
+                if name.startswith("primerl_")
+            )
+        )
         assert samples[("primerl_step", (("role", "trainer"),))] == 2
         assert samples[("primerl_trainer_loss", ())] == pytest.approx(rows[-1]["train/loss"])
         assert samples[("primerl_trainer_loss_tokens_total", ())] == sum(r["train/num_loss_tokens"] for r in rows)
@@ -131,9 +154,22 @@ def test_a_taken_metrics_port_is_a_clear_error(model_dir, tmp_path):
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         port = taken.getsockname()[1]
-        result = subprocess.run([str(BIN / "primerl-trainer"), "--model.name", str(model_dir), "--output-dir",
-                                 str(tmp_path / "out"), "--max-steps", "1", "--prometheus.port", str(port)],
-                                capture_output=True, text=True, timeout=300)
+        result = subprocess.run(
+            [
+                str(BIN / "primerl-trainer"),
+                "--model.name",
+                str(model_dir),
+                "--output-dir",
+                str(tmp_path / "out"),
+                "--max-steps",
+                "1",
+                "--prometheus.port",
+                str(port),
+            ],
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
     assert result.returncode == 2
     assert f"cannot serve Prometheus metrics on 127.0.0.1:{port}: Address already in use" in result.stderr
     assert "Traceback" not in result.stderr
@@ -149,10 +185,15 @@ def test_two_trainer_ranks_under_torchrun_match_one(model_dir, make_broker, tmp_
     one_broker.stop()
     two_broker = make_broker(tmp_path / "two" / "spool", max_queue_batches=64, run_id="t2")
     send_steps(two_broker.rollout_endpoint, range(1, 3), num_ranks=2)
-    args = trainer_args(model_dir, two_broker.grpc_address, tmp_path / "two-out", "--optim.weight-decay", "0",
-                        "--max-steps", "2")
-    two = subprocess.run([str(BIN / "torchrun"), "--standalone", "--nproc-per-node=2", *args],
-                         capture_output=True, text=True, timeout=600)
+    args = trainer_args(
+        model_dir, two_broker.grpc_address, tmp_path / "two-out", "--optim.weight-decay", "0", "--max-steps", "2"
+    )
+    two = subprocess.run(
+        [str(BIN / "torchrun"), "--standalone", "--nproc-per-node=2", *args],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert two.returncode == 0, two.stderr[-3000:]
     assert two_broker.service.weight_store.latest_version == 2
     one_losses = [r["train/loss"] for r in trainer_rows(tmp_path / "one-out")]
@@ -168,8 +209,17 @@ def test_a_failed_checkpoint_write_stops_the_trainer_and_its_step_is_never_commi
     broker = broker(range(1, 4))
     blocker = tmp_path / "not-a-directory"
     blocker.write_text("a file where the checkpoints should go")
-    result = run_trainer(model_dir, broker.grpc_address, tmp_path / "out", "--max-steps", "3",
-                         "--ckpt.interval", "2", "--ckpt.dir", str(blocker))
+    result = run_trainer(
+        model_dir,
+        broker.grpc_address,
+        tmp_path / "out",
+        "--max-steps",
+        "3",
+        "--ckpt.interval",
+        "2",
+        "--ckpt.dir",
+        str(blocker),
+    )
     assert result.returncode not in (0, None), result.stderr[-3000:]
     assert "TrainerIOError" in result.stderr and "checkpoint step 2" in result.stderr, result.stderr[-3000:]
     status = broker.service.registry.run_status(broker.service.data_plane_status())

@@ -8,7 +8,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from primerl.configs.trainer import ActivationCheckpointConfig, LoRAConfig, ModelConfig, OptimizerConfig, SchedulerConfig
+from primerl.configs.trainer import (
+    ActivationCheckpointConfig,
+    LoRAConfig,
+    ModelConfig,
+    OptimizerConfig,
+    SchedulerConfig,
+)
 from primerl.trainer.model import enable_activation_checkpointing, load_model, trainable_parameters
 from primerl.trainer.optim import build_optimizer, build_scheduler, clip_grad_norm
 
@@ -55,8 +61,11 @@ def test_lora_wraps_with_rank_times_in_plus_out_trainable_parameters(model_dir: 
     targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
     base = load_model(ModelConfig(name=str(model_dir)))
     rank = 4
-    expected = sum(rank * (m.in_features + m.out_features) for name, m in base.named_modules()
-                   if isinstance(m, torch.nn.Linear) and name.rsplit(".", 1)[-1] in targets)
+    expected = sum(
+        rank * (m.in_features + m.out_features)
+        for name, m in base.named_modules()
+        if isinstance(m, torch.nn.Linear) and name.rsplit(".", 1)[-1] in targets
+    )
     assert expected == 22528  # 2 layers x r=4 x (q 256 + k 192 + v 192 + o 256 + 3 x 640)
 
     model = load_model(ModelConfig(name=str(model_dir), lora=LoRAConfig(rank=rank, alpha=8, target_modules=targets)))
@@ -167,7 +176,8 @@ def _lrs(scheduler_config: SchedulerConfig, max_steps: int | None, num_steps: in
 
 def test_constant_schedule_with_warmup() -> None:
     assert _lrs(SchedulerConfig(type="constant", warmup_steps=4), None, 7, lr=2.0) == pytest.approx(
-        [0.5, 1.0, 1.5, 2.0, 2.0, 2.0, 2.0])
+        [0.5, 1.0, 1.5, 2.0, 2.0, 2.0, 2.0]
+    )
     assert _lrs(SchedulerConfig(), None, 3, lr=2.0) == [2.0, 2.0, 2.0]
 
 

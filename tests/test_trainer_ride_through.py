@@ -35,7 +35,9 @@ def step_tensors(step: int):
 def wait_for(predicate, timeout_s: float, what: str, process: subprocess.Popen, log_path: Path) -> None:
     deadline_s = time.monotonic() + timeout_s
     while not predicate():
-        assert process.poll() is None, f"trainer exited ({process.returncode}) before {what}:\n" + log_path.read_text()[-3000:]
+        assert process.poll() is None, (
+            f"trainer exited ({process.returncode}) before {what}:\n" + log_path.read_text()[-3000:]
+        )
         assert time.monotonic() < deadline_s, f"no {what} within {timeout_s} s:\n" + log_path.read_text()[-3000:]
         time.sleep(0.2)
 
@@ -48,17 +50,25 @@ def test_the_trainer_rides_through_a_broker_restart(model_dir, broker, tmp_path)
     out = tmp_path / "out"
     log_path = tmp_path / "trainer.log"
     send_steps(broker.rollout_endpoint, range(1, 2), num_micro_batches=1)
-    args = trainer_args(model_dir, broker.grpc_address, out, "--max-steps", "3", "--ckpt.interval", "1",
-                        "--broker.outage-s", "60")
+    args = trainer_args(
+        model_dir, broker.grpc_address, out, "--max-steps", "3", "--ckpt.interval", "1", "--broker.outage-s", "60"
+    )
     with open(log_path, "w") as log_file:
         process = subprocess.Popen(args, stdout=log_file, stderr=subprocess.STDOUT)
     try:
         wait_for(lambda: [r["step"] for r in trainer_rows(out)] == [1], 240, "step 1", process, log_path)
         broker.stop()
         down_s = time.monotonic()
-        wait_for(lambda: any(e.get("broker") == "unreachable"
-                             for e in log_events(log_path.read_text(), "waiting for the step's micro-batches")),
-                 60, "a log line saying the trainer waits for an unreachable broker", process, log_path)
+        wait_for(
+            lambda: any(
+                e.get("broker") == "unreachable"
+                for e in log_events(log_path.read_text(), "waiting for the step's micro-batches")
+            ),
+            60,
+            "a log line saying the trainer waits for an unreachable broker",
+            process,
+            log_path,
+        )
         broker.restart()  # stopped already: starts it again on the same ports and spool
         print(f"\nbroker down {time.monotonic() - down_s:.1f} s")
         send_steps(broker.rollout_endpoint, range(2, 4), num_micro_batches=1)

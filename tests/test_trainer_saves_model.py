@@ -61,8 +61,10 @@ def test_without_ckpt_steps_are_committed_as_trained_and_the_last_step_is_export
     send_steps(broker.rollout_endpoint, range(4, 5))
     again = run_trainer(model_dir, broker.grpc_address, tmp_path / "out", "--max-steps", "4")
     assert again.returncode == 2, again.stderr[-3000:]
-    assert "the broker has committed steps 1-3 of this run and this trainer would start again at step 1: " \
-           "without [trainer.ckpt] there is no checkpoint to resume from" in again.stderr, again.stderr[-3000:]
+    assert (
+        "the broker has committed steps 1-3 of this run and this trainer would start again at step 1: "
+        "without [trainer.ckpt] there is no checkpoint to resume from" in again.stderr
+    ), again.stderr[-3000:]
     assert "Traceback" not in again.stderr
     assert [w.name for w in broker.service.registry.list_workers(include_gone=True)] == ["trainer-rank0"]
 
@@ -94,13 +96,30 @@ def test_a_clean_stop_exports_the_last_step_trained(model_dir, broker, tmp_path)
 @pytest.mark.slow
 def test_fsdp2_with_two_trainer_ranks_is_refused_before_anything_loads(model_dir, tmp_path):
     """No broker at all: the refusal comes first, from each rank, with one line and exit 2."""
-    result = subprocess.run([str(BIN / "torchrun"), "--standalone", "--nproc-per-node=2", str(BIN / "primerl-trainer"),
-                             "--model.name", str(model_dir), "--output-dir", str(tmp_path / "out"), "--max-steps", "2",
-                             "--model.parallel", "fsdp2", "--broker.address", "127.0.0.1:9"],
-                            capture_output=True, text=True, timeout=300)
+    result = subprocess.run(
+        [
+            str(BIN / "torchrun"),
+            "--standalone",
+            "--nproc-per-node=2",
+            str(BIN / "primerl-trainer"),
+            "--model.name",
+            str(model_dir),
+            "--output-dir",
+            str(tmp_path / "out"),
+            "--max-steps",
+            "2",
+            "--model.parallel",
+            "fsdp2",
+            "--broker.address",
+            "127.0.0.1:9",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     output = result.stdout + result.stderr
     assert result.returncode != 0 and "exitcode: 2" in output, output[-3000:]
-    assert 'trainer cannot continue' in output and 'model.parallel = "fsdp2" with 2 ranks' in output
+    assert "trainer cannot continue" in output and 'model.parallel = "fsdp2" with 2 ranks' in output
     assert "Loading weights" not in output
 
 
@@ -119,12 +138,36 @@ def test_a_run_without_ckpt_saves_the_model_and_releases_the_spool(tiny_model, t
     config_path = tmp_path / "rl-no-ckpt.toml"
     config_path.write_text(tomli_w.dumps(config))
     run_dir = tmp_path / "run"
-    env = {**os.environ, "PRIMERL_ENV_PYTHON": ENV_PYTHON, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
-           "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1"}
+    env = {
+        **os.environ,
+        "PRIMERL_ENV_PYTHON": ENV_PYTHON,
+        "HF_HUB_OFFLINE": "1",
+        "TRANSFORMERS_OFFLINE": "1",
+        "VLLM_NO_USAGE_STATS": "1",
+        "DO_NOT_TRACK": "1",
+    }
     env.pop("PRIMERL_RUN_TOKEN", None)
-    result = subprocess.run([str(BIN / "primerl"), "rl", "@", str(config_path), "--model.name", str(model),
-                             "--output-dir", str(run_dir), "--broker.grpc-port", str(free_port()), "--max-steps", "4"],
-                            capture_output=True, text=True, timeout=600, env=env, cwd=tmp_path)
+    result = subprocess.run(
+        [
+            str(BIN / "primerl"),
+            "rl",
+            "@",
+            str(config_path),
+            "--model.name",
+            str(model),
+            "--output-dir",
+            str(run_dir),
+            "--broker.grpc-port",
+            str(free_port()),
+            "--max-steps",
+            "4",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=env,
+        cwd=tmp_path,
+    )
     output = result.stdout + result.stderr
     assert result.returncode == 0, output[-6000:]
     assert resolve_model(str(run_dir), served=False) == str(run_dir / "weights" / "step_4")

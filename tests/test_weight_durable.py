@@ -10,10 +10,10 @@ from pathlib import Path
 import numpy as np
 import zmq
 
-from primerl.client.weights import WeightPublisher, WeightSubscriber
 from primerl.broker.weight_durable import LINEAGE_FILE, MANIFEST_FILE, WeightDurability
 from primerl.broker.weight_plane import WeightPlane
 from primerl.broker.weight_store import WeightStore
+from primerl.client.weights import WeightPublisher, WeightSubscriber
 from primerl.proto import tensor_frames as tf
 from primerl.proto.data_plane_limits import BrokerLimits
 from primerl.proto.v1 import data_pb2
@@ -27,9 +27,16 @@ CHUNK_BYTES = 64 * 1024
 def make_update(version: int, lineage: int, kind: int = FULL, base: int = 0, num_bytes: int = 4096, seed: int = 0):
     rng = np.random.default_rng([version, lineage, seed])
     data, specs = tf.encode_tensors({"w": rng.integers(0, 255, num_bytes, dtype=np.uint8)})
-    header = data_pb2.WeightUpdateHeader(policy_version=version, kind=kind, base_version=base, tensors=specs,
-                                         digest=hashlib.sha256(data).hexdigest(), payload_bytes=len(data),
-                                         lineage=lineage, lineage_base_version=0)
+    header = data_pb2.WeightUpdateHeader(
+        policy_version=version,
+        kind=kind,
+        base_version=base,
+        tensors=specs,
+        digest=hashlib.sha256(data).hexdigest(),
+        payload_bytes=len(data),
+        lineage=lineage,
+        lineage_base_version=0,
+    )
     return header, data
 
 
@@ -122,9 +129,13 @@ def test_a_worker_joining_a_restarted_plane_gets_the_current_policy(tmp_path: Pa
     clients: list = []
     planes: list[WeightPlane] = []
     try:
+
         def plane() -> str:
-            planes.append(WeightPlane(WeightStore(), context, "127.0.0.1", 0, LIMITS, None, CHUNK_BYTES,
-                                      durable_dir=tmp_path / "weights"))
+            planes.append(
+                WeightPlane(
+                    WeightStore(), context, "127.0.0.1", 0, LIMITS, None, CHUNK_BYTES, durable_dir=tmp_path / "weights"
+                )
+            )
             return f"tcp://127.0.0.1:{planes[-1].start()}"
 
         endpoint = plane()
@@ -157,8 +168,8 @@ def test_a_worker_joining_a_restarted_plane_gets_the_current_policy(tmp_path: Pa
 def test_a_restarted_broker_daemon_serves_the_policy_to_a_joining_worker(tmp_path: Path) -> None:
     """The broker daemon's core (``BrokerService``) with its spool directory: publish, stop (a restart), start on
     the same spool: a worker that joins gets the latest version before the trainer publishes anything."""
-    from primerl.configs.broker import BrokerConfig
     from primerl.broker.service import BrokerService
+    from primerl.configs.broker import BrokerConfig
 
     def start() -> tuple[BrokerService, str]:
         service = BrokerService(BrokerConfig(grpc_port=0, rollout_port=0, weight_port=0, spool_dir=tmp_path / "spool"))

@@ -7,14 +7,14 @@ from __future__ import annotations
 
 import grpc
 import pytest
+from support.probes import wait_until
+from support.weight_updates import DELTA, publish, tiny_update
 
 from primerl.broker.registry import WorkerRegistry
 from primerl.broker.weight_fanout import Joined, LatestPolicy, WeightFanout
 from primerl.broker.weight_store import WeightStore
 from primerl.client.weights import WeightPublisher, WeightSubscriber
 from primerl.proto.v1 import common_pb2, control_pb2, control_pb2_grpc
-from support.probes import wait_until
-from support.weight_updates import DELTA, publish, tiny_update
 
 INFER = common_pb2.ROLE_INFERENCE
 
@@ -112,8 +112,10 @@ def test_failed_applies_resend_the_snapshot_then_forget(fanout):
     publish(fanout, 2, DELTA, base=1)
     fanout.hello("w", 1, 0)
     assert send_all(fanout, "w") == [2]
-    assert fanout.ack("w", 2, 0, applied=False, error=common_pb2.ErrorDetail(
-        code=common_pb2.ERROR_CODE_TENSOR_MISMATCH)) is True
+    assert (
+        fanout.ack("w", 2, 0, applied=False, error=common_pb2.ErrorDetail(code=common_pb2.ERROR_CODE_TENSOR_MISMATCH))
+        is True
+    )
     assert send_all(fanout, "w") == [1, 2]  # its state is unknown now: from the snapshot
     assert fanout.ack("w", 1, 0, applied=False) is True
     assert fanout.ack("w", 1, 0, applied=False) is False  # max_retries failures in a row

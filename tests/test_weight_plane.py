@@ -7,19 +7,19 @@ import time
 
 import pytest
 import zmq
+from support.probes import wait_until as wait_for
+from support.weight_plane import CHUNK_BYTES, LIMITS, RECEIVE_S, TOKEN, make_update
 
-from primerl.proto.digests import payload_digest
+from primerl.broker.weight_plane import WeightPlane
+from primerl.broker.weight_store import WeightStore
 from primerl.client.weights import (
     WeightPlaneError,
     WeightSubscriber,
     WeightUpdateRefused,
 )
-from primerl.broker.weight_plane import WeightPlane
-from primerl.broker.weight_store import WeightStore
 from primerl.proto import chunked_transfer, framing
+from primerl.proto.digests import payload_digest
 from primerl.proto.v1 import common_pb2, data_pb2
-from support.weight_plane import CHUNK_BYTES, LIMITS, RECEIVE_S, TOKEN, make_update
-from support.probes import wait_until as wait_for
 
 FULL = data_pb2.WEIGHT_UPDATE_KIND_FULL
 LORA = data_pb2.WEIGHT_UPDATE_KIND_LORA
@@ -101,14 +101,22 @@ def test_bad_digest_and_out_of_order_are_refused_and_change_nothing(harness):
         publisher.publish(header, data, timeout_s=RECEIVE_S)
     assert info.value.code == common_pb2.ERROR_CODE_BAD_DIGEST
 
-    for header, data in (make_update(5, num_bytes=5000), make_update(4, num_bytes=300_000), make_update(7, DELTA, base=6),
-                         make_update(6, DELTA, base=4)):
+    for header, data in (
+        make_update(5, num_bytes=5000),
+        make_update(4, num_bytes=300_000),
+        make_update(7, DELTA, base=6),
+        make_update(6, DELTA, base=4),
+    ):
         with pytest.raises(WeightUpdateRefused) as info:
             publisher.publish(header, data, timeout_s=RECEIVE_S)
         assert info.value.code == common_pb2.ERROR_CODE_OUT_OF_ORDER, header
 
     after = h.store.status()
-    assert (after.latest_version, after.num_deltas, after.num_bytes) == (before.latest_version, before.num_deltas, before.num_bytes)
+    assert (after.latest_version, after.num_deltas, after.num_bytes) == (
+        before.latest_version,
+        before.num_deltas,
+        before.num_bytes,
+    )
     assert after.num_refused == 5
     assert subscriber.receive(0.3) is None
     # The plane still takes a good update afterwards.
@@ -140,7 +148,9 @@ def read_error(socket: zmq.Socket) -> data_pb2.ErrorReply:
 def test_malformed_frames_get_errors_and_the_plane_keeps_serving(harness):
     h = harness()
     raw = h.dealer()
-    hello = framing.encode(data_pb2.HELLO, data_pb2.Hello(worker_id="x", role=common_pb2.ROLE_INFERENCE), auth_token=TOKEN)
+    hello = framing.encode(
+        data_pb2.HELLO, data_pb2.Hello(worker_id="x", role=common_pb2.ROLE_INFERENCE), auth_token=TOKEN
+    )
     cases = [
         ([b"garbage"], common_pb2.ERROR_CODE_TRUNCATED),
         ([b"HTTP/1.1", b"\x07", b""], common_pb2.ERROR_CODE_UNKNOWN_PROTOCOL),
@@ -149,18 +159,31 @@ def test_malformed_frames_get_errors_and_the_plane_keeps_serving(harness):
         ([framing.PROTOCOL_FRAME, b"\x07", b"\xff\xff\xff"], common_pb2.ERROR_CODE_MALFORMED_HEADER),
         ([*hello[:2], hello[2][:-3]], None),  # truncated envelope: some framing error
         ([*hello, b"extra frame"], common_pb2.ERROR_CODE_MALFORMED_HEADER),
-        (framing.encode(data_pb2.ROLLOUT_REQUEST, data_pb2.RolloutRequest(step=1), auth_token=TOKEN),
-         common_pb2.ERROR_CODE_UNKNOWN_MESSAGE_TYPE),
-        (framing.encode(data_pb2.WEIGHT_ACK, data_pb2.WeightAck(policy_version=1, applied=True), auth_token=TOKEN),
-         common_pb2.ERROR_CODE_UNKNOWN_WORKER),
+        (
+            framing.encode(data_pb2.ROLLOUT_REQUEST, data_pb2.RolloutRequest(step=1), auth_token=TOKEN),
+            common_pb2.ERROR_CODE_UNKNOWN_MESSAGE_TYPE,
+        ),
+        (
+            framing.encode(data_pb2.WEIGHT_ACK, data_pb2.WeightAck(policy_version=1, applied=True), auth_token=TOKEN),
+            common_pb2.ERROR_CODE_UNKNOWN_WORKER,
+        ),
     ]
     # A WEIGHT_UPDATE whose tensors contradict its header.
     header, data = make_update(1)
     header.tensors[0].shape[0] += 1
-    cases.append((framing.encode(data_pb2.WEIGHT_UPDATE, header, [data], auth_token=TOKEN), common_pb2.ERROR_CODE_TENSOR_MISMATCH))
+    cases.append(
+        (
+            framing.encode(data_pb2.WEIGHT_UPDATE, header, [data], auth_token=TOKEN),
+            common_pb2.ERROR_CODE_TENSOR_MISMATCH,
+        )
+    )
     # A chunk that arrives without its transfer's first chunk.
     header, data = make_update(1, num_bytes=200_000)
-    chunks = list(chunked_transfer.encode_chunked(data_pb2.WEIGHT_UPDATE, header, data, chunk_bytes=CHUNK_BYTES, auth_token=TOKEN, sender="t"))
+    chunks = list(
+        chunked_transfer.encode_chunked(
+            data_pb2.WEIGHT_UPDATE, header, data, chunk_bytes=CHUNK_BYTES, auth_token=TOKEN, sender="t"
+        )
+    )
     cases.append((chunks[1], common_pb2.ERROR_CODE_BAD_CHUNK))
     for frames, code in cases:
         raw.send_multipart(frames)

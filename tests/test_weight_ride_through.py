@@ -19,20 +19,20 @@ import numpy as np
 import pytest
 import torch
 import zmq
+from support.probes import wait_until
 
+from primerl.broker.weight_plane import WeightPlane
+from primerl.broker.weight_store import WeightStore
+from primerl.client.outage import BrokerOutageExceeded
 from primerl.client.weights import (
     LineageSuperseded,
     WeightBrokerLost,
     WeightPublisher,
     WeightSubscriber,
 )
-from primerl.broker.weight_plane import WeightPlane
-from primerl.broker.weight_store import WeightStore
 from primerl.proto import tensor_frames as tf
 from primerl.proto.data_plane_limits import BrokerLimits
 from primerl.proto.v1 import data_pb2
-from primerl.client.outage import BrokerOutageExceeded
-from support.probes import wait_until
 
 FULL = data_pb2.WEIGHT_UPDATE_KIND_FULL
 DELTA = data_pb2.WEIGHT_UPDATE_KIND_DELTA
@@ -42,13 +42,27 @@ LIMITS = BrokerLimits.for_max_message_bytes(1 << 20).frames
 RECEIVE_S = 10.0
 
 
-def make_update(version: int, lineage: int, kind: int = FULL, base: int = 0, num_bytes: int = 4096, seed: int = 0,
-                lineage_base: int = 0):
+def make_update(
+    version: int,
+    lineage: int,
+    kind: int = FULL,
+    base: int = 0,
+    num_bytes: int = 4096,
+    seed: int = 0,
+    lineage_base: int = 0,
+):
     rng = np.random.default_rng([version, lineage, seed])
     data, specs = tf.encode_tensors({"w": rng.integers(0, 255, num_bytes, dtype=np.uint8)})
-    header = data_pb2.WeightUpdateHeader(policy_version=version, kind=kind, base_version=base, tensors=specs,
-                                         digest=hashlib.sha256(data).hexdigest(), payload_bytes=len(data),
-                                         lineage=lineage, lineage_base_version=lineage_base)
+    header = data_pb2.WeightUpdateHeader(
+        policy_version=version,
+        kind=kind,
+        base_version=base,
+        tensors=specs,
+        digest=hashlib.sha256(data).hexdigest(),
+        payload_bytes=len(data),
+        lineage=lineage,
+        lineage_base_version=lineage_base,
+    )
     return header, data
 
 
@@ -63,8 +77,17 @@ class Mesh:
         self.port = 0
 
     def start_plane(self, store: WeightStore | None = None) -> WeightPlane:
-        plane = WeightPlane(store or WeightStore(), self.context, "127.0.0.1", self.port, LIMITS, TOKEN, CHUNK_BYTES,
-                            ack_timeout_s=5.0, durable_dir=self.durable_dir)
+        plane = WeightPlane(
+            store or WeightStore(),
+            self.context,
+            "127.0.0.1",
+            self.port,
+            LIMITS,
+            TOKEN,
+            CHUNK_BYTES,
+            ack_timeout_s=5.0,
+            durable_dir=self.durable_dir,
+        )
         self.port = plane.start()
         self.planes.append(plane)
         return plane
@@ -74,8 +97,9 @@ class Mesh:
         return f"tcp://127.0.0.1:{self.port}"
 
     def publisher(self, **kwargs) -> WeightPublisher:
-        publisher = WeightPublisher(self.endpoint, TOKEN, "trainer", CHUNK_BYTES, context=self.context, limits=LIMITS,
-                                    **kwargs)
+        publisher = WeightPublisher(
+            self.endpoint, TOKEN, "trainer", CHUNK_BYTES, context=self.context, limits=LIMITS, **kwargs
+        )
         self.clients.append(publisher)
         return publisher
 
@@ -132,8 +156,12 @@ def test_a_rollback_reaches_every_worker_and_late_joiners(mesh: Mesh) -> None:
         header, payload = receive_and_ack(worker)
         assert (header.policy_version, header.lineage, payload) == (3, 20, new_data)
         assert (worker.current_version, worker.current_lineage) == (3, 20)
-    wait_for(lambda: {w.worker_id: (w.policy_version, w.lineage) for w in plane.status().workers}
-             == {"infer-0": (3, 20), "infer-1": (3, 20)})
+    wait_for(
+        lambda: (
+            {w.worker_id: (w.policy_version, w.lineage) for w in plane.status().workers}
+            == {"infer-0": (3, 20), "infer-1": (3, 20)}
+        )
+    )
     status = plane.status().store
     assert (status.latest_version, status.lineage, status.num_rollbacks) == (3, 20, 1)
     assert plane.store.latest().header.digest == new_header.digest
@@ -182,8 +210,7 @@ def test_policy_publisher_rides_through_a_broker_restart_during_a_push(mesh: Mes
 
     plane = mesh.start_plane(TrippedStore())
     model = torch.nn.Linear(2048, 2048, bias=False)  # 16 MiB of fp32 weights
-    publisher = PolicyPublisher(mesh.endpoint, TOKEN, "trainer", CHUNK_BYTES, "full", "tiny", outage_s=30.0,
-                                lineage=10)
+    publisher = PolicyPublisher(mesh.endpoint, TOKEN, "trainer", CHUNK_BYTES, "full", "tiny", outage_s=30.0, lineage=10)
     mesh.clients.append(publisher)
 
     def restart() -> None:

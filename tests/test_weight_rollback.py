@@ -20,12 +20,12 @@ import torch
 
 from primerl.broker.service import BrokerService
 from primerl.client.weights import LineageSuperseded, WeightSubscriber
+from primerl.configs.trainer import ModelConfig, OptimizerConfig
 from primerl.inference.engine import EngineOptions
 from primerl.inference.worker_extension import WORKER_EXTENSION_CLS, weights_digest
-from primerl.configs.trainer import ModelConfig, OptimizerConfig
+from primerl.trainer.hf_state_dict import hf_state_dict
 from primerl.trainer.model import load_model
 from primerl.trainer.optim import build_optimizer
-from primerl.trainer.hf_state_dict import hf_state_dict
 from primerl.trainer.publish import PolicyPublisher
 
 pytestmark = pytest.mark.filterwarnings("ignore:`torch.distributed.reduce_op` is deprecated:FutureWarning")
@@ -44,8 +44,15 @@ def llm(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[A
     from primerl.inference.engine import create_llm, shutdown_llm
 
     saved_env, saved_tempdir = dict(os.environ), tempfile.tempdir
-    llm = create_llm(EngineOptions(model=model_dir, in_process=True, work_dir=tmp_path_factory.mktemp("work"), seed=0,
-                                   worker_extension_cls=WORKER_EXTENSION_CLS))
+    llm = create_llm(
+        EngineOptions(
+            model=model_dir,
+            in_process=True,
+            work_dir=tmp_path_factory.mktemp("work"),
+            seed=0,
+            worker_extension_cls=WORKER_EXTENSION_CLS,
+        )
+    )
     try:
         yield llm
     finally:
@@ -101,16 +108,18 @@ class Worker:
 
 @pytest.mark.slow
 @pytest.mark.vllm
-def test_a_resumed_trainer_republishes_v3_and_the_worker_serves_it(llm: Any, model_dir: Path, broker,
-                                                                   tmp_path: Path) -> None:
+def test_a_resumed_trainer_republishes_v3_and_the_worker_serves_it(
+    llm: Any, model_dir: Path, broker, tmp_path: Path
+) -> None:
     service, endpoint = broker
     worker = Worker(llm, endpoint, tmp_path / "policy")
     publishers: list[PolicyPublisher] = []
     try:
         # Trainer A: steps 1..3, published v1 FULL then deltas; checkpoint 2 is the last one it wrote.
         model_a = load_model(ModelConfig(name=str(model_dir)))
-        trainer_a = PolicyPublisher(endpoint, None, "trainer-a", CHUNK_BYTES, "delta", "tiny", delta_policy="always",
-                                    lineage=1_000)
+        trainer_a = PolicyPublisher(
+            endpoint, None, "trainer-a", CHUNK_BYTES, "delta", "tiny", delta_policy="always", lineage=1_000
+        )
         publishers.append(trainer_a)
         checkpoint_2 = None
         for step in (1, 2, 3):
@@ -137,7 +146,11 @@ def test_a_resumed_trainer_republishes_v3_and_the_worker_serves_it(llm: Any, mod
         # The broker holds B's v3 and says it rolled back; the worker loads it although it served a v3 already.
         status = service.weight_store.status()
         assert (status.latest_version, status.lineage, status.lineage_base_version, status.num_rollbacks) == (
-            3, 2_000, 2, 1)
+            3,
+            2_000,
+            2,
+            1,
+        )
         from safetensors.torch import load as load_safetensors
 
         held = service.weight_store.latest()

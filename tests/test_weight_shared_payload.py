@@ -12,6 +12,8 @@ import numpy as np
 import pytest
 import torch
 import zmq
+from support.probes import wait_until
+from support.weight_plane import CHUNK_BYTES, LIMITS, RECEIVE_S, TOKEN, make_update
 
 from primerl.inference.shared_payload import (
     PayloadControl,
@@ -25,8 +27,6 @@ from primerl.proto import chunked_transfer, framing
 from primerl.proto import tensor_frames as tf
 from primerl.proto.digests import payload_digest
 from primerl.proto.v1 import data_pb2
-from support.probes import wait_until
-from support.weight_plane import CHUNK_BYTES, LIMITS, RECEIVE_S, TOKEN, make_update
 
 
 def test_shared_payload_grows_is_reused_and_is_read_in_place(tmp_path):
@@ -80,8 +80,11 @@ def test_control_words_say_how_much_of_the_payload_is_final(tmp_path):
 
 
 def test_torch_views_read_the_frame_without_copying():
-    tensors = {"a": torch.arange(6, dtype=torch.float32).reshape(2, 3), "b": torch.ones(4, dtype=torch.bfloat16),
-               "empty": torch.zeros(0)}
+    tensors = {
+        "a": torch.arange(6, dtype=torch.float32).reshape(2, 3),
+        "b": torch.ones(4, dtype=torch.bfloat16),
+        "empty": torch.zeros(0),
+    }
     payload, _ = tf.encode_tensors(tensors)
     buffer = bytearray(payload)
     views = torch_views(memoryview(buffer))
@@ -89,7 +92,7 @@ def test_torch_views_read_the_frame_without_copying():
     for name, tensor in tensors.items():
         assert views[name].dtype == tensor.dtype and torch.equal(views[name], tensor)
     entry = tf.parse_header(buffer)["a"]
-    buffer[entry.start:entry.start + 4] = np.float32(42.0).tobytes()  # a view: sees the change
+    buffer[entry.start : entry.start + 4] = np.float32(42.0).tobytes()  # a view: sees the change
     assert views["a"][0, 0].item() == 42.0
     with pytest.raises(tf.TensorFrameError):
         torch_views(memoryview(bytearray(b"\x00" * 4)))
@@ -176,9 +179,18 @@ def test_a_transfer_whose_chunks_stop_is_dropped_after_a_bounded_stall(harness, 
     header, data = make_update(1, num_bytes=4 * CHUNK_BYTES)
     header.digest, header.payload_bytes = payload_digest(data), len(data)
     publisher = h.dealer()
-    for frames in list(chunked_transfer.encode_chunked(data_pb2.WEIGHT_UPDATE, header, data, chunk_bytes=CHUNK_BYTES,
-                                                       transfer_id="t1", auth_token=TOKEN, sender="trainer",
-                                                       checksum_kind=framing.XXH3_64))[:2]:
+    for frames in list(
+        chunked_transfer.encode_chunked(
+            data_pb2.WEIGHT_UPDATE,
+            header,
+            data,
+            chunk_bytes=CHUNK_BYTES,
+            transfer_id="t1",
+            auth_token=TOKEN,
+            sender="trainer",
+            checksum_kind=framing.XXH3_64,
+        )
+    )[:2]:
         publisher.send_multipart(frames, copy=False)
     start_s = time.monotonic()
     assert subscriber.receive(0.3) is None
@@ -206,8 +218,9 @@ def test_the_received_digest_is_of_the_bytes_that_arrived(tmp_path, digest_kind)
     router.setsockopt(zmq.LINGER, 0)
     port = router.bind_to_random_port("tcp://127.0.0.1")
     sink = RecordingSink(SharedPayload(tmp_path))
-    subscriber = WeightSubscriber(f"tcp://127.0.0.1:{port}", TOKEN, "infer-0", context=context, limits=LIMITS,
-                                  payload_sink=sink)
+    subscriber = WeightSubscriber(
+        f"tcp://127.0.0.1:{port}", TOKEN, "infer-0", context=context, limits=LIMITS, payload_sink=sink
+    )
     try:
         subscriber.hello()
         assert router.poll(5000)
@@ -217,9 +230,16 @@ def test_the_received_digest_is_of_the_bytes_that_arrived(tmp_path, digest_kind)
         sent[-1] ^= 0xFF  # corrupted after the digest was computed
         header.digest = payload_digest(data) if digest_kind == "xxh3-128" else hashlib.sha256(data).hexdigest()
         header.payload_bytes = len(data)
-        for frames in chunked_transfer.encode_chunked(data_pb2.WEIGHT_UPDATE, header, bytes(sent),
-                                                      chunk_bytes=CHUNK_BYTES, transfer_id="t1", auth_token=TOKEN,
-                                                      sender="broker", checksum_kind=framing.XXH3_64):
+        for frames in chunked_transfer.encode_chunked(
+            data_pb2.WEIGHT_UPDATE,
+            header,
+            bytes(sent),
+            chunk_bytes=CHUNK_BYTES,
+            transfer_id="t1",
+            auth_token=TOKEN,
+            sender="broker",
+            checksum_kind=framing.XXH3_64,
+        ):
             router.send_multipart([identity, *frames])
         got = subscriber.receive(RECEIVE_S)
         assert got is not None and bytes(got[1]) == bytes(sent)

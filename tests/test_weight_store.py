@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 
 from primerl.broker.weight_store import WeightStore
-from primerl.proto.weight_refusals import WeightUpdateRefused
 from primerl.proto import tensor_frames as tf
 from primerl.proto.v1 import common_pb2, data_pb2
+from primerl.proto.weight_refusals import WeightUpdateRefused
 
 FULL = data_pb2.WEIGHT_UPDATE_KIND_FULL
 LORA = data_pb2.WEIGHT_UPDATE_KIND_LORA
@@ -20,9 +20,14 @@ DELTA = data_pb2.WEIGHT_UPDATE_KIND_DELTA
 
 def update(version: int, kind: int = FULL, base: int = 0, num_values: int = 16, digest: str | None = None):
     data, specs = tf.encode_tensors({"w": np.full(num_values, version, dtype=np.uint8)})
-    header = data_pb2.WeightUpdateHeader(policy_version=version, kind=kind, base_version=base, tensors=specs,
-                                         digest=hashlib.sha256(data).hexdigest() if digest is None else digest,
-                                         payload_bytes=len(data))
+    header = data_pb2.WeightUpdateHeader(
+        policy_version=version,
+        kind=kind,
+        base_version=base,
+        tensors=specs,
+        digest=hashlib.sha256(data).hexdigest() if digest is None else digest,
+        payload_bytes=len(data),
+    )
     return header, data
 
 
@@ -40,7 +45,11 @@ def refused(store: WeightStore, version: int, kind: int = FULL, base: int = 0, *
         put(store, version, kind, base, **kwargs)
     after = store.status()
     assert (after.latest_version, after.snapshot_version, after.num_deltas, after.num_bytes) == (
-        before.latest_version, before.snapshot_version, before.num_deltas, before.num_bytes), "a refusal changed the store"
+        before.latest_version,
+        before.snapshot_version,
+        before.num_deltas,
+        before.num_bytes,
+    ), "a refusal changed the store"
     return info.value
 
 
@@ -250,8 +259,13 @@ def test_newer_lineage_full_replaces_the_chain_even_at_a_version_held():
     result = store.put(header, data)
     assert (result.previous_lineage, result.rolled_back_from, result.duplicate) == (10, 3, False)
     status = store.status()
-    assert (status.latest_version, status.lineage, status.lineage_base_version, status.num_deltas,
-            status.num_rollbacks) == (3, 20, 2, 0, 1)
+    assert (
+        status.latest_version,
+        status.lineage,
+        status.lineage_base_version,
+        status.num_deltas,
+        status.num_rollbacks,
+    ) == (3, 20, 2, 0, 1)
     assert [(u.policy_version, u.lineage) for u in store.plan_for(None)] == [(3, 20)]
     assert bytes(store.latest().payload) == data
     # A's v4 (delta or FULL) comes late: refused, store unchanged.
@@ -289,11 +303,11 @@ def test_plans_by_lineage():
     store = WeightStore()
     store.put(*lineage_update(3, 20, lineage_base=2))
     store.put(*lineage_update(4, 20, DELTA, base=3, lineage_base=2))
-    assert versions(store.plan_for(3, 10)) == [3, 4]   # holds A's rolled-back v3
-    assert versions(store.plan_for(7, 10)) == [3, 4]   # holds A's v7, far past the rollback point
+    assert versions(store.plan_for(3, 10)) == [3, 4]  # holds A's rolled-back v3
+    assert versions(store.plan_for(7, 10)) == [3, 4]  # holds A's v7, far past the rollback point
     assert versions(store.plan_for(3, 20)) == [4]
     assert versions(store.plan_for(4, 20)) == []
-    assert versions(store.plan_for(9, 30)) == []       # a newer lineage than the broker's: never moved back
+    assert versions(store.plan_for(9, 30)) == []  # a newer lineage than the broker's: never moved back
     assert versions(store.plan_for(3, 0)) == [4] and versions(store.plan_for(None, 0)) == [3, 4]
 
 

@@ -17,18 +17,18 @@ import numpy as np
 import pytest
 import zmq.auth
 from cryptography import x509
+from support.broker import BrokerHarness
+from support.weight_plane import make_update
 
-from primerl.configs.broker import BrokerConfig
 from primerl.cli.certs import CertPaths, CertsError, config_lines, make_certs, parse_clients
 from primerl.cli.run_file import RunFile, write_run_file
 from primerl.client.control import BrokerError, ControlClient
 from primerl.client.outage import BrokerOutageExceeded
 from primerl.client.rollouts import RolloutConsumer, RolloutProducer, RolloutTimeout, pack_batch
 from primerl.client.weights import WeightPublisher, WeightPublishTimeout, WeightSubscriber
+from primerl.configs.broker import BrokerConfig
 from primerl.runtime.config_common import BrokerClientConfig
 from primerl.runtime.wire_security import CurveClient
-from support.broker import BrokerHarness
-from support.weight_plane import make_update
 
 TOKEN = "wire-secret"
 REFUSED_S = 2.0  # how long a refused client tries before its (expected) timeout
@@ -37,8 +37,9 @@ OK_S = 20.0
 
 @pytest.fixture(scope="module")
 def certs(tmp_path_factory) -> CertPaths:
-    return make_certs(tmp_path_factory.mktemp("certs"), ["127.0.0.1", "localhost"],
-                      ("trainer", "orchestrator", "inference", "status"))
+    return make_certs(
+        tmp_path_factory.mktemp("certs"), ["127.0.0.1", "localhost"], ("trainer", "orchestrator", "inference", "status")
+    )
 
 
 @pytest.fixture(scope="module")
@@ -55,8 +56,9 @@ def broker(certs, tmp_path_factory):
 
 
 def client_config(broker: BrokerHarness, settings: dict, **more) -> BrokerClientConfig:
-    return BrokerClientConfig(address=broker.grpc_address, run_token=TOKEN, connect_timeout_s=REFUSED_S,
-                              **{**settings, **more})
+    return BrokerClientConfig(
+        address=broker.grpc_address, run_token=TOKEN, connect_timeout_s=REFUSED_S, **{**settings, **more}
+    )
 
 
 def control(broker, settings, name: str, role: str = "trainer") -> ControlClient:
@@ -71,9 +73,11 @@ def grpc_variants(certs: CertPaths, other: CertPaths) -> dict[str, dict]:
     return {
         "no TLS": {},
         "TLS without a client certificate": {"tls_ca_path": good["tls_ca_path"]},
-        "a client certificate of another CA": {"tls_ca_path": good["tls_ca_path"],
-                                               "tls_cert_path": other.client_settings("trainer")["tls_cert_path"],
-                                               "tls_key_path": other.client_settings("trainer")["tls_key_path"]},
+        "a client certificate of another CA": {
+            "tls_ca_path": good["tls_ca_path"],
+            "tls_cert_path": other.client_settings("trainer")["tls_cert_path"],
+            "tls_key_path": other.client_settings("trainer")["tls_key_path"],
+        },
     }
 
 
@@ -118,8 +122,12 @@ def test_certs_refuses_to_replace_a_ca(tmp_path):
     first = (tmp_path / "ca.pem").read_bytes()
     with pytest.raises(CertsError, match="exists already.*--force"):
         make_certs(tmp_path, ["127.0.0.1"], ("trainer",))
-    result = subprocess.run([sys.executable, "-m", "primerl.cli.main", "certs", "--out", str(tmp_path),
-                             "--host", "127.0.0.1"], capture_output=True, text=True, timeout=60)
+    result = subprocess.run(
+        [sys.executable, "-m", "primerl.cli.main", "certs", "--out", str(tmp_path), "--host", "127.0.0.1"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert result.returncode == 2 and "--force" in result.stderr
     assert (tmp_path / "ca.pem").read_bytes() == first
     make_certs(tmp_path, ["127.0.0.1"], ("trainer",), force=True)
@@ -129,8 +137,12 @@ def test_certs_refuses_to_replace_a_ca(tmp_path):
 def test_added_clients_are_admitted_by_a_running_broker_without_a_restart(broker, certs):
     """`primerl certs --add-clients` signs with the same CA and writes into curve/authorized/, which the broker reads
     again at the next handshake; revoking (removing the key file) works the same way."""
-    result = subprocess.run([sys.executable, "-m", "primerl.cli.main", "certs", "--out", str(certs.out),
-                             "--add-clients", "infer-node-7"], capture_output=True, text=True, timeout=60)
+    result = subprocess.run(
+        [sys.executable, "-m", "primerl.cli.main", "certs", "--out", str(certs.out), "--add-clients", "infer-node-7"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert result.returncode == 0, result.stderr
     assert "[<role>.broker]" in result.stdout and "tls_client_ca_path" not in result.stdout  # no broker table
     assert stat.S_IMODE(certs.curve_client_secret("infer-node-7").stat().st_mode) == 0o600
@@ -139,17 +151,23 @@ def test_added_clients_are_admitted_by_a_running_broker_without_a_restart(broker
     with control(broker, settings, "infer-node-7", role="inference") as infer:
         infer.wait_ready(OK_S)
         registration = infer.register()
-        with RolloutConsumer(registration.rollout_endpoint, TOKEN, registration.worker_id, 0,
-                             curve=infer.curve) as consumer:
+        with RolloutConsumer(
+            registration.rollout_endpoint, TOKEN, registration.worker_id, 0, curve=infer.curve
+        ) as consumer:
             consumer.hello(OK_S)  # admitted: the broker answers
         (certs.curve_authorized / "infer-node-7.key").unlink()
         time.sleep(0.05)  # a new directory mtime
-        with RolloutConsumer(registration.rollout_endpoint, TOKEN, registration.worker_id, 0,
-                             curve=infer.curve) as consumer:
+        with RolloutConsumer(
+            registration.rollout_endpoint, TOKEN, registration.worker_id, 0, curve=infer.curve
+        ) as consumer:
             with pytest.raises(RolloutTimeout, match="CURVE"):
                 consumer.hello(REFUSED_S)
-    again = subprocess.run([sys.executable, "-m", "primerl.cli.main", "certs", "--out", str(certs.out),
-                            "--add-clients", "infer-node-7"], capture_output=True, text=True, timeout=60)
+    again = subprocess.run(
+        [sys.executable, "-m", "primerl.cli.main", "certs", "--out", str(certs.out), "--add-clients", "infer-node-7"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert again.returncode == 2 and "exist already" in again.stderr
 
 
@@ -164,9 +182,24 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def dry_run(*configs: Path, write: Path) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "primerl.cli.main", "rl", "@", str(REPO / "examples" /
-                           "reverse_text_rl.toml"), *[arg for config in configs for arg in ("@", str(config))],
-                           "--dry-run", "--write", str(write)], capture_output=True, text=True, timeout=120, cwd=REPO)
+    return subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "primerl.cli.main",
+            "rl",
+            "@",
+            str(REPO / "examples" / "reverse_text_rl.toml"),
+            *[arg for config in configs for arg in ("@", str(config))],
+            "--dry-run",
+            "--write",
+            str(write),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=REPO,
+    )
 
 
 def test_primerl_rl_hands_each_role_its_credentials(certs, tmp_path):
@@ -184,7 +217,7 @@ def test_primerl_rl_hands_each_role_its_credentials(certs, tmp_path):
     assert all(f'"{value}"' in broker for value in certs.broker_settings().values())
     partial = tmp_path / "partial.toml"
     text = security.read_text()
-    partial.write_text(text[: text.index("[orchestrator.broker]")] + text[text.index("[inference.broker]"):])
+    partial.write_text(text[: text.index("[orchestrator.broker]")] + text[text.index("[inference.broker]") :])
     refused = dry_run(partial, write=tmp_path / "refused")
     assert refused.returncode != 0
     assert "orchestrator.broker.curve_secret_key_path" in refused.stderr
@@ -203,24 +236,37 @@ def test_half_configured_credentials_name_the_setting(certs, tmp_path):
         BrokerClientConfig(tls_cert_path=certs.client_cert("trainer"), tls_key_path=certs.client_key("trainer"))
     with pytest.raises(ValueError, match="curve_broker_key_path"):
         BrokerClientConfig(curve_secret_key_path=certs.curve_client_secret("trainer"))
-    missing = BrokerClientConfig(curve_secret_key_path=tmp_path / "nope.key_secret",
-                                 curve_broker_key_path=certs.curve_broker_public)
+    missing = BrokerClientConfig(
+        curve_secret_key_path=tmp_path / "nope.key_secret", curve_broker_key_path=certs.curve_broker_public
+    )
     with pytest.raises(ValueError, match="curve_secret_key_path.*no such file"):
         missing.curve_client()
-    public_only = BrokerClientConfig(curve_secret_key_path=certs.curve_broker_public,
-                                     curve_broker_key_path=certs.curve_broker_public)
+    public_only = BrokerClientConfig(
+        curve_secret_key_path=certs.curve_broker_public, curve_broker_key_path=certs.curve_broker_public
+    )
     with pytest.raises(ValueError, match="only a public key"):
         public_only.curve_client()
     with pytest.raises(ValueError, match="tls_key_path"):
-        ControlClient(BrokerClientConfig(tls_ca_path=certs.ca_cert, tls_cert_path=certs.client_cert("trainer"),
-                                         tls_key_path=tmp_path / "missing.key"), "trainer", "t")
+        ControlClient(
+            BrokerClientConfig(
+                tls_ca_path=certs.ca_cert,
+                tls_cert_path=certs.client_cert("trainer"),
+                tls_key_path=tmp_path / "missing.key",
+            ),
+            "trainer",
+            "t",
+        )
 
 
 def test_broker_refuses_to_start_with_a_bad_key_dir(certs, tmp_path):
     (tmp_path / "empty").mkdir()
     with pytest.raises(ValueError, match="curve_authorized_keys_dir.*no `\\*.key`"):
-        BrokerHarness(tmp_path / "spool", run_token=TOKEN, curve_secret_key_path=certs.curve_broker_secret,
-                      curve_authorized_keys_dir=tmp_path / "empty")
+        BrokerHarness(
+            tmp_path / "spool",
+            run_token=TOKEN,
+            curve_secret_key_path=certs.curve_broker_secret,
+            curve_authorized_keys_dir=tmp_path / "empty",
+        )
 
 
 # ---------------------------------------------------------------------------------- the control plane
@@ -242,8 +288,13 @@ def test_control_plane_refuses_clients_without_the_right_certificate(broker, cer
 
 def run_status(*args: str) -> subprocess.CompletedProcess:
     env = {**os.environ, "PRIMERL_RUN_TOKEN": TOKEN}
-    return subprocess.run([sys.executable, "-m", "primerl.cli.main", "status", "--json", "--timeout-s", "3", *args],
-                          capture_output=True, text=True, timeout=60, env=env)
+    return subprocess.run(
+        [sys.executable, "-m", "primerl.cli.main", "status", "--json", "--timeout-s", "3", *args],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=env,
+    )
 
 
 def test_primerl_status_needs_the_client_certificate(broker, certs, other_certs):
@@ -251,11 +302,25 @@ def test_primerl_status_needs_the_client_certificate(broker, certs, other_certs)
     assert run_status(*address).returncode != 0
     assert run_status(*address, "--tls-ca", str(certs.ca_cert)).returncode != 0
     other = other_certs.client_settings("trainer")
-    refused = run_status(*address, "--tls-ca", str(certs.ca_cert), "--tls-cert", other["tls_cert_path"],
-                         "--tls-key", other["tls_key_path"])
+    refused = run_status(
+        *address,
+        "--tls-ca",
+        str(certs.ca_cert),
+        "--tls-cert",
+        other["tls_cert_path"],
+        "--tls-key",
+        other["tls_key_path"],
+    )
     assert refused.returncode != 0 and refused.stdout == ""
-    ok = run_status(*address, "--tls-ca", str(certs.ca_cert), "--tls-cert", str(certs.client_cert("status")),
-                    "--tls-key", str(certs.client_key("status")))
+    ok = run_status(
+        *address,
+        "--tls-ca",
+        str(certs.ca_cert),
+        "--tls-cert",
+        str(certs.client_cert("status")),
+        "--tls-key",
+        str(certs.client_key("status")),
+    )
     assert ok.returncode == 0, ok.stderr
     assert broker.service.run_id in ok.stdout
 
@@ -263,13 +328,19 @@ def test_primerl_status_needs_the_client_certificate(broker, certs, other_certs)
 def test_primerl_status_reads_the_client_certificate_from_run_json(broker, certs, tmp_path):
     """`primerl rl` records the CA and the launcher's client certificate in run.json; `primerl status RUN_DIR`
     uses them."""
-    run = RunFile(broker_address=broker.grpc_address, run_token=TOKEN, tls_ca_path=str(certs.ca_cert),
-                  tls_cert_path=str(certs.client_cert("trainer")), tls_key_path=str(certs.client_key("trainer")))
+    run = RunFile(
+        broker_address=broker.grpc_address,
+        run_token=TOKEN,
+        tls_ca_path=str(certs.ca_cert),
+        tls_cert_path=str(certs.client_cert("trainer")),
+        tls_key_path=str(certs.client_key("trainer")),
+    )
     write_run_file(tmp_path, run)
     ok = run_status(str(tmp_path))
     assert ok.returncode == 0, ok.stderr
-    write_run_file(tmp_path, RunFile(broker_address=broker.grpc_address, run_token=TOKEN,
-                                     tls_ca_path=str(certs.ca_cert)))
+    write_run_file(
+        tmp_path, RunFile(broker_address=broker.grpc_address, run_token=TOKEN, tls_ca_path=str(certs.ca_cert))
+    )
     assert run_status(str(tmp_path)).returncode != 0
 
 
@@ -285,9 +356,18 @@ def test_tls_server_name_checks_the_certificate_against_another_name(tmp_path):
         with control(harness, {**client_tls, "tls_server_name": "broker.example"}, "by-name", role="client") as client:
             client.wait_ready(OK_S)
             assert client.get_run_status().run_id == harness.service.run_id
-        ok = run_status("--broker", harness.grpc_address, "--tls-ca", str(named.ca_cert), "--tls-cert",
-                        str(named.client_cert("status")), "--tls-key", str(named.client_key("status")),
-                        "--tls-server-name", "broker.example")
+        ok = run_status(
+            "--broker",
+            harness.grpc_address,
+            "--tls-ca",
+            str(named.ca_cert),
+            "--tls-cert",
+            str(named.client_cert("status")),
+            "--tls-key",
+            str(named.client_key("status")),
+            "--tls-server-name",
+            "broker.example",
+        )
         assert ok.returncode == 0, ok.stderr
     finally:
         harness.stop()
@@ -303,27 +383,36 @@ def test_the_right_credentials_do_everything(broker, certs):
         assert trainer.get_run_status().run_id == broker.service.run_id
         limits = trainer.limits
         orchestrator_curve = BrokerClientConfig(**certs.client_settings("orchestrator")).curve_client()
-        with RolloutProducer(registration.rollout_endpoint, TOKEN, "orchestrator", limits=limits.frames,
-                             curve=orchestrator_curve) as producer:
+        with RolloutProducer(
+            registration.rollout_endpoint, TOKEN, "orchestrator", limits=limits.frames, curve=orchestrator_curve
+        ) as producer:
             header, payload = pack_batch(0, 0, 0, 1, {"input_ids": np.arange(16, dtype=np.int64)})
             assert producer.send_batch(header, payload, timeout_s=OK_S).durable
-        with RolloutConsumer(registration.rollout_endpoint, TOKEN, registration.worker_id, 0,
-                             limits=limits.frames, curve=trainer.curve) as consumer:
+        with RolloutConsumer(
+            registration.rollout_endpoint, TOKEN, registration.worker_id, 0, limits=limits.frames, curve=trainer.curve
+        ) as consumer:
             consumer.hello(OK_S)
             [(got, tensors)] = consumer.fetch_step(0, timeout_s=OK_S)
             assert got.batch_id == header.batch_id
             assert np.array_equal(np.asarray(tensors["input_ids"]), np.arange(16))
         update_header, update_payload = make_update(1)
-        with WeightPublisher(registration.weight_endpoint, TOKEN, "trainer", limits.weight_chunk_bytes,
-                             limits=limits.frames, curve=trainer.curve) as publisher:
+        with WeightPublisher(
+            registration.weight_endpoint,
+            TOKEN,
+            "trainer",
+            limits.weight_chunk_bytes,
+            limits=limits.frames,
+            curve=trainer.curve,
+        ) as publisher:
             ack = publisher.publish(update_header, update_payload, timeout_s=OK_S)
             assert ack.policy_version == 1 and not ack.HasField("error")
     inference_settings = certs.client_settings("inference")
     with control(broker, inference_settings, "infer-ok", role="inference") as infer:
         infer.wait_ready(OK_S)
         registration = infer.register()
-        with WeightSubscriber(registration.weight_endpoint, TOKEN, registration.worker_id,
-                              limits=infer.limits.frames, curve=infer.curve) as subscriber:
+        with WeightSubscriber(
+            registration.weight_endpoint, TOKEN, registration.worker_id, limits=infer.limits.frames, curve=infer.curve
+        ) as subscriber:
             subscriber.hello(None)
             update = subscriber.receive(OK_S)
             assert update is not None and update[0].policy_version == 1
@@ -342,8 +431,9 @@ def test_data_planes_refuse_clients_without_the_right_curve_keys(broker, certs, 
         with RolloutConsumer(endpoints_of["rollout"], TOKEN, "trainer-x", 0, curve=curve) as consumer:
             with pytest.raises(RolloutTimeout, match="CURVE|curve"):
                 consumer.hello(REFUSED_S)
-        with WeightPublisher(endpoints_of["weight"], TOKEN, "trainer", 64 * 1024, curve=curve,
-                             connect_timeout_s=REFUSED_S) as publisher:
+        with WeightPublisher(
+            endpoints_of["weight"], TOKEN, "trainer", 64 * 1024, curve=curve, connect_timeout_s=REFUSED_S
+        ) as publisher:
             update_header, update_payload = make_update(7)
             with pytest.raises(WeightPublishTimeout, match="CURVE|curve"):
                 publisher.publish(update_header, update_payload, timeout_s=REFUSED_S)
@@ -353,8 +443,9 @@ def test_data_planes_refuse_clients_without_the_right_curve_keys(broker, certs, 
             except TimeoutError as exc:
                 assert "CURVE" in str(exc) or "curve" in str(exc)
             assert subscriber.receive(REFUSED_S) is None
-        with WeightSubscriber(endpoints_of["weight"], TOKEN, "infer-y", curve=curve, outage_s=0.5,
-                              liveness_s=0.5) as subscriber:
+        with WeightSubscriber(
+            endpoints_of["weight"], TOKEN, "infer-y", curve=curve, outage_s=0.5, liveness_s=0.5
+        ) as subscriber:
             subscriber.hello(None)
             with pytest.raises(BrokerOutageExceeded, match="curve"):
                 subscriber.receive(REFUSED_S)

@@ -44,15 +44,25 @@ STEP_TIMEOUT_S = 240.0
 
 
 def _start_infer(tmp: Path, model: Path, broker_address: str, name: str, *extra: str) -> InferenceDaemon:
-    return InferenceDaemon(tmp, model, broker_address, TOKEN, "--broker.connect-timeout-s", "30", *extra,
-                           env={"TMPDIR": str(tmp)}, name=name)
+    return InferenceDaemon(
+        tmp,
+        model,
+        broker_address,
+        TOKEN,
+        "--broker.connect-timeout-s",
+        "30",
+        *extra,
+        env={"TMPDIR": str(tmp)},
+        name=name,
+    )
 
 
 def _requests_served(url: str) -> float:
     """Completed requests of a vLLM server (its ``vllm:request_success_total`` counters)."""
     text = httpx.get(f"{url}/metrics", headers=AUTH, timeout=10).text
-    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-               if line.startswith("vllm:request_success_total"))
+    return sum(
+        float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith("vllm:request_success_total")
+    )
 
 
 def _log_lines(path: Path, event: str) -> list[str]:
@@ -69,8 +79,14 @@ def test_workers_leave_and_join_a_running_run(tiny_model, tmp_path):
     from primerl.trainer.model import load_model
     from primerl.trainer.publish import PolicyPublisher
 
-    broker = BrokerHarness(tmp_path / "spool", host="0.0.0.0", run_token=TOKEN, heartbeat_interval_s=0.2,
-                           max_queue_batches=2, run_id="join-leave")
+    broker = BrokerHarness(
+        tmp_path / "spool",
+        host="0.0.0.0",
+        run_token=TOKEN,
+        heartbeat_interval_s=0.2,
+        max_queue_batches=2,
+        run_id="join-leave",
+    )
     port = broker.endpoints.grpc_port
     daemons: dict[str, InferenceDaemon] = {}
     orchestrator = None
@@ -78,26 +94,50 @@ def test_workers_leave_and_join_a_running_run(tiny_model, tmp_path):
     received: dict[int, int] = {}
     try:
         model = load_model(ModelConfig(name=str(tiny_model)))
-        publisher = PolicyPublisher(broker.weight_endpoint, TOKEN, "trainer", broker.service.chunk_bytes,
-                                    kind="delta", policy_name="policy", delta_policy="always")
+        publisher = PolicyPublisher(
+            broker.weight_endpoint,
+            TOKEN,
+            "trainer",
+            broker.service.chunk_bytes,
+            kind="delta",
+            policy_name="policy",
+            delta_policy="always",
+        )
         assert publisher.publish(model, 1).kind == "full"
         daemons["A"] = _start_infer(tmp_path, tiny_model, f"127.0.0.1:{port}", "infer-a")
         daemons["B"] = _start_infer(tmp_path, tiny_model, f"127.0.0.1:{port}", "infer-b", "--server.host", "0.0.0.0")
         with broker.client() as client:
-            wait_until(lambda: sorted(w.policy_version for w in client.list_workers(role="inference")) == [1, 1],
-                       60, "A and B at v1")
+            wait_until(
+                lambda: sorted(w.policy_version for w in client.list_workers(role="inference")) == [1, 1],
+                60,
+                "A and B at v1",
+            )
         # B binds every interface and advertises the interface that routes to the broker (loopback here)
         assert daemons["B"].ready["advertised_url"].startswith("http://127.0.0.1:"), daemons["B"].ready
 
-        args = orchestrator_args(tiny_model, broker, tmp_path / "out", "reverse-text", "--max-async-level", "50",
-                                 "--max-steps", str(MAX_STEPS), "--sampling.max-tokens", "32")
+        args = orchestrator_args(
+            tiny_model,
+            broker,
+            tmp_path / "out",
+            "reverse-text",
+            "--max-async-level",
+            "50",
+            "--max-steps",
+            str(MAX_STEPS),
+            "--sampling.max-tokens",
+            "32",
+        )
         args[args.index("--broker.address") + 1] = f"127.0.0.3:{port}"
         with open(log_path, "w") as log_file:
-            orchestrator = subprocess.Popen(args, stdout=log_file, stderr=subprocess.STDOUT,
-                                            env={**os.environ, "PRIMERL_RUN_TOKEN": TOKEN,
-                                                 "PYTHONPATH": str(ENV_FIXTURES)})
-        with RolloutConsumer(f"tcp://127.0.0.1:{broker.endpoints.rollout_port}", auth_token=TOKEN,
-                             worker_id="trainer-0", rank=0) as consumer:
+            orchestrator = subprocess.Popen(
+                args,
+                stdout=log_file,
+                stderr=subprocess.STDOUT,
+                env={**os.environ, "PRIMERL_RUN_TOKEN": TOKEN, "PYTHONPATH": str(ENV_FIXTURES)},
+            )
+        with RolloutConsumer(
+            f"tcp://127.0.0.1:{broker.endpoints.rollout_port}", auth_token=TOKEN, worker_id="trainer-0", rank=0
+        ) as consumer:
 
             def fetch(step: int) -> None:
                 batches = consumer.fetch_step(step, timeout_s=STEP_TIMEOUT_S)
@@ -112,12 +152,26 @@ def test_workers_leave_and_join_a_running_run(tiny_model, tmp_path):
                 fetch(step)
             # the chain is now FULL v1 + DELTA v2: a joining worker must get v1's snapshot before the delta
             assert publisher.publish(model, 2).kind == "delta"
-            daemons["C"] = _start_infer(tmp_path, tiny_model, f"127.0.0.2:{port}", "infer-c",
-                                        "--server.host", "0.0.0.0", "--server.advertise-host", "127.0.0.2")
+            daemons["C"] = _start_infer(
+                tmp_path,
+                tiny_model,
+                f"127.0.0.2:{port}",
+                "infer-c",
+                "--server.host",
+                "0.0.0.0",
+                "--server.advertise-host",
+                "127.0.0.2",
+            )
             assert daemons["C"].ready["advertised_url"].startswith("http://127.0.0.2:")
             with broker.client() as client:
-                wait_until(lambda: any(w.address.startswith("http://127.0.0.2:") and w.policy_version == 2
-                                       for w in client.list_workers(role="inference")), 60, "C to serve v2")
+                wait_until(
+                    lambda: any(
+                        w.address.startswith("http://127.0.0.2:") and w.policy_version == 2
+                        for w in client.list_workers(role="inference")
+                    ),
+                    60,
+                    "C to serve v2",
+                )
             # The orchestrator runs a few steps ahead of the fetches (2 batches queued at the broker, 2 steps at
             # its send thread): it goes on now, sees C and spreads over B and C; the last steps are C's alone.
             for step in (6, 7, 8, 9):
@@ -144,11 +198,22 @@ def test_workers_leave_and_join_a_running_run(tiny_model, tmp_path):
     errors = sum(row.get("rollout/errors", 0) for row in rows)
     join_s = [row["inference/join_to_serving_s"] for row in rows if "inference/join_to_serving_s" in row]
     c_log = daemons["C"].log_path.read_text(errors="replace")
-    applied = [(kind, int(version)) for kind, version in
-               re.findall(r"weight update live.*?kind=WEIGHT_UPDATE_KIND_(\w+) policy_version=(\d+)", c_log)]
-    summary = {"received": received, "retried": retried, "errors": errors, "join_to_serving_s": join_s,
-               "served_by_c": served_c, "joined": len(_log_lines(log_path, "inference worker joined")),
-               "left": len(_log_lines(log_path, "inference worker left")), "gone": gone}
+    applied = [
+        (kind, int(version))
+        for kind, version in re.findall(
+            r"weight update live.*?kind=WEIGHT_UPDATE_KIND_(\w+) policy_version=(\d+)", c_log
+        )
+    ]
+    summary = {
+        "received": received,
+        "retried": retried,
+        "errors": errors,
+        "join_to_serving_s": join_s,
+        "served_by_c": served_c,
+        "joined": len(_log_lines(log_path, "inference worker joined")),
+        "left": len(_log_lines(log_path, "inference worker left")),
+        "gone": gone,
+    }
     print("\njoin/leave run:", json.dumps({k: v for k, v in summary.items() if k != "gone"}))
     assert sorted(received) == list(range(1, MAX_STEPS + 1)) and all(received.values()), summary
     assert retried > 0 and errors == 0, summary
@@ -163,6 +228,7 @@ def test_workers_leave_and_join_a_running_run(tiny_model, tmp_path):
 
 
 # -- the weight fan-out alone: what a worker that joins late is sent ----------------------------------------------
+
 
 def _joiner_receives(broker: BrokerHarness, name: str) -> list[tuple[str, int]]:
     """Register an inference worker, say HELLO holding nothing but the base (version 0, as a fresh primerl-infer
@@ -185,8 +251,12 @@ def _joiner_receives(broker: BrokerHarness, name: str) -> list[tuple[str, int]]:
                     break
                 continue
             header, _ = update
-            received.append((data_pb2.WeightUpdateKind.Name(header.kind).removeprefix("WEIGHT_UPDATE_KIND_"),
-                             int(header.policy_version)))
+            received.append(
+                (
+                    data_pb2.WeightUpdateKind.Name(header.kind).removeprefix("WEIGHT_UPDATE_KIND_"),
+                    int(header.policy_version),
+                )
+            )
             subscriber.ack(int(header.policy_version))
     client.close()
     return received

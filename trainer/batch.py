@@ -23,8 +23,11 @@ import torch
 from primerl.proto.micro_batch import OPTIONAL_TENSORS, REQUIRED_TENSORS, TENSOR_DTYPES, check_tensor_names
 from primerl.proto.tensor_frames import DTYPES
 
-_TORCH_DTYPES = {np.dtype(numpy_dtype): getattr(torch, torch_name) for _, numpy_dtype, torch_name in DTYPES.values()
-                 if numpy_dtype is not None}
+_TORCH_DTYPES = {
+    np.dtype(numpy_dtype): getattr(torch, torch_name)
+    for _, numpy_dtype, torch_name in DTYPES.values()
+    if numpy_dtype is not None
+}
 
 
 @dataclass
@@ -108,9 +111,13 @@ def router_aux_loss_coef(model: torch.nn.Module) -> float | None:
     return float(coef) if config.output_router_logits else 0.0
 
 
-def forward_logits_padded(model: torch.nn.Module, input_ids: torch.Tensor, position_ids: torch.Tensor, *,
-                          router_aux: dict[str, Any] | None = None,
-                          ) -> tuple[torch.Tensor, torch.Tensor, list[tuple[int, int]]]:
+def forward_logits_padded(
+    model: torch.nn.Module,
+    input_ids: torch.Tensor,
+    position_ids: torch.Tensor,
+    *,
+    router_aux: dict[str, Any] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, list[tuple[int, int]]]:
     """The model's logits on the packed samples as one padded batch: (logits [samples, longest, vocab], the padded
     input ids [samples, longest], the samples' spans). Row i holds sample i; positions past its end are padding.
 
@@ -144,7 +151,11 @@ def router_aux_term(router_aux: dict[str, Any], batch_loss_tokens: int, num_loss
 
 
 def packed_token_logprobs(
-    model: torch.nn.Module, batch: MicroBatch, *, with_entropy: bool = True, router_aux: dict[str, Any] | None = None,
+    model: torch.nn.Module,
+    batch: MicroBatch,
+    *,
+    with_entropy: bool = True,
+    router_aux: dict[str, Any] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Per-token logprobs [n] (differentiable) and entropies [n] (detached) in packed order; the first token
     of each sample has no context: its logprob is 0 and it must not be a loss token. ``router_aux``: see
@@ -157,8 +168,7 @@ def packed_token_logprobs(
     spans = sample_spans(batch.position_ids)
     if any(bool(batch.loss_mask[start]) for start, _ in spans):
         raise ValueError("the first token of a sample cannot be a loss token (it has no context to predict it)")
-    logits, padded_ids, spans = forward_logits_padded(model, batch.input_ids, batch.position_ids,
-                                                      router_aux=router_aux)
+    logits, padded_ids, spans = forward_logits_padded(model, batch.input_ids, batch.position_ids, router_aux=router_aux)
     longest = padded_ids.shape[1]
     valid = _padded(torch.ones_like(batch.loss_mask), spans, longest, False)
     temperatures = _padded(batch.temperatures.float(), spans, longest, 1.0)

@@ -153,8 +153,16 @@ def save_checkpoint(
         tmp_dir = candidates[0]
 
     try:
-        _write_rank_files(tmp_dir, step, model=model, optimizer=optimizer, scheduler=scheduler,
-                          extra_json=extra_json, rank=rank, world_size=world_size)
+        _write_rank_files(
+            tmp_dir,
+            step,
+            model=model,
+            optimizer=optimizer,
+            scheduler=scheduler,
+            extra_json=extra_json,
+            rank=rank,
+            world_size=world_size,
+        )
     except BaseException:
         if world_size == 1:  # with more ranks, others may still be writing: the next save or load cleans up
             shutil.rmtree(tmp_dir, ignore_errors=True)
@@ -169,8 +177,17 @@ def save_checkpoint(
     return final_dir
 
 
-def _write_rank_files(tmp_dir: Path, step: int, *, model: torch.nn.Module, optimizer: Any, scheduler: Any,
-                      extra_json: str, rank: int, world_size: int) -> None:
+def _write_rank_files(
+    tmp_dir: Path,
+    step: int,
+    *,
+    model: torch.nn.Module,
+    optimizer: Any,
+    scheduler: Any,
+    extra_json: str,
+    rank: int,
+    world_size: int,
+) -> None:
     if rank == 0:
         tensors, metadata = _model_state(model)
         _write_safetensors(tmp_dir / MODEL_FILE, tensors, metadata)
@@ -248,7 +265,9 @@ def load_checkpoint(
         log.warning(
             "checkpoint has no RNG state for this rank; random streams are not restored and the run will not "
             "repeat the uninterrupted one exactly",
-            step=step, rank=rank, saved_world_size=meta["world_size"],
+            step=step,
+            rank=rank,
+            saved_world_size=meta["world_size"],
         )
     log.info("checkpoint loaded", step=step, path=str(ckpt_dir))
     return json.loads((ckpt_dir / EXTRA_STATE_FILE).read_text())
@@ -273,9 +292,7 @@ def steps_to_prune(steps: list[int], *, keep_last: int | None, keep_interval: in
     return [step for step in ordered if step not in keep]
 
 
-def prune_checkpoints(
-    root: str | os.PathLike[str], *, keep_last: int | None, keep_interval: int | None
-) -> list[int]:
+def prune_checkpoints(root: str | os.PathLike[str], *, keep_last: int | None, keep_interval: int | None) -> list[int]:
     """Delete committed checkpoints per `steps_to_prune` (call it on rank 0 only, after a save); returns the
     deleted steps.
 
@@ -370,8 +387,12 @@ def _rng_state() -> tuple[dict[str, torch.Tensor], dict[str, str]]:
     if np is not None:
         bit_generator, keys, pos, has_gauss, cached_gaussian = np.random.get_state(legacy=True)
         tensors["numpy_keys"] = torch.from_numpy(keys.astype(np.int64))
-        info["numpy"] = {"bit_generator": bit_generator, "pos": int(pos), "has_gauss": int(has_gauss),
-                         "cached_gaussian": float(cached_gaussian)}
+        info["numpy"] = {
+            "bit_generator": bit_generator,
+            "pos": int(pos),
+            "has_gauss": int(has_gauss),
+            "cached_gaussian": float(cached_gaussian),
+        }
     if torch.cuda.is_available():
         device = torch.cuda.current_device()
         tensors["torch_cuda"] = torch.cuda.get_rng_state(device)
@@ -386,15 +407,23 @@ def _set_rng_state(path: Path) -> None:
     with safe_open(str(path), framework="pt") as handle:
         info = json.loads((handle.metadata() or {})["rng"])
     tensors = load_file(str(path))
-    random.setstate((info["python_version"], tuple(int(v) for v in tensors["python_mt"].tolist()),
-                     info["python_gauss_next"]))
+    random.setstate(
+        (info["python_version"], tuple(int(v) for v in tensors["python_mt"].tolist()), info["python_gauss_next"])
+    )
     torch.random.set_rng_state(tensors["torch_cpu"])
     if "numpy" in info:
         import numpy as np
 
         numpy_info = info["numpy"]
-        np.random.set_state((numpy_info["bit_generator"], tensors["numpy_keys"].numpy().astype(np.uint32),
-                             numpy_info["pos"], numpy_info["has_gauss"], numpy_info["cached_gaussian"]))
+        np.random.set_state(
+            (
+                numpy_info["bit_generator"],
+                tensors["numpy_keys"].numpy().astype(np.uint32),
+                numpy_info["pos"],
+                numpy_info["has_gauss"],
+                numpy_info["cached_gaussian"],
+            )
+        )
     if "torch_cuda" in tensors:
         if torch.cuda.is_available():
             torch.cuda.set_rng_state(tensors["torch_cuda"], torch.cuda.current_device())

@@ -21,8 +21,15 @@ from pathlib import Path
 
 from primerl.runtime.durable_files import fsync_dir
 
-__all__ = ["STABLE_FILE", "commit_dir", "fsync_file", "remove_leftovers", "temp_dir_of", "write_new_file",
-           "writing_committed_dir"]
+__all__ = [
+    "STABLE_FILE",
+    "commit_dir",
+    "fsync_file",
+    "remove_leftovers",
+    "temp_dir_of",
+    "write_new_file",
+    "writing_committed_dir",
+]
 
 STABLE_FILE = "STABLE"
 """The marker written last: a directory without it is not committed."""

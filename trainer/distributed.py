@@ -69,7 +69,7 @@ def shutdown_distributed(info: DistInfo, peer_wait_s: float = 10.0) -> None:
 FSDP2_SEVERAL_RANKS = (
     'model.parallel = "fsdp2" with {world_size} ranks: publishing, checkpointing and exporting sharded weights '
     'are not built yet; set model.parallel = "ddp" ([trainer.model] parallel = "ddp" under `primerl rl`, '
-    '[model] under `primerl sft` and `primerl-trainer`), or leave it unset'
+    "[model] under `primerl sft` and `primerl-trainer`), or leave it unset"
 )
 """What a trainer or SFT run with several ranks and an explicit FSDP2 is told at start-up (``{world_size}``)."""
 

@@ -26,8 +26,7 @@ from primerl.trainer.model import is_peft_model
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["SAFETENSORS_METADATA", "hf_model_and_state", "hf_state_dict", "lora_adapter_config_json",
-           "lora_state_dict"]
+__all__ = ["SAFETENSORS_METADATA", "hf_model_and_state", "hf_state_dict", "lora_adapter_config_json", "lora_state_dict"]
 
 SAFETENSORS_METADATA = {"format": "pt"}
 """The metadata transformers and peft write into their safetensors files."""

@@ -45,7 +45,9 @@ class LossOutput:
     metrics: dict[str, float] = field(default_factory=dict)
 
 
-def token_logprobs(logits: torch.Tensor, input_ids: torch.Tensor, temperatures: torch.Tensor | None = None) -> torch.Tensor:
+def token_logprobs(
+    logits: torch.Tensor, input_ids: torch.Tensor, temperatures: torch.Tensor | None = None
+) -> torch.Tensor:
     """Log-probability of each token given the ones before it, for one packed sequence.
 
     ``logits`` [n, vocab] from the model on ``input_ids`` [n]; position t's logits predict token t + 1, so
@@ -240,9 +242,17 @@ def distillation_loss(
     upper clip is the truncation): each sampled token's advantage is ``teacher_logprob - student_logprob``.
     ``reverse_kl`` is the same number as ``teacher_kl``.
     """
-    config = CISPOLossConfig(max_is_ratio=max_is_ratio, eps_high=max_is_ratio - 1 if max_is_ratio > 1 else 0.0,
-                             teacher_tau=1.0, adv_tau=0.0)
-    out = rl_loss(config, logprobs, inference_logprobs, torch.zeros_like(logprobs), loss_mask, num_loss_tokens,
-                  teacher_logprobs=teacher_logprobs)
+    config = CISPOLossConfig(
+        max_is_ratio=max_is_ratio, eps_high=max_is_ratio - 1 if max_is_ratio > 1 else 0.0, teacher_tau=1.0, adv_tau=0.0
+    )
+    out = rl_loss(
+        config,
+        logprobs,
+        inference_logprobs,
+        torch.zeros_like(logprobs),
+        loss_mask,
+        num_loss_tokens,
+        teacher_logprobs=teacher_logprobs,
+    )
     out.metrics["reverse_kl"] = out.metrics["teacher_kl"]
     return out

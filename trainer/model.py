@@ -15,8 +15,8 @@ import warnings
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal
 
-from primerl.runtime.log_setup import get_logger
 from primerl.configs.trainer import ActivationCheckpointConfig, LoRAConfig, ModelConfig
+from primerl.runtime.log_setup import get_logger
 
 if TYPE_CHECKING:
     import torch
@@ -68,10 +68,15 @@ def load_model(
         model = apply_lora(model, config.lora)
     model.train()
     log.info(
-        "model loaded", model=str(model_dir), dtype=config.optimization_dtype, device=str(device),
-        attn=attn_implementation, ac_freq=None if config.ac is None else config.ac.freq,
+        "model loaded",
+        model=str(model_dir),
+        dtype=config.optimization_dtype,
+        device=str(device),
+        attn=attn_implementation,
+        ac_freq=None if config.ac is None else config.ac.freq,
         lora_rank=None if config.lora is None else config.lora.rank,
-        num_parameters=num_parameters(model), num_trainable=num_parameters(model, trainable_only=True),
+        num_parameters=num_parameters(model),
+        num_trainable=num_parameters(model, trainable_only=True),
     )
     return model
 
@@ -121,12 +126,15 @@ def check_lora_targets(model: torch.nn.Module, target_modules: list[str]) -> Non
     missing = [t for t in target_modules if not any(n == t or n.endswith("." + t) for n in names)]
     if not missing:
         return
-    linear = sorted({name.rsplit(".", 1)[-1] for name, module in model.named_modules()
-                     if isinstance(module, torch.nn.Linear)})
+    linear = sorted(
+        {name.rsplit(".", 1)[-1] for name, module in model.named_modules() if isinstance(module, torch.nn.Linear)}
+    )
     moe_hint = ""
     if getattr(getattr(model, "config", None), "router_aux_loss_coef", None) is not None:
-        moe_hint = (" (a mixture-of-experts model keeps each layer's experts in fused 3-D parameters, not linear "
-                    'modules: adapt the attention, e.g. target_modules = ["q_proj", "k_proj", "v_proj", "o_proj"])')
+        moe_hint = (
+            " (a mixture-of-experts model keeps each layer's experts in fused 3-D parameters, not linear "
+            'modules: adapt the attention, e.g. target_modules = ["q_proj", "k_proj", "v_proj", "o_proj"])'
+        )
     raise ValueError(
         f"lora.target_modules {missing} match no module of {type(model).__name__}; its linear modules are "
         f"{linear}: remove the missing names from [trainer.model.lora] target_modules{moe_hint}"

@@ -38,12 +38,13 @@ def _data_order(tensors: Mapping[str, torch.Tensor]) -> list[str]:
 
     probe = save({name: torch.zeros(1, dtype=t.dtype) for name, t in tensors.items()})
     (length,) = struct.unpack("<Q", probe[:8])
-    header = json.loads(probe[8:8 + length])
+    header = json.loads(probe[8 : 8 + length])
     return sorted((n for n in header if n != "__metadata__"), key=lambda n: header[n]["data_offsets"][0])
 
 
-def safetensors_layout(tensors: Mapping[str, torch.Tensor],
-                       metadata: Mapping[str, str] | None = None) -> tuple[bytes, list[tuple[str, int, int]]]:
+def safetensors_layout(
+    tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, str] | None = None
+) -> tuple[bytes, list[tuple[str, int, int]]]:
     """(the 8-byte length + padded JSON header, [(name, begin, end)] absolute offsets in data order)."""
     if not tensors:
         raise ValueError("no tensors to encode")
@@ -56,8 +57,11 @@ def safetensors_layout(tensors: Mapping[str, torch.Tensor],
     for name in order:
         tensor = tensors[name]
         size = tensor.numel() * tensor.element_size()
-        entries[name] = {"dtype": torch_dtype_name(tensor.dtype), "shape": list(tensor.shape),
-                         "data_offsets": [offset, offset + size]}
+        entries[name] = {
+            "dtype": torch_dtype_name(tensor.dtype),
+            "shape": list(tensor.shape),
+            "data_offsets": [offset, offset + size],
+        }
         spans.append((name, offset, offset + size))
         offset += size
     header = json.dumps(entries, separators=(",", ":"), ensure_ascii=False).encode()
@@ -66,8 +70,9 @@ def safetensors_layout(tensors: Mapping[str, torch.Tensor],
     return prefix, [(name, len(prefix) + begin, len(prefix) + end) for name, begin, end in spans]
 
 
-def write_safetensors(tensors: Mapping[str, torch.Tensor], buffer: bytearray, prefix: bytes,
-                      spans: list[tuple[str, int, int]]) -> memoryview:
+def write_safetensors(
+    tensors: Mapping[str, torch.Tensor], buffer: bytearray, prefix: bytes, spans: list[tuple[str, int, int]]
+) -> memoryview:
     """Fill ``buffer`` (at least the payload's size) with the payload of `safetensors_layout`; returns a view of
     exactly the payload."""
     import torch
@@ -76,7 +81,7 @@ def write_safetensors(tensors: Mapping[str, torch.Tensor], buffer: bytearray, pr
     if len(buffer) < total:
         raise ValueError(f"buffer of {len(buffer)} bytes is smaller than the {total}-byte payload")
     view = memoryview(buffer)
-    view[:len(prefix)] = prefix
+    view[: len(prefix)] = prefix
     for name, begin, end in spans:
         if end == begin:
             continue
@@ -111,7 +116,7 @@ class PayloadPool:
         with self._lock:
             self._idle.append(buffer)
             self._idle.sort(key=len, reverse=True)
-            del self._idle[self.max_idle:]
+            del self._idle[self.max_idle :]
 
 
 def payload_tensors(payload: memoryview) -> dict[str, torch.Tensor]:
@@ -124,8 +129,9 @@ def payload_tensors(payload: memoryview) -> dict[str, torch.Tensor]:
     for name, entry in parse_header(payload).items():
         dtype = getattr(torch, DTYPES[entry.dtype][2])
         if entry.end > entry.start:
-            tensor = torch.frombuffer(payload, dtype=dtype, count=(entry.end - entry.start) // dtype.itemsize,
-                                      offset=entry.start)
+            tensor = torch.frombuffer(
+                payload, dtype=dtype, count=(entry.end - entry.start) // dtype.itemsize, offset=entry.start
+            )
         else:
             tensor = torch.empty(0, dtype=dtype)
         out[name] = tensor.reshape(entry.shape)

@@ -61,6 +61,7 @@ import time
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, Literal
 
+from primerl.client.outage import OutageWatch, retry_through_outage
 from primerl.client.weights import (
     LineageSuperseded,
     WeightPublisher,
@@ -71,7 +72,6 @@ from primerl.proto.digests import payload_digest
 from primerl.proto.tensor_frames import encode_tensors, parse_header, specs_of
 from primerl.proto.units import MiB
 from primerl.proto.v1 import common_pb2, data_pb2
-from primerl.client.outage import OutageWatch, retry_through_outage
 from primerl.runtime.config_common import DEFAULT_OUTAGE_S
 from primerl.runtime.log_setup import get_logger
 from primerl.trainer.hf_state_dict import (
@@ -122,8 +122,9 @@ def serving_dtype(name: str) -> torch.dtype | None:
     return getattr(torch, name)
 
 
-def _host_copy(state: dict[str, torch.Tensor], dtype: torch.dtype | None,
-               reuse: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
+def _host_copy(
+    state: dict[str, torch.Tensor], dtype: torch.dtype | None, reuse: dict[str, torch.Tensor] | None = None
+) -> dict[str, torch.Tensor]:
     """Contiguous CPU copies (gathered when sharded), cast to ``dtype`` when given: a snapshot the next
     optimizer step cannot change. Tensors of ``reuse`` (a snapshot nothing reads any more) with the same dtype
     and shape are written in place (no fresh memory)."""
@@ -268,8 +269,11 @@ class PolicyPublisher:
         try:
             ack, send_ms = self.send(prepared, timeout_s)
         except WeightUpdateRefused as exc:
-            if isinstance(exc, LineageSuperseded) or prepared.kind != "delta" or not (exc.full_required
-                                                 or exc.code == common_pb2.ERROR_CODE_OUT_OF_ORDER):
+            if (
+                isinstance(exc, LineageSuperseded)
+                or prepared.kind != "delta"
+                or not (exc.full_required or exc.code == common_pb2.ERROR_CODE_OUT_OF_ORDER)
+            ):
                 raise
             fallback = f"delta refused: {exc}"
             log.warning("delta refused; sending the version as FULL", policy_version=version, error=str(exc))
@@ -278,10 +282,18 @@ class PolicyPublisher:
             ack, send_ms = self.send(prepared, timeout_s)
         header = prepared.header
         num_tensors = len(header.decoded_tensors) if prepared.kind == "delta" else len(header.tensors)
-        return PublishResult(ack=ack, kind=prepared.kind, policy_version=version, base_version=header.base_version,
-                             payload_bytes=header.payload_bytes, num_tensors=num_tensors,
-                             build_ms=prepared.build_ms, send_ms=send_ms, fallback=fallback,
-                             phases_ms={**prepared.phases_ms, "send": send_ms})
+        return PublishResult(
+            ack=ack,
+            kind=prepared.kind,
+            policy_version=version,
+            base_version=header.base_version,
+            payload_bytes=header.payload_bytes,
+            num_tensors=num_tensors,
+            build_ms=prepared.build_ms,
+            send_ms=send_ms,
+            fallback=fallback,
+            phases_ms={**prepared.phases_ms, "send": send_ms},
+        )
 
     def build(self, model: torch.nn.Module, version: int, *, kind: PublishKind | None = None) -> PreparedUpdate:
         """Read the model and encode one update of ``kind`` (default: this publisher's kind; "delta" needs a
@@ -308,8 +320,16 @@ class PolicyPublisher:
         live = {k: v.detach() for k, v in state.items()}
         return self._build_delta_or_full(kind, version, live, phases, start_s, snapshot_is_copy=False)
 
-    def _build_delta_or_full(self, kind: PublishKind, version: int, tensors: dict[str, torch.Tensor],
-                             phases: dict[str, float], start_s: float, *, snapshot_is_copy: bool) -> PreparedUpdate:
+    def _build_delta_or_full(
+        self,
+        kind: PublishKind,
+        version: int,
+        tensors: dict[str, torch.Tensor],
+        phases: dict[str, float],
+        start_s: float,
+        *,
+        snapshot_is_copy: bool,
+    ) -> PreparedUpdate:
         fallback = None
         encoding = self._encoding_for(tensors)
         if kind == "delta" and self.delta_policy == "auto":
@@ -325,13 +345,16 @@ class PolicyPublisher:
                 mark = time.perf_counter()
                 snapshot = _host_copy(tensors, None, reuse=self._take_spare())
                 phases["snapshot"] = _elapsed_ms(mark)
-            prepared = self._build_from_snapshot("delta", version, snapshot, 0.0, start_s=start_s, phases=phases,
-                                                 encoding=encoding)
+            prepared = self._build_from_snapshot(
+                "delta", version, snapshot, 0.0, start_s=start_s, phases=phases, encoding=encoding
+            )
             full_bytes = sum(t.numel() * t.element_size() for t in snapshot.values())
             fraction = prepared.header.payload_bytes / max(1, full_bytes)
             if self.delta_policy == "auto" and fraction > BUILT_DELTA_MAX_FRACTION:
-                fallback = (f"delta built is {fraction:.2f} of FULL ({prepared.header.payload_bytes / MiB:.1f} of "
-                            f"{full_bytes / MiB:.1f} MiB; the estimate missed changes)")
+                fallback = (
+                    f"delta built is {fraction:.2f} of FULL ({prepared.header.payload_bytes / MiB:.1f} of "
+                    f"{full_bytes / MiB:.1f} MiB; the estimate missed changes)"
+                )
                 log.info("sending FULL: the delta would not pay", policy_version=version, reason=fallback)
                 phases["encode_delta"] = phases.pop("encode")
                 prepared = self._build_from_snapshot("full", version, snapshot, prepared.build_ms, phases=phases)
@@ -369,12 +392,20 @@ class PolicyPublisher:
         if cost_s < saved_s:
             return None
         name = data_pb2.DeltaEncoding.Name(encoding).removeprefix("DELTA_ENCODING_")
-        return (f"delta would not pay: {name} ~{estimate.delta_bytes / MiB:.1f} of {estimate.full_bytes / MiB:.1f} MiB "
-                f"({estimate.changed_bytes / max(1, estimate.full_bytes):.0%} of the bytes changed), encode + decode "
-                f"~{cost_s * 1000:.0f} ms vs ~{saved_s * 1000:.0f} ms saved on the wire at {rate / MiB:.0f} MiB/s")
+        return (
+            f"delta would not pay: {name} ~{estimate.delta_bytes / MiB:.1f} of {estimate.full_bytes / MiB:.1f} MiB "
+            f"({estimate.changed_bytes / max(1, estimate.full_bytes):.0%} of the bytes changed), encode + decode "
+            f"~{cost_s * 1000:.0f} ms vs ~{saved_s * 1000:.0f} ms saved on the wire at {rate / MiB:.0f} MiB/s"
+        )
 
-    def _encode_full(self, kind: PublishKind, version: int, tensors: dict[str, torch.Tensor],
-                     phases: dict[str, float], start_s: float) -> PreparedUpdate:
+    def _encode_full(
+        self,
+        kind: PublishKind,
+        version: int,
+        tensors: dict[str, torch.Tensor],
+        phases: dict[str, float],
+        start_s: float,
+    ) -> PreparedUpdate:
         """A FULL payload written into a pooled buffer, and its header (digest computed once, here)."""
         mark = time.perf_counter()
         prefix, spans = safetensors_layout(tensors, SAFETENSORS_METADATA)
@@ -392,9 +423,17 @@ class PolicyPublisher:
             raise
         return PreparedUpdate(kind, header, payload, _elapsed_ms(start_s), None, buffer, phases)
 
-    def _build_from_snapshot(self, kind: PublishKind, version: int, snapshot: dict[str, torch.Tensor],
-                             spent_ms: float, *, start_s: float | None = None, phases: dict[str, float] | None = None,
-                             encoding: int | None = None) -> PreparedUpdate:
+    def _build_from_snapshot(
+        self,
+        kind: PublishKind,
+        version: int,
+        snapshot: dict[str, torch.Tensor],
+        spent_ms: float,
+        *,
+        start_s: float | None = None,
+        phases: dict[str, float] | None = None,
+        encoding: int | None = None,
+    ) -> PreparedUpdate:
         start_s = time.perf_counter() if start_s is None else start_s
         phases = {} if phases is None else phases
         keep = snapshot if self.kind == "delta" else None
@@ -405,8 +444,9 @@ class PolicyPublisher:
                 raise ValueError("a delta needs a base: publish a FULL update first")
             encoding = self._encoding_for(snapshot) if encoding is None else encoding
             mark = time.perf_counter()
-            payload, specs, decoded = encode_delta(snapshot, self._base, encoding=encoding, changed_only=True,
-                                                   level=self.delta_level)
+            payload, specs, decoded = encode_delta(
+                snapshot, self._base, encoding=encoding, changed_only=True, level=self.delta_level
+            )
             phases["encode"] = _elapsed_ms(mark)
             mark = time.perf_counter()
             header = self._header(version, kind, payload, specs)
@@ -424,10 +464,16 @@ class PolicyPublisher:
         if self.lineage_base_version is None:
             self.lineage_base_version = version - 1
             log.info("policy lineage", lineage=self.lineage, lineage_base_version=self.lineage_base_version)
-        return data_pb2.WeightUpdateHeader(policy_version=version, kind=_KIND_TO_WIRE[kind], tensors=specs,
-                                           digest=payload_digest(payload), payload_bytes=len(payload),
-                                           policy_name=self.policy_name, lineage=self.lineage,
-                                           lineage_base_version=self.lineage_base_version)
+        return data_pb2.WeightUpdateHeader(
+            policy_version=version,
+            kind=_KIND_TO_WIRE[kind],
+            tensors=specs,
+            digest=payload_digest(payload),
+            payload_bytes=len(payload),
+            policy_name=self.policy_name,
+            lineage=self.lineage,
+            lineage_base_version=self.lineage_base_version,
+        )
 
     def send(self, prepared: PreparedUpdate, timeout_s: float = 120.0) -> tuple[data_pb2.WeightAck, float]:
         """Send a built update; returns (ack, send ms). Keeps the delta base in step with what the broker holds:
@@ -442,9 +488,12 @@ class PolicyPublisher:
             if not prepared.owns_snapshot:
                 self._release(prepared)  # refused: the broker holds none of it, nothing else reads it
             if isinstance(exc, LineageSuperseded):
-                log.error("policy lineage superseded: a newer trainer incarnation publishes; this one must stop",
-                          policy_version=prepared.policy_version, lineage=self.lineage,
-                          broker_lineage=exc.broker_lineage)
+                log.error(
+                    "policy lineage superseded: a newer trainer incarnation publishes; this one must stop",
+                    policy_version=prepared.policy_version,
+                    lineage=self.lineage,
+                    broker_lineage=exc.broker_lineage,
+                )
             raise
         # (Any other failure, e.g. a timeout, may leave the payload referenced by the socket: never reused.)
         send_ms = _elapsed_ms(start_s)
@@ -462,16 +511,27 @@ class PolicyPublisher:
                 self._spare_snapshot = previous_base
         self._release(prepared)
         self._full_required = ack.full_required
-        log.info("policy published", policy_version=prepared.policy_version, kind=prepared.kind,
-                 base_version=prepared.header.base_version or None, payload_bytes=prepared.header.payload_bytes,
-                 build_ms=round(prepared.build_ms, 2), send_ms=round(send_ms, 2), full_required=ack.full_required)
+        log.info(
+            "policy published",
+            policy_version=prepared.policy_version,
+            kind=prepared.kind,
+            base_version=prepared.header.base_version or None,
+            payload_bytes=prepared.header.payload_bytes,
+            build_ms=round(prepared.build_ms, 2),
+            send_ms=round(send_ms, 2),
+            full_required=ack.full_required,
+        )
         return ack, send_ms
 
     def _publish_through_outage(self, prepared: PreparedUpdate, timeout_s: float) -> data_pb2.WeightAck:
         """One publish, sent again while the broker is unreachable or lost (within ``outage_s``)."""
         watch = OutageWatch(f"the broker to store policy v{prepared.policy_version}", self.outage_s, worker=self.sender)
-        return retry_through_outage(lambda: self._publisher.publish(prepared.header, prepared.payload, timeout_s),
-                                    watch, (WeightPublishTimeout,), stop_event=self._stop_event)
+        return retry_through_outage(
+            lambda: self._publisher.publish(prepared.header, prepared.payload, timeout_s),
+            watch,
+            (WeightPublishTimeout,),
+            stop_event=self._stop_event,
+        )
 
     def _release(self, prepared: PreparedUpdate) -> None:
         buffer = prepared.buffer

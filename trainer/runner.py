@@ -64,11 +64,11 @@ import time
 import torch
 
 from primerl.client.rollouts import FetchStopped
+from primerl.configs.trainer import TrainerConfig
 from primerl.proto.step_digest import data_digest
 from primerl.runtime.log_setup import bind_context, get_logger
 from primerl.runtime.metrics_sink import MetricsSink, finite_values
 from primerl.runtime.prometheus import MetricsExporter, start_exporter
-from primerl.configs.trainer import TrainerConfig
 from primerl.trainer.distributed import DistInfo, barrier, resolve_parallel, unwrap_model
 from primerl.trainer.train_step import distillation_objective, rl_objective, sft_objective
 from primerl.trainer.training_setup import (
@@ -87,8 +87,14 @@ IO_DRAIN_TIMEOUT_S = 600.0
 
 
 class TrainerRunner:
-    def __init__(self, config: TrainerConfig, dist_info: DistInfo, *, objective: str = "rl",
-                 stop_event: threading.Event | None = None):
+    def __init__(
+        self,
+        config: TrainerConfig,
+        dist_info: DistInfo,
+        *,
+        objective: str = "rl",
+        stop_event: threading.Event | None = None,
+    ):
         if config.max_steps is None:
             raise ValueError("the trainer needs max_steps (top-level `max_steps` or `trainer.max_steps`)")
         self.config = config
@@ -114,11 +120,13 @@ class TrainerRunner:
         config = self.config
         self.exporter = start_exporter("trainer", config.prometheus)
         if self.exporter is not None:
-            self.step_gauge = self.exporter.gauge("primerl_trainer_step", "Latest optimizer step done (= the "
-                                                  "policy version published).")
+            self.step_gauge = self.exporter.gauge(
+                "primerl_trainer_step", "Latest optimizer step done (= the policy version published)."
+            )
             self.loss_gauge = self.exporter.gauge("primerl_trainer_loss", "Loss of the latest step.")
-            self.tokens_counter = self.exporter.counter("primerl_trainer_loss_tokens", "Loss tokens trained on, "
-                                                        "over all ranks.")
+            self.tokens_counter = self.exporter.counter(
+                "primerl_trainer_loss_tokens", "Loss tokens trained on, over all ranks."
+            )
         self.sink = MetricsSink("trainer", config.output_dir, config.wandb, config, exporter=self.exporter)
 
     def _build(self) -> int:
@@ -126,10 +134,14 @@ class TrainerRunner:
         config = self.config
         warn_unused_options(config)
         torch.manual_seed(0)
-        objective = {"rl": lambda: rl_objective(config.loss), "sft": lambda: sft_objective,
-                     "distill": lambda: distillation_objective(config.loss)}[self.objective_name]()
-        self.training = build_training(config, self.parallel, self.dist, config.max_steps, objective,
-                                       kl_config=config.kl)
+        objective = {
+            "rl": lambda: rl_objective(config.loss),
+            "sft": lambda: sft_objective,
+            "distill": lambda: distillation_objective(config.loss),
+        }[self.objective_name]()
+        self.training = build_training(
+            config, self.parallel, self.dist, config.max_steps, objective, kl_config=config.kl
+        )
         start_step = 1
         state = resume_from_checkpoint(config, self.training, self.dist.rank)
         if state is not None:
@@ -148,23 +160,39 @@ class TrainerRunner:
         capabilities = {"objective": self.objective_name, "weight_broadcast": str(config.weight_broadcast.type)}
         if self.exporter is not None:
             capabilities["metrics_url"] = self.exporter.url
-        self.control = ControlClient(config.broker, "trainer", name, rank=self.dist.rank,
-                                     world_size=self.dist.world_size, capabilities=capabilities)
+        self.control = ControlClient(
+            config.broker,
+            "trainer",
+            name,
+            rank=self.dist.rank,
+            world_size=self.dist.world_size,
+            capabilities=capabilities,
+        )
         self.control.wait_ready(config.broker.connect_timeout_s)
         self._refuse_going_back(start_step)
         registration = self.control.register()
         self.progress = {"trainer_step": 0}
         self.control.start_heartbeats(lambda: dict(self.progress))
         limits = self.control.limits  # the broker's: every client sizes itself from them
-        self.consumer = RolloutConsumer(registration.rollout_endpoint, auth_token=config.broker.run_token,
-                                        worker_id=registration.worker_id, rank=self.dist.rank, limits=limits.frames,
-                                        curve=self.control.curve)
+        self.consumer = RolloutConsumer(
+            registration.rollout_endpoint,
+            auth_token=config.broker.run_token,
+            worker_id=registration.worker_id,
+            rank=self.dist.rank,
+            limits=limits.frames,
+            curve=self.control.curve,
+        )
         if self.dist.is_main:
             self.publisher = PolicyPublisher(
-                registration.weight_endpoint, config.broker.run_token, name,
+                registration.weight_endpoint,
+                config.broker.run_token,
+                name,
                 chunk_bytes=min(64 << 20, limits.weight_chunk_bytes),
-                kind=config.weight_broadcast.type, policy_name=config.model.name,
-                outage_s=config.broker.outage_s, stop_event=self.stop_event, curve=self.control.curve,
+                kind=config.weight_broadcast.type,
+                policy_name=config.model.name,
+                outage_s=config.broker.outage_s,
+                stop_event=self.stop_event,
+                curve=self.control.curve,
                 serving_dtype=serving_dtype(config.weight_broadcast.dtype),
             )
 
@@ -204,8 +232,9 @@ class TrainerRunner:
         config = self.config
 
         def fetch(step: int, halt: threading.Event) -> list:
-            return self.consumer.fetch_step(step, timeout_s=config.data_timeout_s, stop_event=halt,
-                                            on_wait=StepDataWait(step, self.control))
+            return self.consumer.fetch_step(
+                step, timeout_s=config.data_timeout_s, stop_event=halt, on_wait=StepDataWait(step, self.control)
+            )
 
         def decode(raw: list) -> list:
             return [MicroBatch.from_tensors(tensors) for _, tensors in raw]
@@ -240,14 +269,27 @@ class TrainerRunner:
         timings: dict[str, float] = {}
         compute_s = time.monotonic() - started_s
         metrics = stats.as_metrics()
-        metrics.update({"perf/wait_for_data_s": waited_s, "perf/step_time_s": compute_s,
-                        "perf/fetch_s": fetched.fetch_s, "perf/decode_s": fetched.decode_s,
-                        "train/num_micro_batches": float(len(micro_batches)), "ckpt/saved": float(due)})
+        metrics.update(
+            {
+                "perf/wait_for_data_s": waited_s,
+                "perf/step_time_s": compute_s,
+                "perf/fetch_s": fetched.fetch_s,
+                "perf/decode_s": fetched.decode_s,
+                "train/num_micro_batches": float(len(micro_batches)),
+                "ckpt/saved": float(due),
+            }
+        )
         metrics.update({f"perf/{name}": value for name, value in stats.timings.items()})
-        done_line = {"loss": round(stats.loss, 6), "grad_norm": round(stats.grad_norm, 4),
-                     "kl_divergence": stats.metrics.get("kl_divergence"), "tokens": stats.num_loss_tokens,
-                     **({"teacher_kl": round(stats.metrics["teacher_kl"], 6)} if "teacher_kl" in stats.metrics else {}),
-                     "wait_s": round(waited_s, 3), "step_s": round(compute_s, 3), "data_digest": fetched.data_digest}
+        done_line = {
+            "loss": round(stats.loss, 6),
+            "grad_norm": round(stats.grad_norm, 4),
+            "kl_divergence": stats.metrics.get("kl_divergence"),
+            "tokens": stats.num_loss_tokens,
+            **({"teacher_kl": round(stats.metrics["teacher_kl"], 6)} if "teacher_kl" in stats.metrics else {}),
+            "wait_s": round(waited_s, 3),
+            "step_s": round(compute_s, 3),
+            "data_digest": fetched.data_digest,
+        }
         record = {"metrics": metrics, "done_line": done_line}  # goes into the step's checkpoint (resume back-fill)
         if due and self.dist.enabled:
             # Collectives (barriers) stay on the compute thread: they must not interleave with DDP's.
@@ -272,8 +314,9 @@ class TrainerRunner:
                 self._commit(step)
                 timings["commit_s"] = time.perf_counter() - commit_started_s
             metrics["perf/publish_ms"] = timings.get("publish_ms", 0.0)
-            metrics.update({f"perf/{name}": timings[name] for name in ("checkpoint_s", "commit_s", "export_s")
-                            if name in timings})
+            metrics.update(
+                {f"perf/{name}": timings[name] for name in ("checkpoint_s", "commit_s", "export_s") if name in timings}
+            )
             metrics["perf/io_s"] = time.monotonic() - io_started_s
             self._record_step(step, metrics, {**done_line, "publish_ms": round(metrics["perf/publish_ms"], 1)})
             if self.exporter is not None:
@@ -334,8 +377,11 @@ class TrainerRunner:
         from primerl.trainer.weights_export import export_hf_weights
 
         started_s = time.perf_counter()
-        export_hf_weights(unwrap_model(self.training.model), self.config.tokenizer.name,
-                          self.config.output_dir / "weights" / f"step_{step}")
+        export_hf_weights(
+            unwrap_model(self.training.model),
+            self.config.tokenizer.name,
+            self.config.output_dir / "weights" / f"step_{step}",
+        )
         return time.perf_counter() - started_s
 
     def _stopped(self) -> int:
@@ -357,8 +403,11 @@ class TrainerRunner:
         if ckpt is not None:
             prune_checkpoints(self.config.checkpoint_dir, keep_last=ckpt.keep_last, keep_interval=ckpt.keep_interval)
         response = self.control.commit_step(step)  # the broker may now delete the batches of steps <= step
-        log.info("checkpoint committed" if ckpt is not None else "step committed", step=step,
-                 batches_released=response.num_batches_released)
+        log.info(
+            "checkpoint committed" if ckpt is not None else "step committed",
+            step=step,
+            batches_released=response.num_batches_released,
+        )
 
     def _refuse_going_back(self, start_step: int) -> None:
         """Before registering: refuse (``CannotResume``, exit 2) to train a step the broker has already committed.
@@ -368,8 +417,11 @@ class TrainerRunner:
         if start_step > committed:
             return
         config = self.config
-        resumed = (f"it resumes from the checkpoint of step {start_step - 1}" if start_step > 1
-                   else f"no checkpoint under {config.checkpoint_dir}")
+        resumed = (
+            f"it resumes from the checkpoint of step {start_step - 1}"
+            if start_step > 1
+            else f"no checkpoint under {config.checkpoint_dir}"
+        )
         if config.ckpt is None:
             raise CannotResume(
                 f"the broker has committed steps 1-{committed} of this run and this trainer would start again at "

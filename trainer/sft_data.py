@@ -1,12 +1,11 @@
 """SFT data: a JSONL file of chat samples, tokenized with the model's chat template and packed.
 
 Each line is ``{"messages": [{"role": ..., "content": ...}, ...]}`` or ``{"prompt": [...], "completion":
-[...]}`` (verifiers' shape: the completion's messages follow the prompt's). Loss tokens are the assistant
-messages' tokens (content and end-of-turn), never the prompt, the other roles or the
-``<|im_start|>assistant`` header that the inference server adds itself. One optimizer step's samples are packed
-by the packer of RL batches (``primerl.proto.packing``): balanced over the ranks by tokens, then first-fit-decreasing into
-micro-batches of at most ``seq_len`` tokens, so that every rank gets its share (``pack_for_ranks``).
-"""
+[...]}`` (verifiers' shape: the completion's messages follow the prompt's). Loss tokens are the assistant messages'
+tokens (content and end-of-turn), never the prompt, the other roles or the ``<|im_start|>assistant`` header that the
+inference server adds itself. One optimizer step's samples are packed by the packer of RL batches
+(``primerl.proto.packing``): balanced over the ranks by tokens, then first-fit-decreasing into micro-batches of at most
+``seq_len`` tokens, so that every rank gets its share (``pack_for_ranks``)."""
 
 from __future__ import annotations
 
@@ -44,9 +43,12 @@ def read_chat_samples(path: Path) -> list[list[dict[str, str]]]:
             else:
                 raise ValueError(f"{path}:{number}: expected an object with `messages`, or `prompt` and `completion`")
             if not isinstance(messages, list) or not all(
-                isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str) for m in messages
+                isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+                for m in messages
             ):
-                raise ValueError(f"{path}:{number}: messages must be a list of {{role, content}} objects with string values")
+                raise ValueError(
+                    f"{path}:{number}: messages must be a list of {{role, content}} objects with string values"
+                )
             if not any(m["role"] == "assistant" for m in messages):
                 raise ValueError(f"{path}:{number}: no assistant message, so nothing to learn")
             conversations.append(messages)
@@ -57,6 +59,7 @@ def read_chat_samples(path: Path) -> list[list[dict[str, str]]]:
 
 def tokenize_conversation(tokenizer: Any, messages: Sequence[dict[str, str]]) -> TokenizedSample:
     """Tokens of the whole conversation and which of them are assistant output."""
+
     def ids(text: str) -> list[int]:
         return tokenizer(text, add_special_tokens=False)["input_ids"]
 
@@ -66,12 +69,14 @@ def tokenize_conversation(tokenizer: Any, messages: Sequence[dict[str, str]]) ->
     for index, message in enumerate(messages):
         if message["role"] == "assistant":
             header = tokenizer.apply_chat_template(list(messages[:index]), tokenize=False, add_generation_prompt=True)
-            _extend(input_ids, loss_mask, ids(header[len(rendered):]), False)
+            _extend(input_ids, loss_mask, ids(header[len(rendered) :]), False)
             rendered = header
         full = tokenizer.apply_chat_template(list(messages[: index + 1]), tokenize=False)
         if not full.startswith(rendered):
-            raise ValueError("the chat template does not render conversations prefix by prefix; cannot mask per message")
-        _extend(input_ids, loss_mask, ids(full[len(rendered):]), message["role"] == "assistant")
+            raise ValueError(
+                "the chat template does not render conversations prefix by prefix; cannot mask per message"
+            )
+        _extend(input_ids, loss_mask, ids(full[len(rendered) :]), message["role"] == "assistant")
         rendered = full
     return TokenizedSample(input_ids, loss_mask)
 
@@ -129,8 +134,9 @@ def as_training_samples(samples: Sequence[TokenizedSample]) -> list[SupervisedSa
     return [SupervisedSample(token_ids=s.input_ids, loss_mask=s.loss_mask) for s in samples]
 
 
-def pack_for_ranks(samples: Sequence[SupervisedSample], seq_len: int, num_ranks: int = 1,
-                   pad_token_id: int = 0) -> list[list[MicroBatch]]:
+def pack_for_ranks(
+    samples: Sequence[SupervisedSample], seq_len: int, num_ranks: int = 1, pad_token_id: int = 0
+) -> list[list[MicroBatch]]:
     """One step's micro-batches for each rank (``primerl.proto.packing.pack_samples``): samples balanced over the
     ranks by tokens, then first-fit-decreasing into bins of at most ``seq_len`` tokens (a longer sample is
     truncated); a rank left without samples gets one padding micro-batch (a ``pad_token_id`` token, no loss), so

@@ -31,10 +31,10 @@ from pathlib import Path
 
 import torch
 
+from primerl.configs.trainer import SFTConfig
 from primerl.runtime.log_setup import bind_context, get_logger
 from primerl.runtime.metrics_sink import MetricsSink
 from primerl.runtime.prometheus import start_exporter
-from primerl.configs.trainer import SFTConfig
 from primerl.trainer.distributed import DistInfo, all_reduce_sum, barrier, resolve_parallel, unwrap_model
 from primerl.trainer.sft_data import as_training_samples, pack_for_ranks, read_chat_samples, tokenize_conversation
 from primerl.trainer.train_step import sft_objective
@@ -89,8 +89,9 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-def _train(config: SFTConfig, dist_info: DistInfo, parallel: str, stop_event: threading.Event,
-           sink: MetricsSink | None) -> SFTResult:
+def _train(
+    config: SFTConfig, dist_info: DistInfo, parallel: str, stop_event: threading.Event, sink: MetricsSink | None
+) -> SFTResult:
     from transformers import AutoTokenizer
 
     from primerl.trainer.checkpoint import prune_checkpoints
@@ -98,22 +99,29 @@ def _train(config: SFTConfig, dist_info: DistInfo, parallel: str, stop_event: th
 
     seed_everything(config.data.seed)
     tokenizer = AutoTokenizer.from_pretrained(config.tokenizer.name)
-    samples = as_training_samples([tokenize_conversation(tokenizer, messages)
-                                   for messages in read_chat_samples(config.data.path)])
+    samples = as_training_samples(
+        [tokenize_conversation(tokenizer, messages) for messages in read_chat_samples(config.data.path)]
+    )
     pad_token_id = next((t for t in (tokenizer.pad_token_id, tokenizer.eos_token_id) if t is not None), 0)
     steps_per_epoch = math.ceil(len(samples) / config.data.batch_size)
     max_steps = config.max_steps or steps_per_epoch * config.data.epochs
     training = build_training(config, parallel, dist_info, max_steps, sft_objective)
     resumed = resume_from_checkpoint(config, training, dist_info.rank)
     start_step = 1 if resumed is None else resumed["step"] + 1
-    log.info("sft starting", num_samples=len(samples), max_steps=max_steps, start_step=start_step,
-             world_size=dist_info.world_size)
+    log.info(
+        "sft starting",
+        num_samples=len(samples),
+        max_steps=max_steps,
+        start_step=start_step,
+        world_size=dist_info.world_size,
+    )
 
     def checkpoint(step: int) -> None:
         save_training_checkpoint(config, training, step, {"step": step}, dist_info)
         if dist_info.is_main:
-            prune_checkpoints(config.checkpoint_dir, keep_last=config.ckpt.keep_last,
-                              keep_interval=config.ckpt.keep_interval)
+            prune_checkpoints(
+                config.checkpoint_dir, keep_last=config.ckpt.keep_last, keep_interval=config.ckpt.keep_interval
+            )
 
     last_step = start_step - 1
     saved_step = None
@@ -128,16 +136,23 @@ def _train(config: SFTConfig, dist_info: DistInfo, parallel: str, stop_event: th
         last_step = step
         if sink is not None:
             sink.log(step, stats.as_metrics("sft"))
-        log.info("sft step", loss=round(stats.loss, 5), tokens=stats.num_loss_tokens,
-                 step_s=round(time.monotonic() - started_s, 3))
+        log.info(
+            "sft step",
+            loss=round(stats.loss, 5),
+            tokens=stats.num_loss_tokens,
+            step_s=round(time.monotonic() - started_s, 3),
+        )
         ckpt = config.ckpt
         if ckpt is not None and (step == max_steps or (ckpt.interval and step % ckpt.interval == 0)):
             checkpoint(step)
             saved_step = step
     result = SFTResult(None, last_step, max_steps)
     if not result.finished:
-        log.warning("sft interrupted: the weights of the step reached are exported, not the final model",
-                    step=last_step, max_steps=max_steps)
+        log.warning(
+            "sft interrupted: the weights of the step reached are exported, not the final model",
+            step=last_step,
+            max_steps=max_steps,
+        )
         if last_step < start_step:  # nothing trained in this run: nothing new to save
             return result
         if config.ckpt is not None and saved_step != last_step:

@@ -65,9 +65,16 @@ class StepPrefetcher:
     when given, is computed on this thread too (``PrefetchedStep.data_digest``).
     """
 
-    def __init__(self, fetch: Callable[[int, threading.Event], list], decode: Callable[[list], list],
-                 first_step: int, last_step: int, *, name: str = "trainer-fetch",
-                 describe: Callable[[list], str] | None = None):
+    def __init__(
+        self,
+        fetch: Callable[[int, threading.Event], list],
+        decode: Callable[[list], list],
+        first_step: int,
+        last_step: int,
+        *,
+        name: str = "trainer-fetch",
+        describe: Callable[[list], str] | None = None,
+    ):
         self._fetch = fetch
         self._decode = decode
         self._describe = describe
@@ -84,8 +91,12 @@ class StepPrefetcher:
                 raw = self._fetch(step, self._halt)
                 fetched_s = time.perf_counter()
                 item: PrefetchedStep | BaseException = PrefetchedStep(
-                    step, self._decode(raw), fetched_s - started_s, time.perf_counter() - fetched_s,
-                    self._describe(raw) if self._describe is not None else "")
+                    step,
+                    self._decode(raw),
+                    fetched_s - started_s,
+                    time.perf_counter() - fetched_s,
+                    self._describe(raw) if self._describe is not None else "",
+                )
             except BaseException as exc:  # handed to the compute loop, which raises it
                 item = exc
             while not self._halt.is_set():
@@ -171,8 +182,12 @@ class StepIOThread:
                 except BaseException as exc:
                     self._failed_label = ticket.label
                     self._error = exc
-                    log.error("trainer IO job failed; no later job runs", job=ticket.label,
-                              error=f"{type(exc).__name__}: {exc}", exc_info=True)
+                    log.error(
+                        "trainer IO job failed; no later job runs",
+                        job=ticket.label,
+                        error=f"{type(exc).__name__}: {exc}",
+                        exc_info=True,
+                    )
                 ticket.ran_s = time.perf_counter() - started_s
             ticket._done.set()
 
@@ -182,8 +197,9 @@ class StepIOThread:
     def check(self) -> None:
         """Raise ``TrainerIOError`` (from the job's error) if a job has failed."""
         if self._error is not None:
-            raise TrainerIOError(f"trainer IO job {self._failed_label!r} failed: "
-                                 f"{type(self._error).__name__}: {self._error}") from self._error
+            raise TrainerIOError(
+                f"trainer IO job {self._failed_label!r} failed: {type(self._error).__name__}: {self._error}"
+            ) from self._error
 
     def submit(self, label: str, job: Callable[[], Any], timeout_s: float = 600.0) -> Ticket:
         """Queue ``job`` after every job submitted before; blocks (bounded) while ``max_pending`` are queued."""
@@ -237,6 +253,11 @@ class StepDataWait:
         now_s = time.monotonic()
         if now_s >= self.next_log_s:
             self.next_log_s = now_s + DATA_WAIT_LOG_S
-            log.info("waiting for the step's micro-batches", step=self.step, received=num_received,
-                     expected=num_expected, waited_s=round(now_s - self.started_s, 1),
-                     broker="unreachable" if self.control.broker_unreachable else "reachable")
+            log.info(
+                "waiting for the step's micro-batches",
+                step=self.step,
+                received=num_received,
+                expected=num_expected,
+                waited_s=round(now_s - self.started_s, 1),
+                broker="unreachable" if self.control.broker_unreachable else "reachable",
+            )

@@ -134,8 +134,13 @@ class TinyModelSpec:
         """Raise ValueError with a fix-it message for a shape that transformers or vLLM cannot run."""
         if self.seed < 0:
             raise ValueError(f"seed must be >= 0, got {self.seed}")
-        for name in ("hidden_size", "num_layers", "num_attention_heads", "num_key_value_heads",
-                     "max_position_embeddings"):
+        for name in (
+            "hidden_size",
+            "num_layers",
+            "num_attention_heads",
+            "num_key_value_heads",
+            "max_position_embeddings",
+        ):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.intermediate_size is not None and self.intermediate_size < 1:
@@ -162,15 +167,14 @@ class TinyModelSpec:
         if self.is_moe:
             self._validate_moe()
         if self.vocab_size is not None and self.vocab_size < TOKENIZER_VOCAB_SIZE:
-            raise ValueError(
-                f"vocab_size ({self.vocab_size}) must be >= the tokenizer's {TOKENIZER_VOCAB_SIZE} tokens"
-            )
-
+            raise ValueError(f"vocab_size ({self.vocab_size}) must be >= the tokenizer's {TOKENIZER_VOCAB_SIZE} tokens")
 
     def _validate_moe(self) -> None:
         if not 1 <= self.num_experts_per_tok <= self.num_experts:
-            raise ValueError(f"num_experts_per_tok ({self.num_experts_per_tok}) must be between 1 and num_experts "
-                             f"({self.num_experts})")
+            raise ValueError(
+                f"num_experts_per_tok ({self.num_experts_per_tok}) must be between 1 and num_experts "
+                f"({self.num_experts})"
+            )
         size = self.moe_intermediate_size
         if size < 1 or size % MOE_EXPERT_SIZE_MULTIPLE:
             raise ValueError(
@@ -189,8 +193,9 @@ class TinyModelSpec:
         return out
 
 
-def build_tiny_model(out_dir: str | os.PathLike[str], spec: TinyModelSpec | None = None, *,
-                     overwrite: bool = False) -> Path:
+def build_tiny_model(
+    out_dir: str | os.PathLike[str], spec: TinyModelSpec | None = None, *, overwrite: bool = False
+) -> Path:
     """Write tokenizer, config, weights and generation config of a tiny Qwen2 model to `out_dir`.
 
     The files are written to a temporary directory next to `out_dir` and renamed into place, so `out_dir`
@@ -299,10 +304,12 @@ def train_tokenizer() -> Any:
 
     tokenizer = Tokenizer(models.BPE(unk_token=None, fuse_unk=False, byte_fallback=False))
     tokenizer.normalizer = normalizers.NFC()
-    tokenizer.pre_tokenizer = pre_tokenizers.Sequence([
-        pre_tokenizers.Split(Regex(_QWEN2_SPLIT_PATTERN), behavior="isolated", invert=False),
-        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-    ])
+    tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(_QWEN2_SPLIT_PATTERN), behavior="isolated", invert=False),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
     tokenizer.decoder = decoders.ByteLevel()
     tokenizer.post_processor = processors.ByteLevel(trim_offsets=False)
     trainer = trainers.BpeTrainer(
@@ -323,8 +330,7 @@ def _save_tokenizer(out_dir: Path) -> Any:
 
     trained = json.loads(train_tokenizer().to_str())
     vocab = {token: token_id for token, token_id in trained["model"]["vocab"].items()}
-    merges = [tuple(pair) if isinstance(pair, list) else tuple(pair.split(" ")) for pair in
-              trained["model"]["merges"]]
+    merges = [tuple(pair) if isinstance(pair, list) else tuple(pair.split(" ")) for pair in trained["model"]["merges"]]
     tokenizer = Qwen2Tokenizer(
         vocab=vocab,
         merges=merges,
@@ -400,8 +406,13 @@ def _save_model(out_dir: Path, spec: TinyModelSpec, tokenizer: Any) -> None:
         model_class = Qwen3MoeForCausalLM if spec.is_moe else Qwen2ForCausalLM
         model = model_class(config).to(torch.float32)
     model.generation_config = GenerationConfig(
-        bos_token_id=pad_id, eos_token_id=eos_id, pad_token_id=pad_id, do_sample=True, temperature=1.0,
-        top_p=1.0, top_k=0,
+        bos_token_id=pad_id,
+        eos_token_id=eos_id,
+        pad_token_id=pad_id,
+        do_sample=True,
+        temperature=1.0,
+        top_p=1.0,
+        top_k=0,
     )
     from transformers.utils import logging as hf_logging
 

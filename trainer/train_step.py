@@ -17,9 +17,9 @@ from dataclasses import dataclass, field
 
 import torch
 
+from primerl.configs.trainer import KLConfig
 from primerl.trainer.batch import MicroBatch, packed_token_logprobs, router_aux_term
 from primerl.trainer.distributed import DistInfo, all_reduce_sum
-from primerl.configs.trainer import KLConfig
 from primerl.trainer.losses import AdaptiveKLController, LossOutput, kl_penalty, rl_loss, sft_loss
 
 # objective(batch, logprobs, num_loss_tokens) -> LossOutput
@@ -37,8 +37,12 @@ class StepStats:
     timings: dict[str, float] = field(default_factory=dict)  # seconds per phase: forward, backward, optimizer...
 
     def as_metrics(self, prefix: str = "train") -> dict[str, float]:
-        out = {f"{prefix}/loss": self.loss, f"{prefix}/grad_norm": self.grad_norm,
-               f"{prefix}/learning_rate": self.learning_rate, f"{prefix}/num_loss_tokens": float(self.num_loss_tokens)}
+        out = {
+            f"{prefix}/loss": self.loss,
+            f"{prefix}/grad_norm": self.grad_norm,
+            f"{prefix}/learning_rate": self.learning_rate,
+            f"{prefix}/num_loss_tokens": float(self.num_loss_tokens),
+        }
         out.update({f"{prefix}/{name}": value for name, value in self.metrics.items()})
         return out
 
@@ -70,8 +74,9 @@ class TrainStep:
         self.kl_config = kl_config
         self.kl_controller = AdaptiveKLController(kl_config) if kl_config is not None else None
 
-    def step(self, step: int, micro_batches: Sequence[MicroBatch],
-             before_update: Callable[[], None] | None = None) -> StepStats:
+    def step(
+        self, step: int, micro_batches: Sequence[MicroBatch], before_update: Callable[[], None] | None = None
+    ) -> StepStats:
         """One optimizer step. ``before_update`` runs after the last backward and before the parameters change
         (the runner waits there until the previous step's publish and checkpoint have read the weights).
         ``StepStats.timings``: ``forward_s`` (forward, logprobs, loss), ``backward_s``, ``update_wait_s`` (in
@@ -83,9 +88,13 @@ class TrainStep:
         num_passes = all_reduce_max(len(micro_batches), self.dist)
         fewest_batches = -all_reduce_max(-len(micro_batches), self.dist)
         if num_loss_tokens == 0:
-            raise ValueError(f"step {step} has no loss tokens on any rank: nothing to learn from (all rollouts failed?)")
+            raise ValueError(
+                f"step {step} has no loss tokens on any rank: nothing to learn from (all rollouts failed?)"
+            )
         if fewest_batches == 0:
-            raise ValueError(f"step {step}: a rank got no micro-batches while others did; the packer must give every rank one")
+            raise ValueError(
+                f"step {step}: a rank got no micro-batches while others did; the packer must give every rank one"
+            )
         totals: dict[str, float] = {}
         loss_sum = 0.0
         entropy_sum = 0.0
@@ -130,21 +139,33 @@ class TrainStep:
         self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
-        timings = {"forward_s": forward_s, "backward_s": backward_s, "update_wait_s": update_started_s - wait_started_s,
-                   "optimizer_s": time.perf_counter() - update_started_s}
+        timings = {
+            "forward_s": forward_s,
+            "backward_s": backward_s,
+            "update_wait_s": update_started_s - wait_started_s,
+            "optimizer_s": time.perf_counter() - update_started_s,
+        }
 
         totals["entropy"] = entropy_sum
         summed = {name: all_reduce_sum(value, self.dist) for name, value in totals.items() if name != "kl_beta"}
         if self.kl_controller is not None and "reference_kl" in summed:
             summed["kl_beta"] = self.kl_controller.update(summed["reference_kl"])
-        return StepStats(step=step, loss=all_reduce_sum(loss_sum, self.dist), num_loss_tokens=num_loss_tokens,
-                         grad_norm=grad_norm, learning_rate=learning_rate, metrics=summed, timings=timings)
+        return StepStats(
+            step=step,
+            loss=all_reduce_sum(loss_sum, self.dist),
+            num_loss_tokens=num_loss_tokens,
+            grad_norm=grad_norm,
+            learning_rate=learning_rate,
+            metrics=summed,
+            timings=timings,
+        )
 
     def _kl(self, batch: MicroBatch, logprobs: torch.Tensor, num_loss_tokens: int) -> LossOutput:
         with torch.no_grad():
             reference_logprobs, _ = packed_token_logprobs(self.reference_model, batch, with_entropy=False)
-        return kl_penalty(self.kl_config, self.kl_controller.beta, logprobs, reference_logprobs, batch.loss_mask,
-                          num_loss_tokens)
+        return kl_penalty(
+            self.kl_config, self.kl_controller.beta, logprobs, reference_logprobs, batch.loss_mask, num_loss_tokens
+        )
 
     def _no_sync(self, *, last: bool):
         """DDP: reduce gradients only in the last backward of the step (FSDP2 and 1 rank: no-op)."""
@@ -166,9 +187,17 @@ def all_reduce_max(value: int, dist_info: DistInfo) -> int:
 
 def rl_objective(loss_config) -> Objective:
     """The RL loss of ``loss_config``; with ``teacher_tau > 0`` it adds on-policy distillation (``losses.py``)."""
+
     def objective(batch: MicroBatch, logprobs: torch.Tensor, num_loss_tokens: int) -> LossOutput:
-        return rl_loss(loss_config, logprobs, batch.inference_logprobs, batch.advantages, batch.loss_mask,
-                       num_loss_tokens, teacher_logprobs=batch.teacher_logprobs)
+        return rl_loss(
+            loss_config,
+            logprobs,
+            batch.inference_logprobs,
+            batch.advantages,
+            batch.loss_mask,
+            num_loss_tokens,
+            teacher_logprobs=batch.teacher_logprobs,
+        )
 
     return objective
 

@@ -8,8 +8,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from primerl.runtime.log_setup import get_logger
 from primerl.configs.trainer import KLConfig, TrainerConfig
+from primerl.runtime.log_setup import get_logger
 from primerl.trainer.distributed import DistInfo, barrier, unwrap_model, wrap_model
 
 if TYPE_CHECKING:
@@ -32,8 +32,15 @@ class Training:
     step_fn: TrainStep
 
 
-def build_training(config: TrainerConfig, parallel: str, dist_info: DistInfo, max_steps: int, objective: Objective,
-                   *, kl_config: KLConfig | None = None) -> Training:
+def build_training(
+    config: TrainerConfig,
+    parallel: str,
+    dist_info: DistInfo,
+    max_steps: int,
+    objective: Objective,
+    *,
+    kl_config: KLConfig | None = None,
+) -> Training:
     """Load ``config.model`` and build what trains it for ``max_steps`` steps with ``objective``; with
     ``kl_config``, a frozen reference copy of the model (no LoRA, no activation checkpointing) for the KL penalty."""
     from primerl.trainer.model import load_model
@@ -47,8 +54,16 @@ def build_training(config: TrainerConfig, parallel: str, dist_info: DistInfo, ma
     if kl_config is not None:
         reference = load_model(config.model.model_copy(update={"lora": None, "ac": None})).eval()
         reference.requires_grad_(False)
-    step_fn = TrainStep(model, optimizer, scheduler, objective, dist_info, max_grad_norm=config.optim.max_norm,
-                        reference_model=reference, kl_config=kl_config)
+    step_fn = TrainStep(
+        model,
+        optimizer,
+        scheduler,
+        objective,
+        dist_info,
+        max_grad_norm=config.optim.max_norm,
+        reference_model=reference,
+        kl_config=kl_config,
+    )
     return Training(model, optimizer, scheduler, step_fn)
 
 
@@ -63,18 +78,33 @@ def resume_from_checkpoint(config: TrainerConfig, training: Training, rank: int)
     resume = ckpt.resume_step if ckpt.resume_step is not None else latest_checkpoint(config.checkpoint_dir)
     if resume is None:
         return None
-    return load_checkpoint(config.checkpoint_dir, resume, model=unwrap_model(training.model),
-                           optimizer=training.optimizer, scheduler=training.scheduler, rank=rank)
+    return load_checkpoint(
+        config.checkpoint_dir,
+        resume,
+        model=unwrap_model(training.model),
+        optimizer=training.optimizer,
+        scheduler=training.scheduler,
+        rank=rank,
+    )
 
 
-def save_training_checkpoint(config: TrainerConfig, training: Training, step: int, extra_state: dict[str, Any],
-                             dist_info: DistInfo) -> None:
+def save_training_checkpoint(
+    config: TrainerConfig, training: Training, step: int, extra_state: dict[str, Any], dist_info: DistInfo
+) -> None:
     """Every rank: the checkpoint of ``step`` (``primerl.trainer.checkpoint.save_checkpoint``) of ``training``."""
     from primerl.trainer.checkpoint import save_checkpoint
 
-    save_checkpoint(config.checkpoint_dir, step, model=unwrap_model(training.model), optimizer=training.optimizer,
-                    scheduler=training.scheduler, extra_state=extra_state, rank=dist_info.rank,
-                    world_size=dist_info.world_size, barrier=lambda: barrier(dist_info))
+    save_checkpoint(
+        config.checkpoint_dir,
+        step,
+        model=unwrap_model(training.model),
+        optimizer=training.optimizer,
+        scheduler=training.scheduler,
+        extra_state=extra_state,
+        rank=dist_info.rank,
+        world_size=dist_info.world_size,
+        barrier=lambda: barrier(dist_info),
+    )
 
 
 def warn_unused_options(config: TrainerConfig) -> None:

@@ -4,10 +4,10 @@ directory, the run status) plus the harness's record of what it killed, and the 
 The final lineage of the weights: the last trainer incarnation resumed from checkpoint ``r`` (0: from scratch)
 and trained steps ``r+1..``; checkpoint ``r`` was written by the latest earlier incarnation that logged
 ``checkpoint saved step=r``, which itself trained from its own resume point, and so on back to step 0. A step
-trained by an incarnation outside that chain (killed before its checkpoint, the step then trained again after
-the rollback) is counted as retrained, which is fine; an incarnation trained a step when it logged its
-``step done`` or published its version (it may die between the two). A ``step done`` with ``from_checkpoint`` for the step an
-incarnation resumed at is the record of that step (its trainer died between the checkpoint and the record).
+trained by an incarnation outside that chain (killed before its checkpoint, the step then trained again after the
+rollback) is counted as retrained, which is fine; an incarnation trained a step when it logged its ``step done`` or
+published its version (it may die between the two). A ``step done`` with ``from_checkpoint`` for the step an incarnation
+resumed at is the record of that step (its trainer died between the checkpoint and the record).
 Checks:
 
 - lost: a step of 1..N with no ``step done`` in the lineage; duplicated: a step done twice in the lineage;
@@ -26,8 +26,8 @@ Checks:
 
 from __future__ import annotations
 
-from collections import Counter, defaultdict
 import json
+from collections import Counter, defaultdict
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -47,14 +47,24 @@ class Lineage:
 
 def lineage(trainer: list[Incarnation]) -> Lineage:
     result = Lineage()
-    resumed = {inc.number: int(inc.named("resumed from checkpoint")[0].get("step", 0))
-               if inc.named("resumed from checkpoint") else 0 for inc in trainer}
+    resumed = {
+        inc.number: int(inc.named("resumed from checkpoint")[0].get("step", 0))
+        if inc.named("resumed from checkpoint")
+        else 0
+        for inc in trainer
+    }
     done = {inc.number: inc.named("step done") for inc in trainer}
     # the steps each incarnation trained: its own "step done" lines and the versions it published (a trainer
     # killed between a publish and its "step done" trained that step too)
-    trained = {inc.number: {int(e.get("step", 0)) for e in done[inc.number] if not e.get("from_checkpoint")}
-               | {int(e.get("policy_version", 0)) for e in inc.named("policy published")
-                  if int(e.get("policy_version", 0)) > resumed[inc.number]} for inc in trainer}
+    trained = {
+        inc.number: {int(e.get("step", 0)) for e in done[inc.number] if not e.get("from_checkpoint")}
+        | {
+            int(e.get("policy_version", 0))
+            for e in inc.named("policy published")
+            if int(e.get("policy_version", 0)) > resumed[inc.number]
+        }
+        for inc in trainer
+    }
     active = [inc for inc in trainer if done[inc.number] or trained[inc.number] or inc.named("checkpoint saved")]
     if not active:
         result.broken = "no trainer incarnation trained a step"
@@ -64,8 +74,11 @@ def lineage(trainer: list[Incarnation]) -> Lineage:
     while True:
         start = resumed[current.number]
         result.chain.append((current.number, start))
-        owned |= {(current.number, step) for step in trained[current.number]
-                  if step > start and (upper is None or step <= upper)}
+        owned |= {
+            (current.number, step)
+            for step in trained[current.number]
+            if step > start and (upper is None or step <= upper)
+        }
         for event in done[current.number]:
             step = int(event.get("step", 0))
             # a resumed trainer writes the record of the step it resumed at (``from_checkpoint``) when the
@@ -75,11 +88,17 @@ def lineage(trainer: list[Incarnation]) -> Lineage:
                 result.steps.setdefault(step, []).append(event.fields)
         if start == 0:
             break
-        writers = [inc for inc in trainer if inc.number < current.number
-                   and any(int(e.get("step", -1)) == start for e in inc.named("checkpoint saved"))]
+        writers = [
+            inc
+            for inc in trainer
+            if inc.number < current.number
+            and any(int(e.get("step", -1)) == start for e in inc.named("checkpoint saved"))
+        ]
         if not writers:
-            result.broken = f"incarnation {current.number} resumed from checkpoint {start}, which no earlier " \
-                            "incarnation logged as saved"
+            result.broken = (
+                f"incarnation {current.number} resumed from checkpoint {start}, which no earlier "
+                "incarnation logged as saved"
+            )
             break
         current, upper = writers[-1], start
         owned.add((current.number, start))
@@ -138,8 +157,9 @@ def judge(record: RunRecord) -> Verdict:
     if resent:
         verdict.findings.append(f"steps sent with more than one data digest (orchestrator restarts): {resent}")
 
-    rows = Counter(int(r.get("step", 0)) for r in read_metrics_rows(spec.run_dir / "metrics.jsonl")
-                   if r.get("role") == "trainer")
+    rows = Counter(
+        int(r.get("step", 0)) for r in read_metrics_rows(spec.run_dir / "metrics.jsonl") if r.get("role") == "trainer"
+    )
     verdict.missing_rows = [s for s in range(1, n + 1) if rows[s] == 0]
     verdict.extra_rows = [s for s in sorted(rows) if rows[s] > chain.trainings[s]]
 
@@ -149,25 +169,34 @@ def judge(record: RunRecord) -> Verdict:
         incarnation = _incarnation_of(logs[ended.role], ended.at_s)
         why = incarnation.last_error() if incarnation else "(no log)"
         code = "?" if ended.code is None else ended.code
-        verdict.unplanned.append(f"{ended.role} pid {ended.pid} status {code} at "
-                                 f"+{ended.at_s - record.started_s:.0f}s: {why}")
+        verdict.unplanned.append(
+            f"{ended.role} pid {ended.pid} status {code} at +{ended.at_s - record.started_s:.0f}s: {why}"
+        )
 
     final = record.final_status
     if not served_final(final, n):
-        versions = [(w.get("name"), w.get("policy_version")) for w in (final or {}).get("workers", [])
-                    if w.get("role") == "ROLE_INFERENCE"]
+        versions = [
+            (w.get("name"), w.get("policy_version"))
+            for w in (final or {}).get("workers", [])
+            if w.get("role") == "ROLE_INFERENCE"
+        ]
         verdict.failures.append(
             f"final status: latest policy version {(final or {}).get('latest_policy_version')} (want {n}), "
-            f"inference workers serving {versions or 'none'} {record.final_status_error}".rstrip())
+            f"inference workers serving {versions or 'none'} {record.final_status_error}".rstrip()
+        )
     _spool_checks(spec.run_dir / "broker" / "spool", n, verdict)
     if not (spec.run_dir / "checkpoints" / f"step_{n}").exists():
         verdict.failures.append(f"no checkpoint of the last step (checkpoints/step_{n})")
 
-    for name, values in (("steps lost", verdict.lost), ("steps duplicated", verdict.duplicated),
-                         ("steps mismatched", verdict.mismatched), ("steps unverified (no data_digest)",
-                                                                     verdict.unverified),
-                         ("metrics rows missing", verdict.missing_rows), ("metrics rows extra", verdict.extra_rows),
-                         ("left running", record.leftovers)):
+    for name, values in (
+        ("steps lost", verdict.lost),
+        ("steps duplicated", verdict.duplicated),
+        ("steps mismatched", verdict.mismatched),
+        ("steps unverified (no data_digest)", verdict.unverified),
+        ("metrics rows missing", verdict.missing_rows),
+        ("metrics rows extra", verdict.extra_rows),
+        ("left running", record.leftovers),
+    ):
         if values:
             verdict.failures.append(f"{name}: {_short(values)}")
     if verdict.unplanned:
@@ -180,14 +209,16 @@ def judge(record: RunRecord) -> Verdict:
         verdict.failures.append(f"primerl rl exited {record.rl_exit_code}")
     for kill in record.kills:
         if kill.orphans:
-            verdict.findings.append(f"{kill.spec.role} killed: {len(kill.orphans)} of its processes alive 2 s "
-                                    f"later: {_short(kill.orphans)}")
+            verdict.findings.append(
+                f"{kill.spec.role} killed: {len(kill.orphans)} of its processes alive 2 s later: {_short(kill.orphans)}"
+            )
         if kill.recovered_s is None:
             verdict.failures.append(f"{kill.spec.role} never came back after its kill ({kill.spec.moment})")
     survivors = [f"{e.role} pid {e.pid}: {_short(e.survivors)}" for e in record.exits if e.survivors]
     if survivors:
-        verdict.findings.append(f"processes left in a role's group when it ended (the restarter killed them): "
-                                f"{_short(survivors)}")
+        verdict.findings.append(
+            f"processes left in a role's group when it ended (the restarter killed them): {_short(survivors)}"
+        )
     _status_findings(record, verdict)
     return verdict
 
@@ -249,19 +280,29 @@ def _short(values, limit: int = 6) -> str:
 
 def summary(verdict: Verdict) -> str:
     record, spec = verdict.record, verdict.record.spec
-    lines = [f"== mode {spec.mode} seed {spec.seed}: {'PASS' if verdict.ok else 'FAIL'} "
-             f"({spec.max_steps} steps, {record.wall_s:.0f} s, run dir {spec.run_dir})"]
-    lines.append(f"  kills {len(record.kills)}, starts per role {record.starts} "
-                 f"(restarts {sum(max(0, c - 1) for c in record.starts.values())})")
+    lines = [
+        f"== mode {spec.mode} seed {spec.seed}: {'PASS' if verdict.ok else 'FAIL'} "
+        f"({spec.max_steps} steps, {record.wall_s:.0f} s, run dir {spec.run_dir})"
+    ]
+    lines.append(
+        f"  kills {len(record.kills)}, starts per role {record.starts} "
+        f"(restarts {sum(max(0, c - 1) for c in record.starts.values())})"
+    )
     for kill in record.kills:
+
         def seconds(value):
             return "never" if value is None else f"{value:.1f}s"
-        lines.append(f"  - {kill.spec.role:<12} {kill.spec.moment:<25} at step {kill.trainer_step:>2}: back in "
-                     f"{seconds(kill.recovered_s)}, next step done in {seconds(kill.next_step_s)}  [{kill.note}]")
+
+        lines.append(
+            f"  - {kill.spec.role:<12} {kill.spec.moment:<25} at step {kill.trainer_step:>2}: back in "
+            f"{seconds(kill.recovered_s)}, next step done in {seconds(kill.next_step_s)}  [{kill.note}]"
+        )
     lines.append(f"  run status polls: {len(record.statuses)} answered, {record.status_errors} failed")
-    lines.append(f"  steps lost {len(verdict.lost)}, duplicated {len(verdict.duplicated)}, mismatched "
-                 f"{len(verdict.mismatched)}, unverified {len(verdict.unverified)}, retrained after a rollback "
-                 f"{verdict.retrained or 0}, unplanned exits {len(verdict.unplanned)}")
+    lines.append(
+        f"  steps lost {len(verdict.lost)}, duplicated {len(verdict.duplicated)}, mismatched "
+        f"{len(verdict.mismatched)}, unverified {len(verdict.unverified)}, retrained after a rollback "
+        f"{verdict.retrained or 0}, unplanned exits {len(verdict.unplanned)}"
+    )
     for exit_line in verdict.unplanned:
         lines.append(f"  unplanned: {exit_line}")
     for failure in verdict.failures:
@@ -275,13 +316,26 @@ def write_summary(verdict: Verdict) -> Path:
     """``chaos_summary.txt`` and ``chaos_record.json`` (kills, exits, starts, verdict; no run token)."""
     record = verdict.record
     run_dir = record.spec.run_dir
-    facts = {"mode": record.spec.mode, "seed": record.spec.seed, "max_steps": record.spec.max_steps,
-             "wall_s": round(record.wall_s, 1), "aborted": record.aborted, "starts": record.starts,
-             "kills": [asdict(k) for k in record.kills], "unfired": [asdict(k) for k in record.unfired],
-             "exits": [asdict(e) for e in record.exits], "leftovers": record.leftovers,
-             "failures": verdict.failures, "findings": verdict.findings, "unplanned": verdict.unplanned,
-             "lost": verdict.lost, "duplicated": verdict.duplicated, "mismatched": verdict.mismatched,
-             "unverified": verdict.unverified, "retrained": verdict.retrained}
+    facts = {
+        "mode": record.spec.mode,
+        "seed": record.spec.seed,
+        "max_steps": record.spec.max_steps,
+        "wall_s": round(record.wall_s, 1),
+        "aborted": record.aborted,
+        "starts": record.starts,
+        "kills": [asdict(k) for k in record.kills],
+        "unfired": [asdict(k) for k in record.unfired],
+        "exits": [asdict(e) for e in record.exits],
+        "leftovers": record.leftovers,
+        "failures": verdict.failures,
+        "findings": verdict.findings,
+        "unplanned": verdict.unplanned,
+        "lost": verdict.lost,
+        "duplicated": verdict.duplicated,
+        "mismatched": verdict.mismatched,
+        "unverified": verdict.unverified,
+        "retrained": verdict.retrained,
+    }
     (run_dir / "chaos_record.json").write_text(json.dumps(facts, indent=1, default=str) + "\n")
     path = run_dir / "chaos_summary.txt"
     path.write_text(summary(verdict) + "\n")

@@ -21,17 +21,32 @@ def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python scripts/chaos", description=__doc__.split("\n\n")[0])
     parser.add_argument("--seeds", default="1,2,3", help="comma-separated seeds (default %(default)s)")
     parser.add_argument("--modes", default="separate,rl", help="separate, rl or both (default %(default)s)")
-    parser.add_argument("--quick", action="store_true",
-                        help="the CI profile: one kill per role (broker during a push, trainer between a publish "
-                             "and its checkpoint, orchestrator and inference at random moments)")
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help="the CI profile: one kill per role (broker during a push, trainer between a publish "
+        "and its checkpoint, orchestrator and inference at random moments)",
+    )
     parser.add_argument("--steps", type=int, default=None, help="max_steps (default: enough for the plan)")
-    parser.add_argument("--run-root", type=Path, default=REPO_ROOT / "runs" / "chaos",
-                        help="runs go to RUN_ROOT/<mode>-seed<seed> (default %(default)s)")
-    parser.add_argument("--restart-sec", type=float, default=None,
-                        help="RestartSec of every role (default: the shipped systemd units' values)")
+    parser.add_argument(
+        "--run-root",
+        type=Path,
+        default=REPO_ROOT / "runs" / "chaos",
+        help="runs go to RUN_ROOT/<mode>-seed<seed> (default %(default)s)",
+    )
+    parser.add_argument(
+        "--restart-sec",
+        type=float,
+        default=None,
+        help="RestartSec of every role (default: the shipped systemd units' values)",
+    )
     parser.add_argument("--timeout-s", type=float, default=900.0, help="bound of one run (default %(default)g)")
-    parser.add_argument("--stall-s", type=float, default=240.0,
-                        help="give a run up when no step is done for this long (default %(default)g)")
+    parser.add_argument(
+        "--stall-s",
+        type=float,
+        default=240.0,
+        help="give a run up when no step is done for this long (default %(default)g)",
+    )
     return parser
 
 
@@ -66,10 +81,14 @@ def main(argv: list[str] | None = None) -> int:
                 shutil.rmtree(run_dir)
             run_dir.mkdir(parents=True)
             spec = RunSpec.create(mode, seed, run_dir, model.resolve(), max_steps, restart_sec)
-            print(f"chaos: mode {mode} seed {seed}: {max_steps} steps, kills "
-                  f"{', '.join(k.describe() for k in plan)} ({time.strftime('%H:%M:%S')})", flush=True)
-            driver = Driver(spec, plan, timeout_s=args.timeout_s, stall_s=args.stall_s,
-                            say=lambda text: print(text, flush=True))
+            print(
+                f"chaos: mode {mode} seed {seed}: {max_steps} steps, kills "
+                f"{', '.join(k.describe() for k in plan)} ({time.strftime('%H:%M:%S')})",
+                flush=True,
+            )
+            driver = Driver(
+                spec, plan, timeout_s=args.timeout_s, stall_s=args.stall_s, say=lambda text: print(text, flush=True)
+            )
             try:
                 record = driver.run()
             except Exception:  # the harness's own fault: shown, judged as aborted (the roles are stopped)

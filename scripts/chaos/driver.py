@@ -20,8 +20,12 @@ STATUS_POLL_S = 0.5
 RECOVERY_BOUND_S = 240.0  # a kill whose role is not back by then: the next kill is armed anyway
 FINAL_VERSION_TIMEOUT_S = 60.0
 LEFTOVER_GRACE_S = 5.0
-RECOVERED_BY = {"broker": "broker serving", "inference": "inference worker ready",
-                "orchestrator": "registered with the broker", "trainer": "registered with the broker"}
+RECOVERED_BY = {
+    "broker": "broker serving",
+    "inference": "inference worker ready",
+    "orchestrator": "registered with the broker",
+    "trainer": "registered with the broker",
+}
 
 
 @dataclass
@@ -69,8 +73,12 @@ class StatusPoller(threading.Thread):
         from primerl.client.control import BrokerError, ControlClient
         from primerl.runtime.config_common import BrokerClientConfig
 
-        client = ControlClient(BrokerClientConfig(address=self.spec.broker_address, run_token=self.spec.token),
-                               role="client", name="chaos-status", rpc_timeout_s=2.0)
+        client = ControlClient(
+            BrokerClientConfig(address=self.spec.broker_address, run_token=self.spec.token),
+            role="client",
+            name="chaos-status",
+            rpc_timeout_s=2.0,
+        )
         try:
             while not self.halt.wait(STATUS_POLL_S):
                 try:
@@ -79,8 +87,14 @@ class StatusPoller(threading.Thread):
                     self.record.status_errors += 1
                     self.record.last_status_error = f"{type(error).__name__}: {error}"[:300]
                     continue
-                self.record.statuses.append((time.time(), MessageToDict(
-                    status, preserving_proto_field_name=True, always_print_fields_with_no_presence=True)))
+                self.record.statuses.append(
+                    (
+                        time.time(),
+                        MessageToDict(
+                            status, preserving_proto_field_name=True, always_print_fields_with_no_presence=True
+                        ),
+                    )
+                )
         finally:
             client.close()
 
@@ -89,8 +103,13 @@ def primerl_status_json(spec: RunSpec) -> tuple[dict | None, str]:
     """`primerl status --json` against the run's broker."""
     env = {**base_env(spec.marker), "PRIMERL_RUN_TOKEN": spec.token}
     try:
-        result = subprocess.run([str(BIN / "primerl"), "status", "--broker", spec.broker_address, "--json",
-                                 "--timeout-s", "10"], capture_output=True, text=True, timeout=60, env=env)
+        result = subprocess.run(
+            [str(BIN / "primerl"), "status", "--broker", spec.broker_address, "--json", "--timeout-s", "10"],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            env=env,
+        )
     except subprocess.TimeoutExpired:
         return None, "primerl status did not answer within 60 s"
     if result.returncode != 0:
@@ -206,11 +225,18 @@ class Driver:
         if spec.moment == "random":
             return f"{spec.delay_s:.2f} s after step {self.last_step} done" if self.last_step >= armed_at_step else None
         for event in new_events:
-            if spec.moment == "push" and event.role == "broker" and event.name == "weight update stored" \
-                    and self.last_step >= armed_at_step - 1:
+            if (
+                spec.moment == "push"
+                and event.role == "broker"
+                and event.name == "weight update stored"
+                and self.last_step >= armed_at_step - 1
+            ):
                 return f"broker stored {event.get('update')}"
-            if spec.moment == "publish-before-checkpoint" and event.role == "trainer" \
-                    and event.name == "policy published":
+            if (
+                spec.moment == "publish-before-checkpoint"
+                and event.role == "trainer"
+                and event.name == "policy published"
+            ):
                 version = int(event.get("policy_version", 0))
                 if version >= armed_at_step and version % CKPT_INTERVAL and version < self.spec.max_steps:
                     return f"trainer published v{version} (newest checkpoint older)"
@@ -235,8 +261,7 @@ class Driver:
             kill.recovered_s = 0.0
         elif children:
             time.sleep(2.0)
-            kill.orphans = [describe(c) for c in children if c.is_running()
-                            and c.status() != psutil.STATUS_ZOMBIE]
+            kill.orphans = [describe(c) for c in children if c.is_running() and c.status() != psutil.STATUS_ZOMBIE]
         if spec.role == "broker" and spec.moment == "push":
             live = [e for e in self.events if e.role == "inference" and e.name == "weight update live"]
             kill.note += f"; inference had applied up to v{live[-1].get('policy_version') if live else '-'}"
@@ -285,7 +310,8 @@ class Driver:
         if not finished:
             self.record.final_status_error = (
                 f"no run status polled after the trainer's last step ({len(self.record.statuses)} polls answered, "
-                f"{self.record.status_errors} failed; last error: {self.record.last_status_error or '-'})")
+                f"{self.record.status_errors} failed; last error: {self.record.last_status_error or '-'})"
+            )
             return None
         best = next((s for s in reversed(finished) if served_final(s, self.spec.max_steps)), finished[-1])
         (self.spec.run_dir / "final_status.json").write_text(json.dumps(best, indent=2))

@@ -42,8 +42,11 @@ class Incarnation:
         errors = [e for e in self.events if e.get("level") in ("error", "critical", "exception")]
         if errors:
             event = errors[-1]
-            extra = {k: v for k, v in event.fields.items()
-                     if k not in ("event", "level", "logger", "timestamp", "run_id", "role", "exception")}
+            extra = {
+                k: v
+                for k, v in event.fields.items()
+                if k not in ("event", "level", "logger", "timestamp", "run_id", "role", "exception")
+            }
             exception = str(event.get("exception", "")).strip().splitlines()
             tail = f" | {exception[-1]}" if exception else ""
             return f"{event.name} {json.dumps(extra, default=str)[:300]}{tail}"[:500]

@@ -37,14 +37,24 @@ def make_plan(seed: int, *, full: bool) -> list[KillSpec]:
     checkpoint; ``full=False`` (the CI profile) keeps one kill per role: push, publish-before-checkpoint, and
     random moments for the orchestrator and inference."""
     rng = random.Random(seed)
-    moments = [("broker", "push"), ("trainer", "publish-before-checkpoint"), ("orchestrator", "random"),
-               ("inference", "random")]
+    moments = [
+        ("broker", "push"),
+        ("trainer", "publish-before-checkpoint"),
+        ("orchestrator", "random"),
+        ("inference", "random"),
+    ]
     if full:
         moments += [("broker", "random"), ("trainer", "random")]
     rng.shuffle(moments)
-    return [KillSpec(role, moment, gap_steps=rng.randint(1, 2),
-                     delay_s=round(rng.uniform(0.0, MAX_RANDOM_DELAY_S), 3) if moment == "random" else 0.0)
-            for role, moment in moments]
+    return [
+        KillSpec(
+            role,
+            moment,
+            gap_steps=rng.randint(1, 2),
+            delay_s=round(rng.uniform(0.0, MAX_RANDOM_DELAY_S), 3) if moment == "random" else 0.0,
+        )
+        for role, moment in moments
+    ]
 
 
 def steps_needed(plan: list[KillSpec]) -> int:

@@ -77,8 +77,15 @@ def marked_processes(marker: str) -> list[psutil.Process]:
 class Unit:
     """One role under the restarter (module docstring). ``poll()`` often; ``kill()`` for a chaos kill."""
 
-    def __init__(self, role: str, argv: Sequence[str], env: Mapping[str, str], log_path: Path, restart_sec: float,
-                 cwd: Path | None = None):
+    def __init__(
+        self,
+        role: str,
+        argv: Sequence[str],
+        env: Mapping[str, str],
+        log_path: Path,
+        restart_sec: float,
+        cwd: Path | None = None,
+    ):
         self.role = role
         self.argv = [str(a) for a in argv]
         self.env = dict(env)

@@ -33,12 +33,25 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = REPO_ROOT / "examples" / "reverse_text_rl.toml"
 BIN = Path(sys.executable).parent
 ROLES = ("broker", "inference", "orchestrator", "trainer")
-DAEMONS = {"broker": "primerl-broker", "inference": "primerl-infer", "orchestrator": "primerl-orchestrator",
-           "trainer": "primerl-trainer"}
+DAEMONS = {
+    "broker": "primerl-broker",
+    "inference": "primerl-infer",
+    "orchestrator": "primerl-orchestrator",
+    "trainer": "primerl-trainer",
+}
 CKPT_INTERVAL = 2
-RUN_OVERRIDES = ["--orchestrator.batch-size", "16", "--orchestrator.rollouts-per-example", "4",
-                 "--orchestrator.sampling.max-tokens", "16", "--trainer.ckpt.interval", str(CKPT_INTERVAL),
-                 "--log.format", "json"]
+RUN_OVERRIDES = [
+    "--orchestrator.batch-size",
+    "16",
+    "--orchestrator.rollouts-per-example",
+    "4",
+    "--orchestrator.sampling.max-tokens",
+    "16",
+    "--trainer.ckpt.interval",
+    str(CKPT_INTERVAL),
+    "--log.format",
+    "json",
+]
 DEFAULT_RESTART_SEC = {"broker": 2.0, "inference": 5.0, "orchestrator": 5.0, "trainer": 5.0}
 BROKER_READY_TIMEOUT_S = 60.0
 RL_STOP_TIMEOUT_S = 90.0
@@ -62,8 +75,15 @@ def shipped_restart_sec() -> dict[str, float]:
 
 
 def base_env(marker: str) -> dict[str, str]:
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1",
-           "DO_NOT_TRACK": "1", "PYTHONUNBUFFERED": "1", MARKER_ENV: marker}
+    env = {
+        **os.environ,
+        "HF_HUB_OFFLINE": "1",
+        "TRANSFORMERS_OFFLINE": "1",
+        "VLLM_NO_USAGE_STATS": "1",
+        "DO_NOT_TRACK": "1",
+        "PYTHONUNBUFFERED": "1",
+        MARKER_ENV: marker,
+    }
     env.setdefault("PRIMERL_ENV_PYTHON", str(REPO_ROOT / ".venv-envs" / "bin" / "python"))
     env.pop("PRIMERL_RUN_TOKEN", None)
     return env
@@ -71,8 +91,9 @@ def base_env(marker: str) -> dict[str, str]:
 
 def build_tiny_model(path: Path) -> Path:
     if not (path / "config.json").exists():
-        subprocess.run([str(BIN / "primerl"), "init-tiny-model", str(path)], check=True, timeout=300,
-                       stdout=subprocess.DEVNULL)
+        subprocess.run(
+            [str(BIN / "primerl"), "init-tiny-model", str(path)], check=True, timeout=300, stdout=subprocess.DEVNULL
+        )
     return path
 
 
@@ -94,18 +115,39 @@ class RunSpec:
     marker: str
 
     @classmethod
-    def create(cls, mode: str, seed: int, run_dir: Path, model: Path, max_steps: int,
-               restart_sec: dict[str, float]) -> RunSpec:
-        return cls(mode, seed, run_dir, model, max_steps, restart_sec, free_port(), secrets.token_urlsafe(24),
-                   f"chaos-{os.getpid()}-{mode}-{seed}-{secrets.token_hex(4)}")
+    def create(
+        cls, mode: str, seed: int, run_dir: Path, model: Path, max_steps: int, restart_sec: dict[str, float]
+    ) -> RunSpec:
+        return cls(
+            mode,
+            seed,
+            run_dir,
+            model,
+            max_steps,
+            restart_sec,
+            free_port(),
+            secrets.token_urlsafe(24),
+            f"chaos-{os.getpid()}-{mode}-{seed}-{secrets.token_hex(4)}",
+        )
 
     @property
     def broker_address(self) -> str:
         return f"127.0.0.1:{self.grpc_port}"
 
     def rl_args(self) -> list[str]:
-        return ["@", str(EXAMPLE), "--model.name", str(self.model), "--output-dir", str(self.run_dir),
-                "--max-steps", str(self.max_steps), "--broker.grpc-port", str(self.grpc_port), *RUN_OVERRIDES]
+        return [
+            "@",
+            str(EXAMPLE),
+            "--model.name",
+            str(self.model),
+            "--output-dir",
+            str(self.run_dir),
+            "--max-steps",
+            str(self.max_steps),
+            "--broker.grpc-port",
+            str(self.grpc_port),
+            *RUN_OVERRIDES,
+        ]
 
 
 class SeparateBackend:
@@ -120,17 +162,22 @@ class SeparateBackend:
 
         spec = self.spec
         fixed_ports = ["--broker.rollout-port", str(free_port()), "--broker.weight-port", str(free_port())]
-        subprocess.run([str(BIN / "primerl"), "rl", *spec.rl_args(), *fixed_ports, "--dry-run", "--write",
-                        str(spec.run_dir)], check=True, timeout=120, stdout=subprocess.DEVNULL,
-                       env=base_env(spec.marker))
+        subprocess.run(
+            [str(BIN / "primerl"), "rl", *spec.rl_args(), *fixed_ports, "--dry-run", "--write", str(spec.run_dir)],
+            check=True,
+            timeout=120,
+            stdout=subprocess.DEVNULL,
+            env=base_env(spec.marker),
+        )
         budgets = default_budgets(available_cpus(), gpus=False)
         for role in ROLES:
             env = {**base_env(spec.marker), "PRIMERL_RUN_TOKEN": spec.token, **role_env(role, budgets[role])}
             argv = [BIN / DAEMONS[role], "@", spec.run_dir / f"{role}.toml"]
             if role == "broker":
                 argv += ["--ready-file", ready_file_path(spec.run_dir, "broker")]
-            self.units[role] = Unit(role, argv, env, spec.run_dir / "logs" / f"{role}.log", spec.restart_sec[role],
-                                    cwd=spec.run_dir)
+            self.units[role] = Unit(
+                role, argv, env, spec.run_dir / "logs" / f"{role}.log", spec.restart_sec[role], cwd=spec.run_dir
+            )
         self.units["broker"].start()
         deadline = time.monotonic() + BROKER_READY_TIMEOUT_S
         while read_ready_file(ready_file_path(spec.run_dir, "broker")) is None:
@@ -217,8 +264,12 @@ class RlBackend:
                     continue
                 self.ended.add(pid)
                 ending = self.process is not None and self.process.poll() is not None
-                planned = pid in self.killed or ending or (role == "trainer" and self.trainer_finished) \
+                planned = (
+                    pid in self.killed
+                    or ending
+                    or (role == "trainer" and self.trainer_finished)
                     or (self.trainer_finished and role != "trainer")
+                )
                 new.append(Exit(role, pid, -signal.SIGKILL if pid in self.killed else None, time.time(), planned))
         self._exits += new
         return new

@@ -56,9 +56,16 @@ def exact_match(completion, answer, parser: vf.Parser, **kwargs) -> float:
     return float(normalize(parser.parse_answer(completion)) == normalize(answer))
 
 
-def load_environment(num_examples: int = 2000, num_eval_examples: int = 200, min_len: int = 3, max_len: int = 6,
-                     alphabet: str = "abcd", seed: int = 0, system_prompt: str = SYSTEM_PROMPT,
-                     **kwargs) -> vf.SingleTurnEnv:
+def load_environment(
+    num_examples: int = 2000,
+    num_eval_examples: int = 200,
+    min_len: int = 3,
+    max_len: int = 6,
+    alphabet: str = "abcd",
+    seed: int = 0,
+    system_prompt: str = SYSTEM_PROMPT,
+    **kwargs,
+) -> vf.SingleTurnEnv:
     check_args(num_examples, min_len, max_len, alphabet)
     train = make_rows(num_examples, min_len, max_len, alphabet, seed)
     evals = make_rows(num_eval_examples, min_len, max_len, alphabet, seed + EVAL_SEED_OFFSET)

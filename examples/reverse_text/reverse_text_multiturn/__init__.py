@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import verifiers as vf
 from datasets import Dataset
-
 from reverse_text import SYSTEM_PROMPT, check_args, exact_match, lcs_reward, make_rows, normalize
 
 CORRECT = "correct"
@@ -34,9 +33,17 @@ def first_turn_exact(state, answer, parser: vf.Parser, **kwargs) -> float:
     return float(normalize(parser.parse_answer(trajectory[0]["completion"])) == normalize(answer))
 
 
-def load_environment(num_examples: int = 2000, num_eval_examples: int = 200, min_len: int = 3, max_len: int = 6,
-                     alphabet: str = "abcd", seed: int = 0, max_turns: int = 2, system_prompt: str = SYSTEM_PROMPT,
-                     **kwargs) -> vf.MultiTurnEnv:
+def load_environment(
+    num_examples: int = 2000,
+    num_eval_examples: int = 200,
+    min_len: int = 3,
+    max_len: int = 6,
+    alphabet: str = "abcd",
+    seed: int = 0,
+    max_turns: int = 2,
+    system_prompt: str = SYSTEM_PROMPT,
+    **kwargs,
+) -> vf.MultiTurnEnv:
     check_args(num_examples, min_len, max_len, alphabet)
     if max_turns < 1:
         raise ValueError(f"max_turns must be >= 1, got {max_turns}")

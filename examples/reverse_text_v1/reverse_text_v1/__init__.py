@@ -25,5 +25,14 @@ from reverse_text_v1.taskset import (
     normalize,
 )
 
-__all__ = ["ReverseTextTaskset", "ReverseTextHarness", "ReverseTextConfig", "ReverseTextData", "ReverseTextTask",
-           "ReverseTextHarnessConfig", "lcs_ratio", "make_rows", "normalize"]
+__all__ = [
+    "ReverseTextTaskset",
+    "ReverseTextHarness",
+    "ReverseTextConfig",
+    "ReverseTextData",
+    "ReverseTextTask",
+    "ReverseTextHarnessConfig",
+    "lcs_ratio",
+    "make_rows",
+    "normalize",
+]

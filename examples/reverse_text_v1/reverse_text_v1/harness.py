@@ -28,9 +28,17 @@ class ReverseTextHarness(vf.Harness[ReverseTextHarnessConfig]):
     EXECUTES_CODE = False
     NEEDS_CONTAINER = False
 
-    async def launch(self, ctx: vf.ModelContext, trace: vf.Trace, runtime: vf.Runtime, endpoint: str, secret: str,
-                     mcp_urls: dict[str, str], data: vf.TaskData, tool_interception_url: str | None = None
-                     ) -> vf.ProgramResult:
+    async def launch(
+        self,
+        ctx: vf.ModelContext,
+        trace: vf.Trace,
+        runtime: vf.Runtime,
+        endpoint: str,
+        secret: str,
+        mcp_urls: dict[str, str],
+        data: vf.TaskData,
+        tool_interception_url: str | None = None,
+    ) -> vf.ProgramResult:
         system_prompt, prompt = self.resolve_prompt(data)
         messages: list[dict] = [{"role": "system", "content": system_prompt}] if system_prompt else []
         if isinstance(prompt, str):
@@ -40,9 +48,11 @@ class ReverseTextHarness(vf.Harness[ReverseTextHarnessConfig]):
         reply = ""
         async with httpx.AsyncClient(verify=_SSL_CONTEXT, timeout=None) as client:
             for turn in range(self.config.max_turns):
-                response = await client.post(f"{endpoint.rstrip('/')}/chat/completions",
-                                             headers={"Authorization": f"Bearer {secret}"},
-                                             json={"model": ctx.model, "messages": messages})
+                response = await client.post(
+                    f"{endpoint.rstrip('/')}/chat/completions",
+                    headers={"Authorization": f"Bearer {secret}"},
+                    json={"model": ctx.model, "messages": messages},
+                )
                 if response.status_code != 200:
                     return vf.ProgramResult(exit_code=1, stdout=reply, stderr=response.text[-2000:])
                 reply = response.json()["choices"][0]["message"].get("content") or ""

@@ -78,8 +78,17 @@ class ReverseTextTaskset(vf.Taskset[ReverseTextTask, ReverseTextConfig]):
     def load(self) -> list[ReverseTextTask]:
         config = self.config
         eval_split = config.split == "eval"
-        rows = make_rows(config.num_eval_examples if eval_split else config.num_examples, config.min_len,
-                         config.max_len, config.alphabet, config.seed + (EVAL_SEED_OFFSET if eval_split else 0))
-        return [ReverseTextTask(ReverseTextData(prompt=row["question"], answer=row["answer"],
-                                                system_prompt=config.system_prompt_text), config.task)
-                for row in rows]
+        rows = make_rows(
+            config.num_eval_examples if eval_split else config.num_examples,
+            config.min_len,
+            config.max_len,
+            config.alphabet,
+            config.seed + (EVAL_SEED_OFFSET if eval_split else 0),
+        )
+        return [
+            ReverseTextTask(
+                ReverseTextData(prompt=row["question"], answer=row["answer"], system_prompt=config.system_prompt_text),
+                config.task,
+            )
+            for row in rows
+        ]

@@ -22,7 +22,7 @@ export TRANSFORMERS_OFFLINE := 1
 export VLLM_NO_USAGE_STATS := 1
 export DO_NOT_TRACK := 1
 
-.PHONY: run test test-fast fuzz setup proto docs clean bench bench-venv chaos multihost distill
+.PHONY: run test test-fast lint fuzz setup proto docs clean bench bench-venv chaos multihost distill
 
 setup: $(STAMP) $(ENV_STAMP) $(ENV_V1_STAMP)
 
@@ -111,7 +111,12 @@ $(BENCH_STAMP): $(STAMP)
 	$(BENCH_VENV)/bin/python -c "import trl, torch, transformers"
 	touch $(BENCH_STAMP)
 
-test: $(STAMP) $(ENV_STAMP) $(ENV_V1_STAMP)
+# ruff (ruff.toml): pyflakes, pycodestyle, import order and the formatter's layout; `make test` runs it first.
+lint: $(STAMP)
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+
+test: lint $(STAMP) $(ENV_STAMP) $(ENV_V1_STAMP)
 	$(PY) -m pytest -q
 
 test-fast: $(STAMP) $(ENV_STAMP) $(ENV_V1_STAMP)

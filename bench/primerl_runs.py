@@ -19,6 +19,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from primerl.proto import telemetry
+
 ROOT = Path(__file__).resolve().parent.parent
 VENV_BIN = ROOT / ".venv" / "bin"
 PRIMERL = VENV_BIN / "primerl"
@@ -252,12 +254,12 @@ def read_primerl_timeline(run_dir: Path, launch: float, end: float) -> RunTimeli
         step, when = int(row.get("step", -1)), float(row.get("time", 0.0))
         if row.get("role") == "trainer" and step not in trainer:
             trainer[step] = when
-            if "perf/step_time_s" in row:
-                extra["step_time_s"].append(float(row["perf/step_time_s"]))
-            if "train/kl_divergence" in row:
-                extra["kl_divergence"].append(float(row["train/kl_divergence"]))
-        elif row.get("role") == "orchestrator" and "train/reward" in row and step not in orchestrator:
-            orchestrator[step] = (when, float(row["train/reward"]))
+            if telemetry.PERF_STEP_TIME_S in row:
+                extra["step_time_s"].append(float(row[telemetry.PERF_STEP_TIME_S]))
+            if telemetry.TRAIN_KL_DIVERGENCE in row:
+                extra["kl_divergence"].append(float(row[telemetry.TRAIN_KL_DIVERGENCE]))
+        elif row.get("role") == "orchestrator" and telemetry.TRAIN_REWARD in row and step not in orchestrator:
+            orchestrator[step] = (when, float(row[telemetry.TRAIN_REWARD]))
     if not trainer:
         raise BenchRunError(f"{path} has no trainer rows")
     steps = sorted(trainer)

@@ -42,6 +42,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from primerl.proto import telemetry
+
 TOKEN = "bench-token"
 TARGET_RATIO = 0.7
 NUM_EXAMPLES = 8
@@ -250,7 +252,8 @@ def orchestrator_run(work_dir: Path, model_dir: Path, broker_address: str, steps
 
     rows = read_metrics_file(output_dir / "metrics.jsonl").rows
     rows = sorted(
-        (r for r in rows if "train/reward" in r and first_step <= r["step"] <= last_step), key=lambda r: r["step"]
+        (r for r in rows if telemetry.TRAIN_REWARD in r and first_step <= r["step"] <= last_step),
+        key=lambda r: r["step"],
     )
     if [r["step"] for r in rows] != list(range(first_step, last_step + 1)):
         raise RuntimeError(
@@ -261,8 +264,8 @@ def orchestrator_run(work_dir: Path, model_dir: Path, broker_address: str, steps
     perf = {k: statistics.mean(r.get(k, 0.0) for r in measured) for k in sorted(measured[-1]) if k.startswith("perf/")}
     return {
         "rollouts_per_s": NUM_EXAMPLES * ROLLOUTS_PER_EXAMPLE * steps / elapsed,
-        "mean_length": statistics.mean(r["rollout/mean_length"] for r in measured),
-        "generation_time": [r["rollout/generation_time"] for r in measured],
+        "mean_length": statistics.mean(r[telemetry.ROLLOUT_MEAN_LENGTH] for r in measured),
+        "generation_time": [r[telemetry.ROLLOUT_GENERATION_TIME] for r in measured],
         "perf": perf,
     }
 

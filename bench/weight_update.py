@@ -81,6 +81,7 @@ from fs_handoff import FilesystemHandoff  # noqa: E402
 from proc_memory import PeakRss, descendants  # noqa: E402
 from scale_models import DTYPES, ModelPoint, build_point, model_specs  # noqa: E402
 
+from primerl.proto import telemetry
 from primerl.proto.units import GiB, MiB  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -353,9 +354,9 @@ class LogWatcher:
     """Reads a daemon's log as it grows; remembers when (``perf_counter``) each version's update events appeared
     and the ``key=value`` fields of their lines."""
 
-    RECEIVED = "weight update received"
-    LIVE = "weight update live"
-    APPLIED = "applied weight update"  # the engine's phases (PolicyUpdater)
+    RECEIVED = telemetry.WEIGHT_UPDATE_RECEIVED
+    LIVE = telemetry.WEIGHT_UPDATE_LIVE
+    APPLIED = telemetry.WEIGHT_UPDATE_APPLIED  # the engine's phases (PolicyUpdater)
 
     def __init__(self, path: Path):
         self.path = path

@@ -24,6 +24,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.metrics_core import Metric
 
 from primerl.broker.worker_record import ALIVE
+from primerl.proto import telemetry
 from primerl.proto.v1 import common_pb2
 
 if TYPE_CHECKING:
@@ -46,77 +47,77 @@ class BrokerCollector:
     def collect(self) -> Iterator[Metric]:
         service = self.service
         status = service.registry.run_status()
-        workers = GaugeMetricFamily("primerl_broker_workers", "Workers alive per role.", labels=["role"])
+        workers = GaugeMetricFamily(telemetry.BROKER_WORKERS, "Workers alive per role.", labels=["role"])
         for role, name in ROLES.items():
             workers.add_metric([name], sum(1 for w in status.workers if w.role == role and w.state == ALIVE))
         yield workers
         if service.weight_plane is not None:
             weights = service.weight_plane.status()
             yield CounterMetricFamily(
-                "primerl_broker_weight_bytes_received",
+                telemetry.BROKER_WEIGHT_BYTES_RECEIVED,
                 "Weight-update bytes received from the trainer.",
                 value=weights.bytes_in_total,
             )
             yield CounterMetricFamily(
-                "primerl_broker_weight_bytes_pushed",
+                telemetry.BROKER_WEIGHT_BYTES_PUSHED,
                 "Weight-update bytes sent to inference workers.",
                 value=weights.bytes_out_total,
             )
             yield GaugeMetricFamily(
-                "primerl_broker_weight_updates_stored",
+                telemetry.BROKER_WEIGHT_UPDATES_STORED,
                 "Weight updates held in the store (snapshot and deltas).",
                 value=(weights.store.snapshot_version is not None) + weights.store.num_deltas,
             )
             yield GaugeMetricFamily(
-                "primerl_broker_weight_forward_lag_seconds",
+                telemetry.BROKER_WEIGHT_FORWARD_LAG_SECONDS,
                 "Seconds from the latest update's "
                 "last byte into the broker to its last byte out to the workers that were "
                 "receiving it or had it next (what the broker adds to a transfer).",
                 value=weights.forward_lag_s,
             )
         yield GaugeMetricFamily(
-            "primerl_broker_latest_policy_version",
+            telemetry.BROKER_LATEST_POLICY_VERSION,
             "Newest policy version published by the trainer.",
             value=status.latest_policy_version,
         )
         yield GaugeMetricFamily(
-            "primerl_broker_committed_step", "Last step the trainer committed.", value=status.last_committed_step
+            telemetry.BROKER_COMMITTED_STEP, "Last step the trainer committed.", value=status.last_committed_step
         )
         yield GaugeMetricFamily(
-            "primerl_broker_trainer_step", "Trainer step from its heartbeats.", value=status.trainer_step
+            telemetry.BROKER_TRAINER_STEP, "Trainer step from its heartbeats.", value=status.trainer_step
         )
         yield GaugeMetricFamily(
-            "primerl_broker_orchestrator_step", "Orchestrator step from its heartbeats.", value=status.orchestrator_step
+            telemetry.BROKER_ORCHESTRATOR_STEP, "Orchestrator step from its heartbeats.", value=status.orchestrator_step
         )
         if service.rollout_plane is not None:
             rollout = service.rollout_plane.status()
             queue = rollout.queue
             if rollout.num_connections is not None:
                 yield GaugeMetricFamily(
-                    "primerl_broker_rollout_connections",
+                    telemetry.BROKER_ROLLOUT_CONNECTIONS,
                     "Peers connected to the rollout socket "
                     "(admitted at the handshake, at most max_rollout_connections).",
                     value=rollout.num_connections,
                 )
                 yield CounterMetricFamily(
-                    "primerl_broker_rollout_connections_refused",
+                    telemetry.BROKER_ROLLOUT_CONNECTIONS_REFUSED,
                     "Connections to the rollout "
                     "socket refused at the handshake: max_rollout_connections peers were "
                     "connected.",
                     value=rollout.num_connections_refused,
                 )
             yield GaugeMetricFamily(
-                "primerl_broker_rollout_batches_queued",
+                telemetry.BROKER_ROLLOUT_BATCHES_QUEUED,
                 "Rollout micro-batches held (memory and spool) until their step is committed.",
                 value=queue.num_batches,
             )
             yield GaugeMetricFamily(
-                "primerl_broker_rollout_bytes_spooled",
+                telemetry.BROKER_ROLLOUT_BYTES_SPOOLED,
                 "Bytes of the rollout micro-batches held.",
                 value=queue.num_bytes,
             )
             yield CounterMetricFamily(
-                "primerl_broker_rollout_batches_received",
+                telemetry.BROKER_ROLLOUT_BATCHES_RECEIVED,
                 "Rollout micro-batches accepted from the orchestrator.",
                 value=queue.num_accepted,
             )

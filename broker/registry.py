@@ -58,10 +58,8 @@ from primerl.broker.worker_record import (
     check_metrics_report,
     check_register_request,
 )
+from primerl.proto.roles import TRAINING_FINISHED_REASON
 from primerl.proto.v1 import common_pb2, control_pb2
-
-# The reason the trainer (``trainer/runner.py``) deregisters with when its loop ran to ``max_steps``.
-TRAINING_FINISHED_REASON = "training finished"
 
 
 # ------------------------------------------------------------------------------------------- registry

@@ -29,7 +29,7 @@ from typing import NamedTuple
 from primerl.broker.log_limits import RateLimitedLog
 from primerl.broker.weight_fanout import WeightFanout
 from primerl.broker.weight_store import StoredUpdate, copy_header
-from primerl.proto import chunked_transfer, framing
+from primerl.proto import chunked_transfer, framing, telemetry
 from primerl.proto.digests import PayloadHasher, hasher_for
 from primerl.proto.v1 import common_pb2, data_pb2
 from primerl.proto.weight_refusals import WeightUpdateRefused
@@ -155,7 +155,7 @@ class WeightIntake:
         if result.duplicate:
             log.info("weight update already held; acknowledged again", update=result.update.describe())
         else:
-            log.info("weight update stored", update=update.describe(), full_required=result.full_required)
+            log.info(telemetry.WEIGHT_UPDATE_STORED, update=update.describe(), full_required=result.full_required)
             if result.previous_lineage:
                 event = "policy rolled back" if result.rolled_back_from is not None else "policy lineage replaced"
                 log.warning(

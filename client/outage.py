@@ -21,6 +21,7 @@ import time
 from collections.abc import Callable
 from typing import TypeVar
 
+from primerl.proto import telemetry
 from primerl.runtime.log_setup import get_logger
 
 _log = get_logger("primerl.broker_outage")
@@ -111,7 +112,7 @@ class OutageWatch:
             raise BrokerOutageExceeded(message)
         if due:
             self._log.warning(
-                "waiting for the broker",
+                telemetry.WAITING_FOR_THE_BROKER,
                 waiting_for=self.waiting_for,
                 worker=self.worker,
                 outage_s=round(elapsed_s, 1),

@@ -24,6 +24,8 @@ from dataclasses import dataclass
 
 from prometheus_client import Counter, Gauge, Histogram
 
+from primerl.proto import telemetry
+
 _lock = threading.Lock()
 _families: InferenceFamilies | None = None
 
@@ -50,20 +52,20 @@ def inference_families() -> InferenceFamilies:
         if _families is None:
             _families = InferenceFamilies(
                 policy_version=Gauge(
-                    "primerl_inference_policy_version", "Policy version served.", multiprocess_mode="mostrecent"
+                    telemetry.INFERENCE_POLICY_VERSION, "Policy version served.", multiprocess_mode="mostrecent"
                 ),
-                updates_applied=Counter("primerl_inference_weight_updates_applied", "Weight updates applied."),
+                updates_applied=Counter(telemetry.INFERENCE_WEIGHT_UPDATES_APPLIED, "Weight updates applied."),
                 updates_refused=Counter(
-                    "primerl_inference_weight_updates_refused",
+                    telemetry.INFERENCE_WEIGHT_UPDATES_REFUSED,
                     "Weight updates refused (the previous version kept serving).",
                 ),
                 last_update_ms=Gauge(
-                    "primerl_inference_last_update_ms",
+                    telemetry.INFERENCE_LAST_UPDATE_MS,
                     "Milliseconds of the last applied update, from its arrival to resumed serving.",
                     multiprocess_mode="mostrecent",
                 ),
                 last_update_phase_ms=Gauge(
-                    "primerl_inference_last_update_phase_ms",
+                    telemetry.INFERENCE_LAST_UPDATE_PHASE_MS,
                     "Milliseconds of each phase "
                     "of the last applied update (check; stage: payload into the shared "
                     "file; load: waiting for the load beside the served weights; "
@@ -73,12 +75,12 @@ def inference_families() -> InferenceFamilies:
                     multiprocess_mode="mostrecent",
                 ),
                 update_pause_ms=Histogram(
-                    "primerl_inference_update_pause_ms",
+                    telemetry.INFERENCE_UPDATE_PAUSE_MS,
                     "Generation pause of each applied weight update, from the pause request to resumed serving (ms).",
                     buckets=UPDATE_PAUSE_BUCKETS_MS,
                 ),
                 join_to_serving_s=Gauge(
-                    "primerl_inference_join_to_serving_seconds",
+                    telemetry.INFERENCE_JOIN_TO_SERVING_SECONDS,
                     "Seconds from registering with the broker to serving the policy version that was current then.",
                     multiprocess_mode="mostrecent",
                 ),

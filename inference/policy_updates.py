@@ -78,6 +78,7 @@ from primerl.inference.update_checks import (
     refusal_from_worker_error,
 )
 from primerl.inference.worker_extension import WeightUpdateInvalid, check_against
+from primerl.proto import telemetry
 from primerl.proto.digests import hasher_for
 from primerl.proto.tensor_frames import TensorFrameError, check_tensor_frame
 from primerl.proto.v1 import common_pb2, data_pb2
@@ -449,7 +450,7 @@ class PolicyUpdater:
                 lineage_base_version=header.lineage_base_version,
             )
         log.info(
-            "applied weight update",
+            telemetry.WEIGHT_UPDATE_APPLIED,
             policy_version=header.policy_version,
             lineage=header.lineage or None,
             kind=data_pb2.WeightUpdateKind.Name(header.kind),

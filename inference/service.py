@@ -57,6 +57,7 @@ from primerl.configs.inference import InferenceConfig
 from primerl.inference.engine_ops import AsyncEngineOps, EngineCallCancelled, EngineCallTimeout
 from primerl.inference.metrics import inference_families
 from primerl.inference.server import InferenceServer, ServerAddress
+from primerl.proto import telemetry
 from primerl.runtime.log_setup import bind_context, get_logger
 from primerl.runtime.process_ids import pid_alive
 
@@ -370,7 +371,7 @@ class InferenceService:
             self.updater.discard()
             subscriber.ack(version, applied=False, error=refusal)
             return
-        log.info("weight update received", policy_version=version, kind=kind, payload_bytes=payload.nbytes)
+        log.info(telemetry.WEIGHT_UPDATE_RECEIVED, policy_version=version, kind=kind, payload_bytes=payload.nbytes)
         try:
             # Checks (the digest computed as the chunks arrived) and the load beside the served weights, which
             # began with the first chunk: generation goes on meanwhile.
@@ -426,7 +427,7 @@ class InferenceService:
             self.metrics.last_update_phase_ms.labels(phase=phase).set(value)
         bind_context(policy_version=version)
         log.info(
-            "weight update live",
+            telemetry.WEIGHT_UPDATE_LIVE,
             policy_version=version,
             kind=kind,
             apply_ms=round(apply_ms, 1),

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 from primerl.proto.v1 import common_pb2
 
+TRAINING_FINISHED_REASON = "training finished"
+"""The reason trainer rank 0 deregisters with when its loop ran to ``max_steps``: the broker's end-of-run signal."""
+
 
 def role_names() -> list[str]:
     return [name for name in common_pb2.Role.keys() if name != "ROLE_UNSPECIFIED"]
@@ -22,4 +25,4 @@ def role_from_name(role: int | str) -> int:
     return common_pb2.Role.Value(key)
 
 
-__all__ = ["role_from_name", "role_names"]
+__all__ = ["TRAINING_FINISHED_REASON", "role_from_name", "role_names"]

@@ -29,6 +29,8 @@ import sys
 import time
 from pathlib import Path
 
+from primerl.proto import telemetry
+
 BIN = Path(sys.executable).parent
 REPO = Path(__file__).resolve().parents[1]
 RL_EXAMPLE = REPO / "examples" / "reverse_text_rl.toml"
@@ -223,7 +225,11 @@ def distill(run_dir: Path, student: Path, teacher: Path, steps: int, timings: di
 
 def teacher_kl_curve(run: Path) -> list[float]:
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
-    curve = {r["step"]: r["train/teacher_kl"] for r in rows if r.get("role") == "trainer" and "train/teacher_kl" in r}
+    curve = {
+        r["step"]: r[telemetry.TRAIN_TEACHER_KL]
+        for r in rows
+        if r.get("role") == "trainer" and telemetry.TRAIN_TEACHER_KL in r
+    }
     return [curve[s] for s in sorted(curve)]
 
 

@@ -21,7 +21,7 @@ from primerl.client.control import ControlClient
 from primerl.client.rollouts import RolloutProducer, pack_batch
 from primerl.client.weights import WeightPublisher, WeightSubscriber
 from primerl.configs.broker import BrokerConfig
-from primerl.proto import tensor_frames
+from primerl.proto import telemetry, tensor_frames
 from primerl.proto.v1 import data_pb2
 from primerl.runtime.config_common import BrokerClientConfig
 
@@ -29,7 +29,7 @@ BIN = Path(sys.executable).parent
 
 
 def workers(samples: dict, role: str) -> float:
-    return samples[("primerl_broker_workers", (("role", role),))]
+    return samples[(telemetry.BROKER_WORKERS, (("role", role),))]
 
 
 @pytest.fixture
@@ -42,7 +42,7 @@ def test_metrics_follow_registrations_rollouts_weights_and_commits(broker):
     assert url == f"http://127.0.0.1:{broker.exporter.port}/metrics"
     samples = scrape(url)
     assert [workers(samples, role) for role in ("trainer", "orchestrator", "inference")] == [0, 0, 0]
-    assert samples[("primerl_broker_latest_policy_version", ())] == 0
+    assert samples[(telemetry.BROKER_LATEST_POLICY_VERSION, ())] == 0
 
     client_config = BrokerClientConfig(address=f"127.0.0.1:{broker.endpoints.grpc_port}")
     trainer = ControlClient(client_config, "trainer", "trainer-rank0")
@@ -55,8 +55,8 @@ def test_metrics_follow_registrations_rollouts_weights_and_commits(broker):
                 tensors = {"input_ids": np.arange(64, dtype=np.int64) + index}
                 producer.send_batch(*pack_batch(1, 0, index, 2, tensors), timeout_s=20)
             connected = scrape(url)
-            assert connected[("primerl_broker_rollout_connections", ())] == 1
-            assert connected[("primerl_broker_rollout_connections_refused_total", ())] == 0
+            assert connected[(telemetry.BROKER_ROLLOUT_CONNECTIONS, ())] == 1
+            assert connected[(f"{telemetry.BROKER_ROLLOUT_CONNECTIONS_REFUSED}_total", ())] == 0
         payload, specs = tensor_frames.encode_tensors({"w": np.ones(4096, dtype=np.float32)})
         header = data_pb2.WeightUpdateHeader(policy_version=1, kind=data_pb2.WEIGHT_UPDATE_KIND_FULL, tensors=specs)
         weight_endpoint = f"tcp://127.0.0.1:{broker.endpoints.weight_port}"
@@ -81,22 +81,22 @@ def test_metrics_follow_registrations_rollouts_weights_and_commits(broker):
             )
         )
         assert [workers(samples, role) for role in ("trainer", "orchestrator", "inference")] == [1, 0, 1]
-        assert samples[("primerl_broker_latest_policy_version", ())] == 1
-        assert samples[("primerl_broker_rollout_batches_queued", ())] == 2
-        assert samples[("primerl_broker_rollout_bytes_spooled", ())] > 64 * 8 * 2
-        assert samples[("primerl_broker_rollout_batches_received_total", ())] == 2
-        assert samples[("primerl_broker_weight_bytes_received_total", ())] >= 4096 * 4
-        assert samples[("primerl_broker_weight_updates_stored", ())] == 1
+        assert samples[(telemetry.BROKER_LATEST_POLICY_VERSION, ())] == 1
+        assert samples[(telemetry.BROKER_ROLLOUT_BATCHES_QUEUED, ())] == 2
+        assert samples[(telemetry.BROKER_ROLLOUT_BYTES_SPOOLED, ())] > 64 * 8 * 2
+        assert samples[(f"{telemetry.BROKER_ROLLOUT_BATCHES_RECEIVED}_total", ())] == 2
+        assert samples[(f"{telemetry.BROKER_WEIGHT_BYTES_RECEIVED}_total", ())] >= 4096 * 4
+        assert samples[(telemetry.BROKER_WEIGHT_UPDATES_STORED, ())] == 1
         # the push to the subscriber is counted once the broker's IO thread sent it: done by now (it was received)
-        assert samples[("primerl_broker_weight_bytes_pushed_total", ())] >= 4096 * 4
-        assert samples[("primerl_broker_committed_step", ())] == 0
+        assert samples[(f"{telemetry.BROKER_WEIGHT_BYTES_PUSHED}_total", ())] >= 4096 * 4
+        assert samples[(telemetry.BROKER_COMMITTED_STEP, ())] == 0
 
         trainer.commit_step(1)  # releases step 1's batches
         trainer.deregister("done")
         samples = scrape(url)
-        assert samples[("primerl_broker_committed_step", ())] == 1
-        assert samples[("primerl_broker_rollout_batches_queued", ())] == 0
-        assert samples[("primerl_broker_rollout_bytes_spooled", ())] == 0
+        assert samples[(telemetry.BROKER_COMMITTED_STEP, ())] == 1
+        assert samples[(telemetry.BROKER_ROLLOUT_BATCHES_QUEUED, ())] == 0
+        assert samples[(telemetry.BROKER_ROLLOUT_BYTES_SPOOLED, ())] == 0
         assert workers(samples, "trainer") == 0 and workers(samples, "inference") == 1
     finally:
         trainer.close()
@@ -213,7 +213,7 @@ def test_process_writes_its_metrics_url_to_the_ready_file(tmp_path):
                 time.sleep(0.05)
             url = json.loads(ready_file.read_text())["metrics_url"]
             samples = scrape(url)
-            assert workers(samples, "trainer") == 0 and ("primerl_broker_committed_step", ()) in samples
+            assert workers(samples, "trainer") == 0 and (telemetry.BROKER_COMMITTED_STEP, ()) in samples
             assert f"metrics_url={url}" in log_path.read_text()  # logged at start
         finally:
             process.terminate()

@@ -12,6 +12,7 @@ from primerl.client.outage import (
     OutageWatch,
     retry_through_outage,
 )
+from primerl.proto import telemetry
 
 
 class FakeClock:
@@ -43,7 +44,7 @@ def test_a_watch_logs_at_once_then_every_interval_and_gives_up_past_the_budget()
     for _ in range(10):  # 0..9 s
         watch.failed(ConnectionError("refused"))
         clock.sleep(1.0)
-    waits = [fields["outage_s"] for level, event, fields in logger.events if event == "waiting for the broker"]
+    waits = [fields["outage_s"] for level, event, fields in logger.events if event == telemetry.WAITING_FOR_THE_BROKER]
     assert waits == [0.0, 5.0]
     assert watch.in_outage and watch.remaining_s() == pytest.approx(0.0)
     clock.sleep(1.0)
@@ -59,7 +60,7 @@ def test_ok_ends_an_outage_once_and_the_next_one_has_a_fresh_budget():
     clock.sleep(8.0)
     watch.ok()
     watch.ok()  # no outage: nothing logged
-    assert [event for _, event, _ in logger.events] == ["waiting for the broker", "broker back"]
+    assert [event for _, event, _ in logger.events] == [telemetry.WAITING_FOR_THE_BROKER, "broker back"]
     assert logger.events[-1][2]["outage_s"] == 8.0
     assert watch.num_outages == 1 and not watch.in_outage
     clock.sleep(100.0)

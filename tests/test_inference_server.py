@@ -36,6 +36,7 @@ from support.inference import (
 )
 from support.probes import parse_metrics, wait_until
 
+from primerl.proto import telemetry
 from primerl.proto.tensor_frames import encode_tensors
 from primerl.proto.v1 import control_pb2, data_pb2
 
@@ -303,13 +304,13 @@ def test_metrics_carry_primerl_families_next_to_vllms(
     samples = parse_metrics(response.text)
     primerl = {name: value for (name, _), value in samples.items() if name.startswith("primerl_")}
     print("\n" + "\n".join(f"{name} {value:g}" for name, value in sorted(primerl.items())))
-    assert primerl["primerl_inference_policy_version"] == 2
-    assert primerl["primerl_inference_weight_updates_applied_total"] == 2
-    assert primerl["primerl_inference_weight_updates_refused_total"] == 1
-    assert 0 < primerl["primerl_inference_last_update_ms"] < 60_000
+    assert primerl[telemetry.INFERENCE_POLICY_VERSION] == 2
+    assert primerl[f"{telemetry.INFERENCE_WEIGHT_UPDATES_APPLIED}_total"] == 2
+    assert primerl[f"{telemetry.INFERENCE_WEIGHT_UPDATES_REFUSED}_total"] == 1
+    assert 0 < primerl[telemetry.INFERENCE_LAST_UPDATE_MS] < 60_000
     # Each applied update's generation pause (the bench reads it as inference/update_pause_ms).
-    assert primerl["primerl_inference_update_pause_ms_count"] == 2
-    assert 0 < primerl["primerl_inference_update_pause_ms_sum"] < 2 * 60_000
+    assert primerl[f"{telemetry.INFERENCE_UPDATE_PAUSE_MS}_count"] == 2
+    assert 0 < primerl[f"{telemetry.INFERENCE_UPDATE_PAUSE_MS}_sum"] < 2 * 60_000
     assert "update_pause_ms=" in infer_daemon.log_tail(10**8)
     vllm = {name: value for (name, _), value in samples.items() if name.startswith("vllm:")}  # vLLM's own
     print(

@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 from support.numerics import FLOAT32_EPS, assert_weights_match, machine_description
 
+from primerl.proto import telemetry
 from primerl.trainer.sft_data import as_training_samples, pack_for_ranks, read_chat_samples, tokenize_conversation
 
 BIN = Path(sys.executable).parent
@@ -129,7 +130,7 @@ def test_sft_command_lowers_the_loss_and_exports_weights(model_dir, tmp_path):
     assert result.returncode == 0, result.stderr[-3000:]
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert {row["role"] for row in rows} == {"sft"} and [row["step"] for row in rows] == list(range(1, 25))
-    losses = [row["sft/loss"] for row in rows]
+    losses = [row[telemetry.SFT_LOSS] for row in rows]
     assert sum(losses[-4:]) / 4 < 0.6 * sum(losses[:4]) / 4, losses
     from transformers import AutoModelForCausalLM
 

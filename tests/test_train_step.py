@@ -15,6 +15,7 @@ from support.numerics import FLOAT32_EPS, RL_LOSS_ATOL, assert_weights_match, ma
 from support.trainer_runs import packed, samples
 
 from primerl.configs.trainer import DefaultLossConfig, OptimizerConfig
+from primerl.proto import telemetry
 from primerl.trainer.batch import MicroBatch
 from primerl.trainer.distributed import DistInfo
 from primerl.trainer.train_step import TrainStep, rl_objective, sft_objective
@@ -69,11 +70,11 @@ def test_step_reports_the_metrics_users_expect(model_dir):
     )
     metrics = stats.as_metrics()
     for name in (
-        "train/loss",
+        telemetry.TRAIN_LOSS,
         "train/grad_norm",
-        "train/learning_rate",
+        telemetry.TRAIN_LEARNING_RATE,
         "train/entropy",
-        "train/kl_divergence",
+        telemetry.TRAIN_KL_DIVERGENCE,
         "train/is_truncated",
         "train/masked",
     ):

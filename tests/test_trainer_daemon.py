@@ -13,6 +13,7 @@ from support.numerics import RL_LOSS_ATOL, machine_description
 from support.probes import scrape_metrics
 from support.trainer_runs import BIN, run_trainer, send_steps, trainer_args, trainer_rows
 
+from primerl.proto import telemetry
 from primerl.proto.v1 import common_pb2
 
 
@@ -42,11 +43,11 @@ def test_trainer_trains_publishes_checkpoints_and_commits(model_dir, broker, tmp
     rows = trainer_rows(tmp_path / "out")
     assert [r["step"] for r in rows] == [1, 2, 3]
     assert [r["ckpt/saved"] for r in rows] == [0.0, 1.0, 1.0]
-    assert all(np.isfinite(r["train/loss"]) and r["train/num_micro_batches"] == 2 for r in rows)
+    assert all(np.isfinite(r[telemetry.TRAIN_LOSS]) and r[telemetry.TRAIN_NUM_MICRO_BATCHES] == 2 for r in rows)
     assert broker.service.weight_store.latest_version == 3  # one policy version per step, all accepted
     status = broker.service.registry.run_status(broker.service.data_plane_status())
     assert status.last_committed_step == 3 and status.trainer_step == 3
-    assert status.last_metrics["train/loss"] == pytest.approx(rows[-1]["train/loss"])
+    assert status.last_metrics[telemetry.TRAIN_LOSS] == pytest.approx(rows[-1][telemetry.TRAIN_LOSS])
     rollouts = {q.name: q for q in status.queues}["rollouts"]
     assert rollouts.num_items == 0  # every batch released by the commits
     assert sorted(p.name for p in (tmp_path / "out" / "checkpoints").iterdir()) == ["step_2", "step_3"]
@@ -91,8 +92,8 @@ def test_resume_continues_the_same_loss_curve(model_dir, make_broker, tmp_path):
         model_dir, broker.grpc_address, tmp_path / "resumed", "--max-steps", "4", "--ckpt.interval", "2"
     )
     assert second.returncode == 0, second.stderr[-3000:]
-    expected = [r["train/loss"] for r in trainer_rows(tmp_path / "straight")]
-    resumed = [r["train/loss"] for r in trainer_rows(tmp_path / "resumed")]
+    expected = [r[telemetry.TRAIN_LOSS] for r in trainer_rows(tmp_path / "straight")]
+    resumed = [r[telemetry.TRAIN_LOSS] for r in trainer_rows(tmp_path / "resumed")]
     assert [r["step"] for r in trainer_rows(tmp_path / "resumed")] == [1, 2, 3, 4]
     # One rank, the same thread count and the same batches on the same machine: float32 CPU kernels are
     # deterministic for a given shape and thread count, so the curves are equal in fact (checkpoints hold the
@@ -116,7 +117,7 @@ def test_trainer_serves_its_metrics_over_http(model_dir, broker, tmp_path):
     try:
         deadline = time.monotonic() + 240
         samples: dict = {}
-        while samples.get(("primerl_trainer_step", ())) != 2:
+        while samples.get((telemetry.TRAINER_STEP, ())) != 2:
             assert process.poll() is None and time.monotonic() < deadline, log_path.read_text()[-3000:]
             time.sleep(0.5)
             trainers = broker.service.registry.list_workers(common_pb2.ROLE_TRAINER)
@@ -134,9 +135,16 @@ def test_trainer_serves_its_metrics_over_http(model_dir, broker, tmp_path):
             )
         )
         assert samples[("primerl_step", (("role", "trainer"),))] == 2
-        assert samples[("primerl_trainer_loss", ())] == pytest.approx(rows[-1]["train/loss"])
-        assert samples[("primerl_trainer_loss_tokens_total", ())] == sum(r["train/num_loss_tokens"] for r in rows)
-        for name in ("train/loss", "train/learning_rate", "train/kl_divergence", "perf/step_time_s"):
+        assert samples[(telemetry.TRAINER_LOSS, ())] == pytest.approx(rows[-1][telemetry.TRAIN_LOSS])
+        assert samples[(f"{telemetry.TRAINER_LOSS_TOKENS}_total", ())] == sum(
+            r[telemetry.TRAIN_NUM_LOSS_TOKENS] for r in rows
+        )
+        for name in (
+            telemetry.TRAIN_LOSS,
+            telemetry.TRAIN_LEARNING_RATE,
+            telemetry.TRAIN_KL_DIVERGENCE,
+            telemetry.PERF_STEP_TIME_S,
+        ):
             assert samples[("primerl_metric", (("name", name), ("role", "trainer")))] == pytest.approx(rows[-1][name])
         assert f'"metrics_url": "{url}"' in log_path.read_text()  # logged at start
         send_steps(broker.rollout_endpoint, range(3, 4))
@@ -196,8 +204,8 @@ def test_two_trainer_ranks_under_torchrun_match_one(model_dir, make_broker, tmp_
     )
     assert two.returncode == 0, two.stderr[-3000:]
     assert two_broker.service.weight_store.latest_version == 2
-    one_losses = [r["train/loss"] for r in trainer_rows(tmp_path / "one-out")]
-    two_losses = [r["train/loss"] for r in trainer_rows(tmp_path / "two-out")]
+    one_losses = [r[telemetry.TRAIN_LOSS] for r in trainer_rows(tmp_path / "one-out")]
+    two_losses = [r[telemetry.TRAIN_LOSS] for r in trainer_rows(tmp_path / "two-out")]
     print(f"two - one rank: {np.subtract(two_losses, one_losses).tolist()}; {machine_description()}")
     assert two_losses == pytest.approx(one_losses, abs=RL_LOSS_ATOL), machine_description()
 

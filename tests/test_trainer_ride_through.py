@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 from support.trainer_runs import log_events, packed, samples, send_steps, trainer_args, trainer_rows
 
+from primerl.proto import telemetry
 from primerl.proto.step_digest import data_digest
 
 
@@ -79,10 +80,10 @@ def test_the_trainer_rides_through_a_broker_restart(model_dir, broker, tmp_path)
             process.wait(10)
     text = log_path.read_text()
     assert [r["step"] for r in trainer_rows(out)] == [1, 2, 3]
-    done = log_events(text, "step done")
+    done = log_events(text, telemetry.STEP_DONE)
     assert [e["step"] for e in done] == [1, 2, 3]
     assert [e["data_digest"] for e in done] == [data_digest([step_tensors(step)]) for step in (1, 2, 3)]
-    assert any(e.get("waiting_for") == "heartbeats" for e in log_events(text, "waiting for the broker"))
+    assert any(e.get("waiting_for") == "heartbeats" for e in log_events(text, telemetry.WAITING_FOR_THE_BROKER))
     committed = [e["step"] for e in log_events(text, "checkpoint committed")]
     assert committed == [1, 2, 3], committed
 
@@ -106,8 +107,8 @@ def test_a_resumed_trainer_commits_its_step_and_writes_a_missing_record_once(mod
         assert again.returncode == 0, again.stderr[-3000:]
         rows = trainer_rows(out)
         assert [r["step"] for r in rows] == [1, 2], rows
-        assert rows[-1]["train/loss"] == original["train/loss"]
-        done = log_events(again.stdout + again.stderr, "step done")
+        assert rows[-1][telemetry.TRAIN_LOSS] == original[telemetry.TRAIN_LOSS]
+        done = log_events(again.stdout + again.stderr, telemetry.STEP_DONE)
         assert len(done) == (1 if attempt == 0 else 0), done
         if done:
             assert done[0]["step"] == 2 and done[0]["from_checkpoint"] is True

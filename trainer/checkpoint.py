@@ -31,6 +31,7 @@ from typing import Any
 
 import torch
 
+from primerl.proto import telemetry
 from primerl.runtime.durable_files import fsync_dir
 from primerl.runtime.log_setup import get_logger
 from primerl.trainer.committed_dir import (
@@ -172,7 +173,7 @@ def save_checkpoint(
     if rank == 0:
         write_new_file(tmp_dir / STABLE_FILE, b"")
         commit_dir(tmp_dir, final_dir)
-        log.info("checkpoint saved", step=step, path=str(final_dir))
+        log.info(telemetry.CHECKPOINT_SAVED, step=step, path=str(final_dir))
     sync()
     return final_dir
 

@@ -68,6 +68,7 @@ from primerl.client.weights import (
     WeightPublishTimeout,
     WeightUpdateRefused,
 )
+from primerl.proto import telemetry
 from primerl.proto.digests import payload_digest
 from primerl.proto.tensor_frames import encode_tensors, parse_header, specs_of
 from primerl.proto.units import MiB
@@ -512,7 +513,7 @@ class PolicyPublisher:
         self._release(prepared)
         self._full_required = ack.full_required
         log.info(
-            "policy published",
+            telemetry.POLICY_PUBLISHED,
             policy_version=prepared.policy_version,
             kind=prepared.kind,
             base_version=prepared.header.base_version or None,

@@ -65,6 +65,8 @@ import torch
 
 from primerl.client.rollouts import FetchStopped
 from primerl.configs.trainer import TrainerConfig
+from primerl.proto import telemetry
+from primerl.proto.roles import TRAINING_FINISHED_REASON
 from primerl.proto.step_digest import data_digest
 from primerl.runtime.log_setup import bind_context, get_logger
 from primerl.runtime.metrics_sink import MetricsSink, finite_values
@@ -121,11 +123,11 @@ class TrainerRunner:
         self.exporter = start_exporter("trainer", config.prometheus)
         if self.exporter is not None:
             self.step_gauge = self.exporter.gauge(
-                "primerl_trainer_step", "Latest optimizer step done (= the policy version published)."
+                telemetry.TRAINER_STEP, "Latest optimizer step done (= the policy version published)."
             )
-            self.loss_gauge = self.exporter.gauge("primerl_trainer_loss", "Loss of the latest step.")
+            self.loss_gauge = self.exporter.gauge(telemetry.TRAINER_LOSS, "Loss of the latest step.")
             self.tokens_counter = self.exporter.counter(
-                "primerl_trainer_loss_tokens", "Loss tokens trained on, over all ranks."
+                telemetry.TRAINER_LOSS_TOKENS, "Loss tokens trained on, over all ranks."
             )
         self.sink = MetricsSink("trainer", config.output_dir, config.wandb, config, exporter=self.exporter)
 
@@ -147,7 +149,7 @@ class TrainerRunner:
         if state is not None:
             start_step = int(state["step"]) + 1
             self.resumed_state = state
-            log.info("resumed from checkpoint", step=state["step"], checkpoint_dir=str(config.checkpoint_dir))
+            log.info(telemetry.RESUMED_FROM_CHECKPOINT, step=state["step"], checkpoint_dir=str(config.checkpoint_dir))
         return start_step
 
     def _connect(self, start_step: int) -> None:
@@ -219,7 +221,7 @@ class TrainerRunner:
                 except FetchStopped:
                     log.info("stopped while waiting for the step's data", step=step)
                     return self._stopped()
-            log.info("training finished", max_steps=config.max_steps)
+            log.info(telemetry.TRAINING_FINISHED, max_steps=config.max_steps)
             return 0
         finally:
             self.close()
@@ -271,11 +273,11 @@ class TrainerRunner:
         metrics = stats.as_metrics()
         metrics.update(
             {
-                "perf/wait_for_data_s": waited_s,
-                "perf/step_time_s": compute_s,
+                telemetry.PERF_WAIT_FOR_DATA_S: waited_s,
+                telemetry.PERF_STEP_TIME_S: compute_s,
                 "perf/fetch_s": fetched.fetch_s,
                 "perf/decode_s": fetched.decode_s,
-                "train/num_micro_batches": float(len(micro_batches)),
+                telemetry.TRAIN_NUM_MICRO_BATCHES: float(len(micro_batches)),
                 "ckpt/saved": float(due),
             }
         )
@@ -330,7 +332,7 @@ class TrainerRunner:
     def _record_step(self, step: int, metrics: dict, done_line: dict, **extra) -> None:
         """Rank 0: the step's metrics row (file, W&B, Prometheus), its report to the broker, its "step done" line."""
         self.sink.log(step, metrics)
-        log.info("step done", step=step, **done_line, **extra)  # with the row: the broker may be away next
+        log.info(telemetry.STEP_DONE, step=step, **done_line, **extra)  # with the row: the broker may be away next
         if self.exporter is not None:
             self.step_gauge.set(step)
         self.control.report_metrics(step, metrics)
@@ -436,7 +438,7 @@ class TrainerRunner:
         )
 
     def _leaving_reason(self, io_error: BaseException | None) -> str:
-        """Why this rank deregisters: "training finished" (the broker's end-of-run signal) only when it did."""
+        """Why this rank deregisters: ``TRAINING_FINISHED_REASON`` (the broker's end-of-run signal) only when it did."""
         import sys
 
         if io_error is not None:
@@ -445,7 +447,7 @@ class TrainerRunner:
             return "trainer failed"
         if self.stop_event.is_set():
             return "stopped"
-        return "training finished"
+        return TRAINING_FINISHED_REASON
 
     def close(self) -> None:
         """Stop fetching, drain the IO thread in order (publish, checkpoint, commit of the last steps), then close

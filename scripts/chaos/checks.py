@@ -31,6 +31,8 @@ from collections import Counter, defaultdict
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from primerl.proto import telemetry
+
 from .driver import RunRecord, served_final
 from .logs import Incarnation, read_incarnations, read_metrics_rows
 from .runs import ROLES
@@ -48,24 +50,26 @@ class Lineage:
 def lineage(trainer: list[Incarnation]) -> Lineage:
     result = Lineage()
     resumed = {
-        inc.number: int(inc.named("resumed from checkpoint")[0].get("step", 0))
-        if inc.named("resumed from checkpoint")
+        inc.number: int(inc.named(telemetry.RESUMED_FROM_CHECKPOINT)[0].get("step", 0))
+        if inc.named(telemetry.RESUMED_FROM_CHECKPOINT)
         else 0
         for inc in trainer
     }
-    done = {inc.number: inc.named("step done") for inc in trainer}
+    done = {inc.number: inc.named(telemetry.STEP_DONE) for inc in trainer}
     # the steps each incarnation trained: its own "step done" lines and the versions it published (a trainer
     # killed between a publish and its "step done" trained that step too)
     trained = {
         inc.number: {int(e.get("step", 0)) for e in done[inc.number] if not e.get("from_checkpoint")}
         | {
             int(e.get("policy_version", 0))
-            for e in inc.named("policy published")
+            for e in inc.named(telemetry.POLICY_PUBLISHED)
             if int(e.get("policy_version", 0)) > resumed[inc.number]
         }
         for inc in trainer
     }
-    active = [inc for inc in trainer if done[inc.number] or trained[inc.number] or inc.named("checkpoint saved")]
+    active = [
+        inc for inc in trainer if done[inc.number] or trained[inc.number] or inc.named(telemetry.CHECKPOINT_SAVED)
+    ]
     if not active:
         result.broken = "no trainer incarnation trained a step"
         return result
@@ -92,7 +96,7 @@ def lineage(trainer: list[Incarnation]) -> Lineage:
             inc
             for inc in trainer
             if inc.number < current.number
-            and any(int(e.get("step", -1)) == start for e in inc.named("checkpoint saved"))
+            and any(int(e.get("step", -1)) == start for e in inc.named(telemetry.CHECKPOINT_SAVED))
         ]
         if not writers:
             result.broken = (
@@ -144,7 +148,7 @@ def judge(record: RunRecord) -> Verdict:
 
     sent: dict[int, set[str]] = defaultdict(set)
     for inc in logs["orchestrator"]:
-        for event in [*inc.named("step sending"), *inc.named("step sent")]:
+        for event in [*inc.named(telemetry.STEP_SENDING), *inc.named(telemetry.STEP_SENT)]:
             if event.get("data_digest"):
                 sent[int(event.get("step", 0))].add(str(event.get("data_digest")))
     for step, events in sorted(chain.steps.items()):
@@ -245,11 +249,15 @@ def _normal_end(ended, logs) -> bool:
     of an exit is not known to the harness (None): the role's own log lines decide."""
     if ended.code not in (0, None):
         return False
-    finished = [e.at_s for inc in logs["trainer"] for e in inc.named("training finished")]
+    finished = [e.at_s for inc in logs["trainer"] for e in inc.named(telemetry.TRAINING_FINISHED)]
     if finished and ended.at_s >= min(finished):
         return True
     incarnation = _incarnation_of(logs[ended.role], ended.at_s)
-    return ended.role == "orchestrator" and incarnation is not None and bool(incarnation.named("all steps produced"))
+    return (
+        ended.role == "orchestrator"
+        and incarnation is not None
+        and bool(incarnation.named(telemetry.ALL_STEPS_PRODUCED))
+    )
 
 
 def _incarnation_of(incarnations: list[Incarnation], at_s: float) -> Incarnation | None:

@@ -10,6 +10,8 @@ import threading
 import time
 from dataclasses import dataclass, field
 
+from primerl.proto import telemetry
+
 from .logs import Event, LogFollower
 from .plan import KillSpec
 from .procs import Exit, describe, marked_processes
@@ -228,14 +230,14 @@ class Driver:
             if (
                 spec.moment == "push"
                 and event.role == "broker"
-                and event.name == "weight update stored"
+                and event.name == telemetry.WEIGHT_UPDATE_STORED
                 and self.last_step >= armed_at_step - 1
             ):
                 return f"broker stored {event.get('update')}"
             if (
                 spec.moment == "publish-before-checkpoint"
                 and event.role == "trainer"
-                and event.name == "policy published"
+                and event.name == telemetry.POLICY_PUBLISHED
             ):
                 version = int(event.get("policy_version", 0))
                 if version >= armed_at_step and version % CKPT_INTERVAL and version < self.spec.max_steps:
@@ -263,7 +265,7 @@ class Driver:
             time.sleep(2.0)
             kill.orphans = [describe(c) for c in children if c.is_running() and c.status() != psutil.STATUS_ZOMBIE]
         if spec.role == "broker" and spec.moment == "push":
-            live = [e for e in self.events if e.role == "inference" and e.name == "weight update live"]
+            live = [e for e in self.events if e.role == "inference" and e.name == telemetry.WEIGHT_UPDATE_LIVE]
             kill.note += f"; inference had applied up to v{live[-1].get('policy_version') if live else '-'}"
         return kill
 
@@ -273,7 +275,7 @@ class Driver:
                 continue
             if kill.recovered_s is None and event.role == kill.spec.role and event.name == RECOVERED_BY[kill.spec.role]:
                 kill.recovered_s = event.at_s - kill.at_s
-            if kill.next_step_s is None and event.role == "trainer" and event.name == "step done":
+            if kill.next_step_s is None and event.role == "trainer" and event.name == telemetry.STEP_DONE:
                 kill.next_step_s = event.at_s - kill.at_s
 
     def _drain_logs(self) -> list[Event]:
@@ -281,10 +283,10 @@ class Driver:
         for follower in self.followers.values():
             new += follower.read()
         for event in new:
-            if event.role == "trainer" and event.name == "step done":
+            if event.role == "trainer" and event.name == telemetry.STEP_DONE:
                 self.last_step = max(self.last_step, int(event.get("step", 0)))
                 self.last_step_s = time.time()
-            if event.role == "trainer" and event.name == "training finished":
+            if event.role == "trainer" and event.name == telemetry.TRAINING_FINISHED:
                 self.trainer_finished = True
                 if isinstance(self.backend, RlBackend):
                     self.backend.trainer_finished = True

@@ -1,16 +1,10 @@
 """The broker's gRPC layer: the ``Broker`` service over a ``WorkerRegistry``, auth, health and reflection.
 
-Wiring (what ``broker/service.py`` does)::
-
-    registry = WorkerRegistry(run_id, cfg.heartbeat_interval_s, cfg.heartbeat_liveness,
-                              max_steps=cfg.max_steps, on_commit=rollout_queue.release)
-    servicer = BrokerServicer(registry, data_plane_status_fn)
-    server, port = create_grpc_server(servicer, cfg.host, cfg.grpc_port, run_token=cfg.run_token,
-                                      tls_cert_path=cfg.tls_cert_path, tls_key_path=cfg.tls_key_path)
-    monitor = HeartbeatMonitor(registry)
-    server.start(); monitor.start()
-    ...
-    finally: servicer.shutdown(); monitor.stop(); server.stop(grace_s).wait(grace_s + 1)
+``BrokerServicer`` answers the ``primerl.v1.Broker`` calls from the registry (built by ``broker/service.py`` with its
+commit, step-window, persistence and policy collaborators) and owns the health servicer; ``create_grpc_server``
+binds it with health and reflection (TLS, mutual TLS, run token), not started; ``HeartbeatMonitor`` expires workers
+whose heartbeats stopped. ``BrokerServicer.shutdown`` turns health NOT_SERVING and makes register and heartbeat
+answer UNAVAILABLE (a stopping broker may be restarting: workers retry).
 
 Auth: with a run token, every call except the health service must carry ``authorization: Bearer <token>``
 (compared in constant time) or it fails with UNAUTHENTICATED. Health stays open so that load balancers and

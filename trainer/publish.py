@@ -2,56 +2,38 @@
 
 What goes on the wire (``WeightUpdateHeader`` + one safetensors payload):
 
-- FULL: every tensor of the model exactly as ``save_pretrained`` writes ``model.safetensors``
-  (``primerl.trainer.hf_state_dict``: Hugging Face names, tied weights once; a LoRA-trained model merged, in the
-  base model's dtype, computed aside), cast to the serving dtype when one is set. The payload bytes equal the
-  file ``save_pretrained`` writes, and the one the trainer exports (``primerl.trainer.weights_export``): same
-  tensors, same ``{"format": "pt"}`` metadata, so a receiver may write them to disk as is.
-- LORA: the adapter exactly as peft's ``save_pretrained`` writes ``adapter_model.safetensors`` (names like
-  ``base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight``) and ``adapter_config_json`` exactly as
-  it writes ``adapter_config.json``. The adapter keeps its training dtype (as peft saves it).
-- DELTA: ``encode_delta`` (bit-exact, ``primerl.proto.weight_delta``) of the FULL tensors against the last
-  version published, kept as a host copy. The first publish of a run, the one after the broker says
-  ``full_required`` (or refuses a delta as out of order, e.g. after a broker restart), and the one after any
-  failed publish are FULL. The encoding (``delta_encoding="auto"``, the default): SPARSE (the changed elements,
-  their positions and new values) when most of the bytes are 16-bit floats (a bf16/fp16 ``serving_dtype`` or
-  model), whose elements mostly keep their bits after a small step; XOR_ZLIB otherwise (fp32, where every
-  element moves and only a delta of a few changed tensors can pay).
-  With ``delta_policy="auto"`` (the default) a delta is also sent as FULL when it would not pay (``fallback``
-  says so, with the numbers): before building it, ``estimate_delta`` encodes and decodes a slice of every tensor
-  (timed), which gives the delta's size and the time to encode it here and decode it on each worker. The delta
-  pays when that time is less than the time its saved bytes would take on the wire, twice (trainer -> broker ->
-  worker), at the rate this publisher's last sends achieved (bytes per second from publish to the broker's ack;
-  1 GB/s until one was measured). That is a threshold on the delta's size set by the measured speeds: SPARSE
-  encodes at ~0.8 GB/s and decodes at 1-2.4 GB/s of FULL bytes here (one thread, ``bench/delta_fraction.py``),
-  so with sends measured at 0.3 GB/s it pays below ~0.75 of FULL; a bf16 step at lr 1e-6 (0.064 of FULL on the
-  1B model) pays on any wire slower than ~1.1 GB/s, at lr 1e-5 (0.31) slower than ~0.65 GB/s. XOR_ZLIB
-  (~0.06-0.3 GB/s) pays below ~0.26 GB/s at best, and fp32 steps (every element changes) go as FULL. Should the
-  delta built be over ``BUILT_DELTA_MAX_FRACTION`` of FULL (changes the sample missed), FULL goes too.
-  ``delta_policy="always"`` skips the estimate and that check.
+- FULL: every tensor as ``save_pretrained`` writes ``model.safetensors`` (``primerl.trainer.hf_state_dict``: Hugging
+  Face names, tied weights once, a LoRA-trained model merged), cast to the serving dtype when one is set; the bytes
+  equal the file the trainer exports (``primerl.trainer.weights_export``), so a receiver may write them as is.
+- LORA: the adapter as peft's ``save_pretrained`` writes ``adapter_model.safetensors``, in its training dtype, with
+  ``adapter_config_json`` as it writes ``adapter_config.json``.
+- DELTA: ``encode_delta`` (bit-exact, ``primerl.proto.weight_delta``) of the FULL tensors against the last version
+  published (a host copy). The first publish of a run, the one after the broker asks for ``full_required`` or
+  refuses a delta, and the one after a failed publish are FULL. ``delta_encoding="auto"``: SPARSE when most bytes
+  are 16-bit floats, XOR_ZLIB otherwise. ``delta_policy="auto"``: a delta is sent as FULL when it would not pay
+  (``fallback`` says why): ``estimate_delta`` times encoding and decoding a slice of every tensor, and the delta
+  pays when that time is less than its saved bytes take on the wire's ``WIRE_HOPS`` hops, at the rate of this
+  publisher's last ``send`` (payload bytes over the time from the start of ``send`` to the broker's ack;
+  ``DEFAULT_WIRE_BYTES_PER_S`` until one was measured). A delta built larger than ``BUILT_DELTA_MAX_FRACTION`` of
+  FULL goes as FULL too. ``delta_policy="always"`` skips both checks.
 
-``publish`` = ``build`` (on the training thread: it reads the parameters) + ``send`` (socket I/O, which a
-trainer may run in its own thread: a ``PreparedUpdate`` owns its bytes and no longer touches the model).
-FULL payloads are written into buffers reused from one publish to the next (``payload_writer``); a buffer goes
-back to the pool once the broker acknowledged the update, so ``PreparedUpdate.payload`` is valid until ``send``
-returns. The SHA-256 digest is computed once, here, over the finished payload.
-Lineage (a rollback is a first-class event): every update carries ``lineage``, the unix microseconds when this
-publisher was made (one per trainer incarnation), and ``lineage_base_version``, the version the trainer resumed
-from (its first published version - 1: the trainer publishes every step, version = step). A trainer that resumed
-from a checkpoint older than the newest published version thus re-publishes those versions under a newer
-lineage: the broker accepts its first FULL even at a version it holds, drops the rolled-back updates and has every
-inference worker load the new ones. Should a replaced incarnation still run, its next update is refused with
-``LineageSuperseded``, which ends it (it must not publish again). Lineages are ordered by the wall clock:
-a restarted trainer on another machine needs a clock within its restart time of the first machine's (NTP).
+``publish`` = ``build`` (on the training thread: it reads the parameters) + ``send`` (socket I/O, which may run on
+its own thread: a ``PreparedUpdate`` owns its bytes). FULL payloads are written into pooled buffers
+(``payload_writer``); a buffer goes back to the pool once the broker acknowledged the update, so
+``PreparedUpdate.payload`` is valid until ``send`` returns. The content digest (XXH3-128, ``primerl.proto.digests``)
+is computed once, here, over the finished payload.
 
-Broker outages: ``send`` retries a publish that failed on a lost or missing connection, or a missing ack
-(``WeightPublishTimeout``), through ``primerl.client.outage.retry_through_outage``: it logs ``waiting for
-the broker`` every few seconds and raises ``BrokerOutageExceeded`` once the outage outlasts ``outage_s`` (the
-role's ``broker.outage_s``). Resending is safe: a broker that stored the update before it went down acknowledges
-the resend; one that came back without it stores it (a refused delta is sent as FULL, as after any refusal).
+Lineage: every update carries ``lineage`` (unix microseconds when this publisher was made: one per trainer
+incarnation) and ``lineage_base_version`` (the version the trainer resumed from). A trainer resumed from an older
+checkpoint re-publishes versions under a newer lineage: the broker accepts its first FULL even at a version it
+holds and drops the rolled-back updates; a replaced incarnation's next update is refused with
+``LineageSuperseded``, which ends it. Lineages are ordered by the wall clock (restarted trainers need NTP-close
+clocks).
 
-``PublishResult.phases_ms`` has the phases (``read``, ``snapshot``, ``estimate``, ``encode``, ``digest``,
-``send``) for the trainer's metrics.
+Broker outages: ``send`` retries a publish lost to a missing connection or ack through
+``primerl.client.outage.retry_through_outage`` until the role's ``broker.outage_s``; a resend is safe (the broker
+acknowledges an update it already stored). ``PublishResult.phases_ms``: ``read``, ``snapshot``, ``estimate``,
+``encode``, ``digest``, ``send``.
 """
 
 from __future__ import annotations

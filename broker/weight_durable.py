@@ -1,18 +1,10 @@
 """The latest policy on disk: the weight store's snapshot and deltas survive a broker restart.
 
-Decision (issue 14, item 2): the broker keeps its latest chain (snapshot + deltas) durable in the spool directory,
-rather than having the trainer re-publish a FULL snapshot when it reconnects to a broker that lost it. Why:
-
-- an inference worker that (re)joins right after a broker restart gets the current policy at once, even while the
-  trainer is down too, or blocked: a trainer waits for the next step's rollouts, which wait for workers inside the
-  async bound, which wait for the weights; a re-publish needs the trainer alive, an extra trigger outside its
-  publish cycle, and one more host copy of the full weights kept in the trainer between publishes;
-- the cost is disk bandwidth, off the hot path: the writes happen on this module's writer thread after the
-  trainer was acknowledged, never on the weight plane's IO thread, and they coalesce (a version superseded while
-  an older one is written is never written). Per published version: its payload bytes once (a FULL: the model's
-  bytes; a DELTA: the delta's), one fsync, one small manifest. The trainer's publish time does not change
-  (``bench/weight_update.py``). The one synchronous write is ``LINEAGE`` (a few bytes), when a trainer
-  incarnation replaces another (once per trainer restart), before that update is acknowledged.
+The broker keeps its latest chain (snapshot + deltas) durable in the spool directory, so that a worker that joins
+after a broker restart gets the current policy even while the trainer is down. The writes happen on this module's
+writer thread after the trainer was acknowledged, never on the weight plane's IO thread, and coalesce (a version
+superseded while an older one is written is never written). The one synchronous write is ``LINEAGE`` (a few
+bytes), when a trainer incarnation replaces another, before that update is acknowledged.
 
 Layout of the directory (``<spool_dir>/weights``; the rollout spool ignores sub-directories, its lock covers it):
 
@@ -34,11 +26,11 @@ File format of an update (integers little-endian), as the rollout spool's batch 
     24      h     WeightUpdateHeader, serialized
     24+h    p     payload (safetensors bytes, exactly as published)
 
-Every file is written to a temporary name, fsynced, renamed, and the directory fsynced: no pass over the payload
-but the write (the digest that the broker verified on arrival covers it). At load, a chain that fails any check
-(the CRC, the header's digest of the payload, a delta that does not continue the chain, a lineage other
-than the manifest's) is dropped with one error line: the broker starts without a snapshot, as it did before
-this module, and the trainer's next publish (a FULL, since its delta is refused) restores one.
+Every file is written to a temporary name, fsynced, renamed, and the directory fsynced: no pass over the payload but the
+write (the digest that the broker verified on arrival covers it). At load, a chain that fails any check (the CRC, the
+header's digest of the payload, a delta that does not continue the chain, a lineage other than the manifest's) is
+dropped with one error line: the broker starts without a snapshot, and the trainer's next publish (a FULL, since its
+delta is refused) restores one.
 """
 
 from __future__ import annotations

@@ -1,62 +1,34 @@
 """Apply weight updates (FULL, LORA, DELTA) to a running vLLM engine: the logic, without sockets.
 
-`PolicyUpdater` holds the policy version the engine serves and applies a ``(WeightUpdateHeader, payload)`` to
-it through `EngineOps`, a small synchronous view of the engine. `LLMEngineOps` adapts an offline `vllm.LLM`;
-the server adapts its `AsyncLLM` the same way (each method run to completion, e.g. with
-``asyncio.run_coroutine_threadsafe(...).result(timeout)`` from a thread that calls `PolicyUpdater.apply`).
+``PolicyUpdater`` holds the policy version the engine serves and applies a ``(WeightUpdateHeader, payload)`` to it
+through ``EngineOps``, a small synchronous view of the engine (``LLMEngineOps`` for an offline ``vllm.LLM``; the
+server adapts its ``AsyncLLM`` in ``primerl.inference.engine_ops``).
 
-    llm = create_llm(EngineOptions(..., worker_extension_cls=WORKER_EXTENSION_CLS, enable_lora=True))
-    updater = PolicyUpdater.for_llm(llm, work_dir=run_dir / "policy")
-    apply_ms = updater.apply(header, payload)          # raises UpdateRefused; the served policy is then unchanged
-    llm.generate(prompts, params, lora_request=updater.lora_request())
+This is the one place on the inference host that checks an update's order and digest; checks come first, and a
+refused update (``UpdateRefused`` with a wire ``ErrorCode``, ``primerl.inference.update_checks``) changes nothing:
 
-This is the one place on the inference host that checks an update's order and digest: the weight subscriber
-(`primerl.client.weights`) passes on every update it receives, the daemon (`primerl.inference.service`) asks
-``holds(header)`` (acknowledge the served version, apply nothing) and otherwise `preload` then `apply`, and the
-worker extension checks only that the tensors fit the model. Checks come first, and a refused update
-(`UpdateRefused` with a wire ``ErrorCode``, `primerl.inference.update_checks`) changes nothing:
+- BAD_DIGEST / TRUNCATED: the digest the subscriber computed as the chunks arrived is not ``header.digest``, or
+  ``payload_bytes`` disagrees (the broker forwards before it has checked: cut-through). Only with ``verify_digest``;
+- OUT_OF_ORDER: a FULL or LORA update not newer than the served version unless of a newer lineage; any update of an
+  older lineage; a DELTA whose ``base_version`` or lineage is not the served one, or while a LoRA adapter is served;
+- TENSOR_MISMATCH / MALFORMED_HEADER: unknown, missing or misshapen tensors, an unreadable payload or delta, an
+  adapter whose rank exceeds the engine's ``max_lora_rank``.
 
-- BAD_DIGEST: the payload's digest is not ``header.digest`` (XXH3-128, or SHA-256 for 64 hex digits:
-  ``proto.digests``; TRUNCATED when ``payload_bytes`` disagrees). The broker forwards chunks before it has checked
-  the digest (cut-through), so the daemon checks it too, over the digest the subscriber computed as the chunks
-  arrived (``payload_digest``): no second pass over the payload. Only with ``verify_digest`` (the default);
-- OUT_OF_ORDER: a FULL or LORA update not newer than the served version, unless it belongs to a newer lineage
-  (below); any update of an older lineage than the served one; a DELTA whose ``base_version`` is not the served
-  version or whose lineage is not the served one, or that arrives while a LoRA adapter is served (a delta applies
-  to full weights);
-- TENSOR_MISMATCH / MALFORMED_HEADER: unknown, missing or misshapen tensors, an unreadable payload, a corrupt
-  delta, an adapter whose rank exceeds the engine's ``max_lora_rank``.
+FULL and DELTA payloads are written as they arrive into shared-memory files (``primerl.inference.shared_payload``;
+only a path crosses ``collective_rpc``), and the worker stages the update beside the served weights meanwhile
+(``primerl.inference.staged_load``). ``preload`` checks a whole update and waits for that load while generation
+runs; ``apply`` then only switches the model (a few ms) and resets the prefix cache. An update is never switched to
+before its last chunk arrived and its digest matched; one that stops midway or is refused is dropped (``discard``).
+An engine that cannot stage (``staged_load.unsupported_reason``) reloads in place in ``apply``. Two files are used in
+turn: an update is always written into the one the worker's host copy does not view (``HOST_VIEWS``).
+LORA goes to a new directory under ``work_dir`` under a new int id each version (an id reused with new files serves
+the old weights); directories are kept for ``keep_adapter_versions`` versions for requests still in flight.
 
-FULL and DELTA go through `primerl.inference.worker_extension` and shared-memory files
-(`primerl.inference.shared_payload`): only a file's path crosses ``collective_rpc``. The updater is the weight
-subscriber's payload sink (`begin_payload`, `payload_progress`, `end_payload`): chunks are written straight into a
-file, and the worker loads the update beside the served weights while it arrives (a staged load,
-`primerl.inference.staged_load`: a FULL update tensor by tensor as its bytes are in, a DELTA once complete). Once
-the update is whole, `preload` checks it and waits for that load, generation still running; `apply` then only
-switches the model to it (a few ms) and resets the prefix cache. An update is never switched to before its last
-chunk arrived and its digest matched; one that stops midway, or is refused, is dropped (`discard`) and changes
-nothing. An engine that cannot stage (`staged_load.unsupported_reason`: on a GPU, quantized, MoE; or ``streaming``
-off) reloads in place in `apply` instead. The host copy of the weights that the worker keeps views the file of the
-last FULL update, so there are two files, used in turn: an update is always written into the one the host copy does
-not view (its ``HOST_VIEWS`` control word). A caller may also assemble a payload in place with `staging_buffer`.
-LORA is written to a new directory under ``work_dir`` and added under a NEW int id each version (re-using an id
-with new files serves the old weights), then the previous id is removed. Older adapter directories are kept for
-``keep_adapter_versions`` versions, because a request still in flight with the previous `LoRARequest` makes vLLM
-reload it from its path.
-
-Lineage (a rollback): each update carries the trainer incarnation that made it (``header.lineage``, larger is
-newer; 0: unknown). A trainer that resumed from a checkpoint older than the newest published version re-publishes
-versions the engine may already serve, under a newer lineage: a FULL or LORA update of a newer lineage is applied
-whatever its version, even one at or below the served version, so no engine keeps serving weights of a rolled-back
-step under a live version number. ``wants(header)`` says whether an update would be applied by that rule;
-``holds(header)`` says the engine already serves it or something newer (a resend, an older lineage's update: the
-daemon acknowledges the served version without pausing the engine); ``lineage`` is the lineage served (report it
-with the version).
-
-Requests in flight keep generating while an update is applied: their later tokens come from the new weights.
-Pausing the engine around `apply` (so a response is produced by one version) is the server's job.
-Receiving, `preload` and `apply` are for one thread (the daemon's weight thread), serialised by one lock;
-`policy_version` and `lora_request()` can be read from any thread.
+Lineage: a FULL or LORA update of a newer ``header.lineage`` (a trainer rolled back) is applied whatever its version.
+``wants(header)``: would be applied; ``holds(header)``: the engine serves it or something newer (acknowledge, do not
+pause). Requests in flight keep generating during ``apply`` (pausing around it is the server's job). Receiving,
+``preload`` and ``apply`` are for one thread, serialised by one lock; ``policy_version`` and ``lora_request()`` may
+be read from any thread.
 """
 
 from __future__ import annotations

@@ -5,30 +5,19 @@
     code = await service.serve_until(stop_event)
     await service.stop(grace_s=10)
 
-Threads and loops:
+Threads: the caller's asyncio loop runs uvicorn and vLLM's ``AsyncLLM``; ``ControlClient``'s heartbeat thread
+registers (again after a broker restart) and reports the served ``policy_version``, while the HTTP server keeps
+serving through a broker outage; the weight thread owns the ``WeightSubscriber`` (ZMQ sockets are single-threaded)
+and applies updates with ``PolicyUpdater``, whose engine calls are handed to the event loop and waited for with a
+timeout. After a re-registration it subscribes under the new id and says HELLO with the version it serves.
 
-- the asyncio event loop (the caller's) runs uvicorn and vLLM's `AsyncLLM` client;
-- `ControlClient`'s heartbeat thread registers (again after a broker restart: NOT_FOUND) and reports the
-  served `policy_version`; while the broker is gone it backs off and the HTTP server keeps serving;
-- the weight thread owns the `WeightSubscriber` (ZMQ sockets are single-threaded): it receives updates and
-  applies them with `PolicyUpdater` (the subscriber's payload sink, then `preload` and `apply`), whose engine
-  calls (`AsyncEngineOps`) are handed to the event loop with `asyncio.run_coroutine_threadsafe` and waited for
-  with a timeout; a staged load runs on a thread of the engine's worker. When the broker gives this
-  worker a new id (re-registration), the thread opens a new subscriber under that id and says HELLO with the
-  version it serves, so the broker resynchronises it (nothing, the missing deltas, or the latest snapshot).
-
-An update is applied as: its chunks are written into one of the updater's shared payload files as they arrive, and
-the engine's worker loads a FULL update beside the served weights tensor by tensor meanwhile (a DELTA once
-complete); once whole, `PolicyUpdater.preload` checks it (the digest the subscriber computed on the way) and waits
-for that load -> pause generation -> `PolicyUpdater.apply` (the switch to the loaded weights, or a reload in place
-when the engine cannot stage; reset prefix cache) -> point the served policy name at the new adapter (LoRA) ->
-resume; then WEIGHT_ACK with `apply_ms` (from the update's arrival to the resume). The time from the pause request
-to the resume is the update's generation pause (``update_pause_ms``, logged with ``weight update live`` and
-exported); it includes pausing itself (phase ``wait_engine``: vLLM's ``pause_generation`` sleeps 20 ms, and in
-"wait" mode lets the requests in flight finish). `pause_mode` is "keep" on GPUs (in-flight requests freeze and
-continue on the new weights) and "wait" on CPU (they finish first: keep-mode pauses crash the CPU engine on requests
-with a per-request seed). A refused update (`UpdateRefused`) is acknowledged with its error and the previous version
-keeps serving; any other failure leaves the engine in an unknown state: the daemon reports it and exits 1.
+An update: ``PolicyUpdater.preload`` (checks, waits for the staged load) -> pause generation -> ``apply`` -> point
+the served policy name at the new adapter (LoRA) -> resume; then WEIGHT_ACK with ``apply_ms`` (from the update's
+arrival to the resume). Pause to resume is the update's generation pause (``update_pause_ms``, logged with
+``weight update live``). ``pause_mode`` is "keep" on GPUs (in-flight requests continue on the new weights) and
+"wait" on CPU (they finish first: keep-mode pauses crash the CPU engine on requests with a per-request seed). A
+refused update (``UpdateRefused``) is acknowledged with its error and the previous version keeps serving; any other
+failure leaves the engine in an unknown state: the daemon reports it and exits 1.
 
 A teacher (``config.role == "teacher"``, online distillation) is the same server with a fixed model: it registers
 as ``ROLE_TEACHER`` (capability ``role=teacher``) and heartbeats like an inference worker, but has no weight

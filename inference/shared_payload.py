@@ -1,11 +1,8 @@
 """A weight-update payload handed to vLLM's worker through a shared-memory file, not through ``collective_rpc``.
 
-Why: in the server the engine core and its worker are separate processes, so bytes passed to ``collective_rpc``
-are msgpack-encoded, sent over a socket, decoded, pickled into vLLM's broadcast queue and unpickled again: four
-copies of the payload into freshly allocated memory. On this kind of machine (2 vCPUs, a VM) the first touch of
-fresh memory costs more than the copy itself (measured: a 400 MiB copy into fresh memory 420-520 ms, into memory
-touched before 30-180 ms). With this file the payload is written once, into pages that stay mapped from one
-update to the next, and the worker reads it in place, even while it is still being written.
+Bytes passed to ``collective_rpc`` are copied four times into fresh memory between the engine core and its worker
+processes; through this file the payload is written once, into pages that stay mapped from one update to the
+next, and the worker reads it in place, even while it is still being written.
 
 File layout: one page of control words (`CONTROL_BYTES`), then the payload. The control words are 64-bit
 integers, each written by one side only and read by the other after a memory fence:

@@ -2,8 +2,8 @@
 
 Start the engine with ``EngineOptions(worker_extension_cls=WORKER_EXTENSION_CLS)`` and call the methods through
 ``llm.collective_rpc("primerl_load_full", args=(payload,))`` (offline) or ``await async_llm.collective_rpc(...)``
-(server); `primerl.inference.policy_updates.PolicyUpdater` does both. What works on the CPU build (see
-"Facts measured here" in the design notes):
+(server); ``primerl.inference.policy_updates.PolicyUpdater`` does both. The constraints of vLLM's CPU build this
+module keeps:
 
 - weights travel as safetensors *bytes*: tensors passed through ``collective_rpc`` arrive as lists in
   multiprocess mode;
@@ -13,12 +13,11 @@ Start the engine with ``EngineOptions(worker_extension_cls=WORKER_EXTENSION_CLS)
   bias are always sent together (`_load_groups`): a layer given only part of its tensors would be rebuilt
   with the rest uninitialised.
 - with tied embeddings the CPU build's LM head keeps a GEMM packed from the old embedding after a reload;
-  `_refresh_tied_cpu_layers` rebuilds it (without it, logprobs were off by ~0.6 after an embedding change).
+  ``_refresh_tied_cpu_layers`` rebuilds it.
 - a mixture-of-experts layer (vLLM's ``FusedMoE``: all experts of a layer in two fused tensors) is reloaded with
-  all its experts (`_load_groups`; one expert alone gave wrong values or NaN that persisted), and on CPU its
-  experts are packed again for the MoE kernel afterwards (`_repack_cpu_moe_layers`): vLLM packs them only at
-  first load, so after a plain reload logprobs were 7-14 nats off, even for identical weights. Only the
-  reloaded layers are re-packed: re-packing an untouched layer corrupts it. Experts whose size is not a
+  all its experts (``_load_groups``), and on CPU its experts are packed again for the MoE kernel afterwards
+  (``_repack_cpu_moe_layers``: vLLM packs them only at first load). Only the reloaded layers are re-packed:
+  re-packing an untouched layer corrupts it. Experts whose size is not a
   multiple of 32 crash the CPU reload: such an update is refused (`check_cpu_moe_reload`).
 - ``reload_weights`` drops the LoRA adapters loaded in the worker (vLLM reloads an adapter from its path the
   next time a request asks for it).

@@ -19,10 +19,8 @@ is sent in the smallest of three forms:
 ``decoded_tensors`` lists the changed tensors in the order of the model, ``tensors`` every ``T#...`` of the
 payload (safetensors' order) and nothing else; the suffixes keep the names apart whatever the model calls its
 tensors. The decoder checks that positions are in range (increasing by construction) and as many as the values.
-One AdamW step of fp32 master weights served in bf16 changes 4.2% of the elements at lr 1e-6 (gaps: 0.064 of
-FULL) and 25% at lr 1e-5 (mask: 0.31), on 100M and 1B models alike (``bench/delta_fraction.py``).
 
-XOR_ZLIB (still decoded, for publishers that send it): for each tensor, the raw bits of the new version XOR the
+XOR_ZLIB: for each tensor, the raw bits of the new version XOR the
 raw bits of the base, zlib-compressed, as a 1-D ``U8`` tensor under the tensor's own name; ``tensors[i]`` and
 ``decoded_tensors[i]`` name the same tensor. A small step changes few high bits, so the XOR is mostly zero bytes;
 but in fp32 every element changes (the XOR compresses to ~50-70 %) and zlib runs at ~50-100 MB/s one way.
@@ -32,13 +30,8 @@ but in fp32 every element changes (the XOR compresses to ~50-70 %) and zlib runs
                                 decoded_tensors=decoded, ...)
     changed = decode_delta(payload, header, base_state)  # {name: new tensor} for the tensors in the delta
 
-Choosing: a delta pays when encoding it here and decoding it on a worker takes less time than its saved bytes
-take on the wire. `estimate_delta` prices either encoding on a sample before it is built (size, encode and decode
-times), so a publisher can send FULL instead (the policy is in ``trainer/publish.py``). SPARSE is a compare, a
-gather and a scatter (~0.8 GB/s of FULL bytes to encode, 1-2.4 GB/s to decode, one thread here) and its size
-follows the changed fraction: the encoding of 16-bit weights. XOR_ZLIB runs at ~0.06-0.3 GB/s: it pays only when
-few tensors changed or the wire is slow (in bf16 at lr 1e-5 it is smaller than SPARSE, 0.21 of FULL, but ~7x
-slower).
+``estimate_delta`` prices either encoding on a sample before it is built (size, encode and decode times), so a
+publisher can send FULL when a delta would not pay (the policy is in ``primerl.trainer.publish``).
 
 Decoding trusts nothing: names, dtypes and shapes are checked against the header and the base, SPARSE positions
 against the tensor and the values, and XOR_ZLIB data is decompressed with a bound equal to the tensor's size (a

@@ -1,24 +1,16 @@
 """CPU thread budget of each role: how many threads its math libraries run, and that idle ones sleep.
 
-Why: on a CPU machine the trainer, vLLM's worker, the orchestrator and its env workers share the cores. Left
-alone, torch starts one OpenMP thread per core in every process, and GNU OpenMP threads *spin* at the end of
-each parallel region waiting for their siblings. When two such processes share two cores, a sibling is often
-descheduled, so every one of the thousands of small parallel regions of a training step waits a scheduler
-time slice: profiled on the demo, 92 % of the trainer's compute samples sat in libgomp's spin loop and a step
-that needs 0.2 s of arithmetic took 5-30 s.
+On a CPU machine the roles share the cores; left alone, torch starts one OpenMP thread per core in every process and
+GNU OpenMP threads spin at the end of each parallel region, so a descheduled sibling stalls every small region of a
+training step by a scheduler time slice. The budget of a role (``ThreadsConfig``, the ``[<role>.threads]`` table):
 
-The budget of a role (``ThreadsConfig``, the ``[<role>.threads]`` table):
+- ``num_threads``: intra-op threads of torch and of the OpenMP / MKL / OpenBLAS pools;
+- ``num_interop_threads``: torch's inter-op pool;
+- ``wait_policy``: ``passive`` (default): ``OMP_WAIT_POLICY=PASSIVE``, ``KMP_BLOCKTIME=0`` (an idle thread sleeps);
+- ``cpus``: CPU ids the role's compute threads are bound to (inference: vLLM's ``VLLM_CPU_OMP_THREADS_BIND``;
+  the other roles: ``os.sched_setaffinity``).
 
-- ``num_threads``: intra-op threads of torch and of the OpenMP / MKL / OpenBLAS pools (``OMP_NUM_THREADS``,
-  ``MKL_NUM_THREADS``, ``OPENBLAS_NUM_THREADS``, ``torch.set_num_threads``);
-- ``num_interop_threads``: torch's inter-op pool (``torch.set_num_interop_threads``);
-- ``wait_policy``: ``passive`` (default) sets ``OMP_WAIT_POLICY=PASSIVE`` and ``KMP_BLOCKTIME=0``: an idle
-  OpenMP thread sleeps at once instead of burning a core another role needs;
-- ``cpus``: CPU ids the role's compute threads are bound to. For inference this becomes vLLM's
-  ``VLLM_CPU_OMP_THREADS_BIND`` (vLLM binds its worker's OpenMP threads, one per listed CPU); for the other
-  roles it is the process's affinity (``os.sched_setaffinity``).
-
-Defaults (``default_budgets``), from the CPUs this process may use (``os.sched_getaffinity(0)``, n of them):
+Defaults (``default_budgets``), from the n CPUs of this process's affinity:
 
 ===============  ==================================  =================================================
 role             all roles on one CPU-only machine   with GPUs (compute is on the GPUs)
@@ -32,20 +24,10 @@ broker           1 thread                             1 thread
 teacher          inference's CPUs and threads         as inference
 ===============  ==================================  =================================================
 
-A teacher (online distillation) is a second vLLM engine: it shares inference's CPUs rather than taking cores
-from the trainer. The two alternate more than they compete: the teacher only scores finished rollouts (one
-prefill pass each, no decoding), and with the passive wait policy the one that waits sleeps.
-
-On 2 cores: vLLM's worker on CPU 0 with 1 thread (a teacher's too), the trainer 1 thread, everything else 1
-thread: no role has an OpenMP team that could wait on a descheduled sibling. A standalone daemon (not started by
-``primerl rl``) with no budget set takes every CPU of its affinity for its own pools (inference: vLLM's own
-binding), still with the passive wait policy.
-
-Who applies it: ``primerl rl`` fills each role's unset fields with the defaults above, writes them into the
-role configs of the run directory, and puts the environment variables into each child's environment
-(``role_env``), so they hold before any library is loaded. Every daemon then applies its own config at start
-(``apply_budget``): env vars (effective when torch is not imported yet), torch's pools, the affinity.
-Imports neither torch nor vLLM at module level.
+A standalone daemon with no budget set takes every CPU of its affinity, still with the passive wait policy.
+``primerl rl`` fills each role's unset fields with these defaults, writes them into the run's role configs and sets
+the environment variables in each child (``role_env``) before any library loads; every daemon then applies its own
+config at start (``apply_budget``). Imports neither torch nor vLLM at module level.
 """
 
 from __future__ import annotations

@@ -7,53 +7,24 @@
                         (without [trainer.ckpt]: CommitStep(N) after every step)
                      ── ReportMetrics(N); one row of {output_dir}/metrics.jsonl (and W&B, Prometheus)
 
-The threads and their invariants are in ``primerl.trainer.step_io``: the compute loop only computes; the
-previous step's publish and checkpoint finish before the next optimizer step changes the weights; a step is
-committed only after its checkpoint is durable; an IO failure stops the run as ``TrainerIOError``. With
-several ranks the checkpoint itself (it has barriers) is written on the compute thread. Several ranks replicate
-the model (``model.parallel`` unset or ``ddp``); an explicit ``fsdp2`` with several ranks is refused before
-anything loads (``primerl.trainer.distributed.resolve_parallel``).
+The threads and their invariants are in ``primerl.trainer.step_io``. Several ranks replicate the model (``ddp``);
+``fsdp2`` with several ranks is refused before anything loads (``primerl.trainer.distributed.resolve_parallel``).
 
-Phase timers (metrics, seconds unless named ``_ms``): ``perf/wait_for_data_s`` (compute loop waiting for the
-prefetched step), ``perf/fetch_s`` and ``perf/decode_s`` (fetch thread), ``perf/forward_s``,
-``perf/backward_s``, ``perf/update_wait_s`` (waiting for the previous step's publish/checkpoint),
-``perf/optimizer_s``, ``perf/step_time_s`` (the compute loop's whole step), and from the IO thread
-``perf/publish_ms``, ``perf/checkpoint_s``, ``perf/commit_s``, ``perf/export_s`` (the last step's weights
-without ``[trainer.ckpt]``), ``perf/io_s``.
-
-Rank 0 serves the trainer's Prometheus metrics (``[trainer.prometheus]``; its URL goes to the broker as the
-``metrics_url`` capability): the generic ``primerl_step`` / ``primerl_metric`` families of every row, and
-``primerl_trainer_step``, ``primerl_trainer_loss``, ``primerl_trainer_loss_tokens_total``.
-
-The trained model is always saved: every checkpoint exports its step's Hugging Face weights to
-``{output_dir}/weights/step_N``; without ``[trainer.ckpt]`` the last step (``max_steps``) is exported all the
-same, and a clean stop before it (SIGTERM/SIGINT, the broker ending the run) exports the last step trained
-(rank 0; ``primerl eval -m RUN_DIR`` takes the newest ``weights/step_N``).
-
-Commits: with ``[trainer.ckpt]`` a step is committed (``CommitStep``: the broker deletes the batches of every step up
-to it) only once its checkpoint is durable, so a restarted trainer resumes from that checkpoint and trains every
-later step exactly once ("checkpoint committed"). Without ``[trainer.ckpt]`` there is nothing durable to wait for:
-each step is committed as soon as it is trained ("step committed"), so the broker's spool holds only the steps not
-yet trained. A restart then cannot resume: the model would start again from ``model.name`` while the batches of
-the committed steps are gone. A trainer that would train a step the broker has already committed refuses before
-registering, with one line and exit 2 (``CannotResume``; ``primerl rl`` does not restart an exit 2): add
-``[trainer.ckpt]`` for runs that must survive a trainer crash.
-
-Resume: with ``ckpt.resume_step`` (or ``latest``), model, optimizer, scheduler and RNG come back from the
-checkpoint and the run continues at the next step; the broker still holds every batch after the last
-committed step and hands them out again. The resumed step is committed again (idempotent on the broker: a
-trainer killed between its checkpoint and its commit leaves that step uncommitted), and its metrics row and
-"step done" line are written from the checkpoint when ``metrics.jsonl`` lacks them (the checkpoint carries the
-step's metrics), never twice.
-
-Riding through a broker outage: control calls (register, commit, metrics) wait up to ``broker.outage_s``
-(``primerl.client.control``); while it waits for a step's micro-batches the fetch thread logs
-``waiting for the step's micro-batches`` every ``step_io.DATA_WAIT_LOG_S`` (saying whether the broker is reachable) and
-gives up with ``BrokerLost`` once the broker has been unreachable for longer than ``broker.outage_s``. When the
-broker says the run is over (``shutdown_requested``) the trainer stops within a few seconds, exit 0.
-
-Every "step done" line carries ``data_digest`` (``primerl.proto.step_digest`` of rank 0's micro-batches as
-received), the same digest the orchestrator logs in its ``step sent`` line.
+- Commits: with ``[trainer.ckpt]`` a step is committed (the broker deletes its batches) only once its checkpoint is
+  durable, so a restarted trainer trains every later step exactly once; without it each step is committed once
+  trained, and a trainer that would train an already committed step refuses before registering (``CannotResume``,
+  exit 2, not restarted by ``primerl rl``).
+- Resume (``ckpt.resume_step``): model, optimizer, scheduler and RNG come back from the checkpoint; the resumed step
+  is committed again (idempotent) and its metrics row and ``step done`` line are written from the checkpoint when
+  ``metrics.jsonl`` lacks them, never twice.
+- The trained model is always saved: every checkpoint exports ``{output_dir}/weights/step_N``; without
+  ``[trainer.ckpt]`` the last step, or the last step trained before a clean stop, is exported (rank 0).
+- Broker outages: control calls wait up to ``broker.outage_s``; the fetch thread logs while it waits for data and
+  raises ``BrokerLost`` once the broker has been unreachable for longer. ``shutdown_requested``: stop, exit 0.
+- Telemetry: phase timers ``perf/*`` (seconds unless ``_ms``) in each metrics row; rank 0 serves Prometheus
+  (``primerl_trainer_step``, ``primerl_trainer_loss``, ``primerl_trainer_loss_tokens``; names in
+  ``primerl.proto.telemetry``); every ``step done`` line carries ``data_digest`` (``primerl.proto.step_digest``),
+  the digest the orchestrator logs in its ``step sent`` line.
 """
 
 from __future__ import annotations

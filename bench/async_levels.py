@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""``max_async_level`` 0 vs 1 vs 2 on the demo's task: steps/s and reward (issue 12, part f).
+"""``max_async_level`` 0 vs 1 vs 2 on the demo's task: steps/s and reward (`make bench` part f).
 
     .venv/bin/python bench/async_levels.py --sft runs/bench/sft/weights/step_1000 [--steps 12] [--repeats 2] \
         [--levels 0,1,2] [--markdown bench/sections/f.md] [--plots-dir bench/plots]
@@ -18,7 +18,7 @@ the same spread of machine load. Per level:
 A control row (``--control``, on by default): level 1 with a learning rate of 1e-12, so the trainer's weights
 stay those that sampled the batch while everything else (the lag, the weight pushes, the version tags) runs as at
 level 1. Its KL is the engine/trainer mismatch alone; the KL of the real level-1 runs minus it is how far one
-optimizer step moved the policy (issue 12 asked whether a k3 KL of 4.04 at lag 1 and lr 5e-4 is one or the other).
+optimizer step moved the policy.
 
 Targets: none of its own in the issue; the table shows what asynchrony buys (level 1 and 2 over level 0).
 """

@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""The broker's memory under a flood of rollout batches (issue 13, point 4; `make bench` part d).
+"""The broker's memory under a flood of rollout batches (`make bench` part d).
 
     .venv/bin/python bench/broker_flood.py [--producers 1 4 16] [--batch-mib 32] [--seconds 8] [--repeats 2] [--quick] \
         [--markdown PATH]

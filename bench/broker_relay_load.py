@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""A real `primerl-broker` relaying rollout batches without pause, to profile it (issue 12, part d's relay).
+"""A real `primerl-broker` relaying rollout batches without pause, to profile it (`make bench` part d's relay).
 
     .venv/bin/python bench/broker_relay_load.py SPOOL_DIR [SIZE_MIB] [STEPS] &
     .venv/bin/py-spy record -r 200 -d 10 -f raw --threads -o relay.txt -p $(cat /tmp/relay_broker.pid)

@@ -22,7 +22,7 @@ Columns: changed elements (bitwise, over all elements); FULL = the safetensors p
 FULL publish sends); each encoding's payload = its encoded tensors plus one safetensors header; encode and
 decode seconds are the sum over tensors, each the fastest of ``--repeats`` runs (XOR_ZLIB: one run); break-even
 wire rate = 2 x (FULL - delta) / (encode + decode): the delta saves time when the trainer -> broker -> worker path
-moves fewer bytes per second than that (the publisher's "auto" rule, ``trainer/publish.py``). Target (issue 26):
+moves fewer bytes per second than that (the publisher's "auto" rule, ``trainer/publish.py``). Target:
 bf16 DELTA payload at lr 1e-6 on the 1B model <= 0.1 of FULL.
 """
 

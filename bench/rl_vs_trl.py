@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""``primerl rl`` against TRL 1.16 ``GRPOTrainer`` on the demo's task, side by side (issue 12, parts a and g).
+"""``primerl rl`` against TRL 1.16 ``GRPOTrainer`` on the demo's task, side by side (`make bench` parts a and g).
 
     .venv/bin/python bench/rl_vs_trl.py --part a --sft runs/bench/sft/weights/step_1000 \
         [--steps 30] [--repeats 3] [--markdown bench/sections/a.md] [--plots-dir bench/plots]

@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Target (c) of issue 12: the orchestrator's rollouts/s against a plain async HTTP client, same primerl-infer.
+"""Part c: the orchestrator's rollouts/s against a plain async HTTP client, same primerl-infer.
 
     .venv/bin/python bench/rollout_path.py [--repeats 3] [--steps 6] [--model DIR] [--markdown PATH]
 

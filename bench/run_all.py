@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""``make bench``: run every benchmark of issue 12 (parts a-g) and issue 19 (part h) with a time limit each and
+"""``make bench``: run every benchmark (parts a-h) with a time limit each and
 write bench/RESULTS.md.
 
     .venv/bin/python bench/run_all.py            # the full profile (what `make bench` runs)
@@ -82,7 +82,7 @@ PARTS = [
     Part("c", "rollout_path.py", [], 300, 180, 120),
     Part("d", "broker_throughput.py", [], 300, 180, 120),
     Part("d", "broker_flood.py", [], 180, 120, 60),
-    # Full: the tiny and 100M points of earlier runs, then 100M / 500M / 1B in bf16 (issue 26's scale table);
+    # Full: the tiny and 100M points of earlier runs, then 100M / 500M / 1B in bf16 (the scale table);
     # --quick: tiny fp32 + 100M bf16.
     Part("e", "weight_update.py", ["--models", "tiny:fp32,100m:fp32+bf16,500m:bf16,1b:bf16"], 1800, 480, 480),
     # What one AdamW step changes at 100M and 1B, bf16 and fp32, and the SPARSE / XOR_ZLIB deltas of it.

@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Part h (issue 19): verifiers v1 rollouts/s against the classic path, side by side on the same primerl-infer.
+"""Part h: verifiers v1 rollouts/s against the classic path, side by side on the same primerl-infer.
 
     .venv/bin/python bench/v1_rollouts.py --sft runs/demo/sft/weights/step_1000 [--repeats 3] [--rounds 3]
         [--groups 8] [--rollouts 16] [--markdown PATH]

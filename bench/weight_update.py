@@ -49,8 +49,8 @@ show medians, the markdown min / median / max. A second table gives delta size /
 (fp32 points of tiny and 100m; XOR + zlib level 1). Targets, printed as met / missed (ratios from this run):
 1B bf16 FULL publish->applied <= 0.7x the filesystem hand-off and (stretch) <= 1.5x the raw send; broker peak
 RSS <= payload + 256 MiB; pause p50 at 100M <= 50 ms; the tiny model's FULL publish->applied no slower than
-the last part e figure committed in bench/RESULTS.md (10 % noise allowed); and issue 12's (100M FULL <= 5x raw,
-DELTA never slower than FULL). ``--markdown PATH`` writes the part-e section; the plot of update time against
+the last part e figure committed in bench/RESULTS.md (10 % noise allowed); 100M FULL <= 5x raw,
+DELTA never slower than FULL. ``--markdown PATH`` writes the part-e section; the plot of update time against
 payload size goes to ``--plots-dir``. Every process started here is stopped on exit; the models live in a
 temporary directory that is removed.
 """

@@ -188,7 +188,7 @@ class WeightFanout:
 
         The next step: a FULL or LORA update newer than what the member will hold (or of a newer lineage); a DELTA
         on exactly the version and lineage it will hold. Members busy with another update get it by the plan made
-        when it is stored, as before."""
+        when it is stored."""
         header = update.header
         started = 0
         with self._lock:

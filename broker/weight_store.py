@@ -32,7 +32,7 @@ it (the unix microseconds when its publisher started; 0: a sender that predates 
 - a DELTA of a newer lineage is refused (OUT_OF_ORDER): a lineage starts with a FULL (or LORA) update;
 - any update of an OLDER lineage is refused (OUT_OF_ORDER, the message says it was superseded): e.g. a trainer
   that a restarted one replaced but that still runs. The sender reads the store's lineage in the refusal.
-Lineage 0 on both sides is the ordering by version alone, as before lineages existed.
+Lineage 0 on both sides is the ordering by version alone.
 
 ``plan_for(worker_version, worker_lineage)`` says what a worker must receive to reach the latest version: a
 worker whose (known) lineage is older than the store's gets the snapshot even when its version number is the

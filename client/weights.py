@@ -2,7 +2,7 @@
 
 Each owns one DEALER socket and must be used from one thread. Every wait has a timeout.
 
-Broker outages (issue 14): the publisher watches its connection (a ZMQ socket monitor): a publish fails at once,
+Broker outages: the publisher watches its connection (a ZMQ socket monitor): a publish fails at once,
 with ``WeightBrokerLost`` (a ``WeightPublishTimeout``), when the connection drops while it waits or when no
 connection is up within ``connect_timeout_s``; the caller (``primerl.trainer.publish``) retries it through the
 outage. The subscriber says HELLO every ``hello_interval_s``; the broker answers each with a WEIGHT_ACK, so a

@@ -133,7 +133,7 @@ def render_model(model: type[pydantic.BaseModel], path: str, out: list[str], see
 
 
 def render() -> str:
-    from primerl.cli.rl_config import RLConfig
+    from primerl.configs.rl import RLConfig
 
     out = [INTRO, "## Run config (`primerl rl`)", ""]
     render_model(RLConfig, "", out, set())

@@ -267,7 +267,7 @@ def _incarnation_of(incarnations: list[Incarnation], at_s: float) -> Incarnation
 
 
 def _status_findings(record: RunRecord, verdict: Verdict) -> None:
-    """Run status after a broker restart should say what it said before (issue 14, item 2)."""
+    """Run status after a broker restart should say what it said before."""
     best = {"last_committed_step": 0, "latest_policy_version": 0}
     regressions: list[str] = []
     for _, status in record.statuses:

@@ -1,7 +1,8 @@
 """The broker daemon (``primerl-broker``): the hub every role connects to. Nothing outside this package and
 ``primerl.cli`` imports it; the roles reach it through ``primerl.client`` and the contracts in ``primerl.proto``.
 
-- ``service``: the process: the gRPC control plane and the two ZeroMQ planes wired together; ``config``.
+- ``service``: the process: the gRPC control plane and the two ZeroMQ planes wired together (its config:
+  ``primerl.configs.broker``).
 - Control plane: ``control_service`` (gRPC layer, auth) over ``registry`` (workers and run status, no sockets),
   which keeps ``worker_record``s, the run's position (``run_progress``), its last metrics (``run_metrics``) and
   the status parts that are not its own (``run_status``), on ``watched_state``; refusals in ``registry_errors``;

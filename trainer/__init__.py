@@ -1,4 +1,5 @@
 """The trainer: RL, SFT and distillation training of the policy, weight publishing, checkpoints and exports.
+Its configs are ``primerl.configs.trainer``; its batches are packed by ``primerl.proto.packing``.
 
 Daemons and their set-up:
     runner          the RL trainer daemon (``primerl-trainer``): fetch, step, publish, checkpoint, commit
@@ -6,7 +7,6 @@ Daemons and their set-up:
     training_setup  what both build alike: model, optimizer, schedule, step function, resume, checkpoint save
     step_io         the RL trainer's fetch and IO threads (the compute loop only computes)
     distributed     torch.distributed: ranks, DDP / FSDP2 wrapping, collectives
-    config          the trainer's and SFT's pydantic configs (importable without torch)
 
 Training:
     model           load the model (activation checkpointing, LoRA)
@@ -14,7 +14,7 @@ Training:
     batch           ``MicroBatch``: one packed micro-batch as tensors
     losses          RL, SFT and distillation losses
     train_step      one optimizer step over a step's micro-batches
-    sft_data        SFT samples: read, tokenize, pack with the orchestrator's packer
+    sft_data        SFT samples: read, tokenize, pack
 
 The weights out of the trainer:
     hf_state_dict   the model's tensors as Hugging Face / peft save them (a LoRA model merged): published and

@@ -5,7 +5,9 @@
 - ``framing`` (the only code that reads and writes data-plane messages), ``chunked_transfer`` (a payload split
   into the messages of one transfer, and their bounded reassembly) and ``tensor_frames`` (tensors as
   safetensors frames); ``weight_delta``: the lossless delta encodings (SPARSE, XOR_ZLIB).
-- One module per contract that is not a protobuf message: ``micro_batch`` (the training micro-batch's tensors),
+- One module per contract that is not a protobuf message: ``micro_batch`` (the training micro-batch's tensors)
+  and ``packing`` (samples packed into those micro-batches, balanced over the trainer ranks: RL and SFT alike),
+  ``telemetry`` (the metric keys, Prometheus names and log events that tools read),
   ``env_protocol`` (the env-worker JSON-lines protocol and the policy-version HTTP headers; standard library only),
   ``ready_file`` (a daemon's ``--ready-file`` JSON), ``step_digest`` (the digest of a step's data),
   ``data_plane_limits`` (the broker's limits, sent to every worker at registration), ``batch_ids``, ``digests``

@@ -1,5 +1,5 @@
-"""Shared infrastructure of every role and command; imports neither torch nor vLLM, and nothing of the role
-packages (broker, client, trainer, inference, orchestrator) or of ``cli``.
+"""Shared infrastructure of every role and command; imports neither torch nor vLLM, and nothing of primerl outside
+this package (``tests/test_layering.py`` holds it).
 
 - config: ``config_base`` (the pydantic base every role config extends), ``config_common`` (sections several
   roles share: logging, broker client, W&B, Prometheus), ``config_loader`` (``@ file.toml`` and overrides in,

@@ -4,7 +4,7 @@ Every module under the packages named in pyproject's ``[tool.setuptools.package-
 (nothing is imported). Each ``import`` is classed as eager (module level), lazy (inside a function) or typing
 (under ``if TYPE_CHECKING:``); relative imports are resolved. The rules hold for all three kinds:
 
-- ``proto`` and ``runtime`` import nothing of primerl outside themselves (``runtime`` may use ``proto``);
+- ``proto`` and ``runtime`` import nothing of primerl outside themselves;
 - ``client`` imports only ``proto`` and ``runtime``; ``configs`` only ``proto``, ``runtime`` and itself;
 - no role (broker, trainer, inference, orchestrator) imports another role, ``configs`` excepted;
 - ``cli`` and ``supervisor`` may import anything;
@@ -28,7 +28,7 @@ FOUNDATION = ("proto", "runtime")
 # package (the first name after "primerl.") -> the packages it may import besides itself.
 ALLOWED: dict[str, tuple[str, ...]] = {
     "proto": (),
-    "runtime": ("proto",),
+    "runtime": (),
     "client": FOUNDATION,
     "configs": FOUNDATION,
     **{role: (*FOUNDATION, "client", "configs") for role in ROLES},
@@ -131,8 +131,9 @@ def violation(item: Import, target: str) -> str | None:
         return None
     if source in ROLES and dest in ROLES:
         return f"a role imports another role ({source} -> {dest})"
-    allowed = ", ".join(ALLOWED[source]) or "nothing of primerl"
-    return f"{source} may import only {allowed} (not {dest or 'primerl'})"
+    if not ALLOWED[source]:
+        return f"{source} imports nothing of primerl outside itself"
+    return f"{source} may import only {', '.join(ALLOWED[source])} and itself"
 
 
 def all_imports() -> tuple[dict[str, Path], list[Import]]:

@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 from primerl.cli.command_args import config_warnings_printed, parse_command_args
-from primerl.cli.restart_policy import RESTART_MODES, RestartPolicy
+from primerl.supervisor.restart_policy import RESTART_MODES, RestartPolicy
 from primerl.runtime.config_base import ConfigError
 from primerl.runtime.config_loader import dump_toml, load_config, parse_config_args, write_toml
 
@@ -109,7 +109,7 @@ def main(argv: list[str] | None = None) -> int:
             parser.print_usage(sys.stderr)
             print("primerl rl: error: give a config file: primerl rl @ config.toml", file=sys.stderr)
             return 2
-        from primerl.cli.rl_config import RLConfig
+        from primerl.configs.rl import RLConfig
 
         overrides = dict(parsed.overrides)
         if args.run_dir is not None:
@@ -137,7 +137,7 @@ def main(argv: list[str] | None = None) -> int:
         if status is not None:
             return status
         from primerl.cli.preflight import SKIP_VAR
-        from primerl.cli.launcher import LaunchOptions, Launcher
+        from primerl.supervisor.launcher import LaunchOptions, Launcher
 
         os.environ[SKIP_VAR] = "1"  # checked here (or skipped on purpose): the roles inherit it and skip theirs
 

@@ -1,7 +1,7 @@
 """`primerl status [RUN_DIR]`: show a running job's status from its broker, as a table or JSON, once or live.
 
 The broker's address and the token come from the command line, else from RUN_DIR/run.json (written by
-`primerl rl`, ``primerl.cli.run_file``), else from ``$PRIMERL_BROKER`` and ``$PRIMERL_RUN_TOKEN``."""
+`primerl rl`, ``primerl.supervisor.run_file``), else from ``$PRIMERL_BROKER`` and ``$PRIMERL_RUN_TOKEN``."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import os
 import sys
 from typing import TextIO
 
-from primerl.cli.run_file import RunFileError, read_run_file
+from primerl.supervisor.run_file import RunFileError, read_run_file
 from primerl.cli.status_view import render_status
 
 ENV_TOKEN = "PRIMERL_RUN_TOKEN"

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from primerl.runtime.config_base import ConfigError
-from primerl.cli.config_shapes import detect_shape
+from primerl.configs.rl_shapes import detect_shape
 from support.rl_configs import BASE, LAB, VF_RL, config_writer, error_of, load
 
 

@@ -15,7 +15,7 @@ import pytest
 
 from primerl.configs.broker import BrokerConfig
 from primerl.cli.rl import main as rl_main
-from primerl.cli.rl_config import RLConfig
+from primerl.configs.rl import RLConfig
 from primerl.configs.inference import InferenceConfig
 from primerl.configs.orchestrator import OrchestratorConfig
 from primerl.runtime.config_base import ConfigError, ConfigWarning
@@ -26,7 +26,7 @@ from primerl.runtime.config_loader import (
     parse_config_args,
     parse_override_value,
 )
-from primerl.cli.config_shapes import LAB_SAMPLING_KEYS
+from primerl.configs.rl_shapes import LAB_SAMPLING_KEYS
 from primerl.configs.trainer import TrainerConfig
 from support.rl_configs import BASE, LAB, VF_RL, config_writer, error_of, load
 
@@ -239,7 +239,7 @@ def _types_in(tp: object) -> list[object]:
 
 
 def test_config_modules_import_without_torch_or_vllm() -> None:
-    code = ("import sys, primerl.cli.rl, primerl.cli.rl_config; "
+    code = ("import sys, primerl.cli.rl, primerl.configs.rl; "
             "print([m for m in ('torch', 'vllm', 'transformers', 'verifiers') if m in sys.modules])")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stderr

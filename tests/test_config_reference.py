@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from primerl.configs.broker import BrokerConfig
-from primerl.cli.rl_config import RLConfig
+from primerl.configs.rl import RLConfig
 from primerl.configs.inference import InferenceConfig
 from primerl.configs.orchestrator import OrchestratorConfig
 from primerl.runtime.config_base import ConfigWarning

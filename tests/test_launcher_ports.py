@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from primerl.cli.run_file import RUN_FILE_NAME, RunFile, RunFileError, read_run_file, write_run_file
+from primerl.supervisor.run_file import RUN_FILE_NAME, RunFile, RunFileError, read_run_file, write_run_file
 
 BIN = Path(sys.executable).parent
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -50,7 +50,7 @@ def default_ports_config(tmp_path: Path) -> Path:
 
 # ------------------------------------------------------------------------------------------ fast: config
 def _load(tmp_path: Path, **overrides):
-    from primerl.cli.rl_config import RLConfig
+    from primerl.configs.rl import RLConfig
     from primerl.runtime.config_loader import load_config
 
     return load_config(RLConfig, [default_ports_config(tmp_path)], overrides)
@@ -70,7 +70,7 @@ def test_primerl_rl_gives_the_broker_free_ports_unless_the_config_sets_them(tmp_
 
 
 def test_an_explicit_free_grpc_port_is_allowed_and_the_run_config_loads_back(tmp_path):
-    from primerl.cli.rl_config import RLConfig
+    from primerl.configs.rl import RLConfig
     from primerl.runtime.config_loader import load_config, write_toml
 
     config = _load(tmp_path, broker={"grpc_port": 0})
@@ -162,7 +162,7 @@ def test_a_taken_metrics_port_names_the_role_setting():
 def test_tmux_panes_are_titled_with_their_roles(tmp_path):
     import io
 
-    from primerl.cli.launcher import LaunchOptions, Launcher
+    from primerl.supervisor.launcher import LaunchOptions, Launcher
 
     config = _load(tmp_path, output_dir=str(tmp_path / "run"))
     launcher = Launcher(config, LaunchOptions(tmux=True), out=io.StringIO(), err=io.StringIO())

@@ -15,9 +15,9 @@ from pathlib import Path
 import pytest
 
 from primerl.cli.preflight import Finding, error, report, run_checks, warning
-from primerl.cli.preflight_envs import EnvUse, check_environments, length_findings
-from primerl.cli.preflight_model import looks_like_hub_id, model_checks, name_problem
-from primerl.cli.preflight_system import PortUse, port_check, port_problem, wandb_check
+from primerl.cli.preflight.envs import EnvUse, check_environments, length_findings
+from primerl.cli.preflight.model import looks_like_hub_id, model_checks, name_problem
+from primerl.cli.preflight.system import PortUse, port_check, port_problem, wandb_check
 from primerl.runtime.config_common import WandbConfig
 from support.probes import free_port
 
@@ -153,7 +153,7 @@ def test_a_cached_hub_id_serves_vllm_and_the_trainer_gets_its_directory(tmp_path
     (snapshot / "config.json").write_text("{}")
     (snapshot.parents[1] / "refs").mkdir()
     (snapshot.parents[1] / "refs" / "main").write_text("a" * 40)
-    code = ("from primerl.cli.preflight_model import name_problem as p\n"
+    code = ("from primerl.cli.preflight.model import name_problem as p\n"
             "print(p('inference.model.name', 'someorg/some-model', 'model'))\n"
             "print(p('model.name', 'someorg/some-model', 'model', local_only=True))")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
@@ -235,7 +235,7 @@ def test_an_environment_without_examples(env_python, monkeypatch):
 
 
 def test_an_environment_listed_twice():
-    from primerl.cli.preflight_envs import env_checks
+    from primerl.cli.preflight.envs import env_checks
     from primerl.configs.orchestrator import OrchestratorConfig
 
     config = OrchestratorConfig.model_validate({"model": {"name": "m"}, "env": [{"id": "a"}, {"id": "b"}, {"id": "a"}]})

@@ -17,10 +17,11 @@ from pathlib import Path
 
 import pytest
 
-from primerl.cli.restart_policy import RestartBudget, RestartPolicy, describe_exit_code
-from primerl.cli.role_logs import last_error_in_log, last_error_line
-from primerl.cli.process_supervisor import ChildFailed, ChildProcess, Supervisor
 from support.proc_tree import descendants, running
+
+from primerl.supervisor.process_supervisor import ChildFailed, ChildProcess, Supervisor
+from primerl.supervisor.restart_policy import RestartBudget, RestartPolicy, describe_exit_code
+from primerl.supervisor.role_logs import last_error_in_log, last_error_line
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = REPO_ROOT / "examples" / "reverse_text_rl.toml"
@@ -124,7 +125,7 @@ def test_a_sigkilled_launcher_leaves_nothing_running(tmp_path):
     driver.write_text(textwrap.dedent(f"""
         import os, sys, time
         from pathlib import Path
-        from primerl.cli.process_supervisor import ChildProcess, Supervisor
+        from primerl.supervisor.process_supervisor import ChildProcess, Supervisor
         supervisor = Supervisor()
         for name in ("trainer", "orchestrator"):
             supervisor.start(ChildProcess(name, [sys.executable, "-c", {STUBBORN_ROLE!r}],
@@ -176,20 +177,20 @@ def test_stop_and_restart_end_the_ranks_that_left_the_group(tmp_path):
         supervisor.close()
 
 
-# ---- the launcher's restart loop ------------------------------------------------------------------------------
+# ---- the launcher's restarts ------------------------------------------------------------------------------
 
 
 def _launcher(tmp_path, policy: RestartPolicy):
-    from primerl.cli.launcher import LaunchOptions, Launcher
-    from primerl.cli.rl_config import RLConfig
+    from primerl.configs.rl import RLConfig
     from primerl.runtime.config_loader import load_config
+    from primerl.supervisor.launcher import LaunchOptions, Launcher
 
     config = load_config(RLConfig, [EXAMPLE], {"output_dir": str(tmp_path / "run")})
     out, err = io.StringIO(), io.StringIO()
     launcher = Launcher(config, LaunchOptions(restart=policy), out=out, err=err)
-    launcher.roles = config.role_configs()
-    launcher.paths = {role: tmp_path / f"{role}.toml" for role in launcher.roles}
     launcher.run_dir.mkdir(parents=True)
+    for role, role_config in config.role_configs().items():
+        launcher.role_files.set(role, role_config)
     return launcher, out, err
 
 
@@ -208,7 +209,7 @@ def test_a_failing_role_is_restarted_with_back_off_then_stops_the_run(tmp_path):
                 if child.poll() is not None and len(exits_s) < child.num_starts:
                     exits_s.append(time.monotonic())
                 num_starts = child.num_starts
-                launcher._look_after_children()
+                launcher.restarts.look_after_children()
                 if child.num_starts > num_starts:
                     starts_s.append(time.monotonic())
                 time.sleep(0.01)
@@ -240,7 +241,7 @@ def test_restart_never_and_a_clean_orchestrator_exit(tmp_path):
         orchestrator.process.wait(10)
         trainer.process.wait(10)
         with pytest.raises(ChildFailed, match=r"^trainer exited with status 1$"):
-            launcher._look_after_children()
+            launcher.restarts.look_after_children()
         assert "restarting" not in out.getvalue() and orchestrator.num_starts == 1
     finally:
         launcher.supervisor.close()

@@ -15,9 +15,9 @@ from pathlib import Path
 
 import pytest
 
-from primerl.cli.launcher import LaunchOptions, Launcher
-from primerl.cli.role_configs import without_token
-from primerl.cli.run_progress import Progress
+from primerl.supervisor.launcher import LaunchOptions, Launcher
+from primerl.supervisor.role_configs import without_token
+from primerl.supervisor.run_progress import Progress
 from primerl.runtime.config_base import ConfigWarning
 from support.probes import free_port
 from support.proc_tree import descendants, running
@@ -181,7 +181,7 @@ class _Status:
 
 def test_progress_line_shows_step_reward_loss_lag_and_eta(monkeypatch):
     clock = iter([100.0, 110.0, 120.0])
-    monkeypatch.setattr("primerl.cli.launcher.time.monotonic", lambda: next(clock))
+    monkeypatch.setattr("primerl.supervisor.launcher.time.monotonic", lambda: next(clock))
     progress = Progress()
     progress.update(_Status(0, 0, {}).message)
     progress.update(_Status(1, 0, {"train/reward": 0.25, "train/loss": 0.5, "rollout/tokens_per_s": 300}).message)
@@ -195,7 +195,7 @@ def test_progress_line_shows_step_reward_loss_lag_and_eta(monkeypatch):
 def test_the_closing_summary_reads_the_runs_rows():
     from types import SimpleNamespace
 
-    from primerl.cli.run_progress import run_summary
+    from primerl.supervisor.run_progress import run_summary
 
     rows = [{"step": 1, "role": "orchestrator", "train/reward": 0.25}, {"step": 1, "role": "trainer"},
             {"step": 2, "role": "orchestrator", "train/reward": 0.5, "rollout/interleave_fallbacks_total": 3},
@@ -210,7 +210,7 @@ def test_the_closing_summary_reads_the_runs_rows():
 
 
 def test_configs_written_to_disk_hold_no_run_token():
-    from primerl.cli.rl_config import RLConfig
+    from primerl.configs.rl import RLConfig
     from primerl.runtime.config_loader import dump_toml, load_config
 
     config = load_config(RLConfig, [EXAMPLE], {"broker": {"run_token": "secret-token"}})
@@ -221,7 +221,7 @@ def test_configs_written_to_disk_hold_no_run_token():
 
 
 def test_every_role_gets_a_free_metrics_port_unless_set():
-    from primerl.cli.rl_config import RLConfig
+    from primerl.configs.rl import RLConfig
     from primerl.runtime.config_loader import load_config
 
     roles = load_config(RLConfig, [EXAMPLE], {}).role_configs()
@@ -232,7 +232,7 @@ def test_every_role_gets_a_free_metrics_port_unless_set():
 def test_clashing_fixed_ports_warn_and_stop_the_launch_before_anything_starts(tmp_path):
     import io
 
-    from primerl.cli.rl_config import RLConfig
+    from primerl.configs.rl import RLConfig
     from primerl.runtime.config_loader import load_config
 
     overrides = {"trainer": {"prometheus": {"port": 9400}}, "orchestrator": {"prometheus": {"port": 9400}},

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from primerl.cli.preflight import Check, Finding, error, warning
+from primerl.cli.preflight.base import Check, Finding, error, warning
 
 ENV_START_TIMEOUT_S = 60.0
 """An env worker that has not loaded its environment by then is reported (the run would wait 120 s for it)."""
@@ -68,7 +68,7 @@ def env_checks(orchestrator, *, prefix: str, tokenizer: str | None, max_model_le
     when it is not a usable name: the model check says why)."""
 
     def check() -> list[Finding]:
-        from primerl.cli.preflight_model import name_problem
+        from primerl.cli.preflight.model import name_problem
         from primerl.orchestrator.env_python import find_env_python, find_v1_env_python
 
         env_python = find_env_python(orchestrator.env_python)

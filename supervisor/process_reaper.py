@@ -159,7 +159,7 @@ def start_reaper(token: str, *, grace_s: float = DEFAULT_GRACE_S, remove: Sequen
     It outlives this process by design: it exits by itself once this process is gone and the rest is ended."""
     mark_variable(token)  # validates
     env = {k: v for k, v in os.environ.items() if not k.startswith(MARK_PREFIX)}
-    argv = [sys.executable, "-m", "primerl.cli.process_reaper", "--token", token, "--owner", str(os.getpid()),
+    argv = [sys.executable, "-m", "primerl.supervisor.process_reaper", "--token", token, "--owner", str(os.getpid()),
             "--grace-s", str(grace_s), *[a for path in remove for a in ("--remove", str(path))]]
     output = open(log_path, "ab") if log_path is not None else subprocess.DEVNULL  # noqa: SIM115
     try:
@@ -191,7 +191,7 @@ def _wait_for_exit(owner: int) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m primerl.cli.process_reaper",
+    parser = argparse.ArgumentParser(prog="python -m primerl.supervisor.process_reaper",
                                      description="End a launcher's marked descendants once the launcher is gone.")
     parser.add_argument("--token", required=True)
     parser.add_argument("--owner", type=int, required=True, help="pid of the launcher (this process's parent)")

@@ -10,7 +10,7 @@ import socket
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from primerl.cli.preflight import Check, Finding, error, warning
+from primerl.cli.preflight.base import Check, Finding, error, warning
 
 
 @dataclass(frozen=True)

@@ -6,15 +6,15 @@ or scores with a teacher (it waits for a live inference worker by itself; an eva
 rollout group whose teacher scoring finds no teacher listed fails) -> once inference (and the teacher) are ready,
 the orchestrator if not started. The teacher (``[teacher]``, online distillation) is a second ``primerl-infer``
 with ``role = "teacher"``, treated like inference throughout: ready file, pinned port, restarts, stop. Each role
-logs to ``{run_dir}/logs/<role>.log`` and runs in its own process group (``primerl.cli.process_supervisor``).
+logs to ``{run_dir}/logs/<role>.log`` and runs in its own process group (``primerl.supervisor.process_supervisor``).
 The run token (the config's ``broker.run_token``, else an exported ``$PRIMERL_RUN_TOKEN``, else a fresh one)
 reaches the children as ``$PRIMERL_RUN_TOKEN`` only; the config files written hold none. Once the broker is
-ready, ``{run_dir}/run.json`` (mode 0600, ``primerl.cli.run_file``) holds its address and the token, and the
+ready, ``{run_dir}/run.json`` (mode 0600, ``primerl.supervisor.run_file``) holds its address and the token, and the
 launcher prints the ``primerl status RUN_DIR`` command that reads it.
 The run succeeds when the trainer exits 0; Ctrl-C and SIGTERM stop it.
 
-Restarts (``--restart on-failure``, the default; ``primerl.cli.restart_policy``; done in
-``primerl.cli.launcher_restarts``): a role that exits non-zero or is killed by a signal once the run is under way
+Restarts (``--restart on-failure``, the default; ``primerl.supervisor.restart_policy``; done in
+``primerl.supervisor.restarts``): a role that exits non-zero or is killed by a signal once the run is under way
 is started again with the same command after a back-off, at most
 ``--restart-limit`` times within ``--restart-window-s``, with a console line each time (its exit, the restart's
 number, the delay, and its last error line). Past the limit, with exit status 2 (a configuration error) or with
@@ -26,7 +26,7 @@ newest checkpoint (an explicit ``ckpt.resume_step`` is dropped for restarts); th
 
 Process hygiene: every child and every process under it carries a mark in its environment, and a reaper process
 ends all of them within ~2.5 s if ``primerl rl`` itself dies without stopping them, SIGKILL included
-(``primerl.cli.process_reaper``); torchrun's ranks, which run in sessions of their own, are found the same way.
+(``primerl.supervisor.process_reaper``); torchrun's ranks, which run in sessions of their own, are found the same way.
 
 Every role serves Prometheus metrics on a free port unless its config fixes one (fixed ports that clash stop
 the launch before anything starts); the launcher prints each role's metrics URL once it is known. Trainer and
@@ -51,18 +51,19 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TextIO
 
-from primerl.cli.launcher_restarts import RestartsMixin
-from primerl.cli.restart_policy import RestartBudget, RestartPolicy
-from primerl.cli.role_logs import last_error_in_log
-from primerl.cli.run_file import RUN_FILE_NAME, RunFile, write_run_file
-from primerl.cli.launcher_tmux import close_tmux, open_tmux
-from primerl.cli.role_configs import has_gpus, thread_budgets, without_token
-from primerl.cli.run_progress import Progress, run_summary
+from primerl.proto.ready_file import READY_FILE_NAMES, ready_file_path
 from primerl.runtime.config_loader import write_toml
 from primerl.runtime.cpu_budget import describe, role_env
 from primerl.runtime.run_metrics import read_run_rows
-from primerl.cli.process_supervisor import ChildFailed, ChildProcess, Supervisor
-from primerl.proto.ready_file import READY_FILE_NAMES, ready_file_path
+from primerl.supervisor.console import RunConsole
+from primerl.supervisor.process_supervisor import ChildFailed, ChildProcess, Supervisor
+from primerl.supervisor.restart_policy import RestartPolicy
+from primerl.supervisor.restarts import Restarts
+from primerl.supervisor.role_configs import RoleFiles, has_gpus, thread_budgets, without_token
+from primerl.supervisor.role_logs import last_error_in_log
+from primerl.supervisor.run_file import RUN_FILE_NAME, RunFile, write_run_file
+from primerl.supervisor.run_progress import Progress, run_summary
+from primerl.supervisor.tmux import close_tmux, open_tmux
 
 RUN_TOKEN_ENV = "PRIMERL_RUN_TOKEN"
 BIN = Path(sys.executable).parent
@@ -88,7 +89,7 @@ class LaunchOptions:
     reaper_grace_s: float = 2.0  # from SIGTERM to SIGKILL of what a killed `primerl rl` left
 
 
-class Launcher(RestartsMixin):
+class Launcher:
     """One `primerl rl` run: ``run()`` returns the launcher's exit status."""
 
     def __init__(self, config, options: LaunchOptions, out: TextIO = sys.stdout, err: TextIO = sys.stderr):
@@ -102,25 +103,21 @@ class Launcher(RestartsMixin):
         self.signal_count = 0
         self.signal_name = ""
         self.supervisor = Supervisor(interrupted=lambda: self.signal_count > 0, reaper_grace_s=options.reaper_grace_s)
-        self.restart_budgets: dict[str, RestartBudget] = {}
-        self.pending_restarts: dict[str, float] = {}  # role -> monotonic s at which it starts again
-        self.handled_exits: dict[str, int] = {}  # role -> the start (num_starts) whose exit was dealt with
-        self.clean_exit_s: dict[str, float] = {}  # inference that exited 0 mid-run -> when (the run may be over)
-        self.restarted_s: dict[str, float] = {}  # role -> monotonic s of its exit, until it is ready again
-        self.roles: dict = {}
-        self.paths: dict[str, Path] = {}
+        self.console = RunConsole(out)
+        self.role_files = RoleFiles(self.run_dir)
+        self.restarts = Restarts(self.supervisor, options.restart, self.role_files, self.run_dir, self.console)
         self.under_way = False  # every role started (and the ones with a ready file ready once)
         self.tmux_session: str | None = None
         self.progress = Progress(max_steps=config.trainer.max_steps or 0)
-        self.final_status = None
-        self.is_tty = out.isatty()
+        self.is_tty = self.console.is_tty
         self.announced_metrics: set[str] = set()
+        self.use_gpus = False  # set when the run starts
+        self.budgets: dict = {}  # role -> its CPU thread budget, once the role configs are made
+        self.startup_s: float | None = None
 
     # ----------------------------------------------------------------------------------------- helpers
     def say(self, text: str) -> None:
-        if self.is_tty:
-            text = "\r\x1b[K" + text
-        print(text, file=self.out, flush=True)
+        self.console.say(text)
 
     def _on_signal(self, signum: int, _frame: object) -> None:
         self.signal_count += 1
@@ -150,7 +147,7 @@ class Launcher(RestartsMixin):
 
     def _write_configs(self, roles: dict) -> dict[str, Path]:
         write_toml(without_token(self.config), self.run_dir / "rl.toml")
-        return {role: write_toml(without_token(c), self.run_dir / f"{role}.toml") for role, c in roles.items()}
+        return {role: self.role_files.set(role, config) for role, config in roles.items()}
 
     # -------------------------------------------------------------------------------------------- run
     def run(self) -> int:
@@ -187,7 +184,6 @@ class Launcher(RestartsMixin):
         roles = config.role_configs()
         self.budgets = thread_budgets(config, roles, gpus=self.use_gpus)
         paths = self._write_configs(roles)
-        self.roles, self.paths = roles, paths
         self.say(f"primerl rl: run directory {self.run_dir} (configs, logs/, pids.json)")
         self.say(f"  {describe(self.budgets)}")
         if self.options.tmux:
@@ -201,7 +197,7 @@ class Launcher(RestartsMixin):
             return self._interrupted()
         address = f"{config.broker.client_host}:{endpoints['grpc_port']}"
         self.say(f"  broker ready in {broker.ready_s:.1f} s at {address} (log {broker.log_path})")
-        self._pin_broker(endpoints)
+        self.restarts.pin_broker(endpoints)
         self._write_run_file(address, endpoints.get("run_id"))
         if endpoints.get("metrics_url"):
             self.say(f"  broker metrics at {endpoints['metrics_url']}")
@@ -209,7 +205,7 @@ class Launcher(RestartsMixin):
             if role in roles and roles[role].broker.address != address:  # the others dial the port the broker bound
                 roles[role] = roles[role].model_copy(
                     update={"broker": roles[role].broker.model_copy(update={"address": address})})
-                write_toml(without_token(roles[role]), paths[role])
+                self.role_files.set(role, roles[role])
 
         inference_ready = ready_file_path(self.run_dir, "inference")
         inference = self._child("inference", [BIN / "primerl-infer", "@", paths["inference"], "--ready-file",
@@ -243,11 +239,11 @@ class Launcher(RestartsMixin):
             watch = [teacher] if server is inference and teacher is not None else []
             served = self.supervisor.wait_ready_file(server, ready_file_path(self.run_dir, server.name),
                                                      self.options.inference_timeout_s, watch=watch,
-                                                     tick=self._look_after_starting)
+                                                     tick=self.restarts.look_after_starting)
             if served is None:
                 return self._interrupted()
             self.say(f"  {server.name} ready in {server.ready_s:.1f} s at {served.get('base_url')}")
-            self._pin_inference(served, server.name)
+            self.restarts.pin_inference(served, server.name)
         if not early_orchestrator:
             self._child("orchestrator", orchestrator_argv, [])
             why = "it runs evals" if config.orchestrator.eval is not None else "it scores with the teacher"
@@ -275,7 +271,7 @@ class Launcher(RestartsMixin):
             while True:
                 if self.signal_count:
                     return self._interrupted()
-                if self._look_after_children():
+                if self.restarts.look_after_children():
                     return self._finish(client, started_s)
                 now = time.monotonic()
                 if now - last_status_s < self.options.progress_interval_s:

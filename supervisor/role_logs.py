@@ -80,7 +80,7 @@ def last_error_line(text: str) -> str | None:
 
 
 _START_HEADER = re.compile(r"^=== \d{4}-\d\d-\d\d \d\d:\d\d:\d\d ", re.MULTILINE)
-"""The line ``primerl.cli.process_supervisor`` writes before each start of a role into its log."""
+"""The line ``primerl.supervisor.process_supervisor`` writes before each start of a role into its log."""
 
 
 def last_error_in_log(path: Path) -> str | None:

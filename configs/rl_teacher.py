@@ -1,7 +1,7 @@
 """The teacher of a whole run (`primerl rl`): the `[teacher]` table and `teacher_gpu_ids`, on the raw config.
 
 A run has a teacher server when its config has a `[teacher]` table (prime-rl's `[teacher_inference]` is read as
-it, `primerl.cli.config_shapes`) or sets `teacher_gpu_ids` (prime-rl's way to ask for one serving the run's
+it, `primerl.configs.rl_shapes`) or sets `teacher_gpu_ids` (prime-rl's way to ask for one serving the run's
 model). `primerl rl` then starts a second `primerl-infer` with `role = "teacher"`: a frozen vLLM server that the
 orchestrator asks for the logprobs of the student's sampled tokens (online distillation). Filled here, before
 validation, where the user left a value unset:
@@ -14,7 +14,7 @@ validation, where the user left a value unset:
     teacher.model.dtype, .enforce_eager, kv_cache_memory_bytes, gpu_memory_utilization, server.host,
     server.advertise_host           inference's value, when [inference] sets it
     teacher.parallel.dp             len(teacher_gpu_ids) / tp
-    teacher.broker, teacher.log     as for the other roles (`primerl.cli.rl_config`); then the keys of
+    teacher.broker, teacher.log     as for the other roles (`primerl.configs.rl`); then the keys of
                                     [inference.broker] (TLS client certificate, CURVE keys...) it leaves unset
     teacher_gpu_ids                 the GPU after inference_gpu_ids and trainer_gpu_ids (tp x dp of them)
     orchestrator.teacher.model      teacher.model.name, when [orchestrator.teacher] is absent or names neither
@@ -29,7 +29,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from primerl.cli.dotted_keys import dotted_get as _get, dotted_set_default as _set_default
+from primerl.configs.dotted_keys import dotted_get as _get, dotted_set_default as _set_default
 
 TEACHER_INHERITED = ("model.dtype", "model.enforce_eager", "kv_cache_memory_bytes", "gpu_memory_utilization",
                      "server.host", "server.advertise_host")

@@ -13,7 +13,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Literal
 
-from primerl.cli.preflight import Check, Finding, error, warning
+from primerl.cli.preflight.base import Check, Finding, error, warning
 
 Kind = Literal["model", "tokenizer"]
 

@@ -1,11 +1,11 @@
 """Child processes of a launcher: one process group each, output to a log file, bounded waits and stops.
 
-Knows nothing of primerl's roles: `primerl rl` (`primerl.cli.launcher`) builds the commands and decides the
+Knows nothing of primerl's roles: `primerl rl` (`primerl.supervisor.launcher`) builds the commands and decides the
 order; this module starts them (and again, ``restart``), tells when one exits, and ends them (SIGTERM to the
 whole group, then SIGKILL after a bound) so that grandchildren (vLLM's engine core, env workers) go with them.
 
 Descendants that leave the group (torchrun starts its ranks in sessions of their own) are found by the mark
-every child carries in its environment (``primerl.cli.process_reaper``): a child counts as running while
+every child carries in its environment (``primerl.supervisor.process_reaper``): a child counts as running while
 any process with its mark runs, and ending a child ends those too. The reaper the supervisor starts with its
 first child ends every marked process within ``reaper_grace_s`` + ~1 s when the launcher dies without stopping
 them (SIGKILL included); the children also get SIGTERM from PR_SET_PDEATHSIG at that moment.
@@ -24,7 +24,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
-from primerl.cli import process_reaper
+from primerl.supervisor import process_reaper
 from primerl.proto.ready_file import read_ready_file
 
 POLL_INTERVAL_S = 0.1

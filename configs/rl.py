@@ -11,8 +11,8 @@ it through the broker), and Prometheus ports are per role (`[broker.prometheus]`
 So two runs on one machine never collide unless their configs fix ports; fixed ports that clash within a run
 are reported (`port_clashes`). `--dry-run --write` shows the ports as configured (the standalone defaults
 50051-50053 for unset broker ports). A `[teacher]` table (or `teacher_gpu_ids`) adds a fifth role, the frozen
-teacher server of online distillation (`primerl.cli.rl_teacher`: what is filled in, and the checks).
-Files in the flat lab shape and the legacy vf-rl shape are translated first (`primerl.cli.config_shapes`).
+teacher server of online distillation (`primerl.configs.rl_teacher`: what is filled in, and the checks).
+Files in the flat lab shape and the legacy vf-rl shape are translated first (`primerl.configs.rl_shapes`).
 """
 
 from __future__ import annotations
@@ -27,12 +27,13 @@ from pydantic import Field, model_validator
 
 from primerl.configs.broker import BrokerConfig
 from primerl.configs.inference import InferenceConfig, vllm_max_lora_rank_for
+from primerl.configs.lora_support import moe_lora_problem
 from primerl.configs.orchestrator import OrchestratorConfig
 from primerl.runtime.config_base import BaseConfig, ConfigWarning, nearest_multiples
 from primerl.runtime.config_common import DEFAULT_BROKER_GRPC_PORT, DEFAULT_BROKER_HOST, LogConfig, WandbConfig
-from primerl.cli.config_shapes import to_canonical
-from primerl.cli.dotted_keys import dotted_get as _get, dotted_has as _has, dotted_set_default as _set_default
-from primerl.cli.rl_teacher import fill_teacher, has_teacher, teacher_problems, teacher_warnings
+from primerl.configs.rl_shapes import to_canonical
+from primerl.configs.dotted_keys import dotted_get as _get, dotted_has as _has, dotted_set_default as _set_default
+from primerl.configs.rl_teacher import fill_teacher, has_teacher, teacher_problems, teacher_warnings
 from primerl.configs.trainer import LoRAConfig, TrainerConfig
 
 ROLES = ("broker", "trainer", "orchestrator", "inference")
@@ -226,8 +227,6 @@ class RLConfig(BaseConfig):
         lora = self.trainer.model.lora
         problems = []
         if self.inference.enable_lora:
-            from primerl.inference.update_checks import moe_lora_problem
-
             moe_problem = moe_lora_problem(self.inference.model.name)
             if moe_problem:
                 problems.append(moe_problem)

@@ -1,6 +1,7 @@
 """The role configs `primerl rl` writes for its children: each role's CPU thread budget filled in, without the
 run token (it reaches them in their environment only), and pinned to what a role bound at its first start, so
-that a restart with the same command comes back where the others look for it."""
+that a restart with the same command comes back where the others look for it. `RoleFiles` holds each role's
+config with the file its command reads; the file always holds the config held."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import shutil
 from pathlib import Path
 from typing import Any
 
+from primerl.runtime.config_loader import write_toml
 from primerl.runtime.cpu_budget import ThreadsConfig, available_cpus, default_budgets, fill_budget
 
 
@@ -73,3 +75,25 @@ def url_port(url: str | None) -> int | None:
 
 def has_gpus() -> bool:
     return Path("/dev/nvidiactl").exists() or shutil.which("nvidia-smi") is not None
+
+
+class RoleFiles:
+    """Each role's config and its file ``{run_dir}/<role>.toml`` (without the run token): a config set here is
+    written at once, so a role started (or restarted) with its command reads the config held."""
+
+    def __init__(self, run_dir: Path) -> None:
+        self.run_dir = run_dir
+        self.configs: dict[str, Any] = {}
+        self.paths: dict[str, Path] = {}
+
+    def __contains__(self, role: str) -> bool:
+        return role in self.configs
+
+    def __getitem__(self, role: str) -> Any:
+        return self.configs[role]
+
+    def set(self, role: str, config: Any) -> Path:
+        """Hold ``config`` as ``role``'s and write it to the role's file; returns the file."""
+        self.configs[role] = config
+        self.paths[role] = write_toml(without_token(config), self.run_dir / f"{role}.toml")
+        return self.paths[role]

@@ -107,13 +107,14 @@ def broker_main(conn, spool_dirs: list[str], max_message_bytes: int, chunk_bytes
 
     configure_logging("broker", "bench", level="warning")
 
+    from primerl.broker.weight_fanout import WeightFanout
     from primerl.broker.weight_plane import WeightPlane
     from primerl.broker.weight_store import WeightStore
     from primerl.proto.data_plane_limits import BrokerLimits
 
     context = zmq.Context()
     limits = BrokerLimits.for_max_message_bytes(max_message_bytes).frames
-    weight_plane = WeightPlane(WeightStore(), context, "127.0.0.1", 0, limits, TOKEN, chunk_bytes)
+    weight_plane = WeightPlane(WeightFanout(WeightStore()), context, "127.0.0.1", 0, limits, TOKEN, chunk_bytes)
     info: dict[str, Any] = {"weight_port": weight_plane.start()}
     rollout_planes = []
     try:

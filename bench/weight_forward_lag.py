@@ -45,6 +45,7 @@ def sub_main(endpoint, conn):
 
 
 if __name__ == "__main__":
+    from primerl.broker.weight_fanout import WeightFanout
     from primerl.broker.weight_plane import WeightPlane
     from primerl.broker.weight_store import WeightStore
     from primerl.client.weights import WeightPublisher
@@ -56,7 +57,7 @@ if __name__ == "__main__":
     configure_logging("bench", "bench", level="warning")
     lim = BrokerLimits.for_max_message_bytes(256 << 20)
     ctx = zmq.Context()
-    plane = WeightPlane(WeightStore(), ctx, "127.0.0.1", 0, lim.frames, "tok", lim.weight_chunk_bytes)
+    plane = WeightPlane(WeightFanout(WeightStore()), ctx, "127.0.0.1", 0, lim.frames, "tok", lim.weight_chunk_bytes)
     port = plane.start()
     ep = f"tcp://127.0.0.1:{port}"
     a, b = mp.get_context("spawn").Pipe()

@@ -39,6 +39,7 @@ from primerl.broker.run_state import RunState, RunStateFile, RunStateSaver
 from primerl.broker.run_status import DataPlaneStatus, QueueDepth
 from primerl.broker.spool import RolloutSpool
 from primerl.broker.weight_fanout import WeightFanout
+from primerl.broker.weight_intake import IntakeBounds
 from primerl.broker.weight_plane import WeightPlane
 from primerl.broker.weight_store import WeightStore
 from primerl.configs.broker import BrokerConfig
@@ -180,7 +181,7 @@ class BrokerService:
             with _naming_the_setting("rollout_port", "ZeroMQ rollout", config.host, config.rollout_port):
                 rollout_port = self.rollout_plane.start()
             self.weight_plane = WeightPlane(
-                self.weight_store,
+                self.weight_fanout,
                 self._weight_context,
                 config.host,
                 config.weight_port,
@@ -189,13 +190,14 @@ class BrokerService:
                 chunk_bytes=self.chunk_bytes,
                 on_applied=self._on_weights_applied,
                 hwm=config.weight_hwm,
-                transfer_stall_timeout_s=config.transfer_stall_timeout_s,
-                max_open_transfer_bytes=config.resolved_max_open_transfer_bytes,
-                max_open_transfers_per_publisher=config.max_open_transfers_per_publisher,
-                max_version_lead=config.max_step_lead,
+                intake_bounds=IntakeBounds(
+                    transfer_stall_timeout_s=config.transfer_stall_timeout_s,
+                    max_open_transfer_bytes=config.resolved_max_open_transfer_bytes,
+                    max_open_transfers_per_publisher=config.max_open_transfers_per_publisher,
+                    max_version_lead=config.max_step_lead,
+                ),
                 # The latest weight chain survives a restart too (``weight_durable``; the spool's lock covers it).
                 durable_dir=config.spool_dir / WEIGHTS_SUBDIR,
-                fanout=self.weight_fanout,
             )
             self.weight_plane.curve = curve
             with _naming_the_setting("weight_port", "ZeroMQ weight", config.host, config.weight_port):

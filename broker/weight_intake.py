@@ -24,6 +24,7 @@ Run by the plane's IO thread only.
 from __future__ import annotations
 
 import collections
+from dataclasses import dataclass
 from typing import NamedTuple
 
 from primerl.broker.log_limits import RateLimitedLog
@@ -61,6 +62,24 @@ class ReceivedChunks(NamedTuple):
     total_bytes: int
 
 
+@dataclass(frozen=True)
+class IntakeBounds:
+    """The bounds on the trainer's transfers in flight, checked at a first chunk before memory is set aside."""
+
+    max_open_transfers: int = 8
+    """Transfers being received at once, over all publishers."""
+    transfer_timeout_s: float = 300.0
+    """Longest a transfer may take from its first chunk to its last."""
+    transfer_stall_timeout_s: float = 30.0
+    """Longest a transfer may wait for its next chunk."""
+    max_open_transfer_bytes: int | None = None
+    """Declared bytes of all open transfers together (None: the frame limits' bound)."""
+    max_open_transfers_per_publisher: int = 1
+    """Open transfers per publisher connection; a new one replaces the oldest."""
+    max_version_lead: int = 1024
+    """How far ahead of the latest stored version an update may be."""
+
+
 class WeightIntake:
     """See the module docstring. The transfer limits are checked at a first chunk, before memory is set aside:
     declared size, total declared bytes of open transfers, open transfers per publisher connection (a new one
@@ -70,28 +89,23 @@ class WeightIntake:
         self,
         fanout: WeightFanout,
         limits: framing.Limits,
+        bounds: IntakeBounds = IntakeBounds(),
         *,
-        max_open_transfers: int = 8,
-        transfer_timeout_s: float = 300.0,
-        transfer_stall_timeout_s: float = 30.0,
-        max_open_transfer_bytes: int | None = None,
-        max_open_transfers_per_publisher: int = 1,
-        max_version_lead: int = 1024,
         forward_chunk_bytes: int | None = None,
     ):
         """``forward_chunk_bytes``: the largest chunk the plane forwards as it is; a transfer whose chunks are
         larger is forwarded once stored (re-chunked), not cut through."""
         self.fanout = fanout
         self.store = fanout.store
-        self.max_version_lead = max_version_lead
+        self.max_version_lead = bounds.max_version_lead
         self.forward_chunk_bytes = forward_chunk_bytes or limits.max_frame_bytes
         self._assembler = chunked_transfer.ChunkAssembler(
             limits=limits,
-            max_open_transfers=max_open_transfers,
-            timeout_s=transfer_timeout_s,
-            stall_timeout_s=transfer_stall_timeout_s,
-            max_open_bytes=max_open_transfer_bytes,
-            max_open_per_publisher=max_open_transfers_per_publisher,
+            max_open_transfers=bounds.max_open_transfers,
+            timeout_s=bounds.transfer_timeout_s,
+            stall_timeout_s=bounds.transfer_stall_timeout_s,
+            max_open_bytes=bounds.max_open_transfer_bytes,
+            max_open_per_publisher=bounds.max_open_transfers_per_publisher,
             zero_copy=True,
         )
         self._hashers: dict[tuple[str, str], PayloadHasher] = {}

@@ -57,8 +57,8 @@ from primerl.broker.log_limits import RateLimitedLog
 from primerl.broker.plane_lifecycle import RouterPlane
 from primerl.broker.weight_durable import WeightDurability
 from primerl.broker.weight_fanout import Joined, WeightFanout, WeightWorkerStatus
-from primerl.broker.weight_intake import BROKER_SENDER, ReceivedChunks, WeightIntake
-from primerl.broker.weight_store import StoredUpdate, WeightStore, WeightStoreStatus
+from primerl.broker.weight_intake import BROKER_SENDER, IntakeBounds, ReceivedChunks, WeightIntake
+from primerl.broker.weight_store import StoredUpdate, WeightStoreStatus
 from primerl.proto import framing
 from primerl.proto.v1 import common_pb2, data_pb2
 from primerl.runtime.log_setup import get_logger
@@ -116,7 +116,7 @@ class WeightPlane(RouterPlane):
 
     def __init__(
         self,
-        store: WeightStore,
+        fanout: WeightFanout,
         context: zmq.Context,
         host: str,
         port: int,
@@ -125,32 +125,21 @@ class WeightPlane(RouterPlane):
         chunk_bytes: int,
         on_applied: OnApplied | None = None,
         *,
-        ack_timeout_s: float = 30.0,
-        max_retries: int = 3,
-        max_workers: int = 1024,
+        intake_bounds: IntakeBounds = IntakeBounds(),
         hwm: int = DEFAULT_HWM,
-        max_open_transfers: int = 8,
-        transfer_timeout_s: float = 300.0,
-        transfer_stall_timeout_s: float = 30.0,
-        max_open_transfer_bytes: int | None = None,
-        max_open_transfers_per_publisher: int = 1,
-        max_version_lead: int = 1024,
         max_pending_replies: int = 4096,
         poll_interval_s: float = 0.05,
         durable_dir: str | Path | None = None,
-        fanout: WeightFanout | None = None,
     ):
+        """``fanout``: the fan-out core over the plane's ``WeightStore`` (``fanout.store``); ``intake_bounds``: the
+        limits on the trainer's transfers in flight; ``durable_dir``: where the store's chain is kept on disk."""
         if chunk_bytes <= 0 or chunk_bytes > limits.max_frame_bytes:
             raise ValueError(
                 f"chunk_bytes must be in 1..limits.max_frame_bytes ({limits.max_frame_bytes}), got {chunk_bytes}"
             )
-        if fanout is not None and fanout.store is not store:
-            raise ValueError("fanout must be the fan-out core of this plane's store")
         super().__init__(context, host, port)
-        self.store = store
-        self.fanout = fanout or WeightFanout(
-            store, ack_timeout_s=ack_timeout_s, max_retries=max_retries, max_workers=max_workers
-        )
+        self.store = fanout.store
+        self.fanout = fanout
         self.limits = limits
         self.auth_token = auth_token
         self.chunk_bytes = chunk_bytes
@@ -158,17 +147,7 @@ class WeightPlane(RouterPlane):
         self.hwm = hwm
         self.poll_interval_s = poll_interval_s
         self.max_pending_replies = max_pending_replies
-        self._intake = WeightIntake(
-            self.fanout,
-            limits,
-            max_open_transfers=max_open_transfers,
-            transfer_timeout_s=transfer_timeout_s,
-            transfer_stall_timeout_s=transfer_stall_timeout_s,
-            max_open_transfer_bytes=max_open_transfer_bytes,
-            max_open_transfers_per_publisher=max_open_transfers_per_publisher,
-            max_version_lead=max_version_lead,
-            forward_chunk_bytes=chunk_bytes,
-        )
+        self._intake = WeightIntake(self.fanout, limits, intake_bounds, forward_chunk_bytes=chunk_bytes)
         # The connection each subscribed worker said HELLO on last, and the worker id of each such connection.
         self._peers: dict[str, bytes] = {}
         self._worker_ids: dict[bytes, str] = {}

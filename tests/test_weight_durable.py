@@ -11,6 +11,7 @@ import numpy as np
 import zmq
 
 from primerl.broker.weight_durable import LINEAGE_FILE, MANIFEST_FILE, WeightDurability
+from primerl.broker.weight_fanout import WeightFanout
 from primerl.broker.weight_plane import WeightPlane
 from primerl.broker.weight_store import WeightStore
 from primerl.client.weights import WeightPublisher, WeightSubscriber
@@ -133,7 +134,14 @@ def test_a_worker_joining_a_restarted_plane_gets_the_current_policy(tmp_path: Pa
         def plane() -> str:
             planes.append(
                 WeightPlane(
-                    WeightStore(), context, "127.0.0.1", 0, LIMITS, None, CHUNK_BYTES, durable_dir=tmp_path / "weights"
+                    WeightFanout(WeightStore()),
+                    context,
+                    "127.0.0.1",
+                    0,
+                    LIMITS,
+                    None,
+                    CHUNK_BYTES,
+                    durable_dir=tmp_path / "weights",
                 )
             )
             return f"tcp://127.0.0.1:{planes[-1].start()}"

@@ -10,6 +10,7 @@ import zmq
 from support.probes import wait_until as wait_for
 from support.weight_plane import CHUNK_BYTES, LIMITS, RECEIVE_S, TOKEN, make_update
 
+from primerl.broker.weight_fanout import WeightFanout
 from primerl.broker.weight_plane import WeightPlane
 from primerl.broker.weight_store import WeightStore
 from primerl.client.weights import (
@@ -312,10 +313,10 @@ def test_plane_rejects_bad_chunk_size_and_reports_bind_errors():
     context = zmq.Context()
     try:
         with pytest.raises(ValueError):
-            WeightPlane(WeightStore(), context, "127.0.0.1", 0, LIMITS, None, LIMITS.max_frame_bytes + 1)
-        first = WeightPlane(WeightStore(), context, "127.0.0.1", 0, LIMITS, None, CHUNK_BYTES)
+            WeightPlane(WeightFanout(WeightStore()), context, "127.0.0.1", 0, LIMITS, None, LIMITS.max_frame_bytes + 1)
+        first = WeightPlane(WeightFanout(WeightStore()), context, "127.0.0.1", 0, LIMITS, None, CHUNK_BYTES)
         port = first.start()
-        second = WeightPlane(WeightStore(), context, "127.0.0.1", port, LIMITS, None, CHUNK_BYTES)
+        second = WeightPlane(WeightFanout(WeightStore()), context, "127.0.0.1", port, LIMITS, None, CHUNK_BYTES)
         with pytest.raises(RuntimeError, match="cannot bind"):
             second.start()
         assert first.stop(5.0) and second.stop(5.0)

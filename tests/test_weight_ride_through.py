@@ -21,6 +21,7 @@ import torch
 import zmq
 from support.probes import wait_until
 
+from primerl.broker.weight_fanout import WeightFanout
 from primerl.broker.weight_plane import WeightPlane
 from primerl.broker.weight_store import WeightStore
 from primerl.client.outage import BrokerOutageExceeded
@@ -78,14 +79,13 @@ class Mesh:
 
     def start_plane(self, store: WeightStore | None = None) -> WeightPlane:
         plane = WeightPlane(
-            store or WeightStore(),
+            WeightFanout(store or WeightStore(), ack_timeout_s=5.0),
             self.context,
             "127.0.0.1",
             self.port,
             LIMITS,
             TOKEN,
             CHUNK_BYTES,
-            ack_timeout_s=5.0,
             durable_dir=self.durable_dir,
         )
         self.port = plane.start()
@@ -280,7 +280,9 @@ def test_subscriber_gets_the_broker_back_and_what_it_missed(mesh: Mesh) -> None:
 def test_a_worker_that_keeps_the_rolled_back_weights_is_retried_then_forgotten(mesh: Mesh) -> None:
     """A worker that answers the re-published v3 by acknowledging v3 without loading it (the way it acknowledges a
     resend) keeps its old lineage in the broker's view: sent again, then forgotten, never counted as current."""
-    plane = WeightPlane(WeightStore(), mesh.context, "127.0.0.1", 0, LIMITS, TOKEN, CHUNK_BYTES, max_retries=1)
+    plane = WeightPlane(
+        WeightFanout(WeightStore(), max_retries=1), mesh.context, "127.0.0.1", 0, LIMITS, TOKEN, CHUNK_BYTES
+    )
     mesh.port = plane.start()
     mesh.planes.append(plane)
     publisher = mesh.publisher()

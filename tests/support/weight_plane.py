@@ -9,6 +9,8 @@ import threading
 import numpy as np
 import zmq
 
+from primerl.broker.weight_fanout import WeightFanout
+from primerl.broker.weight_intake import IntakeBounds
 from primerl.broker.weight_plane import WeightPlane
 from primerl.broker.weight_store import WeightStore
 from primerl.client.weights import WeightPublisher, WeightSubscriber
@@ -22,6 +24,8 @@ TOKEN = "run-secret"
 CHUNK_BYTES = 64 * 1024
 LIMITS = BrokerLimits.for_max_message_bytes(1 << 20).frames
 RECEIVE_S = 10.0
+FANOUT_KEYS = ("ack_timeout_s", "max_retries", "max_workers")  # WeightFanout's settings
+BOUNDS_KEYS = tuple(IntakeBounds.__dataclass_fields__)  # IntakeBounds' fields
 
 
 def make_update(version: int, kind: int = FULL, base: int = 0, num_bytes: int = 4096, **fields):
@@ -42,8 +46,20 @@ class WeightPlaneHarness:
         self.store = WeightStore(max_deltas=plane_kwargs.pop("max_deltas", 16))
         self.applied: list[tuple[str, int]] = []
         self._applied_lock = threading.Lock()
-        self.plane = WeightPlane(self.store, self.context, "127.0.0.1", 0, LIMITS, TOKEN, CHUNK_BYTES,
-                                 on_applied=self._on_applied, **plane_kwargs)
+        fanout_kwargs = {key: plane_kwargs.pop(key) for key in FANOUT_KEYS if key in plane_kwargs}
+        bounds = IntakeBounds(**{key: plane_kwargs.pop(key) for key in BOUNDS_KEYS if key in plane_kwargs})
+        self.plane = WeightPlane(
+            WeightFanout(self.store, **fanout_kwargs),
+            self.context,
+            "127.0.0.1",
+            0,
+            LIMITS,
+            TOKEN,
+            CHUNK_BYTES,
+            on_applied=self._on_applied,
+            intake_bounds=bounds,
+            **plane_kwargs,
+        )
         self.port = self.plane.start()
         self.endpoint = f"tcp://127.0.0.1:{self.port}"
         self._clients: list = []

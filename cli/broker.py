@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import argparse
-import signal
 import threading
 
 from primerl.cli.role_entry import run_role
+from primerl.cli.role_signals import StopSignals
 from primerl.proto.ready_file import write_ready_file
 
 
@@ -18,13 +18,8 @@ def serve(config, args: argparse.Namespace) -> int:
     service = BrokerService(config)
     log = configure_logging("broker", service.run_id, level=config.log.level, fmt=config.log.format)
     stop_event = threading.Event()
-
-    def on_signal(signum: int, _frame: object) -> None:
-        log.info("stopping on signal", signal=signal.Signals(signum).name)
-        stop_event.set()
-
-    signal.signal(signal.SIGTERM, on_signal)
-    signal.signal(signal.SIGINT, on_signal)
+    # Its start-up only binds ports: a stop is graceful from the first (serve_until returns at once).
+    StopSignals(log, stop_event, set_up=lambda: True).install()
     try:
         endpoints = service.start()
     except (OSError, SpoolError, ValueError) as exc:  # a port in use, a spool that cannot be written or is locked

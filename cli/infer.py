@@ -7,10 +7,9 @@ import argparse
 import asyncio
 import os
 import shutil
-import signal
-import sys
 
 from primerl.cli.role_entry import run_role
+from primerl.cli.role_signals import StopSignals
 from primerl.proto.ready_file import write_ready_file
 
 STOP_GRACE_S = 10.0
@@ -22,34 +21,26 @@ async def _serve(config, args: argparse.Namespace, log) -> int:
     from primerl.inference.service import InferenceService
 
     stop_event = asyncio.Event()
-    loop = asyncio.get_running_loop()
-
-    def on_signal(signum: int) -> None:
-        log.info("stopping on signal", signal=signal.Signals(signum).name, policy_version=service.policy_version)
-        stop_event.set()
-
     service = InferenceService(config)
+    started = False
 
-    def on_signal_while_starting(signum: int, _frame: object) -> None:
+    def remove_work_dir() -> None:
         # vLLM's start-up (10-40 s on CPU) blocks the event loop for seconds at a time, so a signal would wait
         # for it. Nothing is served or owed yet: leave at once. The engine core dies with this process
         # (`parent_death`); the work directory goes now.
-        log.info("stopping on signal during start-up: exiting now", signal=signal.Signals(signum).name)
         if service._own_work_dir:
             shutil.rmtree(service.work_dir, ignore_errors=True)
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(0)
 
-    for signum in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(signum, on_signal_while_starting)
+    signals = StopSignals(log, stop_event, set_up=lambda: started, exit_while_starting=remove_work_dir,
+                          log_fields=lambda: {"policy_version": service.policy_version})
+    signals.install()
     try:
         address = await service.start()
     except Exception as exc:  # engine that cannot start, broker unreachable, port in use
         log.error("inference worker cannot start", error=f"{type(exc).__name__}: {exc}")
         return 1
-    for signum in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(signum, on_signal, signum)
+    started = True
+    signals.install(asyncio.get_running_loop())  # the loop serves now: its handler sets the event between tasks
     try:
         if args.ready_file is not None:
             write_ready_file(args.ready_file, config.role, {"http_port": address.port, "base_url": address.base_url,

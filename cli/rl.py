@@ -88,7 +88,7 @@ def _parser() -> argparse.ArgumentParser:
 
 def _preflight(config) -> int | None:
     """The preflight of the whole run (`primerl.cli.preflight`): None when nothing stops the start, else 2."""
-    from primerl.cli.preflight import rl_preflight
+    from primerl.cli.preflight.roles import rl_preflight
 
     return rl_preflight(config, Path(config.output_dir) / "logs" / "preflight.log")
 
@@ -136,7 +136,7 @@ def main(argv: list[str] | None = None) -> int:
         status = None if args.no_preflight else _preflight(config)
         if status is not None:
             return status
-        from primerl.cli.preflight import SKIP_VAR
+        from primerl.cli.preflight.base import SKIP_VAR
         from primerl.supervisor.launcher import LaunchOptions, Launcher
 
         os.environ[SKIP_VAR] = "1"  # checked here (or skipped on purpose): the roles inherit it and skip theirs

@@ -80,7 +80,7 @@ def run_role(
     if args.dry_run:
         print(dump_toml(config, redact_secrets=True), end="")
         return 0
-    from primerl.cli.preflight import role_preflight
+    from primerl.cli.preflight.roles import role_preflight
 
     status = role_preflight(prog, role, config)  # a mistake: one line each and 2, before anything starts
     if status is not None:

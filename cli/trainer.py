@@ -27,8 +27,8 @@ def serve(config, args: argparse.Namespace, *, objective: str = "rl") -> int:
     def set_up() -> bool:
         """Registered with the broker: from then on a stop lets the step in hand finish (publish, checkpoint,
         commit) and deregisters; before it (metrics, model, optimizer, connecting) a stop ends the start-up."""
-        control = getattr(runner, "control", None)
-        return control is not None and control.registration is not None  # kept after a deregistration
+        # the registration is kept after a deregistration
+        return runner is not None and runner.control is not None and runner.control.registration is not None
 
     config.output_dir.mkdir(parents=True, exist_ok=True)
     # Until here SIGTERM's default action ends the process at once; from here StoppedWhileStarting is caught below.

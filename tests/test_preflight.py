@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from primerl.cli.preflight import Finding, error, report, run_checks, warning
+from primerl.cli.preflight.base import Finding, error, report, run_checks, warning
 from primerl.cli.preflight.envs import EnvUse, check_environments, length_findings
 from primerl.cli.preflight.model import looks_like_hub_id, model_checks, name_problem
 from primerl.cli.preflight.system import PortUse, port_check, port_problem, wandb_check
@@ -428,7 +428,7 @@ def test_a_daemon_started_alone_checks_its_role(daemon, tiny_model, env_python, 
 
 
 def test_under_primerl_rl_the_roles_skip_theirs(monkeypatch):
-    from primerl.cli.preflight import role_preflight
+    from primerl.cli.preflight.roles import role_preflight
     from primerl.configs.inference import InferenceConfig
 
     config = InferenceConfig.model_validate({"model": {"name": "/no/such/model"}})

@@ -36,8 +36,9 @@ def serve(config, args: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     from primerl.configs.broker import BrokerConfig
 
-    return run_role("primerl-broker", "broker", BrokerConfig, argv, example="--grpc-port 50051", serve=serve,
-                    token_key="run_token")
+    return run_role(
+        "primerl-broker", "broker", BrokerConfig, argv, example="--grpc-port 50051", serve=serve, token_key="run_token"
+    )
 
 
 if __name__ == "__main__":

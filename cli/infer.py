@@ -31,8 +31,13 @@ async def _serve(config, args: argparse.Namespace, log) -> int:
         if service._own_work_dir:
             shutil.rmtree(service.work_dir, ignore_errors=True)
 
-    signals = StopSignals(log, stop_event, set_up=lambda: started, exit_while_starting=remove_work_dir,
-                          log_fields=lambda: {"policy_version": service.policy_version})
+    signals = StopSignals(
+        log,
+        stop_event,
+        set_up=lambda: started,
+        exit_while_starting=remove_work_dir,
+        log_fields=lambda: {"policy_version": service.policy_version},
+    )
     signals.install()
     try:
         address = await service.start()
@@ -43,20 +48,25 @@ async def _serve(config, args: argparse.Namespace, log) -> int:
     signals.install(asyncio.get_running_loop())  # the loop serves now: its handler sets the event between tasks
     try:
         if args.ready_file is not None:
-            write_ready_file(args.ready_file, config.role, {"http_port": address.port, "base_url": address.base_url,
-                                                            "advertised_url": address.advertised_url,
-                                                            "worker_id": service.control.worker_id})
+            write_ready_file(
+                args.ready_file,
+                config.role,
+                {
+                    "http_port": address.port,
+                    "base_url": address.base_url,
+                    "advertised_url": address.advertised_url,
+                    "worker_id": service.control.worker_id,
+                },
+            )
         return await service.serve_until(stop_event)
     finally:
         await service.stop(grace_s=SHUTDOWN_GRACE_S if service.stopped_by_broker else STOP_GRACE_S)
 
 
 def serve(config, args: argparse.Namespace) -> int:
-    from primerl.runtime.log_setup import configure_logging
-
-    from primerl.runtime.cpu_budget import apply_budget
-
     from primerl.inference.vllm_plugin import INFER_PID_ENV
+    from primerl.runtime.cpu_budget import apply_budget
+    from primerl.runtime.log_setup import configure_logging
     from primerl.runtime.parent_death import install_fork_hook
 
     log = configure_logging(config.role, level=config.log.level, fmt=config.log.format)  # role=inference|teacher
@@ -70,8 +80,14 @@ def serve(config, args: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     from primerl.configs.inference import InferenceConfig
 
-    return run_role("primerl-infer", "inference", InferenceConfig, argv,
-                    example="--model.max-model-len 4096 (a teacher: --role teacher)", serve=serve)
+    return run_role(
+        "primerl-infer",
+        "inference",
+        InferenceConfig,
+        argv,
+        example="--model.max-model-len 4096 (a teacher: --role teacher)",
+        serve=serve,
+    )
 
 
 if __name__ == "__main__":

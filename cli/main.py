@@ -10,16 +10,26 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "rl": ("primerl.cli.rl", "train with RL from one config: `primerl rl @ config.toml [--a.b value ...] [--dry-run]`"),
     "sft": ("primerl.cli.sft", "supervised fine-tuning on a JSONL file of chat samples: `primerl sft @ sft.toml`"),
     "init-tiny-model": ("primerl.cli.tiny_model", "build the tiny Qwen2 model and tokenizer offline into a directory"),
-    "generate": ("primerl.cli.generate", "generate from a model with vLLM; --check-logprobs compares with transformers"),
+    "generate": (
+        "primerl.cli.generate",
+        "generate from a model with vLLM; --check-logprobs compares with transformers",
+    ),
     "broker": ("primerl.cli.broker", "run the broker daemon (same as primerl-broker)"),
     "trainer": ("primerl.cli.trainer", "run a trainer rank (same as primerl-trainer)"),
     "infer": ("primerl.cli.infer", "run an inference worker (same as primerl-infer)"),
     "orchestrator": ("primerl.cli.orchestrator", "run the orchestrator (same as primerl-orchestrator)"),
     "status": ("primerl.cli.status", "show a running job's status from the broker"),
-    "certs": ("primerl.cli.certs", "make a CA, TLS certificates and CURVE keys for an encrypted wire: `primerl certs --out DIR --host H`"),
+    "certs": (
+        "primerl.cli.certs",
+        "make a CA, TLS certificates and CURVE keys for an encrypted wire: `primerl certs --out DIR --host H`",
+    ),
     "sft-data": ("primerl.cli.sft_data", "write an environment's reference answers as SFT samples (JSONL)"),
     "eval": ("primerl.cli.eval", "evaluate a model or checkpoint on an environment: `primerl eval ENV_ID -m MODEL`"),
-    "env": ("primerl.cli.env", "install an environment into the env interpreter and check it loads: `primerl env install PATH|PACKAGE`; `primerl env list`"),
+    "env": (
+        "primerl.cli.env",
+        "install an environment into the env interpreter and check it loads: "
+        "`primerl env install PATH|PACKAGE`; `primerl env list`",
+    ),
     "plot": ("primerl.cli.plot", "write PNG curves of a run (reward, loss, lag, throughput): `primerl plot RUN_DIR`"),
 }
 

@@ -8,13 +8,15 @@ import sys
 from pathlib import Path
 
 from primerl.cli.command_args import config_warnings_printed, parse_command_args
-from primerl.supervisor.restart_policy import RESTART_MODES, RestartPolicy
 from primerl.runtime.config_base import ConfigError
 from primerl.runtime.config_loader import dump_toml, load_config, parse_config_args, write_toml
+from primerl.supervisor.restart_policy import RESTART_MODES, RestartPolicy
 
-USAGE = ("primerl rl @ CONFIG.toml [@ MORE.toml ...] [--section.key VALUE ...] [--run-dir DIR] [--tmux]\n"
-         "                  [--restart {on-failure,never}] [--restart-limit N] [--check | --no-preflight]\n"
-         "                  [--dry-run [--write DIR]]")
+USAGE = (
+    "primerl rl @ CONFIG.toml [@ MORE.toml ...] [--section.key VALUE ...] [--run-dir DIR] [--tmux]\n"
+    "                  [--restart {on-failure,never}] [--restart-limit N] [--check | --no-preflight]\n"
+    "                  [--dry-run [--write DIR]]"
+)
 EPILOG = """\
 config files (later ones win; tables merge, arrays and values replace):
   @ config.toml          a run config in the prime-rl shape, the flat lab shape or the legacy vf-rl shape
@@ -63,26 +65,67 @@ def _parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--dry-run", action="store_true", help="print the resolved config of each role and exit")
     parser.add_argument("--write", metavar="DIR", type=Path, help="with --dry-run: write each role's config to DIR")
-    parser.add_argument("--check", action="store_true",
-                        help="run the preflight checks (environments, prompts, model, ports, W&B) and exit")
+    parser.add_argument(
+        "--check",
+        action="store_true",
+        help="run the preflight checks (environments, prompts, model, ports, W&B) and exit",
+    )
     parser.add_argument("--no-preflight", action="store_true", help="start without the preflight checks")
-    parser.add_argument("--run-dir", metavar="DIR", type=Path,
-                        help="directory of the run (sets output_dir, which every role writes under)")
+    parser.add_argument(
+        "--run-dir",
+        metavar="DIR",
+        type=Path,
+        help="directory of the run (sets output_dir, which every role writes under)",
+    )
     parser.add_argument("--tmux", action="store_true", help="also open a tmux session with one pane per role's log")
-    parser.add_argument("--inference-timeout-s", type=float, default=300.0, metavar="S",
-                        help="how long inference may take to start serving (default %(default)g)")
-    parser.add_argument("--stop-timeout-s", type=float, default=30.0, metavar="S",
-                        help="how long a role may take to stop before it is killed (default %(default)g)")
-    parser.add_argument("--restart", choices=RESTART_MODES, default="on-failure",
-                        help="restart a role that fails during the run (default %(default)s), or stop the run")
-    parser.add_argument("--restart-limit", type=int, default=5, metavar="N",
-                        help="most restarts of one role within --restart-window-s (default %(default)d)")
-    parser.add_argument("--restart-window-s", type=float, default=300.0, metavar="S",
-                        help="the window of --restart-limit (default %(default)g)")
-    parser.add_argument("--restart-delay-s", type=float, default=1.0, metavar="S",
-                        help="wait before a restart, doubled for each further one in the window (default %(default)g)")
-    parser.add_argument("--restart-delay-max-s", type=float, default=30.0, metavar="S",
-                        help="longest wait before a restart (default %(default)g)")
+    parser.add_argument(
+        "--inference-timeout-s",
+        type=float,
+        default=300.0,
+        metavar="S",
+        help="how long inference may take to start serving (default %(default)g)",
+    )
+    parser.add_argument(
+        "--stop-timeout-s",
+        type=float,
+        default=30.0,
+        metavar="S",
+        help="how long a role may take to stop before it is killed (default %(default)g)",
+    )
+    parser.add_argument(
+        "--restart",
+        choices=RESTART_MODES,
+        default="on-failure",
+        help="restart a role that fails during the run (default %(default)s), or stop the run",
+    )
+    parser.add_argument(
+        "--restart-limit",
+        type=int,
+        default=5,
+        metavar="N",
+        help="most restarts of one role within --restart-window-s (default %(default)d)",
+    )
+    parser.add_argument(
+        "--restart-window-s",
+        type=float,
+        default=300.0,
+        metavar="S",
+        help="the window of --restart-limit (default %(default)g)",
+    )
+    parser.add_argument(
+        "--restart-delay-s",
+        type=float,
+        default=1.0,
+        metavar="S",
+        help="wait before a restart, doubled for each further one in the window (default %(default)g)",
+    )
+    parser.add_argument(
+        "--restart-delay-max-s",
+        type=float,
+        default=30.0,
+        metavar="S",
+        help="longest wait before a restart (default %(default)g)",
+    )
     return parser
 
 
@@ -98,10 +141,11 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     parser = _parser()
     try:
-        parsed = parse_config_args(argv, cli_flags={"--dry-run", "--tmux", "--check", "--no-preflight", "-h",
-                                              "--help"},
-                                   cli_options={"--write", "--run-dir", "--inference-timeout-s", "--stop-timeout-s",
-                                                *RESTART_OPTIONS})
+        parsed = parse_config_args(
+            argv,
+            cli_flags={"--dry-run", "--tmux", "--check", "--no-preflight", "-h", "--help"},
+            cli_options={"--write", "--run-dir", "--inference-timeout-s", "--stop-timeout-s", *RESTART_OPTIONS},
+        )
         args = parse_command_args(parser, parsed.rest)
         if isinstance(args, int):
             return args
@@ -128,8 +172,13 @@ def main(argv: list[str] | None = None) -> int:
             print("primerl rl: --inference-timeout-s and --stop-timeout-s must be > 0", file=sys.stderr)
             return 2
         try:
-            restart = RestartPolicy(mode=args.restart, limit=args.restart_limit, window_s=args.restart_window_s,
-                                    delay_s=args.restart_delay_s, max_delay_s=args.restart_delay_max_s)
+            restart = RestartPolicy(
+                mode=args.restart,
+                limit=args.restart_limit,
+                window_s=args.restart_window_s,
+                delay_s=args.restart_delay_s,
+                max_delay_s=args.restart_delay_max_s,
+            )
         except ValueError as err:
             print(f"primerl rl: {err}", file=sys.stderr)
             return 2
@@ -137,12 +186,16 @@ def main(argv: list[str] | None = None) -> int:
         if status is not None:
             return status
         from primerl.cli.preflight.base import SKIP_VAR
-        from primerl.supervisor.launcher import LaunchOptions, Launcher
+        from primerl.supervisor.launcher import Launcher, LaunchOptions
 
         os.environ[SKIP_VAR] = "1"  # checked here (or skipped on purpose): the roles inherit it and skip theirs
 
-        options = LaunchOptions(inference_timeout_s=args.inference_timeout_s, stop_timeout_s=args.stop_timeout_s,
-                                tmux=args.tmux, restart=restart)
+        options = LaunchOptions(
+            inference_timeout_s=args.inference_timeout_s,
+            stop_timeout_s=args.stop_timeout_s,
+            tmux=args.tmux,
+            restart=restart,
+        )
         return Launcher(config, options).run()
     roles = config.role_configs()
     if args.write is not None:

@@ -44,10 +44,16 @@ class StopSignals:
     ``exit_while_starting()``, when given, replaces ``StoppedWhileStarting``: it cleans up and the process exits.
     """
 
-    def __init__(self, log, stop_event: threading.Event | asyncio.Event, set_up: Callable[[], bool], *,
-                 stopping_message: str = "stopping on signal",
-                 exit_while_starting: Callable[[], None] | None = None,
-                 log_fields: Callable[[], dict[str, Any]] | None = None):
+    def __init__(
+        self,
+        log,
+        stop_event: threading.Event | asyncio.Event,
+        set_up: Callable[[], bool],
+        *,
+        stopping_message: str = "stopping on signal",
+        exit_while_starting: Callable[[], None] | None = None,
+        log_fields: Callable[[], dict[str, Any]] | None = None,
+    ):
         self.log = log
         self.stop_event = stop_event
         self.set_up = set_up

@@ -11,8 +11,8 @@ import os
 import sys
 from typing import TextIO
 
-from primerl.supervisor.run_file import RunFileError, read_run_file
 from primerl.cli.status_view import render_status
+from primerl.supervisor.run_file import RunFileError, read_run_file
 
 ENV_TOKEN = "PRIMERL_RUN_TOKEN"
 ENV_BROKER = "PRIMERL_BROKER"
@@ -29,7 +29,10 @@ def build_parser() -> argparse.ArgumentParser:
         "on their own: --broker and --token (or $PRIMERL_BROKER and $PRIMERL_RUN_TOKEN).",
     )
     parser.add_argument(
-        "run_dir", nargs="?", default=None, metavar="RUN_DIR",
+        "run_dir",
+        nargs="?",
+        default=None,
+        metavar="RUN_DIR",
         help="run directory of a `primerl rl` run: address, token and TLS CA from its run.json",
     )
     parser.add_argument(
@@ -42,12 +45,16 @@ def build_parser() -> argparse.ArgumentParser:
         "--tls-ca", default=None, help="PEM CA file: connect with TLS, checking the broker's certificate"
     )
     parser.add_argument(
-        "--tls-cert", default=None,
+        "--tls-cert",
+        default=None,
         help="PEM client certificate, for a broker that requires one (broker.tls_client_ca_path); with --tls-key",
     )
     parser.add_argument("--tls-key", default=None, help="PEM private key of --tls-cert")
-    parser.add_argument("--tls-server-name", default=None,
-                        help="name to check the broker's certificate against instead of --broker's host")
+    parser.add_argument(
+        "--tls-server-name",
+        default=None,
+        help="name to check the broker's certificate against instead of --broker's host",
+    )
     parser.add_argument("--json", action="store_true", help="print JSON (with --watch: one object per line)")
     parser.add_argument("--watch", action="store_true", help="redraw on every change until Ctrl-C")
     parser.add_argument(
@@ -80,8 +87,11 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         config = BrokerClientConfig(
-            address=address, run_token=token, connect_timeout_s=args.timeout_s, tls_server_name=args.tls_server_name,
-            **tls
+            address=address,
+            run_token=token,
+            connect_timeout_s=args.timeout_s,
+            tls_server_name=args.tls_server_name,
+            **tls,
         )
     except ValidationError as err:
         problems = "; ".join(e["msg"] for e in err.errors())

@@ -1,4 +1,5 @@
-"""`primerl-trainer`: one trainer rank (start N of them with `torchrun --nproc-per-node N $(which primerl-trainer) ...`)."""
+"""`primerl-trainer`: one trainer rank (start N of them with
+`torchrun --nproc-per-node N $(which primerl-trainer) ...`)."""
 
 from __future__ import annotations
 
@@ -52,14 +53,16 @@ def _exit_status_of(exc: Exception, log) -> int:
     2 (do not restart) when a newer trainer took over the run's policy lineage, 1 when the broker stayed
     unreachable past ``broker.outage_s`` (a restart may heal it). Anything else is raised (traceback)."""
     from primerl.client.control import BrokerLost
-    from primerl.proto.weight_refusals import LineageSuperseded
     from primerl.client.outage import BrokerOutageExceeded
+    from primerl.proto.weight_refusals import LineageSuperseded
 
     cause: BaseException | None = exc
     while cause is not None:
         if isinstance(cause, LineageSuperseded):
-            log.error("a newer trainer publishes this run's policy; this one stops and must not be restarted",
-                      error=str(cause))
+            log.error(
+                "a newer trainer publishes this run's policy; this one stops and must not be restarted",
+                error=str(cause),
+            )
             return 2
         if isinstance(cause, (BrokerLost, BrokerOutageExceeded)):
             log.error("trainer cannot continue: the broker is unreachable", error=str(cause))

@@ -26,15 +26,17 @@ import pydantic
 from pydantic import Field, model_validator
 
 from primerl.configs.broker import BrokerConfig
+from primerl.configs.dotted_keys import dotted_get as _get
+from primerl.configs.dotted_keys import dotted_has as _has
+from primerl.configs.dotted_keys import dotted_set_default as _set_default
 from primerl.configs.inference import InferenceConfig, vllm_max_lora_rank_for
 from primerl.configs.lora_support import moe_lora_problem
 from primerl.configs.orchestrator import OrchestratorConfig
-from primerl.runtime.config_base import BaseConfig, ConfigWarning, nearest_multiples
-from primerl.runtime.config_common import DEFAULT_BROKER_GRPC_PORT, DEFAULT_BROKER_HOST, LogConfig, WandbConfig
 from primerl.configs.rl_shapes import to_canonical
-from primerl.configs.dotted_keys import dotted_get as _get, dotted_has as _has, dotted_set_default as _set_default
 from primerl.configs.rl_teacher import fill_teacher, has_teacher, teacher_problems, teacher_warnings
 from primerl.configs.trainer import LoRAConfig, TrainerConfig
+from primerl.runtime.config_base import BaseConfig, ConfigWarning, nearest_multiples
+from primerl.runtime.config_common import DEFAULT_BROKER_GRPC_PORT, DEFAULT_BROKER_HOST, LogConfig, WandbConfig
 
 ROLES = ("broker", "trainer", "orchestrator", "inference")
 BROKER_PORTS = ("grpc_port", "rollout_port", "weight_port")
@@ -80,7 +82,8 @@ class RLConfig(BaseConfig):
         default_factory=lambda: [1], min_length=1, description="GPUs of the trainer (one rank per GPU)."
     )
     teacher_gpu_ids: list[int] | None = Field(
-        None, min_length=1,
+        None,
+        min_length=1,
         description="GPUs of the teacher server (online distillation). Setting it starts a teacher even without "
         "a [teacher] table (prime-rl's way: it then serves the run's model). Unset with [teacher]: the GPUs after "
         "inference_gpu_ids and trainer_gpu_ids, as many as teacher.parallel tp x dp.",
@@ -98,7 +101,7 @@ class RLConfig(BaseConfig):
     teacher: InferenceConfig | None = Field(
         None,
         description="The teacher server of online distillation (prime-rl's `[teacher_inference]` is an alias): "
-        "`primerl rl` starts it as its own `primerl-infer` with `role = \"teacher\"` (a frozen model that never "
+        '`primerl rl` starts it as its own `primerl-infer` with `role = "teacher"` (a frozen model that never '
         "receives weight updates, on its own HTTP port) and points `[orchestrator.teacher]` at it. "
         "`[teacher.model] name` is the teacher's model; unset, the run's model (self-distillation: the student is "
         "pulled toward a frozen copy of its starting weights). Engine settings that [teacher] leaves unset "
@@ -174,8 +177,12 @@ class RLConfig(BaseConfig):
         for note in teacher_warnings(self):
             warnings.warn(note, ConfigWarning, stacklevel=2)
         for clash in self.port_clashes():
-            warnings.warn(f"{clash}: fine on separate machines, but `primerl rl` runs every role on this one and "
-                          "refuses to start", ConfigWarning, stacklevel=2)
+            warnings.warn(
+                f"{clash}: fine on separate machines, but `primerl rl` runs every role on this one and "
+                "refuses to start",
+                ConfigWarning,
+                stacklevel=2,
+            )
         if self.trainer.max_steps != self.orchestrator.max_steps:
             warnings.warn(
                 f"trainer.max_steps ({self.trainer.max_steps}) differs from orchestrator.max_steps "
@@ -272,7 +279,7 @@ class RLConfig(BaseConfig):
         if num_ranks > 1 and self.trainer.model.parallel == "fsdp2":
             return [
                 f'trainer.model.parallel = "fsdp2" with {num_ranks} trainer ranks (trainer_gpu_ids = '
-                f'{self.trainer_gpu_ids}): publishing, checkpointing and exporting sharded weights are not built '
+                f"{self.trainer_gpu_ids}): publishing, checkpointing and exporting sharded weights are not built "
                 'yet; set [trainer.model] parallel = "ddp", or leave it unset (ddp with several ranks)'
             ]
         return []
@@ -282,9 +289,11 @@ class RLConfig(BaseConfig):
         limit = self.broker.max_rollout_connections
         if peers <= limit:
             return []
-        return [f"broker.max_rollout_connections ({limit}) is less than the rollout peers of this run: "
-                f"{peers - 1} trainer ranks + 1 orchestrator = {peers}; set broker.max_rollout_connections = {peers} "
-                "or more"]
+        return [
+            f"broker.max_rollout_connections ({limit}) is less than the rollout peers of this run: "
+            f"{peers - 1} trainer ranks + 1 orchestrator = {peers}; set broker.max_rollout_connections = {peers} "
+            "or more"
+        ]
 
     def _wire_security_problems(self) -> list[str]:
         """Every role must match the broker's wire security (a mismatch would only show as timeouts)."""
@@ -296,10 +305,13 @@ class RLConfig(BaseConfig):
             if (broker.curve_secret_key_path is None) != (client.curve_secret_key_path is None):
                 problems.append(
                     f"broker.curve_secret_key_path and {role}.broker.curve_secret_key_path: CURVE must be on for the "
-                    f"broker and every role, or off for all (`primerl certs` prints the [{role}.broker] keys)")
+                    f"broker and every role, or off for all (`primerl certs` prints the [{role}.broker] keys)"
+                )
             if broker.tls_client_ca_path is not None and client.tls_cert_path is None:
-                problems.append(f"broker.tls_client_ca_path requires client certificates: set {role}.broker."
-                                "tls_cert_path and tls_key_path (`primerl certs` prints them)")
+                problems.append(
+                    f"broker.tls_client_ca_path requires client certificates: set {role}.broker."
+                    "tls_cert_path and tls_key_path (`primerl certs` prints them)"
+                )
             if broker.tls_cert_path is None and client.tls_ca_path is not None:
                 problems.append(f"{role}.broker.tls_ca_path is set but the broker has no TLS (broker.tls_cert_path)")
         return problems
@@ -317,8 +329,10 @@ class RLConfig(BaseConfig):
     def port_clashes(self) -> list[str]:
         """Fixed (non-zero) ports that two roles would bind on one machine, one message per clash (broker ports
         left unset count as free: ``with_free_broker_ports``)."""
-        ports = {f"broker.{name}": getattr(self.broker, name) if name in self.broker.model_fields_set else 0
-                 for name in BROKER_PORTS}
+        ports = {
+            f"broker.{name}": getattr(self.broker, name) if name in self.broker.model_fields_set else 0
+            for name in BROKER_PORTS
+        }
         ports["inference.server.port"] = self.inference.server.port
         if self.teacher is not None:
             ports["teacher.server.port"] = self.teacher.server.port
@@ -330,8 +344,12 @@ class RLConfig(BaseConfig):
         for key, port in ports.items():
             if port != 0:
                 by_port.setdefault(port, []).append(key)
-        return [f"{' and '.join(keys)} are {'both' if len(keys) == 2 else 'all'} {port}; give each its own port, "
-                "or 0 for a free one" for port, keys in by_port.items() if len(keys) > 1]
+        return [
+            f"{' and '.join(keys)} are {'both' if len(keys) == 2 else 'all'} {port}; give each its own port, "
+            "or 0 for a free one"
+            for port, keys in by_port.items()
+            if len(keys) > 1
+        ]
 
     # ------------------------------------------------------------------------------------------------------
 
@@ -347,9 +365,18 @@ class RLConfig(BaseConfig):
 def _fill_model_name(data: dict[str, Any]) -> None:
     shared = _get(data, "model.name")
     explicit = {path: _get(data, path) for path in MODEL_NAME_PATHS if _get(data, path) is not None}
-    name = shared if shared is not None else next(
-        (explicit[p] for p in ("trainer.model.name", "inference.model.name", "orchestrator.model.name")
-         if p in explicit), None)
+    name = (
+        shared
+        if shared is not None
+        else next(
+            (
+                explicit[p]
+                for p in ("trainer.model.name", "inference.model.name", "orchestrator.model.name")
+                if p in explicit
+            ),
+            None,
+        )
+    )
     if name is None:
         raise ValueError('no model: set it once for all roles with `[model] name = "..."` (or `model = "..."`)')
     for path in MODEL_NAME_PATHS:
@@ -357,8 +384,9 @@ def _fill_model_name(data: dict[str, Any]) -> None:
     for path, value in explicit.items():
         if value != name:
             note = " (a different tokenizer is allowed but unusual)" if "tokenizer" in path else ""
-            warnings.warn(f"{path} = {value!r} differs from the run's model {name!r}{note}", ConfigWarning,
-                          stacklevel=4)
+            warnings.warn(
+                f"{path} = {value!r} differs from the run's model {name!r}{note}", ConfigWarning, stacklevel=4
+            )
 
 
 def _is_valid_shared(name: str, value: Any) -> bool:

@@ -23,8 +23,8 @@ Detection
 Every top-level key says which shapes it can belong to:
 
 * only prime-rl: ``inference_gpu_ids``, ``trainer_gpu_ids``, ``orchestrator``, ``broker``, ``output_dir``,
-  ``max_async_level``, ``log``, ``teacher``, ``teacher_inference``, ``teacher_gpu_ids``, ``model`` as a table, and ``trainer`` / ``inference`` tables without
-  ``gpus`` / ``args`` keys;
+  ``max_async_level``, ``log``, ``teacher``, ``teacher_inference``, ``teacher_gpu_ids``, ``model`` as a table,
+  and ``trainer`` / ``inference`` tables without ``gpus`` / ``args`` keys;
 * only lab: ``batch_size``, ``rollouts_per_example``, ``learning_rate``, ``gradient_accumulation_steps``,
   ``warmup_steps``, ``sampling``, ``lora``, ``difficulty_filter``, ``kl_penalty``, ``env`` as an array of tables;
 * only vf-rl: ``env`` as a single table, ``trainer`` / ``inference`` tables with ``gpus`` or ``args``;
@@ -55,8 +55,18 @@ SHAPE_NAMES = {
 }
 _ALL = frozenset({PRIME_RL, LAB, VF_RL})
 
-_PRIME_RL_ONLY = {"inference_gpu_ids", "trainer_gpu_ids", "orchestrator", "broker", "output_dir",
-                  "max_async_level", "log", "teacher", "teacher_inference", "teacher_gpu_ids"}
+_PRIME_RL_ONLY = {
+    "inference_gpu_ids",
+    "trainer_gpu_ids",
+    "orchestrator",
+    "broker",
+    "output_dir",
+    "max_async_level",
+    "log",
+    "teacher",
+    "teacher_inference",
+    "teacher_gpu_ids",
+}
 TEACHER_ALIAS = "teacher_inference"
 """prime-rl's name of the teacher's inference table; read as ``[teacher]``."""
 _VF_RL_ROLE_KEYS = {"gpus", "args"}
@@ -80,10 +90,19 @@ LAB_KEYS: dict[str, str | None] = {
 }
 LAB_SAMPLING_KEYS = {"max_tokens", "temperature", "top_p", "top_k", "min_p", "repetition_penalty", "stop", "seed"}
 LAB_ENV_KEYS = {"id", "args", "weight", "kind", "v1_config"}
-LAB_LORA_KEYS = {"enabled": None, "r": "rank", "alpha": "alpha", "dropout": "dropout",
-                 "target_modules": "target_modules"}
-LAB_DIFFICULTY_KEYS = {"enabled": "online_difficulty_filtering", "min_reward_variance": "min_reward_variance",
-                       "max_reward": "max_reward", "min_reward": "min_reward"}
+LAB_LORA_KEYS = {
+    "enabled": None,
+    "r": "rank",
+    "alpha": "alpha",
+    "dropout": "dropout",
+    "target_modules": "target_modules",
+}
+LAB_DIFFICULTY_KEYS = {
+    "enabled": "online_difficulty_filtering",
+    "min_reward_variance": "min_reward_variance",
+    "max_reward": "max_reward",
+    "min_reward": "min_reward",
+}
 LAB_KL_KEYS = {"enabled": None, "target_kl": "target_kl", "beta": "beta"}
 
 # Legacy vf-rl shape.
@@ -141,8 +160,7 @@ VF_RL_TRAINER_ARGS = {
 }
 # Documented vf-rl keys that have no counterpart here: accepted with a warning.
 VF_RL_IGNORED_TRAINER_ARGS = {"max_prompt_len", "eval_strategy", "eval_steps"}
-VF_RL_SCHEDULERS = {"constant": "constant", "constant_with_warmup": "constant", "linear": "linear",
-                    "cosine": "cosine"}
+VF_RL_SCHEDULERS = {"constant": "constant", "constant_with_warmup": "constant", "linear": "linear", "cosine": "cosine"}
 # vf-rl trains LoRA unless use_lora = false, with these defaults.
 VF_RL_LORA_DEFAULTS = {"rank": 8, "alpha": 32}
 
@@ -150,8 +168,12 @@ VF_RL_LORA_DEFAULTS = {"rank": 8, "alpha": 32}
 def _key_shapes(key: str, value: Any) -> list[tuple[str, frozenset[str]]]:
     """(key as shown, shapes it can belong to) for one top-level key."""
     if key == "model":
-        return [("[model]" if isinstance(value, dict) else "model", frozenset({PRIME_RL}) if isinstance(value, dict)
-                 else _ALL)]
+        return [
+            (
+                "[model]" if isinstance(value, dict) else "model",
+                frozenset({PRIME_RL}) if isinstance(value, dict) else _ALL,
+            )
+        ]
     if key == "env":
         if isinstance(value, list):
             return [("[[env]]", frozenset({LAB}))]
@@ -187,8 +209,11 @@ def detect_shape(data: dict[str, Any], source: str = "config") -> str:
         lines = "\n".join(
             f"  - `{key}`: {' or '.join(SHAPE_NAMES[s] for s in sorted(shapes))}" for key, shapes in telling
         )
-        hints = [f"`{key}` -> `{LAB_KEYS[raw]}`" for key, shapes in telling
-                 if shapes == {LAB} and LAB_KEYS.get(raw := key.strip("[]"))]
+        hints = [
+            f"`{key}` -> `{LAB_KEYS[raw]}`"
+            for key, shapes in telling
+            if shapes == {LAB} and LAB_KEYS.get(raw := key.strip("[]"))
+        ]
         hint = ("\nIn the prime-rl shape these are: " + ", ".join(hints) + ".") if hints else ""
         raise ConfigError(
             f"{source} mixes config shapes; its keys belong to different ones:\n{lines}\n"
@@ -210,8 +235,9 @@ def to_canonical(data: dict[str, Any], source: str = "config") -> dict[str, Any]
         return _from_vf_rl(data, source)
     if TEACHER_ALIAS in data:
         if "teacher" in data:
-            raise ConfigError(f"{source}: the teacher is set twice: keep [teacher] or [{TEACHER_ALIAS}] (its "
-                              "prime-rl name), not both")
+            raise ConfigError(
+                f"{source}: the teacher is set twice: keep [teacher] or [{TEACHER_ALIAS}] (its prime-rl name), not both"
+            )
         data["teacher"] = data.pop(TEACHER_ALIAS)
     return data
 
@@ -251,8 +277,16 @@ def _table(value: Any, where: str, source: str) -> dict[str, Any]:
 def _from_lab(data: dict[str, Any], source: str) -> dict[str, Any]:
     _check_keys(data, LAB_KEYS, "", source, LAB)
     out: dict[str, Any] = {}
-    for key in ("model", "max_steps", "seq_len", "batch_size", "rollouts_per_example", "learning_rate",
-                "gradient_accumulation_steps", "warmup_steps"):
+    for key in (
+        "model",
+        "max_steps",
+        "seq_len",
+        "batch_size",
+        "rollouts_per_example",
+        "learning_rate",
+        "gradient_accumulation_steps",
+        "warmup_steps",
+    ):
         if key in data:
             set_dotted(out, LAB_KEYS[key], data[key])
     if "wandb" in data:
@@ -321,8 +355,9 @@ def _from_vf_rl(data: dict[str, Any], source: str) -> dict[str, Any]:
         out["inference_gpu_ids"] = list(range(num_inference_gpus))
         out["trainer_gpu_ids"] = list(range(num_inference_gpus, num_inference_gpus + num_trainer_gpus))
 
-    inference_args = {k.replace("-", "_"): v for k, v in _table(inference.get("args", {}), "inference.args",
-                                                                  source).items()}
+    inference_args = {
+        k.replace("-", "_"): v for k, v in _table(inference.get("args", {}), "inference.args", source).items()
+    }
     _check_keys(inference_args, VF_RL_INFERENCE_ARGS, "inference.args", source, VF_RL)
     for key, value in inference_args.items():
         set_dotted(out, VF_RL_INFERENCE_ARGS[key], value)
@@ -330,8 +365,9 @@ def _from_vf_rl(data: dict[str, Any], source: str) -> dict[str, Any]:
     args = dict(_table(trainer.get("args", {}), "trainer.args", source))
     ignored = sorted(k for k in args if k in VF_RL_IGNORED_TRAINER_ARGS)
     if ignored:
-        warnings.warn(f"{source}: trainer.args {', '.join(ignored)} has no effect in primerl",
-                      ConfigWarning, stacklevel=3)
+        warnings.warn(
+            f"{source}: trainer.args {', '.join(ignored)} has no effect in primerl", ConfigWarning, stacklevel=3
+        )
     for key in ignored:
         del args[key]
     _check_keys(args, VF_RL_TRAINER_ARGS, "trainer.args", source, VF_RL)
@@ -351,8 +387,12 @@ def _vf_rl_special_args(args: dict[str, Any], out: dict[str, Any], source: str) 
                 f"use one of {', '.join(VF_RL_SCHEDULERS)}"
             )
         set_dotted(out, "trainer.scheduler.type", VF_RL_SCHEDULERS[name])
-    lora_keys = {"lora_rank": "rank", "lora_alpha": "alpha", "lora_dropout": "dropout",
-                 "lora_target_modules": "target_modules"}
+    lora_keys = {
+        "lora_rank": "rank",
+        "lora_alpha": "alpha",
+        "lora_dropout": "dropout",
+        "lora_target_modules": "target_modules",
+    }
     if args.get("use_lora", True):
         lora = dict(VF_RL_LORA_DEFAULTS)
         lora.update({lora_keys[k]: v for k, v in args.items() if k in lora_keys})
@@ -361,8 +401,11 @@ def _vf_rl_special_args(args: dict[str, Any], out: dict[str, Any], source: str) 
         set_dotted(out, "trainer.model.lora", None)
         unused = sorted(k for k in args if k in lora_keys)
         if unused:
-            warnings.warn(f"{source}: trainer.args {', '.join(unused)} has no effect with use_lora = false",
-                          ConfigWarning, stacklevel=4)
+            warnings.warn(
+                f"{source}: trainer.args {', '.join(unused)} has no effect with use_lora = false",
+                ConfigWarning,
+                stacklevel=4,
+            )
     if "bf16" in args:
         set_dotted(out, "trainer.model.optimization_dtype", "bfloat16" if args["bf16"] else "float32")
     if "gradient_checkpointing" in args:

@@ -29,10 +29,17 @@ from __future__ import annotations
 
 from typing import Any
 
-from primerl.configs.dotted_keys import dotted_get as _get, dotted_set_default as _set_default
+from primerl.configs.dotted_keys import dotted_get as _get
+from primerl.configs.dotted_keys import dotted_set_default as _set_default
 
-TEACHER_INHERITED = ("model.dtype", "model.enforce_eager", "kv_cache_memory_bytes", "gpu_memory_utilization",
-                     "server.host", "server.advertise_host")
+TEACHER_INHERITED = (
+    "model.dtype",
+    "model.enforce_eager",
+    "kv_cache_memory_bytes",
+    "gpu_memory_utilization",
+    "server.host",
+    "server.advertise_host",
+)
 """Settings of `[inference]` that the teacher takes when `[teacher]` leaves them unset (same machine, same
 engine kind); not the port (it would clash), LoRA (a teacher serves none) or parallelism (its own GPUs)."""
 
@@ -68,8 +75,12 @@ def fill_teacher(data: dict[str, Any]) -> None:
         _set_default(data, "teacher.model.max_model_len", max_model_len + 1)
     tp = _get(data, "teacher.parallel.tp") or 1
     if "teacher_gpu_ids" not in data:
-        taken = [i for key in ("inference_gpu_ids", "trainer_gpu_ids")
-                 for i in (data.get(key) or ([0] if key == "inference_gpu_ids" else [1])) if isinstance(i, int)]
+        taken = [
+            i
+            for key in ("inference_gpu_ids", "trainer_gpu_ids")
+            for i in (data.get(key) or ([0] if key == "inference_gpu_ids" else [1]))
+            if isinstance(i, int)
+        ]
         dp = _get(data, "teacher.parallel.dp") or 1
         if isinstance(tp, int) and isinstance(dp, int) and tp > 0 and dp > 0:
             first = max(taken, default=-1) + 1
@@ -110,8 +121,9 @@ def teacher_problems(config: Any) -> list[str]:
             "trainer.loss.teacher_tau = 0"
         )
     if config.inference.role != "inference":
-        problems.append('inference.role = "teacher": [inference] serves the policy; put the teacher in a [teacher] '
-                        "table")
+        problems.append(
+            'inference.role = "teacher": [inference] serves the policy; put the teacher in a [teacher] table'
+        )
     if teacher is None:
         return problems
     ids = config.teacher_gpu_ids or []
@@ -120,18 +132,24 @@ def teacher_problems(config: Any) -> list[str]:
     for other in ("inference_gpu_ids", "trainer_gpu_ids"):
         shared = sorted(set(ids) & set(getattr(config, other)))
         if shared:
-            problems.append(f"GPUs {shared} are in both teacher_gpu_ids {ids} and {other} {getattr(config, other)}; "
-                            "give the teacher GPUs of its own")
+            problems.append(
+                f"GPUs {shared} are in both teacher_gpu_ids {ids} and {other} {getattr(config, other)}; "
+                "give the teacher GPUs of its own"
+            )
     parallel = teacher.parallel
     if parallel.tp * parallel.dp != len(ids):
-        problems.append(f"teacher.parallel.tp x dp = {parallel.tp} x {parallel.dp} = {parallel.tp * parallel.dp} "
-                        f"GPUs, but teacher_gpu_ids has {len(ids)}; make them match")
+        problems.append(
+            f"teacher.parallel.tp x dp = {parallel.tp} x {parallel.dp} = {parallel.tp * parallel.dp} "
+            f"GPUs, but teacher_gpu_ids has {len(ids)}; make them match"
+        )
     max_model_len, seq_len = teacher.model.max_model_len, config.orchestrator.seq_len
     if max_model_len is not None and max_model_len <= seq_len:
-        problems.append(f"teacher.model.max_model_len ({max_model_len}) must exceed seq_len ({seq_len}): the teacher "
-                        "reads a whole sample as its prompt and generates one token, so vLLM refuses samples of "
-                        f"max_model_len tokens. Set teacher.model.max_model_len = {seq_len + 1} or more (or remove "
-                        "it: seq_len + 1)")
+        problems.append(
+            f"teacher.model.max_model_len ({max_model_len}) must exceed seq_len ({seq_len}): the teacher "
+            "reads a whole sample as its prompt and generates one token, so vLLM refuses samples of "
+            f"max_model_len tokens. Set teacher.model.max_model_len = {seq_len + 1} or more (or remove "
+            "it: seq_len + 1)"
+        )
     return problems
 
 
@@ -142,9 +160,13 @@ def teacher_warnings(config: Any) -> list[str]:
         return []
     notes = []
     if scoring is not None and scoring.base_url:
-        notes.append(f"orchestrator.teacher.base_url = {scoring.base_url} sends the scoring requests there: the "
-                     "[teacher] server primerl rl starts is not asked (remove one of them)")
+        notes.append(
+            f"orchestrator.teacher.base_url = {scoring.base_url} sends the scoring requests there: the "
+            "[teacher] server primerl rl starts is not asked (remove one of them)"
+        )
     if teacher_tau(config.trainer) == 0:
-        notes.append("a teacher is configured but trainer.loss.teacher_tau = 0: the teacher scores every rollout "
-                     "(train/teacher_kl is reported) but the loss ignores it; set teacher_tau > 0 to distill")
+        notes.append(
+            "a teacher is configured but trainer.loss.teacher_tau = 0: the teacher scores every rollout "
+            "(train/teacher_kl is reported) but the loss ignores it; set teacher_tau > 0 to distill"
+        )
     return notes

@@ -49,14 +49,22 @@ def _type_name(annotation) -> str:
     if isinstance(annotation, type):
         if issubclass(annotation, pydantic.BaseModel):
             return "table"
-        return {"str": "string", "int": "integer", "float": "float", "bool": "boolean", "Path": "path", "dict": "table"}.get(
-            annotation.__name__, annotation.__name__)
+        return {
+            "str": "string",
+            "int": "integer",
+            "float": "float",
+            "bool": "boolean",
+            "Path": "path",
+            "dict": "table",
+        }.get(annotation.__name__, annotation.__name__)
     origin = typing.get_origin(annotation)
     args = typing.get_args(annotation)
     if origin is typing.Literal:
         return " \\| ".join(f'`"{a}"`' if isinstance(a, str) else f"`{a}`" for a in args)
     if origin in (typing.Union, types.UnionType):
-        return " \\| ".join(dict.fromkeys(_type_name(a) for a in args if a is not type(None))) + (" (optional)" if type(None) in args else "")
+        return " \\| ".join(dict.fromkeys(_type_name(a) for a in args if a is not type(None))) + (
+            " (optional)" if type(None) in args else ""
+        )
     if origin is typing.Annotated:
         return _type_name(args[0])
     if origin is list:
@@ -99,17 +107,23 @@ def _cell(text: str) -> str:
     return " ".join(text.split()).replace("|", "\\|")
 
 
-def render_model(model: type[pydantic.BaseModel], path: str, out: list[str], seen: set[str], description: str = "") -> None:
+def render_model(
+    model: type[pydantic.BaseModel], path: str, out: list[str], seen: set[str], description: str = ""
+) -> None:
     rows, children = [], []
     for name, field in model.model_fields.items():
         nested = _models_in(field.annotation)
         key = f"{path}.{name}" if path else name
         if nested:
             is_array = typing.get_origin(field.annotation) is list or any(
-                typing.get_origin(a) is list for a in typing.get_args(field.annotation))
+                typing.get_origin(a) is list for a in typing.get_args(field.annotation)
+            )
             children.append((key, nested, is_array, field))
             continue
-        rows.append(f"| `{name}` | {_type_name(field.annotation)} | {_default(field)} | {_bounds(field)} | {_cell(field.description or '')} |")
+        rows.append(
+            f"| `{name}` | {_type_name(field.annotation)} | {_default(field)} | {_bounds(field)} "
+            f"| {_cell(field.description or '')} |"
+        )
     if rows:
         out += [f"### `[{path}]`" if path else "### top level", ""]
         description = description or (model.__doc__ or "").strip().splitlines()[0] if path else ""

@@ -1,1 +1,7 @@
-"""The supervisor behind ``primerl rl``: starts the four daemons of a run, restarts them by policy, stops them."""
+"""The supervisor behind ``primerl rl``: starts the daemons of a run, restarts them by policy, stops them.
+
+``launcher`` runs one run (its order of starts, progress, the end); ``restarts`` owns the restart bookkeeping and
+pins a restarted role where the others look for it; ``process_supervisor`` and ``process_reaper`` own the child
+processes (nothing outlives the launcher); ``restart_policy``, ``role_configs`` (the role files it writes),
+``role_logs``, ``run_progress``, ``run_file`` (``run.json``, read by ``primerl status``), ``console``, ``tmux``.
+"""

@@ -166,16 +166,22 @@ class Launcher:
                 signal.signal(signum, handler)
 
     def _on_kill(self, child: ChildProcess) -> None:
-        print(f"primerl rl: {child.name} did not stop within {self._stop_timeout_s():g} s; killing it",
-              file=self.err, flush=True)
+        print(
+            f"primerl rl: {child.name} did not stop within {self._stop_timeout_s():g} s; killing it",
+            file=self.err,
+            flush=True,
+        )
 
     def _run(self, started_s: float) -> int:
         # Unset broker ports: free ones (two runs on one machine never collide); the others learn them below.
         config = self.config = self.config.with_free_broker_ports()
         clashes = config.port_clashes()
         if clashes:
-            print("primerl rl: every role runs on this machine, so their ports must differ:\n  " + "\n  ".join(clashes),
-                  file=self.err, flush=True)
+            print(
+                "primerl rl: every role runs on this machine, so their ports must differ:\n  " + "\n  ".join(clashes),
+                file=self.err,
+                flush=True,
+            )
             return 2
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.logs_dir.mkdir(parents=True, exist_ok=True)
@@ -187,8 +193,9 @@ class Launcher:
         self.say(f"primerl rl: run directory {self.run_dir} (configs, logs/, pids.json)")
         self.say(f"  {describe(self.budgets)}")
         if self.options.tmux:
-            self._open_tmux(["broker", "inference", *(["teacher"] if "teacher" in roles else []), "orchestrator",
-                             "trainer"])
+            self._open_tmux(
+                ["broker", "inference", *(["teacher"] if "teacher" in roles else []), "orchestrator", "trainer"]
+            )
 
         broker_ready = ready_file_path(self.run_dir, "broker")
         broker = self._child("broker", [BIN / "primerl-broker", "@", paths["broker"], "--ready-file", broker_ready])
@@ -204,16 +211,29 @@ class Launcher:
         for role in ("trainer", "orchestrator", "inference", "teacher"):
             if role in roles and roles[role].broker.address != address:  # the others dial the port the broker bound
                 roles[role] = roles[role].model_copy(
-                    update={"broker": roles[role].broker.model_copy(update={"address": address})})
+                    update={"broker": roles[role].broker.model_copy(update={"address": address})}
+                )
                 self.role_files.set(role, roles[role])
 
         inference_ready = ready_file_path(self.run_dir, "inference")
-        inference = self._child("inference", [BIN / "primerl-infer", "@", paths["inference"], "--ready-file",
-                                              inference_ready], config.inference_gpu_ids)
+        inference = self._child(
+            "inference",
+            [BIN / "primerl-infer", "@", paths["inference"], "--ready-file", inference_ready],
+            config.inference_gpu_ids,
+        )
         teacher = None
         if "teacher" in roles:
-            teacher = self._child("teacher", [BIN / "primerl-infer", "@", paths["teacher"], "--ready-file",
-                                              ready_file_path(self.run_dir, "teacher")], config.teacher_gpu_ids)
+            teacher = self._child(
+                "teacher",
+                [
+                    BIN / "primerl-infer",
+                    "@",
+                    paths["teacher"],
+                    "--ready-file",
+                    ready_file_path(self.run_dir, "teacher"),
+                ],
+                config.teacher_gpu_ids,
+            )
         # The trainer only needs the broker: it loads its model while vLLM starts.
         num_ranks = len(config.trainer_gpu_ids)
         trainer_argv = [BIN / "primerl-trainer", "@", paths["trainer"]]
@@ -230,16 +250,21 @@ class Launcher:
             early.append(self._child("orchestrator", orchestrator_argv, []))
         started = "trainer" + ranks + (" and orchestrator" if early_orchestrator else "")
         engines = "inference and the teacher" if teacher is not None else "inference"
-        self.say(f"  starting {engines} (vLLM takes a while; log {inference.log_path}); {started} started "
-                 "meanwhile ...")
+        self.say(
+            f"  starting {engines} (vLLM takes a while; log {inference.log_path}); {started} started meanwhile ..."
+        )
         # Meanwhile a failed trainer or orchestrator is restarted (or stops the run) as during training.
         for server in (inference, teacher):
             if server is None:
                 continue
             watch = [teacher] if server is inference and teacher is not None else []
-            served = self.supervisor.wait_ready_file(server, ready_file_path(self.run_dir, server.name),
-                                                     self.options.inference_timeout_s, watch=watch,
-                                                     tick=self.restarts.look_after_starting)
+            served = self.supervisor.wait_ready_file(
+                server,
+                ready_file_path(self.run_dir, server.name),
+                self.options.inference_timeout_s,
+                watch=watch,
+                tick=self.restarts.look_after_starting,
+            )
             if served is None:
                 return self._interrupted()
             self.say(f"  {server.name} ready in {server.ready_s:.1f} s at {served.get('base_url')}")
@@ -258,12 +283,19 @@ class Launcher:
         from primerl.runtime.config_common import BrokerClientConfig
 
         trainer_broker = self.config.trainer.broker  # the launcher reads status with the trainer's credentials
-        client = ControlClient(BrokerClientConfig(address=address, run_token=self.token,
-                                                  tls_ca_path=trainer_broker.tls_ca_path,
-                                                  tls_cert_path=trainer_broker.tls_cert_path,
-                                                  tls_key_path=trainer_broker.tls_key_path,
-                                                  tls_server_name=trainer_broker.tls_server_name),
-                               role="client", name="primerl-rl", rpc_timeout_s=STATUS_TIMEOUT_S)
+        client = ControlClient(
+            BrokerClientConfig(
+                address=address,
+                run_token=self.token,
+                tls_ca_path=trainer_broker.tls_ca_path,
+                tls_cert_path=trainer_broker.tls_cert_path,
+                tls_key_path=trainer_broker.tls_key_path,
+                tls_server_name=trainer_broker.tls_server_name,
+            ),
+            role="client",
+            name="primerl-rl",
+            rpc_timeout_s=STATUS_TIMEOUT_S,
+        )
         last_line_s = 0.0
         last_step = -1
         last_status_s = 0.0
@@ -301,13 +333,23 @@ class Launcher:
         def absolute(path: Path | None) -> str | None:
             return str(Path(path).resolve()) if path else None
 
-        write_run_file(self.run_dir, RunFile(broker_address=address, run_token=self.token,
-                                             tls_ca_path=absolute(broker.tls_ca_path), run_id=run_id or None,
-                                             launcher_pid=os.getpid(), tls_cert_path=absolute(broker.tls_cert_path),
-                                             tls_key_path=absolute(broker.tls_key_path),
-                                             tls_server_name=broker.tls_server_name))
-        self.say(f"  status: primerl status {shlex.quote(str(self.run_dir))}   (address and token in its "
-                 f"{RUN_FILE_NAME}, readable by you only)")
+        write_run_file(
+            self.run_dir,
+            RunFile(
+                broker_address=address,
+                run_token=self.token,
+                tls_ca_path=absolute(broker.tls_ca_path),
+                run_id=run_id or None,
+                launcher_pid=os.getpid(),
+                tls_cert_path=absolute(broker.tls_cert_path),
+                tls_key_path=absolute(broker.tls_key_path),
+                tls_server_name=broker.tls_server_name,
+            ),
+        )
+        self.say(
+            f"  status: primerl status {shlex.quote(str(self.run_dir))}   (address and token in its "
+            f"{RUN_FILE_NAME}, readable by you only)"
+        )
 
     def _announce_metrics(self, status) -> None:
         """Print each worker's metrics URL (the `metrics_url` it registered with) the first time it shows up."""
@@ -346,11 +388,19 @@ class Launcher:
                 continue
             code = self.supervisor.children[name].poll()
             if code not in (0, None, -signal.SIGTERM):
-                print(f"primerl rl: note: {name} exited with status {code} while stopping; see "
-                      f"{self.supervisor.children[name].log_path}", file=self.err)
+                print(
+                    f"primerl rl: note: {name} exited with status {code} while stopping; see "
+                    f"{self.supervisor.children[name].log_path}",
+                    file=self.err,
+                )
         rows = read_run_rows(Path(self.config.orchestrator.output_dir), Path(self.config.trainer.output_dir))
-        print(run_summary(rows, self.progress, self.supervisor.children.values(), time.monotonic() - started_s,
-                          self.run_dir), file=self.out, flush=True)
+        print(
+            run_summary(
+                rows, self.progress, self.supervisor.children.values(), time.monotonic() - started_s, self.run_dir
+            ),
+            file=self.out,
+            flush=True,
+        )
         return 0
 
     def _stop_timeout_s(self) -> float:
@@ -378,18 +428,25 @@ class Launcher:
         code = child.poll()
         error = last_error_in_log(child.log_path) if code is None or code > 0 else None
         error_line = f"primerl rl: {child.name}'s last error: {error}\n" if error else ""
-        print(f"primerl rl: {message}; stopped the run.\n"
-              f"--- last {TAIL_LINES} lines of {child.log_path} ---\n{child.log_tail(TAIL_LINES)}\n"
-              f"--- end of {child.name} log ---\n{error_line}", file=self.err, flush=True)
+        print(
+            f"primerl rl: {message}; stopped the run.\n"
+            f"--- last {TAIL_LINES} lines of {child.log_path} ---\n{child.log_tail(TAIL_LINES)}\n"
+            f"--- end of {child.name} log ---\n{error_line}",
+            file=self.err,
+            flush=True,
+        )
         return 1
 
     def _interrupted(self) -> int:
         if self.is_tty:
             self.out.write("\n")
-        print(f"primerl rl: {self.signal_name}: stopping every role (at most {self._stop_timeout_s():g} s; "
-              "again to kill at once)", file=self.err, flush=True)
+        print(
+            f"primerl rl: {self.signal_name}: stopping every role (at most {self._stop_timeout_s():g} s; "
+            "again to kill at once)",
+            file=self.err,
+            flush=True,
+        )
         # The broker last: the others finish their step's RPCs, publish and deregister while it still answers.
         self._stop_all(list(self.supervisor.children))
         print(f"primerl rl: stopped; logs in {self.logs_dir}", file=self.err, flush=True)
         return 128 + (signal.SIGINT if self.signal_name == "SIGINT" else signal.SIGTERM)
-

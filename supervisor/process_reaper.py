@@ -55,7 +55,7 @@ def _environ_value(pid: int, variable: bytes) -> bytes | None:
         return None
     for entry in environ.split(b"\0"):
         if entry.startswith(variable):
-            return entry[len(variable):]
+            return entry[len(variable) :]
     return None
 
 
@@ -77,8 +77,9 @@ def marked_processes(token: str, *, exclude: Iterable[int] = ()) -> dict[int, st
     return found
 
 
-def signal_marked(token: str, signum: int, *, roles: Sequence[str] | None = None,
-                  exclude: Iterable[int] = ()) -> list[int]:
+def signal_marked(
+    token: str, signum: int, *, roles: Sequence[str] | None = None, exclude: Iterable[int] = ()
+) -> list[int]:
     """Send ``signum`` to the marked processes (of ``roles`` only, when given); returns the pids signalled."""
     variable = (mark_variable(token) + "=").encode()
     signalled = []
@@ -118,32 +119,49 @@ def _is_zombie(pid: int) -> bool:
             stat = handle.read()
     except OSError:
         return True
-    return stat[stat.rfind(b")") + 2:][:1] in (b"Z", b"X")
+    return stat[stat.rfind(b")") + 2 :][:1] in (b"Z", b"X")
 
 
 def marked_roles(token: str, *, roles: Iterable[str] | None = None) -> list[str]:
     """The roles (of ``roles`` only, when given) with a live marked process."""
     wanted = None if roles is None else set(roles)
-    return sorted({role for pid, role in marked_processes(token).items()
-                   if (wanted is None or role in wanted) and not _is_zombie(pid)})
+    return sorted(
+        {
+            role
+            for pid, role in marked_processes(token).items()
+            if (wanted is None or role in wanted) and not _is_zombie(pid)
+        }
+    )
 
 
 def live_marked(token: str, *, roles: Sequence[str] | None = None, exclude: Iterable[int] = ()) -> list[int]:
     """Marked processes that still run (zombies waiting for their parent's ``wait`` do not count)."""
-    return [pid for pid, role in marked_processes(token, exclude=exclude).items()
-            if (roles is None or role in roles) and not _is_zombie(pid)]
+    return [
+        pid
+        for pid, role in marked_processes(token, exclude=exclude).items()
+        if (roles is None or role in roles) and not _is_zombie(pid)
+    ]
 
 
-def end_marked(token: str, grace_s: float, *, roles: Sequence[str] | None = None,
-               exclude: Iterable[int] = (), kill_wait_s: float = 2.0) -> tuple[int, int]:
+def end_marked(
+    token: str,
+    grace_s: float,
+    *,
+    roles: Sequence[str] | None = None,
+    exclude: Iterable[int] = (),
+    kill_wait_s: float = 2.0,
+) -> tuple[int, int]:
     """SIGTERM to the marked processes, SIGKILL after ``grace_s`` to those left; returns (terminated, killed).
     Bounded: at most ``grace_s + kill_wait_s`` seconds."""
     terminated = signal_marked(token, signal.SIGTERM, roles=roles, exclude=exclude)
     deadline = time.monotonic() + grace_s
     while live_marked(token, roles=roles, exclude=exclude) and time.monotonic() < deadline:
         time.sleep(POLL_S)
-    killed = signal_marked(token, signal.SIGKILL, roles=roles, exclude=exclude) \
-        if live_marked(token, roles=roles, exclude=exclude) else []
+    killed = (
+        signal_marked(token, signal.SIGKILL, roles=roles, exclude=exclude)
+        if live_marked(token, roles=roles, exclude=exclude)
+        else []
+    )
     deadline = time.monotonic() + kill_wait_s
     while killed and live_marked(token, roles=roles, exclude=exclude) and time.monotonic() < deadline:
         time.sleep(POLL_S)
@@ -153,18 +171,30 @@ def end_marked(token: str, grace_s: float, *, roles: Sequence[str] | None = None
 # ---- the reaper process --------------------------------------------------------------------------------------------
 
 
-def start_reaper(token: str, *, grace_s: float = DEFAULT_GRACE_S, remove: Sequence[Path] = (),
-                 log_path: Path | None = None) -> subprocess.Popen:
+def start_reaper(
+    token: str, *, grace_s: float = DEFAULT_GRACE_S, remove: Sequence[Path] = (), log_path: Path | None = None
+) -> subprocess.Popen:
     """Start the reaper of this process's marked descendants (see the module docstring); returns its Popen.
     It outlives this process by design: it exits by itself once this process is gone and the rest is ended."""
     mark_variable(token)  # validates
     env = {k: v for k, v in os.environ.items() if not k.startswith(MARK_PREFIX)}
-    argv = [sys.executable, "-m", "primerl.supervisor.process_reaper", "--token", token, "--owner", str(os.getpid()),
-            "--grace-s", str(grace_s), *[a for path in remove for a in ("--remove", str(path))]]
+    argv = [
+        sys.executable,
+        "-m",
+        "primerl.supervisor.process_reaper",
+        "--token",
+        token,
+        "--owner",
+        str(os.getpid()),
+        "--grace-s",
+        str(grace_s),
+        *[a for path in remove for a in ("--remove", str(path))],
+    ]
     output = open(log_path, "ab") if log_path is not None else subprocess.DEVNULL  # noqa: SIM115
     try:
-        return subprocess.Popen(argv, env=env, stdin=subprocess.DEVNULL, stdout=output, stderr=subprocess.STDOUT,
-                                start_new_session=True)
+        return subprocess.Popen(
+            argv, env=env, stdin=subprocess.DEVNULL, stdout=output, stderr=subprocess.STDOUT, start_new_session=True
+        )
     finally:
         if log_path is not None:
             output.close()
@@ -191,8 +221,10 @@ def _wait_for_exit(owner: int) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m primerl.supervisor.process_reaper",
-                                     description="End a launcher's marked descendants once the launcher is gone.")
+    parser = argparse.ArgumentParser(
+        prog="python -m primerl.supervisor.process_reaper",
+        description="End a launcher's marked descendants once the launcher is gone.",
+    )
     parser.add_argument("--token", required=True)
     parser.add_argument("--owner", type=int, required=True, help="pid of the launcher (this process's parent)")
     parser.add_argument("--grace-s", type=float, default=DEFAULT_GRACE_S)
@@ -206,8 +238,11 @@ def main(argv: list[str] | None = None) -> int:
     for path in args.remove:
         shutil.rmtree(path, ignore_errors=True)
     if terminated or killed:
-        print(f"primerl reaper: owner {args.owner} is gone; ended {terminated} processes it left "
-              f"({killed} with SIGKILL) in {time.monotonic() - gone_s:.2f} s", flush=True)
+        print(
+            f"primerl reaper: owner {args.owner} is gone; ended {terminated} processes it left "
+            f"({killed} with SIGKILL) in {time.monotonic() - gone_s:.2f} s",
+            flush=True,
+        )
     return 0
 
 

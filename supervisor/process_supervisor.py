@@ -24,8 +24,8 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
-from primerl.supervisor import process_reaper
 from primerl.proto.ready_file import read_ready_file
+from primerl.supervisor import process_reaper
 
 POLL_INTERVAL_S = 0.1
 PR_SET_PDEATHSIG = 1
@@ -51,7 +51,9 @@ def _die_with_parent() -> None:  # runs in the child between fork and exec
         _PRCTL(PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
-def start_in_own_session(argv: Sequence[str], log_path: Path, env: Mapping[str, str], cwd: Path | None = None) -> subprocess.Popen:
+def start_in_own_session(
+    argv: Sequence[str], log_path: Path, env: Mapping[str, str], cwd: Path | None = None
+) -> subprocess.Popen:
     """Start ``argv`` with stdout and stderr appended to ``log_path``, after a ``=== <time> <argv>`` line (so a
     log splits into the starts of its role). ``start_new_session``: its own process group, out of the terminal's,
     so Ctrl-C reaches only the launcher, which then stops the children in order. PDEATHSIG: a launcher killed
@@ -60,8 +62,16 @@ def start_in_own_session(argv: Sequence[str], log_path: Path, env: Mapping[str, 
     with open(log_path, "ab") as log_file:
         log_file.write(f"=== {time.strftime('%Y-%m-%d %H:%M:%S')} {' '.join(argv)}\n".encode())
         log_file.flush()
-        return subprocess.Popen(list(argv), stdout=log_file, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                env=dict(env), cwd=cwd, start_new_session=True, preexec_fn=_die_with_parent)
+        return subprocess.Popen(
+            list(argv),
+            stdout=log_file,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            env=dict(env),
+            cwd=cwd,
+            start_new_session=True,
+            preexec_fn=_die_with_parent,
+        )
 
 
 class ChildProcess:
@@ -140,8 +150,14 @@ class Supervisor:
     With ``reap`` (the default) the first ``start`` also starts the reaper (module docstring); ``close()``
     ends it once every child is stopped."""
 
-    def __init__(self, interrupted: Callable[[], bool] = lambda: False, *, reap: bool = True,
-                 reaper_grace_s: float = process_reaper.DEFAULT_GRACE_S, reaper_log: Path | None = None):
+    def __init__(
+        self,
+        interrupted: Callable[[], bool] = lambda: False,
+        *,
+        reap: bool = True,
+        reaper_grace_s: float = process_reaper.DEFAULT_GRACE_S,
+        reaper_log: Path | None = None,
+    ):
         self.children: dict[str, ChildProcess] = {}
         self.interrupted = interrupted
         self.reap = reap
@@ -175,8 +191,11 @@ class Supervisor:
             while self.alive(child) and time.monotonic() < deadline:
                 time.sleep(POLL_INTERVAL_S)
             if self.alive(child):
-                raise ChildFailed(child, f"{child.name}: processes of its previous start still run after SIGKILL "
-                                         f"and {timeout_s:g} s; not starting it again")
+                raise ChildFailed(
+                    child,
+                    f"{child.name}: processes of its previous start still run after SIGKILL "
+                    f"and {timeout_s:g} s; not starting it again",
+                )
         child.start()
         return child
 
@@ -194,8 +213,14 @@ class Supervisor:
             running += [c for c in rest if c.name in marked]
         return running
 
-    def wait_ready_file(self, child: ChildProcess, ready_file: Path, timeout_s: float,
-                        watch: Sequence[ChildProcess] = (), tick: Callable[[], None] | None = None) -> dict | None:
+    def wait_ready_file(
+        self,
+        child: ChildProcess,
+        ready_file: Path,
+        timeout_s: float,
+        watch: Sequence[ChildProcess] = (),
+        tick: Callable[[], None] | None = None,
+    ) -> dict | None:
         """The JSON that ``child`` writes to ``ready_file`` once serving; None if interrupted. Raises
         ``ChildFailed`` when the child exits first or ``timeout_s`` passes, or when one of ``watch`` (children
         started alongside it, which must keep running meanwhile) exits. ``tick``, when given, is called at every
@@ -229,8 +254,12 @@ class Supervisor:
         temporary.write_text(json.dumps(pids, indent=2) + "\n")
         os.replace(temporary, path)
 
-    def stop(self, names: Sequence[str] | None = None, timeout_s: float = 30.0,
-             on_kill: Callable[[ChildProcess], None] | None = None) -> None:
+    def stop(
+        self,
+        names: Sequence[str] | None = None,
+        timeout_s: float = 30.0,
+        on_kill: Callable[[ChildProcess], None] | None = None,
+    ) -> None:
         """SIGTERM to the groups of ``names`` (default: all), then SIGKILL to what is left after ``timeout_s``
         (the groups and their marked descendants). Returns once all of it is gone (or, after SIGKILL, after a
         short bounded wait)."""

@@ -41,8 +41,9 @@ class RestartPolicy:
         if not self.window_s > 0:
             raise ValueError(f"the restart window must be > 0 s, got {self.window_s:g}")
         if not 0 <= self.delay_s <= self.max_delay_s:
-            raise ValueError(f"restart delays must satisfy 0 <= delay ({self.delay_s:g} s) <= max delay "
-                             f"({self.max_delay_s:g} s)")
+            raise ValueError(
+                f"restart delays must satisfy 0 <= delay ({self.delay_s:g} s) <= max delay ({self.max_delay_s:g} s)"
+            )
 
 
 def describe_exit_code(code: int) -> str:
@@ -85,13 +86,17 @@ class RestartBudget:
         if not is_failure(code):
             return RestartDecision(False, reason="it exited 0")
         if code in NO_RESTART_EXIT_CODES:
-            return RestartDecision(False, reason=f"exit code {code} means a configuration or data error that a "
-                                                 "restart would hit again")
+            return RestartDecision(
+                False, reason=f"exit code {code} means a configuration or data error that a restart would hit again"
+            )
         while self.restart_times_s and now_s - self.restart_times_s[0] >= policy.window_s:
             self.restart_times_s.popleft()
         if len(self.restart_times_s) >= policy.limit:
-            return RestartDecision(False, reason=f"it was restarted {len(self.restart_times_s)} times within "
-                                                 f"{policy.window_s:g} s (--restart-limit {policy.limit})")
+            return RestartDecision(
+                False,
+                reason=f"it was restarted {len(self.restart_times_s)} times within "
+                f"{policy.window_s:g} s (--restart-limit {policy.limit})",
+            )
         number = len(self.restart_times_s) + 1
         self.restart_times_s.append(now_s)
         self.num_restarts += 1

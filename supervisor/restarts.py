@@ -27,8 +27,9 @@ trainer's exit."""
 class Restarts:
     """Pinning and restarts of a run's roles (see the module docstring)."""
 
-    def __init__(self, supervisor: Supervisor, policy: RestartPolicy, role_files: RoleFiles, run_dir: Path,
-                 console: RunConsole) -> None:
+    def __init__(
+        self, supervisor: Supervisor, policy: RestartPolicy, role_files: RoleFiles, run_dir: Path, console: RunConsole
+    ) -> None:
         self.supervisor = supervisor
         self.policy = policy
         self.role_files = role_files
@@ -79,22 +80,30 @@ class Restarts:
             if starting:
                 message += " while inference was starting"
             if not decision.restart:
-                raise ChildFailed(child, message if self.policy.mode == "never" or code == 0
-                                  else f"{message}; not restarted: {decision.reason}")
+                raise ChildFailed(
+                    child,
+                    message
+                    if self.policy.mode == "never" or code == 0
+                    else f"{message}; not restarted: {decision.reason}",
+                )
             self.handled_exits[child.name] = child.num_starts
             self.pending[child.name] = now + decision.delay_s
             self.restarted_s.setdefault(child.name, now)
             self.console.end_progress_line()
-            self.console.say(f"primerl rl: restarting {child.name} after {describe_exit_code(code)} (restart "
-                             f"{decision.number} of {self.policy.limit} within {self.policy.window_s:g} s) "
-                             f"in {decision.delay_s:g} s")
+            self.console.say(
+                f"primerl rl: restarting {child.name} after {describe_exit_code(code)} (restart "
+                f"{decision.number} of {self.policy.limit} within {self.policy.window_s:g} s) "
+                f"in {decision.delay_s:g} s"
+            )
             error = last_error_in_log(child.log_path) if code > 0 else None
             if error:
                 self.console.say(f"  {child.name}'s last error: {error}")
         for name, exited_s in self.clean_exit_s.items():
             if now - exited_s > FINISH_WAIT_S:
-                raise ChildFailed(self.supervisor.children[name], f"{name} exited with status 0 but the trainer has "
-                                  f"not finished {FINISH_WAIT_S:g} s later")
+                raise ChildFailed(
+                    self.supervisor.children[name],
+                    f"{name} exited with status 0 but the trainer has not finished {FINISH_WAIT_S:g} s later",
+                )
         for name, due_s in list(self.pending.items()):
             if now >= due_s:
                 del self.pending[name]
@@ -133,5 +142,7 @@ class Restarts:
                 continue
             ready_s = time.monotonic() - child.started_s  # child.ready_s stays the first start's (the summary's)
             del self.restarted_s[name]
-            self.console.say(f"  {name} back (start {child.num_starts}, pid {child.pid}): ready {ready_s:.1f} s "
-                             f"after its restart, {time.monotonic() - exited_s:.1f} s after its exit was seen")
+            self.console.say(
+                f"  {name} back (start {child.num_starts}, pid {child.pid}): ready {ready_s:.1f} s "
+                f"after its restart, {time.monotonic() - exited_s:.1f} s after its exit was seen"
+            )

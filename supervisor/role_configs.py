@@ -28,8 +28,12 @@ def thread_budgets(run_config: Any, roles: dict, *, gpus: bool) -> dict[str, Thr
         default = defaults[role]
         if role == "teacher" and "cpus" not in explicit.model_fields_set and budgets["inference"].cpus:
             default = default.model_copy(update={"cpus": budgets["inference"].cpus})  # inference's, as set
-        if (role in ("inference", "teacher") and explicit.num_threads is not None and explicit.cpus is None
-                and default.cpus):
+        if (
+            role in ("inference", "teacher")
+            and explicit.num_threads is not None
+            and explicit.cpus is None
+            and default.cpus
+        ):
             # vLLM runs one thread per bound CPU: a thread count asked for binds that many CPUs.
             default = default.model_copy(update={"cpus": cpus[: explicit.num_threads]})
         budgets[role] = fill_budget(explicit, default)
@@ -43,16 +47,22 @@ def without_token(config: Any) -> Any:
     if "run_token" in fields:
         return config.model_copy(update={"run_token": None})
     sections = ("broker", "trainer", "orchestrator", "inference", "teacher")
-    updates = {name: without_token(getattr(config, name)) for name in sections
-               if name in fields and getattr(config, name) is not None}
+    updates = {
+        name: without_token(getattr(config, name))
+        for name in sections
+        if name in fields and getattr(config, name) is not None
+    }
     return config.model_copy(update=updates)
 
 
 def pinned_broker(broker: Any, endpoints: dict) -> Any:
     """The broker's config with the ports and run id it bound (from its ready file): a restarted broker comes
     back with them (its spool dir is the config's already)."""
-    update = {key: endpoints[key] for key in ("grpc_port", "rollout_port", "weight_port", "run_id")
-              if endpoints.get(key) not in (None, "")}
+    update = {
+        key: endpoints[key]
+        for key in ("grpc_port", "rollout_port", "weight_port", "run_id")
+        if endpoints.get(key) not in (None, "")
+    }
     port = url_port(endpoints.get("metrics_url"))
     if port is not None and broker.prometheus.enabled:
         update["prometheus"] = broker.prometheus.model_copy(update={"port": port})

@@ -53,7 +53,7 @@ def _json_error(line: str) -> str | None:
 
 def _traceback_exception(lines: list[str], start: int) -> str | None:
     """The exception line of the traceback whose header is ``lines[start]``."""
-    for line in lines[start + 1:]:
+    for line in lines[start + 1 :]:
         if not line.strip() or line[0].isspace():
             continue  # the stack: '  File "...", line N' and the source lines under it
         return line.strip()
@@ -94,4 +94,4 @@ def last_error_in_log(path: Path) -> str | None:
     except OSError:
         return None
     starts = list(_START_HEADER.finditer(text))
-    return last_error_line(text[starts[-1].start():] if starts else text)
+    return last_error_line(text[starts[-1].start() :] if starts else text)

@@ -55,7 +55,8 @@ def read_run_file(run_dir_or_file: str | os.PathLike[str]) -> RunFile:
     except FileNotFoundError:
         raise RunFileError(
             f"{path} does not exist: give the run directory of a `primerl rl` run (its output_dir) that has "
-            "started its broker, or pass --broker HOST:PORT and --token") from None
+            "started its broker, or pass --broker HOST:PORT and --token"
+        ) from None
     except PermissionError:
         raise RunFileError(f"cannot read {path}: it is readable by the user who started the run only") from None
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:

@@ -19,7 +19,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-
 MAX_BATCHES = 64  # rewards of recent batches kept by step
 
 
@@ -55,12 +54,16 @@ class Progress:
                     del self.batch_rewards[min(self.batch_rewards)]
         self.loss = metrics.get("train/loss", self.loss)
         self.tokens_per_s = metrics.get("rollout/tokens_per_s", self.tokens_per_s)
-        self.num_interleave_fallbacks = max(self.num_interleave_fallbacks,
-                                            int(metrics.get("rollout/interleave_fallbacks_total", 0)))
+        self.num_interleave_fallbacks = max(
+            self.num_interleave_fallbacks, int(metrics.get("rollout/interleave_fallbacks_total", 0))
+        )
         self.max_steps = status.max_steps or self.max_steps
         self.published_version = status.latest_policy_version
-        versions = [w.policy_version for w in status.workers
-                    if w.role == common_pb2.ROLE_INFERENCE and w.HasField("policy_version")]
+        versions = [
+            w.policy_version
+            for w in status.workers
+            if w.role == common_pb2.ROLE_INFERENCE and w.HasField("policy_version")
+        ]
         if versions:
             self.served_version = min(versions)
         if status.trainer_step != self.step or not self.step_times:
@@ -84,10 +87,12 @@ class Progress:
         served = "-" if self.served_version is None else str(self.served_version)
         lag = "-" if self.served_version is None else str(max(0, self.step - self.served_version))
         eta = self.eta_s()
-        return (f"step {self.step}/{max_steps}  reward {self.reward_text()}  loss {number(self.loss, '.4f')}  "
-                f"gen {number(self.tokens_per_s, '.0f')} tok/s  served v{served} (lag {lag})  "
-                f"{f'fallbacks {self.num_interleave_fallbacks}  ' if self.num_interleave_fallbacks else ''}"
-                f"ETA {'-' if eta is None else duration(eta)}")
+        return (
+            f"step {self.step}/{max_steps}  reward {self.reward_text()}  loss {number(self.loss, '.4f')}  "
+            f"gen {number(self.tokens_per_s, '.0f')} tok/s  served v{served} (lag {lag})  "
+            f"{f'fallbacks {self.num_interleave_fallbacks}  ' if self.num_interleave_fallbacks else ''}"
+            f"ETA {'-' if eta is None else duration(eta)}"
+        )
 
     def reward_text(self) -> str:
         """The reward of the batch trained at the shown step, else the newest one labelled with its batch."""
@@ -118,11 +123,15 @@ def run_summary(rows: list[dict], progress: Progress, children: Iterable[Any], w
     fallbacks = orchestrator_rows[-1].get("rollout/interleave_fallbacks_total", 0) if orchestrator_rows else 0
     served = "-" if progress.served_version is None else str(progress.served_version)
     startup = ", ".join(f"{c.name} {c.ready_s:.1f} s" for c in children if c.ready_s is not None)
-    text = (f"primerl rl: run finished: {steps} steps in {duration(wall_s)} (start-up {startup})\n"
-            f"  reward (first -> last step): {reward}\n"
-            f"  policy version served by inference: {served} (trainer published {progress.published_version})\n"
-            f"  run directory: {run_dir}")
+    text = (
+        f"primerl rl: run finished: {steps} steps in {duration(wall_s)} (start-up {startup})\n"
+        f"  reward (first -> last step): {reward}\n"
+        f"  policy version served by inference: {served} (trainer published {progress.published_version})\n"
+        f"  run directory: {run_dir}"
+    )
     if fallbacks:
-        text += (f"\n  interleave fallbacks: {int(fallbacks)} multi-turn rollouts trained as branching samples "
-                 "(turns that do not extend the previous one; rollout/interleave_fallbacks/<reason> in metrics.jsonl)")
+        text += (
+            f"\n  interleave fallbacks: {int(fallbacks)} multi-turn rollouts trained as branching samples "
+            "(turns that do not extend the previous one; rollout/interleave_fallbacks/<reason> in metrics.jsonl)"
+        )
     return text

@@ -6,10 +6,10 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-
-from primerl.runtime.config_base import ConfigError
-from primerl.configs.rl_shapes import detect_shape
 from support.rl_configs import BASE, LAB, VF_RL, config_writer, error_of, load
+
+from primerl.configs.rl_shapes import detect_shape
+from primerl.runtime.config_base import ConfigError
 
 
 @pytest.fixture
@@ -34,8 +34,10 @@ def test_batch_size_divisibility_names_nearest_values(base: Path) -> None:
 
 def test_more_rollout_peers_than_the_broker_admits(base: Path) -> None:
     message = error_of(base, "--trainer-gpu-ids", "[1, 2, 3]", "--broker.max-rollout-connections", "3")
-    assert "broker.max_rollout_connections (3) is less than the rollout peers of this run: 3 trainer ranks + 1 " \
-           "orchestrator = 4; set broker.max_rollout_connections = 4 or more" in message
+    assert (
+        "broker.max_rollout_connections (3) is less than the rollout peers of this run: 3 trainer ranks + 1 "
+        "orchestrator = 4; set broker.max_rollout_connections = 4 or more" in message
+    )
 
 
 def test_fsdp2_with_several_trainer_ranks_is_refused_before_the_start(base: Path) -> None:
@@ -90,8 +92,14 @@ def test_inference_gpus_must_match_parallelism(base: Path) -> None:
 
 
 def test_min_reward_above_max_reward(base: Path) -> None:
-    message = error_of(base, "--orchestrator.buffer.online-difficulty-filtering",
-                       "--orchestrator.buffer.min-reward", "0.9", "--orchestrator.buffer.max-reward", "0.1")
+    message = error_of(
+        base,
+        "--orchestrator.buffer.online-difficulty-filtering",
+        "--orchestrator.buffer.min-reward",
+        "0.9",
+        "--orchestrator.buffer.max-reward",
+        "0.1",
+    )
     assert "`orchestrator.buffer`" in message and "min_reward (0.9) must be <= max_reward (0.1)" in message
 
 
@@ -121,8 +129,9 @@ def test_conflicting_oversampling_factor(write) -> None:
 def test_buffer_type_alias_and_conflict(base: Path) -> None:
     config = load("@", base, "--orchestrator.buffer.type", "online-difficulty")
     assert config.orchestrator.buffer.online_difficulty_filtering is True
-    message = error_of(base, "--orchestrator.buffer.type", "online-difficulty",
-                       "--no-orchestrator.buffer.online-difficulty-filtering")
+    message = error_of(
+        base, "--orchestrator.buffer.type", "online-difficulty", "--no-orchestrator.buffer.online-difficulty-filtering"
+    )
     assert "contradicts online_difficulty_filtering = false" in message
 
 
@@ -166,8 +175,10 @@ def test_several_problems_are_listed_together(base: Path) -> None:
     [
         ("--orchestrator.bach-size", "unknown key `orchestrator.bach_size`; did you mean `batch_size`?"),
         ("--trainer.model.lora.rnak", "unknown key `trainer.model.lora.rnak`; did you mean `rank`?"),
-        ("--orchestrator.sampling.temprature", "unknown key `orchestrator.sampling.temprature`; did you mean "
-                                               "`temperature`?"),
+        (
+            "--orchestrator.sampling.temprature",
+            "unknown key `orchestrator.sampling.temprature`; did you mean `temperature`?",
+        ),
         ("--trainer.ckpt.keep-lst", "unknown key `trainer.ckpt.keep_lst`; did you mean `keep_last`?"),
         ("--inference.model.tool-call-parse", "did you mean `tool_call_parser`?"),
         ("--wandb.projec", "unknown key `wandb.projec`; did you mean `project`?"),
@@ -238,10 +249,16 @@ def test_activation_checkpointing_as_string(write) -> None:
         ("--orchestrator.sampling.stop", "[1]", "`orchestrator.sampling.stop[0]`: expected a string, got integer 1"),
         ("--inference-gpu-ids", '"0,1"', "`inference_gpu_ids`: expected an array"),
         ("--orchestrator.env", '"x"', "`orchestrator.env`: expected an array"),
-        ("--trainer.model.optimization-dtype", "bfloat", "expected 'bfloat16' or 'float32', got \"bfloat\"; "
-                                                         "did you mean \"bfloat16\"?"),
-        ("--inference.gpu-memory-utilization", "1.5", "`inference.gpu_memory_utilization`: must be less than or "
-                                                      "equal to 1 (got 1.5)"),
+        (
+            "--trainer.model.optimization-dtype",
+            "bfloat",
+            "expected 'bfloat16' or 'float32', got \"bfloat\"; did you mean \"bfloat16\"?",
+        ),
+        (
+            "--inference.gpu-memory-utilization",
+            "1.5",
+            "`inference.gpu_memory_utilization`: must be less than or equal to 1 (got 1.5)",
+        ),
         ("--orchestrator.env", "[]", "`orchestrator.env` needs at least 1 item(s)"),
     ],
 )

@@ -12,12 +12,15 @@ from pathlib import Path
 
 import pydantic
 import pytest
+from support.rl_configs import BASE, LAB, VF_RL, config_writer, error_of, load
 
-from primerl.configs.broker import BrokerConfig
 from primerl.cli.rl import main as rl_main
-from primerl.configs.rl import RLConfig
+from primerl.configs.broker import BrokerConfig
 from primerl.configs.inference import InferenceConfig
 from primerl.configs.orchestrator import OrchestratorConfig
+from primerl.configs.rl import RLConfig
+from primerl.configs.rl_shapes import LAB_SAMPLING_KEYS
+from primerl.configs.trainer import TrainerConfig
 from primerl.runtime.config_base import ConfigError, ConfigWarning
 from primerl.runtime.config_loader import (
     dump_toml,
@@ -26,9 +29,6 @@ from primerl.runtime.config_loader import (
     parse_config_args,
     parse_override_value,
 )
-from primerl.configs.rl_shapes import LAB_SAMPLING_KEYS
-from primerl.configs.trainer import TrainerConfig
-from support.rl_configs import BASE, LAB, VF_RL, config_writer, error_of, load
 
 
 @pytest.fixture
@@ -98,13 +98,16 @@ def test_vf_rl_unknown_scheduler(write) -> None:
 
 def test_later_files_win_with_deep_merge(base: Path, write) -> None:
     first = write("a.toml", "[orchestrator.sampling]\ntemperature = 0.5\nmax_tokens = 64\n")
-    second = write("b.toml", """
+    second = write(
+        "b.toml",
+        """
         max_steps = 20
         [orchestrator.sampling]
         temperature = 0.9
         [[orchestrator.env]]
         id = "other-env"
-    """)
+    """,
+    )
     config = load("@", base, "@", first, f"@{second}")
     assert config.max_steps == 20 and config.trainer.max_steps == 20
     assert config.orchestrator.sampling.temperature == 0.9  # later file wins
@@ -120,8 +123,16 @@ def test_files_in_different_shapes_merge(base: Path, write) -> None:
 
 
 def test_overrides_win_over_files(base: Path) -> None:
-    config = load("@", base, "--orchestrator.batch-size", "64", "--trainer.optim.lr=3e-6",
-                  "--orchestrator.sampling.stop", '["</s>", "###"]', "--inference-gpu-ids=[2,3]")
+    config = load(
+        "@",
+        base,
+        "--orchestrator.batch-size",
+        "64",
+        "--trainer.optim.lr=3e-6",
+        "--orchestrator.sampling.stop",
+        '["</s>", "###"]',
+        "--inference-gpu-ids=[2,3]",
+    )
     assert config.orchestrator.batch_size == 64 and config.trainer.optim.lr == 3e-6
     assert config.orchestrator.sampling.stop == ["</s>", "###"] and config.inference_gpu_ids == [2, 3]
     assert config.inference.parallel.dp == 2
@@ -133,8 +144,13 @@ def test_overrides_as_keyword_dict(base: Path) -> None:
 
 
 def test_boolean_overrides(base: Path) -> None:
-    config = load("@", base, "--orchestrator.zero-truncated-completions", "--no-orchestrator.mask-truncated-"
-                  "completions", "--orchestrator.buffer.online-difficulty-filtering")
+    config = load(
+        "@",
+        base,
+        "--orchestrator.zero-truncated-completions",
+        "--no-orchestrator.mask-truncated-completions",
+        "--orchestrator.buffer.online-difficulty-filtering",
+    )
     assert config.orchestrator.zero_truncated_completions is True
     assert config.orchestrator.mask_truncated_completions is False
     assert config.orchestrator.buffer.online_difficulty_filtering is True
@@ -164,13 +180,41 @@ def test_model_name_mismatch_warns(base: Path) -> None:
 
 def test_parse_config_args() -> None:
     parsed = parse_config_args(
-        ["@", "a.toml", "@b.toml", "c.toml", "--x.y-z", "64", "--lr=1e-5", "--flag", "--no-other", "--ids",
-         "[0, 1]", "--name", "Qwen/Qwen3-4B", "--quoted", '"7"', "--dry-run", "--write", "out", "--last"],
-        cli_flags={"--dry-run"}, cli_options={"--write"},
+        [
+            "@",
+            "a.toml",
+            "@b.toml",
+            "c.toml",
+            "--x.y-z",
+            "64",
+            "--lr=1e-5",
+            "--flag",
+            "--no-other",
+            "--ids",
+            "[0, 1]",
+            "--name",
+            "Qwen/Qwen3-4B",
+            "--quoted",
+            '"7"',
+            "--dry-run",
+            "--write",
+            "out",
+            "--last",
+        ],
+        cli_flags={"--dry-run"},
+        cli_options={"--write"},
     )
     assert parsed.files == [Path("a.toml"), Path("b.toml"), Path("c.toml")]
-    assert parsed.overrides == {"x": {"y_z": 64}, "lr": 1e-5, "flag": True, "other": False, "ids": [0, 1],
-                                "name": "Qwen/Qwen3-4B", "quoted": "7", "last": True}
+    assert parsed.overrides == {
+        "x": {"y_z": 64},
+        "lr": 1e-5,
+        "flag": True,
+        "other": False,
+        "ids": [0, 1],
+        "name": "Qwen/Qwen3-4B",
+        "quoted": "7",
+        "last": True,
+    }
     assert parsed.rest == ["--dry-run", "--write", "out"]
 
 
@@ -204,8 +248,9 @@ def test_role_config_from_argv(write) -> None:
 
 def test_load_role_config_keeps_the_command_flags(write) -> None:
     path = write("orchestrator.toml", "batch_size = 8\n[model]\nname = 'tiny'\n[[env]]\nid = 'e'\n")
-    config, rest = load_role_config(OrchestratorConfig, ["@", str(path), "--rollouts-per-example", "2", "--check"],
-                                    cli_flags={"--check"})
+    config, rest = load_role_config(
+        OrchestratorConfig, ["@", str(path), "--rollouts-per-example", "2", "--check"], cli_flags={"--check"}
+    )
     assert config.batch_size == 8 and config.rollouts_per_example == 2 and rest == ["--check"]
     with pytest.raises(ConfigError, match="batch_size = 6 or 9"):
         load_role_config(OrchestratorConfig, ["@", str(path), "--rollouts-per-example", "3"])
@@ -239,8 +284,10 @@ def _types_in(tp: object) -> list[object]:
 
 
 def test_config_modules_import_without_torch_or_vllm() -> None:
-    code = ("import sys, primerl.cli.rl, primerl.configs.rl; "
-            "print([m for m in ('torch', 'vllm', 'transformers', 'verifiers') if m in sys.modules])")
+    code = (
+        "import sys, primerl.cli.rl, primerl.configs.rl; "
+        "print([m for m in ('torch', 'vllm', 'transformers', 'verifiers') if m in sys.modules])"
+    )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "[]"
@@ -303,16 +350,24 @@ def test_dry_run_error_in_subprocess(write) -> None:
 
 def test_dry_run_through_primerl_module(base: Path) -> None:
     pytest.importorskip("primerl.cli.main", reason="the umbrella CLI (cli/main.py) is not written yet")
-    result = subprocess.run([sys.executable, "-m", "primerl", "rl", "@", str(base), "--dry-run"],
-                            capture_output=True, text=True, timeout=120)
+    result = subprocess.run(
+        [sys.executable, "-m", "primerl", "rl", "@", str(base), "--dry-run"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert result.returncode == 0, result.stderr
     assert "# --- inference ---" in result.stdout
 
 
 def test_the_trainer_publishes_in_the_dtype_inference_serves(write) -> None:
     assert load("@", write("a.toml", BASE)).trainer.weight_broadcast.dtype == "auto"
-    served = load("@", write("b.toml", BASE + "\n[inference.model]\ndtype = \"bfloat16\"\n"))
+    served = load("@", write("b.toml", BASE + '\n[inference.model]\ndtype = "bfloat16"\n'))
     assert served.trainer.weight_broadcast.dtype == "bfloat16"
-    own = load("@", write("c.toml", BASE + "\n[inference.model]\ndtype = \"bfloat16\"\n"
-                                          "[trainer.weight_broadcast]\ndtype = \"float32\"\n"))
+    own = load(
+        "@",
+        write(
+            "c.toml", BASE + '\n[inference.model]\ndtype = "bfloat16"\n[trainer.weight_broadcast]\ndtype = "float32"\n'
+        ),
+    )
     assert own.trainer.weight_broadcast.dtype == "float32"  # set explicitly: kept

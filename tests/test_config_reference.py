@@ -11,17 +11,21 @@ from pathlib import Path
 import pytest
 
 from primerl.configs.broker import BrokerConfig
-from primerl.configs.rl import RLConfig
 from primerl.configs.inference import InferenceConfig
 from primerl.configs.orchestrator import OrchestratorConfig
+from primerl.configs.rl import RLConfig
+from primerl.configs.trainer import DEFAULT_LORA_TARGET_MODULES, TrainerConfig
 from primerl.runtime.config_base import ConfigWarning
 from primerl.runtime.config_loader import dump_toml, load_config
-from primerl.configs.trainer import DEFAULT_LORA_TARGET_MODULES, TrainerConfig
 
 REFERENCE_CONFIGS = Path(__file__).resolve().parents[1].parent / "shared" / "reference" / "configs"
 ALL_PROJ = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-ROLE_CLASSES = {"broker": BrokerConfig, "trainer": TrainerConfig, "orchestrator": OrchestratorConfig,
-                "inference": InferenceConfig}
+ROLE_CLASSES = {
+    "broker": BrokerConfig,
+    "trainer": TrainerConfig,
+    "orchestrator": OrchestratorConfig,
+    "inference": InferenceConfig,
+}
 
 
 def load_reference(name: str) -> RLConfig:
@@ -113,7 +117,10 @@ def test_prime_lab_wiki_search() -> None:
     assert (buffer.min_reward_variance, buffer.max_reward, buffer.min_reward) == (0.1, 0.95, 0.05)
     assert trainer.kl is not None and (trainer.kl.beta, trainer.kl.target_kl) == (0.1, 0.01)
     assert (config.wandb.project, config.wandb.name, config.wandb.entity) == (
-        "my-training-runs", "qwen3-4b-math-rl", "my-team")
+        "my-training-runs",
+        "qwen3-4b-math-rl",
+        "my-team",
+    )
     assert trainer.wandb == orchestrator.wandb == config.wandb
 
 

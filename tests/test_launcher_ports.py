@@ -90,8 +90,9 @@ def test_the_standalone_broker_keeps_its_documented_ports():
 
 # -------------------------------------------------------------------------------------- fast: run file
 def test_the_run_file_is_owner_only_from_its_first_byte_and_reads_back(tmp_path):
-    run = RunFile(broker_address="127.0.0.1:41235", run_token="s3cret", tls_ca_path=None, run_id="run-1",
-                  launcher_pid=os.getpid())
+    run = RunFile(
+        broker_address="127.0.0.1:41235", run_token="s3cret", tls_ca_path=None, run_id="run-1", launcher_pid=os.getpid()
+    )
     previous_umask = os.umask(0)  # a permissive umask must not widen it
     try:
         path = write_run_file(tmp_path, run)
@@ -109,8 +110,9 @@ def test_the_run_file_is_owner_only_from_its_first_byte_and_reads_back(tmp_path)
 def test_status_of_a_directory_without_a_run_file_says_what_to_do(tmp_path):
     with pytest.raises(RunFileError, match="does not exist: give the run directory"):
         read_run_file(tmp_path)
-    result = subprocess.run([str(BIN / "primerl"), "status", str(tmp_path)], capture_output=True, text=True,
-                            timeout=120)
+    result = subprocess.run(
+        [str(BIN / "primerl"), "status", str(tmp_path)], capture_output=True, text=True, timeout=120
+    )
     assert result.returncode == 2, result.stderr
     assert f"{tmp_path / RUN_FILE_NAME} does not exist" in result.stderr and "--broker" in result.stderr
     assert "Traceback" not in result.stderr
@@ -118,8 +120,8 @@ def test_status_of_a_directory_without_a_run_file_says_what_to_do(tmp_path):
 
 # ------------------------------------------------------------------------------------ fast: bind errors
 def test_a_taken_broker_port_names_the_address_and_the_setting(tmp_path):
-    from primerl.configs.broker import BrokerConfig
     from primerl.broker.service import BrokerService, PortUnavailable
+    from primerl.configs.broker import BrokerConfig
 
     for key, what in (("grpc_port", "gRPC"), ("rollout_port", "ZeroMQ rollout"), ("weight_port", "ZeroMQ weight")):
         with taken_port() as taken:
@@ -138,9 +140,22 @@ def test_the_broker_daemon_reports_a_taken_port_in_one_line(tmp_path):
     with taken_port() as taken:
         port = taken.getsockname()[1]
         result = subprocess.run(
-            [str(BIN / "primerl-broker"), "--grpc-port", "0", "--rollout-port", str(port), "--weight-port", "0",
-             "--spool-dir", str(tmp_path / "spool"), "--prometheus.enabled=false"],
-            capture_output=True, text=True, timeout=120)
+            [
+                str(BIN / "primerl-broker"),
+                "--grpc-port",
+                "0",
+                "--rollout-port",
+                str(port),
+                "--weight-port",
+                "0",
+                "--spool-dir",
+                str(tmp_path / "spool"),
+                "--prometheus.enabled=false",
+            ],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
     output = result.stdout + result.stderr
     assert result.returncode in (1, 2), output[-3000:]
     assert "Traceback" not in output, output[-3000:]
@@ -162,7 +177,7 @@ def test_a_taken_metrics_port_names_the_role_setting():
 def test_tmux_panes_are_titled_with_their_roles(tmp_path):
     import io
 
-    from primerl.supervisor.launcher import LaunchOptions, Launcher
+    from primerl.supervisor.launcher import Launcher, LaunchOptions
 
     config = _load(tmp_path, output_dir=str(tmp_path / "run"))
     launcher = Launcher(config, LaunchOptions(tmux=True), out=io.StringIO(), err=io.StringIO())
@@ -170,10 +185,20 @@ def test_tmux_panes_are_titled_with_their_roles(tmp_path):
     roles = ["broker", "inference", "orchestrator", "trainer"]
     try:
         launcher._open_tmux(roles)
-        panes = subprocess.run(["tmux", "list-panes", "-t", f"{launcher.tmux_session}:roles", "-F", "#{pane_title}"],
-                               capture_output=True, text=True, check=True, timeout=30).stdout.split()
-        border = subprocess.run(["tmux", "show-options", "-w", "-t", f"{launcher.tmux_session}:roles",
-                                 "pane-border-status"], capture_output=True, text=True, check=True, timeout=30)
+        panes = subprocess.run(
+            ["tmux", "list-panes", "-t", f"{launcher.tmux_session}:roles", "-F", "#{pane_title}"],
+            capture_output=True,
+            text=True,
+            check=True,
+            timeout=30,
+        ).stdout.split()
+        border = subprocess.run(
+            ["tmux", "show-options", "-w", "-t", f"{launcher.tmux_session}:roles", "pane-border-status"],
+            capture_output=True,
+            text=True,
+            check=True,
+            timeout=30,
+        )
     finally:
         launcher._close_tmux()
     assert panes == roles
@@ -190,8 +215,14 @@ def tiny_model(tiny_model):
 
 
 def _env(token: str | None = None) -> dict[str, str]:
-    env = {**os.environ, "PRIMERL_ENV_PYTHON": ENV_PYTHON, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
-           "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1"}
+    env = {
+        **os.environ,
+        "PRIMERL_ENV_PYTHON": ENV_PYTHON,
+        "HF_HUB_OFFLINE": "1",
+        "TRANSFORMERS_OFFLINE": "1",
+        "VLLM_NO_USAGE_STATS": "1",
+        "DO_NOT_TRACK": "1",
+    }
     env.pop("PRIMERL_RUN_TOKEN", None)
     if token is not None:
         env["PRIMERL_RUN_TOKEN"] = token
@@ -201,14 +232,29 @@ def _env(token: str | None = None) -> dict[str, str]:
 def _start(config: Path, model: Path, run_dir: Path, *extra: str, token: str | None = None) -> subprocess.Popen:
     run_dir.mkdir(parents=True)
     return subprocess.Popen(
-        [str(BIN / "primerl"), "rl", "@", str(config), "--model.name", str(model), "--output-dir", str(run_dir),
-         *extra], stdout=open(run_dir.parent / f"{run_dir.name}.stdout", "w"),
-        stderr=open(run_dir.parent / f"{run_dir.name}.stderr", "w"), env=_env(token), cwd=run_dir.parent)
+        [
+            str(BIN / "primerl"),
+            "rl",
+            "@",
+            str(config),
+            "--model.name",
+            str(model),
+            "--output-dir",
+            str(run_dir),
+            *extra,
+        ],
+        stdout=open(run_dir.parent / f"{run_dir.name}.stdout", "w"),
+        stderr=open(run_dir.parent / f"{run_dir.name}.stderr", "w"),
+        env=_env(token),
+        cwd=run_dir.parent,
+    )
 
 
 def _output(run_dir: Path) -> tuple[str, str]:
-    return ((run_dir.parent / f"{run_dir.name}.stdout").read_text(),
-            (run_dir.parent / f"{run_dir.name}.stderr").read_text())
+    return (
+        (run_dir.parent / f"{run_dir.name}.stdout").read_text(),
+        (run_dir.parent / f"{run_dir.name}.stderr").read_text(),
+    )
 
 
 def _stop(process: subprocess.Popen) -> None:
@@ -222,8 +268,13 @@ def _stop(process: subprocess.Popen) -> None:
 
 
 def _status(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run([str(BIN / "primerl"), "status", *args, "--json", "--timeout-s", "10"],
-                          capture_output=True, text=True, timeout=60, env=env or _env())
+    return subprocess.run(
+        [str(BIN / "primerl"), "status", *args, "--json", "--timeout-s", "10"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=env or _env(),
+    )
 
 
 @pytest.mark.slow
@@ -234,8 +285,10 @@ def test_two_default_runs_side_by_side_both_finish_and_primerl_status_finds_each
     config = default_ports_config(tmp_path)
     exported = "token-exported-by-the-user"
     first, second = tmp_path / "first", tmp_path / "second"
-    processes = [_start(config, tiny_model, first, "--max-steps", "2"),
-                 _start(config, tiny_model, second, "--max-steps", "2", token=exported)]
+    processes = [
+        _start(config, tiny_model, first, "--max-steps", "2"),
+        _start(config, tiny_model, second, "--max-steps", "2", token=exported),
+    ]
     try:
         statuses = {}
         deadline = time.monotonic() + RUN_TIMEOUT_S
@@ -263,8 +316,11 @@ def test_two_default_runs_side_by_side_both_finish_and_primerl_status_finds_each
         assert json.loads(status.stdout)["run_id"] == runs[run_dir].run_id
         # The token is in run.json only: no config, log or other file of the run holds it.
         token = runs[run_dir].run_token
-        holders = [p for p in run_dir.rglob("*") if p.is_file() and p.name != RUN_FILE_NAME
-                   and token.encode() in p.read_bytes()]
+        holders = [
+            p
+            for p in run_dir.rglob("*")
+            if p.is_file() and p.name != RUN_FILE_NAME and token.encode() in p.read_bytes()
+        ]
         assert not holders, holders
     assert runs[second].run_token == exported  # an exported token is used, not replaced
     assert runs[first].run_token != exported
@@ -288,8 +344,11 @@ def test_primerl_status_with_the_wrong_token_is_refused_and_says_how(tiny_model,
             time.sleep(0.1)
         refused = _status(str(run_dir), "--token", "wrong")
         answered = _status(str(run_dir))
-        listing = {pid: Path(f"/proc/{pid}/cmdline").read_bytes() for pid in os.listdir("/proc") if pid.isdigit()
-                   and Path(f"/proc/{pid}/cmdline").exists()}
+        listing = {
+            pid: Path(f"/proc/{pid}/cmdline").read_bytes()
+            for pid in os.listdir("/proc")
+            if pid.isdigit() and Path(f"/proc/{pid}/cmdline").exists()
+        }
     finally:
         _stop(process)
     token = read_run_file(run_dir).run_token
@@ -306,8 +365,18 @@ def test_an_early_failure_stops_every_role_without_waiting_for_the_stop_timeout(
     run_dir = tmp_path / "run"
     # --no-preflight: the preflight would refuse the unknown environment before anything starts; this is about a
     # failure it cannot foresee, in a role already started.
-    process = _start(default_ports_config(tmp_path), tiny_model, run_dir, "--max-steps", "3",
-                     "--orchestrator.env", '[{id = "no-such-env"}]', "--restart", "never", "--no-preflight")
+    process = _start(
+        default_ports_config(tmp_path),
+        tiny_model,
+        run_dir,
+        "--max-steps",
+        "3",
+        "--orchestrator.env",
+        '[{id = "no-such-env"}]',
+        "--restart",
+        "never",
+        "--no-preflight",
+    )
     try:
         process.wait(RUN_TIMEOUT_S)
     finally:
@@ -331,9 +400,25 @@ def test_a_taken_inference_port_names_the_address_and_the_setting(tiny_model, tm
     with taken_port() as taken:
         port = taken.getsockname()[1]
         result = subprocess.run(
-            [str(BIN / "primerl-infer"), "--model.name", str(tiny_model), "--model.max-model-len", "512",
-             "--server.port", str(port), "--broker.address", "127.0.0.1:1", "--broker.connect-timeout-s", "1"],
-            capture_output=True, text=True, timeout=RUN_TIMEOUT_S, env=env, cwd=tmp_path)
+            [
+                str(BIN / "primerl-infer"),
+                "--model.name",
+                str(tiny_model),
+                "--model.max-model-len",
+                "512",
+                "--server.port",
+                str(port),
+                "--broker.address",
+                "127.0.0.1:1",
+                "--broker.connect-timeout-s",
+                "1",
+            ],
+            capture_output=True,
+            text=True,
+            timeout=RUN_TIMEOUT_S,
+            env=env,
+            cwd=tmp_path,
+        )
     output = result.stdout + result.stderr
     assert result.returncode == 1, output[-4000:]
     assert "Traceback" not in output and "Errno 98" not in output, output[-4000:]

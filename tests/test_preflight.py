@@ -13,13 +13,13 @@ import time
 from pathlib import Path
 
 import pytest
+from support.probes import free_port
 
 from primerl.cli.preflight.base import Finding, error, report, run_checks, warning
 from primerl.cli.preflight.envs import EnvUse, check_environments, length_findings
 from primerl.cli.preflight.model import looks_like_hub_id, model_checks, name_problem
 from primerl.cli.preflight.system import PortUse, port_check, port_problem, wandb_check
 from primerl.runtime.config_common import WandbConfig
-from support.probes import free_port
 
 BIN = Path(sys.executable).parent
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -50,17 +50,26 @@ def test_checks_run_at_once_and_report_in_order(tmp_path, capsys):
         def check() -> list[Finding]:
             time.sleep(0.5)
             return [finding]
+
         return check
 
     def broken() -> list[Finding]:
         raise RuntimeError("a bug in a check")
 
     started_s = time.monotonic()
-    result = run_checks({"a": slow(error("first")), "b": slow(warning("second")), "c": broken,
-                         "d": slow(error("third", "Traceback: details"))})
+    result = run_checks(
+        {
+            "a": slow(error("first")),
+            "b": slow(warning("second")),
+            "c": broken,
+            "d": slow(error("third", "Traceback: details")),
+        }
+    )
     assert time.monotonic() - started_s < 1.4  # 3 x 0.5 s, concurrently
     assert [f.message for f in result.findings][:2] == ["first", "second"]
-    assert "the c check could not run (RuntimeError: a bug in a check); starting without it" in result.findings[2].message
+    assert (
+        "the c check could not run (RuntimeError: a bug in a check); starting without it" in result.findings[2].message
+    )
     assert not result.findings[2].error  # a bug of the preflight does not stop a run
     assert [f.message for f in result.errors] == ["first", "third"]
 
@@ -92,8 +101,10 @@ def test_a_taken_port_names_the_address_and_the_setting():
         taken.listen()
         port = taken.getsockname()[1]
         use = PortUse("inference.server.port", "inference.server.host", "127.0.0.1", port)
-        assert port_problem(use) == (f"inference.server.port = {port}: 127.0.0.1:{port} is already in use by another "
-                                     "process (another run?); set inference.server.port to a free port, or 0 to pick one")
+        assert port_problem(use) == (
+            f"inference.server.port = {port}: 127.0.0.1:{port} is already in use by another "
+            "process (another run?); set inference.server.port to a free port, or 0 to pick one"
+        )
         assert [f.message for f in port_check([use, use])()] == [port_problem(use)]  # said once
     assert port_problem(use) is None  # free again
     assert port_problem(PortUse("broker.grpc_port", "broker.host", "127.0.0.1", 0)) is None
@@ -101,8 +112,10 @@ def test_a_taken_port_names_the_address_and_the_setting():
 
 def test_a_host_that_is_not_this_machine():
     problem = port_problem(PortUse("broker.grpc_port", "broker.host", "192.0.2.1", free_port()))
-    assert problem == ("broker.host = '192.0.2.1' is not an address of this machine; set it to one (127.0.0.1, or "
-                       "0.0.0.0 for all interfaces)")
+    assert problem == (
+        "broker.host = '192.0.2.1' is not an address of this machine; set it to one (127.0.0.1, or "
+        "0.0.0.0 for all interfaces)"
+    )
 
 
 # ------------------------------------------------------------------------------------------------ models
@@ -113,7 +126,8 @@ def test_model_names(tiny_model, tmp_path, monkeypatch):
     assert name_problem("model.name", str(tiny_model), "tokenizer") is None
     assert name_problem("model.name", "runs/demo/no-such-model", "model") == (
         f"model.name = 'runs/demo/no-such-model' does not exist (no {tmp_path}/runs/demo/no-such-model); give the "
-        "path of a model directory")
+        "path of a model directory"
+    )
     hub = name_problem("model.name", "someorg/some-model", "model")
     assert hub.startswith("model.name = 'someorg/some-model' is neither a directory")
     assert "nor a model in the Hugging Face cache, and downloads are off (HF_HUB_OFFLINE=1)" in hub
@@ -125,7 +139,9 @@ def test_model_names(tiny_model, tmp_path, monkeypatch):
     run.mkdir(parents=True)
     (run / "config.json").write_text("{}")
     assert name_problem("model.name", "run", "model") == (
-        f"model.name = 'run' is a run directory, not a model; give its exported weights, e.g. {Path('run/weights/step_3')}")
+        "model.name = 'run' is a run directory, not a model; give its exported weights, e.g. "
+        f"{Path('run/weights/step_3')}"
+    )
     (tmp_path / "nowts").mkdir()
     (tmp_path / "nowts" / "config.json").write_text("{}")
     assert "holds a config.json but no weights" in name_problem("inference.model.name", "nowts", "model")
@@ -140,8 +156,13 @@ def test_hub_ids_and_the_trainer(monkeypatch):
     monkeypatch.delenv("TRANSFORMERS_OFFLINE", raising=False)
     # downloads allowed: vLLM may fetch an id it does not have, the trainer (a directory only) may not
     assert name_problem("inference.model.name", "someorg/some-model", "model") is None
-    findings = model_checks({"trainer.model.name": ("someorg/some-model", "model"),
-                             "inference.model.name": ("someorg/some-model", "model")}, shared_name="someorg/some-model")()
+    findings = model_checks(
+        {
+            "trainer.model.name": ("someorg/some-model", "model"),
+            "inference.model.name": ("someorg/some-model", "model"),
+        },
+        shared_name="someorg/some-model",
+    )()
     assert len(findings) == 1 and findings[0].message.startswith("model.name = 'someorg/some-model' is neither")
 
 
@@ -153,24 +174,37 @@ def test_a_cached_hub_id_serves_vllm_and_the_trainer_gets_its_directory(tmp_path
     (snapshot / "config.json").write_text("{}")
     (snapshot.parents[1] / "refs").mkdir()
     (snapshot.parents[1] / "refs" / "main").write_text("a" * 40)
-    code = ("from primerl.cli.preflight.model import name_problem as p\n"
-            "print(p('inference.model.name', 'someorg/some-model', 'model'))\n"
-            "print(p('model.name', 'someorg/some-model', 'model', local_only=True))")
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
-                            env={**os.environ, "HF_HUB_CACHE": str(tmp_path / "hub"), "HF_HUB_OFFLINE": "1"})
+    code = (
+        "from primerl.cli.preflight.model import name_problem as p\n"
+        "print(p('inference.model.name', 'someorg/some-model', 'model'))\n"
+        "print(p('model.name', 'someorg/some-model', 'model', local_only=True))"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "HF_HUB_CACHE": str(tmp_path / "hub"), "HF_HUB_OFFLINE": "1"},
+    )
     assert result.returncode == 0, result.stderr
     assert result.stdout.splitlines() == [
-        "None", f"model.name = 'someorg/some-model' is a Hugging Face id, but the trainer loads from a directory only; "
-                f"set model.name to its cached copy: {snapshot}"]
+        "None",
+        f"model.name = 'someorg/some-model' is a Hugging Face id, but the trainer loads from a directory only; "
+        f"set model.name to its cached copy: {snapshot}",
+    ]
 
 
 def test_one_line_for_a_name_shared_by_every_role(monkeypatch, tmp_path):
     monkeypatch.chdir(tmp_path)
     gone = "runs/demo/gone"
-    names = {"trainer.model.name": (gone, "model"), "trainer.tokenizer.name": (gone, "tokenizer"),
-             "inference.model.name": (gone, "model")}
+    names = {
+        "trainer.model.name": (gone, "model"),
+        "trainer.tokenizer.name": (gone, "tokenizer"),
+        "inference.model.name": (gone, "model"),
+    }
     assert [f.message for f in model_checks(names, shared_name=gone)()] == [
-        f"model.name = '{gone}' does not exist (no {tmp_path}/{gone}); give the path of a model directory"]
+        f"model.name = '{gone}' does not exist (no {tmp_path}/{gone}); give the path of a model directory"
+    ]
 
 
 # ------------------------------------------------------------------------------------------------ W&B
@@ -181,8 +215,10 @@ def test_wandb_without_a_login_is_a_warning_for_all_roles(no_wandb_login, tmp_pa
     orchestrator = SimpleNamespace(wandb=WandbConfig(name="demo"), output_dir=tmp_path)
     findings = wandb_check({"trainer": trainer, "orchestrator": orchestrator})()
     assert len(findings) == 1 and not findings[0].error
-    assert findings[0].message.startswith("W&B (trainer and orchestrator): W&B is on ([wandb], or run_name in a vf-rl "
-                                          "config) but this machine has no W&B login")
+    assert findings[0].message.startswith(
+        "W&B (trainer and orchestrator): W&B is on ([wandb], or run_name in a vf-rl "
+        "config) but this machine has no W&B login"
+    )
     assert wandb_check({"trainer": SimpleNamespace(wandb=None, output_dir=tmp_path)})() == []
 
 
@@ -192,20 +228,33 @@ def use(env_id: str, args: dict | None = None, setting: str = "orchestrator.env[
 
 
 def check(uses: list[EnvUse], python: str, **overrides) -> list[Finding]:
-    settings = dict(setting="orchestrator.env_python", tokenizer=None, seq_len=256, max_model_len=256,
-                    max_tokens=24, prefix="orchestrator.")
+    settings = dict(
+        setting="orchestrator.env_python",
+        tokenizer=None,
+        seq_len=256,
+        max_model_len=256,
+        max_tokens=24,
+        prefix="orchestrator.",
+    )
     return check_environments(uses, python, python, **{**settings, **overrides})
 
 
 def test_environments_that_load_and_fit_give_nothing(env_python, tiny_model):
-    assert check([use("reverse-text"), use("reverse-text-multiturn", setting="orchestrator.env[1]")], env_python,
-                 tokenizer=str(tiny_model)) == []
+    assert (
+        check(
+            [use("reverse-text"), use("reverse-text-multiturn", setting="orchestrator.env[1]")],
+            env_python,
+            tokenizer=str(tiny_model),
+        )
+        == []
+    )
 
 
 def test_an_unknown_id_gets_a_did_you_mean(env_python):
     [finding] = check([use("revers-text")], env_python)
-    assert finding.message.startswith('orchestrator.env[0].id "revers-text" is not an installed environment; did you '
-                                      'mean "reverse-text"')
+    assert finding.message.startswith(
+        'orchestrator.env[0].id "revers-text" is not an installed environment; did you mean "reverse-text"'
+    )
     assert finding.message.endswith("? Install yours with `primerl env install PATH`.")
     assert "ModuleNotFoundError" in finding.detail
 
@@ -213,9 +262,11 @@ def test_an_unknown_id_gets_a_did_you_mean(env_python):
 def test_a_load_environment_that_raises(env_python, monkeypatch):
     monkeypatch.setenv("PYTHONPATH", str(FIXTURES))  # the env worker inherits it
     [finding] = check([use("broken_load_env", {"level": 3})], env_python)
-    assert finding.message == ('orchestrator.env[0] "broken_load_env": load_environment(level=3) raised KeyError: '
-                               "'missing_setting: load_environment is broken on purpose'; fix the environment or its "
-                               "args (orchestrator.env[0].args); the traceback is in the log")
+    assert finding.message == (
+        'orchestrator.env[0] "broken_load_env": load_environment(level=3) raised KeyError: '
+        "'missing_setting: load_environment is broken on purpose'; fix the environment or its "
+        "args (orchestrator.env[0].args); the traceback is in the log"
+    )
     assert "Traceback" in finding.detail
 
 
@@ -224,14 +275,17 @@ def test_an_interpreter_without_verifiers_is_one_line(bare_python):
     assert [f.message for f in findings] == [
         f"the env interpreter {bare_python} cannot import verifiers: install it there (`{bare_python} -m pip install "
         "verifiers==0.3.1`, or `primerl env install PATH` with the default interpreter) or set "
-        "orchestrator.env_python to an interpreter that has it"]
+        "orchestrator.env_python to an interpreter that has it"
+    ]
 
 
 def test_an_environment_without_examples(env_python, monkeypatch):
     monkeypatch.setenv("PYTHONPATH", str(FIXTURES))
     [finding] = check([use("empty_dataset_env", {"min_len": 2})], env_python)
-    assert finding.message == ('orchestrator.env[0] "empty_dataset_env" has no training examples: '
-                               "load_environment(min_len=2) gave an empty dataset; check orchestrator.env[0].args")
+    assert finding.message == (
+        'orchestrator.env[0] "empty_dataset_env" has no training examples: '
+        "load_environment(min_len=2) gave an empty dataset; check orchestrator.env[0].args"
+    )
 
 
 def test_an_environment_listed_twice():
@@ -241,7 +295,8 @@ def test_an_environment_listed_twice():
     config = OrchestratorConfig.model_validate({"model": {"name": "m"}, "env": [{"id": "a"}, {"id": "b"}, {"id": "a"}]})
     assert [f.message for f in env_checks(config, prefix="orchestrator.", tokenizer=None, max_model_len=None)()] == [
         'orchestrator.env[2].id "a" is listed twice (also orchestrator.env[0]); keep one table per environment (its '
-        "weight sets how often it is sampled)"]
+        "weight sets how often it is sampled)"
+    ]
 
 
 def test_prompt_lengths_after_the_chat_template(tiny_model):
@@ -258,55 +313,100 @@ def test_prompt_lengths_after_the_chat_template(tiny_model):
     assert too_long.message == (
         f'orchestrator.env[0] "reverse-text": prompts are up to {length} tokens after the chat template (2 sampled), '
         f"which leaves no room for a completion within orchestrator.seq_len = {length}; raise seq_len above {length} "
-        "+ orchestrator.sampling.max_tokens (24), or shorten the prompts (orchestrator.env[0].args)")
+        "+ orchestrator.sampling.max_tokens (24), or shorten the prompts (orchestrator.env[0].args)"
+    )
     [refused] = length_findings(env, [prompt], tokenizer, **{**fits, "max_model_len": length + 23})
-    assert refused.message.endswith(f"> inference.model.max_model_len = {length + 23}: vLLM would refuse them; raise "
-                                    f"max_model_len (and seq_len) to {length + 24} or more, or lower "
-                                    "orchestrator.sampling.max_tokens")
+    assert refused.message.endswith(
+        f"> inference.model.max_model_len = {length + 23}: vLLM would refuse them; raise "
+        f"max_model_len (and seq_len) to {length + 24} or more, or lower "
+        "orchestrator.sampling.max_tokens"
+    )
 
 
 # ------------------------------------------------- the issue's table: mistakes through `primerl rl`
-def primerl_rl(run_dir: Path, *args: str, env: dict | None = None,
-               config: Path = EXAMPLE) -> tuple[subprocess.CompletedProcess, float]:
-    env = {**os.environ, "PRIMERL_ENV_PYTHON": ENV_PYTHON, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
-           "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1", **(env or {})}
+def primerl_rl(
+    run_dir: Path, *args: str, env: dict | None = None, config: Path = EXAMPLE
+) -> tuple[subprocess.CompletedProcess, float]:
+    env = {
+        **os.environ,
+        "PRIMERL_ENV_PYTHON": ENV_PYTHON,
+        "HF_HUB_OFFLINE": "1",
+        "TRANSFORMERS_OFFLINE": "1",
+        "VLLM_NO_USAGE_STATS": "1",
+        "DO_NOT_TRACK": "1",
+        **(env or {}),
+    }
     env.pop("PRIMERL_SKIP_PREFLIGHT", None)
-    command = [str(BIN / "primerl"), "rl", "@", str(config), "--output-dir", str(run_dir), "--max-steps", "2",
-               "--broker.grpc-port", str(free_port()), *args]
+    command = [
+        str(BIN / "primerl"),
+        "rl",
+        "@",
+        str(config),
+        "--output-dir",
+        str(run_dir),
+        "--max-steps",
+        "2",
+        "--broker.grpc-port",
+        str(free_port()),
+        *args,
+    ]
     started_s = time.monotonic()
-    result = subprocess.run(command, capture_output=True, text=True, timeout=CLI_TIMEOUT_S, env=env,
-                            cwd=run_dir.parent)
+    result = subprocess.run(command, capture_output=True, text=True, timeout=CLI_TIMEOUT_S, env=env, cwd=run_dir.parent)
     return result, time.monotonic() - started_s
 
 
 def finding_lines(stderr: str) -> list[str]:
     """The lines of the preflight's findings (not config warnings, not its closing summary)."""
-    return [line for line in stderr.splitlines()
-            if line.startswith("primerl rl: ") and not line.startswith("primerl rl: the preflight found")]
+    return [
+        line
+        for line in stderr.splitlines()
+        if line.startswith("primerl rl: ") and not line.startswith("primerl rl: the preflight found")
+    ]
 
 
 MISTAKES = {
     # name: (extra args, extra environment, the one line (a regex))
-    "env id typo": (["--orchestrator.env", '[{id = "revers-text"}]'], {},
-                    r'orchestrator\.env\[0\]\.id "revers-text" is not an installed environment; did you mean '
-                    r'"reverse-text".*\? Install yours with `primerl env install PATH`\.'),
-    "load_environment raises": (["--orchestrator.env", '[{id = "broken_load_env"}]'], {"PYTHONPATH": str(FIXTURES)},
-                                r'orchestrator\.env\[0\] "broken_load_env": load_environment\(\) raised KeyError: '
-                                r"'missing_setting: load_environment is broken on purpose'; fix the environment"),
-    "verifiers missing": (["--orchestrator.env-python", "{bare}"], {},
-                          r"the env interpreter \S+ \(given\) cannot import verifiers: install it there"),
-    "model path missing": (["--model.name", "runs/demo/no-such-model"], {},
-                           r"model\.name = 'runs/demo/no-such-model' does not exist \(no \S+\); give the path of a "
-                           r"model directory"),
-    "hub id not cached": (["--model.name", "someorg/some-model"], {},
-                          r"model\.name = 'someorg/some-model' is neither a directory \(no \S+\) nor a model in the "
-                          r"Hugging Face cache, and downloads are off \(HF_HUB_OFFLINE=1\)"),
-    "prompt longer than seq_len": (["--seq-len", "32"], {},
-                                   r'orchestrator\.env\[0\] "reverse-text": prompts are up to \d+ tokens after the chat '
-                                   r"template \(8 sampled\), which leaves no room for a completion within "
-                                   r"orchestrator\.seq_len = 32"),
-    "port taken": (["--inference.server.port", "{taken}"], {},
-                   r"inference\.server\.port = (\d+): 127\.0\.0\.1:\1 is already in use by another process"),
+    "env id typo": (
+        ["--orchestrator.env", '[{id = "revers-text"}]'],
+        {},
+        r'orchestrator\.env\[0\]\.id "revers-text" is not an installed environment; did you mean '
+        r'"reverse-text".*\? Install yours with `primerl env install PATH`\.',
+    ),
+    "load_environment raises": (
+        ["--orchestrator.env", '[{id = "broken_load_env"}]'],
+        {"PYTHONPATH": str(FIXTURES)},
+        r'orchestrator\.env\[0\] "broken_load_env": load_environment\(\) raised KeyError: '
+        r"'missing_setting: load_environment is broken on purpose'; fix the environment",
+    ),
+    "verifiers missing": (
+        ["--orchestrator.env-python", "{bare}"],
+        {},
+        r"the env interpreter \S+ \(given\) cannot import verifiers: install it there",
+    ),
+    "model path missing": (
+        ["--model.name", "runs/demo/no-such-model"],
+        {},
+        r"model\.name = 'runs/demo/no-such-model' does not exist \(no \S+\); give the path of a "
+        r"model directory",
+    ),
+    "hub id not cached": (
+        ["--model.name", "someorg/some-model"],
+        {},
+        r"model\.name = 'someorg/some-model' is neither a directory \(no \S+\) nor a model in the "
+        r"Hugging Face cache, and downloads are off \(HF_HUB_OFFLINE=1\)",
+    ),
+    "prompt longer than seq_len": (
+        ["--seq-len", "32"],
+        {},
+        r'orchestrator\.env\[0\] "reverse-text": prompts are up to \d+ tokens after the chat '
+        r"template \(8 sampled\), which leaves no room for a completion within "
+        r"orchestrator\.seq_len = 32",
+    ),
+    "port taken": (
+        ["--inference.server.port", "{taken}"],
+        {},
+        r"inference\.server\.port = (\d+): 127\.0\.0\.1:\1 is already in use by another process",
+    ),
 }
 
 
@@ -329,8 +429,9 @@ def test_a_mistake_is_one_line_and_exit_2_before_vllm_starts(mistake, tiny_model
     lines = finding_lines(result.stderr)
     assert len(lines) == 1 and re.fullmatch(r"primerl rl: " + line + ".*", lines[0]), output[-4000:]
     assert "Traceback" not in output
-    assert re.search(r"the preflight found 1 problem in [\d.]+ s; nothing was started; details in \S+preflight\.log",
-                     result.stderr)
+    assert re.search(
+        r"the preflight found 1 problem in [\d.]+ s; nothing was started; details in \S+preflight\.log", result.stderr
+    )
     # vLLM was never started: no inference log, no ready file, no role process at all
     assert not (run_dir / "logs" / "inference.log").exists() and not (run_dir / "inference.ready.json").exists()
     assert not (run_dir / "pids.json").exists()
@@ -339,11 +440,16 @@ def test_a_mistake_is_one_line_and_exit_2_before_vllm_starts(mistake, tiny_model
 
 @pytest.mark.slow
 def test_several_mistakes_each_get_their_line(tiny_model, env_python, tmp_path):
-    result, _ = primerl_rl(tmp_path / "run", "--model.name", "runs/demo/no-such-model", "--orchestrator.env",
-                           '[{id = "revers-text"}, {id = "reverse-text-multiturn"}]')
+    result, _ = primerl_rl(
+        tmp_path / "run",
+        "--model.name",
+        "runs/demo/no-such-model",
+        "--orchestrator.env",
+        '[{id = "revers-text"}, {id = "reverse-text-multiturn"}]',
+    )
     lines = finding_lines(result.stderr)
     assert result.returncode == 2 and len(lines) == 2, result.stderr
-    assert "orchestrator.env[0].id \"revers-text\" is not an installed environment" in lines[0]
+    assert 'orchestrator.env[0].id "revers-text" is not an installed environment' in lines[0]
     assert "model.name = 'runs/demo/no-such-model' does not exist" in lines[1]
 
 
@@ -369,8 +475,9 @@ max_seq_len = 256
 
 
 @pytest.mark.slow
-def test_the_vf_rl_example_without_a_wandb_login_is_a_warning_not_an_exit(tiny_model, env_python, no_wandb_login,
-                                                                          tmp_path):
+def test_the_vf_rl_example_without_a_wandb_login_is_a_warning_not_an_exit(
+    tiny_model, env_python, no_wandb_login, tmp_path
+):
     """`[trainer.args] run_name` turns W&B on; without a login the run goes on offline (`--check`: the preflight
     alone; the roles' own fallback is tested in test_metrics_sink.py)."""
     config = tmp_path / "vf-rl.toml"
@@ -379,8 +486,10 @@ def test_the_vf_rl_example_without_a_wandb_login_is_a_warning_not_an_exit(tiny_m
     result, _ = primerl_rl(run_dir, "--check", config=config, env={"HOME": str(no_wandb_login)})
     assert result.returncode == 0, result.stderr
     [line] = finding_lines(result.stderr)
-    assert line.startswith("primerl rl: warning: W&B (trainer and orchestrator): W&B is on ([wandb], or run_name in a "
-                           "vf-rl config) but this machine has no W&B login")
+    assert line.startswith(
+        "primerl rl: warning: W&B (trainer and orchestrator): W&B is on ([wandb], or run_name in a "
+        "vf-rl config) but this machine has no W&B login"
+    )
     assert f"logging offline to {run_dir / 'wandb'}" in line
     assert not (run_dir / "pids.json").exists()  # --check starts nothing
 
@@ -393,14 +502,22 @@ def test_check_on_a_good_config_passes_quietly(tiny_model, env_python, tmp_path)
 
 # ------------------------------------------------------------------------- a daemon started on its own
 DAEMON_MISTAKES = {
-    "primerl-infer": (["--model.name", "runs/demo/no-such-model", "--server.port", "0"],
-                      r"model\.name = 'runs/demo/no-such-model' does not exist"),
-    "primerl-trainer": (["--model.name", "runs/demo/no-such-model", "--max-steps", "1"],
-                        r"model\.name = 'runs/demo/no-such-model' does not exist"),
-    "primerl-orchestrator": (["--model.name", "{model}", "--env", '[{id = "revers-text"}]'],
-                             r'env\[0\]\.id "revers-text" is not an installed environment; did you mean "reverse-text"'),
-    "primerl-broker": (["--grpc-port", "{taken}", "--rollout-port", "0", "--weight-port", "0"],
-                       r"grpc_port = (\d+): 127\.0\.0\.1:\1 is already in use by another process \(another run\?\); set grpc_port"),
+    "primerl-infer": (
+        ["--model.name", "runs/demo/no-such-model", "--server.port", "0"],
+        r"model\.name = 'runs/demo/no-such-model' does not exist",
+    ),
+    "primerl-trainer": (
+        ["--model.name", "runs/demo/no-such-model", "--max-steps", "1"],
+        r"model\.name = 'runs/demo/no-such-model' does not exist",
+    ),
+    "primerl-orchestrator": (
+        ["--model.name", "{model}", "--env", '[{id = "revers-text"}]'],
+        r'env\[0\]\.id "revers-text" is not an installed environment; did you mean "reverse-text"',
+    ),
+    "primerl-broker": (
+        ["--grpc-port", "{taken}", "--rollout-port", "0", "--weight-port", "0"],
+        r"grpc_port = (\d+): 127\.0\.0\.1:\1 is already in use by another process \(another run\?\); set grpc_port",
+    ),
 }
 
 
@@ -419,10 +536,11 @@ def test_a_daemon_started_alone_checks_its_role(daemon, tiny_model, env_python, 
             args += ["--output-dir", str(tmp_path / "out")]
         if daemon == "primerl-broker":
             args += ["--spool-dir", str(tmp_path / "spool")]
-        result = subprocess.run([str(BIN / daemon), *args], capture_output=True, text=True, timeout=CLI_TIMEOUT_S,
-                                env=env, cwd=tmp_path)
+        result = subprocess.run(
+            [str(BIN / daemon), *args], capture_output=True, text=True, timeout=CLI_TIMEOUT_S, env=env, cwd=tmp_path
+        )
     assert result.returncode == 2, result.stderr[-4000:]
-    lines = [l for l in result.stderr.splitlines() if l.startswith(f"{daemon}: ") and "preflight found" not in l]
+    lines = [x for x in result.stderr.splitlines() if x.startswith(f"{daemon}: ") and "preflight found" not in x]
     assert len(lines) == 1 and re.match(f"{daemon}: {line}", lines[0]), result.stderr[-4000:]
     assert "Traceback" not in result.stdout + result.stderr
 

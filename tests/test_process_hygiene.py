@@ -16,7 +16,6 @@ import time
 from pathlib import Path
 
 import pytest
-
 from support.proc_tree import descendants, running
 
 from primerl.supervisor.process_supervisor import ChildFailed, ChildProcess, Supervisor
@@ -65,7 +64,11 @@ def test_restarts_back_off_doubling_up_to_the_cap_and_stop_past_the_limit():
     budget = RestartBudget(RestartPolicy(limit=4, window_s=100.0, delay_s=1.0, max_delay_s=3.0))
     decisions = [budget.decide(1, now_s=t) for t in (0.0, 1.0, 2.0, 3.0)]
     assert [(d.restart, d.number, d.delay_s) for d in decisions] == [
-        (True, 1, 1.0), (True, 2, 2.0), (True, 3, 3.0), (True, 4, 3.0)]
+        (True, 1, 1.0),
+        (True, 2, 2.0),
+        (True, 3, 3.0),
+        (True, 4, 3.0),
+    ]
     refused = budget.decide(-signal.SIGKILL, now_s=4.0)
     assert not refused.restart and "restarted 4 times within 100 s (--restart-limit 4)" in refused.reason
     # Once the first restarts leave the window, the role may be restarted again, with a shorter back-off.
@@ -91,21 +94,32 @@ def test_exit_0_exit_2_and_restart_never_are_not_restarted():
 
 
 def test_last_error_line_of_json_console_and_traceback_logs(tmp_path):
-    json_log = "\n".join([
-        json.dumps({"event": "batch sent", "level": "info"}),
-        json.dumps({"event": "all rollouts failed", "error": "prompt longer than seq_len 16", "level": "error"}),
-        json.dumps({"event": "stopping", "level": "info"}),
-    ])
+    json_log = "\n".join(
+        [
+            json.dumps({"event": "batch sent", "level": "info"}),
+            json.dumps({"event": "all rollouts failed", "error": "prompt longer than seq_len 16", "level": "error"}),
+            json.dumps({"event": "stopping", "level": "info"}),
+        ]
+    )
     assert last_error_line(json_log) == "all rollouts failed: prompt longer than seq_len 16"
-    with_exception = json.dumps({"event": "weight thread failed", "level": "error",
-                                 "exception": "Traceback (most recent call last):\n  File \"x\", line 1\nKeyError: 'w'"})
+    with_exception = json.dumps(
+        {
+            "event": "weight thread failed",
+            "level": "error",
+            "exception": "Traceback (most recent call last):\n  File \"x\", line 1\nKeyError: 'w'",
+        }
+    )
     assert last_error_line(with_exception) == "weight thread failed: KeyError: 'w'"
-    console = ("2026-11-24T15:22:09Z [info     ] step done  step=3\n"
-               "2026-11-24T15:22:10Z [error    ] trainer cannot continue  [primerl.trainer] error='bad batch' "
-               "role=trainer run_id=\n")
+    console = (
+        "2026-11-24T15:22:09Z [info     ] step done  step=3\n"
+        "2026-11-24T15:22:10Z [error    ] trainer cannot continue  [primerl.trainer] error='bad batch' "
+        "role=trainer run_id=\n"
+    )
     assert last_error_line(console) == "[error] trainer cannot continue error='bad batch'"
-    traceback = ("starting\nTraceback (most recent call last):\n  File \"/x.py\", line 3, in <module>\n"
-                 "    main()\nRuntimeError: env 'no-such-env' is not installed\n")
+    traceback = (
+        'starting\nTraceback (most recent call last):\n  File "/x.py", line 3, in <module>\n'
+        "    main()\nRuntimeError: env 'no-such-env' is not installed\n"
+    )
     assert last_error_line(console + traceback) == "RuntimeError: env 'no-such-env' is not installed"
     assert last_error_line("all fine\n") is None
     # Only the latest start of the role counts (the supervisor writes a "=== date argv" line before each).
@@ -122,7 +136,8 @@ def test_a_sigkilled_launcher_leaves_nothing_running(tmp_path):
     """A supervisor with two stubborn roles (each with a rank in its own session) in a driver process; the
     driver is SIGKILLed: every descendant is gone within 5 s (SIGTERM ignored: SIGKILL after the 2 s grace)."""
     driver = tmp_path / "driver.py"
-    driver.write_text(textwrap.dedent(f"""
+    driver.write_text(
+        textwrap.dedent(f"""
         import os, sys, time
         from pathlib import Path
         from primerl.supervisor.process_supervisor import ChildProcess, Supervisor
@@ -132,7 +147,8 @@ def test_a_sigkilled_launcher_leaves_nothing_running(tmp_path):
                                           Path({str(tmp_path)!r}) / (name + ".log"), dict(os.environ)))
         print("started", flush=True)
         time.sleep(600)
-    """))
+    """)
+    )
     process = subprocess.Popen([sys.executable, str(driver)], stdout=subprocess.PIPE, text=True)
     pids: list[int] = []
     try:
@@ -153,8 +169,9 @@ def test_a_sigkilled_launcher_leaves_nothing_running(tmp_path):
 
 def test_stop_and_restart_end_the_ranks_that_left_the_group(tmp_path):
     supervisor = Supervisor()
-    child = supervisor.start(ChildProcess("trainer", [sys.executable, "-c", STUBBORN_ROLE], tmp_path / "t.log",
-                                          dict(os.environ)))
+    child = supervisor.start(
+        ChildProcess("trainer", [sys.executable, "-c", STUBBORN_ROLE], tmp_path / "t.log", dict(os.environ))
+    )
     try:
         deadline = time.monotonic() + 30
         while "\nrank pid " not in child.log_tail():
@@ -183,7 +200,7 @@ def test_stop_and_restart_end_the_ranks_that_left_the_group(tmp_path):
 def _launcher(tmp_path, policy: RestartPolicy):
     from primerl.configs.rl import RLConfig
     from primerl.runtime.config_loader import load_config
-    from primerl.supervisor.launcher import LaunchOptions, Launcher
+    from primerl.supervisor.launcher import Launcher, LaunchOptions
 
     config = load_config(RLConfig, [EXAMPLE], {"output_dir": str(tmp_path / "run")})
     out, err = io.StringIO(), io.StringIO()
@@ -196,10 +213,13 @@ def _launcher(tmp_path, policy: RestartPolicy):
 
 def test_a_failing_role_is_restarted_with_back_off_then_stops_the_run(tmp_path):
     launcher, out, _ = _launcher(tmp_path, RestartPolicy(limit=2, window_s=60.0, delay_s=0.2, max_delay_s=0.3))
-    script = ("import json, sys; print(json.dumps({'event': 'all rollouts failed', 'error': 'seq_len 16 is "
-              "shorter than the prompts', 'level': 'error'})); sys.exit(3)")
-    child = launcher.supervisor.start(ChildProcess("orchestrator", [sys.executable, "-c", script],
-                                                   tmp_path / "orchestrator.log", dict(os.environ)))
+    script = (
+        "import json, sys; print(json.dumps({'event': 'all rollouts failed', 'error': 'seq_len 16 is "
+        "shorter than the prompts', 'level': 'error'})); sys.exit(3)"
+    )
+    child = launcher.supervisor.start(
+        ChildProcess("orchestrator", [sys.executable, "-c", script], tmp_path / "orchestrator.log", dict(os.environ))
+    )
     exits_s: list[float] = []
     starts_s: list[float] = []
     try:
@@ -214,7 +234,8 @@ def test_a_failing_role_is_restarted_with_back_off_then_stops_the_run(tmp_path):
                     starts_s.append(time.monotonic())
                 time.sleep(0.01)
         assert "orchestrator exited with status 3; not restarted: it was restarted 2 times within 60 s" in str(
-            failure.value)
+            failure.value
+        )
         assert child.num_starts == 3 and len(starts_s) == 2
         delays = [start - exit_ for exit_, start in zip(exits_s, starts_s)]
         assert 0.18 <= delays[0] < 0.6 and 0.28 <= delays[1] < 0.7, delays
@@ -233,10 +254,12 @@ def test_a_failing_role_is_restarted_with_back_off_then_stops_the_run(tmp_path):
 
 def test_restart_never_and_a_clean_orchestrator_exit(tmp_path):
     launcher, out, _ = _launcher(tmp_path, RestartPolicy(mode="never"))
-    orchestrator = launcher.supervisor.start(ChildProcess("orchestrator", [sys.executable, "-c", "pass"],
-                                                          tmp_path / "o.log", dict(os.environ)))
-    trainer = launcher.supervisor.start(ChildProcess("trainer", [sys.executable, "-c", "import sys; sys.exit(1)"],
-                                                     tmp_path / "t.log", dict(os.environ)))
+    orchestrator = launcher.supervisor.start(
+        ChildProcess("orchestrator", [sys.executable, "-c", "pass"], tmp_path / "o.log", dict(os.environ))
+    )
+    trainer = launcher.supervisor.start(
+        ChildProcess("trainer", [sys.executable, "-c", "import sys; sys.exit(1)"], tmp_path / "t.log", dict(os.environ))
+    )
     try:
         orchestrator.process.wait(10)
         trainer.process.wait(10)

@@ -14,13 +14,13 @@ import time
 from pathlib import Path
 
 import pytest
-
-from primerl.supervisor.launcher import LaunchOptions, Launcher
-from primerl.supervisor.role_configs import without_token
-from primerl.supervisor.run_progress import Progress
-from primerl.runtime.config_base import ConfigWarning
 from support.probes import free_port
 from support.proc_tree import descendants, running
+
+from primerl.runtime.config_base import ConfigWarning
+from primerl.supervisor.launcher import Launcher, LaunchOptions
+from primerl.supervisor.role_configs import without_token
+from primerl.supervisor.run_progress import Progress
 
 BIN = Path(sys.executable).parent
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -48,11 +48,28 @@ def tiny_model(tiny_model):
 
 
 def primerl_rl(model: Path, run_dir: Path, *extra: str, timeout_s: float) -> tuple[subprocess.CompletedProcess, float]:
-    env = {**os.environ, "PRIMERL_ENV_PYTHON": ENV_PYTHON, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
-           "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1"}
+    env = {
+        **os.environ,
+        "PRIMERL_ENV_PYTHON": ENV_PYTHON,
+        "HF_HUB_OFFLINE": "1",
+        "TRANSFORMERS_OFFLINE": "1",
+        "VLLM_NO_USAGE_STATS": "1",
+        "DO_NOT_TRACK": "1",
+    }
     env.pop("PRIMERL_RUN_TOKEN", None)
-    args = [str(BIN / "primerl"), "rl", "@", str(EXAMPLE), "--model.name", str(model), "--output-dir", str(run_dir),
-            "--broker.grpc-port", str(free_port()), *extra]
+    args = [
+        str(BIN / "primerl"),
+        "rl",
+        "@",
+        str(EXAMPLE),
+        "--model.name",
+        str(model),
+        "--output-dir",
+        str(run_dir),
+        "--broker.grpc-port",
+        str(free_port()),
+        *extra,
+    ]
     started_s = time.monotonic()
     result = subprocess.run(args, capture_output=True, text=True, timeout=timeout_s, env=env, cwd=run_dir.parent)
     return result, time.monotonic() - started_s
@@ -102,16 +119,32 @@ def test_a_crashing_role_is_restarted_then_stops_the_run_and_shows_its_error(tin
     # --no-preflight: the preflight would refuse the environment's bad argument before anything starts; this is about
     # a role that fails once started, with an error a restart might not hit again (exit 1: an environment that is
     # not installed at all is a configuration error, exit 2, never restarted: the test below).
-    result, wall_s = primerl_rl(tiny_model, run_dir, "--max-steps", "3", "--orchestrator.env",
-                                '[{id = "reverse-text", args = {num_examples = 0}}]', "--no-preflight",
-                                "--stop-timeout-s", "10",
-                                "--restart-limit", "1", "--restart-delay-s", "0.5", timeout_s=CRASH_TIMEOUT_S)
+    result, wall_s = primerl_rl(
+        tiny_model,
+        run_dir,
+        "--max-steps",
+        "3",
+        "--orchestrator.env",
+        '[{id = "reverse-text", args = {num_examples = 0}}]',
+        "--no-preflight",
+        "--stop-timeout-s",
+        "10",
+        "--restart-limit",
+        "1",
+        "--restart-delay-s",
+        "0.5",
+        timeout_s=CRASH_TIMEOUT_S,
+    )
     output = result.stdout + result.stderr
     assert result.returncode == 1, output[-6000:]
-    assert "restarting orchestrator after exit code 1 (restart 1 of 1 within 300 s) in 0.5 s" in result.stdout, \
-        output[-6000:]
-    assert re.search(r"orchestrator exited with status 1( while inference was starting)?; not restarted: it was "
-                     r"restarted 1 times within 300 s", result.stderr), output[-6000:]
+    assert "restarting orchestrator after exit code 1 (restart 1 of 1 within 300 s) in 0.5 s" in result.stdout, output[
+        -6000:
+    ]
+    assert re.search(
+        r"orchestrator exited with status 1( while inference was starting)?; not restarted: it was "
+        r"restarted 1 times within 300 s",
+        result.stderr,
+    ), output[-6000:]
     # the orchestrator's log lines
     assert "last 30 lines of" in result.stderr and "num_examples must be >= 1" in result.stderr
     error_lines = [line for line in result.stderr.splitlines() if "orchestrator's last error:" in line]
@@ -125,13 +158,26 @@ def test_a_crashing_role_is_restarted_then_stops_the_run_and_shows_its_error(tin
 @pytest.mark.vllm
 def test_a_config_error_with_restart_never_stops_the_run_at_once(tiny_model, tmp_path):
     run_dir = tmp_path / "run"
-    result, _ = primerl_rl(tiny_model, run_dir, "--max-steps", "3", "--orchestrator.env", '[{id = "no-such-env"}]',
-                           "--no-preflight", "--stop-timeout-s", "10", "--restart", "never", timeout_s=CRASH_TIMEOUT_S)
+    result, _ = primerl_rl(
+        tiny_model,
+        run_dir,
+        "--max-steps",
+        "3",
+        "--orchestrator.env",
+        '[{id = "no-such-env"}]',
+        "--no-preflight",
+        "--stop-timeout-s",
+        "10",
+        "--restart",
+        "never",
+        timeout_s=CRASH_TIMEOUT_S,
+    )
     assert result.returncode == 1, (result.stdout + result.stderr)[-6000:]
     assert "restarting" not in result.stdout
     # an environment installed in neither env interpreter: a configuration error (exit 2), named with both
-    assert re.search(r"orchestrator exited with status 2( while inference was starting)?; stopped the run",
-                     result.stderr), result.stderr[-6000:]
+    assert re.search(
+        r"orchestrator exited with status 2( while inference was starting)?; stopped the run", result.stderr
+    ), result.stderr[-6000:]
     assert "is not an installed environment" in result.stderr, result.stderr[-6000:]
     assert_no_child_left(run_dir)
 
@@ -145,9 +191,28 @@ def test_ctrl_c_mid_run_stops_every_role_without_killing_any(tiny_model, tmp_pat
     env = {**os.environ, "PRIMERL_ENV_PYTHON": ENV_PYTHON, "HF_HUB_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1"}
     env.pop("PRIMERL_RUN_TOKEN", None)
     process = subprocess.Popen(
-        [str(BIN / "primerl"), "rl", "@", str(EXAMPLE), "--model.name", str(tiny_model), "--output-dir", str(run_dir),
-         "--broker.grpc-port", str(free_port()), "--max-steps", "200", "--stop-timeout-s", "30"],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=run_dir.parent)
+        [
+            str(BIN / "primerl"),
+            "rl",
+            "@",
+            str(EXAMPLE),
+            "--model.name",
+            str(tiny_model),
+            "--output-dir",
+            str(run_dir),
+            "--broker.grpc-port",
+            str(free_port()),
+            "--max-steps",
+            "200",
+            "--stop-timeout-s",
+            "30",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+        cwd=run_dir.parent,
+    )
     try:
         deadline = time.monotonic() + CRASH_TIMEOUT_S
         metrics = run_dir / "metrics.jsonl"
@@ -174,8 +239,9 @@ class _Status:
     def __init__(self, step: int, version: int, metrics: dict[str, float]):
         from primerl.proto.v1 import common_pb2, control_pb2
 
-        self.message = control_pb2.RunStatus(trainer_step=step, latest_policy_version=step, max_steps=10,
-                                             last_metrics=metrics)
+        self.message = control_pb2.RunStatus(
+            trainer_step=step, latest_policy_version=step, max_steps=10, last_metrics=metrics
+        )
         self.message.workers.add(role=common_pb2.ROLE_INFERENCE, policy_version=version)
 
 
@@ -197,14 +263,19 @@ def test_the_closing_summary_reads_the_runs_rows():
 
     from primerl.supervisor.run_progress import run_summary
 
-    rows = [{"step": 1, "role": "orchestrator", "train/reward": 0.25}, {"step": 1, "role": "trainer"},
-            {"step": 2, "role": "orchestrator", "train/reward": 0.5, "rollout/interleave_fallbacks_total": 3},
-            {"step": 2, "role": "trainer"}]
+    rows = [
+        {"step": 1, "role": "orchestrator", "train/reward": 0.25},
+        {"step": 1, "role": "trainer"},
+        {"step": 2, "role": "orchestrator", "train/reward": 0.5, "rollout/interleave_fallbacks_total": 3},
+        {"step": 2, "role": "trainer"},
+    ]
     progress = Progress(served_version=2, published_version=2)
     children = [SimpleNamespace(name="broker", ready_s=1.25), SimpleNamespace(name="trainer", ready_s=None)]
     text = run_summary(rows, progress, children, 75.0, Path("/runs/x"))
     assert text.startswith("primerl rl: run finished: 2 steps in 1m15s (start-up broker 1.2 s)\n")
-    assert "reward (first -> last step): 0.250 -> 0.500" in text and "served by inference: 2 (trainer published 2)" in text
+    assert (
+        "reward (first -> last step): 0.250 -> 0.500" in text and "served by inference: 2 (trainer published 2)" in text
+    )
     assert "run directory: /runs/x" in text and "interleave fallbacks: 3 multi-turn rollouts" in text
     assert "interleave" not in run_summary(rows[:2], Progress(), [], 1.0, Path("r"))
 
@@ -235,8 +306,11 @@ def test_clashing_fixed_ports_warn_and_stop_the_launch_before_anything_starts(tm
     from primerl.configs.rl import RLConfig
     from primerl.runtime.config_loader import load_config
 
-    overrides = {"trainer": {"prometheus": {"port": 9400}}, "orchestrator": {"prometheus": {"port": 9400}},
-                 "output_dir": str(tmp_path / "run")}
+    overrides = {
+        "trainer": {"prometheus": {"port": 9400}},
+        "orchestrator": {"prometheus": {"port": 9400}},
+        "output_dir": str(tmp_path / "run"),
+    }
     with pytest.warns(ConfigWarning, match="trainer.prometheus.port and orchestrator.prometheus.port are both 9400"):
         config = load_config(RLConfig, [EXAMPLE], overrides)
     out, err = io.StringIO(), io.StringIO()
@@ -251,10 +325,25 @@ def _start_rl(tiny_model: Path, run_dir: Path, *extra: str) -> subprocess.Popen:
     env.pop("PRIMERL_RUN_TOKEN", None)
     run_dir.mkdir(parents=True, exist_ok=True)
     return subprocess.Popen(
-        [str(BIN / "primerl"), "rl", "@", str(EXAMPLE), "--model.name", str(tiny_model), "--output-dir", str(run_dir),
-         "--broker.grpc-port", str(free_port()), *extra],
-        stdout=open(run_dir / "rl.stdout", "w"), stderr=open(run_dir / "rl.stderr", "w"), text=True, env=env,
-        cwd=run_dir.parent)
+        [
+            str(BIN / "primerl"),
+            "rl",
+            "@",
+            str(EXAMPLE),
+            "--model.name",
+            str(tiny_model),
+            "--output-dir",
+            str(run_dir),
+            "--broker.grpc-port",
+            str(free_port()),
+            *extra,
+        ],
+        stdout=open(run_dir / "rl.stdout", "w"),
+        stderr=open(run_dir / "rl.stderr", "w"),
+        text=True,
+        env=env,
+        cwd=run_dir.parent,
+    )
 
 
 def _trainer_steps(run_dir: Path) -> list[int]:
@@ -274,9 +363,11 @@ def _trainer_steps(run_dir: Path) -> list[int]:
 
 def _run_output(run_dir: Path, tail_chars: int = 3000) -> str:
     """What a failed run left: the launcher's stdout and stderr, and the end of each role's log."""
-    parts = [f"--- {path.name} ---\n{path.read_text(errors='replace')[-tail_chars:]}"
-             for path in [run_dir / "rl.stdout", run_dir / "rl.stderr", *sorted((run_dir / "logs").glob("*.log"))]
-             if path.exists()]
+    parts = [
+        f"--- {path.name} ---\n{path.read_text(errors='replace')[-tail_chars:]}"
+        for path in [run_dir / "rl.stdout", run_dir / "rl.stderr", *sorted((run_dir / "logs").glob("*.log"))]
+        if path.exists()
+    ]
     return "\n".join(parts)
 
 
@@ -303,8 +394,9 @@ def test_a_sigkilled_primerl_rl_leaves_no_process_behind(tiny_model, tmp_path):
         killed_s = time.monotonic()
         process.wait(10)
         while any(running(pid) for pid in tree):
-            assert time.monotonic() - killed_s < 5.0, f"still running 5 s after primerl rl's SIGKILL: " \
-                                                      f"{[pid for pid in tree if running(pid)]}"
+            assert time.monotonic() - killed_s < 5.0, (
+                f"still running 5 s after primerl rl's SIGKILL: {[pid for pid in tree if running(pid)]}"
+            )
             time.sleep(0.02)
         gone_s = time.monotonic() - killed_s
     finally:
@@ -320,8 +412,9 @@ def test_a_sigkilled_primerl_rl_leaves_no_process_behind(tiny_model, tmp_path):
 @pytest.mark.vllm
 def test_a_killed_trainer_is_restarted_and_the_run_finishes(tiny_model, tmp_path):
     run_dir = tmp_path / "run"
-    process = _start_rl(tiny_model, run_dir, "--max-steps", "6", "--trainer.ckpt.interval", "1",
-                        "--restart-delay-s", "0.5")
+    process = _start_rl(
+        tiny_model, run_dir, "--max-steps", "6", "--trainer.ckpt.interval", "1", "--restart-delay-s", "0.5"
+    )
     try:
         _wait_for_step(process, run_dir, 2, CRASH_TIMEOUT_S)
         trainer = json.loads((run_dir / "pids.json").read_text())["trainer"]
@@ -349,8 +442,9 @@ def test_a_killed_trainer_is_restarted_and_the_run_finishes(tiny_model, tmp_path
 @pytest.mark.vllm
 def test_a_killed_broker_comes_back_on_its_ports_and_the_run_finishes(tiny_model, tmp_path):
     run_dir = tmp_path / "run"
-    process = _start_rl(tiny_model, run_dir, "--max-steps", "6", "--trainer.ckpt.interval", "1",
-                        "--restart-delay-s", "0.5")
+    process = _start_rl(
+        tiny_model, run_dir, "--max-steps", "6", "--trainer.ckpt.interval", "1", "--restart-delay-s", "0.5"
+    )
     try:
         _wait_for_step(process, run_dir, 2, CRASH_TIMEOUT_S)
         first = json.loads((run_dir / "broker.ready.json").read_text())
@@ -370,23 +464,27 @@ def test_a_killed_broker_comes_back_on_its_ports_and_the_run_finishes(tiny_model
             process.wait(60)
     stdout, stderr = (run_dir / "rl.stdout").read_text(), (run_dir / "rl.stderr").read_text()
     # The same ports and run id: clients find it where it was.
-    assert {k: second[k] for k in ("grpc_port", "rollout_port", "weight_port", "run_id")} == \
-        {k: first[k] for k in ("grpc_port", "rollout_port", "weight_port", "run_id")}
+    assert {k: second[k] for k in ("grpc_port", "rollout_port", "weight_port", "run_id")} == {
+        k: first[k] for k in ("grpc_port", "rollout_port", "weight_port", "run_id")
+    }
     assert "restarting broker after signal SIGKILL (restart 1 of 5 within 300 s) in 0.5 s" in stdout
     assert "broker back (start 2" in stdout
     assert process.returncode == 0, (stdout + stderr)[-6000:]
     assert "run finished: 6 steps" in stdout, stdout[-4000:]
     assert_no_child_left(run_dir)
-    print(f"broker SIGKILLed after step 2: ready again {back_s:.2f} s later; the run finished\n"
-          + "\n".join(line for line in stdout.splitlines() if "broker" in line))
+    print(
+        f"broker SIGKILLed after step 2: ready again {back_s:.2f} s later; the run finished\n"
+        + "\n".join(line for line in stdout.splitlines() if "broker" in line)
+    )
 
 
 @pytest.mark.slow
 @pytest.mark.vllm
 def test_a_killed_inference_server_comes_back_on_its_port_and_the_run_finishes(tiny_model, tmp_path):
     run_dir = tmp_path / "run"
-    process = _start_rl(tiny_model, run_dir, "--max-steps", "5", "--trainer.ckpt.interval", "1",
-                        "--restart-delay-s", "0.5")
+    process = _start_rl(
+        tiny_model, run_dir, "--max-steps", "5", "--trainer.ckpt.interval", "1", "--restart-delay-s", "0.5"
+    )
     try:
         _wait_for_step(process, run_dir, 2, CRASH_TIMEOUT_S)
         first = json.loads((run_dir / "inference.ready.json").read_text())
@@ -394,8 +492,9 @@ def test_a_killed_inference_server_comes_back_on_its_port_and_the_run_finishes(t
         killed_s = time.monotonic()
         ready = run_dir / "inference.ready.json"
         while not (ready.exists() and json.loads(ready.read_text())["pid"] != first["pid"]):
-            assert process.poll() is None and time.monotonic() - killed_s < 180, \
+            assert process.poll() is None and time.monotonic() - killed_s < 180, (
                 f"inference did not come back\n{_run_output(run_dir)}"
+            )
             time.sleep(0.1)
         back_s = time.monotonic() - killed_s
         second = json.loads(ready.read_text())

@@ -58,8 +58,9 @@ SCRIPT = textwrap.dedent("""
 def run_case(case: str, tmp_path: Path) -> tuple[int, str]:
     script = tmp_path / "role.py"
     script.write_text(SCRIPT)
-    process = subprocess.Popen([sys.executable, str(script), case], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                               text=True)
+    process = subprocess.Popen(
+        [sys.executable, str(script), case], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
     try:
         assert process.stdout.readline().strip() == "ready"
         process.send_signal(signal.SIGTERM)

@@ -70,12 +70,18 @@ def run_checks(checks: Mapping[str, Check], *, timeout_s: float = CHECK_TIMEOUT_
         try:
             results[name] = list(check())
         except Exception as exc:  # noqa: BLE001 - reported as a warning with its traceback, never swallowed
-            results[name] = [warning(f"the {name} check could not run ({type(exc).__name__}: {exc}); starting "
-                                     "without it", traceback.format_exc())]
+            results[name] = [
+                warning(
+                    f"the {name} check could not run ({type(exc).__name__}: {exc}); starting without it",
+                    traceback.format_exc(),
+                )
+            ]
         times_s[name] = time.monotonic() - check_started_s
 
-    threads = [threading.Thread(target=run, args=(name, check), name=f"preflight-{name}", daemon=True)
-               for name, check in checks.items()]
+    threads = [
+        threading.Thread(target=run, args=(name, check), name=f"preflight-{name}", daemon=True)
+        for name, check in checks.items()
+    ]
     for thread in threads:
         thread.start()
     deadline_s = started_s + timeout_s
@@ -102,16 +108,22 @@ def report(prog: str, result: PreflightReport, log_path: Path | None, err=None) 
         return None
     where = f"; details in {log_path}" if log_path is not None else ""
     count = len(result.errors)
-    print(f"{prog}: the preflight found {count} problem{'s' * (count > 1)} in {result.elapsed_s:.1f} s; nothing "
-          f"was started{where}", file=err, flush=True)
+    print(
+        f"{prog}: the preflight found {count} problem{'s' * (count > 1)} in {result.elapsed_s:.1f} s; nothing "
+        f"was started{where}",
+        file=err,
+        flush=True,
+    )
     return 2
 
 
 def _write_log(log_path: Path, prog: str, result: PreflightReport) -> None:
     log_path.parent.mkdir(parents=True, exist_ok=True)
     times = ", ".join(f"{name} {seconds:.2f} s" for name, seconds in result.check_times_s.items())
-    lines = [f"{time.strftime('%Y-%m-%d %H:%M:%S')} {prog} preflight: {result.elapsed_s:.2f} s ({times}); "
-             f"{len(result.errors)} errors, {len(result.warnings)} warnings"]
+    lines = [
+        f"{time.strftime('%Y-%m-%d %H:%M:%S')} {prog} preflight: {result.elapsed_s:.2f} s ({times}); "
+        f"{len(result.errors)} errors, {len(result.warnings)} warnings"
+    ]
     for finding in result.findings:
         lines.append(f"{'error' if finding.error else 'warning'}: {finding.message}")
         if finding.detail:

@@ -46,11 +46,15 @@ class LoadedEnv:
 
 
 def env_uses(orchestrator, prefix: str) -> list[EnvUse]:
-    uses = [EnvUse(f"{prefix}env[{i}]", env.id, dict(env.args), "train", env.kind, dict(env.v1_config))
-            for i, env in enumerate(orchestrator.env)]
+    uses = [
+        EnvUse(f"{prefix}env[{i}]", env.id, dict(env.args), "train", env.kind, dict(env.v1_config))
+        for i, env in enumerate(orchestrator.env)
+    ]
     if orchestrator.eval is not None:
-        uses += [EnvUse(f"{prefix}eval.env[{i}]", env.id, dict(env.args), "eval", env.kind, dict(env.v1_config))
-                 for i, env in enumerate(orchestrator.eval.env)]
+        uses += [
+            EnvUse(f"{prefix}eval.env[{i}]", env.id, dict(env.args), "eval", env.kind, dict(env.v1_config))
+            for i, env in enumerate(orchestrator.eval.env)
+        ]
     return uses
 
 
@@ -77,30 +81,58 @@ def env_checks(orchestrator, *, prefix: str, tokenizer: str | None, max_model_le
         first: dict[str, str] = {}
         for use in env_uses(orchestrator, prefix):
             if use.split == "train" and first.setdefault(use.id, use.setting) != use.setting:
-                return [error(f'{use.setting}.id "{use.id}" is listed twice (also {first[use.id]}); keep one table '
-                              "per environment (its weight sets how often it is sampled)")]
+                return [
+                    error(
+                        f'{use.setting}.id "{use.id}" is listed twice (also {first[use.id]}); keep one table '
+                        "per environment (its weight sets how often it is sampled)"
+                    )
+                ]
         try:
             uses = resolve_uses(env_uses(orchestrator, prefix), env_python, v1_python)
         except ValueError as exc:
             return [error(str(exc))]
         if any(use.kind == "classic" for use in uses) and not Path(env_python.path).exists():
-            return [error(f"the env interpreter {env_python.describe()} does not exist: build it (`make setup`, or "
-                          f"`primerl env install PATH` creates it) or set {setting}")]
+            return [
+                error(
+                    f"the env interpreter {env_python.describe()} does not exist: build it (`make setup`, or "
+                    f"`primerl env install PATH` creates it) or set {setting}"
+                )
+            ]
         if any(use.kind == "v1" for use in uses) and not Path(v1_python.path).exists():
-            return [error(f"the verifiers v1 env interpreter {v1_python.describe()} does not exist: build it (`make "
-                          f"setup`, or `primerl env install PATH` of a v1 environment) or set {prefix}env_v1_python")]
+            return [
+                error(
+                    f"the verifiers v1 env interpreter {v1_python.describe()} does not exist: build it (`make "
+                    f"setup`, or `primerl env install PATH` of a v1 environment) or set {prefix}env_v1_python"
+                )
+            ]
         usable = tokenizer is not None and name_problem("tokenizer", tokenizer, "tokenizer") is None
-        return check_environments(uses, env_python.path, env_python.describe(),
-                                  setting=setting, tokenizer=tokenizer if usable else None,
-                                  seq_len=orchestrator.seq_len, max_model_len=max_model_len,
-                                  max_tokens=orchestrator.sampling.max_tokens, prefix=prefix)
+        return check_environments(
+            uses,
+            env_python.path,
+            env_python.describe(),
+            setting=setting,
+            tokenizer=tokenizer if usable else None,
+            seq_len=orchestrator.seq_len,
+            max_model_len=max_model_len,
+            max_tokens=orchestrator.sampling.max_tokens,
+            prefix=prefix,
+        )
 
     return check
 
 
-def check_environments(uses: list[EnvUse], env_python: str, described: str, *, setting: str,
-                       tokenizer: str | None, seq_len: int, max_model_len: int | None, max_tokens: int | None,
-                       prefix: str) -> list[Finding]:
+def check_environments(
+    uses: list[EnvUse],
+    env_python: str,
+    described: str,
+    *,
+    setting: str,
+    tokenizer: str | None,
+    seq_len: int,
+    max_model_len: int | None,
+    max_tokens: int | None,
+    prefix: str,
+) -> list[Finding]:
     from primerl.orchestrator.env_python import EnvProbeError, probe_env_python
 
     unique: dict[tuple[str, str, str], EnvUse] = {}
@@ -119,33 +151,57 @@ def check_environments(uses: list[EnvUse], env_python: str, described: str, *, s
 
     if any(_no_verifiers(r.error) for r in results.values()):
         detail = next(r.stderr for r in results.values() if _no_verifiers(r.error))
-        return [error(f"the env interpreter {described} cannot import verifiers: install it there "
-                      f"(`{env_python} -m pip install verifiers==0.3.1`, or `primerl env install PATH` with the "
-                      f"default interpreter) or set {setting} to an interpreter that has it", detail)]
+        return [
+            error(
+                f"the env interpreter {described} cannot import verifiers: install it there "
+                f"(`{env_python} -m pip install verifiers==0.3.1`, or `primerl env install PATH` with the "
+                f"default interpreter) or set {setting} to an interpreter that has it",
+                detail,
+            )
+        ]
     findings = []
     failed = [(use, results[key]) for key, use in unique.items() if results[key].error is not None]
     if failed:
         try:  # only now: the installed ids are for did-you-mean
             installed_ids = [env.id for env in probe_env_python(env_python, timeout_s=ENV_START_TIMEOUT_S).envs]
             v1_pythons = {use.python for use, _ in failed if use.kind == "v1" and use.python}
-            installed_ids += [env.id for python in v1_pythons
-                              for env in probe_env_python(python, timeout_s=ENV_START_TIMEOUT_S).envs]
+            installed_ids += [
+                env.id for python in v1_pythons for env in probe_env_python(python, timeout_s=ENV_START_TIMEOUT_S).envs
+            ]
         except EnvProbeError:
             installed_ids = None  # the line points at `primerl env list` instead
         findings += [load_finding(use, result, installed_ids) for use, result in failed]
     for key, use in unique.items():
         if results[key].error is None and results[key].num_examples == 0:
             split = "training" if use.split == "train" else "eval"
-            findings.append(error(f'{use.setting} "{use.id}" has no {split} examples: load_environment('
-                                  f"{_args(use.args)}) gave an empty dataset; check {use.setting}.args"))
+            findings.append(
+                error(
+                    f'{use.setting} "{use.id}" has no {split} examples: load_environment('
+                    f"{_args(use.args)}) gave an empty dataset; check {use.setting}.args"
+                )
+            )
     if tokenizer_error is not None:
-        findings.append(warning(f"prompt lengths not checked: the tokenizer {tokenizer!r} did not load "
-                                f"({tokenizer_error.splitlines()[-1]})", tokenizer_error))
+        findings.append(
+            warning(
+                f"prompt lengths not checked: the tokenizer {tokenizer!r} did not load "
+                f"({tokenizer_error.splitlines()[-1]})",
+                tokenizer_error,
+            )
+        )
     elif tok is not None:
         for key, use in unique.items():
             if results[key].error is None:
-                findings.extend(length_findings(use, results[key].prompts, tok, seq_len=seq_len,
-                                                max_model_len=max_model_len, max_tokens=max_tokens, prefix=prefix))
+                findings.extend(
+                    length_findings(
+                        use,
+                        results[key].prompts,
+                        tok,
+                        seq_len=seq_len,
+                        max_model_len=max_model_len,
+                        max_tokens=max_tokens,
+                        prefix=prefix,
+                    )
+                )
     return findings
 
 
@@ -171,9 +227,15 @@ def load_env(use: EnvUse, env_python: str) -> LoadedEnv:
 
     if use.kind == "v1":
         return load_v1_env(use, env_python)
-    worker = EnvWorker(env_python, use.id, use.args, start_timeout_s=ENV_START_TIMEOUT_S,
-                       request_timeout_s=ENV_START_TIMEOUT_S, max_restarts=0,
-                       stderr_tail_lines=200)
+    worker = EnvWorker(
+        env_python,
+        use.id,
+        use.args,
+        start_timeout_s=ENV_START_TIMEOUT_S,
+        request_timeout_s=ENV_START_TIMEOUT_S,
+        max_restarts=0,
+        stderr_tail_lines=200,
+    )
     try:
         info = worker.start()
         split = use.split if use.split == "train" or info.has_eval_dataset else "train"
@@ -229,12 +291,18 @@ def load_finding(use: EnvUse, result: LoadedEnv, installed_ids: list[str] | None
             hint = f"none is installed there. {INSTALL_HINT}"
         return error(f'{use.setting}.id "{use.id}" is not an installed environment; {hint}', detail)
     if isinstance(exc, EnvRequestTimeout):
-        return error(f'{use.setting} "{use.id}" did not load within {ENV_START_TIMEOUT_S:g} s; see what its '
-                     "load_environment waits for (the log has its output)", detail)
+        return error(
+            f'{use.setting} "{use.id}" did not load within {ENV_START_TIMEOUT_S:g} s; see what its '
+            "load_environment waits for (the log has its output)",
+            detail,
+        )
     if isinstance(exc, EnvRequestError):
         cause = str(exc).split(" <- ")[-1]  # the innermost exception of the chain the worker sends
-        return error(f'{use.setting} "{use.id}": load_environment({_args(use.args)}) raised {cause}; fix the '
-                     f"environment or its args ({use.setting}.args); the traceback is in the log", detail)
+        return error(
+            f'{use.setting} "{use.id}": load_environment({_args(use.args)}) raised {cause}; fix the '
+            f"environment or its args ({use.setting}.args); the traceback is in the log",
+            detail,
+        )
     first_line = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
     return error(f'{use.setting} "{use.id}": its env worker failed: {first_line}', detail)
 
@@ -246,8 +314,11 @@ def v1_load_finding(use: EnvUse, exc: BaseException | None, detail: str) -> Find
 
     first_line = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
     if "ModuleNotFoundError" in str(exc):
-        return error(f'{use.setting}.id "{use.id}" is not installed in the verifiers v1 env interpreter '
-                     f"{use.python}; {INSTALL_HINT} (a v1 package goes there), or set {use.setting}.kind", detail)
+        return error(
+            f'{use.setting}.id "{use.id}" is not installed in the verifiers v1 env interpreter '
+            f"{use.python}; {INSTALL_HINT} (a v1 package goes there), or set {use.setting}.kind",
+            detail,
+        )
     if isinstance(exc, EnvRequestTimeout):
         return error(f'{use.setting} "{use.id}": its tasks were not listed within {ENV_START_TIMEOUT_S:g} s', detail)
     if isinstance(exc, V1EnvConfigError):
@@ -281,8 +352,16 @@ def prompt_tokens(tokenizer: Any, prompt: Any) -> int:
     return len(tokenizer(text, add_special_tokens=False)["input_ids"])
 
 
-def length_findings(use: EnvUse, prompts: list[Any], tokenizer: Any, *, seq_len: int, max_model_len: int | None,
-                    max_tokens: int | None, prefix: str) -> list[Finding]:
+def length_findings(
+    use: EnvUse,
+    prompts: list[Any],
+    tokenizer: Any,
+    *,
+    seq_len: int,
+    max_model_len: int | None,
+    max_tokens: int | None,
+    prefix: str,
+) -> list[Finding]:
     """A prompt that leaves no room for a completion within seq_len, or that vLLM would refuse with max_tokens."""
     if not prompts:
         return []
@@ -292,16 +371,30 @@ def length_findings(use: EnvUse, prompts: list[Any], tokenizer: Any, *, seq_len:
         import traceback
 
         message = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-        return [error(f'{use.setting} "{use.id}": its prompts cannot be put through the tokenizer\'s chat template '
-                      f"({message}); use a model with a chat template (an instruct model)", traceback.format_exc())]
-    what = (f'{use.setting} "{use.id}": prompts are up to {longest} tokens after the chat template '
-            f"({len(prompts)} sampled)")
+        return [
+            error(
+                f'{use.setting} "{use.id}": its prompts cannot be put through the tokenizer\'s chat template '
+                f"({message}); use a model with a chat template (an instruct model)",
+                traceback.format_exc(),
+            )
+        ]
+    what = (
+        f'{use.setting} "{use.id}": prompts are up to {longest} tokens after the chat template ({len(prompts)} sampled)'
+    )
     room = f" + {prefix}sampling.max_tokens ({max_tokens})" if max_tokens else ""
     if longest >= seq_len:
-        return [error(f"{what}, which leaves no room for a completion within {prefix}seq_len = {seq_len}; raise "
-                      f"seq_len above {longest}{room}, or shorten the prompts ({use.setting}.args)")]
+        return [
+            error(
+                f"{what}, which leaves no room for a completion within {prefix}seq_len = {seq_len}; raise "
+                f"seq_len above {longest}{room}, or shorten the prompts ({use.setting}.args)"
+            )
+        ]
     if max_model_len is not None and longest + (max_tokens or 1) > max_model_len:
-        return [error(f"{what}{room} > inference.model.max_model_len = {max_model_len}: vLLM would refuse them; "
-                      f"raise max_model_len (and seq_len) to {longest + (max_tokens or 1)} or more, or lower "
-                      f"{prefix}sampling.max_tokens")]
+        return [
+            error(
+                f"{what}{room} > inference.model.max_model_len = {max_model_len}: vLLM would refuse them; "
+                f"raise max_model_len (and seq_len) to {longest + (max_tokens or 1)} or more, or lower "
+                f"{prefix}sampling.max_tokens"
+            )
+        ]
     return []

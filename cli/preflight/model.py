@@ -28,8 +28,10 @@ def looks_like_hub_id(name: str) -> bool:
 
 
 def hub_offline() -> bool:
-    return any(os.environ.get(var, "").strip().lower() in ("1", "true", "yes", "on")
-               for var in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"))
+    return any(
+        os.environ.get(var, "").strip().lower() in ("1", "true", "yes", "on")
+        for var in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")
+    )
 
 
 def local_problem(setting: str, path: Path, kind: Kind) -> str | None:
@@ -39,20 +41,29 @@ def local_problem(setting: str, path: Path, kind: Kind) -> str | None:
     files = {p.name for p in path.iterdir()}
     if kind == "model":
         if "config.json" not in files:
-            steps = sorted((int(m.group(1)), p) for p in (path / "weights").glob("step_*")
-                           if (m := re.fullmatch(r"step_(\d+)", p.name)) and (p / "config.json").is_file())
+            steps = sorted(
+                (int(m.group(1)), p)
+                for p in (path / "weights").glob("step_*")
+                if (m := re.fullmatch(r"step_(\d+)", p.name)) and (p / "config.json").is_file()
+            )
             if steps:
-                return (f"{setting} = {str(path)!r} is a run directory, not a model; give its exported weights, "
-                        f"e.g. {steps[-1][1]}")
+                return (
+                    f"{setting} = {str(path)!r} is a run directory, not a model; give its exported weights, "
+                    f"e.g. {steps[-1][1]}"
+                )
             if "adapter_config.json" in files:
-                return (f"{setting} = {str(path)!r} is a LoRA adapter, not a model; give the base model (and the "
-                        "adapter as a checkpoint to resume from)")
+                return (
+                    f"{setting} = {str(path)!r} is a LoRA adapter, not a model; give the base model (and the "
+                    "adapter as a checkpoint to resume from)"
+                )
             return f"{setting} = {str(path)!r} holds no config.json: not a Hugging Face model directory"
         if not any(next(path.glob(pattern), None) for pattern in WEIGHT_PATTERNS):
             return f"{setting} = {str(path)!r} holds a config.json but no weights (*.safetensors, *.bin)"
     if kind == "tokenizer" and not files.intersection(TOKENIZER_FILES):
-        return (f"{setting} = {str(path)!r} holds no tokenizer files ({', '.join(TOKENIZER_FILES[:2])}); set it "
-                "to a directory with a tokenizer")
+        return (
+            f"{setting} = {str(path)!r} holds no tokenizer files ({', '.join(TOKENIZER_FILES[:2])}); set it "
+            "to a directory with a tokenizer"
+        )
     return None
 
 
@@ -75,15 +86,19 @@ def hub_problem(setting: str, name: str, kind: Kind, *, local_only: bool) -> str
     snapshot = cached_snapshot(name, kind)
     if snapshot is not None:
         if local_only:
-            return (f"{setting} = {name!r} is a Hugging Face id, but the trainer loads from a directory only; "
-                    f"set {setting} to its cached copy: {snapshot}")
+            return (
+                f"{setting} = {name!r} is a Hugging Face id, but the trainer loads from a directory only; "
+                f"set {setting} to its cached copy: {snapshot}"
+            )
         return None
     offline = hub_offline()
     if not (local_only or offline):
         return None  # vLLM downloads it at start
-    return (f"{setting} = {name!r} is neither a directory (no {Path.cwd() / name}) nor a model in the Hugging Face "
-            f"cache{', and downloads are off (HF_HUB_OFFLINE=1)' if offline else ''}: give the path of a {kind} "
-            f"directory, or download it where there is network (`hf download {name} --local-dir DIR`) and give DIR")
+    return (
+        f"{setting} = {name!r} is neither a directory (no {Path.cwd() / name}) nor a model in the Hugging Face "
+        f"cache{', and downloads are off (HF_HUB_OFFLINE=1)' if offline else ''}: give the path of a {kind} "
+        f"directory, or download it where there is network (`hf download {name} --local-dir DIR`) and give DIR"
+    )
 
 
 def name_problem(setting: str, name: str, kind: Kind, *, local_only: bool = False) -> str | None:
@@ -93,8 +108,12 @@ def name_problem(setting: str, name: str, kind: Kind, *, local_only: bool = Fals
     return hub_problem(setting, name, kind, local_only=local_only)
 
 
-def model_checks(names: Mapping[str, tuple[str | None, Kind]], *, shared_name: str | None = None,
-                 local_only: frozenset[str] = frozenset()) -> Check:
+def model_checks(
+    names: Mapping[str, tuple[str | None, Kind]],
+    *,
+    shared_name: str | None = None,
+    local_only: frozenset[str] = frozenset(),
+) -> Check:
     """Check each ``{setting: (name, kind)}``; settings whose name is the run's ``shared_name`` (`[model] name`)
     are checked and reported together as ``model.name``. A setting under ``trainer.model.`` (or of a trainer's own
     config, ``local_only`` below) must be a local directory: the trainer loads nothing from the hub."""
@@ -131,8 +150,12 @@ def teacher_tokenizer_check(teacher_name: str, student_tokenizer: str | None) ->
         files = [Path(name).expanduser() / "tokenizer.json" for name in (teacher_name, student_tokenizer)]
         if not all(f.is_file() for f in files) or files[0].read_bytes() == files[1].read_bytes():
             return []
-        return [warning(f"teacher.model.name = {teacher_name!r} has another tokenizer.json than the student's "
-                        f"({student_tokenizer!r}): the teacher scores the student's token ids as they are, so its "
-                        "logprobs are only meaningful with the same tokenizer (vocabulary and ids)")]
+        return [
+            warning(
+                f"teacher.model.name = {teacher_name!r} has another tokenizer.json than the student's "
+                f"({student_tokenizer!r}): the teacher scores the student's token ids as they are, so its "
+                "logprobs are only meaningful with the same tokenizer (vocabulary and ids)"
+            )
+        ]
 
     return check

@@ -28,15 +28,16 @@ from primerl.cli.preflight.base import Check, report, run_checks, skipped
 def rl_checks(config) -> dict[str, Check]:
     """The checks of a whole `primerl rl` run (an `RLConfig`)."""
     from primerl.cli.preflight.envs import env_checks
-    from primerl.cli.preflight.model import model_checks
-    from primerl.cli.preflight.model import teacher_tokenizer_check
+    from primerl.cli.preflight.model import model_checks, teacher_tokenizer_check
     from primerl.cli.preflight.system import engine_memory_check, port_check, rl_ports, wandb_check
     from primerl.supervisor.role_configs import has_gpus
 
     trainer, orchestrator, inference, teacher = config.trainer, config.orchestrator, config.inference, config.teacher
-    names = {"trainer.model.name": (trainer.model.name, "model"),
-             "trainer.tokenizer.name": (trainer.tokenizer.name, "tokenizer"),
-             "inference.model.name": (inference.model.name, "model")}
+    names = {
+        "trainer.model.name": (trainer.model.name, "model"),
+        "trainer.tokenizer.name": (trainer.tokenizer.name, "tokenizer"),
+        "inference.model.name": (inference.model.name, "model"),
+    }
     engines = {"inference": inference}
     checks = {}
     if teacher is not None:
@@ -44,8 +45,12 @@ def rl_checks(config) -> dict[str, Check]:
         engines["teacher"] = teacher
         checks["teacher"] = teacher_tokenizer_check(teacher.model.name, trainer.tokenizer.name)
     return {
-        "environments": env_checks(orchestrator, prefix="orchestrator.", tokenizer=trainer.tokenizer.name,
-                                   max_model_len=inference.model.max_model_len),
+        "environments": env_checks(
+            orchestrator,
+            prefix="orchestrator.",
+            tokenizer=trainer.tokenizer.name,
+            max_model_len=inference.model.max_model_len,
+        ),
         "model": model_checks(names, shared_name=config.model.name),
         "wandb": wandb_check({"trainer": trainer, "orchestrator": orchestrator}),
         "ports": port_check(rl_ports(config.with_free_broker_ports())),
@@ -65,15 +70,24 @@ def role_checks(role: str, config) -> dict[str, Check]:
     if role == "inference":
         return {"model": model_checks({"model.name": (config.model.name, "model")})}
     if role in ("trainer", "sft"):  # `primerl sft` is a trainer with a data file
-        return {"model": model_checks({"model.name": (config.model.name, "model"),
-                                       "tokenizer.name": (config.tokenizer.name or config.model.name, "tokenizer")},
-                                      shared_name=config.model.name, local_only=frozenset({"model.name"})),
-                "wandb": wandb_check({"trainer": config})}
+        return {
+            "model": model_checks(
+                {
+                    "model.name": (config.model.name, "model"),
+                    "tokenizer.name": (config.tokenizer.name or config.model.name, "tokenizer"),
+                },
+                shared_name=config.model.name,
+                local_only=frozenset({"model.name"}),
+            ),
+            "wandb": wandb_check({"trainer": config}),
+        }
     if role == "orchestrator":
         # Its model name is the served name: a tokenizer to measure prompts with only when it is a local directory.
         tokenizer = config.model.name if Path(config.model.name).is_dir() else None
-        return {"environments": env_checks(config, prefix="", tokenizer=tokenizer, max_model_len=None),
-                "wandb": wandb_check({"orchestrator": config})}
+        return {
+            "environments": env_checks(config, prefix="", tokenizer=tokenizer, max_model_len=None),
+            "wandb": wandb_check({"orchestrator": config}),
+        }
     return {}
 
 
@@ -108,13 +122,12 @@ class _logging_to:
     def __enter__(self) -> None:
         import logging
 
-        from primerl.runtime.log_setup import configure_logging
-
         import structlog
 
+        from primerl.runtime.log_setup import configure_logging
+
         root = logging.getLogger()
-        self.saved = (list(root.handlers), root.level, structlog.get_config(),
-                      structlog.contextvars.get_contextvars())
+        self.saved = (list(root.handlers), root.level, structlog.get_config(), structlog.contextvars.get_contextvars())
         if self.log_path is not None:
             self.log_path.parent.mkdir(parents=True, exist_ok=True)
             self.stream = open(self.log_path, "a")

@@ -25,11 +25,16 @@ class PortUse:
 
 def broker_ports(broker, prefix: str = "broker.") -> list[PortUse]:
     host_setting = f"{prefix}host"
-    uses = [PortUse(f"{prefix}{name}", host_setting, broker.host, getattr(broker, name))
-            for name in ("grpc_port", "rollout_port", "weight_port")]
+    uses = [
+        PortUse(f"{prefix}{name}", host_setting, broker.host, getattr(broker, name))
+        for name in ("grpc_port", "rollout_port", "weight_port")
+    ]
     if broker.prometheus.enabled:
-        uses.append(PortUse(f"{prefix}prometheus.port", f"{prefix}prometheus.host", broker.prometheus.host,
-                            broker.prometheus.port))
+        uses.append(
+            PortUse(
+                f"{prefix}prometheus.port", f"{prefix}prometheus.host", broker.prometheus.host, broker.prometheus.port
+            )
+        )
     return uses
 
 
@@ -44,8 +49,7 @@ def rl_ports(config) -> list[PortUse]:
     for role in ("trainer", "orchestrator"):
         prometheus = getattr(config, role).prometheus
         if prometheus.enabled:
-            uses.append(PortUse(f"{role}.prometheus.port", f"{role}.prometheus.host", prometheus.host,
-                                prometheus.port))
+            uses.append(PortUse(f"{role}.prometheus.port", f"{role}.prometheus.host", prometheus.host, prometheus.port))
     return uses
 
 
@@ -56,8 +60,10 @@ def port_problem(use: PortUse) -> str | None:
     try:
         infos = socket.getaddrinfo(use.host, use.port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
     except socket.gaierror as exc:
-        return f"{use.host_setting} = {use.host!r} is not a known host ({exc.strerror}); set it to an address of " \
-               "this machine (127.0.0.1, or 0.0.0.0 for all interfaces)"
+        return (
+            f"{use.host_setting} = {use.host!r} is not a known host ({exc.strerror}); set it to an address of "
+            "this machine (127.0.0.1, or 0.0.0.0 for all interfaces)"
+        )
     family, kind, proto, _, address = infos[0]
     with socket.socket(family, kind, proto) as sock:
         # as the servers do: a port left in TIME_WAIT by a run that just ended is free, a listening one is not
@@ -67,14 +73,20 @@ def port_problem(use: PortUse) -> str | None:
         except OSError as exc:
             where = f"{use.host}:{use.port}"
             if exc.errno == errno.EADDRINUSE:
-                return (f"{use.setting} = {use.port}: {where} is already in use by another process (another run?); "
-                        f"set {use.setting} to a free port, or 0 to pick one")
+                return (
+                    f"{use.setting} = {use.port}: {where} is already in use by another process (another run?); "
+                    f"set {use.setting} to a free port, or 0 to pick one"
+                )
             if exc.errno == errno.EACCES:
-                return (f"{use.setting} = {use.port}: binding {where} needs privileges (ports below 1024); "
-                        f"set {use.setting} to a port >= 1024, or 0 to pick one")
+                return (
+                    f"{use.setting} = {use.port}: binding {where} needs privileges (ports below 1024); "
+                    f"set {use.setting} to a port >= 1024, or 0 to pick one"
+                )
             if exc.errno == errno.EADDRNOTAVAIL:
-                return (f"{use.host_setting} = {use.host!r} is not an address of this machine; set it to one "
-                        "(127.0.0.1, or 0.0.0.0 for all interfaces)")
+                return (
+                    f"{use.host_setting} = {use.host!r} is not an address of this machine; set it to one "
+                    "(127.0.0.1, or 0.0.0.0 for all interfaces)"
+                )
             return f"{use.setting} = {use.port}: {where} cannot be bound ({exc.strerror}); set {use.setting} to 0"
     return None
 
@@ -129,8 +141,7 @@ def available_memory_bytes() -> int | None:
     return None
 
 
-def engine_memory_check(engines: Mapping[str, object], *, gpus: bool,
-                        available_bytes: int | None = None) -> Check:
+def engine_memory_check(engines: Mapping[str, object], *, gpus: bool, available_bytes: int | None = None) -> Check:
     """On a CPU machine, a warning when the vLLM engines (``{role: InferenceConfig}``) need more memory than is
     available: each holds its KV cache (``kv_cache_memory_bytes``, the CPU default when unset) plus about
     ``ENGINE_OVERHEAD_BYTES``. On GPUs the KV cache is GPU memory: nothing to check here."""
@@ -141,16 +152,22 @@ def engine_memory_check(engines: Mapping[str, object], *, gpus: bool,
         available = available_memory_bytes() if available_bytes is None else available_bytes
         if gpus or available is None:
             return []
-        caches = {role: getattr(config, "kv_cache_memory_bytes", None) or CPU_DEFAULT_KV_CACHE_BYTES
-                  for role, config in engines.items()}
+        caches = {
+            role: getattr(config, "kv_cache_memory_bytes", None) or CPU_DEFAULT_KV_CACHE_BYTES
+            for role, config in engines.items()
+        }
         needed = sum(caches.values()) + ENGINE_OVERHEAD_BYTES * len(engines)
         if needed <= available:
             return []
         gib = 2**30
         parts = " + ".join(f"{role} KV cache {size / gib:.2f} GiB" for role, size in caches.items())
         settings = " and ".join(f"{role}.kv_cache_memory_bytes" for role in engines)
-        return [warning(f"{len(engines)} vLLM engine(s) need about {needed / gib:.1f} GiB ({parts}, ~"
-                        f"{ENGINE_OVERHEAD_BYTES / gib:.0f} GiB each for the engine) but {available / gib:.1f} GiB "
-                        f"are available; lower {settings} (e.g. 67108864 = 64 MiB for a small model)")]
+        return [
+            warning(
+                f"{len(engines)} vLLM engine(s) need about {needed / gib:.1f} GiB ({parts}, ~"
+                f"{ENGINE_OVERHEAD_BYTES / gib:.0f} GiB each for the engine) but {available / gib:.1f} GiB "
+                f"are available; lower {settings} (e.g. 67108864 = 64 MiB for a small model)"
+            )
+        ]
 
     return check

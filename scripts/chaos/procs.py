@@ -23,7 +23,7 @@ from pathlib import Path
 
 import psutil
 
-from primerl.cli.process_supervisor import start_in_own_session
+from primerl.supervisor.process_supervisor import start_in_own_session
 
 MARKER_ENV = "PRIMERL_CHAOS_MARKER"
 START_LIMIT_BURST = 5

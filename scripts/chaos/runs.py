@@ -24,8 +24,8 @@ from pathlib import Path
 
 import psutil
 
-from primerl.cli.process_supervisor import start_in_own_session
 from primerl.proto.ready_file import read_ready_file, ready_file_path
+from primerl.supervisor.process_supervisor import start_in_own_session
 
 from .procs import MARKER_ENV, Exit, Unit
 

@@ -85,16 +85,23 @@ class CertPaths:
 
     def broker_settings(self) -> dict[str, str]:
         """The [broker] table's keys that turn everything on."""
-        return {"tls_cert_path": str(self.broker_cert), "tls_key_path": str(self.broker_key),
-                "tls_client_ca_path": str(self.ca_cert), "curve_secret_key_path": str(self.curve_broker_secret),
-                "curve_authorized_keys_dir": str(self.curve_authorized)}
+        return {
+            "tls_cert_path": str(self.broker_cert),
+            "tls_key_path": str(self.broker_key),
+            "tls_client_ca_path": str(self.ca_cert),
+            "curve_secret_key_path": str(self.curve_broker_secret),
+            "curve_authorized_keys_dir": str(self.curve_authorized),
+        }
 
     def client_settings(self, name: str) -> dict[str, str]:
         """A role's [<role>.broker] table's keys for client ``name``."""
-        return {"tls_ca_path": str(self.ca_cert), "tls_cert_path": str(self.client_cert(name)),
-                "tls_key_path": str(self.client_key(name)),
-                "curve_secret_key_path": str(self.curve_client_secret(name)),
-                "curve_broker_key_path": str(self.curve_broker_public)}
+        return {
+            "tls_ca_path": str(self.ca_cert),
+            "tls_cert_path": str(self.client_cert(name)),
+            "tls_key_path": str(self.client_key(name)),
+            "curve_secret_key_path": str(self.curve_client_secret(name)),
+            "curve_broker_key_path": str(self.curve_broker_public),
+        }
 
 
 class CertsError(ValueError):
@@ -112,8 +119,10 @@ def parse_clients(spec: str) -> tuple[str, ...]:
     names = tuple(name.strip() for name in spec.split(",") if name.strip())
     bad = [name for name in names if not _NAME.match(name) or name == "broker"]
     if not names or bad:
-        raise CertsError(f"--clients {spec!r}: names are letters, digits, '.', '_' and '-' (not 'broker'), comma "
-                         "separated, or a count")
+        raise CertsError(
+            f"--clients {spec!r}: names are letters, digits, '.', '_' and '-' (not 'broker'), comma "
+            "separated, or a count"
+        )
     if len(set(names)) != len(names):
         raise CertsError(f"--clients {spec!r} names a client twice")
     return names
@@ -149,30 +158,52 @@ def _write(path: Path, data: bytes, *, secret: bool) -> None:
 def _key_pem(key) -> bytes:
     from cryptography.hazmat.primitives import serialization
 
-    return key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
-                             serialization.NoEncryption())
+    return key.private_bytes(
+        serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
+    )
 
 
-def _certificate(subject_cn: str, public_key, issuer_cn: str, issuer_key, *, days: int, ca: bool = False,
-                 sans: list | None = None, server: bool = False):
+def _certificate(
+    subject_cn: str,
+    public_key,
+    issuer_cn: str,
+    issuer_key,
+    *,
+    days: int,
+    ca: bool = False,
+    sans: list | None = None,
+    server: bool = False,
+):
     from cryptography import x509
     from cryptography.hazmat.primitives import hashes
     from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
     now = datetime.datetime.now(datetime.timezone.utc)
-    builder = (x509.CertificateBuilder()
-               .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, subject_cn)]))
-               .issuer_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, issuer_cn)]))
-               .public_key(public_key)
-               .serial_number(x509.random_serial_number())
-               .not_valid_before(now - datetime.timedelta(minutes=5))
-               .not_valid_after(now + datetime.timedelta(days=days))
-               .add_extension(x509.BasicConstraints(ca=ca, path_length=0 if ca else None), critical=True))
+    builder = (
+        x509.CertificateBuilder()
+        .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, subject_cn)]))
+        .issuer_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, issuer_cn)]))
+        .public_key(public_key)
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(minutes=5))
+        .not_valid_after(now + datetime.timedelta(days=days))
+        .add_extension(x509.BasicConstraints(ca=ca, path_length=0 if ca else None), critical=True)
+    )
     if ca:
-        builder = builder.add_extension(x509.KeyUsage(
-            digital_signature=True, key_cert_sign=True, crl_sign=True, content_commitment=False,
-            key_encipherment=False, data_encipherment=False, key_agreement=False, encipher_only=False,
-            decipher_only=False), critical=True)
+        builder = builder.add_extension(
+            x509.KeyUsage(
+                digital_signature=True,
+                key_cert_sign=True,
+                crl_sign=True,
+                content_commitment=False,
+                key_encipherment=False,
+                data_encipherment=False,
+                key_agreement=False,
+                encipher_only=False,
+                decipher_only=False,
+            ),
+            critical=True,
+        )
     else:
         usage = ExtendedKeyUsageOID.SERVER_AUTH if server else ExtendedKeyUsageOID.CLIENT_AUTH
         builder = builder.add_extension(x509.ExtendedKeyUsage([usage]), critical=False)
@@ -181,8 +212,14 @@ def _certificate(subject_cn: str, public_key, issuer_cn: str, issuer_key, *, day
     return builder.sign(issuer_key, hashes.SHA256())
 
 
-def make_certs(out: str | Path, hosts: list[str], clients: tuple[str, ...] = DEFAULT_CLIENTS, *,
-               force: bool = False, days: int = 365) -> CertPaths:
+def make_certs(
+    out: str | Path,
+    hosts: list[str],
+    clients: tuple[str, ...] = DEFAULT_CLIENTS,
+    *,
+    force: bool = False,
+    days: int = 365,
+) -> CertPaths:
     """Write a CA, the broker's server certificate (``hosts`` as subjectAltNames), a certificate per client and the
     CURVE key pairs under ``out``; see the module docstring. Raises ``CertsError`` when a CA exists there already
     (unless ``force``) or the request is wrong."""
@@ -196,8 +233,10 @@ def make_certs(out: str | Path, hosts: list[str], clients: tuple[str, ...] = DEF
         raise CertsError(f"--days must be >= 1, got {days}")
     paths = CertPaths(Path(out).resolve(), tuple(clients))
     if not force and (paths.ca_cert.exists() or paths.ca_key.exists()):
-        raise CertsError(f"{paths.ca_cert} exists already: replacing the CA would make every certificate it signed "
-                         "stop verifying. Use another --out directory, or pass --force to replace everything there")
+        raise CertsError(
+            f"{paths.ca_cert} exists already: replacing the CA would make every certificate it signed "
+            "stop verifying. Use another --out directory, or pass --force to replace everything there"
+        )
     with _private_umask():
         paths.out.mkdir(parents=True, exist_ok=True)
         if force:
@@ -209,13 +248,23 @@ def make_certs(out: str | Path, hosts: list[str], clients: tuple[str, ...] = DEF
         _write(paths.ca_cert, ca_cert.public_bytes(serialization.Encoding.PEM), secret=False)
 
         broker_key = ec.generate_private_key(ec.SECP256R1())
-        broker_cert = _certificate(hosts[0], broker_key.public_key(), "primerl run CA", ca_key, days=days,
-                                   sans=[_san(host) for host in dict.fromkeys(hosts)], server=True)
+        broker_cert = _certificate(
+            hosts[0],
+            broker_key.public_key(),
+            "primerl run CA",
+            ca_key,
+            days=days,
+            sans=[_san(host) for host in dict.fromkeys(hosts)],
+            server=True,
+        )
         _write(paths.broker_key, _key_pem(broker_key), secret=True)
         _write(paths.broker_cert, broker_cert.public_bytes(serialization.Encoding.PEM), secret=False)
 
-        for directory in (paths.curve_broker_public.parent, paths.curve_client_public("x").parent,
-                          paths.curve_authorized):
+        for directory in (
+            paths.curve_broker_public.parent,
+            paths.curve_client_public("x").parent,
+            paths.curve_authorized,
+        ):
             directory.mkdir(parents=True, exist_ok=True)
         zmq.auth.create_certificates(paths.curve_broker_public.parent, "broker")
         for name in clients:
@@ -274,8 +323,11 @@ def _open_public_files(paths: CertPaths) -> None:
     for path in paths.out.rglob("*"):
         if path.is_dir():
             os.chmod(path, 0o755)
-        elif not (path.suffix == ".key_secret" or path in (paths.ca_key, paths.broker_key)
-                  or (path.parent == client_keys_dir and path.suffix == ".key")):
+        elif not (
+            path.suffix == ".key_secret"
+            or path in (paths.ca_key, paths.broker_key)
+            or (path.parent == client_keys_dir and path.suffix == ".key")
+        ):
             os.chmod(path, 0o644)
 
 
@@ -288,13 +340,17 @@ def config_lines(paths: CertPaths, *, broker: bool = True) -> str:
     for name in paths.clients:
         settings = paths.client_settings(name)
         if name == "status":
-            lines += ["", "# primerl status (gRPC only: no CURVE keys needed)",
-                      f"#   primerl status --broker HOST:PORT --tls-ca {settings['tls_ca_path']} "
-                      f"--tls-cert {settings['tls_cert_path']} --tls-key {settings['tls_key_path']}"]
+            lines += [
+                "",
+                "# primerl status (gRPC only: no CURVE keys needed)",
+                f"#   primerl status --broker HOST:PORT --tls-ca {settings['tls_ca_path']} "
+                f"--tls-cert {settings['tls_cert_path']} --tls-key {settings['tls_key_path']}",
+            ]
             continue
         table = ROLE_TABLES.get(name, "<role>.broker")
-        comment = f"# client {name!r}" + ("" if name in ROLE_TABLES else ": put in the [broker] table of the role "
-                                                                        "it runs (e.g. [inference.broker])")
+        comment = f"# client {name!r}" + (
+            "" if name in ROLE_TABLES else ": put in the [broker] table of the role it runs (e.g. [inference.broker])"
+        )
         lines += ["", comment, f"[{table}]"] + [f'{key} = "{value}"' for key, value in settings.items()]
     return "\n".join(lines)
 
@@ -307,15 +363,27 @@ def build_parser() -> argparse.ArgumentParser:
         "config lines that turn them on.",
     )
     parser.add_argument("--out", required=True, help="directory to write into (created)")
-    parser.add_argument("--host", action="append", default=[], dest="hosts",
-                        help="a name or IP address the workers dial the broker by (repeat for several)")
-    parser.add_argument("--clients", default=",".join(DEFAULT_CLIENTS),
-                        help="a count (client-1..N) or comma-separated names (default: %(default)s)")
+    parser.add_argument(
+        "--host",
+        action="append",
+        default=[],
+        dest="hosts",
+        help="a name or IP address the workers dial the broker by (repeat for several)",
+    )
+    parser.add_argument(
+        "--clients",
+        default=",".join(DEFAULT_CLIENTS),
+        help="a count (client-1..N) or comma-separated names (default: %(default)s)",
+    )
     parser.add_argument("--days", type=int, default=365, help="validity of the certificates (default 365)")
     parser.add_argument("--force", action="store_true", help="replace an existing CA and everything made from it")
-    parser.add_argument("--add-clients", default=None, metavar="NAMES",
-                        help="add these clients (a count or names) to the CA already in --out; their CURVE keys are "
-                        "admitted by a running broker without a restart (--host is not needed)")
+    parser.add_argument(
+        "--add-clients",
+        default=None,
+        metavar="NAMES",
+        help="add these clients (a count or names) to the CA already in --out; their CURVE keys are "
+        "admitted by a running broker without a restart (--host is not needed)",
+    )
     return parser
 
 
@@ -332,7 +400,9 @@ def main(argv: list[str] | None = None) -> int:
     except OSError as err:
         print(f"primerl certs: cannot write under {args.out}: {err}", file=sys.stderr)
         return 1
-    print(f"# written under {paths.out} (keep ca.key off the worker machines; *.key_secret and *.key PEM files are "
-          "owner-only)")
+    print(
+        f"# written under {paths.out} (keep ca.key off the worker machines; *.key_secret and *.key PEM files are "
+        "owner-only)"
+    )
     print(config_lines(paths, broker=args.add_clients is None))
     return 0

@@ -3,7 +3,7 @@
 Without `--base-url`, the model is served by a vLLM server started in this process (127.0.0.1, a free port,
 a fresh bearer token) and stopped at the end; with it, any OpenAI-compatible endpoint is used (e.g. a running
 `primerl-infer`). The environment runs in an env worker with the environments' interpreter (`--env-python`,
-else the default of `primerl.orchestrator.env_python`), exactly as in training. Results go to `--output` (default
+else the default of `primerl.orchestrator.envs.interpreters`), exactly as in training. Results go to `--output` (default
 `outputs/evals/<env>--<model>/<time>`): `results.jsonl` (one line per rollout) and `summary.json`; what vLLM
 writes goes to `eval.log` there (`eval_console.py`), so the terminal shows eval's own lines only (`--verbose`:
 everything on the terminal).
@@ -38,7 +38,7 @@ from primerl.cli.command_args import parse_command_args
 from primerl.cli.env_args import parse_env_args
 from primerl.cli.eval_console import Console
 from primerl.cli.v1_tools import V1ToolError, add_kind_arguments, resolve_kind
-from primerl.orchestrator.env_python import ENV_PYTHON_VAR, ENV_VENV_NAME, resolve_env_python
+from primerl.orchestrator.envs.interpreters import ENV_PYTHON_VAR, ENV_VENV_NAME, resolve_env_python
 
 DEFAULT_OUTPUT_ROOT = Path("outputs/evals")
 DEFAULT_TOOL_CALL_PARSER = "hermes"
@@ -57,47 +57,131 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("env_id", metavar="ENV_ID", help="environment id (an installed verifiers environment)")
     parser.add_argument("-m", "--model", required=True, help="model directory, run directory, or served name")
-    parser.add_argument("-a", "--env-args", default="{}", metavar="JSON",
-                        help='arguments of load_environment, as a JSON object (e.g. \'{"max_len": 8}\')')
-    parser.add_argument("-n", "--num-examples", type=int, default=5, metavar="N",
-                        help="examples to evaluate, from the first; -1 for all (default: %(default)s)")
-    parser.add_argument("-r", "--rollouts-per-example", type=int, default=3, metavar="R",
-                        help="rollouts per example (default: %(default)s)")
-    parser.add_argument("-t", "--max-tokens", type=int, default=None, metavar="N",
-                        help="completion tokens per model call (default: up to the context length)")
-    parser.add_argument("-T", "--temperature", type=float, default=1.0, metavar="T",
-                        help="sampling temperature; 0 is greedy (default: %(default)s)")
+    parser.add_argument(
+        "-a",
+        "--env-args",
+        default="{}",
+        metavar="JSON",
+        help="arguments of load_environment, as a JSON object (e.g. '{\"max_len\": 8}')",
+    )
+    parser.add_argument(
+        "-n",
+        "--num-examples",
+        type=int,
+        default=5,
+        metavar="N",
+        help="examples to evaluate, from the first; -1 for all (default: %(default)s)",
+    )
+    parser.add_argument(
+        "-r",
+        "--rollouts-per-example",
+        type=int,
+        default=3,
+        metavar="R",
+        help="rollouts per example (default: %(default)s)",
+    )
+    parser.add_argument(
+        "-t",
+        "--max-tokens",
+        type=int,
+        default=None,
+        metavar="N",
+        help="completion tokens per model call (default: up to the context length)",
+    )
+    parser.add_argument(
+        "-T",
+        "--temperature",
+        type=float,
+        default=1.0,
+        metavar="T",
+        help="sampling temperature; 0 is greedy (default: %(default)s)",
+    )
     parser.add_argument("--top-p", type=float, default=1.0, metavar="P", help="nucleus sampling (default: 1.0)")
-    parser.add_argument("--seed", type=int, default=0, metavar="N",
-                        help="sampling seed: each example's requests are seeded apart from it, so the same seed "
-                             "gives the same figures again (default: %(default)s)")
-    parser.add_argument("--split", choices=("eval", "train"), default=None,
-                        help="dataset split (default: eval when the environment has one, else train)")
-    parser.add_argument("-c", "--max-concurrent", type=int, default=16, metavar="N",
-                        help="examples in flight at once (default: %(default)s)")
-    parser.add_argument("-b", "--base-url", default=None, metavar="URL",
-                        help="an OpenAI-compatible server to use instead of starting vLLM (e.g. http://host:8000/v1)")
-    parser.add_argument("-k", "--api-key-var", default="PRIMERL_RUN_TOKEN", metavar="VAR",
-                        help="environment variable holding the server's API key, with --base-url "
-                        "(default: %(default)s; unset means no key)")
-    parser.add_argument("--max-model-len", type=int, default=None, metavar="N",
-                        help="context length of the started vLLM server (default: the model's)")
-    parser.add_argument("-o", "--output", type=Path, default=None, metavar="DIR",
-                        help=f"where results.jsonl and summary.json go (default: {DEFAULT_OUTPUT_ROOT}/<env>--<model>/<time>)")
-    parser.add_argument("--env-python", default=None, metavar="PATH",
-                        help=f"interpreter of the environments (default: ${ENV_PYTHON_VAR}, else {ENV_VENV_NAME} "
-                        "next to primerl's venv, else this one)")
-    parser.add_argument("--timeout-s", type=float, default=600.0, metavar="S",
-                        help="deadline of one example's rollouts (default: %(default)g)")
+    parser.add_argument(
+        "--seed",
+        type=int,
+        default=0,
+        metavar="N",
+        help="sampling seed: each example's requests are seeded apart from it, so the same seed "
+        "gives the same figures again (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--split",
+        choices=("eval", "train"),
+        default=None,
+        help="dataset split (default: eval when the environment has one, else train)",
+    )
+    parser.add_argument(
+        "-c",
+        "--max-concurrent",
+        type=int,
+        default=16,
+        metavar="N",
+        help="examples in flight at once (default: %(default)s)",
+    )
+    parser.add_argument(
+        "-b",
+        "--base-url",
+        default=None,
+        metavar="URL",
+        help="an OpenAI-compatible server to use instead of starting vLLM (e.g. http://host:8000/v1)",
+    )
+    parser.add_argument(
+        "-k",
+        "--api-key-var",
+        default="PRIMERL_RUN_TOKEN",
+        metavar="VAR",
+        help="environment variable holding the server's API key, with --base-url "
+        "(default: %(default)s; unset means no key)",
+    )
+    parser.add_argument(
+        "--max-model-len",
+        type=int,
+        default=None,
+        metavar="N",
+        help="context length of the started vLLM server (default: the model's)",
+    )
+    parser.add_argument(
+        "-o",
+        "--output",
+        type=Path,
+        default=None,
+        metavar="DIR",
+        help=f"where results.jsonl and summary.json go (default: {DEFAULT_OUTPUT_ROOT}/<env>--<model>/<time>)",
+    )
+    parser.add_argument(
+        "--env-python",
+        default=None,
+        metavar="PATH",
+        help=f"interpreter of the environments (default: ${ENV_PYTHON_VAR}, else {ENV_VENV_NAME} "
+        "next to primerl's venv, else this one)",
+    )
+    parser.add_argument(
+        "--timeout-s",
+        type=float,
+        default=600.0,
+        metavar="S",
+        help="deadline of one example's rollouts (default: %(default)g)",
+    )
     add_kind_arguments(parser)
-    parser.add_argument("--enable-auto-tool-choice", action=argparse.BooleanOptionalAction, default=None,
-                        help="let the started vLLM server accept tool calls (default: on when the environment has "
-                        "tools)")
-    parser.add_argument("--tool-call-parser", default=None, metavar="NAME",
-                        help=f"vLLM tool-call parser of the started server (default: {DEFAULT_TOOL_CALL_PARSER}, "
-                        "for Qwen models; e.g. llama3_json, mistral)")
-    parser.add_argument("--verbose", action="store_true",
-                        help=f"show vLLM's log on the terminal (default: warnings and errors go to OUTPUT/{LOG_NAME})")
+    parser.add_argument(
+        "--enable-auto-tool-choice",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="let the started vLLM server accept tool calls (default: on when the environment has tools)",
+    )
+    parser.add_argument(
+        "--tool-call-parser",
+        default=None,
+        metavar="NAME",
+        help=f"vLLM tool-call parser of the started server (default: {DEFAULT_TOOL_CALL_PARSER}, "
+        "for Qwen models; e.g. llama3_json, mistral)",
+    )
+    parser.add_argument(
+        "--verbose",
+        action="store_true",
+        help=f"show vLLM's log on the terminal (default: warnings and errors go to OUTPUT/{LOG_NAME})",
+    )
     return parser
 
 
@@ -117,13 +201,18 @@ def resolve_model(model: str, *, served: bool) -> str:
         raise EvalInputError(f"model {model!r} does not exist; give a model directory, a run directory or a hub id")
     if (path / "config.json").is_file():
         return str(path)
-    steps = sorted((int(m.group(1)), p) for p in (path / "weights").glob("step_*")
-                   if (m := re.fullmatch(r"step_(\d+)", p.name)) and (p / "config.json").is_file())
+    steps = sorted(
+        (int(m.group(1)), p)
+        for p in (path / "weights").glob("step_*")
+        if (m := re.fullmatch(r"step_(\d+)", p.name)) and (p / "config.json").is_file()
+    )
     if steps:
         return str(steps[-1][1])
     if re.fullmatch(r"step_\d+", path.name) and path.parent.name == "checkpoints":
-        raise EvalInputError(f"{path} is a training checkpoint (optimizer state, sharded); evaluate the exported "
-                             f"weights instead: {path.parent.parent / 'weights' / path.name}")
+        raise EvalInputError(
+            f"{path} is a training checkpoint (optimizer state, sharded); evaluate the exported "
+            f"weights instead: {path.parent.parent / 'weights' / path.name}"
+        )
     raise EvalInputError(f"{path} holds no config.json and no weights/step_N: not a model or run directory")
 
 
@@ -134,9 +223,12 @@ def _check(args: argparse.Namespace) -> dict[str, Any]:
         raise EvalInputError(str(exc)) from None
     if args.num_examples == 0 or args.num_examples < -1:
         raise EvalInputError(f"--num-examples must be >= 1 or -1 (all), got {args.num_examples}")
-    for flag, value, low in (("--rollouts-per-example", args.rollouts_per_example, 1),
-                             ("--max-concurrent", args.max_concurrent, 1), ("--max-tokens", args.max_tokens, 1),
-                             ("--max-model-len", args.max_model_len, 1)):
+    for flag, value, low in (
+        ("--rollouts-per-example", args.rollouts_per_example, 1),
+        ("--max-concurrent", args.max_concurrent, 1),
+        ("--max-tokens", args.max_tokens, 1),
+        ("--max-model-len", args.max_model_len, 1),
+    ):
         if value is not None and value < low:
             raise EvalInputError(f"{flag} must be >= {low}, got {value}")
     if args.temperature < 0:
@@ -155,8 +247,10 @@ def _check(args: argparse.Namespace) -> dict[str, Any]:
         return env_args
     args.env_python = resolve_env_python(args.env_python)
     if not Path(args.env_python).exists():
-        raise EvalInputError(f"env python {args.env_python} does not exist: install an environment with `primerl env "
-                             "install PATH|PACKAGE` (it creates the env venv) or pass --env-python")
+        raise EvalInputError(
+            f"env python {args.env_python} does not exist: install an environment with `primerl env "
+            "install PATH|PACKAGE` (it creates the env venv) or pass --env-python"
+        )
     return env_args
 
 
@@ -193,7 +287,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 async def _evaluate(args: argparse.Namespace, model: str, env_args: dict[str, Any], console: Console) -> int:
-    from primerl.orchestrator.env_client import EnvWorker, EnvWorkerError
+    from primerl.orchestrator.envs.base import EnvWorkerError
+    from primerl.orchestrator.envs.classic import EnvWorker
 
     if args.kind == "v1":
         from primerl.cli.v1_tools import evaluate_v1
@@ -228,8 +323,9 @@ async def _evaluate(args: argparse.Namespace, model: str, env_args: dict[str, An
             server = await _start_server(model, args.max_model_len, tool_choice, tool_parser, console)
             api_key = server.config.broker.run_token  # the server refuses requests without it
             base_url, served_name = server.address.base_url + "/v1", server.served_model_name
-        return await _run(args, worker, info, split, count, base_url, served_name, api_key, model, env_args, output,
-                          console)
+        return await _run(
+            args, worker, info, split, count, base_url, served_name, api_key, model, env_args, output, console
+        )
     finally:
         await asyncio.to_thread(worker.close)
         if server is not None:
@@ -238,7 +334,7 @@ async def _evaluate(args: argparse.Namespace, model: str, env_args: dict[str, An
 
 def _did_you_mean(args: argparse.Namespace, exc: Exception) -> str:
     """For an environment that is not installed: the installed ids closest to it, or how to install it."""
-    from primerl.orchestrator.env_python import EnvProbeError, installed_env_ids, suggest_env_ids
+    from primerl.orchestrator.envs.interpreters import EnvProbeError, installed_env_ids, suggest_env_ids
 
     if "Could not import" not in str(exc) and "No module named" not in str(exc):
         return ""
@@ -253,15 +349,19 @@ def _did_you_mean(args: argparse.Namespace, exc: Exception) -> str:
     if close:
         return f". Did you mean {' or '.join(repr(c) for c in close)}?"
     known = ", ".join(installed) if installed else "none"
-    return (f". Installed in {args.env_python}: {known}; install yours with `primerl env install PATH|PACKAGE`")
+    return f". Installed in {args.env_python}: {known}; install yours with `primerl env install PATH|PACKAGE`"
 
 
 def _tool_settings(args: argparse.Namespace, info: Any, console: Console) -> tuple[bool, str | None]:
     """(auto tool choice, parser) for the vLLM server eval starts: the flags, else on when the env has tools."""
     if args.base_url is not None:
         if args.enable_auto_tool_choice is not None or args.tool_call_parser is not None:
-            print("primerl eval: warning: --enable-auto-tool-choice and --tool-call-parser have no effect with "
-                  "--base-url (the server's own settings apply)", file=console.err, flush=True)
+            print(
+                "primerl eval: warning: --enable-auto-tool-choice and --tool-call-parser have no effect with "
+                "--base-url (the server's own settings apply)",
+                file=console.err,
+                flush=True,
+            )
         return False, None
     enabled = args.enable_auto_tool_choice
     if enabled is None:
@@ -270,17 +370,30 @@ def _tool_settings(args: argparse.Namespace, info: Any, console: Console) -> tup
     return enabled, parser
 
 
-async def _start_server(model: str, max_model_len: int | None, tool_choice: bool, tool_parser: str | None,
-                        console: Console, token: str | None = None):
+async def _start_server(
+    model: str,
+    max_model_len: int | None,
+    tool_choice: bool,
+    tool_parser: str | None,
+    console: Console,
+    token: str | None = None,
+):
     from primerl.configs.inference import InferenceConfig
     from primerl.inference.server import InferenceServer
 
     token = token or secrets.token_urlsafe(24)
-    config = InferenceConfig.model_validate({"model": {"name": model, "max_model_len": max_model_len,
-                                                       "enable_auto_tool_choice": tool_choice,
-                                                       "tool_call_parser": tool_parser},
-                                             "server": {"host": "127.0.0.1", "port": 0},
-                                             "broker": {"run_token": token}})
+    config = InferenceConfig.model_validate(
+        {
+            "model": {
+                "name": model,
+                "max_model_len": max_model_len,
+                "enable_auto_tool_choice": tool_choice,
+                "tool_call_parser": tool_parser,
+            },
+            "server": {"host": "127.0.0.1", "port": 0},
+            "broker": {"run_token": token},
+        }
+    )
     server = InferenceServer(config, version_fn=lambda: 0, worker_extension_cls=None)
     try:
         await server.start()
@@ -291,54 +404,102 @@ async def _start_server(model: str, max_model_len: int | None, tool_choice: bool
     return server
 
 
-async def _run(args, worker, info, split: str, count: int, base_url: str, served_name: str, api_key: str,
-               model: str, env_args: dict[str, Any], output: Path, console: Console, kind: str = "classic") -> int:
+async def _run(
+    args,
+    worker,
+    info,
+    split: str,
+    count: int,
+    base_url: str,
+    served_name: str,
+    api_key: str,
+    model: str,
+    env_args: dict[str, Any],
+    output: Path,
+    console: Console,
+    kind: str = "classic",
+) -> int:
     from primerl.orchestrator.evaluation import run_eval_groups, summarize_groups
 
     output.mkdir(parents=True, exist_ok=True)
-    sampling = {"temperature": args.temperature, "top_p": args.top_p, "max_tokens": args.max_tokens,
-                "seed": args.seed}
+    sampling = {"temperature": args.temperature, "top_p": args.top_p, "max_tokens": args.max_tokens, "seed": args.seed}
     started_s = time.monotonic()
     done = 0
     with (output / "results.jsonl").open("w") as results:
+
         def on_group(group) -> None:
             nonlocal done
             done += 1
             for rollout in group.rollouts:
-                results.write(json.dumps({
-                    "example_index": group.example_index, "rollout_index": rollout.rollout_index,
-                    "reward": rollout.reward, "metrics": rollout.metrics, "prompt": rollout.prompt,
-                    "completion": rollout.completion, "num_completion_tokens": rollout.num_completion_tokens,
-                    "is_truncated": rollout.is_truncated, "error": rollout.error,
-                }) + "\n")
+                results.write(
+                    json.dumps(
+                        {
+                            "example_index": group.example_index,
+                            "rollout_index": rollout.rollout_index,
+                            "reward": rollout.reward,
+                            "metrics": rollout.metrics,
+                            "prompt": rollout.prompt,
+                            "completion": rollout.completion,
+                            "num_completion_tokens": rollout.num_completion_tokens,
+                            "is_truncated": rollout.is_truncated,
+                            "error": rollout.error,
+                        }
+                    )
+                    + "\n"
+                )
             if console.err.isatty():
                 print(f"\r  {done}/{count} examples", end="", file=console.err, flush=True)
 
         groups, failed = await asyncio.to_thread(
-            run_eval_groups, worker, range(count), num_rollouts=args.rollouts_per_example, base_url=base_url,
-            model=served_name, sampling=sampling, split=split, api_key=api_key,
-            max_concurrent_groups=args.max_concurrent, timeout_s=args.timeout_s, on_group=on_group)
+            run_eval_groups,
+            worker,
+            range(count),
+            num_rollouts=args.rollouts_per_example,
+            base_url=base_url,
+            model=served_name,
+            sampling=sampling,
+            split=split,
+            api_key=api_key,
+            max_concurrent_groups=args.max_concurrent,
+            timeout_s=args.timeout_s,
+            on_group=on_group,
+        )
     if console.err.isatty():
         print(file=console.err)
     summary = summarize_groups(groups, failed, rollouts_per_group=args.rollouts_per_example)
     elapsed_s = time.monotonic() - started_s
-    record = {"env_id": args.env_id, "env_kind": kind, "env_args": env_args, "model": model, "split": split,
-              "num_examples": count, "rollouts_per_example": args.rollouts_per_example, "sampling": sampling,
-              "time_s": elapsed_s, **summary.as_dict()}
+    record = {
+        "env_id": args.env_id,
+        "env_kind": kind,
+        "env_args": env_args,
+        "model": model,
+        "split": split,
+        "num_examples": count,
+        "rollouts_per_example": args.rollouts_per_example,
+        "sampling": sampling,
+        "time_s": elapsed_s,
+        **summary.as_dict(),
+    }
     (output / "summary.json").write_text(json.dumps(record, indent=2) + "\n")
     metrics = "  ".join(f"{name} {value:.3f}" for name, value in summary.metrics.items())
     what = f"v1 env, {split}" if kind == "v1" else split
-    print(f"primerl eval: {args.env_id} ({what}, {count} examples x {args.rollouts_per_example}) on {model}\n"
-          f"  reward: mean {summary.reward_mean:.4f}  std {summary.reward_std:.4f}  "
-          f"over {summary.num_rollouts} rollouts ({summary.num_errors} failed)\n"
-          f"  metrics: {metrics or '-'}\n"
-          f"  completion tokens: mean {summary.mean_completion_tokens:.1f}, truncated {summary.truncation_rate:.1%}\n"
-          f"  {elapsed_s:.1f} s; results in {output}", file=console.out, flush=True)
+    print(
+        f"primerl eval: {args.env_id} ({what}, {count} examples x {args.rollouts_per_example}) on {model}\n"
+        f"  reward: mean {summary.reward_mean:.4f}  std {summary.reward_std:.4f}  "
+        f"over {summary.num_rollouts} rollouts ({summary.num_errors} failed)\n"
+        f"  metrics: {metrics or '-'}\n"
+        f"  completion tokens: mean {summary.mean_completion_tokens:.1f}, truncated {summary.truncation_rate:.1%}\n"
+        f"  {elapsed_s:.1f} s; results in {output}",
+        file=console.out,
+        flush=True,
+    )
     for error in summary.errors[:MAX_ERRORS_SHOWN]:
         print(f"  error: {error.splitlines()[0]}", file=console.err)
     if len(summary.errors) > MAX_ERRORS_SHOWN:
-        print(f"  ... {len(summary.errors) - MAX_ERRORS_SHOWN} more errors in {output / 'results.jsonl'}",
-              file=console.err)
+        print(
+            f"  ... {len(summary.errors) - MAX_ERRORS_SHOWN} more errors in {output / 'results.jsonl'}",
+            file=console.err,
+        )
     console.err.flush()
     return 1 if summary.num_rollouts == 0 else 0
 

@@ -40,11 +40,18 @@ def build_parser() -> argparse.ArgumentParser:
         "run_dir", metavar="RUN_DIR", type=Path, help="the run's output directory (holds metrics.jsonl)"
     )
     parser.add_argument(
-        "--output", "-o", metavar="DIR", type=Path, default=None,
+        "--output",
+        "-o",
+        metavar="DIR",
+        type=Path,
+        default=None,
         help="where to write the PNGs, created if missing (default: RUN_DIR/plots)",
     )
     parser.add_argument(
-        "--smooth", metavar="N", type=_smooth_steps, default=0,
+        "--smooth",
+        metavar="N",
+        type=_smooth_steps,
+        default=0,
         help="also draw a moving average over the last N logged steps next to each raw curve (default: 0, off)",
     )
     return parser

@@ -111,8 +111,11 @@ def tokens_per_s_panel(series: dict[str, Series]) -> Panel:
 
 
 def step_time_panel(series: dict[str, Series]) -> Panel:
-    labels = {"perf/step_time_s": "trainer step", "perf/wait_for_data_s": "trainer waiting for data",
-              "rollout/generation_time": "rollout generation"}
+    labels = {
+        "perf/step_time_s": "trainer step",
+        "perf/wait_for_data_s": "trainer waiting for data",
+        "rollout/generation_time": "rollout generation",
+    }
     return Panel("Time per step", "seconds", _curves(series, labels))
 
 
@@ -128,8 +131,11 @@ FIGURES = (
     FigureSpec("reward", (reward_panel,), "train/reward or eval/<env>/reward (orchestrator)"),
     FigureSpec("loss", (loss_panel, kl_panel), "train/loss or train/kl_divergence (trainer), sft/loss (sft)"),
     FigureSpec("lag", (lag_panel,), "async/off_policy_lag_mean or _max (orchestrator)"),
-    FigureSpec("throughput", (tokens_per_s_panel, step_time_panel),
-               "rollout/tokens_per_s (orchestrator), train/num_loss_tokens with perf/step_time_s (trainer)"),
+    FigureSpec(
+        "throughput",
+        (tokens_per_s_panel, step_time_panel),
+        "rollout/tokens_per_s (orchestrator), train/num_loss_tokens with perf/step_time_s (trainer)",
+    ),
 )
 SUMMARY_NAME = "summary"
 
@@ -201,15 +207,28 @@ def draw_panel(ax, panel: Panel, smooth_steps: int) -> None:
             ax.plot(steps, values, linestyle="none", marker="D", markersize=5, color=color, label=curve.label)
             continue
         if curve.band is not None:
-            common, low_index, high_index = np.intersect1d(curve.band.low.steps, curve.band.high.steps,
-                                                           return_indices=True)
-            ax.fill_between(common, curve.band.low.values[low_index], curve.band.high.values[high_index],
-                            color=color, alpha=0.15, linewidth=0, label=f"{curve.label} {curve.band.label}")
+            common, low_index, high_index = np.intersect1d(
+                curve.band.low.steps, curve.band.high.steps, return_indices=True
+            )
+            ax.fill_between(
+                common,
+                curve.band.low.values[low_index],
+                curve.band.high.values[high_index],
+                color=color,
+                alpha=0.15,
+                linewidth=0,
+                label=f"{curve.label} {curve.band.label}",
+            )
         marker = "o" if len(steps) < 2 else None
         if smooth_steps > 1:
             ax.plot(steps, values, color=color, alpha=0.35, linewidth=1, marker=marker, label=f"{curve.label} (raw)")
-            ax.plot(steps, moving_average(values, smooth_steps), color=color, linewidth=2,
-                    label=f"{curve.label} (mean of {smooth_steps})")
+            ax.plot(
+                steps,
+                moving_average(values, smooth_steps),
+                color=color,
+                linewidth=2,
+                label=f"{curve.label} (mean of {smooth_steps})",
+            )
         else:
             ax.plot(steps, values, color=color, linewidth=1.5, marker=marker, label=curve.label)
     ax.set_title(panel.title)

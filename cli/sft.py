@@ -48,10 +48,14 @@ def serve(config, args: argparse.Namespace) -> int:
         # Interrupted: 128 + the signal, as a shell reports a process the signal ended (130 SIGINT, 143 SIGTERM).
         signum = signals[0] if signals else signal.SIGTERM
         if dist_info.is_main:
-            saved = (f"weights of step {result.last_step} in {result.weights_dir}" if result.weights_dir
-                     else "no weights")
-            print(f"primerl sft: interrupted by {signal.Signals(signum).name} after step {result.last_step} of "
-                  f"{result.max_steps}; {saved} (not the final model)", file=sys.stderr)
+            saved = (
+                f"weights of step {result.last_step} in {result.weights_dir}" if result.weights_dir else "no weights"
+            )
+            print(
+                f"primerl sft: interrupted by {signal.Signals(signum).name} after step {result.last_step} of "
+                f"{result.max_steps}; {saved} (not the final model)",
+                file=sys.stderr,
+            )
         return 128 + int(signum)
     if dist_info.is_main:
         print(f"weights: {result.weights_dir}")

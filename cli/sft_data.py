@@ -18,7 +18,7 @@ from pathlib import Path
 from primerl.cli.command_args import parse_command_args
 from primerl.cli.env_args import parse_env_args
 from primerl.cli.v1_tools import V1ToolError, add_kind_arguments, resolve_kind
-from primerl.orchestrator.env_python import ENV_PYTHON_VAR, ENV_VENV_NAME, resolve_env_python
+from primerl.orchestrator.envs.interpreters import ENV_PYTHON_VAR, ENV_VENV_NAME, resolve_env_python
 
 BATCH = 500
 
@@ -26,16 +26,27 @@ BATCH = 500
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="primerl sft-data",
-        description="Write an environment's examples with their reference answers as SFT samples (JSONL).")
+        description="Write an environment's examples with their reference answers as SFT samples (JSONL).",
+    )
     parser.add_argument("env_id", metavar="ENV_ID", help="environment id (an installed verifiers environment)")
     parser.add_argument("-o", "--output", type=Path, required=True, metavar="FILE", help="the JSONL file to write")
     parser.add_argument("-a", "--env-args", default="{}", metavar="JSON", help="load_environment arguments (JSON)")
-    parser.add_argument("-n", "--num-examples", type=int, default=-1, metavar="N",
-                        help="examples to write, from the first; -1 for all (default)")
+    parser.add_argument(
+        "-n",
+        "--num-examples",
+        type=int,
+        default=-1,
+        metavar="N",
+        help="examples to write, from the first; -1 for all (default)",
+    )
     parser.add_argument("--split", choices=("train", "eval"), default="train", help="dataset split (default: train)")
-    parser.add_argument("--env-python", default=None, metavar="PATH",
-                        help=f"interpreter of the environments (default: ${ENV_PYTHON_VAR}, else {ENV_VENV_NAME} "
-                        "next to primerl's venv, else this one)")
+    parser.add_argument(
+        "--env-python",
+        default=None,
+        metavar="PATH",
+        help=f"interpreter of the environments (default: ${ENV_PYTHON_VAR}, else {ENV_VENV_NAME} "
+        "next to primerl's venv, else this one)",
+    )
     add_kind_arguments(parser)
     return parser
 
@@ -52,7 +63,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.num_examples == 0 or args.num_examples < -1:
         print(f"primerl sft-data: error: --num-examples must be >= 1 or -1, got {args.num_examples}", file=sys.stderr)
         return 2
-    from primerl.orchestrator.env_client import EnvWorker, EnvWorkerError
+    from primerl.orchestrator.envs.base import EnvWorkerError
+    from primerl.orchestrator.envs.classic import EnvWorker
     from primerl.runtime.log_setup import configure_logging
 
     configure_logging("sft-data", level="warning")
@@ -61,8 +73,9 @@ def main(argv: list[str] | None = None) -> int:
         if kind == "v1":
             from primerl.cli.v1_tools import sft_data_v1
 
-            written, split = sft_data_v1(args.env_id, v1_python, env_args, split=args.split,
-                                         num_examples=args.num_examples, output=args.output)
+            written, split = sft_data_v1(
+                args.env_id, v1_python, env_args, split=args.split, num_examples=args.num_examples, output=args.output
+            )
             print(f"wrote {written} samples of {args.env_id} (v1 env, {split}) to {args.output}")
             return 0
     except V1ToolError as exc:
@@ -85,8 +98,10 @@ def main(argv: list[str] | None = None) -> int:
             for start in range(0, count, BATCH):
                 for example in worker.examples(args.split, start, min(BATCH, count - start)):
                     if not isinstance(example.answer, str) or not example.answer:
-                        raise EnvWorkerError(f"example {example.index} has no text answer; this environment's "
-                                             "answers cannot serve as SFT targets")
+                        raise EnvWorkerError(
+                            f"example {example.index} has no text answer; this environment's "
+                            "answers cannot serve as SFT targets"
+                        )
                     completion = [{"role": "assistant", "content": example.answer}]
                     handle.write(json.dumps({"prompt": example.prompt, "completion": completion}) + "\n")
                     written += 1

@@ -13,8 +13,10 @@ def render_status(status) -> str:
     # Every step up to max_steps checkpointed: the run is complete (the broker then tells workers to stop).
     finished = "    run finished" if status.max_steps and status.last_committed_step >= status.max_steps else ""
     if status.num_rollbacks:
-        finished += (f"    rolled back {status.num_rollbacks}x (now from v{status.lineage_base_version}, "
-                     f"lineage {status.policy_lineage})")
+        finished += (
+            f"    rolled back {status.num_rollbacks}x (now from v{status.lineage_base_version}, "
+            f"lineage {status.policy_lineage})"
+        )
     lines = [
         f"run {status.run_id}    broker up {_duration(status.updated_unix_ms - status.broker_started_unix_ms)}",
         f"trainer step {status.trainer_step} (committed {status.last_committed_step}) / {max_steps}    "
@@ -26,10 +28,7 @@ def render_status(status) -> str:
         lines.append("")
         lines += _table(
             ["QUEUE", "ITEMS", "BYTES", "BOUND"],
-            [
-                _queue_row(q)
-                for q in status.queues
-            ],
+            [_queue_row(q) for q in status.queues],
         )
     lines.append("")
     if status.workers:
@@ -79,13 +78,20 @@ SPOOL_QUEUES = {"rollouts"}
 def _queue_row(queue) -> list[str]:
     """NAME, ITEMS, BYTES of one queue; a spool's bound is shown as the bound on what is ahead of the trainer."""
     if queue.name in SPOOL_QUEUES and (queue.capacity_items or queue.capacity_bytes):
-        return [f"{queue.name} (spooled until committed)", str(queue.num_items), _bytes(queue.num_bytes),
-                f"at most {queue.capacity_items} batches / {_bytes(queue.capacity_bytes)} ahead of the trainer"]
+        return [
+            f"{queue.name} (spooled until committed)",
+            str(queue.num_items),
+            _bytes(queue.num_bytes),
+            f"at most {queue.capacity_items} batches / {_bytes(queue.capacity_bytes)} ahead of the trainer",
+        ]
     return [
         queue.name,
         f"{queue.num_items}/{queue.capacity_items}" if queue.capacity_items else str(queue.num_items),
-        (f"{_bytes(queue.num_bytes)}/{_bytes(queue.capacity_bytes)}" if queue.capacity_bytes
-         else _bytes(queue.num_bytes)),
+        (
+            f"{_bytes(queue.num_bytes)}/{_bytes(queue.capacity_bytes)}"
+            if queue.capacity_bytes
+            else _bytes(queue.num_bytes)
+        ),
         "",
     ]
 

@@ -36,10 +36,24 @@ def test_unknown_command_is_an_error():
 
 @pytest.mark.parametrize("config", sorted(p.name for p in REFERENCE_CONFIGS.glob("*.toml")))
 def test_role_configs_written_by_rl_load_in_each_daemon(config, tmp_path):
-    written = run(sys.executable, "-m", "primerl", "rl", "@", str(REFERENCE_CONFIGS / config), "--dry-run", "--write", str(tmp_path))
+    written = run(
+        sys.executable,
+        "-m",
+        "primerl",
+        "rl",
+        "@",
+        str(REFERENCE_CONFIGS / config),
+        "--dry-run",
+        "--write",
+        str(tmp_path),
+    )
     assert written.returncode == 0, written.stderr
-    for script, role in [("primerl-broker", "broker"), ("primerl-trainer", "trainer"),
-                         ("primerl-infer", "inference"), ("primerl-orchestrator", "orchestrator")]:
+    for script, role in [
+        ("primerl-broker", "broker"),
+        ("primerl-trainer", "trainer"),
+        ("primerl-infer", "inference"),
+        ("primerl-orchestrator", "orchestrator"),
+    ]:
         result = run(str(BIN / script), "@", str(tmp_path / f"{role}.toml"), "--dry-run")
         assert result.returncode == 0, f"{script}: {result.stderr}"
         assert result.stdout.strip(), f"{script} printed no config"
@@ -57,13 +71,20 @@ def test_role_daemon_reports_config_errors_without_traceback(tmp_path):
 def test_rl_help_documents_restarts_and_bad_restart_settings_are_clear_errors(tmp_path):
     result = run(str(BIN / "primerl"), "rl", "--help")
     assert result.returncode == 0, result.stderr
-    for flag in ("--restart {on-failure,never}", "--restart-limit N", "--restart-window-s S", "--restart-delay-s S",
-                 "--restart-delay-max-s S", "Restart=on-failure"):
+    for flag in (
+        "--restart {on-failure,never}",
+        "--restart-limit N",
+        "--restart-window-s S",
+        "--restart-delay-s S",
+        "--restart-delay-max-s S",
+        "Restart=on-failure",
+    ):
         assert flag in result.stdout, flag
     config = REPO_ROOT / "examples" / "reverse_text_rl.toml"
     bad = run(str(BIN / "primerl"), "rl", "@", str(config), "--run-dir", str(tmp_path / "run"), "--restart", "always")
     assert bad.returncode == 2 and "invalid choice: 'always'" in bad.stderr
-    bad = run(str(BIN / "primerl"), "rl", "@", str(config), "--run-dir", str(tmp_path / "run"),
-              "--restart-delay-s", "60")
+    bad = run(
+        str(BIN / "primerl"), "rl", "@", str(config), "--run-dir", str(tmp_path / "run"), "--restart-delay-s", "60"
+    )
     assert bad.returncode == 2 and "restart delays must satisfy 0 <= delay (60 s) <= max delay (30 s)" in bad.stderr
     assert not (tmp_path / "run").exists()  # nothing started

@@ -13,7 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from primerl.cli.eval import EvalInputError, main as eval_main, resolve_model
+from primerl.cli.eval import EvalInputError, resolve_model
+from primerl.cli.eval import main as eval_main
 from primerl.orchestrator.evaluation import run_eval_groups, summarize_groups
 from primerl.orchestrator.trajectory import Rollout, RolloutGroup
 
@@ -22,23 +23,48 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 ENV_PYTHON = os.environ.get("PRIMERL_ENV_PYTHON", str(REPO_ROOT / ".venv-envs" / "bin" / "python"))
 
 
-def _rollout(index: int, reward: float | None, *, error: str | None = None, tokens: int = 3,
-             truncated: bool = False, metrics: dict | None = None) -> Rollout:
+def _rollout(
+    index: int,
+    reward: float | None,
+    *,
+    error: str | None = None,
+    tokens: int = 3,
+    truncated: bool = False,
+    metrics: dict | None = None,
+) -> Rollout:
     from primerl.orchestrator.trajectory import Turn
 
-    turn = Turn(prompt_token_ids=[1], completion_token_ids=[2] * tokens, completion_logprobs=[-0.1] * tokens,
-                completion_mask=[1] * tokens, finish_reason="stop", is_truncated=truncated, policy_version=0,
-                policy_version_end=0)
-    return Rollout(rollout_index=index, turns=[turn], reward=reward, metrics=metrics or {}, is_truncated=truncated,
-                   stop_condition=None, error_type="ValueError" if error else None, error=error, prompt=[],
-                   completion=[], generation_s=0.0)
+    turn = Turn(
+        prompt_token_ids=[1],
+        completion_token_ids=[2] * tokens,
+        completion_logprobs=[-0.1] * tokens,
+        completion_mask=[1] * tokens,
+        finish_reason="stop",
+        is_truncated=truncated,
+        policy_version=0,
+        policy_version_end=0,
+    )
+    return Rollout(
+        rollout_index=index,
+        turns=[turn],
+        reward=reward,
+        metrics=metrics or {},
+        is_truncated=truncated,
+        stop_condition=None,
+        error_type="ValueError" if error else None,
+        error=error,
+        prompt=[],
+        completion=[],
+        generation_s=0.0,
+    )
 
 
 # ---------------------------------------------------------------------------------------------- logic
 def test_summary_counts_only_finished_rollouts_and_failed_groups_as_errors():
     groups = [
-        RolloutGroup("env", "eval", 0, [_rollout(0, 1.0, metrics={"exact": 1.0}), _rollout(1, 0.0, tokens=5,
-                                                                                             truncated=True)]),
+        RolloutGroup(
+            "env", "eval", 0, [_rollout(0, 1.0, metrics={"exact": 1.0}), _rollout(1, 0.0, tokens=5, truncated=True)]
+        ),
         RolloutGroup("env", "eval", 1, [_rollout(0, 0.5, metrics={"exact": 0.0}), _rollout(1, None, error="boom")]),
     ]
     summary = summarize_groups(groups, {7: "EnvRequestTimeout: late"}, rollouts_per_group=2)
@@ -73,8 +99,9 @@ class _SlowWorker:
                 self.inflight -= 1
             if index in self.fail:
                 raise RuntimeError(f"example {index} failed")
-            return RolloutGroup("env", kwargs["split"], index,
-                                [_rollout(i, index / 10) for i in range(kwargs["num_rollouts"])])
+            return RolloutGroup(
+                "env", kwargs["split"], index, [_rollout(i, index / 10) for i in range(kwargs["num_rollouts"])]
+            )
 
         return self.pool.submit(answer)
 
@@ -82,15 +109,22 @@ class _SlowWorker:
 def test_eval_groups_stay_within_the_concurrency_bound_and_keep_going_after_a_failure():
     worker = _SlowWorker(fail={3})
     seen = []
-    groups, failed = run_eval_groups(worker, range(10), num_rollouts=2, base_url="http://x/v1", model="m",
-                                     sampling={"temperature": 1.0}, max_concurrent_groups=3, on_group=seen.append)
+    groups, failed = run_eval_groups(
+        worker,
+        range(10),
+        num_rollouts=2,
+        base_url="http://x/v1",
+        model="m",
+        sampling={"temperature": 1.0},
+        max_concurrent_groups=3,
+        on_group=seen.append,
+    )
     assert worker.peak <= 3
     assert [g.example_index for g in groups] == [0, 1, 2, 4, 5, 6, 7, 8, 9]
     assert list(failed) == [3] and "example 3 failed" in failed[3]
     assert sorted(g.example_index for g in seen) == [g.example_index for g in groups]
     with pytest.raises(ValueError, match="max_concurrent_groups"):
-        run_eval_groups(worker, range(1), num_rollouts=1, base_url="u", model="m", sampling={},
-                        max_concurrent_groups=0)
+        run_eval_groups(worker, range(1), num_rollouts=1, base_url="u", model="m", sampling={}, max_concurrent_groups=0)
 
 
 def test_model_resolution(tmp_path):
@@ -115,15 +149,18 @@ def test_model_resolution(tmp_path):
     assert resolve_model("served-name", served=True) == "served-name"
 
 
-@pytest.mark.parametrize(("args", "message"), [
-    (["-a", "{not json"], "--env-args is not JSON"),
-    (["-a", "[1, 2]"], "must be a JSON object"),
-    (["-n", "0"], "--num-examples must be >= 1 or -1"),
-    (["-r", "0"], "--rollouts-per-example must be >= 1"),
-    (["-T", "-0.5"], "--temperature must be >= 0"),
-    (["--top-p", "1.5"], "--top-p must be in"),
-    (["--env-python", "/nonexistent/python"], "env python /nonexistent/python does not exist"),
-])
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["-a", "{not json"], "--env-args is not JSON"),
+        (["-a", "[1, 2]"], "must be a JSON object"),
+        (["-n", "0"], "--num-examples must be >= 1 or -1"),
+        (["-r", "0"], "--rollouts-per-example must be >= 1"),
+        (["-T", "-0.5"], "--temperature must be >= 0"),
+        (["--top-p", "1.5"], "--top-p must be in"),
+        (["--env-python", "/nonexistent/python"], "env python /nonexistent/python does not exist"),
+    ],
+)
 def test_bad_arguments_are_refused_with_the_fix(tmp_path, capsys, args, message):
     model = tmp_path / "m"
     model.mkdir()
@@ -132,29 +169,39 @@ def test_bad_arguments_are_refused_with_the_fix(tmp_path, capsys, args, message)
     assert message in capsys.readouterr().err
 
 
-@pytest.mark.parametrize(("has_tools", "argv", "expected"), [
-    (False, [], (False, None)),
-    (True, [], (True, "hermes")),
-    (True, ["--tool-call-parser", "llama3_json"], (True, "llama3_json")),
-    (True, ["--no-enable-auto-tool-choice"], (False, None)),
-    (False, ["--enable-auto-tool-choice"], (True, "hermes")),
-    (False, ["--tool-call-parser", "mistral"], (True, "mistral")),
-    (True, ["-b", "http://host:8000/v1"], (False, None)),  # the server's own settings apply
-])
+@pytest.mark.parametrize(
+    ("has_tools", "argv", "expected"),
+    [
+        (False, [], (False, None)),
+        (True, [], (True, "hermes")),
+        (True, ["--tool-call-parser", "llama3_json"], (True, "llama3_json")),
+        (True, ["--no-enable-auto-tool-choice"], (False, None)),
+        (False, ["--enable-auto-tool-choice"], (True, "hermes")),
+        (False, ["--tool-call-parser", "mistral"], (True, "mistral")),
+        (True, ["-b", "http://host:8000/v1"], (False, None)),  # the server's own settings apply
+    ],
+)
 def test_tool_settings_of_the_started_server(has_tools, argv, expected):
     from primerl.cli.eval import _tool_settings, build_parser
     from primerl.cli.eval_console import Console
     from primerl.orchestrator.trajectory import EnvInfo
 
     args = build_parser().parse_args(["env", "-m", "m", *argv])
-    info = EnvInfo(env_id="env", env_class="ToolEnv" if has_tools else "SingleTurnEnv", num_examples=1,
-                   num_eval_examples=1, has_eval_dataset=False, has_tools=has_tools)
+    info = EnvInfo(
+        env_id="env",
+        env_class="ToolEnv" if has_tools else "SingleTurnEnv",
+        num_examples=1,
+        num_eval_examples=1,
+        has_eval_dataset=False,
+        has_tools=has_tools,
+    )
     assert _tool_settings(args, info, Console()) == expected
 
 
 # ------------------------------------------------------------------------------------- through the CLI
-needs_env_python = pytest.mark.skipif(not Path(ENV_PYTHON).exists(),
-                                      reason=f"no env-worker interpreter at {ENV_PYTHON}: run `make setup`")
+needs_env_python = pytest.mark.skipif(
+    not Path(ENV_PYTHON).exists(), reason=f"no env-worker interpreter at {ENV_PYTHON}: run `make setup`"
+)
 
 
 def _run(*argv: str, timeout: float = 300) -> subprocess.CompletedProcess:
@@ -186,15 +233,33 @@ def test_eval_serves_the_model_and_scores_every_rollout(tmp_path):
 
     model = build_tiny_model(tmp_path / "model", TinyModelSpec(seed=3))
     out = tmp_path / "eval"
-    result = _run("eval", "reverse-text", "-m", str(model), "-n", "6", "-r", "2", "-t", "8", "-T", "1.0",
-                  "--seed", "5", "-o", str(out))
+    result = _run(
+        "eval",
+        "reverse-text",
+        "-m",
+        str(model),
+        "-n",
+        "6",
+        "-r",
+        "2",
+        "-t",
+        "8",
+        "-T",
+        "1.0",
+        "--seed",
+        "5",
+        "-o",
+        str(out),
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     summary = json.loads((out / "summary.json").read_text())
     assert summary["sampling"]["seed"] == 5
     assert summary["split"] == "eval" and summary["num_examples"] == 6 and summary["rollouts_per_example"] == 2
     assert summary["num_rollouts"] + summary["num_errors"] == 12 and summary["num_rollouts"] >= 10
     rows = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
-    assert sorted((r["example_index"], r["rollout_index"]) for r in rows) == [(i, j) for i in range(6) for j in range(2)]
+    assert sorted((r["example_index"], r["rollout_index"]) for r in rows) == [
+        (i, j) for i in range(6) for j in range(2)
+    ]
     rewards = [r["reward"] for r in rows if r["error"] is None]
     assert all(0.0 <= reward <= 1.0 for reward in rewards)
     assert summary["reward_mean"] == pytest.approx(sum(rewards) / len(rewards))

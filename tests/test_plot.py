@@ -13,28 +13,51 @@ import pytest
 from matplotlib.image import imread
 
 from primerl.cli.plot import main
+from primerl.cli.run_plots import plan_plots, reward_panel, tokens_per_s_panel
 from primerl.cli.run_series import eval_reward_names, extract_series, moving_average
 from primerl.runtime.run_metrics import MetricsFileError, read_metrics_file, read_run_rows
-from primerl.cli.run_plots import plan_plots, reward_panel, tokens_per_s_panel
 
 BIN = Path(sys.executable).parent
 NUM_STEPS = 12
 # (height, width) in pixels: figsize x dpi 100, one 320-pixel row per panel.
-EXPECTED_SHAPES = {"reward": (320, 800), "loss": (640, 800), "lag": (320, 800), "throughput": (640, 800),
-                   "summary": (750, 1200)}
+EXPECTED_SHAPES = {
+    "reward": (320, 800),
+    "loss": (640, 800),
+    "lag": (320, 800),
+    "throughput": (640, 800),
+    "summary": (750, 1200),
+}
 
 
 def orchestrator_row(step: int) -> dict:
-    return {"step": step, "role": "orchestrator", "time": 1000.0 + step, "train/reward": 0.1 * step,
-            "rollout/reward_std": 0.05, "rollout/mean_length": 20.0, "rollout/tokens_per_s": 400.0 + step,
-            "rollout/generation_time": 2.0, "async/off_policy_lag_mean": 0.5, "async/off_policy_lag_max": 1.0}
+    return {
+        "step": step,
+        "role": "orchestrator",
+        "time": 1000.0 + step,
+        "train/reward": 0.1 * step,
+        "rollout/reward_std": 0.05,
+        "rollout/mean_length": 20.0,
+        "rollout/tokens_per_s": 400.0 + step,
+        "rollout/generation_time": 2.0,
+        "async/off_policy_lag_mean": 0.5,
+        "async/off_policy_lag_max": 1.0,
+    }
 
 
 def trainer_row(step: int) -> dict:
-    return {"step": step, "role": "trainer", "time": 1000.5 + step, "train/loss": 1.0 / step,
-            "train/learning_rate": 1e-5, "train/kl_divergence": 0.01 * step, "train/entropy": 2.0,
-            "train/grad_norm": 0.3, "perf/step_time_s": 2.0, "perf/wait_for_data_s": 0.1,
-            "train/num_loss_tokens": 1000.0 * step}
+    return {
+        "step": step,
+        "role": "trainer",
+        "time": 1000.5 + step,
+        "train/loss": 1.0 / step,
+        "train/learning_rate": 1e-5,
+        "train/kl_divergence": 0.01 * step,
+        "train/entropy": 2.0,
+        "train/grad_norm": 0.3,
+        "perf/step_time_s": 2.0,
+        "perf/wait_for_data_s": 0.1,
+        "train/num_loss_tokens": 1000.0 * step,
+    }
 
 
 def write_metrics(run_dir: Path, rows: list[dict], tail: str = "") -> Path:
@@ -53,8 +76,15 @@ def full_run_rows() -> list[dict]:
             rows.append(orchestrator_row(step + 1))
         rows.append(trainer_row(step))
         if step % 4 == 0:
-            rows.append({"step": step, "role": "orchestrator", "time": 2000.0 + step,
-                         "eval/reverse-text/reward": 0.2 * step, "eval/org/math/reward": 0.1})
+            rows.append(
+                {
+                    "step": step,
+                    "role": "orchestrator",
+                    "time": 2000.0 + step,
+                    "eval/reverse-text/reward": 0.2 * step,
+                    "eval/org/math/reward": 0.1,
+                }
+            )
     return rows
 
 
@@ -79,15 +109,17 @@ def test_series_have_the_steps_and_values_of_each_role(run_dir):
     np.testing.assert_allclose(series["train/reward"].values, 0.1 * steps)
     assert series["train/loss"].steps.tolist() == steps.tolist()  # the half-written step 13 is not there
     np.testing.assert_allclose(series["train/loss"].values, 1.0 / steps)
-    assert eval_reward_names(series) == {"org/math": "eval/org/math/reward",
-                                         "reverse-text": "eval/reverse-text/reward"}
+    assert eval_reward_names(series) == {"org/math": "eval/org/math/reward", "reverse-text": "eval/reverse-text/reward"}
     assert series["eval/reverse-text/reward"].steps.tolist() == [4, 8, 12]
     np.testing.assert_allclose(series["eval/reverse-text/reward"].values, [0.8, 1.6, 2.4])
     assert "time" not in series and "role" not in series and "step" not in series
 
     curves = reward_panel(series).curves
     assert [(c.label, c.markers_only) for c in curves] == [
-        ("train reward", False), ("eval org/math", True), ("eval reverse-text", True)]
+        ("train reward", False),
+        ("eval org/math", True),
+        ("eval reverse-text", True),
+    ]
     # an older run (no percentiles, no min/max): mean ± std, unclipped
     assert curves[0].band.label == "± std"
     np.testing.assert_allclose(curves[0].band.low.values, 0.1 * steps - 0.05)
@@ -95,8 +127,16 @@ def test_series_have_the_steps_and_values_of_each_role(run_dir):
 
 
 def test_reward_band_is_the_rollout_percentiles_when_logged():
-    rows = [{**orchestrator_row(step), "train/reward": 0.05, "rollout/reward_std": 0.2, "rollout/reward_p10": 0.0,
-             "rollout/reward_p90": 0.25} for step in (1, 2)]
+    rows = [
+        {
+            **orchestrator_row(step),
+            "train/reward": 0.05,
+            "rollout/reward_std": 0.2,
+            "rollout/reward_p10": 0.0,
+            "rollout/reward_p90": 0.25,
+        }
+        for step in (1, 2)
+    ]
     band = reward_panel(extract_series(rows)).curves[0].band
     assert band.label == "10th-90th percentile of rollouts"
     np.testing.assert_allclose(band.low.values, [0.0, 0.0])
@@ -105,9 +145,16 @@ def test_reward_band_is_the_rollout_percentiles_when_logged():
 
 def test_std_band_never_leaves_the_rewards_min_max():
     """Mean 0.05 ± std 0.2 would go down to -0.15 with rewards in [0, 1]: the band stops at the step's min."""
-    rows = [{**orchestrator_row(1), "train/reward": 0.05, "rollout/reward_std": 0.2, "rollout/reward_min": 0.0,
-             "rollout/reward_max": 0.2},
-            {**orchestrator_row(2), "train/reward": 0.9, "rollout/reward_std": 0.2}]  # no min/max: unclipped
+    rows = [
+        {
+            **orchestrator_row(1),
+            "train/reward": 0.05,
+            "rollout/reward_std": 0.2,
+            "rollout/reward_min": 0.0,
+            "rollout/reward_max": 0.2,
+        },
+        {**orchestrator_row(2), "train/reward": 0.9, "rollout/reward_std": 0.2},
+    ]  # no min/max: unclipped
     band = reward_panel(extract_series(rows)).curves[0].band
     assert band.label == "± std, within min-max"
     np.testing.assert_allclose(band.low.values, [0.0, 0.7])
@@ -122,8 +169,11 @@ def test_trainer_tokens_per_s_is_loss_tokens_over_step_time(run_dir):
 
 
 def test_a_repeated_step_keeps_the_row_written_last_and_non_numbers_are_skipped():
-    rows = [{"step": 2, "role": "trainer", "train/loss": 5.0}, {"step": 1, "role": "trainer", "train/loss": 3.0},
-            {"step": 2, "role": "trainer", "train/loss": 4.0, "note": "resumed", "flag": True, "train/entropy": None}]
+    rows = [
+        {"step": 2, "role": "trainer", "train/loss": 5.0},
+        {"step": 1, "role": "trainer", "train/loss": 3.0},
+        {"step": 2, "role": "trainer", "train/loss": 4.0, "note": "resumed", "flag": True, "train/entropy": None},
+    ]
     series = extract_series(rows)
     assert series["train/loss"].steps.tolist() == [1, 2]
     assert series["train/loss"].values.tolist() == [3.0, 4.0]
@@ -148,7 +198,9 @@ def test_a_bad_line_before_the_last_names_its_line_number(tmp_path):
 
 def test_what_a_run_left_skips_bad_lines_anywhere_and_reads_each_file_once(tmp_path):
     """The launcher's closing summary, the chaos checks and the benches read whatever a run left."""
-    path = write_metrics(tmp_path, [trainer_row(1)], tail='{"step": 2, "role": "tra\n' + json.dumps(trainer_row(3)) + "\n{\"st")
+    path = write_metrics(
+        tmp_path, [trainer_row(1)], tail='{"step": 2, "role": "tra\n' + json.dumps(trainer_row(3)) + '\n{"st'
+    )
     metrics = read_metrics_file(path, skip_bad_lines=True)
     assert [row["step"] for row in metrics.rows] == [1, 3]
     assert metrics.num_skipped_lines == 1 and "line 4" in metrics.dropped_last_line
@@ -179,8 +231,12 @@ def test_plot_writes_the_five_pngs_and_prints_their_paths(run_dir, capsys):
 
 def test_installed_console_command_plots_with_output_and_smoothing(run_dir, tmp_path):
     output = tmp_path / "elsewhere" / "plots"
-    result = subprocess.run([str(BIN / "primerl"), "plot", str(run_dir), "--output", str(output), "--smooth", "3"],
-                            capture_output=True, text=True, timeout=120)
+    result = subprocess.run(
+        [str(BIN / "primerl"), "plot", str(run_dir), "--output", str(output), "--smooth", "3"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert result.returncode == 0, result.stderr
     assert result.stdout.split() == [str(output / f"{name}.png") for name in EXPECTED_SHAPES]
     for name, shape in EXPECTED_SHAPES.items():

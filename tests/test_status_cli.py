@@ -42,9 +42,13 @@ def calm_broker():
 
 def _populate(broker: Broker) -> None:
     registry = broker.registry
-    trainer = registry.register(control_pb2.RegisterRequest(
-        role=common_pb2.ROLE_TRAINER, name="trainer-0", capabilities={"metrics_url": "http://127.0.0.1:9311/metrics"},
-    )).worker_id
+    trainer = registry.register(
+        control_pb2.RegisterRequest(
+            role=common_pb2.ROLE_TRAINER,
+            name="trainer-0",
+            capabilities={"metrics_url": "http://127.0.0.1:9311/metrics"},
+        )
+    ).worker_id
     infer = registry.register(
         control_pb2.RegisterRequest(role=common_pb2.ROLE_INFERENCE, name="infer-0", address="http://127.0.0.1:8000")
     ).worker_id
@@ -58,9 +62,21 @@ def test_status_cli_table_and_json(calm_broker, capsys):
     _populate(calm_broker)
     assert status_cli.main(["--broker", calm_broker.address]) == 0
     table = capsys.readouterr().out
-    for text in ("run test-run", "trainer step 3 (committed 0) / 20", "policy version 2", "rollouts",
-                 "trainer-0", "infer-0", "http://127.0.0.1:8000", "policy v2", "alive", "train/loss",
-                 "rollout-plane: bad digest", "METRICS", "http://127.0.0.1:9311/metrics"):
+    for text in (
+        "run test-run",
+        "trainer step 3 (committed 0) / 20",
+        "policy version 2",
+        "rollouts",
+        "trainer-0",
+        "infer-0",
+        "http://127.0.0.1:8000",
+        "policy v2",
+        "alive",
+        "train/loss",
+        "rollout-plane: bad digest",
+        "METRICS",
+        "http://127.0.0.1:9311/metrics",
+    ):
         assert text in table, f"{text!r} missing from:\n{table}"
 
     assert status_cli.main(["--broker", calm_broker.address, "--json"]) == 0
@@ -93,7 +109,10 @@ def test_status_subprocess_json(calm_broker):
     _populate(calm_broker)
     result = subprocess.run(
         [sys.executable, "-m", "primerl", "status", "--broker", calm_broker.address, "--json"],
-        capture_output=True, text=True, timeout=60, cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=REPO_ROOT,
     )
     assert result.returncode == 0, result.stderr
     assert json.loads(result.stdout)["run_id"] == "test-run"

@@ -2,7 +2,7 @@
 worker with its args (an unknown id gets a did-you-mean among the installed ones), and a sample of its prompts,
 after the model's chat template, fits `seq_len` and the inference server's `max_model_len`.
 
-The env workers are the ones training uses (`primerl.orchestrator.env_client.EnvWorker`, started the same way),
+The env workers are the ones training uses (`primerl.orchestrator.envs.classic.EnvWorker`, started the same way),
 so what loads here loads in the run; they are closed before the run starts its own. All environments load at
 once, and the tokenizer loads meanwhile."""
 
@@ -31,7 +31,7 @@ class EnvUse:
     id: str
     args: dict[str, Any]
     split: str  # where its prompts come from: "train" for training envs, "eval" for eval envs
-    kind: str = "classic"  # "auto" until resolved (`primerl.orchestrator.env_kinds`), then "classic" or "v1"
+    kind: str = "classic"  # "auto" until resolved (`primerl.orchestrator.envs.kinds`), then "classic" or "v1"
     v1_config: dict[str, Any] = dataclasses.field(default_factory=dict)
     python: str | None = None  # the interpreter that runs it (None: the one given to check_environments)
 
@@ -61,7 +61,7 @@ def env_uses(orchestrator, prefix: str) -> list[EnvUse]:
 def resolve_uses(uses: list[EnvUse], classic: Any, v1: Any) -> list[EnvUse]:
     """Each use with its kind and interpreter (`env_kinds.resolve_env_kinds`; ValueError: a v1 package installed
     only in the classic interpreter)."""
-    from primerl.orchestrator.env_kinds import resolve_env_kinds
+    from primerl.orchestrator.envs.kinds import resolve_env_kinds
 
     resolved = resolve_env_kinds([(use.setting, use) for use in uses], classic=classic, v1=v1)
     return [dataclasses.replace(item.env, kind=item.kind, python=item.python) for item in resolved]
@@ -73,7 +73,7 @@ def env_checks(orchestrator, *, prefix: str, tokenizer: str | None, max_model_le
 
     def check() -> list[Finding]:
         from primerl.cli.preflight.model import name_problem
-        from primerl.orchestrator.env_python import find_env_python, find_v1_env_python
+        from primerl.orchestrator.envs.interpreters import find_env_python, find_v1_env_python
 
         env_python = find_env_python(orchestrator.env_python)
         v1_python = find_v1_env_python(orchestrator.env_v1_python)
@@ -133,7 +133,7 @@ def check_environments(
     max_tokens: int | None,
     prefix: str,
 ) -> list[Finding]:
-    from primerl.orchestrator.env_python import EnvProbeError, probe_env_python
+    from primerl.orchestrator.envs.interpreters import EnvProbeError, probe_env_python
 
     unique: dict[tuple[str, str, str], EnvUse] = {}
     for use in uses:
@@ -223,7 +223,8 @@ def _in_daemon_thread(function: Any, *args: Any) -> concurrent.futures.Future:
 
 def load_env(use: EnvUse, env_python: str) -> LoadedEnv:
     """Load the environment in an env worker and read a sample of its prompts; errors come back in the result."""
-    from primerl.orchestrator.env_client import EnvWorker, EnvWorkerError
+    from primerl.orchestrator.envs.base import EnvWorkerError
+    from primerl.orchestrator.envs.classic import EnvWorker
 
     if use.kind == "v1":
         return load_v1_env(use, env_python)
@@ -253,9 +254,9 @@ def load_env(use: EnvUse, env_python: str) -> LoadedEnv:
 def load_v1_env(use: EnvUse, env_python: str) -> LoadedEnv:
     """A v1 environment: its first tasks, listed by the bootstrap in the v1 interpreter (which also refuses a
     sandbox runtime or an installing harness, naming the setting); errors come back in the result."""
-    from primerl.orchestrator.env_client import EnvWorkerError
-    from primerl.orchestrator.v1_env_spec import V1EnvSpec
-    from primerl.orchestrator.v1_env_worker import task_prompt
+    from primerl.orchestrator.envs.base import EnvWorkerError
+    from primerl.orchestrator.envs.v1 import task_prompt
+    from primerl.orchestrator.envs.v1_spec import V1EnvSpec
 
     spec = V1EnvSpec(env_python, use.id, dict(use.args), dict(use.v1_config))
     try:
@@ -271,8 +272,8 @@ def _no_verifiers(exc: BaseException | None) -> bool:
 
 def load_finding(use: EnvUse, result: LoadedEnv, installed_ids: list[str] | None) -> Finding:
     """The one line for an environment that did not load: an unknown id, or its `load_environment` failing."""
-    from primerl.orchestrator.env_client import EnvRequestError, EnvRequestTimeout
-    from primerl.orchestrator.env_python import suggest_env_ids
+    from primerl.orchestrator.envs.base import EnvRequestError, EnvRequestTimeout
+    from primerl.orchestrator.envs.interpreters import suggest_env_ids
 
     exc = result.error
     detail = f"{type(exc).__name__}: {exc}\n--- env worker stderr ---\n{result.stderr}"
@@ -309,8 +310,8 @@ def load_finding(use: EnvUse, result: LoadedEnv, installed_ids: list[str] | None
 
 def v1_load_finding(use: EnvUse, exc: BaseException | None, detail: str) -> Finding:
     """The one line for a v1 environment whose tasks could not be listed."""
-    from primerl.orchestrator.env_client import EnvRequestTimeout
-    from primerl.orchestrator.v1_env_spec import V1EnvConfigError
+    from primerl.orchestrator.envs.base import EnvRequestTimeout
+    from primerl.orchestrator.envs.v1_spec import V1EnvConfigError
 
     first_line = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
     if "ModuleNotFoundError" in str(exc):

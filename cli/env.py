@@ -2,8 +2,8 @@
 
 `install` puts a verifiers environment (a project directory, editable by default, a wheel, or a PyPI package)
 into the interpreter `primerl rl`, `primerl eval` and `primerl sft-data` use by default (the rule is in
-`primerl.orchestrator.env_python`), creating the env venv with the pinned verifiers when there is none, then loads
-each environment the package provides in an env worker, exactly as a run would, and says how to use it.
+`primerl.orchestrator.envs.interpreters`), creating the env venv with the pinned verifiers when there is none, then
+loads each environment the package provides in an env worker, exactly as a run would, and says how to use it.
 
     primerl env install ./my_env          # a project directory (pyproject.toml), editable
     primerl env install vf-some-env==0.2  # a PyPI package
@@ -23,7 +23,7 @@ from pathlib import Path
 
 from primerl.cli.command_args import parse_command_args
 from primerl.cli.env_args import parse_env_args
-from primerl.orchestrator.env_python import (
+from primerl.orchestrator.envs.interpreters import (
     ENV_PYTHON_VAR,
     HTTPX_AIOHTTP_VERSION,
     VERIFIERS_VERSION,
@@ -299,11 +299,12 @@ def _provided_envs(python: Path, dist_name: str | None, project_dir: Path | None
 
 def _check_loads(python: Path, env, env_args: dict) -> str:
     """Load the environment in an env worker, as a run does; one line about it, or EnvInstallFailed."""
-    from primerl.orchestrator.env_client import EnvWorker, EnvWorkerError
+    from primerl.orchestrator.envs.base import EnvWorkerError
+    from primerl.orchestrator.envs.classic import ClassicEnvClient
     from primerl.runtime.log_setup import configure_logging
 
     configure_logging("env", level="error")
-    worker = EnvWorker(python, env.id, env_args, start_timeout_s=LOAD_TIMEOUT_S)
+    worker = ClassicEnvClient(python, env.id, env_args, start_timeout_s=LOAD_TIMEOUT_S)
     try:
         info = worker.start()
     except EnvWorkerError as exc:

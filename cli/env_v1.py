@@ -16,7 +16,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from primerl.orchestrator.env_python import (
+from primerl.orchestrator.envs.interpreters import (
     V1_ENV_PYTHON_VAR,
     VERIFIERS_V1_VERSION,
     EnvProbeError,
@@ -120,8 +120,8 @@ def _ensure_verifiers_v1(python: Path, *, verbose: bool, errors) -> str:
 def _check_serves(python: Path, env_id: str, env_args: dict | None = None, *, errors) -> str:
     """Resolve the environment as a run does (local runtime, no installing harness) with the taskset arguments
     `env_args` (install's --env-args) and list a task."""
-    from primerl.orchestrator.env_client import EnvWorkerError
-    from primerl.orchestrator.v1_env_spec import V1EnvSpec
+    from primerl.orchestrator.envs.base import EnvWorkerError
+    from primerl.orchestrator.envs.v1_spec import V1EnvSpec
 
     spec = V1EnvSpec(str(python), env_id, dict(env_args or {}))
     try:

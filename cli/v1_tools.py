@@ -12,7 +12,7 @@ server never loads data). Splits: v1 has none in general; `--split eval` sets th
 eval takes split="eval" when the taskset accepts it, else the taskset's tasks as configured (reported as "train").
 `-a/--env-args` are the taskset's arguments (a `split` there wins).
 
-eval: the tasks run through a `V1EnvServer` (verifiers' own env server in the v1 interpreter) against the model
+eval: the tasks run through a `V1ServerConnection` (verifiers' own env server in the v1 interpreter) against the model
 served by primerl-infer's token route; `V1EvalEnv` gives the server an env worker's `submit_rollout`, so
 `evaluation.run_eval_groups` (the in-flight bound, per-example seeds) and eval's output files and console are the
 classic ones: reward = `Rollout.reward` (the root trace's weighted rewards), metrics = the taskset's metrics, the
@@ -29,7 +29,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from primerl.orchestrator.env_python import (
+from primerl.orchestrator.envs.interpreters import (
     V1_ENV_PYTHON_VAR,
     V1_ENV_VENV_NAME,
     EnvProbeError,
@@ -101,7 +101,7 @@ def list_tasks(spec: Any, *, split: str | None, count: int | None) -> tuple[list
     """The first `count` tasks (None: all) of `spec`'s taskset in `split`, and the split they are.
 
     `split` None: "eval" when the taskset accepts split="eval", else its tasks as configured ("train")."""
-    from primerl.orchestrator.v1_env_spec import V1EnvConfigError
+    from primerl.orchestrator.envs.v1_spec import V1EnvConfigError
 
     if "split" in spec.args:  # the taskset's own argument decides
         return _list(spec, {}, count), str(spec.args["split"])
@@ -142,7 +142,7 @@ def with_split(env_args: Mapping[str, Any], split: str) -> dict[str, Any]:
 
 
 class V1EvalEnv:
-    """A `V1EnvServer` with its listed tasks, answering an env worker's `submit_rollout` (what
+    """A `V1ServerConnection` with its listed tasks, answering an env worker's `submit_rollout` (what
     `evaluation.run_eval_groups` calls): example `index` is `tasks[index]`, a group of N concurrent runs."""
 
     def __init__(self, server: Any, tasks: list[dict[str, Any]]) -> None:
@@ -153,7 +153,7 @@ class V1EvalEnv:
                        api_key: str, sampling: Mapping[str, Any], timeout_s: float) -> concurrent.futures.Future:
         from primerl.orchestrator.trajectory import SamplingParams
 
-        del split, api_key  # the tasks are the split's; the key is the env server's (V1EnvServer(api_key=...))
+        del split, api_key  # the tasks are the split's; the key is the env server's (V1ServerConnection(api_key=...))
         params = SamplingParams(temperature=float(sampling.get("temperature", 1.0)),
                                 top_p=float(sampling.get("top_p", 1.0)), max_tokens=sampling.get("max_tokens"),
                                 seed=sampling.get("seed"))
@@ -191,7 +191,7 @@ def sft_data_v1(env_id: str, v1_python: str, env_args: dict[str, Any], *, split:
     """Write the SFT samples of a v1 taskset to `output` (atomically); (samples written, split)."""
     import json
 
-    from primerl.orchestrator.v1_env_spec import V1EnvSpec
+    from primerl.orchestrator.envs.v1_spec import V1EnvSpec
 
     spec = V1EnvSpec(v1_python, env_id, env_args)
     tasks, used = list_tasks(spec, split=split, count=None if num_examples == -1 else num_examples)
@@ -215,9 +215,9 @@ async def evaluate_v1(args: Any, model: str, env_args: dict[str, Any], console: 
     import secrets
 
     from primerl.cli import eval as cli_eval
-    from primerl.orchestrator.env_client import EnvWorkerError
-    from primerl.orchestrator.v1_env_client import V1EnvServer
-    from primerl.orchestrator.v1_env_spec import V1EnvConfigError, V1EnvSpec
+    from primerl.orchestrator.envs.base import EnvWorkerError
+    from primerl.orchestrator.envs.v1_server import V1ServerConnection
+    from primerl.orchestrator.envs.v1_spec import V1EnvConfigError, V1EnvSpec
 
     where = f"(v1, {args.env_v1_python})"
     try:
@@ -240,7 +240,7 @@ async def evaluate_v1(args: Any, model: str, env_args: dict[str, Any], console: 
     else:
         base_url, served_name, api_key = None, None, token
     # Every group names its inference server (submit_rollout's base_url); the constructor's is only a default.
-    server = V1EnvServer(args.env_v1_python, args.env_id, with_split(env_args, split),
+    server = V1ServerConnection(args.env_v1_python, args.env_id, with_split(env_args, split),
                          base_url=base_url or "http://127.0.0.1", api_key=api_key, renderer_model=model,
                          request_timeout_s=args.timeout_s, max_restarts=0)
     starting = asyncio.ensure_future(asyncio.to_thread(server.start))

@@ -17,8 +17,8 @@ from pathlib import Path
 import pytest
 
 from primerl.cli.env import main as env_main
-from primerl.orchestrator import env_python as rule
-from primerl.orchestrator.env_python import find_env_python, probe_env_python, suggest_env_ids
+from primerl.orchestrator.envs import interpreters as rule
+from primerl.orchestrator.envs.interpreters import find_env_python, probe_env_python, suggest_env_ids
 
 BIN = Path(sys.executable).parent
 REPO_ROOT = Path(__file__).resolve().parents[1]

@@ -1,7 +1,7 @@
-"""Env workers: `env_worker.py` run by the environments' interpreter (verifiers 0.3.1), driven by `EnvWorker`:
-the protocol, rollouts against a fake OpenAI server in this process (canned completions with token ids, logprobs
-and policy-version headers), timeouts, cancels, crashes and restarts. With the real vLLM server:
-`test_env_worker_vllm.py`; what a rollout becomes for training: `test_orchestrator_samples.py`.
+"""Classic env workers: `envs/remote/classic_worker.py` run by the environments' interpreter (verifiers 0.3.1),
+driven by `ClassicEnvClient`: the protocol, rollouts against a fake OpenAI server in this process (canned
+completions with token ids, logprobs and policy-version headers), timeouts, cancels, crashes and restarts. With the
+real vLLM server: `test_env_worker_vllm.py`; what a rollout becomes for training: `test_orchestrator_samples.py`.
 
 The env interpreter comes from `PRIMERL_ENV_PYTHON` (default `.venv-envs/bin/python`, then `/tmp/vfenv/bin/python`);
 it must have `verifiers` and the `reverse-text` example package (`pip install -e examples/reverse_text`).
@@ -23,13 +23,8 @@ from typing import Any
 import pytest
 from support.env_workers import ENV_PYTHON, FIXTURES, SKIP_REASON, FakeOpenAI, make_worker
 
-from primerl.orchestrator.env_client import (
-    EnvRequestError,
-    EnvRequestTimeout,
-    EnvWorker,
-    EnvWorkerDied,
-    WORKER_SCRIPT,
-)
+from primerl.orchestrator.envs.base import EnvRequestError, EnvRequestTimeout, EnvWorkerDied
+from primerl.orchestrator.envs.classic import WORKER_SCRIPT, ClassicEnvClient
 from primerl.orchestrator.trajectory import SamplingParams
 
 pytestmark = pytest.mark.skipif(ENV_PYTHON is None, reason=SKIP_REASON)
@@ -43,7 +38,7 @@ def fake() -> Iterator[FakeOpenAI]:
 
 
 @pytest.fixture(scope="module")
-def reverse_worker() -> Iterator[EnvWorker]:
+def reverse_worker() -> Iterator[ClassicEnvClient]:
     worker = make_worker("reverse-text", {"num_examples": 20, "num_eval_examples": 5})
     worker.start()
     yield worker
@@ -54,7 +49,7 @@ def reverse_worker() -> Iterator[EnvWorker]:
 
 
 class RawWorker:
-    """The worker process driven line by line, to send what EnvWorker never would."""
+    """The worker process driven line by line, to send what ClassicEnvClient never would."""
 
     def __init__(self) -> None:
         self.process = subprocess.Popen([ENV_PYTHON, str(WORKER_SCRIPT)], stdin=subprocess.PIPE,
@@ -113,7 +108,7 @@ def test_malformed_requests_get_errors_and_the_worker_keeps_serving() -> None:
         assert raw.close() == 0
 
 
-def test_load_and_examples(reverse_worker: EnvWorker) -> None:
+def test_load_and_examples(reverse_worker: ClassicEnvClient) -> None:
     info = reverse_worker.info
     assert info is not None
     assert (info.env_id, info.env_class, info.num_examples, info.num_eval_examples, info.has_eval_dataset) == (
@@ -147,12 +142,12 @@ def test_load_failure_is_reported() -> None:
 
 def test_missing_env_python_is_a_clear_error() -> None:
     with pytest.raises(EnvWorkerDied, match="does not exist"):
-        EnvWorker("/nonexistent/bin/python", "reverse-text").start()
+        ClassicEnvClient("/nonexistent/bin/python", "reverse-text").start()
 
 
 def test_interpreter_without_verifiers_is_reported() -> None:
     # the main venv has no verifiers (its mcp>=2 conflicts): exactly the mistake this message must explain
-    worker = EnvWorker(sys.executable, "reverse-text", start_timeout_s=60.0)
+    worker = ClassicEnvClient(sys.executable, "reverse-text", start_timeout_s=60.0)
     try:
         with pytest.raises(EnvRequestError, match="verifiers is not importable") as excinfo:
             worker.start()
@@ -164,7 +159,8 @@ def test_interpreter_without_verifiers_is_reported() -> None:
 # ------------------------------------------------------------------------------------------------ rollouts
 
 
-def test_rollouts_capture_tokens_logprobs_headers_and_rewards(reverse_worker: EnvWorker, fake: FakeOpenAI) -> None:
+def test_rollouts_capture_tokens_logprobs_headers_and_rewards(reverse_worker: ClassicEnvClient,
+                                                              fake: FakeOpenAI) -> None:
     sampling = SamplingParams(temperature=0.7, top_p=0.9, top_k=5, min_p=0.1, repetition_penalty=1.1,
                               max_tokens=16, stop=("\n\n",), seed=40)
     num_before = len(fake.requests)
@@ -192,7 +188,8 @@ def test_rollouts_capture_tokens_logprobs_headers_and_rewards(reverse_worker: En
         assert body["max_completion_tokens"] == 16 and body["stop"] == ["\n\n"]
 
 
-def test_eval_groups_seed_each_example_apart_whatever_the_order(reverse_worker: EnvWorker, fake: FakeOpenAI) -> None:
+def test_eval_groups_seed_each_example_apart_whatever_the_order(reverse_worker: ClassicEnvClient,
+                                                                fake: FakeOpenAI) -> None:
     """`run_eval_groups` with a sampling seed: example e's rollout i is sampled with rollout_seed_base(seed, e, n) + i,
     the same seeds however many groups run at once (so in whichever order they reach the server)."""
     from primerl.orchestrator.evaluation import run_eval_groups
@@ -217,7 +214,7 @@ def test_eval_groups_seed_each_example_apart_whatever_the_order(reverse_worker: 
     assert {i: sorted(s) for i, s in seen[0].items()} == {i: sorted(s) for i, s in seen[1].items()}
 
 
-def test_many_requests_in_flight_answer_out_of_order(reverse_worker: EnvWorker, fake: FakeOpenAI) -> None:
+def test_many_requests_in_flight_answer_out_of_order(reverse_worker: ClassicEnvClient, fake: FakeOpenAI) -> None:
     async def run() -> list[Any]:
         return await asyncio.gather(*(
             reverse_worker.rollout(i % 20, split="train", num_rollouts=4, base_url=fake.base_url, model="reverse",
@@ -232,7 +229,7 @@ def test_many_requests_in_flight_answer_out_of_order(reverse_worker: EnvWorker, 
     assert evals.split == "eval" and evals.rollouts[0].prompt == reverse_worker.examples("eval", 4, 1)[0].prompt
 
 
-def test_submit_rollouts_hands_many_groups_over_at_once_with_timings(reverse_worker: EnvWorker,
+def test_submit_rollouts_hands_many_groups_over_at_once_with_timings(reverse_worker: ClassicEnvClient,
                                                                     fake: FakeOpenAI) -> None:
     futures = reverse_worker.submit_rollouts([3, 1, 4, 1, 5], num_rollouts=2, base_url=fake.base_url, model="reverse")
     assert len({f.request_id for f in futures}) == 5  # one request per group, all in one write
@@ -262,14 +259,14 @@ def test_a_slow_reward_function_moves_scoring_off_the_event_loop(fake: FakeOpenA
         assert worker.ping()["env_id"] == "slow_rubric_env"
 
 
-def test_missing_token_ids_is_a_rollout_error(reverse_worker: EnvWorker, fake: FakeOpenAI) -> None:
+def test_missing_token_ids_is_a_rollout_error(reverse_worker: ClassicEnvClient, fake: FakeOpenAI) -> None:
     group = reverse_worker.submit_rollout(0, num_rollouts=2, base_url=fake.base_url, model="no-tokens").result(60)
     assert group.num_errors == 2
     assert all(r.error_type == "RolloutError" and "token ids" in (r.error or "") for r in group.rollouts)
     assert reverse_worker.is_alive() and reverse_worker.ping()["env_id"] == "reverse-text"
 
 
-def test_unreachable_server_is_a_rollout_error(reverse_worker: EnvWorker) -> None:
+def test_unreachable_server_is_a_rollout_error(reverse_worker: ClassicEnvClient) -> None:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
@@ -374,10 +371,11 @@ def test_a_restart_right_after_a_crash_logs_the_exit_code_and_keeps_the_new_proc
 
 def test_model_requests_go_through_aiohttp_in_the_set_up_env_interpreter() -> None:
     """`make setup` installs httpx-aiohttp beside verifiers: without it every model request costs ~7x the CPU. (The
-    env interpreter has no primerl: importing env_worker makes its two primerl modules importable by path.)"""
+    env interpreter has no primerl: importing classic_worker makes its two primerl modules importable by path.)"""
     probe = subprocess.run(
-        [ENV_PYTHON, "-c", "import sys; sys.path.insert(0, sys.argv[1]); import env_worker; "
-         "from primerl.orchestrator.env_rollouts import _http_client_class; print(_http_client_class().__name__)",
+        [ENV_PYTHON, "-c", "import sys; sys.path.insert(0, sys.argv[1]); import classic_worker; "
+         "from primerl.orchestrator.envs.remote.classic_rollouts import _http_client_class; "
+         "print(_http_client_class().__name__)",
          str(WORKER_SCRIPT.parent)],
         capture_output=True, text=True, timeout=120)
     assert probe.returncode == 0, probe.stderr

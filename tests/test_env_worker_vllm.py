@@ -18,7 +18,7 @@ import pytest
 from support.env_workers import ENV_PYTHON, SKIP_REASON, make_worker
 from support.probes import free_port
 
-from primerl.orchestrator.env_client import EnvWorker
+from primerl.orchestrator.envs.classic import ClassicEnvClient
 from primerl.orchestrator.samples import rollout_to_samples
 from primerl.orchestrator.trajectory import SamplingParams, Turn
 
@@ -178,7 +178,7 @@ def _server(vllm_server: dict[str, Any]) -> dict[str, Any]:
     return {"base_url": vllm_server["base_url"], "model": vllm_server["model"]}
 
 
-async def _gather(worker: EnvWorker, indices: Any, group_size: int, vllm_server: dict[str, Any],
+async def _gather(worker: ClassicEnvClient, indices: Any, group_size: int, vllm_server: dict[str, Any],
                   sampling: SamplingParams) -> list[Any]:
     return list(await asyncio.gather(*(
         worker.rollout(i, num_rollouts=group_size, sampling=sampling, **_server(vllm_server)) for i in indices)))

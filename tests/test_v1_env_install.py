@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from primerl.cli.env_v1 import is_v1_project
-from primerl.orchestrator.env_python import find_env_python, find_v1_env_python, probe_env_python
+from primerl.orchestrator.envs.interpreters import find_env_python, find_v1_env_python, probe_env_python
 
 REPO = Path(__file__).resolve().parents[1]
 PRIMERL = [sys.executable, "-m", "primerl.cli.main"]

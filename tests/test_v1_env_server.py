@@ -1,4 +1,4 @@
-"""verifiers v1 environments through their own env server (`primerl.orchestrator.v1_env_client`): the real
+"""verifiers v1 environments through their own env server (`primerl.orchestrator.envs.v1_server`): the real
 `verifiers.v1` env server in the v1 env venv (examples/reverse_text_v1) and a real primerl-infer on the tiny model.
 
 Needs `.venv-envs-v1` with reverse-text-v1 installed (`make setup` builds it); skipped with that reason otherwise.
@@ -18,11 +18,11 @@ import pytest
 from support.daemons import InferenceDaemon
 from support.inference import AUTH, TOKEN, TOLERANCE, model_name
 
-from primerl.orchestrator.env_client import EnvRequestError, EnvWorkerDied
-from primerl.orchestrator.env_python import find_v1_env_python, probe_env_python
+from primerl.orchestrator.envs.base import EnvRequestError, EnvWorkerDied
+from primerl.orchestrator.envs.interpreters import find_v1_env_python, probe_env_python
+from primerl.orchestrator.envs.v1_server import V1EnvConfigError, V1ServerConnection
 from primerl.orchestrator.samples import rollout_to_samples
 from primerl.orchestrator.trajectory import SamplingParams
-from primerl.orchestrator.v1_env_client import V1EnvConfigError, V1EnvServer
 
 pytestmark = pytest.mark.slow  # every test starts the v1 interpreter (~5-15 s each: verifiers.v1 imports)
 
@@ -46,7 +46,7 @@ def lcs_ratio(reply: str, answer: str) -> float:
 
 
 def test_tasks_are_listed_on_the_orchestrator_side(v1_python: str) -> None:
-    server = V1EnvServer(v1_python, ENV_ID, {"num_examples": 50, "min_len": 3, "max_len": 4}, base_url="http://x")
+    server = V1ServerConnection(v1_python, ENV_ID, {"num_examples": 50, "min_len": 3, "max_len": 4}, base_url="http://x")
     tasks = server.tasks(10, 5)
     assert [task["idx"] for task in tasks] == list(range(10, 15))
     for task in tasks:
@@ -62,12 +62,12 @@ def test_tasks_are_listed_on_the_orchestrator_side(v1_python: str) -> None:
 ])
 def test_a_sandbox_or_an_installing_harness_is_refused_with_the_setting_to_change(
         v1_python: str, v1_config: dict, names: str) -> None:
-    server = V1EnvServer(v1_python, ENV_ID, base_url="http://x", v1_config=v1_config, start_timeout_s=60)
+    server = V1ServerConnection(v1_python, ENV_ID, base_url="http://x", v1_config=v1_config, start_timeout_s=60)
     with pytest.raises(V1EnvConfigError, match=names.replace(".", r"\.")):
         server.start()
     assert not server.is_alive()
     with pytest.raises(V1EnvConfigError, match="num_examples"):
-        V1EnvServer(v1_python, ENV_ID, {"num_examples": 0}, base_url="http://x").tasks(0, 1)
+        V1ServerConnection(v1_python, ENV_ID, {"num_examples": 0}, base_url="http://x").tasks(0, 1)
 
 
 def prefill(http: httpx.Client, token_ids: list[int]) -> list[float | None]:
@@ -82,7 +82,7 @@ def prefill(http: httpx.Client, token_ids: list[int]) -> list[float | None]:
 def test_a_group_through_the_env_server_and_a_crash_mid_group(v1_python: str, infer_daemon: InferenceDaemon,
                                                               infer_http: httpx.Client, tiny_model: Path) -> None:
     versions = iter(range(100))
-    server = V1EnvServer(v1_python, ENV_ID, {"num_examples": 20}, base_url=infer_daemon.url, api_key=TOKEN,
+    server = V1ServerConnection(v1_python, ENV_ID, {"num_examples": 20}, base_url=infer_daemon.url, api_key=TOKEN,
                          renderer_model=str(tiny_model), policy_version_fn=lambda: next(versions),
                          start_timeout_s=90, request_timeout_s=120, max_restarts=2)
     model = model_name(infer_http)
@@ -150,7 +150,7 @@ def test_a_multi_turn_harness_gives_samples_matching_a_prefill(
     """Two chat turns per rollout. The second prompt re-renders the first answer: it extends the first turn's
     tokens (one interleaved sample) unless the untrained model's answer does not survive detokenizing and
     re-tokenizing (invalid UTF-8 pieces): then each turn is its own sample (the branching fallback)."""
-    server = V1EnvServer(v1_python, ENV_ID, {"num_examples": 5}, base_url=infer_daemon.url, api_key=TOKEN,
+    server = V1ServerConnection(v1_python, ENV_ID, {"num_examples": 5}, base_url=infer_daemon.url, api_key=TOKEN,
                          renderer_model=str(tiny_model), start_timeout_s=90, request_timeout_s=120,
                          v1_config={"agent": {"harness": {"id": ENV_ID, "max_turns": 2}}})
     try:

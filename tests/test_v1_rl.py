@@ -19,10 +19,10 @@ from pathlib import Path
 import pytest
 
 from primerl.configs.orchestrator import EnvConfig, OrchestratorConfig
-from primerl.orchestrator.env_clients import EnvClients, endpoint_version_fn
-from primerl.orchestrator.env_kinds import not_installed_message, resolve_env_kinds
-from primerl.orchestrator.env_python import EnvPython, find_v1_env_python
-from primerl.orchestrator.v1_env_worker import sampling_params, task_prompt
+from primerl.orchestrator.envs.factory import EnvClients, endpoint_version_fn
+from primerl.orchestrator.envs.interpreters import EnvPython, find_v1_env_python
+from primerl.orchestrator.envs.kinds import not_installed_message, resolve_env_kinds
+from primerl.orchestrator.envs.v1 import sampling_params, task_prompt
 from primerl.orchestrator.trajectory import SamplingParams
 
 BIN = Path(sys.executable).parent
@@ -39,7 +39,7 @@ EVAL = ('{interval = 3, num_examples = 4, env = [{id = "reverse-text"}, '
 @pytest.fixture(scope="module")
 def pythons() -> tuple[EnvPython, EnvPython]:
     """(classic, v1) env interpreters with reverse-text and reverse-text-v1 installed."""
-    from primerl.orchestrator.env_python import probe_env_python
+    from primerl.orchestrator.envs.interpreters import probe_env_python
 
     v1 = find_v1_env_python()
     if not Path(ENV_PYTHON).exists():
@@ -225,11 +225,11 @@ def test_the_v1_adapter_has_the_env_workers_shape(pythons, infer_daemon, infer_h
 
     from support.inference import TOKEN, model_name
 
-    from primerl.orchestrator.env_client import EnvRequestError, EnvWorkerDied
-    from primerl.orchestrator.v1_env_worker import V1EnvWorker
+    from primerl.orchestrator.envs.base import EnvRequestError, EnvWorkerDied
+    from primerl.orchestrator.envs.v1 import V1EnvClient
 
     _, v1 = pythons
-    worker = V1EnvWorker(v1.path, "reverse-text-v1", {"num_examples": 30}, api_key=TOKEN,
+    worker = V1EnvClient(v1.path, "reverse-text-v1", {"num_examples": 30}, api_key=TOKEN,
                          renderer_model=str(tiny_model), version_of=lambda base_url: 7, request_timeout_s=120,
                          max_restarts=1)
     common = dict(num_rollouts=2, base_url=infer_daemon.url + "/v1", model=model_name(infer_http),

@@ -19,7 +19,7 @@ from support.inference import AUTH, PROMPT, TOKEN, TOLERANCE, VERSION, VERSION_E
 
 from primerl.inference.http_middleware import DropSeedMiddleware, _pop_seed
 from primerl.inference.token_generate import TOKEN_ROUTE, label_generate_answer
-from primerl.orchestrator.env_python import find_v1_env_python
+from primerl.orchestrator.envs.interpreters import find_v1_env_python
 
 pytestmark = [pytest.mark.slow, pytest.mark.vllm]
 

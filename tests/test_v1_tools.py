@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from primerl.cli.v1_tools import V1ToolError, sft_row
-from primerl.orchestrator.env_python import find_v1_env_python, probe_env_python
+from primerl.orchestrator.envs.interpreters import find_v1_env_python, probe_env_python
 
 BIN = Path(sys.executable).parent
 REPO_ROOT = Path(__file__).resolve().parents[1]

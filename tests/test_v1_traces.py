@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import pytest
 
+from primerl.orchestrator.envs.v1_traces import episode_to_rollout, trace_turns
+from primerl.orchestrator.envs.v1_wire import EpisodeAssembly, MalformedEpisode, pack, unpack
 from primerl.orchestrator.samples import rollout_to_samples
-from primerl.orchestrator.v1_traces import episode_to_rollout, trace_turns
-from primerl.orchestrator.v1_wire import EpisodeAssembly, MalformedEpisode, pack, unpack
 
 
 def node(tokens, mask=None, logprobs=(), parent=None, sampled=False, role="user", content=""):

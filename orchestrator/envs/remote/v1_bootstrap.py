@@ -1,8 +1,9 @@
 """Run by the v1 env interpreter (verifiers 0.4; not imported by primerl): serves one verifiers v1 environment
-with verifiers' own env server, or lists its taskset's tasks. Started by `primerl.orchestrator.v1_env_client`.
+with verifiers' own env server, or lists its taskset's tasks. Started by `primerl.orchestrator.envs.v1_server` and
+`primerl.orchestrator.envs.v1_spec`.
 
-    <v1 python> v1_env_bootstrap.py serve  < spec.json
-    <v1 python> v1_env_bootstrap.py tasks  < spec.json
+    <v1 python> v1_bootstrap.py serve  < spec.json
+    <v1 python> v1_bootstrap.py tasks  < spec.json
 
 spec: {"env_config": {"taskset": {"id": "reverse-text-v1", ...args}, ...}, "address": "tcp://127.0.0.1:0",
        "max_workers": 1, "start": 0, "count": 100}
@@ -25,7 +26,7 @@ from __future__ import annotations
 import os
 import sys
 
-# `python v1_env_bootstrap.py` puts this file's folder first on sys.path: its siblings must not shadow modules.
+# `python v1_bootstrap.py` puts this file's folder first on sys.path: its siblings must not shadow modules.
 if sys.path and os.path.abspath(sys.path[0] or ".") == os.path.dirname(os.path.abspath(__file__)):
     del sys.path[0]
 
@@ -125,7 +126,7 @@ def main(argv: list[str]) -> int:
     logging.basicConfig(level=os.environ.get("PRIMERL_V1_LOG_LEVEL", "WARNING"), stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if len(argv) != 1 or argv[0] not in ("serve", "tasks"):
-        emit({"event": "error", "kind": "config", "message": "usage: v1_env_bootstrap.py serve|tasks < spec.json"})
+        emit({"event": "error", "kind": "config", "message": "usage: v1_bootstrap.py serve|tasks < spec.json"})
         return EXIT_CONFIG
     try:
         spec = json.loads(sys.stdin.read() or "{}")

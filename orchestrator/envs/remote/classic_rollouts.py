@@ -2,10 +2,10 @@
 functions wrapped to record their errors, group scoring, and the wire form of a finished rollout
 (``rollout_output``, ``turn_output``) and of a request's sampling args (``sampling_args``).
 
-Runs in the environments' interpreter with ``env_worker.py``: it imports only the standard library, verifiers and
-what verifiers brings (openai, httpx), and of primerl only ``primerl.proto.env_protocol``.
+Runs in the environments' interpreter with ``classic_worker.py``: it imports only the standard library, verifiers
+and what verifiers brings (openai, httpx), and of primerl only ``primerl.proto.env_protocol``.
 
-Speed (issue 12): a group's `timings` say where its wall time went (`generate_s`: its model calls, from the
+Speed: a group's `timings` say where its wall time went (`generate_s`: its model calls, from the
 first start to the last end; `score_s`: the rubric; `encode_s`: building the reply; `total_s`: from the request's
 arrival to the reply). Model calls go through `HTTP_CLIENT_SHARDS` HTTP clients per endpoint, round robin, each
 keeping its connections alive: httpcore scans every connection of its pool on each request and each response
@@ -135,7 +135,8 @@ def _http_client_class() -> Any:
         from httpx_aiohttp import HttpxAiohttpClient
     except ImportError:
         log.warning("httpx-aiohttp is not installed in the env interpreter; model requests use httpx's own "
-                    "transport, which costs several times the CPU (install it: <env python> -m pip install httpx-aiohttp)")
+                    "transport, which costs several times the CPU "
+                    "(install it: <env python> -m pip install httpx-aiohttp)")
         return httpx.AsyncClient
     return HttpxAiohttpClient
 

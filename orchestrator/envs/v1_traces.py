@@ -18,8 +18,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from primerl.orchestrator.envs.v1_wire import MalformedEpisode
 from primerl.orchestrator.trajectory import Rollout, Turn
-from primerl.orchestrator.v1_wire import MalformedEpisode
 
 TRUNCATED_STOPS = ("length", "max_tokens", "max_output_tokens", "max_total_tokens", "max_turns")
 """Stop conditions (and finish reasons) that mean the rollout was cut, not finished."""

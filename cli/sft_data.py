@@ -64,7 +64,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"primerl sft-data: error: --num-examples must be >= 1 or -1, got {args.num_examples}", file=sys.stderr)
         return 2
     from primerl.orchestrator.envs.base import EnvWorkerError
-    from primerl.orchestrator.envs.classic import EnvWorker
+    from primerl.orchestrator.envs.classic import ClassicEnvClient
     from primerl.runtime.log_setup import configure_logging
 
     configure_logging("sft-data", level="warning")
@@ -86,7 +86,7 @@ def main(argv: list[str] | None = None) -> int:
         return 1
 
     env_python = resolve_env_python(args.env_python)
-    worker = EnvWorker(env_python, args.env_id, env_args)
+    worker = ClassicEnvClient(env_python, args.env_id, env_args)
     try:
         info = worker.start()
         size = info.num_examples if args.split == "train" else info.num_eval_examples

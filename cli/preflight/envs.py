@@ -2,7 +2,7 @@
 worker with its args (an unknown id gets a did-you-mean among the installed ones), and a sample of its prompts,
 after the model's chat template, fits `seq_len` and the inference server's `max_model_len`.
 
-The env workers are the ones training uses (`primerl.orchestrator.envs.classic.EnvWorker`, started the same way),
+The env workers are the ones training uses (`primerl.orchestrator.envs.classic.ClassicEnvClient`, started the same way),
 so what loads here loads in the run; they are closed before the run starts its own. All environments load at
 once, and the tokenizer loads meanwhile."""
 
@@ -224,11 +224,11 @@ def _in_daemon_thread(function: Any, *args: Any) -> concurrent.futures.Future:
 def load_env(use: EnvUse, env_python: str) -> LoadedEnv:
     """Load the environment in an env worker and read a sample of its prompts; errors come back in the result."""
     from primerl.orchestrator.envs.base import EnvWorkerError
-    from primerl.orchestrator.envs.classic import EnvWorker
+    from primerl.orchestrator.envs.classic import ClassicEnvClient
 
     if use.kind == "v1":
         return load_v1_env(use, env_python)
-    worker = EnvWorker(
+    worker = ClassicEnvClient(
         env_python,
         use.id,
         use.args,

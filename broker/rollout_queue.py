@@ -15,10 +15,12 @@ Rules:
 - Asking again for a step the session already finished starts the session over (a trainer that restarted
   from a checkpoint); so does ``open_session`` (a HELLO). A new session gets every batch still spooled.
 - Batches leave the spool only through ``release_through(step)`` (the trainer committed ``step``).
-- The bounds (``max_batches``, ``max_bytes``) count the batches *ahead of the trainers*: those of steps above
-  the highest step any session has asked for. Batches of steps the trainers already asked for stay on disk
+- The bounds (``max_batches``, ``max_bytes``) count the batches *ahead of the trainers*: those no session has
+  been given yet, other than batches of a step a session is asking for now. Batches already given stay on disk
   until the commit (a checkpoint, maybe many steps later) without blocking producers, so the bound limits
-  how far the orchestrator runs ahead, and disk use is bounded by the checkpoint interval times one step.
+  how far the orchestrator runs ahead, and disk use is bounded by the checkpoint interval times one step. The
+  bound holds however the requested steps move: a batch counts until a session is given it, so requests that
+  jump ahead (and leave batches behind that nobody asks for) do not make room.
 
 Group commit: ``offer_many`` decides a group of batches in order (each sees the ones before it, as if
 offered one by one), spools the accepted ones together (``RolloutSpool.put_many``: one fsync per file, one
@@ -126,6 +128,8 @@ class RolloutQueue:
         self._counts = {"accepted": 0, "duplicates": 0, "backpressured": 0, "released": 0}
         # Highest step any consumer session asked for (-1: none yet, e.g. right after a broker restart).
         self._frontier_step = -1
+        # Spooled batches handed to a session at least once: they no longer count against the bounds.
+        self._given: set[str] = set()
         self._load()
 
     # ------------------------------------------------------------------ producer side
@@ -167,14 +171,17 @@ class RolloutQueue:
             accepted: list[tuple[data_pb2.RolloutBatchHeader, Any, bytes, int | None]] = []
             group_ids: set[str] = set()
             num_ahead, bytes_ahead = self._ahead()
+            asked_steps = self._asked_steps()
             for header, payload, header_bytes, crc32 in prepared:
-                result = self._decide_locked(header, payload, header_bytes, group_ids, num_ahead, bytes_ahead)
+                result = self._decide_locked(
+                    header, payload, header_bytes, group_ids, num_ahead, bytes_ahead, asked_steps
+                )
                 results.append(result)
                 if isinstance(result, Accepted):
                     self._index(header)
                     group_ids.add(header.batch_id)
                     accepted.append((header, payload, header_bytes, crc32))
-                    if header.step > self._frontier_step:
+                    if header.step not in asked_steps:
                         num_ahead += 1
                         bytes_ahead += spooled_size_bytes(header_bytes, payload)
             if not accepted:
@@ -208,6 +215,7 @@ class RolloutQueue:
         group_ids: set[str],
         num_ahead: int,
         bytes_ahead: int,
+        asked_steps: set[int],
     ) -> OfferResult:
         problem = _check_header(header) or tensor_spec_problem(header.tensors)
         if problem:
@@ -251,9 +259,9 @@ class RolloutQueue:
                 batch_id,
                 step,
             )
-        # Only a batch ahead of the trainers counts against the bounds: one of a step a trainer already asks for is
+        # Only a batch ahead of the trainers counts against the bounds: one of a step a trainer asks for now is
         # always taken, or later steps filling the queue first would keep that step from ever completing.
-        ahead = step > self._frontier_step
+        ahead = step not in asked_steps
         if ahead and (num_ahead >= self.max_batches or bytes_ahead + size_bytes > self.max_bytes):
             self._counts["backpressured"] += 1
             reason = (
@@ -337,6 +345,7 @@ class RolloutQueue:
             entry = self.spool.entry(batch_id)
             if session is None or entry is None:
                 return
+            self._given.discard(batch_id)
             key = (entry.header.step, entry.header.rank)
             session.delivered.get(key, set()).discard(entry.header.micro_batch_index)
             if session.finished_step.get(key[1], -1) == key[0]:
@@ -359,6 +368,7 @@ class RolloutQueue:
             return read(batch_id)
         except SpoolCorruption:  # quarantined by the spool: forget it here too
             with self._lock:
+                self._given.discard(batch_id)
                 for slot in self._slots.values():
                     for index, other in list(slot.batch_ids.items()):
                         if other == batch_id:
@@ -379,7 +389,9 @@ class RolloutQueue:
             for key in [key for key in self._slots if key[0] <= step]:
                 del self._slots[key]
             # From the spool, not the index: batches that could not be indexed at load go too.
-            num_released = self.spool.delete([e.batch_id for e in self.spool.entries() if e.header.step <= step])
+            released = [e.batch_id for e in self.spool.entries() if e.header.step <= step]
+            num_released = self.spool.delete(released)
+            self._given.difference_update(released)
             for session in self._sessions.values():
                 for key in [k for k in session.delivered if k[0] <= step]:
                     del session.delivered[key]
@@ -419,9 +431,15 @@ class RolloutQueue:
 
     # ------------------------------------------------------------------ internals (lock held)
 
+    def _asked_steps(self) -> set[int]:
+        """The steps some session is asking for now (its pending request)."""
+        return {s.pending.step for s in self._sessions.values() if s.pending is not None}
+
     def _ahead(self) -> tuple[int, int]:
-        """(batches, bytes) spooled for steps above the frontier: what the queue bounds count."""
-        ahead = [e for e in self.spool.entries() if e.header.step > self._frontier_step]
+        """(batches, bytes) spooled and not given to any session, other than those of a step a session asks for
+        now: what the queue bounds count."""
+        asked_steps = self._asked_steps()
+        ahead = [e for e in self.spool.entries() if e.batch_id not in self._given and e.header.step not in asked_steps]
         return len(ahead), sum(e.file_bytes for e in ahead)
 
     def _load(self) -> None:
@@ -486,6 +504,7 @@ class RolloutQueue:
             if index not in delivered:
                 delivered.add(index)
                 batch_ids.append(slot.batch_ids[index])
+                self._given.add(slot.batch_ids[index])
                 pending.credits -= 1
         step_done = None
         if len(delivered) >= slot.num_micro_batches and session.finished_step.get(pending.rank, -1) < pending.step:

@@ -217,6 +217,28 @@ def test_a_batch_of_a_step_the_trainer_asks_for_is_taken_however_full_the_queue(
     assert queue.request(A, 1, 0, credits=8).step_done is not None
 
 
+def test_the_bound_holds_however_the_requested_steps_move(tmp_path):
+    """Requests that jump ahead by ``max_step_lead`` three times leave batches behind that nobody asks for: they
+    still count, so no more than ``max_batches`` wait for a trainer at any time (a fuzz found 24 with 8)."""
+    queue = make_queue(tmp_path, max_batches=8, max_step_lead=1024)
+    accepted = 0
+    for jump in (1, 2, 3):
+        step = 1024 * jump - 1
+        assert isinstance(queue.request(A, step, 0, credits=1), Delivery)
+        for index in range(8):
+            accepted += isinstance(queue.offer(*batch(step + 1, 0, index, num=8)), Accepted)
+    assert accepted == 8
+    status = queue.status()
+    assert status.num_ahead_batches == 8 and status.frontier_step == 3071
+    # A batch of the step a trainer asks for now is still always taken, and given at once.
+    delivered = queue.offer(*batch(3071, 0, 0, num=1))
+    assert isinstance(delivered, Accepted) and delivered.deliveries[0].batch_ids == ("3071:0:0",)
+    # Only a session given the waiting batches (those of step 1024, the first taken) frees the bound.
+    assert isinstance(queue.offer(*batch(3073, 0, 0, num=1)), Backpressure)
+    assert len(queue.request(B, 1024, 0, credits=8).batch_ids) == 8
+    assert isinstance(queue.offer(*batch(3073, 0, 0, num=1)), Accepted)
+
+
 def test_backpressure_by_bytes(tmp_path):
     header, payload = batch(1, 0, 0, n=64)
     one = 24 + len(header.SerializeToString()) + len(payload)

@@ -3,8 +3,8 @@ installed by `primerl env install` into the v1 env venv, `cli/env_v1.py`).
 
 Which kind an id is (`--kind auto`, the default): the v1 env interpreter (`--env-v1-python`, else
 `$PRIMERL_ENV_V1_PYTHON`, else `.venv-envs-v1` beside primerl's venv) is asked which v1 environments it holds
-(`env_probe.py`: package metadata, nothing imported); an id it holds is a v1 environment, any other id goes the
-classic way (an env worker in the classic env interpreter) as before. `--kind v1|classic` skips the question.
+(`envs/remote/probe.py`: package metadata, nothing imported); an id it holds is a v1 environment, any other id
+goes the classic way (an env worker in the classic env interpreter). `--kind v1|classic` skips the question.
 
 Tasks: the bootstrap lists the taskset's tasks on primerl's side (`V1EnvSpec.run_bootstrap("tasks")`; the env
 server never loads data). Splits: v1 has none in general; `--split eval` sets the taskset's own `split` setting

@@ -265,7 +265,7 @@ class ClassicEnvWorker:
         return dataset
 
     def client_shards(self, base_url: str, api_key: str, timeout_s: float) -> list[Any]:
-        """The model clients of an endpoint (`env_rollouts.model_client_shards`), made once and kept."""
+        """The model clients of an endpoint (`classic_rollouts.model_client_shards`), made once and kept."""
         key = (base_url, api_key, timeout_s)
         if key not in self.clients:
             self.clients[key] = model_client_shards(base_url, api_key, timeout_s)

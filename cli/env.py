@@ -50,35 +50,66 @@ class EnvInstallFailed(RuntimeError):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="primerl env", description="Install and list verifiers environments in "
-                                     "the environments' interpreter (the env venv).")
+    parser = argparse.ArgumentParser(
+        prog="primerl env",
+        description="Install and list verifiers environments in the environments' interpreter (the env venv).",
+    )
     commands = parser.add_subparsers(dest="command", required=True, metavar="{install,list}")
     install = commands.add_parser(
-        "install", help="install an environment (directory, wheel or PyPI package) and check that it loads",
+        "install",
+        help="install an environment (directory, wheel or PyPI package) and check that it loads",
         description="Install a verifiers environment into the env interpreter that `primerl rl` and `primerl eval` "
         "use by default, creating the env venv (verifiers==%s) when there is none; then load it in an env worker."
-        % VERIFIERS_VERSION)
-    install.add_argument("target", metavar="PATH|PACKAGE",
-                         help="a project directory (pyproject.toml or setup.py), a wheel or sdist file, or a PyPI "
-                         "requirement such as `vf-env==0.2`")
-    install.add_argument("--no-editable", dest="editable", action="store_false",
-                         help="copy a project directory into the venv (default: editable, edits apply at once)")
-    install.add_argument("-a", "--env-args", default="{}", metavar="JSON",
-                         help="load_environment arguments for the load check, as a JSON object")
-    install.add_argument("--env-python", default=None, metavar="PATH",
-                         help=f"the env interpreter to install into; created as a venv when PATH is "
-                         f"DIR/bin/python and missing (default: ${ENV_PYTHON_VAR}, else {default_env_venv()})")
-    install.add_argument("--v1", action="store_true",
-                         help="a verifiers v1 environment (Taskset/Harness, verifiers 0.4): install into the v1 env "
-                         "venv; found by itself for a project directory")
+        % VERIFIERS_VERSION,
+    )
+    install.add_argument(
+        "target",
+        metavar="PATH|PACKAGE",
+        help="a project directory (pyproject.toml or setup.py), a wheel or sdist file, or a PyPI "
+        "requirement such as `vf-env==0.2`",
+    )
+    install.add_argument(
+        "--no-editable",
+        dest="editable",
+        action="store_false",
+        help="copy a project directory into the venv (default: editable, edits apply at once)",
+    )
+    install.add_argument(
+        "-a",
+        "--env-args",
+        default="{}",
+        metavar="JSON",
+        help="load_environment arguments for the load check, as a JSON object",
+    )
+    install.add_argument(
+        "--env-python",
+        default=None,
+        metavar="PATH",
+        help=f"the env interpreter to install into; created as a venv when PATH is "
+        f"DIR/bin/python and missing (default: ${ENV_PYTHON_VAR}, else {default_env_venv()})",
+    )
+    install.add_argument(
+        "--v1",
+        action="store_true",
+        help="a verifiers v1 environment (Taskset/Harness, verifiers 0.4): install into the v1 env "
+        "venv; found by itself for a project directory",
+    )
     install.add_argument("-v", "--verbose", action="store_true", help="show pip's output")
     listing = commands.add_parser("list", help="list the environments installed in the env interpreter")
-    listing.add_argument("--env-python", default=None, metavar="PATH",
-                         help=f"the env interpreter (default: ${ENV_PYTHON_VAR}, else {default_env_venv()} when it "
-                         "exists, else primerl's own)")
-    listing.add_argument("--env-v1-python", default=None, metavar="PATH",
-                         help="the v1 env interpreter, listed beside the classic one (default: "
-                         "$PRIMERL_ENV_V1_PYTHON, else .venv-envs-v1 next to primerl's venv, when it exists)")
+    listing.add_argument(
+        "--env-python",
+        default=None,
+        metavar="PATH",
+        help=f"the env interpreter (default: ${ENV_PYTHON_VAR}, else {default_env_venv()} when it "
+        "exists, else primerl's own)",
+    )
+    listing.add_argument(
+        "--env-v1-python",
+        default=None,
+        metavar="PATH",
+        help="the v1 env interpreter, listed beside the classic one (default: "
+        "$PRIMERL_ENV_V1_PYTHON, else .venv-envs-v1 next to primerl's venv, when it exists)",
+    )
     listing.add_argument("--json", action="store_true", help="print JSON")
     return parser
 
@@ -101,8 +132,9 @@ def main(argv: list[str] | None = None) -> int:
 def list_envs(args: argparse.Namespace) -> int:
     env_python = find_env_python(args.env_python)
     if not Path(env_python.path).exists():
-        raise EnvCommandError(f"env python {env_python.describe()} does not exist: create it with "
-                              "`primerl env install PATH|PACKAGE`")
+        raise EnvCommandError(
+            f"env python {env_python.describe()} does not exist: create it with `primerl env install PATH|PACKAGE`"
+        )
     try:
         info = probe_env_python(env_python.path)
     except EnvProbeError as exc:
@@ -110,12 +142,24 @@ def list_envs(args: argparse.Namespace) -> int:
     from primerl.cli.env_v1 import v1_listing
 
     # The v1 interpreter is listed too when the classic one is the default (not chosen by --env-python or $VAR).
-    v1 = (v1_listing(args.env_v1_python) if args.env_v1_python is not None or env_python.source in
-          ("env_venv", "this_interpreter") else None)
+    v1 = (
+        v1_listing(args.env_v1_python)
+        if args.env_v1_python is not None or env_python.source in ("env_venv", "this_interpreter")
+        else None
+    )
     if args.json:
-        print(json.dumps({"python": env_python.path, "source": env_python.source,
-                          "verifiers": info.verifiers_version, "envs": [vars(env) for env in info.envs],
-                          **({"v1": v1} if v1 else {})}, indent=2))
+        print(
+            json.dumps(
+                {
+                    "python": env_python.path,
+                    "source": env_python.source,
+                    "verifiers": info.verifiers_version,
+                    "envs": [vars(env) for env in info.envs],
+                    **({"v1": v1} if v1 else {}),
+                },
+                indent=2,
+            )
+        )
         return 0
     verifiers = f"verifiers {info.verifiers_version}" if info.verifiers_version else "NO verifiers"
     print(f"env python: {env_python.describe()}; {verifiers}")
@@ -152,26 +196,36 @@ def install(args: argparse.Namespace) -> int:
     with tempfile.NamedTemporaryFile("w", suffix=".txt", prefix="primerl-constraints-") as constraints:
         constraints.write(f"verifiers=={verifiers_version}\n")  # an environment never moves the env venv's verifiers
         constraints.flush()
-        _pip(python, ["install", *pip_target, "-c", constraints.name], verbose=args.verbose,
-             what=f"install {args.target}", on_conflict=f"the env venv keeps verifiers=={verifiers_version}; an "
-             f"environment that needs another verifiers cannot be installed into it")
+        _pip(
+            python,
+            ["install", *pip_target, "-c", constraints.name],
+            verbose=args.verbose,
+            what=f"install {args.target}",
+            on_conflict=f"the env venv keeps verifiers=={verifiers_version}; an "
+            f"environment that needs another verifiers cannot be installed into it",
+        )
     envs = _provided_envs(python, dist_name, project_dir)
     if not envs:
         raise EnvInstallFailed(
             f"installed {args.target}, but no top-level module of it names `load_environment`: a verifiers "
-            "environment is a module `my_env` (id `my-env`) with `def load_environment(**args) -> vf.Environment`")
+            "environment is a module `my_env` (id `my-env`) with `def load_environment(**args) -> vf.Environment`"
+        )
     loaded = [_check_loads(python, env, env_args) for env in envs]
     elapsed_s = time.monotonic() - started_s
-    print(f"primerl env install: installed {envs[0].dist} {envs[0].version}"
-          f"{' (editable)' if envs[0].editable_path else ''} into {python} in {elapsed_s:.0f} s")
+    print(
+        f"primerl env install: installed {envs[0].dist} {envs[0].version}"
+        f"{' (editable)' if envs[0].editable_path else ''} into {python} in {elapsed_s:.0f} s"
+    )
     for env, line in zip(envs, loaded):
         print(f"  {env.id}: {line}")
     first = envs[0].id
     print(f"  evaluate:  primerl eval {first} -m MODEL")
-    print(f"  train:     [[orchestrator.env]] id = \"{first}\"   (in the config of `primerl rl`)")
+    print(f'  train:     [[orchestrator.env]] id = "{first}"   (in the config of `primerl rl`)')
     if find_env_python().path != str(python):
-        print(f"  this is not the default env interpreter: pass --env-python {python} to eval, set "
-              f"`env_python = \"{python}\"` in [orchestrator], or export {ENV_PYTHON_VAR}={python}")
+        print(
+            f"  this is not the default env interpreter: pass --env-python {python} to eval, set "
+            f'`env_python = "{python}"` in [orchestrator], or export {ENV_PYTHON_VAR}={python}'
+        )
     return 0
 
 
@@ -188,13 +242,17 @@ def _classify(target: str, *, editable: bool) -> tuple[list[str], str | None, Pa
     if path.is_dir():
         path = path.resolve()
         if not any((path / name).is_file() for name in PROJECT_FILES):
-            raise EnvCommandError(f"{target} holds no pyproject.toml or setup.py: not a Python project (an "
-                                  "environment package has one; see examples/reverse_text/pyproject.toml)")
+            raise EnvCommandError(
+                f"{target} holds no pyproject.toml or setup.py: not a Python project (an "
+                "environment package has one; see examples/reverse_text/pyproject.toml)"
+            )
         return (["-e", str(path)] if editable else [str(path)]), _project_name(path), path
     if path.is_file():
         if not path.name.endswith(ARCHIVE_SUFFIXES):
-            raise EnvCommandError(f"{target} is a file but not a wheel or sdist; give a project directory, a "
-                                  f"{'/'.join(ARCHIVE_SUFFIXES)} file or a PyPI package")
+            raise EnvCommandError(
+                f"{target} is a file but not a wheel or sdist; give a project directory, a "
+                f"{'/'.join(ARCHIVE_SUFFIXES)} file or a PyPI package"
+            )
         return [str(path.resolve())], re.split(r"-\d", path.name, maxsplit=1)[0], None
     if "://" in target:
         return [target], None, None
@@ -229,8 +287,10 @@ def _target_python(env_python: EnvPython) -> Path:
         return venv_python(default_env_venv())
     python = Path(env_python.path).absolute()
     if not python.exists() and not (python.parent.name == "bin" and python.name.startswith("python")):
-        raise EnvCommandError(f"env python {env_python.describe()} does not exist and is not DIR/bin/python, so no "
-                              "venv can be created for it: give an existing interpreter or DIR/bin/python")
+        raise EnvCommandError(
+            f"env python {env_python.describe()} does not exist and is not DIR/bin/python, so no "
+            "venv can be created for it: give an existing interpreter or DIR/bin/python"
+        )
     return python
 
 
@@ -244,8 +304,10 @@ def create_venv(python: Path, *, verbose: bool, what: str) -> None:
     print(f"primerl env install: creating {what} at {venv} ...", file=sys.stderr, flush=True)
     done = subprocess.run([sys.executable, "-m", "venv", str(venv)], capture_output=True, text=True)
     if done.returncode != 0 or not python.exists():
-        raise EnvInstallFailed(f"could not create a venv at {venv}: {(done.stderr.strip().splitlines() or ['?'])[-1]}"
-                               f" (pass --env-python DIR/bin/python for a writable DIR)")
+        raise EnvInstallFailed(
+            f"could not create a venv at {venv}: {(done.stderr.strip().splitlines() or ['?'])[-1]}"
+            f" (pass --env-python DIR/bin/python for a writable DIR)"
+        )
     _pip(python, ["install", "--upgrade", "pip>=24"], verbose=verbose, what="upgrade pip")
 
 
@@ -257,10 +319,15 @@ def _ensure_verifiers(python: Path, *, verbose: bool) -> str:
         raise EnvInstallFailed(str(exc)) from None
     if info.verifiers_version:
         return info.verifiers_version
-    print(f"primerl env install: installing verifiers=={VERIFIERS_VERSION} into {python} ...", file=sys.stderr,
-          flush=True)
-    _pip(python, ["install", f"verifiers=={VERIFIERS_VERSION}", f"httpx-aiohttp=={HTTPX_AIOHTTP_VERSION}"],
-         verbose=verbose, what=f"install verifiers=={VERIFIERS_VERSION}")
+    print(
+        f"primerl env install: installing verifiers=={VERIFIERS_VERSION} into {python} ...", file=sys.stderr, flush=True
+    )
+    _pip(
+        python,
+        ["install", f"verifiers=={VERIFIERS_VERSION}", f"httpx-aiohttp=={HTTPX_AIOHTTP_VERSION}"],
+        verbose=verbose,
+        what=f"install verifiers=={VERIFIERS_VERSION}",
+    )
     return VERIFIERS_VERSION
 
 
@@ -277,8 +344,7 @@ def _pip(python: Path, pip_args: list[str], *, verbose: bool, what: str, on_conf
         if tail:
             print(tail, file=sys.stderr)
         hint = f"; {on_conflict}" if on_conflict and "ResolutionImpossible" in output else ""
-        raise EnvInstallFailed(f"pip could not {what} into {python} (exit {done.returncode}; pip's output "
-                               f"above{hint})")
+        raise EnvInstallFailed(f"pip could not {what} into {python} (exit {done.returncode}; pip's output above{hint})")
 
 
 def _normalize(name: str) -> str:
@@ -308,12 +374,16 @@ def _check_loads(python: Path, env, env_args: dict) -> str:
     try:
         info = worker.start()
     except EnvWorkerError as exc:
-        raise EnvInstallFailed(f"{env.dist} is installed, but environment {env.id!r} does not load: "
-                               f"{str(exc).splitlines()[0]} (fix load_environment; edits of an editable install "
-                               f"apply at once; re-check with `primerl eval {env.id} ...`)") from None
+        raise EnvInstallFailed(
+            f"{env.dist} is installed, but environment {env.id!r} does not load: "
+            f"{str(exc).splitlines()[0]} (fix load_environment; edits of an editable install "
+            f"apply at once; re-check with `primerl eval {env.id} ...`)"
+        ) from None
     finally:
         worker.close()
     tools = getattr(info, "has_tools", None)
-    return (f"loads ({info.env_class}; {info.num_examples} train, "
-            f"{info.num_eval_examples if info.has_eval_dataset else 'no'} eval examples"
-            f"{'; has tools' if tools else ''})")
+    return (
+        f"loads ({info.env_class}; {info.num_examples} train, "
+        f"{info.num_eval_examples if info.has_eval_dataset else 'no'} eval examples"
+        f"{'; has tools' if tools else ''})"
+    )

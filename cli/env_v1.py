@@ -46,7 +46,7 @@ def is_v1_project(path: Path) -> bool:
             return True
     for init in [*path.glob("*/__init__.py"), *path.glob("src/*/__init__.py")]:
         try:
-            if V1_EXPORT.search(init.read_text(errors="replace")[:1 << 20]):
+            if V1_EXPORT.search(init.read_text(errors="replace")[: 1 << 20]):
                 return True
         except OSError:
             continue
@@ -66,36 +66,51 @@ def install_v1(args, pip_target: list[str], dist_name: str | None, project_dir: 
     pip helpers), passed in to keep one implementation of them."""
     python = target_v1_python(args.env_python)
     if not python.exists() and not (python.parent.name == "bin" and python.name.startswith("python")):
-        raise errors.EnvCommandError(f"v1 env python {python} does not exist and is not DIR/bin/python, so no venv "
-                                     "can be created for it: give an existing interpreter or DIR/bin/python")
+        raise errors.EnvCommandError(
+            f"v1 env python {python} does not exist and is not DIR/bin/python, so no venv "
+            "can be created for it: give an existing interpreter or DIR/bin/python"
+        )
     started_s = time.monotonic()
     if not python.exists():
         errors.create_venv(python, verbose=args.verbose, what=f"the v1 env venv (verifiers=={VERIFIERS_V1_VERSION})")
     version = _ensure_verifiers_v1(python, verbose=args.verbose, errors=errors)
-    print(f"primerl env install: installing {args.target} (a verifiers v1 environment) into {python} ...",
-          file=sys.stderr, flush=True)
+    print(
+        f"primerl env install: installing {args.target} (a verifiers v1 environment) into {python} ...",
+        file=sys.stderr,
+        flush=True,
+    )
     with tempfile.NamedTemporaryFile("w", suffix=".txt", prefix="primerl-constraints-") as constraints:
         constraints.write(f"verifiers=={version}\n")
         constraints.flush()
-        errors._pip(python, ["install", *pip_target, "-c", constraints.name], verbose=args.verbose,
-                    what=f"install {args.target}", on_conflict=f"the v1 env venv keeps verifiers=={version}")
+        errors._pip(
+            python,
+            ["install", *pip_target, "-c", constraints.name],
+            verbose=args.verbose,
+            what=f"install {args.target}",
+            on_conflict=f"the v1 env venv keeps verifiers=={version}",
+        )
     envs = [env for env in errors._provided_envs(python, dist_name, project_dir) if env.kind == "v1"]
     if not envs:
         raise errors.EnvInstallFailed(
             f"installed {args.target}, but no top-level module of it exports a Taskset or Harness in `__all__`: a "
-            "verifiers v1 environment is a package `my_env` (id `my-env`) with `__all__ = ['MyTaskset', ...]`")
+            "verifiers v1 environment is a package `my_env` (id `my-env`) with `__all__ = ['MyTaskset', ...]`"
+        )
     env_args = errors._env_args(args.env_args)
     lines = [_check_serves(python, env.id, env_args, errors=errors) for env in envs]
     elapsed_s = time.monotonic() - started_s
-    print(f"primerl env install: installed {envs[0].dist} {envs[0].version}"
-          f"{' (editable)' if envs[0].editable_path else ''} into {python} in {elapsed_s:.0f} s (verifiers {version})")
+    print(
+        f"primerl env install: installed {envs[0].dist} {envs[0].version}"
+        f"{' (editable)' if envs[0].editable_path else ''} into {python} in {elapsed_s:.0f} s (verifiers {version})"
+    )
     for env, line in zip(envs, lines):
         print(f"  {env.id}: {line}")
     print(f"  evaluate:  primerl eval {envs[0].id} -m MODEL")
-    print(f"  train:     [[orchestrator.env]] id = \"{envs[0].id}\"   (served by its own v1 env server)")
+    print(f'  train:     [[orchestrator.env]] id = "{envs[0].id}"   (served by its own v1 env server)')
     if find_v1_env_python().path != str(python):
-        print(f"  this is not the default v1 env interpreter: pass --env-v1-python {python} to eval and sft-data, "
-              f"or export {V1_ENV_PYTHON_VAR}={python}")
+        print(
+            f"  this is not the default v1 env interpreter: pass --env-v1-python {python} to eval and sft-data, "
+            f"or export {V1_ENV_PYTHON_VAR}={python}"
+        )
     return 0
 
 
@@ -108,12 +123,20 @@ def _ensure_verifiers_v1(python: Path, *, verbose: bool, errors) -> str:
         if not info.verifiers_version.startswith("0.4"):
             raise errors.EnvCommandError(
                 f"{python} has verifiers {info.verifiers_version}, not 0.4: a v1 environment needs the v1 env venv "
-                f"(default {default_v1_env_venv()}; --env-python DIR/bin/python creates one)")
+                f"(default {default_v1_env_venv()}; --env-python DIR/bin/python creates one)"
+            )
         return info.verifiers_version
-    print(f"primerl env install: installing verifiers=={VERIFIERS_V1_VERSION} into {python} ...",
-          file=sys.stderr, flush=True)
-    errors._pip(python, ["install", f"verifiers=={VERIFIERS_V1_VERSION}"], verbose=verbose,
-                what=f"install verifiers=={VERIFIERS_V1_VERSION}")
+    print(
+        f"primerl env install: installing verifiers=={VERIFIERS_V1_VERSION} into {python} ...",
+        file=sys.stderr,
+        flush=True,
+    )
+    errors._pip(
+        python,
+        ["install", f"verifiers=={VERIFIERS_V1_VERSION}"],
+        verbose=verbose,
+        what=f"install verifiers=={VERIFIERS_V1_VERSION}",
+    )
     return VERIFIERS_V1_VERSION
 
 
@@ -127,8 +150,9 @@ def _check_serves(python: Path, env_id: str, env_args: dict | None = None, *, er
     try:
         tasks = spec.tasks(0, 2, timeout_s=CHECK_TIMEOUT_S)
     except EnvWorkerError as exc:
-        raise errors.EnvInstallFailed(f"{env_id} is installed, but it cannot be served here: "
-                                      f"{str(exc).splitlines()[0]}") from None
+        raise errors.EnvInstallFailed(
+            f"{env_id} is installed, but it cannot be served here: {str(exc).splitlines()[0]}"
+        ) from None
     if not tasks:
         raise errors.EnvInstallFailed(f"{env_id} is installed, but its taskset yields no task")
     prompt = tasks[0].get("prompt")
@@ -147,5 +171,8 @@ def v1_listing(explicit: str | None = None) -> dict | None:
         info = probe_env_python(found.path)
     except EnvProbeError as exc:
         return {"python": found.path, "error": str(exc), "envs": []}
-    return {"python": found.path, "verifiers": info.verifiers_version,
-            "envs": [vars(env) for env in info.envs if env.kind == "v1"]}
+    return {
+        "python": found.path,
+        "verifiers": info.verifiers_version,
+        "envs": [vars(env) for env in info.envs if env.kind == "v1"],
+    }

@@ -42,10 +42,13 @@ ALL_TASKS_FIRST = 10_000
 """`-n -1`: the first listing asks for this many tasks; a bounded taskset with more is listed again in full, an
 infinite one is refused (give -n)."""
 LIST_TIMEOUT_S = 300.0
-KIND_HELP = ("environment kind: classic (load_environment, verifiers 0.3) or v1 (Taskset/Harness, verifiers 0.4); "
-             "auto: v1 when the v1 env interpreter has the id (default: %(default)s)")
-V1_PYTHON_HELP = (f"interpreter of v1 environments (default: ${V1_ENV_PYTHON_VAR}, else {V1_ENV_VENV_NAME} next to "
-                  "primerl's venv)")
+KIND_HELP = (
+    "environment kind: classic (load_environment, verifiers 0.3) or v1 (Taskset/Harness, verifiers 0.4); "
+    "auto: v1 when the v1 env interpreter has the id (default: %(default)s)"
+)
+V1_PYTHON_HELP = (
+    f"interpreter of v1 environments (default: ${V1_ENV_PYTHON_VAR}, else {V1_ENV_VENV_NAME} next to primerl's venv)"
+)
 
 
 class V1ToolError(ValueError):
@@ -83,9 +86,11 @@ def resolve_kind(env_id: str, kind: str, v1_python_explicit: str | None) -> tupl
     v1_python = usable_v1_python(v1_python_explicit)
     if kind == "v1":
         if v1_python is None:
-            raise V1ToolError(f"no v1 env interpreter ({find_v1_env_python(v1_python_explicit).describe()} does "
-                              "not exist or is primerl's own): `make setup` builds .venv-envs-v1, `primerl env "
-                              "install PATH` of a v1 environment creates it, or pass --env-v1-python")
+            raise V1ToolError(
+                f"no v1 env interpreter ({find_v1_env_python(v1_python_explicit).describe()} does "
+                "not exist or is primerl's own): `make setup` builds .venv-envs-v1, `primerl env "
+                "install PATH` of a v1 environment creates it, or pass --env-v1-python"
+            )
         return "v1", v1_python
     if v1_python is not None and env_id in v1_env_ids(v1_python):
         return "v1", v1_python
@@ -113,16 +118,19 @@ def list_tasks(spec: Any, *, split: str | None, count: int | None) -> tuple[list
         if not _taskset_has_no_split(exc):
             raise
         if split == "eval":
-            raise V1ToolError(f"v1 taskset {spec.env_id!r} has no `split` setting, so it has no eval split: leave "
-                              "--split out (its tasks as configured), or give the taskset's own arguments that "
-                              "select held-out tasks with -a/--env-args") from None
+            raise V1ToolError(
+                f"v1 taskset {spec.env_id!r} has no `split` setting, so it has no eval split: leave "
+                "--split out (its tasks as configured), or give the taskset's own arguments that "
+                "select held-out tasks with -a/--env-args"
+            ) from None
     return _list(spec, {}, count), "train"
 
 
 def _list(spec: Any, taskset_args: Mapping[str, Any], count: int | None) -> list[dict[str, Any]]:
     def run(want: int) -> dict[str, Any]:
-        return spec.run_bootstrap("tasks", {"env_config": spec.env_config(taskset_args), "start": 0, "count": want},
-                                  LIST_TIMEOUT_S)
+        return spec.run_bootstrap(
+            "tasks", {"env_config": spec.env_config(taskset_args), "start": 0, "count": want}, LIST_TIMEOUT_S
+        )
 
     if count is not None:
         return list(run(count).get("tasks") or [])
@@ -131,8 +139,9 @@ def _list(spec: Any, taskset_args: Mapping[str, Any], count: int | None) -> list
     if len(tasks) < ALL_TASKS_FIRST:
         return tasks
     if not event.get("bounded"):
-        raise V1ToolError(f"v1 taskset {spec.env_id!r} is infinite (its tasks never end): give how many to use "
-                          "with -n/--num-examples")
+        raise V1ToolError(
+            f"v1 taskset {spec.env_id!r} is infinite (its tasks never end): give how many to use with -n/--num-examples"
+        )
     return list(run(1 << 62).get("tasks") or [])
 
 
@@ -149,16 +158,36 @@ class V1EvalEnv:
         self.server = server
         self.tasks = tasks
 
-    def submit_rollout(self, index: int, *, split: str, num_rollouts: int, base_url: str, model: str,
-                       api_key: str, sampling: Mapping[str, Any], timeout_s: float) -> concurrent.futures.Future:
+    def submit_rollout(
+        self,
+        index: int,
+        *,
+        split: str,
+        num_rollouts: int,
+        base_url: str,
+        model: str,
+        api_key: str,
+        sampling: Mapping[str, Any],
+        timeout_s: float,
+    ) -> concurrent.futures.Future:
         from primerl.orchestrator.trajectory import SamplingParams
 
         del split, api_key  # the tasks are the split's; the key is the env server's (V1ServerConnection(api_key=...))
-        params = SamplingParams(temperature=float(sampling.get("temperature", 1.0)),
-                                top_p=float(sampling.get("top_p", 1.0)), max_tokens=sampling.get("max_tokens"),
-                                seed=sampling.get("seed"))
-        return self.server.submit_group(self.tasks[index], example_index=index, num_rollouts=num_rollouts,
-                                        model=model, sampling=params, timeout_s=timeout_s, base_url=base_url)
+        params = SamplingParams(
+            temperature=float(sampling.get("temperature", 1.0)),
+            top_p=float(sampling.get("top_p", 1.0)),
+            max_tokens=sampling.get("max_tokens"),
+            seed=sampling.get("seed"),
+        )
+        return self.server.submit_group(
+            self.tasks[index],
+            example_index=index,
+            num_rollouts=num_rollouts,
+            model=model,
+            sampling=params,
+            timeout_s=timeout_s,
+            base_url=base_url,
+        )
 
 
 # ------------------------------------------------------------------------------------------------ sft-data
@@ -171,7 +200,8 @@ def sft_row(task: Mapping[str, Any], env_id: str) -> dict[str, Any]:
             f"task {task.get('idx')} of v1 taskset {env_id!r} has no text `answer` (its task data hold: {fields}): "
             "sft-data writes a taskset's reference answers as the completions, and this one's rewards judge the "
             "rollout instead. Make SFT data from a model's rollouts: `primerl eval "
-            f"{env_id} -m MODEL -n N -r R`, then keep the high-reward completions of its results.jsonl")
+            f"{env_id} -m MODEL -n N -r R`, then keep the high-reward completions of its results.jsonl"
+        )
     messages: list[dict[str, Any]] = []
     if task.get("system_prompt"):
         messages.append({"role": "system", "content": task["system_prompt"]})
@@ -181,13 +211,16 @@ def sft_row(task: Mapping[str, Any], env_id: str) -> dict[str, Any]:
     elif isinstance(prompt, list) and prompt:
         messages.extend(dict(message) for message in prompt)
     else:
-        raise V1ToolError(f"task {task.get('idx')} of v1 taskset {env_id!r} has no prompt (the user opens the "
-                          "conversation in the harness): it cannot be written as an SFT sample")
+        raise V1ToolError(
+            f"task {task.get('idx')} of v1 taskset {env_id!r} has no prompt (the user opens the "
+            "conversation in the harness): it cannot be written as an SFT sample"
+        )
     return {"prompt": messages, "completion": [{"role": "assistant", "content": answer}]}
 
 
-def sft_data_v1(env_id: str, v1_python: str, env_args: dict[str, Any], *, split: str, num_examples: int,
-                output: Path) -> tuple[int, str]:
+def sft_data_v1(
+    env_id: str, v1_python: str, env_args: dict[str, Any], *, split: str, num_examples: int, output: Path
+) -> tuple[int, str]:
     """Write the SFT samples of a v1 taskset to `output` (atomically); (samples written, split)."""
     import json
 
@@ -222,8 +255,11 @@ async def evaluate_v1(args: Any, model: str, env_args: dict[str, Any], console: 
     where = f"(v1, {args.env_v1_python})"
     try:
         tasks, split = await asyncio.to_thread(
-            list_tasks, V1EnvSpec(args.env_v1_python, args.env_id, env_args), split=args.split,
-            count=None if args.num_examples == -1 else args.num_examples)
+            list_tasks,
+            V1EnvSpec(args.env_v1_python, args.env_id, env_args),
+            split=args.split,
+            count=None if args.num_examples == -1 else args.num_examples,
+        )
     except V1ToolError as exc:
         raise cli_eval.EvalInputError(str(exc)) from None
     except EnvWorkerError as exc:
@@ -240,9 +276,16 @@ async def evaluate_v1(args: Any, model: str, env_args: dict[str, Any], console: 
     else:
         base_url, served_name, api_key = None, None, token
     # Every group names its inference server (submit_rollout's base_url); the constructor's is only a default.
-    server = V1ServerConnection(args.env_v1_python, args.env_id, with_split(env_args, split),
-                         base_url=base_url or "http://127.0.0.1", api_key=api_key, renderer_model=model,
-                         request_timeout_s=args.timeout_s, max_restarts=0)
+    server = V1ServerConnection(
+        args.env_v1_python,
+        args.env_id,
+        with_split(env_args, split),
+        base_url=base_url or "http://127.0.0.1",
+        api_key=api_key,
+        renderer_model=model,
+        request_timeout_s=args.timeout_s,
+        max_restarts=0,
+    )
     starting = asyncio.ensure_future(asyncio.to_thread(server.start))
     vllm = None
     try:
@@ -251,10 +294,19 @@ async def evaluate_v1(args: Any, model: str, env_args: dict[str, Any], console: 
             if not args.verbose:
                 console.divert(output / cli_eval.LOG_NAME)
                 log_note = f" (its log: {console.log_path})"
-            print(f"primerl eval: starting vLLM on {model} and the v1 env server of {args.env_id} ...{log_note}",
-                  file=console.err, flush=True)
-            vllm = await cli_eval._start_server(model, args.max_model_len, bool(args.enable_auto_tool_choice),
-                                                args.tool_call_parser, console, token=token)
+            print(
+                f"primerl eval: starting vLLM on {model} and the v1 env server of {args.env_id} ...{log_note}",
+                file=console.err,
+                flush=True,
+            )
+            vllm = await cli_eval._start_server(
+                model,
+                args.max_model_len,
+                bool(args.enable_auto_tool_choice),
+                args.tool_call_parser,
+                console,
+                token=token,
+            )
             base_url, served_name = vllm.address.base_url + "/v1", vllm.served_model_name
         try:
             await starting
@@ -262,8 +314,21 @@ async def evaluate_v1(args: Any, model: str, env_args: dict[str, Any], console: 
             raise cli_eval.EvalInputError(str(exc)) from None
         except EnvWorkerError as exc:
             raise cli_eval.EvalInputError(f"the v1 env server of {args.env_id!r} did not start: {exc}") from None
-        return await cli_eval._run(args, V1EvalEnv(server, tasks), None, split, len(tasks), base_url, served_name,
-                                   api_key, model, env_args, output, console, kind="v1")
+        return await cli_eval._run(
+            args,
+            V1EvalEnv(server, tasks),
+            None,
+            split,
+            len(tasks),
+            base_url,
+            served_name,
+            api_key,
+            model,
+            env_args,
+            output,
+            console,
+            kind="v1",
+        )
     finally:
         await asyncio.wait([starting])
         if not starting.cancelled():

@@ -9,5 +9,11 @@ from primerl.orchestrator.envs.kinds import (
     resolve_env_kinds,
 )
 
-__all__ = ["INSTALL_COMMAND", "ResolvedEnv", "is_missing_module", "normalize_env_id", "not_installed_message",
-           "resolve_env_kinds"]
+__all__ = [
+    "INSTALL_COMMAND",
+    "ResolvedEnv",
+    "is_missing_module",
+    "normalize_env_id",
+    "not_installed_message",
+    "resolve_env_kinds",
+]

@@ -65,8 +65,9 @@ def test_probe_lists_the_example_environments_without_importing_them():
 @needs_envs_venv
 def test_list_finds_the_env_venv_beside_primerls_venv_with_nothing_exported():
     env = {k: v for k, v in os.environ.items() if k != rule.ENV_PYTHON_VAR}
-    done = subprocess.run([str(BIN / "primerl"), "env", "list", "--json"], capture_output=True, text=True, env=env,
-                          timeout=120)
+    done = subprocess.run(
+        [str(BIN / "primerl"), "env", "list", "--json"], capture_output=True, text=True, env=env, timeout=120
+    )
     assert done.returncode == 0, done.stderr
     listing = json.loads(done.stdout)
     if Path(sys.prefix).parent != REPO_ROOT:
@@ -76,15 +77,18 @@ def test_list_finds_the_env_venv_beside_primerls_venv_with_nothing_exported():
 
 
 # ------------------------------------------------------------------------------------------ bad input
-@pytest.mark.parametrize(("argv", "message"), [
-    (["install", "./no/such/dir"], "does not exist"),
-    (["install", str(REPO_ROOT / "tests")], "no pyproject.toml or setup.py"),
-    (["install", str(REPO_ROOT / "Makefile")], "not a wheel or sdist"),
-    (["install", "bad spec !!"], "neither a directory nor a valid PyPI requirement"),
-    (["install", str(TOOL_FIXTURE), "-a", "[1]"], "--env-args must be a JSON object"),
-    (["install", str(TOOL_FIXTURE), "--env-python", "/nonexistent/python3-custom"], "is not DIR/bin/python"),
-    (["list", "--env-python", "/nonexistent/bin/python"], "does not exist: create it with `primerl env install"),
-])
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["install", "./no/such/dir"], "does not exist"),
+        (["install", str(REPO_ROOT / "tests")], "no pyproject.toml or setup.py"),
+        (["install", str(REPO_ROOT / "Makefile")], "not a wheel or sdist"),
+        (["install", "bad spec !!"], "neither a directory nor a valid PyPI requirement"),
+        (["install", str(TOOL_FIXTURE), "-a", "[1]"], "--env-args must be a JSON object"),
+        (["install", str(TOOL_FIXTURE), "--env-python", "/nonexistent/python3-custom"], "is not DIR/bin/python"),
+        (["list", "--env-python", "/nonexistent/bin/python"], "does not exist: create it with `primerl env install"),
+    ],
+)
 def test_bad_input_is_one_line_and_exit_2(capsys, argv, message):
     assert env_main(argv) == 2
     err = capsys.readouterr().err
@@ -96,10 +100,20 @@ def _env_venv_seeing_the_repo_envs(venv: Path) -> Path:
     """A venv whose site-packages has a .pth to .venv-envs' (verifiers 0.3.1, pip) but none of its .pth-activated
     editable installs: the example environments are not importable there."""
     subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True, timeout=120)
-    purelib = subprocess.run([str(ENVS_PYTHON), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
-                             capture_output=True, text=True, check=True, timeout=60).stdout.strip()
-    own = subprocess.run([str(venv / "bin" / "python"), "-c", "import sysconfig; print(sysconfig.get_paths()"
-                          "['purelib'])"], capture_output=True, text=True, check=True, timeout=60).stdout.strip()
+    purelib = subprocess.run(
+        [str(ENVS_PYTHON), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=60,
+    ).stdout.strip()
+    own = subprocess.run(
+        [str(venv / "bin" / "python"), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=60,
+    ).stdout.strip()
     (Path(own) / "_primerl_test_base.pth").write_text(purelib + "\n")
     return venv / "bin" / "python"
 
@@ -132,8 +146,9 @@ def test_install_a_tool_env_list_it_and_evaluate_it_with_tools_on_and_a_quiet_co
 
     model = build_tiny_model(tmp_path / "model", TinyModelSpec(seed=3))
     out = tmp_path / "eval"
-    result = _primerl("eval", "tool-echo", "-m", str(model), "-n", "3", "-r", "2", "-t", "8", "-o", str(out),
-                      env_python=python)
+    result = _primerl(
+        "eval", "tool-echo", "-m", str(model), "-n", "3", "-r", "2", "-t", "8", "-o", str(out), env_python=python
+    )
     assert result.returncode == 0, (result.stdout + result.stderr)[-3000:]
     summary = json.loads((out / "summary.json").read_text())
     assert summary["num_rollouts"] == 6 and summary["num_errors"] == 0, summary["errors"]
@@ -144,7 +159,21 @@ def test_install_a_tool_env_list_it_and_evaluate_it_with_tools_on_and_a_quiet_co
     log = (out / "eval.log").read_text()
     assert "WARNING" in log
 
-    off = _primerl("eval", "tool-echo", "-m", str(model), "-n", "2", "-r", "1", "-t", "8", "-o", str(tmp_path / "off"),
-                   "--no-enable-auto-tool-choice", env_python=python)
+    off = _primerl(
+        "eval",
+        "tool-echo",
+        "-m",
+        str(model),
+        "-n",
+        "2",
+        "-r",
+        "1",
+        "-t",
+        "8",
+        "-o",
+        str(tmp_path / "off"),
+        "--no-enable-auto-tool-choice",
+        env_python=python,
+    )
     assert off.returncode == 1  # no rollout finished: every request was refused
     assert "400" in off.stderr and "--enable-auto-tool-choice" in off.stderr

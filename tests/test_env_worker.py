@@ -52,9 +52,14 @@ class RawWorker:
     """The worker process driven line by line, to send what ClassicEnvClient never would."""
 
     def __init__(self) -> None:
-        self.process = subprocess.Popen([ENV_PYTHON, str(WORKER_SCRIPT)], stdin=subprocess.PIPE,
-                                        stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
-                                        env={**os.environ, "PYTHONPATH": str(FIXTURES)})
+        self.process = subprocess.Popen(
+            [ENV_PYTHON, str(WORKER_SCRIPT)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+            text=True,
+            env={**os.environ, "PYTHONPATH": str(FIXTURES)},
+        )
 
     def ask(self, line: str) -> dict[str, Any]:
         assert self.process.stdin is not None and self.process.stdout is not None
@@ -97,12 +102,19 @@ def test_malformed_requests_get_errors_and_the_worker_keeps_serving() -> None:
         ]:
             answer = raw.ask(line)
             assert answer["ok"] is False and answer["error"]["type"] == "bad_request", (line, answer)
-        assert "temprature" in raw.ask(
-            '{"id": 12, "op": "rollout", "example_index": 0, "base_url": "http://x", "model": "m", '
-            '"sampling": {"temprature": 1.0}}')["error"]["message"]
+        assert (
+            "temprature"
+            in raw.ask(
+                '{"id": 12, "op": "rollout", "example_index": 0, "base_url": "http://x", "model": "m", '
+                '"sampling": {"temprature": 1.0}}'
+            )["error"]["message"]
+        )
         pong = raw.ask('{"id": "last", "op": "ping"}')
-        assert pong == {"id": "last", "ok": True, "result": {"protocol_version": 1, "pid": raw.process.pid,
-                                                              "env_id": "reverse-text"}}
+        assert pong == {
+            "id": "last",
+            "ok": True,
+            "result": {"protocol_version": 1, "pid": raw.process.pid, "env_id": "reverse-text"},
+        }
         assert raw.ask('{"id": 13, "op": "shutdown"}')["ok"]
     finally:
         assert raw.close() == 0
@@ -112,7 +124,12 @@ def test_load_and_examples(reverse_worker: ClassicEnvClient) -> None:
     info = reverse_worker.info
     assert info is not None
     assert (info.env_id, info.env_class, info.num_examples, info.num_eval_examples, info.has_eval_dataset) == (
-        "reverse-text", "SingleTurnEnv", 20, 5, True)
+        "reverse-text",
+        "SingleTurnEnv",
+        20,
+        5,
+        True,
+    )
     train = reverse_worker.examples("train", 0, 3)
     assert [e.index for e in train] == [0, 1, 2]
     for example in train:
@@ -159,13 +176,16 @@ def test_interpreter_without_verifiers_is_reported() -> None:
 # ------------------------------------------------------------------------------------------------ rollouts
 
 
-def test_rollouts_capture_tokens_logprobs_headers_and_rewards(reverse_worker: ClassicEnvClient,
-                                                              fake: FakeOpenAI) -> None:
-    sampling = SamplingParams(temperature=0.7, top_p=0.9, top_k=5, min_p=0.1, repetition_penalty=1.1,
-                              max_tokens=16, stop=("\n\n",), seed=40)
+def test_rollouts_capture_tokens_logprobs_headers_and_rewards(
+    reverse_worker: ClassicEnvClient, fake: FakeOpenAI
+) -> None:
+    sampling = SamplingParams(
+        temperature=0.7, top_p=0.9, top_k=5, min_p=0.1, repetition_penalty=1.1, max_tokens=16, stop=("\n\n",), seed=40
+    )
     num_before = len(fake.requests)
-    group = reverse_worker.submit_rollout(2, num_rollouts=3, base_url=fake.base_url, model="reverse",
-                                          sampling=sampling).result(timeout=60)
+    group = reverse_worker.submit_rollout(
+        2, num_rollouts=3, base_url=fake.base_url, model="reverse", sampling=sampling
+    ).result(timeout=60)
     example = reverse_worker.examples("train", 2, 1)[0]
     assert (group.env_id, group.split, group.example_index, group.num_errors) == ("reverse-text", "train", 2, 0)
     for rollout in group.rollouts:
@@ -184,12 +204,18 @@ def test_rollouts_capture_tokens_logprobs_headers_and_rewards(reverse_worker: Cl
     for body in bodies:
         assert body["logprobs"] is True and body["return_token_ids"] is True
         assert (body["temperature"], body["top_p"], body["top_k"], body["min_p"], body["repetition_penalty"]) == (
-            0.7, 0.9, 5, 0.1, 1.1)
+            0.7,
+            0.9,
+            5,
+            0.1,
+            1.1,
+        )
         assert body["max_completion_tokens"] == 16 and body["stop"] == ["\n\n"]
 
 
-def test_eval_groups_seed_each_example_apart_whatever_the_order(reverse_worker: ClassicEnvClient,
-                                                                fake: FakeOpenAI) -> None:
+def test_eval_groups_seed_each_example_apart_whatever_the_order(
+    reverse_worker: ClassicEnvClient, fake: FakeOpenAI
+) -> None:
     """`run_eval_groups` with a sampling seed: example e's rollout i is sampled with rollout_seed_base(seed, e, n) + i,
     the same seeds however many groups run at once (so in whichever order they reach the server)."""
     from primerl.orchestrator.evaluation import run_eval_groups
@@ -199,16 +225,24 @@ def test_eval_groups_seed_each_example_apart_whatever_the_order(reverse_worker: 
     seen = []
     for max_concurrent_groups in (5, 1):
         num_before = len(fake.requests)
-        groups, failed = run_eval_groups(reverse_worker, range(5), num_rollouts=2, base_url=fake.base_url,
-                                         model="reverse", sampling={"temperature": 1.0, "seed": 3},
-                                         max_concurrent_groups=max_concurrent_groups, timeout_s=60)
+        groups, failed = run_eval_groups(
+            reverse_worker,
+            range(5),
+            num_rollouts=2,
+            base_url=fake.base_url,
+            model="reverse",
+            sampling={"temperature": 1.0, "seed": 3},
+            max_concurrent_groups=max_concurrent_groups,
+            timeout_s=60,
+        )
         assert not failed and len(groups) == 5
         by_example = {}
         for body in fake.requests[num_before:]:
             index = questions[[m for m in body["messages"] if m["role"] == "user"][-1]["content"]]
             by_example.setdefault(index, []).append(body["seed"])
         assert {index: sorted(seeds) for index, seeds in by_example.items()} == {
-            index: [rollout_seed_base(3, index, 2), rollout_seed_base(3, index, 2) + 1] for index in range(5)}
+            index: [rollout_seed_base(3, index, 2), rollout_seed_base(3, index, 2) + 1] for index in range(5)
+        }
         seen.append(by_example)
     assert len({seed for seeds in seen[0].values() for seed in seeds}) == 10  # no two rollouts share a seed
     assert {i: sorted(s) for i, s in seen[0].items()} == {i: sorted(s) for i, s in seen[1].items()}
@@ -216,21 +250,27 @@ def test_eval_groups_seed_each_example_apart_whatever_the_order(reverse_worker: 
 
 def test_many_requests_in_flight_answer_out_of_order(reverse_worker: ClassicEnvClient, fake: FakeOpenAI) -> None:
     async def run() -> list[Any]:
-        return await asyncio.gather(*(
-            reverse_worker.rollout(i % 20, split="train", num_rollouts=4, base_url=fake.base_url, model="reverse",
-                                   max_concurrent=2)
-            for i in range(24)))
+        return await asyncio.gather(
+            *(
+                reverse_worker.rollout(
+                    i % 20, split="train", num_rollouts=4, base_url=fake.base_url, model="reverse", max_concurrent=2
+                )
+                for i in range(24)
+            )
+        )
 
     groups = asyncio.run(run())
     assert [g.example_index for g in groups] == [i % 20 for i in range(24)]
     assert all(r.ok and r.reward == 1.0 for g in groups for r in g.rollouts)
-    evals = reverse_worker.submit_rollout(4, split="eval", num_rollouts=1, base_url=fake.base_url,
-                                          model="reverse").result(timeout=60)
+    evals = reverse_worker.submit_rollout(
+        4, split="eval", num_rollouts=1, base_url=fake.base_url, model="reverse"
+    ).result(timeout=60)
     assert evals.split == "eval" and evals.rollouts[0].prompt == reverse_worker.examples("eval", 4, 1)[0].prompt
 
 
-def test_submit_rollouts_hands_many_groups_over_at_once_with_timings(reverse_worker: ClassicEnvClient,
-                                                                    fake: FakeOpenAI) -> None:
+def test_submit_rollouts_hands_many_groups_over_at_once_with_timings(
+    reverse_worker: ClassicEnvClient, fake: FakeOpenAI
+) -> None:
     futures = reverse_worker.submit_rollouts([3, 1, 4, 1, 5], num_rollouts=2, base_url=fake.base_url, model="reverse")
     assert len({f.request_id for f in futures}) == 5  # one request per group, all in one write
     groups = [f.result(timeout=60) for f in futures]
@@ -250,8 +290,10 @@ def test_a_slow_reward_function_moves_scoring_off_the_event_loop(fake: FakeOpenA
         while "move to the scoring threads" not in worker.stderr_tail() and time.monotonic() < deadline:
             time.sleep(0.05)
         assert "move to the scoring threads" in worker.stderr_tail()
-        groups = [f.result(60) for f in worker.submit_rollouts([1, 2, 0], num_rollouts=2, base_url=fake.base_url,
-                                                                model="reverse")]
+        groups = [
+            f.result(60)
+            for f in worker.submit_rollouts([1, 2, 0], num_rollouts=2, base_url=fake.base_url, model="reverse")
+        ]
         broken, *good = groups
         assert {r.error_type for r in broken.rollouts} == {"ScoringError"}
         assert all("broken for example 1" in r.error for r in broken.rollouts)
@@ -270,8 +312,9 @@ def test_unreachable_server_is_a_rollout_error(reverse_worker: ClassicEnvClient)
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
-    group = reverse_worker.submit_rollout(0, num_rollouts=2, base_url=f"http://127.0.0.1:{port}/v1",
-                                          model="m").result(60)
+    group = reverse_worker.submit_rollout(0, num_rollouts=2, base_url=f"http://127.0.0.1:{port}/v1", model="m").result(
+        60
+    )
     assert group.num_errors == 2 and all(r.error_type == "ModelError" for r in group.rollouts)
 
 
@@ -300,8 +343,9 @@ def test_timeout_and_cancel(fake: FakeOpenAI) -> None:
     with make_worker("reverse-text", {"num_examples": 4}) as worker:
         started = time.monotonic()
         with pytest.raises(EnvRequestTimeout):
-            worker.submit_rollout(0, num_rollouts=1, base_url=fake.base_url, model="slow",
-                                  timeout_s=1.0).result(timeout=10)
+            worker.submit_rollout(0, num_rollouts=1, base_url=fake.base_url, model="slow", timeout_s=1.0).result(
+                timeout=10
+            )
         assert time.monotonic() - started < 5
         future = worker.submit_rollout(0, num_rollouts=1, base_url=fake.base_url, model="slow")
         time.sleep(0.5)
@@ -373,10 +417,17 @@ def test_model_requests_go_through_aiohttp_in_the_set_up_env_interpreter() -> No
     """`make setup` installs httpx-aiohttp beside verifiers: without it every model request costs ~7x the CPU. (The
     env interpreter has no primerl: importing classic_worker makes its two primerl modules importable by path.)"""
     probe = subprocess.run(
-        [ENV_PYTHON, "-c", "import sys; sys.path.insert(0, sys.argv[1]); import classic_worker; "
-         "from primerl.orchestrator.envs.remote.classic_rollouts import _http_client_class; "
-         "print(_http_client_class().__name__)",
-         str(WORKER_SCRIPT.parent)],
-        capture_output=True, text=True, timeout=120)
+        [
+            ENV_PYTHON,
+            "-c",
+            "import sys; sys.path.insert(0, sys.argv[1]); import classic_worker; "
+            "from primerl.orchestrator.envs.remote.classic_rollouts import _http_client_class; "
+            "print(_http_client_class().__name__)",
+            str(WORKER_SCRIPT.parent),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert probe.returncode == 0, probe.stderr
     assert probe.stdout.strip() == "HttpxAiohttpClient", probe.stderr

@@ -33,15 +33,42 @@ def vllm_server(tmp_path_factory: pytest.TempPathFactory, tiny_model) -> Iterato
     tmp = tmp_path_factory.mktemp("vllm-env")
     model_dir = tiny_model
     port = free_port()
-    env = {**os.environ, "TORCHDYNAMO_DISABLE": "1", "VLLM_NO_USAGE_STATS": "1", "HF_HUB_OFFLINE": "1",
-           "TMPDIR": str(tmp)}
+    env = {
+        **os.environ,
+        "TORCHDYNAMO_DISABLE": "1",
+        "VLLM_NO_USAGE_STATS": "1",
+        "HF_HUB_OFFLINE": "1",
+        "TMPDIR": str(tmp),
+    }
     log_path = tmp / "vllm.log"
     with open(log_path, "wb") as log_file:
         process = subprocess.Popen(
-            [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
-             "--served-model-name", "tiny", "--dtype", "float32", "--enforce-eager", "--max-model-len", "512",
-             "--kv-cache-memory-bytes", str(256 * 2**20), "--port", str(port), "--host", "127.0.0.1"],
-            stdout=log_file, stderr=subprocess.STDOUT, env=env, cwd=tmp, start_new_session=True)
+            [
+                sys.executable,
+                "-m",
+                "vllm.entrypoints.openai.api_server",
+                "--model",
+                str(model_dir),
+                "--served-model-name",
+                "tiny",
+                "--dtype",
+                "float32",
+                "--enforce-eager",
+                "--max-model-len",
+                "512",
+                "--kv-cache-memory-bytes",
+                str(256 * 2**20),
+                "--port",
+                str(port),
+                "--host",
+                "127.0.0.1",
+            ],
+            stdout=log_file,
+            stderr=subprocess.STDOUT,
+            env=env,
+            cwd=tmp,
+            start_new_session=True,
+        )
     import httpx
 
     try:
@@ -101,8 +128,10 @@ def test_single_turn_rollouts_with_vllm(vllm_server: dict[str, Any]) -> None:
         rollouts = [r for g in groups for r in g.rollouts]
         assert len(rollouts) == 128 and all(r.ok for r in rollouts), [r.error for r in rollouts if not r.ok][:3]
         num_tokens = sum(r.num_completion_tokens for r in rollouts)
-        print(f"\nsingle-turn: {len(rollouts)} rollouts, {num_tokens} completion tokens in {elapsed:.2f} s: "
-              f"{len(rollouts) / elapsed:.1f} rollouts/s, {num_tokens / elapsed:.0f} tokens/s")
+        print(
+            f"\nsingle-turn: {len(rollouts)} rollouts, {num_tokens} completion tokens in {elapsed:.2f} s: "
+            f"{len(rollouts) / elapsed:.1f} rollouts/s, {num_tokens / elapsed:.0f} tokens/s"
+        )
         for group in groups:
             example = worker.examples("train", group.example_index, 1)[0]
             for rollout in group.rollouts:
@@ -142,11 +171,13 @@ def test_multi_turn_rollouts_with_vllm(vllm_server: dict[str, Any]) -> None:
                     so_far = previous.prompt_token_ids + previous.completion_token_ids
                     # The template re-renders the previous answer from its text: the prompt extends the tokens
                     # so far exactly when the sampled tokens re-encode to themselves (random tokens may not).
-                    stable = tokenizer.encode(tokenizer.decode(previous.completion_token_ids,
-                                                               skip_special_tokens=True)) == [
-                        t for t in previous.completion_token_ids if t != tokenizer.convert_tokens_to_ids("<|im_end|>")]
+                    stable = tokenizer.encode(
+                        tokenizer.decode(previous.completion_token_ids, skip_special_tokens=True)
+                    ) == [
+                        t for t in previous.completion_token_ids if t != tokenizer.convert_tokens_to_ids("<|im_end|>")
+                    ]
                     if stable:
-                        assert turn.prompt_token_ids[:len(so_far)] == so_far
+                        assert turn.prompt_token_ids[: len(so_far)] == so_far
                 if k + 1 < len(rollout.turns):
                     messages = messages + turn.completion + [rollout.completion[2 * k + 1]]
             samples = rollout_to_samples(rollout, "interleaved", temperature=1.0)
@@ -158,8 +189,9 @@ def test_multi_turn_rollouts_with_vllm(vllm_server: dict[str, Any]) -> None:
                 assert sample.num_loss_tokens == sum(len(t.completion_token_ids) for t in rollout.turns)
                 assert len(sample.inference_logprobs) == len(sample.token_ids)
             branches = rollout_to_samples(rollout, "branching", temperature=1.0)
-            assert [list(s.token_ids[len(t.prompt_token_ids):]) for s, t in zip(branches, rollout.turns)] == [
-                t.completion_token_ids for t in rollout.turns]
+            assert [list(s.token_ids[len(t.prompt_token_ids) :]) for s, t in zip(branches, rollout.turns)] == [
+                t.completion_token_ids for t in rollout.turns
+            ]
         assert num_interleaved > 0, "no trajectory could be interleaved"
 
 
@@ -167,8 +199,9 @@ def test_multi_turn_rollouts_with_vllm(vllm_server: dict[str, Any]) -> None:
 @pytest.mark.vllm
 def test_broken_rubric_with_vllm_is_counted_and_the_worker_keeps_serving(vllm_server: dict[str, Any]) -> None:
     with make_worker("broken_rubric_env", {"num_examples": 8}) as worker:
-        group = worker.submit_rollout(0, num_rollouts=4, sampling=SamplingParams(max_tokens=8),
-                                      **_server(vllm_server)).result(120)
+        group = worker.submit_rollout(
+            0, num_rollouts=4, sampling=SamplingParams(max_tokens=8), **_server(vllm_server)
+        ).result(120)
         assert group.num_errors == 4 and {r.error_type for r in group.rollouts} == {"ScoringError"}
         assert all(r.turns for r in group.rollouts)  # the tokens are there; only the score is broken
         assert worker.is_alive() and worker.ping()["env_id"] == "broken_rubric_env"
@@ -178,7 +211,11 @@ def _server(vllm_server: dict[str, Any]) -> dict[str, Any]:
     return {"base_url": vllm_server["base_url"], "model": vllm_server["model"]}
 
 
-async def _gather(worker: ClassicEnvClient, indices: Any, group_size: int, vllm_server: dict[str, Any],
-                  sampling: SamplingParams) -> list[Any]:
-    return list(await asyncio.gather(*(
-        worker.rollout(i, num_rollouts=group_size, sampling=sampling, **_server(vllm_server)) for i in indices)))
+async def _gather(
+    worker: ClassicEnvClient, indices: Any, group_size: int, vllm_server: dict[str, Any], sampling: SamplingParams
+) -> list[Any]:
+    return list(
+        await asyncio.gather(
+            *(worker.rollout(i, num_rollouts=group_size, sampling=sampling, **_server(vllm_server)) for i in indices)
+        )
+    )

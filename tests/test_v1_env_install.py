@@ -46,8 +46,13 @@ def test_a_v1_environment_is_refused_by_a_classic_interpreter() -> None:
     classic = find_env_python()
     if classic.source == "this_interpreter":
         pytest.skip("`make setup` builds .venv-envs")
-    done = subprocess.run([*PRIMERL, "env", "install", str(REPO / "examples" / "reverse_text_v1"), "--env-python",
-                           classic.path], capture_output=True, text=True, timeout=120, stdin=subprocess.DEVNULL)
+    done = subprocess.run(
+        [*PRIMERL, "env", "install", str(REPO / "examples" / "reverse_text_v1"), "--env-python", classic.path],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        stdin=subprocess.DEVNULL,
+    )
     assert done.returncode == 2, done.stderr
     assert "not 0.4" in done.stderr and "v1 env venv" in done.stderr
 
@@ -57,8 +62,13 @@ def test_reinstalling_the_example_checks_that_it_serves_locally() -> None:
     v1 = find_v1_env_python()
     if v1.source == "this_interpreter":
         pytest.skip("`make setup` builds .venv-envs-v1")
-    done = subprocess.run([*PRIMERL, "env", "install", str(REPO / "examples" / "reverse_text_v1"), "--env-python",
-                           v1.path], capture_output=True, text=True, timeout=300, stdin=subprocess.DEVNULL)
+    done = subprocess.run(
+        [*PRIMERL, "env", "install", str(REPO / "examples" / "reverse_text_v1"), "--env-python", v1.path],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        stdin=subprocess.DEVNULL,
+    )
     assert done.returncode == 0, done.stderr[-2000:]
     assert "reverse-text-v1: serves locally" in done.stdout and "verifiers 0.4.0" in done.stdout
 
@@ -66,7 +76,8 @@ def test_reinstalling_the_example_checks_that_it_serves_locally() -> None:
 def test_list_shows_the_v1_environments_beside_the_classic_ones() -> None:
     if find_v1_env_python().source == "this_interpreter" or find_env_python().source == "this_interpreter":
         pytest.skip("`make setup` builds .venv-envs and .venv-envs-v1")
-    done = subprocess.run([*PRIMERL, "env", "list"], capture_output=True, text=True, timeout=120,
-                          stdin=subprocess.DEVNULL)
+    done = subprocess.run(
+        [*PRIMERL, "env", "list"], capture_output=True, text=True, timeout=120, stdin=subprocess.DEVNULL
+    )
     assert done.returncode == 0, done.stderr
     assert "v1 env python:" in done.stdout and "reverse-text-v1" in done.stdout and "(v1)" in done.stdout

@@ -58,16 +58,32 @@ def v1_python() -> str:
 
 def prefill_logprobs(http: httpx.Client, token_ids: list[int], start: int) -> list[float]:
     """vLLM's prompt logprobs of `token_ids[start:]` given what precedes each (one prefill)."""
-    response = http.post("/v1/completions", headers=AUTH, json={
-        "model": model_name(http), "prompt": token_ids, "max_tokens": 1, "prompt_logprobs": 0, "temperature": 1.0})
+    response = http.post(
+        "/v1/completions",
+        headers=AUTH,
+        json={
+            "model": model_name(http),
+            "prompt": token_ids,
+            "max_tokens": 1,
+            "prompt_logprobs": 0,
+            "temperature": 1.0,
+        },
+    )
     assert response.status_code == 200, response.text
     entries = response.json()["choices"][0]["prompt_logprobs"]
     return [entries[i][str(token_ids[i])]["logprob"] for i in range(start, len(token_ids))]
 
 
 def test_label_generate_answer_adds_the_token_field() -> None:
-    answer = {"choices": [{"logprobs": {"content": [
-        {"token_id": 67, "logprob": -0.5, "top_logprobs": [{"token_id": 67, "logprob": -0.5}]}]}}]}
+    answer = {
+        "choices": [
+            {
+                "logprobs": {
+                    "content": [{"token_id": 67, "logprob": -0.5, "top_logprobs": [{"token_id": 67, "logprob": -0.5}]}]
+                }
+            }
+        ]
+    }
     assert label_generate_answer(answer)
     entry = answer["choices"][0]["logprobs"]["content"][0]
     assert entry["token"] == "token_id:67" and entry["token_id"] == 67
@@ -85,11 +101,15 @@ def test_the_seed_rule_covers_the_token_routes_sampling_params() -> None:
     assert _pop_seed(top_level) and "seed" not in top_level
 
 
-def test_token_route_serves_labelled_logprobs_behind_the_token(infer_daemon: InferenceDaemon,
-                                                             infer_http: httpx.Client) -> None:
+def test_token_route_serves_labelled_logprobs_behind_the_token(
+    infer_daemon: InferenceDaemon, infer_http: httpx.Client
+) -> None:
     prompt_ids = tokenize(infer_http, PROMPT)
-    body = {"model": model_name(infer_http), "token_ids": prompt_ids,
-            "sampling_params": {"max_tokens": 6, "temperature": 1.0, "logprobs": 1, "seed": 3, "ignore_eos": True}}
+    body = {
+        "model": model_name(infer_http),
+        "token_ids": prompt_ids,
+        "sampling_params": {"max_tokens": 6, "temperature": 1.0, "logprobs": 1, "seed": 3, "ignore_eos": True},
+    }
     assert infer_http.post(TOKEN_ROUTE, json=body).status_code == 401
     first = infer_http.post(TOKEN_ROUTE, headers=AUTH, json=body)
     assert first.status_code == 200, first.text
@@ -107,11 +127,17 @@ def test_token_route_serves_labelled_logprobs_behind_the_token(infer_daemon: Inf
 
 
 def test_renderers_generate_accepts_the_answer_and_logprobs_match_a_prefill(
-        infer_daemon: InferenceDaemon, infer_http: httpx.Client, tiny_model: Path) -> None:
+    infer_daemon: InferenceDaemon, infer_http: httpx.Client, tiny_model: Path
+) -> None:
     python = v1_python()
-    done = subprocess.run([python, "-c", RENDERERS_CLIENT, infer_daemon.url, TOKEN, str(tiny_model),
-                           model_name(infer_http)], capture_output=True, text=True, timeout=120,
-                          env={**os.environ, "HF_HUB_OFFLINE": "1"}, stdin=subprocess.DEVNULL)
+    done = subprocess.run(
+        [python, "-c", RENDERERS_CLIENT, infer_daemon.url, TOKEN, str(tiny_model), model_name(infer_http)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "HF_HUB_OFFLINE": "1"},
+        stdin=subprocess.DEVNULL,
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     results = json.loads(done.stdout.strip().splitlines()[-1])
     assert results[0]["completion_ids"] == results[1]["completion_ids"]  # same seed, same tokens

@@ -38,8 +38,9 @@ def v1_python() -> str:
 
 def primerl(*argv: object, timeout: float = 120) -> subprocess.CompletedProcess:
     env = {**os.environ, "PRIMERL_ENV_PYTHON": ENV_PYTHON, "HF_HUB_OFFLINE": "1"}
-    return subprocess.run([str(BIN / "primerl"), *map(str, argv)], capture_output=True, text=True, timeout=timeout,
-                          env=env)
+    return subprocess.run(
+        [str(BIN / "primerl"), *map(str, argv)], capture_output=True, text=True, timeout=timeout, env=env
+    )
 
 
 def lcs_ratio(reply: str, answer: str) -> float:
@@ -49,8 +50,10 @@ def lcs_ratio(reply: str, answer: str) -> float:
 
 def test_an_sft_sample_needs_a_text_answer() -> None:
     row = sft_row({"idx": 0, "prompt": "a b", "system_prompt": "S", "answer": "b a"}, "x")
-    assert row == {"prompt": [{"role": "system", "content": "S"}, {"role": "user", "content": "a b"}],
-                   "completion": [{"role": "assistant", "content": "b a"}]}
+    assert row == {
+        "prompt": [{"role": "system", "content": "S"}, {"role": "user", "content": "a b"}],
+        "completion": [{"role": "assistant", "content": "b a"}],
+    }
     with pytest.raises(V1ToolError, match=r"no text `answer` \(its task data hold: idx, prompt\).*primerl eval x"):
         sft_row({"idx": 3, "prompt": "hi", "answer": None}, "x")
 
@@ -85,11 +88,13 @@ def test_a_v1_kind_without_the_id_or_interpreter_is_refused(tmp_path: Path) -> N
 
 @pytest.mark.slow
 @pytest.mark.vllm
-def test_eval_of_the_v1_example_serves_the_model_and_scores_every_rollout(v1_python: str, tiny_model: Path,
-                                                                         tmp_path: Path) -> None:
+def test_eval_of_the_v1_example_serves_the_model_and_scores_every_rollout(
+    v1_python: str, tiny_model: Path, tmp_path: Path
+) -> None:
     out = tmp_path / "eval"
-    result = primerl("eval", ENV_ID, "-m", tiny_model, "-a", ROWS, "-n", 3, "-r", 2, "-t", 8, "--seed", 5,
-                     "-o", out, timeout=240)
+    result = primerl(
+        "eval", ENV_ID, "-m", tiny_model, "-a", ROWS, "-n", 3, "-r", 2, "-t", 8, "--seed", 5, "-o", out, timeout=240
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     summary = json.loads((out / "summary.json").read_text())
     assert summary["env_kind"] == "v1" and summary["split"] == "eval" and summary["num_examples"] == 3

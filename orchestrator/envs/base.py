@@ -61,11 +61,19 @@ class EnvClient(Protocol):
         """Examples `start .. start+count` of `split`."""
         ...
 
-    def submit_rollouts(self, example_indices: Sequence[int], *, num_rollouts: int, base_url: str, model: str,
-                        split: Split = "train", api_key: str = "EMPTY",
-                        sampling: SamplingParams | Mapping[str, Any] | None = None,
-                        max_concurrent: int | None = None,
-                        timeout_s: float | None = None) -> list[concurrent.futures.Future[RolloutGroup]]:
+    def submit_rollouts(
+        self,
+        example_indices: Sequence[int],
+        *,
+        num_rollouts: int,
+        base_url: str,
+        model: str,
+        split: Split = "train",
+        api_key: str = "EMPTY",
+        sampling: SamplingParams | Mapping[str, Any] | None = None,
+        max_concurrent: int | None = None,
+        timeout_s: float | None = None,
+    ) -> list[concurrent.futures.Future[RolloutGroup]]:
         """One group of `num_rollouts` rollouts per example on the inference server `base_url`; the futures in
         the order of `example_indices` (a group that cannot be sent gets a failed future)."""
         ...

@@ -71,11 +71,20 @@ class _Pending:
 class ClassicEnvClient:
     """One classic env-worker process serving one environment (`env_id` with its `args`)."""
 
-    def __init__(self, env_python: str | os.PathLike[str], env_id: str, args: Mapping[str, Any] | None = None, *,
-                 worker_script: str | os.PathLike[str] = WORKER_SCRIPT, start_timeout_s: float = 120.0,
-                 request_timeout_s: float = 1800.0, extra_env: Mapping[str, str] | None = None,
-                 max_restarts: int = 3, stderr_tail_lines: int = 40,
-                 cwd: str | os.PathLike[str] | None = None) -> None:
+    def __init__(
+        self,
+        env_python: str | os.PathLike[str],
+        env_id: str,
+        args: Mapping[str, Any] | None = None,
+        *,
+        worker_script: str | os.PathLike[str] = WORKER_SCRIPT,
+        start_timeout_s: float = 120.0,
+        request_timeout_s: float = 1800.0,
+        extra_env: Mapping[str, str] | None = None,
+        max_restarts: int = 3,
+        stderr_tail_lines: int = 40,
+        cwd: str | os.PathLike[str] | None = None,
+    ) -> None:
         if start_timeout_s <= 0 or request_timeout_s <= 0:
             raise ValueError("start_timeout_s and request_timeout_s must be > 0")
         self.env_python = str(env_python)
@@ -89,8 +98,9 @@ class ClassicEnvClient:
         self.cwd = str(cwd) if cwd is not None else None
         self.num_restarts = 0
         self.info: EnvInfo | None = None
-        self._child = ChildProcess(f"env-{env_id}", stderr_tail_lines=stderr_tail_lines,
-                                   on_stderr_line=self._log_stderr)
+        self._child = ChildProcess(
+            f"env-{env_id}", stderr_tail_lines=stderr_tail_lines, on_stderr_line=self._log_stderr
+        )
         self._pending: PendingRequests[int, _Pending] = PendingRequests()
         self._write_lock = threading.Lock()
         self._ids = itertools.count(1)
@@ -114,7 +124,8 @@ class ClassicEnvClient:
         if pong.get("protocol_version") != PROTOCOL_VERSION:
             self.close()
             raise EnvWorkerError(
-                f"env worker speaks protocol {pong.get('protocol_version')}, expected {PROTOCOL_VERSION}")
+                f"env worker speaks protocol {pong.get('protocol_version')}, expected {PROTOCOL_VERSION}"
+            )
         log.info("env worker started", env_id=self.env_id, pid=process.pid, python=self.env_python)
         return self.load()
 
@@ -141,9 +152,15 @@ class ClassicEnvClient:
         old_pid, exit_code, reason = self.pid, self.exit_code, self._dead_reason
         self.close()
         self.num_restarts += 1
-        log.warning("restarting env worker", env_id=self.env_id, num_restarts=self.num_restarts,
-                    max_restarts=self.max_restarts, pid=old_pid, exit_code=exit_code,
-                    reason=(reason or "").split("\n", 1)[0][:300])
+        log.warning(
+            "restarting env worker",
+            env_id=self.env_id,
+            num_restarts=self.num_restarts,
+            max_restarts=self.max_restarts,
+            pid=old_pid,
+            exit_code=exit_code,
+            reason=(reason or "").split("\n", 1)[0][:300],
+        )
         return self.start()
 
     def ensure_alive(self) -> EnvInfo:
@@ -151,8 +168,10 @@ class ClassicEnvClient:
         if self.is_alive() and self.info is not None:
             return self.info
         if self.num_restarts >= self.max_restarts:
-            raise EnvWorkerDied(f"env worker of {self.env_id!r} died {self.num_restarts + 1} times; giving up. "
-                                f"Last: {self._dead_reason}")
+            raise EnvWorkerDied(
+                f"env worker of {self.env_id!r} died {self.num_restarts + 1} times; giving up. "
+                f"Last: {self._dead_reason}"
+            )
         return self.restart()
 
     def close(self, timeout_s: float = 10.0) -> int | None:
@@ -192,29 +211,59 @@ class ClassicEnvClient:
         result = self._call(OP_EXAMPLES, {"split": split, "start": start, "count": count}, self.request_timeout_s)
         return [Example(**example) for example in result["examples"]]
 
-    def submit_rollout(self, example_index: int, *, num_rollouts: int, base_url: str, model: str,
-                       split: Split = "train", api_key: str = "EMPTY",
-                       sampling: SamplingParams | Mapping[str, Any] | None = None, max_concurrent: int | None = None,
-                       timeout_s: float | None = None) -> concurrent.futures.Future[RolloutGroup]:
+    def submit_rollout(
+        self,
+        example_index: int,
+        *,
+        num_rollouts: int,
+        base_url: str,
+        model: str,
+        split: Split = "train",
+        api_key: str = "EMPTY",
+        sampling: SamplingParams | Mapping[str, Any] | None = None,
+        max_concurrent: int | None = None,
+        timeout_s: float | None = None,
+    ) -> concurrent.futures.Future[RolloutGroup]:
         """Start a group of rollouts of one example; the future gives a RolloutGroup (errors per rollout inside)."""
-        return self.submit_rollouts([example_index], num_rollouts=num_rollouts, base_url=base_url, model=model,
-                                    split=split, api_key=api_key, sampling=sampling, max_concurrent=max_concurrent,
-                                    timeout_s=timeout_s)[0]
+        return self.submit_rollouts(
+            [example_index],
+            num_rollouts=num_rollouts,
+            base_url=base_url,
+            model=model,
+            split=split,
+            api_key=api_key,
+            sampling=sampling,
+            max_concurrent=max_concurrent,
+            timeout_s=timeout_s,
+        )[0]
 
-    def submit_rollouts(self, example_indices: Sequence[int], *, num_rollouts: int, base_url: str, model: str,
-                        split: Split = "train", api_key: str = "EMPTY",
-                        sampling: SamplingParams | Mapping[str, Any] | None = None,
-                        max_concurrent: int | None = None,
-                        timeout_s: float | None = None) -> list[concurrent.futures.Future[RolloutGroup]]:
+    def submit_rollouts(
+        self,
+        example_indices: Sequence[int],
+        *,
+        num_rollouts: int,
+        base_url: str,
+        model: str,
+        split: Split = "train",
+        api_key: str = "EMPTY",
+        sampling: SamplingParams | Mapping[str, Any] | None = None,
+        max_concurrent: int | None = None,
+        timeout_s: float | None = None,
+    ) -> list[concurrent.futures.Future[RolloutGroup]]:
         """`submit_rollout` for several examples at once: one group (request) each, all written to the worker in
         one write. The futures come back in the order of `example_indices`; each group's `roundtrip_s` is the
         time from this call to its answer."""
         timeout_s = timeout_s or self.request_timeout_s
         common = {
-            "split": split, "num_rollouts": num_rollouts, "base_url": base_url,
-            "api_key": api_key, "model": model, "sampling": as_wire_sampling(sampling),
+            "split": split,
+            "num_rollouts": num_rollouts,
+            "base_url": base_url,
+            "api_key": api_key,
+            "model": model,
+            "sampling": as_wire_sampling(sampling),
             # the model calls time out a little after the request's deadline: the deadline (and cancel) come first
-            "max_concurrent": max_concurrent or num_rollouts, "http_timeout_s": timeout_s + 5.0,
+            "max_concurrent": max_concurrent or num_rollouts,
+            "http_timeout_s": timeout_s + 5.0,
         }
         submitted_s = time.monotonic()
         raws = self._submit_many(OP_ROLLOUT, [{"example_index": i, **common} for i in example_indices], timeout_s)
@@ -264,10 +313,12 @@ class ClassicEnvClient:
             return future.result(timeout=timeout_s + 5.0)  # the watchdog fails it at the deadline already
         except concurrent.futures.TimeoutError:
             raise EnvRequestTimeout(
-                f"{op} got no answer from the env worker of {self.env_id!r} in {timeout_s} s") from None
+                f"{op} got no answer from the env worker of {self.env_id!r} in {timeout_s} s"
+            ) from None
 
-    def _submit_many(self, op: str, params_list: Sequence[dict[str, Any]],
-                     timeout_s: float) -> list[concurrent.futures.Future]:
+    def _submit_many(
+        self, op: str, params_list: Sequence[dict[str, Any]], timeout_s: float
+    ) -> list[concurrent.futures.Future]:
         """One request per params, written with one write; a failed write fails all of them (EnvWorkerDied)."""
         if self._dead_reason is not None or self._child.process is None:
             raise EnvWorkerDied(self._dead_reason or f"env worker of {self.env_id!r} is not started")
@@ -307,8 +358,11 @@ class ClassicEnvClient:
                 message = json.loads(raw)
                 request_id = message.get("id")
             except (ValueError, AttributeError):
-                log.error("env worker sent a line that is not a protocol message", env_id=self.env_id,
-                          line=raw[:200].decode(errors="replace"))
+                log.error(
+                    "env worker sent a line that is not a protocol message",
+                    env_id=self.env_id,
+                    line=raw[:200].decode(errors="replace"),
+                )
                 continue
             pending = self._pending.pop(request_id) if request_id is not None else None
             if pending is None:
@@ -341,8 +395,11 @@ class ClassicEnvClient:
     def _watchdog(self, process: subprocess.Popen[bytes]) -> None:
         while not self._closed.wait(WATCHDOG_INTERVAL_S):
             for rid, pending in self._pending.pop_expired():
-                pending.future.set_exception(EnvRequestTimeout(
-                    f"{pending.op} request {rid} to the env worker of {self.env_id!r} passed its deadline"))
+                pending.future.set_exception(
+                    EnvRequestTimeout(
+                        f"{pending.op} request {rid} to the env worker of {self.env_id!r} passed its deadline"
+                    )
+                )
                 if pending.op == OP_ROLLOUT and process.poll() is None:
                     try:
                         self._send((next(self._ids), OP_CANCEL, {"target_id": rid}))
@@ -353,8 +410,10 @@ class ClassicEnvClient:
 
     def _death_message(self, what: str) -> str:
         tail = self.stderr_tail() or "(no stderr)"
-        return (f"env worker of {self.env_id!r} ({self.env_python}) is dead: {what}; exit code "
-                f"{self._child.exit_code}. Last stderr:\n{tail}")
+        return (
+            f"env worker of {self.env_id!r} ({self.env_python}) is dead: {what}; exit code "
+            f"{self._child.exit_code}. Last stderr:\n{tail}"
+        )
 
 
 __all__ = ["ClassicEnvClient", "WORKER_SCRIPT"]

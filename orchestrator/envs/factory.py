@@ -46,8 +46,14 @@ def endpoint_version_fn(inference: Any) -> Callable[[str], int | None]:
 class EnvClients:
     """Builds and starts the environments of one orchestrator config (module docstring)."""
 
-    def __init__(self, config: Any, *, env_python: str, version_of: Callable[[str], int | None] | None = None,
-                 probe: Callable[[str], Any] | None = None) -> None:
+    def __init__(
+        self,
+        config: Any,
+        *,
+        env_python: str,
+        version_of: Callable[[str], int | None] | None = None,
+        probe: Callable[[str], Any] | None = None,
+    ) -> None:
         self.config = config
         found = find_env_python(config.env_python)
         self.classic = found if found.path == env_python else EnvPython(env_python, "explicit")
@@ -57,36 +63,54 @@ class EnvClients:
 
     def resolve(self, envs: Sequence[Any], prefix: str) -> list[ResolvedEnv]:
         kwargs = {"probe": self.probe} if self.probe is not None else {}
-        return resolve_env_kinds([(f"{prefix}[{i}]", env) for i, env in enumerate(envs)], classic=self.classic,
-                                 v1=self.v1, **kwargs)
+        return resolve_env_kinds(
+            [(f"{prefix}[{i}]", env) for i, env in enumerate(envs)], classic=self.classic, v1=self.v1, **kwargs
+        )
 
     def build(self, resolved: ResolvedEnv) -> EnvClient:
         """The client of one env table, not started."""
         config, env = self.config, resolved.env
         if resolved.kind == "classic":
-            return ClassicEnvClient(resolved.python, env.id, env.args, request_timeout_s=config.rollout_timeout_s,
-                             max_restarts=ENV_WORKER_MAX_RESTARTS)
-        return V1EnvClient(resolved.python, env.id, env.args, v1_config=env.v1_config,
-                           api_key=config.broker.run_token or "EMPTY", renderer_model=config.model.name,
-                           version_of=self.version_of, max_workers=config.v1_max_workers,
-                           request_timeout_s=config.rollout_timeout_s, max_restarts=ENV_WORKER_MAX_RESTARTS)
+            return ClassicEnvClient(
+                resolved.python,
+                env.id,
+                env.args,
+                request_timeout_s=config.rollout_timeout_s,
+                max_restarts=ENV_WORKER_MAX_RESTARTS,
+            )
+        return V1EnvClient(
+            resolved.python,
+            env.id,
+            env.args,
+            v1_config=env.v1_config,
+            api_key=config.broker.run_token or "EMPTY",
+            renderer_model=config.model.name,
+            version_of=self.version_of,
+            max_workers=config.v1_max_workers,
+            request_timeout_s=config.rollout_timeout_s,
+            max_restarts=ENV_WORKER_MAX_RESTARTS,
+        )
 
-    def start_all(self, envs: Sequence[Any], prefix: str,
-                  workers: MutableMapping[str, EnvClient]) -> list[tuple[ResolvedEnv, EnvInfo]]:
+    def start_all(
+        self, envs: Sequence[Any], prefix: str, workers: MutableMapping[str, EnvClient]
+    ) -> list[tuple[ResolvedEnv, EnvInfo]]:
         """Build every environment of `envs` (`prefix`: their setting, e.g. `orchestrator.env`) into `workers`
         (env id -> client; there first, so that closing `workers` ends them whatever happens) and start them side
         by side; their infos in config order. The first error is raised once all starts ended."""
         return self.start_groups([(envs, prefix, workers)])[0]
 
-    def start_groups(self, groups: Sequence[tuple[Sequence[Any], str, MutableMapping[str, EnvClient]]]
-                     ) -> list[list[tuple[ResolvedEnv, EnvInfo]]]:
+    def start_groups(
+        self, groups: Sequence[tuple[Sequence[Any], str, MutableMapping[str, EnvClient]]]
+    ) -> list[list[tuple[ResolvedEnv, EnvInfo]]]:
         """`start_all` of several lists of environments (training and eval) at once, all side by side."""
         planned = []
         for envs, prefix, workers in groups:
             for item in self.resolve(envs, prefix):
                 if item.env.id in workers:
-                    raise ValueError(f"environment {item.env.id!r} is listed twice in {prefix}; keep one table per "
-                                     "environment (its weight sets how often it is sampled)")
+                    raise ValueError(
+                        f"environment {item.env.id!r} is listed twice in {prefix}; keep one table per "
+                        "environment (its weight sets how often it is sampled)"
+                    )
                 workers[item.env.id] = self.build(item)
                 planned.append((len(planned), item, workers[item.env.id]))
         with concurrent.futures.ThreadPoolExecutor(max(1, len(planned)), thread_name_prefix="env-start") as pool:
@@ -101,8 +125,9 @@ class EnvClients:
                 raise ValueError(f"{item.setting}: {exc}") from None
             except EnvRequestError as exc:
                 if item.kind == "classic" and not item.listed and is_missing_module(exc, item.env.id):
-                    raise ValueError(not_installed_message(item.setting, item.env.id, classic=self.classic,
-                                                           v1=self.v1)) from None
+                    raise ValueError(
+                        not_installed_message(item.setting, item.env.id, classic=self.classic, v1=self.v1)
+                    ) from None
                 raise
             results[group_of[position]].append((item, info))
         return results

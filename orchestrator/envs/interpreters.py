@@ -43,8 +43,12 @@ class EnvPython:
     source: Source
 
     def describe(self) -> str:
-        why = {"explicit": "given", "env_var": f"${ENV_PYTHON_VAR}", "env_venv": f"the {ENV_VENV_NAME} next to "
-               f"primerl's venv", "this_interpreter": "primerl's own interpreter"}[self.source]
+        why = {
+            "explicit": "given",
+            "env_var": f"${ENV_PYTHON_VAR}",
+            "env_venv": f"the {ENV_VENV_NAME} next to primerl's venv",
+            "this_interpreter": "primerl's own interpreter",
+        }[self.source]
         return f"{self.path} ({why})"
 
 
@@ -130,8 +134,13 @@ def probe_env_python(python: str | os.PathLike[str], *, timeout_s: float = PROBE
     if not Path(python).exists():
         raise EnvProbeError(f"env python {python} does not exist")
     try:
-        done = subprocess.run([str(python), str(PROBE_SCRIPT)], capture_output=True, text=True, timeout=timeout_s,
-                              stdin=subprocess.DEVNULL)
+        done = subprocess.run(
+            [str(python), str(PROBE_SCRIPT)],
+            capture_output=True,
+            text=True,
+            timeout=timeout_s,
+            stdin=subprocess.DEVNULL,
+        )
     except subprocess.TimeoutExpired:
         raise EnvProbeError(f"env python {python} did not list its packages within {timeout_s:g} s") from None
     except OSError as exc:

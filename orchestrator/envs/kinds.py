@@ -63,8 +63,13 @@ class _Listings:
         return self._kinds[python]
 
 
-def resolve_env_kinds(envs: Sequence[tuple[str, Any]], *, classic: EnvPython, v1: EnvPython,
-                      probe: Callable[[str], EnvInterpreterInfo] = probe_env_python) -> list[ResolvedEnv]:
+def resolve_env_kinds(
+    envs: Sequence[tuple[str, Any]],
+    *,
+    classic: EnvPython,
+    v1: EnvPython,
+    probe: Callable[[str], EnvInterpreterInfo] = probe_env_python,
+) -> list[ResolvedEnv]:
     """The kind of every `(setting, EnvConfig)` (module docstring); ValueError for a v1 package that is installed
     only where it cannot run."""
     listings = _Listings(probe)
@@ -89,19 +94,23 @@ def resolve_env_kinds(envs: Sequence[tuple[str, Any]], *, classic: EnvPython, v1
                 f'{setting}.id "{env.id}" is a verifiers v1 environment, installed only in the classic env '
                 f"interpreter {classic.describe()}, which cannot run it (verifiers 0.3); install it into the v1 one "
                 f"with `{INSTALL_COMMAND}` (it recognises v1 packages), or set orchestrator.env_v1_python to an "
-                "interpreter that has it")
+                "interpreter that has it"
+            )
         resolved.append(ResolvedEnv(setting, env, "classic", classic.path, listed=False))
     return resolved
 
 
-def not_installed_message(setting: str, env_id: str, *, classic: EnvPython, v1: EnvPython,
-                          probe_errors: dict[str, str] | None = None) -> str:
+def not_installed_message(
+    setting: str, env_id: str, *, classic: EnvPython, v1: EnvPython, probe_errors: dict[str, str] | None = None
+) -> str:
     """The error of an environment found in neither interpreter: both interpreters and how to install it."""
     notes = "".join(f" ({error})" for error in (probe_errors or {}).values())
-    return (f'{setting}.id "{env_id}" is not an installed environment: neither the classic env interpreter '
-            f"{classic.describe()} nor the verifiers v1 one {v1.describe()} has it{notes}. Install it with "
-            f"`{INSTALL_COMMAND}` (a classic package goes to the first, a v1 one to the second; `primerl env list` "
-            f"shows what each has), or set {setting}.kind and orchestrator.env_python / env_v1_python")
+    return (
+        f'{setting}.id "{env_id}" is not an installed environment: neither the classic env interpreter '
+        f"{classic.describe()} nor the verifiers v1 one {v1.describe()} has it{notes}. Install it with "
+        f"`{INSTALL_COMMAND}` (a classic package goes to the first, a v1 one to the second; `primerl env list` "
+        f"shows what each has), or set {setting}.kind and orchestrator.env_python / env_v1_python"
+    )
 
 
 def is_missing_module(error: BaseException, env_id: str) -> bool:
@@ -110,5 +119,11 @@ def is_missing_module(error: BaseException, env_id: str) -> bool:
     return f"No module named '{module}'" in str(error)
 
 
-__all__ = ["INSTALL_COMMAND", "ResolvedEnv", "is_missing_module", "normalize_env_id", "not_installed_message",
-           "resolve_env_kinds"]
+__all__ = [
+    "INSTALL_COMMAND",
+    "ResolvedEnv",
+    "is_missing_module",
+    "normalize_env_id",
+    "not_installed_message",
+    "resolve_env_kinds",
+]

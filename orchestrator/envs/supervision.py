@@ -26,8 +26,9 @@ KILL_WAIT_S = 5.0
 class ChildProcess:
     """One child process (module docstring); `name` prefixes its threads' names."""
 
-    def __init__(self, name: str, *, stderr_tail_lines: int = 40,
-                 on_stderr_line: Callable[[str], None] | None = None) -> None:
+    def __init__(
+        self, name: str, *, stderr_tail_lines: int = 40, on_stderr_line: Callable[[str], None] | None = None
+    ) -> None:
         self.name = name
         self.process: subprocess.Popen[bytes] | None = None
         self._on_stderr_line = on_stderr_line
@@ -41,8 +42,15 @@ class ChildProcess:
             raise RuntimeError(f"{self.name} is already running")
         self._tail.clear()
         self._threads = []
-        self.process = subprocess.Popen(list(argv), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                        stderr=subprocess.PIPE, env=dict(env), cwd=cwd, start_new_session=True)
+        self.process = subprocess.Popen(
+            list(argv),
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            env=dict(env),
+            cwd=cwd,
+            start_new_session=True,
+        )
         self._stderr_reader = self.start_thread(self._read_stderr, "err")
         return self.process
 

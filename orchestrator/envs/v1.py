@@ -61,17 +61,39 @@ def task_prompt(task: Mapping[str, Any]) -> list[dict[str, Any]]:
 class V1EnvClient:
     """One verifiers v1 environment served by its env server (module docstring)."""
 
-    def __init__(self, env_python: str, env_id: str, args: Mapping[str, Any] | None = None, *,
-                 v1_config: Mapping[str, Any] | None = None, api_key: str | None = None,
-                 renderer_model: str | None = None, version_of: Callable[[str], int | None] | None = None,
-                 max_workers: int = 1, request_timeout_s: float = 1800.0, start_timeout_s: float = 120.0,
-                 max_restarts: int = 3, max_tasks: int = MAX_TASKS, extra_env: Mapping[str, str] | None = None,
-                 cwd: str | None = None) -> None:
-        self.server = V1ServerConnection(env_python, env_id, args, base_url=PLACEHOLDER_BASE_URL, api_key=api_key,
-                                         renderer_model=renderer_model, v1_config=v1_config,
-                                         max_workers=max_workers, request_timeout_s=request_timeout_s,
-                                         start_timeout_s=start_timeout_s, max_restarts=max_restarts,
-                                         extra_env=extra_env, cwd=cwd)
+    def __init__(
+        self,
+        env_python: str,
+        env_id: str,
+        args: Mapping[str, Any] | None = None,
+        *,
+        v1_config: Mapping[str, Any] | None = None,
+        api_key: str | None = None,
+        renderer_model: str | None = None,
+        version_of: Callable[[str], int | None] | None = None,
+        max_workers: int = 1,
+        request_timeout_s: float = 1800.0,
+        start_timeout_s: float = 120.0,
+        max_restarts: int = 3,
+        max_tasks: int = MAX_TASKS,
+        extra_env: Mapping[str, str] | None = None,
+        cwd: str | None = None,
+    ) -> None:
+        self.server = V1ServerConnection(
+            env_python,
+            env_id,
+            args,
+            base_url=PLACEHOLDER_BASE_URL,
+            api_key=api_key,
+            renderer_model=renderer_model,
+            v1_config=v1_config,
+            max_workers=max_workers,
+            request_timeout_s=request_timeout_s,
+            start_timeout_s=start_timeout_s,
+            max_restarts=max_restarts,
+            extra_env=extra_env,
+            cwd=cwd,
+        )
         self.env_python = env_python
         self.env_id = env_id
         self.args = dict(args or {})
@@ -100,11 +122,19 @@ class V1EnvClient:
             self.server.close()
             raise
         if len(self.tasks) >= self.max_tasks:
-            log.warning("the v1 taskset has more tasks than are listed (or is infinite); training on the first ones",
-                        env_id=self.env_id, num_tasks=len(self.tasks))
+            log.warning(
+                "the v1 taskset has more tasks than are listed (or is infinite); training on the first ones",
+                env_id=self.env_id,
+                num_tasks=len(self.tasks),
+            )
         harnesses = ",".join(f"{role}={harness}" for role, harness in (self.server.info.harnesses or {}).items())
-        self.info = EnvInfo(env_id=self.env_id, env_class=f"v1 ({harnesses or 'no harness'})",
-                            num_examples=len(self.tasks), num_eval_examples=len(self.tasks), has_eval_dataset=False)
+        self.info = EnvInfo(
+            env_id=self.env_id,
+            env_class=f"v1 ({harnesses or 'no harness'})",
+            num_examples=len(self.tasks),
+            num_eval_examples=len(self.tasks),
+            has_eval_dataset=False,
+        )
         return self.info
 
     def is_alive(self) -> bool:
@@ -138,14 +168,30 @@ class V1EnvClient:
     # requests ----------------------------------------------------------------------------------------------------
     def examples(self, split: str = "train", start: int = 0, count: int = 1) -> list[Example]:
         """Tasks `start .. start+count` as `Example`s (prompt as chat messages)."""
-        return [Example(index=index, example_id=task.get("idx", index), prompt=task_prompt(task),
-                        answer=task.get("answer"), info={})
-                for index, task in enumerate(self.tasks[start:start + count], start)]
+        return [
+            Example(
+                index=index,
+                example_id=task.get("idx", index),
+                prompt=task_prompt(task),
+                answer=task.get("answer"),
+                info={},
+            )
+            for index, task in enumerate(self.tasks[start : start + count], start)
+        ]
 
-    def submit_rollouts(self, example_indices: Sequence[int], *, num_rollouts: int, base_url: str, model: str,
-                        split: str = "train", api_key: str = "EMPTY",
-                        sampling: SamplingParams | Mapping[str, Any] | None = None, max_concurrent: int | None = None,
-                        timeout_s: float | None = None) -> list[concurrent.futures.Future[RolloutGroup]]:
+    def submit_rollouts(
+        self,
+        example_indices: Sequence[int],
+        *,
+        num_rollouts: int,
+        base_url: str,
+        model: str,
+        split: str = "train",
+        api_key: str = "EMPTY",
+        sampling: SamplingParams | Mapping[str, Any] | None = None,
+        max_concurrent: int | None = None,
+        timeout_s: float | None = None,
+    ) -> list[concurrent.futures.Future[RolloutGroup]]:
         """One group of `num_rollouts` runs per example, on the inference server `base_url`. A group that cannot
         be sent (the server died) gets a future failed with `EnvWorkerDied` (the scheduler reschedules it)."""
         params = sampling_params(sampling)
@@ -154,11 +200,21 @@ class V1EnvClient:
         for index in example_indices:
             try:
                 if not 0 <= index < len(self.tasks):
-                    raise EnvRequestError("bad_request", f"example {index} is out of range: {self.env_id!r} has "
-                                                         f"{len(self.tasks)} tasks")
-                futures.append(self.server.submit_group(
-                    self.tasks[index], example_index=index, num_rollouts=num_rollouts, model=model, sampling=params,
-                    timeout_s=timeout_s, base_url=base_url, policy_version_fn=version_fn))
+                    raise EnvRequestError(
+                        "bad_request", f"example {index} is out of range: {self.env_id!r} has {len(self.tasks)} tasks"
+                    )
+                futures.append(
+                    self.server.submit_group(
+                        self.tasks[index],
+                        example_index=index,
+                        num_rollouts=num_rollouts,
+                        model=model,
+                        sampling=params,
+                        timeout_s=timeout_s,
+                        base_url=base_url,
+                        policy_version_fn=version_fn,
+                    )
+                )
             except (EnvWorkerDied, EnvRequestError) as exc:
                 failed: concurrent.futures.Future = concurrent.futures.Future()
                 failed.set_exception(exc)

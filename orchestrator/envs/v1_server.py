@@ -102,16 +102,36 @@ class _Group:
 class V1ServerConnection:
     """One verifiers v1 env server process serving one environment (`env_id`, its taskset `args`)."""
 
-    def __init__(self, env_python: str | os.PathLike[str], env_id: str, args: Mapping[str, Any] | None = None, *,
-                 base_url: str, api_key: str | None = None, renderer_model: str | None = None,
-                 v1_config: Mapping[str, Any] | None = None, policy_version_fn: Callable[[], int] | None = None,
-                 start_timeout_s: float = 120.0, request_timeout_s: float = 1800.0, max_restarts: int = 3,
-                 max_workers: int = 1, extra_env: Mapping[str, str] | None = None, stderr_tail_lines: int = 40,
-                 cwd: str | os.PathLike[str] | None = None) -> None:
+    def __init__(
+        self,
+        env_python: str | os.PathLike[str],
+        env_id: str,
+        args: Mapping[str, Any] | None = None,
+        *,
+        base_url: str,
+        api_key: str | None = None,
+        renderer_model: str | None = None,
+        v1_config: Mapping[str, Any] | None = None,
+        policy_version_fn: Callable[[], int] | None = None,
+        start_timeout_s: float = 120.0,
+        request_timeout_s: float = 1800.0,
+        max_restarts: int = 3,
+        max_workers: int = 1,
+        extra_env: Mapping[str, str] | None = None,
+        stderr_tail_lines: int = 40,
+        cwd: str | os.PathLike[str] | None = None,
+    ) -> None:
         if start_timeout_s <= 0 or request_timeout_s <= 0:
             raise ValueError("start_timeout_s and request_timeout_s must be > 0")
-        self.spec = V1EnvSpec(str(env_python), env_id, dict(args or {}), dict(v1_config or {}), api_key,
-                              dict(extra_env or {}), str(cwd) if cwd is not None else None)
+        self.spec = V1EnvSpec(
+            str(env_python),
+            env_id,
+            dict(args or {}),
+            dict(v1_config or {}),
+            api_key,
+            dict(extra_env or {}),
+            str(cwd) if cwd is not None else None,
+        )
         self.env_python = self.spec.env_python
         self.env_id = env_id
         self.base_url = base_url.rstrip("/").removesuffix("/v1")
@@ -142,10 +162,10 @@ class V1ServerConnection:
         self.spec.check_python()
         self._closed.clear()
         self._events = queue.Queue()
-        spec = {"env_config": self.spec.env_config(), "address": "tcp://127.0.0.1:0",
-                "max_workers": self.max_workers}
-        process = self._child.spawn([self.env_python, str(BOOTSTRAP_SCRIPT), "serve"], env=self.spec.environ(),
-                                    cwd=self.spec.cwd)
+        spec = {"env_config": self.spec.env_config(), "address": "tcp://127.0.0.1:0", "max_workers": self.max_workers}
+        process = self._child.spawn(
+            [self.env_python, str(BOOTSTRAP_SCRIPT), "serve"], env=self.spec.environ(), cwd=self.spec.cwd
+        )
         assert process.stdin is not None
         process.stdin.write(json.dumps(spec).encode())
         process.stdin.close()
@@ -161,8 +181,13 @@ class V1ServerConnection:
         self._child.start_thread(lambda process: self._io_loop(process, address), "io")
         self._child.start_thread(self._watchdog, "watch")
         self.health(timeout_s=min(30.0, self.start_timeout_s))
-        log.info("v1 env server ready", env_id=self.env_id, address=ready["address"], pid=process.pid,
-                 harnesses=self.info.harnesses)
+        log.info(
+            "v1 env server ready",
+            env_id=self.env_id,
+            address=ready["address"],
+            pid=process.pid,
+            harnesses=self.info.harnesses,
+        )
         return self.info
 
     def _wait_ready(self, process: subprocess.Popen[bytes]) -> dict[str, Any]:
@@ -195,11 +220,18 @@ class V1ServerConnection:
         if self.is_alive() and self.info is not None:
             return self.info
         if self.num_restarts >= self.max_restarts:
-            raise EnvWorkerDied(self._death_message(f"died and was restarted {self.num_restarts} times already "
-                                                    f"(max_restarts = {self.max_restarts})"))
+            raise EnvWorkerDied(
+                self._death_message(
+                    f"died and was restarted {self.num_restarts} times already (max_restarts = {self.max_restarts})"
+                )
+            )
         self.num_restarts += 1
-        log.warning("restarting the v1 env server", env_id=self.env_id, restart=self.num_restarts,
-                    exit_code=self._child.exit_code)
+        log.warning(
+            "restarting the v1 env server",
+            env_id=self.env_id,
+            restart=self.num_restarts,
+            exit_code=self._child.exit_code,
+        )
         self.close()
         return self.start()
 
@@ -231,11 +263,21 @@ class V1ServerConnection:
             return future.result(timeout_s)
         except concurrent.futures.TimeoutError:
             raise EnvRequestTimeout(
-                f"v1 env server of {self.env_id!r} did not answer health in {timeout_s} s") from None
+                f"v1 env server of {self.env_id!r} did not answer health in {timeout_s} s"
+            ) from None
 
-    def submit_group(self, task_data: Mapping[str, Any], *, example_index: int, num_rollouts: int, model: str,
-                     sampling: SamplingParams, timeout_s: float | None = None, base_url: str | None = None,
-                     policy_version_fn: Callable[[], int | None] | None = None) -> concurrent.futures.Future:
+    def submit_group(
+        self,
+        task_data: Mapping[str, Any],
+        *,
+        example_index: int,
+        num_rollouts: int,
+        model: str,
+        sampling: SamplingParams,
+        timeout_s: float | None = None,
+        base_url: str | None = None,
+        policy_version_fn: Callable[[], int | None] | None = None,
+    ) -> concurrent.futures.Future:
         """Start `num_rollouts` concurrent runs of one task; a future of the `RolloutGroup`. `base_url` picks
         another inference server than the constructor's for this group (the env server builds a client per run);
         `policy_version_fn` (default: the constructor's) gives the versions at dispatch and at each reply."""
@@ -246,17 +288,35 @@ class V1ServerConnection:
         version_fn = policy_version_fn or self.policy_version_fn
         version = version_fn() if version_fn else None
         future: concurrent.futures.Future = concurrent.futures.Future()
-        group = _Group(example_index, num_rollouts, future, time.monotonic() + (timeout_s or self.request_timeout_s),
-                       version, time.monotonic(), version_fn=version_fn)
+        group = _Group(
+            example_index,
+            num_rollouts,
+            future,
+            time.monotonic() + (timeout_s or self.request_timeout_s),
+            version,
+            time.monotonic(),
+            version_fn=version_fn,
+        )
         inference_url = base_url.rstrip("/").removesuffix("/v1") if base_url else self.base_url
-        client = {"type": "train", "base_url": inference_url + "/v1", "api_key_var": API_KEY_VAR, "headers": {},
-                  "renderer_model_name": self.renderer_model}
-        request = {"task_data": dict(task_data), "client": client, "model": model,
-                   "sampling": sampling_payload(sampling)}
+        client = {
+            "type": "train",
+            "base_url": inference_url + "/v1",
+            "api_key_var": API_KEY_VAR,
+            "headers": {},
+            "renderer_model_name": self.renderer_model,
+        }
+        request = {
+            "task_data": dict(task_data),
+            "client": client,
+            "model": model,
+            "sampling": sampling_payload(sampling),
+        }
         payloads = [pack(request)] * num_rollouts
         if sampling.seed is not None:  # rollout i samples with seed + i, as the classic env worker does (seeds.py)
-            payloads = [pack({**request, "sampling": {**request["sampling"], "seed": sampling.seed + index}})
-                        for index in range(num_rollouts)]
+            payloads = [
+                pack({**request, "sampling": {**request["sampling"], "seed": sampling.seed + index}})
+                for index in range(num_rollouts)
+            ]
         for index in range(num_rollouts):
             request_id = self._new_id()
             group.request_ids.append(request_id)
@@ -346,22 +406,42 @@ class V1ServerConnection:
             failure = str(reply.get("error") or "the env server reported a failed run")
         if failure is None:
             try:
-                rollout = episode_to_rollout(run.assembly.finish(reply), rollout_index=run.rollout_index,
-                                             policy_version=group.policy_version, policy_version_end=end_version,
-                                             generation_s=elapsed_s)
+                rollout = episode_to_rollout(
+                    run.assembly.finish(reply),
+                    rollout_index=run.rollout_index,
+                    policy_version=group.policy_version,
+                    policy_version_end=end_version,
+                    generation_s=elapsed_s,
+                )
             except (MalformedEpisode, ValueError, KeyError, TypeError) as exc:
                 failure = f"MalformedEpisode: {exc}"
         if failure is not None:
             error_type, _, message = failure.partition(": ")
-            rollout = Rollout(rollout_index=run.rollout_index, turns=[], reward=None, metrics={}, is_truncated=False,
-                              stop_condition=None, error_type=error_type if message else "RunFailed",
-                              error=message or failure, prompt=[], completion=[], generation_s=elapsed_s)
+            rollout = Rollout(
+                rollout_index=run.rollout_index,
+                turns=[],
+                reward=None,
+                metrics={},
+                is_truncated=False,
+                stop_condition=None,
+                error_type=error_type if message else "RunFailed",
+                error=message or failure,
+                prompt=[],
+                completion=[],
+                generation_s=elapsed_s,
+            )
         group.rollouts[run.rollout_index] = rollout
         if len(group.rollouts) == group.num_rollouts and not group.future.done():
-            group.future.set_result(RolloutGroup(
-                env_id=self.env_id, split="train", example_index=group.example_index,
-                rollouts=[group.rollouts[i] for i in range(group.num_rollouts)],
-                timings={"total_s": elapsed_s}, roundtrip_s=elapsed_s))
+            group.future.set_result(
+                RolloutGroup(
+                    env_id=self.env_id,
+                    split="train",
+                    example_index=group.example_index,
+                    rollouts=[group.rollouts[i] for i in range(group.num_rollouts)],
+                    timings={"total_s": elapsed_s},
+                    roundtrip_s=elapsed_s,
+                )
+            )
 
     def _expire(self) -> None:
         """Fail the groups past their deadline and cancel their runs in the server (all of a group's runs)."""
@@ -371,8 +451,11 @@ class V1ServerConnection:
         for group in {id(run.group): run.group for _, run in expired}.values():
             self._cancel_runs(group.future)  # runs of the group that are not expired yet, if any
             if not group.future.done():
-                group.future.set_exception(EnvRequestTimeout(
-                    f"v1 env {self.env_id!r}: no answer within the request's deadline (cancelled in the server)"))
+                group.future.set_exception(
+                    EnvRequestTimeout(
+                        f"v1 env {self.env_id!r}: no answer within the request's deadline (cancelled in the server)"
+                    )
+                )
 
     def _read_stdout(self, process: subprocess.Popen[bytes]) -> None:
         assert process.stdout is not None
@@ -391,8 +474,9 @@ class V1ServerConnection:
             if process.poll() is not None:
                 self._child.join_stderr()  # the last lines
                 message = self._death_message(f"exited with code {process.returncode}")
-                log.error("v1 env server died", env_id=self.env_id, exit_code=process.returncode,
-                          pending=self.num_pending())
+                log.error(
+                    "v1 env server died", env_id=self.env_id, exit_code=process.returncode, pending=self.num_pending()
+                )
                 self._runs.fail_all(EnvWorkerDied(message))
                 return
 

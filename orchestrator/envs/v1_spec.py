@@ -82,15 +82,22 @@ class V1EnvSpec:
         return config
 
     def environ(self) -> dict[str, str]:
-        env = {**os.environ, "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
-               **self.extra_env}
+        env = {
+            **os.environ,
+            "PYTHONUNBUFFERED": "1",
+            "HF_HUB_OFFLINE": "1",
+            "TRANSFORMERS_OFFLINE": "1",
+            **self.extra_env,
+        }
         env[API_KEY_VAR] = self.api_key or "EMPTY"
         return env
 
     def check_python(self) -> None:
         if not Path(self.env_python).exists():
-            raise EnvWorkerDied(f"v1 env python {self.env_python} does not exist: build the v1 env venv (make setup, "
-                                "or `primerl env install` of a v1 environment)")
+            raise EnvWorkerDied(
+                f"v1 env python {self.env_python} does not exist: build the v1 env venv (make setup, "
+                "or `primerl env install` of a v1 environment)"
+            )
 
     def raise_error_event(self, event: dict[str, Any] | None, stderr_tail: str = "") -> None:
         """The typed error of a bootstrap error event: V1EnvConfigError (the setting to change) or
@@ -107,21 +114,32 @@ class V1EnvSpec:
         """Run the bootstrap once: its last event, or the typed error."""
         self.check_python()
         try:
-            done = subprocess.run([self.env_python, str(BOOTSTRAP_SCRIPT), mode], input=json.dumps(spec),
-                                  capture_output=True, text=True, timeout=timeout_s, env=self.environ(), cwd=self.cwd)
+            done = subprocess.run(
+                [self.env_python, str(BOOTSTRAP_SCRIPT), mode],
+                input=json.dumps(spec),
+                capture_output=True,
+                text=True,
+                timeout=timeout_s,
+                env=self.environ(),
+                cwd=self.cwd,
+            )
         except subprocess.TimeoutExpired:
             raise EnvRequestTimeout(f"v1 env {self.env_id!r}: {mode} took over {timeout_s:g} s") from None
         event = last_event(done.stdout)
         self.raise_error_event(event, done.stderr)
         if done.returncode != 0 or event is None:
-            raise EnvWorkerDied(f"v1 env {self.env_id!r}: {mode} exited {done.returncode}: "
-                                f"{(done.stderr.strip().splitlines() or ['no output'])[-1]}")
+            raise EnvWorkerDied(
+                f"v1 env {self.env_id!r}: {mode} exited {done.returncode}: "
+                f"{(done.stderr.strip().splitlines() or ['no output'])[-1]}"
+            )
         return event
 
-    def tasks(self, start: int = 0, count: int = 1, *, taskset_args: Mapping[str, Any] | None = None,
-              timeout_s: float = 300.0) -> list[dict[str, Any]]:
+    def tasks(
+        self, start: int = 0, count: int = 1, *, taskset_args: Mapping[str, Any] | None = None, timeout_s: float = 300.0
+    ) -> list[dict[str, Any]]:
         """Task data `start .. start+count` of the taskset (what `run` sends); `taskset_args` override the args
         (e.g. an eval split). The env server never loads data: the orchestrator owns the tasks."""
-        event = self.run_bootstrap("tasks", {"env_config": self.env_config(taskset_args), "start": start,
-                                             "count": count}, timeout_s)
+        event = self.run_bootstrap(
+            "tasks", {"env_config": self.env_config(taskset_args), "start": start, "count": count}, timeout_s
+        )
         return list(event.get("tasks") or [])

@@ -64,12 +64,19 @@ def trace_turns(trace: dict, *, policy_version: int | None, policy_version_end: 
         prefix = [int(t) for i in _path(nodes, index)[:-1] for t in nodes[i].get("token_ids") or []]
         sampled = iter(logprobs)
         completion_mask = mask[first:]
-        turns.append(Turn(
-            prompt_token_ids=prefix + token_ids[:first], completion_token_ids=token_ids[first:],
-            completion_logprobs=[next(sampled) if m else 0.0 for m in completion_mask],
-            completion_mask=[int(m) for m in completion_mask], finish_reason=None, is_truncated=False,
-            policy_version=policy_version, policy_version_end=policy_version_end,
-            completion=[node.get("message") or {}]))
+        turns.append(
+            Turn(
+                prompt_token_ids=prefix + token_ids[:first],
+                completion_token_ids=token_ids[first:],
+                completion_logprobs=[next(sampled) if m else 0.0 for m in completion_mask],
+                completion_mask=[int(m) for m in completion_mask],
+                finish_reason=None,
+                is_truncated=False,
+                policy_version=policy_version,
+                policy_version_end=policy_version_end,
+                completion=[node.get("message") or {}],
+            )
+        )
     return turns
 
 
@@ -89,13 +96,22 @@ def _errors(episode: dict) -> list[dict]:
     return errors
 
 
-def episode_to_rollout(episode: dict, *, rollout_index: int, policy_version: int | None,
-                       policy_version_end: int | None, generation_s: float) -> Rollout:
+def episode_to_rollout(
+    episode: dict,
+    *,
+    rollout_index: int,
+    policy_version: int | None,
+    policy_version_end: int | None,
+    generation_s: float,
+) -> Rollout:
     """One run's episode as a `Rollout`; an episode whose traces failed, or that has no sampled token, is an error
     rollout (`error_type`, `error`), counted and not trained on."""
     traces = episode.get("traces") or []
-    turns = [turn for trace in traces for turn in trace_turns(trace, policy_version=policy_version,
-                                                               policy_version_end=policy_version_end)]
+    turns = [
+        turn
+        for trace in traces
+        for turn in trace_turns(trace, policy_version=policy_version, policy_version_end=policy_version_end)
+    ]
     root: dict[str, Any] = traces[0] if traces else {}
     errors = _errors(episode)
     error_type = error = None
@@ -104,20 +120,36 @@ def episode_to_rollout(episode: dict, *, rollout_index: int, policy_version: int
     elif not traces or not all(trace.get("ok", False) for trace in traces):
         error_type, error = "EpisodeNotOk", "the episode did not complete successfully"
     elif not turns:
-        error_type, error = "NoTokens", ("the episode recorded no sampled tokens (the env server must call the "
-                                         "inference server with the `train` client)")
+        error_type, error = (
+            "NoTokens",
+            (
+                "the episode recorded no sampled tokens (the env server must call the "
+                "inference server with the `train` client)"
+            ),
+        )
     reward = trace_reward(root) if root else None
     if error is None and reward is None:
         error_type, error = "NoReward", "the episode's root trace has no reward (its task defines no @reward?)"
     stop = root.get("stop_condition")
-    metrics = {str(k): (None if v is None else float(v)) for k, v in (root.get("metrics") or {}).items()
-               if v is None or isinstance(v, (int, float))}
+    metrics = {
+        str(k): (None if v is None else float(v))
+        for k, v in (root.get("metrics") or {}).items()
+        if v is None or isinstance(v, (int, float))
+    }
     for name, value in (root.get("rewards") or {}).items():
         if isinstance(value, dict) and isinstance(value.get("score"), (int, float)):
             metrics.setdefault(str(name), float(value["score"]))
     prompt = _prompt_messages(root)
     return Rollout(
-        rollout_index=rollout_index, turns=turns, reward=reward, metrics=metrics,
-        is_truncated=bool(root.get("is_timeout")) or (stop in TRUNCATED_STOPS), stop_condition=stop,
-        error_type=error_type, error=error, prompt=prompt,
-        completion=[turn.completion[0] for turn in turns], generation_s=generation_s)
+        rollout_index=rollout_index,
+        turns=turns,
+        reward=reward,
+        metrics=metrics,
+        is_truncated=bool(root.get("is_timeout")) or (stop in TRUNCATED_STOPS),
+        stop_condition=stop,
+        error_type=error_type,
+        error=error,
+        prompt=prompt,
+        completion=[turn.completion[0] for turn in turns],
+        generation_s=generation_s,
+    )

@@ -71,8 +71,9 @@ class EpisodeAssembly:
         for index, links in (delta.get("links") or {}).items():
             trace["nodes"][int(index)].setdefault("semantic_parents", []).extend(links)
         if "nodes" in delta:
-            trace["nodes"].extend({**node, "semantic_parents": list(node.get("semantic_parents") or [])}
-                                  for node in delta["nodes"])
+            trace["nodes"].extend(
+                {**node, "semantic_parents": list(node.get("semantic_parents") or [])} for node in delta["nodes"]
+            )
         for name in LIST_FIELDS:
             if name in delta and name != "nodes":
                 trace[name].extend(delta[name])
@@ -89,6 +90,7 @@ class EpisodeAssembly:
             if len(trace["nodes"]) != summary.get("nodes") or len(trace["calls"]) != summary.get("calls"):
                 raise MalformedEpisode(
                     f"trace {summary.get('id')} assembled {len(trace['nodes'])} nodes / {len(trace['calls'])} "
-                    f"calls, the server reports {summary.get('nodes')} / {summary.get('calls')}")
+                    f"calls, the server reports {summary.get('nodes')} / {summary.get('calls')}"
+                )
             traces.append(trace)
         return {**head, "traces": traces}

@@ -69,8 +69,6 @@ class RolloutError(Exception):
     """A rollout produced output that cannot be trained on (missing token ids, logprobs that do not align)."""
 
 
-
-
 def import_verifiers() -> Any:
     os.environ.setdefault("HF_DATASETS_DISABLE_PROGRESS_BARS", "1")
     try:
@@ -89,8 +87,9 @@ def _client_class() -> type:
     from verifiers.legacy.clients.openai_chat_completions_client import OpenAIChatCompletionsClient
 
     class PrimerlChatClient(OpenAIChatCompletionsClient):
-        async def get_native_response(self, prompt: Any, model: str, sampling_args: Any, tools: Any = None,
-                                      **kwargs: Any) -> Any:
+        async def get_native_response(
+            self, prompt: Any, model: str, sampling_args: Any, tools: Any = None, **kwargs: Any
+        ) -> Any:
             state = kwargs.get("state")
             headers: dict[str, str] = {}
             token = _RESPONSE_HEADERS.set(headers)
@@ -134,9 +133,11 @@ def _http_client_class() -> Any:
     try:
         from httpx_aiohttp import HttpxAiohttpClient
     except ImportError:
-        log.warning("httpx-aiohttp is not installed in the env interpreter; model requests use httpx's own "
-                    "transport, which costs several times the CPU "
-                    "(install it: <env python> -m pip install httpx-aiohttp)")
+        log.warning(
+            "httpx-aiohttp is not installed in the env interpreter; model requests use httpx's own "
+            "transport, which costs several times the CPU "
+            "(install it: <env python> -m pip install httpx-aiohttp)"
+        )
         return httpx.AsyncClient
     return HttpxAiohttpClient
 
@@ -174,8 +175,12 @@ def _wrap_reward_func(func: Any) -> Any:
                 cpu_s = time.thread_time() - cpu_started
                 if is_plain and cpu_s > SCORE_ON_LOOP_MAX_CPU_S:
                     off_loop = True
-                    log.info("reward function %r took %.1f ms of CPU on the event loop: its calls move to the scoring "
-                             "threads", name, 1000 * cpu_s)
+                    log.info(
+                        "reward function %r took %.1f ms of CPU on the event loop: its calls move to the scoring "
+                        "threads",
+                        name,
+                        1000 * cpu_s,
+                    )
             if inspect.isawaitable(result):
                 result = await result
             return result
@@ -194,8 +199,10 @@ def _wrap_reward_func(func: Any) -> Any:
             raise
 
     wrapper._primerl_wrapped = True  # type: ignore[attr-defined]
-    wrapper._primerl_sync = not (inspect.iscoroutinefunction(func)  # type: ignore[attr-defined]
-                                 or inspect.iscoroutinefunction(getattr(func, "__call__", None)))
+    wrapper._primerl_sync = not (
+        inspect.iscoroutinefunction(func)  # type: ignore[attr-defined]
+        or inspect.iscoroutinefunction(getattr(func, "__call__", None))
+    )
     return wrapper
 
 
@@ -205,7 +212,6 @@ def wrap_rubric(rubric: Any) -> None:
     funcs = getattr(rubric, "funcs", None)
     if isinstance(funcs, list):
         rubric.funcs = [_wrap_reward_func(f) for f in funcs]
-
 
 
 @functools.cache
@@ -278,9 +284,18 @@ def turn_output(step: Any, turn_index: int, headers: dict[str, dict[str, str]]) 
 def rollout_output(index: int, state: Any, group_errors: list[str], elapsed_s: float) -> dict[str, Any]:
     """The wire form of one finished (or failed) rollout."""
     if isinstance(state, BaseException):
-        return {"rollout_index": index, "error": error_info(state), "turns": [], "reward": None, "metrics": {},
-                "is_truncated": False, "stop_condition": None, "prompt": [], "completion": [],
-                "generation_s": elapsed_s}
+        return {
+            "rollout_index": index,
+            "error": error_info(state),
+            "turns": [],
+            "reward": None,
+            "metrics": {},
+            "is_truncated": False,
+            "stop_condition": None,
+            "prompt": [],
+            "completion": [],
+            "generation_s": elapsed_s,
+        }
     error: dict[str, str] | None = None
     turns: list[dict[str, Any]] = []
     headers = state.get(HEADERS_STATE_KEY) or {}
@@ -382,8 +397,11 @@ def model_client_shards(base_url: str, api_key: str, timeout_s: float) -> list[A
     for _ in range(HTTP_CLIENT_SHARDS):
         http_client = client_class(
             timeout=httpx.Timeout(timeout_s, connect=min(timeout_s, 10.0)),
-            limits=httpx.Limits(max_connections=MAX_CONNECTIONS_PER_SHARD, max_keepalive_connections=64,
-                                keepalive_expiry=KEEPALIVE_EXPIRY_S),
+            limits=httpx.Limits(
+                max_connections=MAX_CONNECTIONS_PER_SHARD,
+                max_keepalive_connections=64,
+                keepalive_expiry=KEEPALIVE_EXPIRY_S,
+            ),
             event_hooks={"response": [_capture_headers]},
         )
         openai_client = AsyncOpenAI(base_url=base_url, api_key=api_key, max_retries=0, http_client=http_client)

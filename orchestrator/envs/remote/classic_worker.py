@@ -36,9 +36,13 @@ def import_primerl_by_path() -> None:
     envs = os.path.dirname(remote)
     orchestrator = os.path.dirname(envs)
     root = os.path.dirname(orchestrator)  # the source tree, or site-packages/primerl
-    for name, folder in (("primerl", root), ("primerl.proto", os.path.join(root, "proto")),
-                         ("primerl.orchestrator", orchestrator), ("primerl.orchestrator.envs", envs),
-                         ("primerl.orchestrator.envs.remote", remote)):
+    for name, folder in (
+        ("primerl", root),
+        ("primerl.proto", os.path.join(root, "proto")),
+        ("primerl.orchestrator", orchestrator),
+        ("primerl.orchestrator.envs", envs),
+        ("primerl.orchestrator.envs.remote", remote),
+    ):
         package = types.ModuleType(name)
         package.__path__ = [folder]
         sys.modules[name] = package
@@ -204,9 +208,13 @@ class ClassicEnvWorker:
         stop = min(start + count, len(dataset))
         rows = dataset.select(range(start, stop)).to_list() if stop > start else []
         examples = [
-            {"index": start + i, "example_id": row.get("example_id", start + i),
-             "prompt": to_jsonable(row.get("prompt")), "answer": to_jsonable(row.get("answer", "")),
-             "info": to_jsonable(row.get("info") or {})}
+            {
+                "index": start + i,
+                "example_id": row.get("example_id", start + i),
+                "prompt": to_jsonable(row.get("prompt")),
+                "answer": to_jsonable(row.get("answer", "")),
+                "info": to_jsonable(row.get("info") or {}),
+            }
             for i, row in enumerate(rows)
         ]
         return {"split": split, "examples": examples}
@@ -225,8 +233,11 @@ class ClassicEnvWorker:
         model = _param(request, "model", str)
         sampling = _param(request, "sampling", dict, {})
         per_rollout_args = [sampling_args(self.env.sampling_args, sampling, i) for i in range(num_rollouts)]
-        clients = self.client_shards(_param(request, "base_url", str), _param(request, "api_key", str, "EMPTY"),
-                                     float(_param(request, "http_timeout_s", (int, float), 600.0)))
+        clients = self.client_shards(
+            _param(request, "base_url", str),
+            _param(request, "api_key", str, "EMPTY"),
+            float(_param(request, "http_timeout_s", (int, float), 600.0)),
+        )
         row = dataset[index]
         row.setdefault("example_id", index)
         semaphore = asyncio.Semaphore(max_concurrent)
@@ -251,8 +262,12 @@ class ClassicEnvWorker:
         encode_started = time.monotonic()
         outputs = [rollout_output(i, state, group_errors, elapsed) for i, (state, elapsed) in enumerate(results)]
         done = time.monotonic()
-        timings = {"generate_s": score_started - generate_started, "score_s": encode_started - score_started,
-                   "encode_s": done - encode_started, "total_s": done - received}
+        timings = {
+            "generate_s": score_started - generate_started,
+            "score_s": encode_started - score_started,
+            "encode_s": done - encode_started,
+            "total_s": done - received,
+        }
         return {"split": split, "example_index": index, "rollouts": outputs, "timings": timings}
 
     # helpers ---------------------------------------------------------------------------------------------------
@@ -334,8 +349,11 @@ def main() -> int:
     protocol_out = os.fdopen(os.dup(1), "w", encoding="utf-8")
     os.dup2(2, 1)
     sys.stdout = sys.stderr
-    logging.basicConfig(level=os.environ.get("PRIMERL_ENV_WORKER_LOG_LEVEL", "INFO"), stream=sys.stderr,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=os.environ.get("PRIMERL_ENV_WORKER_LOG_LEVEL", "INFO"),
+        stream=sys.stderr,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per model request otherwise
     log.info("env worker (protocol %d) pid %d, python %s", PROTOCOL_VERSION, os.getpid(), sys.executable)
     asyncio.run(serve(protocol_out))

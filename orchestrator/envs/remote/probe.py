@@ -62,7 +62,7 @@ def _requires_verifiers_v1(dist: importlib.metadata.Distribution) -> bool:
 
 
 def _env_kind(module: str, requires_v1: bool) -> str | None:
-    """"classic" (names `load_environment`), "v1" (exports a Taskset/Harness, or its distribution requires
+    """ "classic" (names `load_environment`), "v1" (exports a Taskset/Harness, or its distribution requires
     verifiers>=0.4 and it is the distribution's module), or None: not an environment."""
     source = _module_source(module)
     if source is None:
@@ -80,7 +80,7 @@ def _editable_path(dist: importlib.metadata.Distribution) -> str | None:
     except ValueError:
         return None
     if direct_url.get("dir_info", {}).get("editable") and direct_url.get("url", "").startswith("file://"):
-        return direct_url["url"][len("file://"):]
+        return direct_url["url"][len("file://") :]
     return None
 
 
@@ -99,8 +99,16 @@ def probe() -> dict:
             if kind is None:
                 continue
             seen.add(module)
-            envs.append({"id": module.replace("_", "-"), "module": module, "dist": name, "version": dist.version,
-                         "editable_path": _editable_path(dist), "kind": kind})
+            envs.append(
+                {
+                    "id": module.replace("_", "-"),
+                    "module": module,
+                    "dist": name,
+                    "version": dist.version,
+                    "editable_path": _editable_path(dist),
+                    "kind": kind,
+                }
+            )
     envs.sort(key=lambda env: env["id"])
     return {"python": sys.executable, "verifiers": verifiers_version, "envs": envs}
 

@@ -64,7 +64,8 @@ def resolve_local_config(raw: dict):
             raise LocalOnlyError(
                 f"role {role!r} asks for the {runtime.get('type')!r} runtime (a sandbox); primerl runs v1 "
                 f"environments locally only: remove `{role}.runtime` from the environment's `v1_config` (or set "
-                f"its type to {LOCAL_RUNTIME!r})")
+                f"its type to {LOCAL_RUNTIME!r})"
+            )
     return resolve_env_config(raw)
 
 
@@ -74,8 +75,10 @@ def check_local(config) -> dict[str, str]:
 
     task_cls = task_type(config.taskset.id)
     if getattr(task_cls, "NEEDS_CONTAINER", False):
-        raise LocalOnlyError(f"taskset {config.taskset.id!r}'s tasks need a container (NEEDS_CONTAINER); primerl "
-                             "runs v1 environments locally only (no sandbox runtime here)")
+        raise LocalOnlyError(
+            f"taskset {config.taskset.id!r}'s tasks need a container (NEEDS_CONTAINER); primerl "
+            "runs v1 environments locally only (no sandbox runtime here)"
+        )
     harnesses = {}
     for role, harness in config.agent_harnesses().items():
         cls = harness_class(harness.id)
@@ -84,10 +87,13 @@ def check_local(config) -> dict[str, str]:
                 f"role {role!r} uses verifiers' built-in harness {harness.id!r}, which installs its program (uv, "
                 "packages) at the first rollout or needs a sandbox: ship an in-process harness in the environment "
                 "package (a Harness subclass in its __all__, see examples/reverse_text_v1) or set "
-                f"`{role}.harness.id` in the environment's `v1_config` to one")
+                f"`{role}.harness.id` in the environment's `v1_config` to one"
+            )
         if getattr(cls, "NEEDS_CONTAINER", False):
-            raise LocalOnlyError(f"role {role!r}'s harness {harness.id!r} needs a container (NEEDS_CONTAINER); "
-                                 "primerl runs v1 environments locally only")
+            raise LocalOnlyError(
+                f"role {role!r}'s harness {harness.id!r} needs a container (NEEDS_CONTAINER); "
+                "primerl runs v1 environments locally only"
+            )
         harnesses[role] = harness.id
     return harnesses
 
@@ -99,8 +105,10 @@ def list_tasks(config, start: int, count: int) -> dict:
     from verifiers.v1.utils.loaders import load_taskset
 
     taskset = load_taskset(config.taskset)
-    tasks = [task.data.model_dump(mode="json", serialize_as_any=True, exclude_none=True)
-             for task in itertools.islice(iter(taskset), start, start + count)]
+    tasks = [
+        task.data.model_dump(mode="json", serialize_as_any=True, exclude_none=True)
+        for task in itertools.islice(iter(taskset), start, start + count)
+    ]
     return {"event": "tasks", "tasks": tasks, "bounded": bool(taskset.bounded)}
 
 
@@ -118,13 +126,20 @@ def serve(config, spec: dict, harnesses: dict[str, str]) -> None:
     from verifiers.v1.serve import serve_env
 
     ready = {"event": "ready", "taskset": config.taskset.id, "harnesses": harnesses, "pid": os.getpid()}
-    serve_env(max_workers=int(spec.get("max_workers", 1)), address=spec.get("address", "tcp://127.0.0.1:0"),
-              address_queue=_ReadyLine(ready), config=config)
+    serve_env(
+        max_workers=int(spec.get("max_workers", 1)),
+        address=spec.get("address", "tcp://127.0.0.1:0"),
+        address_queue=_ReadyLine(ready),
+        config=config,
+    )
 
 
 def main(argv: list[str]) -> int:
-    logging.basicConfig(level=os.environ.get("PRIMERL_V1_LOG_LEVEL", "WARNING"), stream=sys.stderr,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=os.environ.get("PRIMERL_V1_LOG_LEVEL", "WARNING"),
+        stream=sys.stderr,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
     if len(argv) != 1 or argv[0] not in ("serve", "tasks"):
         emit({"event": "error", "kind": "config", "message": "usage: v1_bootstrap.py serve|tasks < spec.json"})
         return EXIT_CONFIG

@@ -29,7 +29,18 @@ def contains_word(completion, answer, **kwargs) -> float:
 
 
 def load_environment(num_examples: int = 6, max_turns: int = 2, **kwargs) -> vf.ToolEnv:
-    rows = [{"question": f"Use the echo tool on the word {WORDS[i % len(WORDS)]}, then say it.",
-             "answer": WORDS[i % len(WORDS)]} for i in range(num_examples)]
-    return vf.ToolEnv(dataset=Dataset.from_list(rows), eval_dataset=Dataset.from_list(rows), tools=[echo],
-                      rubric=vf.Rubric(funcs=[contains_word]), max_turns=max_turns, **kwargs)
+    rows = [
+        {
+            "question": f"Use the echo tool on the word {WORDS[i % len(WORDS)]}, then say it.",
+            "answer": WORDS[i % len(WORDS)],
+        }
+        for i in range(num_examples)
+    ]
+    return vf.ToolEnv(
+        dataset=Dataset.from_list(rows),
+        eval_dataset=Dataset.from_list(rows),
+        tools=[echo],
+        rubric=vf.Rubric(funcs=[contains_word]),
+        max_turns=max_turns,
+        **kwargs,
+    )

@@ -27,10 +27,9 @@ def serve(config, args: argparse.Namespace) -> int:
     runner: OrchestratorRunner | None = None
 
     def set_up() -> bool:
-        """Registered and its training environments loaded (the runner's sampler exists from then on): a stop
-        then ends the step in hand as before; before it (connecting, loading environments) it ends the
-        start-up at once."""
-        return getattr(runner, "sampler", None) is not None
+        """Registered and its training environments loaded (``runner.started``): a stop then ends the step loop
+        gracefully; before it (connecting, loading environments) it ends the start-up at once."""
+        return runner is not None and runner.started.is_set()
 
     from primerl.client.control import BrokerError
     from primerl.orchestrator.env_client import EnvWorkerError

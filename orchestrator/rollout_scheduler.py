@@ -1,39 +1,27 @@
-"""The orchestrator's rollout scheduling, without sockets: which groups are in flight on which env worker and
+"""The orchestrator's rollout scheduling, without sockets: which groups are in flight on which environment and
 inference endpoint, and what their results become.
 
-Each round of the main loop (``OrchestratorRunner``): ``refresh_endpoints`` takes the latest worker list,
-``observe_lineage`` the broker's policy lineage and latest version, ``dispatch`` draws groups of
-``rollouts_per_example`` rollouts (examples by environment weight; groups lost with a dead env worker or an
-unreachable inference worker first) up to ``max_inflight`` rollouts, each to the answering inference worker with
-the fewest rollouts in flight among those whose served version is recent enough for the step (``max_async_level``,
-judged per worker: a worker still at an old version holds up no other); ``collect`` turns finished groups into
-samples (``samples.rollout_to_samples``), computes their advantages and hands them to the batch assembler;
-``cancel_stale`` cancels groups that became too stale.
+The runner builds the collaborators (env clients by env id, the sampler, the failure tracker, the inference
+workers, the async bound, the teacher stage) and hands them to ``RolloutScheduler``. Each round of its main loop:
+``refresh_endpoints`` takes the latest worker list, ``observe_lineage`` the broker's policy lineage and latest
+version, ``dispatch`` draws groups of ``rollouts_per_example`` rollouts (examples by environment weight; groups
+lost with a dead environment or an unreachable inference worker first) up to ``max_inflight`` rollouts, each to the
+answering inference worker with the fewest rollouts in flight among those whose served version is recent enough
+for the step (``max_async_level``, judged per worker); ``collect`` turns finished groups into samples
+(``samples.rollout_to_samples``), sends them through the teacher stage when there is one, computes their
+advantages and hands them to the batch assembler; ``cancel_stale`` cancels groups that became too stale. Once
+``take_batch`` returns the step's batch, ``take_report`` returns what was counted (``types.StepReport``).
 
-Inference workers join and leave at any time (issue 17; ``primerl.orchestrator.endpoints.InferenceWorkers``): one
-that joins gets rollouts once it serves the version that was current when it joined; one that leaves the broker's
-list gets no more, and its groups in flight are cancelled and dispatched again elsewhere. A group whose rollouts
-failed because their inference worker could not be reached (connection refused or reset, 502/503:
-``rollout_failures.is_unreachable``) is dispatched again as a whole too, up to ``MAX_GROUP_RETRIES`` times (then
-its failures count as usual): these are not failures (not in ``rollout/errors``), they are counted in
-``rollout/retried`` (rollouts) and logged (``rollout group retried``), and the worker is backed off, then probed
-with one group at a time until it answers.
+Inference workers join and leave at any time (``endpoints.InferenceWorkers``): the groups of one that leaves are
+cancelled and dispatched again elsewhere; a group whose inference worker could not be reached
+(``rollout_failures.is_unreachable``) is dispatched again as a whole, up to ``MAX_GROUP_RETRIES`` times, counted in
+``rollout/retried`` (not an error) and logged (``rollout group retried``); the worker is backed off.
 
-Faults (issue 14): an env worker that dies is restarted (``EnvWorker.ensure_alive``, at most its
-``max_restarts`` times, log ``restarting env worker`` with its exit code); its in-flight groups are dispatched
-again first (``rollout/rescheduled`` counts their rollouts). Failed rollouts are counted by kind
-(``primerl.orchestrator.rollout_failures``): each kind logged once (``rollout failed``) and reported, counted in
-``rollout/errors`` and ``rollout/errors/<kind>``. A rollout that could not reach its inference worker pauses
-dispatch to that worker (doubling back-off up to ``ENDPOINT_BACKOFF_S``: it may be restarting).
-
-Teacher (issue 18, ``[orchestrator.teacher]``): a collected group goes to the teacher
-(``primerl.orchestrator.teacher_scoring.TeacherScorer``) instead of straight to advantages; ``collect`` waits on
-the scorings together with the rollouts, so both stay in flight, and a scored group (every sample with its
-``teacher_logprobs``) then gets its advantages and goes to the assembler. A group the teacher could not score
-(after its retries) is counted like a failed rollout group (``rollout/errors/teacher_<kind>``); only a scored
-group ends a streak of failures. Groups being scored hold up dispatch only while they are as many as the groups
-kept in flight (they end within the teacher's timeouts and retries). The teachers are ``teacher.base_url``, else
-the teacher workers the broker lists (``refresh_teachers``).
+Faults: a dead environment is restarted (``ensure_alive``, at most its ``max_restarts`` times) and its groups in
+flight are dispatched again first (``rollout/rescheduled``). Failed rollouts are counted by kind
+(``rollout_failures``: ``rollout/errors``, ``rollout/errors/<kind>``). A group the teacher could not score counts
+like a failed rollout group (``rollout/errors/teacher_<kind>``); only a scored group ends a streak of failures.
+Groups being scored hold up dispatch only while they are as many as the groups kept in flight.
 
 Sampling seeds: with ``[orchestrator.sampling] seed``, group g's rollout i gets
 ``seeds.rollout_seed_base(seed, g, n) + i``.
@@ -46,24 +34,27 @@ import concurrent.futures
 import math
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 from primerl.orchestrator.advantages import prepare_groups
 from primerl.orchestrator.async_bound import AsyncBound
 from primerl.configs.orchestrator import OrchestratorConfig
-from primerl.orchestrator.endpoints import ENDPOINT_BACKOFF_S, InferenceEndpoint, InferenceWorkers
+from primerl.orchestrator.endpoints import ENDPOINT_BACKOFF_S, EndpointWatcher, InferenceEndpoint, InferenceWorkers
 from primerl.orchestrator.env_client import EnvRequestError, EnvWorkerDied
-from primerl.orchestrator.filtering import BatchAssembler, DifficultyFilter
+from primerl.orchestrator.env_sampler import EnvSampler
+from primerl.orchestrator.filtering import AssembledBatch, BatchAssembler, DifficultyFilter
 from primerl.orchestrator.lineage import PolicyLineage, cap_versions
 from primerl.orchestrator.rollout_failures import RolloutFailures, is_unreachable, kind_name
 from primerl.orchestrator.samples import Group, MalformedTrajectory, rollout_to_samples
 from primerl.orchestrator.seeds import rollout_seed_base
 from primerl.orchestrator.step_metrics import StepTimers
-from primerl.orchestrator.teacher_client import TeacherError
-from primerl.orchestrator.teacher_scoring import TeacherScorer
+from primerl.orchestrator.teacher_stage import TeacherStage
 from primerl.orchestrator.throughput import ThroughputWindow
+from primerl.orchestrator.trajectory import RolloutGroup
+from primerl.orchestrator.types import EnvClientLike, SchedulerEvents, StepReport
+from primerl.proto.v1 import control_pb2
 from primerl.runtime.log_setup import get_logger
 
 log = get_logger("primerl.orchestrator")
@@ -86,27 +77,26 @@ class InflightGroup:
 
 
 class RolloutScheduler:
-    """Rollout groups in flight and what becomes of them (module docstring). The runner adds the env workers
-    (``workers``), the sampler and the failure counter once they exist; ``on_inflight(num_rollouts)`` and
-    ``on_error()`` tell it when the rollouts in flight change and when one fails."""
+    """Rollout groups in flight and what becomes of them (module docstring). Its collaborators come in whole:
+    ``env_clients`` (env id -> client), ``sampler``, ``failures``, ``inference`` (the workers rollouts go to),
+    ``bound`` (the async bound), ``teacher`` (a ``TeacherStage`` or None) and ``events``."""
 
-    def __init__(self, config: OrchestratorConfig, *, stop_event: threading.Event):
+    def __init__(self, config: OrchestratorConfig, *, stop_event: threading.Event,
+                 env_clients: Mapping[str, EnvClientLike], sampler: EnvSampler, failures: RolloutFailures,
+                 inference: InferenceWorkers | None = None, bound: AsyncBound | None = None,
+                 teacher: TeacherStage | None = None, events: SchedulerEvents | None = None):
         self.config = config
         self.stop_event = stop_event
-        self.bound = AsyncBound(config.max_async_level)
+        self.env_clients = env_clients
+        self.sampler = sampler
+        self.failures = failures
+        self.inference = inference if inference is not None else InferenceWorkers()
+        self.bound = bound if bound is not None else AsyncBound(config.max_async_level)
+        self.teacher = teacher
+        self.events = events if events is not None else SchedulerEvents()
         self.lineage = PolicyLineage()
         self.assembler = BatchAssembler(config.batch_size, difficulty_filter=DifficultyFilter.from_config(config.buffer))
-        self.workers: dict[str, Any] = {}  # env id -> EnvWorker
-        self.sampler: Any = None  # EnvSampler
-        self.failures: RolloutFailures | None = None
-        self.on_inflight: Callable[[int], None] | None = None
-        self.on_error: Callable[[], None] | None = None
         self.inflight: dict[concurrent.futures.Future, InflightGroup] = {}
-        self.teacher = (TeacherScorer(config.teacher, run_token=config.broker.run_token)
-                        if config.teacher is not None else None)
-        self.scoring: dict[concurrent.futures.Future, tuple[Group, float]] = {}  # -> (group, submitted_s)
-        self._teachers_generation = -1
-        self.inference = InferenceWorkers()
         self.latest_policy_version: int | None = None  # the broker's, from its heartbeat answers
         self.next_group_id = 0
         self.waiting_for_version = False
@@ -116,14 +106,32 @@ class RolloutScheduler:
         # rollout/tokens_per_s: generated tokens over a trailing window of wall time (never per step: a step's
         # batch may be all surplus, its interval near zero); it always covers at least one batch's groups
         self.throughput = ThroughputWindow(min_groups=max(1, config.batch_size // config.rollouts_per_example))
-        self.new_step()
-
-    def new_step(self) -> None:
-        """Start the counts of a new step: ``counters``, ``fallbacks`` (interleaved -> branching, by reason) and
-        ``timers``."""
-        self.counters: collections.Counter = collections.Counter()
-        self.fallbacks: collections.Counter = collections.Counter()
+        self.counters: collections.Counter = collections.Counter()  # of the step under way (``take_report``)
+        self.fallbacks: collections.Counter = collections.Counter()  # interleaved -> branching, by reason
         self.timers = StepTimers()
+
+    # -- the run's state and the step's results ------------------------------------------------------
+
+    def state(self) -> dict[str, Any]:
+        """What a restart resumes from: the sampler's positions and the next group id."""
+        return {"sampler": self.sampler.state(), "next_group_id": self.next_group_id}
+
+    def restore(self, state: Mapping[str, Any]) -> None:
+        """Resume from ``state()`` of an earlier run (the orchestrator's state file)."""
+        self.sampler.restore(state["sampler"])
+        self.next_group_id = state["next_group_id"]
+
+    def take_batch(self, step: int) -> AssembledBatch | None:
+        """The step's batch once enough groups recent enough for it are assembled, else None."""
+        return self.assembler.take(min_policy_version=self.bound.min_policy_version(step))
+
+    def take_report(self) -> StepReport:
+        """What was counted since the last report; the next step's counts start afresh."""
+        report = StepReport(counters=self.counters, fallbacks=self.fallbacks, timers=self.timers,
+                            tokens_per_s=self.throughput.tokens_per_s(time.monotonic()),
+                            worker_metrics=self.worker_metrics())
+        self.counters, self.fallbacks, self.timers = collections.Counter(), collections.Counter(), StepTimers()
+        return report
 
     @property
     def endpoints(self) -> dict[str, InferenceEndpoint]:
@@ -137,7 +145,7 @@ class RolloutScheduler:
             return self.latest_policy_version
         return max((e.policy_version for e in self.inference.ready()), default=0)
 
-    def refresh_endpoints(self, watcher: Any) -> None:
+    def refresh_endpoints(self, watcher: EndpointWatcher) -> None:
         """Take the endpoint watcher's latest worker list (no IO here; its thread reads the broker): workers that
         joined wait for the current version, the groups of workers that left are dispatched again."""
         watcher.check()  # BrokerOutageExceeded (or another error of the list call) stops the run here
@@ -149,27 +157,13 @@ class RolloutScheduler:
         for endpoint in self.inference.update(workers, self.current_version()):
             self._retry_groups_on(endpoint)
 
-    def refresh_teachers(self, watcher: Any) -> None:
-        """Take the teacher workers the broker lists (``watcher``: an ``EndpointWatcher`` of ROLE_TEACHER)."""
-        watcher.check()
-        generation, workers = watcher.snapshot()
-        if generation == self._teachers_generation or self.teacher is None:
-            return
-        self._teachers_generation = generation
-        before = set(self.teacher.endpoints.endpoints)
-        self.teacher.set_endpoints({worker_id: info.base_url for worker_id, info in workers.items()})
-        for worker_id in set(workers) - before:
-            log.info("teacher worker joined", worker_id=worker_id, url=workers[worker_id].base_url)
-        for worker_id in before - set(workers):
-            log.info("teacher worker left", worker_id=worker_id)
-
     def _retry_groups_on(self, endpoint: InferenceEndpoint) -> None:
         """The worker left: cancel its groups in flight and dispatch them again elsewhere."""
         for future, entry in list(self.inflight.items()):
             if entry.endpoint is endpoint:
                 del self.inflight[future]
                 endpoint.num_inflight -= self.config.rollouts_per_example
-                self.workers[entry.env_id].cancel(future)
+                self.env_clients[entry.env_id].cancel(future)
                 self._retry(entry, "its inference worker is no longer listed by the broker")
         self._inflight_changed()
 
@@ -180,7 +174,6 @@ class RolloutScheduler:
             return False
         self._rescheduled.append((entry.env_id, entry.example_index, entry.num_retries + 1))
         self.counters["retried"] += self.config.rollouts_per_example
-        assert self.failures is not None
         self.failures.retried(reason)
         log.info("rollout group retried", env_id=entry.env_id, example_index=entry.example_index,
                  worker_id=entry.endpoint.worker_id, url=entry.endpoint.base_url, attempt=entry.num_retries + 1,
@@ -188,6 +181,11 @@ class RolloutScheduler:
         return True
 
     def dispatch(self, step: int) -> None:
+        """Draw and submit groups up to ``max_inflight`` rollouts (module docstring); timed as ``dispatch_s``."""
+        with self.timers.timed("dispatch_s"):
+            self._dispatch(step)
+
+    def _dispatch(self, step: int) -> None:
         config = self.config
         if not self.endpoints:
             return
@@ -200,11 +198,11 @@ class RolloutScheduler:
         now_s = time.monotonic()
         max_inflight = config.max_inflight or 2 * config.batch_size
         groups_wanted = math.ceil(max_inflight / config.rollouts_per_example)
-        if len(self.scoring) >= groups_wanted:  # the teacher is behind: let it catch up (bounded by its timeouts)
+        if self.teacher is not None and len(self.teacher) >= groups_wanted:  # the teacher is behind: let it catch up (bounded by its timeouts)
             self.counters["teacher_waits"] += 1
             return
         # Groups are drawn one by one (the same draws, seeds and group ids as one at a time), then handed to
-        # each env worker in one write per (env, endpoint, seed).
+        # each environment in one write per (env, endpoint, seed).
         batches: dict[tuple[str, str, int | None], list[int]] = collections.defaultdict(list)
         entries: dict[tuple[str, str, int | None], list[InflightGroup]] = collections.defaultdict(list)
         for _ in range(groups_wanted - len(self.inflight)):
@@ -227,7 +225,7 @@ class RolloutScheduler:
             endpoint = entries[key][0].endpoint
             self.ensure_worker(env_id)
             try:
-                futures = self.workers[env_id].submit_rollouts(
+                futures = self.env_clients[env_id].submit_rollouts(
                     example_indices, num_rollouts=config.rollouts_per_example, base_url=endpoint.base_url,
                     model=config.model.name, api_key=config.broker.run_token or "EMPTY",
                     sampling=config.sampling.model_dump() | {"seed": seed},
@@ -242,8 +240,7 @@ class RolloutScheduler:
         self._inflight_changed()
 
     def _inflight_changed(self) -> None:
-        if self.on_inflight is not None:
-            self.on_inflight(len(self.inflight) * self.config.rollouts_per_example)
+        self.events.inflight_changed(len(self.inflight) * self.config.rollouts_per_example)
 
     def _count_error(self, kind: str, failure_kind: str, error: str, endpoint: InferenceEndpoint,
                      num_rollouts: int = 1) -> None:
@@ -252,15 +249,13 @@ class RolloutScheduler:
         says the inference worker could not be reached pauses dispatch to it (it may be restarting)."""
         self.counters[kind] += 1
         self.counters[f"errors/{kind_name(failure_kind)}"] += num_rollouts
-        if self.on_error is not None:
-            self.on_error()
-        assert self.failures is not None
+        self.events.rollout_failed()
         if self.failures.failed(failure_kind, error, num_rollouts):
             endpoint.unreachable(time.monotonic())
 
     def ensure_worker(self, env_id: str) -> None:
-        """Restart a dead env worker (``EnvWorkerDied`` once its restarts are used up)."""
-        worker = self.workers[env_id]
+        """Restart a dead environment (``EnvWorkerDied`` once its restarts are used up)."""
+        worker = self.env_clients[env_id]
         while not worker.is_alive():
             try:
                 worker.ensure_alive()
@@ -278,15 +273,16 @@ class RolloutScheduler:
                  reason=str(exc).split("\n", 1)[0][:200])
 
     def collect(self, timeout_s: float) -> None:
-        if not self.inflight and not self.scoring:
+        scoring = self.teacher.futures() if self.teacher is not None else []
+        if not self.inflight and not scoring:
             with self.timers.timed("collect_wait_s"):
                 self.stop_event.wait(timeout_s)
             return
         with self.timers.timed("collect_wait_s"):
-            done, _ = concurrent.futures.wait([*self.inflight, *self.scoring], timeout=timeout_s,
+            done, _ = concurrent.futures.wait([*self.inflight, *scoring], timeout=timeout_s,
                                               return_when=concurrent.futures.FIRST_COMPLETED)
         for future in done:
-            if future in self.scoring:
+            if self.teacher is not None and self.teacher.holds(future):
                 self._scored(future)
                 continue
             entry = self.inflight.pop(future)
@@ -312,7 +308,7 @@ class RolloutScheduler:
                 continue
             self.counters["generation_s"] += time.monotonic() - entry.started_s
             if self.teacher is not None:  # advantages and the assembler once the teacher scored it
-                self.scoring[self.teacher.submit(group.samples)] = (group, time.monotonic())
+                self.teacher.submit(group)
                 continue
             self._add_group(group)
         if done:
@@ -325,26 +321,18 @@ class RolloutScheduler:
         self.counters["groups_done"] += 1
 
     def _scored(self, future: concurrent.futures.Future) -> None:
-        """A group's teacher scoring ended: its samples get their ``teacher_logprobs`` and go on, or the group's
-        rollouts count as failed (``TeacherError.kind``)."""
-        group, submitted_s = self.scoring.pop(future)
-        num_rollouts = len({sample.rollout_id for sample in group.samples})
-        assert self.failures is not None
-        try:
-            logprobs = future.result()
-        except TeacherError as exc:
+        """A group's teacher scoring ended: the scored group goes on, or its rollouts count as failed
+        (``TeacherError.kind``)."""
+        assert self.teacher is not None
+        scored = self.teacher.finish(future)
+        if scored.error is not None:
             self.counters["teacher_errors"] += 1
-            self.counters[f"errors/{kind_name(exc.kind)}"] += num_rollouts
-            if self.on_error is not None:
-                self.on_error()
-            self.failures.failed(exc.kind, f"{group.env_id}: {exc}", num_rollouts)
+            self.counters[f"errors/{kind_name(scored.error.kind)}"] += scored.num_rollouts
+            self.events.rollout_failed()
+            self.failures.failed(scored.error.kind, f"{scored.group.env_id}: {scored.error}", scored.num_rollouts)
             return
-        for sample, values in zip(group.samples, logprobs, strict=True):
-            sample.teacher_logprobs = values
-        self.failures.succeeded(num_rollouts)
-        log.debug("teacher scored group", group_id=group.group_id, num_samples=len(group.samples),
-                  seconds=round(time.monotonic() - submitted_s, 3))
-        self._add_group(group)
+        self.failures.succeeded(scored.num_rollouts)
+        self._add_group(scored.group)
 
     def _retry_unreachable(self, entry: InflightGroup, reason: str) -> bool:
         """The group's inference worker could not be reached: back off from it and dispatch the group again."""
@@ -353,7 +341,7 @@ class RolloutScheduler:
         entry.endpoint.unreachable(time.monotonic())
         return True
 
-    def _to_group(self, rollout_group: Any, entry: InflightGroup) -> Group | None:
+    def _to_group(self, rollout_group: RolloutGroup, entry: InflightGroup) -> Group | None:
         config = self.config
         unreachable = next((r for r in rollout_group.rollouts
                             if not r.ok and is_unreachable(r.error_type or "", r.error or "")), None)
@@ -379,7 +367,6 @@ class RolloutScheduler:
                 self._count_error("rollout_errors", f"malformed_{exc.reason}", f"{entry.env_id}: {exc}",
                                   entry.endpoint)
             else:
-                assert self.failures is not None
                 if self.teacher is None:  # with a teacher: once the teacher scored the group
                     self.failures.succeeded()
             self.counters["rollouts"] += 1
@@ -392,7 +379,7 @@ class RolloutScheduler:
             cap_versions(samples, ceiling)
         return Group(group_id=group_id, example_id=entry.example_index, env_id=entry.env_id, samples=samples)
 
-    def observe_lineage(self, heartbeat: Any) -> None:
+    def observe_lineage(self, heartbeat: control_pb2.HeartbeatResponse | None) -> None:
         """The broker's heartbeat answer: its latest policy version (what a joining worker must serve), and a
         rollback (a newer policy lineage): samples made with the rolled-back weights count as the lineage's base
         version from now on (``primerl.orchestrator.lineage``)."""
@@ -402,7 +389,7 @@ class RolloutScheduler:
         base = self.lineage.observe(heartbeat.policy_lineage, heartbeat.lineage_base_version)
         if base is None:
             return
-        waiting = [*self.assembler.pending_groups(), *(group for group, _ in self.scoring.values())]
+        waiting = [*self.assembler.pending_groups(), *(self.teacher.groups() if self.teacher is not None else [])]
         num_waiting = cap_versions((s for group in waiting for s in group.samples), base)
         num_inflight = 0
         for entry in self.inflight.values():
@@ -418,7 +405,7 @@ class RolloutScheduler:
         for future in stale:
             entry = self.inflight.pop(future)
             entry.endpoint.num_inflight -= self.config.rollouts_per_example
-            self.workers[entry.env_id].cancel(future)
+            self.env_clients[entry.env_id].cancel(future)
             self.counters["stale_groups_cancelled"] += 1
             self.counters[f"stale_groups_cancelled/{entry.env_id}"] += 1  # a slow env's groups outliving the bound
         if stale:
@@ -427,7 +414,7 @@ class RolloutScheduler:
     def worker_metrics(self) -> dict[str, float]:
         """This step's ``rollout/retried`` (rollouts dispatched again after their inference worker could not be
         reached or left), the ``inference/*`` membership metrics (``InferenceWorkers.take_counts``) and, with a
-        teacher, ``teacher/*`` (``TeacherScorer.take_metrics``; ``teacher/dispatch_waits``: dispatch rounds skipped
+        teacher, ``teacher/*`` (``TeacherStage.take_metrics``; ``teacher/dispatch_waits``: dispatch rounds skipped
         because as many groups as are kept in flight waited for the teacher)."""
         teacher = ({**self.teacher.take_metrics(), "teacher/dispatch_waits": float(self.counters["teacher_waits"])}
                    if self.teacher is not None else {})
@@ -436,11 +423,10 @@ class RolloutScheduler:
     def cancel_all(self) -> None:
         """Cancel every group in flight and every teacher scoring (on stop)."""
         for future, entry in list(self.inflight.items()):
-            self.workers[entry.env_id].cancel(future)
+            self.env_clients[entry.env_id].cancel(future)
         self.inflight.clear()
         if self.teacher is not None:
             self.teacher.close()
-        self.scoring.clear()
 
 
 __all__ = ["ENDPOINT_BACKOFF_S", "MAX_GROUP_RETRIES", "InferenceEndpoint", "InflightGroup", "RolloutScheduler"]

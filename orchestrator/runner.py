@@ -1,70 +1,55 @@
 """The orchestrator daemon: keep rollouts in flight, turn finished groups into training batches, ship them.
 
-    env workers (verifiers, own interpreter) ◄── rollout requests ── OrchestratorRunner ── batches ──► broker
-    v1 env servers (verifiers 0.4, ZeroMQ) ◄──┘
-           └── HTTP (OpenAI API; v1: the token route) ──► inference workers listed by the broker
+    environments (own interpreters: classic env workers, verifiers v1 env servers) ◄── rollout requests ──┐
+           └── HTTP (OpenAI API; v1: the token route) ──► inference workers listed by the broker        │
+                                                                           OrchestratorRunner ── batches ──► broker
 
-Environments of both kinds (``primerl.orchestrator.env_clients``: classic env workers and verifiers v1 env servers,
-one shape) start side by side; the sampler draws among them by weight whatever their kind. Each step: the
-rollout scheduler (``primerl.orchestrator.rollout_scheduler``: no sockets) dispatches groups of
-``rollouts_per_example`` rollouts to the env workers and collects them, within ``max_inflight`` and
-``max_async_level``; finished groups get advantages, pass the difficulty filter and accumulate until
-``batch_size`` rollouts; the batch is packed into micro-batches per trainer rank and sent to the broker. State
-(step, sampler positions, RNG) is saved after every step to ``{output_dir}/orchestrator_state.json``. This module
-holds the daemon's life: set-up, the step loop, the send, reporting, evals and shutdown.
+``OrchestratorRunner`` is the wiring: it connects to the broker, starts the environments, builds the
+collaborators (sampler, failure tracker, inference workers, async bound, teacher stage) and hands them to the
+``RolloutScheduler`` (no sockets). One step: the scheduler dispatches and collects groups until ``take_batch``
+returns the step's batch (advantages, difficulty filter and teacher scoring on the way); the runner packs it into
+micro-batches per trainer rank, hands them to the send thread (``batch_sender``: in step order, through broker
+outages, ``step send``), and reports the step's metrics from the scheduler's ``StepReport``. State (step,
+sampler positions, next group id) is saved to ``{output_dir}/orchestrator_state.json`` once a step is durable.
 
-Threads: the main loop dispatches, collects, computes advantages and packs; a send thread
-(``primerl.orchestrator.batch_sender``) ships each packed step to the broker, in step order, and saves the state
-once that step's batches are durable, so collection goes on while the broker applies back-pressure (at most one
-step waits for the send thread besides the one being sent). While dispatch waits for a newer policy version, the
-served versions are re-read every ``VERSION_WAIT_S`` instead of every ``WORKER_REFRESH_S``.
+``started`` is set once the orchestrator is registered and its environments are loaded: a stop signal from then
+on ends the loop gracefully (``stopping``, the steps handed to the send thread get a grace, ``run`` returns 0).
+Faults that make the process useless raise out of ``run`` after one report to the broker: ``batch_size`` failed
+rollouts in a row or no inference worker for ``INFERENCE_OUTAGE_S`` (``RolloutsFailing``), a broker outage past
+``broker.outage_s`` (``BrokerOutageExceeded``), an environment past its restarts.
 
-Faults (issue 14):
-- Env workers (and v1 env servers) that die are restarted (at most ``env_clients.ENV_WORKER_MAX_RESTARTS`` times
-  each) and failed rollouts are counted by kind (``primerl.orchestrator.rollout_scheduler``); ``batch_size``
-  failures in a row, or no inference worker answering for ``INFERENCE_OUTAGE_S``, stop the orchestrator with one
-  clear error (``primerl.orchestrator.rollout_failures``). Past its restarts an env worker's error stops it too.
-- Broker outages: the worker list is read in its own thread (``primerl.orchestrator.endpoints``) and steps are
-  sent through outages (``primerl.orchestrator.step_send``), both within ``broker.outage_s``, logging
-  ``waiting for the broker`` every 5 s; meanwhile the main loop keeps collecting rollouts (it blocks only once
-  two steps wait to be sent, or to report a step's metrics). Past the budget: ``BrokerOutageExceeded``.
-- ``control.shutdown_requested`` (the broker ended the run) or SIGTERM: the loop stops, steps already handed
-  to the send thread get a short grace, and ``run`` returns 0.
-- Once every micro-batch of a step is durable, one ``step sent`` line per rank names its ``data_digest``.
-- Inference workers join and leave at any time (issue 17, ``primerl.orchestrator.rollout_scheduler``): a joining
-  one gets rollouts once it serves the current version; the groups of one that leaves or cannot be reached are
-  dispatched again elsewhere (``rollout/retried``); each step row has ``inference/workers``,
-  ``inference/workers_joined``, ``inference/workers_left`` and ``inference/join_to_serving_s``.
-- With ``[orchestrator.teacher]`` (issue 18) every collected group is scored by the teacher before it gets its
-  advantages (``primerl.orchestrator.teacher_scoring``); the teachers are ``teacher.base_url``, else the teacher
-  workers the broker lists (read like the inference workers, in a thread of their own). A group the teacher could
-  not score counts as failed rollouts; no teacher answering for ``INFERENCE_OUTAGE_S`` stops the run too.
-
-Metrics (``primerl.orchestrator.step_metrics``: what each one means): one row per step (and one per eval) in
-``{output_dir}/metrics.jsonl``, W&B with ``[wandb]`` (``primerl.runtime.metrics_sink``), and a Prometheus endpoint
-(``[orchestrator.prometheus]``, its URL sent to the broker as ``metrics_url``) with the rows' ``primerl_step`` /
-``primerl_metric`` families and live ``primerl_orchestrator_step``, ``primerl_orchestrator_inflight_rollouts``,
-``primerl_orchestrator_rollout_errors_total``. The broker also gets ``orchestrator/step`` with each batch's
-metrics (the progress line pairs rewards by step).
+Metrics (``step_metrics``: what each one means): one row per step (and one per eval) in
+``{output_dir}/metrics.jsonl``, W&B with ``[wandb]``, and a Prometheus endpoint (``[orchestrator.prometheus]``)
+with live ``primerl_orchestrator_step``, ``primerl_orchestrator_inflight_rollouts`` and
+``primerl_orchestrator_rollout_errors_total``. The broker also gets ``orchestrator/step`` with each batch's metrics.
 """
 
 from __future__ import annotations
 
+import collections
 import json
 import threading
 import time
 from typing import Any
 
-from primerl.orchestrator.batch_sender import BatchSender, SendInterrupted
+from primerl.client.control import BrokerUnavailable, ControlClient
+from primerl.client.outage import OutageStopped, OutageWatch, retry_through_outage
+from primerl.client.rollouts import RolloutProducer
 from primerl.configs.orchestrator import OrchestratorConfig
-from primerl.orchestrator.endpoints import EndpointWatcher
+from primerl.orchestrator.async_bound import AsyncBound
+from primerl.orchestrator.batch_sender import BatchSender, SendInterrupted
+from primerl.orchestrator.endpoints import EndpointWatcher, InferenceWorkers
 from primerl.orchestrator.env_sampler import EnvSampler
-from primerl.orchestrator.packing import check_loss_tokens_survive, pack_samples, to_broker_batches
+from primerl.orchestrator.filtering import AssembledBatch
+from primerl.orchestrator.packing import PackedStep, check_loss_tokens_survive, pack_samples, to_broker_batches
 from primerl.orchestrator.rollout_failures import RolloutFailures
 from primerl.orchestrator.rollout_scheduler import RolloutScheduler
 from primerl.orchestrator.step_metrics import batch_metrics, finite
 from primerl.orchestrator.step_send import RESEND_INTERVAL_S, log_step_data, rank_digests, send_step
-from primerl.client.outage import OutageStopped, OutageWatch, retry_through_outage
+from primerl.orchestrator.teacher_scoring import TeacherScorer
+from primerl.orchestrator.teacher_stage import TeacherStage
+from primerl.orchestrator.types import EnvClientLike, SchedulerEvents, StepReport
+from primerl.proto.v1 import control_pb2
 from primerl.runtime.durable_files import write_atomically
 from primerl.runtime.log_setup import bind_context, get_logger
 from primerl.runtime.metrics_sink import MetricsSink
@@ -81,21 +66,36 @@ INFERENCE_OUTAGE_S = 300.0  # how long rollouts may fail because no inference wo
 
 
 class OrchestratorRunner:
+    """The orchestrator's life: set-up, the step loop, the send, reporting, evals and shutdown (module docstring).
+    Every collaborator is None (or empty) until ``run`` builds it; ``started`` says when all of them exist."""
+
     def __init__(self, config: OrchestratorConfig, *, env_python: str, stop_event: threading.Event | None = None):
         if config.max_steps is None:
             raise ValueError("the orchestrator needs max_steps (top-level `max_steps` or `orchestrator.max_steps`)")
         self.config = config
         self.env_python = env_python
         self.stop_event = stop_event or threading.Event()
+        self.started = threading.Event()  # registered, environments loaded, state restored: stops are graceful
         self.state_path = config.output_dir / "orchestrator_state.json"
-        self.scheduler = RolloutScheduler(config, stop_event=self.stop_event)
-        self.control = None
-        self.producer = None
+        self.progress: dict[str, int] = {"orchestrator_step": 0, "num_inflight": 0}  # sent with each heartbeat
+        self.inference = InferenceWorkers()
+        self.bound = AsyncBound(config.max_async_level)
+        self.control: ControlClient | None = None
+        self.producer: RolloutProducer | None = None
         self.exporter: MetricsExporter | None = None
+        self.step_gauge: Any = None  # Prometheus instruments, with an exporter
+        self.inflight_gauge: Any = None
+        self.errors_counter: Any = None
         self.sink: MetricsSink | None = None
         self.sender: BatchSender | None = None
         self.endpoint_watcher: EndpointWatcher | None = None
         self.teacher_watcher: EndpointWatcher | None = None  # the broker's teacher workers (no teacher.base_url)
+        self.env_clients: dict[str, EnvClientLike] = {}  # training environments by env id
+        self.eval_clients: dict[str, EnvClientLike] = {}  # eval environments by env id
+        self.failures: RolloutFailures | None = None
+        self.teacher = (TeacherStage(TeacherScorer(config.teacher, run_token=config.broker.run_token))
+                        if config.teacher is not None else None)  # first: a bad teacher.api_key_var fails at once
+        self.scheduler: RolloutScheduler | None = None
         self._send_stop = threading.Event()  # ends the send thread's waits when the orchestrator stops
         self._broker_lost = False  # stopped by BrokerOutageExceeded: no goodbye to the broker
         self._stop_reason = ""
@@ -117,30 +117,26 @@ class OrchestratorRunner:
         self.sink = MetricsSink("orchestrator", config.output_dir, config.wandb, config, exporter=self.exporter)
 
     def _connect(self) -> None:
-        from primerl.client.control import BrokerUnavailable, ControlClient
-        from primerl.client.rollouts import RolloutProducer
-        from primerl.orchestrator.env_clients import EnvClients, endpoint_version_fn
+        """Register with the broker, start the worker-list threads and the send thread."""
         from primerl.proto.v1 import common_pb2
 
         config = self.config
         capabilities = {"metrics_url": self.exporter.url} if self.exporter is not None else {}
-        self.control = ControlClient(config.broker, "orchestrator", "orchestrator", capabilities=capabilities)
-        self.control.wait_ready(config.broker.connect_timeout_s)
-        registration = self.control.register()
-        self.progress = {"orchestrator_step": 0, "num_inflight": 0}
-        self.control.start_heartbeats(lambda: dict(self.progress))
+        control = self.control = ControlClient(config.broker, "orchestrator", "orchestrator", capabilities=capabilities)
+        control.wait_ready(config.broker.connect_timeout_s)
+        registration = control.register()
+        control.start_heartbeats(lambda: dict(self.progress))
         self.producer = RolloutProducer(registration.rollout_endpoint, auth_token=config.broker.run_token,
                                         sender="orchestrator", resend_interval_s=RESEND_INTERVAL_S,
-                                        limits=self.control.limits.frames, curve=self.control.curve)
+                                        limits=control.limits.frames, curve=control.curve)
         self.sender = BatchSender(self._send_step)
-        self._broker_unavailable = (BrokerUnavailable,)
-        self.endpoint_watcher = EndpointWatcher(lambda: self.control.list_workers(common_pb2.ROLE_INFERENCE),
-                                                outage_s=config.broker.outage_s, healable=self._broker_unavailable,
+        self.endpoint_watcher = EndpointWatcher(lambda: control.list_workers(common_pb2.ROLE_INFERENCE),
+                                                outage_s=config.broker.outage_s, healable=(BrokerUnavailable,),
                                                 interval_s=WORKER_REFRESH_S, fast_interval_s=VERSION_WAIT_S)
         self.endpoint_watcher.start()
         if config.teacher is not None and not config.teacher.base_url:
-            self.teacher_watcher = EndpointWatcher(lambda: self.control.list_workers(common_pb2.ROLE_TEACHER),
-                                                   outage_s=config.broker.outage_s, healable=self._broker_unavailable,
+            self.teacher_watcher = EndpointWatcher(lambda: control.list_workers(common_pb2.ROLE_TEACHER),
+                                                   outage_s=config.broker.outage_s, healable=(BrokerUnavailable,),
                                                    interval_s=WORKER_REFRESH_S, name="teacher-watcher",
                                                    what="teacher workers")
             self.teacher_watcher.start()
@@ -148,16 +144,19 @@ class OrchestratorRunner:
             log.info("scoring rollouts with a teacher", model=config.teacher.model or "(first listed)",
                      base_url=config.teacher.base_url or "(teacher workers listed by the broker)",
                      max_inflight=config.teacher.max_inflight)
-        scheduler = self.scheduler
-        scheduler.on_inflight, scheduler.on_error = self._inflight_changed, self._rollout_failed
-        scheduler.failures = RolloutFailures(
-            config.batch_size, report=self.control.report_error,
+        self.failures = RolloutFailures(
+            config.batch_size, report=control.report_error,
             hint_values={"seq_len": config.seq_len, "model": config.model.name,
                          "rollout_timeout_s": config.rollout_timeout_s}, inference_outage_s=INFERENCE_OUTAGE_S)
-        clients = EnvClients(config, env_python=self.env_python, version_of=endpoint_version_fn(scheduler.inference))
-        self.eval_workers: dict[str, Any] = {}
-        evals = [(config.eval.env, "orchestrator.eval.env", self.eval_workers)] if config.eval is not None else []
-        loaded = clients.start_groups([(config.env, "orchestrator.env", scheduler.workers), *evals])
+
+    def _start_environments(self) -> EnvSampler:
+        """Start the training and eval environments side by side; the sampler over the training ones."""
+        from primerl.orchestrator.env_clients import EnvClients, endpoint_version_fn
+
+        config = self.config
+        clients = EnvClients(config, env_python=self.env_python, version_of=endpoint_version_fn(self.inference))
+        evals = [(config.eval.env, "orchestrator.eval.env", self.eval_clients)] if config.eval is not None else []
+        loaded = clients.start_groups([(config.env, "orchestrator.env", self.env_clients), *evals])
         sizes, weights = {}, {}
         for resolved, info in loaded[0]:
             env = resolved.env
@@ -166,22 +165,27 @@ class OrchestratorRunner:
             sizes[env.id], weights[env.id] = info.num_examples, env.weight
             log.info("environment loaded", env_id=env.id, kind=resolved.kind, env_class=info.env_class,
                      num_examples=info.num_examples, weight=env.weight)
-        scheduler.sampler = EnvSampler(sizes, weights, seed=config.sampling.seed or 0)
         for resolved, info in loaded[1] if evals else []:
             log.info("eval environment loaded", env_id=resolved.env.id, kind=resolved.kind,
                      num_eval_examples=info.num_eval_examples, has_eval_dataset=info.has_eval_dataset)
+        return EnvSampler(sizes, weights, seed=config.sampling.seed or 0)
 
-    def _restore(self) -> int:
+    def _build_scheduler(self, sampler: EnvSampler) -> RolloutScheduler:
+        config = self.config
+        assert self.failures is not None
+        return RolloutScheduler(config, stop_event=self.stop_event, env_clients=self.env_clients, sampler=sampler,
+                                failures=self.failures, inference=self.inference, bound=self.bound,
+                                teacher=self.teacher,
+                                events=SchedulerEvents(inflight_changed=self._inflight_changed,
+                                                       rollout_failed=self._rollout_failed))
+
+    def _restore(self, scheduler: RolloutScheduler) -> int:
         if not self.state_path.exists():
             return 1
         state = json.loads(self.state_path.read_text())
-        self.scheduler.sampler.restore(state["sampler"])
-        self.scheduler.next_group_id = state["next_group_id"]
+        scheduler.restore(state)
         log.info("resumed orchestrator state", step=state["step"])
         return int(state["step"]) + 1
-
-    def _state(self, step: int) -> dict[str, Any]:
-        return {"step": step, "sampler": self.scheduler.sampler.state(), "next_group_id": self.scheduler.next_group_id}
 
     def _save_state(self, state: dict[str, Any]) -> None:
         write_atomically(self.state_path, [json.dumps(state).encode()])
@@ -195,13 +199,15 @@ class OrchestratorRunner:
         try:
             self._open_metrics()
             self._connect()
-            start_step = self._restore()
-            if self.exporter is not None:
+            scheduler = self.scheduler = self._build_scheduler(self._start_environments())
+            start_step = self._restore(scheduler)
+            if self.step_gauge is not None:
                 self.step_gauge.set(start_step - 1)
+            self.started.set()
             for step in range(start_step, self.config.max_steps + 1):
                 bind_context(step=step)
                 try:
-                    produced = self._produce_step(step)
+                    produced = self._produce_step(scheduler, step)
                 except SendInterrupted:
                     produced = False
                 if not produced:
@@ -251,7 +257,7 @@ class OrchestratorRunner:
             return
         self.control.report_error(f"orchestrator stopped: {type(exc).__name__}: {str(exc)[:600]}")
         try:
-            self.control.heartbeat(dict(getattr(self, "progress", {})))
+            self.control.heartbeat(dict(self.progress))
         except (BrokerError, ValueError) as err:
             log.warning("could not report the error to the broker", error=str(err))
 
@@ -260,47 +266,46 @@ class OrchestratorRunner:
         if self.sender is not None:
             self.sender.flush(timeout_s)
 
-    def _produce_step(self, step: int) -> bool:
+    def _produce_step(self, scheduler: RolloutScheduler, step: int) -> bool:
+        """One step: rounds of the scheduler until its batch is assembled, then pack, send and report it; False
+        when the orchestrator stops first."""
+        assert self.sender is not None and self.failures is not None and self.endpoint_watcher is not None
         started_s = time.monotonic()
-        scheduler = self.scheduler
-        scheduler.new_step()
-        min_version = scheduler.bound.min_policy_version(step)
         scheduler.observe_lineage(self._heartbeat())
-        while (batch := scheduler.assembler.take(min_policy_version=min_version)) is None:
+        while (batch := scheduler.take_batch(step)) is None:
             if self._should_stop():
                 return False
-            if self.sender is not None:
-                self.sender.check()  # a failed send stops the run here, in the main thread
-            assert scheduler.failures is not None
-            scheduler.failures.check()  # a step's worth of failures in a row, or no inference worker for long: stop
-            assert self.endpoint_watcher is not None
+            self.sender.check()  # a failed send stops the run here, in the main thread
+            self.failures.check()  # a step's worth of failures in a row, or no inference worker for long: stop
             scheduler.refresh_endpoints(self.endpoint_watcher)
-            if self.teacher_watcher is not None:
-                scheduler.refresh_teachers(self.teacher_watcher)
+            if self.teacher is not None and self.teacher_watcher is not None:
+                self.teacher.refresh(self.teacher_watcher)
             scheduler.observe_lineage(self._heartbeat())
-            with scheduler.timers.timed("dispatch_s"):
-                scheduler.dispatch(step)
+            scheduler.dispatch(step)
             scheduler.collect(timeout_s=VERSION_WAIT_S if scheduler.waiting_for_version else COLLECT_WAIT_S)
             scheduler.cancel_stale(step)
+        phase_s: collections.Counter = collections.Counter()  # the runner's own phases of the step
+        packing_started_s = time.perf_counter()
         samples = batch.samples
-        with scheduler.timers.timed("packing_s"):
-            packed = pack_samples(samples, seq_len=self.config.seq_len, num_ranks=self.config.num_train_ranks)
-            check_loss_tokens_survive(packed, samples, self.config.seq_len)
-            messages = to_broker_batches(step, packed)
-        state = self._state(step)  # what a restart after this step must resume from (saved once it is sent)
+        packed = pack_samples(samples, seq_len=self.config.seq_len, num_ranks=self.config.num_train_ranks)
+        check_loss_tokens_survive(packed, samples, self.config.seq_len)
+        messages = to_broker_batches(step, packed)
+        phase_s["packing_s"] = time.perf_counter() - packing_started_s
+        state = {"step": step, **scheduler.state()}  # what a restart after this step resumes from (saved once sent)
 
         def on_sent(send_s: float) -> None:  # on the send thread, once the step's batches are durable
             self._save_state(state)
             self.progress["orchestrator_step"] = step
-            if self.exporter is not None:
+            if self.step_gauge is not None:
                 self.step_gauge.set(step)
 
-        assert self.sender is not None
-        scheduler.timers.totals["send_wait_s"] += self.sender.put(
+        phase_s["send_wait_s"] = self.sender.put(
             step, (messages, packed.per_rank), on_sent,
             timeout_s=self.config.rollout_timeout_s + self.config.broker.outage_s, should_stop=self._should_stop)
-        scheduler.timers.totals["send_s"] = self.sender.last_send_s
-        self._report(step, batch, packed, time.monotonic() - started_s)
+        phase_s["send_s"] = self.sender.last_send_s
+        report = scheduler.take_report()
+        report.timers.totals.update(phase_s)
+        self._report(step, batch, packed, report, time.monotonic() - started_s)
         if self.config.eval is not None and step % self.config.eval.interval == 0:
             self._evaluate(step)
         return True
@@ -321,24 +326,26 @@ class OrchestratorRunner:
                              "broker a fresh spool_dir; to continue a run, keep the orchestrator's output_dir") from None
         log_step_data("step sent", step, per_rank, digests)
 
-    def _heartbeat(self) -> Any:
+    def _heartbeat(self) -> control_pb2.HeartbeatResponse | None:
         """The broker's latest heartbeat answer (its policy lineage), None before the first."""
         return self.control.last_heartbeat if self.control is not None else None
 
     def _inflight_changed(self, num_inflight: int) -> None:
         self.progress["num_inflight"] = num_inflight
-        if self.exporter is not None:
+        if self.inflight_gauge is not None:
             self.inflight_gauge.set(num_inflight)
 
     def _rollout_failed(self) -> None:
-        if self.exporter is not None:
+        if self.errors_counter is not None:
             self.errors_counter.inc()
 
     def _report_metrics(self, step: int, metrics: dict[str, float]) -> None:
         """``report_metrics`` to the broker, waiting through an outage (within ``broker.outage_s``)."""
         watch = OutageWatch(f"ReportMetrics({step})", self.config.broker.outage_s, worker="orchestrator")
+        control = self.control
+        assert control is not None
         try:
-            retry_through_outage(lambda: self.control.report_metrics(step, metrics), watch, self._broker_unavailable,
+            retry_through_outage(lambda: control.report_metrics(step, metrics), watch, (BrokerUnavailable,),
                                  stop_event=self.stop_event)
         except OutageStopped:
             log.warning("metrics not reported to the broker: stopping", step=step)
@@ -348,15 +355,15 @@ class OrchestratorRunner:
         from primerl.orchestrator.evaluation import evaluate_workers
 
         config = self.config
-        endpoints = self.scheduler.inference.ready()  # not one that joined and has yet to catch up
+        endpoints = self.inference.ready()  # not one that joined and has yet to catch up
         endpoint = min(endpoints, key=lambda e: e.num_inflight) if endpoints else None
         if endpoint is None:
             log.warning("no inference worker for the eval; skipped", step=step)
             return
-        for worker in self.eval_workers.values():
-            worker.ensure_alive()
+        for client in self.eval_clients.values():
+            client.ensure_alive()
         started_s = time.monotonic()
-        metrics = evaluate_workers(self.eval_workers, config.eval, base_url=endpoint.base_url, model=config.model.name,
+        metrics = evaluate_workers(self.eval_clients, config.eval, base_url=endpoint.base_url, model=config.model.name,
                                    api_key=config.broker.run_token or "EMPTY", sampling=config.sampling.model_dump(),
                                    timeout_s=config.rollout_timeout_s)
         metrics["eval/time_s"] = time.monotonic() - started_s
@@ -366,17 +373,17 @@ class OrchestratorRunner:
 
     # -- metrics and shutdown ------------------------------------------------------------------------
 
-    def _report(self, step: int, batch: Any, packed: Any, elapsed_s: float) -> None:
+    def _report(self, step: int, batch: AssembledBatch, packed: PackedStep, report: StepReport,
+                elapsed_s: float) -> None:
         """The step's metrics (``primerl.orchestrator.step_metrics``) to the broker, the sink and the log."""
-        scheduler = self.scheduler
+        assert self.sink is not None
         versions = [s.min_policy_version for s in batch.samples]
-        metrics = batch_metrics(batch, scheduler.counters, scheduler.fallbacks, elapsed_s=elapsed_s,
-                                tokens_per_s=scheduler.throughput.tokens_per_s(time.monotonic()),
-                                multi_env=len(self.config.env) > 1)
-        metrics.update(finite({**packed.metrics(), **scheduler.bound.lag_metrics(step, versions),
-                               **scheduler.timers.metrics(elapsed_s), **scheduler.worker_metrics()}))
-        self._log_new_fallbacks()
-        self._num_fallbacks_total += sum(scheduler.fallbacks.values())
+        metrics = batch_metrics(batch, report.counters, report.fallbacks, elapsed_s=elapsed_s,
+                                tokens_per_s=report.tokens_per_s, multi_env=len(self.config.env) > 1)
+        metrics.update(finite({**packed.metrics(), **self.bound.lag_metrics(step, versions),
+                               **report.timers.metrics(elapsed_s), **report.worker_metrics}))
+        self._log_new_fallbacks(report.fallbacks)
+        self._num_fallbacks_total += sum(report.fallbacks.values())
         metrics["rollout/interleave_fallbacks_total"] = float(self._num_fallbacks_total)
         # the broker merges all roles' last metrics: the batch's step lets the progress line pair its reward
         self._report_metrics(step, {**metrics, "orchestrator/step": float(step)})
@@ -384,9 +391,9 @@ class OrchestratorRunner:
         log.info("batch sent", reward=round(metrics["train/reward"], 4), num_samples=len(batch.samples),
                  seconds=round(elapsed_s, 2), tokens_per_s=round(metrics["rollout/tokens_per_s"], 1))
 
-    def _log_new_fallbacks(self) -> None:
+    def _log_new_fallbacks(self, fallbacks: collections.Counter) -> None:
         """Once per reason and run: interleaved trajectories that were trained as branching samples instead."""
-        for reason, count in self.scheduler.fallbacks.items():
+        for reason, count in fallbacks.items():
             if reason not in self._fallback_reasons_logged:
                 self._fallback_reasons_logged.add(reason)
                 log.warning("interleaved trajectories fall back to branching samples (more samples, prompts "
@@ -398,9 +405,12 @@ class OrchestratorRunner:
         for watcher in (self.endpoint_watcher, self.teacher_watcher):
             if watcher is not None:
                 watcher.stop()
-        self.scheduler.cancel_all()
-        for worker in [*self.scheduler.workers.values(), *getattr(self, "eval_workers", {}).values()]:
-            worker.close()
+        if self.scheduler is not None:
+            self.scheduler.cancel_all()
+        elif self.teacher is not None:
+            self.teacher.close()
+        for client in [*self.env_clients.values(), *self.eval_clients.values()]:
+            client.close()
         sender_stopped = True
         if self.sender is not None:
             sender_stopped = self.sender.close(timeout_s=STOP_FLUSH_S)

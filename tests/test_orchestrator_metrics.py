@@ -9,7 +9,7 @@ from collections import Counter
 import numpy as np
 import pytest
 
-from primerl.cli.run_progress import Progress
+from primerl.supervisor.run_progress import Progress
 from primerl.cli.status_view import render_status
 from primerl.orchestrator.seeds import rollout_seed_base
 from primerl.orchestrator.step_metrics import env_reward_metrics, fallback_metrics, reward_spread_metrics
@@ -112,7 +112,7 @@ def test_progress_shows_interleave_fallbacks_once_there_are_any():
 
 
 def test_progress_keeps_a_bounded_number_of_batch_rewards():
-    from primerl.cli.run_progress import MAX_BATCHES
+    from primerl.supervisor.run_progress import MAX_BATCHES
 
     progress = Progress()
     for step in range(1, MAX_BATCHES + 20):
@@ -197,7 +197,6 @@ def test_the_runner_warns_once_per_fallback_reason(tmp_path):
     runner = OrchestratorRunner(config, env_python="python")
     with structlog.testing.capture_logs() as logs:
         for step_fallbacks in ({"prefix_mismatch": 2}, {"prefix_mismatch": 1, "no_prompt_ids": 1}, {}):
-            runner.scheduler.fallbacks = Counter(step_fallbacks)
-            runner._log_new_fallbacks()
+            runner._log_new_fallbacks(Counter(step_fallbacks))
     warnings = [entry for entry in logs if "fall back to branching" in entry["event"]]
     assert [(w["reason"], w["num_this_step"]) for w in warnings] == [("prefix_mismatch", 2), ("no_prompt_ids", 1)]

@@ -16,6 +16,7 @@ from primerl.orchestrator.rollout_failures import RolloutFailures
 from primerl.orchestrator.rollout_scheduler import MAX_GROUP_RETRIES, RolloutScheduler
 from primerl.orchestrator.seeds import rollout_seed_base
 from primerl.orchestrator.trajectory import Rollout, RolloutGroup, Turn
+from primerl.orchestrator.types import SchedulerEvents
 
 
 def rollout(index: int, reward: float, *, error: str | None = None) -> Rollout:
@@ -65,22 +66,20 @@ class FakeWatcher:
         return self.generation, self.workers
 
 
-def make_scheduler(worker: FakeWorker, *, max_async_level: int = 1, seed: int | None = 5) -> RolloutScheduler:
+def make_scheduler(worker: FakeWorker, *, max_async_level: int = 1, seed: int | None = 5,
+                   events: SchedulerEvents | None = None) -> RolloutScheduler:
     config = OrchestratorConfig.model_validate({
         "model": {"name": "m"}, "env": [{"id": "e"}], "batch_size": 4, "rollouts_per_example": 2, "max_steps": 9,
         "max_inflight": 4, "max_async_level": max_async_level, "sampling": {"seed": seed}})
-    scheduler = RolloutScheduler(config, stop_event=threading.Event())
-    scheduler.workers["e"] = worker
-    scheduler.sampler = EnvSampler({"e": 10}, {"e": 1.0}, seed=0)
-    scheduler.failures = RolloutFailures(config.batch_size)
-    return scheduler
+    return RolloutScheduler(config, stop_event=threading.Event(), env_clients={"e": worker},
+                            sampler=EnvSampler({"e": 10}, {"e": 1.0}, seed=0),
+                            failures=RolloutFailures(config.batch_size), events=events)
 
 
 def test_dispatch_and_collect_make_a_batch():
     worker = FakeWorker()
-    scheduler = make_scheduler(worker, seed=None)
     inflight = []
-    scheduler.on_inflight = inflight.append
+    scheduler = make_scheduler(worker, seed=None, events=SchedulerEvents(inflight_changed=inflight.append))
     scheduler.refresh_endpoints(FakeWatcher({"w1": ("http://w1/v1", 0)}))
     scheduler.dispatch(step=1)
     (indices, kwargs), = worker.requests  # both groups (max_inflight 4 / 2 per group) in one write
@@ -132,9 +131,8 @@ def test_groups_of_a_dead_worker_are_dispatched_again_first():
 def test_failed_rollouts_are_counted_by_kind():
     worker = FakeWorker(lambda index, n: RolloutGroup("e", "train", index, [
         rollout(i, 0.0, error="This model's maximum context length is 16 tokens") for i in range(n)]))
-    scheduler = make_scheduler(worker)
     errors = []
-    scheduler.on_error = lambda: errors.append(1)
+    scheduler = make_scheduler(worker, events=SchedulerEvents(rollout_failed=lambda: errors.append(1)))
     scheduler.refresh_endpoints(FakeWatcher({"w1": ("http://w1/v1", 0)}))
     scheduler.dispatch(step=1)
     scheduler.collect(timeout_s=1.0)
@@ -146,9 +144,8 @@ def test_failed_rollouts_are_counted_by_kind():
 def test_unreachable_rollouts_are_retried_backing_off_the_endpoint_then_counted_past_the_retries():
     worker = FakeWorker(lambda index, n: RolloutGroup("e", "train", index, [
         rollout(i, 0.0, error="connection refused: All connection attempts failed") for i in range(n)]))
-    scheduler = make_scheduler(worker)
     errors = []
-    scheduler.on_error = lambda: errors.append(1)
+    scheduler = make_scheduler(worker, events=SchedulerEvents(rollout_failed=lambda: errors.append(1)))
     scheduler.refresh_endpoints(FakeWatcher({"w1": ("http://w1/v1", 0)}))
     scheduler.dispatch(step=1)
     first = sorted(index for indices, _ in worker.requests for index in indices)

@@ -186,8 +186,8 @@ def test_dry_run_writes_a_teacher_toml_that_primerl_infer_accepts(tmp_path):
 
 
 def test_a_teacher_shares_the_inference_cpus_and_the_memory_check_counts_both_engines(write):
-    from primerl.cli.preflight_system import engine_memory_check
-    from primerl.cli.role_configs import thread_budgets
+    from primerl.cli.preflight.system import engine_memory_check
+    from primerl.supervisor.role_configs import thread_budgets
     from primerl.runtime.cpu_budget import VLLM_BIND_VAR, role_env
 
     config = load("@", write("rl.toml", BASE + "\n[teacher]\nkv_cache_memory_bytes = 67108864\n"))
@@ -207,7 +207,7 @@ def test_a_teacher_shares_the_inference_cpus_and_the_memory_check_counts_both_en
 
 
 def test_a_teacher_with_another_tokenizer_is_a_warning(tmp_path):
-    from primerl.cli.preflight_model import teacher_tokenizer_check
+    from primerl.cli.preflight.model import teacher_tokenizer_check
 
     student, teacher = tmp_path / "student", tmp_path / "teacher"
     for path, vocab in ((student, "a"), (teacher, "b")):
@@ -219,7 +219,7 @@ def test_a_teacher_with_another_tokenizer_is_a_warning(tmp_path):
 
 
 def test_the_preflight_of_primerl_rl_checks_the_teacher_model(tmp_path, tiny_model):
-    from primerl.cli.preflight import rl_checks
+    from primerl.cli.preflight.roles import rl_checks
 
     config = load("@", EXAMPLE, "--model.name", str(tiny_model), "--teacher.model.name", str(tmp_path / "missing"))
     checks = rl_checks(config)

@@ -35,6 +35,7 @@ from primerl.orchestrator.teacher_client import (
     teacher_logprobs_from_answer,
 )
 from primerl.orchestrator.teacher_scoring import TeacherScorer
+from primerl.orchestrator.teacher_stage import TeacherStage
 from primerl.orchestrator.trajectory import Rollout, RolloutGroup, Turn
 
 TOKEN = "teacher-test-token"
@@ -343,10 +344,11 @@ def scheduler_with_teacher(teacher: dict[str, Any], clock=time.monotonic) -> Rol
         "model": {"name": "m"}, "env": [{"id": "e"}], "batch_size": 4, "rollouts_per_example": 2, "max_steps": 9,
         "max_inflight": 4, "trajectory_strategy": "branching", "teacher": teacher,
         "broker": {"run_token": TOKEN}})
-    scheduler = RolloutScheduler(config, stop_event=threading.Event())
-    scheduler.workers["e"] = EnvWorkerAnswering()
-    scheduler.sampler = EnvSampler({"e": 10}, {"e": 1.0}, seed=0)
-    scheduler.failures = RolloutFailures(config.batch_size, inference_outage_s=60, clock=clock)
+    stage = TeacherStage(TeacherScorer(config.teacher, run_token=config.broker.run_token))
+    scheduler = RolloutScheduler(config, stop_event=threading.Event(), env_clients={"e": EnvWorkerAnswering()},
+                                 sampler=EnvSampler({"e": 10}, {"e": 1.0}, seed=0),
+                                 failures=RolloutFailures(config.batch_size, inference_outage_s=60, clock=clock),
+                                 teacher=stage)
     scheduler.refresh_endpoints(Watcher({"w1": ("http://w1/v1", 0)}))
     return scheduler
 
@@ -354,18 +356,18 @@ def scheduler_with_teacher(teacher: dict[str, Any], clock=time.monotonic) -> Rol
 def test_the_scheduler_scores_each_turn_before_the_assembler(servers):
     server = servers("ok")
     scheduler = scheduler_with_teacher({"model": "t"})  # no base_url: the teachers the broker lists
-    scheduler.refresh_teachers(Watcher({"t1": WorkerEndpoint(f"{server.url}/v1", 0)}))
+    scheduler.teacher.refresh(Watcher({"t1": WorkerEndpoint(f"{server.url}/v1", 0)}))
     try:
         scheduler.dispatch(step=1)
         scheduler.collect(timeout_s=0.01)  # rollouts collected: now with the teacher, not yet in the assembler
-        assert scheduler.scoring and scheduler.assembler.take(min_policy_version=0) is None
+        assert len(scheduler.teacher) and scheduler.assembler.take(min_policy_version=0) is None
         deadline = time.monotonic() + 20
         while (batch := scheduler.assembler.take(min_policy_version=0)) is None and time.monotonic() < deadline:
             scheduler.collect(timeout_s=0.5)
         metrics = scheduler.worker_metrics()
     finally:
         scheduler.cancel_all()
-    assert batch is not None and not scheduler.scoring
+    assert batch is not None and not len(scheduler.teacher)
     assert len(batch.samples) == 8  # 4 rollouts x 2 turns
     for s in batch.samples:
         expected = [fake_logprob(t, i) if m and i else 0.0 for i, (t, m) in enumerate(zip(s.token_ids, s.loss_mask))]
@@ -397,7 +399,7 @@ def test_a_teacher_that_is_down_fails_groups_as_rollout_errors_without_stopping_
             failures.check()
     finally:
         scheduler.cancel_all()
-    assert not scheduler.scoring
+    assert not len(scheduler.teacher)
 
 
 def test_a_teacher_that_refuses_fails_groups_into_the_streak(servers):

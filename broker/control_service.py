@@ -31,7 +31,7 @@ from primerl.broker.registry_errors import RegistryError
 from primerl.broker.run_status import DataPlaneStatus, format_workers
 from primerl.proto import framing
 from primerl.proto.data_plane_limits import BrokerLimits
-from primerl.proto.v1 import control_pb2, control_pb2_grpc
+from primerl.proto.v1 import common_pb2, control_pb2, control_pb2_grpc
 from primerl.runtime.log_setup import get_logger
 
 SERVICE_NAME = control_pb2.DESCRIPTOR.services_by_name["Broker"].full_name  # "primerl.v1.Broker"
@@ -202,10 +202,16 @@ class BrokerServicer(control_pb2_grpc.BrokerServicer):
         max_concurrent_watches: int = 8,
         watch_poll_s: float = 0.5,
         data_plane_limits: BrokerLimits | None = None,
+        rollout_producer_limits: BrokerLimits | None = None,
     ):
+        """``data_plane_limits``: sent with every RegisterResponse, the clients size themselves from them (None: the
+        clients' defaults); ``rollout_producer_limits``: sent instead to orchestrators, whose frames are rollout
+        micro-batches and so keep to the rollout socket's smaller cap (None: ``data_plane_limits``)."""
         self.registry = registry
-        # Sent with every RegisterResponse: the clients size themselves from them (None: the clients' defaults).
         self._data_plane_limits = data_plane_limits.to_proto() if data_plane_limits is not None else None
+        self._rollout_producer_limits = (
+            rollout_producer_limits.to_proto() if rollout_producer_limits is not None else self._data_plane_limits
+        )
         self._data_plane_status_fn = data_plane_status_fn
         self._watch_slots = threading.BoundedSemaphore(max_concurrent_watches)
         self._max_concurrent_watches = max_concurrent_watches
@@ -237,8 +243,11 @@ class BrokerServicer(control_pb2_grpc.BrokerServicer):
     # ------------------------------------------------------------------------------------ the RPCs
     def Register(self, request, context):
         response = _guarded(context, self.registry.register, request)
-        if self._data_plane_limits is not None:
-            response.limits.CopyFrom(self._data_plane_limits)
+        limits = (
+            self._rollout_producer_limits if request.role == common_pb2.ROLE_ORCHESTRATOR else self._data_plane_limits
+        )
+        if limits is not None:
+            response.limits.CopyFrom(limits)
         _log.info(
             "worker registered",
             worker=request.name,

@@ -10,7 +10,7 @@ is set), and ``_handle``/``_unexpected`` for the guard.
 Encryption: with ``curve`` set (``runtime.wire_security.CurveServer``, before ``start``) the socket is a CURVE
 server and admits only the client keys ``curve`` authorizes. libzmq asks the ZAP handler of the socket's context
 (one per context) about every connection, and without a handler it admits any key: a plane that brings its own
-handler (the rollout plane's connection gate, which asks ``curve_authorize``) says so with ``zap_domain``; for
+handler (a plane's connection gate, which asks ``curve_authorize``) says so with ``zap_domain``; for
 any other, ``_bind_router`` starts a ZAP authenticator thread on the context before binding. So each plane needs
 a context of its own when CURVE is on.
 

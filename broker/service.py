@@ -7,8 +7,8 @@
     service.stop(grace_s=5.0)
 
 The pieces keep their own threads: gRPC's pool, one IO thread per ZeroMQ plane, the heartbeat monitor, the run-state
-saver. Each ZeroMQ plane has a context of its own (a context has one ZAP handler: the rollout plane's connection gate,
-or with CURVE the weight plane's key check). They meet here only through callbacks and one shared core: a commit
+saver. Each ZeroMQ plane has a context of its own (a context has one ZAP handler: each plane's connection gate, which
+also checks CURVE keys). They meet here only through callbacks and one shared core: a commit
 releases spooled batches; the weight fan-out (``weight_fanout``) owns the policy versions (the latest, and each
 inference worker's), which the weight plane drives and the registry reads; a worker's weight ack counts as its traffic;
 status reads every plane's counters.
@@ -111,6 +111,13 @@ class BrokerService:
             max_transfer_bytes=config.resolved_max_transfer_bytes,
         )
         self.limits, self.chunk_bytes = self.data_plane_limits.frames, self.data_plane_limits.weight_chunk_bytes
+        # The rollout socket's own, smaller cap (a rollout micro-batch is one frame; weights travel in chunks):
+        # what orchestrators are told at registration, and what the rollout plane decodes with.
+        self.rollout_producer_limits = BrokerLimits.for_max_message_bytes(
+            config.resolved_max_rollout_message_bytes,
+            max_payload_frames=config.max_payload_frames,
+            max_transfer_bytes=config.resolved_max_transfer_bytes,
+        )
         self._context: zmq.Context | None = None  # the rollout plane's
         self._weight_context: zmq.Context | None = None  # one per plane: each context has one ZAP handler
         self._queue: RolloutQueue | None = None
@@ -131,7 +138,12 @@ class BrokerService:
         )
         self.run_state_file: RunStateFile | None = None
         self._saver: RunStateSaver | None = None
-        self.servicer = BrokerServicer(self.registry, self.data_plane_status, data_plane_limits=self.data_plane_limits)
+        self.servicer = BrokerServicer(
+            self.registry,
+            self.data_plane_status,
+            data_plane_limits=self.data_plane_limits,
+            rollout_producer_limits=self.rollout_producer_limits,
+        )
         self._server = None
         self._monitor = HeartbeatMonitor(self.registry)
         self._stopped = threading.Event()
@@ -171,7 +183,7 @@ class BrokerService:
                 self._context,
                 config.host,
                 config.rollout_port,
-                limits=self.limits,
+                limits=self.rollout_producer_limits.frames,
                 auth_token=config.run_token,
                 on_error=self._on_data_plane_error,
                 rcv_hwm=config.rollout_hwm,
@@ -198,6 +210,7 @@ class BrokerService:
                 ),
                 # The latest weight chain survives a restart too (``weight_durable``; the spool's lock covers it).
                 durable_dir=config.spool_dir / WEIGHTS_SUBDIR,
+                max_connections=config.max_weight_connections,
             )
             self.weight_plane.curve = curve
             with _naming_the_setting("weight_port", "ZeroMQ weight", config.host, config.weight_port):

@@ -53,6 +53,7 @@ from typing import Any
 
 import zmq
 
+from primerl.broker.connection_gate import ConnectionGate
 from primerl.broker.log_limits import RateLimitedLog
 from primerl.broker.plane_lifecycle import RouterPlane
 from primerl.broker.weight_durable import WeightDurability
@@ -71,6 +72,7 @@ log = get_logger(__name__)
 OnApplied = Callable[[str, int], None]
 FORWARD_AFTER_BYTES = 1 << 20
 """A received message at least this large ends a receive round, so its chunk is forwarded before the next is read."""
+GATE_DOMAIN = "primerl-weight"  # the ZAP domain of the weight socket, when its connections are limited
 
 
 @dataclass(frozen=True)
@@ -87,6 +89,10 @@ class WeightPlaneStatus:
     # last byte out to the last of the workers that were receiving it or had it next (what the broker adds).
     forward_lag_version: int = 0
     forward_lag_s: float = 0.0
+    # Peers admitted at the handshake and connected now, and connections refused there (``max_connections``);
+    # None and 0 when the plane admits every peer.
+    num_connections: int | None = None
+    num_connections_refused: int = 0
 
 
 @dataclass
@@ -130,14 +136,20 @@ class WeightPlane(RouterPlane):
         max_pending_replies: int = 4096,
         poll_interval_s: float = 0.05,
         durable_dir: str | Path | None = None,
+        max_connections: int | None = None,
     ):
         """``fanout``: the fan-out core over the plane's ``WeightStore`` (``fanout.store``); ``intake_bounds``: the
-        limits on the trainer's transfers in flight; ``durable_dir``: where the store's chain is kept on disk."""
+        limits on the trainer's transfers in flight; ``durable_dir``: where the store's chain is kept on disk;
+        ``max_connections``: peers admitted at the ZeroMQ handshake (``ConnectionGate``; None: every peer)."""
         if chunk_bytes <= 0 or chunk_bytes > limits.max_frame_bytes:
             raise ValueError(
                 f"chunk_bytes must be in 1..limits.max_frame_bytes ({limits.max_frame_bytes}), got {chunk_bytes}"
             )
+        if max_connections is not None and max_connections < 1:
+            raise ValueError(f"max_connections must be >= 1, got {max_connections}")
         super().__init__(context, host, port)
+        self.max_connections = max_connections
+        self._gate: ConnectionGate | None = None
         self.store = fanout.store
         self.fanout = fanout
         self.limits = limits
@@ -194,6 +206,9 @@ class WeightPlane(RouterPlane):
             num_workers_forgotten=self.fanout.num_forgotten,
             forward_lag_version=lag_version,
             forward_lag_s=lag_s,
+            # Plain int reads of counters the IO thread updates: a status may be one event behind.
+            num_connections=gate.num_connected if (gate := self._gate) is not None else None,
+            num_connections_refused=gate.num_refused if gate is not None else 0,
         )
 
     # -- IO thread -----------------------------------------------------------------------------------
@@ -202,13 +217,37 @@ class WeightPlane(RouterPlane):
     thread_name = "weight-plane-io"
 
     def _bind(self) -> zmq.Socket:
-        socket = self._bind_router(max_message_bytes=self.limits.max_frame_bytes, hwm=self.hwm)
+        """The bound socket; with ``max_connections``, gated at the handshake (the gate's ZAP endpoint exists before
+        the socket binds, and its monitor before any handshake can end: see ``RolloutPlane._bind``)."""
+        if self.max_connections is not None and self._gate is None:
+            self._gate = ConnectionGate(
+                self.context,
+                max_connections=self.max_connections,
+                domain=GATE_DOMAIN,
+                what="weight connection",
+                authorize=self.curve_authorize,
+            )
+        socket = self._bind_router(
+            max_message_bytes=self.limits.max_frame_bytes,
+            hwm=self.hwm,
+            zap_domain=GATE_DOMAIN if self._gate is not None else None,
+        )
+        if self._gate is not None:
+            self._gate.watch(socket)
         log.info("weight plane listening", host=self.host, port=self.port)
         return socket
+
+    def _release(self) -> None:
+        if self._gate is not None:
+            self._gate.close()
+            self._gate = None
 
     def _serve(self, socket: zmq.Socket) -> None:
         poller = zmq.Poller()
         poller.register(socket, zmq.POLLIN)
+        gate_sockets = self._gate.sockets() if self._gate is not None else []
+        for gate_socket in gate_sockets:
+            poller.register(gate_socket, zmq.POLLIN)
         next_tick_s = 0.0
         try:
             while not self._stop_event.is_set():
@@ -219,7 +258,11 @@ class WeightPlane(RouterPlane):
                     timeout_ms = 2
                 else:
                     timeout_ms = int(self.poll_interval_s * 1000)
-                if poller.poll(timeout_ms):
+                ready = dict(poller.poll(timeout_ms))
+                for gate_socket in gate_sockets:
+                    if gate_socket in ready:
+                        self._gate.handle(gate_socket)  # type: ignore[union-attr]
+                if socket in ready:
                     self._receive_some(socket)
                 now_s = time.monotonic()
                 if now_s >= next_tick_s:

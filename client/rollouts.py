@@ -340,7 +340,7 @@ class RolloutProducer(_RolloutClient):
         if view.nbytes > self.limits.max_frame_bytes:
             raise RolloutRefused(
                 f"batch {header.batch_id!r} is {view.nbytes} bytes; the broker accepts at most "
-                f"{self.limits.max_frame_bytes} (broker.max_message_bytes): send smaller micro-batches",
+                f"{self.limits.max_frame_bytes} (broker.max_rollout_message_bytes): send smaller micro-batches",
                 common_pb2.ERROR_CODE_OVERSIZED,
             )
         checksum = framing.compute_checksum(data_pb2.ROLLOUT_BATCH, header_bytes, [view])

@@ -16,6 +16,7 @@ from ``client.dealer.DealerClient``; sizes from ``limits`` (the broker's, ``Brok
 
 from __future__ import annotations
 
+import random
 import time
 import uuid
 from collections.abc import Callable, Sequence
@@ -52,6 +53,8 @@ CONNECT_TIMEOUT_S = 2.0
 """How long a publish waits for a connection to the broker before it fails as ``WeightBrokerLost``."""
 SEND_TIMEOUT_S = 5.0
 """How long a subscriber's HELLO or ACK may wait for the socket to take it."""
+REOPEN_PAUSE_S = 1.0
+"""Most a subscriber waits before connecting again after the broker refused it at the handshake."""
 STALL_TIMEOUT_S = 30.0
 """How long a subscriber keeps an unfinished chunked update that gets no chunk (the broker's default too)."""
 
@@ -83,8 +86,9 @@ class WeightPublisher(DealerClient):
     """The trainer's side: ``publish()`` one update and wait for the broker to store it. ``chunk_bytes``: payload
     bytes per chunk, at most ``limits.max_frame_bytes`` (the broker's ``weight_chunk_bytes``)."""
 
-    # The connection is watched: a publish fails at once when it drops (module docstring).
-    MONITOR_EVENTS = zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED
+    # The connection is watched: a publish fails at once when it drops or the broker refuses it at the handshake
+    # (module docstring).
+    MONITOR_EVENTS = zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_FAILED_AUTH
 
     def __init__(
         self,
@@ -106,11 +110,12 @@ class WeightPublisher(DealerClient):
         self.connect_timeout_s = connect_timeout_s
         self._connected = False
         self._dropped = False  # the connection dropped since the current publish began
+        self._refused = False  # the broker refused the connection at the handshake
         super().__init__(endpoint, auth_token, sender, limits=limits, context=context, curve=curve)
 
     def _open(self) -> None:
         super()._open()
-        self._connected, self._dropped = False, False
+        self._connected, self._dropped, self._refused = False, False, False
 
     def _track_connection(self, events: Sequence[int]) -> None:
         for event in events:
@@ -118,10 +123,19 @@ class WeightPublisher(DealerClient):
                 self._connected = True
             elif event == zmq.EVENT_DISCONNECTED:
                 self._connected, self._dropped = False, True
+            elif event == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
+                self._connected, self._dropped, self._refused = False, True, True
 
     def _on_monitor_events(self, events: Sequence[int], deadline_s: float) -> bool:
-        """Raises ``WeightBrokerLost`` as soon as the connection drops during a wait."""
+        """Raises ``WeightBrokerLost`` as soon as the connection drops (or is refused at the handshake) during a
+        wait; libzmq does not retry a refused connection, the next publish opens a new one."""
         self._track_connection(events)
+        if self._refused:
+            raise WeightBrokerLost(
+                f"the broker at {self.endpoint} refused this connection at the handshake: it has as many weight "
+                "peers as broker.max_weight_connections admits"
+                + ("" if self.curve is None else ", or this client's CURVE key is not authorized")
+            )
         if self._dropped:
             raise WeightBrokerLost(f"the connection to the broker at {self.endpoint} dropped{self.timeout_hint}")
         return False
@@ -254,6 +268,10 @@ class WeightSubscriber(DealerClient):
     or is open longer than ``transfer_timeout_s``, is dropped; a dropped update is never returned, in part or whole.
     """
 
+    # A broker that already has as many weight peers as it admits refuses the connection at the handshake
+    # (broker.connection_gate) and libzmq does not try again: watch for that and reopen after a pause.
+    MONITOR_EVENTS = zmq.EVENT_HANDSHAKE_FAILED_AUTH
+
     def __init__(
         self,
         endpoint: str,
@@ -301,7 +319,29 @@ class WeightSubscriber(DealerClient):
         self._in_place: InPlaceTransfer | None = None
         self._received_digest: str | None = None
         self._hello_sent_s: float | None = None
+        self.num_handshake_refusals = 0
         super().__init__(endpoint, auth_token, worker_id, limits=limits, context=context, curve=curve)
+
+    def _on_monitor_events(self, events: Sequence[int], deadline_s: float) -> bool:
+        """The broker refused this connection at the handshake: wait a moment (within ``deadline_s``), connect
+        again on a new socket and say HELLO there."""
+        if not events:
+            return False
+        self.num_handshake_refusals += 1
+        if self.num_handshake_refusals == 1 or self.num_handshake_refusals % 20 == 0:
+            log.warning(
+                "the broker refused this weight connection at the handshake: it has as many peers as "
+                "broker.max_weight_connections admits"
+                + ("" if self.curve is None else ", or this client's CURVE key is not authorized")
+                + "; retrying",
+                endpoint=self.endpoint,
+                refusals=self.num_handshake_refusals,
+            )
+        time.sleep(max(0.0, min(deadline_s - time.monotonic(), random.uniform(REOPEN_PAUSE_S / 2, REOPEN_PAUSE_S))))
+        self._reopen()
+        if self._hello_sent_s is not None:
+            self._send_hello()
+        return True
 
     @property
     def received_digest(self) -> str | None:

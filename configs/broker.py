@@ -8,6 +8,7 @@ from typing import Any
 
 from pydantic import Field, field_validator, model_validator
 
+from primerl.proto.units import GiB, MiB
 from primerl.runtime.addresses import check_advertise_host
 from primerl.runtime.config_base import BaseConfig
 from primerl.runtime.config_common import (
@@ -18,7 +19,6 @@ from primerl.runtime.config_common import (
     PrometheusConfig,
     is_loopback_host,
 )
-from primerl.proto.units import GiB, MiB
 
 RUN_TOKEN_ENV = "PRIMERL_RUN_TOKEN"
 """The environment variable that gives the run token to every daemon and to `primerl rl` (no file holds it)."""
@@ -88,54 +88,85 @@ class BrokerConfig(BaseConfig):
         256 * MiB,
         ge=MiB,
         description="Largest message accepted on any socket; bigger payloads (weights) are sent in chunks. "
-                    "Workers learn it (and the chunk size that follows) when they register.",
+        "Workers learn it (and the chunk size that follows) when they register.",
+    )
+    max_rollout_message_bytes: int = Field(
+        64 * MiB,
+        ge=MiB,
+        description="Largest rollout micro-batch (one message on the rollout socket), at most `max_message_bytes` "
+        "(the smaller of the two holds). libzmq drops a connection that sends a bigger frame before buffering it, "
+        "so it bounds what the rollout socket can hold: `max_rollout_connections` x (`rollout_hwm` + 1) x this. "
+        "Orchestrators learn it when they register and refuse a bigger micro-batch themselves.",
     )
     max_payload_frames: int = Field(
-        8, ge=1, le=64,
+        8,
+        ge=1,
+        le=64,
         description="Most payload frames in one data-plane message (rollout batches and weight chunks carry 1).",
     )
     rollout_hwm: int = Field(
-        4, ge=1, le=1024,
+        4,
+        ge=1,
+        le=1024,
         description="ZeroMQ receive high-water mark of the rollout socket, in messages per peer: bounds what one "
         "producer can have buffered in the broker before it is read (each at most `max_message_bytes`).",
     )
     max_rollout_connections: int = Field(
-        16, ge=1, le=4096,
+        16,
+        ge=1,
+        le=4096,
         description="Peers (orchestrators and trainer ranks) the rollout socket admits at once; more are refused at "
         "the ZeroMQ handshake, before they can send anything, and their clients retry. Bounds what the socket can "
         "buffer whatever the number of peers: `max_rollout_connections` x (`rollout_hwm` + 1) messages.",
     )
+    max_weight_connections: int = Field(
+        256,
+        ge=1,
+        le=65536,
+        description="Peers (trainer publishers and inference workers) the weight socket admits at once; more are "
+        "refused at the ZeroMQ handshake, before they can send anything, and their clients retry. Bounds what the "
+        "socket can buffer and how many weight transfers can be open: one per admitted publisher connection.",
+    )
     weight_hwm: int = Field(
-        16, ge=1, le=1024,
+        16,
+        ge=1,
+        le=1024,
         description="ZeroMQ high-water mark of the weight socket, in messages per peer and direction.",
     )
     read_cache_bytes: int = Field(
-        256 * MiB, ge=0,
+        256 * MiB,
+        ge=0,
         description="Bytes of recently spooled rollout batches kept in memory so a trainer gets them without a "
         "disk read (0: off).",
     )
     max_step_lead: int = Field(
-        1024, ge=1,
+        1024,
+        ge=1,
         description="Steps beyond the highest step a trainer asked for (or committed) that a rollout request or "
         "batch may name; further ones are refused (OUT_OF_ORDER) so the queue bound cannot be switched off.",
     )
     max_transfer_bytes: int | None = Field(
-        None, ge=MiB,
+        None,
+        ge=MiB,
         description="Largest weight update (one chunked transfer), checked at its first chunk before any memory "
         "is set aside. Unset: a quarter of this machine's memory, at most 16 GiB.",
     )
     max_open_transfer_bytes: int | None = Field(
-        None, ge=MiB,
+        None,
+        ge=MiB,
         description="Bytes that all weight transfers still being received may declare together; a transfer that "
         "would exceed it is told to retry later (BACKPRESSURE). Unset: `max_transfer_bytes`.",
     )
     max_open_transfers_per_publisher: int = Field(
-        1, ge=1, le=16,
+        1,
+        ge=1,
+        le=16,
         description="Weight transfers one publisher connection may have open; a new one beyond it replaces its "
         "oldest (a publisher that restarted a transfer abandoned the old one).",
     )
     transfer_stall_timeout_s: float = Field(
-        30.0, gt=0,
+        30.0,
+        gt=0,
         description="A weight transfer with no chunk for this long is dropped, freeing its memory and its slot.",
     )
     allow_remote_without_token: bool = Field(
@@ -181,7 +212,9 @@ class BrokerConfig(BaseConfig):
         description="How long the other roles wait through an outage of this broker (a restart) before they stop "
         "with an error. `primerl rl` hands it to every role (`<role>.broker.outage_s`).",
     )
-    max_steps: int | None = Field(None, ge=1, description="Training steps of the run, shown in status (unset: no limit).")
+    max_steps: int | None = Field(
+        None, ge=1, description="Training steps of the run, shown in status (unset: no limit)."
+    )
     log: LogConfig = Field(default_factory=LogConfig, description="Logging of the broker.")
     prometheus: PrometheusConfig = Field(
         default_factory=PrometheusConfig, description="Prometheus `/metrics` of the broker."
@@ -198,17 +231,20 @@ class BrokerConfig(BaseConfig):
         if (self.tls_cert_path is None) != (self.tls_key_path is None):
             problems.append("set both `tls_cert_path` and `tls_key_path` for TLS, or neither")
         if self.tls_client_ca_path is not None and self.tls_cert_path is None:
-            problems.append("`tls_client_ca_path` (client certificates) needs TLS: set `tls_cert_path` and "
-                            "`tls_key_path` too")
+            problems.append(
+                "`tls_client_ca_path` (client certificates) needs TLS: set `tls_cert_path` and `tls_key_path` too"
+            )
         if (self.curve_secret_key_path is None) != (self.curve_authorized_keys_dir is None):
-            problems.append("set both `curve_secret_key_path` and `curve_authorized_keys_dir` for CURVE on the ZeroMQ "
-                            "planes, or neither")
+            problems.append(
+                "set both `curve_secret_key_path` and `curve_authorized_keys_dir` for CURVE on the ZeroMQ "
+                "planes, or neither"
+            )
         # $PRIMERL_RUN_TOKEN is how the daemons and `primerl rl` take the token without a file holding it
         token = self.run_token or os.environ.get(RUN_TOKEN_ENV)
         if not is_loopback_host(self.host) and not token and not self.allow_remote_without_token:
             problems.append(
                 f"host = {self.host!r} makes the broker reachable from other machines, so it needs credentials: "
-                "set `run_token` (a shared secret that every worker also gets), or bind host = \"127.0.0.1\" "
+                'set `run_token` (a shared secret that every worker also gets), or bind host = "127.0.0.1" '
                 "(or, knowingly, set `allow_remote_without_token = true`)"
             )
         ports = {"grpc_port": self.grpc_port, "rollout_port": self.rollout_port, "weight_port": self.weight_port}
@@ -227,6 +263,11 @@ class BrokerConfig(BaseConfig):
         if self.max_transfer_bytes is not None:
             return self.max_transfer_bytes
         return max(MiB, min(16 * GiB, physical_memory_bytes() // 4))
+
+    @property
+    def resolved_max_rollout_message_bytes(self) -> int:
+        """The rollout socket's message cap: ``max_rollout_message_bytes``, at most ``max_message_bytes``."""
+        return min(self.max_rollout_message_bytes, self.max_message_bytes)
 
     @property
     def resolved_max_open_transfer_bytes(self) -> int:

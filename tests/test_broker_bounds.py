@@ -1,0 +1,105 @@
+"""Bounds at the broker's defaults that an adversarial fuzz found loose, each through a real broker on loopback:
+the rollout socket's own message cap, a connection gate on the weight socket, open weight transfers that cannot
+starve a publisher, and what a peer without the run token can make the broker hold."""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+import zmq
+from support.broker import BrokerHarness
+
+from primerl.client.rollouts import RolloutProducer, RolloutRefused, pack_batch
+from primerl.client.weights import WeightBrokerLost, WeightSubscriber
+from primerl.configs.broker import BrokerConfig
+from primerl.proto import framing
+from primerl.proto import tensor_frames as tf
+from primerl.proto.units import MiB
+from primerl.proto.v1 import data_pb2
+
+TOKEN = "bounds-token"
+
+
+def _raw_dealer(context: zmq.Context, endpoint: str) -> zmq.Socket:
+    socket = context.socket(zmq.DEALER)
+    socket.setsockopt(zmq.LINGER, 0)
+    socket.setsockopt(zmq.SNDTIMEO, 2000)
+    socket.connect(endpoint)
+    return socket
+
+
+def test_the_rollout_cap_is_its_own_and_orchestrators_learn_it(tmp_path):
+    assert BrokerConfig().resolved_max_rollout_message_bytes == 64 * MiB  # below the weight plane's 256 MiB
+    assert BrokerConfig(max_message_bytes=8 * MiB).resolved_max_rollout_message_bytes == 8 * MiB
+    broker = BrokerHarness(
+        tmp_path / "spool", run_token=TOKEN, max_message_bytes=8 * MiB, max_rollout_message_bytes=2 * MiB
+    )
+    try:
+        with broker.client(role="orchestrator", name="orch") as orchestrator:
+            orchestrator.register()
+            rollout_limits = orchestrator.limits
+        with broker.client(role="trainer", name="trainer") as trainer:
+            trainer.register()
+            trainer_limits = trainer.limits
+        assert rollout_limits.frames.max_frame_bytes == 2 * MiB
+        assert trainer_limits.frames.max_frame_bytes == 8 * MiB == trainer_limits.weight_chunk_bytes
+        with RolloutProducer(broker.rollout_endpoint, TOKEN, limits=rollout_limits.frames) as producer:
+            big = pack_batch(1, 0, 0, 2, {"input_ids": np.zeros((3 * MiB) // 8, dtype=np.int64)})
+            with pytest.raises(RolloutRefused, match="max_rollout_message_bytes"):
+                producer.send_batch(*big, timeout_s=5)
+            small = pack_batch(1, 0, 1, 2, {"input_ids": np.zeros(1024, dtype=np.int64)})
+            assert producer.send_batch(*small, timeout_s=10).durable
+        # A peer that ignores the cap loses its connection before the broker buffers the frame: no reply.
+        context = zmq.Context()
+        try:
+            dealer = _raw_dealer(context, broker.rollout_endpoint)
+            header, payload = pack_batch(2, 0, 0, 1, {"input_ids": np.zeros((3 * MiB) // 8, dtype=np.int64)})
+            dealer.send_multipart(framing.encode(data_pb2.ROLLOUT_BATCH, header, [payload], auth_token=TOKEN))
+            assert not dealer.poll(1500)
+        finally:
+            context.destroy(linger=0)
+        assert broker.service.rollout_plane.status().queue.num_batches == 1
+    finally:
+        broker.stop()
+
+
+def _weight_update(version: int, num_floats: int = 64) -> tuple[data_pb2.WeightUpdateHeader, bytes]:
+    payload, specs = tf.encode_tensors({"w": np.full(num_floats, version, dtype=np.float32)})
+    header = data_pb2.WeightUpdateHeader(policy_version=version, kind=data_pb2.WEIGHT_UPDATE_KIND_FULL, tensors=specs)
+    return header, payload
+
+
+def _wait_for(predicate, timeout_s: float = 10.0) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.05)
+    return predicate()
+
+
+def test_the_weight_socket_admits_max_weight_connections_and_clients_retry(tmp_path):
+    broker = BrokerHarness(tmp_path / "spool", run_token=TOKEN, max_weight_connections=1)
+    context = zmq.Context()
+    try:
+        holder = _raw_dealer(context, broker.weight_endpoint)
+        holder.send_multipart(framing.encode(data_pb2.HELLO, data_pb2.Hello(worker_id="holder"), auth_token=TOKEN))
+        assert _wait_for(lambda: broker.service.weight_plane.status().num_connections == 1)
+        header, payload = _weight_update(1)
+        with pytest.raises(WeightBrokerLost, match="max_weight_connections"):
+            broker.publish(header, payload, timeout_s=5)
+        with WeightSubscriber(broker.weight_endpoint, TOKEN, "inference-0") as subscriber:
+            subscriber.hello()
+            assert subscriber.receive(timeout_s=1.5) is None and subscriber.broker_latest is None
+            assert subscriber.num_handshake_refusals >= 1
+            assert broker.service.weight_plane.status().num_connections_refused >= 2
+            holder.close(linger=0)  # a place frees: the subscriber gets in on its own
+            deadline = time.monotonic() + 10
+            while subscriber.broker_latest is None and time.monotonic() < deadline:
+                subscriber.receive(timeout_s=0.5)
+            assert subscriber.broker_latest is not None
+    finally:
+        context.destroy(linger=0)
+        broker.stop()

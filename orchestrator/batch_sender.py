@@ -23,7 +23,7 @@ import queue
 import threading
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Generic, TypeVar
 
 from primerl.runtime.log_setup import get_logger
 
@@ -40,12 +40,15 @@ class SendInterrupted(RuntimeError):
     """``put`` gave up waiting for room because its stop event was set (the step was not queued)."""
 
 
-class BatchSender:
-    def __init__(self, send_step: Callable[[int, Any], None], *, max_pending: int = 1, name: str = "batch-sender"):
+ItemT = TypeVar("ItemT")
+
+
+class BatchSender(Generic[ItemT]):
+    def __init__(self, send_step: Callable[[int, ItemT], None], *, max_pending: int = 1, name: str = "batch-sender"):
         if max_pending < 1:
             raise ValueError(f"max_pending must be >= 1, got {max_pending}")
         self._send_step = send_step
-        self._queue: queue.Queue[tuple[int, Any, Callable[[float], None]] | None] = queue.Queue(max_pending)
+        self._queue: queue.Queue[tuple[int, ItemT, Callable[[float], None]] | None] = queue.Queue(max_pending)
         self._error: BaseException | None = None
         self._error_raised = False
         self._lock = threading.Lock()
@@ -58,7 +61,7 @@ class BatchSender:
 
     # -- caller side ---------------------------------------------------------------------------------
 
-    def put(self, step: int, item: Any, on_sent: Callable[[float], None], timeout_s: float,
+    def put(self, step: int, item: ItemT, on_sent: Callable[[float], None], timeout_s: float,
             should_stop: Callable[[], bool] | None = None) -> float:
         """Queue one step; returns the seconds this call waited for room. Raises the send thread's error,
         ``TimeoutError`` when no room came within ``timeout_s``, or ``SendInterrupted`` once ``should_stop()`` is

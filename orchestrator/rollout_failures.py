@@ -49,7 +49,7 @@ UNREACHABLE = re.compile(
     r"ConnectTimeout|Connection timeout to host|ServerTimeoutError|"
     r"Server ?Disconnected|ClientConnectorError|Cannot connect to host|ConnectionResetError|ConnectionRefusedError|"
     r"\b50[23]\b|Service Unavailable|Bad Gateway|"
-    r"^teacher_unreachable:", re.IGNORECASE)  # the teacher (issue 18): the same outage rule
+    r"^teacher_unreachable:", re.IGNORECASE)  # the teacher: the same outage rule
 
 
 class RolloutsFailing(RuntimeError):

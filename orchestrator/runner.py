@@ -30,7 +30,7 @@ import collections
 import json
 import threading
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from primerl.client.control import BrokerUnavailable, ControlClient
 from primerl.client.outage import OutageStopped, OutageWatch, retry_through_outage
@@ -49,13 +49,20 @@ from primerl.orchestrator.step_send import RESEND_INTERVAL_S, log_step_data, ran
 from primerl.orchestrator.teacher_scoring import TeacherScorer
 from primerl.orchestrator.teacher_stage import TeacherStage
 from primerl.orchestrator.types import EnvClientLike, SchedulerEvents, StepReport
-from primerl.proto.v1 import control_pb2
+from primerl.proto.packing import PackedMicroBatch
+from primerl.proto.v1 import control_pb2, data_pb2
 from primerl.runtime.durable_files import write_atomically
 from primerl.runtime.log_setup import bind_context, get_logger
 from primerl.runtime.metrics_sink import MetricsSink
 from primerl.runtime.prometheus import MetricsExporter, start_exporter
 
+if TYPE_CHECKING:
+    from prometheus_client import Counter, Gauge
+
 log = get_logger("primerl.orchestrator")
+
+StepItem = tuple[list[tuple[data_pb2.RolloutBatchHeader, bytes]], list[list[PackedMicroBatch]]]
+"""What the send thread gets of a step: its batch messages, and its micro-batches per rank (for the digests)."""
 
 WORKER_REFRESH_S = 1.0
 VERSION_WAIT_S = 0.05  # re-read the served versions this often while dispatch waits for a newer policy
@@ -83,11 +90,11 @@ class OrchestratorRunner:
         self.control: ControlClient | None = None
         self.producer: RolloutProducer | None = None
         self.exporter: MetricsExporter | None = None
-        self.step_gauge: Any = None  # Prometheus instruments, with an exporter
-        self.inflight_gauge: Any = None
-        self.errors_counter: Any = None
+        self.step_gauge: Gauge | None = None  # Prometheus instruments, with an exporter
+        self.inflight_gauge: Gauge | None = None
+        self.errors_counter: Counter | None = None
         self.sink: MetricsSink | None = None
-        self.sender: BatchSender | None = None
+        self.sender: BatchSender[StepItem] | None = None
         self.endpoint_watcher: EndpointWatcher | None = None
         self.teacher_watcher: EndpointWatcher | None = None  # the broker's teacher workers (no teacher.base_url)
         self.env_clients: dict[str, EnvClientLike] = {}  # training environments by env id
@@ -310,7 +317,7 @@ class OrchestratorRunner:
             self._evaluate(step)
         return True
 
-    def _send_step(self, step: int, item: tuple[list[tuple[Any, bytes]], Any]) -> None:
+    def _send_step(self, step: int, item: StepItem) -> None:
         """On the send thread: one step's batches to the broker, through outages, until every one is durable;
         then its ``step sent`` lines (``primerl.orchestrator.step_send``)."""
         from primerl.client.rollouts import RolloutRefused

@@ -1,6 +1,6 @@
 """The orchestrator's metrics of a step: its per-phase timers and the metrics of the batch it sends.
 
-Per-phase timers (issue 12, ``StepTimers``), in every training row: ``perf/step_s`` (= ``rollout/generation_time``),
+Per-phase timers (``StepTimers``), in every training row: ``perf/step_s`` (= ``rollout/generation_time``),
 ``perf/dispatch_s``, ``perf/collect_wait_s`` (the main loop idle, waiting for rollouts), ``perf/to_samples_s``,
 ``perf/advantages_s``, ``perf/packing_s`` (sums over the step); ``perf/send_wait_s`` (the main loop blocked on
 the send queue) and ``perf/send_s`` (the latest completed send); per rollout group, means over the groups that
@@ -8,7 +8,7 @@ finished during the step: ``perf/env_roundtrip_s`` (submit to answer), ``perf/in
 model calls, as the env worker timed them), ``perf/env_score_s``, ``perf/env_encode_s`` and
 ``perf/env_overhead_s`` (round trip minus the worker's own time: the pipe, JSON, queueing).
 
-Metrics of the batch (issue 15, ``batch_metrics``): ``train/reward``, ``rollout/reward_std`` and where the rollout
+Metrics of the batch (``batch_metrics``): ``train/reward``, ``rollout/reward_std`` and where the rollout
 rewards lie (``rollout/reward_min``, ``_max``, ``_p10``, ``_p90``); ``rollout/tokens_per_s`` is generation
 throughput, the completion tokens of the groups that finished over a trailing window of wall time
 (``primerl.orchestrator.throughput``), not a per-step figure; ``rollout/completion_tokens`` counts those
@@ -24,7 +24,7 @@ and ``inference/workers_serving`` (listed, and serving the current version), ``i
 ``inference/workers_left`` (this step), ``inference/join_to_serving_s`` (the longest a worker that joined this
 step took from registering to serving the current version; absent when none).
 
-Teacher (issue 18, with ``[orchestrator.teacher]``; ``primerl.orchestrator.teacher_scoring``): ``teacher/requests``
+Teacher (with ``[orchestrator.teacher]``; ``primerl.orchestrator.teacher_scoring``): ``teacher/requests``
 (teacher requests that ended this step, answered or not), ``teacher/request_s`` (their mean seconds),
 ``teacher/retried`` (requests sent again), ``teacher/errors`` (requests that failed, retried or not),
 ``teacher/inflight`` (requests in flight when the step's row is made), ``teacher/dispatch_waits``. A group the
@@ -38,9 +38,13 @@ import contextlib
 import math
 import time
 from collections.abc import Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from primerl.orchestrator.filtering import AssembledBatch
+    from primerl.orchestrator.trajectory import RolloutGroup
 
 _GROUP_TIMINGS = (("generate_s", "inference_wait_s"), ("score_s", "env_score_s"), ("encode_s", "env_encode_s"))
 _STEP_PHASES = ("dispatch_s", "collect_wait_s", "to_samples_s", "advantages_s", "packing_s", "send_wait_s", "send_s")
@@ -61,10 +65,10 @@ class StepTimers:
         finally:
             self.totals[name] += time.perf_counter() - started
 
-    def add_group(self, rollout_group: Any) -> None:
+    def add_group(self, rollout_group: RolloutGroup) -> None:
         """A finished group's env-worker timings and round trip (means are taken in ``metrics``)."""
-        timings = getattr(rollout_group, "timings", None) or {}
-        roundtrip_s = getattr(rollout_group, "roundtrip_s", None)
+        timings = rollout_group.timings
+        roundtrip_s = rollout_group.roundtrip_s
         self.totals["groups_timed"] += 1
         for wire_name, name in _GROUP_TIMINGS:
             self.totals[f"group_{name}"] += float(timings.get(wire_name, 0.0))
@@ -82,7 +86,7 @@ class StepTimers:
         return metrics
 
 
-def batch_metrics(batch: Any, counters: collections.Counter, fallbacks: collections.Counter, *, elapsed_s: float,
+def batch_metrics(batch: AssembledBatch, counters: collections.Counter, fallbacks: collections.Counter, *, elapsed_s: float,
                   tokens_per_s: float, multi_env: bool) -> dict[str, float]:
     """The metrics of a step's batch (``filtering.Batch``) and of the rollouts collected during the step
     (``counters``, ``fallbacks``); only finite numbers."""

@@ -28,11 +28,16 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING
 
 from primerl.client.outage import OutageStopped, OutageWatch, retry_through_outage
+from primerl.proto.packing import PackedMicroBatch
 from primerl.proto.step_digest import data_digest
 from primerl.runtime.log_setup import get_logger
+
+if TYPE_CHECKING:
+    from primerl.client.rollouts import RolloutProducer
+    from primerl.proto.v1 import data_pb2
 
 log = get_logger("primerl.orchestrator.send")
 
@@ -42,7 +47,7 @@ RESEND_INTERVAL_S = 2.0
 """The producer resends a batch that got no answer after this long (within an attempt)."""
 
 
-def send_step(producer: Any, step: int, messages: Sequence[tuple[Any, Any]], *, outage_s: float,
+def send_step(producer: RolloutProducer, step: int, messages: Sequence[tuple[data_pb2.RolloutBatchHeader, bytes]], *, outage_s: float,
               backpressure_timeout_s: float, stop_event: threading.Event | None = None,
               attempt_s: float = SEND_ATTEMPT_S) -> None:
     """Send one step's micro-batches until every one is durable (module docstring)."""
@@ -70,18 +75,18 @@ def send_step(producer: Any, step: int, messages: Sequence[tuple[Any, Any]], *, 
     retry_through_outage(attempt, watch, (RolloutTimeout,), stop_event=stop_event)
 
 
-def rank_digests(per_rank: Sequence[Sequence[Any]]) -> list[str]:
+def rank_digests(per_rank: Sequence[Sequence[PackedMicroBatch]]) -> list[str]:
     """The data digest of each rank's micro-batches (``PackedMicroBatch.tensors``, in index order)."""
     return [data_digest([batch.tensors for batch in batches]) for batches in per_rank]
 
 
-def log_step_data(event: str, step: int, per_rank: Sequence[Sequence[Any]], digests: Sequence[str]) -> None:
+def log_step_data(event: str, step: int, per_rank: Sequence[Sequence[PackedMicroBatch]], digests: Sequence[str]) -> None:
     """One ``step sending`` or ``step sent`` line per rank (module docstring)."""
     for rank, (batches, digest) in enumerate(zip(per_rank, digests)):
         log.info(event, step=step, rank=rank, num_micro_batches=len(batches), data_digest=digest)
 
 
-def log_step_sent(step: int, per_rank: Sequence[Sequence[Any]]) -> None:
+def log_step_sent(step: int, per_rank: Sequence[Sequence[PackedMicroBatch]]) -> None:
     """One ``step sent`` line per rank (module docstring)."""
     log_step_data("step sent", step, per_rank, rank_digests(per_rank))
 

@@ -17,9 +17,8 @@ def env_python(config) -> str:
 
 def serve(config, args: argparse.Namespace) -> int:
     from primerl.orchestrator.runner import OrchestratorRunner
-    from primerl.runtime.log_setup import configure_logging
-
     from primerl.runtime.cpu_budget import apply_budget
+    from primerl.runtime.log_setup import configure_logging
 
     log = configure_logging("orchestrator", "", level=config.log.level, fmt=config.log.format)
     apply_budget("orchestrator", config.threads, log=log)  # env workers inherit its environment
@@ -32,9 +31,9 @@ def serve(config, args: argparse.Namespace) -> int:
         return runner is not None and runner.started.is_set()
 
     from primerl.client.control import BrokerError
+    from primerl.client.outage import BrokerOutageExceeded
     from primerl.orchestrator.env_client import EnvWorkerError
     from primerl.orchestrator.rollout_failures import RolloutsFailing
-    from primerl.client.outage import BrokerOutageExceeded
 
     # Until here SIGTERM's default action ends the process at once; from here StoppedWhileStarting is caught below.
     StopSignals(log, stop_event, set_up, stopping_message="stopping").install()
@@ -58,8 +57,9 @@ def serve(config, args: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     from primerl.configs.orchestrator import OrchestratorConfig
 
-    return run_role("primerl-orchestrator", "orchestrator", OrchestratorConfig, argv, example="--batch-size 64",
-                    serve=serve)
+    return run_role(
+        "primerl-orchestrator", "orchestrator", OrchestratorConfig, argv, example="--batch-size 64", serve=serve
+    )
 
 
 if __name__ == "__main__":

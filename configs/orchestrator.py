@@ -47,7 +47,7 @@ class BufferConfig(BaseConfig):
     online_difficulty_filtering: bool = Field(
         False,
         description="Drop groups whose rewards are all equal (no learning signal) and those outside the bounds "
-        "below. `type = \"online-difficulty\"` is an alias.",
+        'below. `type = "online-difficulty"` is an alias.',
     )
     min_reward: float | None = Field(None, description="Drop groups whose mean reward is below this (too hard).")
     max_reward: float | None = Field(None, description="Drop groups whose mean reward is above this (too easy).")
@@ -129,11 +129,15 @@ class EnvConfig(BaseConfig):
     def _check_v1(self) -> EnvConfig:
         taskset = self.v1_config.get("taskset")
         if isinstance(taskset, dict) and "id" in taskset:
-            raise ValueError(f"v1_config.taskset.id ({taskset['id']!r}) is not allowed: the taskset is the "
-                             f"environment's `id` ({self.id!r}); remove taskset.id from v1_config")
+            raise ValueError(
+                f"v1_config.taskset.id ({taskset['id']!r}) is not allowed: the taskset is the "
+                f"environment's `id` ({self.id!r}); remove taskset.id from v1_config"
+            )
         if self.v1_config and self.kind == "classic":
-            raise ValueError(f'v1_config is set but kind = "classic" ({self.id!r}): v1_config configures verifiers '
-                             'v1 environments only; remove it or set kind = "v1" (or "auto")')
+            raise ValueError(
+                f'v1_config is set but kind = "classic" ({self.id!r}): v1_config configures verifiers '
+                'v1 environments only; remove it or set kind = "v1" (or "auto")'
+            )
         return self
 
 
@@ -146,7 +150,7 @@ class EvalConfig(BaseConfig):
     env: list[EnvConfig] = Field(
         min_length=1,
         description="Environments to evaluate on (`[[orchestrator.eval.env]]`): a classic one on its eval split, a v1 "
-        "one on the tasks its `args` give (e.g. `split = \"eval\"` for examples/reverse_text_v1).",
+        'one on the tasks its `args` give (e.g. `split = "eval"` for examples/reverse_text_v1).',
     )
 
 
@@ -177,8 +181,10 @@ class TeacherConfig(BaseConfig):
     )
     timeout_s: float = Field(120.0, gt=0, description="A teacher request that takes longer is retried.")
     max_retries: int = Field(
-        3, ge=0, description="Retries of a failed teacher request (on another endpoint when there is one) before "
-        "its rollout group is dropped and counted as an error."
+        3,
+        ge=0,
+        description="Retries of a failed teacher request (on another endpoint when there is one) before "
+        "its rollout group is dropped and counted as an error.",
     )
     max_inflight: int = Field(32, ge=1, description="Teacher requests in flight at once, over all endpoints.")
 
@@ -213,8 +219,13 @@ def _teacher_from_prime_rl(data: dict[str, Any]) -> dict[str, Any]:
         raise ValueError(f"teacher_model: unknown keys {sorted(unknown)}; expected `client` and `model`")
     client = dict(alias.get("client") or {})
     teacher: dict[str, Any] = {}
-    for key, target in (("base_url", "base_url"), ("api_key_var", "api_key_var"), ("timeout", "timeout_s"),
-                        ("timeout_s", "timeout_s"), ("max_retries", "max_retries")):
+    for key, target in (
+        ("base_url", "base_url"),
+        ("api_key_var", "api_key_var"),
+        ("timeout", "timeout_s"),
+        ("timeout_s", "timeout_s"),
+        ("max_retries", "max_retries"),
+    ):
         if key in client:
             teacher[target] = client.pop(key)
     if client:
@@ -261,16 +272,20 @@ class OrchestratorConfig(BaseConfig):
     advantage: AdvantageConfig = Field(default_factory=AdvantageConfig, description="Advantage computation.")
     eval: EvalConfig | None = Field(None, description="Evaluation during training; off when absent.")
     env_python: Path | None = Field(
-        None, description="Python interpreter of the env-worker processes (unset: $PRIMERL_ENV_PYTHON, else "
-        ".venv-envs/bin/python beside primerl's venv when it exists, else the orchestrator's own)."
+        None,
+        description="Python interpreter of the env-worker processes (unset: $PRIMERL_ENV_PYTHON, else "
+        ".venv-envs/bin/python beside primerl's venv when it exists, else the orchestrator's own).",
     )
     env_v1_python: Path | None = Field(
-        None, description="Python interpreter of the verifiers v1 env servers (unset: $PRIMERL_ENV_V1_PYTHON, else "
-        ".venv-envs-v1/bin/python beside primerl's venv when it exists, else the orchestrator's own)."
+        None,
+        description="Python interpreter of the verifiers v1 env servers (unset: $PRIMERL_ENV_V1_PYTHON, else "
+        ".venv-envs-v1/bin/python beside primerl's venv when it exists, else the orchestrator's own).",
     )
     v1_max_workers: int = Field(
-        1, ge=1, description="Worker processes of each v1 env server (verifiers' serve_env `max_workers`; 1: one "
-        "in-process server)."
+        1,
+        ge=1,
+        description="Worker processes of each v1 env server (verifiers' serve_env `max_workers`; 1: one "
+        "in-process server).",
     )
     rollout_timeout_s: float = Field(1800.0, gt=0, description="A rollout that takes longer is abandoned.")
     max_steps: int | None = Field(None, ge=1, description="Stop after this many steps (unset: no limit).")

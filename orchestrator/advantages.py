@@ -32,8 +32,9 @@ if TYPE_CHECKING:
 DEFAULT_STD_EPS = 1e-6
 
 
-def group_advantages(rewards: Sequence[float] | np.ndarray, *, std_normalize: bool = False,
-                     eps: float = DEFAULT_STD_EPS) -> np.ndarray:
+def group_advantages(
+    rewards: Sequence[float] | np.ndarray, *, std_normalize: bool = False, eps: float = DEFAULT_STD_EPS
+) -> np.ndarray:
     """Advantages (float64) of one group's rollout rewards: reward minus the group mean, optionally divided by
     the group's population standard deviation plus ``eps``."""
     values = np.asarray(rewards, dtype=np.float64)
@@ -47,8 +48,13 @@ def group_advantages(rewards: Sequence[float] | np.ndarray, *, std_normalize: bo
     return centred
 
 
-def length_penalized_rewards(rewards: Sequence[float] | np.ndarray, completion_lengths: Sequence[int] | np.ndarray,
-                             *, length_penalty: float, max_tokens: int | None) -> np.ndarray:
+def length_penalized_rewards(
+    rewards: Sequence[float] | np.ndarray,
+    completion_lengths: Sequence[int] | np.ndarray,
+    *,
+    length_penalty: float,
+    max_tokens: int | None,
+) -> np.ndarray:
     """``reward - length_penalty * completion_length / max_tokens`` (float64)."""
     values = np.asarray(rewards, dtype=np.float64)
     if length_penalty == 0:
@@ -63,8 +69,9 @@ def length_penalized_rewards(rewards: Sequence[float] | np.ndarray, completion_l
     return values - length_penalty * lengths / max_tokens
 
 
-def apply_truncation_options(groups: Iterable[Group], *, mask_truncated_completions: bool,
-                             zero_truncated_completions: bool) -> int:
+def apply_truncation_options(
+    groups: Iterable[Group], *, mask_truncated_completions: bool, zero_truncated_completions: bool
+) -> int:
     """Apply the two truncation options in place; returns the number of truncated rollouts seen."""
     num_truncated = 0
     for group in groups:
@@ -80,8 +87,14 @@ def apply_truncation_options(groups: Iterable[Group], *, mask_truncated_completi
     return num_truncated
 
 
-def compute_advantages(groups: Iterable[Group], *, std_normalize: bool = False, length_penalty: float = 0.0,
-                       max_tokens: int | None = None, eps: float = DEFAULT_STD_EPS) -> None:
+def compute_advantages(
+    groups: Iterable[Group],
+    *,
+    std_normalize: bool = False,
+    length_penalty: float = 0.0,
+    max_tokens: int | None = None,
+    eps: float = DEFAULT_STD_EPS,
+) -> None:
     """Set ``sample.advantage`` of every sample of every group (see the module docstring for the formula)."""
     for group in groups:
         rollouts = list(group.rollouts().values())
@@ -96,9 +109,15 @@ def compute_advantages(groups: Iterable[Group], *, std_normalize: bool = False, 
 def prepare_groups(groups: Sequence[Group], config: OrchestratorConfig) -> int:
     """The orchestrator's order: truncation options, then advantages. Returns the number of truncated rollouts.
     Filtering (which reads rewards) should come after this, so that zeroed rewards count."""
-    num_truncated = apply_truncation_options(groups, mask_truncated_completions=config.mask_truncated_completions,
-                                             zero_truncated_completions=config.zero_truncated_completions)
-    compute_advantages(groups, std_normalize=config.advantage.std_normalize,
-                       length_penalty=config.advantage.length_penalty,
-                       max_tokens=config.sampling.max_tokens or config.seq_len)
+    num_truncated = apply_truncation_options(
+        groups,
+        mask_truncated_completions=config.mask_truncated_completions,
+        zero_truncated_completions=config.zero_truncated_completions,
+    )
+    compute_advantages(
+        groups,
+        std_normalize=config.advantage.std_normalize,
+        length_penalty=config.advantage.length_penalty,
+        max_tokens=config.sampling.max_tokens or config.seq_len,
+    )
     return num_truncated

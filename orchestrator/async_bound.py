@@ -65,7 +65,9 @@ class AsyncBound:
         """``async/off_policy_lag_{mean,max,min}`` over the given versions (e.g. one per sample or per token)."""
         lags = self.off_policy_lags(step, policy_versions)
         if lags.size == 0:
-            return {"async/off_policy_lag_mean": 0.0, "async/off_policy_lag_max": 0.0,
-                    "async/off_policy_lag_min": 0.0}
-        return {"async/off_policy_lag_mean": float(lags.mean()), "async/off_policy_lag_max": float(lags.max()),
-                "async/off_policy_lag_min": float(lags.min())}
+            return {"async/off_policy_lag_mean": 0.0, "async/off_policy_lag_max": 0.0, "async/off_policy_lag_min": 0.0}
+        return {
+            "async/off_policy_lag_mean": float(lags.mean()),
+            "async/off_policy_lag_max": float(lags.max()),
+            "async/off_policy_lag_min": float(lags.min()),
+        }

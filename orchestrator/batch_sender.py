@@ -61,8 +61,14 @@ class BatchSender(Generic[ItemT]):
 
     # -- caller side ---------------------------------------------------------------------------------
 
-    def put(self, step: int, item: ItemT, on_sent: Callable[[float], None], timeout_s: float,
-            should_stop: Callable[[], bool] | None = None) -> float:
+    def put(
+        self,
+        step: int,
+        item: ItemT,
+        on_sent: Callable[[float], None],
+        timeout_s: float,
+        should_stop: Callable[[], bool] | None = None,
+    ) -> float:
         """Queue one step; returns the seconds this call waited for room. Raises the send thread's error,
         ``TimeoutError`` when no room came within ``timeout_s``, or ``SendInterrupted`` once ``should_stop()`` is
         true while it waits (looked at every ``PUT_POLL_S``)."""

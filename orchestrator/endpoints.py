@@ -87,14 +87,26 @@ class InferenceEndpoint:
         return self.retry_at_s <= now_s and not (self.backoff_s and self.num_inflight)
 
     def describe(self) -> dict[str, Any]:
-        return {"worker_id": self.worker_id, "name": self.name, "url": self.base_url,
-                "policy_version": self.policy_version}
+        return {
+            "worker_id": self.worker_id,
+            "name": self.name,
+            "url": self.base_url,
+            "policy_version": self.policy_version,
+        }
 
 
 class EndpointWatcher:
-    def __init__(self, list_workers: Callable[[], Sequence[Any]], *, outage_s: float,
-                 healable: tuple[type[BaseException], ...], interval_s: float = 1.0, fast_interval_s: float = 0.05,
-                 name: str = "endpoint-watcher", what: str = "inference workers"):
+    def __init__(
+        self,
+        list_workers: Callable[[], Sequence[Any]],
+        *,
+        outage_s: float,
+        healable: tuple[type[BaseException], ...],
+        interval_s: float = 1.0,
+        fast_interval_s: float = 0.05,
+        name: str = "endpoint-watcher",
+        what: str = "inference workers",
+    ):
         self._list_workers = list_workers
         self._healable = healable
         self.interval_s = interval_s
@@ -149,8 +161,9 @@ class EndpointWatcher:
             for info in infos:
                 if info.address:
                     version = info.policy_version if info.HasField("policy_version") else 0
-                    snapshot[info.worker_id] = WorkerEndpoint(info.address.rstrip("/") + "/v1", version, info.name,
-                                                              info.registered_unix_ms)
+                    snapshot[info.worker_id] = WorkerEndpoint(
+                        info.address.rstrip("/") + "/v1", version, info.name, info.registered_unix_ms
+                    )
             with self._lock:
                 self._snapshot = snapshot
                 self._generation += 1
@@ -181,17 +194,30 @@ class InferenceWorkers:
             endpoint = self.endpoints.get(worker_id)
             if endpoint is None and info.base_url in vanished:  # registered again under a new id: same server
                 endpoint = vanished.pop(info.base_url)
-                log.info("inference worker registered again", old_worker_id=endpoint.worker_id, worker_id=worker_id,
-                         url=info.base_url)
+                log.info(
+                    "inference worker registered again",
+                    old_worker_id=endpoint.worker_id,
+                    worker_id=worker_id,
+                    url=info.base_url,
+                )
                 endpoint.worker_id = worker_id
             if endpoint is None:
-                endpoint = InferenceEndpoint(worker_id, info.base_url, info.policy_version, name=info.name,
-                                             registered_unix_ms=info.registered_unix_ms,
-                                             ready=info.policy_version >= current_version,
-                                             target_version=current_version)
+                endpoint = InferenceEndpoint(
+                    worker_id,
+                    info.base_url,
+                    info.policy_version,
+                    name=info.name,
+                    registered_unix_ms=info.registered_unix_ms,
+                    ready=info.policy_version >= current_version,
+                    target_version=current_version,
+                )
                 self.num_joined += 1
-                log.info("inference worker joined", **endpoint.describe(), current_version=current_version,
-                         serving=endpoint.ready)
+                log.info(
+                    "inference worker joined",
+                    **endpoint.describe(),
+                    current_version=current_version,
+                    serving=endpoint.ready,
+                )
                 if endpoint.ready:
                     self._now_serving(endpoint)
             endpoint.policy_version = info.policy_version
@@ -228,8 +254,12 @@ class InferenceWorkers:
     def take_counts(self) -> dict[str, float]:
         """``inference/*`` metrics since the last call: workers listed and serving, joined, left, and the longest
         time a worker took from registering to serving the current version (absent when none caught up)."""
-        metrics = {"inference/workers": float(len(self.endpoints)), "inference/workers_serving": float(len(self.ready())),
-                   "inference/workers_joined": float(self.num_joined), "inference/workers_left": float(self.num_left)}
+        metrics = {
+            "inference/workers": float(len(self.endpoints)),
+            "inference/workers_serving": float(len(self.ready())),
+            "inference/workers_joined": float(self.num_joined),
+            "inference/workers_left": float(self.num_left),
+        }
         if self.join_to_serving_s:
             metrics["inference/join_to_serving_s"] = max(self.join_to_serving_s)
         self.num_joined = self.num_left = 0
@@ -237,5 +267,11 @@ class InferenceWorkers:
         return metrics
 
 
-__all__ = ["ENDPOINT_BACKOFF_S", "EndpointWatcher", "InferenceEndpoint", "InferenceWorkers", "Snapshot",
-           "WorkerEndpoint"]
+__all__ = [
+    "ENDPOINT_BACKOFF_S",
+    "EndpointWatcher",
+    "InferenceEndpoint",
+    "InferenceWorkers",
+    "Snapshot",
+    "WorkerEndpoint",
+]

@@ -38,10 +38,14 @@ class EvalSummary:
 
     def as_metrics(self, prefix: str) -> dict[str, float]:
         """Flat `prefix/name` metrics (what the orchestrator reports as `eval/<env>/...`)."""
-        out = {f"{prefix}/reward": self.reward_mean, f"{prefix}/reward_std": self.reward_std,
-               f"{prefix}/num_rollouts": float(self.num_rollouts), f"{prefix}/errors": float(self.num_errors),
-               f"{prefix}/mean_length": self.mean_completion_tokens,
-               f"{prefix}/truncation_rate": self.truncation_rate}
+        out = {
+            f"{prefix}/reward": self.reward_mean,
+            f"{prefix}/reward_std": self.reward_std,
+            f"{prefix}/num_rollouts": float(self.num_rollouts),
+            f"{prefix}/errors": float(self.num_errors),
+            f"{prefix}/mean_length": self.mean_completion_tokens,
+            f"{prefix}/truncation_rate": self.truncation_rate,
+        }
         out.update({f"{prefix}/{name}": value for name, value in self.metrics.items()})
         return out
 
@@ -52,8 +56,9 @@ class EvalSummary:
 MAX_REPORTED_ERRORS = 5
 
 
-def summarize_groups(groups: Iterable[RolloutGroup], failed_groups: Mapping[int, str] | None = None,
-                     rollouts_per_group: int = 1) -> EvalSummary:
+def summarize_groups(
+    groups: Iterable[RolloutGroup], failed_groups: Mapping[int, str] | None = None, rollouts_per_group: int = 1
+) -> EvalSummary:
     """Summary of finished groups; each entry of `failed_groups` (example index -> error) counts as
     `rollouts_per_group` failed rollouts."""
     rewards: list[float] = []
@@ -70,8 +75,10 @@ def summarize_groups(groups: Iterable[RolloutGroup], failed_groups: Mapping[int,
             if not rollout.ok or rollout.reward is None or not math.isfinite(rollout.reward):
                 summary.num_errors += 1
                 if len(summary.errors) < MAX_REPORTED_ERRORS:
-                    summary.errors.append(f"example {group.example_index} rollout {rollout.rollout_index}: "
-                                          f"{rollout.error_type or 'no reward'}: {rollout.error}")
+                    summary.errors.append(
+                        f"example {group.example_index} rollout {rollout.rollout_index}: "
+                        f"{rollout.error_type or 'no reward'}: {rollout.error}"
+                    )
                 continue
             rewards.append(float(rollout.reward))
             lengths.append(rollout.num_completion_tokens)
@@ -90,11 +97,20 @@ def summarize_groups(groups: Iterable[RolloutGroup], failed_groups: Mapping[int,
     return summary
 
 
-def run_eval_groups(worker: Any, example_indices: Iterable[int], *, num_rollouts: int, base_url: str, model: str,
-                    sampling: Mapping[str, Any], split: Split = "eval", api_key: str = "EMPTY",
-                    max_concurrent_groups: int = 16, timeout_s: float = 600.0,
-                    on_group: Callable[[RolloutGroup], None] | None = None,
-                    ) -> tuple[list[RolloutGroup], dict[int, str]]:
+def run_eval_groups(
+    worker: Any,
+    example_indices: Iterable[int],
+    *,
+    num_rollouts: int,
+    base_url: str,
+    model: str,
+    sampling: Mapping[str, Any],
+    split: Split = "eval",
+    api_key: str = "EMPTY",
+    max_concurrent_groups: int = 16,
+    timeout_s: float = 600.0,
+    on_group: Callable[[RolloutGroup], None] | None = None,
+) -> tuple[list[RolloutGroup], dict[int, str]]:
     """Roll out every example (at most `max_concurrent_groups` at once) on `worker` (an `EnvWorker`).
 
     Returns the finished groups in example order and the examples whose request failed (index -> error).
@@ -115,8 +131,16 @@ def run_eval_groups(worker: Any, example_indices: Iterable[int], *, num_rollouts
         example_sampling = dict(sampling)
         if example_sampling.get("seed") is not None:
             example_sampling["seed"] = rollout_seed_base(int(example_sampling["seed"]), index, num_rollouts)
-        future = worker.submit_rollout(index, split=split, num_rollouts=num_rollouts, base_url=base_url, model=model,
-                                       api_key=api_key, sampling=example_sampling, timeout_s=timeout_s)
+        future = worker.submit_rollout(
+            index,
+            split=split,
+            num_rollouts=num_rollouts,
+            base_url=base_url,
+            model=model,
+            api_key=api_key,
+            sampling=example_sampling,
+            timeout_s=timeout_s,
+        )
         inflight[future] = index
         return True
 
@@ -138,8 +162,16 @@ def run_eval_groups(worker: Any, example_indices: Iterable[int], *, num_rollouts
     return [finished[i] for i in sorted(finished)], failed
 
 
-def evaluate_workers(eval_workers: Mapping[str, Any], eval_config: Any, *, base_url: str, model: str, api_key: str,
-                     sampling: Mapping[str, Any], timeout_s: float) -> dict[str, float]:
+def evaluate_workers(
+    eval_workers: Mapping[str, Any],
+    eval_config: Any,
+    *,
+    base_url: str,
+    model: str,
+    api_key: str,
+    sampling: Mapping[str, Any],
+    timeout_s: float,
+) -> dict[str, float]:
     """The orchestrator's periodic eval: each eval environment's eval split (at most ``eval_config.num_examples``
     examples, ``eval_config.rollouts_per_example`` rollouts each) as ``eval/<env id>/...`` metrics. Failed groups
     are logged and counted in the summary."""
@@ -149,9 +181,17 @@ def evaluate_workers(eval_workers: Mapping[str, Any], eval_config: Any, *, base_
         if eval_config.num_examples is not None:
             count = min(count, eval_config.num_examples)
         groups, failed = run_eval_groups(
-            worker, range(count), num_rollouts=eval_config.rollouts_per_example, base_url=base_url, model=model,
-            api_key=api_key, sampling=sampling, split="eval",  # seeded by example index when seeded
-            max_concurrent_groups=max(1, count), timeout_s=timeout_s)
+            worker,
+            range(count),
+            num_rollouts=eval_config.rollouts_per_example,
+            base_url=base_url,
+            model=model,
+            api_key=api_key,
+            sampling=sampling,
+            split="eval",  # seeded by example index when seeded
+            max_concurrent_groups=max(1, count),
+            timeout_s=timeout_s,
+        )
         for index, error in failed.items():  # counted and reported like training rollouts
             log.warning("eval group failed", env_id=env_id, example_index=index, error=error)
         summary = summarize_groups(groups, failed, rollouts_per_group=eval_config.rollouts_per_example)

@@ -33,8 +33,9 @@ if TYPE_CHECKING:
 FILTER_REASONS = ("too_hard", "too_easy", "low_variance")
 
 
-def filter_reason(group: Group, *, min_reward: float | None = None, max_reward: float | None = None,
-                  min_reward_variance: float = 0.0) -> str | None:
+def filter_reason(
+    group: Group, *, min_reward: float | None = None, max_reward: float | None = None, min_reward_variance: float = 0.0
+) -> str | None:
     """Why the group is dropped (one of ``FILTER_REASONS``), or None when it is kept."""
     rewards = group.rollout_rewards()
     if rewards.size == 0:
@@ -67,13 +68,19 @@ class FilterResult:
         return self.num_groups - len(self.kept)
 
 
-def filter_groups(groups: Iterable[Group], *, min_reward: float | None = None, max_reward: float | None = None,
-                  min_reward_variance: float = 0.0) -> FilterResult:
+def filter_groups(
+    groups: Iterable[Group],
+    *,
+    min_reward: float | None = None,
+    max_reward: float | None = None,
+    min_reward_variance: float = 0.0,
+) -> FilterResult:
     """Split groups into kept and dropped-by-reason (order preserved)."""
     result = FilterResult(kept=[], dropped={reason: [] for reason in FILTER_REASONS})
     for group in groups:
-        reason = filter_reason(group, min_reward=min_reward, max_reward=max_reward,
-                               min_reward_variance=min_reward_variance)
+        reason = filter_reason(
+            group, min_reward=min_reward, max_reward=max_reward, min_reward_variance=min_reward_variance
+        )
         if reason is None:
             result.kept.append(group)
         else:
@@ -92,14 +99,19 @@ class DifficultyFilter:
 
     @classmethod
     def from_config(cls, config: BufferConfig) -> DifficultyFilter:
-        return cls(enabled=config.online_difficulty_filtering, min_reward=config.min_reward,
-                   max_reward=config.max_reward, min_reward_variance=config.min_reward_variance)
+        return cls(
+            enabled=config.online_difficulty_filtering,
+            min_reward=config.min_reward,
+            max_reward=config.max_reward,
+            min_reward_variance=config.min_reward_variance,
+        )
 
     def __call__(self, groups: Iterable[Group]) -> FilterResult:
         if not self.enabled:
             return FilterResult(kept=list(groups), dropped={reason: [] for reason in FILTER_REASONS})
-        return filter_groups(groups, min_reward=self.min_reward, max_reward=self.max_reward,
-                             min_reward_variance=self.min_reward_variance)
+        return filter_groups(
+            groups, min_reward=self.min_reward, max_reward=self.max_reward, min_reward_variance=self.min_reward_variance
+        )
 
 
 def num_groups_to_request(batch_size: int, rollouts_per_example: int, oversampling_factor: float = 1.0) -> int:
@@ -131,8 +143,13 @@ class AssembledBatch:
 class BatchAssembler:
     """Accumulates kept groups until a batch of ``batch_size`` rollouts is full; keeps a bounded surplus."""
 
-    def __init__(self, batch_size: int, *, difficulty_filter: DifficultyFilter | None = None,
-                 max_surplus_rollouts: int | None = None):
+    def __init__(
+        self,
+        batch_size: int,
+        *,
+        difficulty_filter: DifficultyFilter | None = None,
+        max_surplus_rollouts: int | None = None,
+    ):
         if batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
         self.batch_size = batch_size

@@ -49,7 +49,9 @@ UNREACHABLE = re.compile(
     r"ConnectTimeout|Connection timeout to host|ServerTimeoutError|"
     r"Server ?Disconnected|ClientConnectorError|Cannot connect to host|ConnectionResetError|ConnectionRefusedError|"
     r"\b50[23]\b|Service Unavailable|Bad Gateway|"
-    r"^teacher_unreachable:", re.IGNORECASE)  # the teacher: the same outage rule
+    r"^teacher_unreachable:",
+    re.IGNORECASE,
+)  # the teacher: the same outage rule
 
 
 class RolloutsFailing(RuntimeError):
@@ -68,31 +70,43 @@ def _cut(error: str) -> str:
 
 # (pattern over "kind: error", fix) -- the first match gives the hint; `{...}` are filled from `hint_values`.
 KNOWN_CAUSES: Sequence[tuple[str, str]] = (
-    (r"^teacher_.*(maximum context length|max_model_len|too many tokens)",
-     "the samples (up to seq_len = {seq_len} tokens) do not fit the teacher's context: give the teacher a "
-     "max_model_len of at least seq_len + 1 ([teacher.model] max_model_len)"),
-    (r"^teacher_",
-     "the teacher ([orchestrator.teacher]) could not score the rollouts: is it running and reachable at its "
-     "base_url (or registered with the broker as a teacher), does it serve teacher.model with the student's "
-     "tokenizer, and does it take the run token (or teacher.api_key_var)?"),
-    (r"maximum context length|max_model_len|maximum model length|context length|prompt is too long|too many tokens",
-     "the prompts (plus sampling.max_tokens) do not fit the inference server's context length, which is seq_len "
-     "(= {seq_len}) under `primerl rl`: raise seq_len (or inference.model.max_model_len), or lower "
-     "sampling.max_tokens"),
-    (r"connect(ion)? ?(error|refused)|APIConnectionError|ConnectError|Name or service not known",
-     "the env worker cannot reach the inference server: is primerl-infer running, and is its address (as "
-     "registered with the broker) reachable from the orchestrator's machine?"),
-    (r"\b401\b|Unauthorized|AuthenticationError",
-     "the inference server refused the credentials: give the orchestrator the run's token (broker.run_token / "
-     "$PRIMERL_RUN_TOKEN) that primerl-infer was started with"),
-    (r"\b404\b|NotFoundError|does not exist",
-     "the inference server does not serve the orchestrator's model.name (= {model!r}): set it to the served "
-     "model"),
-    (r"EnvRequestTimeout|passed its deadline",
-     "rollouts take longer than rollout_timeout_s (= {rollout_timeout_s:g} s): raise it, or lower "
-     "sampling.max_tokens"),
-    (r"^ScoringError|reward",
-     "the environment's rubric fails: fix the environment (its first error is above)"),
+    (
+        r"^teacher_.*(maximum context length|max_model_len|too many tokens)",
+        "the samples (up to seq_len = {seq_len} tokens) do not fit the teacher's context: give the teacher a "
+        "max_model_len of at least seq_len + 1 ([teacher.model] max_model_len)",
+    ),
+    (
+        r"^teacher_",
+        "the teacher ([orchestrator.teacher]) could not score the rollouts: is it running and reachable at its "
+        "base_url (or registered with the broker as a teacher), does it serve teacher.model with the student's "
+        "tokenizer, and does it take the run token (or teacher.api_key_var)?",
+    ),
+    (
+        r"maximum context length|max_model_len|maximum model length|context length|prompt is too long|too many tokens",
+        "the prompts (plus sampling.max_tokens) do not fit the inference server's context length, which is seq_len "
+        "(= {seq_len}) under `primerl rl`: raise seq_len (or inference.model.max_model_len), or lower "
+        "sampling.max_tokens",
+    ),
+    (
+        r"connect(ion)? ?(error|refused)|APIConnectionError|ConnectError|Name or service not known",
+        "the env worker cannot reach the inference server: is primerl-infer running, and is its address (as "
+        "registered with the broker) reachable from the orchestrator's machine?",
+    ),
+    (
+        r"\b401\b|Unauthorized|AuthenticationError",
+        "the inference server refused the credentials: give the orchestrator the run's token (broker.run_token / "
+        "$PRIMERL_RUN_TOKEN) that primerl-infer was started with",
+    ),
+    (
+        r"\b404\b|NotFoundError|does not exist",
+        "the inference server does not serve the orchestrator's model.name (= {model!r}): set it to the served model",
+    ),
+    (
+        r"EnvRequestTimeout|passed its deadline",
+        "rollouts take longer than rollout_timeout_s (= {rollout_timeout_s:g} s): raise it, or lower "
+        "sampling.max_tokens",
+    ),
+    (r"^ScoringError|reward", "the environment's rubric fails: fix the environment (its first error is above)"),
 )
 
 
@@ -115,9 +129,15 @@ def hint_for(kind: str, error: str, hint_values: dict[str, object]) -> str:
 class RolloutFailures:
     """Counts failed rollouts by kind and stops a run whose rollouts all fail (module docstring)."""
 
-    def __init__(self, step_num_rollouts: int, *, report: Callable[[str], None] | None = None,
-                 hint_values: dict[str, object] | None = None, inference_outage_s: float = 300.0,
-                 clock: Callable[[], float] = time.monotonic):
+    def __init__(
+        self,
+        step_num_rollouts: int,
+        *,
+        report: Callable[[str], None] | None = None,
+        hint_values: dict[str, object] | None = None,
+        inference_outage_s: float = 300.0,
+        clock: Callable[[], float] = time.monotonic,
+    ):
         if step_num_rollouts < 1:
             raise ValueError(f"step_num_rollouts must be >= 1, got {step_num_rollouts}")
         if inference_outage_s <= 0:
@@ -154,8 +174,11 @@ class RolloutFailures:
         if kind not in self.first_errors:
             self.first_errors[kind] = _cut(error)
             server = "the teacher" if kind.startswith("teacher_") else "the inference server"
-            hint = (f"{server} did not answer (restarting?): waiting for it up to "
-                    f"{self.inference_outage_s:g} s" if unreachable else hint_for(kind, error, self.hint_values))
+            hint = (
+                f"{server} did not answer (restarting?): waiting for it up to {self.inference_outage_s:g} s"
+                if unreachable
+                else hint_for(kind, error, self.hint_values)
+            )
             log.warning("rollout failed", kind=kind, error=self.first_errors[kind], count=self.counts[kind], hint=hint)
             if self._report is not None:
                 self._report(f"rollout failed ({kind}): {self.first_errors[kind]}")
@@ -194,19 +217,26 @@ class RolloutFailures:
                 f"no {self._unreachable_what} answered for {waited_s:.0f} s (the orchestrator waits up to "
                 f"{self.inference_outage_s:g} s); first error: {self._unreachable_error}. Fix: is primerl-infer "
                 "running, and is the address it registered with the broker reachable from the orchestrator's "
-                "machine?")
+                "machine?"
+            )
         if now >= self._next_unreachable_log_s:
             self._next_unreachable_log_s = now + LOG_EVERY_S
-            log.warning("waiting for an inference worker", outage_s=round(waited_s, 1),
-                        budget_s=self.inference_outage_s, error=self._unreachable_error)
+            log.warning(
+                "waiting for an inference worker",
+                outage_s=round(waited_s, 1),
+                budget_s=self.inference_outage_s,
+                error=self._unreachable_error,
+            )
 
     def message(self) -> str:
         kind, count = self._streak.most_common(1)[0] if self._streak else ("unknown", self.consecutive)
         others = ", ".join(f"{k} x{n}" for k, n in self._streak.most_common()[1:4])
         error = self.first_errors.get(kind, "")
-        return (f"{self.consecutive} rollouts in a row failed (a step needs {self.step_num_rollouts}), "
-                f"{count} of them with {kind}{' (also ' + others + ')' if others else ''}: {error}. "
-                f"Fix: {hint_for(kind, error, self.hint_values)}")
+        return (
+            f"{self.consecutive} rollouts in a row failed (a step needs {self.step_num_rollouts}), "
+            f"{count} of them with {kind}{' (also ' + others + ')' if others else ''}: {error}. "
+            f"Fix: {hint_for(kind, error, self.hint_values)}"
+        )
 
 
 __all__ = ["KNOWN_CAUSES", "RolloutFailures", "RolloutsFailing", "hint_for", "is_unreachable", "kind_name"]

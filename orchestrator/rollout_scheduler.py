@@ -38,9 +38,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from primerl.configs.orchestrator import OrchestratorConfig
 from primerl.orchestrator.advantages import prepare_groups
 from primerl.orchestrator.async_bound import AsyncBound
-from primerl.configs.orchestrator import OrchestratorConfig
 from primerl.orchestrator.endpoints import ENDPOINT_BACKOFF_S, EndpointWatcher, InferenceEndpoint, InferenceWorkers
 from primerl.orchestrator.env_client import EnvRequestError, EnvWorkerDied
 from primerl.orchestrator.env_sampler import EnvSampler
@@ -81,10 +81,19 @@ class RolloutScheduler:
     ``env_clients`` (env id -> client), ``sampler``, ``failures``, ``inference`` (the workers rollouts go to),
     ``bound`` (the async bound), ``teacher`` (a ``TeacherStage`` or None) and ``events``."""
 
-    def __init__(self, config: OrchestratorConfig, *, stop_event: threading.Event,
-                 env_clients: Mapping[str, EnvClientLike], sampler: EnvSampler, failures: RolloutFailures,
-                 inference: InferenceWorkers | None = None, bound: AsyncBound | None = None,
-                 teacher: TeacherStage | None = None, events: SchedulerEvents | None = None):
+    def __init__(
+        self,
+        config: OrchestratorConfig,
+        *,
+        stop_event: threading.Event,
+        env_clients: Mapping[str, EnvClientLike],
+        sampler: EnvSampler,
+        failures: RolloutFailures,
+        inference: InferenceWorkers | None = None,
+        bound: AsyncBound | None = None,
+        teacher: TeacherStage | None = None,
+        events: SchedulerEvents | None = None,
+    ):
         self.config = config
         self.stop_event = stop_event
         self.env_clients = env_clients
@@ -95,7 +104,9 @@ class RolloutScheduler:
         self.teacher = teacher
         self.events = events if events is not None else SchedulerEvents()
         self.lineage = PolicyLineage()
-        self.assembler = BatchAssembler(config.batch_size, difficulty_filter=DifficultyFilter.from_config(config.buffer))
+        self.assembler = BatchAssembler(
+            config.batch_size, difficulty_filter=DifficultyFilter.from_config(config.buffer)
+        )
         self.inflight: dict[concurrent.futures.Future, InflightGroup] = {}
         self.latest_policy_version: int | None = None  # the broker's, from its heartbeat answers
         self.next_group_id = 0
@@ -127,9 +138,13 @@ class RolloutScheduler:
 
     def take_report(self) -> StepReport:
         """What was counted since the last report; the next step's counts start afresh."""
-        report = StepReport(counters=self.counters, fallbacks=self.fallbacks, timers=self.timers,
-                            tokens_per_s=self.throughput.tokens_per_s(time.monotonic()),
-                            worker_metrics=self.worker_metrics())
+        report = StepReport(
+            counters=self.counters,
+            fallbacks=self.fallbacks,
+            timers=self.timers,
+            tokens_per_s=self.throughput.tokens_per_s(time.monotonic()),
+            worker_metrics=self.worker_metrics(),
+        )
         self.counters, self.fallbacks, self.timers = collections.Counter(), collections.Counter(), StepTimers()
         return report
 
@@ -175,9 +190,15 @@ class RolloutScheduler:
         self._rescheduled.append((entry.env_id, entry.example_index, entry.num_retries + 1))
         self.counters["retried"] += self.config.rollouts_per_example
         self.failures.retried(reason)
-        log.info("rollout group retried", env_id=entry.env_id, example_index=entry.example_index,
-                 worker_id=entry.endpoint.worker_id, url=entry.endpoint.base_url, attempt=entry.num_retries + 1,
-                 reason=reason.split("\n", 1)[0][:200])
+        log.info(
+            "rollout group retried",
+            env_id=entry.env_id,
+            example_index=entry.example_index,
+            worker_id=entry.endpoint.worker_id,
+            url=entry.endpoint.base_url,
+            attempt=entry.num_retries + 1,
+            reason=reason.split("\n", 1)[0][:200],
+        )
         return True
 
     def dispatch(self, step: int) -> None:
@@ -198,7 +219,9 @@ class RolloutScheduler:
         now_s = time.monotonic()
         max_inflight = config.max_inflight or 2 * config.batch_size
         groups_wanted = math.ceil(max_inflight / config.rollouts_per_example)
-        if self.teacher is not None and len(self.teacher) >= groups_wanted:  # the teacher is behind: let it catch up (bounded by its timeouts)
+        if (
+            self.teacher is not None and len(self.teacher) >= groups_wanted
+        ):  # the teacher is behind: let it catch up (bounded by its timeouts)
             self.counters["teacher_waits"] += 1
             return
         # Groups are drawn one by one (the same draws, seeds and group ids as one at a time), then handed to
@@ -211,13 +234,22 @@ class RolloutScheduler:
                 break
             endpoint = min(answering, key=lambda e: e.num_inflight)
             # groups lost with a dead env worker or an unreachable inference worker go first (drawn already)
-            env_id, example_index, num_retries = (self._rescheduled.popleft() if self._rescheduled
-                                                  else (*self.sampler.next(), 0))
+            env_id, example_index, num_retries = (
+                self._rescheduled.popleft() if self._rescheduled else (*self.sampler.next(), 0)
+            )
             seed = rollout_seed_base(config.sampling.seed, self.next_group_id, config.rollouts_per_example)
             key = (env_id, endpoint.worker_id, seed)
             batches[key].append(example_index)
-            entries[key].append(InflightGroup(env_id, example_index, endpoint, endpoint.policy_version,
-                                              lineage_epoch=self.lineage.epoch, num_retries=num_retries))
+            entries[key].append(
+                InflightGroup(
+                    env_id,
+                    example_index,
+                    endpoint,
+                    endpoint.policy_version,
+                    lineage_epoch=self.lineage.epoch,
+                    num_retries=num_retries,
+                )
+            )
             endpoint.num_inflight += config.rollouts_per_example
             self.next_group_id += 1
         for key, example_indices in batches.items():
@@ -226,8 +258,11 @@ class RolloutScheduler:
             self.ensure_worker(env_id)
             try:
                 futures = self.env_clients[env_id].submit_rollouts(
-                    example_indices, num_rollouts=config.rollouts_per_example, base_url=endpoint.base_url,
-                    model=config.model.name, api_key=config.broker.run_token or "EMPTY",
+                    example_indices,
+                    num_rollouts=config.rollouts_per_example,
+                    base_url=endpoint.base_url,
+                    model=config.model.name,
+                    api_key=config.broker.run_token or "EMPTY",
                     sampling=config.sampling.model_dump() | {"seed": seed},
                 )
             except EnvWorkerDied as exc:  # it died since the check above: the next dispatch restarts it
@@ -242,8 +277,9 @@ class RolloutScheduler:
     def _inflight_changed(self) -> None:
         self.events.inflight_changed(len(self.inflight) * self.config.rollouts_per_example)
 
-    def _count_error(self, kind: str, failure_kind: str, error: str, endpoint: InferenceEndpoint,
-                     num_rollouts: int = 1) -> None:
+    def _count_error(
+        self, kind: str, failure_kind: str, error: str, endpoint: InferenceEndpoint, num_rollouts: int = 1
+    ) -> None:
         """A failed rollout (``rollout_errors``) or rollout group (``env_errors``): both add to rollout/errors;
         ``failure_kind`` (the error's class) is counted apart and reported (``RolloutFailures``). A failure that
         says the inference worker could not be reached pauses dispatch to it (it may be restarting)."""
@@ -269,8 +305,12 @@ class RolloutScheduler:
             self.ensure_worker(entry.env_id)
         self._rescheduled.append((entry.env_id, entry.example_index, entry.num_retries))
         self.counters["rescheduled"] += self.config.rollouts_per_example
-        log.info("rollout group rescheduled", env_id=entry.env_id, example_index=entry.example_index,
-                 reason=str(exc).split("\n", 1)[0][:200])
+        log.info(
+            "rollout group rescheduled",
+            env_id=entry.env_id,
+            example_index=entry.example_index,
+            reason=str(exc).split("\n", 1)[0][:200],
+        )
 
     def collect(self, timeout_s: float) -> None:
         scoring = self.teacher.futures() if self.teacher is not None else []
@@ -279,8 +319,9 @@ class RolloutScheduler:
                 self.stop_event.wait(timeout_s)
             return
         with self.timers.timed("collect_wait_s"):
-            done, _ = concurrent.futures.wait([*self.inflight, *scoring], timeout=timeout_s,
-                                              return_when=concurrent.futures.FIRST_COMPLETED)
+            done, _ = concurrent.futures.wait(
+                [*self.inflight, *scoring], timeout=timeout_s, return_when=concurrent.futures.FIRST_COMPLETED
+            )
         for future in done:
             if self.teacher is not None and self.teacher.holds(future):
                 self._scored(future)
@@ -296,8 +337,13 @@ class RolloutScheduler:
                 failure_kind = exc.error_type if isinstance(exc, EnvRequestError) else type(exc).__name__
                 if is_unreachable(failure_kind, str(exc)) and self._retry_unreachable(entry, f"{failure_kind}: {exc}"):
                     continue
-                self._count_error("env_errors", failure_kind, f"{entry.env_id}: {exc}", entry.endpoint,
-                                  self.config.rollouts_per_example)
+                self._count_error(
+                    "env_errors",
+                    failure_kind,
+                    f"{entry.env_id}: {exc}",
+                    entry.endpoint,
+                    self.config.rollouts_per_example,
+                )
                 continue
             self.timers.add_group(rollout_group)
             tokens_before = self.counters["completion_tokens"]
@@ -343,29 +389,39 @@ class RolloutScheduler:
 
     def _to_group(self, rollout_group: RolloutGroup, entry: InflightGroup) -> Group | None:
         config = self.config
-        unreachable = next((r for r in rollout_group.rollouts
-                            if not r.ok and is_unreachable(r.error_type or "", r.error or "")), None)
+        unreachable = next(
+            (r for r in rollout_group.rollouts if not r.ok and is_unreachable(r.error_type or "", r.error or "")), None
+        )
         if unreachable is not None and self._retry_unreachable(
-                entry, f"{unreachable.error_type or 'RolloutError'}: {unreachable.error}"):
+            entry, f"{unreachable.error_type or 'RolloutError'}: {unreachable.error}"
+        ):
             return None  # the whole group again, elsewhere: its other rollouts are not counted either
         group_id = f"{entry.env_id}:{entry.example_index}:{self.next_group_id}"
         samples = []
         for rollout in rollout_group.rollouts:
             if not rollout.ok or rollout.reward is None:
-                self._count_error("rollout_errors", rollout.error_type or "RolloutError",
-                                  f"{entry.env_id}: {rollout.error}", entry.endpoint)
+                self._count_error(
+                    "rollout_errors",
+                    rollout.error_type or "RolloutError",
+                    f"{entry.env_id}: {rollout.error}",
+                    entry.endpoint,
+                )
                 continue
             entry.endpoint.answered()
             try:
                 samples += rollout_to_samples(
-                    rollout, config.trajectory_strategy, temperature=config.sampling.temperature,
-                    default_policy_version=entry.dispatched_version, fallback_counts=self.fallbacks,
-                    group_id=group_id, example_id=entry.example_index, env_id=entry.env_id,
+                    rollout,
+                    config.trajectory_strategy,
+                    temperature=config.sampling.temperature,
+                    default_policy_version=entry.dispatched_version,
+                    fallback_counts=self.fallbacks,
+                    group_id=group_id,
+                    example_id=entry.example_index,
+                    env_id=entry.env_id,
                 )
             except MalformedTrajectory as exc:
                 self.counters[f"malformed_{exc.reason}"] += 1
-                self._count_error("rollout_errors", f"malformed_{exc.reason}", f"{entry.env_id}: {exc}",
-                                  entry.endpoint)
+                self._count_error("rollout_errors", f"malformed_{exc.reason}", f"{entry.env_id}: {exc}", entry.endpoint)
             else:
                 if self.teacher is None:  # with a teacher: once the teacher scored the group
                     self.failures.succeeded()
@@ -396,9 +452,13 @@ class RolloutScheduler:
             if entry.dispatched_version > base:
                 entry.dispatched_version = base
                 num_inflight += 1
-        log.warning("policy rolled back: samples made with the rolled-back weights count as the base version",
-                    lineage=heartbeat.policy_lineage, base_version=base, waiting_samples_capped=num_waiting,
-                    inflight_groups_capped=num_inflight)
+        log.warning(
+            "policy rolled back: samples made with the rolled-back weights count as the base version",
+            lineage=heartbeat.policy_lineage,
+            base_version=base,
+            waiting_samples_capped=num_waiting,
+            inflight_groups_capped=num_inflight,
+        )
 
     def cancel_stale(self, step: int) -> None:
         stale = self.bound.stale_groups({f: e.dispatched_version for f, e in self.inflight.items()}, step)
@@ -416,8 +476,11 @@ class RolloutScheduler:
         reached or left), the ``inference/*`` membership metrics (``InferenceWorkers.take_counts``) and, with a
         teacher, ``teacher/*`` (``TeacherStage.take_metrics``; ``teacher/dispatch_waits``: dispatch rounds skipped
         because as many groups as are kept in flight waited for the teacher)."""
-        teacher = ({**self.teacher.take_metrics(), "teacher/dispatch_waits": float(self.counters["teacher_waits"])}
-                   if self.teacher is not None else {})
+        teacher = (
+            {**self.teacher.take_metrics(), "teacher/dispatch_waits": float(self.counters["teacher_waits"])}
+            if self.teacher is not None
+            else {}
+        )
         return {"rollout/retried": float(self.counters["retried"]), **self.inference.take_counts(), **teacher}
 
     def cancel_all(self) -> None:

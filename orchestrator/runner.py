@@ -100,8 +100,11 @@ class OrchestratorRunner:
         self.env_clients: dict[str, EnvClientLike] = {}  # training environments by env id
         self.eval_clients: dict[str, EnvClientLike] = {}  # eval environments by env id
         self.failures: RolloutFailures | None = None
-        self.teacher = (TeacherStage(TeacherScorer(config.teacher, run_token=config.broker.run_token))
-                        if config.teacher is not None else None)  # first: a bad teacher.api_key_var fails at once
+        self.teacher = (
+            TeacherStage(TeacherScorer(config.teacher, run_token=config.broker.run_token))
+            if config.teacher is not None
+            else None
+        )  # first: a bad teacher.api_key_var fails at once
         self.scheduler: RolloutScheduler | None = None
         self._send_stop = threading.Event()  # ends the send thread's waits when the orchestrator stops
         self._broker_lost = False  # stopped by BrokerOutageExceeded: no goodbye to the broker
@@ -117,10 +120,12 @@ class OrchestratorRunner:
         self.exporter = start_exporter("orchestrator", config.prometheus)
         if self.exporter is not None:
             self.step_gauge = self.exporter.gauge("primerl_orchestrator_step", "Latest step whose batch was sent.")
-            self.inflight_gauge = self.exporter.gauge("primerl_orchestrator_inflight_rollouts",
-                                                      "Rollouts in flight against the inference workers.")
-            self.errors_counter = self.exporter.counter("primerl_orchestrator_rollout_errors", "Failed rollouts "
-                                                        "and rollout groups (the sum of rollout/errors).")
+            self.inflight_gauge = self.exporter.gauge(
+                "primerl_orchestrator_inflight_rollouts", "Rollouts in flight against the inference workers."
+            )
+            self.errors_counter = self.exporter.counter(
+                "primerl_orchestrator_rollout_errors", "Failed rollouts and rollout groups (the sum of rollout/errors)."
+            )
         self.sink = MetricsSink("orchestrator", config.output_dir, config.wandb, config, exporter=self.exporter)
 
     def _connect(self) -> None:
@@ -133,28 +138,50 @@ class OrchestratorRunner:
         control.wait_ready(config.broker.connect_timeout_s)
         registration = control.register()
         control.start_heartbeats(lambda: dict(self.progress))
-        self.producer = RolloutProducer(registration.rollout_endpoint, auth_token=config.broker.run_token,
-                                        sender="orchestrator", resend_interval_s=RESEND_INTERVAL_S,
-                                        limits=control.limits.frames, curve=control.curve)
+        self.producer = RolloutProducer(
+            registration.rollout_endpoint,
+            auth_token=config.broker.run_token,
+            sender="orchestrator",
+            resend_interval_s=RESEND_INTERVAL_S,
+            limits=control.limits.frames,
+            curve=control.curve,
+        )
         self.sender = BatchSender(self._send_step)
-        self.endpoint_watcher = EndpointWatcher(lambda: control.list_workers(common_pb2.ROLE_INFERENCE),
-                                                outage_s=config.broker.outage_s, healable=(BrokerUnavailable,),
-                                                interval_s=WORKER_REFRESH_S, fast_interval_s=VERSION_WAIT_S)
+        self.endpoint_watcher = EndpointWatcher(
+            lambda: control.list_workers(common_pb2.ROLE_INFERENCE),
+            outage_s=config.broker.outage_s,
+            healable=(BrokerUnavailable,),
+            interval_s=WORKER_REFRESH_S,
+            fast_interval_s=VERSION_WAIT_S,
+        )
         self.endpoint_watcher.start()
         if config.teacher is not None and not config.teacher.base_url:
-            self.teacher_watcher = EndpointWatcher(lambda: control.list_workers(common_pb2.ROLE_TEACHER),
-                                                   outage_s=config.broker.outage_s, healable=(BrokerUnavailable,),
-                                                   interval_s=WORKER_REFRESH_S, name="teacher-watcher",
-                                                   what="teacher workers")
+            self.teacher_watcher = EndpointWatcher(
+                lambda: control.list_workers(common_pb2.ROLE_TEACHER),
+                outage_s=config.broker.outage_s,
+                healable=(BrokerUnavailable,),
+                interval_s=WORKER_REFRESH_S,
+                name="teacher-watcher",
+                what="teacher workers",
+            )
             self.teacher_watcher.start()
         if config.teacher is not None:
-            log.info("scoring rollouts with a teacher", model=config.teacher.model or "(first listed)",
-                     base_url=config.teacher.base_url or "(teacher workers listed by the broker)",
-                     max_inflight=config.teacher.max_inflight)
+            log.info(
+                "scoring rollouts with a teacher",
+                model=config.teacher.model or "(first listed)",
+                base_url=config.teacher.base_url or "(teacher workers listed by the broker)",
+                max_inflight=config.teacher.max_inflight,
+            )
         self.failures = RolloutFailures(
-            config.batch_size, report=control.report_error,
-            hint_values={"seq_len": config.seq_len, "model": config.model.name,
-                         "rollout_timeout_s": config.rollout_timeout_s}, inference_outage_s=INFERENCE_OUTAGE_S)
+            config.batch_size,
+            report=control.report_error,
+            hint_values={
+                "seq_len": config.seq_len,
+                "model": config.model.name,
+                "rollout_timeout_s": config.rollout_timeout_s,
+            },
+            inference_outage_s=INFERENCE_OUTAGE_S,
+        )
 
     def _start_environments(self) -> EnvSampler:
         """Start the training and eval environments side by side; the sampler over the training ones."""
@@ -170,21 +197,38 @@ class OrchestratorRunner:
             if info.num_examples == 0:
                 raise ValueError(f"environment {env.id!r} has no training examples ({resolved.setting}.args)")
             sizes[env.id], weights[env.id] = info.num_examples, env.weight
-            log.info("environment loaded", env_id=env.id, kind=resolved.kind, env_class=info.env_class,
-                     num_examples=info.num_examples, weight=env.weight)
+            log.info(
+                "environment loaded",
+                env_id=env.id,
+                kind=resolved.kind,
+                env_class=info.env_class,
+                num_examples=info.num_examples,
+                weight=env.weight,
+            )
         for resolved, info in loaded[1] if evals else []:
-            log.info("eval environment loaded", env_id=resolved.env.id, kind=resolved.kind,
-                     num_eval_examples=info.num_eval_examples, has_eval_dataset=info.has_eval_dataset)
+            log.info(
+                "eval environment loaded",
+                env_id=resolved.env.id,
+                kind=resolved.kind,
+                num_eval_examples=info.num_eval_examples,
+                has_eval_dataset=info.has_eval_dataset,
+            )
         return EnvSampler(sizes, weights, seed=config.sampling.seed or 0)
 
     def _build_scheduler(self, sampler: EnvSampler) -> RolloutScheduler:
         config = self.config
         assert self.failures is not None
-        return RolloutScheduler(config, stop_event=self.stop_event, env_clients=self.env_clients, sampler=sampler,
-                                failures=self.failures, inference=self.inference, bound=self.bound,
-                                teacher=self.teacher,
-                                events=SchedulerEvents(inflight_changed=self._inflight_changed,
-                                                       rollout_failed=self._rollout_failed))
+        return RolloutScheduler(
+            config,
+            stop_event=self.stop_event,
+            env_clients=self.env_clients,
+            sampler=sampler,
+            failures=self.failures,
+            inference=self.inference,
+            bound=self.bound,
+            teacher=self.teacher,
+            events=SchedulerEvents(inflight_changed=self._inflight_changed, rollout_failed=self._rollout_failed),
+        )
 
     def _restore(self, scheduler: RolloutScheduler) -> int:
         if not self.state_path.exists():
@@ -251,8 +295,11 @@ class OrchestratorRunner:
         try:
             self._flush_sender(grace_s)
         except (TimeoutError, OutageStopped) as exc:
-            log.warning("steps not sent before stopping; a restart sends them again",
-                        num_unsent=self.sender.num_unsent if self.sender else 0, error=str(exc))
+            log.warning(
+                "steps not sent before stopping; a restart sends them again",
+                num_unsent=self.sender.num_unsent if self.sender else 0,
+                error=str(exc),
+            )
         finally:
             self._send_stop.set()
 
@@ -307,8 +354,12 @@ class OrchestratorRunner:
                 self.step_gauge.set(step)
 
         phase_s["send_wait_s"] = self.sender.put(
-            step, (messages, packed.per_rank), on_sent,
-            timeout_s=self.config.rollout_timeout_s + self.config.broker.outage_s, should_stop=self._should_stop)
+            step,
+            (messages, packed.per_rank),
+            on_sent,
+            timeout_s=self.config.rollout_timeout_s + self.config.broker.outage_s,
+            should_stop=self._should_stop,
+        )
         phase_s["send_s"] = self.sender.last_send_s
         report = scheduler.take_report()
         report.timers.totals.update(phase_s)
@@ -326,11 +377,19 @@ class OrchestratorRunner:
         digests = rank_digests(per_rank)
         log_step_data("step sending", step, per_rank, digests)
         try:
-            send_step(self.producer, step, messages, outage_s=self.config.broker.outage_s,
-                      backpressure_timeout_s=self.config.rollout_timeout_s, stop_event=self._send_stop)
+            send_step(
+                self.producer,
+                step,
+                messages,
+                outage_s=self.config.broker.outage_s,
+                backpressure_timeout_s=self.config.rollout_timeout_s,
+                stop_event=self._send_stop,
+            )
         except RolloutRefused as exc:  # e.g. a broker spool that still holds another run's step
-            raise ValueError(f"the broker refused the batches of step {step}: {exc}. If this is a new run, give the "
-                             "broker a fresh spool_dir; to continue a run, keep the orchestrator's output_dir") from None
+            raise ValueError(
+                f"the broker refused the batches of step {step}: {exc}. If this is a new run, give the "
+                "broker a fresh spool_dir; to continue a run, keep the orchestrator's output_dir"
+            ) from None
         log_step_data("step sent", step, per_rank, digests)
 
     def _heartbeat(self) -> control_pb2.HeartbeatResponse | None:
@@ -352,8 +411,9 @@ class OrchestratorRunner:
         control = self.control
         assert control is not None
         try:
-            retry_through_outage(lambda: control.report_metrics(step, metrics), watch, (BrokerUnavailable,),
-                                 stop_event=self.stop_event)
+            retry_through_outage(
+                lambda: control.report_metrics(step, metrics), watch, (BrokerUnavailable,), stop_event=self.stop_event
+            )
         except OutageStopped:
             log.warning("metrics not reported to the broker: stopping", step=step)
 
@@ -370,9 +430,15 @@ class OrchestratorRunner:
         for client in self.eval_clients.values():
             client.ensure_alive()
         started_s = time.monotonic()
-        metrics = evaluate_workers(self.eval_clients, config.eval, base_url=endpoint.base_url, model=config.model.name,
-                                   api_key=config.broker.run_token or "EMPTY", sampling=config.sampling.model_dump(),
-                                   timeout_s=config.rollout_timeout_s)
+        metrics = evaluate_workers(
+            self.eval_clients,
+            config.eval,
+            base_url=endpoint.base_url,
+            model=config.model.name,
+            api_key=config.broker.run_token or "EMPTY",
+            sampling=config.sampling.model_dump(),
+            timeout_s=config.rollout_timeout_s,
+        )
         metrics["eval/time_s"] = time.monotonic() - started_s
         self._report_metrics(step, metrics)
         self.sink.log(step, metrics)
@@ -380,32 +446,55 @@ class OrchestratorRunner:
 
     # -- metrics and shutdown ------------------------------------------------------------------------
 
-    def _report(self, step: int, batch: AssembledBatch, packed: PackedStep, report: StepReport,
-                elapsed_s: float) -> None:
+    def _report(
+        self, step: int, batch: AssembledBatch, packed: PackedStep, report: StepReport, elapsed_s: float
+    ) -> None:
         """The step's metrics (``primerl.orchestrator.step_metrics``) to the broker, the sink and the log."""
         assert self.sink is not None
         versions = [s.min_policy_version for s in batch.samples]
-        metrics = batch_metrics(batch, report.counters, report.fallbacks, elapsed_s=elapsed_s,
-                                tokens_per_s=report.tokens_per_s, multi_env=len(self.config.env) > 1)
-        metrics.update(finite({**packed.metrics(), **self.bound.lag_metrics(step, versions),
-                               **report.timers.metrics(elapsed_s), **report.worker_metrics}))
+        metrics = batch_metrics(
+            batch,
+            report.counters,
+            report.fallbacks,
+            elapsed_s=elapsed_s,
+            tokens_per_s=report.tokens_per_s,
+            multi_env=len(self.config.env) > 1,
+        )
+        metrics.update(
+            finite(
+                {
+                    **packed.metrics(),
+                    **self.bound.lag_metrics(step, versions),
+                    **report.timers.metrics(elapsed_s),
+                    **report.worker_metrics,
+                }
+            )
+        )
         self._log_new_fallbacks(report.fallbacks)
         self._num_fallbacks_total += sum(report.fallbacks.values())
         metrics["rollout/interleave_fallbacks_total"] = float(self._num_fallbacks_total)
         # the broker merges all roles' last metrics: the batch's step lets the progress line pair its reward
         self._report_metrics(step, {**metrics, "orchestrator/step": float(step)})
         self.sink.log(step, metrics)
-        log.info("batch sent", reward=round(metrics["train/reward"], 4), num_samples=len(batch.samples),
-                 seconds=round(elapsed_s, 2), tokens_per_s=round(metrics["rollout/tokens_per_s"], 1))
+        log.info(
+            "batch sent",
+            reward=round(metrics["train/reward"], 4),
+            num_samples=len(batch.samples),
+            seconds=round(elapsed_s, 2),
+            tokens_per_s=round(metrics["rollout/tokens_per_s"], 1),
+        )
 
     def _log_new_fallbacks(self, fallbacks: collections.Counter) -> None:
         """Once per reason and run: interleaved trajectories that were trained as branching samples instead."""
         for reason, count in fallbacks.items():
             if reason not in self._fallback_reasons_logged:
                 self._fallback_reasons_logged.add(reason)
-                log.warning("interleaved trajectories fall back to branching samples (more samples, prompts "
-                            "trained again); counted in rollout/interleave_fallbacks", reason=reason,
-                            num_this_step=count)
+                log.warning(
+                    "interleaved trajectories fall back to branching samples (more samples, prompts "
+                    "trained again); counted in rollout/interleave_fallbacks",
+                    reason=reason,
+                    num_this_step=count,
+                )
 
     def close(self) -> None:
         self._send_stop.set()  # a send still waiting for the broker gives up (a restart sends its step again)
@@ -422,8 +511,9 @@ class OrchestratorRunner:
         if self.sender is not None:
             sender_stopped = self.sender.close(timeout_s=STOP_FLUSH_S)
             if not sender_stopped:
-                log.warning("the send thread is still sending; its step is not saved as done",
-                            num_unsent=self.sender.num_unsent)
+                log.warning(
+                    "the send thread is still sending; its step is not saved as done", num_unsent=self.sender.num_unsent
+                )
         if self.producer is not None and sender_stopped:  # never close a socket another thread still uses
             self.producer.close()
         if self.control is not None:
@@ -434,4 +524,3 @@ class OrchestratorRunner:
             self.sink.close()
         if self.exporter is not None:
             self.exporter.stop()
-

@@ -72,8 +72,10 @@ class TrainingSample:
 
     def __post_init__(self) -> None:
         lengths = {
-            "token_ids": len(self.token_ids), "loss_mask": len(self.loss_mask),
-            "inference_logprobs": len(self.inference_logprobs), "temperatures": len(self.temperatures),
+            "token_ids": len(self.token_ids),
+            "loss_mask": len(self.loss_mask),
+            "inference_logprobs": len(self.inference_logprobs),
+            "temperatures": len(self.temperatures),
             "policy_versions": len(self.policy_versions),
         }
         if self.teacher_logprobs is not None:
@@ -175,10 +177,12 @@ class TurnTokens:
         policy_version = getattr(turn, "policy_version", None)
         mask = getattr(turn, "completion_mask", None)
         return cls(
-            prompt_ids=turn.prompt_token_ids, completion_ids=turn.completion_token_ids,
+            prompt_ids=turn.prompt_token_ids,
+            completion_ids=turn.completion_token_ids,
             completion_logprobs=turn.completion_logprobs,
             policy_version=default_policy_version if policy_version is None else int(policy_version),
-            temperature=temperature, completion_mask=None if mask is None else [bool(m) for m in mask],
+            temperature=temperature,
+            completion_mask=None if mask is None else [bool(m) for m in mask],
         )
 
     def check(self, turn_index: int) -> None:
@@ -230,8 +234,12 @@ class _Builder:
 
     def build(self, **meta) -> TrainingSample:
         return TrainingSample(
-            token_ids=self.token_ids, loss_mask=self.loss_mask, inference_logprobs=self.logprobs,
-            temperatures=self.temperatures, policy_versions=self.policy_versions, **meta,
+            token_ids=self.token_ids,
+            loss_mask=self.loss_mask,
+            inference_logprobs=self.logprobs,
+            temperatures=self.temperatures,
+            policy_versions=self.policy_versions,
+            **meta,
         )
 
 
@@ -243,13 +251,25 @@ def _check_turns(turns: Sequence[TurnTokens]) -> None:
 
 
 def branching_samples(
-    turns: Sequence[TurnTokens], *, reward: float, truncated: bool = False, group_id: Hashable = 0,
-    example_id: Hashable = 0, env_id: str = "", rollout_id: int = 0,
+    turns: Sequence[TurnTokens],
+    *,
+    reward: float,
+    truncated: bool = False,
+    group_id: Hashable = 0,
+    example_id: Hashable = 0,
+    env_id: str = "",
+    rollout_id: int = 0,
 ) -> list[TrainingSample]:
     """One sample per turn: that turn's prompt (context) and completion (loss tokens)."""
     _check_turns(turns)
-    meta = dict(reward=reward, truncated=truncated, group_id=group_id, example_id=example_id, env_id=env_id,
-                rollout_id=rollout_id)
+    meta = dict(
+        reward=reward,
+        truncated=truncated,
+        group_id=group_id,
+        example_id=example_id,
+        env_id=env_id,
+        rollout_id=rollout_id,
+    )
     samples = []
     for turn in turns:
         builder = _Builder()
@@ -260,8 +280,14 @@ def branching_samples(
 
 
 def interleaved_sample(
-    turns: Sequence[TurnTokens], *, reward: float, truncated: bool = False, group_id: Hashable = 0,
-    example_id: Hashable = 0, env_id: str = "", rollout_id: int = 0,
+    turns: Sequence[TurnTokens],
+    *,
+    reward: float,
+    truncated: bool = False,
+    group_id: Hashable = 0,
+    example_id: Hashable = 0,
+    env_id: str = "",
+    rollout_id: int = 0,
 ) -> TrainingSample:
     """One sample for the whole trajectory; raises ``NotInterleavable`` when a turn's prompt does not start with
     the previous turn's prompt and completion."""
@@ -271,8 +297,9 @@ def interleaved_sample(
         prompt = [int(t) for t in turn.prompt_ids]
         seen = len(builder.token_ids)
         if prompt[:seen] != builder.token_ids:
-            mismatch = next((i for i, (a, b) in enumerate(zip(prompt, builder.token_ids)) if a != b),
-                            min(len(prompt), seen))
+            mismatch = next(
+                (i for i, (a, b) in enumerate(zip(prompt, builder.token_ids)) if a != b), min(len(prompt), seen)
+            )
             raise NotInterleavable(
                 "prefix_mismatch",
                 f"turn {index}'s prompt ({len(prompt)} tokens) does not extend the previous {seen} tokens "
@@ -280,20 +307,39 @@ def interleaved_sample(
             )
         builder.add_context(prompt[seen:], turn.temperature, turn.policy_version)
         builder.add_completion(turn)
-    return builder.build(reward=reward, truncated=truncated, group_id=group_id, example_id=example_id,
-                         env_id=env_id, rollout_id=rollout_id)
+    return builder.build(
+        reward=reward,
+        truncated=truncated,
+        group_id=group_id,
+        example_id=example_id,
+        env_id=env_id,
+        rollout_id=rollout_id,
+    )
 
 
 def trajectory_to_samples(
-    turns: Sequence[TurnTokens], strategy: TrajectoryStrategy, *, fallback_counts: Counter | None = None,
-    reward: float, truncated: bool = False, group_id: Hashable = 0, example_id: Hashable = 0, env_id: str = "",
+    turns: Sequence[TurnTokens],
+    strategy: TrajectoryStrategy,
+    *,
+    fallback_counts: Counter | None = None,
+    reward: float,
+    truncated: bool = False,
+    group_id: Hashable = 0,
+    example_id: Hashable = 0,
+    env_id: str = "",
     rollout_id: int = 0,
 ) -> list[TrainingSample]:
     """Samples of one trajectory. ``interleaved`` falls back to ``branching`` for a trajectory that does not
     interleave, adding 1 to ``fallback_counts[reason]``. ``MalformedTrajectory`` propagates: the caller counts
     it and drops the rollout."""
-    meta = dict(reward=reward, truncated=truncated, group_id=group_id, example_id=example_id, env_id=env_id,
-                rollout_id=rollout_id)
+    meta = dict(
+        reward=reward,
+        truncated=truncated,
+        group_id=group_id,
+        example_id=example_id,
+        env_id=env_id,
+        rollout_id=rollout_id,
+    )
     if strategy == "branching":
         return branching_samples(turns, **meta)
     if strategy != "interleaved":
@@ -307,15 +353,31 @@ def trajectory_to_samples(
 
 
 def rollout_to_samples(
-    rollout: Any, strategy: TrajectoryStrategy, *, temperature: float, default_policy_version: int = 0,
-    fallback_counts: Counter | None = None, group_id: Hashable = 0, example_id: Hashable = 0, env_id: str = "",
+    rollout: Any,
+    strategy: TrajectoryStrategy,
+    *,
+    temperature: float,
+    default_policy_version: int = 0,
+    fallback_counts: Counter | None = None,
+    group_id: Hashable = 0,
+    example_id: Hashable = 0,
+    env_id: str = "",
 ) -> list[TrainingSample]:
     """The samples of one finished env-worker rollout (``orchestrator.trajectory.Rollout`` with a reward): its
     turns as ``TurnTokens.from_wire_turn`` reads them, then ``trajectory_to_samples``. What the orchestrator
     trains on; raises ``MalformedTrajectory`` like ``trajectory_to_samples``."""
-    turns = [TurnTokens.from_wire_turn(turn, temperature=temperature, default_policy_version=default_policy_version)
-             for turn in rollout.turns]
+    turns = [
+        TurnTokens.from_wire_turn(turn, temperature=temperature, default_policy_version=default_policy_version)
+        for turn in rollout.turns
+    ]
     return trajectory_to_samples(
-        turns, strategy, fallback_counts=fallback_counts, reward=float(rollout.reward), truncated=rollout.is_truncated,
-        group_id=group_id, example_id=example_id, env_id=env_id, rollout_id=rollout.rollout_index,
+        turns,
+        strategy,
+        fallback_counts=fallback_counts,
+        reward=float(rollout.reward),
+        truncated=rollout.is_truncated,
+        group_id=group_id,
+        example_id=example_id,
+        env_id=env_id,
+        rollout_id=rollout.rollout_index,
     )

@@ -86,8 +86,15 @@ class StepTimers:
         return metrics
 
 
-def batch_metrics(batch: AssembledBatch, counters: collections.Counter, fallbacks: collections.Counter, *, elapsed_s: float,
-                  tokens_per_s: float, multi_env: bool) -> dict[str, float]:
+def batch_metrics(
+    batch: AssembledBatch,
+    counters: collections.Counter,
+    fallbacks: collections.Counter,
+    *,
+    elapsed_s: float,
+    tokens_per_s: float,
+    multi_env: bool,
+) -> dict[str, float]:
     """The metrics of a step's batch (``filtering.Batch``) and of the rollouts collected during the step
     (``counters``, ``fallbacks``); only finite numbers."""
     rewards = [reward for g in batch.groups for reward in g.rollout_rewards()]
@@ -108,8 +115,15 @@ def batch_metrics(batch: AssembledBatch, counters: collections.Counter, fallback
         **{f"rollout/{name}": float(count) for name, count in counters.items() if name.startswith("errors/")},
         "rollout/rescheduled": float(counters["rescheduled"]),
         "rollout/stale_groups_cancelled": float(counters["stale_groups_cancelled"]),
-        **({f"env/{name.split('/', 1)[1]}/stale_groups_cancelled": float(count) for name, count in counters.items()
-            if name.startswith("stale_groups_cancelled/")} if multi_env else {}),
+        **(
+            {
+                f"env/{name.split('/', 1)[1]}/stale_groups_cancelled": float(count)
+                for name, count in counters.items()
+                if name.startswith("stale_groups_cancelled/")
+            }
+            if multi_env
+            else {}
+        ),
         **batch.metrics,
     }
     return finite(metrics)
@@ -125,15 +139,21 @@ def reward_spread_metrics(rewards: list[float]) -> dict[str, float]:
     if not rewards:
         return {}
     p10, p90 = np.percentile(rewards, [10, 90])
-    return {"rollout/reward_min": float(min(rewards)), "rollout/reward_max": float(max(rewards)),
-            "rollout/reward_p10": float(p10), "rollout/reward_p90": float(p90)}
+    return {
+        "rollout/reward_min": float(min(rewards)),
+        "rollout/reward_max": float(max(rewards)),
+        "rollout/reward_p10": float(p10),
+        "rollout/reward_p90": float(p90),
+    }
 
 
 def fallback_metrics(fallbacks: collections.Counter) -> dict[str, float]:
     """``rollout/interleave_fallbacks`` (trajectories of this step's rollouts that could not be interleaved and
     were trained as branching samples) and one ``rollout/interleave_fallbacks/<reason>`` per reason seen."""
-    return {"rollout/interleave_fallbacks": float(sum(fallbacks.values())),
-            **{f"rollout/interleave_fallbacks/{reason}": float(count) for reason, count in sorted(fallbacks.items())}}
+    return {
+        "rollout/interleave_fallbacks": float(sum(fallbacks.values())),
+        **{f"rollout/interleave_fallbacks/{reason}": float(count) for reason, count in sorted(fallbacks.items())},
+    }
 
 
 def env_reward_metrics(groups: list) -> dict[str, float]:

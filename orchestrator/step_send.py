@@ -47,9 +47,16 @@ RESEND_INTERVAL_S = 2.0
 """The producer resends a batch that got no answer after this long (within an attempt)."""
 
 
-def send_step(producer: RolloutProducer, step: int, messages: Sequence[tuple[data_pb2.RolloutBatchHeader, bytes]], *, outage_s: float,
-              backpressure_timeout_s: float, stop_event: threading.Event | None = None,
-              attempt_s: float = SEND_ATTEMPT_S) -> None:
+def send_step(
+    producer: RolloutProducer,
+    step: int,
+    messages: Sequence[tuple[data_pb2.RolloutBatchHeader, bytes]],
+    *,
+    outage_s: float,
+    backpressure_timeout_s: float,
+    stop_event: threading.Event | None = None,
+    attempt_s: float = SEND_ATTEMPT_S,
+) -> None:
     """Send one step's micro-batches until every one is durable (module docstring)."""
     from primerl.client.rollouts import RolloutTimeout
     from primerl.proto.v1 import common_pb2
@@ -66,8 +73,10 @@ def send_step(producer: RolloutProducer, step: int, messages: Sequence[tuple[dat
                     raise  # no answer: an outage (retried by retry_through_outage)
                 watch.ok()  # the broker answers; it only asks us to wait
                 if time.monotonic() - started_s >= backpressure_timeout_s:
-                    raise TimeoutError(f"the broker kept step {step} waiting (back-pressure: the trainer is behind) "
-                                       f"for more than rollout_timeout_s = {backpressure_timeout_s:g} s: {exc}") from None
+                    raise TimeoutError(
+                        f"the broker kept step {step} waiting (back-pressure: the trainer is behind) "
+                        f"for more than rollout_timeout_s = {backpressure_timeout_s:g} s: {exc}"
+                    ) from None
                 if stop_event is not None and stop_event.is_set():
                     raise OutageStopped(f"stopped while the broker kept step {step} waiting") from None
 
@@ -80,7 +89,9 @@ def rank_digests(per_rank: Sequence[Sequence[PackedMicroBatch]]) -> list[str]:
     return [data_digest([batch.tensors for batch in batches]) for batches in per_rank]
 
 
-def log_step_data(event: str, step: int, per_rank: Sequence[Sequence[PackedMicroBatch]], digests: Sequence[str]) -> None:
+def log_step_data(
+    event: str, step: int, per_rank: Sequence[Sequence[PackedMicroBatch]], digests: Sequence[str]
+) -> None:
     """One ``step sending`` or ``step sent`` line per rank (module docstring)."""
     for rank, (batches, digest) in enumerate(zip(per_rank, digests)):
         log.info(event, step=step, rank=rank, num_micro_batches=len(batches), data_digest=digest)

@@ -81,8 +81,13 @@ def endpoint_url(base_url: str) -> str:
 
 def teacher_request(token_ids: Sequence[int], model: str) -> dict[str, Any]:
     """The body that asks for the prompt logprobs of exactly ``token_ids``."""
-    return {"model": model, "prompt": [int(t) for t in token_ids], "max_tokens": 1, "prompt_logprobs": 0,
-            "temperature": 1.0}
+    return {
+        "model": model,
+        "prompt": [int(t) for t in token_ids],
+        "max_tokens": 1,
+        "prompt_logprobs": 0,
+        "temperature": 1.0,
+    }
 
 
 def _entry_logprob(entry: Any, token_id: int, position: int) -> float:
@@ -90,8 +95,10 @@ def _entry_logprob(entry: Any, token_id: int, position: int) -> float:
         raise TeacherMismatch(f"prompt_logprobs[{position}] is {entry!r}, not a {{token_id: logprob}} map")
     value = entry.get(str(token_id), entry.get(token_id))  # type: ignore[call-overload]
     if value is None:
-        raise TeacherMismatch(f"prompt_logprobs[{position}] holds tokens {sorted(entry)[:4]}, not the sample's token "
-                              f"{token_id}: the teacher scored other tokens (another tokenizer?)")
+        raise TeacherMismatch(
+            f"prompt_logprobs[{position}] holds tokens {sorted(entry)[:4]}, not the sample's token "
+            f"{token_id}: the teacher scored other tokens (another tokenizer?)"
+        )
     logprob = value.get("logprob") if isinstance(value, dict) else value
     try:
         logprob = float(logprob)
@@ -111,11 +118,14 @@ def teacher_logprobs_from_answer(answer: Any, token_ids: Sequence[int], loss_mas
         raise TeacherMismatch(f"the teacher's answer has no choices: {str(answer)[:MAX_ERROR_CHARS]}") from None
     prompt_logprobs = choice.get("prompt_logprobs") if isinstance(choice, dict) else None
     if not isinstance(prompt_logprobs, list):
-        raise TeacherMismatch("the teacher's answer has no prompt_logprobs list: the teacher must be a vLLM server "
-                              "(primerl-infer) that supports prompt_logprobs")
+        raise TeacherMismatch(
+            "the teacher's answer has no prompt_logprobs list: the teacher must be a vLLM server "
+            "(primerl-infer) that supports prompt_logprobs"
+        )
     if len(prompt_logprobs) != len(token_ids):
-        raise TeacherMismatch(f"the teacher returned {len(prompt_logprobs)} prompt logprobs for a sample of "
-                              f"{len(token_ids)} tokens")
+        raise TeacherMismatch(
+            f"the teacher returned {len(prompt_logprobs)} prompt logprobs for a sample of {len(token_ids)} tokens"
+        )
     echoed = choice.get("prompt_token_ids")
     if echoed is not None and [int(t) for t in echoed] != [int(t) for t in token_ids]:
         raise TeacherMismatch("the teacher scored other token ids than the sample's (prompt_token_ids differ)")
@@ -208,9 +218,11 @@ class TeacherHttp:
 
     def __init__(self, *, api_key: str | None, timeout_s: float, max_connections: int):
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-        self.client = httpx.Client(headers=headers, timeout=timeout_s,
-                                   limits=httpx.Limits(max_connections=max_connections,
-                                                       max_keepalive_connections=max_connections))
+        self.client = httpx.Client(
+            headers=headers,
+            timeout=timeout_s,
+            limits=httpx.Limits(max_connections=max_connections, max_keepalive_connections=max_connections),
+        )
 
     def _call(self, method: str, url: str, body: dict[str, Any] | None = None) -> Any:
         try:
@@ -222,11 +234,15 @@ class TeacherHttp:
         except (httpx.HTTPError, httpx.InvalidURL, RuntimeError) as exc:  # e.g. a bad URL, the client closed
             raise TeacherError(f"teacher request to {url} failed: {type(exc).__name__}: {exc}") from None
         if response.status_code in UNREACHABLE_STATUS:
-            raise TeacherUnreachable(f"teacher at {url} answered HTTP {response.status_code} (Service Unavailable): "
-                                     f"{response.text[:MAX_ERROR_CHARS]}")
+            raise TeacherUnreachable(
+                f"teacher at {url} answered HTTP {response.status_code} (Service Unavailable): "
+                f"{response.text[:MAX_ERROR_CHARS]}"
+            )
         if response.status_code != 200:
-            raise TeacherRefused(f"teacher at {url} answered HTTP {response.status_code}: "
-                                 f"{response.text[:MAX_ERROR_CHARS]}", response.status_code)
+            raise TeacherRefused(
+                f"teacher at {url} answered HTTP {response.status_code}: {response.text[:MAX_ERROR_CHARS]}",
+                response.status_code,
+            )
         try:
             return response.json()
         except ValueError:
@@ -238,11 +254,14 @@ class TeacherHttp:
         try:
             return str(answer["data"][0]["id"])
         except (KeyError, IndexError, TypeError):
-            raise TeacherMismatch(f"teacher at {endpoint.url} lists no model: {str(answer)[:MAX_ERROR_CHARS]}; set "
-                                  "[orchestrator.teacher] model") from None
+            raise TeacherMismatch(
+                f"teacher at {endpoint.url} lists no model: {str(answer)[:MAX_ERROR_CHARS]}; set "
+                "[orchestrator.teacher] model"
+            ) from None
 
-    def score(self, endpoint: TeacherEndpoint, model: str, token_ids: Sequence[int],
-              loss_mask: Sequence[bool]) -> list[float]:
+    def score(
+        self, endpoint: TeacherEndpoint, model: str, token_ids: Sequence[int], loss_mask: Sequence[bool]
+    ) -> list[float]:
         answer = self._call("POST", f"{endpoint.url}/completions", teacher_request(token_ids, model))
         return teacher_logprobs_from_answer(answer, token_ids, loss_mask)
 
@@ -250,6 +269,18 @@ class TeacherHttp:
         self.client.close()
 
 
-__all__ = ["RETRYABLE_STATUS", "TEACHER_BACKOFF_S", "TeacherEndpoint", "TeacherEndpoints", "TeacherError",
-           "TeacherHttp", "TeacherMismatch", "TeacherRefused", "TeacherTimeout", "TeacherUnreachable", "endpoint_url",
-           "teacher_logprobs_from_answer", "teacher_request"]
+__all__ = [
+    "RETRYABLE_STATUS",
+    "TEACHER_BACKOFF_S",
+    "TeacherEndpoint",
+    "TeacherEndpoints",
+    "TeacherError",
+    "TeacherHttp",
+    "TeacherMismatch",
+    "TeacherRefused",
+    "TeacherTimeout",
+    "TeacherUnreachable",
+    "endpoint_url",
+    "teacher_logprobs_from_answer",
+    "teacher_request",
+]

@@ -63,8 +63,10 @@ class TeacherScorer:
         if config.api_key_var is not None:
             api_key = os.environ.get(config.api_key_var)
             if not api_key:
-                raise ValueError(f"teacher.api_key_var = {config.api_key_var!r}, but that environment variable is "
-                                 "unset or empty: export it, or remove teacher.api_key_var")
+                raise ValueError(
+                    f"teacher.api_key_var = {config.api_key_var!r}, but that environment variable is "
+                    "unset or empty: export it, or remove teacher.api_key_var"
+                )
         self.config = config
         self.endpoints = TeacherEndpoints()
         if config.base_url:
@@ -166,9 +168,11 @@ class TeacherScorer:
                     self.endpoints.unused(endpoint)
                 raise ScoringCancelled("teacher scoring cancelled")
             if endpoint is None:  # waited timeout_s already: not retried
-                error = TeacherUnreachable(f"no teacher endpoint was listed for {self.config.timeout_s:g} s "
-                                           "(teacher.timeout_s): start a primerl-infer with role = \"teacher\" (it "
-                                           "registers with the broker), or set teacher.base_url")
+                error = TeacherUnreachable(
+                    f"no teacher endpoint was listed for {self.config.timeout_s:g} s "
+                    '(teacher.timeout_s): start a primerl-infer with role = "teacher" (it '
+                    "registers with the broker), or set teacher.base_url"
+                )
                 error.retryable = False
                 self._ended(None, error, 0.0)
                 raise error
@@ -209,8 +213,12 @@ class TeacherScorer:
             return
         began, ended = self.endpoints.release(endpoint, error)
         if began:
-            log.warning("teacher unreachable", url=endpoint.url, error=str(error)[:300],
-                        hint="retrying; its groups fail once their retries are used up")
+            log.warning(
+                "teacher unreachable",
+                url=endpoint.url,
+                error=str(error)[:300],
+                hint="retrying; its groups fail once their retries are used up",
+            )
         if ended:
             log.info("teacher back", url=endpoint.url)
 
@@ -219,10 +227,13 @@ class TeacherScorer:
         with self._lock:
             counts, self._counts = self._counts, collections.Counter()
         requests = counts["requests"]
-        return {"teacher/requests": float(requests),
-                "teacher/request_s": counts["request_s"] / requests if requests else 0.0,
-                "teacher/retried": float(counts["retried"]), "teacher/errors": float(counts["errors"]),
-                "teacher/inflight": float(self.endpoints.num_inflight())}
+        return {
+            "teacher/requests": float(requests),
+            "teacher/request_s": counts["request_s"] / requests if requests else 0.0,
+            "teacher/retried": float(counts["retried"]),
+            "teacher/errors": float(counts["errors"]),
+            "teacher/inflight": float(self.endpoints.num_inflight()),
+        }
 
     def close(self) -> None:
         """Fail every scoring under way (``ScoringCancelled``) at once, end retry waits and the threads; a request

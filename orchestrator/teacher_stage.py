@@ -70,8 +70,12 @@ class TeacherStage:
             return ScoredGroup(group, num_rollouts, exc)
         for sample, values in zip(group.samples, logprobs, strict=True):
             sample.teacher_logprobs = values
-        log.debug("teacher scored group", group_id=group.group_id, num_samples=len(group.samples),
-                  seconds=round(time.monotonic() - submitted_s, 3))
+        log.debug(
+            "teacher scored group",
+            group_id=group.group_id,
+            num_samples=len(group.samples),
+            seconds=round(time.monotonic() - submitted_s, 3),
+        )
         return ScoredGroup(group, num_rollouts)
 
     def refresh(self, watcher: EndpointWatcher) -> None:

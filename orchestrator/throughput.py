@@ -49,7 +49,7 @@ class ThroughputWindow:
             return 0.0
         span_s = min(self.window_s, now_s - self._first_dispatched_s)
         cutoff_s = now_s - span_s
-        latest = list(self._groups)[-self.min_groups:]
+        latest = list(self._groups)[-self.min_groups :]
         while len(self._groups) > self.min_groups and self._groups[0][1] <= cutoff_s:  # out of the window
             self._groups.popleft()
         if latest[0][1] <= cutoff_s:  # too few groups in the window: the latest ones, from their dispatch

@@ -59,8 +59,13 @@ class SamplingParams:
 
     def to_wire(self) -> dict[str, Any]:
         return {
-            "temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k, "min_p": self.min_p,
-            "repetition_penalty": self.repetition_penalty, "max_tokens": self.max_tokens, "stop": list(self.stop),
+            "temperature": self.temperature,
+            "top_p": self.top_p,
+            "top_k": self.top_k,
+            "min_p": self.min_p,
+            "repetition_penalty": self.repetition_penalty,
+            "max_tokens": self.max_tokens,
+            "stop": list(self.stop),
             "seed": self.seed,
         }
 
@@ -199,12 +204,22 @@ def parse_group(env_id: str, data: Mapping[str, Any]) -> RolloutGroup:
     index = int(data.get("example_index", -1))
     where = f"{env_id} {split} example {index}"
     timings = data.get("timings")
-    timings = {str(k): float(v) for k, v in timings.items()
-               if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)} \
-        if isinstance(timings, Mapping) else {}
-    return RolloutGroup(env_id=env_id, split=split, example_index=index,
-                        rollouts=[parse_rollout(r, f"{where} rollout {i}") for i, r in enumerate(rollouts)],
-                        timings=timings)
+    timings = (
+        {
+            str(k): float(v)
+            for k, v in timings.items()
+            if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+        }
+        if isinstance(timings, Mapping)
+        else {}
+    )
+    return RolloutGroup(
+        env_id=env_id,
+        split=split,
+        example_index=index,
+        rollouts=[parse_rollout(r, f"{where} rollout {i}") for i, r in enumerate(rollouts)],
+        timings=timings,
+    )
 
 
 def sampling_from(config: Any) -> SamplingParams:
@@ -223,6 +238,17 @@ def as_wire_sampling(sampling: SamplingParams | Mapping[str, Any] | None) -> dic
 
 
 __all__ = [
-    "EnvInfo", "Example", "MalformedRolloutError", "Rollout", "RolloutGroup", "SamplingParams", "Split", "Turn",
-    "as_wire_sampling", "parse_group", "parse_rollout", "parse_turn", "sampling_from",
+    "EnvInfo",
+    "Example",
+    "MalformedRolloutError",
+    "Rollout",
+    "RolloutGroup",
+    "SamplingParams",
+    "Split",
+    "Turn",
+    "as_wire_sampling",
+    "parse_group",
+    "parse_rollout",
+    "parse_turn",
+    "sampling_from",
 ]

@@ -24,9 +24,17 @@ class EnvClientLike(Protocol):
     @property
     def max_restarts(self) -> int: ...
 
-    def submit_rollouts(self, example_indices: Sequence[int], *, num_rollouts: int, base_url: str, model: str,
-                        api_key: str = "EMPTY", sampling: Mapping[str, Any] | None = None,
-                        **kwargs: Any) -> list[concurrent.futures.Future]: ...
+    def submit_rollouts(
+        self,
+        example_indices: Sequence[int],
+        *,
+        num_rollouts: int,
+        base_url: str,
+        model: str,
+        api_key: str = "EMPTY",
+        sampling: Mapping[str, Any] | None = None,
+        **kwargs: Any,
+    ) -> list[concurrent.futures.Future]: ...
 
     def cancel(self, future: concurrent.futures.Future) -> None: ...
 

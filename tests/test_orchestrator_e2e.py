@@ -12,18 +12,20 @@ import time
 from pathlib import Path
 
 import pytest
-
-from primerl.client.rollouts import RolloutConsumer
-from primerl.proto.v1 import common_pb2
-
 from support.broker import BrokerHarness
 from support.daemons import BIN
 from support.inference import TOKEN, start_broker, start_daemon
 from support.orchestrator import ENV_PYTHON, eval_rows, metric_rows, orchestrator_args
 from support.probes import scrape_metrics as scrape
 
-pytestmark = [pytest.mark.slow, pytest.mark.vllm,
-              pytest.mark.filterwarnings("ignore:`torch.distributed.reduce_op` is deprecated:FutureWarning")]
+from primerl.client.rollouts import RolloutConsumer
+from primerl.proto.v1 import common_pb2
+
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.vllm,
+    pytest.mark.filterwarnings("ignore:`torch.distributed.reduce_op` is deprecated:FutureWarning"),
+]
 
 
 @pytest.fixture(scope="module")
@@ -42,8 +44,9 @@ def stack(tmp_path_factory, tiny_model):
         broker.stop()
 
 
-def run_orchestrator(model: Path, broker: BrokerHarness, output_dir: Path, env_id: str, *extra: str,
-                     pythonpath: str | None = None) -> subprocess.CompletedProcess:
+def run_orchestrator(
+    model: Path, broker: BrokerHarness, output_dir: Path, env_id: str, *extra: str, pythonpath: str | None = None
+) -> subprocess.CompletedProcess:
     args = orchestrator_args(model, broker, output_dir, env_id, *extra)
     env = {**os.environ, "PRIMERL_RUN_TOKEN": TOKEN}
     if pythonpath:  # inherited by the env workers: environments outside the installed packages
@@ -82,8 +85,14 @@ def output_dir(tmp_path_factory):
 
 def test_single_turn_rollouts_reach_the_broker_aligned(stack, output_dir):
     model, broker, _ = stack
-    result = run_orchestrator(model, broker, output_dir, "reverse-text",
-                              "--eval", '{interval = 2, num_examples = 4, env = [{id = "reverse-text"}]}')
+    result = run_orchestrator(
+        model,
+        broker,
+        output_dir,
+        "reverse-text",
+        "--eval",
+        '{interval = 2, num_examples = 4, env = [{id = "reverse-text"}]}',
+    )
     assert result.returncode == 0, result.stderr[-4000:]
     evals = eval_rows(output_dir)
     assert [e["step"] for e in evals] == [2]  # eval every 2 steps, logged apart from training
@@ -102,8 +111,18 @@ def test_multi_turn_rollouts_reach_the_broker_aligned(stack, output_dir):
     """The same run resumed (its state in output_dir) with a multi-turn environment: steps 3 and 4. Nothing is
     published in these tests, so the async bound is lifted to let steps 3-4 use the base policy."""
     model, broker, _ = stack
-    result = run_orchestrator(model, broker, output_dir, "reverse-text-multiturn", "--max-steps", "4",
-                              "--max-async-level", "8", "--trajectory-strategy", "interleaved")
+    result = run_orchestrator(
+        model,
+        broker,
+        output_dir,
+        "reverse-text-multiturn",
+        "--max-steps",
+        "4",
+        "--max-async-level",
+        "8",
+        "--trajectory-strategy",
+        "interleaved",
+    )
     assert result.returncode == 0, result.stderr[-4000:]
     rows = metric_rows(output_dir)
     assert [r["step"] for r in rows] == [1, 2, 3, 4]
@@ -114,8 +133,9 @@ def test_a_refused_batch_is_a_clear_error(stack, tmp_path):
     """A new run pointed at a broker whose spool holds another run's step 1, packed differently (one sample per
     micro-batch here), is refused by the broker; the orchestrator stops with an explanation, not a traceback."""
     model, broker, _ = stack
-    result = run_orchestrator(model, broker, tmp_path / "fresh", "reverse-text", "--max-steps", "1",
-                              "--batch-size", "4", "--seq-len", "80")
+    result = run_orchestrator(
+        model, broker, tmp_path / "fresh", "reverse-text", "--max-steps", "1", "--batch-size", "4", "--seq-len", "80"
+    )
     assert result.returncode == 2
     assert "refused the batches of step 1" in result.stderr and "Traceback" not in result.stderr
 
@@ -124,8 +144,17 @@ def test_failing_environment_rollouts_are_counted_not_fatal(stack, output_dir):
     """The run resumed once more (steps 5-6) with an environment whose scoring raises for some rollouts: those
     are counted and reported as errors, the others are trained on, and the orchestrator finishes its steps."""
     model, broker, _ = stack
-    result = run_orchestrator(model, broker, output_dir, "sometimes_broken_env", "--max-steps", "6",
-                              "--max-async-level", "8", pythonpath=str(Path(__file__).parent / "env_fixtures"))
+    result = run_orchestrator(
+        model,
+        broker,
+        output_dir,
+        "sometimes_broken_env",
+        "--max-steps",
+        "6",
+        "--max-async-level",
+        "8",
+        pythonpath=str(Path(__file__).parent / "env_fixtures"),
+    )
     assert result.returncode == 0, result.stderr[-4000:]
     rows = metric_rows(output_dir)
     assert [r["step"] for r in rows][-2:] == [5, 6]
@@ -140,19 +169,36 @@ def test_metrics_over_http_and_wandb_offline_while_waiting_for_the_trainer(stack
     Meanwhile its /metrics (URL from the broker's worker list) shows step 7's row and live gauges; SIGTERM then
     stops it and finishes its offline W&B run."""
     model, broker, _ = stack
-    args = orchestrator_args(model, broker, output_dir, "sometimes_broken_env", "--max-steps", "8",
-                             "--max-async-level", "6", "--wandb.project", "primerl-e2e", "--wandb.name", "orch",
-                             "--wandb.offline")
+    args = orchestrator_args(
+        model,
+        broker,
+        output_dir,
+        "sometimes_broken_env",
+        "--max-steps",
+        "8",
+        "--max-async-level",
+        "6",
+        "--wandb.project",
+        "primerl-e2e",
+        "--wandb.name",
+        "orch",
+        "--wandb.offline",
+    )
     log_path = output_dir / "waiting.log"
     with open(log_path, "w") as log_file:
-        process = subprocess.Popen(args, stdout=log_file, stderr=subprocess.STDOUT,
-                                   env={**os.environ, "PRIMERL_RUN_TOKEN": TOKEN,
-                                        "PYTHONPATH": str(Path(__file__).parent / "env_fixtures")})
+        process = subprocess.Popen(
+            args,
+            stdout=log_file,
+            stderr=subprocess.STDOUT,
+            env={**os.environ, "PRIMERL_RUN_TOKEN": TOKEN, "PYTHONPATH": str(Path(__file__).parent / "env_fixtures")},
+        )
     try:
         deadline = time.monotonic() + 300
         samples: dict = {}
-        while samples.get(("primerl_step", (("role", "orchestrator"),))) != 7 or \
-                samples.get(("primerl_orchestrator_inflight_rollouts", ())) != 0:  # step 8's stale groups cancelled
+        while (
+            samples.get(("primerl_step", (("role", "orchestrator"),))) != 7
+            or samples.get(("primerl_orchestrator_inflight_rollouts", ())) != 0
+        ):  # step 8's stale groups cancelled
             assert process.poll() is None and time.monotonic() < deadline, log_path.read_text()[-4000:]
             time.sleep(0.5)
             with broker.client() as client:
@@ -162,8 +208,14 @@ def test_metrics_over_http_and_wandb_offline_while_waiting_for_the_trainer(stack
                 samples = scrape(url)
         row = metric_rows(output_dir)[-1]
         assert row["step"] == 7
-        print(f"\n{url}\n" + "\n".join(f"{name}{dict(labels) or ''} {value:g}" for (name, labels), value
-                                       in sorted(samples.items()) if name.startswith("primerl_")))
+        print(
+            f"\n{url}\n"
+            + "\n".join(
+                f"{name}{dict(labels) or ''} {value:g}"
+                for (name, labels), value in sorted(samples.items())
+                if name.startswith("primerl_")
+            )
+        )
         assert samples[("primerl_orchestrator_step", ())] == 7
         for name in ("train/reward", "rollout/mean_length", "rollout/generation_time", "rollout/errors"):
             assert samples[("primerl_metric", (("name", name), ("role", "orchestrator")))] == pytest.approx(row[name])
@@ -182,8 +234,9 @@ def test_metrics_over_http_and_wandb_offline_while_waiting_for_the_trainer(stack
 
     run_dirs = list((output_dir / "wandb").glob("offline-run-*"))
     assert len(run_dirs) == 1
-    inspect = subprocess.run([str(BIN / "wandb"), "leet", "inspect", "--json", str(run_dirs[0])], capture_output=True,
-                             text=True, timeout=120)
+    inspect = subprocess.run(
+        [str(BIN / "wandb"), "leet", "inspect", "--json", str(run_dirs[0])], capture_output=True, text=True, timeout=120
+    )
     assert inspect.returncode == 0, inspect.stderr
     records = [json.loads(line) for line in inspect.stdout.splitlines() if line.strip()]
     run = next(r["run"] for r in records if r["type"] == "run")

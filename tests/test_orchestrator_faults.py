@@ -12,25 +12,27 @@ import time
 import numpy as np
 import pytest
 import structlog
+from support.broker import BrokerHarness
+from support.probes import wait_until as wait_for
 
 from primerl.client.control import BrokerUnavailable, ControlClient
+from primerl.client.outage import BrokerOutageExceeded
 from primerl.client.rollouts import RolloutConsumer, RolloutProducer
 from primerl.orchestrator.endpoints import EndpointWatcher
 from primerl.orchestrator.packing import pack_samples, to_broker_batches
 from primerl.orchestrator.rollout_failures import RolloutFailures, RolloutsFailing, is_unreachable, kind_name
 from primerl.orchestrator.samples import TrainingSample
 from primerl.orchestrator.step_send import log_step_sent, rank_digests, send_step
+from primerl.proto.step_digest import data_digest
 from primerl.proto.tensor_frames import decode_tensors
 from primerl.proto.v1 import common_pb2
-from primerl.client.outage import BrokerOutageExceeded
 from primerl.runtime.config_common import BrokerClientConfig
-from primerl.proto.step_digest import data_digest
-from support.broker import BrokerHarness
-from support.probes import wait_until as wait_for
 
 TOKEN = "faults-token"
-CONTEXT_ERROR = ("BadRequestError: Error code: 400 - This model's maximum context length is 16 tokens. However, "
-                 "your request has 41 input tokens.")
+CONTEXT_ERROR = (
+    "BadRequestError: Error code: 400 - This model's maximum context length is 16 tokens. However, "
+    "your request has 41 input tokens."
+)
 
 
 # ----------------------------------------------------------------------------------------- failed rollouts
@@ -46,8 +48,10 @@ def test_each_kind_is_logged_once_and_reported_and_counted():
     lines = [entry for entry in logs if entry["event"] == "rollout failed"]
     assert [(e["kind"], e["count"]) for e in lines] == [("BadRequestError", 1), ("ScoringError", 1)]
     assert "maximum context length is 16" in lines[0]["error"] and "raise seq_len" in lines[0]["hint"]
-    assert reported == [f"rollout failed (BadRequestError): {CONTEXT_ERROR}",
-                        "rollout failed (ScoringError): reward function raised ValueError"]
+    assert reported == [
+        f"rollout failed (BadRequestError): {CONTEXT_ERROR}",
+        "rollout failed (ScoringError): reward function raised ValueError",
+    ]
     assert failures.counts == {"BadRequestError": 4, "ScoringError": 1}
     assert failures.consecutive == 1  # the success ended the first streak
     failures.check()
@@ -63,8 +67,9 @@ def test_a_step_of_consecutive_failures_stops_with_the_cause_and_the_fix():
     with pytest.raises(RolloutsFailing) as raised:
         failures.check()
     message = str(raised.value)
-    assert message.startswith("8 rollouts in a row failed (a step needs 8), 6 of them with BadRequestError "
-                              "(also EnvRequestTimeout x2)")
+    assert message.startswith(
+        "8 rollouts in a row failed (a step needs 8), 6 of them with BadRequestError (also EnvRequestTimeout x2)"
+    )
     assert "maximum context length is 16 tokens" in message
     assert "seq_len (= 16)" in message and "raise seq_len" in message
 
@@ -79,16 +84,20 @@ def test_an_unknown_failure_still_says_what_failed():
         RolloutFailures(0)
 
 
-UNREACHABLE_ERROR = ("reverse-text: ModelError: <- APIConnectionError: Connection error. <- ConnectError: "
-                     "[Errno 111] Connection refused")
+UNREACHABLE_ERROR = (
+    "reverse-text: ModelError: <- APIConnectionError: Connection error. <- ConnectError: [Errno 111] Connection refused"
+)
 
 
-@pytest.mark.parametrize("error", [
-    UNREACHABLE_ERROR,
-    "reverse-text: ModelError: <- APITimeoutError: Request timed out. <- ConnectTimeout: <- ConnectionTimeoutError: "
-    "Connection timeout to host http://127.0.0.1:8000/v1/chat/completions",
-    "reverse-text: ModelError: <- InternalServerError: Error code: 503 - Service Unavailable",
-])
+@pytest.mark.parametrize(
+    "error",
+    [
+        UNREACHABLE_ERROR,
+        "reverse-text: ModelError: <- APITimeoutError: Request timed out. <- ConnectTimeout: "
+        "<- ConnectionTimeoutError: Connection timeout to host http://127.0.0.1:8000/v1/chat/completions",
+        "reverse-text: ModelError: <- InternalServerError: Error code: 503 - Service Unavailable",
+    ],
+)
 def test_failures_of_a_server_that_is_down_or_restarting_count_as_unreachable(error):
     assert is_unreachable("ModelError", error)
 
@@ -132,8 +141,9 @@ class Broker(BrokerHarness):
 
 @pytest.fixture
 def broker(tmp_path):
-    broker = Broker(tmp_path / "spool", stop_grace_s=0.5, run_token=TOKEN, heartbeat_interval_s=0.2,
-                    run_id="faults-test")
+    broker = Broker(
+        tmp_path / "spool", stop_grace_s=0.5, run_token=TOKEN, heartbeat_interval_s=0.2, run_id="faults-test"
+    )
     try:
         yield broker
     finally:
@@ -146,12 +156,21 @@ def samples(num: int, seed: int = 0) -> list[TrainingSample]:
     for index in range(num):
         prompt, completion = rng.randint(3, 12), rng.randint(2, 20)
         length = prompt + completion
-        result.append(TrainingSample(
-            token_ids=[rng.randrange(1, 500) for _ in range(length)], loss_mask=[False] * prompt + [True] * completion,
-            inference_logprobs=[0.0] * prompt + [-rng.random() * 3 for _ in range(completion)],
-            temperatures=[1.0] * length, policy_versions=[0] * length, advantage=rng.uniform(-1, 1),
-            group_id=f"g{index // 4}", example_id=index // 4, env_id="toy", rollout_id=index % 4,
-            num_completion_tokens=completion))
+        result.append(
+            TrainingSample(
+                token_ids=[rng.randrange(1, 500) for _ in range(length)],
+                loss_mask=[False] * prompt + [True] * completion,
+                inference_logprobs=[0.0] * prompt + [-rng.random() * 3 for _ in range(completion)],
+                temperatures=[1.0] * length,
+                policy_versions=[0] * length,
+                advantage=rng.uniform(-1, 1),
+                group_id=f"g{index // 4}",
+                example_id=index // 4,
+                env_id="toy",
+                rollout_id=index % 4,
+                num_completion_tokens=completion,
+            )
+        )
     return result
 
 
@@ -172,7 +191,8 @@ def test_the_digest_is_over_the_values_the_trainer_decodes():
         log_step_sent(5, packed.per_rank)
     lines = [e for e in logs if e["event"] == "step sent"]
     assert [(e["step"], e["rank"], e["num_micro_batches"], e["data_digest"]) for e in lines] == [
-        (5, rank, len(packed.per_rank[rank]), digests[rank]) for rank in (0, 1)]
+        (5, rank, len(packed.per_rank[rank]), digests[rank]) for rank in (0, 1)
+    ]
 
 
 def test_a_step_is_sent_through_a_broker_restart(broker):
@@ -229,28 +249,40 @@ def test_a_send_gives_up_past_the_outage_budget(broker):
 def test_the_worker_list_rides_through_a_broker_restart(broker):
     """The orchestrator's worker list keeps the last known inference workers while the broker is down, picks the
     worker up again after the restart (the worker re-registers), and gives up past the budget."""
-    infer = ControlClient(BrokerClientConfig(address=broker.grpc_address, run_token=TOKEN), "inference", "infer-0",
-                          address="http://127.0.0.1:9/")
+    infer = ControlClient(
+        BrokerClientConfig(address=broker.grpc_address, run_token=TOKEN),
+        "inference",
+        "infer-0",
+        address="http://127.0.0.1:9/",
+    )
     orchestrator = broker.client(outage_s=4)
     infer.wait_ready(10)
     orchestrator.wait_ready(10)
     infer.register()
     orchestrator.register()
     infer.start_heartbeats(lambda: {"policy_version": 0})
-    watcher = EndpointWatcher(lambda: orchestrator.list_workers(common_pb2.ROLE_INFERENCE), outage_s=4,
-                              healable=(BrokerUnavailable,), interval_s=0.2)
+    watcher = EndpointWatcher(
+        lambda: orchestrator.list_workers(common_pb2.ROLE_INFERENCE),
+        outage_s=4,
+        healable=(BrokerUnavailable,),
+        interval_s=0.2,
+    )
     watcher.start()
     try:
         generation, workers = wait_for(lambda: watcher.snapshot()[1] and watcher.snapshot(), 10, "the first list")
-        assert [(w.base_url, w.policy_version, w.name) for w in workers.values()] == [("http://127.0.0.1:9/v1", 0,
-                                                                                       "infer-0")]
+        assert [(w.base_url, w.policy_version, w.name) for w in workers.values()] == [
+            ("http://127.0.0.1:9/v1", 0, "infer-0")
+        ]
         broker.stop()
         time.sleep(1.5)
         watcher.check()  # still within the budget
         assert watcher.snapshot()[1] == workers  # the last list stays
         broker.start()
-        wait_for(lambda: watcher.snapshot()[0] > generation + 1 and watcher.snapshot()[1], 20,
-                 "the worker list after the restart")
+        wait_for(
+            lambda: watcher.snapshot()[0] > generation + 1 and watcher.snapshot()[1],
+            20,
+            "the worker list after the restart",
+        )
         broker.stop()
         with pytest.raises(BrokerOutageExceeded):
             wait_for(lambda: watcher.check(), 30, "the budget to run out")

@@ -28,8 +28,11 @@ from support.orchestrator import ENV_FIXTURES, ENV_PYTHON, metric_rows, orchestr
 
 from primerl.client.rollouts import RolloutConsumer
 
-pytestmark = [pytest.mark.slow, pytest.mark.vllm,
-              pytest.mark.filterwarnings("ignore:`torch.distributed.reduce_op` is deprecated:FutureWarning")]
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.vllm,
+    pytest.mark.filterwarnings("ignore:`torch.distributed.reduce_op` is deprecated:FutureWarning"),
+]
 
 ALL_FAIL_LIMIT_S = 60.0
 SHUTDOWN_LIMIT_S = 10.0
@@ -41,16 +44,28 @@ def env_python() -> None:
         pytest.skip(f"no env-worker interpreter at {ENV_PYTHON}: run `make setup` (it builds .venv-envs)")
 
 
-def start_orchestrator(model: Path, broker: BrokerHarness, output_dir: Path, env: str, log_path: Path,
-                       *extra: str, env_table: str | None = None, preflight: bool = True) -> subprocess.Popen:
+def start_orchestrator(
+    model: Path,
+    broker: BrokerHarness,
+    output_dir: Path,
+    env: str,
+    log_path: Path,
+    *extra: str,
+    env_table: str | None = None,
+    preflight: bool = True,
+) -> subprocess.Popen:
     args = orchestrator_args(model, broker, output_dir, env, "--max-async-level", "50", *extra)
     if env_table is not None:
         args[args.index("--env") + 1] = f"[{env_table}]"
     log_file = open(log_path, "a")
     try:
         skip = {} if preflight else {"PRIMERL_SKIP_PREFLIGHT": "1"}
-        return subprocess.Popen(args, stdout=log_file, stderr=subprocess.STDOUT,
-                                env={**os.environ, "PRIMERL_RUN_TOKEN": TOKEN, "PYTHONPATH": str(ENV_FIXTURES), **skip})
+        return subprocess.Popen(
+            args,
+            stdout=log_file,
+            stderr=subprocess.STDOUT,
+            env={**os.environ, "PRIMERL_RUN_TOKEN": TOKEN, "PYTHONPATH": str(ENV_FIXTURES), **skip},
+        )
     finally:
         log_file.close()
 
@@ -99,8 +114,18 @@ def test_all_rollouts_failing_stop_the_orchestrator_with_the_cause(tiny_model, t
         log_path = tmp_path / "orchestrator.log"
         started_s = time.monotonic()
         # past the preflight (which refuses seq_len 16 at once: prompts are 41 tokens): the run-time guard
-        process = start_orchestrator(tiny_model, broker, tmp_path / "out", "reverse-text", log_path,
-                                     "--seq-len", "16", "--max-steps", "4", preflight=False)
+        process = start_orchestrator(
+            tiny_model,
+            broker,
+            tmp_path / "out",
+            "reverse-text",
+            log_path,
+            "--seq-len",
+            "16",
+            "--max-steps",
+            "4",
+            preflight=False,
+        )
         returncode = finish(process, 300)
         elapsed_s = time.monotonic() - started_s
         text = log_path.read_text(errors="replace")
@@ -148,8 +173,16 @@ def test_a_crashed_env_worker_is_restarted_and_its_rollouts_done_again(stack, ru
     model, broker, _ = stack
     log_path = run_dir / "crash.log"
     marker = tmp_path / "crashed"
-    process = start_orchestrator(model, broker, run_dir, "crash_once_env", log_path, "--max-steps", "2",
-                                 env_table=f'{{id = "crash_once_env", args = {{marker = "{marker}"}}}}')
+    process = start_orchestrator(
+        model,
+        broker,
+        run_dir,
+        "crash_once_env",
+        log_path,
+        "--max-steps",
+        "2",
+        env_table=f'{{id = "crash_once_env", args = {{marker = "{marker}"}}}}',
+    )
     returncode = finish(process, 300)
     text = log_path.read_text(errors="replace")
     assert returncode == 0, text[-4000:]
@@ -221,8 +254,7 @@ def test_sigterm_to_a_training_orchestrator_stops_it_gracefully(stack, run_dir):
     assert "during start-up" not in text, text[-4000:]
     stopping = [line for line in text.splitlines() if re.search(r"\bstopping\b.*reason=", line)]
     assert len(stopping) == 1 and "stop requested (signal)" in stopping[0], text[-4000:]
-    sending = {int(re.search(r"\bstep=(\d+)", line).group(1))
-               for line in text.splitlines() if "step sending" in line}
+    sending = {int(re.search(r"\bstep=(\d+)", line).group(1)) for line in text.splitlines() if "step sending" in line}
     digests = step_sent_digests(text)
     assert sending and sending <= set(digests), text[-4000:]  # every step handed to the send thread was sent
     state = json.loads((run_dir / "orchestrator_state.json").read_text())

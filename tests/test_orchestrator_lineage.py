@@ -10,13 +10,18 @@ from primerl.orchestrator.samples import Group, TrainingSample
 
 
 def sample(version: int, rollout_id: int = 0) -> TrainingSample:
-    return TrainingSample([1, 2, 3], [False, True, True], [0.0, -1.0, -1.0], [1.0] * 3, [version] * 3,
-                          rollout_id=rollout_id)
+    return TrainingSample(
+        [1, 2, 3], [False, True, True], [0.0, -1.0, -1.0], [1.0] * 3, [version] * 3, rollout_id=rollout_id
+    )
 
 
 def group(group_id: int, version: int, num_rollouts: int = 2) -> Group:
-    return Group(group_id=group_id, example_id=group_id, env_id="toy",
-                 samples=[sample(version, rollout_id=r) for r in range(num_rollouts)])
+    return Group(
+        group_id=group_id,
+        example_id=group_id,
+        env_id="toy",
+        samples=[sample(version, rollout_id=r) for r in range(num_rollouts)],
+    )
 
 
 def test_the_first_lineage_is_no_rollback_a_newer_one_is_and_an_older_one_is_ignored():

@@ -34,15 +34,19 @@ from primerl.orchestrator.packing import (
 from primerl.orchestrator.samples import Group, TrainingSample
 
 
-def make_sample(num_tokens=6, *, reward=0.0, num_prompt=2, rollout_id=0, version=0, truncated=False, token_base=0,
-                group_id=0):
+def make_sample(
+    num_tokens=6, *, reward=0.0, num_prompt=2, rollout_id=0, version=0, truncated=False, token_base=0, group_id=0
+):
     return TrainingSample(
         token_ids=[token_base + p for p in range(num_tokens)],
         loss_mask=[p >= num_prompt for p in range(num_tokens)],
         inference_logprobs=[-0.5 if p >= num_prompt else 0.0 for p in range(num_tokens)],
         temperatures=[1.0] * num_tokens,
         policy_versions=[version] * num_tokens,
-        reward=reward, truncated=truncated, rollout_id=rollout_id, group_id=group_id,
+        reward=reward,
+        truncated=truncated,
+        rollout_id=rollout_id,
+        group_id=group_id,
     )
 
 
@@ -50,8 +54,16 @@ def make_group(rewards, *, group_id=0, version=0, completion_lengths=None, trunc
     samples = []
     for rollout_id, reward in enumerate(rewards):
         completion = completion_lengths[rollout_id] if completion_lengths else 4
-        samples.append(make_sample(2 + completion, reward=reward, rollout_id=rollout_id, version=version,
-                                   truncated=bool(truncated and truncated[rollout_id]), group_id=group_id))
+        samples.append(
+            make_sample(
+                2 + completion,
+                reward=reward,
+                rollout_id=rollout_id,
+                version=version,
+                truncated=bool(truncated and truncated[rollout_id]),
+                group_id=group_id,
+            )
+        )
     return Group(group_id=group_id, example_id=group_id, env_id="env", samples=samples)
 
 
@@ -66,7 +78,8 @@ def test_advantages_by_hand():
     # equal rewards: std 0, eps keeps it finite
     assert group_advantages([3.0, 3.0, 3.0], std_normalize=True) == pytest.approx([0, 0, 0])
     assert group_advantages([0.0, 1.0, 2.0], std_normalize=True) == pytest.approx(
-        np.array([-1.0, 0.0, 1.0]) / (np.sqrt(2 / 3) + 1e-6))
+        np.array([-1.0, 0.0, 1.0]) / (np.sqrt(2 / 3) + 1e-6)
+    )
 
 
 def test_length_penalty_formula():
@@ -82,8 +95,11 @@ def test_length_penalty_formula():
 
 def test_branching_rollouts_count_once_in_the_group():
     # rollout 0 has two samples (two turns), rollout 1 one: the mean is over rollouts (0.5), not samples
-    samples = [make_sample(reward=1.0, rollout_id=0), make_sample(reward=1.0, rollout_id=0),
-               make_sample(reward=0.0, rollout_id=1)]
+    samples = [
+        make_sample(reward=1.0, rollout_id=0),
+        make_sample(reward=1.0, rollout_id=0),
+        make_sample(reward=0.0, rollout_id=1),
+    ]
     group = Group(group_id=0, example_id=0, env_id="env", samples=samples)
     assert group.num_rollouts == 2 and group.mean_reward == 0.5
     compute_advantages([group])
@@ -107,10 +123,16 @@ def test_truncation_options():
 def test_prepare_groups_reads_the_config():
     from primerl.configs.orchestrator import OrchestratorConfig
 
-    config = OrchestratorConfig.model_validate({
-        "model": {"name": "m"}, "env": [{"id": "e"}], "batch_size": 4, "rollouts_per_example": 2,
-        "zero_truncated_completions": True, "advantage": {"std_normalize": True},
-    })
+    config = OrchestratorConfig.model_validate(
+        {
+            "model": {"name": "m"},
+            "env": [{"id": "e"}],
+            "batch_size": 4,
+            "rollouts_per_example": 2,
+            "zero_truncated_completions": True,
+            "advantage": {"std_normalize": True},
+        }
+    )
     group = make_group([1.0, 1.0], truncated=[True, False])
     assert prepare_groups([group], config) == 1
     assert [s.advantage for s in group.samples] == pytest.approx([-1.0, 1.0], abs=1e-5)
@@ -133,8 +155,7 @@ def test_filter_reasons():
 
 
 def test_filter_counts_and_switch():
-    groups = [make_group(r, group_id=i) for i, r in enumerate(
-        [[0, 0], [1, 1], [0, 1], [0.5, 0.5], [0, 0.1], [0.9, 1]])]
+    groups = [make_group(r, group_id=i) for i, r in enumerate([[0, 0], [1, 1], [0, 1], [0.5, 0.5], [0, 0.1], [0.9, 1]])]
     result = filter_groups(groups, min_reward=0.1, max_reward=0.9)
     assert result.counts == {"too_hard": 2, "too_easy": 2, "low_variance": 1}
     assert [g.group_id for g in result.kept] == [2]
@@ -146,10 +167,18 @@ def test_filter_counts_and_switch():
     assert config_filter(groups).counts == {"too_hard": 2, "too_easy": 0, "low_variance": 2}
 
 
-@pytest.mark.parametrize(("batch_size", "per_example", "factor", "expected"), [
-    (128, 8, 1.0, 16), (128, 8, 2.0, 32), (128, 8, 1.1, 18), (32, 16, 2.0, 4), (8, 8, 1.5, 2), (10, 5, 1.0, 2),
-    (160, 16, 1.1, 11),
-])
+@pytest.mark.parametrize(
+    ("batch_size", "per_example", "factor", "expected"),
+    [
+        (128, 8, 1.0, 16),
+        (128, 8, 2.0, 32),
+        (128, 8, 1.1, 18),
+        (32, 16, 2.0, 4),
+        (8, 8, 1.5, 2),
+        (10, 5, 1.0, 2),
+        (160, 16, 1.1, 11),
+    ],
+)
 def test_oversampling_arithmetic(batch_size, per_example, factor, expected):
     assert num_groups_to_request(batch_size, per_example, factor) == expected
 
@@ -206,8 +235,11 @@ def test_stale_groups_and_lag():
     assert bound.stale_groups(inflight, 4) == ["a"]  # step 4 needs >= 4 - 1 - 2 = 1
     assert bound.stale_groups(inflight, 6) == ["a", "b", "c"]
     metrics = bound.lag_metrics(5, [4, 4, 3, 2])  # trainer holds version 4
-    assert metrics == {"async/off_policy_lag_mean": 0.75, "async/off_policy_lag_max": 2.0,
-                       "async/off_policy_lag_min": 0.0}
+    assert metrics == {
+        "async/off_policy_lag_mean": 0.75,
+        "async/off_policy_lag_max": 2.0,
+        "async/off_policy_lag_min": 0.0,
+    }
     assert bound.lag_metrics(5, [])["async/off_policy_lag_max"] == 0.0
 
 
@@ -235,8 +267,15 @@ def random_sample(index, length, rng, *, version_range=(0, 3), teacher=False):
     )
 
 
-DTYPES = {"input_ids": np.int64, "position_ids": np.int64, "loss_mask": np.bool_, "advantages": np.float32,
-          "inference_logprobs": np.float32, "temperatures": np.float32, "policy_versions": np.int64}
+DTYPES = {
+    "input_ids": np.int64,
+    "position_ids": np.int64,
+    "loss_mask": np.bool_,
+    "advantages": np.float32,
+    "inference_logprobs": np.float32,
+    "temperatures": np.float32,
+    "policy_versions": np.int64,
+}
 
 
 def check_packing(samples, seq_len, num_ranks, overlong):
@@ -354,10 +393,16 @@ def test_to_broker_batches_headers_and_payloads():
             header, payload = messages[position]
             position += 1
             assert (header.step, header.rank, header.micro_batch_index, header.num_micro_batches) == (
-                9, rank, index, len(batches))
+                9,
+                rank,
+                index,
+                len(batches),
+            )
             assert header.num_samples == batch.num_samples and header.num_tokens == batch.num_tokens
             assert (header.min_policy_version, header.max_policy_version) == (
-                batch.min_policy_version, batch.max_policy_version)
+                batch.min_policy_version,
+                batch.max_policy_version,
+            )
             assert header.num_loss_tokens_global == packed.num_loss_tokens_global
             decoded = decode_tensors(payload, header.tensors)
             for name, array in batch.tensors.items():

@@ -9,13 +9,12 @@ from collections import Counter
 import numpy as np
 import pytest
 
-from primerl.supervisor.run_progress import Progress
 from primerl.cli.status_view import render_status
+from primerl.orchestrator.samples import Group, TrainingSample
 from primerl.orchestrator.seeds import rollout_seed_base
 from primerl.orchestrator.step_metrics import env_reward_metrics, fallback_metrics, reward_spread_metrics
-from primerl.orchestrator.samples import Group, TrainingSample
 from primerl.orchestrator.throughput import ThroughputWindow
-
+from primerl.supervisor.run_progress import Progress
 
 # ---- rollout/tokens_per_s ---------------------------------------------------------------------------------------
 
@@ -77,8 +76,9 @@ class _Status:
     def __init__(self, trainer_step: int, metrics: dict[str, float]):
         from primerl.proto.v1 import common_pb2, control_pb2
 
-        self.message = control_pb2.RunStatus(trainer_step=trainer_step, latest_policy_version=trainer_step,
-                                             max_steps=10, last_metrics=metrics)
+        self.message = control_pb2.RunStatus(
+            trainer_step=trainer_step, latest_policy_version=trainer_step, max_steps=10, last_metrics=metrics
+        )
         self.message.workers.add(role=common_pb2.ROLE_INFERENCE, policy_version=max(0, trainer_step - 1))
 
 
@@ -104,8 +104,9 @@ def test_progress_labels_a_reward_of_another_batch_with_its_step():
 
 def test_progress_shows_interleave_fallbacks_once_there_are_any():
     progress = Progress()
-    progress.update(_Status(1, {"train/reward": 0.2, "orchestrator/step": 1,
-                                "rollout/interleave_fallbacks_total": 0}).message)
+    progress.update(
+        _Status(1, {"train/reward": 0.2, "orchestrator/step": 1, "rollout/interleave_fallbacks_total": 0}).message
+    )
     assert "fallbacks" not in progress.line()
     progress.update(_Status(2, {"rollout/interleave_fallbacks_total": 5}).message)
     assert "fallbacks 5 " in progress.line()
@@ -140,27 +141,46 @@ def test_status_does_not_show_the_rollout_spool_above_its_capacity():
 
 
 def _group(env_id: str, rewards: list[float], samples_per_rollout: int = 1) -> Group:
-    samples = [TrainingSample(token_ids=[1, 2], loss_mask=[False, True], inference_logprobs=[0.0, -1.0],
-                              temperatures=[1.0, 1.0], policy_versions=[0, 0], reward=reward, env_id=env_id,
-                              rollout_id=index)
-               for index, reward in enumerate(rewards) for _ in range(samples_per_rollout)]
+    samples = [
+        TrainingSample(
+            token_ids=[1, 2],
+            loss_mask=[False, True],
+            inference_logprobs=[0.0, -1.0],
+            temperatures=[1.0, 1.0],
+            policy_versions=[0, 0],
+            reward=reward,
+            env_id=env_id,
+            rollout_id=index,
+        )
+        for index, reward in enumerate(rewards)
+        for _ in range(samples_per_rollout)
+    ]
     return Group(group_id=f"{env_id}:0", example_id=0, env_id=env_id, samples=samples)
 
 
 def test_env_reward_metrics_give_each_environment_its_mean_reward_and_counts():
-    groups = [_group("math", [1.0, 0.0]), _group("reverse-text", [0.5, 0.25], samples_per_rollout=2),
-              _group("math", [1.0, 1.0])]
+    groups = [
+        _group("math", [1.0, 0.0]),
+        _group("reverse-text", [0.5, 0.25], samples_per_rollout=2),
+        _group("math", [1.0, 1.0]),
+    ]
     assert env_reward_metrics(groups) == {
-        "env/math/reward": 0.75, "env/math/num_rollouts": 4.0, "env/math/num_samples": 4.0,
-        "env/reverse-text/reward": 0.375, "env/reverse-text/num_rollouts": 2.0, "env/reverse-text/num_samples": 4.0,
+        "env/math/reward": 0.75,
+        "env/math/num_rollouts": 4.0,
+        "env/math/num_samples": 4.0,
+        "env/reverse-text/reward": 0.375,
+        "env/reverse-text/num_rollouts": 2.0,
+        "env/reverse-text/num_samples": 4.0,
     }
 
 
 def test_fallback_metrics_report_the_total_and_each_reason():
     assert fallback_metrics(Counter()) == {"rollout/interleave_fallbacks": 0.0}
     assert fallback_metrics(Counter({"prefix_mismatch": 3, "no_prompt_ids": 1})) == {
-        "rollout/interleave_fallbacks": 4.0, "rollout/interleave_fallbacks/no_prompt_ids": 1.0,
-        "rollout/interleave_fallbacks/prefix_mismatch": 3.0}
+        "rollout/interleave_fallbacks": 4.0,
+        "rollout/interleave_fallbacks/no_prompt_ids": 1.0,
+        "rollout/interleave_fallbacks/prefix_mismatch": 3.0,
+    }
 
 
 def test_reward_spread_stays_within_the_rewards():
@@ -177,8 +197,11 @@ def test_reward_spread_stays_within_the_rewards():
 
 def test_group_seeds_give_every_rollout_its_own_seed_and_repeat_for_the_same_run_seed():
     rollouts_per_example = 8
-    seeds = [rollout_seed_base(7, group_id, rollouts_per_example) + index
-             for group_id in range(500) for index in range(rollouts_per_example)]
+    seeds = [
+        rollout_seed_base(7, group_id, rollouts_per_example) + index
+        for group_id in range(500)
+        for index in range(rollouts_per_example)
+    ]
     assert len(set(seeds)) == len(seeds)  # the old seed + group_id gave group g's rollout 1 group g+1's rollout 0
     assert seeds == [rollout_seed_base(7, g, rollouts_per_example) + i for g in range(500) for i in range(8)]
     assert rollout_seed_base(8, 0, rollouts_per_example) != rollout_seed_base(7, 0, rollouts_per_example)
@@ -192,8 +215,16 @@ def test_the_runner_warns_once_per_fallback_reason(tmp_path):
     from primerl.configs.orchestrator import OrchestratorConfig
     from primerl.orchestrator.runner import OrchestratorRunner
 
-    config = OrchestratorConfig.model_validate({"model": {"name": "m"}, "env": [{"id": "e"}], "batch_size": 4,
-                                                "rollouts_per_example": 2, "max_steps": 3, "output_dir": str(tmp_path)})
+    config = OrchestratorConfig.model_validate(
+        {
+            "model": {"name": "m"},
+            "env": [{"id": "e"}],
+            "batch_size": 4,
+            "rollouts_per_example": 2,
+            "max_steps": 3,
+            "output_dir": str(tmp_path),
+        }
+    )
     runner = OrchestratorRunner(config, env_python="python")
     with structlog.testing.capture_logs() as logs:
         for step_fallbacks in ({"prefix_mismatch": 2}, {"prefix_mismatch": 1, "no_prompt_ids": 1}, {}):

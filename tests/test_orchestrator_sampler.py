@@ -14,7 +14,7 @@ def test_environments_are_drawn_by_weight_and_every_example_once_per_epoch():
     assert abs(counts["math"] / 4000 - 0.75) < 0.03
     wiki = [index for env, index in draws if env == "wiki"]
     for epoch_start in range(0, len(wiki) - 5, 5):  # each epoch is a permutation of the examples
-        assert sorted(wiki[epoch_start:epoch_start + 5]) == list(range(5))
+        assert sorted(wiki[epoch_start : epoch_start + 5]) == list(range(5))
 
 
 def test_sampler_state_resumes_the_same_sequence():

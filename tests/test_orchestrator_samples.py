@@ -22,11 +22,22 @@ from primerl.orchestrator.trajectory import Rollout, SamplingParams, Turn, parse
 
 
 def two_turns(extend=True):
-    first = TurnTokens(prompt_ids=[1, 2, 3], completion_ids=[10, 11], completion_logprobs=[-0.1, -0.2],
-                       policy_version=4, temperature=0.7)
+    first = TurnTokens(
+        prompt_ids=[1, 2, 3],
+        completion_ids=[10, 11],
+        completion_logprobs=[-0.1, -0.2],
+        policy_version=4,
+        temperature=0.7,
+    )
     second_prompt = [1, 2, 3, 10, 11, 20, 21] if extend else [1, 2, 99, 10, 11, 20, 21]
-    second = TurnTokens(prompt_ids=second_prompt, completion_ids=[30, 31, 32], completion_logprobs=[-0.3, -0.4, -0.5],
-                        policy_version=5, temperature=0.7, completion_policy_versions=[5, 5, 6])
+    second = TurnTokens(
+        prompt_ids=second_prompt,
+        completion_ids=[30, 31, 32],
+        completion_logprobs=[-0.3, -0.4, -0.5],
+        policy_version=5,
+        temperature=0.7,
+        completion_policy_versions=[5, 5, 6],
+    )
     return [first, second]
 
 
@@ -63,8 +74,13 @@ def test_interleaved_falls_back_to_branching_and_counts_the_reason():
 
 
 def test_completion_mask_zeroes_logprobs_of_tokens_not_generated():
-    turn = TurnTokens(prompt_ids=[1], completion_ids=[5, 6, 7], completion_logprobs=[-1.0, -2.0, -3.0],
-                      policy_version=0, completion_mask=[True, False, True])
+    turn = TurnTokens(
+        prompt_ids=[1],
+        completion_ids=[5, 6, 7],
+        completion_logprobs=[-1.0, -2.0, -3.0],
+        policy_version=0,
+        completion_mask=[True, False, True],
+    )
     (sample,) = branching_samples([turn], reward=0.0)
     assert sample.loss_mask == [False, True, False, True]
     assert sample.inference_logprobs == [0.0, -1.0, 0.0, -3.0]
@@ -73,20 +89,31 @@ def test_completion_mask_zeroes_logprobs_of_tokens_not_generated():
 def test_turn_from_the_env_worker_wire_shape():
     from types import SimpleNamespace
 
-    wire = SimpleNamespace(prompt_token_ids=[1, 2], completion_token_ids=[3, 4], completion_logprobs=[-0.1, -0.2],
-                           completion_mask=[1, 0], policy_version=None, policy_version_end=3)
+    wire = SimpleNamespace(
+        prompt_token_ids=[1, 2],
+        completion_token_ids=[3, 4],
+        completion_logprobs=[-0.1, -0.2],
+        completion_mask=[1, 0],
+        policy_version=None,
+        policy_version_end=3,
+    )
     turn = TurnTokens.from_wire_turn(wire, temperature=0.8, default_policy_version=2)
     (sample,) = branching_samples([turn], reward=1.0)
     assert sample.loss_mask == [False, False, True, False] and sample.policy_versions == [2, 2, 2, 2]
     assert sample.temperatures == pytest.approx([0.8] * 4)
 
 
-@pytest.mark.parametrize(("turns", "reason"), [
-    ([], "no_turns"),
-    ([TurnTokens(prompt_ids=[], completion_ids=[1], completion_logprobs=[-1.0], policy_version=0)], "empty_prompt"),
-    ([TurnTokens(prompt_ids=[1], completion_ids=[1, 2], completion_logprobs=[-1.0], policy_version=0)],
-     "length_mismatch"),
-])
+@pytest.mark.parametrize(
+    ("turns", "reason"),
+    [
+        ([], "no_turns"),
+        ([TurnTokens(prompt_ids=[], completion_ids=[1], completion_logprobs=[-1.0], policy_version=0)], "empty_prompt"),
+        (
+            [TurnTokens(prompt_ids=[1], completion_ids=[1, 2], completion_logprobs=[-1.0], policy_version=0)],
+            "length_mismatch",
+        ),
+    ],
+)
 def test_malformed_trajectories_raise_with_a_reason(turns, reason):
     for strategy in ("interleaved", "branching"):
         with pytest.raises(MalformedTrajectory) as info:
@@ -122,8 +149,11 @@ def wire_rollout(turns: list[Turn], reward: float = 1.0, index: int = 0, truncat
 
 
 def test_a_wire_rollout_interleaves_or_branches():
-    turns = [wire_turn([1, 2, 3], [4, 5]), wire_turn([1, 2, 3, 4, 5, 6, 7], [8]),
-             wire_turn([1, 2, 3, 4, 5, 6, 7, 8, 9], [10])]
+    turns = [
+        wire_turn([1, 2, 3], [4, 5]),
+        wire_turn([1, 2, 3, 4, 5, 6, 7], [8]),
+        wire_turn([1, 2, 3, 4, 5, 6, 7, 8, 9], [10]),
+    ]
     rollout = wire_rollout(turns, reward=0.75, index=3, truncated=True)
     (sample,) = rollout_to_samples(rollout, "interleaved", temperature=0.9, group_id="g", example_id=5, env_id="e")
     assert sample.token_ids == [1, 2, 3, 4, 5, 6, 7, 8, 9, 10]
@@ -132,17 +162,25 @@ def test_a_wire_rollout_interleaves_or_branches():
     assert sample.inference_logprobs == [0.0, 0.0, 0.0, -0.5, -0.5, 0.0, 0.0, -0.5, 0.0, -0.5]
     assert sample.temperatures == pytest.approx([0.9] * 10) and sample.policy_versions == [1] * 10
     assert (sample.reward, sample.truncated, sample.rollout_id, sample.group_id, sample.example_id, sample.env_id) == (
-        0.75, True, 3, "g", 5, "e")
+        0.75,
+        True,
+        3,
+        "g",
+        5,
+        "e",
+    )
     branches = rollout_to_samples(rollout, "branching", temperature=0.9)
-    assert [s.token_ids[len(t.prompt_token_ids):] for s, t in zip(branches, turns)] == [[4, 5], [8], [10]]
-    assert [s.token_ids[:len(t.prompt_token_ids)] for s, t in zip(branches, turns)] == [t.prompt_token_ids
-                                                                                         for t in turns]
+    assert [s.token_ids[len(t.prompt_token_ids) :] for s, t in zip(branches, turns)] == [[4, 5], [8], [10]]
+    assert [s.token_ids[: len(t.prompt_token_ids)] for s, t in zip(branches, turns)] == [
+        t.prompt_token_ids for t in turns
+    ]
     # a turn whose prompt rewrote the tokens so far: branching samples, and the reason counted
     rewritten = wire_rollout([turns[0], wire_turn([1, 2, 3, 9, 5, 6], [7])])
     fallbacks = Counter()
     samples = rollout_to_samples(rewritten, "interleaved", temperature=1.0, fallback_counts=fallbacks)
-    assert [s.token_ids for s in samples] == [s.token_ids for s in rollout_to_samples(rewritten, "branching",
-                                                                                    temperature=1.0)]
+    assert [s.token_ids for s in samples] == [
+        s.token_ids for s in rollout_to_samples(rewritten, "branching", temperature=1.0)
+    ]
     assert len(samples) == 2 and fallbacks == {"prefix_mismatch": 1}
 
 
@@ -153,12 +191,20 @@ def test_a_wire_turn_without_a_policy_version_gets_the_dispatched_one():
 
 
 def test_parse_rollout_turns_broken_payloads_into_errors() -> None:
-    good = {"rollout_index": 0, "reward": 0.5, "metrics": {}, "turns": [
-        {"prompt_token_ids": [1], "completion_token_ids": [2, 3], "completion_logprobs": [-1.0, -0.5]}]}
+    good = {
+        "rollout_index": 0,
+        "reward": 0.5,
+        "metrics": {},
+        "turns": [{"prompt_token_ids": [1], "completion_token_ids": [2, 3], "completion_logprobs": [-1.0, -0.5]}],
+    }
     assert parse_rollout(good, "r").ok
-    for turn_patch in ({"completion_logprobs": [-1.0]}, {"completion_logprobs": [-1.0, float("nan")]},
-                       {"completion_logprobs": [-1.0, 0.5]}, {"completion_token_ids": None},
-                       {"completion_mask": [1]}):
+    for turn_patch in (
+        {"completion_logprobs": [-1.0]},
+        {"completion_logprobs": [-1.0, float("nan")]},
+        {"completion_logprobs": [-1.0, 0.5]},
+        {"completion_token_ids": None},
+        {"completion_mask": [1]},
+    ):
         broken = {**good, "turns": [{**good["turns"][0], **turn_patch}]}
         assert parse_rollout(broken, "r").error_type == "MalformedRolloutError", turn_patch
     assert parse_rollout({**good, "turns": []}, "r").error_type == "MalformedRolloutError"

@@ -21,16 +21,28 @@ from primerl.orchestrator.types import SchedulerEvents
 
 def rollout(index: int, reward: float, *, error: str | None = None) -> Rollout:
     turn = Turn([1, 2], [3, 4], [-0.5, -0.5], [1, 1], "stop", False, 0, 0)
-    return Rollout(index, [] if error else [turn], None if error else reward, {}, False, None,
-                   "ModelError" if error else None, error, [], [], 0.1)
+    return Rollout(
+        index,
+        [] if error else [turn],
+        None if error else reward,
+        {},
+        False,
+        None,
+        "ModelError" if error else None,
+        error,
+        [],
+        [],
+        0.1,
+    )
 
 
 class FakeWorker:
     """Answers every rollout request at once (rewards 0 and 1 alternate), or as ``answer`` says."""
 
     def __init__(self, answer=None) -> None:
-        self.answer = answer or (lambda index, n: RolloutGroup("e", "train", index,
-                                                               [rollout(i, float(i % 2)) for i in range(n)]))
+        self.answer = answer or (
+            lambda index, n: RolloutGroup("e", "train", index, [rollout(i, float(i % 2)) for i in range(n)])
+        )
         self.requests: list[tuple[list[int], dict]] = []
         self.cancelled: list[concurrent.futures.Future] = []
         self.num_restarts, self.max_restarts = 0, 3
@@ -66,14 +78,29 @@ class FakeWatcher:
         return self.generation, self.workers
 
 
-def make_scheduler(worker: FakeWorker, *, max_async_level: int = 1, seed: int | None = 5,
-                   events: SchedulerEvents | None = None) -> RolloutScheduler:
-    config = OrchestratorConfig.model_validate({
-        "model": {"name": "m"}, "env": [{"id": "e"}], "batch_size": 4, "rollouts_per_example": 2, "max_steps": 9,
-        "max_inflight": 4, "max_async_level": max_async_level, "sampling": {"seed": seed}})
-    return RolloutScheduler(config, stop_event=threading.Event(), env_clients={"e": worker},
-                            sampler=EnvSampler({"e": 10}, {"e": 1.0}, seed=0),
-                            failures=RolloutFailures(config.batch_size), events=events)
+def make_scheduler(
+    worker: FakeWorker, *, max_async_level: int = 1, seed: int | None = 5, events: SchedulerEvents | None = None
+) -> RolloutScheduler:
+    config = OrchestratorConfig.model_validate(
+        {
+            "model": {"name": "m"},
+            "env": [{"id": "e"}],
+            "batch_size": 4,
+            "rollouts_per_example": 2,
+            "max_steps": 9,
+            "max_inflight": 4,
+            "max_async_level": max_async_level,
+            "sampling": {"seed": seed},
+        }
+    )
+    return RolloutScheduler(
+        config,
+        stop_event=threading.Event(),
+        env_clients={"e": worker},
+        sampler=EnvSampler({"e": 10}, {"e": 1.0}, seed=0),
+        failures=RolloutFailures(config.batch_size),
+        events=events,
+    )
 
 
 def test_dispatch_and_collect_make_a_batch():
@@ -82,7 +109,7 @@ def test_dispatch_and_collect_make_a_batch():
     scheduler = make_scheduler(worker, seed=None, events=SchedulerEvents(inflight_changed=inflight.append))
     scheduler.refresh_endpoints(FakeWatcher({"w1": ("http://w1/v1", 0)}))
     scheduler.dispatch(step=1)
-    (indices, kwargs), = worker.requests  # both groups (max_inflight 4 / 2 per group) in one write
+    ((indices, kwargs),) = worker.requests  # both groups (max_inflight 4 / 2 per group) in one write
     assert len(indices) == 2 and kwargs["base_url"] == "http://w1/v1" and inflight == [4]
     assert scheduler.endpoints["w1"].num_inflight == 4
     scheduler.collect(timeout_s=1.0)
@@ -112,8 +139,11 @@ def test_groups_of_a_dead_worker_are_dispatched_again_first():
     dead = [True]
 
     def answer(index, n):
-        return EnvWorkerDied("gone") if dead[0] else RolloutGroup("e", "train", index,
-                                                                  [rollout(i, float(i % 2)) for i in range(n)])
+        return (
+            EnvWorkerDied("gone")
+            if dead[0]
+            else RolloutGroup("e", "train", index, [rollout(i, float(i % 2)) for i in range(n)])
+        )
 
     worker = FakeWorker(answer)
     scheduler = make_scheduler(worker)
@@ -129,8 +159,14 @@ def test_groups_of_a_dead_worker_are_dispatched_again_first():
 
 
 def test_failed_rollouts_are_counted_by_kind():
-    worker = FakeWorker(lambda index, n: RolloutGroup("e", "train", index, [
-        rollout(i, 0.0, error="This model's maximum context length is 16 tokens") for i in range(n)]))
+    worker = FakeWorker(
+        lambda index, n: RolloutGroup(
+            "e",
+            "train",
+            index,
+            [rollout(i, 0.0, error="This model's maximum context length is 16 tokens") for i in range(n)],
+        )
+    )
     errors = []
     scheduler = make_scheduler(worker, events=SchedulerEvents(rollout_failed=lambda: errors.append(1)))
     scheduler.refresh_endpoints(FakeWatcher({"w1": ("http://w1/v1", 0)}))
@@ -142,8 +178,14 @@ def test_failed_rollouts_are_counted_by_kind():
 
 
 def test_unreachable_rollouts_are_retried_backing_off_the_endpoint_then_counted_past_the_retries():
-    worker = FakeWorker(lambda index, n: RolloutGroup("e", "train", index, [
-        rollout(i, 0.0, error="connection refused: All connection attempts failed") for i in range(n)]))
+    worker = FakeWorker(
+        lambda index, n: RolloutGroup(
+            "e",
+            "train",
+            index,
+            [rollout(i, 0.0, error="connection refused: All connection attempts failed") for i in range(n)],
+        )
+    )
     errors = []
     scheduler = make_scheduler(worker, events=SchedulerEvents(rollout_failed=lambda: errors.append(1)))
     scheduler.refresh_endpoints(FakeWatcher({"w1": ("http://w1/v1", 0)}))
@@ -193,6 +235,7 @@ def test_stale_groups_are_cancelled():
 
 
 # -- inference workers joining and leaving (issue 17) ---------------------------------------------------------------
+
 
 def never_answering_worker() -> FakeWorker:
     worker = FakeWorker()
@@ -259,8 +302,11 @@ def test_the_groups_of_a_worker_that_left_are_cancelled_and_retried_on_another()
     watcher = FakeWatcher({"w1": ("http://w1/v1", 0), "w2": ("http://w2/v1", 0)})
     scheduler.refresh_endpoints(watcher)
     scheduler.dispatch(step=1)  # one group each (fewest in flight first)
-    on_w1 = [(future, entry.example_index) for future, entry in scheduler.inflight.items()
-             if entry.endpoint.worker_id == "w1"]
+    on_w1 = [
+        (future, entry.example_index)
+        for future, entry in scheduler.inflight.items()
+        if entry.endpoint.worker_id == "w1"
+    ]
     assert len(on_w1) == 1 and scheduler.endpoints["w2"].num_inflight == 2
     watcher.workers = {"w2": ("http://w2/v1", 0)}  # w1 is LOST or deregistered: gone from the list
     watcher.generation += 1

@@ -53,22 +53,35 @@ def test_the_example_loads_a_teacher_on_its_own_port_and_points_the_orchestrator
 
 
 def test_teacher_inference_is_prime_rls_name_for_the_teacher_table(write):
-    config = load("@", write("rl.toml", BASE + f"""
+    config = load(
+        "@",
+        write(
+            "rl.toml",
+            BASE
+            + f"""
         [trainer.loss]
         teacher_tau = 0.5
 
         [teacher_inference.model]
         name = "{TEACHER_MODEL}"
-        """))
+        """,
+        ),
+    )
     assert config.teacher.model.name == TEACHER_MODEL and config.teacher.role == "teacher"
     assert config.orchestrator.teacher.model == TEACHER_MODEL
     assert config.teacher_gpu_ids == [2]  # after inference [0] and trainer [1]
-    message = error_of(write("both.toml", BASE + f"""
+    message = error_of(
+        write(
+            "both.toml",
+            BASE
+            + f"""
         [teacher.model]
         name = "{TEACHER_MODEL}"
         [teacher_inference.model]
         name = "{TEACHER_MODEL}"
-        """))
+        """,
+        )
+    )
     assert "[teacher]" in message and "[teacher_inference]" in message
 
 
@@ -80,31 +93,52 @@ def test_teacher_gpu_ids_alone_start_a_teacher_of_the_run_model(write):
 
 
 def test_an_orchestrator_teacher_the_user_wrote_is_kept(write):
-    config = load("@", write("rl.toml", BASE + f"""
+    config = load(
+        "@",
+        write(
+            "rl.toml",
+            BASE
+            + f"""
         [teacher.model]
         name = "{TEACHER_MODEL}"
 
         [orchestrator.teacher]
         timeout_s = 30
-        """))
+        """,
+        ),
+    )
     assert config.orchestrator.teacher.model == TEACHER_MODEL and config.orchestrator.teacher.timeout_s == 30
     with pytest.warns(UserWarning, match="orchestrator.teacher.base_url"):
-        config = load("@", write("external.toml", BASE + f"""
+        config = load(
+            "@",
+            write(
+                "external.toml",
+                BASE
+                + f"""
             [teacher.model]
             name = "{TEACHER_MODEL}"
 
             [orchestrator.teacher]
             base_url = ["http://elsewhere:8000/v1"]
-            """))
+            """,
+            ),
+        )
     assert config.orchestrator.teacher.model is None  # an external teacher: its own model list decides
     # prime-rl's spelling of the orchestrator's teacher is left as written (its own model name)
-    config = load("@", write("alias.toml", BASE + f"""
+    config = load(
+        "@",
+        write(
+            "alias.toml",
+            BASE
+            + f"""
         [teacher.model]
         name = "{TEACHER_MODEL}"
 
         [orchestrator.teacher_model.model]
         name = "served-name"
-        """))
+        """,
+        ),
+    )
     assert config.orchestrator.teacher.model == "served-name"
 
 
@@ -115,30 +149,49 @@ def test_no_teacher_means_no_teacher_role(write):
 
 
 def test_teacher_tau_without_any_teacher_is_refused_naming_both_settings(write):
-    message = error_of(write("rl.toml", BASE + """
+    message = error_of(
+        write(
+            "rl.toml",
+            BASE
+            + """
         [trainer.loss]
         teacher_tau = 1.0
         adv_tau = 0.0
-        """))
+        """,
+        )
+    )
     assert "trainer.loss.teacher_tau = 1 needs a teacher" in message
     assert "[teacher]" in message and "[orchestrator.teacher]" in message
     # an external teacher is enough
-    config = load("@", write("external.toml", BASE + """
+    config = load(
+        "@",
+        write(
+            "external.toml",
+            BASE
+            + """
         [trainer.loss]
         teacher_tau = 1.0
 
         [orchestrator.teacher]
         base_url = ["http://elsewhere:8000/v1"]
-        """))
+        """,
+        ),
+    )
     assert config.teacher is None and config.orchestrator.teacher.base_url == ["http://elsewhere:8000/v1"]
 
 
-@pytest.mark.parametrize("table, expected", [
-    ('[teacher]\nrole = "inference"', 'teacher.role = \'inference\': the [teacher] table always runs role "teacher"'),
-    ("[teacher]\nenable_lora = true", 'role = "teacher" serves a fixed model and no LoRA adapters'),
-    ('[inference]\nrole = "teacher"', '[inference] serves the policy; put the teacher in a [teacher] table'),
-    ("[teacher.model]\nmax_model_len = 1024", "teacher.model.max_model_len (1024) must exceed seq_len (1024)"),
-])
+@pytest.mark.parametrize(
+    "table, expected",
+    [
+        (
+            '[teacher]\nrole = "inference"',
+            "teacher.role = 'inference': the [teacher] table always runs role \"teacher\"",
+        ),
+        ("[teacher]\nenable_lora = true", 'role = "teacher" serves a fixed model and no LoRA adapters'),
+        ('[inference]\nrole = "teacher"', "[inference] serves the policy; put the teacher in a [teacher] table"),
+        ("[teacher.model]\nmax_model_len = 1024", "teacher.model.max_model_len (1024) must exceed seq_len (1024)"),
+    ],
+)
 def test_bad_teacher_settings_are_refused_with_the_setting_to_change(write, table, expected):
     message = error_of(write("rl.toml", BASE + "\n" + table + "\n"))
     assert expected in message, message
@@ -154,14 +207,22 @@ def test_teacher_gpus_must_be_its_own(write):
 
 def test_fixed_teacher_and_inference_ports_that_clash_are_reported(write):
     with pytest.warns(UserWarning, match="inference.server.port and teacher.server.port are both 8000"):
-        config = load("@", write("rl.toml", BASE + """
+        config = load(
+            "@",
+            write(
+                "rl.toml",
+                BASE
+                + """
             [inference.server]
             port = 8000
             [teacher.server]
             port = 8000
-            """))
-    assert config.port_clashes() == ["inference.server.port and teacher.server.port are both 8000; give each its "
-                                     "own port, or 0 for a free one"]
+            """,
+            ),
+        )
+    assert config.port_clashes() == [
+        "inference.server.port and teacher.server.port are both 8000; give each its own port, or 0 for a free one"
+    ]
     # inference's fixed port is not copied to the teacher
     config = load("@", write("fixed.toml", BASE + "\n[inference.server]\nport = 8000\n[teacher]\n"))
     assert config.teacher.server.port == 0 and config.port_clashes() == []
@@ -169,14 +230,38 @@ def test_fixed_teacher_and_inference_ports_that_clash_are_reported(write):
 
 def test_dry_run_writes_a_teacher_toml_that_primerl_infer_accepts(tmp_path):
     out = tmp_path / "configs"
-    result = subprocess.run([str(BIN / "primerl"), "rl", "@", str(EXAMPLE), "--teacher.model.name", TEACHER_MODEL,
-                             "--dry-run", "--write", str(out)], capture_output=True, text=True, timeout=120,
-                            cwd=tmp_path)
+    result = subprocess.run(
+        [
+            str(BIN / "primerl"),
+            "rl",
+            "@",
+            str(EXAMPLE),
+            "--teacher.model.name",
+            TEACHER_MODEL,
+            "--dry-run",
+            "--write",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=tmp_path,
+    )
     assert result.returncode == 0, result.stderr
-    assert sorted(p.name for p in out.iterdir()) == ["broker.toml", "inference.toml", "orchestrator.toml", "rl.toml",
-                                                     "teacher.toml", "trainer.toml"]
-    result = subprocess.run([str(BIN / "primerl-infer"), "@", str(out / "teacher.toml"), "--dry-run"],
-                            capture_output=True, text=True, timeout=120)
+    assert sorted(p.name for p in out.iterdir()) == [
+        "broker.toml",
+        "inference.toml",
+        "orchestrator.toml",
+        "rl.toml",
+        "teacher.toml",
+        "trainer.toml",
+    ]
+    result = subprocess.run(
+        [str(BIN / "primerl-infer"), "@", str(out / "teacher.toml"), "--dry-run"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert result.returncode == 0, result.stderr
     assert 'role = "teacher"' in result.stdout and f'name = "{TEACHER_MODEL}"' in result.stdout
     assert "max_model_len = 513" in result.stdout
@@ -187,16 +272,18 @@ def test_dry_run_writes_a_teacher_toml_that_primerl_infer_accepts(tmp_path):
 
 def test_a_teacher_shares_the_inference_cpus_and_the_memory_check_counts_both_engines(write):
     from primerl.cli.preflight.system import engine_memory_check
-    from primerl.supervisor.role_configs import thread_budgets
     from primerl.runtime.cpu_budget import VLLM_BIND_VAR, role_env
+    from primerl.supervisor.role_configs import thread_budgets
 
     config = load("@", write("rl.toml", BASE + "\n[teacher]\nkv_cache_memory_bytes = 67108864\n"))
     roles = config.role_configs()
     budgets = thread_budgets(config, roles, gpus=False)
     assert budgets["teacher"].cpus == budgets["inference"].cpus  # a second engine on the same cores
     assert roles["teacher"].threads == budgets["teacher"]
-    assert role_env("teacher", budgets["teacher"])[VLLM_BIND_VAR] == role_env("inference", budgets["inference"])[
-        VLLM_BIND_VAR]
+    assert (
+        role_env("teacher", budgets["teacher"])[VLLM_BIND_VAR]
+        == role_env("inference", budgets["inference"])[VLLM_BIND_VAR]
+    )
     engines = {"inference": roles["inference"], "teacher": roles["teacher"]}
     [finding] = engine_memory_check(engines, gpus=False, available_bytes=3 * 2**30)()
     assert not finding.error
@@ -233,12 +320,24 @@ def test_the_preflight_of_primerl_rl_checks_the_teacher_model(tmp_path, tiny_mod
 def test_status_shows_a_teacher_in_its_own_row():
     from primerl.cli.status_view import render_status
 
-    status = control_pb2.RunStatus(run_id="r", workers=[
-        control_pb2.WorkerInfo(name="infer-0", role=common_pb2.ROLE_INFERENCE, address="http://127.0.0.1:8000",
-                               state=control_pb2.WORKER_STATE_ALIVE, policy_version=3),
-        control_pb2.WorkerInfo(name="teacher-0", role=common_pb2.ROLE_TEACHER, address="http://127.0.0.1:8001",
-                               state=control_pb2.WORKER_STATE_ALIVE),
-    ])
+    status = control_pb2.RunStatus(
+        run_id="r",
+        workers=[
+            control_pb2.WorkerInfo(
+                name="infer-0",
+                role=common_pb2.ROLE_INFERENCE,
+                address="http://127.0.0.1:8000",
+                state=control_pb2.WORKER_STATE_ALIVE,
+                policy_version=3,
+            ),
+            control_pb2.WorkerInfo(
+                name="teacher-0",
+                role=common_pb2.ROLE_TEACHER,
+                address="http://127.0.0.1:8001",
+                state=control_pb2.WORKER_STATE_ALIVE,
+            ),
+        ],
+    )
     [row] = [line for line in render_status(status).splitlines() if line.startswith("teacher-0")]
     assert row.split()[:4] == ["teacher-0", "teacher", "alive", "http://127.0.0.1:8001"]
     assert "frozen teacher" in row and "policy v" not in row
@@ -247,8 +346,11 @@ def test_status_shows_a_teacher_in_its_own_row():
 # ------------------------------------------------------------------------------- the real teacher daemon
 def _prompt_logprobs(http: httpx.Client, model: str, token_ids: list[int]) -> list:
     """The teacher request of the contract: the sample's token ids as the prompt, one token, prompt logprobs."""
-    response = http.post("/v1/completions", headers=AUTH, json={
-        "model": model, "prompt": token_ids, "max_tokens": 1, "prompt_logprobs": 0, "temperature": 1.0})
+    response = http.post(
+        "/v1/completions",
+        headers=AUTH,
+        json={"model": model, "prompt": token_ids, "max_tokens": 1, "prompt_logprobs": 0, "temperature": 1.0},
+    )
     assert response.status_code == 200, response.text
     assert response.headers["x-primerl-policy-version"] == "0"
     return response.json()["choices"][0]["prompt_logprobs"]
@@ -257,14 +359,26 @@ def _prompt_logprobs(http: httpx.Client, model: str, token_ids: list[int]) -> li
 @pytest.mark.slow
 @pytest.mark.vllm
 def test_a_teacher_daemon_registers_as_teacher_serves_prompt_logprobs_and_never_gets_weights(
-        tmp_path, tiny_model, make_broker):
+    tmp_path, tiny_model, make_broker
+):
     from primerl.broker.metrics import BrokerCollector
     from primerl.inference.logprob_check import reference_logprobs
 
     broker = make_broker(run_token=TOKEN, heartbeat_interval_s=0.2, run_id="teacher-test")
-    teacher = InferenceDaemon(tmp_path, tiny_model, broker.grpc_address, TOKEN, "--role", "teacher",
-                              "--kv-cache-memory-bytes", str(64 * 2**20), "--broker.connect-timeout-s", "30",
-                              max_model_len=64, name="teacher")
+    teacher = InferenceDaemon(
+        tmp_path,
+        tiny_model,
+        broker.grpc_address,
+        TOKEN,
+        "--role",
+        "teacher",
+        "--kv-cache-memory-bytes",
+        str(64 * 2**20),
+        "--broker.connect-timeout-s",
+        "30",
+        max_model_len=64,
+        name="teacher",
+    )
     try:
         assert teacher.ready["role"] == "teacher"
         with broker.client(role="client", name="teacher-test-observer") as client:
@@ -277,8 +391,12 @@ def test_a_teacher_daemon_registers_as_teacher_serves_prompt_logprobs_and_never_
         [workers] = [m for m in BrokerCollector(broker.service).collect() if m.name == "primerl_broker_workers"]
         assert {s.labels["role"]: s.value for s in workers.samples}["teacher"] == 1
 
-        shown = subprocess.run([str(BIN / "primerl"), "status", "--broker", broker.grpc_address, "--token", TOKEN],
-                               capture_output=True, text=True, timeout=60)
+        shown = subprocess.run(
+            [str(BIN / "primerl"), "status", "--broker", broker.grpc_address, "--token", TOKEN],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
         assert shown.returncode == 0, shown.stderr
         [row] = [line for line in shown.stdout.splitlines() if line.startswith(listed.name)]
         assert row.split()[1:4] == ["teacher", "alive", teacher.ready["advertised_url"]] and "frozen teacher" in row

@@ -50,10 +50,14 @@ def vllm_answer(token_ids: list[int], *, shift: int = 0) -> dict[str, Any]:
     """A ``/v1/completions`` answer shaped like vLLM's (``prompt_logprobs``: None, then {id: {logprob, rank}})."""
     entries: list[Any] = [None]
     for position, token_id in enumerate(token_ids[1:], start=1):
-        entries.append({str(token_id + shift): {"logprob": fake_logprob(token_id, position), "rank": 3,
-                                                "decoded_token": "x"}})
-    return {"object": "text_completion", "model": "teacher",
-            "choices": [{"index": 0, "text": "a", "prompt_logprobs": entries, "prompt_token_ids": None}]}
+        entries.append(
+            {str(token_id + shift): {"logprob": fake_logprob(token_id, position), "rank": 3, "decoded_token": "x"}}
+        )
+    return {
+        "object": "text_completion",
+        "model": "teacher",
+        "choices": [{"index": 0, "text": "a", "prompt_logprobs": entries, "prompt_token_ids": None}],
+    }
 
 
 class TeacherServer:
@@ -143,15 +147,18 @@ def test_answer_becomes_teacher_logprobs_at_loss_positions_only():
     assert values == [0.0, 0.0, fake_logprob(9, 2), fake_logprob(10, 3), 0.0]
 
 
-@pytest.mark.parametrize("answer, message", [
-    ({"choices": []}, "no choices"),
-    ({"choices": [{"text": "a"}]}, "no prompt_logprobs"),
-    (vllm_answer([7, 8, 9]), "3 prompt logprobs for a sample of 4 tokens"),
-    (vllm_answer([7, 8, 9, 10], shift=1), "not the sample's token 8"),
-    ({"choices": [{"prompt_logprobs": [None, {"8": {"logprob": float("nan")}}, None, None]}]}, "not finite"),
-    ({"choices": [{"prompt_logprobs": [None] * 4}]}, "not a {token_id: logprob} map"),
-    ({"choices": [{**vllm_answer([7, 8, 9, 10])["choices"][0], "prompt_token_ids": [7, 8, 9, 11]}]}, "other token"),
-])
+@pytest.mark.parametrize(
+    "answer, message",
+    [
+        ({"choices": []}, "no choices"),
+        ({"choices": [{"text": "a"}]}, "no prompt_logprobs"),
+        (vllm_answer([7, 8, 9]), "3 prompt logprobs for a sample of 4 tokens"),
+        (vllm_answer([7, 8, 9, 10], shift=1), "not the sample's token 8"),
+        ({"choices": [{"prompt_logprobs": [None, {"8": {"logprob": float("nan")}}, None, None]}]}, "not finite"),
+        ({"choices": [{"prompt_logprobs": [None] * 4}]}, "not a {token_id: logprob} map"),
+        ({"choices": [{**vllm_answer([7, 8, 9, 10])["choices"][0], "prompt_token_ids": [7, 8, 9, 11]}]}, "other token"),
+    ],
+)
 def test_an_answer_that_does_not_fit_the_sample_is_refused(answer, message):
     with pytest.raises(TeacherMismatch, match=message.replace("{", r"\{").replace("}", r"\}")):
         teacher_logprobs_from_answer(answer, [7, 8, 9, 10], [False, True, True, True])
@@ -159,11 +166,16 @@ def test_an_answer_that_does_not_fit_the_sample_is_refused(answer, message):
 
 def test_teacher_config_keys_and_prime_rl_alias(monkeypatch):
     base = {"model": {"name": "m"}, "env": [{"id": "e"}], "batch_size": 4, "rollouts_per_example": 2}
-    config = OrchestratorConfig.model_validate({**base, "teacher_model": {
-        "client": {"base_url": ["http://t:8000/v1"], "timeout": 5}, "model": {"name": "big"}}})
+    config = OrchestratorConfig.model_validate(
+        {
+            **base,
+            "teacher_model": {"client": {"base_url": ["http://t:8000/v1"], "timeout": 5}, "model": {"name": "big"}},
+        }
+    )
     assert config.teacher == TeacherConfig(model="big", base_url=["http://t:8000/v1"], timeout_s=5)
     assert OrchestratorConfig.model_validate({**base, "teacher": {"base_url": "http://t:1"}}).teacher.base_url == [
-        "http://t:1"]
+        "http://t:1"
+    ]
     assert OrchestratorConfig.model_validate(base).teacher is None
     with pytest.raises(ValueError, match="set twice"):
         OrchestratorConfig.model_validate({**base, "teacher": {}, "teacher_model": {"model": {"name": "x"}}})
@@ -191,14 +203,20 @@ def test_a_group_is_scored_with_the_run_token_and_the_listed_model(servers):
     assert gets == ["/v1/models"]  # the model is asked once per endpoint
     assert {auth for _, auth, _ in server.requests} == {f"Bearer {TOKEN}"}
     assert sorted(b["prompt"] for b in server.posts()) == [[5, 6, 7, 8], [5, 6, 9]]
-    assert all(b["model"] == "served-teacher" and b["max_tokens"] == 1 and b["prompt_logprobs"] == 0
-               and b["temperature"] == 1.0 for b in server.posts())
+    assert all(
+        b["model"] == "served-teacher"
+        and b["max_tokens"] == 1
+        and b["prompt_logprobs"] == 0
+        and b["temperature"] == 1.0
+        for b in server.posts()
+    )
     assert metrics["teacher/requests"] == 2 and metrics["teacher/errors"] == 0 and metrics["teacher/retried"] == 0
     assert metrics["teacher/request_s"] > 0 and metrics["teacher/inflight"] == 0
 
 
-@pytest.mark.parametrize("mode, error", [("503", TeacherUnreachable), ("close", TeacherUnreachable),
-                                         ("slow", TeacherTimeout)])
+@pytest.mark.parametrize(
+    "mode, error", [("503", TeacherUnreachable), ("close", TeacherUnreachable), ("slow", TeacherTimeout)]
+)
 def test_errors_that_can_heal_are_retried_then_fail_the_group(servers, mode, error):
     server = servers(mode, delay_s=2.0)
     scorer = scorer_for(server.url, model="t", max_retries=2, timeout_s=0.3)
@@ -299,8 +317,10 @@ def test_close_cancels_scorings_under_way(servers):
 
 def two_turn_rollout(index: int, reward: float) -> Rollout:
     """Two model turns whose second prompt does not extend the first: branching, one sample per turn."""
-    turns = [Turn([11, 12, 13], [21, 22], [-0.5, -0.5], [1, 1], "stop", False, 0, 0),
-             Turn([14, 15], [23, 24, 25], [-0.5] * 3, [1, 1, 1], "stop", False, 0, 0)]
+    turns = [
+        Turn([11, 12, 13], [21, 22], [-0.5, -0.5], [1, 1], "stop", False, 0, 0),
+        Turn([14, 15], [23, 24, 25], [-0.5] * 3, [1, 1, 1], "stop", False, 0, 0),
+    ]
     return Rollout(index, turns, reward, {}, False, None, None, None, [], [], 0.1)
 
 
@@ -313,8 +333,9 @@ class EnvWorkerAnswering:
         futures = []
         for index in example_indices:
             future: concurrent.futures.Future = concurrent.futures.Future()
-            future.set_result(RolloutGroup("e", "train", index,
-                                           [two_turn_rollout(i, float(i % 2)) for i in range(num_rollouts)]))
+            future.set_result(
+                RolloutGroup("e", "train", index, [two_turn_rollout(i, float(i % 2)) for i in range(num_rollouts)])
+            )
             futures.append(future)
         return futures
 
@@ -340,15 +361,28 @@ class Watcher:
 
 
 def scheduler_with_teacher(teacher: dict[str, Any], clock=time.monotonic) -> RolloutScheduler:
-    config = OrchestratorConfig.model_validate({
-        "model": {"name": "m"}, "env": [{"id": "e"}], "batch_size": 4, "rollouts_per_example": 2, "max_steps": 9,
-        "max_inflight": 4, "trajectory_strategy": "branching", "teacher": teacher,
-        "broker": {"run_token": TOKEN}})
+    config = OrchestratorConfig.model_validate(
+        {
+            "model": {"name": "m"},
+            "env": [{"id": "e"}],
+            "batch_size": 4,
+            "rollouts_per_example": 2,
+            "max_steps": 9,
+            "max_inflight": 4,
+            "trajectory_strategy": "branching",
+            "teacher": teacher,
+            "broker": {"run_token": TOKEN},
+        }
+    )
     stage = TeacherStage(TeacherScorer(config.teacher, run_token=config.broker.run_token))
-    scheduler = RolloutScheduler(config, stop_event=threading.Event(), env_clients={"e": EnvWorkerAnswering()},
-                                 sampler=EnvSampler({"e": 10}, {"e": 1.0}, seed=0),
-                                 failures=RolloutFailures(config.batch_size, inference_outage_s=60, clock=clock),
-                                 teacher=stage)
+    scheduler = RolloutScheduler(
+        config,
+        stop_event=threading.Event(),
+        env_clients={"e": EnvWorkerAnswering()},
+        sampler=EnvSampler({"e": 10}, {"e": 1.0}, seed=0),
+        failures=RolloutFailures(config.batch_size, inference_outage_s=60, clock=clock),
+        teacher=stage,
+    )
     scheduler.refresh_endpoints(Watcher({"w1": ("http://w1/v1", 0)}))
     return scheduler
 
@@ -379,8 +413,7 @@ def test_the_scheduler_scores_each_turn_before_the_assembler(servers):
 def test_a_teacher_that_is_down_fails_groups_as_rollout_errors_without_stopping_the_loop(servers):
     server = servers("503")
     now = [0.0]
-    scheduler = scheduler_with_teacher({"model": "t", "base_url": [server.url], "max_retries": 1},
-                                       clock=lambda: now[0])
+    scheduler = scheduler_with_teacher({"model": "t", "base_url": [server.url], "max_retries": 1}, clock=lambda: now[0])
     try:
         with structlog.testing.capture_logs() as logs:
             scheduler.dispatch(step=1)
@@ -422,7 +455,9 @@ def test_a_teacher_that_refuses_fails_groups_into_the_streak(servers):
 
 @pytest.mark.slow
 @pytest.mark.vllm
-def test_a_real_teacher_by_url_and_as_listed_gives_the_logprobs_of_a_float32_forward(tmp_path, tiny_model, infer_broker):
+def test_a_real_teacher_by_url_and_as_listed_gives_the_logprobs_of_a_float32_forward(
+    tmp_path, tiny_model, infer_broker
+):
     from support.daemons import InferenceDaemon
     from support.inference import TOKEN as RUN_TOKEN
 
@@ -431,13 +466,25 @@ def test_a_real_teacher_by_url_and_as_listed_gives_the_logprobs_of_a_float32_for
     from primerl.orchestrator.endpoints import EndpointWatcher
     from primerl.proto.v1 import common_pb2
 
-    daemon = InferenceDaemon(tmp_path, tiny_model, infer_broker.grpc_address, RUN_TOKEN, "--role", "teacher",
-                             env={"TMPDIR": str(tmp_path)}, name="teacher")
+    daemon = InferenceDaemon(
+        tmp_path,
+        tiny_model,
+        infer_broker.grpc_address,
+        RUN_TOKEN,
+        "--role",
+        "teacher",
+        env={"TMPDIR": str(tmp_path)},
+        name="teacher",
+    )
     scorer = TeacherScorer(TeacherConfig(base_url=[daemon.url], max_inflight=4), run_token=RUN_TOKEN)
     listed = TeacherScorer(TeacherConfig(max_inflight=4), run_token=RUN_TOKEN)  # as the broker lists teachers
     client = infer_broker.client("orchestrator", "teacher-test")
-    watcher = EndpointWatcher(lambda: client.list_workers(common_pb2.ROLE_TEACHER), outage_s=30,
-                              healable=(BrokerUnavailable,), what="teacher workers")
+    watcher = EndpointWatcher(
+        lambda: client.list_workers(common_pb2.ROLE_TEACHER),
+        outage_s=30,
+        healable=(BrokerUnavailable,),
+        what="teacher workers",
+    )
     watcher.start()
     samples = [
         sample([3, 40, 41, 42, 200, 201, 202, 7], [False, False, False, False, True, True, True, True]),
@@ -497,14 +544,28 @@ def test_the_orchestrator_scores_its_rollouts_with_the_teacher_the_broker_lists(
     steps: dict[int, list] = {}
     try:
         for name, extra in (("student", ()), ("teacher", ("--role", "teacher"))):
-            daemons.append(InferenceDaemon(tmp_path, tiny_model, broker.grpc_address, TOKEN, *extra,
-                                           env={"TMPDIR": str(tmp_path)}, name=name))
-        args = orchestrator_args(tiny_model, broker, tmp_path / "out", "reverse-text", "--max-async-level", "4",
-                                 "--teacher.max-inflight", "8")
+            daemons.append(
+                InferenceDaemon(
+                    tmp_path, tiny_model, broker.grpc_address, TOKEN, *extra, env={"TMPDIR": str(tmp_path)}, name=name
+                )
+            )
+        args = orchestrator_args(
+            tiny_model,
+            broker,
+            tmp_path / "out",
+            "reverse-text",
+            "--max-async-level",
+            "4",
+            "--teacher.max-inflight",
+            "8",
+        )
         with open(log_path, "w") as log_file:
-            orchestrator = subprocess.Popen(args, stdout=log_file, stderr=subprocess.STDOUT,
-                                            env={**os.environ, "PRIMERL_RUN_TOKEN": TOKEN,
-                                                 "PYTHONPATH": str(ENV_FIXTURES)})
+            orchestrator = subprocess.Popen(
+                args,
+                stdout=log_file,
+                stderr=subprocess.STDOUT,
+                env={**os.environ, "PRIMERL_RUN_TOKEN": TOKEN, "PYTHONPATH": str(ENV_FIXTURES)},
+            )
         with RolloutConsumer(broker.rollout_endpoint, auth_token=TOKEN, worker_id="trainer-0", rank=0) as consumer:
             for step in (1, 2):
                 steps[step] = consumer.fetch_step(step, timeout_s=180)
@@ -528,8 +589,10 @@ def test_the_orchestrator_scores_its_rollouts_with_the_teacher_the_broker_lists(
     print(f"teacher vs student inference logprobs: worst |diff| {worst:.2e} over {num_loss_tokens} loss tokens")
     assert num_loss_tokens > 0 and worst < 1e-3, (num_loss_tokens, worst)
     rows = metric_rows(tmp_path / "out")
-    print("teacher metrics per step:", [{k: round(v, 4) for k, v in row.items() if k.startswith("teacher/")}
-                                        for row in rows])
+    print(
+        "teacher metrics per step:",
+        [{k: round(v, 4) for k, v in row.items() if k.startswith("teacher/")} for row in rows],
+    )
     assert len(rows) == 2 and all(row["teacher/requests"] > 0 and row["teacher/errors"] == 0 for row in rows)
     assert sum(row["teacher/requests"] for row in rows) >= 16  # every rollout of both steps, at least
     text = log_path.read_text(errors="replace")

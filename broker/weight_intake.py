@@ -14,6 +14,10 @@ and for later chunks of a refused one) and the update the message belongs to, wh
   broker refused, and a refused, abandoned or expired one is ``WeightFanout.abort``ed;
 - a transfer whose header is refusable (``WeightStore.check_header``, or a version more than
   ``max_version_lead`` past the latest) is refused at its first chunk;
+- open transfers are bounded in number and declared bytes over all publisher connections, and each connection has
+  its own ``ChunkAssembler`` (at most ``max_open_transfers_per_publisher``, a new one replacing its oldest). When a
+  first chunk finds the bounds reached, transfers of other connections that got no chunk for ``evictable_after_s``
+  give their place, the quietest first: half-open transfers cannot keep a publisher out for the stall timeout;
 - a whole update goes to ``WeightFanout.put_update`` (stored, every worker planned again); the ack says
   ``applied=true`` (stored, or held already: a resend), or ``applied=false`` with an ``ErrorDetail`` (refused,
   nothing changed); ``full_required``: the next update must be FULL.
@@ -24,6 +28,7 @@ Run by the plane's IO thread only.
 from __future__ import annotations
 
 import collections
+import time
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -78,6 +83,18 @@ class IntakeBounds:
     """Open transfers per publisher connection; a new one replaces the oldest."""
     max_version_lead: int = 1024
     """How far ahead of the latest stored version an update may be."""
+    evictable_after_s: float = 2.0
+    """A transfer with no chunk for this long gives its place to a new transfer of another publisher connection
+    when the bounds are reached (a publisher streams its chunks back to back)."""
+
+
+@dataclass
+class _OpenTransfer:
+    """What the intake knows of one transfer being received: whose it is, what it declared, when it last moved."""
+
+    publisher: bytes
+    total_bytes: int
+    last_chunk_s: float
 
 
 class WeightIntake:
@@ -99,15 +116,14 @@ class WeightIntake:
         self.store = fanout.store
         self.max_version_lead = bounds.max_version_lead
         self.forward_chunk_bytes = forward_chunk_bytes or limits.max_frame_bytes
-        self._assembler = chunked_transfer.ChunkAssembler(
-            limits=limits,
-            max_open_transfers=bounds.max_open_transfers,
-            timeout_s=bounds.transfer_timeout_s,
-            stall_timeout_s=bounds.transfer_stall_timeout_s,
-            max_open_bytes=bounds.max_open_transfer_bytes,
-            max_open_per_publisher=bounds.max_open_transfers_per_publisher,
-            zero_copy=True,
+        self.limits = limits
+        self.bounds = bounds
+        self.max_open_bytes = (
+            limits.max_transfer_bytes if bounds.max_open_transfer_bytes is None else bounds.max_open_transfer_bytes
         )
+        # One assembler per publisher connection with open transfers; the intake holds the bounds over all of them.
+        self._assemblers: dict[bytes, chunked_transfer.ChunkAssembler] = {}
+        self._open: dict[tuple[str, str], _OpenTransfer] = {}
         self._hashers: dict[tuple[str, str], PayloadHasher] = {}
         # The update each open transfer is becoming (its chunks may be on their way to members already).
         self._incoming: dict[tuple[str, str], StoredUpdate] = {}
@@ -136,10 +152,27 @@ class WeightIntake:
             if chunk.index == 0:
                 self._check_version_window(header)
                 self.store.check_header(header)
-            whole = self._assembler.add(message, publisher=publisher)
+                if chunk.total_bytes > self.limits.max_transfer_bytes:
+                    raise framing.OversizedFrame(
+                        f"transfer of {chunk.total_bytes} bytes exceeds the limit of {self.limits.max_transfer_bytes}"
+                    )
+                self._make_room(publisher, chunk.total_bytes)
+            assembler = self._assemblers.get(publisher)
+            if assembler is None:
+                if chunk.index != 0:
+                    raise framing.BadChunk(f"transfer {chunk.transfer_id}: chunk {chunk.index} arrived before chunk 0")
+                assembler = self._assemblers[publisher] = self._new_assembler()
+            try:
+                whole = assembler.add(message, publisher=publisher)
+            finally:
+                self._forget_closed(publisher, current=key)
+            if whole is None and chunk.index == 0:
+                self._open[key] = _OpenTransfer(publisher, chunk.total_bytes, time.monotonic())
+            elif whole is None:
+                self._open[key].last_chunk_s = time.monotonic()
             if chunk.index == 0:
                 self._hashers[key] = hasher_for(header.digest)
-                segments = self._assembler.received(key) if whole is None else whole.payload
+                segments = assembler.received(key) if whole is None else whole.payload
                 update = StoredUpdate(header=copy_header(header), segments=segments)
                 update.cache["received"] = ReceivedChunks(envelope.header, [], chunk.count, chunk.total_bytes)
                 self._incoming[key] = update
@@ -190,18 +223,87 @@ class WeightIntake:
         )
         return IntakeReply(ack, refused=False, update=update)
 
+    @property
+    def num_open_transfers(self) -> int:
+        """Transfers being received now, over all publisher connections."""
+        return len(self._open)
+
     def expire(self, now_s: float) -> None:
         """Drop transfers that stalled or ran out of time, with their running hashes; members that were receiving
         them stop (``WeightFanout.abort``)."""
-        for transfer_id in self._assembler.expire(now_s):
+        for publisher, assembler in list(self._assemblers.items()):
+            for transfer_id in assembler.expire(now_s):
+                self._guard_log.warning(
+                    "transfer expired", "incomplete weight transfer expired", transfer_id=transfer_id[:64]
+                )
+            self._forget_closed(publisher)
+
+    def _new_assembler(self) -> chunked_transfer.ChunkAssembler:
+        per_publisher = self.bounds.max_open_transfers_per_publisher
+        return chunked_transfer.ChunkAssembler(
+            limits=self.limits,
+            max_open_transfers=per_publisher,
+            timeout_s=self.bounds.transfer_timeout_s,
+            stall_timeout_s=self.bounds.transfer_stall_timeout_s,
+            max_open_bytes=self.max_open_bytes,
+            max_open_per_publisher=per_publisher,
+            zero_copy=True,
+        )
+
+    def _make_room(self, publisher: bytes, total_bytes: int) -> None:
+        """Before a new transfer of ``publisher`` opens: make the bounds hold with it, evicting quiet transfers of
+        other publishers (the quietest first), or raise ``BadChunk`` (too many open) / ``Busy`` (too many bytes)."""
+        now_s = time.monotonic()
+        own = [key for key, t in self._open.items() if t.publisher == publisher]
+        # The publisher's own assembler replaces its oldest transfers beyond the per-publisher bound.
+        replaced = set(own[: max(0, len(own) - self.bounds.max_open_transfers_per_publisher + 1)])
+        while True:
+            staying = {key: t for key, t in self._open.items() if key not in replaced}
+            num_open = len(staying)
+            open_bytes = sum(t.total_bytes for t in staying.values())
+            too_many = num_open >= self.bounds.max_open_transfers
+            too_big = open_bytes + total_bytes > self.max_open_bytes
+            if not too_many and not too_big:
+                return
+            quiet = [
+                (t.last_chunk_s, key)
+                for key, t in staying.items()
+                if t.publisher != publisher and now_s - t.last_chunk_s >= self.bounds.evictable_after_s
+            ]
+            if not quiet:
+                if too_many:
+                    raise framing.BadChunk(f"too many open transfers ({num_open}); finish or abandon one first")
+                raise framing.Busy(
+                    f"transfers being received already declare {open_bytes} bytes; {total_bytes} more would "
+                    f"exceed the broker's {self.max_open_bytes} (max_open_transfer_bytes): retry later",
+                    retry_after_ms=1000,
+                )
+            last_chunk_s, victim = min(quiet)
             self._guard_log.warning(
-                "transfer expired", "incomplete weight transfer expired", transfer_id=transfer_id[:64]
+                "transfer evicted",
+                "a quiet weight transfer gave its place to a new one",
+                transfer_id=victim[1][:64],
+                quiet_s=round(now_s - last_chunk_s, 3),
             )
-            for key in [k for k in self._hashers if k[1] == transfer_id]:
-                self._drop(key)
-        # Transfers replaced by a newer one of the same publisher: drop them too.
-        for key in [k for k in self._hashers if not self._assembler.is_open(k)]:
-            self._drop(key)
+            self._evict(self._open[victim].publisher)
+
+    def _evict(self, publisher: bytes) -> None:
+        """Drop every open transfer of ``publisher`` (its assembler with them)."""
+        self._assemblers.pop(publisher, None)
+        self._forget_closed(publisher)
+
+    def _forget_closed(self, publisher: bytes, current: tuple[str, str] | None = None) -> None:
+        """Drop the intake's state of ``publisher``'s transfers that its assembler no longer holds (finished,
+        refused, expired, replaced, evicted), and the assembler once it holds none. The ``current`` transfer (the
+        one ``receive`` is handling) leaves ``_open`` only: ``receive`` finishes or drops its update itself."""
+        assembler = self._assemblers.get(publisher)
+        for key in [k for k, t in self._open.items() if t.publisher == publisher]:
+            if assembler is None or not assembler.is_open(key):
+                del self._open[key]
+                if key != current:
+                    self._drop(key)
+        if assembler is not None and assembler.num_open_transfers == 0:
+            del self._assemblers[publisher]
 
     def _drop(self, key: tuple[str, str]) -> None:
         self._hashers.pop(key, None)

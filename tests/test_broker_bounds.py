@@ -12,10 +12,11 @@ import zmq
 from support.broker import BrokerHarness
 
 from primerl.client.rollouts import RolloutProducer, RolloutRefused, pack_batch
-from primerl.client.weights import WeightBrokerLost, WeightSubscriber
+from primerl.client.weights import WeightBrokerLost, WeightSubscriber, WeightUpdateRefused
 from primerl.configs.broker import BrokerConfig
-from primerl.proto import framing
+from primerl.proto import chunked_transfer, framing
 from primerl.proto import tensor_frames as tf
+from primerl.proto.digests import payload_digest
 from primerl.proto.units import MiB
 from primerl.proto.v1 import data_pb2
 
@@ -100,6 +101,46 @@ def test_the_weight_socket_admits_max_weight_connections_and_clients_retry(tmp_p
             while subscriber.broker_latest is None and time.monotonic() < deadline:
                 subscriber.receive(timeout_s=0.5)
             assert subscriber.broker_latest is not None
+    finally:
+        context.destroy(linger=0)
+        broker.stop()
+
+
+def test_half_open_transfers_from_many_connections_do_not_starve_a_publish(tmp_path):
+    """8 connections each open a chunked transfer and go quiet (all 8 places of the defaults): the trainer's publish
+    still gets in once they have been quiet for ``evictable_after_s``, not after the 30 s stall timeout."""
+    broker = BrokerHarness(tmp_path / "spool", run_token=TOKEN, max_message_bytes=MiB)
+    context = zmq.Context()
+    try:
+        header, payload = _weight_update(1, num_floats=(3 * MiB) // 4)  # 3 MiB: three chunks
+        header.digest = payload_digest(payload)
+        header.payload_bytes = len(payload)
+        peers = []
+        for index in range(8):
+            peer = _raw_dealer(context, broker.weight_endpoint)
+            first = next(
+                iter(
+                    chunked_transfer.encode_chunked(
+                        data_pb2.WEIGHT_UPDATE,
+                        header,
+                        payload,
+                        chunk_bytes=MiB,
+                        transfer_id=f"stall-{index}",
+                        sender=f"peer-{index}",
+                        auth_token=TOKEN,
+                    )
+                )
+            )
+            peer.send_multipart(first)
+            peers.append(peer)
+        # A publish while they are fresh is refused at once (BAD_CHUNK, a clear error), not held for 30 s.
+        with pytest.raises(WeightUpdateRefused, match="too many open transfers"):
+            broker.publish(header, payload, timeout_s=10)
+        time.sleep(2.2)  # they are quiet now
+        started = time.monotonic()
+        ack = broker.publish(header, payload, timeout_s=10)
+        assert ack.applied and time.monotonic() - started < 5
+        assert broker.service.weight_store.latest_version == 1
     finally:
         context.destroy(linger=0)
         broker.stop()

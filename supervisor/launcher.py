@@ -1,41 +1,18 @@
-"""`primerl rl` without `--dry-run`: the run directory, the four roles as child processes, live progress, the end.
+"""One `primerl rl` run without `--dry-run`: the run directory, the roles as child processes, live progress, the end.
 
-Order: broker (ready file) -> inference (and the teacher, when the run has one) and trainer at once (the trainer
-builds its model while vLLM starts; it only talks to the broker), and the orchestrator too unless it runs evals
-or scores with a teacher (it waits for a live inference worker by itself; an eval at step 0 needs one, and a
-rollout group whose teacher scoring finds no teacher listed fails) -> once inference (and the teacher) are ready,
-the orchestrator if not started. The teacher (``[teacher]``, online distillation) is a second ``primerl-infer``
-with ``role = "teacher"``, treated like inference throughout: ready file, pinned port, restarts, stop. Each role
-logs to ``{run_dir}/logs/<role>.log`` and runs in its own process group (``primerl.supervisor.process_supervisor``).
-The run token (the config's ``broker.run_token``, else an exported ``$PRIMERL_RUN_TOKEN``, else a fresh one)
-reaches the children as ``$PRIMERL_RUN_TOKEN`` only; the config files written hold none. Once the broker is
-ready, ``{run_dir}/run.json`` (mode 0600, ``primerl.supervisor.run_file``) holds its address and the token, and the
-launcher prints the ``primerl status RUN_DIR`` command that reads it.
-The run succeeds when the trainer exits 0; Ctrl-C and SIGTERM stop it.
+Order: broker (ready file) -> inference (and the ``[teacher]``, a second ``primerl-infer``) and the trainer at once
+(it builds its model while vLLM starts), and the orchestrator too unless it runs evals or scores with a teacher ->
+once inference (and the teacher) are ready, the orchestrator if not started. The run succeeds when the trainer
+exits 0; Ctrl-C and SIGTERM stop every role, the broker last (the others deregister while it answers).
 
-Restarts (``--restart on-failure``, the default; ``primerl.supervisor.restart_policy``; done in
-``primerl.supervisor.restarts``): a role that exits non-zero or is killed by a signal once the run is under way
-is started again with the same command after a back-off, at most
-``--restart-limit`` times within ``--restart-window-s``, with a console line each time (its exit, the restart's
-number, the delay, and its last error line). Past the limit, with exit status 2 (a configuration error) or with
-``--restart never``, the role's failure stops the run as before, with its last error line and log tail; so does a
-broker or inference server that exits 0, or that fails before it was first ready. What makes a restart resume
-where the run was: the broker is pinned to the ports and run id it bound at its first start (``broker.toml`` is
-rewritten then; its spool dir is fixed by the config), inference to its HTTP port; the trainer resumes from its
-newest checkpoint (an explicit ``ckpt.resume_step`` is dropped for restarts); the others re-register by themselves.
-
-Process hygiene: every child and every process under it carries a mark in its environment, and a reaper process
-ends all of them within ~2.5 s if ``primerl rl`` itself dies without stopping them, SIGKILL included
-(``primerl.supervisor.process_reaper``); torchrun's ranks, which run in sessions of their own, are found the same way.
-
-Every role serves Prometheus metrics on a free port unless its config fixes one (fixed ports that clash stop
-the launch before anything starts); the launcher prints each role's metrics URL once it is known. Trainer and
-orchestrator write their rows to ``{run_dir}/metrics.jsonl``, which the closing summary reads.
-
-CPU threads: each role gets a budget (``primerl.runtime.cpu_budget``): the unset fields of its ``[<role>.threads]``
-table are filled from the default split of this process's CPUs, written into the role's config, and set as
-environment variables of its process (OpenMP/MKL/OpenBLAS thread counts, passive OpenMP wait policy, vLLM's
-CPU binding) so that they hold before any library loads.
+Invariants: each role logs to ``{run_dir}/logs/<role>.log``, runs in a process group of its own and is ended by the
+reaper if the launcher dies (``process_supervisor``, ``process_reaper``); the run token reaches the children in
+``$PRIMERL_RUN_TOKEN`` only, never in a written config; ``{run_dir}/run.json`` (mode 0600, ``run_file``) holds the
+broker's address and the token once the broker is ready; every role gets a CPU thread budget
+(``primerl.runtime.cpu_budget``) in its config and its environment before any library loads. A role that fails
+once the run is under way is restarted by ``restarts`` (``--restart``, ``--restart-limit``,
+``--restart-window-s``); past the limit, with exit status 2 or with ``--restart never``, its failure stops the run
+with its last error line and log tail.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The orchestrator's fault handling, piece by piece (issue 14): failed rollouts counted by kind and a run whose
+"""The orchestrator's fault handling, piece by piece: failed rollouts counted by kind and a run whose
 rollouts all fail stopped with one clear error; the worker list and the step sends riding through a real broker
 restart (an in-process ``BrokerService`` stopped and started again on the same ports); the ``step sent`` digest
 computed over exactly the tensor values the trainer decodes."""

@@ -1,4 +1,4 @@
-"""The orchestrator's faults through the real path (issue 14): the real `primerl-orchestrator` daemon, real env
+"""The orchestrator's faults through the real path: the real `primerl-orchestrator` daemon, real env
 workers (verifiers, their own interpreter), a real `primerl-infer` (vLLM, the tiny model) and an in-process broker.
 
 - every rollout failing (seq_len 16, shorter than the prompts) ends the orchestrator within 60 s with one error

@@ -1,4 +1,4 @@
-"""Metrics that mean what their names say (issue 15, item 9): generation throughput over a window, rewards paired
+"""Metrics that mean what their names say: generation throughput over a window, rewards paired
 with their step in the progress line, the rollout spool's bound in `primerl status`, interleave fallbacks,
 per-environment rewards, reward spread, and the per-rollout sampling seeds."""
 

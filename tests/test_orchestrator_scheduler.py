@@ -234,7 +234,7 @@ def test_stale_groups_are_cancelled():
     assert scheduler.counters["stale_groups_cancelled"] == 2
 
 
-# -- inference workers joining and leaving (issue 17) ---------------------------------------------------------------
+# -- inference workers joining and leaving -----------------------------------------------------------------------
 
 
 def never_answering_worker() -> FakeWorker:

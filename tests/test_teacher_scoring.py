@@ -1,4 +1,4 @@
-"""The orchestrator scores the student's rollouts with a teacher (issue 18): the answer's prompt logprobs become
+"""The orchestrator scores the student's rollouts with a teacher: the answer's prompt logprobs become
 ``teacher_logprobs`` aligned with the loss mask; failures of a real local HTTP server (503, a closed connection,
 a 400, no answer in time, nothing listening) are retried and then fail the group with a ``teacher_*`` kind; the
 rollout scheduler keeps scorings in flight beside rollouts and counts failed scorings like failed rollouts. Slow:

@@ -46,8 +46,14 @@ def test_plan_is_seeded_and_holds_every_kind_of_kill():
     assert make_plan(7, full=True) == make_plan(7, full=True)
     assert make_plan(1, full=True) != make_plan(2, full=True)
     moments = {(k.role, k.moment) for k in make_plan(3, full=True)}
-    assert moments == {("broker", "push"), ("trainer", "publish-before-checkpoint"), ("orchestrator", "random"),
-                       ("inference", "random"), ("broker", "random"), ("trainer", "random")}
+    assert moments == {
+        ("broker", "push"),
+        ("trainer", "publish-before-checkpoint"),
+        ("orchestrator", "random"),
+        ("inference", "random"),
+        ("broker", "random"),
+        ("trainer", "random"),
+    }
     quick = make_plan(3, full=False)
     assert sorted(k.role for k in quick) == ["broker", "inference", "orchestrator", "trainer"]
     assert steps_needed(quick) >= sum(k.gap_steps for k in quick) + 2 * len(quick)
@@ -59,11 +65,14 @@ def test_lineage_follows_checkpoints_back_and_counts_a_rolled_back_step_as_retra
     resumed = lambda s: _line("resumed from checkpoint", step=s)  # noqa: E731
     # 1: steps 1-3, checkpoint 2, killed after 3. 2: resumes at 2, trains 3-4 (checkpoint 4), killed after 5's done.
     # 3: resumes at 4, trains 5-6.
-    path = _trainer_log(tmp_path / "trainer.log", [
-        [done(1), saved(2), done(2), done(3)],
-        [resumed(2), done(3), saved(4), done(4), done(5)],
-        [resumed(4), done(5), saved(6), done(6)],
-    ])
+    path = _trainer_log(
+        tmp_path / "trainer.log",
+        [
+            [done(1), saved(2), done(2), done(3)],
+            [resumed(2), done(3), saved(4), done(4), done(5)],
+            [resumed(4), done(5), saved(6), done(6)],
+        ],
+    )
     result = lineage(read_incarnations("trainer", path))
     assert result.broken == ""
     assert sorted(result.steps) == [1, 2, 3, 4, 5, 6]
@@ -73,38 +82,61 @@ def test_lineage_follows_checkpoints_back_and_counts_a_rolled_back_step_as_retra
 
 
 def test_lineage_reports_a_lost_step_and_a_resume_from_an_unknown_checkpoint(tmp_path):
-    path = _trainer_log(tmp_path / "trainer.log", [
-        [_line("step done", step=1), _line("checkpoint saved", step=2)],  # killed before step 2's "step done"
-        [_line("resumed from checkpoint", step=2), _line("step done", step=3)],
-    ])
+    path = _trainer_log(
+        tmp_path / "trainer.log",
+        [
+            [_line("step done", step=1), _line("checkpoint saved", step=2)],  # killed before step 2's "step done"
+            [_line("resumed from checkpoint", step=2), _line("step done", step=3)],
+        ],
+    )
     result = lineage(read_incarnations("trainer", path))
     assert sorted(result.steps) == [1, 3]  # step 2 is lost: its record never written
-    broken = _trainer_log(tmp_path / "broken.log", [[_line("resumed from checkpoint", step=4), _line("step done", step=5)]])
+    broken = _trainer_log(
+        tmp_path / "broken.log", [[_line("resumed from checkpoint", step=4), _line("step done", step=5)]]
+    )
     assert "no earlier incarnation" in lineage(read_incarnations("trainer", broken)).broken
 
 
 def test_a_record_written_from_the_checkpoint_counts_once_and_twice_is_a_duplicate(tmp_path):
-    path = _trainer_log(tmp_path / "trainer.log", [
-        [_line("step done", step=1), _line("checkpoint saved", step=2)],  # killed before step 2's "step done"
-        [_line("resumed from checkpoint", step=2), _line("step done", step=2, from_checkpoint=True),
-         _line("step done", step=3)],
-    ])
+    path = _trainer_log(
+        tmp_path / "trainer.log",
+        [
+            [_line("step done", step=1), _line("checkpoint saved", step=2)],  # killed before step 2's "step done"
+            [
+                _line("resumed from checkpoint", step=2),
+                _line("step done", step=2, from_checkpoint=True),
+                _line("step done", step=3),
+            ],
+        ],
+    )
     result = lineage(read_incarnations("trainer", path))
     assert {s: len(e) for s, e in result.steps.items()} == {1: 1, 2: 1, 3: 1} and not result.retrained
-    twice = _trainer_log(tmp_path / "twice.log", [
-        [_line("step done", step=1), _line("checkpoint saved", step=2), _line("step done", step=2)],
-        [_line("resumed from checkpoint", step=2), _line("step done", step=2, from_checkpoint=True)],
-    ])
+    twice = _trainer_log(
+        tmp_path / "twice.log",
+        [
+            [_line("step done", step=1), _line("checkpoint saved", step=2), _line("step done", step=2)],
+            [_line("resumed from checkpoint", step=2), _line("step done", step=2, from_checkpoint=True)],
+        ],
+    )
     assert len(lineage(read_incarnations("trainer", twice)).steps[2]) == 2
 
 
 def test_a_step_published_then_killed_before_its_record_counts_as_a_training(tmp_path):
     published = lambda v: _line("policy published", policy_version=v)  # noqa: E731
-    path = _trainer_log(tmp_path / "trainer.log", [
-        [_line("step done", step=1), published(1), _line("checkpoint saved", step=2), _line("step done", step=2),
-         published(2), published(3)],  # killed after publishing 3, before its "step done"
-        [_line("resumed from checkpoint", step=2), published(2), _line("step done", step=3), published(3)],
-    ])
+    path = _trainer_log(
+        tmp_path / "trainer.log",
+        [
+            [
+                _line("step done", step=1),
+                published(1),
+                _line("checkpoint saved", step=2),
+                _line("step done", step=2),
+                published(2),
+                published(3),
+            ],  # killed after publishing 3, before its "step done"
+            [_line("resumed from checkpoint", step=2), published(2), _line("step done", step=3), published(3)],
+        ],
+    )
     result = lineage(read_incarnations("trainer", path))
     assert sorted(result.steps) == [1, 2, 3]
     assert dict(result.retrained) == {3: 1}  # the re-publish of v2 at resume is no training
@@ -112,9 +144,17 @@ def test_a_step_published_then_killed_before_its_record_counts_as_a_training(tmp
 
 
 def test_an_exit_0_is_a_normal_end_only_once_the_trainer_finished(tmp_path):
-    logs = {"trainer": read_incarnations("trainer", _trainer_log(tmp_path / "t.log", [[
-        json.dumps({"event": "training finished", "timestamp": "2026-01-01T00:01:00Z"})]])),
-            "inference": [], "orchestrator": [], "broker": []}
+    logs = {
+        "trainer": read_incarnations(
+            "trainer",
+            _trainer_log(
+                tmp_path / "t.log", [[json.dumps({"event": "training finished", "timestamp": "2026-01-01T00:01:00Z"})]]
+            ),
+        ),
+        "inference": [],
+        "orchestrator": [],
+        "broker": [],
+    }
     finished_s = logs["trainer"][0].events[0].at_s
     assert _normal_end(Exit("inference", 1, 0, finished_s + 1, False), logs)
     assert not _normal_end(Exit("inference", 1, 0, finished_s - 5, False), logs)
@@ -149,19 +189,25 @@ def test_restarter_restarts_after_a_kill_or_a_failure_and_ends_on_exit_0(tmp_pat
     marker = f"chaos-test-{os.getpid()}"
     counter = tmp_path / "count"
     # each start counts itself; the 3rd start exits 0, the 2nd exits 3, the 1st waits to be killed
-    script = ("import pathlib, sys, time; p = pathlib.Path(sys.argv[1]); n = int(p.read_text() or 0) + 1 "
-              "if p.exists() else 1; p.write_text(str(n)); print('start', n, flush=True); "
-              "time.sleep(60) if n == 1 else sys.exit(3 if n == 2 else 0)")
+    script = (
+        "import pathlib, sys, time; p = pathlib.Path(sys.argv[1]); n = int(p.read_text() or 0) + 1 "
+        "if p.exists() else 1; p.write_text(str(n)); print('start', n, flush=True); "
+        "time.sleep(60) if n == 1 else sys.exit(3 if n == 2 else 0)"
+    )
     env = {**os.environ, MARKER_ENV: marker}
-    unit = Unit("trainer", [sys.executable, "-c", script, counter], env, tmp_path / "logs" / "trainer.log",
-                restart_sec=0.2)
+    unit = Unit(
+        "trainer", [sys.executable, "-c", script, counter], env, tmp_path / "logs" / "trainer.log", restart_sec=0.2
+    )
     unit.start()
     _wait(unit, lambda: counter.exists())
     assert marked_processes(marker), "the started process carries the marker"
     killed_pid = unit.kill()
     exits = _wait(unit, lambda: unit.state == "done")
-    assert [(e.pid == killed_pid, e.code, e.planned) for e in exits] == [(True, -9, True), (False, 3, False),
-                                                                          (False, 0, False)]
+    assert [(e.pid == killed_pid, e.code, e.planned) for e in exits] == [
+        (True, -9, True),
+        (False, 3, False),
+        (False, 0, False),
+    ]
     assert len(unit.starts) == 3
     assert read_text_count(tmp_path / "logs" / "trainer.log") == 3
     assert not marked_processes(marker)
@@ -178,9 +224,29 @@ def test_short_seeded_chaos_run_in_separate_processes_passes_every_check(tmp_pat
     env = {**os.environ, "PRIMERL_ENV_PYTHON": ENV_PYTHON, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
     started_s = time.monotonic()
     result = subprocess.run(
-        [sys.executable, str(CHAOS_DIR), "--seeds", "1", "--modes", "separate", "--quick", "--restart-sec", "1",
-         "--run-root", str(tmp_path), "--timeout-s", str(CI_RUN_TIMEOUT_S - 30), "--stall-s", "90"],
-        capture_output=True, text=True, timeout=CI_RUN_TIMEOUT_S + 60, env=env, cwd=REPO_ROOT)
+        [
+            sys.executable,
+            str(CHAOS_DIR),
+            "--seeds",
+            "1",
+            "--modes",
+            "separate",
+            "--quick",
+            "--restart-sec",
+            "1",
+            "--run-root",
+            str(tmp_path),
+            "--timeout-s",
+            str(CI_RUN_TIMEOUT_S - 30),
+            "--stall-s",
+            "90",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=CI_RUN_TIMEOUT_S + 60,
+        env=env,
+        cwd=REPO_ROOT,
+    )
     wall_s = time.monotonic() - started_s
     report = result.stdout[-6000:] + result.stderr[-3000:]
     assert result.returncode == 0, f"chaos run failed (exit {result.returncode}):\n{report}"

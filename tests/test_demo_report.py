@@ -31,6 +31,7 @@ def test_runs_give_one_row_each_then_mean_and_min_max(tmp_path):
 
 
 def test_a_run_without_its_evals_is_a_clear_error(tmp_path):
-    result = subprocess.run([sys.executable, str(SCRIPT), "--runs", str(tmp_path / "missing")],
-                            capture_output=True, text=True)
+    result = subprocess.run(
+        [sys.executable, str(SCRIPT), "--runs", str(tmp_path / "missing")], capture_output=True, text=True
+    )
     assert result.returncode != 0 and "cannot read" in result.stderr

@@ -24,8 +24,14 @@ BIN = Path(sys.executable).parent
 REPO_ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = REPO_ROOT / "examples" / "reverse_text_distill.toml"
 ENV_PYTHON = os.environ.get("PRIMERL_ENV_PYTHON", str(REPO_ROOT / ".venv-envs" / "bin" / "python"))
-ENV = {**os.environ, "PRIMERL_ENV_PYTHON": ENV_PYTHON, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
-       "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1"}
+ENV = {
+    **os.environ,
+    "PRIMERL_ENV_PYTHON": ENV_PYTHON,
+    "HF_HUB_OFFLINE": "1",
+    "TRANSFORMERS_OFFLINE": "1",
+    "VLLM_NO_USAGE_STATS": "1",
+    "DO_NOT_TRACK": "1",
+}
 ENV.pop("PRIMERL_RUN_TOKEN", None)
 NUM_STEPS = 9
 STUDENT_SFT_STEPS = 6
@@ -55,19 +61,52 @@ def reverse_dataset(path: Path, count: int = 256, seed: int = 0) -> Path:
         for _ in range(count):
             letters = [rng.choice("abcdef") for _ in range(rng.randint(3, 6))]
             system = "Reverse the letters. Answer with the letters only, separated by spaces."
-            handle.write(json.dumps({"prompt": [{"role": "system", "content": system},
-                                                {"role": "user", "content": " ".join(letters)}],
-                                     "completion": [{"role": "assistant", "content": " ".join(reversed(letters))}]}) + "\n")
+            handle.write(
+                json.dumps(
+                    {
+                        "prompt": [
+                            {"role": "system", "content": system},
+                            {"role": "user", "content": " ".join(letters)},
+                        ],
+                        "completion": [{"role": "assistant", "content": " ".join(reversed(letters))}],
+                    }
+                )
+                + "\n"
+            )
     return path
 
 
 def start_sft(model: Path, data: Path, out: Path, steps: int, log_path: Path) -> subprocess.Popen:
     with log_path.open("w") as log:
         return subprocess.Popen(
-            [str(BIN / "primerl"), "sft", "--model.name", str(model), "--data.path", str(data), "--data.batch-size",
-             "16", "--data.epochs", "10", "--max-steps", str(steps), "--optim.lr", "3e-3", "--seq-len", "256",
-             "--output-dir", str(out), "--model.parallel", "ddp", "--threads.wait-policy", "passive"],
-            stdout=log, stderr=subprocess.STDOUT, env=ENV)
+            [
+                str(BIN / "primerl"),
+                "sft",
+                "--model.name",
+                str(model),
+                "--data.path",
+                str(data),
+                "--data.batch-size",
+                "16",
+                "--data.epochs",
+                "10",
+                "--max-steps",
+                str(steps),
+                "--optim.lr",
+                "3e-3",
+                "--seq-len",
+                "256",
+                "--output-dir",
+                str(out),
+                "--model.parallel",
+                "ddp",
+                "--threads.wait-policy",
+                "passive",
+            ],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env=ENV,
+        )
 
 
 @pytest.fixture(scope="module")
@@ -78,8 +117,10 @@ def student_and_teacher(tiny_model, tmp_path_factory) -> tuple[Path, Path]:
         pytest.skip(f"no env-worker interpreter at {ENV_PYTHON}: run `make setup` (it builds .venv-envs)")
     root = tmp_path_factory.mktemp("distill-models")
     data = reverse_dataset(root / "reverse.jsonl")
-    runs = {name: (steps, start_sft(tiny_model, data, root / name, steps, root / f"{name}.log"))
-            for name, steps in (("student", STUDENT_SFT_STEPS), ("teacher", TEACHER_SFT_STEPS))}
+    runs = {
+        name: (steps, start_sft(tiny_model, data, root / name, steps, root / f"{name}.log"))
+        for name, steps in (("student", STUDENT_SFT_STEPS), ("teacher", TEACHER_SFT_STEPS))
+    }
     weights = []
     for name, (steps, process) in runs.items():
         try:
@@ -103,8 +144,22 @@ def test_a_run_with_a_teacher_trains_every_step_and_its_teacher_kl_falls(student
     overlay.write_text(OVERLAY.format(steps=NUM_STEPS))
     from support.probes import free_port
 
-    args = [str(BIN / "primerl"), "rl", "@", str(EXAMPLE), "@", str(overlay), "--model.name", str(student),
-            "--teacher.model.name", str(teacher), "--output-dir", str(run_dir), "--broker.grpc-port", str(free_port())]
+    args = [
+        str(BIN / "primerl"),
+        "rl",
+        "@",
+        str(EXAMPLE),
+        "@",
+        str(overlay),
+        "--model.name",
+        str(student),
+        "--teacher.model.name",
+        str(teacher),
+        "--output-dir",
+        str(run_dir),
+        "--broker.grpc-port",
+        str(free_port()),
+    ]
     result = subprocess.run(args, capture_output=True, text=True, timeout=RUN_TIMEOUT_S, env=ENV, cwd=tmp_path)
     output = result.stdout + result.stderr
     assert result.returncode == 0, output[-6000:]
@@ -138,15 +193,26 @@ def test_the_demo_report_gives_mean_and_spread_over_repeats(tmp_path):
     demo = load_demo()
     results = tmp_path / "results.jsonl"
     rewards = {(0, 0): 0.5, (1, 0): 0.7, (0, 1): 0.6, (1, 1): 1.0}  # (example, repeat) -> reward
-    results.write_text("".join(json.dumps({"example_index": e, "rollout_index": r, "reward": v}) + "\n"
-                               for (e, r), v in rewards.items()))
+    results.write_text(
+        "".join(
+            json.dumps({"example_index": e, "rollout_index": r, "reward": v}) + "\n" for (e, r), v in rewards.items()
+        )
+    )
     stats = demo.repeat_stats(results)
     assert stats["repeat_means"] == pytest.approx([0.6, 0.8])
     assert stats["mean"] == pytest.approx(0.7) and stats["std"] == pytest.approx(0.1414, abs=1e-4)
-    result = {"num_examples": 2, "repeats": 2, "distill_steps": 6, "teacher_kl": [0.3, 0.3, 0.2, 0.2, 0.1, 0.1],
-              "eval": {"teacher": {"mean": 0.8, "std": 0.01}, "before": {"mean": 0.5, "std": 0.02},
-                       "after": {"mean": 0.7, "std": 0.03}},
-              "timings": {"distill_s": 90.0, "total_s": 200.0}}
+    result = {
+        "num_examples": 2,
+        "repeats": 2,
+        "distill_steps": 6,
+        "teacher_kl": [0.3, 0.3, 0.2, 0.2, 0.1, 0.1],
+        "eval": {
+            "teacher": {"mean": 0.8, "std": 0.01},
+            "before": {"mean": 0.5, "std": 0.02},
+            "after": {"mean": 0.7, "std": 0.03},
+        },
+        "timings": {"distill_s": 90.0, "total_s": 200.0},
+    }
     text = demo.report(result)
     assert "student before          0.500 ± 0.020" in text and "student after           0.700 ± 0.030" in text
     assert "gap to the teacher closed: 67%" in text

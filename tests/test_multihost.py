@@ -31,12 +31,20 @@ def hosts():
 # d leaves cleanly (SIGTERM: it finishes its requests and deregisters) on the plain wire, and vanishes mid-request
 # (SIGKILL: the broker declares it lost, its requests fail and their groups are retried elsewhere) on the encrypted one
 @pytest.mark.parametrize(("wire", "stop_signal"), [("plain", "TERM"), ("encrypted", "KILL")])
-def test_a_run_across_hosts_survives_a_worker_leaving_and_one_joining(hosts, tiny_model: Path, tmp_path: Path,
-                                                                       wire: str, stop_signal: str):
+def test_a_run_across_hosts_survives_a_worker_leaving_and_one_joining(
+    hosts, tiny_model: Path, tmp_path: Path, wire: str, stop_signal: str
+):
     from support.multihost import MultihostRun
 
-    run = MultihostRun(hosts, tmp_path / "run", tiny_model, max_steps=32, encrypted=wire == "encrypted",
-                       stop_signal=stop_signal, timeout_s=480.0)
+    run = MultihostRun(
+        hosts,
+        tmp_path / "run",
+        tiny_model,
+        max_steps=32,
+        encrypted=wire == "encrypted",
+        stop_signal=stop_signal,
+        timeout_s=480.0,
+    )
     report = run.run()
     print("\n" + report.summary())
     problems = report.problems()

@@ -34,7 +34,8 @@ from support.systemd_units import (
 )
 
 needs_systemd_analyze = pytest.mark.skipif(
-    SYSTEMD_ANALYZE is None, reason="systemd-analyze is not installed (Debian: apt-get install systemd)")
+    SYSTEMD_ANALYZE is None, reason="systemd-analyze is not installed (Debian: apt-get install systemd)"
+)
 
 
 @pytest.fixture(scope="module")
@@ -78,7 +79,9 @@ def test_per_role_and_per_instance_settings_win(node_root, tmp_path):
 
 def security_examples(node: str) -> dict[str, str]:
     """The commented examples of the wire-security variables in deploy/etc/primerl.env, for client ``node``."""
-    found = re.findall(r"^#\s+(PRIMERL_\w+_(?:TLS|CURVE)_ARGS)=(.+)$", (DEPLOY / "etc/primerl.env").read_text(), re.MULTILINE)
+    found = re.findall(
+        r"^#\s+(PRIMERL_\w+_(?:TLS|CURVE)_ARGS)=(.+)$", (DEPLOY / "etc/primerl.env").read_text(), re.MULTILINE
+    )
     return {key: value.replace("NODE", node) for key, value in found}
 
 
@@ -86,10 +89,17 @@ def test_wire_security_examples_are_accepted(node_root):
     """The TLS/CURVE settings primerl.env shows (once uncommented) name the files `primerl certs` writes, copied to
     /etc/primerl/certs, and are settings the daemons know."""
     examples = security_examples("node1")
-    assert set(examples) == {f"PRIMERL_{side}_{kind}_ARGS" for side in ("BROKER", "CLIENT") for kind in ("TLS", "CURVE")}
+    assert set(examples) == {
+        f"PRIMERL_{side}_{kind}_ARGS" for side in ("BROKER", "CLIENT") for kind in ("TLS", "CURVE")
+    }
     certs = node_root / "etc/primerl/certs"
-    result = subprocess.run([str(BIN / "primerl"), "certs", "--out", str(certs), "--host", "broker-node",
-                             "--clients", "node1", "--force"], capture_output=True, text=True, check=False, timeout=120)
+    result = subprocess.run(
+        [str(BIN / "primerl"), "certs", "--out", str(certs), "--host", "broker-node", "--clients", "node1", "--force"],
+        capture_output=True,
+        text=True,
+        check=False,
+        timeout=120,
+    )
     assert result.returncode == 0, result.stderr
     for name in INSTANCES:
         unit = installed_unit(node_root, name)
@@ -102,9 +112,16 @@ def test_wire_security_examples_are_accepted(node_root):
         config = dry_run(argv, env, node_root)
         security = config if name.startswith("primerl-broker") else config["broker"]
         assert {k for k in security if k.startswith(("tls_", "curve_"))} == (
-            {"tls_cert_path", "tls_key_path", "tls_client_ca_path", "curve_secret_key_path", "curve_authorized_keys_dir"}
-            if name.startswith("primerl-broker") else
-            {"tls_ca_path", "tls_cert_path", "tls_key_path", "curve_secret_key_path", "curve_broker_key_path"})
+            {
+                "tls_cert_path",
+                "tls_key_path",
+                "tls_client_ca_path",
+                "curve_secret_key_path",
+                "curve_authorized_keys_dir",
+            }
+            if name.startswith("primerl-broker")
+            else {"tls_ca_path", "tls_cert_path", "tls_key_path", "curve_secret_key_path", "curve_broker_key_path"}
+        )
 
 
 def test_torchrun_drop_in(node_root):
@@ -116,10 +133,13 @@ def test_torchrun_drop_in(node_root):
     argv = command_line(unit, env, "")
     split = next(i for i, a in enumerate(argv) if a.endswith("/primerl-trainer"))
     assert Path(argv[0]).name == "torchrun" and Path(argv[0]).exists()
-    check = ("import sys; from torch.distributed.run import get_args_parser; "
-             "a = get_args_parser().parse_args(sys.argv[1:]); print(a.nnodes, a.nproc_per_node, a.rdzv_endpoint)")
-    result = subprocess.run([sys.executable, "-c", check, *argv[1:split + 1]], capture_output=True, text=True,
-                            check=False, timeout=120)
+    check = (
+        "import sys; from torch.distributed.run import get_args_parser; "
+        "a = get_args_parser().parse_args(sys.argv[1:]); print(a.nnodes, a.nproc_per_node, a.rdzv_endpoint)"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", check, *argv[1 : split + 1]], capture_output=True, text=True, check=False, timeout=120
+    )
     assert result.returncode == 0, result.stderr
     assert result.stdout.split() == ["1", "2", "trainer-node-1:29400"]
     dry_run(argv[split:], env, node_root)
@@ -155,9 +175,14 @@ def test_systemd_analyze_verify(node_root):
     shutil.copy(node_root / "etc/primerl/examples/trainer-torchrun.conf", drop_in_dir / "torchrun.conf")
     try:
         names = [*INSTANCES, "primerl.target"]
-        result = subprocess.run([SYSTEMD_ANALYZE, "verify", "--man=no", "--generators=no",
-                                 *(f"./{name}" for name in names)],
-                                cwd=unit_dir, capture_output=True, text=True, check=False, timeout=120)
+        result = subprocess.run(
+            [SYSTEMD_ANALYZE, "verify", "--man=no", "--generators=no", *(f"./{name}" for name in names)],
+            cwd=unit_dir,
+            capture_output=True,
+            text=True,
+            check=False,
+            timeout=120,
+        )
     finally:
         shutil.rmtree(drop_in_dir)
     assert result.returncode == 0 and not result.stderr.strip(), result.stderr
@@ -167,9 +192,14 @@ def test_systemd_analyze_verify(node_root):
 @pytest.mark.parametrize("name", INSTANCES)
 def test_systemd_analyze_security_exposure(node_root, name):
     """`systemd-analyze security` rates every unit 5.0 or less (out of 10; the units before hardening: 8.7)."""
-    result = subprocess.run([SYSTEMD_ANALYZE, "security", "--offline=true", "--no-pager", "--threshold=50",
-                             f"./{name}"], cwd=node_root / "etc/systemd/system", capture_output=True, text=True,
-                            check=False, timeout=60)
+    result = subprocess.run(
+        [SYSTEMD_ANALYZE, "security", "--offline=true", "--no-pager", "--threshold=50", f"./{name}"],
+        cwd=node_root / "etc/systemd/system",
+        capture_output=True,
+        text=True,
+        check=False,
+        timeout=60,
+    )
     assert result.returncode == 0, result.stdout[-600:] + result.stderr
 
 
@@ -177,13 +207,28 @@ def test_systemd_analyze_security_exposure(node_root, name):
 def test_systemctl_enables_units_into_the_target(tmp_path):
     root = tmp_path / "node"
     assert run_install("--root", str(root), "--venv", str(VENV), "--infer-workers", "2").returncode == 0
-    result = subprocess.run(["systemctl", f"--root={root}", "enable", "primerl.target", "primerl-broker.service",
-                             "primerl-infer@0.service", "primerl-infer@1.service"],
-                            capture_output=True, text=True, check=False, timeout=60)
+    result = subprocess.run(
+        [
+            "systemctl",
+            f"--root={root}",
+            "enable",
+            "primerl.target",
+            "primerl-broker.service",
+            "primerl-infer@0.service",
+            "primerl-infer@1.service",
+        ],
+        capture_output=True,
+        text=True,
+        check=False,
+        timeout=60,
+    )
     assert result.returncode == 0, result.stderr
     wants = root / "etc/systemd/system/primerl.target.wants"
     assert sorted(p.name for p in wants.iterdir()) == [
-        "primerl-broker.service", "primerl-infer@0.service", "primerl-infer@1.service"]
+        "primerl-broker.service",
+        "primerl-infer@0.service",
+        "primerl-infer@1.service",
+    ]
     assert (root / "etc/systemd/system/multi-user.target.wants/primerl.target").is_symlink()
 
 
@@ -231,10 +276,13 @@ def test_install_renders_paths_and_refuses_bad_arguments(tmp_path):
     assert orchestrator.values("ExecStart")[0].startswith("/srv/p/.venv/bin/primerl-orchestrator ")
     assert "PRIMERL_ENV_PYTHON=/srv/envs/bin/python" in orchestrator.values("Environment")
     assert orchestrator.values("User") == ["rl"]
-    for args, message in [(["--infer-workers", "two"], "--infer-workers takes a number"),
-                          (["--venv", "relative"], "absolute paths"),
-                          (["--venv", "/srv/a b"], "cannot hold spaces"), (["--bogus"], "unknown argument --bogus"),
-                          (["--root"], "--root needs a value")]:
+    for args, message in [
+        (["--infer-workers", "two"], "--infer-workers takes a number"),
+        (["--venv", "relative"], "absolute paths"),
+        (["--venv", "/srv/a b"], "cannot hold spaces"),
+        (["--bogus"], "unknown argument --bogus"),
+        (["--root"], "--root needs a value"),
+    ]:
         bad = run_install("--root", str(root), *args) if args[0] != "--root" else run_install(*args)
         assert bad.returncode == 2 and message in bad.stderr, (args, bad.stderr)
 
@@ -244,7 +292,9 @@ def test_install_without_root_needs_a_root_dir():
     as_user = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups"] if os.geteuid() == 0 else []
     if as_user and shutil.which("setpriv") is None:
         pytest.skip("running as root and setpriv (util-linux) is missing")
-    result = subprocess.run([*as_user, "bash", str(INSTALL_SH)], capture_output=True, text=True, check=False, timeout=60)
+    result = subprocess.run(
+        [*as_user, "bash", str(INSTALL_SH)], capture_output=True, text=True, check=False, timeout=60
+    )
     assert result.returncode == 1 and "--root DIR" in result.stderr, result.stderr
 
 
@@ -263,20 +313,24 @@ getent passwd primerltest
 stat -c '%n %U:%G %a' /etc/primerl /etc/primerl/primerl.env /etc/primerl/infer/0.env /etc/primerl/certs \
     /var/lib/primerl /var/cache/primerl /etc/systemd/system/primerl.target
 """
-    result = subprocess.run(["unshare", "-m", "bash", "-c", script], capture_output=True, text=True, check=False, timeout=120)
+    result = subprocess.run(
+        ["unshare", "-m", "bash", "-c", script], capture_output=True, text=True, check=False, timeout=120
+    )
     assert result.returncode == 0, result.stdout + result.stderr
     lines = result.stdout.splitlines()
     assert lines[0].split(":")[5:] == ["/var/lib/primerl", "/usr/sbin/nologin"]
     assert lines[1:] == [
-        "/etc/primerl root:primerltest 750", "/etc/primerl/primerl.env root:primerltest 640",
-        "/etc/primerl/infer/0.env root:primerltest 640", "/etc/primerl/certs root:primerltest 750",
-        "/var/lib/primerl primerltest:primerltest 750", "/var/cache/primerl primerltest:primerltest 750",
-        "/etc/systemd/system/primerl.target root:root 644"]
+        "/etc/primerl root:primerltest 750",
+        "/etc/primerl/primerl.env root:primerltest 640",
+        "/etc/primerl/infer/0.env root:primerltest 640",
+        "/etc/primerl/certs root:primerltest 750",
+        "/var/lib/primerl primerltest:primerltest 750",
+        "/var/cache/primerl primerltest:primerltest 750",
+        "/etc/systemd/system/primerl.target root:root 644",
+    ]
     first, second = ((tmp_path / f"{n}.txt").read_text() for n in ("first", "second"))
     assert "created  system user primerltest" in first and "exists   primerltest" in second
     assert "wrote" not in second and "updated" not in second, second
     assert "daemon-reload" in second
     host_user = subprocess.run(["getent", "passwd", "primerltest"], capture_output=True, check=False, timeout=30)
     assert host_user.returncode != 0, "the user was made outside the namespace"
-
-

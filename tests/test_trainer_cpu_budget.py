@@ -87,8 +87,8 @@ def test_a_daemon_applies_its_budget_before_torch_loads():
 
 
 def test_the_launcher_writes_each_roles_budget_into_its_config(tmp_path, monkeypatch):
-    from primerl.cli.rl_config import RLConfig
-    from primerl.cli.role_configs import thread_budgets
+    from primerl.configs.rl import RLConfig
+    from primerl.supervisor.role_configs import thread_budgets
 
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1, 2, 3})
     config = RLConfig.model_validate(

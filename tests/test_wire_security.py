@@ -21,7 +21,7 @@ from support.broker import BrokerHarness
 from support.weight_plane import make_update
 
 from primerl.cli.certs import CertPaths, CertsError, config_lines, make_certs, parse_clients
-from primerl.cli.run_file import RunFile, write_run_file
+from primerl.supervisor.run_file import RunFile, write_run_file
 from primerl.client.control import BrokerError, ControlClient
 from primerl.client.outage import BrokerOutageExceeded
 from primerl.client.rollouts import RolloutConsumer, RolloutProducer, RolloutTimeout, pack_batch

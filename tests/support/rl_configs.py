@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from primerl.cli.rl_config import RLConfig
+from primerl.configs.rl import RLConfig
 from primerl.runtime.config_base import ConfigError
 from primerl.runtime.config_loader import load_config
 

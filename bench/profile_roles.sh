@@ -38,7 +38,7 @@ for role in trainer orchestrator infer broker; do
     recorders+=($!)
 done
 orchestrator=$(pgrep -P $RL -f primerl-orchestrator | head -1 || true)
-worker=$( [ -n "$orchestrator" ] && pgrep -P "$orchestrator" -f env_worker | head -1 || true)
+worker=$( [ -n "$orchestrator" ] && pgrep -P "$orchestrator" -f classic_worker | head -1 || true)
 if [ -n "$worker" ]; then
     echo "env worker: pid $worker"
     $PYSPY record --pid "$worker" --duration "$DUR" --rate 100 --format raw -o "$OUT/env_worker.txt" \

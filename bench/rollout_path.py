@@ -11,7 +11,7 @@ the demo's SFT checkpoint gives shorter answers), then, in every repeat, side by
   first 8 training prompts, chat template applied, 8 times each; ``max_tokens`` 24, temperature 1, ``logprobs``
   and ``return_token_ids`` on: the same work the server does for a rollout), ``--rounds`` rounds back to back;
   completions/s over all rounds;
-- **env worker alone**: ``EnvWorker`` (verifiers 0.3.1 in ``.venv-envs``) with the same 8 examples x 8 rollouts
+- **env worker alone**: ``ClassicEnvClient`` (verifiers 0.3.1 in ``.venv-envs``) with the same 8 examples x 8 rollouts
   handed over at once (``submit_rollouts``), ``--rounds`` rounds; rollouts/s, and the env worker's CPU seconds
   per rollout (from ``/proc``);
 - **orchestrator**: the real ``primerl-orchestrator`` daemon (env worker + scoring + advantages + packing +
@@ -345,7 +345,7 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     from transformers import AutoTokenizer
 
-    from primerl.orchestrator.env_client import EnvWorker
+    from primerl.orchestrator.envs.classic import ClassicEnvClient
 
     load_before = loadavg()
     work_dir = Path(tempfile.mkdtemp(prefix="rollout-bench-"))
@@ -360,7 +360,7 @@ def main(argv: list[str] | None = None) -> int:
         broker_address = f"127.0.0.1:{broker.endpoints.grpc_port}"
         daemon = InferDaemon(work_dir / "infer", model_dir, broker_address)
         model = str(model_dir)
-        worker = EnvWorker(ENV_PYTHON, "reverse-text", {})
+        worker = ClassicEnvClient(ENV_PYTHON, "reverse-text", {})
         worker.start()
         tokenizer = AutoTokenizer.from_pretrained(model_dir)
         examples = worker.examples("train", 0, NUM_EXAMPLES)

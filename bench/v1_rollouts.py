@@ -7,8 +7,8 @@
 Starts an in-process broker and one ``primerl-infer`` daemon on the model (``--sft``: the demo's SFT checkpoint,
 which answers the task; else a fresh tiny model, whose figures say little), then both env paths on the same task:
 
-- **classic**: ``EnvWorker`` (verifiers 0.3.1 in ``.venv-envs``) on ``reverse-text``;
-- **v1**: ``V1EnvServer`` (verifiers 0.4.0's own env server in ``.venv-envs-v1``, the in-process harness of
+- **classic**: ``ClassicEnvClient`` (verifiers 0.3.1 in ``.venv-envs``) on ``reverse-text``;
+- **v1**: ``V1ServerConnection`` (verifiers 0.4.0's own env server in ``.venv-envs-v1``, the in-process harness of
   ``examples/reverse_text_v1``) on ``reverse-text-v1``: the same rows (same arguments), the same LCS reward.
 
 Each round hands ``--groups`` groups of ``--rollouts`` rollouts (the task's first training examples, max_tokens
@@ -164,9 +164,9 @@ def main(argv: list[str] | None = None) -> int:
             print(f"no {what} interpreter at {python}: run `make setup`", file=sys.stderr)
             return 2
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
-    from primerl.orchestrator.env_client import EnvWorker
+    from primerl.orchestrator.envs.classic import ClassicEnvClient
+    from primerl.orchestrator.envs.v1_server import V1ServerConnection
     from primerl.orchestrator.trajectory import SamplingParams
-    from primerl.orchestrator.v1_env_client import V1EnvServer
 
     started_s, load_before = time.monotonic(), machine_load()
     work_dir = Path(tempfile.mkdtemp(prefix="v1-rollouts-bench-"))
@@ -180,9 +180,9 @@ def main(argv: list[str] | None = None) -> int:
         broker = start_broker(work_dir / "spool")
         daemon = InferDaemon(work_dir / "infer", model_dir, f"127.0.0.1:{broker.endpoints.grpc_port}")
         model = str(model_dir)
-        worker = EnvWorker(ENV_PYTHON, CLASSIC_ID, {})
+        worker = ClassicEnvClient(ENV_PYTHON, CLASSIC_ID, {})
         worker.start()
-        server = V1EnvServer(
+        server = V1ServerConnection(
             V1_ENV_PYTHON,
             V1_ID,
             {},

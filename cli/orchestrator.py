@@ -7,11 +7,11 @@ import threading
 
 from primerl.cli.role_entry import run_role
 from primerl.cli.role_signals import STARTUP_EXIT_STATUS, StoppedWhileStarting, StopSignals
-from primerl.orchestrator.env_python import ENV_PYTHON_VAR, resolve_env_python  # noqa: F401 (re-exported)
+from primerl.orchestrator.envs.interpreters import ENV_PYTHON_VAR, resolve_env_python  # noqa: F401 (re-exported)
 
 
 def env_python(config) -> str:
-    """The env workers' interpreter: `env_python`, else the default (``primerl.orchestrator.env_python``)."""
+    """The env workers' interpreter: `env_python`, else the default (``primerl.orchestrator.envs.interpreters``)."""
     return resolve_env_python(config.env_python)
 
 
@@ -32,7 +32,7 @@ def serve(config, args: argparse.Namespace) -> int:
 
     from primerl.client.control import BrokerError
     from primerl.client.outage import BrokerOutageExceeded
-    from primerl.orchestrator.env_client import EnvWorkerError
+    from primerl.orchestrator.envs.base import EnvWorkerError
     from primerl.orchestrator.rollout_failures import RolloutsFailing
 
     # Until here SIGTERM's default action ends the process at once; from here StoppedWhileStarting is caught below.

@@ -73,7 +73,9 @@ class ServerConfig(BaseConfig):
         "(`broker.address`), else this machine's host name.",
     )
     port: int = Field(
-        0, ge=0, le=65535,
+        0,
+        ge=0,
+        le=65535,
         description="HTTP port (0: a free port, found by the orchestrator through the broker, where every inference "
         "worker registers the address it bound).",
     )

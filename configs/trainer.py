@@ -121,21 +121,27 @@ class _LossCommon(BaseConfig):
         2.0, gt=0, description="Token importance ratios (trainer / inference policy) are truncated at this value."
     )
     teacher_tau: float = Field(
-        0.0, ge=0, description="Weight of on-policy distillation: each token's advantage gets `teacher_tau * "
+        0.0,
+        ge=0,
+        description="Weight of on-policy distillation: each token's advantage gets `teacher_tau * "
         "(teacher logprob - student logprob)` added (the reverse KL to the teacher on the student's own samples). "
         "Above 0 it needs a teacher scoring every rollout (`[orchestrator.teacher]`, or `[teacher]` in `primerl rl`)."
         " `teacher_tau = 1` with `adv_tau = 0` is pure on-policy distillation; both above 0 add it to RL.",
     )
     adv_tau: float = Field(
-        1.0, ge=0, description="Weight of the reward advantage in each token's advantage (0: rewards are ignored, "
+        1.0,
+        ge=0,
+        description="Weight of the reward advantage in each token's advantage (0: rewards are ignored, "
         "e.g. pure distillation with `teacher_tau > 0`).",
     )
 
     @model_validator(mode="after")
     def _check_taus(self) -> _LossCommon:
         if self.teacher_tau == 0 and self.adv_tau == 0:
-            raise ValueError("adv_tau = 0 and teacher_tau = 0 leave nothing to learn: set adv_tau > 0 (RL), "
-                             "teacher_tau > 0 (distillation from [orchestrator.teacher]) or both")
+            raise ValueError(
+                "adv_tau = 0 and teacher_tau = 0 leave nothing to learn: set adv_tau > 0 (RL), "
+                "teacher_tau > 0 (distillation from [orchestrator.teacher]) or both"
+            )
         return self
 
 
@@ -242,7 +248,9 @@ class TrainerConfig(BaseConfig):
     )
     max_steps: int | None = Field(None, ge=1, description="Stop after this many optimizer steps (unset: no limit).")
     data_timeout_s: float = Field(
-        3600.0, gt=0, description="Longest wait for one step's micro-batches from the broker before the trainer gives up."
+        3600.0,
+        gt=0,
+        description="Longest wait for one step's micro-batches from the broker before the trainer gives up.",
     )
     seq_len: int = Field(2048, ge=1, description="Tokens per packed training sequence.")
     broker: BrokerClientConfig = Field(default_factory=BrokerClientConfig, description="Broker connection.")
@@ -287,12 +295,15 @@ class TrainerConfig(BaseConfig):
 class SFTDataConfig(BaseConfig):
     """The SFT dataset: a JSONL file of chat samples."""
 
-    path: Path = Field(description='JSONL file; each line `{"messages": [...]}` or `{"prompt": [...], "completion": [...]}`.')
+    path: Path = Field(
+        description='JSONL file; each line `{"messages": [...]}` or `{"prompt": [...], "completion": [...]}`.'
+    )
     batch_size: int = Field(8, ge=1, description="Samples per optimizer step (over all ranks).")
     epochs: int = Field(1, ge=1, description="Passes over the dataset (when `max_steps` is unset).")
     seed: int = Field(
-        0, description="Seed of the sample order (shuffled each epoch) and of the run's random streams (Python, "
-        "NumPy, torch: LoRA initialisation, dropout): the same seed, data and config give the same weights."
+        0,
+        description="Seed of the sample order (shuffled each epoch) and of the run's random streams (Python, "
+        "NumPy, torch: LoRA initialisation, dropout): the same seed, data and config give the same weights.",
     )
 
 
@@ -302,8 +313,9 @@ class SFTThreadsConfig(ThreadsConfig):
     spinning threads, 0.155 s with one thread and 0.223 s with 2 sleeping ones."""
 
     wait_policy: Literal["passive", "active"] = Field(
-        "active", description="OpenMP wait policy: `active` (default here) idle threads spin, fastest when the job "
-        "has the cores to itself; `passive` they sleep at once (set it when other work shares the cores)."
+        "active",
+        description="OpenMP wait policy: `active` (default here) idle threads spin, fastest when the job "
+        "has the cores to itself; `passive` they sleep at once (set it when other work shares the cores).",
     )
 
 

@@ -111,7 +111,7 @@ def run_eval_groups(
     timeout_s: float = 600.0,
     on_group: Callable[[RolloutGroup], None] | None = None,
 ) -> tuple[list[RolloutGroup], dict[int, str]]:
-    """Roll out every example (at most `max_concurrent_groups` at once) on `worker` (an `EnvWorker`).
+    """Roll out every example (at most `max_concurrent_groups` at once) on `worker` (an `EnvClient`).
 
     Returns the finished groups in example order and the examples whose request failed (index -> error).
     `on_group` sees each group as it finishes (progress, streaming results to a file). A `seed` in `sampling`

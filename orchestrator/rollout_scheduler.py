@@ -42,8 +42,8 @@ from primerl.configs.orchestrator import OrchestratorConfig
 from primerl.orchestrator.advantages import prepare_groups
 from primerl.orchestrator.async_bound import AsyncBound
 from primerl.orchestrator.endpoints import ENDPOINT_BACKOFF_S, EndpointWatcher, InferenceEndpoint, InferenceWorkers
-from primerl.orchestrator.env_client import EnvRequestError, EnvWorkerDied
 from primerl.orchestrator.env_sampler import EnvSampler
+from primerl.orchestrator.envs.base import EnvClient, EnvRequestError, EnvWorkerDied
 from primerl.orchestrator.filtering import AssembledBatch, BatchAssembler, DifficultyFilter
 from primerl.orchestrator.lineage import PolicyLineage, cap_versions
 from primerl.orchestrator.rollout_failures import RolloutFailures, is_unreachable, kind_name
@@ -53,7 +53,7 @@ from primerl.orchestrator.step_metrics import StepTimers
 from primerl.orchestrator.teacher_stage import TeacherStage
 from primerl.orchestrator.throughput import ThroughputWindow
 from primerl.orchestrator.trajectory import RolloutGroup
-from primerl.orchestrator.types import EnvClientLike, SchedulerEvents, StepReport
+from primerl.orchestrator.types import SchedulerEvents, StepReport
 from primerl.proto.v1 import control_pb2
 from primerl.runtime.log_setup import get_logger
 
@@ -86,7 +86,7 @@ class RolloutScheduler:
         config: OrchestratorConfig,
         *,
         stop_event: threading.Event,
-        env_clients: Mapping[str, EnvClientLike],
+        env_clients: Mapping[str, EnvClient],
         sampler: EnvSampler,
         failures: RolloutFailures,
         inference: InferenceWorkers | None = None,

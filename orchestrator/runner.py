@@ -40,6 +40,7 @@ from primerl.orchestrator.async_bound import AsyncBound
 from primerl.orchestrator.batch_sender import BatchSender, SendInterrupted
 from primerl.orchestrator.endpoints import EndpointWatcher, InferenceWorkers
 from primerl.orchestrator.env_sampler import EnvSampler
+from primerl.orchestrator.envs.base import EnvClient
 from primerl.orchestrator.filtering import AssembledBatch
 from primerl.orchestrator.packing import PackedStep, check_loss_tokens_survive, pack_samples, to_broker_batches
 from primerl.orchestrator.rollout_failures import RolloutFailures
@@ -48,7 +49,7 @@ from primerl.orchestrator.step_metrics import batch_metrics, finite
 from primerl.orchestrator.step_send import RESEND_INTERVAL_S, log_step_data, rank_digests, send_step
 from primerl.orchestrator.teacher_scoring import TeacherScorer
 from primerl.orchestrator.teacher_stage import TeacherStage
-from primerl.orchestrator.types import EnvClientLike, SchedulerEvents, StepReport
+from primerl.orchestrator.types import SchedulerEvents, StepReport
 from primerl.proto.packing import PackedMicroBatch
 from primerl.proto.v1 import control_pb2, data_pb2
 from primerl.runtime.durable_files import write_atomically
@@ -97,8 +98,8 @@ class OrchestratorRunner:
         self.sender: BatchSender[StepItem] | None = None
         self.endpoint_watcher: EndpointWatcher | None = None
         self.teacher_watcher: EndpointWatcher | None = None  # the broker's teacher workers (no teacher.base_url)
-        self.env_clients: dict[str, EnvClientLike] = {}  # training environments by env id
-        self.eval_clients: dict[str, EnvClientLike] = {}  # eval environments by env id
+        self.env_clients: dict[str, EnvClient] = {}  # training environments by env id
+        self.eval_clients: dict[str, EnvClient] = {}  # eval environments by env id
         self.failures: RolloutFailures | None = None
         self.teacher = (
             TeacherStage(TeacherScorer(config.teacher, run_token=config.broker.run_token))
@@ -185,7 +186,7 @@ class OrchestratorRunner:
 
     def _start_environments(self) -> EnvSampler:
         """Start the training and eval environments side by side; the sampler over the training ones."""
-        from primerl.orchestrator.env_clients import EnvClients, endpoint_version_fn
+        from primerl.orchestrator.envs.factory import EnvClients, endpoint_version_fn
 
         config = self.config
         clients = EnvClients(config, env_python=self.env_python, version_of=endpoint_version_fn(self.inference))

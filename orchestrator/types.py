@@ -1,5 +1,5 @@
 """Values and interfaces the orchestrator's components hand each other: the rollout scheduler's step report, the
-events it raises, and the slice of an environment client it drives.
+events it raises.
 
 A ``StepReport`` belongs to its reader once taken: the scheduler starts the next step's counts afresh.
 """
@@ -7,42 +7,11 @@ A ``StepReport`` belongs to its reader once taken: the scheduler starts the next
 from __future__ import annotations
 
 import collections
-import concurrent.futures
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any
 
 from primerl.orchestrator.step_metrics import StepTimers
-
-
-class EnvClientLike(Protocol):
-    """What the orchestrator asks of an environment client: submit groups, cancel one, keep it alive, close it."""
-
-    @property
-    def num_restarts(self) -> int: ...
-
-    @property
-    def max_restarts(self) -> int: ...
-
-    def submit_rollouts(
-        self,
-        example_indices: Sequence[int],
-        *,
-        num_rollouts: int,
-        base_url: str,
-        model: str,
-        api_key: str = "EMPTY",
-        sampling: Mapping[str, Any] | None = None,
-        **kwargs: Any,
-    ) -> list[concurrent.futures.Future]: ...
-
-    def cancel(self, future: concurrent.futures.Future) -> None: ...
-
-    def is_alive(self) -> bool: ...
-
-    def ensure_alive(self) -> None: ...
-
-    def close(self, timeout_s: float = 10.0) -> int | None: ...
 
 
 def _ignore(*_args: Any) -> None:
@@ -72,4 +41,4 @@ class StepReport:
     worker_metrics: dict[str, float] = field(default_factory=dict)
 
 
-__all__ = ["EnvClientLike", "SchedulerEvents", "StepReport"]
+__all__ = ["SchedulerEvents", "StepReport"]

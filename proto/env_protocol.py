@@ -1,10 +1,11 @@
-"""The env-worker protocol (version 1), between the orchestrator's ``EnvWorker`` (``orchestrator/env_client.py``)
-and an env worker (``orchestrator/env_worker.py``), and the policy-version HTTP headers that the inference server
-sets (``inference/server.py``) and the env worker reads back from each model response.
+"""The env-worker protocol (version 1), between the orchestrator's ``ClassicEnvClient``
+(``orchestrator/envs/classic.py``) and an env worker (``orchestrator/envs/remote/classic_worker.py``), and the
+policy-version HTTP headers that the inference server sets (``inference/server.py``) and the env worker reads back
+from each model response.
 
 Standard library only, and no other primerl module: the env worker runs in the environments' interpreter, which
 has verifiers and not primerl, and reaches this file through the package folders next to its own
-(``orchestrator/env_worker.py``: ``import_primerl_by_path``), never through ``sys.path``.
+(``orchestrator/envs/remote/classic_worker.py``: ``import_primerl_by_path``), never through ``sys.path``.
 
 JSON lines. One request per line on the worker's stdin, one response per line on its stdout; the worker's logs go
 to stderr (anything a library prints to stdout is sent to stderr too). Requests are handled concurrently and
@@ -25,7 +26,7 @@ answered as they finish, in any order: each response carries the request's ``id`
                 api_key="EMPTY", model, sampling={temperature, top_p,      timings: {generate_s, score_s,
                 top_k, min_p, repetition_penalty, max_tokens, stop,         encode_s, total_s}} (one entry per
                 seed}, max_concurrent=num_rollouts, http_timeout_s=600      rollout: ``rollout_output`` in
-                                                                           ``orchestrator/env_rollouts.py``)
+                                                                           ``envs/remote/classic_rollouts.py``)
     cancel      target_id                                                 {cancelled: bool}; the cancelled
                                                                            request answers error "cancelled"
     shutdown    -                                                         {}; then the worker exits 0

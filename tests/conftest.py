@@ -37,8 +37,9 @@ def pytest_report_header(config: pytest.Config) -> str:
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The demo-shaped tiny model (`DEFAULT_SPEC`), in a directory named `tiny`."""
-    from primerl.trainer.tiny_model import build_tiny_model
     from support.tiny_models import DEFAULT_SPEC
+
+    from primerl.trainer.tiny_model import build_tiny_model
 
     return build_tiny_model(tmp_path_factory.mktemp("model") / "tiny", DEFAULT_SPEC)
 
@@ -46,8 +47,9 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="session")
 def small_tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The one-layer tiny model (`SMALL_SPEC`), in a directory named `model`."""
-    from primerl.trainer.tiny_model import build_tiny_model
     from support.tiny_models import SMALL_SPEC
+
+    from primerl.trainer.tiny_model import build_tiny_model
 
     return build_tiny_model(tmp_path_factory.mktemp("small-tiny") / "model", SMALL_SPEC)
 
@@ -104,8 +106,9 @@ def infer_broker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[BrokerHar
 
 
 @pytest.fixture(scope="module")
-def infer_daemon(tmp_path_factory: pytest.TempPathFactory, tiny_model: Path,
-                 infer_broker: BrokerHarness) -> Iterator[InferenceDaemon]:
+def infer_daemon(
+    tmp_path_factory: pytest.TempPathFactory, tiny_model: Path, infer_broker: BrokerHarness
+) -> Iterator[InferenceDaemon]:
     """`primerl-infer` on `tiny_model` joined to `infer_broker` (`support.inference.start_daemon`), one per
     module: starting vLLM's server takes ~20-45 s on 2 cores."""
     import time
@@ -136,8 +139,14 @@ def no_wandb_login(tmp_path, monkeypatch) -> Path:
     """A machine without a W&B login: no key in the environment, an empty home (no ~/.netrc, no settings)."""
     home = tmp_path / "home"
     home.mkdir()
-    for variable in ("WANDB_API_KEY", "WANDB_IDENTITY_TOKEN_FILE", "WANDB_MODE", "NETRC", "WANDB_CONFIG_DIR",
-                     "WANDB_BASE_URL"):
+    for variable in (
+        "WANDB_API_KEY",
+        "WANDB_IDENTITY_TOKEN_FILE",
+        "WANDB_MODE",
+        "NETRC",
+        "WANDB_CONFIG_DIR",
+        "WANDB_BASE_URL",
+    ):
         monkeypatch.delenv(variable, raising=False)
     monkeypatch.setenv("HOME", str(home))
     return home

@@ -10,8 +10,8 @@ import threading
 
 from primerl.configs.orchestrator import OrchestratorConfig
 from primerl.orchestrator.endpoints import InferenceWorkers, WorkerEndpoint
-from primerl.orchestrator.env_client import EnvWorkerDied
 from primerl.orchestrator.env_sampler import EnvSampler
+from primerl.orchestrator.envs.base import EnvWorkerDied
 from primerl.orchestrator.rollout_failures import RolloutFailures
 from primerl.orchestrator.rollout_scheduler import MAX_GROUP_RETRIES, RolloutScheduler
 from primerl.orchestrator.seeds import rollout_seed_base

@@ -14,6 +14,7 @@ from primerl.proto import env_protocol
 from primerl.proto.ready_file import READY_FILE_NAMES, read_ready_file, ready_file_path, write_ready_file
 
 ROOT = Path(__file__).resolve().parent.parent
+REMOTE = ("orchestrator", "envs", "remote")  # the scripts that run in the env interpreters
 
 
 def _imports(path: Path) -> set[str]:
@@ -25,25 +26,23 @@ def _imports(path: Path) -> set[str]:
 def test_the_env_protocol_is_stdlib_only_and_the_env_side_imports_only_it_of_primerl():
     """The env worker runs where primerl is not installed: it may reach only these modules of primerl."""
     assert {name.split(".")[0] for name in _imports(ROOT / "proto" / "env_protocol.py")} <= set(sys.stdlib_module_names)
-    for module in ("env_worker.py", "env_rollouts.py"):
-        primerl_imports = {name for name in _imports(ROOT / "orchestrator" / module) if name.startswith("primerl")}
-        assert primerl_imports <= {"primerl.proto.env_protocol", "primerl.orchestrator.env_rollouts"}, module
+    for module in ("classic_worker.py", "classic_rollouts.py"):
+        primerl_imports = {name for name in _imports(ROOT.joinpath(*REMOTE, module)) if name.startswith("primerl")}
+        allowed = {"primerl.proto.env_protocol", "primerl.orchestrator.envs.remote.classic_rollouts"}
+        assert primerl_imports <= allowed, module
 
 
 def test_the_env_worker_runs_without_primerl_in_the_wheel_layout(tmp_path):
-    """An installed wheel has primerl/orchestrator/ and primerl/proto/ side by side: the env worker finds its two
+    """An installed wheel has primerl/orchestrator/envs/remote/ and primerl/proto/: the env worker finds its two
     primerl modules there, with no primerl importable (``-S``: no site-packages) and nothing on sys.path."""
     package = tmp_path / "site-packages" / "primerl"
-    for folder, name in (
-        ("orchestrator", "env_worker.py"),
-        ("orchestrator", "env_rollouts.py"),
-        ("proto", "env_protocol.py"),
-    ):
-        (package / folder).mkdir(parents=True, exist_ok=True)
-        shutil.copy(ROOT / folder / name, package / folder / name)
+    for parts in ((*REMOTE, "classic_worker.py"), (*REMOTE, "classic_rollouts.py"), ("proto", "env_protocol.py")):
+        target = package.joinpath(*parts)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy(ROOT.joinpath(*parts), target)
     requests = env_protocol.request_line(1, env_protocol.OP_PING) + env_protocol.request_line(2, "fly")
     done = subprocess.run(
-        [sys.executable, "-S", str(package / "orchestrator" / "env_worker.py")],
+        [sys.executable, "-S", str(package.joinpath(*REMOTE, "classic_worker.py"))],
         input=requests,
         capture_output=True,
         text=True,

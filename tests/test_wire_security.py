@@ -21,7 +21,6 @@ from support.broker import BrokerHarness
 from support.weight_plane import make_update
 
 from primerl.cli.certs import CertPaths, CertsError, config_lines, make_certs, parse_clients
-from primerl.supervisor.run_file import RunFile, write_run_file
 from primerl.client.control import BrokerError, ControlClient
 from primerl.client.outage import BrokerOutageExceeded
 from primerl.client.rollouts import RolloutConsumer, RolloutProducer, RolloutTimeout, pack_batch
@@ -29,6 +28,7 @@ from primerl.client.weights import WeightPublisher, WeightPublishTimeout, Weight
 from primerl.configs.broker import BrokerConfig
 from primerl.runtime.config_common import BrokerClientConfig
 from primerl.runtime.wire_security import CurveClient
+from primerl.supervisor.run_file import RunFile, write_run_file
 
 TOKEN = "wire-secret"
 REFUSED_S = 2.0  # how long a refused client tries before its (expected) timeout

@@ -59,7 +59,7 @@ def env_uses(orchestrator, prefix: str) -> list[EnvUse]:
 
 
 def resolve_uses(uses: list[EnvUse], classic: Any, v1: Any) -> list[EnvUse]:
-    """Each use with its kind and interpreter (`env_kinds.resolve_env_kinds`; ValueError: a v1 package installed
+    """Each use with its kind and interpreter (`envs.kinds.resolve_env_kinds`; ValueError: a v1 package installed
     only in the classic interpreter)."""
     from primerl.orchestrator.envs.kinds import resolve_env_kinds
 

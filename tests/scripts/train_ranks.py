@@ -22,8 +22,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from primerl.trainer.batch import MicroBatch
 from primerl.configs.trainer import DefaultLossConfig, OptimizerConfig
+from primerl.trainer.batch import MicroBatch
 from primerl.trainer.distributed import init_distributed, shutdown_distributed, unwrap_model, wrap_model
 from primerl.trainer.train_step import TrainStep, rl_objective
 
@@ -44,8 +44,9 @@ def whole(tensor: torch.Tensor) -> torch.Tensor:
     return (full() if full is not None else tensor).detach().cpu()
 
 
-def adam_denominators(named_params: list[tuple[str, torch.nn.Parameter]],
-                      optimizer: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
+def adam_denominators(
+    named_params: list[tuple[str, torch.nn.Parameter]], optimizer: torch.optim.Optimizer
+) -> dict[str, torch.Tensor]:
     """Each parameter's AdamW denominator after the step just taken: sqrt(v / (1 - beta2^t)) + eps."""
     (group,) = optimizer.param_groups
     beta2, eps = group["betas"][1], group["eps"]
@@ -76,8 +77,9 @@ def main() -> int:
     named_params = list(unwrap_model(model).named_parameters())  # a tied weight once
     optimizer = torch.optim.AdamW(model.parameters(), lr=LEARNING_RATE, weight_decay=0.0)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda _: 1.0)
-    step_fn = TrainStep(model, optimizer, scheduler, rl_objective(DefaultLossConfig()), info,
-                        max_grad_norm=OptimizerConfig().max_norm)
+    step_fn = TrainStep(
+        model, optimizer, scheduler, rl_objective(DefaultLossConfig()), info, max_grad_norm=OptimizerConfig().max_norm
+    )
     losses, grad_norms = [], []
     smallest: dict[str, torch.Tensor] = {}
     for step in range(1, args.steps + 1):
@@ -93,9 +95,17 @@ def main() -> int:
         save_file(weights, args.weights)
         save_file({name: d.float().contiguous() for name, d in smallest.items()}, args.adam_denominators)
         with open(args.out, "w") as handle:
-            json.dump({"losses": losses, "grad_norms": grad_norms, "learning_rate": LEARNING_RATE,
-                       "max_grad_norm": OptimizerConfig().max_norm, "num_threads": torch.get_num_threads(),
-                       "cpu_capability": torch.backends.cpu.get_cpu_capability()}, handle)
+            json.dump(
+                {
+                    "losses": losses,
+                    "grad_norms": grad_norms,
+                    "learning_rate": LEARNING_RATE,
+                    "max_grad_norm": OptimizerConfig().max_norm,
+                    "num_threads": torch.get_num_threads(),
+                    "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+                },
+                handle,
+            )
     shutdown_distributed(info)
     return 0
 

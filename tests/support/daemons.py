@@ -29,13 +29,21 @@ BROKER_START_TIMEOUT_S = 30.0
 class DaemonProcess:
     """One `primerl-*` child, ready once it wrote `ready_file` (its JSON is in `ready`)."""
 
-    def __init__(self, args: list[str], log_path: Path, ready_file: Path, start_timeout_s: float,
-                 env: dict[str, str] | None = None, cwd: Path | None = None):
+    def __init__(
+        self,
+        args: list[str],
+        log_path: Path,
+        ready_file: Path,
+        start_timeout_s: float,
+        env: dict[str, str] | None = None,
+        cwd: Path | None = None,
+    ):
         self.log_path = log_path
         self.started_s = time.monotonic()
         with open(log_path, "w") as log_file:  # the child keeps its own descriptor
-            self.process = subprocess.Popen(args, stdout=log_file, stderr=subprocess.STDOUT,
-                                            env={**os.environ, **(env or {})}, cwd=cwd)
+            self.process = subprocess.Popen(
+                args, stdout=log_file, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})}, cwd=cwd
+            )
         deadline = time.monotonic() + start_timeout_s
         while not ready_file.exists():
             if self.process.poll() is not None or time.monotonic() > deadline:
@@ -73,14 +81,40 @@ class InferenceDaemon(DaemonProcess):
     """`primerl-infer` on `model_dir` (port 0, a `max_model_len`-token context), joined to the broker at
     `broker_address` with `run_token`; its logs in `tmp/{name}.log`."""
 
-    def __init__(self, tmp: Path, model_dir: Path, broker_address: str, run_token: str, *extra: str,
-                 max_model_len: int = 512, env: dict[str, str] | None = None, name: str = "infer"):
+    def __init__(
+        self,
+        tmp: Path,
+        model_dir: Path,
+        broker_address: str,
+        run_token: str,
+        *extra: str,
+        max_model_len: int = 512,
+        env: dict[str, str] | None = None,
+        name: str = "infer",
+    ):
         ready_file = tmp / f"{name}-ready.json"
-        args = [str(BIN / "primerl-infer"), "--model.name", str(model_dir), "--model.max-model-len",
-                str(max_model_len), "--server.port", "0", "--broker.address", broker_address,
-                "--ready-file", str(ready_file), *extra]
-        super().__init__(args, tmp / f"{name}.log", ready_file, INFERENCE_START_TIMEOUT_S,
-                         env={"PRIMERL_RUN_TOKEN": run_token, **(env or {})}, cwd=tmp)
+        args = [
+            str(BIN / "primerl-infer"),
+            "--model.name",
+            str(model_dir),
+            "--model.max-model-len",
+            str(max_model_len),
+            "--server.port",
+            "0",
+            "--broker.address",
+            broker_address,
+            "--ready-file",
+            str(ready_file),
+            *extra,
+        ]
+        super().__init__(
+            args,
+            tmp / f"{name}.log",
+            ready_file,
+            INFERENCE_START_TIMEOUT_S,
+            env={"PRIMERL_RUN_TOKEN": run_token, **(env or {})},
+            cwd=tmp,
+        )
         self.url: str = self.ready["base_url"]
 
 
@@ -90,9 +124,22 @@ class BrokerProcess(DaemonProcess):
     def __init__(self, tmp: Path, spool_dir: Path, *extra: str):
         name = f"broker-{time.monotonic_ns()}"
         ready_file = tmp / f"{name}-ready.json"
-        args = [str(BIN / "primerl-broker"), "--grpc-port", "0", "--rollout-port", "0", "--weight-port", "0",
-                "--spool-dir", str(spool_dir), "--heartbeat-interval-s", "0.2", "--ready-file", str(ready_file),
-                *extra]
+        args = [
+            str(BIN / "primerl-broker"),
+            "--grpc-port",
+            "0",
+            "--rollout-port",
+            "0",
+            "--weight-port",
+            "0",
+            "--spool-dir",
+            str(spool_dir),
+            "--heartbeat-interval-s",
+            "0.2",
+            "--ready-file",
+            str(ready_file),
+            *extra,
+        ]
         super().__init__(args, tmp / f"{name}.log", ready_file, BROKER_START_TIMEOUT_S)
         self.ports = self.ready
 

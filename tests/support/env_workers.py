@@ -1,4 +1,4 @@
-"""Env workers for the tests: the env interpreter (with verifiers and the test environments), an `EnvWorker` on
+"""Env workers for the tests: the env interpreter (with verifiers and the test environments), a `ClassicEnvClient` on
 it, and a fake OpenAI server that answers with canned token ids, logprobs and policy-version headers."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
-from primerl.orchestrator.env_client import EnvWorker
+from primerl.orchestrator.envs.classic import ClassicEnvClient
 from primerl.proto.env_protocol import POLICY_VERSION_END_HEADER, POLICY_VERSION_HEADER
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -22,16 +22,21 @@ FIXTURES = ROOT / "tests" / "env_fixtures"
 
 
 def find_env_python() -> tuple[str | None, str]:
-    candidates = [os.environ.get("PRIMERL_ENV_PYTHON")] if os.environ.get("PRIMERL_ENV_PYTHON") else [
-        str(ROOT / ".venv-envs/bin/python"), "/tmp/vfenv/bin/python"]
+    candidates = (
+        [os.environ.get("PRIMERL_ENV_PYTHON")]
+        if os.environ.get("PRIMERL_ENV_PYTHON")
+        else [str(ROOT / ".venv-envs/bin/python"), "/tmp/vfenv/bin/python"]
+    )
     for candidate in candidates:
         if not Path(candidate).exists():
             continue
         probe = subprocess.run([candidate, "-c", "import verifiers, reverse_text"], capture_output=True, timeout=120)
         if probe.returncode == 0:
             return candidate, ""
-        return None, (f"{candidate} cannot import verifiers and reverse_text (build the env venv: verifiers==0.3.1 "
-                      f"and `pip install -e examples/reverse_text`): {probe.stderr.decode()[-300:]}")
+        return None, (
+            f"{candidate} cannot import verifiers and reverse_text (build the env venv: verifiers==0.3.1 "
+            f"and `pip install -e examples/reverse_text`): {probe.stderr.decode()[-300:]}"
+        )
     return None, f"no env python with verifiers: tried {candidates} (set PRIMERL_ENV_PYTHON)"
 
 
@@ -40,11 +45,12 @@ ENV_PYTHON, SKIP_REASON = find_env_python()
 None with the reason to skip: it must import verifiers and the `reverse-text` example package."""
 
 
-def make_worker(env_id: str, args: dict[str, Any] | None = None, **kwargs: Any) -> EnvWorker:
-    """An `EnvWorker` of `env_id` on the env interpreter, the test environments on its path (not started)."""
+def make_worker(env_id: str, args: dict[str, Any] | None = None, **kwargs: Any) -> ClassicEnvClient:
+    """A `ClassicEnvClient` of `env_id` on the env interpreter, the test environments on its path (not started)."""
     extra_env = {"PYTHONPATH": str(FIXTURES)}
-    return EnvWorker(ENV_PYTHON, env_id, args or {}, start_timeout_s=120.0, request_timeout_s=60.0,
-                     extra_env=extra_env, **kwargs)
+    return ClassicEnvClient(
+        ENV_PYTHON, env_id, args or {}, start_timeout_s=120.0, request_timeout_s=60.0, extra_env=extra_env, **kwargs
+    )
 
 
 class FakeOpenAI:
@@ -71,15 +77,26 @@ class FakeOpenAI:
                 completion_ids = [100 + ord(ch) for ch in content] + [2]
                 prompt_ids = [1] + [100 + ord(ch) for m in body["messages"] for ch in m["content"]]
                 choice: dict[str, Any] = {
-                    "index": 0, "message": {"role": "assistant", "content": content}, "finish_reason": "stop",
-                    "logprobs": {"content": [{"token": "t", "logprob": -0.25, "bytes": None, "top_logprobs": []}
-                                             for _ in completion_ids]},
+                    "index": 0,
+                    "message": {"role": "assistant", "content": content},
+                    "finish_reason": "stop",
+                    "logprobs": {
+                        "content": [
+                            {"token": "t", "logprob": -0.25, "bytes": None, "top_logprobs": []} for _ in completion_ids
+                        ]
+                    },
                 }
                 response: dict[str, Any] = {
-                    "id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion", "created": 0,
-                    "model": body["model"], "choices": [choice],
-                    "usage": {"prompt_tokens": len(prompt_ids), "completion_tokens": len(completion_ids),
-                              "total_tokens": len(prompt_ids) + len(completion_ids)},
+                    "id": f"chatcmpl-{uuid.uuid4().hex}",
+                    "object": "chat.completion",
+                    "created": 0,
+                    "model": body["model"],
+                    "choices": [choice],
+                    "usage": {
+                        "prompt_tokens": len(prompt_ids),
+                        "completion_tokens": len(completion_ids),
+                        "total_tokens": len(prompt_ids) + len(completion_ids),
+                    },
                 }
                 if body["model"] != "no-tokens":
                     choice["token_ids"] = completion_ids

@@ -11,12 +11,12 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-from support.broker import BrokerHarness
-from support.daemons import InferenceDaemon
-from support.probes import wait_until
 
 from primerl.proto.tensor_frames import encode_tensors
 from primerl.proto.v1 import data_pb2
+from support.broker import BrokerHarness
+from support.daemons import InferenceDaemon
+from support.probes import wait_until
 
 TOKEN = "test-run-token"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
@@ -32,12 +32,22 @@ def model_name(http: httpx.Client) -> str:
     return http.get("/v1/models", headers=AUTH).json()["data"][0]["id"]
 
 
-def greedy_completion(http: httpx.Client, max_tokens: int = 8, model: str | None = None
-                      ) -> tuple[httpx.Response, dict[str, Any]]:
-    response = http.post("/v1/completions", headers=AUTH, json={
-        "model": model or model_name(http), "prompt": PROMPT, "max_tokens": max_tokens, "temperature": 0.0,
-        "logprobs": 1, "return_token_ids": True, "ignore_eos": True,
-    })
+def greedy_completion(
+    http: httpx.Client, max_tokens: int = 8, model: str | None = None
+) -> tuple[httpx.Response, dict[str, Any]]:
+    response = http.post(
+        "/v1/completions",
+        headers=AUTH,
+        json={
+            "model": model or model_name(http),
+            "prompt": PROMPT,
+            "max_tokens": max_tokens,
+            "temperature": 0.0,
+            "logprobs": 1,
+            "return_token_ids": True,
+            "ignore_eos": True,
+        },
+    )
     assert response.status_code == 200, response.text
     return response, response.json()
 
@@ -119,10 +129,19 @@ def start_broker(spool_dir: Path, run_id: str = "infer-test") -> BrokerHarness:
     return BrokerHarness(spool_dir, run_token=TOKEN, heartbeat_interval_s=0.2, run_id=run_id)
 
 
-def start_daemon(tmp: Path, model_dir: Path, broker: BrokerHarness, lora: bool = True,
-                 max_model_len: int = 512) -> InferenceDaemon:
+def start_daemon(
+    tmp: Path, model_dir: Path, broker: BrokerHarness, lora: bool = True, max_model_len: int = 512
+) -> InferenceDaemon:
     """`primerl-infer` as the inference tests run it, joined to `broker` (waiting up to 30 s for it to answer);
     with `lora`, adapters up to rank `LORA_RANK` are enabled."""
     lora_args = ("--enable-lora", "--max-lora-rank", str(LORA_RANK)) if lora else ()
-    return InferenceDaemon(tmp, model_dir, broker.grpc_address, TOKEN, "--broker.connect-timeout-s", "30",
-                           *lora_args, max_model_len=max_model_len)
+    return InferenceDaemon(
+        tmp,
+        model_dir,
+        broker.grpc_address,
+        TOKEN,
+        "--broker.connect-timeout-s",
+        "30",
+        *lora_args,
+        max_model_len=max_model_len,
+    )

@@ -53,8 +53,9 @@ class Report:
             found.append(f"the trainer's steps were {self.steps_done}, want each of {want} once")
         differ = [step for step in want if self.sent_digests.get(step) != self.trained_digests.get(step)]
         if differ:
-            found.append(f"steps {differ[:10]}: the trainer trained other data than the orchestrator sent (rank 0's "
-                         "data_digest)")
+            found.append(
+                f"steps {differ[:10]}: the trainer trained other data than the orchestrator sent (rank 0's data_digest)"
+            )
         for label, code in self.exit_codes.items():
             if code not in (0, None):
                 found.append(f"{label} exited {code}")
@@ -82,13 +83,16 @@ class Report:
             if values.get("policy_version") != self.max_steps:
                 found.append(f"{label}: primerl_inference_policy_version {values.get('policy_version')}")
         joined = self.workers_joined if self.joined_mid_run else []  # else it was told to stop as it came up
-        for url in joined + [u for u in self.roles.values() if u.startswith("http") and
-                             u not in self.workers_left + self.workers_joined]:
+        for url in joined + [
+            u for u in self.roles.values() if u.startswith("http") and u not in self.workers_left + self.workers_joined
+        ]:
             if infer.get(url, {}).get("state") != "WORKER_STATE_ALIVE":
                 found.append(f"primerl status does not list {url} as alive: {infer.get(url, {}).get('state')}")
         if self.retried_rollouts > self.retried_events * self.rollouts_per_example:
-            found.append(f"rollout/retried {self.retried_rollouts:g} > {self.retried_events} groups retried x "
-                         f"{self.rollouts_per_example}")
+            found.append(
+                f"rollout/retried {self.retried_rollouts:g} > {self.retried_events} groups retried x "
+                f"{self.rollouts_per_example}"
+            )
         if not self.orchestrator_rows:
             found.append("no orchestrator metrics rows (rollout/retried, rollout/rescheduled) in metrics.jsonl")
         left = {e.get("url", "").removesuffix("/v1") for e in self.orchestrator_saw.get("left", [])}
@@ -104,7 +108,6 @@ class Report:
                 found.append(f"the worker that joined after step {self.joined_ready_at_step} answered no request")
         return found
 
-
     @property
     def joined_mid_run(self) -> bool:
         """The joining worker was up with steps still to go (two, so that the orchestrator had rollouts to
@@ -113,42 +116,55 @@ class Report:
 
     def summary(self) -> str:
         roles = "\n".join(f"  {label:<22} {address}" for label, address in self.roles.items())
-        return (f"{self.hosts}\nroles:\n{roles}\n"
-                f"steps completed: {len(self.steps_done)} of {self.max_steps}"
-                f"{', each once' if self.steps_done == list(range(1, self.max_steps + 1)) else f' ({self.steps_done})'}"
-                f"; trained data = sent data "
-                f"(rank 0's digest) for {sum(self.sent_digests.get(k) == v for k, v in self.trained_digests.items())} "
-                f"steps\n"
-                f"workers left: {self.workers_left} (SIG{self.stop_signal} after step {self.stopped_at_step}, "
-                f"{self.d_inflight_at_stop} requests in flight at its last heartbeat)\n"
-                f"workers joined: {self.workers_joined} (process start -> ready {self.join_ready_s:.1f} s, after "
-                f"step {self.joined_ready_at_step}{'' if self.joined_mid_run else ', too late to be sent rollouts'}; "
-                f"registered -> serving the current version v{self.join_version}: {self.join_serving_s:.2f} s by its "
-                f"log, {self.join_caught_up_s} s by its 'inference worker caught up'; the test saw it in the broker's "
-                f"status {self.join_seen_serving_s:.2f} s after its ready file)\n"
-                f"live workers' metrics: {self.metrics}\n"
-                f"rollouts retried: {self.retried_rollouts:g} ({self.retried_events} groups; rescheduled after a "
-                f"failed request: {self.rescheduled_rollouts:g} in {self.rescheduled_events} groups)\n"
-                f"the orchestrator saw: {json.dumps(self.orchestrator_saw)}\n"
-                f"errors the roles reported to the broker: {self.g_status.get('recent_errors') or 'none'}\n"
-                f"wall time: {self.wall_s:.0f} s\n"
-                f"primerl status on host g:\n{self.g_status_text}")
+        return (
+            f"{self.hosts}\nroles:\n{roles}\n"
+            f"steps completed: {len(self.steps_done)} of {self.max_steps}"
+            f"{', each once' if self.steps_done == list(range(1, self.max_steps + 1)) else f' ({self.steps_done})'}"
+            f"; trained data = sent data "
+            f"(rank 0's digest) for {sum(self.sent_digests.get(k) == v for k, v in self.trained_digests.items())} "
+            f"steps\n"
+            f"workers left: {self.workers_left} (SIG{self.stop_signal} after step {self.stopped_at_step}, "
+            f"{self.d_inflight_at_stop} requests in flight at its last heartbeat)\n"
+            f"workers joined: {self.workers_joined} (process start -> ready {self.join_ready_s:.1f} s, after "
+            f"step {self.joined_ready_at_step}{'' if self.joined_mid_run else ', too late to be sent rollouts'}; "
+            f"registered -> serving the current version v{self.join_version}: {self.join_serving_s:.2f} s by its "
+            f"log, {self.join_caught_up_s} s by its 'inference worker caught up'; the test saw it in the broker's "
+            f"status {self.join_seen_serving_s:.2f} s after its ready file)\n"
+            f"live workers' metrics: {self.metrics}\n"
+            f"rollouts retried: {self.retried_rollouts:g} ({self.retried_events} groups; rescheduled after a "
+            f"failed request: {self.rescheduled_rollouts:g} in {self.rescheduled_events} groups)\n"
+            f"the orchestrator saw: {json.dumps(self.orchestrator_saw)}\n"
+            f"errors the roles reported to the broker: {self.g_status.get('recent_errors') or 'none'}\n"
+            f"wall time: {self.wall_s:.0f} s\n"
+            f"primerl status on host g:\n{self.g_status_text}"
+        )
 
 
 def num_alive_inference(status: dict) -> int:
-    return sum(1 for w in status.get("workers", []) if w.get("role") == "ROLE_INFERENCE"
-               and w.get("state") == "WORKER_STATE_ALIVE")
+    return sum(
+        1
+        for w in status.get("workers", [])
+        if w.get("role") == "ROLE_INFERENCE" and w.get("state") == "WORKER_STATE_ALIVE"
+    )
 
 
 def served(max_steps: int) -> Callable[[dict], bool]:
     """A status (JSON) predicate: the last step is committed and published, and every live inference worker
     serves it."""
+
     def check(status: dict) -> bool:
-        live = [w for w in status.get("workers", []) if w.get("role") == "ROLE_INFERENCE"
-                and w.get("state") == "WORKER_STATE_ALIVE"]
-        return (int(status.get("last_committed_step", 0)) >= max_steps
-                and int(status.get("latest_policy_version", 0)) >= max_steps and bool(live)
-                and all(int(w.get("policy_version", -1)) == max_steps for w in live))
+        live = [
+            w
+            for w in status.get("workers", [])
+            if w.get("role") == "ROLE_INFERENCE" and w.get("state") == "WORKER_STATE_ALIVE"
+        ]
+        return (
+            int(status.get("last_committed_step", 0)) >= max_steps
+            and int(status.get("latest_policy_version", 0)) >= max_steps
+            and bool(live)
+            and all(int(w.get("policy_version", -1)) == max_steps for w in live)
+        )
+
     return check
 
 

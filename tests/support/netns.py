@@ -71,8 +71,11 @@ def namespaces_available() -> tuple[bool, str]:
 def free_subnet() -> str:
     """A /24 of 10.231.0.0/16 that no route of this machine's network namespace covers."""
     routes = _ip("-4", "route", "show").stdout
-    routed = [ipaddress.ip_network(line.split()[0], strict=False) for line in routes.splitlines()
-              if line and line.split()[0][0].isdigit()]
+    routed = [
+        ipaddress.ip_network(line.split()[0], strict=False)
+        for line in routes.splitlines()
+        if line and line.split()[0][0].isdigit()
+    ]
     order = [0] + random.sample(range(1, 256), 255)
     for third in order:
         candidate = ipaddress.ip_network(SUBNET_FORMAT.format(third))
@@ -162,14 +165,20 @@ class Hosts:
         """Until every host's address is usable (IPv4 addresses are, at once; the bridge ports may take a moment
         to forward): a TCP connect from the first host to each of the others answers (refused counts)."""
         names = list(self.hosts)
-        probe = ("import socket,sys\nfor a in sys.argv[1:]:\n s=socket.socket();s.settimeout(1)\n"
-                 " try: s.connect((a, 9))\n except ConnectionRefusedError: pass\n s.close()\n")
+        probe = (
+            "import socket,sys\nfor a in sys.argv[1:]:\n s=socket.socket();s.settimeout(1)\n"
+            " try: s.connect((a, 9))\n except ConnectionRefusedError: pass\n s.close()\n"
+        )
         deadline = time.monotonic() + timeout_s
         while True:
             first = self.hosts[names[0]]
             others = [self.hosts[n].address for n in names[1:]] + [self.gateway or first.address]
-            result = subprocess.run(first.argv([sys.executable, "-c", probe, *others]), capture_output=True,
-                                    text=True, timeout=COMMAND_TIMEOUT_S)
+            result = subprocess.run(
+                first.argv([sys.executable, "-c", probe, *others]),
+                capture_output=True,
+                text=True,
+                timeout=COMMAND_TIMEOUT_S,
+            )
             if result.returncode == 0:
                 return
             if time.monotonic() > deadline:
@@ -215,10 +224,11 @@ class Hosts:
         self.close()
 
     def describe(self) -> str:
-        rows = [f"{h.name}: {h.address}" + (f" (netns {h.namespace}, {h.ifname})" if h.namespace else " (lo)")
-                for h in self.hosts.values()]
-        return f"mode {self.mode}" + (f" ({self.why_loopback})" if self.why_loopback else "") + "\n" + \
-            "\n".join(rows)
+        rows = [
+            f"{h.name}: {h.address}" + (f" (netns {h.namespace}, {h.ifname})" if h.namespace else " (lo)")
+            for h in self.hosts.values()
+        ]
+        return f"mode {self.mode}" + (f" ({self.why_loopback})" if self.why_loopback else "") + "\n" + "\n".join(rows)
 
 
 def _alive(pid: int) -> bool:
@@ -240,8 +250,9 @@ class Proc:
         self.label, self.host, self.log = label, host, log
         self.started_s = time.monotonic()
         with open(log, "w") as out:
-            self.popen = subprocess.Popen(host.argv(argv), stdout=out, stderr=subprocess.STDOUT, env=env, cwd=cwd,
-                                          start_new_session=True)
+            self.popen = subprocess.Popen(
+                host.argv(argv), stdout=out, stderr=subprocess.STDOUT, env=env, cwd=cwd, start_new_session=True
+            )
 
     def poll(self) -> int | None:
         return self.popen.poll()

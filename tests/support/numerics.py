@@ -92,8 +92,15 @@ def adam_ratio_bound(betas: tuple[float, float], num_steps: int) -> float:
     return bound
 
 
-def adam_weight_tolerance(weights: torch.Tensor, smallest_denominator: torch.Tensor, *, lr: float, num_steps: int,
-                          grad_rounding: float, betas: tuple[float, float] = (0.9, 0.999)) -> torch.Tensor:
+def adam_weight_tolerance(
+    weights: torch.Tensor,
+    smallest_denominator: torch.Tensor,
+    *,
+    lr: float,
+    num_steps: int,
+    grad_rounding: float,
+    betas: tuple[float, float] = (0.9, 0.999),
+) -> torch.Tensor:
     """Per element, how far two AdamW runs' weights may differ after `num_steps` steps from the same start when
     each gradient element differs between the runs by at most `grad_rounding` (float64).
 
@@ -117,22 +124,32 @@ def adam_weight_tolerance(weights: torch.Tensor, smallest_denominator: torch.Ten
     return num_steps * per_step + rounding
 
 
-def assert_weights_match(reference: dict[str, torch.Tensor], other: dict[str, torch.Tensor],
-                         smallest_denominators: dict[str, torch.Tensor], *, lr: float, num_steps: int,
-                         grad_rounding: float, context: str) -> str:
+def assert_weights_match(
+    reference: dict[str, torch.Tensor],
+    other: dict[str, torch.Tensor],
+    smallest_denominators: dict[str, torch.Tensor],
+    *,
+    lr: float,
+    num_steps: int,
+    grad_rounding: float,
+    context: str,
+) -> str:
     """Every tensor of `other` within `adam_weight_tolerance` of `reference`'s (whose run recorded
     `smallest_denominators`); a failure names the tensor, its worst element and `context` (the machines).
     Returns a line with the largest differences found and how close the closest element came to its bound."""
     import torch
 
     assert reference.keys() == other.keys() == smallest_denominators.keys(), (
-        sorted(reference.keys() ^ other.keys()), sorted(reference.keys() ^ smallest_denominators.keys()))
+        sorted(reference.keys() ^ other.keys()),
+        sorted(reference.keys() ^ smallest_denominators.keys()),
+    )
     max_difference = max_relative = max_excess = 0.0
     for name, expected in reference.items():
         actual = other[name]
         assert actual.shape == expected.shape and actual.dtype == expected.dtype == torch.float32, name
-        tolerance = adam_weight_tolerance(expected, smallest_denominators[name], lr=lr, num_steps=num_steps,
-                                          grad_rounding=grad_rounding)
+        tolerance = adam_weight_tolerance(
+            expected, smallest_denominators[name], lr=lr, num_steps=num_steps, grad_rounding=grad_rounding
+        )
         difference = (actual.double() - expected.double()).abs()
         excess = difference / tolerance
         relative = difference / expected.double().abs().clamp_min(torch.finfo(torch.float32).tiny)
@@ -146,6 +163,9 @@ def assert_weights_match(reference: dict[str, torch.Tensor], other: dict[str, to
                 f"worst at flat index {worst}: |difference| {difference.flatten()[worst]:.3g} > "
                 f"{tolerance.flatten()[worst]:.3g} (weight {expected.flatten()[worst]:.6g}, smallest AdamW "
                 f"denominator {smallest_denominators[name].flatten()[worst]:.3g}); tensor max |difference| "
-                f"{difference.max():.3g}, max relative {relative.max():.3g}; {context}")
-    return (f"weights: max |difference| {max_difference:.3g}, max relative {max_relative:.3g}, "
-            f"at most {max_excess:.3g} of an element's bound; {context}")
+                f"{difference.max():.3g}, max relative {relative.max():.3g}; {context}"
+            )
+    return (
+        f"weights: max |difference| {max_difference:.3g}, max relative {max_relative:.3g}, "
+        f"at most {max_excess:.3g} of an element's bound; {context}"
+    )

@@ -21,11 +21,32 @@ ENV_FIXTURES = REPO_ROOT / "tests" / "env_fixtures"
 
 def orchestrator_args(model: Path, broker: BrokerHarness, output_dir: Path, env_id: str, *extra: str) -> list[str]:
     """A short run: 2 steps of 8 rollouts (4 per example), 12 tokens each, on env `env_id`."""
-    return [str(BIN / "primerl-orchestrator"), "--model.name", str(model), "--env", f'[{{id = "{env_id}"}}]',
-            "--batch-size", "8", "--rollouts-per-example", "4", "--max-steps", "2", "--seq-len", "512",
-            "--sampling.max-tokens", "12", "--sampling.temperature", "1.0",
-            "--broker.address", broker.grpc_address, "--output-dir", str(output_dir), "--env-python", ENV_PYTHON,
-            *extra]
+    return [
+        str(BIN / "primerl-orchestrator"),
+        "--model.name",
+        str(model),
+        "--env",
+        f'[{{id = "{env_id}"}}]',
+        "--batch-size",
+        "8",
+        "--rollouts-per-example",
+        "4",
+        "--max-steps",
+        "2",
+        "--seq-len",
+        "512",
+        "--sampling.max-tokens",
+        "12",
+        "--sampling.temperature",
+        "1.0",
+        "--broker.address",
+        broker.grpc_address,
+        "--output-dir",
+        str(output_dir),
+        "--env-python",
+        ENV_PYTHON,
+        *extra,
+    ]
 
 
 def metrics_jsonl_rows(output_dir: Path) -> list[dict]:

@@ -21,8 +21,9 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def wait_until(predicate: Callable[[], T], timeout_s: float = 5.0, what: str = "the condition",
-               interval_s: float = 0.02) -> T:
+def wait_until(
+    predicate: Callable[[], T], timeout_s: float = 5.0, what: str = "the condition", interval_s: float = 0.02
+) -> T:
     """Call `predicate` until it returns something truthy and return that; fail the test after `timeout_s`."""
     deadline = time.monotonic() + timeout_s
     while not (value := predicate()):
@@ -36,8 +37,11 @@ def parse_metrics(text: str) -> Samples:
     """Prometheus text exposition -> {(name, sorted labels): value}."""
     from prometheus_client.parser import text_string_to_metric_families
 
-    return {(sample.name, tuple(sorted(sample.labels.items()))): sample.value
-            for family in text_string_to_metric_families(text) for sample in family.samples}
+    return {
+        (sample.name, tuple(sorted(sample.labels.items()))): sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+    }
 
 
 def scrape_metrics(url: str, headers: dict[str, str] | None = None, timeout_s: float = 10.0) -> Samples:

@@ -12,7 +12,7 @@ def _stat_fields(pid: int | str) -> list[str] | None:
             stat = handle.read()
     except OSError:
         return None
-    return stat[stat.rfind(")") + 2:].split()
+    return stat[stat.rfind(")") + 2 :].split()
 
 
 def running(pid: int) -> bool:

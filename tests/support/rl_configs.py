@@ -54,6 +54,7 @@ rollouts_per_example = 4
 
 def config_writer(directory: Path) -> Callable[[str, str], Path]:
     """``write(name, text)``: ``text`` (dedented) as the file ``directory/name``; returns its path."""
+
     def write(name: str, text: str) -> Path:
         path = directory / name
         path.write_text(textwrap.dedent(text))

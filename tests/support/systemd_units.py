@@ -23,8 +23,13 @@ ENV_VENV = REPO_ROOT / ".venv-envs"
 """The env workers' environment of this set-up (the orchestrator unit's PRIMERL_ENV_PYTHON)."""
 SERVICES = sorted(p.name for p in (DEPLOY / "systemd").glob("*.service"))
 # Each unit as a node runs it: the template as two instances (ports 8000 and 8001 from install.sh).
-INSTANCES = [s for s in SERVICES if not s.endswith("@.service")] + ["primerl-infer@0.service", "primerl-infer@1.service"]
+INSTANCES = [s for s in SERVICES if not s.endswith("@.service")] + [
+    "primerl-infer@0.service",
+    "primerl-infer@1.service",
+]
 SYSTEMD_ANALYZE = shutil.which("systemd-analyze")
+
+
 @dataclass
 class Unit:
     """The settings of a unit file (and its drop-ins) that the checks need, each key's values in order."""
@@ -108,8 +113,14 @@ def dry_run(argv: list[str], env: dict[str, str], root: Path) -> dict:
     program = Path(argv[0])
     assert program.exists(), f"{argv[0]} is not installed in this environment"
     args = [str(root / a.lstrip("/")) if a.startswith("/etc/primerl/") else a for a in argv[1:]]
-    result = subprocess.run([str(program), *args, "--dry-run"], capture_output=True, text=True, check=False, timeout=120,
-                            env={**env, "PATH": str(BIN), "HF_HUB_OFFLINE": "1"})
+    result = subprocess.run(
+        [str(program), *args, "--dry-run"],
+        capture_output=True,
+        text=True,
+        check=False,
+        timeout=120,
+        env={**env, "PATH": str(BIN), "HF_HUB_OFFLINE": "1"},
+    )
     assert result.returncode == 0, f"{shlex.join(argv)}\n{result.stderr}"
     return tomllib.loads(result.stdout)
 
@@ -143,13 +154,18 @@ def start_like_the_unit(shadow: Path, name: str) -> tuple[str, dict[str, str]]:
     argv = command_line(unit, env, instance_of(name))
     env = {**env, "HOME": "/var/lib/primerl", "USER": "primerl", "LOGNAME": "primerl", "PATH": "/usr/bin:/bin"}
     one = {key: values[-1].replace("%i", instance_of(name)) for key, values in unit.settings.items()}
-    directories = [f"/var/lib/{d}" for d in one["StateDirectory"].split()] + [
-        f"/var/cache/{d}" for d in one.get("CacheDirectory", "").split()] + [
-        f"/run/{d}" for d in one["RuntimeDirectory"].split()]
-    line = (f"install -d -o primerl -g primerl -m {one['StateDirectoryMode']} {' '.join(directories)}; "
-            f"(umask {one['UMask']} && cd {one['WorkingDirectory']} && exec setpriv --reuid=primerl --regid=primerl --init-groups "
-            f"--no-new-privs {shlex.join(['env', '-i', *(f'{k}={v}' for k, v in env.items()), *argv])} "
-            f"2>/var/lib/primerl/{name}.log) &")
+    directories = (
+        [f"/var/lib/{d}" for d in one["StateDirectory"].split()]
+        + [f"/var/cache/{d}" for d in one.get("CacheDirectory", "").split()]
+        + [f"/run/{d}" for d in one["RuntimeDirectory"].split()]
+    )
+    line = (
+        f"install -d -o primerl -g primerl -m {one['StateDirectoryMode']} {' '.join(directories)}; "
+        f"(umask {one['UMask']} && cd {one['WorkingDirectory']} && "
+        "exec setpriv --reuid=primerl --regid=primerl --init-groups "
+        f"--no-new-privs {shlex.join(['env', '-i', *(f'{k}={v}' for k, v in env.items()), *argv])} "
+        f"2>/var/lib/primerl/{name}.log) &"
+    )
     return line, one
 
 
@@ -163,9 +179,11 @@ def run_like_systemd(tmp_path: Path, setup: str, body: str, timeout_s: float) ->
     interpreter_view = ""
     if interpreter.is_relative_to("/root"):
         top = Path("/root") / interpreter.relative_to("/root").parts[0]
-        interpreter_view = (f"mkdir {tmp_path}/hold && mount --bind {top} {tmp_path}/hold && "
-                            f"mount -t tmpfs -o mode=0755 tmpfs /root && mkdir {top} && "
-                            f"mount --move {tmp_path}/hold {top}")
+        interpreter_view = (
+            f"mkdir {tmp_path}/hold && mount --bind {top} {tmp_path}/hold && "
+            f"mount -t tmpfs -o mode=0755 tmpfs /root && mkdir {top} && "
+            f"mount --move {tmp_path}/hold {top}"
+        )
     script = f"""
 set -euo pipefail
 mount --make-rprivate /
@@ -182,9 +200,26 @@ touch /usr/primerl-write-probe 2>/dev/null && echo ROOT_WRITABLE || echo ROOT_RE
 {body}
 """
     # A pid namespace too: when its first process ends (or is killed), every daemon started in it is killed.
-    result = subprocess.run(["unshare", "-m", "-n", "-p", "-f", "--kill-child", "--mount-proc", "timeout",
-                             str(int(timeout_s)), "bash", "-c", script], capture_output=True, text=True,
-                            check=False, timeout=timeout_s + 30)
+    result = subprocess.run(
+        [
+            "unshare",
+            "-m",
+            "-n",
+            "-p",
+            "-f",
+            "--kill-child",
+            "--mount-proc",
+            "timeout",
+            str(int(timeout_s)),
+            "bash",
+            "-c",
+            script,
+        ],
+        capture_output=True,
+        text=True,
+        check=False,
+        timeout=timeout_s + 30,
+    )
     assert result.returncode == 0, result.stdout + result.stderr
     assert "ROOT_READ_ONLY" in result.stdout
     return result.stdout
@@ -199,5 +234,3 @@ stop() {  # PID: SIGTERM, then its exit status and the seconds it took
     set -e
 }
 """
-
-

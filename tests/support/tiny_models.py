@@ -11,4 +11,3 @@ DEFAULT_SPEC = TinyModelSpec(seed=0)
 
 SMALL_SPEC = TinyModelSpec(seed=0, hidden_size=64, num_layers=1, num_attention_heads=2, num_key_value_heads=1)
 """One layer of hidden 64: for trainer and checkpoint tests that step the model many times."""
-

@@ -28,14 +28,16 @@ def samples(step: int, count: int = 6) -> list[dict[str, np.ndarray]]:
     out = []
     for _ in range(count):
         length = int(rng.integers(6, 14))
-        out.append({
-            "input_ids": rng.integers(5, 500, length).astype(np.int64),
-            "position_ids": np.arange(length, dtype=np.int64),
-            "loss_mask": np.arange(length) >= 3,
-            "advantages": np.full(length, rng.standard_normal(), np.float32),
-            "inference_logprobs": -(rng.random(length) * 3 + 3).astype(np.float32),
-            "temperatures": np.ones(length, np.float32),
-        })
+        out.append(
+            {
+                "input_ids": rng.integers(5, 500, length).astype(np.int64),
+                "position_ids": np.arange(length, dtype=np.int64),
+                "loss_mask": np.arange(length) >= 3,
+                "advantages": np.full(length, rng.standard_normal(), np.float32),
+                "inference_logprobs": -(rng.random(length) * 3 + 3).astype(np.float32),
+                "temperatures": np.ones(length, np.float32),
+            }
+        )
     return out
 
 
@@ -57,15 +59,27 @@ def send_steps(rollout_endpoint: str, steps: Iterable[int], num_micro_batches: i
                 continue
             per_batch = len(group) // num_micro_batches
             for index in range(num_micro_batches):
-                part = group[index * per_batch:(index + 1) * per_batch]
+                part = group[index * per_batch : (index + 1) * per_batch]
                 producer.send_batch(*pack_batch(step, 0, index, num_micro_batches, packed(part)), timeout_s=20)
 
 
 def trainer_args(model_dir: Path, broker_address: str, output_dir: Path, *extra: str) -> list[str]:
     """``primerl-trainer`` on ``model_dir`` against the broker at ``broker_address`` (lr 1e-3, JSON logs;
     ``model.parallel`` left to its default, which is DDP for any number of ranks)."""
-    return [TRAINER, "--model.name", str(model_dir), "--broker.address", broker_address, "--output-dir",
-            str(output_dir), "--optim.lr", "1e-3", "--log.format", "json", *extra]
+    return [
+        TRAINER,
+        "--model.name",
+        str(model_dir),
+        "--broker.address",
+        broker_address,
+        "--output-dir",
+        str(output_dir),
+        "--optim.lr",
+        "1e-3",
+        "--log.format",
+        "json",
+        *extra,
+    ]
 
 
 def run_trainer(model_dir: Path, broker_address: str, output_dir: Path, *extra: str) -> subprocess.CompletedProcess:

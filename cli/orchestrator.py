@@ -8,6 +8,7 @@ import threading
 from primerl.cli.role_entry import run_role
 from primerl.cli.role_signals import STARTUP_EXIT_STATUS, StoppedWhileStarting, StopSignals
 from primerl.orchestrator.envs.interpreters import ENV_PYTHON_VAR, resolve_env_python  # noqa: F401 (re-exported)
+from primerl.proto import telemetry
 
 
 def env_python(config) -> str:
@@ -36,21 +37,21 @@ def serve(config, args: argparse.Namespace) -> int:
     from primerl.orchestrator.rollout_failures import RolloutsFailing
 
     # Until here SIGTERM's default action ends the process at once; from here StoppedWhileStarting is caught below.
-    StopSignals(log, stop_event, set_up, stopping_message="stopping").install()
+    StopSignals(log, stop_event, set_up, stopping_message=telemetry.STOPPING).install()
     try:
         runner = OrchestratorRunner(config, env_python=env_python(config), stop_event=stop_event)
         return runner.run()
     except StoppedWhileStarting:
         return STARTUP_EXIT_STATUS
     except ValueError as exc:
-        log.error("orchestrator cannot continue", error=str(exc))
+        log.error(telemetry.ORCHESTRATOR_CANNOT_CONTINUE, error=str(exc))
         return 2
     except RolloutsFailing as exc:  # e.g. seq_len shorter than the prompts: a restart would fail the same way
-        log.error("orchestrator cannot continue", error=str(exc), error_type=type(exc).__name__)
+        log.error(telemetry.ORCHESTRATOR_CANNOT_CONTINUE, error=str(exc), error_type=type(exc).__name__)
         return 2
     except (BrokerOutageExceeded, BrokerError, EnvWorkerError, TimeoutError) as exc:
         # faults that make this process useless but that a restart may get past: one clear line, exit 1
-        log.error("orchestrator cannot continue", error=str(exc), error_type=type(exc).__name__)
+        log.error(telemetry.ORCHESTRATOR_CANNOT_CONTINUE, error=str(exc), error_type=type(exc).__name__)
         return 1
 
 

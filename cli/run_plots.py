@@ -18,6 +18,7 @@ from typing import Callable
 import numpy as np
 
 from primerl.cli.run_series import Series, eval_reward_names, moving_average, ratio_series
+from primerl.proto import telemetry
 
 FIGURE_DPI = 100
 
@@ -52,8 +53,8 @@ def _curves(series: dict[str, Series], labels: dict[str, str]) -> list[Curve]:
 
 def reward_panel(series: dict[str, Series]) -> Panel:
     curves = []
-    if len(series.get("train/reward", ())) > 0:
-        curves.append(Curve("train reward", series["train/reward"], band=reward_band(series)))
+    if len(series.get(telemetry.TRAIN_REWARD, ())) > 0:
+        curves.append(Curve("train reward", series[telemetry.TRAIN_REWARD], band=reward_band(series)))
     for env_id, name in eval_reward_names(series).items():
         if len(series[name]) > 0:
             curves.append(Curve(f"eval {env_id}", series[name], markers_only=True))
@@ -62,17 +63,17 @@ def reward_panel(series: dict[str, Series]) -> Panel:
 
 def reward_band(series: dict[str, Series]) -> Band | None:
     """Percentiles 10-90 of the rollout rewards when logged, else mean ± std clipped to the rewards' min/max."""
-    p10, p90 = series.get("rollout/reward_p10"), series.get("rollout/reward_p90")
+    p10, p90 = series.get(telemetry.ROLLOUT_REWARD_P10), series.get(telemetry.ROLLOUT_REWARD_P90)
     if p10 is not None and p90 is not None and len(p10) and len(p90):
         return Band(p10, p90, "10th-90th percentile of rollouts")
-    mean, std = series.get("train/reward"), series.get("rollout/reward_std")
+    mean, std = series.get(telemetry.TRAIN_REWARD), series.get(telemetry.ROLLOUT_REWARD_STD)
     if mean is None or std is None or not len(std):
         return None
     steps, mean_index, std_index = np.intersect1d(mean.steps, std.steps, return_indices=True)
     low = mean.values[mean_index] - std.values[std_index]
     high = mean.values[mean_index] + std.values[std_index]
-    floor = _on_steps(series.get("rollout/reward_min"), steps)
-    ceiling = _on_steps(series.get("rollout/reward_max"), steps)
+    floor = _on_steps(series.get(telemetry.ROLLOUT_REWARD_MIN), steps)
+    ceiling = _on_steps(series.get(telemetry.ROLLOUT_REWARD_MAX), steps)
     clipped = np.isfinite(floor).any() or np.isfinite(ceiling).any()
     low = np.where(np.isfinite(floor), np.maximum(low, floor), low)
     high = np.where(np.isfinite(ceiling), np.minimum(high, ceiling), high)
@@ -89,22 +90,22 @@ def _on_steps(bound: Series | None, steps: np.ndarray) -> np.ndarray:
 
 
 def loss_panel(series: dict[str, Series]) -> Panel:
-    return Panel("Loss", "loss", _curves(series, {"train/loss": "RL loss", "sft/loss": "SFT loss"}))
+    return Panel("Loss", "loss", _curves(series, {telemetry.TRAIN_LOSS: "RL loss", telemetry.SFT_LOSS: "SFT loss"}))
 
 
 def kl_panel(series: dict[str, Series]) -> Panel:
-    return Panel("KL divergence", "KL", _curves(series, {"train/kl_divergence": "KL divergence"}))
+    return Panel("KL divergence", "KL", _curves(series, {telemetry.TRAIN_KL_DIVERGENCE: "KL divergence"}))
 
 
 def lag_panel(series: dict[str, Series]) -> Panel:
-    labels = {"async/off_policy_lag_mean": "mean", "async/off_policy_lag_max": "max"}
+    labels = {telemetry.ASYNC_OFF_POLICY_LAG_MEAN: "mean", telemetry.ASYNC_OFF_POLICY_LAG_MAX: "max"}
     return Panel("Off-policy lag", "policy versions behind", _curves(series, labels))
 
 
 def tokens_per_s_panel(series: dict[str, Series]) -> Panel:
-    curves = _curves(series, {"rollout/tokens_per_s": "rollout tokens/s"})
-    if "train/num_loss_tokens" in series and "perf/step_time_s" in series:
-        trainer = ratio_series(series["train/num_loss_tokens"], series["perf/step_time_s"])
+    curves = _curves(series, {telemetry.ROLLOUT_TOKENS_PER_S: "rollout tokens/s"})
+    if telemetry.TRAIN_NUM_LOSS_TOKENS in series and telemetry.PERF_STEP_TIME_S in series:
+        trainer = ratio_series(series[telemetry.TRAIN_NUM_LOSS_TOKENS], series[telemetry.PERF_STEP_TIME_S])
         if len(trainer) > 0:
             curves.append(Curve("trainer loss tokens/s", trainer))
     return Panel("Throughput", "tokens / s", curves)
@@ -112,9 +113,9 @@ def tokens_per_s_panel(series: dict[str, Series]) -> Panel:
 
 def step_time_panel(series: dict[str, Series]) -> Panel:
     labels = {
-        "perf/step_time_s": "trainer step",
-        "perf/wait_for_data_s": "trainer waiting for data",
-        "rollout/generation_time": "rollout generation",
+        telemetry.PERF_STEP_TIME_S: "trainer step",
+        telemetry.PERF_WAIT_FOR_DATA_S: "trainer waiting for data",
+        telemetry.ROLLOUT_GENERATION_TIME: "rollout generation",
     }
     return Panel("Time per step", "seconds", _curves(series, labels))
 

@@ -9,9 +9,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from primerl.proto import telemetry
 from primerl.runtime.metrics_sink import ROW_FIELDS
 
-EVAL_REWARD_PATTERN = re.compile(r"^eval/(?P<env_id>.+)/reward$")
+EVAL_REWARD_PATTERN = re.compile(rf"^{re.escape(telemetry.EVAL_PREFIX)}(?P<env_id>.+)/reward$")
 
 
 @dataclass(frozen=True)

@@ -26,6 +26,8 @@ from collections.abc import Hashable, Iterable, Mapping
 
 import numpy as np
 
+from primerl.proto import telemetry
+
 
 class AsyncBound:
     def __init__(self, max_async_level: int = 1, *, first_step: int = 1):
@@ -65,9 +67,13 @@ class AsyncBound:
         """``async/off_policy_lag_{mean,max,min}`` over the given versions (e.g. one per sample or per token)."""
         lags = self.off_policy_lags(step, policy_versions)
         if lags.size == 0:
-            return {"async/off_policy_lag_mean": 0.0, "async/off_policy_lag_max": 0.0, "async/off_policy_lag_min": 0.0}
+            return {
+                telemetry.ASYNC_OFF_POLICY_LAG_MEAN: 0.0,
+                telemetry.ASYNC_OFF_POLICY_LAG_MAX: 0.0,
+                telemetry.ASYNC_OFF_POLICY_LAG_MIN: 0.0,
+            }
         return {
-            "async/off_policy_lag_mean": float(lags.mean()),
-            "async/off_policy_lag_max": float(lags.max()),
-            "async/off_policy_lag_min": float(lags.min()),
+            telemetry.ASYNC_OFF_POLICY_LAG_MEAN: float(lags.mean()),
+            telemetry.ASYNC_OFF_POLICY_LAG_MAX: float(lags.max()),
+            telemetry.ASYNC_OFF_POLICY_LAG_MIN: float(lags.min()),
         }

@@ -18,6 +18,7 @@ from typing import Any
 
 from primerl.orchestrator.seeds import rollout_seed_base
 from primerl.orchestrator.trajectory import RolloutGroup, Split
+from primerl.proto import telemetry
 from primerl.runtime.log_setup import get_logger
 
 log = get_logger("primerl.orchestrator")
@@ -195,5 +196,5 @@ def evaluate_workers(
         for index, error in failed.items():  # counted and reported like training rollouts
             log.warning("eval group failed", env_id=env_id, example_index=index, error=error)
         summary = summarize_groups(groups, failed, rollouts_per_group=eval_config.rollouts_per_example)
-        metrics.update(summary.as_metrics(f"eval/{env_id}"))
+        metrics.update(summary.as_metrics(f"{telemetry.EVAL_PREFIX}{env_id}"))
     return metrics

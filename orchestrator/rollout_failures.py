@@ -35,6 +35,7 @@ import re
 import time
 from collections.abc import Callable, Sequence
 
+from primerl.proto import telemetry
 from primerl.runtime.log_setup import get_logger
 
 log = get_logger("primerl.orchestrator.failures")
@@ -179,9 +180,11 @@ class RolloutFailures:
                 if unreachable
                 else hint_for(kind, error, self.hint_values)
             )
-            log.warning("rollout failed", kind=kind, error=self.first_errors[kind], count=self.counts[kind], hint=hint)
+            log.warning(
+                telemetry.ROLLOUT_FAILED, kind=kind, error=self.first_errors[kind], count=self.counts[kind], hint=hint
+            )
             if self._report is not None:
-                self._report(f"rollout failed ({kind}): {self.first_errors[kind]}")
+                self._report(f"{telemetry.ROLLOUT_FAILED} ({kind}): {self.first_errors[kind]}")
         return unreachable
 
     def retried(self, error: str) -> None:
@@ -200,7 +203,7 @@ class RolloutFailures:
             self.consecutive = 0
             self._streak.clear()
         if num_rollouts and self.unreachable_since is not None:
-            log.info("inference worker back", outage_s=round(self._clock() - self.unreachable_since, 1))
+            log.info(telemetry.INFERENCE_WORKER_BACK, outage_s=round(self._clock() - self.unreachable_since, 1))
             self.unreachable_since = None
 
     def check(self) -> None:
@@ -222,7 +225,7 @@ class RolloutFailures:
         if now >= self._next_unreachable_log_s:
             self._next_unreachable_log_s = now + LOG_EVERY_S
             log.warning(
-                "waiting for an inference worker",
+                telemetry.WAITING_FOR_AN_INFERENCE_WORKER,
                 outage_s=round(waited_s, 1),
                 budget_s=self.inference_outage_s,
                 error=self._unreachable_error,

@@ -50,6 +50,7 @@ from primerl.orchestrator.step_send import RESEND_INTERVAL_S, log_step_data, ran
 from primerl.orchestrator.teacher_scoring import TeacherScorer
 from primerl.orchestrator.teacher_stage import TeacherStage
 from primerl.orchestrator.types import SchedulerEvents, StepReport
+from primerl.proto import telemetry
 from primerl.proto.packing import PackedMicroBatch
 from primerl.proto.v1 import control_pb2, data_pb2
 from primerl.runtime.durable_files import write_atomically
@@ -120,12 +121,14 @@ class OrchestratorRunner:
         config = self.config
         self.exporter = start_exporter("orchestrator", config.prometheus)
         if self.exporter is not None:
-            self.step_gauge = self.exporter.gauge("primerl_orchestrator_step", "Latest step whose batch was sent.")
+            self.step_gauge = self.exporter.gauge(
+                telemetry.ORCHESTRATOR_STEP_GAUGE, "Latest step whose batch was sent."
+            )
             self.inflight_gauge = self.exporter.gauge(
-                "primerl_orchestrator_inflight_rollouts", "Rollouts in flight against the inference workers."
+                telemetry.ORCHESTRATOR_INFLIGHT_ROLLOUTS, "Rollouts in flight against the inference workers."
             )
             self.errors_counter = self.exporter.counter(
-                "primerl_orchestrator_rollout_errors", "Failed rollouts and rollout groups (the sum of rollout/errors)."
+                telemetry.ORCHESTRATOR_ROLLOUT_ERRORS, "Failed rollouts and rollout groups (the sum of rollout/errors)."
             )
         self.sink = MetricsSink("orchestrator", config.output_dir, config.wandb, config, exporter=self.exporter)
 
@@ -263,11 +266,11 @@ class OrchestratorRunner:
                 except SendInterrupted:
                     produced = False
                 if not produced:
-                    log.info("stopping", step=step, reason=self._stop_reason)
+                    log.info(telemetry.STOPPING, step=step, reason=self._stop_reason)
                     self._stop_flush()
                     return 0
             self._flush_sender(self.config.rollout_timeout_s + self.config.broker.outage_s)
-            log.info("all steps produced", max_steps=self.config.max_steps)
+            log.info(telemetry.ALL_STEPS_PRODUCED, max_steps=self.config.max_steps)
             return 0
         except BrokerOutageExceeded:
             self._broker_lost = True
@@ -376,7 +379,7 @@ class OrchestratorRunner:
 
         messages, per_rank = item
         digests = rank_digests(per_rank)
-        log_step_data("step sending", step, per_rank, digests)
+        log_step_data(telemetry.STEP_SENDING, step, per_rank, digests)
         try:
             send_step(
                 self.producer,
@@ -391,7 +394,7 @@ class OrchestratorRunner:
                 f"the broker refused the batches of step {step}: {exc}. If this is a new run, give the "
                 "broker a fresh spool_dir; to continue a run, keep the orchestrator's output_dir"
             ) from None
-        log_step_data("step sent", step, per_rank, digests)
+        log_step_data(telemetry.STEP_SENT, step, per_rank, digests)
 
     def _heartbeat(self) -> control_pb2.HeartbeatResponse | None:
         """The broker's latest heartbeat answer (its policy lineage), None before the first."""
@@ -473,16 +476,16 @@ class OrchestratorRunner:
         )
         self._log_new_fallbacks(report.fallbacks)
         self._num_fallbacks_total += sum(report.fallbacks.values())
-        metrics["rollout/interleave_fallbacks_total"] = float(self._num_fallbacks_total)
+        metrics[telemetry.ROLLOUT_INTERLEAVE_FALLBACKS_TOTAL] = float(self._num_fallbacks_total)
         # the broker merges all roles' last metrics: the batch's step lets the progress line pair its reward
-        self._report_metrics(step, {**metrics, "orchestrator/step": float(step)})
+        self._report_metrics(step, {**metrics, telemetry.ORCHESTRATOR_STEP: float(step)})
         self.sink.log(step, metrics)
         log.info(
-            "batch sent",
-            reward=round(metrics["train/reward"], 4),
+            telemetry.BATCH_SENT,
+            reward=round(metrics[telemetry.TRAIN_REWARD], 4),
             num_samples=len(batch.samples),
             seconds=round(elapsed_s, 2),
-            tokens_per_s=round(metrics["rollout/tokens_per_s"], 1),
+            tokens_per_s=round(metrics[telemetry.ROLLOUT_TOKENS_PER_S], 1),
         )
 
     def _log_new_fallbacks(self, fallbacks: collections.Counter) -> None:

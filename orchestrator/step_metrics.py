@@ -42,6 +42,8 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from primerl.proto import telemetry
+
 if TYPE_CHECKING:
     from primerl.orchestrator.filtering import AssembledBatch
     from primerl.orchestrator.trajectory import RolloutGroup
@@ -101,17 +103,19 @@ def batch_metrics(
     rollouts = [samples for g in batch.groups for samples in g.rollouts().values()]
     lengths = [sum(s.num_completion_tokens or 0 for s in samples) for samples in rollouts]
     metrics = {
-        "train/reward": float(np.mean(rewards)),
-        "rollout/reward_std": float(np.std(rewards)),
-        "rollout/mean_length": float(np.mean(lengths)),
+        telemetry.TRAIN_REWARD: float(np.mean(rewards)),
+        telemetry.ROLLOUT_REWARD_STD: float(np.std(rewards)),
+        telemetry.ROLLOUT_MEAN_LENGTH: float(np.mean(lengths)),
         "rollout/truncation_rate": float(np.mean([any(s.truncated for s in samples) for samples in rollouts])),
-        "rollout/generation_time": elapsed_s,
-        "rollout/tokens_per_s": tokens_per_s,
+        telemetry.ROLLOUT_GENERATION_TIME: elapsed_s,
+        telemetry.ROLLOUT_TOKENS_PER_S: tokens_per_s,
         "rollout/completion_tokens": float(counters["completion_tokens"]),  # of rollouts collected this step
         **reward_spread_metrics(rewards),
         **fallback_metrics(fallbacks),
         **(env_reward_metrics(batch.groups) if multi_env else {}),
-        "rollout/errors": float(counters["rollout_errors"] + counters["env_errors"] + counters["teacher_errors"]),
+        telemetry.ROLLOUT_ERRORS: float(
+            counters["rollout_errors"] + counters["env_errors"] + counters["teacher_errors"]
+        ),
         **{f"rollout/{name}": float(count) for name, count in counters.items() if name.startswith("errors/")},
         "rollout/rescheduled": float(counters["rescheduled"]),
         "rollout/stale_groups_cancelled": float(counters["stale_groups_cancelled"]),
@@ -140,10 +144,10 @@ def reward_spread_metrics(rewards: list[float]) -> dict[str, float]:
         return {}
     p10, p90 = np.percentile(rewards, [10, 90])
     return {
-        "rollout/reward_min": float(min(rewards)),
-        "rollout/reward_max": float(max(rewards)),
-        "rollout/reward_p10": float(p10),
-        "rollout/reward_p90": float(p90),
+        telemetry.ROLLOUT_REWARD_MIN: float(min(rewards)),
+        telemetry.ROLLOUT_REWARD_MAX: float(max(rewards)),
+        telemetry.ROLLOUT_REWARD_P10: float(p10),
+        telemetry.ROLLOUT_REWARD_P90: float(p90),
     }
 
 

@@ -31,6 +31,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from primerl.client.outage import OutageStopped, OutageWatch, retry_through_outage
+from primerl.proto import telemetry
 from primerl.proto.packing import PackedMicroBatch
 from primerl.proto.step_digest import data_digest
 from primerl.runtime.log_setup import get_logger
@@ -99,7 +100,7 @@ def log_step_data(
 
 def log_step_sent(step: int, per_rank: Sequence[Sequence[PackedMicroBatch]]) -> None:
     """One ``step sent`` line per rank (module docstring)."""
-    log_step_data("step sent", step, per_rank, rank_digests(per_rank))
+    log_step_data(telemetry.STEP_SENT, step, per_rank, rank_digests(per_rank))
 
 
 __all__ = ["RESEND_INTERVAL_S", "SEND_ATTEMPT_S", "log_step_data", "log_step_sent", "rank_digests", "send_step"]

@@ -44,6 +44,7 @@ from primerl.orchestrator.teacher_client import (
     TeacherHttp,
     TeacherUnreachable,
 )
+from primerl.proto import telemetry
 from primerl.runtime.log_setup import get_logger
 
 log = get_logger("primerl.orchestrator.teacher")
@@ -214,7 +215,7 @@ class TeacherScorer:
         began, ended = self.endpoints.release(endpoint, error)
         if began:
             log.warning(
-                "teacher unreachable",
+                telemetry.TEACHER_UNREACHABLE,
                 url=endpoint.url,
                 error=str(error)[:300],
                 hint="retrying; its groups fail once their retries are used up",

@@ -19,6 +19,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from primerl.proto import telemetry
+
 MAX_BATCHES = 64  # rewards of recent batches kept by step
 
 
@@ -44,18 +46,18 @@ class Progress:
         from primerl.proto.v1 import common_pb2
 
         metrics = status.last_metrics
-        if "train/reward" in metrics:
-            self.reward = metrics["train/reward"]
+        if telemetry.TRAIN_REWARD in metrics:
+            self.reward = metrics[telemetry.TRAIN_REWARD]
             self.reward_step = None
-            if "orchestrator/step" in metrics:
-                self.reward_step = int(metrics["orchestrator/step"])
+            if telemetry.ORCHESTRATOR_STEP in metrics:
+                self.reward_step = int(metrics[telemetry.ORCHESTRATOR_STEP])
                 self.batch_rewards[self.reward_step] = self.reward
                 while len(self.batch_rewards) > MAX_BATCHES:
                     del self.batch_rewards[min(self.batch_rewards)]
-        self.loss = metrics.get("train/loss", self.loss)
-        self.tokens_per_s = metrics.get("rollout/tokens_per_s", self.tokens_per_s)
+        self.loss = metrics.get(telemetry.TRAIN_LOSS, self.loss)
+        self.tokens_per_s = metrics.get(telemetry.ROLLOUT_TOKENS_PER_S, self.tokens_per_s)
         self.num_interleave_fallbacks = max(
-            self.num_interleave_fallbacks, int(metrics.get("rollout/interleave_fallbacks_total", 0))
+            self.num_interleave_fallbacks, int(metrics.get(telemetry.ROLLOUT_INTERLEAVE_FALLBACKS_TOTAL, 0))
         )
         self.max_steps = status.max_steps or self.max_steps
         self.published_version = status.latest_policy_version
@@ -115,12 +117,14 @@ def run_summary(rows: list[dict], progress: Progress, children: Iterable[Any], w
     """The closing summary of a run that finished: steps, wall time and each role's start-up, the reward of the
     first and last batch, the policy version served, and the interleave fallbacks when there were any.
     ``rows``: the run's ``metrics.jsonl``; ``children``: the roles' processes (``name``, ``ready_s``)."""
-    rewards = [r["train/reward"] for r in rows if r.get("role") == "orchestrator" and "train/reward" in r]
+    rewards = [
+        r[telemetry.TRAIN_REWARD] for r in rows if r.get("role") == "orchestrator" and telemetry.TRAIN_REWARD in r
+    ]
     trainer_rows = [r for r in rows if r.get("role") == "trainer"]
     steps = trainer_rows[-1]["step"] if trainer_rows else progress.step
     reward = f"{rewards[0]:.3f} -> {rewards[-1]:.3f}" if rewards else "-"
     orchestrator_rows = [r for r in rows if r.get("role") == "orchestrator"]
-    fallbacks = orchestrator_rows[-1].get("rollout/interleave_fallbacks_total", 0) if orchestrator_rows else 0
+    fallbacks = orchestrator_rows[-1].get(telemetry.ROLLOUT_INTERLEAVE_FALLBACKS_TOTAL, 0) if orchestrator_rows else 0
     served = "-" if progress.served_version is None else str(progress.served_version)
     startup = ", ".join(f"{c.name} {c.ready_s:.1f} s" for c in children if c.ready_s is not None)
     text = (

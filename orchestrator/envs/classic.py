@@ -43,6 +43,7 @@ from primerl.orchestrator.trajectory import (
     as_wire_sampling,
     parse_group,
 )
+from primerl.proto import telemetry
 from primerl.proto.env_protocol import (
     OP_CANCEL,
     OP_EXAMPLES,
@@ -153,7 +154,7 @@ class ClassicEnvClient:
         self.close()
         self.num_restarts += 1
         log.warning(
-            "restarting env worker",
+            telemetry.RESTARTING_ENV_WORKER,
             env_id=self.env_id,
             num_restarts=self.num_restarts,
             max_restarts=self.max_restarts,

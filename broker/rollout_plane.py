@@ -236,6 +236,7 @@ class RolloutPlane(RouterPlane):
                     except zmq.Again:
                         break
                     self._handle_guarded(socket, frames)
+                    del frames  # a message's buffers go as soon as it is handled, not when the next one comes
                 # Nothing more waiting: make the group durable and ack it.
                 self._commit_group(socket)
         except Exception as exc:

@@ -31,6 +31,7 @@ from dataclasses import asdict, dataclass
 import zmq
 
 from primerl.broker.control_service import BrokerServicer, HeartbeatMonitor, create_grpc_server
+from primerl.broker.memory import pin_mmap_threshold
 from primerl.broker.metrics import BrokerCollector
 from primerl.broker.registry import WorkerRegistry
 from primerl.broker.rollout_plane import RolloutPlane
@@ -157,6 +158,7 @@ class BrokerService:
         Prometheus port cannot be bound, ``PortUnavailable``, an ``OSError``, for the other ports: both name the
         setting to change)."""
         config = self.config
+        pin_mmap_threshold()  # freed message buffers go back to the OS (broker/memory.py)
         try:
             self.exporter = start_exporter("broker", config.prometheus)
             if self.exporter is not None:

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 import zmq
 from support.broker import BrokerHarness
+from support.daemons import BrokerProcess
 
 from primerl.client.rollouts import RolloutProducer, RolloutRefused, pack_batch
 from primerl.client.weights import WeightBrokerLost, WeightSubscriber, WeightUpdateRefused
@@ -18,7 +19,7 @@ from primerl.proto import chunked_transfer, framing
 from primerl.proto import tensor_frames as tf
 from primerl.proto.digests import payload_digest
 from primerl.proto.units import MiB
-from primerl.proto.v1 import data_pb2
+from primerl.proto.v1 import common_pb2, data_pb2
 
 TOKEN = "bounds-token"
 
@@ -144,3 +145,31 @@ def test_half_open_transfers_from_many_connections_do_not_starve_a_publish(tmp_p
     finally:
         context.destroy(linger=0)
         broker.stop()
+
+
+@pytest.mark.slow
+def test_large_unauthenticated_messages_leave_no_resident_memory_behind(tmp_path):
+    """Messages of 4 x 16 MiB (and smaller) with a wrong token are refused after libzmq read them whole; the buffers
+    go back to the OS (``broker.memory``): a broker at its defaults does not keep what such bursts took."""
+    broker = BrokerProcess(tmp_path, tmp_path / "spool", "--run-token", TOKEN, "--prometheus.enabled", "false")
+    context = zmq.Context()
+    try:
+        before_mib = broker.rss_bytes() / MiB
+        for frame_mib in (16, 12, 8, 6, 4, 3, 2):  # glibc's default threshold would follow the largest freed block
+            message = framing.encode(
+                data_pb2.HELLO, data_pb2.Hello(), [b"x" * (frame_mib * MiB)] * 4, auth_token="wrong"
+            )
+            dealer = _raw_dealer(context, f"tcp://127.0.0.1:{broker.ports['rollout_port']}")
+            for _ in range(4):
+                dealer.send_multipart(message)
+            for _ in range(4):
+                assert dealer.poll(10_000), "every refused message is answered"
+                reply = framing.decode(dealer.recv_multipart())
+                assert reply.header.error.code == common_pb2.ERROR_CODE_UNAUTHENTICATED
+            dealer.close(linger=0)
+        time.sleep(1.0)
+        grown_mib = broker.rss_bytes() / MiB - before_mib
+        assert grown_mib < 32, f"broker RSS grew by {grown_mib:.0f} MiB after the refused messages"
+    finally:
+        context.destroy(linger=0)
+        assert broker.stop() == 0

@@ -1,7 +1,6 @@
 """The orchestrator's side of packing: a packed step as the broker's batch messages.
 
-The packer itself (``pack_samples`` and its shapes) is ``primerl.proto.packing``, shared with the trainer's SFT;
-the names are re-exported here for the orchestrator's callers.
+The packer itself (``pack_samples`` and its shapes) is ``primerl.proto.packing``, shared with the trainer's SFT.
 """
 
 from __future__ import annotations
@@ -9,24 +8,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from primerl.proto.packing import (
-    PackedMicroBatch,
-    PackedStep,
-    balance_across_ranks,
-    check_loss_tokens_survive,
-    first_fit_decreasing,
-    pack_samples,
-)
-
-__all__ = [
-    "PackedMicroBatch",
-    "PackedStep",
-    "balance_across_ranks",
-    "check_loss_tokens_survive",
-    "first_fit_decreasing",
-    "pack_samples",
-    "to_broker_batches",
-]
+from primerl.proto.packing import PackedMicroBatch, PackedStep
 
 
 def to_broker_batches(

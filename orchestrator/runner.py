@@ -42,7 +42,7 @@ from primerl.orchestrator.endpoints import EndpointWatcher, InferenceWorkers
 from primerl.orchestrator.env_sampler import EnvSampler
 from primerl.orchestrator.envs.base import EnvClient
 from primerl.orchestrator.filtering import AssembledBatch
-from primerl.orchestrator.packing import PackedStep, check_loss_tokens_survive, pack_samples, to_broker_batches
+from primerl.orchestrator.packing import to_broker_batches
 from primerl.orchestrator.rollout_failures import RolloutFailures
 from primerl.orchestrator.rollout_scheduler import RolloutScheduler
 from primerl.orchestrator.step_metrics import batch_metrics, finite
@@ -51,7 +51,7 @@ from primerl.orchestrator.teacher_scoring import TeacherScorer
 from primerl.orchestrator.teacher_stage import TeacherStage
 from primerl.orchestrator.types import SchedulerEvents, StepReport
 from primerl.proto import telemetry
-from primerl.proto.packing import PackedMicroBatch
+from primerl.proto.packing import PackedMicroBatch, PackedStep, check_loss_tokens_survive, pack_samples
 from primerl.proto.v1 import control_pb2, data_pb2
 from primerl.runtime.durable_files import write_atomically
 from primerl.runtime.log_setup import bind_context, get_logger

@@ -8,6 +8,8 @@ import math
 import pytest
 from support.bench import load_bench_module
 
+from primerl.proto import telemetry
+
 report = load_bench_module("report")
 primerl_runs = load_bench_module("primerl_runs")
 
@@ -45,10 +47,16 @@ def test_section_written_atomically(tmp_path):
 
 def test_primerl_timeline_from_metrics(tmp_path):
     rows = [
-        {"step": 0, "role": "orchestrator", "time": 110.0, "train/reward": 0.3},
-        {"step": 1, "role": "trainer", "time": 112.0, "perf/step_time_s": 1.5, "train/kl_divergence": 0.0},
-        {"step": 1, "role": "orchestrator", "time": 112.5, "train/reward": 0.4},
-        {"step": 2, "role": "trainer", "time": 114.0, "perf/step_time_s": 1.0},
+        {"step": 0, "role": "orchestrator", "time": 110.0, telemetry.TRAIN_REWARD: 0.3},
+        {
+            "step": 1,
+            "role": "trainer",
+            "time": 112.0,
+            telemetry.PERF_STEP_TIME_S: 1.5,
+            telemetry.TRAIN_KL_DIVERGENCE: 0.0,
+        },
+        {"step": 1, "role": "orchestrator", "time": 112.5, telemetry.TRAIN_REWARD: 0.4},
+        {"step": 2, "role": "trainer", "time": 114.0, telemetry.PERF_STEP_TIME_S: 1.0},
         {"step": 3, "role": "trainer", "time": 118.0},
     ]
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows) + '{"half": ')

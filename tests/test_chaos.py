@@ -14,6 +14,8 @@ from pathlib import Path
 
 import pytest
 
+from primerl.proto import telemetry
+
 REPO_ROOT = Path(__file__).resolve().parents[1]
 CHAOS_DIR = REPO_ROOT / "scripts" / "chaos"
 ENV_PYTHON = os.environ.get("PRIMERL_ENV_PYTHON", str(REPO_ROOT / ".venv-envs" / "bin" / "python"))
@@ -60,9 +62,9 @@ def test_plan_is_seeded_and_holds_every_kind_of_kill():
 
 
 def test_lineage_follows_checkpoints_back_and_counts_a_rolled_back_step_as_retrained(tmp_path):
-    done = lambda s: _line("step done", step=s, data_digest=f"d{s}")  # noqa: E731
-    saved = lambda s: _line("checkpoint saved", step=s)  # noqa: E731
-    resumed = lambda s: _line("resumed from checkpoint", step=s)  # noqa: E731
+    done = lambda s: _line(telemetry.STEP_DONE, step=s, data_digest=f"d{s}")  # noqa: E731
+    saved = lambda s: _line(telemetry.CHECKPOINT_SAVED, step=s)  # noqa: E731
+    resumed = lambda s: _line(telemetry.RESUMED_FROM_CHECKPOINT, step=s)  # noqa: E731
     # 1: steps 1-3, checkpoint 2, killed after 3. 2: resumes at 2, trains 3-4 (checkpoint 4), killed after 5's done.
     # 3: resumes at 4, trains 5-6.
     path = _trainer_log(
@@ -85,14 +87,18 @@ def test_lineage_reports_a_lost_step_and_a_resume_from_an_unknown_checkpoint(tmp
     path = _trainer_log(
         tmp_path / "trainer.log",
         [
-            [_line("step done", step=1), _line("checkpoint saved", step=2)],  # killed before step 2's "step done"
-            [_line("resumed from checkpoint", step=2), _line("step done", step=3)],
+            [
+                _line(telemetry.STEP_DONE, step=1),
+                _line(telemetry.CHECKPOINT_SAVED, step=2),
+            ],  # killed before step 2's "step done"
+            [_line(telemetry.RESUMED_FROM_CHECKPOINT, step=2), _line(telemetry.STEP_DONE, step=3)],
         ],
     )
     result = lineage(read_incarnations("trainer", path))
     assert sorted(result.steps) == [1, 3]  # step 2 is lost: its record never written
     broken = _trainer_log(
-        tmp_path / "broken.log", [[_line("resumed from checkpoint", step=4), _line("step done", step=5)]]
+        tmp_path / "broken.log",
+        [[_line(telemetry.RESUMED_FROM_CHECKPOINT, step=4), _line(telemetry.STEP_DONE, step=5)]],
     )
     assert "no earlier incarnation" in lineage(read_incarnations("trainer", broken)).broken
 
@@ -101,11 +107,14 @@ def test_a_record_written_from_the_checkpoint_counts_once_and_twice_is_a_duplica
     path = _trainer_log(
         tmp_path / "trainer.log",
         [
-            [_line("step done", step=1), _line("checkpoint saved", step=2)],  # killed before step 2's "step done"
             [
-                _line("resumed from checkpoint", step=2),
-                _line("step done", step=2, from_checkpoint=True),
-                _line("step done", step=3),
+                _line(telemetry.STEP_DONE, step=1),
+                _line(telemetry.CHECKPOINT_SAVED, step=2),
+            ],  # killed before step 2's "step done"
+            [
+                _line(telemetry.RESUMED_FROM_CHECKPOINT, step=2),
+                _line(telemetry.STEP_DONE, step=2, from_checkpoint=True),
+                _line(telemetry.STEP_DONE, step=3),
             ],
         ],
     )
@@ -114,27 +123,39 @@ def test_a_record_written_from_the_checkpoint_counts_once_and_twice_is_a_duplica
     twice = _trainer_log(
         tmp_path / "twice.log",
         [
-            [_line("step done", step=1), _line("checkpoint saved", step=2), _line("step done", step=2)],
-            [_line("resumed from checkpoint", step=2), _line("step done", step=2, from_checkpoint=True)],
+            [
+                _line(telemetry.STEP_DONE, step=1),
+                _line(telemetry.CHECKPOINT_SAVED, step=2),
+                _line(telemetry.STEP_DONE, step=2),
+            ],
+            [
+                _line(telemetry.RESUMED_FROM_CHECKPOINT, step=2),
+                _line(telemetry.STEP_DONE, step=2, from_checkpoint=True),
+            ],
         ],
     )
     assert len(lineage(read_incarnations("trainer", twice)).steps[2]) == 2
 
 
 def test_a_step_published_then_killed_before_its_record_counts_as_a_training(tmp_path):
-    published = lambda v: _line("policy published", policy_version=v)  # noqa: E731
+    published = lambda v: _line(telemetry.POLICY_PUBLISHED, policy_version=v)  # noqa: E731
     path = _trainer_log(
         tmp_path / "trainer.log",
         [
             [
-                _line("step done", step=1),
+                _line(telemetry.STEP_DONE, step=1),
                 published(1),
-                _line("checkpoint saved", step=2),
-                _line("step done", step=2),
+                _line(telemetry.CHECKPOINT_SAVED, step=2),
+                _line(telemetry.STEP_DONE, step=2),
                 published(2),
                 published(3),
             ],  # killed after publishing 3, before its "step done"
-            [_line("resumed from checkpoint", step=2), published(2), _line("step done", step=3), published(3)],
+            [
+                _line(telemetry.RESUMED_FROM_CHECKPOINT, step=2),
+                published(2),
+                _line(telemetry.STEP_DONE, step=3),
+                published(3),
+            ],
         ],
     )
     result = lineage(read_incarnations("trainer", path))
@@ -148,7 +169,8 @@ def test_an_exit_0_is_a_normal_end_only_once_the_trainer_finished(tmp_path):
         "trainer": read_incarnations(
             "trainer",
             _trainer_log(
-                tmp_path / "t.log", [[json.dumps({"event": "training finished", "timestamp": "2026-01-01T00:01:00Z"})]]
+                tmp_path / "t.log",
+                [[json.dumps({"event": telemetry.TRAINING_FINISHED, "timestamp": "2026-01-01T00:01:00Z"})]],
             ),
         ),
         "inference": [],

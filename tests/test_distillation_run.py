@@ -20,6 +20,8 @@ from pathlib import Path
 
 import pytest
 
+from primerl.proto import telemetry
+
 BIN = Path(sys.executable).parent
 REPO_ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = REPO_ROOT / "examples" / "reverse_text_distill.toml"
@@ -167,7 +169,7 @@ def test_a_run_with_a_teacher_trains_every_step_and_its_teacher_kl_falls(student
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     trainer_rows = [r for r in rows if r["role"] == "trainer"]
     assert [r["step"] for r in trainer_rows] == list(range(1, NUM_STEPS + 1))  # every step trained, once
-    kl = [r.get("train/teacher_kl") for r in trainer_rows]
+    kl = [r.get(telemetry.TRAIN_TEACHER_KL) for r in trainer_rows]
     assert all(value is not None and abs(value) > 1e-4 for value in kl), kl  # micro-batches carried teacher logprobs
     third = NUM_STEPS // 3
     first, last = sum(kl[:third]) / third, sum(kl[-third:]) / third

@@ -26,6 +26,7 @@ from support.env_workers import ENV_PYTHON, FIXTURES, SKIP_REASON, FakeOpenAI, m
 from primerl.orchestrator.envs.base import EnvRequestError, EnvRequestTimeout, EnvWorkerDied
 from primerl.orchestrator.envs.classic import WORKER_SCRIPT, ClassicEnvClient
 from primerl.orchestrator.trajectory import SamplingParams
+from primerl.proto import telemetry
 
 pytestmark = pytest.mark.skipif(ENV_PYTHON is None, reason=SKIP_REASON)
 
@@ -403,7 +404,7 @@ def test_a_restart_right_after_a_crash_logs_the_exit_code_and_keeps_the_new_proc
             assert worker.ensure_alive().num_examples == 4
         with pytest.raises(EnvWorkerDied):
             lost.result(timeout=15)
-        restarts = [e for e in logs if e["event"] == "restarting env worker"]
+        restarts = [e for e in logs if e["event"] == telemetry.RESTARTING_ENV_WORKER]
         assert [(e["exit_code"], e["pid"], e["num_restarts"]) for e in restarts] == [(-9, old_pid, 1)]
         time.sleep(1.0)  # the old reader and watchdog threads have ended by now
         assert worker.is_alive() and worker.pid != old_pid and worker.exit_code is None

@@ -19,6 +19,7 @@ from support.orchestrator import ENV_PYTHON, eval_rows, metric_rows, orchestrato
 from support.probes import scrape_metrics as scrape
 
 from primerl.client.rollouts import RolloutConsumer
+from primerl.proto import telemetry
 from primerl.proto.v1 import common_pb2
 
 pytestmark = [
@@ -100,8 +101,8 @@ def test_single_turn_rollouts_reach_the_broker_aligned(stack, output_dir):
     rows = metric_rows(output_dir)
     assert [r["step"] for r in rows] == [1, 2]
     for row in rows:
-        assert 0.0 <= row["train/reward"] <= 1.0 and row["rollout/mean_length"] > 0
-        assert row["rollout/generation_time"] > 0
+        assert 0.0 <= row[telemetry.TRAIN_REWARD] <= 1.0 and row[telemetry.ROLLOUT_MEAN_LENGTH] > 0
+        assert row[telemetry.ROLLOUT_GENERATION_TIME] > 0
     check_batches(model, broker, range(1, 3))
     state = json.loads((output_dir / "orchestrator_state.json").read_text())
     assert state["step"] == 2
@@ -158,7 +159,7 @@ def test_failing_environment_rollouts_are_counted_not_fatal(stack, output_dir):
     assert result.returncode == 0, result.stderr[-4000:]
     rows = metric_rows(output_dir)
     assert [r["step"] for r in rows][-2:] == [5, 6]
-    assert sum(r["rollout/errors"] for r in rows[-2:]) > 0
+    assert sum(r[telemetry.ROLLOUT_ERRORS] for r in rows[-2:]) > 0
     assert all(r["buffer/num_rollouts"] > 0 for r in rows[-2:])
     check_batches(model, broker, range(5, 7))
 
@@ -197,7 +198,7 @@ def test_metrics_over_http_and_wandb_offline_while_waiting_for_the_trainer(stack
         samples: dict = {}
         while (
             samples.get(("primerl_step", (("role", "orchestrator"),))) != 7
-            or samples.get(("primerl_orchestrator_inflight_rollouts", ())) != 0
+            or samples.get((telemetry.ORCHESTRATOR_INFLIGHT_ROLLOUTS, ())) != 0
         ):  # step 8's stale groups cancelled
             assert process.poll() is None and time.monotonic() < deadline, log_path.read_text()[-4000:]
             time.sleep(0.5)
@@ -216,11 +217,16 @@ def test_metrics_over_http_and_wandb_offline_while_waiting_for_the_trainer(stack
                 if name.startswith("primerl_")
             )
         )
-        assert samples[("primerl_orchestrator_step", ())] == 7
-        for name in ("train/reward", "rollout/mean_length", "rollout/generation_time", "rollout/errors"):
+        assert samples[(telemetry.ORCHESTRATOR_STEP_GAUGE, ())] == 7
+        for name in (
+            telemetry.TRAIN_REWARD,
+            telemetry.ROLLOUT_MEAN_LENGTH,
+            telemetry.ROLLOUT_GENERATION_TIME,
+            telemetry.ROLLOUT_ERRORS,
+        ):
             assert samples[("primerl_metric", (("name", name), ("role", "orchestrator")))] == pytest.approx(row[name])
         # every failure so far: step 7's, and those of groups that finished while waiting at step 8
-        assert samples[("primerl_orchestrator_rollout_errors_total", ())] >= row["rollout/errors"] > 0
+        assert samples[(f"{telemetry.ORCHESTRATOR_ROLLOUT_ERRORS}_total", ())] >= row[telemetry.ROLLOUT_ERRORS] > 0
     finally:
         process.send_signal(signal.SIGTERM)
         try:
@@ -243,6 +249,6 @@ def test_metrics_over_http_and_wandb_offline_while_waiting_for_the_trainer(stack
     assert run["display_name"] == "orch-orchestrator" and run["run_group"] == "orch" and run["project"] == "primerl-e2e"
     assert TOKEN not in inspect.stdout
     history = [r["history"]["item"] for r in records if r["type"] == "history"]
-    assert [h["orchestrator/step"] for h in history] == [7]
-    assert history[0]["train/reward"] == pytest.approx(row["train/reward"])
-    assert history[0]["rollout/mean_length"] == pytest.approx(row["rollout/mean_length"])
+    assert [h[telemetry.ORCHESTRATOR_STEP] for h in history] == [7]
+    assert history[0][telemetry.TRAIN_REWARD] == pytest.approx(row[telemetry.TRAIN_REWARD])
+    assert history[0][telemetry.ROLLOUT_MEAN_LENGTH] == pytest.approx(row[telemetry.ROLLOUT_MEAN_LENGTH])

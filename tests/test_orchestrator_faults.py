@@ -19,10 +19,12 @@ from primerl.client.control import BrokerUnavailable, ControlClient
 from primerl.client.outage import BrokerOutageExceeded
 from primerl.client.rollouts import RolloutConsumer, RolloutProducer
 from primerl.orchestrator.endpoints import EndpointWatcher
-from primerl.orchestrator.packing import pack_samples, to_broker_batches
+from primerl.orchestrator.packing import to_broker_batches
 from primerl.orchestrator.rollout_failures import RolloutFailures, RolloutsFailing, is_unreachable, kind_name
 from primerl.orchestrator.samples import TrainingSample
 from primerl.orchestrator.step_send import log_step_sent, rank_digests, send_step
+from primerl.proto import telemetry
+from primerl.proto.packing import pack_samples
 from primerl.proto.step_digest import data_digest
 from primerl.proto.tensor_frames import decode_tensors
 from primerl.proto.v1 import common_pb2
@@ -45,7 +47,7 @@ def test_each_kind_is_logged_once_and_reported_and_counted():
         failures.failed("ScoringError", "reward function raised ValueError")
         failures.succeeded()
         failures.failed("BadRequestError", "another one")
-    lines = [entry for entry in logs if entry["event"] == "rollout failed"]
+    lines = [entry for entry in logs if entry["event"] == telemetry.ROLLOUT_FAILED]
     assert [(e["kind"], e["count"]) for e in lines] == [("BadRequestError", 1), ("ScoringError", 1)]
     assert "maximum context length is 16" in lines[0]["error"] and "raise seq_len" in lines[0]["hint"]
     assert reported == [
@@ -126,8 +128,11 @@ def test_an_unreachable_inference_server_is_waited_for_not_counted_in_the_streak
         with pytest.raises(RolloutsFailing, match="no inference worker answered for 61 s .*Connection refused"):
             failures.check()
     events = [e["event"] for e in logs]
-    assert events.count("rollout failed") == 2  # ModelError and BadRequestError, once each
-    assert events.count("waiting for an inference worker") == 12 and events.count("inference worker back") == 1
+    assert events.count(telemetry.ROLLOUT_FAILED) == 2  # ModelError and BadRequestError, once each
+    assert (
+        events.count(telemetry.WAITING_FOR_AN_INFERENCE_WORKER) == 12
+        and events.count(telemetry.INFERENCE_WORKER_BACK) == 1
+    )
     assert "waiting for it up to 60 s" in next(e["hint"] for e in logs if e.get("kind") == "ModelError")
 
 
@@ -189,7 +194,7 @@ def test_the_digest_is_over_the_values_the_trainer_decodes():
     assert data_digest(as_torch) == digests[1]
     with structlog.testing.capture_logs() as logs:
         log_step_sent(5, packed.per_rank)
-    lines = [e for e in logs if e["event"] == "step sent"]
+    lines = [e for e in logs if e["event"] == telemetry.STEP_SENT]
     assert [(e["step"], e["rank"], e["num_micro_batches"], e["data_digest"]) for e in lines] == [
         (5, rank, len(packed.per_rank[rank]), digests[rank]) for rank in (0, 1)
     ]
@@ -216,9 +221,9 @@ def test_a_step_is_sent_through_a_broker_restart(broker):
         restarter.join()
         producer.close()
     assert 3.5 < elapsed_s < 30
-    waits = [e for e in logs if e["event"] == "waiting for the broker"]
+    waits = [e for e in logs if e["event"] == telemetry.WAITING_FOR_THE_BROKER]
     assert waits and waits[0]["waiting_for"] == "the broker to take step 1"
-    assert any(e["event"] == "broker back" for e in logs)
+    assert any(e["event"] == telemetry.BROKER_BACK for e in logs)
     with RolloutConsumer(broker.rollout_endpoint, auth_token=TOKEN, worker_id="checker", rank=0) as consumer:
         fetched = consumer.fetch_step(1, timeout_s=30)
     assert data_digest([tensors for _, tensors in fetched]) == rank_digests(packed.per_rank)[0]

@@ -27,6 +27,7 @@ from support.inference import TOKEN, start_broker, start_daemon
 from support.orchestrator import ENV_FIXTURES, ENV_PYTHON, metric_rows, orchestrator_args
 
 from primerl.client.rollouts import RolloutConsumer
+from primerl.proto import telemetry
 
 pytestmark = [
     pytest.mark.slow,
@@ -99,7 +100,7 @@ def step_sent_digests(log_text: str) -> dict[int, str]:
     """{step: data_digest} of the `step sent` lines (one rank here)."""
     digests = {}
     for line in log_text.splitlines():
-        if "step sent" in line:
+        if telemetry.STEP_SENT in line:
             step = int(re.search(r"\bstep=(\d+)", line).group(1))
             digests[step] = re.search(r"data_digest=(\w+)", line).group(1)
     return digests
@@ -138,14 +139,14 @@ def test_all_rollouts_failing_stop_the_orchestrator_with_the_cause(tiny_model, t
         broker.stop()
     assert returncode == 2, text[-4000:]  # a configuration problem: `primerl rl` does not restart it
     assert elapsed_s <= ALL_FAIL_LIMIT_S, text[-4000:]
-    errors = [line for line in text.splitlines() if "orchestrator cannot continue" in line]
+    errors = [line for line in text.splitlines() if telemetry.ORCHESTRATOR_CANNOT_CONTINUE in line]
     assert len(errors) == 1, text[-4000:]
     assert "rollouts in a row failed" in errors[0] and "raise seq_len" in errors[0]
     assert re.search(r"maximum context length|max_model_len|maximum model length", errors[0], re.I), errors[0]
-    failed_lines = [line for line in text.splitlines() if "rollout failed" in line]
+    failed_lines = [line for line in text.splitlines() if telemetry.ROLLOUT_FAILED in line]
     assert len(failed_lines) == len({re.search(r"kind=(\S+)", line).group(1) for line in failed_lines}) >= 1
     assert "Traceback" not in text
-    assert any("rollout failed" in error for error in status.recent_errors), list(status.recent_errors)
+    assert any(telemetry.ROLLOUT_FAILED in error for error in status.recent_errors), list(status.recent_errors)
     assert any("orchestrator stopped" in error for error in status.recent_errors), list(status.recent_errors)
 
 
@@ -187,7 +188,7 @@ def test_a_crashed_env_worker_is_restarted_and_its_rollouts_done_again(stack, ru
     text = log_path.read_text(errors="replace")
     assert returncode == 0, text[-4000:]
     assert marker.exists()  # the worker did die once
-    restarts = [line for line in text.splitlines() if "restarting env worker" in line]
+    restarts = [line for line in text.splitlines() if telemetry.RESTARTING_ENV_WORKER in line]
     assert len(restarts) == 1 and "exit_code=3" in restarts[0] and "num_restarts=1" in restarts[0], text[-4000:]
     rows = metric_rows(run_dir)
     assert [r["step"] for r in rows] == [1, 2]
@@ -200,14 +201,14 @@ def test_a_broker_restart_mid_run_is_waited_through(stack, run_dir):
     model, broker, _ = stack
     log_path = run_dir / "restart.log"
     process = start_orchestrator(model, broker, run_dir, "reverse-text", log_path, "--max-steps", "5")
-    wait_for_line(process, log_path, r"step sent .*step=3", 300)
+    wait_for_line(process, log_path, rf"{telemetry.STEP_SENT} .*step=3", 300)
     broker.stop()
     time.sleep(6.0)  # long enough for the orchestrator to say it waits
     broker.restart()
     returncode = finish(process, 300)
     text = log_path.read_text(errors="replace")
     assert returncode == 0, text[-4000:]
-    assert "waiting for the broker" in text and "broker back" in text, text[-4000:]
+    assert telemetry.WAITING_FOR_THE_BROKER in text and telemetry.BROKER_BACK in text, text[-4000:]
     assert [r["step"] for r in metric_rows(run_dir)][-3:] == [3, 4, 5]
     digests = step_sent_digests(text)
     assert sorted(digests) == [3, 4, 5]
@@ -226,7 +227,7 @@ def test_a_killed_inference_server_is_waited_for(stack, run_dir, tmp_path):
     model, broker, daemons = stack
     log_path = run_dir / "infer-restart.log"
     process = start_orchestrator(model, broker, run_dir, "reverse-text", log_path, "--max-steps", "9")
-    wait_for_line(process, log_path, r"step sent .*step=6", 300)
+    wait_for_line(process, log_path, rf"{telemetry.STEP_SENT} .*step=6", 300)
     killed = daemons.pop()
     killed.kill()
     killed_s = time.monotonic()
@@ -235,7 +236,7 @@ def test_a_killed_inference_server_is_waited_for(stack, run_dir, tmp_path):
     returncode = finish(process, 300)
     text = log_path.read_text(errors="replace")
     assert returncode == 0, text[-4000:]
-    assert "waiting for an inference worker" in text or "no inference worker is alive" in text, text[-4000:]
+    assert telemetry.WAITING_FOR_AN_INFERENCE_WORKER in text or "no inference worker is alive" in text, text[-4000:]
     assert [r["step"] for r in metric_rows(run_dir)][-3:] == [7, 8, 9]
 
 
@@ -246,15 +247,17 @@ def test_sigterm_to_a_training_orchestrator_stops_it_gracefully(stack, run_dir):
     model, broker, _ = stack
     log_path = run_dir / "sigterm.log"
     process = start_orchestrator(model, broker, run_dir, "reverse-text", log_path, "--max-steps", "1000")
-    wait_for_line(process, log_path, r"step sending", 300)
+    wait_for_line(process, log_path, telemetry.STEP_SENDING, 300)
     process.send_signal(signal.SIGTERM)
     returncode = finish(process, 60)
     text = log_path.read_text(errors="replace")
     assert returncode == 0, text[-4000:]
     assert "during start-up" not in text, text[-4000:]
-    stopping = [line for line in text.splitlines() if re.search(r"\bstopping\b.*reason=", line)]
+    stopping = [line for line in text.splitlines() if re.search(rf"\b{telemetry.STOPPING}\b.*reason=", line)]
     assert len(stopping) == 1 and "stop requested (signal)" in stopping[0], text[-4000:]
-    sending = {int(re.search(r"\bstep=(\d+)", line).group(1)) for line in text.splitlines() if "step sending" in line}
+    sending = {
+        int(re.search(r"\bstep=(\d+)", line).group(1)) for line in text.splitlines() if telemetry.STEP_SENDING in line
+    }
     digests = step_sent_digests(text)
     assert sending and sending <= set(digests), text[-4000:]  # every step handed to the send thread was sent
     state = json.loads((run_dir / "orchestrator_state.json").read_text())
@@ -271,7 +274,7 @@ def test_the_broker_ending_the_run_stops_the_orchestrator(stack, run_dir):
     model, broker, _ = stack
     log_path = run_dir / "shutdown.log"
     process = start_orchestrator(model, broker, run_dir, "reverse-text", log_path, "--max-steps", "40")
-    wait_for_line(process, log_path, r"step sent", 300)
+    wait_for_line(process, log_path, telemetry.STEP_SENT, 300)
     requested_s = time.monotonic()
     broker.service.registry.request_shutdown()
     returncode = finish(process, 60)

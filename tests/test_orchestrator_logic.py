@@ -25,13 +25,10 @@ from primerl.orchestrator.filtering import (
     filter_reason,
     num_groups_to_request,
 )
-from primerl.orchestrator.packing import (
-    balance_across_ranks,
-    first_fit_decreasing,
-    pack_samples,
-    to_broker_batches,
-)
+from primerl.orchestrator.packing import to_broker_batches
 from primerl.orchestrator.samples import Group, TrainingSample
+from primerl.proto import telemetry
+from primerl.proto.packing import balance_across_ranks, first_fit_decreasing, pack_samples
 
 
 def make_sample(
@@ -236,11 +233,11 @@ def test_stale_groups_and_lag():
     assert bound.stale_groups(inflight, 6) == ["a", "b", "c"]
     metrics = bound.lag_metrics(5, [4, 4, 3, 2])  # trainer holds version 4
     assert metrics == {
-        "async/off_policy_lag_mean": 0.75,
-        "async/off_policy_lag_max": 2.0,
-        "async/off_policy_lag_min": 0.0,
+        telemetry.ASYNC_OFF_POLICY_LAG_MEAN: 0.75,
+        telemetry.ASYNC_OFF_POLICY_LAG_MAX: 2.0,
+        telemetry.ASYNC_OFF_POLICY_LAG_MIN: 0.0,
     }
-    assert bound.lag_metrics(5, [])["async/off_policy_lag_max"] == 0.0
+    assert bound.lag_metrics(5, [])[telemetry.ASYNC_OFF_POLICY_LAG_MAX] == 0.0
 
 
 # -- packing ---------------------------------------------------------------------------------------------------

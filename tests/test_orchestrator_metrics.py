@@ -14,6 +14,7 @@ from primerl.orchestrator.samples import Group, TrainingSample
 from primerl.orchestrator.seeds import rollout_seed_base
 from primerl.orchestrator.step_metrics import env_reward_metrics, fallback_metrics, reward_spread_metrics
 from primerl.orchestrator.throughput import ThroughputWindow
+from primerl.proto import telemetry
 from primerl.supervisor.run_progress import Progress
 
 # ---- rollout/tokens_per_s ---------------------------------------------------------------------------------------
@@ -85,30 +86,45 @@ class _Status:
 def test_progress_shows_the_reward_of_the_batch_trained_at_the_shown_step():
     progress = Progress()
     # the orchestrator runs one step ahead of the trainer: its batch 3 is reported while the trainer is at 2
-    progress.update(_Status(1, {"train/reward": 0.20, "orchestrator/step": 2, "train/loss": 0.5}).message)
-    progress.update(_Status(2, {"train/reward": 0.30, "orchestrator/step": 3, "train/loss": 0.4}).message)
+    progress.update(
+        _Status(1, {telemetry.TRAIN_REWARD: 0.20, telemetry.ORCHESTRATOR_STEP: 2, telemetry.TRAIN_LOSS: 0.5}).message
+    )
+    progress.update(
+        _Status(2, {telemetry.TRAIN_REWARD: 0.30, telemetry.ORCHESTRATOR_STEP: 3, telemetry.TRAIN_LOSS: 0.4}).message
+    )
     line = progress.line()
     assert "step 2/10" in line and "reward 0.200 " in line and "loss 0.4000" in line
-    progress.update(_Status(3, {"train/reward": 0.45, "orchestrator/step": 4, "train/loss": 0.3}).message)
+    progress.update(
+        _Status(3, {telemetry.TRAIN_REWARD: 0.45, telemetry.ORCHESTRATOR_STEP: 4, telemetry.TRAIN_LOSS: 0.3}).message
+    )
     assert "step 3/10  reward 0.300 " in progress.line()
 
 
 def test_progress_labels_a_reward_of_another_batch_with_its_step():
     progress = Progress()
-    progress.update(_Status(2, {"train/reward": 0.30, "orchestrator/step": 5}).message)  # batches 3, 4 missed
+    progress.update(
+        _Status(2, {telemetry.TRAIN_REWARD: 0.30, telemetry.ORCHESTRATOR_STEP: 5}).message
+    )  # batches 3, 4 missed
     assert "reward 0.300 (batch 5)" in progress.line()
     old = Progress()  # an orchestrator that does not report its step
-    old.update(_Status(2, {"train/reward": 0.30}).message)
+    old.update(_Status(2, {telemetry.TRAIN_REWARD: 0.30}).message)
     assert "reward 0.300 (latest batch)" in old.line()
 
 
 def test_progress_shows_interleave_fallbacks_once_there_are_any():
     progress = Progress()
     progress.update(
-        _Status(1, {"train/reward": 0.2, "orchestrator/step": 1, "rollout/interleave_fallbacks_total": 0}).message
+        _Status(
+            1,
+            {
+                telemetry.TRAIN_REWARD: 0.2,
+                telemetry.ORCHESTRATOR_STEP: 1,
+                telemetry.ROLLOUT_INTERLEAVE_FALLBACKS_TOTAL: 0,
+            },
+        ).message
     )
     assert "fallbacks" not in progress.line()
-    progress.update(_Status(2, {"rollout/interleave_fallbacks_total": 5}).message)
+    progress.update(_Status(2, {telemetry.ROLLOUT_INTERLEAVE_FALLBACKS_TOTAL: 5}).message)
     assert "fallbacks 5 " in progress.line()
 
 
@@ -117,7 +133,9 @@ def test_progress_keeps_a_bounded_number_of_batch_rewards():
 
     progress = Progress()
     for step in range(1, MAX_BATCHES + 20):
-        progress.update(_Status(step - 1, {"train/reward": step / 100, "orchestrator/step": step}).message)
+        progress.update(
+            _Status(step - 1, {telemetry.TRAIN_REWARD: step / 100, telemetry.ORCHESTRATOR_STEP: step}).message
+        )
     assert len(progress.batch_rewards) == MAX_BATCHES and max(progress.batch_rewards) == MAX_BATCHES + 19
 
 
@@ -186,8 +204,8 @@ def test_fallback_metrics_report_the_total_and_each_reason():
 def test_reward_spread_stays_within_the_rewards():
     rewards = [0.0] * 8 + [1.0] * 2
     spread = reward_spread_metrics(rewards)
-    assert spread["rollout/reward_min"] == 0.0 and spread["rollout/reward_max"] == 1.0
-    assert spread["rollout/reward_p10"] == 0.0 and 0.0 <= spread["rollout/reward_p90"] <= 1.0
+    assert spread[telemetry.ROLLOUT_REWARD_MIN] == 0.0 and spread[telemetry.ROLLOUT_REWARD_MAX] == 1.0
+    assert spread[telemetry.ROLLOUT_REWARD_P10] == 0.0 and 0.0 <= spread[telemetry.ROLLOUT_REWARD_P90] <= 1.0
     assert np.mean(rewards) - np.std(rewards) < 0  # what the old ±std band drew
     assert reward_spread_metrics([]) == {}
 

@@ -15,6 +15,7 @@ from matplotlib.image import imread
 from primerl.cli.plot import main
 from primerl.cli.run_plots import plan_plots, reward_panel, tokens_per_s_panel
 from primerl.cli.run_series import eval_reward_names, extract_series, moving_average
+from primerl.proto import telemetry
 from primerl.runtime.run_metrics import MetricsFileError, read_metrics_file, read_run_rows
 
 BIN = Path(sys.executable).parent
@@ -34,13 +35,13 @@ def orchestrator_row(step: int) -> dict:
         "step": step,
         "role": "orchestrator",
         "time": 1000.0 + step,
-        "train/reward": 0.1 * step,
-        "rollout/reward_std": 0.05,
-        "rollout/mean_length": 20.0,
-        "rollout/tokens_per_s": 400.0 + step,
-        "rollout/generation_time": 2.0,
-        "async/off_policy_lag_mean": 0.5,
-        "async/off_policy_lag_max": 1.0,
+        telemetry.TRAIN_REWARD: 0.1 * step,
+        telemetry.ROLLOUT_REWARD_STD: 0.05,
+        telemetry.ROLLOUT_MEAN_LENGTH: 20.0,
+        telemetry.ROLLOUT_TOKENS_PER_S: 400.0 + step,
+        telemetry.ROLLOUT_GENERATION_TIME: 2.0,
+        telemetry.ASYNC_OFF_POLICY_LAG_MEAN: 0.5,
+        telemetry.ASYNC_OFF_POLICY_LAG_MAX: 1.0,
     }
 
 
@@ -49,14 +50,14 @@ def trainer_row(step: int) -> dict:
         "step": step,
         "role": "trainer",
         "time": 1000.5 + step,
-        "train/loss": 1.0 / step,
-        "train/learning_rate": 1e-5,
-        "train/kl_divergence": 0.01 * step,
+        telemetry.TRAIN_LOSS: 1.0 / step,
+        telemetry.TRAIN_LEARNING_RATE: 1e-5,
+        telemetry.TRAIN_KL_DIVERGENCE: 0.01 * step,
         "train/entropy": 2.0,
         "train/grad_norm": 0.3,
-        "perf/step_time_s": 2.0,
-        "perf/wait_for_data_s": 0.1,
-        "train/num_loss_tokens": 1000.0 * step,
+        telemetry.PERF_STEP_TIME_S: 2.0,
+        telemetry.PERF_WAIT_FOR_DATA_S: 0.1,
+        telemetry.TRAIN_NUM_LOSS_TOKENS: 1000.0 * step,
     }
 
 
@@ -105,10 +106,10 @@ def test_series_have_the_steps_and_values_of_each_role(run_dir):
     assert "line" in metrics.dropped_last_line and "incomplete" in metrics.dropped_last_line
     series = extract_series(metrics.rows)
     steps = np.arange(1, NUM_STEPS + 1)
-    assert series["train/reward"].steps.tolist() == steps.tolist()
-    np.testing.assert_allclose(series["train/reward"].values, 0.1 * steps)
-    assert series["train/loss"].steps.tolist() == steps.tolist()  # the half-written step 13 is not there
-    np.testing.assert_allclose(series["train/loss"].values, 1.0 / steps)
+    assert series[telemetry.TRAIN_REWARD].steps.tolist() == steps.tolist()
+    np.testing.assert_allclose(series[telemetry.TRAIN_REWARD].values, 0.1 * steps)
+    assert series[telemetry.TRAIN_LOSS].steps.tolist() == steps.tolist()  # the half-written step 13 is not there
+    np.testing.assert_allclose(series[telemetry.TRAIN_LOSS].values, 1.0 / steps)
     assert eval_reward_names(series) == {"org/math": "eval/org/math/reward", "reverse-text": "eval/reverse-text/reward"}
     assert series["eval/reverse-text/reward"].steps.tolist() == [4, 8, 12]
     np.testing.assert_allclose(series["eval/reverse-text/reward"].values, [0.8, 1.6, 2.4])
@@ -130,10 +131,10 @@ def test_reward_band_is_the_rollout_percentiles_when_logged():
     rows = [
         {
             **orchestrator_row(step),
-            "train/reward": 0.05,
-            "rollout/reward_std": 0.2,
-            "rollout/reward_p10": 0.0,
-            "rollout/reward_p90": 0.25,
+            telemetry.TRAIN_REWARD: 0.05,
+            telemetry.ROLLOUT_REWARD_STD: 0.2,
+            telemetry.ROLLOUT_REWARD_P10: 0.0,
+            telemetry.ROLLOUT_REWARD_P90: 0.25,
         }
         for step in (1, 2)
     ]
@@ -148,12 +149,12 @@ def test_std_band_never_leaves_the_rewards_min_max():
     rows = [
         {
             **orchestrator_row(1),
-            "train/reward": 0.05,
-            "rollout/reward_std": 0.2,
-            "rollout/reward_min": 0.0,
-            "rollout/reward_max": 0.2,
+            telemetry.TRAIN_REWARD: 0.05,
+            telemetry.ROLLOUT_REWARD_STD: 0.2,
+            telemetry.ROLLOUT_REWARD_MIN: 0.0,
+            telemetry.ROLLOUT_REWARD_MAX: 0.2,
         },
-        {**orchestrator_row(2), "train/reward": 0.9, "rollout/reward_std": 0.2},
+        {**orchestrator_row(2), telemetry.TRAIN_REWARD: 0.9, telemetry.ROLLOUT_REWARD_STD: 0.2},
     ]  # no min/max: unclipped
     band = reward_panel(extract_series(rows)).curves[0].band
     assert band.label == "± std, within min-max"
@@ -170,14 +171,21 @@ def test_trainer_tokens_per_s_is_loss_tokens_over_step_time(run_dir):
 
 def test_a_repeated_step_keeps_the_row_written_last_and_non_numbers_are_skipped():
     rows = [
-        {"step": 2, "role": "trainer", "train/loss": 5.0},
-        {"step": 1, "role": "trainer", "train/loss": 3.0},
-        {"step": 2, "role": "trainer", "train/loss": 4.0, "note": "resumed", "flag": True, "train/entropy": None},
+        {"step": 2, "role": "trainer", telemetry.TRAIN_LOSS: 5.0},
+        {"step": 1, "role": "trainer", telemetry.TRAIN_LOSS: 3.0},
+        {
+            "step": 2,
+            "role": "trainer",
+            telemetry.TRAIN_LOSS: 4.0,
+            "note": "resumed",
+            "flag": True,
+            "train/entropy": None,
+        },
     ]
     series = extract_series(rows)
-    assert series["train/loss"].steps.tolist() == [1, 2]
-    assert series["train/loss"].values.tolist() == [3.0, 4.0]
-    assert set(series) == {"train/loss"}
+    assert series[telemetry.TRAIN_LOSS].steps.tolist() == [1, 2]
+    assert series[telemetry.TRAIN_LOSS].values.tolist() == [3.0, 4.0]
+    assert set(series) == {telemetry.TRAIN_LOSS}
 
 
 def test_moving_average_is_a_trailing_mean_that_skips_nans():
@@ -247,7 +255,7 @@ def test_installed_console_command_plots_with_output_and_smoothing(run_dir, tmp_
 def test_missing_data_skips_only_the_figures_that_need_it(tmp_path, capsys):
     trainer_only = [trainer_row(step) for step in range(1, 6)]
     for row in trainer_only:
-        del row["train/kl_divergence"]
+        del row[telemetry.TRAIN_KL_DIVERGENCE]
     write_metrics(tmp_path, trainer_only)
     plan = plan_plots(extract_series(trainer_only))
     assert list(plan.figures) == ["loss", "throughput"]
@@ -302,9 +310,9 @@ def test_malformed_line_in_the_middle_is_an_error_with_its_number(tmp_path, caps
 
 
 def test_nothing_to_plot(tmp_path, capsys):
-    write_metrics(tmp_path, [{"step": 1, "role": "trainer", "time": 1.0, "train/learning_rate": 1e-5}])
+    write_metrics(tmp_path, [{"step": 1, "role": "trainer", "time": 1.0, telemetry.TRAIN_LEARNING_RATE: 1e-5}])
     err = run_failing([str(tmp_path)], capsys)
-    assert "nothing to plot" in err and "train/reward" in err
+    assert "nothing to plot" in err and telemetry.TRAIN_REWARD in err
     write_metrics(tmp_path, [], tail=TRUNCATED_TAIL)
     err = run_failing([str(tmp_path)], capsys)
     assert "no complete line yet" in err

@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 from support.proc_tree import descendants, running
 
+from primerl.proto import telemetry
 from primerl.supervisor.process_supervisor import ChildFailed, ChildProcess, Supervisor
 from primerl.supervisor.restart_policy import RestartBudget, RestartPolicy, describe_exit_code
 from primerl.supervisor.role_logs import last_error_in_log, last_error_line
@@ -96,9 +97,9 @@ def test_exit_0_exit_2_and_restart_never_are_not_restarted():
 def test_last_error_line_of_json_console_and_traceback_logs(tmp_path):
     json_log = "\n".join(
         [
-            json.dumps({"event": "batch sent", "level": "info"}),
+            json.dumps({"event": telemetry.BATCH_SENT, "level": "info"}),
             json.dumps({"event": "all rollouts failed", "error": "prompt longer than seq_len 16", "level": "error"}),
-            json.dumps({"event": "stopping", "level": "info"}),
+            json.dumps({"event": telemetry.STOPPING, "level": "info"}),
         ]
     )
     assert last_error_line(json_log) == "all rollouts failed: prompt longer than seq_len 16"

@@ -17,6 +17,7 @@ import pytest
 from support.probes import free_port
 from support.proc_tree import descendants, running
 
+from primerl.proto import telemetry
 from primerl.runtime.config_base import ConfigWarning
 from primerl.supervisor.launcher import Launcher, LaunchOptions
 from primerl.supervisor.role_configs import without_token
@@ -94,7 +95,7 @@ def test_a_short_run_trains_every_step_and_inference_serves_the_last_policy(tiny
     assert [r["step"] for r in rows if r["role"] == "trainer"] == [1, 2, 3]
     assert [r["step"] for r in rows if r["role"] == "orchestrator"][:2] == [1, 2]
     # The async bound held: no batch trained on samples more than max_async_level (1) versions old.
-    lags = [r["async/off_policy_lag_max"] for r in rows if "async/off_policy_lag_max" in r]
+    lags = [r[telemetry.ASYNC_OFF_POLICY_LAG_MAX] for r in rows if telemetry.ASYNC_OFF_POLICY_LAG_MAX in r]
     assert lags and max(lags) <= 1, lags
     # The run's curves, from the run directory as a user would draw them.
     plot = subprocess.run([str(BIN / "primerl"), "plot", str(run_dir)], capture_output=True, text=True, timeout=120)
@@ -250,8 +251,12 @@ def test_progress_line_shows_step_reward_loss_lag_and_eta(monkeypatch):
     monkeypatch.setattr("primerl.supervisor.launcher.time.monotonic", lambda: next(clock))
     progress = Progress()
     progress.update(_Status(0, 0, {}).message)
-    progress.update(_Status(1, 0, {"train/reward": 0.25, "train/loss": 0.5, "rollout/tokens_per_s": 300}).message)
-    progress.update(_Status(2, 1, {"train/loss": 0.4}).message)
+    progress.update(
+        _Status(
+            1, 0, {telemetry.TRAIN_REWARD: 0.25, telemetry.TRAIN_LOSS: 0.5, telemetry.ROLLOUT_TOKENS_PER_S: 300}
+        ).message
+    )
+    progress.update(_Status(2, 1, {telemetry.TRAIN_LOSS: 0.4}).message)
     line = progress.line()
     assert "step 2/10" in line and "reward 0.250" in line and "loss 0.4000" in line and "300 tok/s" in line
     assert "served v1 (lag 1)" in line
@@ -264,9 +269,14 @@ def test_the_closing_summary_reads_the_runs_rows():
     from primerl.supervisor.run_progress import run_summary
 
     rows = [
-        {"step": 1, "role": "orchestrator", "train/reward": 0.25},
+        {"step": 1, "role": "orchestrator", telemetry.TRAIN_REWARD: 0.25},
         {"step": 1, "role": "trainer"},
-        {"step": 2, "role": "orchestrator", "train/reward": 0.5, "rollout/interleave_fallbacks_total": 3},
+        {
+            "step": 2,
+            "role": "orchestrator",
+            telemetry.TRAIN_REWARD: 0.5,
+            telemetry.ROLLOUT_INTERLEAVE_FALLBACKS_TOTAL: 3,
+        },
         {"step": 2, "role": "trainer"},
     ]
     progress = Progress(served_version=2, published_version=2)

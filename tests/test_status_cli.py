@@ -14,6 +14,7 @@ from support.control_plane import TOKEN, Broker, running_broker
 from support.probes import free_port
 
 from primerl.cli import status as status_cli
+from primerl.proto import telemetry
 from primerl.proto.v1 import common_pb2, control_pb2
 from primerl.runtime.log_setup import configure_logging
 
@@ -54,7 +55,7 @@ def _populate(broker: Broker) -> None:
     ).worker_id
     registry.heartbeat(control_pb2.HeartbeatRequest(worker_id=trainer, trainer_step=3))
     registry.policy.hello(infer, 2, 0)  # the weight fan-out hears infer-0 say it holds v2
-    registry.report_metrics(trainer, 3, {"train/loss": 0.25})
+    registry.report_metrics(trainer, 3, {telemetry.TRAIN_LOSS: 0.25})
     registry.record_error("rollout-plane", "bad digest from trainer-0")
 
 
@@ -72,7 +73,7 @@ def test_status_cli_table_and_json(calm_broker, capsys):
         "http://127.0.0.1:8000",
         "policy v2",
         "alive",
-        "train/loss",
+        telemetry.TRAIN_LOSS,
         "rollout-plane: bad digest",
         "METRICS",
         "http://127.0.0.1:9311/metrics",

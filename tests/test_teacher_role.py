@@ -18,6 +18,7 @@ from support.daemons import InferenceDaemon
 from support.inference import AUTH, TOKEN, full_update, perturbed_model
 from support.rl_configs import BASE, config_writer, error_of, load
 
+from primerl.proto import telemetry
 from primerl.proto.v1 import common_pb2, control_pb2
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -388,7 +389,7 @@ def test_a_teacher_daemon_registers_as_teacher_serves_prompt_logprobs_and_never_
         assert listed.address == teacher.ready["advertised_url"] and listed.worker_id == teacher.ready["worker_id"]
         assert listed.capabilities["role"] == "teacher" and listed.capabilities["model"] == str(tiny_model)
         assert not listed.HasField("policy_version")
-        [workers] = [m for m in BrokerCollector(broker.service).collect() if m.name == "primerl_broker_workers"]
+        [workers] = [m for m in BrokerCollector(broker.service).collect() if m.name == telemetry.BROKER_WORKERS]
         assert {s.labels["role"]: s.value for s in workers.samples}["teacher"] == 1
 
         shown = subprocess.run(

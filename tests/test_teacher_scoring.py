@@ -37,6 +37,7 @@ from primerl.orchestrator.teacher_client import (
 from primerl.orchestrator.teacher_scoring import TeacherScorer
 from primerl.orchestrator.teacher_stage import TeacherStage
 from primerl.orchestrator.trajectory import Rollout, RolloutGroup, Turn
+from primerl.proto import telemetry
 
 TOKEN = "teacher-test-token"
 
@@ -230,7 +231,7 @@ def test_errors_that_can_heal_are_retried_then_fail_the_group(servers, mode, err
         scorer.close()
     assert len(server.posts()) == 3  # one request and two retries
     assert metrics["teacher/requests"] == 3 and metrics["teacher/retried"] == 2 and metrics["teacher/errors"] == 3
-    outages = [entry for entry in logs if entry["event"] == "teacher unreachable"]
+    outages = [entry for entry in logs if entry["event"] == telemetry.TEACHER_UNREACHABLE]
     assert len(outages) == (1 if error is TeacherUnreachable else 0)  # once per outage, not per request
 
 
@@ -425,7 +426,7 @@ def test_a_teacher_that_is_down_fails_groups_as_rollout_errors_without_stopping_
         assert scheduler.counters["teacher_errors"] >= 2 and scheduler.assembler.take(min_policy_version=0) is None
         assert scheduler.counters["errors/teacher_unreachable"] == 2 * scheduler.counters["teacher_errors"]
         assert failures.counts["teacher_unreachable"] >= 4 and failures.consecutive == 0  # an outage, not a streak
-        assert any(e["event"] == "rollout failed" and e["kind"] == "teacher_unreachable" for e in logs)
+        assert any(e["event"] == telemetry.ROLLOUT_FAILED and e["kind"] == "teacher_unreachable" for e in logs)
         failures.check()  # within the outage budget: go on waiting
         now[0] = 61.0
         with pytest.raises(RolloutsFailing, match="no teacher answered for 61 s"):

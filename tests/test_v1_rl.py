@@ -24,6 +24,7 @@ from primerl.orchestrator.envs.interpreters import EnvPython, find_v1_env_python
 from primerl.orchestrator.envs.kinds import not_installed_message, resolve_env_kinds
 from primerl.orchestrator.envs.v1 import sampling_params, task_prompt
 from primerl.orchestrator.trajectory import SamplingParams
+from primerl.proto import telemetry
 
 BIN = Path(sys.executable).parent
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -402,7 +403,7 @@ def test_a_run_mixing_a_classic_and_a_v1_environment_reports_a_reward_per_enviro
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     trainer = [r for r in rows if r["role"] == "trainer"]
     assert [r["step"] for r in trainer] == list(range(1, NUM_STEPS + 1))  # every step trained, once
-    steps = [r for r in rows if r["role"] == "orchestrator" and "train/reward" in r]
+    steps = [r for r in rows if r["role"] == "orchestrator" and telemetry.TRAIN_REWARD in r]
     assert [r["step"] for r in steps] == list(range(1, NUM_STEPS + 1))
     for env_id in ("reverse-text", "reverse-text-v1"):
         rewards = [r[f"env/{env_id}/reward"] for r in steps if f"env/{env_id}/reward" in r]
@@ -413,7 +414,7 @@ def test_a_run_mixing_a_classic_and_a_v1_environment_reports_a_reward_per_enviro
         for env_id in ("reverse-text", "reverse-text-v1")
     }
     assert sum(num_rollouts.values()) == NUM_STEPS * 16, num_rollouts
-    assert sum(r["rollout/errors"] for r in steps) == 0, steps
+    assert sum(r[telemetry.ROLLOUT_ERRORS] for r in steps) == 0, steps
     evals = [r for r in rows if r["role"] == "orchestrator" and "eval/reverse-text-v1/reward" in r]
     assert len(evals) == 1 and evals[0]["step"] == NUM_STEPS, rows
     for env_id in ("reverse-text", "reverse-text-v1"):

@@ -23,6 +23,8 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from primerl.proto import telemetry
+
 from .multihost_report import (
     BATCH_SIZE,
     ROLLOUTS_PER_EXAMPLE,
@@ -514,15 +516,17 @@ class MultihostRun:
         """From the roles' logs and metrics rows: the trainer's steps, the orchestrator's retried rollouts and
         the workers it saw join, serve and leave."""
         report = self.report
-        rank0 = [p for p in (self.procs["trainer@b"], self.procs["trainer@c"]) if p.events("step done")]
-        report.steps_done = [int(e["step"]) for p in rank0 for e in p.events("step done")]
+        rank0 = [p for p in (self.procs["trainer@b"], self.procs["trainer@c"]) if p.events(telemetry.STEP_DONE)]
+        report.steps_done = [int(e["step"]) for p in rank0 for e in p.events(telemetry.STEP_DONE)]
         orch = self.procs["orchestrator@a"]
         # rank 0's batch of each step as the orchestrator sent it and as the trainer trained it
         report.sent_digests = {
-            int(e["step"]): str(e.get("data_digest")) for e in orch.events("step sent") if int(e.get("rank", 0)) == 0
+            int(e["step"]): str(e.get("data_digest"))
+            for e in orch.events(telemetry.STEP_SENT)
+            if int(e.get("rank", 0)) == 0
         }
         report.trained_digests = {
-            int(e["step"]): str(e.get("data_digest")) for p in rank0 for e in p.events("step done")
+            int(e["step"]): str(e.get("data_digest")) for p in rank0 for e in p.events(telemetry.STEP_DONE)
         }
         report.retried_events = len(orch.events("rollout group retried"))
         report.rescheduled_events = len(orch.events("rollout group rescheduled"))
@@ -539,7 +543,7 @@ class MultihostRun:
             registered = [parse_ts(e) for e in joiner.events("registered with the broker")]
             live = [
                 parse_ts(e)
-                for e in joiner.events("weight update live")
+                for e in joiner.events(telemetry.WEIGHT_UPDATE_LIVE)
                 if int(e.get("policy_version", 0)) >= report.join_version
             ]
             if registered and live:
@@ -584,7 +588,7 @@ class MultihostRun:
                 continue
             values = {"policy_version": None, "requests": 0.0}
             for line in text.splitlines():
-                if line.startswith("primerl_inference_policy_version"):
+                if line.startswith(telemetry.INFERENCE_POLICY_VERSION):
                     values["policy_version"] = float(line.split()[-1])
                 elif line.startswith("vllm:request_success_total"):
                     values["requests"] += float(line.split()[-1])

@@ -8,6 +8,7 @@ import json
 import os
 from pathlib import Path
 
+from primerl.proto import telemetry
 from support.broker import BrokerHarness
 from support.daemons import BIN
 
@@ -58,7 +59,7 @@ def metric_rows(output_dir: Path) -> list[dict]:
     """The orchestrator's training rows of metrics.jsonl (eval rows apart: `eval_rows`)."""
     rows = metrics_jsonl_rows(output_dir)
     assert {row["role"] for row in rows} == {"orchestrator"}
-    return [row for row in rows if "train/reward" in row]
+    return [row for row in rows if telemetry.TRAIN_REWARD in row]
 
 
 def eval_rows(output_dir: Path) -> list[dict]:

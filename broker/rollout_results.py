@@ -108,7 +108,8 @@ class RolloutQueueStatus:
     num_duplicates: int
     num_backpressured: int
     num_released: int
-    # Batches and bytes of steps above the highest step a trainer asked for: what the bounds count.
+    # Batches and bytes no trainer session has been given yet, other than those of a step a session asks for now:
+    # what the bounds count. ``frontier_step``: the highest step a trainer asked for.
     num_ahead_batches: int = 0
     num_ahead_bytes: int = 0
     frontier_step: int | None = None

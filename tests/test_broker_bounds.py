@@ -13,7 +13,7 @@ from support.broker import BrokerHarness
 from support.daemons import BrokerProcess
 
 from primerl.client.rollouts import RolloutProducer, RolloutRefused, pack_batch
-from primerl.client.weights import WeightBrokerLost, WeightSubscriber, WeightUpdateRefused
+from primerl.client.weights import WeightBrokerLost, WeightPublisher, WeightSubscriber, WeightUpdateRefused
 from primerl.configs.broker import BrokerConfig
 from primerl.proto import chunked_transfer, framing
 from primerl.proto import tensor_frames as tf
@@ -173,3 +173,41 @@ def test_large_unauthenticated_messages_leave_no_resident_memory_behind(tmp_path
     finally:
         context.destroy(linger=0)
         assert broker.stop() == 0
+
+
+def test_the_weight_gate_checks_curve_keys(tmp_path):
+    """With CURVE on, the weight socket's connection gate is also its key check: a known client publishes and
+    subscribes, one with an unknown key is refused at the handshake (and keeps retrying)."""
+    import zmq.auth
+
+    from primerl.runtime.wire_security import CurveClient
+
+    keys, authorized = tmp_path / "keys", tmp_path / "authorized"
+    keys.mkdir()
+    authorized.mkdir()
+    zmq.auth.create_certificates(keys, "broker")
+    zmq.auth.create_certificates(keys, "client")
+    zmq.auth.create_certificates(keys, "stranger")
+    (authorized / "client.key").write_bytes((keys / "client.key").read_bytes())
+    broker = BrokerHarness(
+        tmp_path / "spool",
+        run_token=TOKEN,
+        curve_secret_key_path=keys / "broker.key_secret",
+        curve_authorized_keys_dir=authorized,
+    )
+    good = CurveClient.load(keys / "client.key_secret", keys / "broker.key")
+    stranger = CurveClient.load(keys / "stranger.key_secret", keys / "broker.key")
+    try:
+        header, payload = _weight_update(1)
+        with WeightPublisher(broker.weight_endpoint, TOKEN, "trainer", broker.service.chunk_bytes, curve=good) as pub:
+            assert pub.publish(header, payload, timeout_s=10).applied
+        with WeightSubscriber(broker.weight_endpoint, TOKEN, "intruder", curve=stranger) as subscriber:
+            subscriber.hello()
+            assert subscriber.receive(timeout_s=1.5) is None and subscriber.broker_latest is None
+            assert subscriber.num_handshake_refusals >= 1
+        with WeightSubscriber(broker.weight_endpoint, TOKEN, "inference-0", curve=good) as subscriber:
+            subscriber.hello()
+            update = subscriber.receive(timeout_s=10)
+            assert update is not None and update[0].policy_version == 1
+    finally:
+        broker.stop()

@@ -80,5 +80,5 @@ def test_a_short_rl_run_on_the_moe_model_finishes_and_reports_the_router_loss(tm
     print(
         f"MoE 3-step run: {wall_s:.1f} s wall; router_aux_loss "
         f"{[round(r['train/router_aux_loss'], 4) for r in trainer]}, kl_divergence "
-        f"{[round(r['train/kl_divergence'], 6) for r in trainer]}\n{result.stdout}"
+        f"{[round(r[telemetry.TRAIN_KL_DIVERGENCE], 6) for r in trainer]}\n{result.stdout}"
     )

@@ -51,7 +51,7 @@ def test_each_kind_is_logged_once_and_reported_and_counted():
     assert [(e["kind"], e["count"]) for e in lines] == [("BadRequestError", 1), ("ScoringError", 1)]
     assert "maximum context length is 16" in lines[0]["error"] and "raise seq_len" in lines[0]["hint"]
     assert reported == [
-        f"rollout failed (BadRequestError): {CONTEXT_ERROR}",
+        f"{telemetry.ROLLOUT_FAILED} (BadRequestError): {CONTEXT_ERROR}",
         "rollout failed (ScoringError): reward function raised ValueError",
     ]
     assert failures.counts == {"BadRequestError": 4, "ScoringError": 1}

@@ -35,6 +35,7 @@ from support.orchestrator import ENV_FIXTURES, ENV_PYTHON, metric_rows, orchestr
 from support.probes import wait_until
 
 from primerl.client.rollouts import RolloutConsumer
+from primerl.proto import telemetry
 from primerl.proto.v1.control_pb2 import WORKER_STATE_ALIVE as ALIVE
 from primerl.proto.v1.control_pb2 import WORKER_STATE_LEFT as LEFT
 from primerl.proto.v1.control_pb2 import WORKER_STATE_LOST as LOST
@@ -195,7 +196,7 @@ def test_workers_leave_and_join_a_running_run(tiny_model, tmp_path):
     text = log_path.read_text(errors="replace")
     rows = metric_rows(tmp_path / "out")
     retried = sum(row.get("rollout/retried", 0) for row in rows)
-    errors = sum(row.get("rollout/errors", 0) for row in rows)
+    errors = sum(row.get(telemetry.ROLLOUT_ERRORS, 0) for row in rows)
     join_s = [row["inference/join_to_serving_s"] for row in rows if "inference/join_to_serving_s" in row]
     c_log = daemons["C"].log_path.read_text(errors="replace")
     applied = [

@@ -36,6 +36,7 @@ from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 from primerl.client.outage import OutageStopped, OutageWatch, retry_through_outage
+from primerl.proto import telemetry
 from primerl.runtime.log_setup import get_logger
 
 log = get_logger("primerl.orchestrator.endpoints")
@@ -213,7 +214,7 @@ class InferenceWorkers:
                 )
                 self.num_joined += 1
                 log.info(
-                    "inference worker joined",
+                    telemetry.INFERENCE_WORKER_JOINED,
                     **endpoint.describe(),
                     current_version=current_version,
                     serving=endpoint.ready,
@@ -224,9 +225,11 @@ class InferenceWorkers:
             alive[worker_id] = endpoint
         for endpoint in vanished.values():
             self.num_left += 1
-            log.info("inference worker left", **endpoint.describe(), num_inflight_rollouts=endpoint.num_inflight)
+            log.info(
+                telemetry.INFERENCE_WORKER_LEFT, **endpoint.describe(), num_inflight_rollouts=endpoint.num_inflight
+            )
         if not alive and self.endpoints:
-            log.warning("no inference worker is alive; waiting for one")
+            log.warning(telemetry.NO_INFERENCE_WORKER_ALIVE)
         self.endpoints = alive
         for endpoint in alive.values():  # (a rollback may have moved the current version below the target)
             if not endpoint.ready and endpoint.policy_version >= min(endpoint.target_version, current_version):
@@ -241,7 +244,7 @@ class InferenceWorkers:
             seconds = max(0.0, self._clock_unix_s() - endpoint.registered_unix_ms / 1000)
             self.join_to_serving_s.append(seconds)
             fields["join_to_serving_s"] = round(seconds, 2)
-        log.info("inference worker serving", **endpoint.describe(), **fields)
+        log.info(telemetry.INFERENCE_WORKER_SERVING, **endpoint.describe(), **fields)
 
     @property
     def joining(self) -> bool:

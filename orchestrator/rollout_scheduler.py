@@ -54,6 +54,7 @@ from primerl.orchestrator.teacher_stage import TeacherStage
 from primerl.orchestrator.throughput import ThroughputWindow
 from primerl.orchestrator.trajectory import RolloutGroup
 from primerl.orchestrator.types import SchedulerEvents, StepReport
+from primerl.proto import telemetry
 from primerl.proto.v1 import control_pb2
 from primerl.runtime.log_setup import get_logger
 
@@ -191,7 +192,7 @@ class RolloutScheduler:
         self.counters["retried"] += self.config.rollouts_per_example
         self.failures.retried(reason)
         log.info(
-            "rollout group retried",
+            telemetry.ROLLOUT_GROUP_RETRIED,
             env_id=entry.env_id,
             example_index=entry.example_index,
             worker_id=entry.endpoint.worker_id,
@@ -306,7 +307,7 @@ class RolloutScheduler:
         self._rescheduled.append((entry.env_id, entry.example_index, entry.num_retries))
         self.counters["rescheduled"] += self.config.rollouts_per_example
         log.info(
-            "rollout group rescheduled",
+            telemetry.ROLLOUT_GROUP_RESCHEDULED,
             env_id=entry.env_id,
             example_index=entry.example_index,
             reason=str(exc).split("\n", 1)[0][:200],

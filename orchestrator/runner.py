@@ -171,7 +171,7 @@ class OrchestratorRunner:
             self.teacher_watcher.start()
         if config.teacher is not None:
             log.info(
-                "scoring rollouts with a teacher",
+                telemetry.SCORING_ROLLOUTS_WITH_A_TEACHER,
                 model=config.teacher.model or "(first listed)",
                 base_url=config.teacher.base_url or "(teacher workers listed by the broker)",
                 max_inflight=config.teacher.max_inflight,

@@ -22,6 +22,7 @@ from primerl.orchestrator.endpoints import EndpointWatcher
 from primerl.orchestrator.samples import Group
 from primerl.orchestrator.teacher_client import TeacherError
 from primerl.orchestrator.teacher_scoring import TeacherScorer
+from primerl.proto import telemetry
 from primerl.runtime.log_setup import get_logger
 
 log = get_logger("primerl.orchestrator")
@@ -88,7 +89,7 @@ class TeacherStage:
         before = set(self.scorer.endpoints.endpoints)
         self.scorer.set_endpoints({worker_id: info.base_url for worker_id, info in workers.items()})
         for worker_id in set(workers) - before:
-            log.info("teacher worker joined", worker_id=worker_id, url=workers[worker_id].base_url)
+            log.info(telemetry.TEACHER_WORKER_JOINED, worker_id=worker_id, url=workers[worker_id].base_url)
         for worker_id in before - set(workers):
             log.info("teacher worker left", worker_id=worker_id)
 

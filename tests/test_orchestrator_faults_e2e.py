@@ -236,7 +236,8 @@ def test_a_killed_inference_server_is_waited_for(stack, run_dir, tmp_path):
     returncode = finish(process, 300)
     text = log_path.read_text(errors="replace")
     assert returncode == 0, text[-4000:]
-    assert telemetry.WAITING_FOR_AN_INFERENCE_WORKER in text or "no inference worker is alive" in text, text[-4000:]
+    waits = (telemetry.WAITING_FOR_AN_INFERENCE_WORKER, telemetry.NO_INFERENCE_WORKER_ALIVE)
+    assert any(event in text for event in waits), text[-4000:]
     assert [r["step"] for r in metric_rows(run_dir)][-3:] == [7, 8, 9]
 
 

@@ -597,4 +597,4 @@ def test_the_orchestrator_scores_its_rollouts_with_the_teacher_the_broker_lists(
     assert len(rows) == 2 and all(row["teacher/requests"] > 0 and row["teacher/errors"] == 0 for row in rows)
     assert sum(row["teacher/requests"] for row in rows) >= 16  # every rollout of both steps, at least
     text = log_path.read_text(errors="replace")
-    assert "teacher worker joined" in text and "scoring rollouts with a teacher" in text
+    assert telemetry.TEACHER_WORKER_JOINED in text and telemetry.SCORING_ROLLOUTS_WITH_A_TEACHER in text

@@ -17,6 +17,7 @@ import tomli_w
 from support.probes import free_port
 from support.trainer_runs import BIN, run_trainer, send_steps, trainer_args, trainer_rows
 
+from primerl.proto import telemetry
 from primerl.trainer.distributed import resolve_parallel
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -178,5 +179,5 @@ def test_a_run_without_ckpt_saves_the_model_and_releases_the_spool(tiny_model, t
     # At most what the orchestrator made for steps after the last (max_async_level = 1 ahead): a step is ~17 files.
     assert len(left) <= 40, f"{len(left)} batch files left in {spool}"
     trainer_log = (run_dir / "logs" / "trainer.log").read_text()
-    assert trainer_log.count("step committed") == 4, trainer_log[-3000:]
+    assert trainer_log.count(telemetry.STEP_COMMITTED) == 4, trainer_log[-3000:]
     print(f"spool after 4 steps without [trainer.ckpt]: {len(left)} batch files")

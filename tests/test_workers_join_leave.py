@@ -211,8 +211,8 @@ def test_workers_leave_and_join_a_running_run(tiny_model, tmp_path):
         "errors": errors,
         "join_to_serving_s": join_s,
         "served_by_c": served_c,
-        "joined": len(_log_lines(log_path, "inference worker joined")),
-        "left": len(_log_lines(log_path, "inference worker left")),
+        "joined": len(_log_lines(log_path, telemetry.INFERENCE_WORKER_JOINED)),
+        "left": len(_log_lines(log_path, telemetry.INFERENCE_WORKER_LEFT)),
         "gone": gone,
     }
     print("\njoin/leave run:", json.dumps({k: v for k, v in summary.items() if k != "gone"}))
@@ -225,7 +225,7 @@ def test_workers_leave_and_join_a_running_run(tiny_model, tmp_path):
     assert sorted(gone.values()) == sorted([LOST, LEFT, ALIVE]), gone  # A killed, B stopped, C serving
     assert re.search(r"inference worker caught up.*join_to_serving_s=", c_log), c_log[-3000:]
     assert applied == [("FULL", 1), ("DELTA", 2)], (applied, c_log[-3000:])  # the snapshot first
-    assert "rollout group retried" in text and "Traceback" not in text
+    assert telemetry.ROLLOUT_GROUP_RETRIED in text and "Traceback" not in text
 
 
 # -- the weight fan-out alone: what a worker that joins late is sent ----------------------------------------------

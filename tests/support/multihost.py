@@ -528,8 +528,8 @@ class MultihostRun:
         report.trained_digests = {
             int(e["step"]): str(e.get("data_digest")) for p in rank0 for e in p.events(telemetry.STEP_DONE)
         }
-        report.retried_events = len(orch.events("rollout group retried"))
-        report.rescheduled_events = len(orch.events("rollout group rescheduled"))
+        report.retried_events = len(orch.events(telemetry.ROLLOUT_GROUP_RETRIED))
+        report.rescheduled_events = len(orch.events(telemetry.ROLLOUT_GROUP_RESCHEDULED))
         rows = (
             [json.loads(line) for line in (self.run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
             if (self.run_dir / "metrics.jsonl").exists()
@@ -540,7 +540,7 @@ class MultihostRun:
         report.orchestrator_rows = len([r for r in rows if "rollout/retried" in r or "rollout/rescheduled" in r])
         joiner = self.procs.get("infer@f")
         if joiner is not None:
-            registered = [parse_ts(e) for e in joiner.events("registered with the broker")]
+            registered = [parse_ts(e) for e in joiner.events(telemetry.REGISTERED_WITH_THE_BROKER)]
             live = [
                 parse_ts(e)
                 for e in joiner.events(telemetry.WEIGHT_UPDATE_LIVE)
@@ -548,13 +548,13 @@ class MultihostRun:
             ]
             if registered and live:
                 report.join_serving_s = live[0] - registered[0]
-            caught_up = joiner.events("inference worker caught up")
+            caught_up = joiner.events(telemetry.INFERENCE_WORKER_CAUGHT_UP)
             if caught_up:
                 report.join_caught_up_s = float(caught_up[0].get("join_to_serving_s", 0.0))
         for name, key in (
-            ("inference worker joined", "joined"),
-            ("inference worker left", "left"),
-            ("inference worker serving", "serving"),
+            (telemetry.INFERENCE_WORKER_JOINED, "joined"),
+            (telemetry.INFERENCE_WORKER_LEFT, "left"),
+            (telemetry.INFERENCE_WORKER_SERVING, "serving"),
         ):
             report.orchestrator_saw[key] = [
                 {

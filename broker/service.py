@@ -206,6 +206,7 @@ class BrokerService:
                 hwm=config.weight_hwm,
                 intake_bounds=IntakeBounds(
                     transfer_stall_timeout_s=config.transfer_stall_timeout_s,
+                    evictable_after_s=config.transfer_evict_after_s,
                     max_open_transfer_bytes=config.resolved_max_open_transfer_bytes,
                     max_open_transfers_per_publisher=config.max_open_transfers_per_publisher,
                     max_version_lead=config.max_step_lead,

@@ -83,7 +83,7 @@ class IntakeBounds:
     """Open transfers per publisher connection; a new one replaces the oldest."""
     max_version_lead: int = 1024
     """How far ahead of the latest stored version an update may be."""
-    evictable_after_s: float = 2.0
+    evictable_after_s: float = 5.0
     """A transfer with no chunk for this long gives its place to a new transfer of another publisher connection
     when the bounds are reached (a publisher streams its chunks back to back)."""
 

@@ -93,6 +93,8 @@ class WeightPlaneStatus:
     # None and 0 when the plane admits every peer.
     num_connections: int | None = None
     num_connections_refused: int = 0
+    # Weight transfers being received now (chunked updates whose last chunk has not come).
+    num_open_transfers: int = 0
 
 
 @dataclass
@@ -209,6 +211,7 @@ class WeightPlane(RouterPlane):
             # Plain int reads of counters the IO thread updates: a status may be one event behind.
             num_connections=gate.num_connected if (gate := self._gate) is not None else None,
             num_connections_refused=gate.num_refused if gate is not None else 0,
+            num_open_transfers=self._intake.num_open_transfers,
         )
 
     # -- IO thread -----------------------------------------------------------------------------------

@@ -169,6 +169,14 @@ class BrokerConfig(BaseConfig):
         gt=0,
         description="A weight transfer with no chunk for this long is dropped, freeing its memory and its slot.",
     )
+    transfer_evict_after_s: float = Field(
+        5.0,
+        gt=0,
+        description="A weight transfer with no chunk for this long gives its place to a new transfer of another "
+        "connection when the open transfers (their number or `max_open_transfer_bytes`) are at their bound, so "
+        "half-open transfers cannot keep the trainer out for `transfer_stall_timeout_s`. Keep it above the time one "
+        "chunk (`max_message_bytes`) takes to arrive over the trainer's link.",
+    )
     allow_remote_without_token: bool = Field(
         False,
         description="Let a broker without `run_token` bind a non-loopback `host` (anyone who can reach the ports "

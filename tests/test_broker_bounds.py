@@ -109,8 +109,8 @@ def test_the_weight_socket_admits_max_weight_connections_and_clients_retry(tmp_p
 
 def test_half_open_transfers_from_many_connections_do_not_starve_a_publish(tmp_path):
     """8 connections each open a chunked transfer and go quiet (all 8 places of the defaults): the trainer's publish
-    still gets in once they have been quiet for ``evictable_after_s``, not after the 30 s stall timeout."""
-    broker = BrokerHarness(tmp_path / "spool", run_token=TOKEN, max_message_bytes=MiB)
+    still gets in once they have been quiet for ``transfer_evict_after_s``, not after the 30 s stall timeout."""
+    broker = BrokerHarness(tmp_path / "spool", run_token=TOKEN, max_message_bytes=MiB, transfer_evict_after_s=2.0)
     context = zmq.Context()
     try:
         header, payload = _weight_update(1, num_floats=(3 * MiB) // 4)  # 3 MiB: three chunks
@@ -134,10 +134,11 @@ def test_half_open_transfers_from_many_connections_do_not_starve_a_publish(tmp_p
             )
             peer.send_multipart(first)
             peers.append(peer)
+        assert _wait_for(lambda: broker.service.weight_plane.status().num_open_transfers == 8)
         # A publish while they are fresh is refused at once (BAD_CHUNK, a clear error), not held for 30 s.
         with pytest.raises(WeightUpdateRefused, match="too many open transfers"):
             broker.publish(header, payload, timeout_s=10)
-        time.sleep(2.2)  # they are quiet now
+        time.sleep(2.2)  # quiet for transfer_evict_after_s now
         started = time.monotonic()
         ack = broker.publish(header, payload, timeout_s=10)
         assert ack.applied and time.monotonic() - started < 5

@@ -16,8 +16,9 @@ and for later chunks of a refused one) and the update the message belongs to, wh
   ``max_version_lead`` past the latest) is refused at its first chunk;
 - open transfers are bounded in number and declared bytes over all publisher connections, and each connection has
   its own ``ChunkAssembler`` (at most ``max_open_transfers_per_publisher``, a new one replacing its oldest). When a
-  first chunk finds the bounds reached, transfers of other connections that got no chunk for ``evictable_after_s``
-  give their place, the quietest first: half-open transfers cannot keep a publisher out for the stall timeout;
+  first chunk finds the bounds reached, transfers of other connections give their place, the most idle first, once
+  they are stalled (no chunk for ``evictable_after_s``) or behind pace (open that long and fewer bytes received than
+  would finish within ``transfer_timeout_s``): half-open or trickling transfers cannot keep a publisher out;
 - a whole update goes to ``WeightFanout.put_update`` (stored, every worker planned again); the ack says
   ``applied=true`` (stored, or held already: a resend), or ``applied=false`` with an ``ErrorDetail`` (refused,
   nothing changed); ``full_required``: the next update must be FULL.
@@ -84,8 +85,9 @@ class IntakeBounds:
     max_version_lead: int = 1024
     """How far ahead of the latest stored version an update may be."""
     evictable_after_s: float = 5.0
-    """A transfer with no chunk for this long gives its place to a new transfer of another publisher connection
-    when the bounds are reached (a publisher streams its chunks back to back)."""
+    """A transfer with no chunk for this long (or open this long and behind the pace that finishes it within
+    ``transfer_timeout_s``) gives its place to a new transfer of another publisher connection when the bounds are
+    reached (a publisher streams its chunks back to back)."""
 
 
 @dataclass
@@ -94,7 +96,16 @@ class _OpenTransfer:
 
     publisher: bytes
     total_bytes: int
+    started_s: float
     last_chunk_s: float
+    received_bytes: int = 0
+
+    def evictable(self, now_s: float, after_s: float, timeout_s: float) -> bool:
+        """Stalled (no chunk for ``after_s``), or open that long and behind the pace that finishes it in time."""
+        if now_s - self.last_chunk_s >= after_s:
+            return True
+        open_s = now_s - self.started_s
+        return open_s >= after_s and self.received_bytes < self.total_bytes * min(1.0, open_s / timeout_s)
 
 
 class WeightIntake:
@@ -166,10 +177,13 @@ class WeightIntake:
                 whole = assembler.add(message, publisher=publisher)
             finally:
                 self._forget_closed(publisher, current=key)
-            if whole is None and chunk.index == 0:
-                self._open[key] = _OpenTransfer(publisher, chunk.total_bytes, time.monotonic())
-            elif whole is None:
-                self._open[key].last_chunk_s = time.monotonic()
+            if whole is None:
+                now_s = time.monotonic()
+                if chunk.index == 0:
+                    self._open[key] = _OpenTransfer(publisher, chunk.total_bytes, now_s, now_s)
+                transfer = self._open[key]
+                transfer.last_chunk_s = now_s
+                transfer.received_bytes += message.payload[0].nbytes
             if chunk.index == 0:
                 self._hashers[key] = hasher_for(header.digest)
                 segments = assembler.received(key) if whole is None else whole.payload
@@ -268,7 +282,8 @@ class WeightIntake:
             quiet = [
                 (t.last_chunk_s, key)
                 for key, t in staying.items()
-                if t.publisher != publisher and now_s - t.last_chunk_s >= self.bounds.evictable_after_s
+                if t.publisher != publisher
+                and t.evictable(now_s, self.bounds.evictable_after_s, self.bounds.transfer_timeout_s)
             ]
             if not quiet:
                 if too_many:
@@ -281,7 +296,7 @@ class WeightIntake:
             last_chunk_s, victim = min(quiet)
             self._guard_log.warning(
                 "transfer evicted",
-                "a quiet weight transfer gave its place to a new one",
+                "a stalled or slow weight transfer gave its place to a new one",
                 transfer_id=victim[1][:64],
                 quiet_s=round(now_s - last_chunk_s, 3),
             )

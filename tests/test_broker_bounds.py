@@ -107,42 +107,72 @@ def test_the_weight_socket_admits_max_weight_connections_and_clients_retry(tmp_p
         broker.stop()
 
 
+def _first_chunks(header, payload, *, chunk_bytes: int, transfer_id: str, sender: str):
+    return iter(
+        chunked_transfer.encode_chunked(
+            data_pb2.WEIGHT_UPDATE,
+            header,
+            payload,
+            chunk_bytes=chunk_bytes,
+            transfer_id=transfer_id,
+            sender=sender,
+            auth_token=TOKEN,
+        )
+    )
+
+
 def test_half_open_transfers_from_many_connections_do_not_starve_a_publish(tmp_path):
-    """8 connections each open a chunked transfer and go quiet (all 8 places of the defaults): the trainer's publish
-    still gets in once they have been quiet for ``transfer_evict_after_s``, not after the 30 s stall timeout."""
-    broker = BrokerHarness(tmp_path / "spool", run_token=TOKEN, max_message_bytes=MiB, transfer_evict_after_s=2.0)
+    """8 connections each open a chunked transfer and go quiet (a fuzz found they kept every publish out for the
+    30 s stall timeout): each admitted connection has its place, so the trainer's publish gets in at once."""
+    broker = BrokerHarness(tmp_path / "spool", run_token=TOKEN, max_message_bytes=MiB)
     context = zmq.Context()
     try:
         header, payload = _weight_update(1, num_floats=(3 * MiB) // 4)  # 3 MiB: three chunks
         header.digest = payload_digest(payload)
         header.payload_bytes = len(payload)
-        peers = []
-        for index in range(8):
-            peer = _raw_dealer(context, broker.weight_endpoint)
-            first = next(
-                iter(
-                    chunked_transfer.encode_chunked(
-                        data_pb2.WEIGHT_UPDATE,
-                        header,
-                        payload,
-                        chunk_bytes=MiB,
-                        transfer_id=f"stall-{index}",
-                        sender=f"peer-{index}",
-                        auth_token=TOKEN,
-                    )
-                )
-            )
-            peer.send_multipart(first)
-            peers.append(peer)
+        peers = [_raw_dealer(context, broker.weight_endpoint) for _ in range(8)]
+        for index, peer in enumerate(peers):
+            chunks = _first_chunks(header, payload, chunk_bytes=MiB, transfer_id=f"stall-{index}", sender=f"p{index}")
+            peer.send_multipart(next(chunks))
         assert _wait_for(lambda: broker.service.weight_plane.status().num_open_transfers == 8)
-        # A publish while they are fresh is refused at once (BAD_CHUNK, a clear error), not held for 30 s.
-        with pytest.raises(WeightUpdateRefused, match="too many open transfers"):
-            broker.publish(header, payload, timeout_s=10)
-        time.sleep(2.2)  # quiet for transfer_evict_after_s now
         started = time.monotonic()
-        ack = broker.publish(header, payload, timeout_s=10)
-        assert ack.applied and time.monotonic() - started < 5
-        assert broker.service.weight_store.latest_version == 1
+        assert broker.publish(header, payload, timeout_s=10).applied
+        assert time.monotonic() - started < 5 and broker.service.weight_store.latest_version == 1
+    finally:
+        context.destroy(linger=0)
+        broker.stop()
+
+
+def test_a_trickling_transfer_that_holds_the_open_bytes_gives_way(tmp_path):
+    """One connection declares all of ``max_open_transfer_bytes`` and keeps its transfer alive with tiny chunks:
+    the publish is told to retry while that transfer is young, and gets in once it is behind the pace that would
+    finish it within the transfer timeout, though chunks still come."""
+    broker = BrokerHarness(
+        tmp_path / "spool",
+        run_token=TOKEN,
+        max_message_bytes=MiB,
+        max_open_transfer_bytes=4 * MiB,
+        transfer_evict_after_s=1.5,
+    )
+    context = zmq.Context()
+    try:
+        hog_header, hog_payload = _weight_update(7, num_floats=MiB - 64)  # all but 256 bytes of the 4 MiB
+        hog_header.digest = payload_digest(hog_payload)
+        hog_header.payload_bytes = len(hog_payload)
+        hog = _raw_dealer(context, broker.weight_endpoint)
+        chunks = _first_chunks(hog_header, hog_payload, chunk_bytes=16, transfer_id="hog", sender="hog")
+        hog.send_multipart(next(chunks))
+        assert _wait_for(lambda: broker.service.weight_plane.status().num_open_transfers == 1)
+        header, payload = _weight_update(1, num_floats=(3 * MiB) // 4)
+        with pytest.raises(WeightUpdateRefused) as busy:
+            broker.publish(header, payload, timeout_s=10)
+        assert busy.value.code == common_pb2.ERROR_CODE_BACKPRESSURE
+        deadline = time.monotonic() + 2.0
+        while time.monotonic() < deadline:  # 16 bytes every 0.2 s: never stalled, far behind pace
+            hog.send_multipart(next(chunks))
+            time.sleep(0.2)
+        hog.send_multipart(next(chunks))
+        assert broker.publish(header, payload, timeout_s=10).applied
     finally:
         context.destroy(linger=0)
         broker.stop()

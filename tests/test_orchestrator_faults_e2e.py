@@ -153,7 +153,9 @@ def test_all_rollouts_failing_stop_the_orchestrator_with_the_cause(tiny_model, t
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory, tiny_model):
     """The tiny model, the broker and a list holding the current `primerl-infer` (a test may replace it)."""
-    broker = start_broker(tmp_path_factory.mktemp("spool"))
+    # no trainer takes this run's batches (a test fetches a few): room for all of them, so that the orchestrator is
+    # never held by the broker's bound on batches nobody was given
+    broker = start_broker(tmp_path_factory.mktemp("spool"), max_queue_batches=64)
     daemons: list[InferenceDaemon] = []
     try:
         daemons.append(start_daemon(tmp_path_factory.mktemp("infer"), tiny_model, broker))

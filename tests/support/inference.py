@@ -124,9 +124,10 @@ LORA_RANK = 8
 """The largest LoRA rank the served daemon takes (`--max-lora-rank`)."""
 
 
-def start_broker(spool_dir: Path, run_id: str = "infer-test") -> BrokerHarness:
-    """The broker of the inference tests: run token `TOKEN`, heartbeats every 0.2 s."""
-    return BrokerHarness(spool_dir, run_token=TOKEN, heartbeat_interval_s=0.2, run_id=run_id)
+def start_broker(spool_dir: Path, run_id: str = "infer-test", **config_fields: Any) -> BrokerHarness:
+    """The broker of the inference tests: run token `TOKEN`, heartbeats every 0.2 s (other `BrokerConfig` fields in
+    `config_fields`)."""
+    return BrokerHarness(spool_dir, run_token=TOKEN, heartbeat_interval_s=0.2, run_id=run_id, **config_fields)
 
 
 def start_daemon(

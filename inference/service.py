@@ -458,7 +458,7 @@ class InferenceService:
         seconds = time.monotonic() - self._registered_s
         self.metrics.join_to_serving_s.set(seconds)
         log.info(
-            "inference worker caught up",
+            telemetry.INFERENCE_WORKER_CAUGHT_UP,
             policy_version=self.policy_version,
             current_version=self._join_target,
             join_to_serving_s=round(seconds, 3),

@@ -377,7 +377,7 @@ class TrainerRunner:
             prune_checkpoints(self.config.checkpoint_dir, keep_last=ckpt.keep_last, keep_interval=ckpt.keep_interval)
         response = self.control.commit_step(step)  # the broker may now delete the batches of steps <= step
         log.info(
-            "checkpoint committed" if ckpt is not None else "step committed",
+            "checkpoint committed" if ckpt is not None else telemetry.STEP_COMMITTED,
             step=step,
             batches_released=response.num_batches_released,
         )

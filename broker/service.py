@@ -205,8 +205,6 @@ class BrokerService:
                 on_applied=self._on_weights_applied,
                 hwm=config.weight_hwm,
                 intake_bounds=IntakeBounds(
-                    # One open transfer per admitted connection: their number cannot keep a publisher out.
-                    max_open_transfers=config.max_weight_connections * config.max_open_transfers_per_publisher,
                     transfer_stall_timeout_s=config.transfer_stall_timeout_s,
                     evictable_after_s=config.transfer_evict_after_s,
                     max_open_transfer_bytes=config.resolved_max_open_transfer_bytes,

@@ -125,7 +125,7 @@ class BrokerConfig(BaseConfig):
         le=65536,
         description="Peers (trainer publishers and inference workers) the weight socket admits at once; more are "
         "refused at the ZeroMQ handshake, before they can send anything, and their clients retry. Bounds what the "
-        "socket can buffer, and how many weight transfers can be open (times `max_open_transfers_per_publisher`).",
+        "socket can buffer whatever the number of peers that try.",
     )
     weight_hwm: int = Field(
         16,

@@ -122,9 +122,10 @@ def _first_chunks(header, payload, *, chunk_bytes: int, transfer_id: str, sender
 
 
 def test_half_open_transfers_from_many_connections_do_not_starve_a_publish(tmp_path):
-    """8 connections each open a chunked transfer and go quiet (a fuzz found they kept every publish out for the
-    30 s stall timeout): each admitted connection has its place, so the trainer's publish gets in at once."""
-    broker = BrokerHarness(tmp_path / "spool", run_token=TOKEN, max_message_bytes=MiB)
+    """8 connections each open a chunked transfer and go quiet, taking every place (a fuzz found they kept every
+    publish out for the 30 s stall timeout): the publish is refused while they are fresh (a clear error, at once)
+    and gets in once they have been quiet for ``transfer_evict_after_s``."""
+    broker = BrokerHarness(tmp_path / "spool", run_token=TOKEN, max_message_bytes=MiB, transfer_evict_after_s=2.0)
     context = zmq.Context()
     try:
         header, payload = _weight_update(1, num_floats=(3 * MiB) // 4)  # 3 MiB: three chunks
@@ -135,6 +136,9 @@ def test_half_open_transfers_from_many_connections_do_not_starve_a_publish(tmp_p
             chunks = _first_chunks(header, payload, chunk_bytes=MiB, transfer_id=f"stall-{index}", sender=f"p{index}")
             peer.send_multipart(next(chunks))
         assert _wait_for(lambda: broker.service.weight_plane.status().num_open_transfers == 8)
+        with pytest.raises(WeightUpdateRefused, match="too many open transfers"):
+            broker.publish(header, payload, timeout_s=10)
+        time.sleep(2.2)  # quiet for transfer_evict_after_s now
         started = time.monotonic()
         assert broker.publish(header, payload, timeout_s=10).applied
         assert time.monotonic() - started < 5 and broker.service.weight_store.latest_version == 1

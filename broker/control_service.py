@@ -29,7 +29,7 @@ from primerl.broker.log_limits import RateLimitedLog
 from primerl.broker.registry import WorkerRegistry
 from primerl.broker.registry_errors import RegistryError
 from primerl.broker.run_status import DataPlaneStatus, format_workers
-from primerl.proto import framing
+from primerl.proto import framing, telemetry
 from primerl.proto.data_plane_limits import BrokerLimits
 from primerl.proto.v1 import common_pb2, control_pb2, control_pb2_grpc
 from primerl.runtime.log_setup import get_logger
@@ -291,7 +291,7 @@ class BrokerServicer(control_pb2_grpc.BrokerServicer):
         if already:  # a retry (its answer was lost, or the broker restarted): succeeds, changes nothing
             _log.info("step already committed", step=request.step, last_committed_step=last_committed)
         else:
-            _log.info("step committed", step=last_committed, num_batches_released=num_released)
+            _log.info(telemetry.STEP_COMMITTED, step=last_committed, num_batches_released=num_released)
         return control_pb2.CommitStepResponse(last_committed_step=last_committed, num_batches_released=num_released)
 
     def WatchRunStatus(self, request, context):

@@ -31,6 +31,7 @@ import grpc
 
 from primerl.client.channel import BACKOFF_INITIAL_S, BACKOFF_MAX_S, create_channel
 from primerl.client.outage import BrokerOutageExceeded, OutageWatch, retry_through_outage
+from primerl.proto import telemetry
 from primerl.proto.data_plane_limits import BrokerLimits
 from primerl.proto.roles import role_from_name
 from primerl.proto.v1 import common_pb2, control_pb2, control_pb2_grpc
@@ -253,7 +254,9 @@ class ControlClient:
             self._worker_id = response.worker_id
             self.registration = response
             self.num_registrations += 1
-        _log.info("registered with the broker", worker=self.name, worker_id=response.worker_id, run=response.run_id)
+        _log.info(
+            telemetry.REGISTERED_WITH_THE_BROKER, worker=self.name, worker_id=response.worker_id, run=response.run_id
+        )
         return response
 
     def _require_id(self) -> str:

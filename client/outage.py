@@ -126,7 +126,7 @@ class OutageWatch:
             started_s, self._started_s = self._started_s, None
         if started_s is not None:
             self._log.info(
-                "broker back",
+                telemetry.BROKER_BACK,
                 waiting_for=self.waiting_for,
                 worker=self.worker,
                 outage_s=round(self._clock() - started_s, 1),

@@ -7,10 +7,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-from primerl.configs.broker import BrokerConfig
 from primerl.broker.service import BrokerService
 from primerl.client.control import ControlClient
 from primerl.client.weights import WeightPublisher
+from primerl.configs.broker import BrokerConfig
 from primerl.proto.v1 import data_pb2
 from primerl.runtime.config_common import BrokerClientConfig
 
@@ -22,14 +22,26 @@ class BrokerHarness:
     """A running `BrokerService` on 127.0.0.1 with ports chosen by the OS; `config` holds the bound ports."""
 
     def __init__(self, spool_dir: Path, stop_grace_s: float = 1.0, **config_fields: Any):
-        self.config = BrokerConfig(**{"host": "127.0.0.1", "grpc_port": 0, "rollout_port": 0, "weight_port": 0,
-                                      "spool_dir": spool_dir, **config_fields})
+        self.config = BrokerConfig(
+            **{
+                "host": "127.0.0.1",
+                "grpc_port": 0,
+                "rollout_port": 0,
+                "weight_port": 0,
+                "spool_dir": spool_dir,
+                **config_fields,
+            }
+        )
         self.stop_grace_s = stop_grace_s
         self.service = BrokerService(self.config)
         self.endpoints = self.service.start()
-        self.config = self.config.model_copy(update={"grpc_port": self.endpoints.grpc_port,
-                                                     "rollout_port": self.endpoints.rollout_port,
-                                                     "weight_port": self.endpoints.weight_port})
+        self.config = self.config.model_copy(
+            update={
+                "grpc_port": self.endpoints.grpc_port,
+                "rollout_port": self.endpoints.rollout_port,
+                "weight_port": self.endpoints.weight_port,
+            }
+        )
         self.running = True
 
     @property
@@ -80,9 +92,11 @@ class BrokerHarness:
             workers = client.list_workers(role="inference")
         return workers[0] if len(workers) == 1 else None
 
-    def publish(self, header: data_pb2.WeightUpdateHeader, payload: bytes,
-                timeout_s: float = 30.0) -> data_pb2.WeightAck:
+    def publish(
+        self, header: data_pb2.WeightUpdateHeader, payload: bytes, timeout_s: float = 30.0
+    ) -> data_pb2.WeightAck:
         """Publish one weight update as the trainer would and return the broker's acknowledgement."""
-        with WeightPublisher(self.weight_endpoint, self.config.run_token, "trainer",
-                             self.service.chunk_bytes) as publisher:
+        with WeightPublisher(
+            self.weight_endpoint, self.config.run_token, "trainer", self.service.chunk_bytes
+        ) as publisher:
             return publisher.publish(header, payload, timeout_s=timeout_s)

@@ -17,7 +17,8 @@ The broker's resident memory is sampled every 20 ms (``/proc/PID/status`` VmRSS)
 Bound: what the configuration lets the broker hold, whatever N: the idle broker's RSS (measured before the flood)
 + the queue's bytes (``min(queue_batches x batch, max_queue_bytes)``: batches are spooled to disk, but their
 pages may stay resident) + the read cache + a fixed allowance for the messages the broker is working on
-(``--allowance-mib``, default 2 x ``max_message_bytes``: one message being decoded and one being spooled).
+(``--allowance-mib``, default ``max_group_bytes`` + ``max_rollout_message_bytes``: the group of batches being
+spooled and one message being decoded).
 The table shows the peak against that bound for each N, how many producers the broker admitted (it refuses
 connections past ``max_rollout_connections`` at the ZeroMQ handshake; a refused producer never gets a reply),
 and what libzmq's per-connection buffers (``rollout_hwm`` + 1 messages per admitted producer) may add, so a
@@ -257,12 +258,22 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--queue-batches", type=int, default=8, help="the broker's max_queue_batches")
     parser.add_argument("--read-cache-mib", type=int, default=256, help="the broker's read_cache_bytes, MiB")
     parser.add_argument("--rollout-hwm", type=int, default=4, help="the broker's rollout_hwm (its default: 4)")
-    parser.add_argument("--max-message-mib", type=int, default=256, help="the broker's max_message_bytes (default)")
+    parser.add_argument(
+        "--max-rollout-message-mib",
+        "--max-message-mib",
+        dest="max_message_mib",
+        type=int,
+        default=64,
+        help="the broker's max_rollout_message_bytes (its default: 64); --max-message-mib is the old name",
+    )
     parser.add_argument(
         "--max-rollout-connections", type=int, default=4, help="the broker's max_rollout_connections (its default: 16)"
     )
     parser.add_argument(
-        "--allowance-mib", type=int, default=None, help="fixed allowance of the bound (default: 2 x max_message_bytes)"
+        "--allowance-mib",
+        type=int,
+        default=None,
+        help="fixed allowance of the bound (default: max_group_bytes + max_rollout_message_bytes)",
     )
     parser.add_argument("--spool-parent", default=None, help="where the spool goes (default: the temp dir)")
     parser.add_argument("--markdown", type=Path, default=None)
@@ -270,7 +281,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.quick:
         args.seconds, args.repeats = 5.0, 1
-    allowance = args.allowance_mib if args.allowance_mib is not None else 2 * args.max_message_mib
+    allowance = (
+        args.allowance_mib if args.allowance_mib is not None else 256 + args.max_message_mib
+    )  # max_group_bytes default: 256 MiB
     queue_mib = min(args.queue_batches * args.batch_mib, 2048)  # max_queue_bytes default: 2 GiB
     load_before = machine_load()
     results: dict[int, list[dict]] = {n: [] for n in args.producers}
@@ -291,12 +304,12 @@ def main(argv: list[str] | None = None) -> int:
     section.line(
         f"A fresh `primerl-broker` per row (spool on disk, `max_queue_batches` {args.queue_batches}, read cache "
         f"{args.read_cache_mib} MiB, `rollout_hwm` {args.rollout_hwm}, `max_rollout_connections` "
-        f"{args.max_rollout_connections}, `max_message_bytes` "
+        f"{args.max_rollout_connections}, `max_rollout_message_bytes` "
         f"{args.max_message_mib} MiB), N producer processes, each its own connection, sending signed "
         f"{args.batch_mib} MiB batches as fast as their sockets take them for {args.seconds:.0f} s, nobody "
         "consuming. Peak = the broker's VmHWM. Bound = idle RSS + queue "
-        f"({queue_mib} MiB) + read cache ({args.read_cache_mib} MiB) + allowance ({allowance} MiB, 2 x "
-        "`max_message_bytes` by default: the group of batches being spooled, at most `max_group_bytes`, and "
+        f"({queue_mib} MiB) + read cache ({args.read_cache_mib} MiB) + allowance ({allowance} MiB, "
+        "`max_group_bytes` + `max_rollout_message_bytes` by default: the group of batches being spooled and "
         "one message being decoded). Producers start together once all are connected with their batches "
         "encoded."
     )

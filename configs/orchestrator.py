@@ -5,10 +5,9 @@ Key names and defaults follow prime-rl's orchestrator config (`[orchestrator.sam
 
 from __future__ import annotations
 
-import math
 import warnings
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 from pydantic import Field, model_validator
 
@@ -239,6 +238,45 @@ def _teacher_from_prime_rl(data: dict[str, Any]) -> dict[str, Any]:
     return {**rest, "teacher": teacher}
 
 
+class ConcurrencyConfig(BaseConfig):
+    """Adaptive concurrency (prime-rl's `[orchestrator.concurrency]`): the rollouts kept in flight are steered, per
+    inference worker, toward a target share of the worker's KV cache (vLLM's `vllm:kv_cache_usage_perc` on its
+    `/metrics`), backing off at `kv_backoff` or when the worker preempts requests. Without this table the number
+    in flight is fixed (`max_inflight`)."""
+
+    table_example: ClassVar[str] = "kv_target = 0.8\nmax_inflight = 256"
+
+    initial_inflight: int | None = Field(
+        None,
+        ge=1,
+        description="Rollouts in flight at the start (unset: the fixed `max_inflight` of the orchestrator, "
+        "else 2 x batch_size), clamped to [min_inflight, max_inflight].",
+    )
+    min_inflight: int = Field(1, ge=1, description="Fewest rollouts in flight; `min_inflight = max_inflight` is fixed.")
+    max_inflight: int | None = Field(
+        1024, ge=1, description="Most rollouts in flight over all workers (the fixed cap that stays); unset: none."
+    )
+    kv_target: float = Field(0.8, gt=0, lt=1, description="KV-cache use (0-1) each inference worker is steered toward.")
+    kv_backoff: float = Field(
+        0.95, gt=0, le=1, description="KV-cache use (0-1) at which a worker's share is cut back at once."
+    )
+    poll_interval_s: float = Field(1.0, gt=0, description="Seconds between reads of each worker's `/metrics`.")
+
+    @model_validator(mode="after")
+    def _check(self) -> ConcurrencyConfig:
+        if self.kv_backoff <= self.kv_target:
+            raise ValueError(
+                f"concurrency.kv_backoff ({self.kv_backoff}) must be above kv_target ({self.kv_target}), "
+                "e.g. kv_target = 0.8, kv_backoff = 0.95"
+            )
+        if self.max_inflight is not None and self.min_inflight > self.max_inflight:
+            raise ValueError(
+                f"concurrency.min_inflight ({self.min_inflight}) is above max_inflight ({self.max_inflight}): "
+                "lower min_inflight or raise max_inflight"
+            )
+        return self
+
+
 class OrchestratorConfig(BaseConfig):
     """The orchestrator: rollouts, rewards, advantages, filtering, packing."""
 
@@ -252,13 +290,22 @@ class OrchestratorConfig(BaseConfig):
     )
     seq_len: int = Field(2048, ge=1, description="Max tokens of one sample (prompt and all turns).")
     oversampling_factor: float = Field(
-        1.0, ge=1, description="Generate this many times `batch_size` rollouts to make up for filtered groups."
+        1.0,
+        ge=1,
+        description="Accepted for prime-rl configs and superseded (prime-rl removed it): the rollouts in flight are "
+        "`max_inflight` or `[orchestrator.concurrency]`.",
     )
     max_async_level: int = Field(
         1, ge=0, description="A sample may be at most this many policy versions behind the trainer."
     )
     max_inflight: int | None = Field(
-        None, ge=1, description="Rollouts in flight at once (unset: batch_size x oversampling_factor)."
+        None,
+        ge=1,
+        description="Rollouts in flight at once, fixed (unset: 2 x batch_size); `[orchestrator.concurrency]` "
+        "steers it by the inference workers' KV-cache use instead.",
+    )
+    concurrency: ConcurrencyConfig | None = Field(
+        None, description="Adaptive concurrency toward a KV-cache target; fixed `max_inflight` when absent."
     )
     trajectory_strategy: Literal["interleaved", "branching"] = Field(
         "interleaved",
@@ -341,10 +388,11 @@ class OrchestratorConfig(BaseConfig):
 
     @property
     def num_inflight_rollouts(self) -> int:
-        """Rollouts kept in flight: `max_inflight`, else batch_size x oversampling_factor."""
+        """Rollouts kept in flight without `[orchestrator.concurrency]`: `max_inflight`, else 2 x batch_size (what
+        the scheduler has always kept; `oversampling_factor` is superseded)."""
         if self.max_inflight is not None:
             return self.max_inflight
-        return math.ceil(self.batch_size * self.oversampling_factor)
+        return 2 * self.batch_size
 
     @property
     def num_examples_per_step(self) -> int:

@@ -30,6 +30,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
         "install an environment into the env interpreter and check it loads: "
         "`primerl env install PATH|PACKAGE`; `primerl env list`",
     ),
+    "dashboard": (
+        "primerl.cli.dashboard",
+        "serve a run's live web page (metrics, rollouts, workers, events): `primerl dashboard RUN_DIR`",
+    ),
     "plot": ("primerl.cli.plot", "write PNG curves of a run (reward, loss, lag, throughput): `primerl plot RUN_DIR`"),
 }
 

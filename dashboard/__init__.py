@@ -1,0 +1,1 @@
+"""The run dashboard (`primerl dashboard`): a read-only web page of a run, live."""

@@ -1,0 +1,320 @@
+"""The dashboard's HTTP server: a read-only page and its JSON API over a run directory and/or a live broker.
+
+Security (the page shows a run's config, prompts and model output):
+
+* every route needs the login token: ``?token=`` (the URL printed at start; answered with a cookie and a
+  redirect to the same path without the token), the ``primerl_dashboard`` cookie, or ``Authorization: Bearer``.
+  None: 401; a wrong one: 403 (compared in constant time);
+* only GET and HEAD: any other method is 405, and no route changes anything;
+* a strict Content-Security-Policy (``default-src 'self'``, no inline script or style, no frames), ``nosniff``,
+  ``no-referrer``, ``no-store``; the page sets every value through ``textContent`` (model output is untrusted);
+* the default bind is loopback.
+
+API (JSON, documented in docs/dashboard.md): ``/api/run``, ``/api/config``, ``/api/metrics?since=N``,
+``/api/workers``, ``/api/queues``, ``/api/events``, ``/api/rollouts?since=N``.
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+import math
+import secrets
+import socket
+import threading
+import time
+import tomllib
+from http import HTTPStatus
+from http.cookies import SimpleCookie
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any
+from urllib.parse import parse_qs, urlsplit
+
+from primerl.dashboard.sources import BrokerSource, RunDirSource
+
+STATIC_DIR = Path(__file__).resolve().parent / "static"
+COOKIE_NAME = "primerl_dashboard"
+CSP = (
+    "default-src 'self'; script-src 'self'; style-src 'self'; img-src 'self' data:; connect-src 'self'; "
+    "object-src 'none'; base-uri 'none'; form-action 'none'; frame-ancestors 'none'"
+)
+STATIC_TYPES = {".html": "text/html; charset=utf-8", ".js": "text/javascript; charset=utf-8", ".css": "text/css"}
+STATIC_FILES = {"/": "index.html", "/index.html": "index.html", "/app.js": "app.js", "/app.css": "app.css"}
+ROLE_NAMES = {
+    "ROLE_TRAINER": "trainer",
+    "ROLE_INFERENCE": "inference",
+    "ROLE_ORCHESTRATOR": "orchestrator",
+    "ROLE_TEACHER": "teacher",
+    "ROLE_CLIENT": "client",
+    "ROLE_BROKER": "broker",
+}
+
+
+class Dashboard:
+    """The data behind the API: one ``RunDirSource`` and/or one ``BrokerSource``."""
+
+    def __init__(self, run_dir: RunDirSource | None = None, broker: BrokerSource | None = None):
+        if run_dir is None and broker is None:
+            raise ValueError("the dashboard needs a run directory or a broker address")
+        self.run_dir = run_dir
+        self.broker = broker
+        self.started_s = time.time()
+
+    # -------------------------------------------------------------------------------------- API bodies
+    def api(self, route: str, query: dict[str, list[str]]) -> dict[str, Any] | None:
+        since = _int_arg(query, "since")
+        if route == "/api/run":
+            return self.run()
+        if route == "/api/config":
+            return {"text": self.run_dir.config_text() if self.run_dir else "", "file": "rl.toml"}
+        if route == "/api/metrics":
+            rows, next_index = self.run_dir.metrics.since(since) if self.run_dir else ([], 0)
+            return {"rows": [_finite(row) for row in rows], "next": next_index}
+        if route == "/api/rollouts":
+            rollouts, next_index = self.run_dir.rollouts.since(since) if self.run_dir else ([], 0)
+            return {"rollouts": rollouts, "next": next_index}
+        if route == "/api/workers":
+            status, error = self._status()
+            workers = [_worker(w, status) for w in (status or {}).get("workers", [])]
+            return {"workers": workers, "broker_error": error}
+        if route == "/api/queues":
+            status, error = self._status()
+            status = status or {}
+            return {
+                "queues": status.get("queues", []),
+                "rollout_batches_per_s": status.get("rollout_batches_per_s", 0.0),
+                "rollout_bytes_per_s": status.get("rollout_bytes_per_s", 0.0),
+                "weight_bytes_per_s": status.get("weight_bytes_per_s", 0.0),
+                "latest_policy_version": int(status.get("latest_policy_version", 0) or 0),
+                "broker_error": error,
+            }
+        if route == "/api/events":
+            status, _ = self._status()
+            events = self.run_dir.events() if self.run_dir else []
+            errors = [
+                {"source": "broker", "level": "error", "message": m} for m in (status or {}).get("recent_errors", [])
+            ]
+            return {"events": events, "recent_errors": errors}
+        return None
+
+    def _status(self) -> tuple[dict | None, str]:
+        if self.broker is None:
+            return None, "no broker: the dashboard reads the run directory only"
+        return self.broker.status()
+
+    def run(self) -> dict[str, Any]:
+        status, error = self._status()
+        config = self._config()
+        rows, _ = self.run_dir.metrics.since(0) if self.run_dir else ([], 0)
+        trainer_rows = [row for row in rows if row.get("role") == "trainer"]
+        step = max((row["step"] for row in trainer_rows), default=0)
+        max_steps = int(config.get("max_steps") or config.get("trainer", {}).get("max_steps") or 0)
+        run_id = ""
+        if status is not None:
+            step = max(step, int(status.get("trainer_step", 0) or 0))
+            max_steps = int(status.get("max_steps", 0) or 0) or max_steps
+            run_id = status.get("run_id", "")
+        finished = max_steps > 0 and step >= max_steps
+        if finished:
+            state = "finished"
+        elif status is None:
+            state = "stopped" if self.run_dir is not None and rows else "unreachable"
+        elif step == 0:
+            state = "starting"
+        else:
+            state = "training"
+        eta_s = None
+        if state == "training" and len(trainer_rows) >= 2 and max_steps > step:
+            first, last = trainer_rows[0], trainer_rows[-1]
+            if last["step"] > first["step"]:
+                per_step = (last["time"] - first["time"]) / (last["step"] - first["step"])
+                eta_s = round(per_step * (max_steps - step), 1)
+        return {
+            "run_id": run_id or (self.run_dir.run_dir.name if self.run_dir else ""),
+            "state": state,
+            "step": step,
+            "max_steps": max_steps,
+            "eta_s": eta_s,
+            "latest_policy_version": int((status or {}).get("latest_policy_version", 0) or 0),
+            "last_committed_step": int((status or {}).get("last_committed_step", 0) or 0),
+            "num_rollbacks": int((status or {}).get("num_rollbacks", 0) or 0),
+            "run_dir": str(self.run_dir.run_dir) if self.run_dir else None,
+            "broker": self.broker is not None,
+            "broker_error": error if self.broker is not None else "",
+            "time": time.time(),
+        }
+
+    def _config(self) -> dict:
+        if self.run_dir is None:
+            return {}
+        try:
+            return tomllib.loads(self.run_dir.config_text())
+        except tomllib.TOMLDecodeError:
+            return {}
+
+    def close(self) -> None:
+        if self.broker is not None:
+            self.broker.close()
+
+
+def _worker(worker: dict, status: dict | None) -> dict:
+    latest = int((status or {}).get("latest_policy_version", 0) or 0)
+    version = worker.get("policy_version")
+    return {
+        "name": worker.get("name", ""),
+        "role": ROLE_NAMES.get(worker.get("role", ""), worker.get("role", "")),
+        "state": str(worker.get("state", "")).removeprefix("WORKER_STATE_").lower(),
+        "host": worker.get("hostname", ""),
+        "address": worker.get("address", ""),
+        "policy_version": int(version) if version is not None else None,
+        "lag": latest - int(version) if version is not None else None,
+        "trainer_step": int(worker["trainer_step"]) if worker.get("trainer_step") is not None else None,
+        "orchestrator_step": (
+            int(worker["orchestrator_step"]) if worker.get("orchestrator_step") is not None else None
+        ),
+        "num_inflight": int(worker.get("num_inflight", 0) or 0),
+        "last_heartbeat_unix_ms": int(worker.get("last_heartbeat_unix_ms", 0) or 0),
+        "registered_unix_ms": int(worker.get("registered_unix_ms", 0) or 0),
+    }
+
+
+def _finite(row: dict) -> dict:
+    """NaN and infinities are not JSON: null instead."""
+    return {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in row.items()}
+
+
+def _int_arg(query: dict[str, list[str]], name: str) -> int:
+    try:
+        return max(0, int(query.get(name, ["0"])[0]))
+    except ValueError:
+        return 0
+
+
+# ------------------------------------------------------------------------------------------------ HTTP
+class _Handler(BaseHTTPRequestHandler):
+    server: DashboardServer
+    protocol_version = "HTTP/1.1"
+    server_version = "primerl-dashboard"
+    sys_version = ""
+
+    def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - the stdlib's name
+        return  # quiet: a page polls every few seconds
+
+    def _send(self, code: int, body: bytes, content_type: str, extra: dict[str, str] | None = None) -> None:
+        self.send_response(code)
+        self.send_header("Content-Type", content_type)
+        self.send_header("Content-Length", str(len(body)))
+        self.send_header("Content-Security-Policy", CSP)
+        self.send_header("X-Content-Type-Options", "nosniff")
+        self.send_header("Referrer-Policy", "no-referrer")
+        self.send_header("X-Frame-Options", "DENY")
+        self.send_header("Cache-Control", "no-store")
+        for name, value in (extra or {}).items():
+            self.send_header(name, value)
+        self.end_headers()
+        if self.command != "HEAD":
+            self.wfile.write(body)
+
+    def _json(self, code: int, data: Any, extra: dict[str, str] | None = None) -> None:
+        body = json.dumps(data, allow_nan=False, separators=(",", ":")).encode()
+        self._send(code, body, "application/json", extra)
+
+    def _error(self, code: HTTPStatus, message: str, extra: dict[str, str] | None = None) -> None:
+        self._json(code, {"error": message}, extra)
+
+    def _presented_token(self, query: dict[str, list[str]]) -> tuple[str | None, bool]:
+        """The token the request carries and whether it came in the URL."""
+        if "token" in query:
+            return query["token"][0], True
+        auth = self.headers.get("Authorization", "")
+        if auth.startswith("Bearer "):
+            return auth[len("Bearer ") :], False
+        cookie = SimpleCookie()
+        try:
+            cookie.load(self.headers.get("Cookie", ""))
+        except Exception:
+            return None, False
+        morsel = cookie.get(COOKIE_NAME)
+        return (morsel.value if morsel is not None else None), False
+
+    def do_GET(self) -> None:  # noqa: N802 - the stdlib's name
+        try:
+            self._get()
+        except (BrokenPipeError, ConnectionResetError):
+            pass
+        except Exception as err:  # a broken source must answer 500, never take the dashboard down
+            self._error(HTTPStatus.INTERNAL_SERVER_ERROR, f"dashboard error: {type(err).__name__}: {err}"[:500])
+
+    do_HEAD = do_GET  # noqa: N815
+
+    def _get(self) -> None:
+        parts = urlsplit(self.path)
+        query = parse_qs(parts.query)
+        token, in_url = self._presented_token(query)
+        if not token:
+            self._error(HTTPStatus.UNAUTHORIZED, "no login token: open the URL that `primerl dashboard` printed")
+            return
+        if not hmac.compare_digest(token.encode(), self.server.token.encode()):
+            self._error(HTTPStatus.FORBIDDEN, "wrong login token: open the URL that `primerl dashboard` printed")
+            return
+        if in_url:  # the token becomes a cookie and leaves the address bar (and the history)
+            rest = "&".join(f"{k}={v}" for k, values in query.items() if k != "token" for v in values)
+            location = parts.path + (f"?{rest}" if rest else "")
+            cookie = f"{COOKIE_NAME}={token}; Path=/; HttpOnly; SameSite=Strict"
+            self._send(HTTPStatus.SEE_OTHER, b"", "text/plain", {"Location": location, "Set-Cookie": cookie})
+            return
+        if parts.path in STATIC_FILES:
+            name = STATIC_FILES[parts.path]
+            body = (STATIC_DIR / name).read_bytes()
+            self._send(HTTPStatus.OK, body, STATIC_TYPES[Path(name).suffix])
+            return
+        if parts.path.startswith("/api/"):
+            data = self.server.dashboard.api(parts.path, query)
+            if data is not None:
+                self._json(HTTPStatus.OK, data)
+                return
+        self._error(HTTPStatus.NOT_FOUND, f"no such page: {parts.path[:100]}")
+
+    def _not_allowed(self) -> None:
+        self._error(
+            HTTPStatus.METHOD_NOT_ALLOWED, "the dashboard is read-only: GET and HEAD only", {"Allow": "GET, HEAD"}
+        )
+
+    do_POST = do_PUT = do_DELETE = do_PATCH = do_OPTIONS = do_TRACE = do_CONNECT = _not_allowed  # noqa: N815
+
+
+class DashboardServer(ThreadingHTTPServer):
+    """``serve_in_thread`` for a dashboard beside a run (``primerl rl``), ``serve_forever`` for the command."""
+
+    daemon_threads = True
+
+    def __init__(self, dashboard: Dashboard, host: str = "127.0.0.1", port: int = 0, token: str | None = None):
+        self.address_family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        super().__init__((host, port), _Handler)
+        self.dashboard = dashboard
+        self.token = token or secrets.token_urlsafe(24)
+        self.host = host
+        self._thread: threading.Thread | None = None
+
+    @property
+    def port(self) -> int:
+        return self.server_address[1]
+
+    @property
+    def url(self) -> str:
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        if host in ("0.0.0.0", "[::]"):
+            host = "127.0.0.1" if host == "0.0.0.0" else "[::1]"
+        return f"http://{host}:{self.port}/?token={self.token}"
+
+    def serve_in_thread(self) -> None:
+        self._thread = threading.Thread(target=self.serve_forever, name="dashboard", daemon=True)
+        self._thread.start()
+
+    def close(self) -> None:
+        if self._thread is not None:
+            self.shutdown()
+            self._thread.join(5)
+        self.server_close()
+        self.dashboard.close()

@@ -1,0 +1,226 @@
+"""Where the dashboard's facts come from: a run directory (what a run wrote: ``rl.toml``, ``metrics.jsonl``,
+``rollouts.jsonl``, ``logs/*.log``) and a live broker (``GetRunStatus``: the run, workers, queues, recent errors),
+read with the run's credentials (``client/channel.py``, TLS included).
+
+Everything a source returns is plain JSON data for ``/api/...``; nothing here writes anywhere. Files are read
+incrementally (from the byte offset already read, a rewritten or shrunk file from the start) and kept bounded
+(``MAX_ROWS`` metric rows, ``MAX_ROLLOUTS`` sample rollouts, ``MAX_EVENTS`` log events), so a long run costs the
+dashboard a bounded memory.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from primerl.runtime.run_metrics import parse_row
+
+MAX_ROWS = 20_000
+MAX_ROLLOUTS = 400
+MAX_EVENTS = 300
+MAX_CONFIG_BYTES = 256 << 10
+MAX_READ_BYTES = 64 << 20  # one poll reads at most this much of a file
+ROLLOUTS_FILE = "rollouts.jsonl"
+METRICS_FILE = "metrics.jsonl"
+CONFIG_FILE = "rl.toml"
+STATUS_CACHE_S = 0.5
+
+# `2026-11-27T19:52:30.627595Z [warning  ] message   [logger] key=value ...` (structlog's console renderer).
+_LOG_LINE = re.compile(r"^(?P<time>\S+)\s+\[(?P<level>warning|error|critical)\s*\]\s+(?P<message>.*)$")
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")
+
+
+class JsonlTail:
+    """The parsed lines of a growing JSONL file, read from where the last read stopped; at most ``max_items``
+    kept (the newest). A half-written last line is read again next time; a bad line is skipped and counted."""
+
+    def __init__(self, path: Path, max_items: int, parse: Callable[[str], Any]):
+        self.path = path
+        self.items: deque = deque(maxlen=max_items)
+        self.num_read = 0  # items ever read (the index of the next one)
+        self.num_bad_lines = 0
+        self._parse = parse
+        self._offset = 0
+        self._identity: tuple[int, int] | None = None
+        self._lock = threading.Lock()
+
+    def refresh(self) -> None:
+        with self._lock:
+            try:
+                stat = self.path.stat()
+            except OSError:
+                return
+            identity = (stat.st_dev, stat.st_ino)
+            if identity != self._identity or stat.st_size < self._offset:  # a new or rewritten file
+                self.items.clear()
+                self._offset, self._identity = 0, identity
+            if stat.st_size == self._offset:
+                return
+            try:
+                with self.path.open("rb") as handle:
+                    handle.seek(self._offset)
+                    data = handle.read(MAX_READ_BYTES)
+            except OSError:
+                return
+            end = data.rfind(b"\n")
+            if end < 0:
+                return
+            for line in data[: end + 1].split(b"\n"):
+                if not line.strip():
+                    continue
+                try:
+                    item = self._parse(line.decode("utf-8", "replace"))
+                except ValueError:
+                    self.num_bad_lines += 1
+                    continue
+                self.items.append(item)
+                self.num_read += 1
+            self._offset += end + 1
+
+    def since(self, index: int) -> tuple[list, int]:
+        """Items with an index >= ``index`` (those still kept) and the index of the next item."""
+        self.refresh()
+        with self._lock:
+            first = self.num_read - len(self.items)
+            start = max(index, first) - first
+            return list(self.items)[start:], self.num_read
+
+
+def parse_rollout_line(line: str) -> dict:
+    record = json.loads(line)
+    if not isinstance(record, dict) or not isinstance(record.get("step"), int):
+        raise ValueError("a rollout sample needs an integer step")
+    return record
+
+
+class RunDirSource:
+    """What a run directory holds: its config, metric rows, sample rollouts and the warnings and errors in its
+    logs."""
+
+    def __init__(self, run_dir: str | Path):
+        self.run_dir = Path(run_dir)
+        if not self.run_dir.is_dir():
+            raise ValueError(f"{self.run_dir} is not a directory: give the output_dir of a `primerl rl` run")
+        self.metrics = JsonlTail(self.run_dir / METRICS_FILE, MAX_ROWS, parse_row)
+        self.rollouts = JsonlTail(self.run_dir / ROLLOUTS_FILE, MAX_ROLLOUTS, parse_rollout_line)
+        self._log_offsets: dict[str, int] = {}
+        self._events: deque = deque(maxlen=MAX_EVENTS)
+        self._events_lock = threading.Lock()
+
+    def config_text(self) -> str:
+        path = self.run_dir / CONFIG_FILE
+        try:
+            with path.open("rb") as handle:
+                return handle.read(MAX_CONFIG_BYTES).decode("utf-8", "replace")
+        except OSError as err:
+            return f"# {path} cannot be read: {err.strerror or err}"
+
+    def events(self) -> list[dict]:
+        """Warnings and errors of every role's log, oldest first (the newest ``MAX_EVENTS``)."""
+        with self._events_lock:
+            for path in sorted((self.run_dir / "logs").glob("*.log")):
+                self._read_log(path)
+            return sorted(self._events, key=lambda event: event["time"])
+
+    def _read_log(self, path: Path) -> None:
+        offset = self._log_offsets.get(path.name, 0)
+        try:
+            size = path.stat().st_size
+            if size < offset:
+                offset = 0
+            if size == offset:
+                return
+            with path.open("rb") as handle:
+                handle.seek(max(offset, size - MAX_READ_BYTES))
+                data = handle.read(MAX_READ_BYTES)
+        except OSError:
+            return
+        end = data.rfind(b"\n")
+        if end < 0:
+            return
+        self._log_offsets[path.name] = max(offset, size - MAX_READ_BYTES) + end + 1
+        for raw in data[: end + 1].decode("utf-8", "replace").splitlines():
+            match = _LOG_LINE.match(_ANSI.sub("", raw))
+            if match:
+                self._events.append(
+                    {
+                        "time": match["time"],
+                        "source": path.stem,
+                        "level": match["level"],
+                        "message": match["message"].strip()[:2000],
+                    }
+                )
+
+
+class BrokerSource:
+    """The live run as the broker sees it (``GetRunStatus``), through a read-only client; the answer is cached
+    for ``STATUS_CACHE_S`` so that many open pages cost the broker one call per interval."""
+
+    def __init__(self, client):
+        self.client = client
+        self._lock = threading.Lock()
+        self._status: dict | None = None
+        self._error = ""
+        self._read_s = 0.0
+
+    def status(self) -> tuple[dict | None, str]:
+        """The run status as JSON data (None when the broker cannot be reached) and the error, if any."""
+        from google.protobuf.json_format import MessageToDict
+
+        from primerl.client.control import BrokerError
+
+        with self._lock:
+            if time.monotonic() - self._read_s < STATUS_CACHE_S:
+                return self._status, self._error
+            try:
+                status = self.client.get_run_status()
+            except BrokerError as err:
+                self._status, self._error = None, str(err).splitlines()[0][:500]
+            else:
+                self._status = MessageToDict(
+                    status, preserving_proto_field_name=True, always_print_fields_with_no_presence=True
+                )
+                self._error = ""
+            self._read_s = time.monotonic()
+            return self._status, self._error
+
+    def close(self) -> None:
+        self.client.close()
+
+
+def connect_broker(
+    address: str,
+    token: str | None,
+    *,
+    tls_ca_path: str | None = None,
+    tls_cert_path: str | None = None,
+    tls_key_path: str | None = None,
+    tls_server_name: str | None = None,
+    timeout_s: float = 2.0,
+) -> BrokerSource:
+    """A ``BrokerSource`` over a read-only client (role ``client``: it never registers). ``ValueError`` for a bad
+    address or TLS file."""
+    from pydantic import ValidationError
+
+    from primerl.client.control import ControlClient
+    from primerl.runtime.config_common import BrokerClientConfig
+
+    try:
+        config = BrokerClientConfig(
+            address=address,
+            run_token=token,
+            connect_timeout_s=timeout_s,
+            tls_ca_path=tls_ca_path,
+            tls_cert_path=tls_cert_path,
+            tls_key_path=tls_key_path,
+            tls_server_name=tls_server_name,
+        )
+    except ValidationError as err:
+        raise ValueError("; ".join(e["msg"] for e in err.errors())) from None
+    return BrokerSource(ControlClient(config, role="client", name="primerl-dashboard", rpc_timeout_s=timeout_s))

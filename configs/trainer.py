@@ -115,11 +115,8 @@ class SchedulerConfig(BaseConfig):
     min_lr: float = Field(0.0, ge=0, description="Learning rate at the last step for the decaying schedules.")
 
 
-class _LossCommon(BaseConfig):
+class _TauCommon(BaseConfig):
     type: str = Field(description="Loss recipe.")
-    max_is_ratio: float = Field(
-        2.0, gt=0, description="Token importance ratios (trainer / inference policy) are truncated at this value."
-    )
     teacher_tau: float = Field(
         0.0,
         ge=0,
@@ -136,13 +133,19 @@ class _LossCommon(BaseConfig):
     )
 
     @model_validator(mode="after")
-    def _check_taus(self) -> _LossCommon:
+    def _check_taus(self) -> _TauCommon:
         if self.teacher_tau == 0 and self.adv_tau == 0:
             raise ValueError(
                 "adv_tau = 0 and teacher_tau = 0 leave nothing to learn: set adv_tau > 0 (RL), "
                 "teacher_tau > 0 (distillation from [orchestrator.teacher]) or both"
             )
         return self
+
+
+class _LossCommon(_TauCommon):
+    max_is_ratio: float = Field(
+        2.0, gt=0, description="Token importance ratios (trainer / inference policy) are truncated at this value."
+    )
 
 
 class DefaultLossConfig(_LossCommon):
@@ -177,7 +180,60 @@ class CISPOLossConfig(_LossCommon):
     eps_high: float = Field(0.2, ge=0, description="IS weight clipped above at 1 + eps_high.")
 
 
-LossConfig = Annotated[Union[DefaultLossConfig, GRPOLossConfig, CISPOLossConfig], Field(discriminator="type")]
+class IPOLossConfig(_TauCommon):
+    """prime-rl's IPO (its default RL loss): a symmetric trust region that masks the policy gradient of tokens whose
+    trainer probability moved more than `eps` (absolute) from the inference one, the importance-weighted policy
+    gradient on the rest, and an optional squared log-ratio penalty (`kl_tau`) on every token."""
+
+    type: Literal["ipo"] = Field("ipo", description="Loss recipe.")
+    eps: float = Field(
+        0.3,
+        ge=0,
+        description="Trust region: a token whose |trainer probability - inference probability| is above this gets no "
+        "policy gradient (prime-rl's `eps`; older prime-rl wrote `ipo_threshold`).",
+    )
+    kl_tau: float = Field(
+        0.0, ge=0, description="Coefficient of the squared log-ratio (trainer vs inference) penalty (0: off)."
+    )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _accept_ipo_threshold(cls, data: Any) -> Any:
+        if isinstance(data, dict) and "ipo_threshold" in data:
+            data = dict(data)
+            threshold = data.pop("ipo_threshold")
+            if "eps" in data and data["eps"] != threshold:
+                raise ValueError(
+                    f"the IPO trust region is set twice: eps = {data['eps']} and ipo_threshold = {threshold}; "
+                    "keep `eps` (prime-rl renamed ipo_threshold to eps)"
+                )
+            data["eps"] = threshold
+        return data
+
+
+class IcePopLossConfig(_TauCommon):
+    """IcePop (prime-rl's opt-in loss): the importance-weighted policy gradient of tokens whose importance ratio
+    (trainer / inference probability) lies in [`ratio_low`, `ratio_high`]; tokens outside get none (masked, not
+    clipped). No KL term."""
+
+    type: Literal["icepop"] = Field("icepop", description="Loss recipe.")
+    ratio_low: float = Field(0.2, gt=0, description="Tokens whose importance ratio is below this are masked.")
+    ratio_high: float = Field(5.0, gt=0, description="Tokens whose importance ratio is above this are masked.")
+
+    @model_validator(mode="after")
+    def _check_band(self) -> IcePopLossConfig:
+        if self.ratio_low >= self.ratio_high:
+            raise ValueError(
+                f"loss.ratio_low ({self.ratio_low}) must be below loss.ratio_high ({self.ratio_high}), "
+                "e.g. ratio_low = 0.2, ratio_high = 5.0"
+            )
+        return self
+
+
+LossConfig = Annotated[
+    Union[DefaultLossConfig, GRPOLossConfig, CISPOLossConfig, IPOLossConfig, IcePopLossConfig],
+    Field(discriminator="type"),
+]
 
 
 class KLConfig(BaseConfig):

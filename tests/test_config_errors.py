@@ -203,7 +203,7 @@ def test_unknown_key_inside_discriminated_union(base: Path) -> None:
 
 def test_unknown_loss_type(base: Path) -> None:
     message = error_of(base, "--trainer.loss.type", "ppo")
-    assert "`trainer.loss.type`: expected one of 'default', 'grpo', 'cispo', got \"ppo\"" in message
+    assert "`trainer.loss.type`: expected one of 'default', 'grpo', 'cispo', 'ipo', 'icepop', got \"ppo\"" in message
 
 
 def test_unknown_top_level_key_without_close_match_lists_valid_keys(write) -> None:

@@ -1,4 +1,4 @@
-"""Token-level losses of the trainer: RL (default recipe, GRPO, CISPO), KL penalty, SFT and distillation.
+"""Token-level losses of the trainer: RL (default recipe, GRPO, CISPO, IPO, IcePop), KL penalty, SFT and distillation.
 
 Every loss here works on packed 1-D token tensors of one micro-batch (what the broker delivers) and returns
 the SUM over its loss tokens divided by ``num_loss_tokens``: the number of loss tokens of the whole step
@@ -14,8 +14,9 @@ Metrics (detached floats, token sums divided by the same ``num_loss_tokens`` so 
 micro-batches): ``kl_divergence`` (k3 estimate of KL(inference || trainer) on the sampled tokens: how far the
 policy being trained has moved from the one that sampled them), ``reference_kl`` (the KL penalty's k3 KL to
 the frozen reference policy, with ``[trainer.kl]``),
-``is_truncated`` (fraction of tokens whose ratio was truncated at ``max_is_ratio``), ``masked`` (fraction
-masked by the default recipe's probability-difference test), ``clipped`` (GRPO/CISPO ratio clipping),
+``is_truncated`` (fraction of tokens whose ratio was truncated at ``max_is_ratio``; the loss types that have it),
+``masked`` (fraction masked by the default recipe's and IPO's probability-difference tests, or outside IcePop's
+ratio band), ``clipped`` (GRPO/CISPO ratio clipping),
 ``teacher_kl`` (with teacher logprobs: the token mean of ``logprobs - teacher_logprobs``, the sampled-token
 estimate of the reverse KL(student || teacher); falls as the student takes on the teacher's distribution).
 
@@ -24,17 +25,35 @@ each RL loss uses per token is ``adv_tau * advantage + teacher_tau * (teacher_lo
 The second term is the negative per-token reverse KL to the teacher on the student's own samples, so the
 importance weight, masking and clipping of the loss type apply to it exactly as to the reward advantage;
 ``teacher_tau = 1, adv_tau = 0`` is pure on-policy distillation, both above 0 add it to RL.
+
+prime-rl's losses, per loss token with advantage A (``docs/losses-and-concurrency.md``):
+
+- IPO (``type = "ipo"``; eps 0.3, kl_tau 0): ``-keep * A * ratio + kl_tau * log_ratio**2``, ``keep`` the tokens
+  with ``|p_trainer - p_inference| <= eps``;
+- IcePop (``type = "icepop"``; ratio_low 0.2, ratio_high 5.0): ``-keep * A * ratio``, ``keep`` the tokens with
+  ``ratio_low <= ratio <= ratio_high`` (tested in log space).
+
+Their ratio is differentiable (its gradient is ``ratio * grad logprob``) and is replaced by 0 on masked tokens
+before the exponential, so a rejected extreme ratio cannot make ``0 * inf = NaN``.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import torch
 
-from primerl.configs.trainer import CISPOLossConfig, DefaultLossConfig, GRPOLossConfig, KLConfig
+from primerl.configs.trainer import (
+    CISPOLossConfig,
+    DefaultLossConfig,
+    GRPOLossConfig,
+    IcePopLossConfig,
+    IPOLossConfig,
+    KLConfig,
+)
 
-RLLossConfig = DefaultLossConfig | GRPOLossConfig | CISPOLossConfig
+RLLossConfig = DefaultLossConfig | GRPOLossConfig | CISPOLossConfig | IPOLossConfig | IcePopLossConfig
 
 
 @dataclass
@@ -125,6 +144,14 @@ def rl_loss(
             "`primerl rl`) or set [trainer.loss] teacher_tau = 0"
         )
     log_ratio = logprobs - inference_logprobs
+    if isinstance(config, (IPOLossConfig, IcePopLossConfig)):
+        per_token, masked = _masked_ratio_loss(config, logprobs, inference_logprobs, log_ratio, advantages, mask)
+        metrics["masked"] = float(_mask_sum(masked.float(), mask)) / num_loss_tokens
+        loss = _mask_sum(per_token, mask) / num_loss_tokens
+        metrics["kl_divergence"] = (
+            float(_mask_sum(k3_kl(logprobs.detach(), inference_logprobs), mask)) / num_loss_tokens
+        )
+        return LossOutput(loss, metrics)
     ratio = torch.exp(log_ratio)
     detached_ratio = ratio.detach()
     truncated = detached_ratio > config.max_is_ratio
@@ -160,6 +187,30 @@ def rl_loss(
     metrics["is_truncated"] = float(_mask_sum(truncated.float(), mask)) / num_loss_tokens
     metrics["kl_divergence"] = float(_mask_sum(k3_kl(logprobs.detach(), inference_logprobs), mask)) / num_loss_tokens
     return LossOutput(loss, metrics)
+
+
+def _masked_ratio_loss(
+    config: IPOLossConfig | IcePopLossConfig,
+    logprobs: torch.Tensor,
+    inference_logprobs: torch.Tensor,
+    log_ratio: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token loss and masked tokens of IPO and IcePop (module docstring): the policy gradient through the
+    differentiable importance ratio on the tokens kept, none on the others."""
+    with torch.no_grad():
+        if isinstance(config, IPOLossConfig):
+            masked = (logprobs.exp() - inference_logprobs.exp()).abs() > config.eps
+        else:  # inclusive band, in log space: no overflow for extreme ratios
+            masked = (log_ratio < math.log(config.ratio_low)) | (log_ratio > math.log(config.ratio_high))
+    keep = mask & ~masked
+    lowest = torch.finfo(log_ratio.dtype).min
+    kept_ratio = torch.exp(torch.where(keep, log_ratio, torch.full_like(log_ratio, lowest)))  # 0 where masked
+    per_token = -advantages * kept_ratio
+    if isinstance(config, IPOLossConfig) and config.kl_tau > 0:
+        per_token = per_token + config.kl_tau * log_ratio**2
+    return per_token, masked
 
 
 def teacher_advantages(logprobs: torch.Tensor, teacher_logprobs: torch.Tensor) -> torch.Tensor:

@@ -15,7 +15,7 @@ from primerl.supervisor.restart_policy import RESTART_MODES, RestartPolicy
 USAGE = (
     "primerl rl @ CONFIG.toml [@ MORE.toml ...] [--section.key VALUE ...] [--run-dir DIR] [--tmux]\n"
     "                  [--restart {on-failure,never}] [--restart-limit N] [--check | --no-preflight]\n"
-    "                  [--dry-run [--write DIR]]"
+    "                  [--no-dashboard | --dashboard-port PORT] [--dry-run [--write DIR]]"
 )
 EPILOG = """\
 config files (later ones win; tables merge, arrays and values replace):
@@ -78,6 +78,16 @@ def _parser() -> argparse.ArgumentParser:
         help="directory of the run (sets output_dir, which every role writes under)",
     )
     parser.add_argument("--tmux", action="store_true", help="also open a tmux session with one pane per role's log")
+    parser.add_argument(
+        "--no-dashboard", action="store_true", help="do not serve the run's web page (`primerl dashboard`) beside it"
+    )
+    parser.add_argument(
+        "--dashboard-port",
+        type=int,
+        default=0,
+        metavar="PORT",
+        help="port of the run's web page on 127.0.0.1 (default: a free one)",
+    )
     parser.add_argument(
         "--inference-timeout-s",
         type=float,
@@ -143,8 +153,15 @@ def main(argv: list[str] | None = None) -> int:
     try:
         parsed = parse_config_args(
             argv,
-            cli_flags={"--dry-run", "--tmux", "--check", "--no-preflight", "-h", "--help"},
-            cli_options={"--write", "--run-dir", "--inference-timeout-s", "--stop-timeout-s", *RESTART_OPTIONS},
+            cli_flags={"--dry-run", "--tmux", "--check", "--no-preflight", "--no-dashboard", "-h", "--help"},
+            cli_options={
+                "--write",
+                "--run-dir",
+                "--inference-timeout-s",
+                "--stop-timeout-s",
+                "--dashboard-port",
+                *RESTART_OPTIONS,
+            },
         )
         args = parse_command_args(parser, parsed.rest)
         if isinstance(args, int):
@@ -194,6 +211,8 @@ def main(argv: list[str] | None = None) -> int:
             inference_timeout_s=args.inference_timeout_s,
             stop_timeout_s=args.stop_timeout_s,
             tmux=args.tmux,
+            dashboard=not args.no_dashboard,
+            dashboard_port=args.dashboard_port,
             restart=restart,
         )
         return Launcher(config, options).run()

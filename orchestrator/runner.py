@@ -44,6 +44,7 @@ from primerl.orchestrator.envs.base import EnvClient
 from primerl.orchestrator.filtering import AssembledBatch
 from primerl.orchestrator.packing import to_broker_batches
 from primerl.orchestrator.rollout_failures import RolloutFailures
+from primerl.orchestrator.rollout_samples import RolloutSamples
 from primerl.orchestrator.rollout_scheduler import RolloutScheduler
 from primerl.orchestrator.step_metrics import batch_metrics, finite
 from primerl.orchestrator.step_send import RESEND_INTERVAL_S, log_step_data, rank_digests, send_step
@@ -131,6 +132,7 @@ class OrchestratorRunner:
                 telemetry.ORCHESTRATOR_ROLLOUT_ERRORS, "Failed rollouts and rollout groups (the sum of rollout/errors)."
             )
         self.sink = MetricsSink("orchestrator", config.output_dir, config.wandb, config, exporter=self.exporter)
+        self.rollout_samples = RolloutSamples(config.output_dir, config.model.name)  # rollouts.jsonl, the dashboard's
 
     def _connect(self) -> None:
         """Register with the broker, start the worker-list threads and the send thread."""
@@ -480,6 +482,7 @@ class OrchestratorRunner:
         # the broker merges all roles' last metrics: the batch's step lets the progress line pair its reward
         self._report_metrics(step, {**metrics, telemetry.ORCHESTRATOR_STEP: float(step)})
         self.sink.log(step, metrics)
+        self.rollout_samples.add(step, batch.samples)
         log.info(
             telemetry.BATCH_SENT,
             reward=round(metrics[telemetry.TRAIN_REWARD], 4),
@@ -526,5 +529,6 @@ class OrchestratorRunner:
             self.control.close()
         if self.sink is not None:
             self.sink.close()
+            self.rollout_samples.close()
         if self.exporter is not None:
             self.exporter.stop()

@@ -64,6 +64,8 @@ class LaunchOptions:
     plain_interval_s: float = 10.0  # a new progress line at most this often when stdout is not a terminal
     restart: RestartPolicy = field(default_factory=RestartPolicy)
     reaper_grace_s: float = 2.0  # from SIGTERM to SIGKILL of what a killed `primerl rl` left
+    dashboard: bool = True  # serve the run's web page (`primerl dashboard`) in this process once the broker is up
+    dashboard_port: int = 0  # on 127.0.0.1; 0: a free port
 
 
 class Launcher:
@@ -91,6 +93,7 @@ class Launcher:
         self.use_gpus = False  # set when the run starts
         self.budgets: dict = {}  # role -> its CPU thread budget, once the role configs are made
         self.startup_s: float | None = None
+        self.dashboard = None  # the run's web page (primerl.dashboard.server.DashboardServer), once served
 
     # ----------------------------------------------------------------------------------------- helpers
     def say(self, text: str) -> None:
@@ -139,6 +142,8 @@ class Launcher:
             self.supervisor.stop(timeout_s=self._stop_timeout_s(), on_kill=self._on_kill)
             self.supervisor.close()
             self._close_tmux()
+            if self.dashboard is not None:
+                self.dashboard.close()
             for signum, handler in previous.items():
                 signal.signal(signum, handler)
 
@@ -183,6 +188,7 @@ class Launcher:
         self.say(f"  broker ready in {broker.ready_s:.1f} s at {address} (log {broker.log_path})")
         self.restarts.pin_broker(endpoints)
         self._write_run_file(address, endpoints.get("run_id"))
+        self._serve_dashboard(address)
         if endpoints.get("metrics_url"):
             self.say(f"  broker metrics at {endpoints['metrics_url']}")
         for role in ("trainer", "orchestrator", "inference", "teacher"):
@@ -327,6 +333,33 @@ class Launcher:
             f"  status: primerl status {shlex.quote(str(self.run_dir))}   (address and token in its "
             f"{RUN_FILE_NAME}, readable by you only)"
         )
+
+    def _serve_dashboard(self, address: str) -> None:
+        """The run's web page in a thread of this process (loopback, a fresh login token in its URL), reading the
+        run directory and the broker with the trainer's credentials. A page that cannot be served is a note."""
+        if not self.options.dashboard:
+            return
+        from primerl.dashboard.server import Dashboard, DashboardServer
+        from primerl.dashboard.sources import RunDirSource, connect_broker
+
+        broker = self.config.trainer.broker
+        try:
+            source = connect_broker(
+                address,
+                self.token,
+                tls_ca_path=broker.tls_ca_path and str(broker.tls_ca_path),
+                tls_cert_path=broker.tls_cert_path and str(broker.tls_cert_path),
+                tls_key_path=broker.tls_key_path and str(broker.tls_key_path),
+                tls_server_name=broker.tls_server_name,
+            )
+            self.dashboard = DashboardServer(
+                Dashboard(RunDirSource(self.run_dir), source), "127.0.0.1", self.options.dashboard_port
+            )
+        except (OSError, ValueError) as err:
+            self.say(f"  dashboard not served: {err} (--dashboard-port, or --no-dashboard)")
+            return
+        self.dashboard.serve_in_thread()
+        self.say(f"  dashboard: {self.dashboard.url}")
 
     def _announce_metrics(self, status) -> None:
         """Print each worker's metrics URL (the `metrics_url` it registered with) the first time it shows up."""

@@ -125,7 +125,9 @@ class BrokerService:
         self.rollout_plane: RolloutPlane | None = None
         self.weight_plane: WeightPlane | None = None
         self.weight_store = WeightStore()
-        self.weight_fanout = WeightFanout(self.weight_store)
+        self.weight_fanout = WeightFanout(
+            self.weight_store, fanout=config.weight_fanout, relay_timeout_s=config.weight_relay_timeout_s
+        )
         self.registry = WorkerRegistry(
             self.run_id,
             config.heartbeat_interval_s,

@@ -20,6 +20,15 @@ sent (planning starts there), the queue of updates planned (``store.plan_for``),
 chunk, and the updates sent but not yet acknowledged. A worker that does not acknowledge within ``ack_timeout_s``
 is planned again from what it acknowledged.
 
+Relay (``fanout="chain"``): members that announced a relay endpoint in HELLO and start the same update at the same
+time (``begin``, or idle members whose next planned update is the same) form one ``RelayChain``: the plane sends
+each chunk only to its head, and each member forwards what it received to the next (the chunks carry the chain,
+``Envelope.relay_hops``). The others in the chain are sent nothing; once the head has had the last chunk they all
+count as sent, each with ``relay_timeout_s`` to acknowledge. A member past that is planned again from what it
+acknowledged, and the first of them in the chain (the one the rest waited on) relays nothing more until it
+acknowledges an update: the rest form a new chain without it, and the broker, which holds the update, sends it
+again. A head that leaves or makes no progress for ``relay_timeout_s`` dissolves its chain the same way.
+
 Thread-safe: one lock guards the state; callbacks (``watch``) run outside it, so a caller may hold its own lock
 (the registry does) while it reads or calls ``leave``.
 """
@@ -44,6 +53,41 @@ log = get_logger(__name__)
 
 MAX_GONE_WORKERS = 4096
 """Ids of gone workers remembered (refused at HELLO); the oldest are dropped beyond this."""
+FANOUT_MODES = ("star", "chain")
+"""``star``: the broker sends every chunk to every worker; ``chain``: to the first worker of a relay chain."""
+MAX_RELAY_ENDPOINT_CHARS = 256
+
+
+def valid_relay_endpoint(endpoint: str) -> bool:
+    """Whether ``endpoint`` (from a worker's HELLO) is a ZeroMQ tcp:// or ipc:// endpoint the broker may name."""
+    return (
+        0 < len(endpoint) <= MAX_RELAY_ENDPOINT_CHARS
+        and endpoint.isprintable()
+        and endpoint.startswith(("tcp://", "ipc://"))
+    )
+
+
+@dataclass(eq=False)
+class RelayChain:
+    """One update relayed through ``hops`` (worker ids, head first) to the ``endpoints`` they announced. ``cache``:
+    the plane's encoded chunk messages for this chain."""
+
+    update: StoredUpdate
+    number: int
+    hops: tuple[str, ...]
+    endpoints: tuple[str, ...]
+    last_progress_s: float
+    cache: dict[str, Any] = field(default_factory=dict)
+    # The members after its head were planned again (the head goes on with these chunks, relaying nothing new).
+    dissolved: bool = False
+
+
+class FanoutStep(NamedTuple):
+    """What to send a member next: chunk ``index`` of ``update``, to be relayed along ``chain`` (None: to it alone)."""
+
+    update: StoredUpdate
+    index: int
+    chain: RelayChain | None
 
 
 class LatestPolicy(NamedTuple):
@@ -95,6 +139,18 @@ class _Member:
     unacked: collections.deque[tuple[int, int]] = field(default_factory=collections.deque)
     last_progress_s: float = 0.0
     retries: int = 0
+    # Where it takes relayed chunks ("": it relays nothing); False after it held up a chain, until it acknowledges.
+    relay_endpoint: str = ""
+    relay_ok: bool = True
+    # The chain it receives ``sending`` through (as its head, the plane sends it the chunks; else nothing).
+    chain: RelayChain | None = None
+    # While its last update arrived by relay: when its acknowledgement is overdue, and (chain number, its place).
+    relay_deadline_s: float | None = None
+    relay_place: tuple[int, int] = (0, 0)
+
+    @property
+    def can_relay(self) -> bool:
+        return bool(self.relay_endpoint) and self.relay_ok
 
     def status(self) -> WeightWorkerStatus:
         return WeightWorkerStatus(
@@ -117,10 +173,20 @@ class WeightFanout:
         ack_timeout_s: float = 30.0,
         max_retries: int = 3,
         max_workers: int = 1024,
+        fanout: str = "star",
+        relay_timeout_s: float = 20.0,
         clock: Callable[[], float] = time.monotonic,
     ):
         if ack_timeout_s <= 0 or max_retries < 0:
             raise ValueError("ack_timeout_s must be > 0 and max_retries >= 0")
+        if fanout not in FANOUT_MODES:
+            raise ValueError(f"fanout must be one of {', '.join(FANOUT_MODES)}, got {fanout!r}")
+        if relay_timeout_s <= 0:
+            raise ValueError(f"relay_timeout_s must be > 0, got {relay_timeout_s}")
+        self.fanout = fanout
+        self.relay_timeout_s = relay_timeout_s
+        self._num_chains = 0
+        self._num_relay_heals = 0
         self.store = store
         self.ack_timeout_s = ack_timeout_s
         self.max_retries = max_retries
@@ -190,14 +256,14 @@ class WeightFanout:
         on exactly the version and lineage it will hold. Members busy with another update get it by the plan made
         when it is stored."""
         header = update.header
-        started = 0
         with self._lock:
-            for member in self._members.values():
-                if member.sending is not None or member.queue or not self._is_next_step(member, header):
-                    continue
-                member.sending, member.next_chunk = update, 0
-                started += 1
-        return started
+            starting = [
+                member
+                for member in self._members.values()
+                if member.sending is None and not member.queue and self._is_next_step(member, header)
+            ]
+            self._start_locked(starting, update)
+        return len(starting)
 
     def abort(self, update: StoredUpdate) -> None:
         """An update ``begin`` announced will not be stored (refused, abandoned, expired): members sending it stop
@@ -205,7 +271,7 @@ class WeightFanout:
         with self._lock:
             for member in self._members.values():
                 if member.sending is update:
-                    member.sending, member.next_chunk = None, 0
+                    member.sending, member.next_chunk, member.chain = None, 0, None
                     self._replan_locked(member)
 
     def next_receivers(self, update: StoredUpdate) -> set[str]:
@@ -244,13 +310,24 @@ class WeightFanout:
 
     # -- membership ----------------------------------------------------------------------------------
 
-    def hello(self, worker_id: str, version: int | None, lineage: int, *, reconnected: bool = False) -> Joined:
+    def hello(
+        self,
+        worker_id: str,
+        version: int | None,
+        lineage: int,
+        *,
+        reconnected: bool = False,
+        relay_endpoint: str = "",
+    ) -> Joined:
         """A worker says HELLO holding ``version`` (None: nothing) of ``lineage``; ``reconnected``: from another
-        connection than the one it joined on (the old one is dropped)."""
+        connection than the one it joined on (the old one is dropped); ``relay_endpoint``: where it takes relayed
+        chunks (checked by ``valid_relay_endpoint``; "": none)."""
         with self._lock:
             if worker_id in self._gone:
                 return Joined.GONE
             member = self._members.get(worker_id)
+            if member is not None and not reconnected:
+                member.relay_endpoint = relay_endpoint
             if (
                 member is not None
                 and not reconnected
@@ -271,6 +348,7 @@ class WeightFanout:
                     acked_lineage=lineage,
                     sent_lineage=lineage,
                     last_progress_s=self._clock(),
+                    relay_endpoint=relay_endpoint,
                 )
                 self._members[worker_id] = member
                 log.info("weight subscriber joined", worker_id=worker_id, policy_version=version, lineage=lineage)
@@ -316,7 +394,9 @@ class WeightFanout:
             if member is None:
                 return None
             member.last_progress_s = self._clock()
+            member.relay_deadline_s = None
             if applied:
+                member.relay_ok = True
                 return self._applied_locked(member, version, lineage)
             detail = error or common_pb2.ErrorDetail()
             log.warning(
@@ -370,7 +450,14 @@ class WeightFanout:
     # -- sending -------------------------------------------------------------------------------------
 
     def next_chunk(self, worker_id: str) -> tuple[StoredUpdate, int] | None:
-        """(update, chunk index) to send the member next, or None (nothing to send, or not a member)."""
+        """(update, chunk index) to send the member next (``next_step`` without the chain), or None."""
+        step = self.next_step(worker_id)
+        return None if step is None else (step.update, step.index)
+
+    def next_step(self, worker_id: str) -> FanoutStep | None:
+        """What to send the member next, or None (nothing to send, not a member, or it receives by relay). A member
+        that starts its next planned update takes along, in chain mode, every idle member whose next planned
+        update is the same: they form a chain it heads."""
         with self._lock:
             member = self._members.get(worker_id)
             if member is None:
@@ -378,27 +465,56 @@ class WeightFanout:
             if member.sending is None:
                 if not member.queue:
                     return None
-                member.sending, member.next_chunk = member.queue.pop(0), 0
-            return member.sending, member.next_chunk
+                update = member.queue[0]
+                together = [member]
+                if self.fanout == "chain" and member.can_relay:
+                    together += [
+                        other
+                        for other in self._members.values()
+                        if other is not member
+                        and other.can_relay
+                        and other.sending is None
+                        and other.queue[:1] == [update]
+                    ]
+                for starting in together:
+                    starting.queue.pop(0)
+                self._start_locked(together, update, head=member)
+            chain = member.chain
+            if chain is not None and chain.hops[0] != member.worker_id:
+                return None  # its chunks come from the member before it
+            return FanoutStep(member.sending, member.next_chunk, chain)
 
     def chunk_sent(self, worker_id: str, update: StoredUpdate, *, last: bool) -> None:
-        """The chunk ``next_chunk`` named went out; ``last``: it was the update's last one."""
+        """The chunk ``next_step`` named went out; ``last``: it was the update's last one (for a chain's head: every
+        member of the chain now counts as sent it, each due to acknowledge within ``relay_timeout_s``)."""
         with self._lock:
             member = self._members.get(worker_id)
             if member is None or member.sending is not update:
                 return
             member.next_chunk += 1
-            if last:
-                member.sending = None
-                member.sent_version, member.sent_lineage = update.policy_version, update.lineage
-                member.unacked.append((update.policy_version, update.lineage))
-                member.last_progress_s = self._clock()
+            chain, now_s = member.chain, self._clock()
+            if chain is not None:
+                chain.last_progress_s = now_s
+            if not last:
+                return
+            relayed = [] if chain is None else [self._members.get(hop) for hop in chain.hops[1:]]
+            for place, done in enumerate([member, *relayed]):
+                if done is None or done.sending is not update or done.chain is not chain:
+                    continue
+                done.sending, done.chain = None, None
+                done.sent_version, done.sent_lineage = update.policy_version, update.lineage
+                done.unacked.append((update.policy_version, update.lineage))
+                done.last_progress_s = now_s
+                if chain is not None and not chain.dissolved:
+                    done.relay_deadline_s = now_s + self.relay_timeout_s
+                    done.relay_place = (chain.number, place)
 
     def tick(self, now_s: float | None = None) -> None:
         """Members whose acknowledgement is overdue are planned again from what they acknowledged (at most
         ``max_retries`` times in a row; then forgotten until their next HELLO)."""
         now_s = self._clock() if now_s is None else now_s
         with self._lock:
+            self._heal_relays_locked(now_s)
             for member in list(self._members.values()):
                 if not (
                     member.unacked and member.sending is None and now_s - member.last_progress_s > self.ack_timeout_s
@@ -449,7 +565,100 @@ class WeightFanout:
         with self._lock:
             return self._num_forgotten
 
+    @property
+    def num_relay_heals(self) -> int:
+        """Members sent an update again because its relay did not reach them in time."""
+        with self._lock:
+            return self._num_relay_heals
+
+    @property
+    def num_relay_chains(self) -> int:
+        """Relay chains formed so far."""
+        with self._lock:
+            return self._num_chains
+
     # -- internals -----------------------------------------------------------------------------------
+
+    def _start_locked(self, members: list[_Member], update: StoredUpdate, head: _Member | None = None) -> None:
+        """``members`` start receiving ``update`` now; in chain mode, those that can relay form one chain (``head``
+        first when it can relay, the rest by worker id); the others are sent it directly."""
+        chained: list[_Member] = []
+        if self.fanout == "chain":
+            chained = sorted((m for m in members if m.can_relay), key=lambda m: (m is not head, m.worker_id))
+        chain = None
+        if len(chained) >= 2:
+            self._num_chains += 1
+            chain = RelayChain(
+                update,
+                self._num_chains,
+                tuple(m.worker_id for m in chained),
+                tuple(m.relay_endpoint for m in chained),
+                self._clock(),
+            )
+            log.debug("weight relay chain planned", policy_version=update.policy_version, hops=list(chain.hops))
+        for member in members:
+            member.sending, member.next_chunk = update, 0
+            member.chain = chain if member in chained else None
+            member.relay_deadline_s = None
+
+    def _heal_relays_locked(self, now_s: float) -> None:
+        """Members a relay did not reach in time are planned again (the broker holds the update): see the module
+        docstring."""
+        stalled = [
+            member
+            for member in self._members.values()
+            if member.chain is not None
+            and not member.chain.dissolved
+            and member.chain.hops[0] == member.worker_id
+            and now_s - member.chain.last_progress_s > self.relay_timeout_s
+        ]
+        for head in stalled:  # a head that takes no chunks: its chain is dissolved, it keeps receiving alone
+            self._dissolve_locked(head.chain, reason="its first worker took no chunk in time")  # type: ignore[arg-type]
+        overdue = [
+            member
+            for member in self._members.values()
+            if member.relay_deadline_s is not None and member.unacked and now_s > member.relay_deadline_s
+        ]
+        if not overdue:
+            return
+        first_overdue: dict[int, _Member] = {}  # per chain, the first member the relay did not reach: held it up
+        for member in overdue:
+            chain_number, place = member.relay_place
+            if chain_number not in first_overdue or place < first_overdue[chain_number].relay_place[1]:
+                first_overdue[chain_number] = member
+        for member in first_overdue.values():
+            member.relay_ok = False
+        for member in overdue:
+            self._num_relay_heals += 1
+            log.warning(
+                "weight relay did not reach a worker in time; the broker sends it the update",
+                worker_id=member.worker_id,
+                awaited_version=member.unacked[-1][0],
+                relays_again=member.relay_ok,
+            )
+            member.relay_deadline_s = None
+            member.unacked.clear()
+            member.sent_version, member.sent_lineage = member.acked_version, member.acked_lineage
+            member.last_progress_s = now_s
+            self._replan_locked(member)
+
+    def _dissolve_locked(self, chain: RelayChain, *, reason: str) -> None:
+        """The members after ``chain``'s head stop waiting for it and are planned again (its head, if still a
+        member, goes on receiving the update alone)."""
+        chain.dissolved = True
+        for worker_id in chain.hops[1:]:
+            member = self._members.get(worker_id)
+            if member is None or member.chain is not chain:
+                continue
+            self._num_relay_heals += 1
+            member.sending, member.next_chunk, member.chain = None, 0, None
+            self._replan_locked(member)
+        log.warning(
+            "weight relay chain dissolved; the broker sends its workers the update",
+            policy_version=chain.update.policy_version,
+            hops=list(chain.hops),
+            reason=reason,
+        )
 
     def _declare_locked(self, member: _Member, version: int | None, lineage: int) -> None:
         """The worker says it holds ``version`` of ``lineage`` (not one we sent it): plan from there."""
@@ -465,7 +674,10 @@ class WeightFanout:
         member.queue = self.store.plan_for(basis, lineage)
 
     def _forget_locked(self, member: _Member, *, reason: str = "", count: bool = True) -> None:
+        chain = member.chain
         del self._members[member.worker_id]
+        if chain is not None and not chain.dissolved and member.sending is not None:
+            self._dissolve_locked(chain, reason=f"{member.worker_id} left it")
         if count:
             self._num_forgotten += 1
         if reason:

@@ -23,6 +23,12 @@ row; then it is forgotten until it says HELLO again (``WeightSubscriber`` does s
 registry marks LOST (or that deregistered) leaves the fan-out for good (``WeightFanout.leave``): its HELLOs are
 still answered, but it gets no pushes until it registers again under a new id.
 
+Relay (``WeightFanout(fanout="chain")``): the chunks of an update a chain receives go to its head only, each as the
+message the star fan-out sends plus the chain (``Envelope.relay_hops``) and a transfer id of its own (appended to
+the envelope bytes: protobuf merges them, and the checksum does not cover the envelope), so every hop receives and
+forwards the same frames and the broker sends each byte once per chain. ``bytes_out_total``
+(``primerl_broker_weight_bytes_pushed_total``) counts the payload bytes the broker itself sent.
+
 Lineage (a rollback, ``weight_store``): the core tracks the (version, lineage) each worker holds. When a newer
 lineage's FULL replaces the store's chain (a trainer resumed from an older checkpoint, ``policy rolled back`` in
 the log when its version is not above the latest), every worker is re-planned: one of an older lineage gets the
@@ -57,7 +63,7 @@ from primerl.broker.connection_gate import ConnectionGate
 from primerl.broker.log_limits import RateLimitedLog
 from primerl.broker.plane_lifecycle import RouterPlane
 from primerl.broker.weight_durable import WeightDurability
-from primerl.broker.weight_fanout import Joined, WeightFanout, WeightWorkerStatus
+from primerl.broker.weight_fanout import Joined, RelayChain, WeightFanout, WeightWorkerStatus, valid_relay_endpoint
 from primerl.broker.weight_intake import BROKER_SENDER, IntakeBounds, ReceivedChunks, WeightIntake
 from primerl.broker.weight_store import StoredUpdate, WeightStoreStatus
 from primerl.proto import framing
@@ -95,6 +101,9 @@ class WeightPlaneStatus:
     num_connections_refused: int = 0
     # Weight transfers being received now (chunked updates whose last chunk has not come).
     num_open_transfers: int = 0
+    # Relay fan-out: chains formed, and workers sent an update again because their relay did not reach them in time.
+    num_relay_chains: int = 0
+    num_relay_heals: int = 0
 
 
 @dataclass
@@ -212,6 +221,8 @@ class WeightPlane(RouterPlane):
             num_connections=gate.num_connected if (gate := self._gate) is not None else None,
             num_connections_refused=gate.num_refused if gate is not None else 0,
             num_open_transfers=self._intake.num_open_transfers,
+            num_relay_chains=self.fanout.num_relay_chains,
+            num_relay_heals=self.fanout.num_relay_heals,
         )
 
     # -- IO thread -----------------------------------------------------------------------------------
@@ -399,7 +410,17 @@ class WeightPlane(RouterPlane):
             self._drop_peer(previous_id)
             self.fanout.forget(previous_id, reason="", count=False)
         reconnected = self._peers.get(worker_id, identity) != identity
-        outcome = self.fanout.hello(worker_id, version, lineage, reconnected=reconnected)
+        relay_endpoint = hello.relay_endpoint
+        if relay_endpoint and not valid_relay_endpoint(relay_endpoint):
+            self._guard_log.warning(
+                "bad relay endpoint",
+                "HELLO names a relay endpoint that is not tcp://host:port or ipc://path (at most 256 characters); "
+                "the broker sends this worker its updates itself",
+                worker_id=worker_id[:128],
+                relay_endpoint=relay_endpoint[:128],
+            )
+            relay_endpoint = ""
+        outcome = self.fanout.hello(worker_id, version, lineage, reconnected=reconnected, relay_endpoint=relay_endpoint)
         if outcome is Joined.FULL:
             self._send_error(
                 identity,
@@ -491,11 +512,13 @@ class WeightPlane(RouterPlane):
             for worker_id, identity in list(self._peers.items()):
                 if budget <= 0:
                     break
-                step = self.fanout.next_chunk(worker_id)
+                step = self.fanout.next_step(worker_id)
                 if step is None:
                     continue
-                update, index = step
+                update, index, chain = step
                 messages, num_chunks = self._encoded(update)
+                if chain is not None:
+                    messages = self._relayed(messages, update, chain)
                 if index >= len(messages):
                     continue  # cut-through: that chunk has not arrived yet
                 frames = messages[index]
@@ -588,6 +611,22 @@ class WeightPlane(RouterPlane):
                     )
                 )
         return forward.messages, forward.num_chunks
+
+    def _relayed(self, messages: list[list[Any]], update: StoredUpdate, chain: RelayChain) -> list[list[Any]]:
+        """``messages`` (the star fan-out's, as far as they exist) as ``chain`` receives them: the same frames, the
+        envelope carrying the chain and a transfer id of the chain's own. Built once per chain, as chunks arrive."""
+        relayed: list[list[Any]] = chain.cache.setdefault("messages", [])
+        if len(relayed) < len(messages):
+            suffix = data_pb2.Envelope(
+                chunk=data_pb2.Chunk(transfer_id=f"{update.cache['forward'].transfer_id}.r{chain.number}"),
+                relay_hops=[
+                    data_pb2.RelayHop(worker_id=worker_id, endpoint=endpoint)
+                    for worker_id, endpoint in zip(chain.hops, chain.endpoints, strict=True)
+                ],
+            ).SerializeToString()
+            for frames in messages[len(relayed) :]:
+                relayed.append([frames[0], frames[1], bytes(frames[2]) + suffix, *frames[3:]])
+        return relayed
 
     def _rechunked(self, update: StoredUpdate, transfer_id: str) -> list[list[Any]]:
         pieces = [

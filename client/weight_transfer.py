@@ -6,17 +6,27 @@ The content digest (``header.digest``: XXH3-128, or SHA-256 from older publisher
 bytes land, so the whole update's digest is known when its last chunk is in, without another pass over the
 payload. The broker forwards chunks before it has checked that digest (cut-through): what the sink is told is
 received, not verified; the caller compares ``digest`` with the header before serving anything.
+
+``ChunkRelay``: a worker's sockets in a relay chain (it forwards each chunk it receives to the next worker).
 """
 
 from __future__ import annotations
 
+import collections
 import time
 from collections.abc import Callable
-from typing import Protocol
+from typing import Any, Protocol
+
+import zmq
 
 from primerl.proto import framing
 from primerl.proto.digests import hasher_for
 from primerl.proto.v1 import data_pb2
+from primerl.runtime.addresses import url_host
+from primerl.runtime.log_setup import get_logger
+from primerl.runtime.zmq_sockets import configure_socket
+
+log = get_logger(__name__)
 
 
 class PayloadSink(Protocol):
@@ -133,3 +143,101 @@ class InPlaceTransfer:
         self._open = False
         self.sink.end_payload(complete=True)
         return whole
+
+
+RELAY_HWM = 8
+"""Chunks a relay keeps queued for the next worker."""
+RELAY_SEND_WAIT_S = 1.0
+"""How long a relay waits for the next worker to take a chunk when ``RELAY_HWM`` are queued (e.g. while the connection
+comes up); past it the relay of that transfer stops (the broker sends that worker the update once the relay timeout
+passes)."""
+MAX_RELAY_TARGETS = 4
+"""Connections to next workers a relay keeps open (the oldest is closed beyond this)."""
+MAX_BROKEN_RELAYS = 16
+
+
+class ChunkRelay:
+    """A worker's part in a relay chain (``Envelope.relay_hops``, broker ``fanout = "chain"``): a PULL socket bound on
+    ``host`` (a free port; ``endpoint`` is what the worker announces in HELLO) where the worker before it sends, and
+    PUSH connections to the worker after it. ``forward`` sends a received chunk message on, frames unchanged, never
+    blocking for more than ``RELAY_SEND_WAIT_S``: a next worker that takes no more chunks gets no more of that
+    transfer.
+
+    Only messages that passed ``framing.decode`` (checksum, run token) are forwarded. Not thread-safe: the
+    subscriber's thread owns it."""
+
+    def __init__(self, context: zmq.Context, host: str, worker_id: str, *, max_message_bytes: int):
+        self.worker_id = worker_id
+        self._context = context
+        self.socket = configure_socket(context.socket(zmq.PULL), max_message_bytes=max_message_bytes, linger_ms=0)
+        try:
+            port = self.socket.bind_to_random_port(f"tcp://{url_host(host)}")
+        except zmq.ZMQError as exc:
+            self.socket.close(linger=0)
+            raise ValueError(
+                f"cannot bind the weight relay socket on {host!r}: {exc} (set weight_relay_host to an address of "
+                "this machine)"
+            ) from exc
+        self.endpoint = f"tcp://{url_host(host)}:{port}"
+        self._targets: collections.OrderedDict[str, zmq.Socket] = collections.OrderedDict()
+        self._broken: collections.deque[str] = collections.deque(maxlen=MAX_BROKEN_RELAYS)
+        self.num_forwarded_bytes = 0
+        self.num_forwarded_chunks = 0
+
+    def next_hop(self, message: framing.Message) -> str | None:
+        """The endpoint this worker forwards ``message`` to (None: it is the last hop, or not in the chain)."""
+        hops = message.envelope.relay_hops
+        place = next((i for i, hop in enumerate(hops) if hop.worker_id == self.worker_id), None)
+        if place is None or place + 1 >= len(hops):
+            return None
+        endpoint = hops[place + 1].endpoint
+        return endpoint if endpoint.startswith(("tcp://", "ipc://")) else None
+
+    def forward(self, message: framing.Message, frames: list[Any]) -> bool:
+        """Send ``frames`` (the message as received) to the next hop; True when it went on its way."""
+        if message.type != data_pb2.WEIGHT_UPDATE or not message.envelope.relay_hops:
+            return False
+        endpoint = self.next_hop(message)
+        transfer_id = message.envelope.chunk.transfer_id
+        if endpoint is None or transfer_id in self._broken:
+            return False
+        target = self._target(endpoint)
+        try:
+            try:
+                target.send_multipart(frames, zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                if not target.poll(int(RELAY_SEND_WAIT_S * 1000), zmq.POLLOUT):
+                    raise
+                target.send_multipart(frames, zmq.NOBLOCK, copy=False)
+        except zmq.Again:
+            self._broken.append(transfer_id)
+            log.warning(
+                "the next worker of the weight relay takes no more chunks; it will get the update from the broker",
+                next_hop=endpoint,
+                transfer_id=transfer_id,
+                chunk=message.envelope.chunk.index,
+            )
+            return False
+        self.num_forwarded_chunks += 1
+        self.num_forwarded_bytes += sum(len(frame) for frame in frames[3:])
+        return True
+
+    def _target(self, endpoint: str) -> zmq.Socket:
+        target = self._targets.get(endpoint)
+        if target is None:
+            while len(self._targets) >= MAX_RELAY_TARGETS:
+                self._targets.popitem(last=False)[1].close(linger=0)
+            target = self._context.socket(zmq.PUSH)
+            target.setsockopt(zmq.SNDHWM, RELAY_HWM)
+            target.setsockopt(zmq.LINGER, 0)
+            target.connect(endpoint)
+            self._targets[endpoint] = target
+        else:
+            self._targets.move_to_end(endpoint)
+        return target
+
+    def close(self) -> None:
+        for target in self._targets.values():
+            target.close(linger=0)
+        self._targets.clear()
+        self.socket.close(linger=0)

@@ -26,7 +26,7 @@ import zmq
 
 from primerl.client.dealer import DealerClient
 from primerl.client.outage import OutageWatch
-from primerl.client.weight_transfer import BufferSink, InPlaceTransfer, PayloadSink
+from primerl.client.weight_transfer import BufferSink, ChunkRelay, InPlaceTransfer, PayloadSink
 from primerl.proto import chunked_transfer, framing
 from primerl.proto.data_plane_limits import DEFAULT_BROKER_LIMITS
 from primerl.proto.digests import payload_digest
@@ -266,6 +266,11 @@ class WeightSubscriber(DealerClient):
     (the broker sends a worker's updates one after the other): a new one replaces an unfinished one, and an
     unfinished one that gets no chunk for ``stall_timeout_s`` (the trainer or the broker stopped sending it midway),
     or is open longer than ``transfer_timeout_s``, is dropped; a dropped update is never returned, in part or whole.
+
+    ``relay_host``: take part in relay chains (broker ``weight_fanout = "chain"``): a ``ChunkRelay`` bound on that
+    host (an address the other workers reach) is announced in HELLO, chunks arrive from the broker or from the
+    worker before this one, and each chunk whose message names a next worker is forwarded to it, unchanged, before
+    it is written here. None (and with CURVE, which the relay sockets do not speak): the broker sends every chunk.
     """
 
     # A broker that already has as many weight peers as it admits refuses the connection at the handshake
@@ -288,6 +293,7 @@ class WeightSubscriber(DealerClient):
         outage_s: float | None = None,
         liveness_s: float | None = None,
         curve: CurveClient | None = None,
+        relay_host: str | None = None,
     ):
         if not worker_id:
             raise ValueError("worker_id must not be empty")
@@ -321,6 +327,20 @@ class WeightSubscriber(DealerClient):
         self._hello_sent_s: float | None = None
         self.num_handshake_refusals = 0
         super().__init__(endpoint, auth_token, worker_id, limits=limits, context=context, curve=curve)
+        self.relay: ChunkRelay | None = None
+        if relay_host and curve is not None:
+            log.warning(
+                "weight relay is off on an encrypted (CURVE) wire: the broker sends this worker every chunk",
+                worker_id=worker_id,
+            )
+        elif relay_host:
+            try:
+                self.relay = ChunkRelay(
+                    self._context, relay_host, worker_id, max_message_bytes=limits.max_message_bytes
+                )
+            except ValueError:
+                super().close()
+                raise
 
     def _on_monitor_events(self, events: Sequence[int], deadline_s: float) -> bool:
         """The broker refused this connection at the handshake: wait a moment (within ``deadline_s``), connect
@@ -358,7 +378,11 @@ class WeightSubscriber(DealerClient):
         self._send_hello()
 
     def _send_hello(self) -> None:
-        hello = data_pb2.Hello(worker_id=self.worker_id, role=common_pb2.ROLE_INFERENCE)
+        hello = data_pb2.Hello(
+            worker_id=self.worker_id,
+            role=common_pb2.ROLE_INFERENCE,
+            relay_endpoint=self.relay.endpoint if self.relay is not None else "",
+        )
         if self.current_version is not None:
             hello.policy_version = self.current_version
             hello.lineage = self.current_lineage
@@ -386,12 +410,53 @@ class WeightSubscriber(DealerClient):
                 wait_s = min(wait_s, self._in_place.stall_timeout_s / 2)
             if self._watch is not None:
                 wait_s = min(wait_s, max(0.05, self.liveness_s / 2))
-            message = self._recv(time.monotonic() + wait_s)
+            message = self._recv_relaying(time.monotonic() + wait_s)
             if message is None:
                 continue
             update = self._handle(message)
             if update is not None:
                 return update
+
+    def _recv_relaying(self, deadline_s: float) -> framing.Message | None:
+        """The next valid message from the broker or (relay on) from the worker before this one in a chain, or None
+        by the deadline; a chunk for the next worker of a chain is forwarded to it first."""
+        relay = self.relay
+        if relay is None:
+            return self._recv(deadline_s)
+        assert self._socket is not None, "subscriber is closed"
+        poller = zmq.Poller()
+        poller.register(self._socket, zmq.POLLIN)
+        poller.register(relay.socket, zmq.POLLIN)
+        if self._monitor is not None:
+            poller.register(self._monitor, zmq.POLLIN)
+        while True:
+            ready = dict(poller.poll(max(0, int((deadline_s - time.monotonic()) * 1000))))
+            if (
+                self._monitor is not None
+                and self._monitor in ready
+                and self._on_monitor_events(self._read_monitor_events(), deadline_s)
+            ):
+                return None
+            source = self._socket if self._socket in ready else relay.socket if relay.socket in ready else None
+            if source is None:
+                if time.monotonic() >= deadline_s:
+                    return None
+                continue
+            frames = source.recv_multipart(copy=False)
+            message = self._decode(frames)
+            if message is None:
+                continue
+            if source is relay.socket and (message.type != data_pb2.WEIGHT_UPDATE or not message.envelope.relay_hops):
+                log.warning("ignored a message on the weight relay socket", type=message.type_name)
+                continue
+            relay.forward(message, frames)
+            return message
+
+    def close(self) -> None:
+        if self.relay is not None:
+            self.relay.close()
+            self.relay = None
+        super().close()
 
     def _check_liveness(self, now_s: float) -> None:
         """With ``outage_s``: nothing heard from the broker for ``liveness_s`` is an outage (logged, bounded)."""

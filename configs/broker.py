@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import Field, field_validator, model_validator
 
@@ -132,6 +132,22 @@ class BrokerConfig(BaseConfig):
         ge=1,
         le=1024,
         description="ZeroMQ high-water mark of the weight socket, in messages per peer and direction.",
+    )
+    weight_fanout: Literal["star", "chain"] = Field(
+        "star",
+        description="How the broker pushes a weight update to the inference workers. `star`: it sends every byte to "
+        "every worker. `chain` (relay): it sends each chunk once, to the first worker of a chain, and each worker "
+        "forwards the chunks it receives to the next while it loads them; workers without a relay socket "
+        "(`inference.weight_relay_host` unset, or a CURVE wire) are sent the update directly. The broker stays the "
+        "origin: versions, acknowledgements, joins and refusals are unchanged.",
+    )
+    weight_relay_timeout_s: float = Field(
+        20.0,
+        gt=0,
+        description='`weight_fanout = "chain"`: a worker that has not acknowledged an update this long after the '
+        "chain's first worker received its last chunk (or a chain whose first worker took no chunk for this long) "
+        "is sent the update by the broker; the worker the others waited on relays nothing more until it "
+        "acknowledges one. Keep it above a worker's time to load an update.",
     )
     read_cache_bytes: int = Field(
         256 * MiB,

@@ -104,6 +104,14 @@ class InferenceConfig(BaseConfig):
     kv_cache_memory_bytes: int | None = Field(
         None, ge=1, description="KV cache size in bytes; overrides gpu_memory_utilization (set it on CPU)."
     )
+    weight_relay_host: str | None = Field(
+        None,
+        min_length=1,
+        description='Take part in relay fan-out of weight updates (`broker.weight_fanout = "chain"`): bind a relay '
+        "socket on this address (a free port), which the other inference workers must reach, and forward the "
+        "chunks of each update to the next worker of the broker's chain while loading them. Unset: the broker "
+        "sends this worker every chunk itself. Off on a CURVE-encrypted wire.",
+    )
     enable_lora: bool = Field(False, description="Serve LoRA adapters (on when the trainer trains LoRA).")
     max_lora_rank: int | None = Field(
         None, ge=1, description="Largest adapter rank served (unset: vLLM's default, 16); must be >= lora.rank."

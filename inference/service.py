@@ -303,6 +303,7 @@ class InferenceService:
                         outage_s=self.config.broker.outage_s,
                         limits=self.control.limits.frames,
                         curve=self.control.curve,
+                        relay_host=self.config.weight_relay_host,
                     )
                     try:
                         subscriber.hello(self.policy_version, lineage=self.updater.lineage)

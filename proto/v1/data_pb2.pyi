@@ -69,7 +69,7 @@ class Chunk(_message.Message):
     def __init__(self, transfer_id: _Optional[str] = ..., index: _Optional[int] = ..., count: _Optional[int] = ..., total_bytes: _Optional[int] = ...) -> None: ...
 
 class Envelope(_message.Message):
-    __slots__ = ("message_id", "sent_unix_ms", "header", "chunk", "num_payload_frames", "payload_frame_bytes", "checksum", "auth_token", "in_reply_to", "sender", "checksum_kind", "checksum64")
+    __slots__ = ("message_id", "sent_unix_ms", "header", "chunk", "num_payload_frames", "payload_frame_bytes", "checksum", "auth_token", "in_reply_to", "sender", "checksum_kind", "checksum64", "relay_hops")
     MESSAGE_ID_FIELD_NUMBER: _ClassVar[int]
     SENT_UNIX_MS_FIELD_NUMBER: _ClassVar[int]
     HEADER_FIELD_NUMBER: _ClassVar[int]
@@ -82,6 +82,7 @@ class Envelope(_message.Message):
     SENDER_FIELD_NUMBER: _ClassVar[int]
     CHECKSUM_KIND_FIELD_NUMBER: _ClassVar[int]
     CHECKSUM64_FIELD_NUMBER: _ClassVar[int]
+    RELAY_HOPS_FIELD_NUMBER: _ClassVar[int]
     message_id: str
     sent_unix_ms: int
     header: bytes
@@ -94,21 +95,32 @@ class Envelope(_message.Message):
     sender: str
     checksum_kind: ChecksumKind
     checksum64: int
-    def __init__(self, message_id: _Optional[str] = ..., sent_unix_ms: _Optional[int] = ..., header: _Optional[bytes] = ..., chunk: _Optional[_Union[Chunk, _Mapping]] = ..., num_payload_frames: _Optional[int] = ..., payload_frame_bytes: _Optional[_Iterable[int]] = ..., checksum: _Optional[int] = ..., auth_token: _Optional[str] = ..., in_reply_to: _Optional[str] = ..., sender: _Optional[str] = ..., checksum_kind: _Optional[_Union[ChecksumKind, str]] = ..., checksum64: _Optional[int] = ...) -> None: ...
+    relay_hops: _containers.RepeatedCompositeFieldContainer[RelayHop]
+    def __init__(self, message_id: _Optional[str] = ..., sent_unix_ms: _Optional[int] = ..., header: _Optional[bytes] = ..., chunk: _Optional[_Union[Chunk, _Mapping]] = ..., num_payload_frames: _Optional[int] = ..., payload_frame_bytes: _Optional[_Iterable[int]] = ..., checksum: _Optional[int] = ..., auth_token: _Optional[str] = ..., in_reply_to: _Optional[str] = ..., sender: _Optional[str] = ..., checksum_kind: _Optional[_Union[ChecksumKind, str]] = ..., checksum64: _Optional[int] = ..., relay_hops: _Optional[_Iterable[_Union[RelayHop, _Mapping]]] = ...) -> None: ...
+
+class RelayHop(_message.Message):
+    __slots__ = ("worker_id", "endpoint")
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    ENDPOINT_FIELD_NUMBER: _ClassVar[int]
+    worker_id: str
+    endpoint: str
+    def __init__(self, worker_id: _Optional[str] = ..., endpoint: _Optional[str] = ...) -> None: ...
 
 class Hello(_message.Message):
-    __slots__ = ("worker_id", "role", "rank", "policy_version", "lineage")
+    __slots__ = ("worker_id", "role", "rank", "policy_version", "lineage", "relay_endpoint")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
     POLICY_VERSION_FIELD_NUMBER: _ClassVar[int]
     LINEAGE_FIELD_NUMBER: _ClassVar[int]
+    RELAY_ENDPOINT_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     role: _common_pb2.Role
     rank: int
     policy_version: int
     lineage: int
-    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[_Union[_common_pb2.Role, str]] = ..., rank: _Optional[int] = ..., policy_version: _Optional[int] = ..., lineage: _Optional[int] = ...) -> None: ...
+    relay_endpoint: str
+    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[_Union[_common_pb2.Role, str]] = ..., rank: _Optional[int] = ..., policy_version: _Optional[int] = ..., lineage: _Optional[int] = ..., relay_endpoint: _Optional[str] = ...) -> None: ...
 
 class RolloutBatchHeader(_message.Message):
     __slots__ = ("step", "rank", "micro_batch_index", "num_micro_batches", "num_samples", "num_tokens", "min_policy_version", "max_policy_version", "tensors", "batch_id", "num_loss_tokens_global")

@@ -24,7 +24,7 @@ TOKEN = "run-secret"
 CHUNK_BYTES = 64 * 1024
 LIMITS = BrokerLimits.for_max_message_bytes(1 << 20).frames
 RECEIVE_S = 10.0
-FANOUT_KEYS = ("ack_timeout_s", "max_retries", "max_workers")  # WeightFanout's settings
+FANOUT_KEYS = ("ack_timeout_s", "max_retries", "max_workers", "fanout", "relay_timeout_s")  # WeightFanout's
 BOUNDS_KEYS = tuple(IntakeBounds.__dataclass_fields__)  # IntakeBounds' fields
 
 

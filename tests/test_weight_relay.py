@@ -1,0 +1,286 @@
+"""Relay (chain) fan-out of weight updates (``broker.weight_fanout = "chain"``): the fan-out core's chain planning and
+healing, driven directly with a fake clock; then over real ZeroMQ on loopback, a real ``WeightPlane`` and four real
+``WeightSubscriber``s that relay: every worker gets the update bit for bit while the broker sends each payload byte
+once, and a worker that dies mid-relay is healed around within the relay timeout."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+from support.probes import wait_until
+from support.weight_plane import CHUNK_BYTES, RECEIVE_S, make_update
+
+from primerl.broker.weight_fanout import WeightFanout, valid_relay_endpoint
+from primerl.broker.weight_store import WeightStore
+from primerl.client.weight_transfer import BufferSink
+from primerl.proto.digests import payload_digest
+
+RELAY_TIMEOUT_S = 5.0
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@pytest.fixture
+def clock() -> FakeClock:
+    return FakeClock()
+
+
+def chain_fanout(clock, **kwargs) -> WeightFanout:
+    return WeightFanout(WeightStore(), fanout="chain", relay_timeout_s=RELAY_TIMEOUT_S, clock=clock, **kwargs)
+
+
+def join(fanout: WeightFanout, *worker_ids: str, relay: bool = True) -> None:
+    for worker_id in worker_ids:
+        fanout.hello(worker_id, None, 0, relay_endpoint=f"tcp://127.0.0.1:{7000 + len(worker_id)}" if relay else "")
+
+
+def publish(fanout: WeightFanout, version: int):
+    header, data = make_update(version)
+    header.digest, header.payload_bytes = payload_digest(data), len(data)
+    fanout.put(header, data)
+    return fanout.store.status().latest_version
+
+
+def send_head(fanout: WeightFanout, worker_id: str):
+    """Send the member its next update whole (one chunk); the step it was."""
+    step = fanout.next_step(worker_id)
+    assert step is not None and step.index == 0
+    fanout.chunk_sent(worker_id, step.update, last=True)
+    return step
+
+
+# ------------------------------------------------------------------------------------------ planning
+def test_members_that_relay_form_one_chain_and_only_its_head_is_sent_chunks(clock):
+    fanout = chain_fanout(clock)
+    join(fanout, "w2", "w0", "w1")
+    join(fanout, "plain", relay=False)
+    publish(fanout, 1)
+    step = fanout.next_step("w1")  # the first member the plane asks about heads the chain
+    assert step is not None and step.chain is not None
+    assert step.chain.hops == ("w1", "w0", "w2")
+    assert step.chain.endpoints[0].startswith("tcp://")
+    assert fanout.next_step("w0") is None and fanout.next_step("w2") is None, "relayed members are sent nothing"
+    plain = fanout.next_step("plain")
+    assert plain is not None and plain.chain is None, "a member without a relay socket is sent the update itself"
+    fanout.chunk_sent("w1", step.update, last=True)
+    for worker_id in ("w0", "w1", "w2"):
+        status = next(s for s in fanout.workers() if s.worker_id == worker_id)
+        assert status.num_unacked == 1 and status.num_pending == 0, worker_id
+    for worker_id in ("w0", "w1", "w2"):
+        assert fanout.ack(worker_id, 1, 0, applied=True) is True
+    assert fanout.worker_versions() == {"w0": 1, "w1": 1, "w2": 1, "plain": None}
+    assert fanout.num_relay_chains == 1
+
+
+def test_begin_chains_the_members_an_arriving_update_starts(clock):
+    from primerl.broker.weight_store import StoredUpdate
+
+    fanout = chain_fanout(clock)
+    join(fanout, "a", "b", "c")
+    header, data = make_update(1)
+    header.digest, header.payload_bytes = payload_digest(data), len(data)
+    update = StoredUpdate.of(header, data)
+    assert fanout.begin(update) == 3
+    step = fanout.next_step("a")
+    assert step.chain is not None and step.chain.hops == ("a", "b", "c")
+    assert fanout.next_step("b") is None
+
+
+def test_star_mode_ignores_relay_endpoints(clock):
+    fanout = WeightFanout(WeightStore(), clock=clock)
+    join(fanout, "w0", "w1")
+    publish(fanout, 1)
+    for worker_id in ("w0", "w1"):
+        step = fanout.next_step(worker_id)
+        assert step is not None and step.chain is None
+    assert fanout.num_relay_chains == 0
+
+
+def test_a_single_relaying_member_is_sent_its_update_directly(clock):
+    fanout = chain_fanout(clock)
+    join(fanout, "w0")
+    publish(fanout, 1)
+    assert fanout.next_step("w0").chain is None
+
+
+# ------------------------------------------------------------------------------------------ healing
+def test_members_a_relay_did_not_reach_in_time_get_the_update_again_without_the_one_that_held_it_up(clock):
+    fanout = chain_fanout(clock)
+    join(fanout, "w0", "w1", "w2", "w3")
+    publish(fanout, 1)
+    send_head(fanout, "w0")
+    assert fanout.ack("w0", 1, 0, applied=True)
+    clock.now += RELAY_TIMEOUT_S - 0.1
+    fanout.tick()
+    assert fanout.num_relay_heals == 0, "healed before the relay timeout"
+    clock.now += 0.2
+    fanout.tick()  # w1 (dead) never acknowledged, so neither did w2 and w3 behind it
+    assert fanout.num_relay_heals == 3
+    step = fanout.next_step("w2")
+    assert step is not None and step.update.policy_version == 1
+    assert step.chain is not None and step.chain.hops == ("w2", "w3"), "the new chain must leave out w1"
+    w1 = fanout.next_step("w1")
+    assert w1 is not None and w1.chain is None, "the worker that held the chain up is sent the update alone"
+    # once it acknowledges an update it relays again
+    fanout.chunk_sent("w1", w1.update, last=True)
+    assert fanout.ack("w1", 1, 0, applied=True)
+    publish(fanout, 2)
+    step = fanout.next_step("w0")
+    assert step.chain is not None and step.chain.hops == ("w0", "w1")
+
+
+def test_a_chain_whose_head_leaves_is_dissolved_and_its_members_planned_again(clock):
+    fanout = chain_fanout(clock)
+    join(fanout, "w0", "w1", "w2")
+    publish(fanout, 1)
+    step = fanout.next_step("w0")
+    fanout.chunk_sent("w0", step.update, last=False)
+    fanout.forget("w0", reason="peer disconnected")
+    assert fanout.num_relay_heals == 2
+    step = fanout.next_step("w1")
+    assert step is not None and step.index == 0 and step.chain.hops == ("w1", "w2")
+
+
+def test_a_chain_whose_head_takes_no_chunk_is_dissolved_after_the_relay_timeout(clock):
+    fanout = chain_fanout(clock)
+    join(fanout, "w0", "w1", "w2")
+    publish(fanout, 1)
+    head = fanout.next_step("w0")
+    fanout.chunk_sent("w0", head.update, last=False)
+    clock.now += RELAY_TIMEOUT_S + 1
+    fanout.tick()
+    assert fanout.num_relay_heals == 2
+    assert fanout.next_step("w1") is not None, "w1 waits no longer on the stalled head"
+    still = fanout.next_step("w0")
+    assert still.chain is head.chain and still.index == 1, "the head goes on with the chunks it was sent"
+
+
+def test_relay_endpoints_are_checked():
+    assert valid_relay_endpoint("tcp://10.0.0.5:4000") and valid_relay_endpoint("ipc:///tmp/x")
+    for bad in ("", "http://x:1", "tcp://" + "x" * 300, "tcp://a\nb:1"):
+        assert not valid_relay_endpoint(bad), bad
+    with pytest.raises(ValueError, match="fanout must be one of"):
+        WeightFanout(WeightStore(), fanout="tree")
+
+
+# ------------------------------------------------------------------------------------------ over loopback
+class Receiver:
+    """A real WeightSubscriber with a relay socket, receiving in its own thread and acknowledging each update;
+    ``die_after_chunks``: it stops dead (sockets closed, nothing acknowledged) once it has written that many."""
+
+    class Died(Exception):
+        pass
+
+    def __init__(self, harness, worker_id: str, die_after_chunks: int | None = None):
+        self.worker_id = worker_id
+        self.die_after_chunks = die_after_chunks
+        self.num_chunks = 0
+        self.buffer = bytearray()
+        self.got: dict[int, bytes] = {}
+        self.got_s: dict[int, float] = {}
+        self.dead = False
+        self.sub = harness.subscriber(
+            worker_id, payload_sink=self, relay_host="127.0.0.1", stall_timeout_s=2.0, hello_interval_s=0.5
+        )
+        self.sub.hello()
+        self._stop = threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    # PayloadSink
+    def begin_payload(self, header, num_bytes):
+        self.buffer = bytearray(num_bytes)
+        return memoryview(self.buffer)
+
+    def payload_progress(self, num_bytes):
+        self.num_chunks += 1
+        if self.die_after_chunks is not None and self.num_chunks >= self.die_after_chunks:
+            raise Receiver.Died()
+
+    def end_payload(self, complete):
+        pass
+
+    def _run(self):
+        try:
+            while not self._stop.is_set():
+                update = self.sub.receive(0.2)
+                if update is None:
+                    continue
+                header, payload = update
+                assert self.sub.received_digest == header.digest
+                self.got[header.policy_version] = bytes(payload)
+                self.got_s[header.policy_version] = time.monotonic()
+                self.sub.ack(header.policy_version)
+        except Receiver.Died:
+            self.dead = True
+            self.sub.close()
+
+    def stop(self):
+        self._stop.set()
+        self.thread.join(5)
+
+
+def test_assert_buffer_sink_is_a_payload_sink():
+    BufferSink(lambda n: memoryview(bytearray(n)))  # the Receiver above follows the same protocol
+
+
+@pytest.fixture
+def relay_plane(make_weight_plane):
+    return make_weight_plane(fanout="chain", relay_timeout_s=2.0)
+
+
+def test_four_relaying_workers_get_the_update_bit_for_bit_and_the_broker_sends_each_byte_once(relay_plane):
+    h = relay_plane
+    receivers = [Receiver(h, f"w{i}") for i in range(4)]
+    wait_until(lambda: len(h.plane.worker_versions()) == 4)
+    header, data = make_update(1, num_bytes=6 * CHUNK_BYTES)
+    h.publisher().publish(header, data, timeout_s=RECEIVE_S)
+    wait_until(lambda: all(1 in r.got for r in receivers), timeout_s=RECEIVE_S, what="every worker has v1")
+    for receiver in receivers:
+        assert receiver.got[1] == bytes(data), receiver.worker_id
+    wait_until(lambda: sorted(h.applied) == [(f"w{i}", 1) for i in range(4)], what="every ack at the broker")
+    status = h.plane.status()
+    assert status.bytes_out_total == len(data), "the broker must send each payload byte once"
+    assert status.num_relay_chains == 1 and status.num_relay_heals == 0
+    forwarded = sorted(r.sub.relay.num_forwarded_bytes for r in receivers)
+    assert forwarded == [0, len(data), len(data), len(data)], "three workers forward every byte, the last none"
+    # a second update goes the same way
+    header2, data2 = make_update(2, num_bytes=3 * CHUNK_BYTES + 17)
+    h.publisher().publish(header2, data2, timeout_s=RECEIVE_S)
+    wait_until(lambda: all(2 in r.got for r in receivers), timeout_s=RECEIVE_S, what="every worker has v2")
+    assert all(r.got[2] == bytes(data2) for r in receivers)
+    assert h.plane.status().bytes_out_total == len(data) + len(data2)
+    for receiver in receivers:
+        receiver.stop()
+
+
+def test_a_worker_that_dies_mid_relay_is_healed_around_within_the_relay_timeout(relay_plane):
+    h = relay_plane
+    # w1 is the chain's second worker (chains are ordered by worker id after the head): it dies at its 2nd chunk.
+    receivers = [Receiver(h, "w0"), Receiver(h, "w1", die_after_chunks=2), Receiver(h, "w2"), Receiver(h, "w3")]
+    wait_until(lambda: len(h.plane.worker_versions()) == 4)
+    header, data = make_update(1, num_bytes=8 * CHUNK_BYTES)
+    sent_s = time.monotonic()
+    h.publisher().publish(header, data, timeout_s=RECEIVE_S)
+    alive = [receivers[i] for i in (0, 2, 3)]
+    wait_until(lambda: all(1 in r.got for r in alive), timeout_s=2.0 + 8.0, what="the live workers have v1")
+    healed_s = max(r.got_s[1] for r in alive) - sent_s
+    assert receivers[1].dead and 1 not in receivers[1].got
+    for receiver in alive:
+        assert receiver.got[1] == bytes(data), receiver.worker_id
+    status = h.plane.status()
+    assert status.num_relay_heals >= 2, status
+    assert healed_s < 2.0 + 5.0, f"healing took {healed_s:.1f} s"
+    # the broker sent w2 and w3 the update again (at most twice the payload in all: once to the first chain's
+    # head, once to the new chain's), never once per worker
+    assert status.bytes_out_total <= 3 * len(data), status.bytes_out_total
+    for receiver in alive:
+        receiver.stop()

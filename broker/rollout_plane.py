@@ -47,6 +47,7 @@ from primerl.broker.rollout_queue import RolloutQueue
 from primerl.broker.rollout_replies import (
     REFUSAL_SUMMARY_INTERVAL_S,
     STALE_NOTE,
+    SUPERSEDED_NOTE,
     PeerSender,
     RefusalLog,
     error_detail,
@@ -62,6 +63,7 @@ from primerl.broker.rollout_results import (
     Refused,
     RolloutQueueStatus,
     Stale,
+    Superseded,
 )
 from primerl.broker.spool import BatchGone, SpoolCorruption, SpoolError
 from primerl.proto import framing
@@ -412,7 +414,7 @@ class RolloutPlane(RouterPlane):
         header = message.header
         payload = message.payload[0]
         ack = data_pb2.RolloutAck(batch_id=result.batch_id or header.batch_id, step=header.step)
-        if isinstance(result, (Accepted, Duplicate, Stale)):
+        if isinstance(result, (Accepted, Duplicate, Stale, Superseded)):
             ack.durable = True
             if isinstance(result, Accepted):
                 self._in.add(payload.nbytes)
@@ -428,6 +430,13 @@ class RolloutPlane(RouterPlane):
                     STALE_NOTE,
                     f"batch of step {result.step} arrived after step {result.committed_step} was committed; "
                     "acked, not kept",
+                )
+            elif isinstance(result, Superseded):
+                self._refusals.note(
+                    self._peer(routing_id),
+                    SUPERSEDED_NOTE,
+                    f"batch of step {result.step} from another producer incarnation than the one the step is held "
+                    f"whole from ({result.owner}); acked, not kept",
                 )
         elif isinstance(result, Backpressure):
             ack.error.CopyFrom(error_detail(common_pb2.ERROR_CODE_BACKPRESSURE, result.reason, result.retry_after_ms))

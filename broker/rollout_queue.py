@@ -22,6 +22,20 @@ Rules:
   bound holds however the requested steps move: a batch counts until a session is given it, so requests that
   jump ahead (and leave batches behind that nobody asks for) do not make room.
 
+Atomic steps: a batch whose id names its producer incarnation (``proto.batch_ids.producer_batch_id``, what the
+orchestrator sends) is kept per (step, producer) and served only once that producer's set of the step is whole
+(every rank, every micro-batch). The first incarnation whose set is whole owns the step: the other incarnations'
+partial sets of it are deleted from the spool, and their batches of it are acked ``Superseded`` and not kept. So a
+step is trained on exactly one orchestrator incarnation's rollouts, even when one was killed half-way through
+sending it and the next one made the step again. Ownership needs no file of its own: after a broker restart it is
+found again from the spool (the one whole set of a step). Batches with other ids (``default_batch_id``) are served
+as they come, as before, and a step takes one kind or the other.
+
+Disk full: a group whose spool write fails for lack of space (ENOSPC, EDQUOT) keeps nothing and each of its
+batches is answered ``Backpressure`` with the reason, so producers wait and resend; nothing on disk changes (the
+temporary files go) and the broker serves on. A commit on a full disk deletes the released batches before it
+writes its marker when the marker cannot be written first.
+
 Group commit: ``offer_many`` decides a group of batches in order (each sees the ones before it, as if
 offered one by one), spools the accepted ones together (``RolloutSpool.put_many``: one fsync per file, one
 directory fsync) and only then returns; the caller acks after that, so no ack precedes durability. If the
@@ -53,10 +67,11 @@ from primerl.broker.rollout_results import (
     RolloutQueueStatus,
     Stale,
     StepDone,
+    Superseded,
 )
-from primerl.broker.spool import RolloutSpool, SpoolCorruption
+from primerl.broker.spool import RolloutSpool, SpoolCorruption, SpoolFull, is_disk_full
 from primerl.broker.spool_format import PREFIX_BYTES
-from primerl.proto.batch_ids import default_batch_id
+from primerl.proto.batch_ids import ProducerBatchId, default_batch_id, parse_producer_batch_id
 from primerl.proto.micro_batch import tensor_spec_problem
 from primerl.proto.v1 import common_pb2, data_pb2
 from primerl.runtime.log_setup import get_logger
@@ -70,6 +85,8 @@ DEFAULT_MAX_SESSIONS = 256
 # request or a batch may name. Without it one request for step 2**64-1 would move the frontier so far that
 # every batch counts as "asked for" and the queue bound stops holding.
 DEFAULT_MAX_STEP_LEAD = 1024
+# Producers wait at least this long before resending into a full disk.
+DISK_FULL_RETRY_AFTER_MS = 1000
 
 
 # ---------------------------------------------------------------------- state
@@ -81,6 +98,22 @@ class _Slot:
 
     num_micro_batches: int
     batch_ids: dict[int, str] = field(default_factory=dict)
+
+
+@dataclass
+class _Candidate:
+    """One producer incarnation's batches of one step, not served until the set is whole."""
+
+    num_ranks: int
+    slots: dict[int, _Slot] = field(default_factory=dict)  # rank -> its batches
+
+    def whole(self) -> bool:
+        return len(self.slots) == self.num_ranks and all(
+            len(slot.batch_ids) == slot.num_micro_batches for slot in self.slots.values()
+        )
+
+    def batch_ids(self) -> list[str]:
+        return [batch_id for slot in self.slots.values() for batch_id in slot.batch_ids.values()]
 
 
 @dataclass
@@ -123,9 +156,21 @@ class RolloutQueue:
         self.retry_after_ms = retry_after_ms
         self.max_sessions = max_sessions
         self._lock = threading.Lock()
-        self._slots: dict[tuple[int, int], _Slot] = {}
+        self._slots: dict[tuple[int, int], _Slot] = {}  # what sessions are served from
+        # Batches with a producer id: step -> producer -> its set, until one producer's set is whole ...
+        self._candidates: dict[int, dict[str, _Candidate]] = {}
+        # ... then step -> that producer (its slots moved to ``_slots``).
+        self._sealed: dict[int, str] = {}
+        self._disk_full_since_s: float | None = None
         self._sessions: OrderedDict[bytes, _Session] = OrderedDict()
-        self._counts = {"accepted": 0, "duplicates": 0, "backpressured": 0, "released": 0}
+        self._counts = {
+            "accepted": 0,
+            "duplicates": 0,
+            "backpressured": 0,
+            "released": 0,
+            "superseded": 0,
+            "disk_full": 0,
+        }
         # Highest step any consumer session asked for (-1: none yet, e.g. right after a broker restart).
         self._frontier_step = -1
         # Spooled batches handed to a session at least once: they no longer count against the bounds.
@@ -170,6 +215,7 @@ class RolloutQueue:
             results: list[OfferResult] = []
             accepted: list[tuple[data_pb2.RolloutBatchHeader, Any, bytes, int | None]] = []
             group_ids: set[str] = set()
+            newly_sealed: list[tuple[int, str]] = []
             num_ahead, bytes_ahead = self._ahead()
             asked_steps = self._asked_steps()
             for header, payload, header_bytes, crc32 in prepared:
@@ -178,7 +224,9 @@ class RolloutQueue:
                 )
                 results.append(result)
                 if isinstance(result, Accepted):
-                    self._index(header)
+                    sealed = self._index(header)
+                    if sealed is not None:  # later batches of the group see the step's owner
+                        newly_sealed.append(sealed)
                     group_ids.add(header.batch_id)
                     accepted.append((header, payload, header_bytes, crc32))
                     if header.step not in asked_steps:
@@ -190,12 +238,21 @@ class RolloutQueue:
                 self.spool.put_many(
                     [(h.batch_id, hb, p, crc) for h, p, hb, crc in accepted]
                 )  # SpoolError on disk failure
-            except BaseException:
+            except BaseException as exc:
+                for step, _ in newly_sealed:
+                    del self._sealed[step]
                 for header, *_ in accepted:
                     self._unindex(header)
+                if isinstance(exc, SpoolFull):
+                    return GroupResult(self._disk_full_locked(results, exc))
                 raise
+            if self._disk_full_since_s is not None:
+                log.info("rollout spool has room again", waited_s=round(time.monotonic() - self._disk_full_since_s, 3))
+                self._disk_full_since_s = None
             self._counts["accepted"] += len(accepted)
-            keys = {(h.step, h.rank) for h, *_ in accepted}
+            keys = {(h.step, h.rank) for h, *_ in accepted if parse_producer_batch_id(h.batch_id) is None}
+            for step, producer in newly_sealed:
+                keys.update(self._seal_locked(step, producer))
             deliveries = tuple(
                 d
                 for d in (
@@ -232,7 +289,25 @@ class RolloutQueue:
         if committed is not None and step <= committed:
             self._counts["duplicates"] += 1
             return Stale(batch_id, step, committed)
-        slot = self._slots.get((step, rank))
+        tag = parse_producer_batch_id(batch_id)
+        problem = self._step_kind_problem(header, tag)
+        if problem:
+            return Refused(common_pb2.ERROR_CODE_MALFORMED_HEADER, problem, batch_id, step)
+        owner = self._sealed.get(step)
+        if tag is not None and owner is not None and owner != tag.producer:
+            self._counts["superseded"] += 1
+            return Superseded(batch_id, step, owner)
+        slot = self._slots.get((step, rank)) if tag is None else self._candidate_slot(step, rank, tag.producer)
+        if tag is not None:
+            candidate = self._candidates.get(step, {}).get(tag.producer)
+            if candidate is not None and candidate.num_ranks != tag.num_ranks:
+                return Refused(
+                    common_pb2.ERROR_CODE_MALFORMED_HEADER,
+                    f"batch {batch_id!r} says step {step} has {tag.num_ranks} ranks; earlier batches of its producer "
+                    f"said {candidate.num_ranks}",
+                    batch_id,
+                    step,
+                )
         if slot is not None:
             if slot.num_micro_batches != header.num_micro_batches:
                 return Refused(
@@ -385,12 +460,30 @@ class RolloutQueue:
             committed = self.spool.committed_step
             if committed is not None and step <= committed:
                 return 0
-            self.spool.set_committed_step(step)  # first, so a crash mid-delete finishes on the next load
-            for key in [key for key in self._slots if key[0] <= step]:
-                del self._slots[key]
             # From the spool, not the index: batches that could not be indexed at load go too.
             released = [e.batch_id for e in self.spool.entries() if e.header.step <= step]
-            num_released = self.spool.delete(released)
+            num_released = 0
+            try:
+                self.spool.set_committed_step(step)  # first, so a crash mid-delete finishes on the next load
+            except OSError as exc:
+                if not is_disk_full(exc):
+                    raise
+                # No room even for the marker: free the released batches' space first. The trainer never asks for
+                # a committed step again, so a crash before the marker only leaves it to the next commit.
+                log.error(
+                    "rollout spool disk full: deleting the committed steps' batches before writing the commit marker",
+                    committed_step=step,
+                    error=str(exc),
+                )
+                num_released = self.spool.delete(released)
+                self.spool.set_committed_step(step)
+            for key in [key for key in self._slots if key[0] <= step]:
+                del self._slots[key]
+            for old in [s for s in self._candidates if s <= step]:
+                del self._candidates[old]
+            for old in [s for s in self._sealed if s <= step]:
+                del self._sealed[old]
+            num_released += self.spool.delete(released)
             self._given.difference_update(released)
             for session in self._sessions.values():
                 for key in [k for k in session.delivered if k[0] <= step]:
@@ -403,7 +496,7 @@ class RolloutQueue:
 
     def status(self) -> RolloutQueueStatus:
         with self._lock:
-            steps = [key[0] for key, slot in self._slots.items() if slot.batch_ids]
+            steps = [key[0] for key, slot in self._slots.items() if slot.batch_ids] + list(self._candidates)
             num_ahead_batches, num_ahead_bytes = self._ahead()
             return RolloutQueueStatus(
                 num_batches=self.spool.num_batches,
@@ -422,6 +515,8 @@ class RolloutQueue:
                 num_ahead_batches=num_ahead_batches,
                 num_ahead_bytes=num_ahead_bytes,
                 frontier_step=self._frontier_step if self._frontier_step >= 0 else None,
+                num_superseded=self._counts["superseded"],
+                num_disk_full=self._counts["disk_full"],
             )
 
     def close(self) -> None:
@@ -445,8 +540,17 @@ class RolloutQueue:
     def _load(self) -> None:
         for batch_id, entry in sorted(self.spool.load().items(), key=lambda item: _order_key(item[1].header)):
             header = entry.header
-            problem = _check_header(header)
-            slot = self._slots.get((header.step, header.rank))
+            tag = parse_producer_batch_id(batch_id)
+            problem = _check_header(header) or self._step_kind_problem(header, tag)
+            slot = (
+                self._slots.get((header.step, header.rank))
+                if tag is None
+                else self._candidate_slot(header.step, header.rank, tag.producer)
+            )
+            if not problem and tag is not None:
+                candidate = self._candidates.get(header.step, {}).get(tag.producer)
+                if candidate is not None and candidate.num_ranks != tag.num_ranks:
+                    problem = f"num_ranks {tag.num_ranks} disagrees with {candidate.num_ranks}"
             if not problem and slot is not None:
                 if slot.num_micro_batches != header.num_micro_batches:
                     problem = f"num_micro_batches {header.num_micro_batches} disagrees with {slot.num_micro_batches}"
@@ -459,12 +563,120 @@ class RolloutQueue:
                 )
                 continue
             self._index(header)
+        # A step whose set is whole from one producer is that producer's, as before the restart; the others'
+        # partial sets of it go. (Two whole sets only if the broker died between spooling the second and deleting
+        # it; no batch of the step was served then, so either may stay.)
+        for step in sorted(self._candidates):
+            whole = sorted(producer for producer, c in self._candidates[step].items() if c.whole())
+            if whole:
+                self._sealed[step] = whole[0]
+                self._seal_locked(step, whole[0])
 
-    def _index(self, header: data_pb2.RolloutBatchHeader) -> None:
-        slot = self._slots.setdefault((header.step, header.rank), _Slot(header.num_micro_batches))
+    def _index(self, header: data_pb2.RolloutBatchHeader) -> tuple[int, str] | None:
+        """Index an accepted batch; returns (step, producer) when it made its producer's set of the step whole and
+        the step had no owner yet (it is now that producer's: ``_seal_locked`` once the batches are durable)."""
+        tag = parse_producer_batch_id(header.batch_id)
+        if tag is None:
+            slot = self._slots.setdefault((header.step, header.rank), _Slot(header.num_micro_batches))
+            slot.batch_ids[header.micro_batch_index] = header.batch_id
+            return None
+        candidate = self._candidates.setdefault(header.step, {}).setdefault(tag.producer, _Candidate(tag.num_ranks))
+        slot = candidate.slots.setdefault(header.rank, _Slot(header.num_micro_batches))
         slot.batch_ids[header.micro_batch_index] = header.batch_id
+        if header.step not in self._sealed and candidate.whole():
+            self._sealed[header.step] = tag.producer
+            return header.step, tag.producer
+        return None
+
+    def _seal_locked(self, step: int, producer: str) -> set[tuple[int, int]]:
+        """``producer`` owns ``step``: serve its set, delete the other producers' sets of the step from the spool.
+        Returns the (step, rank) keys now served."""
+        candidates = self._candidates.pop(step, {})
+        owned = candidates.pop(producer)
+        for rank, slot in owned.slots.items():
+            self._slots[(step, rank)] = slot
+        dropped = [batch_id for candidate in candidates.values() for batch_id in candidate.batch_ids()]
+        if dropped:
+            num_deleted = self.spool.delete(dropped)
+            self._given.difference_update(dropped)
+            self._counts["superseded"] += len(dropped)
+            log.warning(
+                "rollout step held whole from one producer; other producers' partial sets of it dropped",
+                step=step,
+                producer=producer,
+                dropped_producers=sorted(candidates),
+                num_dropped=num_deleted,
+            )
+        return set((step, rank) for rank in owned.slots)
+
+    def _candidate_slot(self, step: int, rank: int, producer: str) -> _Slot | None:
+        candidate = self._candidates.get(step, {}).get(producer)
+        if candidate is None:
+            return self._slots.get((step, rank)) if self._sealed.get(step) == producer else None
+        return candidate.slots.get(rank)
+
+    def _step_kind_problem(self, header: data_pb2.RolloutBatchHeader, tag: ProducerBatchId | None) -> str:
+        """Why the batch cannot join its step ("" if it can): a producer id that disagrees with the header, or a
+        step that holds batches of the other kind (with and without a producer id)."""
+        step = header.step
+        legacy = step not in self._sealed and any(key[0] == step for key in self._slots)
+        if tag is None:
+            if step in self._candidates or step in self._sealed:
+                return (
+                    f"batch {header.batch_id!r} has no producer id but step {step} holds batches with one; "
+                    "a step is sent by orchestrators of one version"
+                )
+            return ""
+        if (tag.step, tag.rank, tag.micro_batch_index) != (step, header.rank, header.micro_batch_index):
+            return (
+                f"batch id {header.batch_id!r} names step {tag.step} rank {tag.rank} micro-batch "
+                f"{tag.micro_batch_index}, the header step {step} rank {header.rank} micro-batch "
+                f"{header.micro_batch_index}"
+            )
+        if header.rank >= tag.num_ranks:
+            return f"batch {header.batch_id!r}: rank {header.rank} is not below its num_ranks {tag.num_ranks}"
+        if legacy:
+            return (
+                f"batch {header.batch_id!r} has a producer id but step {step} holds batches without one; "
+                "a step is sent by orchestrators of one version"
+            )
+        return ""
+
+    def _disk_full_locked(self, results: list[OfferResult], exc: SpoolFull) -> tuple[OfferResult, ...]:
+        """The group's accepted batches could not be spooled for lack of space: each is told to wait instead."""
+        reason = (
+            f"broker spool disk full: {exc}; free space on the spool's filesystem (or let the trainer commit "
+            "steps); the batch is resent"
+        )
+        now_s = time.monotonic()
+        if self._disk_full_since_s is None:
+            self._disk_full_since_s = now_s
+            log.error("rollout spool disk full: producers are told to wait", error=str(exc))
+        answered: list[OfferResult] = []
+        for result in results:
+            if isinstance(result, Accepted):
+                self._counts["backpressured"] += 1
+                self._counts["disk_full"] += 1
+                result = Backpressure(
+                    result.batch_id, result.step, max(self.retry_after_ms, DISK_FULL_RETRY_AFTER_MS), reason
+                )
+            answered.append(result)
+        return tuple(answered)
 
     def _unindex(self, header: data_pb2.RolloutBatchHeader) -> None:
+        tag = parse_producer_batch_id(header.batch_id)
+        if tag is not None:
+            candidate = self._candidates.get(header.step, {}).get(tag.producer)
+            slot = candidate.slots.get(header.rank) if candidate is not None else None
+            if slot is not None and slot.batch_ids.get(header.micro_batch_index) == header.batch_id:
+                del slot.batch_ids[header.micro_batch_index]
+                if not slot.batch_ids:
+                    del candidate.slots[header.rank]  # type: ignore[union-attr]
+                if candidate is not None and not candidate.slots:
+                    del self._candidates[header.step][tag.producer]
+                    if not self._candidates[header.step]:
+                        del self._candidates[header.step]
+            return
         key = (header.step, header.rank)
         slot = self._slots.get(key)
         if slot is not None and slot.batch_ids.get(header.micro_batch_index) == header.batch_id:

@@ -20,6 +20,7 @@ log = get_logger("primerl.broker.rollout_plane")
 REFUSAL_SUMMARY_INTERVAL_S = 10.0
 MAX_REFUSAL_KEYS = 1024
 STALE_NOTE = -1  # pseudo error code for the log of stale (already committed) batches
+SUPERSEDED_NOTE = -2  # pseudo error code for the log of batches of a step held whole from another producer
 RETRY_SLEEP_S = 0.0005
 
 
@@ -113,6 +114,8 @@ def error_detail(code: int, message: str, retry_after_ms: int = 0) -> common_pb2
 def code_name(code: int) -> str:
     if code == STALE_NOTE:
         return "STALE_BATCH_ACKED"
+    if code == SUPERSEDED_NOTE:
+        return "SUPERSEDED_BATCH_ACKED"
     return common_pb2.ErrorCode.Name(code) if code in common_pb2.ErrorCode.values() else str(code)
 
 

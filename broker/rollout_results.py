@@ -1,7 +1,7 @@
 """What the rollout queue answers: the outcome of an offered batch (``Accepted``, ``Duplicate``, ``Stale``,
-``Backpressure``, ``Refused``), the batches to send to a trainer session (``Delivery``, ``StepDone``), a group's
-outcome, and the queue's status. Plain data; ``rollout_queue`` decides, ``rollout_plane`` turns them into
-messages."""
+``Superseded``, ``Backpressure``, ``Refused``), the batches to send to a trainer session (``Delivery``,
+``StepDone``), a group's outcome, and the queue's status. Plain data; ``rollout_queue`` decides,
+``rollout_plane`` turns them into messages."""
 
 from __future__ import annotations
 
@@ -53,6 +53,16 @@ class Stale:
 
 
 @dataclass(frozen=True)
+class Superseded:
+    """The broker holds the batch's step whole from another producer incarnation (``owner``), and serves the step
+    only from that one: acked (nothing to resend), not stored."""
+
+    batch_id: str
+    step: int
+    owner: str
+
+
+@dataclass(frozen=True)
 class Backpressure:
     batch_id: str
     step: int
@@ -70,7 +80,7 @@ class Refused:
     step: int = 0
 
 
-OfferResult = Accepted | Duplicate | Stale | Backpressure | Refused
+OfferResult = Accepted | Duplicate | Stale | Superseded | Backpressure | Refused
 
 
 @dataclass(frozen=True)
@@ -113,6 +123,11 @@ class RolloutQueueStatus:
     num_ahead_batches: int = 0
     num_ahead_bytes: int = 0
     frontier_step: int | None = None
+    # Batches not kept because their step is held whole from another producer incarnation, sent or spooled
+    # (a partial set dropped when another incarnation completed the step).
+    num_superseded: int = 0
+    # Batches told to wait because the spool's disk was full (ENOSPC), counted in num_backpressured too.
+    num_disk_full: int = 0
 
     @property
     def is_full(self) -> bool:

@@ -39,6 +39,7 @@ atomically the same way. Batches of steps at or below it are deleted.
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import os
 import threading
@@ -77,6 +78,15 @@ DEFAULT_CACHE_MAX_BYTES = 256 * MiB
 
 class SpoolError(RuntimeError):
     """The spool cannot do what was asked (a disk error, or a batch file that is damaged)."""
+
+
+class SpoolFull(SpoolError):
+    """A write failed for lack of space on the spool's filesystem (ENOSPC or EDQUOT); nothing of it was kept."""
+
+
+def is_disk_full(exc: BaseException) -> bool:
+    """Whether ``exc`` is a filesystem out of space (or out of quota)."""
+    return isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT)
 
 
 class SpoolCorruption(SpoolError):
@@ -224,6 +234,10 @@ class RolloutSpool:
         try:
             sizes = iter(write_files_atomically(self.directory, files))
         except OSError as exc:
+            if is_disk_full(exc):
+                raise SpoolFull(
+                    f"no space left for {len(files)} batch(es) in {self.directory} ({exc.strerror})"
+                ) from exc
             raise SpoolError(f"cannot write {len(files)} batch(es) to {self.directory}: {exc}") from exc
         written: list[bool] = []
         with self._lock:

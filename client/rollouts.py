@@ -222,6 +222,10 @@ class RolloutProducer(_RolloutClient):
         super().__init__(endpoint, auth_token, sender, context=context, limits=limits, curve=curve)
         self.resend_interval_s = resend_interval_s
         self.num_backpressure_waits = 0
+        # This producer incarnation, for producer batch ids (``proto.batch_ids.producer_batch_id``): the broker
+        # serves a step only from one incarnation's whole set.
+        self.producer_id = uuid.uuid4().hex[:16]
+        log.info("rollout producer started", producer=self.producer_id, endpoint=endpoint)
 
     def send_batch(
         self, header: data_pb2.RolloutBatchHeader, payload: Any, timeout_s: float = 60.0

@@ -13,11 +13,21 @@ Sending (on the orchestrator's send thread):
   broker acks a batch it already spooled, or whose step is committed, without a second copy).
 - ``stop_event`` set: the wait ends with ``OutageStopped``.
 
+Atomic steps: every batch goes out under a producer batch id (``proto.batch_ids.producer_batch_id``) naming this
+process's producer incarnation (``RolloutProducer.producer_id``) and the step's number of ranks. The broker serves a
+step only from one incarnation's whole set, so an orchestrator killed half-way through a step's send and the one
+restarted after it never mix their rollouts in one step: the restarted one's whole set replaces the partial one.
+
+Fault injection (tests only): ``PRIMERL_FAULT_ORCHESTRATOR_EXIT_AFTER_ACKS=k`` (or ``k@step``) makes the process
+send only the first ``k`` micro-batches of the first step it sends (or of ``step``), wait for their durable acks,
+and kill itself with SIGKILL, so a test hits the window between a step's first and last ack every time.
+
 ``step sending`` and ``step sent`` (events; fields ``step``, ``rank``, ``num_micro_batches``, ``data_digest``): one
 line per trainer rank, logged before the first send and after the broker has made all of the step's micro-batches
-durable. An orchestrator killed between the two leaves its step spooled with only ``step sending`` on record; the
-one restarted after it makes that step again, and the broker keeps the first copy (resends are idempotent by batch
-id), so the data trained for that step is the one the ``step sending`` line names. ``data_digest`` is
+durable. An orchestrator killed between the two leaves its step spooled (wholly or in part) with only ``step
+sending`` on record; the one restarted after it makes that step again. The broker keeps the first incarnation's set
+when it was whole, else the restarted one's, so the data trained for that step is the one a ``step sending`` line of
+exactly one incarnation names. ``data_digest`` is
 ``primerl.proto.step_digest.data_digest`` over that rank's micro-batch tensors in index order: the numpy arrays
 that were encoded into the payloads, i.e. the values the trainer decodes (the trainer logs the same digest over
 what it trained, so logs can show every step was trained on the data produced for it).
@@ -25,6 +35,8 @@ what it trained, so logs can show every step was trained on the data produced fo
 
 from __future__ import annotations
 
+import os
+import signal
 import threading
 import time
 from collections.abc import Sequence
@@ -32,6 +44,7 @@ from typing import TYPE_CHECKING
 
 from primerl.client.outage import OutageStopped, OutageWatch, retry_through_outage
 from primerl.proto import telemetry
+from primerl.proto.batch_ids import default_batch_id, producer_batch_id
 from primerl.proto.packing import PackedMicroBatch
 from primerl.proto.step_digest import data_digest
 from primerl.runtime.log_setup import get_logger
@@ -46,6 +59,8 @@ SEND_ATTEMPT_S = 5.0
 """One attempt at a step: without any answer from the broker for this long, the broker counts as unreachable."""
 RESEND_INTERVAL_S = 2.0
 """The producer resends a batch that got no answer after this long (within an attempt)."""
+FAULT_EXIT_AFTER_ACKS_ENV = "PRIMERL_FAULT_ORCHESTRATOR_EXIT_AFTER_ACKS"
+_fault_armed = True  # the fault fires once per process
 
 
 def send_step(
@@ -63,6 +78,8 @@ def send_step(
     from primerl.proto.v1 import common_pb2
 
     started_s = time.monotonic()
+    messages = with_producer_ids(messages, producer.producer_id)
+    _maybe_exit_after_acks(producer, step, messages)
 
     def attempt() -> None:
         while True:
@@ -85,6 +102,53 @@ def send_step(
     retry_through_outage(attempt, watch, (RolloutTimeout,), stop_event=stop_event)
 
 
+def with_producer_ids(
+    messages: Sequence[tuple[data_pb2.RolloutBatchHeader, bytes]], producer: str
+) -> list[tuple[data_pb2.RolloutBatchHeader, bytes]]:
+    """The step's batches under producer batch ids (module docstring); a batch that already has an id other than
+    the default one keeps it."""
+    from primerl.proto.v1 import data_pb2
+
+    num_ranks = len({header.rank for header, _ in messages})
+    tagged = []
+    for header, payload in messages:
+        if header.batch_id and header.batch_id != default_batch_id(header.step, header.rank, header.micro_batch_index):
+            tagged.append((header, payload))
+            continue
+        named = data_pb2.RolloutBatchHeader()
+        named.CopyFrom(header)
+        named.batch_id = producer_batch_id(header.step, header.rank, header.micro_batch_index, num_ranks, producer)
+        tagged.append((named, payload))
+    return tagged
+
+
+def _maybe_exit_after_acks(
+    producer: RolloutProducer, step: int, messages: Sequence[tuple[data_pb2.RolloutBatchHeader, bytes]]
+) -> None:
+    """The test-only fault point of the module docstring."""
+    global _fault_armed
+    spec = os.environ.get(FAULT_EXIT_AFTER_ACKS_ENV, "").strip()
+    if not spec or not _fault_armed:
+        return
+    count, _, at_step = spec.partition("@")
+    try:
+        num_acks, fault_step = int(count), int(at_step) if at_step else None
+    except ValueError:
+        raise ValueError(f"{FAULT_EXIT_AFTER_ACKS_ENV}={spec!r}: expected k or k@step (integers)") from None
+    if fault_step is not None and fault_step != step:
+        return
+    _fault_armed = False
+    producer.send_batches(list(messages)[:num_acks], timeout_s=60.0)
+    log.warning(
+        "fault injection: orchestrator exits after acks",
+        step=step,
+        num_acked=min(num_acks, len(messages)),
+        num_micro_batches=len(messages),
+        producer=producer.producer_id,
+    )
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
 def rank_digests(per_rank: Sequence[Sequence[PackedMicroBatch]]) -> list[str]:
     """The data digest of each rank's micro-batches (``PackedMicroBatch.tensors``, in index order)."""
     return [data_digest([batch.tensors for batch in batches]) for batches in per_rank]
@@ -103,4 +167,13 @@ def log_step_sent(step: int, per_rank: Sequence[Sequence[PackedMicroBatch]]) -> 
     log_step_data(telemetry.STEP_SENT, step, per_rank, rank_digests(per_rank))
 
 
-__all__ = ["RESEND_INTERVAL_S", "SEND_ATTEMPT_S", "log_step_data", "log_step_sent", "rank_digests", "send_step"]
+__all__ = [
+    "FAULT_EXIT_AFTER_ACKS_ENV",
+    "RESEND_INTERVAL_S",
+    "SEND_ATTEMPT_S",
+    "log_step_data",
+    "log_step_sent",
+    "rank_digests",
+    "send_step",
+    "with_producer_ids",
+]

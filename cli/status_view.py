@@ -63,10 +63,21 @@ def render_status(status) -> str:
     if status.last_metrics:
         lines += ["", f"last metrics (step {status.last_metrics_step}):"]
         lines += [f"  {name:<32} {value:.6g}" for name, value in sorted(status.last_metrics.items())]
+    advice = _advice_lines(status.last_metrics)
+    if advice:
+        lines += ["", "advice:"] + [f"  {line}" for line in advice]
     if status.recent_errors:
         lines += ["", "recent errors (newest last):"]
         lines += [f"  {error}" for error in status.recent_errors]
     return "\n".join(lines)
+
+
+def _advice_lines(last_metrics) -> list[str]:
+    """The advice lines in force (``primerl.runtime.advice``), from the flags in the run's latest metrics."""
+    from primerl.proto import telemetry
+    from primerl.runtime.advice import status_lines
+
+    return status_lines(last_metrics, telemetry.ADVICE)
 
 
 # Queues whose capacity bounds only part of what they hold: the broker's rollout spool keeps every batch until

@@ -35,6 +35,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from primerl.configs.orchestrator import ConcurrencyConfig, OrchestratorConfig
+from primerl.proto import telemetry
 from primerl.runtime.log_setup import get_logger
 
 log = get_logger("primerl.orchestrator.concurrency")
@@ -54,9 +55,9 @@ COOLDOWN_POLLS = 3
 """Polls after a back-off without growth, and between trims: each change shows in the KV use before the next."""
 METRICS_TIMEOUT_S = 2.0
 
-CONCURRENCY_LIMIT = "concurrency/limit"
-CONCURRENCY_KV_USAGE_MAX = "concurrency/kv_usage_max"
-CONCURRENCY_PREEMPTIONS = "concurrency/preemptions"
+CONCURRENCY_LIMIT = telemetry.CONCURRENCY_LIMIT
+CONCURRENCY_KV_USAGE_MAX = telemetry.CONCURRENCY_KV_USAGE_MAX
+CONCURRENCY_PREEMPTIONS = telemetry.CONCURRENCY_PREEMPTIONS
 
 
 class ConcurrencyLimit(Protocol):

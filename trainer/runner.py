@@ -25,6 +25,9 @@ The threads and their invariants are in ``primerl.trainer.step_io``. Several ran
   (``primerl_trainer_step``, ``primerl_trainer_loss``, ``primerl_trainer_loss_tokens``; names in
   ``primerl.proto.telemetry``); every ``step done`` line carries ``data_digest`` (``primerl.proto.step_digest``),
   the digest the orchestrator logs in its ``step sent`` line.
+- Advice (rank 0, ``primerl.runtime.advice``): once per window of steps in which it waited for batches longer than
+  it computed, the warning ``the trainer waits for batches longer than it computes: add inference`` with the
+  window's figures; ``advice/add_inference`` and ``advice/trainer_wait_to_compute`` in the rows after it.
 """
 
 from __future__ import annotations
@@ -39,6 +42,7 @@ from primerl.configs.trainer import TrainerConfig
 from primerl.proto import telemetry
 from primerl.proto.roles import TRAINING_FINISHED_REASON
 from primerl.proto.step_digest import data_digest
+from primerl.runtime.advice import WaitWindow
 from primerl.runtime.log_setup import bind_context, get_logger
 from primerl.runtime.metrics_sink import MetricsSink, finite_values
 from primerl.runtime.prometheus import MetricsExporter, start_exporter
@@ -81,6 +85,10 @@ class TrainerRunner:
         self.sink: MetricsSink | None = None
         self.resumed_state: dict | None = None  # extra_state of the checkpoint resumed from
         self.last_trained_step: int | None = None  # the last step this incarnation trained
+        # rank 0: "add inference" when, over a window of steps, it waits for batches longer than it computes
+        self.advice = WaitWindow(
+            telemetry.ADVICE_TRAINER_WAITS, telemetry.ADVICE_ADD_INFERENCE, telemetry.ADVICE_TRAINER_WAIT_TO_COMPUTE
+        )
         # First, before anything loads: an explicit fsdp2 with several ranks is refused here (ValueError).
         self.parallel = resolve_parallel(config.model.parallel, dist_info.world_size)
 
@@ -253,6 +261,8 @@ class TrainerRunner:
             }
         )
         metrics.update({f"perf/{name}": value for name, value in stats.timings.items()})
+        if self.dist.is_main:
+            self._advise(waited_s, compute_s - waited_s, metrics)
         done_line = {
             "loss": round(stats.loss, 6),
             "grad_norm": round(stats.grad_norm, 4),
@@ -299,6 +309,13 @@ class TrainerRunner:
         io_started_s = time.monotonic()
         self.weights_ticket = self.io.submit(f"publish/checkpoint step {step}", weights_job)
         self.io.submit(f"commit/metrics step {step}", finish_job)
+
+    def _advise(self, waited_s: float, computed_s: float, metrics: dict) -> None:
+        """The "add inference" advice (``primerl.runtime.advice``): logged once per window, flagged in the rows."""
+        advice = self.advice.add(waited_s, computed_s)
+        if advice is not None:
+            log.warning(advice.event, **advice.figures)
+        metrics.update(self.advice.metrics)
 
     def _record_step(self, step: int, metrics: dict, done_line: dict, **extra) -> None:
         """Rank 0: the step's metrics row (file, W&B, Prometheus), its report to the broker, its "step done" line."""

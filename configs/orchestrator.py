@@ -298,6 +298,11 @@ class OrchestratorConfig(BaseConfig):
     max_async_level: int = Field(
         1, ge=0, description="A sample may be at most this many policy versions behind the trainer."
     )
+    constant_trainer_batch_size: bool = Field(
+        True,
+        description="Drop groups whose advantages are all 0 before counting and collect until the step has "
+        "`batch_size` rollouts that carry signal (prime-rl's default); false: they count toward the batch.",
+    )
     max_inflight: int | None = Field(
         None,
         ge=1,

@@ -18,6 +18,8 @@ rule needs ``first_step = 1``, otherwise ``max_async_level = 1`` would be fully 
   (otherwise the orchestrator waits for the next weight update).
 - ``is_fresh``: a batch (or group) for step n may hold a sample only if its oldest token's version is >= it.
 - ``stale_groups``: in-flight groups that can no longer make it into step n; the orchestrator cancels them.
+- ``last_step``: the last step a group of a version can go into; the scheduler dispatches no more groups than the
+  batches up to it need, so that groups are not generated only to go stale.
 """
 
 from __future__ import annotations
@@ -43,6 +45,11 @@ class AsyncBound:
     def min_policy_version(self, step: int) -> int:
         """The oldest version a sample of ``step``'s batch may come from (never below 0)."""
         return max(0, self.trainer_policy_version(step) - self.max_async_level)
+
+    def last_step(self, policy_version: int) -> int:
+        """The last step whose batch may hold a sample of ``policy_version`` (``min_policy_version(step) <=
+        policy_version``): what a group dispatched with that version can still be trained in."""
+        return policy_version + self.first_step + self.max_async_level
 
     def may_dispatch(self, next_batch_step: int, current_policy_version: int) -> bool:
         """Whether rollouts for ``next_batch_step`` may be generated with ``current_policy_version``."""

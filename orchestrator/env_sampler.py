@@ -1,6 +1,7 @@
-"""Which (environment, example) the orchestrator rolls out next: an environment by weight, then the next example of
-that environment's shuffled order (a new shuffle each epoch). Deterministic for a seed; its state (positions and
-RNG) is saved with the orchestrator's state after each step, so a restart draws the same examples it would have.
+"""Which (environment, example) the orchestrator rolls out next: an environment (the one the scheduler asks for, else
+one drawn by weight), then the next example of that environment's shuffled order (a new shuffle each epoch).
+Deterministic for a seed; its state (positions and RNG) is saved with the orchestrator's state after each step, so
+a restart draws the same examples it would have.
 """
 
 from __future__ import annotations
@@ -25,8 +26,18 @@ class EnvSampler:
         random.Random(f"{self.seed}:{env_id}:{epoch}").shuffle(order)
         return order
 
-    def next(self) -> tuple[str, int]:
-        env_id = self.rng.choices(self.env_ids, weights=self.weights)[0]
+    def shares(self) -> dict[str, float]:
+        """Each environment's weight over the sum of the weights: its share of every step's batch."""
+        total = sum(self.weights)
+        return {env_id: weight / total for env_id, weight in zip(self.env_ids, self.weights)}
+
+    def next(self, env_id: str | None = None) -> tuple[str, int]:
+        """The next (env, example): of ``env_id`` when given (the scheduler picks the environment by what the
+        batches still need), else of an environment drawn by weight."""
+        if env_id is None:
+            env_id = self.rng.choices(self.env_ids, weights=self.weights)[0]
+        elif env_id not in self.sizes:
+            raise KeyError(f"unknown environment {env_id!r}; known: {', '.join(self.env_ids)}")
         position = self.positions[env_id]
         self.positions[env_id] = position + 1
         epoch, offset = divmod(position, self.sizes[env_id])

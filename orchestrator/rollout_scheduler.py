@@ -4,12 +4,28 @@ inference endpoint, and what their results become.
 The runner builds the collaborators (env clients by env id, the sampler, the failure tracker, the inference
 workers, the async bound, the teacher stage) and hands them to ``RolloutScheduler``. Each round of its main loop:
 ``refresh_endpoints`` takes the latest worker list, ``observe_lineage`` the broker's policy lineage and latest
-version, ``dispatch`` draws groups of ``rollouts_per_example`` rollouts (examples by environment weight; groups
-lost with a dead environment or an unreachable inference worker first) up to ``max_inflight`` rollouts, each to the
-answering inference worker with the fewest rollouts in flight among those whose served version is recent enough
-for the step (``max_async_level``, judged per worker); ``collect`` turns finished groups into samples
-(``samples.rollout_to_samples``), sends them through the teacher stage when there is one, computes their
-advantages and hands them to the batch assembler; ``cancel_stale`` cancels groups that became too stale. Once
+version, ``dispatch`` draws groups of ``rollouts_per_example`` rollouts (groups lost with a dead environment or an
+unreachable inference worker first) up to the in-flight cap (``InflightLimit.limit()``: ``max_inflight``, else
+twice ``batch_size``), each to the answering inference worker with the fewest rollouts in flight among those whose
+served version is recent enough for the step (``max_async_level``, judged per worker); ``collect`` turns finished
+groups into samples (``samples.rollout_to_samples``), sends them through the teacher stage when there is one,
+computes their advantages and hands them to the batch assembler (``filtering.BatchAssembler``: each
+environment's share of the batch, zero-advantage groups dropped with ``constant_trainer_batch_size``);
+``cancel_stale`` cancels groups that became too stale.
+
+Which environment a group goes to follows what the batches need, not a draw: each environment's deficit is the
+rollouts its quotas of the batches a group dispatched now can still go into (``AsyncBound.last_step`` of the
+worker's version: at most ``max_async_level + 1`` batches) need, less the rollouts waiting for it, divided by its
+keep rate (groups not filtered so far), less its groups in flight; the environment furthest behind its share
+gets the next group, and none gets a group no batch it could reach needs. So a slow environment keeps more
+groups in flight (its groups stay in flight longer), shares follow the weights, and groups are not generated only
+to go stale.
+
+Waste: every generated completion token is counted (``tokens_generated/<env>``) and, when its rollout is not
+trained, as discarded by reason: ``failed`` (failed or malformed rollouts, groups dispatched again),
+``cancelled`` (groups cancelled in flight: stale or their worker left; estimated at the environment's mean
+tokens per rollout, as a cancelled group's tokens never come back), and in the assembler ``filtered``, ``stale``
+and ``surplus`` (``step_metrics.token_metrics``). Once
 ``take_batch`` returns the step's batch, ``take_report`` returns what was counted (``types.StepReport``).
 
 Inference workers join and leave at any time (``endpoints.InferenceWorkers``): the groups of one that leaves are
@@ -44,7 +60,7 @@ from primerl.orchestrator.async_bound import AsyncBound
 from primerl.orchestrator.endpoints import ENDPOINT_BACKOFF_S, EndpointWatcher, InferenceEndpoint, InferenceWorkers
 from primerl.orchestrator.env_sampler import EnvSampler
 from primerl.orchestrator.envs.base import EnvClient, EnvRequestError, EnvWorkerDied
-from primerl.orchestrator.filtering import AssembledBatch, BatchAssembler, DifficultyFilter
+from primerl.orchestrator.filtering import FILL_BOUND_ROUNDS, AssembledBatch, BatchAssembler, DifficultyFilter
 from primerl.orchestrator.lineage import PolicyLineage, cap_versions
 from primerl.orchestrator.rollout_failures import RolloutFailures, is_unreachable, kind_name
 from primerl.orchestrator.samples import Group, MalformedTrajectory, rollout_to_samples
@@ -53,7 +69,7 @@ from primerl.orchestrator.step_metrics import StepTimers
 from primerl.orchestrator.teacher_stage import TeacherStage
 from primerl.orchestrator.throughput import ThroughputWindow
 from primerl.orchestrator.trajectory import RolloutGroup
-from primerl.orchestrator.types import SchedulerEvents, StepReport
+from primerl.orchestrator.types import FixedInflightLimit, InflightLimit, SchedulerEvents, StepReport
 from primerl.proto import telemetry
 from primerl.proto.v1 import control_pb2
 from primerl.runtime.log_setup import get_logger
@@ -80,7 +96,8 @@ class InflightGroup:
 class RolloutScheduler:
     """Rollout groups in flight and what becomes of them (module docstring). Its collaborators come in whole:
     ``env_clients`` (env id -> client), ``sampler``, ``failures``, ``inference`` (the workers rollouts go to),
-    ``bound`` (the async bound), ``teacher`` (a ``TeacherStage`` or None) and ``events``."""
+    ``bound`` (the async bound), ``teacher`` (a ``TeacherStage`` or None), ``events`` and ``inflight_limit`` (the
+    cap on rollouts in flight; unset: ``max_inflight``, else twice ``batch_size``)."""
 
     def __init__(
         self,
@@ -94,6 +111,7 @@ class RolloutScheduler:
         bound: AsyncBound | None = None,
         teacher: TeacherStage | None = None,
         events: SchedulerEvents | None = None,
+        inflight_limit: InflightLimit | None = None,
     ):
         self.config = config
         self.stop_event = stop_event
@@ -104,10 +122,20 @@ class RolloutScheduler:
         self.bound = bound if bound is not None else AsyncBound(config.max_async_level)
         self.teacher = teacher
         self.events = events if events is not None else SchedulerEvents()
+        self.inflight_limit = (
+            inflight_limit
+            if inflight_limit is not None
+            else FixedInflightLimit(config.max_inflight or 2 * config.batch_size)
+        )
         self.lineage = PolicyLineage()
         self.assembler = BatchAssembler(
-            config.batch_size, difficulty_filter=DifficultyFilter.from_config(config.buffer)
+            config.batch_size,
+            difficulty_filter=DifficultyFilter.from_config(config.buffer),
+            shares=sampler.shares(),
+            group_size=config.rollouts_per_example,
+            constant_batch_size=config.constant_trainer_batch_size,
         )
+        self._tokens_per_rollout: dict[str, tuple[int, int]] = {}  # env -> (tokens, rollouts) over the run
         self.inflight: dict[concurrent.futures.Future, InflightGroup] = {}
         self.latest_policy_version: int | None = None  # the broker's, from its heartbeat answers
         self.next_group_id = 0
@@ -134,8 +162,20 @@ class RolloutScheduler:
         self.next_group_id = state["next_group_id"]
 
     def take_batch(self, step: int) -> AssembledBatch | None:
-        """The step's batch once enough groups recent enough for it are assembled, else None."""
-        return self.assembler.take(min_policy_version=self.bound.min_policy_version(step))
+        """The step's batch once enough groups recent enough for it are assembled, else None. A batch filled with
+        dropped groups (an environment whose groups carried no signal for ``FILL_BOUND_ROUNDS`` batches' worth)
+        is said in one warning line."""
+        batch = self.assembler.take(min_policy_version=self.bound.min_policy_version(step))
+        if batch is not None and batch.filled_rollouts:
+            log.warning(
+                "step filled with groups that carry no signal or were filtered: the environment dropped "
+                f"{FILL_BOUND_ROUNDS} batches' worth of groups without filling its share; set "
+                "orchestrator.constant_trainer_batch_size = false to count them, or loosen [orchestrator.buffer] "
+                "(or check the environment's rewards)",
+                step=step,
+                filled_rollouts=dict(batch.filled_rollouts),
+            )
+        return batch
 
     def take_report(self) -> StepReport:
         """What was counted since the last report; the next step's counts start afresh."""
@@ -180,6 +220,7 @@ class RolloutScheduler:
                 del self.inflight[future]
                 endpoint.num_inflight -= self.config.rollouts_per_example
                 self.env_clients[entry.env_id].cancel(future)
+                self._count_cancelled(entry)
                 self._retry(entry, "its inference worker is no longer listed by the broker")
         self._inflight_changed()
 
@@ -218,7 +259,7 @@ class RolloutScheduler:
             self.counters["dispatch_waits"] += 1
             return
         now_s = time.monotonic()
-        max_inflight = config.max_inflight or 2 * config.batch_size
+        max_inflight = max(1, int(self.inflight_limit.limit()))
         groups_wanted = math.ceil(max_inflight / config.rollouts_per_example)
         if (
             self.teacher is not None and len(self.teacher) >= groups_wanted
@@ -229,15 +270,25 @@ class RolloutScheduler:
         # each environment in one write per (env, endpoint, seed).
         batches: dict[tuple[str, str, int | None], list[int]] = collections.defaultdict(list)
         entries: dict[tuple[str, str, int | None], list[InflightGroup]] = collections.defaultdict(list)
+        deficits: dict[int, dict[str, float]] = {}  # by the worker's version: groups each env still needs
         for _ in range(groups_wanted - len(self.inflight)):
             answering = [e for e in usable if e.may_take(now_s)]  # not backing off; probed one group at a time
             if not answering:
                 break
             endpoint = min(answering, key=lambda e: e.num_inflight)
+            if endpoint.policy_version not in deficits:
+                deficits[endpoint.policy_version] = self._deficits(step, endpoint.policy_version)
             # groups lost with a dead env worker or an unreachable inference worker go first (drawn already)
-            env_id, example_index, num_retries = (
-                self._rescheduled.popleft() if self._rescheduled else (*self.sampler.next(), 0)
-            )
+            if self._rescheduled:
+                env_id, example_index, num_retries = self._rescheduled.popleft()
+            else:
+                env_id = self._neediest(deficits[endpoint.policy_version])
+                if env_id is None:  # every batch a group could go into is provided for
+                    break
+                env_id, example_index = self.sampler.next(env_id)
+                num_retries = 0
+            for needs in deficits.values():
+                needs[env_id] -= 1
             seed = rollout_seed_base(config.sampling.seed, self.next_group_id, config.rollouts_per_example)
             key = (env_id, endpoint.worker_id, seed)
             batches[key].append(example_index)
@@ -274,6 +325,36 @@ class RolloutScheduler:
             for future, entry in zip(futures, entries[key]):
                 self.inflight[future] = entry
         self._inflight_changed()
+
+    def _deficits(self, step: int, policy_version: int) -> dict[str, float]:
+        """Groups each environment still needs for the batches a group dispatched now with ``policy_version`` can
+        go into (module docstring), before this dispatch round."""
+        num_batches = min(self.bound.last_step(policy_version), step + self.bound.max_async_level) - step + 1
+        planned = self.assembler.planned_rollouts(max(1, num_batches))
+        coming = collections.Counter(entry.env_id for entry in self.inflight.values())
+        if self.teacher is not None:
+            coming.update(group.env_id for group in self.teacher.groups())
+        deficits = {}
+        for env_id, rollouts in planned.items():
+            missing = max(0, rollouts - self.assembler.pending_rollouts(env_id)) / self.config.rollouts_per_example
+            deficits[env_id] = missing / max(0.05, self.assembler.keep_rate(env_id)) - coming[env_id]
+        return deficits
+
+    def _neediest(self, deficits: dict[str, float]) -> str | None:
+        """The environment furthest behind its share (deficit over share), or None when none needs a group."""
+        shares = self.assembler.shares
+        needing = [env_id for env_id, need in deficits.items() if need > 1e-9 and shares.get(env_id, 0) > 0]
+        if not needing:
+            return None
+        return max(needing, key=lambda env_id: deficits[env_id] / shares[env_id])
+
+    def _count_cancelled(self, entry: InflightGroup) -> None:
+        """A group cancelled in flight: its tokens never come back; counted at the environment's mean tokens per
+        rollout so far (generated and discarded as ``cancelled``)."""
+        tokens, rollouts = self._tokens_per_rollout.get(entry.env_id, (0, 0))
+        estimate = round(tokens / rollouts * self.config.rollouts_per_example) if rollouts else 0
+        self.counters[f"tokens_generated/{entry.env_id}"] += estimate
+        self.counters[f"tokens_discarded/cancelled/{entry.env_id}"] += estimate
 
     def _inflight_changed(self) -> None:
         self.events.inflight_changed(len(self.inflight) * self.config.rollouts_per_example)
@@ -377,6 +458,7 @@ class RolloutScheduler:
             self.counters[f"errors/{kind_name(scored.error.kind)}"] += scored.num_rollouts
             self.events.rollout_failed()
             self.failures.failed(scored.error.kind, f"{scored.group.env_id}: {scored.error}", scored.num_rollouts)
+            self.counters[f"tokens_discarded/failed/{scored.group.env_id}"] += scored.group.num_completion_tokens
             return
         self.failures.succeeded(scored.num_rollouts)
         self._add_group(scored.group)
@@ -390,13 +472,19 @@ class RolloutScheduler:
 
     def _to_group(self, rollout_group: RolloutGroup, entry: InflightGroup) -> Group | None:
         config = self.config
+        generated = sum(r.num_completion_tokens for r in rollout_group.rollouts)
+        self.counters[f"tokens_generated/{entry.env_id}"] += generated
+        tokens, rollouts = self._tokens_per_rollout.get(entry.env_id, (0, 0))
+        self._tokens_per_rollout[entry.env_id] = (tokens + generated, rollouts + len(rollout_group.rollouts))
         unreachable = next(
             (r for r in rollout_group.rollouts if not r.ok and is_unreachable(r.error_type or "", r.error or "")), None
         )
         if unreachable is not None and self._retry_unreachable(
             entry, f"{unreachable.error_type or 'RolloutError'}: {unreachable.error}"
         ):
+            self.counters[f"tokens_discarded/failed/{entry.env_id}"] += generated
             return None  # the whole group again, elsewhere: its other rollouts are not counted either
+        kept_tokens = 0
         group_id = f"{entry.env_id}:{entry.example_index}:{self.next_group_id}"
         samples = []
         for rollout in rollout_group.rollouts:
@@ -410,7 +498,7 @@ class RolloutScheduler:
                 continue
             entry.endpoint.answered()
             try:
-                samples += rollout_to_samples(
+                rollout_samples = rollout_to_samples(
                     rollout,
                     config.trajectory_strategy,
                     temperature=config.sampling.temperature,
@@ -420,6 +508,8 @@ class RolloutScheduler:
                     example_id=entry.example_index,
                     env_id=entry.env_id,
                 )
+                samples += rollout_samples
+                kept_tokens += rollout.num_completion_tokens
             except MalformedTrajectory as exc:
                 self.counters[f"malformed_{exc.reason}"] += 1
                 self._count_error("rollout_errors", f"malformed_{exc.reason}", f"{entry.env_id}: {exc}", entry.endpoint)
@@ -429,12 +519,19 @@ class RolloutScheduler:
             self.counters["rollouts"] += 1
             self.counters["completion_tokens"] += rollout.num_completion_tokens
             self.counters["truncated"] += int(rollout.is_truncated)
+        self.counters[f"tokens_discarded/failed/{entry.env_id}"] += generated - kept_tokens
         if not samples:
             return None
         ceiling = self.lineage.ceiling_since(entry.lineage_epoch)
         if ceiling is not None:  # made by weights a rollback since its dispatch removed
             cap_versions(samples, ceiling)
-        return Group(group_id=group_id, example_id=entry.example_index, env_id=entry.env_id, samples=samples)
+        return Group(
+            group_id=group_id,
+            example_id=entry.example_index,
+            env_id=entry.env_id,
+            samples=samples,
+            generated_tokens=kept_tokens,
+        )
 
     def observe_lineage(self, heartbeat: control_pb2.HeartbeatResponse | None) -> None:
         """The broker's heartbeat answer: its latest policy version (what a joining worker must serve), and a
@@ -467,6 +564,7 @@ class RolloutScheduler:
             entry = self.inflight.pop(future)
             entry.endpoint.num_inflight -= self.config.rollouts_per_example
             self.env_clients[entry.env_id].cancel(future)
+            self._count_cancelled(entry)
             self.counters["stale_groups_cancelled"] += 1
             self.counters[f"stale_groups_cancelled/{entry.env_id}"] += 1  # a slow env's groups outliving the bound
         if stale:

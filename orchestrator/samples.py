@@ -31,6 +31,9 @@ import numpy as np
 
 TrajectoryStrategy = Literal["interleaved", "branching"]
 
+ZERO_ADVANTAGE_TOLERANCE = 1e-8
+"""An advantage this close to 0 is 0: the float noise of ``reward - mean`` over equal rewards."""
+
 
 class MalformedTrajectory(ValueError):
     """Env output that cannot become a sample. ``reason`` is a short metric key (``no_turns``, ``empty_prompt``,
@@ -114,6 +117,8 @@ class Group:
     example_id: Hashable
     env_id: str
     samples: list[TrainingSample] = field(default_factory=list)
+    # tokens the model generated for the rollouts behind ``samples`` (the scheduler sets it; unset: the samples')
+    generated_tokens: int | None = None
 
     def rollouts(self) -> dict[int, list[TrainingSample]]:
         """Samples by rollout id, in order of first appearance."""
@@ -152,6 +157,19 @@ class Group:
     @property
     def max_policy_version(self) -> int:
         return max(sample.max_policy_version for sample in self.samples)
+
+    @property
+    def num_completion_tokens(self) -> int:
+        """Tokens the model generated for the group's rollouts: ``generated_tokens``, else its samples'."""
+        if self.generated_tokens is not None:
+            return self.generated_tokens
+        return sum(sample.num_completion_tokens or 0 for sample in self.samples)
+
+    @property
+    def has_signal(self) -> bool:
+        """Whether some sample has a non-zero advantage (after ``advantages.prepare_groups``): a group whose
+        advantages are all zero gives no policy gradient (prime-rl's "zero-advantage group")."""
+        return any(abs(sample.advantage) > ZERO_ADVANTAGE_TOLERANCE for sample in self.samples)
 
 
 @dataclass

@@ -24,6 +24,15 @@ and ``inference/workers_serving`` (listed, and serving the current version), ``i
 ``inference/workers_left`` (this step), ``inference/join_to_serving_s`` (the longest a worker that joined this
 step took from registering to serving the current version; absent when none).
 
+Waste (``token_metrics``; completion tokens, per step): ``rollout/tokens_generated`` (of the rollouts that came back
+during the step, plus an estimate for the groups cancelled in flight), ``rollout/tokens_trained`` (of the step's
+batch), ``rollout/tokens_discarded`` and ``rollout/tokens_discarded/<reason>`` (``stale``: waiting groups too old
+for the batch; ``filtered``: groups dropped by the difficulty filter or as zero-advantage; ``failed``: failed or
+malformed rollouts and groups dispatched again; ``cancelled``: groups cancelled in flight, estimated at the
+environment's mean tokens per rollout; ``surplus``: groups beyond the surplus bound), ``rollout/discarded_fraction``
+(discarded over generated, this step); with several environments ``env/<id>/tokens_generated``, ``_trained`` and
+``_discarded``. Over a run, generated = trained + discarded + what is still waiting or in flight.
+
 Teacher (with ``[orchestrator.teacher]``; ``primerl.orchestrator.teacher_scoring``): ``teacher/requests``
 (teacher requests that ended this step, answered or not), ``teacher/request_s`` (their mean seconds),
 ``teacher/retried`` (requests sent again), ``teacher/errors`` (requests that failed, retried or not),
@@ -47,6 +56,12 @@ from primerl.proto import telemetry
 if TYPE_CHECKING:
     from primerl.orchestrator.filtering import AssembledBatch
     from primerl.orchestrator.trajectory import RolloutGroup
+
+ROLLOUT_TOKENS_GENERATED = "rollout/tokens_generated"
+ROLLOUT_TOKENS_TRAINED = "rollout/tokens_trained"
+ROLLOUT_TOKENS_DISCARDED = "rollout/tokens_discarded"
+ROLLOUT_DISCARDED_FRACTION = "rollout/discarded_fraction"
+DISCARD_REASONS = ("stale", "filtered", "failed", "cancelled", "surplus")
 
 _GROUP_TIMINGS = (("generate_s", "inference_wait_s"), ("score_s", "env_score_s"), ("encode_s", "env_encode_s"))
 _STEP_PHASES = ("dispatch_s", "collect_wait_s", "to_samples_s", "advantages_s", "packing_s", "send_wait_s", "send_s")
@@ -129,8 +144,47 @@ def batch_metrics(
             else {}
         ),
         **batch.metrics,
+        **token_metrics(batch, counters, multi_env=multi_env),
     }
     return finite(metrics)
+
+
+def token_metrics(batch: AssembledBatch, counters: collections.Counter, *, multi_env: bool) -> dict[str, float]:
+    """Generated, trained and discarded completion tokens of the step (module docstring), from the scheduler's
+    ``tokens_generated/<env>`` and ``tokens_discarded/<reason>/<env>`` counters and the batch's own."""
+    generated: collections.Counter = collections.Counter()
+    trained: collections.Counter = collections.Counter()
+    discarded: collections.Counter = collections.Counter()  # (reason, env)
+    for name, count in counters.items():
+        kind, _, rest = name.partition("/")
+        if kind == "tokens_generated":
+            generated[rest] += count
+        elif kind == "tokens_discarded":
+            reason, _, env_id = rest.partition("/")
+            discarded[reason, env_id] += count
+    discarded.update(batch.discarded_tokens)
+    for group in batch.groups:
+        trained[group.env_id] += group.num_completion_tokens
+    num_generated = sum(generated.values())
+    num_discarded = sum(discarded.values())
+    metrics = {
+        ROLLOUT_TOKENS_GENERATED: float(num_generated),
+        ROLLOUT_TOKENS_TRAINED: float(sum(trained.values())),
+        ROLLOUT_TOKENS_DISCARDED: float(num_discarded),
+        ROLLOUT_DISCARDED_FRACTION: num_discarded / num_generated if num_generated else 0.0,
+    }
+    for reason in DISCARD_REASONS:
+        metrics[f"{ROLLOUT_TOKENS_DISCARDED}/{reason}"] = float(
+            sum(count for (why, _), count in discarded.items() if why == reason)
+        )
+    if multi_env:
+        for env_id in sorted({*generated, *trained, *(env_id for _, env_id in discarded)}):
+            metrics[f"env/{env_id}/tokens_generated"] = float(generated[env_id])
+            metrics[f"env/{env_id}/tokens_trained"] = float(trained[env_id])
+            metrics[f"env/{env_id}/tokens_discarded"] = float(
+                sum(count for (_, env), count in discarded.items() if env == env_id)
+            )
+    return metrics
 
 
 def finite(metrics: dict[str, Any]) -> dict[str, float]:
@@ -177,4 +231,17 @@ def env_reward_metrics(groups: list) -> dict[str, float]:
     return metrics
 
 
-__all__ = ["StepTimers", "batch_metrics", "env_reward_metrics", "fallback_metrics", "finite", "reward_spread_metrics"]
+__all__ = [
+    "DISCARD_REASONS",
+    "ROLLOUT_DISCARDED_FRACTION",
+    "ROLLOUT_TOKENS_DISCARDED",
+    "ROLLOUT_TOKENS_GENERATED",
+    "ROLLOUT_TOKENS_TRAINED",
+    "StepTimers",
+    "batch_metrics",
+    "token_metrics",
+    "env_reward_metrics",
+    "fallback_metrics",
+    "finite",
+    "reward_spread_metrics",
+]

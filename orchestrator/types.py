@@ -1,5 +1,5 @@
 """Values and interfaces the orchestrator's components hand each other: the rollout scheduler's step report, the
-events it raises.
+events it raises, the cap on rollouts in flight it reads (``InflightLimit``).
 
 A ``StepReport`` belongs to its reader once taken: the scheduler starts the next step's counts afresh.
 """
@@ -9,7 +9,7 @@ from __future__ import annotations
 import collections
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 from primerl.orchestrator.step_metrics import StepTimers
 
@@ -27,6 +27,28 @@ class SchedulerEvents:
     rollout_failed: Callable[[], None] = _ignore
 
 
+@runtime_checkable
+class InflightLimit(Protocol):
+    """How many rollouts the scheduler may keep in flight, over all inference workers, read before each dispatch
+    (a fixed cap, or one steered by the workers' load)."""
+
+    def limit(self) -> int: ...
+
+
+@dataclass(frozen=True)
+class FixedInflightLimit:
+    """The same cap every time: ``orchestrator.max_inflight``, else twice ``batch_size``."""
+
+    num_rollouts: int
+
+    def __post_init__(self) -> None:
+        if self.num_rollouts < 1:
+            raise ValueError(f"the in-flight cap must be >= 1 rollout, got {self.num_rollouts}")
+
+    def limit(self) -> int:
+        return self.num_rollouts
+
+
 @dataclass
 class StepReport:
     """What the rollout scheduler counted during one step: ``counters`` (rollouts, tokens, errors by kind,
@@ -41,4 +63,4 @@ class StepReport:
     worker_metrics: dict[str, float] = field(default_factory=dict)
 
 
-__all__ = ["SchedulerEvents", "StepReport"]
+__all__ = ["FixedInflightLimit", "InflightLimit", "SchedulerEvents", "StepReport"]

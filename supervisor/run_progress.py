@@ -138,4 +138,29 @@ def run_summary(rows: list[dict], progress: Progress, children: Iterable[Any], w
             f"\n  interleave fallbacks: {int(fallbacks)} multi-turn rollouts trained as branching samples "
             "(turns that do not extend the previous one; rollout/interleave_fallbacks/<reason> in metrics.jsonl)"
         )
-    return text
+    return text + token_summary(orchestrator_rows)
+
+
+def token_summary(orchestrator_rows: list[dict]) -> str:
+    """The run's completion tokens: generated, trained, discarded by reason (``rollout/tokens_*`` summed over the
+    orchestrator's step rows); "" when the rows have none."""
+    from primerl.orchestrator.step_metrics import (
+        DISCARD_REASONS,
+        ROLLOUT_TOKENS_DISCARDED,
+        ROLLOUT_TOKENS_GENERATED,
+        ROLLOUT_TOKENS_TRAINED,
+    )
+
+    generated = sum(r.get(ROLLOUT_TOKENS_GENERATED, 0.0) for r in orchestrator_rows)
+    if not generated:
+        return ""
+    trained = sum(r.get(ROLLOUT_TOKENS_TRAINED, 0.0) for r in orchestrator_rows)
+    reasons = {
+        why: sum(r.get(f"{ROLLOUT_TOKENS_DISCARDED}/{why}", 0.0) for r in orchestrator_rows) for why in DISCARD_REASONS
+    }
+    discarded = sum(reasons.values())
+    by_reason = ", ".join(f"{why} {int(n)}" for why, n in reasons.items() if n) or "none"
+    return (
+        f"\n  tokens: {int(generated)} generated, {int(trained)} trained, {int(discarded)} discarded "
+        f"({discarded / generated:.1%}; {by_reason})"
+    )

@@ -30,6 +30,13 @@ over a pipe (~0.1 ms).
 
 The broker uses the default config's message limit (256 MiB) unless ``--chunk-mib`` is given, so a weight
 update up to that size travels as one chunk.
+
+``--fanout star chain`` measures only the weight fan-out, star versus relay (chain) side by side, to
+``--receivers`` workers (default 4) that relay: one update of each ``--sizes-mib`` in chunks of ``--chunk-mib``
+(default 8), per mode a fresh broker process. It prints the payload bytes the broker sent / the payload (counted by
+the broker: ``bytes_out_total``, what ``primerl_broker_weight_bytes_pushed_total`` exports; target 1.0 in chain
+mode) and the pipelining: how long after the first worker the last one holds the update, in chunk-times (one
+chunk-time = the first worker's time per chunk; target <= 3).
 """
 
 from __future__ import annotations
@@ -99,7 +106,7 @@ def weight_update(version: int, size_bytes: int):
 # child processes
 
 
-def broker_main(conn, spool_dirs: list[str], max_message_bytes: int, chunk_bytes: int) -> None:
+def broker_main(conn, spool_dirs: list[str], max_message_bytes: int, chunk_bytes: int, fanout: str = "star") -> None:
     """The broker: weight plane and one rollout plane per spool directory, each with its own IO thread."""
     import zmq
 
@@ -114,7 +121,9 @@ def broker_main(conn, spool_dirs: list[str], max_message_bytes: int, chunk_bytes
 
     context = zmq.Context()
     limits = BrokerLimits.for_max_message_bytes(max_message_bytes).frames
-    weight_plane = WeightPlane(WeightFanout(WeightStore()), context, "127.0.0.1", 0, limits, TOKEN, chunk_bytes)
+    weight_plane = WeightPlane(
+        WeightFanout(WeightStore(), fanout=fanout), context, "127.0.0.1", 0, limits, TOKEN, chunk_bytes
+    )
     info: dict[str, Any] = {"weight_port": weight_plane.start()}
     rollout_planes = []
     try:
@@ -239,6 +248,197 @@ def receiver_main(conn, index: int, max_message_bytes: int, verify_digest: bool)
         context.destroy(linger=0)
 
 
+class TimingSink:
+    """A ``PayloadSink`` into a plain buffer that notes when the first and the last byte of a transfer landed."""
+
+    def __init__(self) -> None:
+        self.buffer = bytearray()
+        self.first_s = self.last_s = 0.0
+        self.num_chunks = 0
+
+    def begin_payload(self, header, num_bytes: int) -> memoryview:
+        if len(self.buffer) != num_bytes:
+            self.buffer = bytearray(num_bytes)
+        self.first_s, self.num_chunks = 0.0, 0
+        return memoryview(self.buffer)
+
+    def payload_progress(self, num_bytes: int) -> None:
+        now_s = time.monotonic()  # CLOCK_MONOTONIC: one clock for every process of this machine
+        self.first_s = self.first_s or now_s
+        self.last_s = now_s
+        self.num_chunks += 1
+
+    def end_payload(self, complete: bool) -> None:
+        pass
+
+
+def relay_receiver_main(conn, index: int, max_message_bytes: int, endpoint: str, relay: bool) -> None:
+    """One inference worker for ``--fanout``: a ``WeightSubscriber`` with a relay socket and a ``TimingSink``; per
+    update it reports (first byte s, whole s, chunks, bytes, digest ok, bytes it forwarded)."""
+    import zmq
+
+    from primerl.runtime.log_setup import configure_logging
+
+    configure_logging(f"receiver-{index}", "bench", level="warning")
+
+    from primerl.client.weights import WeightSubscriber
+    from primerl.proto.data_plane_limits import BrokerLimits
+
+    context = zmq.Context()
+    limits = BrokerLimits.for_max_message_bytes(max_message_bytes).frames
+    sink = TimingSink()
+    subscriber = WeightSubscriber(
+        endpoint,
+        TOKEN,
+        f"infer-{index}",
+        context=context,
+        limits=limits,
+        payload_sink=sink,
+        relay_host="127.0.0.1" if relay else None,
+    )
+    try:
+        subscriber.hello(None)
+        conn.send("ok")
+        while True:
+            if not conn.poll(600):
+                break
+            command, *args = conn.recv()
+            if command != "weight":
+                break
+            (version,) = args
+            conn.send("ready")
+            while True:
+                got = subscriber.receive(REPLY_TIMEOUT_S)
+                if got is None:
+                    raise TimeoutError(f"subscriber {index} got no update")
+                header, payload = got
+                subscriber.ack(header.policy_version)
+                if header.policy_version >= version:
+                    break
+            forwarded = subscriber.relay.num_forwarded_bytes if subscriber.relay is not None else 0
+            ok = subscriber.received_digest == header.digest
+            conn.send(("done", sink.first_s, sink.last_s, sink.num_chunks, payload.nbytes, ok, forwarded))
+    except EOFError:
+        pass
+    finally:
+        subscriber.close()
+        context.destroy(linger=0)
+
+
+def fanout_compare(args, spawn) -> int:
+    """``--fanout``: star versus chain to ``--receivers`` relaying workers, side by side (module docstring)."""
+    import zmq
+
+    from primerl.client.weights import WeightPublisher
+    from primerl.proto.data_plane_limits import BrokerLimits
+
+    num_receivers = max(args.receivers)
+    chunk_bytes = (args.chunk_mib or 8) * MiB
+    max_message_bytes = max(DEFAULT_MAX_MESSAGE_BYTES, chunk_bytes + MiB)
+    limits = BrokerLimits.for_max_message_bytes(max_message_bytes).frames
+    load = open("/proc/loadavg").read().split()[:3] if os.path.exists("/proc/loadavg") else ["?"]
+    results: dict[tuple[str, int], list[dict[str, float]]] = {}
+    context = zmq.Context()
+    version = 0
+    for repeat in range(args.repeats + 1):  # the first round warms up and is not counted
+        for mode in args.fanout:
+            processes, conns = [], []
+
+            def start(target, *target_args):
+                parent_conn, child_conn = spawn.Pipe()
+                process = spawn.Process(target=target, args=(child_conn, *target_args), daemon=True)
+                process.start()
+                processes.append(process)
+                conns.append(parent_conn)
+                return parent_conn
+
+            spool = tempfile.mkdtemp(prefix="primerl-bench-")
+            publisher = None
+            try:
+                broker = start(broker_main, [], max_message_bytes, chunk_bytes, mode)
+                info = expect(broker, 60)
+                endpoint = f"tcp://127.0.0.1:{info['weight_port']}"
+                receivers = [
+                    start(relay_receiver_main, i, max_message_bytes, endpoint, True) for i in range(num_receivers)
+                ]
+                for receiver in receivers:
+                    assert expect(receiver, 60) == "ok"
+                publisher = WeightPublisher(endpoint, TOKEN, "trainer", chunk_bytes, context=context, limits=limits)
+                for size_mib in args.sizes_mib:
+                    version += 1
+                    header, payload = weight_update(version, size_mib * MiB)
+                    before = ask(broker, ("status",)).bytes_out_total
+                    for receiver in receivers:
+                        receiver.send(("weight", version))
+                    for receiver in receivers:
+                        assert expect(receiver) == "ready"
+                    start_s = time.monotonic()
+                    publisher.publish(header, payload, timeout_s=REPLY_TIMEOUT_S)
+                    done = [expect(receiver) for receiver in receivers]
+                    status = ask(broker, ("status",))
+                    assert all(d[5] for d in done), "a worker's payload failed its digest check"
+                    firsts = sorted(done, key=lambda d: d[2])
+                    head, last = firsts[0], firsts[-1]
+                    chunk_s = (head[2] - head[1]) / max(1, head[3] - 1)
+                    if repeat > 0:
+                        results.setdefault((mode, size_mib), []).append(
+                            {
+                                "sent_ratio": (status.bytes_out_total - before) / len(payload),
+                                "first_s": head[2] - start_s,
+                                "last_s": last[2] - start_s,
+                                "lag_s": last[2] - head[2],
+                                "chunk_s": chunk_s,
+                                "lag_chunks": (last[2] - head[2]) / chunk_s if chunk_s > 0 else float("inf"),
+                                "chunks": head[3],
+                                "forwarded_ratio": sum(d[6] for d in done) / len(payload),
+                            }
+                        )
+            finally:
+                if publisher is not None:
+                    publisher.close()
+                for conn in conns:
+                    try:
+                        conn.send(("stop",))
+                    except (BrokenPipeError, OSError):
+                        pass
+                for process in processes:
+                    process.join(10)
+                    if process.is_alive():
+                        process.terminate()
+                        process.join(5)
+                shutil.rmtree(spool, ignore_errors=True)
+    context.destroy(linger=0)
+    print()
+    print(
+        f"Weight fan-out, star vs relay chain, to {num_receivers} relaying workers (separate processes), loopback TCP, "
+        f"{os.cpu_count()} cores, load {' '.join(load)} at the start; chunk {chunk_bytes // MiB} MiB; "
+        f"medians of {args.repeats} after a warm-up"
+    )
+    print(
+        "  sent/payload = payload bytes the broker sent / payload (counted by the broker; chain target 1.0); "
+        "first/last = publish start -> first/last worker holds it; lag = last - first, in chunk-times of the first "
+        "worker (chain target <= 3)"
+    )
+    print(
+        f"{'mode':>6} {'size':>6} {'chunks':>6} {'sent/payload':>12} {'relayed/payload':>15} {'first s':>8} "
+        f"{'last s':>8} {'lag s':>7} {'chunk s':>8} {'lag chunks':>10}  target"
+    )
+    for (mode, size_mib), rows in results.items():
+        m = {key: statistics.median(r[key] for r in rows) for key in rows[0]}
+        if mode == "chain":
+            met = m["sent_ratio"] <= 1.0 + 1e-9 and m["lag_chunks"] <= 3.0
+            verdict = "met" if met else "missed"
+            spread = f" (lag chunks {min(r['lag_chunks'] for r in rows):.2f}-{max(r['lag_chunks'] for r in rows):.2f})"
+        else:
+            verdict, spread = "-", ""
+        print(
+            f"{mode:>6} {size_mib:>4}Mi {m['chunks']:>6.0f} {m['sent_ratio']:>12.3f} {m['forwarded_ratio']:>15.3f} "
+            f"{m['first_s']:>8.3f} {m['last_s']:>8.3f} {m['lag_s']:>7.3f} {m['chunk_s']:>8.4f} "
+            f"{m['lag_chunks']:>10.2f}  {verdict}{spread}"
+        )
+    return 0
+
+
 # ---------------------------------------------------------------------------------------------------------
 # parent
 
@@ -313,7 +513,20 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--quick", action="store_true", help="16 and 64 MiB only, 1 repeat (trying the harness)")
     parser.add_argument("--markdown", type=Path, default=None, help="write a RESULTS.md section there")
+    parser.add_argument(
+        "--fanout",
+        nargs="+",
+        choices=("star", "chain"),
+        default=None,
+        help="measure only the weight fan-out in these modes, side by side (default chunk 8 MiB, 4 receivers)",
+    )
     args = parser.parse_args(argv)
+    if args.fanout:
+        if args.receivers == [1, 4]:
+            args.receivers = [4]
+        if args.sizes_mib == [1, 16, 64]:
+            args.sizes_mib = [64]
+        return fanout_compare(args, mp.get_context("spawn"))
     if args.quick:
         args.sizes_mib, args.repeats = [16, 64], 1
     if args.repeats < 1 or min(args.sizes_mib) < 1 or min(args.receivers) < 1 or args.window < 1:

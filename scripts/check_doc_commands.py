@@ -15,7 +15,8 @@ commands):
 - ``make TARGET VAR=...``: the target is in the Makefile and the variable is one it uses;
 - ``python SCRIPT ...`` with a script of the repository: every flag is in what ``SCRIPT --help`` prints;
 - any word whose first path part is a top-level entry of the repository (``examples/...``, ``deploy/...``) names
-  a file or directory that exists.
+  a file or directory that exists; so does such an inline path of the prose with a file suffix or a final ``/``
+  (unless ``->`` follows it: a path that moved).
 
 Markdown links to files of the repository (and their ``#anchors``) must resolve too. All CLI calls run in one
 child process (``--cli-batch``), each subcommand's ``--help`` once.
@@ -257,6 +258,7 @@ def run_script_help(script: Path, repo: Path, timeout_s: float = 120) -> str:
 
 # --- checking -----------------------------------------------------------------------------------------------------
 
+_INLINE_SUFFIX = re.compile(r"\.(py|md|toml|sh|proto|service|target|conf|json|jsonl|txt|cfg|ini|yaml|yml)$")
 _OPTION = re.compile(r"(?<![\w-])(--?[A-Za-z][\w.-]*)")
 
 
@@ -300,6 +302,7 @@ class DocChecker:
         self.top_level = top_level_entries(repo)
         self.make_targets, self.make_variables = makefile_names(repo)
         self._script_help: dict[Path, str] = {}
+        self._help: dict[tuple[str, ...], dict] = {}  # command -> its --help run (rc, stdout, stderr)
 
     def check_texts(self, texts: Sequence[tuple[str, str]]) -> list[Problem]:
         """Problems of (source name, markdown) pairs; source names are paths relative to the repository."""
@@ -307,6 +310,7 @@ class DocChecker:
         calls: list[_PrimerlCall] = []
         for source, text in texts:
             problems += self.check_links(source, text)
+            problems += self.check_inline_paths(source, text)
             for command in extract_commands(text, source):
                 problems += self._check_command(command, calls)
             calls += self._synopses(source, text)
@@ -338,6 +342,26 @@ class DocChecker:
                     if not (self.repo / path).exists():
                         problems.append(Problem(command.where, command.text, f"no such file in the repository: {path}"))
                     break
+        return problems
+
+    def check_inline_paths(self, source: str, text: str) -> list[Problem]:
+        """Inline `dir/file.ext` and `dir/` spans of the prose name files that exist (a span followed by `->` is a
+        path that moved, which may be gone)."""
+        problems, in_fence = [], False
+        for line_no, line in enumerate(text.splitlines(), 1):
+            if _FENCE.match(line):
+                in_fence = not in_fence
+            if in_fence:
+                continue
+            for match in re.finditer(r"`([^`\s]+)`(\s*->)?", line):
+                span, moved = match.group(1), match.group(2)
+                if moved or "/" not in span or not (span.endswith("/") or _INLINE_SUFFIX.search(span)):
+                    continue
+                path = self._repo_path(span)
+                if path is not None and not (self.repo / path).exists():
+                    problems.append(
+                        Problem(f"{source}:{line_no}", line.strip(), f"no such file in the repository: {path}")
+                    )
         return problems
 
     def check_links(self, source: str, text: str) -> list[Problem]:
@@ -451,23 +475,36 @@ class DocChecker:
         ]
 
     def _check_primerl_calls(self, calls: list[_PrimerlCall]) -> list[Problem]:
-        keys = sorted({call.key for call in calls})
-        help_results = dict(zip(keys, run_cli_batch([[*key, "--help"] for key in keys], self.repo)))
-        problems, dry_runs, dry_run_calls = [], [], []
+        """One child process: each new command's --help, then the dry runs (after writing the daemons' stand-ins)."""
+        new_keys = sorted({call.key for call in calls} - set(self._help))
+        dry_run_calls = [c for c in calls if c.key and c.key[0] in CONFIG_COMMANDS and not c.synopsis]
+        problems: list[Problem] = []
         with tempfile.TemporaryDirectory(prefix="doc-commands-write-") as write_dir:
             roles_dir = str(Path(write_dir, "roles"))
-            dry_runs.append(["rl", "@", RL_STAND_IN, "--dry-run", "--write", roles_dir])  # the daemons' stand-ins
-            for call in calls:
-                result = help_results[call.key]
-                name = " ".join(("primerl", *call.key))
-                if result["rc"] != 0:
-                    last = (result["stderr"].strip().splitlines() or ["(no output)"])[0]
-                    problems.append(Problem(call.command.where, call.command.text, f"`{name}` fails: {last}"))
-                    continue
-                if call.key and call.key[0] in CONFIG_COMMANDS and not call.synopsis:
-                    dry_runs.append(self._dry_run_argv(call, write_dir, roles_dir))
-                    dry_run_calls.append(call)
-                    continue
+            batch = [[*key, "--help"] for key in new_keys]
+            if dry_run_calls:
+                batch.append(["rl", "@", RL_STAND_IN, "--dry-run", "--write", roles_dir])  # the daemons' stand-ins
+            batch += [self._dry_run_argv(call, write_dir, roles_dir) for call in dry_run_calls]
+            envs = [{} for _ in range(len(batch) - len(dry_run_calls))]
+            envs += [dict(call.command.exported) for call in dry_run_calls]
+            results = run_cli_batch(batch, self.repo, envs)
+        self._help.update(zip(new_keys, results))
+        dry_results = results[len(new_keys) :]
+        if dry_run_calls and dry_results[0]["rc"] != 0:
+            raise RuntimeError(f"the stand-in role configs could not be written: {dry_results[0]['stderr'][-2000:]}")
+        dry_run_result = dict(zip(map(id, dry_run_calls), dry_results[1:]))
+        for call in calls:
+            result, name = self._help[call.key], " ".join(("primerl", *call.key))
+            if result["rc"] != 0:
+                first = (result["stderr"].strip().splitlines() or ["(no output)"])[0]
+                problems.append(Problem(call.command.where, call.command.text, f"`{name}` fails: {first}"))
+            elif id(call) in dry_run_result:
+                done = dry_run_result[id(call)]
+                if done["rc"] != 0:
+                    lines = done["stderr"].strip().splitlines() or done["stdout"].strip().splitlines()
+                    message = lines[-1] if lines else f"exit {done['rc']}"
+                    problems.append(Problem(call.command.where, call.command.text, f"`{name} --dry-run`: {message}"))
+            else:
                 known = options_in(result["stdout"] + result["stderr"])
                 for flag in filter(None, map(_flag, call.args)):
                     if call.synopsis and "." in flag:  # a config key (or a placeholder such as --a.b)
@@ -476,16 +513,6 @@ class DocChecker:
                         problems.append(
                             Problem(call.command.where, call.command.text, f"`{name}` has no option {flag}")
                         )
-            envs = [{}] + [dict(call.command.exported) for call in dry_run_calls]
-            results = run_cli_batch(dry_runs, self.repo, envs)
-            if results[0]["rc"] != 0:
-                raise RuntimeError(f"the stand-in role configs could not be written: {results[0]['stderr'][-2000:]}")
-            for call, result in zip(dry_run_calls, results[1:]):
-                if result["rc"] != 0:
-                    lines = result["stderr"].strip().splitlines() or result["stdout"].strip().splitlines()
-                    message = lines[-1] if lines else f"exit {result['rc']}"
-                    name = " ".join(("primerl", *call.key))
-                    problems.append(Problem(call.command.where, call.command.text, f"`{name} --dry-run`: {message}"))
         return problems
 
     def _dry_run_argv(self, call: _PrimerlCall, write_dir: str, roles_dir: str) -> list[str]:

@@ -69,29 +69,47 @@ def test_a_made_up_flag_fails(checker):
     assert _problems(checker, markdown) == ["`primerl eval` has no option --made-up-flag"]
 
 
-@pytest.mark.parametrize(
-    ("line", "expected"),
-    [
-        ("primerl rl @ examples/reverse_text_rl.toml --orchestrator.bach-size 3", "key `orchestrator.bach_size`"),
-        ("primerl rl @ my_run.toml --made-up-setting 1", "unknown key"),
-        ("primerl-broker --spool-dir x --grpc-prot 5", "unknown key"),
-        ("primerl no-such-command --flag", "`primerl no-such-command` fails: primerl: unknown command"),
-        ("primerl env uninstall foo", "`primerl env uninstall` fails"),
-        ("make no-such-target", "no make target 'no-such-target'"),
-        ("make test NO_SUCH_VARIABLE=1", "the Makefile uses no variable NO_SUCH_VARIABLE"),
-        ("cat examples/no_such_file.toml", "no such file in the repository: examples/no_such_file.toml"),
-        (".venv/bin/python scripts/demo_report.py --made-up", "scripts/demo_report.py has no option --made-up"),
-        ("b$ torchrun --nproc-per-node 2 $(which primerl-trainer) @ t.toml --optim.made-up 1", "unknown key"),
-    ],
-)
-def test_each_kind_of_drift_fails(checker, line, expected):
-    problems = _problems(checker, f"```bash\n{line}\n```\n")
-    assert len(problems) == 1 and expected in problems[0], problems
+DRIFT = [
+    ("primerl rl @ examples/reverse_text_rl.toml --orchestrator.bach-size 3", "key `orchestrator.bach_size`"),
+    ("primerl rl @ my_run.toml --made-up-setting 1", "unknown key"),
+    ("primerl-broker --spool-dir x --grpc-prot 5", "unknown key"),
+    ("primerl no-such-command --flag", "`primerl no-such-command` fails: primerl: unknown command"),
+    ("primerl env uninstall foo", "`primerl env uninstall` fails"),
+    ("make no-such-target", "no make target 'no-such-target'"),
+    ("make test NO_SUCH_VARIABLE=1", "the Makefile uses no variable NO_SUCH_VARIABLE"),
+    ("cat examples/no_such_file.toml", "no such file in the repository: examples/no_such_file.toml"),
+    (".venv/bin/python scripts/demo_report.py --made-up", "scripts/demo_report.py has no option --made-up"),
+    ("b$ torchrun --nproc-per-node 2 $(which primerl-trainer) @ t.toml --optim.made-up 1", "unknown key"),
+]
+
+
+@pytest.fixture(scope="module")
+def drift_problems(checker):
+    """One check of every drift case (one child process for all), each in its own made-up file."""
+    texts = [(f"docs/drift-{i}.md", f"```bash\n{line}\n```\n") for i, (line, _) in enumerate(DRIFT)]
+    problems: dict[int, list[str]] = {i: [] for i in range(len(DRIFT))}
+    for problem in checker.check_texts(texts):
+        problems[int(problem.where.split("-")[1].split(".")[0])].append(problem.message)
+    return problems
+
+
+@pytest.mark.parametrize("case", range(len(DRIFT)), ids=[line.split(" --")[0][:40] for line, _ in DRIFT])
+def test_each_kind_of_drift_fails(drift_problems, case):
+    expected = DRIFT[case][1]
+    assert len(drift_problems[case]) == 1 and expected in drift_problems[case][0], drift_problems[case]
 
 
 def test_a_synopsis_with_a_made_up_flag_fails(checker):
     problems = _problems(checker, "Use `primerl plot RUN_DIR [--output DIR] [--smoothing N]` to plot.\n")
     assert problems == ["`primerl plot` has no option --smoothing"]
+
+
+def test_inline_paths_must_exist_unless_moved(checker):
+    markdown = (
+        "Read `examples/reverse_text_rl.toml` and `examples/gone.toml`; `bench/` is there, `nobench/x.py` is not ours;"
+        " `orchestrator/env_worker.py` -> `orchestrator/envs/remote/classic_worker.py`; metric `trainer/step`.\n"
+    )
+    assert _problems(checker, markdown) == ["no such file in the repository: examples/gone.toml"]
 
 
 def test_links_and_anchors_must_resolve(checker):

@@ -13,6 +13,9 @@ primerl_broker_weight_bytes_pushed_total           weight-update bytes sent to i
 primerl_broker_weight_updates_stored               snapshot + deltas held in the weight store
 primerl_broker_weight_forward_lag_seconds          the latest update's last byte in -> last byte out to the
                                                    workers that were receiving it (or had it next)
+primerl_broker_weight_relay_chains_total           relay chains formed (broker.weight_fanout = "chain")
+primerl_broker_weight_relay_heals_total            workers sent an update again because their relay did not
+                                                   reach them within weight_relay_timeout_s
 """
 
 from __future__ import annotations
@@ -74,6 +77,16 @@ class BrokerCollector:
                 "last byte into the broker to its last byte out to the workers that were "
                 "receiving it or had it next (what the broker adds to a transfer).",
                 value=weights.forward_lag_s,
+            )
+            yield CounterMetricFamily(
+                telemetry.BROKER_WEIGHT_RELAY_CHAINS,
+                "Relay chains formed (weight_fanout = chain).",
+                value=weights.num_relay_chains,
+            )
+            yield CounterMetricFamily(
+                telemetry.BROKER_WEIGHT_RELAY_HEALS,
+                "Workers sent an update again because their relay did not reach them in time.",
+                value=weights.num_relay_heals,
             )
         yield GaugeMetricFamily(
             telemetry.BROKER_LATEST_POLICY_VERSION,

@@ -5,16 +5,22 @@ once, and a worker that dies mid-relay is healed around within the relay timeout
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
 import threading
 import time
+from pathlib import Path
 
 import pytest
-from support.probes import wait_until
+from support.daemons import BrokerProcess
+from support.probes import scrape_metrics, wait_until
 from support.weight_plane import CHUNK_BYTES, RECEIVE_S, make_update
 
 from primerl.broker.weight_fanout import WeightFanout, valid_relay_endpoint
 from primerl.broker.weight_store import WeightStore
-from primerl.client.weight_transfer import BufferSink
+from primerl.client.weights import WeightPublisher
+from primerl.proto import telemetry
 from primerl.proto.digests import payload_digest
 
 RELAY_TIMEOUT_S = 5.0
@@ -228,10 +234,6 @@ class Receiver:
         self.thread.join(5)
 
 
-def test_assert_buffer_sink_is_a_payload_sink():
-    BufferSink(lambda n: memoryview(bytearray(n)))  # the Receiver above follows the same protocol
-
-
 @pytest.fixture
 def relay_plane(make_weight_plane):
     return make_weight_plane(fanout="chain", relay_timeout_s=2.0)
@@ -284,3 +286,97 @@ def test_a_worker_that_dies_mid_relay_is_healed_around_within_the_relay_timeout(
     assert status.bytes_out_total <= 3 * len(data), status.bytes_out_total
     for receiver in alive:
         receiver.stop()
+
+
+# ------------------------------------------------------------------------------------------ a real broker process
+RELAY_SUBSCRIBER = Path(__file__).resolve().parent / "scripts" / "relay_subscriber.py"
+PROCESS_TOKEN = "relay-secret"
+
+
+def events(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
+
+
+def test_a_broker_process_relays_through_worker_processes_and_heals_around_a_killed_one(tmp_path):
+    broker = BrokerProcess(
+        tmp_path,
+        tmp_path / "spool",
+        "--run-token",
+        PROCESS_TOKEN,
+        "--weight-fanout",
+        "chain",
+        "--weight-relay-timeout-s",
+        "2",
+        "--log.level",
+        "debug",
+    )
+    workers: dict[str, subprocess.Popen] = {}
+    try:
+        endpoint = f"tcp://127.0.0.1:{broker.ports['weight_port']}"
+        for worker_id in ("w0", "w1", "w2", "w3"):
+            delay = ["--chunk-delay-s", "0.3"] if worker_id == "w1" else []
+            workers[worker_id] = subprocess.Popen(
+                [
+                    sys.executable,
+                    str(RELAY_SUBSCRIBER),
+                    endpoint,
+                    PROCESS_TOKEN,
+                    worker_id,
+                    str(tmp_path / worker_id),
+                    *delay,
+                    "--run-s",
+                    "60",
+                ],
+            )
+        wait_until(lambda: all(any("relay_endpoint" in e for e in events(tmp_path / w)) for w in workers), timeout_s=30)
+        wait_until(lambda: broker.log_path.read_text().count("weight subscriber joined") == 4, timeout_s=15)
+        metrics_url = broker.ready["metrics_url"]
+        header, data = make_update(1, num_bytes=16 * CHUNK_BYTES)
+        with WeightPublisher(endpoint, PROCESS_TOKEN, "trainer", CHUNK_BYTES) as publisher:
+            publisher.publish(header, data, timeout_s=RECEIVE_S)
+            # w1, second in the chain, is slow: kill it in the middle of its relay
+            wait_until(lambda: any(e.get("chunk") == 2 for e in events(tmp_path / "w1")), timeout_s=10)
+            workers["w1"].kill()
+            killed_s = time.monotonic()
+            alive = ("w0", "w2", "w3")
+            got = wait_until(
+                lambda: (
+                    all(any(e.get("version") == 1 for e in events(tmp_path / w)) for w in alive)
+                    and {w: next(e for e in events(tmp_path / w) if e.get("version") == 1) for w in alive}
+                ),
+                timeout_s=2.0 + 10.0,
+                what="the live workers hold v1",
+            )
+            assert all(event["ok"] for event in got.values()), got
+            healed_s = max(event["t"] for event in got.values()) - killed_s
+            assert healed_s < 2.0 + 5.0, f"healing took {healed_s:.1f} s"
+            assert not any("version" in e for e in events(tmp_path / "w1"))
+            samples = scrape_metrics(metrics_url)
+            assert samples[(f"{telemetry.BROKER_WEIGHT_RELAY_HEALS}_total", ())] >= 2
+            pushed_v1 = samples[(f"{telemetry.BROKER_WEIGHT_BYTES_PUSHED}_total", ())]
+            assert pushed_v1 <= 3 * len(data), "healing must not send the update once per worker"
+            # the killed worker is forgotten once the broker finds its connection gone; the next update goes
+            # through the healed chain, each byte sent once
+            wait_until(
+                lambda: any(
+                    "weight subscriber forgotten" in line and "worker_id=w1" in line
+                    for line in broker.log_path.read_text().splitlines()
+                ),
+                timeout_s=10,
+                what="the broker forgets the killed worker",
+            )
+            header2, data2 = make_update(2, num_bytes=5 * CHUNK_BYTES)
+            publisher.publish(header2, data2, timeout_s=RECEIVE_S)
+            wait_until(
+                lambda: all(any(e.get("version") == 2 and e["ok"] for e in events(tmp_path / w)) for w in alive),
+                timeout_s=RECEIVE_S,
+                what="the live workers hold v2",
+            )
+            samples = scrape_metrics(metrics_url)
+            assert samples[(f"{telemetry.BROKER_WEIGHT_BYTES_PUSHED}_total", ())] - pushed_v1 == len(data2)
+    finally:
+        for process in workers.values():
+            if process.poll() is None:
+                process.terminate()
+            process.wait(10)
+        broker.stop()

@@ -27,7 +27,8 @@ from grpc_reflection.v1alpha import reflection
 
 from primerl.broker.log_limits import RateLimitedLog
 from primerl.broker.registry import WorkerRegistry
-from primerl.broker.registry_errors import RegistryError
+from primerl.broker.registry_errors import RegistryError, WorkerNotFound
+from primerl.broker.run_history import RunHistory
 from primerl.broker.run_status import DataPlaneStatus, format_workers
 from primerl.proto import framing, telemetry
 from primerl.proto.data_plane_limits import BrokerLimits
@@ -203,6 +204,7 @@ class BrokerServicer(control_pb2_grpc.BrokerServicer):
         watch_poll_s: float = 0.5,
         data_plane_limits: BrokerLimits | None = None,
         rollout_producer_limits: BrokerLimits | None = None,
+        history: RunHistory | None = None,
     ):
         """``data_plane_limits``: sent with every RegisterResponse, the clients size themselves from them (None: the
         clients' defaults); ``rollout_producer_limits``: sent instead to orchestrators, whose frames are rollout
@@ -213,6 +215,8 @@ class BrokerServicer(control_pb2_grpc.BrokerServicer):
             rollout_producer_limits.to_proto() if rollout_producer_limits is not None else self._data_plane_limits
         )
         self._data_plane_status_fn = data_plane_status_fn
+        # What the dashboard draws (GetRunHistory), fed by the calls below (None: one of the default bound).
+        self.history = history if history is not None else RunHistory()
         self._watch_slots = threading.BoundedSemaphore(max_concurrent_watches)
         self._max_concurrent_watches = max_concurrent_watches
         self._watch_poll_s = watch_poll_s
@@ -248,6 +252,9 @@ class BrokerServicer(control_pb2_grpc.BrokerServicer):
         )
         if limits is not None:
             response.limits.CopyFrom(limits)
+        self.history.add_event(
+            "joined", request.name, f"{framing.role_name(request.role)} registered from {request.hostname or '?'}"
+        )
         _log.info(
             "worker registered",
             worker=request.name,
@@ -259,12 +266,22 @@ class BrokerServicer(control_pb2_grpc.BrokerServicer):
         return response
 
     def Heartbeat(self, request, context):
-        return _guarded(context, self.registry.heartbeat, request)
+        response = _guarded(context, self.registry.heartbeat, request)
+        if request.recent_errors:
+            name = self._worker_name(request.worker_id)
+            for message in request.recent_errors:
+                self.history.add_event("error", name, message, self.registry.last_committed_step)
+        return response
 
     def Deregister(self, request, context):
+        name = self._worker_name(request.worker_id)
         finished = _guarded(context, self.registry.deregister, request.worker_id, request.reason)
         _log.info("worker deregistered", worker_id=request.worker_id, reason=request.reason)
+        self.history.add_event("left", name, request.reason or "deregistered", self.registry.last_committed_step)
         if finished:
+            self.history.add_event(
+                "finished", "broker", "run finished: workers are told to stop", self.registry.last_committed_step
+            )
             _log.info(
                 "run finished: workers are told to stop",
                 max_steps=self.registry.max_steps,
@@ -281,8 +298,28 @@ class BrokerServicer(control_pb2_grpc.BrokerServicer):
         return control_pb2.ListWorkersResponse(workers=workers)
 
     def ReportMetrics(self, request, context):
-        _guarded(context, self.registry.report_metrics, request.worker_id, request.step, dict(request.metrics))
+        metrics = dict(request.metrics)
+        _guarded(context, self.registry.report_metrics, request.worker_id, request.step, metrics)
+        worker = self.registry.get_worker(request.worker_id)
+        self.history.add_metrics(worker.role if worker is not None else 0, request.step, metrics)
         return control_pb2.ReportMetricsResponse()
+
+    def ReportRollouts(self, request, context):
+        _guarded(context, self._live_worker, request.worker_id)
+        _guarded(context, self.history.add_rollouts, request.step, list(request.records))
+        return control_pb2.ReportRolloutsResponse()
+
+    def GetRunHistory(self, request, context):
+        part = self.history.since(request.metrics_since, request.events_since, request.rollouts_since)
+        return _guarded(context, part.to_proto)
+
+    def _live_worker(self, worker_id: str) -> None:
+        if not self.registry.is_alive(worker_id):
+            raise WorkerNotFound(f"unknown worker {worker_id!r}: register first")
+
+    def _worker_name(self, worker_id: str) -> str:
+        worker = self.registry.get_worker(worker_id)
+        return worker.name if worker is not None else worker_id
 
     def CommitStep(self, request, context):
         last_committed, num_released, already = _guarded(
@@ -426,8 +463,11 @@ class HeartbeatMonitor:
     interval / 2`` after its last heartbeat; reads of the registry apply expiry exactly in any case.
     """
 
-    def __init__(self, registry: WorkerRegistry, heartbeat_interval_s: float | None = None):
+    def __init__(
+        self, registry: WorkerRegistry, heartbeat_interval_s: float | None = None, history: RunHistory | None = None
+    ):
         self.registry = registry
+        self.history = history
         self.check_interval_s = (heartbeat_interval_s or registry.heartbeat_interval_s) / 2
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -449,6 +489,9 @@ class HeartbeatMonitor:
         lost = self.registry.expire()
         if lost:
             _log.warning("workers lost: no heartbeat", workers=format_workers(lost), timeout_s=self.registry.timeout_s)
+            step = self.registry.last_committed_step
+            for worker in lost if self.history is not None else ():
+                self.history.add_event("lost", worker.name, f"no heartbeat for {self.registry.timeout_s:g} s", step)
         return lost
 
     def _run(self) -> None:

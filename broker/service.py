@@ -36,6 +36,7 @@ from primerl.broker.metrics import BrokerCollector
 from primerl.broker.registry import WorkerRegistry
 from primerl.broker.rollout_plane import RolloutPlane
 from primerl.broker.rollout_queue import RolloutQueue
+from primerl.broker.run_history import SAVE_INTERVAL_S, RunHistory, RunHistoryFile
 from primerl.broker.run_state import RunState, RunStateFile, RunStateSaver
 from primerl.broker.run_status import DataPlaneStatus, QueueDepth
 from primerl.broker.spool import RolloutSpool
@@ -141,14 +142,17 @@ class BrokerService:
         )
         self.run_state_file: RunStateFile | None = None
         self._saver: RunStateSaver | None = None
+        self.history = RunHistory(config.history_max_bytes)  # the dashboard's (broker/run_history.py)
+        self._history_saver: RunStateSaver | None = None
         self.servicer = BrokerServicer(
             self.registry,
             self.data_plane_status,
             data_plane_limits=self.data_plane_limits,
             rollout_producer_limits=self.rollout_producer_limits,
+            history=self.history,
         )
         self._server = None
-        self._monitor = HeartbeatMonitor(self.registry)
+        self._monitor = HeartbeatMonitor(self.registry, history=self.history)
         self._stopped = threading.Event()
         self.endpoints: BrokerEndpoints | None = None
         self.exporter: MetricsExporter | None = None
@@ -182,6 +186,10 @@ class BrokerService:
                 on_error=lambda message: self.registry.record_error("broker", message),
             )
             self._saver.start()
+            history_file = RunHistoryFile(config.spool_dir)
+            history_file.load_into(self.history)
+            self._history_saver = RunStateSaver(self.history.snapshot, history_file, interval_s=SAVE_INTERVAL_S)
+            self._history_saver.start()
             self.rollout_plane = RolloutPlane(
                 self._queue,
                 self._context,
@@ -315,6 +323,8 @@ class BrokerService:
                 plane.stop()
         if self._saver is not None:
             self._saver.stop()  # the last write, while the spool still holds the directory's lock
+        if self._history_saver is not None:
+            self._history_saver.stop()
         if self._queue is not None:
             self._queue.close()
         for context in (self._context, self._weight_context):

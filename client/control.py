@@ -345,6 +345,14 @@ class ControlClient:
             lambda worker_id: control_pb2.ReportMetricsRequest(worker_id=worker_id, step=step, metrics=dict(metrics)),
         )
 
+    def report_rollouts(self, step: int, records: list[str]) -> None:
+        """A few sample rollouts of ``step`` (JSON objects) for the broker's run history (the dashboard)."""
+        self._as_worker(
+            "ReportRollouts",
+            self._stub.ReportRollouts,
+            lambda worker_id: control_pb2.ReportRolloutsRequest(worker_id=worker_id, step=step, records=records),
+        )
+
     def commit_step(self, step: int) -> control_pb2.CommitStepResponse:
         return self._as_worker(
             "CommitStep",
@@ -356,6 +364,17 @@ class ControlClient:
         return self._riding_through(
             "GetRunStatus",
             lambda: self._call("GetRunStatus", self._stub.GetRunStatus, control_pb2.GetRunStatusRequest(), timeout_s),
+        )
+
+    def get_run_history(
+        self, metrics_since: int = 0, events_since: int = 0, rollouts_since: int = 0, timeout_s: float | None = None
+    ) -> control_pb2.RunHistory:
+        """The broker's run history after these indices (``broker/run_history.py``)."""
+        request = control_pb2.GetRunHistoryRequest(
+            metrics_since=metrics_since, events_since=events_since, rollouts_since=rollouts_since
+        )
+        return self._riding_through(
+            "GetRunHistory", lambda: self._call("GetRunHistory", self._stub.GetRunHistory, request, timeout_s)
         )
 
     def list_workers(

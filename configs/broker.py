@@ -149,6 +149,12 @@ class BrokerConfig(BaseConfig):
         "is sent the update by the broker; the worker the others waited on relays nothing more until it "
         "acknowledges one. Keep it above a worker's time to load an update.",
     )
+    history_max_bytes: int = Field(
+        16 * MiB,
+        ge=0,
+        description="Memory bound of the run history the dashboard reads (`GetRunHistory`: per-step metric rows, "
+        "events, sample rollouts; oldest dropped first), also kept in `<spool_dir>/run_history.json`.",
+    )
     read_cache_bytes: int = Field(
         256 * MiB,
         ge=0,

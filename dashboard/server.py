@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import parse_qs, urlsplit
 
-from primerl.dashboard.sources import BrokerSource, RunDirSource
+from primerl.dashboard.sources import MAX_EVENTS, BrokerSource, RunDirSource
 
 STATIC_DIR = Path(__file__).resolve().parent / "static"
 COOKIE_NAME = "primerl_dashboard"
@@ -69,11 +69,11 @@ class Dashboard:
         if route == "/api/config":
             return {"text": self.run_dir.config_text() if self.run_dir else "", "file": "rl.toml"}
         if route == "/api/metrics":
-            rows, next_index = self.run_dir.metrics.since(since) if self.run_dir else ([], 0)
-            return {"rows": [_finite(row) for row in rows], "next": next_index}
+            rows, next_index = self._pick("metrics", since)
+            return {"rows": [_finite(row) for row in rows], "next": next_index, "source": self._from("metrics")}
         if route == "/api/rollouts":
-            rollouts, next_index = self.run_dir.rollouts.since(since) if self.run_dir else ([], 0)
-            return {"rollouts": rollouts, "next": next_index}
+            rollouts, next_index = self._pick("rollouts", since)
+            return {"rollouts": rollouts, "next": next_index, "source": self._from("rollouts")}
         if route == "/api/workers":
             status, error = self._status()
             workers = [_worker(w, status) for w in (status or {}).get("workers", [])]
@@ -87,16 +87,37 @@ class Dashboard:
                 "rollout_bytes_per_s": status.get("rollout_bytes_per_s", 0.0),
                 "weight_bytes_per_s": status.get("weight_bytes_per_s", 0.0),
                 "latest_policy_version": int(status.get("latest_policy_version", 0) or 0),
+                "history_bytes": self.broker.history_bytes[0] if self.broker else 0,
+                "history_max_bytes": self.broker.history_bytes[1] if self.broker else 0,
                 "broker_error": error,
             }
         if route == "/api/events":
             status, _ = self._status()
             events = self.run_dir.events() if self.run_dir else []
+            if self.broker is not None:
+                self.broker.refresh_history()
+                events = sorted(events + self.broker.events.since(0)[0], key=lambda event: event["time"])
             errors = [
                 {"source": "broker", "level": "error", "message": m} for m in (status or {}).get("recent_errors", [])
             ]
-            return {"events": events, "recent_errors": errors}
+            return {"events": events[-MAX_EVENTS:], "recent_errors": errors}
         return None
+
+    def _from(self, what: str) -> str:
+        """Where ``what`` (metrics, rollouts) comes from: the run directory's file when it has one (complete),
+        else the broker's history (bounded), else nothing yet."""
+        if self.run_dir is not None:
+            tail = self.run_dir.metrics if what == "metrics" else self.run_dir.rollouts
+            if tail.path.exists() or self.broker is None:
+                return "run_dir"
+        return "broker" if self.broker is not None else "run_dir"
+
+    def _pick(self, what: str, since: int) -> tuple[list, int]:
+        if self._from(what) == "run_dir":
+            tail = self.run_dir.metrics if what == "metrics" else self.run_dir.rollouts
+            return tail.since(since)
+        self.broker.refresh_history()
+        return (self.broker.rows if what == "metrics" else self.broker.rollouts).since(since)
 
     def _status(self) -> tuple[dict | None, str]:
         if self.broker is None:
@@ -106,7 +127,7 @@ class Dashboard:
     def run(self) -> dict[str, Any]:
         status, error = self._status()
         config = self._config()
-        rows, _ = self.run_dir.metrics.since(0) if self.run_dir else ([], 0)
+        rows, _ = self._pick("metrics", 0)
         trainer_rows = [row for row in rows if row.get("role") == "trainer"]
         step = max((row["step"] for row in trainer_rows), default=0)
         max_steps = int(config.get("max_steps") or config.get("trainer", {}).get("max_steps") or 0)

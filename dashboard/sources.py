@@ -158,9 +158,28 @@ class RunDirSource:
                 )
 
 
+class _Kept:
+    """Items numbered as the broker numbers them; the newest ``max_items`` kept."""
+
+    def __init__(self, max_items: int):
+        self.items: deque = deque(maxlen=max_items)
+        self.next = 0
+
+    def take(self, items: list, next_index: int) -> None:
+        if next_index < self.next:  # a broker that lost its history (a fresh spool): start again
+            self.items.clear()
+        self.items.extend(items)
+        self.next = next_index
+
+    def since(self, index: int) -> tuple[list, int]:
+        first = self.next - len(self.items)
+        return list(self.items)[max(index, first) - first :], self.next
+
+
 class BrokerSource:
-    """The live run as the broker sees it (``GetRunStatus``), through a read-only client; the answer is cached
-    for ``STATUS_CACHE_S`` so that many open pages cost the broker one call per interval."""
+    """The live run as the broker sees it: ``GetRunStatus`` and the run history (``GetRunHistory``: metric rows,
+    events, sample rollouts, read incrementally and kept bounded here), through a read-only client. Answers are
+    cached for ``STATUS_CACHE_S`` so that many open pages cost the broker one call of each per interval."""
 
     def __init__(self, client):
         self.client = client
@@ -168,6 +187,11 @@ class BrokerSource:
         self._status: dict | None = None
         self._error = ""
         self._read_s = 0.0
+        self._history_read_s = 0.0
+        self.rows = _Kept(MAX_ROWS)
+        self.events = _Kept(MAX_EVENTS)
+        self.rollouts = _Kept(MAX_ROLLOUTS)
+        self.history_bytes = (0, 0)  # what the broker's history holds, and its bound
 
     def status(self) -> tuple[dict | None, str]:
         """The run status as JSON data (None when the broker cannot be reached) and the error, if any."""
@@ -190,8 +214,55 @@ class BrokerSource:
             self._read_s = time.monotonic()
             return self._status, self._error
 
+    def refresh_history(self) -> None:
+        """Read what the broker's history has beyond what is kept here (at most once per ``STATUS_CACHE_S``)."""
+        import grpc
+
+        from primerl.client.control import BrokerError
+
+        with self._lock:
+            if time.monotonic() - self._history_read_s < STATUS_CACHE_S:
+                return
+            self._history_read_s = time.monotonic()
+            try:
+                history = self.client.get_run_history(self.rows.next, self.events.next, self.rollouts.next)
+            except BrokerError as err:
+                if err.code == grpc.StatusCode.UNIMPLEMENTED:  # a broker before the run history
+                    self._history_read_s = float("inf")
+                return
+            self.rows.take([_row(row) for row in history.rows], history.metrics_next)
+            self.events.take([_event(event) for event in history.events], history.events_next)
+            records = []
+            for record in history.rollouts:
+                try:
+                    records.append(parse_rollout_line(record))
+                except ValueError:
+                    continue
+            self.rollouts.take(records, history.rollouts_next)
+            self.history_bytes = (history.num_bytes, history.max_bytes)
+
     def close(self) -> None:
         self.client.close()
+
+
+def _row(row) -> dict:
+    from primerl.proto.v1 import common_pb2
+
+    role = common_pb2.Role.Name(row.role).removeprefix("ROLE_").lower() if row.role in common_pb2.Role.values() else ""
+    return {"step": int(row.step), "role": role, "time": row.unix_ms / 1000, **dict(row.metrics)}
+
+
+def _event(event) -> dict:
+    when = time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(event.unix_ms / 1000)) + f".{event.unix_ms % 1000:03d}Z"
+    level = "error" if event.kind in ("error", "lost") else "info"
+    return {
+        "time": when,
+        "source": event.source,
+        "level": level,
+        "kind": event.kind,
+        "step": int(event.step),
+        "message": event.message,
+    }
 
 
 def connect_broker(

@@ -132,7 +132,10 @@ class OrchestratorRunner:
                 telemetry.ORCHESTRATOR_ROLLOUT_ERRORS, "Failed rollouts and rollout groups (the sum of rollout/errors)."
             )
         self.sink = MetricsSink("orchestrator", config.output_dir, config.wandb, config, exporter=self.exporter)
-        self.rollout_samples = RolloutSamples(config.output_dir, config.model.name)  # rollouts.jsonl, the dashboard's
+        # A few sample rollouts per step for the dashboard: to rollouts.jsonl and the broker's run history.
+        self.rollout_samples = RolloutSamples(
+            config.output_dir, config.model.name, on_records=lambda step, records: self._send_samples(step, records)
+        )
 
     def _connect(self) -> None:
         """Register with the broker, start the worker-list threads and the send thread."""
@@ -422,6 +425,10 @@ class OrchestratorRunner:
             )
         except OutageStopped:
             log.warning("metrics not reported to the broker: stopping", step=step)
+
+    def _send_samples(self, step: int, records: list[dict]) -> None:
+        if self.control is not None and not self._broker_lost:
+            self.control.report_rollouts(step, [json.dumps(record, ensure_ascii=False) for record in records])
 
     def _evaluate(self, step: int) -> None:
         """Each eval environment's eval split against the current policy, logged apart as ``eval/<env>/...``."""

@@ -238,7 +238,9 @@ function showQueues(data) {
   );
   document.getElementById("rates").textContent =
     `rollout batches/s ${fmt(data.rollout_batches_per_s, 2)} · rollout bytes/s ${fmt(data.rollout_bytes_per_s, 0)} · ` +
-    `weight bytes/s ${fmt(data.weight_bytes_per_s, 0)} · latest policy version ${data.latest_policy_version}`;
+    `weight bytes/s ${fmt(data.weight_bytes_per_s, 0)} · latest policy version ${data.latest_policy_version}` +
+    (data.history_max_bytes ? ` · broker history ${fmt(data.history_bytes / 2 ** 20, 2)} of ` +
+      `${fmt(data.history_max_bytes / 2 ** 20, 0)} MiB` : "");
 }
 
 function showEvents(data) {
@@ -313,12 +315,26 @@ async function poll() {
       getJSON("/api/events"),
       getJSON(`/api/rollouts?since=${state.rolloutsNext}`),
     ]);
-    if (metrics.next < state.metricsNext) state.series = {}; // a rewritten file: start again
-    addRows(metrics.rows);
-    state.metricsNext = metrics.next;
-    state.rollouts.push(...rollouts.rollouts);
-    state.rollouts = state.rollouts.slice(-400);
-    state.rolloutsNext = rollouts.next;
+    // A rewritten file, or another source (the run directory's file appeared): read it all again next time.
+    const restart = (data, source, next) =>
+      state[source] !== undefined && (data.source !== state[source] || data.next < state[next]);
+    if (restart(metrics, "metricsSource", "metricsNext")) {
+      state.series = {};
+      state.metricsNext = 0;
+    } else {
+      addRows(metrics.rows);
+      state.metricsNext = metrics.next;
+    }
+    state.metricsSource = metrics.source;
+    if (restart(rollouts, "rolloutsSource", "rolloutsNext")) {
+      state.rollouts = [];
+      state.rolloutsNext = 0;
+    } else {
+      state.rollouts.push(...rollouts.rollouts);
+      state.rollouts = state.rollouts.slice(-400);
+      state.rolloutsNext = rollouts.next;
+    }
+    state.rolloutsSource = rollouts.source;
     showRun(run);
     drawCharts();
     showWorkers(workers);

@@ -290,3 +290,80 @@ class RunStatus(_message.Message):
     lineage_base_version: int
     num_rollbacks: int
     def __init__(self, run_id: _Optional[str] = ..., broker_started_unix_ms: _Optional[int] = ..., updated_unix_ms: _Optional[int] = ..., trainer_step: _Optional[int] = ..., last_committed_step: _Optional[int] = ..., latest_policy_version: _Optional[int] = ..., orchestrator_step: _Optional[int] = ..., workers: _Optional[_Iterable[_Union[WorkerInfo, _Mapping]]] = ..., queues: _Optional[_Iterable[_Union[QueueStatus, _Mapping]]] = ..., rollout_batches_per_s: _Optional[float] = ..., rollout_bytes_per_s: _Optional[float] = ..., weight_bytes_per_s: _Optional[float] = ..., last_metrics: _Optional[_Mapping[str, float]] = ..., last_metrics_step: _Optional[int] = ..., recent_errors: _Optional[_Iterable[str]] = ..., max_steps: _Optional[int] = ..., policy_lineage: _Optional[int] = ..., lineage_base_version: _Optional[int] = ..., num_rollbacks: _Optional[int] = ...) -> None: ...
+
+class ReportRolloutsRequest(_message.Message):
+    __slots__ = ("worker_id", "step", "records")
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    RECORDS_FIELD_NUMBER: _ClassVar[int]
+    worker_id: str
+    step: int
+    records: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, worker_id: _Optional[str] = ..., step: _Optional[int] = ..., records: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class ReportRolloutsResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class GetRunHistoryRequest(_message.Message):
+    __slots__ = ("metrics_since", "events_since", "rollouts_since")
+    METRICS_SINCE_FIELD_NUMBER: _ClassVar[int]
+    EVENTS_SINCE_FIELD_NUMBER: _ClassVar[int]
+    ROLLOUTS_SINCE_FIELD_NUMBER: _ClassVar[int]
+    metrics_since: int
+    events_since: int
+    rollouts_since: int
+    def __init__(self, metrics_since: _Optional[int] = ..., events_since: _Optional[int] = ..., rollouts_since: _Optional[int] = ...) -> None: ...
+
+class MetricRow(_message.Message):
+    __slots__ = ("step", "role", "unix_ms", "metrics")
+    class MetricsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: float
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[float] = ...) -> None: ...
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    ROLE_FIELD_NUMBER: _ClassVar[int]
+    UNIX_MS_FIELD_NUMBER: _ClassVar[int]
+    METRICS_FIELD_NUMBER: _ClassVar[int]
+    step: int
+    role: _common_pb2.Role
+    unix_ms: int
+    metrics: _containers.ScalarMap[str, float]
+    def __init__(self, step: _Optional[int] = ..., role: _Optional[_Union[_common_pb2.Role, str]] = ..., unix_ms: _Optional[int] = ..., metrics: _Optional[_Mapping[str, float]] = ...) -> None: ...
+
+class RunEvent(_message.Message):
+    __slots__ = ("unix_ms", "step", "kind", "source", "message")
+    UNIX_MS_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    SOURCE_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    unix_ms: int
+    step: int
+    kind: str
+    source: str
+    message: str
+    def __init__(self, unix_ms: _Optional[int] = ..., step: _Optional[int] = ..., kind: _Optional[str] = ..., source: _Optional[str] = ..., message: _Optional[str] = ...) -> None: ...
+
+class RunHistory(_message.Message):
+    __slots__ = ("rows", "events", "rollouts", "metrics_next", "events_next", "rollouts_next", "num_bytes", "max_bytes")
+    ROWS_FIELD_NUMBER: _ClassVar[int]
+    EVENTS_FIELD_NUMBER: _ClassVar[int]
+    ROLLOUTS_FIELD_NUMBER: _ClassVar[int]
+    METRICS_NEXT_FIELD_NUMBER: _ClassVar[int]
+    EVENTS_NEXT_FIELD_NUMBER: _ClassVar[int]
+    ROLLOUTS_NEXT_FIELD_NUMBER: _ClassVar[int]
+    NUM_BYTES_FIELD_NUMBER: _ClassVar[int]
+    MAX_BYTES_FIELD_NUMBER: _ClassVar[int]
+    rows: _containers.RepeatedCompositeFieldContainer[MetricRow]
+    events: _containers.RepeatedCompositeFieldContainer[RunEvent]
+    rollouts: _containers.RepeatedScalarFieldContainer[str]
+    metrics_next: int
+    events_next: int
+    rollouts_next: int
+    num_bytes: int
+    max_bytes: int
+    def __init__(self, rows: _Optional[_Iterable[_Union[MetricRow, _Mapping]]] = ..., events: _Optional[_Iterable[_Union[RunEvent, _Mapping]]] = ..., rollouts: _Optional[_Iterable[str]] = ..., metrics_next: _Optional[int] = ..., events_next: _Optional[int] = ..., rollouts_next: _Optional[int] = ..., num_bytes: _Optional[int] = ..., max_bytes: _Optional[int] = ...) -> None: ...

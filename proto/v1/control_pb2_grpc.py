@@ -74,6 +74,16 @@ class BrokerStub:
                 request_serializer=primerl_dot_v1_dot_control__pb2.CommitStepRequest.SerializeToString,
                 response_deserializer=primerl_dot_v1_dot_control__pb2.CommitStepResponse.FromString,
                 _registered_method=True)
+        self.ReportRollouts = channel.unary_unary(
+                '/primerl.v1.Broker/ReportRollouts',
+                request_serializer=primerl_dot_v1_dot_control__pb2.ReportRolloutsRequest.SerializeToString,
+                response_deserializer=primerl_dot_v1_dot_control__pb2.ReportRolloutsResponse.FromString,
+                _registered_method=True)
+        self.GetRunHistory = channel.unary_unary(
+                '/primerl.v1.Broker/GetRunHistory',
+                request_serializer=primerl_dot_v1_dot_control__pb2.GetRunHistoryRequest.SerializeToString,
+                response_deserializer=primerl_dot_v1_dot_control__pb2.RunHistory.FromString,
+                _registered_method=True)
 
 
 class BrokerServicer:
@@ -144,6 +154,24 @@ class BrokerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ReportRollouts(self, request, context):
+        """Caller: the orchestrator, after each step, with a few sample rollouts of it (the dashboard shows them). The
+        broker keeps them in its bounded run history (`broker.history_max_bytes`), oldest dropped first.
+        Errors: NOT_FOUND (unknown worker), INVALID_ARGUMENT (a record that is not a JSON object, or too large),
+        UNAUTHENTICATED.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GetRunHistory(self, request, context):
+        """Caller: any client (`primerl dashboard`). The broker's bounded run history: per-step metric rows, events and
+        sample rollouts, each after the index the caller already has (0: all that is kept). Errors: UNAUTHENTICATED.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_BrokerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -186,6 +214,16 @@ def add_BrokerServicer_to_server(servicer, server):
                     servicer.CommitStep,
                     request_deserializer=primerl_dot_v1_dot_control__pb2.CommitStepRequest.FromString,
                     response_serializer=primerl_dot_v1_dot_control__pb2.CommitStepResponse.SerializeToString,
+            ),
+            'ReportRollouts': grpc.unary_unary_rpc_method_handler(
+                    servicer.ReportRollouts,
+                    request_deserializer=primerl_dot_v1_dot_control__pb2.ReportRolloutsRequest.FromString,
+                    response_serializer=primerl_dot_v1_dot_control__pb2.ReportRolloutsResponse.SerializeToString,
+            ),
+            'GetRunHistory': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetRunHistory,
+                    request_deserializer=primerl_dot_v1_dot_control__pb2.GetRunHistoryRequest.FromString,
+                    response_serializer=primerl_dot_v1_dot_control__pb2.RunHistory.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -404,6 +442,60 @@ class Broker:
             '/primerl.v1.Broker/CommitStep',
             primerl_dot_v1_dot_control__pb2.CommitStepRequest.SerializeToString,
             primerl_dot_v1_dot_control__pb2.CommitStepResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReportRollouts(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/primerl.v1.Broker/ReportRollouts',
+            primerl_dot_v1_dot_control__pb2.ReportRolloutsRequest.SerializeToString,
+            primerl_dot_v1_dot_control__pb2.ReportRolloutsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetRunHistory(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/primerl.v1.Broker/GetRunHistory',
+            primerl_dot_v1_dot_control__pb2.GetRunHistoryRequest.SerializeToString,
+            primerl_dot_v1_dot_control__pb2.RunHistory.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,0 +1,236 @@
+"""The dashboard's logic and API without a browser: login token and refusals, read-only methods, headers, the JSON
+API over a run directory and over a live in-process broker (its bounded run history survives a restart), the
+orchestrator's sample-rollout records."""
+
+from __future__ import annotations
+
+import json
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from primerl.broker.run_history import MAX_ROLLOUTS_PER_REPORT, RunHistory, RunHistoryFile
+from primerl.dashboard.server import CSP, Dashboard, DashboardServer
+from primerl.dashboard.sources import RunDirSource, connect_broker
+from primerl.orchestrator.rollout_samples import ROLLOUTS_FILE, RolloutSamples, pick, to_record
+from primerl.orchestrator.samples import TrainingSample
+
+XSS = '<script>alert("x")</script><img src=x onerror=alert(1)>'
+
+
+def write_run_dir(run_dir: Path, steps: int = 3) -> Path:
+    run_dir.mkdir(parents=True)
+    (run_dir / "rl.toml").write_text("max_steps = 5\n\n[trainer]\nmax_steps = 5\n")
+    with (run_dir / "metrics.jsonl").open("w") as out:
+        for step in range(1, steps + 1):
+            out.write(
+                json.dumps({"step": step, "role": "orchestrator", "time": 100.0 + step, "train/reward": step / 10})
+            )
+            out.write("\n")
+            out.write(json.dumps({"step": step, "role": "trainer", "time": 100.5 + step, "train/loss": 1.0 / step}))
+            out.write("\n")
+    record = {"step": 1, "env_id": "e", "example_id": 0, "rollout_id": 0, "reward": 1.0, "advantage": 0.5,
+              "policy_version": 0, "truncated": False, "prompt": "p", "tokens": [[XSS, -0.1, True]],
+              "tokens_dropped": 0, "time": 1.0}  # fmt: skip
+    (run_dir / ROLLOUTS_FILE).write_text(json.dumps(record) + "\n")
+    (run_dir / "logs").mkdir()
+    (run_dir / "logs" / "trainer.log").write_text(
+        "2026-11-27T19:52:29.826823Z [info     ] fine [x]\n2026-11-27T19:52:30.1Z [warning  ] disk is slow [x] a=1\n"
+    )
+    return run_dir
+
+
+@pytest.fixture
+def served(tmp_path):
+    server = DashboardServer(Dashboard(RunDirSource(write_run_dir(tmp_path / "run"))), token="secret-token")
+    server.serve_in_thread()
+    yield server
+    server.close()
+
+
+def request(server, path: str, method: str = "GET", headers: dict | None = None, follow: bool = True):
+    url = f"http://127.0.0.1:{server.port}{path}"
+    req = urllib.request.Request(url, method=method, headers=headers or {})
+    opener = urllib.request.build_opener() if follow else urllib.request.build_opener(_NoRedirect())
+    try:
+        with opener.open(req, timeout=10) as response:
+            return response.status, dict(response.headers), response.read()
+    except urllib.error.HTTPError as err:
+        return err.code, dict(err.headers), err.read()
+
+
+class _NoRedirect(urllib.request.HTTPRedirectHandler):
+    def redirect_request(self, *args, **kwargs):
+        return None
+
+
+AUTH = {"Authorization": "Bearer secret-token"}
+
+
+@pytest.mark.parametrize("path", ["/", "/app.js", "/api/run", "/api/metrics", "/api/rollouts", "/nope"])
+def test_every_route_refuses_without_the_token_and_with_a_wrong_one(served, path):
+    code, _, body = request(served, path)
+    assert code == 401 and b"no login token" in body
+    code, _, body = request(served, path, headers={"Authorization": "Bearer secret-tokeN"})
+    assert code == 403 and b"wrong login token" in body
+    code, _, _ = request(served, path, headers={"Cookie": "primerl_dashboard=nope"})
+    assert code == 403
+    code, _, _ = request(served, path + ("&" if "?" in path else "?") + "token=nope", follow=False)
+    assert code == 403
+
+
+@pytest.mark.parametrize("method", ["POST", "PUT", "DELETE", "PATCH", "OPTIONS"])
+def test_write_methods_are_refused_even_with_the_token(served, method):
+    code, headers, body = request(served, "/api/run", method=method, headers=AUTH)
+    assert code == 405 and headers["Allow"] == "GET, HEAD" and b"read-only" in body
+
+
+def test_the_url_token_becomes_a_cookie_and_leaves_the_address(served):
+    assert served.url == f"http://127.0.0.1:{served.port}/?token=secret-token"
+    code, headers, _ = request(served, "/?token=secret-token", follow=False)
+    assert code == 303 and headers["Location"] == "/"
+    cookie = headers["Set-Cookie"]
+    assert cookie.startswith("primerl_dashboard=secret-token;") and "HttpOnly" in cookie and "SameSite=Strict" in cookie
+    code, headers, body = request(served, "/", headers={"Cookie": "primerl_dashboard=secret-token"})
+    assert code == 200 and b'<script src="/app.js"' in body
+    assert headers["Content-Security-Policy"] == CSP and "default-src 'self'" in CSP and "unsafe-inline" not in CSP
+    assert headers["X-Content-Type-Options"] == "nosniff" and headers["Cache-Control"] == "no-store"
+
+
+def test_the_page_has_no_inline_script_and_sets_run_data_as_text_only():
+    static = Path(__file__).resolve().parents[1] / "dashboard" / "static"
+    html = (static / "index.html").read_text()
+    assert "<script>" not in html and " on" not in html.replace("<option", "")  # no inline script, no on* handler
+    script = (static / "app.js").read_text()
+    assert "innerHTML" not in script and "insertAdjacentHTML" not in script and "eval(" not in script
+    assert "http://" not in script.replace("http://www.w3.org/2000/svg", "") and "https://" not in script
+
+
+def test_the_api_reads_a_finished_run_from_its_directory(served):
+    def api(path):
+        code, headers, body = request(served, path, headers=AUTH)
+        assert code == 200 and headers["Content-Type"] == "application/json", body
+        return json.loads(body)
+
+    run = api("/api/run")
+    assert run["state"] == "stopped" and run["step"] == 3 and run["max_steps"] == 5 and not run["broker"]
+    metrics = api("/api/metrics")
+    assert metrics["next"] == 6 and [r["step"] for r in metrics["rows"] if r["role"] == "trainer"] == [1, 2, 3]
+    assert api("/api/metrics?since=4")["rows"] == metrics["rows"][4:]
+    rollouts = api("/api/rollouts")["rollouts"]
+    assert rollouts[0]["tokens"][0][0] == XSS  # as it was written: the page escapes it (textContent)
+    assert api("/api/config")["text"].startswith("max_steps = 5")
+    events = api("/api/events")["events"]
+    assert [(e["source"], e["level"], e["message"]) for e in events] == [("trainer", "warning", "disk is slow [x] a=1")]
+    assert api("/api/workers")["workers"] == []
+    with (served.dashboard.run_dir.run_dir / "metrics.jsonl").open("a") as out:  # the run goes on: only new rows
+        out.write(json.dumps({"step": 4, "role": "trainer", "time": 105.0, "train/loss": 0.2}) + "\n")
+    assert [r["step"] for r in api("/api/metrics?since=6")["rows"]] == [4]
+    assert api("/api/run")["step"] == 4
+
+
+# --------------------------------------------------------------------------------------------- broker
+def orchestrator_client(broker):
+    from primerl.client.control import ControlClient
+    from primerl.runtime.config_common import BrokerClientConfig
+
+    client = ControlClient(BrokerClientConfig(address=broker.grpc_address), "orchestrator", "orchestrator")
+    client.register()
+    return client
+
+
+def test_the_broker_keeps_a_bounded_history_that_a_restarted_broker_still_serves(make_broker):
+    broker = make_broker(history_max_bytes=200_000)
+    client = orchestrator_client(broker)
+    record = json.dumps({"step": 1, "env_id": "e", "tokens": [[XSS, -0.5, True]], "prompt": "x" * 3000})
+    for step in range(1, 41):
+        client.report_metrics(step, {"train/reward": step / 100, "pad/x": 1.0})
+        client.report_rollouts(step, [record.replace('"step": 1', f'"step": {step}')])
+    history = client.get_run_history()
+    assert history.max_bytes == 200_000 and 0 < history.num_bytes <= 200_000
+    assert [row.step for row in history.rows] == list(range(1, 41)) and history.metrics_next == 40
+    rollout_steps = [json.loads(r)["step"] for r in history.rollouts]
+    assert rollout_steps == list(range(41 - len(rollout_steps), 41)) and len(rollout_steps) < 40  # oldest dropped
+    assert history.rollouts_next == 40
+    assert [e.kind for e in history.events][:1] == ["joined"]
+    later = client.get_run_history(metrics_since=38, events_since=history.events_next, rollouts_since=39)
+    assert [row.step for row in later.rows] == [39, 40] and len(later.rollouts) == 1 and not later.events
+    with pytest.raises(Exception, match="not a JSON object"):
+        client.report_rollouts(41, ["[1, 2]"])
+    with pytest.raises(Exception, match="at most"):
+        client.report_rollouts(41, ["{}"] * (MAX_ROLLOUTS_PER_REPORT + 1))
+    client.close()
+    broker.restart()  # the history was written to the spool by the stop
+    reader = orchestrator_client(broker)
+    again = reader.get_run_history()
+    assert [row.step for row in again.rows] == list(range(1, 41)) and again.rollouts == history.rollouts
+    assert again.metrics_next == 40 and again.events_next >= history.events_next
+    reader.close()
+
+
+def test_the_dashboard_reads_a_live_broker_alone(make_broker):
+    broker = make_broker()
+    client = orchestrator_client(broker)
+    client.report_metrics(1, {"train/reward": 0.5})
+    client.report_rollouts(1, [json.dumps({"step": 1, "env_id": "e", "tokens": [[XSS, -1.0, True]]})])
+    dashboard = Dashboard(None, connect_broker(broker.grpc_address, None))
+    try:
+        run = dashboard.api("/api/run", {})
+        assert run["broker"] and run["state"] == "starting" and run["run_id"] == broker.service.run_id
+        workers = dashboard.api("/api/workers", {})["workers"]
+        assert [(w["name"], w["role"], w["state"]) for w in workers] == [("orchestrator", "orchestrator", "alive")]
+        metrics = dashboard.api("/api/metrics", {})
+        assert metrics["source"] == "broker" and metrics["rows"][0]["train/reward"] == 0.5
+        assert metrics["rows"][0]["role"] == "orchestrator"
+        assert dashboard.api("/api/rollouts", {})["rollouts"][0]["tokens"][0][0] == XSS
+        assert any(e["kind"] == "joined" for e in dashboard.api("/api/events", {})["events"])
+        assert dashboard.api("/api/queues", {})["history_max_bytes"] == broker.config.history_max_bytes
+    finally:
+        dashboard.close()
+        client.close()
+
+
+def test_a_history_file_that_cannot_be_read_is_set_aside(tmp_path):
+    (tmp_path / "run_history.json").write_text('{"format": "primerl.run_history/1", "rows": 3}')
+    history = RunHistory(1000)
+    assert not RunHistoryFile(tmp_path).load_into(history)
+    assert (tmp_path / "run_history.json.corrupt").exists() and history.since().rows == []
+
+
+# ------------------------------------------------------------------------------------------- samples
+def sample(reward: float, rollout_id: int, env_id: str = "e", completion: int = 3) -> TrainingSample:
+    n = 2 + completion
+    return TrainingSample(
+        token_ids=list(range(10, 10 + n)),
+        loss_mask=[False, False] + [True] * completion,
+        inference_logprobs=[0.0, 0.0] + [-0.5] * completion,
+        temperatures=[1.0] * n,
+        policy_versions=[0, 0] + [3] * completion,
+        reward=reward,
+        advantage=reward - 0.5,
+        env_id=env_id,
+        rollout_id=rollout_id,
+    )
+
+
+def test_samples_are_the_best_and_worst_rollouts_of_each_env_and_stay_bounded(tmp_path):
+    samples = [sample(r / 10, i) for i, r in enumerate([3, 9, 1, 5])] + [sample(0.2, 0, env_id="f")]
+    assert [(s.env_id, s.reward) for s in pick(samples, 2)] == [("e", 0.9), ("e", 0.1), ("f", 0.2)]
+    record = to_record(7, sample(1.0, 0, completion=3000), lambda ids: [f"<{i}>" for i in ids], 4096)
+    assert len(json.dumps(record).encode()) <= 4096 and record["tokens_dropped"] > 0
+    assert (
+        record["prompt"] == "<10><11>" and record["policy_version"] == 3 and record["tokens"][0] == ["<12>", -0.5, True]
+    )
+    sent = []
+    writer = RolloutSamples(
+        tmp_path,
+        "no-such-model",
+        decoder=lambda ids: [str(i) for i in ids],
+        on_records=lambda s, r: sent.append((s, r)),
+    )
+    writer.add(1, samples)
+    writer.close()
+    lines = [json.loads(line) for line in (tmp_path / ROLLOUTS_FILE).read_text().splitlines()]
+    assert len(lines) == 3 and {line["step"] for line in lines} == {1} and sent[0][1] == lines

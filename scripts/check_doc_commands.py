@@ -1,6 +1,6 @@
 """Check the commands in the docs against the code, so the docs cannot drift silently.
 
-    python scripts/check_doc_commands.py                 # README.md and docs/*.md; exit 1 listing each problem
+    python scripts/check_doc_commands.py     # README.md, docs/*.md, deploy/ and bench/README.md; exit 1 on problems
     python scripts/check_doc_commands.py docs/multi-host.md
 
 The convention: a fenced block marked ```bash (or ```sh) holds commands a reader can type; usage synopses with
@@ -52,7 +52,7 @@ ENTRY_POINTS["primerl-orchestrator"] = "orchestrator"
 DRY_RUN_DROPPED = frozenset({"--check", "--tmux", "--no-preflight", "--dry-run"})
 # Guides being written beside this one; a link to one of them may dangle until it lands (then drop it here).
 PENDING_DOCS = frozenset({"docs/dashboard.md", "docs/batches.md", "docs/losses-and-concurrency.md"})
-DEFAULT_DOCS = ("README.md", "docs/*.md")
+DEFAULT_DOCS = ("README.md", "docs/*.md", "deploy/README.md", "bench/README.md")
 SKIPPED_DOCS = frozenset({"docs/config-reference.md"})  # generated from the config models
 
 
@@ -576,6 +576,10 @@ def main(argv: list[str]) -> int:
         print(__doc__)
         return 0
     paths = [Path(a).resolve() for a in argv] or doc_files()
+    missing = [str(path) for path in paths if not path.is_file()]
+    if missing:
+        print(f"check_doc_commands: no such file: {', '.join(missing)} (give markdown files of the repository)")
+        return 2
     problems = DocChecker().check_files(paths)
     for problem in problems:
         print(problem)

@@ -13,6 +13,7 @@ primerl_broker_weight_bytes_pushed_total           weight-update bytes sent to i
 primerl_broker_weight_updates_stored               snapshot + deltas held in the weight store
 primerl_broker_weight_forward_lag_seconds          the latest update's last byte in -> last byte out to the
                                                    workers that were receiving it (or had it next)
+primerl_broker_history_bytes                       the run history the dashboard reads (broker.history_max_bytes)
 primerl_broker_weight_relay_chains_total           relay chains formed (broker.weight_fanout = "chain")
 primerl_broker_weight_relay_heals_total            workers sent an update again because their relay did not
                                                    reach them within weight_relay_timeout_s
@@ -134,3 +135,8 @@ class BrokerCollector:
                 "Rollout micro-batches accepted from the orchestrator.",
                 value=queue.num_accepted,
             )
+        yield GaugeMetricFamily(
+            telemetry.BROKER_HISTORY_BYTES,
+            "Bytes the run history holds (metric rows, events, sample rollouts), at most broker.history_max_bytes.",
+            value=service.history.num_bytes,
+        )

@@ -75,6 +75,8 @@ BROKER_ROLLOUT_CONNECTIONS_REFUSED = "primerl_broker_rollout_connections_refused
 BROKER_ROLLOUT_BATCHES_QUEUED = "primerl_broker_rollout_batches_queued"
 BROKER_ROLLOUT_BYTES_SPOOLED = "primerl_broker_rollout_bytes_spooled"
 BROKER_ROLLOUT_BATCHES_RECEIVED = "primerl_broker_rollout_batches_received"
+BROKER_HISTORY_BYTES = "primerl_broker_history_bytes"
+"""Bytes the broker's run history holds (the dashboard's; bounded by ``broker.history_max_bytes``)."""
 INFERENCE_POLICY_VERSION = "primerl_inference_policy_version"
 INFERENCE_WEIGHT_UPDATES_APPLIED = "primerl_inference_weight_updates_applied"
 INFERENCE_WEIGHT_UPDATES_REFUSED = "primerl_inference_weight_updates_refused"

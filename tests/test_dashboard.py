@@ -186,7 +186,12 @@ def test_the_dashboard_reads_a_live_broker_alone(make_broker):
         assert metrics["rows"][0]["role"] == "orchestrator"
         assert dashboard.api("/api/rollouts", {})["rollouts"][0]["tokens"][0][0] == XSS
         assert any(e["kind"] == "joined" for e in dashboard.api("/api/events", {})["events"])
-        assert dashboard.api("/api/queues", {})["history_max_bytes"] == broker.config.history_max_bytes
+        queues = dashboard.api("/api/queues", {})
+        assert queues["history_max_bytes"] == broker.config.history_max_bytes and queues["history_bytes"] > 0
+        with urllib.request.urlopen(broker.endpoints.metrics_url, timeout=10) as response:  # shown in its metrics
+            scraped = response.read().decode()
+        gauge = [line for line in scraped.splitlines() if line.startswith("primerl_broker_history_bytes ")]
+        assert gauge and float(gauge[0].split()[1]) == broker.service.history.num_bytes > 0
     finally:
         dashboard.close()
         client.close()

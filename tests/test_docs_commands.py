@@ -59,7 +59,7 @@ primerl-trainer @ trainer.toml --optim.lr 1e-5
 a$ primerl status --broker 10.0.0.2:50051 --watch
 cat examples/reverse_text_rl.toml | grep seq_len
 ```
-Prose: `primerl plot RUN_DIR [--output DIR] [--smooth N]`, [the configs](configs.md#config).
+Prose: `primerl plot RUN_DIR [--output DIR] [--smooth N]`, [the configs](configs.md#the-three-shapes).
 """
     assert _problems(checker, markdown) == []
 
@@ -113,7 +113,9 @@ def test_inline_paths_must_exist_unless_moved(checker):
 
 
 def test_links_and_anchors_must_resolve(checker):
-    markdown = "[a](configs.md#config) [b](no-such-guide.md) [c](configs.md#no-such-heading) [d](https://x.org/a)\n"
+    markdown = (
+        "[a](configs.md#the-three-shapes) [b](no-such-guide.md) [c](configs.md#no-such-heading) [d](https://x.org/a)\n"
+    )
     assert _problems(checker, markdown) == [
         "link to a missing file: no-such-guide.md",
         "link to a missing heading: configs.md#no-such-heading",

@@ -21,7 +21,8 @@ chunk, and the updates sent but not yet acknowledged. A worker that does not ack
 is planned again from what it acknowledged.
 
 Relay (``fanout="chain"``): members that announced a relay endpoint in HELLO and start the same update at the same
-time (``begin``, or idle members whose next planned update is the same) form one ``RelayChain``: the plane sends
+time (``begin``, or idle members whose next planned update is the same) form one ``RelayChain``, in the order
+they joined (the member that started it first, when one did): the plane sends
 each chunk only to its head, and each member forwards what it received to the next (the chunks carry the chain,
 ``Envelope.relay_hops``). The others in the chain are sent nothing; once the head has had the last chunk they all
 count as sent, each with ``relay_timeout_s`` to acknowledge. A member past that is planned again from what it
@@ -581,10 +582,11 @@ class WeightFanout:
 
     def _start_locked(self, members: list[_Member], update: StoredUpdate, head: _Member | None = None) -> None:
         """``members`` start receiving ``update`` now; in chain mode, those that can relay form one chain (``head``
-        first when it can relay, the rest by worker id); the others are sent it directly."""
+        first when it can relay, the rest in the order they joined); the others are sent it directly."""
         chained: list[_Member] = []
         if self.fanout == "chain":
-            chained = sorted((m for m in members if m.can_relay), key=lambda m: (m is not head, m.worker_id))
+            # members come in the order they joined: the longest-standing relay first (sorted() is stable)
+            chained = sorted((m for m in members if m.can_relay), key=lambda m: m is not head)
         chain = None
         if len(chained) >= 2:
             self._num_chains += 1

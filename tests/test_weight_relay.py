@@ -71,7 +71,7 @@ def test_members_that_relay_form_one_chain_and_only_its_head_is_sent_chunks(cloc
     publish(fanout, 1)
     step = fanout.next_step("w1")  # the first member the plane asks about heads the chain
     assert step is not None and step.chain is not None
-    assert step.chain.hops == ("w1", "w0", "w2")
+    assert step.chain.hops == ("w1", "w2", "w0"), "the head, then the others in the order they joined"
     assert step.chain.endpoints[0].startswith("tcp://")
     assert fanout.next_step("w0") is None and fanout.next_step("w2") is None, "relayed members are sent nothing"
     plain = fanout.next_step("plain")
@@ -266,7 +266,7 @@ def test_four_relaying_workers_get_the_update_bit_for_bit_and_the_broker_sends_e
 
 def test_a_worker_that_dies_mid_relay_is_healed_around_within_the_relay_timeout(relay_plane):
     h = relay_plane
-    # w1 is the chain's second worker (chains are ordered by worker id after the head): it dies at its 2nd chunk.
+    # w1 is the chain's second worker (chains follow the order of joining): it dies at its 2nd chunk.
     receivers = [Receiver(h, "w0"), Receiver(h, "w1", die_after_chunks=2), Receiver(h, "w2"), Receiver(h, "w3")]
     wait_until(lambda: len(h.plane.worker_versions()) == 4)
     header, data = make_update(1, num_bytes=8 * CHUNK_BYTES)
@@ -326,10 +326,17 @@ def test_a_broker_process_relays_through_worker_processes_and_heals_around_a_kil
                     *delay,
                     "--run-s",
                     "60",
+                    "--hello-when",
+                    str(tmp_path / f"{worker_id}.go"),
                 ],
             )
-        wait_until(lambda: all(any("relay_endpoint" in e for e in events(tmp_path / w)) for w in workers), timeout_s=30)
-        wait_until(lambda: broker.log_path.read_text().count("weight subscriber joined") == 4, timeout_s=15)
+        for number, worker_id in enumerate(workers, 1):
+            (tmp_path / f"{worker_id}.go").touch()  # one after the other: the chain follows the order of joining
+            wait_until(
+                lambda: broker.log_path.read_text().count("weight subscriber joined") == number,  # noqa: B023
+                timeout_s=30,
+                what=f"{worker_id} joins",
+            )
         metrics_url = broker.ready["metrics_url"]
         header, data = make_update(1, num_bytes=16 * CHUNK_BYTES)
         with WeightPublisher(endpoint, PROCESS_TOKEN, "trainer", CHUNK_BYTES) as publisher:

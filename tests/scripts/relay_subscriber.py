@@ -4,12 +4,14 @@ writes one JSON line per event to ``--out``: ``{"chunk": n}`` after each chunk l
 per update. ``--chunk-delay-s`` makes it a slow worker (the test SIGKILLs it mid-relay).
 
     python tests/scripts/relay_subscriber.py ENDPOINT TOKEN WORKER_ID OUT [--chunk-delay-s S] [--run-s S]
+                                             [--hello-when PATH]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import time
 
 
@@ -40,6 +42,7 @@ def main() -> None:
     parser.add_argument("out")
     parser.add_argument("--chunk-delay-s", type=float, default=0.0)
     parser.add_argument("--run-s", type=float, default=60.0)
+    parser.add_argument("--hello-when", default=None, help="say HELLO once this file exists (the test orders joins)")
     args = parser.parse_args()
 
     from primerl.client.weights import WeightSubscriber
@@ -58,6 +61,8 @@ def main() -> None:
             hello_interval_s=0.5,
             stall_timeout_s=2.0,
         )
+        while args.hello_when and not os.path.exists(args.hello_when):
+            time.sleep(0.02)
         subscriber.hello()
         out.write(json.dumps({"relay_endpoint": subscriber.relay.endpoint}) + "\n")
         out.flush()

@@ -18,8 +18,10 @@ commands):
   a file or directory that exists; so does such an inline path of the prose with a file suffix or a final ``/``
   (unless ``->`` follows it: a path that moved).
 
-Markdown links to files of the repository (and their ``#anchors``) must resolve too. All CLI calls run in one
-child process (``--cli-batch``), each subcommand's ``--help`` once.
+A ```toml block is a fragment of a ``primerl rl`` config: layered after ``examples/reverse_text_rl.toml``, it must
+pass ``--dry-run``. Markdown links to files of the repository (and their ``#anchors``) must resolve too.
+
+All CLI calls run in one child process (``--cli-batch``), each subcommand's ``--help`` once.
 """
 
 from __future__ import annotations
@@ -88,6 +90,11 @@ _REDIRECT = re.compile(r"(?<!\S)\d*(?:>>?|<|&>)(?:&\d+|\s*[^\s|&;<>]+)")
 
 def shell_blocks(markdown: str) -> list[tuple[int, list[str]]]:
     """(first line number, lines) of each fenced block marked bash or sh."""
+    return fenced_blocks(markdown, SHELL_LANGS)
+
+
+def fenced_blocks(markdown: str, langs: frozenset[str]) -> list[tuple[int, list[str]]]:
+    """(first line number, lines) of each fenced block marked with one of ``langs``."""
     blocks, lines = [], markdown.splitlines()
     i = 0
     while i < len(lines):
@@ -102,7 +109,7 @@ def shell_blocks(markdown: str) -> list[tuple[int, list[str]]]:
             body.append(lines[i])
             i += 1
         i += 1
-        if lang in SHELL_LANGS:
+        if lang in langs:
             blocks.append((start + 1, body))
     return blocks
 
@@ -279,6 +286,7 @@ class _PrimerlCall:
     key: tuple[str, ...]  # ("rl",), ("env", "install"), () for bare `primerl`
     args: list[str]
     synopsis: bool = False  # an inline `primerl ...` of the prose: only its command and plain flags are checked
+    toml_fragment: str | None = None  # a ```toml block: layered on the example run config, then --dry-run
 
 
 def _strip_launcher(words: list[str]) -> list[str]:
@@ -314,6 +322,7 @@ class DocChecker:
             for command in extract_commands(text, source):
                 problems += self._check_command(command, calls)
             calls += self._synopses(source, text)
+            calls += self._toml_fragments(source, text)
         problems += self._check_primerl_calls(calls)
         return problems
 
@@ -438,6 +447,15 @@ class DocChecker:
         return calls
 
     @staticmethod
+    def _toml_fragments(source: str, text: str) -> list[_PrimerlCall]:
+        """Each ```toml block, as a fragment of a `primerl rl` config (checked layered on the example config)."""
+        calls = []
+        for first_line, body in fenced_blocks(text, frozenset({"toml"})):
+            command = DocCommand(f"{source}:{first_line}", "```toml block: " + (body[0].strip() if body else ""), ())
+            calls.append(_PrimerlCall(command, ("rl",), [], toml_fragment="\n".join(body) + "\n"))
+        return calls
+
+    @staticmethod
     def _primerl_key(args: list[str]) -> tuple[tuple[str, ...], list[str]]:
         if not args or args[0].startswith("-"):
             return (), args
@@ -501,8 +519,8 @@ class DocChecker:
             elif id(call) in dry_run_result:
                 done = dry_run_result[id(call)]
                 if done["rc"] != 0:
-                    lines = done["stderr"].strip().splitlines() or done["stdout"].strip().splitlines()
-                    message = lines[-1] if lines else f"exit {done['rc']}"
+                    output = done["stderr"].strip() or done["stdout"].strip() or f"exit {done['rc']}"
+                    message = re.sub(r"\S*fragment-\d+\.toml", "the block", " ".join(output.split()))[:600]
                     problems.append(Problem(call.command.where, call.command.text, f"`{name} --dry-run`: {message}"))
             else:
                 known = options_in(result["stdout"] + result["stderr"])
@@ -518,6 +536,10 @@ class DocChecker:
     def _dry_run_argv(self, call: _PrimerlCall, write_dir: str, roles_dir: str) -> list[str]:
         role = call.key[0]
         stand_in = CONFIG_STAND_INS.get(role) or str(Path(roles_dir, ROLE_FILES[role]))
+        if call.toml_fragment is not None:
+            fragment = Path(write_dir, f"fragment-{id(call)}.toml")
+            fragment.write_text(call.toml_fragment)
+            return ["rl", "@", RL_STAND_IN, "@", str(fragment), "--dry-run"]
         argv, args = list(call.key), list(call.args)
         i = 0
         while i < len(args):

@@ -99,6 +99,15 @@ def test_each_kind_of_drift_fails(drift_problems, case):
     assert len(drift_problems[case]) == 1 and expected in drift_problems[case][0], drift_problems[case]
 
 
+def test_toml_blocks_are_run_config_fragments(checker):
+    good = '```toml\n[[orchestrator.env]]\nid = "my-env"\nargs = { difficulty = 2 }\n```\n'
+    bad = "```toml\n[orchestrator.teacher]\ntimeout_s = 120\nmax_retrys = 3\n```\n"
+    broken = "```toml\n[orchestrator\n```\n"
+    problems = checker.check_texts([("docs/good.md", good), ("docs/bad.md", bad), ("docs/broken.md", broken)])
+    assert [p.where for p in problems] == ["docs/bad.md:2", "docs/broken.md:2"], problems
+    assert "unknown key `orchestrator.teacher.max_retrys`" in problems[0].message
+
+
 def test_a_synopsis_with_a_made_up_flag_fails(checker):
     problems = _problems(checker, "Use `primerl plot RUN_DIR [--output DIR] [--smoothing N]` to plot.\n")
     assert problems == ["`primerl plot` has no option --smoothing"]

@@ -322,6 +322,7 @@ class DocChecker:
             for command in extract_commands(text, source):
                 problems += self._check_command(command, calls)
             calls += self._synopses(source, text)
+            problems += self._inline_make(source, text)
             calls += self._toml_fragments(source, text)
         problems += self._check_primerl_calls(calls)
         return problems
@@ -445,6 +446,24 @@ class DocChecker:
                     continue
                 calls.append(_PrimerlCall(command, key, args, synopsis=True))
         return calls
+
+    def _inline_make(self, source: str, text: str) -> list[Problem]:
+        """Inline `make TARGET VAR=...` spans of the prose: the targets and variables exist (placeholders skipped)."""
+        problems, in_fence = [], False
+        for line_no, line in enumerate(text.splitlines(), 1):
+            if _FENCE.match(line):
+                in_fence = not in_fence
+            if in_fence:
+                continue
+            for span in re.findall(r"`(make [^`]+)`", line):
+                try:
+                    words = shlex.split(span)
+                except ValueError:
+                    continue
+                if any(word.split("=", 1)[0].isupper() and "=" not in word for word in words[1:]):
+                    continue  # `make TARGET VAR=...`: a synopsis
+                problems += self._check_make(DocCommand(f"{source}:{line_no}", f"`{span}`", tuple(words)), words[1:])
+        return problems
 
     @staticmethod
     def _toml_fragments(source: str, text: str) -> list[_PrimerlCall]:

@@ -113,6 +113,11 @@ def test_a_synopsis_with_a_made_up_flag_fails(checker):
     assert problems == ["`primerl plot` has no option --smoothing"]
 
 
+def test_inline_make_targets_must_exist(checker):
+    problems = _problems(checker, "Run `make test EXTRAS=gpu,dev`, `make TARGET VAR=...` or `make tests`.\n")
+    assert problems == ["no make target 'tests' in the Makefile"]
+
+
 def test_inline_paths_must_exist_unless_moved(checker):
     markdown = (
         "Read `examples/reverse_text_rl.toml` and `examples/gone.toml`; `bench/` is there, `nobench/x.py` is not ours;"

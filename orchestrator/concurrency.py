@@ -20,7 +20,8 @@ rollouts in flight, ``L`` its share:
 - **hold** otherwise.
 
 A worker whose ``/metrics`` cannot be read keeps its last share; a worker that left drops out of the sum. The
-metrics go to the step report as ``concurrency/limit``, ``concurrency/kv_usage_max``, ``concurrency/preemptions``.
+metrics go to each step's row: ``concurrency/limit`` (now), ``concurrency/kv_usage_max`` (the highest KV use of any
+worker since the previous row) and ``concurrency/preemptions`` (since the previous row).
 """
 
 from __future__ import annotations
@@ -125,6 +126,7 @@ class _WorkerState:
     preemptions_total: float | None = None
     cooldown: int = 0
     preempted: float = 0.0  # preemptions seen since the last ``take_metrics``
+    kv_peak: float = 0.0  # highest KV use seen since the last ``take_metrics``
 
 
 class KvTargetController:
@@ -156,6 +158,7 @@ class KvTargetController:
             new_preemptions = sample.preemptions_total - state.preemptions_total
         state.preemptions_total = sample.preemptions_total
         state.kv_usage = sample.kv_usage
+        state.kv_peak = max(state.kv_peak, sample.kv_usage)
         state.preempted += new_preemptions
         state.cooldown = max(0, state.cooldown - 1)
         kv, n = sample.kv_usage, num_inflight
@@ -189,11 +192,12 @@ class KvTargetController:
         return self._clamp(sum(state.share for state in self.workers.values()))
 
     def take_metrics(self) -> dict[str, float]:
-        """``concurrency/*`` of the step: the limit now, the largest KV use, preemptions since the last call."""
+        """``concurrency/*`` of the step: the limit now, the highest KV use of any worker and the preemptions since
+        the last call."""
         preempted = sum(state.preempted for state in self.workers.values())
+        kv_max = max((state.kv_peak for state in self.workers.values()), default=0.0)
         for state in self.workers.values():
-            state.preempted = 0.0
-        kv_max = max((state.kv_usage for state in self.workers.values()), default=0.0)
+            state.preempted = state.kv_peak = 0.0
         return {
             CONCURRENCY_LIMIT: float(self.limit()),
             CONCURRENCY_KV_USAGE_MAX: kv_max,

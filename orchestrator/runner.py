@@ -22,6 +22,12 @@ Metrics (``step_metrics``: what each one means): one row per step (and one per e
 ``{output_dir}/metrics.jsonl``, W&B with ``[wandb]``, and a Prometheus endpoint (``[orchestrator.prometheus]``)
 with live ``primerl_orchestrator_step``, ``primerl_orchestrator_inflight_rollouts`` and
 ``primerl_orchestrator_rollout_errors_total``. The broker also gets ``orchestrator/step`` with each batch's metrics.
+
+Concurrency (``concurrency``): the scheduler's cap on rollouts in flight is ``max_inflight`` (fixed) or, with
+``[orchestrator.concurrency]``, steered toward a KV-cache target read from each inference worker's ``/metrics``
+(``concurrency/*`` in each row). Advice (``primerl.runtime.advice``), once per window of steps: ``the orchestrator
+waits for policies longer than it works: add trainer`` (dispatch held by the async bound plus the send queue's
+back-pressure, against the rest of the step) and ``more than half of the rollouts were discarded``.
 """
 
 from __future__ import annotations
@@ -38,6 +44,7 @@ from primerl.client.rollouts import RolloutProducer
 from primerl.configs.orchestrator import OrchestratorConfig
 from primerl.orchestrator.async_bound import AsyncBound
 from primerl.orchestrator.batch_sender import BatchSender, SendInterrupted
+from primerl.orchestrator.concurrency import AdaptiveConcurrency, FixedConcurrency, WorkerLoad, build_concurrency
 from primerl.orchestrator.endpoints import EndpointWatcher, InferenceWorkers
 from primerl.orchestrator.env_sampler import EnvSampler
 from primerl.orchestrator.envs.base import EnvClient
@@ -46,7 +53,7 @@ from primerl.orchestrator.packing import to_broker_batches
 from primerl.orchestrator.rollout_failures import RolloutFailures
 from primerl.orchestrator.rollout_samples import RolloutSamples
 from primerl.orchestrator.rollout_scheduler import RolloutScheduler
-from primerl.orchestrator.step_metrics import batch_metrics, finite
+from primerl.orchestrator.step_metrics import ROLLOUT_TOKENS_DISCARDED, ROLLOUT_TOKENS_GENERATED, batch_metrics, finite
 from primerl.orchestrator.step_send import RESEND_INTERVAL_S, log_step_data, rank_digests, send_step
 from primerl.orchestrator.teacher_scoring import TeacherScorer
 from primerl.orchestrator.teacher_stage import TeacherStage
@@ -54,6 +61,7 @@ from primerl.orchestrator.types import SchedulerEvents, StepReport
 from primerl.proto import telemetry
 from primerl.proto.packing import PackedMicroBatch, PackedStep, check_loss_tokens_survive, pack_samples
 from primerl.proto.v1 import control_pb2, data_pb2
+from primerl.runtime.advice import DiscardWindow, WaitWindow
 from primerl.runtime.durable_files import write_atomically
 from primerl.runtime.log_setup import bind_context, get_logger
 from primerl.runtime.metrics_sink import MetricsSink
@@ -109,6 +117,21 @@ class OrchestratorRunner:
             else None
         )  # first: a bad teacher.api_key_var fails at once
         self.scheduler: RolloutScheduler | None = None
+        self.concurrency: FixedConcurrency | AdaptiveConcurrency | None = None  # the scheduler's in-flight cap
+        # advice (primerl.runtime.advice): "add trainer" and "more than half of the rollouts were discarded"
+        self.policy_waits = WaitWindow(
+            telemetry.ADVICE_ORCHESTRATOR_WAITS,
+            telemetry.ADVICE_ADD_TRAINER,
+            telemetry.ADVICE_ORCHESTRATOR_WAIT_TO_WORK,
+        )
+        self.discards = DiscardWindow(
+            telemetry.ADVICE_MOST_ROLLOUTS_DISCARDED,
+            telemetry.ADVICE_ROLLOUTS_DISCARDED,
+            telemetry.ADVICE_DISCARDED_FRACTION,
+            generated_key=ROLLOUT_TOKENS_GENERATED,
+            discarded_key=ROLLOUT_TOKENS_DISCARDED,
+        )
+        self._policy_wait_s = 0.0  # of the step under way: dispatch held for a newer policy
         self._send_stop = threading.Event()  # ends the send thread's waits when the orchestrator stops
         self._broker_lost = False  # stopped by BrokerOutageExceeded: no goodbye to the broker
         self._stop_reason = ""
@@ -227,6 +250,7 @@ class OrchestratorRunner:
     def _build_scheduler(self, sampler: EnvSampler) -> RolloutScheduler:
         config = self.config
         assert self.failures is not None
+        self.concurrency = build_concurrency(config, self._worker_loads, token=config.broker.run_token)
         return RolloutScheduler(
             config,
             stop_event=self.stop_event,
@@ -237,7 +261,16 @@ class OrchestratorRunner:
             bound=self.bound,
             teacher=self.teacher,
             events=SchedulerEvents(inflight_changed=self._inflight_changed, rollout_failed=self._rollout_failed),
+            inflight_limit=self.concurrency,
         )
+
+    def _worker_loads(self) -> list[WorkerLoad]:
+        """The ready inference workers and their rollouts in flight (read by the adaptive concurrency's thread)."""
+        return [
+            WorkerLoad(e.worker_id, e.base_url, e.num_inflight)
+            for e in list(self.inference.endpoints.values())
+            if e.ready
+        ]
 
     def _restore(self, scheduler: RolloutScheduler) -> int:
         if not self.state_path.exists():
@@ -345,7 +378,10 @@ class OrchestratorRunner:
                 self.teacher.refresh(self.teacher_watcher)
             scheduler.observe_lineage(self._heartbeat())
             scheduler.dispatch(step)
+            round_started_s = time.monotonic()
             scheduler.collect(timeout_s=VERSION_WAIT_S if scheduler.waiting_for_version else COLLECT_WAIT_S)
+            if scheduler.waiting_for_version:  # held by the async bound: waiting for the trainer's next policy
+                self._policy_wait_s += time.monotonic() - round_started_s
             scheduler.cancel_stale(step)
         phase_s: collections.Counter = collections.Counter()  # the runner's own phases of the step
         packing_started_s = time.perf_counter()
@@ -483,6 +519,9 @@ class OrchestratorRunner:
                 }
             )
         )
+        if self.concurrency is not None:
+            metrics.update(self.concurrency.metrics())
+        self._advise(metrics, elapsed_s, report.timers.totals.get("send_wait_s", 0.0))
         self._log_new_fallbacks(report.fallbacks)
         self._num_fallbacks_total += sum(report.fallbacks.values())
         metrics[telemetry.ROLLOUT_INTERLEAVE_FALLBACKS_TOTAL] = float(self._num_fallbacks_total)
@@ -497,6 +536,17 @@ class OrchestratorRunner:
             seconds=round(elapsed_s, 2),
             tokens_per_s=round(metrics[telemetry.ROLLOUT_TOKENS_PER_S], 1),
         )
+
+    def _advise(self, metrics: dict[str, float], elapsed_s: float, send_wait_s: float) -> None:
+        """The advice of the step's window (``primerl.runtime.advice``): waiting for policies (dispatch held by the
+        async bound, the send queue full while the trainer is behind) against the rest of the step, and the
+        discarded share of the generated tokens; logged once per window, flags in the rows."""
+        waited_s = self._policy_wait_s + send_wait_s
+        self._policy_wait_s = 0.0
+        for advice in (self.policy_waits.add(waited_s, elapsed_s - waited_s), self.discards.add(metrics)):
+            if advice is not None:
+                log.warning(advice.event, **advice.figures)
+        metrics.update({**self.policy_waits.metrics, **self.discards.metrics})
 
     def _log_new_fallbacks(self, fallbacks: collections.Counter) -> None:
         """Once per reason and run: interleaved trajectories that were trained as branching samples instead."""
@@ -515,6 +565,8 @@ class OrchestratorRunner:
         for watcher in (self.endpoint_watcher, self.teacher_watcher):
             if watcher is not None:
                 watcher.stop()
+        if self.concurrency is not None:
+            self.concurrency.close()
         if self.scheduler is not None:
             self.scheduler.cancel_all()
         elif self.teacher is not None:

@@ -126,3 +126,51 @@ def test_teacher_term_and_adv_tau(loss_type):
     assert mixed.loss.item() == pytest.approx(plain.loss.item(), rel=1e-12)
     assert torch.allclose(mixed_grad, plain_grad, atol=1e-15)
     assert MASK[3] is False and mixed_grad[3].item() == 0.0
+
+
+@pytest.mark.parametrize("loss", ["ipo", "icepop"])
+def test_a_prime_rl_loss_table_trains_the_tiny_model(small_tiny_model, tmp_path, loss):
+    """`[trainer.loss] type = "ipo" | "icepop"` as a prime-rl config writes it: a few optimizer steps on on-policy
+    samples raise the logprob of the tokens with positive advantage relative to those with negative advantage."""
+    import numpy as np
+    from support.trainer_runs import packed, samples
+    from transformers import AutoModelForCausalLM
+
+    from primerl.runtime.config_loader import load_config
+    from primerl.trainer.batch import MicroBatch
+    from primerl.trainer.distributed import DistInfo
+    from primerl.trainer.losses import token_logprobs
+    from primerl.trainer.train_step import TrainStep, rl_objective
+
+    path = tmp_path / "trainer.toml"
+    path.write_text(f'[model]\nname = "{small_tiny_model}"\n\n[loss]\ntype = "{loss}"\n')
+    config = load_config(TrainerConfig, ["@", str(path)])
+    assert config.loss.type == loss
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_pretrained(small_tiny_model, dtype=torch.float64)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.0)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda _: 1.0)
+    group = samples(0, count=4)
+    for index, sample in enumerate(group):
+        sample["advantages"] = np.full(len(sample["input_ids"]), 1.0 if index % 2 == 0 else -1.0, np.float32)
+
+    def logprobs_of(sample) -> torch.Tensor:
+        with torch.no_grad():
+            ids = torch.as_tensor(sample["input_ids"])
+            return token_logprobs(model(ids.unsqueeze(0)).logits[0], ids)
+
+    def objective() -> float:  # sum over samples of A * mean logprob of the loss tokens
+        return sum(
+            float(s["advantages"][0]) * float(logprobs_of(s)[torch.as_tensor(s["loss_mask"])].mean()) for s in group
+        )
+
+    for sample in group:  # sampled by the policy being trained: ratio 1 at the first step
+        sample["inference_logprobs"] = logprobs_of(sample).numpy().astype(np.float32)
+    before = objective()
+    step_fn = TrainStep(
+        model, optimizer, scheduler, rl_objective(config.loss), DistInfo(0, 1, 0, None), max_grad_norm=1.0
+    )
+    for step in range(1, 6):
+        stats = step_fn.step(step, [MicroBatch.from_tensors(packed(group))])
+        assert np.isfinite(stats.loss) and "train/masked" in stats.as_metrics()
+    assert objective() > before + 0.5, (before, objective())

@@ -99,3 +99,43 @@ def test_primerl_status_shows_the_advice_section():
     text = render_status(status)
     assert "advice:\n  the orchestrator waits for policies longer than it works: add trainer" in text
     assert "advice:" not in render_status(control_pb2.RunStatus(run_id="r"))
+
+
+def test_the_orchestrator_logs_the_advice_as_a_json_line(tmp_path):
+    """The orchestrator's hook (OrchestratorRunner._advise) over a window in which dispatch waited for policies
+    longer than it worked and most generated tokens were discarded: two warnings, each once, with the figures, and
+    the flags in every row after the window."""
+    import io
+    import json
+
+    from primerl.configs.orchestrator import OrchestratorConfig
+    from primerl.orchestrator.runner import OrchestratorRunner
+    from primerl.runtime.log_setup import configure_logging
+
+    stream = io.StringIO()
+    configure_logging("orchestrator", "run-a", fmt="json", stream=stream)
+    config = OrchestratorConfig.model_validate(
+        {"model": {"name": "m"}, "env": [{"id": "e"}], "max_steps": 30, "output_dir": str(tmp_path)}
+    )
+    runner = OrchestratorRunner(config, env_python="python")
+    rows = []
+    for _ in range(11):  # the first step is left out, then one window of 10
+        runner._policy_wait_s = 2.0  # dispatch held by the async bound for 2 s of a 3 s step
+        metrics = {"rollout/tokens_generated": 1000.0, "rollout/tokens_discarded": 700.0}
+        runner._advise(metrics, elapsed_s=3.0, send_wait_s=0.0)
+        rows.append(metrics)
+    lines = [json.loads(line) for line in stream.getvalue().splitlines()]
+    advice = [
+        line
+        for line in lines
+        if line["event"] in (telemetry.ADVICE_ORCHESTRATOR_WAITS, telemetry.ADVICE_MOST_ROLLOUTS_DISCARDED)
+    ]
+    # the discard window counts from the first step (start-up does not skew token counts): it ends a step earlier
+    assert [line["event"] for line in advice] == [
+        "more than half of the rollouts were discarded",
+        "the orchestrator waits for policies longer than it works: add trainer",
+    ]
+    assert advice[1]["level"] == "warning" and (advice[1]["waited_s"], advice[1]["worked_s"]) == (20.0, 10.0)
+    assert advice[0]["discarded_fraction"] == 0.7 and advice[0]["role"] == "orchestrator"
+    assert rows[-1][telemetry.ADVICE_ADD_TRAINER] == 1.0 and rows[-1][telemetry.ADVICE_ROLLOUTS_DISCARDED] == 1.0
+    assert telemetry.ADVICE_ADD_TRAINER not in rows[0]

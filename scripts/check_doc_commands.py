@@ -305,6 +305,8 @@ def _strip_launcher(words: list[str]) -> list[str]:
 
 
 class DocChecker:
+    """Checks markdown texts against one repository: its files, Makefile, scripts and the installed primerl CLI."""
+
     def __init__(self, repo: Path = REPO) -> None:
         self.repo = repo
         self.top_level = top_level_entries(repo)

@@ -61,6 +61,15 @@ def test_plan_is_seeded_and_holds_every_kind_of_kill():
     assert steps_needed(quick) >= sum(k.gap_steps for k in quick) + 2 * len(quick)
 
 
+def test_plan_of_mode_separate_kills_the_relay_worker_mid_relay_first():
+    from chaos.plan import RELAY_KILL_DELAY_S, KillSpec
+
+    plain, relayed = make_plan(5, full=False), make_plan(5, full=False, relay=True)
+    assert relayed[0] == KillSpec("relay", "mid-relay", gap_steps=1, delay_s=RELAY_KILL_DELAY_S)
+    assert relayed[1:] == plain, "the other kills keep their seeded order"
+    assert steps_needed(relayed) == steps_needed(plain) + 2
+
+
 def test_lineage_follows_checkpoints_back_and_counts_a_rolled_back_step_as_retrained(tmp_path):
     done = lambda s: _line(telemetry.STEP_DONE, step=s, data_digest=f"d{s}")  # noqa: E731
     saved = lambda s: _line(telemetry.CHECKPOINT_SAVED, step=s)  # noqa: E731
@@ -274,4 +283,5 @@ def test_short_seeded_chaos_run_in_separate_processes_passes_every_check(tmp_pat
     assert result.returncode == 0, f"chaos run failed (exit {result.returncode}):\n{report}"
     summary = (tmp_path / "separate-seed1" / "chaos_summary.txt").read_text()
     assert "PASS" in summary and "steps lost 0, duplicated 0, mismatched 0, unverified 0" in summary, summary
+    assert "relay" in summary and "mid-relay" in summary, "the relay worker was not killed mid-relay"
     assert wall_s < CI_RUN_TIMEOUT_S + 60, f"the CI chaos run took {wall_s:.0f} s"

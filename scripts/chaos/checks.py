@@ -21,7 +21,9 @@ Checks:
   orchestrator's exit 0 once every step is produced are the run's normal end);
 - final status: every inference worker serves the latest policy version, which is N;
 - spool: the broker's ``COMMITTED`` file says N (every step committed); batch files left are noted;
-- leftovers: no process started by the run alive after it.
+- leftovers: no process started by the run alive after it;
+- relay (mode separate): after the relay worker's kill mid-relay, the inference worker serves that update (or a
+  later one) within ``RELAY_HEAL_BOUND_S``: the broker's relay timeout heals the chain around the dead relay.
 """
 
 from __future__ import annotations
@@ -35,7 +37,10 @@ from primerl.proto import telemetry
 
 from .driver import RunRecord, served_final
 from .logs import Incarnation, read_incarnations, read_metrics_rows
-from .runs import ROLES
+from .runs import RELAY_ROLE, RELAY_TIMEOUT_S, ROLES
+
+RELAY_HEAL_BOUND_S = RELAY_TIMEOUT_S + 25.0
+"""A relay killed mid-relay: the inference worker serves the update within the relay timeout plus this much."""
 
 
 @dataclass
@@ -136,7 +141,8 @@ class Verdict:
 def judge(record: RunRecord) -> Verdict:
     spec = record.spec
     verdict = Verdict(record)
-    logs = {role: read_incarnations(role, spec.run_dir / "logs" / f"{role}.log") for role in ROLES}
+    roles = (*ROLES, RELAY_ROLE) if spec.relay else ROLES
+    logs = {role: read_incarnations(role, spec.run_dir / "logs" / f"{role}.log") for role in roles}
     n = spec.max_steps
 
     chain = lineage(logs["trainer"])
@@ -218,6 +224,12 @@ def judge(record: RunRecord) -> Verdict:
             )
         if kill.recovered_s is None:
             verdict.failures.append(f"{kill.spec.role} never came back after its kill ({kill.spec.moment})")
+        if kill.spec.moment == "mid-relay" and (kill.healed_s is None or kill.healed_s > RELAY_HEAL_BOUND_S):
+            verdict.failures.append(
+                f"relay killed mid-relay of v{kill.version}: the inference worker served it "
+                + ("never" if kill.healed_s is None else f"{kill.healed_s:.1f} s later")
+                + f" (bound {RELAY_HEAL_BOUND_S:g} s: the broker's relay timeout plus an update's load)"
+            )
     survivors = [f"{e.role} pid {e.pid}: {_short(e.survivors)}" for e in record.exits if e.survivors]
     if survivors:
         verdict.findings.append(
@@ -301,9 +313,10 @@ def summary(verdict: Verdict) -> str:
         def seconds(value):
             return "never" if value is None else f"{value:.1f}s"
 
+        healed = f", inference served v{kill.version}+ in {seconds(kill.healed_s)}" if kill.version else ""
         lines.append(
             f"  - {kill.spec.role:<12} {kill.spec.moment:<25} at step {kill.trainer_step:>2}: back in "
-            f"{seconds(kill.recovered_s)}, next step done in {seconds(kill.next_step_s)}  [{kill.note}]"
+            f"{seconds(kill.recovered_s)}, next step done in {seconds(kill.next_step_s)}{healed}  [{kill.note}]"
         )
     lines.append(f"  run status polls: {len(record.statuses)} answered, {record.status_errors} failed")
     lines.append(

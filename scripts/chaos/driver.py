@@ -5,6 +5,7 @@ final status, stop everything, and look for any process left. What it records is
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import threading
 import time
@@ -15,7 +16,7 @@ from primerl.proto import telemetry
 from .logs import Event, LogFollower
 from .plan import KillSpec
 from .procs import Exit, describe, marked_processes
-from .runs import BIN, CKPT_INTERVAL, ROLES, RlBackend, RunSpec, SeparateBackend, base_env
+from .runs import BIN, CKPT_INTERVAL, RELAY_ROLE, ROLES, RlBackend, RunSpec, SeparateBackend, base_env
 
 POLL_S = 0.02
 STATUS_POLL_S = 0.5
@@ -27,6 +28,7 @@ RECOVERED_BY = {
     "inference": "inference worker ready",
     "orchestrator": "registered with the broker",
     "trainer": "registered with the broker",
+    RELAY_ROLE: "relay worker ready",
 }
 
 
@@ -40,6 +42,9 @@ class Kill:
     recovered_s: float | None = None  # the role registered (served) again, seconds after the kill
     next_step_s: float | None = None  # the trainer's next "step done" after the kill
     orphans: list[str] = field(default_factory=list)  # its descendants still alive 2 s after the kill
+    # mid-relay: the version the relay was forwarding, and when the inference worker served it (or a later one)
+    version: int = 0
+    healed_s: float | None = None
 
 
 @dataclass
@@ -134,7 +139,8 @@ class Driver:
         self.say = say
         self.record = RunRecord(spec)
         self.backend = SeparateBackend(spec) if spec.mode == "separate" else RlBackend(spec)
-        self.followers = {r: LogFollower(r, spec.run_dir / "logs" / f"{r}.log") for r in ROLES}
+        roles = (*ROLES, RELAY_ROLE) if spec.relay else ROLES
+        self.followers = {r: LogFollower(r, spec.run_dir / "logs" / f"{r}.log") for r in roles}
         self.events: list[Event] = []
         self.last_step = 0
         self.last_step_s = time.time()
@@ -228,7 +234,7 @@ class Driver:
             return f"{spec.delay_s:.2f} s after step {self.last_step} done" if self.last_step >= armed_at_step else None
         for event in new_events:
             if (
-                spec.moment == "push"
+                spec.moment in ("push", "mid-relay")
                 and event.role == "broker"
                 and event.name == telemetry.WEIGHT_UPDATE_STORED
                 and self.last_step >= armed_at_step - 1
@@ -248,6 +254,12 @@ class Driver:
         import psutil
 
         kill = Kill(spec, at_s=time.time(), trainer_step=self.last_step, note=note)
+        if spec.moment == "mid-relay":
+            stored = re.search(r"\bv(\d+)\b", note)
+            kill.version = int(stored.group(1)) if stored else 0
+            live = [e for e in self.events if e.role == "inference" and e.name == telemetry.WEIGHT_UPDATE_LIVE]
+            served = int(live[-1].get("policy_version", 0)) if live else 0
+            kill.note += f"; inference served v{served} at the kill"
         pid = self.backend.pid(spec.role)
         children = []
         if pid is not None:
@@ -277,6 +289,14 @@ class Driver:
                 kill.recovered_s = event.at_s - kill.at_s
             if kill.next_step_s is None and event.role == "trainer" and event.name == telemetry.STEP_DONE:
                 kill.next_step_s = event.at_s - kill.at_s
+            if (
+                kill.spec.moment == "mid-relay"
+                and kill.healed_s is None
+                and event.role == "inference"
+                and event.name == telemetry.WEIGHT_UPDATE_LIVE
+                and int(event.get("policy_version", 0)) >= kill.version
+            ):
+                kill.healed_s = event.at_s - kill.at_s
 
     def _drain_logs(self) -> list[Event]:
         new = []

@@ -5,7 +5,11 @@ Kinds of moment:
 - ``push`` (broker only): the moment the broker logs ``weight update stored`` for a new version, i.e. while it
   fans the update out to the inference workers (the report says whether a worker had applied it before the kill);
 - ``publish-before-checkpoint`` (trainer only): the moment the trainer logs ``policy published`` for a step that
-  is not a checkpoint step, so the newest published version is newer than its newest checkpoint.
+  is not a checkpoint step, so the newest published version is newer than its newest checkpoint;
+- ``mid-relay`` (the relay worker of mode ``separate``, which relays weight chunks to the inference worker over a
+  slow link: ``broker.weight_fanout = "chain"``): ``RELAY_KILL_DELAY_S`` after the broker logs ``weight update
+  stored``, while the relay holds the update's chunk and has not forwarded it. Always the first kill, so the chain
+  is still the one of the start (the relay joined first: it is the chain's head, the inference worker behind it).
 
 Kills run one after another: kill ``i`` is armed once the role of kill ``i - 1`` is back (or a bound passed) and
 the trainer has done ``gap_steps`` more steps, so each recovery is seen on its own.
@@ -17,13 +21,14 @@ import random
 from dataclasses import dataclass
 
 MAX_RANDOM_DELAY_S = 1.5
+RELAY_KILL_DELAY_S = 0.1
 ROLES = ("broker", "inference", "orchestrator", "trainer")
 
 
 @dataclass(frozen=True)
 class KillSpec:
     role: str
-    moment: str  # random | push | publish-before-checkpoint
+    moment: str  # random | push | publish-before-checkpoint | mid-relay
     gap_steps: int  # trainer steps done after the previous recovery before this kill is armed
     delay_s: float = 0.0  # for moment "random"
 
@@ -32,10 +37,11 @@ class KillSpec:
         return f"{self.role}@{self.moment}{delay} (after {self.gap_steps} more steps)"
 
 
-def make_plan(seed: int, *, full: bool) -> list[KillSpec]:
+def make_plan(seed: int, *, full: bool, relay: bool = False) -> list[KillSpec]:
     """Every kind once at a random moment, the broker during a push and the trainer between a publish and its
     checkpoint; ``full=False`` (the CI profile) keeps one kill per role: push, publish-before-checkpoint, and
-    random moments for the orchestrator and inference."""
+    random moments for the orchestrator and inference. ``relay`` (mode separate): first, the relay worker
+    mid-relay."""
     rng = random.Random(seed)
     moments = [
         ("broker", "push"),
@@ -46,7 +52,7 @@ def make_plan(seed: int, *, full: bool) -> list[KillSpec]:
     if full:
         moments += [("broker", "random"), ("trainer", "random")]
     rng.shuffle(moments)
-    return [
+    plan = [
         KillSpec(
             role,
             moment,
@@ -55,9 +61,13 @@ def make_plan(seed: int, *, full: bool) -> list[KillSpec]:
         )
         for role, moment in moments
     ]
+    if relay:
+        plan.insert(0, KillSpec("relay", "mid-relay", gap_steps=1, delay_s=RELAY_KILL_DELAY_S))
+    return plan
 
 
 def steps_needed(plan: list[KillSpec]) -> int:
     """Enough steps for every kill to fire with a few left to finish on: a step takes well under a second here,
-    so the trainer goes on for a few steps during a random delay and while a killed role comes back."""
-    return 4 + sum(kill.gap_steps + 4 for kill in plan)
+    so the trainer goes on for a few steps during a random delay and while a killed role comes back (a relay
+    worker's kill does not hold the trainer up: one step for it)."""
+    return 4 + sum(kill.gap_steps + (1 if kill.moment == "mid-relay" else 4) for kill in plan)

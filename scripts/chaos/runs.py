@@ -3,7 +3,9 @@ under the systemd-like restarter of ``procs``) or mode ``rl`` (`primerl rl --res
 the roles itself; the harness kills the role processes it lists in ``pids.json``).
 
 Config: the example run (``examples/reverse_text_rl.toml``) on the tiny model, shortened (``RUN_OVERRIDES``),
-checkpoints every 2 steps, JSON logs. Mode ``separate`` writes the role configs with
+checkpoints every 2 steps, JSON logs. Mode ``separate`` pushes weights in relay fan-out (``RELAY_OVERRIDES``): a
+relay worker (``relay_worker.py``, no vLLM, a slow link to the next worker) joins before the inference worker,
+so each update goes broker -> relay -> inference. Mode ``separate`` writes the role configs with
 `primerl rl ... --dry-run --write DIR` and fixes the broker's three ports (as a deployment would); each role gets
 the run token as ``$PRIMERL_RUN_TOKEN`` and `primerl rl`'s default CPU thread budget as environment variables.
 """
@@ -52,6 +54,18 @@ RUN_OVERRIDES = [
     "--log.format",
     "json",
 ]
+RELAY_ROLE = "relay"
+RELAY_TIMEOUT_S = 5.0
+RELAY_FORWARD_DELAY_S = 0.5
+RELAY_OVERRIDES = [
+    "--broker.weight-fanout",
+    "chain",
+    "--broker.weight-relay-timeout-s",
+    str(RELAY_TIMEOUT_S),
+    "--inference.weight-relay-host",
+    "127.0.0.1",
+]
+RELAY_READY_TIMEOUT_S = 60.0
 DEFAULT_RESTART_SEC = {"broker": 2.0, "inference": 5.0, "orchestrator": 5.0, "trainer": 5.0}
 BROKER_READY_TIMEOUT_S = 60.0
 RL_STOP_TIMEOUT_S = 90.0
@@ -113,6 +127,7 @@ class RunSpec:
     grpc_port: int
     token: str
     marker: str
+    relay: bool = False  # a relay worker in the weight chain (mode separate)
 
     @classmethod
     def create(
@@ -128,6 +143,7 @@ class RunSpec:
             free_port(),
             secrets.token_urlsafe(24),
             f"chaos-{os.getpid()}-{mode}-{seed}-{secrets.token_hex(4)}",
+            relay=mode == "separate",
         )
 
     @property
@@ -161,9 +177,20 @@ class SeparateBackend:
         from primerl.runtime.cpu_budget import available_cpus, default_budgets, role_env
 
         spec = self.spec
-        fixed_ports = ["--broker.rollout-port", str(free_port()), "--broker.weight-port", str(free_port())]
+        weight_port = free_port()
+        fixed_ports = ["--broker.rollout-port", str(free_port()), "--broker.weight-port", str(weight_port)]
+        relay = RELAY_OVERRIDES if spec.relay else []
         subprocess.run(
-            [str(BIN / "primerl"), "rl", *spec.rl_args(), *fixed_ports, "--dry-run", "--write", str(spec.run_dir)],
+            [
+                str(BIN / "primerl"),
+                "rl",
+                *spec.rl_args(),
+                *fixed_ports,
+                *relay,
+                "--dry-run",
+                "--write",
+                str(spec.run_dir),
+            ],
             check=True,
             timeout=120,
             stdout=subprocess.DEVNULL,
@@ -178,12 +205,26 @@ class SeparateBackend:
             self.units[role] = Unit(
                 role, argv, env, spec.run_dir / "logs" / f"{role}.log", spec.restart_sec[role], cwd=spec.run_dir
             )
+        if spec.relay:
+            env = {**base_env(spec.marker), "PRIMERL_RUN_TOKEN": spec.token}
+            argv = [sys.executable, Path(__file__).resolve().parent / "relay_worker.py"]
+            argv += [f"tcp://127.0.0.1:{weight_port}", "chaos-relay", "--forward-delay-s", str(RELAY_FORWARD_DELAY_S)]
+            log = spec.run_dir / "logs" / f"{RELAY_ROLE}.log"
+            self.units[RELAY_ROLE] = Unit(RELAY_ROLE, argv, env, log, spec.restart_sec["inference"], cwd=spec.run_dir)
         self.units["broker"].start()
         deadline = time.monotonic() + BROKER_READY_TIMEOUT_S
         while read_ready_file(ready_file_path(spec.run_dir, "broker")) is None:
             if time.monotonic() > deadline or self.units["broker"].poll() is not None:
                 raise RuntimeError(f"the broker did not become ready; see {spec.run_dir / 'logs' / 'broker.log'}")
             time.sleep(0.1)
+        if spec.relay:  # it joins the weight plane before the inference worker: the head of the chain
+            self.units[RELAY_ROLE].start()
+            deadline = time.monotonic() + RELAY_READY_TIMEOUT_S
+            log = spec.run_dir / "logs" / f"{RELAY_ROLE}.log"
+            while "relay worker ready" not in (log.read_text(errors="replace") if log.exists() else ""):
+                if time.monotonic() > deadline or self.units[RELAY_ROLE].poll() is not None:
+                    raise RuntimeError(f"the relay worker did not become ready; see {log}")
+                time.sleep(0.1)
         for role in ("inference", "trainer", "orchestrator"):
             self.units[role].start()
 
@@ -204,7 +245,7 @@ class SeparateBackend:
 
     def stop(self, timeout_s: float = 30.0) -> None:
         """Like `primerl rl` at the end: the others first, the broker last."""
-        for role in ("trainer", "orchestrator", "inference", "broker"):
+        for role in ("trainer", "orchestrator", "inference", RELAY_ROLE, "broker"):
             if role in self.units:
                 self.units[role].stop(timeout_s)
 

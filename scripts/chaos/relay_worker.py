@@ -1,0 +1,71 @@
+"""A relaying weight subscriber for chaos runs (``python scripts/chaos/relay_worker.py ENDPOINT WORKER_ID``, the run
+token in ``$PRIMERL_RUN_TOKEN``): it joins the broker's relay chains (``broker.weight_fanout = "chain"``) like an
+inference worker without vLLM, checks each update's digest, acknowledges it, and logs JSON lines (``relay worker
+ready``, ``relay worker applied``). ``--forward-delay-s`` makes its hop to the next worker a slow link (the chunk
+is forwarded that long after it arrived), so that a kill right after the broker stored an update finds it in the
+middle of relaying it. It exits 0 on SIGTERM."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import sys
+import time
+from datetime import datetime, timezone
+
+
+def say(event: str, level: str = "info", **fields) -> None:
+    stamp = datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+    print(json.dumps({"event": event, "level": level, "timestamp": stamp, **fields}), flush=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("endpoint")
+    parser.add_argument("worker_id")
+    parser.add_argument("--forward-delay-s", type=float, default=0.0)
+    args = parser.parse_args(argv)
+
+    from primerl.client.weights import WeightSubscriber
+    from primerl.proto.digests import payload_digest
+
+    stopping = []
+    signal.signal(signal.SIGTERM, lambda *_: stopping.append(True))
+    subscriber = WeightSubscriber(
+        args.endpoint,
+        os.environ.get("PRIMERL_RUN_TOKEN"),
+        args.worker_id,
+        payload_buffer=lambda num_bytes: memoryview(bytearray(num_bytes)),
+        relay_host="127.0.0.1",
+        hello_interval_s=1.0,
+    )
+    relay = subscriber.relay
+    assert relay is not None
+    if args.forward_delay_s > 0:
+        forward = relay.forward
+
+        def slow_forward(message, frames):
+            time.sleep(args.forward_delay_s)
+            return forward(message, frames)
+
+        relay.forward = slow_forward  # type: ignore[method-assign]
+    try:
+        subscriber.hello()
+        say("relay worker ready", worker_id=args.worker_id, relay_endpoint=relay.endpoint)
+        while not stopping:
+            got = subscriber.receive(0.2)
+            if got is None:
+                continue
+            header, payload = got
+            ok = (subscriber.received_digest or payload_digest(payload)) == header.digest
+            subscriber.ack(header.policy_version, applied=ok)
+            say("relay worker applied", worker_id=args.worker_id, policy_version=header.policy_version, digest_ok=ok)
+    finally:
+        subscriber.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

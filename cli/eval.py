@@ -36,7 +36,7 @@ from typing import Any
 
 from primerl.cli.command_args import parse_command_args
 from primerl.cli.env_args import parse_env_args
-from primerl.cli.eval_console import Console
+from primerl.cli.eval_console import Console, EvalProgress, print_summary
 from primerl.cli.v1_tools import V1ToolError, add_kind_arguments, resolve_kind
 from primerl.orchestrator.envs.interpreters import ENV_PYTHON_VAR, ENV_VENV_NAME, resolve_env_python
 
@@ -425,47 +425,48 @@ async def _run(
     sampling = {"temperature": args.temperature, "top_p": args.top_p, "max_tokens": args.max_tokens, "seed": args.seed}
     started_s = time.monotonic()
     done = 0
-    with (output / "results.jsonl").open("w") as results:
+    progress = EvalProgress(console.err, count)
+    try:
+        with (output / "results.jsonl").open("w") as results:
 
-        def on_group(group) -> None:
-            nonlocal done
-            done += 1
-            for rollout in group.rollouts:
-                results.write(
-                    json.dumps(
-                        {
-                            "example_index": group.example_index,
-                            "rollout_index": rollout.rollout_index,
-                            "reward": rollout.reward,
-                            "metrics": rollout.metrics,
-                            "prompt": rollout.prompt,
-                            "completion": rollout.completion,
-                            "num_completion_tokens": rollout.num_completion_tokens,
-                            "is_truncated": rollout.is_truncated,
-                            "error": rollout.error,
-                        }
+            def on_group(group) -> None:
+                nonlocal done
+                done += 1
+                for rollout in group.rollouts:
+                    results.write(
+                        json.dumps(
+                            {
+                                "example_index": group.example_index,
+                                "rollout_index": rollout.rollout_index,
+                                "reward": rollout.reward,
+                                "metrics": rollout.metrics,
+                                "prompt": rollout.prompt,
+                                "completion": rollout.completion,
+                                "num_completion_tokens": rollout.num_completion_tokens,
+                                "is_truncated": rollout.is_truncated,
+                                "error": rollout.error,
+                            }
+                        )
+                        + "\n"
                     )
-                    + "\n"
-                )
-            if console.err.isatty():
-                print(f"\r  {done}/{count} examples", end="", file=console.err, flush=True)
+                progress.advance(done)
 
-        groups, failed = await asyncio.to_thread(
-            run_eval_groups,
-            worker,
-            range(count),
-            num_rollouts=args.rollouts_per_example,
-            base_url=base_url,
-            model=served_name,
-            sampling=sampling,
-            split=split,
-            api_key=api_key,
-            max_concurrent_groups=args.max_concurrent,
-            timeout_s=args.timeout_s,
-            on_group=on_group,
-        )
-    if console.err.isatty():
-        print(file=console.err)
+            groups, failed = await asyncio.to_thread(
+                run_eval_groups,
+                worker,
+                range(count),
+                num_rollouts=args.rollouts_per_example,
+                base_url=base_url,
+                model=served_name,
+                sampling=sampling,
+                split=split,
+                api_key=api_key,
+                max_concurrent_groups=args.max_concurrent,
+                timeout_s=args.timeout_s,
+                on_group=on_group,
+            )
+    finally:
+        progress.close()
     summary = summarize_groups(groups, failed, rollouts_per_group=args.rollouts_per_example)
     elapsed_s = time.monotonic() - started_s
     record = {
@@ -481,18 +482,8 @@ async def _run(
         **summary.as_dict(),
     }
     (output / "summary.json").write_text(json.dumps(record, indent=2) + "\n")
-    metrics = "  ".join(f"{name} {value:.3f}" for name, value in summary.metrics.items())
     what = f"v1 env, {split}" if kind == "v1" else split
-    print(
-        f"primerl eval: {args.env_id} ({what}, {count} examples x {args.rollouts_per_example}) on {model}\n"
-        f"  reward: mean {summary.reward_mean:.4f}  std {summary.reward_std:.4f}  "
-        f"over {summary.num_rollouts} rollouts ({summary.num_errors} failed)\n"
-        f"  metrics: {metrics or '-'}\n"
-        f"  completion tokens: mean {summary.mean_completion_tokens:.1f}, truncated {summary.truncation_rate:.1%}\n"
-        f"  {elapsed_s:.1f} s; results in {output}",
-        file=console.out,
-        flush=True,
-    )
+    print_summary(console.out, args.env_id, what, count, args.rollouts_per_example, model, summary, elapsed_s, output)
     for error in summary.errors[:MAX_ERRORS_SHOWN]:
         print(f"  error: {error.splitlines()[0]}", file=console.err)
     if len(summary.errors) > MAX_ERRORS_SHOWN:

@@ -11,7 +11,7 @@ import os
 import sys
 from typing import TextIO
 
-from primerl.cli.status_view import render_status
+from primerl.cli.status_view import print_status
 from primerl.supervisor.run_file import RunFileError, read_run_file
 
 ENV_TOKEN = "PRIMERL_RUN_TOKEN"
@@ -161,7 +161,7 @@ def _show(status, as_json: bool, out: TextIO, *, clear: bool, one_line: bool = F
             out.write("\x1b[2J\x1b[H")
         elif one_line:  # watching without a terminal: separate the snapshots
             out.write("-" * 80 + "\n")
-        out.write(render_status(status) + "\n")
+        print_status(status, out)  # rich tables on a terminal, the plain lines otherwise
     out.flush()
 
 

@@ -1,12 +1,106 @@
-"""How `primerl status` shows a ``RunStatus`` as text: ``render_status(status) -> str``."""
+"""How `primerl status` shows a ``RunStatus``: ``render_status(status) -> str``, the plain text (an interface:
+scripts read it), and on a terminal the same figures as rich tables (``status_renderable``, ``print_status``)."""
 
 from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, TextIO
+
+QUEUE_HEADER = ["QUEUE", "ITEMS", "BYTES", "BOUND"]
+WORKER_HEADER = ["WORKER", "ROLE", "STATE", "ADDRESS", "PROGRESS", "HEARTBEAT", "METRICS"]
+
+
+@dataclass
+class StatusParts:
+    """What both views show: the header lines, the queue and worker rows, the last metrics, advice and errors."""
+
+    header: list[str]
+    queue_rows: list[list[str]] = field(default_factory=list)
+    worker_rows: list[list[str]] = field(default_factory=list)
+    metrics_step: int = 0
+    metrics: list[tuple[str, float]] = field(default_factory=list)
+    advice: list[str] = field(default_factory=list)
+    errors: list[str] = field(default_factory=list)
 
 
 def render_status(status) -> str:
     """A readable multi-line view of a ``RunStatus``; ages are relative to the broker's own clock. Workers are one
     row each, with their role (``teacher``: the frozen model of online distillation, shown without a policy
     version)."""
+    parts = status_parts(status)
+    lines = list(parts.header)
+    if parts.queue_rows:
+        lines.append("")
+        lines += _table(QUEUE_HEADER, parts.queue_rows)
+    lines.append("")
+    if parts.worker_rows:
+        lines += _table(WORKER_HEADER, parts.worker_rows)
+    else:
+        lines.append("no workers registered")
+    if parts.metrics:
+        lines += ["", f"last metrics (step {parts.metrics_step}):"]
+        lines += [f"  {name:<32} {value:.6g}" for name, value in parts.metrics]
+    if parts.advice:
+        lines += ["", "advice:"] + [f"  {line}" for line in parts.advice]
+    if parts.errors:
+        lines += ["", "recent errors (newest last):"]
+        lines += [f"  {error}" for error in parts.errors]
+    return "\n".join(lines)
+
+
+def status_renderable(status) -> Any:
+    """The figures of ``render_status`` as rich tables, for a terminal."""
+    from rich.console import Group
+    from rich.table import Table
+    from rich.text import Text
+
+    parts = status_parts(status)
+    items: list[Any] = [Text(line, style="bold" if i == 0 else "") for i, line in enumerate(parts.header)]
+
+    def table(title: str, header: list[str], rows: list[list[str]]) -> Table:
+        out = Table(title=title, title_justify="left", title_style="bold", header_style="bold cyan")
+        for name in header:
+            out.add_column(name)
+        for row in rows:
+            out.add_row(*row)
+        return out
+
+    if parts.queue_rows:
+        items.append(table("queues", QUEUE_HEADER, parts.queue_rows))
+    if parts.worker_rows:
+        items.append(table("workers", WORKER_HEADER, parts.worker_rows))
+    else:
+        items.append(Text("no workers registered", style="yellow"))
+    if parts.metrics:
+        items.append(
+            table(
+                f"last metrics (step {parts.metrics_step})",
+                ["METRIC", "VALUE"],
+                [[name, f"{value:.6g}"] for name, value in parts.metrics],
+            )
+        )
+    if parts.advice:
+        items.append(Text("advice:", style="bold yellow"))
+        items += [Text(f"  {line}", style="yellow") for line in parts.advice]
+    if parts.errors:
+        items.append(Text("recent errors (newest last):", style="bold red"))
+        items += [Text(f"  {error}", style="red") for error in parts.errors]
+    return Group(*items)
+
+
+def print_status(status, out: TextIO, *, console: Any = None) -> None:
+    """``status_renderable`` on a terminal (or ``console``), else ``render_status``'s plain lines."""
+    from primerl.runtime.terminal import rich_console
+
+    console = console if console is not None else rich_console(out)
+    if console is None:
+        out.write(render_status(status) + "\n")
+    else:
+        console.print(status_renderable(status))
+
+
+def status_parts(status) -> StatusParts:
+    """The figures of a ``RunStatus``, formatted, for either view."""
     from primerl.proto.v1 import common_pb2, control_pb2
 
     max_steps = str(status.max_steps) if status.max_steps else "-"
@@ -17,59 +111,46 @@ def render_status(status) -> str:
             f"    rolled back {status.num_rollbacks}x (now from v{status.lineage_base_version}, "
             f"lineage {status.policy_lineage})"
         )
-    lines = [
-        f"run {status.run_id}    broker up {_duration(status.updated_unix_ms - status.broker_started_unix_ms)}",
-        f"trainer step {status.trainer_step} (committed {status.last_committed_step}) / {max_steps}    "
-        f"policy version {status.latest_policy_version}    orchestrator step {status.orchestrator_step}{finished}",
-        f"rollouts {status.rollout_batches_per_s:.2f} batches/s, {_bytes(status.rollout_bytes_per_s)}/s    "
-        f"weights {_bytes(status.weight_bytes_per_s)}/s",
-    ]
-    if status.queues:
-        lines.append("")
-        lines += _table(
-            ["QUEUE", "ITEMS", "BYTES", "BOUND"],
-            [_queue_row(q) for q in status.queues],
+    parts = StatusParts(
+        header=[
+            f"run {status.run_id}    broker up {_duration(status.updated_unix_ms - status.broker_started_unix_ms)}",
+            f"trainer step {status.trainer_step} (committed {status.last_committed_step}) / {max_steps}    "
+            f"policy version {status.latest_policy_version}    orchestrator step {status.orchestrator_step}{finished}",
+            f"rollouts {status.rollout_batches_per_s:.2f} batches/s, {_bytes(status.rollout_bytes_per_s)}/s    "
+            f"weights {_bytes(status.weight_bytes_per_s)}/s",
+        ]
+    )
+    parts.queue_rows = [_queue_row(q) for q in status.queues]
+    rows = parts.worker_rows
+    for w in status.workers:
+        progress = []
+        if w.HasField("trainer_step"):
+            progress.append(f"step {w.trainer_step}")
+        if w.HasField("orchestrator_step"):
+            progress.append(f"step {w.orchestrator_step}")
+        if w.HasField("policy_version"):
+            progress.append(f"policy v{w.policy_version}")
+        if w.role == common_pb2.ROLE_TEACHER:  # online distillation: a fixed model, never updated
+            progress.append("frozen teacher")
+        if w.num_inflight:
+            progress.append(f"{w.num_inflight} in flight")
+        age_ms = max(0, status.updated_unix_ms - w.last_heartbeat_unix_ms)
+        rows.append(
+            [
+                w.name,
+                common_pb2.Role.Name(w.role).removeprefix("ROLE_").lower(),
+                control_pb2.WorkerState.Name(w.state).removeprefix("WORKER_STATE_").lower(),
+                w.address or "-",
+                ", ".join(progress) or "-",
+                f"{age_ms / 1000:.1f}s ago",
+                w.capabilities.get("metrics_url") or "-",
+            ]
         )
-    lines.append("")
-    if status.workers:
-        rows = []
-        for w in status.workers:
-            progress = []
-            if w.HasField("trainer_step"):
-                progress.append(f"step {w.trainer_step}")
-            if w.HasField("orchestrator_step"):
-                progress.append(f"step {w.orchestrator_step}")
-            if w.HasField("policy_version"):
-                progress.append(f"policy v{w.policy_version}")
-            if w.role == common_pb2.ROLE_TEACHER:  # online distillation: a fixed model, never updated
-                progress.append("frozen teacher")
-            if w.num_inflight:
-                progress.append(f"{w.num_inflight} in flight")
-            age_ms = max(0, status.updated_unix_ms - w.last_heartbeat_unix_ms)
-            rows.append(
-                [
-                    w.name,
-                    common_pb2.Role.Name(w.role).removeprefix("ROLE_").lower(),
-                    control_pb2.WorkerState.Name(w.state).removeprefix("WORKER_STATE_").lower(),
-                    w.address or "-",
-                    ", ".join(progress) or "-",
-                    f"{age_ms / 1000:.1f}s ago",
-                    w.capabilities.get("metrics_url") or "-",
-                ]
-            )
-        lines += _table(["WORKER", "ROLE", "STATE", "ADDRESS", "PROGRESS", "HEARTBEAT", "METRICS"], rows)
-    else:
-        lines.append("no workers registered")
-    if status.last_metrics:
-        lines += ["", f"last metrics (step {status.last_metrics_step}):"]
-        lines += [f"  {name:<32} {value:.6g}" for name, value in sorted(status.last_metrics.items())]
-    advice = _advice_lines(status.last_metrics)
-    if advice:
-        lines += ["", "advice:"] + [f"  {line}" for line in advice]
-    if status.recent_errors:
-        lines += ["", "recent errors (newest last):"]
-        lines += [f"  {error}" for error in status.recent_errors]
-    return "\n".join(lines)
+    parts.metrics_step = status.last_metrics_step
+    parts.metrics = sorted(status.last_metrics.items())
+    parts.advice = _advice_lines(status.last_metrics)
+    parts.errors = list(status.recent_errors)
+    return parts
 
 
 def _advice_lines(last_metrics) -> list[str]:

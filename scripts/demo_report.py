@@ -6,7 +6,7 @@
 Each argument of the first form is a `primerl eval --output` directory (its summary.json). The demo's target:
 RL raises the held-out mean reward by >= 0.1 over the SFT checkpoint, or to >= 0.9. With ``--runs``, each
 argument is a demo's RUN_DIR (its eval/sft and eval/rl); one row per run, then mean, min-max and whether the
-runs' figures are identical.
+runs' figures are identical. On a terminal the before/after is a rich table; piped, the plain lines.
 """
 
 from __future__ import annotations
@@ -14,6 +14,8 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
+
+from primerl.runtime.terminal import rich_console
 
 TARGET_GAIN = 0.1
 TARGET_REWARD = 0.9
@@ -69,14 +71,49 @@ def main(argv: list[str]) -> int:
         return f"  {label:<16}{s['reward_mean']:.3f} ± {s['reward_std']:.3f}{extra}   ({s['model']})"
 
     sampling = after["sampling"]
-    print(
+    title = (
         f"held-out mean reward: {after['env_id']} {after['split']} split, {after['num_examples']} prompts x "
-        f"{after['rollouts_per_example']}, temperature {sampling['temperature']:g}\n"
+        f"{after['rollouts_per_example']}, temperature {sampling['temperature']:g}"
+    )
+    console = rich_console(sys.stdout)
+    if console is not None:  # a terminal: the same figures as a rich table
+        console.print(report_table(title, before, after, gain, met))
+        return 0
+    print(
+        f"{title}\n"
         f"{row('SFT checkpoint', before)}\n{row('after RL', after)}\n"
         f"  change          {gain:+.3f}   target: >= +{TARGET_GAIN} or >= {TARGET_REWARD}: "
         f"{'met' if met else 'NOT met'}"
     )
     return 0
+
+
+def report_table(title: str, before: dict, after: dict, gain: float, met: bool):
+    """The before/after as a rich table (what a terminal shows)."""
+    from rich.table import Table
+
+    table = Table(title=title, title_justify="left", header_style="bold cyan")
+    for name, justify in (("", "left"), ("reward", "right"), ("± std", "right"), ("exact match", "right")):
+        table.add_column(name, justify=justify)
+    table.add_column("model", style="dim")
+    for label, s in (("SFT checkpoint", before), ("after RL", after)):
+        exact = s["metrics"].get("exact_match")
+        table.add_row(
+            label,
+            f"{s['reward_mean']:.3f}",
+            f"{s['reward_std']:.3f}",
+            "-" if exact is None else f"{exact:.3f}",
+            str(s["model"]),
+        )
+    verdict = "[green]met[/]" if met else "[bold red]NOT met[/]"
+    table.add_row(
+        "[bold]change",
+        f"[bold]{gain:+.3f}",
+        "",
+        "",
+        f"target: >= +{TARGET_GAIN} or >= {TARGET_REWARD}: {verdict}",
+    )
+    return table
 
 
 if __name__ == "__main__":

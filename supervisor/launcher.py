@@ -20,7 +20,6 @@ from __future__ import annotations
 import os
 import secrets
 import shlex
-import shutil
 import signal
 import sys
 import time
@@ -301,10 +300,9 @@ class Launcher:
                     pass  # the broker's own exit is caught above; a slow answer only delays the display
                 now = time.monotonic()
                 if self.is_tty:
-                    self.out.write("\r\x1b[K" + self.progress.line()[: shutil.get_terminal_size().columns - 1])
-                    self.out.flush()
+                    self.console.show_progress(self.progress)  # redrawn in place, with rich
                 elif self.progress.step != last_step or now - last_line_s >= self.options.plain_interval_s:
-                    print(self.progress.line(), file=self.out, flush=True)
+                    self.console.show_progress(self.progress)
                     last_line_s, last_step = now, self.progress.step
         finally:
             client.close()
@@ -404,12 +402,10 @@ class Launcher:
                     file=self.err,
                 )
         rows = read_run_rows(Path(self.config.orchestrator.output_dir), Path(self.config.trainer.output_dir))
-        print(
+        self.console.show_summary(
             run_summary(
                 rows, self.progress, self.supervisor.children.values(), time.monotonic() - started_s, self.run_dir
-            ),
-            file=self.out,
-            flush=True,
+            )
         )
         return 0
 

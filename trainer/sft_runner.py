@@ -26,6 +26,7 @@ import math
 import random
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -63,7 +64,16 @@ class SFTResult:
         return self.last_step >= self.max_steps
 
 
-def run_sft(config: SFTConfig, dist_info: DistInfo, stop_event: threading.Event | None = None) -> SFTResult:
+StepCallback = Callable[[int, int, float], None]
+"""Called on rank 0 after each optimizer step with (step, max_steps, loss): ``primerl sft``'s progress bar."""
+
+
+def run_sft(
+    config: SFTConfig,
+    dist_info: DistInfo,
+    stop_event: threading.Event | None = None,
+    on_step: StepCallback | None = None,
+) -> SFTResult:
     """Train to ``max_steps`` or until ``stop_event`` is set; see ``SFTResult``."""
     parallel = resolve_parallel(config.model.parallel, dist_info.world_size)  # first: before anything loads
     warn_unused_options(config)
@@ -72,7 +82,7 @@ def run_sft(config: SFTConfig, dist_info: DistInfo, stop_event: threading.Event 
     try:
         if dist_info.is_main:  # first: a bad [wandb] fails before the model loads
             sink = MetricsSink("sft", config.output_dir, config.wandb, config, exporter=exporter)
-        return _train(config, dist_info, parallel, stop_event or threading.Event(), sink)
+        return _train(config, dist_info, parallel, stop_event or threading.Event(), sink, on_step)
     finally:
         if sink is not None:
             sink.close()
@@ -90,7 +100,12 @@ def seed_everything(seed: int) -> None:
 
 
 def _train(
-    config: SFTConfig, dist_info: DistInfo, parallel: str, stop_event: threading.Event, sink: MetricsSink | None
+    config: SFTConfig,
+    dist_info: DistInfo,
+    parallel: str,
+    stop_event: threading.Event,
+    sink: MetricsSink | None,
+    on_step: StepCallback | None = None,
 ) -> SFTResult:
     from transformers import AutoTokenizer
 
@@ -142,6 +157,8 @@ def _train(
             tokens=stats.num_loss_tokens,
             step_s=round(time.monotonic() - started_s, 3),
         )
+        if on_step is not None and dist_info.is_main:
+            on_step(step, max_steps, stats.loss)
         ckpt = config.ckpt
         if ckpt is not None and (step == max_steps or (ckpt.interval and step % ckpt.interval == 0)):
             checkpoint(step)

@@ -330,6 +330,13 @@ def build_concurrency(
     config: OrchestratorConfig, workers: Callable[[], Sequence[WorkerLoad]], *, token: str | None
 ) -> FixedConcurrency | AdaptiveConcurrency:
     """``FixedConcurrency`` without ``[orchestrator.concurrency]``, else a started ``AdaptiveConcurrency``."""
+    if config.oversampling_factor != 1.0:  # prime-rl configs still write it: loads, and says it has no effect
+        log.info(
+            "oversampling_factor is superseded (prime-rl removed it) and has no effect: the rollouts in flight are "
+            "max_inflight, or steered by [orchestrator.concurrency]",
+            oversampling_factor=config.oversampling_factor,
+            inflight=config.num_inflight_rollouts if config.concurrency is None else "adaptive",
+        )
     if config.concurrency is None:
         return FixedConcurrency(config)
     return AdaptiveConcurrency(config, workers, token=token).start()

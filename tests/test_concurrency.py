@@ -142,3 +142,16 @@ def test_adaptive_poll_survives_unreadable_workers() -> None:
     assert adaptive.limit() > 16  # a grew from its half of 32; b has no share until it is read
     metrics = adaptive.metrics()
     assert metrics["concurrency/kv_usage_max"] == 0.1 and metrics["concurrency/preemptions"] == 0.0
+
+
+def test_oversampling_factor_loads_and_is_said_to_have_no_effect():
+    import io
+
+    from primerl.orchestrator.concurrency import build_concurrency
+    from primerl.runtime.log_setup import configure_logging
+
+    stream = io.StringIO()
+    configure_logging("orchestrator", "r", fmt="json", stream=stream)
+    concurrency = build_concurrency(orchestrator_config(oversampling_factor=2.0), lambda: [], token=None)
+    assert isinstance(concurrency, FixedConcurrency) and concurrency.limit() == 32
+    assert "oversampling_factor is superseded" in stream.getvalue()

@@ -22,6 +22,10 @@ policy version (the fan-out's), last metrics, run id, finished) are numbered by 
 of them changes; ``run_state()`` snapshots them, ``restore()`` takes them back after a broker restart. A commit and the
 end of the run call ``persist`` before they answer; everything else is written by a periodic saver. The steps and
 the end of the run (``request_shutdown``): ``run_progress.RunProgress``.
+
+Gray failures: a heartbeat entry starting with ``telemetry.NOT_SERVING_PREFIX`` is the worker's state (it cannot
+serve now: its engine stalled), not an error: the worker is listed with ``serving = "false"`` until a heartbeat
+without one (``WorkerRecord.not_serving``); each change is one line of the recent errors.
 """
 
 from __future__ import annotations
@@ -58,6 +62,7 @@ from primerl.broker.worker_record import (
     check_metrics_report,
     check_register_request,
 )
+from primerl.proto import telemetry
 from primerl.proto.roles import TRAINING_FINISHED_REASON
 from primerl.proto.v1 import common_pb2, control_pb2
 
@@ -246,8 +251,11 @@ class WorkerRegistry(WatchedState):
                 worker.orchestrator_step = request.orchestrator_step
                 self._state_revision += 1
             worker.num_inflight = request.num_inflight
-            for message in list(request.recent_errors)[-MAX_ERRORS_PER_HEARTBEAT:]:
-                self._add_error_locked(worker.name, message)
+            errors = list(request.recent_errors)[-MAX_ERRORS_PER_HEARTBEAT:]
+            self._note_serving_locked(worker, [m for m in errors if m.startswith(telemetry.NOT_SERVING_PREFIX)])
+            for message in errors:
+                if not message.startswith(telemetry.NOT_SERVING_PREFIX):
+                    self._add_error_locked(worker.name, message)
             self._bump_locked()
             latest = self.policy.latest()
             return control_pb2.HeartbeatResponse(
@@ -502,6 +510,18 @@ class WorkerRegistry(WatchedState):
         if lost:
             self._bump_locked()
         return lost
+
+    def _note_serving_locked(self, worker: WorkerRecord, markers: list[str]) -> None:
+        """The heartbeat's ``serving: false`` entries are the worker's state, not errors: listed with ``serving =
+        "false"`` while its heartbeats carry one, back when one does not. Each change goes to the recent errors."""
+        reason = markers[-1][len(telemetry.NOT_SERVING_PREFIX) :][:MAX_ERROR_CHARS] if markers else ""
+        if reason == worker.not_serving:
+            return
+        if reason and not worker.not_serving:
+            self._add_error_locked(worker.name, f"out of rotation: {reason}")
+        elif not reason:
+            self._add_error_locked(worker.name, "back in rotation: serving again")
+        worker.not_serving = reason
 
     def _drop_old_gone_locked(self) -> None:
         gone = [w.worker_id for w in self._workers.values() if w.state != ALIVE]

@@ -1,5 +1,9 @@
 """One registered worker as the registry keeps it (``WorkerRecord``), the bounds on what a worker may send, and
-the checks of its requests that need no registry state (``check_register_request``, ``check_metrics_report``)."""
+the checks of its requests that need no registry state (``check_register_request``, ``check_metrics_report``).
+
+A worker that cannot serve now (its heartbeats carry a ``telemetry.NOT_SERVING_PREFIX`` entry: an inference engine
+that stalled) is listed with the capability ``serving = "false"`` (``WorkerRecord.not_serving``) until a heartbeat
+without it."""
 
 from __future__ import annotations
 
@@ -8,6 +12,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from primerl.broker.registry_errors import InvalidRequest
+from primerl.proto import telemetry
 from primerl.proto.roles import role_names
 from primerl.proto.v1 import common_pb2, control_pb2
 
@@ -50,6 +55,8 @@ class WorkerRecord:
     orchestrator_step: int | None = None
     num_inflight: int = 0
     left_reason: str = ""
+    # Why the worker cannot serve now (its engine stalled), from its latest heartbeat; "" while it can.
+    not_serving: str = ""
 
     def info(self, applied_policy_version: int | None = None) -> control_pb2.WorkerInfo:
         """The record as ``WorkerInfo``; ``applied_policy_version``: what the weight fan-out saw it acknowledge."""
@@ -58,7 +65,9 @@ class WorkerRecord:
             role=self.role,
             name=self.name,
             address=self.address,
-            capabilities=self.capabilities,
+            capabilities=(
+                {**self.capabilities, telemetry.SERVING_CAPABILITY: "false"} if self.not_serving else self.capabilities
+            ),
             state=self.state,
             rank=self.rank,
             world_size=self.world_size,

@@ -112,6 +112,14 @@ class InferenceConfig(BaseConfig):
         "chunks of each update to the next worker of the broker's chain while loading them. Unset: the broker "
         "sends this worker every chunk itself. Off on a CURVE-encrypted wire.",
     )
+    engine_stall_timeout_s: float = Field(
+        60.0,
+        ge=0,
+        description="Gray failures: the daemon probes its engine core (a cheap utility call, answered between two "
+        "model steps); unanswered this long, the engine counts as stalled: `/health` answers 503, heartbeats say "
+        "`serving: false` and the orchestrator sends it no rollouts (its groups in flight go elsewhere) until it "
+        "answers again. Keep it above the longest model step. 0: off.",
+    )
     enable_lora: bool = Field(False, description="Serve LoRA adapters (on when the trainer trains LoRA).")
     max_lora_rank: int | None = Field(
         None, ge=1, description="Largest adapter rank served (unset: vLLM's default, 16); must be >= lora.rank."

@@ -10,6 +10,8 @@ required like every route but /health), next to vLLM's ``vllm:*`` families:
     primerl_inference_update_pause_ms                histogram of each applied update's generation pause (ms),
                                                      from the pause request to resumed serving
     primerl_inference_join_to_serving_seconds        from registering to serving the version current then
+    primerl_inference_engine_stalled                 1 while the engine core does not answer its probe (stalled)
+    primerl_inference_engine_stalls_total            times the engine was found stalled
 
 vLLM's route serves prometheus_client's global registry (``vllm.v1.metrics.prometheus.get_prometheus_registry``),
 so these families are registered there, once per process. In prometheus_client's multiprocess mode
@@ -39,6 +41,8 @@ class InferenceFamilies:
     last_update_phase_ms: Gauge
     update_pause_ms: Histogram
     join_to_serving_s: Gauge
+    engine_stalled: Gauge
+    engine_stalls: Counter
 
 
 UPDATE_PAUSE_BUCKETS_MS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 30000)
@@ -84,5 +88,11 @@ def inference_families() -> InferenceFamilies:
                     "Seconds from registering with the broker to serving the policy version that was current then.",
                     multiprocess_mode="mostrecent",
                 ),
+                engine_stalled=Gauge(
+                    telemetry.INFERENCE_ENGINE_STALLED_GAUGE,
+                    "1 while the engine core does not answer its probe within engine_stall_timeout_s (stalled).",
+                    multiprocess_mode="mostrecent",
+                ),
+                engine_stalls=Counter(telemetry.INFERENCE_ENGINE_STALLS, "Times the engine was found stalled."),
             )
         return _families

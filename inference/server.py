@@ -186,6 +186,26 @@ def _keep_root_logging() -> Any:
             handler.setLevel(handler_level)
 
 
+class StalledHealthMiddleware:
+    """Pure ASGI: ``GET /health`` answers 503 with why while ``stalled_fn()`` says the engine is stalled
+    (``inference.engine_watchdog``; vLLM's own /health only checks that the engine has not died), so that a load
+    balancer or readiness probe takes the worker out too. Every other request passes."""
+
+    def __init__(self, app: Any, stalled_fn: Callable[[], str | None]) -> None:
+        self.app = app
+        self.stalled_fn = stalled_fn
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] == "http" and scope["path"] == "/health":
+            reason = self.stalled_fn()
+            if reason is not None:
+                from starlette.responses import JSONResponse
+
+                response = JSONResponse({"serving": False, "error": reason}, status_code=503)
+                return await response(scope, receive, send)
+        return await self.app(scope, receive, send)
+
+
 # ---------------------------------------------------------------------------------------------- server
 @dataclass(frozen=True)
 class ServerAddress:
@@ -255,6 +275,8 @@ class InferenceServer:
         self._exit_stack = contextlib.AsyncExitStack()
         self._uvicorn: Any = None
         self._serve_task: asyncio.Task | None = None
+        self.stalled_fn: Callable[[], str | None] = lambda: None
+        """Why the engine cannot serve now (None: it can); set by the daemon's watchdog. /health answers 503 then."""
         self.drops_seeds = False
         """True when per-request seeds are removed from requests (`DropSeedMiddleware`): on CPU when the engine
         runs with chunked prefill on (primerl turns it off there where it can)."""
@@ -314,6 +336,7 @@ class InferenceServer:
             self.app = app
             # build_app already built the app's middleware stack (add_middleware refuses now): wrap it.
             asgi_app: Any = PolicyVersionMiddleware(TokenLogprobsMiddleware(app), version_fn=self.version_fn)
+            asgi_app = StalledHealthMiddleware(asgi_app, lambda: self.stalled_fn())
             self.drops_seeds = self.on_cpu and bool(engine.vllm_config.scheduler_config.enable_chunked_prefill)
             if self.drops_seeds:
                 asgi_app = DropSeedMiddleware(asgi_app)

@@ -24,6 +24,11 @@ as ``ROLE_TEACHER`` (capability ``role=teacher``) and heartbeats like an inferen
 thread and no ``PolicyUpdater``: it never subscribes to the weight plane, serves no adapters, and its served
 policy version stays 0 (its heartbeats carry none). Its HTTP server checks the run token the same way.
 
+Gray failures: an ``EngineWatchdog`` (``engine_watchdog``) probes the engine core; unanswered for
+``engine_stall_timeout_s`` it logs ``inference engine stalled``, ``/health`` answers
+503 and every heartbeat says ``serving: false`` (the orchestrator then sends this worker nothing) until the engine
+answers again (``inference engine recovered``). A weight update being applied never counts as a stall.
+
 Metrics: vLLM's ``GET /metrics`` on the API port also carries primerl's ``primerl_inference_*`` families
 (``primerl.inference.metrics``: served policy version, updates applied and refused, last update ms, generation
 pause per update); its URL goes to the broker as the ``metrics_url`` capability.
@@ -44,6 +49,7 @@ from typing import TYPE_CHECKING, Any
 
 from primerl.configs.inference import InferenceConfig
 from primerl.inference.engine_ops import AsyncEngineOps, EngineCallCancelled, EngineCallTimeout
+from primerl.inference.engine_watchdog import EngineWatchdog, not_serving_marker
 from primerl.inference.metrics import inference_families
 from primerl.inference.server import InferenceServer, ServerAddress
 from primerl.proto import telemetry
@@ -125,6 +131,12 @@ class InferenceService:
         # Joining: the version current at the broker when this worker registered, and when it registered.
         self._join_target: int | None = None
         self._registered_s = 0.0
+        # Gray failures: the engine watchdog's task, and why the engine cannot serve now (None: it can).
+        self.watchdog: EngineWatchdog | None = None
+        self._watchdog_task: asyncio.Task | None = None
+        self._watchdog_stop: asyncio.Event | None = None
+        self.stalled_reason: str | None = None
+        self._updating = False  # the weight thread applies an update (it holds the engine core: not a stall)
 
     def _policy_version(self) -> int:
         return 0 if self.updater is None else self.updater.policy_version
@@ -158,6 +170,7 @@ class InferenceService:
                 # Reads the weight manifest (and the worker's host copy) now rather than during the first update.
                 await asyncio.to_thread(self.updater.prepare)
             self.metrics.policy_version.set(self.policy_version)
+            self.metrics.engine_stalled.set(0)
             capabilities = {
                 "role": self.config.role,
                 "lora": str(self.config.enable_lora).lower(),
@@ -182,6 +195,7 @@ class InferenceService:
             if not self.is_teacher:  # a teacher serves its own model: it has no policy version to catch up to
                 self._registered_s, self._join_target = time.monotonic(), registration.latest_policy_version
                 self._check_caught_up()
+            self._start_watchdog(engine)
             self.control.start_heartbeats(self._progress)
             if not self.is_teacher:
                 self._weights_thread = threading.Thread(target=self._weights_loop, name="weights", daemon=True)
@@ -237,6 +251,7 @@ class InferenceService:
         """Deregister, stop the weight thread and heartbeats, stop HTTP and the engine. Bounded: about
         `grace_s` + 15 s at worst (broker unreachable, requests that do not finish)."""
         self._stop.set()
+        await self._stop_watchdog()
         if self.ops is not None:
             self.ops.cancel_pending()  # an update being applied stops waiting on the engine now
         if self.control is not None:
@@ -265,7 +280,64 @@ class InferenceService:
         engine = self.server.engine
         if engine is not None:
             progress["num_inflight"] = engine.get_num_unfinished_requests()
+        reason = self.stalled_reason
+        if reason is not None:  # state, sent with every heartbeat while it holds (the broker keeps the latest)
+            progress["recent_errors"] = [not_serving_marker(reason)]
         return progress
+
+    # ---- gray failures (event loop) ------------------------------------------------------------------------------
+    def _start_watchdog(self, engine: Any) -> None:
+        timeout_s = self.config.engine_stall_timeout_s
+        if not timeout_s:
+            log.info("engine watchdog off (engine_stall_timeout_s = 0)")
+            return
+        self.watchdog = EngineWatchdog(
+            engine.is_sleeping, stall_timeout_s=timeout_s, on_change=self._engine_stall_changed, busy=self._is_busy
+        )
+        self.server.stalled_fn = lambda: self.stalled_reason
+        self._watchdog_stop = asyncio.Event()
+        self._watchdog_task = asyncio.get_running_loop().create_task(
+            self.watchdog.run(self._watchdog_stop), name="engine-watchdog"
+        )
+
+    def _is_busy(self) -> bool:
+        return self._updating
+
+    async def _stop_watchdog(self) -> None:
+        if self._watchdog_task is None or self._watchdog_stop is None:
+            return
+        self._watchdog_stop.set()
+        try:
+            await asyncio.wait_for(self._watchdog_task, 5.0)
+        except (asyncio.TimeoutError, asyncio.CancelledError):
+            self._watchdog_task.cancel()
+        except Exception:
+            log.exception("the engine watchdog failed")
+        self._watchdog_task = None
+
+    def _engine_stall_changed(self, stalled: bool, seconds: float) -> None:
+        """The watchdog's transitions: out of rotation (heartbeats, /health) while stalled, back when it answers."""
+        assert self.watchdog is not None
+        engine = self.server.engine
+        num_inflight = engine.get_num_unfinished_requests() if engine is not None else 0
+        if stalled:
+            self.stalled_reason = (
+                f"{telemetry.INFERENCE_ENGINE_STALLED}: the engine core did not answer a probe for {seconds:.1f} s "
+                f"(engine_stall_timeout_s = {self.watchdog.stall_timeout_s:g}); {num_inflight} requests in flight"
+            )
+            self.metrics.engine_stalled.set(1)
+            self.metrics.engine_stalls.inc()
+            log.warning(
+                telemetry.INFERENCE_ENGINE_STALLED,
+                unanswered_s=round(seconds, 1),
+                engine_stall_timeout_s=self.watchdog.stall_timeout_s,
+                num_inflight=num_inflight,
+                hint="out of rotation until the engine answers again; if it never does, restart this worker",
+            )
+        else:
+            self.stalled_reason = None
+            self.metrics.engine_stalled.set(0)
+            log.info(telemetry.INFERENCE_ENGINE_RECOVERED, stalled_s=round(seconds, 1), num_inflight=num_inflight)
 
     # ---- weight updates (weight thread) -------------------------------------------------------------------------
     def _weights_loop(self) -> None:
@@ -328,7 +400,11 @@ class InferenceService:
                     self._stop.wait(BROKER_ERROR_BACKOFF_S)
                     continue
                 if update is not None:
-                    self._handle_update(subscriber, *update)
+                    self._updating = True  # the engine core is held by the update: no stall (engine watchdog)
+                    try:
+                        self._handle_update(subscriber, *update)
+                    finally:
+                        self._updating = False
         except EngineCallCancelled:  # stopping while an update was being applied: it is not served; nothing to say
             log.info("weight update abandoned: the worker is stopping")
         except Exception as exc:  # a fault in this thread makes the worker useless: report and exit

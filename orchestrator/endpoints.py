@@ -11,6 +11,10 @@ their own, so that the main loop never blocks on the broker (it keeps collecting
 Invariants:
 - The worker list is re-read every ``interval_s`` (``fast_interval_s`` while ``set_fast(True)``); each success
   replaces the snapshot and bumps ``generation``. Workers without an address are left out.
+- A worker listed with ``serving = "false"`` (its engine stalled: ``inference.engine_watchdog``) is left out of
+  the snapshot, so that it *leaves* below and its groups go elsewhere; the watcher logs ``inference worker out of
+  rotation`` (with the broker's reason) and, once it is listed serving again, ``inference worker back in rotation``
+  (it then joins again, serving at once when it holds the current version).
 - While the broker is unreachable (``BrokerUnavailable``) the last snapshot stays, the thread retries
   (``retry_through_outage``) and logs ``waiting for the broker`` every 5 s; past ``outage_s`` the thread stops
   with ``BrokerOutageExceeded``, which ``check`` raises in the caller's thread. Any other error of the list
@@ -117,6 +121,8 @@ class EndpointWatcher:
         self._lock = threading.Lock()
         self._snapshot: Snapshot = {}
         self._generation = 0
+        self.out_of_rotation: dict[str, str] = {}  # worker id -> name, of the listed workers that cannot serve now
+        self.num_out_of_rotation = 0  # times a worker was taken out since the start
         self._error: BaseException | None = None
         self._fast = False
         self._wake = threading.Event()
@@ -159,17 +165,38 @@ class EndpointWatcher:
                     self._error = exc
                 return
             snapshot: Snapshot = {}
+            not_serving: dict[str, str] = {}
             for info in infos:
-                if info.address:
+                if info.address and info.capabilities.get(telemetry.SERVING_CAPABILITY) == "false":
+                    not_serving[info.worker_id] = info.name
+                elif info.address:
                     version = info.policy_version if info.HasField("policy_version") else 0
                     snapshot[info.worker_id] = WorkerEndpoint(
                         info.address.rstrip("/") + "/v1", version, info.name, info.registered_unix_ms
                     )
+            self._note_rotation(not_serving, snapshot)
             with self._lock:
                 self._snapshot = snapshot
                 self._generation += 1
             self._wake.wait(self.fast_interval_s if self._fast else self.interval_s)
             self._wake.clear()
+
+    def _note_rotation(self, not_serving: dict[str, str], snapshot: Snapshot) -> None:
+        """Log the workers taken out of rotation (listed, not serving) and those back (listed serving again)."""
+        worker = "teacher worker" if "teacher" in self.what else "inference worker"
+        for worker_id, name in not_serving.items():
+            if worker_id not in self.out_of_rotation:
+                self.num_out_of_rotation += 1
+                log.warning(
+                    f"{worker} out of rotation",
+                    worker_id=worker_id,
+                    name=name,
+                    reason="its heartbeats say serving: false (engine stalled); its rollouts go to other workers",
+                )
+        for worker_id, name in self.out_of_rotation.items():
+            if worker_id not in not_serving and worker_id in snapshot:
+                log.info(f"{worker} back in rotation", worker_id=worker_id, name=name, url=snapshot[worker_id].base_url)
+        self.out_of_rotation = not_serving
 
 
 class InferenceWorkers:

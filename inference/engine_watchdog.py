@@ -1,0 +1,157 @@
+"""Gray failures: an engine that makes no progress while its daemon still heartbeats.
+
+A vLLM engine core can stop answering while the API process around it (the HTTP server, the heartbeat thread)
+goes on: the engine-core process stopped (SIGSTOP, a debugger), a model step that never returns (a hung kernel or
+collective). Requests sent to such a worker wait until their clients give up. The watchdog finds it with a cheap
+probe: one utility call to the engine core at a time (``AsyncLLM.is_sleeping``, answered by the engine core's busy
+loop between two model steps). A probe unanswered for ``stall_timeout_s`` marks the engine *stalled*; its answer
+marks it *recovered*.
+
+    watchdog = EngineWatchdog(engine.is_sleeping, stall_timeout_s=30, on_change=report, busy=lambda: updating)
+    task = loop.create_task(watchdog.run(stop_event))
+    watchdog.stalled_for_s   # None while serving
+
+Invariants:
+- At most one probe is in flight; the next is sent ``interval_s`` after an answer.
+- ``busy()`` (e.g. a weight update being applied, which holds the engine core) restarts the stall clock: time
+  spent busy never counts as a stall.
+- A probe that raises is an answer (the engine is not stalled; a dead engine is reported elsewhere:
+  ``InferenceServer.check_running``).
+- ``on_change(stalled, seconds)`` runs once per transition: ``(True, unanswered_s)`` when it stalls,
+  ``(False, stalled_s)`` when it recovers.
+
+The daemon (``InferenceService``) logs ``inference engine stalled`` / ``inference engine recovered``, serves
+``primerl_inference_engine_stalled`` and ``primerl_inference_engine_stalls_total``, answers ``GET /health`` with
+503 while stalled, and says ``serving: false`` in its heartbeats (``not_serving_marker``): the broker then lists the
+worker with the capability ``serving = "false"`` and the orchestrator takes it out of rotation (its groups in
+flight go to other workers) until it recovers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import Awaitable, Callable
+
+from primerl.proto import telemetry
+from primerl.runtime.log_setup import get_logger
+
+log = get_logger("primerl.inference.watchdog")
+
+MIN_INTERVAL_S = 0.1
+MAX_INTERVAL_S = 2.0
+
+
+def probe_interval_s(stall_timeout_s: float) -> float:
+    """Pause between two probes: a tenth of the stall timeout, within [0.1, 2] s."""
+    return min(MAX_INTERVAL_S, max(MIN_INTERVAL_S, stall_timeout_s / 10))
+
+
+def not_serving_marker(reason: str) -> str:
+    """The heartbeat entry (in ``recent_errors``, sent with every heartbeat while it holds) that tells the broker
+    this worker cannot serve now; the broker reads it as state, not as an error (``registry.WorkerRegistry``)."""
+    return f"{telemetry.NOT_SERVING_PREFIX}{reason}"
+
+
+class StallClock:
+    """The watchdog's state, without IO (module docstring): fed when a probe is sent and answered."""
+
+    def __init__(self, stall_timeout_s: float):
+        if stall_timeout_s <= 0:
+            raise ValueError(f"stall_timeout_s must be > 0, got {stall_timeout_s}")
+        self.stall_timeout_s = stall_timeout_s
+        self.waiting_since: float | None = None  # the probe in flight was sent (or the engine stopped being busy)
+        self.stalled_since: float | None = None
+
+    def sent(self, now: float) -> None:
+        self.waiting_since = now
+
+    def busy(self, now: float) -> None:
+        if self.waiting_since is not None:
+            self.waiting_since = now
+
+    def answered(self, now: float) -> float | None:
+        """The probe answered; returns the seconds stalled when this ends a stall."""
+        self.waiting_since = None
+        if self.stalled_since is None:
+            return None
+        stalled_s, self.stalled_since = now - self.stalled_since, None
+        return stalled_s
+
+    def check(self, now: float) -> float | None:
+        """Returns the seconds the probe has waited when this starts a stall."""
+        if self.stalled_since is not None or self.waiting_since is None:
+            return None
+        waited_s = now - self.waiting_since
+        if waited_s < self.stall_timeout_s:
+            return None
+        self.stalled_since = now
+        return waited_s
+
+
+class EngineWatchdog:
+    """Probes an engine and says when it stalls and recovers (module docstring)."""
+
+    def __init__(
+        self,
+        probe: Callable[[], Awaitable[object]],
+        *,
+        stall_timeout_s: float,
+        on_change: Callable[[bool, float], None],
+        busy: Callable[[], bool] = lambda: False,
+        interval_s: float | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ):
+        self._probe = probe
+        self._clock = clock
+        self._state = StallClock(stall_timeout_s)
+        self._on_change = on_change
+        self._busy = busy
+        self.interval_s = probe_interval_s(stall_timeout_s) if interval_s is None else interval_s
+        self.num_stalls = 0
+
+    @property
+    def stall_timeout_s(self) -> float:
+        return self._state.stall_timeout_s
+
+    @property
+    def stalled_for_s(self) -> float | None:
+        """Seconds since the engine was found stalled; None while it serves."""
+        since = self._state.stalled_since
+        return None if since is None else self._clock() - since
+
+    async def run(self, stop: asyncio.Event) -> None:
+        """Probe until ``stop`` is set; the probe in flight is cancelled then."""
+        probe: asyncio.Task | None = None
+        try:
+            while not stop.is_set():
+                now = self._clock()
+                if probe is None:
+                    probe = asyncio.ensure_future(self._probe())
+                    self._state.sent(now)
+                if probe.done():
+                    with contextlib.suppress(BaseException):
+                        probe.result()  # an error is an answer: a dead engine is reported elsewhere
+                    probe = None
+                    stalled_s = self._state.answered(self._clock())
+                    if stalled_s is not None:
+                        self._on_change(False, stalled_s)
+                    with contextlib.suppress(asyncio.TimeoutError):
+                        await asyncio.wait_for(stop.wait(), self.interval_s)
+                    continue
+                if self._busy():
+                    self._state.busy(now)
+                waited_s = self._state.check(now)
+                if waited_s is not None:
+                    self.num_stalls += 1
+                    self._on_change(True, waited_s)
+                await asyncio.wait([probe], timeout=min(self.interval_s, self.stall_timeout_s / 4))
+        finally:
+            if probe is not None and not probe.done():
+                probe.cancel()
+                with contextlib.suppress(BaseException):
+                    await probe
+
+
+__all__ = ["EngineWatchdog", "StallClock", "not_serving_marker", "probe_interval_s"]

@@ -40,7 +40,7 @@ MAX_ROLLOUT_RECORD_BYTES = 256 << 10
 MAX_ROLLOUTS_PER_REPORT = 64
 MAX_EVENT_MESSAGE_CHARS = 1000
 SHARES = {"rows": 0.5, "rollouts": 0.4, "events": 0.1}
-ITEM_OVERHEAD_BYTES = 64  # per item: its Python object and list slot, roughly
+ITEM_OVERHEAD_BYTES = 80  # per item: its str object header and deque slot, roughly
 
 
 class BadRollouts(InvalidRequest):
@@ -117,7 +117,7 @@ class RunHistory:
             "unix_ms": self._unix_ms(),
             "metrics": {k: float(v) for k, v in metrics.items() if math.isfinite(v)},
         }
-        self._add("rows", row, _size(row))
+        self._add("rows", _text(row))
 
     def add_event(self, kind: str, source: str, message: str, step: int = 0) -> None:
         event = {
@@ -127,7 +127,7 @@ class RunHistory:
             "source": source[:200],
             "message": message[:MAX_EVENT_MESSAGE_CHARS],
         }
-        self._add("events", event, _size(event))
+        self._add("events", _text(event))
 
     def add_rollouts(self, step: int, records: list[str]) -> int:
         """Keep the step's sample rollouts; ``BadRollouts`` (nothing kept) when one is not a JSON object with this
@@ -149,13 +149,14 @@ class RunHistory:
             if not isinstance(parsed, dict) or parsed.get("step") != step:
                 raise BadRollouts(f'sample rollout {number} is not a JSON object with "step": {step}')
             checked.append((record, size))
-        for record, size in checked:
-            self._add("rollouts", record, size)
+        for record, _ in checked:
+            self._add("rollouts", record)
         return len(checked)
 
-    def _add(self, name: str, item, size: int) -> None:
+    def _add(self, name: str, text: str) -> None:
+        """Items are kept as their JSON text: what they take in memory is about what they count."""
         with self._lock:
-            self._lists[name].append(item, size + ITEM_OVERHEAD_BYTES)
+            self._lists[name].append(text, len(text.encode()) + ITEM_OVERHEAD_BYTES)
             self.revision += 1
 
     # ------------------------------------------------------------------------------------------ reads
@@ -168,8 +169,8 @@ class RunHistory:
         with self._lock:
             parts = self._lists
             return HistorySlice(
-                rows=parts["rows"].since(metrics),
-                events=parts["events"].since(events),
+                rows=[json.loads(text) for text in parts["rows"].since(metrics)],
+                events=[json.loads(text) for text in parts["events"].since(events)],
                 rollouts=parts["rollouts"].since(rollouts),
                 metrics_next=parts["rows"].next,
                 events_next=parts["events"].next,
@@ -186,11 +187,13 @@ class RunHistory:
             return self.revision, self.to_json
 
     def to_json(self) -> bytes:
-        with self._lock:
-            data = {"format": FORMAT}
+        with self._lock:  # rows and events are JSON text already: joined as they are
+            parts = [f'{{"format":{json.dumps(FORMAT)}']
             for name, part in self._lists.items():
-                data[name] = {"next": part.next, "items": [item for _, item in part.items]}
-            return json.dumps(data, allow_nan=False, separators=(",", ":")).encode()
+                texts = [text for _, text in part.items]
+                items = json.dumps(texts) if name == "rollouts" else "[" + ",".join(texts) + "]"
+                parts.append(f',"{name}":{{"next":{part.next},"items":{items}}}')
+            return ("".join(parts) + "}").encode()
 
     def restore(self, data: bytes) -> None:
         """Take back a history written by ``snapshot`` (``ValueError`` saying what is wrong; nothing changed)."""
@@ -215,8 +218,8 @@ class RunHistory:
                 part.items.clear()
                 part.num_bytes = 0
                 for item in items:
-                    size = len(item.encode()) if isinstance(item, str) else _size(item)
-                    part.append(item, size + ITEM_OVERHEAD_BYTES)
+                    text = item if isinstance(item, str) else _text(item)
+                    part.append(text, len(text.encode()) + ITEM_OVERHEAD_BYTES)
                 part.next = next_index
             self.revision += 1
 
@@ -224,8 +227,8 @@ class RunHistory:
         return int(self._clock() * 1000)
 
 
-def _size(item: dict) -> int:
-    return len(json.dumps(item, separators=(",", ":")))
+def _text(item: dict) -> str:
+    return json.dumps(item, allow_nan=False, separators=(",", ":"))
 
 
 def _check_row(row) -> None:

@@ -16,10 +16,15 @@ Layout of `step_{N}/` (replicated model: single rank or DDP; rank 0 writes the s
     STABLE                   written last
 
 The Hugging Face weights exported beside each checkpoint are `primerl.trainer.weights_export`'s.
+
+A full disk (ENOSPC, EDQUOT, however the writer reports it) fails the save with `CheckpointDiskFull`, which names the
+directory and the checkpoint kept: the partial `step_{N}.tmp-*` is removed (single rank; with more ranks the next
+save or load removes it), the previous checkpoints stay as they were, and the caller commits nothing for the step.
 """
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import random
@@ -62,6 +67,40 @@ MODEL_KIND_PEFT = "peft_trainable"
 
 class CheckpointNotFoundError(FileNotFoundError):
     """No committed (STABLE) checkpoint of the requested step."""
+
+
+class CheckpointDiskFull(OSError):
+    """A checkpoint could not be written for lack of space; the previous checkpoints are kept."""
+
+
+_DISK_FULL_TEXT = ("No space left on device", "Disk quota exceeded", "(os error 28)", "(os error 122)")
+
+
+def is_disk_full_error(exc: BaseException) -> bool:
+    """Whether ``exc`` (or an error it was raised from) is a filesystem out of space or quota. torch.save reports it
+    as a RuntimeError raised while handling the OSError; safetensors as a SafetensorError naming the OS error."""
+    seen: set[int] = set()
+    current: BaseException | None = exc
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        if isinstance(current, OSError) and current.errno in (errno.ENOSPC, errno.EDQUOT):
+            return True
+        if any(text in str(current) for text in _DISK_FULL_TEXT):
+            return True
+        current = current.__cause__ or current.__context__
+    return False
+
+
+def _disk_full(root: Path, step: int, exc: BaseException) -> CheckpointDiskFull:
+    kept = latest_checkpoint(root)
+    return CheckpointDiskFull(
+        errno.ENOSPC,
+        f"cannot write the checkpoint of step {step} under {root}: no space left on the device ({exc}). "
+        + (f"The previous checkpoint step_{kept} is kept" if kept is not None else "No earlier checkpoint exists")
+        + f" and step {step} is not committed to the broker; free space on that filesystem (or lower ckpt.keep_last, "
+        "or point the checkpoint directory at a larger disk) and restart the trainer: it resumes from "
+        + (f"step_{kept}" if kept is not None else "the start"),
+    )
 
 
 def step_dir(root: str | os.PathLike[str], step: int) -> Path:
@@ -164,15 +203,24 @@ def save_checkpoint(
             rank=rank,
             world_size=world_size,
         )
-    except BaseException:
+    except BaseException as exc:
         if world_size == 1:  # with more ranks, others may still be writing: the next save or load cleans up
             shutil.rmtree(tmp_dir, ignore_errors=True)
+        if is_disk_full_error(exc):
+            raise _disk_full(root, step, exc) from exc
         raise
     sync()
 
     if rank == 0:
-        write_new_file(tmp_dir / STABLE_FILE, b"")
-        commit_dir(tmp_dir, final_dir)
+        try:
+            write_new_file(tmp_dir / STABLE_FILE, b"")
+            commit_dir(tmp_dir, final_dir)
+        except OSError as exc:
+            if not is_disk_full_error(exc):
+                raise
+            if not (final_dir / STABLE_FILE).is_file():
+                shutil.rmtree(tmp_dir, ignore_errors=True)
+            raise _disk_full(root, step, exc) from exc
         log.info(telemetry.CHECKPOINT_SAVED, step=step, path=str(final_dir))
     sync()
     return final_dir

@@ -252,9 +252,8 @@ class BrokerServicer(control_pb2_grpc.BrokerServicer):
         )
         if limits is not None:
             response.limits.CopyFrom(limits)
-        self.history.add_event(
-            "joined", request.name, f"{framing.role_name(request.role)} registered from {request.hostname or '?'}"
-        )
+        role = framing.role_name(request.role).removeprefix("ROLE_").lower()
+        self.history.add_event("joined", request.name, f"{role} registered from {request.hostname or '?'}")
         _log.info(
             "worker registered",
             worker=request.name,

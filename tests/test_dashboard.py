@@ -239,3 +239,67 @@ def test_samples_are_the_best_and_worst_rollouts_of_each_env_and_stay_bounded(tm
     writer.close()
     lines = [json.loads(line) for line in (tmp_path / ROLLOUTS_FILE).read_text().splitlines()]
     assert len(lines) == 3 and {line["step"] for line in lines} == {1} and sent[0][1] == lines
+
+
+# ------------------------------------------------------------------------------------ the command
+def test_the_command_reads_a_broker_on_its_address_with_mutual_tls_and_the_run_token(make_broker, tmp_path):
+    import re
+    import subprocess
+    import sys
+    import time
+
+    from primerl.cli.certs import make_certs
+
+    certs = make_certs(tmp_path / "certs", ["127.0.0.1"], ("orchestrator", "status"))
+    broker = make_broker(run_token="run-secret", **certs.broker_settings())
+    tls = certs.client_settings("status")
+    bin_dir = Path(sys.executable).parent
+
+    def serve(token: str) -> tuple[subprocess.Popen, str]:
+        argv = [str(bin_dir / "primerl"), "dashboard", "--broker", broker.grpc_address, "--token", token]
+        argv += ["--tls-ca", tls["tls_ca_path"], "--tls-cert", tls["tls_cert_path"], "--tls-key", tls["tls_key_path"]]
+        process = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        line = process.stdout.readline()
+        match = re.search(r"at (http://127\.0\.0\.1:(\d+)/\?token=(\S+))", line)
+        assert match, line + process.stdout.read() if process.poll() is not None else line
+        return process, match[1]
+
+    def get(url: str, path: str) -> dict:
+        base, token = url.split("/?token=")
+        req = urllib.request.Request(base + path, headers={"Authorization": f"Bearer {token}"})
+        with urllib.request.urlopen(req, timeout=20) as response:
+            return json.loads(response.read())
+
+    process, url = serve("run-secret")
+    try:
+        run = get(url, "/api/run")
+        assert run["broker"] and run["broker_error"] == "" and run["run_id"] == broker.service.run_id, run
+        from primerl.client.control import ControlClient
+        from primerl.runtime.config_common import BrokerClientConfig
+
+        worker_tls = {k: v for k, v in certs.client_settings("orchestrator").items() if k.startswith("tls_")}
+        config = BrokerClientConfig(address=broker.grpc_address, run_token="run-secret", **worker_tls)
+        with ControlClient(config, "orchestrator", "orchestrator") as worker:
+            worker.register()
+            worker.report_metrics(1, {"train/reward": 0.25})
+            time.sleep(1.0)  # past the dashboard's cache of the broker's answers
+            assert [w["name"] for w in get(url, "/api/workers")["workers"]] == ["orchestrator"]
+            assert get(url, "/api/metrics")["rows"][0]["train/reward"] == 0.25
+    finally:
+        process.terminate()
+        process.wait(20)
+    process, url = serve("wrong-secret")
+    try:
+        run = get(url, "/api/run")
+        assert run["state"] == "unreachable" and "wrong run token" in run["broker_error"], run
+    finally:
+        process.terminate()
+        process.wait(20)
+
+
+def test_the_command_says_what_it_needs():
+    from primerl.cli.dashboard import main
+
+    assert main([]) == 2
+    assert main(["/no/such/run/dir"]) == 2
+    assert main(["--broker", "127.0.0.1:1", "--port", "70000"]) == 2

@@ -3,7 +3,7 @@
 Security (the page shows a run's config, prompts and model output):
 
 * every route needs the login token: ``?token=`` (the URL printed at start; answered with a cookie and a
-  redirect to the same path without the token), the ``primerl_dashboard`` cookie, or ``Authorization: Bearer``.
+  redirect to the same path without the token), the ``primerl_dashboard_<port>`` cookie, or ``Authorization: Bearer``.
   None: 401; a wrong one: 403 (compared in constant time);
 * only GET and HEAD: any other method is 405, and no route changes anything;
 * a strict Content-Security-Policy (``default-src 'self'``, no inline script or style, no frames), ``nosniff``,
@@ -34,7 +34,7 @@ from urllib.parse import parse_qs, urlsplit
 from primerl.dashboard.sources import MAX_EVENTS, BrokerSource, RunDirSource
 
 STATIC_DIR = Path(__file__).resolve().parent / "static"
-COOKIE_NAME = "primerl_dashboard"
+COOKIE_NAME = "primerl_dashboard_{port}"  # per port: browsers share cookies between the ports of one host
 CSP = (
     "default-src 'self'; script-src 'self'; style-src 'self'; img-src 'self' data:; connect-src 'self'; "
     "object-src 'none'; base-uri 'none'; form-action 'none'; frame-ancestors 'none'"
@@ -256,7 +256,7 @@ class _Handler(BaseHTTPRequestHandler):
             cookie.load(self.headers.get("Cookie", ""))
         except Exception:
             return None, False
-        morsel = cookie.get(COOKIE_NAME)
+        morsel = cookie.get(COOKIE_NAME.format(port=self.server.port))
         return (morsel.value if morsel is not None else None), False
 
     def do_GET(self) -> None:  # noqa: N802 - the stdlib's name
@@ -282,7 +282,7 @@ class _Handler(BaseHTTPRequestHandler):
         if in_url:  # the token becomes a cookie and leaves the address bar (and the history)
             rest = "&".join(f"{k}={v}" for k, values in query.items() if k != "token" for v in values)
             location = parts.path + (f"?{rest}" if rest else "")
-            cookie = f"{COOKIE_NAME}={token}; Path=/; HttpOnly; SameSite=Strict"
+            cookie = f"{COOKIE_NAME.format(port=self.server.port)}={token}; Path=/; HttpOnly; SameSite=Strict"
             self._send(HTTPStatus.SEE_OTHER, b"", "text/plain", {"Location": location, "Set-Cookie": cookie})
             return
         if parts.path in STATIC_FILES:

@@ -75,7 +75,7 @@ def test_every_route_refuses_without_the_token_and_with_a_wrong_one(served, path
     assert code == 401 and b"no login token" in body
     code, _, body = request(served, path, headers={"Authorization": "Bearer secret-tokeN"})
     assert code == 403 and b"wrong login token" in body
-    code, _, _ = request(served, path, headers={"Cookie": "primerl_dashboard=nope"})
+    code, _, _ = request(served, path, headers={"Cookie": f"primerl_dashboard_{served.port}=nope"})
     assert code == 403
     code, _, _ = request(served, path + ("&" if "?" in path else "?") + "token=nope", follow=False)
     assert code == 403
@@ -92,8 +92,9 @@ def test_the_url_token_becomes_a_cookie_and_leaves_the_address(served):
     code, headers, _ = request(served, "/?token=secret-token", follow=False)
     assert code == 303 and headers["Location"] == "/"
     cookie = headers["Set-Cookie"]
-    assert cookie.startswith("primerl_dashboard=secret-token;") and "HttpOnly" in cookie and "SameSite=Strict" in cookie
-    code, headers, body = request(served, "/", headers={"Cookie": "primerl_dashboard=secret-token"})
+    assert cookie.startswith(f"primerl_dashboard_{served.port}=secret-token;")
+    assert "HttpOnly" in cookie and "SameSite=Strict" in cookie
+    code, headers, body = request(served, "/", headers={"Cookie": f"primerl_dashboard_{served.port}=secret-token"})
     assert code == 200 and b'<script src="/app.js"' in body
     assert headers["Content-Security-Policy"] == CSP and "default-src 'self'" in CSP and "unsafe-inline" not in CSP
     assert headers["X-Content-Type-Options"] == "nosniff" and headers["Cache-Control"] == "no-store"

@@ -29,7 +29,9 @@ partial sets of it are deleted from the spool, and their batches of it are acked
 step is trained on exactly one orchestrator incarnation's rollouts, even when one was killed half-way through
 sending it and the next one made the step again. Ownership needs no file of its own: after a broker restart it is
 found again from the spool (the one whole set of a step). Batches with other ids (``default_batch_id``) are served
-as they come, as before, and a step takes one kind or the other.
+as they come, as before, and a step takes one kind or the other. A batch of a step held whole from another
+incarnation but packed otherwise (other rank count, or micro-batch count for its rank) is refused, as a batch that
+disagreed with the spooled step always was: it is most likely another run's spool.
 
 Disk full: a group whose spool write fails for lack of space (ENOSPC, EDQUOT) keeps nothing and each of its
 batches is answered ``Backpressure`` with the reason, so producers wait and resend; nothing on disk changes (the
@@ -295,6 +297,24 @@ class RolloutQueue:
             return Refused(common_pb2.ERROR_CODE_MALFORMED_HEADER, problem, batch_id, step)
         owner = self._sealed.get(step)
         if tag is not None and owner is not None and owner != tag.producer:
+            owned = self._candidate_slot(step, rank, owner)  # a candidate still, when sealed earlier in this group
+            pending_owner = self._candidates.get(step, {}).get(owner)
+            num_ranks = (
+                pending_owner.num_ranks
+                if pending_owner is not None
+                else sum(1 for key in self._slots if key[0] == step)
+            )
+            if owned is None or owned.num_micro_batches != header.num_micro_batches or num_ranks != tag.num_ranks:
+                # Packed otherwise than the set the step is held whole from: most likely another run's spool.
+                return Refused(
+                    common_pb2.ERROR_CODE_MALFORMED_HEADER,
+                    f"batch {batch_id!r} says step {step} has {tag.num_ranks} ranks and rank {rank} "
+                    f"{header.num_micro_batches} micro-batches; the step is already held whole from producer "
+                    f"{owner!r} with {num_ranks} ranks and "
+                    f"{owned.num_micro_batches if owned is not None else 'no'} micro-batches for rank {rank}",
+                    batch_id,
+                    step,
+                )
             self._counts["superseded"] += 1
             return Superseded(batch_id, step, owner)
         slot = self._slots.get((step, rank)) if tag is None else self._candidate_slot(step, rank, tag.producer)

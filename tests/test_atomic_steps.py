@@ -189,3 +189,14 @@ def test_step_done_after_serving_the_whole_set(tmp_path):
         queue.offer(*item)
     delivery = queue.request(T, 4, 0, credits=8)
     assert delivery.step_done == StepDone(4, 0, 2) and producers_of(delivery.batch_ids) == {"a"}
+
+
+def test_a_step_held_whole_refuses_a_set_packed_otherwise(tmp_path):
+    """Another run's spool (a step held whole, packed otherwise) is refused, as a disagreeing batch always was."""
+    queue = make_queue(tmp_path / "spool")
+    for item in step_batches(1, "old-run", num=2, num_ranks=1):
+        queue.offer(*item)
+    refused = queue.offer(*step_batches(1, "new-run", num=3, num_ranks=1)[0])
+    assert isinstance(refused, Refused) and "already held whole from producer 'old-run'" in refused.message
+    refused = queue.offer(*step_batches(1, "new-run", num=2, num_ranks=2)[0])
+    assert isinstance(refused, Refused) and "2 ranks" in refused.message

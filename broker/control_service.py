@@ -467,6 +467,7 @@ class HeartbeatMonitor:
     ):
         self.registry = registry
         self.history = history
+        self._num_rollbacks: int | None = None  # as seen at the last check (None: not yet; a restart is no rollback)
         self.check_interval_s = (heartbeat_interval_s or registry.heartbeat_interval_s) / 2
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -491,7 +492,21 @@ class HeartbeatMonitor:
             step = self.registry.last_committed_step
             for worker in lost if self.history is not None else ():
                 self.history.add_event("lost", worker.name, f"no heartbeat for {self.registry.timeout_s:g} s", step)
+        if self.history is not None:
+            self._note_rollbacks()
         return lost
+
+    def _note_rollbacks(self) -> None:
+        """A rollback (a trainer resumed below the newest published version) as an event of the run history."""
+        latest = self.registry.policy.latest()
+        if self._num_rollbacks is not None and latest.num_rollbacks > self._num_rollbacks:
+            self.history.add_event(
+                "rollback",
+                "broker",
+                f"policy rolled back to version {latest.lineage_base_version} (lineage {latest.lineage})",
+                self.registry.last_committed_step,
+            )
+        self._num_rollbacks = latest.num_rollbacks
 
     def _run(self) -> None:
         while not self._stop.wait(self.check_interval_s):

@@ -313,6 +313,10 @@ class BatchAssembler:
         samples may be changed in place, not removed)."""
         return [*self._pending, *(group for recent in self._dropped.values() for group in recent)]
 
+    def waiting_groups(self) -> list[Group]:
+        """The kept groups waiting for a batch, oldest first."""
+        return list(self._pending)
+
     def drop_stale(self, min_policy_version: int) -> int:
         """Drop waiting groups holding a sample older than ``min_policy_version``; returns how many."""
         kept: deque[Group] = deque()
@@ -345,7 +349,8 @@ class BatchAssembler:
         return True
 
     def take(self, min_policy_version: int | None = None) -> AssembledBatch | None:
-        """The next batch (each pool's oldest groups first), or None while a pool holds fewer rollouts than its
+        """The next batch (each pool's groups of the oldest policy versions first, then the earliest to arrive),
+        or None while a pool holds fewer rollouts than its
         quota. The metrics cover the groups added since the previous batch. With ``min_policy_version``, waiting
         groups older than it are dropped first, so a batch never holds one (even one filled by an earlier
         surplus)."""
@@ -355,16 +360,15 @@ class BatchAssembler:
             return None
         quotas = self.quotas()
         taken: Counter = Counter()
-        groups: list[Group] = []
-        left: deque[Group] = deque()
-        for group in self._pending:
+        chosen: set[int] = set()
+        # each pool's oldest policy versions first (they go stale first), in arrival order among equals
+        for group in sorted(self._pending, key=lambda g: g.min_policy_version):
             pool = self.pool(group)
             if taken[pool] < quotas[pool]:
-                groups.append(group)
+                chosen.add(id(group))
                 taken[pool] += group.num_rollouts
-            else:
-                left.append(group)
-        self._pending = left
+        groups = [group for group in self._pending if id(group) in chosen]
+        self._pending = deque(group for group in self._pending if id(group) not in chosen)
         for pool in quotas:
             self._pending_rollouts[pool] -= taken[pool]
         filled: dict[str, int] = {}
@@ -392,11 +396,12 @@ class BatchAssembler:
         return batch
 
     def _drop_surplus(self) -> None:
-        """Each pool keeps at most its share of ``max_surplus_rollouts`` (whole groups; the oldest go first)."""
+        """Each pool keeps at most its share of ``max_surplus_rollouts`` (whole groups; the oldest policy versions
+        go first)."""
         for pool, share in self.shares.items():
             bound = self.max_surplus_rollouts if not self._by_env else math.ceil(self.max_surplus_rollouts * share)
             while self._pending_rollouts[pool] > bound:
-                oldest = next(group for group in self._pending if self.pool(group) == pool)
+                oldest = min((g for g in self._pending if self.pool(g) == pool), key=lambda g: g.min_policy_version)
                 self._pending.remove(oldest)
                 self._pending_rollouts[pool] -= oldest.num_rollouts
                 self.discarded_tokens["surplus", oldest.env_id] += oldest.num_completion_tokens

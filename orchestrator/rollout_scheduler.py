@@ -19,7 +19,8 @@ worker's version: at most ``max_async_level + 1`` batches) need, less the rollou
 keep rate (groups not filtered so far), less its groups in flight; the environment furthest behind its share
 gets the next group, and none gets a group no batch it could reach needs. So a slow environment keeps more
 groups in flight (its groups stay in flight longer), shares follow the weights, and groups are not generated only
-to go stale.
+to go stale. A batch that could be taken waits a little (``_hold_for_last_chance``) for groups in flight that can
+go into no later step and still fit its quota, and takes each environment's oldest policy versions first.
 
 Waste: every generated completion token is counted (``tokens_generated/<env>``) and, when its rollout is not
 trained, as discarded by reason: ``failed`` (failed or malformed rollouts, groups dispatched again),
@@ -75,6 +76,9 @@ from primerl.proto.v1 import control_pb2
 from primerl.runtime.log_setup import get_logger
 
 log = get_logger("primerl.orchestrator")
+
+LAST_CHANCE_HOLD_MIN_S = 1.0
+"""The least a ready step waits for groups in flight that can go into no later step (``take_batch``)."""
 
 MAX_GROUP_RETRIES = 8
 """Times a group is dispatched again because its inference worker could not be reached (then its failures count)."""
@@ -136,6 +140,8 @@ class RolloutScheduler:
             constant_batch_size=config.constant_trainer_batch_size,
         )
         self._tokens_per_rollout: dict[str, tuple[int, int]] = {}  # env -> (tokens, rollouts) over the run
+        self._step_started, self._step_started_s = 0, 0.0  # the step ``take_batch`` is asked for, since when
+        self._full_since_s: float | None = None  # when its batch could first be taken
         self.inflight: dict[concurrent.futures.Future, InflightGroup] = {}
         self.latest_policy_version: int | None = None  # the broker's, from its heartbeat answers
         self.next_group_id = 0
@@ -165,6 +171,11 @@ class RolloutScheduler:
         """The step's batch once enough groups recent enough for it are assembled, else None. A batch filled with
         dropped groups (an environment whose groups carried no signal for ``FILL_BOUND_ROUNDS`` batches' worth)
         is said in one warning line."""
+        now_s = time.monotonic()
+        if self._step_started != step:
+            self._step_started, self._step_started_s, self._full_since_s = step, now_s, None
+        if self._hold_for_last_chance(step, now_s):
+            return None
         batch = self.assembler.take(min_policy_version=self.bound.min_policy_version(step))
         if batch is not None and batch.filled_rollouts:
             log.warning(
@@ -176,6 +187,33 @@ class RolloutScheduler:
                 filled_rollouts=dict(batch.filled_rollouts),
             )
         return batch
+
+    def _hold_for_last_chance(self, step: int, now_s: float) -> bool:
+        """Whether to wait a little before taking ``step``'s batch although it could be taken: some environment's
+        groups in flight can go into no later step (``AsyncBound.last_step``) and fit in its quota with the
+        waiting groups of that kind; taking newer groups now would let them go stale. Held at most as long as the
+        step took to become ready (at least ``LAST_CHANCE_HOLD_MIN_S``), so a straggler never holds a step for
+        long."""
+        self.assembler.drop_stale(self.bound.min_policy_version(step))
+        if not self.assembler.is_full():
+            return False
+        if self._full_since_s is None:
+            self._full_since_s = now_s
+        if now_s - self._full_since_s > max(LAST_CHANCE_HOLD_MIN_S, self._full_since_s - self._step_started_s):
+            return False
+        last_chance = collections.Counter(
+            e.env_id for e in self.inflight.values() if self.bound.last_step(e.dispatched_version) <= step
+        )
+        if not last_chance:
+            return False
+        waiting = collections.Counter(
+            g.env_id for g in self.assembler.waiting_groups() if self.bound.last_step(g.min_policy_version) <= step
+        )
+        quotas = self.assembler.quotas()
+        return any(
+            waiting[env_id] + count <= quotas.get(env_id, 0) // self.config.rollouts_per_example
+            for env_id, count in last_chance.items()
+        )
 
     def take_report(self) -> StepReport:
         """What was counted since the last report; the next step's counts start afresh."""

@@ -24,6 +24,9 @@ and ``inference/workers_serving`` (listed, and serving the current version), ``i
 ``inference/workers_left`` (this step), ``inference/join_to_serving_s`` (the longest a worker that joined this
 step took from registering to serving the current version; absent when none).
 
+``batch/zero_advantage_rollouts``: rollouts of the batch whose group has no signal (every advantage 0; none with
+``constant_trainer_batch_size`` unless the step was filled: ``batch/filled_with_dropped_rollouts``).
+
 Waste (``token_metrics``; completion tokens, per step): ``rollout/tokens_generated`` (of the rollouts that came back
 during the step, plus an estimate for the groups cancelled in flight), ``rollout/tokens_trained`` (of the step's
 batch), ``rollout/tokens_discarded`` and ``rollout/tokens_discarded/<reason>`` (``stale``: waiting groups too old
@@ -144,6 +147,7 @@ def batch_metrics(
             else {}
         ),
         **batch.metrics,
+        "batch/zero_advantage_rollouts": float(sum(g.num_rollouts for g in batch.groups if not g.has_signal)),
         **token_metrics(batch, counters, multi_env=multi_env),
     }
     return finite(metrics)

@@ -32,6 +32,7 @@ ALLOWED: dict[str, tuple[str, ...]] = {
     "client": FOUNDATION,
     "configs": FOUNDATION,
     **{role: (*FOUNDATION, "client", "configs") for role in ROLES},
+    "dashboard": (*FOUNDATION, "client"),  # a read-only client of a run: its files and the broker's gRPC
 }
 UNRESTRICTED = ("cli", "supervisor", "")  # "" is the top package, primerl itself (its __main__ runs the CLI)
 

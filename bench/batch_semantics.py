@@ -50,6 +50,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--work-dir", type=Path, default=ROOT / "runs" / "bench")
     parser.add_argument("--markdown", type=Path, default=None)
     parser.add_argument("--json", type=Path, default=None)
+    parser.add_argument("--plots-dir", type=Path, default=None, help="accepted for run_all.py; this part draws none")
+    parser.add_argument("--budget-s", type=float, default=None, help="time budget: no new run once it is spent")
     parser.add_argument("--quick", action="store_true", help="8 mixed steps, 5 steps per constant/variable run")
     return parser
 
@@ -131,6 +133,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     section.line()
     results: dict = {"load_start": machine_load()}
+    started = time.time()
     status = 0
 
     print(f"[i] mixed run, {mixed_steps} steps ({machine_load()})", flush=True)
@@ -170,6 +173,10 @@ def main(argv: list[str] | None = None) -> int:
 
     modes = {}
     for label, value in (("constant", "true"), ("variable", "false")):
+        if args.budget_s is not None and time.time() - started > args.budget_s:
+            section.line(f"{label}: not run: the time budget ({args.budget_s:.0f} s) is spent")
+            status = 1
+            continue
         print(f"[i] {label} batch size, {steps} steps ({machine_load()})", flush=True)
         try:
             timeline, rows = run(

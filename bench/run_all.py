@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""``make bench``: run every benchmark (parts a-h) with a time limit each and
+"""``make bench``: run every benchmark (parts a-i) with a time limit each and
 write bench/RESULTS.md.
 
     .venv/bin/python bench/run_all.py            # the full profile (what `make bench` runs)
@@ -22,13 +22,14 @@ e     weight_update.py            weight updates publish->applied (full / LoRA /
 f     async_levels.py             max_async_level 0 vs 1 vs 2: steps/s and reward
 g     rl_vs_trl.py --part g       ~100M-parameter model: primerl vs TRL samples/s
 h     v1_rollouts.py              verifiers v1 env server vs the classic env worker: rollouts/s, same task
+i     batch_semantics.py          mixed-env shares at max_async_level 1, constant vs variable batch size, waste
 ====  ==========================  =========================================================================
 
 The harness never hides a failure: a script that does not exist, fails, or runs past its limit gets a
 "not run: <why>" section with the tail of its output; a script without ``--markdown`` gets its output quoted.
 ``--quick`` is passed on to a script only when its ``--help`` mentions it. Parts run one after another (they
 would distort each other's timings otherwise); the time plan is printed first and the actual times go into
-RESULTS.md. Parts a, f and h need the demo's SFT checkpoint: ``--sft`` if given, else
+RESULTS.md. Parts a, f, h and i need the demo's SFT checkpoint: ``--sft`` if given, else
 runs/bench/sft/weights/step_1000, else runs/demo/sft/weights/step_1000 (from ``make run``), else it is built in
 runs/bench with the Makefile's commands (tiny model, sft-data, chatty data, ``primerl sft`` 1000 steps).
 Outputs: bench/RESULTS.md, bench/plots/*.png; raw data and logs under runs/bench/ (not committed).
@@ -90,13 +91,14 @@ PARTS = [
     Part("f", "async_levels.py", [], 480, 300, 200, needs_sft=True, own=True),
     Part("g", "rl_vs_trl.py", ["--part", "g"], 600, 360, 300, needs_bench_venv=True, own=True),
     Part("h", "v1_rollouts.py", [], 480, 240, 180, needs_sft=True, own=True),
+    Part("i", "batch_semantics.py", [], 900, 420, 600, needs_sft=True, own=True),
 ]
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="short runs for trying the harness (not for the numbers)")
-    parser.add_argument("--parts", default="a,b,c,d,e,f,g,h", help="comma-separated parts to run (default: all)")
+    parser.add_argument("--parts", default="a,b,c,d,e,f,g,h,i", help="comma-separated parts to run (default: all)")
     parser.add_argument("--sft", default=None, help="the demo's SFT checkpoint to start parts a and f from")
     parser.add_argument("--output", type=Path, default=BENCH / "RESULTS.md")
     parser.add_argument("--plots-dir", type=Path, default=BENCH / "plots")
@@ -314,7 +316,9 @@ def main(argv: list[str] | None = None) -> int:
     wanted = {p.strip() for p in args.parts.split(",") if p.strip()}
     unknown = wanted - {p.key for p in PARTS}
     if unknown:
-        raise SystemExit(f"--parts: unknown part(s) {sorted(unknown)}; choose from a,b,c,d,e,f,g,h")
+        raise SystemExit(
+            f"--parts: unknown part(s) {sorted(unknown)}; choose from {','.join(sorted({p.key for p in PARTS}))}"
+        )
     parts = [p for p in PARTS if p.key in wanted]
     kept = [p for p in PARTS if p.key not in wanted] if args.keep_other_parts else []
     sections = args.work_dir / "sections"

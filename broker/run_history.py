@@ -14,6 +14,7 @@ warning, as the run state is. Thread-safe.
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import os
@@ -36,6 +37,7 @@ HISTORY_FILE = "run_history.json"
 CORRUPT_SUFFIX = ".corrupt"
 DEFAULT_MAX_BYTES = 16 << 20
 SAVE_INTERVAL_S = 5.0
+MAX_REPLY_BYTES = 3 << 20  # one GetRunHistory reply, under a default gRPC client's 4 MiB
 MAX_ROLLOUT_RECORD_BYTES = 256 << 10
 MAX_ROLLOUTS_PER_REPORT = 64
 MAX_EVENT_MESSAGE_CHARS = 1000
@@ -64,10 +66,18 @@ class _Bounded:
             old_size, _ = self.items.popleft()
             self.num_bytes -= old_size
 
-    def since(self, index: int) -> list:
+    def since(self, index: int, max_bytes: int) -> tuple[list, int, bool]:
+        """The items from ``index`` (or the oldest kept) up to ``max_bytes`` (one at least), the index after the
+        last one returned, and whether items were left out for the bound."""
         first = self.next - len(self.items)
         start = max(index, first) - first
-        return [item for _, item in list(self.items)[start:]]
+        taken, total = [], 0
+        for size, item in itertools.islice(self.items, start, None):
+            if taken and total + size > max_bytes:
+                return taken, first + start + len(taken), True
+            taken.append(item)
+            total += size
+        return taken, first + start + len(taken), False
 
 
 @dataclass(frozen=True)
@@ -80,6 +90,7 @@ class HistorySlice:
     rollouts_next: int
     num_bytes: int
     max_bytes: int
+    truncated: bool = False
 
     def to_proto(self) -> control_pb2.RunHistory:
         return control_pb2.RunHistory(
@@ -96,6 +107,7 @@ class HistorySlice:
             rollouts_next=self.rollouts_next,
             num_bytes=self.num_bytes,
             max_bytes=self.max_bytes,
+            truncated=self.truncated,
         )
 
 
@@ -165,18 +177,27 @@ class RunHistory:
         with self._lock:
             return sum(part.num_bytes for part in self._lists.values())
 
-    def since(self, metrics: int = 0, events: int = 0, rollouts: int = 0) -> HistorySlice:
+    def since(
+        self, metrics: int = 0, events: int = 0, rollouts: int = 0, max_reply_bytes: int = MAX_REPLY_BYTES
+    ) -> HistorySlice:
+        """The items after these indices, each list within its share of ``max_reply_bytes``."""
         with self._lock:
             parts = self._lists
+            rows, metrics_next, cut_rows = parts["rows"].since(metrics, int(max_reply_bytes * SHARES["rows"]))
+            events_, events_next, cut_events = parts["events"].since(events, int(max_reply_bytes * SHARES["events"]))
+            records, rollouts_next, cut_rollouts = parts["rollouts"].since(
+                rollouts, int(max_reply_bytes * SHARES["rollouts"])
+            )
             return HistorySlice(
-                rows=[json.loads(text) for text in parts["rows"].since(metrics)],
-                events=[json.loads(text) for text in parts["events"].since(events)],
-                rollouts=parts["rollouts"].since(rollouts),
-                metrics_next=parts["rows"].next,
-                events_next=parts["events"].next,
-                rollouts_next=parts["rollouts"].next,
+                rows=[json.loads(text) for text in rows],
+                events=[json.loads(text) for text in events_],
+                rollouts=records,
+                metrics_next=metrics_next,
+                events_next=events_next,
+                rollouts_next=rollouts_next,
                 num_bytes=sum(part.num_bytes for part in parts.values()),
                 max_bytes=self.max_bytes,
+                truncated=cut_rows or cut_events or cut_rollouts,
             )
 
     # ------------------------------------------------------------------------------------- persistence

@@ -30,6 +30,7 @@ ROLLOUTS_FILE = "rollouts.jsonl"
 METRICS_FILE = "metrics.jsonl"
 CONFIG_FILE = "rl.toml"
 STATUS_CACHE_S = 0.5
+MAX_HISTORY_READS = 16
 
 # `2026-11-27T19:52:30.627595Z [warning  ] message   [logger] key=value ...` (structlog's console renderer).
 _LOG_LINE = re.compile(r"^(?P<time>\S+)\s+\[(?P<level>warning|error|critical)\s*\]\s+(?P<message>.*)$")
@@ -224,22 +225,25 @@ class BrokerSource:
             if time.monotonic() - self._history_read_s < STATUS_CACHE_S:
                 return
             self._history_read_s = time.monotonic()
-            try:
-                history = self.client.get_run_history(self.rows.next, self.events.next, self.rollouts.next)
-            except BrokerError as err:
-                if err.code == grpc.StatusCode.UNIMPLEMENTED:  # a broker before the run history
-                    self._history_read_s = float("inf")
-                return
-            self.rows.take([_row(row) for row in history.rows], history.metrics_next)
-            self.events.take([_event(event) for event in history.events], history.events_next)
-            records = []
-            for record in history.rollouts:
+            for _ in range(MAX_HISTORY_READS):  # a long history comes in replies of at most 3 MiB
                 try:
-                    records.append(parse_rollout_line(record))
-                except ValueError:
-                    continue
-            self.rollouts.take(records, history.rollouts_next)
-            self.history_bytes = (history.num_bytes, history.max_bytes)
+                    history = self.client.get_run_history(self.rows.next, self.events.next, self.rollouts.next)
+                except BrokerError as err:
+                    if err.code == grpc.StatusCode.UNIMPLEMENTED:  # a broker before the run history
+                        self._history_read_s = float("inf")
+                    return
+                self.rows.take([_row(row) for row in history.rows], history.metrics_next)
+                self.events.take([_event(event) for event in history.events], history.events_next)
+                records = []
+                for record in history.rollouts:
+                    try:
+                        records.append(parse_rollout_line(record))
+                    except ValueError:
+                        continue
+                self.rollouts.take(records, history.rollouts_next)
+                self.history_bytes = (history.num_bytes, history.max_bytes)
+                if not history.truncated:
+                    return
 
     def close(self) -> None:
         self.client.close()

@@ -304,3 +304,18 @@ def test_the_command_says_what_it_needs():
     assert main([]) == 2
     assert main(["/no/such/run/dir"]) == 2
     assert main(["--broker", "127.0.0.1:1", "--port", "70000"]) == 2
+
+
+def test_a_history_reply_stays_under_its_bound_and_says_where_to_go_on():
+    history = RunHistory(10 << 20)
+    for step in range(1, 101):
+        history.add_metrics(2, step, {f"m{i}": float(i) for i in range(50)})
+    first = history.since(max_reply_bytes=40_000)
+    assert first.truncated and 0 < len(first.rows) < 100 and first.metrics_next == len(first.rows)
+    assert len(json.dumps(first.rows)) <= 40_000 * 0.5 + 2_000
+    steps, index, reply = [r["step"] for r in first.rows], first.metrics_next, first
+    while reply.truncated:
+        reply = history.since(index, reply.events_next, reply.rollouts_next, max_reply_bytes=40_000)
+        steps += [r["step"] for r in reply.rows]
+        index = reply.metrics_next
+    assert steps == list(range(1, 101)) and index == 100

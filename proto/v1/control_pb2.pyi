@@ -349,7 +349,7 @@ class RunEvent(_message.Message):
     def __init__(self, unix_ms: _Optional[int] = ..., step: _Optional[int] = ..., kind: _Optional[str] = ..., source: _Optional[str] = ..., message: _Optional[str] = ...) -> None: ...
 
 class RunHistory(_message.Message):
-    __slots__ = ("rows", "events", "rollouts", "metrics_next", "events_next", "rollouts_next", "num_bytes", "max_bytes")
+    __slots__ = ("rows", "events", "rollouts", "metrics_next", "events_next", "rollouts_next", "num_bytes", "max_bytes", "truncated")
     ROWS_FIELD_NUMBER: _ClassVar[int]
     EVENTS_FIELD_NUMBER: _ClassVar[int]
     ROLLOUTS_FIELD_NUMBER: _ClassVar[int]
@@ -358,6 +358,7 @@ class RunHistory(_message.Message):
     ROLLOUTS_NEXT_FIELD_NUMBER: _ClassVar[int]
     NUM_BYTES_FIELD_NUMBER: _ClassVar[int]
     MAX_BYTES_FIELD_NUMBER: _ClassVar[int]
+    TRUNCATED_FIELD_NUMBER: _ClassVar[int]
     rows: _containers.RepeatedCompositeFieldContainer[MetricRow]
     events: _containers.RepeatedCompositeFieldContainer[RunEvent]
     rollouts: _containers.RepeatedScalarFieldContainer[str]
@@ -366,4 +367,5 @@ class RunHistory(_message.Message):
     rollouts_next: int
     num_bytes: int
     max_bytes: int
-    def __init__(self, rows: _Optional[_Iterable[_Union[MetricRow, _Mapping]]] = ..., events: _Optional[_Iterable[_Union[RunEvent, _Mapping]]] = ..., rollouts: _Optional[_Iterable[str]] = ..., metrics_next: _Optional[int] = ..., events_next: _Optional[int] = ..., rollouts_next: _Optional[int] = ..., num_bytes: _Optional[int] = ..., max_bytes: _Optional[int] = ...) -> None: ...
+    truncated: bool
+    def __init__(self, rows: _Optional[_Iterable[_Union[MetricRow, _Mapping]]] = ..., events: _Optional[_Iterable[_Union[RunEvent, _Mapping]]] = ..., rollouts: _Optional[_Iterable[str]] = ..., metrics_next: _Optional[int] = ..., events_next: _Optional[int] = ..., rollouts_next: _Optional[int] = ..., num_bytes: _Optional[int] = ..., max_bytes: _Optional[int] = ..., truncated: _Optional[bool] = ...) -> None: ...

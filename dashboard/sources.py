@@ -30,6 +30,7 @@ ROLLOUTS_FILE = "rollouts.jsonl"
 METRICS_FILE = "metrics.jsonl"
 CONFIG_FILE = "rl.toml"
 STATUS_CACHE_S = 0.5
+RETRY_S = 5.0  # a broker that did not answer is asked again after this long
 MAX_HISTORY_READS = 16
 
 # `2026-11-27T19:52:30.627595Z [warning  ] message   [logger] key=value ...` (structlog's console renderer).
@@ -201,7 +202,7 @@ class BrokerSource:
         from primerl.client.control import BrokerError
 
         with self._lock:
-            if time.monotonic() - self._read_s < STATUS_CACHE_S:
+            if time.monotonic() - self._read_s < (STATUS_CACHE_S if self._status is not None else RETRY_S):
                 return self._status, self._error
             try:
                 status = self.client.get_run_status()
@@ -231,6 +232,8 @@ class BrokerSource:
                 except BrokerError as err:
                     if err.code == grpc.StatusCode.UNIMPLEMENTED:  # a broker before the run history
                         self._history_read_s = float("inf")
+                    else:  # gone (a finished run) or unreachable: try again later, the page must not wait on it
+                        self._history_read_s = time.monotonic() + RETRY_S
                     return
                 self.rows.take([_row(row) for row in history.rows], history.metrics_next)
                 self.events.take([_event(event) for event in history.events], history.events_next)

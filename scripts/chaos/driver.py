@@ -234,7 +234,14 @@ class Driver:
             return f"{spec.delay_s:.2f} s after step {self.last_step} done" if self.last_step >= armed_at_step else None
         for event in new_events:
             if (
-                spec.moment in ("push", "mid-relay")
+                spec.moment == "mid-relay"
+                and event.role == RELAY_ROLE
+                and event.name == "relay worker holding"
+                and self.last_step >= armed_at_step - 1
+            ):
+                return f"relay holding v{event.get('policy_version')}"
+            if (
+                spec.moment == "push"
                 and event.role == "broker"
                 and event.name == telemetry.WEIGHT_UPDATE_STORED
                 and self.last_step >= armed_at_step - 1

@@ -6,9 +6,10 @@ Kinds of moment:
   fans the update out to the inference workers (the report says whether a worker had applied it before the kill);
 - ``publish-before-checkpoint`` (trainer only): the moment the trainer logs ``policy published`` for a step that
   is not a checkpoint step, so the newest published version is newer than its newest checkpoint;
-- ``mid-relay`` (the relay worker of mode ``separate``, which relays weight chunks to the inference worker over a
-  slow link: ``broker.weight_fanout = "chain"``): ``RELAY_KILL_DELAY_S`` after the broker logs ``weight update
-  stored``, while the relay holds the update's chunk and has not forwarded it. Always the first kill, so the chain
+- ``mid-relay`` (the relay worker of mode ``separate``, which relays weight chunks to the inference worker, over a
+  slow link for the first updates: ``broker.weight_fanout = "chain"``): ``RELAY_KILL_DELAY_S`` after the relay
+  logs ``relay worker holding`` (an update's first chunk arrived; it forwards it a second later), so the inference
+  worker behind it gets the update only once the broker has healed the chain. Always the first kill, so the chain
   is still the one of the start (the relay joined first: it is the chain's head, the inference worker behind it).
 
 Kills run one after another: kill ``i`` is armed once the role of kill ``i - 1`` is back (or a bound passed) and
@@ -21,7 +22,7 @@ import random
 from dataclasses import dataclass
 
 MAX_RANDOM_DELAY_S = 1.5
-RELAY_KILL_DELAY_S = 0.1
+RELAY_KILL_DELAY_S = 0.05
 ROLES = ("broker", "inference", "orchestrator", "trainer")
 
 

@@ -1,9 +1,10 @@
 """A relaying weight subscriber for chaos runs (``python scripts/chaos/relay_worker.py ENDPOINT WORKER_ID``, the run
 token in ``$PRIMERL_RUN_TOKEN``): it joins the broker's relay chains (``broker.weight_fanout = "chain"``) like an
 inference worker without vLLM, checks each update's digest, acknowledges it, and logs JSON lines (``relay worker
-ready``, ``relay worker applied``). ``--forward-delay-s`` makes its hop to the next worker a slow link (the chunk
-is forwarded that long after it arrived), so that a kill right after the broker stored an update finds it in the
-middle of relaying it. It exits 0 on SIGTERM."""
+ready``, ``relay worker applied``). ``--forward-delay-s`` makes its hop to the next worker a slow link for the
+updates up to ``--slow-until-version``: it logs ``relay worker holding`` when such an update's first chunk arrives
+and forwards each chunk that long after it arrived, so that a kill on that line finds it in the middle of relaying
+the update, whatever the machine's load. It exits 0 on SIGTERM."""
 
 from __future__ import annotations
 
@@ -26,10 +27,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("endpoint")
     parser.add_argument("worker_id")
     parser.add_argument("--forward-delay-s", type=float, default=0.0)
+    parser.add_argument("--slow-until-version", type=int, default=0)
     args = parser.parse_args(argv)
 
     from primerl.client.weights import WeightSubscriber
     from primerl.proto.digests import payload_digest
+    from primerl.proto.v1 import data_pb2
 
     stopping = []
     signal.signal(signal.SIGTERM, lambda *_: stopping.append(True))
@@ -47,7 +50,12 @@ def main(argv: list[str] | None = None) -> int:
         forward = relay.forward
 
         def slow_forward(message, frames):
-            time.sleep(args.forward_delay_s)
+            relayed = message.type == data_pb2.WEIGHT_UPDATE and relay.next_hop(message) is not None
+            version = message.header.policy_version if relayed else 0
+            if relayed and version <= args.slow_until_version:
+                if message.envelope.chunk.index == 0:
+                    say("relay worker holding", worker_id=args.worker_id, policy_version=version)
+                time.sleep(args.forward_delay_s)
             return forward(message, frames)
 
         relay.forward = slow_forward  # type: ignore[method-assign]

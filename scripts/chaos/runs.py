@@ -56,7 +56,8 @@ RUN_OVERRIDES = [
 ]
 RELAY_ROLE = "relay"
 RELAY_TIMEOUT_S = 5.0
-RELAY_FORWARD_DELAY_S = 0.5
+RELAY_FORWARD_DELAY_S = 1.0
+RELAY_SLOW_UNTIL_VERSION = 4  # the relay kill is the plan's first: it fires on one of the first updates
 RELAY_OVERRIDES = [
     "--broker.weight-fanout",
     "chain",
@@ -209,6 +210,7 @@ class SeparateBackend:
             env = {**base_env(spec.marker), "PRIMERL_RUN_TOKEN": spec.token}
             argv = [sys.executable, Path(__file__).resolve().parent / "relay_worker.py"]
             argv += [f"tcp://127.0.0.1:{weight_port}", "chaos-relay", "--forward-delay-s", str(RELAY_FORWARD_DELAY_S)]
+            argv += ["--slow-until-version", str(RELAY_SLOW_UNTIL_VERSION)]
             log = spec.run_dir / "logs" / f"{RELAY_ROLE}.log"
             self.units[RELAY_ROLE] = Unit(RELAY_ROLE, argv, env, log, spec.restart_sec["inference"], cwd=spec.run_dir)
         self.units["broker"].start()

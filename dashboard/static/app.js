@@ -180,7 +180,7 @@ function drawChart(container, title, series) {
         plot.appendChild(dot);
       }
     }
-    const entry = el("span", `■ ${s.name}${series.length > 1 && s.role ? "" : ""} (${fmt(points.at(-1)[1], 4)})`);
+    const entry = el("span", `■ ${s.name} (${points.length ? fmt(points.at(-1)[1], 4) : "–"})`);
     entry.style.color = colour;
     legend.appendChild(entry);
   });

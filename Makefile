@@ -72,7 +72,7 @@ run: $(STAMP) $(ENV_STAMP)
 	@echo "SFT warm-up: $(SFT_STEPS) steps (log: $(RUN_DIR)/sft.log) ..."
 	$(PRIMERL) sft @ examples/reverse_text_sft.toml --model.name $(RUN_DIR)/tiny-model \
 		--tokenizer.name $(RUN_DIR)/tiny-model --data.path $(RUN_DIR)/sft/data.jsonl --output-dir $(RUN_DIR)/sft \
-		--max-steps $(SFT_STEPS) > $(RUN_DIR)/sft.log 2>&1 || (tail -20 $(RUN_DIR)/sft.log; exit 1)
+		--max-steps $(SFT_STEPS) 2> $(RUN_DIR)/sft.log || (tail -20 $(RUN_DIR)/sft.log; exit 1)
 	$(PRIMERL) eval reverse-text -m $(RUN_DIR)/sft $(EVAL_ARGS) -o $(RUN_DIR)/eval/sft 2> $(RUN_DIR)/eval-sft.log \
 		|| (tail -20 $(RUN_DIR)/eval-sft.log; exit 1)
 	$(PRIMERL) rl @ examples/reverse_text_rl.toml --model.name $(RUN_DIR)/sft/weights/step_$(SFT_STEPS) \

@@ -73,6 +73,7 @@ from primerl.broker.rollout_results import (
 )
 from primerl.broker.spool import RolloutSpool, SpoolCorruption, SpoolFull, is_disk_full
 from primerl.broker.spool_format import PREFIX_BYTES
+from primerl.proto import telemetry
 from primerl.proto.batch_ids import ProducerBatchId, default_batch_id, parse_producer_batch_id
 from primerl.proto.micro_batch import tensor_spec_problem
 from primerl.proto.v1 import common_pb2, data_pb2
@@ -249,7 +250,7 @@ class RolloutQueue:
                     return GroupResult(self._disk_full_locked(results, exc))
                 raise
             if self._disk_full_since_s is not None:
-                log.info("rollout spool has room again", waited_s=round(time.monotonic() - self._disk_full_since_s, 3))
+                log.info(telemetry.SPOOL_ROOM_AGAIN, waited_s=round(time.monotonic() - self._disk_full_since_s, 3))
                 self._disk_full_since_s = None
             self._counts["accepted"] += len(accepted)
             keys = {(h.step, h.rank) for h, *_ in accepted if parse_producer_batch_id(h.batch_id) is None}
@@ -491,7 +492,7 @@ class RolloutQueue:
                 # No room even for the marker: free the released batches' space first. The trainer never asks for
                 # a committed step again, so a crash before the marker only leaves it to the next commit.
                 log.error(
-                    "rollout spool disk full: deleting the committed steps' batches before writing the commit marker",
+                    telemetry.SPOOL_COMMIT_ON_FULL_DISK,
                     committed_step=step,
                     error=str(exc),
                 )
@@ -621,7 +622,7 @@ class RolloutQueue:
             self._given.difference_update(dropped)
             self._counts["superseded"] += len(dropped)
             log.warning(
-                "rollout step held whole from one producer; other producers' partial sets of it dropped",
+                telemetry.ROLLOUT_STEP_HELD_WHOLE,
                 step=step,
                 producer=producer,
                 dropped_producers=sorted(candidates),
@@ -671,7 +672,7 @@ class RolloutQueue:
         now_s = time.monotonic()
         if self._disk_full_since_s is None:
             self._disk_full_since_s = now_s
-            log.error("rollout spool disk full: producers are told to wait", error=str(exc))
+            log.error(telemetry.SPOOL_DISK_FULL, error=str(exc))
         answered: list[OfferResult] = []
         for result in results:
             if isinstance(result, Accepted):

@@ -140,7 +140,7 @@ def _maybe_exit_after_acks(
     _fault_armed = False
     producer.send_batches(list(messages)[:num_acks], timeout_s=60.0)
     log.warning(
-        "fault injection: orchestrator exits after acks",
+        telemetry.FAULT_ORCHESTRATOR_EXIT,
         step=step,
         num_acked=min(num_acks, len(messages)),
         num_micro_batches=len(messages),

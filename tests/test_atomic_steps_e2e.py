@@ -24,6 +24,7 @@ from support.daemons import BrokerProcess
 
 from primerl.client.rollouts import RolloutConsumer, RolloutTimeout
 from primerl.orchestrator.step_send import FAULT_EXIT_AFTER_ACKS_ENV
+from primerl.proto import telemetry
 from primerl.proto.batch_ids import parse_producer_batch_id
 from primerl.proto.step_digest import data_digest
 
@@ -95,7 +96,7 @@ def test_a_step_is_trained_from_one_orchestrator_incarnation(tmp_path, processes
         tmp_path, broker.rollout_endpoint, 1000, "first", {FAULT_EXIT_AFTER_ACKS_ENV: f"{k}@{STEP}"}
     )
     assert rc == -signal.SIGKILL, first["log"][-3000:]
-    assert "fault injection: orchestrator exits after acks" in first["log"] and "step sent" not in first["log"]
+    assert telemetry.FAULT_ORCHESTRATOR_EXIT in first["log"] and "step sent" not in first["log"]
     spooled = sorted(p.name for p in spool.glob("*.rbatch"))
     assert len(spooled) == k, "the broker holds exactly the k acked micro-batches"
 

@@ -25,6 +25,7 @@ from support.daemons import BrokerProcess
 
 from primerl.client.control import ControlClient
 from primerl.client.rollouts import RolloutConsumer, RolloutProducer, RolloutTimeout, pack_batch
+from primerl.proto import telemetry
 from primerl.proto.v1 import common_pb2
 from primerl.runtime.config_common import BrokerClientConfig
 from primerl.trainer.checkpoint import (
@@ -115,7 +116,7 @@ def test_a_full_spool_disk_gives_backpressure_and_heals(tmp_path, small_fs):
             assert "disk full" in str(waited.value) and "free space" in str(waited.value)
             assert broker.process.poll() is None
             assert not [p.name for p in spool.iterdir() if p.name.endswith(".tmp")], "no half-written file left"
-            assert "rollout spool disk full" in broker.log_tail(20000)
+            assert telemetry.SPOOL_DISK_FULL in broker.log_tail(20000)
 
             # Space comes back: the batch that waited is taken at its next resend.
             result: dict = {}
@@ -156,7 +157,7 @@ def test_a_full_spool_disk_gives_backpressure_and_heals(tmp_path, small_fs):
         finally:
             trainer.close()
         assert (spool / "COMMITTED").read_text().strip() == str(accepted[1])
-        assert "deleting the committed steps' batches before writing the commit marker" in broker.log_tail(20000)
+        assert telemetry.SPOOL_COMMIT_ON_FULL_DISK in broker.log_tail(20000)
 
         # A restart on the full disk loads the spool whole: the remaining steps are served.
         broker.kill()

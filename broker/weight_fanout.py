@@ -22,7 +22,7 @@ is planned again from what it acknowledged.
 
 Relay (``fanout="chain"``): members that announced a relay endpoint in HELLO and start the same update at the same
 time (``begin``, or idle members whose next planned update is the same) form one ``RelayChain``, in the order
-they joined (the member that started it first, when one did): the plane sends
+they joined: the plane sends
 each chunk only to its head, and each member forwards what it received to the next (the chunks carry the chain,
 ``Envelope.relay_hops``). The others in the chain are sent nothing; once the head has had the last chunk they all
 count as sent, each with ``relay_timeout_s`` to acknowledge. A member past that is planned again from what it
@@ -352,7 +352,13 @@ class WeightFanout:
                     relay_endpoint=relay_endpoint,
                 )
                 self._members[worker_id] = member
-                log.info("weight subscriber joined", worker_id=worker_id, policy_version=version, lineage=lineage)
+                log.info(
+                    "weight subscriber joined",
+                    worker_id=worker_id,
+                    policy_version=version,
+                    lineage=lineage,
+                    relay_endpoint=relay_endpoint or None,
+                )
                 outcome = Joined.JOINED
             else:
                 self._declare_locked(member, version, lineage)
@@ -458,7 +464,7 @@ class WeightFanout:
     def next_step(self, worker_id: str) -> FanoutStep | None:
         """What to send the member next, or None (nothing to send, not a member, or it receives by relay). A member
         that starts its next planned update takes along, in chain mode, every idle member whose next planned
-        update is the same: they form a chain it heads."""
+        update is the same: they form one chain, in the order they joined (its head may be another member)."""
         with self._lock:
             member = self._members.get(worker_id)
             if member is None:
@@ -469,17 +475,15 @@ class WeightFanout:
                 update = member.queue[0]
                 together = [member]
                 if self.fanout == "chain" and member.can_relay:
-                    together += [
+                    together = [
                         other
-                        for other in self._members.values()
-                        if other is not member
-                        and other.can_relay
-                        and other.sending is None
-                        and other.queue[:1] == [update]
+                        for other in self._members.values()  # in the order they joined
+                        if other is member
+                        or (other.can_relay and other.sending is None and other.queue[:1] == [update])
                     ]
                 for starting in together:
                     starting.queue.pop(0)
-                self._start_locked(together, update, head=member)
+                self._start_locked(together, update)
             chain = member.chain
             if chain is not None and chain.hops[0] != member.worker_id:
                 return None  # its chunks come from the member before it
@@ -580,13 +584,10 @@ class WeightFanout:
 
     # -- internals -----------------------------------------------------------------------------------
 
-    def _start_locked(self, members: list[_Member], update: StoredUpdate, head: _Member | None = None) -> None:
-        """``members`` start receiving ``update`` now; in chain mode, those that can relay form one chain (``head``
-        first when it can relay, the rest in the order they joined); the others are sent it directly."""
-        chained: list[_Member] = []
-        if self.fanout == "chain":
-            # members come in the order they joined: the longest-standing relay first (sorted() is stable)
-            chained = sorted((m for m in members if m.can_relay), key=lambda m: m is not head)
+    def _start_locked(self, members: list[_Member], update: StoredUpdate) -> None:
+        """``members`` (in the order they joined) start receiving ``update`` now; in chain mode, those that can relay
+        form one chain, the longest-standing first; the others are sent it directly."""
+        chained = [m for m in members if m.can_relay] if self.fanout == "chain" else []
         chain = None
         if len(chained) >= 2:
             self._num_chains += 1

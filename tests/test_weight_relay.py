@@ -69,14 +69,15 @@ def test_members_that_relay_form_one_chain_and_only_its_head_is_sent_chunks(cloc
     join(fanout, "w2", "w0", "w1")
     join(fanout, "plain", relay=False)
     publish(fanout, 1)
-    step = fanout.next_step("w1")  # the first member the plane asks about heads the chain
+    assert fanout.next_step("w1") is None, "w1 starts the update, in a chain headed by the first to join"
+    step = fanout.next_step("w2")
     assert step is not None and step.chain is not None
-    assert step.chain.hops == ("w1", "w2", "w0"), "the head, then the others in the order they joined"
+    assert step.chain.hops == ("w2", "w0", "w1"), "the chain follows the order of joining"
     assert step.chain.endpoints[0].startswith("tcp://")
-    assert fanout.next_step("w0") is None and fanout.next_step("w2") is None, "relayed members are sent nothing"
+    assert fanout.next_step("w0") is None, "relayed members are sent nothing"
     plain = fanout.next_step("plain")
     assert plain is not None and plain.chain is None, "a member without a relay socket is sent the update itself"
-    fanout.chunk_sent("w1", step.update, last=True)
+    fanout.chunk_sent("w2", step.update, last=True)
     for worker_id in ("w0", "w1", "w2"):
         status = next(s for s in fanout.workers() if s.worker_id == worker_id)
         assert status.num_unacked == 1 and status.num_pending == 0, worker_id

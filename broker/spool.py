@@ -33,6 +33,9 @@ they arrived in, up to ``cache_max_bytes`` (oldest evicted first), so handing a 
 after it arrived costs neither a disk read nor a CRC pass. A cached record is the same bytes whose CRC was
 verified on arrival and that are on disk. ``cache_max_bytes=0`` turns the cache off.
 
+A write that fails for lack of space raises ``SpoolFull`` (a ``SpoolError``) with nothing of it kept: the rollout
+queue answers the batches with back-pressure.
+
 A third file, ``COMMITTED``, holds the highest step the trainer has committed (decimal text), written
 atomically the same way. Batches of steps at or below it are deleted.
 """

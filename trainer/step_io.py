@@ -25,6 +25,7 @@ says the run is over (``FetchStopped``).
 
 from __future__ import annotations
 
+import errno
 import queue
 import threading
 import time
@@ -182,11 +183,14 @@ class StepIOThread:
                 except BaseException as exc:
                     self._failed_label = ticket.label
                     self._error = exc
+                    # A full disk (``checkpoint.CheckpointDiskFull``) says all in its message: no traceback, whose
+                    # locals (the model's tensors) can take minutes to render.
+                    disk_full = isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT)
                     log.error(
                         "trainer IO job failed; no later job runs",
                         job=ticket.label,
                         error=f"{type(exc).__name__}: {exc}",
-                        exc_info=True,
+                        exc_info=not disk_full,
                     )
                 ticket.ran_s = time.perf_counter() - started_s
             ticket._done.set()

@@ -1,0 +1,261 @@
+"""Network partitions between the broker and an inference worker (issue 30, item 4, its first case), on hosts made
+of network namespaces (``support.netns``): the broker (in this process) and the real `primerl-orchestrator` on
+the bridge's address, two real `primerl-infer` daemons on hosts d and e. Host d is cut off the bridge (its veth
+leaves the bridge: its packets are dropped silently, its link stays up, as with an unplugged switch port) and
+plugged back:
+
+- shorter than the broker's liveness window (heartbeat x liveness): nothing is lost, d stays listed;
+- longer than the liveness window but within d's `broker.outage_s`: the broker marks d LOST, the orchestrator
+  drops it and dispatches its groups to e; once healed d registers again, catches up and serves rollouts again
+  (the time from the heal to d finishing rollouts again is printed: heal to full speed);
+- longer than d's `broker.outage_s`: d says `broker outage exceeded the budget` and exits 1 (a supervisor
+  restarts it), the run goes on with e.
+
+Throughout, every step is sent exactly once (steps 1..n, each once) and what the broker holds for each step is
+what the orchestrator logged as sent (digests). Skipped where network namespaces cannot be made (not root)."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+from support.broker import BrokerHarness
+from support.daemons import BIN
+from support.inference import TOKEN
+from support.orchestrator import ENV_FIXTURES, ENV_PYTHON, metric_rows, orchestrator_args
+
+from primerl.client.rollouts import RolloutConsumer
+from primerl.proto import telemetry
+from primerl.proto.step_digest import data_digest
+
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.vllm,
+    pytest.mark.filterwarnings("ignore:`torch.distributed.reduce_op` is deprecated:FutureWarning"),
+]
+
+HEARTBEAT_S = 0.5
+LIVENESS = 5  # the broker's default: LOST after 2.5 s of silence here
+WORKER_OUTAGE_S = 12.0
+SHORT_S = 0.4 * HEARTBEAT_S * LIVENESS
+LONG_S = 8.0
+BEYOND_S = WORKER_OUTAGE_S + 6.0
+INFER_READY_S = 300.0
+
+
+@pytest.fixture
+def hosts():
+    from support.netns import Hosts, namespaces_available
+
+    ok, why = namespaces_available()
+    if not ok:
+        pytest.skip(f"network namespaces cannot be made here: {why}")
+    with Hosts.create(["d", "e"], mode="netns") as made:
+        yield made
+
+
+class Cable:
+    """Host ``name``'s veth taken off the bridge and put back (``support.netns`` names it ``<tag>v<index>``)."""
+
+    def __init__(self, hosts, name: str):
+        self.bridge = hosts.bridge
+        self.port = f"{hosts.bridge[:-2]}v{list(hosts.hosts).index(name)}"
+
+    def _ip(self, *args: str) -> None:
+        subprocess.run(["ip", "link", "set", self.port, *args], check=True, timeout=20)
+
+    def cut(self) -> None:
+        self._ip("nomaster")
+
+    def heal(self) -> None:
+        self._ip("master", self.bridge)
+
+
+def wait_for(predicate, timeout_s: float, what: str, process: subprocess.Popen | None = None):
+    deadline = time.monotonic() + timeout_s
+    while not (value := predicate()):
+        if (process is not None and process.poll() is not None) or time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
+        time.sleep(0.1)
+    return value
+
+
+def requests_served(url: str) -> float:
+    try:
+        text = httpx.get(f"{url}/metrics", headers={"Authorization": f"Bearer {TOKEN}"}, timeout=3).text
+    except httpx.HTTPError:
+        return -1.0
+    return sum(float(m) for m in re.findall(r"^vllm:request_success_total\{[^}]*\} (\S+)$", text, re.M))
+
+
+def steps_sent(text: str) -> list[tuple[int, str]]:
+    return [
+        (int(re.search(r"\bstep=(\d+)", line).group(1)), re.search(r"data_digest=(\w+)", line).group(1))
+        for line in text.splitlines()
+        if telemetry.STEP_SENT in line
+    ]
+
+
+def test_partitions_between_the_broker_and_an_inference_worker(hosts, tmp_path, tiny_model):
+    from support.netns import Proc
+
+    if not Path(ENV_PYTHON).exists():
+        pytest.skip(f"no env-worker interpreter at {ENV_PYTHON}: run `make setup` (it builds .venv-envs)")
+    broker = BrokerHarness(
+        tmp_path / "spool",
+        run_token=TOKEN,
+        run_id="partition-test",
+        max_queue_batches=256,
+        host=hosts.gateway,
+        heartbeat_interval_s=HEARTBEAT_S,
+    )
+    address = f"{hosts.gateway}:{broker.endpoints.grpc_port}"
+    env = {
+        **os.environ,
+        "PRIMERL_RUN_TOKEN": TOKEN,
+        "HF_HUB_OFFLINE": "1",
+        "TRANSFORMERS_OFFLINE": "1",
+        "VLLM_NO_USAGE_STATS": "1",
+    }
+    procs: dict[str, Proc] = {}
+    urls: dict[str, str] = {}
+    orchestrator: subprocess.Popen | None = None
+    cable = Cable(hosts, "d")
+    cut = False
+    figures: dict[str, float] = {}
+    try:
+
+        def start(name: str) -> None:
+            ready = tmp_path / f"infer-{name}-ready.json"
+            argv = [
+                BIN / "primerl-infer",
+                "--model.name",
+                tiny_model,
+                "--model.max-model-len",
+                "512",
+                "--server.port",
+                "0",
+                "--server.host",
+                hosts[name].address,
+                "--broker.address",
+                address,
+                "--broker.connect-timeout-s",
+                "30",
+                "--broker.outage-s",
+                str(WORKER_OUTAGE_S),
+                "--ready-file",
+                ready,
+            ]
+            procs[name] = proc = Proc(f"infer@{name}", hosts[name], argv, env, tmp_path / f"infer-{name}.log", tmp_path)
+            wait_for(lambda: ready.exists(), INFER_READY_S, f"infer@{name} ready:\n{proc.tail()}", proc.popen)
+            urls[name] = json.loads(ready.read_text())["base_url"]
+
+        threads = [threading.Thread(target=start, args=(name,)) for name in ("d", "e")]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        assert sorted(urls) == ["d", "e"], {n: p.tail() for n, p in procs.items()}
+        args = orchestrator_args(tiny_model, broker, tmp_path / "out", "reverse-text")
+        args[args.index("--broker.address") + 1] = address
+        args[args.index("--max-steps") + 1] = "400"
+        log_path = tmp_path / "orchestrator.log"
+        with open(log_path, "w") as log_file:
+            orchestrator = subprocess.Popen(
+                [*args, "--max-async-level", "400"],
+                stdout=log_file,
+                stderr=subprocess.STDOUT,
+                env={**env, "PYTHONPATH": str(ENV_FIXTURES)},
+            )
+
+        def log_text() -> str:
+            return log_path.read_text(errors="replace")
+
+        def last_step() -> int:
+            return max((step for step, _ in steps_sent(log_text())), default=0)
+
+        wait_for(lambda: last_step() >= 2, 240, "step 2 sent", orchestrator)
+        assert requests_served(urls["d"]) > 0
+
+        # shorter than the liveness window: d stays listed, nothing happens
+        cable.cut()
+        cut = True
+        time.sleep(SHORT_S)
+        cable.heal()
+        cut = False
+        assert telemetry.INFERENCE_WORKER_LEFT not in log_text()
+
+        # longer than the liveness window, within d's outage budget: LOST, dropped, back after the heal
+        step_at_cut = last_step()
+        cable.cut()
+        cut = True
+        cut_s = time.monotonic()
+        wait_for(lambda: telemetry.INFERENCE_WORKER_LEFT in log_text(), 15, "the orchestrator dropping d", orchestrator)
+        figures["dropped_s"] = time.monotonic() - cut_s
+        wait_for(lambda: last_step() >= step_at_cut + 2, 60, "steps from e while d is cut off", orchestrator)
+        time.sleep(max(0.0, LONG_S - (time.monotonic() - cut_s)))
+        served = requests_served(urls["d"])  # -1: unreachable, as it should be
+        assert served == -1.0, served
+        cable.heal()
+        cut = False
+        healed_s = time.monotonic()
+        joins = log_text().count(telemetry.INFERENCE_WORKER_JOINED)
+        wait_for(
+            lambda: log_text().count(telemetry.INFERENCE_WORKER_JOINED) > joins, 30, "d registering again", orchestrator
+        )
+        figures["rejoined_s"] = time.monotonic() - healed_s
+        base = requests_served(urls["d"])
+        wait_for(lambda: requests_served(urls["d"]) > base, 60, "d serving rollouts again", orchestrator)
+        figures["heal_to_full_speed_s"] = time.monotonic() - healed_s
+
+        # longer than d's outage budget: d stops with one clear line; the run goes on with e
+        step_at_cut = last_step()
+        cable.cut()
+        cut = True
+        cut_s = time.monotonic()
+        code = procs["d"].popen.wait(BEYOND_S + 30)
+        figures["d_exit_after_s"] = time.monotonic() - cut_s
+        cable.heal()
+        cut = False
+        wait_for(lambda: last_step() >= step_at_cut + 2, 60, "steps from e after d exited", orchestrator)
+        orchestrator.send_signal(signal.SIGTERM)
+        assert orchestrator.wait(60) == 0, log_text()[-4000:]
+
+        text = log_text()
+        d_log = procs["d"].log.read_text(errors="replace")
+        assert code == 1, d_log[-3000:]
+        assert "broker outage exceeded the budget" in d_log, d_log[-3000:]
+        sent = steps_sent(text)
+        steps = [step for step, _ in sent]
+        assert steps == list(range(1, len(steps) + 1)), steps  # exactly once, none lost
+        rows = [r["step"] for r in metric_rows(tmp_path / "out")]
+        assert rows == list(range(1, len(rows) + 1)) and set(steps) <= set(rows), (rows, steps)
+        rollout_endpoint = f"tcp://{hosts.gateway}:{broker.endpoints.rollout_port}"
+        with RolloutConsumer(rollout_endpoint, auth_token=TOKEN, worker_id="checker", rank=0) as consumer:
+            for step, digest in sent:
+                fetched = consumer.fetch_step(step, timeout_s=60)
+                assert data_digest([tensors for _, tensors in fetched]) == digest, step
+        print(
+            f"\npartition d<->broker: {len(steps)} steps, each once; short cut ({SHORT_S:g} s): no change; "
+            f"long cut ({LONG_S:g} s): dropped after {figures['dropped_s']:.1f} s, registered again "
+            f"{figures['rejoined_s']:.1f} s after the heal, serving rollouts again (heal to full speed) "
+            f"{figures['heal_to_full_speed_s']:.1f} s after it; beyond broker.outage_s = {WORKER_OUTAGE_S:g} s: "
+            f"d exited {code} after {figures['d_exit_after_s']:.1f} s"
+        )
+    finally:
+        if cut:
+            cable.heal()
+        if orchestrator is not None and orchestrator.poll() is None:
+            orchestrator.kill()
+            orchestrator.wait(10)
+        for proc in procs.values():
+            proc.stop()
+        broker.stop()

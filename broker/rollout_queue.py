@@ -247,7 +247,7 @@ class RolloutQueue:
                 for header, *_ in accepted:
                     self._unindex(header)
                 if isinstance(exc, SpoolFull):
-                    return GroupResult(self._disk_full_locked(results, exc))
+                    return GroupResult(self._disk_full_locked(results, exc, {step for step, _ in newly_sealed}))
                 raise
             if self._disk_full_since_s is not None:
                 log.info(telemetry.SPOOL_ROOM_AGAIN, waited_s=round(time.monotonic() - self._disk_full_since_s, 3))
@@ -663,8 +663,11 @@ class RolloutQueue:
             )
         return ""
 
-    def _disk_full_locked(self, results: list[OfferResult], exc: SpoolFull) -> tuple[OfferResult, ...]:
-        """The group's accepted batches could not be spooled for lack of space: each is told to wait instead."""
+    def _disk_full_locked(
+        self, results: list[OfferResult], exc: SpoolFull, unsealed: set[int]
+    ) -> tuple[OfferResult, ...]:
+        """The group's accepted batches could not be spooled for lack of space: each is told to wait instead, and
+        so is each batch superseded by a set of the group that is not kept now (``unsealed`` steps)."""
         reason = (
             f"broker spool disk full: {exc}; free space on the spool's filesystem (or let the trainer commit "
             "steps); the batch is resent"
@@ -675,7 +678,9 @@ class RolloutQueue:
             log.error(telemetry.SPOOL_DISK_FULL, error=str(exc))
         answered: list[OfferResult] = []
         for result in results:
-            if isinstance(result, Accepted):
+            if isinstance(result, Superseded) and result.step in unsealed:
+                self._counts["superseded"] -= 1
+            if isinstance(result, Accepted) or (isinstance(result, Superseded) and result.step in unsealed):
                 self._counts["backpressured"] += 1
                 self._counts["disk_full"] += 1
                 result = Backpressure(

@@ -211,3 +211,35 @@ def test_a_full_checkpoint_disk_keeps_the_previous_checkpoint(small_fs):
     filler.unlink()
     save(2)
     assert list_checkpoints(root) == [1, 2]
+
+
+def test_the_queue_on_a_full_disk_keeps_nothing_of_a_group_and_tells_every_batch_to_wait(small_fs):
+    """A group that would have made one incarnation's set whole (and superseded another's batch) fails for lack of
+    space: every batch of it waits, the spool is as before; with space back the same group goes through."""
+    from primerl.broker.rollout_queue import RolloutQueue
+    from primerl.broker.rollout_results import Accepted, Backpressure, OfferItem, Superseded
+    from primerl.broker.spool import RolloutSpool
+    from primerl.proto.batch_ids import producer_batch_id
+
+    fs = small_fs("queuefs", "1m")
+    queue = RolloutQueue(RolloutSpool(fs / "spool"), 100, 1 << 30)
+
+    def item(producer: str, index: int) -> OfferItem:
+        header, payload = pack_batch(1, 0, index, 2, tensors_for(index))
+        header.batch_id = producer_batch_id(1, 0, index, 1, producer)
+        return OfferItem(header, payload)
+
+    assert isinstance(queue.offer(item("a", 0).header, item("a", 0).payload), Accepted)
+    before = sorted(p.name for p in (fs / "spool").iterdir())
+    filler = fill(fs, leave_bytes=16 * 1024)
+    group = [item("b", 0), item("b", 1), item("a", 1)]
+    results = queue.offer_many(group).results
+    assert all(isinstance(r, Backpressure) and "disk full" in r.reason for r in results), results
+    assert sorted(p.name for p in (fs / "spool").iterdir()) == before, "nothing written, nothing left half-written"
+    status = queue.status()
+    assert (status.num_disk_full, status.num_superseded, status.num_batches) == (3, 0, 1)
+    filler.unlink()
+    results = queue.offer_many(group).results
+    assert [type(r) for r in results] == [Accepted, Accepted, Superseded]
+    assert sorted(e.batch_id for e in queue.spool.entries()) == [producer_batch_id(1, 0, i, 1, "b") for i in (0, 1)]
+    queue.close()

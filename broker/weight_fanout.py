@@ -401,10 +401,13 @@ class WeightFanout:
             if member is None:
                 return None
             member.last_progress_s = self._clock()
-            member.relay_deadline_s = None
             if applied:
                 member.relay_ok = True
-                return self._applied_locked(member, version, lineage)
+                taken = self._applied_locked(member, version, lineage)
+                if not member.unacked:  # a relayed update still unacknowledged keeps its deadline
+                    member.relay_deadline_s = None
+                return taken
+            member.relay_deadline_s = None
             detail = error or common_pb2.ErrorDetail()
             log.warning(
                 "weight subscriber failed to apply an update; it will get the full snapshot",

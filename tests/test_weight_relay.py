@@ -144,6 +144,21 @@ def test_members_a_relay_did_not_reach_in_time_get_the_update_again_without_the_
     assert step.chain is not None and step.chain.hops == ("w0", "w1")
 
 
+def test_acknowledging_an_earlier_update_keeps_the_relay_deadline_of_a_later_one(clock):
+    fanout = chain_fanout(clock)
+    join(fanout, "w0", "w1")
+    publish(fanout, 1)
+    send_head(fanout, "w0")
+    publish(fanout, 2)
+    send_head(fanout, "w0")  # v2 relayed right behind v1
+    assert fanout.ack("w1", 1, 0, applied=True)  # w1 got v1 through w0, which then died holding v2
+    clock.now += RELAY_TIMEOUT_S + 0.1
+    fanout.tick()
+    assert fanout.num_relay_heals >= 1, "w1 must get v2 again although it acknowledged v1"
+    step = fanout.next_step("w1")
+    assert step is not None and step.update.policy_version == 2
+
+
 def test_a_chain_whose_head_leaves_is_dissolved_and_its_members_planned_again(clock):
     fanout = chain_fanout(clock)
     join(fanout, "w0", "w1", "w2")

@@ -57,7 +57,7 @@ RUN_OVERRIDES = [
 RELAY_ROLE = "relay"
 RELAY_TIMEOUT_S = 5.0
 RELAY_FORWARD_DELAY_S = 1.0
-RELAY_SLOW_UNTIL_VERSION = 4  # the relay kill is the plan's first: it fires on one of the first updates
+RELAY_SLOW_UNTIL_VERSION = 5  # the relay kill is the plan's first: it fires on one of the first updates
 RELAY_OVERRIDES = [
     "--broker.weight-fanout",
     "chain",

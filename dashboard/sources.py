@@ -161,21 +161,24 @@ class RunDirSource:
 
 
 class _Kept:
-    """Items numbered as the broker numbers them; the newest ``max_items`` kept."""
+    """Items numbered as the broker numbers them; the newest ``max_items`` kept. Thread-safe."""
 
     def __init__(self, max_items: int):
         self.items: deque = deque(maxlen=max_items)
         self.next = 0
+        self._lock = threading.Lock()
 
     def take(self, items: list, next_index: int) -> None:
-        if next_index < self.next:  # a broker that lost its history (a fresh spool): start again
-            self.items.clear()
-        self.items.extend(items)
-        self.next = next_index
+        with self._lock:
+            if next_index < self.next:  # a broker that lost its history (a fresh spool): start again
+                self.items.clear()
+            self.items.extend(items)
+            self.next = next_index
 
     def since(self, index: int) -> tuple[list, int]:
-        first = self.next - len(self.items)
-        return list(self.items)[max(index, first) - first :], self.next
+        with self._lock:
+            first = self.next - len(self.items)
+            return list(self.items)[max(index, first) - first :], self.next
 
 
 class BrokerSource:
@@ -189,6 +192,8 @@ class BrokerSource:
         self._status: dict | None = None
         self._error = ""
         self._read_s = 0.0
+        self._asking = False  # a request is asking the broker for the status now
+        self._history_lock = threading.Lock()  # held by the request reading the history
         self._history_read_s = 0.0
         self.rows = _Kept(MAX_ROWS)
         self.events = _Kept(MAX_EVENTS)
@@ -196,24 +201,28 @@ class BrokerSource:
         self.history_bytes = (0, 0)  # what the broker's history holds, and its bound
 
     def status(self) -> tuple[dict | None, str]:
-        """The run status as JSON data (None when the broker cannot be reached) and the error, if any."""
+        """The run status as JSON data (None when the broker cannot be reached) and the error, if any. One request
+        at a time asks the broker; the others meanwhile get the last answer (a slow broker never queues them)."""
         from google.protobuf.json_format import MessageToDict
 
         from primerl.client.control import BrokerError
 
         with self._lock:
-            if time.monotonic() - self._read_s < (STATUS_CACHE_S if self._status is not None else RETRY_S):
+            fresh = time.monotonic() - self._read_s < (STATUS_CACHE_S if self._status is not None else RETRY_S)
+            if fresh or self._asking:
                 return self._status, self._error
-            try:
-                status = self.client.get_run_status()
-            except BrokerError as err:
-                self._status, self._error = None, str(err).splitlines()[0][:500]
-            else:
-                self._status = MessageToDict(
-                    status, preserving_proto_field_name=True, always_print_fields_with_no_presence=True
-                )
-                self._error = ""
-            self._read_s = time.monotonic()
+            self._asking = True
+        try:
+            status = self.client.get_run_status()
+        except BrokerError as err:
+            answer, error = None, str(err).splitlines()[0][:500]
+        except Exception as err:  # never leave `_asking` set: the next request asks again
+            answer, error = None, f"reading the broker failed: {type(err).__name__}: {err}"[:500]
+        else:
+            answer = MessageToDict(status, preserving_proto_field_name=True, always_print_fields_with_no_presence=True)
+            error = ""
+        with self._lock:
+            self._status, self._error, self._read_s, self._asking = answer, error, time.monotonic(), False
             return self._status, self._error
 
     def refresh_history(self) -> None:
@@ -222,7 +231,9 @@ class BrokerSource:
 
         from primerl.client.control import BrokerError
 
-        with self._lock:
+        if not self._history_lock.acquire(blocking=False):  # another request is reading it: use what is kept
+            return
+        try:
             if time.monotonic() - self._history_read_s < STATUS_CACHE_S:
                 return
             self._history_read_s = time.monotonic()
@@ -247,6 +258,8 @@ class BrokerSource:
                 self.history_bytes = (history.num_bytes, history.max_bytes)
                 if not history.truncated:
                     return
+        finally:
+            self._history_lock.release()
 
     def close(self) -> None:
         self.client.close()

@@ -402,3 +402,26 @@ def test_the_run_summary_adds_up_the_tokens():
 def test_the_bound_knows_the_last_step_a_version_can_train_in():
     bound = AsyncBound(1)
     assert bound.last_step(0) == 2 and bound.is_fresh(0, 2) and not bound.is_fresh(0, 3)
+
+
+def test_a_ready_step_waits_briefly_for_a_group_in_flight_that_no_later_step_could_take():
+    from primerl.orchestrator.endpoints import InferenceEndpoint
+    from primerl.orchestrator.rollout_scheduler import InflightGroup
+
+    config = make_config(batch_size=4)  # 2 groups of 2; max_async_level 1: step 3 takes versions >= 1
+    scheduler = make_scheduler(config, {"e": TimedWorker("e", rounds=1)}, {"e": 1.0})
+    scheduler.assembler.add([group("e", [0, 1], group_id=i, version=2) for i in range(2)])  # fills step 3 or 4
+    future: concurrent.futures.Future = concurrent.futures.Future()
+    endpoint = InferenceEndpoint("w1", "http://w1/v1", 1)
+    scheduler.inflight[future] = InflightGroup("e", 7, endpoint, dispatched_version=1)  # step 3 or never
+    assert scheduler.take_batch(3) is None  # held: the version-1 group can only go into step 3
+    del scheduler.inflight[future]
+    scheduler.assembler.add([group("e", [1, 0], group_id=7, version=1)])
+    batch = scheduler.take_batch(3)
+    assert sorted(g.group_id for g in batch.groups) == [0, 7]  # the oldest version first; group 1 waits for step 4
+    # the hold is bounded in time: a straggler that never comes holds a ready step no longer than it took to get ready
+    scheduler.assembler.add([group("e", [0, 1], group_id=9, version=3)])
+    scheduler.inflight[future] = InflightGroup("e", 8, endpoint, dispatched_version=2)  # step 4 or never
+    assert scheduler.take_batch(4) is None
+    scheduler._full_since_s -= 60.0
+    assert sorted(g.group_id for g in scheduler.take_batch(4).groups) == [1, 9]

@@ -12,11 +12,14 @@ rollouts in flight, ``L`` its share:
 
 - **back off** when ``kv >= kv_backoff`` or its preemption counter (``vllm:num_preemptions_total``) rose since the
   last poll: ``L = max(min, 0.8 * min(L, n))`` (rollouts already running finish; none is cancelled), and no growth
-  for ``COOLDOWN_POLLS`` polls;
+  for ``COOLDOWN_POLLS`` polls; while the rollouts in flight drain down to ``L`` a high KV use cuts no further (it
+  is the load already cut), only new preemptions do;
 - **trim** when ``kv_target < kv < kv_backoff``: ``L = n * kv_target / kv`` when that is below ``L`` (what the
   worker would hold at the target), at most once per ``COOLDOWN_POLLS``;
-- **grow** when ``kv < kv_target`` and the share binds (``n >= 0.9 L``): ``L *= min(g, kv_target / kv)`` with the
-  growth ``g = 1 + 0.25 (1 - kv / kv_target)`` tapering to 1 at the target (prime-rl #3556), at least one rollout;
+- **grow** when ``kv < kv_target``, the share binds (``n >= 0.9 L``) and the KV use has settled (no request
+  waiting in the worker's queue, ``vllm:num_requests_waiting``, and a rise of at most ``SETTLED_RISE`` since the
+  last poll: KV use lags the rollouts admitted): ``L *= min(g, kv_target / kv)`` with the growth
+  ``g = 1 + 0.25 (1 - kv / kv_target)`` tapering to 1 at the target (prime-rl #3556), at least one rollout;
 - **hold** otherwise.
 
 A worker whose ``/metrics`` cannot be read keeps its last share; a worker that left drops out of the sum. The
@@ -46,6 +49,11 @@ KV_USAGE_METRIC = "vllm:kv_cache_usage_perc"
 PREEMPTIONS_METRIC = "vllm:num_preemptions_total"
 """vLLM's counter of preempted requests per engine (the scheduler ran out of KV blocks)."""
 
+WAITING_METRIC = "vllm:num_requests_waiting"
+"""vLLM's gauge of requests queued, not yet running: their KV use has yet to show."""
+
+SETTLED_RISE = 0.02
+"""KV use that rose more than this since the previous poll is still materialising: no growth on it."""
 GROWTH_MAX = 0.25
 """Largest growth of a share per poll (at 0 KV use), tapering linearly to none at the target."""
 BINDING_FRACTION = 0.9
@@ -89,6 +97,7 @@ class KvSample:
 
     kv_usage: float
     preemptions_total: float
+    waiting: float = 0.0  # requests queued in the worker, not yet running (their KV is still to come)
 
 
 _SAMPLE_LINE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})?\s+(\S+)")
@@ -98,7 +107,7 @@ def parse_vllm_metrics(text: str) -> KvSample | None:
     """The KV sample of a Prometheus text page; None when it has no ``vllm:kv_cache_usage_perc`` (not a vLLM
     server, or its stats logging is off)."""
     kv: list[float] = []
-    preemptions = 0.0
+    preemptions = waiting = 0.0
     for line in text.splitlines():
         if not line.startswith("vllm:"):
             continue
@@ -114,9 +123,11 @@ def parse_vllm_metrics(text: str) -> KvSample | None:
             kv.append(number)
         elif name == PREEMPTIONS_METRIC:
             preemptions += number
+        elif name == WAITING_METRIC:
+            waiting += number
     if not kv:
         return None
-    return KvSample(kv_usage=max(kv), preemptions_total=preemptions)
+    return KvSample(kv_usage=max(kv), preemptions_total=preemptions, waiting=waiting)
 
 
 @dataclass
@@ -127,6 +138,8 @@ class _WorkerState:
     cooldown: int = 0
     preempted: float = 0.0  # preemptions seen since the last ``take_metrics``
     kv_peak: float = 0.0  # highest KV use seen since the last ``take_metrics``
+    last_kv: float | None = None
+    draining: bool = False  # after a back-off, until the rollouts in flight are down to the share
 
 
 class KvTargetController:
@@ -164,10 +177,17 @@ class KvTargetController:
         kv, n = sample.kv_usage, num_inflight
         floor = config.min_inflight / max(1, num_workers)
         decision = "hold"
-        if kv >= config.kv_backoff or new_preemptions > 0:
+        rising = state.last_kv is not None and kv - state.last_kv > SETTLED_RISE
+        state.last_kv = kv
+        if state.draining and n <= state.share:
+            state.draining = False
+        if (kv >= config.kv_backoff or new_preemptions > 0) and not (state.draining and new_preemptions == 0):
             state.share = max(floor, 1.0, BACKOFF_FRACTION * min(state.share, n))
             state.cooldown = COOLDOWN_POLLS
+            state.draining = n > state.share  # the rollouts over the new share finish first: no cut on cut
             decision = "backoff"
+        elif state.draining:
+            pass
         elif kv > config.kv_target:
             if state.cooldown == 0 and n > 0:
                 trimmed = n * config.kv_target / kv
@@ -175,7 +195,7 @@ class KvTargetController:
                     state.share = max(floor, 1.0, trimmed)
                     state.cooldown = COOLDOWN_POLLS
                     decision = "trim"
-        elif state.cooldown == 0 and n >= BINDING_FRACTION * state.share:
+        elif state.cooldown == 0 and n >= BINDING_FRACTION * state.share and not rising and sample.waiting == 0:
             growth = 1.0 + GROWTH_MAX * (1.0 - kv / config.kv_target)
             if kv > 0:
                 growth = min(growth, config.kv_target / kv)

@@ -66,13 +66,44 @@ def simulate(controller: KvTargetController, kv_per_rollout: float, polls: int, 
 
 def test_grows_to_the_target_and_holds_there() -> None:
     controller = KvTargetController(ConcurrencyConfig(), initial_total=8)
-    history = simulate(controller, kv_per_rollout=0.01, polls=40)  # target 0.8 = 80 rollouts
+    history = simulate(controller, kv_per_rollout=0.01, polls=80)  # target 0.8 = 80 rollouts
     kvs = [kv for _, kv, _ in history]
     assert all(b >= a for a, b in zip(kvs, kvs[1:20])), "KV use grows monotonically toward the target"
     assert max(kvs) < 0.95, "never reaches the back-off"
     assert all(0.7 <= kv <= 0.85 for kv in kvs[-10:]), history[-10:]
     reached = next(i for i, kv in enumerate(kvs) if kv >= 0.7)
-    assert reached < 30
+    assert reached < 60
+
+
+def test_a_lagging_kv_signal_does_not_overshoot():
+    """KV use shows rollouts only 3 polls after they are admitted (queued, then prefilled): the controller grows
+    only on a settled reading with nothing waiting, so it approaches the target without reaching the back-off."""
+    controller = KvTargetController(ConcurrencyConfig(), initial_total=8)
+    admitted = [8, 8, 8]
+    peaks = []
+    for _ in range(120):
+        inflight = controller.limit()
+        admitted.append(inflight)
+        visible = admitted[-4]  # what the worker's KV shows: the load of 3 polls ago
+        kv = min(1.0, visible * 0.01)
+        controller.observe("w", KvSample(kv, 0.0, waiting=float(max(0, inflight - visible))), inflight, 1)
+        peaks.append(kv)
+    assert max(peaks) < 0.95, max(peaks)
+    assert all(0.6 <= kv <= 0.9 for kv in peaks[-20:]), peaks[-20:]
+
+
+def test_no_cut_upon_cut_while_the_pool_drains():
+    controller = KvTargetController(ConcurrencyConfig(), initial_total=40)
+    assert controller.observe("w", KvSample(1.0, 0.0), 40, 1) == "backoff"
+    assert controller.limit() == 32
+    # still 40 in flight and the KV full: the cut is under way, no second cut
+    assert controller.observe("w", KvSample(1.0, 0.0), 40, 1) == "hold"
+    assert controller.limit() == 32
+    # a preemption cuts at once, draining or not
+    assert controller.observe("w", KvSample(1.0, 1.0), 38, 1) == "backoff"
+    # drained to the share and still full: cut again
+    share = controller.limit()
+    assert controller.observe("w", KvSample(1.0, 1.0), share, 1) == "backoff"
 
 
 def test_backs_off_on_preemptions_and_at_the_high_water_mark() -> None:

@@ -51,10 +51,12 @@ def serve(config, args: argparse.Namespace, *, objective: str = "rl") -> int:
 def _exit_status_of(exc: Exception, log) -> int:
     """Faults with one clear line and a status that tells a restarter what to do (``primerl rl``, systemd):
     2 (do not restart) when a newer trainer took over the run's policy lineage, 1 when the broker stayed
-    unreachable past ``broker.outage_s`` (a restart may heal it). Anything else is raised (traceback)."""
+    unreachable past ``broker.outage_s`` or a checkpoint found its disk full (a restart may heal it, once there is
+    room: it resumes from the checkpoint kept). Anything else is raised (traceback)."""
     from primerl.client.control import BrokerLost
     from primerl.client.outage import BrokerOutageExceeded
     from primerl.proto.weight_refusals import LineageSuperseded
+    from primerl.trainer.checkpoint import CheckpointDiskFull
 
     cause: BaseException | None = exc
     while cause is not None:
@@ -66,6 +68,9 @@ def _exit_status_of(exc: Exception, log) -> int:
             return 2
         if isinstance(cause, (BrokerLost, BrokerOutageExceeded)):
             log.error("trainer cannot continue: the broker is unreachable", error=str(cause))
+            return 1
+        if isinstance(cause, CheckpointDiskFull):
+            log.error("trainer cannot continue: no space for its checkpoint", error=str(cause))
             return 1
         cause = cause.__cause__
     raise exc

@@ -243,3 +243,29 @@ def test_the_queue_on_a_full_disk_keeps_nothing_of_a_group_and_tells_every_batch
     assert [type(r) for r in results] == [Accepted, Accepted, Superseded]
     assert sorted(e.batch_id for e in queue.spool.entries()) == [producer_batch_id(1, 0, i, 1, "b") for i in (0, 1)]
     queue.close()
+
+
+def test_the_trainer_exits_1_with_one_line_when_its_checkpoint_disk_is_full():
+    """The IO thread's failure reaches the trainer's entry point as `TrainerIOError` from `CheckpointDiskFull`: one
+    error line and exit 1 (a restart resumes from the checkpoint kept once there is room), no traceback."""
+    from primerl.cli.trainer import _exit_status_of
+
+    class Log:
+        def __init__(self):
+            self.lines = []
+
+        def error(self, event, **fields):
+            self.lines.append((event, fields))
+
+    log = Log()
+    try:
+        try:
+            raise CheckpointDiskFull(28, "no space for checkpoint step_3; step_2 is kept")
+        except CheckpointDiskFull as full:
+            raise TrainerIOError("trainer IO job 'checkpoint step 3' failed") from full
+    except TrainerIOError as exc:
+        assert _exit_status_of(exc, log) == 1
+    assert [event for event, _ in log.lines] == ["trainer cannot continue: no space for its checkpoint"]
+    assert "step_2 is kept" in log.lines[0][1]["error"]
+    with pytest.raises(ValueError):  # anything else is still raised with its traceback
+        _exit_status_of(ValueError("other"), log)

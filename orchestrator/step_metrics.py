@@ -166,7 +166,7 @@ def token_metrics(batch: AssembledBatch, counters: collections.Counter, *, multi
         elif kind == "tokens_discarded":
             reason, _, env_id = rest.partition("/")
             discarded[reason, env_id] += count
-    discarded.update(batch.discarded_tokens)
+    discarded.update(getattr(batch, "discarded_tokens", None) or {})  # a batch made outside the assembler has none
     for group in batch.groups:
         trained[group.env_id] += group.num_completion_tokens
     num_generated = sum(generated.values())

@@ -17,9 +17,11 @@ the demo's SFT checkpoint gives shorter answers), then, in every repeat, side by
 - **orchestrator**: the real ``primerl-orchestrator`` daemon (env worker + scoring + advantages + packing +
   sending to the broker, as in ``primerl rl``) with ``batch_size`` 64 (8 x 8), ``--steps`` + 1 steps (each
   repeat resumes the run where the previous one stopped) and
-  ``max_async_level`` high enough that no trainer is needed; rollouts/s = 64 x steps / (time of the last batch
-  sent - time of the first, from its ``metrics.jsonl``), so start-up (env load) is not counted. The daemon is
-  used rather than the runner's pieces in process because what is slow is the daemon's loop itself.
+  ``max_async_level`` high enough that no trainer is needed and ``constant_trainer_batch_size = false`` (every
+  rollout generated is counted, as for the plain client; part i measures the constant batch size); rollouts/s =
+  64 x steps / (time of the last batch sent - time of the first, from its ``metrics.jsonl``), so start-up (env
+  load) is not counted. The daemon is used rather than the runner's pieces in process because what is slow is
+  the daemon's loop itself.
 
 The ratio orchestrator / plain client is taken per repeat (both measured minutes apart at most), then
 min/median/max over repeats; target (c) is met when the median ratio is >= 0.7. The orchestrator's mean
@@ -227,6 +229,10 @@ def orchestrator_run(work_dir: Path, model_dir: Path, broker_address: str, steps
         "1.0",
         "--max-async-level",
         "1000000",
+        # every rollout generated counts, as for the plain client: the path's cost, not batch semantics (part i).
+        # With a constant batch size an untrained model's zero-advantage groups would be generated and dropped.
+        "--constant-trainer-batch-size",
+        "false",
         "--broker.address",
         broker_address,
         "--output-dir",

@@ -315,7 +315,7 @@ class RolloutScheduler:
                 break
             endpoint = min(answering, key=lambda e: e.num_inflight)
             if endpoint.policy_version not in deficits:
-                deficits[endpoint.policy_version] = self._deficits(step, endpoint.policy_version)
+                deficits[endpoint.policy_version] = self._deficits(step, endpoint.policy_version, max_inflight)
             # groups lost with a dead env worker or an unreachable inference worker go first (drawn already)
             if self._rescheduled:
                 env_id, example_index, num_retries = self._rescheduled.popleft()
@@ -364,10 +364,13 @@ class RolloutScheduler:
                 self.inflight[future] = entry
         self._inflight_changed()
 
-    def _deficits(self, step: int, policy_version: int) -> dict[str, float]:
+    def _deficits(self, step: int, policy_version: int, max_inflight: int) -> dict[str, float]:
         """Groups each environment still needs for the batches a group dispatched now with ``policy_version`` can
-        go into (module docstring), before this dispatch round."""
+        go into (module docstring), before this dispatch round. Batches past what ``max_inflight`` rollouts could
+        fill change no choice (every deficit is then larger than a round can dispatch), so at most that many are
+        planned: a large ``max_async_level`` costs nothing per round."""
         num_batches = min(self.bound.last_step(policy_version), step + self.bound.max_async_level) - step + 1
+        num_batches = min(num_batches, math.ceil(max_inflight / max(1, self.config.batch_size)) + 1)
         planned = self.assembler.planned_rollouts(max(1, num_batches))
         coming = collections.Counter(entry.env_id for entry in self.inflight.values())
         if self.teacher is not None:

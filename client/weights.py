@@ -131,19 +131,24 @@ class WeightPublisher(DealerClient):
         wait; libzmq does not retry a refused connection, the next publish opens a new one."""
         self._track_connection(events)
         if self._refused:
-            raise WeightBrokerLost(
-                f"the broker at {self.endpoint} refused this connection at the handshake: it has as many weight "
-                "peers as broker.max_weight_connections admits"
-                + ("" if self.curve is None else ", or this client's CURVE key is not authorized")
-            )
+            raise self._refusal()
         if self._dropped:
             raise WeightBrokerLost(f"the connection to the broker at {self.endpoint} dropped{self.timeout_hint}")
         return False
+
+    def _refusal(self) -> WeightBrokerLost:
+        return WeightBrokerLost(
+            f"the broker at {self.endpoint} refused this connection at the handshake: it has as many weight "
+            "peers as broker.max_weight_connections admits"
+            + ("" if self.curve is None else ", or this client's CURVE key is not authorized")
+        )
 
     def _await_connection(self, deadline_s: float) -> None:
         self._track_connection(self._read_monitor_events())
         connect_deadline_s = min(deadline_s, time.monotonic() + self.connect_timeout_s)
         while not self._connected:
+            if self._refused:  # the refusal may have come before this wait began (e.g. while hashing the payload)
+                raise self._refusal()
             assert self._monitor is not None
             if not self._monitor.poll(max(0, int((connect_deadline_s - time.monotonic()) * 1000)), zmq.POLLIN):
                 raise WeightBrokerLost(

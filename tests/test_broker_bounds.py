@@ -107,6 +107,27 @@ def test_the_weight_socket_admits_max_weight_connections_and_clients_retry(tmp_p
         broker.stop()
 
 
+def test_a_publisher_refused_before_it_publishes_says_why(tmp_path):
+    """The refusal can come while the publisher is not yet waiting (it connects when built, then hashes the
+    payload): the publish must still end at once with the refusal, not as a connect timeout."""
+    broker = BrokerHarness(tmp_path / "spool", run_token=TOKEN, max_weight_connections=1)
+    context = zmq.Context()
+    try:
+        holder = _raw_dealer(context, broker.weight_endpoint)
+        holder.send_multipart(framing.encode(data_pb2.HELLO, data_pb2.Hello(worker_id="holder"), auth_token=TOKEN))
+        assert _wait_for(lambda: broker.service.weight_plane.status().num_connections == 1)
+        header, payload = _weight_update(1)
+        with WeightPublisher(broker.weight_endpoint, TOKEN, "trainer", broker.service.chunk_bytes) as publisher:
+            assert _wait_for(lambda: broker.service.weight_plane.status().num_connections_refused >= 1)
+            started_s = time.monotonic()
+            with pytest.raises(WeightBrokerLost, match="max_weight_connections"):
+                publisher.publish(header, payload, timeout_s=5)
+            assert time.monotonic() - started_s < publisher.connect_timeout_s
+    finally:
+        context.destroy(linger=0)
+        broker.stop()
+
+
 def _first_chunks(header, payload, *, chunk_bytes: int, transfer_id: str, sender: str):
     return iter(
         chunked_transfer.encode_chunked(

@@ -1,7 +1,12 @@
 """The dashboard in a real headless Chromium, as a person sees it after the JavaScript ran: a live `primerl rl` run
 of the tiny model (the page updates without a reload, the workers table shows the inference worker at the version
-it serves, the reward curve has a point per step), then the finished run served from its directory by
-`primerl dashboard RUN_DIR` (every step's point; a completion holding HTML shows as text, nothing injected)."""
+it serves, the reward curve has a point per step), stopped with Ctrl-C once the page showed all that, then the
+stopped run served from its directory by `primerl dashboard RUN_DIR` (every step's point; a completion holding HTML
+shows as text, nothing injected).
+
+The run's ``max_steps`` is far more than the live checks need, and the test stops it: a run of a fixed few steps
+can end before the page has shown everything (on an idle machine 4 steps take ~10 s), and then the live checks
+race the run's end."""
 
 from __future__ import annotations
 
@@ -22,8 +27,8 @@ BIN = Path(sys.executable).parent
 REPO_ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = REPO_ROOT / "examples" / "reverse_text_rl.toml"
 ENV_PYTHON = os.environ.get("PRIMERL_ENV_PYTHON", str(REPO_ROOT / ".venv-envs" / "bin" / "python"))
-MAX_STEPS = 4
-RUN_TIMEOUT_S = 300
+MAX_STEPS = 10_000  # never reached: the test stops the run with SIGINT once the live checks passed
+STOP_TIMEOUT_S = 90
 XSS = '<script>document.title="pwned"</script><img src=x onerror="document.title=\'pwned\'"><b>bold</b>'
 SCREENSHOT_ENV = "PRIMERL_DASHBOARD_SCREENSHOT"  # also save the live screenshot there (docs/images/dashboard.png)
 
@@ -117,15 +122,22 @@ def test_a_live_run_and_then_its_directory_in_a_real_browser(tiny_model, tmp_pat
             if os.environ.get(SCREENSHOT_ENV):
                 Path(os.environ[SCREENSHOT_ENV]).write_bytes(shot.read_bytes())
             assert not [line for line in browser.console if "exception" in line], browser.console
-        assert rl.wait(RUN_TIMEOUT_S) == 0, out.read_text()[-4000:]
+        assert rl.poll() is None, f"the run ended before the test stopped it:\n{out.read_text()[-4000:]}"
+        rl.send_signal(signal.SIGINT)  # a person's Ctrl-C: the run stops gracefully, 128 + SIGINT
+        assert rl.wait(STOP_TIMEOUT_S) == 128 + signal.SIGINT, out.read_text()[-4000:]
     finally:
         if rl.poll() is None:
             rl.send_signal(signal.SIGINT)
             rl.wait(60)
 
     # The finished run from its directory alone, with an untrusted completion that holds HTML.
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    rewarded = sorted({r["step"] for r in rows if r["role"] == "orchestrator" and "train/reward" in r})
+    last_trained = max(r["step"] for r in rows if r["role"] == "trainer")
     records = [json.loads(line) for line in (run_dir / "rollouts.jsonl").read_text().splitlines()]
-    assert {r["step"] for r in records} == set(range(1, MAX_STEPS + 1)), sorted({r["step"] for r in records})
+    sampled = sorted({r["step"] for r in records})
+    assert rewarded == list(range(1, len(rewarded) + 1)) and len(rewarded) >= 2, rewarded
+    assert sampled and set(sampled) <= set(rewarded) and sampled == list(range(1, len(sampled) + 1)), sampled
     evil = {**records[-1], "prompt": XSS, "tokens": [[XSS, -0.25, True], [" tail", -3.0, True]]}
     with (run_dir / "rollouts.jsonl").open("a") as handle:
         handle.write(json.dumps(evil) + "\n")
@@ -141,9 +153,9 @@ def test_a_live_run_and_then_its_directory_in_a_real_browser(tiny_model, tmp_pat
             browser.wait_for("document.body && document.body.innerText.includes('wrong login token')", 20)
             browser.open(url)
             browser.wait_for("document.body.dataset.polls >= 1", 30)
-            assert browser.eval("document.body.dataset.state") == "finished"  # no broker: from its files
-            assert browser.eval(REWARD_POINTS) == MAX_STEPS
-            assert browser.eval("document.body.dataset.step") == str(MAX_STEPS)
+            assert browser.eval("document.body.dataset.state") == "stopped"  # no broker, before max_steps
+            assert browser.eval(REWARD_POINTS) == len(rewarded)
+            assert browser.eval("document.body.dataset.step") == str(last_trained)
             cards = browser.eval("[...document.querySelectorAll('#rollout-list .rollout')].map(c => c.textContent)")
             assert any(XSS in card for card in cards), cards  # shown as the text it is
             injected = "document.querySelectorAll('#rollout-list script, #rollout-list img, #rollout-list b').length"

@@ -60,8 +60,8 @@ class JsonlTail:
                 return
             identity = (stat.st_dev, stat.st_ino)
             if identity != self._identity or stat.st_size < self._offset:  # a new or rewritten file
-                self.items.clear()
-                self._offset, self._identity = 0, identity
+                self.items.clear()  # indexes start again at 0: a reader past them reads it all again
+                self._offset, self._identity, self.num_read = 0, identity, 0
             if stat.st_size == self._offset:
                 return
             try:

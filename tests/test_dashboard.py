@@ -13,7 +13,7 @@ import pytest
 
 from primerl.broker.run_history import MAX_ROLLOUTS_PER_REPORT, RunHistory, RunHistoryFile
 from primerl.dashboard.server import CSP, Dashboard, DashboardServer
-from primerl.dashboard.sources import RunDirSource, connect_broker
+from primerl.dashboard.sources import JsonlTail, RunDirSource, connect_broker
 from primerl.orchestrator.rollout_samples import ROLLOUTS_FILE, RolloutSamples, pick, to_record
 from primerl.orchestrator.samples import TrainingSample
 
@@ -319,3 +319,17 @@ def test_a_history_reply_stays_under_its_bound_and_says_where_to_go_on():
         steps += [r["step"] for r in reply.rows]
         index = reply.metrics_next
     assert steps == list(range(1, 101)) and index == 100
+
+
+def test_a_rewritten_file_is_read_again_from_its_start(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    path.write_text("".join(json.dumps({"n": i}) + "\n" for i in range(5)))
+    tail = JsonlTail(path, 100, json.loads)
+    items, next_index = tail.since(0)
+    assert [item["n"] for item in items] == [0, 1, 2, 3, 4] and next_index == 5
+    replacement = tmp_path / "new.jsonl"  # a new run in the same directory: another file, fewer lines
+    replacement.write_text(json.dumps({"n": 100}) + "\n")
+    replacement.replace(path)
+    items, next_index = tail.since(5)
+    assert next_index == 1 < 5  # the reader sees the index went back, and reads again from 0
+    assert [item["n"] for item in tail.since(0)[0]] == [100]

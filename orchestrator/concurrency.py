@@ -36,7 +36,6 @@ import urllib.error
 import urllib.request
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Protocol
 
 from primerl.configs.orchestrator import ConcurrencyConfig, OrchestratorConfig
 from primerl.proto import telemetry
@@ -67,12 +66,6 @@ METRICS_TIMEOUT_S = 2.0
 CONCURRENCY_LIMIT = telemetry.CONCURRENCY_LIMIT
 CONCURRENCY_KV_USAGE_MAX = telemetry.CONCURRENCY_KV_USAGE_MAX
 CONCURRENCY_PREEMPTIONS = telemetry.CONCURRENCY_PREEMPTIONS
-
-
-class ConcurrencyLimit(Protocol):
-    """What the scheduler asks before it dispatches: the rollouts it may keep in flight now."""
-
-    def limit(self) -> int: ...
 
 
 class FixedConcurrency:
@@ -364,7 +357,6 @@ def build_concurrency(
 
 __all__ = [
     "AdaptiveConcurrency",
-    "ConcurrencyLimit",
     "FixedConcurrency",
     "KvSample",
     "KvTargetController",

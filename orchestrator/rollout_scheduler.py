@@ -58,6 +58,7 @@ from typing import Any
 from primerl.configs.orchestrator import OrchestratorConfig
 from primerl.orchestrator.advantages import prepare_groups
 from primerl.orchestrator.async_bound import AsyncBound
+from primerl.orchestrator.concurrency import FixedConcurrency
 from primerl.orchestrator.endpoints import ENDPOINT_BACKOFF_S, EndpointWatcher, InferenceEndpoint, InferenceWorkers
 from primerl.orchestrator.env_sampler import EnvSampler
 from primerl.orchestrator.envs.base import EnvClient, EnvRequestError, EnvWorkerDied
@@ -70,7 +71,7 @@ from primerl.orchestrator.step_metrics import StepTimers
 from primerl.orchestrator.teacher_stage import TeacherStage
 from primerl.orchestrator.throughput import ThroughputWindow
 from primerl.orchestrator.trajectory import RolloutGroup
-from primerl.orchestrator.types import FixedInflightLimit, InflightLimit, SchedulerEvents, StepReport
+from primerl.orchestrator.types import InflightLimit, SchedulerEvents, StepReport
 from primerl.proto import telemetry
 from primerl.proto.v1 import control_pb2
 from primerl.runtime.log_setup import get_logger
@@ -126,11 +127,7 @@ class RolloutScheduler:
         self.bound = bound if bound is not None else AsyncBound(config.max_async_level)
         self.teacher = teacher
         self.events = events if events is not None else SchedulerEvents()
-        self.inflight_limit = (
-            inflight_limit
-            if inflight_limit is not None
-            else FixedInflightLimit(config.max_inflight or 2 * config.batch_size)
-        )
+        self.inflight_limit = inflight_limit if inflight_limit is not None else FixedConcurrency(config)
         self.lineage = PolicyLineage()
         self.assembler = BatchAssembler(
             config.batch_size,

@@ -30,23 +30,9 @@ class SchedulerEvents:
 @runtime_checkable
 class InflightLimit(Protocol):
     """How many rollouts the scheduler may keep in flight, over all inference workers, read before each dispatch
-    (a fixed cap, or one steered by the workers' load)."""
+    (``primerl.orchestrator.concurrency``: a fixed cap, or one steered by the workers' load)."""
 
     def limit(self) -> int: ...
-
-
-@dataclass(frozen=True)
-class FixedInflightLimit:
-    """The same cap every time: ``orchestrator.max_inflight``, else twice ``batch_size``."""
-
-    num_rollouts: int
-
-    def __post_init__(self) -> None:
-        if self.num_rollouts < 1:
-            raise ValueError(f"the in-flight cap must be >= 1 rollout, got {self.num_rollouts}")
-
-    def limit(self) -> int:
-        return self.num_rollouts
 
 
 @dataclass
@@ -63,4 +49,4 @@ class StepReport:
     worker_metrics: dict[str, float] = field(default_factory=dict)
 
 
-__all__ = ["FixedInflightLimit", "InflightLimit", "SchedulerEvents", "StepReport"]
+__all__ = ["InflightLimit", "SchedulerEvents", "StepReport"]

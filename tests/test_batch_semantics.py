@@ -14,6 +14,7 @@ import pytest
 
 from primerl.configs.orchestrator import OrchestratorConfig
 from primerl.orchestrator.async_bound import AsyncBound
+from primerl.orchestrator.concurrency import FixedConcurrency
 from primerl.orchestrator.env_sampler import EnvSampler
 from primerl.orchestrator.filtering import FILL_BOUND_ROUNDS, BatchAssembler, DifficultyFilter
 from primerl.orchestrator.rollout_failures import RolloutFailures
@@ -21,7 +22,6 @@ from primerl.orchestrator.rollout_scheduler import RolloutScheduler
 from primerl.orchestrator.samples import Group, TrainingSample
 from primerl.orchestrator.step_metrics import DISCARD_REASONS, batch_metrics, token_metrics
 from primerl.orchestrator.trajectory import Rollout, RolloutGroup, Turn
-from primerl.orchestrator.types import FixedInflightLimit
 
 # -- simulated env workers and trainer ----------------------------------------------------------------------------
 
@@ -312,9 +312,7 @@ def test_dispatch_reads_its_cap_from_the_inflight_limit():
     limit.value = 6
     scheduler.dispatch(1)
     assert len(scheduler.inflight) == 3  # 6 rollouts / 2 per group
-    assert FixedInflightLimit(4).limit() == 4
-    with pytest.raises(ValueError, match="in-flight cap"):
-        FixedInflightLimit(0)
+    assert FixedConcurrency(make_config(max_inflight=4)).limit() == 4  # the scheduler's default cap
 
 
 def test_the_sampler_draws_the_asked_environments_examples_in_their_order():

@@ -23,9 +23,9 @@ of them changes; ``run_state()`` snapshots them, ``restore()`` takes them back a
 end of the run call ``persist`` before they answer; everything else is written by a periodic saver. The steps and
 the end of the run (``request_shutdown``): ``run_progress.RunProgress``.
 
-Gray failures: a heartbeat entry starting with ``telemetry.NOT_SERVING_PREFIX`` is the worker's state (it cannot
-serve now: its engine stalled), not an error: the worker is listed with ``serving = "false"`` until a heartbeat
-without one (``WorkerRecord.not_serving``); each change is one line of the recent errors.
+Gray failures: a heartbeat's ``not_serving`` reason is the worker's state (it cannot serve now: its engine
+stalled), not an error: the worker is listed with ``serving = "false"`` until a heartbeat without one
+(``WorkerRecord.not_serving``); each change is one line of the recent errors.
 """
 
 from __future__ import annotations
@@ -62,7 +62,6 @@ from primerl.broker.worker_record import (
     check_metrics_report,
     check_register_request,
 )
-from primerl.proto import telemetry
 from primerl.proto.roles import TRAINING_FINISHED_REASON
 from primerl.proto.v1 import common_pb2, control_pb2
 
@@ -251,11 +250,9 @@ class WorkerRegistry(WatchedState):
                 worker.orchestrator_step = request.orchestrator_step
                 self._state_revision += 1
             worker.num_inflight = request.num_inflight
-            errors = list(request.recent_errors)[-MAX_ERRORS_PER_HEARTBEAT:]
-            self._note_serving_locked(worker, [m for m in errors if m.startswith(telemetry.NOT_SERVING_PREFIX)])
-            for message in errors:
-                if not message.startswith(telemetry.NOT_SERVING_PREFIX):
-                    self._add_error_locked(worker.name, message)
+            self._note_serving_locked(worker, request.not_serving[:MAX_ERROR_CHARS])
+            for message in list(request.recent_errors)[-MAX_ERRORS_PER_HEARTBEAT:]:
+                self._add_error_locked(worker.name, message)
             self._bump_locked()
             latest = self.policy.latest()
             return control_pb2.HeartbeatResponse(
@@ -511,10 +508,9 @@ class WorkerRegistry(WatchedState):
             self._bump_locked()
         return lost
 
-    def _note_serving_locked(self, worker: WorkerRecord, markers: list[str]) -> None:
-        """The heartbeat's ``serving: false`` entries are the worker's state, not errors: listed with ``serving =
-        "false"`` while its heartbeats carry one, back when one does not. Each change goes to the recent errors."""
-        reason = markers[-1][len(telemetry.NOT_SERVING_PREFIX) :][:MAX_ERROR_CHARS] if markers else ""
+    def _note_serving_locked(self, worker: WorkerRecord, reason: str) -> None:
+        """The heartbeat's ``not_serving`` is the worker's state, not an error: listed with ``serving = "false"``
+        while its heartbeats carry a reason, back when one does not. Each change goes to the recent errors."""
         if reason == worker.not_serving:
             return
         if reason and not worker.not_serving:

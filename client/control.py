@@ -42,7 +42,9 @@ from primerl.runtime.log_setup import get_logger
 DEFAULT_RPC_TIMEOUT_S = 10.0
 MAX_QUEUED_ERRORS = 8
 # What a heartbeat's progress_fn may return (see HeartbeatRequest).
-PROGRESS_FIELDS = frozenset({"trainer_step", "policy_version", "orchestrator_step", "num_inflight", "recent_errors"})
+PROGRESS_FIELDS = frozenset(
+    {"trainer_step", "policy_version", "orchestrator_step", "num_inflight", "recent_errors", "not_serving"}
+)
 
 _UNAVAILABLE_CODES = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
 _log = get_logger("primerl.broker.client")
@@ -304,7 +306,8 @@ class ControlClient:
 
     def heartbeat(self, progress: Mapping[str, Any] | None = None) -> control_pb2.HeartbeatResponse:
         """One heartbeat with ``progress`` (trainer_step, policy_version, orchestrator_step, num_inflight,
-        recent_errors) and the errors queued by ``report_error``. NOT_FOUND raises (the thread re-registers)."""
+        recent_errors, not_serving) and the errors queued by ``report_error``. NOT_FOUND raises (the thread
+        re-registers)."""
         return self._heartbeat_as(self._require_id(), progress or {})
 
     def _heartbeat_as(self, worker_id: str, progress: Mapping[str, Any]) -> control_pb2.HeartbeatResponse:
@@ -332,6 +335,7 @@ class ControlClient:
                 setattr(request, key, int(progress[key]))
         errors = queued_errors + [str(e) for e in progress.get("recent_errors", ())]
         request.recent_errors.extend(errors[-MAX_QUEUED_ERRORS:])
+        request.not_serving = str(progress.get("not_serving") or "")
         return request
 
     def report_error(self, message: str) -> None:

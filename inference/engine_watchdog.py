@@ -22,8 +22,8 @@ Invariants:
 
 The daemon (``InferenceService``) logs ``inference engine stalled`` / ``inference engine recovered``, serves
 ``primerl_inference_engine_stalled`` and ``primerl_inference_engine_stalls_total``, answers ``GET /health`` with
-503 while stalled, and says ``serving: false`` in its heartbeats (``not_serving_marker``): the broker then lists the
-worker with the capability ``serving = "false"`` and the orchestrator takes it out of rotation (its groups in
+503 while stalled, and sends the reason as ``not_serving`` with every heartbeat (control.proto): the broker then
+lists the worker with the capability ``serving = "false"`` and the orchestrator takes it out of rotation (its groups in
 flight go to other workers) until it recovers.
 """
 
@@ -34,7 +34,6 @@ import contextlib
 import time
 from collections.abc import Awaitable, Callable
 
-from primerl.proto import telemetry
 from primerl.runtime.log_setup import get_logger
 
 log = get_logger("primerl.inference.watchdog")
@@ -46,12 +45,6 @@ MAX_INTERVAL_S = 2.0
 def probe_interval_s(stall_timeout_s: float) -> float:
     """Pause between two probes: a tenth of the stall timeout, within [0.1, 2] s."""
     return min(MAX_INTERVAL_S, max(MIN_INTERVAL_S, stall_timeout_s / 10))
-
-
-def not_serving_marker(reason: str) -> str:
-    """The heartbeat entry (in ``recent_errors``, sent with every heartbeat while it holds) that tells the broker
-    this worker cannot serve now; the broker reads it as state, not as an error (``registry.WorkerRegistry``)."""
-    return f"{telemetry.NOT_SERVING_PREFIX}{reason}"
 
 
 class StallClock:
@@ -154,4 +147,4 @@ class EngineWatchdog:
                     await probe
 
 
-__all__ = ["EngineWatchdog", "StallClock", "not_serving_marker", "probe_interval_s"]
+__all__ = ["EngineWatchdog", "StallClock", "probe_interval_s"]

@@ -49,7 +49,7 @@ from typing import TYPE_CHECKING, Any
 
 from primerl.configs.inference import InferenceConfig
 from primerl.inference.engine_ops import AsyncEngineOps, EngineCallCancelled, EngineCallTimeout
-from primerl.inference.engine_watchdog import EngineWatchdog, not_serving_marker
+from primerl.inference.engine_watchdog import EngineWatchdog
 from primerl.inference.metrics import inference_families
 from primerl.inference.server import InferenceServer, ServerAddress
 from primerl.proto import telemetry
@@ -282,7 +282,7 @@ class InferenceService:
             progress["num_inflight"] = engine.get_num_unfinished_requests()
         reason = self.stalled_reason
         if reason is not None:  # state, sent with every heartbeat while it holds (the broker keeps the latest)
-            progress["recent_errors"] = [not_serving_marker(reason)]
+            progress["not_serving"] = reason
         return progress
 
     # ---- gray failures (event loop) ------------------------------------------------------------------------------

@@ -135,9 +135,6 @@ INFERENCE_WORKER_OUT_OF_ROTATION = "inference worker out of rotation"
 """Orchestrator: the broker lists the worker with ``serving = "false"`` (its engine stalled): no rollouts go to it,
 its groups in flight are dispatched again elsewhere."""
 INFERENCE_WORKER_BACK_IN_ROTATION = "inference worker back in rotation"
-NOT_SERVING_PREFIX = "serving: false: "
-"""A heartbeat's ``recent_errors`` entry starting with this says the worker cannot serve now (the rest: why); sent
-with every heartbeat while it holds. The broker keeps it as the worker's state (capability ``serving = "false"``)."""
 SERVING_CAPABILITY = "serving"
 RESTARTING_ENV_WORKER = "restarting env worker"
 SCORING_ROLLOUTS_WITH_A_TEACHER = "scoring rollouts with a teacher"

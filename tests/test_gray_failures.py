@@ -13,7 +13,7 @@ from support.probes import wait_until
 
 from primerl.broker.registry import WorkerRegistry
 from primerl.client.control import BrokerUnavailable, ControlClient
-from primerl.inference.engine_watchdog import EngineWatchdog, StallClock, not_serving_marker, probe_interval_s
+from primerl.inference.engine_watchdog import EngineWatchdog, StallClock, probe_interval_s
 from primerl.inference.server import StalledHealthMiddleware
 from primerl.orchestrator.endpoints import EndpointWatcher, InferenceWorkers
 from primerl.proto import telemetry
@@ -48,7 +48,6 @@ def test_bad_settings_are_refused_and_the_interval_is_bounded():
     with pytest.raises(ValueError, match="stall_timeout_s must be > 0"):
         StallClock(0)
     assert probe_interval_s(0.5) == 0.1 and probe_interval_s(5) == 0.5 and probe_interval_s(600) == 2.0
-    assert not_serving_marker("x").startswith(telemetry.NOT_SERVING_PREFIX)
 
 
 def test_the_watchdog_finds_a_hung_engine_within_its_bound_and_sees_it_recover():
@@ -157,17 +156,18 @@ def test_the_registry_keeps_serving_false_as_state_not_as_errors():
         role=common_pb2.ROLE_INFERENCE, name="infer-0", address="http://h:1", capabilities={"role": "inference"}
     )
     worker_id = registry.register(request).worker_id
-    marker = not_serving_marker("inference engine stalled: no answer for 3.0 s")
+    reason = "inference engine stalled: no answer for 3.0 s"
 
-    def beat(*errors: str) -> control_pb2.WorkerInfo:
-        registry.heartbeat(control_pb2.HeartbeatRequest(worker_id=worker_id, recent_errors=list(errors)))
+    def beat(*errors: str, not_serving: str = "") -> control_pb2.WorkerInfo:
+        request = control_pb2.HeartbeatRequest(worker_id=worker_id, recent_errors=list(errors), not_serving=not_serving)
+        registry.heartbeat(request)
         return registry.get_worker(worker_id)
 
     assert telemetry.SERVING_CAPABILITY not in beat().capabilities
     for _ in range(3):  # sent with every heartbeat while it holds: one line in the errors
-        info = beat(marker)
+        info = beat(not_serving=reason)
     assert info.capabilities[telemetry.SERVING_CAPABILITY] == "false" and info.capabilities["role"] == "inference"
-    assert beat("some other error", marker).capabilities[telemetry.SERVING_CAPABILITY] == "false"
+    assert beat("some other error", not_serving=reason).capabilities[telemetry.SERVING_CAPABILITY] == "false"
     assert telemetry.SERVING_CAPABILITY not in beat().capabilities
     errors = list(registry.run_status().recent_errors)
     assert [e for e in errors if "rotation" in e or "stalled" in e] == [
@@ -233,12 +233,12 @@ def test_a_worker_whose_heartbeats_say_not_serving_goes_out_of_rotation_and_back
             client.register()
         orchestrator.wait_ready(10)
         orchestrator.register()
-        clients[0].start_heartbeats(lambda: {"recent_errors": [stalled[0]] if stalled[0] else []})
+        clients[0].start_heartbeats(lambda: {"not_serving": stalled[0]})
         clients[1].start_heartbeats(lambda: {})
         watcher.start()
         with structlog.testing.capture_logs() as logs:
             wait_until(lambda: len(watcher.snapshot()[1]) == 2, 10, "both workers listed")
-            stalled[0] = not_serving_marker("inference engine stalled: the engine core did not answer for 3.0 s")
+            stalled[0] = "inference engine stalled: the engine core did not answer for 3.0 s"
             names = wait_until(
                 lambda: (s := watcher.snapshot()[1]) and len(s) == 1 and [w.name for w in s.values()],
                 5,

@@ -83,20 +83,22 @@ class DataPlaneLimits(_message.Message):
     def __init__(self, max_frame_bytes: _Optional[int] = ..., max_message_bytes: _Optional[int] = ..., max_envelope_bytes: _Optional[int] = ..., max_payload_frames: _Optional[int] = ..., max_transfer_bytes: _Optional[int] = ..., weight_chunk_bytes: _Optional[int] = ...) -> None: ...
 
 class HeartbeatRequest(_message.Message):
-    __slots__ = ("worker_id", "trainer_step", "policy_version", "orchestrator_step", "num_inflight", "recent_errors")
+    __slots__ = ("worker_id", "trainer_step", "policy_version", "orchestrator_step", "num_inflight", "recent_errors", "not_serving")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     TRAINER_STEP_FIELD_NUMBER: _ClassVar[int]
     POLICY_VERSION_FIELD_NUMBER: _ClassVar[int]
     ORCHESTRATOR_STEP_FIELD_NUMBER: _ClassVar[int]
     NUM_INFLIGHT_FIELD_NUMBER: _ClassVar[int]
     RECENT_ERRORS_FIELD_NUMBER: _ClassVar[int]
+    NOT_SERVING_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     trainer_step: int
     policy_version: int
     orchestrator_step: int
     num_inflight: int
     recent_errors: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, worker_id: _Optional[str] = ..., trainer_step: _Optional[int] = ..., policy_version: _Optional[int] = ..., orchestrator_step: _Optional[int] = ..., num_inflight: _Optional[int] = ..., recent_errors: _Optional[_Iterable[str]] = ...) -> None: ...
+    not_serving: str
+    def __init__(self, worker_id: _Optional[str] = ..., trainer_step: _Optional[int] = ..., policy_version: _Optional[int] = ..., orchestrator_step: _Optional[int] = ..., num_inflight: _Optional[int] = ..., recent_errors: _Optional[_Iterable[str]] = ..., not_serving: _Optional[str] = ...) -> None: ...
 
 class HeartbeatResponse(_message.Message):
     __slots__ = ("latest_policy_version", "last_committed_step", "shutdown_requested", "policy_lineage", "lineage_base_version")

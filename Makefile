@@ -116,8 +116,9 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 
+# --durations: the 25 slowest tests at the end of the output, so CI's log says where its time went.
 test: lint $(STAMP) $(ENV_STAMP) $(ENV_V1_STAMP)
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q --durations=25
 
 test-fast: $(STAMP) $(ENV_STAMP) $(ENV_V1_STAMP)
 	$(PY) -m pytest -q -m "not slow"

@@ -23,6 +23,13 @@ of them changes; ``run_state()`` snapshots them, ``restore()`` takes them back a
 end of the run call ``persist`` before they answer; everything else is written by a periodic saver. The steps and
 the end of the run (``request_shutdown``): ``run_progress.RunProgress``.
 
+Policy lineages (one per trainer incarnation, ``WeightUpdateHeader.lineage``) are handed out here, not read from a
+clock: trainer rank 0's first ``register`` gets ``policy_lineage``, one above every lineage handed out before (the
+run state's counter, durable before the answer) and above the lineage the weight store holds (a run dir from before
+the counter holds time-based lineages); its re-registrations (a broker restart, the broker forgot it) name that
+lineage and get it back. A restarted trainer's lineage is then larger than its predecessors' whatever its host's
+clock says.
+
 Gray failures: a heartbeat's ``not_serving`` reason is the worker's state (it cannot serve now: its engine
 stalled), not an error: the worker is listed with ``serving = "false"`` until a heartbeat without one
 (``WorkerRecord.not_serving``); each change is one line of the recent errors.
@@ -41,6 +48,7 @@ from primerl.broker.registry_errors import (
     CommitResult,
     LimitReached,
     NameTaken,
+    StateNotSaved,
     StepOutOfOrder,
     WorkerNotFound,
 )
@@ -122,6 +130,7 @@ class WorkerRegistry(WatchedState):
         self._progress = RunProgress()
         # ``closed`` (WatchedState): the broker process is stopping: register and heartbeat answer BrokerStopping.
         self._state_revision = 0  # moves whenever a field of run_state() changes
+        self._policy_lineage = 0  # the largest policy lineage handed out (or named by a re-registering trainer)
         self.started_unix_ms = self._unix_ms()
 
     # ----------------------------------------------------------------------------------- properties
@@ -154,6 +163,7 @@ class WorkerRegistry(WatchedState):
                 trainer_step=self._progress.trainer_step(self._workers.values()),
                 orchestrator_step=self._progress.orchestrator_step(self._workers.values()),
                 latest_policy_version=self.policy.latest().version,
+                policy_lineage=self._lineage_floor_locked(),
                 last_metrics=dict(self._metrics.values),
                 last_metrics_step=self._metrics.step,
                 finished=self._progress.finished,
@@ -175,6 +185,7 @@ class WorkerRegistry(WatchedState):
                 stop_workers_at=self._clock() + self.end_of_run_grace_s,
             )
             self.policy.restore_latest(state.latest_policy_version)
+            self._policy_lineage = max(self._policy_lineage, state.policy_lineage)
             self._metrics.restore(state.last_metrics, state.last_metrics_step)
             self._state_revision += 1
             self._bump_locked()
@@ -189,6 +200,7 @@ class WorkerRegistry(WatchedState):
         """Add a worker. A name may be reused once its previous holder is LOST or LEFT (that record is dropped).
         ``BrokerStopping`` after ``close()``."""
         name = check_register_request(request)
+        policy_lineage = self._policy_lineage_of(request)
         with self._lock:
             self._refuse_if_closed_locked()
             now = self._clock()
@@ -232,7 +244,41 @@ class WorkerRegistry(WatchedState):
                 rollout_endpoint=self._rollout_endpoint,
                 weight_endpoint=self._weight_endpoint,
                 latest_policy_version=self.policy.latest().version,
+                policy_lineage=policy_lineage,
             )
+
+    def _lineage_floor_locked(self) -> int:
+        """The largest policy lineage this run knows: handed out, or held by the weight store."""
+        return max(self._policy_lineage, self.policy.latest().lineage)
+
+    def _policy_lineage_of(self, request: control_pb2.RegisterRequest) -> int:
+        """The policy lineage a registering worker gets: for trainer rank 0 a new one (above every lineage the run
+        knows), or the one it names (a re-registration of the same incarnation); 0 for every other worker. A new or
+        larger lineage is written to the run state before the answer (``StateNotSaved`` when it cannot be), so a
+        restarted broker never hands it out again."""
+        if request.role != common_pb2.ROLE_TRAINER or request.rank != 0:
+            return 0
+        with self._lock:
+            self._refuse_if_closed_locked()
+            if request.policy_lineage:
+                lineage = request.policy_lineage
+                changed = lineage > self._policy_lineage
+                self._policy_lineage = max(self._policy_lineage, lineage)
+            else:
+                lineage = self._lineage_floor_locked() + 1
+                changed = True
+                self._policy_lineage = lineage
+            if changed:
+                self._state_revision += 1
+        if changed:
+            try:
+                self._persist_now()
+            except OSError as err:
+                raise StateNotSaved(
+                    f"the broker could not write its run state ({err}) to record policy lineage {lineage}; "
+                    "registering again retries"
+                ) from err
+        return lineage
 
     def heartbeat(self, request: control_pb2.HeartbeatRequest) -> control_pb2.HeartbeatResponse:
         """Reset the worker's liveness and store its progress. Unknown or expired id: ``WorkerNotFound``;

@@ -13,6 +13,9 @@ the spool's loader ignores the file, and removes a ``.tmp`` leftover of a crash 
     trainer_step           highest step any trainer rank reported
     orchestrator_step      highest step the orchestrator reported
     latest_policy_version  latest policy version the broker's weight store accepted
+    policy_lineage         the largest policy lineage handed out to a trainer or held by the weight store: the
+                           next trainer incarnation is given one above it (0 in a file from before the field:
+                           the counter then starts above the weight store's lineage)
     last_metrics           the merged last metrics (name -> finite float), ``last_metrics_step`` their step
     finished               the run is complete (the trainer finished ``max_steps``): late workers are told
                            to stop; ``finished_step`` is the trainer step it finished at
@@ -64,6 +67,7 @@ class RunState:
     trainer_step: int = 0
     orchestrator_step: int = 0
     latest_policy_version: int = 0
+    policy_lineage: int = 0
     last_metrics: dict[str, float] = field(default_factory=dict)
     last_metrics_step: int = 0
     finished: bool = False
@@ -94,6 +98,7 @@ class RunState:
             "trainer_step",
             "orchestrator_step",
             "latest_policy_version",
+            "policy_lineage",
             "last_metrics_step",
             "finished_step",
         ):

@@ -22,7 +22,8 @@ it should resend the same version as FULL. Nothing is evicted silently: the chai
 latest version from the snapshot.
 
 Lineage (a rollback is a first-class event): every update carries ``lineage``, the trainer incarnation that made
-it (the unix microseconds when its publisher started; 0: a sender that predates lineages), and
+it (the ``policy_lineage`` the broker's registry gave it, ``registry._policy_lineage_of``; 0: a sender that
+predates lineages), and
 ``lineage_base_version``, the version it resumed from. A larger lineage supersedes every smaller one:
 
 - a FULL or LORA update of a NEWER lineage is accepted whatever its version, even one not above the latest held:

@@ -143,6 +143,9 @@ class ControlClient:
         self._lock = threading.Lock()  # guards registration state
         self._worker_id: str | None = None
         self.registration: control_pb2.RegisterResponse | None = None
+        # Trainer rank 0: the policy lineage the broker gave this incarnation at its first registration (0: none
+        # yet); every re-registration names it, so the incarnation keeps it across broker restarts.
+        self.policy_lineage = 0
         self.last_heartbeat: control_pb2.HeartbeatResponse | None = None
         self.num_registrations = 0
         self.shutdown_requested = threading.Event()
@@ -249,7 +252,10 @@ class ControlClient:
         with self._lock:
             if only_if_unregistered and self._worker_id is not None and self.registration is not None:
                 return self.registration
+            request.policy_lineage = self.policy_lineage
             response = self._call("Register", self._stub.Register, request)
+            if not self.policy_lineage:
+                self.policy_lineage = response.policy_lineage
             # A broker bound to a wildcard hands out wildcard endpoints: dial its planes where we reached it.
             response.rollout_endpoint = dialable_endpoint(response.rollout_endpoint, self.config.address)
             response.weight_endpoint = dialable_endpoint(response.weight_endpoint, self.config.address)

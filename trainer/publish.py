@@ -23,12 +23,14 @@ its own thread: a ``PreparedUpdate`` owns its bytes). FULL payloads are written 
 ``PreparedUpdate.payload`` is valid until ``send`` returns. The content digest (XXH3-128, ``primerl.proto.digests``)
 is computed once, here, over the finished payload.
 
-Lineage: every update carries ``lineage`` (unix microseconds when this publisher was made: one per trainer
-incarnation) and ``lineage_base_version`` (the version the trainer resumed from). A trainer resumed from an older
-checkpoint re-publishes versions under a newer lineage: the broker accepts its first FULL even at a version it
-holds and drops the rolled-back updates; a replaced incarnation's next update is refused with
-``LineageSuperseded``, which ends it. Lineages are ordered by the wall clock (restarted trainers need NTP-close
-clocks).
+Lineage: every update carries ``lineage`` (one per trainer incarnation: the ``policy_lineage`` the broker gave
+trainer rank 0 when it registered, ``RegisterResponse.policy_lineage``) and ``lineage_base_version`` (the version
+the trainer resumed from). The broker hands lineages out from a counter in its durable run state, each above every
+one before, so a restarted trainer's lineage supersedes its predecessors' whatever the hosts' clocks say. A trainer
+resumed from an older checkpoint re-publishes versions under a newer lineage: the broker accepts its first FULL even
+at a version it holds and drops the rolled-back updates; a replaced incarnation's next update is refused with
+``LineageSuperseded``, which ends it. Only without a lineage from the broker (a broker before
+``policy_lineage``) does a publisher take the unix microseconds of its start, ordered by the hosts' clocks.
 
 Broker outages: ``send`` retries a publish lost to a missing connection or ack through
 ``primerl.client.outage.retry_through_outage`` until the role's ``broker.outage_s``; a resend is safe (the broker
@@ -195,7 +197,8 @@ class PolicyPublisher:
         "auto" (SPARSE for mostly 16-bit float weights, else XOR_ZLIB). ``publisher``: an existing ``WeightPublisher``
         to use (tests). ``outage_s``: how long a publish waits through a broker outage (the role's
         ``broker.outage_s``); ``stop_event``: ends that wait early (``OutageStopped``). ``lineage``: this trainer
-        incarnation's lineage (default: now, in unix microseconds; tests pass their own)."""
+        incarnation's lineage, the broker's ``RegisterResponse.policy_lineage`` (None: now, in unix microseconds:
+        for a broker that hands out none; tests pass their own)."""
         if outage_s <= 0:
             raise ValueError(f"outage_s must be > 0, got {outage_s}")
         if kind not in _KIND_TO_WIRE:

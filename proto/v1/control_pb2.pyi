@@ -20,7 +20,7 @@ WORKER_STATE_LOST: WorkerState
 WORKER_STATE_LEFT: WorkerState
 
 class RegisterRequest(_message.Message):
-    __slots__ = ("role", "name", "address", "capabilities", "rank", "world_size", "pid", "hostname")
+    __slots__ = ("role", "name", "address", "capabilities", "rank", "world_size", "pid", "hostname", "policy_lineage")
     class CapabilitiesEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -36,6 +36,7 @@ class RegisterRequest(_message.Message):
     WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
     PID_FIELD_NUMBER: _ClassVar[int]
     HOSTNAME_FIELD_NUMBER: _ClassVar[int]
+    POLICY_LINEAGE_FIELD_NUMBER: _ClassVar[int]
     role: _common_pb2.Role
     name: str
     address: str
@@ -44,10 +45,11 @@ class RegisterRequest(_message.Message):
     world_size: int
     pid: int
     hostname: str
-    def __init__(self, role: _Optional[_Union[_common_pb2.Role, str]] = ..., name: _Optional[str] = ..., address: _Optional[str] = ..., capabilities: _Optional[_Mapping[str, str]] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., pid: _Optional[int] = ..., hostname: _Optional[str] = ...) -> None: ...
+    policy_lineage: int
+    def __init__(self, role: _Optional[_Union[_common_pb2.Role, str]] = ..., name: _Optional[str] = ..., address: _Optional[str] = ..., capabilities: _Optional[_Mapping[str, str]] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., pid: _Optional[int] = ..., hostname: _Optional[str] = ..., policy_lineage: _Optional[int] = ...) -> None: ...
 
 class RegisterResponse(_message.Message):
-    __slots__ = ("worker_id", "run_id", "heartbeat_interval_ms", "liveness", "rollout_endpoint", "weight_endpoint", "latest_policy_version", "limits")
+    __slots__ = ("worker_id", "run_id", "heartbeat_interval_ms", "liveness", "rollout_endpoint", "weight_endpoint", "latest_policy_version", "limits", "policy_lineage")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     HEARTBEAT_INTERVAL_MS_FIELD_NUMBER: _ClassVar[int]
@@ -56,6 +58,7 @@ class RegisterResponse(_message.Message):
     WEIGHT_ENDPOINT_FIELD_NUMBER: _ClassVar[int]
     LATEST_POLICY_VERSION_FIELD_NUMBER: _ClassVar[int]
     LIMITS_FIELD_NUMBER: _ClassVar[int]
+    POLICY_LINEAGE_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     run_id: str
     heartbeat_interval_ms: int
@@ -64,7 +67,8 @@ class RegisterResponse(_message.Message):
     weight_endpoint: str
     latest_policy_version: int
     limits: DataPlaneLimits
-    def __init__(self, worker_id: _Optional[str] = ..., run_id: _Optional[str] = ..., heartbeat_interval_ms: _Optional[int] = ..., liveness: _Optional[int] = ..., rollout_endpoint: _Optional[str] = ..., weight_endpoint: _Optional[str] = ..., latest_policy_version: _Optional[int] = ..., limits: _Optional[_Union[DataPlaneLimits, _Mapping]] = ...) -> None: ...
+    policy_lineage: int
+    def __init__(self, worker_id: _Optional[str] = ..., run_id: _Optional[str] = ..., heartbeat_interval_ms: _Optional[int] = ..., liveness: _Optional[int] = ..., rollout_endpoint: _Optional[str] = ..., weight_endpoint: _Optional[str] = ..., latest_policy_version: _Optional[int] = ..., limits: _Optional[_Union[DataPlaneLimits, _Mapping]] = ..., policy_lineage: _Optional[int] = ...) -> None: ...
 
 class DataPlaneLimits(_message.Message):
     __slots__ = ("max_frame_bytes", "max_message_bytes", "max_envelope_bytes", "max_payload_frames", "max_transfer_bytes", "weight_chunk_bytes")

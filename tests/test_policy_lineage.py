@@ -1,0 +1,246 @@
+"""Policy lineages come from the broker, not from the trainer's clock.
+
+Trainer rank 0 gets its lineage when it registers (``RegisterResponse.policy_lineage``): a counter in the broker's
+durable run state, above every lineage handed out before and above the one the weight store holds. Through a real
+in-process broker (``BrokerHarness``), the real ``ControlClient`` and ``PolicyPublisher`` on the tiny model: a
+trainer restarted on a host whose clock is hours behind (or ahead of) the first one's supersedes it, and the old
+incarnation's late publish is refused; a broker restart keeps the counter and the incarnation's own lineage; a run
+dir from before the counter (time-based lineages) goes on above them. Plus fast unit tests of the registry's
+counter and the run-state file."""
+
+from __future__ import annotations
+
+import json
+import time
+import types
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from primerl.broker.registry import WorkerRegistry
+from primerl.broker.registry_errors import StateNotSaved
+from primerl.broker.run_state import RUN_STATE_FILE, RunState, RunStateFile
+from primerl.client.control import ControlClient
+from primerl.client.weights import LineageSuperseded
+from primerl.configs.trainer import ModelConfig
+from primerl.proto.v1 import common_pb2, control_pb2
+from primerl.runtime.config_common import BrokerClientConfig
+from primerl.trainer import publish as publish_module
+from primerl.trainer.model import load_model
+from primerl.trainer.publish import PolicyPublisher
+
+pytestmark = pytest.mark.filterwarnings("ignore:`torch.distributed.reduce_op` is deprecated:FutureWarning")
+
+CHUNK_BYTES = 1 << 20
+HOURS_6_US = 6 * 3600 * 1_000_000
+TIME_BASED_LINEAGE = 1_764_000_000_000_000  # what a trainer before the counter sent: unix microseconds (Nov 2025)
+
+
+# ---------------------------------------------------------------------------------------------- helpers
+def skew_trainer_clock(monkeypatch: pytest.MonkeyPatch, offset_us: int) -> None:
+    """The trainer's publisher reads a clock ``offset_us`` away from the host's (the broker's is untouched)."""
+    shim = types.SimpleNamespace(**{name: getattr(time, name) for name in dir(time) if not name.startswith("_")})
+    shim.time_ns = lambda: time.time_ns() + offset_us * 1000
+    shim.time = lambda: time.time() + offset_us / 1e6
+    monkeypatch.setattr(publish_module, "time", shim)
+
+
+class Trainer:
+    """One trainer incarnation's rank 0, as ``TrainerRunner._connect`` wires it: register, then publish under the
+    lineage the broker gave it."""
+
+    def __init__(self, address: str, weight_endpoint: str):
+        self.control = ControlClient(BrokerClientConfig(address=address, outage_s=30), "trainer", "trainer-rank0")
+        self.registration = self.control.register()
+        self.control.start_heartbeats(lambda: {})
+        self.publisher = PolicyPublisher(
+            weight_endpoint,
+            None,
+            "trainer-rank0",
+            CHUNK_BYTES,
+            "full",
+            "tiny",
+            lineage=self.registration.policy_lineage or None,
+        )
+
+    @property
+    def lineage(self) -> int:
+        return self.publisher.lineage
+
+    def die(self) -> None:
+        """Stops heartbeating without deregistering (a kill, a partition); its publisher stays open."""
+        self.control.close()
+
+    def close(self) -> None:
+        self.control.close()
+        self.publisher.close()
+
+
+@pytest.fixture(scope="module")
+def model(tiny_model: Path) -> torch.nn.Module:
+    return load_model(ModelConfig(name=str(tiny_model)))
+
+
+@pytest.fixture
+def trainers() -> Iterator[list[Trainer]]:
+    opened: list[Trainer] = []
+    yield opened
+    for trainer in opened:
+        trainer.close()
+
+
+def start_trainer(opened: list[Trainer], broker) -> Trainer:
+    opened.append(Trainer(broker.grpc_address, broker.weight_endpoint))
+    return opened[-1]
+
+
+def bump(model: torch.nn.Module, seed: int) -> None:
+    with torch.no_grad():
+        for param in model.parameters():
+            param.add_(torch.randn(param.shape, generator=torch.Generator().manual_seed(seed)) * 1e-3)
+
+
+# ------------------------------------------------------------------------------- through a real broker
+@pytest.mark.parametrize(
+    ("first_skew_us", "second_skew_us"),
+    [(HOURS_6_US, -HOURS_6_US), (-HOURS_6_US, HOURS_6_US)],
+    ids=["restarted-on-a-host-6h-behind", "restarted-on-a-host-6h-ahead"],
+)
+def test_a_restarted_trainer_supersedes_whatever_its_clock_says(
+    make_broker, model, trainers, monkeypatch, first_skew_us, second_skew_us
+):
+    broker = make_broker(stop_grace_s=0, heartbeat_interval_s=0.2, heartbeat_liveness=2)
+    skew_trainer_clock(monkeypatch, first_skew_us)
+    # The override is what a publisher without a broker lineage would read: proof that the clock is skewed.
+    unanchored = PolicyPublisher(broker.weight_endpoint, None, "probe", CHUNK_BYTES, "full", "tiny")
+    unanchored.close()
+    assert abs(unanchored.lineage - (time.time_ns() // 1000 + first_skew_us)) < 60_000_000
+
+    first = start_trainer(trainers, broker)
+    assert first.lineage == first.registration.policy_lineage >= 1
+    for version in (1, 2, 3):
+        bump(model, version)
+        assert first.publisher.publish(model, version, timeout_s=30).ack.lineage == first.lineage
+    first.die()
+
+    # The trainer comes back on a host whose clock is 12 h away from the first one's, resumed from checkpoint 1.
+    skew_trainer_clock(monkeypatch, second_skew_us)
+    second = start_trainer(trainers, broker)  # waits (ALREADY_EXISTS) until the broker expired the first
+    assert second.lineage > first.lineage
+    bump(model, 20)
+    result = second.publisher.publish(model, 2, timeout_s=30)
+    assert result.ack.lineage == second.lineage
+    store = broker.service.weight_store
+    assert (store.latest_version, store.lineage) == (2, second.lineage)
+    heartbeat = second.control.heartbeat()
+    assert (heartbeat.policy_lineage, heartbeat.lineage_base_version) == (second.lineage, 1)
+
+    # The first incarnation's late publish (it was only partitioned) is refused, and ends it.
+    bump(model, 4)
+    with pytest.raises(LineageSuperseded) as refused:
+        first.publisher.publish(model, 4, timeout_s=30)
+    assert refused.value.broker_lineage == second.lineage
+    assert (store.latest_version, store.lineage) == (2, second.lineage)
+
+
+def test_the_counter_and_an_incarnations_lineage_survive_a_broker_restart(make_broker, model, trainers):
+    broker = make_broker(stop_grace_s=0, heartbeat_interval_s=0.2, heartbeat_liveness=2)
+    first = start_trainer(trainers, broker)
+    lineage = first.lineage
+    first.publisher.publish(model, 1, timeout_s=30)
+    state = json.loads((broker.config.spool_dir / RUN_STATE_FILE).read_text())
+    assert state["policy_lineage"] == lineage  # durable before the answer
+
+    broker.restart()
+    # The same process re-registers (the broker forgot it) and keeps its lineage: its next publish is accepted.
+    before = first.control.num_registrations
+    deadline = time.monotonic() + 20
+    while first.control.num_registrations == before and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert first.control.num_registrations > before, "the trainer did not register again with the new broker"
+    assert first.control.registration.policy_lineage == lineage
+    bump(model, 2)
+    assert first.publisher.publish(model, 2, timeout_s=30).ack.lineage == lineage
+
+    # A new incarnation after the restart gets a lineage above it, not one the old broker handed out.
+    first.die()
+    second = start_trainer(trainers, broker)
+    assert second.lineage > lineage
+
+
+def test_a_run_dir_with_time_based_lineages_goes_on_above_them(make_broker, model, trainers):
+    """A broker of this run before the counter: its weights were published under a unix-microsecond lineage and
+    its run_state.json has no ``policy_lineage``. The next trainer's lineage is above the one held."""
+    broker = make_broker(stop_grace_s=0, heartbeat_interval_s=0.2, heartbeat_liveness=2)
+    old = PolicyPublisher(
+        broker.weight_endpoint, None, "trainer-rank0", CHUNK_BYTES, "full", "tiny", lineage=TIME_BASED_LINEAGE
+    )
+    try:
+        old.publish(model, 1, timeout_s=30)
+    finally:
+        old.close()
+    broker.stop()
+    path = broker.config.spool_dir / RUN_STATE_FILE
+    state = json.loads(path.read_text())
+    del state["policy_lineage"]
+    path.write_text(json.dumps(state))
+
+    broker.start()
+    assert broker.service.weight_store.lineage == TIME_BASED_LINEAGE  # the durable chain came back
+    trainer = start_trainer(trainers, broker)
+    assert trainer.lineage == TIME_BASED_LINEAGE + 1
+    bump(model, 2)
+    assert trainer.publisher.publish(model, 1, timeout_s=30).ack.lineage == trainer.lineage  # supersedes it
+
+
+# ---------------------------------------------------------------------------------------- unit tests
+def register(registry: WorkerRegistry, name: str, role=common_pb2.ROLE_TRAINER, rank: int = 0, lineage: int = 0):
+    request = control_pb2.RegisterRequest(role=role, name=name, rank=rank, world_size=2, policy_lineage=lineage)
+    return registry.register(request)
+
+
+def test_only_trainer_rank_0_gets_a_lineage_and_each_new_one_is_larger(tmp_path):
+    store = RunStateFile(tmp_path)
+    registry = WorkerRegistry("run", 1.0, 3, persist=lambda revision, state: store.write(state, revision))
+    assert register(registry, "trainer-rank1", rank=1).policy_lineage == 0
+    assert register(registry, "orch", role=common_pb2.ROLE_ORCHESTRATOR).policy_lineage == 0
+    assert register(registry, "infer-0", role=common_pb2.ROLE_INFERENCE).policy_lineage == 0
+    first = register(registry, "a").policy_lineage
+    second = register(registry, "b").policy_lineage
+    assert 1 <= first < second
+    assert store.load().policy_lineage == second  # written before the answer
+    # A re-registration naming its lineage keeps it, even an older one; one above the counter raises it.
+    assert register(registry, "c", lineage=first).policy_lineage == first
+    assert register(registry, "d", lineage=second + 100).policy_lineage == second + 100
+    assert register(registry, "e").policy_lineage == second + 101
+
+
+def test_the_counter_is_restored_and_stays_above_the_weight_stores_lineage(tmp_path):
+    registry = WorkerRegistry("run", 1.0, 3)
+    registry.restore(RunState(run_id="run", policy_lineage=41))
+    assert register(registry, "a").policy_lineage == 42
+    assert registry.run_state()[1].policy_lineage == 42
+
+
+def test_a_lineage_that_cannot_be_written_registers_nothing(tmp_path):
+    def refuse(revision: int, state: RunState) -> None:
+        raise OSError(28, "No space left on device")
+
+    registry = WorkerRegistry("run", 1.0, 3, persist=refuse)
+    with pytest.raises(StateNotSaved, match="No space left on device"):
+        register(registry, "trainer-rank0")
+    assert registry.list_workers() == []
+    assert register(registry, "infer-0", role=common_pb2.ROLE_INFERENCE).worker_id  # nothing else needs the write
+
+
+def test_run_state_reads_a_file_without_the_counter_and_refuses_a_bad_one():
+    state = RunState(run_id="run", policy_lineage=7)
+    assert RunState.from_json(state.to_json(0)) == state
+    raw = json.loads(state.to_json(0))
+    del raw["policy_lineage"]
+    assert RunState.from_json(json.dumps(raw).encode()).policy_lineage == 0
+    raw["policy_lineage"] = -1
+    with pytest.raises(ValueError, match="policy_lineage"):
+        RunState.from_json(json.dumps(raw).encode())

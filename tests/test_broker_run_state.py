@@ -133,6 +133,7 @@ def test_snapshot_and_restore_give_the_same_status_and_worker_answers():
         trainer_step=3,
         orchestrator_step=4,
         latest_policy_version=3,
+        policy_lineage=1,  # trainer-0 (rank 0) was given the run's first lineage
         last_metrics={"train/loss": 0.5, "reward/mean": 0.25},
         last_metrics_step=4,
     )
@@ -189,7 +190,7 @@ def test_the_revision_moves_with_run_facts_not_with_plain_heartbeats():
 
 def test_a_commit_is_written_before_it_answers_and_a_failed_write_is_retried():
     written: list[tuple[int, RunState]] = []
-    fail = [True]
+    fail = [False]
 
     def persist(revision: int, state: RunState) -> None:
         if fail[0]:
@@ -197,7 +198,10 @@ def test_a_commit_is_written_before_it_answers_and_a_failed_write_is_retried():
         written.append((revision, state))
 
     registry = make_registry(persist=persist)
-    trainer = register(registry, "trainer-0")
+    trainer = register(registry, "trainer-0")  # its policy lineage is written before the answer
+    assert [state.policy_lineage for _, state in written] == [1]
+    written.clear()
+    fail[0] = True
     with pytest.raises(CommitFailed, match="No space left") as info:
         registry.commit_step(trainer, 1)
     assert info.value.status_code == "INTERNAL"

@@ -28,6 +28,16 @@ from primerl.runtime.run_metrics import read_metrics_file
 REPO = Path(__file__).resolve().parent.parent
 
 
+def machine_busy_s() -> float:
+    """CPU seconds the whole machine has been busy (all processes, user + system + irq), from /proc/stat."""
+    times = psutil.cpu_times()
+    return sum(times) - times.idle - getattr(times, "iowait", 0.0)
+
+
+def load_text() -> str:
+    return " ".join(Path("/proc/loadavg").read_text().split()[:3])
+
+
 def trainer_rows(metrics: Path) -> int:
     try:
         rows = read_metrics_file(metrics, skip_bad_lines=True).rows
@@ -101,9 +111,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         root = psutil.Process(run.pid)
         wait_for_rows(metrics, args.from_step, run, args.timeout_s)
-        before, started_s = cpu_times(root), time.monotonic()
+        before, machine_before, started_s = cpu_times(root), machine_busy_s(), time.monotonic()
         wait_for_rows(metrics, last_step, run, args.timeout_s)
-        after, wall_s = cpu_times(root), time.monotonic() - started_s
+        after, machine_after, wall_s = cpu_times(root), machine_busy_s(), time.monotonic() - started_s
     finally:
         if run.poll() is None:
             run.wait(timeout=args.timeout_s)
@@ -114,8 +124,15 @@ def main(argv: list[str] | None = None) -> int:
         if seconds >= 0.005:
             print(f"{seconds:7.3f} CPU-s/step  {name}")
     total = sum(seconds for seconds, _ in per_step)
+    cores = len(os.sched_getaffinity(0))
+    wall = wall_s / args.steps
+    print(f"{total:7.3f} CPU-s/step in all: at least {total / cores:.3f} s of wall per step on these {cores} CPUs")
+    others = max(0.0, (machine_after - machine_before) / args.steps - total)
+    idle = max(0.0, cores * wall - total - others)
+    print(f"{others:7.3f} CPU-s/step used by other processes of the machine (not this run)")
     print(
-        f"{total:7.3f} CPU-s/step in all: at least {total / (os.cpu_count() or 1):.3f} s of wall per step on these CPUs"
+        f"{idle:7.3f} CPU-s/step idle ({cores} x {wall:.3f} s wall - {total:.3f} s this run - {others:.3f} s others; "
+        f"{100 * idle / (cores * wall):.0f}% of the cores; load {load_text()})"
     )
     return 0
 

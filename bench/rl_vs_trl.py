@@ -23,10 +23,13 @@ runs alternate (primerl, TRL, primerl, TRL, ...), so each pair sees about the sa
 
 Part g: a ~100M-parameter model of the same family (``primerl init-tiny-model DIR --hidden 768 --layers 12
 --heads 12 --kv-heads 4 --intermediate 3072``, random weights, built once under ``--work-dir``), the same two
-trainers and settings for ``--steps`` steps: samples/s (steady state) and start-up. No evals.
+trainers and settings for ``--steps`` steps: samples/s (steady state) and start-up. No evals. primerl runs once per
+``--cpu-sharing`` mode (default ``shared,split``: the run's ``cpu_sharing``, see primerl.runtime.cpu_budget) in each
+repeat, then TRL; each mode's ratio to TRL is its own table.
 
 Targets (printed met / missed): a: primerl/TRL wall per step <= 3.0 (aim 2.0), start-up ratio <= 3, held-out
-reward after the steps not worse than TRL's beyond the eval noise; g: primerl/TRL samples/s >= 1.0.
+reward after the steps not worse than TRL's beyond the eval noise; g: primerl/TRL samples/s >= 1.1 (the default
+``cpu_sharing``; issue 31).
 """
 
 from __future__ import annotations
@@ -41,6 +44,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from cpu_info import cpu_phrase  # noqa: E402
 from primerl_runs import (  # noqa: E402
     BENCH_PYTHON,
     PRIMERL,
@@ -90,6 +94,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="time budget of the part: fewer repeats (never fewer than 1) when it would run over",
     )
     parser.add_argument("--quick", action="store_true", help="a: 5 steps x 1 repeat, evals on 50 examples; g: 2 steps")
+    parser.add_argument(
+        "--cpu-sharing",
+        default="shared,split",
+        help="part g: primerl's `cpu_sharing` modes to run, comma-separated, each in every repeat (default "
+        "shared,split: the default and the earlier split side by side)",
+    )
     return parser
 
 
@@ -377,7 +387,16 @@ def part_g(args: argparse.Namespace, section: Section, raw: dict) -> None:
         "step (start-up excluded)."
     )
     section.line()
-    primerl_runs, trl_runs = [], []
+    modes = [m.strip() for m in args.cpu_sharing.split(",") if m.strip()]
+    if not modes or any(m not in ("shared", "split") for m in modes):
+        raise BenchRunError(f"--cpu-sharing {args.cpu_sharing!r}: list shared and/or split, comma-separated")
+    section.line(
+        f"CPU: {cpu_phrase()}. primerl runs once per `cpu_sharing` mode ({', '.join(modes)}; "
+        "`--cpu-sharing MODE`) in each repeat, then TRL, so each repeat's runs share the machine's load."
+    )
+    section.line()
+    primerl_runs: dict[str, list[RunTimeline]] = {mode: [] for mode in modes}
+    trl_runs: list[RunTimeline] = []
     started = time.time()
     for repeat in range(args.repeats):
         if repeat > 0 and args.budget_s is not None:
@@ -388,15 +407,17 @@ def part_g(args: argparse.Namespace, section: Section, raw: dict) -> None:
                 )
                 section.line()
                 break
-        primerl_runs.append(
-            run_primerl(
-                str(model_dir),
-                work / f"primerl-{repeat}",
-                args.steps,
-                args.run_timeout_s,
-                what=f"primerl rl 100M (repeat {repeat})",
+        for mode in modes:
+            primerl_runs[mode].append(
+                run_primerl(
+                    str(model_dir),
+                    work / f"primerl-{mode}-{repeat}",
+                    args.steps,
+                    args.run_timeout_s,
+                    overrides=["--cpu-sharing", mode],
+                    what=f"primerl rl 100M cpu_sharing={mode} (repeat {repeat})",
+                )
             )
-        )
         trl_runs.append(
             run_trl(
                 str(model_dir),
@@ -408,24 +429,34 @@ def part_g(args: argparse.Namespace, section: Section, raw: dict) -> None:
                 what=f"TRL GRPOTrainer 100M (repeat {repeat})",
             )
         )
-        print(
-            f"[g] repeat {repeat}: primerl {fmt(primerl_runs[-1].samples_per_s(SAMPLES_PER_STEP))} samples/s, "
-            f"TRL {fmt(trl_runs[-1].samples_per_s(SAMPLES_PER_STEP))} samples/s",
-            flush=True,
-        )
-    raw["primerl"] = [r.as_dict() for r in primerl_runs]
+        rates = ", ".join(f"primerl {m} {fmt(primerl_runs[m][-1].samples_per_s(SAMPLES_PER_STEP))}" for m in modes)
+        print(f"[g] repeat {repeat}: {rates}, TRL {fmt(trl_runs[-1].samples_per_s(SAMPLES_PER_STEP))} samples/s")
+    raw["primerl"] = {mode: [r.as_dict() for r in runs] for mode, runs in primerl_runs.items()}
     raw["trl"] = [r.as_dict() for r in trl_runs]
-    section.table(
-        ["quantity", "primerl rl", "TRL GRPOTrainer", "ratio", "paired ratio"], timing_rows(primerl_runs, trl_runs)
-    )
-    samples_ratio = ratio(samples_stats(primerl_runs), samples_stats(trl_runs))
+    ratios = {}
+    for mode in modes:
+        section.line(f'**primerl `cpu_sharing = "{mode}"`** vs TRL:')
+        section.line()
+        section.table(
+            ["quantity", f"primerl rl ({mode})", "TRL GRPOTrainer", "ratio", "paired ratio"],
+            timing_rows(primerl_runs[mode], trl_runs),
+        )
+        ratios[mode] = ratio(samples_stats(primerl_runs[mode]), samples_stats(trl_runs))
+    if len(modes) > 1:
+        a, b = samples_stats(primerl_runs[modes[0]]), samples_stats(primerl_runs[modes[1]])
+        # samples/s ratio of a pair = the inverse ratio of its walls per step
+        pairs = paired_ratios(primerl_runs[modes[1]], primerl_runs[modes[0]], "steady_wall_per_step_s")
+        section.line(f"samples/s, {modes[0]} / {modes[1]}: {fmt(ratio(a, b))} (per repeat: {pairs.cell()}).")
+        section.line()
     section.line(f"The step-to-step intervals give min/median/max within runs ({args.steps - 1} per run).")
     section.line()
     section.line("**Targets**")
     section.line()
-    section.line(target_line("g: primerl/TRL samples/s at ~100M", samples_ratio, ">=", 1.0))
-    section.line()
-    bars = {"primerl rl": samples_stats(primerl_runs), "TRL GRPOTrainer": samples_stats(trl_runs)}
+    for mode in modes:
+        section.line(target_line(f"g: primerl ({mode}) / TRL samples/s at ~100M", ratios[mode], ">=", 1.1))
+        section.line()
+    bars = {f"primerl rl ({mode})": samples_stats(primerl_runs[mode]) for mode in modes}
+    bars["TRL GRPOTrainer"] = samples_stats(trl_runs)
     section.image(
         save_bars(
             args.plots_dir / "g_samples_per_s.png", "g. ~100M model: samples/s (steady state)", "samples/s", bars

@@ -67,10 +67,16 @@ class Part:
     needs_sft: bool = False
     needs_bench_venv: bool = False
     own: bool = False  # written by this harness's author: arguments known, --quick always understood
+    tag: str = ""  # told apart from another entry of the same part and script (its section and log files)
     status: str = "planned"
     took_s: float = 0.0
     section: Path | None = None
     notes: list[str] = field(default_factory=list)
+
+    @property
+    def stem(self) -> str:
+        """``<key>-<script stem>[-<tag>]``: the name of this entry's section, log and JSON files."""
+        return f"{self.key}-{Path(self.script).stem}" + (f"-{self.tag}" if self.tag else "")
 
     @property
     def name(self) -> str:
@@ -88,8 +94,38 @@ PARTS = [
     Part("e", "weight_update.py", ["--models", "tiny:fp32,100m:fp32+bf16,500m:bf16,1b:bf16"], 1800, 480, 480),
     # What one AdamW step changes at 100M and 1B, bf16 and fp32, and the SPARSE / XOR_ZLIB deltas of it.
     Part("e", "delta_fraction.py", ["--models", "100m,1b"], 1200, 600, 500),
-    Part("f", "async_levels.py", [], 480, 300, 200, needs_sft=True, own=True),
-    Part("g", "rl_vs_trl.py", ["--part", "g"], 600, 360, 300, needs_bench_venv=True, own=True),
+    # Issue 31: each level in both `cpu_sharing` modes (the default "shared" and the earlier "split") side by side;
+    # the demo's SFT model (levels 0/1/2, reward), then the ~100M model of part g (levels 0/1: the 1.3x target).
+    Part(
+        "f",
+        "async_levels.py",
+        ["--cpu-sharing", "shared,split", "--steps", "10"],
+        720,
+        360,
+        420,
+        needs_sft=True,
+        own=True,
+    ),
+    Part(
+        "f",
+        "async_levels.py",
+        ["--model-100m", "--levels", "0,1", "--cpu-sharing", "shared,split", "--no-control", "--steps", "4"],
+        1800,
+        600,
+        900,
+        own=True,
+        tag="100m",
+    ),
+    Part(
+        "g",
+        "rl_vs_trl.py",
+        ["--part", "g", "--cpu-sharing", "shared,split"],
+        1200,
+        480,
+        600,
+        needs_bench_venv=True,
+        own=True,
+    ),
     Part("h", "v1_rollouts.py", [], 480, 240, 180, needs_sft=True, own=True),
     Part("i", "batch_semantics.py", [], 900, 420, 600, needs_sft=True, own=True),
 ]
@@ -189,7 +225,7 @@ def find_or_build_sft(args: argparse.Namespace, log) -> str:
 
 def run_part(part: Part, args: argparse.Namespace, sft: str | None, sections: Path, log) -> None:
     script = BENCH / part.script
-    part.section = sections / f"{part.key}-{Path(part.script).stem}.md"
+    part.section = sections / f"{part.stem}.md"
     if part.section.exists():
         part.section.unlink()
     limit_s = int((part.quick_limit_s if args.quick else part.full_limit_s) * args.limit_scale)
@@ -223,13 +259,13 @@ def run_part(part: Part, args: argparse.Namespace, sft: str | None, sections: Pa
             "--plots-dir",
             str(args.plots_dir),
             "--json",
-            str(sections / f"{part.key}-{Path(part.script).stem}.json"),
+            str(sections / f"{part.stem}.json"),
             "--budget-s",
             str(int(limit_s * 0.8)),
         ]
         if part.needs_sft:
             cmd += ["--sft", sft]
-    log_path = sections / f"{part.key}-{Path(part.script).stem}.log"
+    log_path = sections / f"{part.stem}.log"
     log(
         f"[{part.key}] {' '.join(os.path.relpath(c, ROOT) if c.startswith(str(ROOT)) else c for c in cmd)} "
         f"(limit {limit_s} s) ..."
@@ -368,7 +404,7 @@ def main(argv: list[str] | None = None) -> int:
             sft_line = f"SFT checkpoint: **not available: {error}**".replace("\n", "  \n")
             log(sft_line)
     for part in kept:
-        part.section = sections / f"{part.key}-{Path(part.script).stem}.md"
+        part.section = sections / f"{part.stem}.md"
         if part.section.exists():
             part.status = "ok"
             part.notes.append(

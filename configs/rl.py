@@ -37,6 +37,7 @@ from primerl.configs.rl_teacher import fill_teacher, has_teacher, teacher_proble
 from primerl.configs.trainer import LoRAConfig, TrainerConfig
 from primerl.runtime.config_base import BaseConfig, ConfigWarning, nearest_multiples
 from primerl.runtime.config_common import DEFAULT_BROKER_GRPC_PORT, DEFAULT_BROKER_HOST, LogConfig, WandbConfig
+from primerl.runtime.cpu_budget import CPU_SHARING_DEFAULT, CpuSharing
 
 ROLES = ("broker", "trainer", "orchestrator", "inference")
 BROKER_PORTS = ("grpc_port", "rollout_port", "weight_port")
@@ -92,6 +93,13 @@ class RLConfig(BaseConfig):
     output_dir: Path = Field(Path("outputs"), description="Directory of the run: weights, checkpoints, logs.")
     max_async_level: int | None = Field(
         None, ge=0, description="Max policy versions a sample may lag the trainer (fills the orchestrator's)."
+    )
+    cpu_sharing: CpuSharing = Field(
+        CPU_SHARING_DEFAULT,
+        description='How trainer and vLLM share the cores of a CPU-only machine: `"shared"`, each runs one thread '
+        'per core and the one with work uses every core while the other waits (no idle core); `"split"`, '
+        "each is held to half of the cores (the earlier default). Fills the unset `[<role>.threads]`; ignored "
+        "with GPUs (`primerl.runtime.cpu_budget`).",
     )
     log: LogConfig = Field(default_factory=LogConfig, description="Logging, shared by all roles.")
     broker: BrokerConfig = Field(description="The broker.")

@@ -10,21 +10,30 @@ training step by a scheduler time slice. The budget of a role (``ThreadsConfig``
 - ``cpus``: CPU ids the role's compute threads are bound to (inference: vLLM's ``VLLM_CPU_OMP_THREADS_BIND``;
   the other roles: ``os.sched_setaffinity``).
 
-Defaults (``default_budgets``), from the n CPUs of this process's affinity:
+Defaults (``default_budgets``), from the n CPUs of this process's affinity. On a CPU-only machine the run-level
+``cpu_sharing`` picks how the roles share them:
 
-===============  ==================================  =================================================
-role             all roles on one CPU-only machine   with GPUs (compute is on the GPUs)
-===============  ==================================  =================================================
-inference        the first max(1, n // 2) CPUs,       vLLM's own choice (no CPU binding set)
-                 one vLLM OpenMP thread on each
-trainer          max(1, n - n // 2) threads, unbound  max(1, n // 2) threads
-                 (divided between its ranks)          (divided between its ranks)
-orchestrator     1 thread (its env workers inherit)   1 thread
-broker           1 thread                             1 thread
-teacher          inference's CPUs and threads         as inference
-===============  ==================================  =================================================
+- ``shared`` (default): every core is every compute role's. The trainer and vLLM each run n threads (vLLM bound to
+  all n CPUs, one OpenMP thread each); with passive waits a role that waits for the other (for a batch, for new
+  weights) sleeps, and the one with work uses every core instead of leaving half of them idle.
+- ``split``: each role is held to its half of the cores: whichever finishes its phase first leaves its cores
+  idle until the other is done (the earlier default; it gives steadier steps when trainer and vLLM compute at
+  the same time on a busy machine).
 
-A standalone daemon with no budget set takes every CPU of its affinity, still with the passive wait policy.
+===============  ==================================  ==================================  =========================
+role             CPU-only, ``shared``                CPU-only, ``split``                 with GPUs (either)
+===============  ==================================  ==================================  =========================
+inference        all n CPUs, one vLLM OpenMP         the first max(1, n // 2) CPUs,      vLLM's own choice (no
+                 thread on each                      one vLLM OpenMP thread on each      CPU binding set)
+trainer          n threads, unbound (divided         max(1, n - n // 2) threads,         max(1, n // 2) threads
+                 between its ranks)                  unbound (divided between ranks)     (divided between ranks)
+orchestrator     1 thread (its env workers inherit)  1 thread                            1 thread
+broker           1 thread                            1 thread                            1 thread
+teacher          inference's CPUs and threads        inference's CPUs and threads        as inference
+===============  ==================================  ==================================  =========================
+
+Explicit ``[<role>.threads]`` values win over either. A standalone daemon with no budget set takes every CPU of its
+affinity, still with the passive wait policy.
 ``primerl rl`` fills each role's unset fields with these defaults, writes them into the run's role configs and sets
 the environment variables in each child (``role_env``) before any library loads; every daemon then applies its own
 config at start (``apply_budget``). Imports neither torch nor vLLM at module level.
@@ -47,6 +56,9 @@ ENGINE_ROLES = ("inference", "teacher")
 THREAD_COUNT_VARS = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS")
 """Environment variables that size the math libraries' thread pools (read when the library loads)."""
 VLLM_BIND_VAR = "VLLM_CPU_OMP_THREADS_BIND"
+CpuSharing = Literal["shared", "split"]
+"""How the roles of one CPU-only machine share its cores (``RLConfig.cpu_sharing``; module doc)."""
+CPU_SHARING_DEFAULT: CpuSharing = "shared"
 
 
 class ThreadsConfig(BaseConfig):
@@ -88,17 +100,26 @@ def available_cpus() -> list[int]:
         return list(range(os.cpu_count() or 1))
 
 
-def default_budgets(cpus: Sequence[int], *, gpus: bool, num_trainer_ranks: int = 1) -> dict[str, ThreadsConfig]:
-    """The default budget of every role when all of them run on a machine with these CPUs (module table); the
-    trainer's share is divided between its ``num_trainer_ranks`` ranks (each gets at least one thread)."""
+def default_budgets(
+    cpus: Sequence[int], *, gpus: bool, num_trainer_ranks: int = 1, sharing: CpuSharing = CPU_SHARING_DEFAULT
+) -> dict[str, ThreadsConfig]:
+    """The default budget of every role when all of them run on a machine with these CPUs (module table): on a
+    CPU-only machine ``sharing`` says whether trainer and vLLM each get every core (``shared``) or half of them
+    (``split``); the trainer's share is divided between its ``num_trainer_ranks`` ranks (each gets at least one
+    thread)."""
     cpus = sorted(cpus)
     if not cpus:
         raise ValueError("no CPU to split between the roles")
+    if sharing not in ("shared", "split"):
+        raise ValueError(f'cpu_sharing = {sharing!r}: use "shared" or "split"')
     n = len(cpus)
     half = max(1, n // 2)
     if gpus:
         inference = ThreadsConfig(num_threads=half)
         trainer = ThreadsConfig(num_threads=max(1, half // num_trainer_ranks))
+    elif sharing == "shared":
+        inference = ThreadsConfig(num_threads=n, cpus=list(cpus))
+        trainer = ThreadsConfig(num_threads=max(1, n // num_trainer_ranks))
     else:
         inference = ThreadsConfig(num_threads=half, cpus=list(cpus[:half]))
         trainer = ThreadsConfig(num_threads=max(1, (n - n // 2) // num_trainer_ranks))

@@ -15,11 +15,13 @@ from primerl.runtime.cpu_budget import ThreadsConfig, available_cpus, default_bu
 
 
 def thread_budgets(run_config: Any, roles: dict, *, gpus: bool) -> dict[str, ThreadsConfig]:
-    """Fill each role's unset ``threads`` fields (in ``roles``) from the default split of this process's CPUs
-    (``primerl.runtime.cpu_budget``); returns every role's budget, the broker's included (its config has no
-    ``threads`` table: environment only)."""
+    """Fill each role's unset ``threads`` fields (in ``roles``) from the default budgets of this process's CPUs
+    (``primerl.runtime.cpu_budget``, shared or split by ``run_config.cpu_sharing``); returns every role's budget,
+    the broker's included (its config has no ``threads`` table: environment only)."""
     cpus = available_cpus()
-    defaults = default_budgets(cpus, gpus=gpus, num_trainer_ranks=len(run_config.trainer_gpu_ids))
+    defaults = default_budgets(
+        cpus, gpus=gpus, num_trainer_ranks=len(run_config.trainer_gpu_ids), sharing=run_config.cpu_sharing
+    )
     budgets = {"broker": defaults["broker"]}
     for role in ("trainer", "orchestrator", "inference", "teacher"):
         if role not in roles:

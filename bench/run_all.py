@@ -23,7 +23,12 @@ f     async_levels.py             max_async_level 0 vs 1 vs 2: steps/s and rewar
 g     rl_vs_trl.py --part g       ~100M-parameter model: primerl vs TRL samples/s
 h     v1_rollouts.py              verifiers v1 env server vs the classic env worker: rollouts/s, same task
 i     batch_semantics.py          mixed-env shares at max_async_level 1, constant vs variable batch size, waste
+cpu   cpu_per_process.py          CPU seconds per step of each process and the cores' idle time, per cpu_sharing
 ====  ==========================  =========================================================================
+
+Part f runs twice: on the demo's SFT model (levels 0/1/2, reward) and on part g's ~100M model (levels 0/1).
+With ``--keep-other-parts``, a part that is not run keeps its section: the part's section(s) in the current
+``--output`` (RESULTS.md), in order, else the file an earlier run of this harness left under ``--work-dir``/sections.
 
 The harness never hides a failure: a script that does not exist, fails, or runs past its limit gets a
 "not run: <why>" section with the tail of its output; a script without ``--markdown`` gets its output quoted.
@@ -39,6 +44,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import subprocess
 import sys
 import time
@@ -127,6 +133,8 @@ PARTS = [
         own=True,
     ),
     Part("h", "v1_rollouts.py", [], 480, 240, 180, needs_sft=True, own=True),
+    # Issue 31: CPU seconds per step by process and the cores' idle time, in both `cpu_sharing` modes.
+    Part("cpu", "cpu_per_process.py", ["--cpu-sharing", "shared,split"], 600, 300, 240, needs_sft=True, own=True),
     Part("i", "batch_semantics.py", [], 900, 420, 600, needs_sft=True, own=True),
 ]
 
@@ -134,7 +142,7 @@ PARTS = [
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="short runs for trying the harness (not for the numbers)")
-    parser.add_argument("--parts", default="a,b,c,d,e,f,g,h,i", help="comma-separated parts to run (default: all)")
+    parser.add_argument("--parts", default="a,b,c,d,e,f,g,h,i,cpu", help="comma-separated parts to run (default: all)")
     parser.add_argument("--sft", default=None, help="the demo's SFT checkpoint to start parts a and f from")
     parser.add_argument("--output", type=Path, default=BENCH / "RESULTS.md")
     parser.add_argument("--plots-dir", type=Path, default=BENCH / "plots")
@@ -286,6 +294,24 @@ def run_part(part: Part, args: argparse.Namespace, sft: str | None, sections: Pa
     log(f"[{part.key}] {part.status} in {part.took_s:.0f} s")
 
 
+def sections_of(results: Path) -> dict[str, list[str]]:
+    """The sections of an earlier RESULTS.md by part key (``### f. ...`` -> "f"; ``### e (delta sizes). ...`` and
+    ``## (c) ...`` -> "e", "c"), in order; "not run" placeholders and the notes of earlier keeps are left out."""
+    if not results.exists():
+        return {}
+    out: dict[str, list[str]] = {}
+    for chunk in re.split(r"\n(?=#{2,3} )", results.read_text())[1:]:
+        title = chunk.split(maxsplit=1)[1] if len(chunk.split(maxsplit=1)) > 1 else ""
+        key = re.match(r"\(?([a-z]+)", title)
+        if key is None:
+            continue
+        lines = [line for line in chunk.rstrip().splitlines() if not line.startswith("_kept from an earlier run")]
+        if "**not run:" in chunk and len(lines) < 8:
+            continue
+        out.setdefault(key.group(1), []).append("\n".join(lines).rstrip() + "\n")
+    return out
+
+
 def count_verdicts(text: str) -> tuple[int, int]:
     lowered = text.lower()
     return lowered.count("**met**") + lowered.count("| met"), lowered.count("**missed**") + lowered.count("| missed")
@@ -403,8 +429,11 @@ def main(argv: list[str] | None = None) -> int:
         except BenchRunError as error:
             sft_line = f"SFT checkpoint: **not available: {error}**".replace("\n", "  \n")
             log(sft_line)
+    previous = sections_of(args.output) if kept else {}
     for part in kept:
         part.section = sections / f"{part.stem}.md"
+        if previous.get(part.key):  # the section in the RESULTS.md this run replaces, else an earlier run's file
+            part.section.write_text(previous[part.key].pop(0))
         if part.section.exists():
             part.status = "ok"
             part.notes.append(

@@ -14,7 +14,8 @@ from primerl.supervisor.restart_policy import RESTART_MODES, RestartPolicy
 
 USAGE = (
     "primerl rl @ CONFIG.toml [@ MORE.toml ...] [--section.key VALUE ...] [--run-dir DIR] [--tmux]\n"
-    "                  [--restart {on-failure,never}] [--restart-limit N] [--check | --no-preflight]\n"
+    "                  [--restart {on-failure,never}] [--restart-limit N]\n"
+    "                  [--check | --no-preflight | --preflight-first]\n"
     "                  [--no-dashboard | --dashboard-port PORT] [--dry-run [--write DIR]]"
 )
 EPILOG = """\
@@ -27,11 +28,13 @@ settings (applied after all files; dashes in keys are underscores):
   --orchestrator.buffer.online-difficulty-filtering   (true)
   --no-orchestrator.mask-truncated-completions        (false)
 
-before anything starts, a preflight (a few seconds) checks the config against this machine: the env interpreter
-imports verifiers, every environment loads with its args, sampled prompts fit seq_len after the chat template,
-the model and tokenizer paths exist, fixed ports are free, W&B has a login (else it logs offline, with a warning).
-Each mistake is one line and exit status 2; details in {run_dir}/logs/preflight.log. --check runs only the
-preflight; --no-preflight skips it.
+a preflight checks the config against this machine: the model and tokenizer paths exist, fixed ports are free,
+W&B has a login (else it logs offline, with a warning) -- before anything starts, in milliseconds -- and, while
+the roles start (vLLM's import alone takes seconds), the env interpreter imports verifiers, every environment
+loads with its args, sampled prompts fit seq_len after the chat template; the orchestrator's first rollout waits
+for that verdict. Each mistake is one line and exit status 2 (the roles started meanwhile are stopped first);
+details in {run_dir}/logs/preflight.log. --check runs only the preflight; --no-preflight skips it;
+--preflight-first runs all of it before anything starts.
 
 a run (without --dry-run) writes rl.toml and one <role>.toml per role into the run directory (output_dir),
 starts broker, inference, orchestrator and trainer with their logs in {run_dir}/logs/<role>.log, shows the
@@ -71,6 +74,11 @@ def _parser() -> argparse.ArgumentParser:
         help="run the preflight checks (environments, prompts, model, ports, W&B) and exit",
     )
     parser.add_argument("--no-preflight", action="store_true", help="start without the preflight checks")
+    parser.add_argument(
+        "--preflight-first",
+        action="store_true",
+        help="run every preflight check before any role starts (slower start: nothing runs beside the checks)",
+    )
     parser.add_argument(
         "--run-dir",
         metavar="DIR",
@@ -139,11 +147,15 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _preflight_log(config) -> Path:
+    return Path(config.output_dir) / "logs" / "preflight.log"
+
+
 def _preflight(config) -> int | None:
     """The preflight of the whole run (`primerl.cli.preflight`): None when nothing stops the start, else 2."""
     from primerl.cli.preflight.roles import rl_preflight
 
-    return rl_preflight(config, Path(config.output_dir) / "logs" / "preflight.log")
+    return rl_preflight(config, _preflight_log(config))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -153,7 +165,16 @@ def main(argv: list[str] | None = None) -> int:
     try:
         parsed = parse_config_args(
             argv,
-            cli_flags={"--dry-run", "--tmux", "--check", "--no-preflight", "--no-dashboard", "-h", "--help"},
+            cli_flags={
+                "--dry-run",
+                "--tmux",
+                "--check",
+                "--no-preflight",
+                "--preflight-first",
+                "--no-dashboard",
+                "-h",
+                "--help",
+            },
             cli_options={
                 "--write",
                 "--run-dir",
@@ -199,7 +220,19 @@ def main(argv: list[str] | None = None) -> int:
         except ValueError as err:
             print(f"primerl rl: {err}", file=sys.stderr)
             return 2
-        status = None if args.no_preflight else _preflight(config)
+        if args.no_preflight and args.preflight_first:
+            print("primerl rl: --no-preflight and --preflight-first contradict each other; give one", file=sys.stderr)
+            return 2
+        background = None
+        if args.no_preflight:
+            status = None
+        elif args.preflight_first:
+            status = _preflight(config)
+        else:  # the fast checks now; the slow ones beside the start (the launcher runs them)
+            from primerl.cli.preflight.roles import BackgroundPreflight, rl_fast_preflight
+
+            status = rl_fast_preflight(config, _preflight_log(config))
+            background = BackgroundPreflight(config, _preflight_log(config))
         if status is not None:
             return status
         from primerl.cli.preflight.base import SKIP_VAR
@@ -214,6 +247,7 @@ def main(argv: list[str] | None = None) -> int:
             dashboard=not args.no_dashboard,
             dashboard_port=args.dashboard_port,
             restart=restart,
+            preflight=background,
         )
         return Launcher(config, options).run()
     roles = config.role_configs()

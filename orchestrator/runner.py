@@ -66,6 +66,7 @@ from primerl.runtime.durable_files import write_atomically
 from primerl.runtime.log_setup import bind_context, get_logger
 from primerl.runtime.metrics_sink import MetricsSink
 from primerl.runtime.prometheus import MetricsExporter, start_exporter
+from primerl.runtime.start_gate import wait_for_gate
 
 if TYPE_CHECKING:
     from prometheus_client import Counter, Gauge
@@ -297,6 +298,9 @@ class OrchestratorRunner:
             if self.step_gauge is not None:
                 self.step_gauge.set(start_step - 1)
             self.started.set()
+            if not wait_for_gate(self.stop_event, log):  # `primerl rl`'s preflight, run beside the start
+                log.info(telemetry.STOPPING, step=start_step, reason="stop requested before the preflight passed")
+                return 0
             for step in range(start_step, self.config.max_steps + 1):
                 bind_context(step=step)
                 try:

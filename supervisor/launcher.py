@@ -1,8 +1,12 @@
 """One `primerl rl` run without `--dry-run`: the run directory, the roles as child processes, live progress, the end.
 
-Order: broker (ready file) -> inference (and the ``[teacher]``, a second ``primerl-infer``) and the trainer at once
-(it builds its model while vLLM starts), and the orchestrator too unless it runs evals or scores with a teacher ->
-once inference (and the teacher) are ready, the orchestrator if not started. The run succeeds when the trainer
+Order: the fast preflight checks (in ``cli/rl.py``) -> broker, and the slow preflight checks (environments,
+tokenizer: ``LaunchOptions.preflight``) in a thread beside everything that follows -> broker ready (file) ->
+inference (and the ``[teacher]``, a second ``primerl-infer``) and the trainer at once (it builds its model while
+vLLM starts), and the orchestrator too unless it runs evals or scores with a teacher -> once inference (and the
+teacher) are ready, the orchestrator if not started. The orchestrator waits for the preflight's verdict
+(``runtime.start_gate``) before its first rollout; a finding stops every role and the run ends with the finding's
+line and exit status 2, as if the preflight had run first. The run succeeds when the trainer
 exits 0; Ctrl-C and SIGTERM stop every role, the broker last (the others deregister while it answers).
 
 Invariants: each role logs to ``{run_dir}/logs/<role>.log``, runs in a process group of its own and is ended by the
@@ -31,6 +35,8 @@ from primerl.proto.ready_file import READY_FILE_NAMES, ready_file_path
 from primerl.runtime.config_loader import write_toml
 from primerl.runtime.cpu_budget import describe, role_env
 from primerl.runtime.run_metrics import read_run_rows
+from primerl.runtime.start_gate import GATE_FILE_NAME, GATE_VAR, open_gate
+from primerl.supervisor import process_reaper
 from primerl.supervisor.console import RunConsole
 from primerl.supervisor.process_supervisor import ChildFailed, ChildProcess, Supervisor
 from primerl.supervisor.restart_policy import RestartPolicy
@@ -47,6 +53,12 @@ STATUS_TIMEOUT_S = 2.0
 TAIL_LINES = 30
 CHECK_INTERVAL_S = 0.2
 """How often the supervising loop looks at the children (the progress line refreshes every progress_interval_s)."""
+PREFLIGHT_MARK = "preflight"
+"""The reaper's mark of the background preflight's env workers: they end with the launcher, as the roles do."""
+PREFLIGHT_WAIT_S = 150.0
+"""How long a role's failure before the preflight's verdict waits for it (its checks are bounded by
+``CHECK_TIMEOUT_S``, 120 s): a failed preflight explains the failure better than the role's log."""
+BROKER_CLIENTS = ("trainer", "orchestrator", "inference", "teacher")
 EARLY_STOP_TIMEOUT_S = 10.0
 """Before the run is under way, how long a role may take to stop (it stops at once; the bound covers a stop that
 lands in a library call that holds the signal off) before it is killed; ``--stop-timeout-s`` applies afterwards."""
@@ -65,6 +77,13 @@ class LaunchOptions:
     reaper_grace_s: float = 2.0  # from SIGTERM to SIGKILL of what a killed `primerl rl` left
     dashboard: bool = True  # serve the run's web page (`primerl dashboard`) in this process once the broker is up
     dashboard_port: int = 0  # on 127.0.0.1; 0: a free port
+    # The preflight's slow checks, run while the roles start (``cli.preflight.roles.BackgroundPreflight``): None
+    # when they ran before the start (``--preflight-first``) or not at all (``--no-preflight``).
+    preflight: object | None = None
+
+
+class PreflightFailed(Exception):
+    """The preflight's slow checks, run beside the start, found a problem: every role is stopped."""
 
 
 class Launcher:
@@ -93,6 +112,8 @@ class Launcher:
         self.budgets: dict = {}  # role -> its CPU thread budget, once the role configs are made
         self.startup_s: float | None = None
         self.dashboard = None  # the run's web page (primerl.dashboard.server.DashboardServer), once served
+        self.preflight = options.preflight  # BackgroundPreflight, until its checks passed
+        self.gate_path = self.run_dir / GATE_FILE_NAME
 
     # ----------------------------------------------------------------------------------------- helpers
     def say(self, text: str) -> None:
@@ -112,6 +133,8 @@ class Launcher:
 
     def _child(self, role: str, argv: list[str], gpu_ids: list[int] | None = None) -> ChildProcess:
         env = {**self._env(gpu_ids), **role_env(role, self.budgets[role])}
+        if role == "orchestrator" and self.options.preflight is not None:
+            env[GATE_VAR] = str(self.gate_path.resolve())  # its first rollout waits for the preflight's verdict
         child = self.supervisor.start(ChildProcess(role, argv, self.logs_dir / f"{role}.log", env))
         self.supervisor.write_pids(self.run_dir / "pids.json")
         return child
@@ -135,9 +158,15 @@ class Launcher:
         started_s = time.monotonic()
         try:
             return self._run(started_s)
+        except PreflightFailed:
+            return self._preflight_failed()
         except ChildFailed as failure:
+            if self._preflight_explains_failure():  # e.g. an orchestrator that cannot load what the preflight refused
+                return self._preflight_failed()
             return self._fail(failure.child, str(failure))
         finally:
+            if self.preflight is not None and not self.preflight.done():  # its env workers end with the run
+                process_reaper.signal_marked(self.supervisor.token, signal.SIGTERM, roles=[PREFLIGHT_MARK])
             self.supervisor.stop(timeout_s=self._stop_timeout_s(), on_kill=self._on_kill)
             self.supervisor.close()
             self._close_tmux()
@@ -166,7 +195,7 @@ class Launcher:
             return 2
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.logs_dir.mkdir(parents=True, exist_ok=True)
-        for stale in (*READY_FILE_NAMES.values(), RUN_FILE_NAME):
+        for stale in (*READY_FILE_NAMES.values(), RUN_FILE_NAME, GATE_FILE_NAME):
             (self.run_dir / stale).unlink(missing_ok=True)
         roles = config.role_configs()
         self.budgets = thread_budgets(config, roles, gpus=self.use_gpus)
@@ -180,7 +209,20 @@ class Launcher:
 
         broker_ready = ready_file_path(self.run_dir, "broker")
         broker = self._child("broker", [BIN / "primerl-broker", "@", paths["broker"], "--ready-file", broker_ready])
-        endpoints = self.supervisor.wait_ready_file(broker, broker_ready, self.options.broker_timeout_s)
+        self._start_preflight()
+        # A gRPC port fixed in the config: the others know the broker's address now and start at once (they wait
+        # for it to answer by themselves, broker.connect_timeout_s); else they learn the port it bound.
+        fixed = f"{config.broker.client_host}:{config.broker.grpc_port}" if config.broker.grpc_port else None
+        if fixed is not None and any(r in roles and roles[r].broker.address != fixed for r in BROKER_CLIENTS):
+            fixed = None  # a role dials another address (its own [role.broker] address): it waits as before
+        starting = self._start_roles(config, roles, paths) if fixed is not None else None
+        endpoints = self.supervisor.wait_ready_file(
+            broker,
+            broker_ready,
+            self.options.broker_timeout_s,
+            watch=[c for c in starting[:2] if c is not None] if starting is not None else [],
+            tick=self._look_after_starting if starting is not None else self._check_preflight,
+        )
         if endpoints is None:
             return self._interrupted()
         address = f"{config.broker.client_host}:{endpoints['grpc_port']}"
@@ -190,13 +232,42 @@ class Launcher:
         self._serve_dashboard(address)
         if endpoints.get("metrics_url"):
             self.say(f"  broker metrics at {endpoints['metrics_url']}")
-        for role in ("trainer", "orchestrator", "inference", "teacher"):
-            if role in roles and roles[role].broker.address != address:  # the others dial the port the broker bound
-                roles[role] = roles[role].model_copy(
-                    update={"broker": roles[role].broker.model_copy(update={"address": address})}
-                )
-                self.role_files.set(role, roles[role])
+        if starting is None:
+            for role in BROKER_CLIENTS:
+                if role in roles and roles[role].broker.address != address:  # they dial the port the broker bound
+                    roles[role] = roles[role].model_copy(
+                        update={"broker": roles[role].broker.model_copy(update={"address": address})}
+                    )
+                    self.role_files.set(role, roles[role])
+            starting = self._start_roles(config, roles, paths)
+        inference, teacher, orchestrator_argv, early_orchestrator, engines = starting
+        # Meanwhile a failed trainer or orchestrator is restarted (or stops the run) as during training.
+        for server in (inference, teacher):
+            if server is None:
+                continue
+            watch = [teacher] if server is inference and teacher is not None else []
+            served = self.supervisor.wait_ready_file(
+                server,
+                ready_file_path(self.run_dir, server.name),
+                self.options.inference_timeout_s,
+                watch=watch,
+                tick=self._look_after_starting,
+            )
+            if served is None:
+                return self._interrupted()
+            self.say(f"  {server.name} ready in {server.ready_s:.1f} s at {served.get('base_url')}")
+            self.restarts.pin_inference(served, server.name)
+        if not early_orchestrator:
+            self._child("orchestrator", orchestrator_argv, [])
+            why = "it runs evals" if config.orchestrator.eval is not None else "it scores with the teacher"
+            self.say(f"  orchestrator started (after {engines}: {why})")
+        self.under_way = True
+        self.say("  training ...")
+        self.startup_s = time.monotonic() - started_s
+        return self._supervise(address, started_s)
 
+    def _start_roles(self, config, roles: dict, paths: dict[str, Path]) -> tuple:
+        """Start inference (and the teacher), the trainer and, unless it must wait for them, the orchestrator."""
         inference_ready = ready_file_path(self.run_dir, "inference")
         inference = self._child(
             "inference",
@@ -221,7 +292,7 @@ class Launcher:
         trainer_argv = [BIN / "primerl-trainer", "@", paths["trainer"]]
         if num_ranks > 1:
             trainer_argv = [BIN / "torchrun", "--standalone", f"--nproc-per-node={num_ranks}", *trainer_argv]
-        early = [self._child("trainer", trainer_argv, config.trainer_gpu_ids)]
+        self._child("trainer", trainer_argv, config.trainer_gpu_ids)
         ranks = f" ({num_ranks} ranks under torchrun)" if num_ranks > 1 else ""
         orchestrator_argv = [BIN / "primerl-orchestrator", "@", paths["orchestrator"]]
         # It waits for inference workers by itself; not for a teacher (a group whose scoring finds none listed
@@ -229,36 +300,13 @@ class Launcher:
         # eval at step 0.
         early_orchestrator = config.orchestrator.eval is None and teacher is None
         if early_orchestrator:
-            early.append(self._child("orchestrator", orchestrator_argv, []))
+            self._child("orchestrator", orchestrator_argv, [])
         started = "trainer" + ranks + (" and orchestrator" if early_orchestrator else "")
         engines = "inference and the teacher" if teacher is not None else "inference"
         self.say(
             f"  starting {engines} (vLLM takes a while; log {inference.log_path}); {started} started meanwhile ..."
         )
-        # Meanwhile a failed trainer or orchestrator is restarted (or stops the run) as during training.
-        for server in (inference, teacher):
-            if server is None:
-                continue
-            watch = [teacher] if server is inference and teacher is not None else []
-            served = self.supervisor.wait_ready_file(
-                server,
-                ready_file_path(self.run_dir, server.name),
-                self.options.inference_timeout_s,
-                watch=watch,
-                tick=self.restarts.look_after_starting,
-            )
-            if served is None:
-                return self._interrupted()
-            self.say(f"  {server.name} ready in {server.ready_s:.1f} s at {served.get('base_url')}")
-            self.restarts.pin_inference(served, server.name)
-        if not early_orchestrator:
-            self._child("orchestrator", orchestrator_argv, [])
-            why = "it runs evals" if config.orchestrator.eval is not None else "it scores with the teacher"
-            self.say(f"  orchestrator started (after {engines}: {why})")
-        self.under_way = True
-        self.say("  training ...")
-        self.startup_s = time.monotonic() - started_s
-        return self._supervise(address, started_s)
+        return inference, teacher, orchestrator_argv, early_orchestrator, engines
 
     def _supervise(self, address: str, started_s: float) -> int:
         from primerl.client.control import BrokerError, ControlClient
@@ -285,6 +333,7 @@ class Launcher:
             while True:
                 if self.signal_count:
                     return self._interrupted()
+                self._check_preflight()
                 if self.restarts.look_after_children():
                     return self._finish(client, started_s)
                 now = time.monotonic()
@@ -306,6 +355,60 @@ class Launcher:
                     last_line_s, last_step = now, self.progress.step
         finally:
             client.close()
+
+    # ------------------------------------------------------------------------------------------ preflight
+    def _start_preflight(self) -> None:
+        """The preflight's slow checks in a thread, once the reaper runs: the env workers they start carry its
+        mark (set in this process's environment, which they inherit) and end with the launcher."""
+        if self.preflight is None:
+            return
+        os.environ[self.supervisor.mark_variable] = PREFLIGHT_MARK
+        self.preflight.start()
+
+    def _preflight_explains_failure(self) -> bool:
+        """A role failed: True when the preflight (waited for, bounded; a Ctrl-C ends the wait) found a problem,
+        which explains the failure better than the role's log."""
+        if self.preflight is None:
+            return False
+        deadline = time.monotonic() + PREFLIGHT_WAIT_S
+        while not self.preflight.wait(CHECK_INTERVAL_S) and time.monotonic() < deadline and not self.signal_count:
+            pass
+        try:
+            self._check_preflight()
+        except PreflightFailed:
+            return True
+        return False
+
+    def _check_preflight(self) -> None:
+        """Once the slow checks finished: open the gate (the orchestrator's first rollout waits for it), or raise
+        ``PreflightFailed``."""
+        if self.preflight is None or not self.preflight.done():
+            return
+        if self.preflight.result.errors:
+            raise PreflightFailed()
+        self.preflight.verdict()  # its warnings, if any
+        self.preflight = None
+        open_gate(self.gate_path)
+
+    def _look_after_starting(self) -> None:
+        self._check_preflight()
+        self.restarts.look_after_starting()
+
+    def _preflight_failed(self) -> int:
+        """Stop every role (none has generated a rollout: the orchestrator waits at the gate), then print the
+        preflight's lines as when it runs first; exit status 2."""
+        if self.is_tty:
+            self.out.write("\n")
+            self.out.flush()
+        started = [
+            name
+            for name in ("broker", "inference", "teacher", "trainer", "orchestrator")
+            if name in self.supervisor.children
+        ]
+        self._stop_all(list(self.supervisor.children))
+        status = self.preflight.verdict(stopped=started)
+        self.preflight = None
+        return status or 2
 
     def _write_run_file(self, address: str, run_id: str | None) -> None:
         """``RUN_DIR/run.json`` (owner-only): the broker's address and the token, for ``primerl status RUN_DIR``."""

@@ -4,6 +4,7 @@ traceback on the console, and vLLM never started (no inference log, no `inferenc
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import socket
@@ -410,10 +411,17 @@ MISTAKES = {
 }
 
 
+# Found by the checks that run before any role starts (milliseconds); the others (environments, prompts) run while
+# the roles start, unless --preflight-first (below: test_a_mistake_found_beside_the_start_stops_every_role).
+FOUND_BEFORE_THE_START = {"model path missing", "hub id not cached", "port taken"}
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("mistake", list(MISTAKES))
 def test_a_mistake_is_one_line_and_exit_2_before_vllm_starts(mistake, tiny_model, env_python, bare_python, tmp_path):
     extra, env, line = MISTAKES[mistake]
+    if mistake not in FOUND_BEFORE_THE_START:
+        extra = [*extra, "--preflight-first"]
     run_dir = tmp_path / "run"
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
@@ -436,6 +444,81 @@ def test_a_mistake_is_one_line_and_exit_2_before_vllm_starts(mistake, tiny_model
     assert not (run_dir / "logs" / "inference.log").exists() and not (run_dir / "inference.ready.json").exists()
     assert not (run_dir / "pids.json").exists()
     assert (run_dir / "logs" / "preflight.log").stat().st_size > 0
+
+
+SLOW_BROKEN_ENV = """\
+import os, time
+from pathlib import Path
+
+def load_environment(**kwargs):
+    started = Path(os.environ["WAIT_FOR_FILE"])
+    deadline = time.monotonic() + 120
+    while not started.exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    raise KeyError("missing_setting: load_environment is broken on purpose")
+"""
+
+
+@pytest.mark.slow
+def test_a_mistake_found_beside_the_start_stops_every_role(tiny_model, env_python, tmp_path):
+    """The default order: the environments load in the preflight while the roles start. An environment that
+    fails only once inference has started (it waits for inference's log) still ends the run with the one line
+    and exit status 2, every role started meanwhile stopped, and no rollout generated."""
+    run_dir = tmp_path / "run"
+    fixtures = tmp_path / "fixtures"
+    fixtures.mkdir()
+    (fixtures / "slow_broken_env.py").write_text(SLOW_BROKEN_ENV)
+    result, wall_s = primerl_rl(
+        run_dir,
+        "--model.name",
+        str(tiny_model),
+        "--orchestrator.env",
+        '[{id = "slow_broken_env"}]',
+        env={"PYTHONPATH": str(fixtures), "WAIT_FOR_FILE": str(run_dir / "logs" / "inference.log")},
+    )
+    output = result.stdout + result.stderr
+    print(f"\nexit {result.returncode} after {wall_s:.1f} s\n{output}")
+    assert result.returncode == 2, output[-4000:]
+    lines = finding_lines(result.stderr)
+    assert len(lines) == 1 and re.fullmatch(
+        r'primerl rl: orchestrator\.env\[0\] "slow_broken_env": load_environment\(\) raised KeyError: '
+        r"'missing_setting: load_environment is broken on purpose'; fix the environment.*",
+        lines[0],
+    ), output[-4000:]
+    assert "Traceback" not in output
+    assert re.search(
+        r"the preflight found 1 problem in [\d.]+ s; stopped broker, inference, trainer, orchestrator \(started "
+        r"meanwhile\) before any rollout; details in \S+preflight\.log",
+        result.stderr,
+    ), result.stderr
+    # inference had started; every process of every role is gone; no rollout was generated
+    assert (run_dir / "logs" / "inference.log").exists()
+    pids = json.loads((run_dir / "pids.json").read_text())
+    assert set(pids) == {"broker", "inference", "trainer", "orchestrator"}
+    for role, pid in pids.items():  # each role ran in a process group of its own (pid = group id)
+        with pytest.raises(ProcessLookupError):
+            os.killpg(pid, 0)
+    assert not _processes_with_environ(f"WAIT_FOR_FILE={run_dir / 'logs' / 'inference.log'}")
+    rollouts = run_dir / "rollouts.jsonl"
+    assert not rollouts.exists() or rollouts.stat().st_size == 0
+    metrics = run_dir / "metrics.jsonl"
+    assert not metrics.exists() or '"orchestrator"' not in metrics.read_text()
+
+
+def _processes_with_environ(entry: str) -> list[int]:
+    """Live processes of this user whose environment holds ``entry`` (the preflight's env workers included)."""
+    found = []
+    needle = entry.encode()
+    for name in os.listdir("/proc"):
+        if not name.isdigit() or int(name) == os.getpid():
+            continue
+        try:
+            environ = Path(f"/proc/{name}/environ").read_bytes()
+        except OSError:
+            continue
+        if needle in environ.split(b"\0"):
+            found.append(int(name))
+    return found
 
 
 @pytest.mark.slow

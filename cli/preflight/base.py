@@ -96,8 +96,11 @@ def run_checks(checks: Mapping[str, Check], *, timeout_s: float = CHECK_TIMEOUT_
     return PreflightReport(findings, time.monotonic() - started_s, times_s)
 
 
-def report(prog: str, result: PreflightReport, log_path: Path | None, err=None) -> int | None:
-    """Print one line per finding (errors first), write the details to ``log_path``; 2 when there are errors."""
+def report(
+    prog: str, result: PreflightReport, log_path: Path | None, err=None, stopped: list[str] | None = None
+) -> int | None:
+    """Print one line per finding (errors first), write the details to ``log_path``; 2 when there are errors.
+    ``stopped``: the roles that had started meanwhile and were stopped (the checks ran beside the start)."""
     err = err or sys.stderr
     for finding in result.errors + result.warnings:
         prefix = "" if finding.error else "warning: "
@@ -109,19 +112,25 @@ def report(prog: str, result: PreflightReport, log_path: Path | None, err=None) 
     where = f"; details in {log_path}" if log_path is not None else ""
     count = len(result.errors)
     print(
-        f"{prog}: the preflight found {count} problem{'s' * (count > 1)} in {result.elapsed_s:.1f} s; nothing "
-        f"was started{where}",
+        f"{prog}: the preflight found {count} problem{'s' * (count > 1)} in {result.elapsed_s:.1f} s; "
+        f"{_what_started(stopped)}{where}",
         file=err,
         flush=True,
     )
     return 2
 
 
+def _what_started(stopped: list[str] | None) -> str:
+    if not stopped:
+        return "nothing was started"
+    return f"stopped {', '.join(stopped)} (started meanwhile) before any rollout"
+
+
 def _write_log(log_path: Path, prog: str, result: PreflightReport) -> None:
     log_path.parent.mkdir(parents=True, exist_ok=True)
     times = ", ".join(f"{name} {seconds:.2f} s" for name, seconds in result.check_times_s.items())
     lines = [
-        f"{time.strftime('%Y-%m-%d %H:%M:%S')} {prog} preflight: {result.elapsed_s:.2f} s ({times}); "
+        f"{_utc_stamp()} {prog} preflight: {result.elapsed_s:.2f} s ({times}); "
         f"{len(result.errors)} errors, {len(result.warnings)} warnings"
     ]
     for finding in result.findings:
@@ -130,6 +139,13 @@ def _write_log(log_path: Path, prog: str, result: PreflightReport) -> None:
             lines.extend("    " + line for line in finding.detail.rstrip().splitlines())
     with open(log_path, "a") as log:
         log.write("\n".join(lines) + "\n")
+
+
+def _utc_stamp() -> str:
+    """Now as the roles' logs stamp their lines (ISO 8601, UTC, microseconds), so the logs line up."""
+    import datetime
+
+    return datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
 
 
 def skipped() -> bool:

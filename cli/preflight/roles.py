@@ -1,6 +1,10 @@
-"""Which preflight checks run where: every check before `primerl rl` starts a role (vLLM takes 20-100 s to
-start; a typo in an environment id should not cost that), a daemon started on its own the checks of its role
-(`run_role`). Tracebacks and the env workers' output go to a log file only; the console shows the findings.
+"""Which preflight checks run where: every check under `primerl rl`, a daemon started on its own the checks of its
+role (`run_role`). Under `primerl rl` the fast checks (paths, ports, memory, W&B: milliseconds) run before any
+role starts; the slow ones (``BESIDE_THE_START``: the environments and the teacher's tokenizer) run while the
+roles start (vLLM's import alone takes ~8 s), and the orchestrator waits for their verdict before its first
+rollout (``runtime.start_gate``); a finding stops every role, with the same lines and exit status 2.
+``--preflight-first`` runs them all before anything starts (the order before issue 31). Tracebacks and the env
+workers' output go to a log file only; the console shows the findings.
 
     checks                            primerl rl  broker  trainer/sft  orchestrator  inference
     env interpreter, environments          x                                 x
@@ -20,9 +24,10 @@ load average of 6.
 from __future__ import annotations
 
 import os
+import threading
 from pathlib import Path
 
-from primerl.cli.preflight.base import Check, report, run_checks, skipped
+from primerl.cli.preflight.base import Check, PreflightReport, report, run_checks, skipped
 
 
 def rl_checks(config) -> dict[str, Check]:
@@ -105,11 +110,66 @@ def role_preflight(prog: str, role: str, config) -> int | None:
     return report(prog, result, log_path)
 
 
+BESIDE_THE_START = frozenset({"environments", "teacher"})
+"""The slow checks (an env worker per environment, importing transformers for a tokenizer: seconds) that
+`primerl rl` runs while the roles start (`BackgroundPreflight`). The others take milliseconds and run before
+anything starts; the port and memory checks must: the roles bind those ports and vLLM takes that memory."""
+
+
 def rl_preflight(config, log_path: Path) -> int | None:
-    """The preflight of `primerl rl`; None to go on, 2 to stop."""
+    """The whole preflight of `primerl rl` (``--check``, ``--preflight-first``); None to go on, 2 to stop."""
     with _logging_to(log_path):
         result = run_checks(rl_checks(config))
     return report("primerl rl", result, log_path)
+
+
+def rl_fast_preflight(config, log_path: Path) -> int | None:
+    """The checks of `primerl rl` that run before any role starts (all but ``BESIDE_THE_START``); when one finds
+    a problem the slow ones run too, so that every mistake gets its line at once, as nothing has started yet.
+    None to go on (then ``BackgroundPreflight`` runs the rest), 2 to stop."""
+    checks = rl_checks(config)
+    with _logging_to(log_path):
+        result = run_checks({name: check for name, check in checks.items() if name not in BESIDE_THE_START})
+        if result.errors:
+            result = run_checks(checks)
+    return report("primerl rl", result, log_path)
+
+
+class BackgroundPreflight:
+    """The slow part of `primerl rl`'s preflight (``BESIDE_THE_START``), in a thread while the roles start.
+
+    ``start`` runs the checks (their log records and env workers' output go to ``log_path``, as before the
+    start); ``done`` says whether they finished; ``verdict(stopped)``, once done, prints one line per finding
+    (the same lines as the preflight before the start) and returns None to go on or 2, in which case the caller
+    has stopped the roles named in ``stopped`` first (the orchestrator waits for ``runtime.start_gate`` before
+    its first rollout, so none was generated)."""
+
+    def __init__(self, config, log_path: Path) -> None:
+        self.checks = {name: check for name, check in rl_checks(config).items() if name in BESIDE_THE_START}
+        self.log_path = log_path
+        self.result: PreflightReport | None = None
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> BackgroundPreflight:
+        self._thread = threading.Thread(target=self._run, name="preflight", daemon=True)
+        self._thread.start()
+        return self
+
+    def _run(self) -> None:
+        with _logging_to(self.log_path):
+            self.result = run_checks(self.checks)
+
+    def done(self) -> bool:
+        return self._thread is not None and not self._thread.is_alive()
+
+    def wait(self, timeout_s: float) -> bool:
+        if self._thread is not None:
+            self._thread.join(timeout_s)
+        return self.done()
+
+    def verdict(self, stopped: list[str] | None = None) -> int | None:
+        assert self.result is not None, "verdict() before the checks finished"
+        return report("primerl rl", self.result, self.log_path, stopped=stopped)
 
 
 class _logging_to:

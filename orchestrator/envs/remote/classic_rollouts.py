@@ -25,6 +25,7 @@ import concurrent.futures
 import contextvars
 import copy
 import functools
+import gc
 import importlib
 import inspect
 import logging
@@ -51,8 +52,9 @@ SCORING_ERRORS_STATE_KEY = "primerl_scoring_errors"
 EXTRA_BODY_SAMPLING_KEYS = ("top_k", "min_p", "repetition_penalty")
 LEAN_ENV = "PRIMERL_ENV_WORKER_LEAN"
 """``0`` in the env worker's environment goes back to the rollout path as it was before the per-request trims
-(verifiers' ``maybe_call_with_named_args`` reading each callee's signature on every call; the openai and httpx
-clients as they come, parsing each request's URL twice and running httpx's cookie jar). Kept for before/after
+(the loaded heap not frozen, `freeze_loaded_heap`; verifiers' ``maybe_call_with_named_args`` reading each
+callee's signature on every call; the openai and httpx clients as they come, parsing each request's URL twice and
+running httpx's cookie jar). Kept for before/after
 benches (``bench/rollout_path.py --compare-lean``); results are the same either way."""
 URL_CACHE_SIZE = 64
 SIGNATURE_CACHE_SIZE = 4096
@@ -90,6 +92,23 @@ def import_verifiers() -> Any:
     if lean():
         install_named_args_cache()
     return vf
+
+
+def freeze_loaded_heap() -> bool:
+    """Once the environment and its datasets are loaded: collect, then move every object alive to the
+    collector's permanent generation (``gc.freeze``), when `lean`; True when it froze.
+
+    Loading verifiers and an environment leaves ~320,000 objects tracked by the cyclic collector, and every
+    full collection, triggered by the allocations of the rollouts, walked them all again: the env worker's CPU per
+    rollout was 1.42-1.60 ms with them and 1.07-1.18 ms frozen (reverse-text, 8 groups x 8 at a time against a
+    local stub server, three runs each). What is loaded stays loaded for the worker's life, so nothing that
+    could be freed is kept; objects made later are collected as before. vLLM's engine core does the same
+    after its start-up."""
+    if not lean():
+        return False
+    gc.collect()
+    gc.freeze()
+    return True
 
 
 # The verifiers modules that call `maybe_call_with_named_args` through a module-level name (verifiers 0.3.1).

@@ -62,6 +62,7 @@ from typing import Any  # noqa: E402
 from primerl.orchestrator.envs.remote.classic_rollouts import (  # noqa: E402
     BadRequest,
     error_info,
+    freeze_loaded_heap,
     import_verifiers,
     model_client_shards,
     rollout_output,
@@ -178,6 +179,7 @@ class ClassicEnvWorker:
             self.env, self.env_id, self.env_args = env, env_id, args
             log.info("loaded %s (%s) in %.1f s", env_id, type(env).__name__, time.monotonic() - started)
         train, evals = self.env.build_dataset(), self.env.build_eval_dataset()
+        freeze_loaded_heap()
         return {
             "env_id": self.env_id,
             "env_class": type(self.env).__name__,

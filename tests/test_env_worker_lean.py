@@ -1,7 +1,7 @@
-"""The env worker's per-request trims (`classic_rollouts`): the lean model clients (`_lean_http_client_class`,
-`_lean_openai_class`: the same requests reach the server, no cookies are kept, URLs are parsed once) and the
-cached `maybe_call_with_named_args` (the same calls as verifiers' own); `PRIMERL_ENV_WORKER_LEAN=0` goes back to
-verifiers' function and the clients as they come.
+"""The env worker's per-request trims (`classic_rollouts`): the collector's heap frozen after `load`
+(`freeze_loaded_heap`), the lean model clients (`_lean_http_client_class`, `_lean_openai_class`: the same requests
+reach the server, no cookies are kept, URLs are parsed once) and the cached `maybe_call_with_named_args` (the same
+calls as verifiers' own); `PRIMERL_ENV_WORKER_LEAN=0` goes back to all of it as it was.
 
 Runs a probe in the environments' interpreter (it has verifiers, openai and httpx-aiohttp; primerl is importable
 there only through `classic_worker.py`'s path set-up) against a real HTTP server on 127.0.0.1 that sets a cookie on
@@ -243,3 +243,41 @@ def test_cached_named_args_calls_give_what_verifiers_own_function_gives() -> Non
     # the lambda); the callable object and the partial are read each time
     assert lean["cached"] == 7
     assert before["cached"] == 0
+
+
+FREEZE_PROBE = textwrap.dedent(
+    """
+    import gc, json, sys
+
+    sys.path.insert(0, sys.argv[1])
+    import classic_worker
+
+    worker = classic_worker.ClassicEnvWorker(lambda line: None)
+    before = gc.get_freeze_count()
+    answer = worker.op_load({"env_id": "reverse-text", "args": {}})
+    print(json.dumps({"before": before, "after": gc.get_freeze_count(), "examples": answer["num_examples"]}))
+    """
+)
+
+
+@pytest.mark.parametrize("lean", [None, "0"])
+def test_loading_the_environment_freezes_what_it_loaded(lean: str | None) -> None:
+    """After `load` the objects verifiers and the environment left are in the collector's permanent generation
+    (full collections no longer walk them); `PRIMERL_ENV_WORKER_LEAN=0` leaves the collector as it is."""
+    env = {k: v for k, v in os.environ.items() if k != "PRIMERL_ENV_WORKER_LEAN"}
+    if lean is not None:
+        env["PRIMERL_ENV_WORKER_LEAN"] = lean
+    probe = subprocess.run(
+        [ENV_PYTHON, "-c", FREEZE_PROBE, str(WORKER_SCRIPT.parent)],
+        capture_output=True,
+        text=True,
+        timeout=180,
+        env=env,
+    )
+    assert probe.returncode == 0, probe.stderr[-3000:]
+    result = json.loads(probe.stdout.strip().splitlines()[-1])
+    assert result["before"] == 0 and result["examples"] > 0
+    if lean is None:
+        assert result["after"] > 10_000  # verifiers, datasets and the environment: ~300,000 objects
+    else:
+        assert result["after"] == 0

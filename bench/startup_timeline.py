@@ -36,7 +36,7 @@ TINY_MODEL = ROOT / "runs" / "demo" / "tiny-model"
 ORDERS = {"parallel": [], "preflight-first": ["--preflight-first"]}
 
 LINE = re.compile(r"^(\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d(?:\.\d+)?)Z \[\s*\w+\s*\] (.+?)(?:\s{2,}\[|\s*$)")
-PREFLIGHT_LINE = re.compile(r"^(\S+) primerl rl preflight: ([\d.]+) s")
+PREFLIGHT_LINE = re.compile(r"^(\S+|\d{4}-\d\d-\d\d \d\d:\d\d:\d\d) primerl rl preflight: ([\d.]+) s")
 
 # (label, log file, event) in the order they usually happen; the first line of the event in that log
 LOG_MILESTONES = [
@@ -79,7 +79,10 @@ def preflight_end(log_path: Path) -> float | None:
         match = PREFLIGHT_LINE.match(line)
         if match:
             stamp = match.group(1)
-            end = _unix(stamp.rstrip("Z")) if "T" in stamp else None
+            if "T" in stamp:
+                end = _unix(stamp.rstrip("Z"))
+            else:  # before issue 31: local time, whole seconds
+                end = time.mktime(time.strptime(stamp, "%Y-%m-%d %H:%M:%S"))
     return end
 
 
@@ -103,12 +106,47 @@ def milestones(run_dir: Path, timeline: primerl_runs.RunTimeline) -> dict[str, f
     return out
 
 
-def run_once(model: Path, work: Path, order: str, index: int, timeout_s: float) -> dict[str, float | None]:
+def run_once(
+    model: Path, work: Path, order: str, index: int, timeout_s: float, before: Path | None = None
+) -> dict[str, float | None]:
+    """One run; ``order`` "before": the code of ``--before REV`` (a clone whose package directory is ``before``,
+    put first on PYTHONPATH, so the venv's entry points import it), else this tree with ``ORDERS[order]``."""
     run_dir = work / f"{order}-{index}"
-    timeline = primerl_runs.run_primerl(
-        str(model), run_dir, max_steps=3, timeout_s=timeout_s, overrides=ORDERS[order], what=f"primerl rl ({order})"
-    )
-    return milestones(run_dir, timeline)
+    if order != "before":
+        timeline = primerl_runs.run_primerl(
+            str(model), run_dir, max_steps=3, timeout_s=timeout_s, overrides=ORDERS[order], what=f"primerl rl ({order})"
+        )
+        return milestones(run_dir, timeline)
+    assert before is not None
+    cmd = [
+        str(primerl_runs.PRIMERL),
+        "rl",
+        "@",
+        str(primerl_runs.RL_CONFIG),
+        "--model.name",
+        str(model),
+        "--output-dir",
+        str(run_dir),
+        "--max-steps",
+        "3",
+        "--broker.grpc-port",
+        str(primerl_runs.free_port()),
+    ]
+    log_path = run_dir.parent / f"{run_dir.name}.log"
+    extra_env = {"PYTHONPATH": str(before.parent)}
+    launch = primerl_runs.run_child(cmd, log_path, timeout_s, "primerl rl (before)", extra_env=extra_env)
+    return milestones(run_dir, primerl_runs.read_primerl_timeline(run_dir, launch, time.time()))
+
+
+def clone_before(rev: str, work: Path) -> Path:
+    """This repository at ``rev`` in ``work/before/primerl`` (the package's name, for PYTHONPATH)."""
+    import subprocess
+
+    target = work / "before" / "primerl"
+    if not target.exists():
+        subprocess.run(["git", "clone", "-q", str(ROOT), str(target)], check=True)
+    subprocess.run(["git", "-C", str(target), "checkout", "-q", rev], check=True)
+    return target
 
 
 def summarize(runs: list[dict[str, float | None]]) -> dict[str, tuple[float, float, float] | None]:
@@ -138,6 +176,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--runs", type=int, default=3, help="runs per order (default %(default)d)")
     parser.add_argument("--compare", action="store_true", help="also the old order (--preflight-first), interleaved")
     parser.add_argument("--model", type=Path, default=None, help="model (default: the SFT checkpoint, else tiny)")
+    parser.add_argument(
+        "--before",
+        metavar="REV",
+        default=None,
+        help="also the code at git REV (a clone, imported through PYTHONPATH), interleaved",
+    )
     parser.add_argument("--trl", action="store_true", help="also TRL GRPOTrainer's launch to end of step 1")
     parser.add_argument("--work-dir", type=Path, default=None, help="where the runs go (default: a temp dir)")
     parser.add_argument("--timeout-s", type=float, default=300.0, help="per run (default %(default)g)")
@@ -149,13 +193,17 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     work = args.work_dir or Path(tempfile.mkdtemp(prefix="startup-timeline-"))
     orders = ["preflight-first", "parallel"] if args.compare else ["parallel"]
+    before = None
+    if args.before:
+        before = clone_before(args.before, work)
+        orders.insert(0, "before")
     results: dict[str, list[dict[str, float | None]]] = {order: [] for order in orders}
     trl: list[float] = []
     loads = [loadavg()]
     for index in range(args.runs):
         for order in orders if index % 2 == 0 else orders[::-1]:  # ABBA: drifting load hits both alike
             started = time.monotonic()
-            results[order].append(run_once(model, work, order, index, args.timeout_s))
+            results[order].append(run_once(model, work, order, index, args.timeout_s, before))
             step1 = results[order][-1]["end of step 1 (metrics.jsonl)"]
             print(
                 f"run {index} {order}: end of step 1 at {step1 or float('nan'):.1f} s "
@@ -178,16 +226,18 @@ def main(argv: list[str] | None = None) -> int:
     for key in summaries[orders[0]]:
         print(f"{key:42s}" + "".join(f"{fmt(summaries[order][key]):>22s}" for order in orders))
     end_key = "end of step 1 (metrics.jsonl)"
-    if args.compare:
+    for base in ("preflight-first", "before"):
+        if base not in results:
+            continue
         pairs = [
             (a[end_key], b[end_key])
-            for a, b in zip(results["preflight-first"], results["parallel"])
+            for a, b in zip(results[base], results["parallel"])
             if a[end_key] is not None and b[end_key] is not None
         ]
         if pairs:
             ratios = [b / a for a, b in pairs]
             print(
-                f"end of step 1, parallel / preflight-first, paired: median {statistics.median(ratios):.2f} "
+                f"end of step 1, parallel / {base}, paired: median {statistics.median(ratios):.2f} "
                 f"(range {min(ratios):.2f}-{max(ratios):.2f}, {len(ratios)} pairs)"
             )
     if trl:

@@ -637,3 +637,42 @@ def test_under_primerl_rl_the_roles_skip_theirs(monkeypatch):
     assert role_preflight("primerl-infer", "inference", config) is None
     monkeypatch.delenv("PRIMERL_SKIP_PREFLIGHT")
     assert role_preflight("primerl-infer", "inference", config) == 2
+
+
+def test_the_start_gate_opens_on_the_launchers_file_and_a_stop_ends_the_wait(monkeypatch, tmp_path):
+    """The orchestrator's side of the preflight run beside the start (``runtime.start_gate``)."""
+    import threading
+
+    from primerl.runtime.start_gate import GATE_VAR, open_gate, wait_for_gate
+
+    stop = threading.Event()
+    monkeypatch.delenv(GATE_VAR, raising=False)
+    assert wait_for_gate(stop)  # not under `primerl rl` (or the preflight ran first): nothing to wait for
+    gate = tmp_path / "run" / "preflight.passed"
+    monkeypatch.setenv(GATE_VAR, str(gate))
+    opener = threading.Timer(0.3, open_gate, args=(gate,))
+    started_s = time.monotonic()
+    opener.start()
+    assert wait_for_gate(stop) and gate.exists()
+    assert time.monotonic() - started_s >= 0.25  # it did wait for the file
+    gate.unlink()
+    stopper = threading.Timer(0.2, stop.set)
+    stopper.start()
+    assert wait_for_gate(stop) is False  # a stop signal while waiting: no rollout, the orchestrator stops
+    opener.join()
+    stopper.join()
+
+
+def test_the_slow_checks_are_the_ones_run_beside_the_start(tiny_model, tmp_path):
+    """Ports and memory must be checked before the roles bind them and vLLM takes it; the environments and the
+    teacher's tokenizer (seconds) run beside the start."""
+    from primerl.cli.preflight.roles import BESIDE_THE_START, BackgroundPreflight, rl_checks
+    from primerl.configs.rl import RLConfig
+    from primerl.runtime.config_loader import load_config
+
+    config = load_config(RLConfig, [EXAMPLE], {"model.name": str(tiny_model), "output_dir": str(tmp_path / "run")})
+    names = set(rl_checks(config))
+    assert {"ports", "memory", "model"} <= names - BESIDE_THE_START
+    assert "environments" in BESIDE_THE_START
+    background = BackgroundPreflight(config, tmp_path / "preflight.log")
+    assert set(background.checks) == names & BESIDE_THE_START and not background.done()

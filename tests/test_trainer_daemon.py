@@ -45,6 +45,7 @@ def test_trainer_trains_publishes_checkpoints_and_commits(model_dir, broker, tmp
     assert [r["ckpt/saved"] for r in rows] == [0.0, 1.0, 1.0]
     assert all(np.isfinite(r[telemetry.TRAIN_LOSS]) and r[telemetry.TRAIN_NUM_MICRO_BATCHES] == 2 for r in rows)
     assert broker.service.weight_store.latest_version == 3  # one policy version per step, all accepted
+    assert broker.service.weight_store.lineage == 1  # the lineage the broker gave it, not its clock's microseconds
     status = broker.service.registry.run_status(broker.service.data_plane_status())
     assert status.last_committed_step == 3 and status.trainer_step == 3
     assert status.last_metrics[telemetry.TRAIN_LOSS] == pytest.approx(rows[-1][telemetry.TRAIN_LOSS])
@@ -92,6 +93,7 @@ def test_resume_continues_the_same_loss_curve(model_dir, make_broker, tmp_path):
         model_dir, broker.grpc_address, tmp_path / "resumed", "--max-steps", "4", "--ckpt.interval", "2"
     )
     assert second.returncode == 0, second.stderr[-3000:]
+    assert broker.service.weight_store.lineage == 2  # the resumed incarnation was given the next lineage
     expected = [r[telemetry.TRAIN_LOSS] for r in trainer_rows(tmp_path / "straight")]
     resumed = [r[telemetry.TRAIN_LOSS] for r in trainer_rows(tmp_path / "resumed")]
     assert [r["step"] for r in trainer_rows(tmp_path / "resumed")] == [1, 2, 3, 4]
@@ -204,6 +206,7 @@ def test_two_trainer_ranks_under_torchrun_match_one(model_dir, make_broker, tmp_
     )
     assert two.returncode == 0, two.stderr[-3000:]
     assert two_broker.service.weight_store.latest_version == 2
+    assert two_broker.service.weight_store.lineage == 1  # only rank 0 (the publisher) was given a lineage
     one_losses = [r[telemetry.TRAIN_LOSS] for r in trainer_rows(tmp_path / "one-out")]
     two_losses = [r[telemetry.TRAIN_LOSS] for r in trainer_rows(tmp_path / "two-out")]
     print(f"two - one rank: {np.subtract(two_losses, one_losses).tolist()}; {machine_description()}")

@@ -148,14 +148,20 @@ def main(argv: list[str] | None = None) -> int:
     )
     section.line()
     multi = len(modes) > 1
+    # A random model's groups mostly have equal rewards: count them toward the batch (as part g does), so that a
+    # step generates one batch, not ~4 until 64 rollouts carry signal.
+    model_flags = ["--orchestrator.constant-trainer-batch-size", "false"] if args.model_100m else []
+    if model_flags:
+        section.line(f"100M runs with `{' '.join(model_flags)}` (as part g): one batch generated per step.")
+        section.line()
     variants = [
-        (f"{level}, {mode}" if multi else str(level), level, ["--cpu-sharing", mode])
+        (f"{level}, {mode}" if multi else str(level), level, ["--cpu-sharing", mode, *model_flags])
         for mode in modes
         for level in levels
     ]
     variants.sort(key=lambda v: v[1])  # rotation: level 0 in each mode, then level 1, ...
     if args.control:
-        variants.append((CONTROL, 1, ["--cpu-sharing", modes[0], "--trainer.optim.lr", str(CONTROL_LR)]))
+        variants.append((CONTROL, 1, ["--cpu-sharing", modes[0], *model_flags, "--trainer.optim.lr", str(CONTROL_LR)]))
     runs: dict[str, list[RunTimeline]] = {label: [] for label, _, _ in variants}
     errors: dict[str, str] = {}
     status = 0

@@ -63,6 +63,9 @@ from report import Section, Stats, fmt, save_bars, save_curves, target_line  # n
 SAMPLES_PER_STEP = 64
 EVAL_ESTIMATE_S = 60.0  # one held-out eval (vLLM start-up and 200 rollouts), two run at once
 MODEL_100M_ARGS = ["--hidden", "768", "--layers", "12", "--heads", "12", "--kv-heads", "4", "--intermediate", "3072"]
+G_PRIMERL_OVERRIDES = ["--orchestrator.constant-trainer-batch-size", "false"]
+"""Part g, primerl: zero-advantage groups count toward the batch as in TRL (a random model's groups mostly have
+equal rewards: with prime-rl's default primerl would generate until 64 rollouts with signal, ~4x TRL's work)."""
 TRL_SETTINGS = (
     "per_device_train_batch_size=64, num_generations=8, gradient_accumulation_steps=1, "
     "max_completion_length=24, temperature=1.0, top_p=1.0, top_k=0, use_vllm=False, beta=0.0, "
@@ -384,7 +387,8 @@ def part_g(args: argparse.Namespace, section: Section, raw: dict) -> None:
         f"Model: `primerl init-tiny-model DIR {' '.join(MODEL_100M_ARGS)}` ({params}), random weights, "
         f"{args.steps} steps per run, {args.repeats} run(s) of each, the same settings as part a "
         "(every completion runs to 24 tokens: a random model rarely stops). samples/s = 64 / steady wall per "
-        "step (start-up excluded)."
+        f"step (start-up excluded). primerl with `{' '.join(G_PRIMERL_OVERRIDES)}`: groups whose rewards are all "
+        "equal (most of a random model's) count toward the 64 as in TRL, instead of being replaced by new ones."
     )
     section.line()
     modes = [m.strip() for m in args.cpu_sharing.split(",") if m.strip()]
@@ -414,7 +418,7 @@ def part_g(args: argparse.Namespace, section: Section, raw: dict) -> None:
                     work / f"primerl-{mode}-{repeat}",
                     args.steps,
                     args.run_timeout_s,
-                    overrides=["--cpu-sharing", mode],
+                    overrides=["--cpu-sharing", mode, *G_PRIMERL_OVERRIDES],
                     what=f"primerl rl 100M cpu_sharing={mode} (repeat {repeat})",
                 )
             )

@@ -105,7 +105,7 @@ PARTS = [
     Part(
         "f",
         "async_levels.py",
-        ["--cpu-sharing", "shared,split", "--steps", "10"],
+        ["--cpu-sharing", "shared,split", "--steps", "8"],
         720,
         360,
         420,
@@ -134,7 +134,16 @@ PARTS = [
     ),
     Part("h", "v1_rollouts.py", [], 480, 240, 180, needs_sft=True, own=True),
     # Issue 31: CPU seconds per step by process and the cores' idle time, in both `cpu_sharing` modes.
-    Part("cpu", "cpu_per_process.py", ["--cpu-sharing", "shared,split"], 600, 300, 240, needs_sft=True, own=True),
+    Part(
+        "cpu",
+        "cpu_per_process.py",
+        ["--cpu-sharing", "shared,split", "--from-step", "4", "--steps", "10"],
+        600,
+        300,
+        240,
+        needs_sft=True,
+        own=True,
+    ),
     Part("i", "batch_semantics.py", [], 900, 420, 600, needs_sft=True, own=True),
 ]
 

@@ -46,6 +46,7 @@ from primerl.broker.registry_errors import (
     BrokerStopping,
     CommitFailed,
     CommitResult,
+    InvalidRequest,
     LimitReached,
     NameTaken,
     StateNotSaved,
@@ -72,6 +73,10 @@ from primerl.broker.worker_record import (
 )
 from primerl.proto.roles import TRAINING_FINISHED_REASON
 from primerl.proto.v1 import common_pb2, control_pb2
+
+MAX_POLICY_LINEAGE = 1 << 62
+"""Above every lineage a broker hands out (a counter) or a trainer before the counter sent (unix microseconds,
+~1.8e15): a re-registration naming a larger one is refused, so the counter can never run out of uint64."""
 
 
 # ------------------------------------------------------------------------------------------- registry
@@ -258,6 +263,11 @@ class WorkerRegistry(WatchedState):
         restarted broker never hands it out again."""
         if request.role != common_pb2.ROLE_TRAINER or request.rank != 0:
             return 0
+        if request.policy_lineage >= MAX_POLICY_LINEAGE:
+            raise InvalidRequest(
+                f"policy_lineage {request.policy_lineage} is not one a broker hands out (< {MAX_POLICY_LINEAGE}); "
+                "register with the lineage the broker gave this trainer, or 0 for a new one"
+            )
         with self._lock:
             self._refuse_if_closed_locked()
             if request.policy_lineage:

@@ -19,8 +19,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from primerl.broker.registry import WorkerRegistry
-from primerl.broker.registry_errors import StateNotSaved
+from primerl.broker.registry import MAX_POLICY_LINEAGE, WorkerRegistry
+from primerl.broker.registry_errors import InvalidRequest, StateNotSaved
 from primerl.broker.run_state import RUN_STATE_FILE, RunState, RunStateFile
 from primerl.client.control import ControlClient
 from primerl.client.weights import LineageSuperseded
@@ -215,6 +215,9 @@ def test_only_trainer_rank_0_gets_a_lineage_and_each_new_one_is_larger(tmp_path)
     assert register(registry, "c", lineage=first).policy_lineage == first
     assert register(registry, "d", lineage=second + 100).policy_lineage == second + 100
     assert register(registry, "e").policy_lineage == second + 101
+    with pytest.raises(InvalidRequest, match="policy_lineage"):
+        register(registry, "f", lineage=MAX_POLICY_LINEAGE)
+    assert register(registry, "g").policy_lineage == second + 102
 
 
 def test_the_counter_is_restored_and_stays_above_the_weight_stores_lineage(tmp_path):

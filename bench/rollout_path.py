@@ -23,6 +23,11 @@ the demo's SFT checkpoint gives shorter answers), then, in every repeat, side by
   load) is not counted. The daemon is used rather than the runner's pieces in process because what is slow is
   the daemon's loop itself.
 
+With ``--compare-lean``, every repeat also measures the env worker alone with the per-request trims off
+(``PRIMERL_ENV_WORKER_LEAN=0``: the worker as it was before them, see
+``primerl.orchestrator.envs.remote.classic_rollouts.LEAN_ENV``) beside the default one, in alternating order, and
+reports both workers' CPU per rollout and rollouts/s with the paired ratios.
+
 The ratio orchestrator / plain client is taken per repeat (both measured minutes apart at most), then
 min/median/max over repeats; target (c) is met when the median ratio is >= 0.7. The orchestrator's mean
 ``perf/...`` phase times over the measured steps are printed too. Every process started here is stopped on exit.
@@ -44,6 +49,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from primerl.orchestrator.envs.remote.classic_rollouts import LEAN_ENV
 from primerl.proto import telemetry
 
 TOKEN = "bench-token"
@@ -290,10 +296,27 @@ def ratio_stats(values: list[float]) -> str:
 def report(results: list[dict[str, Any]], args: argparse.Namespace, load_before: str, load_after: str) -> str:
     plain = [r["plain"] for r in results]
     env = [r["env"] for r in results]
-    orch = [r["orch"]["rollouts_per_s"] for r in results]
+    with_orch = all("orch" in r for r in results)
+    orch = [r["orch"]["rollouts_per_s"] for r in results] if with_orch else []
     env_ratio = [e / p for e, p in zip(env, plain)]
     orch_ratio = [o / p for o, p in zip(orch, plain)]
-    met = statistics.median(orch_ratio) >= TARGET_RATIO
+    met = with_orch and statistics.median(orch_ratio) >= TARGET_RATIO
+    lean_lines = []
+    if results and "env_before" in results[0]:
+        cpu_ratio = [r["env_cpu"] / r["env_before_cpu"] for r in results]
+        rate_ratio = [r["env"] / r["env_before"] for r in results]
+        lean_lines = [
+            "",
+            "Env worker with the per-request trims (default) vs without (`PRIMERL_ENV_WORKER_LEAN=0`), same rounds,",
+            "alternating order (min / median / max):",
+            "",
+            "| env worker | rollouts/s | CPU ms per rollout |",
+            "|---|---|---|",
+            f"| trims off (before) | {stats([r['env_before'] for r in results])} | "
+            f"{stats([1000 * r['env_before_cpu'] for r in results])} |",
+            f"| trims on (default) | {stats(env)} | {stats([1000 * r['env_cpu'] for r in results])} |",
+            f"| ratio on / off | {ratio_stats(rate_ratio)} | {ratio_stats(cpu_ratio)} |",
+        ]
     lines = [
         "## (c) Rollout path: orchestrator vs a plain async HTTP client on the same primerl-infer",
         "",
@@ -302,19 +325,30 @@ def report(results: list[dict[str, Any]], args: argparse.Namespace, load_before:
         f"Work: {NUM_EXAMPLES} reverse-text prompts x {ROLLOUTS_PER_EXAMPLE} = 64 completions of up to {MAX_TOKENS} "
         f"tokens per round/step; {args.repeats} repeats (min / median / max); mean completion tokens: plain "
         f"{statistics.mean(r['plain_tokens'] for r in results):.1f}, env worker "
-        f"{statistics.mean(r['env_tokens'] for r in results):.1f}, orchestrator "
-        f"{statistics.mean(r['orch']['mean_length'] for r in results):.1f}",
+        f"{statistics.mean(r['env_tokens'] for r in results):.1f}"
+        + (f", orchestrator {statistics.mean(r['orch']['mean_length'] for r in results):.1f}" if with_orch else ""),
         "",
         "| path | rollouts/s (min / median / max) | ratio to plain client | target |",
         "|---|---|---|---|",
         f"| plain async HTTP client (httpx, 64-way, `/v1/completions`) | {stats(plain)} | 1 | |",
         f"| env worker alone (verifiers 0.3.1, 8 groups x 8 at once) | {stats(env)} | {ratio_stats(env_ratio)} | |",
-        f"| orchestrator daemon (env worker, scoring, advantages, packing, send) | {stats(orch)} | "
-        f"{ratio_stats(orch_ratio)} | >= {TARGET_RATIO}: **{'met' if met else 'missed'}** |",
+        *(
+            [
+                f"| orchestrator daemon (env worker, scoring, advantages, packing, send) | {stats(orch)} | "
+                f"{ratio_stats(orch_ratio)} | >= {TARGET_RATIO}: **{'met' if met else 'missed'}** |"
+            ]
+            if with_orch
+            else ["| orchestrator daemon | not run (`--no-orchestrator`) | | |"]
+        ),
         "",
         f"Env worker CPU per rollout: {stats([1000 * r['env_cpu'] for r in results])} ms.  ",
+        *lean_lines,
     ]
-    perf = {k: statistics.mean(r["orch"]["perf"][k] for r in results) for k in results[-1]["orch"]["perf"]}
+    perf = (
+        {k: statistics.mean(r["orch"]["perf"][k] for r in results) for k in results[-1]["orch"]["perf"]}
+        if with_orch
+        else {}
+    )
     if perf:
         lines.append(
             "Orchestrator phase times (mean per step over the measured steps): "
@@ -334,6 +368,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--steps", type=int, default=6, help="Measured orchestrator steps of 64 per repeat.")
     parser.add_argument("--model", type=Path, default=None, help="Model dir (default: a fresh tiny model).")
     parser.add_argument("--markdown", type=Path, default=None, help="Write the section (markdown) to this file.")
+    parser.add_argument(
+        "--compare-lean",
+        action="store_true",
+        help="Also measure the env worker alone without its per-request trims (PRIMERL_ENV_WORKER_LEAN=0).",
+    )
+    parser.add_argument("--no-orchestrator", action="store_true", help="Skip the orchestrator daemon's runs.")
     args = parser.parse_args(argv)
     if args.repeats < 1 or args.rounds < 1 or args.steps < 1:
         parser.error("--repeats, --rounds and --steps must be >= 1")
@@ -355,7 +395,7 @@ def main(argv: list[str] | None = None) -> int:
 
     load_before = loadavg()
     work_dir = Path(tempfile.mkdtemp(prefix="rollout-bench-"))
-    broker = daemon = worker = None
+    broker = daemon = worker = worker_before = None
     try:
         model_dir = args.model
         if model_dir is None:
@@ -368,6 +408,9 @@ def main(argv: list[str] | None = None) -> int:
         model = str(model_dir)
         worker = ClassicEnvClient(ENV_PYTHON, "reverse-text", {})
         worker.start()
+        if args.compare_lean:
+            worker_before = ClassicEnvClient(ENV_PYTHON, "reverse-text", {}, extra_env={LEAN_ENV: "0"})
+            worker_before.start()
         tokenizer = AutoTokenizer.from_pretrained(model_dir)
         examples = worker.examples("train", 0, NUM_EXAMPLES)
         texts = [tokenizer.apply_chat_template(e.prompt, add_generation_prompt=True, tokenize=False) for e in examples]
@@ -375,24 +418,34 @@ def main(argv: list[str] | None = None) -> int:
         results = []
         for repeat in range(args.repeats):
             plain, plain_tokens = asyncio.run(plain_rounds(daemon.base_url, model, prompts, args.rounds))
-            env, env_tokens, env_cpu = env_worker_rounds(worker, daemon.base_url, model, args.rounds)
-            orch = orchestrator_run(work_dir, model_dir, broker_address, args.steps, repeat)
-            results.append(
-                {
-                    "plain": plain,
-                    "plain_tokens": plain_tokens,
-                    "env": env,
-                    "env_tokens": env_tokens,
-                    "env_cpu": env_cpu,
-                    "orch": orch,
-                }
+            result: dict[str, Any] = {"plain": plain, "plain_tokens": plain_tokens}
+            if worker_before is not None and repeat % 2 == 0:
+                result["env_before"], _, result["env_before_cpu"] = env_worker_rounds(
+                    worker_before, daemon.base_url, model, args.rounds
+                )
+            result["env"], result["env_tokens"], result["env_cpu"] = env_worker_rounds(
+                worker, daemon.base_url, model, args.rounds
             )
-            print(
-                f"repeat {repeat + 1}: plain {plain:.1f}/s, env worker {env:.1f}/s ({1000 * env_cpu:.1f} ms CPU per "
-                f"rollout), orchestrator {orch['rollouts_per_s']:.1f}/s (ratio {orch['rollouts_per_s'] / plain:.2f}); "
-                f"load {loadavg()}",
-                flush=True,
+            if worker_before is not None and repeat % 2 == 1:
+                result["env_before"], _, result["env_before_cpu"] = env_worker_rounds(
+                    worker_before, daemon.base_url, model, args.rounds
+                )
+            if not args.no_orchestrator:
+                result["orch"] = orchestrator_run(work_dir, model_dir, broker_address, args.steps, repeat)
+            results.append(result)
+            line = (
+                f"repeat {repeat + 1}: plain {plain:.1f}/s, env worker {result['env']:.1f}/s "
+                f"({1000 * result['env_cpu']:.2f} ms CPU per rollout)"
             )
+            if "env_before" in result:
+                line += (
+                    f", env worker without the trims {result['env_before']:.1f}/s "
+                    f"({1000 * result['env_before_cpu']:.2f} ms CPU per rollout)"
+                )
+            if "orch" in result:
+                orch_rate = result["orch"]["rollouts_per_s"]
+                line += f", orchestrator {orch_rate:.1f}/s (ratio {orch_rate / plain:.2f})"
+            print(f"{line}; load {loadavg()}", flush=True)
         section = report(results, args, load_before, loadavg())
         print()
         print(section)
@@ -401,8 +454,9 @@ def main(argv: list[str] | None = None) -> int:
             args.markdown.write_text(section)
         return 0
     finally:
-        if worker is not None:
-            worker.close()
+        for env_worker in (worker, worker_before):
+            if env_worker is not None:
+                env_worker.close()
         if daemon is not None:
             daemon.stop()
         if broker is not None:

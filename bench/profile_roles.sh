@@ -8,7 +8,10 @@
 # Starts the demo's RL run from the given model, waits for the trainer's 3rd step, then records DUR seconds of
 # raw (collapsed) stacks at 100 Hz from the trainer, orchestrator, inference and broker daemons (with native
 # frames: OpenMP/BLAS show up) and from the env worker, then stops the run. Sampling pauses the processes a
-# little: the step times of a profiled run are not the bench's.
+# little: the step times of a profiled run are not the bench's. Where a request's CPU goes in a role:
+#   .venv/bin/python bench/pyspy_summary.py OUT_DIR/env_worker.txt --active --inclusive --top 40
+# The run without the per-request trims (docs/performance.md, "Per-request CPU"), for a before/after:
+#   PRIMERL_ENV_WORKER_LEAN=0 PRIMERL_INFER_GC_FREEZE=0 bench/profile_roles.sh MODEL_DIR runs/profile-before
 set -euo pipefail
 cd "$(dirname "$0")/.."
 MODEL=${1:?usage: bench/profile_roles.sh MODEL_DIR [OUT_DIR]}

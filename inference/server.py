@@ -186,23 +186,6 @@ def _keep_root_logging() -> Any:
             handler.setLevel(handler_level)
 
 
-GC_FREEZE_ENV = "PRIMERL_INFER_GC_FREEZE"
-"""``0``: the HTTP server's process leaves the cyclic collector as it is once serving (see `freeze_started_heap`)."""
-
-
-def freeze_started_heap() -> bool:
-    """Once the server is serving: move every object alive (vLLM, torch, transformers, the app and the engine
-    client: ~620,000 objects) to the collector's permanent generation, so that the full collections the requests'
-    allocations trigger stop walking them again; True when it froze (`GC_FREEZE_ENV` not ``0``). vLLM's engine
-    core does the same after its start-up; `InferenceServer.stop` unfreezes. No full collection first (vLLM's
-    ``freeze_gc_heap`` does one): it took 0.44 s here, on the way to the first rollout; what garbage is alive at
-    this moment stays until `stop` (once, a bounded amount)."""
-    if os.environ.get(GC_FREEZE_ENV, "1").strip() == "0":
-        return False
-    gc.freeze()
-    return True
-
-
 class StalledHealthMiddleware:
     """Pure ASGI: ``GET /health`` answers 503 with why while ``stalled_fn()`` says the engine is stalled
     (``inference.engine_watchdog``; vLLM's own /health only checks that the engine has not died), so that a load
@@ -294,8 +277,6 @@ class InferenceServer:
         self._serve_task: asyncio.Task | None = None
         self.stalled_fn: Callable[[], str | None] = lambda: None
         """Why the engine cannot serve now (None: it can); set by the daemon's watchdog. /health answers 503 then."""
-        self.froze_heap = False
-        """True while the collector's heap is frozen (`freeze_started_heap`)."""
         self.drops_seeds = False
         """True when per-request seeds are removed from requests (`DropSeedMiddleware`): on CPU when the engine
         runs with chunked prefill on (primerl turns it off there where it can)."""
@@ -389,7 +370,6 @@ class InferenceServer:
             await self.stop()
             raise
         self.start_s = time.monotonic() - t0
-        self.froze_heap = freeze_started_heap()
         log.info(
             "serving",
             url=self.address.base_url,
@@ -398,7 +378,6 @@ class InferenceServer:
             start_s=round(self.start_s, 1),
             pause_mode=self.pause_mode,
             drops_seeds=self.drops_seeds,
-            froze_heap=self.froze_heap,
             routes=sorted(self._paths(app)),
         )
         return self.address
@@ -464,7 +443,4 @@ class InferenceServer:
         await self._exit_stack.aclose()  # engine shutdown (AsyncLLM.shutdown), socket close
         # Drop the references now: AsyncLLM.__del__ shuts down again, which fails at interpreter exit.
         self.engine = self.app = self._uvicorn = None
-        if self.froze_heap:
-            gc.unfreeze()  # what was frozen at the start can be collected now
-            self.froze_heap = False
         gc.collect()

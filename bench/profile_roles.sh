@@ -11,7 +11,7 @@
 # little: the step times of a profiled run are not the bench's. Where a request's CPU goes in a role:
 #   .venv/bin/python bench/pyspy_summary.py OUT_DIR/env_worker.txt --active --inclusive --top 40
 # The run without the per-request trims (docs/performance.md, "Per-request CPU"), for a before/after:
-#   PRIMERL_ENV_WORKER_LEAN=0 PRIMERL_INFER_GC_FREEZE=0 bench/profile_roles.sh MODEL_DIR runs/profile-before
+#   PRIMERL_ENV_WORKER_LEAN=0 bench/profile_roles.sh MODEL_DIR runs/profile-before
 set -euo pipefail
 cd "$(dirname "$0")/.."
 MODEL=${1:?usage: bench/profile_roles.sh MODEL_DIR [OUT_DIR]}

@@ -135,6 +135,11 @@ def rl_fast_preflight(config, log_path: Path) -> int | None:
     return report("primerl rl", result, log_path)
 
 
+BACKGROUND_NICE = 10
+"""The niceness of the checks run beside the start: they use the CPU that vLLM's import (the longest path to the
+first rollout) leaves idle, rather than slowing it (2 cores: measured in bench/startup_timeline.py)."""
+
+
 class BackgroundPreflight:
     """The slow part of `primerl rl`'s preflight (``BESIDE_THE_START``), in a thread while the roles start.
 
@@ -156,6 +161,10 @@ class BackgroundPreflight:
         return self
 
     def _run(self) -> None:
+        try:  # Linux: this thread only, and what it starts (its check threads, the env workers)
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), BACKGROUND_NICE)
+        except OSError:
+            pass
         with _logging_to(self.log_path):
             self.result = run_checks(self.checks)
 

@@ -316,6 +316,7 @@ def report(results: list[dict[str, Any]], args: argparse.Namespace, load_before:
             f"{stats([1000 * r['env_before_cpu'] for r in results])} |",
             f"| trims on (default) | {stats(env)} | {stats([1000 * r['env_cpu'] for r in results])} |",
             f"| ratio on / off | {ratio_stats(rate_ratio)} | {ratio_stats(cpu_ratio)} |",
+            "",
         ]
     lines = [
         "## (c) Rollout path: orchestrator vs a plain async HTTP client on the same primerl-infer",

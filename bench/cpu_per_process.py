@@ -45,6 +45,7 @@ PROCESS_NAMES = (
     ("primerl-orchestrator", "orchestrator"),
     ("primerl-broker", "broker"),
     ("primerl rl", "launcher (primerl rl)"),
+    ("process_reaper", "process reaper"),
 )
 
 

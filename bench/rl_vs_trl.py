@@ -382,6 +382,15 @@ def part_g(args: argparse.Namespace, section: Section, raw: dict) -> None:
     for line in (work / "init-model.log").read_text().splitlines():
         if "parameters" in line:
             params = line.strip()
+    if params == "?":  # the model was there already: count its parameters
+        from safetensors import safe_open
+
+        count = 0
+        for path in model_dir.glob("*.safetensors"):
+            with safe_open(str(path), "np") as weights:
+                for name in weights.keys():
+                    count += math.prod(weights.get_slice(name).get_shape())
+        params = f"{count:,} parameters ({count / 1e6:.2f} M)" if count else "?"
     prompts = write_prompts(work / "prompts.jsonl", args.steps * 8, args.work_dir / "a")
     section.line(
         f"Model: `primerl init-tiny-model DIR {' '.join(MODEL_100M_ARGS)}` ({params}), random weights, "

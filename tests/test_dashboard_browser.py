@@ -39,6 +39,7 @@ REWARD_POINTS = (
     ".dataset.points)"
 )
 WORKERS = "[...document.querySelectorAll('#workers-table tbody tr')].map(r => [...r.cells].map(c => c.textContent))"
+QUEUES = WORKERS.replace("#workers-table", "#queues-table")
 
 
 def run_env() -> dict[str, str]:
@@ -111,6 +112,11 @@ def test_a_live_run_and_then_its_directory_in_a_real_browser(tiny_model, tmp_pat
             latest = int(browser.eval("document.getElementById('run-version').textContent").removeprefix("policy v"))
             assert served >= 1 and 0 <= lag <= latest, (rows, latest)
             assert {"orchestrator", "trainer"} <= {r[1] for r in rows}, rows
+            # the queues table: sizes in binary units, capacities as items and bytes
+            queues = browser.eval(QUEUES)
+            assert queues and all(
+                re.fullmatch(r"\d+ items / \d+\.\d\d (KiB|MiB|GiB|TiB)|\d+ items / \d+ B", q[3]) for q in queues
+            ), queues
             # the reward curve: one point per orchestrator step reported so far
             points = browser.wait_for(f"{REWARD_POINTS} >= 2 && {REWARD_POINTS}", 60)
             done = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]

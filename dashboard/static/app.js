@@ -51,6 +51,19 @@ async function getJSON(path) {
   return response.json();
 }
 
+function fmtBytes(value) {
+  // 2147483648 -> "2.00 GiB"; below 1 KiB the byte count itself.
+  if (value === null || value === undefined || Number.isNaN(value)) return "–";
+  const units = ["KiB", "MiB", "GiB", "TiB"];
+  let scaled = value;
+  let unit = -1;
+  while (Math.abs(scaled) >= 1024 && unit < units.length - 1) {
+    scaled /= 1024;
+    unit += 1;
+  }
+  return unit < 0 ? `${value} B` : `${scaled.toFixed(2)} ${units[unit]}`;
+}
+
 function fmt(value, digits) {
   if (value === null || value === undefined || Number.isNaN(value)) return "–";
   if (typeof value !== "number") return String(value);
@@ -234,7 +247,12 @@ function showWorkers(data) {
 function showQueues(data) {
   fillTable(
     "queues-table",
-    data.queues.map((q) => [q.name, q.num_items, fmt(Number(q.num_bytes)), `${q.capacity_items} items / ${fmt(Number(q.capacity_bytes))} bytes`]),
+    data.queues.map((q) => [
+      q.name,
+      q.num_items,
+      fmtBytes(Number(q.num_bytes)),
+      `${q.capacity_items} items / ${fmtBytes(Number(q.capacity_bytes))}`,
+    ]),
   );
   document.getElementById("rates").textContent =
     `rollout batches/s ${fmt(data.rollout_batches_per_s, 2)} · rollout bytes/s ${fmt(data.rollout_bytes_per_s, 0)} · ` +

@@ -25,10 +25,13 @@ the end of the run (``request_shutdown``): ``run_progress.RunProgress``.
 
 Policy lineages (one per trainer incarnation, ``WeightUpdateHeader.lineage``) are handed out here, not read from a
 clock: trainer rank 0's first ``register`` gets ``policy_lineage``, one above every lineage handed out before (the
-run state's counter, durable before the answer) and above the lineage the weight store holds (a run dir from before
+run state's counter, written before the answer) and above the lineage the weight store holds (a run dir from before
 the counter holds time-based lineages); its re-registrations (a broker restart, the broker forgot it) name that
 lineage and get it back. A restarted trainer's lineage is then larger than its predecessors' whatever its host's
-clock says.
+clock says. A run state that cannot be written (a full spool disk) does not keep the trainer out (its commits are
+what free the spool): the lineage is handed out, the broker's recent errors say it is not saved yet, and the
+periodic saver writes it once it can. A broker restarted before then resumes above the weight store's lineage, and
+the trainer's re-registration names its lineage again.
 
 Gray failures: a heartbeat's ``not_serving`` reason is the worker's state (it cannot serve now: its engine
 stalled), not an error: the worker is listed with ``serving = "false"`` until a heartbeat without one
@@ -49,7 +52,6 @@ from primerl.broker.registry_errors import (
     InvalidRequest,
     LimitReached,
     NameTaken,
-    StateNotSaved,
     StepOutOfOrder,
     WorkerNotFound,
 )
@@ -259,8 +261,8 @@ class WorkerRegistry(WatchedState):
     def _policy_lineage_of(self, request: control_pb2.RegisterRequest) -> int:
         """The policy lineage a registering worker gets: for trainer rank 0 a new one (above every lineage the run
         knows), or the one it names (a re-registration of the same incarnation); 0 for every other worker. A new or
-        larger lineage is written to the run state before the answer (``StateNotSaved`` when it cannot be), so a
-        restarted broker never hands it out again."""
+        larger lineage is written to the run state before the answer, so a restarted broker never hands it out
+        again; when the write fails it is handed out all the same (module doc) and the saver retries."""
         if request.role != common_pb2.ROLE_TRAINER or request.rank != 0:
             return 0
         if request.policy_lineage >= MAX_POLICY_LINEAGE:
@@ -284,10 +286,8 @@ class WorkerRegistry(WatchedState):
             try:
                 self._persist_now()
             except OSError as err:
-                raise StateNotSaved(
-                    f"the broker could not write its run state ({err}) to record policy lineage {lineage}; "
-                    "registering again retries"
-                ) from err
+                message = f"policy lineage {lineage} handed out but not saved yet ({err}); the run state saver retries"
+                self.record_error("broker", message)
         return lineage
 
     def heartbeat(self, request: control_pb2.HeartbeatRequest) -> control_pb2.HeartbeatResponse:

@@ -42,13 +42,6 @@ class BrokerStopping(RegistryError):
     status_code = "UNAVAILABLE"
 
 
-class StateNotSaved(RegistryError):
-    """The run state that must be durable before the answer (a trainer's new policy lineage) could not be written:
-    nothing was registered; the worker retries."""
-
-    status_code = "UNAVAILABLE"
-
-
 class CommitFailed(RegistryError):
     """The ``on_commit`` callback (releasing spooled batches) failed; the step is not committed."""
 

@@ -20,8 +20,8 @@ import pytest
 import torch
 
 from primerl.broker.registry import MAX_POLICY_LINEAGE, WorkerRegistry
-from primerl.broker.registry_errors import InvalidRequest, StateNotSaved
-from primerl.broker.run_state import RUN_STATE_FILE, RunState, RunStateFile
+from primerl.broker.registry_errors import InvalidRequest
+from primerl.broker.run_state import RUN_STATE_FILE, RunState, RunStateFile, RunStateSaver
 from primerl.client.control import ControlClient
 from primerl.client.weights import LineageSuperseded
 from primerl.configs.trainer import ModelConfig
@@ -227,15 +227,25 @@ def test_the_counter_is_restored_and_stays_above_the_weight_stores_lineage(tmp_p
     assert registry.run_state()[1].policy_lineage == 42
 
 
-def test_a_lineage_that_cannot_be_written_registers_nothing(tmp_path):
-    def refuse(revision: int, state: RunState) -> None:
-        raise OSError(28, "No space left on device")
+def test_a_lineage_that_cannot_be_written_yet_is_handed_out_and_saved_later(tmp_path):
+    """A full spool disk must not keep the trainer out: its commits are what free the spool."""
+    disk_full = [True]
+    saved: list[RunState] = []
 
-    registry = WorkerRegistry("run", 1.0, 3, persist=refuse)
-    with pytest.raises(StateNotSaved, match="No space left on device"):
-        register(registry, "trainer-rank0")
-    assert registry.list_workers() == []
-    assert register(registry, "infer-0", role=common_pb2.ROLE_INFERENCE).worker_id  # nothing else needs the write
+    def persist(revision: int, state: RunState) -> None:
+        if disk_full[0]:
+            raise OSError(28, "No space left on device")
+        saved.append(state)
+
+    registry = WorkerRegistry("run", 1.0, 3, persist=persist)
+    assert register(registry, "trainer-rank0").policy_lineage == 1
+    errors = list(registry.run_status().recent_errors)
+    assert any("policy lineage 1 handed out but not saved yet" in e and "No space left" in e for e in errors), errors
+    disk_full[0] = False
+    saver = RunStateSaver(registry.run_state, RunStateFile(tmp_path), interval_s=10)
+    assert saver.save_once()  # the periodic saver writes it once the disk takes it
+    assert RunStateFile(tmp_path).load().policy_lineage == 1
+    assert register(registry, "trainer-rank0-again").policy_lineage == 2 and saved[-1].policy_lineage == 2
 
 
 def test_run_state_reads_a_file_without_the_counter_and_refuses_a_bad_one():

@@ -93,7 +93,7 @@ class BrokerServicer:
         """Caller: every daemon, once at start and again after the broker forgot it (heartbeat NOT_FOUND).
         Errors: INVALID_ARGUMENT (role unspecified, empty name, a policy_lineage no broker hands out), ALREADY_EXISTS (a
         live worker with the same name; the caller must pick another name or wait for the old one to expire),
-        UNAVAILABLE (stopping, or a trainer's new lineage could not be written to the run state: retry),
+        UNAVAILABLE (stopping: retry),
         UNAUTHENTICATED.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)

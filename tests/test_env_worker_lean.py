@@ -92,12 +92,14 @@ PROBE = textwrap.dedent(
 )
 
 
-def _probe(lean: str | None) -> dict:
+def _run_in_env_python(script: str, lean: str | None) -> dict:
+    """``script`` run by the env interpreter with ``PRIMERL_ENV_WORKER_LEAN`` unset or set to ``lean``; the JSON
+    of its last line."""
     env = {k: v for k, v in os.environ.items() if k != "PRIMERL_ENV_WORKER_LEAN"}
     if lean is not None:
         env["PRIMERL_ENV_WORKER_LEAN"] = lean
     probe = subprocess.run(
-        [ENV_PYTHON, "-c", PROBE, str(WORKER_SCRIPT.parent)],
+        [ENV_PYTHON, "-c", script, str(WORKER_SCRIPT.parent)],
         capture_output=True,
         text=True,
         timeout=120,
@@ -105,6 +107,10 @@ def _probe(lean: str | None) -> dict:
     )
     assert probe.returncode == 0, probe.stderr[-3000:]
     return json.loads(probe.stdout.strip().splitlines()[-1])
+
+
+def _probe(lean: str | None) -> dict:
+    return _run_in_env_python(PROBE, lean)
 
 
 def test_lean_clients_send_the_same_requests_without_cookies_and_reuse_the_url() -> None:
@@ -197,18 +203,7 @@ NAMED_ARGS_PROBE = textwrap.dedent(
 
 
 def _named_args_probe(lean: str | None) -> dict:
-    env = {k: v for k, v in os.environ.items() if k != "PRIMERL_ENV_WORKER_LEAN"}
-    if lean is not None:
-        env["PRIMERL_ENV_WORKER_LEAN"] = lean
-    probe = subprocess.run(
-        [ENV_PYTHON, "-c", NAMED_ARGS_PROBE, str(WORKER_SCRIPT.parent)],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        env=env,
-    )
-    assert probe.returncode == 0, probe.stderr[-3000:]
-    return json.loads(probe.stdout.strip().splitlines()[-1])
+    return _run_in_env_python(NAMED_ARGS_PROBE, lean)
 
 
 def test_cached_named_args_calls_give_what_verifiers_own_function_gives() -> None:

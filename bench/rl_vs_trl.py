@@ -188,7 +188,8 @@ def part_a(args: argparse.Namespace, section: Section, raw: dict) -> None:
     max_trl_steps = 4000
     prompts = write_prompts(work / "prompts.jsonl", max_trl_steps * 8, work)
     section.line(
-        f"SFT checkpoint `{args.sft}`; {args.steps} steps per run, {args.repeats} run(s) of each trainer, "
+        f"CPU: {cpu_phrase()}. SFT checkpoint `{args.sft}`; {args.steps} steps per run, {args.repeats} run(s) of "
+        "each trainer, "
         "alternating primerl / TRL so that each pair shares the machine's load. primerl: "
         f"`{PRIMERL.relative_to(ROOT)} rl @ examples/reverse_text_rl.toml --model.name SFT --max-steps "
         f"{args.steps}` (the demo's config: max_async_level 1, default loss, 4 daemons + vLLM). TRL "

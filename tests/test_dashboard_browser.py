@@ -104,7 +104,7 @@ def test_a_live_run_and_then_its_directory_in_a_real_browser(tiny_model, tmp_pat
             assert len(seen) >= 2 and seen == sorted(seen, key=int), seen
             assert browser.eval("document.getElementById('run-state').textContent") == "training"
             # the workers table lists the inference worker, alive, at the version it serves
-            serving = f"(rows => rows.some(r => r[1] === 'inference' && r[4] !== '–') && rows)({WORKERS})"
+            serving = f"(rows => rows.some(r => r[1] === 'inference' && Number(r[4]) >= 1) && rows)({WORKERS})"
             rows = browser.wait_for(serving, 30)
             inference = [r for r in rows if r[1] == "inference"]
             assert len(inference) == 1 and inference[0][3] == "alive", rows

@@ -103,15 +103,20 @@ class WorkerRegistry(WatchedState):
         persist: Callable[[int, RunState], object] | None = None,
         end_of_run_grace_s: float = 0.0,
         policy: WeightFanout | None = None,
+        orchestrator_finish_s: float = 0.0,
     ):
         if heartbeat_interval_s <= 0:
             raise ValueError(f"heartbeat_interval_s must be > 0, got {heartbeat_interval_s}")
         if liveness < 1:
             raise ValueError(f"liveness must be >= 1, got {liveness}")
-        if end_of_run_grace_s < 0:
-            raise ValueError(f"end_of_run_grace_s must be >= 0, got {end_of_run_grace_s}")
+        if end_of_run_grace_s < 0 or orchestrator_finish_s < 0:
+            raise ValueError(
+                f"end_of_run_grace_s and orchestrator_finish_s must be >= 0, got {end_of_run_grace_s}, "
+                f"{orchestrator_finish_s}"
+            )
         super().__init__(max_recent_errors)
         self.end_of_run_grace_s = end_of_run_grace_s
+        self.orchestrator_finish_s = orchestrator_finish_s
         self.run_id = run_id
         self.heartbeat_interval_s = heartbeat_interval_s
         self.liveness = liveness
@@ -314,10 +319,26 @@ class WorkerRegistry(WatchedState):
             return control_pb2.HeartbeatResponse(
                 latest_policy_version=latest.version,
                 last_committed_step=self._progress.last_committed_step,
-                shutdown_requested=self._progress.tells_workers_to_stop(self._clock()),
+                shutdown_requested=self._tells_to_stop_locked(worker),
                 policy_lineage=latest.lineage,
                 lineage_base_version=latest.lineage_base_version,
             )
+
+    def _tells_to_stop_locked(self, worker: WorkerRecord) -> bool:
+        """Whether ``worker``'s heartbeat answers ``shutdown_requested``: from the end-of-run grace on, except that
+        an inference or teacher worker is kept while an orchestrator is still at work (its eval at the last step
+        uses them), for at most ``orchestrator_finish_s`` more."""
+        now = self._clock()
+        if not self._progress.tells_workers_to_stop(now):
+            return False
+        if worker.role not in (common_pb2.ROLE_INFERENCE, common_pb2.ROLE_TEACHER):
+            return True
+        if now >= self._progress.stop_workers_at + self.orchestrator_finish_s:
+            return True
+        return not any(
+            w.role == common_pb2.ROLE_ORCHESTRATOR and w.state == ALIVE and now - w.last_seen <= self.timeout_s
+            for w in self._workers.values()
+        )
 
     def deregister(self, worker_id: str, reason: str = "") -> bool:
         """Mark the worker LEFT (kept in status). Deregistering twice is harmless.

@@ -59,6 +59,9 @@ log = get_logger("primerl.broker")
 # the last policy to reach the inference workers, and for a supervisor that ends the run itself (``primerl rl``
 # stops the roles once it has seen the trainer exit) to do so first. Past it, the roles stop within ~10 s.
 END_OF_RUN_GRACE_S = 10.0
+# Past the grace, inference and teacher workers are kept this much longer while an orchestrator is still at work:
+# its eval at the last step runs after the trainer took that step. An orchestrator that has left (or is lost) ends it.
+ORCHESTRATOR_FINISH_S = 600.0
 WEIGHTS_SUBDIR = "weights"  # <spool_dir>/weights: the durable weight chain (``broker/weight_durable.py``)
 
 
@@ -138,6 +141,7 @@ class BrokerService:
             step_window=self._step_window,
             persist=self._persist_run_state,
             end_of_run_grace_s=END_OF_RUN_GRACE_S,
+            orchestrator_finish_s=ORCHESTRATOR_FINISH_S,
             policy=self.weight_fanout,
         )
         self.run_state_file: RunStateFile | None = None

@@ -55,9 +55,9 @@ CHECK_INTERVAL_S = 0.2
 """How often the supervising loop looks at the children (the progress line refreshes every progress_interval_s)."""
 PREFLIGHT_MARK = "preflight"
 """The reaper's mark of the background preflight's env workers: they end with the launcher, as the roles do."""
-PREFLIGHT_WAIT_S = 150.0
+PREFLIGHT_WAIT_S = 180.0
 """How long a role's failure before the preflight's verdict waits for it (its checks are bounded by
-``CHECK_TIMEOUT_S``, 120 s): a failed preflight explains the failure better than the role's log."""
+``CHECK_TIMEOUT_S``, 150 s): a failed preflight explains the failure better than the role's log."""
 BROKER_CLIENTS = ("trainer", "orchestrator", "inference", "teacher")
 EARLY_STOP_TIMEOUT_S = 10.0
 """Before the run is under way, how long a role may take to stop (it stops at once; the bound covers a stop that
@@ -70,6 +70,9 @@ class LaunchOptions:
     inference_timeout_s: float = 300.0
     stop_timeout_s: float = 30.0
     final_version_timeout_s: float = 30.0
+    # Once the trainer finished, how long an orchestrator still at work (its eval at the last step) may finish
+    # before it is stopped (the broker keeps inference for it as long: ``broker.service.ORCHESTRATOR_FINISH_S``).
+    orchestrator_finish_timeout_s: float = 600.0
     tmux: bool = False
     progress_interval_s: float = 1.0
     plain_interval_s: float = 10.0  # a new progress line at most this often when stdout is not a terminal
@@ -491,6 +494,7 @@ class Launcher:
             time.sleep(0.2)
         if self.is_tty:
             self.out.write("\n")
+        self._wait_for_orchestrator()
         stop_timeout_s = self.options.stop_timeout_s
         self.supervisor.stop(["orchestrator", "inference", "teacher"], timeout_s=stop_timeout_s, on_kill=self._on_kill)
         self.supervisor.stop(["broker"], timeout_s=stop_timeout_s, on_kill=self._on_kill)  # last: the others deregister
@@ -511,6 +515,20 @@ class Launcher:
             )
         )
         return 0
+
+    def _wait_for_orchestrator(self) -> None:
+        """Let an orchestrator that is still at work once the trainer finished end by itself (bounded): it runs
+        its eval at the last step after sending that step, and stopping it, or inference under it, cut the eval."""
+        child = self.supervisor.children.get("orchestrator")
+        if child is None or child.poll() is not None:
+            return
+        eval_config = self.config.orchestrator.eval
+        max_steps = self.config.orchestrator.max_steps
+        if eval_config is not None and max_steps is not None and max_steps % eval_config.interval == 0:
+            self.say("  the trainer finished; waiting for the orchestrator's eval at the last step")
+        deadline = time.monotonic() + self.options.orchestrator_finish_timeout_s
+        while child.poll() is None and time.monotonic() < deadline and not self.signal_count:
+            time.sleep(CHECK_INTERVAL_S)
 
     def _stop_timeout_s(self) -> float:
         """How long a role may take to stop: ``stop_timeout_s`` once the run is under way (a step's publish,

@@ -304,6 +304,39 @@ def test_request_shutdown_tells_heartbeating_workers_to_stop(registry):
     assert heartbeat(registry, worker_id).shutdown_requested
 
 
+def test_at_the_end_of_a_run_inference_is_kept_while_the_orchestrator_is_still_at_work(clock):
+    """The orchestrator's eval at the last step runs after the trainer took that step: its inference and teacher
+    workers are told to stop only once it left, was lost, or ``orchestrator_finish_s`` passed."""
+
+    def ended(*names):
+        registry = WorkerRegistry("r", 1.0, 3, clock=clock, end_of_run_grace_s=10.0, orchestrator_finish_s=100.0)
+        ids = [register(registry, name, role) for name, role in names]
+        registry.request_shutdown(grace_s=10.0)
+        return registry, ids
+
+    def beat_for(registry, seconds, *ids):  # every second, as workers do (liveness: 3 s)
+        for _ in range(int(seconds)):
+            clock.advance(1.0)
+            answers = [heartbeat(registry, worker_id).shutdown_requested for worker_id in ids]
+        return answers
+
+    registry, (infer, teacher, orchestrator) = ended(
+        ("infer-0", INFER), ("teacher-0", common_pb2.ROLE_TEACHER), ("orchestrator", ORCH)
+    )
+    assert beat_for(registry, 10, infer, teacher, orchestrator) == [False, False, True]  # the orchestrator: told
+    registry.deregister(orchestrator, "stopped")  # its last step's eval done, it leaves
+    assert beat_for(registry, 1, infer, teacher) == [True, True]
+
+    registry, (infer, orchestrator) = ended(("infer-0", INFER), ("orchestrator", ORCH))
+    assert beat_for(registry, 10, infer, orchestrator) == [False, True]
+    assert beat_for(registry, 3, infer) == [False]
+    assert beat_for(registry, 1, infer) == [True]  # the orchestrator has not heartbeated for 4 s: lost
+
+    registry, (infer, orchestrator) = ended(("infer-0", INFER), ("orchestrator", ORCH))
+    assert beat_for(registry, 109, infer, orchestrator) == [False, True]
+    assert beat_for(registry, 1, infer, orchestrator) == [True, True]  # held 100 s past the grace at most
+
+
 def test_gone_workers_are_bounded(clock):
     registry = WorkerRegistry("r", 1.0, 1, clock=clock, max_gone_workers=3)
     for i in range(10):

@@ -87,12 +87,20 @@ def assert_no_child_left(run_dir: Path) -> None:
 @pytest.mark.vllm
 def test_a_short_run_trains_every_step_and_inference_serves_the_last_policy(tiny_model, tmp_path):
     run_dir = tmp_path / "run"
-    result, wall_s = primerl_rl(tiny_model, run_dir, "--max-steps", "3", timeout_s=RUN_TIMEOUT_S)
+    # An eval at the last step that outlasts the trainer's last step (the orchestrator runs it after sending that
+    # step): it must not be cut by the end of the run (the launcher and the broker wait for the orchestrator).
+    final_eval = '{interval = 3, num_examples = 200, rollouts_per_example = 8, env = [{id = "reverse-text"}]}'
+    result, wall_s = primerl_rl(
+        tiny_model, run_dir, "--max-steps", "3", "--orchestrator.eval", final_eval, timeout_s=RUN_TIMEOUT_S
+    )
     output = result.stdout + result.stderr
     assert result.returncode == 0, output[-6000:]
     assert "run finished: 3 steps" in result.stdout, output[-6000:]
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows if r["role"] == "trainer"] == [1, 2, 3]
+    [final] = [r for r in rows if r["role"] == "orchestrator" and "eval/reverse-text/num_rollouts" in r]
+    assert final["step"] == 3 and final["eval/reverse-text/num_rollouts"] == 1600, final
+    assert final["eval/reverse-text/errors"] == 0, final
     assert [r["step"] for r in rows if r["role"] == "orchestrator"][:2] == [1, 2]
     # The async bound held: no batch trained on samples more than max_async_level (1) versions old.
     lags = [r[telemetry.ASYNC_OFF_POLICY_LAG_MAX] for r in rows if telemetry.ASYNC_OFF_POLICY_LAG_MAX in r]

@@ -17,7 +17,7 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 
 SKIP_VAR = "PRIMERL_SKIP_PREFLIGHT"
-CHECK_TIMEOUT_S = 120.0
+CHECK_TIMEOUT_S = 150.0
 """A check still running after this is reported as a warning and the start goes on (env workers bound their
 own start at `preflight_envs.ENV_START_TIMEOUT_S`, so this is a backstop)."""
 

@@ -16,8 +16,10 @@ from typing import Any
 
 from primerl.cli.preflight.base import Check, Finding, error, warning
 
-ENV_START_TIMEOUT_S = 60.0
-"""An env worker that has not loaded its environment by then is reported (the run would wait 120 s for it)."""
+ENV_START_TIMEOUT_S = 120.0
+"""An env worker that has not loaded its environment by then is reported: the bound the orchestrator's own env
+workers start under. The preflight runs beside the roles' start (sharing the cores, at a lower priority), so a
+shorter bound failed runs on a loaded machine that the orchestrator would have started."""
 NUM_SAMPLED_PROMPTS = 8
 """Prompts per environment measured against seq_len, spread evenly over its dataset."""
 INSTALL_HINT = "Install yours with `primerl env install PATH`."

@@ -333,3 +333,34 @@ def test_a_rewritten_file_is_read_again_from_its_start(tmp_path):
     items, next_index = tail.since(5)
     assert next_index == 1 < 5  # the reader sees the index went back, and reads again from 0
     assert [item["n"] for item in tail.since(0)[0]] == [100]
+
+
+def test_ctrl_c_stops_the_command_while_a_page_holds_its_connection_open(tmp_path):
+    """A browser keeps its HTTP/1.1 connection open between polls; Ctrl-C must not wait for it to let go."""
+    import http.client
+    import re
+    import signal
+    import subprocess
+    import sys
+
+    run_dir = write_run_dir(tmp_path / "run")
+    argv = [str(Path(sys.executable).parent / "primerl"), "dashboard", str(run_dir), "--no-broker"]
+    process = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    connection = None
+    try:
+        line = process.stdout.readline()
+        match = re.search(r"at http://127\.0\.0\.1:(\d+)/\?token=(\S+)", line)
+        assert match, line + (process.stdout.read() if process.poll() is not None else "")
+        connection = http.client.HTTPConnection("127.0.0.1", int(match[1]), timeout=20)
+        connection.request("GET", "/api/run", headers={"Authorization": f"Bearer {match[2]}"})
+        response = connection.getresponse()
+        assert response.status == 200 and response.getheader("Connection") != "close"
+        response.read()  # the connection stays open, as a polling page's does
+        process.send_signal(signal.SIGINT)
+        assert process.wait(20) == 0  # the stdlib server's default joined the open connection's thread here
+    finally:
+        if connection is not None:
+            connection.close()
+        if process.poll() is None:
+            process.kill()
+            process.wait(10)

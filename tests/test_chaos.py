@@ -70,6 +70,19 @@ def test_plan_of_mode_separate_kills_the_relay_worker_mid_relay_first():
     assert steps_needed(relayed) == steps_needed(plain) + 2
 
 
+def test_plan_of_mode_rl_also_kills_the_launcher_once_and_keeps_the_other_kills_in_their_order():
+    from chaos.plan import LAUNCHER
+
+    for seed in (1, 2, 3):
+        plain, with_launcher = make_plan(seed, full=True), make_plan(seed, full=True, launcher=True)
+        [launcher] = [k for k in with_launcher if k.role == LAUNCHER]
+        assert launcher.moment == "random" and launcher.gap_steps in (1, 2)
+        assert [k for k in with_launcher if k.role != LAUNCHER] == plain
+        assert make_plan(seed, full=True, launcher=True) == with_launcher  # seeded
+    places = {[k.role for k in make_plan(seed, full=True, launcher=True)].index(LAUNCHER) for seed in range(1, 30)}
+    assert len(places) > 2, places  # not always at the same place
+
+
 def test_lineage_follows_checkpoints_back_and_counts_a_rolled_back_step_as_retrained(tmp_path):
     done = lambda s: _line(telemetry.STEP_DONE, step=s, data_digest=f"d{s}")  # noqa: E731
     saved = lambda s: _line(telemetry.CHECKPOINT_SAVED, step=s)  # noqa: E731

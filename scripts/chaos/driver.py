@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from primerl.proto import telemetry
 
 from .logs import Event, LogFollower
-from .plan import KillSpec
+from .plan import LAUNCHER, KillSpec
 from .procs import Exit, describe, marked_processes
 from .runs import BIN, CKPT_INTERVAL, RELAY_ROLE, ROLES, RlBackend, RunSpec, SeparateBackend, base_env
 
@@ -23,12 +23,13 @@ STATUS_POLL_S = 0.5
 RECOVERY_BOUND_S = 240.0  # a kill whose role is not back by then: the next kill is armed anyway
 FINAL_VERSION_TIMEOUT_S = 60.0
 LEFTOVER_GRACE_S = 5.0
-RECOVERED_BY = {
-    "broker": "broker serving",
-    "inference": "inference worker ready",
-    "orchestrator": "registered with the broker",
-    "trainer": "registered with the broker",
-    RELAY_ROLE: "relay worker ready",
+RECOVERED_BY = {  # killed role -> the (role, event) that says it is back
+    "broker": ("broker", "broker serving"),
+    "inference": ("inference", "inference worker ready"),
+    "orchestrator": ("orchestrator", "registered with the broker"),
+    "trainer": ("trainer", "registered with the broker"),
+    RELAY_ROLE: (RELAY_ROLE, "relay worker ready"),
+    LAUNCHER: ("trainer", "registered with the broker"),  # the relaunched `primerl rl` got as far as training
 }
 
 
@@ -292,7 +293,7 @@ class Driver:
         for event in new_events:
             if event.at_s < kill.at_s:
                 continue
-            if kill.recovered_s is None and event.role == kill.spec.role and event.name == RECOVERED_BY[kill.spec.role]:
+            if kill.recovered_s is None and (event.role, event.name) == RECOVERED_BY[kill.spec.role]:
                 kill.recovered_s = event.at_s - kill.at_s
             if kill.next_step_s is None and event.role == "trainer" and event.name == telemetry.STEP_DONE:
                 kill.next_step_s = event.at_s - kill.at_s

@@ -29,6 +29,7 @@ import psutil
 from primerl.proto.ready_file import read_ready_file, ready_file_path
 from primerl.supervisor.process_supervisor import start_in_own_session
 
+from .plan import LAUNCHER
 from .procs import MARKER_ENV, Exit, Unit
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -70,6 +71,7 @@ RELAY_READY_TIMEOUT_S = 60.0
 DEFAULT_RESTART_SEC = {"broker": 2.0, "inference": 5.0, "orchestrator": 5.0, "trainer": 5.0}
 BROKER_READY_TIMEOUT_S = 60.0
 RL_STOP_TIMEOUT_S = 90.0
+LAUNCHER_ROLES_GONE_S = 15.0  # after `primerl rl`'s SIGKILL, how long its roles may take to go (its reaper: ~2 s)
 
 
 def free_port() -> int:
@@ -269,6 +271,7 @@ class RlBackend:
         self.killed: set[int] = set()
         self._exits: list[Exit] = []
         self.trainer_finished = False  # set by the driver once the trainer logged "training finished"
+        self.killed_launchers: list[int] = []  # `primerl rl` processes the harness killed (and started again)
 
     def start(self) -> None:
         spec = self.spec
@@ -318,16 +321,40 @@ class RlBackend:
         return new
 
     def pid(self, role: str) -> int | None:
+        if role == LAUNCHER:
+            process = self.process
+            return process.pid if process is not None and process.poll() is None else None
         pid = self._pids().get(role)
         return pid if pid is not None and self._alive(pid) else None
 
     def kill(self, role: str) -> int | None:
+        if role == LAUNCHER:
+            return self._kill_launcher()
         pid = self.pid(role)
         if pid is None:
             return None
         self.killed.add(pid)
         os.kill(pid, signal.SIGKILL)
         return pid
+
+    def _kill_launcher(self) -> int | None:
+        """SIGKILL `primerl rl`; once its roles are gone (its reaper ends them; bounded), start it again as a
+        supervisor would: the run resumes from its directory. Its roles' exits are the harness's (planned)."""
+        process = self.process
+        if process is None or process.poll() is not None:
+            return None
+        self.poll()  # the roles' current pids are seen, so that their exits are counted as planned
+        roles = [pid for pids in self.seen.values() for pid in pids if pid not in self.ended]
+        self.killed.update(roles)
+        self.killed_launchers.append(process.pid)
+        os.kill(process.pid, signal.SIGKILL)
+        process.wait(10.0)
+        deadline = time.monotonic() + LAUNCHER_ROLES_GONE_S
+        while any(self._alive(pid) for pid in roles) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        (self.spec.run_dir / "pids.json").unlink(missing_ok=True)  # the next launcher writes its own
+        self.start()
+        return process.pid
 
     def finished(self) -> bool:
         return self.process is not None and self.process.poll() is not None
@@ -354,7 +381,10 @@ class RlBackend:
         return list(self._exits)
 
     def starts(self) -> dict[str, int]:
-        return {role: len(pids) for role, pids in self.seen.items()}
+        starts = {role: len(pids) for role, pids in self.seen.items()}
+        if self.killed_launchers:
+            starts[LAUNCHER] = len(self.killed_launchers) + 1
+        return starts
 
     def exit_code(self) -> int | None:
         return None if self.process is None else self.process.poll()

@@ -63,6 +63,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"primerl dashboard: cannot serve on {args.host}:{args.port}: {err.strerror or err}", file=sys.stderr)
         return 1
     what = f"run {args.run_dir}" if args.run_dir else f"broker {args.broker}"
+    _stop_on_signals()
     print(f"primerl dashboard: {what} at {server.url}", flush=True)
     try:
         server.serve_forever()
@@ -72,6 +73,19 @@ def main(argv: list[str] | None = None) -> int:
         server.server_close()
         server.dashboard.close()
     return 0
+
+
+def _stop_on_signals() -> None:
+    """Ctrl-C (SIGINT) and SIGTERM end `serve_forever` (exit 0). Set here, not left to Python's default: a
+    command started in the background of a script inherits SIGINT ignored, and Python then installs no
+    KeyboardInterrupt for it (the command never stopped on Ctrl-C or SIGINT there; SIGTERM killed it unclean)."""
+    import signal
+
+    def stop(signum: int, _frame: object) -> None:
+        raise KeyboardInterrupt(signal.Signals(signum).name)
+
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(signum, stop)
 
 
 def _broker(args: argparse.Namespace):

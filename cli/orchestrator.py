@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import threading
 
 from primerl.cli.role_entry import run_role
@@ -10,10 +11,18 @@ from primerl.cli.role_signals import STARTUP_EXIT_STATUS, StoppedWhileStarting, 
 from primerl.orchestrator.envs.interpreters import ENV_PYTHON_VAR, resolve_env_python  # noqa: F401 (re-exported)
 from primerl.proto import telemetry
 
+GC_FREEZE_ENV = "PRIMERL_ORCHESTRATOR_GC_FREEZE"
+"""``0``: the daemon does not freeze its start-up heap (for before/after benches)."""
+
 
 def env_python(config) -> str:
     """The env workers' interpreter: `env_python`, else the default (``primerl.orchestrator.envs.interpreters``)."""
     return resolve_env_python(config.env_python)
+
+
+def freeze_heap_wanted() -> bool:
+    """`GC_FREEZE_ENV` is not ``0``: the daemon freezes its start-up heap (``OrchestratorRunner.freeze_heap``)."""
+    return os.environ.get(GC_FREEZE_ENV, "1").strip() != "0"
 
 
 def serve(config, args: argparse.Namespace) -> int:
@@ -39,7 +48,9 @@ def serve(config, args: argparse.Namespace) -> int:
     # Until here SIGTERM's default action ends the process at once; from here StoppedWhileStarting is caught below.
     StopSignals(log, stop_event, set_up, stopping_message=telemetry.STOPPING).install()
     try:
-        runner = OrchestratorRunner(config, env_python=env_python(config), stop_event=stop_event)
+        runner = OrchestratorRunner(
+            config, env_python=env_python(config), stop_event=stop_event, freeze_heap=freeze_heap_wanted()
+        )
         return runner.run()
     except StoppedWhileStarting:
         return STARTUP_EXIT_STATUS

@@ -33,6 +33,7 @@ back-pressure, against the rest of the step) and ``more than half of the rollout
 from __future__ import annotations
 
 import collections
+import gc
 import json
 import threading
 import time
@@ -88,13 +89,24 @@ class OrchestratorRunner:
     """The orchestrator's life: set-up, the step loop, the send, reporting, evals and shutdown (module docstring).
     Every collaborator is None (or empty) until ``run`` builds it; ``started`` says when all of them exist."""
 
-    def __init__(self, config: OrchestratorConfig, *, env_python: str, stop_event: threading.Event | None = None):
+    def __init__(
+        self,
+        config: OrchestratorConfig,
+        *,
+        env_python: str,
+        stop_event: threading.Event | None = None,
+        freeze_heap: bool = False,
+    ):
         if config.max_steps is None:
             raise ValueError("the orchestrator needs max_steps (top-level `max_steps` or `orchestrator.max_steps`)")
         self.config = config
         self.env_python = env_python
         self.stop_event = stop_event or threading.Event()
         self.started = threading.Event()  # registered, environments loaded, state restored: stops are graceful
+        # Once started, move what start-up left alive (torch, the tokenizer, the clients) to the collector's
+        # permanent generation: full collections, set off by the rollouts' allocations, no longer walk it. For
+        # the daemon's own process (`primerl-orchestrator`), not a runner inside another program.
+        self.freeze_heap = freeze_heap
         self.state_path = config.output_dir / "orchestrator_state.json"
         self.progress: dict[str, int] = {"orchestrator_step": 0, "num_inflight": 0}  # sent with each heartbeat
         self.inference = InferenceWorkers()
@@ -298,6 +310,9 @@ class OrchestratorRunner:
             if self.step_gauge is not None:
                 self.step_gauge.set(start_step - 1)
             self.started.set()
+            if self.freeze_heap:
+                gc.freeze()
+                log.info("start-up heap frozen", num_objects=gc.get_freeze_count())
             if not wait_for_gate(self.stop_event, log):  # `primerl rl`'s preflight, run beside the start
                 log.info(telemetry.STOPPING, step=start_step, reason="stop requested before the preflight passed")
                 return 0

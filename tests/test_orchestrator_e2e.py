@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import time
@@ -237,6 +238,9 @@ def test_metrics_over_http_and_wandb_offline_while_waiting_for_the_trainer(stack
                 process.wait(10)
     assert process.returncode == 0, log_path.read_text()[-4000:]
     assert "wandb:" not in log_path.read_text()  # W&B wrote nothing into the daemon's log
+    # The daemon froze what its start-up left alive (PRIMERL_ORCHESTRATOR_GC_FREEZE unset: on).
+    frozen = re.search(r"start-up heap frozen\s.*num_objects=(\d+)", log_path.read_text())
+    assert frozen and int(frozen[1]) > 10_000, log_path.read_text()[-4000:]
 
     run_dirs = list((output_dir / "wandb").glob("offline-run-*"))
     assert len(run_dirs) == 1

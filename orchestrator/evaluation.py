@@ -196,7 +196,9 @@ def evaluate_workers(
         for index, error in failed.items():  # counted and reported like training rollouts
             log.warning("eval group failed", env_id=env_id, example_index=index, error=error)
         summary = summarize_groups(groups, failed, rollouts_per_group=eval_config.rollouts_per_example)
-        if summary.num_errors:  # counted in eval/<env>/errors; the first few say why
-            log.warning("eval rollouts failed", env_id=env_id, num_errors=summary.num_errors, first=summary.errors)
+        failed_rollouts = summary.num_errors - len(failed) * eval_config.rollouts_per_example
+        if failed_rollouts:  # the failed groups were logged above; the summary lists their errors first
+            first = summary.errors[min(len(failed), MAX_REPORTED_ERRORS) :]
+            log.warning("eval rollouts failed", env_id=env_id, num_errors=failed_rollouts, first=first)
         metrics.update(summary.as_metrics(f"{telemetry.EVAL_PREFIX}{env_id}"))
     return metrics

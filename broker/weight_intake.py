@@ -5,7 +5,8 @@ of a transfer) and answers an ``IntakeReply``: the WEIGHT_ACK to send back (None
 and for later chunks of a refused one) and the update the message belongs to, whose chunks the plane may forward.
 
 - chunks are kept as they arrived (``ChunkAssembler(zero_copy=True)``: no reassembly, no copy) and hashed
-  (``proto.digests``, XXH3-128) as they arrive, so the store never makes a second pass over the payload; the header
+  (``proto.digests``, XXH3-128) as they arrive, in the same pass as their checksum (``digest_tee``, given to
+  ``framing.decode``), so the payload is read once on its way in and the store makes no second pass; the header
   bytes and the verified checksum of each chunk are kept with the update (``cache["received"]``), so forwarding
   reuses them;
 - cut-through: at a transfer's first chunk the update already exists (``StoredUpdate`` with a growing list of
@@ -19,6 +20,8 @@ and for later chunks of a refused one) and the update the message belongs to, wh
   first chunk finds the bounds reached, transfers of other connections give their place, the most idle first, once
   they are stalled (no chunk for ``evictable_after_s``) or behind pace (open that long and fewer bytes received than
   would finish within ``transfer_timeout_s``): half-open or trickling transfers cannot keep a publisher out;
+- a streamed transfer (``WeightUpdateHeader.digest`` empty) takes the digest its last chunk carries
+  (``Chunk.payload_digest``) into the stored update's header before it is checked;
 - a whole update goes to ``WeightFanout.put_update`` (stored, every worker planned again); the ack says
   ``applied=true`` (stored, or held already: a resend), or ``applied=false`` with an ``ErrorDetail`` (refused,
   nothing changed); ``full_required``: the next update must be FULL.
@@ -66,6 +69,8 @@ class ReceivedChunks(NamedTuple):
     checksums: list[tuple[framing.Checksum, int]]
     num_chunks: int
     total_bytes: int
+    digest_follows: bool = False
+    """A streamed transfer: ``header_bytes`` carry no digest; its last chunk goes on with ``Chunk.payload_digest``."""
 
 
 @dataclass(frozen=True)
@@ -141,6 +146,41 @@ class WeightIntake:
         # Transfers refused at one chunk: their later chunks are dropped without replies (bounded memory).
         self._refused_transfers: collections.OrderedDict[tuple[str, str], None] = collections.OrderedDict()
         self._guard_log = RateLimitedLog(log)
+        # The chunk ``digest_tee`` fed to a hasher in its checksum pass: (transfer key, chunk index, hasher).
+        self._teed: tuple[tuple[str, str], int, PayloadHasher] | None = None
+
+    def digest_tee(self, message_type: int, envelope: data_pb2.Envelope) -> PayloadHasher | None:
+        """``framing.decode``'s ``tee``: the running content digest of the transfer a weight chunk belongs to, fed
+        in the pass of the chunk's checksum (one read of the bytes for both); ``receive`` then skips its own
+        update. None for anything else (single messages, transfers not open or refused)."""
+        self._teed = None
+        chunk = envelope.chunk
+        if message_type != data_pb2.WEIGHT_UPDATE or chunk.count <= 1:
+            return None
+        key = (envelope.sender, chunk.transfer_id)
+        if key in self._refused_transfers:
+            return None
+        if chunk.index == 0:
+            header = data_pb2.WeightUpdateHeader.FromString(envelope.header)
+            hasher = hasher_for(header.digest)
+        else:
+            hasher = self._hashers.get(key)
+            if hasher is None:
+                return None
+        self._teed = (key, chunk.index, hasher)
+        return hasher
+
+    def forget_tee(self) -> None:
+        """Before the next message is decoded: whatever ``digest_tee`` fed last was used or dropped."""
+        self._teed = None
+
+    def discard_tee(self) -> None:
+        """The chunk ``digest_tee`` fed was refused (e.g. its checksum): its transfer's running digest is void."""
+        if self._teed is not None:
+            key, _, _ = self._teed
+            self._teed = None
+            self._drop(key)
+            self._remember_refused(key)
 
     def receive(self, publisher: bytes, message: framing.Message) -> IntakeReply:
         """One WEIGHT_UPDATE message from ``publisher`` (its connection); see the module docstring."""
@@ -157,6 +197,8 @@ class WeightIntake:
             )
             return self._store(update, None)
         key = (envelope.sender, chunk.transfer_id)
+        teed, self._teed = self._teed, None
+        hashed = teed[1] == chunk.index and teed[0] == key if teed is not None else False
         if key in self._refused_transfers:
             return IntakeReply(None, refused=False)
         try:
@@ -185,14 +227,17 @@ class WeightIntake:
                 transfer.last_chunk_s = now_s
                 transfer.received_bytes += message.payload[0].nbytes
             if chunk.index == 0:
-                self._hashers[key] = hasher_for(header.digest)
+                self._hashers[key] = teed[2] if hashed and teed is not None else hasher_for(header.digest)
                 segments = assembler.received(key) if whole is None else whole.payload
                 update = StoredUpdate(header=copy_header(header), segments=segments)
-                update.cache["received"] = ReceivedChunks(envelope.header, [], chunk.count, chunk.total_bytes)
+                update.cache["received"] = ReceivedChunks(
+                    envelope.header, [], chunk.count, chunk.total_bytes, digest_follows=not header.digest
+                )
                 self._incoming[key] = update
             update = self._incoming[key]
             update.cache["received"].checksums.append((framing.envelope_checksum(envelope), message.payload[0].nbytes))
-            self._hashers[key].update(message.payload[0])
+            if not hashed:
+                self._hashers[key].update(message.payload[0])
             if chunk.index == 0 and message.payload[0].nbytes <= self.forward_chunk_bytes:
                 self.fanout.begin(update)
         except (WeightUpdateRefused, framing.FramingError) as exc:
@@ -203,6 +248,8 @@ class WeightIntake:
             return IntakeReply(None, refused=False, update=update)
         digest = self._hashers.pop(key).hexdigest()
         del self._incoming[key]
+        # A streamed transfer's digest follows in its last chunk: from here on the update carries it.
+        chunked_transfer.settle_payload_digest(update.header, chunk)
         return self._store(update, digest)
 
     def _store(self, update: StoredUpdate, digest: str | None) -> IntakeReply:

@@ -319,9 +319,13 @@ class WeightPlane(RouterPlane):
 
     def _handle(self, identity: bytes, frames: list[Any]) -> None:
         self._rate_in.add(sum(len(f) for f in frames))
+        self._intake.forget_tee()
         try:
-            message = framing.decode(frames, limits=self.limits, auth_token=self.auth_token)
+            message = framing.decode(
+                frames, limits=self.limits, auth_token=self.auth_token, tee=self._intake.digest_tee
+            )
         except framing.FramingError as exc:
+            self._intake.discard_tee()
             self._guard_log.warning(
                 ("refused", exc.code),
                 "refused a message on the weight socket",
@@ -592,9 +596,12 @@ class WeightPlane(RouterPlane):
         received = forward.received
         if received is not None:
             available = min(len(update.segments), len(received.checksums))
+            if received.digest_follows and available == forward.num_chunks and not update.header.digest:
+                available -= 1  # the last chunk carries the digest, known once the update is stored
             header_bytes = received.header_bytes
             for index in range(len(forward.messages), available):
                 checksum, _ = received.checksums[index]
+                last = index == forward.num_chunks - 1
                 forward.messages.append(
                     framing.encode_raw(
                         data_pb2.WEIGHT_UPDATE,
@@ -606,6 +613,7 @@ class WeightPlane(RouterPlane):
                             index=index,
                             count=forward.num_chunks,
                             total_bytes=received.total_bytes,
+                            payload_digest=update.header.digest if last and received.digest_follows else "",
                         ),
                         **self._envelope(""),
                     )

@@ -19,7 +19,7 @@ from typing import Any, Protocol
 
 import zmq
 
-from primerl.proto import framing
+from primerl.proto import chunked_transfer, framing
 from primerl.proto.digests import hasher_for
 from primerl.proto.v1 import data_pb2
 from primerl.runtime.addresses import url_host
@@ -125,8 +125,12 @@ class InPlaceTransfer:
             raise framing.BadChunk(
                 f"transfer {chunk.transfer_id}: chunks exceed the declared {self.buffer.nbytes} bytes"
             )
-        self.buffer[self.num_bytes : end] = piece
-        self._hasher.update(self.buffer[self.num_bytes : end])
+        # Copied and hashed block by block: the hash reads each block while the copy left it in cache.
+        for start in range(0, piece.nbytes, framing.FUSED_BLOCK_BYTES):
+            stop = min(piece.nbytes, start + framing.FUSED_BLOCK_BYTES)
+            block = self.buffer[self.num_bytes + start : self.num_bytes + stop]
+            block[:] = piece[start:stop]
+            self._hasher.update(block)
         self.num_bytes = end
         self.next_index += 1
         self.last_chunk_s = time.monotonic()
@@ -137,6 +141,7 @@ class InPlaceTransfer:
             raise framing.TruncatedMessage(
                 f"transfer {chunk.transfer_id}: {self.num_bytes} of {self.buffer.nbytes} bytes arrived"
             )
+        chunked_transfer.settle_payload_digest(self.first.header, chunk)
         whole = framing.Message(type=message.type, header=self.first.header, envelope=first, payload=[self.buffer])
         framing.check_tensor_payload(whole)
         self.digest = self._hasher.hexdigest()

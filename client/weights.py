@@ -29,7 +29,7 @@ from primerl.client.outage import OutageWatch
 from primerl.client.weight_transfer import BufferSink, ChunkRelay, InPlaceTransfer, PayloadSink
 from primerl.proto import chunked_transfer, framing
 from primerl.proto.data_plane_limits import DEFAULT_BROKER_LIMITS
-from primerl.proto.digests import payload_digest
+from primerl.proto.digests import new_hasher, payload_digest
 from primerl.proto.v1 import common_pb2, data_pb2
 from primerl.proto.weight_refusals import LineageSuperseded, WeightUpdateRefused
 from primerl.runtime.log_setup import get_logger
@@ -159,7 +159,12 @@ class WeightPublisher(DealerClient):
         self._dropped = False
 
     def publish(
-        self, header: data_pb2.WeightUpdateHeader, payload: Any, timeout_s: float = 120.0
+        self,
+        header: data_pb2.WeightUpdateHeader,
+        payload: Any,
+        timeout_s: float = 120.0,
+        *,
+        ready: Callable[[int], None] | None = None,
     ) -> data_pb2.WeightAck:
         """Send one update (chunked, zero-copy) and return the broker's WEIGHT_ACK once it is stored.
 
@@ -170,13 +175,23 @@ class WeightPublisher(DealerClient):
         ``WeightBrokerLost`` (a ``WeightPublishTimeout``) when the connection drops or is not up within
         ``connect_timeout_s``: sending the same update again is then safe (the broker acknowledges a resend of the
         latest update it holds). ``payload`` must not change until this returns.
+
+        ``ready``: the payload is still being written (``trainer.payload_stream``): ``ready(end)`` returns once its
+        first ``end`` bytes are final, and is called before each chunk is cut. The header's digest must then be
+        empty: it is computed in the pass of each chunk's checksum and sent with the last chunk
+        (``Chunk.payload_digest``).
         """
         assert not self.is_closed, "publisher is closed"
         deadline_s = time.monotonic() + timeout_s
         view = _to_view(payload)
         header_out = data_pb2.WeightUpdateHeader()
         header_out.CopyFrom(header)
-        if not header_out.digest:
+        streamed_digest = None
+        if ready is not None:
+            if header_out.digest:
+                raise ValueError("a streamed payload's digest follows it: leave header.digest empty")
+            streamed_digest = new_hasher()
+        elif not header_out.digest:
             header_out.digest = payload_digest(view)
         if not header_out.payload_bytes:
             header_out.payload_bytes = view.nbytes
@@ -193,6 +208,8 @@ class WeightPublisher(DealerClient):
                 sender=self.sender,
                 auth_token=self.auth_token or "",
                 checksum_kind=framing.XXH3_64,
+                ready=ready,
+                digest=streamed_digest,
             ):
                 # The broker refuses a bad transfer at its first chunk: stop sending the rest then.
                 if self._socket.poll(0, zmq.POLLIN):

@@ -281,6 +281,14 @@ class WeightBroadcastConfig(BaseConfig):
         "most of their elements keep their bits from one step to the next (`delta` then sends only those that "
         "changed). LoRA adapters keep their training dtype.",
     )
+    stream: bool = Field(
+        True,
+        description="Send a `full` update larger than one chunk while it is still being written: the first chunks "
+        "leave while later tensors are cast or copied from the GPU (into pinned host memory), and the payload's "
+        "digest follows in the last chunk. The broker and inference workers must read that digest "
+        "(`Chunk.payload_digest`: those of this release on); `false` for older ones: the whole payload is written "
+        "and hashed before it is sent, as before.",
+    )
 
 
 class TrainerConfig(BaseConfig):

@@ -19,12 +19,13 @@ from __future__ import annotations
 import mmap
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
 from google.protobuf.message import Message as ProtoMessage
 
+from primerl.proto.digests import PayloadHasher
 from primerl.proto.framing import (
     DEFAULT_LIMITS,
     TENSOR_MESSAGE_TYPES,
@@ -52,12 +53,19 @@ def encode_chunked(
     *,
     chunk_bytes: int,
     transfer_id: str | None = None,
+    ready: Callable[[int], None] | None = None,
+    digest: PayloadHasher | None = None,
     **envelope_fields: Any,
 ) -> Iterator[list[Any]]:
     """Split one payload (bytes-like) into messages of at most ``chunk_bytes`` payload each.
 
     Yields the frames of each message; every chunk repeats the header so a receiver can refuse a
     transfer at its first chunk. Slices are views: nothing is copied here.
+
+    A streamed payload (still being written while its first chunks go out): ``ready(end)`` is called before a
+    chunk is cut and returns once the payload's first ``end`` bytes are final; ``digest`` is fed each chunk in the
+    pass of its checksum, and its ``hexdigest()`` goes with the last chunk as ``Chunk.payload_digest`` (the digest
+    that follows; the header's is left empty).
     """
     if chunk_bytes <= 0:
         raise ValueError("chunk_bytes must be positive")
@@ -65,10 +73,38 @@ def encode_chunked(
     total = view.nbytes
     count = max(1, -(-total // chunk_bytes))
     transfer_id = transfer_id or uuid.uuid4().hex
+    if digest is not None and count == 1:
+        # One message is no transfer, and has no last chunk for a digest to follow in: it waits for its bytes.
+        if ready is not None:
+            ready(total)
+        digest.update(view)
+        header = type(header).FromString(header.SerializeToString())
+        header.digest = digest.hexdigest()  # type: ignore[attr-defined]
+        ready = digest = None
     for index in range(count):
-        piece = view[index * chunk_bytes : (index + 1) * chunk_bytes]
+        start, end = min(total, index * chunk_bytes), min(total, (index + 1) * chunk_bytes)
+        if ready is not None:
+            ready(end)
+        piece = view[start:end]
         chunk = data_pb2.Chunk(transfer_id=transfer_id, index=index, count=count, total_bytes=total)
-        yield encode(message_type, header, [piece], chunk=chunk, **envelope_fields)
+        frames = encode(message_type, header, [piece], chunk=chunk, also=digest, **envelope_fields)
+        if digest is not None and index == count - 1:
+            frames = _with_payload_digest(frames, digest.hexdigest())
+        yield frames
+
+
+def _with_payload_digest(frames: list[Any], digest: str) -> list[Any]:
+    """``frames`` of a last chunk with ``Chunk.payload_digest`` set (the envelope is not covered by the checksum)."""
+    envelope = data_pb2.Envelope.FromString(frames[2])
+    envelope.chunk.payload_digest = digest
+    return [frames[0], frames[1], envelope.SerializeToString(), *frames[3:]]
+
+
+def settle_payload_digest(header: ProtoMessage, last_chunk: data_pb2.Chunk) -> None:
+    """A streamed WEIGHT_UPDATE transfer (its header's digest empty) takes the digest its last chunk carries
+    (``Chunk.payload_digest``). Headers without a ``digest`` field, or with one set, are left as they are."""
+    if isinstance(header, data_pb2.WeightUpdateHeader) and not header.digest and last_chunk.payload_digest:
+        header.digest = last_chunk.payload_digest
 
 
 @dataclass
@@ -251,6 +287,7 @@ class ChunkAssembler:
             raise TruncatedMessage(
                 f"transfer {chunk.transfer_id}: {transfer.num_bytes} of {transfer.total_bytes} bytes arrived"
             )
+        settle_payload_digest(transfer.first.header, chunk)
         if transfer.segments is not None:
             whole = Message(type=message.type, header=transfer.first.header, envelope=first, payload=transfer.segments)
             if whole.type in TENSOR_MESSAGE_TYPES:

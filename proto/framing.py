@@ -19,9 +19,9 @@ import hmac
 import time
 import uuid
 import zlib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, Protocol
 
 import xxhash
 from google.protobuf.message import DecodeError
@@ -164,21 +164,51 @@ class Checksum(NamedTuple):
     value: int
 
 
-def compute_checksum(message_type: int, header_bytes: bytes, payload: Sequence[Any], kind: int = CRC32) -> int:
-    """The envelope checksum of ``kind`` over the type byte, the serialized header and every payload frame."""
+FUSED_BLOCK_BYTES = 256 * 1024
+"""Block size of a fused pass (``compute_checksum(also=...)``): two hashes read each block while it is in L2, so the
+payload leaves memory once, not twice (XXH3-64 + XXH3-128 over 1 GiB here: 0.12 s fused, 0.19 s as two passes)."""
+
+
+class PayloadTee(Protocol):
+    """A second hasher fed the payload frames in the checksum's own pass (e.g. a transfer's content digest)."""
+
+    def update(self, data: Any, /) -> None: ...
+
+
+def compute_checksum(
+    message_type: int, header_bytes: bytes, payload: Sequence[Any], kind: int = CRC32, *, also: PayloadTee | None = None
+) -> int:
+    """The envelope checksum of ``kind`` over the type byte, the serialized header and every payload frame.
+
+    ``also``: fed every payload frame's bytes in the same pass, block by block (``FUSED_BLOCK_BYTES``)."""
     if kind == XXH3_64:
         state = xxhash.xxh3_64(bytes([message_type]))
         state.update(header_bytes)
         for frame in payload:
-            state.update(byte_view(frame))
+            _fused_update(byte_view(frame), state.update, also)
         return state.intdigest()
     if kind != CRC32:
         raise ValueError(f"unknown checksum kind {kind}")
     crc = zlib.crc32(bytes([message_type]))
     crc = zlib.crc32(header_bytes, crc)
     for frame in payload:
-        crc = zlib.crc32(byte_view(frame), crc)
+        view = byte_view(frame)
+        crc = zlib.crc32(view, crc)
+        if also is not None:
+            also.update(view)
     return crc
+
+
+def _fused_update(view: memoryview, update: Any, also: PayloadTee | None) -> None:
+    if also is None or view.nbytes <= FUSED_BLOCK_BYTES:
+        update(view)
+        if also is not None:
+            also.update(view)
+        return
+    for start in range(0, view.nbytes, FUSED_BLOCK_BYTES):
+        block = view[start : start + FUSED_BLOCK_BYTES]
+        update(block)
+        also.update(block)
 
 
 def envelope_checksum(envelope: data_pb2.Envelope) -> Checksum:
@@ -199,6 +229,7 @@ def encode(
     chunk: data_pb2.Chunk | None = None,
     checksum: Checksum | None = None,
     checksum_kind: int = CRC32,
+    also: PayloadTee | None = None,
 ) -> list[Any]:
     """Frames of one message, ready for ``socket.send_multipart(frames, copy=False)``.
 
@@ -224,6 +255,7 @@ def encode(
         chunk=chunk,
         checksum=checksum,
         checksum_kind=checksum_kind,
+        also=also,
     )
 
 
@@ -239,6 +271,7 @@ def encode_raw(
     chunk: data_pb2.Chunk | None = None,
     checksum: Checksum | int | None = None,
     checksum_kind: int = CRC32,
+    also: PayloadTee | None = None,
 ) -> list[Any]:
     """``encode`` for a header that is already serialized, e.g. one received or spooled earlier.
 
@@ -248,13 +281,20 @@ def encode_raw(
     bytes; a wrong one makes the receiver refuse the message (ERROR_CODE_BAD_CHECKSUM), never accept other bytes.
     Without it, one of ``checksum_kind`` is computed: ``XXH3_64`` (~8x faster than CRC-32 here) for large
     payloads such as weights, ``CRC32`` (the default) where a receiver keeps the CRC (the rollout spool).
+    ``also``: a hasher fed the payload in the same pass as that checksum (``compute_checksum``); with ``checksum``
+    given it is fed the payload on its own.
     """
     if message_type not in HEADER_TYPES:
         raise ValueError(f"unknown message type {message_type}")
     payload_sizes = [byte_view(frame).nbytes for frame in payload]
     if checksum is None:
-        checksum = Checksum(checksum_kind, compute_checksum(message_type, header_bytes, payload, checksum_kind))
-    elif not isinstance(checksum, Checksum):
+        checksum = Checksum(
+            checksum_kind, compute_checksum(message_type, header_bytes, payload, checksum_kind, also=also)
+        )
+    else:
+        for frame in payload if also is not None else ():
+            also.update(byte_view(frame))
+    if not isinstance(checksum, Checksum):
         checksum = Checksum(CRC32, checksum)
     envelope = data_pb2.Envelope(
         message_id=message_id or uuid.uuid4().hex,
@@ -273,7 +313,13 @@ def encode_raw(
     return [PROTOCOL_FRAME, bytes([message_type]), envelope.SerializeToString(), *payload]
 
 
-def decode(frames: Sequence[Any], *, limits: Limits = DEFAULT_LIMITS, auth_token: str | None = None) -> Message:
+def decode(
+    frames: Sequence[Any],
+    *,
+    limits: Limits = DEFAULT_LIMITS,
+    auth_token: str | None = None,
+    tee: Callable[[int, data_pb2.Envelope], PayloadTee | None] | None = None,
+) -> Message:
     """Parse and check one received multipart message, or raise the ``FramingError`` that says why not.
 
     Total: whatever the bytes, the only exception that leaves is a ``FramingError`` (a parser bug that
@@ -285,9 +331,14 @@ def decode(frames: Sequence[Any], *, limits: Limits = DEFAULT_LIMITS, auth_token
     declared payload sizes, checksum, header, chunk fields, tensor payload.
     Tensor payloads of unchunked ROLLOUT_BATCH and WEIGHT_UPDATE messages are checked against the
     header's tensor specs; chunked ones are checked by ``chunked_transfer.ChunkAssembler`` once complete.
+
+    ``tee(message_type, envelope)``: called once the sender is known and the sizes are checked, just before the
+    checksum pass; a hasher it returns is fed the payload in that same pass (a transfer's running content digest,
+    without a second pass over the bytes). When the checksum then does not match, that hasher has been fed bytes
+    that are refused: its owner must drop it (the transfer cannot complete anyway).
     """
     try:
-        return _decode(frames, limits, auth_token)
+        return _decode(frames, limits, auth_token, tee)
     except FramingError:
         raise
     except (RecursionError, MemoryError) as exc:
@@ -296,7 +347,12 @@ def decode(frames: Sequence[Any], *, limits: Limits = DEFAULT_LIMITS, auth_token
         raise MalformedHeader(f"message could not be parsed: {type(exc).__name__}: {str(exc)[:200]}") from None
 
 
-def _decode(frames: Sequence[Any], limits: Limits, auth_token: str | None) -> Message:
+def _decode(
+    frames: Sequence[Any],
+    limits: Limits,
+    auth_token: str | None,
+    tee: Callable[[int, data_pb2.Envelope], PayloadTee | None] | None = None,
+) -> Message:
     if len(frames) < NUM_FIXED_FRAMES:
         raise TruncatedMessage(f"message has {len(frames)} frame(s); at least {NUM_FIXED_FRAMES} are required")
     if len(frames) - NUM_FIXED_FRAMES > limits.max_payload_frames:
@@ -358,7 +414,8 @@ def _decode(frames: Sequence[Any], limits: Limits, auth_token: str | None) -> Me
     declared = envelope_checksum(envelope)
     if declared.kind not in (CRC32, XXH3_64):
         raise MalformedHeader(f"unknown checksum kind {declared.kind}: this peer checks CRC-32 and XXH3-64")
-    if compute_checksum(message_type, envelope.header, payload, declared.kind) != declared.value:
+    also = None if tee is None else tee(message_type, envelope)
+    if compute_checksum(message_type, envelope.header, payload, declared.kind, also=also) != declared.value:
         raise ChecksumMismatch("checksum over header and payload does not match the envelope (corrupted in transit?)")
 
     header = HEADER_TYPES[message_type]()

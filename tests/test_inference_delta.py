@@ -183,3 +183,36 @@ def test_delta_updates_are_served_and_a_wrong_base_is_refused(
         assert reference_max_diff(infer_http, weights_dir, body) <= TOLERANCE
     assert infer_daemon.process.poll() is None
     assert infer_http.get("/health", headers=AUTH).status_code == 200
+
+
+def test_a_streamed_full_update_is_served_exactly(
+    infer_daemon: InferenceDaemon,
+    infer_http: httpx.Client,
+    infer_broker: BrokerHarness,
+    tiny_model: Path,
+    tmp_path: Path,
+) -> None:
+    """`weight_broadcast.stream`: the publisher sends the tiny model's 2.5 MB in 1 MiB chunks while it still writes
+    them, the digest following in the last chunk; the broker stores it with that digest, and the worker checks it
+    against what it received before it serves the new weights exactly."""
+    from primerl.configs.trainer import ModelConfig, OptimizerConfig
+    from primerl.proto.digests import payload_digest
+    from primerl.trainer.model import load_model
+    from primerl.trainer.optim import build_optimizer
+    from primerl.trainer.publish import PolicyPublisher
+
+    model = load_model(ModelConfig(name=str(tiny_model)))
+    adamw_step(model, build_optimizer(model, OptimizerConfig(lr=LR)), seed=77)
+    version = (infer_broker.service.weight_store.latest_version or 0) + 1
+    with PolicyPublisher(
+        infer_broker.weight_endpoint, TOKEN, "trainer-streamed", 1 << 20, kind="full", policy_name="policy"
+    ) as publisher:
+        result = publisher.publish(model, version)
+    assert result.kind == "full" and result.payload_bytes > 2 << 20 and "layout" in result.phases_ms, result
+    stored = infer_broker.service.weight_store.latest()
+    assert stored.header.digest == payload_digest(stored.payload)
+    wait_applied(infer_broker, version)
+    response, body = greedy_completion(infer_http)
+    assert served_versions(response) == (version, version)
+    weights_dir = save_weights(tiny_model, tmp_path / "streamed", snapshot(model))
+    assert reference_max_diff(infer_http, weights_dir, body) <= TOLERANCE

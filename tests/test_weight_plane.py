@@ -363,10 +363,10 @@ def test_forwarded_chunks_reuse_the_verified_crcs_when_chunk_sizes_match(harness
     passes = []
     real_checksum = framing.compute_checksum
 
-    def counting_checksum(message_type, header_bytes, payload, kind=framing.CRC32):
+    def counting_checksum(message_type, header_bytes, payload, kind=framing.CRC32, *, also=None):
         assert kind == framing.XXH3_64 or not payload, "weight chunks carry XXH3-64 checksums"
         passes.append(sum(len(memoryview(x)) for x in payload))
-        return real_checksum(message_type, header_bytes, payload, kind)
+        return real_checksum(message_type, header_bytes, payload, kind, also=also)
 
     monkeypatch.setattr(framing, "compute_checksum", counting_checksum)
     header, data = make_update(1, num_bytes=5 * CHUNK_BYTES + 17)  # several chunks, the last one short

@@ -101,17 +101,24 @@ class PayloadPool:
         self._idle: list[bytearray] = []
         self._lock = threading.Lock()
 
-    def acquire(self, num_bytes: int) -> bytearray:
-        """A buffer of at least ``num_bytes``: an idle one when one is big enough, else a new one."""
+    def acquire(self, num_bytes: int, *, pinned: bool = False) -> Any:
+        """A buffer of at least ``num_bytes``: an idle one when one is big enough, else a new one. ``pinned``: page-
+        locked host memory (a uint8 tensor) that a GPU copies into asynchronously, when CUDA is there; else a
+        bytearray. Pinning is slow: pooled, it is paid once, not per publish."""
+        import torch
+
+        pinned = pinned and torch.cuda.is_available()
         with self._lock:
-            fitting = [b for b in self._idle if len(b) >= num_bytes]
+            fitting = [b for b in self._idle if len(b) >= num_bytes and isinstance(b, torch.Tensor) == pinned]
             if fitting:
                 buffer = min(fitting, key=len)
-                self._idle.remove(buffer)
+                self._idle = [b for b in self._idle if b is not buffer]  # by identity (a tensor's == is per element)
                 return buffer
+        if pinned:
+            return torch.empty(num_bytes, dtype=torch.uint8, pin_memory=True)
         return bytearray(num_bytes)
 
-    def release(self, buffer: bytearray) -> None:
+    def release(self, buffer: Any) -> None:
         """Give a buffer back: nothing may read or write it any more."""
         with self._lock:
             self._idle.append(buffer)

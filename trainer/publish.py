@@ -70,6 +70,8 @@ from primerl.trainer.payload_writer import PayloadPool, payload_tensors, safeten
 if TYPE_CHECKING:
     import torch
 
+    from primerl.trainer.payload_stream import PayloadStream
+
 __all__ = ["PolicyPublisher", "PreparedUpdate", "PublishKind", "PublishResult"]
 
 log = get_logger(__name__)
@@ -143,6 +145,9 @@ class PreparedUpdate:
     fallback: str | None = None
     # ``snapshot`` views ``buffer`` (a FULL of a delta publisher): the buffer lives as long as that base.
     owns_snapshot: bool = False
+    # A streamed FULL (``payload_stream``): ``payload`` is still being written; the header has no digest (it follows
+    # in the last chunk).
+    stream: PayloadStream | None = None
 
     @property
     def policy_version(self) -> int:
@@ -190,6 +195,7 @@ class PolicyPublisher:
         stop_event: threading.Event | None = None,
         lineage: int | None = None,
         curve: Any = None,
+        stream: bool = True,
     ):
         """``serving_dtype``: cast floating-point FULL/DELTA tensors to this dtype (None: the model's own).
         ``delta_level``: zlib level of XOR_ZLIB deltas. ``delta_policy``: "auto" sends FULL when a delta would not
@@ -198,7 +204,9 @@ class PolicyPublisher:
         to use (tests). ``outage_s``: how long a publish waits through a broker outage (the role's
         ``broker.outage_s``); ``stop_event``: ends that wait early (``OutageStopped``). ``lineage``: this trainer
         incarnation's lineage, the broker's ``RegisterResponse.policy_lineage`` (None: now, in unix microseconds:
-        for a broker that hands out none; tests pass their own)."""
+        for a broker that hands out none; tests pass their own). ``stream``: send a FULL update of a "full"
+        publisher larger than one chunk while it is still written (``payload_stream``; its digest follows in the
+        last chunk); False: write and hash the whole payload first."""
         if outage_s <= 0:
             raise ValueError(f"outage_s must be > 0, got {outage_s}")
         if kind not in _KIND_TO_WIRE:
@@ -215,6 +223,8 @@ class PolicyPublisher:
         self.delta_level = delta_level
         self.delta_policy: DeltaPolicy = delta_policy
         self.delta_encoding: DeltaEncodingChoice = delta_encoding
+        self.stream = stream
+        self.chunk_bytes = chunk_bytes
         self._pool = PayloadPool()
         self._spare_snapshot: dict[str, torch.Tensor] | None = None
         self._wire_bytes_per_s: float | None = None
@@ -296,6 +306,10 @@ class PolicyPublisher:
         state = hf_state_dict(model)
         phases = {"read": _elapsed_ms(start_s)}
         sharded = any(hasattr(t, "full_tensor") for t in state.values())
+        if self.stream and kind == "full" and self.kind == "full" and not sharded:
+            streamed = self._stream_full(version, state, phases, start_s)
+            if streamed is not None:
+                return streamed
         if sharded or self.serving_dtype is not None:
             # Gathered / cast host copies first (the general path).
             mark = time.perf_counter()
@@ -384,6 +398,40 @@ class PolicyPublisher:
             f"~{cost_s * 1000:.0f} ms vs ~{saved_s * 1000:.0f} ms saved on the wire at {rate / MiB:.0f} MiB/s"
         )
 
+    def _stream_full(
+        self, version: int, state: dict[str, torch.Tensor], phases: dict[str, float], start_s: float
+    ) -> PreparedUpdate | None:
+        """A FULL update whose payload is written (cast, copied from the device) while ``send`` sends its first
+        chunks (``payload_stream``); None when it fits in one chunk (nothing to overlap: built as usual)."""
+        import torch
+
+        from primerl.trainer.payload_stream import PayloadStream
+
+        mark = time.perf_counter()
+        live = {name: tensor.detach() for name, tensor in state.items()}
+        cast = self.serving_dtype
+        shapes = {
+            name: torch.empty(
+                t.shape, dtype=cast if cast is not None and t.is_floating_point() else t.dtype, device="meta"
+            )
+            for name, t in live.items()
+        }
+        prefix, spans = safetensors_layout(shapes, SAFETENSORS_METADATA)
+        total = spans[-1][2] if spans else len(prefix)
+        if total <= self.chunk_bytes:
+            return None
+        on_device = any(t.device.type == "cuda" for t in live.values())
+        buffer = self._pool.acquire(total, pinned=on_device)
+        try:
+            stream = PayloadStream(live, cast, buffer, prefix, spans)
+            specs = specs_of(parse_header(prefix, total_bytes=total))
+            header = self._header(version, "full", None, specs, payload_bytes=total)
+        except BaseException:
+            self._pool.release(buffer)
+            raise
+        phases["layout"] = _elapsed_ms(mark)
+        return PreparedUpdate("full", header, stream.view, _elapsed_ms(start_s), None, buffer, phases, stream=stream)
+
     def _encode_full(
         self,
         kind: PublishKind,
@@ -444,7 +492,11 @@ class PolicyPublisher:
         prepared = self._encode_full(kind, version, snapshot, phases, start_s)
         return replace(prepared, build_ms=spent_ms + prepared.build_ms, snapshot=keep)
 
-    def _header(self, version: int, kind: PublishKind, payload: Any, specs: list) -> data_pb2.WeightUpdateHeader:
+    def _header(
+        self, version: int, kind: PublishKind, payload: Any, specs: list, *, payload_bytes: int | None = None
+    ) -> data_pb2.WeightUpdateHeader:
+        """The update's header; ``payload`` None (a streamed payload, ``payload_bytes`` long): no digest (it follows
+        in the last chunk)."""
         if version < 1:
             raise ValueError(f"policy versions start at 1 (the first optimizer step), got {version}")
         if self.lineage_base_version is None:
@@ -454,8 +506,8 @@ class PolicyPublisher:
             policy_version=version,
             kind=_KIND_TO_WIRE[kind],
             tensors=specs,
-            digest=payload_digest(payload),
-            payload_bytes=len(payload),
+            digest=payload_digest(payload) if payload is not None else "",
+            payload_bytes=len(payload) if payload is not None else payload_bytes,
             policy_name=self.policy_name,
             lineage=self.lineage,
             lineage_base_version=self.lineage_base_version,
@@ -469,7 +521,10 @@ class PolicyPublisher:
         # Until the broker answers, nothing is known to be held: a failed send leaves the next publish FULL.
         self._base, self._base_version, self._base_buffer, self._full_required = None, None, None, False
         try:
-            ack = self._publish_through_outage(prepared, timeout_s)
+            try:
+                ack = self._publish_through_outage(prepared, timeout_s)
+            finally:
+                _settle_stream(prepared)
         except WeightUpdateRefused as exc:
             if not prepared.owns_snapshot:
                 self._release(prepared)  # refused: the broker holds none of it, nothing else reads it
@@ -513,13 +568,19 @@ class PolicyPublisher:
         """One publish, sent again while the broker is unreachable or lost (within ``outage_s``)."""
         watch = OutageWatch(f"the broker to store policy v{prepared.policy_version}", self.outage_s, worker=self.sender)
         return retry_through_outage(
-            lambda: self._publisher.publish(prepared.header, prepared.payload, timeout_s),
+            lambda: self._publisher.publish(
+                prepared.header,
+                prepared.payload,
+                timeout_s,
+                ready=None if prepared.stream is None else prepared.stream.wait_for,
+            ),
             watch,
             (WeightPublishTimeout,),
             stop_event=self._stop_event,
         )
 
     def _release(self, prepared: PreparedUpdate) -> None:
+        _settle_stream(prepared)  # the writer must be finished with the buffer before it is reused
         buffer = prepared.buffer
         if buffer is not None:
             object.__setattr__(prepared, "buffer", None)  # released once, even if send is called again
@@ -533,6 +594,16 @@ class PolicyPublisher:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _settle_stream(prepared: PreparedUpdate) -> None:
+    """A streamed payload's writer is done reading the parameters (whatever came of the send): the optimizer may
+    change them once ``send`` returns. Its failure, if any, was raised to the sender already."""
+    if prepared.stream is not None:
+        try:
+            prepared.stream.done()
+        except Exception:  # noqa: BLE001 - raised from wait_for during the send; the buffer is then never reused
+            object.__setattr__(prepared, "buffer", None)
 
 
 def _elapsed_ms(start_s: float) -> float:

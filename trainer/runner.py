@@ -175,6 +175,7 @@ class TrainerRunner:
                 stop_event=self.stop_event,
                 curve=self.control.curve,
                 serving_dtype=serving_dtype(config.weight_broadcast.dtype),
+                stream=config.weight_broadcast.stream,
                 # The broker's counter orders incarnations (None: a broker that hands out none; the clock then).
                 lineage=registration.policy_lineage or None,
             )

@@ -57,16 +57,18 @@ DELTA_ENCODING_XOR_ZLIB: DeltaEncoding
 DELTA_ENCODING_SPARSE: DeltaEncoding
 
 class Chunk(_message.Message):
-    __slots__ = ("transfer_id", "index", "count", "total_bytes")
+    __slots__ = ("transfer_id", "index", "count", "total_bytes", "payload_digest")
     TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
     INDEX_FIELD_NUMBER: _ClassVar[int]
     COUNT_FIELD_NUMBER: _ClassVar[int]
     TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
+    PAYLOAD_DIGEST_FIELD_NUMBER: _ClassVar[int]
     transfer_id: str
     index: int
     count: int
     total_bytes: int
-    def __init__(self, transfer_id: _Optional[str] = ..., index: _Optional[int] = ..., count: _Optional[int] = ..., total_bytes: _Optional[int] = ...) -> None: ...
+    payload_digest: str
+    def __init__(self, transfer_id: _Optional[str] = ..., index: _Optional[int] = ..., count: _Optional[int] = ..., total_bytes: _Optional[int] = ..., payload_digest: _Optional[str] = ...) -> None: ...
 
 class Envelope(_message.Message):
     __slots__ = ("message_id", "sent_unix_ms", "header", "chunk", "num_payload_frames", "payload_frame_bytes", "checksum", "auth_token", "in_reply_to", "sender", "checksum_kind", "checksum64", "relay_hops")

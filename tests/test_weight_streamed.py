@@ -1,0 +1,251 @@
+"""Streamed weight updates (``weight_broadcast.stream``): the publisher sends a payload's first chunks while it still
+writes the rest, and the content digest follows in the last chunk (``Chunk.payload_digest``). Over real ZMQ on
+loopback with the broker's ``WeightPlane``, real subscribers (star and relay chain), and the trainer's
+``PolicyPublisher`` against an in-process broker."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+from support.probes import wait_until
+from support.weight_plane import CHUNK_BYTES, RECEIVE_S, TOKEN, make_update
+from test_weight_cut_through import chunks_received, publisher_ack, raw_worker
+
+from primerl.proto import chunked_transfer, framing
+from primerl.proto.digests import new_hasher, payload_digest
+from primerl.proto.v1 import common_pb2, data_pb2
+from primerl.trainer.hf_state_dict import SAFETENSORS_METADATA
+from primerl.trainer.payload_stream import PayloadStream
+from primerl.trainer.payload_writer import PayloadPool, safetensors_layout, write_safetensors
+
+
+def streamed_chunks(header, data, transfer_id="s1"):
+    """The chunk messages a streaming publisher sends for ``data`` (header without a digest)."""
+    header.digest = ""
+    header.payload_bytes = len(data)
+    return list(
+        chunked_transfer.encode_chunked(
+            data_pb2.WEIGHT_UPDATE,
+            header,
+            data,
+            chunk_bytes=CHUNK_BYTES,
+            transfer_id=transfer_id,
+            auth_token=TOKEN,
+            sender="trainer",
+            checksum_kind=framing.XXH3_64,
+            ready=lambda end: None,
+            digest=new_hasher(),
+        )
+    )
+
+
+def with_trailer(frames, digest):
+    envelope = data_pb2.Envelope.FromString(bytes(frames[2]))
+    envelope.chunk.payload_digest = digest
+    return [frames[0], frames[1], envelope.SerializeToString(), *frames[3:]]
+
+
+# ------------------------------------------------------------------------------------------------ the wire
+
+
+def test_the_digest_follows_in_the_last_chunk_only():
+    header, data = make_update(1, num_bytes=3 * CHUNK_BYTES + 5)
+    messages = [framing.decode(frames, auth_token=TOKEN) for frames in streamed_chunks(header, data)]
+    assert [m.envelope.chunk.index for m in messages] == [0, 1, 2, 3]
+    assert all(m.header.digest == "" for m in messages)
+    assert [m.envelope.chunk.payload_digest for m in messages[:-1]] == ["", "", ""]
+    assert messages[-1].envelope.chunk.payload_digest == payload_digest(data)
+    whole = None
+    assembler = chunked_transfer.ChunkAssembler()
+    for message in messages:
+        whole = assembler.add(message)
+    assert whole is not None and bytes(whole.payload[0]) == data
+    assert whole.header.digest == payload_digest(data), "the assembled header takes the digest that followed"
+
+
+def test_a_streamed_payload_of_one_chunk_waits_for_its_bytes_and_carries_its_digest_in_the_header():
+    header, data = make_update(1, num_bytes=CHUNK_BYTES // 2)
+    asked = []
+    frames = list(
+        chunked_transfer.encode_chunked(
+            data_pb2.WEIGHT_UPDATE,
+            header,
+            data,
+            chunk_bytes=CHUNK_BYTES,
+            ready=asked.append,
+            digest=new_hasher(),
+            checksum_kind=framing.XXH3_64,
+        )
+    )
+    assert asked == [len(data)] and len(frames) == 1
+    assert framing.decode(frames[0]).header.digest == payload_digest(data)
+
+
+def test_the_fused_checksum_pass_gives_both_hashes_of_a_separate_pass():
+    data = bytes(range(256)) * (3 * framing.FUSED_BLOCK_BYTES // 256 + 7)  # several blocks, the last short
+    header = b"header"
+    tee = new_hasher()
+    fused = framing.compute_checksum(
+        data_pb2.WEIGHT_UPDATE, header, [data[:1000], data[1000:]], framing.XXH3_64, also=tee
+    )
+    assert fused == framing.compute_checksum(data_pb2.WEIGHT_UPDATE, header, [data], framing.XXH3_64)
+    assert tee.hexdigest() == payload_digest(data)
+    crc_tee = new_hasher()
+    framing.compute_checksum(data_pb2.ROLLOUT_BATCH, header, [data], framing.CRC32, also=crc_tee)
+    assert crc_tee.hexdigest() == payload_digest(data)
+
+
+# ------------------------------------------------------------------------------------- the broker, over ZMQ
+
+
+def test_a_streamed_update_is_stored_and_forwarded_with_the_digest_that_followed(make_weight_plane):
+    h = make_weight_plane()
+    worker = raw_worker(h)
+    header, data = make_update(1, num_bytes=4 * CHUNK_BYTES + 9)
+    publisher = h.dealer()
+    for frames in streamed_chunks(header, data):
+        publisher.send_multipart(frames, copy=False)
+    ack = publisher_ack(publisher)
+    assert ack.applied, ack.error.message
+    assert h.store.latest().header.digest == payload_digest(data), "the stored update carries the digest"
+    forwarded = chunks_received(worker)
+    assert [m.envelope.chunk.index for m in forwarded] == [0, 1, 2, 3, 4]
+    assert b"".join(bytes(m.payload[0]) for m in forwarded) == data
+    assert [m.envelope.chunk.payload_digest for m in forwarded] == [""] * 4 + [payload_digest(data)]
+
+
+@pytest.mark.parametrize("trailer", ["wrong", "missing"])
+def test_a_streamed_update_whose_digest_is_wrong_or_missing_is_refused_and_never_reaches_a_worker_whole(
+    make_weight_plane, trailer
+):
+    h = make_weight_plane()
+    worker = raw_worker(h)
+    header, data = make_update(1, num_bytes=3 * CHUNK_BYTES + 1)
+    chunks = streamed_chunks(header, data)
+    chunks[-1] = with_trailer(chunks[-1], payload_digest(data + b"x") if trailer == "wrong" else "")
+    publisher = h.dealer()
+    for frames in chunks:
+        publisher.send_multipart(frames, copy=False)
+    ack = publisher_ack(publisher)
+    assert not ack.applied and ack.error.code == common_pb2.ERROR_CODE_BAD_DIGEST
+    assert len(chunks_received(worker)) < len(chunks), "the last chunk of a refused update went out"
+    assert h.store.latest_version is None
+
+
+def test_a_publisher_sends_chunks_before_the_payload_is_written_and_subscribers_get_it_whole(make_weight_plane):
+    """The point of streaming: the first chunks reach the worker while the last bytes do not exist yet."""
+    h = make_weight_plane()
+    subscriber = h.subscriber("infer-0")
+    subscriber.hello()
+    wait_until(lambda: "infer-0" in h.plane.worker_versions())
+    watcher = raw_worker(h, "infer-watch")
+    header, data = make_update(1, num_bytes=4 * CHUNK_BYTES + 100)
+    header.digest = ""
+    payload = bytearray(len(data))
+    written = [0]
+    last_chunk_asked = threading.Event()
+    release = threading.Event()
+
+    def ready(end: int) -> None:  # the writer: bytes up to the last chunk at once, the rest when the test says so
+        if end == len(data):
+            last_chunk_asked.set()
+            assert release.wait(RECEIVE_S)
+        payload[written[0] : end] = data[written[0] : end]
+        written[0] = end
+
+    publisher = h.publisher()
+    result = {}
+    thread = threading.Thread(
+        target=lambda: result.update(ack=publisher.publish(header, payload, RECEIVE_S, ready=ready))
+    )
+    thread.start()
+    assert last_chunk_asked.wait(RECEIVE_S)
+    early = chunks_received(watcher)
+    assert [m.envelope.chunk.index for m in early] == [0, 1, 2, 3], "chunks waited for the whole payload"
+    assert payload[-100:] == bytes(100), "the last bytes were not written yet"
+    release.set()
+    thread.join(RECEIVE_S)
+    assert result["ack"].applied
+    got = subscriber.receive(RECEIVE_S)
+    assert got is not None
+    got_header, got_payload = got
+    assert bytes(got_payload) == data and got_header.digest == payload_digest(data)
+
+
+def test_a_streamed_update_goes_through_a_relay_chain_with_its_digest(make_weight_plane):
+    from test_weight_relay import Receiver
+
+    h = make_weight_plane(fanout="chain", relay_timeout_s=2.0)
+    receivers = [Receiver(h, f"w{i}") for i in range(3)]
+    wait_until(lambda: len(h.plane.worker_versions()) == 3)
+    header, data = make_update(1, num_bytes=5 * CHUNK_BYTES + 3)
+    header.digest = ""
+    ack = h.publisher().publish(header, data, RECEIVE_S, ready=lambda end: None)
+    assert ack.applied
+    wait_until(lambda: all(1 in r.got for r in receivers), timeout_s=RECEIVE_S, what="every worker has v1")
+    assert all(r.got[1] == bytes(data) for r in receivers)  # each Receiver asserts the digest it computed
+    assert h.plane.status().bytes_out_total == len(data), "relayed: the broker sent each byte once"
+    for receiver in receivers:
+        receiver.stop()
+
+
+# ------------------------------------------------------------------------------------- the trainer's writer
+
+
+def layout(tensors, cast):
+    shapes = {
+        name: torch.empty(t.shape, dtype=cast if cast is not None and t.is_floating_point() else t.dtype, device="meta")
+        for name, t in tensors.items()
+    }
+    return safetensors_layout(shapes, SAFETENSORS_METADATA)
+
+
+@pytest.mark.parametrize("cast", [None, torch.bfloat16], ids=["own-dtype", "bf16"])
+def test_the_payload_stream_writes_the_bytes_of_the_whole_payload_writer(cast):
+    tensors = {"b.weight": torch.randn(300, 77), "a.bias": torch.randn(13), "steps": torch.arange(5)}
+    prefix, spans = layout(tensors, cast)
+    stream = PayloadStream(tensors, cast, PayloadPool().acquire(spans[-1][2]), prefix, spans)
+    stream.wait_for(spans[0][2])
+    stream.done()
+    cast_tensors = {k: v.to(cast) if cast is not None and v.is_floating_point() else v for k, v in tensors.items()}
+    reference = write_safetensors(cast_tensors, bytearray(spans[-1][2]), *layout(cast_tensors, None))
+    assert bytes(stream.view) == bytes(reference)
+
+
+def test_a_failing_writer_is_raised_to_the_sender():
+    tensors = {"w": torch.randn(100)}
+    prefix, spans = layout(tensors, None)
+    stream = PayloadStream({}, None, PayloadPool().acquire(spans[-1][2]), prefix, spans)  # "w" is missing
+    with pytest.raises(RuntimeError, match="writing the weight payload failed"):
+        stream.wait_for(spans[-1][2], timeout_s=5)
+
+
+def test_the_policy_publisher_streams_a_full_update_that_equals_the_whole_payload_build(tiny_model, make_broker):
+    from primerl.configs.trainer import ModelConfig
+    from primerl.trainer.model import load_model
+    from primerl.trainer.publish import PolicyPublisher
+
+    harness = make_broker(stop_grace_s=0)
+    model = load_model(ModelConfig(name=str(tiny_model)))
+    payloads = {}
+    for version, stream in ((1, True), (2, False)):
+        with PolicyPublisher(
+            harness.weight_endpoint,
+            None,
+            "trainer-0",
+            1 << 20,
+            "full",
+            "tiny",
+            stream=stream,
+            serving_dtype=torch.bfloat16,
+            lineage=1,
+        ) as publisher:
+            result = publisher.publish(model, version, timeout_s=30)
+        assert result.ack.applied
+        assert ("layout" in result.phases_ms) == stream and ("digest" in result.phases_ms) != stream
+        update = harness.service.weight_store.latest()
+        assert update.header.digest == payload_digest(update.payload)
+        payloads[version] = bytes(update.payload)
+    assert payloads[1] == payloads[2], "streamed and whole builds send the same bytes"

@@ -16,9 +16,6 @@ from test_weight_cut_through import chunks_received, publisher_ack, raw_worker
 from primerl.proto import chunked_transfer, framing
 from primerl.proto.digests import new_hasher, payload_digest
 from primerl.proto.v1 import common_pb2, data_pb2
-from primerl.trainer.hf_state_dict import SAFETENSORS_METADATA
-from primerl.trainer.payload_stream import PayloadStream
-from primerl.trainer.payload_writer import PayloadPool, safetensors_layout, write_safetensors
 
 
 def streamed_chunks(header, data, transfer_id="s1"):
@@ -191,35 +188,7 @@ def test_a_streamed_update_goes_through_a_relay_chain_with_its_digest(make_weigh
         receiver.stop()
 
 
-# ------------------------------------------------------------------------------------- the trainer's writer
-
-
-def layout(tensors, cast):
-    shapes = {
-        name: torch.empty(t.shape, dtype=cast if cast is not None and t.is_floating_point() else t.dtype, device="meta")
-        for name, t in tensors.items()
-    }
-    return safetensors_layout(shapes, SAFETENSORS_METADATA)
-
-
-@pytest.mark.parametrize("cast", [None, torch.bfloat16], ids=["own-dtype", "bf16"])
-def test_the_payload_stream_writes_the_bytes_of_the_whole_payload_writer(cast):
-    tensors = {"b.weight": torch.randn(300, 77), "a.bias": torch.randn(13), "steps": torch.arange(5)}
-    prefix, spans = layout(tensors, cast)
-    stream = PayloadStream(tensors, cast, PayloadPool().acquire(spans[-1][2]), prefix, spans)
-    stream.wait_for(spans[0][2])
-    stream.done()
-    cast_tensors = {k: v.to(cast) if cast is not None and v.is_floating_point() else v for k, v in tensors.items()}
-    reference = write_safetensors(cast_tensors, bytearray(spans[-1][2]), *layout(cast_tensors, None))
-    assert bytes(stream.view) == bytes(reference)
-
-
-def test_a_failing_writer_is_raised_to_the_sender():
-    tensors = {"w": torch.randn(100)}
-    prefix, spans = layout(tensors, None)
-    stream = PayloadStream({}, None, PayloadPool().acquire(spans[-1][2]), prefix, spans)  # "w" is missing
-    with pytest.raises(RuntimeError, match="writing the weight payload failed"):
-        stream.wait_for(spans[-1][2], timeout_s=5)
+# ------------------------------------------------------------------------------------- the trainer's publisher
 
 
 def test_the_policy_publisher_streams_a_full_update_that_equals_the_whole_payload_build(tiny_model, make_broker):
@@ -249,3 +218,47 @@ def test_the_policy_publisher_streams_a_full_update_that_equals_the_whole_payloa
         assert update.header.digest == payload_digest(update.payload)
         payloads[version] = bytes(update.payload)
     assert payloads[1] == payloads[2], "streamed and whole builds send the same bytes"
+
+
+@pytest.mark.parametrize("streamed", [False, True], ids=["digest-in-header", "digest-follows"])
+def test_the_broker_computes_the_digest_in_the_checksum_pass_of_each_chunk(make_weight_plane, monkeypatch, streamed):
+    """One read of each payload byte on the broker for both hashes: every byte its content digest is fed arrives
+    while the chunk's checksum is being computed (``framing.decode``'s tee), none in a pass of its own."""
+    from primerl.broker import weight_intake
+
+    inside = threading.local()
+    fed = {"in_pass": 0, "apart": 0}
+    real_checksum, real_hasher_for = framing.compute_checksum, weight_intake.hasher_for
+
+    def checksum(*args, **kwargs):
+        inside.active = True
+        try:
+            return real_checksum(*args, **kwargs)
+        finally:
+            inside.active = False
+
+    class Counting:
+        def __init__(self, expected):
+            self.inner = real_hasher_for(expected)
+
+        def update(self, data):
+            fed["in_pass" if getattr(inside, "active", False) else "apart"] += memoryview(data).nbytes
+            self.inner.update(data)
+
+        def hexdigest(self):
+            return self.inner.hexdigest()
+
+    monkeypatch.setattr(framing, "compute_checksum", checksum)
+    monkeypatch.setattr(weight_intake, "hasher_for", Counting)
+    h = make_weight_plane()
+    header, data = make_update(1, num_bytes=5 * CHUNK_BYTES + 3)
+    publisher = h.dealer()
+    chunks = streamed_chunks(header, data) if streamed else None
+    if chunks is None:
+        from test_weight_cut_through import chunks_of
+
+        chunks = chunks_of(header, data)
+    for frames in chunks:
+        publisher.send_multipart(frames, copy=False)
+    assert publisher_ack(publisher).applied
+    assert fed == {"in_pass": len(data), "apart": 0}

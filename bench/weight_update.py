@@ -3,7 +3,7 @@
 
     .venv/bin/python bench/weight_update.py [--models tiny,100m] [--dtypes fp32] [--kinds full,lora,delta]
                                             [--repeats 3] [--warmup 1] [--lr 1e-5] [--delta-policy auto|always]
-                                            [--markdown PATH] [--plots-dir DIR] [--quick] [--no-stream]
+                                            [--markdown PATH] [--plots-dir DIR] [--quick] [--stream auto|on|off]
 
 Points: ``--models`` (tiny, 100m, 500m, 1b: one Qwen2 family, ``scale_models.py``) times ``--dtypes`` (fp32,
 bf16); a model may name its own dtypes (``tiny:fp32,100m:fp32+bf16,1b:bf16``). ``--quick``: tiny in fp32
@@ -22,8 +22,9 @@ after one real AdamW step on a few tokens (larger models: every parameter scaled
 AdamW's state of a 1B model would not fit beside the daemons):
 
 - publish->applied: from ``PolicyPublisher.publish`` (build: read the parameters, cast, encode, digest; send:
-  chunks to the broker; FULL updates larger than a chunk are streamed, build and send overlapping, unless
-  ``--no-stream``) until the worker logs ``weight update live`` for the version (after its WEIGHT_ACK;
+  chunks to the broker; ``--stream on``: FULL updates larger than a chunk are streamed, build and send
+  overlapping; ``auto``, as the trainer: streamed when the weights are on a GPU, so not here) until the worker
+  logs ``weight update live`` for the version (after its WEIGHT_ACK;
   the log is read every 1 ms; the broker's run status, asked every second, is the fallback);
 - broker ack: until ``publish`` returns (the broker stored the update and acknowledged it);
 - worker has it: until the worker logs ``weight update received`` (its subscriber holds the whole update);
@@ -829,7 +830,7 @@ def measure_point(
             policy_name=POLICY_NAME,
             delta_policy=args.delta_policy,
             serving_dtype=serving_dtype(point),
-            stream=not args.no_stream,
+            stream={"auto": None, "on": True, "off": False}[args.stream],
         ) as publisher:
             if kind == "delta":  # the first publish of a delta publisher is FULL: its base
                 version = point.take_version()
@@ -1376,9 +1377,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="the DELTA publisher's policy (auto: FULL when the delta would not pay)",
     )
     parser.add_argument(
-        "--no-stream",
-        action="store_true",
-        help="publish FULL updates whole (weight_broadcast.stream = false: written and hashed before sending)",
+        "--stream",
+        choices=["auto", "on", "off"],
+        default="auto",
+        help="weight_broadcast.stream of the publisher: on (FULL sent while written), off (written and hashed "
+        "first), auto (as the trainer: on when the weights are on a GPU; default)",
     )
     parser.add_argument("--markdown", type=Path, default=None, help="write the results as a markdown section here")
     parser.add_argument("--plots-dir", type=Path, default=ROOT / "bench" / "plots", help="where the plot goes")

@@ -14,6 +14,7 @@ from pathlib import Path
 from primerl.cli.command_args import config_warnings_printed, parse_command_args
 from primerl.runtime.config_base import ConfigError
 from primerl.runtime.config_loader import dump_toml, load_role_config
+from primerl.runtime.parent_death import arm_from_environment
 
 RUN_TOKEN_ENV = "PRIMERL_RUN_TOKEN"
 
@@ -44,6 +45,8 @@ def run_role(
     ``$PRIMERL_RUN_TOKEN``, when set, gives the run token (key ``token_key``) unless the command line does:
     secrets stay out of config files and process listings (systemd passes it with ``EnvironmentFile=``).
     """
+    # Started by a launcher (``primerl rl``): end with it, SIGKILL included (before anything slow happens here).
+    arm_from_environment()
     argv = sys.argv[1:] if argv is None else list(argv)
     token_option = "--" + token_key.replace("_", "-")
     if os.environ.get(RUN_TOKEN_ENV) and not any(a.split("=")[0] in (token_option, "--" + token_key) for a in argv):

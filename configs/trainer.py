@@ -281,13 +281,15 @@ class WeightBroadcastConfig(BaseConfig):
         "most of their elements keep their bits from one step to the next (`delta` then sends only those that "
         "changed). LoRA adapters keep their training dtype.",
     )
-    stream: bool = Field(
-        True,
+    stream: bool | Literal["auto"] = Field(
+        "auto",
         description="Send a `full` update larger than one chunk while it is still being written: the first chunks "
-        "leave while later tensors are cast or copied from the GPU (into pinned host memory), and the payload's "
-        "digest follows in the last chunk. The broker and inference workers must read that digest "
-        "(`Chunk.payload_digest`: those of this release on); `false` for older ones: the whole payload is written "
-        "and hashed before it is sent, as before.",
+        "leave while later tensors are cast or copied from the GPU (asynchronous copies into pinned host memory), "
+        "and the payload's digest follows in the last chunk. `auto`: when the trainer's weights are on a GPU (on "
+        "CPU the copies would compete for the cores the broker and inference use on a small machine; measured in "
+        "docs/weight-updates.md). The broker and inference workers must read that digest (`Chunk.payload_digest`: "
+        "those of this release on); `false` for older ones: the whole payload is written and hashed before it is "
+        "sent, as before.",
     )
 
 

@@ -8,6 +8,12 @@ thread. For a child forked from another thread, a watcher thread in the child po
 through Python (``os.fork``, multiprocessing's fork start method: vLLM's engine core on CPU) die with SIGKILL
 when this process dies, SIGKILL included. ``die_with_parent(expected_parent)`` does the same from inside a child
 that was spawned rather than forked (the vLLM plugin calls it in a spawned engine core).
+
+``arm_from_environment()``: the same, asked for by the parent through ``PARENT_PID_VAR`` in the child's environment
+(``parent_environment()``). The launcher starts its roles that way rather than arming the signal between fork and
+exec: a ``preexec_fn`` makes Python run the at-fork handlers of every library in the child, and gRPC's restarts
+its poller thread there, which aborts the child once the fds are closed before exec (grpc/grpc#43055: "epoll_wait
+error: Bad file descriptor"). Without one, Python starts the child with vfork and exec, running no handler.
 """
 
 from __future__ import annotations
@@ -20,6 +26,9 @@ import threading
 
 PR_SET_PDEATHSIG = 1
 WATCH_INTERVAL_S = 0.2
+PARENT_PID_VAR = "PRIMERL_DIE_WITH_PARENT"
+"""``<pid>`` (started from that process's main thread) or ``<pid>:thread`` (from another thread): the child ends
+with SIGTERM when that parent does (``arm_from_environment``)."""
 
 _state = {"installed": False, "main_thread_fork": False, "parent_pid": 0}
 
@@ -66,3 +75,37 @@ def install_fork_hook() -> None:
         return
     os.register_at_fork(before=_before_fork, after_in_child=_after_fork_in_child)
     _state["installed"] = True
+
+
+def parent_environment() -> dict[str, str]:
+    """The environment entry that makes a child started now by this thread call ``die_with_parent`` on this
+    process (once the child runs ``arm_from_environment``)."""
+    main = threading.current_thread() is threading.main_thread()
+    return {PARENT_PID_VAR: f"{os.getpid()}" if main else f"{os.getpid()}:thread"}
+
+
+def arm_from_environment(signum: int = signal.SIGTERM) -> bool:
+    """In a child started with ``parent_environment()``: end with ``signum`` when that parent ends, at once if it
+    already has. The entry is removed from the environment, so this process's own children do not inherit it.
+    A process that inherited the entry through a program that kept it (a rank under torchrun: its parent is
+    torchrun, and the process named is alive) arms nothing: the launcher's reaper covers it. Returns whether this
+    process armed the signal."""
+    value = os.environ.pop(PARENT_PID_VAR, "")
+    pid_text, _, how = value.partition(":")
+    if not pid_text.isdigit():
+        return False
+    pid = int(pid_text)
+    if os.getppid() != pid and _alive(pid):
+        return False  # a grandchild of that process, not its child
+    die_with_parent(pid, signum=signum, from_main_thread=how != "thread")
+    return True
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True

@@ -8,27 +8,26 @@ Descendants that leave the group (torchrun starts its ranks in sessions of their
 every child carries in its environment (``primerl.supervisor.process_reaper``): a child counts as running while
 any process with its mark runs, and ending a child ends those too. The reaper the supervisor starts with its
 first child ends every marked process within ``reaper_grace_s`` + ~1 s when the launcher dies without stopping
-them (SIGKILL included); the children also get SIGTERM from PR_SET_PDEATHSIG at that moment.
+them (SIGKILL included); primerl's daemons among the children also get SIGTERM from PR_SET_PDEATHSIG at that
+moment (they arm it themselves, ``runtime.parent_death.arm_from_environment``).
 """
 
 from __future__ import annotations
 
-import ctypes
 import json
 import os
 import secrets
 import signal
 import subprocess
-import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
 from primerl.proto.ready_file import read_ready_file
+from primerl.runtime.parent_death import parent_environment
 from primerl.supervisor import process_reaper
 
 POLL_INTERVAL_S = 0.1
-PR_SET_PDEATHSIG = 1
 
 
 class ChildFailed(RuntimeError):
@@ -39,25 +38,15 @@ class ChildFailed(RuntimeError):
         self.child = child
 
 
-# Looked up once here: between fork and exec (where ``_die_with_parent`` runs, possibly beside other threads of
-# the launcher, e.g. gRPC's) the child should do as little as possible.
-_PRCTL = ctypes.CDLL(None, use_errno=True).prctl if sys.platform.startswith("linux") else None
-
-
-def _die_with_parent() -> None:  # runs in the child between fork and exec
-    # The signal comes when the *thread* that forked ends: the supervisor starts children from the launcher's
-    # main thread, whose end is the launcher's end.
-    if _PRCTL is not None:
-        _PRCTL(PR_SET_PDEATHSIG, signal.SIGTERM)
-
-
 def start_in_own_session(
     argv: Sequence[str], log_path: Path, env: Mapping[str, str], cwd: Path | None = None
 ) -> subprocess.Popen:
     """Start ``argv`` with stdout and stderr appended to ``log_path``, after a ``=== <time> <argv>`` line (so a
     log splits into the starts of its role). ``start_new_session``: its own process group, out of the terminal's,
-    so Ctrl-C reaches only the launcher, which then stops the children in order. PDEATHSIG: a launcher killed
-    with SIGKILL still ends them."""
+    so Ctrl-C reaches only the launcher, which then stops the children in order. A launcher killed with SIGKILL
+    still ends them: a primerl daemon arms PDEATHSIG itself (``runtime.parent_death.arm_from_environment``, asked for
+    in its environment), and the reaper ends every marked process. No ``preexec_fn``: Python then starts the child
+    with vfork and exec and runs no library's at-fork handler in it (gRPC's aborted children: ``parent_death``)."""
     log_path.parent.mkdir(parents=True, exist_ok=True)
     with open(log_path, "ab") as log_file:
         log_file.write(f"=== {time.strftime('%Y-%m-%d %H:%M:%S')} {' '.join(argv)}\n".encode())
@@ -67,10 +56,9 @@ def start_in_own_session(
             stdout=log_file,
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
-            env=dict(env),
+            env={**env, **parent_environment()},
             cwd=cwd,
             start_new_session=True,
-            preexec_fn=_die_with_parent,
         )
 
 

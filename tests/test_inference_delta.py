@@ -205,7 +205,7 @@ def test_a_streamed_full_update_is_served_exactly(
     adamw_step(model, build_optimizer(model, OptimizerConfig(lr=LR)), seed=77)
     version = (infer_broker.service.weight_store.latest_version or 0) + 1
     with PolicyPublisher(
-        infer_broker.weight_endpoint, TOKEN, "trainer-streamed", 1 << 20, kind="full", policy_name="policy"
+        infer_broker.weight_endpoint, TOKEN, "trainer-streamed", 1 << 20, kind="full", policy_name="policy", stream=True
     ) as publisher:
         result = publisher.publish(model, version)
     assert result.kind == "full" and result.payload_bytes > 2 << 20 and "layout" in result.phases_ms, result

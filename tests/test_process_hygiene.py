@@ -320,3 +320,72 @@ def test_stale_inference_work_dirs_are_removed_at_the_next_start(tmp_path):
     other.mkdir()
     assert remove_stale_work_dirs(tmp_path) == [stale]
     assert not stale.exists() and live.exists() and other.exists()
+
+
+# ---- how the launcher starts its roles ---------------------------------------------------------------------------
+
+LAUNCHER_SCRIPT = textwrap.dedent("""
+    import json, os, subprocess, sys, time
+    from pathlib import Path
+    from primerl.supervisor.process_supervisor import start_in_own_session
+    marker = Path(sys.argv[1])
+    # A library's at-fork handler (gRPC's restarts its poller thread in the child and aborts it: grpc/grpc#43055).
+    os.register_at_fork(after_in_child=lambda: marker.write_text("ran"))
+    argv = json.loads(sys.argv[2])
+    child = start_in_own_session(argv, marker.parent / "child.log", dict(os.environ))
+    print(child.pid, flush=True)
+    time.sleep(600)
+""")
+
+
+def start_launcher(tmp_path: Path, argv: list[str]) -> tuple[subprocess.Popen, int, Path]:
+    marker = tmp_path / "at-fork-ran"
+    launcher = subprocess.Popen(
+        [sys.executable, "-c", LAUNCHER_SCRIPT, str(marker), json.dumps(argv)], stdout=subprocess.PIPE, text=True
+    )
+    return launcher, int(launcher.stdout.readline()), marker
+
+
+def test_a_role_is_started_without_running_the_launchers_at_fork_handlers_and_dies_with_the_launcher(tmp_path):
+    """No ``preexec_fn``: the child is started with vfork + exec and runs none of the launcher's at-fork handlers;
+    a primerl daemon arms PDEATHSIG itself (``run_role``), so a SIGKILLed launcher still takes it along."""
+    ready = tmp_path / "broker-ready.json"
+    argv = [
+        str(Path(sys.executable).parent / "primerl-broker"),
+        *("--host", "127.0.0.1", "--grpc-port", "0", "--rollout-port", "0", "--weight-port", "0"),
+        *("--spool-dir", str(tmp_path / "spool"), "--prometheus.enabled", "false", "--ready-file", str(ready)),
+    ]
+    launcher, broker, marker = start_launcher(tmp_path, argv)
+    try:
+        deadline = time.monotonic() + 60
+        while not ready.exists():
+            assert time.monotonic() < deadline and running(broker), (tmp_path / "child.log").read_text()
+            time.sleep(0.05)
+        assert not marker.exists(), "the launcher's at-fork handler ran in the role's process"
+        launcher.kill()
+        gone_s = wait_gone([broker], GONE_TIMEOUT_S)
+    finally:
+        kill_all([broker])
+        launcher.kill()
+    print(f"primerl-broker gone {gone_s:.3f} s after its launcher's SIGKILL")
+    assert "stopping on signal" in (tmp_path / "child.log").read_text()
+
+
+def test_a_process_that_inherits_the_launchers_request_through_another_program_is_not_ended_by_it(tmp_path):
+    """As a rank under torchrun: it finds the launcher alive but not its parent, and arms nothing (the reaper covers
+    it); the program between them, not primerl, got the request."""
+    rank = (
+        "from primerl.runtime.parent_death import arm_from_environment as a; import time; print(a()); time.sleep(600)"
+    )
+    middle = f"import subprocess, sys, time; subprocess.Popen([sys.executable, '-c', {rank!r}]); time.sleep(600)"
+    launcher, child, _ = start_launcher(tmp_path, [sys.executable, "-c", middle])
+    try:
+        deadline = time.monotonic() + 30
+        while "False" not in (tmp_path / "child.log").read_text():
+            assert time.monotonic() < deadline, (tmp_path / "child.log").read_text()
+            time.sleep(0.05)
+        grandchildren = descendants(child)
+        assert grandchildren and all(running(p) for p in grandchildren)
+    finally:
+        kill_all([child, *descendants(child)])
+        launcher.kill()

@@ -199,7 +199,8 @@ def test_the_policy_publisher_streams_a_full_update_that_equals_the_whole_payloa
     harness = make_broker(stop_grace_s=0)
     model = load_model(ModelConfig(name=str(tiny_model)))
     payloads = {}
-    for version, stream in ((1, True), (2, False)):
+    # None ("auto"): streamed only when the weights are on a GPU; these are on the CPU.
+    for version, stream, streamed in ((1, True, True), (2, False, False), (3, None, False)):
         with PolicyPublisher(
             harness.weight_endpoint,
             None,
@@ -213,11 +214,11 @@ def test_the_policy_publisher_streams_a_full_update_that_equals_the_whole_payloa
         ) as publisher:
             result = publisher.publish(model, version, timeout_s=30)
         assert result.ack.applied
-        assert ("layout" in result.phases_ms) == stream and ("digest" in result.phases_ms) != stream
+        assert ("layout" in result.phases_ms) == streamed and ("digest" in result.phases_ms) != streamed
         update = harness.service.weight_store.latest()
         assert update.header.digest == payload_digest(update.payload)
         payloads[version] = bytes(update.payload)
-    assert payloads[1] == payloads[2], "streamed and whole builds send the same bytes"
+    assert payloads[1] == payloads[2] == payloads[3], "streamed and whole builds send the same bytes"
 
 
 @pytest.mark.parametrize("streamed", [False, True], ids=["digest-in-header", "digest-follows"])

@@ -195,7 +195,7 @@ class PolicyPublisher:
         stop_event: threading.Event | None = None,
         lineage: int | None = None,
         curve: Any = None,
-        stream: bool = True,
+        stream: bool | None = None,
     ):
         """``serving_dtype``: cast floating-point FULL/DELTA tensors to this dtype (None: the model's own).
         ``delta_level``: zlib level of XOR_ZLIB deltas. ``delta_policy``: "auto" sends FULL when a delta would not
@@ -206,7 +206,7 @@ class PolicyPublisher:
         incarnation's lineage, the broker's ``RegisterResponse.policy_lineage`` (None: now, in unix microseconds:
         for a broker that hands out none; tests pass their own). ``stream``: send a FULL update of a "full"
         publisher larger than one chunk while it is still written (``payload_stream``; its digest follows in the
-        last chunk); False: write and hash the whole payload first."""
+        last chunk); False: write and hash the whole payload first; None: stream when the weights are on a GPU."""
         if outage_s <= 0:
             raise ValueError(f"outage_s must be > 0, got {outage_s}")
         if kind not in _KIND_TO_WIRE:
@@ -306,7 +306,9 @@ class PolicyPublisher:
         state = hf_state_dict(model)
         phases = {"read": _elapsed_ms(start_s)}
         sharded = any(hasattr(t, "full_tensor") for t in state.values())
-        if self.stream and kind == "full" and self.kind == "full" and not sharded:
+        on_device = any(t.device.type == "cuda" for t in state.values())
+        wanted = on_device if self.stream is None else self.stream
+        if wanted and kind == "full" and self.kind == "full" and not sharded:
             streamed = self._stream_full(version, state, phases, start_s)
             if streamed is not None:
                 return streamed

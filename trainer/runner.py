@@ -175,7 +175,7 @@ class TrainerRunner:
                 stop_event=self.stop_event,
                 curve=self.control.curve,
                 serving_dtype=serving_dtype(config.weight_broadcast.dtype),
-                stream=config.weight_broadcast.stream,
+                stream=None if config.weight_broadcast.stream == "auto" else config.weight_broadcast.stream,
                 # The broker's counter orders incarnations (None: a broker that hands out none; the clock then).
                 lineage=registration.policy_lineage or None,
             )

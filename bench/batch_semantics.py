@@ -53,6 +53,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--plots-dir", type=Path, default=None, help="accepted for run_all.py; this part draws none")
     parser.add_argument("--budget-s", type=float, default=None, help="time budget: no new run once it is spent")
     parser.add_argument("--quick", action="store_true", help="8 mixed steps, 5 steps per constant/variable run")
+    parser.add_argument(
+        "--pairs", type=int, default=1, help="constant/variable pairs, each pair's order the other way round (1)"
+    )
+    parser.add_argument("--skip-mixed", action="store_true", help="only the constant/variable comparison")
     return parser
 
 
@@ -139,6 +143,8 @@ def main(argv: list[str] | None = None) -> int:
 
     print(f"[i] mixed run, {mixed_steps} steps ({machine_load()})", flush=True)
     try:
+        if args.skip_mixed:
+            raise BenchRunError("skipped (--skip-mixed)")
         _, rows = run(
             MIXED_CONFIG, args.sft, work / "mixed", mixed_steps, args.run_timeout_s, [], "mixed run (async 1)"
         )
@@ -170,38 +176,44 @@ def main(argv: list[str] | None = None) -> int:
     except BenchRunError as error:
         section.line(f"mixed run: not run: {str(error).splitlines()[0]}")
         section.line()
-        status = 1
+        status = status if args.skip_mixed else 1
 
     modes = {}
-    for label, value in (("constant", "true"), ("variable", "false")):
-        if args.budget_s is not None and time.time() - started > args.budget_s:
-            section.line(f"{label}: not run: the time budget ({args.budget_s:.0f} s) is spent")
-            status = 1
-            continue
-        print(f"[i] {label} batch size, {steps} steps ({machine_load()})", flush=True)
-        try:
-            timeline, rows = run(
-                SINGLE_CONFIG,
-                args.sft,
-                work / label,
-                steps,
-                args.run_timeout_s,
-                ["--orchestrator.constant-trainer-batch-size", value],
-                f"{label} batch size",
-            )
-        except BenchRunError as error:
-            section.line(f"{label}: not run: {str(error).splitlines()[0]}")
-            status = 1
-            continue
-        batch = [r.get("buffer/num_rollouts", 0.0) for r in rows]
-        signal = [b - r.get("batch/zero_advantage_rollouts", 0.0) for b, r in zip(batch, rows)]
-        modes[label] = {
-            "s_per_step": steady_s_per_step(timeline),
-            "signal": signal,
-            "batch": batch,
-            "waste": waste(rows),
-            "reward": statistics.fmean(r["train/reward"] for r in rows[len(rows) // 2 :]) if rows else float("nan"),
-        }
+    runs: dict[str, list[dict]] = {"constant": [], "variable": []}
+    order = [("constant", "true"), ("variable", "false")]
+    for pair in range(max(1, args.pairs)):
+        for label, value in order if pair % 2 == 0 else order[::-1]:
+            if args.budget_s is not None and time.time() - started > args.budget_s:
+                section.line(f"{label}: not run: the time budget ({args.budget_s:.0f} s) is spent")
+                status = 1
+                continue
+            print(f"[i] {label} batch size, {steps} steps, pair {pair + 1} ({machine_load()})", flush=True)
+            try:
+                timeline, rows = run(
+                    SINGLE_CONFIG,
+                    args.sft,
+                    work / label,
+                    steps,
+                    args.run_timeout_s,
+                    ["--orchestrator.constant-trainer-batch-size", value],
+                    f"{label} batch size",
+                )
+            except BenchRunError as error:
+                section.line(f"{label}: not run: {str(error).splitlines()[0]}")
+                status = 1
+                continue
+            batch = [r.get("buffer/num_rollouts", 0.0) for r in rows]
+            signal = [b - r.get("batch/zero_advantage_rollouts", 0.0) for b, r in zip(batch, rows)]
+            modes[label] = {
+                "s_per_step": steady_s_per_step(timeline),
+                "signal": signal,
+                "batch": batch,
+                "waste": waste(rows),
+                "reward": statistics.fmean(r["train/reward"] for r in rows[len(rows) // 2 :]) if rows else float("nan"),
+                "pair": pair + 1,
+                "load": machine_load(),
+            }
+            runs[label].append(modes[label])
     if modes:
         section.table(
             [
@@ -213,25 +225,34 @@ def main(argv: list[str] | None = None) -> int:
             ],
             [
                 [
-                    label,
+                    f"{label} (pair {m['pair']}, {m['load']})" if len(mode_runs) > 1 else label,
                     f"{fmt(m['s_per_step'][0])} ({fmt(m['s_per_step'][1])}–{fmt(m['s_per_step'][2])})",
                     f"{fmt(statistics.fmean(m['signal']), 4)} ({fmt(min(m['signal']), 4)}–{fmt(max(m['signal']), 4)})",
                     fmt(m["reward"]),
                     waste_cell(m["waste"]),
                 ]
-                for label, m in modes.items()
+                for label, mode_runs in runs.items()
+                for m in mode_runs
             ],
         )
     if "constant" in modes and "variable" in modes:
-        ratio = modes["constant"]["s_per_step"][0] / modes["variable"]["s_per_step"][0]
-        section.line(f"Constant / variable seconds per step: {fmt(ratio)} (prime-rl measured 1.35).  ")
+        paired = [
+            c["s_per_step"][0] / v["s_per_step"][0]
+            for c, v in zip(runs["constant"], runs["variable"], strict=False)
+            if c["pair"] == v["pair"]
+        ]
+        ratio = statistics.median(paired)
+        section.line(
+            f"Constant / variable seconds per step: {fmt(ratio)} (median of {len(paired)} pair(s): "
+            f"{', '.join(fmt(r) for r in paired)}; prime-rl measured 1.35).  "
+        )
         section.line(
             target_line(
                 "discarded / generated tokens, constant mode", modes["constant"]["waste"]["fraction"], "<=", 0.05
             )
         )
         results["constant_over_variable_s_per_step"] = ratio
-    results["modes"] = modes
+    results["modes"] = runs
     results["load_end"] = machine_load()
     section.line()
     print("\n".join(section.lines), flush=True)

@@ -21,7 +21,10 @@ What goes on the wire (``WeightUpdateHeader`` + one safetensors payload):
 its own thread: a ``PreparedUpdate`` owns its bytes). FULL payloads are written into pooled buffers
 (``payload_writer``); a buffer goes back to the pool once the broker acknowledged the update, so
 ``PreparedUpdate.payload`` is valid until ``send`` returns. The content digest (XXH3-128, ``primerl.proto.digests``)
-is computed once, here, over the finished payload.
+is computed once, here, over the finished payload. A streamed FULL (``stream``; by default when the weights are on
+a GPU) is the exception: ``build`` only lays out its header and starts ``payload_stream.PayloadStream`` writing the
+tensors, ``send`` cuts each chunk once its bytes are written, and the digest, computed in the pass of each chunk's
+checksum, follows in the last chunk (``Chunk.payload_digest``).
 
 Lineage: every update carries ``lineage`` (one per trainer incarnation: the ``policy_lineage`` the broker gave
 trainer rank 0 when it registered, ``RegisterResponse.policy_lineage``) and ``lineage_base_version`` (the version
@@ -35,7 +38,7 @@ at a version it holds and drops the rolled-back updates; a replaced incarnation'
 Broker outages: ``send`` retries a publish lost to a missing connection or ack through
 ``primerl.client.outage.retry_through_outage`` until the role's ``broker.outage_s``; a resend is safe (the broker
 acknowledges an update it already stored). ``PublishResult.phases_ms``: ``read``, ``snapshot``, ``estimate``,
-``encode``, ``digest``, ``send``.
+``encode``, ``digest``, ``send``; a streamed FULL: ``read``, ``layout``, ``send`` (its copies overlap the send).
 """
 
 from __future__ import annotations
@@ -422,8 +425,7 @@ class PolicyPublisher:
         total = spans[-1][2] if spans else len(prefix)
         if total <= self.chunk_bytes:
             return None
-        on_device = any(t.device.type == "cuda" for t in live.values())
-        buffer = self._pool.acquire(total, pinned=on_device)
+        buffer = self._pool.acquire(total, pinned=any(t.device.type == "cuda" for t in live.values()))
         try:
             stream = PayloadStream(live, cast, buffer, prefix, spans)
             specs = specs_of(parse_header(prefix, total_bytes=total))

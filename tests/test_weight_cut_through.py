@@ -13,15 +13,17 @@ from support.weight_plane import CHUNK_BYTES, RECEIVE_S, TOKEN, make_update
 from primerl.broker.weight_fanout import WeightFanout
 from primerl.broker.weight_store import StoredUpdate, WeightStore
 from primerl.proto import chunked_transfer, framing
-from primerl.proto.digests import payload_digest
+from primerl.proto.digests import new_hasher, payload_digest
 from primerl.proto.v1 import common_pb2, data_pb2
 
 FULL = data_pb2.WEIGHT_UPDATE_KIND_FULL
 DELTA = data_pb2.WEIGHT_UPDATE_KIND_DELTA
 
 
-def chunks_of(header, data, transfer_id="t1"):
-    header.digest = header.digest or payload_digest(data)
+def chunks_of(header, data, transfer_id="t1", *, streamed=False):
+    """The chunk messages a publisher sends for ``data``; ``streamed``: as a streaming publisher does (the header
+    without a digest, which follows in the last chunk)."""
+    header.digest = "" if streamed else header.digest or payload_digest(data)
     header.payload_bytes = len(data)
     return list(
         chunked_transfer.encode_chunked(
@@ -33,6 +35,8 @@ def chunks_of(header, data, transfer_id="t1"):
             auth_token=TOKEN,
             sender="trainer",
             checksum_kind=framing.XXH3_64,
+            ready=(lambda end: None) if streamed else None,
+            digest=new_hasher() if streamed else None,
         )
     )
 

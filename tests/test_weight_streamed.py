@@ -11,7 +11,7 @@ import pytest
 import torch
 from support.probes import wait_until
 from support.weight_plane import CHUNK_BYTES, RECEIVE_S, TOKEN, make_update
-from test_weight_cut_through import chunks_received, publisher_ack, raw_worker
+from test_weight_cut_through import chunks_of, chunks_received, publisher_ack, raw_worker
 
 from primerl.proto import chunked_transfer, framing
 from primerl.proto.digests import new_hasher, payload_digest
@@ -19,23 +19,7 @@ from primerl.proto.v1 import common_pb2, data_pb2
 
 
 def streamed_chunks(header, data, transfer_id="s1"):
-    """The chunk messages a streaming publisher sends for ``data`` (header without a digest)."""
-    header.digest = ""
-    header.payload_bytes = len(data)
-    return list(
-        chunked_transfer.encode_chunked(
-            data_pb2.WEIGHT_UPDATE,
-            header,
-            data,
-            chunk_bytes=CHUNK_BYTES,
-            transfer_id=transfer_id,
-            auth_token=TOKEN,
-            sender="trainer",
-            checksum_kind=framing.XXH3_64,
-            ready=lambda end: None,
-            digest=new_hasher(),
-        )
-    )
+    return chunks_of(header, data, transfer_id, streamed=True)
 
 
 def with_trailer(frames, digest):
@@ -254,11 +238,7 @@ def test_the_broker_computes_the_digest_in_the_checksum_pass_of_each_chunk(make_
     h = make_weight_plane()
     header, data = make_update(1, num_bytes=5 * CHUNK_BYTES + 3)
     publisher = h.dealer()
-    chunks = streamed_chunks(header, data) if streamed else None
-    if chunks is None:
-        from test_weight_cut_through import chunks_of
-
-        chunks = chunks_of(header, data)
+    chunks = chunks_of(header, data, streamed=streamed)
     for frames in chunks:
         publisher.send_multipart(frames, copy=False)
     assert publisher_ack(publisher).applied

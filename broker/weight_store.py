@@ -310,8 +310,20 @@ class WeightStore:
             and latest.header.digest.lower() == header.digest.lower()
         )
 
+    def _may_be_resend_locked(self, header: data_pb2.WeightUpdateHeader) -> bool:
+        """``header`` opens a streamed transfer (its digest follows in the last chunk) of the latest update's
+        version, lineage and kind: a resend, unless its bytes differ (``put`` tells, with the digest)."""
+        latest = self._latest_update_locked()
+        return (
+            latest is not None
+            and not header.digest
+            and latest.policy_version == header.policy_version
+            and latest.lineage == header.lineage
+            and latest.kind == header.kind
+        )
+
     def _check_header_locked(self, header: data_pb2.WeightUpdateHeader, *, payload_bytes: int | None) -> None:
-        if payload_bytes is None and self._is_resend_locked(header):
+        if payload_bytes is None and (self._is_resend_locked(header) or self._may_be_resend_locked(header)):
             return  # a resend of the latest update: ``put`` acknowledges it once its bytes are checked
         kind = header.kind
         version = header.policy_version

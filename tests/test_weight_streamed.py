@@ -243,3 +243,28 @@ def test_the_broker_computes_the_digest_in_the_checksum_pass_of_each_chunk(make_
         publisher.send_multipart(frames, copy=False)
     assert publisher_ack(publisher).applied
     assert fed == {"in_pass": len(data), "apart": 0}
+
+
+def test_a_streamed_update_sent_again_is_acknowledged_and_other_bytes_under_its_version_are_refused(make_weight_plane):
+    """A publisher that lost the broker's ack sends the same update again: a streamed one names no digest in its
+    first chunk, so the broker lets it in and compares the digest that follows (same bytes: acknowledged as held;
+    other bytes under the same version: OUT_OF_ORDER)."""
+    h = make_weight_plane()
+    header, data = make_update(1, num_bytes=3 * CHUNK_BYTES + 5)
+    publisher = h.dealer()
+    for transfer_id in ("s1", "s2"):  # the second: the resend
+        for frames in chunks_of(
+            data_pb2.WeightUpdateHeader.FromString(header.SerializeToString()), data, transfer_id, streamed=True
+        ):
+            publisher.send_multipart(frames, copy=False)
+        ack = publisher_ack(publisher)
+        assert ack.applied, (transfer_id, ack.error.message)
+    other = bytes(b ^ 1 for b in data[-64:])
+    changed = data[:-64] + other
+    for frames in chunks_of(
+        data_pb2.WeightUpdateHeader.FromString(header.SerializeToString()), changed, "s3", streamed=True
+    ):
+        publisher.send_multipart(frames, copy=False)
+    ack = publisher_ack(publisher)
+    assert not ack.applied and ack.error.code == common_pb2.ERROR_CODE_OUT_OF_ORDER, ack.error.message
+    assert h.store.latest().header.digest == payload_digest(data)

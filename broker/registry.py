@@ -33,6 +33,11 @@ what free the spool): the lineage is handed out, the broker's recent errors say 
 periodic saver writes it once it can. A broker restarted before then resumes above the weight store's lineage, and
 the trainer's re-registration names its lineage again.
 
+Split brain: once a newer lineage is handed out, the older incarnations are over. The weight store refuses their
+updates at once (``refuse_lineages_below``: before the new trainer's first publish), and an old trainer that
+registers again naming its lineage, or commits a step, is refused with ``IncarnationSuperseded`` (ABORTED): a
+trainer cut off by a partition while its replacement took over comes back, is told, and stops.
+
 Gray failures: a heartbeat's ``not_serving`` reason is the worker's state (it cannot serve now: its engine
 stalled), not an error: the worker is listed with ``serving = "false"`` until a heartbeat without one
 (``WorkerRecord.not_serving``); each change is one line of the recent errors.
@@ -49,6 +54,7 @@ from primerl.broker.registry_errors import (
     BrokerStopping,
     CommitFailed,
     CommitResult,
+    IncarnationSuperseded,
     InvalidRequest,
     LimitReached,
     NameTaken,
@@ -198,6 +204,7 @@ class WorkerRegistry(WatchedState):
             )
             self.policy.restore_latest(state.latest_policy_version)
             self._policy_lineage = max(self._policy_lineage, state.policy_lineage)
+            self.policy.refuse_lineages_below(self._policy_lineage)
             self._metrics.restore(state.last_metrics, state.last_metrics_step)
             self._state_revision += 1
             self._bump_locked()
@@ -212,9 +219,9 @@ class WorkerRegistry(WatchedState):
         """Add a worker. A name may be reused once its previous holder is LOST or LEFT (that record is dropped).
         ``BrokerStopping`` after ``close()``."""
         name = check_register_request(request)
-        policy_lineage = self._policy_lineage_of(request)
         with self._lock:
             self._refuse_if_closed_locked()
+            self._refuse_superseded_locked(request)  # before the name: B may hold the name A comes back with
             now = self._clock()
             self._expire_locked(now)
             num_alive = sum(1 for w in self._workers.values() if w.state == ALIVE)
@@ -230,6 +237,8 @@ class WorkerRegistry(WatchedState):
                         "for it to expire"
                     )
                 self._forget_worker_locked(old)
+            # Only a registration that succeeds takes a lineage: a refused one (a name still held) changes nothing.
+            policy_lineage, lineage_changed = self._assign_lineage_locked(request)
             worker_id = uuid.uuid4().hex
             unix_ms = self._unix_ms()
             self._workers[worker_id] = WorkerRecord(
@@ -245,9 +254,13 @@ class WorkerRegistry(WatchedState):
                 registered_unix_ms=unix_ms,
                 last_seen=now,
                 last_heartbeat_unix_ms=unix_ms,
+                policy_lineage=policy_lineage,
             )
             self._drop_old_gone_locked()
             self._bump_locked()
+        if lineage_changed:
+            self._persist_lineage(policy_lineage)
+        with self._lock:
             return control_pb2.RegisterResponse(
                 worker_id=worker_id,
                 run_id=self.run_id,
@@ -263,37 +276,47 @@ class WorkerRegistry(WatchedState):
         """The largest policy lineage this run knows: handed out, or held by the weight store."""
         return max(self._policy_lineage, self.policy.latest().lineage)
 
-    def _policy_lineage_of(self, request: control_pb2.RegisterRequest) -> int:
-        """The policy lineage a registering worker gets: for trainer rank 0 a new one (above every lineage the run
-        knows), or the one it names (a re-registration of the same incarnation); 0 for every other worker. A new or
-        larger lineage is written to the run state before the answer, so a restarted broker never hands it out
-        again; when the write fails it is handed out all the same (module doc) and the saver retries."""
+    def _assign_lineage_locked(self, request: control_pb2.RegisterRequest) -> tuple[int, bool]:
+        """The policy lineage a registering worker gets, and whether the counter moved: for trainer rank 0 a new one
+        (above every lineage the run knows), or the one it names (a re-registration of the same incarnation; an
+        older one than the newest is ``IncarnationSuperseded``); 0 for every other worker. The weight store refuses
+        older lineages from then on."""
         if request.role != common_pb2.ROLE_TRAINER or request.rank != 0:
-            return 0
+            return 0, False
+        self._refuse_superseded_locked(request)
+        if request.policy_lineage:
+            lineage = request.policy_lineage
+            changed = lineage > self._policy_lineage
+        else:
+            lineage = self._lineage_floor_locked() + 1
+            changed = True
+        if changed:
+            self._policy_lineage = lineage
+            self._state_revision += 1
+        self.policy.refuse_lineages_below(self._policy_lineage)
+        return lineage, changed
+
+    def _refuse_superseded_locked(self, request: control_pb2.RegisterRequest) -> None:
+        """A trainer rank 0 naming a lineage the broker never hands out, or one older than the newest it knows."""
+        if request.role != common_pb2.ROLE_TRAINER or request.rank != 0 or not request.policy_lineage:
+            return
         if request.policy_lineage >= MAX_POLICY_LINEAGE:
             raise InvalidRequest(
                 f"policy_lineage {request.policy_lineage} is not one a broker hands out (< {MAX_POLICY_LINEAGE}); "
                 "register with the lineage the broker gave this trainer, or 0 for a new one"
             )
-        with self._lock:
-            self._refuse_if_closed_locked()
-            if request.policy_lineage:
-                lineage = request.policy_lineage
-                changed = lineage > self._policy_lineage
-                self._policy_lineage = max(self._policy_lineage, lineage)
-            else:
-                lineage = self._lineage_floor_locked() + 1
-                changed = True
-                self._policy_lineage = lineage
-            if changed:
-                self._state_revision += 1
-        if changed:
-            try:
-                self._persist_now()
-            except OSError as err:
-                message = f"policy lineage {lineage} handed out but not saved yet ({err}); the run state saver retries"
-                self.record_error("broker", message)
-        return lineage
+        newest = self._lineage_floor_locked()
+        if request.policy_lineage < newest:
+            raise IncarnationSuperseded(_superseded(request.name, request.policy_lineage, newest, "registers again"))
+
+    def _persist_lineage(self, lineage: int) -> None:
+        """A new or larger lineage is written to the run state before the answer, so a restarted broker never hands
+        it out again; when the write fails it is handed out all the same (module doc) and the saver retries."""
+        try:
+            self._persist_now()
+        except OSError as err:
+            message = f"policy lineage {lineage} handed out but not saved yet ({err}); the run state saver retries"
+            self.record_error("broker", message)
 
     def heartbeat(self, request: control_pb2.HeartbeatRequest) -> control_pb2.HeartbeatResponse:
         """Reset the worker's liveness and store its progress. Unknown or expired id: ``WorkerNotFound``;
@@ -400,6 +423,10 @@ class WorkerRegistry(WatchedState):
                 if worker.role != common_pb2.ROLE_TRAINER:
                     raise StepOutOfOrder(
                         f"only trainer workers commit steps; {worker.name!r} is {role_name(worker.role)}"
+                    )
+                if worker.policy_lineage and worker.policy_lineage < self._policy_lineage:
+                    raise IncarnationSuperseded(
+                        _superseded(worker.name, worker.policy_lineage, self._policy_lineage, f"commits step {step}")
                     )
                 last_committed = self._progress.last_committed_step
             if step <= last_committed:
@@ -605,3 +632,11 @@ class WorkerRegistry(WatchedState):
         """Drop a gone worker's record; its progress stays in the run's steps (they never go back)."""
         self._progress.keep_steps_of(worker)
         del self._workers[worker.worker_id]
+
+
+def _superseded(name: str, lineage: int, newest: int, doing: str) -> str:
+    return (
+        f"trainer {name!r} of policy lineage {lineage} {doing}, but lineage {newest} superseded it: a newer trainer "
+        "incarnation registered while this one was cut off or stuck. This trainer must stop (do not restart it; "
+        "the newer one goes on with the run)"
+    )

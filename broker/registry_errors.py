@@ -30,6 +30,13 @@ class StepOutOfOrder(RegistryError):
     status_code = "FAILED_PRECONDITION"
 
 
+class IncarnationSuperseded(RegistryError):
+    """A trainer whose policy lineage a newer trainer incarnation superseded (it registered while this one was cut
+    off or stuck) registers again or commits: refused for good; the old trainer must stop, not retry."""
+
+    status_code = "ABORTED"
+
+
 class LimitReached(RegistryError):
     """A bound of the registry (workers, metric names) would be exceeded; the message says which."""
 

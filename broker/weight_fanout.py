@@ -216,6 +216,10 @@ class WeightFanout:
         """Call ``callback()`` (no lock held) whenever ``latest()`` changes; it must be quick and thread-safe."""
         self._watchers.append(callback)
 
+    def refuse_lineages_below(self, lineage: int) -> None:
+        """The registry handed ``lineage`` to a new trainer incarnation: the store refuses older ones from now on."""
+        self.store.refuse_lineages_below(lineage)
+
     def restore_latest(self, version: int) -> None:
         """The run state of an earlier broker says ``version`` was the latest: answered until the store holds one.
         Watchers are not told (the registry calls this while it restores that run state)."""

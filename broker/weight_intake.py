@@ -404,7 +404,7 @@ class WeightIntake:
                 applied=False,
                 error=detail,
                 full_required=full_required,
-                lineage=self.store.lineage,
+                lineage=self.store.newest_lineage,
             ),
             refused=True,
         )

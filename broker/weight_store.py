@@ -22,7 +22,7 @@ it should resend the same version as FULL. Nothing is evicted silently: the chai
 latest version from the snapshot.
 
 Lineage (a rollback is a first-class event): every update carries ``lineage``, the trainer incarnation that made
-it (the ``policy_lineage`` the broker's registry gave it, ``registry._policy_lineage_of``; 0: a sender that
+it (the ``policy_lineage`` the broker's registry gave it, ``registry._assign_lineage_locked``; 0: a sender that
 predates lineages), and
 ``lineage_base_version``, the version it resumed from. A larger lineage supersedes every smaller one:
 
@@ -33,6 +33,9 @@ predates lineages), and
 - a DELTA of a newer lineage is refused (OUT_OF_ORDER): a lineage starts with a FULL (or LORA) update;
 - any update of an OLDER lineage is refused (OUT_OF_ORDER, the message says it was superseded): e.g. a trainer
   that a restarted one replaced but that still runs. The sender reads the store's lineage in the refusal.
+  "Older" counts the lineages the registry has handed out too (``refuse_lineages_below``), not only the ones
+  published: a trainer cut off by a partition while its replacement registered is refused from then on, even
+  before the replacement's first publish.
 Lineage 0 on both sides is the ordering by version alone.
 
 ``plan_for(worker_version, worker_lineage)`` says what a worker must receive to reach the latest version: a
@@ -171,6 +174,8 @@ class WeightStore:
         self._num_refused = 0
         self._lineage = 0
         self._lineage_base_version = 0
+        # The newest lineage the registry handed out (``refuse_lineages_below``): updates of an older one are refused.
+        self._lineage_floor = 0
         self._num_rollbacks = 0
         self._durable: WeightDurability | None = None
 
@@ -344,6 +349,13 @@ class WeightStore:
                 f"(a trainer resumed at v{self._lineage_base_version}) superseded: this sender is a replaced trainer "
                 "incarnation; stop it",
             )
+        if 0 < header.lineage < self._lineage_floor:  # (lineage 0, a sender without lineages: by version alone)
+            raise WeightUpdateRefused(
+                common_pb2.ERROR_CODE_OUT_OF_ORDER,
+                f"{kind_name(kind)} v{version} belongs to lineage {header.lineage}, which lineage "
+                f"{self._lineage_floor} superseded (a newer trainer incarnation registered with the broker): this "
+                "sender is a replaced trainer incarnation; stop it",
+            )
         new_lineage = header.lineage > self._lineage
         if kind in SNAPSHOT_KINDS:
             if header.base_version != 0:
@@ -486,6 +498,18 @@ class WeightStore:
     def lineage(self) -> int:
         with self._lock:
             return self._lineage
+
+    @property
+    def newest_lineage(self) -> int:
+        """The newest lineage known: held, or handed out by the registry (what a refusal tells its sender)."""
+        with self._lock:
+            return max(self._lineage, self._lineage_floor)
+
+    def refuse_lineages_below(self, lineage: int) -> None:
+        """From now on refuse every update of a lineage below ``lineage`` (the registry handed it to a new trainer
+        incarnation: the ones before it are replaced, whether or not the new one has published yet)."""
+        with self._lock:
+            self._lineage_floor = max(self._lineage_floor, lineage)
 
     def close(self, timeout_s: float = 10.0) -> bool:
         """Stop the durability writer (after it wrote the latest chain, within ``timeout_s``); True when done."""

@@ -57,6 +57,8 @@ class WorkerRecord:
     left_reason: str = ""
     # Why the worker cannot serve now (its engine stalled), from its latest heartbeat; "" while it can.
     not_serving: str = ""
+    # Trainer rank 0: the policy lineage it was given (0 for every other worker).
+    policy_lineage: int = 0
 
     def info(self, applied_policy_version: int | None = None) -> control_pb2.WorkerInfo:
         """The record as ``WorkerInfo``; ``applied_policy_version``: what the weight fan-out saw it acknowledge."""

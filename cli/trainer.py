@@ -39,9 +39,6 @@ def serve(config, args: argparse.Namespace, *, objective: str = "rl") -> int:
         return runner.run()
     except StoppedWhileStarting:
         return STARTUP_EXIT_STATUS
-    except ValueError as exc:  # a config or data problem the user must fix
-        log.error("trainer cannot continue", error=str(exc))
-        return 2
     except Exception as exc:
         return _exit_status_of(exc, log)
     finally:
@@ -50,17 +47,18 @@ def serve(config, args: argparse.Namespace, *, objective: str = "rl") -> int:
 
 def _exit_status_of(exc: Exception, log) -> int:
     """Faults with one clear line and a status that tells a restarter what to do (``primerl rl``, systemd):
-    2 (do not restart) when a newer trainer took over the run's policy lineage, 1 when the broker stayed
-    unreachable past ``broker.outage_s`` or a checkpoint found its disk full (a restart may heal it, once there is
-    room: it resumes from the checkpoint kept). Anything else is raised (traceback)."""
-    from primerl.client.control import BrokerLost
+    2 (do not restart) when a newer trainer took over the run's policy lineage, or for a config or data problem
+    (a ``ValueError``); 1 when the broker stayed unreachable past ``broker.outage_s`` or a checkpoint found its
+    disk full (a restart may heal it, once there is room: it resumes from the checkpoint kept). Anything else is
+    raised (traceback)."""
+    from primerl.client.control import BrokerLost, IncarnationSuperseded
     from primerl.client.outage import BrokerOutageExceeded
     from primerl.proto.weight_refusals import LineageSuperseded
     from primerl.trainer.checkpoint import CheckpointDiskFull
 
     cause: BaseException | None = exc
     while cause is not None:
-        if isinstance(cause, LineageSuperseded):
+        if isinstance(cause, (LineageSuperseded, IncarnationSuperseded)):
             log.error(
                 "a newer trainer publishes this run's policy; this one stops and must not be restarted",
                 error=str(cause),
@@ -73,6 +71,9 @@ def _exit_status_of(exc: Exception, log) -> int:
             log.error("trainer cannot continue: no space for its checkpoint", error=str(cause))
             return 1
         cause = cause.__cause__
+    if isinstance(exc, ValueError):  # a config or data problem the user must fix
+        log.error("trainer cannot continue", error=str(exc))
+        return 2
     raise exc
 
 

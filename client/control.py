@@ -15,7 +15,8 @@ trainer waiting for data) calls ``check_broker()`` in its loop and stops with th
 (role ``client``) does not ride through: it fails at once.
 
 Errors reach callers as ``BrokerError`` (with the gRPC ``code``); ``BrokerUnavailable`` when the broker cannot
-be reached in time (those can heal: retry later).
+be reached in time (those can heal: retry later); ``IncarnationSuperseded`` when a newer trainer incarnation took
+over the run (never heals: the heartbeat thread stops, and ``check_broker()`` raises it).
 """
 
 from __future__ import annotations
@@ -73,11 +74,19 @@ class _NameHeld(BrokerError):
     broker expires it. A worker waits for that (within ``outage_s``)."""
 
 
+class IncarnationSuperseded(BrokerError):
+    """A newer trainer incarnation took over this run's policy lineage (it registered while this trainer was cut
+    off or stuck): the broker refuses this one's registration and commits for good. The trainer must stop and
+    must not be restarted."""
+
+
 def broker_error(err: grpc.RpcError, what: str, address: str) -> BrokerError:
     code = err.code() if hasattr(err, "code") else grpc.StatusCode.UNKNOWN
     details = err.details() if hasattr(err, "details") else str(err)
     if code in _UNAVAILABLE_CODES:
         return BrokerUnavailable(f"{what}: broker at {address} unreachable ({code.name}: {details})", code)
+    if code == grpc.StatusCode.ABORTED:
+        return IncarnationSuperseded(f"{what}: {details}", code)
     return BrokerError(f"{what}: {code.name}: {details}", code)
 
 
@@ -156,6 +165,8 @@ class ControlClient:
         self.rides_through = self.role != common_pb2.ROLE_CLIENT
         self.outage_s = config.outage_s
         self.broker_lost = threading.Event()
+        # Set by the heartbeat thread when the broker refused this worker as a superseded trainer incarnation.
+        self.superseded: IncarnationSuperseded | None = None
         self.broker_lost_error = ""
         self._heartbeat_outage = OutageWatch("heartbeats", self.outage_s, worker=name)
 
@@ -402,6 +413,8 @@ class ControlClient:
         than ``outage_s`` (call it in a worker's waiting loops)."""
         if self.broker_lost.is_set():
             raise BrokerLost(self.broker_lost_error, grpc.StatusCode.UNAVAILABLE)
+        if self.superseded is not None:
+            raise self.superseded
 
     def watch_run_status(self, min_interval_ms: int = 0, timeout_s: float | None = None) -> RunStatusStream:
         """Stream of statuses: the current one, then one per change. ``timeout_s``: total duration (None: until
@@ -463,6 +476,10 @@ class ControlClient:
                     unreachable_logged = True
                 self._note_heartbeat_outage(err)
                 wait_s, backoff_s = backoff_s, min(backoff_s * 2, BACKOFF_MAX_S)
+            except IncarnationSuperseded as err:  # for good: no more heartbeats; check_broker() raises it
+                _log.error("a newer trainer incarnation superseded this one", worker=self.name, error=str(err))
+                self.superseded = err
+                return
             except BrokerError as err:
                 if err.code == grpc.StatusCode.NOT_FOUND and worker_id is not None:
                     _log.warning("broker forgot this worker; registering again", worker=self.name, error=str(err))

@@ -267,5 +267,7 @@ def test_the_trainer_exits_1_with_one_line_when_its_checkpoint_disk_is_full():
         assert _exit_status_of(exc, log) == 1
     assert [event for event, _ in log.lines] == ["trainer cannot continue: no space for its checkpoint"]
     assert "step_2 is kept" in log.lines[0][1]["error"]
-    with pytest.raises(ValueError):  # anything else is still raised with its traceback
-        _exit_status_of(ValueError("other"), log)
+    with pytest.raises(RuntimeError):  # anything else is still raised with its traceback
+        _exit_status_of(RuntimeError("other"), log)
+    assert _exit_status_of(ValueError("a bad setting"), log) == 2  # a config or data problem: one line, exit 2
+    assert log.lines[-1][0] == "trainer cannot continue"

@@ -20,12 +20,14 @@ import pytest
 import torch
 
 from primerl.broker.registry import MAX_POLICY_LINEAGE, WorkerRegistry
-from primerl.broker.registry_errors import InvalidRequest
+from primerl.broker.registry_errors import IncarnationSuperseded, InvalidRequest
 from primerl.broker.run_state import RUN_STATE_FILE, RunState, RunStateFile, RunStateSaver
 from primerl.client.control import ControlClient
+from primerl.client.control import IncarnationSuperseded as IncarnationSupersededError
 from primerl.client.weights import LineageSuperseded
 from primerl.configs.trainer import ModelConfig
-from primerl.proto.v1 import common_pb2, control_pb2
+from primerl.proto.v1 import common_pb2, control_pb2, data_pb2
+from primerl.proto.weight_refusals import WeightUpdateRefused
 from primerl.runtime.config_common import BrokerClientConfig
 from primerl.trainer import publish as publish_module
 from primerl.trainer.model import load_model
@@ -145,6 +147,33 @@ def test_a_restarted_trainer_supersedes_whatever_its_clock_says(
     assert (store.latest_version, store.lineage) == (2, second.lineage)
 
 
+def test_a_cut_off_trainer_learns_it_was_superseded_and_stops_heartbeating(make_broker, model, trainers):
+    """The broker forgets trainer A (as after a partition longer than its liveness window) and B registers under
+    the same name. A's heartbeat thread, back in touch, registers again naming its lineage: refused for good, it
+    stops heartbeating and ``check_broker()`` raises; A's commit and publish are refused too."""
+    broker = make_broker(stop_grace_s=0, heartbeat_interval_s=0.2, heartbeat_liveness=2)
+    first = start_trainer(trainers, broker)
+    bump(model, 1)
+    first.publisher.publish(model, 1, timeout_s=30)
+    # the broker's view after a partition longer than the liveness window
+    broker.service.registry.deregister(first.control.worker_id, "cut off")
+    second = start_trainer(trainers, broker)
+    assert second.lineage > first.lineage
+    deadline = time.monotonic() + 20
+    while first.control.superseded is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    with pytest.raises(IncarnationSupersededError, match=f"lineage {second.lineage} superseded it"):
+        first.control.check_broker()
+    with pytest.raises(IncarnationSupersededError):
+        first.control.commit_step(1)
+    bump(model, 2)
+    with pytest.raises(LineageSuperseded) as refused:  # before B has published anything
+        first.publisher.publish(model, 2, timeout_s=30)
+    assert refused.value.broker_lineage == second.lineage
+    assert [w.name for w in second.control.list_workers("trainer")] == ["trainer-rank0"]
+    assert second.control.commit_step(1).last_committed_step == 1
+
+
 def test_the_counter_and_an_incarnations_lineage_survive_a_broker_restart(make_broker, model, trainers):
     broker = make_broker(stop_grace_s=0, heartbeat_interval_s=0.2, heartbeat_liveness=2)
     first = start_trainer(trainers, broker)
@@ -211,13 +240,49 @@ def test_only_trainer_rank_0_gets_a_lineage_and_each_new_one_is_larger(tmp_path)
     second = register(registry, "b").policy_lineage
     assert 1 <= first < second
     assert store.load().policy_lineage == second  # written before the answer
-    # A re-registration naming its lineage keeps it, even an older one; one above the counter raises it.
-    assert register(registry, "c", lineage=first).policy_lineage == first
+    # A re-registration naming its lineage keeps it; an older one is superseded; one above the counter raises it.
+    assert register(registry, "c", lineage=second).policy_lineage == second
+    with pytest.raises(IncarnationSuperseded, match=f"policy lineage {first} registers again, but lineage {second}"):
+        register(registry, "c2", lineage=first)
     assert register(registry, "d", lineage=second + 100).policy_lineage == second + 100
     assert register(registry, "e").policy_lineage == second + 101
     with pytest.raises(InvalidRequest, match="policy_lineage"):
         register(registry, "f", lineage=MAX_POLICY_LINEAGE)
     assert register(registry, "g").policy_lineage == second + 102
+
+
+def test_a_superseded_trainer_can_neither_commit_nor_publish_before_its_successor_does():
+    """Split brain: trainer A is cut off (it never left); B registers and gets a newer lineage. Before B has
+    published anything, A's commit and A's next weight update are refused, and so is A's re-registration."""
+    registry = WorkerRegistry("run", 1.0, 3)
+    store = registry.policy.store
+    old = register(registry, "trainer-a")
+    store.check_header(full_header(1, old.policy_lineage))  # A publishes as usual
+    new = register(registry, "trainer-b")
+    assert new.policy_lineage > old.policy_lineage and store.lineage == 0  # B has published nothing yet
+    with pytest.raises(WeightUpdateRefused, match="a newer trainer incarnation registered") as refused:
+        store.check_header(full_header(2, old.policy_lineage))
+    assert refused.value.code == common_pb2.ERROR_CODE_OUT_OF_ORDER and store.newest_lineage == new.policy_lineage
+    with pytest.raises(IncarnationSuperseded, match="commits step 1, but lineage"):
+        registry.commit_step(old.worker_id, 1)
+    with pytest.raises(IncarnationSuperseded, match="must stop"):
+        register(registry, "trainer-a2", lineage=old.policy_lineage)
+    assert registry.commit_step(new.worker_id, 1).last_committed_step == 1
+    store.check_header(full_header(1, new.policy_lineage))  # B's own updates go through, from any version
+    # Workers without a lineage (orchestrator, inference, other ranks) are not concerned.
+    assert register(registry, "trainer-rank1", rank=1).policy_lineage == 0
+
+
+def test_a_restored_broker_refuses_lineages_older_than_its_counter():
+    registry = WorkerRegistry("run", 1.0, 3)
+    registry.restore(RunState(run_id="run", policy_lineage=41))
+    with pytest.raises(WeightUpdateRefused, match="lineage 40, which lineage 41 superseded"):
+        registry.policy.store.check_header(full_header(5, 40))
+    registry.policy.store.check_header(full_header(5, 41))
+
+
+def full_header(version: int, lineage: int) -> data_pb2.WeightUpdateHeader:
+    return data_pb2.WeightUpdateHeader(policy_version=version, kind=data_pb2.WEIGHT_UPDATE_KIND_FULL, lineage=lineage)
 
 
 def test_the_counter_is_restored_and_stays_above_the_weight_stores_lineage(tmp_path):

@@ -35,6 +35,7 @@ from support.orchestrator import ENV_FIXTURES, ENV_PYTHON, metric_rows, orchestr
 from primerl.client.rollouts import RolloutConsumer
 from primerl.proto import telemetry
 from primerl.proto.step_digest import data_digest
+from primerl.proto.v1 import common_pb2
 
 pytestmark = [
     pytest.mark.slow,
@@ -51,14 +52,24 @@ BEYOND_S = WORKER_OUTAGE_S + 6.0
 INFER_READY_S = 300.0
 
 
-@pytest.fixture
-def hosts():
+def made_hosts(names: list[str]):
     from support.netns import Hosts, namespaces_available
 
     ok, why = namespaces_available()
     if not ok:
         pytest.skip(f"network namespaces cannot be made here: {why}")
-    with Hosts.create(["d", "e"], mode="netns") as made:
+    return Hosts.create(names, mode="netns")
+
+
+@pytest.fixture
+def hosts():
+    with made_hosts(["d", "e"]) as made:
+        yield made
+
+
+@pytest.fixture
+def trainer_hosts():
+    with made_hosts(["t", "u"]) as made:
         yield made
 
 
@@ -259,3 +270,184 @@ def test_partitions_between_the_broker_and_an_inference_worker(hosts, tmp_path, 
         for proc in procs.values():
             proc.stop()
         broker.stop()
+
+
+TRAINER_OUTAGE_S = 90.0
+TRAINER_CUT_S = 8.0
+FEED_AHEAD = 4  # steps sent beyond the last committed one
+
+
+class Feeder:
+    """Sends each step's samples (``support.trainer_runs``) as an orchestrator would, ``FEED_AHEAD`` steps beyond
+    the broker's last committed step, until stopped."""
+
+    def __init__(self, broker: BrokerHarness, endpoint: str):
+        self.broker, self.endpoint = broker, endpoint
+        self.stop = threading.Event()
+        self.sent = 0
+        self.error: BaseException | None = None
+        self.thread = threading.Thread(target=self._run, name="feeder", daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        from support.trainer_runs import send_steps
+
+        try:
+            while not self.stop.is_set():
+                target = self.broker.service.registry.last_committed_step + FEED_AHEAD
+                if self.sent < target:
+                    send_steps(self.endpoint, range(self.sent + 1, target + 1), num_micro_batches=1, auth_token=TOKEN)
+                    self.sent = target
+                self.stop.wait(0.05)
+        except BaseException as err:  # the test's checks say it
+            self.error = err
+
+    def close(self) -> None:
+        self.stop.set()
+        self.thread.join(30)
+
+
+def test_partitions_between_the_broker_and_the_trainer(trainer_hosts, tmp_path, small_tiny_model):
+    """Trainer A on host t is cut off the broker (the broker, in this process, and the data it trains on are on the
+    bridge's address), with checkpoints every step in a directory both hosts share:
+
+    - shorter than the broker's liveness window: nothing changes (A stays registered, steps go on);
+    - longer than the liveness window, within A's `broker.outage_s`: the broker marks A LOST; healed, A registers
+      again under its own lineage and goes on (heal to full speed: the next commit);
+    - split brain: A is cut off again and, once the broker lists it LOST, trainer B starts on host u from the
+      shared checkpoints and takes over the run. Healed, A learns it was superseded and stops (exit 2, one line)
+      without publishing or committing anything: the weights the broker holds stay B's lineage.
+
+    Every step is committed once (B's re-commit of the checkpoint it resumed from aside), each trained on the
+    data sent for it."""
+    from support.netns import Proc
+    from support.trainer_runs import log_events, packed, samples, trainer_args
+
+    hosts = trainer_hosts
+    broker = BrokerHarness(
+        tmp_path / "spool",
+        run_token=TOKEN,
+        run_id="trainer-partition-test",
+        max_queue_batches=64,
+        host=hosts.gateway,
+        heartbeat_interval_s=HEARTBEAT_S,
+    )
+    registry = broker.service.registry
+    address = f"{hosts.gateway}:{broker.endpoints.grpc_port}"
+    env = {**os.environ, "PRIMERL_RUN_TOKEN": TOKEN, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+    out = tmp_path / "out"  # both hosts' trainers checkpoint here (a shared file system)
+    args = trainer_args(
+        small_tiny_model,
+        address,
+        out,
+        "--max-steps",
+        "10000",
+        "--ckpt.interval",
+        "1",
+        "--ckpt.keep-last",
+        "3",
+        "--broker.outage-s",
+        str(TRAINER_OUTAGE_S),
+    )
+    cable = Cable(hosts, "t")
+    cut = False
+    procs: dict[str, Proc] = {}
+    feeder = Feeder(broker, f"tcp://{hosts.gateway}:{broker.endpoints.rollout_port}")
+    figures: dict[str, float] = {}
+
+    def committed() -> int:
+        return registry.last_committed_step
+
+    def trainers_alive() -> list:
+        return registry.list_workers(common_pb2.ROLE_TRAINER)
+
+    def wait_committed(step: int, timeout_s: float, what: str, proc: Proc) -> None:
+        try:
+            wait_for(lambda: committed() >= step, timeout_s, f"{what} (step {step} committed)", proc.popen)
+        except AssertionError as err:
+            raise AssertionError(f"{err}; feeder error: {feeder.error!r}; {proc.label}:\n{proc.tail()}") from None
+
+    try:
+        procs["a"] = a = Proc("trainer@t", hosts["t"], args, env, tmp_path / "trainer-a.log", tmp_path)
+        wait_committed(3, 240, "trainer A training", a)
+        lineage_a = registry.policy.latest().lineage  # A has published: the store holds A's lineage
+
+        # shorter than the liveness window: nothing changes
+        cable.cut()
+        cut = True
+        time.sleep(SHORT_S)
+        cable.heal()
+        cut = False
+        step_at_heal = committed()
+        wait_committed(step_at_heal + 3, 60, "trainer A after a short cut", a)
+        assert len(a.events(telemetry.REGISTERED_WITH_THE_BROKER)) == 1, a.tail()
+
+        # longer than the liveness window, within A's outage budget: LOST, then back under its own lineage
+        cable.cut()
+        cut = True
+        cut_s = time.monotonic()
+        wait_for(lambda: not trainers_alive(), 15, "the broker marking A LOST", a.popen)
+        figures["lost_after_s"] = time.monotonic() - cut_s
+        time.sleep(max(0.0, TRAINER_CUT_S - (time.monotonic() - cut_s)))
+        step_at_heal = committed()
+        cable.heal()
+        cut = False
+        healed_s = time.monotonic()
+        wait_committed(step_at_heal + 1, 60, "trainer A after the heal", a)
+        figures["heal_to_commit_s"] = time.monotonic() - healed_s
+        wait_committed(step_at_heal + 3, 60, "trainer A at full speed", a)
+        assert len(a.events(telemetry.REGISTERED_WITH_THE_BROKER)) == 2, a.tail()
+        assert [w.name for w in trainers_alive()] == ["trainer-rank0"]
+
+        # split brain: A cut off, B takes over from the shared checkpoints, A comes back
+        cable.cut()
+        cut = True
+        cut_s = time.monotonic()
+        wait_for(lambda: not trainers_alive(), 15, "the broker marking A LOST again", a.popen)
+        step_at_cut = committed()
+        procs["b"] = b = Proc("trainer@u", hosts["u"], args, env, tmp_path / "trainer-b.log", tmp_path)
+        wait_committed(step_at_cut + 3, 240, "trainer B taking over", b)
+        figures["takeover_s"] = time.monotonic() - cut_s
+        lineage_b = registry.policy.latest().lineage
+        assert lineage_b > lineage_a
+        cable.heal()
+        cut = False
+        healed_s = time.monotonic()
+        code_a = a.popen.wait(60)
+        figures["heal_to_a_stopped_s"] = time.monotonic() - healed_s
+        assert code_a == 2, a.tail()
+        step_now = committed()
+        wait_committed(step_now + 3, 60, "trainer B after A came back", b)
+        assert registry.policy.latest().lineage == lineage_b  # A never published over B's lineage
+        b.popen.send_signal(signal.SIGTERM)
+        assert b.popen.wait(120) == 0, b.tail()
+    finally:
+        if cut:
+            cable.heal()
+        feeder.close()
+        for proc in procs.values():
+            proc.stop()
+        broker.stop()
+
+    assert feeder.error is None, feeder.error
+    a_log, b_log = procs["a"].log.read_text(errors="replace"), procs["b"].log.read_text(errors="replace")
+    assert "a newer trainer publishes this run's policy; this one stops and must not be restarted" in a_log, a_log[
+        -3000:
+    ]
+    assert len(procs["b"].events(telemetry.REGISTERED_WITH_THE_BROKER)) == 1, b_log[-3000:]
+    committed_a = [e["step"] for e in log_events(a_log, "checkpoint committed")]
+    committed_b = [e["step"] for e in log_events(b_log, "checkpoint committed")]
+    assert committed_a == list(range(1, len(committed_a) + 1)), committed_a
+    resumed = committed_b[0]  # B commits the checkpoint it resumed from again (idempotent), then goes on
+    assert resumed <= committed_a[-1] + 1 and committed_b == list(range(resumed, resumed + len(committed_b)))
+    assert committed_a[-1] < committed_b[1], (committed_a[-3:], committed_b[:3])  # A committed nothing after B
+    for proc in procs.values():
+        for done in proc.events(telemetry.STEP_DONE):
+            assert done["data_digest"] == data_digest([packed(samples(done["step"]))]), done
+    print(
+        f"\npartition trainer<->broker: steps 1-{committed_b[-1]} committed once ({len(committed_a)} by A, then B "
+        f"from step {resumed}); short cut ({SHORT_S:g} s): no change; long cut ({TRAINER_CUT_S:g} s): LOST after "
+        f"{figures['lost_after_s']:.1f} s, first commit {figures['heal_to_commit_s']:.1f} s after the heal; split "
+        f"brain: B took over {figures['takeover_s']:.1f} s after the cut (lineage {lineage_a} -> {lineage_b}), A "
+        f"stopped (exit 2) {figures['heal_to_a_stopped_s']:.1f} s after the heal"
+    )

@@ -46,11 +46,18 @@ def packed(group: Sequence[dict[str, np.ndarray]]) -> dict[str, np.ndarray]:
     return {name: np.concatenate([sample[name] for sample in group]) for name in group[0]}
 
 
-def send_steps(rollout_endpoint: str, steps: Iterable[int], num_micro_batches: int = 2, num_ranks: int = 1) -> None:
+def send_steps(
+    rollout_endpoint: str,
+    steps: Iterable[int],
+    num_micro_batches: int = 2,
+    num_ranks: int = 1,
+    auth_token: str | None = None,
+) -> None:
     """Each step's samples to the broker as the orchestrator would send them: with one rank, in
     ``num_micro_batches`` consecutive parts; with several, rank r gets samples r, r + num_ranks, ... in one
-    micro-batch (the same global batch, so any number of ranks trains on the same data)."""
-    with RolloutProducer(rollout_endpoint) as producer:
+    micro-batch (the same global batch, so any number of ranks trains on the same data). ``auth_token``: the
+    broker's run token, where it has one."""
+    with RolloutProducer(rollout_endpoint, auth_token) as producer:
         for step in steps:
             group = samples(step)
             if num_ranks > 1:

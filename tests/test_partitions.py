@@ -1,8 +1,9 @@
-"""Network partitions between the broker and an inference worker (issue 30, item 4, its first case), on hosts made
-of network namespaces (``support.netns``): the broker (in this process) and the real `primerl-orchestrator` on
-the bridge's address, two real `primerl-infer` daemons on hosts d and e. Host d is cut off the bridge (its veth
-leaves the bridge: its packets are dropped silently, its link stays up, as with an unplugged switch port) and
-plugged back:
+"""Network partitions (issue 30, item 4) on hosts made of network namespaces (``support.netns``), the broker in
+this process on the bridge's address. Skipped where network namespaces cannot be made (not root).
+
+**Broker <-> an inference worker.** The real `primerl-orchestrator` on the bridge's address, two real
+`primerl-infer` daemons on hosts d and e. Host d is cut off the bridge (its veth leaves the bridge: its packets
+are dropped silently, its link stays up, as with an unplugged switch port) and plugged back:
 
 - shorter than the broker's liveness window (heartbeat x liveness): nothing is lost, d stays listed;
 - longer than the liveness window but within d's `broker.outage_s`: the broker marks d LOST, the orchestrator
@@ -12,7 +13,14 @@ plugged back:
   restarts it), the run goes on with e.
 
 Throughout, every step is sent exactly once (steps 1..n, each once) and what the broker holds for each step is
-what the orchestrator logged as sent (digests). Skipped where network namespaces cannot be made (not root)."""
+what the orchestrator logged as sent (digests).
+
+**Broker <-> the trainer, and split brain** (``test_partitions_between_the_broker_and_the_trainer``): real
+`primerl-trainer` daemons on hosts t and u, fed by this process; see that test.
+
+**The orchestrator <-> an inference worker** (``test_a_partition_between_the_orchestrator_and_an_inference_worker``):
+the orchestrator on host o, workers on d and e; o and d drop each other's packets (blackhole routes) while both
+still reach the broker: d stays registered, the steps go on from e, and d serves o again after the heal."""
 
 from __future__ import annotations
 
@@ -115,6 +123,35 @@ def steps_sent(text: str) -> list[tuple[int, str]]:
     ]
 
 
+def start_inference(hosts, name: str, address: str, env: dict, tmp_path: Path, model: Path, procs: dict, urls: dict):
+    """A real `primerl-infer` on host ``name`` against the broker at ``address``; its base URL into ``urls``."""
+    from support.netns import Proc
+
+    ready = tmp_path / f"infer-{name}-ready.json"
+    argv = [
+        BIN / "primerl-infer",
+        "--model.name",
+        model,
+        "--model.max-model-len",
+        "512",
+        "--server.port",
+        "0",
+        "--server.host",
+        hosts[name].address,
+        "--broker.address",
+        address,
+        "--broker.connect-timeout-s",
+        "30",
+        "--broker.outage-s",
+        str(WORKER_OUTAGE_S),
+        "--ready-file",
+        ready,
+    ]
+    procs[name] = proc = Proc(f"infer@{name}", hosts[name], argv, env, tmp_path / f"infer-{name}.log", tmp_path)
+    wait_for(lambda: ready.exists(), INFER_READY_S, f"infer@{name} ready:\n{proc.tail()}", proc.popen)
+    urls[name] = json.loads(ready.read_text())["base_url"]
+
+
 def test_partitions_between_the_broker_and_an_inference_worker(hosts, tmp_path, tiny_model):
     from support.netns import Proc
 
@@ -143,33 +180,12 @@ def test_partitions_between_the_broker_and_an_inference_worker(hosts, tmp_path, 
     cut = False
     figures: dict[str, float] = {}
     try:
-
-        def start(name: str) -> None:
-            ready = tmp_path / f"infer-{name}-ready.json"
-            argv = [
-                BIN / "primerl-infer",
-                "--model.name",
-                tiny_model,
-                "--model.max-model-len",
-                "512",
-                "--server.port",
-                "0",
-                "--server.host",
-                hosts[name].address,
-                "--broker.address",
-                address,
-                "--broker.connect-timeout-s",
-                "30",
-                "--broker.outage-s",
-                str(WORKER_OUTAGE_S),
-                "--ready-file",
-                ready,
-            ]
-            procs[name] = proc = Proc(f"infer@{name}", hosts[name], argv, env, tmp_path / f"infer-{name}.log", tmp_path)
-            wait_for(lambda: ready.exists(), INFER_READY_S, f"infer@{name} ready:\n{proc.tail()}", proc.popen)
-            urls[name] = json.loads(ready.read_text())["base_url"]
-
-        threads = [threading.Thread(target=start, args=(name,)) for name in ("d", "e")]
+        threads = [
+            threading.Thread(
+                target=start_inference, args=(hosts, name, address, env, tmp_path, tiny_model, procs, urls)
+            )
+            for name in ("d", "e")
+        ]
         for thread in threads:
             thread.start()
         for thread in threads:
@@ -450,4 +466,129 @@ def test_partitions_between_the_broker_and_the_trainer(trainer_hosts, tmp_path, 
         f"{figures['lost_after_s']:.1f} s, first commit {figures['heal_to_commit_s']:.1f} s after the heal; split "
         f"brain: B took over {figures['takeover_s']:.1f} s after the cut (lineage {lineage_a} -> {lineage_b}), A "
         f"stopped (exit 2) {figures['heal_to_a_stopped_s']:.1f} s after the heal"
+    )
+
+
+@pytest.fixture
+def three_hosts():
+    with made_hosts(["o", "d", "e"]) as made:
+        yield made
+
+
+class Blackhole:
+    """The packets between hosts ``a`` and ``b`` dropped silently, in both directions, while both keep talking to
+    everyone else: each host routes the other's address to a blackhole (``ip route add blackhole``; this kernel
+    has no tc classifiers or netfilter to match on)."""
+
+    def __init__(self, hosts, a: str, b: str):
+        self.routes = [(hosts[a].namespace, hosts[b].address), (hosts[b].namespace, hosts[a].address)]
+
+    def _route(self, action: str) -> None:
+        for namespace, address in self.routes:
+            subprocess.run(
+                ["ip", "-n", namespace, "route", action, "blackhole", f"{address}/32"], check=True, timeout=20
+            )
+
+    def cut(self) -> None:
+        self._route("add")
+
+    def heal(self) -> None:
+        self._route("del")
+
+
+def test_a_partition_between_the_orchestrator_and_an_inference_worker(three_hosts, tmp_path, tiny_model):
+    from support.netns import Proc
+
+    if not Path(ENV_PYTHON).exists():
+        pytest.skip(f"no env-worker interpreter at {ENV_PYTHON}: run `make setup` (it builds .venv-envs)")
+    hosts = three_hosts
+    broker = BrokerHarness(
+        tmp_path / "spool",
+        run_token=TOKEN,
+        run_id="orchestrator-partition-test",
+        max_queue_batches=256,
+        host=hosts.gateway,
+        heartbeat_interval_s=HEARTBEAT_S,
+    )
+    address = f"{hosts.gateway}:{broker.endpoints.grpc_port}"
+    env = {
+        **os.environ,
+        "PRIMERL_RUN_TOKEN": TOKEN,
+        "HF_HUB_OFFLINE": "1",
+        "TRANSFORMERS_OFFLINE": "1",
+        "VLLM_NO_USAGE_STATS": "1",
+    }
+    procs: dict[str, Proc] = {}
+    urls: dict[str, str] = {}
+    blackhole = Blackhole(hosts, "o", "d")
+    cut = False
+    figures: dict[str, float] = {}
+    try:
+        threads = [
+            threading.Thread(
+                target=start_inference, args=(hosts, name, address, env, tmp_path, tiny_model, procs, urls)
+            )
+            for name in ("d", "e")
+        ]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        assert sorted(urls) == ["d", "e"], {n: p.tail() for n, p in procs.items()}
+        args = orchestrator_args(tiny_model, broker, tmp_path / "out", "reverse-text")
+        args[args.index("--broker.address") + 1] = address
+        args[args.index("--max-steps") + 1] = "400"
+        procs["o"] = orchestrator = Proc(
+            "orchestrator@o",
+            hosts["o"],
+            [*args, "--max-async-level", "400"],
+            {**env, "PYTHONPATH": str(ENV_FIXTURES)},
+            tmp_path / "orchestrator.log",
+            tmp_path,
+        )
+
+        def last_step() -> int:
+            return max((step for step, _ in steps_sent(orchestrator.log.read_text(errors="replace"))), default=0)
+
+        wait_for(lambda: last_step() >= 2, 240, "step 2 sent", orchestrator.popen)
+        assert requests_served(urls["d"]) > 0
+        step_at_cut = last_step()
+        blackhole.cut()
+        cut = True
+        cut_s = time.monotonic()
+        wait_for(
+            lambda: last_step() >= step_at_cut + 3, 120, "steps from e while o and d cannot talk", orchestrator.popen
+        )
+        figures["three_steps_s"] = time.monotonic() - cut_s
+        served_d_in_cut = requests_served(urls["d"])  # the test reaches d: only o and d are cut off each other
+        time.sleep(max(0.0, LONG_S - (time.monotonic() - cut_s)))
+        base = requests_served(urls["d"])
+        assert base == served_d_in_cut, (base, served_d_in_cut)  # nothing of o's finished on d while cut off
+        blackhole.heal()
+        cut = False
+        healed_s = time.monotonic()
+        wait_for(lambda: requests_served(urls["d"]) > base, 120, "d serving rollouts again", orchestrator.popen)
+        figures["heal_to_full_speed_s"] = time.monotonic() - healed_s
+        step_now = last_step()
+        wait_for(lambda: last_step() >= step_now + 2, 60, "steps after the heal", orchestrator.popen)
+        orchestrator.popen.send_signal(signal.SIGTERM)
+        assert orchestrator.popen.wait(60) == 0, orchestrator.tail()
+    finally:
+        if cut:
+            blackhole.heal()
+        for proc in procs.values():
+            proc.stop()
+        broker.stop()
+    text = procs["o"].log.read_text(errors="replace")
+    sent = steps_sent(text)
+    steps = [step for step, _ in sent]
+    assert steps == list(range(1, len(steps) + 1)), steps  # exactly once, none lost
+    rows = [r["step"] for r in metric_rows(tmp_path / "out")]
+    assert rows == list(range(1, len(rows) + 1)) and set(steps) <= set(rows), (rows, steps)
+    assert telemetry.INFERENCE_WORKER_LEFT not in text  # d kept its broker registration throughout
+    print(
+        f"\npartition o<->d (d still reaches the broker): {len(steps)} steps, each once; 3 steps from e "
+        f"{figures['three_steps_s']:.1f} s after the cut; {LONG_S:g} s cut; d finishing o's rollouts again "
+        f"(heal to full speed) {figures['heal_to_full_speed_s']:.1f} s after the heal; "
+        f"rollout failed lines: {text.count('rollout failed')}, groups retried: {text.count('rollout group retried')}"
     )

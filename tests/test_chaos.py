@@ -83,6 +83,24 @@ def test_plan_of_mode_rl_also_kills_the_launcher_once_and_keeps_the_other_kills_
     assert len(places) > 2, places  # not always at the same place
 
 
+def test_plan_of_mode_rl_kills_one_rank_of_the_two_rank_trainer_once():
+    from chaos.plan import LAUNCHER, TRAINER_RANK
+    from chaos.runs import RunSpec
+
+    for seed in (1, 2, 3):
+        with_launcher = make_plan(seed, full=True, launcher=True)
+        both = make_plan(seed, full=True, launcher=True, trainer_rank=True)
+        [rank] = [k for k in both if k.role == TRAINER_RANK]
+        assert rank.moment == "random" and rank.gap_steps in (1, 2)
+        assert [k for k in both if k.role != TRAINER_RANK] == with_launcher  # the others keep their order
+        assert [k.role for k in both].count(LAUNCHER) == 1
+        assert steps_needed(both) > steps_needed(with_launcher)
+    spec = RunSpec.create("rl", 1, Path("/tmp/run"), Path("/tmp/model"), 10, {})
+    args = spec.rl_args()
+    assert spec.trainer_ranks == 2 and args[args.index("--trainer-gpu-ids") + 1] == "[1, 2]"
+    assert "--trainer-gpu-ids" not in RunSpec.create("separate", 1, Path("/tmp/r"), Path("/tmp/m"), 10, {}).rl_args()
+
+
 def test_lineage_follows_checkpoints_back_and_counts_a_rolled_back_step_as_retrained(tmp_path):
     done = lambda s: _line(telemetry.STEP_DONE, step=s, data_digest=f"d{s}")  # noqa: E731
     saved = lambda s: _line(telemetry.CHECKPOINT_SAVED, step=s)  # noqa: E731

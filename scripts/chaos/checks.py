@@ -152,18 +152,23 @@ def judge(record: RunRecord) -> Verdict:
     verdict.duplicated = [s for s, events in sorted(chain.steps.items()) if len(events) > 1]
     verdict.retrained = dict(sorted(chain.retrained.items()))
 
-    sent: dict[int, set[str]] = defaultdict(set)
+    # (step, trainer rank) -> the digests the orchestrator sent for it; the trainer's `step done` is rank 0's data
+    sent: dict[tuple[int, int], set[str]] = defaultdict(set)
     for inc in logs["orchestrator"]:
         for event in [*inc.named(telemetry.STEP_SENDING), *inc.named(telemetry.STEP_SENT)]:
             if event.get("data_digest"):
-                sent[int(event.get("step", 0))].add(str(event.get("data_digest")))
+                sent[int(event.get("step", 0)), int(event.get("rank", 0))].add(str(event.get("data_digest")))
     for step, events in sorted(chain.steps.items()):
         digest = events[-1].get("data_digest")
-        if not digest or not sent.get(step):
+        if not digest or not sent.get((step, 0)):
             verdict.unverified.append(step)
-        elif digest not in sent[step]:
-            verdict.mismatched.append(f"step {step}: trained {digest}, sent {sorted(sent[step])}")
-    resent = {s: len(d) for s, d in sent.items() if len(d) > 1}
+        elif digest not in sent[step, 0]:
+            verdict.mismatched.append(f"step {step}: trained {digest}, sent {sorted(sent[step, 0])}")
+    resent: dict[int, int] = {}
+    for (step, _rank), digests in sent.items():
+        if len(digests) > 1:
+            resent[step] = max(resent.get(step, 0), len(digests))
+    resent = dict(sorted(resent.items()))
     if resent:
         verdict.findings.append(f"steps sent with more than one data digest (orchestrator restarts): {resent}")
 

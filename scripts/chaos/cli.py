@@ -72,7 +72,9 @@ def main(argv: list[str] | None = None) -> int:
         modes.remove("rl")
     for mode in modes:
         for seed in seeds:
-            plan = make_plan(seed, full=not args.quick, relay=mode == "separate", launcher=mode == "rl")
+            plan = make_plan(
+                seed, full=not args.quick, relay=mode == "separate", launcher=mode == "rl", trainer_rank=mode == "rl"
+            )
             max_steps = args.steps or steps_needed(plan)
             run_dir = (args.run_root / f"{mode}-seed{seed}").resolve()
             if run_dir.exists():

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from primerl.proto import telemetry
 
 from .logs import Event, LogFollower
-from .plan import LAUNCHER, KillSpec
+from .plan import LAUNCHER, TRAINER_RANK, KillSpec
 from .procs import Exit, describe, marked_processes
 from .runs import BIN, CKPT_INTERVAL, RELAY_ROLE, ROLES, RlBackend, RunSpec, SeparateBackend, base_env
 
@@ -30,6 +30,7 @@ RECOVERED_BY = {  # killed role -> the (role, event) that says it is back
     "trainer": ("trainer", "registered with the broker"),
     RELAY_ROLE: (RELAY_ROLE, "relay worker ready"),
     LAUNCHER: ("trainer", "registered with the broker"),  # the relaunched `primerl rl` got as far as training
+    TRAINER_RANK: ("trainer", "registered with the broker"),  # the restarted torchrun's ranks
 }
 
 

@@ -14,6 +14,9 @@ Kinds of moment:
 - the launcher (mode ``rl``): `primerl rl` itself is SIGKILLed at a random moment; its roles go with it (its
   reaper), and the harness starts the same `primerl rl` again at once (as ``Restart=always`` would), which resumes
   the run from its directory: the broker's spool and run state, the trainer's newest checkpoint.
+- one rank of a two-rank trainer (mode ``rl``, whose trainer runs two ranks under torchrun): rank 1 is SIGKILLed at
+  a random moment; torchrun ends the other rank and exits, `primerl rl` restarts the trainer, which resumes from
+  its newest checkpoint.
 
 Kills run one after another: kill ``i`` is armed once the role of kill ``i - 1`` is back (or a bound passed) and
 the trainer has done ``gap_steps`` more steps, so each recovery is seen on its own.
@@ -28,6 +31,7 @@ MAX_RANDOM_DELAY_S = 1.5
 RELAY_KILL_DELAY_S = 0.05
 ROLES = ("broker", "inference", "orchestrator", "trainer")
 LAUNCHER = "launcher"
+TRAINER_RANK = "trainer-rank"  # rank 1 of a two-rank trainer
 
 
 @dataclass(frozen=True)
@@ -42,12 +46,15 @@ class KillSpec:
         return f"{self.role}@{self.moment}{delay} (after {self.gap_steps} more steps)"
 
 
-def make_plan(seed: int, *, full: bool, relay: bool = False, launcher: bool = False) -> list[KillSpec]:
+def make_plan(
+    seed: int, *, full: bool, relay: bool = False, launcher: bool = False, trainer_rank: bool = False
+) -> list[KillSpec]:
     """Every kind once at a random moment, the broker during a push and the trainer between a publish and its
     checkpoint; ``full=False`` (the CI profile) keeps one kill per role: push, publish-before-checkpoint, and
     random moments for the orchestrator and inference. ``relay`` (mode separate): first, the relay worker
     mid-relay. ``launcher`` (mode rl): `primerl rl` itself at a random moment, at a seeded place in the plan (the
-    other kills keep their seeded order)."""
+    other kills keep their seeded order). ``trainer_rank`` (mode rl, a two-rank trainer): rank 1 at a random
+    moment, placed the same way."""
     rng = random.Random(seed)
     moments = [
         ("broker", "push"),
@@ -67,12 +74,13 @@ def make_plan(seed: int, *, full: bool, relay: bool = False, launcher: bool = Fa
         )
         for role, moment in moments
     ]
-    if launcher:
-        own = random.Random(f"launcher-{seed}")
-        kill = KillSpec(
-            LAUNCHER, "random", gap_steps=own.randint(1, 2), delay_s=round(own.uniform(0.0, MAX_RANDOM_DELAY_S), 3)
-        )
-        plan.insert(own.randint(0, len(plan)), kill)
+    for role, wanted in ((LAUNCHER, launcher), (TRAINER_RANK, trainer_rank)):
+        if wanted:
+            own = random.Random(f"{role}-{seed}")
+            kill = KillSpec(
+                role, "random", gap_steps=own.randint(1, 2), delay_s=round(own.uniform(0.0, MAX_RANDOM_DELAY_S), 3)
+            )
+            plan.insert(own.randint(0, len(plan)), kill)
     if relay:
         plan.insert(0, KillSpec("relay", "mid-relay", gap_steps=1, delay_s=RELAY_KILL_DELAY_S))
     return plan

@@ -29,7 +29,7 @@ import psutil
 from primerl.proto.ready_file import read_ready_file, ready_file_path
 from primerl.supervisor.process_supervisor import start_in_own_session
 
-from .plan import LAUNCHER
+from .plan import LAUNCHER, TRAINER_RANK
 from .procs import MARKER_ENV, Exit, Unit
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -131,6 +131,7 @@ class RunSpec:
     token: str
     marker: str
     relay: bool = False  # a relay worker in the weight chain (mode separate)
+    trainer_ranks: int = 1  # mode rl: 2 (torchrun under `primerl rl`, `trainer_gpu_ids = [1, 2]`)
 
     @classmethod
     def create(
@@ -147,6 +148,7 @@ class RunSpec:
             secrets.token_urlsafe(24),
             f"chaos-{os.getpid()}-{mode}-{seed}-{secrets.token_hex(4)}",
             relay=mode == "separate",
+            trainer_ranks=2 if mode == "rl" else 1,
         )
 
     @property
@@ -166,6 +168,7 @@ class RunSpec:
             "--broker.grpc-port",
             str(self.grpc_port),
             *RUN_OVERRIDES,
+            *(["--trainer-gpu-ids", str(list(range(1, self.trainer_ranks + 1)))] if self.trainer_ranks > 1 else []),
         ]
 
 
@@ -327,9 +330,33 @@ class RlBackend:
         pid = self._pids().get(role)
         return pid if pid is not None and self._alive(pid) else None
 
+    def rank_pid(self, rank: int) -> int | None:
+        """The trainer rank ``rank`` that torchrun (the trainer role's process) runs, if alive."""
+        leader = self.pid("trainer")
+        if leader is None:
+            return None
+        try:
+            children = psutil.Process(leader).children(recursive=True)
+        except psutil.Error:
+            return None
+        for child in children:
+            try:
+                if child.environ().get("RANK") == str(rank) and "primerl-trainer" in " ".join(child.cmdline()):
+                    return child.pid
+            except psutil.Error:
+                continue
+        return None
+
     def kill(self, role: str) -> int | None:
         if role == LAUNCHER:
             return self._kill_launcher()
+        if role == TRAINER_RANK:
+            pid, leader = self.rank_pid(1), self.pid("trainer")
+            if pid is None or leader is None:
+                return None
+            self.killed.update((pid, leader))  # torchrun exits because of this kill: planned
+            os.kill(pid, signal.SIGKILL)
+            return pid
         pid = self.pid(role)
         if pid is None:
             return None

@@ -101,6 +101,20 @@ def test_plan_of_mode_rl_kills_one_rank_of_the_two_rank_trainer_once():
     assert "--trainer-gpu-ids" not in RunSpec.create("separate", 1, Path("/tmp/r"), Path("/tmp/m"), 10, {}).rl_args()
 
 
+def test_the_full_plan_stalls_the_engine_once_and_gives_its_watchdog_a_short_timeout():
+    from chaos.plan import ENGINE
+    from chaos.runs import ENGINE_STALL_TIMEOUT_S, RunSpec
+
+    for seed in (1, 2, 3):
+        plain, stalled = make_plan(seed, full=True), make_plan(seed, full=True, stall=True)
+        [stall] = [k for k in stalled if k.role == ENGINE]
+        assert stall.moment == "stall" and 0 <= stall.delay_s <= 1.5
+        assert [k for k in stalled if k.role != ENGINE] == plain
+    args = RunSpec.create("separate", 1, Path("/tmp/r"), Path("/tmp/m"), 10, {}, stall=True).rl_args()
+    assert args[args.index("--inference.engine-stall-timeout-s") + 1] == str(ENGINE_STALL_TIMEOUT_S)
+    assert "--inference.engine-stall-timeout-s" not in RunSpec.create("rl", 1, Path("/r"), Path("/m"), 9, {}).rl_args()
+
+
 def test_lineage_follows_checkpoints_back_and_counts_a_rolled_back_step_as_retrained(tmp_path):
     done = lambda s: _line(telemetry.STEP_DONE, step=s, data_digest=f"d{s}")  # noqa: E731
     saved = lambda s: _line(telemetry.CHECKPOINT_SAVED, step=s)  # noqa: E731

@@ -73,7 +73,12 @@ def main(argv: list[str] | None = None) -> int:
     for mode in modes:
         for seed in seeds:
             plan = make_plan(
-                seed, full=not args.quick, relay=mode == "separate", launcher=mode == "rl", trainer_rank=mode == "rl"
+                seed,
+                full=not args.quick,
+                relay=mode == "separate",
+                launcher=mode == "rl",
+                trainer_rank=mode == "rl",
+                stall=not args.quick,
             )
             max_steps = args.steps or steps_needed(plan)
             run_dir = (args.run_root / f"{mode}-seed{seed}").resolve()
@@ -82,7 +87,8 @@ def main(argv: list[str] | None = None) -> int:
 
                 shutil.rmtree(run_dir)
             run_dir.mkdir(parents=True)
-            spec = RunSpec.create(mode, seed, run_dir, model.resolve(), max_steps, restart_sec)
+            stall = any(kill.moment == "stall" for kill in plan)
+            spec = RunSpec.create(mode, seed, run_dir, model.resolve(), max_steps, restart_sec, stall=stall)
             print(
                 f"chaos: mode {mode} seed {seed}: {max_steps} steps, kills "
                 f"{', '.join(k.describe() for k in plan)} ({time.strftime('%H:%M:%S')})",

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from primerl.proto import telemetry
 
 from .logs import Event, LogFollower
-from .plan import LAUNCHER, TRAINER_RANK, KillSpec
+from .plan import ENGINE, LAUNCHER, TRAINER_RANK, KillSpec
 from .procs import Exit, describe, marked_processes
 from .runs import BIN, CKPT_INTERVAL, RELAY_ROLE, ROLES, RlBackend, RunSpec, SeparateBackend, base_env
 
@@ -22,6 +22,7 @@ POLL_S = 0.02
 STATUS_POLL_S = 0.5
 RECOVERY_BOUND_S = 240.0  # a kill whose role is not back by then: the next kill is armed anyway
 FINAL_VERSION_TIMEOUT_S = 60.0
+STALL_RESUME_BOUND_S = 90.0  # an engine stopped this long without its daemon saying so is resumed anyway
 LEFTOVER_GRACE_S = 5.0
 RECOVERED_BY = {  # killed role -> the (role, event) that says it is back
     "broker": ("broker", "broker serving"),
@@ -31,6 +32,7 @@ RECOVERED_BY = {  # killed role -> the (role, event) that says it is back
     RELAY_ROLE: (RELAY_ROLE, "relay worker ready"),
     LAUNCHER: ("trainer", "registered with the broker"),  # the relaunched `primerl rl` got as far as training
     TRAINER_RANK: ("trainer", "registered with the broker"),  # the restarted torchrun's ranks
+    ENGINE: ("inference", telemetry.INFERENCE_ENGINE_RECOVERED),  # resumed, and its watchdog saw it answer
 }
 
 
@@ -47,6 +49,9 @@ class Kill:
     # mid-relay: the version the relay was forwarding, and when the inference worker served it (or a later one)
     version: int = 0
     healed_s: float | None = None
+    # stall (role engine): when its daemon logged the stall, and when the harness resumed the engine (seconds after)
+    stalled_s: float | None = None
+    resumed_s: float | None = None
 
 
 @dataclass
@@ -166,6 +171,10 @@ class Driver:
             record.aborted = "interrupted"
             raise
         finally:
+            for kill in record.kills:  # never leave an engine stopped: the roles could not stop
+                if kill.spec.role == ENGINE and kill.pid is not None and kill.resumed_s is None:
+                    self.backend.resume_engine(kill.pid)
+                    kill.resumed_s = time.time() - kill.at_s
             poller.halt.set()
             if spec.mode == "rl":
                 self.backend.trainer_finished = self.trainer_finished
@@ -215,6 +224,7 @@ class Driver:
             # the previous kill's recovery, then arming the next one
             if current is not None:
                 self._update_recovery(current, new_events)
+                self._tend_stall(current, now)
                 if current.recovered_s is not None or now - current.at_s > RECOVERY_BOUND_S:
                     current = None
             if current is None and self.plan and armed_at_step is None and self.last_step > 0:
@@ -222,8 +232,8 @@ class Driver:
             if current is None and armed_at_step is not None and self.plan and not self.trainer_finished:
                 spec = self.plan[0]
                 moment = self._moment(spec, armed_at_step, new_events) if fire_at_s is None else None
-                if moment is not None:
-                    fire_at_s, note = now + spec.delay_s, moment
+                if moment is not None:  # a stall's delay is how long it is held once seen, not a wait before it
+                    fire_at_s, note = now + (0.0 if spec.moment == "stall" else spec.delay_s), moment
                 if fire_at_s is not None and now >= fire_at_s:
                     current = self._kill(spec, note)
                     self.plan.pop(0)
@@ -234,6 +244,8 @@ class Driver:
         """A note describing the moment when ``spec`` should fire now, else None."""
         if spec.moment == "random":
             return f"{spec.delay_s:.2f} s after step {self.last_step} done" if self.last_step >= armed_at_step else None
+        if spec.moment == "stall":
+            return f"after step {self.last_step} done" if self.last_step >= armed_at_step else None
         for event in new_events:
             if (
                 spec.moment == "mid-relay"
@@ -269,6 +281,14 @@ class Driver:
             live = [e for e in self.events if e.role == "inference" and e.name == telemetry.WEIGHT_UPDATE_LIVE]
             served = int(live[-1].get("policy_version", 0)) if live else 0
             kill.note += f"; inference served v{served} at the kill"
+        if spec.role == ENGINE:
+            kill.pid = self.backend.stop_engine()
+            self.record.kills.append(kill)
+            self.say(f"    stall: {spec.describe()} engine core pid {kill.pid} at step {self.last_step}: {note}")
+            if kill.pid is None:
+                kill.note += " (no engine core found: nothing stopped)"
+                kill.recovered_s = 0.0
+            return kill
         pid = self.backend.pid(spec.role)
         children = []
         if pid is not None:
@@ -290,10 +310,27 @@ class Driver:
             kill.note += f"; inference had applied up to v{live[-1].get('policy_version') if live else '-'}"
         return kill
 
+    def _tend_stall(self, kill: Kill, now: float) -> None:
+        """A stopped engine core is resumed ``delay_s`` after its daemon logged the stall (or past a bound)."""
+        if kill.spec.role != ENGINE or kill.pid is None or kill.resumed_s is not None:
+            return
+        seen = kill.stalled_s is not None and now >= kill.at_s + kill.stalled_s + kill.spec.delay_s
+        if seen or now - kill.at_s > STALL_RESUME_BOUND_S:
+            if not seen:
+                kill.note += f"; its daemon logged no stall within {STALL_RESUME_BOUND_S:g} s"
+            self.backend.resume_engine(kill.pid)
+            kill.resumed_s = now - kill.at_s
+            self.say(f"    resumed: engine core pid {kill.pid} {kill.resumed_s:.1f} s after the SIGSTOP")
+
     def _update_recovery(self, kill: Kill, new_events: list[Event]) -> None:
         for event in new_events:
             if event.at_s < kill.at_s:
                 continue
+            if kill.spec.role == ENGINE and kill.stalled_s is None and event.role == "inference":
+                if event.name == telemetry.INFERENCE_ENGINE_STALLED:
+                    kill.stalled_s = event.at_s - kill.at_s
+            if kill.spec.role == ENGINE and kill.resumed_s is None:
+                continue  # "recovered" only counts once the harness resumed it
             if kill.recovered_s is None and (event.role, event.name) == RECOVERED_BY[kill.spec.role]:
                 kill.recovered_s = event.at_s - kill.at_s
             if kill.next_step_s is None and event.role == "trainer" and event.name == telemetry.STEP_DONE:

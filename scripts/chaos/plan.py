@@ -17,6 +17,10 @@ Kinds of moment:
 - one rank of a two-rank trainer (mode ``rl``, whose trainer runs two ranks under torchrun): rank 1 is SIGKILLed at
   a random moment; torchrun ends the other rank and exits, `primerl rl` restarts the trainer, which resumes from
   its newest checkpoint.
+- ``stall`` (role ``engine``, the full plan): a gray failure, not a kill. The inference worker's vLLM engine core is
+  stopped with SIGSTOP while ``primerl-infer`` itself runs on and heartbeats; once the daemon logs ``inference
+  engine stalled`` (its watchdog, ``engine_stall_timeout_s``, set short for chaos runs) the harness waits
+  ``delay_s`` more and resumes it with SIGCONT. It is back on ``inference engine recovered``.
 
 Kills run one after another: kill ``i`` is armed once the role of kill ``i - 1`` is back (or a bound passed) and
 the trainer has done ``gap_steps`` more steps, so each recovery is seen on its own.
@@ -32,29 +36,37 @@ RELAY_KILL_DELAY_S = 0.05
 ROLES = ("broker", "inference", "orchestrator", "trainer")
 LAUNCHER = "launcher"
 TRAINER_RANK = "trainer-rank"  # rank 1 of a two-rank trainer
+ENGINE = "engine"  # the inference worker's vLLM engine core, stopped and resumed (moment "stall")
 
 
 @dataclass(frozen=True)
 class KillSpec:
     role: str
-    moment: str  # random | push | publish-before-checkpoint | mid-relay
+    moment: str  # random | push | publish-before-checkpoint | mid-relay | stall
     gap_steps: int  # trainer steps done after the previous recovery before this kill is armed
     delay_s: float = 0.0  # for moment "random"
 
     def describe(self) -> str:
-        delay = f" +{self.delay_s:.2f}s" if self.moment == "random" else ""
+        delay = f" +{self.delay_s:.2f}s" if self.moment in ("random", "stall") else ""
         return f"{self.role}@{self.moment}{delay} (after {self.gap_steps} more steps)"
 
 
 def make_plan(
-    seed: int, *, full: bool, relay: bool = False, launcher: bool = False, trainer_rank: bool = False
+    seed: int,
+    *,
+    full: bool,
+    relay: bool = False,
+    launcher: bool = False,
+    trainer_rank: bool = False,
+    stall: bool = False,
 ) -> list[KillSpec]:
     """Every kind once at a random moment, the broker during a push and the trainer between a publish and its
     checkpoint; ``full=False`` (the CI profile) keeps one kill per role: push, publish-before-checkpoint, and
     random moments for the orchestrator and inference. ``relay`` (mode separate): first, the relay worker
     mid-relay. ``launcher`` (mode rl): `primerl rl` itself at a random moment, at a seeded place in the plan (the
     other kills keep their seeded order). ``trainer_rank`` (mode rl, a two-rank trainer): rank 1 at a random
-    moment, placed the same way."""
+    moment, placed the same way. ``stall``: the engine core stopped, then resumed ``delay_s`` after the daemon
+    saw the stall, placed the same way."""
     rng = random.Random(seed)
     moments = [
         ("broker", "push"),
@@ -74,11 +86,15 @@ def make_plan(
         )
         for role, moment in moments
     ]
-    for role, wanted in ((LAUNCHER, launcher), (TRAINER_RANK, trainer_rank)):
+    for role, moment, wanted in (
+        (LAUNCHER, "random", launcher),
+        (TRAINER_RANK, "random", trainer_rank),
+        (ENGINE, "stall", stall),
+    ):
         if wanted:
             own = random.Random(f"{role}-{seed}")
             kill = KillSpec(
-                role, "random", gap_steps=own.randint(1, 2), delay_s=round(own.uniform(0.0, MAX_RANDOM_DELAY_S), 3)
+                role, moment, gap_steps=own.randint(1, 2), delay_s=round(own.uniform(0.0, MAX_RANDOM_DELAY_S), 3)
             )
             plan.insert(own.randint(0, len(plan)), kill)
     if relay:

@@ -53,6 +53,31 @@ def group_members(pgid: int) -> list[psutil.Process]:
     return members
 
 
+def engine_core_pid(daemon_pid: int | None) -> int | None:
+    """The vLLM engine-core child of the `primerl-infer` process ``daemon_pid`` (found among its descendants,
+    never by name machine-wide), if alive."""
+    if daemon_pid is None:
+        return None
+    try:
+        children = psutil.Process(daemon_pid).children(recursive=True)
+    except psutil.Error:
+        return None
+    for child in children:
+        try:
+            if "EngineCore" in " ".join(child.cmdline()) or "EngineCore" in child.name():
+                return child.pid
+        except psutil.Error:
+            continue
+    return None
+
+
+def signal_quietly(pid: int, sig: int) -> None:
+    try:
+        os.kill(pid, sig)
+    except ProcessLookupError:
+        pass
+
+
 def describe(process: psutil.Process) -> str:
     try:
         return f"{process.pid} {' '.join(process.cmdline()).strip()[:120]}"

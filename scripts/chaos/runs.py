@@ -30,7 +30,7 @@ from primerl.proto.ready_file import read_ready_file, ready_file_path
 from primerl.supervisor.process_supervisor import start_in_own_session
 
 from .plan import LAUNCHER, TRAINER_RANK
-from .procs import MARKER_ENV, Exit, Unit
+from .procs import MARKER_ENV, Exit, Unit, engine_core_pid, signal_quietly
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = REPO_ROOT / "examples" / "reverse_text_rl.toml"
@@ -43,6 +43,7 @@ DAEMONS = {
     "trainer": "primerl-trainer",
 }
 CKPT_INTERVAL = 2
+ENGINE_STALL_TIMEOUT_S = 4.0  # runs with a stall: the inference watchdog's bound (default 60 s)
 RUN_OVERRIDES = [
     "--orchestrator.batch-size",
     "16",
@@ -132,10 +133,19 @@ class RunSpec:
     marker: str
     relay: bool = False  # a relay worker in the weight chain (mode separate)
     trainer_ranks: int = 1  # mode rl: 2 (torchrun under `primerl rl`, `trainer_gpu_ids = [1, 2]`)
+    stall: bool = False  # the plan stops the engine core once: the inference watchdog gets a short timeout
 
     @classmethod
     def create(
-        cls, mode: str, seed: int, run_dir: Path, model: Path, max_steps: int, restart_sec: dict[str, float]
+        cls,
+        mode: str,
+        seed: int,
+        run_dir: Path,
+        model: Path,
+        max_steps: int,
+        restart_sec: dict[str, float],
+        *,
+        stall: bool = False,
     ) -> RunSpec:
         return cls(
             mode,
@@ -149,6 +159,7 @@ class RunSpec:
             f"chaos-{os.getpid()}-{mode}-{seed}-{secrets.token_hex(4)}",
             relay=mode == "separate",
             trainer_ranks=2 if mode == "rl" else 1,
+            stall=stall,
         )
 
     @property
@@ -169,6 +180,7 @@ class RunSpec:
             str(self.grpc_port),
             *RUN_OVERRIDES,
             *(["--trainer-gpu-ids", str(list(range(1, self.trainer_ranks + 1)))] if self.trainer_ranks > 1 else []),
+            *(["--inference.engine-stall-timeout-s", str(ENGINE_STALL_TIMEOUT_S)] if self.stall else []),
         ]
 
 
@@ -243,6 +255,12 @@ class SeparateBackend:
 
     def kill(self, role: str) -> int | None:
         return self.units[role].kill()
+
+    def stop_engine(self) -> int | None:
+        return _stop_engine(self.pid("inference"))
+
+    def resume_engine(self, pid: int) -> None:
+        signal_quietly(pid, signal.SIGCONT)
 
     def finished(self) -> bool:
         return self.units["trainer"].state == "done"
@@ -364,6 +382,12 @@ class RlBackend:
         os.kill(pid, signal.SIGKILL)
         return pid
 
+    def stop_engine(self) -> int | None:
+        return _stop_engine(self.pid("inference"))
+
+    def resume_engine(self, pid: int) -> None:
+        signal_quietly(pid, signal.SIGCONT)
+
     def _kill_launcher(self) -> int | None:
         """SIGKILL `primerl rl`; once its roles are gone (its reaper ends them; bounded), start it again as a
         supervisor would: the run resumes from its directory. Its roles' exits are the harness's (planned)."""
@@ -415,3 +439,11 @@ class RlBackend:
 
     def exit_code(self) -> int | None:
         return None if self.process is None else self.process.poll()
+
+
+def _stop_engine(daemon_pid: int | None) -> int | None:
+    """SIGSTOP the engine core of the inference worker ``daemon_pid``; its pid, or None when there is none."""
+    pid = engine_core_pid(daemon_pid)
+    if pid is not None:
+        signal_quietly(pid, signal.SIGSTOP)
+    return pid

@@ -13,8 +13,10 @@ marks it *recovered*.
 
 Invariants:
 - At most one probe is in flight; the next is sent ``interval_s`` after an answer.
-- ``busy()`` (e.g. a weight update being applied, which holds the engine core) restarts the stall clock: time
-  spent busy never counts as a stall.
+- ``busy()`` (e.g. a weight update being applied, which holds the engine core) restarts the stall clock for up to
+  ``BUSY_LIMIT_FACTOR`` x ``stall_timeout_s`` of one busy spell; past that the clock runs, so an engine that stops
+  in the middle of an update (its update never returns) is found stalled ``stall_timeout_s`` later. Busy spells
+  shorter than that never count.
 - A probe that raises is an answer (the engine is not stalled; a dead engine is reported elsewhere:
   ``InferenceServer.check_running``).
 - ``on_change(stalled, seconds)`` runs once per transition: ``(True, unanswered_s)`` when it stalls,
@@ -39,6 +41,8 @@ from primerl.runtime.log_setup import get_logger
 log = get_logger("primerl.inference.watchdog")
 
 MIN_INTERVAL_S = 0.1
+BUSY_LIMIT_FACTOR = 10.0
+"""A busy spell (a weight update holding the engine core) stops the stall clock for at most this many stall timeouts."""
 MAX_INTERVAL_S = 2.0
 
 
@@ -54,19 +58,30 @@ class StallClock:
         if stall_timeout_s <= 0:
             raise ValueError(f"stall_timeout_s must be > 0, got {stall_timeout_s}")
         self.stall_timeout_s = stall_timeout_s
+        self.busy_limit_s = BUSY_LIMIT_FACTOR * stall_timeout_s
         self.waiting_since: float | None = None  # the probe in flight was sent (or the engine stopped being busy)
         self.stalled_since: float | None = None
+        self.busy_since: float | None = None  # the busy spell under way began
 
     def sent(self, now: float) -> None:
         self.waiting_since = now
 
     def busy(self, now: float) -> None:
-        if self.waiting_since is not None:
+        if self.waiting_since is None:
+            return
+        if self.busy_since is None:
+            self.busy_since = now
+        if now - self.busy_since < self.busy_limit_s:
             self.waiting_since = now
+
+    def idle(self) -> None:
+        """Not busy (any more): the next busy spell gets its whole limit."""
+        self.busy_since = None
 
     def answered(self, now: float) -> float | None:
         """The probe answered; returns the seconds stalled when this ends a stall."""
         self.waiting_since = None
+        self.busy_since = None
         if self.stalled_since is None:
             return None
         stalled_s, self.stalled_since = now - self.stalled_since, None
@@ -135,6 +150,8 @@ class EngineWatchdog:
                     continue
                 if self._busy():
                     self._state.busy(now)
+                else:
+                    self._state.idle()
                 waited_s = self._state.check(now)
                 if waited_s is not None:
                     self.num_stalls += 1
@@ -147,4 +164,4 @@ class EngineWatchdog:
                     await probe
 
 
-__all__ = ["EngineWatchdog", "StallClock", "probe_interval_s"]
+__all__ = ["BUSY_LIMIT_FACTOR", "EngineWatchdog", "StallClock", "probe_interval_s"]

@@ -13,7 +13,7 @@ from support.probes import wait_until
 
 from primerl.broker.registry import WorkerRegistry
 from primerl.client.control import BrokerUnavailable, ControlClient
-from primerl.inference.engine_watchdog import EngineWatchdog, StallClock, probe_interval_s
+from primerl.inference.engine_watchdog import BUSY_LIMIT_FACTOR, EngineWatchdog, StallClock, probe_interval_s
 from primerl.inference.server import StalledHealthMiddleware
 from primerl.orchestrator.endpoints import EndpointWatcher, InferenceWorkers
 from primerl.proto import telemetry
@@ -42,6 +42,30 @@ def test_time_spent_busy_is_never_a_stall():
         clock.busy(float(now))
         assert clock.check(float(now)) is None
     assert clock.check(33.0) is None and clock.check(34.0) == pytest.approx(5.0)  # 5 s after the update
+
+
+def test_an_engine_that_stops_in_the_middle_of_an_update_is_found_after_the_busy_limit():
+    """Found by the chaos run: a weight update that never returns (its engine core stopped) held the stall clock
+    forever. A busy spell stops the clock for at most BUSY_LIMIT_FACTOR stall timeouts."""
+    clock = StallClock(stall_timeout_s=4.0)
+    limit = BUSY_LIMIT_FACTOR * 4.0
+    clock.sent(0.0)
+    now = 0.0
+    while now < limit + 4.0 - 0.5:
+        now += 0.5
+        clock.busy(now)
+        assert clock.check(now) is None, now
+    now += 0.5
+    clock.busy(now)
+    assert clock.check(now) == pytest.approx(4.0)  # busy_limit + stall_timeout after the update began
+    assert clock.answered(now + 2.0) == pytest.approx(2.0)
+    # a new busy spell after an answer gets its whole limit again
+    clock.sent(100.0)
+    clock.busy(100.0)
+    clock.idle()
+    for second in range(120, 120 + int(limit)):  # a second spell of nearly the whole limit: no stall
+        clock.busy(float(second))
+        assert clock.check(float(second)) is None, second
 
 
 def test_bad_settings_are_refused_and_the_interval_is_bounded():

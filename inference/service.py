@@ -27,7 +27,8 @@ policy version stays 0 (its heartbeats carry none). Its HTTP server checks the r
 Gray failures: an ``EngineWatchdog`` (``engine_watchdog``) probes the engine core; unanswered for
 ``engine_stall_timeout_s`` it logs ``inference engine stalled``, ``/health`` answers
 503 and every heartbeat says ``serving: false`` (the orchestrator then sends this worker nothing) until the engine
-answers again (``inference engine recovered``). A weight update being applied never counts as a stall.
+answers again (``inference engine recovered``). A weight update being applied does not count as a stall for up
+to 10 stall timeouts (``engine_watchdog.BUSY_LIMIT_FACTOR``).
 
 Metrics: vLLM's ``GET /metrics`` on the API port also carries primerl's ``primerl_inference_*`` families
 (``primerl.inference.metrics``: served policy version, updates applied and refused, last update ms, generation

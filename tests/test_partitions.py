@@ -152,27 +152,54 @@ def start_inference(hosts, name: str, address: str, env: dict, tmp_path: Path, m
     urls[name] = json.loads(ready.read_text())["base_url"]
 
 
-def test_partitions_between_the_broker_and_an_inference_worker(hosts, tmp_path, tiny_model):
-    from support.netns import Proc
-
-    if not Path(ENV_PYTHON).exists():
-        pytest.skip(f"no env-worker interpreter at {ENV_PYTHON}: run `make setup` (it builds .venv-envs)")
+def gateway_broker(hosts, tmp_path: Path, run_id: str, **fields) -> tuple[BrokerHarness, str]:
+    """A broker in this process on the bridge's address (every host reaches it); returns it and its gRPC address."""
+    spool = tmp_path / "spool"
     broker = BrokerHarness(
-        tmp_path / "spool",
-        run_token=TOKEN,
-        run_id="partition-test",
-        max_queue_batches=256,
-        host=hosts.gateway,
-        heartbeat_interval_s=HEARTBEAT_S,
+        spool, run_token=TOKEN, run_id=run_id, host=hosts.gateway, heartbeat_interval_s=HEARTBEAT_S, **fields
     )
-    address = f"{hosts.gateway}:{broker.endpoints.grpc_port}"
-    env = {
+    return broker, f"{hosts.gateway}:{broker.endpoints.grpc_port}"
+
+
+def daemon_env() -> dict[str, str]:
+    return {
         **os.environ,
         "PRIMERL_RUN_TOKEN": TOKEN,
         "HF_HUB_OFFLINE": "1",
         "TRANSFORMERS_OFFLINE": "1",
         "VLLM_NO_USAGE_STATS": "1",
     }
+
+
+def start_workers_d_and_e(hosts, address: str, env: dict, tmp_path: Path, model: Path, procs: dict, urls: dict):
+    """`primerl-infer` on hosts d and e, started side by side; their base URLs into ``urls``."""
+    threads = [
+        threading.Thread(target=start_inference, args=(hosts, name, address, env, tmp_path, model, procs, urls))
+        for name in ("d", "e")
+    ]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert sorted(urls) == ["d", "e"], {n: p.tail() for n, p in procs.items()}
+
+
+def long_orchestrator_args(model: Path, broker: BrokerHarness, address: str, output_dir: Path) -> list[str]:
+    """An orchestrator on the reverse-text environment for up to 400 steps, never held by the async bound (no
+    trainer here), against the broker at ``address``."""
+    args = orchestrator_args(model, broker, output_dir, "reverse-text")
+    args[args.index("--broker.address") + 1] = address
+    args[args.index("--max-steps") + 1] = "400"
+    return [*args, "--max-async-level", "400"]
+
+
+def test_partitions_between_the_broker_and_an_inference_worker(hosts, tmp_path, tiny_model):
+    from support.netns import Proc
+
+    if not Path(ENV_PYTHON).exists():
+        pytest.skip(f"no env-worker interpreter at {ENV_PYTHON}: run `make setup` (it builds .venv-envs)")
+    broker, address = gateway_broker(hosts, tmp_path, "partition-test", max_queue_batches=256)
+    env = daemon_env()
     procs: dict[str, Proc] = {}
     urls: dict[str, str] = {}
     orchestrator: subprocess.Popen | None = None
@@ -180,24 +207,12 @@ def test_partitions_between_the_broker_and_an_inference_worker(hosts, tmp_path, 
     cut = False
     figures: dict[str, float] = {}
     try:
-        threads = [
-            threading.Thread(
-                target=start_inference, args=(hosts, name, address, env, tmp_path, tiny_model, procs, urls)
-            )
-            for name in ("d", "e")
-        ]
-        for thread in threads:
-            thread.start()
-        for thread in threads:
-            thread.join()
-        assert sorted(urls) == ["d", "e"], {n: p.tail() for n, p in procs.items()}
-        args = orchestrator_args(tiny_model, broker, tmp_path / "out", "reverse-text")
-        args[args.index("--broker.address") + 1] = address
-        args[args.index("--max-steps") + 1] = "400"
+        start_workers_d_and_e(hosts, address, env, tmp_path, tiny_model, procs, urls)
+        args = long_orchestrator_args(tiny_model, broker, address, tmp_path / "out")
         log_path = tmp_path / "orchestrator.log"
         with open(log_path, "w") as log_file:
             orchestrator = subprocess.Popen(
-                [*args, "--max-async-level", "400"],
+                args,
                 stdout=log_file,
                 stderr=subprocess.STDOUT,
                 env={**env, "PYTHONPATH": str(ENV_FIXTURES)},
@@ -340,17 +355,9 @@ def test_partitions_between_the_broker_and_the_trainer(trainer_hosts, tmp_path, 
     from support.trainer_runs import log_events, packed, samples, trainer_args
 
     hosts = trainer_hosts
-    broker = BrokerHarness(
-        tmp_path / "spool",
-        run_token=TOKEN,
-        run_id="trainer-partition-test",
-        max_queue_batches=64,
-        host=hosts.gateway,
-        heartbeat_interval_s=HEARTBEAT_S,
-    )
+    broker, address = gateway_broker(hosts, tmp_path, "trainer-partition-test", max_queue_batches=64)
     registry = broker.service.registry
-    address = f"{hosts.gateway}:{broker.endpoints.grpc_port}"
-    env = {**os.environ, "PRIMERL_RUN_TOKEN": TOKEN, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+    env = daemon_env()
     out = tmp_path / "out"  # both hosts' trainers checkpoint here (a shared file system)
     args = trainer_args(
         small_tiny_model,
@@ -502,46 +509,20 @@ def test_a_partition_between_the_orchestrator_and_an_inference_worker(three_host
     if not Path(ENV_PYTHON).exists():
         pytest.skip(f"no env-worker interpreter at {ENV_PYTHON}: run `make setup` (it builds .venv-envs)")
     hosts = three_hosts
-    broker = BrokerHarness(
-        tmp_path / "spool",
-        run_token=TOKEN,
-        run_id="orchestrator-partition-test",
-        max_queue_batches=256,
-        host=hosts.gateway,
-        heartbeat_interval_s=HEARTBEAT_S,
-    )
-    address = f"{hosts.gateway}:{broker.endpoints.grpc_port}"
-    env = {
-        **os.environ,
-        "PRIMERL_RUN_TOKEN": TOKEN,
-        "HF_HUB_OFFLINE": "1",
-        "TRANSFORMERS_OFFLINE": "1",
-        "VLLM_NO_USAGE_STATS": "1",
-    }
+    broker, address = gateway_broker(hosts, tmp_path, "orchestrator-partition-test", max_queue_batches=256)
+    env = daemon_env()
     procs: dict[str, Proc] = {}
     urls: dict[str, str] = {}
     blackhole = Blackhole(hosts, "o", "d")
     cut = False
     figures: dict[str, float] = {}
     try:
-        threads = [
-            threading.Thread(
-                target=start_inference, args=(hosts, name, address, env, tmp_path, tiny_model, procs, urls)
-            )
-            for name in ("d", "e")
-        ]
-        for thread in threads:
-            thread.start()
-        for thread in threads:
-            thread.join()
-        assert sorted(urls) == ["d", "e"], {n: p.tail() for n, p in procs.items()}
-        args = orchestrator_args(tiny_model, broker, tmp_path / "out", "reverse-text")
-        args[args.index("--broker.address") + 1] = address
-        args[args.index("--max-steps") + 1] = "400"
+        start_workers_d_and_e(hosts, address, env, tmp_path, tiny_model, procs, urls)
+        args = long_orchestrator_args(tiny_model, broker, address, tmp_path / "out")
         procs["o"] = orchestrator = Proc(
             "orchestrator@o",
             hosts["o"],
-            [*args, "--max-async-level", "400"],
+            args,
             {**env, "PYTHONPATH": str(ENV_FIXTURES)},
             tmp_path / "orchestrator.log",
             tmp_path,

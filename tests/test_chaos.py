@@ -115,6 +115,68 @@ def test_the_full_plan_stalls_the_engine_once_and_gives_its_watchdog_a_short_tim
     assert "--inference.engine-stall-timeout-s" not in RunSpec.create("rl", 1, Path("/r"), Path("/m"), 9, {}).rl_args()
 
 
+def test_an_engine_stall_is_held_until_its_daemon_reports_it_then_resumed_and_counted_back(tmp_path):
+    """The driver's side of the stall on a real stopped process: SIGSTOP at the kill, SIGCONT ``delay_s`` after
+    the daemon's `inference engine stalled` line (not before), back on `inference engine recovered`; an engine
+    whose stall is never reported is resumed after the bound and fails the run."""
+    import signal
+
+    import psutil
+    from chaos.checks import judge
+    from chaos.driver import STALL_RESUME_BOUND_S, Driver
+    from chaos.logs import Event
+    from chaos.plan import ENGINE, KillSpec
+    from chaos.runs import RunSpec
+
+    engine = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+
+    class Backend:
+        def stop_engine(self) -> int:
+            os.kill(engine.pid, signal.SIGSTOP)
+            return engine.pid
+
+        def resume_engine(self, pid: int) -> None:
+            os.kill(pid, signal.SIGCONT)
+
+    def stopped() -> bool:
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline:
+            status = psutil.Process(engine.pid).status()
+            if status in (psutil.STATUS_STOPPED, psutil.STATUS_SLEEPING):
+                return status == psutil.STATUS_STOPPED
+            time.sleep(0.01)
+        return False
+
+    try:
+        spec = RunSpec.create("separate", 1, tmp_path, tmp_path, 10, {}, stall=True)
+        driver = Driver(spec, [], timeout_s=10, stall_s=10, say=lambda text: None)
+        driver.backend = Backend()
+        kill = driver._kill(KillSpec(ENGINE, "stall", 1, delay_s=0.5), "after step 3 done")
+        start = kill.at_s
+        assert kill.pid == engine.pid and stopped()
+        driver._tend_stall(kill, start + 30.0)  # not reported yet: held
+        assert kill.resumed_s is None and stopped()
+        stalled = Event("inference", 1, start + 4.2, {"event": telemetry.INFERENCE_ENGINE_STALLED})
+        driver._update_recovery(kill, [stalled])
+        assert kill.stalled_s == pytest.approx(4.2)
+        driver._tend_stall(kill, start + 4.5)  # within delay_s of the report
+        assert kill.resumed_s is None
+        driver._tend_stall(kill, start + 4.8)
+        assert kill.resumed_s == pytest.approx(4.8) and not stopped()
+        recovered = Event("inference", 1, start + 5.1, {"event": telemetry.INFERENCE_ENGINE_RECOVERED})
+        driver._update_recovery(kill, [recovered])
+        assert kill.recovered_s == pytest.approx(5.1)
+
+        silent = driver._kill(KillSpec(ENGINE, "stall", 1, delay_s=0.5), "after step 5 done")
+        driver._tend_stall(silent, silent.at_s + STALL_RESUME_BOUND_S + 1)
+        assert silent.resumed_s is not None and "logged no stall" in silent.note and not stopped()
+        failures = judge(driver.record).failures
+        assert any("never reported stalled" in failure for failure in failures), failures
+    finally:
+        engine.kill()
+        engine.wait(10)
+
+
 def test_lineage_follows_checkpoints_back_and_counts_a_rolled_back_step_as_retrained(tmp_path):
     done = lambda s: _line(telemetry.STEP_DONE, step=s, data_digest=f"d{s}")  # noqa: E731
     saved = lambda s: _line(telemetry.CHECKPOINT_SAVED, step=s)  # noqa: E731

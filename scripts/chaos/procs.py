@@ -17,7 +17,7 @@ import os
 import signal
 import subprocess
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -53,22 +53,27 @@ def group_members(pgid: int) -> list[psutil.Process]:
     return members
 
 
-def engine_core_pid(daemon_pid: int | None) -> int | None:
-    """The vLLM engine-core child of the `primerl-infer` process ``daemon_pid`` (found among its descendants,
-    never by name machine-wide), if alive."""
-    if daemon_pid is None:
+def find_descendant(pid: int | None, matches: Callable[[psutil.Process], bool]) -> int | None:
+    """The first descendant of ``pid`` for which ``matches`` holds (searched among its descendants only, never
+    machine-wide), if alive."""
+    if pid is None:
         return None
     try:
-        children = psutil.Process(daemon_pid).children(recursive=True)
+        children = psutil.Process(pid).children(recursive=True)
     except psutil.Error:
         return None
     for child in children:
         try:
-            if "EngineCore" in " ".join(child.cmdline()) or "EngineCore" in child.name():
+            if matches(child):
                 return child.pid
         except psutil.Error:
             continue
     return None
+
+
+def engine_core_pid(daemon_pid: int | None) -> int | None:
+    """The vLLM engine-core child of the `primerl-infer` process ``daemon_pid``, if alive."""
+    return find_descendant(daemon_pid, lambda p: "EngineCore" in " ".join(p.cmdline()) or "EngineCore" in p.name())
 
 
 def signal_quietly(pid: int, sig: int) -> None:

@@ -30,7 +30,7 @@ from primerl.proto.ready_file import read_ready_file, ready_file_path
 from primerl.supervisor.process_supervisor import start_in_own_session
 
 from .plan import LAUNCHER, TRAINER_RANK
-from .procs import MARKER_ENV, Exit, Unit, engine_core_pid, signal_quietly
+from .procs import MARKER_ENV, Exit, Unit, engine_core_pid, find_descendant, signal_quietly
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = REPO_ROOT / "examples" / "reverse_text_rl.toml"
@@ -350,20 +350,10 @@ class RlBackend:
 
     def rank_pid(self, rank: int) -> int | None:
         """The trainer rank ``rank`` that torchrun (the trainer role's process) runs, if alive."""
-        leader = self.pid("trainer")
-        if leader is None:
-            return None
-        try:
-            children = psutil.Process(leader).children(recursive=True)
-        except psutil.Error:
-            return None
-        for child in children:
-            try:
-                if child.environ().get("RANK") == str(rank) and "primerl-trainer" in " ".join(child.cmdline()):
-                    return child.pid
-            except psutil.Error:
-                continue
-        return None
+        return find_descendant(
+            self.pid("trainer"),
+            lambda p: p.environ().get("RANK") == str(rank) and "primerl-trainer" in " ".join(p.cmdline()),
+        )
 
     def kill(self, role: str) -> int | None:
         if role == LAUNCHER:

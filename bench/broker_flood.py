@@ -142,11 +142,13 @@ def producer(
 
     from primerl.client.rollouts import pack_batch
     from primerl.proto import framing
+    from primerl.runtime.wire_security import apply_run_token
 
     context = zmq.Context()
     socket = context.socket(zmq.DEALER)
     socket.setsockopt(zmq.LINGER, 0)
     socket.setsockopt(zmq.SNDTIMEO, 100)
+    apply_run_token(socket, TOKEN, "flood")
     socket.connect(endpoint)
     tensor = np.zeros(batch_bytes // 8, dtype=np.int64)
     messages = []

@@ -5,10 +5,13 @@ application reads any of them, so what a ROUTER socket can hold grows with the n
 application cannot refuse or throttle one peer. The only point where a peer can be turned away before it
 sends a byte of payload is the handshake: with a ZAP domain set on the socket, libzmq asks the ZAP handler
 (an inproc socket at ``inproc://zeromq.zap.01`` in the same context) about every new connection and closes
-it unless the answer is "200". The gate is that handler; it admits a connection while fewer than
-``max_connections`` admitted peers are connected and refuses it (status 400) otherwise. A refused peer is
-told so (its monitor sees ``EVENT_HANDSHAKE_FAILED_AUTH`` 400) and libzmq does not reconnect it:
-``primerl.client.rollouts`` opens a new socket after a short wait.
+it unless the answer is "200". The gate is that handler. It first checks the peer's credentials with
+``authorize`` (the run token or the CURVE key: ``runtime.wire_security``) and refuses a wrong one with status
+400 (``CREDENTIALS_REFUSED_STATUS``); then it admits the connection while fewer than ``max_connections`` admitted
+peers are connected and refuses it with status 500 (``GATE_FULL_STATUS``) otherwise. A refused peer is told
+which (its monitor sees ``EVENT_HANDSHAKE_FAILED_AUTH`` with the status as its value) and libzmq does not
+reconnect it: the clients (``primerl.client.dealer``) stop with a clear error after a 400 and open a new socket
+after a short wait after a 500.
 
 Counting: a ZAP request names neither the peer's port nor its file descriptor, so the gate counts from the
 socket's monitor events. Every accepted connection ends its handshake with exactly one outcome event
@@ -33,11 +36,14 @@ from zmq.utils.monitor import parse_monitor_message
 
 from primerl.broker.log_limits import RateLimitedLog
 from primerl.runtime.log_setup import get_logger
+from primerl.runtime.wire_security import CREDENTIALS_REFUSED_STATUS, GATE_FULL_STATUS
 
 log = get_logger("primerl.broker.connection_gate")
 
 ZAP_ENDPOINT = "inproc://zeromq.zap.01"
-REFUSED_STATUS = b"400"
+_REFUSED_STATUSES = (CREDENTIALS_REFUSED_STATUS, GATE_FULL_STATUS)
+UNLIMITED_CONNECTIONS = 1 << 30
+"""``max_connections`` of a gate that only checks credentials."""
 _FAILED_EVENTS = (
     zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_AUTH
 )
@@ -55,16 +61,20 @@ class ConnectionGate:
         domain: str,
         what: str = "connection",
         authorize: Callable[[bytes, list[bytes]], str | None] | None = None,
+        refusal_hint: str = "",
     ):
-        """``authorize(mechanism, credentials)``: a further check of each peer's credentials (CURVE keys,
-        ``runtime.wire_security.CurveServer.authorize``); a string it returns refuses the peer (status 400)."""
+        """``authorize(mechanism, credentials)``: a check of each peer's credentials first (the run token or CURVE
+        keys: ``runtime.wire_security``); a string it returns refuses the peer (status 400) and is logged with
+        ``refusal_hint`` (what to do about it)."""
         if max_connections < 1:
             raise ValueError(f"max_connections must be >= 1, got {max_connections}")
         self.max_connections = max_connections
         self.domain = domain.encode()
         self.what = what
         self.authorize = authorize
+        self.refusal_hint = refusal_hint
         self.num_refused = 0
+        self.num_refused_credentials = 0
         self._admitted = 0
         self._approved_unconfirmed = 0  # approved, HANDSHAKE_SUCCEEDED not seen yet
         self._failed_open = 0  # failed handshakes not yet matched with a disconnect
@@ -111,7 +121,7 @@ class ConnectionGate:
             self._admitted += 1
             self._approved_unconfirmed = max(0, self._approved_unconfirmed - 1)
         elif event & _FAILED_EVENTS:
-            if not (event == zmq.EVENT_HANDSHAKE_FAILED_AUTH and value == int(REFUSED_STATUS)):
+            if not (event == zmq.EVENT_HANDSHAKE_FAILED_AUTH and value in _REFUSED_STATUSES):
                 # An approved connection may still fail later in its handshake.
                 self._approved_unconfirmed = max(0, self._approved_unconfirmed - 1)
             self._failed_open += 1
@@ -129,21 +139,22 @@ class ConnectionGate:
         refusal = self.authorize(frames[7], frames[8:]) if self.authorize is not None else None
         if refusal is not None:
             self.num_refused += 1
+            self.num_refused_credentials += 1
             self._refusal_log.warning(
                 ("credentials", self.what),
                 f"{self.what} refused at the handshake: {refusal}",
                 peer=address.decode(errors="replace"),
-                hint="add the client's public key to broker.curve_authorized_keys_dir",
+                **({"hint": self.refusal_hint} if self.refusal_hint else {}),
             )
-            self._zap.send_multipart([frames[0], b"", b"1.0", request_id, REFUSED_STATUS, refusal.encode(), b"", b""])
+            self._reply(frames, request_id, CREDENTIALS_REFUSED_STATUS, refusal)
             return
         admitted = domain == self.domain and self._admitted + self._approved_unconfirmed < self.max_connections
         if admitted:
             self._approved_unconfirmed += 1
-            status, text = b"200", b"OK"
+            status, text = 200, "OK"
         else:
             self.num_refused += 1
-            status, text = REFUSED_STATUS, b"too many connections"
+            status, text = GATE_FULL_STATUS, "too many connections"
             self._refusal_log.warning(
                 ("refused", self.what),
                 f"{self.what} refused at the handshake: the broker has as many peers as it admits",
@@ -152,4 +163,7 @@ class ConnectionGate:
                 max_connections=self.max_connections,
                 hint="raise the limit if these peers are legitimate, or stop idle clients",
             )
-        self._zap.send_multipart([frames[0], b"", b"1.0", request_id, status, text, b"", b""])
+        self._reply(frames, request_id, status, text)
+
+    def _reply(self, frames: list[bytes], request_id: bytes, status: int, text: str) -> None:
+        self._zap.send_multipart([frames[0], b"", b"1.0", request_id, str(status).encode(), text.encode(), b"", b""])

@@ -7,8 +7,13 @@ it still runs; ``_handle_guarded`` keeps one bad message from ending the thread.
 (the socket, with whatever it needs around it) and ``_serve`` (its loop, which returns once ``_stop_event``
 is set), and ``_handle``/``_unexpected`` for the guard.
 
+Handshake credentials: with ``auth_token`` set and CURVE off, the socket is a PLAIN server and admits only
+clients that present the run token (``runtime.wire_security.RunTokenServer``); the plane's connection gate, its
+ZAP handler, asks ``handshake_check``. A plane with a token must therefore have a gate.
+
 Encryption: with ``curve`` set (``runtime.wire_security.CurveServer``, before ``start``) the socket is a CURVE
-server and admits only the client keys ``curve`` authorizes. libzmq asks the ZAP handler of the socket's context
+server and admits only the client keys ``curve`` authorizes (the run token is then checked in every message
+only). libzmq asks the ZAP handler of the socket's context
 (one per context) about every connection, and without a handler it admits any key: a plane that brings its own
 handler (a plane's connection gate, which asks ``curve_authorize``) says so with ``zap_domain``; for
 any other, ``_bind_router`` starts a ZAP authenticator thread on the context before binding. So each plane needs
@@ -23,12 +28,12 @@ import abc
 import contextvars
 import threading
 import time
-from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import zmq
 
 from primerl.runtime.log_setup import get_logger
+from primerl.runtime.wire_security import RunTokenServer
 from primerl.runtime.zmq_sockets import bind_router
 
 if TYPE_CHECKING:
@@ -61,6 +66,7 @@ class RouterPlane(abc.ABC):
         self._ready = threading.Event()
         self._start_error: BaseException | None = None
         self.curve: CurveServer | None = None
+        self.auth_token: str | None = None  # a plane with a run token sets it (checked at the handshake too)
         self._authenticator: Any = None
 
     # -- any thread ----------------------------------------------------------------------------------
@@ -97,9 +103,19 @@ class RouterPlane(abc.ABC):
         return True
 
     @property
-    def curve_authorize(self) -> Callable[[bytes, list[bytes]], str | None] | None:
-        """The ZAP decision on a peer's credentials for a plane's own ZAP handler (None: CURVE off)."""
-        return self.curve.authorize if self.curve is not None else None
+    def handshake_check(self) -> CurveServer | RunTokenServer | None:
+        """What the plane's ZAP handler checks of a peer's credentials: its CURVE key, else the run token (None:
+        neither is set)."""
+        if self.curve is not None:
+            return self.curve
+        if self.auth_token:
+            return self._token_server
+        return None
+
+    @property
+    def _token_server(self) -> RunTokenServer:
+        assert self.auth_token
+        return RunTokenServer(self.auth_token)
 
     # -- IO thread -----------------------------------------------------------------------------------
 
@@ -134,9 +150,13 @@ class RouterPlane(abc.ABC):
         by libzmq asynchronously, so an in-process restart on the same port may briefly see EADDRINUSE: retry
         within a short bound then, and only then (a port another process holds fails at once)."""
         if self.curve is not None:
-            options["curve"] = self.curve
+            options["security"] = self.curve
             if not options.get("zap_domain") and self._authenticator is None:
                 self._authenticator = self.curve.start_authenticator(self.context)
+        elif self.auth_token:
+            if not options.get("zap_domain"):
+                raise RuntimeError(f"{self.name}: a run token is checked at the handshake by a connection gate")
+            options["security"] = self._token_server
         deadline_s = time.monotonic() + BIND_RETRY_S
         while True:
             try:

@@ -40,7 +40,7 @@ from typing import Any
 
 import zmq
 
-from primerl.broker.connection_gate import ConnectionGate
+from primerl.broker.connection_gate import UNLIMITED_CONNECTIONS, ConnectionGate
 from primerl.broker.log_limits import RateLimitedLog
 from primerl.broker.plane_lifecycle import RouterPlane
 from primerl.broker.rollout_queue import RolloutQueue
@@ -256,13 +256,15 @@ class RolloutPlane(RouterPlane):
         """The bound socket; with ``max_connections``, gated at the handshake. The gate's ZAP endpoint must exist
         before the socket binds (without a handler libzmq admits every NULL-mechanism peer), and the socket's
         monitor must exist before any handshake can end (none can before the gate answers, in this thread)."""
-        if self.max_connections is not None and self._gate is None:
+        check = self.handshake_check
+        if (self.max_connections is not None or check is not None) and self._gate is None:
             self._gate = ConnectionGate(
                 self.context,
-                max_connections=self.max_connections,
+                max_connections=self.max_connections or UNLIMITED_CONNECTIONS,
                 domain=GATE_DOMAIN,
                 what="rollout connection",
-                authorize=self.curve_authorize,
+                authorize=check.authorize if check is not None else None,
+                refusal_hint=check.refusal_hint if check is not None else "",
             )
         # rcv_hwm is set before the bind, or peers never get it.
         socket = self._bind_router(

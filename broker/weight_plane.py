@@ -59,7 +59,7 @@ from typing import Any
 
 import zmq
 
-from primerl.broker.connection_gate import ConnectionGate
+from primerl.broker.connection_gate import UNLIMITED_CONNECTIONS, ConnectionGate
 from primerl.broker.log_limits import RateLimitedLog
 from primerl.broker.plane_lifecycle import RouterPlane
 from primerl.broker.weight_durable import WeightDurability
@@ -164,7 +164,7 @@ class WeightPlane(RouterPlane):
         self.store = fanout.store
         self.fanout = fanout
         self.limits = limits
-        self.auth_token = auth_token
+        self.auth_token = auth_token or None
         self.chunk_bytes = chunk_bytes
         self.on_applied = on_applied
         self.hwm = hwm
@@ -233,13 +233,15 @@ class WeightPlane(RouterPlane):
     def _bind(self) -> zmq.Socket:
         """The bound socket; with ``max_connections``, gated at the handshake (the gate's ZAP endpoint exists before
         the socket binds, and its monitor before any handshake can end: see ``RolloutPlane._bind``)."""
-        if self.max_connections is not None and self._gate is None:
+        check = self.handshake_check
+        if (self.max_connections is not None or check is not None) and self._gate is None:
             self._gate = ConnectionGate(
                 self.context,
-                max_connections=self.max_connections,
+                max_connections=self.max_connections or UNLIMITED_CONNECTIONS,
                 domain=GATE_DOMAIN,
                 what="weight connection",
-                authorize=self.curve_authorize,
+                authorize=check.authorize if check is not None else None,
+                refusal_hint=check.refusal_hint if check is not None else "",
             )
         socket = self._bind_router(
             max_message_bytes=self.limits.max_frame_bytes,

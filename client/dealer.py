@@ -9,9 +9,13 @@
 - Bounded waits: ``_wait`` polls the socket (and the socket monitor, when the client watches ``MONITOR_EVENTS``)
   until a deadline; ``_send`` and ``_recv`` are built on it and return False / None at the deadline, so that each
   client raises its own typed error.
-- Encryption: with ``curve`` (``runtime.wire_security.CurveClient``, from ``BrokerClientConfig.curve_client()``)
-  the socket is a CURVE client; a broker that does not know its key refuses it at the handshake, which the client
-  only sees as no answer: ``timeout_hint`` goes into every timeout error.
+- Handshake: with ``curve`` (``runtime.wire_security.CurveClient``, from ``BrokerClientConfig.curve_client()``)
+  the socket is a CURVE client; without it, a client with a run token presents it at the handshake (PLAIN), as a
+  broker plane with a token requires. Every client watches its handshakes: the broker refusing its credentials
+  (a wrong token, an unknown CURVE key) or a mismatch of mechanisms (a token or CURVE on one side only) raises at
+  once, with what to fix (``_refused_at_handshake`` gives each client its own error type). A handshake that
+  never completes (a CURVE client with the wrong broker key) still only shows as no answer: ``timeout_hint``
+  goes into every timeout error.
 - Re-connecting: ``_reopen`` replaces the socket (``generation`` counts replacements: what was sent on an older
   socket never arrived). A client that watches monitor events reacts to them in ``_on_monitor_events``.
 
@@ -29,9 +33,14 @@ import zmq
 from zmq.utils.monitor import recv_monitor_message
 
 from primerl.proto import framing
-from primerl.proto.v1 import data_pb2
+from primerl.proto.v1 import common_pb2, data_pb2
 from primerl.runtime.log_setup import get_logger
-from primerl.runtime.wire_security import CurveClient, timeout_hint
+from primerl.runtime.wire_security import (
+    CREDENTIALS_REFUSED_STATUS,
+    CurveClient,
+    apply_run_token,
+    timeout_hint,
+)
 from primerl.runtime.zmq_sockets import configure_socket
 
 log = get_logger("primerl.client.dealer")
@@ -45,7 +54,12 @@ class DealerClient:
     (terminated at ``close``)."""
 
     MONITOR_EVENTS = 0
-    """Socket-monitor events the client reacts to (``_on_monitor_events``); 0: no monitor."""
+    """Socket-monitor events the client reacts to (``_on_monitor_events``) besides the handshake failures that
+    every client watches (``HANDSHAKE_EVENTS``)."""
+
+    HANDSHAKE_EVENTS = zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+    plane = "data"
+    """Which of the broker's planes the client talks to, in errors ("rollout", "weight")."""
 
     def __init__(
         self,
@@ -74,10 +88,12 @@ class DealerClient:
         socket = configure_socket(self._context.socket(zmq.DEALER), max_message_bytes=self.limits.max_message_bytes)
         if self.curve is not None:
             self.curve.apply(socket)
+        elif self.auth_token:
+            apply_run_token(socket, self.auth_token, self.sender)
         socket.setsockopt(zmq.RECONNECT_IVL, RECONNECT_INTERVAL_MS)
         socket.setsockopt(zmq.RECONNECT_IVL_MAX, RECONNECT_INTERVAL_MAX_MS)
         # The monitor starts before ``connect`` so that no connection event is missed.
-        self._monitor = socket.get_monitor_socket(self.MONITOR_EVENTS) if self.MONITOR_EVENTS else None
+        self._monitor = socket.get_monitor_socket(self.MONITOR_EVENTS | self.HANDSHAKE_EVENTS)
         socket.connect(self.endpoint)
         self._socket = socket
 
@@ -118,10 +134,57 @@ class DealerClient:
 
     # ---------------------------------------------------------------------------------------- waiting
     def _read_monitor_events(self) -> list[int]:
+        """The monitor events since the last read that the client watches (``MONITOR_EVENTS``); raises
+        ``_refused_at_handshake`` when the broker refused this client's credentials or mechanism."""
         events = []
         while self._monitor is not None and self._monitor.poll(0, zmq.POLLIN):
-            events.append(recv_monitor_message(self._monitor)["event"])
+            message = recv_monitor_message(self._monitor)
+            event, value = message["event"], message["value"]
+            refusal = self._handshake_refusal(event, value)
+            if refusal is not None:
+                raise self._refused_at_handshake(
+                    common_pb2.ErrorDetail(code=common_pb2.ERROR_CODE_UNAUTHENTICATED, message=refusal)
+                )
+            if event & self.MONITOR_EVENTS:
+                events.append(event)
         return events
+
+    def _handshake_refusal(self, event: int, value: int) -> str | None:
+        """What a handshake failure says about this client's credentials (None: nothing, e.g. a full socket)."""
+        where = f"the broker's {self.plane} plane at {self.endpoint}"
+        if event == zmq.EVENT_HANDSHAKE_FAILED_AUTH and value == CREDENTIALS_REFUSED_STATUS:
+            if self.curve is not None:
+                return (
+                    f"{where} refused this client's CURVE key at the handshake: add its public key to "
+                    "broker.curve_authorized_keys_dir"
+                )
+            return (
+                f"{where} refused this client's run token at the handshake: give it the broker's run token "
+                "([broker] run_token in its config, or PRIMERL_RUN_TOKEN)"
+            )
+        if event == zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL and value == zmq.PROTOCOL_ERROR_ZMTP_MECHANISM_MISMATCH:
+            if self.curve is not None:
+                fix = (
+                    "this client uses CURVE and the broker does not encrypt its planes: unset its "
+                    "curve_secret_key_path and curve_broker_key_path, or set broker.curve_secret_key_path"
+                )
+            elif self.auth_token:
+                fix = (
+                    "this client presents a run token and the broker wants none (it has no run_token) or encrypts "
+                    "its planes with CURVE: give both the same run token, or this client CURVE keys"
+                )
+            else:
+                fix = (
+                    "the broker wants a run token or a CURVE key and this client has neither: set its [broker] "
+                    "run_token (or PRIMERL_RUN_TOKEN), or its CURVE keys"
+                )
+            return f"{where} and this client do not speak the same handshake: {fix}"
+        return None
+
+    def _refused_at_handshake(self, detail: common_pb2.ErrorDetail) -> Exception:
+        """The error a client raises when the broker refuses its credentials at the handshake (a subclass gives its
+        own type, the one it raises when the broker answers UNAUTHENTICATED)."""
+        return PermissionError(detail.message)
 
     def _on_monitor_events(self, events: Sequence[int], deadline_s: float) -> bool:
         """React to socket-monitor events (may raise); True ends the current wait (e.g. the socket was replaced)."""

@@ -106,6 +106,7 @@ class _RolloutClient(DealerClient):
     # A broker that already has as many rollout peers as it admits refuses the connection at the handshake
     # (broker.connection_gate) and libzmq does not try again: watch for that and reopen after a pause.
     MONITOR_EVENTS = zmq.EVENT_HANDSHAKE_FAILED_AUTH
+    plane = "rollout"
 
     def __init__(
         self,
@@ -131,13 +132,7 @@ class _RolloutClient(DealerClient):
         if self.num_handshake_refusals == 1 or self.num_handshake_refusals % 20 == 0:
             log.warning(
                 "the broker refused this rollout connection at the handshake: it has as many peers as "
-                "broker.max_rollout_connections admits"
-                + (
-                    ""
-                    if self.curve is None
-                    else ", or this client's CURVE key is not in broker.curve_authorized_keys_dir"
-                )
-                + "; retrying",
+                "broker.max_rollout_connections admits; retrying",
                 endpoint=self.endpoint,
                 refusals=self.num_handshake_refusals,
             )
@@ -145,15 +140,12 @@ class _RolloutClient(DealerClient):
         self._reopen()
         return True
 
+    def _refused_at_handshake(self, detail: common_pb2.ErrorDetail) -> Exception:
+        return RolloutRefused(detail.message, detail.code)
+
     def _unreachable_hint(self) -> str:
         if not self.num_handshake_refusals:
             return self.timeout_hint
-        if self.curve is not None:
-            return (
-                f"; the broker refused this connection {self.num_handshake_refusals} time(s) at the handshake: "
-                "this client's CURVE public key is not in broker.curve_authorized_keys_dir, or the broker had as "
-                "many rollout peers as it admits (broker.max_rollout_connections)"
-            )
         return (
             f"; the broker refused this connection {self.num_handshake_refusals} time(s) at the handshake because it "
             f"had as many rollout peers as it admits: raise broker.max_rollout_connections or stop idle clients"

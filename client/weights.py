@@ -89,6 +89,7 @@ class WeightPublisher(DealerClient):
     # The connection is watched: a publish fails at once when it drops or the broker refuses it at the handshake
     # (module docstring).
     MONITOR_EVENTS = zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_FAILED_AUTH
+    plane = "weight"
 
     def __init__(
         self,
@@ -140,8 +141,10 @@ class WeightPublisher(DealerClient):
         return WeightBrokerLost(
             f"the broker at {self.endpoint} refused this connection at the handshake: it has as many weight "
             "peers as broker.max_weight_connections admits"
-            + ("" if self.curve is None else ", or this client's CURVE key is not authorized")
         )
+
+    def _refused_at_handshake(self, detail: common_pb2.ErrorDetail) -> Exception:
+        return WeightUpdateRefused.from_detail(detail)
 
     def _await_connection(self, deadline_s: float) -> None:
         self._track_connection(self._read_monitor_events())
@@ -298,6 +301,7 @@ class WeightSubscriber(DealerClient):
     # A broker that already has as many weight peers as it admits refuses the connection at the handshake
     # (broker.connection_gate) and libzmq does not try again: watch for that and reopen after a pause.
     MONITOR_EVENTS = zmq.EVENT_HANDSHAKE_FAILED_AUTH
+    plane = "weight"
 
     def __init__(
         self,
@@ -373,9 +377,7 @@ class WeightSubscriber(DealerClient):
         if self.num_handshake_refusals == 1 or self.num_handshake_refusals % 20 == 0:
             log.warning(
                 "the broker refused this weight connection at the handshake: it has as many peers as "
-                "broker.max_weight_connections admits"
-                + ("" if self.curve is None else ", or this client's CURVE key is not authorized")
-                + "; retrying",
+                "broker.max_weight_connections admits; retrying",
                 endpoint=self.endpoint,
                 refusals=self.num_handshake_refusals,
             )
@@ -384,6 +386,9 @@ class WeightSubscriber(DealerClient):
         if self._hello_sent_s is not None:
             self._send_hello()
         return True
+
+    def _refused_at_handshake(self, detail: common_pb2.ErrorDetail) -> Exception:
+        return WeightPlaneError(detail)
 
     @property
     def received_digest(self) -> str | None:

@@ -15,6 +15,7 @@ from primerl.runtime.config_common import (
     DEFAULT_BROKER_GRPC_PORT,
     DEFAULT_BROKER_HOST,
     DEFAULT_OUTAGE_S,
+    MAX_HANDSHAKE_TOKEN_BYTES,
     LogConfig,
     PrometheusConfig,
     is_loopback_host,
@@ -207,7 +208,9 @@ class BrokerConfig(BaseConfig):
     run_token: str | None = Field(
         None,
         repr=False,
-        description="Shared secret that every worker must present. Required when `host` is not a loopback address.",
+        description="Shared secret that every worker must present (at most 255 bytes): checked in every request and, "
+        "on the ZeroMQ planes without CURVE, at the connection's handshake, so a peer without it cannot make the "
+        "broker buffer anything. Required when `host` is not a loopback address.",
     )
     tls_cert_path: Path | None = Field(
         None, description="PEM certificate for TLS on the gRPC server (set together with `tls_key_path`)."
@@ -271,6 +274,11 @@ class BrokerConfig(BaseConfig):
             )
         # $PRIMERL_RUN_TOKEN is how the daemons and `primerl rl` take the token without a file holding it
         token = self.run_token or os.environ.get(RUN_TOKEN_ENV)
+        if token and len(token.encode()) > MAX_HANDSHAKE_TOKEN_BYTES:
+            problems.append(
+                f"`run_token` is {len(token.encode())} bytes long; the ZeroMQ handshake checks a token of at most "
+                f"{MAX_HANDSHAKE_TOKEN_BYTES} bytes: use a shorter one (e.g. `openssl rand -hex 32`)"
+            )
         if not is_loopback_host(self.host) and not token and not self.allow_remote_without_token:
             problems.append(
                 f"host = {self.host!r} makes the broker reachable from other machines, so it needs credentials: "

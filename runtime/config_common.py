@@ -33,6 +33,9 @@ class LogConfig(BaseConfig):
     )
 
 
+MAX_HANDSHAKE_TOKEN_BYTES = 255
+"""The longest run token the ZeroMQ handshake can carry (ZMTP's PLAIN password is at most 255 bytes)."""
+
 DEFAULT_OUTAGE_S = 120.0
 """Default ``outage_s``: a broker restart under systemd (RestartSec plus start-up) fits well inside it."""
 
@@ -47,7 +50,8 @@ class BrokerClientConfig(BaseConfig):
     run_token: str | None = Field(
         None,
         repr=False,
-        description="Shared secret of the run, sent with every request; must match `broker.run_token`.",
+        description="Shared secret of the run, sent with every request and, without CURVE, presented at the "
+        "ZeroMQ handshake; must match `broker.run_token`.",
     )
     tls_ca_path: Path | None = Field(
         None, description="PEM file of the CA (or self-signed certificate) that signed the broker's TLS certificate."
@@ -97,6 +101,11 @@ class BrokerClientConfig(BaseConfig):
             problems.append("`tls_server_name` needs TLS: set `tls_ca_path` too")
         if (self.curve_secret_key_path is None) != (self.curve_broker_key_path is None):
             problems.append("set both `curve_secret_key_path` and `curve_broker_key_path` for CURVE, or neither")
+        if self.run_token and len(self.run_token.encode()) > MAX_HANDSHAKE_TOKEN_BYTES:
+            problems.append(
+                f"`run_token` is {len(self.run_token.encode())} bytes long; the ZeroMQ handshake carries a token of "
+                f"at most {MAX_HANDSHAKE_TOKEN_BYTES} bytes"
+            )
         if problems:
             raise ValueError("; ".join(problems))
         return self

@@ -23,6 +23,7 @@ Every loader raises ``ValueError`` naming the setting when a file is missing, un
 
 from __future__ import annotations
 
+import hmac
 import threading
 import time
 from dataclasses import dataclass
@@ -32,9 +33,18 @@ import zmq
 import zmq.auth
 from zmq.utils import z85
 
+from primerl.runtime.config_common import MAX_HANDSHAKE_TOKEN_BYTES
 from primerl.runtime.log_setup import get_logger
 
 CURVE_MECHANISM = b"CURVE"
+PLAIN_MECHANISM = b"PLAIN"
+
+# The ZAP status codes a broker plane's handshake gate (``broker.connection_gate``) answers with. A client sees
+# them as the value of its socket's ``EVENT_HANDSHAKE_FAILED_AUTH`` and libzmq does not reconnect it after either.
+CREDENTIALS_REFUSED_STATUS = 400
+"""The peer's credentials are wrong (a wrong run token, an unknown CURVE key): trying again will not help."""
+GATE_FULL_STATUS = 500
+"""The socket has as many peers as it admits: a client connects again after a pause."""
 REFUSAL_LOG_INTERVAL_S = 10.0
 
 log = get_logger("primerl.runtime.wire_security")
@@ -161,6 +171,8 @@ class CurveServer:
         socket.curve_publickey = self.public_key
         socket.curve_secretkey = self.secret_key
 
+    refusal_hint = "add the client's public key to broker.curve_authorized_keys_dir"
+
     def authorize(self, mechanism: bytes, credentials: list[bytes]) -> str | None:
         """A ZAP decision: None admits the peer, a string is why it is refused (only CURVE with a known key)."""
         if mechanism != CURVE_MECHANISM:
@@ -234,6 +246,57 @@ class CurveClient:
         socket.curve_publickey = self.public_key
         socket.curve_secretkey = self.secret_key
         socket.curve_serverkey = self.server_key
+
+
+@dataclass(frozen=True)
+class RunTokenServer:
+    """The run token checked at the ZeroMQ handshake, for a broker plane without CURVE.
+
+    The socket is a PLAIN server: a client presents the run token as its PLAIN password (``apply_run_token``) and
+    the plane's ZAP handler (its connection gate) admits it only if the token is right. A peer without the token
+    is refused before it can send a byte of application data, so it cannot make the broker buffer anything nor
+    hold one of the plane's connection places. PLAIN sends the token in clear, as every message does anyway; off
+    a trusted network, CURVE encrypts both (and then the key is the handshake's credential, the token is still
+    checked in every message)."""
+
+    run_token: str
+
+    refusal_hint = "give the client the broker's run token ([broker] run_token in its config, or PRIMERL_RUN_TOKEN)"
+
+    def __post_init__(self) -> None:
+        check_handshake_token(self.run_token, "run_token")
+
+    def apply(self, socket: zmq.Socket) -> None:
+        """Make ``socket`` a PLAIN server (before it binds)."""
+        socket.plain_server = True
+
+    def authorize(self, mechanism: bytes, credentials: list[bytes]) -> str | None:
+        """A ZAP decision: None admits the peer, a string is why it is refused."""
+        if mechanism != PLAIN_MECHANISM:
+            return f"mechanism {mechanism.decode(errors='replace')} instead of PLAIN with the run token"
+        if len(credentials) < 2 or not credentials[1]:
+            return "no run token"
+        if not hmac.compare_digest(credentials[1], self.run_token.encode()):
+            return "wrong run token"
+        return None
+
+
+def check_handshake_token(run_token: str, setting: str) -> None:
+    """``ValueError`` naming ``setting`` when the token is too long for the ZeroMQ handshake."""
+    size = len(run_token.encode())
+    if size > MAX_HANDSHAKE_TOKEN_BYTES:
+        raise ValueError(
+            f"{setting} is {size} bytes long; the ZeroMQ handshake checks tokens of at most "
+            f"{MAX_HANDSHAKE_TOKEN_BYTES} bytes: use a shorter one (e.g. `openssl rand -hex 32`)"
+        )
+
+
+def apply_run_token(socket: zmq.Socket, run_token: str, sender: str) -> None:
+    """Make ``socket`` a PLAIN client that presents ``run_token`` (and ``sender`` as its user name, which the broker
+    logs when it refuses it), before it connects."""
+    check_handshake_token(run_token, "run_token")
+    socket.plain_username = sender.encode()[:MAX_HANDSHAKE_TOKEN_BYTES]
+    socket.plain_password = run_token.encode()
 
 
 def timeout_hint(curve: CurveClient | None) -> str:

@@ -5,7 +5,8 @@
 - ``LINGER`` bounded, so closing never hangs on an unreachable peer;
 - high-water marks bounded, so a slow peer makes senders wait (or fail to send) instead of growing queues;
 - TCP keep-alive, so a peer that vanished without closing is noticed;
-- CURVE encryption and authentication when keys are given (``runtime.wire_security``).
+- CURVE encryption and authentication when keys are given, or the run token checked at the handshake (PLAIN)
+  (``runtime.wire_security``).
 
 Sockets are not thread-safe: create and use each one in the single thread that owns it.
 """
@@ -17,7 +18,7 @@ from typing import TYPE_CHECKING
 import zmq
 
 if TYPE_CHECKING:
-    from primerl.runtime.wire_security import CurveClient, CurveServer
+    from primerl.runtime.wire_security import CurveClient, CurveServer, RunTokenServer
 
 DEFAULT_LINGER_MS = 1000
 DEFAULT_HWM = 64
@@ -45,7 +46,7 @@ def bind_router(
     hwm: int = DEFAULT_HWM,
     rcv_hwm: int | None = None,
     zap_domain: str | None = None,
-    curve: CurveServer | None = None,
+    security: CurveServer | RunTokenServer | None = None,
 ) -> tuple[zmq.Socket, int]:
     """A ROUTER socket bound to ``tcp://host:port`` (port 0 picks a free one); returns (socket, port).
 
@@ -56,8 +57,9 @@ def bind_router(
     ``ROUTER_MANDATORY`` makes a send to a peer that is gone raise instead of vanishing silently.
     ``zap_domain``: every new connection is first put to the ZAP handler of ``context`` (see
     ``broker.connection_gate``); like the high-water marks it only applies if set before ``bind``.
-    ``curve``: the socket is a CURVE server with these keys (``runtime.wire_security``); also set before ``bind``,
-    and a ZAP handler must exist in ``context`` by then, or libzmq admits any client key.
+    ``security``: the socket is a CURVE server with these keys, or a PLAIN server that wants the run token
+    (``runtime.wire_security``); also set before ``bind``, and a ZAP handler must exist in ``context`` by then, or
+    libzmq admits any client.
     """
     socket = configure_socket(context.socket(zmq.ROUTER), max_message_bytes=max_message_bytes, hwm=hwm)
     if rcv_hwm is not None:
@@ -65,8 +67,8 @@ def bind_router(
     socket.setsockopt(zmq.ROUTER_MANDATORY, 1)
     if zap_domain:
         socket.setsockopt(zmq.ZAP_DOMAIN, zap_domain.encode())
-    if curve is not None:
-        curve.apply(socket)
+    if security is not None:
+        security.apply(socket)
     try:
         if port == 0:
             port = socket.bind_to_random_port(f"tcp://{_bind_host(host)}")
@@ -86,12 +88,19 @@ def connect_dealer(
     hwm: int = DEFAULT_HWM,
     identity: bytes | None = None,
     curve: CurveClient | None = None,
+    run_token: str | None = None,
+    sender: str = "",
 ) -> zmq.Socket:
     """A DEALER socket connected to ``endpoint`` (``tcp://host:port``); reconnects on its own. ``curve``: a CURVE
-    client with these keys (``runtime.wire_security``)."""
+    client with these keys; else ``run_token``: presented at the handshake as ``sender`` (PLAIN), as a broker plane
+    with a run token requires (``runtime.wire_security``)."""
+    from primerl.runtime.wire_security import apply_run_token
+
     socket = configure_socket(context.socket(zmq.DEALER), max_message_bytes=max_message_bytes, hwm=hwm)
     if curve is not None:
         curve.apply(socket)
+    elif run_token:
+        apply_run_token(socket, run_token, sender)
     if identity:
         socket.setsockopt(zmq.IDENTITY, identity)
     socket.setsockopt(zmq.RECONNECT_IVL, 100)

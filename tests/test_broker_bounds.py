@@ -13,21 +13,31 @@ from support.broker import BrokerHarness
 from support.daemons import BrokerProcess
 
 from primerl.client.rollouts import RolloutProducer, RolloutRefused, pack_batch
-from primerl.client.weights import WeightBrokerLost, WeightPublisher, WeightSubscriber, WeightUpdateRefused
+from primerl.client.weights import (
+    WeightBrokerLost,
+    WeightPlaneError,
+    WeightPublisher,
+    WeightSubscriber,
+    WeightUpdateRefused,
+)
 from primerl.configs.broker import BrokerConfig
 from primerl.proto import chunked_transfer, framing
 from primerl.proto import tensor_frames as tf
 from primerl.proto.digests import payload_digest
 from primerl.proto.units import MiB
 from primerl.proto.v1 import common_pb2, data_pb2
+from primerl.runtime.wire_security import apply_run_token
 
 TOKEN = "bounds-token"
 
 
-def _raw_dealer(context: zmq.Context, endpoint: str) -> zmq.Socket:
+def _raw_dealer(context: zmq.Context, endpoint: str, token: str | None = TOKEN) -> zmq.Socket:
+    """A bare DEALER that presents ``token`` at the handshake (None: none) and sends whatever a test gives it."""
     socket = context.socket(zmq.DEALER)
     socket.setsockopt(zmq.LINGER, 0)
     socket.setsockopt(zmq.SNDTIMEO, 2000)
+    if token is not None:
+        apply_run_token(socket, token, "raw")
     socket.connect(endpoint)
     return socket
 
@@ -231,9 +241,42 @@ def test_large_unauthenticated_messages_leave_no_resident_memory_behind(tmp_path
         assert broker.stop() == 0
 
 
+@pytest.mark.slow
+def test_a_peer_without_the_run_token_makes_the_broker_hold_nothing(tmp_path):
+    """Peers with a wrong token or none are refused at the handshake, before libzmq reads a byte of what they send:
+    4 x 16 MiB messages from each, on both planes, leave the broker's RSS where it was and get no answer."""
+    broker = BrokerProcess(tmp_path, tmp_path / "spool", "--run-token", TOKEN, "--prometheus.enabled", "false")
+    context = zmq.Context()
+    try:
+        before_mib = broker.rss_bytes() / MiB
+        message = framing.encode(data_pb2.HELLO, data_pb2.Hello(), [b"x" * (16 * MiB)] * 4, auth_token=TOKEN)
+        dealers = [
+            _raw_dealer(context, f"tcp://127.0.0.1:{broker.ports[plane]}", token)
+            for plane in ("rollout_port", "weight_port")
+            for token in ("wrong", None)
+        ]
+        for dealer in dealers:
+            for _ in range(4):
+                try:
+                    dealer.send_multipart(message, zmq.NOBLOCK)
+                except zmq.Again:  # the refused connection's pipe is gone: nothing more can even be queued
+                    break
+        peak_mib = before_mib
+        for dealer in dealers:
+            assert not dealer.poll(1000), "a peer without the token got an answer"
+            peak_mib = max(peak_mib, broker.rss_bytes() / MiB)
+        assert peak_mib - before_mib < 8, f"broker RSS grew by {peak_mib - before_mib:.0f} MiB"
+        with RolloutProducer(f"tcp://127.0.0.1:{broker.ports['rollout_port']}", TOKEN, "member") as producer:
+            header, payload = pack_batch(1, 0, 0, 1, {"input_ids": np.zeros(8, dtype=np.int64)})
+            assert producer.send_batch(header, payload, timeout_s=10).durable
+    finally:
+        context.destroy(linger=0)
+        assert broker.stop() == 0
+
+
 def test_the_weight_gate_checks_curve_keys(tmp_path):
     """With CURVE on, the weight socket's connection gate is also its key check: a known client publishes and
-    subscribes, one with an unknown key is refused at the handshake (and keeps retrying)."""
+    subscribes, one with an unknown key is refused at the handshake and stops at once, saying which key to add."""
     import zmq.auth
 
     from primerl.runtime.wire_security import CurveClient
@@ -259,8 +302,15 @@ def test_the_weight_gate_checks_curve_keys(tmp_path):
             assert pub.publish(header, payload, timeout_s=10).applied
         with WeightSubscriber(broker.weight_endpoint, TOKEN, "intruder", curve=stranger) as subscriber:
             subscriber.hello()
-            assert subscriber.receive(timeout_s=1.5) is None and subscriber.broker_latest is None
-            assert subscriber.num_handshake_refusals >= 1
+            with pytest.raises(WeightPlaneError, match="curve_authorized_keys_dir") as refused:
+                subscriber.receive(timeout_s=10)
+            assert refused.value.code == common_pb2.ERROR_CODE_UNAUTHENTICATED
+            assert subscriber.broker_latest is None and subscriber.num_handshake_refusals == 0
+        with WeightPublisher(
+            broker.weight_endpoint, TOKEN, "intruder", broker.service.chunk_bytes, curve=stranger
+        ) as publisher:
+            with pytest.raises(WeightUpdateRefused, match="curve_authorized_keys_dir"):
+                publisher.publish(header, payload, timeout_s=10)
         with WeightSubscriber(broker.weight_endpoint, TOKEN, "inference-0", curve=good) as subscriber:
             subscriber.hello()
             update = subscriber.receive(timeout_s=10)

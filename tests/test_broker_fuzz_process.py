@@ -32,6 +32,7 @@ from primerl.client.weights import WeightPublisher
 from primerl.proto import framing
 from primerl.proto import tensor_frames as tf
 from primerl.proto.v1 import common_pb2, control_pb2, control_pb2_grpc, data_pb2
+from primerl.runtime.wire_security import apply_run_token
 
 TOKEN = "fuzz-token"
 CI_CASES = 1500
@@ -333,6 +334,7 @@ def test_broker_process_survives_fuzzing_of_every_socket_and_method(tmp_path):
         socket = context.socket(zmq.DEALER)
         socket.setsockopt(zmq.LINGER, 0)
         socket.setsockopt(zmq.SNDTIMEO, 5000)
+        apply_run_token(socket, TOKEN, "fuzz")  # past the handshake: the fuzz is of what the broker reads after it
         socket.connect(f"tcp://127.0.0.1:{broker.ports[name + '_port']}")
         sockets[name] = socket
     counts = dict.fromkeys(TARGETS, 0)

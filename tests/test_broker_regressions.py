@@ -16,6 +16,7 @@ from primerl.client.rollouts import RolloutConsumer, RolloutProducer, pack_batch
 from primerl.proto import framing
 from primerl.proto import tensor_frames as tf
 from primerl.proto.v1 import common_pb2, data_pb2
+from primerl.runtime.wire_security import apply_run_token
 
 TOKEN = "regression-token"
 
@@ -50,6 +51,7 @@ def broker(make_broker):
 def _dealer(context: zmq.Context, port: int) -> zmq.Socket:
     socket = context.socket(zmq.DEALER)
     socket.setsockopt(zmq.LINGER, 0)
+    apply_run_token(socket, TOKEN, "regressions")
     socket.connect(f"tcp://127.0.0.1:{port}")
     return socket
 

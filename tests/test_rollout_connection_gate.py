@@ -1,6 +1,7 @@
 """The rollout socket admits at most ``max_connections`` peers, at the ZeroMQ handshake (broker.connection_gate),
 over real ZeroMQ on loopback: refused peers never get a message in, clients retry and get in once a place
-frees up, and the count of admitted peers stays right through bursts and churn."""
+frees up, and the count of admitted peers stays right through bursts and churn. A peer without the run token is
+refused at the handshake before anything else, takes no place, and a client told so stops with what to fix."""
 
 from __future__ import annotations
 
@@ -13,10 +14,11 @@ from zmq.utils.monitor import parse_monitor_message
 from primerl.broker.rollout_plane import RolloutPlane
 from primerl.broker.rollout_queue import RolloutQueue
 from primerl.broker.spool import RolloutSpool
-from primerl.client.rollouts import RolloutConsumer, RolloutProducer, RolloutTimeout, pack_batch
+from primerl.client.rollouts import RolloutConsumer, RolloutProducer, RolloutRefused, RolloutTimeout, pack_batch
 from primerl.proto import framing
 from primerl.proto.units import MiB
-from primerl.proto.v1 import data_pb2
+from primerl.proto.v1 import common_pb2, data_pb2
+from primerl.runtime.wire_security import CREDENTIALS_REFUSED_STATUS, GATE_FULL_STATUS, apply_run_token
 
 TOKEN = "gate-secret"
 
@@ -64,13 +66,20 @@ def producer(gated, plane: RolloutPlane, name: str) -> RolloutProducer:
     return client
 
 
-def raw_dealers(gated, plane: RolloutPlane, count: int) -> list[tuple[zmq.Socket, zmq.Socket]]:
-    """``count`` plain DEALER sockets connecting at once, each with a monitor of its handshake outcome."""
+def raw_dealers(
+    gated, plane: RolloutPlane, count: int, token: str | None = TOKEN
+) -> list[tuple[zmq.Socket, zmq.Socket]]:
+    """``count`` plain DEALER sockets connecting at once, each presenting ``token`` at the handshake (None: no
+    token, the NULL mechanism) and with a monitor of its handshake outcome."""
     pairs = []
-    for _ in range(count):
+    for index in range(count):
         socket = gated.client_context.socket(zmq.DEALER)
         socket.setsockopt(zmq.LINGER, 0)
-        monitor = socket.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_HANDSHAKE_FAILED_AUTH)
+        if token is not None:
+            apply_run_token(socket, token, f"raw-{index}")
+        monitor = socket.get_monitor_socket(
+            zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+        )
         socket.connect(f"tcp://127.0.0.1:{plane.port}")
         pairs.append((socket, monitor))
         gated.closables.extend([monitor, socket])
@@ -96,7 +105,7 @@ def test_a_burst_of_connections_admits_exactly_the_limit(gated):
     results = outcomes(raw_dealers(gated, plane, 8))
     assert sorted(event for event, _ in results).count(zmq.EVENT_HANDSHAKE_SUCCEEDED) == 3
     refused = [value for event, value in results if event == zmq.EVENT_HANDSHAKE_FAILED_AUTH]
-    assert refused == [400] * 5
+    assert refused == [GATE_FULL_STATUS] * 5
     wait_for(lambda: plane._gate.num_connected == 3 and plane._gate.num_refused == 5)
 
 
@@ -105,7 +114,7 @@ def test_a_refused_peer_gets_nothing_in_and_the_admitted_ones_are_served(gated):
     first = producer(gated, plane, "first")
     assert first.send_batch(*batch(1, 0), timeout_s=10).durable
     ((socket, monitor),) = raw_dealers(gated, plane, 1)
-    assert outcomes([(socket, monitor)]) == [(zmq.EVENT_HANDSHAKE_FAILED_AUTH, 400)]
+    assert outcomes([(socket, monitor)]) == [(zmq.EVENT_HANDSHAKE_FAILED_AUTH, GATE_FULL_STATUS)]
     header, payload = batch(1, 1)
     # Either the DEALER still queues it locally, or its pipe is gone already (EAGAIN): libzmq never connects it again.
     try:
@@ -147,3 +156,47 @@ def test_the_count_follows_peers_that_leave(gated):
             monitor.close(linger=0)
             socket.close(linger=0)
         wait_for(lambda: plane._gate.num_connected == 0 and not plane._gate._approved_unconfirmed)
+
+
+def test_peers_without_the_run_token_are_refused_first_and_take_no_place(gated):
+    """A wrong token is refused (400) and no token at all fails on the mechanism, even on a full socket; neither
+    counts against the limit, nothing they send gets in, and peers with the token still fill the places."""
+    plane = gated(2)
+    wrong = raw_dealers(gated, plane, 3, token="not-the-token")
+    assert outcomes(wrong) == [(zmq.EVENT_HANDSHAKE_FAILED_AUTH, CREDENTIALS_REFUSED_STATUS)] * 3
+    tokenless = raw_dealers(gated, plane, 2, token=None)
+    assert (
+        outcomes(tokenless) == [(zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL, zmq.PROTOCOL_ERROR_ZMTP_MECHANISM_MISMATCH)] * 2
+    )
+    for socket, _ in wrong + tokenless:
+        try:
+            header, payload = batch(1, 0)
+            socket.send_multipart(
+                framing.encode(data_pb2.ROLLOUT_BATCH, header, [payload], auth_token=TOKEN), zmq.NOBLOCK
+            )
+        except zmq.Again:
+            pass
+    admitted = outcomes(raw_dealers(gated, plane, 3))
+    assert [event for event, _ in admitted].count(zmq.EVENT_HANDSHAKE_SUCCEEDED) == 2
+    assert plane._gate.num_refused_credentials == 3  # the tokenless ones never reach the gate
+    wait_for(lambda: plane._gate.num_connected == 2)
+    assert plane.queue.status().num_batches == 0
+
+
+@pytest.mark.parametrize("token", ["not-the-token", None])
+def test_a_client_without_the_run_token_stops_at_once_and_says_what_to_fix(gated, token):
+    """Producer and consumer raise ``RolloutRefused`` (UNAUTHENTICATED) within the first wait, long before their
+    timeout, naming the setting to fix; they do not retry as they do for a full socket."""
+    plane = gated(4)
+    endpoint = f"tcp://127.0.0.1:{plane.port}"
+    client = RolloutProducer(endpoint, token, "stranger", context=gated.client_context)
+    gated.closables.append(client)
+    with pytest.raises(RolloutRefused, match="run_token") as info:
+        client.send_batch(*batch(1, 0), timeout_s=30)
+    assert info.value.code == common_pb2.ERROR_CODE_UNAUTHENTICATED
+    assert ("refused this client's run token" if token else "do not speak the same handshake") in str(info.value)
+    consumer = RolloutConsumer(endpoint, token, "trainer-0", 0, context=gated.client_context)
+    gated.closables.append(consumer)
+    with pytest.raises(RolloutRefused, match="run_token"):
+        consumer.hello(timeout_s=30)
+    assert plane.queue.status().num_batches == 0

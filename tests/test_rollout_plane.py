@@ -18,6 +18,7 @@ from primerl.client.rollouts import RolloutConsumer, RolloutProducer, RolloutRef
 from primerl.proto import chunked_transfer, framing
 from primerl.proto.units import MiB
 from primerl.proto.v1 import common_pb2, data_pb2
+from primerl.runtime.wire_security import apply_run_token
 
 TOKEN = "run-secret"
 
@@ -84,6 +85,8 @@ class Harness:
     def dealer(self, plane) -> zmq.Socket:
         socket = self.context.socket(zmq.DEALER)
         socket.setsockopt(zmq.LINGER, 0)
+        if plane.auth_token:
+            apply_run_token(socket, plane.auth_token, "raw")
         socket.connect(self.endpoint(plane))
         self.closables.append(socket)
         return socket

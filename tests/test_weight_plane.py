@@ -8,7 +8,7 @@ import time
 import pytest
 import zmq
 from support.probes import wait_until as wait_for
-from support.weight_plane import CHUNK_BYTES, LIMITS, RECEIVE_S, TOKEN, make_update
+from support.weight_plane import CHUNK_BYTES, LIMITS, RECEIVE_S, TOKEN, FakeBroker, make_update
 
 from primerl.broker.weight_fanout import WeightFanout
 from primerl.broker.weight_plane import WeightPlane
@@ -328,9 +328,8 @@ def test_subscriber_checks_the_token_and_passes_the_digest_check_on():
     """Against a fake broker (a bare ROUTER): a push without the run token is ignored; an update is returned as
     received, a bad digest too (the inference worker's ``PolicyUpdater`` is its one digest checker)."""
     context = zmq.Context()
-    router = context.socket(zmq.ROUTER)
-    router.setsockopt(zmq.LINGER, 0)
-    port = router.bind_to_random_port("tcp://127.0.0.1")
+    fake = FakeBroker(context, "infer-0")
+    router, port = fake.router, fake.port
     subscriber = WeightSubscriber(f"tcp://127.0.0.1:{port}", TOKEN, "infer-0", context=context, limits=LIMITS)
     try:
         subscriber.hello()
@@ -351,7 +350,7 @@ def test_subscriber_checks_the_token_and_passes_the_digest_check_on():
         assert got is not None and bytes(got[1]) == data
     finally:
         subscriber.close()
-        router.close(linger=0)
+        fake.close()
         context.destroy(linger=0)
 
 

@@ -13,7 +13,7 @@ import pytest
 import torch
 import zmq
 from support.probes import wait_until
-from support.weight_plane import CHUNK_BYTES, LIMITS, RECEIVE_S, TOKEN, make_update
+from support.weight_plane import CHUNK_BYTES, LIMITS, RECEIVE_S, TOKEN, FakeBroker, make_update
 
 from primerl.inference.shared_payload import (
     PayloadControl,
@@ -214,9 +214,8 @@ def test_the_received_digest_is_of_the_bytes_that_arrived(tmp_path, digest_kind)
     from primerl.client.weights import WeightSubscriber
 
     context = zmq.Context()
-    router = context.socket(zmq.ROUTER)
-    router.setsockopt(zmq.LINGER, 0)
-    port = router.bind_to_random_port("tcp://127.0.0.1")
+    fake = FakeBroker(context, "infer-0")
+    router, port = fake.router, fake.port
     sink = RecordingSink(SharedPayload(tmp_path))
     subscriber = WeightSubscriber(
         f"tcp://127.0.0.1:{port}", TOKEN, "infer-0", context=context, limits=LIMITS, payload_sink=sink
@@ -247,6 +246,6 @@ def test_the_received_digest_is_of_the_bytes_that_arrived(tmp_path, digest_kind)
         assert subscriber.received_digest == expected != header.digest
     finally:
         subscriber.close()
-        router.close()
+        fake.close()
         context.term()
         sink.staging.close()

@@ -23,9 +23,16 @@ from support.weight_plane import make_update
 from primerl.cli.certs import CertPaths, CertsError, config_lines, make_certs, parse_clients
 from primerl.client.control import BrokerError, ControlClient
 from primerl.client.outage import BrokerOutageExceeded
-from primerl.client.rollouts import RolloutConsumer, RolloutProducer, RolloutTimeout, pack_batch
-from primerl.client.weights import WeightPublisher, WeightPublishTimeout, WeightSubscriber
+from primerl.client.rollouts import RolloutConsumer, RolloutProducer, RolloutRefused, RolloutTimeout, pack_batch
+from primerl.client.weights import (
+    WeightPlaneError,
+    WeightPublisher,
+    WeightPublishTimeout,
+    WeightSubscriber,
+    WeightUpdateRefused,
+)
 from primerl.configs.broker import BrokerConfig
+from primerl.proto.v1 import common_pb2
 from primerl.runtime.config_common import BrokerClientConfig
 from primerl.runtime.wire_security import CurveClient
 from primerl.supervisor.run_file import RunFile, write_run_file
@@ -160,7 +167,7 @@ def test_added_clients_are_admitted_by_a_running_broker_without_a_restart(broker
         with RolloutConsumer(
             registration.rollout_endpoint, TOKEN, registration.worker_id, 0, curve=infer.curve
         ) as consumer:
-            with pytest.raises(RolloutTimeout, match="CURVE"):
+            with pytest.raises(RolloutRefused, match="curve_authorized_keys_dir"):  # revoked: refused at once
                 consumer.hello(REFUSED_S)
     again = subprocess.run(
         [sys.executable, "-m", "primerl.cli.main", "certs", "--out", str(certs.out), "--add-clients", "infer-node-7"],
@@ -419,37 +426,46 @@ def test_the_right_credentials_do_everything(broker, certs):
 
 
 def test_data_planes_refuse_clients_without_the_right_curve_keys(broker, certs, other_certs):
-    """Every attempt times out within its bound, the error names the CURVE settings, and nothing arrives."""
+    """A client without CURVE or with an unknown key is refused at the handshake and stops at once with
+    UNAUTHENTICATED, the error naming what to set; one with a wrong broker key never completes its handshake, so
+    every attempt times out within its bound with the CURVE settings in the error. Nothing arrives either way."""
     endpoints_of = {"rollout": broker.rollout_endpoint, "weight": broker.weight_endpoint}
     queued_before = broker.service.rollout_plane.status().queue.num_batches
     for what, curve in curve_variants(certs, other_certs).items():
+        at_once = what != "a wrong broker key"
         started_s = time.monotonic()
         with RolloutProducer(endpoints_of["rollout"], TOKEN, "orchestrator", curve=curve) as producer:
             header, payload = pack_batch(5, 0, 0, 1, {"input_ids": np.arange(8, dtype=np.int64)})
-            with pytest.raises(RolloutTimeout, match="CURVE|curve"):
+            with pytest.raises(RolloutRefused if at_once else RolloutTimeout, match="CURVE|curve") as refused:
                 producer.send_batch(header, payload, timeout_s=REFUSED_S)
+            assert not at_once or refused.value.code == common_pb2.ERROR_CODE_UNAUTHENTICATED
         with RolloutConsumer(endpoints_of["rollout"], TOKEN, "trainer-x", 0, curve=curve) as consumer:
-            with pytest.raises(RolloutTimeout, match="CURVE|curve"):
+            with pytest.raises(RolloutRefused if at_once else RolloutTimeout, match="CURVE|curve"):
                 consumer.hello(REFUSED_S)
         with WeightPublisher(
             endpoints_of["weight"], TOKEN, "trainer", 64 * 1024, curve=curve, connect_timeout_s=REFUSED_S
         ) as publisher:
             update_header, update_payload = make_update(7)
-            with pytest.raises(WeightPublishTimeout, match="CURVE|curve"):
+            with pytest.raises(WeightUpdateRefused if at_once else WeightPublishTimeout, match="CURVE|curve"):
                 publisher.publish(update_header, update_payload, timeout_s=REFUSED_S)
         with WeightSubscriber(endpoints_of["weight"], TOKEN, "infer-x", curve=curve) as subscriber:
             try:  # its HELLO is queued (libzmq queues before a handshake) or times out; it never arrives
                 subscriber.hello(None)
             except TimeoutError as exc:
                 assert "CURVE" in str(exc) or "curve" in str(exc)
-            assert subscriber.receive(REFUSED_S) is None
+            if at_once:
+                with pytest.raises(WeightPlaneError, match="CURVE|curve"):
+                    subscriber.receive(REFUSED_S)
+            else:
+                assert subscriber.receive(REFUSED_S) is None
         with WeightSubscriber(
             endpoints_of["weight"], TOKEN, "infer-y", curve=curve, outage_s=0.5, liveness_s=0.5
         ) as subscriber:
             subscriber.hello(None)
-            with pytest.raises(BrokerOutageExceeded, match="curve"):
+            with pytest.raises(WeightPlaneError if at_once else BrokerOutageExceeded, match="CURVE|curve"):
                 subscriber.receive(REFUSED_S)
         elapsed_s = time.monotonic() - started_s
-        assert elapsed_s < 8 * REFUSED_S + 10, (what, elapsed_s)
+        # Refused at once: five calls in less than the time two of them would wait for their timeouts.
+        assert elapsed_s < (2 * REFUSED_S if at_once else 8 * REFUSED_S + 10), (what, elapsed_s)
     assert broker.service.rollout_plane.status().queue.num_batches == queued_before
     assert broker.service.weight_store.latest_version in (None, 1)  # never 7

@@ -23,6 +23,7 @@ from primerl.proto import chunked_transfer, framing  # noqa: E402
 from primerl.proto import tensor_frames as tf  # noqa: E402
 from primerl.proto.units import MiB  # noqa: E402
 from primerl.proto.v1 import data_pb2  # noqa: E402
+from primerl.runtime.wire_security import apply_run_token
 
 TOKEN = "adversarial-token"
 
@@ -39,6 +40,7 @@ def main(num_rounds: int) -> None:
         socket = context.socket(zmq.DEALER)
         socket.setsockopt(zmq.LINGER, 0)
         socket.setsockopt(zmq.SNDTIMEO, 5000)
+        apply_run_token(socket, TOKEN, "adversary")  # past the handshake: what a peer with the token can do
         socket.connect(f"tcp://127.0.0.1:{port}")
         return socket
 

@@ -37,6 +37,26 @@ def make_update(version: int, kind: int = FULL, base: int = 0, num_bytes: int = 
     return header, data
 
 
+class FakeBroker:
+    """A bare ROUTER standing in for the broker's weight plane: it admits ``sender`` presenting ``TOKEN`` at the
+    handshake (a PLAIN server, with zmq.auth's ZAP handler on ``context``), and the test drives every message."""
+
+    def __init__(self, context: zmq.Context, sender: str):
+        from zmq.auth.thread import ThreadAuthenticator
+
+        self._authenticator = ThreadAuthenticator(context)
+        self._authenticator.start()
+        self._authenticator.configure_plain(domain="*", passwords={sender: TOKEN})
+        self.router = context.socket(zmq.ROUTER)
+        self.router.setsockopt(zmq.LINGER, 0)
+        self.router.plain_server = True
+        self.port = self.router.bind_to_random_port("tcp://127.0.0.1")
+
+    def close(self) -> None:
+        self.router.close(linger=0)
+        self._authenticator.stop()
+
+
 class WeightPlaneHarness:
     """A started `WeightPlane` (run token `TOKEN`, chunks of `CHUNK_BYTES`); `applied` lists the
     (worker id, version) acknowledgements it reported."""
@@ -79,7 +99,9 @@ class WeightPlaneHarness:
         return subscriber
 
     def dealer(self) -> zmq.Socket:
-        socket = connect_dealer(self.context, self.endpoint, max_message_bytes=LIMITS.max_frame_bytes)
+        socket = connect_dealer(
+            self.context, self.endpoint, max_message_bytes=LIMITS.max_frame_bytes, run_token=TOKEN, sender="raw"
+        )
         self._clients.append(socket)
         return socket
 

@@ -19,8 +19,15 @@ rollouts in flight, ``L`` its share:
 - **grow** when ``kv < kv_target``, the share binds (``n >= 0.9 L``) and the KV use has settled (no request
   waiting in the worker's queue, ``vllm:num_requests_waiting``, and a rise of at most ``SETTLED_RISE`` since the
   last poll: KV use lags the rollouts admitted): ``L *= min(g, kv_target / kv)`` with the growth
-  ``g = 1 + 0.25 (1 - kv / kv_target)`` tapering to 1 at the target (prime-rl #3556), at least one rollout;
+  ``g = 1 + 0.25 (1 - kv / kv_target)`` tapering to 1 at the target (prime-rl #3556), by one group of
+  ``rollouts_per_example`` at least, and only while one more group fits: with ``p`` the highest KV use per rollout
+  in flight over the last ``PER_ROLLOUT_POLLS`` polls (a rollout's KV grows until it finishes, so the highest
+  reading is what a rollout takes at its end), ``(n + group) p <= kv_target``, and ``L <= kv_target / p``;
 - **hold** otherwise.
+
+The scheduler dispatches whole groups, so ``limit()`` is rounded down to whole groups: with groups large against
+the KV cache (a group of 4 was 16 % of an 80 MiB cache on the 100M model), a limit between two multiples put one
+group more in flight than the target allowed, which the back-off then cut, over and over.
 
 A worker whose ``/metrics`` cannot be read keeps its last share; a worker that left drops out of the sum. The
 metrics go to each step's row: ``concurrency/limit`` (now), ``concurrency/kv_usage_max`` (the highest KV use of any
@@ -29,13 +36,14 @@ worker since the previous row) and ``concurrency/preemptions`` (since the previo
 
 from __future__ import annotations
 
+import collections
 import math
 import re
 import threading
 import urllib.error
 import urllib.request
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from primerl.configs.orchestrator import ConcurrencyConfig, OrchestratorConfig
 from primerl.proto import telemetry
@@ -60,6 +68,8 @@ BINDING_FRACTION = 0.9
 BACKOFF_FRACTION = 0.8
 """A back-off lowers the share to this fraction of the rollouts in flight."""
 COOLDOWN_POLLS = 3
+PER_ROLLOUT_POLLS = 30
+"""Polls over which a worker's highest KV use per rollout in flight is kept (longer than a rollout lives)."""
 """Polls after a back-off without growth, and between trims: each change shows in the KV use before the next."""
 METRICS_TIMEOUT_S = 2.0
 
@@ -133,13 +143,18 @@ class _WorkerState:
     kv_peak: float = 0.0  # highest KV use seen since the last ``take_metrics``
     last_kv: float | None = None
     draining: bool = False  # after a back-off, until the rollouts in flight are down to the share
+    kv_per_rollout: collections.deque[float] = field(
+        default_factory=lambda: collections.deque(maxlen=PER_ROLLOUT_POLLS)
+    )  # recent readings of KV use / rollouts in flight
 
 
 class KvTargetController:
     """The control law of the module docstring, without IO: ``observe`` each poll's samples, read ``limit``."""
 
-    def __init__(self, config: ConcurrencyConfig, *, initial_total: int):
+    def __init__(self, config: ConcurrencyConfig, *, initial_total: int, group_size: int = 1):
+        """``group_size``: rollouts the scheduler dispatches together (``rollouts_per_example``)."""
         self.config = config
+        self.group_size = max(1, group_size)
         self.initial_total = self._clamp(config.initial_inflight or initial_total)
         self.workers: dict[str, _WorkerState] = {}
         self.last_decisions: dict[str, str] = {}
@@ -172,6 +187,9 @@ class KvTargetController:
         decision = "hold"
         rising = state.last_kv is not None and kv - state.last_kv > SETTLED_RISE
         state.last_kv = kv
+        if n > 0:
+            state.kv_per_rollout.append(kv / n)
+        per_rollout = max(state.kv_per_rollout, default=0.0)
         if state.draining and n <= state.share:
             state.draining = False
         if (kv >= config.kv_backoff or new_preemptions > 0) and not (state.draining and new_preemptions == 0):
@@ -188,11 +206,20 @@ class KvTargetController:
                     state.share = max(floor, 1.0, trimmed)
                     state.cooldown = COOLDOWN_POLLS
                     decision = "trim"
-        elif state.cooldown == 0 and n >= BINDING_FRACTION * state.share and not rising and sample.waiting == 0:
+        elif (
+            state.cooldown == 0
+            and n >= BINDING_FRACTION * state.share
+            and not rising
+            and sample.waiting == 0
+            and (n + self.group_size) * per_rollout <= config.kv_target  # one more group still fits
+        ):
             growth = 1.0 + GROWTH_MAX * (1.0 - kv / config.kv_target)
             if kv > 0:
                 growth = min(growth, config.kv_target / kv)
-            state.share = max(state.share + 1.0, state.share * growth)
+            grown = max(state.share + self.group_size, state.share * growth)
+            if per_rollout > 0:
+                grown = min(grown, config.kv_target / per_rollout)
+            state.share = max(state.share, grown)
             decision = "grow"
         if config.max_inflight is not None:
             state.share = min(state.share, float(config.max_inflight))
@@ -200,9 +227,12 @@ class KvTargetController:
         return decision
 
     def limit(self) -> int:
+        """The sum of the shares, clamped, and rounded down to whole groups (when that leaves one at least)."""
         if not self.workers:
             return self.initial_total
-        return self._clamp(sum(state.share for state in self.workers.values()))
+        total = self._clamp(sum(state.share for state in self.workers.values()))
+        whole = total - total % self.group_size
+        return whole if whole >= self.group_size else total
 
     def take_metrics(self) -> dict[str, float]:
         """``concurrency/*`` of the step: the limit now, the highest KV use of any worker and the preemptions since
@@ -260,7 +290,9 @@ class AdaptiveConcurrency:
     ):
         assert config.concurrency is not None
         self.settings = config.concurrency
-        self.controller = KvTargetController(self.settings, initial_total=config.num_inflight_rollouts)
+        self.controller = KvTargetController(
+            self.settings, initial_total=config.num_inflight_rollouts, group_size=config.rollouts_per_example
+        )
         self._workers = workers
         self._read = read or (lambda url: read_kv_sample(url, token=token))
         self._lock = threading.Lock()

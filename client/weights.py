@@ -87,8 +87,10 @@ class WeightPublisher(DealerClient):
     bytes per chunk, at most ``limits.max_frame_bytes`` (the broker's ``weight_chunk_bytes``)."""
 
     # The connection is watched: a publish fails at once when it drops or the broker refuses it at the handshake
-    # (module docstring).
-    MONITOR_EVENTS = zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_FAILED_AUTH
+    # (module docstring). It counts as up once its handshake succeeded, not at the TCP connect: a connection that
+    # closes during the handshake (e.g. the broker closed it first on a mechanism mismatch, which the handshake
+    # watch of ``DealerClient`` then reports on the next attempt) is one libzmq retries, not a dropped one.
+    MONITOR_EVENTS = zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_FAILED_AUTH
     plane = "weight"
 
     def __init__(
@@ -120,9 +122,9 @@ class WeightPublisher(DealerClient):
 
     def _track_connection(self, events: Sequence[int]) -> None:
         for event in events:
-            if event == zmq.EVENT_CONNECTED:
+            if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
                 self._connected = True
-            elif event == zmq.EVENT_DISCONNECTED:
+            elif event == zmq.EVENT_DISCONNECTED and self._connected:
                 self._connected, self._dropped = False, True
             elif event == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
                 self._connected, self._dropped, self._refused = False, True, True

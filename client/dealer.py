@@ -13,9 +13,14 @@
   the socket is a CURVE client; without it, a client with a run token presents it at the handshake (PLAIN), as a
   broker plane with a token requires. Every client watches its handshakes: the broker refusing its credentials
   (a wrong token, an unknown CURVE key) or a mismatch of mechanisms (a token or CURVE on one side only) raises at
-  once, with what to fix (``_refused_at_handshake`` gives each client its own error type). A handshake that
-  never completes (a CURVE client with the wrong broker key) still only shows as no answer: ``timeout_hint``
-  goes into every timeout error.
+  once, with what to fix (``_refused_at_handshake`` gives each client its own error type). libzmq reports a
+  mismatch only when it parsed the broker's greeting before the broker closed the connection; on a loaded machine
+  a client without credentials facing a broker that wants them can instead see every try end in a handshake
+  closed without a reason (``HANDSHAKE_FAILED_NO_DETAIL``, a broken pipe or a reset). A broker closes a healthy
+  client's handshake that way only when it dies in the middle of it, so ``CLOSED_HANDSHAKES_TO_REFUSE`` of them in
+  a row, with no handshake succeeding in between, count as the mismatch (for a CURVE client, or a wrong broker
+  key: the broker cannot open its HELLO and closes the same way). A handshake that never completes still only
+  shows as no answer: ``timeout_hint`` goes into every timeout error.
 - Re-connecting: ``_reopen`` replaces the socket (``generation`` counts replacements: what was sent on an older
   socket never arrived). A client that watches monitor events reacts to them in ``_on_monitor_events``.
 
@@ -24,6 +29,7 @@ Sockets are not thread-safe: each client must be used from one thread.
 
 from __future__ import annotations
 
+import errno
 import hmac
 import time
 from collections.abc import Sequence
@@ -47,6 +53,9 @@ log = get_logger("primerl.client.dealer")
 
 RECONNECT_INTERVAL_MS = 100
 RECONNECT_INTERVAL_MAX_MS = 5000
+CLOSED_HANDSHAKES_TO_REFUSE = 3
+"""Handshakes the broker closed without a reason, in a row, that a client takes for a mechanism mismatch."""
+_CLOSED_BY_PEER = (errno.EPIPE, errno.ECONNRESET)
 
 
 class DealerClient:
@@ -57,7 +66,12 @@ class DealerClient:
     """Socket-monitor events the client reacts to (``_on_monitor_events``) besides the handshake failures that
     every client watches (``HANDSHAKE_EVENTS``)."""
 
-    HANDSHAKE_EVENTS = zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+    HANDSHAKE_EVENTS = (
+        zmq.EVENT_HANDSHAKE_SUCCEEDED
+        | zmq.EVENT_HANDSHAKE_FAILED_AUTH
+        | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+        | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
+    )
     plane = "data"
     """Which of the broker's planes the client talks to, in errors ("rollout", "weight")."""
 
@@ -81,6 +95,7 @@ class DealerClient:
         self._socket: zmq.Socket | None = None
         self._monitor: zmq.Socket | None = None
         self.generation = 0
+        self.num_closed_handshakes = 0  # closed by the broker without a reason, in a row
         self._open()
 
     # ------------------------------------------------------------------------------------------ socket
@@ -150,8 +165,20 @@ class DealerClient:
         return events
 
     def _handshake_refusal(self, event: int, value: int) -> str | None:
-        """What a handshake failure says about this client's credentials (None: nothing, e.g. a full socket)."""
+        """What a handshake outcome says about this client's credentials (None: nothing, e.g. a full socket)."""
         where = f"the broker's {self.plane} plane at {self.endpoint}"
+        if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+            self.num_closed_handshakes = 0
+            return None
+        if event == zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL and value in _CLOSED_BY_PEER:
+            self.num_closed_handshakes += 1
+            if self.num_closed_handshakes < CLOSED_HANDSHAKES_TO_REFUSE:
+                return None
+            return (
+                f"{where} closed this client's connection during the handshake {self.num_closed_handshakes} times "
+                f"in a row without a reason, as a broker does when the two do not speak the same handshake: "
+                f"{self._mismatch_fix(closed=True)} (or the endpoint is not a primerl broker)"
+            )
         if event == zmq.EVENT_HANDSHAKE_FAILED_AUTH and value == CREDENTIALS_REFUSED_STATUS:
             if self.curve is not None:
                 return (
@@ -163,23 +190,31 @@ class DealerClient:
                 "([broker] run_token in its config, or PRIMERL_RUN_TOKEN)"
             )
         if event == zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL and value == zmq.PROTOCOL_ERROR_ZMTP_MECHANISM_MISMATCH:
-            if self.curve is not None:
-                fix = (
-                    "this client uses CURVE and the broker does not encrypt its planes: unset its "
-                    "curve_secret_key_path and curve_broker_key_path, or set broker.curve_secret_key_path"
-                )
-            elif self.auth_token:
-                fix = (
-                    "this client presents a run token and the broker wants none (it has no run_token) or encrypts "
-                    "its planes with CURVE: give both the same run token, or this client CURVE keys"
-                )
-            else:
-                fix = (
-                    "the broker wants a run token or a CURVE key and this client has neither: set its [broker] "
-                    "run_token (or PRIMERL_RUN_TOKEN), or its CURVE keys"
-                )
-            return f"{where} and this client do not speak the same handshake: {fix}"
+            return f"{where} and this client do not speak the same handshake: {self._mismatch_fix()}"
         return None
+
+    def _mismatch_fix(self, closed: bool = False) -> str:
+        """What to change when this client's handshake is not the broker's (``closed``: the broker closed it
+        without a reason, which for a CURVE client is also what a wrong broker key looks like)."""
+        if self.curve is not None:
+            wrong_key = (
+                "this client's curve_broker_key_path is not the broker's public key (copy the broker's), or "
+                if closed
+                else ""
+            )
+            return (
+                f"{wrong_key}this client uses CURVE and the broker does not encrypt its planes: unset its "
+                "curve_secret_key_path and curve_broker_key_path, or set broker.curve_secret_key_path"
+            )
+        if self.auth_token:
+            return (
+                "this client presents a run token and the broker wants none (it has no run_token) or encrypts "
+                "its planes with CURVE: give both the same run token, or this client CURVE keys"
+            )
+        return (
+            "the broker wants a run token or a CURVE key and this client has neither: set its [broker] "
+            "run_token (or PRIMERL_RUN_TOKEN), or its CURVE keys"
+        )
 
     def _refused_at_handshake(self, detail: common_pb2.ErrorDetail) -> Exception:
         """The error a client raises when the broker refuses its credentials at the handshake (a subclass gives its

@@ -14,9 +14,10 @@ CURVE (ZeroMQ's elliptic-curve encryption and authentication, RFC 26):
 - a client holds its own key pair (``<role>.broker.curve_secret_key_path``) and the broker's public key
   (``<role>.broker.curve_broker_key_path``): without the right broker key its handshake fails too.
 
-A ZeroMQ peer whose handshake fails never "connects": the client only sees its operation time out. So every
-client timeout of the data plane says that missing or wrong CURVE credentials are one possible cause
-(``CurveClient.timeout_hint``).
+A ZeroMQ peer whose handshake fails never "connects". The clients watch their handshakes and stop on a refusal, a
+mechanism mismatch or handshakes the broker keeps closing (``primerl.client.dealer``); any other failure only shows
+as a timeout, so every client timeout of the data plane still says that missing or wrong CURVE credentials are
+one possible cause (``CurveClient.timeout_hint``).
 
 Every loader raises ``ValueError`` naming the setting when a file is missing, unreadable or of the wrong kind.
 """

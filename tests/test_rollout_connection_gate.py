@@ -5,6 +5,12 @@ refused at the handshake before anything else, takes no place, and a client told
 
 from __future__ import annotations
 
+import errno
+import socket as socket_module
+import struct
+import threading
+import time
+
 import numpy as np
 import pytest
 import zmq
@@ -77,22 +83,36 @@ def raw_dealers(
         socket.setsockopt(zmq.LINGER, 0)
         if token is not None:
             apply_run_token(socket, token, f"raw-{index}")
-        monitor = socket.get_monitor_socket(
-            zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
-        )
+        monitor = socket.get_monitor_socket(_HANDSHAKE_OUTCOMES | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL)
         socket.connect(f"tcp://127.0.0.1:{plane.port}")
         pairs.append((socket, monitor))
         gated.closables.extend([monitor, socket])
     return pairs
 
 
-def outcomes(pairs, timeout_s: float = 10.0) -> list[tuple[int, int]]:
-    """The handshake outcome (event, value) of each raw dealer."""
+_HANDSHAKE_OUTCOMES = (
+    zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+)
+CLOSED_IN_HANDSHAKE = (zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL, -1)
+"""What ``outcomes`` gives a connection the broker closed during its handshake without a reason."""
+
+
+def outcomes(pairs, timeout_s: float = 10.0, closed_is_an_outcome: bool = False) -> list[tuple[int, int]]:
+    """The handshake outcome (event, value) of each raw dealer. A handshake the broker closed without a reason
+    (libzmq retries it) is skipped, or gives ``CLOSED_IN_HANDSHAKE`` with ``closed_is_an_outcome``."""
     results = []
     for _, monitor in pairs:
-        assert monitor.poll(int(timeout_s * 1000)), "a connection got no handshake outcome"
-        event = parse_monitor_message(monitor.recv_multipart())
-        results.append((event["event"], event["value"]))
+        deadline_s = time.monotonic() + timeout_s
+        while True:
+            wait_ms = int(max(0.0, deadline_s - time.monotonic()) * 1000)
+            assert monitor.poll(wait_ms), "a connection got no handshake outcome"
+            event = parse_monitor_message(monitor.recv_multipart())
+            if event["event"] & _HANDSHAKE_OUTCOMES:
+                results.append((event["event"], event["value"]))
+                break
+            if closed_is_an_outcome:
+                results.append(CLOSED_IN_HANDSHAKE)
+                break
     return results
 
 
@@ -165,9 +185,10 @@ def test_peers_without_the_run_token_are_refused_first_and_take_no_place(gated):
     wrong = raw_dealers(gated, plane, 3, token="not-the-token")
     assert outcomes(wrong) == [(zmq.EVENT_HANDSHAKE_FAILED_AUTH, CREDENTIALS_REFUSED_STATUS)] * 3
     tokenless = raw_dealers(gated, plane, 2, token=None)
-    assert (
-        outcomes(tokenless) == [(zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL, zmq.PROTOCOL_ERROR_ZMTP_MECHANISM_MISMATCH)] * 2
-    )
+    # libzmq reports the mismatch only when it parsed the broker's greeting before the broker closed the
+    # connection; on a loaded machine every try of a peer can end in a close without a reason instead.
+    mismatch = (zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL, zmq.PROTOCOL_ERROR_ZMTP_MECHANISM_MISMATCH)
+    assert set(outcomes(tokenless, closed_is_an_outcome=True)) <= {mismatch, CLOSED_IN_HANDSHAKE}
     for socket, _ in wrong + tokenless:
         try:
             header, payload = batch(1, 0)
@@ -200,3 +221,53 @@ def test_a_client_without_the_run_token_stops_at_once_and_says_what_to_fix(gated
     with pytest.raises(RolloutRefused, match="run_token"):
         consumer.hello(timeout_s=30)
     assert plane.queue.status().num_batches == 0
+
+
+@pytest.fixture
+def resetting_listener():
+    """A TCP port that resets every connection right after reading the start of the peer's greeting, as a broker
+    does when it closes a handshake it cannot speak before the client parsed its greeting."""
+    listener = socket_module.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(16)
+
+    def serve() -> None:
+        while True:
+            try:
+                connection, _ = listener.accept()
+            except OSError:
+                return
+            connection.recv(10)
+            connection.setsockopt(socket_module.SOL_SOCKET, socket_module.SO_LINGER, struct.pack("ii", 1, 0))
+            connection.close()
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    yield f"tcp://127.0.0.1:{listener.getsockname()[1]}"
+    listener.close()
+    thread.join(5.0)
+
+
+def test_a_client_whose_handshakes_are_closed_without_a_reason_stops_and_says_what_to_fix(resetting_listener):
+    started_s = time.monotonic()
+    with RolloutProducer(resetting_listener, None, "stranger") as client:
+        with pytest.raises(RolloutRefused, match="3 times in a row") as info:
+            client.send_batch(*batch(1, 0), timeout_s=30)
+    assert time.monotonic() - started_s < 15
+    assert info.value.code == common_pb2.ERROR_CODE_UNAUTHENTICATED
+    assert "set its [broker] run_token" in str(info.value)
+
+
+def test_closed_handshakes_count_only_in_a_row():
+    """A handshake that succeeds in between (a broker that died mid-handshake and came back) starts the count
+    again; a failure with another cause (a timeout) does not count."""
+    with RolloutProducer("tcp://127.0.0.1:9", "a-token", "counting") as client:
+        closed = (zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL, errno.EPIPE)
+        reset = (zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL, errno.ECONNRESET)
+        succeeded = (zmq.EVENT_HANDSHAKE_SUCCEEDED, 0)
+        timed_out = (zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL, errno.ETIMEDOUT)
+        for event in [closed, reset, succeeded, closed, timed_out]:
+            assert client._handshake_refusal(*event) is None
+        assert client._handshake_refusal(*reset) is None
+        refusal = client._handshake_refusal(*closed)
+    assert refusal is not None and "3 times in a row" in refusal and "presents a run token" in refusal

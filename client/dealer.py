@@ -17,10 +17,11 @@
   mismatch only when it parsed the broker's greeting before the broker closed the connection; on a loaded machine
   a client without credentials facing a broker that wants them can instead see every try end in a handshake
   closed without a reason (``HANDSHAKE_FAILED_NO_DETAIL``, a broken pipe or a reset). A broker closes a healthy
-  client's handshake that way only when it dies in the middle of it, so ``CLOSED_HANDSHAKES_TO_REFUSE`` of them in
-  a row, with no handshake succeeding in between, count as the mismatch (for a CURVE client, or a wrong broker
-  key: the broker cannot open its HELLO and closes the same way). A handshake that never completes still only
-  shows as no answer: ``timeout_hint`` goes into every timeout error.
+  client's handshake that way only when it dies in the middle of it, so ``CLOSED_HANDSHAKES_TO_REFUSE`` such
+  closes before any handshake of the client succeeded count as the mismatch (for a CURVE client, or a wrong
+  broker key: the broker cannot open its HELLO and closes the same way). Once connected, a client rides through
+  closes as through any outage (a proxy in front of a restarting broker closes connections that way). A
+  handshake that never completes still only shows as no answer: ``timeout_hint`` goes into every timeout error.
 - Re-connecting: ``_reopen`` replaces the socket (``generation`` counts replacements: what was sent on an older
   socket never arrived). A client that watches monitor events reacts to them in ``_on_monitor_events``.
 
@@ -54,7 +55,7 @@ log = get_logger("primerl.client.dealer")
 RECONNECT_INTERVAL_MS = 100
 RECONNECT_INTERVAL_MAX_MS = 5000
 CLOSED_HANDSHAKES_TO_REFUSE = 3
-"""Handshakes the broker closed without a reason, in a row, that a client takes for a mechanism mismatch."""
+"""Handshakes the broker closed without a reason, none succeeding first, that a client takes for a mismatch."""
 _CLOSED_BY_PEER = (errno.EPIPE, errno.ECONNRESET)
 
 
@@ -95,7 +96,8 @@ class DealerClient:
         self._socket: zmq.Socket | None = None
         self._monitor: zmq.Socket | None = None
         self.generation = 0
-        self.num_closed_handshakes = 0  # closed by the broker without a reason, in a row
+        self.num_closed_handshakes = 0  # closed by the broker without a reason before any handshake succeeded
+        self.handshake_succeeded = False  # some handshake of this client succeeded (on any of its sockets)
         self._open()
 
     # ------------------------------------------------------------------------------------------ socket
@@ -168,15 +170,16 @@ class DealerClient:
         """What a handshake outcome says about this client's credentials (None: nothing, e.g. a full socket)."""
         where = f"the broker's {self.plane} plane at {self.endpoint}"
         if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
-            self.num_closed_handshakes = 0
+            self.handshake_succeeded = True
             return None
-        if event == zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL and value in _CLOSED_BY_PEER:
+        if event == zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL and value in _CLOSED_BY_PEER and not self.handshake_succeeded:
             self.num_closed_handshakes += 1
             if self.num_closed_handshakes < CLOSED_HANDSHAKES_TO_REFUSE:
                 return None
             return (
                 f"{where} closed this client's connection during the handshake {self.num_closed_handshakes} times "
-                f"in a row without a reason, as a broker does when the two do not speak the same handshake: "
+                "without a reason and let none through, as a broker does when the two do not speak the same "
+                f"handshake: "
                 f"{self._mismatch_fix(closed=True)} (or the endpoint is not a primerl broker)"
             )
         if event == zmq.EVENT_HANDSHAKE_FAILED_AUTH and value == CREDENTIALS_REFUSED_STATUS:

@@ -154,27 +154,98 @@ def test_an_engine_stall_is_held_until_its_daemon_reports_it_then_resumed_and_co
         kill = driver._kill(KillSpec(ENGINE, "stall", 1, delay_s=0.5), "after step 3 done")
         start = kill.at_s
         assert kill.pid == engine.pid and stopped()
-        driver._tend_stall(kill, start + 30.0)  # not reported yet: held
+        driver._tend_held(kill, start + 30.0)  # not reported yet: held
         assert kill.resumed_s is None and stopped()
         stalled = Event("inference", 1, start + 4.2, {"event": telemetry.INFERENCE_ENGINE_STALLED})
         driver._update_recovery(kill, [stalled])
         assert kill.stalled_s == pytest.approx(4.2)
-        driver._tend_stall(kill, start + 4.5)  # within delay_s of the report
+        driver._tend_held(kill, start + 4.5)  # within delay_s of the report
         assert kill.resumed_s is None
-        driver._tend_stall(kill, start + 4.8)
+        driver._tend_held(kill, start + 4.8)
         assert kill.resumed_s == pytest.approx(4.8) and not stopped()
         recovered = Event("inference", 1, start + 5.1, {"event": telemetry.INFERENCE_ENGINE_RECOVERED})
         driver._update_recovery(kill, [recovered])
         assert kill.recovered_s == pytest.approx(5.1)
 
         silent = driver._kill(KillSpec(ENGINE, "stall", 1, delay_s=0.5), "after step 5 done")
-        driver._tend_stall(silent, silent.at_s + STALL_RESUME_BOUND_S + 1)
-        assert silent.resumed_s is not None and "logged no stall" in silent.note and not stopped()
+        driver._tend_held(silent, silent.at_s + STALL_RESUME_BOUND_S + 1)
+        assert silent.resumed_s is not None and "reported no stall" in silent.note and not stopped()
         failures = judge(driver.record).failures
         assert any("never reported stalled" in failure for failure in failures), failures
     finally:
         engine.kill()
         engine.wait(10)
+
+
+def test_the_full_plan_fills_the_spool_disk_once_where_a_tmpfs_can_be_mounted():
+    from chaos.plan import ENGINE, SPOOL_DISK
+
+    for seed in (1, 2, 3):
+        stalled, both = make_plan(seed, full=True, stall=True), make_plan(seed, full=True, stall=True, disk=True)
+        [disk] = [k for k in both if k.role == SPOOL_DISK]
+        assert disk.moment == "full" and 0 <= disk.delay_s <= 1.5 and disk.gap_steps in (1, 2)
+        assert [k for k in both if k.role != SPOOL_DISK] == stalled  # the others keep their order
+        assert [k.role for k in both].count(ENGINE) == 1
+        assert make_plan(seed, full=True, stall=True, disk=True) == both  # seeded
+    assert all(k.role != SPOOL_DISK for k in make_plan(1, full=False, disk=False))
+
+
+def test_a_full_spool_disk_is_held_until_the_broker_reports_it_then_freed_and_counted_back(tmp_path):
+    """The driver's side of the disk fault on a real tmpfs: the spool's filesystem is full at the fault (a batch
+    file no longer fits), stays full until `delay_s` after the broker's `rollout spool disk full`, is freed then,
+    and the fault is back on `rollout spool has room again`; at the end the tmpfs is gone and what the spool held
+    is on the run directory. A fault the broker never reports is freed after the bound and fails the run."""
+    from chaos.checks import judge
+    from chaos.driver import STALL_RESUME_BOUND_S, Driver
+    from chaos.logs import Event
+    from chaos.plan import SPOOL_DISK, KillSpec
+    from chaos.runs import RunSpec, tmpfs_refusal
+
+    if tmpfs_refusal():
+        pytest.skip(f"the spool-disk fault cannot run here: {tmpfs_refusal()}")
+    spec = RunSpec.create("separate", 1, tmp_path, tmp_path, 10, {}, disk=True)
+    driver = Driver(spec, [], timeout_s=10, stall_s=10, say=lambda text: None)
+    assert driver.spool_disk is not None
+    driver.spool_disk.mount()
+    try:
+        assert os.path.ismount(spec.spool_dir)
+        (spec.spool_dir / "COMMITTED").write_text("3\n")
+
+        def batch_fits() -> bool:
+            try:
+                (spec.spool_dir / "probe.rbatch").write_bytes(b"x" * 65536)
+            except OSError:
+                return False
+            (spec.spool_dir / "probe.rbatch").unlink()
+            return True
+
+        kill = driver._kill(KillSpec(SPOOL_DISK, "full", 1, delay_s=0.5), "after step 3 done")
+        start = kill.at_s
+        assert kill.fired and kill.filled_bytes > 20 * 2**20 and not batch_fits()
+        driver._tend_held(kill, start + 30.0)  # not reported yet: held
+        assert kill.resumed_s is None and not batch_fits()
+        full = Event("broker", 1, start + 0.4, {"event": telemetry.SPOOL_DISK_FULL})
+        early = Event("broker", 1, start + 0.6, {"event": telemetry.SPOOL_ROOM_AGAIN})  # before the release
+        driver._update_recovery(kill, [full, early])
+        assert kill.stalled_s == pytest.approx(0.4) and kill.recovered_s is None
+        driver._tend_held(kill, start + 0.7)  # within delay_s of the report
+        assert kill.resumed_s is None
+        driver._tend_held(kill, start + 1.0)
+        assert kill.resumed_s == pytest.approx(1.0) and batch_fits()
+        room = Event("broker", 1, start + 1.3, {"event": telemetry.SPOOL_ROOM_AGAIN})
+        driver._update_recovery(kill, [room])
+        assert kill.recovered_s == pytest.approx(1.3)
+
+        silent = driver._kill(KillSpec(SPOOL_DISK, "full", 1, delay_s=0.5), "after step 5 done")
+        driver._tend_held(silent, silent.at_s + STALL_RESUME_BOUND_S + 1)
+        assert silent.resumed_s is not None and "reported no full" in silent.note and batch_fits()
+        failures = judge(driver.record).failures
+        assert any("never reported its spool's disk full" in failure for failure in failures), failures
+    finally:
+        driver.spool_disk.release()
+    assert not os.path.ismount(spec.spool_dir)
+    assert (spec.spool_dir / "COMMITTED").read_text() == "3\n"
+    assert not (spec.spool_dir / ".chaos-disk-filler").exists()
 
 
 def test_lineage_follows_checkpoints_back_and_counts_a_rolled_back_step_as_retrained(tmp_path):

@@ -229,8 +229,12 @@ def judge(record: RunRecord) -> Verdict:
             )
         if kill.recovered_s is None:
             verdict.failures.append(f"{kill.spec.role} never came back after its kill ({kill.spec.moment})")
-        if kill.spec.moment == "stall" and kill.pid is not None and kill.stalled_s is None:
+        if kill.spec.moment == "stall" and kill.fired and kill.stalled_s is None:
             verdict.failures.append("the stopped engine core was never reported stalled by its inference worker")
+        if kill.spec.moment == "full" and kill.fired and kill.stalled_s is None:
+            verdict.failures.append("the broker never reported its spool's disk full")
+        if kill.spec.moment == "full" and not kill.fired:
+            verdict.failures.append("the spool's filesystem could not be filled")
         if kill.spec.moment == "mid-relay" and (kill.healed_s is None or kill.healed_s > RELAY_HEAL_BOUND_S):
             verdict.failures.append(
                 f"relay killed mid-relay of v{kill.version}: the inference worker served it "
@@ -323,6 +327,8 @@ def summary(verdict: Verdict) -> str:
         healed = f", inference served v{kill.version}+ in {seconds(kill.healed_s)}" if kill.version else ""
         if kill.spec.moment == "stall":
             healed = f", seen stalled in {seconds(kill.stalled_s)}, resumed at {seconds(kill.resumed_s)}"
+        if kill.spec.moment == "full":
+            healed = f", seen full in {seconds(kill.stalled_s)}, freed at {seconds(kill.resumed_s)}"
         lines.append(
             f"  - {kill.spec.role:<12} {kill.spec.moment:<25} at step {kill.trainer_step:>2}: back in "
             f"{seconds(kill.recovered_s)}, next step done in {seconds(kill.next_step_s)}{healed}  [{kill.note}]"

@@ -14,7 +14,15 @@ from pathlib import Path
 from .checks import judge, summary, write_summary
 from .driver import Driver
 from .plan import make_plan, steps_needed
-from .runs import REPO_ROOT, RunSpec, build_tiny_model, rl_has_restart_option, shipped_restart_sec
+from .runs import (
+    REPO_ROOT,
+    RunSpec,
+    build_tiny_model,
+    rl_has_restart_option,
+    shipped_restart_sec,
+    tmpfs_refusal,
+    unmount_leftover,
+)
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -70,6 +78,11 @@ def main(argv: list[str] | None = None) -> int:
         summaries.append(message)
         results.append(("rl", False))
         modes.remove("rl")
+    disk_refusal = None if args.quick else tmpfs_refusal()
+    if disk_refusal:
+        message = f"chaos: the spool-disk fault is left out of the plan: {disk_refusal}"
+        print(message, flush=True)
+        summaries.append(message)
     for mode in modes:
         for seed in seeds:
             plan = make_plan(
@@ -79,16 +92,19 @@ def main(argv: list[str] | None = None) -> int:
                 launcher=mode == "rl",
                 trainer_rank=mode == "rl",
                 stall=not args.quick,
+                disk=not args.quick and disk_refusal is None,
             )
             max_steps = args.steps or steps_needed(plan)
             run_dir = (args.run_root / f"{mode}-seed{seed}").resolve()
             if run_dir.exists():
                 import shutil
 
+                unmount_leftover(run_dir / "broker" / "spool")  # a spool tmpfs a killed harness left behind
                 shutil.rmtree(run_dir)
             run_dir.mkdir(parents=True)
             stall = any(kill.moment == "stall" for kill in plan)
-            spec = RunSpec.create(mode, seed, run_dir, model.resolve(), max_steps, restart_sec, stall=stall)
+            disk = any(kill.moment == "full" for kill in plan)
+            spec = RunSpec.create(mode, seed, run_dir, model.resolve(), max_steps, restart_sec, stall=stall, disk=disk)
             print(
                 f"chaos: mode {mode} seed {seed}: {max_steps} steps, kills "
                 f"{', '.join(k.describe() for k in plan)} ({time.strftime('%H:%M:%S')})",

@@ -14,15 +14,15 @@ from dataclasses import dataclass, field
 from primerl.proto import telemetry
 
 from .logs import Event, LogFollower
-from .plan import ENGINE, LAUNCHER, TRAINER_RANK, KillSpec
+from .plan import ENGINE, HELD_FAULTS, LAUNCHER, SPOOL_DISK, TRAINER_RANK, KillSpec
 from .procs import Exit, describe, marked_processes
-from .runs import BIN, CKPT_INTERVAL, RELAY_ROLE, ROLES, RlBackend, RunSpec, SeparateBackend, base_env
+from .runs import BIN, CKPT_INTERVAL, RELAY_ROLE, ROLES, RlBackend, RunSpec, SeparateBackend, SpoolDisk, base_env
 
 POLL_S = 0.02
 STATUS_POLL_S = 0.5
 RECOVERY_BOUND_S = 240.0  # a kill whose role is not back by then: the next kill is armed anyway
 FINAL_VERSION_TIMEOUT_S = 60.0
-STALL_RESUME_BOUND_S = 90.0  # an engine stopped this long without its daemon saying so is resumed anyway
+STALL_RESUME_BOUND_S = 90.0  # a held fault (engine stopped, disk full) not reported for this long is released anyway
 LEFTOVER_GRACE_S = 5.0
 RECOVERED_BY = {  # killed role -> the (role, event) that says it is back
     "broker": ("broker", "broker serving"),
@@ -33,6 +33,11 @@ RECOVERED_BY = {  # killed role -> the (role, event) that says it is back
     LAUNCHER: ("trainer", "registered with the broker"),  # the relaunched `primerl rl` got as far as training
     TRAINER_RANK: ("trainer", "registered with the broker"),  # the restarted torchrun's ranks
     ENGINE: ("inference", telemetry.INFERENCE_ENGINE_RECOVERED),  # resumed, and its watchdog saw it answer
+    SPOOL_DISK: ("broker", telemetry.SPOOL_ROOM_AGAIN),  # freed, and a batch was spooled again
+}
+SEEN_BY = {  # held fault -> the (role, event) that says the system noticed it
+    ENGINE: ("inference", telemetry.INFERENCE_ENGINE_STALLED),
+    SPOOL_DISK: ("broker", telemetry.SPOOL_DISK_FULL),
 }
 
 
@@ -49,9 +54,16 @@ class Kill:
     # mid-relay: the version the relay was forwarding, and when the inference worker served it (or a later one)
     version: int = 0
     healed_s: float | None = None
-    # stall (role engine): when its daemon logged the stall, and when the harness resumed the engine (seconds after)
+    # held faults (stall of the engine, full spool disk): when the system reported the fault, and when the harness
+    # released it (resumed the engine, deleted the filler), seconds after the fault
     stalled_s: float | None = None
     resumed_s: float | None = None
+    filled_bytes: int = 0  # full: what the filler took
+
+    @property
+    def fired(self) -> bool:
+        """The fault took place (a role not running when its kill came: nothing happened)."""
+        return self.pid is not None or (self.spec.role == SPOOL_DISK and self.filled_bytes > 0)
 
 
 @dataclass
@@ -152,6 +164,7 @@ class Driver:
         self.last_step = 0
         self.last_step_s = time.time()
         self.trainer_finished = False
+        self.spool_disk = SpoolDisk(spec.spool_dir) if spec.disk else None
 
     # ------------------------------------------------------------------------------------------------ run
     def run(self) -> RunRecord:
@@ -159,6 +172,8 @@ class Driver:
         started_s = record.started_s = time.time()
         poller = StatusPoller(spec, record)
         try:
+            if self.spool_disk is not None:
+                self.spool_disk.mount()
             self.backend.start()
             poller.start()
             self._loop(started_s)
@@ -171,18 +186,20 @@ class Driver:
             record.aborted = "interrupted"
             raise
         finally:
-            for kill in record.kills:  # never leave an engine stopped: the roles could not stop
-                if kill.spec.role == ENGINE and kill.pid is not None and kill.resumed_s is None:
-                    self.backend.resume_engine(kill.pid)
+            for kill in record.kills:  # never leave a fault held: the roles could not stop
+                if kill.spec.role in HELD_FAULTS and kill.fired and kill.resumed_s is None:
+                    self._release(kill)
                     kill.resumed_s = time.time() - kill.at_s
             poller.halt.set()
             if spec.mode == "rl":
                 self.backend.trainer_finished = self.trainer_finished
             self.backend.stop()
+            if self.spool_disk is not None:
+                self.spool_disk.release()
             poller.join(5.0)
             self._drain_logs()
             for kill in record.kills:  # over every event now: a later kill's wait no longer hides one
-                if kill.pid is not None:
+                if kill.fired:
                     kill.recovered_s = kill.next_step_s = None
                     self._update_recovery(kill, self.events)
             record.exits = self.backend.exits()
@@ -224,7 +241,7 @@ class Driver:
             # the previous kill's recovery, then arming the next one
             if current is not None:
                 self._update_recovery(current, new_events)
-                self._tend_stall(current, now)
+                self._tend_held(current, now)
                 if current.recovered_s is not None or now - current.at_s > RECOVERY_BOUND_S:
                     current = None
             if current is None and self.plan and armed_at_step is None and self.last_step > 0:
@@ -232,8 +249,8 @@ class Driver:
             if current is None and armed_at_step is not None and self.plan and not self.trainer_finished:
                 spec = self.plan[0]
                 moment = self._moment(spec, armed_at_step, new_events) if fire_at_s is None else None
-                if moment is not None:  # a stall's delay is how long it is held once seen, not a wait before it
-                    fire_at_s, note = now + (0.0 if spec.moment == "stall" else spec.delay_s), moment
+                if moment is not None:  # a held fault's delay is how long it is held once seen, not a wait before it
+                    fire_at_s, note = now + (0.0 if spec.role in HELD_FAULTS else spec.delay_s), moment
                 if fire_at_s is not None and now >= fire_at_s:
                     current = self._kill(spec, note)
                     self.plan.pop(0)
@@ -244,7 +261,7 @@ class Driver:
         """A note describing the moment when ``spec`` should fire now, else None."""
         if spec.moment == "random":
             return f"{spec.delay_s:.2f} s after step {self.last_step} done" if self.last_step >= armed_at_step else None
-        if spec.moment == "stall":
+        if spec.role in HELD_FAULTS:
             return f"after step {self.last_step} done" if self.last_step >= armed_at_step else None
         for event in new_events:
             if (
@@ -289,6 +306,15 @@ class Driver:
                 kill.note += " (no engine core found: nothing stopped)"
                 kill.recovered_s = 0.0
             return kill
+        if spec.role == SPOOL_DISK:
+            assert self.spool_disk is not None, "a spool-disk fault in a run without the spool's tmpfs"
+            kill.filled_bytes = self.spool_disk.fill()
+            self.record.kills.append(kill)
+            self.say(
+                f"    disk: {spec.describe()} spool filesystem filled ({kill.filled_bytes / 2**20:.1f} MiB) at step "
+                f"{self.last_step}: {note}"
+            )
+            return kill
         pid = self.backend.pid(spec.role)
         children = []
         if pid is not None:
@@ -310,27 +336,40 @@ class Driver:
             kill.note += f"; inference had applied up to v{live[-1].get('policy_version') if live else '-'}"
         return kill
 
-    def _tend_stall(self, kill: Kill, now: float) -> None:
-        """A stopped engine core is resumed ``delay_s`` after its daemon logged the stall (or past a bound)."""
-        if kill.spec.role != ENGINE or kill.pid is None or kill.resumed_s is not None:
+    def _tend_held(self, kill: Kill, now: float) -> None:
+        """A held fault (a stopped engine core, a full spool disk) is released ``delay_s`` after the system reported
+        it (or past a bound)."""
+        if kill.spec.role not in HELD_FAULTS or not kill.fired or kill.resumed_s is not None:
             return
         seen = kill.stalled_s is not None and now >= kill.at_s + kill.stalled_s + kill.spec.delay_s
         if seen or now - kill.at_s > STALL_RESUME_BOUND_S:
             if not seen:
-                kill.note += f"; its daemon logged no stall within {STALL_RESUME_BOUND_S:g} s"
-            self.backend.resume_engine(kill.pid)
+                who, _ = SEEN_BY[kill.spec.role]
+                kill.note += f"; its {who} reported no {kill.spec.moment} within {STALL_RESUME_BOUND_S:g} s"
+            self._release(kill)
             kill.resumed_s = now - kill.at_s
-            self.say(f"    resumed: engine core pid {kill.pid} {kill.resumed_s:.1f} s after the SIGSTOP")
+            what = f"engine core pid {kill.pid} resumed" if kill.spec.role == ENGINE else "spool filesystem freed"
+            self.say(f"    released: {what} {kill.resumed_s:.1f} s after the fault")
+
+    def _release(self, kill: Kill) -> None:
+        if kill.spec.role == ENGINE:
+            assert kill.pid is not None
+            self.backend.resume_engine(kill.pid)
+        elif self.spool_disk is not None:
+            self.spool_disk.free()
 
     def _update_recovery(self, kill: Kill, new_events: list[Event]) -> None:
         for event in new_events:
             if event.at_s < kill.at_s:
                 continue
-            if kill.spec.role == ENGINE and kill.stalled_s is None and event.role == "inference":
-                if event.name == telemetry.INFERENCE_ENGINE_STALLED:
-                    kill.stalled_s = event.at_s - kill.at_s
-            if kill.spec.role == ENGINE and kill.resumed_s is None:
-                continue  # "recovered" only counts once the harness resumed it
+            if (
+                kill.spec.role in SEEN_BY
+                and kill.stalled_s is None
+                and (event.role, event.name) == SEEN_BY[kill.spec.role]
+            ):
+                kill.stalled_s = event.at_s - kill.at_s
+            if kill.spec.role in HELD_FAULTS and (kill.resumed_s is None or event.at_s < kill.at_s + kill.resumed_s):
+                continue  # "recovered" only counts once the harness released it
             if kill.recovered_s is None and (event.role, event.name) == RECOVERED_BY[kill.spec.role]:
                 kill.recovered_s = event.at_s - kill.at_s
             if kill.next_step_s is None and event.role == "trainer" and event.name == telemetry.STEP_DONE:

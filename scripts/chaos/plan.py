@@ -21,6 +21,10 @@ Kinds of moment:
   stopped with SIGSTOP while ``primerl-infer`` itself runs on and heartbeats; once the daemon logs ``inference
   engine stalled`` (its watchdog, ``engine_stall_timeout_s``, set short for chaos runs) the harness waits
   ``delay_s`` more and resumes it with SIGCONT. It is back on ``inference engine recovered``.
+- ``full`` (role ``spool-disk``, the full plan, where a tmpfs can be mounted): the broker's spool directory is a
+  small tmpfs of its own for the whole run; the harness fills it (a filler file in a subdirectory the spool
+  ignores) and, once the broker logs ``rollout spool disk full``, waits ``delay_s`` more and deletes the filler.
+  It is back on ``rollout spool has room again``.
 
 Kills run one after another: kill ``i`` is armed once the role of kill ``i - 1`` is back (or a bound passed) and
 the trainer has done ``gap_steps`` more steps, so each recovery is seen on its own.
@@ -37,17 +41,19 @@ ROLES = ("broker", "inference", "orchestrator", "trainer")
 LAUNCHER = "launcher"
 TRAINER_RANK = "trainer-rank"  # rank 1 of a two-rank trainer
 ENGINE = "engine"  # the inference worker's vLLM engine core, stopped and resumed (moment "stall")
+SPOOL_DISK = "spool-disk"  # the filesystem of the broker's spool, filled and freed (moment "full")
+HELD_FAULTS = {ENGINE: "stall", SPOOL_DISK: "full"}  # faults held for ``delay_s`` once the system saw them
 
 
 @dataclass(frozen=True)
 class KillSpec:
     role: str
-    moment: str  # random | push | publish-before-checkpoint | mid-relay | stall
+    moment: str  # random | push | publish-before-checkpoint | mid-relay | stall | full
     gap_steps: int  # trainer steps done after the previous recovery before this kill is armed
     delay_s: float = 0.0  # for moment "random"
 
     def describe(self) -> str:
-        delay = f" +{self.delay_s:.2f}s" if self.moment in ("random", "stall") else ""
+        delay = f" +{self.delay_s:.2f}s" if self.moment in ("random", *HELD_FAULTS.values()) else ""
         return f"{self.role}@{self.moment}{delay} (after {self.gap_steps} more steps)"
 
 
@@ -59,6 +65,7 @@ def make_plan(
     launcher: bool = False,
     trainer_rank: bool = False,
     stall: bool = False,
+    disk: bool = False,
 ) -> list[KillSpec]:
     """Every kind once at a random moment, the broker during a push and the trainer between a publish and its
     checkpoint; ``full=False`` (the CI profile) keeps one kill per role: push, publish-before-checkpoint, and
@@ -66,7 +73,8 @@ def make_plan(
     mid-relay. ``launcher`` (mode rl): `primerl rl` itself at a random moment, at a seeded place in the plan (the
     other kills keep their seeded order). ``trainer_rank`` (mode rl, a two-rank trainer): rank 1 at a random
     moment, placed the same way. ``stall``: the engine core stopped, then resumed ``delay_s`` after the daemon
-    saw the stall, placed the same way."""
+    saw the stall, placed the same way. ``disk``: the spool's filesystem filled, then freed ``delay_s`` after the
+    broker saw it full, placed the same way."""
     rng = random.Random(seed)
     moments = [
         ("broker", "push"),
@@ -90,6 +98,7 @@ def make_plan(
         (LAUNCHER, "random", launcher),
         (TRAINER_RANK, "random", trainer_rank),
         (ENGINE, "stall", stall),
+        (SPOOL_DISK, "full", disk),
     ):
         if wanted:
             own = random.Random(f"{role}-{seed}")

@@ -12,10 +12,12 @@ the run token as ``$PRIMERL_RUN_TOKEN`` and `primerl rl`'s default CPU thread bu
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import re
 import secrets
+import shutil
 import signal
 import socket
 import subprocess
@@ -73,6 +75,8 @@ DEFAULT_RESTART_SEC = {"broker": 2.0, "inference": 5.0, "orchestrator": 5.0, "tr
 BROKER_READY_TIMEOUT_S = 60.0
 RL_STOP_TIMEOUT_S = 90.0
 LAUNCHER_ROLES_GONE_S = 15.0  # after `primerl rl`'s SIGKILL, how long its roles may take to go (its reaper: ~2 s)
+SPOOL_DISK_MIB = 32  # the tmpfs of the broker's spool in a run with the spool-disk fault (a step's batches: KiBs)
+FILLER_DIR = ".chaos-disk-filler"  # a directory: the spool ignores what is not a batch file at its top level
 
 
 def free_port() -> int:
@@ -134,6 +138,7 @@ class RunSpec:
     relay: bool = False  # a relay worker in the weight chain (mode separate)
     trainer_ranks: int = 1  # mode rl: 2 (torchrun under `primerl rl`, `trainer_gpu_ids = [1, 2]`)
     stall: bool = False  # the plan stops the engine core once: the inference watchdog gets a short timeout
+    disk: bool = False  # the plan fills the spool's filesystem once: the spool gets a small tmpfs of its own
 
     @classmethod
     def create(
@@ -146,6 +151,7 @@ class RunSpec:
         restart_sec: dict[str, float],
         *,
         stall: bool = False,
+        disk: bool = False,
     ) -> RunSpec:
         return cls(
             mode,
@@ -160,7 +166,12 @@ class RunSpec:
             relay=mode == "separate",
             trainer_ranks=2 if mode == "rl" else 1,
             stall=stall,
+            disk=disk,
         )
+
+    @property
+    def spool_dir(self) -> Path:
+        return self.run_dir / "broker" / "spool"
 
     @property
     def broker_address(self) -> str:
@@ -437,3 +448,66 @@ def _stop_engine(daemon_pid: int | None) -> int | None:
     if pid is not None:
         signal_quietly(pid, signal.SIGSTOP)
     return pid
+
+
+def tmpfs_refusal() -> str | None:
+    """Why the spool-disk fault cannot run on this machine (None: it can)."""
+    if os.geteuid() != 0:
+        return "mounting a tmpfs needs root"
+    missing = [tool for tool in ("mount", "umount") if shutil.which(tool) is None]
+    return f"no {' or '.join(missing)} command" if missing else None
+
+
+class SpoolDisk:
+    """The broker's spool on a small tmpfs of its own for a run (``mount`` before the broker starts, ``release``
+    once every role stopped: the spool's content is copied back onto the run directory, so the checks and a reader
+    of the run directory find it there). ``fill`` takes every free byte with a filler file, ``free`` deletes it."""
+
+    def __init__(self, spool: Path, size_mib: int = SPOOL_DISK_MIB):
+        self.spool, self.size_mib = spool, size_mib
+        self.filler = spool / FILLER_DIR
+
+    def mount(self) -> None:
+        unmount_leftover(self.spool)
+        self.spool.mkdir(parents=True, exist_ok=True)
+        subprocess.run(
+            ["mount", "-t", "tmpfs", "-o", f"size={self.size_mib}m", "tmpfs", str(self.spool)],
+            check=True,
+            capture_output=True,
+            timeout=30,
+        )
+
+    def fill(self) -> int:
+        """Writes until the filesystem is full (ENOSPC); the bytes written."""
+        self.filler.mkdir(exist_ok=True)
+        written = 0
+        with open(self.filler / "fill", "wb", buffering=0) as out:
+            for block in (1 << 20, 4096, 1):
+                try:
+                    while True:
+                        written += out.write(b"\0" * block)
+                except OSError as exc:
+                    if exc.errno != errno.ENOSPC:
+                        raise
+        return written
+
+    def free(self) -> None:
+        shutil.rmtree(self.filler, ignore_errors=True)
+
+    def release(self) -> None:
+        if not os.path.ismount(self.spool):
+            return
+        self.free()
+        saved = self.spool.with_name(self.spool.name + ".tmpfs-copy")
+        shutil.rmtree(saved, ignore_errors=True)
+        shutil.copytree(self.spool, saved, symlinks=True)
+        unmount_leftover(self.spool)
+        shutil.copytree(saved, self.spool, symlinks=True, dirs_exist_ok=True)
+        shutil.rmtree(saved)
+
+
+def unmount_leftover(path: Path) -> None:
+    """Unmount ``path`` if something is mounted there (lazily when a process still holds a file in it)."""
+    if os.path.ismount(path):
+        if subprocess.run(["umount", str(path)], capture_output=True, timeout=30).returncode != 0:
+            subprocess.run(["umount", "-l", str(path)], check=True, capture_output=True, timeout=30)

@@ -36,11 +36,15 @@ from zmq.utils.monitor import parse_monitor_message
 
 from primerl.broker.log_limits import RateLimitedLog
 from primerl.runtime.log_setup import get_logger
-from primerl.runtime.wire_security import CREDENTIALS_REFUSED_STATUS, GATE_FULL_STATUS
+from primerl.runtime.wire_security import (
+    CREDENTIALS_REFUSED_STATUS,
+    GATE_FULL_STATUS,
+    ZAP_ENDPOINT,
+    zap_reply,
+    zap_request,
+)
 
 log = get_logger("primerl.broker.connection_gate")
-
-ZAP_ENDPOINT = "inproc://zeromq.zap.01"
 _REFUSED_STATUSES = (CREDENTIALS_REFUSED_STATUS, GATE_FULL_STATUS)
 UNLIMITED_CONNECTIONS = 1 << 30
 """``max_connections`` of a gate that only checks credentials."""
@@ -132,11 +136,11 @@ class ConnectionGate:
                 self._admitted = max(0, self._admitted - 1)
 
     def _answer(self, frames: list[bytes]) -> None:
-        # [zap routing id, b"", version, request id, domain, address, identity, mechanism, credentials...]
-        if len(frames) < 8:
-            return  # not a ZAP request; libzmq never sends one
-        request_id, domain, address = frames[3], frames[4], frames[5]
-        refusal = self.authorize(frames[7], frames[8:]) if self.authorize is not None else None
+        request = zap_request(frames)
+        if request is None:
+            return
+        _, domain, address, mechanism, credentials = request
+        refusal = self.authorize(mechanism, credentials) if self.authorize is not None else None
         if refusal is not None:
             self.num_refused += 1
             self.num_refused_credentials += 1
@@ -146,7 +150,7 @@ class ConnectionGate:
                 peer=address.decode(errors="replace"),
                 **({"hint": self.refusal_hint} if self.refusal_hint else {}),
             )
-            self._reply(frames, request_id, CREDENTIALS_REFUSED_STATUS, refusal)
+            zap_reply(self._zap, frames, CREDENTIALS_REFUSED_STATUS, refusal)
             return
         admitted = domain == self.domain and self._admitted + self._approved_unconfirmed < self.max_connections
         if admitted:
@@ -163,7 +167,4 @@ class ConnectionGate:
                 max_connections=self.max_connections,
                 hint="raise the limit if these peers are legitimate, or stop idle clients",
             )
-        self._reply(frames, request_id, status, text)
-
-    def _reply(self, frames: list[bytes], request_id: bytes, status: int, text: str) -> None:
-        self._zap.send_multipart([frames[0], b"", b"1.0", request_id, str(status).encode(), text.encode(), b"", b""])
+        zap_reply(self._zap, frames, status, text)

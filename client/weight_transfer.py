@@ -13,6 +13,7 @@ received, not verified; the caller compares ``digest`` with the header before se
 from __future__ import annotations
 
 import collections
+import threading
 import time
 from collections.abc import Callable
 from typing import Any, Protocol
@@ -24,6 +25,14 @@ from primerl.proto.digests import hasher_for
 from primerl.proto.v1 import data_pb2
 from primerl.runtime.addresses import url_host
 from primerl.runtime.log_setup import get_logger
+from primerl.runtime.wire_security import (
+    CREDENTIALS_REFUSED_STATUS,
+    ZAP_ENDPOINT,
+    RunTokenServer,
+    apply_run_token,
+    zap_reply,
+    zap_request,
+)
 from primerl.runtime.zmq_sockets import configure_socket
 
 log = get_logger(__name__)
@@ -159,6 +168,8 @@ passes)."""
 MAX_RELAY_TARGETS = 4
 """Connections to next workers a relay keeps open (the oldest is closed beyond this)."""
 MAX_BROKEN_RELAYS = 16
+ZAP_POLL_MS = 200
+"""How often the relay's handshake thread looks whether it is to stop."""
 
 
 class ChunkRelay:
@@ -168,22 +179,49 @@ class ChunkRelay:
     blocking for more than ``RELAY_SEND_WAIT_S``: a next worker that takes no more chunks gets no more of that
     transfer.
 
-    Only messages that passed ``framing.decode`` (checksum, run token) are forwarded. Not thread-safe: the
-    subscriber's thread owns it."""
+    With ``run_token`` the token is checked at the handshake too, as on the broker's planes: the relay's sockets
+    live in a context of their own whose ZAP handler, a thread of the relay's, admits only peers presenting the
+    token (PLAIN), and the PUSH connections present it; a peer without it is refused before it can make this
+    worker buffer a byte, whatever the subscriber's thread is doing. Only messages that passed ``framing.decode``
+    (checksum, run token) are forwarded. Not thread-safe: the subscriber's thread owns it."""
 
-    def __init__(self, context: zmq.Context, host: str, worker_id: str, *, max_message_bytes: int):
+    def __init__(
+        self,
+        context: zmq.Context,
+        host: str,
+        worker_id: str,
+        *,
+        max_message_bytes: int,
+        run_token: str | None = None,
+    ):
         self.worker_id = worker_id
-        self._context = context
-        self.socket = configure_socket(context.socket(zmq.PULL), max_message_bytes=max_message_bytes, linger_ms=0)
+        self.run_token = run_token or None
+        self._token_server = RunTokenServer(self.run_token) if self.run_token else None
+        self._own_context = self._token_server is not None  # one ZAP handler per context: the relay's own
+        self._context = zmq.Context() if self._own_context else context
+        self.num_refused = 0
+        self._zap: zmq.Socket | None = None
+        self._zap_thread: threading.Thread | None = None
+        self._stopping = threading.Event()
+        self.socket = configure_socket(self._context.socket(zmq.PULL), max_message_bytes=max_message_bytes, linger_ms=0)
         try:
+            if self._token_server is not None:
+                self._zap = self._context.socket(zmq.ROUTER)
+                self._zap.setsockopt(zmq.LINGER, 0)
+                self._zap.bind(ZAP_ENDPOINT)
+                self._token_server.apply(self.socket)
+                self.socket.zap_domain = b"primerl-relay"
             port = self.socket.bind_to_random_port(f"tcp://{url_host(host)}")
         except zmq.ZMQError as exc:
-            self.socket.close(linger=0)
+            self._close_sockets()
             raise ValueError(
                 f"cannot bind the weight relay socket on {host!r}: {exc} (set weight_relay_host to an address of "
                 "this machine)"
             ) from exc
         self.endpoint = f"tcp://{url_host(host)}:{port}"
+        if self._zap is not None:
+            self._zap_thread = threading.Thread(target=self._answer_handshakes, name="relay-handshakes", daemon=True)
+            self._zap_thread.start()
         self._targets: collections.OrderedDict[str, zmq.Socket] = collections.OrderedDict()
         self._broken: collections.deque[str] = collections.deque(maxlen=MAX_BROKEN_RELAYS)
         self.num_forwarded_bytes = 0
@@ -235,14 +273,55 @@ class ChunkRelay:
             target = self._context.socket(zmq.PUSH)
             target.setsockopt(zmq.SNDHWM, RELAY_HWM)
             target.setsockopt(zmq.LINGER, 0)
+            if self.run_token:
+                apply_run_token(target, self.run_token, self.worker_id)
             target.connect(endpoint)
             self._targets[endpoint] = target
         else:
             self._targets.move_to_end(endpoint)
         return target
 
+    def _answer_handshakes(self) -> None:
+        """The relay's ZAP handler (its own thread, owning ``_zap`` until ``close``): admit the peers that present
+        the run token, refuse the others."""
+        assert self._zap is not None and self._token_server is not None
+        while not self._stopping.is_set():
+            if not self._zap.poll(ZAP_POLL_MS):
+                continue
+            frames = self._zap.recv_multipart()
+            request = zap_request(frames)
+            if request is None:
+                continue
+            _, _, address, mechanism, credentials = request
+            refusal = self._token_server.authorize(mechanism, credentials)
+            if refusal is None:
+                zap_reply(self._zap, frames, 200, "OK")
+                continue
+            self.num_refused += 1
+            if self.num_refused == 1 or self.num_refused % 100 == 0:
+                log.warning(
+                    f"weight relay connection refused at the handshake: {refusal}",
+                    peer=address.decode(errors="replace"),
+                    refused=self.num_refused,
+                    hint="every worker of a relay chain needs the run token ([broker] run_token or PRIMERL_RUN_TOKEN)",
+                )
+            zap_reply(self._zap, frames, CREDENTIALS_REFUSED_STATUS, refusal)
+
     def close(self) -> None:
         for target in self._targets.values():
             target.close(linger=0)
         self._targets.clear()
+        self._close_sockets()
+
+    def _close_sockets(self) -> None:
         self.socket.close(linger=0)
+        if self._zap_thread is not None:
+            self._stopping.set()
+            self._zap_thread.join()
+            self._zap_thread = None
+        if self._zap is not None:
+            self._zap.close(linger=0)
+            self._zap = None
+        if self._own_context:
+            self._context.term()
+            self._own_context = False

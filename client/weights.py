@@ -364,7 +364,11 @@ class WeightSubscriber(DealerClient):
         elif relay_host:
             try:
                 self.relay = ChunkRelay(
-                    self._context, relay_host, worker_id, max_message_bytes=limits.max_message_bytes
+                    self._context,
+                    relay_host,
+                    worker_id,
+                    max_message_bytes=limits.max_message_bytes,
+                    run_token=self.auth_token,
                 )
             except ValueError:
                 super().close()

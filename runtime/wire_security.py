@@ -47,6 +47,9 @@ CREDENTIALS_REFUSED_STATUS = 400
 GATE_FULL_STATUS = 500
 """The socket has as many peers as it admits: a client connects again after a pause."""
 REFUSAL_LOG_INTERVAL_S = 10.0
+ZAP_ENDPOINT = "inproc://zeromq.zap.01"
+"""Where libzmq asks a context's ZAP handler about each new connection of a socket with a ZAP domain (one per
+context)."""
 
 log = get_logger("primerl.runtime.wire_security")
 
@@ -280,6 +283,20 @@ class RunTokenServer:
         if not hmac.compare_digest(credentials[1], self.run_token.encode()):
             return "wrong run token"
         return None
+
+
+def zap_request(frames: list[bytes]) -> tuple[bytes, bytes, bytes, bytes, list[bytes]] | None:
+    """``(request id, domain, peer address, mechanism, credentials)`` of a ZAP request read from a ROUTER bound at
+    ``ZAP_ENDPOINT`` (None: not a ZAP request; libzmq never sends one)."""
+    # [zap routing id, b"", version, request id, domain, address, identity, mechanism, credentials...]
+    if len(frames) < 8:
+        return None
+    return frames[3], frames[4], frames[5], frames[7], frames[8:]
+
+
+def zap_reply(zap: zmq.Socket, frames: list[bytes], status: int, text: str) -> None:
+    """Answer the ZAP request ``frames`` (as read from ``zap``): status 200 admits the peer."""
+    zap.send_multipart([frames[0], b"", b"1.0", frames[3], str(status).encode(), text.encode(), b"", b""])
 
 
 def check_handshake_token(run_token: str, setting: str) -> None:

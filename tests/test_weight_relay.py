@@ -403,3 +403,63 @@ def test_a_broker_process_relays_through_worker_processes_and_heals_around_a_kil
                 process.terminate()
             process.wait(10)
         broker.stop()
+
+
+def test_a_relay_socket_admits_only_peers_with_the_run_token():
+    """A worker's relay socket checks the run token at the handshake, as the broker's planes do: a peer with a
+    wrong token is refused (400) and one without any fails on the mechanism; neither gets a byte in, while the
+    worker before it in a chain (which presents the token) is heard."""
+    import zmq
+    from zmq.utils.monitor import parse_monitor_message
+
+    from primerl.client.weight_transfer import ChunkRelay
+    from primerl.runtime.wire_security import CREDENTIALS_REFUSED_STATUS, apply_run_token
+
+    context = zmq.Context()
+    relay = ChunkRelay(context, "127.0.0.1", "w-next", max_message_bytes=1 << 20, run_token="relay-secret")
+    sockets = []
+
+    def pusher(token: str | None) -> tuple[zmq.Socket, zmq.Socket]:
+        socket = context.socket(zmq.PUSH)
+        socket.setsockopt(zmq.LINGER, 0)
+        if token is not None:
+            apply_run_token(socket, token, "stranger")
+        monitor = socket.get_monitor_socket(
+            zmq.EVENT_HANDSHAKE_SUCCEEDED
+            | zmq.EVENT_HANDSHAKE_FAILED_AUTH
+            | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+            | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
+        )
+        socket.connect(relay.endpoint)
+        sockets.extend([monitor, socket])
+        return socket, monitor
+
+    def outcome(monitor: zmq.Socket) -> tuple[int, int]:
+        assert monitor.poll(10_000), "no handshake outcome"
+        event = parse_monitor_message(monitor.recv_multipart())
+        return event["event"], event["value"]
+
+    try:
+        wrong, wrong_monitor = pusher("not-the-token")
+        assert outcome(wrong_monitor) == (zmq.EVENT_HANDSHAKE_FAILED_AUTH, CREDENTIALS_REFUSED_STATUS)
+        tokenless, tokenless_monitor = pusher(None)
+        assert outcome(tokenless_monitor)[0] in (
+            zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL,  # the mechanism mismatch, or a close before libzmq saw it
+            zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL,
+        )
+        for socket in (wrong, tokenless):
+            try:
+                socket.send_multipart([b"chunk"] * 4, zmq.NOBLOCK)
+            except zmq.Again:
+                pass
+        assert not relay.socket.poll(1000), "a peer without the run token got a message in"
+        assert relay.num_refused == 1  # the tokenless peer never reaches the token check
+        holder, holder_monitor = pusher("relay-secret")
+        assert outcome(holder_monitor) == (zmq.EVENT_HANDSHAKE_SUCCEEDED, 0)
+        holder.send_multipart([b"chunk"] * 4)
+        assert relay.socket.poll(10_000) and relay.socket.recv_multipart() == [b"chunk"] * 4
+    finally:
+        for socket in sockets:
+            socket.close(linger=0)
+        relay.close()
+        context.term()

@@ -75,7 +75,7 @@ DEFAULT_RESTART_SEC = {"broker": 2.0, "inference": 5.0, "orchestrator": 5.0, "tr
 BROKER_READY_TIMEOUT_S = 60.0
 RL_STOP_TIMEOUT_S = 90.0
 LAUNCHER_ROLES_GONE_S = 15.0  # after `primerl rl`'s SIGKILL, how long its roles may take to go (its reaper: ~2 s)
-SPOOL_DISK_MIB = 32  # the tmpfs of the broker's spool in a run with the spool-disk fault (a step's batches: KiBs)
+SPOOL_DISK_MIB = 64  # the tmpfs of the broker's spool dir (batches: KiBs a step; the weight chain: ~3 MiB a version)
 FILLER_DIR = ".chaos-disk-filler"  # a directory: the spool ignores what is not a batch file at its top level
 
 

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import abc
 import contextvars
+import functools
 import threading
 import time
 from typing import TYPE_CHECKING, Any
@@ -112,7 +113,7 @@ class RouterPlane(abc.ABC):
             return self._token_server
         return None
 
-    @property
+    @functools.cached_property
     def _token_server(self) -> RunTokenServer:
         assert self.auth_token
         return RunTokenServer(self.auth_token)

@@ -119,10 +119,12 @@ def broker_main(conn, spool_dirs: list[str], max_message_bytes: int, chunk_bytes
     from primerl.broker.weight_store import WeightStore
     from primerl.proto.data_plane_limits import BrokerLimits
 
-    context = zmq.Context()
+    # One context per plane, as the broker has (broker.service): each plane's connection gate is its context's ZAP
+    # handler, and a context has one.
+    contexts = [zmq.Context()]
     limits = BrokerLimits.for_max_message_bytes(max_message_bytes).frames
     weight_plane = WeightPlane(
-        WeightFanout(WeightStore(), fanout=fanout), context, "127.0.0.1", 0, limits, TOKEN, chunk_bytes
+        WeightFanout(WeightStore(), fanout=fanout), contexts[0], "127.0.0.1", 0, limits, TOKEN, chunk_bytes
     )
     info: dict[str, Any] = {"weight_port": weight_plane.start()}
     rollout_planes = []
@@ -134,7 +136,8 @@ def broker_main(conn, spool_dirs: list[str], max_message_bytes: int, chunk_bytes
         info["rollout_ports"] = []
         for spool_dir in spool_dirs:
             queue = RolloutQueue(RolloutSpool(spool_dir), max_batches=4096, max_bytes=4 << 30)
-            rollout_planes.append(RolloutPlane(queue, context, "127.0.0.1", 0, limits, TOKEN))
+            contexts.append(zmq.Context())
+            rollout_planes.append(RolloutPlane(queue, contexts[-1], "127.0.0.1", 0, limits, TOKEN))
             info["rollout_ports"].append(rollout_planes[-1].start())
     except Exception as exc:  # noqa: BLE001 - reported to the parent, which measures the weight path only
         info["rollout_error"] = f"{type(exc).__name__}: {exc}"
@@ -157,7 +160,8 @@ def broker_main(conn, spool_dirs: list[str], max_message_bytes: int, chunk_bytes
         for rollout_plane in rollout_planes:
             rollout_plane.stop(5.0)
             rollout_plane.queue.close()
-        context.destroy(linger=0)
+        for context in contexts:
+            context.destroy(linger=0)
 
 
 def receiver_main(conn, index: int, max_message_bytes: int, verify_digest: bool) -> None:

@@ -15,11 +15,12 @@ environment's share of the batch, zero-advantage groups dropped with ``constant_
 
 Which environment a group goes to follows what the batches need, not a draw: each environment's deficit is the
 rollouts its quotas of the batches a group dispatched now can still go into (``AsyncBound.last_step`` of the
-worker's version: at most ``max_async_level + 1`` batches) need, less the rollouts waiting for it, divided by its
-keep rate (groups not filtered so far), less its groups in flight; the environment furthest behind its share
-gets the next group, and none gets a group no batch it could reach needs. So a slow environment keeps more
-groups in flight (its groups stay in flight longer), shares follow the weights, and groups are not generated only
-to go stale. A batch that could be taken waits a little (``_hold_for_last_chance``) for groups in flight that can
+worker's version: at most ``max_async_level + 1`` batches) need, less the rollouts waiting for it, in groups to
+keep in flight (``groups_to_keep_in_flight``: over its keep rate, the groups not filtered so far, rounded down, so
+that no group is dispatched only on the chance that another is filtered), less its groups in flight; the
+environment furthest behind its share gets the next group, and none gets a group no batch it could reach needs.
+So a slow environment keeps more groups in flight (its groups stay in flight longer), shares follow the weights,
+and groups are not generated only to go stale. A batch that could be taken waits a little (``_hold_for_last_chance``) for groups in flight that can
 go into no later step and still fit its quota, and takes each environment's oldest policy versions first.
 
 Waste: every generated completion token is counted (``tokens_generated/<env>``) and, when its rollout is not
@@ -83,6 +84,17 @@ LAST_CHANCE_HOLD_MIN_S = 1.0
 
 MAX_GROUP_RETRIES = 8
 """Times a group is dispatched again because its inference worker could not be reached (then its failures count)."""
+
+
+def groups_to_keep_in_flight(missing: float, keep_rate: float) -> int:
+    """Groups to have in flight for ``missing`` groups still needed when a fraction ``keep_rate`` of groups is kept
+    (not filtered): as many as are expected to be kept without passing ``missing`` (``floor(missing /
+    keep_rate)``), and never fewer than are missing. A group kept beyond what the batches it can reach need goes
+    stale, so the expected count is rounded down: a group filtered is replaced when its result comes (one more
+    round trip), where one dispatched on the chance would be discarded whenever none was filtered."""
+    if missing <= 1e-9:
+        return 0
+    return max(math.ceil(missing - 1e-9), math.floor(missing / max(0.05, keep_rate) + 1e-9))
 
 
 @dataclass
@@ -375,7 +387,7 @@ class RolloutScheduler:
         deficits = {}
         for env_id, rollouts in planned.items():
             missing = max(0, rollouts - self.assembler.pending_rollouts(env_id)) / self.config.rollouts_per_example
-            deficits[env_id] = missing / max(0.05, self.assembler.keep_rate(env_id)) - coming[env_id]
+            deficits[env_id] = groups_to_keep_in_flight(missing, self.assembler.keep_rate(env_id)) - coming[env_id]
         return deficits
 
     def _neediest(self, deficits: dict[str, float]) -> str | None:

@@ -18,7 +18,7 @@ from primerl.orchestrator.concurrency import FixedConcurrency
 from primerl.orchestrator.env_sampler import EnvSampler
 from primerl.orchestrator.filtering import FILL_BOUND_ROUNDS, BatchAssembler, DifficultyFilter
 from primerl.orchestrator.rollout_failures import RolloutFailures
-from primerl.orchestrator.rollout_scheduler import RolloutScheduler
+from primerl.orchestrator.rollout_scheduler import RolloutScheduler, groups_to_keep_in_flight
 from primerl.orchestrator.samples import Group, TrainingSample
 from primerl.orchestrator.step_metrics import DISCARD_REASONS, batch_metrics, token_metrics
 from primerl.orchestrator.trajectory import Rollout, RolloutGroup, Turn
@@ -385,6 +385,38 @@ def test_a_stale_cancelled_group_counts_its_estimated_tokens():
     scheduler.cancel_stale(3)  # step 3 needs version 2
     assert scheduler.counters["stale_groups_cancelled"] == num_inflight > 0
     assert scheduler.counters["tokens_discarded/cancelled/e"] == num_inflight * 2 * 5
+
+
+def one_in_sixteen_silent(index: int, n: int) -> list[float]:
+    """About the demo's rate of groups without signal (its keep rate is 0.94-0.96)."""
+    return [1.0] * n if index % 16 == 5 else [float(i % 2) for i in range(n)]
+
+
+@pytest.mark.parametrize("rounds, train_rounds", [(1, 2), (3, 2)])  # the trainer the slower; inference the slower
+def test_constant_batch_size_at_async_level_1_generates_no_group_to_go_stale(rounds, train_rounds):
+    # At max_async_level = 1 each batch is made of groups that can go into it and no later one: a group dispatched
+    # on the chance that another is filtered is discarded as stale whenever none was (7 % of the tokens before).
+    config = make_config(batch_size=64, rollouts_per_example=8, max_inflight=128, max_async_level=1)
+    worker = TimedWorker("e", rounds=rounds, rewards=one_in_sixteen_silent)
+    scheduler = make_scheduler(config, {"e": worker}, {"e": 1.0})
+    batches, reports = run_steps(scheduler, {"e": worker}, 40, train_rounds=train_rounds)
+    assert all(batch.num_rollouts == 64 and all(g.has_signal for g in batch.groups) for batch in batches)
+    discarded = collections.Counter()
+    for batch, report in zip(batches, reports):
+        for (reason, _), tokens in batch.discarded_tokens.items():
+            discarded[reason] += tokens
+        discarded["cancelled"] += sum(v for k, v in report.counters.items() if k.startswith("tokens_discarded/canc"))
+    assert discarded["filtered"] > 0  # the silent groups were generated and dropped
+    assert discarded["stale"] + discarded["surplus"] + discarded["cancelled"] == 0
+
+
+def test_groups_in_flight_cover_what_is_missing_without_passing_the_expected_keep():
+    assert groups_to_keep_in_flight(8, 0.94) == 8  # 8.5 expected: the ninth would go stale 6 times in 10
+    assert groups_to_keep_in_flight(8, 0.5) == 16
+    assert groups_to_keep_in_flight(8, 1.0) == 8
+    assert groups_to_keep_in_flight(0.25, 0.9) == 1  # a group short of rollouts still gets one in flight
+    assert groups_to_keep_in_flight(0, 0.5) == 0
+    assert groups_to_keep_in_flight(2, 0.0) == 40  # a pool that kept nothing yet: 1 / 0.05 per group missing
 
 
 def test_the_run_summary_adds_up_the_tokens():

@@ -7,16 +7,19 @@ probe: one utility call to the engine core at a time (``AsyncLLM.is_sleeping``, 
 loop between two model steps). A probe unanswered for ``stall_timeout_s`` marks the engine *stalled*; its answer
 marks it *recovered*.
 
-    watchdog = EngineWatchdog(engine.is_sleeping, stall_timeout_s=30, on_change=report, busy=lambda: updating)
+    watchdog = EngineWatchdog(engine.is_sleeping, stall_timeout_s=30, on_change=report, busy=lambda: update_began_s)
     task = loop.create_task(watchdog.run(stop_event))
     watchdog.stalled_for_s   # None while serving
 
 Invariants:
 - At most one probe is in flight; the next is sent ``interval_s`` after an answer.
-- ``busy()`` (e.g. a weight update being applied, which holds the engine core) restarts the stall clock for up to
-  ``BUSY_LIMIT_FACTOR`` x ``stall_timeout_s`` of one busy spell; past that the clock runs, so an engine that stops
-  in the middle of an update (its update never returns) is found stalled ``stall_timeout_s`` later. Busy spells
-  shorter than that never count.
+- ``busy()`` (when the busy spell under way began, e.g. a weight update, which holds the engine core; None when
+  idle) restarts the stall clock of a probe sent during the spell for up to ``BUSY_LIMIT_FACTOR`` x
+  ``stall_timeout_s``; past that the clock runs, so an engine that stops in the middle of an update (its update
+  never returns) is found stalled ``stall_timeout_s`` later. Busy spells shorter than that never count.
+- A probe sent before the spell began keeps its clock: the engine core takes its input in order, so a probe sent
+  before an update is answered before the update holds the engine. An engine already stopped when an update comes
+  is found ``stall_timeout_s`` after its unanswered probe, not after the busy limit.
 - A probe that raises is an answer (the engine is not stalled; a dead engine is reported elsewhere:
   ``InferenceServer.check_running``).
 - ``on_change(stalled, seconds)`` runs once per transition: ``(True, unanswered_s)`` when it stalls,
@@ -66,11 +69,14 @@ class StallClock:
     def sent(self, now: float) -> None:
         self.waiting_since = now
 
-    def busy(self, now: float) -> None:
+    def busy(self, now: float, since: float | None = None) -> None:
+        """Busy at ``now``, in a spell that began at ``since`` (None: unknown, taken as now when first seen)."""
         if self.waiting_since is None:
             return
+        if since is not None and self.waiting_since < since:
+            return  # the probe in flight was sent before the spell: it is answered before the spell holds the engine
         if self.busy_since is None:
-            self.busy_since = now
+            self.busy_since = now if since is None else min(since, now)
         if now - self.busy_since < self.busy_limit_s:
             self.waiting_since = now
 
@@ -107,7 +113,7 @@ class EngineWatchdog:
         *,
         stall_timeout_s: float,
         on_change: Callable[[bool, float], None],
-        busy: Callable[[], bool] = lambda: False,
+        busy: Callable[[], float | None] = lambda: None,
         interval_s: float | None = None,
         clock: Callable[[], float] = time.monotonic,
     ):
@@ -148,8 +154,9 @@ class EngineWatchdog:
                     with contextlib.suppress(asyncio.TimeoutError):
                         await asyncio.wait_for(stop.wait(), self.interval_s)
                     continue
-                if self._busy():
-                    self._state.busy(now)
+                busy_since = self._busy()
+                if busy_since is not None:
+                    self._state.busy(now, busy_since)
                 else:
                     self._state.idle()
                 waited_s = self._state.check(now)

@@ -137,7 +137,8 @@ class InferenceService:
         self._watchdog_task: asyncio.Task | None = None
         self._watchdog_stop: asyncio.Event | None = None
         self.stalled_reason: str | None = None
-        self._updating = False  # the weight thread applies an update (it holds the engine core: not a stall)
+        # when the weight thread began applying the update under way (it holds the engine core: not a stall)
+        self._update_began_s: float | None = None
 
     def _policy_version(self) -> int:
         return 0 if self.updater is None else self.updater.policy_version
@@ -301,8 +302,8 @@ class InferenceService:
             self.watchdog.run(self._watchdog_stop), name="engine-watchdog"
         )
 
-    def _is_busy(self) -> bool:
-        return self._updating
+    def _is_busy(self) -> float | None:
+        return self._update_began_s
 
     async def _stop_watchdog(self) -> None:
         if self._watchdog_task is None or self._watchdog_stop is None:
@@ -401,11 +402,12 @@ class InferenceService:
                     self._stop.wait(BROKER_ERROR_BACKOFF_S)
                     continue
                 if update is not None:
-                    self._updating = True  # the engine core is held by the update: no stall (engine watchdog)
+                    # the engine core is held by the update: no stall (engine watchdog)
+                    self._update_began_s = time.monotonic()
                     try:
                         self._handle_update(subscriber, *update)
                     finally:
-                        self._updating = False
+                        self._update_began_s = None
         except EngineCallCancelled:  # stopping while an update was being applied: it is not served; nothing to say
             log.info("weight update abandoned: the worker is stopping")
         except Exception as exc:  # a fault in this thread makes the worker useless: report and exit

@@ -68,6 +68,33 @@ def test_an_engine_that_stops_in_the_middle_of_an_update_is_found_after_the_busy
         assert clock.check(float(second)) is None, second
 
 
+def test_an_engine_already_stopped_when_an_update_comes_is_found_after_the_stall_timeout():
+    """Found by the chaos run: the engine core stopped, then a weight update came; the update excused the
+    unanswered probe, and the stall was reported after the busy limit plus the timeout (44 s at a 4 s timeout).
+    The engine core takes its input in order, so only a probe sent after the update began is excused."""
+    clock = StallClock(stall_timeout_s=4.0)
+    clock.sent(0.0)  # unanswered: the engine core stopped before the update
+    for now in (1.0, 2.0, 3.0, 3.9):
+        clock.busy(now, since=1.0)
+        assert clock.check(now) is None
+    clock.busy(4.0, since=1.0)
+    assert clock.check(4.0) == pytest.approx(4.0)  # the probe's own timeout, update or not
+    # a probe sent during the update (queued behind it) is excused for the spell, up to the busy limit
+    healthy = StallClock(stall_timeout_s=4.0)
+    healthy.sent(2.0)
+    for now in range(3, 30):
+        healthy.busy(float(now), since=1.0)
+        assert healthy.check(float(now)) is None, now
+    healthy.idle()
+    assert healthy.check(32.9) is None and healthy.check(33.0) == pytest.approx(4.0)
+    # the spell's limit counts from when it began, not from when the watchdog first saw it
+    late = StallClock(stall_timeout_s=1.0)
+    late.sent(5.0)
+    for now in (5.0, 7.0, 9.5, 10.0, 10.5):  # first seen at 5; the 10 s limit of a spell that began at 0 ends at 10
+        late.busy(now, since=0.0)
+    assert late.check(10.4) is None and late.check(10.5) == pytest.approx(1.0)  # not at 15 + 1
+
+
 def test_bad_settings_are_refused_and_the_interval_is_bounded():
     with pytest.raises(ValueError, match="stall_timeout_s must be > 0"):
         StallClock(0)

@@ -251,6 +251,18 @@ def main(argv: list[str] | None = None) -> int:
                 "discarded / generated tokens, constant mode", modes["constant"]["waste"]["fraction"], "<=", 0.05
             )
         )
+        # what of the waste is the scheduler's, and what constant mode discards by definition: the groups without
+        # signal, which variable mode trains instead (with zero advantages)
+        constant_waste, variable = modes["constant"]["waste"], modes["variable"]
+        scheduler_tokens = sum(constant_waste[reason] for reason in REASONS if reason != "filtered")
+        silent = 1 - sum(variable["signal"]) / sum(variable["batch"]) if sum(variable["batch"]) else float("nan")
+        section.line(
+            f"Of the constant mode's generated tokens, {fmt(100 * scheduler_tokens / constant_waste['generated'], 3)}% "
+            f"were discarded by the scheduler (stale, cancelled, surplus, failed) and "
+            f"{fmt(100 * constant_waste['filtered'] / constant_waste['generated'], 3)}% as groups without signal "
+            f"(filtered), which constant mode drops by definition; variable mode trained {fmt(100 * silent, 3)}% of "
+            "its rollouts without signal instead.  "
+        )
         results["constant_over_variable_s_per_step"] = ratio
     results["modes"] = runs
     results["load_end"] = machine_load()

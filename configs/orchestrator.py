@@ -340,6 +340,15 @@ class OrchestratorConfig(BaseConfig):
         "in-process server).",
     )
     rollout_timeout_s: float = Field(1800.0, gt=0, description="A rollout that takes longer is abandoned.")
+    worker_silence_timeout_s: float | None = Field(
+        None,
+        ge=0,
+        description="An inference worker whose oldest group in flight is this old, and which returned no rollout "
+        "for as long while other workers returned theirs (a cut connection, a request stuck on it), "
+        "is silent: its groups are cancelled and dispatched again elsewhere, and it gets one group at a time until "
+        "it answers. Unset: 4 x the slowest of the last 64 groups, at least 10 s (none before 8 groups came back). "
+        "0: off (only rollout_timeout_s bounds a request).",
+    )
     max_steps: int | None = Field(None, ge=1, description="Stop after this many steps (unset: no limit).")
     num_train_ranks: int = Field(
         1, ge=1, description="Trainer ranks that each get their share of every step (set from trainer_gpu_ids)."

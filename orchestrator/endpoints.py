@@ -76,6 +76,7 @@ class InferenceEndpoint:
     # A worker that joined serves no rollouts before it serves ``target_version`` (the current one when it joined).
     ready: bool = True
     target_version: int = 0
+    last_answer_s: float = 0.0  # when one of its rollouts last came back (monotonic): ``RolloutScheduler.retry_silent``
 
     def unreachable(self, now_s: float) -> None:
         """A rollout on it failed because it could not be reached: pause dispatch to it (doubling, capped)."""
@@ -83,8 +84,9 @@ class InferenceEndpoint:
             self.backoff_s = min(max(ENDPOINT_BACKOFF_S[0], 2 * self.backoff_s), ENDPOINT_BACKOFF_S[1])
             self.retry_at_s = now_s + self.backoff_s
 
-    def answered(self) -> None:
+    def answered(self, now_s: float) -> None:
         self.retry_at_s = self.backoff_s = 0.0
+        self.last_answer_s = now_s
 
     def may_take(self, now_s: float) -> bool:
         """Whether a group may go to it now: not backing off, and after a back-off one group at a time (a probe)

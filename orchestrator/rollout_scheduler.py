@@ -20,8 +20,9 @@ keep in flight (``groups_to_keep_in_flight``: over its keep rate, the groups not
 that no group is dispatched only on the chance that another is filtered), less its groups in flight; the
 environment furthest behind its share gets the next group, and none gets a group no batch it could reach needs.
 So a slow environment keeps more groups in flight (its groups stay in flight longer), shares follow the weights,
-and groups are not generated only to go stale. A batch that could be taken waits a little (``_hold_for_last_chance``) for groups in flight that can
-go into no later step and still fit its quota, and takes each environment's oldest policy versions first.
+and groups are not generated only to go stale. A batch that could be taken waits a little
+(``_hold_for_last_chance``) for groups in flight that can go into no later step and still fit its quota, and takes
+each environment's oldest policy versions first.
 
 Waste: every generated completion token is counted (``tokens_generated/<env>``) and, when its rollout is not
 trained, as discarded by reason: ``failed`` (failed or malformed rollouts, groups dispatched again),
@@ -84,6 +85,13 @@ LAST_CHANCE_HOLD_MIN_S = 1.0
 
 MAX_GROUP_RETRIES = 8
 """Times a group is dispatched again because its inference worker could not be reached (then its failures count)."""
+
+SILENCE_FACTOR = 4.0
+"""Unset ``worker_silence_timeout_s``: this many times the slowest of the recent groups (``retry_silent``)..."""
+SILENCE_MIN_S = 10.0
+"""... and at least this long."""
+SILENCE_BASIS_GROUPS = (8, 64)
+"""... once this many groups came back, over at most the last this many."""
 
 
 def groups_to_keep_in_flight(missing: float, keep_rate: float) -> int:
@@ -164,6 +172,7 @@ class RolloutScheduler:
         self.counters: collections.Counter = collections.Counter()  # of the step under way (``take_report``)
         self.fallbacks: collections.Counter = collections.Counter()  # interleaved -> branching, by reason
         self.timers = StepTimers()
+        self._group_seconds: collections.deque[float] = collections.deque(maxlen=SILENCE_BASIS_GROUPS[1])
 
     # -- the run's state and the step's results ------------------------------------------------------
 
@@ -485,6 +494,7 @@ class RolloutScheduler:
             if group is None:
                 continue
             self.counters["generation_s"] += time.monotonic() - entry.started_s
+            self._group_seconds.append(time.monotonic() - entry.started_s)
             if self.teacher is not None:  # advantages and the assembler once the teacher scored it
                 self.teacher.submit(group)
                 continue
@@ -546,7 +556,7 @@ class RolloutScheduler:
                     entry.endpoint,
                 )
                 continue
-            entry.endpoint.answered()
+            entry.endpoint.answered(time.monotonic())
             try:
                 rollout_samples = rollout_to_samples(
                     rollout,
@@ -620,6 +630,63 @@ class RolloutScheduler:
         if stale:
             self._inflight_changed()
 
+    def silence_timeout_s(self) -> float | None:
+        """How long a worker may hold groups without returning one (``worker_silence_timeout_s``); None: no
+        deadline (off, or too few groups came back to judge)."""
+        configured = self.config.worker_silence_timeout_s
+        if configured is not None:
+            return configured or None
+        if len(self._group_seconds) < SILENCE_BASIS_GROUPS[0]:
+            return None
+        return max(SILENCE_MIN_S, SILENCE_FACTOR * max(self._group_seconds))
+
+    def retry_silent(self, now_s: float | None = None) -> None:
+        """Dispatch again the groups of inference workers that went silent: a worker whose oldest group in flight
+        is older than ``silence_timeout_s`` and which returned no rollout for as long, while another worker
+        returned one within that time (when none does, the run is slow, not the worker). Its groups
+        are cancelled and dispatched again (``rollout group retried``); it is backed off and then probed one group
+        at a time, as a worker that could not be reached. Bounds a request stuck on a connection that never breaks
+        (a cut cable) by far less than ``rollout_timeout_s``."""
+        timeout_s = self.silence_timeout_s()
+        if timeout_s is None or not self.inflight:
+            return
+        now_s = time.monotonic() if now_s is None else now_s
+        oldest: dict[int, InflightGroup] = {}
+        for entry in self.inflight.values():
+            first = oldest.get(id(entry.endpoint))
+            if first is None or entry.started_s < first.started_s:
+                oldest[id(entry.endpoint)] = entry
+        answering = [e for e in self.endpoints.values() if now_s - e.last_answer_s < timeout_s]
+        retried = False
+        for entry in oldest.values():
+            endpoint = entry.endpoint
+            silent_s = now_s - max(entry.started_s, endpoint.last_answer_s)  # holding work, returning nothing
+            if silent_s < timeout_s:
+                continue
+            if not any(other is not endpoint for other in answering):
+                continue
+            groups = [(f, e) for f, e in self.inflight.items() if e.endpoint is endpoint]
+            log.warning(
+                telemetry.INFERENCE_WORKER_SILENT,
+                worker_id=endpoint.worker_id,
+                url=endpoint.base_url,
+                silent_s=round(silent_s, 1),
+                worker_silence_timeout_s=round(timeout_s, 1),
+                groups=len(groups),
+            )
+            self.counters["silent_workers"] += 1
+            reason = f"no rollout came back from the worker for {silent_s:.1f} s while others answered"
+            for future, group in groups:
+                del self.inflight[future]
+                endpoint.num_inflight -= self.config.rollouts_per_example
+                self.env_clients[group.env_id].cancel(future)
+                self._count_cancelled(group)
+                self._retry(group, reason)
+            endpoint.unreachable(now_s)
+            retried = True
+        if retried:
+            self._inflight_changed()
+
     def worker_metrics(self) -> dict[str, float]:
         """This step's ``rollout/retried`` (rollouts dispatched again after their inference worker could not be
         reached or left), the ``inference/*`` membership metrics (``InferenceWorkers.take_counts``) and, with a
@@ -630,7 +697,12 @@ class RolloutScheduler:
             if self.teacher is not None
             else {}
         )
-        return {"rollout/retried": float(self.counters["retried"]), **self.inference.take_counts(), **teacher}
+        return {
+            "rollout/retried": float(self.counters["retried"]),
+            "inference/workers_silent": float(self.counters["silent_workers"]),
+            **self.inference.take_counts(),
+            **teacher,
+        }
 
     def cancel_all(self) -> None:
         """Cancel every group in flight and every teacher scoring (on stop)."""

@@ -402,6 +402,7 @@ class OrchestratorRunner:
             if scheduler.waiting_for_version:  # held by the async bound: waiting for the trainer's next policy
                 self._policy_wait_s += time.monotonic() - round_started_s
             scheduler.cancel_stale(step)
+            scheduler.retry_silent()
         phase_s: collections.Counter = collections.Counter()  # the runner's own phases of the step
         packing_started_s = time.perf_counter()
         samples = batch.samples

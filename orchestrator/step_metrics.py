@@ -21,8 +21,9 @@ Failed rollouts: ``rollout/errors`` and ``rollout/errors/<kind>``; ``rollout/res
 ``rollout/stale_groups_cancelled``. Inference workers (``RolloutScheduler.worker_metrics``): ``rollout/retried``
 (rollouts dispatched again because their worker could not be reached or left: not errors), ``inference/workers``
 and ``inference/workers_serving`` (listed, and serving the current version), ``inference/workers_joined`` and
-``inference/workers_left`` (this step), ``inference/join_to_serving_s`` (the longest a worker that joined this
-step took from registering to serving the current version; absent when none).
+``inference/workers_left`` (this step), ``inference/workers_silent`` (workers whose groups were dispatched again
+this step because none came back: ``RolloutScheduler.retry_silent``), ``inference/join_to_serving_s`` (the
+longest a worker that joined this step took from registering to serving the current version; absent when none).
 
 ``batch/zero_advantage_rollouts``: rollouts of the batch whose group has no signal (every advantage 0; none with
 ``constant_trainer_batch_size`` unless the step was filled: ``batch/filled_with_dropped_rollouts``).

@@ -136,6 +136,9 @@ INFERENCE_WORKER_OUT_OF_ROTATION = "inference worker out of rotation"
 """Orchestrator: the broker lists the worker with ``serving = "false"`` (its engine stalled): no rollouts go to it,
 its groups in flight are dispatched again elsewhere."""
 INFERENCE_WORKER_BACK_IN_ROTATION = "inference worker back in rotation"
+INFERENCE_WORKER_SILENT = "inference worker silent: its groups are dispatched again elsewhere"
+"""Orchestrator: a listed worker held groups and returned no rollout for ``worker_silence_timeout_s`` while others
+answered (a cut connection): its groups go elsewhere; it is backed off, then probed one group at a time."""
 SERVING_CAPABILITY = "serving"
 RESTARTING_ENV_WORKER = "restarting env worker"
 SCORING_ROLLOUTS_WITH_A_TEACHER = "scoring rollouts with a teacher"

@@ -7,13 +7,14 @@ from __future__ import annotations
 import collections
 import concurrent.futures
 import threading
+import time
 
 from primerl.configs.orchestrator import OrchestratorConfig
 from primerl.orchestrator.endpoints import InferenceWorkers, WorkerEndpoint
 from primerl.orchestrator.env_sampler import EnvSampler
 from primerl.orchestrator.envs.base import EnvWorkerDied
 from primerl.orchestrator.rollout_failures import RolloutFailures
-from primerl.orchestrator.rollout_scheduler import MAX_GROUP_RETRIES, RolloutScheduler
+from primerl.orchestrator.rollout_scheduler import MAX_GROUP_RETRIES, SILENCE_MIN_S, RolloutScheduler
 from primerl.orchestrator.seeds import rollout_seed_base
 from primerl.orchestrator.trajectory import Rollout, RolloutGroup, Turn
 from primerl.orchestrator.types import SchedulerEvents
@@ -79,7 +80,12 @@ class FakeWatcher:
 
 
 def make_scheduler(
-    worker: FakeWorker, *, max_async_level: int = 1, seed: int | None = 5, events: SchedulerEvents | None = None
+    worker: FakeWorker,
+    *,
+    max_async_level: int = 1,
+    seed: int | None = 5,
+    events: SchedulerEvents | None = None,
+    **overrides,
 ) -> RolloutScheduler:
     config = OrchestratorConfig.model_validate(
         {
@@ -91,6 +97,7 @@ def make_scheduler(
             "max_inflight": 4,
             "max_async_level": max_async_level,
             "sampling": {"seed": seed},
+            **overrides,
         }
     )
     return RolloutScheduler(
@@ -332,3 +339,71 @@ def test_a_worker_registered_again_under_a_new_id_keeps_its_groups():
     assert scheduler.endpoints["w1-again"].num_inflight == 4
     counts = scheduler.inference.take_counts()
     assert counts["inference/workers_left"] == 0 and counts["inference/workers_joined"] == 1
+
+
+class CutWorker(FakeWorker):
+    """Answers at once, except the requests sent to the inference workers at ``cut_urls``: those never come back
+    (a connection cut without breaking)."""
+
+    def __init__(self, *cut_urls: str) -> None:
+        super().__init__()
+        self.cut_urls = set(cut_urls)
+        self.stuck: list[concurrent.futures.Future] = []
+
+    def submit_rollouts(self, example_indices, *, num_rollouts, **kwargs):
+        if kwargs["base_url"] not in self.cut_urls:
+            return super().submit_rollouts(example_indices, num_rollouts=num_rollouts, **kwargs)
+        self.requests.append((list(example_indices), kwargs))
+        futures = [concurrent.futures.Future() for _ in example_indices]
+        self.stuck += futures
+        return futures
+
+
+def run_rounds(scheduler: RolloutScheduler, seconds: float, until=lambda: False) -> None:
+    """The runner's loop (batches taken as they fill) for ``seconds`` of real time or until ``until()``."""
+    deadline, step = time.monotonic() + seconds, 1
+    while time.monotonic() < deadline and not until():
+        scheduler.dispatch(step)
+        scheduler.collect(timeout_s=0.01)
+        scheduler.retry_silent()
+        if scheduler.take_batch(step) is not None:
+            step += 1
+
+
+def test_the_groups_of_a_silent_worker_are_retried_on_one_that_answers():
+    worker = CutWorker("http://w2/v1")
+    scheduler = make_scheduler(worker, max_async_level=1000, worker_silence_timeout_s=0.3)
+    scheduler.refresh_endpoints(FakeWatcher({"w1": ("http://w1/v1", 0), "w2": ("http://w2/v1", 0)}))
+    started = time.monotonic()
+    run_rounds(scheduler, 10.0, until=lambda: scheduler.counters["silent_workers"] > 0)
+    assert scheduler.counters["silent_workers"] == 1 and time.monotonic() - started >= 0.3  # not before its time
+    w2 = scheduler.endpoints["w2"]
+    assert worker.stuck and worker.cancelled == worker.stuck and w2.num_inflight == 0
+    stuck_examples = [i for indices, kwargs in worker.requests if kwargs["base_url"] == "http://w2/v1" for i in indices]
+    assert scheduler.counters["retried"] == 2 * len(stuck_examples) and scheduler.counters["rollout_errors"] == 0
+    assert not w2.may_take(time.monotonic())  # backed off, then one group at a time until it answers
+    num_requests = len(worker.requests)
+    scheduler.dispatch(step=1)
+    indices, kwargs = worker.requests[num_requests]  # the first group dispatched: the one w2 held, on w1
+    assert indices == stuck_examples[:1] and kwargs["base_url"] == "http://w1/v1"
+    assert scheduler.worker_metrics()["inference/workers_silent"] == 1
+
+
+def test_no_worker_is_silent_while_none_answers_or_with_the_deadline_off():
+    worker = CutWorker("http://w1/v1", "http://w2/v1")  # the whole run is stuck: moving groups would not help
+    scheduler = make_scheduler(worker, max_async_level=1000, worker_silence_timeout_s=0.2)
+    scheduler.refresh_endpoints(FakeWatcher({"w1": ("http://w1/v1", 0), "w2": ("http://w2/v1", 0)}))
+    run_rounds(scheduler, 0.6)
+    assert scheduler.counters["silent_workers"] == 0 and worker.cancelled == []
+    off = make_scheduler(CutWorker("http://w2/v1"), max_async_level=1000, worker_silence_timeout_s=0)
+    off.refresh_endpoints(FakeWatcher({"w1": ("http://w1/v1", 0), "w2": ("http://w2/v1", 0)}))
+    run_rounds(off, 0.3)
+    assert off.silence_timeout_s() is None and off.counters["silent_workers"] == 0
+
+
+def test_the_silence_deadline_unset_follows_the_slowest_recent_groups():
+    scheduler = make_scheduler(FakeWorker(), max_async_level=1000)
+    scheduler.refresh_endpoints(FakeWatcher({"w1": ("http://w1/v1", 0)}))
+    assert scheduler.silence_timeout_s() is None  # no group came back yet: nothing to judge by
+    run_rounds(scheduler, 10.0, until=lambda: scheduler.counters["groups_done"] >= 8)
+    assert scheduler.silence_timeout_s() == SILENCE_MIN_S  # groups that took ~0 s: the floor

@@ -518,7 +518,13 @@ def test_a_partition_between_the_orchestrator_and_an_inference_worker(three_host
     figures: dict[str, float] = {}
     try:
         start_workers_d_and_e(hosts, address, env, tmp_path, tiny_model, procs, urls)
-        args = long_orchestrator_args(tiny_model, broker, address, tmp_path / "out")
+        # a deadline shorter than the cut: d's groups stuck on the cut connection go to e (the default is 4 x the
+        # slowest recent group, at least 10 s)
+        args = [
+            *long_orchestrator_args(tiny_model, broker, address, tmp_path / "out"),
+            "--worker-silence-timeout-s",
+            "3",
+        ]
         procs["o"] = orchestrator = Proc(
             "orchestrator@o",
             hosts["o"],
@@ -541,6 +547,13 @@ def test_a_partition_between_the_orchestrator_and_an_inference_worker(three_host
             lambda: last_step() >= step_at_cut + 3, 120, "steps from e while o and d cannot talk", orchestrator.popen
         )
         figures["three_steps_s"] = time.monotonic() - cut_s
+        wait_for(
+            lambda: telemetry.INFERENCE_WORKER_SILENT in orchestrator.log.read_text(errors="replace"),
+            60,
+            "d's groups stuck on the cut connection dispatched again (worker_silence_timeout_s = 3)",
+            orchestrator.popen,
+        )
+        figures["silent_s"] = time.monotonic() - cut_s
         served_d_in_cut = requests_served(urls["d"])  # the test reaches d: only o and d are cut off each other
         time.sleep(max(0.0, LONG_S - (time.monotonic() - cut_s)))
         base = requests_served(urls["d"])
@@ -570,6 +583,7 @@ def test_a_partition_between_the_orchestrator_and_an_inference_worker(three_host
     print(
         f"\npartition o<->d (d still reaches the broker): {len(steps)} steps, each once; 3 steps from e "
         f"{figures['three_steps_s']:.1f} s after the cut; {LONG_S:g} s cut; d finishing o's rollouts again "
-        f"(heal to full speed) {figures['heal_to_full_speed_s']:.1f} s after the heal; "
+        f"(heal to full speed) {figures['heal_to_full_speed_s']:.1f} s after the heal; d found silent within "
+        f"{figures['silent_s']:.1f} s of the cut (deadline 3 s); "
         f"rollout failed lines: {text.count('rollout failed')}, groups retried: {text.count('rollout group retried')}"
     )

@@ -119,7 +119,8 @@ class InferenceConfig(BaseConfig):
         "model steps); unanswered this long, the engine counts as stalled: `/health` answers 503, heartbeats say "
         "`serving: false` and the orchestrator sends it no rollouts (its groups in flight go elsewhere) until it "
         "answers again. Keep it above the longest model step. A weight update holding the engine counts only after "
-        "10 times this (a probe sent before the update came counts as usual). 0: off.",
+        "4 times the longest of the last 16 updates (at least this; before the first update and at most: 10 times "
+        "this); a probe sent before the update came counts as usual. 0: off.",
     )
     enable_lora: bool = Field(False, description="Serve LoRA adapters (on when the trainer trains LoRA).")
     max_lora_rank: int | None = Field(

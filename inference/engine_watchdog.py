@@ -14,9 +14,11 @@ marks it *recovered*.
 Invariants:
 - At most one probe is in flight; the next is sent ``interval_s`` after an answer.
 - ``busy()`` (when the busy spell under way began, e.g. a weight update, which holds the engine core; None when
-  idle) restarts the stall clock of a probe sent during the spell for up to ``BUSY_LIMIT_FACTOR`` x
-  ``stall_timeout_s``; past that the clock runs, so an engine that stops in the middle of an update (its update
-  never returns) is found stalled ``stall_timeout_s`` later. Busy spells shorter than that never count.
+  idle) restarts the stall clock of a probe sent during the spell for up to the spell's limit; past that the
+  clock runs, so an engine that stops in the middle of an update (its update never returns) is found stalled
+  ``stall_timeout_s`` later. Busy spells shorter than the limit never count. The limit is ``busy_limit()`` when
+  it gives one (the daemon's: a few times its longest recent update, at least ``stall_timeout_s``), else
+  ``BUSY_LIMIT_FACTOR`` x ``stall_timeout_s``, and never more than the latter.
 - A probe sent before the spell began keeps its clock: the engine core takes its input in order, so a probe sent
   before an update is answered before the update holds the engine. An engine already stopped when an update comes
   is found ``stall_timeout_s`` after its unanswered probe, not after the busy limit.
@@ -69,15 +71,17 @@ class StallClock:
     def sent(self, now: float) -> None:
         self.waiting_since = now
 
-    def busy(self, now: float, since: float | None = None) -> None:
-        """Busy at ``now``, in a spell that began at ``since`` (None: unknown, taken as now when first seen)."""
+    def busy(self, now: float, since: float | None = None, limit_s: float | None = None) -> None:
+        """Busy at ``now``, in a spell that began at ``since`` (None: unknown, taken as now when first seen) and
+        may last ``limit_s`` (None, or more than ``busy_limit_s``: ``busy_limit_s``)."""
         if self.waiting_since is None:
             return
         if since is not None and self.waiting_since < since:
             return  # the probe in flight was sent before the spell: it is answered before the spell holds the engine
         if self.busy_since is None:
             self.busy_since = now if since is None else min(since, now)
-        if now - self.busy_since < self.busy_limit_s:
+        limit_s = self.busy_limit_s if limit_s is None else min(limit_s, self.busy_limit_s)
+        if now - self.busy_since < limit_s:
             self.waiting_since = now
 
     def idle(self) -> None:
@@ -114,6 +118,7 @@ class EngineWatchdog:
         stall_timeout_s: float,
         on_change: Callable[[bool, float], None],
         busy: Callable[[], float | None] = lambda: None,
+        busy_limit: Callable[[], float | None] = lambda: None,
         interval_s: float | None = None,
         clock: Callable[[], float] = time.monotonic,
     ):
@@ -122,6 +127,7 @@ class EngineWatchdog:
         self._state = StallClock(stall_timeout_s)
         self._on_change = on_change
         self._busy = busy
+        self._busy_limit = busy_limit
         self.interval_s = probe_interval_s(stall_timeout_s) if interval_s is None else interval_s
         self.num_stalls = 0
 
@@ -156,7 +162,7 @@ class EngineWatchdog:
                     continue
                 busy_since = self._busy()
                 if busy_since is not None:
-                    self._state.busy(now, busy_since)
+                    self._state.busy(now, busy_since, self._busy_limit())
                 else:
                     self._state.idle()
                 waited_s = self._state.check(now)

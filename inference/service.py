@@ -28,7 +28,8 @@ Gray failures: an ``EngineWatchdog`` (``engine_watchdog``) probes the engine cor
 ``engine_stall_timeout_s`` it logs ``inference engine stalled``, ``/health`` answers
 503 and every heartbeat says ``serving: false`` (the orchestrator then sends this worker nothing) until the engine
 answers again (``inference engine recovered``). A weight update being applied does not count as a stall for up
-to 10 stall timeouts (``engine_watchdog.BUSY_LIMIT_FACTOR``).
+to ``UPDATE_BUSY_FACTOR`` times the longest of the last updates (at least one stall timeout; before any update,
+and at most, 10 stall timeouts: ``engine_watchdog.BUSY_LIMIT_FACTOR``).
 
 Metrics: vLLM's ``GET /metrics`` on the API port also carries primerl's ``primerl_inference_*`` families
 (``primerl.inference.metrics``: served policy version, updates applied and refused, last update ms, generation
@@ -68,6 +69,11 @@ log = get_logger("primerl.inference")
 DRAIN_TIMEOUT_S = 120.0
 """Longest wait for in-flight requests to finish before an update in "wait" pause mode; the update is then
 refused (the broker sends it again)."""
+UPDATE_BUSY_FACTOR = 4.0
+UPDATE_BUSY_HISTORY = 16
+"""An update holding the engine counts as a stall past ``UPDATE_BUSY_FACTOR`` x the longest of the last
+``UPDATE_BUSY_HISTORY`` updates (at least one stall timeout): an engine stopped in the middle of an update is found
+within a few update times, not after 10 stall timeouts (44 s at a 4 s timeout in the chaos run)."""
 RECEIVE_POLL_S = 0.5
 MAX_REMEMBERED_REFUSALS = 16
 BROKER_ERROR_BACKOFF_S = 5.0
@@ -139,6 +145,7 @@ class InferenceService:
         self.stalled_reason: str | None = None
         # when the weight thread began applying the update under way (it holds the engine core: not a stall)
         self._update_began_s: float | None = None
+        self._update_seconds: collections.deque[float] = collections.deque(maxlen=UPDATE_BUSY_HISTORY)
 
     def _policy_version(self) -> int:
         return 0 if self.updater is None else self.updater.policy_version
@@ -294,7 +301,11 @@ class InferenceService:
             log.info("engine watchdog off (engine_stall_timeout_s = 0)")
             return
         self.watchdog = EngineWatchdog(
-            engine.is_sleeping, stall_timeout_s=timeout_s, on_change=self._engine_stall_changed, busy=self._is_busy
+            engine.is_sleeping,
+            stall_timeout_s=timeout_s,
+            on_change=self._engine_stall_changed,
+            busy=self._is_busy,
+            busy_limit=self._busy_limit_s,
         )
         self.server.stalled_fn = lambda: self.stalled_reason
         self._watchdog_stop = asyncio.Event()
@@ -304,6 +315,13 @@ class InferenceService:
 
     def _is_busy(self) -> float | None:
         return self._update_began_s
+
+    def _busy_limit_s(self) -> float | None:
+        """How long an update may hold the engine before its silence counts: a few times the longest of the
+        last updates, at least one stall timeout; None before the first (the watchdog's own bound)."""
+        if not self._update_seconds or self.watchdog is None:
+            return None
+        return max(self.watchdog.stall_timeout_s, UPDATE_BUSY_FACTOR * max(self._update_seconds))
 
     async def _stop_watchdog(self) -> None:
         if self._watchdog_task is None or self._watchdog_stop is None:
@@ -403,11 +421,12 @@ class InferenceService:
                     continue
                 if update is not None:
                     # the engine core is held by the update: no stall (engine watchdog)
-                    self._update_began_s = time.monotonic()
+                    self._update_began_s = began_s = time.monotonic()
                     try:
                         self._handle_update(subscriber, *update)
                     finally:
                         self._update_began_s = None
+                        self._update_seconds.append(time.monotonic() - began_s)
         except EngineCallCancelled:  # stopping while an update was being applied: it is not served; nothing to say
             log.info("weight update abandoned: the worker is stopping")
         except Exception as exc:  # a fault in this thread makes the worker useless: report and exit

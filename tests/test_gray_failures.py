@@ -95,6 +95,29 @@ def test_an_engine_already_stopped_when_an_update_comes_is_found_after_the_stall
     assert late.check(10.4) is None and late.check(10.5) == pytest.approx(1.0)  # not at 15 + 1
 
 
+def test_a_busy_spell_lasts_at_most_the_limit_it_is_given():
+    """The daemon gives a limit learnt from its recent updates (4 x the longest, at least the stall timeout):
+    an engine stopped in the middle of an update is found about a timeout after that, not after 10 timeouts."""
+    clock = StallClock(stall_timeout_s=4.0)
+    clock.sent(10.5)  # during an update that began at 10
+    now = 10.5
+    while now < 10.0 + 4.0:  # the limit: the updates took 0.15 s, so max(4, 4 x 0.15) = 4 s
+        clock.busy(now, since=10.0, limit_s=4.0)
+        assert clock.check(now) is None, now
+        now += 0.5
+    while clock.check(now) is None:
+        clock.busy(now, since=10.0, limit_s=4.0)
+        now += 0.5
+        assert now < 30.0
+    assert now <= 10.0 + 4.0 + 4.0 + 0.5  # found one timeout after the limit (the old bound: 10 + 40 + 4)
+    # a limit above the watchdog's own bound is held to it
+    capped = StallClock(stall_timeout_s=1.0)
+    capped.sent(0.0)
+    for now in (0.0, 5.0, 9.5, 10.0):
+        capped.busy(now, since=0.0, limit_s=1000.0)
+    assert capped.check(10.4) is None and capped.check(10.5) == pytest.approx(1.0)
+
+
 def test_bad_settings_are_refused_and_the_interval_is_bounded():
     with pytest.raises(ValueError, match="stall_timeout_s must be > 0"):
         StallClock(0)

@@ -61,14 +61,20 @@ def lineage(trainer: list[Incarnation]) -> Lineage:
         for inc in trainer
     }
     done = {inc.number: inc.named(telemetry.STEP_DONE) for inc in trainer}
-    # the steps each incarnation trained: its own "step done" lines and the versions it published (a trainer
-    # killed between a publish and its "step done" trained that step too)
+    # the steps each incarnation trained: its own "step done" lines, the versions it published and the checkpoints
+    # it saved (a trainer killed, or stopped with the broker gone, between a publish or a checkpoint and its
+    # "step done" trained that step too; the next incarnation writes the step's record from the checkpoint)
     trained = {
         inc.number: {int(e.get("step", 0)) for e in done[inc.number] if not e.get("from_checkpoint")}
         | {
             int(e.get("policy_version", 0))
             for e in inc.named(telemetry.POLICY_PUBLISHED)
             if int(e.get("policy_version", 0)) > resumed[inc.number]
+        }
+        | {
+            int(e.get("step", 0))
+            for e in inc.named(telemetry.CHECKPOINT_SAVED)
+            if int(e.get("step", 0)) > resumed[inc.number]
         }
         for inc in trainer
     }

@@ -190,6 +190,86 @@ def test_the_full_plan_fills_the_spool_disk_once_where_a_tmpfs_can_be_mounted():
     assert all(k.role != SPOOL_DISK for k in make_plan(1, full=False, disk=False))
 
 
+def test_the_full_plan_of_mode_separate_restarts_the_trainer_with_a_skewed_clock_once():
+    from chaos.plan import CLOCK_OFFSET_S, TRAINER_CLOCK, clock_offset_s
+
+    for seed in (1, 2, 3):
+        before = make_plan(seed, full=True, relay=True, stall=True, disk=True)
+        skewed = make_plan(seed, full=True, relay=True, stall=True, disk=True, clock=True)
+        [clock] = [k for k in skewed if k.role == TRAINER_CLOCK]
+        assert clock.moment == "skewed" and clock.delay_s == 0 and clock.gap_steps in (1, 2)
+        assert [k for k in skewed if k.role != TRAINER_CLOCK] == before  # the others keep their seeded plan
+    assert (clock_offset_s(1), clock_offset_s(2)) == (-CLOCK_OFFSET_S, CLOCK_OFFSET_S)  # behind, then ahead
+    assert all(k.role != TRAINER_CLOCK for k in make_plan(1, full=False))
+
+
+def test_a_trainer_killed_for_a_skewed_clock_is_restarted_reading_it(tmp_path):
+    """The driver's side of the clock fault with a real restarted process: the kill sets the offset in the unit's
+    environment for its next starts, the restarted process reads a wall clock 6 h behind (seed 1) and logs it,
+    and that line is what the run checks; a restart that never logs it fails the run."""
+    from chaos.checks import judge
+    from chaos.driver import Driver
+    from chaos.logs import Event
+    from chaos.plan import TRAINER_CLOCK, KillSpec
+    from chaos.runs import RunSpec, SeparateBackend
+
+    script = (
+        "import json, time\n"
+        "from primerl.proto import telemetry\n"
+        "from primerl.runtime.clock_offset import apply_clock_offset\n"
+        "real = time.time()\n"
+        "offset = apply_clock_offset()\n"
+        "event = telemetry.FAULT_CLOCK_OFFSET if offset is not None else 'started'\n"
+        "print(json.dumps({'event': event, 'offset_s': offset, 'skew_s': time.time() - real}), flush=True)\n"
+        "time.sleep(60)\n"
+    )
+    spec = RunSpec.create("separate", 1, tmp_path, tmp_path, 10, {})
+    log = tmp_path / "trainer.log"
+    unit = Unit("trainer", [sys.executable, "-c", script], dict(os.environ), log, restart_sec=0.1)
+    backend = SeparateBackend(spec)
+    backend.units = {"trainer": unit}
+    driver = Driver(spec, [], timeout_s=10, stall_s=10, say=lambda text: None)
+    driver.backend = backend
+    try:
+        unit.start()
+        deadline = time.monotonic() + 30
+        while '"started"' not in (log.read_text() if log.exists() else "") and time.monotonic() < deadline:
+            time.sleep(0.05)
+        first = unit.pid
+        kill = driver._kill(KillSpec(TRAINER_CLOCK, "skewed", 1), "after step 3 done")
+        assert kill.pid == first and "6 h behind" in kill.note
+        lines: list[dict] = []
+        while time.monotonic() < deadline and not lines:
+            backend.poll()
+            text = log.read_text()
+            lines = [json.loads(line) for line in text.splitlines() if telemetry.FAULT_CLOCK_OFFSET in line]
+            time.sleep(0.05)
+        assert lines, log.read_text()
+        assert lines[0]["offset_s"] == -21600 and lines[0]["skew_s"] == pytest.approx(-21600, abs=5)
+        assert unit.pid not in (None, first)
+    finally:
+        unit.stop(5)
+    seen = Event("trainer", 2, kill.at_s + 1.5, {"event": telemetry.FAULT_CLOCK_OFFSET})
+    driver._update_recovery(kill, [seen])
+    assert kill.stalled_s == pytest.approx(1.5)
+    assert not any("skewed clock" in failure for failure in judge(driver.record).failures)
+    kill.stalled_s = None
+    assert any("skewed clock never logged" in failure for failure in judge(driver.record).failures)
+
+
+def test_a_clock_offset_that_is_not_a_number_says_how_to_fix_it(monkeypatch):
+    from primerl.runtime.clock_offset import CLOCK_OFFSET_ENV, apply_clock_offset
+
+    monkeypatch.setattr(time, "time", time.time)  # restored after the test, whatever apply_clock_offset did
+    monkeypatch.setattr(time, "time_ns", time.time_ns)
+    assert apply_clock_offset({}) is None
+    with pytest.raises(ValueError, match="not a number of seconds .* unset it"):
+        apply_clock_offset({CLOCK_OFFSET_ENV: "6h"})
+    real = time.time()
+    assert apply_clock_offset({CLOCK_OFFSET_ENV: "3600"}) == 3600.0
+    assert time.time() - real == pytest.approx(3600, abs=5) and time.time_ns() // 10**9 - int(real) in range(3595, 3606)
+
+
 def test_a_full_spool_disk_is_held_until_the_broker_reports_it_then_freed_and_counted_back(tmp_path):
     """The driver's side of the disk fault on a real tmpfs: the spool's filesystem is full at the fault (a batch
     file no longer fits), stays full until `delay_s` after the broker's `rollout spool disk full`, is freed then,

@@ -47,7 +47,10 @@ PROGRESS_FIELDS = frozenset(
     {"trainer_step", "policy_version", "orchestrator_step", "num_inflight", "recent_errors", "not_serving"}
 )
 
-_UNAVAILABLE_CODES = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
+# CANCELLED: a broker that shuts down (a restart) cancels the calls it is serving; this client cancels none of its
+# unary calls, and a stream it cancels itself ends before this (``RunStatusStream``). Found by CI: an endpoint
+# watcher's ListWorkers cancelled by the broker's restart stopped the orchestrator it should have waited in.
+_UNAVAILABLE_CODES = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED)
 _log = get_logger("primerl.broker.client")
 
 ProgressFn = Callable[[], Mapping[str, Any]]

@@ -119,3 +119,38 @@ def test_retry_through_outage_gives_up_past_the_budget_and_when_stopped():
 def test_a_budget_must_be_positive():
     with pytest.raises(ValueError, match="budget_s"):
         OutageWatch("x", 0)
+
+
+def test_a_call_the_broker_cancels_as_it_shuts_down_is_an_outage_to_wait_through():
+    """Found by CI: a call that reaches a broker as it stops for a restart can end CANCELLED (details "CANCELLED"),
+    not UNAVAILABLE (measured with real gRPC, 3 threads calling while a server stops with a 0.5 s grace: 12
+    CANCELLED in 20 stops); an orchestrator's ListWorkers that ended so stopped the run instead of waiting for the
+    broker. It is an outage like UNAVAILABLE; this client cancels none of its unary calls itself."""
+    import grpc
+
+    from primerl.client.control import BrokerError, BrokerUnavailable, broker_error
+
+    class Ended(grpc.RpcError):
+        def __init__(self, code: grpc.StatusCode, details: str) -> None:
+            self._code, self._details = code, details
+
+        def code(self) -> grpc.StatusCode:
+            return self._code
+
+        def details(self) -> str:
+            return self._details
+
+    cancelled = broker_error(Ended(grpc.StatusCode.CANCELLED, "CANCELLED"), "ListWorkers", "127.0.0.1:1")
+    assert isinstance(cancelled, BrokerUnavailable) and "unreachable" in str(cancelled)
+    refused = broker_error(Ended(grpc.StatusCode.PERMISSION_DENIED, "wrong run token"), "ListWorkers", "h:1")
+    assert type(refused) is BrokerError  # a refusal is not an outage
+    clock, results = FakeClock(), [cancelled, "workers"]
+
+    def list_workers() -> str:
+        result = results.pop(0)
+        if isinstance(result, Exception):
+            raise result
+        return result
+
+    watch = OutageWatch("ListWorkers", 30.0, clock=clock, logger=RecordingLogger())
+    assert retry_through_outage(list_workers, watch, (BrokerUnavailable,), sleep=clock.sleep) == "workers"

@@ -359,9 +359,16 @@ def test_ctrl_c_stops_the_command_while_a_page_holds_its_connection_open(tmp_pat
     )
     connection = None
     try:
-        line = process.stdout.readline()
-        match = re.search(r"at http://127\.0\.0\.1:(\d+)/\?token=(\S+)", line)
-        assert match, line + (process.stdout.read() if process.poll() is not None else "")
+        # The first lines may be gRPC's, written by this test process's fork handlers in the child before its exec
+        # (preexec_fn forks; gRPC is loaded here by earlier tests): "epoll_wait error: Bad file descriptor".
+        seen, match = "", None
+        for _ in range(20):
+            line = process.stdout.readline()
+            seen += line
+            match = re.search(r"at http://127\.0\.0\.1:(\d+)/\?token=(\S+)", line)
+            if match or not line:
+                break
+        assert match, seen + (process.stdout.read() if process.poll() is not None else "")
         connection = http.client.HTTPConnection("127.0.0.1", int(match[1]), timeout=20)
         connection.request("GET", "/api/run", headers={"Authorization": f"Bearer {match[2]}"})
         response = connection.getresponse()

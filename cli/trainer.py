@@ -11,15 +11,10 @@ from primerl.cli.role_signals import STARTUP_EXIT_STATUS, StoppedWhileStarting, 
 
 
 def serve(config, args: argparse.Namespace, *, objective: str = "rl") -> int:
-    from primerl.proto import telemetry
-    from primerl.runtime.clock_offset import CLOCK_OFFSET_ENV, apply_clock_offset
     from primerl.runtime.cpu_budget import apply_budget
     from primerl.runtime.log_setup import bind_context, configure_logging
 
     log = configure_logging("trainer", "", level=config.log.level, fmt=config.log.format)
-    offset_s = apply_clock_offset()  # tests only: a host whose clock is skewed
-    if offset_s is not None:
-        log.warning(telemetry.FAULT_CLOCK_OFFSET, offset_s=offset_s, env=CLOCK_OFFSET_ENV)
     apply_budget("trainer", config.threads, log=log)  # before torch loads OpenMP: thread counts, wait policy
 
     from primerl.trainer.distributed import init_distributed, shutdown_distributed

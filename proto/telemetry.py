@@ -118,8 +118,6 @@ SPOOL_COMMIT_ON_FULL_DISK = (
 )
 FAULT_ORCHESTRATOR_EXIT = "fault injection: orchestrator exits after acks"
 """Orchestrator, tests only (``PRIMERL_FAULT_ORCHESTRATOR_EXIT_AFTER_ACKS``): it SIGKILLs itself mid-step."""
-FAULT_CLOCK_OFFSET = "fault injection: this process's wall clock is offset"
-"""Trainer, tests only (``PRIMERL_FAULT_CLOCK_OFFSET_S``, ``runtime.clock_offset``): its wall clock reads skewed."""
 ALL_STEPS_PRODUCED = "all steps produced"
 ROLLOUT_FAILED = "rollout failed"
 ROLLOUT_GROUP_RETRIED = "rollout group retried"

@@ -239,8 +239,6 @@ def judge(record: RunRecord) -> Verdict:
             verdict.failures.append("the stopped engine core was never reported stalled by its inference worker")
         if kill.spec.moment == "full" and kill.fired and kill.stalled_s is None:
             verdict.failures.append("the broker never reported its spool's disk full")
-        if kill.spec.moment == "skewed" and kill.fired and kill.stalled_s is None:
-            verdict.failures.append("the trainer restarted with a skewed clock never logged the offset")
         if kill.spec.moment == "full" and not kill.fired:
             verdict.failures.append("the spool's filesystem could not be filled")
         if kill.spec.moment == "mid-relay" and (kill.healed_s is None or kill.healed_s > RELAY_HEAL_BOUND_S):
@@ -337,8 +335,6 @@ def summary(verdict: Verdict) -> str:
             healed = f", seen stalled in {seconds(kill.stalled_s)}, resumed at {seconds(kill.resumed_s)}"
         if kill.spec.moment == "full":
             healed = f", seen full in {seconds(kill.stalled_s)}, freed at {seconds(kill.resumed_s)}"
-        if kill.spec.moment == "skewed":
-            healed = f", skewed clock logged in {seconds(kill.stalled_s)}"
         lines.append(
             f"  - {kill.spec.role:<12} {kill.spec.moment:<25} at step {kill.trainer_step:>2}: back in "
             f"{seconds(kill.recovered_s)}, next step done in {seconds(kill.next_step_s)}{healed}  [{kill.note}]"

@@ -93,7 +93,6 @@ def main(argv: list[str] | None = None) -> int:
                 trainer_rank=mode == "rl",
                 stall=not args.quick,
                 disk=not args.quick and disk_refusal is None,
-                clock=not args.quick and mode == "separate",
             )
             max_steps = args.steps or steps_needed(plan)
             run_dir = (args.run_root / f"{mode}-seed{seed}").resolve()

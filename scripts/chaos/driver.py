@@ -12,10 +12,9 @@ import time
 from dataclasses import dataclass, field
 
 from primerl.proto import telemetry
-from primerl.runtime.clock_offset import CLOCK_OFFSET_ENV
 
 from .logs import Event, LogFollower
-from .plan import ENGINE, HELD_FAULTS, LAUNCHER, SPOOL_DISK, TRAINER_CLOCK, TRAINER_RANK, KillSpec, clock_offset_s
+from .plan import ENGINE, HELD_FAULTS, LAUNCHER, SPOOL_DISK, TRAINER_RANK, KillSpec
 from .procs import Exit, describe, marked_processes
 from .runs import BIN, CKPT_INTERVAL, RELAY_ROLE, ROLES, RlBackend, RunSpec, SeparateBackend, SpoolDisk, base_env
 
@@ -35,12 +34,10 @@ RECOVERED_BY = {  # killed role -> the (role, event) that says it is back
     TRAINER_RANK: ("trainer", "registered with the broker"),  # the restarted torchrun's ranks
     ENGINE: ("inference", telemetry.INFERENCE_ENGINE_RECOVERED),  # resumed, and its watchdog saw it answer
     SPOOL_DISK: ("broker", telemetry.SPOOL_ROOM_AGAIN),  # freed, and a batch was spooled again
-    TRAINER_CLOCK: ("trainer", "registered with the broker"),  # restarted with the skewed clock
 }
 SEEN_BY = {  # held fault -> the (role, event) that says the system noticed it
     ENGINE: ("inference", telemetry.INFERENCE_ENGINE_STALLED),
     SPOOL_DISK: ("broker", telemetry.SPOOL_DISK_FULL),
-    TRAINER_CLOCK: ("trainer", telemetry.FAULT_CLOCK_OFFSET),  # the restarted trainer reads the skewed clock
 }
 
 
@@ -264,7 +261,7 @@ class Driver:
         """A note describing the moment when ``spec`` should fire now, else None."""
         if spec.moment == "random":
             return f"{spec.delay_s:.2f} s after step {self.last_step} done" if self.last_step >= armed_at_step else None
-        if spec.role in HELD_FAULTS or spec.moment == "skewed":
+        if spec.role in HELD_FAULTS:
             return f"after step {self.last_step} done" if self.last_step >= armed_at_step else None
         for event in new_events:
             if (
@@ -318,20 +315,14 @@ class Driver:
                 f"{self.last_step}: {note}"
             )
             return kill
-        role = spec.role
-        if spec.role == TRAINER_CLOCK:  # its restarts (this one and any later) read a clock hours away
-            role, offset_s = "trainer", clock_offset_s(self.spec.seed)
-            self.backend.set_env(role, {CLOCK_OFFSET_ENV: f"{offset_s:g}"})
-            direction = "behind" if offset_s < 0 else "ahead"
-            kill.note += f"; restarted with its clock {abs(offset_s) / 3600:g} h {direction}"
-        pid = self.backend.pid(role)
+        pid = self.backend.pid(spec.role)
         children = []
         if pid is not None:
             try:
                 children = psutil.Process(pid).children(recursive=True)
             except psutil.Error:
                 children = []
-        kill.pid = self.backend.kill(role)
+        kill.pid = self.backend.kill(spec.role)
         self.record.kills.append(kill)
         self.say(f"    kill: {spec.describe()} pid {kill.pid} at trainer step {self.last_step}: {note}")
         if kill.pid is None:

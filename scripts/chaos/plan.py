@@ -21,10 +21,6 @@ Kinds of moment:
   stopped with SIGSTOP while ``primerl-infer`` itself runs on and heartbeats; once the daemon logs ``inference
   engine stalled`` (its watchdog, ``engine_stall_timeout_s``, set short for chaos runs) the harness waits
   ``delay_s`` more and resumes it with SIGCONT. It is back on ``inference engine recovered``.
-- ``skewed`` (role ``trainer-clock``, the full plan of mode ``separate``): the trainer is SIGKILLed and restarted
-  with its wall clock ``CLOCK_OFFSET_S`` behind (odd seeds) or ahead (even seeds) of the host's
-  (``PRIMERL_FAULT_CLOCK_OFFSET_S``), as on another host with a skewed clock; it keeps that clock for the rest of
-  the run. It is back when it registers with the broker; the run fails if it never logged the offset.
 - ``full`` (role ``spool-disk``, the full plan, where a tmpfs can be mounted): the broker's spool directory is a
   small tmpfs of its own for the whole run; the harness fills it (a filler file in a subdirectory the spool
   ignores) and, once the broker logs ``rollout spool disk full``, waits ``delay_s`` more and deletes the filler.
@@ -46,15 +42,13 @@ LAUNCHER = "launcher"
 TRAINER_RANK = "trainer-rank"  # rank 1 of a two-rank trainer
 ENGINE = "engine"  # the inference worker's vLLM engine core, stopped and resumed (moment "stall")
 SPOOL_DISK = "spool-disk"  # the filesystem of the broker's spool, filled and freed (moment "full")
-TRAINER_CLOCK = "trainer-clock"  # the trainer, killed and restarted with a skewed wall clock (moment "skewed")
-CLOCK_OFFSET_S = 6 * 3600.0
 HELD_FAULTS = {ENGINE: "stall", SPOOL_DISK: "full"}  # faults held for ``delay_s`` once the system saw them
 
 
 @dataclass(frozen=True)
 class KillSpec:
     role: str
-    moment: str  # random | push | publish-before-checkpoint | mid-relay | stall | full | skewed
+    moment: str  # random | push | publish-before-checkpoint | mid-relay | stall | full
     gap_steps: int  # trainer steps done after the previous recovery before this kill is armed
     delay_s: float = 0.0  # for moment "random"
 
@@ -72,7 +66,6 @@ def make_plan(
     trainer_rank: bool = False,
     stall: bool = False,
     disk: bool = False,
-    clock: bool = False,
 ) -> list[KillSpec]:
     """Every kind once at a random moment, the broker during a push and the trainer between a publish and its
     checkpoint; ``full=False`` (the CI profile) keeps one kill per role: push, publish-before-checkpoint, and
@@ -81,8 +74,7 @@ def make_plan(
     other kills keep their seeded order). ``trainer_rank`` (mode rl, a two-rank trainer): rank 1 at a random
     moment, placed the same way. ``stall``: the engine core stopped, then resumed ``delay_s`` after the daemon
     saw the stall, placed the same way. ``disk``: the spool's filesystem filled, then freed ``delay_s`` after the
-    broker saw it full, placed the same way. ``clock``: the trainer restarted with a skewed clock, placed the same
-    way."""
+    broker saw it full, placed the same way."""
     rng = random.Random(seed)
     moments = [
         ("broker", "push"),
@@ -107,13 +99,12 @@ def make_plan(
         (TRAINER_RANK, "random", trainer_rank),
         (ENGINE, "stall", stall),
         (SPOOL_DISK, "full", disk),
-        (TRAINER_CLOCK, "skewed", clock),
     ):
         if wanted:
             own = random.Random(f"{role}-{seed}")
-            gap_steps = own.randint(1, 2)  # drawn before the delay: the other kinds' seeded plans stay as they were
-            delay_s = round(own.uniform(0.0, MAX_RANDOM_DELAY_S), 3) if moment != "skewed" else 0.0
-            kill = KillSpec(role, moment, gap_steps=gap_steps, delay_s=delay_s)
+            kill = KillSpec(
+                role, moment, gap_steps=own.randint(1, 2), delay_s=round(own.uniform(0.0, MAX_RANDOM_DELAY_S), 3)
+            )
             plan.insert(own.randint(0, len(plan)), kill)
     if relay:
         plan.insert(0, KillSpec("relay", "mid-relay", gap_steps=1, delay_s=RELAY_KILL_DELAY_S))
@@ -125,8 +116,3 @@ def steps_needed(plan: list[KillSpec]) -> int:
     so the trainer goes on for a few steps during a random delay and while a killed role comes back (a relay
     worker's kill does not hold the trainer up: one step for it)."""
     return 4 + sum(kill.gap_steps + (1 if kill.moment == "mid-relay" else 4) for kill in plan)
-
-
-def clock_offset_s(seed: int) -> float:
-    """The trainer's clock offset of a ``skewed`` fault: behind for odd seeds, ahead for even ones."""
-    return -CLOCK_OFFSET_S if seed % 2 else CLOCK_OFFSET_S

@@ -23,7 +23,6 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -267,10 +266,6 @@ class SeparateBackend:
 
     def kill(self, role: str) -> int | None:
         return self.units[role].kill()
-
-    def set_env(self, role: str, env: Mapping[str, str]) -> None:
-        """Add to the environment of the role's next starts."""
-        self.units[role].env.update(env)
 
     def stop_engine(self) -> int | None:
         return _stop_engine(self.pid("inference"))

@@ -267,17 +267,17 @@ class RolloutScheduler:
             return
         self._endpoints_generation = generation
         for endpoint in self.inference.update(workers, self.current_version()):
-            self._retry_groups_on(endpoint)
+            self._retry_groups_on(endpoint, "its inference worker is no longer listed by the broker")
 
-    def _retry_groups_on(self, endpoint: InferenceEndpoint) -> None:
-        """The worker left: cancel its groups in flight and dispatch them again elsewhere."""
-        for future, entry in list(self.inflight.items()):
-            if entry.endpoint is endpoint:
-                del self.inflight[future]
-                endpoint.num_inflight -= self.config.rollouts_per_example
-                self.env_clients[entry.env_id].cancel(future)
-                self._count_cancelled(entry)
-                self._retry(entry, "its inference worker is no longer listed by the broker")
+    def _retry_groups_on(self, endpoint: InferenceEndpoint, reason: str) -> None:
+        """Cancel the worker's groups in flight (it left, or went silent) and dispatch them again elsewhere."""
+        groups = [(future, entry) for future, entry in self.inflight.items() if entry.endpoint is endpoint]
+        for future, entry in groups:
+            del self.inflight[future]
+            endpoint.num_inflight -= self.config.rollouts_per_example
+            self.env_clients[entry.env_id].cancel(future)
+            self._count_cancelled(entry)
+            self._retry(entry, reason)
         self._inflight_changed()
 
     def _retry(self, entry: InflightGroup, reason: str) -> bool:
@@ -493,8 +493,9 @@ class RolloutScheduler:
             self.throughput.add(entry.started_s, time.monotonic(), self.counters["completion_tokens"] - tokens_before)
             if group is None:
                 continue
-            self.counters["generation_s"] += time.monotonic() - entry.started_s
-            self._group_seconds.append(time.monotonic() - entry.started_s)
+            group_s = time.monotonic() - entry.started_s
+            self.counters["generation_s"] += group_s
+            self._group_seconds.append(group_s)
             if self.teacher is not None:  # advantages and the assembler once the teacher scored it
                 self.teacher.submit(group)
                 continue
@@ -657,35 +658,22 @@ class RolloutScheduler:
             if first is None or entry.started_s < first.started_s:
                 oldest[id(entry.endpoint)] = entry
         answering = [e for e in self.endpoints.values() if now_s - e.last_answer_s < timeout_s]
-        retried = False
         for entry in oldest.values():
             endpoint = entry.endpoint
             silent_s = now_s - max(entry.started_s, endpoint.last_answer_s)  # holding work, returning nothing
-            if silent_s < timeout_s:
+            if silent_s < timeout_s or not any(other is not endpoint for other in answering):
                 continue
-            if not any(other is not endpoint for other in answering):
-                continue
-            groups = [(f, e) for f, e in self.inflight.items() if e.endpoint is endpoint]
-            log.warning(
+            self.counters["silent_workers"] += 1
+            log.warning(  # before the groups' own `rollout group retried` lines, which it explains
                 telemetry.INFERENCE_WORKER_SILENT,
                 worker_id=endpoint.worker_id,
                 url=endpoint.base_url,
                 silent_s=round(silent_s, 1),
                 worker_silence_timeout_s=round(timeout_s, 1),
-                groups=len(groups),
+                groups=sum(1 for e in self.inflight.values() if e.endpoint is endpoint),
             )
-            self.counters["silent_workers"] += 1
-            reason = f"no rollout came back from the worker for {silent_s:.1f} s while others answered"
-            for future, group in groups:
-                del self.inflight[future]
-                endpoint.num_inflight -= self.config.rollouts_per_example
-                self.env_clients[group.env_id].cancel(future)
-                self._count_cancelled(group)
-                self._retry(group, reason)
+            self._retry_groups_on(endpoint, f"no rollout came back from the worker for {silent_s:.1f} s")
             endpoint.unreachable(now_s)
-            retried = True
-        if retried:
-            self._inflight_changed()
 
     def worker_metrics(self) -> dict[str, float]:
         """This step's ``rollout/retried`` (rollouts dispatched again after their inference worker could not be

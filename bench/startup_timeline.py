@@ -33,7 +33,7 @@ import primerl_runs  # noqa: E402 - the bench directory's shared runner
 ROOT = primerl_runs.ROOT
 SFT_MODEL = ROOT / "runs" / "demo" / "sft" / "weights" / "step_1000"
 TINY_MODEL = ROOT / "runs" / "demo" / "tiny-model"
-ORDERS = {"parallel": [], "preflight-first": ["--preflight-first"]}
+ORDERS = {"parallel": [], "preflight-first": ["--preflight-first"], "no-preflight": ["--no-preflight"]}
 
 LINE = re.compile(r"^(\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d(?:\.\d+)?)Z \[\s*\w+\s*\] (.+?)(?:\s{2,}\[|\s*$)")
 PREFLIGHT_LINE = re.compile(r"^(\S+|\d{4}-\d\d-\d\d \d\d:\d\d:\d\d) primerl rl preflight: ([\d.]+) s")
@@ -175,6 +175,11 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--runs", type=int, default=3, help="runs per order (default %(default)d)")
     parser.add_argument("--compare", action="store_true", help="also the old order (--preflight-first), interleaved")
+    parser.add_argument(
+        "--orders",
+        default=None,
+        help=f"comma-separated start orders to run, interleaved (of {', '.join(ORDERS)}; default: parallel)",
+    )
     parser.add_argument("--model", type=Path, default=None, help="model (default: the SFT checkpoint, else tiny)")
     parser.add_argument(
         "--before",
@@ -193,6 +198,12 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     work = args.work_dir or Path(tempfile.mkdtemp(prefix="startup-timeline-"))
     orders = ["preflight-first", "parallel"] if args.compare else ["parallel"]
+    if args.orders:
+        orders = [order.strip() for order in args.orders.split(",") if order.strip()]
+        unknown = [order for order in orders if order not in ORDERS]
+        if unknown:
+            print(f"unknown order(s) {', '.join(unknown)}: choose from {', '.join(ORDERS)}", file=sys.stderr)
+            return 2
     before = None
     if args.before:
         before = clone_before(args.before, work)

@@ -228,11 +228,13 @@ def main(argv: list[str] | None = None) -> int:
             status = None
         elif args.preflight_first:
             status = _preflight(config)
-        else:  # the fast checks now; the slow ones beside the start (the launcher runs them)
+        else:  # the fast checks now; the slow ones beside the start (the environments: by the orchestrator)
             from primerl.cli.preflight.roles import BackgroundPreflight, rl_fast_preflight
+            from primerl.runtime.start_gate import ENV_CHECK_FILE_NAME
 
             status = rl_fast_preflight(config, _preflight_log(config))
-            background = BackgroundPreflight(config, _preflight_log(config))
+            env_report = Path(config.output_dir).resolve() / ENV_CHECK_FILE_NAME
+            background = BackgroundPreflight(config, _preflight_log(config), env_report=env_report)
         if status is not None:
             return status
         from primerl.cli.preflight.base import SKIP_VAR

@@ -8,7 +8,8 @@ One RL step, in the order a reader follows it:
   endpoint, and what their results become; it answers with ``types.StepReport``. ``types``: the values and
   interfaces the components hand each other.
 - ``envs``: the environment clients (classic and verifiers v1) behind one interface, and what runs in their
-  interpreters; ``env_sampler``: which example comes next; ``seeds``: per-rollout sampling seeds.
+  interpreters; ``env_sampler``: which example comes next; ``seeds``: per-rollout sampling seeds;
+  ``env_preflight``: the preflight's check of the environments, on the run's own env workers (under `primerl rl`).
 - ``endpoints``: the inference workers, read from the broker in a thread of their own.
 - ``trajectory``: the environments' answers, typed and checked; ``samples``: what a rollout becomes for training.
 - ``teacher_stage`` (groups waiting for the teacher), ``teacher_scoring`` and ``teacher_client`` (a teacher's

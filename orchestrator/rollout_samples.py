@@ -12,7 +12,8 @@ in all; distinct rollouts). One record (one JSON line) per sample rollout::
 inside a multi-turn rollout, logprob 0). Bounded: the prompt keeps its last ``MAX_PROMPT_CHARS`` characters, the
 completion its first ``MAX_TOKENS`` tokens (``tokens_dropped`` says how many more there were), and a record stays
 under ``max_record_bytes``. The text comes from the model's tokenizer (``model.name``, loaded on the writer thread
-from the local files only); without one, tokens show as ``<id>``.
+from the local files only, or the one the preflight's environment check loaded); without one, tokens show as
+``<id>``.
 
 The hand-off never blocks a step: ``add`` queues the step's samples and returns; a full queue (a slow disk) drops
 the step's samples with one warning. A write error is logged once and never stops the orchestrator.
@@ -20,6 +21,7 @@ the step's samples with one warning. A write error is logged once and never stop
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
 import math
 import queue
@@ -109,12 +111,21 @@ def _finite(value: float) -> float:
     return round(value, 5) if math.isfinite(value) else 0.0
 
 
-def tokenizer_decoder(model_name: str) -> Decoder:
-    """Each token's text through the model's tokenizer (local files only); token ids as ``<id>`` without one."""
+def tokenizer_decoder(model_name: str, loading: concurrent.futures.Future | None = None) -> Decoder:
+    """Each token's text through the model's tokenizer (local files only; ``loading``: the (tokenizer, traceback)
+    of one loaded elsewhere, used when it loaded); token ids as ``<id>`` without one."""
+    if loading is not None:
+        loaded, _ = loading.result()
+        if loaded is not None:
+            return lambda ids: [loaded.decode([token_id]) for token_id in ids]
     try:
-        from transformers import AutoTokenizer
+        from primerl.runtime.tokenizer_files import FileTokenizer
 
-        tokenizer = AutoTokenizer.from_pretrained(model_name, local_files_only=True)
+        tokenizer = FileTokenizer.load(model_name)  # the directory's tokenizer.json: no transformers import
+        if tokenizer is None:
+            from transformers import AutoTokenizer
+
+            tokenizer = AutoTokenizer.from_pretrained(model_name, local_files_only=True)
     except Exception as err:  # no local tokenizer (a served name that is not a path): ids will do
         log.info("sample rollouts show token ids: no local tokenizer", model=model_name, reason=str(err)[:200])
         return lambda ids: [f"<{token_id}>" for token_id in ids]
@@ -134,12 +145,14 @@ class RolloutSamples:
         max_record_bytes: int = DEFAULT_MAX_RECORD_BYTES,
         on_records: Callable[[int, list[dict]], None] | None = None,
         decoder: Decoder | None = None,
+        tokenizer_loading: concurrent.futures.Future | None = None,
     ):
         self.path = Path(output_dir) / ROLLOUTS_FILE
         self.per_env = per_env
         self.max_record_bytes = max_record_bytes
         self._model_name = model_name
         self._decode = decoder
+        self._tokenizer_loading = tokenizer_loading  # of model_name, loaded elsewhere: (tokenizer, traceback)
         self._on_records = on_records
         self._queue: queue.Queue = queue.Queue(maxsize=QUEUE_STEPS)
         self._thread: threading.Thread | None = None
@@ -181,7 +194,7 @@ class RolloutSamples:
 
     def _write(self, step: int, chosen: list[TrainingSample]) -> None:
         if self._decode is None:
-            self._decode = tokenizer_decoder(self._model_name)
+            self._decode = tokenizer_decoder(self._model_name, self._tokenizer_loading)
         records = [to_record(step, sample, self._decode, self.max_record_bytes) for sample in chosen]
         self.path.parent.mkdir(parents=True, exist_ok=True)
         with self.path.open("a", encoding="utf-8") as handle:

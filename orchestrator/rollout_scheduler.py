@@ -261,7 +261,8 @@ class RolloutScheduler:
         """Take the endpoint watcher's latest worker list (no IO here; its thread reads the broker): workers that
         joined wait for the current version, the groups of workers that left are dispatched again."""
         watcher.check()  # BrokerOutageExceeded (or another error of the list call) stops the run here
-        watcher.set_fast(self.waiting_for_version or self.inference.joining)
+        # fast while dispatch waits: for a newer policy, a worker catching up, or the first worker (start-up)
+        watcher.set_fast(self.waiting_for_version or self.inference.joining or not self.inference.ready())
         generation, workers = watcher.snapshot()
         if generation == self._endpoints_generation:
             return

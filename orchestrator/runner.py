@@ -47,6 +47,7 @@ from primerl.orchestrator.async_bound import AsyncBound
 from primerl.orchestrator.batch_sender import BatchSender, SendInterrupted
 from primerl.orchestrator.concurrency import AdaptiveConcurrency, FixedConcurrency, WorkerLoad, build_concurrency
 from primerl.orchestrator.endpoints import EndpointWatcher, InferenceWorkers
+from primerl.orchestrator.env_preflight import EnvPreflight
 from primerl.orchestrator.env_sampler import EnvSampler
 from primerl.orchestrator.envs.base import EnvClient
 from primerl.orchestrator.filtering import AssembledBatch
@@ -150,6 +151,8 @@ class OrchestratorRunner:
         self._stop_reason = ""
         self._fallback_reasons_logged: set[str] = set()
         self._num_fallbacks_total = 0
+        # Under `primerl rl`: the preflight's environment check, on the env workers this run starts.
+        self.env_preflight = EnvPreflight.requested(config)
 
     # -- set-up --------------------------------------------------------------------------------------
 
@@ -170,7 +173,10 @@ class OrchestratorRunner:
         self.sink = MetricsSink("orchestrator", config.output_dir, config.wandb, config, exporter=self.exporter)
         # A few sample rollouts per step for the dashboard: to rollouts.jsonl and the broker's run history.
         self.rollout_samples = RolloutSamples(
-            config.output_dir, config.model.name, on_records=lambda step, records: self._send_samples(step, records)
+            config.output_dir,
+            config.model.name,
+            on_records=lambda step, records: self._send_samples(step, records),
+            tokenizer_loading=self.env_preflight.tokenizer_of(config.model.name) if self.env_preflight else None,
         )
 
     def _connect(self) -> None:
@@ -232,10 +238,23 @@ class OrchestratorRunner:
         """Start the training and eval environments side by side; the sampler over the training ones."""
         from primerl.orchestrator.envs.factory import EnvClients, endpoint_version_fn
 
-        config = self.config
-        clients = EnvClients(config, env_python=self.env_python, version_of=endpoint_version_fn(self.inference))
+        config, preflight = self.config, self.env_preflight
+        clients = EnvClients(
+            config,
+            env_python=self.env_python,
+            version_of=endpoint_version_fn(self.inference),
+            probe=preflight.probe if preflight is not None else None,
+        )
         evals = [(config.eval.env, "orchestrator.eval.env", self.eval_clients)] if config.eval is not None else []
-        loaded = clients.start_groups([(config.env, "orchestrator.env", self.env_clients), *evals])
+        groups = [(config.env, "orchestrator.env", self.env_clients), *evals]
+        if preflight is None:
+            loaded = clients.start_groups(groups)
+        else:  # the findings go to the launcher before an error of the start ends this process
+            outcomes: dict = {}
+            try:
+                loaded = clients.start_groups(groups, outcomes)
+            finally:
+                preflight.report(outcomes)
         sizes, weights = {}, {}
         for resolved, info in loaded[0]:
             env = resolved.env
@@ -303,6 +322,8 @@ class OrchestratorRunner:
 
         self.config.output_dir.mkdir(parents=True, exist_ok=True)
         try:
+            if self.env_preflight is not None:
+                self.env_preflight.start()  # its tokenizer loads while the broker is dialled and the envs load
             self._open_metrics()
             self._connect()
             scheduler = self.scheduler = self._build_scheduler(self._start_environments())

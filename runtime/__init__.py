@@ -10,7 +10,9 @@ this package (``tests/test_layering.py`` holds it).
 - sockets: ``zmq_sockets`` (ROUTER/DEALER factories with the limits set before bind/connect);
 - files: ``durable_files`` (crash-safe atomic writes);
 - processes: ``cpu_budget`` (each role's thread budget), ``parent_death`` (children that die with their parent),
-  ``process_ids`` (whether a pid is alive: leftovers of dead daemons).
+  ``process_ids`` (whether a pid is alive: leftovers of dead daemons);
+- start-up: ``findings`` (what a preflight check found), ``start_gate`` (the orchestrator waits for `primerl rl`'s
+  preflight; its environments' report), ``tokenizer_files`` (a model directory's tokenizer without transformers).
 
 Byte units (``MiB``) live in ``primerl.proto.units``, beside the wire code that needs them.
 """

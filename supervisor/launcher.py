@@ -35,7 +35,7 @@ from primerl.proto.ready_file import READY_FILE_NAMES, ready_file_path
 from primerl.runtime.config_loader import write_toml
 from primerl.runtime.cpu_budget import describe, role_env
 from primerl.runtime.run_metrics import read_run_rows
-from primerl.runtime.start_gate import GATE_FILE_NAME, GATE_VAR, open_gate
+from primerl.runtime.start_gate import ENV_CHECK_FILE_NAME, GATE_FILE_NAME, GATE_VAR, open_gate
 from primerl.supervisor import process_reaper
 from primerl.supervisor.console import RunConsole
 from primerl.supervisor.process_supervisor import ChildFailed, ChildProcess, Supervisor
@@ -138,6 +138,7 @@ class Launcher:
         env = {**self._env(gpu_ids), **role_env(role, self.budgets[role])}
         if role == "orchestrator" and self.options.preflight is not None:
             env[GATE_VAR] = str(self.gate_path.resolve())  # its first rollout waits for the preflight's verdict
+            env.update(self.options.preflight.orchestrator_env())  # it checks the environments it loads
         child = self.supervisor.start(ChildProcess(role, argv, self.logs_dir / f"{role}.log", env))
         self.supervisor.write_pids(self.run_dir / "pids.json")
         return child
@@ -198,7 +199,7 @@ class Launcher:
             return 2
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.logs_dir.mkdir(parents=True, exist_ok=True)
-        for stale in (*READY_FILE_NAMES.values(), RUN_FILE_NAME, GATE_FILE_NAME):
+        for stale in (*READY_FILE_NAMES.values(), RUN_FILE_NAME, GATE_FILE_NAME, ENV_CHECK_FILE_NAME):
             (self.run_dir / stale).unlink(missing_ok=True)
         roles = config.role_configs()
         self.budgets = thread_budgets(config, roles, gpus=self.use_gpus)
@@ -373,6 +374,9 @@ class Launcher:
         which explains the failure better than the role's log."""
         if self.preflight is None:
             return False
+        orchestrator = self.supervisor.children.get("orchestrator")
+        if orchestrator is None or orchestrator.poll() is not None:  # its environments' report will not come now
+            self.preflight.orchestrator_ended()
         deadline = time.monotonic() + PREFLIGHT_WAIT_S
         while not self.preflight.wait(CHECK_INTERVAL_S) and time.monotonic() < deadline and not self.signal_count:
             pass

@@ -17,9 +17,9 @@ import pytest
 from support.probes import free_port
 
 from primerl.cli.preflight.base import Finding, error, report, run_checks, warning
-from primerl.cli.preflight.envs import EnvUse, check_environments, length_findings
 from primerl.cli.preflight.model import looks_like_hub_id, model_checks, name_problem
 from primerl.cli.preflight.system import PortUse, port_check, port_problem, wandb_check
+from primerl.orchestrator.envs.checks import EnvUse, check_environments, length_findings
 from primerl.runtime.config_common import WandbConfig
 
 BIN = Path(sys.executable).parent

@@ -2,7 +2,8 @@
 start with exit status 2, a warning is printed and the start goes on. `run_checks` runs checks concurrently, each
 bounded by `CHECK_TIMEOUT_S`; `report` prints one line per finding and writes the details to a log file.
 `$PRIMERL_SKIP_PREFLIGHT` skips the checks (`primerl rl` sets it for its roles, which it checked already).
-The check modules (`envs`, `model`, `system`) import this module and not each other's internals.
+The check modules (`envs`, `model`, `system`) import this module and not each other's internals; `Finding` (with
+`error` and `warning`) lives in `primerl.runtime.findings`, where the orchestrator's environment checks reach it.
 """
 
 from __future__ import annotations
@@ -16,28 +17,12 @@ import traceback
 from collections.abc import Callable, Mapping
 from pathlib import Path
 
+from primerl.runtime.findings import Finding, error, warning  # noqa: F401 - error: re-exported for the checks
+
 SKIP_VAR = "PRIMERL_SKIP_PREFLIGHT"
 CHECK_TIMEOUT_S = 150.0
 """A check still running after this is reported as a warning and the start goes on (env workers bound their
 own start at `preflight_envs.ENV_START_TIMEOUT_S`, so this is a backstop)."""
-
-
-@dataclasses.dataclass(frozen=True)
-class Finding:
-    """What a check found. ``message`` is one line: what is wrong and how to fix it; ``detail`` (a traceback, an
-    env worker's stderr) goes to the log only."""
-
-    message: str
-    error: bool = True
-    detail: str = ""
-
-
-def error(message: str, detail: str = "") -> Finding:
-    return Finding(message, True, detail)
-
-
-def warning(message: str, detail: str = "") -> Finding:
-    return Finding(message, False, detail)
 
 
 Check = Callable[[], list[Finding]]

@@ -1,10 +1,12 @@
 """Which preflight checks run where: every check under `primerl rl`, a daemon started on its own the checks of its
 role (`run_role`). Under `primerl rl` the fast checks (paths, ports, memory, W&B: milliseconds) run before any
 role starts; the slow ones (``BESIDE_THE_START``: the environments and the teacher's tokenizer) run while the
-roles start (vLLM's import alone takes ~8 s), and the orchestrator waits for their verdict before its first
-rollout (``runtime.start_gate``); a finding stops every role, with the same lines and exit status 2.
-``--preflight-first`` runs them all before anything starts (the order before issue 31). Tracebacks and the env
-workers' output go to a log file only; the console shows the findings.
+roles start (vLLM's import alone takes ~7 s), and the orchestrator waits for their verdict before its first
+rollout (``runtime.start_gate``); a finding stops every role, with the same lines and exit status 2. The
+environments are checked by the orchestrator itself there, on the env workers and the tokenizer it loads for the
+run (``orchestrator.env_preflight``; loading them twice cost ~3 s of a 2-core start). ``--preflight-first`` and
+``--check`` run them all here before anything starts. Tracebacks and the env workers' output go to a log file
+only; the console shows the findings.
 
     checks                            primerl rl  broker  trainer/sft  orchestrator  inference
     env interpreter, environments          x                                 x
@@ -17,8 +19,8 @@ workers' output go to a log file only; the console shows the findings.
     * when its model name is a local directory (that tokenizer measures the prompts)
 
 The checks run concurrently; loading the environments (an env worker each, ~2.3 s for reverse-text on an idle core)
-and the tokenizer (importing transformers, ~3 s) dominate: 6.2 s in all for the example config on 2 cores under a
-load average of 6.
+and the tokenizer (importing transformers, ~3 s) dominate: 4.3 s wall, 6.7 CPU-s for the example config on 2
+cores (`primerl rl --check`).
 """
 
 from __future__ import annotations
@@ -147,13 +149,37 @@ class BackgroundPreflight:
     start); ``done`` says whether they finished; ``verdict(stopped)``, once done, prints one line per finding
     (the same lines as the preflight before the start) and returns None to go on or 2, in which case the caller
     has stopped the roles named in ``stopped`` first (the orchestrator waits for ``runtime.start_gate`` before
-    its first rollout, so none was generated)."""
+    its first rollout, so none was generated).
 
-    def __init__(self, config, log_path: Path) -> None:
+    With ``env_report`` the environments are checked by the orchestrator, on the env workers and the tokenizer it
+    loads for the run (``orchestrator.env_preflight``), instead of a second time here: the launcher gives it
+    ``orchestrator_env()`` and the check waits for its report at ``env_report``, or until
+    ``orchestrator_ended()`` says it ended without one (its failure then speaks for itself)."""
+
+    def __init__(self, config, log_path: Path, env_report: Path | None = None) -> None:
+        from primerl.runtime.start_gate import EnvCheckRequest
+
         self.checks = {name: check for name, check in rl_checks(config).items() if name in BESIDE_THE_START}
         self.log_path = log_path
         self.result: PreflightReport | None = None
         self._thread: threading.Thread | None = None
+        self._orchestrator_ended = threading.Event()
+        self.env_request: EnvCheckRequest | None = None
+        if env_report is not None and "environments" in self.checks:
+            from primerl.cli.preflight.envs import usable_tokenizer
+
+            self.env_request = EnvCheckRequest(
+                str(env_report), usable_tokenizer(config.trainer.tokenizer.name), config.inference.model.max_model_len
+            )
+            self.checks["environments"] = _orchestrator_report(env_report, self._orchestrator_ended)
+
+    def orchestrator_env(self) -> dict[str, str]:
+        """The orchestrator's environment variables that ask it to check its environments (none: checked here)."""
+        return self.env_request.to_env() if self.env_request is not None else {}
+
+    def orchestrator_ended(self) -> None:
+        """The orchestrator's process ended: its report, if it wrote none, will not come."""
+        self._orchestrator_ended.set()
 
     def start(self) -> BackgroundPreflight:
         self._thread = threading.Thread(target=self._run, name="preflight", daemon=True)
@@ -179,6 +205,33 @@ class BackgroundPreflight:
     def verdict(self, stopped: list[str] | None = None) -> int | None:
         assert self.result is not None, "verdict() before the checks finished"
         return report("primerl rl", self.result, self.log_path, stopped=stopped)
+
+
+REPORT_POLL_S = 0.05
+
+
+def _orchestrator_report(path: Path, ended: threading.Event) -> Check:
+    """The environments' findings from the orchestrator's report at ``path`` (``runtime.start_gate``), waited for;
+    a warning when the orchestrator ended without writing one."""
+
+    def check() -> list:
+        from primerl.runtime.findings import Finding, warning
+        from primerl.runtime.start_gate import read_env_check_report
+
+        while True:
+            findings = read_env_check_report(path)
+            if findings is not None:
+                return [Finding(f["message"], bool(f["error"]), f.get("detail", "")) for f in findings]
+            if ended.is_set():
+                return [
+                    warning(
+                        "the environments were not checked: the orchestrator ended before it loaded them "
+                        "(logs/orchestrator.log says why)"
+                    )
+                ]
+            ended.wait(REPORT_POLL_S)
+
+    return check
 
 
 class _logging_to:

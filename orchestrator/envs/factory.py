@@ -100,9 +100,13 @@ class EnvClients:
         return self.start_groups([(envs, prefix, workers)])[0]
 
     def start_groups(
-        self, groups: Sequence[tuple[Sequence[Any], str, MutableMapping[str, EnvClient]]]
+        self,
+        groups: Sequence[tuple[Sequence[Any], str, MutableMapping[str, EnvClient]]],
+        outcomes: MutableMapping[str, tuple[EnvClient, EnvInfo | BaseException]] | None = None,
     ) -> list[list[tuple[ResolvedEnv, EnvInfo]]]:
-        """`start_all` of several lists of environments (training and eval) at once, all side by side."""
+        """`start_all` of several lists of environments (training and eval) at once, all side by side; each
+        start's outcome (its client and its info, or the error it raised) also goes into ``outcomes`` by setting
+        (`orchestrator.env[0]`) before any error is raised."""
         planned = []
         for envs, prefix, workers in groups:
             for item in self.resolve(envs, prefix):
@@ -116,6 +120,9 @@ class EnvClients:
         with concurrent.futures.ThreadPoolExecutor(max(1, len(planned)), thread_name_prefix="env-start") as pool:
             starts = [pool.submit(worker.start) for _, _, worker in planned]
             concurrent.futures.wait(starts)
+        if outcomes is not None:
+            for (_, item, worker), future in zip(planned, starts):
+                outcomes[item.setting] = (worker, future.exception() or future.result())
         results: list[list[tuple[ResolvedEnv, EnvInfo]]] = [[] for _ in groups]
         group_of = [index for index, (envs, _, _) in enumerate(groups) for _ in envs]
         for (position, item, _), future in zip(planned, starts):

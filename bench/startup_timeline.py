@@ -4,6 +4,7 @@ happened, over N runs (median and range), optionally for two start orders interl
     python bench/startup_timeline.py                      # 3 runs, the default order (preflight beside the roles)
     python bench/startup_timeline.py --runs 4 --compare   # A/B: --preflight-first (the old order) and the default
     python bench/startup_timeline.py --trl                # also TRL's launch to end of step 1 (bench/rl_vs_trl.py a)
+    python bench/startup_timeline.py --orders parallel,no-preflight   # what the preflight costs the start
 
 Each run is ``primerl rl @ examples/reverse_text_rl.toml --max-steps 3`` from the SFT checkpoint (else the tiny
 model), as a user starts it (``bench/primerl_runs.run_primerl``). The milestones come from the timestamps the

@@ -231,9 +231,13 @@ def main(argv: list[str] | None = None) -> int:
         else:  # the fast checks now; the slow ones beside the start (the environments: by the orchestrator)
             from primerl.cli.preflight.roles import BackgroundPreflight, rl_fast_preflight
             from primerl.runtime.start_gate import ENV_CHECK_FILE_NAME
+            from primerl.supervisor.launcher import orchestrator_starts_early
 
             status = rl_fast_preflight(config, _preflight_log(config))
-            env_report = Path(config.output_dir).resolve() / ENV_CHECK_FILE_NAME
+            # an orchestrator that starts with the others checks the environments it loads; one that waits for
+            # inference (evals, a teacher) would report too late: the preflight loads them itself then
+            early = orchestrator_starts_early(config)
+            env_report = Path(config.output_dir).resolve() / ENV_CHECK_FILE_NAME if early else None
             background = BackgroundPreflight(config, _preflight_log(config), env_report=env_report)
         if status is not None:
             return status

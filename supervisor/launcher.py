@@ -85,6 +85,13 @@ class LaunchOptions:
     preflight: object | None = None
 
 
+def orchestrator_starts_early(config) -> bool:
+    """Whether the orchestrator starts with inference and the trainer: it waits for inference workers by itself;
+    not for a teacher (a group whose scoring finds none listed fails once its retries are spent, and the teacher
+    may be ready seconds after inference), nor before an eval at step 0 (it then starts once they are ready)."""
+    return config.orchestrator.eval is None and config.teacher is None
+
+
 class PreflightFailed(Exception):
     """The preflight's slow checks, run beside the start, found a problem: every role is stopped."""
 
@@ -299,10 +306,7 @@ class Launcher:
         self._child("trainer", trainer_argv, config.trainer_gpu_ids)
         ranks = f" ({num_ranks} ranks under torchrun)" if num_ranks > 1 else ""
         orchestrator_argv = [BIN / "primerl-orchestrator", "@", paths["orchestrator"]]
-        # It waits for inference workers by itself; not for a teacher (a group whose scoring finds none listed
-        # fails once its retries are spent, and the teacher may be ready seconds after inference), nor before an
-        # eval at step 0.
-        early_orchestrator = config.orchestrator.eval is None and teacher is None
+        early_orchestrator = orchestrator_starts_early(config)
         if early_orchestrator:
             self._child("orchestrator", orchestrator_argv, [])
         started = "trainer" + ranks + (" and orchestrator" if early_orchestrator else "")

@@ -167,3 +167,34 @@ def test_the_launcher_waits_for_the_report_or_for_the_orchestrator_to_end(tmp_pa
     threading.Timer(0.2, ended.set).start()
     [finding] = check()  # the orchestrator died before its environments loaded: its own failure speaks
     assert not finding.error and "the orchestrator ended before it loaded them" in finding.message
+
+
+def test_only_an_orchestrator_that_starts_with_the_others_is_asked(tiny_model, tmp_path):
+    """With evals (or a teacher) the orchestrator starts once inference serves, too late for the verdict: the
+    launcher's preflight then loads the environments itself, as before."""
+    from primerl.cli.preflight.roles import BackgroundPreflight
+    from primerl.configs.rl import RLConfig
+    from primerl.runtime.config_loader import load_config
+    from primerl.supervisor.launcher import orchestrator_starts_early
+
+    example = REPO_ROOT / "examples" / "reverse_text_rl.toml"
+    plain = load_config(RLConfig, [example], {"model.name": str(tiny_model), "output_dir": str(tmp_path / "a")})
+    evals = load_config(
+        RLConfig,
+        [example],
+        {
+            "model.name": str(tiny_model),
+            "output_dir": str(tmp_path / "b"),
+            "orchestrator.eval": {"env": [{"id": "reverse-text"}], "interval": 2},
+        },
+    )
+    assert orchestrator_starts_early(plain) and not orchestrator_starts_early(evals)
+    asked = BackgroundPreflight(plain, tmp_path / "p.log", env_report=tmp_path / "r.json")
+    request = json.loads(asked.orchestrator_env()[ENV_CHECK_VAR])
+    assert request == {
+        "report_path": str(tmp_path / "r.json"),
+        "tokenizer": str(tiny_model),
+        "max_model_len": plain.inference.model.max_model_len,
+    }
+    not_asked = BackgroundPreflight(evals, tmp_path / "p.log", env_report=None)
+    assert not_asked.orchestrator_env() == {} and "environments" in not_asked.checks

@@ -4,7 +4,8 @@ role starts; the slow ones (``BESIDE_THE_START``: the environments and the teach
 roles start (vLLM's import alone takes ~7 s), and the orchestrator waits for their verdict before its first
 rollout (``runtime.start_gate``); a finding stops every role, with the same lines and exit status 2. The
 environments are checked by the orchestrator itself there, on the env workers and the tokenizer it loads for the
-run (``orchestrator.env_preflight``; loading them twice cost ~3 s of a 2-core start). ``--preflight-first`` and
+run (``orchestrator.env_preflight``; loading them twice cost ~3 s of a 2-core start), when it starts with the other
+roles (not with evals or a teacher, when it waits for inference). ``--preflight-first`` and
 ``--check`` run them all here before anything starts. Tracebacks and the env workers' output go to a log file
 only; the console shows the findings.
 

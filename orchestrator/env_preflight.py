@@ -81,33 +81,24 @@ class EnvPreflight:
         )
 
     def _findings(self, outcomes: dict[str, tuple[Any, Any]]) -> list:
-        from primerl.orchestrator.envs.checks import LoadedEnv, check_environments, load_env, sampled_prompts
+        from primerl.orchestrator.envs.checks import LoadedEnv, check_planned, load_env, sampled_prompts
 
-        if self._plan is None:
-            self.start()
-        uses, env_python, findings = self._plan
-        if findings:
-            return findings
+        assert self._plan is not None, "report() before start()"
 
         def loaded(use, python: str) -> LoadedEnv:
-            if use.setting not in outcomes:  # not started here (cannot happen once planned): its own worker
+            if use.setting not in outcomes:  # the start ended before this one began (an error building it)
                 return load_env(use, python)
             client, outcome = outcomes[use.setting]
             if isinstance(outcome, BaseException):
                 return LoadedEnv(use, [], 0, outcome, client.stderr_tail())
             return sampled_prompts(use, client, outcome)
 
-        config = self.config
-        return check_environments(
-            uses,
-            env_python.path,
-            env_python.describe(),
-            setting=f"{PREFIX}env_python",
-            tokenizer=self.request.tokenizer if self.tokenizer_loading is not None else None,
-            seq_len=config.seq_len,
-            max_model_len=self.request.max_model_len,
-            max_tokens=config.sampling.max_tokens,
+        return check_planned(
+            self.config,
+            self._plan,
             prefix=PREFIX,
+            tokenizer=self.request.tokenizer if self.tokenizer_loading is not None else None,
+            max_model_len=self.request.max_model_len,
             load=loaded,
             loaded_tokenizer=self.tokenizer_loading,
         )

@@ -19,21 +19,14 @@ def env_checks(orchestrator, *, prefix: str, tokenizer: str | None, max_model_le
     ``tokenizer`` (skipped when None, or when it is not a usable name: the model check says why)."""
 
     def check() -> list[Finding]:
-        from primerl.orchestrator.envs.checks import check_environments, env_plan
+        from primerl.orchestrator.envs.checks import check_planned, env_plan
 
-        uses, env_python, findings = env_plan(orchestrator, prefix)
-        if findings:
-            return findings
-        return check_environments(
-            uses,
-            env_python.path,
-            env_python.describe(),
-            setting=f"{prefix}env_python",
-            tokenizer=usable_tokenizer(tokenizer),
-            seq_len=orchestrator.seq_len,
-            max_model_len=max_model_len,
-            max_tokens=orchestrator.sampling.max_tokens,
+        return check_planned(
+            orchestrator,
+            env_plan(orchestrator, prefix),
             prefix=prefix,
+            tokenizer=usable_tokenizer(tokenizer),
+            max_model_len=max_model_len,
         )
 
     return check

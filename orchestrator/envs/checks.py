@@ -108,6 +108,36 @@ def env_plan(orchestrator, prefix: str, probe: Callable | None = None) -> tuple[
     return ([], env_python, [error(problem)]) if problem else (uses, env_python, [])
 
 
+def check_planned(
+    orchestrator,
+    plan: tuple[list[EnvUse], Any, list[Finding]],
+    *,
+    prefix: str,
+    tokenizer: str | None,
+    max_model_len: int | None,
+    load: Callable[[EnvUse, str], LoadedEnv] | None = None,
+    loaded_tokenizer: concurrent.futures.Future | None = None,
+) -> list[Finding]:
+    """`check_environments` of an orchestrator config's environments as `env_plan` resolved them (its findings
+    alone when it found some), with the config's ``seq_len`` and ``sampling.max_tokens``."""
+    uses, env_python, findings = plan
+    if findings:
+        return findings
+    return check_environments(
+        uses,
+        env_python.path,
+        env_python.describe(),
+        setting=f"{prefix}env_python",
+        tokenizer=tokenizer,
+        seq_len=orchestrator.seq_len,
+        max_model_len=max_model_len,
+        max_tokens=orchestrator.sampling.max_tokens,
+        prefix=prefix,
+        load=load,
+        loaded_tokenizer=loaded_tokenizer,
+    )
+
+
 def check_environments(
     uses: list[EnvUse],
     env_python: str,

@@ -8,6 +8,7 @@ import threading
 
 from primerl.cli.role_entry import run_role
 from primerl.cli.role_signals import STARTUP_EXIT_STATUS, StoppedWhileStarting, StopSignals
+from primerl.proto import telemetry
 
 
 def serve(config, args: argparse.Namespace, *, objective: str = "rl") -> int:
@@ -68,7 +69,7 @@ def _exit_status_of(exc: Exception, log) -> int:
             log.error("trainer cannot continue: the broker is unreachable", error=str(cause))
             return 1
         if isinstance(cause, CheckpointDiskFull):
-            log.error("trainer cannot continue: no space for its checkpoint", error=str(cause))
+            log.error(telemetry.CHECKPOINT_DISK_FULL, error=str(cause))
             return 1
         cause = cause.__cause__
     if isinstance(exc, ValueError):  # a config or data problem the user must fix

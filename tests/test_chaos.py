@@ -23,7 +23,7 @@ CI_RUN_TIMEOUT_S = 180
 
 sys.path.insert(0, str(CHAOS_DIR.parent))
 try:
-    from chaos.checks import Verdict, _normal_end, _spool_checks, lineage
+    from chaos.checks import Verdict, _normal_end, _spool_checks, _stopped_by_held_disk, lineage
     from chaos.logs import read_incarnations
     from chaos.plan import make_plan, steps_needed
     from chaos.procs import MARKER_ENV, Exit, Unit, marked_processes
@@ -205,8 +205,8 @@ def test_a_full_spool_disk_is_held_until_the_broker_reports_it_then_freed_and_co
         pytest.skip(f"the spool-disk fault cannot run here: {tmpfs_refusal()}")
     spec = RunSpec.create("separate", 1, tmp_path, tmp_path, 10, {}, disk=True)
     driver = Driver(spec, [], timeout_s=10, stall_s=10, say=lambda text: None)
-    assert driver.spool_disk is not None
-    driver.spool_disk.mount()
+    assert set(driver.disks) == {SPOOL_DISK}
+    driver.disks[SPOOL_DISK].mount()
     try:
         assert os.path.ismount(spec.spool_dir)
         (spec.spool_dir / "COMMITTED").write_text("3\n")
@@ -242,7 +242,7 @@ def test_a_full_spool_disk_is_held_until_the_broker_reports_it_then_freed_and_co
         failures = judge(driver.record).failures
         assert any("never reported its spool's disk full" in failure for failure in failures), failures
     finally:
-        driver.spool_disk.release()
+        driver.disks[SPOOL_DISK].release()
     assert not os.path.ismount(spec.spool_dir)
     assert (spec.spool_dir / "COMMITTED").read_text() == "3\n"
     assert not (spec.spool_dir / ".chaos-disk-filler").exists()
@@ -371,6 +371,43 @@ def test_an_exit_0_is_a_normal_end_only_once_the_trainer_finished(tmp_path):
     assert _normal_end(Exit("inference", 1, 0, finished_s + 1, False), logs)
     assert not _normal_end(Exit("inference", 1, 0, finished_s - 5, False), logs)
     assert not _normal_end(Exit("broker", 1, 1, finished_s + 1, False), logs)
+
+
+def test_the_full_plan_fills_the_checkpoint_disk_once_beside_the_spool_disk():
+    from chaos.plan import CHECKPOINT_DISK, SPOOL_DISK
+
+    for seed in (1, 2, 3):
+        spool_only = make_plan(seed, full=True, stall=True, disk=True)
+        both = make_plan(seed, full=True, stall=True, disk=True, checkpoint_disk=True)
+        [disk] = [k for k in both if k.role == CHECKPOINT_DISK]
+        assert disk.moment == "full" and 0 <= disk.delay_s <= 1.5 and disk.gap_steps in (1, 2)
+        assert [k for k in both if k.role != CHECKPOINT_DISK] == spool_only  # the others keep their order
+        assert [k.role for k in both].count(SPOOL_DISK) == 1
+    assert all(k.role != CHECKPOINT_DISK for k in make_plan(1, full=False))
+
+
+def test_a_trainer_exit_on_the_checkpoint_disk_the_harness_held_full_is_the_harness_s(tmp_path):
+    """The trainer's exit 1 counts as caused by the harness only when the incarnation that ended logged the
+    disk-full line while the filler was there; the same exit after the release, or without the line, is unplanned."""
+    from chaos.driver import Kill, RunRecord
+    from chaos.plan import CHECKPOINT_DISK, KillSpec
+    from chaos.runs import RunSpec
+
+    full = _line(telemetry.CHECKPOINT_DISK_FULL, level="error")  # at 2026-01-01T00:00:00Z
+    later = _line("x", timestamp="2026-01-01T00:00:10Z")  # the restarted trainer
+    logs = {"trainer": read_incarnations("trainer", _trainer_log(tmp_path / "t.log", [[full], [later]]))}
+    line_s = logs["trainer"][0].events[0].at_s
+    record = RunRecord(RunSpec.create("separate", 1, tmp_path, tmp_path, 10, {}, checkpoint_disk=True))
+    record.kills.append(Kill(KillSpec(CHECKPOINT_DISK, "full", 1), at_s=line_s - 2.0, filled_bytes=1, resumed_s=3.0))
+    assert _stopped_by_held_disk(Exit("trainer", 1, 1, line_s + 0.5, False), record, logs)
+    assert _stopped_by_held_disk(Exit("trainer", 1, None, line_s + 0.5, False), record, logs)  # mode rl: no status
+    assert not _stopped_by_held_disk(Exit("trainer", 1, 2, line_s + 0.5, False), record, logs)  # not restartable
+    assert not _stopped_by_held_disk(Exit("broker", 1, 1, line_s + 0.5, False), record, logs)
+    record.kills[0].resumed_s = 1.0  # released before the trainer stopped on it: not the harness's doing
+    assert not _stopped_by_held_disk(Exit("trainer", 1, 1, line_s + 0.5, False), record, logs)
+    record.kills[0].resumed_s = 3.0
+    quiet = {"trainer": read_incarnations("trainer", _trainer_log(tmp_path / "q.log", [[_line("x", level="error")]]))}
+    assert not _stopped_by_held_disk(Exit("trainer", 1, 1, line_s + 0.5, False), record, quiet)
 
 
 def test_spool_must_have_committed_the_last_step(tmp_path):

@@ -18,7 +18,8 @@ Checks:
   counts: an orchestrator killed after the broker spooled its step but before ``step sent`` leaves only that line,
   and the broker keeps its copy over the restarted orchestrator's (idempotent by batch id);
 - unplanned exits: an exit the harness did not cause (a kill or the stop at the end; the trainer's exit 0 and the
-  orchestrator's exit 0 once every step is produced are the run's normal end);
+  orchestrator's exit 0 once every step is produced are the run's normal end; the trainer's exit 1 on a checkpoint
+  disk the harness held full is the harness's, like a kill);
 - final status: every inference worker serves the latest policy version, which is N;
 - spool: the broker's ``COMMITTED`` file says N (every step committed); batch files left are noted;
 - leftovers: no process started by the run alive after it;
@@ -37,6 +38,7 @@ from primerl.proto import telemetry
 
 from .driver import RunRecord, served_final
 from .logs import Incarnation, read_incarnations, read_metrics_rows
+from .plan import CHECKPOINT_DISK, SPOOL_DISK
 from .runs import RELAY_ROLE, RELAY_TIMEOUT_S, ROLES
 
 RELAY_HEAL_BOUND_S = RELAY_TIMEOUT_S + 25.0
@@ -185,7 +187,7 @@ def judge(record: RunRecord) -> Verdict:
     verdict.extra_rows = [s for s in sorted(rows) if rows[s] > chain.trainings[s]]
 
     for ended in record.exits:
-        if ended.planned or _normal_end(ended, logs):
+        if ended.planned or _normal_end(ended, logs) or _stopped_by_held_disk(ended, record, logs):
             continue
         incarnation = _incarnation_of(logs[ended.role], ended.at_s)
         why = incarnation.last_error() if incarnation else "(no log)"
@@ -238,9 +240,13 @@ def judge(record: RunRecord) -> Verdict:
         if kill.spec.moment == "stall" and kill.fired and kill.stalled_s is None:
             verdict.failures.append("the stopped engine core was never reported stalled by its inference worker")
         if kill.spec.moment == "full" and kill.fired and kill.stalled_s is None:
-            verdict.failures.append("the broker never reported its spool's disk full")
+            verdict.failures.append(
+                "the broker never reported its spool's disk full"
+                if kill.spec.role == SPOOL_DISK
+                else "the trainer never stopped on its full checkpoint disk"
+            )
         if kill.spec.moment == "full" and not kill.fired:
-            verdict.failures.append("the spool's filesystem could not be filled")
+            verdict.failures.append(f"the {kill.spec.role} filesystem could not be filled")
         if kill.spec.moment == "mid-relay" and (kill.healed_s is None or kill.healed_s > RELAY_HEAL_BOUND_S):
             verdict.failures.append(
                 f"relay killed mid-relay of v{kill.version}: the inference worker served it "
@@ -286,6 +292,23 @@ def _normal_end(ended, logs) -> bool:
         ended.role == "orchestrator"
         and incarnation is not None
         and bool(incarnation.named(telemetry.ALL_STEPS_PRODUCED))
+    )
+
+
+def _stopped_by_held_disk(ended, record: RunRecord, logs) -> bool:
+    """The trainer's exit 1 on a checkpoint disk the harness held full: the incarnation that ended logged
+    ``trainer cannot continue: no space for its checkpoint`` while the filler was there (caused by the harness, like
+    a kill). In mode rl the status is not known (None)."""
+    if ended.role != "trainer" or ended.code not in (1, None):
+        return False
+    incarnation = _incarnation_of(logs["trainer"], ended.at_s)
+    held = [
+        (kill.at_s, kill.at_s + (kill.resumed_s if kill.resumed_s is not None else float("inf")))
+        for kill in record.kills
+        if kill.spec.role == CHECKPOINT_DISK and kill.fired
+    ]
+    return incarnation is not None and any(
+        start <= event.at_s <= end for event in incarnation.named(telemetry.CHECKPOINT_DISK_FULL) for start, end in held
     )
 
 

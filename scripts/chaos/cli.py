@@ -13,7 +13,7 @@ from pathlib import Path
 
 from .checks import judge, summary, write_summary
 from .driver import Driver
-from .plan import make_plan, steps_needed
+from .plan import CHECKPOINT_DISK, SPOOL_DISK, make_plan, steps_needed
 from .runs import (
     REPO_ROOT,
     RunSpec,
@@ -80,7 +80,7 @@ def main(argv: list[str] | None = None) -> int:
         modes.remove("rl")
     disk_refusal = None if args.quick else tmpfs_refusal()
     if disk_refusal:
-        message = f"chaos: the spool-disk fault is left out of the plan: {disk_refusal}"
+        message = f"chaos: the spool-disk and checkpoint-disk faults are left out of the plan: {disk_refusal}"
         print(message, flush=True)
         summaries.append(message)
     for mode in modes:
@@ -93,18 +93,30 @@ def main(argv: list[str] | None = None) -> int:
                 trainer_rank=mode == "rl",
                 stall=not args.quick,
                 disk=not args.quick and disk_refusal is None,
+                checkpoint_disk=not args.quick and disk_refusal is None,
             )
             max_steps = args.steps or steps_needed(plan)
             run_dir = (args.run_root / f"{mode}-seed{seed}").resolve()
             if run_dir.exists():
                 import shutil
 
-                unmount_leftover(run_dir / "broker" / "spool")  # a spool tmpfs a killed harness left behind
+                for small_disk in (run_dir / "broker" / "spool", run_dir / "checkpoints"):
+                    unmount_leftover(small_disk)  # a tmpfs a killed harness left behind
                 shutil.rmtree(run_dir)
             run_dir.mkdir(parents=True)
             stall = any(kill.moment == "stall" for kill in plan)
-            disk = any(kill.moment == "full" for kill in plan)
-            spec = RunSpec.create(mode, seed, run_dir, model.resolve(), max_steps, restart_sec, stall=stall, disk=disk)
+            roles = {kill.role for kill in plan}
+            spec = RunSpec.create(
+                mode,
+                seed,
+                run_dir,
+                model.resolve(),
+                max_steps,
+                restart_sec,
+                stall=stall,
+                disk=SPOOL_DISK in roles,
+                checkpoint_disk=CHECKPOINT_DISK in roles,
+            )
             print(
                 f"chaos: mode {mode} seed {seed}: {max_steps} steps, kills "
                 f"{', '.join(k.describe() for k in plan)} ({time.strftime('%H:%M:%S')})",

@@ -14,9 +14,21 @@ from dataclasses import dataclass, field
 from primerl.proto import telemetry
 
 from .logs import Event, LogFollower
-from .plan import ENGINE, HELD_FAULTS, LAUNCHER, SPOOL_DISK, TRAINER_RANK, KillSpec
+from .plan import CHECKPOINT_DISK, DISKS, ENGINE, HELD_FAULTS, LAUNCHER, SPOOL_DISK, TRAINER_RANK, KillSpec
 from .procs import Exit, describe, marked_processes
-from .runs import BIN, CKPT_INTERVAL, RELAY_ROLE, ROLES, RlBackend, RunSpec, SeparateBackend, SpoolDisk, base_env
+from .runs import (
+    BIN,
+    CHECKPOINT_DISK_MIB,
+    CKPT_INTERVAL,
+    RELAY_ROLE,
+    ROLES,
+    SPOOL_DISK_MIB,
+    RlBackend,
+    RunSpec,
+    SeparateBackend,
+    SmallDisk,
+    base_env,
+)
 
 POLL_S = 0.02
 STATUS_POLL_S = 0.5
@@ -34,10 +46,12 @@ RECOVERED_BY = {  # killed role -> the (role, event) that says it is back
     TRAINER_RANK: ("trainer", "registered with the broker"),  # the restarted torchrun's ranks
     ENGINE: ("inference", telemetry.INFERENCE_ENGINE_RECOVERED),  # resumed, and its watchdog saw it answer
     SPOOL_DISK: ("broker", telemetry.SPOOL_ROOM_AGAIN),  # freed, and a batch was spooled again
+    CHECKPOINT_DISK: ("trainer", telemetry.CHECKPOINT_SAVED),  # freed, and the restarted trainer saved one again
 }
 SEEN_BY = {  # held fault -> the (role, event) that says the system noticed it
     ENGINE: ("inference", telemetry.INFERENCE_ENGINE_STALLED),
     SPOOL_DISK: ("broker", telemetry.SPOOL_DISK_FULL),
+    CHECKPOINT_DISK: ("trainer", telemetry.CHECKPOINT_DISK_FULL),
 }
 
 
@@ -63,7 +77,7 @@ class Kill:
     @property
     def fired(self) -> bool:
         """The fault took place (a role not running when its kill came: nothing happened)."""
-        return self.pid is not None or (self.spec.role == SPOOL_DISK and self.filled_bytes > 0)
+        return self.pid is not None or (self.spec.role in DISKS and self.filled_bytes > 0)
 
 
 @dataclass
@@ -164,7 +178,11 @@ class Driver:
         self.last_step = 0
         self.last_step_s = time.time()
         self.trainer_finished = False
-        self.spool_disk = SpoolDisk(spec.spool_dir) if spec.disk else None
+        self.disks: dict[str, SmallDisk] = {}  # fault role -> the tmpfs it fills
+        if spec.disk:
+            self.disks[SPOOL_DISK] = SmallDisk(spec.spool_dir, SPOOL_DISK_MIB)
+        if spec.checkpoint_disk:
+            self.disks[CHECKPOINT_DISK] = SmallDisk(spec.checkpoint_dir, CHECKPOINT_DISK_MIB)
 
     # ------------------------------------------------------------------------------------------------ run
     def run(self) -> RunRecord:
@@ -172,8 +190,8 @@ class Driver:
         started_s = record.started_s = time.time()
         poller = StatusPoller(spec, record)
         try:
-            if self.spool_disk is not None:
-                self.spool_disk.mount()
+            for disk in self.disks.values():
+                disk.mount()
             self.backend.start()
             poller.start()
             self._loop(started_s)
@@ -194,8 +212,8 @@ class Driver:
             if spec.mode == "rl":
                 self.backend.trainer_finished = self.trainer_finished
             self.backend.stop()
-            if self.spool_disk is not None:
-                self.spool_disk.release()
+            for disk in self.disks.values():
+                disk.release()
             poller.join(5.0)
             self._drain_logs()
             for kill in record.kills:  # over every event now: a later kill's wait no longer hides one
@@ -306,13 +324,13 @@ class Driver:
                 kill.note += " (no engine core found: nothing stopped)"
                 kill.recovered_s = 0.0
             return kill
-        if spec.role == SPOOL_DISK:
-            assert self.spool_disk is not None, "a spool-disk fault in a run without the spool's tmpfs"
-            kill.filled_bytes = self.spool_disk.fill()
+        if spec.role in DISKS:
+            assert spec.role in self.disks, f"a {spec.role} fault in a run without its tmpfs"
+            kill.filled_bytes = self.disks[spec.role].fill()
             self.record.kills.append(kill)
             self.say(
-                f"    disk: {spec.describe()} spool filesystem filled ({kill.filled_bytes / 2**20:.1f} MiB) at step "
-                f"{self.last_step}: {note}"
+                f"    disk: {spec.describe()} {self.disks[spec.role].path.name} filesystem filled "
+                f"({kill.filled_bytes / 2**20:.1f} MiB) at step {self.last_step}: {note}"
             )
             return kill
         pid = self.backend.pid(spec.role)
@@ -348,15 +366,15 @@ class Driver:
                 kill.note += f"; its {who} reported no {kill.spec.moment} within {STALL_RESUME_BOUND_S:g} s"
             self._release(kill)
             kill.resumed_s = now - kill.at_s
-            what = f"engine core pid {kill.pid} resumed" if kill.spec.role == ENGINE else "spool filesystem freed"
+            what = f"engine core pid {kill.pid} resumed" if kill.spec.role == ENGINE else f"{kill.spec.role} freed"
             self.say(f"    released: {what} {kill.resumed_s:.1f} s after the fault")
 
     def _release(self, kill: Kill) -> None:
         if kill.spec.role == ENGINE:
             assert kill.pid is not None
             self.backend.resume_engine(kill.pid)
-        elif self.spool_disk is not None:
-            self.spool_disk.free()
+        elif kill.spec.role in self.disks:
+            self.disks[kill.spec.role].free()
 
     def _update_recovery(self, kill: Kill, new_events: list[Event]) -> None:
         for event in new_events:

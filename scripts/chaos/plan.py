@@ -25,6 +25,11 @@ Kinds of moment:
   small tmpfs of its own for the whole run; the harness fills it (a filler file in a subdirectory the spool
   ignores) and, once the broker logs ``rollout spool disk full``, waits ``delay_s`` more and deletes the filler.
   It is back on ``rollout spool has room again``.
+- ``full`` (role ``checkpoint-disk``, the full plan, where a tmpfs can be mounted): the trainer's checkpoint
+  directory is a tmpfs of its own for the whole run; the harness fills it the same way. The trainer's next
+  checkpoint fails, and it exits 1 with ``trainer cannot continue: no space for its checkpoint`` (the previous
+  checkpoint kept, the step not committed); ``delay_s`` after that line the harness deletes the filler, and the
+  restarted trainer resumes from its newest checkpoint. It is back on its next ``checkpoint saved``.
 
 Kills run one after another: kill ``i`` is armed once the role of kill ``i - 1`` is back (or a bound passed) and
 the trainer has done ``gap_steps`` more steps, so each recovery is seen on its own.
@@ -42,7 +47,10 @@ LAUNCHER = "launcher"
 TRAINER_RANK = "trainer-rank"  # rank 1 of a two-rank trainer
 ENGINE = "engine"  # the inference worker's vLLM engine core, stopped and resumed (moment "stall")
 SPOOL_DISK = "spool-disk"  # the filesystem of the broker's spool, filled and freed (moment "full")
-HELD_FAULTS = {ENGINE: "stall", SPOOL_DISK: "full"}  # faults held for ``delay_s`` once the system saw them
+CHECKPOINT_DISK = "checkpoint-disk"  # the filesystem of the trainer's checkpoints, filled and freed (moment "full")
+DISKS = (SPOOL_DISK, CHECKPOINT_DISK)
+# faults held for ``delay_s`` once the system saw them
+HELD_FAULTS = {ENGINE: "stall", SPOOL_DISK: "full", CHECKPOINT_DISK: "full"}
 
 
 @dataclass(frozen=True)
@@ -66,6 +74,7 @@ def make_plan(
     trainer_rank: bool = False,
     stall: bool = False,
     disk: bool = False,
+    checkpoint_disk: bool = False,
 ) -> list[KillSpec]:
     """Every kind once at a random moment, the broker during a push and the trainer between a publish and its
     checkpoint; ``full=False`` (the CI profile) keeps one kill per role: push, publish-before-checkpoint, and
@@ -74,7 +83,8 @@ def make_plan(
     other kills keep their seeded order). ``trainer_rank`` (mode rl, a two-rank trainer): rank 1 at a random
     moment, placed the same way. ``stall``: the engine core stopped, then resumed ``delay_s`` after the daemon
     saw the stall, placed the same way. ``disk``: the spool's filesystem filled, then freed ``delay_s`` after the
-    broker saw it full, placed the same way."""
+    broker saw it full, placed the same way. ``checkpoint_disk``: the checkpoints' filesystem filled, then freed
+    ``delay_s`` after the trainer stopped on it, placed the same way."""
     rng = random.Random(seed)
     moments = [
         ("broker", "push"),
@@ -99,6 +109,7 @@ def make_plan(
         (TRAINER_RANK, "random", trainer_rank),
         (ENGINE, "stall", stall),
         (SPOOL_DISK, "full", disk),
+        (CHECKPOINT_DISK, "full", checkpoint_disk),
     ):
         if wanted:
             own = random.Random(f"{role}-{seed}")

@@ -76,7 +76,9 @@ BROKER_READY_TIMEOUT_S = 60.0
 RL_STOP_TIMEOUT_S = 90.0
 LAUNCHER_ROLES_GONE_S = 15.0  # after `primerl rl`'s SIGKILL, how long its roles may take to go (its reaper: ~2 s)
 SPOOL_DISK_MIB = 64  # the tmpfs of the broker's spool dir (batches: KiBs a step; the weight chain: ~3 MiB a version)
-FILLER_DIR = ".chaos-disk-filler"  # a directory: the spool ignores what is not a batch file at its top level
+# the tmpfs of the trainer's checkpoints: ~7 MiB a checkpoint of the tiny model, one every CKPT_INTERVAL steps, all kept
+CHECKPOINT_DISK_MIB = 512
+FILLER_DIR = ".chaos-disk-filler"  # a directory: neither the spool nor the checkpoint listing reads it
 
 
 def free_port() -> int:
@@ -139,6 +141,7 @@ class RunSpec:
     trainer_ranks: int = 1  # mode rl: 2 (torchrun under `primerl rl`, `trainer_gpu_ids = [1, 2]`)
     stall: bool = False  # the plan stops the engine core once: the inference watchdog gets a short timeout
     disk: bool = False  # the plan fills the spool's filesystem once: the spool gets a small tmpfs of its own
+    checkpoint_disk: bool = False  # the plan fills the checkpoints' filesystem once: a tmpfs of their own
 
     @classmethod
     def create(
@@ -152,6 +155,7 @@ class RunSpec:
         *,
         stall: bool = False,
         disk: bool = False,
+        checkpoint_disk: bool = False,
     ) -> RunSpec:
         return cls(
             mode,
@@ -167,11 +171,16 @@ class RunSpec:
             trainer_ranks=2 if mode == "rl" else 1,
             stall=stall,
             disk=disk,
+            checkpoint_disk=checkpoint_disk,
         )
 
     @property
     def spool_dir(self) -> Path:
         return self.run_dir / "broker" / "spool"
+
+    @property
+    def checkpoint_dir(self) -> Path:
+        return self.run_dir / "checkpoints"
 
     @property
     def broker_address(self) -> str:
@@ -451,27 +460,28 @@ def _stop_engine(daemon_pid: int | None) -> int | None:
 
 
 def tmpfs_refusal() -> str | None:
-    """Why the spool-disk fault cannot run on this machine (None: it can)."""
+    """Why the disk faults cannot run on this machine (None: they can)."""
     if os.geteuid() != 0:
         return "mounting a tmpfs needs root"
     missing = [tool for tool in ("mount", "umount") if shutil.which(tool) is None]
     return f"no {' or '.join(missing)} command" if missing else None
 
 
-class SpoolDisk:
-    """The broker's spool on a small tmpfs of its own for a run (``mount`` before the broker starts, ``release``
-    once every role stopped: the spool's content is copied back onto the run directory, so the checks and a reader
-    of the run directory find it there). ``fill`` takes every free byte with a filler file, ``free`` deletes it."""
+class SmallDisk:
+    """A directory of the run (the broker's spool, the trainer's checkpoints) on a small tmpfs of its own for a run
+    (``mount`` before its role starts, ``release`` once every role stopped: the content is copied back onto the run
+    directory, so the checks and a reader of the run directory find it there). ``fill`` takes every free byte with
+    a filler file, ``free`` deletes it."""
 
-    def __init__(self, spool: Path, size_mib: int = SPOOL_DISK_MIB):
-        self.spool, self.size_mib = spool, size_mib
-        self.filler = spool / FILLER_DIR
+    def __init__(self, path: Path, size_mib: int):
+        self.path, self.size_mib = path, size_mib
+        self.filler = path / FILLER_DIR
 
     def mount(self) -> None:
-        unmount_leftover(self.spool)
-        self.spool.mkdir(parents=True, exist_ok=True)
+        unmount_leftover(self.path)
+        self.path.mkdir(parents=True, exist_ok=True)
         subprocess.run(
-            ["mount", "-t", "tmpfs", "-o", f"size={self.size_mib}m", "tmpfs", str(self.spool)],
+            ["mount", "-t", "tmpfs", "-o", f"size={self.size_mib}m", "tmpfs", str(self.path)],
             check=True,
             capture_output=True,
             timeout=30,
@@ -495,14 +505,14 @@ class SpoolDisk:
         shutil.rmtree(self.filler, ignore_errors=True)
 
     def release(self) -> None:
-        if not os.path.ismount(self.spool):
+        if not os.path.ismount(self.path):
             return
         self.free()
-        saved = self.spool.with_name(self.spool.name + ".tmpfs-copy")
+        saved = self.path.with_name(self.path.name + ".tmpfs-copy")
         shutil.rmtree(saved, ignore_errors=True)
-        shutil.copytree(self.spool, saved, symlinks=True)
-        unmount_leftover(self.spool)
-        shutil.copytree(saved, self.spool, symlinks=True, dirs_exist_ok=True)
+        shutil.copytree(self.path, saved, symlinks=True)
+        unmount_leftover(self.path)
+        shutil.copytree(saved, self.path, symlinks=True, dirs_exist_ok=True)
         shutil.rmtree(saved)
 
 

@@ -410,6 +410,49 @@ def test_a_trainer_exit_on_the_checkpoint_disk_the_harness_held_full_is_the_harn
     assert not _stopped_by_held_disk(Exit("trainer", 1, 1, line_s + 0.5, False), record, quiet)
 
 
+def test_the_full_plan_of_mode_separate_restarts_the_trainer_once_with_a_skewed_clock():
+    from chaos.plan import CLOCK
+
+    for seed in (1, 2, 3, 4):
+        plain = make_plan(seed, full=True, relay=True, stall=True, disk=True, checkpoint_disk=True)
+        skewed = make_plan(seed, full=True, relay=True, stall=True, disk=True, checkpoint_disk=True, clock=True)
+        [clock] = [k for k in skewed if k.role == CLOCK]
+        assert [k for k in skewed if k.role != CLOCK] == plain  # the others keep their order
+        assert clock.moment == "skew" and 6 * 3600 <= abs(clock.skew_s) <= 12 * 3600
+        assert (clock.skew_s < 0) == (seed % 2 == 1)  # odd seeds behind, even seeds ahead
+        assert f"{clock.skew_s / 3600:+.1f}h" in clock.describe()
+        assert make_plan(seed, full=True, relay=True, stall=True, disk=True, checkpoint_disk=True, clock=True) == skewed
+
+
+def test_events_of_an_incarnation_started_with_a_skewed_clock_are_set_back_to_the_true_time(tmp_path):
+    from chaos.logs import clock_skew_of
+
+    header = "=== 2026-01-01 00:00:05 env LD_PRELOAD=/x/libfaketime.so.1 FAKETIME=-21600 DONT_FAKE_MONOTONIC=1 t"
+    assert clock_skew_of(header) == -21600 and clock_skew_of("=== 2026-01-01 00:00:01 primerl-trainer") == 0
+    true_line = _line(telemetry.STEP_DONE, step=1)  # 2026-01-01T00:00:00Z
+    behind = _line(telemetry.STEP_DONE, step=2, timestamp="2025-12-31T18:00:10Z")  # 6 h behind: 00:00:10 true
+    path = tmp_path / "trainer.log"
+    path.write_text("\n".join(["=== 2026-01-01 00:00:00 primerl-trainer", true_line, header, behind, ""]))
+    first, second = read_incarnations("trainer", path)
+    assert second.events[0].at_s - first.events[0].at_s == pytest.approx(10.0)
+
+
+def test_a_command_under_the_faketime_prefix_reads_a_skewed_wall_clock_and_a_true_monotonic_one():
+    """The mechanism of the skewed-clock fault, for real: libfaketime preloaded into a Python process."""
+    from chaos.runs import faketime_prefix, faketime_refusal
+
+    if faketime_refusal():
+        pytest.skip(f"the skewed-clock fault cannot run here: {faketime_refusal()}")
+    probe = "import time; print(time.time(), time.monotonic())"
+    before = time.time(), time.monotonic()
+    out = subprocess.run(
+        [*faketime_prefix(-7200), sys.executable, "-c", probe], capture_output=True, text=True, timeout=60, check=True
+    ).stdout.split()
+    wall, monotonic = float(out[0]), float(out[1])
+    assert wall - before[0] == pytest.approx(-7200, abs=30)
+    assert monotonic - before[1] == pytest.approx(0, abs=30)
+
+
 def test_spool_must_have_committed_the_last_step(tmp_path):
     spool = tmp_path / "spool"
     spool.mkdir()

@@ -18,6 +18,7 @@ from .runs import (
     REPO_ROOT,
     RunSpec,
     build_tiny_model,
+    faketime_refusal,
     rl_has_restart_option,
     shipped_restart_sec,
     tmpfs_refusal,
@@ -83,6 +84,11 @@ def main(argv: list[str] | None = None) -> int:
         message = f"chaos: the spool-disk and checkpoint-disk faults are left out of the plan: {disk_refusal}"
         print(message, flush=True)
         summaries.append(message)
+    clock_refusal = None if args.quick or "separate" not in modes else faketime_refusal()
+    if clock_refusal:
+        message = f"chaos: the skewed-clock fault is left out of the plan: {clock_refusal}"
+        print(message, flush=True)
+        summaries.append(message)
     for mode in modes:
         for seed in seeds:
             plan = make_plan(
@@ -94,6 +100,7 @@ def main(argv: list[str] | None = None) -> int:
                 stall=not args.quick,
                 disk=not args.quick and disk_refusal is None,
                 checkpoint_disk=not args.quick and disk_refusal is None,
+                clock=mode == "separate" and not args.quick and clock_refusal is None,
             )
             max_steps = args.steps or steps_needed(plan)
             run_dir = (args.run_root / f"{mode}-seed{seed}").resolve()

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from primerl.proto import telemetry
 
 from .logs import Event, LogFollower
-from .plan import CHECKPOINT_DISK, DISKS, ENGINE, HELD_FAULTS, LAUNCHER, SPOOL_DISK, TRAINER_RANK, KillSpec
+from .plan import CHECKPOINT_DISK, CLOCK, DISKS, ENGINE, HELD_FAULTS, LAUNCHER, SPOOL_DISK, TRAINER_RANK, KillSpec
 from .procs import Exit, describe, marked_processes
 from .runs import (
     BIN,
@@ -47,6 +47,7 @@ RECOVERED_BY = {  # killed role -> the (role, event) that says it is back
     ENGINE: ("inference", telemetry.INFERENCE_ENGINE_RECOVERED),  # resumed, and its watchdog saw it answer
     SPOOL_DISK: ("broker", telemetry.SPOOL_ROOM_AGAIN),  # freed, and a batch was spooled again
     CHECKPOINT_DISK: ("trainer", telemetry.CHECKPOINT_SAVED),  # freed, and the restarted trainer saved one again
+    CLOCK: ("trainer", "registered with the broker"),  # the trainer restarted with its clock skewed
 }
 SEEN_BY = {  # held fault -> the (role, event) that says the system noticed it
     ENGINE: ("inference", telemetry.INFERENCE_ENGINE_STALLED),
@@ -277,7 +278,7 @@ class Driver:
 
     def _moment(self, spec: KillSpec, armed_at_step: int, new_events: list[Event]) -> str | None:
         """A note describing the moment when ``spec`` should fire now, else None."""
-        if spec.moment == "random":
+        if spec.moment in ("random", "skew"):
             return f"{spec.delay_s:.2f} s after step {self.last_step} done" if self.last_step >= armed_at_step else None
         if spec.role in HELD_FAULTS:
             return f"after step {self.last_step} done" if self.last_step >= armed_at_step else None
@@ -333,14 +334,17 @@ class Driver:
                 f"({kill.filled_bytes / 2**20:.1f} MiB) at step {self.last_step}: {note}"
             )
             return kill
-        pid = self.backend.pid(spec.role)
+        pid = self.backend.pid("trainer" if spec.role == CLOCK else spec.role)
         children = []
         if pid is not None:
             try:
                 children = psutil.Process(pid).children(recursive=True)
             except psutil.Error:
                 children = []
-        kill.pid = self.backend.kill(spec.role)
+        if spec.role == CLOCK:
+            kill.pid = self.backend.skew_clock("trainer", spec.skew_s)
+        else:
+            kill.pid = self.backend.kill(spec.role)
         self.record.kills.append(kill)
         self.say(f"    kill: {spec.describe()} pid {kill.pid} at trainer step {self.last_step}: {note}")
         if kill.pid is None:

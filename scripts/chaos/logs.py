@@ -1,10 +1,15 @@
 """Reading the roles' logs: JSON lines (``--log.format json``), one file per role, one ``=== ...`` header line per
 start of the role (written by the restarter here and by `primerl rl`'s supervisor), so a file splits into
-incarnations. Lines that are not JSON (vLLM's own prints, tracebacks) are kept as text for error excerpts."""
+incarnations. Lines that are not JSON (vLLM's own prints, tracebacks) are kept as text for error excerpts.
+
+An incarnation started with its clock skewed (``runs.faketime_prefix``: its header shows ``FAKETIME=<s>``) writes
+timestamps that far off; its events' ``at_s`` are set back to the true time, so that every role's events stay in
+one order."""
 
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
@@ -63,6 +68,12 @@ def parse_timestamp(value: object) -> float:
         return 0.0
 
 
+def clock_skew_of(header: str) -> float:
+    """The clock skew a role's log header line (``=== <time> <argv>``) shows for that incarnation, else 0."""
+    match = re.search(r"\bFAKETIME=([+-]?\d+)(?=\s)", header)
+    return float(match.group(1)) if match else 0.0
+
+
 class LogFollower:
     """Reads the complete lines a role's log file gained since the last call."""
 
@@ -72,6 +83,7 @@ class LogFollower:
         self.offset = 0
         self.incarnation = 0
         self.partial = b""
+        self.skew_s = 0.0  # the clock skew of the current incarnation
 
     def read(self) -> list[Event]:
         try:
@@ -93,6 +105,7 @@ class LogFollower:
     def _parse(self, line: str) -> Event | None:
         if line.startswith("=== "):
             self.incarnation += 1
+            self.skew_s = clock_skew_of(line)
             return Event(self.role, self.incarnation, 0.0, {"event": "=== start", "line": line})
         if not line.startswith("{"):
             return Event(self.role, self.incarnation, 0.0, {"event": "", "text": line})
@@ -102,7 +115,8 @@ class LogFollower:
             return Event(self.role, self.incarnation, 0.0, {"event": "", "text": line})
         if not isinstance(fields, dict):
             return None
-        return Event(self.role, self.incarnation, parse_timestamp(fields.get("timestamp")), fields)
+        at_s = parse_timestamp(fields.get("timestamp"))
+        return Event(self.role, self.incarnation, at_s - self.skew_s if at_s else 0.0, fields)
 
 
 def read_incarnations(role: str, path: Path) -> list[Incarnation]:

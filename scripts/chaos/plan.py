@@ -30,6 +30,12 @@ Kinds of moment:
   checkpoint fails, and it exits 1 with ``trainer cannot continue: no space for its checkpoint`` (the previous
   checkpoint kept, the step not committed); ``delay_s`` after that line the harness deletes the filler, and the
   restarted trainer resumes from its newest checkpoint. It is back on its next ``checkpoint saved``.
+- ``skew`` (role ``trainer-clock``, mode ``separate``, the full plan, where libfaketime is installed): the trainer
+  is SIGKILLed and its restarter starts it again, from then on with its clock ``skew_s`` off (libfaketime through
+  ``LD_PRELOAD``: every clock read of the process, Python's and gRPC's C core's alike, as on a host whose clock is
+  wrong; the monotonic clock left alone, as a host's is): 6 to 12 hours behind for odd seeds, ahead for even ones.
+  It is back once the skewed trainer registered with the broker; its steps must go on from its checkpoint like
+  after any kill (the policy lineage comes from the broker, not from a clock).
 
 Kills run one after another: kill ``i`` is armed once the role of kill ``i - 1`` is back (or a bound passed) and
 the trainer has done ``gap_steps`` more steps, so each recovery is seen on its own.
@@ -38,7 +44,7 @@ the trainer has done ``gap_steps`` more steps, so each recovery is seen on its o
 from __future__ import annotations
 
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 MAX_RANDOM_DELAY_S = 1.5
 RELAY_KILL_DELAY_S = 0.05
@@ -51,6 +57,7 @@ CHECKPOINT_DISK = "checkpoint-disk"  # the filesystem of the trainer's checkpoin
 DISKS = (SPOOL_DISK, CHECKPOINT_DISK)
 # faults held for ``delay_s`` once the system saw them
 HELD_FAULTS = {ENGINE: "stall", SPOOL_DISK: "full", CHECKPOINT_DISK: "full"}
+CLOCK = "trainer-clock"  # the trainer restarted with its clock skewed (moment "skew")
 
 
 @dataclass(frozen=True)
@@ -59,10 +66,12 @@ class KillSpec:
     moment: str  # random | push | publish-before-checkpoint | mid-relay | stall | full
     gap_steps: int  # trainer steps done after the previous recovery before this kill is armed
     delay_s: float = 0.0  # for moment "random"
+    skew_s: float = 0.0  # for moment "skew": the restarted trainer's clock minus the true time
 
     def describe(self) -> str:
-        delay = f" +{self.delay_s:.2f}s" if self.moment in ("random", *HELD_FAULTS.values()) else ""
-        return f"{self.role}@{self.moment}{delay} (after {self.gap_steps} more steps)"
+        delay = f" +{self.delay_s:.2f}s" if self.moment in ("random", "skew", *HELD_FAULTS.values()) else ""
+        skew = f" {self.skew_s / 3600:+.1f}h" if self.moment == "skew" else ""
+        return f"{self.role}@{self.moment}{delay}{skew} (after {self.gap_steps} more steps)"
 
 
 def make_plan(
@@ -75,6 +84,7 @@ def make_plan(
     stall: bool = False,
     disk: bool = False,
     checkpoint_disk: bool = False,
+    clock: bool = False,
 ) -> list[KillSpec]:
     """Every kind once at a random moment, the broker during a push and the trainer between a publish and its
     checkpoint; ``full=False`` (the CI profile) keeps one kill per role: push, publish-before-checkpoint, and
@@ -84,7 +94,8 @@ def make_plan(
     moment, placed the same way. ``stall``: the engine core stopped, then resumed ``delay_s`` after the daemon
     saw the stall, placed the same way. ``disk``: the spool's filesystem filled, then freed ``delay_s`` after the
     broker saw it full, placed the same way. ``checkpoint_disk``: the checkpoints' filesystem filled, then freed
-    ``delay_s`` after the trainer stopped on it, placed the same way."""
+    ``delay_s`` after the trainer stopped on it, placed the same way. ``clock``: the trainer restarted with its
+    clock 6-12 h behind (odd seeds) or ahead (even seeds), at a random moment, placed the same way."""
     rng = random.Random(seed)
     moments = [
         ("broker", "push"),
@@ -110,12 +121,15 @@ def make_plan(
         (ENGINE, "stall", stall),
         (SPOOL_DISK, "full", disk),
         (CHECKPOINT_DISK, "full", checkpoint_disk),
+        (CLOCK, "skew", clock),
     ):
         if wanted:
             own = random.Random(f"{role}-{seed}")
             kill = KillSpec(
                 role, moment, gap_steps=own.randint(1, 2), delay_s=round(own.uniform(0.0, MAX_RANDOM_DELAY_S), 3)
             )
+            if moment == "skew":
+                kill = replace(kill, skew_s=(-1 if seed % 2 else 1) * 3600.0 * own.randint(6, 12))
             plan.insert(own.randint(0, len(plan)), kill)
     if relay:
         plan.insert(0, KillSpec("relay", "mid-relay", gap_steps=1, delay_s=RELAY_KILL_DELAY_S))

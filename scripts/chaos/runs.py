@@ -210,6 +210,7 @@ class SeparateBackend:
     def __init__(self, spec: RunSpec):
         self.spec = spec
         self.units: dict[str, Unit] = {}
+        self.plain_argv: dict[str, list[str]] = {}  # a role's command before its clock was skewed
 
     def start(self) -> None:
         from primerl.runtime.cpu_budget import available_cpus, default_budgets, role_env
@@ -281,6 +282,15 @@ class SeparateBackend:
 
     def resume_engine(self, pid: int) -> None:
         signal_quietly(pid, signal.SIGCONT)
+
+    def skew_clock(self, role: str, skew_s: float) -> int | None:
+        """SIGKILL ``role``; its restarter starts it again with its clock ``skew_s`` off, and keeps it so (the
+        host's clock stays wrong): the unit's command runs under `env` with libfaketime preloaded, so that the
+        role's log header (``=== ... FAKETIME=...``) says which incarnations ran skewed. The killed pid."""
+        unit = self.units[role]
+        plain = self.plain_argv.setdefault(role, list(unit.argv))
+        unit.argv = [*faketime_prefix(skew_s), *plain]
+        return unit.kill()
 
     def finished(self) -> bool:
         return self.units["trainer"].state == "done"
@@ -457,6 +467,32 @@ def _stop_engine(daemon_pid: int | None) -> int | None:
     if pid is not None:
         signal_quietly(pid, signal.SIGSTOP)
     return pid
+
+
+FAKETIME_LIBRARIES = (
+    "/usr/lib/x86_64-linux-gnu/faketime/libfaketime.so.1",
+    "/usr/lib/aarch64-linux-gnu/faketime/libfaketime.so.1",
+    "/usr/lib/faketime/libfaketime.so.1",
+    "/usr/local/lib/faketime/libfaketime.so.1",
+)
+
+
+def faketime_library() -> str | None:
+    """libfaketime's shared library (Debian: `apt install libfaketime`), or None."""
+    return next((path for path in FAKETIME_LIBRARIES if os.path.exists(path)), None)
+
+
+def faketime_refusal() -> str | None:
+    """Why the skewed-clock fault cannot run on this machine (None: it can)."""
+    return None if faketime_library() else "libfaketime is not installed (Debian: apt install libfaketime)"
+
+
+def faketime_prefix(skew_s: float) -> list[str]:
+    """`env ...` that runs a command with every wall-clock read ``skew_s`` off (the monotonic clock left true)."""
+    library = faketime_library()
+    assert library is not None, faketime_refusal()
+    # the log header shows it (``logs.clock_skew_of`` reads it back)
+    return ["env", f"LD_PRELOAD={library}", f"FAKETIME={int(skew_s):+d}", "DONT_FAKE_MONOTONIC=1"]
 
 
 def tmpfs_refusal() -> str | None:

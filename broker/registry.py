@@ -136,6 +136,9 @@ class WorkerRegistry(WatchedState):
         # step -> why it is too far from the run's position ("" when fine); e.g. the rollout queue's window.
         self._step_window = step_window
         self._num_status_trims = 0
+        # workers marked LOST since the last ``expire()``, whoever marked them (a read expires too): the heartbeat
+        # monitor logs each of them once
+        self._lost_unreported: list[control_pb2.WorkerInfo] = []
         # (revision, state) -> writes it durably (``RunStateFile.write``); raises OSError when it cannot.
         self._persist = persist
         # The owner of the policy versions (latest, per worker); None: one over an empty store of its own.
@@ -498,9 +501,13 @@ class WorkerRegistry(WatchedState):
 
     # ------------------------------------------------------------------------------------ liveness
     def expire(self, now: float | None = None) -> list[control_pb2.WorkerInfo]:
-        """Mark workers silent for longer than ``timeout_s`` LOST; returns the ones newly marked."""
+        """Mark workers silent for longer than ``timeout_s`` LOST; returns the ones marked since the last call, here
+        or by a read (``list_workers``, ``run_status``... expire first, so that they never list a silent worker as
+        alive), each once."""
         with self._lock:
-            return self._expire_locked(self._clock() if now is None else now)
+            self._expire_locked(self._clock() if now is None else now)
+            lost, self._lost_unreported = self._lost_unreported, []
+            return lost
 
     # --------------------------------------------------------------------------------------- reads
     def list_workers(
@@ -609,6 +616,7 @@ class WorkerRegistry(WatchedState):
                 self._leave_fanout_locked(worker, "lost")
                 lost.append(self._info_locked(worker))
         if lost:
+            self._lost_unreported += lost
             self._bump_locked()
         return lost
 

@@ -99,6 +99,21 @@ def test_duplicate_live_name_is_refused_but_a_lost_or_left_name_is_reused(regist
     assert [(w.worker_id, w.state) for w in workers] == [(third, ALIVE)]  # the old records of the name are replaced
 
 
+def test_a_worker_a_read_marked_lost_is_still_reported_lost_once_to_the_heartbeat_monitor(registry, clock):
+    """Reads expire first (a silent worker is never listed alive): the worker they mark LOST must still reach the
+    monitor's log line once (a partitioned worker was marked lost by the orchestrator's ListWorkers, and the
+    broker's log never said so)."""
+    worker_id = register(registry, "infer-0", INFER)
+    clock.advance(3.01)
+    assert registry.list_workers() == []  # the read marked it LOST
+    [lost] = registry.expire()
+    assert (lost.worker_id, lost.state) == (worker_id, LOST)
+    assert registry.expire() == []
+    clock.advance(3.01)
+    registry.run_status()
+    assert registry.expire() == []  # not lost twice
+
+
 def test_heartbeat_resets_liveness_and_expiry_marks_lost_within_the_bound(registry, clock):
     worker_id = register(registry, "infer-0", INFER)
     for _ in range(5):  # heartbeats every 2.5 s keep it alive although 5 * 2.5 > 3 s

@@ -453,6 +453,24 @@ def test_a_command_under_the_faketime_prefix_reads_a_skewed_wall_clock_and_a_tru
     assert monotonic - before[1] == pytest.approx(0, abs=30)
 
 
+def test_the_full_plan_of_mode_separate_cuts_the_inference_and_the_trainer_hosts_off_once_each():
+    from chaos.plan import INFERENCE_NET, LONG_PARTITION_S, PARTITIONS, SHORT_PARTITION_S, TRAINER_NET
+
+    for seed in (1, 2, 3):
+        plain = make_plan(seed, full=True, relay=True, stall=True, disk=True, clock=True)
+        cut = make_plan(seed, full=True, relay=True, stall=True, disk=True, clock=True, partitions=True)
+        assert [k for k in cut if k.role not in PARTITIONS] == plain  # the others keep their order
+        assert sorted(k.role for k in cut if k.role in PARTITIONS) == [INFERENCE_NET, TRAINER_NET]
+        holds = {k.role: k.hold_s for k in cut if k.role in PARTITIONS}
+        assert all(f"for {k.hold_s:.1f}s" in k.describe() and k.moment == "partition" for k in cut if k.hold_s)
+        short, long = (INFERENCE_NET, TRAINER_NET) if seed % 2 else (TRAINER_NET, INFERENCE_NET)
+        assert SHORT_PARTITION_S[0] <= holds[short] <= SHORT_PARTITION_S[1]
+        assert LONG_PARTITION_S[0] <= holds[long] <= LONG_PARTITION_S[1]
+        assert make_plan(seed, full=True, relay=True, stall=True, disk=True, clock=True, partitions=True) == cut
+    liveness_window_s = 5.0  # the broker's default: heartbeat_interval_s 1 x heartbeat_liveness 5
+    assert SHORT_PARTITION_S[1] < liveness_window_s < LONG_PARTITION_S[0]
+
+
 def test_spool_must_have_committed_the_last_step(tmp_path):
     spool = tmp_path / "spool"
     spool.mkdir()

@@ -358,6 +358,14 @@ def summary(verdict: Verdict) -> str:
             healed = f", seen stalled in {seconds(kill.stalled_s)}, resumed at {seconds(kill.resumed_s)}"
         if kill.spec.moment == "full":
             healed = f", seen full in {seconds(kill.stalled_s)}, freed at {seconds(kill.resumed_s)}"
+        if kill.spec.moment == "partition":
+            lost = "" if kill.stalled_s is None else f", marked lost in {seconds(kill.stalled_s)}"
+            after = (
+                f" (full speed {kill.recovered_s - kill.resumed_s:.1f}s after the heal)"
+                if kill.recovered_s is not None and kill.resumed_s is not None
+                else ""
+            )
+            healed = f"{lost}, healed at {seconds(kill.resumed_s)}{after}"
         lines.append(
             f"  - {kill.spec.role:<12} {kill.spec.moment:<25} at step {kill.trainer_step:>2}: back in "
             f"{seconds(kill.recovered_s)}, next step done in {seconds(kill.next_step_s)}{healed}  [{kill.note}]"

@@ -13,12 +13,13 @@ from pathlib import Path
 
 from .checks import judge, summary, write_summary
 from .driver import Driver
-from .plan import CHECKPOINT_DISK, SPOOL_DISK, make_plan, steps_needed
+from .plan import CHECKPOINT_DISK, PARTITIONS, SPOOL_DISK, make_plan, steps_needed
 from .runs import (
     REPO_ROOT,
     RunSpec,
     build_tiny_model,
     faketime_refusal,
+    partition_refusal,
     rl_has_restart_option,
     shipped_restart_sec,
     tmpfs_refusal,
@@ -89,6 +90,11 @@ def main(argv: list[str] | None = None) -> int:
         message = f"chaos: the skewed-clock fault is left out of the plan: {clock_refusal}"
         print(message, flush=True)
         summaries.append(message)
+    network_refusal = None if args.quick or "separate" not in modes else partition_refusal()
+    if network_refusal:
+        message = f"chaos: the partition faults are left out of the plan: {network_refusal}"
+        print(message, flush=True)
+        summaries.append(message)
     for mode in modes:
         for seed in seeds:
             plan = make_plan(
@@ -101,6 +107,7 @@ def main(argv: list[str] | None = None) -> int:
                 disk=not args.quick and disk_refusal is None,
                 checkpoint_disk=not args.quick and disk_refusal is None,
                 clock=mode == "separate" and not args.quick and clock_refusal is None,
+                partitions=mode == "separate" and not args.quick and network_refusal is None,
             )
             max_steps = args.steps or steps_needed(plan)
             run_dir = (args.run_root / f"{mode}-seed{seed}").resolve()
@@ -123,6 +130,7 @@ def main(argv: list[str] | None = None) -> int:
                 stall=stall,
                 disk=SPOOL_DISK in roles,
                 checkpoint_disk=CHECKPOINT_DISK in roles,
+                partitions=bool(roles & set(PARTITIONS)),
             )
             print(
                 f"chaos: mode {mode} seed {seed}: {max_steps} steps, kills "

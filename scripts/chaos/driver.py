@@ -14,7 +14,20 @@ from dataclasses import dataclass, field
 from primerl.proto import telemetry
 
 from .logs import Event, LogFollower
-from .plan import CHECKPOINT_DISK, CLOCK, DISKS, ENGINE, HELD_FAULTS, LAUNCHER, SPOOL_DISK, TRAINER_RANK, KillSpec
+from .plan import (
+    CHECKPOINT_DISK,
+    CLOCK,
+    DISKS,
+    ENGINE,
+    HELD_FAULTS,
+    INFERENCE_NET,
+    LAUNCHER,
+    PARTITIONS,
+    SPOOL_DISK,
+    TRAINER_NET,
+    TRAINER_RANK,
+    KillSpec,
+)
 from .procs import Exit, describe, marked_processes
 from .runs import (
     BIN,
@@ -48,12 +61,22 @@ RECOVERED_BY = {  # killed role -> the (role, event) that says it is back
     SPOOL_DISK: ("broker", telemetry.SPOOL_ROOM_AGAIN),  # freed, and a batch was spooled again
     CHECKPOINT_DISK: ("trainer", telemetry.CHECKPOINT_SAVED),  # freed, and the restarted trainer saved one again
     CLOCK: ("trainer", "registered with the broker"),  # the trainer restarted with its clock skewed
+    INFERENCE_NET: ("trainer", telemetry.STEP_DONE),  # healed, and steps come again (heal to full speed)
+    TRAINER_NET: ("trainer", telemetry.STEP_DONE),
 }
 SEEN_BY = {  # held fault -> the (role, event) that says the system noticed it
     ENGINE: ("inference", telemetry.INFERENCE_ENGINE_STALLED),
     SPOOL_DISK: ("broker", telemetry.SPOOL_DISK_FULL),
     CHECKPOINT_DISK: ("trainer", telemetry.CHECKPOINT_DISK_FULL),
+    # a partition longer than the liveness window: the broker marks the cut-off worker lost
+    INFERENCE_NET: ("broker", "workers lost: no heartbeat"),
+    TRAINER_NET: ("broker", "workers lost: no heartbeat"),
 }
+
+
+def _held(spec: KillSpec) -> bool:
+    """A fault the harness holds and then releases (an engine stopped, a disk full, a host cut off), not a kill."""
+    return spec.role in HELD_FAULTS or spec.role in PARTITIONS
 
 
 @dataclass
@@ -206,7 +229,7 @@ class Driver:
             raise
         finally:
             for kill in record.kills:  # never leave a fault held: the roles could not stop
-                if kill.spec.role in HELD_FAULTS and kill.fired and kill.resumed_s is None:
+                if _held(kill.spec) and kill.fired and kill.resumed_s is None:
                     self._release(kill)
                     kill.resumed_s = time.time() - kill.at_s
             poller.halt.set()
@@ -228,6 +251,7 @@ class Driver:
                 record.rl_exit_code = self.backend.exit_code()
                 record.final_status = self._last_status_after_finish()
             record.leftovers = self._leftovers()
+            self.backend.close()
             with open(spec.run_dir / "status_polls.jsonl", "w") as polls:  # what the checks of the status saw
                 for at_s, status in record.statuses:
                     polls.write(json.dumps({"at_s": round(at_s, 3), **status}) + "\n")
@@ -269,7 +293,7 @@ class Driver:
                 spec = self.plan[0]
                 moment = self._moment(spec, armed_at_step, new_events) if fire_at_s is None else None
                 if moment is not None:  # a held fault's delay is how long it is held once seen, not a wait before it
-                    fire_at_s, note = now + (0.0 if spec.role in HELD_FAULTS else spec.delay_s), moment
+                    fire_at_s, note = now + (0.0 if _held(spec) else spec.delay_s), moment
                 if fire_at_s is not None and now >= fire_at_s:
                     current = self._kill(spec, note)
                     self.plan.pop(0)
@@ -280,7 +304,7 @@ class Driver:
         """A note describing the moment when ``spec`` should fire now, else None."""
         if spec.moment in ("random", "skew"):
             return f"{spec.delay_s:.2f} s after step {self.last_step} done" if self.last_step >= armed_at_step else None
-        if spec.role in HELD_FAULTS:
+        if _held(spec):
             return f"after step {self.last_step} done" if self.last_step >= armed_at_step else None
         for event in new_events:
             if (
@@ -325,6 +349,11 @@ class Driver:
                 kill.note += " (no engine core found: nothing stopped)"
                 kill.recovered_s = 0.0
             return kill
+        if spec.role in PARTITIONS:
+            kill.pid = self.backend.cut(PARTITIONS[spec.role])
+            self.record.kills.append(kill)
+            self.say(f"    partition: {spec.describe()} {PARTITIONS[spec.role]} pid {kill.pid} cut off: {note}")
+            return kill
         if spec.role in DISKS:
             assert spec.role in self.disks, f"a {spec.role} fault in a run without its tmpfs"
             kill.filled_bytes = self.disks[spec.role].fill()
@@ -361,7 +390,13 @@ class Driver:
     def _tend_held(self, kill: Kill, now: float) -> None:
         """A held fault (a stopped engine core, a full spool disk) is released ``delay_s`` after the system reported
         it (or past a bound)."""
-        if kill.spec.role not in HELD_FAULTS or not kill.fired or kill.resumed_s is not None:
+        if not _held(kill.spec) or not kill.fired or kill.resumed_s is not None:
+            return
+        if kill.spec.role in PARTITIONS:  # healed after its seeded length, seen or not
+            if now >= kill.at_s + kill.spec.hold_s:
+                self._release(kill)
+                kill.resumed_s = now - kill.at_s
+                self.say(f"    healed: {kill.spec.role} plugged back {kill.resumed_s:.1f} s after the cut")
             return
         seen = kill.stalled_s is not None and now >= kill.at_s + kill.stalled_s + kill.spec.delay_s
         if seen or now - kill.at_s > STALL_RESUME_BOUND_S:
@@ -377,6 +412,8 @@ class Driver:
         if kill.spec.role == ENGINE:
             assert kill.pid is not None
             self.backend.resume_engine(kill.pid)
+        elif kill.spec.role in PARTITIONS:
+            self.backend.heal(PARTITIONS[kill.spec.role])
         elif kill.spec.role in self.disks:
             self.disks[kill.spec.role].free()
 
@@ -390,7 +427,7 @@ class Driver:
                 and (event.role, event.name) == SEEN_BY[kill.spec.role]
             ):
                 kill.stalled_s = event.at_s - kill.at_s
-            if kill.spec.role in HELD_FAULTS and (kill.resumed_s is None or event.at_s < kill.at_s + kill.resumed_s):
+            if _held(kill.spec) and (kill.resumed_s is None or event.at_s < kill.at_s + kill.resumed_s):
                 continue  # "recovered" only counts once the harness released it
             if kill.recovered_s is None and (event.role, event.name) == RECOVERED_BY[kill.spec.role]:
                 kill.recovered_s = event.at_s - kill.at_s

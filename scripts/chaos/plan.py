@@ -36,6 +36,14 @@ Kinds of moment:
   wrong; the monotonic clock left alone, as a host's is): 6 to 12 hours behind for odd seeds, ahead for even ones.
   It is back once the skewed trainer registered with the broker; its steps must go on from its checkpoint like
   after any kill (the policy lineage comes from the broker, not from a clock).
+- ``partition`` (roles ``inference-net`` and ``trainer-net``, mode ``separate``, the full plan, where network
+  namespaces can be made): the inference worker and the trainer then run on hosts of their own (network namespaces
+  joined by a bridge, as in the multi-host tests; the broker and the orchestrator on the bridge's address), and the
+  fault takes that host's cable off the bridge for ``hold_s`` (seeded; of the two hosts one for 2-4.5 s, within the
+  broker's liveness window of 5 s, the other for 8-20 s, past it): its packets are dropped silently, both ways, with
+  every process alive, as with an unplugged switch port. Then it is plugged back. An inference worker cut off stops
+  the rollouts (it is the only one) and, past the liveness window, is marked lost; a trainer cut off neither gets
+  batches nor publishes. It is back on the trainer's next ``step done`` after the heal (heal to full speed).
 
 Kills run one after another: kill ``i`` is armed once the role of kill ``i - 1`` is back (or a bound passed) and
 the trainer has done ``gap_steps`` more steps, so each recovery is seen on its own.
@@ -58,6 +66,11 @@ DISKS = (SPOOL_DISK, CHECKPOINT_DISK)
 # faults held for ``delay_s`` once the system saw them
 HELD_FAULTS = {ENGINE: "stall", SPOOL_DISK: "full", CHECKPOINT_DISK: "full"}
 CLOCK = "trainer-clock"  # the trainer restarted with its clock skewed (moment "skew")
+INFERENCE_NET = "inference-net"  # the inference worker's host cut off the network (moment "partition")
+TRAINER_NET = "trainer-net"  # the trainer's host cut off the network (moment "partition")
+PARTITIONS = {INFERENCE_NET: "inference", TRAINER_NET: "trainer"}  # fault -> the role on the host cut off
+SHORT_PARTITION_S = (2.0, 4.5)  # within the broker's liveness window (5 s by default): nobody is marked lost
+LONG_PARTITION_S = (8.0, 20.0)  # past it: the cut-off worker is marked lost, and registers again once healed
 
 
 @dataclass(frozen=True)
@@ -67,11 +80,13 @@ class KillSpec:
     gap_steps: int  # trainer steps done after the previous recovery before this kill is armed
     delay_s: float = 0.0  # for moment "random"
     skew_s: float = 0.0  # for moment "skew": the restarted trainer's clock minus the true time
+    hold_s: float = 0.0  # for moment "partition": how long the host stays cut off
 
     def describe(self) -> str:
         delay = f" +{self.delay_s:.2f}s" if self.moment in ("random", "skew", *HELD_FAULTS.values()) else ""
         skew = f" {self.skew_s / 3600:+.1f}h" if self.moment == "skew" else ""
-        return f"{self.role}@{self.moment}{delay}{skew} (after {self.gap_steps} more steps)"
+        hold = f" for {self.hold_s:.1f}s" if self.moment == "partition" else ""
+        return f"{self.role}@{self.moment}{delay}{skew}{hold} (after {self.gap_steps} more steps)"
 
 
 def make_plan(
@@ -85,6 +100,7 @@ def make_plan(
     disk: bool = False,
     checkpoint_disk: bool = False,
     clock: bool = False,
+    partitions: bool = False,
 ) -> list[KillSpec]:
     """Every kind once at a random moment, the broker during a push and the trainer between a publish and its
     checkpoint; ``full=False`` (the CI profile) keeps one kill per role: push, publish-before-checkpoint, and
@@ -95,7 +111,10 @@ def make_plan(
     saw the stall, placed the same way. ``disk``: the spool's filesystem filled, then freed ``delay_s`` after the
     broker saw it full, placed the same way. ``checkpoint_disk``: the checkpoints' filesystem filled, then freed
     ``delay_s`` after the trainer stopped on it, placed the same way. ``clock``: the trainer restarted with its
-    clock 6-12 h behind (odd seeds) or ahead (even seeds), at a random moment, placed the same way."""
+    clock 6-12 h behind (odd seeds) or ahead (even seeds), at a random moment, placed the same way.
+    ``partitions``: the inference worker's host and the trainer's host each cut off once, placed the same way:
+    one for 2-4.5 s (within the broker's liveness window), the other for 8-20 s (the inference worker's cut is
+    the short one for odd seeds)."""
     rng = random.Random(seed)
     moments = [
         ("broker", "push"),
@@ -122,6 +141,8 @@ def make_plan(
         (SPOOL_DISK, "full", disk),
         (CHECKPOINT_DISK, "full", checkpoint_disk),
         (CLOCK, "skew", clock),
+        (INFERENCE_NET, "partition", partitions),
+        (TRAINER_NET, "partition", partitions),
     ):
         if wanted:
             own = random.Random(f"{role}-{seed}")
@@ -130,6 +151,9 @@ def make_plan(
             )
             if moment == "skew":
                 kill = replace(kill, skew_s=(-1 if seed % 2 else 1) * 3600.0 * own.randint(6, 12))
+            if moment == "partition":  # one host cut shorter than the liveness window, the other longer
+                short = (seed % 2 == 1) == (role == INFERENCE_NET)
+                kill = replace(kill, hold_s=round(own.uniform(*(SHORT_PARTITION_S if short else LONG_PARTITION_S)), 1))
             plan.insert(own.randint(0, len(plan)), kill)
     if relay:
         plan.insert(0, KillSpec("relay", "mid-relay", gap_steps=1, delay_s=RELAY_KILL_DELAY_S))

@@ -28,6 +28,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("worker_id")
     parser.add_argument("--forward-delay-s", type=float, default=0.0)
     parser.add_argument("--slow-until-version", type=int, default=0)
+    parser.add_argument("--relay-host", default="127.0.0.1", help="the address its relay socket binds")
     args = parser.parse_args(argv)
 
     from primerl.client.weights import WeightSubscriber
@@ -41,7 +42,7 @@ def main(argv: list[str] | None = None) -> int:
         os.environ.get("PRIMERL_RUN_TOKEN"),
         args.worker_id,
         payload_buffer=lambda num_bytes: memoryview(bytearray(num_bytes)),
-        relay_host="127.0.0.1",
+        relay_host=args.relay_host,
         hello_interval_s=1.0,
     )
     relay = subscriber.relay

@@ -142,6 +142,8 @@ class RunSpec:
     stall: bool = False  # the plan stops the engine core once: the inference watchdog gets a short timeout
     disk: bool = False  # the plan fills the spool's filesystem once: the spool gets a small tmpfs of its own
     checkpoint_disk: bool = False  # the plan fills the checkpoints' filesystem once: a tmpfs of their own
+    partitions: bool = False  # mode separate: inference and trainer on hosts of their own, cut off once each
+    broker_host: str = "127.0.0.1"  # with partitions: the bridge's address (set once the hosts are made)
 
     @classmethod
     def create(
@@ -156,6 +158,7 @@ class RunSpec:
         stall: bool = False,
         disk: bool = False,
         checkpoint_disk: bool = False,
+        partitions: bool = False,
     ) -> RunSpec:
         return cls(
             mode,
@@ -172,6 +175,7 @@ class RunSpec:
             stall=stall,
             disk=disk,
             checkpoint_disk=checkpoint_disk,
+            partitions=partitions,
         )
 
     @property
@@ -184,7 +188,7 @@ class RunSpec:
 
     @property
     def broker_address(self) -> str:
-        return f"127.0.0.1:{self.grpc_port}"
+        return f"{self.broker_host}:{self.grpc_port}"
 
     def rl_args(self) -> list[str]:
         return [
@@ -211,6 +215,7 @@ class SeparateBackend:
         self.spec = spec
         self.units: dict[str, Unit] = {}
         self.plain_argv: dict[str, list[str]] = {}  # a role's command before its clock was skewed
+        self.hosts = None  # with partitions: ``support.netns.Hosts`` of the roles on hosts of their own
 
     def start(self) -> None:
         from primerl.runtime.cpu_budget import available_cpus, default_budgets, role_env
@@ -235,10 +240,16 @@ class SeparateBackend:
             stdout=subprocess.DEVNULL,
             env=base_env(spec.marker),
         )
+        if spec.partitions:
+            self._make_hosts()
         budgets = default_budgets(available_cpus(), gpus=False)
         for role in ROLES:
             env = {**base_env(spec.marker), "PRIMERL_RUN_TOKEN": spec.token, **role_env(role, budgets[role])}
             argv = [BIN / DAEMONS[role], "@", spec.run_dir / f"{role}.toml"]
+            if spec.partitions:
+                argv += ["@", spec.run_dir / f"{role}-{NETWORK_FILE}"]
+                if role in PARTITIONED_ROLES:
+                    argv = self.hosts[role].argv(argv)
             if role == "broker":
                 argv += ["--ready-file", ready_file_path(spec.run_dir, "broker")]
             self.units[role] = Unit(
@@ -247,7 +258,8 @@ class SeparateBackend:
         if spec.relay:
             env = {**base_env(spec.marker), "PRIMERL_RUN_TOKEN": spec.token}
             argv = [sys.executable, Path(__file__).resolve().parent / "relay_worker.py"]
-            argv += [f"tcp://127.0.0.1:{weight_port}", "chaos-relay", "--forward-delay-s", str(RELAY_FORWARD_DELAY_S)]
+            argv += [f"tcp://{spec.broker_host}:{weight_port}", "chaos-relay", "--relay-host", spec.broker_host]
+            argv += ["--forward-delay-s", str(RELAY_FORWARD_DELAY_S)]
             argv += ["--slow-until-version", str(RELAY_SLOW_UNTIL_VERSION)]
             log = spec.run_dir / "logs" / f"{RELAY_ROLE}.log"
             self.units[RELAY_ROLE] = Unit(RELAY_ROLE, argv, env, log, spec.restart_sec["inference"], cwd=spec.run_dir)
@@ -267,6 +279,37 @@ class SeparateBackend:
                 time.sleep(0.1)
         for role in ("inference", "trainer", "orchestrator"):
             self.units[role].start()
+
+    def _make_hosts(self) -> None:
+        """The inference worker and the trainer on network namespaces of their own, joined by a bridge whose
+        address the broker (and the orchestrator, the relay worker, the harness) use; each role gets a config
+        file more (``<role>-network.toml``) with the addresses."""
+        spec = self.spec
+        self.hosts = make_hosts(list(PARTITIONED_ROLES))
+        spec.broker_host = self.hosts.gateway
+        client = f'[broker]\naddress = "{spec.broker_address}"\n'
+        files = {
+            "broker": f'host = "{spec.broker_host}"\n',
+            "orchestrator": client,
+            "trainer": client,
+            "inference": f'weight_relay_host = "{self.hosts["inference"].address}"\n\n{client}\n'
+            f'[server]\nhost = "{self.hosts["inference"].address}"\n',
+        }
+        for role, text in files.items():
+            (spec.run_dir / f"{role}-{NETWORK_FILE}").write_text(text)
+
+    def cut(self, role: str) -> int | None:
+        """Take the host of ``role`` off the bridge (its packets dropped silently, both ways); the role's pid."""
+        self._cable(role, "nomaster")
+        return self.pid(role)
+
+    def heal(self, role: str) -> None:
+        self._cable(role, "master", self.hosts.bridge)
+
+    def _cable(self, role: str, *args: str) -> None:
+        assert self.hosts is not None, "a partition in a run without hosts"
+        port = f"{self.hosts.bridge[:-2]}v{list(self.hosts.hosts).index(role)}"  # support.netns's veth names
+        subprocess.run(["ip", "link", "set", port, *args], check=True, capture_output=True, timeout=20)
 
     def poll(self) -> list[Exit]:
         return [e for e in (unit.poll() for unit in self.units.values()) if e is not None]
@@ -303,6 +346,12 @@ class SeparateBackend:
         for role in ("trainer", "orchestrator", "inference", RELAY_ROLE, "broker"):
             if role in self.units:
                 self.units[role].stop(timeout_s)
+
+    def close(self) -> None:
+        """Remove the hosts (after the check for processes left behind, which would find none in them)."""
+        if self.hosts is not None:
+            self.hosts.close()
+            self.hosts = None
 
     def exits(self) -> list[Exit]:
         return [e for unit in self.units.values() for e in unit.exits]
@@ -460,6 +509,9 @@ class RlBackend:
     def exit_code(self) -> int | None:
         return None if self.process is None else self.process.poll()
 
+    def close(self) -> None:
+        pass
+
 
 def _stop_engine(daemon_pid: int | None) -> int | None:
     """SIGSTOP the engine core of the inference worker ``daemon_pid``; its pid, or None when there is none."""
@@ -493,6 +545,30 @@ def faketime_prefix(skew_s: float) -> list[str]:
     assert library is not None, faketime_refusal()
     # the log header shows it (``logs.clock_skew_of`` reads it back)
     return ["env", f"LD_PRELOAD={library}", f"FAKETIME={int(skew_s):+d}", "DONT_FAKE_MONOTONIC=1"]
+
+
+PARTITIONED_ROLES = ("inference", "trainer")  # with partitions: the roles on hosts of their own
+NETWORK_FILE = "network.toml"  # with partitions: ``<role>-network.toml``, the addresses on the hosts' network
+
+
+def _netns_module():
+    """tests/support/netns.py (the multi-host tests' hosts), as scripts/multihost_demo.py uses it."""
+    tests = str(REPO_ROOT / "tests")
+    if tests not in sys.path:
+        sys.path.insert(0, tests)
+    from support import netns
+
+    return netns
+
+
+def partition_refusal() -> str | None:
+    """Why the partition faults cannot run on this machine (None: they can)."""
+    ok, why = _netns_module().namespaces_available()
+    return None if ok else why
+
+
+def make_hosts(names: list[str]):
+    return _netns_module().Hosts.create(names, mode="netns")
 
 
 def tmpfs_refusal() -> str | None:

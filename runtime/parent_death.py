@@ -84,19 +84,29 @@ def parent_environment() -> dict[str, str]:
     return {PARENT_PID_VAR: f"{os.getpid()}" if main else f"{os.getpid()}:thread"}
 
 
+TORCHRUN_RANK_VAR = "TORCHELASTIC_RUN_ID"  # set by torchrun in the environment of each rank it starts
+
+
 def arm_from_environment(signum: int = signal.SIGTERM) -> bool:
     """In a child started with ``parent_environment()``: end with ``signum`` when that parent ends, at once if it
     already has. The entry is removed from the environment, so this process's own children do not inherit it.
-    A process that inherited the entry through a program that kept it (a rank under torchrun: its parent is
-    torchrun, and the process named is alive) arms nothing: the launcher's reaper covers it. Returns whether this
-    process armed the signal."""
+    A process that inherited the entry through a program that kept it (its parent is another program, and the
+    process named is alive) arms nothing: the launcher's reaper covers it. Except a rank under torchrun (the
+    trainer role's process): torchrun starts each rank in a session of its own, out of reach of the signals to the
+    role's process group, so a rank goes with torchrun instead: SIGKILL once torchrun is gone (torchrun stopping
+    normally ends its ranks itself first; a rank left without it has no one to restart it and holds the rendezvous
+    port the restarted role needs). Returns whether this process armed a signal."""
     value = os.environ.pop(PARENT_PID_VAR, "")
     pid_text, _, how = value.partition(":")
     if not pid_text.isdigit():
         return False
     pid = int(pid_text)
     if os.getppid() != pid and _alive(pid):
-        return False  # a grandchild of that process, not its child
+        if TORCHRUN_RANK_VAR not in os.environ:
+            return False  # a grandchild of that process, not its child
+        # torchrun starts its ranks from its agent's thread of choice: watch its pid rather than trust PDEATHSIG
+        die_with_parent(os.getppid(), signum=signal.SIGKILL, from_main_thread=False)
+        return True
     die_with_parent(pid, signum=signum, from_main_thread=how != "thread")
     return True
 

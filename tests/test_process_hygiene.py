@@ -389,3 +389,34 @@ def test_a_process_that_inherits_the_launchers_request_through_another_program_i
     finally:
         kill_all([child, *descendants(child)])
         launcher.kill()
+
+
+def test_a_rank_under_torchrun_goes_with_torchrun_when_torchrun_is_killed(tmp_path):
+    """A rank (``TORCHELASTIC_RUN_ID`` in its environment, started by torchrun in a session of its own) arms on its
+    own parent: a SIGKILLed torchrun takes its ranks along within a poll, while the launcher lives on (the chaos run
+    found two ranks alive 2 s after their torchrun's kill)."""
+    rank = (
+        "import os; os.environ['TORCHELASTIC_RUN_ID'] = 'r'; "
+        "from primerl.runtime.parent_death import arm_from_environment as a; import time; "
+        "print('armed:', a(), flush=True); time.sleep(600)"
+    )
+    middle = (
+        "import subprocess, sys, time; "
+        f"subprocess.Popen([sys.executable, '-c', {rank!r}], start_new_session=True); time.sleep(600)"
+    )
+    launcher, child, _ = start_launcher(tmp_path, [sys.executable, "-c", middle])
+    ranks: list[int] = []
+    try:
+        deadline = time.monotonic() + 30
+        while "\narmed: True" not in (tmp_path / "child.log").read_text():
+            assert time.monotonic() < deadline, (tmp_path / "child.log").read_text()
+            time.sleep(0.05)
+        ranks = descendants(child)
+        assert ranks and all(running(p) for p in ranks)
+        os.kill(child, signal.SIGKILL)
+        gone_s = wait_gone(ranks, GONE_TIMEOUT_S)
+        assert launcher.poll() is None
+    finally:
+        kill_all([child, *ranks])
+        launcher.kill()
+    print(f"rank gone {gone_s:.3f} s after its torchrun's SIGKILL")

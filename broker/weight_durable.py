@@ -8,7 +8,8 @@ bytes), when a trainer incarnation replaces another, before that update is ackno
 
 Layout of the directory (``<spool_dir>/weights``; the rollout spool ignores sub-directories, its lock covers it):
 
-    LINEAGE     JSON {"lineage": int, "lineage_base_version": int}: the newest lineage accepted. Written
+    LINEAGE     JSON {"lineage": int, "lineage_base_version": int, "num_rollbacks": int}: the newest lineage
+                accepted, and the rollbacks counted so far (run status keeps them over a restart). Written
                 atomically before a new lineage's first update is acknowledged, and MANIFEST removed, so after a
                 crash the disk never offers a replaced lineage's weights as current (a restarted broker refuses
                 the replaced trainer's late updates too).
@@ -93,17 +94,19 @@ class WeightDurability:
 
     # -- start-up ------------------------------------------------------------------------------------
 
-    def load(self) -> tuple[int, int, list[StoredUpdate]]:
-        """(lineage, lineage_base_version, [snapshot, *deltas]) from the directory (created if missing)."""
+    def load(self) -> tuple[int, int, int, list[StoredUpdate]]:
+        """(lineage, lineage_base_version, num_rollbacks, [snapshot, *deltas]) from the directory (created if
+        missing); a LINEAGE from before the rollback count says 0 rollbacks."""
         self.directory.mkdir(parents=True, exist_ok=True)
         for leftover in self.directory.glob(f"*{TEMP_SUFFIX}"):
             leftover.unlink(missing_ok=True)
-        lineage, base_version = 0, 0
+        lineage, base_version, num_rollbacks = 0, 0, 0
         lineage_path = self.directory / LINEAGE_FILE
         if lineage_path.exists():
             try:
                 record = json.loads(lineage_path.read_text())
                 lineage, base_version = int(record["lineage"]), int(record["lineage_base_version"])
+                num_rollbacks = int(record.get("num_rollbacks", 0))
             except (ValueError, KeyError, TypeError) as exc:
                 log.error("durable weights: LINEAGE unreadable; ignoring it", path=str(lineage_path), error=str(exc))
         self._lineage = lineage
@@ -121,7 +124,7 @@ class WeightDurability:
                 manifest_path.unlink(missing_ok=True)
                 updates = []
         self._written = {update_file_name(u) for u in updates}
-        return lineage, base_version, updates
+        return lineage, base_version, num_rollbacks, updates
 
     def _load_chain(self, manifest_path: Path, lineage: int) -> list[StoredUpdate]:
         manifest = json.loads(manifest_path.read_text())
@@ -150,14 +153,13 @@ class WeightDurability:
 
     # -- called by the store -------------------------------------------------------------------------
 
-    def set_lineage(self, lineage: int, base_version: int) -> None:
-        """A new lineage was accepted: record it and withdraw the old chain, durably, before returning."""
+    def set_lineage(self, lineage: int, base_version: int, num_rollbacks: int = 0) -> None:
+        """A new lineage was accepted: record it (with the rollbacks counted so far) and withdraw the old chain,
+        durably, before returning."""
         with self._lock:
             (self.directory / MANIFEST_FILE).unlink(missing_ok=True)
-            _write_atomic(
-                self.directory / LINEAGE_FILE,
-                json.dumps({"lineage": lineage, "lineage_base_version": base_version}).encode(),
-            )
+            record = {"lineage": lineage, "lineage_base_version": base_version, "num_rollbacks": num_rollbacks}
+            _write_atomic(self.directory / LINEAGE_FILE, json.dumps(record).encode())
             self._lineage = lineage
         log.info("durable weights: new lineage recorded", lineage=lineage, lineage_base_version=base_version)
 

@@ -182,11 +182,12 @@ class WeightStore:
     def attach_durable(self, durable: WeightDurability) -> None:
         """Load the chain ``durable`` holds (after a broker restart: the latest snapshot and its deltas) and have
         every later change written by it. Call once, before any update arrives."""
-        lineage, base_version, updates = durable.load()
+        lineage, base_version, num_rollbacks, updates = durable.load()
         with self._lock:
             if self._snapshot is not None or self._durable is not None:
                 raise RuntimeError("attach_durable() must be called once, on an empty store")
             self._lineage, self._lineage_base_version = lineage, base_version
+            self._num_rollbacks = num_rollbacks
             if updates:
                 self._snapshot = updates[0]
                 self._deltas = list(updates[1:])
@@ -275,7 +276,7 @@ class WeightStore:
                 self._lineage, self._lineage_base_version = header.lineage, header.lineage_base_version
                 if self._durable is not None:
                     # Before the ack: after a crash the disk never offers the replaced lineage's weights again.
-                    self._durable.set_lineage(self._lineage, self._lineage_base_version)
+                    self._durable.set_lineage(self._lineage, self._lineage_base_version, self._num_rollbacks)
             if stored.kind in SNAPSHOT_KINDS:
                 self._snapshot = stored
                 self._deltas = []

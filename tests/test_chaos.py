@@ -219,11 +219,16 @@ def test_a_full_spool_disk_is_held_until_the_broker_reports_it_then_freed_and_co
             (spec.spool_dir / "probe.rbatch").unlink()
             return True
 
+        (spec.spool_dir / "weights").mkdir()
+        (spec.spool_dir / "weights" / "v1.full").write_bytes(b"w" * 2**20)  # a snapshot the broker replaces later
         kill = driver._kill(KillSpec(SPOOL_DISK, "full", 1, delay_s=0.5), "after step 3 done")
         start = kill.at_s
         assert kill.fired and kill.filled_bytes > 20 * 2**20 and not batch_fits()
-        driver._tend_held(kill, start + 30.0)  # not reported yet: held
-        assert kill.resumed_s is None and not batch_fits()
+        filled = kill.filled_bytes
+        (spec.spool_dir / "weights" / "v1.full").unlink()  # the broker frees space itself...
+        assert batch_fits()
+        driver._tend_held(kill, start + 30.0)  # ...not reported yet: held, and the freed space taken again
+        assert kill.resumed_s is None and not batch_fits() and kill.filled_bytes >= filled + 2**20 - 4096
         full = Event("broker", 1, start + 0.4, {"event": telemetry.SPOOL_DISK_FULL})
         early = Event("broker", 1, start + 0.6, {"event": telemetry.SPOOL_ROOM_AGAIN})  # before the release
         driver._update_recovery(kill, [full, early])

@@ -89,10 +89,16 @@ def test_a_new_lineage_is_recorded_before_it_is_acknowledged(tmp_path: Path) -> 
     header, data = make_update(3, 20, seed=1)
     header.lineage_base_version = 2
     assert store.put(header, data).rolled_back_from == 3
-    assert json.loads((tmp_path / LINEAGE_FILE).read_text()) == {"lineage": 20, "lineage_base_version": 2}
+    assert json.loads((tmp_path / LINEAGE_FILE).read_text()) == {
+        "lineage": 20,
+        "lineage_base_version": 2,
+        "num_rollbacks": 1,
+    }
     assert not (tmp_path / MANIFEST_FILE).exists()
     again, durable_again = durable_store(tmp_path)
     assert again.latest_version is None and again.lineage == 20
+    # the rollback is still counted after the restart (run status said 1 before it; chaos saw 2 -> 0 after one)
+    assert again.status().num_rollbacks == 1
     # The replaced trainer's late update is refused by the restarted broker too.
     assert again.status().lineage_base_version == 2
     try:
@@ -106,6 +112,13 @@ def test_a_new_lineage_is_recorded_before_it_is_acknowledged(tmp_path: Path) -> 
     assert chain_of(third) == [(3, FULL, 20, data)]
     for s in (again, third):
         s.close()
+
+
+def test_a_lineage_file_from_before_the_rollback_count_loads_as_none_counted(tmp_path: Path) -> None:
+    (tmp_path / LINEAGE_FILE).write_text(json.dumps({"lineage": 7, "lineage_base_version": 3}))
+    store, _ = durable_store(tmp_path)
+    assert store.lineage == 7 and store.status().num_rollbacks == 0
+    store.close()
 
 
 def test_a_damaged_file_starts_the_store_empty(tmp_path: Path) -> None:

@@ -319,12 +319,20 @@ def _incarnation_of(incarnations: list[Incarnation], at_s: float) -> Incarnation
 
 
 def _status_findings(record: RunRecord, verdict: Verdict) -> None:
-    """Run status after a broker restart should say what it said before."""
+    """Run status after a broker restart should say what it said before. A policy rollback (a trainer resumed
+    from a checkpoint older than its last publish: ``num_rollbacks`` goes up) lowers the latest version by design,
+    so the version counts from there."""
     best = {"last_committed_step": 0, "latest_policy_version": 0}
+    rollbacks = 0
     regressions: list[str] = []
     for _, status in record.statuses:
+        rolled_back = int(status.get("num_rollbacks", 0)) > rollbacks
+        rollbacks = max(rollbacks, int(status.get("num_rollbacks", 0)))
         for key in best:
             value = int(status.get(key, 0))
+            if rolled_back and key == "latest_policy_version":
+                best[key] = value
+                continue
             if value < best[key] and f"{key} {best[key]} -> {value}" not in regressions:
                 regressions.append(f"{key} {best[key]} -> {value}")
             best[key] = max(best[key], value)

@@ -398,6 +398,8 @@ class Driver:
                 kill.resumed_s = now - kill.at_s
                 self.say(f"    healed: {kill.spec.role} plugged back {kill.resumed_s:.1f} s after the cut")
             return
+        if kill.spec.role in self.disks:  # space the role freed itself is taken too, until the release
+            kill.filled_bytes += self.disks[kill.spec.role].fill()
         seen = kill.stalled_s is not None and now >= kill.at_s + kill.stalled_s + kill.spec.delay_s
         if seen or now - kill.at_s > STALL_RESUME_BOUND_S:
             if not seen:

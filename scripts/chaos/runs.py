@@ -600,10 +600,11 @@ class SmallDisk:
         )
 
     def fill(self) -> int:
-        """Writes until the filesystem is full (ENOSPC); the bytes written."""
+        """Writes until the filesystem is full (ENOSPC); the bytes written. Called again, it takes what was freed
+        since (the broker deletes the weight snapshots it replaced): the disk stays full while it is held."""
         self.filler.mkdir(exist_ok=True)
         written = 0
-        with open(self.filler / "fill", "wb", buffering=0) as out:
+        with open(self.filler / "fill", "ab", buffering=0) as out:
             for block in (1 << 20, 4096, 1):
                 try:
                     while True:

@@ -427,6 +427,8 @@ class Driver:
                 kill.spec.role in SEEN_BY
                 and kill.stalled_s is None
                 and (event.role, event.name) == SEEN_BY[kill.spec.role]
+                # a host cut off is seen lost while it is cut (a later loss is another fault's)
+                and (kill.spec.role not in PARTITIONS or event.at_s <= kill.at_s + kill.spec.hold_s + 1.0)
             ):
                 kill.stalled_s = event.at_s - kill.at_s
             if _held(kill.spec) and (kill.resumed_s is None or event.at_s < kill.at_s + kill.resumed_s):

@@ -21,6 +21,8 @@ restarted after it never mix their rollouts in one step: the restarted one's who
 Fault injection (tests only): ``PRIMERL_FAULT_ORCHESTRATOR_EXIT_AFTER_ACKS=k`` (or ``k@step``) makes the process
 send only the first ``k`` micro-batches of the first step it sends (or of ``step``), wait for their durable acks,
 and kill itself with SIGKILL, so a test hits the window between a step's first and last ack every time.
+``PRIMERL_FAULT_ORCHESTRATOR_EXIT_AFTER_ACKS_FILE=PATH`` arms the same fault from outside a running process (the
+chaos harness): once a file is at PATH, the next step's send reads ``k`` from it, deletes it and does the same.
 
 ``step sending`` and ``step sent`` (events; fields ``step``, ``rank``, ``num_micro_batches``, ``data_digest``): one
 line per trainer rank, logged before the first send and after the broker has made all of the step's micro-batches
@@ -40,6 +42,7 @@ import signal
 import threading
 import time
 from collections.abc import Sequence
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from primerl.client.outage import OutageStopped, OutageWatch, retry_through_outage
@@ -60,6 +63,7 @@ SEND_ATTEMPT_S = 5.0
 RESEND_INTERVAL_S = 2.0
 """The producer resends a batch that got no answer after this long (within an attempt)."""
 FAULT_EXIT_AFTER_ACKS_ENV = "PRIMERL_FAULT_ORCHESTRATOR_EXIT_AFTER_ACKS"
+FAULT_EXIT_AFTER_ACKS_FILE_ENV = "PRIMERL_FAULT_ORCHESTRATOR_EXIT_AFTER_ACKS_FILE"
 _fault_armed = True  # the fault fires once per process
 
 
@@ -128,6 +132,14 @@ def _maybe_exit_after_acks(
     """The test-only fault point of the module docstring."""
     global _fault_armed
     spec = os.environ.get(FAULT_EXIT_AFTER_ACKS_ENV, "").strip()
+    trigger = os.environ.get(FAULT_EXIT_AFTER_ACKS_FILE_ENV, "")
+    if not spec and trigger:
+        try:
+            spec = Path(trigger).read_text().strip()
+        except OSError:  # not armed (no file)
+            return
+        Path(trigger).unlink(missing_ok=True)
+        _fault_armed = True
     if not spec or not _fault_armed:
         return
     count, _, at_step = spec.partition("@")
@@ -169,6 +181,7 @@ def log_step_sent(step: int, per_rank: Sequence[Sequence[PackedMicroBatch]]) -> 
 
 __all__ = [
     "FAULT_EXIT_AFTER_ACKS_ENV",
+    "FAULT_EXIT_AFTER_ACKS_FILE_ENV",
     "RESEND_INTERVAL_S",
     "SEND_ATTEMPT_S",
     "log_step_data",

@@ -23,7 +23,7 @@ import pytest
 from support.daemons import BrokerProcess
 
 from primerl.client.rollouts import RolloutConsumer, RolloutTimeout
-from primerl.orchestrator.step_send import FAULT_EXIT_AFTER_ACKS_ENV
+from primerl.orchestrator.step_send import FAULT_EXIT_AFTER_ACKS_ENV, FAULT_EXIT_AFTER_ACKS_FILE_ENV
 from primerl.proto import telemetry
 from primerl.proto.batch_ids import parse_producer_batch_id
 from primerl.proto.step_digest import data_digest
@@ -136,3 +136,24 @@ def test_a_step_is_trained_from_one_orchestrator_incarnation(tmp_path, processes
     assert rc == 0
     check(broker.rollout_endpoint, "after-zombie-trainer")
     assert broker.stop() == 0
+
+
+def test_the_fault_point_armed_by_a_file_fires_only_once_the_file_is_there(tmp_path, processes):
+    """The chaos harness arms the fault point of a running orchestrator by writing k into a file: no file, a normal
+    send; a file, k micro-batches acked, the file consumed, SIGKILL."""
+    broker = BrokerProcess(tmp_path, tmp_path / "spool")
+    processes.append(broker)
+    trigger = tmp_path / "fault"
+    env = {FAULT_EXIT_AFTER_ACKS_FILE_ENV: str(trigger)}
+    rc, plain = run_producer(tmp_path, broker.rollout_endpoint, 1000, "unarmed", env)
+    assert rc == 0 and "step sent" in plain["log"], plain["log"][-3000:]
+    broker.kill()
+    (tmp_path / "second").mkdir()
+    broker = BrokerProcess(tmp_path / "second", tmp_path / "second" / "spool")
+    processes.append(broker)
+    trigger.write_text("3\n")
+    rc, armed = run_producer(tmp_path, broker.rollout_endpoint, 2000, "armed", env)
+    assert rc == -signal.SIGKILL and telemetry.FAULT_ORCHESTRATOR_EXIT in armed["log"], armed["log"][-3000:]
+    assert "num_acked=3" in armed["log"] or '"num_acked": 3' in armed["log"]
+    assert not trigger.exists()
+    assert len(list((tmp_path / "second" / "spool").glob("*.rbatch"))) == 3

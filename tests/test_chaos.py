@@ -476,6 +476,19 @@ def test_the_full_plan_of_mode_separate_cuts_the_inference_and_the_trainer_hosts
     assert SHORT_PARTITION_S[1] < liveness_window_s < LONG_PARTITION_S[0]
 
 
+def test_the_full_plan_kills_the_orchestrator_once_in_the_middle_of_a_steps_send():
+    from chaos.plan import MID_SEND, MID_SEND_MAX_ACKS
+
+    for seed in (1, 2, 3):
+        plain = make_plan(seed, full=True, stall=True, disk=True)
+        with_send = make_plan(seed, full=True, stall=True, disk=True, mid_send=True)
+        [kill] = [k for k in with_send if k.role == MID_SEND]
+        assert [k for k in with_send if k.role != MID_SEND] == plain
+        assert kill.moment == "mid-send" and 1 <= kill.acks <= MID_SEND_MAX_ACKS < 4  # of a step's 4 micro-batches
+        assert f"after {kill.acks} acks" in kill.describe()
+    assert all(k.role != MID_SEND for k in make_plan(1, full=False))
+
+
 def test_spool_must_have_committed_the_last_step(tmp_path):
     spool = tmp_path / "spool"
     spool.mkdir()

@@ -23,6 +23,8 @@ Checks:
 - final status: every inference worker serves the latest policy version, which is N;
 - spool: the broker's ``COMMITTED`` file says N (every step committed); batch files left are noted;
 - leftovers: no process started by the run alive after it;
+- mid-send: the step an orchestrator died in the middle of sending (its fault point) is trained on the set of the
+  orchestrator restarted after it, never on the partial one's digest;
 - relay (mode separate): after the relay worker's kill mid-relay, the inference worker serves that update (or a
   later one) within ``RELAY_HEAL_BOUND_S``: the broker's relay timeout heals the chain around the dead relay.
 """
@@ -172,6 +174,18 @@ def judge(record: RunRecord) -> Verdict:
             verdict.unverified.append(step)
         elif digest not in sent[step, 0]:
             verdict.mismatched.append(f"step {step}: trained {digest}, sent {sorted(sent[step, 0])}")
+    # an orchestrator that died mid-send (its fault point): the step must come whole from the one restarted after it
+    for inc in logs["orchestrator"]:
+        for fault in inc.named(telemetry.FAULT_ORCHESTRATOR_EXIT):
+            step = int(fault.get("step", 0))
+            partial = {
+                str(e.get("data_digest"))
+                for e in inc.named(telemetry.STEP_SENDING)
+                if int(e.get("step", 0)) == step and int(e.get("rank", 0)) == 0
+            }
+            trained = chain.steps.get(step)
+            if trained and trained[-1].get("data_digest") in partial:
+                verdict.mismatched.append(f"step {step}: trained the partial set of an orchestrator killed mid-send")
     resent: dict[int, int] = {}
     for (step, _rank), digests in sent.items():
         if len(digests) > 1:
@@ -245,6 +259,8 @@ def judge(record: RunRecord) -> Verdict:
                 if kill.spec.role == SPOOL_DISK
                 else "the trainer never stopped on its full checkpoint disk"
             )
+        if kill.spec.moment == "mid-send" and kill.fired and kill.stalled_s is None:
+            verdict.failures.append("the orchestrator never reached its mid-send fault point")
         if kill.spec.moment == "full" and not kill.fired:
             verdict.failures.append(f"the {kill.spec.role} filesystem could not be filled")
         if kill.spec.moment == "mid-relay" and (kill.healed_s is None or kill.healed_s > RELAY_HEAL_BOUND_S):
@@ -366,6 +382,8 @@ def summary(verdict: Verdict) -> str:
             healed = f", seen stalled in {seconds(kill.stalled_s)}, resumed at {seconds(kill.resumed_s)}"
         if kill.spec.moment == "full":
             healed = f", seen full in {seconds(kill.stalled_s)}, freed at {seconds(kill.resumed_s)}"
+        if kill.spec.moment == "mid-send":
+            healed = f", died mid-send {seconds(kill.stalled_s)} after it was armed"
         if kill.spec.moment == "partition":
             lost = "" if kill.stalled_s is None else f", marked lost in {seconds(kill.stalled_s)}"
             after = (

@@ -108,6 +108,7 @@ def main(argv: list[str] | None = None) -> int:
                 checkpoint_disk=not args.quick and disk_refusal is None,
                 clock=mode == "separate" and not args.quick and clock_refusal is None,
                 partitions=mode == "separate" and not args.quick and network_refusal is None,
+                mid_send=not args.quick,
             )
             max_steps = args.steps or steps_needed(plan)
             run_dir = (args.run_root / f"{mode}-seed{seed}").resolve()

@@ -22,6 +22,7 @@ from .plan import (
     HELD_FAULTS,
     INFERENCE_NET,
     LAUNCHER,
+    MID_SEND,
     PARTITIONS,
     SPOOL_DISK,
     TRAINER_NET,
@@ -63,6 +64,7 @@ RECOVERED_BY = {  # killed role -> the (role, event) that says it is back
     CLOCK: ("trainer", "registered with the broker"),  # the trainer restarted with its clock skewed
     INFERENCE_NET: ("trainer", telemetry.STEP_DONE),  # healed, and steps come again (heal to full speed)
     TRAINER_NET: ("trainer", telemetry.STEP_DONE),
+    MID_SEND: ("orchestrator", "registered with the broker"),  # the orchestrator restarted after its fault point
 }
 SEEN_BY = {  # held fault -> the (role, event) that says the system noticed it
     ENGINE: ("inference", telemetry.INFERENCE_ENGINE_STALLED),
@@ -71,6 +73,7 @@ SEEN_BY = {  # held fault -> the (role, event) that says the system noticed it
     # a partition longer than the liveness window: the broker marks the cut-off worker lost
     INFERENCE_NET: ("broker", "workers lost: no heartbeat"),
     TRAINER_NET: ("broker", "workers lost: no heartbeat"),
+    MID_SEND: ("orchestrator", telemetry.FAULT_ORCHESTRATOR_EXIT),  # it sent k micro-batches and killed itself
 }
 
 
@@ -232,6 +235,7 @@ class Driver:
                 if _held(kill.spec) and kill.fired and kill.resumed_s is None:
                     self._release(kill)
                     kill.resumed_s = time.time() - kill.at_s
+            spec.mid_send_trigger.unlink(missing_ok=True)  # a fault point armed too late to fire
             poller.halt.set()
             if spec.mode == "rl":
                 self.backend.trainer_finished = self.trainer_finished
@@ -302,7 +306,7 @@ class Driver:
 
     def _moment(self, spec: KillSpec, armed_at_step: int, new_events: list[Event]) -> str | None:
         """A note describing the moment when ``spec`` should fire now, else None."""
-        if spec.moment in ("random", "skew"):
+        if spec.moment in ("random", "skew", "mid-send"):
             return f"{spec.delay_s:.2f} s after step {self.last_step} done" if self.last_step >= armed_at_step else None
         if _held(spec):
             return f"after step {self.last_step} done" if self.last_step >= armed_at_step else None
@@ -363,7 +367,7 @@ class Driver:
                 f"({kill.filled_bytes / 2**20:.1f} MiB) at step {self.last_step}: {note}"
             )
             return kill
-        pid = self.backend.pid("trainer" if spec.role == CLOCK else spec.role)
+        pid = self.backend.pid({CLOCK: "trainer", MID_SEND: "orchestrator"}.get(spec.role, spec.role))
         children = []
         if pid is not None:
             try:
@@ -372,6 +376,8 @@ class Driver:
                 children = []
         if spec.role == CLOCK:
             kill.pid = self.backend.skew_clock("trainer", spec.skew_s)
+        elif spec.role == MID_SEND:
+            kill.pid = self.backend.arm_mid_send(spec.acks)
         else:
             kill.pid = self.backend.kill(spec.role)
         self.record.kills.append(kill)
@@ -433,6 +439,8 @@ class Driver:
                 kill.stalled_s = event.at_s - kill.at_s
             if _held(kill.spec) and (kill.resumed_s is None or event.at_s < kill.at_s + kill.resumed_s):
                 continue  # "recovered" only counts once the harness released it
+            if kill.spec.role == MID_SEND and (kill.stalled_s is None or event.at_s < kill.at_s + kill.stalled_s):
+                continue  # back: registered after it hit its fault point
             if kill.recovered_s is None and (event.role, event.name) == RECOVERED_BY[kill.spec.role]:
                 kill.recovered_s = event.at_s - kill.at_s
             if kill.next_step_s is None and event.role == "trainer" and event.name == telemetry.STEP_DONE:

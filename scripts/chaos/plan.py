@@ -44,6 +44,12 @@ Kinds of moment:
   with every process alive, as with an unplugged switch port. Then it is plugged back. An inference worker cut off
   stops the rollouts (it is the only one) and, past the liveness window, is marked lost; a trainer cut off neither
   gets batches nor publishes. It is back on the trainer's next ``step done`` after the heal (heal to full speed).
+- ``mid-send`` (role ``orchestrator-send``, the full plan): the orchestrator is killed in the middle of a step's
+  send, after ``k`` of the step's micro-batches (1 to 3 of 4, seeded) were made durable by the broker: the harness
+  arms the orchestrator's test-only fault point (``PRIMERL_FAULT_ORCHESTRATOR_EXIT_AFTER_ACKS_FILE``: a file with
+  ``k``), and at its next step the orchestrator sends ``k`` micro-batches, waits for their acks and SIGKILLs itself
+  (``fault injection: orchestrator exits after acks``). The broker must never serve that partial set: the
+  restarted orchestrator's whole set takes the step. It is back once the restarted orchestrator registered.
 
 Kills run one after another: kill ``i`` is armed once the role of kill ``i - 1`` is back (or a bound passed) and
 the trainer has done ``gap_steps`` more steps, so each recovery is seen on its own.
@@ -66,6 +72,8 @@ DISKS = (SPOOL_DISK, CHECKPOINT_DISK)
 # faults held for ``delay_s`` once the system saw them
 HELD_FAULTS = {ENGINE: "stall", SPOOL_DISK: "full", CHECKPOINT_DISK: "full"}
 CLOCK = "trainer-clock"  # the trainer restarted with its clock skewed (moment "skew")
+MID_SEND = "orchestrator-send"  # the orchestrator killed after k of a step's micro-batches were acked ("mid-send")
+MID_SEND_MAX_ACKS = 3  # k is 1..3 (a step has 4 micro-batches in the chaos run)
 INFERENCE_NET = "inference-net"  # the inference worker's host cut off the network (moment "partition")
 TRAINER_NET = "trainer-net"  # the trainer's host cut off the network (moment "partition")
 PARTITIONS = {INFERENCE_NET: "inference", TRAINER_NET: "trainer"}  # fault -> the role on the host cut off
@@ -85,12 +93,14 @@ class KillSpec:
     delay_s: float = 0.0  # for moment "random"
     skew_s: float = 0.0  # for moment "skew": the restarted trainer's clock minus the true time
     hold_s: float = 0.0  # for moment "partition": how long the host stays cut off
+    acks: int = 0  # for moment "mid-send": the micro-batches acked before the orchestrator dies
 
     def describe(self) -> str:
         delay = f" +{self.delay_s:.2f}s" if self.moment in ("random", "skew", *HELD_FAULTS.values()) else ""
         skew = f" {self.skew_s / 3600:+.1f}h" if self.moment == "skew" else ""
         hold = f" for {self.hold_s:.1f}s" if self.moment == "partition" else ""
-        return f"{self.role}@{self.moment}{delay}{skew}{hold} (after {self.gap_steps} more steps)"
+        acks = f" after {self.acks} acks" if self.moment == "mid-send" else ""
+        return f"{self.role}@{self.moment}{delay}{skew}{hold}{acks} (after {self.gap_steps} more steps)"
 
 
 def make_plan(
@@ -105,6 +115,7 @@ def make_plan(
     checkpoint_disk: bool = False,
     clock: bool = False,
     partitions: bool = False,
+    mid_send: bool = False,
 ) -> list[KillSpec]:
     """Every kind once at a random moment, the broker during a push and the trainer between a publish and its
     checkpoint; ``full=False`` (the CI profile) keeps one kill per role: push, publish-before-checkpoint, and
@@ -118,7 +129,8 @@ def make_plan(
     clock 6-12 h behind (odd seeds) or ahead (even seeds), at a random moment, placed the same way.
     ``partitions``: the inference worker's host and the trainer's host each cut off once, placed the same way:
     one for 1-2.5 s (well within the broker's liveness window), the other for 8-20 s (the inference worker's cut is
-    the short one for odd seeds)."""
+    the short one for odd seeds). ``mid_send``: the orchestrator killed after 1-3 of a step's micro-batches were
+    acked, placed the same way."""
     rng = random.Random(seed)
     moments = [
         ("broker", "push"),
@@ -147,6 +159,7 @@ def make_plan(
         (CLOCK, "skew", clock),
         (INFERENCE_NET, "partition", partitions),
         (TRAINER_NET, "partition", partitions),
+        (MID_SEND, "mid-send", mid_send),
     ):
         if wanted:
             own = random.Random(f"{role}-{seed}")
@@ -155,6 +168,8 @@ def make_plan(
             )
             if moment == "skew":
                 kill = replace(kill, skew_s=(-1 if seed % 2 else 1) * 3600.0 * own.randint(6, 12))
+            if moment == "mid-send":
+                kill = replace(kill, acks=own.randint(1, MID_SEND_MAX_ACKS))
             if moment == "partition":  # one host cut shorter than the liveness window, the other longer
                 short = (seed % 2 == 1) == (role == INFERENCE_NET)
                 kill = replace(kill, hold_s=round(own.uniform(*(SHORT_PARTITION_S if short else LONG_PARTITION_S)), 1))

@@ -78,6 +78,7 @@ LAUNCHER_ROLES_GONE_S = 15.0  # after `primerl rl`'s SIGKILL, how long its roles
 SPOOL_DISK_MIB = 64  # the tmpfs of the broker's spool dir (batches: KiBs a step; the weight chain: ~3 MiB a version)
 # the tmpfs of the trainer's checkpoints: ~7 MiB a checkpoint of the tiny model, one every CKPT_INTERVAL steps, all kept
 CHECKPOINT_DISK_MIB = 512
+MID_SEND_TRIGGER = ".chaos-orchestrator-fault"  # in the run dir: the orchestrator's fault point reads k from it
 FILLER_DIR = ".chaos-disk-filler"  # a directory: neither the spool nor the checkpoint listing reads it
 
 
@@ -183,6 +184,16 @@ class RunSpec:
         return self.run_dir / "broker" / "spool"
 
     @property
+    def mid_send_trigger(self) -> Path:
+        return self.run_dir / MID_SEND_TRIGGER
+
+    def fault_env(self) -> dict[str, str]:
+        """The orchestrator's test-only fault point, armed only once the harness writes the trigger file."""
+        from primerl.orchestrator.step_send import FAULT_EXIT_AFTER_ACKS_FILE_ENV
+
+        return {FAULT_EXIT_AFTER_ACKS_FILE_ENV: str(self.mid_send_trigger)}
+
+    @property
     def checkpoint_dir(self) -> Path:
         return self.run_dir / "checkpoints"
 
@@ -245,6 +256,8 @@ class SeparateBackend:
         budgets = default_budgets(available_cpus(), gpus=False)
         for role in ROLES:
             env = {**base_env(spec.marker), "PRIMERL_RUN_TOKEN": spec.token, **role_env(role, budgets[role])}
+            if role == "orchestrator":
+                env.update(spec.fault_env())
             argv = [BIN / DAEMONS[role], "@", spec.run_dir / f"{role}.toml"]
             if spec.partitions:
                 argv += ["@", spec.run_dir / f"{role}-{NETWORK_FILE}"]
@@ -326,6 +339,15 @@ class SeparateBackend:
     def resume_engine(self, pid: int) -> None:
         signal_quietly(pid, signal.SIGCONT)
 
+    def arm_mid_send(self, acks: int) -> int | None:
+        """Arm the orchestrator's fault point: it dies after ``acks`` micro-batches of its next step (its exit is
+        the harness's). The orchestrator's pid."""
+        pid = self.pid("orchestrator")
+        if pid is not None:
+            self.units["orchestrator"].pending_kill_pid = pid
+            write_trigger(self.spec.mid_send_trigger, acks)
+        return pid
+
     def skew_clock(self, role: str, skew_s: float) -> int | None:
         """SIGKILL ``role``; its restarter starts it again with its clock ``skew_s`` off, and keeps it so (the
         host's clock stays wrong): the unit's command runs under `env` with libfaketime preloaded, so that the
@@ -376,7 +398,7 @@ class RlBackend:
     def start(self) -> None:
         spec = self.spec
         spec.run_dir.mkdir(parents=True, exist_ok=True)
-        env = base_env(spec.marker)
+        env = {**base_env(spec.marker), **spec.fault_env()}
         # `primerl rl` takes the run token from its config only (it makes one up otherwise): a file only we can
         # read, removed at the end (``stop``), so that the harness can ask the broker for the run status.
         self.token_file = spec.run_dir / ".chaos-run-token.toml"
@@ -457,6 +479,14 @@ class RlBackend:
     def resume_engine(self, pid: int) -> None:
         signal_quietly(pid, signal.SIGCONT)
 
+    def arm_mid_send(self, acks: int) -> int | None:
+        """As ``SeparateBackend.arm_mid_send``; `primerl rl` restarts the orchestrator."""
+        pid = self.pid("orchestrator")
+        if pid is not None:
+            self.killed.add(pid)
+            write_trigger(self.spec.mid_send_trigger, acks)
+        return pid
+
     def _kill_launcher(self) -> int | None:
         """SIGKILL `primerl rl`; once its roles are gone (its reaper ends them; bounded), start it again as a
         supervisor would: the run resumes from its directory. Its roles' exits are the harness's (planned)."""
@@ -511,6 +541,13 @@ class RlBackend:
 
     def close(self) -> None:
         pass
+
+
+def write_trigger(path: Path, acks: int) -> None:
+    """Whole or not at all: the orchestrator may read it at any moment."""
+    temporary = path.with_name(path.name + ".tmp")
+    temporary.write_text(f"{acks}\n")
+    os.replace(temporary, path)
 
 
 def _stop_engine(daemon_pid: int | None) -> int | None:

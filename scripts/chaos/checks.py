@@ -23,8 +23,8 @@ Checks:
 - final status: every inference worker serves the latest policy version, which is N;
 - spool: the broker's ``COMMITTED`` file says N (every step committed); batch files left are noted;
 - leftovers: no process started by the run alive after it;
-- mid-send: the step an orchestrator died in the middle of sending (its fault point) is trained on the set of the
-  orchestrator restarted after it, never on the partial one's digest;
+- mid-send: the step an orchestrator died in the middle of sending (its fault point) is trained on a set that an
+  orchestrator restarted after it sent whole (``step sent``), never on the partial one alone;
 - relay (mode separate): after the relay worker's kill mid-relay, the inference worker serves that update (or a
   later one) within ``RELAY_HEAL_BOUND_S``: the broker's relay timeout heals the chain around the dead relay.
 """
@@ -174,18 +174,24 @@ def judge(record: RunRecord) -> Verdict:
             verdict.unverified.append(step)
         elif digest not in sent[step, 0]:
             verdict.mismatched.append(f"step {step}: trained {digest}, sent {sorted(sent[step, 0])}")
-    # an orchestrator that died mid-send (its fault point): the step must come whole from the one restarted after it
-    for inc in logs["orchestrator"]:
+    # an orchestrator that died mid-send (its fault point): the step must come whole from one restarted after it,
+    # i.e. be a set a later incarnation sent whole (``step sent``; a remade step may hold the very same data)
+    incarnations = logs["orchestrator"]
+    for number, inc in enumerate(incarnations):
         for fault in inc.named(telemetry.FAULT_ORCHESTRATOR_EXIT):
             step = int(fault.get("step", 0))
-            partial = {
+            later = {
                 str(e.get("data_digest"))
-                for e in inc.named(telemetry.STEP_SENDING)
+                for after in incarnations[number + 1 :]
+                for e in after.named(telemetry.STEP_SENT)
                 if int(e.get("step", 0)) == step and int(e.get("rank", 0)) == 0
             }
             trained = chain.steps.get(step)
-            if trained and trained[-1].get("data_digest") in partial:
-                verdict.mismatched.append(f"step {step}: trained the partial set of an orchestrator killed mid-send")
+            if trained and trained[-1].get("data_digest") not in later:
+                verdict.mismatched.append(
+                    f"step {step}: trained {trained[-1].get('data_digest')}, not a set an orchestrator restarted after "
+                    f"the one killed mid-send sent whole ({sorted(later) or 'none'})"
+                )
     resent: dict[int, int] = {}
     for (step, _rank), digests in sent.items():
         if len(digests) > 1:

@@ -119,7 +119,22 @@ def lineage(trainer: list[Incarnation]) -> Lineage:
                 "incarnation logged as saved"
             )
             break
-        current, upper = writers[-1], start
+        writer = writers[-1]
+        if start not in result.steps and not any(
+            int(e.get("step", 0)) == start and not e.get("from_checkpoint") for e in done[writer.number]
+        ):
+            # the record of checkpoint ``start``'s step may come from an incarnation between its writer and this one
+            # that resumed from it too and wrote it (from the checkpoint), then died before a newer checkpoint (its
+            # disk was full): the trainer writes that record once, so a later resume from ``start`` does not
+            for between in trainer:
+                if writer.number < between.number < current.number and resumed[between.number] == start:
+                    records = [
+                        e for e in done[between.number] if int(e.get("step", 0)) == start and e.get("from_checkpoint")
+                    ]
+                    if records:
+                        result.steps.setdefault(start, []).append(records[0].fields)
+                        break
+        current, upper = writer, start
         owned.add((current.number, start))
     for number, steps in trained.items():
         for step in steps:

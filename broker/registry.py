@@ -88,6 +88,9 @@ MAX_POLICY_LINEAGE = 1 << 62
 
 
 # ------------------------------------------------------------------------------------------- registry
+MAX_LOST_UNREPORTED = 1024  # workers marked LOST and not yet handed to the heartbeat monitor, at most
+
+
 class WorkerRegistry(WatchedState):
     """Registered workers, their liveness and progress, and the run status built from them."""
 
@@ -616,7 +619,8 @@ class WorkerRegistry(WatchedState):
                 self._leave_fanout_locked(worker, "lost")
                 lost.append(self._info_locked(worker))
         if lost:
-            self._lost_unreported += lost
+            # bounded: without a heartbeat monitor calling ``expire()`` (a registry in a test) nobody drains it
+            self._lost_unreported = (self._lost_unreported + lost)[-MAX_LOST_UNREPORTED:]
             self._bump_locked()
         return lost
 

@@ -2,7 +2,8 @@
 """How much of a model one optimizer step changes, and what a DELTA of it costs: SPARSE and XOR_ZLIB against FULL.
 
     .venv/bin/python bench/delta_fraction.py [--models 100m,1b] [--lrs 1e-6,1e-5] [--dtypes bf16,fp32]
-                                             [--encodings sparse,xor_zlib] [--repeats 3] [--markdown PATH]
+                                             [--encodings sparse,xor_zlib] [--repeats 3] [--pooled-max-gib 6]
+                                             [--markdown PATH]
 
 Models: one Qwen2 family (the tiny model's: 1088-token vocabulary, tied embeddings, head_dim 64), fp32 master
 weights initialised as transformers does (seeded): ``100m`` = hidden 768, 12 layers, 12 heads, 4 KV heads,
@@ -11,25 +12,33 @@ heads, 4 KV heads, intermediate 5632 (~971M parameters, part e's 1B). Each model
 
 The step: one AdamW step (the trainer's: ``OptimizerConfig`` defaults, weight decay 0.01 on matrices and
 embeddings, none on biases and norms) of next-token loss on 16 random tokens, from the initial weights, as
-``bench/weight_update.py``'s delta table does. To keep a 1B model within ~5 GB the step is taken inside the
+``bench/weight_update.py``'s delta table does. To keep a 1B model within ~6 GB the step is taken inside the
 backward pass, one parameter at a time as its gradient is ready (a post-accumulate-grad hook: the gradient is
-freed right after), on a copy, once per learning rate; the model keeps its initial weights. Each stepped tensor
-is cast to each dtype (bf16: what inference serves, cast from the fp32 master; fp32: the master itself) and
-encoded against the initial weights cast the same way, with ``encode_delta`` and decoded with ``decode_delta``
-(checked bit-exact), one tensor at a time on one thread.
+freed right after, and so is the fp32 weight once it is stepped and cast: nothing reads it afterwards), on a copy,
+once per learning rate. Each stepped tensor is cast to each dtype (bf16: what inference serves, cast from the
+fp32 master; fp32: the master itself) and encoded against the initial weights cast the same way.
+
+Two timings. Per tensor: ``encode_delta`` and ``decode_delta`` of one tensor at a time on one thread (checked
+bit-exact), the sum over tensors of the fastest of ``--repeats`` runs each. Whole model: what the publisher and
+a worker run, ``encode_delta`` of the whole state dict and ``decode_delta`` of its payload, with their default
+thread pools (the tensors side by side on up to one thread per usable core), checked bit-exact; one untimed run
+first (fresh memory: its times are shown apart), then ``--repeats`` timed runs, min / median / max. The whole-model
+runs hold the new and base tensors of a point and one decoded copy (3 x the bf16 model); a point is measured so
+only while they fit in ``--pooled-max-gib`` next to the points before it.
 
 Columns: changed elements (bitwise, over all elements); FULL = the safetensors payload of every tensor (what a
-FULL publish sends); each encoding's payload = its encoded tensors plus one safetensors header; encode and
-decode seconds are the sum over tensors, each the fastest of ``--repeats`` runs (XOR_ZLIB: one run); break-even
-wire rate = 2 x (FULL - delta) / (encode + decode): the delta saves time when the trainer -> broker -> worker path
-moves fewer bytes per second than that (the publisher's "auto" rule, ``trainer/publish.py``). Target:
-bf16 DELTA payload at lr 1e-6 on the 1B model <= 0.1 of FULL.
+FULL publish sends); each encoding's payload = its encoded tensors plus one safetensors header; break-even wire
+rate = 2 x (FULL - delta) / (encode + decode), from the whole-model medians where measured (else the per-tensor
+sums): the delta saves time when the trainer -> broker -> worker path moves fewer bytes per second than that (the
+publisher's "auto" rule, ``trainer/publish.py``). Targets at lr 1e-6 on the 1B model in bf16: the SPARSE payload
+<= 0.1 of FULL, and its whole-model encode + decode (median) <= 1.0 s.
 """
 
 from __future__ import annotations
 
 import argparse
 import math
+import os
 import platform
 import sys
 import time
@@ -40,12 +49,13 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from report import Section, fmt, target_line  # noqa: E402
+from report import Section, Stats, fmt, target_line  # noqa: E402
 
 from primerl.proto.units import MiB  # noqa: E402
 
 NUM_TRAIN_TOKENS = 16
 TARGET_FRACTION = 0.1
+TARGET_SECONDS = 1.0  # whole-model SPARSE encode + decode, median
 TARGET_POINT = ("1b", "bf16", 1e-6)
 ENCODINGS = {"sparse": "DELTA_ENCODING_SPARSE", "xor_zlib": "DELTA_ENCODING_XOR_ZLIB"}
 DTYPES = {"bf16": "bfloat16", "fp32": "float32"}
@@ -79,9 +89,15 @@ def cpu_name() -> str:
 class EncodingCost:
     data_bytes: int = 0
     specs: list = field(default_factory=list)  # every encoded TensorSpec, for the payload's one header
-    encode_s: float = 0.0
+    encode_s: float = 0.0  # per tensor, one thread: the sum over tensors of each one's fastest run
     decode_s: float = 0.0
     forms: Counter = field(default_factory=Counter)
+    # Whole model (module docstring): the untimed first run, then the timed ones.
+    first_encode_s: float | None = None
+    first_decode_s: float | None = None
+    whole_encode_s: Stats = field(default_factory=Stats)
+    whole_decode_s: Stats = field(default_factory=Stats)
+    whole_total_s: Stats = field(default_factory=Stats)
 
     def payload_bytes(self) -> int:
         return self.data_bytes + header_bytes(self.specs)
@@ -100,6 +116,9 @@ class Point:
     full_specs: list = field(default_factory=list)
     full_data_bytes: int = 0
     costs: dict[str, EncodingCost] = field(default_factory=dict)
+    # For the whole-model timings: the stepped and the base tensors, cast (empty when the point is not pooled).
+    new: dict[str, Any] = field(default_factory=dict)
+    base: dict[str, Any] = field(default_factory=dict)
 
     @property
     def full_bytes(self) -> int:
@@ -218,6 +237,7 @@ def measure_model(model_name: str, spec: Any, args: argparse.Namespace) -> list[
         f"[{model_name}] built: {num_params / 1e6:.0f}M parameters in {time.perf_counter() - start:.1f} s", flush=True
     )
     points = {(dtype, lr): Point(model_name, num_params, dtype, lr) for lr in args.lrs for dtype in args.dtypes}
+    pooled = pooled_points(list(points.values()), args.pooled_max_gib * 2**30)
     names = {param: name for name, param in model.named_parameters()}
     progress = {"done": 0}
 
@@ -232,15 +252,13 @@ def measure_model(model_name: str, spec: Any, args: argparse.Namespace) -> list[
             torch.optim.AdamW([stepped], lr=lr, betas=(config.betas1, config.betas2), weight_decay=weight_decay).step()
             for dtype in args.dtypes:
                 torch_dtype = getattr(torch, DTYPES[dtype])
-                measure_tensor(
-                    points[(dtype, lr)],
-                    name,
-                    stepped.detach().to(torch_dtype),
-                    base32.to(torch_dtype),
-                    args.encodings,
-                    args.repeats,
-                )
+                point = points[(dtype, lr)]
+                new, base = stepped.detach().to(torch_dtype), base32.to(torch_dtype)
+                if point in pooled:
+                    point.new[name], point.base[name] = new, base
+                measure_tensor(point, name, new, base, args.encodings, args.repeats)
         param.grad = None  # freed as soon as used: no model-sized gradient or optimizer state
+        param.data = torch.empty(0)  # every use of the weight is behind us once its gradient is complete
         progress["done"] += 1
         if progress["done"] % 20 == 0:
             print(
@@ -259,9 +277,74 @@ def measure_model(model_name: str, spec: Any, args: argparse.Namespace) -> list[
     missing = [name for param, name in names.items() if param.grad is not None]
     if progress["done"] != len(names) or missing:
         raise RuntimeError(f"[{model_name}] {len(names) - progress['done']} parameters got no gradient: {missing}")
-    print(f"[{model_name}] done in {time.perf_counter() - start:.1f} s", flush=True)
     del model
+    for point in pooled:
+        for label in args.encodings:
+            measure_whole(point, label, args.repeats)
+        point.new.clear()
+        point.base.clear()
+    print(f"[{model_name}] done in {time.perf_counter() - start:.1f} s", flush=True)
     return list(points.values())
+
+
+def pooled_points(points: list[Point], max_bytes: float) -> list[Point]:
+    """The points whose whole-model runs fit in ``max_bytes``: all of them hold their new and base tensors until
+    the end of the backward pass, and one at a time a decoded copy (module docstring)."""
+    pooled: list[Point] = []
+    for point in points:
+        size = point.num_params * (2 if point.dtype == "bf16" else 4)
+        held = sum(2 * p.num_params * (2 if p.dtype == "bf16" else 4) for p in [*pooled, point])
+        largest = max([size, *(p.num_params * (2 if p.dtype == "bf16" else 4) for p in pooled)])
+        if held + largest <= max_bytes:
+            pooled.append(point)
+    return pooled
+
+
+def measure_whole(point: Point, label: str, repeats: int) -> None:
+    """Time ``encode_delta`` of the whole state dict and ``decode_delta`` of its payload, as the publisher and a
+    worker run them (default threads): one untimed run, then ``repeats`` timed ones (XOR_ZLIB: one timed run),
+    each checked bit-exact."""
+    import gc
+
+    import torch
+
+    from primerl.proto.v1 import data_pb2
+    from primerl.proto.weight_delta import decode_delta, encode_delta
+
+    encoding = data_pb2.DeltaEncoding.Value(ENCODINGS[label])
+    cost = point.costs[label]
+    changed = {name for name, new in point.new.items() if not torch.equal(bits_of(new), bits_of(point.base[name]))}
+    first_runs = 1 if label == "sparse" else 0  # XOR_ZLIB: one run, timed (zlib takes tens of seconds at 1B)
+    for run in range(first_runs + (repeats if label == "sparse" else 1)):
+        gc.collect()
+        start = time.perf_counter()
+        payload, specs, decoded = encode_delta(point.new, point.base, encoding=encoding)
+        middle = time.perf_counter()
+        header = data_pb2.WeightUpdateHeader(
+            kind=data_pb2.WEIGHT_UPDATE_KIND_DELTA, delta_encoding=encoding, tensors=specs, decoded_tensors=decoded
+        )
+        out = decode_delta(payload, header, point.base)
+        end = time.perf_counter()
+        if set(out) != changed:
+            raise AssertionError(f"{label}: the whole-model delta decodes {len(out)} tensors, {len(changed)} changed")
+        for name, tensor in out.items():
+            if not torch.equal(bits_of(tensor), bits_of(point.new[name])):
+                raise AssertionError(f"{label}: {name} does not decode bit-exactly (whole model)")
+        if run < first_runs:
+            cost.first_encode_s, cost.first_decode_s = middle - start, end - middle
+        else:
+            cost.whole_encode_s.add(middle - start)
+            cost.whole_decode_s.add(end - middle)
+            cost.whole_total_s.add(end - start)
+        del payload, out
+
+
+def bits_of(tensor: Any) -> Any:
+    """The tensor's bits as an integer tensor of its width (NaNs compare equal to themselves)."""
+    import torch
+
+    width = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[tensor.element_size()]
+    return tensor.reshape(-1).view(width)
 
 
 def rows_of(points: list[Point], encodings: list[str]) -> tuple[list[str], list[list[str]]]:
@@ -271,7 +354,14 @@ def rows_of(points: list[Point], encodings: list[str]) -> tuple[list[str], list[
         header += [f"{name} MiB", f"{name} / FULL"]
         if label == "sparse":
             header.append("forms gaps / mask / whole")
-        header += [f"{name} encode s", f"{name} decode s", f"{name} break-even wire GB/s"]
+        header += [
+            f"{name} encode s, per tensor",
+            f"{name} decode s, per tensor",
+            f"{name} encode s, whole model",
+            f"{name} decode s, whole model",
+            f"{name} encode + decode s, whole model (first run)",
+            f"{name} break-even wire GB/s",
+        ]
     rows = []
     for p in points:
         row = [
@@ -288,11 +378,34 @@ def rows_of(points: list[Point], encodings: list[str]) -> tuple[list[str], list[
             row += [fmt(delta / MiB, 3), f"{delta / p.full_bytes:.3f}"]
             if label == "sparse":
                 row.append(f"{cost.forms['gaps']} / {cost.forms['mask']} / {cost.forms['whole']}")
-            seconds = cost.encode_s + cost.decode_s
+            seconds = cost.whole_total_s.median if len(cost.whole_total_s) else cost.encode_s + cost.decode_s
             break_even = 2 * max(0, p.full_bytes - delta) / seconds / 1e9 if seconds > 0 else math.inf
-            row += [fmt(cost.encode_s), fmt(cost.decode_s), fmt(break_even)]
+            first = (
+                f" ({fmt(cost.first_encode_s + cost.first_decode_s)})"
+                if cost.first_encode_s is not None and cost.first_decode_s is not None
+                else ""
+            )
+            row += [
+                fmt(cost.encode_s),
+                fmt(cost.decode_s),
+                spread(cost.whole_encode_s),
+                spread(cost.whole_decode_s),
+                spread(cost.whole_total_s) + first,
+                fmt(break_even),
+            ]
         rows.append(row)
     return header, rows
+
+
+def spread(stats: Stats) -> str:
+    """``min / median / max`` of repeated runs; one run alone; none: a dash."""
+    if len(stats) <= 1:
+        return fmt(stats.median)
+    return f"{fmt(stats.min)} / {fmt(stats.median)} / {fmt(stats.max)}"
+
+
+def usable_cores() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -301,7 +414,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--lrs", default="1e-6,1e-5", help="comma-separated learning rates")
     parser.add_argument("--dtypes", default="bf16,fp32", help="comma-separated: bf16, fp32")
     parser.add_argument("--encodings", default="sparse,xor_zlib", help="comma-separated: sparse, xor_zlib")
-    parser.add_argument("--repeats", type=int, default=3, help="SPARSE encode/decode runs per tensor (fastest kept)")
+    parser.add_argument(
+        "--repeats", type=int, default=3, help="SPARSE encode/decode runs per tensor (fastest kept) and whole model"
+    )
+    parser.add_argument(
+        "--pooled-max-gib",
+        type=float,
+        default=6.0,
+        help="memory for the whole-model runs' tensors (module docstring); 0: per-tensor timings only",
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--markdown", type=Path, default=None, help="write the markdown section here")
     args = parser.parse_args(argv)
@@ -320,6 +441,8 @@ def main(argv: list[str] | None = None) -> int:
             parser.error(f"unknown {what} {unknown}; choose from {sorted(known)}")
     if args.repeats < 1:
         parser.error("--repeats must be >= 1")
+    if args.pooled_max_gib < 0:
+        parser.error("--pooled-max-gib must be >= 0")
 
     section = Section("Sparse deltas: what one AdamW step changes, and what it costs to send", argv)
     cpu = cpu_name()
@@ -327,16 +450,22 @@ def main(argv: list[str] | None = None) -> int:
     for model_name in models:
         points += measure_model(model_name, specs[model_name], args)
     header, rows = rows_of(points, args.encodings)
-    section.line(f"CPU: {cpu}; every encode and decode on one thread.")
+    section.line(
+        f"CPU: {cpu}, {usable_cores()} usable cores. Per tensor: one tensor at a time on one thread; whole model: "
+        "the whole state dict at once, as the publisher and a worker run it (`encode_delta` / `decode_delta` with "
+        "their default thread pools)."
+    )
     section.line()
     section.line(
         "One AdamW step (weight decay 0.01, 16 tokens) from transformers' initial weights, fp32 master "
         "weights; bf16 = the stepped and the initial weights cast to bf16 (what inference serves). "
-        "Payload sizes are exact (one safetensors header for all encoded tensors); encode / decode: the sum "
-        "over tensors, each the fastest of "
-        f"{args.repeats} runs for SPARSE, one run for XOR_ZLIB. Break-even wire rate: the delta saves time "
-        "while the trainer -> broker -> worker path moves fewer bytes/s than 2 x (FULL - delta) / "
-        "(encode + decode). `bench/delta_fraction.py` (module docstring) says how."
+        "Payload sizes are exact (one safetensors header for all encoded tensors); encode / decode per tensor: "
+        f"the sum over tensors, each the fastest of {args.repeats} runs for SPARSE, one run for XOR_ZLIB; whole "
+        f"model: min / median / max of {args.repeats} runs after an untimed first one (in brackets: that first "
+        "run, into fresh memory) for SPARSE, one run for XOR_ZLIB; a dash: not measured (memory). Break-even wire "
+        "rate: the delta saves time while the trainer -> broker -> worker path moves fewer bytes/s than "
+        "2 x (FULL - delta) / (encode + decode), whole-model median where measured. `bench/delta_fraction.py` "
+        "(module docstring) says how."
     )
     section.line()
     section.table(header, rows)
@@ -354,6 +483,16 @@ def main(argv: list[str] | None = None) -> int:
         )
     else:
         section.line("- **not measured** 1B bf16 SPARSE DELTA payload / FULL at lr 1e-6 (target <= 0.1)")
+    seconds = target.costs["sparse"].whole_total_s if target is not None else Stats()
+    section.line(
+        target_line(
+            "1B bf16 SPARSE encode + decode at lr 1e-6, whole model, median",
+            seconds.median,
+            "<=",
+            TARGET_SECONDS,
+            f"(min / median / max {spread(seconds)} s over {len(seconds)} runs; {cpu}, {usable_cores()} cores)",
+        )
+    )
     section.line()
     if args.markdown:
         section.write(args.markdown)

@@ -148,10 +148,18 @@ class _Member:
     # While its last update arrived by relay: when its acknowledgement is overdue, and (chain number, its place).
     relay_deadline_s: float | None = None
     relay_place: tuple[int, int] = (0, 0)
+    # The host whose shared memory it maps (``Hello.host_id``; "": none), and False once it could not map a segment.
+    host_id: str = ""
+    shared_ok: bool = True
 
     @property
     def can_relay(self) -> bool:
         return bool(self.relay_endpoint) and self.relay_ok
+
+    def reads_in_place(self, update: StoredUpdate) -> bool:
+        """It is sent ``update`` as a shared-memory descriptor (same host as the trainer's segment), not as bytes."""
+        shared = update.shared
+        return shared is not None and not shared.released and self.shared_ok and self.host_id == shared.host_id
 
     def status(self) -> WeightWorkerStatus:
         return WeightWorkerStatus(
@@ -323,6 +331,7 @@ class WeightFanout:
         *,
         reconnected: bool = False,
         relay_endpoint: str = "",
+        host_id: str = "",
     ) -> Joined:
         """A worker says HELLO holding ``version`` (None: nothing) of ``lineage``; ``reconnected``: from another
         connection than the one it joined on (the old one is dropped); ``relay_endpoint``: where it takes relayed
@@ -333,6 +342,7 @@ class WeightFanout:
             member = self._members.get(worker_id)
             if member is not None and not reconnected:
                 member.relay_endpoint = relay_endpoint
+                member.host_id = host_id
             if (
                 member is not None
                 and not reconnected
@@ -354,6 +364,7 @@ class WeightFanout:
                     sent_lineage=lineage,
                     last_progress_s=self._clock(),
                     relay_endpoint=relay_endpoint,
+                    host_id=host_id,
                 )
                 self._members[worker_id] = member
                 log.info(
@@ -389,6 +400,12 @@ class WeightFanout:
             if member is not None:
                 self._forget_locked(member, reason=reason, count=count)
 
+    def reads_in_place(self, worker_id: str, update: StoredUpdate) -> bool:
+        """``worker_id`` is sent ``update`` as a shared-memory descriptor (``_Member.reads_in_place``)."""
+        with self._lock:
+            member = self._members.get(worker_id)
+            return member is not None and member.reads_in_place(update)
+
     def is_member(self, worker_id: str) -> bool:
         with self._lock:
             return worker_id in self._members
@@ -413,6 +430,17 @@ class WeightFanout:
                 return taken
             member.relay_deadline_s = None
             detail = error or common_pb2.ErrorDetail()
+            if detail.code == common_pb2.ERROR_CODE_NOT_FOUND and member.shared_ok:
+                member.shared_ok = False  # it cannot map the trainer's segments: bytes from now on
+                log.warning(
+                    "weight subscriber cannot map shared memory; it is sent bytes from now on",
+                    worker_id=worker_id,
+                    error=detail.message[:300],
+                )
+                member.unacked.clear()
+                member.sent_version, member.sent_lineage = member.acked_version, member.acked_lineage
+                self._replan_locked(member)
+                return True
             log.warning(
                 "weight subscriber failed to apply an update; it will get the full snapshot",
                 worker_id=worker_id,
@@ -481,12 +509,17 @@ class WeightFanout:
                     return None
                 update = member.queue[0]
                 together = [member]
-                if self.fanout == "chain" and member.can_relay:
+                if self.fanout == "chain" and member.can_relay and not member.reads_in_place(update):
                     together = [
                         other
                         for other in self._members.values()  # in the order they joined
                         if other is member
-                        or (other.can_relay and other.sending is None and other.queue[:1] == [update])
+                        or (
+                            other.can_relay
+                            and other.sending is None
+                            and other.queue[:1] == [update]
+                            and not other.reads_in_place(update)
+                        )
                     ]
                 for starting in together:
                     starting.queue.pop(0)
@@ -594,7 +627,7 @@ class WeightFanout:
     def _start_locked(self, members: list[_Member], update: StoredUpdate) -> None:
         """``members`` (in the order they joined) start receiving ``update`` now; in chain mode, those that can relay
         form one chain, the longest-standing first; the others are sent it directly."""
-        chained = [m for m in members if m.can_relay] if self.fanout == "chain" else []
+        chained = [m for m in members if m.can_relay and not m.reads_in_place(update)] if self.fanout == "chain" else []
         chain = None
         if len(chained) >= 2:
             self._num_chains += 1

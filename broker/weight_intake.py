@@ -37,10 +37,12 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 from primerl.broker.log_limits import RateLimitedLog
+from primerl.broker.shared_updates import SharedPayload
 from primerl.broker.weight_fanout import WeightFanout
 from primerl.broker.weight_store import StoredUpdate, copy_header
 from primerl.proto import chunked_transfer, framing, telemetry
 from primerl.proto.digests import PayloadHasher, hasher_for
+from primerl.proto.shared_segment import SegmentError, open_segment
 from primerl.proto.v1 import common_pb2, data_pb2
 from primerl.proto.weight_refusals import WeightUpdateRefused
 from primerl.runtime.log_setup import get_logger
@@ -187,6 +189,8 @@ class WeightIntake:
         envelope = message.envelope
         chunk = envelope.chunk
         header: data_pb2.WeightUpdateHeader = message.header
+        if header.HasField("shared_segment"):
+            return self._receive_shared(message)
         if chunk.count <= 1:
             update = StoredUpdate.of(header, message.payload[0])
             update.cache["received"] = ReceivedChunks(
@@ -251,6 +255,41 @@ class WeightIntake:
         # A streamed transfer's digest follows in its last chunk: from here on the update carries it.
         chunked_transfer.settle_payload_digest(update.header, chunk)
         return self._store(update, digest)
+
+    def _receive_shared(self, message: framing.Message) -> IntakeReply:
+        """An update whose payload lies in the trainer's shared-memory segment (``broker.shared_updates``): mapped
+        read-only and checked as bytes are (header, version window, size, digest), stored with its payload viewing
+        the segment. A segment this broker cannot map (another host, a missing or foreign file) is refused with
+        ``ERROR_CODE_NOT_FOUND``: the publisher sends the bytes."""
+        header = copy_header(message.header)
+        descriptor = data_pb2.SharedSegment()
+        descriptor.CopyFrom(header.shared_segment)
+        header.ClearField("shared_segment")
+        try:
+            if message.payload and message.payload[0].nbytes:
+                raise framing.MalformedHeader("an update in shared memory carries no payload bytes")
+            if not header.digest:
+                raise framing.MalformedHeader("an update in shared memory needs its digest in the header")
+            self._check_version_window(header)
+            self.store.check_header(header)
+            if header.payload_bytes > self.limits.max_transfer_bytes:
+                raise framing.OversizedFrame(
+                    f"update of {header.payload_bytes} bytes exceeds the limit of {self.limits.max_transfer_bytes}"
+                )
+            try:
+                mapped = open_segment(descriptor, header.payload_bytes, writable_control=True)
+            except SegmentError as exc:
+                raise WeightUpdateRefused(common_pb2.ERROR_CODE_NOT_FOUND, f"{exc}; send the bytes") from None
+        except (WeightUpdateRefused, framing.FramingError) as exc:
+            return self._refusal(header, exc)
+        shared = SharedPayload(mapped, descriptor)
+        update = StoredUpdate(header=header, segments=[mapped.payload.toreadonly()], shared=shared)
+        reply = self._store(update, None)
+        if reply.refused or not any(held is update for held in self.store.durable_chain()[1]):
+            update.segments.clear()
+            shared.release()  # refused, or a resend of an update held already: nobody reads this generation
+            return reply._replace(update=None)
+        return reply
 
     def _store(self, update: StoredUpdate, digest: str | None) -> IntakeReply:
         header = update.header

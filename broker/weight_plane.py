@@ -36,6 +36,12 @@ new snapshot even when it "already has" that version number. Each HELLO is answe
 ``broker`` carrying the latest version and lineage (``WeightFanout.latest``): the subscriber's sign that the
 broker is there.
 
+Same host (``broker.shared_updates``): a trainer on the broker's host publishes a descriptor of a shared-memory
+segment instead of the bytes; a worker on that host (``Hello.host_id``) is sent the descriptor, one small message,
+and reads the segment itself (``bytes_out_total`` does not grow), the others get the bytes. The plane releases the
+segment to the trainer once its readers are done and the payload is on disk (or copied), and removes the segments of
+dead trainers (``remove_stale_segments``) every ``SEGMENT_SWEEP_S``.
+
 Durability: with ``durable_dir`` the store's chain is kept on disk there (``weight_durable``), reloaded by
 ``start()`` before the socket binds, so a worker that joins after a broker restart gets the current policy. Once
 an update's file is written and no worker is in the middle of it, its received frames are freed and its payload
@@ -62,11 +68,13 @@ import zmq
 from primerl.broker.connection_gate import UNLIMITED_CONNECTIONS, ConnectionGate
 from primerl.broker.log_limits import RateLimitedLog
 from primerl.broker.plane_lifecycle import RouterPlane
+from primerl.broker.shared_updates import COPY_AFTER_S
 from primerl.broker.weight_durable import WeightDurability
 from primerl.broker.weight_fanout import Joined, RelayChain, WeightFanout, WeightWorkerStatus, valid_relay_endpoint
 from primerl.broker.weight_intake import BROKER_SENDER, IntakeBounds, ReceivedChunks, WeightIntake
 from primerl.broker.weight_store import StoredUpdate, WeightStoreStatus
 from primerl.proto import framing
+from primerl.proto.shared_segment import remove_stale_segments
 from primerl.proto.v1 import common_pb2, data_pb2
 from primerl.runtime.log_setup import get_logger
 from primerl.runtime.meters import RateMeter
@@ -79,6 +87,8 @@ OnApplied = Callable[[str, int], None]
 FORWARD_AFTER_BYTES = 1 << 20
 """A received message at least this large ends a receive round, so its chunk is forwarded before the next is read."""
 GATE_DOMAIN = "primerl-weight"  # the ZAP domain of the weight socket, when its connections are limited
+SEGMENT_SWEEP_S = 5.0
+"""How often the plane removes the shared weight segments of trainers that died (SIGKILL) without removing them."""
 
 
 @dataclass(frozen=True)
@@ -104,6 +114,9 @@ class WeightPlaneStatus:
     # Relay fan-out: chains formed, and workers sent an update again because their relay did not reach them in time.
     num_relay_chains: int = 0
     num_relay_heals: int = 0
+    # Same host: updates sent as shared-memory descriptors (no payload bytes), and trainer segments released.
+    num_descriptors_sent: int = 0
+    num_segments_released: int = 0
 
 
 @dataclass
@@ -182,6 +195,11 @@ class WeightPlane(RouterPlane):
         self._num_errors_sent = 0
         self._forward_lag: tuple[int, float] = (0, 0.0)
         self.durable_dir = None if durable_dir is None else Path(durable_dir)
+        # Stored updates whose payload still views a trainer's shared-memory segment (not released yet).
+        self._shared: list[StoredUpdate] = []
+        self._num_descriptors_sent = 0
+        self._num_segments_released = 0
+        self._next_sweep_s = 0.0
 
     # -- lifecycle (any thread) ----------------------------------------------------------------------
 
@@ -223,6 +241,8 @@ class WeightPlane(RouterPlane):
             num_open_transfers=self._intake.num_open_transfers,
             num_relay_chains=self.fanout.num_relay_chains,
             num_relay_heals=self.fanout.num_relay_heals,
+            num_descriptors_sent=self._num_descriptors_sent,
+            num_segments_released=self._num_segments_released,
         )
 
     # -- IO thread -----------------------------------------------------------------------------------
@@ -380,6 +400,8 @@ class WeightPlane(RouterPlane):
             )
             return
         reply = self._intake.receive(identity, message)
+        if reply.update is not None and reply.update.shared is not None and reply.update not in self._shared:
+            self._shared.append(reply.update)
         if reply.ack is not None and not reply.refused and reply.update is not None:
             cache = reply.update.cache
             if "stored_s" not in cache:
@@ -426,7 +448,14 @@ class WeightPlane(RouterPlane):
                 relay_endpoint=relay_endpoint[:128],
             )
             relay_endpoint = ""
-        outcome = self.fanout.hello(worker_id, version, lineage, reconnected=reconnected, relay_endpoint=relay_endpoint)
+        outcome = self.fanout.hello(
+            worker_id,
+            version,
+            lineage,
+            reconnected=reconnected,
+            relay_endpoint=relay_endpoint,
+            host_id=hello.host_id[:64],
+        )
         if outcome is Joined.FULL:
             self._send_error(
                 identity,
@@ -480,6 +509,10 @@ class WeightPlane(RouterPlane):
                 in_reply_to=message.envelope.message_id,
             )
             return
+        if taken is not None:
+            for update in self._shared:  # it read every segment up to this version (or gave up on it)
+                if not ack.applied or update.policy_version <= ack.policy_version:
+                    update.shared.reader_done(worker_id)
         if taken and ack.applied:
             self._notify_applied(worker_id, ack.policy_version)
 
@@ -522,6 +555,13 @@ class WeightPlane(RouterPlane):
                 if step is None:
                     continue
                 update, index, chain = step
+                if chain is None and update.shared is not None and self.fanout.reads_in_place(worker_id, update):
+                    if self._send_descriptor(socket, worker_id, identity, update):
+                        budget -= 1
+                        progressed = sent_any = True
+                    else:
+                        blocked = True
+                    continue
                 messages, num_chunks = self._encoded(update)
                 if chain is not None:
                     messages = self._relayed(messages, update, chain)
@@ -544,6 +584,55 @@ class WeightPlane(RouterPlane):
             if not progressed:
                 break
         return sent_any, blocked
+
+    def _send_descriptor(self, socket: zmq.Socket, worker_id: str, identity: bytes, update: StoredUpdate) -> bool:
+        """Send a same-host worker the descriptor of ``update``'s shared segment instead of its bytes; False when its
+        pipe is full (tried again next round)."""
+        shared = update.shared
+        assert shared is not None
+        try:
+            if not self._try_send(socket, identity, shared.message(update.header, self._envelope(""))):
+                return False
+        except _Gone:
+            self._drop_peer(worker_id)
+            self.fanout.forget(worker_id, reason="peer disconnected")
+            return False
+        shared.add_reader(worker_id)
+        self._num_descriptors_sent += 1
+        self.fanout.chunk_sent(worker_id, update, last=True)
+        self._note_forward(worker_id, update, 0, 1)
+        return True
+
+    def _release_segments(self, now_s: float) -> None:
+        """Release the trainer's segments nobody reads any more and the broker no longer needs (see
+        ``broker.shared_updates``); remove those of dead trainers now and then."""
+        if self._shared:
+            chain = self.store.durable_chain()[1]
+            for update in list(self._shared):
+                shared = update.shared
+                assert shared is not None
+                for worker_id in [w for w in shared.readers if not self.fanout.is_member(w)]:
+                    shared.reader_done(worker_id)  # declared gone: it reads nothing more
+                if shared.readers or self.fanout.is_sending(update):
+                    continue
+                held = any(u is update for u in chain)
+                if held and not update.cache.get("on_disk"):
+                    done_s = shared.readers_done_s or now_s
+                    if self.store.has_durable and now_s - done_s < COPY_AFTER_S:
+                        continue  # its durable file comes soon: the store then reads it from there
+                    update.cache.pop("forward", None)
+                    update.segments[:] = [memoryview(bytes(update.payload)).toreadonly()]
+                elif not held:
+                    update.segments.clear()
+                shared.release()
+                self._shared.remove(update)
+                self._num_segments_released += 1
+                log.debug("shared weight segment released", policy_version=update.policy_version, held=held)
+        if now_s >= self._next_sweep_s:
+            self._next_sweep_s = now_s + SEGMENT_SWEEP_S
+            removed = remove_stale_segments()
+            if removed:
+                log.info("removed shared weight segments of dead trainers", paths=[str(p) for p in removed])
 
     def _note_forward(self, worker_id: str, update: StoredUpdate, index: int, num_chunks: int) -> None:
         """Track what the broker adds to a transfer: for the workers that were receiving an update, or had it next,
@@ -686,6 +775,7 @@ class WeightPlane(RouterPlane):
         released = self.store.release_written(self.fanout.is_sending)
         if released:
             log.debug("weight payloads now read from their durable files", num_bytes=released)
+        self._release_segments(now_s)
         # Connections of workers the fan-out no longer holds (forgotten, gone): their next HELLO maps them again.
         for worker_id in [w for w in self._peers if not self.fanout.is_member(w)]:
             self._drop_peer(worker_id)

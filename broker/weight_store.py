@@ -62,6 +62,7 @@ from primerl.proto.weight_refusals import WeightUpdateRefused
 from primerl.runtime.log_setup import get_logger
 
 if TYPE_CHECKING:
+    from primerl.broker.shared_updates import SharedPayload
     from primerl.broker.weight_durable import WeightDurability
 
 log = get_logger(__name__)
@@ -88,6 +89,9 @@ class StoredUpdate:
     header: data_pb2.WeightUpdateHeader
     segments: list[memoryview]
     cache: dict[str, Any] = field(default_factory=dict, repr=False)
+    # The trainer's shared-memory segment ``segments`` view (the same-host road, ``broker.shared_updates``); None:
+    # the payload arrived as bytes.
+    shared: SharedPayload | None = field(default=None, repr=False)
 
     @classmethod
     def of(cls, header: data_pb2.WeightUpdateHeader, payload: Any) -> StoredUpdate:
@@ -201,6 +205,11 @@ class WeightStore:
                 num_deltas=len(updates) - 1,
                 num_bytes=sum(u.num_bytes for u in updates),
             )
+
+    @property
+    def has_durable(self) -> bool:
+        """A durable writer mirrors the chain to disk (``attach_durable``)."""
+        return self._durable is not None
 
     def durable_chain(self) -> tuple[int, list[StoredUpdate]]:
         """(lineage, [snapshot, *deltas]) as held now: what the durability writer mirrors to disk."""

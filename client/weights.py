@@ -29,7 +29,9 @@ from primerl.client.outage import OutageWatch
 from primerl.client.weight_transfer import BufferSink, ChunkRelay, InPlaceTransfer, PayloadSink
 from primerl.proto import chunked_transfer, framing
 from primerl.proto.data_plane_limits import DEFAULT_BROKER_LIMITS
-from primerl.proto.digests import new_hasher, payload_digest
+from primerl.proto.digests import hasher_for, new_hasher, payload_digest
+from primerl.proto.host_identity import host_id
+from primerl.proto.shared_segment import SegmentError, open_segment
 from primerl.proto.v1 import common_pb2, data_pb2
 from primerl.proto.weight_refusals import LineageSuperseded, WeightUpdateRefused
 from primerl.runtime.log_setup import get_logger
@@ -170,8 +172,13 @@ class WeightPublisher(DealerClient):
         timeout_s: float = 120.0,
         *,
         ready: Callable[[int], None] | None = None,
+        shared: data_pb2.SharedSegment | None = None,
     ) -> data_pb2.WeightAck:
         """Send one update (chunked, zero-copy) and return the broker's WEIGHT_ACK once it is stored.
+
+        ``shared``: the payload lies whole in that shared-memory segment (``proto.shared_segment``; ``payload`` is a
+        view of it): one message with the descriptor and no payload bytes goes instead of the chunks. A broker
+        that cannot map it refuses it (``WeightUpdateRefused`` with ``ERROR_CODE_NOT_FOUND``): send the bytes then.
 
         Fills ``digest`` (``proto.digests``: XXH3-128) and ``payload_bytes`` when empty. Each chunk carries an XXH3-64
         checksum (``framing.XXH3_64``). Raises ``WeightUpdateRefused`` (with
@@ -192,6 +199,10 @@ class WeightPublisher(DealerClient):
         header_out = data_pb2.WeightUpdateHeader()
         header_out.CopyFrom(header)
         streamed_digest = None
+        if shared is not None:
+            if ready is not None:
+                raise ValueError("a payload handed over in shared memory must be complete before it is published")
+            header_out.shared_segment.CopyFrom(shared)
         if ready is not None:
             if header_out.digest:
                 raise ValueError("a streamed payload's digest follows it: leave header.digest empty")
@@ -207,7 +218,7 @@ class WeightPublisher(DealerClient):
             for frames in chunked_transfer.encode_chunked(
                 data_pb2.WEIGHT_UPDATE,
                 header_out,
-                view,
+                view if shared is None else memoryview(b""),
                 chunk_bytes=self.chunk_bytes,
                 transfer_id=transfer_id,
                 sender=self.sender,
@@ -322,6 +333,7 @@ class WeightSubscriber(DealerClient):
         liveness_s: float | None = None,
         curve: CurveClient | None = None,
         relay_host: str | None = None,
+        shared_memory: bool = True,
     ):
         if not worker_id:
             raise ValueError("worker_id must not be empty")
@@ -354,6 +366,9 @@ class WeightSubscriber(DealerClient):
         self._received_digest: str | None = None
         self._hello_sent_s: float | None = None
         self.num_handshake_refusals = 0
+        # The host whose shared memory this worker maps (announced in HELLO; "": every update comes as bytes).
+        self.host_id = host_id() if shared_memory and curve is None else ""
+        self.num_shared_updates = 0
         super().__init__(endpoint, auth_token, worker_id, limits=limits, context=context, curve=curve)
         self.relay: ChunkRelay | None = None
         if relay_host and curve is not None:
@@ -415,6 +430,7 @@ class WeightSubscriber(DealerClient):
             worker_id=self.worker_id,
             role=common_pb2.ROLE_INFERENCE,
             relay_endpoint=self.relay.endpoint if self.relay is not None else "",
+            host_id=self.host_id,
         )
         if self.current_version is not None:
             hello.policy_version = self.current_version
@@ -517,6 +533,8 @@ class WeightSubscriber(DealerClient):
         if message.type != data_pb2.WEIGHT_UPDATE:
             log.debug("ignored a message", type=message.type_name)
             return None
+        if message.header.HasField("shared_segment"):
+            return self._take_shared(message)
         if self._sink is not None and message.is_chunk:
             finished = self._add_in_place(message)
             if finished is None:
@@ -544,6 +562,63 @@ class WeightSubscriber(DealerClient):
             self.current_version is not None and header.policy_version <= self.current_version,
         )
         return header, payload
+
+    def _take_shared(self, message: framing.Message) -> tuple[data_pb2.WeightUpdateHeader, memoryview] | None:
+        """An update handed over in shared memory (the same-host road): copied from the trainer's segment into the
+        payload sink (or a buffer of its own) block by block, each block hashed while in cache, as chunks are; the
+        segment is not read after this returns. A segment this worker cannot map is acknowledged as failed with
+        ``ERROR_CODE_NOT_FOUND``: the broker sends this worker bytes from then on."""
+        header = data_pb2.WeightUpdateHeader()
+        header.CopyFrom(message.header)
+        descriptor = data_pb2.SharedSegment()
+        descriptor.CopyFrom(header.shared_segment)
+        header.ClearField("shared_segment")
+        num_bytes = header.payload_bytes
+        if self._in_place is not None:
+            self._in_place.drop()
+            self._in_place = None
+        try:
+            if num_bytes > self.limits.max_transfer_bytes:
+                raise SegmentError(f"a {num_bytes}-byte update exceeds {self.limits.max_transfer_bytes} bytes")
+            mapped = open_segment(descriptor, num_bytes)
+        except (SegmentError, OSError, ValueError) as exc:
+            log.warning("cannot map a shared weight segment; asking the broker for bytes", error=str(exc))
+            self.ack(
+                header.policy_version,
+                applied=False,
+                error=common_pb2.ErrorDetail(code=common_pb2.ERROR_CODE_NOT_FOUND, message=str(exc)),
+            )
+            return None
+        sink = self._sink
+        try:
+            target = sink.begin_payload(header, num_bytes) if sink is not None else memoryview(bytearray(num_bytes))
+            hasher = hasher_for(header.digest)
+            source = mapped.payload
+            step = framing.FUSED_BLOCK_BYTES
+            progress_every = 64  # blocks (16 MiB) between progress reports to the sink's staged load
+            for start in range(0, num_bytes, step):
+                block = target[start : start + step]
+                block[:] = source[start : start + step]
+                hasher.update(block)
+                if sink is not None and (start // step) % progress_every == progress_every - 1:
+                    sink.payload_progress(start + block.nbytes)
+            if sink is not None:
+                sink.payload_progress(num_bytes)
+                sink.end_payload(complete=True)  # a reused segment shows as a wrong digest
+        except BaseException:
+            if sink is not None:
+                sink.end_payload(complete=False)
+            raise
+        finally:
+            mapped.close()
+        self.num_shared_updates += 1
+        self._received_digest = hasher.hexdigest()
+        self._last_update = (
+            header.policy_version,
+            header.lineage,
+            self.current_version is not None and header.policy_version <= self.current_version,
+        )
+        return header, target
 
     def _expire_in_place(self, now_s: float) -> None:
         transfer = self._in_place

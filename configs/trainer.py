@@ -291,6 +291,14 @@ class WeightBroadcastConfig(BaseConfig):
         "those of this release on); `false` for older ones: the whole payload is written and hashed before it is "
         "sent, as before.",
     )
+    transport: Literal["auto", "socket"] = Field(
+        "auto",
+        description="How an update's bytes reach the broker and the inference workers. `auto`: where the broker runs "
+        "on the trainer's host, the trainer writes each update once into shared memory (`/dev/shm`) and the broker "
+        "hands the workers on that host a descriptor of it, not the bytes; workers on other hosts, and every worker "
+        "when the broker is elsewhere, get the bytes over the socket. `socket`: always the bytes over the socket. An "
+        "encrypted (CURVE) wire always uses the socket.",
+    )
 
 
 class TrainerConfig(BaseConfig):

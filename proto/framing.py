@@ -456,7 +456,13 @@ def role_name(role: int) -> str:
 
 
 def check_tensor_payload(message: Message) -> None:
-    """A ROLLOUT_BATCH / WEIGHT_UPDATE payload must be one safetensors blob matching ``header.tensors``."""
+    """A ROLLOUT_BATCH / WEIGHT_UPDATE payload must be one safetensors blob matching ``header.tensors``; a
+    WEIGHT_UPDATE whose payload lies in shared memory (``header.shared_segment``) carries one empty frame instead
+    (its reader checks the segment's bytes against the digest)."""
+    if message.type == data_pb2.WEIGHT_UPDATE and message.header.HasField("shared_segment"):
+        if len(message.payload) != 1 or message.payload[0].nbytes:
+            raise MalformedHeader("a WEIGHT_UPDATE in shared memory carries one empty payload frame")
+        return
     if len(message.payload) != 1:
         raise MalformedHeader(
             f"{message.type_name} carries {len(message.payload)} payload frames; "

@@ -371,13 +371,13 @@ def test_auto_sparse_delta_falls_back_to_full_when_it_would_not_pay(model_dir, b
 
 
 def test_full_payload_buffers_are_reused_and_stay_exact(model_dir, broker, publishers):
-    """FULL payloads go into pooled buffers: the second publish reuses the first one's buffer and the broker
-    still stores exactly the bytes safetensors would write for the new weights."""
+    """FULL payloads sent as bytes go into pooled buffers: the second publish reuses the first one's buffer and the
+    broker still stores exactly the bytes safetensors would write for the new weights."""
     from safetensors.torch import save
 
     service, endpoint = broker
     model = load_model(ModelConfig(name=str(model_dir)))
-    publisher = make_publisher(publishers, endpoint, "full")
+    publisher = make_publisher(publishers, endpoint, "full", transport="socket")
     publisher.publish(model, 1, timeout_s=30)
     idle = list(publisher._pool._idle)
     assert len(idle) == 1

@@ -57,6 +57,7 @@ from primerl.client.weights import (
 )
 from primerl.proto import telemetry
 from primerl.proto.digests import payload_digest
+from primerl.proto.shared_segment import Segment, SegmentPool
 from primerl.proto.tensor_frames import encode_tensors, parse_header, specs_of
 from primerl.proto.units import MiB
 from primerl.proto.v1 import common_pb2, data_pb2
@@ -80,6 +81,7 @@ __all__ = ["PolicyPublisher", "PreparedUpdate", "PublishKind", "PublishResult"]
 log = get_logger(__name__)
 
 PublishKind = Literal["full", "lora", "delta"]
+Transport = Literal["auto", "socket"]
 DeltaPolicy = Literal["auto", "always"]
 DeltaEncodingChoice = Literal["auto", "sparse", "xor_zlib"]
 _ENCODING_OF_CHOICE = {"sparse": data_pb2.DELTA_ENCODING_SPARSE, "xor_zlib": data_pb2.DELTA_ENCODING_XOR_ZLIB}
@@ -151,6 +153,8 @@ class PreparedUpdate:
     # A streamed FULL (``payload_stream``): ``payload`` is still being written; the header has no digest (it follows
     # in the last chunk).
     stream: PayloadStream | None = None
+    # The shared-memory segment ``payload`` lies in (the same-host road); None: a buffer of this process.
+    segment: Segment | None = None
 
     @property
     def policy_version(self) -> int:
@@ -199,6 +203,8 @@ class PolicyPublisher:
         lineage: int | None = None,
         curve: Any = None,
         stream: bool | None = None,
+        transport: Transport = "auto",
+        run_id: str = "",
     ):
         """``serving_dtype``: cast floating-point FULL/DELTA tensors to this dtype (None: the model's own).
         ``delta_level``: zlib level of XOR_ZLIB deltas. ``delta_policy``: "auto" sends FULL when a delta would not
@@ -209,7 +215,10 @@ class PolicyPublisher:
         incarnation's lineage, the broker's ``RegisterResponse.policy_lineage`` (None: now, in unix microseconds:
         for a broker that hands out none; tests pass their own). ``stream``: send a FULL update of a "full"
         publisher larger than one chunk while it is still written (``payload_stream``; its digest follows in the
-        last chunk); False: write and hash the whole payload first; None: stream when the weights are on a GPU."""
+        last chunk); False: write and hash the whole payload first; None: stream when the weights are on a GPU.
+        ``transport``: "auto" hands each update over in shared memory (``proto.shared_segment``, segments named
+        after ``run_id``) while the broker can map it (a broker on this host), else as bytes; "socket": always
+        bytes. An encrypted (CURVE) wire always sends bytes."""
         if outage_s <= 0:
             raise ValueError(f"outage_s must be > 0, got {outage_s}")
         if kind not in _KIND_TO_WIRE:
@@ -220,6 +229,8 @@ class PolicyPublisher:
             raise ValueError(f'delta_encoding must be "auto", "sparse" or "xor_zlib", got {delta_encoding!r}')
         if not policy_name:
             raise ValueError("policy_name must not be empty")
+        if transport not in ("auto", "socket"):
+            raise ValueError(f'transport must be "auto" or "socket", got {transport!r}')
         self.kind: PublishKind = kind
         self.policy_name = policy_name
         self.serving_dtype = serving_dtype
@@ -229,6 +240,11 @@ class PolicyPublisher:
         self.stream = stream
         self.chunk_bytes = chunk_bytes
         self._pool = PayloadPool()
+        # The same-host road: payloads written into shared-memory segments (None: bytes over the socket).
+        self._segments: SegmentPool | None = (
+            SegmentPool(run_id or sender) if transport == "auto" and curve is None else None
+        )
+        self.transport: str = "socket" if self._segments is None else "shared_memory"
         self._spare_snapshot: dict[str, torch.Tensor] | None = None
         self._wire_bytes_per_s: float | None = None
         self._base_buffer: bytearray | None = None  # the pooled payload buffer the base views, if any
@@ -448,18 +464,36 @@ class PolicyPublisher:
         mark = time.perf_counter()
         prefix, spans = safetensors_layout(tensors, SAFETENSORS_METADATA)
         total = spans[-1][2] if spans else len(prefix)
-        buffer = self._pool.acquire(total)
+        # The same-host road: written straight into a shared segment, the one write of the payload on this host
+        # (not for a delta publisher: its next base views the payload's buffer).
+        segment = self._acquire_segment(total) if self.kind != "delta" else None
+        buffer = self._pool.acquire(total) if segment is None else None
         try:
-            payload = write_safetensors(tensors, buffer, prefix, spans)
+            payload = write_safetensors(tensors, segment.view(total) if segment else buffer, prefix, spans)
             phases["encode"] = _elapsed_ms(mark)
             mark = time.perf_counter()
             specs = specs_of(parse_header(payload))
             header = self._header(version, kind, payload, specs)
             phases["digest"] = _elapsed_ms(mark)
         except BaseException:
-            self._pool.release(buffer)
+            self._release(PreparedUpdate(kind, data_pb2.WeightUpdateHeader(), b"", 0.0, None, buffer, segment=segment))
             raise
-        return PreparedUpdate(kind, header, payload, _elapsed_ms(start_s), None, buffer, phases)
+        return PreparedUpdate(kind, header, payload, _elapsed_ms(start_s), None, buffer, phases, segment=segment)
+
+    def _acquire_segment(self, num_bytes: int) -> Segment | None:
+        """A drained shared segment for a payload of ``num_bytes`` (None: updates go as bytes). Logs the segments the
+        pool retired because their readers did not drain in time."""
+        if self._segments is None:
+            return None
+        segment = self._segments.acquire(num_bytes)
+        for path in self._segments.retired:
+            log.warning(
+                "a shared weight segment was not released in time; a new one replaces it",
+                path=path,
+                drain_timeout_s=self._segments.drain_timeout_s,
+            )
+        self._segments.retired.clear()
+        return segment
 
     def _build_from_snapshot(
         self,
@@ -526,12 +560,21 @@ class PolicyPublisher:
         self._base, self._base_version, self._base_buffer, self._full_required = None, None, None, False
         try:
             try:
-                ack = self._publish_through_outage(prepared, timeout_s)
+                shared = self._shared_descriptor(prepared)
+                try:
+                    ack = self._publish_through_outage(prepared, timeout_s, shared)
+                except WeightUpdateRefused as exc:
+                    if shared is None or exc.code != common_pb2.ERROR_CODE_NOT_FOUND:
+                        raise
+                    self._leave_shared_memory(str(exc))
+                    shared = None
+                    ack = self._publish_through_outage(prepared, timeout_s, None)
             finally:
                 _settle_stream(prepared)
         except WeightUpdateRefused as exc:
+            self._release(prepared, read=False)  # refused: the broker holds none of it (the pooled buffer aside)
             if not prepared.owns_snapshot:
-                self._release(prepared)  # refused: the broker holds none of it, nothing else reads it
+                self._release(prepared)  # nothing else reads it
             if isinstance(exc, LineageSuperseded):
                 log.error(
                     "policy lineage superseded: a newer trainer incarnation publishes; this one must stop",
@@ -540,7 +583,14 @@ class PolicyPublisher:
                     broker_lineage=exc.broker_lineage,
                 )
             raise
-        # (Any other failure, e.g. a timeout, may leave the payload referenced by the socket: never reused.)
+        except Exception:
+            # Any other failure, e.g. a timeout, may leave the payload referenced by the socket (never reused) or
+            # its segment read by the broker and its workers (written again once drained).
+            segment = prepared.segment
+            if segment is not None and self._segments is not None:
+                object.__setattr__(prepared, "segment", None)
+                self._segments.give_back(segment)
+            raise
         send_ms = _elapsed_ms(start_s)
         if send_ms > 0:
             self._wire_bytes_per_s = prepared.header.payload_bytes / (send_ms / 1000.0)
@@ -565,10 +615,36 @@ class PolicyPublisher:
             build_ms=round(prepared.build_ms, 2),
             send_ms=round(send_ms, 2),
             full_required=ack.full_required,
+            transport="shared_memory" if shared is not None else "socket",
+            reason=prepared.fallback,
         )
+        if self._segments is not None and self.transport == "socket":  # left the same-host road during this send
+            self._segments.close()
+            self._segments = None
         return ack, send_ms
 
-    def _publish_through_outage(self, prepared: PreparedUpdate, timeout_s: float) -> data_pb2.WeightAck:
+    def _shared_descriptor(self, prepared: PreparedUpdate) -> data_pb2.SharedSegment | None:
+        """The descriptor of ``prepared``'s payload in a shared segment, copied there first when it was built
+        elsewhere (a LoRA adapter, a delta, a FULL the next delta's base views); None: it goes as bytes."""
+        if self._segments is None or self.transport != "shared_memory" or prepared.stream is not None:
+            return None
+        source = memoryview(prepared.payload).cast("B")
+        segment = prepared.segment
+        if segment is None:
+            segment = self._acquire_segment(source.nbytes)
+            assert segment is not None
+            segment.view(source.nbytes)[:] = source
+            object.__setattr__(prepared, "segment", segment)
+        return segment.publish(source.nbytes)
+
+    def _leave_shared_memory(self, reason: str) -> None:
+        """The broker cannot map this trainer's segments (another host, another /dev/shm): bytes from now on."""
+        log.warning("the broker cannot read this trainer's shared memory; weight updates go as bytes", error=reason)
+        self.transport = "socket"
+
+    def _publish_through_outage(
+        self, prepared: PreparedUpdate, timeout_s: float, shared: data_pb2.SharedSegment | None = None
+    ) -> data_pb2.WeightAck:
         """One publish, sent again while the broker is unreachable or lost (within ``outage_s``)."""
         watch = OutageWatch(f"the broker to store policy v{prepared.policy_version}", self.outage_s, worker=self.sender)
         return retry_through_outage(
@@ -577,13 +653,23 @@ class PolicyPublisher:
                 prepared.payload,
                 timeout_s,
                 ready=None if prepared.stream is None else prepared.stream.wait_for,
+                shared=shared,
             ),
             watch,
             (WeightPublishTimeout,),
             stop_event=self._stop_event,
         )
 
-    def _release(self, prepared: PreparedUpdate) -> None:
+    def _release(self, prepared: PreparedUpdate, *, read: bool = True) -> None:
+        """Give back ``prepared``'s shared segment (``read``: it was handed out, and is written again only once its
+        readers drained) and, with ``read``, its pooled buffer."""
+        segment = prepared.segment
+        if segment is not None:
+            object.__setattr__(prepared, "segment", None)
+            if self._segments is not None:
+                self._segments.give_back(segment, read=read)
+        if not read:
+            return
         _settle_stream(prepared)  # the writer must be finished with the buffer before it is reused
         buffer = prepared.buffer
         if buffer is not None:
@@ -592,6 +678,9 @@ class PolicyPublisher:
 
     def close(self) -> None:
         self._publisher.close()
+        if self._segments is not None:
+            self._segments.close()
+            self._segments = None
 
     def __enter__(self) -> PolicyPublisher:
         return self

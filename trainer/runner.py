@@ -176,6 +176,8 @@ class TrainerRunner:
                 curve=self.control.curve,
                 serving_dtype=serving_dtype(config.weight_broadcast.dtype),
                 stream=None if config.weight_broadcast.stream == "auto" else config.weight_broadcast.stream,
+                transport=config.weight_broadcast.transport,
+                run_id=registration.run_id,
                 # The broker's counter orders incarnations (None: a broker that hands out none; the clock then).
                 lineage=registration.policy_lineage or None,
             )

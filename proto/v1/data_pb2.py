@@ -25,21 +25,21 @@ _sym_db = _symbol_database.Default()
 from primerl.proto.v1 import common_pb2 as primerl_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x15primerl/v1/data.proto\x12\nprimerl.v1\x1a\x17primerl/v1/common.proto\"g\n\x05\x43hunk\x12\x13\n\x0btransfer_id\x18\x01 \x01(\t\x12\r\n\x05index\x18\x02 \x01(\r\x12\r\n\x05\x63ount\x18\x03 \x01(\r\x12\x13\n\x0btotal_bytes\x18\x04 \x01(\x04\x12\x16\n\x0epayload_digest\x18\x05 \x01(\t\"\xd9\x02\n\x08\x45nvelope\x12\x12\n\nmessage_id\x18\x01 \x01(\t\x12\x14\n\x0csent_unix_ms\x18\x02 \x01(\x04\x12\x0e\n\x06header\x18\x03 \x01(\x0c\x12 \n\x05\x63hunk\x18\x04 \x01(\x0b\x32\x11.primerl.v1.Chunk\x12\x1a\n\x12num_payload_frames\x18\x05 \x01(\r\x12\x1b\n\x13payload_frame_bytes\x18\x06 \x03(\x04\x12\x10\n\x08\x63hecksum\x18\x07 \x01(\r\x12\x12\n\nauth_token\x18\x08 \x01(\t\x12\x13\n\x0bin_reply_to\x18\t \x01(\t\x12\x0e\n\x06sender\x18\n \x01(\t\x12/\n\rchecksum_kind\x18\x0b \x01(\x0e\x32\x18.primerl.v1.ChecksumKind\x12\x12\n\nchecksum64\x18\x0c \x01(\x04\x12(\n\nrelay_hops\x18\r \x03(\x0b\x32\x14.primerl.v1.RelayHop\"/\n\x08RelayHop\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x10\n\x08\x65ndpoint\x18\x02 \x01(\t\"\xa1\x01\n\x05Hello\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x1e\n\x04role\x18\x02 \x01(\x0e\x32\x10.primerl.v1.Role\x12\x0c\n\x04rank\x18\x03 \x01(\r\x12\x1b\n\x0epolicy_version\x18\x04 \x01(\x04H\x00\x88\x01\x01\x12\x0f\n\x07lineage\x18\x05 \x01(\x04\x12\x16\n\x0erelay_endpoint\x18\x06 \x01(\tB\x11\n\x0f_policy_version\"\xa2\x02\n\x12RolloutBatchHeader\x12\x0c\n\x04step\x18\x01 \x01(\x04\x12\x0c\n\x04rank\x18\x02 \x01(\r\x12\x19\n\x11micro_batch_index\x18\x03 \x01(\r\x12\x19\n\x11num_micro_batches\x18\x04 \x01(\r\x12\x13\n\x0bnum_samples\x18\x05 \x01(\r\x12\x12\n\nnum_tokens\x18\x06 \x01(\x04\x12\x1a\n\x12min_policy_version\x18\x07 \x01(\x04\x12\x1a\n\x12max_policy_version\x18\x08 \x01(\x04\x12\'\n\x07tensors\x18\t \x03(\x0b\x32\x16.primerl.v1.TensorSpec\x12\x10\n\x08\x62\x61tch_id\x18\n \x01(\t\x12\x1e\n\x16num_loss_tokens_global\x18\x0b \x01(\x04\"e\n\nRolloutAck\x12\x10\n\x08\x62\x61tch_id\x18\x01 \x01(\t\x12\x0c\n\x04step\x18\x02 \x01(\x04\x12\x0f\n\x07\x64urable\x18\x03 \x01(\x08\x12&\n\x05\x65rror\x18\x04 \x01(\x0b\x32\x17.primerl.v1.ErrorDetail\"=\n\x0eRolloutRequest\x12\x0c\n\x04step\x18\x01 \x01(\x04\x12\x0c\n\x04rank\x18\x02 \x01(\r\x12\x0f\n\x07\x63redits\x18\x03 \x01(\r\"H\n\x0fRolloutStepDone\x12\x0c\n\x04step\x18\x01 \x01(\x04\x12\x0c\n\x04rank\x18\x02 \x01(\r\x12\x19\n\x11num_micro_batches\x18\x03 \x01(\r\"\x83\x03\n\x12WeightUpdateHeader\x12\x16\n\x0epolicy_version\x18\x01 \x01(\x04\x12*\n\x04kind\x18\x02 \x01(\x0e\x32\x1c.primerl.v1.WeightUpdateKind\x12\x14\n\x0c\x62\x61se_version\x18\x03 \x01(\x04\x12\x0e\n\x06\x64igest\x18\x04 \x01(\t\x12\'\n\x07tensors\x18\x05 \x03(\x0b\x32\x16.primerl.v1.TensorSpec\x12/\n\x0f\x64\x65\x63oded_tensors\x18\x06 \x03(\x0b\x32\x16.primerl.v1.TensorSpec\x12\x31\n\x0e\x64\x65lta_encoding\x18\x07 \x01(\x0e\x32\x19.primerl.v1.DeltaEncoding\x12\x1b\n\x13\x61\x64\x61pter_config_json\x18\x08 \x01(\t\x12\x13\n\x0bpolicy_name\x18\t \x01(\t\x12\x15\n\rpayload_bytes\x18\n \x01(\x04\x12\x0f\n\x07lineage\x18\x0b \x01(\x04\x12\x1c\n\x14lineage_base_version\x18\x0c \x01(\x04\"\xa9\x01\n\tWeightAck\x12\x16\n\x0epolicy_version\x18\x01 \x01(\x04\x12\x11\n\tworker_id\x18\x02 \x01(\t\x12\x0f\n\x07\x61pplied\x18\x03 \x01(\x08\x12&\n\x05\x65rror\x18\x04 \x01(\x0b\x32\x17.primerl.v1.ErrorDetail\x12\x10\n\x08\x61pply_ms\x18\x05 \x01(\r\x12\x15\n\rfull_required\x18\x06 \x01(\x08\x12\x0f\n\x07lineage\x18\x07 \x01(\x04\"c\n\nErrorReply\x12&\n\x05\x65rror\x18\x01 \x01(\x0b\x32\x17.primerl.v1.ErrorDetail\x12-\n\x0crefused_type\x18\x02 \x01(\x0e\x32\x17.primerl.v1.MessageType*\xb4\x01\n\x0bMessageType\x12\x1c\n\x18MESSAGE_TYPE_UNSPECIFIED\x10\x00\x12\x11\n\rROLLOUT_BATCH\x10\x01\x12\x0f\n\x0bROLLOUT_ACK\x10\x02\x12\x13\n\x0fROLLOUT_REQUEST\x10\x03\x12\x11\n\rWEIGHT_UPDATE\x10\x04\x12\x0e\n\nWEIGHT_ACK\x10\x05\x12\t\n\x05\x45RROR\x10\x06\x12\t\n\x05HELLO\x10\x07\x12\x15\n\x11ROLLOUT_STEP_DONE\x10\x08*B\n\x0c\x43hecksumKind\x12\x17\n\x13\x43HECKSUM_KIND_CRC32\x10\x00\x12\x19\n\x15\x43HECKSUM_KIND_XXH3_64\x10\x01*\x8e\x01\n\x10WeightUpdateKind\x12\"\n\x1eWEIGHT_UPDATE_KIND_UNSPECIFIED\x10\x00\x12\x1b\n\x17WEIGHT_UPDATE_KIND_FULL\x10\x01\x12\x1b\n\x17WEIGHT_UPDATE_KIND_LORA\x10\x02\x12\x1c\n\x18WEIGHT_UPDATE_KIND_DELTA\x10\x03*g\n\rDeltaEncoding\x12\x1e\n\x1a\x44\x45LTA_ENCODING_UNSPECIFIED\x10\x00\x12\x1b\n\x17\x44\x45LTA_ENCODING_XOR_ZLIB\x10\x01\x12\x19\n\x15\x44\x45LTA_ENCODING_SPARSE\x10\x02\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x15primerl/v1/data.proto\x12\nprimerl.v1\x1a\x17primerl/v1/common.proto\"g\n\x05\x43hunk\x12\x13\n\x0btransfer_id\x18\x01 \x01(\t\x12\r\n\x05index\x18\x02 \x01(\r\x12\r\n\x05\x63ount\x18\x03 \x01(\r\x12\x13\n\x0btotal_bytes\x18\x04 \x01(\x04\x12\x16\n\x0epayload_digest\x18\x05 \x01(\t\"\xd9\x02\n\x08\x45nvelope\x12\x12\n\nmessage_id\x18\x01 \x01(\t\x12\x14\n\x0csent_unix_ms\x18\x02 \x01(\x04\x12\x0e\n\x06header\x18\x03 \x01(\x0c\x12 \n\x05\x63hunk\x18\x04 \x01(\x0b\x32\x11.primerl.v1.Chunk\x12\x1a\n\x12num_payload_frames\x18\x05 \x01(\r\x12\x1b\n\x13payload_frame_bytes\x18\x06 \x03(\x04\x12\x10\n\x08\x63hecksum\x18\x07 \x01(\r\x12\x12\n\nauth_token\x18\x08 \x01(\t\x12\x13\n\x0bin_reply_to\x18\t \x01(\t\x12\x0e\n\x06sender\x18\n \x01(\t\x12/\n\rchecksum_kind\x18\x0b \x01(\x0e\x32\x18.primerl.v1.ChecksumKind\x12\x12\n\nchecksum64\x18\x0c \x01(\x04\x12(\n\nrelay_hops\x18\r \x03(\x0b\x32\x14.primerl.v1.RelayHop\"/\n\x08RelayHop\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x10\n\x08\x65ndpoint\x18\x02 \x01(\t\"\xb2\x01\n\x05Hello\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x1e\n\x04role\x18\x02 \x01(\x0e\x32\x10.primerl.v1.Role\x12\x0c\n\x04rank\x18\x03 \x01(\r\x12\x1b\n\x0epolicy_version\x18\x04 \x01(\x04H\x00\x88\x01\x01\x12\x0f\n\x07lineage\x18\x05 \x01(\x04\x12\x16\n\x0erelay_endpoint\x18\x06 \x01(\t\x12\x0f\n\x07host_id\x18\x07 \x01(\tB\x11\n\x0f_policy_version\"\xa2\x02\n\x12RolloutBatchHeader\x12\x0c\n\x04step\x18\x01 \x01(\x04\x12\x0c\n\x04rank\x18\x02 \x01(\r\x12\x19\n\x11micro_batch_index\x18\x03 \x01(\r\x12\x19\n\x11num_micro_batches\x18\x04 \x01(\r\x12\x13\n\x0bnum_samples\x18\x05 \x01(\r\x12\x12\n\nnum_tokens\x18\x06 \x01(\x04\x12\x1a\n\x12min_policy_version\x18\x07 \x01(\x04\x12\x1a\n\x12max_policy_version\x18\x08 \x01(\x04\x12\'\n\x07tensors\x18\t \x03(\x0b\x32\x16.primerl.v1.TensorSpec\x12\x10\n\x08\x62\x61tch_id\x18\n \x01(\t\x12\x1e\n\x16num_loss_tokens_global\x18\x0b \x01(\x04\"e\n\nRolloutAck\x12\x10\n\x08\x62\x61tch_id\x18\x01 \x01(\t\x12\x0c\n\x04step\x18\x02 \x01(\x04\x12\x0f\n\x07\x64urable\x18\x03 \x01(\x08\x12&\n\x05\x65rror\x18\x04 \x01(\x0b\x32\x17.primerl.v1.ErrorDetail\"=\n\x0eRolloutRequest\x12\x0c\n\x04step\x18\x01 \x01(\x04\x12\x0c\n\x04rank\x18\x02 \x01(\r\x12\x0f\n\x07\x63redits\x18\x03 \x01(\r\"H\n\x0fRolloutStepDone\x12\x0c\n\x04step\x18\x01 \x01(\x04\x12\x0c\n\x04rank\x18\x02 \x01(\r\x12\x19\n\x11num_micro_batches\x18\x03 \x01(\r\"\xb6\x03\n\x12WeightUpdateHeader\x12\x16\n\x0epolicy_version\x18\x01 \x01(\x04\x12*\n\x04kind\x18\x02 \x01(\x0e\x32\x1c.primerl.v1.WeightUpdateKind\x12\x14\n\x0c\x62\x61se_version\x18\x03 \x01(\x04\x12\x0e\n\x06\x64igest\x18\x04 \x01(\t\x12\'\n\x07tensors\x18\x05 \x03(\x0b\x32\x16.primerl.v1.TensorSpec\x12/\n\x0f\x64\x65\x63oded_tensors\x18\x06 \x03(\x0b\x32\x16.primerl.v1.TensorSpec\x12\x31\n\x0e\x64\x65lta_encoding\x18\x07 \x01(\x0e\x32\x19.primerl.v1.DeltaEncoding\x12\x1b\n\x13\x61\x64\x61pter_config_json\x18\x08 \x01(\t\x12\x13\n\x0bpolicy_name\x18\t \x01(\t\x12\x15\n\rpayload_bytes\x18\n \x01(\x04\x12\x0f\n\x07lineage\x18\x0b \x01(\x04\x12\x1c\n\x14lineage_base_version\x18\x0c \x01(\x04\x12\x31\n\x0eshared_segment\x18\r \x01(\x0b\x32\x19.primerl.v1.SharedSegment\"B\n\rSharedSegment\x12\x0c\n\x04path\x18\x01 \x01(\t\x12\x0f\n\x07host_id\x18\x02 \x01(\t\x12\x12\n\ngeneration\x18\x03 \x01(\x04\"\xa9\x01\n\tWeightAck\x12\x16\n\x0epolicy_version\x18\x01 \x01(\x04\x12\x11\n\tworker_id\x18\x02 \x01(\t\x12\x0f\n\x07\x61pplied\x18\x03 \x01(\x08\x12&\n\x05\x65rror\x18\x04 \x01(\x0b\x32\x17.primerl.v1.ErrorDetail\x12\x10\n\x08\x61pply_ms\x18\x05 \x01(\r\x12\x15\n\rfull_required\x18\x06 \x01(\x08\x12\x0f\n\x07lineage\x18\x07 \x01(\x04\"c\n\nErrorReply\x12&\n\x05\x65rror\x18\x01 \x01(\x0b\x32\x17.primerl.v1.ErrorDetail\x12-\n\x0crefused_type\x18\x02 \x01(\x0e\x32\x17.primerl.v1.MessageType*\xb4\x01\n\x0bMessageType\x12\x1c\n\x18MESSAGE_TYPE_UNSPECIFIED\x10\x00\x12\x11\n\rROLLOUT_BATCH\x10\x01\x12\x0f\n\x0bROLLOUT_ACK\x10\x02\x12\x13\n\x0fROLLOUT_REQUEST\x10\x03\x12\x11\n\rWEIGHT_UPDATE\x10\x04\x12\x0e\n\nWEIGHT_ACK\x10\x05\x12\t\n\x05\x45RROR\x10\x06\x12\t\n\x05HELLO\x10\x07\x12\x15\n\x11ROLLOUT_STEP_DONE\x10\x08*B\n\x0c\x43hecksumKind\x12\x17\n\x13\x43HECKSUM_KIND_CRC32\x10\x00\x12\x19\n\x15\x43HECKSUM_KIND_XXH3_64\x10\x01*\x8e\x01\n\x10WeightUpdateKind\x12\"\n\x1eWEIGHT_UPDATE_KIND_UNSPECIFIED\x10\x00\x12\x1b\n\x17WEIGHT_UPDATE_KIND_FULL\x10\x01\x12\x1b\n\x17WEIGHT_UPDATE_KIND_LORA\x10\x02\x12\x1c\n\x18WEIGHT_UPDATE_KIND_DELTA\x10\x03*g\n\rDeltaEncoding\x12\x1e\n\x1a\x44\x45LTA_ENCODING_UNSPECIFIED\x10\x00\x12\x1b\n\x17\x44\x45LTA_ENCODING_XOR_ZLIB\x10\x01\x12\x19\n\x15\x44\x45LTA_ENCODING_SPARSE\x10\x02\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'primerl.v1.data_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_MESSAGETYPE']._serialized_start=1925
-  _globals['_MESSAGETYPE']._serialized_end=2105
-  _globals['_CHECKSUMKIND']._serialized_start=2107
-  _globals['_CHECKSUMKIND']._serialized_end=2173
-  _globals['_WEIGHTUPDATEKIND']._serialized_start=2176
-  _globals['_WEIGHTUPDATEKIND']._serialized_end=2318
-  _globals['_DELTAENCODING']._serialized_start=2320
-  _globals['_DELTAENCODING']._serialized_end=2423
+  _globals['_MESSAGETYPE']._serialized_start=2061
+  _globals['_MESSAGETYPE']._serialized_end=2241
+  _globals['_CHECKSUMKIND']._serialized_start=2243
+  _globals['_CHECKSUMKIND']._serialized_end=2309
+  _globals['_WEIGHTUPDATEKIND']._serialized_start=2312
+  _globals['_WEIGHTUPDATEKIND']._serialized_end=2454
+  _globals['_DELTAENCODING']._serialized_start=2456
+  _globals['_DELTAENCODING']._serialized_end=2559
   _globals['_CHUNK']._serialized_start=62
   _globals['_CHUNK']._serialized_end=165
   _globals['_ENVELOPE']._serialized_start=168
@@ -47,19 +47,21 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_RELAYHOP']._serialized_start=515
   _globals['_RELAYHOP']._serialized_end=562
   _globals['_HELLO']._serialized_start=565
-  _globals['_HELLO']._serialized_end=726
-  _globals['_ROLLOUTBATCHHEADER']._serialized_start=729
-  _globals['_ROLLOUTBATCHHEADER']._serialized_end=1019
-  _globals['_ROLLOUTACK']._serialized_start=1021
-  _globals['_ROLLOUTACK']._serialized_end=1122
-  _globals['_ROLLOUTREQUEST']._serialized_start=1124
-  _globals['_ROLLOUTREQUEST']._serialized_end=1185
-  _globals['_ROLLOUTSTEPDONE']._serialized_start=1187
-  _globals['_ROLLOUTSTEPDONE']._serialized_end=1259
-  _globals['_WEIGHTUPDATEHEADER']._serialized_start=1262
-  _globals['_WEIGHTUPDATEHEADER']._serialized_end=1649
-  _globals['_WEIGHTACK']._serialized_start=1652
-  _globals['_WEIGHTACK']._serialized_end=1821
-  _globals['_ERRORREPLY']._serialized_start=1823
-  _globals['_ERRORREPLY']._serialized_end=1922
+  _globals['_HELLO']._serialized_end=743
+  _globals['_ROLLOUTBATCHHEADER']._serialized_start=746
+  _globals['_ROLLOUTBATCHHEADER']._serialized_end=1036
+  _globals['_ROLLOUTACK']._serialized_start=1038
+  _globals['_ROLLOUTACK']._serialized_end=1139
+  _globals['_ROLLOUTREQUEST']._serialized_start=1141
+  _globals['_ROLLOUTREQUEST']._serialized_end=1202
+  _globals['_ROLLOUTSTEPDONE']._serialized_start=1204
+  _globals['_ROLLOUTSTEPDONE']._serialized_end=1276
+  _globals['_WEIGHTUPDATEHEADER']._serialized_start=1279
+  _globals['_WEIGHTUPDATEHEADER']._serialized_end=1717
+  _globals['_SHAREDSEGMENT']._serialized_start=1719
+  _globals['_SHAREDSEGMENT']._serialized_end=1785
+  _globals['_WEIGHTACK']._serialized_start=1788
+  _globals['_WEIGHTACK']._serialized_end=1957
+  _globals['_ERRORREPLY']._serialized_start=1959
+  _globals['_ERRORREPLY']._serialized_end=2058
 # @@protoc_insertion_point(module_scope)

@@ -109,20 +109,22 @@ class RelayHop(_message.Message):
     def __init__(self, worker_id: _Optional[str] = ..., endpoint: _Optional[str] = ...) -> None: ...
 
 class Hello(_message.Message):
-    __slots__ = ("worker_id", "role", "rank", "policy_version", "lineage", "relay_endpoint")
+    __slots__ = ("worker_id", "role", "rank", "policy_version", "lineage", "relay_endpoint", "host_id")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
     POLICY_VERSION_FIELD_NUMBER: _ClassVar[int]
     LINEAGE_FIELD_NUMBER: _ClassVar[int]
     RELAY_ENDPOINT_FIELD_NUMBER: _ClassVar[int]
+    HOST_ID_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     role: _common_pb2.Role
     rank: int
     policy_version: int
     lineage: int
     relay_endpoint: str
-    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[_Union[_common_pb2.Role, str]] = ..., rank: _Optional[int] = ..., policy_version: _Optional[int] = ..., lineage: _Optional[int] = ..., relay_endpoint: _Optional[str] = ...) -> None: ...
+    host_id: str
+    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[_Union[_common_pb2.Role, str]] = ..., rank: _Optional[int] = ..., policy_version: _Optional[int] = ..., lineage: _Optional[int] = ..., relay_endpoint: _Optional[str] = ..., host_id: _Optional[str] = ...) -> None: ...
 
 class RolloutBatchHeader(_message.Message):
     __slots__ = ("step", "rank", "micro_batch_index", "num_micro_batches", "num_samples", "num_tokens", "min_policy_version", "max_policy_version", "tensors", "batch_id", "num_loss_tokens_global")
@@ -183,7 +185,7 @@ class RolloutStepDone(_message.Message):
     def __init__(self, step: _Optional[int] = ..., rank: _Optional[int] = ..., num_micro_batches: _Optional[int] = ...) -> None: ...
 
 class WeightUpdateHeader(_message.Message):
-    __slots__ = ("policy_version", "kind", "base_version", "digest", "tensors", "decoded_tensors", "delta_encoding", "adapter_config_json", "policy_name", "payload_bytes", "lineage", "lineage_base_version")
+    __slots__ = ("policy_version", "kind", "base_version", "digest", "tensors", "decoded_tensors", "delta_encoding", "adapter_config_json", "policy_name", "payload_bytes", "lineage", "lineage_base_version", "shared_segment")
     POLICY_VERSION_FIELD_NUMBER: _ClassVar[int]
     KIND_FIELD_NUMBER: _ClassVar[int]
     BASE_VERSION_FIELD_NUMBER: _ClassVar[int]
@@ -196,6 +198,7 @@ class WeightUpdateHeader(_message.Message):
     PAYLOAD_BYTES_FIELD_NUMBER: _ClassVar[int]
     LINEAGE_FIELD_NUMBER: _ClassVar[int]
     LINEAGE_BASE_VERSION_FIELD_NUMBER: _ClassVar[int]
+    SHARED_SEGMENT_FIELD_NUMBER: _ClassVar[int]
     policy_version: int
     kind: WeightUpdateKind
     base_version: int
@@ -208,7 +211,18 @@ class WeightUpdateHeader(_message.Message):
     payload_bytes: int
     lineage: int
     lineage_base_version: int
-    def __init__(self, policy_version: _Optional[int] = ..., kind: _Optional[_Union[WeightUpdateKind, str]] = ..., base_version: _Optional[int] = ..., digest: _Optional[str] = ..., tensors: _Optional[_Iterable[_Union[_common_pb2.TensorSpec, _Mapping]]] = ..., decoded_tensors: _Optional[_Iterable[_Union[_common_pb2.TensorSpec, _Mapping]]] = ..., delta_encoding: _Optional[_Union[DeltaEncoding, str]] = ..., adapter_config_json: _Optional[str] = ..., policy_name: _Optional[str] = ..., payload_bytes: _Optional[int] = ..., lineage: _Optional[int] = ..., lineage_base_version: _Optional[int] = ...) -> None: ...
+    shared_segment: SharedSegment
+    def __init__(self, policy_version: _Optional[int] = ..., kind: _Optional[_Union[WeightUpdateKind, str]] = ..., base_version: _Optional[int] = ..., digest: _Optional[str] = ..., tensors: _Optional[_Iterable[_Union[_common_pb2.TensorSpec, _Mapping]]] = ..., decoded_tensors: _Optional[_Iterable[_Union[_common_pb2.TensorSpec, _Mapping]]] = ..., delta_encoding: _Optional[_Union[DeltaEncoding, str]] = ..., adapter_config_json: _Optional[str] = ..., policy_name: _Optional[str] = ..., payload_bytes: _Optional[int] = ..., lineage: _Optional[int] = ..., lineage_base_version: _Optional[int] = ..., shared_segment: _Optional[_Union[SharedSegment, _Mapping]] = ...) -> None: ...
+
+class SharedSegment(_message.Message):
+    __slots__ = ("path", "host_id", "generation")
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    HOST_ID_FIELD_NUMBER: _ClassVar[int]
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
+    path: str
+    host_id: str
+    generation: int
+    def __init__(self, path: _Optional[str] = ..., host_id: _Optional[str] = ..., generation: _Optional[int] = ...) -> None: ...
 
 class WeightAck(_message.Message):
     __slots__ = ("policy_version", "worker_id", "applied", "error", "apply_ms", "full_required", "lineage")

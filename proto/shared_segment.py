@@ -56,6 +56,7 @@ __all__ = [
     "open_segment",
     "remove_stale_segments",
     "segment_directory",
+    "stale_segments",
 ]
 
 CONTROL_BYTES = mmap.ALLOCATIONGRANULARITY
@@ -343,11 +344,10 @@ def _pid_alive(pid: int) -> bool:
     return True
 
 
-def remove_stale_segments(directory: str | os.PathLike[str] | None = None) -> list[Path]:
-    """Unlink the segments (``primerl-seg-<run>-<pid>-<n>``) of this user in ``directory`` whose writer is dead;
-    returns them. Readers that still map one keep their mapping."""
+def stale_segments(directory: str | os.PathLike[str] | None = None) -> list[Path]:
+    """This user's segments (``primerl-seg-<run>-<pid>-<pool><n>``) in ``directory`` whose writer is dead."""
     directory = Path(directory) if directory is not None else segment_directory()
-    removed = []
+    stale = []
     for path in directory.glob(f"{SEGMENT_PREFIX}*"):
         parts = path.name[len(SEGMENT_PREFIX) :].split("-")
         if len(parts) != 3 or not parts[1].isdigit():
@@ -356,8 +356,37 @@ def remove_stale_segments(directory: str | os.PathLike[str] | None = None) -> li
         try:
             if path.lstat().st_uid != os.getuid() or pid == os.getpid() or _pid_alive(pid):
                 continue
+        except OSError:
+            continue
+        stale.append(path)
+    return stale
+
+
+def remove_stale_segments(directory: str | os.PathLike[str] | None = None) -> list[Path]:
+    """Unlink `stale_segments` (readers that still map one keep their mapping); returns those removed."""
+    removed = []
+    for path in stale_segments(directory):
+        try:
             path.unlink()
         except OSError:
             continue
         removed.append(path)
     return removed
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m primerl.proto.shared_segment --remove-stale``: unlink this user's segments whose writer is dead
+    (the trainer's systemd unit runs it after the trainer stopped)."""
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="python -m primerl.proto.shared_segment", description=main.__doc__)
+    parser.add_argument("--remove-stale", action="store_true", required=True, help="remove dead writers' segments")
+    parser.add_argument("--directory", default=None, help="where the segments are (default: /dev/shm)")
+    args = parser.parse_args(argv)
+    for path in remove_stale_segments(args.directory):
+        print(f"removed {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

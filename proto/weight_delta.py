@@ -40,7 +40,9 @@ zip bomb stops there). Anything wrong raises `DeltaError`, with the wire error c
 
 from __future__ import annotations
 
+import json
 import os
+import struct
 import time
 import zlib
 from collections.abc import Callable, Mapping
@@ -185,7 +187,7 @@ def _changed_positions(changed: np.ndarray, num_changed: int) -> np.ndarray:
     with a change are found first (about 1/3 of them at 4 % changed), then the elements within those, both
     branch-free."""
     numel = changed.size
-    if numel < 64:
+    if num_changed * 10 > numel or numel < 64:
         return np.flatnonzero(changed)
     whole_words = numel // 8
     words = changed[: whole_words * 8].view(np.uint64)
@@ -313,8 +315,6 @@ def encode_delta(
     Tensors are encoded on ``num_threads`` threads (zlib and numpy release the GIL; None: up to 4, one per usable
     core); the result does not depend on it.
     """
-    from safetensors.numpy import save as save_numpy
-
     if encoding not in _ENCODINGS:
         raise ValueError(f"encoding must be DELTA_ENCODING_SPARSE or DELTA_ENCODING_XOR_ZLIB, got {encoding}")
     if not 0 <= level <= 9:
@@ -347,27 +347,41 @@ def encode_delta(
         for name, part in zip(names, parts, strict=True)
         if part is not None
     }
-    if encoding == SPARSE:
-        encoded = {}
-        for name, part in zip(names, parts, strict=True):
+    encoded: dict[str, tuple[str, np.ndarray]] = {}
+    for name, part in zip(names, parts, strict=True):
+        if encoding == SPARSE:
             for suffix, array in (part or {}).items():
-                encoded[name + suffix] = _as_torch(array, new[name].dtype) if suffix == VALUES else array
-        payload = _save_torch(encoded)
-        return payload, specs_of(parse_header(payload)), list(decoded.values())
-    compressed = {
-        name: np.frombuffer(part, dtype=np.uint8) for name, part in zip(names, parts, strict=True) if part is not None
-    }
-    payload = save_numpy(compressed) if compressed else _save_torch({})
+                encoded[name + suffix] = (decoded[name].dtype if suffix == VALUES else "U8", array)
+        elif part is not None:
+            encoded[name] = ("U8", np.frombuffer(part, dtype=np.uint8))
+    payload = _safetensors_blob(encoded)
     specs = specs_of(parse_header(payload))
+    if encoding == SPARSE:
+        return payload, specs, list(decoded.values())
     return payload, specs, [decoded[spec.name] for spec in specs]
 
 
-def _save_torch(tensors: dict[str, Any]) -> bytes:
-    """One safetensors blob of (writable) numpy arrays and torch tensors (none: an empty blob)."""
+def _safetensors_blob(arrays: dict[str, tuple[str, np.ndarray]]) -> bytes:
+    """The bytes ``safetensors.torch.save`` writes for 1-D tensors given as {name: (safetensors dtype, raw bits)},
+    copied once: 8-byte little-endian header length, the compact JSON header padded with spaces to a multiple of
+    8, the data back to back in safetensors' order (by dtype, then name: asked of safetensors on one-element
+    stand-ins, so it follows the installed version)."""
     import torch
     from safetensors.torch import save
 
-    return save({name: torch.from_numpy(t) if isinstance(t, np.ndarray) else t for name, t in tensors.items()})
+    probe = save({name: torch.zeros(1, dtype=getattr(torch, DTYPES[dtype][2])) for name, (dtype, _) in arrays.items()})
+    (probe_length,) = struct.unpack("<Q", probe[:8])
+    probe_header = json.loads(probe[8 : 8 + probe_length])
+    order = sorted(arrays, key=lambda name: probe_header[name]["data_offsets"][0])
+    header: dict[str, Any] = {}
+    offset = 0
+    for name in order:
+        dtype, array = arrays[name]
+        header[name] = {"dtype": dtype, "shape": [array.size], "data_offsets": [offset, offset + array.nbytes]}
+        offset += array.nbytes
+    text = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode()
+    text += b" " * (-len(text) % 8)
+    return b"".join([struct.pack("<Q", len(text)), text, *(arrays[name][1].view(np.uint8).data for name in order)])
 
 
 # ---------------------------------------------------------------------------------------------------------

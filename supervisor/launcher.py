@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import TextIO
 
 from primerl.proto.ready_file import READY_FILE_NAMES, ready_file_path
+from primerl.proto.shared_segment import remove_stale_segments
 from primerl.runtime.config_loader import write_toml
 from primerl.runtime.cpu_budget import describe, role_env
 from primerl.runtime.run_metrics import read_run_rows
@@ -180,6 +181,7 @@ class Launcher:
                 process_reaper.signal_marked(self.supervisor.token, signal.SIGTERM, roles=[PREFLIGHT_MARK])
             self.supervisor.stop(timeout_s=self._stop_timeout_s(), on_kill=self._on_kill)
             self.supervisor.close()
+            remove_stale_segments()  # shared weight segments of a trainer that was killed
             self._close_tmux()
             if self.dashboard is not None:
                 self.dashboard.close()

@@ -12,6 +12,7 @@ import time
 from dataclasses import dataclass, field
 
 from primerl.proto import telemetry
+from primerl.proto.shared_segment import stale_segments
 
 from .logs import Event, LogFollower
 from .plan import (
@@ -509,4 +510,9 @@ class Driver:
                 process.kill()
             except psutil.Error:  # gone already
                 pass
+        # Shared weight segments of a killed trainer: the broker's sweep or the launcher must have removed them.
+        segments = stale_segments()
+        described += [f"shared weight segment {path.name} (its trainer is dead)" for path in segments]
+        for path in segments:
+            path.unlink(missing_ok=True)
         return described

@@ -102,7 +102,9 @@ STOP_TIMEOUT_S = 60.0
 STATUS_POLL_S = 1.0
 """How often the broker's run status is asked, as the fallback of the worker's log (a cost to the broker)."""
 STATUS_GRACE_S = 1.0
-KINDS = ("full", "lora", "delta")
+KINDS = ("full", "full-socket", "lora", "delta")
+"""``full-socket``: a FULL update sent as bytes through the broker (``transport = "socket"``, the road across hosts and
+before the same-host road), beside ``full`` (``transport = "auto"``: on one host, through shared memory)."""
 BIN = Path(sys.executable).parent
 TRAINER_MAX_CHUNK_BYTES = 64 * MiB
 """The trainer publishes chunks of min(this, the broker's weight_chunk_bytes) (trainer/runner.py)."""
@@ -287,8 +289,8 @@ class BrokerProcess:
                 str(work_dir / "spool"),
                 "--run-id",
                 run_id,
-                "--prometheus.enabled",
-                "false",
+                "--prometheus.host",
+                "127.0.0.1",
                 "--ready-file",
                 str(self.ready_file),
             ],
@@ -320,6 +322,17 @@ class BrokerProcess:
     def weight_endpoint(self) -> str:
         assert self.ready is not None
         return f"tcp://127.0.0.1:{self.ready['weight_port']}"
+
+    def bytes_pushed(self) -> float:
+        """The payload bytes the broker has sent to inference workers (``primerl_broker_weight_bytes_pushed_total``
+        on its ``/metrics``): 0 for an update a same-host worker read from shared memory."""
+        assert self.ready is not None and self.ready.get("metrics_url")
+        request = urllib.request.Request(self.ready["metrics_url"], headers={"Authorization": f"Bearer {TOKEN}"})
+        with urllib.request.urlopen(request, timeout=10) as response:
+            for line in response.read().decode().splitlines():
+                if line.startswith("primerl_broker_weight_bytes_pushed_total "):
+                    return float(line.split()[1])
+        raise RuntimeError("the broker's /metrics has no primerl_broker_weight_bytes_pushed_total")
 
     @property
     def chunk_bytes(self) -> int:
@@ -754,14 +767,17 @@ def measure_update(
     pause_before = daemon.pause_samples() if scrape else {}
     peaks = PeakRss({"broker": [point.broker.pid], "worker": daemon.pids})
     peaks.start()
+    pushed_before = point.broker.bytes_pushed()
     start = time.perf_counter()
     result = publisher.publish(model, version)
     acked_ms = (time.perf_counter() - start) * 1000.0
     applied_s, received_s, told = point.wait_applied(version, start)
     peak = peaks.stop()
+    pushed_bytes = point.broker.bytes_pushed() - pushed_before
     applied_ms = applied_s * 1000.0
     received_ms = float("nan") if received_s is None else received_s * 1000.0
-    if result.kind != kind and not (kind == "delta" and result.kind == "full" and result.fallback):
+    asked = kind.removesuffix("-socket")
+    if result.kind != asked and not (asked == "delta" and result.kind == "full" and result.fallback):
         raise RuntimeError(f"{point.name}: asked for {kind} v{version}, sent {result.kind} ({result.fallback})")
     if told != "log":
         point.notes.append(f"{kind} v{version}: applied seen in the broker's run status, not the worker's log")
@@ -782,7 +798,8 @@ def measure_update(
         f"{result.payload_bytes / MiB:8.2f} MiB, applied {applied_ms:8.1f} ms (build {result.build_ms:.1f}, "
         f"ack {acked_ms:.1f}, worker has it {received_ms:.1f}, worker apply {apply_ms:.0f} ms), "
         f"raw copy {copy_ms:.1f} ms, raw zmq {zmq_ms:.1f} ms; peak RSS broker {peak['broker'] / MiB:.0f} MiB, "
-        f"worker {peak['worker'] / MiB:.0f} MiB; pause {fmt_ms(pause_ms)} "
+        f"worker {peak['worker'] / MiB:.0f} MiB; pause {fmt_ms(pause_ms)}; broker sent "
+        f"{pushed_bytes / MiB:.2f} MiB ({publisher.transport}) "
         f"[publish: {phases}] [worker: {worker_phases}]",
         flush=True,
     )
@@ -796,6 +813,7 @@ def measure_update(
             ("ack_ms", acked_ms),
             ("received_ms", received_ms),
             ("apply_ms", apply_ms),
+            ("pushed_bytes", pushed_bytes),
             ("copy_ms", copy_ms),
             ("zmq_ms", zmq_ms),
             ("broker_peak_bytes", peak["broker"]),
@@ -814,11 +832,11 @@ def measure_point(
     from primerl.trainer.publish import PolicyPublisher
 
     assert point.broker is not None
-    if not point.small and set(kinds) - {"full"}:
+    if not point.small and set(kinds) - {"full", "full-socket"}:
         point.notes.append(f"LORA and DELTA not measured above {SMALL_MODEL_MAX_PARAMS / 1e6:.0f}M parameters")
-        kinds = [k for k in kinds if k == "full"]
+        kinds = [k for k in kinds if k in ("full", "full-socket")]
     # LoRA last: once an adapter is served, a delta (which applies to full weights) would be refused.
-    for kind in sorted(kinds, key=["full", "delta", "lora"].index):
+    for kind in sorted(kinds, key=["full", "full-socket", "delta", "lora"].index):
         model = load_trainer_model(point.model_dir, lora=kind == "lora", dtype_name=point.dtype_name)
         optimizer = build_optimizer(model, OptimizerConfig(lr=args.lr)) if point.small else None
         with PolicyPublisher(
@@ -826,8 +844,9 @@ def measure_point(
             TOKEN,
             "bench-trainer",
             point.broker.chunk_bytes,
-            kind=kind,
+            kind=kind.removesuffix("-socket"),
             policy_name=POLICY_NAME,
+            transport="socket" if kind == "full-socket" else "auto",
             delta_policy=args.delta_policy,
             serving_dtype=serving_dtype(point),
             stream={"auto": None, "on": True, "off": False}[args.stream],
@@ -1364,8 +1383,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     parser.add_argument(
         "--kinds",
-        default="full,lora,delta",
-        help="comma-separated, from: full, lora, delta (lora and delta on models up to 200M only)",
+        default="full,full-socket,lora,delta",
+        help="comma-separated, from: full, full-socket, lora, delta (lora and delta on models up to 200M only; "
+        "full-socket: FULL as bytes through the broker, beside full through shared memory)",
     )
     parser.add_argument("--repeats", type=int, default=3, help="measured updates per point and kind")
     parser.add_argument("--warmup", type=int, default=1, help="updates per point and kind before measuring")

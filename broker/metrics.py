@@ -17,6 +17,9 @@ primerl_broker_history_bytes                       the run history the dashboard
 primerl_broker_weight_relay_chains_total           relay chains formed (broker.weight_fanout = "chain")
 primerl_broker_weight_relay_heals_total            workers sent an update again because their relay did not
                                                    reach them within weight_relay_timeout_s
+primerl_broker_weight_descriptors_sent_total       updates sent to same-host workers as a shared-memory descriptor
+                                                   (no payload bytes; [trainer.weight_broadcast] transport)
+primerl_broker_weight_segments_released_total      trainer segments handed back once their readers were done
 """
 
 from __future__ import annotations
@@ -88,6 +91,16 @@ class BrokerCollector:
                 telemetry.BROKER_WEIGHT_RELAY_HEALS,
                 "Workers sent an update again because their relay did not reach them in time.",
                 value=weights.num_relay_heals,
+            )
+            yield CounterMetricFamily(
+                telemetry.BROKER_WEIGHT_DESCRIPTORS_SENT,
+                "Updates sent to same-host workers as a shared-memory descriptor instead of their bytes.",
+                value=weights.num_descriptors_sent,
+            )
+            yield CounterMetricFamily(
+                telemetry.BROKER_WEIGHT_SEGMENTS_RELEASED,
+                "Trainer shared-memory segments released once every reader was done with them.",
+                value=weights.num_segments_released,
             )
         yield GaugeMetricFamily(
             telemetry.BROKER_LATEST_POLICY_VERSION,

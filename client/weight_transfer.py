@@ -54,6 +54,12 @@ class PayloadSink(Protocol):
         """The transfer is over: every byte is in (True), or it was dropped and never will be (False)."""
         ...
 
+    def adopt_payload(self, header: data_pb2.WeightUpdateHeader, path: str, payload: memoryview) -> memoryview:
+        """The same-host road: the payload lies whole and final in the shared segment file ``path``, mapped
+        read-only as ``payload`` (valid until the next update). Returns where the update is to be read from:
+        ``payload`` itself (read in place), or a buffer of the sink's it was copied into. Not yet verified."""
+        ...
+
 
 class BufferSink:
     """A ``PayloadSink`` from a function that returns the buffer (``payload_buffer(num_bytes)``), told nothing else."""
@@ -69,6 +75,12 @@ class BufferSink:
 
     def end_payload(self, complete: bool) -> None:
         pass
+
+    def adopt_payload(self, header: data_pb2.WeightUpdateHeader, path: str, payload: memoryview) -> memoryview:
+        """Copied into the buffer (the function's caller reads it there)."""
+        buffer = self._payload_buffer(payload.nbytes)
+        buffer[:] = payload
+        return buffer
 
 
 class InPlaceTransfer:

@@ -31,7 +31,7 @@ from primerl.proto import chunked_transfer, framing
 from primerl.proto.data_plane_limits import DEFAULT_BROKER_LIMITS
 from primerl.proto.digests import hasher_for, new_hasher, payload_digest
 from primerl.proto.host_identity import host_id
-from primerl.proto.shared_segment import SegmentError, open_segment
+from primerl.proto.shared_segment import MappedSegment, SegmentError, open_segment
 from primerl.proto.v1 import common_pb2, data_pb2
 from primerl.proto.weight_refusals import LineageSuperseded, WeightUpdateRefused
 from primerl.runtime.log_setup import get_logger
@@ -369,6 +369,7 @@ class WeightSubscriber(DealerClient):
         # The host whose shared memory this worker maps (announced in HELLO; "": every update comes as bytes).
         self.host_id = host_id() if shared_memory and curve is None else ""
         self.num_shared_updates = 0
+        self._segment: MappedSegment | None = None  # the last update's segment, read in place until the next one
         super().__init__(endpoint, auth_token, worker_id, limits=limits, context=context, curve=curve)
         self.relay: ChunkRelay | None = None
         if relay_host and curve is not None:
@@ -505,6 +506,7 @@ class WeightSubscriber(DealerClient):
         if self.relay is not None:
             self.relay.close()
             self.relay = None
+        self._close_segment()
         super().close()
 
     def _check_liveness(self, now_s: float) -> None:
@@ -564,10 +566,11 @@ class WeightSubscriber(DealerClient):
         return header, payload
 
     def _take_shared(self, message: framing.Message) -> tuple[data_pb2.WeightUpdateHeader, memoryview] | None:
-        """An update handed over in shared memory (the same-host road): copied from the trainer's segment into the
-        payload sink (or a buffer of its own) block by block, each block hashed while in cache, as chunks are; the
-        segment is not read after this returns. A segment this worker cannot map is acknowledged as failed with
-        ``ERROR_CODE_NOT_FOUND``: the broker sends this worker bytes from then on."""
+        """An update handed over in shared memory (the same-host road): the trainer's segment is mapped read-only
+        and given to the payload sink, which reads it in place (``PayloadSink.adopt_payload``); its digest is
+        computed here, over the bytes the sink will read. The mapping is kept until the next update. A segment this
+        worker cannot map is acknowledged as failed with ``ERROR_CODE_NOT_FOUND``: the broker sends this worker
+        bytes from then on."""
         header = data_pb2.WeightUpdateHeader()
         header.CopyFrom(message.header)
         descriptor = data_pb2.SharedSegment()
@@ -577,6 +580,7 @@ class WeightSubscriber(DealerClient):
         if self._in_place is not None:
             self._in_place.drop()
             self._in_place = None
+        self._close_segment()
         try:
             if num_bytes > self.limits.max_transfer_bytes:
                 raise SegmentError(f"a {num_bytes}-byte update exceeds {self.limits.max_transfer_bytes} bytes")
@@ -589,28 +593,12 @@ class WeightSubscriber(DealerClient):
                 error=common_pb2.ErrorDetail(code=common_pb2.ERROR_CODE_NOT_FOUND, message=str(exc)),
             )
             return None
-        sink = self._sink
-        try:
-            target = sink.begin_payload(header, num_bytes) if sink is not None else memoryview(bytearray(num_bytes))
-            hasher = hasher_for(header.digest)
-            source = mapped.payload
-            step = framing.FUSED_BLOCK_BYTES
-            progress_every = 64  # blocks (16 MiB) between progress reports to the sink's staged load
-            for start in range(0, num_bytes, step):
-                block = target[start : start + step]
-                block[:] = source[start : start + step]
-                hasher.update(block)
-                if sink is not None and (start // step) % progress_every == progress_every - 1:
-                    sink.payload_progress(start + block.nbytes)
-            if sink is not None:
-                sink.payload_progress(num_bytes)
-                sink.end_payload(complete=True)  # a reused segment shows as a wrong digest
-        except BaseException:
-            if sink is not None:
-                sink.end_payload(complete=False)
-            raise
-        finally:
-            mapped.close()
+        self._segment = mapped
+        payload = (
+            mapped.payload if self._sink is None else self._sink.adopt_payload(header, mapped.path, mapped.payload)
+        )
+        hasher = hasher_for(header.digest)
+        hasher.update(payload)
         self.num_shared_updates += 1
         self._received_digest = hasher.hexdigest()
         self._last_update = (
@@ -618,7 +606,13 @@ class WeightSubscriber(DealerClient):
             header.lineage,
             self.current_version is not None and header.policy_version <= self.current_version,
         )
-        return header, target
+        return header, payload
+
+    def _close_segment(self) -> None:
+        """Drop the mapping of the last update's segment (it was applied, refused or replaced by now)."""
+        if self._segment is not None:
+            self._segment.close()
+            self._segment = None
 
     def _expire_in_place(self, now_s: float) -> None:
         transfer = self._in_place

@@ -179,6 +179,8 @@ class PolicyUpdater:
         self._preloaded: _Preloaded | None = None
         self._staging_unsupported: str | None = None
         self._num_engine_workers = 0
+        # A trainer's segment the worker's host copy may still view (after an update read in place from it).
+        self._foreign_host_path: str | None = None
         self.last_phases_ms: dict[str, float] = {}
         """Milliseconds of each phase of the last applied update. FULL and DELTA: ``check`` (header, digest, tensor
         specs), ``stage`` (payload into a shared file; 0 when it was received there), ``load`` (waiting for the
@@ -268,6 +270,34 @@ class PolicyUpdater:
                 self._start_staged_load(transfer, header)
             return transfer.view
 
+    def adopt_payload(self, header: data_pb2.WeightUpdateHeader, path: str, payload: memoryview) -> memoryview:
+        """`PayloadSink`, the same-host road: the payload lies whole and final in the file ``path`` (a trainer's
+        shared segment: a control page, then the payload, as this updater's files), mapped read-only as
+        ``payload``. Nothing is copied: the worker stages (or reloads) the update reading that file, and one of this
+        updater's files carries the control words only. Returns ``payload``; the caller checks its digest (passed
+        to `preload`) and keeps the mapping until the next update. Once applied, `own_host_copy` must run before
+        the update is acknowledged."""
+        with self._lock:
+            transfer = self._begin_transfer(0)
+            transfer.view, transfer.payload_path = payload, path
+            transfer.file.publish(payload.nbytes)
+            transfer.finish(complete=True)
+            if header.kind in (FULL, DELTA) and header.payload_bytes in (0, payload.nbytes) and self.wants(header):
+                self._start_staged_load(transfer, header)
+            return payload
+
+    def own_host_copy(self) -> float:
+        """After an update read in place from a trainer's segment: the worker's host copy, which views it, copies
+        the tensors it needs (the trainer writes that segment again once the update is acknowledged). Call it after
+        `apply`, before acknowledging; returns its milliseconds (0 when there was nothing to copy)."""
+        with self._lock:
+            path, self._foreign_host_path = self._foreign_host_path, None
+            if path is None:
+                return 0.0
+            start = time.perf_counter()
+            self.engine.collective_rpc("primerl_own_host_copy", (path,))
+            return _ms_since(start)
+
     def payload_progress(self, num_bytes: int) -> None:
         """`PayloadSink`: the first ``num_bytes`` of the payload are in its buffer (the staged load may read them)."""
         transfer = self._transfer
@@ -330,7 +360,14 @@ class PolicyUpdater:
             try:
                 results = self.engine.collective_rpc(
                     "primerl_stage_begin",
-                    (transfer.file.path, transfer.num_bytes, transfer.seq, header_bytes, self.stage_stall_timeout_s),
+                    (
+                        transfer.file.path,
+                        transfer.num_bytes,
+                        transfer.seq,
+                        header_bytes,
+                        self.stage_stall_timeout_s,
+                        transfer.payload_path,
+                    ),
                 )
             except Exception as exc:  # the engine's fault shows again, where it matters, when the update is applied
                 log.warning("could not start a staged load; the update will be reloaded in place", error=repr(exc))
@@ -466,7 +503,7 @@ class PolicyUpdater:
         into."""
         view = memoryview(payload)
         transfer = self._transfer
-        if transfer is None or not transfer.file.holds(view) or transfer.num_bytes != view.nbytes:
+        if transfer is None or not transfer.holds(view) or transfer.num_bytes != view.nbytes:
             log.debug("payload copied into a shared file (it was not received there)", num_bytes=view.nbytes)
             transfer = self._begin_transfer(view.nbytes)
             transfer.file.write(view)
@@ -534,13 +571,15 @@ class PolicyUpdater:
         if transfer.staged_header is not None:
             results = self._rpc("primerl_stage_commit", transfer.seq)
         elif header.kind == FULL:
-            results = self._rpc("primerl_load_full_file", transfer.file.path, transfer.num_bytes)
+            results = self._rpc("primerl_load_full_file", transfer.path, transfer.num_bytes)
         else:
             results = self._rpc(
-                "primerl_apply_delta_file", transfer.file.path, transfer.num_bytes, header.SerializeToString()
+                "primerl_apply_delta_file", transfer.path, transfer.num_bytes, header.SerializeToString()
             )
         phases["engine"] = _ms_since(mark)
         self._transfer = None
+        if transfer.payload_path:
+            self._foreign_host_path = transfer.payload_path
         mark = time.perf_counter()
         self.engine.reset_prefix_cache()
         phases["reset_cache"] = _ms_since(mark)
@@ -727,10 +766,24 @@ class _Transfer:
     view: memoryview
     complete: bool = False
     staged_header: bytes | None = None
+    # The same-host road: the payload lies in this file (a trainer's shared segment; ``view`` maps it) and ``file``
+    # carries only the control words. Empty: the payload is in ``file``.
+    payload_path: str = ""
 
     @property
     def num_bytes(self) -> int:
         return self.view.nbytes
+
+    @property
+    def path(self) -> str:
+        """The file the worker reads the payload from."""
+        return self.payload_path or self.file.path
+
+    def holds(self, view: memoryview) -> bool:
+        """``view`` is this transfer's payload (its buffer: the shared file's mapping, or the trainer segment's)."""
+        if self.payload_path:
+            return isinstance(view, memoryview) and view.obj is self.view.obj
+        return self.file.holds(view)
 
     def finish(self, complete: bool) -> None:
         self.complete = complete

@@ -54,6 +54,7 @@ __all__ = [
     "map_control",
     "map_shared",
     "remove_stale_files",
+    "unmap_shared",
 ]
 
 CONTROL_BYTES = mmap.ALLOCATIONGRANULARITY
@@ -240,6 +241,18 @@ def map_shared(path: str, num_bytes: int) -> memoryview:
             cached = (stat.st_ino, capacity, mapping)
             _MAPS[path] = cached
         return memoryview(cached[2])[:num_bytes]
+
+
+def unmap_shared(path: str) -> None:
+    """Forget the mapping `map_shared` keeps of ``path`` (a file this worker reads no more, e.g. a trainer's segment
+    its host copy stopped viewing); the pages go once no tensor views them."""
+    with _MAPS_LOCK:
+        cached = _MAPS.pop(path, None)
+    if cached is not None:
+        try:
+            cached[2].close()
+        except BufferError:
+            pass  # tensors still view it: it is unmapped when they are gone
 
 
 def map_control(path: str) -> PayloadControl:

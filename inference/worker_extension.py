@@ -53,7 +53,7 @@ from typing import TYPE_CHECKING, Any
 
 from google.protobuf.message import DecodeError
 
-from primerl.inference.shared_payload import PayloadControl, map_control, map_shared
+from primerl.inference.shared_payload import PayloadControl, map_control, map_shared, unmap_shared
 from primerl.proto import weight_delta
 from primerl.proto.tensor_frames import DTYPES, TensorFrameError, decode_tensors, parse_header
 from primerl.proto.v1 import common_pb2, data_pb2
@@ -415,17 +415,37 @@ class PolicyWorkerExtension:
                 except (OSError, ValueError):
                     pass  # the file is gone (its daemon closed it): nothing to mark
 
+    def primerl_own_host_copy(self, path: str) -> int:
+        """The host copy's tensors that view ``path`` (a trainer's shared segment, which the trainer writes again
+        once this worker acknowledged the update) become copies of their own; the file is unmapped. Returns the
+        bytes copied."""
+        host, sources = self._primerl_host, self._primerl_host_sources
+        copied = 0
+        for name in [n for n, source in sources.items() if source == path]:
+            host[name] = host[name].clone()
+            sources[name] = None
+            copied += host[name].numel() * host[name].element_size()
+        unmap_shared(path)
+        return copied
+
     # ---- staged updates: loaded beside the running model, switched to in one short step ----------------------
 
     def primerl_stage_begin(
-        self, path: str, num_bytes: int, seq: int, header_bytes: bytes, stall_timeout_s: float
+        self,
+        path: str,
+        num_bytes: int,
+        seq: int,
+        header_bytes: bytes,
+        stall_timeout_s: float,
+        payload_path: str = "",
     ) -> dict[str, Any]:
         """Start loading the FULL or DELTA update of transfer ``seq`` of the shared file ``path`` into a shadow of
         the model (`primerl.inference.staged_load`), on a thread of this worker, and return at once: a FULL
         update tensor by tensor as its bytes arrive (the file's ``bytes_ready``), a DELTA once complete. The
         thread reports LOADED or FAILED in the file's control words; `primerl_stage_commit` switches to it.
         ``{"staging": False, "reason": ..., "permanent": bool}`` when it cannot be staged (load it with the methods
-        above); permanent: never for this model.
+        above); permanent: never for this model. ``payload_path``: the payload lies whole in that file instead (a
+        trainer's shared segment, same layout: the same-host road); ``path`` then carries only the control words.
         A staged load not committed is dropped by the next `primerl_stage_begin` or `primerl_stage_discard`."""
         from primerl.inference.staged_load import unsupported_reason
 
@@ -441,7 +461,7 @@ class PolicyWorkerExtension:
             return {"staging": False, "reason": reason, "permanent": True}
         header = data_pb2.WeightUpdateHeader()
         header.ParseFromString(header_bytes)
-        stage = _StagedUpdate(self, path, num_bytes, seq, header, stall_timeout_s)
+        stage = _StagedUpdate(self, path, num_bytes, seq, header, stall_timeout_s, payload_path or path)
         self._primerl_stage = stage
         stage.start()
         return {"staging": True}
@@ -528,10 +548,12 @@ class _StagedUpdate(threading.Thread):
         seq: int,
         header: data_pb2.WeightUpdateHeader,
         stall_timeout_s: float,
+        payload_path: str,
     ):
         super().__init__(name=f"primerl-stage-{seq}", daemon=True)
         self.extension = extension
         self.path, self.num_bytes, self.seq, self.header = path, num_bytes, seq, header
+        self.payload_path = payload_path
         self.stall_timeout_s = stall_timeout_s
         self.control = map_control(path)
         self.stop = threading.Event()
@@ -551,10 +573,10 @@ class _StagedUpdate(threading.Thread):
             self.load = StagedLoad(self.extension.model_runner.get_model())
             if self.header.kind == data_pb2.WEIGHT_UPDATE_KIND_FULL:
                 self.load.load(self._full_tensors())
-                self.host_source = self.path
+                self.host_source = self.payload_path
             else:
                 self._wait_for(self.num_bytes)
-                payload = map_shared(self.path, self.num_bytes)
+                payload = map_shared(self.payload_path, self.num_bytes)
                 changed = self.extension._primerl_decode_delta(payload, self.header.SerializeToString())
                 self.load.load(iter(list(self.extension._primerl_with_siblings(changed).items())))
                 self.host_entries = changed
@@ -579,7 +601,7 @@ class _StagedUpdate(threading.Thread):
         import torch
 
         self._wait_for(8)
-        payload = map_shared(self.path, self.num_bytes)
+        payload = map_shared(self.payload_path, self.num_bytes)
         header_len = int.from_bytes(payload[:8], "little")
         self._wait_for(min(8 + header_len, self.num_bytes))
         try:

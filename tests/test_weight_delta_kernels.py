@@ -14,6 +14,7 @@ import pytest
 import torch
 from safetensors.torch import save
 
+from primerl.proto import weight_delta
 from primerl.proto.tensor_frames import parse_header, specs_of
 from primerl.proto.v1 import common_pb2, data_pb2
 from primerl.proto.weight_delta import (
@@ -255,6 +256,41 @@ def test_many_tensors_on_threads_round_trip() -> None:
         payload, specs, decoded = encode_delta(new, base, encoding=SPARSE, num_threads=num_threads)
         out = decode_delta(payload, header_of(specs, decoded), base, num_threads=num_threads)
         assert {name: bits(t) for name, t in out.items()} == {name: bits(new[name]) for name in out}
+
+
+@pytest.mark.parametrize("scan_bytes", [8, 48, 1000, 4096])
+def test_chunked_scan_gives_the_same_payload_whatever_the_chunk_size(
+    scan_bytes: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The encoder compares each tensor in chunks (``_SCAN_BYTES``; 2 MiB in production, so the tensors here
+    are one chunk): with small chunks, positions and values of sparse chunks, the bits of dense ones and the
+    gaps that cross chunk boundaries stitch to the same payload."""
+    monkeypatch.setattr(weight_delta, "_SCAN_BYTES", scan_bytes)
+    new, base = golden_pair()
+    payload = assert_matches_reference(new, base, num_threads=2)
+    assert (hashlib.sha256(payload).hexdigest(), len(payload)) == GOLDEN_PAYLOAD
+
+
+@pytest.mark.parametrize("scan_bytes", [8, 64, 1000])
+def test_chunks_both_sparse_and_dense_in_one_tensor_equal_the_reference(
+    scan_bytes: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Sparse stretches, dense clusters and untouched runs in the same tensor, so that its chunks take every path
+    of the scan, for each form the tensor as a whole ends up in."""
+    monkeypatch.setattr(weight_delta, "_SCAN_BYTES", scan_bytes)
+    generator = torch.Generator().manual_seed(scan_bytes)
+    numel = 6001
+    base = {
+        "bf16": torch.randn(numel, generator=generator).to(torch.bfloat16),
+        "f32": torch.randn(numel, generator=generator),
+    }
+    for sparse, cluster in ((0.01, 200), (0.03, 900), (0.2, 2000), (0.5, 5000), (0.97, 6001)):
+        where = torch.rand(numel, generator=generator) < sparse
+        start = int(torch.randint(0, numel - cluster + 1, (1,), generator=generator))
+        where[start : start + cluster] |= torch.rand(cluster, generator=generator) < 0.9
+        where[1000:1700] = False  # a run of no change longer than a gap byte reaches
+        positions = torch.nonzero(where).reshape(-1)
+        assert_matches_reference({name: flipped(t, positions) for name, t in base.items()}, base, num_threads=2)
 
 
 # ---- malformed streams -------------------------------------------------------------------------------------------

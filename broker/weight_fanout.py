@@ -278,6 +278,23 @@ class WeightFanout:
             self._start_locked(starting, update)
         return len(starting)
 
+    def begin_in_place(self, update: StoredUpdate) -> int:
+        """``begin`` for the members that read ``update`` in place (``_Member.reads_in_place``) only: they are sent
+        its descriptor before the broker's own digest check (each checks the digest before serving); the others get
+        it once it is stored. Returns how many started."""
+        header = update.header
+        with self._lock:
+            starting = [
+                member
+                for member in self._members.values()
+                if member.sending is None
+                and not member.queue
+                and member.reads_in_place(update)
+                and self._is_next_step(member, header)
+            ]
+            self._start_locked(starting, update)
+        return len(starting)
+
     def abort(self, update: StoredUpdate) -> None:
         """An update ``begin`` announced will not be stored (refused, abandoned, expired): members sending it stop
         (the plane never sent them its last chunk, so none holds it whole) and are planned again."""

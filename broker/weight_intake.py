@@ -75,6 +75,15 @@ class ReceivedChunks(NamedTuple):
     """A streamed transfer: ``header_bytes`` carry no digest; its last chunk goes on with ``Chunk.payload_digest``."""
 
 
+class SharedArrival(NamedTuple):
+    """An update in shared memory received and not yet verified: its publisher connection, the id its WEIGHT_ACK
+    answers, and the update."""
+
+    publisher: bytes
+    reply_to: str
+    update: StoredUpdate
+
+
 @dataclass(frozen=True)
 class IntakeBounds:
     """The bounds on the trainer's transfers in flight, checked at a first chunk before memory is set aside."""
@@ -150,6 +159,8 @@ class WeightIntake:
         self._guard_log = RateLimitedLog(log)
         # The chunk ``digest_tee`` fed to a hasher in its checksum pass: (transfer key, chunk index, hasher).
         self._teed: tuple[tuple[str, str], int, PayloadHasher] | None = None
+        # Updates in shared memory whose digest the broker has not checked yet, in arrival order.
+        self._unverified: list[SharedArrival] = []
 
     def digest_tee(self, message_type: int, envelope: data_pb2.Envelope) -> PayloadHasher | None:
         """``framing.decode``'s ``tee``: the running content digest of the transfer a weight chunk belongs to, fed
@@ -190,7 +201,7 @@ class WeightIntake:
         chunk = envelope.chunk
         header: data_pb2.WeightUpdateHeader = message.header
         if header.HasField("shared_segment"):
-            return self._receive_shared(message)
+            return self._receive_shared(publisher, message)
         if chunk.count <= 1:
             update = StoredUpdate.of(header, message.payload[0])
             update.cache["received"] = ReceivedChunks(
@@ -256,11 +267,15 @@ class WeightIntake:
         chunked_transfer.settle_payload_digest(update.header, chunk)
         return self._store(update, digest)
 
-    def _receive_shared(self, message: framing.Message) -> IntakeReply:
-        """An update whose payload lies in the trainer's shared-memory segment (``broker.shared_updates``): mapped
-        read-only and checked as bytes are (header, version window, size, digest), stored with its payload viewing
-        the segment. A segment this broker cannot map (another host, a missing or foreign file) is refused with
-        ``ERROR_CODE_NOT_FOUND``: the publisher sends the bytes."""
+    def _receive_shared(self, publisher: bytes, message: framing.Message) -> IntakeReply:
+        """An update whose payload lies in the trainer's shared-memory segment (``broker.shared_updates``): its
+        header is checked as for bytes (order, lineage, version window, size) and the segment mapped read-only; the
+        members on the segment's host for whom it is the next step start it at once (``WeightFanout.begin_in_place``:
+        each checks the digest itself before serving). The broker's own digest pass, the store and the
+        acknowledgement follow in ``verify_shared``, once the plane has sent them the descriptor: the same cut-
+        through as chunks (a worker on another host gets nothing before the update is stored). A segment this broker
+        cannot map (another host, a missing or foreign file) is refused with ``ERROR_CODE_NOT_FOUND``: the
+        publisher sends the bytes."""
         header = copy_header(message.header)
         descriptor = data_pb2.SharedSegment()
         descriptor.CopyFrom(header.shared_segment)
@@ -282,14 +297,40 @@ class WeightIntake:
                 raise WeightUpdateRefused(common_pb2.ERROR_CODE_NOT_FOUND, f"{exc}; send the bytes") from None
         except (WeightUpdateRefused, framing.FramingError) as exc:
             return self._refusal(header, exc)
-        shared = SharedPayload(mapped, descriptor)
-        update = StoredUpdate(header=header, segments=[mapped.payload.toreadonly()], shared=shared)
-        reply = self._store(update, None)
-        if reply.refused or not any(held is update for held in self.store.durable_chain()[1]):
-            update.segments.clear()
-            shared.release()  # refused, or a resend of an update held already: nobody reads this generation
-            return reply._replace(update=None)
-        return reply
+        update = StoredUpdate(
+            header=header, segments=[mapped.payload.toreadonly()], shared=SharedPayload(mapped, descriptor)
+        )
+        self.fanout.begin_in_place(update)
+        envelope = message.envelope
+        self._unverified.append(SharedArrival(publisher, envelope.chunk.transfer_id or envelope.message_id, update))
+        return IntakeReply(None, refused=False, update=update)
+
+    @property
+    def num_unverified(self) -> int:
+        """Updates in shared memory waiting for ``verify_shared``."""
+        return len(self._unverified)
+
+    def verify_shared(self) -> list[tuple[SharedArrival, IntakeReply]]:
+        """The broker's digest pass over each update in shared memory received since the last call, then the store
+        (or the refusal): [(arrival, reply to send its publisher)]. A refused update, or a resend of one held
+        already, releases its segment at once (nobody reads that generation through the broker)."""
+        done = []
+        pending, self._unverified = self._unverified, []
+        for arrival in pending:
+            update = arrival.update
+            hasher = hasher_for(update.header.digest)
+            for segment in update.segments:
+                hasher.update(segment)
+            reply = self._store(update, hasher.hexdigest())
+            shared = update.shared
+            assert shared is not None
+            if reply.refused or not any(held is update for held in self.store.durable_chain()[1]):
+                self.fanout.abort(update)
+                update.segments.clear()
+                shared.release()
+                reply = reply._replace(update=None)
+            done.append((arrival, reply))
+        return done
 
     def _store(self, update: StoredUpdate, digest: str | None) -> IntakeReply:
         header = update.header

@@ -288,6 +288,9 @@ class WeightPlane(RouterPlane):
         try:
             while not self._stop_event.is_set():
                 sent_any, blocked = self._flush(socket)
+                if self._intake.num_unverified:  # after their descriptors went out (the flush above)
+                    self._verify_shared()
+                    sent_any = True
                 if sent_any:
                     timeout_ms = 0
                 elif blocked:
@@ -400,8 +403,6 @@ class WeightPlane(RouterPlane):
             )
             return
         reply = self._intake.receive(identity, message)
-        if reply.update is not None and reply.update.shared is not None and reply.update not in self._shared:
-            self._shared.append(reply.update)
         if reply.ack is not None and not reply.refused and reply.update is not None:
             cache = reply.update.cache
             if "stored_s" not in cache:
@@ -411,6 +412,22 @@ class WeightPlane(RouterPlane):
                 self._num_errors_sent += 1
         if reply.ack is not None:
             self._queue_reply(identity, framing.encode(data_pb2.WEIGHT_ACK, reply.ack, **self._envelope(reply_to)))
+
+    def _verify_shared(self) -> None:
+        """The broker's digest check of the updates in shared memory just received, once their same-host readers
+        were sent the descriptor; then stored (or refused) and answered as any update."""
+        for arrival, reply in self._intake.verify_shared():
+            update = arrival.update
+            if reply.update is not None and update not in self._shared:
+                self._shared.append(update)
+                update.cache["stored_s"] = time.monotonic()
+                update.cache["receivers"] = self.fanout.next_receivers(update)
+            if reply.refused:
+                with self._lock:
+                    self._num_errors_sent += 1
+            if reply.ack is not None:
+                ack = framing.encode(data_pb2.WEIGHT_ACK, reply.ack, **self._envelope(arrival.reply_to))
+                self._queue_reply(arrival.publisher, ack)
 
     # -- worker side ---------------------------------------------------------------------------------
 

@@ -275,7 +275,7 @@ class PolicyUpdater:
         shared segment: a control page, then the payload, as this updater's files), mapped read-only as
         ``payload``. Nothing is copied: the worker stages (or reloads) the update reading that file, and one of this
         updater's files carries the control words only. Returns ``payload``; the caller checks its digest (passed
-        to `preload`) and keeps the mapping until the next update. Once applied, `own_host_copy` must run before
+        to `preload`) and keeps the mapping until the next update. Once applied, `settle` must run before
         the update is acknowledged."""
         with self._lock:
             transfer = self._begin_transfer(0)
@@ -286,16 +286,15 @@ class PolicyUpdater:
                 self._start_staged_load(transfer, header)
             return payload
 
-    def own_host_copy(self) -> float:
-        """After an update read in place from a trainer's segment: the worker's host copy, which views it, copies
-        the tensors it needs (the trainer writes that segment again once the update is acknowledged). Call it after
-        `apply`, before acknowledging; returns its milliseconds (0 when there was nothing to copy)."""
+    def settle(self) -> float:
+        """After `apply`, with generation running again, before acknowledging: the worker frees the weights the
+        switch replaced (kept out of the pause), and after an update read in place from a trainer's segment its host
+        copy copies the tensors that view it (the trainer writes that segment again once the update is
+        acknowledged). Returns its milliseconds."""
         with self._lock:
             path, self._foreign_host_path = self._foreign_host_path, None
-            if path is None:
-                return 0.0
             start = time.perf_counter()
-            self.engine.collective_rpc("primerl_own_host_copy", (path,))
+            self.engine.collective_rpc("primerl_settle", (path or "",))
             return _ms_since(start)
 
     def payload_progress(self, num_bytes: int) -> None:

@@ -513,16 +513,16 @@ class InferenceService:
             engine_ms=round(engine_ms, 1),
             update_pause_ms=round(pause_ms, 1),
         )
-        # Served now. Read in place from a trainer's segment: the host copy takes its own bytes before the
-        # acknowledgement, which lets the trainer write that segment again.
-        host_copy_ms = self.updater.own_host_copy()
+        # Served now. Off the pause: the replaced weights are freed and, read in place from a trainer's segment, the
+        # host copy takes its own bytes before the acknowledgement, which lets the trainer write that segment again.
+        settle_ms = self.updater.settle()
         subscriber.ack(version, applied=True, apply_ms=round(apply_ms), lineage=self.updater.lineage)
         self.num_updates_applied += 1
         self.metrics.updates_applied.inc()
         self.metrics.policy_version.set(version)
         self.metrics.last_update_ms.set(apply_ms)
         self.metrics.update_pause_ms.observe(pause_ms)
-        phases_ms = {"wait_engine": engine_wait_ms, **self.updater.last_phases_ms, "host_copy": host_copy_ms}
+        phases_ms = {"wait_engine": engine_wait_ms, **self.updater.last_phases_ms, "settle": settle_ms}
         for phase, value in phases_ms.items():
             self.metrics.last_update_phase_ms.labels(phase=phase).set(value)
         self._check_caught_up()

@@ -202,14 +202,20 @@ class StagedLoad:
 
     # ---- switching -----------------------------------------------------------------------------------------------
 
-    def commit(self) -> int:
+    def commit(self, replaced: list[Any] | None = None) -> int:
         """Move the loaded layers' new state into the live model (call it with the model not running); returns how
-        many layers changed. The shadow is spent afterwards."""
+        many layers changed. The shadow is spent afterwards. ``replaced``: the storage and attributes the live
+        layers held are appended to it instead of being freed here (freeing a model's worth of memory takes tens of
+        milliseconds: the caller drops them once the model runs again)."""
         for live, shadow in self._loaded:
             for live_tensors, new_tensors in ((live._parameters, shadow._parameters), (live._buffers, shadow._buffers)):
                 for name, tensor in new_tensors.items():
                     if tensor is not None:
+                        if replaced is not None:
+                            replaced.append(live_tensors[name].data)
                         live_tensors[name].data = tensor.data
+            if replaced is not None:
+                replaced.append(dict(live.__dict__))
             _move_attributes(shadow, live)
         for live, tied in self._tied:
             _move_attributes(tied, live)

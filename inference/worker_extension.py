@@ -415,10 +415,22 @@ class PolicyWorkerExtension:
                 except (OSError, ValueError):
                     pass  # the file is gone (its daemon closed it): nothing to mark
 
-    def primerl_own_host_copy(self, path: str) -> int:
-        """The host copy's tensors that view ``path`` (a trainer's shared segment, which the trainer writes again
-        once this worker acknowledged the update) become copies of their own; the file is unmapped. Returns the
-        bytes copied."""
+    @property
+    def _primerl_replaced(self) -> list[Any]:
+        """What the last switch to staged weights replaced, freed by `primerl_settle` once generation runs again."""
+        replaced = getattr(self, "_primerl_replaced_list", None)
+        if replaced is None:
+            replaced = self._primerl_replaced_list = []
+        return replaced
+
+    def primerl_settle(self, path: str = "") -> int:
+        """After a switch, with generation running again: free the weights it replaced, and with ``path`` (a
+        trainer's shared segment the update was read from in place, which the trainer writes again once this
+        worker acknowledged it) make the host copy's tensors that view it copies of their own and unmap the file.
+        Returns the bytes copied."""
+        self._primerl_replaced.clear()
+        if not path:
+            return 0
         host, sources = self._primerl_host, self._primerl_host_sources
         copied = 0
         for name in [n for n, source in sources.items() if source == path]:
@@ -495,7 +507,7 @@ class PolicyWorkerExtension:
         if stage.error is not None:
             raise stage.error
         assert stage.load is not None
-        num_layers = stage.load.commit()
+        num_layers = stage.load.commit(self._primerl_replaced)
         runner = self.model_runner
         for reset in ("reset_lora_state", "reset_encoder_cache", "reset_mm_cache"):  # as vLLM's reload_weights
             method = getattr(runner, reset, None)

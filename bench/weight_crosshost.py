@@ -24,7 +24,9 @@ digest, acknowledges it and notes the time: "has it" = the whole update held and
 for every namespace of this machine; "publish -> has it" runs from the call of ``publish`` (build included: copy,
 encode, digest) to the has-it time of the LAST worker; "send -> has it" leaves the build (the publisher's phases
 but ``send``) out: the path across the links alone, since on 2 shared cores the build (fresh memory, other users'
-load) varies by seconds. Between cases the trainer returns its freed heap to the system (``malloc_trim``).
+load) varies by seconds. Between cases the trainer returns its freed heap to the system (``malloc_trim``); before
+each publish the bench waits until the broker freed the previous update's frames (its durable file written, as
+between the steps of a run; at most 60 s), so that the broker holds one update, not two.
 
 Cases (a fresh broker and fresh workers per case):
 
@@ -105,6 +107,7 @@ CASE_LABELS = {
 }
 PROCESS_START_TIMEOUT_S = 120.0
 BROKER_START_TIMEOUT_S = 60.0
+SETTLE_TIMEOUT_S = 60.0
 
 
 class BenchError(RuntimeError):
@@ -656,6 +659,27 @@ class Broker:
         ready = json.loads(ready_file.read_text())
         self.weight_endpoint = f"tcp://{host.address}:{ready['weight_port']}"
         self.metrics_url = ready["metrics_url"]
+        self.idle_anon_bytes = self.anon_bytes()
+
+    def anon_bytes(self) -> int:
+        """The broker's anonymous RSS (``ip netns exec`` execs it: the child's pid is the broker's)."""
+        try:
+            status = Path(f"/proc/{self.proc.popen.pid}/status").read_text()
+        except OSError:
+            return 0
+        line = next((line for line in status.splitlines() if line.startswith("RssAnon:")), "RssAnon: 0 kB")
+        return int(line.split()[1]) * 1024
+
+    def settle(self, payload_bytes: int, timeout_s: float = SETTLE_TIMEOUT_S) -> float:
+        """Wait until the broker freed the frames of the updates it holds (its durable file is written), as it has
+        between the steps of a run; returns the seconds waited (``timeout_s`` at most)."""
+        started_s = time.monotonic()
+        while self.anon_bytes() > self.idle_anon_bytes + payload_bytes // 2:
+            if time.monotonic() - started_s > timeout_s:
+                print(f"  (the broker still holds {self.anon_bytes() / GiB:.2f} GiB after {timeout_s:.0f} s)")
+                break
+            time.sleep(0.2)
+        return time.monotonic() - started_s
 
     def counters(self) -> dict[str, float]:
         from support.probes import scrape_metrics
@@ -755,6 +779,7 @@ class Bench:
                 plan = [("stepped", False)] * self.args.warmup + [("stepped", True)] * self.args.repeats
             published_bytes = 0
             for version, (state, timed) in enumerate(plan, 1):
+                broker.settle(expected_bytes)
                 self.trainer.send(op="publish", state=state, version=version, timeout_s=timeout_s)
                 published = self.trainer.expect("published", timeout_s)
                 held = [w.expect("update", timeout_s, version=version) for w in workers]

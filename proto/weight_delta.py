@@ -189,7 +189,7 @@ def _sparse_encode(new_bits: np.ndarray, base_bits: np.ndarray, keep_unchanged: 
     values_bytes = num_changed * width
     mask_bytes = -(-numel // 8) + values_bytes
     if min(mask_bytes, num_changed + values_bytes) >= whole_bytes:  # gaps take at least one byte per position
-        return {VALUES: new_bits.copy()}  # a copy: tensors of ``new`` that share memory stay apart
+        return {VALUES: new_bits}  # the payload is a copy
     positions, values = _positions_and_values(new_bits, chunks)
     if mask_bytes > num_changed + values_bytes:
         steps, long_at, skips = _steps_of(positions)
@@ -197,7 +197,7 @@ def _sparse_encode(new_bits: np.ndarray, base_bits: np.ndarray, keep_unchanged: 
             return {GAPS: _gaps_stream(steps, long_at, skips), VALUES: values}
     if mask_bytes < whole_bytes:
         return {MASK: _packed_mask(chunks), VALUES: values}
-    return {VALUES: new_bits.copy()}
+    return {VALUES: new_bits}
 
 
 def _scan(new_bits: np.ndarray, base_bits: np.ndarray) -> list[_Chunk]:

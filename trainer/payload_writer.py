@@ -71,25 +71,32 @@ def safetensors_layout(
 
 
 def write_safetensors(
-    tensors: Mapping[str, torch.Tensor], buffer: bytearray, prefix: bytes, spans: list[tuple[str, int, int]]
+    tensors: Mapping[str, torch.Tensor],
+    buffer: Any,
+    prefix: bytes,
+    spans: list[tuple[str, int, int]],
+    *,
+    dtype: torch.dtype | None = None,
 ) -> memoryview:
-    """Fill ``buffer`` (at least the payload's size) with the payload of `safetensors_layout`; returns a view of
-    exactly the payload."""
+    """Fill ``buffer`` (writable, at least the payload's size) with the payload of `safetensors_layout`; returns a
+    view of exactly the payload. ``dtype``: floating-point tensors are cast to it in the same copy (the layout must
+    then be of the cast tensors): no intermediate copy of the model."""
     import torch
 
     total = spans[-1][2] if spans else len(prefix)
-    if len(buffer) < total:
-        raise ValueError(f"buffer of {len(buffer)} bytes is smaller than the {total}-byte payload")
     view = memoryview(buffer)
+    if view.nbytes < total:
+        raise ValueError(f"buffer of {view.nbytes} bytes is smaller than the {total}-byte payload")
     view[: len(prefix)] = prefix
     for name, begin, end in spans:
         if end == begin:
             continue
         source = tensors[name].detach()
-        if source.device.type != "cpu":
-            source = source.to("cpu")
-        source = source.contiguous().reshape(-1).view(torch.uint8)
-        torch.frombuffer(buffer, dtype=torch.uint8, count=end - begin, offset=begin).copy_(source)
+        target = dtype if dtype is not None and source.is_floating_point() else source.dtype
+        if (end - begin) % target.itemsize or begin % target.itemsize:
+            raise ValueError(f"{name}: bytes {begin}..{end} of the layout do not hold {target} elements")
+        destination = torch.frombuffer(buffer, dtype=target, count=(end - begin) // target.itemsize, offset=begin)
+        destination.view(source.shape).copy_(source)
     return view[:total]
 
 

@@ -331,6 +331,10 @@ class PolicyPublisher:
             streamed = self._stream_full(version, state, phases, start_s)
             if streamed is not None:
                 return streamed
+        if kind == "full" and not sharded:
+            # Cast (when a serving dtype is set) in the one copy into the payload buffer: no snapshot of the model.
+            live = {k: v.detach() for k, v in state.items()}
+            return self._build_delta_or_full(kind, version, live, phases, start_s, snapshot_is_copy=False)
         if sharded or self.serving_dtype is not None:
             # Gathered / cast host copies first (the general path).
             mark = time.perf_counter()
@@ -461,15 +465,26 @@ class PolicyPublisher:
         start_s: float,
     ) -> PreparedUpdate:
         """A FULL payload written into a pooled buffer, and its header (digest computed once, here)."""
+        import torch
+
         mark = time.perf_counter()
-        prefix, spans = safetensors_layout(tensors, SAFETENSORS_METADATA)
+        cast = self.serving_dtype
+        if cast is not None and any(t.is_floating_point() and t.dtype != cast for t in tensors.values()):
+            shapes = {
+                name: torch.empty(t.shape, dtype=cast if t.is_floating_point() else t.dtype, device="meta")
+                for name, t in tensors.items()
+            }
+        else:
+            cast, shapes = None, tensors
+        prefix, spans = safetensors_layout(shapes, SAFETENSORS_METADATA)
         total = spans[-1][2] if spans else len(prefix)
         # The same-host road: written straight into a shared segment, the one write of the payload on this host
         # (not for a delta publisher: its next base views the payload's buffer).
         segment = self._acquire_segment(total) if self.kind != "delta" else None
         buffer = self._pool.acquire(total) if segment is None else None
         try:
-            payload = write_safetensors(tensors, segment.view(total) if segment else buffer, prefix, spans)
+            destination = segment.view(total) if segment else buffer
+            payload = write_safetensors(tensors, destination, prefix, spans, dtype=cast)
             phases["encode"] = _elapsed_ms(mark)
             mark = time.perf_counter()
             specs = specs_of(parse_header(payload))

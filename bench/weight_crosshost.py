@@ -20,13 +20,14 @@ on those tensors, not an fp32 master: see memory below) and publishes with the p
 skips the one refused try per publisher; chunks of ``min(64 MiB, the broker's max_message_bytes)``) to a real
 ``primerl-broker`` process (host ``b``, run token, its own spool, Prometheus on). Each worker host runs one
 ``WeightSubscriber`` (the inference worker's client, no vLLM) that receives the update into a buffer, checks its
-digest, acknowledges it and notes the time: "has it" = the whole update held and digest-checked. Times are ``CLOCK_MONOTONIC``, one clock
-for every namespace of this machine; "publish -> has it" runs from the call of ``publish`` (build included: copy,
-encode, digest) to the has-it time of the LAST worker; "send -> has it" leaves the build (the publisher's phases
-but ``send``) out: the path across the links alone, since on 2 shared cores the build (fresh memory, other users'
-load) varies by seconds. Between cases the trainer returns its freed heap to the system (``malloc_trim``); before
-each publish the bench waits until the broker freed the previous update's frames (its durable file written, as
-between the steps of a run; at most 60 s), so that the broker holds one update, not two.
+digest, acknowledges it and notes the time: "has it" = the whole update held and digest-checked. Times are
+``CLOCK_MONOTONIC``, one clock for every namespace of this machine; "publish -> has it" runs from the call of
+``publish`` (build included: copy, encode, digest) to the has-it time of the LAST worker; "send -> has it" leaves
+the build (the publisher's phases but ``send``) out: the path across the links alone, since on 2 shared cores the
+build (fresh memory, other users' load) varies by seconds. Between cases the trainer returns its freed heap to the
+system (``malloc_trim``); before each publish the bench waits until the broker freed the previous update's frames
+(its durable file written, as between the steps of a run; at most 60 s), so that the broker holds one update, not
+two.
 
 Cases (a fresh broker and fresh workers per case):
 

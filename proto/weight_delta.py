@@ -320,13 +320,14 @@ def _positions_of(name: str, gaps: np.ndarray, numel: int, num_values: int) -> n
         num_markers = int(np.count_nonzero(gaps))
         if num_markers != num_values:
             raise _malformed(f"tensor {name!r}: {num_markers} positions but {num_values} values")
-        positions = gaps.astype(np.int64)  # then summed in place: faster than a cumsum that casts
-        skips_at = np.flatnonzero(gaps == 0) if num_markers != gaps.size else None
-        if skips_at is not None:
-            positions[skips_at] = _GAP_SKIP
+        if num_markers == gaps.size:  # no skip byte: each byte is a marker's step
+            positions = gaps.astype(np.int64)  # then summed in place: faster than a cumsum that casts
+        else:  # each marker's step is its byte plus 255 per skip byte just before it
+            skips_at = np.flatnonzero(gaps == 0)
+            positions = np.delete(gaps, skips_at).astype(np.int64)
+            skipped_to, num_skips = np.unique(skips_at - np.arange(skips_at.size), return_counts=True)
+            positions[skipped_to] += _GAP_SKIP * num_skips  # skipped_to: the index of the marker after each run
         np.cumsum(positions, out=positions)
-        if skips_at is not None:
-            positions = np.delete(positions, skips_at)
         positions -= 1
     if positions.size != num_values:
         raise _malformed(f"tensor {name!r}: {positions.size} positions but {num_values} values")

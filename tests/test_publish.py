@@ -408,3 +408,20 @@ def test_lora_kind_on_a_model_without_lora_is_a_clear_error(model_dir, broker, p
     model = load_model(ModelConfig(name=str(model_dir)))
     with pytest.raises(ValueError, match=r"needs a LoRA model"):
         make_publisher(publishers, endpoint, "lora").publish(model, 1, timeout_s=30)
+
+
+@pytest.mark.parametrize("transport", ["auto", "socket"])
+def test_full_publish_in_a_serving_dtype_is_cast_in_its_one_copy(model_dir, broker, publishers, transport):
+    """A FULL update of fp32 weights served in bf16: the cast happens in the copy into the payload buffer (or the
+    shared segment), and the broker stores exactly what safetensors writes for the cast tensors."""
+    from safetensors.torch import save
+
+    service, endpoint = broker
+    model = load_model(ModelConfig(name=str(model_dir)))
+    adamw_step(model)
+    publisher = make_publisher(publishers, endpoint, "full", serving_dtype=torch.bfloat16, transport=transport)
+    result = publisher.publish(model, 1, timeout_s=30)
+    assert "snapshot" not in result.phases_ms  # no copy of the model before the payload's
+    _, payload = stored_payload(service)
+    cast = {k: v.detach().to(torch.bfloat16).contiguous() for k, v in hf_state_dict(model).items()}
+    assert payload == save(cast, metadata={"format": "pt"})

@@ -103,7 +103,7 @@ class EncodingCost:
         return self.data_bytes + header_bytes(self.specs)
 
 
-@dataclass
+@dataclass(eq=False)  # compared by identity: it holds tensors
 class Point:
     """One (model, dtype, lr): the step's changes and each encoding's cost, summed over the tensors."""
 

@@ -985,10 +985,12 @@ def report_rate(rate: str, results: list[CaseResult], args: argparse.Namespace) 
         lines.append(f"- {name}: {fmt(ratio(*pairs['delta']))} {ratio_note(*pairs['delta'])}; its target is at 1 Gb/s")
     name = f"chain last worker / one-worker FULL, {args.workers} workers, {fanout_model}"
     lines.append(target_line(name, ratio(*pairs["chain"]), "<=", TARGET_CHAIN_OVER_ONE, ratio_note(*pairs["chain"])))
-    lines.append(
-        f"- star last worker / one-worker FULL, {args.workers} workers, {fanout_model}: {fmt(ratio(*pairs['star']))} "
-        f"{ratio_note(*pairs['star'])}; expected ~{args.workers}: the broker's link carries every worker's copy"
-    )
+    if ratio(*pairs["star"]) is not None:
+        lines.append(
+            f"- star last worker / one-worker FULL, {args.workers} workers, {fanout_model}: "
+            f"{fmt(ratio(*pairs['star']))} {ratio_note(*pairs['star'])}; expected ~{args.workers}: the broker's link "
+            "carries every worker's copy"
+        )
     for name in dict.fromkeys([model, fanout_model]):
         pair = (by_key.get(("full", name)), by_key.get(("raw", name)))
         if ratio(*pair) is not None:

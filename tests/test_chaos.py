@@ -52,12 +52,14 @@ def test_plan_is_seeded_and_holds_every_kind_of_kill():
         ("broker", "push"),
         ("trainer", "publish-before-checkpoint"),
         ("orchestrator", "random"),
+        ("inference", "mapping"),
         ("inference", "random"),
         ("broker", "random"),
         ("trainer", "random"),
     }
     quick = make_plan(3, full=False)
     assert sorted(k.role for k in quick) == ["broker", "inference", "orchestrator", "trainer"]
+    assert ("inference", "mapping") in {(k.role, k.moment) for k in quick}
     assert steps_needed(quick) >= sum(k.gap_steps for k in quick) + 2 * len(quick)
 
 

@@ -145,6 +145,21 @@ def test_gaps_of_one_change_at_the_end_of_a_large_tensor() -> None:
     assert _positions_of("w", stream, numel, 1).tolist() == [numel - 1]
 
 
+def test_positions_of_random_streams_equal_the_reference() -> None:
+    """Streams with runs of skip bytes anywhere but at the end decode as the docstring reads them."""
+    rng = np.random.default_rng(11)
+    for _ in range(200):
+        stream = rng.integers(1, 256, int(rng.integers(1, 400)), dtype=np.uint8)
+        stream[rng.random(stream.size) < float(rng.choice([0.0, 0.05, 0.5, 0.9]))] = 0
+        stream[-1] = max(1, int(stream[-1]))
+        expected, position = [], -1
+        for byte in stream.tolist():
+            position += byte or 255
+            if byte:
+                expected.append(position)
+        assert _positions_of("w", stream, expected[-1] + 1, len(expected)).tolist() == expected
+
+
 @pytest.mark.parametrize("numel", [1, 7, 8, 9, 63, 64, 65, 1000, 4097])
 @pytest.mark.parametrize("fraction", [0.0, 0.01, 0.05, 0.099, 0.101, 0.3, 1.0])
 def test_changed_positions_equal_flatnonzero(numel: int, fraction: float) -> None:

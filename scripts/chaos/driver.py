@@ -327,6 +327,13 @@ class Driver:
             ):
                 return f"broker stored {event.get('update')}"
             if (
+                spec.moment == "mapping"
+                and event.role == "inference"
+                and event.name == telemetry.WEIGHT_UPDATE_RECEIVED
+                and self.last_step >= armed_at_step - 1
+            ):
+                return f"inference received v{event.get('policy_version')}"
+            if (
                 spec.moment == "publish-before-checkpoint"
                 and event.role == "trainer"
                 and event.name == telemetry.POLICY_PUBLISHED

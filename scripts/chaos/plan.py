@@ -4,6 +4,10 @@ Kinds of moment:
 - ``random``: a random delay (0 to ``MAX_RANDOM_DELAY_S``) after the trainer's ``step done`` of the arming step;
 - ``push`` (broker only): the moment the broker logs ``weight update stored`` for a new version, i.e. while it
   fans the update out to the inference workers (the report says whether a worker had applied it before the kill);
+- ``mapping`` (inference only): the moment the inference worker logs ``weight update received`` for a new version:
+  on one host it has mapped the trainer's shared-memory segment and its vLLM worker is staging the update from it
+  (the trainer must not write that segment again until the broker declared the worker gone; the restarted worker
+  gets the update from the broker, and the segment of a dead reader is released);
 - ``publish-before-checkpoint`` (trainer only): the moment the trainer logs ``policy published`` for a step that
   is not a checkpoint step, so the newest published version is newer than its newest checkpoint;
 - ``mid-relay`` (the relay worker of mode ``separate``, which relays weight chunks to the inference worker, over a
@@ -88,7 +92,7 @@ LONG_PARTITION_S = (8.0, 20.0)  # past it: the cut-off worker is marked lost, an
 @dataclass(frozen=True)
 class KillSpec:
     role: str
-    moment: str  # random | push | publish-before-checkpoint | mid-relay | stall | full
+    moment: str  # random | push | mapping | publish-before-checkpoint | mid-relay | stall | full | ...
     gap_steps: int  # trainer steps done after the previous recovery before this kill is armed
     delay_s: float = 0.0  # for moment "random"
     skew_s: float = 0.0  # for moment "skew": the restarted trainer's clock minus the true time
@@ -118,8 +122,8 @@ def make_plan(
     mid_send: bool = False,
 ) -> list[KillSpec]:
     """Every kind once at a random moment, the broker during a push and the trainer between a publish and its
-    checkpoint; ``full=False`` (the CI profile) keeps one kill per role: push, publish-before-checkpoint, and
-    random moments for the orchestrator and inference. ``relay`` (mode separate): first, the relay worker
+    checkpoint; ``full=False`` (the CI profile) keeps one kill per role: push, publish-before-checkpoint, a random
+    moment for the orchestrator and the inference worker while it reads an update (mapping). ``relay`` (mode separate): first, the relay worker
     mid-relay. ``launcher`` (mode rl): `primerl rl` itself at a random moment, at a seeded place in the plan (the
     other kills keep their seeded order). ``trainer_rank`` (mode rl, a two-rank trainer): rank 1 at a random
     moment, placed the same way. ``stall``: the engine core stopped, then resumed ``delay_s`` after the daemon
@@ -136,10 +140,10 @@ def make_plan(
         ("broker", "push"),
         ("trainer", "publish-before-checkpoint"),
         ("orchestrator", "random"),
-        ("inference", "random"),
+        ("inference", "mapping"),
     ]
     if full:
-        moments += [("broker", "random"), ("trainer", "random")]
+        moments += [("broker", "random"), ("trainer", "random"), ("inference", "random")]
     rng.shuffle(moments)
     plan = [
         KillSpec(

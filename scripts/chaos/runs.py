@@ -5,7 +5,8 @@ the roles itself; the harness kills the role processes it lists in ``pids.json``
 Config: the example run (``examples/reverse_text_rl.toml``) on the tiny model, shortened (``RUN_OVERRIDES``),
 checkpoints every 2 steps, JSON logs. Mode ``separate`` pushes weights in relay fan-out (``RELAY_OVERRIDES``): a
 relay worker (``relay_worker.py``, no vLLM, a slow link to the next worker) joins before the inference worker,
-so each update goes broker -> relay -> inference. Mode ``separate`` writes the role configs with
+so each update goes broker -> relay -> inference, as bytes (``transport = "socket"``); mode ``rl`` keeps the
+default same-host road (shared memory: the inference worker is sent descriptors of the trainer's segments). Mode ``separate`` writes the role configs with
 `primerl rl ... --dry-run --write DIR` and fixes the broker's three ports (as a deployment would); each role gets
 the run token as ``$PRIMERL_RUN_TOKEN`` and `primerl rl`'s default CPU thread budget as environment variables.
 """
@@ -69,6 +70,10 @@ RELAY_OVERRIDES = [
     str(RELAY_TIMEOUT_S),
     "--inference.weight-relay-host",
     "127.0.0.1",
+    # The relay chain is the road of bytes across hosts: on this one host the trainer would hand the workers its
+    # updates in shared memory instead, and nothing would be relayed (mode rl runs that road).
+    "--trainer.weight-broadcast.transport",
+    "socket",
 ]
 RELAY_READY_TIMEOUT_S = 60.0
 DEFAULT_RESTART_SEC = {"broker": 2.0, "inference": 5.0, "orchestrator": 5.0, "trainer": 5.0}

@@ -59,6 +59,14 @@ CONCURRENCY_PREEMPTIONS = "concurrency/preemptions"
 EVAL_PREFIX = "eval/"
 """``eval/<env id>/<name>``: an eval environment's metrics, e.g. ``eval/<env id>/reward``."""
 
+WEIGHTS_PAYLOAD_MIB = "weights/payload_mib"
+"""Trainer, per step: the MiB of the policy update it published."""
+WEIGHTS_SENT_DELTA = "weights/sent_delta"
+"""Trainer, per step: 1 when the update went as a DELTA, 0 as FULL or LORA (a delta publisher's FULL: its
+``policy published`` line says why in ``reason``)."""
+WEIGHTS_SHARED_MEMORY = "weights/shared_memory"
+"""Trainer, per step: 1 when the update was handed over in shared memory (the same-host road), 0 as bytes."""
+
 # -- Prometheus metric names ---------------------------------------------------------------------------------------
 BROKER_WORKERS = "primerl_broker_workers"
 BROKER_WEIGHT_BYTES_RECEIVED = "primerl_broker_weight_bytes_received"

@@ -176,6 +176,8 @@ class PublishResult:
     send_ms: float
     fallback: str | None = None
     phases_ms: dict[str, float] = field(default_factory=dict)
+    # How its bytes went: "shared_memory" (a segment the broker and same-host workers read) or "socket".
+    transport: str = "socket"
 
 
 class PolicyPublisher:
@@ -245,6 +247,7 @@ class PolicyPublisher:
             SegmentPool(run_id or sender) if transport == "auto" and curve is None else None
         )
         self.transport: str = "socket" if self._segments is None else "shared_memory"
+        self._last_transport = self.transport  # how the last update went
         self._spare_snapshot: dict[str, torch.Tensor] | None = None
         self._wire_bytes_per_s: float | None = None
         self._base_buffer: bytearray | None = None  # the pooled payload buffer the base views, if any
@@ -308,6 +311,7 @@ class PolicyPublisher:
             send_ms=send_ms,
             fallback=fallback,
             phases_ms={**prepared.phases_ms, "send": send_ms},
+            transport=self._last_transport,
         )
 
     def build(self, model: torch.nn.Module, version: int, *, kind: PublishKind | None = None) -> PreparedUpdate:
@@ -607,6 +611,7 @@ class PolicyPublisher:
                 self._segments.give_back(segment)
             raise
         send_ms = _elapsed_ms(start_s)
+        self._last_transport = "shared_memory" if shared is not None else "socket"
         if send_ms > 0:
             self._wire_bytes_per_s = prepared.header.payload_bytes / (send_ms / 1000.0)
         if prepared.snapshot is not None:
@@ -630,7 +635,7 @@ class PolicyPublisher:
             build_ms=round(prepared.build_ms, 2),
             send_ms=round(send_ms, 2),
             full_required=ack.full_required,
-            transport="shared_memory" if shared is not None else "socket",
+            transport=self._last_transport,
             reason=prepared.fallback,
         )
         if self._segments is not None and self.transport == "socket":  # left the same-host road during this send

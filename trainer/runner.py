@@ -291,6 +291,10 @@ class TrainerRunner:
                 result = self.publisher.publish(model, version=step)
                 timings["publish_ms"] = result.build_ms + result.send_ms
                 metrics["perf/publish_ms"] = timings["publish_ms"]  # also in the checkpoint's record
+                # What went, and how (why a delta went as FULL: the `policy published` line's reason).
+                metrics[telemetry.WEIGHTS_PAYLOAD_MIB] = result.payload_bytes / 2**20
+                metrics[telemetry.WEIGHTS_SENT_DELTA] = float(result.kind == "delta")
+                metrics[telemetry.WEIGHTS_SHARED_MEMORY] = float(result.transport == "shared_memory")
             if due and not self.dist.enabled:
                 timings["checkpoint_s"] = self._write_checkpoint(step, record)
             if export_final:

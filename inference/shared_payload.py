@@ -240,7 +240,23 @@ def map_shared(path: str, num_bytes: int) -> memoryview:
                 mapping = mmap.mmap(file.fileno(), capacity, offset=CONTROL_BYTES)
             cached = (stat.st_ino, capacity, mapping)
             _MAPS[path] = cached
+            _forget_oldest_foreign_maps()
         return memoryview(cached[2])[:num_bytes]
+
+
+MAX_FOREIGN_MAPS = 4
+"""Mappings of files that are not this module's own (a trainer's shared segments: the same-host road) kept at once;
+beyond it the oldest is dropped (a trainer keeps two segments, a restarted one makes new ones)."""
+
+
+def _forget_oldest_foreign_maps() -> None:
+    """Called under ``_MAPS_LOCK`` after a mapping was added: keep at most `MAX_FOREIGN_MAPS` foreign ones."""
+    foreign = [path for path in _MAPS if not Path(path).name.startswith(FILE_PREFIX)]
+    for path in foreign[: max(0, len(foreign) - MAX_FOREIGN_MAPS)]:  # dicts keep insertion order: oldest first
+        try:
+            _MAPS.pop(path)[2].close()
+        except BufferError:
+            pass  # tensors still view it: it is unmapped when they are gone
 
 
 def unmap_shared(path: str) -> None:

@@ -53,7 +53,7 @@ from typing import TYPE_CHECKING, Any
 
 from google.protobuf.message import DecodeError
 
-from primerl.inference.shared_payload import PayloadControl, map_control, map_shared, unmap_shared
+from primerl.inference.shared_payload import PayloadControl, map_control, map_shared
 from primerl.proto import weight_delta
 from primerl.proto.tensor_frames import DTYPES, TensorFrameError, decode_tensors, parse_header
 from primerl.proto.v1 import common_pb2, data_pb2
@@ -404,7 +404,10 @@ class PolicyWorkerExtension:
         own their memory (None). Marks in each shared file whether the host copy still views it."""
         host, sources = self._primerl_host, self._primerl_host_sources
         before = set(sources.values())
+        spare = self._primerl_spare_host
         for name, tensor in tensors.items():
+            if sources.get(name) is None and name in host:  # its own memory: `primerl_settle` may fill it again
+                spare[name] = host[name]
             host[name] = tensor
             sources[name] = source
         after = set(sources.values())
@@ -414,6 +417,15 @@ class PolicyWorkerExtension:
                     map_control(path).write(PayloadControl.HOST_VIEWS, int(path in after))
                 except (OSError, ValueError):
                     pass  # the file is gone (its daemon closed it): nothing to mark
+
+    @property
+    def _primerl_spare_host(self) -> dict[str, torch.Tensor]:
+        """Host-copy tensors of their own that the last switch replaced by views: `primerl_settle` copies into them
+        (no fresh memory) instead of allocating, then drops the rest."""
+        spare = getattr(self, "_primerl_spare_host_dict", None)
+        if spare is None:
+            spare = self._primerl_spare_host_dict = {}
+        return spare
 
     @property
     def _primerl_replaced(self) -> list[Any]:
@@ -426,19 +438,22 @@ class PolicyWorkerExtension:
     def primerl_settle(self, path: str = "") -> int:
         """After a switch, with generation running again: free the weights it replaced, and with ``path`` (a
         trainer's shared segment the update was read from in place, which the trainer writes again once this
-        worker acknowledged it) make the host copy's tensors that view it copies of their own and unmap the file.
+        worker acknowledged it) make the host copy's tensors that view it copies of their own.
         Returns the bytes copied."""
         self._primerl_replaced.clear()
-        if not path:
-            return 0
+        spare = self._primerl_spare_host
         host, sources = self._primerl_host, self._primerl_host_sources
         copied = 0
-        for name in [n for n, source in sources.items() if source == path]:
-            host[name] = host[name].clone()
+        for name in [n for n, source in sources.items() if source == path] if path else []:
+            view, own = host[name], spare.pop(name, None)
+            if own is not None and own.shape == view.shape and own.dtype == view.dtype:
+                host[name] = own.copy_(view)
+            else:
+                host[name] = view.clone()
             sources[name] = None
-            copied += host[name].numel() * host[name].element_size()
-        unmap_shared(path)
-        return copied
+            copied += view.numel() * view.element_size()
+        spare.clear()
+        return copied  # the mapping is kept (map_shared): the trainer writes the same segment again, no page faults
 
     # ---- staged updates: loaded beside the running model, switched to in one short step ----------------------
 

@@ -104,6 +104,9 @@ def test_delta_updates_are_served_and_a_wrong_base_is_refused(
             snapshots[version] = snapshot(model)
             result = publisher.publish(model, version)
             assert (result.kind, result.policy_version) == (expected_kind, version), result
+            # On one host, FULL and deltas alike go in shared memory: the worker reads the trainer's segment, its
+            # host copy (the base of the next delta) takes its own bytes before the trainer may write it again.
+            assert result.transport == "shared_memory"
             if expected_kind == "delta":
                 assert result.base_version == version - 1 and result.fallback is None
                 full_bytes = sum(t.numel() * t.element_size() for t in snapshots[version].values())

@@ -23,6 +23,7 @@ import threading
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
+from primerl.proto.digests import PayloadHasher
 from primerl.proto.weight_delta import torch_dtype_name
 
 if TYPE_CHECKING:
@@ -77,10 +78,12 @@ def write_safetensors(
     spans: list[tuple[str, int, int]],
     *,
     dtype: torch.dtype | None = None,
+    hasher: PayloadHasher | None = None,
 ) -> memoryview:
     """Fill ``buffer`` (writable, at least the payload's size) with the payload of `safetensors_layout`; returns a
     view of exactly the payload. ``dtype``: floating-point tensors are cast to it in the same copy (the layout must
-    then be of the cast tensors): no intermediate copy of the model."""
+    then be of the cast tensors): no intermediate copy of the model. ``hasher``: fed the payload's bytes in order,
+    each piece right after it was written (while it is in cache), so its digest is the payload's."""
     import torch
 
     total = spans[-1][2] if spans else len(prefix)
@@ -88,15 +91,25 @@ def write_safetensors(
     if view.nbytes < total:
         raise ValueError(f"buffer of {view.nbytes} bytes is smaller than the {total}-byte payload")
     view[: len(prefix)] = prefix
+    if hasher is not None:
+        hasher.update(view[: len(prefix)])
+    written = len(prefix)
     for name, begin, end in spans:
         if end == begin:
             continue
+        if hasher is not None and begin > written:  # padding between tensors (none in safetensors' layout)
+            hasher.update(view[written:begin])
         source = tensors[name].detach()
         target = dtype if dtype is not None and source.is_floating_point() else source.dtype
         if (end - begin) % target.itemsize or begin % target.itemsize:
             raise ValueError(f"{name}: bytes {begin}..{end} of the layout do not hold {target} elements")
         destination = torch.frombuffer(buffer, dtype=target, count=(end - begin) // target.itemsize, offset=begin)
         destination.view(source.shape).copy_(source)
+        if hasher is not None:
+            hasher.update(view[begin:end])
+        written = end
+    if hasher is not None and total > written:
+        hasher.update(view[written:total])
     return view[:total]
 
 

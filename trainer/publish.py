@@ -56,7 +56,7 @@ from primerl.client.weights import (
     WeightUpdateRefused,
 )
 from primerl.proto import telemetry
-from primerl.proto.digests import payload_digest
+from primerl.proto.digests import new_hasher, payload_digest
 from primerl.proto.shared_segment import Segment, SegmentPool
 from primerl.proto.tensor_frames import encode_tensors, parse_header, specs_of
 from primerl.proto.units import MiB
@@ -488,11 +488,13 @@ class PolicyPublisher:
         buffer = self._pool.acquire(total) if segment is None else None
         try:
             destination = segment.view(total) if segment else buffer
-            payload = write_safetensors(tensors, destination, prefix, spans, dtype=cast)
+            hasher = new_hasher()  # each tensor hashed right after its copy: no second pass over the payload
+            payload = write_safetensors(tensors, destination, prefix, spans, dtype=cast, hasher=hasher)
             phases["encode"] = _elapsed_ms(mark)
             mark = time.perf_counter()
             specs = specs_of(parse_header(payload))
-            header = self._header(version, kind, payload, specs)
+            header = self._header(version, kind, None, specs, payload_bytes=total)
+            header.digest = hasher.hexdigest()
             phases["digest"] = _elapsed_ms(mark)
         except BaseException:
             self._release(PreparedUpdate(kind, data_pb2.WeightUpdateHeader(), b"", 0.0, None, buffer, segment=segment))

@@ -512,6 +512,8 @@ class InferenceService:
             apply_ms=round(apply_ms, 1),
             engine_ms=round(engine_ms, 1),
             update_pause_ms=round(pause_ms, 1),
+            engine_wait_ms=round(engine_wait_ms, 1),  # of the pause: waiting for the engine to pause (CPU: requests
+            # in flight finish first), generation going on; the rest is the switch itself
         )
         # Served now. Off the pause: the replaced weights are freed and, read in place from a trainer's segment, the
         # host copy takes its own bytes before the acknowledgement, which lets the trainer write that segment again.

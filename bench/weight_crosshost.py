@@ -209,7 +209,7 @@ def mapped_model(model_name: str, seed: int, path: Path) -> Any:
 # children: each role of the bench as a process on its host, JSON lines in (stdin) and out (stdout)
 
 
-class Protocol:
+class Channel:
     """A child's JSON-line channel: stdout becomes the log (stderr) so that nothing else lands in the channel."""
 
     def __init__(self) -> None:
@@ -227,7 +227,7 @@ class Protocol:
                 yield json.loads(line)
 
 
-def trainer_child(args: argparse.Namespace, channel: Protocol) -> None:
+def trainer_child(args: argparse.Namespace, channel: Channel) -> None:
     """Host ``t``: publishes with ``PolicyPublisher`` (ops ``connect``, ``publish``), sends raw (op ``raw``: PUSH
     sockets stay open until ``release``, so that nothing queued is dropped)."""
     import gc
@@ -332,7 +332,7 @@ def raw_send(push: Any, num_bytes: int, chunk_bytes: int) -> dict[str, float]:
     return {"start_s": start_s, "queued_s": time.monotonic()}
 
 
-def raw_receiver_child(args: argparse.Namespace, channel: Protocol) -> None:
+def raw_receiver_child(args: argparse.Namespace, channel: Channel) -> None:
     """A worker host: a PULL socket on its address; op ``expect`` -> ``ready``, then ``received`` with the time the
     last of ``num_bytes`` arrived."""
     import zmq
@@ -377,7 +377,7 @@ class HoldingSink:
         pass
 
 
-def subscriber_child(args: argparse.Namespace, channel: Protocol) -> None:
+def subscriber_child(args: argparse.Namespace, channel: Channel) -> None:
     """A worker host: a ``WeightSubscriber`` (relaying when ``--relay``) that says ``joined`` once the broker
     answered its HELLO and ``update`` per update held and digest-checked; it stops when stdin closes."""
     from primerl.client.weights import WeightSubscriber
@@ -424,7 +424,7 @@ def subscriber_child(args: argparse.Namespace, channel: Protocol) -> None:
 def child_main(args: argparse.Namespace) -> int:
     from primerl.runtime.log_setup import configure_logging
 
-    channel = Protocol()
+    channel = Channel()
     configure_logging(args.child, "bench-crosshost", level="warning")
     try:
         if args.child == "prepare":

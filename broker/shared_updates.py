@@ -9,7 +9,8 @@ bytes (header, version window, digest: ``WeightIntake``), and stores it with its
   or the fan-out forgets it (declared gone);
 - a worker on another host (or one that could not map the segment) is sent the bytes, from the broker's own
   mapping, cut into chunks, as for any stored update;
-- the durable writer writes the chain from that mapping, and the store then reads the payload from its file.
+- the durable writer writes the chain from that mapping once the same-host readers are done (a copy of the whole
+  payload would take the cores they load with), and the store then reads the payload from its file.
 
 ``SharedPayload.releasable`` says when the trainer may write the segment again: no reader left, and the broker no
 longer needs the segment itself (its payload is on disk, or the update left the chain). Where the durable file does
@@ -60,11 +61,14 @@ class SharedPayload:
         self.readers.add(worker_id)
         self.readers_done_s = None
 
-    def reader_done(self, worker_id: str) -> None:
+    def reader_done(self, worker_id: str) -> bool:
+        """``worker_id`` reads the segment no more; True when it was the last reader."""
         if worker_id in self.readers:
             self.readers.discard(worker_id)
             if not self.readers:
                 self.readers_done_s = time.monotonic()
+                return True
+        return False
 
     def release(self) -> None:
         """Every reader is done and the broker needs the segment no more: the trainer may write it again."""

@@ -180,6 +180,8 @@ class WeightDurability:
                 target = self._requested
             if target > self._done:
                 lineage, chain = self._store.durable_chain()
+                if not self._stop.is_set() and self._readers_busy(chain):
+                    continue  # the plane notifies again once they are done (or gone); at stop it is written anyway
                 try:
                     self._write_chain(lineage, chain)
                     self.last_error = None
@@ -198,6 +200,15 @@ class WeightDurability:
                 with self._idle:
                     if self._done >= self._requested:
                         return
+
+    def _readers_busy(self, chain: list[StoredUpdate]) -> bool:
+        """An update of ``chain`` not written yet lies in a trainer's shared segment that same-host workers are
+        loading from now: its file waits until they are done, so that writing it (a copy of the whole payload) does
+        not take the cores they load with (``broker.shared_updates``)."""
+        return any(
+            update.shared is not None and update.shared.readers and update_file_name(update) not in self._written
+            for update in chain
+        )
 
     def _write_chain(self, lineage: int, chain: list[StoredUpdate]) -> None:
         names = []

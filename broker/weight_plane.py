@@ -528,8 +528,10 @@ class WeightPlane(RouterPlane):
             return
         if taken is not None:
             for update in self._shared:  # it read every segment up to this version (or gave up on it)
-                if not ack.applied or update.policy_version <= ack.policy_version:
-                    update.shared.reader_done(worker_id)
+                if (not ack.applied or update.policy_version <= ack.policy_version) and update.shared.reader_done(
+                    worker_id
+                ):
+                    self.store.notify_durable()  # its durable file was postponed while they loaded
         if taken and ack.applied:
             self._notify_applied(worker_id, ack.policy_version)
 
@@ -629,7 +631,8 @@ class WeightPlane(RouterPlane):
                 shared = update.shared
                 assert shared is not None
                 for worker_id in [w for w in shared.readers if not self.fanout.is_member(w)]:
-                    shared.reader_done(worker_id)  # declared gone: it reads nothing more
+                    if shared.reader_done(worker_id):  # declared gone: it reads nothing more
+                        self.store.notify_durable()
                 if shared.readers or self.fanout.is_sending(update):
                     continue
                 held = any(u is update for u in chain)

@@ -206,6 +206,11 @@ class WeightStore:
                 num_bytes=sum(u.num_bytes for u in updates),
             )
 
+    def notify_durable(self) -> None:
+        """Ask the durable writer for a round (it postpones updates whose same-host readers are busy)."""
+        if self._durable is not None:
+            self._durable.notify()
+
     @property
     def has_durable(self) -> bool:
         """A durable writer mirrors the chain to disk (``attach_durable``)."""

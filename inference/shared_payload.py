@@ -250,9 +250,18 @@ beyond it the oldest is dropped (a trainer keeps two segments, a restarted one m
 
 
 def _forget_oldest_foreign_maps() -> None:
-    """Called under ``_MAPS_LOCK`` after a mapping was added: keep at most `MAX_FOREIGN_MAPS` foreign ones."""
+    """Called under ``_MAPS_LOCK`` after a mapping was added: drop the foreign mappings whose file is gone or was
+    replaced (a trainer's segment it retired, or a dead trainer's, removed), then keep at most `MAX_FOREIGN_MAPS`."""
     foreign = [path for path in _MAPS if not Path(path).name.startswith(FILE_PREFIX)]
-    for path in foreign[: max(0, len(foreign) - MAX_FOREIGN_MAPS)]:  # dicts keep insertion order: oldest first
+    stale = []
+    for path in foreign:
+        try:
+            if os.stat(path).st_ino != _MAPS[path][0]:
+                stale.append(path)
+        except OSError:
+            stale.append(path)
+    live = [path for path in foreign if path not in stale]
+    for path in stale + live[: max(0, len(live) - MAX_FOREIGN_MAPS)]:  # dicts keep insertion order: oldest first
         try:
             _MAPS.pop(path)[2].close()
         except BufferError:

@@ -52,6 +52,7 @@ __all__ = [
     "SharedPayload",
     "default_staging_dir",
     "map_control",
+    "forget_stale_maps",
     "map_shared",
     "remove_stale_files",
     "unmap_shared",
@@ -266,6 +267,12 @@ def _forget_oldest_foreign_maps() -> None:
             _MAPS.pop(path)[2].close()
         except BufferError:
             pass  # tensors still view it: it is unmapped when they are gone
+
+
+def forget_stale_maps() -> None:
+    """Unmap the foreign files (trainers' segments) that are gone or were replaced; see `map_shared`."""
+    with _MAPS_LOCK:
+        _forget_oldest_foreign_maps()
 
 
 def unmap_shared(path: str) -> None:

@@ -53,7 +53,7 @@ from typing import TYPE_CHECKING, Any
 
 from google.protobuf.message import DecodeError
 
-from primerl.inference.shared_payload import PayloadControl, map_control, map_shared
+from primerl.inference.shared_payload import PayloadControl, forget_stale_maps, map_control, map_shared
 from primerl.proto import weight_delta
 from primerl.proto.tensor_frames import DTYPES, TensorFrameError, decode_tensors, parse_header
 from primerl.proto.v1 import common_pb2, data_pb2
@@ -441,6 +441,7 @@ class PolicyWorkerExtension:
         worker acknowledged it) make the host copy's tensors that view it copies of their own.
         Returns the bytes copied."""
         self._primerl_replaced.clear()
+        forget_stale_maps()  # segments a trainer retired or that went with a dead trainer: not held here
         spare = self._primerl_spare_host
         host, sources = self._primerl_host, self._primerl_host_sources
         copied = 0

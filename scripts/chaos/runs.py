@@ -6,7 +6,8 @@ Config: the example run (``examples/reverse_text_rl.toml``) on the tiny model, s
 checkpoints every 2 steps, JSON logs. Mode ``separate`` pushes weights in relay fan-out (``RELAY_OVERRIDES``): a
 relay worker (``relay_worker.py``, no vLLM, a slow link to the next worker) joins before the inference worker,
 so each update goes broker -> relay -> inference, as bytes (``transport = "socket"``); mode ``rl`` keeps the
-default same-host road (shared memory: the inference worker is sent descriptors of the trainer's segments). Mode ``separate`` writes the role configs with
+default same-host road (shared memory: the inference worker is sent descriptors of the trainer's segments). Mode
+``separate`` writes the role configs with
 `primerl rl ... --dry-run --write DIR` and fixes the broker's three ports (as a deployment would); each role gets
 the run token as ``$PRIMERL_RUN_TOKEN`` and `primerl rl`'s default CPU thread budget as environment variables.
 """

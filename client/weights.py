@@ -84,6 +84,31 @@ def _to_view(payload: Any) -> memoryview:
     return view if view.format == "B" and view.ndim == 1 else view.cast("B")
 
 
+def _header_to_send(
+    header: data_pb2.WeightUpdateHeader,
+    view: memoryview,
+    *,
+    streamed: bool,
+    shared: data_pb2.SharedSegment | None,
+) -> data_pb2.WeightUpdateHeader:
+    """A copy of ``header`` as `WeightPublisher.publish` sends it: digest and size filled in (a streamed payload's
+    digest follows it), the shared segment set."""
+    out = data_pb2.WeightUpdateHeader()
+    out.CopyFrom(header)
+    if shared is not None:
+        if streamed:
+            raise ValueError("a payload handed over in shared memory must be complete before it is published")
+        out.shared_segment.CopyFrom(shared)
+    if streamed:
+        if out.digest:
+            raise ValueError("a streamed payload's digest follows it: leave header.digest empty")
+    elif not out.digest:
+        out.digest = payload_digest(view)
+    if not out.payload_bytes:
+        out.payload_bytes = view.nbytes
+    return out
+
+
 class WeightPublisher(DealerClient):
     """The trainer's side: ``publish()`` one update and wait for the broker to store it. ``chunk_bytes``: payload
     bytes per chunk, at most ``limits.max_frame_bytes`` (the broker's ``weight_chunk_bytes``)."""
@@ -196,21 +221,8 @@ class WeightPublisher(DealerClient):
         assert not self.is_closed, "publisher is closed"
         deadline_s = time.monotonic() + timeout_s
         view = _to_view(payload)
-        header_out = data_pb2.WeightUpdateHeader()
-        header_out.CopyFrom(header)
-        streamed_digest = None
-        if shared is not None:
-            if ready is not None:
-                raise ValueError("a payload handed over in shared memory must be complete before it is published")
-            header_out.shared_segment.CopyFrom(shared)
-        if ready is not None:
-            if header_out.digest:
-                raise ValueError("a streamed payload's digest follows it: leave header.digest empty")
-            streamed_digest = new_hasher()
-        elif not header_out.digest:
-            header_out.digest = payload_digest(view)
-        if not header_out.payload_bytes:
-            header_out.payload_bytes = view.nbytes
+        header_out = _header_to_send(header, view, streamed=ready is not None, shared=shared)
+        streamed_digest = new_hasher() if ready is not None else None
         self._drain()
         transfer_id = uuid.uuid4().hex
         try:

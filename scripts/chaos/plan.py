@@ -124,8 +124,7 @@ def make_plan(
     """Every kind once at a random moment, the broker during a push and the trainer between a publish and its
     checkpoint; ``full=False`` (the CI profile) keeps one kill per role: push, publish-before-checkpoint, a random
     moment for the orchestrator and the inference worker while it reads an update (mapping). ``relay`` (mode
-    separate): first, the relay worker
-    mid-relay. ``launcher`` (mode rl): `primerl rl` itself at a random moment, at a seeded place in the plan (the
+    separate): first, the relay worker mid-relay. ``launcher`` (mode rl): `primerl rl` itself at a random moment, at a seeded place in the plan (the
     other kills keep their seeded order). ``trainer_rank`` (mode rl, a two-rank trainer): rank 1 at a random
     moment, placed the same way. ``stall``: the engine core stopped, then resumed ``delay_s`` after the daemon
     saw the stall, placed the same way. ``disk``: the spool's filesystem filled, then freed ``delay_s`` after the

@@ -124,17 +124,17 @@ def make_plan(
     """Every kind once at a random moment, the broker during a push and the trainer between a publish and its
     checkpoint; ``full=False`` (the CI profile) keeps one kill per role: push, publish-before-checkpoint, a random
     moment for the orchestrator and the inference worker while it reads an update (mapping). ``relay`` (mode
-    separate): first, the relay worker mid-relay. ``launcher`` (mode rl): `primerl rl` itself at a random moment, at a seeded place in the plan (the
-    other kills keep their seeded order). ``trainer_rank`` (mode rl, a two-rank trainer): rank 1 at a random
-    moment, placed the same way. ``stall``: the engine core stopped, then resumed ``delay_s`` after the daemon
-    saw the stall, placed the same way. ``disk``: the spool's filesystem filled, then freed ``delay_s`` after the
-    broker saw it full, placed the same way. ``checkpoint_disk``: the checkpoints' filesystem filled, then freed
-    ``delay_s`` after the trainer stopped on it, placed the same way. ``clock``: the trainer restarted with its
-    clock 6-12 h behind (odd seeds) or ahead (even seeds), at a random moment, placed the same way.
-    ``partitions``: the inference worker's host and the trainer's host each cut off once, placed the same way:
-    one for 1-2.5 s (well within the broker's liveness window), the other for 8-20 s (the inference worker's cut is
-    the short one for odd seeds). ``mid_send``: the orchestrator killed after 1-3 of a step's micro-batches were
-    acked, placed the same way."""
+    separate): first, the relay worker mid-relay. ``launcher`` (mode rl): `primerl rl` itself at a random moment, at
+    a seeded place in the plan (the other kills keep their seeded order). ``trainer_rank`` (mode rl, a two-rank
+    trainer): rank 1 at a random moment, placed the same way. ``stall``: the engine core stopped, then resumed
+    ``delay_s`` after the daemon saw the stall, placed the same way. ``disk``: the spool's filesystem filled, then
+    freed ``delay_s`` after the broker saw it full, placed the same way. ``checkpoint_disk``: the checkpoints'
+    filesystem filled, then freed ``delay_s`` after the trainer stopped on it, placed the same way. ``clock``: the
+    trainer restarted with its clock 6-12 h behind (odd seeds) or ahead (even seeds), at a random moment, placed the
+    same way. ``partitions``: the inference worker's host and the trainer's host each cut off once, placed the same
+    way: one for 1-2.5 s (well within the broker's liveness window), the other for 8-20 s (the inference worker's
+    cut is the short one for odd seeds). ``mid_send``: the orchestrator killed after 1-3 of a step's micro-batches
+    were acked, placed the same way."""
     rng = random.Random(seed)
     moments = [
         ("broker", "push"),

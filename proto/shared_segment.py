@@ -64,8 +64,9 @@ CONTROL_BYTES = mmap.ALLOCATIONGRANULARITY
 SEGMENT_PREFIX = "primerl-seg-"
 MAGIC = 0x31_67_65_73_6D_69_72_70  # "primseg1"
 MAGIC_WORD, GENERATION, PAYLOAD_BYTES, RELEASED, WRITER_PID = range(5)
-DRAIN_TIMEOUT_S = 30.0
-"""Longest wait for a segment's readers to drain before the pool retires it and makes a new one."""
+DRAIN_TIMEOUT_S = 10.0
+"""Longest wait for a segment's readers to drain before the pool retires it and makes a new one (a reader applies
+an update in seconds; a broker restarted meanwhile never releases what its predecessor was given)."""
 DRAIN_POLL_S = 0.002
 _SHM_DIR = Path("/dev/shm")
 _FENCE = threading.Lock()

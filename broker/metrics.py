@@ -24,8 +24,8 @@ primerl_broker_weight_segments_released_total      trainer segments handed back 
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.metrics_core import Metric
@@ -45,6 +45,131 @@ ROLES = {
 }
 
 
+class _Family(NamedTuple):
+    """One unlabelled family: its kind (``CounterMetricFamily`` or ``GaugeMetricFamily``), name, help, and how
+    its value is read from the status it belongs to."""
+
+    kind: type[CounterMetricFamily] | type[GaugeMetricFamily]
+    name: str
+    help: str
+    value: Callable[[Any], float]
+
+
+_COUNTER, _GAUGE = CounterMetricFamily, GaugeMetricFamily
+
+_WEIGHT_FAMILIES = (  # read from ``WeightPlane.status()``
+    _Family(
+        _COUNTER,
+        telemetry.BROKER_WEIGHT_BYTES_RECEIVED,
+        "Weight-update bytes received from the trainer.",
+        lambda w: w.bytes_in_total,
+    ),
+    _Family(
+        _COUNTER,
+        telemetry.BROKER_WEIGHT_BYTES_PUSHED,
+        "Weight-update bytes sent to inference workers.",
+        lambda w: w.bytes_out_total,
+    ),
+    _Family(
+        _GAUGE,
+        telemetry.BROKER_WEIGHT_UPDATES_STORED,
+        "Weight updates held in the store (snapshot and deltas).",
+        lambda w: (w.store.snapshot_version is not None) + w.store.num_deltas,
+    ),
+    _Family(
+        _GAUGE,
+        telemetry.BROKER_WEIGHT_FORWARD_LAG_SECONDS,
+        "Seconds from the latest update's last byte into the broker to its last byte out to the workers that were "
+        "receiving it or had it next (what the broker adds to a transfer).",
+        lambda w: w.forward_lag_s,
+    ),
+    _Family(
+        _COUNTER,
+        telemetry.BROKER_WEIGHT_RELAY_CHAINS,
+        "Relay chains formed (weight_fanout = chain).",
+        lambda w: w.num_relay_chains,
+    ),
+    _Family(
+        _COUNTER,
+        telemetry.BROKER_WEIGHT_RELAY_HEALS,
+        "Workers sent an update again because their relay did not reach them in time.",
+        lambda w: w.num_relay_heals,
+    ),
+    _Family(
+        _COUNTER,
+        telemetry.BROKER_WEIGHT_DESCRIPTORS_SENT,
+        "Updates sent to same-host workers as a shared-memory descriptor instead of their bytes.",
+        lambda w: w.num_descriptors_sent,
+    ),
+    _Family(
+        _COUNTER,
+        telemetry.BROKER_WEIGHT_SEGMENTS_RELEASED,
+        "Trainer shared-memory segments released once every reader was done with them.",
+        lambda w: w.num_segments_released,
+    ),
+)
+
+_RUN_FAMILIES = (  # read from ``Registry.run_status()``
+    _Family(
+        _GAUGE,
+        telemetry.BROKER_LATEST_POLICY_VERSION,
+        "Newest policy version published by the trainer.",
+        lambda s: s.latest_policy_version,
+    ),
+    _Family(
+        _GAUGE, telemetry.BROKER_COMMITTED_STEP, "Last step the trainer committed.", lambda s: s.last_committed_step
+    ),
+    _Family(_GAUGE, telemetry.BROKER_TRAINER_STEP, "Trainer step from its heartbeats.", lambda s: s.trainer_step),
+    _Family(
+        _GAUGE,
+        telemetry.BROKER_ORCHESTRATOR_STEP,
+        "Orchestrator step from its heartbeats.",
+        lambda s: s.orchestrator_step,
+    ),
+)
+
+_CONNECTION_FAMILIES = (  # read from ``RolloutPlane.status()`` when its connections are gated
+    _Family(
+        _GAUGE,
+        telemetry.BROKER_ROLLOUT_CONNECTIONS,
+        "Peers connected to the rollout socket (admitted at the handshake, at most max_rollout_connections).",
+        lambda r: r.num_connections,
+    ),
+    _Family(
+        _COUNTER,
+        telemetry.BROKER_ROLLOUT_CONNECTIONS_REFUSED,
+        "Connections to the rollout socket refused at the handshake: max_rollout_connections peers were connected.",
+        lambda r: r.num_connections_refused,
+    ),
+)
+
+_QUEUE_FAMILIES = (  # read from the rollout queue's status
+    _Family(
+        _GAUGE,
+        telemetry.BROKER_ROLLOUT_BATCHES_QUEUED,
+        "Rollout micro-batches held (memory and spool) until their step is committed.",
+        lambda q: q.num_batches,
+    ),
+    _Family(
+        _GAUGE,
+        telemetry.BROKER_ROLLOUT_BYTES_SPOOLED,
+        "Bytes of the rollout micro-batches held.",
+        lambda q: q.num_bytes,
+    ),
+    _Family(
+        _COUNTER,
+        telemetry.BROKER_ROLLOUT_BATCHES_RECEIVED,
+        "Rollout micro-batches accepted from the orchestrator.",
+        lambda q: q.num_accepted,
+    ),
+)
+
+
+def _read(families: tuple[_Family, ...], source: Any) -> Iterator[Metric]:
+    for family in families:
+        yield family.kind(family.name, family.help, value=family.value(source))
+
+
 class BrokerCollector:
     """A custom prometheus_client collector over a running ``BrokerService``."""
 
@@ -59,95 +184,13 @@ class BrokerCollector:
             workers.add_metric([name], sum(1 for w in status.workers if w.role == role and w.state == ALIVE))
         yield workers
         if service.weight_plane is not None:
-            weights = service.weight_plane.status()
-            yield CounterMetricFamily(
-                telemetry.BROKER_WEIGHT_BYTES_RECEIVED,
-                "Weight-update bytes received from the trainer.",
-                value=weights.bytes_in_total,
-            )
-            yield CounterMetricFamily(
-                telemetry.BROKER_WEIGHT_BYTES_PUSHED,
-                "Weight-update bytes sent to inference workers.",
-                value=weights.bytes_out_total,
-            )
-            yield GaugeMetricFamily(
-                telemetry.BROKER_WEIGHT_UPDATES_STORED,
-                "Weight updates held in the store (snapshot and deltas).",
-                value=(weights.store.snapshot_version is not None) + weights.store.num_deltas,
-            )
-            yield GaugeMetricFamily(
-                telemetry.BROKER_WEIGHT_FORWARD_LAG_SECONDS,
-                "Seconds from the latest update's "
-                "last byte into the broker to its last byte out to the workers that were "
-                "receiving it or had it next (what the broker adds to a transfer).",
-                value=weights.forward_lag_s,
-            )
-            yield CounterMetricFamily(
-                telemetry.BROKER_WEIGHT_RELAY_CHAINS,
-                "Relay chains formed (weight_fanout = chain).",
-                value=weights.num_relay_chains,
-            )
-            yield CounterMetricFamily(
-                telemetry.BROKER_WEIGHT_RELAY_HEALS,
-                "Workers sent an update again because their relay did not reach them in time.",
-                value=weights.num_relay_heals,
-            )
-            yield CounterMetricFamily(
-                telemetry.BROKER_WEIGHT_DESCRIPTORS_SENT,
-                "Updates sent to same-host workers as a shared-memory descriptor instead of their bytes.",
-                value=weights.num_descriptors_sent,
-            )
-            yield CounterMetricFamily(
-                telemetry.BROKER_WEIGHT_SEGMENTS_RELEASED,
-                "Trainer shared-memory segments released once every reader was done with them.",
-                value=weights.num_segments_released,
-            )
-        yield GaugeMetricFamily(
-            telemetry.BROKER_LATEST_POLICY_VERSION,
-            "Newest policy version published by the trainer.",
-            value=status.latest_policy_version,
-        )
-        yield GaugeMetricFamily(
-            telemetry.BROKER_COMMITTED_STEP, "Last step the trainer committed.", value=status.last_committed_step
-        )
-        yield GaugeMetricFamily(
-            telemetry.BROKER_TRAINER_STEP, "Trainer step from its heartbeats.", value=status.trainer_step
-        )
-        yield GaugeMetricFamily(
-            telemetry.BROKER_ORCHESTRATOR_STEP, "Orchestrator step from its heartbeats.", value=status.orchestrator_step
-        )
+            yield from _read(_WEIGHT_FAMILIES, service.weight_plane.status())
+        yield from _read(_RUN_FAMILIES, status)
         if service.rollout_plane is not None:
             rollout = service.rollout_plane.status()
-            queue = rollout.queue
             if rollout.num_connections is not None:
-                yield GaugeMetricFamily(
-                    telemetry.BROKER_ROLLOUT_CONNECTIONS,
-                    "Peers connected to the rollout socket "
-                    "(admitted at the handshake, at most max_rollout_connections).",
-                    value=rollout.num_connections,
-                )
-                yield CounterMetricFamily(
-                    telemetry.BROKER_ROLLOUT_CONNECTIONS_REFUSED,
-                    "Connections to the rollout "
-                    "socket refused at the handshake: max_rollout_connections peers were "
-                    "connected.",
-                    value=rollout.num_connections_refused,
-                )
-            yield GaugeMetricFamily(
-                telemetry.BROKER_ROLLOUT_BATCHES_QUEUED,
-                "Rollout micro-batches held (memory and spool) until their step is committed.",
-                value=queue.num_batches,
-            )
-            yield GaugeMetricFamily(
-                telemetry.BROKER_ROLLOUT_BYTES_SPOOLED,
-                "Bytes of the rollout micro-batches held.",
-                value=queue.num_bytes,
-            )
-            yield CounterMetricFamily(
-                telemetry.BROKER_ROLLOUT_BATCHES_RECEIVED,
-                "Rollout micro-batches accepted from the orchestrator.",
-                value=queue.num_accepted,
-            )
+                yield from _read(_CONNECTION_FAMILIES, rollout)
+            yield from _read(_QUEUE_FAMILIES, rollout.queue)
         yield GaugeMetricFamily(
             telemetry.BROKER_HISTORY_BYTES,
             "Bytes the run history holds (metric rows, events, sample rollouts), at most broker.history_max_bytes.",

@@ -4,8 +4,12 @@
 binds the socket (retrying briefly while a port this process just closed is still held) and reports the bound
 port or the bind error back to ``start()``; ``stop()`` ends the thread within a bound; ``running`` says whether
 it still runs; ``_handle_guarded`` keeps one bad message from ending the thread. A plane supplies ``_bind``
-(the socket, with whatever it needs around it) and ``_serve`` (its loop, which returns once ``_stop_event``
-is set), and ``_handle``/``_unexpected`` for the guard.
+(the socket, with whatever it needs around it: ``_bind_gated`` binds it behind the plane's connection gate) and
+``_serve`` (its loop, which returns once ``_stop_event`` is set; ``_gate_poller`` registers the gate's sockets
+beside the plane's, ``_serve_gate`` answers them), and ``_handle``/``_unexpected`` for the guard.
+
+Connection gate: with ``max_connections`` (peers admitted at the ZeroMQ handshake) or a handshake check, the
+socket is bound behind a ``ConnectionGate``, the ZAP handler of the plane's ``gate_domain``.
 
 Handshake credentials: with ``auth_token`` set and CURVE off, the socket is a PLAIN server and admits only
 clients that present the run token (``runtime.wire_security.RunTokenServer``); the plane's connection gate, its
@@ -33,6 +37,7 @@ from typing import TYPE_CHECKING, Any
 
 import zmq
 
+from primerl.broker.connection_gate import UNLIMITED_CONNECTIONS, ConnectionGate
 from primerl.runtime.log_setup import get_logger
 from primerl.runtime.wire_security import RunTokenServer
 from primerl.runtime.zmq_sockets import bind_router
@@ -56,8 +61,16 @@ class RouterPlane(abc.ABC):
 
     name = "router plane"
     thread_name = "router-plane-io"
+    gate_domain = "primerl-router"
+    """The ZAP domain of the plane's socket when its connections are gated."""
+    connection_kind = "connection"
+    """What the gate calls one connection in its logs and refusals."""
 
-    def __init__(self, context: zmq.Context, host: str, port: int):
+    def __init__(self, context: zmq.Context, host: str, port: int, max_connections: int | None = None):
+        if max_connections is not None and max_connections < 1:
+            raise ValueError(f"max_connections must be >= 1, got {max_connections}")
+        self.max_connections = max_connections
+        self._gate: ConnectionGate | None = None
         self.context = context
         self.host = host
         self._requested_port = port
@@ -112,6 +125,12 @@ class RouterPlane(abc.ABC):
         if self.auth_token:
             return self._token_server
         return None
+
+    def connection_counts(self) -> tuple[int | None, int]:
+        """(peers admitted at the handshake and connected now, connections refused there); (None, 0) when the plane
+        admits every peer. Plain reads of counters the IO thread updates: a status may be one event behind."""
+        gate = self._gate
+        return (gate.num_connected, gate.num_refused) if gate is not None else (None, 0)
 
     @functools.cached_property
     def _token_server(self) -> RunTokenServer:
@@ -170,6 +189,41 @@ class RouterPlane(abc.ABC):
                     raise
                 time.sleep(BIND_RETRY_SLEEP_S)
 
+    def _bind_gated(self, **options: Any) -> zmq.Socket:
+        """``_bind_router(**options)``, behind the connection gate when ``max_connections`` or a handshake check is
+        set. The gate's ZAP endpoint must exist before the socket binds (without a handler libzmq admits every
+        NULL-mechanism peer), and the socket's monitor before any handshake can end (none can before the gate
+        answers, in this thread)."""
+        check = self.handshake_check
+        if (self.max_connections is not None or check is not None) and self._gate is None:
+            self._gate = ConnectionGate(
+                self.context,
+                max_connections=self.max_connections or UNLIMITED_CONNECTIONS,
+                domain=self.gate_domain,
+                what=self.connection_kind,
+                authorize=check.authorize if check is not None else None,
+                refusal_hint=check.refusal_hint if check is not None else "",
+            )
+        socket = self._bind_router(zap_domain=self.gate_domain if self._gate is not None else None, **options)
+        if self._gate is not None:
+            self._gate.watch(socket)
+        return socket
+
+    def _gate_poller(self, socket: zmq.Socket) -> tuple[zmq.Poller, list[zmq.Socket]]:
+        """A poller of the plane's socket and of its gate's sockets (returned: pass them to ``_serve_gate``)."""
+        poller = zmq.Poller()
+        poller.register(socket, zmq.POLLIN)
+        gate_sockets = self._gate.sockets() if self._gate is not None else []
+        for gate_socket in gate_sockets:
+            poller.register(gate_socket, zmq.POLLIN)
+        return poller, gate_sockets
+
+    def _serve_gate(self, ready: dict[Any, int], gate_sockets: list[zmq.Socket]) -> None:
+        """Answer the gate's sockets that ``ready`` (a poll's result) names."""
+        for gate_socket in gate_sockets:
+            if gate_socket in ready:
+                self._gate.handle(gate_socket)  # type: ignore[union-attr]
+
     def _handle_guarded(self, *args: Any) -> None:
         """The per-message guard: no single message can end the IO thread.
 
@@ -196,7 +250,10 @@ class RouterPlane(abc.ABC):
         """The IO loop; returns once ``_stop_event`` is set. The socket is closed after it."""
 
     def _release(self) -> None:
-        """Free what ``_bind`` set up beside the socket (after a failed bind, or after serving)."""
+        """Free what ``_bind`` set up beside the socket (after a failed bind, or after serving): the gate."""
+        if self._gate is not None:
+            self._gate.close()
+            self._gate = None
 
     @abc.abstractmethod
     def _handle(self, *args: Any) -> None:

@@ -40,7 +40,6 @@ from typing import Any
 
 import zmq
 
-from primerl.broker.connection_gate import UNLIMITED_CONNECTIONS, ConnectionGate
 from primerl.broker.log_limits import RateLimitedLog
 from primerl.broker.plane_lifecycle import RouterPlane
 from primerl.broker.rollout_queue import RolloutQueue
@@ -79,7 +78,6 @@ MAX_MESSAGES_PER_POLL = 256
 DEFAULT_MAX_GROUP_BATCHES = 64
 ACK_SEND_WAIT_S = 0.5  # bounded wait for room in a peer's pipe for an ack (see PeerSender.send)
 DEFAULT_MAX_GROUP_BYTES = 256 * MiB
-GATE_DOMAIN = "primerl-rollout"  # the ZAP domain of the rollout socket, when its connections are limited
 
 # on_error(code, message, peer): called in the IO thread for every refusal other than backpressure,
 # and once if the IO thread dies. Keep it cheap; it must not block.
@@ -112,6 +110,8 @@ class RolloutStreamStatus:
 class RolloutPlane(RouterPlane):
     name = "rollout plane"
     thread_name = "rollout-plane-io"
+    gate_domain = "primerl-rollout"
+    connection_kind = "rollout connection"
 
     def __init__(
         self,
@@ -145,7 +145,9 @@ class RolloutPlane(RouterPlane):
         # Batches received but not yet spooled and acked: (routing id, message), arrival order.
         self._group: list[tuple[bytes, framing.Message]] = []
         self._group_bytes = 0
-        super().__init__(context, host, port)
+        # Peers admitted at the handshake (``ConnectionGate``); None: no limit. With it, what the socket may
+        # buffer is bounded whatever the number of peers that try: max_connections x (rcv_hwm + 1) messages.
+        super().__init__(context, host, port, max_connections)
         self.queue = queue
         self.limits = limits
         self.auth_token = auth_token or None
@@ -157,12 +159,6 @@ class RolloutPlane(RouterPlane):
         self.rcv_hwm = hwm if rcv_hwm is None else rcv_hwm
         if self.rcv_hwm < 1:
             raise ValueError(f"rcv_hwm must be >= 1, got {self.rcv_hwm}")
-        # Peers admitted at the handshake (``ConnectionGate``); None: no limit. With it, what the socket may
-        # buffer is bounded whatever the number of peers that try: max_connections x (rcv_hwm + 1) messages.
-        if max_connections is not None and max_connections < 1:
-            raise ValueError(f"max_connections must be >= 1, got {max_connections}")
-        self.max_connections = max_connections
-        self._gate: ConnectionGate | None = None
         self.poll_interval_s = poll_interval_s
         self.sender = sender
         self.failure: BaseException | None = None
@@ -197,6 +193,7 @@ class RolloutPlane(RouterPlane):
         batches_out, bytes_out = self._out.rates(now_s)
         with self._counter_lock:
             num_refused, num_backpressure = self._num_refused, self._num_backpressure_replies
+        num_connections, num_connections_refused = self.connection_counts()
         return RolloutStreamStatus(
             queue=self.queue.status(),
             port=self.port,
@@ -208,28 +205,21 @@ class RolloutPlane(RouterPlane):
             num_refused=num_refused,
             num_backpressure_replies=num_backpressure,
             throughput_window_s=self._in.window_s,
-            # Plain int reads of counters the IO thread updates: a status may be one event behind.
-            num_connections=gate.num_connected if (gate := self._gate) is not None else None,
-            num_connections_refused=gate.num_refused if gate is not None else 0,
+            num_connections=num_connections,
+            num_connections_refused=num_connections_refused,
         )
 
     # ------------------------------------------------------------------ IO thread
 
     def _serve(self, socket: zmq.Socket) -> None:
-        poller = zmq.Poller()
-        poller.register(socket, zmq.POLLIN)
-        gate_sockets = self._gate.sockets() if self._gate is not None else []
-        for gate_socket in gate_sockets:
-            poller.register(gate_socket, zmq.POLLIN)
+        poller, gate_sockets = self._gate_poller(socket)
         poll_ms = max(1, int(self.poll_interval_s * 1000))
         try:
             while not self._stop_event.is_set():
                 ready = dict(poller.poll(poll_ms))
                 if not ready:
                     continue
-                for gate_socket in gate_sockets:
-                    if gate_socket in ready:
-                        self._gate.handle(gate_socket)  # type: ignore[union-attr]
+                self._serve_gate(ready, gate_sockets)
                 if socket not in ready:
                     continue
                 for _ in range(MAX_MESSAGES_PER_POLL):
@@ -247,35 +237,10 @@ class RolloutPlane(RouterPlane):
             log.exception("rollout plane IO thread failed; the rollout stream is down")
             self._report(common_pb2.ERROR_CODE_INTERNAL, f"rollout plane IO thread failed: {exc!r}", "")
 
-    def _release(self) -> None:
-        if self._gate is not None:
-            self._gate.close()
-            self._gate = None
-
     def _bind(self) -> zmq.Socket:
-        """The bound socket; with ``max_connections``, gated at the handshake. The gate's ZAP endpoint must exist
-        before the socket binds (without a handler libzmq admits every NULL-mechanism peer), and the socket's
-        monitor must exist before any handshake can end (none can before the gate answers, in this thread)."""
-        check = self.handshake_check
-        if (self.max_connections is not None or check is not None) and self._gate is None:
-            self._gate = ConnectionGate(
-                self.context,
-                max_connections=self.max_connections or UNLIMITED_CONNECTIONS,
-                domain=GATE_DOMAIN,
-                what="rollout connection",
-                authorize=check.authorize if check is not None else None,
-                refusal_hint=check.refusal_hint if check is not None else "",
-            )
-        # rcv_hwm is set before the bind, or peers never get it.
-        socket = self._bind_router(
-            max_message_bytes=self.limits.max_message_bytes,
-            hwm=self.hwm,
-            rcv_hwm=self.rcv_hwm,
-            zap_domain=GATE_DOMAIN if self._gate is not None else None,
-        )
-        if self._gate is not None:
-            self._gate.watch(socket)
-        return socket
+        """The bound socket, gated at the handshake (``_bind_gated``); rcv_hwm is set before the bind, or peers never
+        get it."""
+        return self._bind_gated(max_message_bytes=self.limits.max_message_bytes, hwm=self.hwm, rcv_hwm=self.rcv_hwm)
 
     def _unexpected(self, socket: zmq.Socket, frames: list[zmq.Frame], exc: Exception) -> None:
         routing_id = frames[0].bytes if frames else b""
@@ -343,26 +308,12 @@ class RolloutPlane(RouterPlane):
                 self._on_hello(socket, routing_id, message)
         except SpoolError as exc:
             log.error("rollout plane cannot spool a batch", peer=self._peer(routing_id), error=str(exc))
-            self._refuse(
-                socket,
-                routing_id,
-                error_detail(common_pb2.ERROR_CODE_INTERNAL, f"broker spool failed: {exc}"),
-                refused_type=message.type,
-                in_reply_to=message.envelope.message_id,
-                authenticated=True,
-            )
+            self._refuse_internal(socket, [(routing_id, message)], f"broker spool failed: {exc}")
         except Exception as exc:  # a valid message that we failed to handle: tell the sender, keep serving
             log.exception(
                 "rollout plane failed handling a message", peer=self._peer(routing_id), type=message.type_name
             )
-            self._refuse(
-                socket,
-                routing_id,
-                error_detail(common_pb2.ERROR_CODE_INTERNAL, f"broker failed: {exc!r}"),
-                refused_type=message.type,
-                in_reply_to=message.envelope.message_id,
-                authenticated=True,
-            )
+            self._refuse_internal(socket, [(routing_id, message)], f"broker failed: {exc!r}")
 
     # ------------------------------------------------------------------ handlers
 
@@ -385,27 +336,11 @@ class RolloutPlane(RouterPlane):
             outcome = self.queue.offer_many(items)
         except SpoolError as exc:
             log.error("rollout plane cannot spool a group of batches", num_batches=len(group), error=str(exc))
-            for routing_id, message in group:
-                self._refuse(
-                    socket,
-                    routing_id,
-                    error_detail(common_pb2.ERROR_CODE_INTERNAL, f"broker spool failed: {exc}"),
-                    refused_type=message.type,
-                    in_reply_to=message.envelope.message_id,
-                    authenticated=True,
-                )
+            self._refuse_internal(socket, group, f"broker spool failed: {exc}")
             return
         except Exception as exc:  # a bug handling valid batches: tell the senders, keep serving
             log.exception("rollout plane failed handling a group of batches", num_batches=len(group))
-            for routing_id, message in group:
-                self._refuse(
-                    socket,
-                    routing_id,
-                    error_detail(common_pb2.ERROR_CODE_INTERNAL, f"broker failed: {exc!r}"),
-                    refused_type=message.type,
-                    in_reply_to=message.envelope.message_id,
-                    authenticated=True,
-                )
+            self._refuse_internal(socket, group, f"broker failed: {exc!r}")
             return
         for (routing_id, message), result in zip(group, outcome.results):
             self._ack_batch(socket, routing_id, message, result)
@@ -574,6 +509,20 @@ class RolloutPlane(RouterPlane):
             auth_token=(self.auth_token or "") if authenticated else "",
         )
         self._replies.send(socket, routing_id, frames)
+
+    def _refuse_internal(self, socket: zmq.Socket, refused: list[tuple[bytes, framing.Message]], reason: str) -> None:
+        """Refuse each (routing id, message) of ``refused``, valid messages the broker failed to handle, as INTERNAL
+        with ``reason``."""
+        detail = error_detail(common_pb2.ERROR_CODE_INTERNAL, reason)
+        for routing_id, message in refused:
+            self._refuse(
+                socket,
+                routing_id,
+                detail,
+                refused_type=message.type,
+                in_reply_to=message.envelope.message_id,
+                authenticated=True,
+            )
 
     def _note_refusal(self, routing_id: bytes, code: int, message: str) -> None:
         with self._counter_lock:

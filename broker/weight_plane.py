@@ -65,7 +65,6 @@ from typing import Any
 
 import zmq
 
-from primerl.broker.connection_gate import UNLIMITED_CONNECTIONS, ConnectionGate
 from primerl.broker.log_limits import RateLimitedLog
 from primerl.broker.plane_lifecycle import RouterPlane
 from primerl.broker.shared_updates import COPY_AFTER_S
@@ -86,7 +85,6 @@ log = get_logger(__name__)
 OnApplied = Callable[[str, int], None]
 FORWARD_AFTER_BYTES = 1 << 20
 """A received message at least this large ends a receive round, so its chunk is forwarded before the next is read."""
-GATE_DOMAIN = "primerl-weight"  # the ZAP domain of the weight socket, when its connections are limited
 SEGMENT_SWEEP_S = 5.0
 """How often the plane removes the shared weight segments of trainers that died (SIGKILL) without removing them."""
 
@@ -169,11 +167,7 @@ class WeightPlane(RouterPlane):
             raise ValueError(
                 f"chunk_bytes must be in 1..limits.max_frame_bytes ({limits.max_frame_bytes}), got {chunk_bytes}"
             )
-        if max_connections is not None and max_connections < 1:
-            raise ValueError(f"max_connections must be >= 1, got {max_connections}")
-        super().__init__(context, host, port)
-        self.max_connections = max_connections
-        self._gate: ConnectionGate | None = None
+        super().__init__(context, host, port, max_connections)
         self.store = fanout.store
         self.fanout = fanout
         self.limits = limits
@@ -224,6 +218,7 @@ class WeightPlane(RouterPlane):
         with self._lock:
             errors = self._num_errors_sent
             lag_version, lag_s = self._forward_lag
+        num_connections, num_connections_refused = self.connection_counts()
         return WeightPlaneStatus(
             store=self.store.status(),
             workers=self.fanout.workers(),
@@ -235,9 +230,8 @@ class WeightPlane(RouterPlane):
             num_workers_forgotten=self.fanout.num_forgotten,
             forward_lag_version=lag_version,
             forward_lag_s=lag_s,
-            # Plain int reads of counters the IO thread updates: a status may be one event behind.
-            num_connections=gate.num_connected if (gate := self._gate) is not None else None,
-            num_connections_refused=gate.num_refused if gate is not None else 0,
+            num_connections=num_connections,
+            num_connections_refused=num_connections_refused,
             num_open_transfers=self._intake.num_open_transfers,
             num_relay_chains=self.fanout.num_relay_chains,
             num_relay_heals=self.fanout.num_relay_heals,
@@ -249,41 +243,17 @@ class WeightPlane(RouterPlane):
 
     name = "weight plane"
     thread_name = "weight-plane-io"
+    gate_domain = "primerl-weight"
+    connection_kind = "weight connection"
 
     def _bind(self) -> zmq.Socket:
-        """The bound socket; with ``max_connections``, gated at the handshake (the gate's ZAP endpoint exists before
-        the socket binds, and its monitor before any handshake can end: see ``RolloutPlane._bind``)."""
-        check = self.handshake_check
-        if (self.max_connections is not None or check is not None) and self._gate is None:
-            self._gate = ConnectionGate(
-                self.context,
-                max_connections=self.max_connections or UNLIMITED_CONNECTIONS,
-                domain=GATE_DOMAIN,
-                what="weight connection",
-                authorize=check.authorize if check is not None else None,
-                refusal_hint=check.refusal_hint if check is not None else "",
-            )
-        socket = self._bind_router(
-            max_message_bytes=self.limits.max_frame_bytes,
-            hwm=self.hwm,
-            zap_domain=GATE_DOMAIN if self._gate is not None else None,
-        )
-        if self._gate is not None:
-            self._gate.watch(socket)
+        """The bound socket, gated at the handshake (``_bind_gated``)."""
+        socket = self._bind_gated(max_message_bytes=self.limits.max_frame_bytes, hwm=self.hwm)
         log.info("weight plane listening", host=self.host, port=self.port)
         return socket
 
-    def _release(self) -> None:
-        if self._gate is not None:
-            self._gate.close()
-            self._gate = None
-
     def _serve(self, socket: zmq.Socket) -> None:
-        poller = zmq.Poller()
-        poller.register(socket, zmq.POLLIN)
-        gate_sockets = self._gate.sockets() if self._gate is not None else []
-        for gate_socket in gate_sockets:
-            poller.register(gate_socket, zmq.POLLIN)
+        poller, gate_sockets = self._gate_poller(socket)
         next_tick_s = 0.0
         try:
             while not self._stop_event.is_set():
@@ -298,9 +268,7 @@ class WeightPlane(RouterPlane):
                 else:
                     timeout_ms = int(self.poll_interval_s * 1000)
                 ready = dict(poller.poll(timeout_ms))
-                for gate_socket in gate_sockets:
-                    if gate_socket in ready:
-                        self._gate.handle(gate_socket)  # type: ignore[union-attr]
+                self._serve_gate(ready, gate_sockets)
                 if socket in ready:
                     self._receive_some(socket)
                 now_s = time.monotonic()

@@ -232,8 +232,14 @@ class DealerClient:
         """Wait until the socket is ready for ``flags`` (True), or the deadline passes or a monitor event ends the
         wait (False)."""
         assert self._socket is not None, "the client is closed"
+        return self._wait_any([self._socket], deadline_s, flags) is not None
+
+    def _wait_any(self, sockets: Sequence[zmq.Socket], deadline_s: float, flags: int = zmq.POLLIN) -> zmq.Socket | None:
+        """The first of ``sockets`` ready for ``flags``; None when the deadline passes or a monitor event ends the
+        wait first."""
         poller = zmq.Poller()
-        poller.register(self._socket, flags)
+        for socket in sockets:
+            poller.register(socket, flags)
         if self._monitor is not None:
             poller.register(self._monitor, zmq.POLLIN)
         while True:
@@ -243,11 +249,12 @@ class DealerClient:
                 and self._monitor in ready
                 and self._on_monitor_events(self._read_monitor_events(), deadline_s)
             ):
-                return False
-            if self._socket in ready:
-                return True
+                return None
+            source = next((socket for socket in sockets if socket in ready), None)
+            if source is not None:
+                return source
             if time.monotonic() >= deadline_s:
-                return False
+                return None
 
     # ---------------------------------------------------------------------------------- sending, receiving
     def _encode(self, message_type: int, header: Any, payload: Sequence[Any] = (), **envelope: Any) -> list[Any]:

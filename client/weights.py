@@ -486,24 +486,10 @@ class WeightSubscriber(DealerClient):
         if relay is None:
             return self._recv(deadline_s)
         assert self._socket is not None, "subscriber is closed"
-        poller = zmq.Poller()
-        poller.register(self._socket, zmq.POLLIN)
-        poller.register(relay.socket, zmq.POLLIN)
-        if self._monitor is not None:
-            poller.register(self._monitor, zmq.POLLIN)
         while True:
-            ready = dict(poller.poll(max(0, int((deadline_s - time.monotonic()) * 1000))))
-            if (
-                self._monitor is not None
-                and self._monitor in ready
-                and self._on_monitor_events(self._read_monitor_events(), deadline_s)
-            ):
-                return None
-            source = self._socket if self._socket in ready else relay.socket if relay.socket in ready else None
+            source = self._wait_any([self._socket, relay.socket], deadline_s)
             if source is None:
-                if time.monotonic() >= deadline_s:
-                    return None
-                continue
+                return None
             frames = source.recv_multipart(copy=False)
             message = self._decode(frames)
             if message is None:

@@ -39,11 +39,11 @@ from __future__ import annotations
 import ctypes
 import mmap
 import os
-import tempfile
 import threading
 import uuid
 from pathlib import Path
 
+from primerl.proto.shared_segment import segment_directory, unlink_each
 from primerl.runtime.process_ids import pid_alive
 
 __all__ = [
@@ -64,7 +64,6 @@ MAGIC = 0x31_64_61_6F_6C_79_61_70  # "payload1"
 FILE_PREFIX = "primerl-weights-"
 """Shared payload files are named ``primerl-weights-<pid of their creator>-<random>``."""
 
-_SHM_DIR = Path("/dev/shm")
 _MAPS: dict[str, tuple[int, int, mmap.mmap]] = {}
 _CONTROLS: dict[str, tuple[int, PayloadControl]] = {}
 _MAPS_LOCK = threading.Lock()
@@ -106,11 +105,8 @@ class PayloadControl:
         return state if self.read(self.STAGE_SEQ) == seq else None
 
 
-def default_staging_dir() -> Path:
-    """/dev/shm when it is a writable directory (memory-backed), else the temporary directory."""
-    if _SHM_DIR.is_dir() and os.access(_SHM_DIR, os.W_OK):
-        return _SHM_DIR
-    return Path(tempfile.gettempdir())
+default_staging_dir = segment_directory
+"""/dev/shm when it is a writable directory (memory-backed), else the temporary directory."""
 
 
 def remove_stale_files(directory: str | os.PathLike[str] | None = None) -> list[Path]:
@@ -118,17 +114,10 @@ def remove_stale_files(directory: str | os.PathLike[str] | None = None) -> list[
     daemon killed before it closed them; in /dev/shm they hold memory); returns them. A worker that still maps one
     keeps its mapping."""
     directory = Path(directory) if directory is not None else default_staging_dir()
-    removed = []
-    for path in directory.glob(f"{FILE_PREFIX}*"):
-        pid = path.name[len(FILE_PREFIX) :].split("-", 1)[0]
-        if not pid.isdigit() or int(pid) == os.getpid() or pid_alive(int(pid)):
-            continue
-        try:
-            path.unlink()
-        except OSError:
-            continue
-        removed.append(path)
-    return removed
+    pids = {path: path.name[len(FILE_PREFIX) :].split("-", 1)[0] for path in directory.glob(f"{FILE_PREFIX}*")}
+    return unlink_each(
+        path for path, pid in pids.items() if pid.isdigit() and int(pid) != os.getpid() and not pid_alive(int(pid))
+    )
 
 
 class SharedPayload:

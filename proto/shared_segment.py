@@ -41,6 +41,7 @@ import tempfile
 import threading
 import time
 import uuid
+from collections.abc import Iterable
 from pathlib import Path
 
 from primerl.proto.host_identity import host_id
@@ -365,8 +366,13 @@ def stale_segments(directory: str | os.PathLike[str] | None = None) -> list[Path
 
 def remove_stale_segments(directory: str | os.PathLike[str] | None = None) -> list[Path]:
     """Unlink `stale_segments` (readers that still map one keep their mapping); returns those removed."""
+    return unlink_each(stale_segments(directory))
+
+
+def unlink_each(paths: Iterable[Path]) -> list[Path]:
+    """Unlink each of ``paths`` that can be unlinked; returns those."""
     removed = []
-    for path in stale_segments(directory):
+    for path in paths:
         try:
             path.unlink()
         except OSError:

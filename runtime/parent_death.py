@@ -24,6 +24,8 @@ import signal
 import sys
 import threading
 
+from primerl.runtime.process_ids import pid_alive
+
 PR_SET_PDEATHSIG = 1
 WATCH_INTERVAL_S = 0.2
 PARENT_PID_VAR = "PRIMERL_DIE_WITH_PARENT"
@@ -101,21 +103,11 @@ def arm_from_environment(signum: int = signal.SIGTERM) -> bool:
     if not pid_text.isdigit():
         return False
     pid = int(pid_text)
-    if os.getppid() != pid and _alive(pid):
+    if os.getppid() != pid and pid_alive(pid):
         if TORCHRUN_RANK_VAR not in os.environ:
             return False  # a grandchild of that process, not its child
         # torchrun starts its ranks from its agent's thread of choice: watch its pid rather than trust PDEATHSIG
         die_with_parent(os.getppid(), signum=signal.SIGKILL, from_main_thread=False)
         return True
     die_with_parent(pid, signum=signum, from_main_thread=how != "thread")
-    return True
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
     return True

@@ -7,6 +7,8 @@
 - `infer_broker`, `infer_daemon`, `infer_http`: one broker and one `primerl-infer` on the tiny model
   per module that asks for them (`support.inference`), and an HTTP client of the daemon.
 - `no_wandb_login`: a machine without a W&B login.
+- `_segments_left_behind` (every test): a trainer's shared-memory segment (``/dev/shm/primerl-seg-*``) that a test
+  leaves behind with its writer gone is removed and named in the session's summary, with the test that left it.
 
 The report header names the machine (`support.numerics.cpu_description`, without importing torch): float32
 results that depend on summation order (ranks, threads) differ between CPUs, so every log says which one ran; the
@@ -15,6 +17,7 @@ numerics tests add torch's kernel level and thread counts to their messages (`ma
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -32,6 +35,33 @@ def pytest_report_header(config: pytest.Config) -> str:
     from support.numerics import cpu_description
 
     return f"machine: {cpu_description()}"
+
+
+_LEFT_SEGMENTS: list[tuple[str, str]] = []
+"""(test id, segment name) of the segments tests left behind (`_segments_left_behind`)."""
+
+
+@pytest.fixture(autouse=True)
+def _segments_left_behind(request: pytest.FixtureRequest) -> Iterator[None]:
+    from primerl.proto.shared_segment import SEGMENT_PREFIX, segment_directory, stale_segments
+
+    directory = segment_directory()
+    before = {path.name for path in directory.glob(f"{SEGMENT_PREFIX}*")}
+    yield
+    stale = {path.name for path in stale_segments(directory)}
+    own = f"-{os.getpid()}-"  # a publisher of this process the test did not close
+    for path in directory.glob(f"{SEGMENT_PREFIX}*"):
+        if path.name not in before and (path.name in stale or own in path.name):
+            _LEFT_SEGMENTS.append((request.node.nodeid, path.name))
+            if path.name in stale:
+                path.unlink(missing_ok=True)
+
+
+def pytest_terminal_summary(terminalreporter: Any) -> None:
+    if _LEFT_SEGMENTS:
+        terminalreporter.section("shared-memory segments left behind (removed)")
+        for nodeid, name in _LEFT_SEGMENTS:
+            terminalreporter.write_line(f"{nodeid}: {name}")
 
 
 @pytest.fixture(scope="session")

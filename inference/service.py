@@ -46,6 +46,7 @@ import socket
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -69,6 +70,8 @@ log = get_logger("primerl.inference")
 DRAIN_TIMEOUT_S = 120.0
 """Longest wait for in-flight requests to finish before an update in "wait" pause mode; the update is then
 refused (the broker sends it again)."""
+_REFUSED = object()
+"""What `InferenceService._in_engine` returns for an update it refused."""
 UPDATE_BUSY_FACTOR = 4.0
 UPDATE_BUSY_HISTORY = 16
 """An update holding the engine counts as a stall past ``UPDATE_BUSY_FACTOR`` x the longest of the last
@@ -439,39 +442,21 @@ class InferenceService:
     def _handle_update(
         self, subscriber: WeightSubscriber, header: data_pb2.WeightUpdateHeader, payload: memoryview
     ) -> None:
-        from primerl.inference.update_checks import UpdateRefused
         from primerl.proto.v1 import common_pb2, data_pb2
 
         assert self.updater is not None and self.ops is not None and self.control is not None
         received_s = time.monotonic()
-        version, served = int(header.policy_version), self.updater.policy_version
-        kind = data_pb2.WeightUpdateKind.Name(header.kind)
-        if self.updater.holds(header):
-            # Sent again (a refusal made the broker resend its snapshot), or an older lineage's: say what is served.
-            # A newer lineage's FULL at or below the served version is not held: a rollback (PolicyUpdater.holds).
-            self.updater.discard()
-            subscriber.ack(served, lineage=self.updater.lineage)
-            return
-        refusal = self._refused.get((version, header.digest))
-        if refusal is not None:
-            # The broker resends its latest snapshot after a refusal until the trainer publishes a good one:
-            # answer without pausing the engine or checking the same bytes again.
-            self.updater.discard()
-            subscriber.ack(version, applied=False, error=refusal)
+        version, kind = int(header.policy_version), data_pb2.WeightUpdateKind.Name(header.kind)
+        if self._answered_at_once(subscriber, header):
             return
         log.info(telemetry.WEIGHT_UPDATE_RECEIVED, policy_version=version, kind=kind, payload_bytes=payload.nbytes)
-        try:
-            # Checks (the digest computed as the chunks arrived) and the load beside the served weights, which
-            # began with the first chunk: generation goes on meanwhile.
-            self.updater.preload(header, payload, payload_digest=subscriber.received_digest)
-        except UpdateRefused as exc:
-            self._refuse_update(subscriber, version, header, exc)
+        digest = subscriber.received_digest
+        # Checks (the digest computed as the chunks arrived) and the load beside the served weights, which began with
+        # the first chunk: generation goes on meanwhile.
+        updater = self.updater
+        preloaded = self._in_engine(lambda: updater.preload(header, payload, payload_digest=digest), subscriber, header)
+        if preloaded is _REFUSED:
             return
-        except EngineCallCancelled:
-            raise
-        except Exception as exc:
-            self._fail_update(subscriber, version, kind, exc)
-            raise
         pause_start_s = time.monotonic()
         try:
             self.ops.pause(self.server.pause_mode, DRAIN_TIMEOUT_S)
@@ -489,16 +474,11 @@ class InferenceService:
             return
         engine_wait_ms = (time.monotonic() - pause_start_s) * 1000.0
         try:
-            try:
-                engine_ms = self.updater.apply(header, payload, payload_digest=subscriber.received_digest)
-            except UpdateRefused as exc:
-                self._refuse_update(subscriber, version, header, exc)
+            engine_ms = self._in_engine(
+                lambda: updater.apply(header, payload, payload_digest=digest), subscriber, header
+            )
+            if engine_ms is _REFUSED:
                 return
-            except EngineCallCancelled:
-                raise
-            except Exception as exc:
-                self._fail_update(subscriber, version, kind, exc)
-                raise
             self.ops.run(self._route_policy_name())
         finally:
             self.ops.resume()
@@ -528,6 +508,45 @@ class InferenceService:
         for phase, value in phases_ms.items():
             self.metrics.last_update_phase_ms.labels(phase=phase).set(value)
         self._check_caught_up()
+
+    def _answered_at_once(self, subscriber: WeightSubscriber, header: data_pb2.WeightUpdateHeader) -> bool:
+        """Acknowledge, without loading it, an update this worker holds or refused before (True)."""
+        assert self.updater is not None
+        version = int(header.policy_version)
+        if self.updater.holds(header):
+            # Sent again (a refusal made the broker resend its snapshot), or an older lineage's: say what is served.
+            # A newer lineage's FULL at or below the served version is not held: a rollback (PolicyUpdater.holds).
+            self.updater.discard()
+            subscriber.ack(self.updater.policy_version, lineage=self.updater.lineage)
+            return True
+        refusal = self._refused.get((version, header.digest))
+        if refusal is not None:
+            # The broker resends its latest snapshot after a refusal until the trainer publishes a good one:
+            # answer without pausing the engine or checking the same bytes again.
+            self.updater.discard()
+            subscriber.ack(version, applied=False, error=refusal)
+            return True
+        return False
+
+    def _in_engine(
+        self, call: Callable[[], Any], subscriber: WeightSubscriber, header: data_pb2.WeightUpdateHeader
+    ) -> Any:
+        """``call()`` (the updater's preload or apply) and its result; `_REFUSED` once an `UpdateRefused` it raised
+        was acknowledged. Any other failure is reported (`_fail_update`) and raised."""
+        from primerl.inference.update_checks import UpdateRefused
+        from primerl.proto.v1 import data_pb2
+
+        version = int(header.policy_version)
+        try:
+            return call()
+        except UpdateRefused as exc:
+            self._refuse_update(subscriber, version, header, exc)
+            return _REFUSED
+        except EngineCallCancelled:
+            raise
+        except Exception as exc:
+            self._fail_update(subscriber, version, data_pb2.WeightUpdateKind.Name(header.kind), exc)
+            raise
 
     def _refuse_update(
         self, subscriber: WeightSubscriber, version: int, header: data_pb2.WeightUpdateHeader, refusal: Any

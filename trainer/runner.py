@@ -34,8 +34,10 @@ from __future__ import annotations
 
 import threading
 import time
+from dataclasses import dataclass
 
 import torch
+from prometheus_client import Counter, Gauge
 
 from primerl.client.rollouts import FetchStopped
 from primerl.configs.trainer import TrainerConfig
@@ -47,8 +49,10 @@ from primerl.runtime.log_setup import bind_context, get_logger
 from primerl.runtime.metrics_sink import MetricsSink, finite_values
 from primerl.runtime.prometheus import MetricsExporter, start_exporter
 from primerl.trainer.distributed import DistInfo, barrier, resolve_parallel, unwrap_model
+from primerl.trainer.step_io import StepIOThread, StepPrefetcher, Ticket
 from primerl.trainer.train_step import distillation_objective, rl_objective, sft_objective
 from primerl.trainer.training_setup import (
+    Training,
     build_training,
     resume_from_checkpoint,
     save_training_checkpoint,
@@ -83,8 +87,14 @@ class TrainerRunner:
         self.publisher = None
         self.exporter: MetricsExporter | None = None
         self.sink: MetricsSink | None = None
+        self.gauges: _StepGauges | None = None  # rank 0 with a Prometheus endpoint
+        self.training: Training | None = None  # model, optimizer, scheduler, step function (`_build`)
         self.resumed_state: dict | None = None  # extra_state of the checkpoint resumed from
         self.last_trained_step: int | None = None  # the last step this incarnation trained
+        self.progress = {"trainer_step": 0}  # what the heartbeats report
+        self.io: StepIOThread | None = None  # the ordered IO thread: publish, checkpoint, commit (`_start_io`)
+        self.prefetcher: StepPrefetcher | None = None  # the fetch thread
+        self.weights_ticket: Ticket | None = None  # the previous step's job that reads the weights
         # rank 0: "add inference" when, over a window of steps, it waits for batches longer than it computes
         self.advice = WaitWindow(
             telemetry.ADVICE_TRAINER_WAITS, telemetry.ADVICE_ADD_INFERENCE, telemetry.ADVICE_TRAINER_WAIT_TO_COMPUTE
@@ -101,12 +111,14 @@ class TrainerRunner:
         config = self.config
         self.exporter = start_exporter("trainer", config.prometheus)
         if self.exporter is not None:
-            self.step_gauge = self.exporter.gauge(
-                telemetry.TRAINER_STEP, "Latest optimizer step done (= the policy version published)."
-            )
-            self.loss_gauge = self.exporter.gauge(telemetry.TRAINER_LOSS, "Loss of the latest step.")
-            self.tokens_counter = self.exporter.counter(
-                telemetry.TRAINER_LOSS_TOKENS, "Loss tokens trained on, over all ranks."
+            self.gauges = _StepGauges(
+                step=self.exporter.gauge(
+                    telemetry.TRAINER_STEP, "Latest optimizer step done (= the policy version published)."
+                ),
+                loss=self.exporter.gauge(telemetry.TRAINER_LOSS, "Loss of the latest step."),
+                loss_tokens=self.exporter.counter(
+                    telemetry.TRAINER_LOSS_TOKENS, "Loss tokens trained on, over all ranks."
+                ),
             )
         self.sink = MetricsSink("trainer", config.output_dir, config.wandb, config, exporter=self.exporter)
 
@@ -152,7 +164,6 @@ class TrainerRunner:
         self.control.wait_ready(config.broker.connect_timeout_s)
         self._refuse_going_back(start_step)
         registration = self.control.register()
-        self.progress = {"trainer_step": 0}
         self.control.start_heartbeats(lambda: dict(self.progress))
         limits = self.control.limits  # the broker's: every client sizes itself from them
         self.consumer = RolloutConsumer(
@@ -213,7 +224,7 @@ class TrainerRunner:
     def _start_io(self, start_step: int) -> None:
         """The fetch thread (from ``start_step``) and the ordered IO thread (``primerl.trainer.step_io``)."""
         from primerl.trainer.batch import MicroBatch
-        from primerl.trainer.step_io import StepDataWait, StepIOThread, StepPrefetcher
+        from primerl.trainer.step_io import StepDataWait
 
         config = self.config
 
@@ -230,7 +241,6 @@ class TrainerRunner:
 
         self.io = StepIOThread()
         self.prefetcher = StepPrefetcher(fetch, decode, start_step, config.max_steps, describe=describe)
-        self.weights_ticket = None  # the previous step's job that reads the weights
 
     def _wait_for_weights(self) -> None:
         """Before the optimizer changes the parameters: the previous step's publish and checkpoint have read them."""
@@ -311,9 +321,9 @@ class TrainerRunner:
             )
             metrics["perf/io_s"] = time.monotonic() - io_started_s
             self._record_step(step, metrics, {**done_line, "publish_ms": round(metrics["perf/publish_ms"], 1)})
-            if self.exporter is not None:
-                self.loss_gauge.set(stats.loss)
-                self.tokens_counter.inc(stats.num_loss_tokens)
+            if self.gauges is not None:
+                self.gauges.loss.set(stats.loss)
+                self.gauges.loss_tokens.inc(stats.num_loss_tokens)
 
         io_started_s = time.monotonic()
         self.weights_ticket = self.io.submit(f"publish/checkpoint step {step}", weights_job)
@@ -330,8 +340,8 @@ class TrainerRunner:
         """Rank 0: the step's metrics row (file, W&B, Prometheus), its report to the broker, its "step done" line."""
         self.sink.log(step, metrics)
         log.info(telemetry.STEP_DONE, step=step, **done_line, **extra)  # with the row: the broker may be away next
-        if self.exporter is not None:
-            self.step_gauge.set(step)
+        if self.gauges is not None:
+            self.gauges.step.set(step)
         self.control.report_metrics(step, metrics)
 
     def _settle_resumed_step(self) -> None:
@@ -453,13 +463,11 @@ class TrainerRunner:
         import sys
 
         io_error: BaseException | None = None
-        prefetcher = getattr(self, "prefetcher", None)
-        if prefetcher is not None:
-            prefetcher.close()
-        io = getattr(self, "io", None)
-        if io is not None:
+        if self.prefetcher is not None:
+            self.prefetcher.close()
+        if self.io is not None:
             try:
-                io.close(IO_DRAIN_TIMEOUT_S)
+                self.io.close(IO_DRAIN_TIMEOUT_S)
             except Exception as exc:  # raised below, once the connections are closed
                 io_error = exc
         for closer in (self.publisher, self.consumer):
@@ -474,6 +482,15 @@ class TrainerRunner:
             self.exporter.stop()
         if io_error is not None and sys.exc_info()[1] is None:
             raise io_error
+
+
+@dataclass(frozen=True)
+class _StepGauges:
+    """Rank 0's Prometheus families of the trainer's progress."""
+
+    step: Gauge
+    loss: Gauge
+    loss_tokens: Counter
 
 
 class CannotResume(ValueError):

@@ -42,6 +42,7 @@ The caller must reset the prefix cache after an update (engine level: ``llm.rese
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import logging
 import re
@@ -271,13 +272,18 @@ class PolicyWorkerExtension:
 
     model_runner: Any  # provided by the worker
 
+    # The extension's state: class-level defaults, as vLLM builds the worker without calling an __init__ of ours.
+    _primerl_host: dict[str, torch.Tensor] | None = None  # `primerl_host_weights`, read on first use
+    _primerl_stage: _StagedUpdate | None = None  # the staged load in progress or loaded, not yet committed
+    _primerl_unstageable: str | None | bool = False  # why the model cannot be staged (None: it can); False: not asked
+
     # ---- host copy ---------------------------------------------------------------------------------------------
 
     def primerl_host_weights(self) -> dict[str, torch.Tensor]:
         """The host copy of the raw weights (read from the model directory on first use). After a FULL update from
         a shared payload file its tensors VIEW that file (no copy): the file's ``HOST_VIEWS`` control word says so,
         and its writer must not write it again until a FULL update from another file has replaced them all."""
-        host = getattr(self, "_primerl_host", None)
+        host = self._primerl_host
         if host is None:
             host = self._primerl_read_checkpoint()
             self._primerl_host = host
@@ -418,22 +424,16 @@ class PolicyWorkerExtension:
                 except (OSError, ValueError):
                     pass  # the file is gone (its daemon closed it): nothing to mark
 
-    @property
+    @functools.cached_property
     def _primerl_spare_host(self) -> dict[str, torch.Tensor]:
         """Host-copy tensors of their own that the last switch replaced by views: `primerl_settle` copies into them
         (no fresh memory) instead of allocating, then drops the rest."""
-        spare = getattr(self, "_primerl_spare_host_dict", None)
-        if spare is None:
-            spare = self._primerl_spare_host_dict = {}
-        return spare
+        return {}
 
-    @property
+    @functools.cached_property
     def _primerl_replaced(self) -> list[Any]:
         """What the last switch to staged weights replaced, freed by `primerl_settle` once generation runs again."""
-        replaced = getattr(self, "_primerl_replaced_list", None)
-        if replaced is None:
-            replaced = self._primerl_replaced_list = []
-        return replaced
+        return []
 
     def primerl_settle(self, path: str = "") -> int:
         """After a switch, with generation running again: free the weights it replaced, and with ``path`` (a
@@ -480,7 +480,7 @@ class PolicyWorkerExtension:
         self.primerl_host_weights()
         if not self.primerl_stage_discard():
             return {"staging": False, "reason": "the previous staged load did not stop", "permanent": False}
-        if not hasattr(self, "_primerl_unstageable"):  # the model's structure does not change: asked once
+        if self._primerl_unstageable is False:  # the model's structure does not change: asked once
             self._primerl_unstageable = unsupported_reason(
                 self.model_runner.get_model(), self.model_runner.vllm_config.model_config
             )
@@ -497,7 +497,7 @@ class PolicyWorkerExtension:
     def primerl_stage_result(self, seq: int) -> dict[str, Any]:
         """How the staged load of ``seq`` ended: ``{"state": "loaded" | "failed" | "running" | "none", "refusal":
         the `WeightUpdateInvalid` message when the update does not fit, "error": any other failure}``."""
-        stage = getattr(self, "_primerl_stage", None)
+        stage = self._primerl_stage
         if stage is None or stage.seq != seq:
             return {"state": "none"}
         if stage.is_alive():
@@ -513,7 +513,7 @@ class PolicyWorkerExtension:
         `WeightUpdateInvalid` (nothing changed) when the update does not fit, RuntimeError when no load of
         ``seq`` is staged."""
         start = time.perf_counter()
-        stage = getattr(self, "_primerl_stage", None)
+        stage = self._primerl_stage
         if stage is None or stage.seq != seq:
             raise RuntimeError(f"no staged load of transfer {seq}")
         stage.join(STAGE_JOIN_TIMEOUT_S)
@@ -542,7 +542,7 @@ class PolicyWorkerExtension:
 
     def primerl_stage_discard(self) -> bool:
         """Drop the staged load, stopping its thread first (bounded); False when the thread did not stop."""
-        stage = getattr(self, "_primerl_stage", None)
+        stage = self._primerl_stage
         if stage is None:
             return True
         stage.stop.set()

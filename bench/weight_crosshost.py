@@ -2,7 +2,7 @@
 """The weight path across hosts whose links are rate-limited: trainer -> ``primerl-broker`` -> inference workers.
 
     sudo .venv/bin/python bench/weight_crosshost.py [--rates 1gbit,10gbit] [--model 1b|100m|tiny]
-        [--fanout-model auto|1b|100m|tiny] [--workers 4] [--repeats 3] [--warmup 1] [--chunk-mib 64]
+        [--fanout-model auto|1b|100m|tiny] [--workers 4] [--repeats 3] [--warmup 1] [--chunk-mib 8]
         [--cases full,delta,star,chain,raw] [--max-anon-gib 9] [--markdown PATH] [--json PATH]
 
 Hosts: one network namespace each (``tests/support/netns.py``: a veth pair per host, the other ends ports of one
@@ -17,7 +17,7 @@ and its in-backward-pass step, run once per model in a child process), both weig
 dtype) in safetensors files. The trainer process (host ``t``) maps them (its "model" is a bf16 ``Qwen2ForCausalLM``
 on those tensors, not an fp32 master: see memory below) and publishes with the project's ``PolicyPublisher``
 (``serving_dtype`` bf16, ``transport="socket"``: across hosts the shared-memory road is refused anyway, so this
-skips the one refused try per publisher; chunks of ``min(64 MiB, the broker's max_message_bytes)``) to a real
+skips the one refused try per publisher; chunks of ``--chunk-mib``, the broker's ``weight_chunk_bytes``) to a real
 ``primerl-broker`` process (host ``b``, run token, its own spool, Prometheus on). Each worker host runs one
 ``WeightSubscriber`` (the inference worker's client, no vLLM) that receives the update into a buffer, checks its
 digest, acknowledges it and notes the time: "has it" = the whole update held and digest-checked. Times are
@@ -92,7 +92,6 @@ from primerl.proto.units import GiB, MiB  # noqa: E402
 TOKEN = "bench-crosshost-token"
 LR = 1e-6
 TRAINER_MAX_CHUNK_BYTES = 64 * MiB  # what the trainer sends at most per chunk (trainer/runner.py)
-BROKER_DEFAULT_MAX_MESSAGE_BYTES = 256 * MiB
 TBF_LATENCY_MS = 20
 TBF_BURST_S = 0.002  # the bucket holds 2 ms of the rate (at least 64 KiB)
 PAYLOAD_SHARE_AT_MTU_1500 = 1448 / 1514  # TCP payload per Ethernet frame (timestamps on): what tbf leaves to data
@@ -637,7 +636,7 @@ class MemoryGuard:
 class Broker:
     """``primerl-broker`` on host ``b`` (ports 0, a run token, its own spool, Prometheus on its address)."""
 
-    def __init__(self, host: Any, work_dir: Path, fanout: str, max_message_bytes: int):
+    def __init__(self, host: Any, work_dir: Path, fanout: str, chunk_bytes: int):
         from support.netns import Proc
 
         work_dir.mkdir(parents=True, exist_ok=True)
@@ -646,7 +645,7 @@ class Broker:
             Path(sys.executable).parent / "primerl-broker",
             "--host", host.address, "--grpc-port", "0", "--rollout-port", "0", "--weight-port", "0",
             "--spool-dir", work_dir / "spool", "--run-id", "bench-crosshost", "--weight-fanout", fanout,
-            "--max-message-bytes", str(max_message_bytes), "--prometheus.host", host.address,
+            "--weight-chunk-bytes", str(chunk_bytes), "--prometheus.host", host.address,
             "--prometheus.port", "0", "--log.level", "warning", "--ready-file", ready_file,
         ]  # fmt: skip
         env = {**os.environ, "PRIMERL_RUN_TOKEN": TOKEN}
@@ -731,9 +730,8 @@ class Bench:
 
     def __init__(self, args: argparse.Namespace, hosts: Any, work_dir: Path, trainer: Child, guard: MemoryGuard):
         self.args, self.hosts, self.work_dir, self.trainer, self.guard = args, hosts, work_dir, trainer, guard
-        self.chunk_bytes = args.chunk_mib * MiB
-        self.max_message_bytes = max(self.chunk_bytes, BROKER_DEFAULT_MAX_MESSAGE_BYTES if args.chunk_mib >= 64 else 0)
-        self.trainer_chunk_bytes = min(TRAINER_MAX_CHUNK_BYTES, self.max_message_bytes)
+        self.chunk_bytes = args.chunk_mib * MiB  # the broker's weight_chunk_bytes, which the trainer follows
+        self.trainer_chunk_bytes = min(TRAINER_MAX_CHUNK_BYTES, self.chunk_bytes)
         self.num_runs = 0
 
     def release_trainer(self) -> None:
@@ -753,7 +751,7 @@ class Bench:
         result = CaseResult(case, model, num_workers)
         timeout_s = self.transfer_timeout_s(expected_bytes, rate_bps, num_workers)
         self.guard.reset_peaks()
-        broker = Broker(self.hosts["b"], run_dir, fanout, self.max_message_bytes)
+        broker = Broker(self.hosts["b"], run_dir, fanout, self.chunk_bytes)
         workers: list[Child] = []
         try:
             for index in range(num_workers):  # one after the other: a chain follows the order of joining
@@ -1042,7 +1040,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--repeats", type=int, default=3, help="timed updates per case")
     parser.add_argument("--warmup", type=int, default=1, help="untimed FULL updates before cases 1, 3, 4")
     parser.add_argument(
-        "--chunk-mib", type=int, default=64, help="chunk size (the broker's max_message_bytes below 64)"
+        "--chunk-mib", type=int, default=8, help="weight chunk size, MiB (the broker's weight_chunk_bytes)"
     )
     parser.add_argument("--cases", default="full,delta,star,chain,raw", help=f"comma-separated of {list(CASE_LABELS)}")
     parser.add_argument("--max-anon-gib", type=float, default=9.0, help="memory the bench's processes may hold")

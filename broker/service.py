@@ -108,12 +108,13 @@ class BrokerService:
     def __init__(self, config: BrokerConfig):
         self.config = config
         self.run_id = config.run_id or f"run-{uuid.uuid4().hex[:8]}"
-        # One payload frame of at most max_message_bytes (libzmq's MAXMSGSIZE is per frame); bigger weight
-        # updates travel as chunks of that size. Every worker learns them when it registers.
+        # One payload frame of at most max_message_bytes (libzmq's MAXMSGSIZE is per frame); weight updates travel
+        # as chunks of weight_chunk_bytes (at most that). Every worker learns them when it registers.
         self.data_plane_limits = BrokerLimits.for_max_message_bytes(
             config.max_message_bytes,
             max_payload_frames=config.max_payload_frames,
             max_transfer_bytes=config.resolved_max_transfer_bytes,
+            weight_chunk_bytes=config.weight_chunk_bytes,
         )
         self.limits, self.chunk_bytes = self.data_plane_limits.frames, self.data_plane_limits.weight_chunk_bytes
         # The rollout socket's own, smaller cap (a rollout micro-batch is one frame; weights travel in chunks):

@@ -91,6 +91,14 @@ class BrokerConfig(BaseConfig):
         description="Largest message accepted on any socket; bigger payloads (weights) are sent in chunks. "
         "Workers learn it (and the chunk size that follows) when they register.",
     )
+    weight_chunk_bytes: int = Field(
+        8 * MiB,
+        ge=MiB,
+        description="Payload bytes per weight chunk, at most `max_message_bytes` (the smaller of the two holds): "
+        "what the trainer sends and the broker forwards. Each relay hop and the broker's cut-through hold one chunk "
+        "before passing it on, so a smaller chunk shortens a chain; 8 MiB keeps the per-chunk cost negligible. "
+        "Workers learn it when they register.",
+    )
     max_rollout_message_bytes: int = Field(
         64 * MiB,
         ge=MiB,
@@ -198,7 +206,7 @@ class BrokerConfig(BaseConfig):
         description="A weight transfer with no chunk for this long gives its place to a new transfer of another "
         "connection when the open transfers (their number or `max_open_transfer_bytes`) are at their bound, so "
         "half-open transfers cannot keep the trainer out for `transfer_stall_timeout_s`. Keep it above the time one "
-        "chunk (`max_message_bytes`) takes to arrive over the trainer's link.",
+        "chunk (`weight_chunk_bytes`) takes to arrive over the trainer's link.",
     )
     allow_remote_without_token: bool = Field(
         False,

@@ -4,9 +4,9 @@ chunk size), derived from ``broker.max_message_bytes``, and carried to every wor
 
 One payload frame (a rollout micro-batch, one weight chunk) is at most ``max_message_bytes``: libzmq's
 ``MAXMSGSIZE`` applies per frame, so a bigger frame costs its sender the connection. A whole message may exceed
-it by ``ENVELOPE_ALLOWANCE_BYTES`` (the fixed frames and the envelope). Weight updates bigger than a frame travel
-as chunks of ``weight_chunk_bytes`` (= the frame limit): the broker sends chunks of that size, and a publisher's
-chunks must not be larger.
+it by ``ENVELOPE_ALLOWANCE_BYTES`` (the fixed frames and the envelope). Weight updates travel as chunks of
+``weight_chunk_bytes`` (``broker.weight_chunk_bytes``, at most the frame limit): the broker sends chunks of that
+size, and a publisher's chunks must not be larger.
 """
 
 from __future__ import annotations
@@ -37,8 +37,10 @@ class BrokerLimits:
         *,
         max_payload_frames: int = framing.DEFAULT_LIMITS.max_payload_frames,
         max_transfer_bytes: int = framing.DEFAULT_LIMITS.max_transfer_bytes,
+        weight_chunk_bytes: int | None = None,
     ) -> BrokerLimits:
-        """The limits of a broker whose ``max_message_bytes`` (and payload-frame and transfer bounds) are these."""
+        """The limits of a broker whose ``max_message_bytes`` (and payload-frame and transfer bounds, and weight
+        chunk size: None, the frame limit) are these."""
         frames = framing.Limits(
             max_frame_bytes=max_message_bytes,
             max_message_bytes=max_message_bytes + ENVELOPE_ALLOWANCE_BYTES,
@@ -46,7 +48,7 @@ class BrokerLimits:
             max_payload_frames=max_payload_frames,
             max_transfer_bytes=max_transfer_bytes,
         )
-        return cls(frames, weight_chunk_bytes=max_message_bytes)
+        return cls(frames, weight_chunk_bytes=min(weight_chunk_bytes or max_message_bytes, max_message_bytes))
 
     def to_proto(self) -> control_pb2.DataPlaneLimits:
         frames = self.frames

@@ -91,6 +91,17 @@ def test_registration_carries_the_limits_of_the_broker(tmp_path):
         broker.stop()
 
 
+def test_the_weight_chunk_size_is_the_brokers_and_at_most_its_frame(tmp_path):
+    for fields, chunk_bytes in (({}, 8 * MiB), ({"max_message_bytes": 4 * MiB}, 4 * MiB)):
+        broker = BrokerHarness(tmp_path / f"spool-{chunk_bytes}", **fields)
+        try:
+            client = _register(broker, "trainer", "trainer-rank0")
+            assert client.limits.weight_chunk_bytes == broker.service.chunk_bytes == chunk_bytes
+            client.close()
+        finally:
+            broker.stop()
+
+
 def test_a_client_of_a_broker_that_sends_no_limits_keeps_the_defaults():
     client = ControlClient(BrokerClientConfig(address="127.0.0.1:1"), "trainer", "t")
     try:
@@ -129,7 +140,7 @@ def test_weights_and_rollouts_cross_a_broker_with_small_messages(tmp_path):
 
 @pytest.mark.slow
 def test_a_weight_update_crosses_a_broker_with_large_messages(tmp_path):
-    broker = BrokerHarness(tmp_path / "spool", max_message_bytes=512 * MiB)
+    broker = BrokerHarness(tmp_path / "spool", max_message_bytes=512 * MiB, weight_chunk_bytes=512 * MiB)
     try:
         _publish_and_receive(broker, 512 * MiB + 8 * MiB)  # the broker re-chunks it into 512 MiB chunks
     finally:

@@ -91,6 +91,7 @@ def test_workers_leave_and_join_a_running_run(tiny_model, tmp_path):
     port = broker.endpoints.grpc_port
     daemons: dict[str, InferenceDaemon] = {}
     orchestrator = None
+    publisher = None
     log_path = tmp_path / "orchestrator.log"
     received: dict[int, int] = {}
     try:
@@ -191,6 +192,8 @@ def test_workers_leave_and_join_a_running_run(tiny_model, tmp_path):
             orchestrator.wait(10)
         for daemon in daemons.values():
             daemon.stop()
+        if publisher is not None:
+            publisher.close()  # unlinks its shared-memory segments
         broker.stop()
 
     text = log_path.read_text(errors="replace")

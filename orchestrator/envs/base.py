@@ -9,6 +9,7 @@ again, at most `max_restarts` times; `close()` ends only the client's own proces
 
 from __future__ import annotations
 
+import asyncio
 import concurrent.futures
 from collections.abc import Mapping, Sequence
 from typing import Any, Protocol
@@ -107,4 +108,29 @@ class EnvClient(Protocol):
         ...
 
 
-__all__ = ["EnvClient", "EnvRequestError", "EnvRequestTimeout", "EnvWorkerDied", "EnvWorkerError"]
+class OneExampleCalls:
+    """`submit_rollout` and `rollout` of an `EnvClient`, written once over its `submit_rollouts` and `cancel`."""
+
+    def submit_rollouts(
+        self, example_indices: Sequence[int], **kwargs: Any
+    ) -> list[concurrent.futures.Future[RolloutGroup]]:
+        raise NotImplementedError
+
+    def cancel(self, future: concurrent.futures.Future) -> None:
+        raise NotImplementedError
+
+    def submit_rollout(self, example_index: int, **kwargs: Any) -> concurrent.futures.Future[RolloutGroup]:
+        """`submit_rollouts` of one example: a future of its `RolloutGroup` (errors per rollout inside)."""
+        return self.submit_rollouts([example_index], **kwargs)[0]
+
+    async def rollout(self, example_index: int, **kwargs: Any) -> RolloutGroup:
+        """`submit_rollout` for asyncio; cancelling the awaiting task cancels the request in the process."""
+        future = self.submit_rollout(example_index, **kwargs)
+        try:
+            return await asyncio.wrap_future(future)
+        except asyncio.CancelledError:
+            self.cancel(future)
+            raise
+
+
+__all__ = ["EnvClient", "EnvRequestError", "EnvRequestTimeout", "EnvWorkerDied", "EnvWorkerError", "OneExampleCalls"]

@@ -18,7 +18,6 @@ holds the exit code and the last lines of the worker's stderr; `ensure_alive()` 
 
 from __future__ import annotations
 
-import asyncio
 import concurrent.futures
 import dataclasses
 import itertools
@@ -32,7 +31,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from primerl.orchestrator.envs.base import EnvRequestError, EnvRequestTimeout, EnvWorkerDied, EnvWorkerError
+from primerl.orchestrator.envs.base import (
+    EnvRequestError,
+    EnvRequestTimeout,
+    EnvWorkerDied,
+    EnvWorkerError,
+    OneExampleCalls,
+)
 from primerl.orchestrator.envs.supervision import ChildProcess, PendingRequests
 from primerl.orchestrator.trajectory import (
     EnvInfo,
@@ -69,7 +74,7 @@ class _Pending:
     deadline: float
 
 
-class ClassicEnvClient:
+class ClassicEnvClient(OneExampleCalls):
     """One classic env-worker process serving one environment (`env_id` with its `args`)."""
 
     def __init__(
@@ -212,32 +217,6 @@ class ClassicEnvClient:
         result = self._call(OP_EXAMPLES, {"split": split, "start": start, "count": count}, self.request_timeout_s)
         return [Example(**example) for example in result["examples"]]
 
-    def submit_rollout(
-        self,
-        example_index: int,
-        *,
-        num_rollouts: int,
-        base_url: str,
-        model: str,
-        split: Split = "train",
-        api_key: str = "EMPTY",
-        sampling: SamplingParams | Mapping[str, Any] | None = None,
-        max_concurrent: int | None = None,
-        timeout_s: float | None = None,
-    ) -> concurrent.futures.Future[RolloutGroup]:
-        """Start a group of rollouts of one example; the future gives a RolloutGroup (errors per rollout inside)."""
-        return self.submit_rollouts(
-            [example_index],
-            num_rollouts=num_rollouts,
-            base_url=base_url,
-            model=model,
-            split=split,
-            api_key=api_key,
-            sampling=sampling,
-            max_concurrent=max_concurrent,
-            timeout_s=timeout_s,
-        )[0]
-
     def submit_rollouts(
         self,
         example_indices: Sequence[int],
@@ -285,15 +264,6 @@ class ClassicEnvClient:
             raw.add_done_callback(convert)
             groups.append(group)
         return groups
-
-    async def rollout(self, example_index: int, **kwargs: Any) -> RolloutGroup:
-        """`submit_rollout` for asyncio; cancelling the awaiting task cancels the request in the worker."""
-        future = self.submit_rollout(example_index, **kwargs)
-        try:
-            return await asyncio.wrap_future(future)
-        except asyncio.CancelledError:
-            self.cancel(future)
-            raise
 
     def cancel(self, future: concurrent.futures.Future) -> None:
         """Cancel a submitted request in the worker (its future then fails with EnvRequestError "cancelled")."""

@@ -16,14 +16,13 @@ its own, e.g. `split = "eval"`).
 
 from __future__ import annotations
 
-import asyncio
 import concurrent.futures
 import dataclasses
 import threading
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from primerl.orchestrator.envs.base import EnvRequestError, EnvWorkerDied
+from primerl.orchestrator.envs.base import EnvRequestError, EnvWorkerDied, OneExampleCalls
 from primerl.orchestrator.envs.v1_server import V1ServerConnection
 from primerl.orchestrator.trajectory import EnvInfo, Example, RolloutGroup, SamplingParams
 from primerl.runtime.log_setup import get_logger
@@ -58,7 +57,7 @@ def task_prompt(task: Mapping[str, Any]) -> list[dict[str, Any]]:
     return messages
 
 
-class V1EnvClient:
+class V1EnvClient(OneExampleCalls):
     """One verifiers v1 environment served by its env server (module docstring)."""
 
     def __init__(
@@ -220,17 +219,6 @@ class V1EnvClient:
                 failed.set_exception(exc)
                 futures.append(failed)
         return futures
-
-    def submit_rollout(self, example_index: int, **kwargs: Any) -> concurrent.futures.Future[RolloutGroup]:
-        return self.submit_rollouts([example_index], **kwargs)[0]
-
-    async def rollout(self, example_index: int, **kwargs: Any) -> RolloutGroup:
-        future = self.submit_rollout(example_index, **kwargs)
-        try:
-            return await asyncio.wrap_future(future)
-        except asyncio.CancelledError:
-            self.cancel(future)
-            raise
 
     def cancel(self, future: concurrent.futures.Future) -> None:
         """Cancel a group's runs in the env server (its future fails with EnvRequestError "cancelled")."""

@@ -34,6 +34,7 @@ from primerl.proto import framing, telemetry
 from primerl.proto.data_plane_limits import BrokerLimits
 from primerl.proto.v1 import common_pb2, control_pb2, control_pb2_grpc
 from primerl.runtime.log_setup import get_logger
+from primerl.runtime.periodic import Periodic
 
 SERVICE_NAME = control_pb2.DESCRIPTOR.services_by_name["Broker"].full_name  # "primerl.v1.Broker"
 HEALTH_METHOD_PREFIX = f"/{health.SERVICE_NAME}/"
@@ -469,21 +470,20 @@ class HeartbeatMonitor:
         self.history = history
         self._num_rollbacks: int | None = None  # as seen at the last check (None: not yet; a restart is no rollback)
         self.check_interval_s = (heartbeat_interval_s or registry.heartbeat_interval_s) / 2
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
+        self._periodic = Periodic(
+            "broker-heartbeat-monitor",
+            self.check_interval_s,
+            self.check_once,
+            log=_log,
+            failed_event="heartbeat check failed",
+            slow_stop_event="heartbeat monitor did not stop in time",
+        )
 
     def start(self) -> None:
-        if self._thread is not None:
-            raise RuntimeError("HeartbeatMonitor already started")
-        self._thread = threading.Thread(target=self._run, name="broker-heartbeat-monitor", daemon=True)
-        self._thread.start()
+        self._periodic.start()
 
     def stop(self, timeout_s: float = 5.0) -> None:
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join(timeout_s)
-            if self._thread.is_alive():
-                _log.warning("heartbeat monitor did not stop in time", timeout_s=timeout_s)
+        self._periodic.stop(timeout_s)
 
     def check_once(self) -> list[control_pb2.WorkerInfo]:
         lost = self.registry.expire()
@@ -507,10 +507,3 @@ class HeartbeatMonitor:
                 self.registry.last_committed_step,
             )
         self._num_rollbacks = latest.num_rollbacks
-
-    def _run(self) -> None:
-        while not self._stop.wait(self.check_interval_s):
-            try:
-                self.check_once()
-            except Exception:  # keep monitoring; a broken check must be visible, not fatal
-                _log.exception("heartbeat check failed")

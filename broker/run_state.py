@@ -44,6 +44,7 @@ from pathlib import Path
 
 from primerl.runtime.durable_files import write_atomically
 from primerl.runtime.log_setup import get_logger
+from primerl.runtime.periodic import Periodic
 
 log = get_logger("primerl.broker.run_state")
 
@@ -205,24 +206,23 @@ class RunStateSaver:
         self.store = store
         self.interval_s = interval_s
         self._on_error = on_error
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
         self._last_error = ""
         self.num_writes = 0
+        self._periodic = Periodic(
+            "broker-run-state",
+            interval_s,
+            self.save_once,
+            log=log,
+            failed_event="run state save failed",
+            slow_stop_event="run state saver did not stop in time",
+        )
 
     def start(self) -> None:
-        if self._thread is not None:
-            raise RuntimeError("RunStateSaver already started")
-        self._thread = threading.Thread(target=self._run, name="broker-run-state", daemon=True)
-        self._thread.start()
+        self._periodic.start()
 
     def stop(self, timeout_s: float = 5.0) -> None:
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join(timeout_s)
-            if self._thread.is_alive():
-                log.warning("run state saver did not stop in time", timeout_s=timeout_s)
-                return
+        if not self._periodic.stop(timeout_s):
+            return
         self.save_once()
 
     def save_once(self) -> bool:
@@ -243,10 +243,3 @@ class RunStateSaver:
             self._last_error = ""
         self.num_writes += wrote
         return wrote
-
-    def _run(self) -> None:
-        while not self._stop.wait(self.interval_s):
-            try:
-                self.save_once()
-            except Exception:  # keep saving; a broken snapshot must be visible, not fatal to the broker
-                log.exception("run state save failed")

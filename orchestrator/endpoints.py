@@ -287,13 +287,13 @@ class InferenceWorkers:
         """``inference/*`` metrics since the last call: workers listed and serving, joined, left, and the longest
         time a worker took from registering to serving the current version (absent when none caught up)."""
         metrics = {
-            "inference/workers": float(len(self.endpoints)),
-            "inference/workers_serving": float(len(self.ready())),
-            "inference/workers_joined": float(self.num_joined),
-            "inference/workers_left": float(self.num_left),
+            telemetry.INFERENCE_WORKERS: float(len(self.endpoints)),
+            telemetry.INFERENCE_WORKERS_SERVING: float(len(self.ready())),
+            telemetry.INFERENCE_WORKERS_JOINED: float(self.num_joined),
+            telemetry.INFERENCE_WORKERS_LEFT: float(self.num_left),
         }
         if self.join_to_serving_s:
-            metrics["inference/join_to_serving_s"] = max(self.join_to_serving_s)
+            metrics[telemetry.INFERENCE_JOIN_TO_SERVING_S] = max(self.join_to_serving_s)
         self.num_joined = self.num_left = 0
         self.join_to_serving_s = []
         return metrics

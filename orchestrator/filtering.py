@@ -38,6 +38,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from primerl.orchestrator.samples import Group, TrainingSample
+from primerl.proto import telemetry
 
 if TYPE_CHECKING:
     from primerl.configs.orchestrator import BufferConfig
@@ -383,8 +384,8 @@ class BatchAssembler:
         num_rollouts = sum(taken.values())
         self._drop_surplus()
         metrics = self.metrics()
-        metrics["buffer/num_rollouts"] = float(num_rollouts)
-        metrics["batch/filled_with_dropped_rollouts"] = float(sum(filled.values()))
+        metrics[telemetry.BUFFER_NUM_ROLLOUTS] = float(num_rollouts)
+        metrics[telemetry.BATCH_FILLED_WITH_DROPPED_ROLLOUTS] = float(sum(filled.values()))
         batch = AssembledBatch(
             groups=groups, metrics=metrics, discarded_tokens=+self.discarded_tokens, filled_rollouts=filled
         )
@@ -413,14 +414,14 @@ class BatchAssembler:
         seen = self._num_groups_seen
         num_filtered = sum(self._filtered.values())
         metrics = {
-            "filter/num_groups": float(seen),
-            "filter/num_filtered": float(num_filtered),
-            "filter/filtered_fraction": num_filtered / seen if seen else 0.0,
+            telemetry.FILTER_NUM_GROUPS: float(seen),
+            telemetry.FILTER_NUM_FILTERED: float(num_filtered),
+            telemetry.FILTER_FILTERED_FRACTION: num_filtered / seen if seen else 0.0,
         }
         for reason, count in self._filtered.items():
             metrics[f"filter/{reason}"] = float(count)
             metrics[f"filter/{reason}_fraction"] = count / seen if seen else 0.0
-        metrics["buffer/num_surplus_rollouts"] = float(self.num_pending_rollouts)
-        metrics["buffer/num_stale_groups_dropped"] = float(self._num_stale_dropped)
-        metrics["buffer/num_surplus_groups_dropped"] = float(self._num_surplus_dropped)
+        metrics[telemetry.BUFFER_NUM_SURPLUS_ROLLOUTS] = float(self.num_pending_rollouts)
+        metrics[telemetry.BUFFER_NUM_STALE_GROUPS_DROPPED] = float(self._num_stale_dropped)
+        metrics[telemetry.BUFFER_NUM_SURPLUS_GROUPS_DROPPED] = float(self._num_surplus_dropped)
         return metrics

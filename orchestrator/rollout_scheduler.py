@@ -682,13 +682,13 @@ class RolloutScheduler:
         teacher, ``teacher/*`` (``TeacherStage.take_metrics``; ``teacher/dispatch_waits``: dispatch rounds skipped
         because as many groups as are kept in flight waited for the teacher)."""
         teacher = (
-            {**self.teacher.take_metrics(), "teacher/dispatch_waits": float(self.counters["teacher_waits"])}
+            {**self.teacher.take_metrics(), telemetry.TEACHER_DISPATCH_WAITS: float(self.counters["teacher_waits"])}
             if self.teacher is not None
             else {}
         )
         return {
-            "rollout/retried": float(self.counters["retried"]),
-            "inference/workers_silent": float(self.counters["silent_workers"]),
+            telemetry.ROLLOUT_RETRIED: float(self.counters["retried"]),
+            telemetry.INFERENCE_WORKERS_SILENT: float(self.counters["silent_workers"]),
             **self.inference.take_counts(),
             **teacher,
         }

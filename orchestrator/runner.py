@@ -55,7 +55,7 @@ from primerl.orchestrator.packing import to_broker_batches
 from primerl.orchestrator.rollout_failures import RolloutFailures
 from primerl.orchestrator.rollout_samples import RolloutSamples
 from primerl.orchestrator.rollout_scheduler import RolloutScheduler
-from primerl.orchestrator.step_metrics import ROLLOUT_TOKENS_DISCARDED, ROLLOUT_TOKENS_GENERATED, batch_metrics, finite
+from primerl.orchestrator.step_metrics import batch_metrics, finite
 from primerl.orchestrator.step_send import RESEND_INTERVAL_S, log_step_data, rank_digests, send_step
 from primerl.orchestrator.teacher_scoring import TeacherScorer
 from primerl.orchestrator.teacher_stage import TeacherStage
@@ -142,8 +142,8 @@ class OrchestratorRunner:
             telemetry.ADVICE_MOST_ROLLOUTS_DISCARDED,
             telemetry.ADVICE_ROLLOUTS_DISCARDED,
             telemetry.ADVICE_DISCARDED_FRACTION,
-            generated_key=ROLLOUT_TOKENS_GENERATED,
-            discarded_key=ROLLOUT_TOKENS_DISCARDED,
+            generated_key=telemetry.ROLLOUT_TOKENS_GENERATED,
+            discarded_key=telemetry.ROLLOUT_TOKENS_DISCARDED,
         )
         self._policy_wait_s = 0.0  # of the step under way: dispatch held for a newer policy
         self._send_stop = threading.Event()  # ends the send thread's waits when the orchestrator stops
@@ -529,7 +529,7 @@ class OrchestratorRunner:
             sampling=config.sampling.model_dump(),
             timeout_s=config.rollout_timeout_s,
         )
-        metrics["eval/time_s"] = time.monotonic() - started_s
+        metrics[telemetry.EVAL_TIME_S] = time.monotonic() - started_s
         self._report_metrics(step, metrics)
         self.sink.log(step, metrics)
         log.info("eval done", step=step, **{k: round(v, 4) for k, v in metrics.items() if k.endswith("/reward")})

@@ -61,10 +61,6 @@ if TYPE_CHECKING:
     from primerl.orchestrator.filtering import AssembledBatch
     from primerl.orchestrator.trajectory import RolloutGroup
 
-ROLLOUT_TOKENS_GENERATED = "rollout/tokens_generated"
-ROLLOUT_TOKENS_TRAINED = "rollout/tokens_trained"
-ROLLOUT_TOKENS_DISCARDED = "rollout/tokens_discarded"
-ROLLOUT_DISCARDED_FRACTION = "rollout/discarded_fraction"
 DISCARD_REASONS = ("stale", "filtered", "failed", "cancelled", "surplus")
 
 _GROUP_TIMINGS = (("generate_s", "inference_wait_s"), ("score_s", "env_score_s"), ("encode_s", "env_encode_s"))
@@ -103,7 +99,7 @@ class StepTimers:
         metrics = {f"perf/{name}": float(self.totals[name]) for name in _STEP_PHASES}
         for name in _GROUP_MEANS:
             metrics[f"perf/{name}"] = float(self.totals[f"group_{name}"]) / groups
-        metrics["perf/step_s"] = elapsed_s
+        metrics[telemetry.PERF_STEP_S] = elapsed_s
         return metrics
 
 
@@ -125,10 +121,10 @@ def batch_metrics(
         telemetry.TRAIN_REWARD: float(np.mean(rewards)),
         telemetry.ROLLOUT_REWARD_STD: float(np.std(rewards)),
         telemetry.ROLLOUT_MEAN_LENGTH: float(np.mean(lengths)),
-        "rollout/truncation_rate": float(np.mean([any(s.truncated for s in samples) for samples in rollouts])),
+        telemetry.ROLLOUT_TRUNCATION_RATE: float(np.mean([any(s.truncated for s in samples) for samples in rollouts])),
         telemetry.ROLLOUT_GENERATION_TIME: elapsed_s,
         telemetry.ROLLOUT_TOKENS_PER_S: tokens_per_s,
-        "rollout/completion_tokens": float(counters["completion_tokens"]),  # of rollouts collected this step
+        telemetry.ROLLOUT_COMPLETION_TOKENS: float(counters["completion_tokens"]),  # of rollouts collected this step
         **reward_spread_metrics(rewards),
         **fallback_metrics(fallbacks),
         **(env_reward_metrics(batch.groups) if multi_env else {}),
@@ -136,8 +132,8 @@ def batch_metrics(
             counters["rollout_errors"] + counters["env_errors"] + counters["teacher_errors"]
         ),
         **{f"rollout/{name}": float(count) for name, count in counters.items() if name.startswith("errors/")},
-        "rollout/rescheduled": float(counters["rescheduled"]),
-        "rollout/stale_groups_cancelled": float(counters["stale_groups_cancelled"]),
+        telemetry.ROLLOUT_RESCHEDULED: float(counters["rescheduled"]),
+        telemetry.ROLLOUT_STALE_GROUPS_CANCELLED: float(counters["stale_groups_cancelled"]),
         **(
             {
                 f"env/{name.split('/', 1)[1]}/stale_groups_cancelled": float(count)
@@ -148,7 +144,7 @@ def batch_metrics(
             else {}
         ),
         **batch.metrics,
-        "batch/zero_advantage_rollouts": float(sum(g.num_rollouts for g in batch.groups if not g.has_signal)),
+        telemetry.BATCH_ZERO_ADVANTAGE_ROLLOUTS: float(sum(g.num_rollouts for g in batch.groups if not g.has_signal)),
         **token_metrics(batch, counters, multi_env=multi_env),
     }
     return finite(metrics)
@@ -173,13 +169,13 @@ def token_metrics(batch: AssembledBatch, counters: collections.Counter, *, multi
     num_generated = sum(generated.values())
     num_discarded = sum(discarded.values())
     metrics = {
-        ROLLOUT_TOKENS_GENERATED: float(num_generated),
-        ROLLOUT_TOKENS_TRAINED: float(sum(trained.values())),
-        ROLLOUT_TOKENS_DISCARDED: float(num_discarded),
-        ROLLOUT_DISCARDED_FRACTION: num_discarded / num_generated if num_generated else 0.0,
+        telemetry.ROLLOUT_TOKENS_GENERATED: float(num_generated),
+        telemetry.ROLLOUT_TOKENS_TRAINED: float(sum(trained.values())),
+        telemetry.ROLLOUT_TOKENS_DISCARDED: float(num_discarded),
+        telemetry.ROLLOUT_DISCARDED_FRACTION: num_discarded / num_generated if num_generated else 0.0,
     }
     for reason in DISCARD_REASONS:
-        metrics[f"{ROLLOUT_TOKENS_DISCARDED}/{reason}"] = float(
+        metrics[f"{telemetry.ROLLOUT_TOKENS_DISCARDED}/{reason}"] = float(
             sum(count for (why, _), count in discarded.items() if why == reason)
         )
     if multi_env:
@@ -214,7 +210,7 @@ def fallback_metrics(fallbacks: collections.Counter) -> dict[str, float]:
     """``rollout/interleave_fallbacks`` (trajectories of this step's rollouts that could not be interleaved and
     were trained as branching samples) and one ``rollout/interleave_fallbacks/<reason>`` per reason seen."""
     return {
-        "rollout/interleave_fallbacks": float(sum(fallbacks.values())),
+        telemetry.ROLLOUT_INTERLEAVE_FALLBACKS: float(sum(fallbacks.values())),
         **{f"rollout/interleave_fallbacks/{reason}": float(count) for reason, count in sorted(fallbacks.items())},
     }
 
@@ -238,10 +234,6 @@ def env_reward_metrics(groups: list) -> dict[str, float]:
 
 __all__ = [
     "DISCARD_REASONS",
-    "ROLLOUT_DISCARDED_FRACTION",
-    "ROLLOUT_TOKENS_DISCARDED",
-    "ROLLOUT_TOKENS_GENERATED",
-    "ROLLOUT_TOKENS_TRAINED",
     "StepTimers",
     "batch_metrics",
     "token_metrics",

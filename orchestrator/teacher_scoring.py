@@ -229,11 +229,11 @@ class TeacherScorer:
             counts, self._counts = self._counts, collections.Counter()
         requests = counts["requests"]
         return {
-            "teacher/requests": float(requests),
-            "teacher/request_s": counts["request_s"] / requests if requests else 0.0,
-            "teacher/retried": float(counts["retried"]),
-            "teacher/errors": float(counts["errors"]),
-            "teacher/inflight": float(self.endpoints.num_inflight()),
+            telemetry.TEACHER_REQUESTS: float(requests),
+            telemetry.TEACHER_REQUEST_S: counts["request_s"] / requests if requests else 0.0,
+            telemetry.TEACHER_RETRIED: float(counts["retried"]),
+            telemetry.TEACHER_ERRORS: float(counts["errors"]),
+            telemetry.TEACHER_INFLIGHT: float(self.endpoints.num_inflight()),
         }
 
     def close(self) -> None:

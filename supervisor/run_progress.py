@@ -144,12 +144,8 @@ def run_summary(rows: list[dict], progress: Progress, children: Iterable[Any], w
 def token_summary(orchestrator_rows: list[dict]) -> str:
     """The run's completion tokens: generated, trained, discarded by reason (``rollout/tokens_*`` summed over the
     orchestrator's step rows); "" when the rows have none."""
-    from primerl.orchestrator.step_metrics import (
-        DISCARD_REASONS,
-        ROLLOUT_TOKENS_DISCARDED,
-        ROLLOUT_TOKENS_GENERATED,
-        ROLLOUT_TOKENS_TRAINED,
-    )
+    from primerl.orchestrator.step_metrics import DISCARD_REASONS
+    from primerl.proto.telemetry import ROLLOUT_TOKENS_DISCARDED, ROLLOUT_TOKENS_GENERATED, ROLLOUT_TOKENS_TRAINED
 
     generated = sum(r.get(ROLLOUT_TOKENS_GENERATED, 0.0) for r in orchestrator_rows)
     if not generated:

@@ -269,8 +269,8 @@ class TrainerRunner:
             {
                 telemetry.PERF_WAIT_FOR_DATA_S: waited_s,
                 telemetry.PERF_STEP_TIME_S: compute_s,
-                "perf/fetch_s": fetched.fetch_s,
-                "perf/decode_s": fetched.decode_s,
+                telemetry.PERF_FETCH_S: fetched.fetch_s,
+                telemetry.PERF_DECODE_S: fetched.decode_s,
                 telemetry.TRAIN_NUM_MICRO_BATCHES: float(len(micro_batches)),
                 "ckpt/saved": float(due),
             }
@@ -300,7 +300,7 @@ class TrainerRunner:
             if self.publisher is not None:
                 result = self.publisher.publish(model, version=step)
                 timings["publish_ms"] = result.build_ms + result.send_ms
-                metrics["perf/publish_ms"] = timings["publish_ms"]  # also in the checkpoint's record
+                metrics[telemetry.PERF_PUBLISH_MS] = timings["publish_ms"]  # also in the checkpoint's record
                 # What went, and how (why a delta went as FULL: the `policy published` line's reason).
                 metrics[telemetry.WEIGHTS_PAYLOAD_MIB] = result.payload_bytes / 2**20
                 metrics[telemetry.WEIGHTS_SENT_DELTA] = float(result.kind == "delta")
@@ -315,12 +315,12 @@ class TrainerRunner:
                 commit_started_s = time.perf_counter()
                 self._commit(step)
                 timings["commit_s"] = time.perf_counter() - commit_started_s
-            metrics["perf/publish_ms"] = timings.get("publish_ms", 0.0)
+            metrics[telemetry.PERF_PUBLISH_MS] = timings.get("publish_ms", 0.0)
             metrics.update(
                 {f"perf/{name}": timings[name] for name in ("checkpoint_s", "commit_s", "export_s") if name in timings}
             )
-            metrics["perf/io_s"] = time.monotonic() - io_started_s
-            self._record_step(step, metrics, {**done_line, "publish_ms": round(metrics["perf/publish_ms"], 1)})
+            metrics[telemetry.PERF_IO_S] = time.monotonic() - io_started_s
+            self._record_step(step, metrics, {**done_line, "publish_ms": round(metrics[telemetry.PERF_PUBLISH_MS], 1)})
             if self.gauges is not None:
                 self.gauges.loss.set(stats.loss)
                 self.gauges.loss_tokens.inc(stats.num_loss_tokens)

@@ -21,8 +21,8 @@ runs; ``apply`` then only switches the model (a few ms) and resets the prefix ca
 before its last chunk arrived and its digest matched; one that stops midway or is refused is dropped (``discard``).
 An engine that cannot stage (``staged_load.unsupported_reason``) reloads in place in ``apply``. Two files are used in
 turn: an update is always written into the one the worker's host copy does not view (``HOST_VIEWS``).
-LORA goes to a new directory under ``work_dir`` under a new int id each version (an id reused with new files serves
-the old weights); directories are kept for ``keep_adapter_versions`` versions for requests still in flight.
+LORA goes to a new directory under ``work_dir``/adapters under a new int id each version, ``keep_adapter_versions``
+kept for requests still in flight (``primerl.inference.lora_adapters``).
 
 Lineage: a FULL or LORA update of a newer ``header.lineage`` (a trainer rolled back) is applied whatever its version.
 ``wants(header)``: would be applied; ``holds(header)``: the engine serves it or something newer (acknowledge, do not
@@ -34,18 +34,16 @@ be read from any thread.
 from __future__ import annotations
 
 import hmac
-import json
-import shutil
 import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
+from primerl.inference.lora_adapters import LoraAdapters
 from primerl.inference.shared_payload import PayloadControl, SharedPayload, remove_stale_files
 from primerl.inference.update_checks import (
     UpdateRefused,
-    check_lora_tensors,
     refusal_from_frame_error,
     refusal_from_worker_error,
 )
@@ -78,8 +76,6 @@ STAGE_POLL_S = 0.001
 STAGE_PROBE_S = 1.0
 """How often, while it waits, `preload` asks the engine itself about the staged load (a dead engine raises)."""
 
-ADAPTER_WEIGHTS_FILE = "adapter_model.safetensors"
-ADAPTER_CONFIG_FILE = "adapter_config.json"
 DEFAULT_POLICY_NAME = "policy"
 
 
@@ -157,15 +153,16 @@ class PolicyUpdater:
             raise ValueError(f"policy_version must be >= 0, got {policy_version}")
         self.engine = engine
         self.work_dir = Path(work_dir)
-        self.max_lora_rank = max_lora_rank
-        self.policy_name = policy_name
-        self.keep_adapter_versions = keep_adapter_versions
+        self.adapters = LoraAdapters(
+            engine,
+            self.work_dir / "adapters",
+            max_lora_rank=max_lora_rank,
+            policy_name=policy_name,
+            keep=keep_adapter_versions,
+        )
         self._policy_version = policy_version
         self._lineage = 0
         self._lineage_base_version = 0
-        self._lora_request: LoRARequest | None = None
-        self._next_lora_id = 1
-        self._adapter_dirs: list[Path] = []
         self._manifest: dict[str, tuple[str, list[int]]] | None = None
         self._lock = threading.Lock()
         self.verify_digest = verify_digest
@@ -232,7 +229,7 @@ class PolicyUpdater:
     @property
     def kind(self) -> str:
         """ "lora" while an adapter is served, else "full"."""
-        return "full" if self._lora_request is None else "lora"
+        return "full" if self.adapters.request is None else "lora"
 
     @property
     def reload_in_place_reason(self) -> str | None:
@@ -242,7 +239,7 @@ class PolicyUpdater:
 
     def lora_request(self) -> LoRARequest | None:
         """The `LoRARequest` requests must carry to get the served policy; None while full weights are served."""
-        return self._lora_request
+        return self.adapters.request
 
     def prepare(self) -> None:
         """Read the model's weight names and shapes from the worker (which loads its host copy of the weights
@@ -439,7 +436,7 @@ class PolicyUpdater:
             phases = dict(preloaded.phases_ms)
             mark = time.perf_counter()
             if header.kind == LORA:
-                self._apply_lora(header, payload)
+                self.adapters.apply(header, payload, self._weight_manifest)
                 phases["engine"] = _ms_since(mark)
             else:
                 self._switch_weights(header, preloaded.transfer, phases)
@@ -582,10 +579,7 @@ class PolicyUpdater:
         mark = time.perf_counter()
         self.engine.reset_prefix_cache()
         phases["reset_cache"] = _ms_since(mark)
-        if self._lora_request is not None:
-            # vLLM's reload already dropped the adapter inside the worker; tell the engine too.
-            self.engine.remove_lora(self._lora_request.lora_int_id)
-            self._lora_request = None
+        self.adapters.forget()
         log.debug("worker applied weights", results=results)
 
     def _check_common(self, header: data_pb2.WeightUpdateHeader, payload: Any, payload_digest: str | None) -> None:
@@ -624,7 +618,7 @@ class PolicyUpdater:
                 f"{served_lineage}: a replaced trainer's update"
             )
         if header.kind == DELTA:
-            if self._lora_request is not None:
+            if self.adapters.request is not None:
                 return (
                     f"DELTA v{version} needs full weights but a LoRA adapter (v{served}) is served; send a FULL update"
                 )
@@ -684,71 +678,6 @@ class PolicyUpdater:
             if refusal is None:
                 raise
             raise refusal from None
-
-    def _apply_lora(self, header: data_pb2.WeightUpdateHeader, payload: Any) -> None:
-        from vllm.lora.request import LoRARequest
-
-        what = f"LORA v{header.policy_version}"
-        if self.max_lora_rank is None:
-            raise UpdateRefused(
-                common_pb2.ERROR_CODE_TENSOR_MISMATCH, f"{what}: the engine was started without LoRA (enable_lora)"
-            )
-        try:
-            adapter_config = json.loads(header.adapter_config_json)
-        except ValueError as exc:
-            raise UpdateRefused(
-                common_pb2.ERROR_CODE_MALFORMED_HEADER, f"{what}: adapter_config_json is not JSON ({exc})"
-            ) from None
-        if not isinstance(adapter_config, dict):
-            raise UpdateRefused(common_pb2.ERROR_CODE_MALFORMED_HEADER, f"{what}: adapter_config_json is not an object")
-        try:
-            entries = check_tensor_frame(payload, header.tensors)
-        except TensorFrameError as exc:
-            raise refusal_from_frame_error(what, exc) from None
-        check_lora_tensors(
-            what,
-            adapter_config,
-            {n: list(e.shape) for n, e in entries.items()},
-            self._weight_manifest(),
-            self.max_lora_rank,
-        )
-
-        lora_id = self._next_lora_id
-        policy_name = header.policy_name or self.policy_name
-        adapter_dir = self._write_adapter(header.policy_version, lora_id, payload, header.adapter_config_json)
-        request = LoRARequest(lora_name=policy_name, lora_int_id=lora_id, lora_path=str(adapter_dir))
-        try:
-            added = self.engine.add_lora(request)
-        except Exception as exc:  # vLLM raises ValueError and others for an adapter it cannot load
-            shutil.rmtree(adapter_dir, ignore_errors=True)
-            raise UpdateRefused(
-                common_pb2.ERROR_CODE_TENSOR_MISMATCH, f"{what}: the engine could not load the adapter: {exc}"
-            ) from None
-        if not added:
-            shutil.rmtree(adapter_dir, ignore_errors=True)
-            raise UpdateRefused(common_pb2.ERROR_CODE_INTERNAL, f"{what}: the engine did not add the adapter")
-        self._next_lora_id += 1
-        previous, self._lora_request = self._lora_request, request
-        if previous is not None:
-            self.engine.remove_lora(previous.lora_int_id)
-        self.engine.reset_prefix_cache()
-        self._adapter_dirs.append(adapter_dir)
-        while len(self._adapter_dirs) > self.keep_adapter_versions:
-            shutil.rmtree(self._adapter_dirs.pop(0), ignore_errors=True)
-
-    def _write_adapter(self, policy_version: int, lora_id: int, payload: Any, adapter_config_json: str) -> Path:
-        """Write the adapter to a new directory, atomically (a temporary name, renamed when complete)."""
-        adapters = self.work_dir / "adapters"
-        adapters.mkdir(parents=True, exist_ok=True)
-        final = adapters / f"v{policy_version:08d}-id{lora_id}"
-        tmp = adapters / f".{final.name}.tmp"
-        shutil.rmtree(tmp, ignore_errors=True)
-        shutil.rmtree(final, ignore_errors=True)
-        tmp.mkdir()
-        (tmp / ADAPTER_WEIGHTS_FILE).write_bytes(memoryview(payload))
-        (tmp / ADAPTER_CONFIG_FILE).write_text(adapter_config_json)
-        tmp.rename(final)
-        return final
 
 
 def _ms_since(start: float) -> float:

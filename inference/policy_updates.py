@@ -14,13 +14,12 @@ refused update (``UpdateRefused`` with a wire ``ErrorCode``, ``primerl.inference
 - TENSOR_MISMATCH / MALFORMED_HEADER: unknown, missing or misshapen tensors, an unreadable payload or delta, an
   adapter whose rank exceeds the engine's ``max_lora_rank``.
 
-FULL and DELTA payloads are written as they arrive into shared-memory files (``primerl.inference.shared_payload``;
-only a path crosses ``collective_rpc``), and the worker stages the update beside the served weights meanwhile
-(``primerl.inference.staged_load``). ``preload`` checks a whole update and waits for that load while generation
-runs; ``apply`` then only switches the model (a few ms) and resets the prefix cache. An update is never switched to
-before its last chunk arrived and its digest matched; one that stops midway or is refused is dropped (``discard``).
-An engine that cannot stage (``staged_load.unsupported_reason``) reloads in place in ``apply``. Two files are used in
-turn: an update is always written into the one the worker's host copy does not view (``HOST_VIEWS``).
+FULL and DELTA payloads are written as they arrive into shared-memory files, and the worker stages the update beside
+the served weights meanwhile (``primerl.inference.payload_transfers``). ``preload`` checks a whole update and waits
+for that load while generation runs; ``apply`` then only switches the model (a few ms) and resets the prefix cache.
+An update is never switched to before its last chunk arrived and its digest matched; one that stops midway or is
+refused is dropped (``discard``).
+An engine that cannot stage (``staged_load.unsupported_reason``) reloads in place in ``apply``.
 LORA goes to a new directory under ``work_dir``/adapters under a new int id each version, ``keep_adapter_versions``
 kept for requests still in flight (``primerl.inference.lora_adapters``).
 
@@ -41,7 +40,12 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
 from primerl.inference.lora_adapters import LoraAdapters
-from primerl.inference.shared_payload import PayloadControl, SharedPayload, remove_stale_files
+from primerl.inference.payload_transfers import (
+    STAGE_STALL_TIMEOUT_S,
+    STAGE_TIMEOUT_S,
+    PayloadTransfers,
+    Transfer,
+)
 from primerl.inference.update_checks import (
     UpdateRefused,
     refusal_from_frame_error,
@@ -65,16 +69,6 @@ __all__ = ["EngineOps", "LLMEngineOps", "PolicyUpdater"]
 FULL = data_pb2.WEIGHT_UPDATE_KIND_FULL
 LORA = data_pb2.WEIGHT_UPDATE_KIND_LORA
 DELTA = data_pb2.WEIGHT_UPDATE_KIND_DELTA
-
-STAGE_STALL_TIMEOUT_S = 120.0
-"""A staged load gives up when no byte of its payload arrived for this long (the daemon drops a stalled transfer
-itself much sooner: ``WeightSubscriber.stall_timeout_s``)."""
-STAGE_TIMEOUT_S = 600.0
-"""Longest wait for a staged load once its payload is complete (as long as an engine call)."""
-STAGE_POLL_S = 0.001
-"""How often `preload` looks whether the staged load has finished (in the shared file's control words)."""
-STAGE_PROBE_S = 1.0
-"""How often, while it waits, `preload` asks the engine itself about the staged load (a dead engine raises)."""
 
 DEFAULT_POLICY_NAME = "policy"
 
@@ -167,14 +161,15 @@ class PolicyUpdater:
         self._lock = threading.Lock()
         self.verify_digest = verify_digest
         self.streaming = streaming
-        self.stage_stall_timeout_s = stage_stall_timeout_s
-        self.stage_timeout_s = stage_timeout_s
-        self._staging_dir = staging_dir
-        self._files: list[SharedPayload] = []
-        self._seq = 0
-        self._transfer: _Transfer | None = None
+        self.transfers = PayloadTransfers(
+            engine,
+            staging_dir,
+            streaming=streaming,
+            stall_timeout_s=stage_stall_timeout_s,
+            stage_timeout_s=stage_timeout_s,
+            engine_workers=self._engine_workers,
+        )
         self._preloaded: _Preloaded | None = None
-        self._staging_unsupported: str | None = None
         self._num_engine_workers = 0
         # A trainer's segment the worker's host copy may still view (after an update read in place from it).
         self._foreign_host_path: str | None = None
@@ -235,7 +230,7 @@ class PolicyUpdater:
     def reload_in_place_reason(self) -> str | None:
         """Why FULL and DELTA updates are reloaded in place, generation paused for the whole load (None: they are
         loaded beside the served weights, or it is not known yet: before the first update)."""
-        return "streaming is off" if not self.streaming else self._staging_unsupported
+        return "streaming is off" if not self.streaming else self.transfers.unsupported
 
     def lora_request(self) -> LoRARequest | None:
         """The `LoRARequest` requests must carry to get the served policy; None while full weights are served."""
@@ -264,7 +259,7 @@ class PolicyUpdater:
         with self._lock:
             transfer = self._begin_transfer(num_bytes)
             if header.kind in (FULL, DELTA) and header.payload_bytes in (0, num_bytes) and self.wants(header):
-                self._start_staged_load(transfer, header)
+                self.transfers.start_load(transfer, header)
             return transfer.view
 
     def adopt_payload(self, header: data_pb2.WeightUpdateHeader, path: str, payload: memoryview) -> memoryview:
@@ -280,7 +275,7 @@ class PolicyUpdater:
             transfer.file.publish(payload.nbytes)
             transfer.finish(complete=True)
             if header.kind in (FULL, DELTA) and header.payload_bytes in (0, payload.nbytes) and self.wants(header):
-                self._start_staged_load(transfer, header)
+                self.transfers.start_load(transfer, header)
             return payload
 
     def settle(self) -> float:
@@ -296,17 +291,11 @@ class PolicyUpdater:
 
     def payload_progress(self, num_bytes: int) -> None:
         """`PayloadSink`: the first ``num_bytes`` of the payload are in its buffer (the staged load may read them)."""
-        transfer = self._transfer
-        if transfer is not None:
-            transfer.file.publish(num_bytes)
+        self.transfers.progress(num_bytes)
 
     def end_payload(self, complete: bool) -> None:
         """`PayloadSink`: the payload is complete, or was dropped (its staged load then stops by itself)."""
-        transfer = self._transfer
-        if transfer is not None:
-            transfer.finish(complete)
-            if not complete:
-                self._transfer = None
+        self.transfers.end(complete)
 
     def staging_buffer(self, num_bytes: int) -> memoryview:
         """A writable view of ``num_bytes`` in a shared payload file, to assemble a payload in place (no staged load
@@ -315,84 +304,23 @@ class PolicyUpdater:
         with self._lock:
             return self._begin_transfer(num_bytes).view
 
-    def _begin_transfer(self, num_bytes: int) -> _Transfer:
-        """A new transfer into a shared file the worker's host copy does not view (its previous transfer, if
-        unfinished, is dropped)."""
-        if self._transfer is not None:
-            self._discard()  # a load staged for it that was not applied, and what was preloaded
-            if self._transfer is not None and not self._transfer.complete:
-                self._transfer.finish(complete=False)
-        self._transfer = None
-        file = next((f for f in self._files if not f.control.read(PayloadControl.HOST_VIEWS)), None)
-        if file is None:
-            if len(self._files) >= 2:  # only one file is ever viewed by the host copy: this is a bug
-                log.warning(
-                    "every shared payload file is in use by the worker's host copy; adding one",
-                    num_files=len(self._files),
-                )
-            if not self._files:
-                removed = remove_stale_files(self._staging_dir)
-                if removed:
-                    log.info("removed shared payload files of dead processes", paths=[str(p) for p in removed])
-            file = SharedPayload(self._staging_dir)
-            self._files.append(file)
-        view = file.buffer(num_bytes)
-        self._seq += 1
-        file.begin(self._seq)
-        self._transfer = _Transfer(file, self._seq, view)
-        return self._transfer
+    def _begin_transfer(self, num_bytes: int) -> Transfer:
+        """A new transfer (`PayloadTransfers.begin`); an update preloaded from the current one is dropped."""
+        if self.transfers.current is not None:
+            self._preloaded = None
+        return self.transfers.begin(num_bytes)
 
-    def _start_staged_load(self, transfer: _Transfer, header: data_pb2.WeightUpdateHeader) -> None:
-        """Ask the worker to load ``transfer`` beside the served weights (`primerl_stage_begin`): it reads the shared
-        file as the bytes arrive. Nothing happens when staging is off or the engine cannot stage (then `apply`
-        reloads in place, generation paused for the whole load)."""
-        if not self.streaming or self._staging_unsupported is not None or transfer.staged_header is not None:
-            return
+    def _engine_workers(self) -> int:
         self._weight_manifest()
-        if self._num_engine_workers != 1:
-            self._staging_unsupported = f"{self._num_engine_workers} workers share the engine"
-        else:
-            header_bytes = header.SerializeToString()
-            try:
-                results = self.engine.collective_rpc(
-                    "primerl_stage_begin",
-                    (
-                        transfer.file.path,
-                        transfer.num_bytes,
-                        transfer.seq,
-                        header_bytes,
-                        self.stage_stall_timeout_s,
-                        transfer.payload_path,
-                    ),
-                )
-            except Exception as exc:  # the engine's fault shows again, where it matters, when the update is applied
-                log.warning("could not start a staged load; the update will be reloaded in place", error=repr(exc))
-                return
-            result = results[0]
-            if result.get("staging"):
-                transfer.staged_header = header_bytes
-                return
-            if not result.get("permanent"):
-                log.warning("staged load not started; the update will be reloaded in place", reason=result["reason"])
-                return
-            self._staging_unsupported = str(result["reason"])
-        log.info(
-            "weight updates are reloaded in place, with generation paused for the whole load",
-            reason=self._staging_unsupported,
-        )
+        return self._num_engine_workers
 
     # ---- applying ----------------------------------------------------------------------------------------------
 
     def close(self) -> None:
         """Remove the shared payload files (the updater can still be used: it makes new ones)."""
         with self._lock:
-            if self._transfer is not None:
-                self._transfer.finish(complete=False)
-                self._transfer = None
             self._preloaded = None
-            for file in self._files:
-                file.close()
-            self._files = []
+            self.transfers.close()
 
     def preload(
         self,
@@ -477,15 +405,15 @@ class PolicyUpdater:
             phases["check"] = _ms_since(start)
             if header.kind != LORA:
                 mark = time.perf_counter()
-                transfer = self._transfer_of(payload)
+                transfer = self.transfers.holding(payload)
                 phases["stage"] = _ms_since(mark)
                 mark = time.perf_counter()
                 if transfer.staged_header is not None and transfer.staged_header != header.SerializeToString():
                     self._discard()  # staged for another header: start again
-                    transfer = self._transfer_of(payload)
-                self._start_staged_load(transfer, header)
+                    transfer = self.transfers.holding(payload)
+                self.transfers.start_load(transfer, header)
                 if transfer.staged_header is not None:
-                    self._await_staged_load(transfer)
+                    self.transfers.await_load(transfer)
                 phases["load"] = _ms_since(mark)
         except UpdateRefused:
             self._discard()
@@ -494,72 +422,13 @@ class PolicyUpdater:
             header.SerializeToString(), payload, transfer, phases, _ms_since(start), time.perf_counter()
         )
 
-    def _transfer_of(self, payload: Any) -> _Transfer:
-        """The complete transfer holding ``payload``: the one it was received into, else a new one it is copied
-        into."""
-        view = memoryview(payload)
-        transfer = self._transfer
-        if transfer is None or not transfer.holds(view) or transfer.num_bytes != view.nbytes:
-            log.debug("payload copied into a shared file (it was not received there)", num_bytes=view.nbytes)
-            transfer = self._begin_transfer(view.nbytes)
-            transfer.file.write(view)
-        if not transfer.complete:  # assembled through `staging_buffer`: no progress was published
-            transfer.file.publish(transfer.num_bytes)
-            transfer.finish(complete=True)
-        return transfer
-
-    def _await_staged_load(self, transfer: _Transfer) -> None:
-        """Until the worker's staged load of ``transfer`` has finished, bounded. `UpdateRefused` when the update does
-        not fit the model; for any other failure the staged load is dropped (`apply` then reloads in place)."""
-        now_s = time.monotonic()
-        deadline_s, probe_s = now_s + self.stage_timeout_s, now_s + STAGE_PROBE_S
-        state = None
-        while now_s < deadline_s:
-            state = transfer.file.control.stage(transfer.seq)
-            if state in (PayloadControl.LOADED, PayloadControl.FAILED, PayloadControl.DISCARDED):
-                break
-            if now_s > probe_s:  # the engine answers (a dead one raises), and still has this load
-                probe_s = now_s + STAGE_PROBE_S
-                if self.engine.collective_rpc("primerl_stage_result", (transfer.seq,))[0]["state"] == "none":
-                    break
-            time.sleep(STAGE_POLL_S)
-            now_s = time.monotonic()
-        if state == PayloadControl.LOADED:
-            return
-        result = self.engine.collective_rpc("primerl_stage_result", (transfer.seq,))[0]
-        if result.get("refusal"):
-            refusal = refusal_from_worker_error(RuntimeError(result["refusal"]))
-            if refusal is not None:
-                raise refusal
-        reason = (
-            result.get("error")
-            or result.get("refusal")
-            or (
-                f"not loaded within {self.stage_timeout_s:g} s"
-                if state is None or state == PayloadControl.LOADING
-                else "discarded"
-            )
-        )
-        log.warning("staged load failed; the update is reloaded in place", transfer=transfer.seq, reason=reason)
-        self._discard()
-        transfer.staged_header = None
-
     def _discard(self) -> None:
         """Drop the preloaded update and the staged load of the current transfer."""
         self._preloaded = None
-        transfer = self._transfer
-        if transfer is None or transfer.staged_header is None:
-            return
-        transfer.staged_header = None
-        if transfer.file.control.stage(transfer.seq) in (PayloadControl.LOADING, None):
-            transfer.finish(complete=False)  # the loading thread sees it and stops; the file is not reused before
-            self._transfer = None
-            return
-        if not self.engine.collective_rpc("primerl_stage_discard")[0]:
-            log.warning("the worker's staged load did not stop", transfer=transfer.seq)
+        self.transfers.discard_load()
 
     def _switch_weights(
-        self, header: data_pb2.WeightUpdateHeader, transfer: _Transfer | None, phases: dict[str, float]
+        self, header: data_pb2.WeightUpdateHeader, transfer: Transfer | None, phases: dict[str, float]
     ) -> None:
         """FULL or DELTA: commit the staged load, else reload in place through the shared payload file."""
         assert transfer is not None
@@ -573,7 +442,7 @@ class PolicyUpdater:
                 "primerl_apply_delta_file", transfer.path, transfer.num_bytes, header.SerializeToString()
             )
         phases["engine"] = _ms_since(mark)
-        self._transfer = None
+        self.transfers.current = None
         if transfer.payload_path:
             self._foreign_host_path = transfer.payload_path
         mark = time.perf_counter()
@@ -685,46 +554,12 @@ def _ms_since(start: float) -> float:
 
 
 @dataclass
-class _Transfer:
-    """One payload in a shared file: its transfer number, and whether the worker loads it beside the served weights
-    (``staged_header``: the serialized header it was staged for)."""
-
-    file: SharedPayload
-    seq: int
-    view: memoryview
-    complete: bool = False
-    staged_header: bytes | None = None
-    # The same-host road: the payload lies in this file (a trainer's shared segment; ``view`` maps it) and ``file``
-    # carries only the control words. Empty: the payload is in ``file``.
-    payload_path: str = ""
-
-    @property
-    def num_bytes(self) -> int:
-        return self.view.nbytes
-
-    @property
-    def path(self) -> str:
-        """The file the worker reads the payload from."""
-        return self.payload_path or self.file.path
-
-    def holds(self, view: memoryview) -> bool:
-        """``view`` is this transfer's payload (its buffer: the shared file's mapping, or the trainer segment's)."""
-        if self.payload_path:
-            return isinstance(view, memoryview) and view.obj is self.view.obj
-        return self.file.holds(view)
-
-    def finish(self, complete: bool) -> None:
-        self.complete = complete
-        self.file.finish(complete)
-
-
-@dataclass
 class _Preloaded:
     """An update `preload` checked and loaded, waiting for `apply`."""
 
     header_bytes: bytes
     payload: Any
-    transfer: _Transfer | None
+    transfer: Transfer | None
     phases_ms: dict[str, float]
     preload_ms: float
     done_s: float

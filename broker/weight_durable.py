@@ -44,7 +44,7 @@ import zlib
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from primerl.broker.weight_store import DELTA, SNAPSHOT_KINDS, StoredUpdate, kind_name
+from primerl.broker.weight_store import DELTA, SNAPSHOT_KINDS, InTransit, StoredUpdate, kind_name
 from primerl.proto.digests import digest_matches
 from primerl.proto.v1 import data_pb2
 from primerl.runtime.durable_files import fsync_dir, write_atomically
@@ -312,7 +312,7 @@ def _read_update(path: Path) -> StoredUpdate:
     header = data_pb2.WeightUpdateHeader.FromString(bytes(header_bytes))
     if not digest_matches(payload, header.digest):
         raise DurableWeightsError(f"{path.name}: the payload does not match the header's digest")
-    return StoredUpdate(header=header, segments=[payload], cache={"on_disk": True})
+    return StoredUpdate(header=header, segments=[payload], transit=InTransit(on_disk=True))
 
 
 def _write_atomic(path: Path, data: bytes) -> None:

@@ -70,15 +70,15 @@ def valid_relay_endpoint(endpoint: str) -> bool:
 
 @dataclass(eq=False)
 class RelayChain:
-    """One update relayed through ``hops`` (worker ids, head first) to the ``endpoints`` they announced. ``cache``:
-    the plane's encoded chunk messages for this chain."""
+    """One update relayed through ``hops`` (worker ids, head first) to the ``endpoints`` they announced. ``messages``:
+    the plane's chunk messages for this chain (``broker.weight_messages``)."""
 
     update: StoredUpdate
     number: int
     hops: tuple[str, ...]
     endpoints: tuple[str, ...]
     last_progress_s: float
-    cache: dict[str, Any] = field(default_factory=dict)
+    messages: list[list[Any]] = field(default_factory=list)
     # The members after its head were planned again (the head goes on with these chunks, relaying nothing new).
     dissolved: bool = False
 

@@ -7,7 +7,7 @@ and for later chunks of a refused one) and the update the message belongs to, wh
 - chunks are kept as they arrived (``ChunkAssembler(zero_copy=True)``: no reassembly, no copy) and hashed
   (``proto.digests``, XXH3-128) as they arrive, in the same pass as their checksum (``digest_tee``, given to
   ``framing.decode``), so the payload is read once on its way in and the store makes no second pass; the header
-  bytes and the verified checksum of each chunk are kept with the update (``cache["received"]``), so forwarding
+  bytes and the verified checksum of each chunk are kept with the update (``transit.received``), so forwarding
   reuses them;
 - cut-through: at a transfer's first chunk the update already exists (``StoredUpdate`` with a growing list of
   segments) and ``WeightFanout.begin`` has the members for whom it is the next step receive its chunks as they
@@ -204,7 +204,7 @@ class WeightIntake:
             return self._receive_shared(publisher, message)
         if chunk.count <= 1:
             update = StoredUpdate.of(header, message.payload[0])
-            update.cache["received"] = ReceivedChunks(
+            update.transit.received = ReceivedChunks(
                 envelope.header,
                 [(framing.envelope_checksum(envelope), message.payload[0].nbytes)],
                 1,
@@ -245,12 +245,12 @@ class WeightIntake:
                 self._hashers[key] = teed[2] if hashed and teed is not None else hasher_for(header.digest)
                 segments = assembler.received(key) if whole is None else whole.payload
                 update = StoredUpdate(header=copy_header(header), segments=segments)
-                update.cache["received"] = ReceivedChunks(
+                update.transit.received = ReceivedChunks(
                     envelope.header, [], chunk.count, chunk.total_bytes, digest_follows=not header.digest
                 )
                 self._incoming[key] = update
             update = self._incoming[key]
-            update.cache["received"].checksums.append((framing.envelope_checksum(envelope), message.payload[0].nbytes))
+            update.transit.received.checksums.append((framing.envelope_checksum(envelope), message.payload[0].nbytes))
             if not hashed:
                 self._hashers[key].update(message.payload[0])
             if chunk.index == 0 and message.payload[0].nbytes <= self.forward_chunk_bytes:

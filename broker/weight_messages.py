@@ -1,7 +1,7 @@
 """The chunk messages the weight plane sends for a stored update: forwarded chunk for chunk as the update arrived
 (cut-through, no pass over the payload), cut into ``chunk_bytes`` pieces once whole (an update reloaded from disk,
 or received in larger chunks), and the same frames addressed to a relay chain. Built once per update (per chain),
-as its chunks arrive, and kept in ``StoredUpdate.cache["forward"]`` (the chain's in ``RelayChain.cache``).
+as its chunks arrive, and kept in ``StoredUpdate.transit.forward`` (the chain's in ``RelayChain.messages``).
 """
 
 from __future__ import annotations
@@ -16,11 +16,11 @@ from primerl.broker.weight_store import StoredUpdate
 from primerl.proto import framing
 from primerl.proto.v1 import data_pb2
 
-__all__ = ["chunk_messages", "relayed_messages"]
+__all__ = ["ForwardMessages", "chunk_messages", "relayed_messages"]
 
 
 @dataclass
-class _Forward:
+class ForwardMessages:
     """The chunk messages of one update as the plane sends them (to every worker: one transfer id)."""
 
     transfer_id: str
@@ -38,17 +38,17 @@ def chunk_messages(update: StoredUpdate, chunk_bytes: int, envelope: dict[str, s
     the payload at all, and each chunk can go out while later ones are still on their way (cut-through).
     Others (larger chunks, or an update reloaded from disk) are cut into chunks of ``chunk_bytes`` once whole,
     with one XXH3-64 checksum pass each."""
-    cache = update.cache
-    forward: _Forward | None = cache.get("forward")
+    transit = update.transit
+    forward = transit.forward
     if forward is None:
-        received: ReceivedChunks | None = cache.get("received")
+        received = transit.received
         if received is not None and (received.num_chunks == 1 or received.checksums[0][1] <= chunk_bytes):
-            forward = _Forward(uuid.uuid4().hex, received.num_chunks, received)
+            forward = ForwardMessages(uuid.uuid4().hex, received.num_chunks, received)
         else:
-            forward = _Forward(uuid.uuid4().hex, 0, None)
+            forward = ForwardMessages(uuid.uuid4().hex, 0, None)
             forward.messages = _rechunked(update, forward.transfer_id, chunk_bytes, envelope)
             forward.num_chunks = len(forward.messages)
-        cache["forward"] = forward
+        transit.forward = forward
     received = forward.received
     if received is not None:
         available = min(len(update.segments), len(received.checksums))
@@ -80,10 +80,10 @@ def chunk_messages(update: StoredUpdate, chunk_bytes: int, envelope: dict[str, s
 def relayed_messages(messages: list[list[Any]], update: StoredUpdate, chain: RelayChain) -> list[list[Any]]:
     """``messages`` (the star fan-out's, as far as they exist) as ``chain`` receives them: the same frames, the
     envelope carrying the chain and a transfer id of the chain's own. Built once per chain, as chunks arrive."""
-    relayed: list[list[Any]] = chain.cache.setdefault("messages", [])
+    relayed = chain.messages
     if len(relayed) < len(messages):
         suffix = data_pb2.Envelope(
-            chunk=data_pb2.Chunk(transfer_id=f"{update.cache['forward'].transfer_id}.r{chain.number}"),
+            chunk=data_pb2.Chunk(transfer_id=f"{_transfer_id(update)}.r{chain.number}"),
             relay_hops=[
                 data_pb2.RelayHop(worker_id=worker_id, endpoint=endpoint)
                 for worker_id, endpoint in zip(chain.hops, chain.endpoints, strict=True)
@@ -113,3 +113,9 @@ def _rechunked(update: StoredUpdate, transfer_id: str, chunk_bytes: int, envelop
         )
         for index, piece in enumerate(pieces)
     ]
+
+
+def _transfer_id(update: StoredUpdate) -> str:
+    forward = update.transit.forward
+    assert forward is not None, "relayed_messages follows chunk_messages"
+    return forward.transfer_id

@@ -362,9 +362,9 @@ class WeightPlane(RouterPlane):
             return
         reply = self._intake.receive(identity, message)
         if reply.ack is not None and not reply.refused and reply.update is not None:
-            cache = reply.update.cache
-            if "stored_s" not in cache:
-                cache["stored_s"], cache["receivers"] = time.monotonic(), self.fanout.next_receivers(reply.update)
+            transit = reply.update.transit
+            if transit.stored_s is None:
+                transit.stored_s, transit.receivers = time.monotonic(), self.fanout.next_receivers(reply.update)
         if reply.refused:
             with self._lock:
                 self._num_errors_sent += 1
@@ -378,8 +378,8 @@ class WeightPlane(RouterPlane):
             update = arrival.update
             if reply.update is not None and update not in self._shared:
                 self._shared.append(update)
-                update.cache["stored_s"] = time.monotonic()
-                update.cache["receivers"] = self.fanout.next_receivers(update)
+                update.transit.stored_s = time.monotonic()
+                update.transit.receivers = self.fanout.next_receivers(update)
             if reply.refused:
                 with self._lock:
                     self._num_errors_sent += 1
@@ -594,11 +594,11 @@ class WeightPlane(RouterPlane):
                 if shared.readers or self.fanout.is_sending(update):
                     continue
                 held = any(u is update for u in chain)
-                if held and not update.cache.get("on_disk"):
+                if held and not update.transit.on_disk:
                     done_s = shared.readers_done_s or now_s
                     if self.store.has_durable and now_s - done_s < COPY_AFTER_S:
                         continue  # its durable file comes soon: the store then reads it from there
-                    update.cache.pop("forward", None)
+                    update.transit.forward = None
                     update.segments[:] = [memoryview(bytes(update.payload)).toreadonly()]
                 elif not held:
                     update.segments.clear()
@@ -615,10 +615,10 @@ class WeightPlane(RouterPlane):
     def _note_forward(self, worker_id: str, update: StoredUpdate, index: int, num_chunks: int) -> None:
         """Track what the broker adds to a transfer: for the workers that were receiving an update, or had it next,
         when it was stored, the time from its last byte in to its last byte out to them."""
-        cache = update.cache
-        if index + 1 != num_chunks or worker_id not in cache.get("receivers", ()):
+        transit = update.transit
+        if index + 1 != num_chunks or worker_id not in transit.receivers or transit.stored_s is None:
             return
-        lag_s = time.monotonic() - cache["stored_s"]
+        lag_s = time.monotonic() - transit.stored_s
         with self._lock:
             version, previous_s = self._forward_lag
             same = version == update.policy_version

@@ -51,7 +51,7 @@ Thread-safe: one lock guards all state; payloads are read-only views that are ne
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -64,6 +64,8 @@ from primerl.runtime.log_setup import get_logger
 if TYPE_CHECKING:
     from primerl.broker.shared_updates import SharedPayload
     from primerl.broker.weight_durable import WeightDurability
+    from primerl.broker.weight_intake import ReceivedChunks
+    from primerl.broker.weight_messages import ForwardMessages
 
 log = get_logger(__name__)
 
@@ -77,10 +79,26 @@ def kind_name(kind: int) -> str:
     return data_pb2.WeightUpdateKind.Name(kind).removeprefix("WEIGHT_UPDATE_KIND_")
 
 
+@dataclass(eq=False)
+class InTransit:
+    """What the broker keeps beside a stored update while it forwards it (the update itself is frozen)."""
+
+    received: ReceivedChunks | None = None
+    """The chunks as the trainer sent them (``broker.weight_intake``): forwarded as they are."""
+    forward: ForwardMessages | None = None
+    """The chunk messages sent to workers (``broker.weight_messages``), built as the chunks arrive."""
+    stored_s: float | None = None
+    """When the store took it (monotonic): the start of the forward lag."""
+    receivers: Collection[str] = ()
+    """The workers receiving it, or having it next, when it was stored (whose forward lag is measured)."""
+    on_disk: bool = False
+    """Its payload is read from its durable file now (the received frames are freed)."""
+
+
 @dataclass(frozen=True, eq=False)
 class StoredUpdate:
     """One update. ``segments`` are read-only views of its payload, in order, as it arrived (one per chunk: the
-    frames the broker received, never joined); ``cache`` holds the plane's encoded chunks.
+    frames the broker received, never joined); ``transit`` what the broker keeps beside it while forwarding it.
 
     An update being received (``incoming``) already exists so that the plane can forward its chunks as they come
     (cut-through): its ``segments`` list grows until the last chunk is in, then the store takes it or refuses it.
@@ -88,7 +106,7 @@ class StoredUpdate:
 
     header: data_pb2.WeightUpdateHeader
     segments: list[memoryview]
-    cache: dict[str, Any] = field(default_factory=dict, repr=False)
+    transit: InTransit = field(default_factory=InTransit, repr=False)
     # The trainer's shared-memory segment ``segments`` view (the same-host road, ``broker.shared_updates``); None:
     # the payload arrived as bytes.
     shared: SharedPayload | None = field(default=None, repr=False)
@@ -433,7 +451,7 @@ class WeightStore:
         page cache's pages, which the kernel may drop and read again), and its frames are freed. So the broker holds
         in its own memory little more than the update being received. Returns the bytes released.
 
-        Caller: the weight plane's IO thread, which owns the updates' encoded chunks (``cache``): the chunks of a
+        Caller: the weight plane's IO thread, which owns the updates' encoded chunks (``transit``): the chunks of a
         released update are dropped with its frames and made again, from the mapping, if a worker needs them."""
         durable = self._durable
         if durable is None:
@@ -442,16 +460,16 @@ class WeightStore:
             chain = [] if self._snapshot is None else [self._snapshot, *self._deltas]
         released = 0
         for update in chain:
-            if update.cache.get("on_disk") or busy(update):
+            if update.transit.on_disk or busy(update):
                 continue
             mapped = durable.payload_on_disk(update)
             if mapped is None:
                 continue
             released += update.num_bytes
-            update.cache.pop("forward", None)
-            update.cache.pop("received", None)
+            update.transit.forward = None
+            update.transit.received = None
             update.segments[:] = [mapped]
-            update.cache["on_disk"] = True
+            update.transit.on_disk = True
         return released
 
     # -- reads ---------------------------------------------------------------------------------------

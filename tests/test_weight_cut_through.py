@@ -215,9 +215,9 @@ def test_a_written_update_frees_its_frames_and_is_served_from_its_durable_file(m
     got = subscriber.receive(RECEIVE_S)
     assert got is not None and bytes(got[1]) == data
     subscriber.ack(1, apply_ms=1)
-    wait_until(lambda: h.store.latest().cache.get("on_disk"))
+    wait_until(lambda: h.store.latest().transit.on_disk)
     stored = h.store.latest()
-    assert len(stored.segments) == 1 and "forward" not in stored.cache
+    assert len(stored.segments) == 1 and stored.transit.forward is None
     late = h.subscriber("infer-1")  # joins later: gets the snapshot, read from the file
     late.hello()
     got = late.receive(RECEIVE_S)

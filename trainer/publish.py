@@ -17,14 +17,14 @@ What goes on the wire (``WeightUpdateHeader`` + one safetensors payload):
   ``DEFAULT_WIRE_BYTES_PER_S`` until one was measured). A delta built larger than ``BUILT_DELTA_MAX_FRACTION`` of
   FULL goes as FULL too. ``delta_policy="always"`` skips both checks.
 
-``publish`` = ``build`` (on the training thread: it reads the parameters) + ``send`` (socket I/O, which may run on
-its own thread: a ``PreparedUpdate`` owns its bytes). FULL payloads are written into pooled buffers
-(``payload_writer``); a buffer goes back to the pool once the broker acknowledged the update, so
-``PreparedUpdate.payload`` is valid until ``send`` returns. The content digest (XXH3-128, ``primerl.proto.digests``)
-is computed once, here, over the finished payload. A streamed FULL (``stream``; by default when the weights are on
-a GPU) is the exception: ``build`` only lays out its header and starts ``payload_stream.PayloadStream`` writing the
-tensors, ``send`` cuts each chunk once its bytes are written, and the digest, computed in the pass of each chunk's
-checksum, follows in the last chunk (``Chunk.payload_digest``).
+``publish`` = ``build`` (it reads the parameters: in the trainer daemon on its IO thread, before the next optimizer
+step may change them) + ``send`` (socket I/O: a ``PreparedUpdate`` owns its bytes, in ``PayloadMemory``). FULL
+payloads are written into pooled buffers (``payload_writer``); a buffer goes back to the pool once the broker
+acknowledged the update, so ``PreparedUpdate.payload`` is valid until ``send`` returns. The content digest
+(XXH3-128, ``primerl.proto.digests``) is computed once, here, over the finished payload. A streamed FULL
+(``stream``; by default when the weights are on a GPU) is the exception: ``build`` only lays out its header and
+starts ``payload_stream.PayloadStream`` writing the tensors, ``send`` cuts each chunk once its bytes are written,
+and the digest, computed in the pass of each chunk's checksum, follows in the last chunk (``Chunk.payload_digest``).
 
 Lineage: every update carries ``lineage`` (one per trainer incarnation: the ``policy_lineage`` the broker gave
 trainer rank 0 when it registered, ``RegisterResponse.policy_lineage``) and ``lineage_base_version`` (the version
@@ -134,6 +134,25 @@ def _host_copy(
     return out
 
 
+@dataclass(eq=False)
+class PayloadMemory:
+    """Where a prepared payload lies, each part given back once: the pooled ``buffer`` (None: the payload owns its
+    bytes, or it went back) and the shared-memory ``segment`` (the same-host road; None: none, or it went back)."""
+
+    buffer: bytearray | None = None
+    segment: Segment | None = None
+
+    def take_buffer(self) -> bytearray | None:
+        """The buffer, once: later calls return None."""
+        buffer, self.buffer = self.buffer, None
+        return buffer
+
+    def take_segment(self) -> Segment | None:
+        """The segment, once: later calls return None."""
+        segment, self.segment = self.segment, None
+        return segment
+
+
 @dataclass(frozen=True)
 class PreparedUpdate:
     """A built update: ``header`` (digest and sizes set) and ``payload``; ``snapshot`` is the full host state
@@ -144,8 +163,8 @@ class PreparedUpdate:
     payload: bytes | memoryview
     build_ms: float
     snapshot: dict[str, torch.Tensor] | None = None
-    # The pooled buffer under ``payload`` (None: the payload owns its bytes); back to the pool once stored.
-    buffer: bytearray | None = None
+    # The pooled buffer and the shared segment under ``payload``: back to the pool (or the writer) once stored.
+    memory: PayloadMemory = field(default_factory=PayloadMemory)
     phases_ms: dict[str, float] = field(default_factory=dict)
     fallback: str | None = None
     # ``snapshot`` views ``buffer`` (a FULL of a delta publisher): the buffer lives as long as that base.
@@ -153,8 +172,6 @@ class PreparedUpdate:
     # A streamed FULL (``payload_stream``): ``payload`` is still being written; the header has no digest (it follows
     # in the last chunk).
     stream: PayloadStream | None = None
-    # The shared-memory segment ``payload`` lies in (the same-host road); None: a buffer of this process.
-    segment: Segment | None = None
 
     @property
     def policy_version(self) -> int:
@@ -183,8 +200,8 @@ class PublishResult:
 class PolicyPublisher:
     """Sends the policy of each step to the broker's weight plane. One per trainer (rank 0).
 
-    Not thread-safe: ``build`` may run on the training thread and ``send`` on an I/O thread, but a delta's
-    ``build`` needs the previous ``send`` to have finished (its result is the delta's base)."""
+    Not thread-safe: ``build`` and ``send`` may run on different threads (the trainer daemon runs both on its IO
+    thread), but a delta's ``build`` needs the previous ``send`` to have finished (its result is the delta's base)."""
 
     def __init__(
         self,
@@ -458,7 +475,9 @@ class PolicyPublisher:
             self._pool.release(buffer)
             raise
         phases["layout"] = _elapsed_ms(mark)
-        return PreparedUpdate("full", header, stream.view, _elapsed_ms(start_s), None, buffer, phases, stream=stream)
+        return PreparedUpdate(
+            "full", header, stream.view, _elapsed_ms(start_s), None, PayloadMemory(buffer), phases, stream=stream
+        )
 
     def _encode_full(
         self,
@@ -497,9 +516,11 @@ class PolicyPublisher:
             header.digest = hasher.hexdigest()
             phases["digest"] = _elapsed_ms(mark)
         except BaseException:
-            self._release(PreparedUpdate(kind, data_pb2.WeightUpdateHeader(), b"", 0.0, None, buffer, segment=segment))
+            self._release(
+                PreparedUpdate(kind, data_pb2.WeightUpdateHeader(), b"", 0.0, None, PayloadMemory(buffer, segment))
+            )
             raise
-        return PreparedUpdate(kind, header, payload, _elapsed_ms(start_s), None, buffer, phases, segment=segment)
+        return PreparedUpdate(kind, header, payload, _elapsed_ms(start_s), None, PayloadMemory(buffer, segment), phases)
 
     def _acquire_segment(self, num_bytes: int) -> Segment | None:
         """A drained shared segment for a payload of ``num_bytes`` (None: updates go as bytes). Logs the segments the
@@ -547,7 +568,7 @@ class PolicyPublisher:
             header.base_version = self.base_version
             header.delta_encoding = encoding
             header.decoded_tensors.extend(decoded)
-            return PreparedUpdate(kind, header, payload, spent_ms + _elapsed_ms(start_s), keep, None, phases)
+            return PreparedUpdate(kind, header, payload, spent_ms + _elapsed_ms(start_s), keep, PayloadMemory(), phases)
         prepared = self._encode_full(kind, version, snapshot, phases, start_s)
         return replace(prepared, build_ms=spent_ms + prepared.build_ms, snapshot=keep)
 
@@ -607,9 +628,8 @@ class PolicyPublisher:
         except Exception:
             # Any other failure, e.g. a timeout, may leave the payload referenced by the socket (never reused) or
             # its segment read by the broker and its workers (written again once drained).
-            segment = prepared.segment
+            segment = prepared.memory.take_segment()
             if segment is not None and self._segments is not None:
-                object.__setattr__(prepared, "segment", None)
                 self._segments.give_back(segment)
             raise
         send_ms = _elapsed_ms(start_s)
@@ -619,8 +639,7 @@ class PolicyPublisher:
         if prepared.snapshot is not None:
             self._base, self._base_version = prepared.snapshot, prepared.policy_version
             if prepared.owns_snapshot:  # the base views this buffer: it goes back when the base is replaced
-                self._base_buffer = prepared.buffer
-                object.__setattr__(prepared, "buffer", None)
+                self._base_buffer = prepared.memory.take_buffer()
             # The base replaced is read by nothing now: its memory serves the next snapshot or payload.
             if previous_buffer is not None:
                 self._pool.release(previous_buffer)
@@ -651,12 +670,12 @@ class PolicyPublisher:
         if self._segments is None or self.transport != "shared_memory" or prepared.stream is not None:
             return None
         source = memoryview(prepared.payload).cast("B")
-        segment = prepared.segment
+        segment = prepared.memory.segment
         if segment is None:
             segment = self._acquire_segment(source.nbytes)
             assert segment is not None
             segment.view(source.nbytes)[:] = source
-            object.__setattr__(prepared, "segment", segment)
+            prepared.memory.segment = segment
         return segment.publish(source.nbytes)
 
     def _leave_shared_memory(self, reason: str) -> None:
@@ -685,17 +704,15 @@ class PolicyPublisher:
     def _release(self, prepared: PreparedUpdate, *, read: bool = True) -> None:
         """Give back ``prepared``'s shared segment (``read``: it was handed out, and is written again only once its
         readers drained) and, with ``read``, its pooled buffer."""
-        segment = prepared.segment
+        segment = prepared.memory.take_segment()
         if segment is not None:
-            object.__setattr__(prepared, "segment", None)
             if self._segments is not None:
                 self._segments.give_back(segment, read=read)
         if not read:
             return
         _settle_stream(prepared)  # the writer must be finished with the buffer before it is reused
-        buffer = prepared.buffer
+        buffer = prepared.memory.take_buffer()  # released once, even if send is called again
         if buffer is not None:
-            object.__setattr__(prepared, "buffer", None)  # released once, even if send is called again
             self._pool.release(buffer)
 
     def close(self) -> None:
@@ -718,7 +735,7 @@ def _settle_stream(prepared: PreparedUpdate) -> None:
         try:
             prepared.stream.done()
         except Exception:  # noqa: BLE001 - raised from wait_for during the send; the buffer is then never reused
-            object.__setattr__(prepared, "buffer", None)
+            prepared.memory.take_buffer()
 
 
 def _elapsed_ms(start_s: float) -> float:

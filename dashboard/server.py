@@ -32,6 +32,7 @@ from typing import Any
 from urllib.parse import parse_qs, urlsplit
 
 from primerl.dashboard.sources import MAX_EVENTS, BrokerSource, RunDirSource
+from primerl.proto.v1 import common_pb2, control_pb2
 
 STATIC_DIR = Path(__file__).resolve().parent / "static"
 COOKIE_NAME = "primerl_dashboard_{port}"  # per port: browsers share cookies between the ports of one host
@@ -76,17 +77,17 @@ class Dashboard:
             return {"rollouts": rollouts, "next": next_index, "source": self._from("rollouts")}
         if route == "/api/workers":
             status, error = self._status()
-            workers = [_worker(w, status) for w in (status or {}).get("workers", [])]
+            workers = [] if status is None else [_worker(w, status.latest_policy_version) for w in status.workers]
             return {"workers": workers, "broker_error": error}
         if route == "/api/queues":
             status, error = self._status()
-            status = status or {}
+            status = status or control_pb2.RunStatus()
             return {
-                "queues": status.get("queues", []),
-                "rollout_batches_per_s": status.get("rollout_batches_per_s", 0.0),
-                "rollout_bytes_per_s": status.get("rollout_bytes_per_s", 0.0),
-                "weight_bytes_per_s": status.get("weight_bytes_per_s", 0.0),
-                "latest_policy_version": int(status.get("latest_policy_version", 0) or 0),
+                "queues": [_queue(queue) for queue in status.queues],
+                "rollout_batches_per_s": status.rollout_batches_per_s,
+                "rollout_bytes_per_s": status.rollout_bytes_per_s,
+                "weight_bytes_per_s": status.weight_bytes_per_s,
+                "latest_policy_version": status.latest_policy_version,
                 "history_bytes": self.broker.history_bytes[0] if self.broker else 0,
                 "history_max_bytes": self.broker.history_bytes[1] if self.broker else 0,
                 "broker_error": error,
@@ -97,9 +98,8 @@ class Dashboard:
             if self.broker is not None:
                 self.broker.refresh_history()
                 events = sorted(events + self.broker.events.since(0)[0], key=lambda event: event["time"])
-            errors = [
-                {"source": "broker", "level": "error", "message": m} for m in (status or {}).get("recent_errors", [])
-            ]
+            recent = status.recent_errors if status is not None else []
+            errors = [{"source": "broker", "level": "error", "message": m} for m in recent]
             return {"events": events[-MAX_EVENTS:], "recent_errors": errors}
         return None
 
@@ -119,7 +119,7 @@ class Dashboard:
         self.broker.refresh_history()
         return (self.broker.rows if what == "metrics" else self.broker.rollouts).since(since)
 
-    def _status(self) -> tuple[dict | None, str]:
+    def _status(self) -> tuple[control_pb2.RunStatus | None, str]:
         if self.broker is None:
             return None, "no broker: the dashboard reads the run directory only"
         return self.broker.status()
@@ -133,9 +133,9 @@ class Dashboard:
         max_steps = int(config.get("max_steps") or config.get("trainer", {}).get("max_steps") or 0)
         run_id = ""
         if status is not None:
-            step = max(step, int(status.get("trainer_step", 0) or 0))
-            max_steps = int(status.get("max_steps", 0) or 0) or max_steps
-            run_id = status.get("run_id", "")
+            step = max(step, status.trainer_step)
+            max_steps = status.max_steps or max_steps
+            run_id = status.run_id
         finished = max_steps > 0 and step >= max_steps
         if finished:
             state = "finished"
@@ -157,9 +157,9 @@ class Dashboard:
             "step": step,
             "max_steps": max_steps,
             "eta_s": eta_s,
-            "latest_policy_version": int((status or {}).get("latest_policy_version", 0) or 0),
-            "last_committed_step": int((status or {}).get("last_committed_step", 0) or 0),
-            "num_rollbacks": int((status or {}).get("num_rollbacks", 0) or 0),
+            "latest_policy_version": status.latest_policy_version if status is not None else 0,
+            "last_committed_step": status.last_committed_step if status is not None else 0,
+            "num_rollbacks": status.num_rollbacks if status is not None else 0,
             "run_dir": str(self.run_dir.run_dir) if self.run_dir else None,
             "broker": self.broker is not None,
             "broker_error": error if self.broker is not None else "",
@@ -179,24 +179,32 @@ class Dashboard:
             self.broker.close()
 
 
-def _worker(worker: dict, status: dict | None) -> dict:
-    latest = int((status or {}).get("latest_policy_version", 0) or 0)
-    version = worker.get("policy_version")
+def _worker(worker: control_pb2.WorkerInfo, latest_version: int) -> dict:
+    version = worker.policy_version if worker.HasField("policy_version") else None
+    role = common_pb2.Role.Name(worker.role)
     return {
-        "name": worker.get("name", ""),
-        "role": ROLE_NAMES.get(worker.get("role", ""), worker.get("role", "")),
-        "state": str(worker.get("state", "")).removeprefix("WORKER_STATE_").lower(),
-        "host": worker.get("hostname", ""),
-        "address": worker.get("address", ""),
-        "policy_version": int(version) if version is not None else None,
-        "lag": latest - int(version) if version is not None else None,
-        "trainer_step": int(worker["trainer_step"]) if worker.get("trainer_step") is not None else None,
-        "orchestrator_step": (
-            int(worker["orchestrator_step"]) if worker.get("orchestrator_step") is not None else None
-        ),
-        "num_inflight": int(worker.get("num_inflight", 0) or 0),
-        "last_heartbeat_unix_ms": int(worker.get("last_heartbeat_unix_ms", 0) or 0),
-        "registered_unix_ms": int(worker.get("registered_unix_ms", 0) or 0),
+        "name": worker.name,
+        "role": ROLE_NAMES.get(role, role),
+        "state": control_pb2.WorkerState.Name(worker.state).removeprefix("WORKER_STATE_").lower(),
+        "host": worker.hostname,
+        "address": worker.address,
+        "policy_version": version,
+        "lag": latest_version - version if version is not None else None,
+        "trainer_step": worker.trainer_step if worker.HasField("trainer_step") else None,
+        "orchestrator_step": worker.orchestrator_step if worker.HasField("orchestrator_step") else None,
+        "num_inflight": worker.num_inflight,
+        "last_heartbeat_unix_ms": worker.last_heartbeat_unix_ms,
+        "registered_unix_ms": worker.registered_unix_ms,
+    }
+
+
+def _queue(queue: control_pb2.QueueStatus) -> dict:
+    return {
+        "name": queue.name,
+        "num_items": queue.num_items,
+        "num_bytes": queue.num_bytes,
+        "capacity_items": queue.capacity_items,
+        "capacity_bytes": queue.capacity_bytes,
     }
 
 

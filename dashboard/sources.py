@@ -17,9 +17,12 @@ import time
 from collections import deque
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from primerl.runtime.run_metrics import parse_row
+
+if TYPE_CHECKING:
+    from primerl.proto.v1 import control_pb2
 
 MAX_ROWS = 20_000
 MAX_ROLLOUTS = 400
@@ -189,7 +192,7 @@ class BrokerSource:
     def __init__(self, client):
         self.client = client
         self._lock = threading.Lock()
-        self._status: dict | None = None
+        self._status: control_pb2.RunStatus | None = None
         self._error = ""
         self._read_s = 0.0
         self._asking = False  # a request is asking the broker for the status now
@@ -200,11 +203,9 @@ class BrokerSource:
         self.rollouts = _Kept(MAX_ROLLOUTS)
         self.history_bytes = (0, 0)  # what the broker's history holds, and its bound
 
-    def status(self) -> tuple[dict | None, str]:
-        """The run status as JSON data (None when the broker cannot be reached) and the error, if any. One request
-        at a time asks the broker; the others meanwhile get the last answer (a slow broker never queues them)."""
-        from google.protobuf.json_format import MessageToDict
-
+    def status(self) -> tuple[control_pb2.RunStatus | None, str]:
+        """The broker's run status (None when it cannot be reached) and the error, if any. One request at a time
+        asks the broker; the others meanwhile get the last answer (a slow broker never queues them)."""
         from primerl.client.control import BrokerError
 
         with self._lock:
@@ -219,8 +220,7 @@ class BrokerSource:
         except Exception as err:  # never leave `_asking` set: the next request asks again
             answer, error = None, f"reading the broker failed: {type(err).__name__}: {err}"[:500]
         else:
-            answer = MessageToDict(status, preserving_proto_field_name=True, always_print_fields_with_no_presence=True)
-            error = ""
+            answer, error = status, ""
         with self._lock:
             self._status, self._error, self._read_s, self._asking = answer, error, time.monotonic(), False
             return self._status, self._error

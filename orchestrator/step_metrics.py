@@ -211,7 +211,10 @@ def fallback_metrics(fallbacks: collections.Counter) -> dict[str, float]:
     were trained as branching samples) and one ``rollout/interleave_fallbacks/<reason>`` per reason seen."""
     return {
         telemetry.ROLLOUT_INTERLEAVE_FALLBACKS: float(sum(fallbacks.values())),
-        **{f"rollout/interleave_fallbacks/{reason}": float(count) for reason, count in sorted(fallbacks.items())},
+        **{
+            f"{telemetry.ROLLOUT_INTERLEAVE_FALLBACKS}/{reason}": float(count)
+            for reason, count in sorted(fallbacks.items())
+        },
     }
 
 

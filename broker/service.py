@@ -177,62 +177,9 @@ class BrokerService:
             curve = self._curve_server()
             self._context = zmq.Context()
             self._weight_context = zmq.Context()
-            self._queue = RolloutQueue(
-                RolloutSpool(config.spool_dir, cache_max_bytes=config.read_cache_bytes),
-                config.max_queue_batches,
-                config.max_queue_bytes,
-                max_step_lead=config.max_step_lead,
-            )
-            self.run_state_file = RunStateFile(config.spool_dir)  # the spool holds the directory's lock now
-            self._restore_run_state()
-            self._saver = RunStateSaver(
-                self.registry.run_state,
-                self.run_state_file,
-                on_error=lambda message: self.registry.record_error("broker", message),
-            )
-            self._saver.start()
-            history_file = RunHistoryFile(config.spool_dir)
-            history_file.load_into(self.history)
-            self._history_saver = RunStateSaver(self.history.snapshot, history_file, interval_s=SAVE_INTERVAL_S)
-            self._history_saver.start()
-            self.rollout_plane = RolloutPlane(
-                self._queue,
-                self._context,
-                config.host,
-                config.rollout_port,
-                limits=self.rollout_producer_limits.frames,
-                auth_token=config.run_token,
-                on_error=self._on_data_plane_error,
-                rcv_hwm=config.rollout_hwm,
-                max_connections=config.max_rollout_connections,
-            )
-            self.rollout_plane.curve = curve
-            with _naming_the_setting("rollout_port", "ZeroMQ rollout", config.host, config.rollout_port):
-                rollout_port = self.rollout_plane.start()
-            self.weight_plane = WeightPlane(
-                self.weight_fanout,
-                self._weight_context,
-                config.host,
-                config.weight_port,
-                limits=self.limits,
-                auth_token=config.run_token,
-                chunk_bytes=self.chunk_bytes,
-                on_applied=self._on_weights_applied,
-                hwm=config.weight_hwm,
-                intake_bounds=IntakeBounds(
-                    transfer_stall_timeout_s=config.transfer_stall_timeout_s,
-                    evictable_after_s=config.transfer_evict_after_s,
-                    max_open_transfer_bytes=config.resolved_max_open_transfer_bytes,
-                    max_open_transfers_per_publisher=config.max_open_transfers_per_publisher,
-                    max_version_lead=config.max_step_lead,
-                ),
-                # The latest weight chain survives a restart too (``weight_durable``; the spool's lock covers it).
-                durable_dir=config.spool_dir / WEIGHTS_SUBDIR,
-                max_connections=config.max_weight_connections,
-            )
-            self.weight_plane.curve = curve
-            with _naming_the_setting("weight_port", "ZeroMQ weight", config.host, config.weight_port):
-                weight_port = self.weight_plane.start()
+            self._open_state()
+            rollout_port = self._start_rollout_plane(curve)
+            weight_port = self._start_weight_plane(curve)
             # What workers dial: advertise_host, else host; a wildcard is replaced by each worker with the host it
             # dialed the broker at (primerl.runtime.addresses), so nothing here assumes loopback.
             endpoint_host = url_host(config.endpoint_host)
@@ -269,6 +216,74 @@ class BrokerService:
             **self.endpoints.as_dict(),
         )
         return self.endpoints
+
+    def _open_state(self) -> None:
+        """The spool and its rollout queue, the run state and the run history (read back, then saved as they
+        change)."""
+        config = self.config
+        self._queue = RolloutQueue(
+            RolloutSpool(config.spool_dir, cache_max_bytes=config.read_cache_bytes),
+            config.max_queue_batches,
+            config.max_queue_bytes,
+            max_step_lead=config.max_step_lead,
+        )
+        self.run_state_file = RunStateFile(config.spool_dir)  # the spool holds the directory's lock now
+        self._restore_run_state()
+        self._saver = RunStateSaver(
+            self.registry.run_state,
+            self.run_state_file,
+            on_error=lambda message: self.registry.record_error("broker", message),
+        )
+        self._saver.start()
+        history_file = RunHistoryFile(config.spool_dir)
+        history_file.load_into(self.history)
+        self._history_saver = RunStateSaver(self.history.snapshot, history_file, interval_s=SAVE_INTERVAL_S)
+        self._history_saver.start()
+
+    def _start_rollout_plane(self, curve: CurveServer | None) -> int:
+        config = self.config
+        assert self._queue is not None
+        self.rollout_plane = RolloutPlane(
+            self._queue,
+            self._context,
+            config.host,
+            config.rollout_port,
+            limits=self.rollout_producer_limits.frames,
+            auth_token=config.run_token,
+            on_error=self._on_data_plane_error,
+            rcv_hwm=config.rollout_hwm,
+            max_connections=config.max_rollout_connections,
+        )
+        self.rollout_plane.curve = curve
+        with _naming_the_setting("rollout_port", "ZeroMQ rollout", config.host, config.rollout_port):
+            return self.rollout_plane.start()
+
+    def _start_weight_plane(self, curve: CurveServer | None) -> int:
+        config = self.config
+        self.weight_plane = WeightPlane(
+            self.weight_fanout,
+            self._weight_context,
+            config.host,
+            config.weight_port,
+            limits=self.limits,
+            auth_token=config.run_token,
+            chunk_bytes=self.chunk_bytes,
+            on_applied=self._on_weights_applied,
+            hwm=config.weight_hwm,
+            intake_bounds=IntakeBounds(
+                transfer_stall_timeout_s=config.transfer_stall_timeout_s,
+                evictable_after_s=config.transfer_evict_after_s,
+                max_open_transfer_bytes=config.resolved_max_open_transfer_bytes,
+                max_open_transfers_per_publisher=config.max_open_transfers_per_publisher,
+                max_version_lead=config.max_step_lead,
+            ),
+            # The latest weight chain survives a restart too (``weight_durable``; the spool's lock covers it).
+            durable_dir=config.spool_dir / WEIGHTS_SUBDIR,
+            max_connections=config.max_weight_connections,
+        )
+        self.weight_plane.curve = curve
+        with _naming_the_setting("weight_port", "ZeroMQ weight", config.host, config.weight_port):
+            return self.weight_plane.start()
 
     def _curve_server(self) -> CurveServer | None:
         """The CURVE keys of the ZeroMQ planes (``ValueError`` naming the setting when a file is wrong)."""

@@ -6,11 +6,15 @@ import argparse
 import os
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from primerl.cli.command_args import config_warnings_printed, parse_command_args
 from primerl.runtime.config_base import ConfigError
 from primerl.runtime.config_loader import dump_toml, load_config, parse_config_args, write_toml
 from primerl.supervisor.restart_policy import RESTART_MODES, RestartPolicy
+
+if TYPE_CHECKING:
+    from primerl.configs.rl import RLConfig
 
 USAGE = (
     "primerl rl @ CONFIG.toml [@ MORE.toml ...] [--section.key VALUE ...] [--run-dir DIR] [--tmux]\n"
@@ -206,56 +210,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.check:
         return _preflight(config) or 0
     if not args.dry_run:
-        if args.inference_timeout_s <= 0 or args.stop_timeout_s <= 0:
-            print("primerl rl: --inference-timeout-s and --stop-timeout-s must be > 0", file=sys.stderr)
-            return 2
-        try:
-            restart = RestartPolicy(
-                mode=args.restart,
-                limit=args.restart_limit,
-                window_s=args.restart_window_s,
-                delay_s=args.restart_delay_s,
-                max_delay_s=args.restart_delay_max_s,
-            )
-        except ValueError as err:
-            print(f"primerl rl: {err}", file=sys.stderr)
-            return 2
-        if args.no_preflight and args.preflight_first:
-            print("primerl rl: --no-preflight and --preflight-first contradict each other; give one", file=sys.stderr)
-            return 2
-        background = None
-        if args.no_preflight:
-            status = None
-        elif args.preflight_first:
-            status = _preflight(config)
-        else:  # the fast checks now; the slow ones beside the start (the environments: by the orchestrator)
-            from primerl.cli.preflight.roles import BackgroundPreflight, rl_fast_preflight
-            from primerl.runtime.start_gate import ENV_CHECK_FILE_NAME
-            from primerl.supervisor.launcher import orchestrator_starts_early
-
-            status = rl_fast_preflight(config, _preflight_log(config))
-            # an orchestrator that starts with the others checks the environments it loads; one that waits for
-            # inference (evals, a teacher) would report too late: the preflight loads them itself then
-            early = orchestrator_starts_early(config)
-            env_report = Path(config.output_dir).resolve() / ENV_CHECK_FILE_NAME if early else None
-            background = BackgroundPreflight(config, _preflight_log(config), env_report=env_report)
-        if status is not None:
-            return status
-        from primerl.cli.preflight.base import SKIP_VAR
-        from primerl.supervisor.launcher import Launcher, LaunchOptions
-
-        os.environ[SKIP_VAR] = "1"  # checked here (or skipped on purpose): the roles inherit it and skip theirs
-
-        options = LaunchOptions(
-            inference_timeout_s=args.inference_timeout_s,
-            stop_timeout_s=args.stop_timeout_s,
-            tmux=args.tmux,
-            dashboard=not args.no_dashboard,
-            dashboard_port=args.dashboard_port,
-            restart=restart,
-            preflight=background,
-        )
-        return Launcher(config, options).run()
+        return _launch(config, args)
     roles = config.role_configs()
     if args.write is not None:
         write_toml(config, args.write / "rl.toml")
@@ -267,6 +222,61 @@ def main(argv: list[str] | None = None) -> int:
         print(f"# --- {role} ---")
         print(dump_toml(role_config, redact_secrets=True))
     return 0
+
+
+def _launch(config: RLConfig, args: argparse.Namespace) -> int:
+    """Check the launch options, run the preflight (fast checks now, slow ones beside the start unless told
+    otherwise), then the launcher; returns the exit status."""
+    if args.inference_timeout_s <= 0 or args.stop_timeout_s <= 0:
+        print("primerl rl: --inference-timeout-s and --stop-timeout-s must be > 0", file=sys.stderr)
+        return 2
+    try:
+        restart = RestartPolicy(
+            mode=args.restart,
+            limit=args.restart_limit,
+            window_s=args.restart_window_s,
+            delay_s=args.restart_delay_s,
+            max_delay_s=args.restart_delay_max_s,
+        )
+    except ValueError as err:
+        print(f"primerl rl: {err}", file=sys.stderr)
+        return 2
+    if args.no_preflight and args.preflight_first:
+        print("primerl rl: --no-preflight and --preflight-first contradict each other; give one", file=sys.stderr)
+        return 2
+    background = None
+    if args.no_preflight:
+        status = None
+    elif args.preflight_first:
+        status = _preflight(config)
+    else:  # the fast checks now; the slow ones beside the start (the environments: by the orchestrator)
+        from primerl.cli.preflight.roles import BackgroundPreflight, rl_fast_preflight
+        from primerl.runtime.start_gate import ENV_CHECK_FILE_NAME
+        from primerl.supervisor.launcher import orchestrator_starts_early
+
+        status = rl_fast_preflight(config, _preflight_log(config))
+        # an orchestrator that starts with the others checks the environments it loads; one that waits for
+        # inference (evals, a teacher) would report too late: the preflight loads them itself then
+        early = orchestrator_starts_early(config)
+        env_report = Path(config.output_dir).resolve() / ENV_CHECK_FILE_NAME if early else None
+        background = BackgroundPreflight(config, _preflight_log(config), env_report=env_report)
+    if status is not None:
+        return status
+    from primerl.cli.preflight.base import SKIP_VAR
+    from primerl.supervisor.launcher import Launcher, LaunchOptions
+
+    os.environ[SKIP_VAR] = "1"  # checked here (or skipped on purpose): the roles inherit it and skip theirs
+
+    options = LaunchOptions(
+        inference_timeout_s=args.inference_timeout_s,
+        stop_timeout_s=args.stop_timeout_s,
+        tmux=args.tmux,
+        dashboard=not args.no_dashboard,
+        dashboard_port=args.dashboard_port,
+        restart=restart,
+        preflight=background,
+    )
+    return Launcher(config, options).run()
 
 
 if __name__ == "__main__":

@@ -38,7 +38,7 @@ from primerl.orchestrator.envs.base import (
     EnvWorkerError,
     OneExampleCalls,
 )
-from primerl.orchestrator.envs.supervision import ChildProcess, PendingRequests
+from primerl.orchestrator.envs.supervision import ChildProcess, PendingRequests, SupervisedChild
 from primerl.orchestrator.trajectory import (
     EnvInfo,
     Example,
@@ -74,7 +74,7 @@ class _Pending:
     deadline: float
 
 
-class ClassicEnvClient(OneExampleCalls):
+class ClassicEnvClient(SupervisedChild, OneExampleCalls):
     """One classic env-worker process serving one environment (`env_id` with its `args`)."""
 
     def __init__(
@@ -198,16 +198,6 @@ class ClassicEnvClient(OneExampleCalls):
                 process.stdin.close()
         except (EnvWorkerDied, OSError, ValueError):
             pass  # it is dying already: the signals that follow end it
-
-    def __enter__(self) -> ClassicEnvClient:
-        self.start()
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self.close()
-
-    def stderr_tail(self) -> str:
-        return self._child.stderr_tail()
 
     # requests ----------------------------------------------------------------------------------------------------
     def ping(self, timeout_s: float = 10.0) -> dict[str, Any]:

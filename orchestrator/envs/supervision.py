@@ -17,7 +17,7 @@ import subprocess
 import threading
 import time
 from collections.abc import Callable, Hashable, Mapping, Sequence
-from typing import Generic, Protocol, TypeVar
+from typing import Any, Generic, Protocol, Self, TypeVar
 
 STREAM_JOIN_TIMEOUT_S = 2.0
 KILL_WAIT_S = 5.0
@@ -142,6 +142,29 @@ class ChildProcess:
                 self._on_stderr_line(line)
 
 
+class SupervisedChild:
+    """What a client of one supervised child process (``_child``) offers besides its requests: a context manager
+    (``start`` on entry, ``close`` on exit) and the tail of the child's stderr."""
+
+    _child: ChildProcess
+
+    def start(self) -> Any:
+        raise NotImplementedError
+
+    def close(self, timeout_s: float = 10.0) -> int | None:
+        raise NotImplementedError
+
+    def __enter__(self) -> Self:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def stderr_tail(self) -> str:
+        return self._child.stderr_tail()
+
+
 class Pending(Protocol):
     """An entry of `PendingRequests`."""
 
@@ -200,4 +223,4 @@ class PendingRequests(Generic[K, P]):
             return len(self._entries)
 
 
-__all__ = ["ChildProcess", "Pending", "PendingRequests"]
+__all__ = ["ChildProcess", "Pending", "PendingRequests", "SupervisedChild"]

@@ -39,7 +39,7 @@ from typing import Any
 import zmq
 
 from primerl.orchestrator.envs.base import EnvRequestError, EnvRequestTimeout, EnvWorkerDied, EnvWorkerError
-from primerl.orchestrator.envs.supervision import ChildProcess, PendingRequests
+from primerl.orchestrator.envs.supervision import ChildProcess, PendingRequests, SupervisedChild
 from primerl.orchestrator.envs.v1_spec import (
     API_KEY_VAR,
     BOOTSTRAP_SCRIPT,
@@ -99,7 +99,7 @@ class _Group:
     rollouts: dict[int, Rollout] = field(default_factory=dict)
 
 
-class V1ServerConnection:
+class V1ServerConnection(SupervisedChild):
     """One verifiers v1 env server process serving one environment (`env_id`, its taskset `args`)."""
 
     def __init__(
@@ -241,16 +241,6 @@ class V1ServerConnection:
         code = self._child.stop(timeout_s)
         self._runs.fail_all(EnvWorkerDied(f"v1 env server of {self.env_id!r} was closed"))
         return code
-
-    def __enter__(self) -> V1ServerConnection:
-        self.start()
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self.close()
-
-    def stderr_tail(self) -> str:
-        return self._child.stderr_tail()
 
     # requests ----------------------------------------------------------------------------------------------------
     def health(self, timeout_s: float = 10.0) -> dict[str, Any]:

@@ -1,8 +1,9 @@
-"""`--env-args JSON`, the arguments of an environment's `load_environment`, as eval, sft-data and env install take
-them: one parser, one message."""
+"""The environment arguments eval and sft-data (and env install) share: `--env-args JSON`, the arguments of an
+environment's `load_environment` (one parser, one message), and `--env-python PATH`, the environments' interpreter."""
 
 from __future__ import annotations
 
+import argparse
 import json
 
 
@@ -15,3 +16,16 @@ def parse_env_args(text: str) -> dict:
     if not isinstance(env_args, dict):
         raise ValueError(f"--env-args must be a JSON object, got {type(env_args).__name__}")
     return env_args
+
+
+def add_env_python_argument(parser: argparse.ArgumentParser) -> None:
+    """`--env-python PATH`: the interpreter the environments run in (resolved by ``envs.interpreters``)."""
+    from primerl.orchestrator.envs.interpreters import ENV_PYTHON_VAR, ENV_VENV_NAME
+
+    parser.add_argument(
+        "--env-python",
+        default=None,
+        metavar="PATH",
+        help=f"interpreter of the environments (default: ${ENV_PYTHON_VAR}, else {ENV_VENV_NAME} "
+        "next to primerl's venv, else this one)",
+    )

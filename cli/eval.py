@@ -35,10 +35,10 @@ from pathlib import Path
 from typing import Any
 
 from primerl.cli.command_args import parse_command_args
-from primerl.cli.env_args import parse_env_args
+from primerl.cli.env_args import add_env_python_argument, parse_env_args
 from primerl.cli.eval_console import Console, EvalProgress, print_summary
 from primerl.cli.v1_tools import V1ToolError, add_kind_arguments, resolve_kind
-from primerl.orchestrator.envs.interpreters import ENV_PYTHON_VAR, ENV_VENV_NAME, resolve_env_python
+from primerl.orchestrator.envs.interpreters import resolve_env_python
 
 DEFAULT_OUTPUT_ROOT = Path("outputs/evals")
 DEFAULT_TOOL_CALL_PARSER = "hermes"
@@ -149,13 +149,7 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="DIR",
         help=f"where results.jsonl and summary.json go (default: {DEFAULT_OUTPUT_ROOT}/<env>--<model>/<time>)",
     )
-    parser.add_argument(
-        "--env-python",
-        default=None,
-        metavar="PATH",
-        help=f"interpreter of the environments (default: ${ENV_PYTHON_VAR}, else {ENV_VENV_NAME} "
-        "next to primerl's venv, else this one)",
-    )
+    add_env_python_argument(parser)
     parser.add_argument(
         "--timeout-s",
         type=float,

@@ -16,9 +16,9 @@ import sys
 from pathlib import Path
 
 from primerl.cli.command_args import parse_command_args
-from primerl.cli.env_args import parse_env_args
+from primerl.cli.env_args import add_env_python_argument, parse_env_args
 from primerl.cli.v1_tools import V1ToolError, add_kind_arguments, resolve_kind
-from primerl.orchestrator.envs.interpreters import ENV_PYTHON_VAR, ENV_VENV_NAME, resolve_env_python
+from primerl.orchestrator.envs.interpreters import resolve_env_python
 
 BATCH = 500
 
@@ -40,13 +40,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="examples to write, from the first; -1 for all (default)",
     )
     parser.add_argument("--split", choices=("train", "eval"), default="train", help="dataset split (default: train)")
-    parser.add_argument(
-        "--env-python",
-        default=None,
-        metavar="PATH",
-        help=f"interpreter of the environments (default: ${ENV_PYTHON_VAR}, else {ENV_VENV_NAME} "
-        "next to primerl's venv, else this one)",
-    )
+    add_env_python_argument(parser)
     add_kind_arguments(parser)
     return parser
 

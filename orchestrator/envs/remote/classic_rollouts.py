@@ -269,9 +269,11 @@ def _lean_openai_class() -> type:
     from openai import AsyncOpenAI
 
     class LeanAsyncOpenAI(AsyncOpenAI):
+        _primerl_urls: tuple[Any, dict[str, Any]] | None = None  # (the base URL, path -> merged URL)
+
         def _prepare_url(self, url: str) -> Any:
             base = self.base_url
-            cache = getattr(self, "_primerl_urls", None)
+            cache = self._primerl_urls
             if cache is None or cache[0] is not base:
                 cache = self._primerl_urls = (base, {})
             prepared = cache[1].get(url)

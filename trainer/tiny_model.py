@@ -352,31 +352,7 @@ def _save_tokenizer(out_dir: Path) -> Any:
 def _model_config(spec: TinyModelSpec, vocab_size: int, eos_id: int, pad_id: int) -> Any:
     from transformers import Qwen2Config, Qwen3MoeConfig
 
-    if spec.is_moe:
-        return Qwen3MoeConfig(
-            vocab_size=vocab_size,
-            hidden_size=spec.hidden_size,
-            intermediate_size=spec.intermediate_size or 4 * spec.hidden_size,
-            moe_intermediate_size=spec.moe_intermediate_size,
-            num_experts=spec.num_experts,
-            num_experts_per_tok=spec.num_experts_per_tok,
-            norm_topk_prob=True,
-            output_router_logits=True,  # the trainer adds router_aux_loss_coef x the load-balancing loss
-            router_aux_loss_coef=0.001,
-            num_hidden_layers=spec.num_layers,
-            num_attention_heads=spec.num_attention_heads,
-            num_key_value_heads=spec.num_key_value_heads,
-            head_dim=spec.head_dim,
-            max_position_embeddings=spec.max_position_embeddings,
-            initializer_range=MOE_INITIALIZER_RANGE,
-            tie_word_embeddings=True,
-            rms_norm_eps=1e-6,
-            bos_token_id=pad_id,
-            eos_token_id=eos_id,
-            pad_token_id=pad_id,
-            dtype="float32",
-        )
-    return Qwen2Config(
+    common = dict(
         vocab_size=vocab_size,
         hidden_size=spec.hidden_size,
         intermediate_size=spec.intermediate_size or 4 * spec.hidden_size,
@@ -391,6 +367,19 @@ def _model_config(spec: TinyModelSpec, vocab_size: int, eos_id: int, pad_id: int
         pad_token_id=pad_id,
         dtype="float32",
     )
+    if spec.is_moe:
+        return Qwen3MoeConfig(
+            **common,
+            moe_intermediate_size=spec.moe_intermediate_size,
+            num_experts=spec.num_experts,
+            num_experts_per_tok=spec.num_experts_per_tok,
+            norm_topk_prob=True,
+            output_router_logits=True,  # the trainer adds router_aux_loss_coef x the load-balancing loss
+            router_aux_loss_coef=0.001,
+            head_dim=spec.head_dim,
+            initializer_range=MOE_INITIALIZER_RANGE,
+        )
+    return Qwen2Config(**common)
 
 
 def _save_model(out_dir: Path, spec: TinyModelSpec, tokenizer: Any) -> None:

@@ -9,6 +9,7 @@ again, at most `max_restarts` times; `close()` ends only the client's own proces
 
 from __future__ import annotations
 
+import abc
 import asyncio
 import concurrent.futures
 from collections.abc import Mapping, Sequence
@@ -108,16 +109,18 @@ class EnvClient(Protocol):
         ...
 
 
-class OneExampleCalls:
+class OneExampleCalls(abc.ABC):
     """`submit_rollout` and `rollout` of an `EnvClient`, written once over its `submit_rollouts` and `cancel`."""
 
+    @abc.abstractmethod
     def submit_rollouts(
         self, example_indices: Sequence[int], **kwargs: Any
     ) -> list[concurrent.futures.Future[RolloutGroup]]:
-        raise NotImplementedError
+        """See `EnvClient.submit_rollouts`."""
 
+    @abc.abstractmethod
     def cancel(self, future: concurrent.futures.Future) -> None:
-        raise NotImplementedError
+        """See `EnvClient.cancel`."""
 
     def submit_rollout(self, example_index: int, **kwargs: Any) -> concurrent.futures.Future[RolloutGroup]:
         """`submit_rollouts` of one example: a future of its `RolloutGroup` (errors per rollout inside)."""

@@ -9,6 +9,7 @@ SIGKILL, each to the process group the child leads (never anything else), joinin
 
 from __future__ import annotations
 
+import abc
 import collections
 import concurrent.futures
 import os
@@ -142,17 +143,19 @@ class ChildProcess:
                 self._on_stderr_line(line)
 
 
-class SupervisedChild:
+class SupervisedChild(abc.ABC):
     """What a client of one supervised child process (``_child``) offers besides its requests: a context manager
     (``start`` on entry, ``close`` on exit) and the tail of the child's stderr."""
 
     _child: ChildProcess
 
+    @abc.abstractmethod
     def start(self) -> Any:
-        raise NotImplementedError
+        """Start the child process (and whatever it serves)."""
 
+    @abc.abstractmethod
     def close(self, timeout_s: float = 10.0) -> int | None:
-        raise NotImplementedError
+        """End the child process; its exit code."""
 
     def __enter__(self) -> Self:
         self.start()

@@ -162,6 +162,7 @@ class WeightPlane(RouterPlane):
         self.fanout = fanout
         self.limits = limits
         self.auth_token = auth_token or None
+        self._forward_envelope = self._envelope("")  # of every chunk message the plane builds (weight_messages)
         self.chunk_bytes = chunk_bytes
         self.on_applied = on_applied
         self.hwm = hwm
@@ -539,7 +540,7 @@ class WeightPlane(RouterPlane):
                     else:
                         blocked = True
                     continue
-                messages, num_chunks = chunk_messages(update, self.chunk_bytes, self._envelope(""))
+                messages, num_chunks = chunk_messages(update, self.chunk_bytes, self._forward_envelope)
                 if chain is not None:
                     messages = relayed_messages(messages, update, chain)
                 if index >= len(messages):

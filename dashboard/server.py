@@ -10,7 +10,7 @@ Security (the page shows a run's config, prompts and model output):
   ``no-referrer``, ``no-store``; the page sets every value through ``textContent`` (model output is untrusted);
 * the default bind is loopback.
 
-API (JSON, documented in docs/dashboard.md): ``/api/run``, ``/api/config``, ``/api/metrics?since=N``,
+API (JSON, documented in docs/dashboard.md): ``/api/run``, ``/api/config``, ``/api/charts``, ``/api/metrics?since=N``,
 ``/api/workers``, ``/api/queues``, ``/api/events``, ``/api/rollouts?since=N``.
 """
 
@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import parse_qs, urlsplit
 
+from primerl.dashboard.charts import chart_table
 from primerl.dashboard.sources import MAX_EVENTS, BrokerSource, RunDirSource
 from primerl.proto.v1 import common_pb2, control_pb2
 
@@ -69,6 +70,8 @@ class Dashboard:
             return self.run()
         if route == "/api/config":
             return {"text": self.run_dir.config_text() if self.run_dir else "", "file": "rl.toml"}
+        if route == "/api/charts":
+            return chart_table()
         if route == "/api/metrics":
             rows, next_index = self._pick("metrics", since)
             return {"rows": [_finite(row) for row in rows], "next": next_index, "source": self._from("metrics")}

@@ -229,9 +229,9 @@ def env_reward_metrics(groups: list) -> dict[str, float]:
     metrics = {}
     for env_id in sorted(rewards):
         if rewards[env_id]:
-            metrics[f"env/{env_id}/reward"] = float(np.mean(rewards[env_id]))
-        metrics[f"env/{env_id}/num_rollouts"] = float(len(rewards[env_id]))
-        metrics[f"env/{env_id}/num_samples"] = float(num_samples[env_id])
+            metrics[f"{telemetry.ENV_PREFIX}{env_id}/reward"] = float(np.mean(rewards[env_id]))
+        metrics[f"{telemetry.ENV_PREFIX}{env_id}/num_rollouts"] = float(len(rewards[env_id]))
+        metrics[f"{telemetry.ENV_PREFIX}{env_id}/num_samples"] = float(num_samples[env_id])
     return metrics
 
 

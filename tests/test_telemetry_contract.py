@@ -1,10 +1,12 @@
-"""Telemetry as a contract: every step-metric key the dashboard's page reads by name is produced by a role.
+"""Telemetry as a contract: every step-metric key the dashboard draws is produced by a role.
 
-The page (``dashboard/static/app.js``) names some keys exactly (its charts and the rollouts/s it derives); the
-Python readers (``primerl status``, ``primerl plot``, the bench) use the constants of ``proto/telemetry.py``, and no
-product module spells a key outside it (checked below, over every string constant of the product code but
-docstrings). A key is produced when ``proto/telemetry.py`` defines it (the roles write those constants) or when the
-trainer's step reports it (``train/<statistic>``, measured here on a real step of the tiny model).
+The dashboard's charts are a table on the server (``dashboard/charts.py``, served as ``/api/charts``) naming the keys
+by ``proto/telemetry.py``'s constants; the page (``dashboard/static/app.js``) spells no key itself. The Python readers
+(``primerl status``, ``primerl plot``, the bench) use the same constants, and no product module spells a key outside
+``proto/telemetry.py`` (checked below, over every string constant of the product code but docstrings). A key is
+produced when the trainer's step reports it (``train/<statistic>``, measured here on a real step of the tiny model),
+when an orchestrator component writes it (the filter's reasons, an environment's ``env/<id>/...``), or when
+``proto/telemetry.py`` defines it as a key the roles write.
 """
 
 from __future__ import annotations
@@ -18,6 +20,8 @@ from support.trainer_runs import packed, samples
 from test_code_size import ROOT, product_files
 
 from primerl.configs.trainer import DefaultLossConfig
+from primerl.dashboard.charts import chart_table
+from primerl.orchestrator.filtering import FILTER_REASONS
 from primerl.proto import telemetry
 from primerl.trainer.batch import MicroBatch
 from primerl.trainer.distributed import DistInfo
@@ -26,7 +30,6 @@ from primerl.trainer.train_step import TrainStep, rl_objective
 PAGE = Path(__file__).resolve().parent.parent / "dashboard" / "static" / "app.js"
 EXACT_KEY = re.compile(r"""["'`]([a-z_]+/[a-z0-9_/]+)["'`]""")
 METRIC_KEY = re.compile(r"[a-z_]+/[a-z0-9_/]+")
-DERIVED = "derived/"  # computed by the page itself from other keys
 
 
 def page_keys() -> set[str]:
@@ -34,7 +37,17 @@ def page_keys() -> set[str]:
     keys; a chart title such as "tokens/s" is in none)."""
     namespaces = {key.split("/", 1)[0] for key in contract_keys()}
     found = EXACT_KEY.findall(PAGE.read_text(encoding="utf-8"))
-    return {key for key in found if key.split("/", 1)[0] in namespaces and not key.startswith(DERIVED)}
+    return {key for key in found if key.split("/", 1)[0] in namespaces}
+
+
+def chart_reads() -> tuple[set[str], list[str]]:
+    """(the exact keys, the patterns) the dashboard's charts and derived series read."""
+    table = chart_table()
+    series = [s for chart in table["charts"] for s in chart["series"]]
+    derived = {d["key"] for d in table["derived"]}
+    keys = {s["key"] for s in series if "key" in s and s["key"] not in derived}
+    keys |= {d[side] for d in table["derived"] for side in ("numerator", "denominator")}
+    return keys, [s["pattern"] for s in series if "pattern" in s]
 
 
 def contract_keys() -> set[str]:
@@ -57,11 +70,24 @@ def unproduced(read: set[str], produced: set[str]) -> list[str]:
     return sorted(read - produced)
 
 
+def produced_keys(model_dir: Path) -> set[str]:
+    orchestrator = {telemetry.FILTER_PREFIX + reason for reason in FILTER_REASONS}
+    orchestrator |= {f"{prefix}some-env/reward" for prefix in (telemetry.ENV_PREFIX, telemetry.EVAL_PREFIX)}
+    return contract_keys() | trainer_step_keys(model_dir) | orchestrator
+
+
 def test_every_key_the_dashboard_reads_is_produced(small_tiny_model: Path) -> None:
-    read = page_keys()
-    assert read, f"no metric key found in {PAGE}: the pattern no longer matches the page"
-    missing = unproduced(read, contract_keys() | trainer_step_keys(small_tiny_model))
-    assert not missing, f"{PAGE.name} reads keys no role produces: {missing} (add them to proto/telemetry.py)"
+    keys, patterns = chart_reads()
+    assert keys and patterns, "the chart table names no key or no pattern: chart_reads() no longer reads it"
+    produced = produced_keys(small_tiny_model)
+    missing = unproduced(keys, produced)
+    assert not missing, f"the dashboard's charts read keys no role produces: {missing} (dashboard/charts.py)"
+    dead = [p for p in patterns if not any(re.search(p, key) for key in produced)]
+    assert not dead, f"chart patterns that match no produced key: {dead} (dashboard/charts.py)"
+
+
+def test_the_page_spells_no_metric_key() -> None:
+    assert not page_keys(), f"{PAGE.name} names metric keys itself: {sorted(page_keys())}; add them to charts.py"
 
 
 def test_the_check_can_fail() -> None:

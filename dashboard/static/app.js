@@ -6,21 +6,20 @@ const POLL_MS = 2000;
 const SVG_NS = "http://www.w3.org/2000/svg";
 const COLOURS = ["#2553a3", "#d1495b", "#1f7a3d", "#edae49", "#66a182", "#8d5a97", "#00798c", "#555"];
 
-// Charts: [title, which series]. A selector is a metric name, a RegExp, or {role, re}.
-const CHARTS = [
-  ["reward", [/^train\/reward$/, /^env\/.+\/reward$/, /^eval\/.+\/reward$/]],
-  ["loss", ["train/loss"]],
-  ["KL / mismatch", [/^train\/.*(kl|mismatch).*$/]],
-  ["entropy", ["train/entropy"]],
-  ["off-policy lag (versions)", [/^async\/off_policy_lag_(mean|max)$/]],
-  ["rollouts/s", ["derived/rollouts_per_s"]],
-  ["tokens/s", ["rollout/tokens_per_s"]],
-  ["step time (s)", ["perf/step_time_s", "perf/step_s"]],
-  ["trainer phases (s)", [{ role: "trainer", re: /^perf\/.*_s$/, not: /^perf\/step_time_s$/ }]],
-  ["orchestrator phases (s)", [{ role: "orchestrator", re: /^perf\/.*_s$/, not: /^perf\/step_s$/ }]],
-  ["filter drops", [/^filter\/(num_filtered|too_hard|too_easy|low_variance)$/]],
-  ["rollout errors", [/^rollout\/errors(\/.*)?$/]],
-];
+// Charts and derived series come from /api/charts (the server names them by the telemetry contract's keys).
+let CHARTS = [];
+let DERIVED = [];
+
+function selector(series) {
+  if (series.key !== undefined) return series.key;
+  return { role: series.role, re: new RegExp(series.pattern), not: series.not ? new RegExp(series.not) : null };
+}
+
+async function loadCharts() {
+  const table = await getJSON("/api/charts");
+  CHARTS = table.charts.map((chart) => [chart.title, chart.series.map(selector)]);
+  DERIVED = table.derived;
+}
 
 const state = {
   metricsNext: 0,
@@ -107,20 +106,20 @@ function addRows(rows) {
       if (!state.series[key]) state.series[key] = new Map();
       state.series[key].set(row.step, value);
     }
-    const rollouts = row["buffer/num_rollouts"];
-    const seconds = row["perf/step_s"];
-    if (row.role === "orchestrator" && typeof rollouts === "number" && typeof seconds === "number" && seconds > 0) {
-      const key = "orchestrator|derived/rollouts_per_s";
+    for (const derived of DERIVED) {
+      const [top, bottom] = [row[derived.numerator], row[derived.denominator]];
+      if (row.role !== derived.role || typeof top !== "number" || typeof bottom !== "number" || bottom <= 0) continue;
+      const key = `${row.role}|${derived.key}`;
       if (!state.series[key]) state.series[key] = new Map();
-      state.series[key].set(row.step, rollouts / seconds);
+      state.series[key].set(row.step, top / bottom);
     }
   }
 }
 
 function matches(selector, role, name) {
   if (typeof selector === "string") return name === selector;
-  if (selector instanceof RegExp) return selector.test(name);
-  return role === selector.role && selector.re.test(name) && !(selector.not && selector.not.test(name));
+  const roleMatches = selector.role === undefined || role === selector.role;
+  return roleMatches && selector.re.test(name) && !(selector.not && selector.not.test(name));
 }
 
 function seriesOf(selectors) {
@@ -325,6 +324,7 @@ function showRollouts() {
 // ------------------------------------------------------------------------------------------------ poll
 async function poll() {
   try {
+    if (!CHARTS.length) await loadCharts();
     const [run, metrics, workers, queues, events, rollouts] = await Promise.all([
       getJSON("/api/run"),
       getJSON(`/api/metrics?since=${state.metricsNext}`),

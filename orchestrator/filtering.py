@@ -419,8 +419,8 @@ class BatchAssembler:
             telemetry.FILTER_FILTERED_FRACTION: num_filtered / seen if seen else 0.0,
         }
         for reason, count in self._filtered.items():
-            metrics[f"filter/{reason}"] = float(count)
-            metrics[f"filter/{reason}_fraction"] = count / seen if seen else 0.0
+            metrics[f"{telemetry.FILTER_PREFIX}{reason}"] = float(count)
+            metrics[f"{telemetry.FILTER_PREFIX}{reason}_fraction"] = count / seen if seen else 0.0
         metrics[telemetry.BUFFER_NUM_SURPLUS_ROLLOUTS] = float(self.num_pending_rollouts)
         metrics[telemetry.BUFFER_NUM_STALE_GROUPS_DROPPED] = float(self._num_stale_dropped)
         metrics[telemetry.BUFFER_NUM_SURPLUS_GROUPS_DROPPED] = float(self._num_surplus_dropped)

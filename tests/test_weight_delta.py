@@ -9,9 +9,10 @@ import pytest
 import torch
 from safetensors.torch import save
 
+from primerl.proto.delta_base import torch_dtype_name
 from primerl.proto.tensor_frames import parse_header, specs_of
 from primerl.proto.v1 import common_pb2, data_pb2
-from primerl.proto.weight_delta import DeltaError, decode_delta, encode_delta, torch_dtype_name
+from primerl.proto.weight_delta import DeltaError, decode_delta, encode_delta
 
 MISMATCH = common_pb2.ERROR_CODE_TENSOR_MISMATCH
 MALFORMED = common_pb2.ERROR_CODE_MALFORMED_HEADER

@@ -14,18 +14,12 @@ import pytest
 import torch
 from safetensors.torch import save
 
-from primerl.proto import weight_delta
+from primerl.proto import delta_sparse
+from primerl.proto.delta_base import torch_dtype_name
+from primerl.proto.delta_sparse import _changed_positions, _gaps_of, _positions_of
 from primerl.proto.tensor_frames import parse_header, specs_of
 from primerl.proto.v1 import common_pb2, data_pb2
-from primerl.proto.weight_delta import (
-    DeltaError,
-    _changed_positions,
-    _gaps_of,
-    _positions_of,
-    decode_delta,
-    encode_delta,
-    torch_dtype_name,
-)
+from primerl.proto.weight_delta import DeltaError, decode_delta, encode_delta
 
 SPARSE = data_pb2.DELTA_ENCODING_SPARSE
 MALFORMED = common_pb2.ERROR_CODE_MALFORMED_HEADER
@@ -280,7 +274,7 @@ def test_chunked_scan_gives_the_same_payload_whatever_the_chunk_size(
     """The encoder compares each tensor in chunks (``_SCAN_BYTES``; 2 MiB in production, so the tensors here
     are one chunk): with small chunks, positions and values of sparse chunks, the bits of dense ones and the
     gaps that cross chunk boundaries stitch to the same payload."""
-    monkeypatch.setattr(weight_delta, "_SCAN_BYTES", scan_bytes)
+    monkeypatch.setattr(delta_sparse, "_SCAN_BYTES", scan_bytes)
     new, base = golden_pair()
     payload = assert_matches_reference(new, base, num_threads=2)
     assert (hashlib.sha256(payload).hexdigest(), len(payload)) == GOLDEN_PAYLOAD
@@ -292,7 +286,7 @@ def test_chunks_both_sparse_and_dense_in_one_tensor_equal_the_reference(
 ) -> None:
     """Sparse stretches, dense clusters and untouched runs in the same tensor, so that its chunks take every path
     of the scan, for each form the tensor as a whole ends up in."""
-    monkeypatch.setattr(weight_delta, "_SCAN_BYTES", scan_bytes)
+    monkeypatch.setattr(delta_sparse, "_SCAN_BYTES", scan_bytes)
     generator = torch.Generator().manual_seed(scan_bytes)
     numel = 6001
     base = {

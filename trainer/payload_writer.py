@@ -23,8 +23,8 @@ import threading
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
+from primerl.proto.delta_base import torch_dtype_name
 from primerl.proto.digests import PayloadHasher
-from primerl.proto.weight_delta import torch_dtype_name
 
 if TYPE_CHECKING:
     import torch

@@ -126,3 +126,35 @@ def test_no_product_module_spells_a_metric_key_outside_telemetry() -> None:
     ]
     assert not found, "metric keys spelled outside proto/telemetry.py (use its constants):\n" + "\n".join(found)
     assert key_literals('x = {"train/loss": 1.0}\n', namespaces) == [(1, "train/loss")]  # the check can fail
+
+
+PRODUCERS = ("broker", "client", "inference", "orchestrator", "runtime", "supervisor", "trainer")
+
+
+def unwritten(keys: dict[str, str], sources: list[str], step_keys: set[str]) -> list[str]:
+    """The constants of ``keys`` (name -> key) that no producer source names and no real step reports (a step's
+    statistic that only some runs have, such as ``train/teacher_kl``, counts when a producer names it in quotes)."""
+
+    def named(name: str, key: str) -> bool:
+        leaf = f'"{key.split("/", 1)[1]}"' if key.startswith("train/") else None
+        return any(re.search(rf"\b{name}\b", source) or (leaf and leaf in source) for source in sources)
+
+    return sorted(name for name, key in keys.items() if key not in step_keys and not named(name, key))
+
+
+def test_every_step_metric_key_of_the_contract_has_a_writer(small_tiny_model: Path) -> None:
+    """What ``primerl status``, ``primerl plot`` and the bench read are these constants: each one is written by a
+    role (named in a producer package's code) or reported by a real trainer / SFT step."""
+    keys = {k: v for k, v in vars(telemetry).items() if k.isupper() and isinstance(v, str) and "/" in v}
+    keys.pop("DERIVED_ROLLOUTS_PER_S")  # the dashboard's page computes it (dashboard/charts.py)
+    sources = [
+        path.read_text(encoding="utf-8")
+        for package in PRODUCERS
+        for path in (ROOT / package).rglob("*.py")
+        if "_pb2" not in path.name
+    ]
+    step = trainer_step_keys(small_tiny_model)
+    step |= {"sft/" + key.split("/", 1)[1] for key in step}  # the SFT runner reports the same step as sft/<name>
+    missing = unwritten(keys, sources, step)
+    assert not missing, f"proto/telemetry.py keys no role writes: {missing} (write them, or drop the constant)"
+    assert unwritten({"X_UNWRITTEN": "x/unwritten"}, sources, step) == ["X_UNWRITTEN"]  # the check can fail

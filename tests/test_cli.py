@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
-REFERENCE_CONFIGS = REPO_ROOT.parent / "shared" / "reference" / "configs"
+REFERENCE_CONFIGS = REPO_ROOT / "tests" / "data" / "user_configs"
 BIN = Path(sys.executable).parent
 SCRIPTS = ["primerl", "primerl-broker", "primerl-trainer", "primerl-infer", "primerl-orchestrator"]
 

@@ -18,7 +18,7 @@ from primerl.configs.trainer import DEFAULT_LORA_TARGET_MODULES, TrainerConfig
 from primerl.runtime.config_base import ConfigWarning
 from primerl.runtime.config_loader import dump_toml, load_config
 
-REFERENCE_CONFIGS = Path(__file__).resolve().parents[1].parent / "shared" / "reference" / "configs"
+REFERENCE_CONFIGS = Path(__file__).resolve().parent / "data" / "user_configs"
 ALL_PROJ = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 ROLE_CLASSES = {
     "broker": BrokerConfig,

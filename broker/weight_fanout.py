@@ -15,20 +15,11 @@ failed acknowledgements in a row (it rejoins with its next HELLO), or when the r
 deregistered: ``leave``). A gone worker id never joins again: a LOST worker registers again under a new id, and its
 new subscriber says HELLO with that id.
 
-Per worker the core keeps the (version, lineage) acknowledged and the one it will hold once it applied everything
-sent (planning starts there), the queue of updates planned (``store.plan_for``), the update being sent and its next
-chunk, and the updates sent but not yet acknowledged. A worker that does not acknowledge within ``ack_timeout_s``
-is planned again from what it acknowledged.
+Per worker the core keeps a ``WeightMember`` (``weight_members``), planned with ``store.plan_for``. A worker that
+does not acknowledge within ``ack_timeout_s`` is planned again from what it acknowledged.
 
-Relay (``fanout="chain"``): members that announced a relay endpoint in HELLO and start the same update at the same
-time (``begin``, or idle members whose next planned update is the same) form one ``RelayChain``, in the order
-they joined: the plane sends
-each chunk only to its head, and each member forwards what it received to the next (the chunks carry the chain,
-``Envelope.relay_hops``). The others in the chain are sent nothing; once the head has had the last chunk they all
-count as sent, each with ``relay_timeout_s`` to acknowledge. A member past that is planned again from what it
-acknowledged, and the first of them in the chain (the one the rest waited on) relays nothing more until it
-acknowledges an update: the rest form a new chain without it, and the broker, which holds the update, sends it
-again. A head that leaves or makes no progress for ``relay_timeout_s`` dissolves its chain the same way.
+Relay (``fanout="chain"``): members that start the same update at the same time form one ``RelayChain``; the plane
+sends each chunk to its head only. ``weight_relay`` plans the chains and says which to heal.
 
 Thread-safe: one lock guards the state; callbacks (``watch``) run outside it, so a caller may hold its own lock
 (the registry does) while it reads or calls ``leave``.
@@ -40,13 +31,15 @@ import collections
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from enum import Enum
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
+from primerl.broker import weight_relay
+from primerl.broker.weight_members import WeightMember, WeightWorkerStatus
+from primerl.broker.weight_relay import RelayChain
 from primerl.broker.weight_store import PutResult, StoredUpdate, WeightStore
 from primerl.proto import framing
-from primerl.proto.v1 import common_pb2, data_pb2
+from primerl.proto.v1 import common_pb2
 from primerl.proto.weight_refusals import WeightUpdateRefused
 from primerl.runtime.log_setup import get_logger
 
@@ -56,31 +49,6 @@ MAX_GONE_WORKERS = 4096
 """Ids of gone workers remembered (refused at HELLO); the oldest are dropped beyond this."""
 FANOUT_MODES = ("star", "chain")
 """``star``: the broker sends every chunk to every worker; ``chain``: to the first worker of a relay chain."""
-MAX_RELAY_ENDPOINT_CHARS = 256
-
-
-def valid_relay_endpoint(endpoint: str) -> bool:
-    """Whether ``endpoint`` (from a worker's HELLO) is a ZeroMQ tcp:// or ipc:// endpoint the broker may name."""
-    return (
-        0 < len(endpoint) <= MAX_RELAY_ENDPOINT_CHARS
-        and endpoint.isprintable()
-        and endpoint.startswith(("tcp://", "ipc://"))
-    )
-
-
-@dataclass(eq=False)
-class RelayChain:
-    """One update relayed through ``hops`` (worker ids, head first) to the ``endpoints`` they announced. ``messages``:
-    the plane's chunk messages for this chain (``broker.weight_messages``)."""
-
-    update: StoredUpdate
-    number: int
-    hops: tuple[str, ...]
-    endpoints: tuple[str, ...]
-    last_progress_s: float
-    messages: list[list[Any]] = field(default_factory=list)
-    # The members after its head were planned again (the head goes on with these chunks, relaying nothing new).
-    dissolved: bool = False
 
 
 class FanoutStep(NamedTuple):
@@ -101,17 +69,14 @@ class LatestPolicy(NamedTuple):
     num_rollbacks: int = 0
 
 
-@dataclass(frozen=True)
-class WeightWorkerStatus:
-    worker_id: str
-    # Last version the worker acknowledged as applied (or declared in HELLO); None: nothing yet.
-    policy_version: int | None
-    # Updates queued or being sent to it, and sent but not yet acknowledged.
-    num_pending: int
-    num_unacked: int
-    num_retries: int
-    # The lineage of ``policy_version`` (0: unknown).
-    lineage: int = 0
+class FanoutCounts(NamedTuple):
+    """Members now and forgotten so far; relay chains formed, and members sent an update again because their relay
+    did not reach them in time."""
+
+    num_workers: int
+    num_forgotten: int
+    num_relay_chains: int
+    num_relay_heals: int
 
 
 class Joined(Enum):
@@ -122,54 +87,6 @@ class Joined(Enum):
     REPEATED = "repeated"  # a keep-alive: nothing changed
     FULL = "full"  # refused: ``max_workers`` members already
     GONE = "gone"  # refused: the registry said this worker is gone (it must register again)
-
-
-@dataclass
-class _Member:
-    worker_id: str
-    acked_version: int | None
-    # The version the worker will hold once it applied everything already sent to it.
-    sent_version: int | None
-    # The lineages of those two versions (0: unknown).
-    acked_lineage: int = 0
-    sent_lineage: int = 0
-    sending: StoredUpdate | None = None
-    next_chunk: int = 0
-    queue: list[StoredUpdate] = field(default_factory=list)
-    # (version, lineage) of each update sent and not acknowledged yet, in order.
-    unacked: collections.deque[tuple[int, int]] = field(default_factory=collections.deque)
-    last_progress_s: float = 0.0
-    retries: int = 0
-    # Where it takes relayed chunks ("": it relays nothing); False after it held up a chain, until it acknowledges.
-    relay_endpoint: str = ""
-    relay_ok: bool = True
-    # The chain it receives ``sending`` through (as its head, the plane sends it the chunks; else nothing).
-    chain: RelayChain | None = None
-    # While its last update arrived by relay: when its acknowledgement is overdue, and (chain number, its place).
-    relay_deadline_s: float | None = None
-    relay_place: tuple[int, int] = (0, 0)
-    # The host whose shared memory it maps (``Hello.host_id``; "": none), and False once it could not map a segment.
-    host_id: str = ""
-    shared_ok: bool = True
-
-    @property
-    def can_relay(self) -> bool:
-        return bool(self.relay_endpoint) and self.relay_ok
-
-    def reads_in_place(self, update: StoredUpdate) -> bool:
-        """It is sent ``update`` as a shared-memory descriptor (same host as the trainer's segment), not as bytes."""
-        shared = update.shared
-        return shared is not None and not shared.released and self.shared_ok and self.host_id == shared.host_id
-
-    def status(self) -> WeightWorkerStatus:
-        return WeightWorkerStatus(
-            worker_id=self.worker_id,
-            policy_version=self.acked_version,
-            num_pending=len(self.queue) + (self.sending is not None),
-            num_unacked=len(self.unacked),
-            num_retries=self.retries,
-            lineage=self.acked_lineage,
-        )
 
 
 class WeightFanout:
@@ -202,7 +119,7 @@ class WeightFanout:
         self.max_workers = max_workers
         self._clock = clock
         self._lock = threading.Lock()
-        self._members: dict[str, _Member] = {}
+        self._members: dict[str, WeightMember] = {}
         self._gone: collections.OrderedDict[str, None] = collections.OrderedDict()
         self._restored_version = 0
         self._num_forgotten = 0
@@ -234,17 +151,11 @@ class WeightFanout:
         with self._lock:
             self._restored_version = version
 
-    def put(
-        self, header: data_pb2.WeightUpdateHeader, payload: Any, *, computed_digest: str | None = None
-    ) -> PutResult:
-        """Store a whole update (``WeightStore.put``: raises ``WeightUpdateRefused``) and, unless it is one held
-        already, plan every member again. ``latest()`` says the new version before this returns (before the
-        publisher's ack is sent)."""
-        return self.put_update(StoredUpdate.of(header, payload), computed_digest=computed_digest)
-
     def put_update(self, update: StoredUpdate, *, computed_digest: str | None = None) -> PutResult:
-        """``put`` of an update whose chunks may already be on their way to members (``begin``): they keep sending
-        it. When the store refuses it, it is ``abort``ed first, then the refusal is raised."""
+        """Store a whole update (``WeightStore.put_update``) and, unless it is one held already, plan every member
+        again; ``latest()`` says the new version before this returns (before the publisher's ack is sent). Members
+        may be receiving its chunks already (``begin``): they go on. A refused update is ``abort``ed, then the
+        refusal (``WeightUpdateRefused``) is raised."""
         try:
             result = self.store.put_update(update, computed_digest=computed_digest)
         except WeightUpdateRefused:
@@ -262,35 +173,26 @@ class WeightFanout:
 
     def begin(self, update: StoredUpdate) -> int:
         """An update started arriving (its header passed ``store.check_header``): members with nothing else to send
-        for whom it is the next step start receiving it now, chunk by chunk as the chunks arrive, instead of after
-        the last one (the plane sends only chunks that are in). Returns how many members started.
-
-        The next step: a FULL or LORA update newer than what the member will hold (or of a newer lineage); a DELTA
-        on exactly the version and lineage it will hold. Members busy with another update get it by the plan made
-        when it is stored."""
-        header = update.header
-        with self._lock:
-            starting = [
-                member
-                for member in self._members.values()
-                if member.sending is None and not member.queue and self._is_next_step(member, header)
-            ]
-            self._start_locked(starting, update)
-        return len(starting)
+        for whom it is the next step (``WeightMember.is_next_step``) start receiving it now, chunk by chunk as the
+        chunks arrive, instead of after the last one (the plane sends only chunks that are in). Members busy with
+        another update get it by the plan made when it is stored. Returns how many members started."""
+        return self._begin(update, in_place_only=False)
 
     def begin_in_place(self, update: StoredUpdate) -> int:
-        """``begin`` for the members that read ``update`` in place (``_Member.reads_in_place``) only: they are sent
-        its descriptor before the broker's own digest check (each checks the digest before serving); the others get
-        it once it is stored. Returns how many started."""
-        header = update.header
+        """``begin`` for the members that read ``update`` in place (``WeightMember.reads_in_place``) only: they are
+        sent its descriptor before the broker's own digest check (each checks the digest before serving); the others
+        get it once it is stored. Returns how many started."""
+        return self._begin(update, in_place_only=True)
+
+    def _begin(self, update: StoredUpdate, *, in_place_only: bool) -> int:
         with self._lock:
             starting = [
                 member
                 for member in self._members.values()
                 if member.sending is None
                 and not member.queue
-                and member.reads_in_place(update)
-                and self._is_next_step(member, header)
+                and (not in_place_only or member.reads_in_place(update))
+                and member.is_next_step(update.header)
             ]
             self._start_locked(starting, update)
         return len(starting)
@@ -301,7 +203,7 @@ class WeightFanout:
         with self._lock:
             for member in self._members.values():
                 if member.sending is update:
-                    member.sending, member.next_chunk, member.chain = None, 0, None
+                    member.stop_sending()
                     self._replan_locked(member)
 
     def next_receivers(self, update: StoredUpdate) -> set[str]:
@@ -317,15 +219,6 @@ class WeightFanout:
         """Whether some member is in the middle of receiving ``update``."""
         with self._lock:
             return any(member.sending is update for member in self._members.values())
-
-    @staticmethod
-    def _is_next_step(member: _Member, header: data_pb2.WeightUpdateHeader) -> bool:
-        version, lineage = member.sent_version, member.sent_lineage
-        if header.kind == data_pb2.WEIGHT_UPDATE_KIND_DELTA:
-            return version == header.base_version and (lineage == header.lineage or not lineage or not header.lineage)
-        if lineage and header.lineage and header.lineage != lineage:
-            return header.lineage > lineage
-        return version is None or header.policy_version > version
 
     def store_reloaded(self) -> None:
         """The store took back a durable chain (``WeightStore.attach_durable``): its head is the latest now."""
@@ -358,45 +251,36 @@ class WeightFanout:
                 return Joined.GONE
             member = self._members.get(worker_id)
             if member is not None and not reconnected:
-                member.relay_endpoint = relay_endpoint
-                member.host_id = host_id
-            if (
-                member is not None
-                and not reconnected
-                and member.acked_version == version
-                and member.acked_lineage == lineage
-            ):
-                return Joined.REPEATED
-            if member is None or reconnected:
-                if member is not None:
-                    log.info("weight subscriber reconnected; dropping its old connection", worker_id=worker_id)
-                    self._forget_locked(member, count=False)
-                if len(self._members) >= self.max_workers:
-                    return Joined.FULL
-                member = _Member(
-                    worker_id=worker_id,
-                    acked_version=version,
-                    sent_version=version,
-                    acked_lineage=lineage,
-                    sent_lineage=lineage,
-                    last_progress_s=self._clock(),
-                    relay_endpoint=relay_endpoint,
-                    host_id=host_id,
-                )
-                self._members[worker_id] = member
-                log.info(
-                    "weight subscriber joined",
-                    worker_id=worker_id,
-                    policy_version=version,
-                    lineage=lineage,
-                    relay_endpoint=relay_endpoint or None,
-                )
-                outcome = Joined.JOINED
-            else:
-                self._declare_locked(member, version, lineage)
-                outcome = Joined.DECLARED
+                member.relay_endpoint, member.host_id = relay_endpoint, host_id
+                if member.acked_version == version and member.acked_lineage == lineage:
+                    return Joined.REPEATED
+                member.declare(version, lineage)
+                self._replan_locked(member)
+                return Joined.DECLARED
+            if member is not None:
+                log.info("weight subscriber reconnected; dropping its old connection", worker_id=worker_id)
+                self._forget_locked(member, count=False)
+            if len(self._members) >= self.max_workers:
+                return Joined.FULL
+            member = self._members[worker_id] = WeightMember(
+                worker_id,
+                acked_version=version,
+                sent_version=version,
+                acked_lineage=lineage,
+                sent_lineage=lineage,
+                last_progress_s=self._clock(),
+                relay_endpoint=relay_endpoint,
+                host_id=host_id,
+            )
+            log.info(
+                "weight subscriber joined",
+                worker_id=worker_id,
+                policy_version=version,
+                lineage=lineage,
+                relay_endpoint=relay_endpoint or None,
+            )
             self._replan_locked(member)
-            return outcome
+            return Joined.JOINED
 
     def leave(self, worker_id: str, reason: str) -> None:
         """The registry says the worker is gone (LOST, deregistered): no more pushes, and no HELLO of this id is
@@ -418,7 +302,7 @@ class WeightFanout:
                 self._forget_locked(member, reason=reason, count=count)
 
     def reads_in_place(self, worker_id: str, update: StoredUpdate) -> bool:
-        """``worker_id`` is sent ``update`` as a shared-memory descriptor (``_Member.reads_in_place``)."""
+        """``worker_id`` is sent ``update`` as a shared-memory descriptor (``WeightMember.reads_in_place``)."""
         with self._lock:
             member = self._members.get(worker_id)
             return member is not None and member.reads_in_place(update)
@@ -454,8 +338,7 @@ class WeightFanout:
                     worker_id=worker_id,
                     error=detail.message[:300],
                 )
-                member.unacked.clear()
-                member.sent_version, member.sent_lineage = member.acked_version, member.acked_lineage
+                member.resend_from_acked()
                 self._replan_locked(member)
                 return True
             log.warning(
@@ -474,15 +357,8 @@ class WeightFanout:
             self._replan_locked(member)
             return True
 
-    def _applied_locked(self, member: _Member, version: int, lineage: int) -> bool:
-        sent = next(
-            (entry for entry in member.unacked if entry[0] == version and (lineage == entry[1] or not lineage)), None
-        )
-        if sent is not None:
-            member.retries = 0
-            while member.unacked and member.unacked.popleft() != sent:
-                pass
-            member.acked_version, member.acked_lineage = sent
+    def _applied_locked(self, member: WeightMember, version: int, lineage: int) -> bool:
+        if member.acknowledged(version, lineage):
             return True
         if any(entry[0] == version for entry in member.unacked):
             # Sent (v, new lineage), acknowledged (v, another lineage): it kept the weights it had.
@@ -502,16 +378,11 @@ class WeightFanout:
                 return False
         else:
             member.retries = 0
-        self._declare_locked(member, version, lineage)
+        member.declare(version, lineage)
         self._replan_locked(member)
         return True
 
     # -- sending -------------------------------------------------------------------------------------
-
-    def next_chunk(self, worker_id: str) -> tuple[StoredUpdate, int] | None:
-        """(update, chunk index) to send the member next (``next_step`` without the chain), or None."""
-        step = self.next_step(worker_id)
-        return None if step is None else (step.update, step.index)
 
     def next_step(self, worker_id: str) -> FanoutStep | None:
         """What to send the member next, or None (nothing to send, not a member, or it receives by relay). A member
@@ -526,18 +397,8 @@ class WeightFanout:
                     return None
                 update = member.queue[0]
                 together = [member]
-                if self.fanout == "chain" and member.can_relay and not member.reads_in_place(update):
-                    together = [
-                        other
-                        for other in self._members.values()  # in the order they joined
-                        if other is member
-                        or (
-                            other.can_relay
-                            and other.sending is None
-                            and other.queue[:1] == [update]
-                            and not other.reads_in_place(update)
-                        )
-                    ]
+                if self.fanout == "chain":
+                    together = weight_relay.starting_together(member, self._members.values(), update)
                 for starting in together:
                     starting.queue.pop(0)
                 self._start_locked(together, update)
@@ -563,10 +424,7 @@ class WeightFanout:
             for place, done in enumerate([member, *relayed]):
                 if done is None or done.sending is not update or done.chain is not chain:
                     continue
-                done.sending, done.chain = None, None
-                done.sent_version, done.sent_lineage = update.policy_version, update.lineage
-                done.unacked.append((update.policy_version, update.lineage))
-                done.last_progress_s = now_s
+                done.sent_whole(update, now_s)
                 if chain is not None and not chain.dissolved:
                     done.relay_deadline_s = now_s + self.relay_timeout_s
                     done.relay_place = (chain.number, place)
@@ -595,8 +453,7 @@ class WeightFanout:
                     acked_version=member.acked_version,
                     attempt=member.retries,
                 )
-                member.unacked.clear()
-                member.sent_version, member.sent_lineage = member.acked_version, member.acked_lineage
+                member.resend_from_acked()
                 member.last_progress_s = now_s
                 self._replan_locked(member)
 
@@ -617,34 +474,16 @@ class WeightFanout:
         with self._lock:
             return tuple(member.status() for member in self._members.values())
 
-    @property
-    def num_workers(self) -> int:
+    def counts(self) -> FanoutCounts:
         with self._lock:
-            return len(self._members)
-
-    @property
-    def num_forgotten(self) -> int:
-        with self._lock:
-            return self._num_forgotten
-
-    @property
-    def num_relay_heals(self) -> int:
-        """Members sent an update again because its relay did not reach them in time."""
-        with self._lock:
-            return self._num_relay_heals
-
-    @property
-    def num_relay_chains(self) -> int:
-        """Relay chains formed so far."""
-        with self._lock:
-            return self._num_chains
+            return FanoutCounts(len(self._members), self._num_forgotten, self._num_chains, self._num_relay_heals)
 
     # -- internals -----------------------------------------------------------------------------------
 
-    def _start_locked(self, members: list[_Member], update: StoredUpdate) -> None:
+    def _start_locked(self, members: list[WeightMember], update: StoredUpdate) -> None:
         """``members`` (in the order they joined) start receiving ``update`` now; in chain mode, those that can relay
         form one chain, the longest-standing first; the others are sent it directly."""
-        chained = [m for m in members if m.can_relay and not m.reads_in_place(update)] if self.fanout == "chain" else []
+        chained = [m for m in members if m.relays(update)] if self.fanout == "chain" else []
         chain = None
         if len(chained) >= 2:
             self._num_chains += 1
@@ -657,36 +496,15 @@ class WeightFanout:
             )
             log.debug("weight relay chain planned", policy_version=update.policy_version, hops=list(chain.hops))
         for member in members:
-            member.sending, member.next_chunk = update, 0
-            member.chain = chain if member in chained else None
-            member.relay_deadline_s = None
+            member.start(update, chain if member in chained else None)
 
     def _heal_relays_locked(self, now_s: float) -> None:
         """Members a relay did not reach in time are planned again (the broker holds the update): see the module
         docstring."""
-        stalled = [
-            member
-            for member in self._members.values()
-            if member.chain is not None
-            and not member.chain.dissolved
-            and member.chain.hops[0] == member.worker_id
-            and now_s - member.chain.last_progress_s > self.relay_timeout_s
-        ]
-        for head in stalled:  # a head that takes no chunks: its chain is dissolved, it keeps receiving alone
-            self._dissolve_locked(head.chain, reason="its first worker took no chunk in time")  # type: ignore[arg-type]
-        overdue = [
-            member
-            for member in self._members.values()
-            if member.relay_deadline_s is not None and member.unacked and now_s > member.relay_deadline_s
-        ]
-        if not overdue:
-            return
-        first_overdue: dict[int, _Member] = {}  # per chain, the first member the relay did not reach: held it up
-        for member in overdue:
-            chain_number, place = member.relay_place
-            if chain_number not in first_overdue or place < first_overdue[chain_number].relay_place[1]:
-                first_overdue[chain_number] = member
-        for member in first_overdue.values():
+        for chain in weight_relay.stalled_chains(self._members.values(), now_s, self.relay_timeout_s):
+            self._dissolve_locked(chain, reason="its first worker took no chunk in time")  # it goes on alone
+        overdue = weight_relay.overdue(self._members.values(), now_s)
+        for member in weight_relay.held_up(overdue):
             member.relay_ok = False
         for member in overdue:
             self._num_relay_heals += 1
@@ -697,8 +515,7 @@ class WeightFanout:
                 relays_again=member.relay_ok,
             )
             member.relay_deadline_s = None
-            member.unacked.clear()
-            member.sent_version, member.sent_lineage = member.acked_version, member.acked_lineage
+            member.resend_from_acked()
             member.last_progress_s = now_s
             self._replan_locked(member)
 
@@ -711,7 +528,7 @@ class WeightFanout:
             if member is None or member.chain is not chain:
                 continue
             self._num_relay_heals += 1
-            member.sending, member.next_chunk, member.chain = None, 0, None
+            member.stop_sending()
             self._replan_locked(member)
         log.warning(
             "weight relay chain dissolved; the broker sends its workers the update",
@@ -720,20 +537,10 @@ class WeightFanout:
             reason=reason,
         )
 
-    def _declare_locked(self, member: _Member, version: int | None, lineage: int) -> None:
-        """The worker says it holds ``version`` of ``lineage`` (not one we sent it): plan from there."""
-        member.acked_version = member.sent_version = version
-        member.acked_lineage = member.sent_lineage = lineage
-        member.unacked.clear()
+    def _replan_locked(self, member: WeightMember) -> None:
+        member.queue = self.store.plan_for(*member.plan_basis())
 
-    def _replan_locked(self, member: _Member) -> None:
-        if member.sending is not None:
-            basis, lineage = member.sending.policy_version, member.sending.lineage
-        else:
-            basis, lineage = member.sent_version, member.sent_lineage
-        member.queue = self.store.plan_for(basis, lineage)
-
-    def _forget_locked(self, member: _Member, *, reason: str = "", count: bool = True) -> None:
+    def _forget_locked(self, member: WeightMember, *, reason: str = "", count: bool = True) -> None:
         chain = member.chain
         del self._members[member.worker_id]
         if chain is not None and not chain.dissolved and member.sending is not None:

@@ -353,7 +353,7 @@ class WeightIntake:
                     lineage=header.lineage,
                     previous_lineage=result.previous_lineage,
                     lineage_base_version=header.lineage_base_version,
-                    num_workers=self.fanout.num_workers,
+                    num_workers=self.fanout.counts().num_workers,
                 )
         ack = data_pb2.WeightAck(
             policy_version=header.policy_version,

@@ -10,8 +10,8 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
-from primerl.broker.weight_fanout import RelayChain
 from primerl.broker.weight_intake import ReceivedChunks
+from primerl.broker.weight_relay import RelayChain
 from primerl.broker.weight_store import StoredUpdate
 from primerl.proto import framing
 from primerl.proto.v1 import data_pb2

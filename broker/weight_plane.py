@@ -68,9 +68,11 @@ from primerl.broker.log_limits import RateLimitedLog
 from primerl.broker.plane_lifecycle import RouterPlane
 from primerl.broker.shared_updates import COPY_AFTER_S
 from primerl.broker.weight_durable import WeightDurability
-from primerl.broker.weight_fanout import Joined, WeightFanout, WeightWorkerStatus, valid_relay_endpoint
+from primerl.broker.weight_fanout import Joined, WeightFanout
 from primerl.broker.weight_intake import BROKER_SENDER, IntakeBounds, WeightIntake
+from primerl.broker.weight_members import WeightWorkerStatus
 from primerl.broker.weight_messages import chunk_messages, relayed_messages
+from primerl.broker.weight_relay import valid_relay_endpoint
 from primerl.broker.weight_store import StoredUpdate, WeightStoreStatus
 from primerl.proto import framing
 from primerl.proto.shared_segment import remove_stale_segments
@@ -210,6 +212,7 @@ class WeightPlane(RouterPlane):
             errors = self._num_errors_sent
             lag_version, lag_s = self._forward_lag
         num_connections, num_connections_refused = self.connection_counts()
+        counts = self.fanout.counts()
         return WeightPlaneStatus(
             store=self.store.status(),
             workers=self.fanout.workers(),
@@ -218,14 +221,14 @@ class WeightPlane(RouterPlane):
             bytes_in_total=self._rate_in.total_bytes,
             bytes_out_total=self._rate_out.total_bytes,
             num_errors_sent=errors,
-            num_workers_forgotten=self.fanout.num_forgotten,
+            num_workers_forgotten=counts.num_forgotten,
             forward_lag_version=lag_version,
             forward_lag_s=lag_s,
             num_connections=num_connections,
             num_connections_refused=num_connections_refused,
             num_open_transfers=self._intake.num_open_transfers,
-            num_relay_chains=self.fanout.num_relay_chains,
-            num_relay_heals=self.fanout.num_relay_heals,
+            num_relay_chains=counts.num_relay_chains,
+            num_relay_heals=counts.num_relay_heals,
             num_descriptors_sent=self._num_descriptors_sent,
             num_segments_released=self._num_segments_released,
         )

@@ -166,7 +166,7 @@ def test_begin_starts_idle_members_for_whom_the_update_is_next(fanout):
     first, _ = incoming(1)
     fanout.hello("fresh", None, 0)
     assert fanout.begin(first) == 1
-    assert fanout.next_chunk("fresh") == (first, 0)
+    assert fanout.next_step("fresh") == (first, 0, None)
     fanout.chunk_sent("fresh", first, last=True)
     fanout.put_update(first)
     assert fanout.ack("fresh", 1, 0, applied=True)
@@ -175,8 +175,8 @@ def test_begin_starts_idle_members_for_whom_the_update_is_next(fanout):
     off_chain, _ = incoming(2, kind=DELTA, base=0)
     assert fanout.begin(off_chain) == 0  # nobody holds v0
     assert fanout.begin(delta) == 1  # "fresh" holds v1; "ahead" does not take a delta on v1
-    assert fanout.next_chunk("fresh") == (delta, 0)
-    assert fanout.next_chunk("ahead") is None
+    assert fanout.next_step("fresh") == (delta, 0, None)
+    assert fanout.next_step("ahead") is None
 
 
 def test_abort_stops_members_and_a_refused_put_aborts(fanout):
@@ -184,25 +184,25 @@ def test_abort_stops_members_and_a_refused_put_aborts(fanout):
     fanout.hello("w", None, 0)
     fanout.begin(update)
     fanout.abort(update)
-    assert fanout.next_chunk("w") is None
+    assert fanout.next_step("w") is None
     bad, _ = incoming(2)
     bad.header.digest = payload_digest(b"other bytes")
     fanout.begin(bad)
     with pytest.raises(Exception, match="digest"):
         fanout.put_update(bad)
-    assert fanout.next_chunk("w") is None and fanout.store.latest_version is None
+    assert fanout.next_step("w") is None and fanout.store.latest_version is None
 
 
 def test_a_member_busy_with_another_update_gets_the_new_one_once_stored(fanout):
     first, _ = incoming(1)
     fanout.put_update(first)
     fanout.hello("w", None, 0)
-    assert fanout.next_chunk("w") == (first, 0)  # sending v1 from the store
+    assert fanout.next_step("w") == (first, 0, None)  # sending v1 from the store
     second, _ = incoming(2)
     assert fanout.begin(second) == 0
     fanout.chunk_sent("w", first, last=True)
     fanout.put_update(second)
-    assert fanout.next_chunk("w") == (second, 0)
+    assert fanout.next_step("w") == (second, 0, None)
 
 
 def test_a_written_update_frees_its_frames_and_is_served_from_its_durable_file(make_weight_plane, tmp_path):

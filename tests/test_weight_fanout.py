@@ -13,7 +13,8 @@ from support.weight_updates import DELTA, publish, tiny_update
 from primerl.broker.registry import WorkerRegistry
 from primerl.broker.weight_fanout import Joined, LatestPolicy, WeightFanout
 from primerl.broker.weight_store import WeightStore
-from primerl.client.weights import WeightPublisher, WeightSubscriber
+from primerl.client.weight_publisher import WeightPublisher
+from primerl.client.weights import WeightSubscriber
 from primerl.proto.v1 import common_pb2, control_pb2, control_pb2_grpc
 
 INFER = common_pb2.ROLE_INFERENCE
@@ -40,8 +41,8 @@ def fanout(clock) -> WeightFanout:
 def send_all(fanout: WeightFanout, worker_id: str) -> list[int]:
     """Send the worker everything planned (one chunk per update); the versions sent, in order."""
     sent = []
-    while (step := fanout.next_chunk(worker_id)) is not None:
-        update, index = step
+    while (step := fanout.next_step(worker_id)) is not None:
+        update, index, _ = step
         assert index == 0
         fanout.chunk_sent(worker_id, update, last=True)
         sent.append(update.policy_version)
@@ -89,7 +90,7 @@ def test_a_full_fanout_refuses_and_a_reconnection_is_not_counted_as_forgotten(fa
         assert fanout.hello(worker_id, None, 0) is Joined.JOINED
     assert fanout.hello("d", None, 0) is Joined.FULL
     assert fanout.hello("a", 1, 0, reconnected=True) is Joined.JOINED
-    assert fanout.num_workers == 3 and fanout.num_forgotten == 0
+    assert fanout.counts()[:2] == (3, 0)
 
 
 def test_overdue_acks_replan_and_then_forget(fanout, clock):
@@ -102,7 +103,7 @@ def test_overdue_acks_replan_and_then_forget(fanout, clock):
         assert send_all(fanout, "slow") == [1]
     clock.now += fanout.ack_timeout_s + 1
     fanout.tick()
-    assert not fanout.is_member("slow") and fanout.num_forgotten == 1
+    assert not fanout.is_member("slow") and fanout.counts().num_forgotten == 1
     assert fanout.ack("slow", 1, 0, applied=True) is None  # it must say HELLO again
     assert fanout.hello("slow", None, 0) is Joined.JOINED
 
@@ -125,9 +126,9 @@ def test_failed_applies_resend_the_snapshot_then_forget(fanout):
 def test_a_worker_that_left_gets_nothing_more_and_is_not_taken_back(fanout):
     publish(fanout, 1)
     fanout.hello("lost", None, 0)
-    update, _ = fanout.next_chunk("lost")
+    update, _, _ = fanout.next_step("lost")
     fanout.leave("lost", reason="the registry marked it lost")
-    assert fanout.next_chunk("lost") is None
+    assert fanout.next_step("lost") is None
     fanout.chunk_sent("lost", update, last=True)  # a send that was under way changes nothing
     assert fanout.hello("lost", None, 0) is Joined.GONE and not fanout.is_member("lost")
     assert fanout.hello("registered-again", None, 0) is Joined.JOINED
@@ -150,7 +151,7 @@ def test_the_registry_reads_the_fanout_and_a_lost_worker_leaves_it(clock):
     clock.now += 3  # past liveness * interval
     assert [w.worker_id for w in registry.expire()] == [worker_id]
     publish(fanout, 2, DELTA, base=1)
-    assert not fanout.is_member(worker_id) and fanout.next_chunk(worker_id) is None
+    assert not fanout.is_member(worker_id) and fanout.next_step(worker_id) is None
     assert fanout.hello(worker_id, 1, 0) is Joined.GONE
     again = registry.register(control_pb2.RegisterRequest(role=INFER, name="infer-0")).worker_id
     assert fanout.hello(again, 1, 0) is Joined.JOINED and deliver(fanout, again) == [2]

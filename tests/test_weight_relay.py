@@ -17,9 +17,10 @@ from support.daemons import BrokerProcess
 from support.probes import scrape_metrics, wait_until
 from support.weight_plane import CHUNK_BYTES, RECEIVE_S, make_update
 
-from primerl.broker.weight_fanout import WeightFanout, valid_relay_endpoint
-from primerl.broker.weight_store import WeightStore
-from primerl.client.weights import WeightPublisher
+from primerl.broker.weight_fanout import WeightFanout
+from primerl.broker.weight_relay import valid_relay_endpoint
+from primerl.broker.weight_store import StoredUpdate, WeightStore
+from primerl.client.weight_publisher import WeightPublisher
 from primerl.proto import telemetry
 from primerl.proto.digests import payload_digest
 
@@ -51,7 +52,7 @@ def join(fanout: WeightFanout, *worker_ids: str, relay: bool = True) -> None:
 def publish(fanout: WeightFanout, version: int):
     header, data = make_update(version)
     header.digest, header.payload_bytes = payload_digest(data), len(data)
-    fanout.put(header, data)
+    fanout.put_update(StoredUpdate.of(header, data))
     return fanout.store.status().latest_version
 
 
@@ -84,12 +85,10 @@ def test_members_that_relay_form_one_chain_and_only_its_head_is_sent_chunks(cloc
     for worker_id in ("w0", "w1", "w2"):
         assert fanout.ack(worker_id, 1, 0, applied=True) is True
     assert fanout.worker_versions() == {"w0": 1, "w1": 1, "w2": 1, "plain": None}
-    assert fanout.num_relay_chains == 1
+    assert fanout.counts().num_relay_chains == 1
 
 
 def test_begin_chains_the_members_an_arriving_update_starts(clock):
-    from primerl.broker.weight_store import StoredUpdate
-
     fanout = chain_fanout(clock)
     join(fanout, "a", "b", "c")
     header, data = make_update(1)
@@ -108,7 +107,7 @@ def test_star_mode_ignores_relay_endpoints(clock):
     for worker_id in ("w0", "w1"):
         step = fanout.next_step(worker_id)
         assert step is not None and step.chain is None
-    assert fanout.num_relay_chains == 0
+    assert fanout.counts().num_relay_chains == 0
 
 
 def test_a_single_relaying_member_is_sent_its_update_directly(clock):
@@ -127,10 +126,10 @@ def test_members_a_relay_did_not_reach_in_time_get_the_update_again_without_the_
     assert fanout.ack("w0", 1, 0, applied=True)
     clock.now += RELAY_TIMEOUT_S - 0.1
     fanout.tick()
-    assert fanout.num_relay_heals == 0, "healed before the relay timeout"
+    assert fanout.counts().num_relay_heals == 0, "healed before the relay timeout"
     clock.now += 0.2
     fanout.tick()  # w1 (dead) never acknowledged, so neither did w2 and w3 behind it
-    assert fanout.num_relay_heals == 3
+    assert fanout.counts().num_relay_heals == 3
     step = fanout.next_step("w2")
     assert step is not None and step.update.policy_version == 1
     assert step.chain is not None and step.chain.hops == ("w2", "w3"), "the new chain must leave out w1"
@@ -154,7 +153,7 @@ def test_acknowledging_an_earlier_update_keeps_the_relay_deadline_of_a_later_one
     assert fanout.ack("w1", 1, 0, applied=True)  # w1 got v1 through w0, which then died holding v2
     clock.now += RELAY_TIMEOUT_S + 0.1
     fanout.tick()
-    assert fanout.num_relay_heals >= 1, "w1 must get v2 again although it acknowledged v1"
+    assert fanout.counts().num_relay_heals >= 1, "w1 must get v2 again although it acknowledged v1"
     step = fanout.next_step("w1")
     assert step is not None and step.update.policy_version == 2
 
@@ -166,7 +165,7 @@ def test_a_chain_whose_head_leaves_is_dissolved_and_its_members_planned_again(cl
     step = fanout.next_step("w0")
     fanout.chunk_sent("w0", step.update, last=False)
     fanout.forget("w0", reason="peer disconnected")
-    assert fanout.num_relay_heals == 2
+    assert fanout.counts().num_relay_heals == 2
     step = fanout.next_step("w1")
     assert step is not None and step.index == 0 and step.chain.hops == ("w1", "w2")
 
@@ -179,7 +178,7 @@ def test_a_chain_whose_head_takes_no_chunk_is_dissolved_after_the_relay_timeout(
     fanout.chunk_sent("w0", head.update, last=False)
     clock.now += RELAY_TIMEOUT_S + 1
     fanout.tick()
-    assert fanout.num_relay_heals == 2
+    assert fanout.counts().num_relay_heals == 2
     assert fanout.next_step("w1") is not None, "w1 waits no longer on the stalled head"
     still = fanout.next_step("w0")
     assert still.chain is head.chain and still.index == 1, "the head goes on with the chunks it was sent"

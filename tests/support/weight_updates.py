@@ -7,7 +7,7 @@ import hashlib
 import numpy as np
 
 from primerl.broker.weight_fanout import WeightFanout
-from primerl.broker.weight_store import PutResult
+from primerl.broker.weight_store import PutResult, StoredUpdate
 from primerl.proto import tensor_frames as tf
 from primerl.proto.v1 import data_pb2
 
@@ -35,4 +35,4 @@ def tiny_update(
 
 def publish(fanout: WeightFanout, version: int, kind: int = FULL, base: int = 0, **kwargs) -> PutResult:
     """Store a tiny update through the fan-out, as the weight plane does with a trainer's."""
-    return fanout.put(*tiny_update(version, kind, base, **kwargs))
+    return fanout.put_update(StoredUpdate.of(*tiny_update(version, kind, base, **kwargs)))

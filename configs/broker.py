@@ -16,8 +16,8 @@ from primerl.runtime.config_common import (
     DEFAULT_BROKER_HOST,
     DEFAULT_OUTAGE_S,
     MAX_HANDSHAKE_TOKEN_BYTES,
-    LogConfig,
-    PrometheusConfig,
+    DaemonLog,
+    MetricsEndpoint,
     is_loopback_host,
 )
 
@@ -256,10 +256,8 @@ class BrokerConfig(BaseConfig):
     max_steps: int | None = Field(
         None, ge=1, description="Training steps of the run, shown in status (unset: no limit)."
     )
-    log: LogConfig = Field(default_factory=LogConfig, description="Logging of the broker.")
-    prometheus: PrometheusConfig = Field(
-        default_factory=PrometheusConfig, description="Prometheus `/metrics` of the broker."
-    )
+    log: DaemonLog
+    prometheus: MetricsEndpoint
 
     @field_validator("advertise_host")
     @classmethod

@@ -12,7 +12,7 @@ from pydantic import Field, field_validator, model_validator
 
 from primerl.runtime.addresses import check_advertise_host
 from primerl.runtime.config_base import BaseConfig
-from primerl.runtime.config_common import BrokerClientConfig, LogConfig
+from primerl.runtime.config_common import BrokerConnection, DaemonLog
 from primerl.runtime.cpu_budget import ThreadsConfig
 
 # LoRA ranks that vLLM accepts for `max_lora_rank`.
@@ -131,8 +131,8 @@ class InferenceConfig(BaseConfig):
     )
     parallel: ParallelConfig = Field(default_factory=ParallelConfig, description="Parallelism.")
     server: ServerConfig = Field(default_factory=ServerConfig, description="HTTP server.")
-    broker: BrokerClientConfig = Field(default_factory=BrokerClientConfig, description="Broker connection.")
-    log: LogConfig = Field(default_factory=LogConfig, description="Logging of the inference daemon.")
+    broker: BrokerConnection
+    log: DaemonLog
     threads: ThreadsConfig = Field(
         default_factory=ThreadsConfig,
         description="CPU thread budget: vLLM's OpenMP threads and their CPU binding (`cpus`), the wait policy.",

@@ -12,7 +12,7 @@ from typing import Any, ClassVar, Literal
 from pydantic import Field, model_validator
 
 from primerl.runtime.config_base import BaseConfig, ConfigWarning, nearest_divisors, nearest_multiples
-from primerl.runtime.config_common import BrokerClientConfig, LogConfig, PrometheusConfig, WandbConfig
+from primerl.runtime.config_common import BrokerConnection, DaemonLog, MetricsEndpoint, WandbLogging
 from primerl.runtime.cpu_budget import ThreadsConfig
 
 # `[orchestrator.buffer] type = ...` as older prime-rl versions spell the filtering switch.
@@ -353,13 +353,11 @@ class OrchestratorConfig(BaseConfig):
     num_train_ranks: int = Field(
         1, ge=1, description="Trainer ranks that each get their share of every step (set from trainer_gpu_ids)."
     )
-    broker: BrokerClientConfig = Field(default_factory=BrokerClientConfig, description="Broker connection.")
+    broker: BrokerConnection
     output_dir: Path = Field(Path("outputs"), description="Directory for rollout logs and eval results.")
-    wandb: WandbConfig | None = Field(None, description="Weights & Biases logging; off when absent.")
-    prometheus: PrometheusConfig = Field(
-        default_factory=PrometheusConfig, description="Prometheus `/metrics` of the orchestrator."
-    )
-    log: LogConfig = Field(default_factory=LogConfig, description="Logging of the orchestrator.")
+    wandb: WandbLogging
+    prometheus: MetricsEndpoint
+    log: DaemonLog
     threads: ThreadsConfig = Field(
         default_factory=ThreadsConfig, description="CPU thread budget of the orchestrator and its env workers."
     )

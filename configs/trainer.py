@@ -11,7 +11,7 @@ from typing import Annotated, Any, ClassVar, Literal, Union
 from pydantic import Field, model_validator
 
 from primerl.runtime.config_base import BaseConfig
-from primerl.runtime.config_common import BrokerClientConfig, LogConfig, PrometheusConfig, WandbConfig
+from primerl.runtime.config_common import BrokerConnection, DaemonLog, MetricsEndpoint, WandbLogging
 from primerl.runtime.cpu_budget import ThreadsConfig
 
 DEFAULT_LORA_TARGET_MODULES = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -327,13 +327,11 @@ class TrainerConfig(BaseConfig):
         description="Longest wait for one step's micro-batches from the broker before the trainer gives up.",
     )
     seq_len: int = Field(2048, ge=1, description="Tokens per packed training sequence.")
-    broker: BrokerClientConfig = Field(default_factory=BrokerClientConfig, description="Broker connection.")
+    broker: BrokerConnection
     output_dir: Path = Field(Path("outputs"), description="Directory for weights, checkpoints and logs.")
-    wandb: WandbConfig | None = Field(None, description="Weights & Biases logging; off when absent.")
-    prometheus: PrometheusConfig = Field(
-        default_factory=PrometheusConfig, description="Prometheus `/metrics` of the trainer (rank 0)."
-    )
-    log: LogConfig = Field(default_factory=LogConfig, description="Logging of the trainer.")
+    wandb: WandbLogging
+    prometheus: MetricsEndpoint
+    log: DaemonLog
     threads: ThreadsConfig = Field(
         default_factory=ThreadsConfig, description="CPU thread budget of each rank (`primerl.runtime.cpu_budget`)."
     )

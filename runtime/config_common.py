@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import ipaddress
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import Field, field_validator, model_validator
 
@@ -148,3 +148,15 @@ class PrometheusConfig(BaseConfig):
         description="Interface the metrics server binds; use `0.0.0.0` for scraping from other machines.",
     )
     port: int = Field(0, ge=0, le=65535, description="Port of the metrics server (0: a free port, logged at start).")
+
+
+# The tables a daemon's config declares the same way in every role (the field, its default and its description).
+BrokerConnection = Annotated[
+    BrokerClientConfig, Field(default_factory=BrokerClientConfig, description="Broker connection.")
+]
+DaemonLog = Annotated[LogConfig, Field(default_factory=LogConfig, description="Logging of this daemon.")]
+MetricsEndpoint = Annotated[
+    PrometheusConfig,
+    Field(default_factory=PrometheusConfig, description="Prometheus `/metrics` of this daemon (the trainer's rank 0)."),
+]
+WandbLogging = Annotated[WandbConfig | None, Field(None, description="Weights & Biases logging; off when absent.")]

@@ -41,6 +41,16 @@ _LOG_LINE = re.compile(r"^(?P<time>\S+)\s+\[(?P<level>warning|error|critical)\s*
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")
 
 
+def _read_at(path: Path, offset: int) -> bytes | None:
+    """Up to ``MAX_READ_BYTES`` of ``path`` from ``offset``; None when it cannot be read."""
+    try:
+        with path.open("rb") as handle:
+            handle.seek(offset)
+            return handle.read(MAX_READ_BYTES)
+    except OSError:
+        return None
+
+
 class JsonlTail:
     """The parsed lines of a growing JSONL file, read from where the last read stopped; at most ``max_items``
     kept (the newest). A half-written last line is read again next time; a bad line is skipped and counted."""
@@ -67,11 +77,8 @@ class JsonlTail:
                 self._offset, self._identity, self.num_read = 0, identity, 0
             if stat.st_size == self._offset:
                 return
-            try:
-                with self.path.open("rb") as handle:
-                    handle.seek(self._offset)
-                    data = handle.read(MAX_READ_BYTES)
-            except OSError:
+            data = _read_at(self.path, self._offset)
+            if data is None:
                 return
             end = data.rfind(b"\n")
             if end < 0:
@@ -137,14 +144,11 @@ class RunDirSource:
         offset = self._log_offsets.get(path.name, 0)
         try:
             size = path.stat().st_size
-            if size < offset:
-                offset = 0
-            if size == offset:
-                return
-            with path.open("rb") as handle:
-                handle.seek(max(offset, size - MAX_READ_BYTES))
-                data = handle.read(MAX_READ_BYTES)
         except OSError:
+            return
+        offset = 0 if size < offset else offset
+        data = _read_at(path, max(offset, size - MAX_READ_BYTES)) if size != offset else None
+        if data is None:
             return
         end = data.rfind(b"\n")
         if end < 0:

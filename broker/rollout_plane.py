@@ -16,14 +16,13 @@ peer inbound and ``hwm`` outbound (each at most ``limits.max_message_bytes``); a
 batches per request, and a send to a peer whose queue is full is not retried blindly: the batch is handed
 out again on that consumer's next request.
 
-Group commit: every message already waiting on the socket is drained (at most ``max_group_batches``
-batches, never more than ``hwm // 2`` since the group's acks leave in one burst, and ``max_group_bytes``
-payload bytes per group); the batches among them are decided and spooled
-together (``RolloutQueue.offer_many``: one directory fsync per group) and only then acked, in arrival
-order. A request or HELLO ends the group before it is handled, so messages are still handled in the order
-they came. An ack never precedes durability. A batch handed to a trainer is sent as spooled: its header
-bytes and verified CRC are reused (``framing.encode_raw``) and its payload comes from the spool's read
-cache while there, so a delivery costs neither a CRC pass nor a disk read.
+Group commit: every message already waiting on the socket is drained (at most ``max_group_batches`` batches, never more
+than ``hwm // 2`` since the group's acks leave in one burst, and ``max_group_bytes`` payload bytes per group); the
+batches among them are decided and spooled together (``RolloutQueue.offer_many``: one directory fsync per group) and
+only then acked, in arrival order. A request or HELLO ends the group before it is handled, so messages are still handled
+in the order they came. An ack never precedes durability. A batch handed to a trainer is sent as spooled: its header
+bytes and verified CRC are reused (``framing.encode_raw``) and its payload comes from the spool's read cache while
+there, so a delivery costs neither a CRC pass nor a disk read.
 
 Only the IO thread touches the socket. ``release_through`` and ``status`` are safe from any thread:
 they go to the queue (its own lock) and to the throughput meters (their own lock). A commit frees space
@@ -35,7 +34,6 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
 from typing import Any
 
 import zmq
@@ -60,7 +58,7 @@ from primerl.broker.rollout_results import (
     OfferItem,
     OfferResult,
     Refused,
-    RolloutQueueStatus,
+    RolloutStreamStatus,
     Stale,
     Superseded,
 )
@@ -82,29 +80,6 @@ DEFAULT_MAX_GROUP_BYTES = 256 * MiB
 # on_error(code, message, peer): called in the IO thread for every refusal other than backpressure,
 # and once if the IO thread dies. Keep it cheap; it must not block.
 ErrorCallback = Callable[[int, str, str], None]
-
-
-@dataclass(frozen=True)
-class RolloutStreamStatus:
-    """What the control plane reports about the rollout stream."""
-
-    queue: RolloutQueueStatus
-    port: int
-    running: bool
-    batches_in_per_s: float
-    bytes_in_per_s: float
-    batches_out_per_s: float
-    bytes_out_per_s: float
-    num_refused: int
-    num_backpressure_replies: int
-    throughput_window_s: float
-    # Peers admitted at the handshake and connected now, and connections refused there (``max_connections``);
-    # None and 0 when the plane admits every peer.
-    num_connections: int | None = None
-    num_connections_refused: int = 0
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
 
 
 class RolloutPlane(RouterPlane):
@@ -161,7 +136,6 @@ class RolloutPlane(RouterPlane):
             raise ValueError(f"rcv_hwm must be >= 1, got {self.rcv_hwm}")
         self.poll_interval_s = poll_interval_s
         self.sender = sender
-        self.failure: BaseException | None = None
         self._in = RateMeter(throughput_window_s)
         self._out = RateMeter(throughput_window_s)
         self._counter_lock = threading.Lock()  # the refusal counters (read by ``status`` from any thread)
@@ -233,7 +207,6 @@ class RolloutPlane(RouterPlane):
                 self._commit_group(socket)
         except Exception as exc:
             # A bug or a broken context: the plane is useless now. Log once with the traceback and report.
-            self.failure = exc
             log.exception("rollout plane IO thread failed; the rollout stream is down")
             self._report(common_pb2.ERROR_CODE_INTERNAL, f"rollout plane IO thread failed: {exc!r}", "")
 
@@ -306,9 +279,6 @@ class RolloutPlane(RouterPlane):
                 self._on_request(socket, routing_id, message)
             else:
                 self._on_hello(socket, routing_id, message)
-        except SpoolError as exc:
-            log.error("rollout plane cannot spool a batch", peer=self._peer(routing_id), error=str(exc))
-            self._refuse_internal(socket, [(routing_id, message)], f"broker spool failed: {exc}")
         except Exception as exc:  # a valid message that we failed to handle: tell the sender, keep serving
             log.exception(
                 "rollout plane failed handling a message", peer=self._peer(routing_id), type=message.type_name
@@ -386,18 +356,7 @@ class RolloutPlane(RouterPlane):
             assert isinstance(result, Refused)
             ack.error.CopyFrom(error_detail(result.code, result.message))
             self._note_refusal(routing_id, result.code, result.message)
-        self._replies.send(
-            socket,
-            routing_id,
-            framing.encode(
-                data_pb2.ROLLOUT_ACK,
-                ack,
-                auth_token=self.auth_token or "",
-                sender=self.sender,
-                in_reply_to=message.envelope.message_id,
-            ),
-            wait_s=ACK_SEND_WAIT_S,
-        )
+        self._reply(socket, routing_id, data_pb2.ROLLOUT_ACK, ack, message.envelope.message_id, wait_s=ACK_SEND_WAIT_S)
 
     def _on_request(self, socket: zmq.Socket, routing_id: bytes, message: framing.Message) -> None:
         request = message.header
@@ -429,17 +388,7 @@ class RolloutPlane(RouterPlane):
             rank=hello.rank,
         )
         reply = data_pb2.Hello(worker_id=self.sender, role=common_pb2.ROLE_BROKER)
-        self._replies.send(
-            socket,
-            routing_id,
-            framing.encode(
-                data_pb2.HELLO,
-                reply,
-                auth_token=self.auth_token or "",
-                sender=self.sender,
-                in_reply_to=message.envelope.message_id,
-            ),
-        )
+        self._reply(socket, routing_id, data_pb2.HELLO, reply, message.envelope.message_id)
 
     def _deliver(self, socket: zmq.Socket, delivery: Delivery) -> None:
         routing_id = delivery.session_id
@@ -481,13 +430,17 @@ class RolloutPlane(RouterPlane):
         if delivery.step_done is not None:
             done = delivery.step_done
             reply = data_pb2.RolloutStepDone(step=done.step, rank=done.rank, num_micro_batches=done.num_micro_batches)
-            self._replies.send(
-                socket,
-                routing_id,
-                framing.encode(data_pb2.ROLLOUT_STEP_DONE, reply, auth_token=self.auth_token or "", sender=self.sender),
-            )
+            self._reply(socket, routing_id, data_pb2.ROLLOUT_STEP_DONE, reply)
 
     # ------------------------------------------------------------------ replies
+
+    def _reply(
+        self, socket: zmq.Socket, routing_id: bytes, kind: int, reply: Any, in_reply_to: str = "", wait_s: float = 0.0
+    ) -> None:
+        """Send ``reply`` (a message of type ``kind``) with the run token: its peer proved it knows it."""
+        token = self.auth_token or ""
+        frames = framing.encode(kind, reply, auth_token=token, sender=self.sender, in_reply_to=in_reply_to)
+        self._replies.send(socket, routing_id, frames, wait_s=wait_s)
 
     def _refuse(
         self,

@@ -1,6 +1,6 @@
 """What the rollout queue answers: the outcome of an offered batch (``Accepted``, ``Duplicate``, ``Stale``,
-``Superseded``, ``Backpressure``, ``Refused``), the batches to send to a trainer session (``Delivery``,
-``StepDone``), a group's outcome, and the queue's status. Plain data; ``rollout_queue`` decides,
+``Superseded``, ``Backpressure``, ``Refused``), the batches to send to a trainer session (``Delivery``, ``StepDone``), a
+group's outcome, and the status of the queue and of the rollout stream around it. Plain data; ``rollout_queue`` decides,
 ``rollout_plane`` turns them into messages."""
 
 from __future__ import annotations
@@ -132,3 +132,23 @@ class RolloutQueueStatus:
     @property
     def is_full(self) -> bool:
         return self.num_ahead_batches >= self.max_batches or self.num_ahead_bytes >= self.max_bytes
+
+
+@dataclass(frozen=True)
+class RolloutStreamStatus:
+    """What the control plane reports about the rollout stream."""
+
+    queue: RolloutQueueStatus
+    port: int
+    running: bool
+    batches_in_per_s: float
+    bytes_in_per_s: float
+    batches_out_per_s: float
+    bytes_out_per_s: float
+    num_refused: int
+    num_backpressure_replies: int
+    throughput_window_s: float
+    # Peers admitted at the handshake and connected now, and connections refused there (``max_connections``);
+    # None and 0 when the plane admits every peer.
+    num_connections: int | None = None
+    num_connections_refused: int = 0

@@ -4,32 +4,20 @@ inference endpoint, and what their results become.
 The runner builds the collaborators (env clients by env id, the sampler, the failure tracker, the inference
 workers, the async bound, the teacher stage) and hands them to ``RolloutScheduler``. Each round of its main loop:
 ``refresh_endpoints`` takes the latest worker list, ``observe_lineage`` the broker's policy lineage and latest
-version, ``dispatch`` draws groups of ``rollouts_per_example`` rollouts (groups lost with a dead environment or an
-unreachable inference worker first) up to the in-flight cap (``InflightLimit.limit()``: ``max_inflight``, else
-twice ``batch_size``), each to the answering inference worker with the fewest rollouts in flight among those whose
-served version is recent enough for the step (``max_async_level``, judged per worker); ``collect`` turns finished
-groups into samples (``samples.rollout_to_samples``), sends them through the teacher stage when there is one,
-computes their advantages and hands them to the batch assembler (``filtering.BatchAssembler``: each
-environment's share of the batch, zero-advantage groups dropped with ``constant_trainer_batch_size``);
-``cancel_stale`` cancels groups that became too stale.
-
-Which environment a group goes to follows what the batches need, not a draw: each environment's deficit is the
-rollouts its quotas of the batches a group dispatched now can still go into (``AsyncBound.last_step`` of the
-worker's version: at most ``max_async_level + 1`` batches) need, less the rollouts waiting for it, in groups to
-keep in flight (``groups_to_keep_in_flight``: over its keep rate, the groups not filtered so far, rounded down, so
-that no group is dispatched only on the chance that another is filtered), less its groups in flight; the
-environment furthest behind its share gets the next group, and none gets a group no batch it could reach needs.
-So a slow environment keeps more groups in flight (its groups stay in flight longer), shares follow the weights,
-and groups are not generated only to go stale. A batch that could be taken waits a little
-(``_hold_for_last_chance``) for groups in flight that can go into no later step and still fit its quota, and takes
-each environment's oldest policy versions first.
+version, ``dispatch`` plans groups of ``rollouts_per_example`` rollouts up to the in-flight cap
+(``InflightLimit.limit()``: ``max_inflight``, else twice ``batch_size``) on the workers whose served version is
+recent enough for the step (``max_async_level``, judged per worker) by what the batches need (``dispatch_plan``);
+``collect`` turns finished groups into samples (``samples.rollout_to_samples``), sends them through the teacher
+stage when there is one, computes their advantages and hands them to the batch assembler
+(``filtering.BatchAssembler``); ``cancel_stale`` cancels groups that became too stale; ``take_batch`` takes the
+step's batch (``step_batches``).
 
 Waste: every generated completion token is counted (``tokens_generated/<env>``) and, when its rollout is not
 trained, as discarded by reason: ``failed`` (failed or malformed rollouts, groups dispatched again),
 ``cancelled`` (groups cancelled in flight: stale or their worker left; estimated at the environment's mean
 tokens per rollout, as a cancelled group's tokens never come back), and in the assembler ``filtered``, ``stale``
-and ``surplus`` (``step_metrics.token_metrics``). Once
-``take_batch`` returns the step's batch, ``take_report`` returns what was counted (``types.StepReport``).
+and ``surplus`` (``step_metrics.token_metrics``). Once ``take_batch`` returns the step's batch, ``take_report``
+returns what was counted (``types.StepReport``).
 
 Inference workers join and leave at any time (``endpoints.InferenceWorkers``): the groups of one that leaves are
 cancelled and dispatched again elsewhere; a group whose inference worker could not be reached
@@ -41,9 +29,6 @@ flight are dispatched again first (``rollout/rescheduled``). Failed rollouts are
 (``rollout_failures``: ``rollout/errors``, ``rollout/errors/<kind>``). A group the teacher could not score counts
 like a failed rollout group (``rollout/errors/teacher_<kind>``); only a scored group ends a streak of failures.
 Groups being scored hold up dispatch only while they are as many as the groups kept in flight.
-
-Sampling seeds: with ``[orchestrator.sampling] seed``, group g's rollout i gets
-``seeds.rollout_seed_base(seed, g, n) + i``.
 """
 
 from __future__ import annotations
@@ -54,23 +39,23 @@ import math
 import threading
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from primerl.configs.orchestrator import OrchestratorConfig
 from primerl.orchestrator.advantages import prepare_groups
 from primerl.orchestrator.async_bound import AsyncBound
 from primerl.orchestrator.concurrency import FixedConcurrency
-from primerl.orchestrator.endpoints import ENDPOINT_BACKOFF_S, EndpointWatcher, InferenceEndpoint, InferenceWorkers
+from primerl.orchestrator.dispatch_plan import InflightGroup, env_deficits, plan_round
+from primerl.orchestrator.endpoints import EndpointWatcher, InferenceEndpoint, InferenceWorkers
 from primerl.orchestrator.env_sampler import EnvSampler
 from primerl.orchestrator.envs.base import EnvClient, EnvRequestError, EnvWorkerDied
-from primerl.orchestrator.filtering import FILL_BOUND_ROUNDS, AssembledBatch, BatchAssembler, DifficultyFilter
+from primerl.orchestrator.filtering import AssembledBatch, BatchAssembler, DifficultyFilter
 from primerl.orchestrator.lineage import PolicyLineage, cap_versions
 from primerl.orchestrator.rollout_failures import RolloutFailures, is_unreachable, kind_name
 from primerl.orchestrator.samples import Group, MalformedTrajectory, rollout_to_samples
-from primerl.orchestrator.seeds import rollout_seed_base
+from primerl.orchestrator.silent_workers import SilenceDeadline, silent_workers
+from primerl.orchestrator.step_batches import StepBatches
 from primerl.orchestrator.step_metrics import StepTimers
-from primerl.orchestrator.teacher_stage import TeacherStage
 from primerl.orchestrator.throughput import ThroughputWindow
 from primerl.orchestrator.trajectory import RolloutGroup
 from primerl.orchestrator.types import InflightLimit, SchedulerEvents, StepReport
@@ -78,44 +63,13 @@ from primerl.proto import telemetry
 from primerl.proto.v1 import control_pb2
 from primerl.runtime.log_setup import get_logger
 
-log = get_logger("primerl.orchestrator")
+if TYPE_CHECKING:  # the teacher's HTTP client stays out of the scheduler's imports
+    from primerl.orchestrator.teacher_stage import TeacherStage
 
-LAST_CHANCE_HOLD_MIN_S = 1.0
-"""The least a ready step waits for groups in flight that can go into no later step (``take_batch``)."""
+log = get_logger("primerl.orchestrator")
 
 MAX_GROUP_RETRIES = 8
 """Times a group is dispatched again because its inference worker could not be reached (then its failures count)."""
-
-SILENCE_FACTOR = 4.0
-"""Unset ``worker_silence_timeout_s``: this many times the slowest of the recent groups (``retry_silent``)..."""
-SILENCE_MIN_S = 10.0
-"""... and at least this long."""
-SILENCE_BASIS_GROUPS = (8, 64)
-"""... once this many groups came back, over at most the last this many."""
-
-
-def groups_to_keep_in_flight(missing: float, keep_rate: float) -> int:
-    """Groups to have in flight for ``missing`` groups still needed when a fraction ``keep_rate`` of groups is kept
-    (not filtered): as many as are expected to be kept without passing ``missing`` (``floor(missing /
-    keep_rate)``), and never fewer than are missing. A group kept beyond what the batches it can reach need goes
-    stale, so the expected count is rounded down: a group filtered is replaced when its result comes (one more
-    round trip), where one dispatched on the chance would be discarded whenever none was filtered."""
-    if missing <= 1e-9:
-        return 0
-    return max(math.ceil(missing - 1e-9), math.floor(missing / max(0.05, keep_rate) + 1e-9))
-
-
-@dataclass
-class InflightGroup:
-    """A rollout group dispatched to an env worker, not yet collected."""
-
-    env_id: str
-    example_index: int
-    endpoint: InferenceEndpoint
-    dispatched_version: int
-    started_s: float = field(default_factory=time.monotonic)
-    lineage_epoch: int = 0  # ``PolicyLineage.epoch`` at dispatch: rollbacks after it cap the samples' versions
-    num_retries: int = 0  # times this example's group was dispatched again after an unreachable inference worker
 
 
 class RolloutScheduler:
@@ -157,8 +111,7 @@ class RolloutScheduler:
             constant_batch_size=config.constant_trainer_batch_size,
         )
         self._tokens_per_rollout: dict[str, tuple[int, int]] = {}  # env -> (tokens, rollouts) over the run
-        self._step_started, self._step_started_s = 0, 0.0  # the step ``take_batch`` is asked for, since when
-        self._full_since_s: float | None = None  # when its batch could first be taken
+        self.step_batches = StepBatches(self.assembler, self.bound)
         self.inflight: dict[concurrent.futures.Future, InflightGroup] = {}
         self.latest_policy_version: int | None = None  # the broker's, from its heartbeat answers
         self.next_group_id = 0
@@ -172,7 +125,7 @@ class RolloutScheduler:
         self.counters: collections.Counter = collections.Counter()  # of the step under way (``take_report``)
         self.fallbacks: collections.Counter = collections.Counter()  # interleaved -> branching, by reason
         self.timers = StepTimers()
-        self._group_seconds: collections.deque[float] = collections.deque(maxlen=SILENCE_BASIS_GROUPS[1])
+        self.silence = SilenceDeadline(config.worker_silence_timeout_s)
 
     # -- the run's state and the step's results ------------------------------------------------------
 
@@ -186,52 +139,8 @@ class RolloutScheduler:
         self.next_group_id = state["next_group_id"]
 
     def take_batch(self, step: int) -> AssembledBatch | None:
-        """The step's batch once enough groups recent enough for it are assembled, else None. A batch filled with
-        dropped groups (an environment whose groups carried no signal for ``FILL_BOUND_ROUNDS`` batches' worth)
-        is said in one warning line."""
-        now_s = time.monotonic()
-        if self._step_started != step:
-            self._step_started, self._step_started_s, self._full_since_s = step, now_s, None
-        if self._hold_for_last_chance(step, now_s):
-            return None
-        batch = self.assembler.take(min_policy_version=self.bound.min_policy_version(step))
-        if batch is not None and batch.filled_rollouts:
-            log.warning(
-                "step filled with groups that carry no signal or were filtered: the environment dropped "
-                f"{FILL_BOUND_ROUNDS} batches' worth of groups without filling its share; set "
-                "orchestrator.constant_trainer_batch_size = false to count them, or loosen [orchestrator.buffer] "
-                "(or check the environment's rewards)",
-                step=step,
-                filled_rollouts=dict(batch.filled_rollouts),
-            )
-        return batch
-
-    def _hold_for_last_chance(self, step: int, now_s: float) -> bool:
-        """Whether to wait a little before taking ``step``'s batch although it could be taken: some environment's
-        groups in flight can go into no later step (``AsyncBound.last_step``) and fit in its quota with the
-        waiting groups of that kind; taking newer groups now would let them go stale. Held at most as long as the
-        step took to become ready (at least ``LAST_CHANCE_HOLD_MIN_S``), so a straggler never holds a step for
-        long."""
-        self.assembler.drop_stale(self.bound.min_policy_version(step))
-        if not self.assembler.is_full():
-            return False
-        if self._full_since_s is None:
-            self._full_since_s = now_s
-        if now_s - self._full_since_s > max(LAST_CHANCE_HOLD_MIN_S, self._full_since_s - self._step_started_s):
-            return False
-        last_chance = collections.Counter(
-            e.env_id for e in self.inflight.values() if self.bound.last_step(e.dispatched_version) <= step
-        )
-        if not last_chance:
-            return False
-        waiting = collections.Counter(
-            g.env_id for g in self.assembler.waiting_groups() if self.bound.last_step(g.min_policy_version) <= step
-        )
-        quotas = self.assembler.quotas()
-        return any(
-            waiting[env_id] + count <= quotas.get(env_id, 0) // self.config.rollouts_per_example
-            for env_id, count in last_chance.items()
-        )
+        """The step's batch once enough groups recent enough for it are assembled, else None (``StepBatches``)."""
+        return self.step_batches.take(step, self.inflight.values())
 
     def take_report(self) -> StepReport:
         """What was counted since the last report; the next step's counts start afresh."""
@@ -323,51 +232,27 @@ class RolloutScheduler:
         ):  # the teacher is behind: let it catch up (bounded by its timeouts)
             self.counters["teacher_waits"] += 1
             return
-        # Groups are drawn one by one (the same draws, seeds and group ids as one at a time), then handed to
-        # each environment in one write per (env, endpoint, seed).
-        batches: dict[tuple[str, str, int | None], list[int]] = collections.defaultdict(list)
-        entries: dict[tuple[str, str, int | None], list[InflightGroup]] = collections.defaultdict(list)
-        deficits: dict[int, dict[str, float]] = {}  # by the worker's version: groups each env still needs
-        for _ in range(groups_wanted - len(self.inflight)):
-            answering = [e for e in usable if e.may_take(now_s)]  # not backing off; probed one group at a time
-            if not answering:
-                break
-            endpoint = min(answering, key=lambda e: e.num_inflight)
-            if endpoint.policy_version not in deficits:
-                deficits[endpoint.policy_version] = self._deficits(step, endpoint.policy_version, max_inflight)
-            # groups lost with a dead env worker or an unreachable inference worker go first (drawn already)
-            if self._rescheduled:
-                env_id, example_index, num_retries = self._rescheduled.popleft()
-            else:
-                env_id = self._neediest(deficits[endpoint.policy_version])
-                if env_id is None:  # every batch a group could go into is provided for
-                    break
-                env_id, example_index = self.sampler.next(env_id)
-                num_retries = 0
-            for needs in deficits.values():
-                needs[env_id] -= 1
-            seed = rollout_seed_base(config.sampling.seed, self.next_group_id, config.rollouts_per_example)
-            key = (env_id, endpoint.worker_id, seed)
-            batches[key].append(example_index)
-            entries[key].append(
-                InflightGroup(
-                    env_id,
-                    example_index,
-                    endpoint,
-                    endpoint.policy_version,
-                    lineage_epoch=self.lineage.epoch,
-                    num_retries=num_retries,
-                )
-            )
-            endpoint.num_inflight += config.rollouts_per_example
-            self.next_group_id += 1
-        for key, example_indices in batches.items():
-            env_id, _, seed = key
-            endpoint = entries[key][0].endpoint
+        # Groups are planned one by one, then handed to each environment in one write per (env, endpoint, seed).
+        planned = plan_round(
+            groups_wanted - len(self.inflight),
+            usable=usable,
+            deficits_for=lambda policy_version: self._deficits(step, policy_version, max_inflight),
+            shares=self.assembler.shares,
+            rescheduled=self._rescheduled,
+            sampler=self.sampler,
+            seed=config.sampling.seed,
+            group_size=config.rollouts_per_example,
+            first_group_id=self.next_group_id,
+            lineage_epoch=self.lineage.epoch,
+            now_s=now_s,
+        )
+        self.next_group_id += sum(len(entries) for entries in planned.values())
+        for (env_id, _, seed), entries in planned.items():
+            endpoint = entries[0].endpoint
             self.ensure_worker(env_id)
             try:
                 futures = self.env_clients[env_id].submit_rollouts(
-                    example_indices,
+                    [entry.example_index for entry in entries],
                     num_rollouts=config.rollouts_per_example,
                     base_url=endpoint.base_url,
                     model=config.model.name,
@@ -375,38 +260,19 @@ class RolloutScheduler:
                     sampling=config.sampling.model_dump() | {"seed": seed},
                 )
             except EnvWorkerDied as exc:  # it died since the check above: the next dispatch restarts it
-                for entry in entries[key]:
+                for entry in entries:
                     entry.endpoint.num_inflight -= config.rollouts_per_example
                     self._reschedule(entry, exc, restart=False)
                 continue
-            for future, entry in zip(futures, entries[key]):
+            for future, entry in zip(futures, entries):
                 self.inflight[future] = entry
         self._inflight_changed()
 
     def _deficits(self, step: int, policy_version: int, max_inflight: int) -> dict[str, float]:
-        """Groups each environment still needs for the batches a group dispatched now with ``policy_version`` can
-        go into (module docstring), before this dispatch round. Batches past what ``max_inflight`` rollouts could
-        fill change no choice (every deficit is then larger than a round can dispatch), so at most that many are
-        planned: a large ``max_async_level`` costs nothing per round."""
-        num_batches = min(self.bound.last_step(policy_version), step + self.bound.max_async_level) - step + 1
-        num_batches = min(num_batches, math.ceil(max_inflight / max(1, self.config.batch_size)) + 1)
-        planned = self.assembler.planned_rollouts(max(1, num_batches))
         coming = collections.Counter(entry.env_id for entry in self.inflight.values())
         if self.teacher is not None:
             coming.update(group.env_id for group in self.teacher.groups())
-        deficits = {}
-        for env_id, rollouts in planned.items():
-            missing = max(0, rollouts - self.assembler.pending_rollouts(env_id)) / self.config.rollouts_per_example
-            deficits[env_id] = groups_to_keep_in_flight(missing, self.assembler.keep_rate(env_id)) - coming[env_id]
-        return deficits
-
-    def _neediest(self, deficits: dict[str, float]) -> str | None:
-        """The environment furthest behind its share (deficit over share), or None when none needs a group."""
-        shares = self.assembler.shares
-        needing = [env_id for env_id, need in deficits.items() if need > 1e-9 and shares.get(env_id, 0) > 0]
-        if not needing:
-            return None
-        return max(needing, key=lambda env_id: deficits[env_id] / shares[env_id])
+        return env_deficits(self.assembler, self.bound, step, policy_version, max_inflight, coming)
 
     def _count_cancelled(self, entry: InflightGroup) -> None:
         """A group cancelled in flight: its tokens never come back; counted at the environment's mean tokens per
@@ -496,7 +362,7 @@ class RolloutScheduler:
                 continue
             group_s = time.monotonic() - entry.started_s
             self.counters["generation_s"] += group_s
-            self._group_seconds.append(group_s)
+            self.silence.group_done(group_s)
             if self.teacher is not None:  # advantages and the assembler once the teacher scored it
                 self.teacher.submit(group)
                 continue
@@ -633,37 +499,19 @@ class RolloutScheduler:
             self._inflight_changed()
 
     def silence_timeout_s(self) -> float | None:
-        """How long a worker may hold groups without returning one (``worker_silence_timeout_s``); None: no
-        deadline (off, or too few groups came back to judge)."""
-        configured = self.config.worker_silence_timeout_s
-        if configured is not None:
-            return configured or None
-        if len(self._group_seconds) < SILENCE_BASIS_GROUPS[0]:
-            return None
-        return max(SILENCE_MIN_S, SILENCE_FACTOR * max(self._group_seconds))
+        """How long a worker may hold groups without returning one (``SilenceDeadline``); None: no deadline."""
+        return self.silence.timeout_s()
 
     def retry_silent(self, now_s: float | None = None) -> None:
-        """Dispatch again the groups of inference workers that went silent: a worker whose oldest group in flight
-        is older than ``silence_timeout_s`` and which returned no rollout for as long, while another worker
-        returned one within that time (when none does, the run is slow, not the worker). Its groups
-        are cancelled and dispatched again (``rollout group retried``); it is backed off and then probed one group
-        at a time, as a worker that could not be reached. Bounds a request stuck on a connection that never breaks
-        (a cut cable) by far less than ``rollout_timeout_s``."""
-        timeout_s = self.silence_timeout_s()
+        """Dispatch again the groups of inference workers that went silent (``silent_workers``): they are cancelled
+        and dispatched again (``rollout group retried``); the worker is backed off and then probed one group at a
+        time, as a worker that could not be reached. Bounds a request stuck on a connection that never breaks (a
+        cut cable) by far less than ``rollout_timeout_s``."""
+        timeout_s = self.silence.timeout_s()
         if timeout_s is None or not self.inflight:
             return
         now_s = time.monotonic() if now_s is None else now_s
-        oldest: dict[int, InflightGroup] = {}
-        for entry in self.inflight.values():
-            first = oldest.get(id(entry.endpoint))
-            if first is None or entry.started_s < first.started_s:
-                oldest[id(entry.endpoint)] = entry
-        answering = [e for e in self.endpoints.values() if now_s - e.last_answer_s < timeout_s]
-        for entry in oldest.values():
-            endpoint = entry.endpoint
-            silent_s = now_s - max(entry.started_s, endpoint.last_answer_s)  # holding work, returning nothing
-            if silent_s < timeout_s or not any(other is not endpoint for other in answering):
-                continue
+        for endpoint, silent_s in silent_workers(self.inflight.values(), self.endpoints.values(), now_s, timeout_s):
             self.counters["silent_workers"] += 1
             log.warning(  # before the groups' own `rollout group retried` lines, which it explains
                 telemetry.INFERENCE_WORKER_SILENT,
@@ -700,6 +548,3 @@ class RolloutScheduler:
         self.inflight.clear()
         if self.teacher is not None:
             self.teacher.close()
-
-
-__all__ = ["ENDPOINT_BACKOFF_S", "MAX_GROUP_RETRIES", "InferenceEndpoint", "InflightGroup", "RolloutScheduler"]

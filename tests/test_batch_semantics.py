@@ -15,10 +15,11 @@ import pytest
 from primerl.configs.orchestrator import OrchestratorConfig
 from primerl.orchestrator.async_bound import AsyncBound
 from primerl.orchestrator.concurrency import FixedConcurrency
+from primerl.orchestrator.dispatch_plan import groups_to_keep_in_flight
 from primerl.orchestrator.env_sampler import EnvSampler
 from primerl.orchestrator.filtering import FILL_BOUND_ROUNDS, BatchAssembler, DifficultyFilter
 from primerl.orchestrator.rollout_failures import RolloutFailures
-from primerl.orchestrator.rollout_scheduler import RolloutScheduler, groups_to_keep_in_flight
+from primerl.orchestrator.rollout_scheduler import RolloutScheduler
 from primerl.orchestrator.samples import Group, TrainingSample
 from primerl.orchestrator.step_metrics import DISCARD_REASONS, batch_metrics, token_metrics
 from primerl.orchestrator.trajectory import Rollout, RolloutGroup, Turn
@@ -437,8 +438,8 @@ def test_the_bound_knows_the_last_step_a_version_can_train_in():
 
 
 def test_a_ready_step_waits_briefly_for_a_group_in_flight_that_no_later_step_could_take():
+    from primerl.orchestrator.dispatch_plan import InflightGroup
     from primerl.orchestrator.endpoints import InferenceEndpoint
-    from primerl.orchestrator.rollout_scheduler import InflightGroup
 
     config = make_config(batch_size=4)  # 2 groups of 2; max_async_level 1: step 3 takes versions >= 1
     scheduler = make_scheduler(config, {"e": TimedWorker("e", rounds=1)}, {"e": 1.0})
@@ -455,5 +456,5 @@ def test_a_ready_step_waits_briefly_for_a_group_in_flight_that_no_later_step_cou
     scheduler.assembler.add([group("e", [0, 1], group_id=9, version=3)])
     scheduler.inflight[future] = InflightGroup("e", 8, endpoint, dispatched_version=2)  # step 4 or never
     assert scheduler.take_batch(4) is None
-    scheduler._full_since_s -= 60.0
+    scheduler.step_batches._full_since_s -= 60.0
     assert sorted(g.group_id for g in scheduler.take_batch(4).groups) == [1, 9]

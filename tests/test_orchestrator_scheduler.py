@@ -14,8 +14,9 @@ from primerl.orchestrator.endpoints import InferenceWorkers, WorkerEndpoint
 from primerl.orchestrator.env_sampler import EnvSampler
 from primerl.orchestrator.envs.base import EnvWorkerDied
 from primerl.orchestrator.rollout_failures import RolloutFailures
-from primerl.orchestrator.rollout_scheduler import MAX_GROUP_RETRIES, SILENCE_MIN_S, RolloutScheduler
+from primerl.orchestrator.rollout_scheduler import MAX_GROUP_RETRIES, RolloutScheduler
 from primerl.orchestrator.seeds import rollout_seed_base
+from primerl.orchestrator.silent_workers import SILENCE_MIN_S
 from primerl.orchestrator.trajectory import Rollout, RolloutGroup, Turn
 from primerl.orchestrator.types import SchedulerEvents
 

@@ -19,7 +19,7 @@ Per worker the core keeps a ``WeightMember`` (``weight_members``), planned with 
 does not acknowledge within ``ack_timeout_s`` is planned again from what it acknowledged.
 
 Relay (``fanout="chain"``): members that start the same update at the same time form one ``RelayChain``; the plane
-sends each chunk to its head only. ``weight_relay`` plans the chains and says which to heal.
+sends each chunk to its head only. ``weight_relay.RelayChains`` forms the chains and heals them.
 
 Thread-safe: one lock guards the state; callbacks (``watch``) run outside it, so a caller may hold its own lock
 (the registry does) while it reads or calls ``leave``.
@@ -31,12 +31,10 @@ import collections
 import threading
 import time
 from collections.abc import Callable
-from enum import Enum
 from typing import NamedTuple
 
 from primerl.broker import weight_relay
-from primerl.broker.weight_members import WeightMember, WeightWorkerStatus
-from primerl.broker.weight_relay import RelayChain
+from primerl.broker.weight_members import FanoutCounts, FanoutStep, Joined, WeightMember, WeightWorkerStatus
 from primerl.broker.weight_store import PutResult, StoredUpdate, WeightStore
 from primerl.proto import framing
 from primerl.proto.v1 import common_pb2
@@ -51,14 +49,6 @@ FANOUT_MODES = ("star", "chain")
 """``star``: the broker sends every chunk to every worker; ``chain``: to the first worker of a relay chain."""
 
 
-class FanoutStep(NamedTuple):
-    """What to send a member next: chunk ``index`` of ``update``, to be relayed along ``chain`` (None: to it alone)."""
-
-    update: StoredUpdate
-    index: int
-    chain: RelayChain | None
-
-
 class LatestPolicy(NamedTuple):
     """The run's latest policy: its version (0: none yet), lineage, the version its lineage resumed from, and the
     number of rollbacks the store has seen."""
@@ -67,26 +57,6 @@ class LatestPolicy(NamedTuple):
     lineage: int = 0
     lineage_base_version: int = 0
     num_rollbacks: int = 0
-
-
-class FanoutCounts(NamedTuple):
-    """Members now and forgotten so far; relay chains formed, and members sent an update again because their relay
-    did not reach them in time."""
-
-    num_workers: int
-    num_forgotten: int
-    num_relay_chains: int
-    num_relay_heals: int
-
-
-class Joined(Enum):
-    """What a HELLO did."""
-
-    JOINED = "joined"  # a new member (or one that reconnected)
-    DECLARED = "declared"  # a member said it holds another version than we knew
-    REPEATED = "repeated"  # a keep-alive: nothing changed
-    FULL = "full"  # refused: ``max_workers`` members already
-    GONE = "gone"  # refused: the registry said this worker is gone (it must register again)
 
 
 class WeightFanout:
@@ -111,8 +81,7 @@ class WeightFanout:
             raise ValueError(f"relay_timeout_s must be > 0, got {relay_timeout_s}")
         self.fanout = fanout
         self.relay_timeout_s = relay_timeout_s
-        self._num_chains = 0
-        self._num_relay_heals = 0
+        self._relays = weight_relay.RelayChains(fanout == "chain", relay_timeout_s, clock)
         self.store = store
         self.ack_timeout_s = ack_timeout_s
         self.max_retries = max_retries
@@ -130,12 +99,11 @@ class WeightFanout:
     def latest(self) -> LatestPolicy:
         """The run's latest policy (see the module docstring)."""
         status = self.store.status()
-        if status.latest_version is None:
+        version = status.latest_version
+        if version is None:
             with self._lock:
-                return LatestPolicy(
-                    self._restored_version, status.lineage, status.lineage_base_version, status.num_rollbacks
-                )
-        return LatestPolicy(status.latest_version, status.lineage, status.lineage_base_version, status.num_rollbacks)
+                version = self._restored_version
+        return LatestPolicy(version, status.lineage, status.lineage_base_version, status.num_rollbacks)
 
     def watch(self, callback: Callable[[], None]) -> None:
         """Call ``callback()`` (no lock held) whenever ``latest()`` changes; it must be quick and thread-safe."""
@@ -194,7 +162,7 @@ class WeightFanout:
                 and (not in_place_only or member.reads_in_place(update))
                 and member.is_next_step(update.header)
             ]
-            self._start_locked(starting, update)
+            self._relays.start(starting, update)
         return len(starting)
 
     def abort(self, update: StoredUpdate) -> None:
@@ -397,11 +365,11 @@ class WeightFanout:
                     return None
                 update = member.queue[0]
                 together = [member]
-                if self.fanout == "chain":
+                if self._relays.enabled:
                     together = weight_relay.starting_together(member, self._members.values(), update)
                 for starting in together:
                     starting.queue.pop(0)
-                self._start_locked(together, update)
+                self._relays.start(together, update)
             chain = member.chain
             if chain is not None and chain.hops[0] != member.worker_id:
                 return None  # its chunks come from the member before it
@@ -434,7 +402,8 @@ class WeightFanout:
         ``max_retries`` times in a row; then forgotten until their next HELLO)."""
         now_s = self._clock() if now_s is None else now_s
         with self._lock:
-            self._heal_relays_locked(now_s)
+            for member in self._relays.heal(self._members, now_s):
+                self._replan_locked(member)
             for member in list(self._members.values()):
                 if not (
                     member.unacked and member.sending is None and now_s - member.last_progress_s > self.ack_timeout_s
@@ -476,66 +445,10 @@ class WeightFanout:
 
     def counts(self) -> FanoutCounts:
         with self._lock:
-            return FanoutCounts(len(self._members), self._num_forgotten, self._num_chains, self._num_relay_heals)
+            relays = self._relays
+            return FanoutCounts(len(self._members), self._num_forgotten, relays.num_chains, relays.num_heals)
 
     # -- internals -----------------------------------------------------------------------------------
-
-    def _start_locked(self, members: list[WeightMember], update: StoredUpdate) -> None:
-        """``members`` (in the order they joined) start receiving ``update`` now; in chain mode, those that can relay
-        form one chain, the longest-standing first; the others are sent it directly."""
-        chained = [m for m in members if m.relays(update)] if self.fanout == "chain" else []
-        chain = None
-        if len(chained) >= 2:
-            self._num_chains += 1
-            chain = RelayChain(
-                update,
-                self._num_chains,
-                tuple(m.worker_id for m in chained),
-                tuple(m.relay_endpoint for m in chained),
-                self._clock(),
-            )
-            log.debug("weight relay chain planned", policy_version=update.policy_version, hops=list(chain.hops))
-        for member in members:
-            member.start(update, chain if member in chained else None)
-
-    def _heal_relays_locked(self, now_s: float) -> None:
-        """Members a relay did not reach in time are planned again (the broker holds the update): see the module
-        docstring."""
-        for chain in weight_relay.stalled_chains(self._members.values(), now_s, self.relay_timeout_s):
-            self._dissolve_locked(chain, reason="its first worker took no chunk in time")  # it goes on alone
-        overdue = weight_relay.overdue(self._members.values(), now_s)
-        for member in weight_relay.held_up(overdue):
-            member.relay_ok = False
-        for member in overdue:
-            self._num_relay_heals += 1
-            log.warning(
-                "weight relay did not reach a worker in time; the broker sends it the update",
-                worker_id=member.worker_id,
-                awaited_version=member.unacked[-1][0],
-                relays_again=member.relay_ok,
-            )
-            member.relay_deadline_s = None
-            member.resend_from_acked()
-            member.last_progress_s = now_s
-            self._replan_locked(member)
-
-    def _dissolve_locked(self, chain: RelayChain, *, reason: str) -> None:
-        """The members after ``chain``'s head stop waiting for it and are planned again (its head, if still a
-        member, goes on receiving the update alone)."""
-        chain.dissolved = True
-        for worker_id in chain.hops[1:]:
-            member = self._members.get(worker_id)
-            if member is None or member.chain is not chain:
-                continue
-            self._num_relay_heals += 1
-            member.stop_sending()
-            self._replan_locked(member)
-        log.warning(
-            "weight relay chain dissolved; the broker sends its workers the update",
-            policy_version=chain.update.policy_version,
-            hops=list(chain.hops),
-            reason=reason,
-        )
 
     def _replan_locked(self, member: WeightMember) -> None:
         member.queue = self.store.plan_for(*member.plan_basis())
@@ -544,7 +457,8 @@ class WeightFanout:
         chain = member.chain
         del self._members[member.worker_id]
         if chain is not None and not chain.dissolved and member.sending is not None:
-            self._dissolve_locked(chain, reason=f"{member.worker_id} left it")
+            for stopped in self._relays.dissolve(chain, self._members, reason=f"{member.worker_id} left it"):
+                self._replan_locked(stopped)
         if count:
             self._num_forgotten += 1
         if reason:

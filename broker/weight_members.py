@@ -1,17 +1,46 @@
-"""What the weight fan-out keeps per inference worker (``WeightMember``) and what it shows of it
-(``WeightWorkerStatus``). Changed only under ``WeightFanout``'s lock; no sockets, no clock."""
+"""What the weight fan-out keeps per inference worker (``WeightMember``, changed only under ``WeightFanout``'s lock)
+and the values it answers about its members: a HELLO's outcome, the next step to send, a worker's status, counts."""
 
 from __future__ import annotations
 
 import collections
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from enum import Enum
+from typing import TYPE_CHECKING, NamedTuple
 
 from primerl.broker.weight_store import StoredUpdate
 from primerl.proto.v1 import data_pb2
 
 if TYPE_CHECKING:
     from primerl.broker.weight_relay import RelayChain
+
+
+class FanoutStep(NamedTuple):
+    """What to send a member next: chunk ``index`` of ``update``, to be relayed along ``chain`` (None: to it alone)."""
+
+    update: StoredUpdate
+    index: int
+    chain: RelayChain | None
+
+
+class FanoutCounts(NamedTuple):
+    """Members now and forgotten so far; relay chains formed, and members sent an update again because their relay
+    did not reach them in time."""
+
+    num_workers: int
+    num_forgotten: int
+    num_relay_chains: int
+    num_relay_heals: int
+
+
+class Joined(Enum):
+    """What a HELLO did."""
+
+    JOINED = "joined"  # a new member (or one that reconnected)
+    DECLARED = "declared"  # a member said it holds another version than we knew
+    REPEATED = "repeated"  # a keep-alive: nothing changed
+    FULL = "full"  # refused: ``max_workers`` members already
+    GONE = "gone"  # refused: the registry said this worker is gone (it must register again)
 
 
 @dataclass(frozen=True)

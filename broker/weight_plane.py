@@ -68,9 +68,9 @@ from primerl.broker.log_limits import RateLimitedLog
 from primerl.broker.plane_lifecycle import RouterPlane
 from primerl.broker.shared_updates import COPY_AFTER_S
 from primerl.broker.weight_durable import WeightDurability
-from primerl.broker.weight_fanout import Joined, WeightFanout
+from primerl.broker.weight_fanout import WeightFanout
 from primerl.broker.weight_intake import BROKER_SENDER, IntakeBounds, WeightIntake
-from primerl.broker.weight_members import WeightWorkerStatus
+from primerl.broker.weight_members import Joined, WeightWorkerStatus
 from primerl.broker.weight_messages import chunk_messages, relayed_messages
 from primerl.broker.weight_relay import valid_relay_endpoint
 from primerl.broker.weight_store import StoredUpdate, WeightStoreStatus

@@ -1,6 +1,6 @@
-"""The relay-chain planner of the weight fan-out (``fanout="chain"``), pure: which members start an update together
-and form a chain, which chains stalled, and which members a relay did not reach in time. ``WeightFanout`` applies
-its answers under its lock.
+"""The relay chains of the weight fan-out (``fanout="chain"``): which members start an update together and form a
+chain, and the healing of chains that stalled or did not reach a member in time. ``RelayChains`` runs under
+``WeightFanout``'s lock and answers with the members to plan again; the functions below it are pure.
 
 Members that announced a relay endpoint in HELLO and start the same update at the same time (``begin``, or idle
 members whose next planned update is the same) form one ``RelayChain``, in the order they joined: the plane sends
@@ -14,14 +14,17 @@ again. A head that leaves or makes no progress for ``relay_timeout_s`` dissolves
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from primerl.broker.weight_store import StoredUpdate
+from primerl.runtime.log_setup import get_logger
 
 if TYPE_CHECKING:
     from primerl.broker.weight_members import WeightMember
+
+log = get_logger(__name__)
 
 MAX_RELAY_ENDPOINT_CHARS = 256
 
@@ -48,6 +51,73 @@ class RelayChain:
     messages: list[list[Any]] = field(default_factory=list)
     # The members after its head were planned again (the head goes on with these chunks, relaying nothing new).
     dissolved: bool = False
+
+
+class RelayChains:
+    """The chains of one fan-out (``enabled``: in chain mode, else every member is sent its updates directly) and
+    their healing, with the counts the plane's status shows. Called under ``WeightFanout``'s lock."""
+
+    def __init__(self, enabled: bool, relay_timeout_s: float, clock: Callable[[], float]):
+        self.enabled = enabled
+        self.relay_timeout_s = relay_timeout_s
+        self._clock = clock
+        self.num_chains = 0
+        self.num_heals = 0
+        """Members sent an update again because their relay did not reach them in time."""
+
+    def start(self, members: list[WeightMember], update: StoredUpdate) -> None:
+        """``members`` (in the order they joined) start receiving ``update`` now; in chain mode, those that can relay
+        form one chain, the longest-standing first; the others are sent it directly."""
+        chained = [member for member in members if member.relays(update)] if self.enabled else []
+        chain = None
+        if len(chained) >= 2:
+            self.num_chains += 1
+            hops = tuple(member.worker_id for member in chained)
+            endpoints = tuple(member.relay_endpoint for member in chained)
+            chain = RelayChain(update, self.num_chains, hops, endpoints, self._clock())
+            log.debug("weight relay chain planned", policy_version=update.policy_version, hops=list(chain.hops))
+        for member in members:
+            member.start(update, chain if member in chained else None)
+
+    def heal(self, members: Mapping[str, WeightMember], now_s: float) -> list[WeightMember]:
+        """Dissolve the chains whose head stalled; a member a relay did not reach in time counts as sent nothing (the
+        first of them in its chain relays no more until it acknowledges). Returns the members to plan again."""
+        replan = []
+        for chain in stalled_chains(members.values(), now_s, self.relay_timeout_s):  # the head goes on alone
+            replan += self.dissolve(chain, members, reason="its first worker took no chunk in time")
+        late = overdue(members.values(), now_s)
+        for member in held_up(late):
+            member.relay_ok = False
+        for member in late:
+            self.num_heals += 1
+            log.warning(
+                "weight relay did not reach a worker in time; the broker sends it the update",
+                worker_id=member.worker_id,
+                awaited_version=member.unacked[-1][0],
+                relays_again=member.relay_ok,
+            )
+            member.relay_deadline_s = None
+            member.resend_from_acked()
+            member.last_progress_s = now_s
+        return replan + late
+
+    def dissolve(self, chain: RelayChain, members: Mapping[str, WeightMember], *, reason: str) -> list[WeightMember]:
+        """The members after ``chain``'s head stop waiting for it (its head, if still a member, goes on receiving the
+        update alone). Returns them: to plan again."""
+        chain.dissolved = True
+        stopped = [
+            member for hop in chain.hops[1:] if (member := members.get(hop)) is not None and member.chain is chain
+        ]
+        for member in stopped:
+            self.num_heals += 1
+            member.stop_sending()
+        log.warning(
+            "weight relay chain dissolved; the broker sends its workers the update",
+            policy_version=chain.update.policy_version,
+            hops=list(chain.hops),
+            reason=reason,
+        )
+        return stopped
 
 
 def starting_together(

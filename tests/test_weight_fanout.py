@@ -11,7 +11,8 @@ from support.probes import wait_until
 from support.weight_updates import DELTA, publish, tiny_update
 
 from primerl.broker.registry import WorkerRegistry
-from primerl.broker.weight_fanout import Joined, LatestPolicy, WeightFanout
+from primerl.broker.weight_fanout import LatestPolicy, WeightFanout
+from primerl.broker.weight_members import Joined
 from primerl.broker.weight_store import WeightStore
 from primerl.client.weight_publisher import WeightPublisher
 from primerl.client.weights import WeightSubscriber

@@ -333,7 +333,7 @@ def fanout_compare(args, spawn) -> int:
     """``--fanout``: star versus chain to ``--receivers`` relaying workers, side by side (module docstring)."""
     import zmq
 
-    from primerl.client.weights import WeightPublisher
+    from primerl.client.weight_publisher import WeightPublisher
     from primerl.proto.data_plane_limits import BrokerLimits
 
     num_receivers = max(args.receivers)
@@ -552,7 +552,7 @@ def main(argv: list[str] | None = None) -> int:
     from primerl.runtime.log_setup import configure_logging
 
     configure_logging("bench", "bench", level="warning")
-    from primerl.client.weights import WeightPublisher
+    from primerl.client.weight_publisher import WeightPublisher
     from primerl.proto.data_plane_limits import BrokerLimits
 
     spawn = mp.get_context("spawn")

@@ -48,7 +48,7 @@ if __name__ == "__main__":
     from primerl.broker.weight_fanout import WeightFanout
     from primerl.broker.weight_plane import WeightPlane
     from primerl.broker.weight_store import WeightStore
-    from primerl.client.weights import WeightPublisher
+    from primerl.client.weight_publisher import WeightPublisher
     from primerl.proto import tensor_frames as tf
     from primerl.proto.data_plane_limits import BrokerLimits
     from primerl.proto.v1 import data_pb2

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import errno
 import hmac
+import random
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -54,6 +55,8 @@ log = get_logger("primerl.client.dealer")
 
 RECONNECT_INTERVAL_MS = 100
 RECONNECT_INTERVAL_MAX_MS = 5000
+REOPEN_PAUSE_S = 1.0
+"""Most a client waits before connecting again after the broker refused it at the handshake."""
 CLOSED_HANDSHAKES_TO_REFUSE = 3
 """Handshakes the broker closed without a reason, none succeeding first, that a client takes for a mismatch."""
 _CLOSED_BY_PEER = (errno.EPIPE, errno.ECONNRESET)
@@ -98,6 +101,7 @@ class DealerClient:
         self.generation = 0
         self.num_closed_handshakes = 0  # closed by the broker without a reason before any handshake succeeded
         self.handshake_succeeded = False  # some handshake of this client succeeded (on any of its sockets)
+        self.num_handshake_refusals = 0  # refused at the handshake for want of room (`_reopen_after_refusal`)
         self._open()
 
     # ------------------------------------------------------------------------------------------ socket
@@ -127,6 +131,21 @@ class DealerClient:
         self._close_socket()
         self._open()
         self.generation += 1
+
+    def _reopen_after_refusal(self, deadline_s: float) -> None:
+        """The broker refused this connection at the handshake: it has as many peers on this plane as it admits
+        (broker.connection_gate) and libzmq does not try again. Wait a moment (within ``deadline_s``) and connect
+        again on a new socket (what was sent on the old one is lost)."""
+        self.num_handshake_refusals += 1
+        if self.num_handshake_refusals == 1 or self.num_handshake_refusals % 20 == 0:
+            log.warning(
+                f"the broker refused this {self.plane} connection at the handshake: it has as many peers as "
+                f"broker.max_{self.plane}_connections admits; retrying",
+                endpoint=self.endpoint,
+                refusals=self.num_handshake_refusals,
+            )
+        time.sleep(max(0.0, min(deadline_s - time.monotonic(), random.uniform(REOPEN_PAUSE_S / 2, REOPEN_PAUSE_S))))
+        self._reopen()
 
     @property
     def timeout_hint(self) -> str:

@@ -14,7 +14,6 @@ is refused here at once (``RolloutRefused``, OVERSIZED) instead of costing the c
 
 from __future__ import annotations
 
-import random
 import threading
 import time
 import uuid
@@ -38,7 +37,6 @@ log = get_logger("primerl.client.rollouts")
 
 DEFAULT_WINDOW = 8
 DEFAULT_MAX_INFLIGHT_BYTES = 512 * MiB
-REOPEN_PAUSE_S = 1.0  # most a client waits before connecting again after the broker refused it at the handshake
 
 
 class RolloutStreamError(RuntimeError):
@@ -118,7 +116,6 @@ class _RolloutClient(DealerClient):
         limits: framing.Limits | None,
         curve: CurveClient | None = None,
     ):
-        self.num_handshake_refusals = 0
         super().__init__(
             endpoint, auth_token, sender, limits=limits or DEFAULT_BROKER_LIMITS.frames, context=context, curve=curve
         )
@@ -128,16 +125,7 @@ class _RolloutClient(DealerClient):
         again on a new socket (what was sent on the old one is lost: the wait ends so that the caller resends)."""
         if not events:
             return False
-        self.num_handshake_refusals += 1
-        if self.num_handshake_refusals == 1 or self.num_handshake_refusals % 20 == 0:
-            log.warning(
-                "the broker refused this rollout connection at the handshake: it has as many peers as "
-                "broker.max_rollout_connections admits; retrying",
-                endpoint=self.endpoint,
-                refusals=self.num_handshake_refusals,
-            )
-        time.sleep(max(0.0, min(deadline_s - time.monotonic(), random.uniform(REOPEN_PAUSE_S / 2, REOPEN_PAUSE_S))))
-        self._reopen()
+        self._reopen_after_refusal(deadline_s)
         return True
 
     def _refused_at_handshake(self, detail: common_pb2.ErrorDetail) -> Exception:

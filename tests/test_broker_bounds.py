@@ -13,19 +13,15 @@ from support.broker import BrokerHarness
 from support.daemons import BrokerProcess
 
 from primerl.client.rollouts import RolloutProducer, RolloutRefused, pack_batch
-from primerl.client.weights import (
-    WeightBrokerLost,
-    WeightPlaneError,
-    WeightPublisher,
-    WeightSubscriber,
-    WeightUpdateRefused,
-)
+from primerl.client.weight_publisher import WeightBrokerLost, WeightPublisher
+from primerl.client.weights import WeightPlaneError, WeightSubscriber
 from primerl.configs.broker import BrokerConfig
 from primerl.proto import chunked_transfer, framing
 from primerl.proto import tensor_frames as tf
 from primerl.proto.digests import payload_digest
 from primerl.proto.units import MiB
 from primerl.proto.v1 import common_pb2, data_pb2
+from primerl.proto.weight_refusals import WeightUpdateRefused
 from primerl.runtime.wire_security import apply_run_token
 
 TOKEN = "bounds-token"

@@ -15,7 +15,8 @@ from hypothesis import strategies as st
 from primerl.broker.service import BrokerService
 from primerl.client.control import ControlClient
 from primerl.client.rollouts import RolloutConsumer, RolloutProducer, pack_batch
-from primerl.client.weights import WeightPublisher, WeightSubscriber
+from primerl.client.weight_publisher import WeightPublisher
+from primerl.client.weights import WeightSubscriber
 from primerl.configs.broker import BrokerConfig
 from primerl.proto import chunked_transfer, framing
 from primerl.proto import tensor_frames as tf

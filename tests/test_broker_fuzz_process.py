@@ -28,7 +28,7 @@ from support.daemons import BrokerProcess
 
 from primerl.client.channel import create_channel
 from primerl.client.rollouts import RolloutConsumer, RolloutProducer, pack_batch
-from primerl.client.weights import WeightPublisher
+from primerl.client.weight_publisher import WeightPublisher
 from primerl.proto import framing
 from primerl.proto import tensor_frames as tf
 from primerl.proto.v1 import common_pb2, control_pb2, control_pb2_grpc, data_pb2

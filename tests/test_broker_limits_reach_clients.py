@@ -14,7 +14,8 @@ from support.broker import BrokerHarness
 
 from primerl.client.control import ControlClient
 from primerl.client.rollouts import RolloutConsumer, RolloutProducer, RolloutRefused, pack_batch
-from primerl.client.weights import WeightPublisher, WeightSubscriber
+from primerl.client.weight_publisher import WeightPublisher
+from primerl.client.weights import WeightSubscriber
 from primerl.proto import tensor_frames
 from primerl.proto.data_plane_limits import DEFAULT_BROKER_LIMITS, ENVELOPE_ALLOWANCE_BYTES
 from primerl.proto.digests import payload_digest

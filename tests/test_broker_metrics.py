@@ -19,7 +19,8 @@ from support.probes import scrape_metrics as scrape
 from primerl.broker.service import BrokerService
 from primerl.client.control import ControlClient
 from primerl.client.rollouts import RolloutProducer, pack_batch
-from primerl.client.weights import WeightPublisher, WeightSubscriber
+from primerl.client.weight_publisher import WeightPublisher
+from primerl.client.weights import WeightSubscriber
 from primerl.configs.broker import BrokerConfig
 from primerl.proto import telemetry, tensor_frames
 from primerl.proto.v1 import data_pb2

@@ -183,7 +183,7 @@ def status_json(address: str) -> dict:
 
 
 def publish_full(endpoint: str, version: int) -> None:
-    from primerl.client.weights import WeightPublisher
+    from primerl.client.weight_publisher import WeightPublisher
     from primerl.proto import tensor_frames
 
     data, specs = tensor_frames.encode_tensors({"w": np.arange(256, dtype=np.float32)})

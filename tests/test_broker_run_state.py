@@ -24,7 +24,7 @@ from primerl.broker.run_state import (
     RunStateSaver,
 )
 from primerl.broker.service import BrokerService
-from primerl.client.weights import WeightPublisher
+from primerl.client.weight_publisher import WeightPublisher
 from primerl.configs.broker import BrokerConfig
 from primerl.proto import tensor_frames as tf
 from primerl.proto.v1 import common_pb2, control_pb2, data_pb2

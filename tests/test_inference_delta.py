@@ -76,10 +76,10 @@ def test_delta_updates_are_served_and_a_wrong_base_is_refused(
 ) -> None:
     import torch
 
-    from primerl.client.weights import WeightUpdateRefused
     from primerl.configs.trainer import ModelConfig, OptimizerConfig
     from primerl.proto.v1 import common_pb2, data_pb2
     from primerl.proto.weight_delta import encode_delta
+    from primerl.proto.weight_refusals import WeightUpdateRefused
     from primerl.trainer.model import load_model
     from primerl.trainer.optim import build_optimizer
     from primerl.trainer.publish import PolicyPublisher

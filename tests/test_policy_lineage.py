@@ -19,15 +19,15 @@ from pathlib import Path
 import pytest
 import torch
 
-from primerl.broker.registry import MAX_POLICY_LINEAGE, WorkerRegistry
+from primerl.broker.policy_lineage import MAX_POLICY_LINEAGE
+from primerl.broker.registry import WorkerRegistry
 from primerl.broker.registry_errors import IncarnationSuperseded, InvalidRequest
 from primerl.broker.run_state import RUN_STATE_FILE, RunState, RunStateFile, RunStateSaver
 from primerl.client.control import ControlClient
 from primerl.client.control import IncarnationSuperseded as IncarnationSupersededError
-from primerl.client.weights import LineageSuperseded
 from primerl.configs.trainer import ModelConfig
 from primerl.proto.v1 import common_pb2, control_pb2, data_pb2
-from primerl.proto.weight_refusals import WeightUpdateRefused
+from primerl.proto.weight_refusals import LineageSuperseded, WeightUpdateRefused
 from primerl.runtime.config_common import BrokerClientConfig
 from primerl.trainer import publish as publish_module
 from primerl.trainer.model import load_model

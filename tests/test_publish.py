@@ -13,9 +13,9 @@ from safetensors.torch import load as load_safetensors
 from safetensors.torch import load_file
 
 from primerl.broker.service import BrokerService
-from primerl.client.weights import WeightUpdateRefused
 from primerl.configs.trainer import LoRAConfig, ModelConfig, OptimizerConfig
 from primerl.proto.v1 import common_pb2, data_pb2
+from primerl.proto.weight_refusals import WeightUpdateRefused
 from primerl.trainer.hf_state_dict import hf_state_dict
 from primerl.trainer.model import load_model
 from primerl.trainer.optim import build_optimizer
@@ -242,7 +242,7 @@ def test_delta_refused_as_out_of_order_is_resent_as_full(model_dir, broker, publ
 def test_a_superseded_publisher_is_told_to_stop(model_dir, broker, publishers):
     """A trainer replaced by a newer incarnation (a newer lineage) gets ``LineageSuperseded`` on its next update,
     delta or FULL, and the broker keeps the newer lineage's version."""
-    from primerl.client.weights import LineageSuperseded
+    from primerl.proto.weight_refusals import LineageSuperseded
 
     service, endpoint = broker
     model = load_model(ModelConfig(name=str(model_dir)))

@@ -14,7 +14,8 @@ from primerl.broker.weight_durable import LINEAGE_FILE, MANIFEST_FILE, WeightDur
 from primerl.broker.weight_fanout import WeightFanout
 from primerl.broker.weight_plane import WeightPlane
 from primerl.broker.weight_store import WeightStore
-from primerl.client.weights import WeightPublisher, WeightSubscriber
+from primerl.client.weight_publisher import WeightPublisher
+from primerl.client.weights import WeightSubscriber
 from primerl.proto import tensor_frames as tf
 from primerl.proto.data_plane_limits import BrokerLimits
 from primerl.proto.v1 import data_pb2

@@ -13,14 +13,11 @@ from support.weight_plane import CHUNK_BYTES, LIMITS, RECEIVE_S, TOKEN, FakeBrok
 from primerl.broker.weight_fanout import WeightFanout
 from primerl.broker.weight_plane import WeightPlane
 from primerl.broker.weight_store import WeightStore
-from primerl.client.weights import (
-    WeightPlaneError,
-    WeightSubscriber,
-    WeightUpdateRefused,
-)
+from primerl.client.weights import WeightPlaneError, WeightSubscriber
 from primerl.proto import chunked_transfer, framing
 from primerl.proto.digests import payload_digest
 from primerl.proto.v1 import common_pb2, data_pb2
+from primerl.proto.weight_refusals import WeightUpdateRefused
 
 FULL = data_pb2.WEIGHT_UPDATE_KIND_FULL
 LORA = data_pb2.WEIGHT_UPDATE_KIND_LORA

@@ -25,15 +25,12 @@ from primerl.broker.weight_fanout import WeightFanout
 from primerl.broker.weight_plane import WeightPlane
 from primerl.broker.weight_store import WeightStore
 from primerl.client.outage import BrokerOutageExceeded
-from primerl.client.weights import (
-    LineageSuperseded,
-    WeightBrokerLost,
-    WeightPublisher,
-    WeightSubscriber,
-)
+from primerl.client.weight_publisher import WeightBrokerLost, WeightPublisher
+from primerl.client.weights import WeightSubscriber
 from primerl.proto import tensor_frames as tf
 from primerl.proto.data_plane_limits import BrokerLimits
 from primerl.proto.v1 import data_pb2
+from primerl.proto.weight_refusals import LineageSuperseded
 
 FULL = data_pb2.WEIGHT_UPDATE_KIND_FULL
 DELTA = data_pb2.WEIGHT_UPDATE_KIND_DELTA

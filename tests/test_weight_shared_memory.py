@@ -278,7 +278,7 @@ def test_the_broker_process_sweeps_the_segments_of_a_sigkilled_trainer(tmp_path)
     script = textwrap.dedent(
         f"""
         import numpy as np, time
-        from primerl.client.weights import WeightPublisher
+        from primerl.client.weight_publisher import WeightPublisher
         from primerl.proto import tensor_frames
         from primerl.proto.shared_segment import SegmentPool
         from primerl.proto.v1 import data_pb2

@@ -24,14 +24,11 @@ from primerl.cli.certs import CertPaths, CertsError, config_lines, make_certs, p
 from primerl.client.control import BrokerError, ControlClient
 from primerl.client.outage import BrokerOutageExceeded
 from primerl.client.rollouts import RolloutConsumer, RolloutProducer, RolloutRefused, pack_batch
-from primerl.client.weights import (
-    WeightPlaneError,
-    WeightPublisher,
-    WeightSubscriber,
-    WeightUpdateRefused,
-)
+from primerl.client.weight_publisher import WeightPublisher
+from primerl.client.weights import WeightPlaneError, WeightSubscriber
 from primerl.configs.broker import BrokerConfig
 from primerl.proto.v1 import common_pb2
+from primerl.proto.weight_refusals import WeightUpdateRefused
 from primerl.runtime.config_common import BrokerClientConfig
 from primerl.runtime.wire_security import CurveClient
 from primerl.supervisor.run_file import RunFile, write_run_file

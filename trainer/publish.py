@@ -49,18 +49,14 @@ from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, Literal
 
 from primerl.client.outage import OutageWatch, retry_through_outage
-from primerl.client.weights import (
-    LineageSuperseded,
-    WeightPublisher,
-    WeightPublishTimeout,
-    WeightUpdateRefused,
-)
+from primerl.client.weight_publisher import WeightPublisher, WeightPublishTimeout
 from primerl.proto import telemetry
 from primerl.proto.digests import new_hasher, payload_digest
 from primerl.proto.shared_segment import Segment, SegmentPool
 from primerl.proto.tensor_frames import encode_tensors, parse_header, specs_of
 from primerl.proto.units import MiB
 from primerl.proto.v1 import common_pb2, data_pb2
+from primerl.proto.weight_refusals import LineageSuperseded, WeightUpdateRefused
 from primerl.runtime.config_common import DEFAULT_OUTAGE_S
 from primerl.runtime.log_setup import get_logger
 from primerl.trainer.hf_state_dict import (

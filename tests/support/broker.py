@@ -9,7 +9,7 @@ from typing import Any
 
 from primerl.broker.service import BrokerService
 from primerl.client.control import ControlClient
-from primerl.client.weights import WeightPublisher
+from primerl.client.weight_publisher import WeightPublisher
 from primerl.configs.broker import BrokerConfig
 from primerl.proto.v1 import data_pb2
 from primerl.runtime.config_common import BrokerClientConfig

@@ -1,46 +1,25 @@
 """The broker's worker registry and run status: the core of the control plane, with no sockets.
 
-Every worker registers, heartbeats and reports progress here (through ``control_service.BrokerServicer``).
-The policy versions are not the registry's: it reads them from the weight fan-out core (``weight_fanout``), which
-owns the latest version and the version each inference worker holds, and is told when the latest one changes
-(``WeightFanout.watch``). A worker the registry marks LOST, or that deregisters, leaves the fan-out (no more weight
-pushes). ``run_status`` aggregates it all, with the data plane's queues and rates (``run_status.DataPlaneStatus``),
-into one ``RunStatus`` message. The records are ``worker_record.WorkerRecord``; the refusals ``registry_errors``.
+Every worker registers, heartbeats and reports progress here (through ``control_service.BrokerServicer``). The policy
+versions are the weight fan-out's (``weight_fanout``), which tells the registry when the latest one changes
+(``WeightFanout.watch``); a worker the registry marks LOST, or that deregisters, leaves the fan-out. ``run_status``
+assembles it all, with the data plane's queues and rates, into one ``RunStatus`` (``run_status``). The records are
+``worker_record.WorkerRecord``, the refusals ``registry_errors``, the trainers' lineages ``policy_lineage``.
 
-Liveness follows the Paranoid Pirate pattern: a worker silent for ``liveness * heartbeat_interval_s`` is
-marked LOST (and stays listed so status shows it); any traffic from a worker resets its liveness. Expiry is
-applied on every call (so answers are exact) and by a periodic ``expire()`` (``HeartbeatMonitor``), which logs
-and notifies watchers within half an interval of the bound.
+Liveness follows the Paranoid Pirate pattern: a worker silent for ``liveness * heartbeat_interval_s`` is marked LOST
+(and stays listed so status shows it); any traffic from a worker resets its liveness. Expiry is applied on every call
+(so answers are exact) and by a periodic ``expire()`` (``HeartbeatMonitor``), which logs and notifies watchers within
+half an interval of the bound. A heartbeat's ``not_serving`` reason is the worker's state, not an error.
 
 Thread-safe: one lock guards all state; ``wait_for_change`` waits on a condition of that lock
-(``watched_state.WatchedState``, with the recent errors). Commits are
-serialized by a second lock so that the ``on_commit`` callback (the rollout queue's release) runs *outside*
-the state lock: the data plane may call back into the registry without deadlocking.
+(``watched_state.WatchedState``, with the recent errors). Commits are serialized by a second lock so that the
+``on_commit`` callback (the rollout queue's release) runs *outside* the state lock: the data plane may call back into
+the registry without deadlocking.
 
-Run state (``broker/run_state.py``): the run's facts (committed step, trainer and orchestrator steps, latest
-policy version (the fan-out's), last metrics, run id, finished) are numbered by a revision that moves only when one
-of them changes; ``run_state()`` snapshots them, ``restore()`` takes them back after a broker restart. A commit and the
-end of the run call ``persist`` before they answer; everything else is written by a periodic saver. The steps and
-the end of the run (``request_shutdown``): ``run_progress.RunProgress``.
-
-Policy lineages (one per trainer incarnation, ``WeightUpdateHeader.lineage``) are handed out here, not read from a
-clock: trainer rank 0's first ``register`` gets ``policy_lineage``, one above every lineage handed out before (the
-run state's counter, written before the answer) and above the lineage the weight store holds (a run dir from before
-the counter holds time-based lineages); its re-registrations (a broker restart, the broker forgot it) name that
-lineage and get it back. A restarted trainer's lineage is then larger than its predecessors' whatever its host's
-clock says. A run state that cannot be written (a full spool disk) does not keep the trainer out (its commits are
-what free the spool): the lineage is handed out, the broker's recent errors say it is not saved yet, and the
-periodic saver writes it once it can. A broker restarted before then resumes above the weight store's lineage, and
-the trainer's re-registration names its lineage again.
-
-Split brain: once a newer lineage is handed out, the older incarnations are over. The weight store refuses their
-updates at once (``refuse_lineages_below``: before the new trainer's first publish), and an old trainer that
-registers again naming its lineage, or commits a step, is refused with ``IncarnationSuperseded`` (ABORTED): a
-trainer cut off by a partition while its replacement took over comes back, is told, and stops.
-
-Gray failures: a heartbeat's ``not_serving`` reason is the worker's state (it cannot serve now: its engine
-stalled), not an error: the worker is listed with ``serving = "false"`` until a heartbeat without one
-(``WorkerRecord.not_serving``); each change is one line of the recent errors.
+Run state (``run_state``): the run's facts are numbered by a revision that moves only when one of them changes;
+``run_state()`` snapshots them, ``restore()`` takes them back after a broker restart. A commit, a new policy lineage
+and the end of the run call ``persist`` before they answer; everything else is written by a periodic saver. The steps
+and the end of the run (``request_shutdown``): ``run_progress.RunProgress``.
 """
 
 from __future__ import annotations
@@ -50,21 +29,19 @@ import time
 import uuid
 from collections.abc import Callable, Mapping
 
+from primerl.broker.policy_lineage import PolicyLineages
 from primerl.broker.registry_errors import (
     BrokerStopping,
     CommitFailed,
     CommitResult,
-    IncarnationSuperseded,
-    InvalidRequest,
-    LimitReached,
-    NameTaken,
     StepOutOfOrder,
     WorkerNotFound,
 )
+from primerl.broker.run_end import ends_the_run, tells_to_stop
 from primerl.broker.run_metrics import LastMetrics
 from primerl.broker.run_progress import RunProgress
 from primerl.broker.run_state import RunState
-from primerl.broker.run_status import MAX_STATUS_BYTES, DataPlaneStatus, queue_proto, role_name, trim_status
+from primerl.broker.run_status import DataPlaneStatus, assemble_run_status, role_name
 from primerl.broker.watched_state import MAX_ERROR_CHARS, WatchedState
 from primerl.broker.weight_fanout import WeightFanout
 from primerl.broker.weight_store import WeightStore
@@ -73,21 +50,14 @@ from primerl.broker.worker_record import (
     LEFT,
     LOST,
     MAX_ERRORS_PER_HEARTBEAT,
-    MAX_LIVE_WORKERS,
     MAX_METRIC_NAMES,
     WorkerRecord,
     check_metrics_report,
     check_register_request,
+    gone_holders,
 )
-from primerl.proto.roles import TRAINING_FINISHED_REASON
 from primerl.proto.v1 import common_pb2, control_pb2
 
-MAX_POLICY_LINEAGE = 1 << 62
-"""Above every lineage a broker hands out (a counter) or a trainer before the counter sent (unix microseconds,
-~1.8e15): a re-registration naming a larger one is refused, so the counter can never run out of uint64."""
-
-
-# ------------------------------------------------------------------------------------------- registry
 MAX_LOST_UNREPORTED = 1024  # workers marked LOST and not yet handed to the heartbeat monitor, at most
 
 
@@ -138,7 +108,6 @@ class WorkerRegistry(WatchedState):
         self._max_gone_workers = max_gone_workers
         # step -> why it is too far from the run's position ("" when fine); e.g. the rollout queue's window.
         self._step_window = step_window
-        self._num_status_trims = 0
         # workers marked LOST since the last ``expire()``, whoever marked them (a read expires too): the heartbeat
         # monitor logs each of them once
         self._lost_unreported: list[control_pb2.WorkerInfo] = []
@@ -147,6 +116,7 @@ class WorkerRegistry(WatchedState):
         # The owner of the policy versions (latest, per worker); None: one over an empty store of its own.
         self.policy = policy if policy is not None else WeightFanout(WeightStore())
         self.policy.watch(self._on_policy_changed)
+        self._lineages = PolicyLineages(self.policy)
 
         self._commit_lock = threading.Lock()
         self._workers: dict[str, WorkerRecord] = {}  # insertion order = registration order
@@ -154,7 +124,6 @@ class WorkerRegistry(WatchedState):
         self._progress = RunProgress()
         # ``closed`` (WatchedState): the broker process is stopping: register and heartbeat answer BrokerStopping.
         self._state_revision = 0  # moves whenever a field of run_state() changes
-        self._policy_lineage = 0  # the largest policy lineage handed out (or named by a re-registering trainer)
         self.started_unix_ms = self._unix_ms()
 
     # ----------------------------------------------------------------------------------- properties
@@ -181,18 +150,21 @@ class WorkerRegistry(WatchedState):
         every change of them (``RunStateFile.write`` keeps the newest)."""
         with self._lock:
             self._expire_locked(self._clock())
-            return self._state_revision, RunState(
-                run_id=self.run_id,
-                last_committed_step=self._progress.last_committed_step,
-                trainer_step=self._progress.trainer_step(self._workers.values()),
-                orchestrator_step=self._progress.orchestrator_step(self._workers.values()),
-                latest_policy_version=self.policy.latest().version,
-                policy_lineage=self._lineage_floor_locked(),
-                last_metrics=dict(self._metrics.values),
-                last_metrics_step=self._metrics.step,
-                finished=self._progress.finished,
-                finished_step=self._progress.finished_step,
-            )
+            return self._state_revision, self._run_state_locked()
+
+    def _run_state_locked(self) -> RunState:
+        return RunState(
+            run_id=self.run_id,
+            last_committed_step=self._progress.last_committed_step,
+            trainer_step=self._progress.trainer_step(self._workers.values()),
+            orchestrator_step=self._progress.orchestrator_step(self._workers.values()),
+            latest_policy_version=self.policy.latest().version,
+            policy_lineage=self._lineages.floor(),
+            last_metrics=dict(self._metrics.values),
+            last_metrics_step=self._metrics.step,
+            finished=self._progress.finished,
+            finished_step=self._progress.finished_step,
+        )
 
     def restore(self, state: RunState, *, committed_step: int = 0) -> None:
         """Take back the run state of an earlier broker (before any worker registers). ``committed_step``:
@@ -209,8 +181,7 @@ class WorkerRegistry(WatchedState):
                 stop_workers_at=self._clock() + self.end_of_run_grace_s,
             )
             self.policy.restore_latest(state.latest_policy_version)
-            self._policy_lineage = max(self._policy_lineage, state.policy_lineage)
-            self.policy.refuse_lineages_below(self._policy_lineage)
+            self._lineages.restore(state.policy_lineage)
             self._metrics.restore(state.last_metrics, state.last_metrics_step)
             self._state_revision += 1
             self._bump_locked()
@@ -227,41 +198,18 @@ class WorkerRegistry(WatchedState):
         name = check_register_request(request)
         with self._lock:
             self._refuse_if_closed_locked()
-            self._refuse_superseded_locked(request)  # before the name: B may hold the name A comes back with
+            self._lineages.refuse_superseded(request)  # before the name: B may hold the name A comes back with
             now = self._clock()
             self._expire_locked(now)
-            num_alive = sum(1 for w in self._workers.values() if w.state == ALIVE)
-            if num_alive >= MAX_LIVE_WORKERS:
-                raise LimitReached(f"{num_alive} workers are registered, the broker's limit; deregister some first")
-            for old in list(self._workers.values()):
-                if old.name != name:
-                    continue
-                if old.state == ALIVE:
-                    raise NameTaken(
-                        f"a live worker is already registered as {name!r} (id {old.worker_id}, "
-                        f"{role_name(old.role)}); pick another name or wait up to {self.timeout_s:g} s "
-                        "for it to expire"
-                    )
+            for old in gone_holders(self._workers.values(), name, self.timeout_s):
                 self._forget_worker_locked(old)
             # Only a registration that succeeds takes a lineage: a refused one (a name still held) changes nothing.
-            policy_lineage, lineage_changed = self._assign_lineage_locked(request)
+            policy_lineage, lineage_changed = self._lineages.assign(request)
+            if lineage_changed:
+                self._state_revision += 1
             worker_id = uuid.uuid4().hex
-            unix_ms = self._unix_ms()
-            self._workers[worker_id] = WorkerRecord(
-                worker_id=worker_id,
-                role=request.role,
-                name=name,
-                address=request.address,
-                capabilities=dict(request.capabilities),
-                rank=request.rank,
-                world_size=request.world_size,
-                pid=request.pid,
-                hostname=request.hostname,
-                registered_unix_ms=unix_ms,
-                last_seen=now,
-                last_heartbeat_unix_ms=unix_ms,
-                policy_lineage=policy_lineage,
-            )
+            record = WorkerRecord.registered(request, name, worker_id, now, self._unix_ms(), policy_lineage)
+            self._workers[worker_id] = record
             self._drop_old_gone_locked()
             self._bump_locked()
         if lineage_changed:
@@ -278,46 +226,11 @@ class WorkerRegistry(WatchedState):
                 policy_lineage=policy_lineage,
             )
 
-    def _lineage_floor_locked(self) -> int:
-        """The largest policy lineage this run knows: handed out, or held by the weight store."""
-        return max(self._policy_lineage, self.policy.latest().lineage)
-
-    def _assign_lineage_locked(self, request: control_pb2.RegisterRequest) -> tuple[int, bool]:
-        """The policy lineage a registering worker gets, and whether the counter moved: for trainer rank 0 a new one
-        (above every lineage the run knows), or the one it names (a re-registration of the same incarnation; an
-        older one than the newest is ``IncarnationSuperseded``); 0 for every other worker. The weight store refuses
-        older lineages from then on."""
-        if request.role != common_pb2.ROLE_TRAINER or request.rank != 0:
-            return 0, False
-        self._refuse_superseded_locked(request)
-        if request.policy_lineage:
-            lineage = request.policy_lineage
-            changed = lineage > self._policy_lineage
-        else:
-            lineage = self._lineage_floor_locked() + 1
-            changed = True
-        if changed:
-            self._policy_lineage = lineage
-            self._state_revision += 1
-        self.policy.refuse_lineages_below(self._policy_lineage)
-        return lineage, changed
-
-    def _refuse_superseded_locked(self, request: control_pb2.RegisterRequest) -> None:
-        """A trainer rank 0 naming a lineage the broker never hands out, or one older than the newest it knows."""
-        if request.role != common_pb2.ROLE_TRAINER or request.rank != 0 or not request.policy_lineage:
-            return
-        if request.policy_lineage >= MAX_POLICY_LINEAGE:
-            raise InvalidRequest(
-                f"policy_lineage {request.policy_lineage} is not one a broker hands out (< {MAX_POLICY_LINEAGE}); "
-                "register with the lineage the broker gave this trainer, or 0 for a new one"
-            )
-        newest = self._lineage_floor_locked()
-        if request.policy_lineage < newest:
-            raise IncarnationSuperseded(_superseded(request.name, request.policy_lineage, newest, "registers again"))
-
     def _persist_lineage(self, lineage: int) -> None:
         """A new or larger lineage is written to the run state before the answer, so a restarted broker never hands
-        it out again; when the write fails it is handed out all the same (module doc) and the saver retries."""
+        it out again. When the write fails (a full spool disk) it is handed out all the same: the trainer's commits
+        are what free the spool. The recent errors say so and the saver retries; a broker restarted before then
+        resumes above the weight store's lineage, and the trainer's re-registration names its lineage again."""
         try:
             self._persist_now()
         except OSError as err:
@@ -330,44 +243,27 @@ class WorkerRegistry(WatchedState):
         with self._lock:
             self._refuse_if_closed_locked()
             worker = self._live_worker_locked(request.worker_id)
-            worker.last_heartbeat_unix_ms = self._unix_ms()
-            if request.HasField("trainer_step") and request.trainer_step != worker.trainer_step:
-                worker.trainer_step = request.trainer_step
+            if worker.take_heartbeat(request, self._unix_ms()):
                 self._state_revision += 1
-            if request.HasField("policy_version"):
-                worker.heartbeat_policy_version = request.policy_version
-            if request.HasField("orchestrator_step") and request.orchestrator_step != worker.orchestrator_step:
-                worker.orchestrator_step = request.orchestrator_step
-                self._state_revision += 1
-            worker.num_inflight = request.num_inflight
-            self._note_serving_locked(worker, request.not_serving[:MAX_ERROR_CHARS])
-            for message in list(request.recent_errors)[-MAX_ERRORS_PER_HEARTBEAT:]:
+            change = worker.note_serving(request.not_serving[:MAX_ERROR_CHARS])
+            for message in ([change] if change else []) + list(request.recent_errors)[-MAX_ERRORS_PER_HEARTBEAT:]:
                 self._add_error_locked(worker.name, message)
             self._bump_locked()
             latest = self.policy.latest()
             return control_pb2.HeartbeatResponse(
                 latest_policy_version=latest.version,
                 last_committed_step=self._progress.last_committed_step,
-                shutdown_requested=self._tells_to_stop_locked(worker),
+                shutdown_requested=tells_to_stop(
+                    worker,
+                    self._workers.values(),
+                    self._progress,
+                    self._clock(),
+                    timeout_s=self.timeout_s,
+                    orchestrator_finish_s=self.orchestrator_finish_s,
+                ),
                 policy_lineage=latest.lineage,
                 lineage_base_version=latest.lineage_base_version,
             )
-
-    def _tells_to_stop_locked(self, worker: WorkerRecord) -> bool:
-        """Whether ``worker``'s heartbeat answers ``shutdown_requested``: from the end-of-run grace on, except that
-        an inference or teacher worker is kept while an orchestrator is still at work (its eval at the last step
-        uses them), for at most ``orchestrator_finish_s`` more."""
-        now = self._clock()
-        if not self._progress.tells_workers_to_stop(now):
-            return False
-        if worker.role not in (common_pb2.ROLE_INFERENCE, common_pb2.ROLE_TEACHER):
-            return True
-        if now >= self._progress.stop_workers_at + self.orchestrator_finish_s:
-            return True
-        return not any(
-            w.role == common_pb2.ROLE_ORCHESTRATOR and w.state == ALIVE and now - w.last_seen <= self.timeout_s
-            for w in self._workers.values()
-        )
 
     def deregister(self, worker_id: str, reason: str = "") -> bool:
         """Mark the worker LEFT (kept in status). Deregistering twice is harmless.
@@ -380,18 +276,10 @@ class WorkerRegistry(WatchedState):
                 raise WorkerNotFound(f"no worker with id {worker_id!r} is registered")
             if worker.state != LEFT:
                 worker.state = LEFT
-                worker.left_reason = reason[:MAX_ERROR_CHARS]
                 self._leave_fanout_locked(worker, "deregistered")
                 self._bump_locked()
-            finishes = (
-                worker.role == common_pb2.ROLE_TRAINER
-                and worker.rank == 0
-                and reason == TRAINING_FINISHED_REASON
-                and self.max_steps is not None
-                and max(self._progress.trainer_step(self._workers.values()), self._progress.last_committed_step)
-                >= self.max_steps
-                and not self._progress.finished
-            )
+            run_step = max(self._progress.trainer_step(self._workers.values()), self._progress.last_committed_step)
+            finishes = ends_the_run(worker, reason, run_step, self.max_steps, self._progress.finished)
         if finishes:
             self.request_shutdown(grace_s=self.end_of_run_grace_s)
         return finishes
@@ -403,11 +291,7 @@ class WorkerRegistry(WatchedState):
         with self._lock:
             worker = self._live_worker_locked(worker_id)
             self._metrics.merge(worker.name, step, metrics)
-            # A step's metrics also say the step is done: progress shows even if no heartbeat follows.
-            if worker.role == common_pb2.ROLE_TRAINER:
-                worker.trainer_step = max(worker.trainer_step or 0, step)
-            elif worker.role == common_pb2.ROLE_ORCHESTRATOR:
-                worker.orchestrator_step = max(worker.orchestrator_step or 0, step)
+            worker.reached(step)
             self._state_revision += 1
             self._bump_locked()
 
@@ -430,10 +314,7 @@ class WorkerRegistry(WatchedState):
                     raise StepOutOfOrder(
                         f"only trainer workers commit steps; {worker.name!r} is {role_name(worker.role)}"
                     )
-                if worker.policy_lineage and worker.policy_lineage < self._policy_lineage:
-                    raise IncarnationSuperseded(
-                        _superseded(worker.name, worker.policy_lineage, self._policy_lineage, f"commits step {step}")
-                    )
+                self._lineages.refuse_superseded_commit(worker.name, worker.policy_lineage, step)
                 last_committed = self._progress.last_committed_step
             if step <= last_committed:
                 self._persist_committed(step)
@@ -527,36 +408,20 @@ class WorkerRegistry(WatchedState):
             ]
 
     def run_status(self, data_plane: DataPlaneStatus | None = None) -> control_pb2.RunStatus:
-        data_plane = data_plane or DataPlaneStatus()
         with self._lock:
             self._expire_locked(self._clock())
             versions = self.policy.worker_versions()
-            latest = self.policy.latest()
-            status = control_pb2.RunStatus(
-                run_id=self.run_id,
-                broker_started_unix_ms=self.started_unix_ms,
+            return assemble_run_status(
+                self._run_state_locked(),
+                self.policy.latest(),
+                [w.info(versions.get(w.worker_id)) for w in self._workers.values()],
+                data_plane or DataPlaneStatus(),
+                started_unix_ms=self.started_unix_ms,
                 updated_unix_ms=self._unix_ms(),
-                trainer_step=self._progress.trainer_step(self._workers.values()),
-                last_committed_step=self._progress.last_committed_step,
-                latest_policy_version=latest.version,
-                orchestrator_step=self._progress.orchestrator_step(self._workers.values()),
-                workers=[w.info(versions.get(w.worker_id)) for w in self._workers.values()],
-                queues=[queue_proto(q) for q in data_plane.queues],
-                rollout_batches_per_s=data_plane.rollout_batches_per_s,
-                rollout_bytes_per_s=data_plane.rollout_bytes_per_s,
-                weight_bytes_per_s=data_plane.weight_bytes_per_s,
-                last_metrics=self._metrics.values,
-                last_metrics_step=self._metrics.step,
                 recent_errors=list(self._recent_errors),
                 max_steps=self.max_steps or 0,
-                policy_lineage=latest.lineage,
-                lineage_base_version=latest.lineage_base_version,
-                num_rollbacks=latest.num_rollbacks,
+                max_metric_names=MAX_METRIC_NAMES,
             )
-            if status.ByteSize() > MAX_STATUS_BYTES:
-                self._num_status_trims += 1
-                trim_status(status, MAX_STATUS_BYTES, MAX_METRIC_NAMES)
-            return status
 
     # -------------------------------------------------------------------------------------- the end
     def close(self) -> None:
@@ -608,7 +473,7 @@ class WorkerRegistry(WatchedState):
         worker.last_seen = now
         return worker
 
-    def _expire_locked(self, now: float) -> list[control_pb2.WorkerInfo]:
+    def _expire_locked(self, now: float) -> None:
         lost = []
         for worker in self._workers.values():
             if worker.state == ALIVE and now - worker.last_seen > self.timeout_s:
@@ -622,18 +487,6 @@ class WorkerRegistry(WatchedState):
             # bounded: without a heartbeat monitor calling ``expire()`` (a registry in a test) nobody drains it
             self._lost_unreported = (self._lost_unreported + lost)[-MAX_LOST_UNREPORTED:]
             self._bump_locked()
-        return lost
-
-    def _note_serving_locked(self, worker: WorkerRecord, reason: str) -> None:
-        """The heartbeat's ``not_serving`` is the worker's state, not an error: listed with ``serving = "false"``
-        while its heartbeats carry a reason, back when one does not. Each change goes to the recent errors."""
-        if reason == worker.not_serving:
-            return
-        if reason and not worker.not_serving:
-            self._add_error_locked(worker.name, f"out of rotation: {reason}")
-        elif not reason:
-            self._add_error_locked(worker.name, "back in rotation: serving again")
-        worker.not_serving = reason
 
     def _drop_old_gone_locked(self) -> None:
         gone = [w.worker_id for w in self._workers.values() if w.state != ALIVE]
@@ -644,11 +497,3 @@ class WorkerRegistry(WatchedState):
         """Drop a gone worker's record; its progress stays in the run's steps (they never go back)."""
         self._progress.keep_steps_of(worker)
         del self._workers[worker.worker_id]
-
-
-def _superseded(name: str, lineage: int, newest: int, doing: str) -> str:
-    return (
-        f"trainer {name!r} of policy lineage {lineage} {doing}, but lineage {newest} superseded it: a newer trainer "
-        "incarnation registered while this one was cut off or stuck. This trainer must stop (do not restart it; "
-        "the newer one goes on with the run)"
-    )

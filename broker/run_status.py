@@ -1,14 +1,19 @@
-"""The parts of ``RunStatus`` that are not the registry's own: the data plane's queues and rates
-(``DataPlaneStatus``, filled on demand by the broker service), the bound that keeps the message under a default
-gRPC client's 4 MiB limit (``trim_status``), and worker lists for log lines."""
+"""``RunStatus`` assembled from the registry's run facts and workers (``assemble_run_status``) and the parts that
+are not the registry's own: the data plane's queues and rates (``DataPlaneStatus``, filled on demand by the broker
+service), the bound that keeps the message under a default gRPC client's 4 MiB limit (``trim_status``), and worker
+lists for log lines."""
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
+from primerl.broker.run_state import RunState
 from primerl.proto.v1 import common_pb2, control_pb2
+
+if TYPE_CHECKING:
+    from primerl.broker.weight_fanout import LatestPolicy
 
 # RunStatus is trimmed (capabilities, then departed workers, then the rest) to stay under this.
 MAX_STATUS_BYTES = 3 * 2**20
@@ -46,6 +51,46 @@ def queue_proto(queue: QueueDepth | control_pb2.QueueStatus | tuple) -> control_
         capacity_items=depth.capacity_items,
         capacity_bytes=depth.capacity_bytes,
     )
+
+
+def assemble_run_status(
+    state: RunState,
+    latest: LatestPolicy,
+    workers: Sequence[control_pb2.WorkerInfo],
+    data_plane: DataPlaneStatus,
+    *,
+    started_unix_ms: int,
+    updated_unix_ms: int,
+    recent_errors: Iterable[str],
+    max_steps: int,
+    max_metric_names: int,
+) -> control_pb2.RunStatus:
+    """The run status: the run's facts (``state``, the registry's), its latest policy, workers and data plane,
+    trimmed to ``MAX_STATUS_BYTES``."""
+    status = control_pb2.RunStatus(
+        run_id=state.run_id,
+        broker_started_unix_ms=started_unix_ms,
+        updated_unix_ms=updated_unix_ms,
+        trainer_step=state.trainer_step,
+        last_committed_step=state.last_committed_step,
+        latest_policy_version=latest.version,
+        orchestrator_step=state.orchestrator_step,
+        workers=workers,
+        queues=[queue_proto(q) for q in data_plane.queues],
+        rollout_batches_per_s=data_plane.rollout_batches_per_s,
+        rollout_bytes_per_s=data_plane.rollout_bytes_per_s,
+        weight_bytes_per_s=data_plane.weight_bytes_per_s,
+        last_metrics=state.last_metrics,
+        last_metrics_step=state.last_metrics_step,
+        recent_errors=recent_errors,
+        max_steps=max_steps,
+        policy_lineage=latest.lineage,
+        lineage_base_version=latest.lineage_base_version,
+        num_rollbacks=latest.num_rollbacks,
+    )
+    if status.ByteSize() > MAX_STATUS_BYTES:
+        trim_status(status, MAX_STATUS_BYTES, max_metric_names)
+    return status
 
 
 def trim_status(status: control_pb2.RunStatus, max_bytes: int, max_metric_names: int) -> None:

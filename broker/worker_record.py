@@ -8,10 +8,11 @@ without it."""
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
-from primerl.broker.registry_errors import InvalidRequest
+from primerl.broker.registry_errors import InvalidRequest, LimitReached, NameTaken
+from primerl.broker.run_status import role_name
 from primerl.proto import telemetry
 from primerl.proto.roles import role_names
 from primerl.proto.v1 import common_pb2, control_pb2
@@ -54,11 +55,61 @@ class WorkerRecord:
     heartbeat_policy_version: int | None = None
     orchestrator_step: int | None = None
     num_inflight: int = 0
-    left_reason: str = ""
     # Why the worker cannot serve now (its engine stalled), from its latest heartbeat; "" while it can.
     not_serving: str = ""
     # Trainer rank 0: the policy lineage it was given (0 for every other worker).
     policy_lineage: int = 0
+
+    @classmethod
+    def registered(
+        cls, request: control_pb2.RegisterRequest, name: str, worker_id: str, now: float, unix_ms: int, lineage: int
+    ) -> WorkerRecord:
+        """The record of a worker that registers with ``request`` (``now``: the registry clock)."""
+        return cls(
+            worker_id=worker_id,
+            role=request.role,
+            name=name,
+            address=request.address,
+            capabilities=dict(request.capabilities),
+            rank=request.rank,
+            world_size=request.world_size,
+            pid=request.pid,
+            hostname=request.hostname,
+            registered_unix_ms=unix_ms,
+            last_seen=now,
+            last_heartbeat_unix_ms=unix_ms,
+            policy_lineage=lineage,
+        )
+
+    def take_heartbeat(self, request: control_pb2.HeartbeatRequest, unix_ms: int) -> bool:
+        """The heartbeat's progress and load; True when one of the worker's steps moved."""
+        self.last_heartbeat_unix_ms = unix_ms
+        moved = False
+        if request.HasField("trainer_step") and request.trainer_step != self.trainer_step:
+            self.trainer_step, moved = request.trainer_step, True
+        if request.HasField("orchestrator_step") and request.orchestrator_step != self.orchestrator_step:
+            self.orchestrator_step, moved = request.orchestrator_step, True
+        if request.HasField("policy_version"):
+            self.heartbeat_policy_version = request.policy_version
+        self.num_inflight = request.num_inflight
+        return moved
+
+    def reached(self, step: int) -> None:
+        """The worker reported metrics of ``step``: the step is done, even if no heartbeat says so."""
+        if self.role == common_pb2.ROLE_TRAINER:
+            self.trainer_step = max(self.trainer_step or 0, step)
+        elif self.role == common_pb2.ROLE_ORCHESTRATOR:
+            self.orchestrator_step = max(self.orchestrator_step or 0, step)
+
+    def note_serving(self, reason: str) -> str:
+        """The heartbeat's ``not_serving`` is the worker's state, not an error: listed with ``serving = "false"``
+        while its heartbeats carry a reason, back when one does not. Returns the recent-errors line of a change."""
+        if reason == self.not_serving:
+            return ""
+        was, self.not_serving = self.not_serving, reason
+        if not reason:
+            return "back in rotation: serving again"
+        return "" if was else f"out of rotation: {reason}"
 
     def info(self, applied_policy_version: int | None = None) -> control_pb2.WorkerInfo:
         """The record as ``WorkerInfo``; ``applied_policy_version``: what the weight fan-out saw it acknowledge."""
@@ -87,6 +138,23 @@ class WorkerRecord:
         if self.orchestrator_step is not None:
             info.orchestrator_step = self.orchestrator_step
         return info
+
+
+def gone_holders(workers: Iterable[WorkerRecord], name: str, timeout_s: float) -> list[WorkerRecord]:
+    """The LOST or LEFT records of ``name``: a new worker may take it and they go. ``LimitReached`` when
+    ``MAX_LIVE_WORKERS`` are alive, ``NameTaken`` while a live worker holds the name."""
+    records = list(workers)
+    num_alive = sum(1 for w in records if w.state == ALIVE)
+    if num_alive >= MAX_LIVE_WORKERS:
+        raise LimitReached(f"{num_alive} workers are registered, the broker's limit; deregister some first")
+    holders = [w for w in records if w.name == name]
+    for old in holders:
+        if old.state == ALIVE:
+            raise NameTaken(
+                f"a live worker is already registered as {name!r} (id {old.worker_id}, {role_name(old.role)}); "
+                f"pick another name or wait up to {timeout_s:g} s for it to expire"
+            )
+    return holders
 
 
 def check_register_request(request: control_pb2.RegisterRequest) -> str:

@@ -17,7 +17,7 @@ from __future__ import annotations
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -45,10 +45,6 @@ class RolloutStreamError(RuntimeError):
     def __init__(self, message: str, code: int = common_pb2.ERROR_CODE_UNSPECIFIED):
         super().__init__(message)
         self.code = code
-
-    @property
-    def code_name(self) -> str:
-        return common_pb2.ErrorCode.Name(self.code) if self.code in common_pb2.ErrorCode.values() else str(self.code)
 
 
 class RolloutRefused(RolloutStreamError):
@@ -105,20 +101,6 @@ class _RolloutClient(DealerClient):
     # (broker.connection_gate) and libzmq does not try again: watch for that and reopen after a pause.
     MONITOR_EVENTS = zmq.EVENT_HANDSHAKE_FAILED_AUTH
     plane = "rollout"
-
-    def __init__(
-        self,
-        endpoint: str,
-        auth_token: str | None,
-        sender: str,
-        *,
-        context: zmq.Context | None,
-        limits: framing.Limits | None,
-        curve: CurveClient | None = None,
-    ):
-        super().__init__(
-            endpoint, auth_token, sender, limits=limits or DEFAULT_BROKER_LIMITS.frames, context=context, curve=curve
-        )
 
     def _on_monitor_events(self, events: Sequence[int], deadline_s: float) -> bool:
         """The broker refused this connection at the handshake: wait a moment (within ``deadline_s``) and connect
@@ -199,7 +181,9 @@ class RolloutProducer(_RolloutClient):
     ):
         """``limits``: the broker's (``BrokerLimits.frames``; default: a broker's defaults). ``curve``: CURVE
         credentials (``BrokerClientConfig.curve_client()``) for a broker that encrypts its planes."""
-        super().__init__(endpoint, auth_token, sender, context=context, limits=limits, curve=curve)
+        super().__init__(
+            endpoint, auth_token, sender, context=context, limits=limits or DEFAULT_BROKER_LIMITS.frames, curve=curve
+        )
         self.resend_interval_s = resend_interval_s
         self.num_backpressure_waits = 0
         # This producer incarnation, for producer batch ids (``proto.batch_ids.producer_batch_id``): the broker
@@ -241,73 +225,96 @@ class RolloutProducer(_RolloutClient):
         acks: list[data_pb2.RolloutAck | None] = []
         inflight: dict[str, _InFlight] = {}  # batch id -> its state
         by_message: dict[str, _InFlight] = {}  # message id of every send -> its batch
-        inflight_bytes = 0
         exhausted = False
         while True:
-            # Fill the window.
-            while not exhausted and len(inflight) < window and (not inflight or inflight_bytes < max_inflight_bytes):
-                try:
-                    header, payload = next(source)
-                except StopIteration:
-                    exhausted = True
-                    break
-                entry = self._new_inflight(len(acks), header, payload, timeout_s)
-                if entry.batch_id in inflight:
-                    raise ValueError(f"batch {entry.batch_id!r} appears twice among the batches in flight")
-                acks.append(None)
-                inflight[entry.batch_id] = entry
-                inflight_bytes += entry.num_bytes
-                self._send_inflight(entry, by_message)
+            if not exhausted:
+                exhausted = self._fill_window(source, acks, inflight, by_message, window, max_inflight_bytes, timeout_s)
             if not inflight:
                 return acks  # type: ignore[return-value]  # every slot is filled once nothing is in flight
-            now_s = time.monotonic()
-            for entry in list(inflight.values()):
-                if now_s >= entry.deadline_s:
-                    raise RolloutTimeout(
-                        f"batch {entry.batch_id!r} got no durable ack from {self.endpoint} within {timeout_s} s"
-                        f"{'; last answer: ' + entry.last_refusal if entry.last_refusal else ''}"
-                        f"{self._unreachable_hint()}",
-                        common_pb2.ERROR_CODE_BACKPRESSURE if entry.last_refusal else common_pb2.ERROR_CODE_UNSPECIFIED,
-                    )
-                due_s = entry.retry_at_s if entry.retry_at_s is not None else entry.resend_at_s
-                if now_s >= due_s or entry.generation != self.generation:
-                    self._send_inflight(entry, by_message)
-            wake_s = min(
-                min(e.deadline_s, e.retry_at_s if e.retry_at_s is not None else e.resend_at_s)
-                for e in inflight.values()
-            )
-            message = self._recv(wake_s)
-            if message is None:
-                continue
-            reply_to = message.envelope.in_reply_to
-            entry = by_message.get(reply_to)
-            if message.type == data_pb2.ERROR:
-                if reply_to and entry is None:
-                    continue  # an answer to an earlier call
-                raise (
-                    self._error_of(message)
-                    if entry is None
-                    else RolloutRefused(
-                        f"batch {entry.batch_id!r}: {self._error_of(message)}", message.header.error.code
-                    )
+            message = self._recv(self._resend_due(inflight, by_message, timeout_s))
+            if message is not None:
+                self._take_reply(message, acks, inflight, by_message)
+
+    def _fill_window(
+        self,
+        source: Iterator[tuple[data_pb2.RolloutBatchHeader, Any]],
+        acks: list[data_pb2.RolloutAck | None],
+        inflight: dict[str, _InFlight],
+        by_message: dict[str, _InFlight],
+        window: int,
+        max_inflight_bytes: int,
+        timeout_s: float,
+    ) -> bool:
+        """Send the next batches of ``source`` while the window has room; True once ``source`` is exhausted."""
+        while len(inflight) < window and (
+            not inflight or sum(e.num_bytes for e in inflight.values()) < max_inflight_bytes
+        ):
+            try:
+                header, payload = next(source)
+            except StopIteration:
+                return True
+            entry = self._new_inflight(len(acks), header, payload, timeout_s)
+            if entry.batch_id in inflight:
+                raise ValueError(f"batch {entry.batch_id!r} appears twice among the batches in flight")
+            acks.append(None)
+            inflight[entry.batch_id] = entry
+            self._send_inflight(entry, by_message)
+        return False
+
+    def _resend_due(self, inflight: dict[str, _InFlight], by_message: dict[str, _InFlight], timeout_s: float) -> float:
+        """Resend each batch that is due (its BACKPRESSURE wait is over, no answer came for ``resend_interval_s``,
+        or the socket is new); `RolloutTimeout` for one past its deadline. Returns when the next one is due."""
+        now_s = time.monotonic()
+        for entry in list(inflight.values()):
+            if now_s >= entry.deadline_s:
+                raise RolloutTimeout(
+                    f"batch {entry.batch_id!r} got no durable ack from {self.endpoint} within {timeout_s} s"
+                    f"{'; last answer: ' + entry.last_refusal if entry.last_refusal else ''}"
+                    f"{self._unreachable_hint()}",
+                    common_pb2.ERROR_CODE_BACKPRESSURE if entry.last_refusal else common_pb2.ERROR_CODE_UNSPECIFIED,
                 )
-            if message.type != data_pb2.ROLLOUT_ACK or entry is None or inflight.get(entry.batch_id) is not entry:
-                continue  # a late answer to an earlier call, or to a batch already acked
-            ack = message.header
-            if not ack.HasField("error") or ack.error.code == common_pb2.ERROR_CODE_UNSPECIFIED:
-                if not ack.durable:
-                    raise RolloutStreamError(f"broker acked batch {entry.batch_id!r} without making it durable")
-                acks[entry.position] = ack
-                del inflight[entry.batch_id]
-                inflight_bytes -= entry.num_bytes
-                for message_id in entry.message_ids:
-                    by_message.pop(message_id, None)
-                continue
-            if ack.error.code != common_pb2.ERROR_CODE_BACKPRESSURE:
-                raise RolloutRefused(f"broker refused batch {entry.batch_id!r}: {ack.error.message}", ack.error.code)
-            self.num_backpressure_waits += 1
-            entry.last_refusal = ack.error.message
-            entry.retry_at_s = time.monotonic() + max(0.005, ack.error.retry_after_ms / 1000)
+            due_s = entry.retry_at_s if entry.retry_at_s is not None else entry.resend_at_s
+            if now_s >= due_s or entry.generation != self.generation:
+                self._send_inflight(entry, by_message)
+        return min(
+            min(e.deadline_s, e.retry_at_s if e.retry_at_s is not None else e.resend_at_s) for e in inflight.values()
+        )
+
+    def _take_reply(
+        self,
+        message: framing.Message,
+        acks: list[data_pb2.RolloutAck | None],
+        inflight: dict[str, _InFlight],
+        by_message: dict[str, _InFlight],
+    ) -> None:
+        """A reply to a batch in flight: its durable ack ends it, BACKPRESSURE sets when to resend it, and any other
+        refusal raises `RolloutRefused`; late answers to earlier calls are ignored."""
+        reply_to = message.envelope.in_reply_to
+        entry = by_message.get(reply_to)
+        if message.type == data_pb2.ERROR:
+            if reply_to and entry is None:
+                return  # an answer to an earlier call
+            raise (
+                self._error_of(message)
+                if entry is None
+                else RolloutRefused(f"batch {entry.batch_id!r}: {self._error_of(message)}", message.header.error.code)
+            )
+        if message.type != data_pb2.ROLLOUT_ACK or entry is None or inflight.get(entry.batch_id) is not entry:
+            return  # a late answer to an earlier call, or to a batch already acked
+        ack = message.header
+        if not ack.HasField("error") or ack.error.code == common_pb2.ERROR_CODE_UNSPECIFIED:
+            if not ack.durable:
+                raise RolloutStreamError(f"broker acked batch {entry.batch_id!r} without making it durable")
+            acks[entry.position] = ack
+            del inflight[entry.batch_id]
+            for message_id in entry.message_ids:
+                by_message.pop(message_id, None)
+            return
+        if ack.error.code != common_pb2.ERROR_CODE_BACKPRESSURE:
+            raise RolloutRefused(f"broker refused batch {entry.batch_id!r}: {ack.error.message}", ack.error.code)
+        self.num_backpressure_waits += 1
+        entry.last_refusal = ack.error.message
+        entry.retry_at_s = time.monotonic() + max(0.005, ack.error.retry_after_ms / 1000)
 
     def _new_inflight(
         self, position: int, header: data_pb2.RolloutBatchHeader, payload: Any, timeout_s: float
@@ -328,15 +335,8 @@ class RolloutProducer(_RolloutClient):
                 common_pb2.ERROR_CODE_OVERSIZED,
             )
         checksum = framing.compute_checksum(data_pb2.ROLLOUT_BATCH, header_bytes, [view])
-        return _InFlight(
-            position,
-            header.batch_id,
-            header_bytes,
-            payload,
-            checksum,
-            view.nbytes,
-            deadline_s=time.monotonic() + timeout_s,
-        )
+        deadline_s = time.monotonic() + timeout_s
+        return _InFlight(position, header.batch_id, header_bytes, payload, checksum, view.nbytes, deadline_s)
 
     def _send_inflight(self, entry: _InFlight, by_message: dict[str, _InFlight]) -> None:
         message_id = uuid.uuid4().hex
@@ -378,7 +378,9 @@ class RolloutConsumer(_RolloutClient):
         credentials (``BrokerClientConfig.curve_client()``) for a broker that encrypts its planes."""
         if credits < 1:
             raise ValueError(f"credits must be >= 1, got {credits}")
-        super().__init__(endpoint, auth_token, worker_id, context=context, limits=limits, curve=curve)
+        super().__init__(
+            endpoint, auth_token, worker_id, context=context, limits=limits or DEFAULT_BROKER_LIMITS.frames, curve=curve
+        )
         self.worker_id = worker_id
         self.rank = rank
         self.credits = credits

@@ -98,16 +98,17 @@ def _refusal(handler, code: grpc.StatusCode, message: str):
 
     if handler is None:  # unknown method: do not reveal that, refuse like any other unauthenticated call
         return grpc.unary_unary_rpc_method_handler(abort, request_deserializer=_ignore_body)
-    kwargs = dict(request_deserializer=_ignore_body, response_serializer=handler.response_serializer)
-    if handler.request_streaming and handler.response_streaming:
-        return grpc.stream_stream_rpc_method_handler(abort, **kwargs)
-    if handler.request_streaming:
-        return grpc.stream_unary_rpc_method_handler(abort, **kwargs)
-    if handler.response_streaming:
-        return grpc.unary_stream_rpc_method_handler(abort, **kwargs)
-    return grpc.unary_unary_rpc_method_handler(abort, **kwargs)
+    factory = _HANDLER_FACTORIES[handler.request_streaming, handler.response_streaming]
+    return factory(abort, request_deserializer=_ignore_body, response_serializer=handler.response_serializer)
 
 
+# (request streaming, response streaming) -> the gRPC handler of that kind
+_HANDLER_FACTORIES = {
+    (False, False): grpc.unary_unary_rpc_method_handler,
+    (False, True): grpc.unary_stream_rpc_method_handler,
+    (True, False): grpc.stream_unary_rpc_method_handler,
+    (True, True): grpc.stream_stream_rpc_method_handler,
+}
 _UNREAD = object()  # gRPC treats a deserializer's None as a failure: return a placeholder instead
 
 
@@ -157,14 +158,10 @@ class RequestBodyGuard(grpc.ServerInterceptor):
         if handler is None or handler.request_deserializer is None:
             return handler
         method = handler_call_details.method or ""
-        kwargs = dict(
-            request_deserializer=_safe_deserializer(handler.request_deserializer),
-            response_serializer=handler.response_serializer,
-        )
         if handler.request_streaming:
             behavior = handler.stream_stream if handler.response_streaming else handler.stream_unary
 
-            def checked_stream(request_iterator, context, behavior=behavior):
+            def checked(request_iterator, context, behavior=behavior):
                 def requests():
                     for request in request_iterator:
                         if isinstance(request, _BadBody):
@@ -173,23 +170,20 @@ class RequestBodyGuard(grpc.ServerInterceptor):
 
                 return behavior(requests(), context)
 
-            factory = (
-                grpc.stream_stream_rpc_method_handler
-                if handler.response_streaming
-                else grpc.stream_unary_rpc_method_handler
-            )
-            return factory(checked_stream, **kwargs)
-        behavior = handler.unary_stream if handler.response_streaming else handler.unary_unary
+        else:
+            behavior = handler.unary_stream if handler.response_streaming else handler.unary_unary
 
-        def checked(request, context, behavior=behavior):
-            if isinstance(request, _BadBody):
-                _refuse_bad_body(context, method, request)
-            return behavior(request, context)
+            def checked(request, context, behavior=behavior):
+                if isinstance(request, _BadBody):
+                    _refuse_bad_body(context, method, request)
+                return behavior(request, context)
 
-        factory = (
-            grpc.unary_stream_rpc_method_handler if handler.response_streaming else grpc.unary_unary_rpc_method_handler
+        factory = _HANDLER_FACTORIES[handler.request_streaming, handler.response_streaming]
+        return factory(
+            checked,
+            request_deserializer=_safe_deserializer(handler.request_deserializer),
+            response_serializer=handler.response_serializer,
         )
-        return factory(checked, **kwargs)
 
 
 # --------------------------------------------------------------------------------------------- servicer
@@ -380,8 +374,8 @@ def _guarded(context, fn, *args):
     except RegistryError as err:
         context.abort(grpc.StatusCode[err.status_code], str(err))
     except Exception as err:
-        _log.exception("control-plane call failed", call=getattr(fn, "__name__", str(fn)))
-        context.abort(grpc.StatusCode.INTERNAL, f"broker error in {getattr(fn, '__name__', fn)}: {err}")
+        _log.exception("control-plane call failed", call=fn.__name__)
+        context.abort(grpc.StatusCode.INTERNAL, f"broker error in {fn.__name__}: {err}")
 
 
 def _status_key(status: control_pb2.RunStatus) -> bytes:
@@ -456,7 +450,7 @@ def create_grpc_server(
 
 
 # ------------------------------------------------------------------------------------------- liveness
-class HeartbeatMonitor:
+class HeartbeatMonitor(Periodic):
     """Background thread that calls ``registry.expire()`` every half heartbeat interval and logs lost workers.
 
     A silent worker is therefore marked LOST (and watchers notified) at most ``liveness * interval +
@@ -469,21 +463,14 @@ class HeartbeatMonitor:
         self.registry = registry
         self.history = history
         self._num_rollbacks: int | None = None  # as seen at the last check (None: not yet; a restart is no rollback)
-        self.check_interval_s = (heartbeat_interval_s or registry.heartbeat_interval_s) / 2
-        self._periodic = Periodic(
+        super().__init__(
             "broker-heartbeat-monitor",
-            self.check_interval_s,
+            (heartbeat_interval_s or registry.heartbeat_interval_s) / 2,
             self.check_once,
             log=_log,
             failed_event="heartbeat check failed",
             slow_stop_event="heartbeat monitor did not stop in time",
         )
-
-    def start(self) -> None:
-        self._periodic.start()
-
-    def stop(self, timeout_s: float = 5.0) -> None:
-        self._periodic.stop(timeout_s)
 
     def check_once(self) -> list[control_pb2.WorkerInfo]:
         lost = self.registry.expire()

@@ -185,7 +185,7 @@ class RunStateFile:
         log.warning("run state unreadable: starting fresh", path=str(self.path), error=str(err)[:300], file=where)
 
 
-class RunStateSaver:
+class RunStateSaver(Periodic):
     """A background thread that writes the registry's run state at most every ``interval_s`` when it changed.
 
     Commits do not wait for it: the registry writes their state itself before answering (``persist`` hook).
@@ -204,11 +204,10 @@ class RunStateSaver:
             raise ValueError(f"interval_s must be > 0, got {interval_s}")
         self._snapshot = snapshot
         self.store = store
-        self.interval_s = interval_s
         self._on_error = on_error
         self._last_error = ""
         self.num_writes = 0
-        self._periodic = Periodic(
+        super().__init__(
             "broker-run-state",
             interval_s,
             self.save_once,
@@ -217,13 +216,12 @@ class RunStateSaver:
             slow_stop_event="run state saver did not stop in time",
         )
 
-    def start(self) -> None:
-        self._periodic.start()
-
-    def stop(self, timeout_s: float = 5.0) -> None:
-        if not self._periodic.stop(timeout_s):
-            return
+    def stop(self, timeout_s: float = 5.0) -> bool:
+        """Stop the thread, then write once more (not when the thread is still running)."""
+        if not super().stop(timeout_s):
+            return False
         self.save_once()
+        return True
 
     def save_once(self) -> bool:
         """Write the current state if it changed since the last write; True when it wrote."""

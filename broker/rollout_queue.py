@@ -1,46 +1,33 @@
 """The rollout queue: which spooled batch goes to which trainer session, and when producers must wait.
 
-Pure logic over a ``RolloutSpool`` (no sockets), so tests drive it directly and the IO layer
-(``rollout_plane.py``) only translates messages into calls and results into messages.
+Pure logic over a ``RolloutSpool`` (no sockets), so tests drive it directly and the IO layer (``rollout_plane.py``)
+only translates messages into calls and results into messages. What an offered batch is answered is the admission
+law (``rollout_admission``): ``Accepted`` once spooled durably, ``Duplicate``/``Stale``/``Superseded`` (acked again,
+nothing kept), ``Backpressure`` (nothing kept, resend later) or ``Refused`` (a clear error). Nothing is dropped
+without the producer being told. What a trainer session is given: ``rollout_sessions``; which producer incarnation's
+set of a step is served (atomic steps): ``rollout_steps``.
 
-Rules:
-- ``offer`` spools a batch durably and returns ``Accepted``, or ``Duplicate`` (already spooled: ack again,
-  no second copy), or ``Stale`` (its step is already committed: nothing to keep, ack again), or
-  ``Backpressure`` (queue full by count or bytes: nothing kept, resend later), or ``Refused`` (the batch
-  can never be accepted: a clear error). Nothing is dropped without the producer being told.
-- A consumer *session* (one trainer rank connection) asks for its batches of one (step, rank) with
-  credits; it gets at most ``credits`` batches it has not been given yet in this step, in
-  micro_batch_index order, and a ``StepDone`` once all ``num_micro_batches`` were given. What cannot be
-  served now is remembered (one pending request per session) and served by later ``offer`` calls.
-- Asking again for a step the session already finished starts the session over (a trainer that restarted
-  from a checkpoint); so does ``open_session`` (a HELLO). A new session gets every batch still spooled.
 - Batches leave the spool only through ``release_through(step)`` (the trainer committed ``step``).
-- The bounds (``max_batches``, ``max_bytes``) count the batches *ahead of the trainers*: those no session has
-  been given yet, other than batches of a step a session is asking for now. Batches already given stay on disk
-  until the commit (a checkpoint, maybe many steps later) without blocking producers, so the bound limits
-  how far the orchestrator runs ahead, and disk use is bounded by the checkpoint interval times one step. The
-  bound holds however the requested steps move: a batch counts until a session is given it, so requests that
-  jump ahead (and leave batches behind that nobody asks for) do not make room.
+- The bounds (``max_batches``, ``max_bytes``) count the batches *ahead of the trainers*: those no session has been
+  given yet, other than batches of a step a session is asking for now. Batches already given stay on disk until the
+  commit (a checkpoint, maybe many steps later) without blocking producers, so the bound limits how far the
+  orchestrator runs ahead, and disk use is bounded by the checkpoint interval times one step. The bound holds however
+  the requested steps move: a batch counts until a session is given it, so requests that jump ahead (and leave
+  batches behind that nobody asks for) do not make room.
 
-Atomic steps (``rollout_steps``): a batch whose id names its producer incarnation is served only once that
-producer's set of its step is whole; the first whole set owns the step, the other incarnations' batches of it are
-deleted from the spool or acked ``Superseded`` and not kept. A batch of a step held whole from another incarnation
-but packed otherwise (other rank count, or micro-batch count for its rank) is refused: most likely another run's
-spool. Admission (``rollout_admission``) is a pure function of the batch, the step index and the bounds.
+Disk full: a group whose spool write fails for lack of space (ENOSPC, EDQUOT) keeps nothing and each of its batches
+is answered ``Backpressure`` with the reason, so producers wait and resend; nothing on disk changes (the temporary
+files go) and the broker serves on. A commit on a full disk deletes the released batches before it writes its marker
+when the marker cannot be written first.
 
-Disk full: a group whose spool write fails for lack of space (ENOSPC, EDQUOT) keeps nothing and each of its
-batches is answered ``Backpressure`` with the reason, so producers wait and resend; nothing on disk changes (the
-temporary files go) and the broker serves on. A commit on a full disk deletes the released batches before it
-writes its marker when the marker cannot be written first.
+Group commit: ``offer_many`` decides a group of batches in order (each sees the ones before it, as if offered one by
+one), spools the accepted ones together (``RolloutSpool.put_many``: one fsync per file, one directory fsync) and only
+then returns; the caller acks after that, so no ack precedes durability. If the spool write fails, none of the group
+is kept and the error is raised for the whole group.
 
-Group commit: ``offer_many`` decides a group of batches in order (each sees the ones before it, as if
-offered one by one), spools the accepted ones together (``RolloutSpool.put_many``: one fsync per file, one
-directory fsync) and only then returns; the caller acks after that, so no ack precedes durability. If the
-spool write fails, none of the group is kept and the error is raised for the whole group.
-
-Thread-safety: one lock around all state; the IO thread calls ``offer``/``offer_many``/``request``, gRPC
-threads call ``release_through`` and ``status``. Spool writes happen under the lock, spool reads for
-sending (``read``, ``read_record``) outside it.
+Thread-safety: one lock around all state; the IO thread calls ``offer``/``offer_many``/``request``, gRPC threads
+call ``release_through`` and ``status``. Spool writes happen under the lock, spool reads for sending (``read``,
+``read_record``) outside it.
 """
 
 from __future__ import annotations

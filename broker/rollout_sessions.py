@@ -1,6 +1,13 @@
-"""The rollout queue's consumer sessions (one per trainer rank connection): what each was given of a step, the
-request it waits on, and at most ``max_sessions`` of them (the least recently active goes first). No lock and no
-disk: ``RolloutQueue`` holds them under its lock."""
+"""The rollout queue's consumer sessions, one per trainer rank connection. No lock and no disk: ``RolloutQueue``
+holds them under its lock.
+
+A session asks for its batches of one (step, rank) with credits; it gets at most ``credits`` batches it has not been
+given yet in this step, in micro_batch_index order, and a ``StepDone`` once all ``num_micro_batches`` were given. What
+cannot be served now is remembered (one pending request per session) and served when batches come. Asking again for
+a step the session already finished starts the session over (a trainer that restarted from a checkpoint); so does
+``open`` (a HELLO). A new session gets every batch still spooled. At most ``max_sessions`` are kept: the least
+recently active one goes first.
+"""
 
 from __future__ import annotations
 
@@ -31,8 +38,7 @@ class Session:
     pending: PendingRequest | None = None
 
     def take(self, session_id: bytes, slot: Slot | None) -> Delivery:
-        """What the pending request gets from ``slot`` (its (step, rank)'s batches) now: the batches not given yet,
-        in micro_batch_index order, at most its credits; then ``StepDone`` once the whole step was given."""
+        """What the pending request gets now from ``slot``, its (step, rank)'s batches (module docstring)."""
         pending = self.pending
         if pending is None or slot is None:
             return Delivery(session_id)

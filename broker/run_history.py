@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from primerl.broker.registry_errors import InvalidRequest
+from primerl.broker.run_state import set_aside
 from primerl.proto.v1 import common_pb2, control_pb2
 from primerl.runtime.durable_files import write_atomically
 from primerl.runtime.log_setup import get_logger
@@ -34,7 +35,6 @@ log = get_logger("primerl.broker.run_history")
 
 FORMAT = "primerl.run_history/1"
 HISTORY_FILE = "run_history.json"
-CORRUPT_SUFFIX = ".corrupt"
 DEFAULT_MAX_BYTES = 16 << 20
 SAVE_INTERVAL_S = 5.0
 MAX_REPLY_BYTES = 3 << 20  # one GetRunHistory reply, under a default gRPC client's 4 MiB
@@ -296,12 +296,7 @@ class RunHistoryFile:
         except FileNotFoundError:
             return False
         except (OSError, ValueError) as err:
-            aside = self.path.with_name(HISTORY_FILE + CORRUPT_SUFFIX)
-            try:
-                os.replace(self.path, aside)
-            except OSError:
-                pass
-            log.warning("run history unreadable: starting fresh", path=str(self.path), error=str(err)[:300])
+            set_aside(self.path, err, log, "run history unreadable: starting fresh")
             return False
         with self._lock:
             self._written_revision = history.revision

@@ -41,6 +41,7 @@ import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
+from typing import Any
 
 from primerl.runtime.durable_files import write_atomically
 from primerl.runtime.log_setup import get_logger
@@ -147,7 +148,7 @@ class RunStateFile:
         except FileNotFoundError:
             return None
         except (OSError, RunStateCorrupt) as err:
-            self._set_aside(err)
+            set_aside(self.path, err, log, "run state unreadable: starting fresh")
             return None
         log.info(
             "run state loaded",
@@ -175,14 +176,17 @@ class RunStateFile:
             self._written = replace(state, last_metrics=dict(state.last_metrics))
             return True
 
-    def _set_aside(self, err: Exception) -> None:
-        aside = self.path.with_name(RUN_STATE_FILE + CORRUPT_SUFFIX)
-        try:
-            os.replace(self.path, aside)
-            where = f"moved to {aside.name}"
-        except OSError as move_err:
-            where = f"left in place ({move_err.strerror or move_err})"
-        log.warning("run state unreadable: starting fresh", path=str(self.path), error=str(err)[:300], file=where)
+
+def set_aside(path: Path, err: Exception, logger: Any, event: str) -> None:
+    """``path`` cannot be read (``err``): move it to ``<name>.corrupt`` (kept for inspection, replacing an older
+    one) and log ``event`` once."""
+    aside = path.with_name(path.name + CORRUPT_SUFFIX)
+    try:
+        os.replace(path, aside)
+        where = f"moved to {aside.name}"
+    except OSError as move_err:
+        where = f"left in place ({move_err.strerror or move_err})"
+    logger.warning(event, path=str(path), error=str(err)[:300], file=where)
 
 
 class RunStateSaver(Periodic):

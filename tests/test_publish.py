@@ -379,11 +379,11 @@ def test_full_payload_buffers_are_reused_and_stay_exact(model_dir, broker, publi
     model = load_model(ModelConfig(name=str(model_dir)))
     publisher = make_publisher(publishers, endpoint, "full", transport="socket")
     publisher.publish(model, 1, timeout_s=30)
-    idle = list(publisher._pool._idle)
+    idle = list(publisher._places._pool._idle)
     assert len(idle) == 1
     adamw_step(model)
     publisher.publish(model, 2, timeout_s=30)
-    assert publisher._pool._idle == idle and publisher._pool._idle[0] is idle[0]
+    assert publisher._places._pool._idle == idle and publisher._places._pool._idle[0] is idle[0]
     _, payload = stored_payload(service)
     expected = save({k: v.detach().contiguous() for k, v in hf_state_dict(model).items()}, metadata={"format": "pt"})
     assert payload == expected

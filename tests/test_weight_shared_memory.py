@@ -149,7 +149,7 @@ def test_same_host_workers_get_a_descriptor_others_the_bytes_and_segments_are_re
         local.hello()
         remote.hello()
         wait_until(lambda: len(plane.worker_versions()) == 2, 10, "both workers joined")
-        prefix = trainer._segments.prefix
+        prefix = trainer._places._segments.prefix
         for version in range(1, 6):
             _stepped(model, version)
             result = trainer.publish(model, version, timeout_s=30)
@@ -167,7 +167,7 @@ def test_same_host_workers_get_a_descriptor_others_the_bytes_and_segments_are_re
         # The broker sent the payload bytes to the remote worker only.
         assert status.bytes_out_total >= 5 * len(stored) > status.bytes_out_total - len(stored)
         wait_until(lambda: plane.status().num_segments_released >= 4, 10, "segments released")
-        assert trainer._segments.num_retired == 0
+        assert trainer._places._segments.num_retired == 0
     assert _segments_of(prefix) == []
 
 
@@ -207,9 +207,9 @@ def test_a_broker_that_cannot_map_the_trainers_segment_gets_the_bytes(tiny_model
 
     monkeypatch.setattr(shared_segment.Segment, "publish", elsewhere)
     with PolicyPublisher(harness.weight_endpoint, None, "trainer", CHUNK_BYTES, "full", "tiny") as trainer:
-        prefix = trainer._segments.prefix
+        prefix = trainer._places._segments.prefix
         assert trainer.publish(model, 1, timeout_s=30).ack.applied
-        assert trainer.transport == "socket" and trainer._segments is None
+        assert trainer.transport == "socket" and trainer._places._segments is None
         assert _segments_of(prefix) == []
         _stepped(model, 2)
         assert trainer.publish(model, 2, timeout_s=30).ack.applied
@@ -226,7 +226,7 @@ def test_a_hung_reader_holds_its_segment_until_the_drain_bound_and_the_run_goes_
         WeightSubscriber(harness.weight_endpoint, None, "hung") as hung,
         WeightSubscriber(harness.weight_endpoint, None, "live") as live,
     ):
-        trainer._segments.drain_timeout_s = 0.5
+        trainer._places._segments.drain_timeout_s = 0.5
         hung.hello()
         live.hello()
         wait_until(lambda: len(harness.service.weight_plane.worker_versions()) == 2, 10, "both joined")
@@ -238,7 +238,7 @@ def test_a_hung_reader_holds_its_segment_until_the_drain_bound_and_the_run_goes_
             _, payload, _ = _receive(live, version)
             assert payload == bytes(harness.service.weight_store.latest().payload)
             live.ack(version)
-        assert trainer._segments.num_retired >= 1
+        assert trainer._places._segments.num_retired >= 1
 
 
 def test_a_sigkilled_trainer_leaves_no_segment_behind(tmp_path):

@@ -146,7 +146,8 @@ class TrainerRunner:
     def _connect(self, start_step: int) -> None:
         from primerl.client.control import ControlClient
         from primerl.client.rollouts import RolloutConsumer
-        from primerl.trainer.publish import PolicyPublisher, serving_dtype
+        from primerl.trainer.publish import PolicyPublisher
+        from primerl.trainer.update_builder import serving_dtype
 
         config = self.config
         name = f"trainer-rank{self.dist.rank}"

@@ -71,58 +71,52 @@ DEFAULT_LIMITS = Limits()
 
 
 class FramingError(ValueError):
-    """A message that breaks the protocol. ``code`` goes into the ERROR reply."""
+    """A message that breaks the protocol. ``code`` goes into the ERROR reply; each subclass names its code
+    (``class X(FramingError, code=...)``)."""
 
     code: int = common_pb2.ERROR_CODE_MALFORMED_HEADER
+
+    def __init_subclass__(cls, code: int | None = None, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if code is not None:
+            cls.code = code
 
     def detail(self) -> common_pb2.ErrorDetail:
         return common_pb2.ErrorDetail(code=self.code, message=str(self))
 
 
-class TruncatedMessage(FramingError):
-    code = common_pb2.ERROR_CODE_TRUNCATED
+class TruncatedMessage(FramingError, code=common_pb2.ERROR_CODE_TRUNCATED): ...
 
 
-class UnknownProtocol(FramingError):
-    code = common_pb2.ERROR_CODE_UNKNOWN_PROTOCOL
+class UnknownProtocol(FramingError, code=common_pb2.ERROR_CODE_UNKNOWN_PROTOCOL): ...
 
 
-class UnsupportedVersion(FramingError):
-    code = common_pb2.ERROR_CODE_UNSUPPORTED_VERSION
+class UnsupportedVersion(FramingError, code=common_pb2.ERROR_CODE_UNSUPPORTED_VERSION): ...
 
 
-class UnknownMessageType(FramingError):
-    code = common_pb2.ERROR_CODE_UNKNOWN_MESSAGE_TYPE
+class UnknownMessageType(FramingError, code=common_pb2.ERROR_CODE_UNKNOWN_MESSAGE_TYPE): ...
 
 
-class ChecksumMismatch(FramingError):
-    code = common_pb2.ERROR_CODE_BAD_CHECKSUM
+class ChecksumMismatch(FramingError, code=common_pb2.ERROR_CODE_BAD_CHECKSUM): ...
 
 
-class OversizedFrame(FramingError):
-    code = common_pb2.ERROR_CODE_OVERSIZED
+class OversizedFrame(FramingError, code=common_pb2.ERROR_CODE_OVERSIZED): ...
 
 
-class MalformedHeader(FramingError):
-    code = common_pb2.ERROR_CODE_MALFORMED_HEADER
+class MalformedHeader(FramingError, code=common_pb2.ERROR_CODE_MALFORMED_HEADER): ...
 
 
-class TensorMismatch(FramingError):
-    code = common_pb2.ERROR_CODE_TENSOR_MISMATCH
+class TensorMismatch(FramingError, code=common_pb2.ERROR_CODE_TENSOR_MISMATCH): ...
 
 
-class BadChunk(FramingError):
-    code = common_pb2.ERROR_CODE_BAD_CHUNK
+class BadChunk(FramingError, code=common_pb2.ERROR_CODE_BAD_CHUNK): ...
 
 
-class Unauthenticated(FramingError):
-    code = common_pb2.ERROR_CODE_UNAUTHENTICATED
+class Unauthenticated(FramingError, code=common_pb2.ERROR_CODE_UNAUTHENTICATED): ...
 
 
-class Busy(FramingError):
+class Busy(FramingError, code=common_pb2.ERROR_CODE_BACKPRESSURE):
     """Not now: the receiver is at a memory bound; the sender may retry after ``retry_after_ms``."""
-
-    code = common_pb2.ERROR_CODE_BACKPRESSURE
 
     def __init__(self, message: str, retry_after_ms: int = 1000):
         super().__init__(message)
@@ -173,6 +167,10 @@ class PayloadTee(Protocol):
     """A second hasher fed the payload frames in the checksum's own pass (e.g. a transfer's content digest)."""
 
     def update(self, data: Any, /) -> None: ...
+
+
+TeeFor = Callable[[int, data_pb2.Envelope], PayloadTee | None]
+"""``decode``'s ``tee``: the hasher, if any, to feed a message's payload in its checksum pass."""
 
 
 def compute_checksum(
@@ -318,7 +316,7 @@ def decode(
     *,
     limits: Limits = DEFAULT_LIMITS,
     auth_token: str | None = None,
-    tee: Callable[[int, data_pb2.Envelope], PayloadTee | None] | None = None,
+    tee: TeeFor | None = None,
 ) -> Message:
     """Parse and check one received multipart message, or raise the ``FramingError`` that says why not.
 
@@ -347,27 +345,8 @@ def decode(
         raise MalformedHeader(f"message could not be parsed: {type(exc).__name__}: {str(exc)[:200]}") from None
 
 
-def _decode(
-    frames: Sequence[Any],
-    limits: Limits,
-    auth_token: str | None,
-    tee: Callable[[int, data_pb2.Envelope], PayloadTee | None] | None = None,
-) -> Message:
-    if len(frames) < NUM_FIXED_FRAMES:
-        raise TruncatedMessage(f"message has {len(frames)} frame(s); at least {NUM_FIXED_FRAMES} are required")
-    if len(frames) - NUM_FIXED_FRAMES > limits.max_payload_frames:
-        raise OversizedFrame(
-            f"message has {len(frames) - NUM_FIXED_FRAMES} payload frames; the limit is {limits.max_payload_frames}"
-        )
-    views = [byte_view(frame) for frame in frames]
-    total_bytes = 0
-    for index, view in enumerate(views):
-        if view.nbytes > limits.max_frame_bytes:
-            raise OversizedFrame(f"frame {index} is {view.nbytes} bytes; the limit is {limits.max_frame_bytes}")
-        total_bytes += view.nbytes
-    if total_bytes > limits.max_message_bytes:
-        raise OversizedFrame(f"message is {total_bytes} bytes; the limit is {limits.max_message_bytes}")
-
+def _decode(frames: Sequence[Any], limits: Limits, auth_token: str | None, tee: TeeFor | None) -> Message:
+    views = _sized_views(frames, limits)
     protocol = views[0][: len(PROTOCOL_FRAME) + 1].tobytes()  # never copy a large first frame
     if len(protocol) != len(PROTOCOL_FRAME) or not protocol.startswith(PROTOCOL_ID):
         raise UnknownProtocol(
@@ -395,21 +374,7 @@ def _decode(
     if auth_token is not None and not hmac.compare_digest(envelope.auth_token.encode(), auth_token.encode()):
         raise Unauthenticated("missing or wrong run token: configure the same run token on every daemon of the run")
 
-    payload = views[NUM_FIXED_FRAMES:]
-    if len(payload) < envelope.num_payload_frames:
-        raise TruncatedMessage(
-            f"envelope declares {envelope.num_payload_frames} payload frame(s); {len(payload)} arrived"
-        )
-    if len(payload) > envelope.num_payload_frames or len(envelope.payload_frame_bytes) != len(payload):
-        raise MalformedHeader(
-            f"{len(payload)} payload frame(s) arrived but the envelope declares {envelope.num_payload_frames} "
-            f"with {len(envelope.payload_frame_bytes)} sizes"
-        )
-    for index, (view, declared) in enumerate(zip(payload, envelope.payload_frame_bytes)):
-        if view.nbytes < declared:
-            raise TruncatedMessage(f"payload frame {index} has {view.nbytes} bytes; the envelope declares {declared}")
-        if view.nbytes != declared:
-            raise MalformedHeader(f"payload frame {index} has {view.nbytes} bytes; the envelope declares {declared}")
+    payload = _declared_payload(views[NUM_FIXED_FRAMES:], envelope)
 
     declared = envelope_checksum(envelope)
     if declared.kind not in (CRC32, XXH3_64):
@@ -436,6 +401,44 @@ def _decode(
     if message_type in TENSOR_MESSAGE_TYPES and chunk.count == 1:
         check_tensor_payload(message)
     return message
+
+
+def _sized_views(frames: Sequence[Any], limits: Limits) -> list[memoryview]:
+    """The frames as byte views, once their number and sizes are within ``limits``."""
+    if len(frames) < NUM_FIXED_FRAMES:
+        raise TruncatedMessage(f"message has {len(frames)} frame(s); at least {NUM_FIXED_FRAMES} are required")
+    if len(frames) - NUM_FIXED_FRAMES > limits.max_payload_frames:
+        raise OversizedFrame(
+            f"message has {len(frames) - NUM_FIXED_FRAMES} payload frames; the limit is {limits.max_payload_frames}"
+        )
+    views = [byte_view(frame) for frame in frames]
+    total_bytes = 0
+    for index, view in enumerate(views):
+        if view.nbytes > limits.max_frame_bytes:
+            raise OversizedFrame(f"frame {index} is {view.nbytes} bytes; the limit is {limits.max_frame_bytes}")
+        total_bytes += view.nbytes
+    if total_bytes > limits.max_message_bytes:
+        raise OversizedFrame(f"message is {total_bytes} bytes; the limit is {limits.max_message_bytes}")
+    return views
+
+
+def _declared_payload(payload: list[memoryview], envelope: data_pb2.Envelope) -> list[memoryview]:
+    """The payload frames, as many and as large as the envelope declares."""
+    if len(payload) < envelope.num_payload_frames:
+        raise TruncatedMessage(
+            f"envelope declares {envelope.num_payload_frames} payload frame(s); {len(payload)} arrived"
+        )
+    if len(payload) > envelope.num_payload_frames or len(envelope.payload_frame_bytes) != len(payload):
+        raise MalformedHeader(
+            f"{len(payload)} payload frame(s) arrived but the envelope declares {envelope.num_payload_frames} "
+            f"with {len(envelope.payload_frame_bytes)} sizes"
+        )
+    for index, (view, declared) in enumerate(zip(payload, envelope.payload_frame_bytes)):
+        if view.nbytes < declared:
+            raise TruncatedMessage(f"payload frame {index} has {view.nbytes} bytes; the envelope declares {declared}")
+        if view.nbytes != declared:
+            raise MalformedHeader(f"payload frame {index} has {view.nbytes} bytes; the envelope declares {declared}")
+    return payload
 
 
 def enum_name(enum: Any, value: int) -> str:

@@ -26,16 +26,15 @@ then returns; the caller acks after that, so no ack precedes durability. If the 
 is kept and the error is raised for the whole group.
 
 Thread-safety: one lock around all state; the IO thread calls ``offer``/``offer_many``/``request``, gRPC threads
-call ``release_through`` and ``status``. Spool writes happen under the lock, spool reads for sending (``read``,
-``read_record``) outside it.
+call ``release_through`` and ``status``. Spool writes happen under the lock, spool reads for sending (``read_record``)
+outside it.
 """
 
 from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import Any
 
 from primerl.broker.rollout_admission import QueueRoom, admit, check_header, spooled_size_bytes
 from primerl.broker.rollout_results import (
@@ -60,7 +59,6 @@ from primerl.proto.v1 import common_pb2, data_pb2
 from primerl.runtime.log_setup import get_logger
 
 log = get_logger("primerl.broker.rollout_queue")
-_Read = TypeVar("_Read")
 
 DEFAULT_RETRY_AFTER_MS = 100
 DEFAULT_MAX_SESSIONS = 256
@@ -248,21 +246,13 @@ class RolloutQueue:
             ):
                 self._given.discard(batch_id)
 
-    def read(self, batch_id: str) -> tuple[data_pb2.RolloutBatchHeader, memoryview]:
-        """Header and payload of a batch, from the spool (outside the lock). Raises ``BatchGone`` if it was
-        released meanwhile; a damaged file is quarantined, dropped from the index and ``SpoolCorruption``
-        raised."""
-        return self._read_from_spool(self.spool.get, batch_id)
-
     def read_record(self, batch_id: str) -> tuple[bytes, memoryview, int]:
-        """(header bytes, payload, crc32) of a batch as spooled, for sending on with ``framing.encode_raw``
-        (no header re-serialization, no CRC pass; no disk read while the spool's read cache holds it).
-        Raises like ``read``."""
-        return self._read_from_spool(self.spool.get_record, batch_id)
-
-    def _read_from_spool(self, read: Callable[[str], _Read], batch_id: str) -> _Read:
+        """(header bytes, payload, crc32) of a batch as spooled (outside the lock), for sending on with
+        ``framing.encode_raw`` (no header re-serialization, no CRC pass; no disk read while the spool's read cache
+        holds it). Raises ``BatchGone`` if it was released meanwhile; a damaged file is quarantined, dropped from the
+        index and ``SpoolCorruption`` raised."""
         try:
-            return read(batch_id)
+            return self.spool.get_record(batch_id)
         except SpoolCorruption:  # quarantined by the spool: forget it here too
             with self._lock:
                 self._given.discard(batch_id)

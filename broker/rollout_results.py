@@ -129,10 +129,6 @@ class RolloutQueueStatus:
     # Batches told to wait because the spool's disk was full (ENOSPC), counted in num_backpressured too.
     num_disk_full: int = 0
 
-    @property
-    def is_full(self) -> bool:
-        return self.num_ahead_batches >= self.max_batches or self.num_ahead_bytes >= self.max_bytes
-
 
 @dataclass(frozen=True)
 class RolloutStreamStatus:

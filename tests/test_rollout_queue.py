@@ -54,7 +54,7 @@ def test_offer_then_request_respects_credits_and_order(tmp_path):
     assert first.batch_ids == ("1:0:0", "1:0:1") and first.step_done is None
     second = queue.request(A, 1, 0, credits=5)
     assert second.batch_ids == ("1:0:2",) and second.step_done == StepDone(1, 0, 3)
-    header, payload = queue.read("1:0:2")
+    header, payload = queue.spool.get("1:0:2")
     assert header.micro_batch_index == 2 and bytes(payload) == batch(1, 0, 2)[1]
 
 
@@ -161,7 +161,7 @@ def test_missing_batch_id_gets_the_default(tmp_path):
     queue = make_queue(tmp_path)
     result = queue.offer(*batch(3, 1, 2, batch_id=""))
     assert isinstance(result, Accepted) and result.batch_id == "3:1:2"
-    assert queue.read("3:1:2")[0].batch_id == "3:1:2"
+    assert queue.spool.get("3:1:2")[0].batch_id == "3:1:2"
 
 
 def test_inconsistent_batches_are_refused(tmp_path):

@@ -68,6 +68,7 @@ from primerl.proto.units import MiB
 from primerl.proto.v1 import common_pb2, data_pb2
 from primerl.runtime.log_setup import get_logger
 from primerl.runtime.meters import RateMeter
+from primerl.runtime.wire_security import CurveServer
 
 log = get_logger("primerl.broker.rollout_plane")
 
@@ -107,6 +108,7 @@ class RolloutPlane(RouterPlane):
         max_group_batches: int = DEFAULT_MAX_GROUP_BATCHES,
         max_group_bytes: int = DEFAULT_MAX_GROUP_BYTES,
         max_connections: int | None = None,
+        curve: CurveServer | None = None,
     ):
         if max_credits < 1:
             raise ValueError(f"max_credits must be >= 1, got {max_credits}")
@@ -123,6 +125,7 @@ class RolloutPlane(RouterPlane):
         # Peers admitted at the handshake (``ConnectionGate``); None: no limit. With it, what the socket may
         # buffer is bounded whatever the number of peers that try: max_connections x (rcv_hwm + 1) messages.
         super().__init__(context, host, port, max_connections)
+        self.curve = curve  # CURVE on the socket (``plane_lifecycle``); None: plain, or the run token's PLAIN
         self.queue = queue
         self.limits = limits
         self.auth_token = auth_token or None

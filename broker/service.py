@@ -253,8 +253,8 @@ class BrokerService:
             on_error=self._on_data_plane_error,
             rcv_hwm=config.rollout_hwm,
             max_connections=config.max_rollout_connections,
+            curve=curve,
         )
-        self.rollout_plane.curve = curve
         with _naming_the_setting("rollout_port", "ZeroMQ rollout", config.host, config.rollout_port):
             return self.rollout_plane.start()
 

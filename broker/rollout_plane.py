@@ -1,20 +1,19 @@
 """The rollout plane: the ZeroMQ ROUTER socket of the rollout stream, owned by one IO thread.
 
-Orchestrators (DEALER) send ROLLOUT_BATCH and get a ROLLOUT_ACK once the batch is spooled (or a refusal:
-BACKPRESSURE with ``retry_after_ms``, or an error). Trainer ranks (DEALER) send HELLO, then ROLLOUT_REQUEST
-with credits, and get ROLLOUT_BATCH messages and ROLLOUT_STEP_DONE. All decisions are the
-``RolloutQueue``'s; this module only decodes, calls it, and sends what it says.
+Orchestrators (DEALER) send ROLLOUT_BATCH and get a ROLLOUT_ACK once the batch is spooled (or a refusal: BACKPRESSURE
+with ``retry_after_ms``, or an error). Trainer ranks (DEALER) send HELLO, then ROLLOUT_REQUEST with credits, and get
+ROLLOUT_BATCH messages and ROLLOUT_STEP_DONE. All decisions are the ``RolloutQueue``'s; this module only decodes, calls
+it, and sends what it says.
 
-Every received message goes through ``framing.decode`` with the configured limits and run token. A message
-that fails gets an ERROR reply to its sender; if even that cannot be sent it is dropped with a log line.
-Error replies to messages that did not decode never carry the run token (the sender may not know it).
-Libzmq itself drops the connection of a peer that sends a frame above ``limits.max_message_bytes``
-(socket option MAXMSGSIZE), before buffering it.
+Every received message goes through ``framing.decode`` with the configured limits and run token. A message that fails
+gets an ERROR reply to its sender; if even that cannot be sent it is dropped with a log line. Error replies to messages
+that did not decode never carry the run token (the sender may not know it). Libzmq itself drops the connection of a peer
+that sends a frame above ``limits.max_message_bytes`` (socket option MAXMSGSIZE), before buffering it.
 
-Memory: batches live in the spool, not here. What the socket may hold is bounded by ``rcv_hwm`` messages per
-peer inbound and ``hwm`` outbound (each at most ``limits.max_message_bytes``); a consumer gets at most ``max_credits``
-batches per request, and a send to a peer whose queue is full is not retried blindly: the batch is handed
-out again on that consumer's next request.
+Memory: batches live in the spool, not here. What the socket may hold is bounded by ``rcv_hwm`` messages per peer
+inbound and ``hwm`` outbound (each at most ``limits.max_message_bytes``); a consumer gets at most ``max_credits``
+batches per request, and a send to a peer whose queue is full is not retried blindly: the batch is handed out again on
+that consumer's next request.
 
 Group commit: every message already waiting on the socket is drained (at most ``max_group_batches`` batches, never more
 than ``hwm // 2`` since the group's acks leave in one burst, and ``max_group_bytes`` payload bytes per group); the
@@ -24,9 +23,9 @@ in the order they came. An ack never precedes durability. A batch handed to a tr
 bytes and verified CRC are reused (``framing.encode_raw``) and its payload comes from the spool's read cache while
 there, so a delivery costs neither a CRC pass nor a disk read.
 
-Only the IO thread touches the socket. ``release_through`` and ``status`` are safe from any thread:
-they go to the queue (its own lock) and to the throughput meters (their own lock). A commit frees space
-but needs no send: producers that were told to wait resend on their own.
+Only the IO thread touches the socket. ``release_through`` and ``status`` are safe from any thread: they go to the queue
+(its own lock) and to the throughput meters (their own lock). A commit frees space but needs no send: producers that
+were told to wait resend on their own.
 """
 
 from __future__ import annotations

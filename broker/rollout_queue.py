@@ -133,9 +133,8 @@ class RolloutQueue:
         return result
 
     def offer_many(self, items: list[OfferItem]) -> GroupResult:
-        """Decide a group of batches in order, spool the accepted ones durably together (group commit),
-        then serve pending requests with them. Raises ``SpoolError`` (nothing of the group kept) when the
-        spool cannot write."""
+        """Decide a group of batches in order, spool the accepted ones durably together (group commit), then serve
+        pending requests with them. Raises ``SpoolError`` (nothing of the group kept) when the spool cannot write."""
         prepared = [_named(item) for item in items]
         with self._lock:
             results: list[OfferResult] = []

@@ -1,15 +1,14 @@
 """The rollout queue's step index: which spooled batch fills each (step, rank, micro-batch), and which producer
-incarnation owns each step. No lock and no disk: ``RolloutQueue`` holds it under its lock and deletes from the
-spool what ``seal`` drops.
+incarnation owns each step. No lock and no disk: ``RolloutQueue`` holds it under its lock and deletes from the spool
+what ``seal`` drops.
 
 Atomic steps: a batch whose id names its producer incarnation (``proto.batch_ids.producer_batch_id``, what the
-orchestrator sends) is kept per (step, producer) and served only once that producer's set of the step is whole
-(every rank, every micro-batch). The first incarnation whose set is whole owns the step: the other incarnations'
-partial sets of it are dropped, and their later batches of it are superseded. So a step is trained on exactly one
-orchestrator incarnation's rollouts, even when one was killed half-way through sending it and the next one made the
-step again. Ownership needs no file of its own: after a broker restart it is found again from the spool (the one
-whole set of a step). Batches with other ids (``default_batch_id``) are served as they come, and a step takes one
-kind or the other.
+orchestrator sends) is kept per (step, producer) and served only once that producer's set of the step is whole (every
+rank, every micro-batch). The first incarnation whose set is whole owns the step: the other incarnations' partial sets
+of it are dropped, and their later batches of it are superseded. So a step is trained on exactly one orchestrator
+incarnation's rollouts, even when one was killed half-way through sending it and the next one made the step again.
+Ownership needs no file of its own: after a broker restart it is found again from the spool (the one whole set of a
+step). Batches with other ids (``default_batch_id``) are served as they come, and a step takes one kind or the other.
 """
 
 from __future__ import annotations

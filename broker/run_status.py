@@ -94,10 +94,9 @@ def assemble_run_status(
 
 
 def trim_status(status: control_pb2.RunStatus, max_bytes: int, max_metric_names: int) -> None:
-    """Cut ``status`` to at most ``max_bytes`` serialized: worker capabilities go first, then departed
-    workers, then live workers beyond what fits, then metrics (alphabetical order kept; a quarter of
-    ``max_metric_names``); a line in ``recent_errors`` says it was trimmed. The limits on the inputs make this a
-    last resort."""
+    """Cut ``status`` to at most ``max_bytes`` serialized: worker capabilities go first, then departed workers, then
+    live workers beyond what fits, then metrics (alphabetical order kept; a quarter of ``max_metric_names``); a line in
+    ``recent_errors`` says it was trimmed. The limits on the inputs make this a last resort."""
     original = status.ByteSize()
     for worker in status.workers:
         worker.capabilities.clear()

@@ -218,8 +218,7 @@ class BrokerService:
         return self.endpoints
 
     def _open_state(self) -> None:
-        """The spool and its rollout queue, the run state and the run history (read back, then saved as they
-        change)."""
+        """The spool and its rollout queue, the run state and the run history (read back, then saved as they change)."""
         config = self.config
         self._queue = RolloutQueue(
             RolloutSpool(config.spool_dir, cache_max_bytes=config.read_cache_bytes),

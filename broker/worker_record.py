@@ -1,9 +1,8 @@
-"""One registered worker as the registry keeps it (``WorkerRecord``), the bounds on what a worker may send, and
-the checks of its requests that need no registry state (``check_register_request``, ``check_metrics_report``).
+"""One registered worker as the registry keeps it (``WorkerRecord``), the bounds on what a worker may send, and the
+checks of its requests that need no registry state (``check_register_request``, ``check_metrics_report``).
 
 A worker that cannot serve now (its heartbeats carry a ``not_serving`` reason: an inference engine that stalled) is
-listed with the capability ``serving = "false"`` (``WorkerRecord.not_serving``) until a heartbeat
-without it."""
+listed with the capability ``serving = "false"`` (``WorkerRecord.not_serving``) until a heartbeat without it."""
 
 from __future__ import annotations
 

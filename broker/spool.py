@@ -311,12 +311,11 @@ class RolloutSpool:
                 self._cache_drop_locked(entry.batch_id)
         for entry in entries:
             try:
-                entry.path.unlink()
-                deleted += 1
-            except FileNotFoundError:
-                deleted += 1
+                entry.path.unlink(missing_ok=True)
             except OSError as exc:
                 log.error("spool: cannot delete a released batch file", path=str(entry.path), error=str(exc))
+                continue
+            deleted += 1
         if entries:
             fsync_dir(self.directory)
         return deleted

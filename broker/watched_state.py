@@ -44,11 +44,6 @@ class WatchedState:
         with self._changed:
             self._changed.notify_all()
 
-    def notify_change(self) -> None:
-        """Wake watchers: something outside the state (queues, rates) changed."""
-        with self._lock:
-            self._bump_locked()
-
     def _close(self) -> None:
         with self._changed:
             self._closed = True

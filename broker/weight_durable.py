@@ -44,7 +44,7 @@ import zlib
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from primerl.broker.weight_store import DELTA, SNAPSHOT_KINDS, InTransit, StoredUpdate, kind_name
+from primerl.broker.stored_update import DELTA, SNAPSHOT_KINDS, InTransit, StoredUpdate, kind_name
 from primerl.proto.digests import digest_matches
 from primerl.proto.v1 import data_pb2
 from primerl.runtime.durable_files import fsync_dir, write_atomically

@@ -34,8 +34,9 @@ from collections.abc import Callable
 from typing import NamedTuple
 
 from primerl.broker import weight_relay
+from primerl.broker.stored_update import StoredUpdate
 from primerl.broker.weight_members import FanoutCounts, FanoutStep, Joined, WeightMember, WeightWorkerStatus
-from primerl.broker.weight_store import PutResult, StoredUpdate, WeightStore
+from primerl.broker.weight_store import PutResult, WeightStore
 from primerl.proto import framing
 from primerl.proto.v1 import common_pb2
 from primerl.proto.weight_refusals import WeightUpdateRefused
@@ -94,8 +95,6 @@ class WeightFanout:
         self._num_forgotten = 0
         self._watchers: list[Callable[[], None]] = []
 
-    # -- the latest policy ---------------------------------------------------------------------------
-
     def latest(self) -> LatestPolicy:
         """The run's latest policy (see the module docstring)."""
         status = self.store.status()
@@ -136,8 +135,6 @@ class WeightFanout:
                 self._replan_locked(member)
         self._announce()
         return result
-
-    # -- cut-through: an update being received ----------------------------------------------------------
 
     def begin(self, update: StoredUpdate) -> int:
         """An update started arriving (its header passed ``store.check_header``): members with nothing else to send
@@ -198,8 +195,6 @@ class WeightFanout:
                 callback()
             except Exception:
                 log.exception("policy watcher failed")
-
-    # -- membership ----------------------------------------------------------------------------------
 
     def hello(
         self,
@@ -279,8 +274,6 @@ class WeightFanout:
         with self._lock:
             return worker_id in self._members
 
-    # -- acknowledgements ----------------------------------------------------------------------------
-
     def ack(
         self, worker_id: str, version: int, lineage: int, *, applied: bool, error: common_pb2.ErrorDetail | None = None
     ) -> bool | None:
@@ -349,8 +342,6 @@ class WeightFanout:
         member.declare(version, lineage)
         self._replan_locked(member)
         return True
-
-    # -- sending -------------------------------------------------------------------------------------
 
     def next_step(self, worker_id: str) -> FanoutStep | None:
         """What to send the member next, or None (nothing to send, not a member, or it receives by relay). A member
@@ -426,8 +417,6 @@ class WeightFanout:
                 member.last_progress_s = now_s
                 self._replan_locked(member)
 
-    # -- reads ---------------------------------------------------------------------------------------
-
     def worker_version(self, worker_id: str) -> int | None:
         """The version the member acknowledged (or declared); None: not a member, or nothing yet."""
         with self._lock:
@@ -447,8 +436,6 @@ class WeightFanout:
         with self._lock:
             relays = self._relays
             return FanoutCounts(len(self._members), self._num_forgotten, relays.num_chains, relays.num_heals)
-
-    # -- internals -----------------------------------------------------------------------------------
 
     def _replan_locked(self, member: WeightMember) -> None:
         member.queue = self.store.plan_for(*member.plan_basis())

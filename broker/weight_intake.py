@@ -38,8 +38,8 @@ from typing import NamedTuple
 
 from primerl.broker.log_limits import RateLimitedLog
 from primerl.broker.shared_updates import SharedPayload
+from primerl.broker.stored_update import StoredUpdate, copy_header
 from primerl.broker.weight_fanout import WeightFanout
-from primerl.broker.weight_store import StoredUpdate, copy_header
 from primerl.proto import chunked_transfer, framing, telemetry
 from primerl.proto.digests import PayloadHasher, hasher_for
 from primerl.proto.shared_segment import SegmentError, open_segment

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import TYPE_CHECKING, NamedTuple
 
-from primerl.broker.weight_store import StoredUpdate
+from primerl.broker.stored_update import StoredUpdate
 from primerl.proto.v1 import data_pb2
 
 if TYPE_CHECKING:

@@ -10,9 +10,9 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
+from primerl.broker.stored_update import StoredUpdate
 from primerl.broker.weight_intake import ReceivedChunks
 from primerl.broker.weight_relay import RelayChain
-from primerl.broker.weight_store import StoredUpdate
 from primerl.proto import framing
 from primerl.proto.v1 import data_pb2
 

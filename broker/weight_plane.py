@@ -6,10 +6,8 @@ Peers (all DEALER sockets, see ``primerl.client.weights``):
   keeps their chunks as they arrived (no reassembly) and hashes them, hands whole ones to the fan-out core and says
   which WEIGHT_ACK to answer.
 - inference workers send HELLO (role INFERENCE, optionally the version they hold), then WEIGHT_ACK for
-  each update they applied. ``WeightFanout`` (``weight_fanout``, no sockets) owns which version each worker
-  holds, the latest version, and what to push next: nothing when current, the missing deltas when on the
-  chain, else the latest snapshot then the deltas. This module maps ROUTER identities to worker ids, feeds
-  the core those events, and sends what it says.
+  each update they applied; ``WeightSubscribers`` (``weight_subscribers``) maps ROUTER identities to worker ids
+  and feeds those to ``WeightFanout`` (``weight_fanout``, no sockets), which says what to push next.
 
 Fan-out never lets one worker hold up the others: every send is ``NOBLOCK`` with ``ROUTER_MANDATORY``; a
 full pipe (high-water mark) leaves the message in that worker's outbox for the next round; a gone peer
@@ -17,11 +15,7 @@ full pipe (high-water mark) leaves the message in that worker's outbox for the n
 out to the workers for whom the update is the next step as soon as it arrived and passed its checksum, as the
 very frame received, with the header bytes and checksum it came with (no pass over the payload); the update's
 last chunk goes out only once the whole update is stored (digest checked), so no worker ever holds an update
-the broker refused. Every worker gets the same encoded messages (one transfer id per update). A worker that
-does not acknowledge within ``ack_timeout_s`` is sent its plan again, at most ``max_retries`` times in a
-row; then it is forgotten until it says HELLO again (``WeightSubscriber`` does so on its own). A worker the
-registry marks LOST (or that deregistered) leaves the fan-out for good (``WeightFanout.leave``): its HELLOs are
-still answered, but it gets no pushes until it registers again under a new id.
+the broker refused. Every worker gets the same encoded messages (one transfer id per update).
 
 Relay (``WeightFanout(fanout="chain")``): the chunks of an update a chain receives go to its head only, with the
 chain in their envelope (``weight_messages.relayed_messages``), so the broker sends each byte once per chain.
@@ -36,10 +30,8 @@ the trainer's shared-memory segment, one small message, and reads the segment it
 grow); the others get the bytes. ``SharedSegments`` (``weight_segments``) says when a segment goes back.
 
 Durability: with ``durable_dir`` the store's chain is kept on disk there (``weight_durable``), reloaded by
-``start()`` before the socket binds, so a worker that joins after a broker restart gets the current policy. Once
-an update's file is written and no worker is in the middle of it, its received frames are freed and its payload
-is read from the file when needed (``WeightStore.release_written``): the broker's memory holds little more than
-the update being received.
+``start()`` before the socket binds; the tick frees the frames of updates written there
+(``WeightStore.release_written``).
 
 Every input goes through ``framing.decode`` with the limits and the run token: a malformed, oversized or
 unauthenticated message gets an ERROR reply and is logged; the plane keeps serving.
@@ -57,6 +49,7 @@ import zmq
 
 from primerl.broker.log_limits import RateLimitedLog
 from primerl.broker.plane_lifecycle import RouterPlane
+from primerl.broker.stored_update import StoredUpdate
 from primerl.broker.weight_durable import WeightDurability
 from primerl.broker.weight_fanout import WeightFanout
 from primerl.broker.weight_intake import IntakeBounds, IntakeReply, WeightIntake
@@ -64,7 +57,7 @@ from primerl.broker.weight_members import WeightWorkerStatus
 from primerl.broker.weight_messages import chunk_messages, relayed_messages
 from primerl.broker.weight_replies import PeerGone, WeightReplies, try_send
 from primerl.broker.weight_segments import SharedSegments
-from primerl.broker.weight_store import StoredUpdate, WeightStoreStatus
+from primerl.broker.weight_store import WeightStoreStatus
 from primerl.broker.weight_subscribers import OnApplied, WeightSubscribers
 from primerl.proto import framing
 from primerl.proto.v1 import common_pb2, data_pb2
@@ -159,8 +152,6 @@ class WeightPlane(RouterPlane):
         self._forward_lag: tuple[int, float] = (0, 0.0)
         self.durable_dir = None if durable_dir is None else Path(durable_dir)
 
-    # -- lifecycle (any thread) ----------------------------------------------------------------------
-
     def start(self, timeout_s: float = 10.0) -> int:
         """Bind and start the IO thread; returns the bound port (also ``self.port``)."""
         if self._thread is None and self.durable_dir is not None:
@@ -171,8 +162,6 @@ class WeightPlane(RouterPlane):
     def stop(self, timeout_s: float = 5.0) -> bool:
         """Ask the IO thread to end and wait up to ``timeout_s``; True once it has ended and the store closed."""
         return super().stop(timeout_s) and self.store.close(timeout_s)
-
-    # -- status (any thread) -------------------------------------------------------------------------
 
     def worker_versions(self) -> dict[str, int | None]:
         """worker_id -> the policy version it last acknowledged (None: none yet), for every subscribed worker."""
@@ -202,8 +191,6 @@ class WeightPlane(RouterPlane):
             num_descriptors_sent=self._segments.num_descriptors_sent,
             num_segments_released=self._segments.num_released,
         )
-
-    # -- IO thread -----------------------------------------------------------------------------------
 
     name = "weight plane"
     thread_name = "weight-plane-io"
@@ -310,8 +297,6 @@ class WeightPlane(RouterPlane):
                 f"{message.type_name} is not accepted on the weight socket (send rollouts to the rollout port)",
             )
 
-    # -- trainer side --------------------------------------------------------------------------------
-
     def _on_update(self, identity: bytes, message: framing.Message) -> None:
         envelope = message.envelope
         reply_to = envelope.chunk.transfer_id or envelope.message_id
@@ -343,8 +328,6 @@ class WeightPlane(RouterPlane):
             self._replies.count_error()
         if reply.ack is not None:
             self._replies.ack(publisher, reply.ack, reply_to)
-
-    # -- sending -------------------------------------------------------------------------------------
 
     def _flush(self, socket: zmq.Socket, max_messages: int = 64) -> tuple[bool, bool]:
         """Send pending replies, then chunks round-robin over workers; returns (sent any, some blocked)."""
@@ -421,8 +404,6 @@ class WeightPlane(RouterPlane):
             policy_version=update.policy_version,
             forward_lag_ms=round(lag_s * 1000, 1),
         )
-
-    # -- timers --------------------------------------------------------------------------------------
 
     def _tick(self, now_s: float) -> None:
         self._intake.expire(now_s)

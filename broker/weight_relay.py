@@ -1,6 +1,6 @@
 """The relay chains of the weight fan-out (``fanout="chain"``): which members start an update together and form a
 chain, and the healing of chains that stalled or did not reach a member in time. ``RelayChains`` runs under
-``WeightFanout``'s lock and answers with the members to plan again; the functions below it are pure.
+``WeightFanout``'s lock and answers with the members to plan again.
 
 Members that announced a relay endpoint in HELLO and start the same update at the same time (``begin``, or idle
 members whose next planned update is the same) form one ``RelayChain``, in the order they joined: the plane sends
@@ -18,7 +18,7 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from primerl.broker.weight_store import StoredUpdate
+from primerl.broker.stored_update import StoredUpdate
 from primerl.runtime.log_setup import get_logger
 
 if TYPE_CHECKING:
@@ -82,11 +82,26 @@ class RelayChains:
     def heal(self, members: Mapping[str, WeightMember], now_s: float) -> list[WeightMember]:
         """Dissolve the chains whose head stalled; a member a relay did not reach in time counts as sent nothing (the
         first of them in its chain relays no more until it acknowledges). Returns the members to plan again."""
+        stalled = [
+            member.chain
+            for member in members.values()
+            if member.chain is not None
+            and not member.chain.dissolved
+            and member.chain.hops[0] == member.worker_id
+            and now_s - member.chain.last_progress_s > self.relay_timeout_s
+        ]
         replan = []
-        for chain in stalled_chains(members.values(), now_s, self.relay_timeout_s):  # the head goes on alone
+        for chain in stalled:  # its head goes on alone
             replan += self.dissolve(chain, members, reason="its first worker took no chunk in time")
-        late = overdue(members.values(), now_s)
-        for member in held_up(late):
+        late = [
+            m for m in members.values() if m.relay_deadline_s is not None and m.unacked and now_s > m.relay_deadline_s
+        ]
+        first_late: dict[int, WeightMember] = {}  # per chain, the first member the relay did not reach: it held it up
+        for member in late:
+            chain_number, place = member.relay_place
+            if chain_number not in first_late or place < first_late[chain_number].relay_place[1]:
+                first_late[chain_number] = member
+        for member in first_late.values():
             member.relay_ok = False
         for member in late:
             self.num_heals += 1
@@ -132,34 +147,3 @@ def starting_together(
         for other in members
         if other is member or (other.relays(update) and other.sending is None and other.queue[:1] == [update])
     ]
-
-
-def stalled_chains(members: Iterable[WeightMember], now_s: float, relay_timeout_s: float) -> list[RelayChain]:
-    """The live chains whose head took no chunk for ``relay_timeout_s``."""
-    return [
-        member.chain
-        for member in members
-        if member.chain is not None
-        and not member.chain.dissolved
-        and member.chain.hops[0] == member.worker_id
-        and now_s - member.chain.last_progress_s > relay_timeout_s
-    ]
-
-
-def overdue(members: Iterable[WeightMember], now_s: float) -> list[WeightMember]:
-    """Members a relay did not reach in time: a relayed update still unacknowledged past its deadline."""
-    return [
-        member
-        for member in members
-        if member.relay_deadline_s is not None and member.unacked and now_s > member.relay_deadline_s
-    ]
-
-
-def held_up(late: Iterable[WeightMember]) -> list[WeightMember]:
-    """Per chain, the first of ``late`` in the chain's order: the one the rest waited on."""
-    first: dict[int, WeightMember] = {}
-    for member in late:
-        chain_number, place = member.relay_place
-        if chain_number not in first or place < first[chain_number].relay_place[1]:
-            first[chain_number] = member
-    return list(first.values())

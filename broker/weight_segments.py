@@ -4,8 +4,8 @@ plane until it may release them to the trainer; segments of dead trainers are re
 from __future__ import annotations
 
 from primerl.broker.shared_updates import COPY_AFTER_S
+from primerl.broker.stored_update import StoredUpdate
 from primerl.broker.weight_fanout import WeightFanout
-from primerl.broker.weight_store import StoredUpdate
 from primerl.proto.shared_segment import remove_stale_segments
 from primerl.runtime.log_setup import get_logger
 

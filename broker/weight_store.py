@@ -51,10 +51,11 @@ Thread-safe: one lock guards all state; payloads are read-only views that are ne
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Collection
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from primerl.broker.stored_update import DELTA, FULL, LORA, SNAPSHOT_KINDS, StoredUpdate, kind_name
 from primerl.proto.digests import hasher_for
 from primerl.proto.units import GiB
 from primerl.proto.v1 import common_pb2, data_pb2
@@ -62,92 +63,9 @@ from primerl.proto.weight_refusals import WeightUpdateRefused
 from primerl.runtime.log_setup import get_logger
 
 if TYPE_CHECKING:
-    from primerl.broker.shared_updates import SharedPayload
     from primerl.broker.weight_durable import WeightDurability
-    from primerl.broker.weight_intake import ReceivedChunks
-    from primerl.broker.weight_messages import ForwardMessages
 
 log = get_logger(__name__)
-
-FULL = data_pb2.WEIGHT_UPDATE_KIND_FULL
-LORA = data_pb2.WEIGHT_UPDATE_KIND_LORA
-DELTA = data_pb2.WEIGHT_UPDATE_KIND_DELTA
-SNAPSHOT_KINDS = frozenset({FULL, LORA})
-
-
-def kind_name(kind: int) -> str:
-    return data_pb2.WeightUpdateKind.Name(kind).removeprefix("WEIGHT_UPDATE_KIND_")
-
-
-@dataclass(eq=False)
-class InTransit:
-    """What the broker keeps beside a stored update while it forwards it (the update itself is frozen)."""
-
-    received: ReceivedChunks | None = None
-    """The chunks as the trainer sent them (``broker.weight_intake``): forwarded as they are."""
-    forward: ForwardMessages | None = None
-    """The chunk messages sent to workers (``broker.weight_messages``), built as the chunks arrive."""
-    stored_s: float | None = None
-    """When the store took it (monotonic): the start of the forward lag."""
-    receivers: Collection[str] = ()
-    """The workers receiving it, or having it next, when it was stored (whose forward lag is measured)."""
-    on_disk: bool = False
-    """Its payload is read from its durable file now (the received frames are freed)."""
-
-
-@dataclass(frozen=True, eq=False)
-class StoredUpdate:
-    """One update. ``segments`` are read-only views of its payload, in order, as it arrived (one per chunk: the
-    frames the broker received, never joined); ``transit`` what the broker keeps beside it while forwarding it.
-
-    An update being received (``incoming``) already exists so that the plane can forward its chunks as they come
-    (cut-through): its ``segments`` list grows until the last chunk is in, then the store takes it or refuses it.
-    """
-
-    header: data_pb2.WeightUpdateHeader
-    segments: list[memoryview]
-    transit: InTransit = field(default_factory=InTransit, repr=False)
-    # The trainer's shared-memory segment ``segments`` view (the same-host road, ``broker.shared_updates``); None:
-    # the payload arrived as bytes.
-    shared: SharedPayload | None = field(default=None, repr=False)
-
-    @classmethod
-    def of(cls, header: data_pb2.WeightUpdateHeader, payload: Any) -> StoredUpdate:
-        """An update whose payload is one bytes-like object (kept by reference, not copied)."""
-        return cls(header=copy_header(header), segments=[_readonly_bytes(payload)])
-
-    @property
-    def payload(self) -> memoryview:
-        """The whole payload as one view: the segment itself when there is one, else a joined COPY (for tests and
-        tools; the broker's planes and its durable writer use ``segments``)."""
-        if len(self.segments) == 1:
-            return self.segments[0]
-        return memoryview(b"".join(self.segments)).toreadonly()
-
-    @property
-    def policy_version(self) -> int:
-        return self.header.policy_version
-
-    @property
-    def kind(self) -> int:
-        return self.header.kind
-
-    @property
-    def base_version(self) -> int:
-        return self.header.base_version
-
-    @property
-    def lineage(self) -> int:
-        return self.header.lineage
-
-    @property
-    def num_bytes(self) -> int:
-        return sum(segment.nbytes for segment in self.segments)
-
-    def describe(self) -> str:
-        base = f" on v{self.base_version}" if self.kind == DELTA else ""
-        lineage = f" lineage {self.lineage}" if self.lineage else ""
-        return f"{kind_name(self.kind)} v{self.policy_version}{base}{lineage} ({self.num_bytes} bytes)"
 
 
 @dataclass(frozen=True)
@@ -182,10 +100,9 @@ class WeightStore:
     """The latest snapshot (FULL or LORA) and the DELTAs since it, bounded in count and bytes."""
 
     def __init__(self, *, max_deltas: int = 16, max_delta_bytes: int = 4 * GiB, verify_digest: bool = True):
-        if max_deltas < 0:
-            raise ValueError(f"max_deltas must be >= 0, got {max_deltas}")
-        if max_delta_bytes < 0:
-            raise ValueError(f"max_delta_bytes must be >= 0, got {max_delta_bytes}")
+        for name, bound in (("max_deltas", max_deltas), ("max_delta_bytes", max_delta_bytes)):
+            if bound < 0:
+                raise ValueError(f"{name} must be >= 0, got {bound}")
         self.max_deltas = max_deltas
         self.max_delta_bytes = max_delta_bytes
         self.verify_digest = verify_digest
@@ -336,32 +253,18 @@ class WeightStore:
     def _latest_update_locked(self) -> StoredUpdate | None:
         return self._deltas[-1] if self._deltas else self._snapshot
 
-    def _is_resend_locked(self, header: data_pb2.WeightUpdateHeader) -> bool:
-        """``header`` is the latest update held, sent again (a publisher that lost the broker's ack)."""
+    def _is_resend_locked(self, header: data_pb2.WeightUpdateHeader, *, streamed: bool = False) -> bool:
+        """``header`` is the latest update held, sent again (a publisher that lost the broker's ack); ``streamed``:
+        or it opens a streamed transfer (its digest follows in the last chunk) of the latest update's version,
+        lineage and kind, a resend unless its bytes differ (``put`` tells, with the digest)."""
         latest = self._latest_update_locked()
-        return (
-            latest is not None
-            and bool(header.digest)
-            and latest.policy_version == header.policy_version
-            and latest.lineage == header.lineage
-            and latest.kind == header.kind
-            and latest.header.digest.lower() == header.digest.lower()
-        )
-
-    def _may_be_resend_locked(self, header: data_pb2.WeightUpdateHeader) -> bool:
-        """``header`` opens a streamed transfer (its digest follows in the last chunk) of the latest update's
-        version, lineage and kind: a resend, unless its bytes differ (``put`` tells, with the digest)."""
-        latest = self._latest_update_locked()
-        return (
-            latest is not None
-            and not header.digest
-            and latest.policy_version == header.policy_version
-            and latest.lineage == header.lineage
-            and latest.kind == header.kind
-        )
+        same_update = (header.policy_version, header.lineage, header.kind)
+        if latest is None or (latest.policy_version, latest.lineage, latest.kind) != same_update:
+            return False
+        return latest.header.digest.lower() == header.digest.lower() if header.digest else streamed
 
     def _check_header_locked(self, header: data_pb2.WeightUpdateHeader, *, payload_bytes: int | None) -> None:
-        if payload_bytes is None and (self._is_resend_locked(header) or self._may_be_resend_locked(header)):
+        if payload_bytes is None and self._is_resend_locked(header, streamed=True):
             return  # a resend of the latest update: ``put`` acknowledges it once its bytes are checked
         kind = header.kind
         version = header.policy_version
@@ -555,16 +458,3 @@ class WeightStore:
 
     def _delta_bytes_locked(self) -> int:
         return sum(d.num_bytes for d in self._deltas)
-
-
-def _readonly_bytes(payload: Any) -> memoryview:
-    view = memoryview(payload)
-    if view.format != "B" or view.ndim != 1:
-        view = view.cast("B")
-    return view.toreadonly()
-
-
-def copy_header(header: data_pb2.WeightUpdateHeader) -> data_pb2.WeightUpdateHeader:
-    copy = data_pb2.WeightUpdateHeader()
-    copy.CopyFrom(header)
-    return copy

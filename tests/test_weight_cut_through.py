@@ -10,8 +10,9 @@ import pytest
 from support.probes import wait_until
 from support.weight_plane import CHUNK_BYTES, RECEIVE_S, TOKEN, make_update
 
+from primerl.broker.stored_update import StoredUpdate
 from primerl.broker.weight_fanout import WeightFanout
-from primerl.broker.weight_store import StoredUpdate, WeightStore
+from primerl.broker.weight_store import WeightStore
 from primerl.proto import chunked_transfer, framing
 from primerl.proto.digests import new_hasher, payload_digest
 from primerl.proto.v1 import common_pb2, data_pb2

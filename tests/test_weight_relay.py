@@ -17,9 +17,10 @@ from support.daemons import BrokerProcess
 from support.probes import scrape_metrics, wait_until
 from support.weight_plane import CHUNK_BYTES, RECEIVE_S, make_update
 
+from primerl.broker.stored_update import StoredUpdate
 from primerl.broker.weight_fanout import WeightFanout
 from primerl.broker.weight_relay import valid_relay_endpoint
-from primerl.broker.weight_store import StoredUpdate, WeightStore
+from primerl.broker.weight_store import WeightStore
 from primerl.client.weight_publisher import WeightPublisher
 from primerl.proto import telemetry
 from primerl.proto.digests import payload_digest

@@ -6,8 +6,9 @@ import hashlib
 
 import numpy as np
 
+from primerl.broker.stored_update import StoredUpdate
 from primerl.broker.weight_fanout import WeightFanout
-from primerl.broker.weight_store import PutResult, StoredUpdate
+from primerl.broker.weight_store import PutResult
 from primerl.proto import tensor_frames as tf
 from primerl.proto.v1 import data_pb2
 

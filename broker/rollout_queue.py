@@ -171,7 +171,7 @@ class RolloutQueue:
                 )  # SpoolError on disk failure
             except BaseException as exc:
                 for step, _ in newly_sealed:
-                    del self._steps.sealed[step]
+                    self._steps.unseal(step)
                 for header, *_ in accepted:
                     self._steps.remove(header)
                 if isinstance(exc, SpoolFull):

@@ -105,6 +105,10 @@ class StepIndex:
             self.slots[(step, rank)] = slot
         return {(step, rank) for rank in owned.slots}, candidates
 
+    def unseal(self, step: int) -> None:
+        """Undo the ownership ``add`` gave (its batches could not be spooled)."""
+        del self.sealed[step]
+
     def whole_sets(self) -> list[tuple[int, str]]:
         """(step, producer) for each step with a whole set (the first producer by name when two are: only if the
         broker died between spooling the second and deleting it; no batch of the step was served then)."""

@@ -29,6 +29,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -107,17 +108,11 @@ def _train(
     sink: MetricsSink | None,
     on_step: StepCallback | None = None,
 ) -> SFTResult:
-    from transformers import AutoTokenizer
-
     from primerl.trainer.checkpoint import prune_checkpoints
     from primerl.trainer.weights_export import export_hf_weights
 
     seed_everything(config.data.seed)
-    tokenizer = AutoTokenizer.from_pretrained(config.tokenizer.name)
-    samples = as_training_samples(
-        [tokenize_conversation(tokenizer, messages) for messages in read_chat_samples(config.data.path)]
-    )
-    pad_token_id = next((t for t in (tokenizer.pad_token_id, tokenizer.eos_token_id) if t is not None), 0)
+    tokenizer, samples, pad_token_id = _load_samples(config)
     steps_per_epoch = math.ceil(len(samples) / config.data.batch_size)
     max_steps = config.max_steps or steps_per_epoch * config.data.epochs
     training = build_training(config, parallel, dist_info, max_steps, sft_objective)
@@ -180,6 +175,18 @@ def _train(
         log.info("sft weights exported", path=str(weights_dir), final=result.finished)
     barrier(dist_info)
     return SFTResult(weights_dir, last_step, max_steps)
+
+
+def _load_samples(config: SFTConfig) -> tuple[Any, list, int]:
+    """The tokenizer, the tokenized samples of ``config.data`` and the id that pads them."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(config.tokenizer.name)
+    samples = as_training_samples(
+        [tokenize_conversation(tokenizer, messages) for messages in read_chat_samples(config.data.path)]
+    )
+    pad_token_id = next((t for t in (tokenizer.pad_token_id, tokenizer.eos_token_id) if t is not None), 0)
+    return tokenizer, samples, pad_token_id
 
 
 def _stop_agreed(stop_event: threading.Event, dist_info: DistInfo) -> bool:

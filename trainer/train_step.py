@@ -127,25 +127,13 @@ class TrainStep:
                 entropy_sum += float(entropy[batch.loss_mask].sum()) / num_loss_tokens
             for name, value in out.metrics.items():
                 totals[name] = totals.get(name, 0.0) + value
-        wait_started_s = time.perf_counter()
-        if before_update is not None:
-            before_update()
-        update_started_s = time.perf_counter()
-        grad_norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.max_grad_norm))
-        if not math.isfinite(grad_norm):
-            self.optimizer.zero_grad(set_to_none=True)
-            raise FloatingPointError(f"step {step}: gradient norm is {grad_norm}; the step was skipped")
-        learning_rate = self.optimizer.param_groups[0]["lr"]
-        self.optimizer.step()
-        self.scheduler.step()
-        self.optimizer.zero_grad(set_to_none=True)
+        grad_norm, learning_rate, update_wait_s, optimizer_s = self._update(step, before_update)
         timings = {
             "forward_s": forward_s,
             "backward_s": backward_s,
-            "update_wait_s": update_started_s - wait_started_s,
-            "optimizer_s": time.perf_counter() - update_started_s,
+            "update_wait_s": update_wait_s,
+            "optimizer_s": optimizer_s,
         }
-
         totals["entropy"] = entropy_sum
         summed = {name: all_reduce_sum(value, self.dist) for name, value in totals.items() if name != "kl_beta"}
         if self.kl_controller is not None and "reference_kl" in summed:
@@ -159,6 +147,23 @@ class TrainStep:
             metrics=summed,
             timings=timings,
         )
+
+    def _update(self, step: int, before_update: Callable[[], None] | None) -> tuple[float, float, float, float]:
+        """``before_update``, then clip, optimizer and scheduler step: (grad norm, learning rate, seconds waited in
+        ``before_update``, seconds of the update). A non-finite gradient norm skips the step (FloatingPointError)."""
+        wait_started_s = time.perf_counter()
+        if before_update is not None:
+            before_update()
+        update_started_s = time.perf_counter()
+        grad_norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.max_grad_norm))
+        if not math.isfinite(grad_norm):
+            self.optimizer.zero_grad(set_to_none=True)
+            raise FloatingPointError(f"step {step}: gradient norm is {grad_norm}; the step was skipped")
+        learning_rate = self.optimizer.param_groups[0]["lr"]
+        self.optimizer.step()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return grad_norm, learning_rate, update_started_s - wait_started_s, time.perf_counter() - update_started_s
 
     def _kl(self, batch: MicroBatch, logprobs: torch.Tensor, num_loss_tokens: int) -> LossOutput:
         with torch.no_grad():

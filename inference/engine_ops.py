@@ -1,7 +1,10 @@
-"""The inference engine's calls for the weight thread: vLLM's `AsyncLLM` lives on the HTTP server's event loop, and
-the thread that applies weight updates (``primerl.inference.service``) hands each call to that loop and waits for
-it, bounded in time. When the worker stops, the calls under way are cancelled at once (``cancel_pending``): a
-pause waiting for requests to drain, or any call on an engine that is already gone, would otherwise hold the stop.
+"""``EngineOps``: what ``PolicyUpdater`` needs from a vLLM engine, and its two implementations.
+
+``LLMEngineOps`` wraps an offline ``vllm.LLM``. ``AsyncEngineOps`` serves the weight thread: vLLM's `AsyncLLM` lives
+on the HTTP server's event loop, and the thread that applies weight updates (``primerl.inference.update_thread``)
+hands each call to that loop and waits for it, bounded in time. When the worker stops, the calls under way are
+cancelled at once (``cancel_pending``): a pause waiting for requests to drain, or any call on an engine that is
+already gone, would otherwise hold the stop.
 """
 
 from __future__ import annotations
@@ -9,14 +12,59 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import threading
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from primerl.runtime.log_setup import get_logger
+
+if TYPE_CHECKING:
+    import vllm
+    from vllm.lora.request import LoRARequest
 
 log = get_logger("primerl.inference")
 
 ENGINE_CALL_TIMEOUT_S = 600.0
 """Longest wait for one engine call made from the weight thread (a full reload of a large model)."""
+
+
+class EngineOps(Protocol):
+    """What `PolicyUpdater` needs from an engine. Every call returns when the engine has done it."""
+
+    def collective_rpc(self, method: str, args: tuple[Any, ...] = ()) -> list[Any]:
+        """Run a worker-extension method on every worker; one result per worker."""
+        ...
+
+    def reset_prefix_cache(self) -> None: ...
+
+    def add_lora(self, lora_request: LoRARequest) -> bool: ...
+
+    def remove_lora(self, lora_id: int) -> bool: ...
+
+
+class LLMEngineOps:
+    """`EngineOps` of an offline `vllm.LLM`."""
+
+    def __init__(self, llm: vllm.LLM, *, timeout_s: float | None = 600.0):
+        self.llm = llm
+        self.timeout_s = timeout_s
+
+    def collective_rpc(self, method: str, args: tuple[Any, ...] = ()) -> list[Any]:
+        return self.llm.collective_rpc(method, timeout=self.timeout_s, args=args)
+
+    def reset_prefix_cache(self) -> None:
+        self.llm.reset_prefix_cache()
+
+    def add_lora(self, lora_request: LoRARequest) -> bool:
+        return self.llm.llm_engine.add_lora(lora_request)
+
+    def remove_lora(self, lora_id: int) -> bool:
+        return self.llm.llm_engine.remove_lora(lora_id)
+
+
+def engine_max_lora_rank(vllm_config: Any) -> int | None:
+    """The engine's ``max_lora_rank``, or None when it was started without LoRA (``llm.llm_engine.vllm_config``,
+    ``async_llm.vllm_config``)."""
+    lora_config = getattr(vllm_config, "lora_config", None)
+    return None if lora_config is None else int(lora_config.max_lora_rank)
 
 
 class EngineCallTimeout(TimeoutError):
@@ -28,7 +76,7 @@ class EngineCallCancelled(RuntimeError):
 
 
 class AsyncEngineOps:
-    """`policy_updates.EngineOps` of vLLM's `AsyncLLM` (the server's engine client), for a thread other than the
+    """`EngineOps` of vLLM's `AsyncLLM` (the server's engine client), for a thread other than the
     event loop's: every call runs on `loop` and blocks the calling thread until it completes (bounded)."""
 
     def __init__(self, engine: Any, loop: asyncio.AbstractEventLoop, *, timeout_s: float = ENGINE_CALL_TIMEOUT_S):

@@ -22,7 +22,7 @@ from primerl.proto.v1 import common_pb2, data_pb2
 if TYPE_CHECKING:
     from vllm.lora.request import LoRARequest
 
-    from primerl.inference.policy_updates import EngineOps
+    from primerl.inference.engine_ops import EngineOps
 
 __all__ = ["ADAPTER_CONFIG_FILE", "ADAPTER_WEIGHTS_FILE", "LoraAdapters"]
 

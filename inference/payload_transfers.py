@@ -22,7 +22,7 @@ from primerl.proto.v1 import data_pb2
 from primerl.runtime.log_setup import get_logger
 
 if TYPE_CHECKING:
-    from primerl.inference.policy_updates import EngineOps
+    from primerl.inference.engine_ops import EngineOps
 
 log = get_logger("primerl.inference.policy_updates")
 

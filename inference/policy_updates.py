@@ -1,8 +1,8 @@
 """Apply weight updates (FULL, LORA, DELTA) to a running vLLM engine: the logic, without sockets.
 
 ``PolicyUpdater`` holds the policy version the engine serves and applies a ``(WeightUpdateHeader, payload)`` to it
-through ``EngineOps``, a small synchronous view of the engine (``LLMEngineOps`` for an offline ``vllm.LLM``; the
-server adapts its ``AsyncLLM`` in ``primerl.inference.engine_ops``).
+through ``EngineOps`` (``primerl.inference.engine_ops``), a small synchronous view of the engine: ``LLMEngineOps``
+for an offline ``vllm.LLM``, ``AsyncEngineOps`` for the server's ``AsyncLLM``.
 
 This is the one place on the inference host that checks an update's order and digest; checks come first, and a
 refused update (``UpdateRefused`` with a wire ``ErrorCode``, ``primerl.inference.update_checks``) changes nothing:
@@ -32,13 +32,13 @@ be read from any thread.
 
 from __future__ import annotations
 
-import hmac
 import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any
 
+from primerl.inference.engine_ops import EngineOps, LLMEngineOps, engine_max_lora_rank
 from primerl.inference.lora_adapters import LoraAdapters
 from primerl.inference.payload_transfers import (
     STAGE_STALL_TIMEOUT_S,
@@ -48,12 +48,13 @@ from primerl.inference.payload_transfers import (
 )
 from primerl.inference.update_checks import (
     UpdateRefused,
+    check_payload,
+    order_refusal,
     refusal_from_frame_error,
     refusal_from_worker_error,
 )
-from primerl.inference.worker_extension import WeightUpdateInvalid, check_against
+from primerl.inference.weight_tensors import WeightUpdateInvalid, check_against
 from primerl.proto import telemetry
-from primerl.proto.digests import hasher_for
 from primerl.proto.tensor_frames import TensorFrameError, check_tensor_frame
 from primerl.proto.v1 import common_pb2, data_pb2
 from primerl.runtime.log_setup import get_logger
@@ -64,54 +65,13 @@ if TYPE_CHECKING:
 
 log = get_logger(__name__)
 
-__all__ = ["EngineOps", "LLMEngineOps", "PolicyUpdater"]
+__all__ = ["PolicyUpdater"]
 
 FULL = data_pb2.WEIGHT_UPDATE_KIND_FULL
 LORA = data_pb2.WEIGHT_UPDATE_KIND_LORA
 DELTA = data_pb2.WEIGHT_UPDATE_KIND_DELTA
 
 DEFAULT_POLICY_NAME = "policy"
-
-
-class EngineOps(Protocol):
-    """What `PolicyUpdater` needs from an engine. Every call returns when the engine has done it."""
-
-    def collective_rpc(self, method: str, args: tuple[Any, ...] = ()) -> list[Any]:
-        """Run a worker-extension method on every worker; one result per worker."""
-        ...
-
-    def reset_prefix_cache(self) -> None: ...
-
-    def add_lora(self, lora_request: LoRARequest) -> bool: ...
-
-    def remove_lora(self, lora_id: int) -> bool: ...
-
-
-class LLMEngineOps:
-    """`EngineOps` of an offline `vllm.LLM`."""
-
-    def __init__(self, llm: vllm.LLM, *, timeout_s: float | None = 600.0):
-        self.llm = llm
-        self.timeout_s = timeout_s
-
-    def collective_rpc(self, method: str, args: tuple[Any, ...] = ()) -> list[Any]:
-        return self.llm.collective_rpc(method, timeout=self.timeout_s, args=args)
-
-    def reset_prefix_cache(self) -> None:
-        self.llm.reset_prefix_cache()
-
-    def add_lora(self, lora_request: LoRARequest) -> bool:
-        return self.llm.llm_engine.add_lora(lora_request)
-
-    def remove_lora(self, lora_id: int) -> bool:
-        return self.llm.llm_engine.remove_lora(lora_id)
-
-
-def engine_max_lora_rank(vllm_config: Any) -> int | None:
-    """The engine's ``max_lora_rank``, or None when it was started without LoRA (``llm.llm_engine.vllm_config``,
-    ``async_llm.vllm_config``)."""
-    lora_config = getattr(vllm_config, "lora_config", None)
-    return None if lora_config is None else int(lora_config.max_lora_rank)
 
 
 class PolicyUpdater:
@@ -452,58 +412,18 @@ class PolicyUpdater:
         log.debug("worker applied weights", results=results)
 
     def _check_common(self, header: data_pb2.WeightUpdateHeader, payload: Any, payload_digest: str | None) -> None:
-        if header.kind not in (FULL, LORA, DELTA):
-            raise UpdateRefused(
-                common_pb2.ERROR_CODE_MALFORMED_HEADER, f"weight update kind {header.kind} is not FULL, LORA or DELTA"
-            )
-        size = memoryview(payload).nbytes
-        if header.payload_bytes and header.payload_bytes != size:
-            raise UpdateRefused(
-                common_pb2.ERROR_CODE_TRUNCATED,
-                f"the payload has {size} bytes but the header says {header.payload_bytes}",
-            )
-        if self.verify_digest:
-            if payload_digest is None:
-                hasher = hasher_for(header.digest)
-                hasher.update(memoryview(payload))
-                payload_digest = hasher.hexdigest()
-            if not hmac.compare_digest(payload_digest.lower(), header.digest.lower()):
-                raise UpdateRefused(
-                    common_pb2.ERROR_CODE_BAD_DIGEST,
-                    f"payload digest is {payload_digest} but the header says {header.digest or '(none)'}",
-                )
+        check_payload(header, payload, payload_digest, verify_digest=self.verify_digest)
         refusal = self._order_refusal(header)
         if refusal is not None:
             raise UpdateRefused(common_pb2.ERROR_CODE_OUT_OF_ORDER, refusal)
 
     def _order_refusal(self, header: data_pb2.WeightUpdateHeader) -> str | None:
-        """Why ``header`` is out of order for what is served (versions and lineages), or None."""
-        version, served = header.policy_version, self._policy_version
-        lineage, served_lineage = header.lineage, self._lineage
-        name = data_pb2.WeightUpdateKind.Name(header.kind)
-        if lineage and served_lineage and lineage < served_lineage:
-            return (
-                f"{name} v{version} is of lineage {lineage}, older than the served v{served}'s lineage "
-                f"{served_lineage}: a replaced trainer's update"
-            )
-        if header.kind == DELTA:
-            if self.adapters.request is not None:
-                return (
-                    f"DELTA v{version} needs full weights but a LoRA adapter (v{served}) is served; send a FULL update"
-                )
-            if lineage != served_lineage and lineage and served_lineage:
-                return (
-                    f"DELTA v{version} is of lineage {lineage} but v{served} of lineage {served_lineage} is "
-                    "served; a new lineage starts with a FULL update"
-                )
-            if header.base_version != served:
-                return f"DELTA v{version} applies to v{header.base_version} but v{served} is served"
-            if version <= header.base_version:
-                return f"DELTA v{version} is not newer than its base v{header.base_version}"
-            return None
-        if version <= served and not lineage > served_lineage:
-            return f"{name} v{version} is not newer than the served v{served}"
-        return None
+        return order_refusal(
+            header,
+            served_version=self._policy_version,
+            served_lineage=self._lineage,
+            adapter_served=self.adapters.request is not None,
+        )
 
     def _weight_manifest(self) -> dict[str, tuple[str, list[int]]]:
         if self._manifest is None:

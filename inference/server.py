@@ -298,12 +298,11 @@ class InferenceServer:
         apply_env_defaults(self.work_dir)
         force_dev_mode_off()
         quiet_stats_logging()
-        import uvicorn
         import vllm.envs
         from vllm.entrypoints.launchers.api_server.app_state import init_app_state
         from vllm.entrypoints.launchers.api_server.entry import build_async_engine_client
         from vllm.entrypoints.launchers.app import build_app
-        from vllm.entrypoints.launchers.launcher import NoSignalServer, setup_server
+        from vllm.entrypoints.launchers.launcher import setup_server
 
         vllm.envs.disable_envs_cache()  # see the variables set above
         argv = vllm_cli_args(
@@ -334,38 +333,8 @@ class InferenceServer:
             self._restrict_routes(app)
             await init_app_state(engine, app.state, args, supported_tasks)
             self.app = app
-            # build_app already built the app's middleware stack (add_middleware refuses now): wrap it.
-            asgi_app: Any = PolicyVersionMiddleware(TokenLogprobsMiddleware(app), version_fn=self.version_fn)
-            asgi_app = StalledHealthMiddleware(asgi_app, lambda: self.stalled_fn())
             self.drops_seeds = self.on_cpu and bool(engine.vllm_config.scheduler_config.enable_chunked_prefill)
-            if self.drops_seeds:
-                asgi_app = DropSeedMiddleware(asgi_app)
-            if self.config.broker.run_token:
-                asgi_app = BearerAuthMiddleware(asgi_app, token=self.config.broker.run_token)
-            else:
-                log.warning(
-                    "no run token: the HTTP API is open to anyone who can reach it", host=self.address.host, port=port
-                )
-            uv_config = uvicorn.Config(
-                asgi_app,
-                host=args.host,
-                port=port,
-                log_level=args.uvicorn_log_level,
-                access_log=not args.disable_uvicorn_access_log,
-                timeout_keep_alive=vllm.envs.VLLM_HTTP_TIMEOUT_KEEP_ALIVE,
-            )
-            uv_config.load()
-            server = self._uvicorn = NoSignalServer(uv_config)
-            app.state.server = server
-            self._serve_task = asyncio.get_running_loop().create_task(server.serve(sockets=[sock]), name="uvicorn")
-            deadline_s = time.monotonic() + 30.0
-            while not server.started:
-                if self._serve_task.done():
-                    self._serve_task.result()
-                    raise RuntimeError("the HTTP server stopped while starting")
-                if time.monotonic() > deadline_s:
-                    raise TimeoutError("the HTTP server did not start within 30 s")
-                await asyncio.sleep(0.02)
+            await self._serve_http(self._wrap_app(app), args, sock)
         except BaseException:
             await self.stop()
             raise
@@ -381,6 +350,52 @@ class InferenceServer:
             routes=sorted(self._paths(app)),
         )
         return self.address
+
+    def _wrap_app(self, app: Any) -> Any:
+        """vLLM's app inside primerl's middleware (build_app already built its middleware stack: add_middleware
+        refuses now): policy versions and token logprobs on responses, /health while stalled, seeds dropped where
+        the CPU engine cannot keep them, the run token checked."""
+        assert self.address is not None
+        asgi_app: Any = PolicyVersionMiddleware(TokenLogprobsMiddleware(app), version_fn=self.version_fn)
+        asgi_app = StalledHealthMiddleware(asgi_app, lambda: self.stalled_fn())
+        if self.drops_seeds:
+            asgi_app = DropSeedMiddleware(asgi_app)
+        if self.config.broker.run_token:
+            return BearerAuthMiddleware(asgi_app, token=self.config.broker.run_token)
+        log.warning(
+            "no run token: the HTTP API is open to anyone who can reach it",
+            host=self.address.host,
+            port=self.address.port,
+        )
+        return asgi_app
+
+    async def _serve_http(self, asgi_app: Any, args: Any, sock: Any) -> None:
+        """Serve ``asgi_app`` with uvicorn on the bound ``sock``; returns once it serves (at most 30 s)."""
+        import uvicorn
+        import vllm.envs
+        from vllm.entrypoints.launchers.launcher import NoSignalServer
+
+        uv_config = uvicorn.Config(
+            asgi_app,
+            host=args.host,
+            port=sock.getsockname()[1],
+            log_level=args.uvicorn_log_level,
+            access_log=not args.disable_uvicorn_access_log,
+            timeout_keep_alive=vllm.envs.VLLM_HTTP_TIMEOUT_KEEP_ALIVE,
+        )
+        uv_config.load()
+        server = self._uvicorn = NoSignalServer(uv_config)
+        assert self.app is not None
+        self.app.state.server = server
+        self._serve_task = asyncio.get_running_loop().create_task(server.serve(sockets=[sock]), name="uvicorn")
+        deadline_s = time.monotonic() + 30.0
+        while not server.started:
+            if self._serve_task.done():
+                self._serve_task.result()
+                raise RuntimeError("the HTTP server stopped while starting")
+            if time.monotonic() > deadline_s:
+                raise TimeoutError("the HTTP server did not start within 30 s")
+            await asyncio.sleep(0.02)
 
     @staticmethod
     def _paths(app: Any) -> set[str]:

@@ -7,9 +7,10 @@
 
 Threads: the caller's asyncio loop runs uvicorn and vLLM's ``AsyncLLM``; ``ControlClient``'s heartbeat thread
 registers (again after a broker restart) and reports the served ``policy_version``, while the HTTP server keeps
-serving through a broker outage; the weight thread owns the ``WeightSubscriber`` (ZMQ sockets are single-threaded)
-and applies updates with ``PolicyUpdater``, whose engine calls are handed to the event loop and waited for with a
-timeout. After a re-registration it subscribes under the new id and says HELLO with the version it serves.
+serving through a broker outage; the weight thread (``update_thread.WeightUpdateThread``) owns the
+``WeightSubscriber`` and applies updates with ``PolicyUpdater``, whose engine calls are handed to the event loop and
+waited for with a timeout. After a re-registration it subscribes under the new id and says HELLO with the version it
+serves.
 
 An update: ``PolicyUpdater.preload`` (checks, waits for the staged load) -> pause generation -> ``apply`` -> point
 the served policy name at the new adapter (LoRA) -> resume; then WEIGHT_ACK with ``apply_ms`` (from the update's
@@ -28,8 +29,8 @@ Gray failures: an ``EngineWatchdog`` (``engine_watchdog``) probes the engine cor
 ``engine_stall_timeout_s`` it logs ``inference engine stalled``, ``/health`` answers
 503 and every heartbeat says ``serving: false`` (the orchestrator then sends this worker nothing) until the engine
 answers again (``inference engine recovered``). A weight update being applied does not count as a stall for up
-to ``UPDATE_BUSY_FACTOR`` times the longest of the last updates (at least one stall timeout; before any update,
-and at most, 10 stall timeouts: ``engine_watchdog.BUSY_LIMIT_FACTOR``).
+to ``update_thread.UPDATE_BUSY_FACTOR`` times the longest of the last updates (at least one stall timeout; before
+any update, and at most, 10 stall timeouts: ``engine_watchdog.BUSY_LIMIT_FACTOR``).
 
 Metrics: vLLM's ``GET /metrics`` on the API port also carries primerl's ``primerl_inference_*`` families
 (``primerl.inference.metrics``: served policy version, updates applied and refused, last update ms, generation
@@ -39,47 +40,31 @@ pause per update); its URL goes to the broker as the ``metrics_url`` capability.
 from __future__ import annotations
 
 import asyncio
-import collections
 import os
 import shutil
 import socket
 import tempfile
 import threading
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from primerl.configs.inference import InferenceConfig
-from primerl.inference.engine_ops import AsyncEngineOps, EngineCallCancelled, EngineCallTimeout
+from primerl.inference.engine_ops import AsyncEngineOps, engine_max_lora_rank
 from primerl.inference.engine_watchdog import EngineWatchdog
 from primerl.inference.metrics import inference_families
 from primerl.inference.server import InferenceServer, ServerAddress
+from primerl.inference.update_thread import WeightUpdateThread
 from primerl.proto import telemetry
 from primerl.runtime.log_setup import bind_context, get_logger
 from primerl.runtime.process_ids import pid_alive
 
 if TYPE_CHECKING:
     from primerl.client.control import ControlClient
-    from primerl.client.weights import WeightSubscriber
     from primerl.inference.policy_updates import PolicyUpdater
-    from primerl.proto.v1 import data_pb2
 
 log = get_logger("primerl.inference")
 
-DRAIN_TIMEOUT_S = 120.0
-"""Longest wait for in-flight requests to finish before an update in "wait" pause mode; the update is then
-refused (the broker sends it again)."""
-_REFUSED = object()
-"""What `InferenceService._in_engine` returns for an update it refused."""
-UPDATE_BUSY_FACTOR = 4.0
-UPDATE_BUSY_HISTORY = 16
-"""An update holding the engine counts as a stall past ``UPDATE_BUSY_FACTOR`` x the longest of the last
-``UPDATE_BUSY_HISTORY`` updates (at least one stall timeout): an engine stopped in the middle of an update is found
-within a few update times, not after 10 stall timeouts (44 s at a 4 s timeout in the chaos run)."""
-RECEIVE_POLL_S = 0.5
-MAX_REMEMBERED_REFUSALS = 16
-BROKER_ERROR_BACKOFF_S = 5.0
 _MAX_WORK_DIR_BYTES = 60
 
 WORK_DIR_PREFIX = "primerl-infer-"
@@ -128,15 +113,10 @@ class InferenceService:
         self.ops: AsyncEngineOps | None = None
         self.control: ControlClient | None = None
         self.address: ServerAddress | None = None
-        self.fatal_error: str | None = None
         self.stopped_by_broker = False  # serve_until returned because the broker ended the run
-        self.num_updates_applied = 0
-        self.num_updates_refused = 0
         self.metrics = inference_families()
-        self._served_adapter_name: str | None = None
-        self._refused: collections.OrderedDict[tuple[int, str], Any] = collections.OrderedDict()
         self._stop = threading.Event()
-        self._weights_thread: threading.Thread | None = None
+        self._weights: WeightUpdateThread | None = None  # a teacher has none
         self._loop: asyncio.AbstractEventLoop | None = None
         # Joining: the version current at the broker when this worker registered, and when it registered.
         self._join_target: int | None = None
@@ -146,9 +126,6 @@ class InferenceService:
         self._watchdog_task: asyncio.Task | None = None
         self._watchdog_stop: asyncio.Event | None = None
         self.stalled_reason: str | None = None
-        # when the weight thread began applying the update under way (it holds the engine core: not a stall)
-        self._update_began_s: float | None = None
-        self._update_seconds: collections.deque[float] = collections.deque(maxlen=UPDATE_BUSY_HISTORY)
 
     def _policy_version(self) -> int:
         return 0 if self.updater is None else self.updater.policy_version
@@ -165,7 +142,7 @@ class InferenceService:
         Raises (after stopping what started) when the engine cannot start or the broker cannot be reached
         within `config.broker.connect_timeout_s`."""
         from primerl.client.control import ControlClient
-        from primerl.inference.policy_updates import PolicyUpdater, engine_max_lora_rank
+        from primerl.inference.policy_updates import PolicyUpdater
 
         self._loop = asyncio.get_running_loop()
         try:
@@ -209,9 +186,17 @@ class InferenceService:
                 self._check_caught_up()
             self._start_watchdog(engine)
             self.control.start_heartbeats(self._progress)
-            if not self.is_teacher:
-                self._weights_thread = threading.Thread(target=self._weights_loop, name="weights", daemon=True)
-                self._weights_thread.start()
+            if self.updater is not None and self.ops is not None:
+                self._weights = WeightUpdateThread(
+                    self.config,
+                    self.control,
+                    self.updater,
+                    self.ops,
+                    self.server,
+                    self.metrics,
+                    stop=self._stop,
+                    on_applied=self._check_caught_up,
+                )
         except BaseException:
             await self.stop(grace_s=2.0)
             raise
@@ -244,10 +229,11 @@ class InferenceService:
                 return 0
             except asyncio.TimeoutError:
                 pass
-            problem = self.fatal_error or self.server.check_running()
+            weights = self._weights
+            problem = (weights.fatal_error if weights is not None else None) or self.server.check_running()
             if problem is None and self.control is not None and self.control.broker_lost.is_set():
                 problem = self.control.broker_lost_error
-            if problem is None and self._weights_thread is not None and not self._weights_thread.is_alive():
+            if problem is None and weights is not None and not weights.is_alive():
                 problem = "the weight-update thread stopped"
             if problem is not None:
                 log.error("inference worker cannot go on; stopping", error=problem)
@@ -268,11 +254,10 @@ class InferenceService:
             self.ops.cancel_pending()  # an update being applied stops waiting on the engine now
         if self.control is not None:
             await asyncio.to_thread(self.control.deregister, "stopped")
-        if self._weights_thread is not None:
-            # Wakes within RECEIVE_POLL_S, or 5 s when blocked sending to an absent broker; an update being
-            # applied needs the event loop, which is free while this thread waits.
-            await asyncio.to_thread(self._weights_thread.join, 10.0)
-            if self._weights_thread.is_alive():
+        if self._weights is not None:
+            # An update being applied needs the event loop, which is free while this thread waits.
+            await asyncio.to_thread(self._weights.join, 10.0)
+            if self._weights.is_alive():
                 log.warning("the weight thread did not stop within 10 s")
         if self.control is not None:
             await asyncio.to_thread(self.control.close, 5.0)
@@ -317,14 +302,12 @@ class InferenceService:
         )
 
     def _is_busy(self) -> float | None:
-        return self._update_began_s
+        return None if self._weights is None else self._weights.update_began_s
 
     def _busy_limit_s(self) -> float | None:
-        """How long an update may hold the engine before its silence counts: a few times the longest of the
-        last updates, at least one stall timeout; None before the first (the watchdog's own bound)."""
-        if not self._update_seconds or self.watchdog is None:
+        if self._weights is None or self.watchdog is None:
             return None
-        return max(self.watchdog.stall_timeout_s, UPDATE_BUSY_FACTOR * max(self._update_seconds))
+        return self._weights.busy_limit_s(self.watchdog.stall_timeout_s)
 
     async def _stop_watchdog(self) -> None:
         if self._watchdog_task is None or self._watchdog_stop is None:
@@ -362,216 +345,6 @@ class InferenceService:
             self.metrics.engine_stalled.set(0)
             log.info(telemetry.INFERENCE_ENGINE_RECOVERED, stalled_s=round(seconds, 1), num_inflight=num_inflight)
 
-    # ---- weight updates (weight thread) -------------------------------------------------------------------------
-    def _weights_loop(self) -> None:
-        from primerl.client.outage import BrokerOutageExceeded
-        from primerl.client.weights import WeightPlaneError, WeightSubscriber
-
-        subscriber: WeightSubscriber | None = None
-        unreachable_logged = False
-        try:
-            while not self._stop.is_set():
-                assert self.control is not None
-                worker_id, registration = self.control.worker_id, self.control.registration
-                if worker_id is None or registration is None:  # re-registering
-                    self._stop.wait(0.2)
-                    continue
-                if (
-                    subscriber is None
-                    or subscriber.worker_id != worker_id
-                    or subscriber.endpoint != registration.weight_endpoint
-                ):
-                    if subscriber is not None:
-                        log.info(
-                            "registered again: resubscribing to weights",
-                            worker_id=worker_id,
-                            policy_version=self.policy_version,
-                        )
-                        subscriber.close()
-                    # Chunked updates are written straight into the updater's shared payload files: the engine's
-                    # worker reads them there, with no further copy, and loads a FULL update as its chunks arrive.
-                    subscriber = WeightSubscriber(
-                        registration.weight_endpoint,
-                        self.config.broker.run_token,
-                        worker_id,
-                        payload_sink=self.updater,
-                        outage_s=self.config.broker.outage_s,
-                        limits=self.control.limits.frames,
-                        curve=self.control.curve,
-                        relay_host=self.config.weight_relay_host,
-                    )
-                    try:
-                        subscriber.hello(self.policy_version, lineage=self.updater.lineage)
-                    except TimeoutError:
-                        pass  # the broker is away: receive() says HELLO again every few seconds
-                try:
-                    update = subscriber.receive(RECEIVE_POLL_S)
-                    unreachable_logged = False
-                except TimeoutError as exc:  # could not send HELLO or ACK: the broker is away
-                    if not unreachable_logged:
-                        log.warning("weight plane unreachable; retrying", error=str(exc))
-                        unreachable_logged = True
-                    continue
-                except BrokerOutageExceeded as exc:  # past broker.outage_s: one clear line, then exit non-zero
-                    self.fatal_error = str(exc)
-                    return
-                except WeightPlaneError as exc:  # e.g. UNAUTHENTICATED: will not heal by itself
-                    log.error("the broker's weight plane refused this worker", error=str(exc))
-                    self.control.report_error(f"weight plane: {exc}")
-                    subscriber.close()
-                    subscriber = None
-                    self._stop.wait(BROKER_ERROR_BACKOFF_S)
-                    continue
-                if update is not None:
-                    # the engine core is held by the update: no stall (engine watchdog)
-                    self._update_began_s = began_s = time.monotonic()
-                    try:
-                        self._handle_update(subscriber, *update)
-                    finally:
-                        self._update_began_s = None
-                        self._update_seconds.append(time.monotonic() - began_s)
-        except EngineCallCancelled:  # stopping while an update was being applied: it is not served; nothing to say
-            log.info("weight update abandoned: the worker is stopping")
-        except Exception as exc:  # a fault in this thread makes the worker useless: report and exit
-            log.exception("weight thread failed")
-            self.fatal_error = f"weight thread failed: {exc!r}"
-        finally:
-            if subscriber is not None:
-                subscriber.close()
-
-    def _handle_update(
-        self, subscriber: WeightSubscriber, header: data_pb2.WeightUpdateHeader, payload: memoryview
-    ) -> None:
-        from primerl.proto.v1 import common_pb2, data_pb2
-
-        assert self.updater is not None and self.ops is not None and self.control is not None
-        received_s = time.monotonic()
-        version, kind = int(header.policy_version), data_pb2.WeightUpdateKind.Name(header.kind)
-        if self._answered_at_once(subscriber, header):
-            return
-        log.info(telemetry.WEIGHT_UPDATE_RECEIVED, policy_version=version, kind=kind, payload_bytes=payload.nbytes)
-        digest = subscriber.received_digest
-        # Checks (the digest computed as the chunks arrived) and the load beside the served weights, which began with
-        # the first chunk: generation goes on meanwhile.
-        updater = self.updater
-        preloaded = self._in_engine(lambda: updater.preload(header, payload, payload_digest=digest), subscriber, header)
-        if preloaded is _REFUSED:
-            return
-        pause_start_s = time.monotonic()
-        try:
-            self.ops.pause(self.server.pause_mode, DRAIN_TIMEOUT_S)
-        except EngineCallTimeout:
-            self.ops.resume()
-            self.updater.discard()
-            self._refuse(
-                subscriber,
-                version,
-                common_pb2.ErrorDetail(
-                    code=common_pb2.ERROR_CODE_INTERNAL,
-                    message=f"requests in flight did not finish within {DRAIN_TIMEOUT_S:g} s; send the update again",
-                ),
-            )
-            return
-        engine_wait_ms = (time.monotonic() - pause_start_s) * 1000.0
-        try:
-            engine_ms = self._in_engine(
-                lambda: updater.apply(header, payload, payload_digest=digest), subscriber, header
-            )
-            if engine_ms is _REFUSED:
-                return
-            self.ops.run(self._route_policy_name())
-        finally:
-            self.ops.resume()
-            pause_ms = (time.monotonic() - pause_start_s) * 1000.0
-        apply_ms = (time.monotonic() - received_s) * 1000.0
-        bind_context(policy_version=version)
-        log.info(
-            telemetry.WEIGHT_UPDATE_LIVE,
-            policy_version=version,
-            kind=kind,
-            apply_ms=round(apply_ms, 1),
-            engine_ms=round(engine_ms, 1),
-            update_pause_ms=round(pause_ms, 1),
-            engine_wait_ms=round(engine_wait_ms, 1),  # of the pause: waiting for the engine to pause (CPU: requests
-            # in flight finish first), generation going on; the rest is the switch itself
-        )
-        # Served now. Off the pause: the replaced weights are freed and, read in place from a trainer's segment, the
-        # host copy takes its own bytes before the acknowledgement, which lets the trainer write that segment again.
-        settle_ms = self.updater.settle()
-        subscriber.ack(version, applied=True, apply_ms=round(apply_ms), lineage=self.updater.lineage)
-        self.num_updates_applied += 1
-        self.metrics.updates_applied.inc()
-        self.metrics.policy_version.set(version)
-        self.metrics.last_update_ms.set(apply_ms)
-        self.metrics.update_pause_ms.observe(pause_ms)
-        phases_ms = {"wait_engine": engine_wait_ms, **self.updater.last_phases_ms, "settle": settle_ms}
-        for phase, value in phases_ms.items():
-            self.metrics.last_update_phase_ms.labels(phase=phase).set(value)
-        self._check_caught_up()
-
-    def _answered_at_once(self, subscriber: WeightSubscriber, header: data_pb2.WeightUpdateHeader) -> bool:
-        """Acknowledge, without loading it, an update this worker holds or refused before (True)."""
-        assert self.updater is not None
-        version = int(header.policy_version)
-        if self.updater.holds(header):
-            # Sent again (a refusal made the broker resend its snapshot), or an older lineage's: say what is served.
-            # A newer lineage's FULL at or below the served version is not held: a rollback (PolicyUpdater.holds).
-            self.updater.discard()
-            subscriber.ack(self.updater.policy_version, lineage=self.updater.lineage)
-            return True
-        refusal = self._refused.get((version, header.digest))
-        if refusal is not None:
-            # The broker resends its latest snapshot after a refusal until the trainer publishes a good one:
-            # answer without pausing the engine or checking the same bytes again.
-            self.updater.discard()
-            subscriber.ack(version, applied=False, error=refusal)
-            return True
-        return False
-
-    def _in_engine(
-        self, call: Callable[[], Any], subscriber: WeightSubscriber, header: data_pb2.WeightUpdateHeader
-    ) -> Any:
-        """``call()`` (the updater's preload or apply) and its result; `_REFUSED` once an `UpdateRefused` it raised
-        was acknowledged. Any other failure is reported (`_fail_update`) and raised."""
-        from primerl.inference.update_checks import UpdateRefused
-        from primerl.proto.v1 import data_pb2
-
-        version = int(header.policy_version)
-        try:
-            return call()
-        except UpdateRefused as exc:
-            self._refuse_update(subscriber, version, header, exc)
-            return _REFUSED
-        except EngineCallCancelled:
-            raise
-        except Exception as exc:
-            self._fail_update(subscriber, version, data_pb2.WeightUpdateKind.Name(header.kind), exc)
-            raise
-
-    def _refuse_update(
-        self, subscriber: WeightSubscriber, version: int, header: data_pb2.WeightUpdateHeader, refusal: Any
-    ) -> None:
-        """Acknowledge an `UpdateRefused`; remember it unless it may pass later (OUT_OF_ORDER)."""
-        from primerl.proto.v1 import common_pb2
-
-        self._refuse(subscriber, version, refusal.detail())
-        if refusal.code != common_pb2.ERROR_CODE_OUT_OF_ORDER:  # the same bytes will always be refused
-            self._refused[(version, header.digest)] = refusal.detail()
-            while len(self._refused) > MAX_REMEMBERED_REFUSALS:
-                self._refused.popitem(last=False)
-
-    def _fail_update(self, subscriber: WeightSubscriber, version: int, kind: str, exc: Exception) -> None:
-        """An update failed in the engine: what it serves is unknown. Reported; the weight thread then ends."""
-        from primerl.proto.v1 import common_pb2
-
-        self.fatal_error = f"applying {kind} v{version} failed; the served weights are unknown: {exc!r}"
-        log.exception("weight update failed", policy_version=version, kind=kind)
-        subscriber.ack(
-            version,
-            applied=False,
-            error=common_pb2.ErrorDetail(code=common_pb2.ERROR_CODE_INTERNAL, message=self.fatal_error),
-        )
-
     def _check_caught_up(self) -> None:
         """Once: this worker serves the version that was current when it registered (log ``inference worker
         caught up`` with ``join_to_serving_s``, and the ``primerl_inference_join_to_serving_seconds`` gauge). The
@@ -587,34 +360,3 @@ class InferenceService:
             join_to_serving_s=round(seconds, 3),
         )
         self._join_target = None
-
-    def _refuse(self, subscriber: WeightSubscriber, version: int, detail: Any) -> None:
-        from primerl.proto.v1 import common_pb2
-
-        self.num_updates_refused += 1
-        self.metrics.updates_refused.inc()
-        code = common_pb2.ErrorCode.Name(detail.code)
-        log.warning(
-            "weight update refused; still serving the previous version",
-            policy_version=version,
-            code=code,
-            error=detail.message,
-            served_version=self.policy_version,
-        )
-        self.control.report_error(f"refused weight update v{version}: {code}: {detail.message}")
-        subscriber.ack(version, applied=False, error=detail)
-
-    async def _route_policy_name(self) -> None:
-        """Make requests for the served policy name use the current adapter (vLLM looks request.model up in
-        `OpenAIServingModels.lora_requests`; /v1/models lists it), or drop it when full weights are served."""
-        assert self.updater is not None
-        lora_requests = self.server.serving_models.lora_requests
-        current = self.updater.lora_request()
-        if self._served_adapter_name is not None and (
-            current is None or current.lora_name != self._served_adapter_name
-        ):
-            lora_requests.pop(self._served_adapter_name, None)
-            self._served_adapter_name = None
-        if current is not None:
-            lora_requests[current.lora_name] = current
-            self._served_adapter_name = current.lora_name

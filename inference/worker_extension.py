@@ -43,10 +43,8 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import hashlib
 import logging
 import re
-import threading
 import time
 from collections.abc import Iterator, Mapping
 from pathlib import Path
@@ -55,19 +53,30 @@ from typing import TYPE_CHECKING, Any
 from google.protobuf.message import DecodeError
 
 from primerl.inference.shared_payload import PayloadControl, forget_stale_maps, map_control, map_shared
+from primerl.inference.weight_tensors import (
+    WeightUpdateInvalid,
+    check_against,
+    full_update_invalid,
+    manifest_of,
+    torch_views,
+    weights_digest,
+)
 from primerl.proto import weight_delta
-from primerl.proto.tensor_frames import DTYPES, TensorFrameError, decode_tensors, parse_header
+from primerl.proto.tensor_frames import TensorFrameError, decode_tensors
 from primerl.proto.v1 import common_pb2, data_pb2
 
 if TYPE_CHECKING:
     import torch
+
+    from primerl.inference.staged_update import StagedUpdate
 
 logger = logging.getLogger(__name__)
 
 WORKER_EXTENSION_CLS = "primerl.inference.worker_extension.PolicyWorkerExtension"
 """What to pass as `EngineOptions.worker_extension_cls`."""
 
-REFUSAL_PREFIX = "[primerl:"
+STAGE_JOIN_TIMEOUT_S = 30.0
+"""Longest wait for a staged load's thread to finish (commit) or stop (discard)."""
 
 FUSED_FAMILIES: tuple[frozenset[str], ...] = (
     frozenset({"q_proj", "k_proj", "v_proj"}),
@@ -78,80 +87,6 @@ FUSED_FAMILIES: tuple[frozenset[str], ...] = (
 _EXPERT_NAME = re.compile(r"^(.+\.experts)\.\d+\.")
 """An expert's weight (``model.layers.0.mlp.experts.3.up_proj.weight``): group 1 is its MoE layer's name, which
 is also the vLLM module (``FusedMoE``) that holds every expert of the layer."""
-
-
-class WeightUpdateInvalid(ValueError):
-    """An update that does not fit the model (unknown, missing or misshapen tensors; a corrupt delta)."""
-
-    def __init__(self, message: str, code: int = common_pb2.ERROR_CODE_TENSOR_MISMATCH):
-        super().__init__(f"{REFUSAL_PREFIX}{common_pb2.ErrorCode.Name(code)}] {message}")
-        self.code = code
-        self.reason = message
-
-
-def dtype_name(tensor: torch.Tensor) -> str:
-    return weight_delta.torch_dtype_name(tensor.dtype)
-
-
-def manifest_of(tensors: Mapping[str, torch.Tensor]) -> dict[str, tuple[str, list[int]]]:
-    """{name: (safetensors dtype, shape)}: plain data that crosses process boundaries."""
-    return {name: (dtype_name(t), list(t.shape)) for name, t in tensors.items()}
-
-
-def weights_digest(tensors: Mapping[str, torch.Tensor]) -> str:
-    """SHA-256 (hex) over name, dtype, shape and raw bytes of each tensor, in name order."""
-    import torch
-
-    digest = hashlib.sha256()
-    for name in sorted(tensors):
-        tensor = tensors[name].detach().contiguous().reshape(-1)
-        digest.update(f"{name}\0{dtype_name(tensors[name])}\0{list(tensors[name].shape)}\0".encode())
-        digest.update(tensor.view(torch.uint8).numpy().data)
-    return digest.hexdigest()
-
-
-def check_against(
-    tensors: Mapping[str, Any], manifest: Mapping[str, tuple[str, list[int]]], *, require_all: bool, what: str
-) -> None:
-    """Raise `WeightUpdateInvalid` unless every tensor (dtype name, shape) of `tensors` is in `manifest` with the
-    same dtype and shape, and, with `require_all`, every tensor of `manifest` is there."""
-    unknown = sorted(set(tensors) - set(manifest))
-    if unknown:
-        raise WeightUpdateInvalid(
-            f"{what}: {len(unknown)} unknown tensor(s), e.g. {unknown[:3]}; the model has no such weights"
-        )
-    if require_all:
-        missing = sorted(set(manifest) - set(tensors))
-        if missing:
-            raise WeightUpdateInvalid(
-                f"{what}: {len(missing)} missing tensor(s), e.g. {missing[:3]}; a full update "
-                "must hold every weight of the model"
-            )
-    for name, (dtype, shape) in tensors.items():
-        expected_dtype, expected_shape = manifest[name]
-        if dtype != expected_dtype or list(shape) != list(expected_shape):
-            raise WeightUpdateInvalid(
-                f"{what}: tensor {name!r} is {dtype}{list(shape)} but the model's is "
-                f"{expected_dtype}{list(expected_shape)}"
-            )
-
-
-def torch_views(frame: Any) -> dict[str, torch.Tensor]:
-    """The tensors of a safetensors frame as torch tensors that VIEW the frame (no copy; the frame must stay
-    unchanged while they are used). Raises `TensorFrameError` for an unreadable frame."""
-    import torch
-
-    view = memoryview(frame)
-    entries = parse_header(view)
-    out = {}
-    for name, entry in entries.items():
-        dtype = getattr(torch, DTYPES[entry.dtype][2])
-        if entry.end > entry.start:
-            tensor = torch.frombuffer(view[entry.start : entry.end], dtype=dtype)
-        else:
-            tensor = torch.empty(0, dtype=dtype)
-        out[name] = tensor.reshape(entry.shape)
-    return out
 
 
 def _load_groups(names: list[str]) -> dict[str, list[str]]:
@@ -274,7 +209,7 @@ class PolicyWorkerExtension:
 
     # The extension's state: class-level defaults, as vLLM builds the worker without calling an __init__ of ours.
     _primerl_host: dict[str, torch.Tensor] | None = None  # `primerl_host_weights`, read on first use
-    _primerl_stage: _StagedUpdate | None = None  # the staged load in progress or loaded, not yet committed
+    _primerl_stage: StagedUpdate | None = None  # the staged load in progress or loaded, not yet committed
     _primerl_unstageable: str | None | bool = False  # why the model cannot be staged (None: it can); False: not asked
 
     # ---- host copy ---------------------------------------------------------------------------------------------
@@ -330,8 +265,7 @@ class PolicyWorkerExtension:
         try:
             tensors = decode_tensors(payload, as_torch=True)
         except TensorFrameError as exc:
-            code = common_pb2.ERROR_CODE_TENSOR_MISMATCH if exc.mismatch else common_pb2.ERROR_CODE_MALFORMED_HEADER
-            raise WeightUpdateInvalid(f"full update: {exc}", code) from None
+            raise full_update_invalid(exc) from None
         check_against(manifest_of(tensors), self._primerl_manifest, require_all=require_all, what="full update")
         return self._primerl_load(tensors, start)
 
@@ -344,8 +278,7 @@ class PolicyWorkerExtension:
         try:
             tensors = torch_views(map_shared(path, num_bytes))
         except TensorFrameError as exc:
-            code = common_pb2.ERROR_CODE_TENSOR_MISMATCH if exc.mismatch else common_pb2.ERROR_CODE_MALFORMED_HEADER
-            raise WeightUpdateInvalid(f"full update: {exc}", code) from None
+            raise full_update_invalid(exc) from None
         check_against(manifest_of(tensors), self._primerl_manifest, require_all=require_all, what="full update")
         return self._primerl_load(tensors, start, source=path)
 
@@ -476,6 +409,7 @@ class PolicyWorkerExtension:
         trainer's shared segment, same layout: the same-host road); ``path`` then carries only the control words.
         A staged load not committed is dropped by the next `primerl_stage_begin` or `primerl_stage_discard`."""
         from primerl.inference.staged_load import unsupported_reason
+        from primerl.inference.staged_update import StagedUpdate
 
         self.primerl_host_weights()
         if not self.primerl_stage_discard():
@@ -489,7 +423,18 @@ class PolicyWorkerExtension:
             return {"staging": False, "reason": reason, "permanent": True}
         header = data_pb2.WeightUpdateHeader()
         header.ParseFromString(header_bytes)
-        stage = _StagedUpdate(self, path, num_bytes, seq, header, stall_timeout_s, payload_path or path)
+        stage = StagedUpdate(
+            self.model_runner.get_model(),
+            self._primerl_manifest,
+            self._primerl_decode_delta,
+            self._primerl_with_siblings,
+            path=path,
+            num_bytes=num_bytes,
+            seq=seq,
+            header=header,
+            stall_timeout_s=stall_timeout_s,
+            payload_path=payload_path or path,
+        )
         self._primerl_stage = stage
         stage.start()
         return {"staging": True}
@@ -552,128 +497,3 @@ class PolicyWorkerExtension:
         self._primerl_stage = None
         stage.release()
         return True
-
-
-STAGE_JOIN_TIMEOUT_S = 30.0
-"""Longest wait for a staged load's thread to finish (commit) or stop (discard)."""
-STAGE_POLL_S = 0.001
-"""How often a staged load looks for newly arrived bytes."""
-
-
-class StageAborted(Exception):
-    """The transfer a staged load reads was abandoned, replaced, or stalled; or the load was discarded."""
-
-
-class _StagedUpdate(threading.Thread):
-    """One staged load: reads the update from the shared file as its bytes become final and loads it into a
-    `StagedLoad`; records its outcome in the file's control words (stage_seq, stage_state)."""
-
-    def __init__(
-        self,
-        extension: PolicyWorkerExtension,
-        path: str,
-        num_bytes: int,
-        seq: int,
-        header: data_pb2.WeightUpdateHeader,
-        stall_timeout_s: float,
-        payload_path: str,
-    ):
-        super().__init__(name=f"primerl-stage-{seq}", daemon=True)
-        self.extension = extension
-        self.path, self.num_bytes, self.seq, self.header = path, num_bytes, seq, header
-        self.payload_path = payload_path
-        self.stall_timeout_s = stall_timeout_s
-        self.control = map_control(path)
-        self.stop = threading.Event()
-        self.error: BaseException | None = None
-        self.load: Any = None
-        self.host_entries: dict[str, torch.Tensor] = {}
-        self.host_source: str | None = None
-        self.load_ms = 0.0
-        self.control.write(PayloadControl.STAGE_STATE, PayloadControl.LOADING)
-        self.control.write(PayloadControl.STAGE_SEQ, seq)
-
-    def run(self) -> None:
-        from primerl.inference.staged_load import StagedLoad
-
-        start = time.perf_counter()
-        try:
-            self.load = StagedLoad(self.extension.model_runner.get_model())
-            if self.header.kind == data_pb2.WEIGHT_UPDATE_KIND_FULL:
-                self.load.load(self._full_tensors())
-                self.host_source = self.payload_path
-            else:
-                self._wait_for(self.num_bytes)
-                payload = map_shared(self.payload_path, self.num_bytes)
-                changed = self.extension._primerl_decode_delta(payload, self.header.SerializeToString())
-                self.load.load(iter(list(self.extension._primerl_with_siblings(changed).items())))
-                self.host_entries = changed
-            state = PayloadControl.LOADED
-        except BaseException as exc:  # reported to the daemon (primerl_stage_result), which refuses or reloads
-            self.error = exc
-            state = PayloadControl.DISCARDED if isinstance(exc, StageAborted) else PayloadControl.FAILED
-            if not isinstance(exc, (StageAborted, WeightUpdateInvalid)):
-                logger.warning("staged load of transfer %d failed: %r", self.seq, exc, exc_info=True)
-            self.release()
-        self.load_ms = (time.perf_counter() - start) * 1000.0
-        self.control.write(PayloadControl.STAGE_STATE, state)
-
-    def release(self) -> None:
-        """Free the shadow and the tensors this load holds."""
-        if self.load is not None:
-            self.load.release()
-        self.load, self.host_entries = None, {}
-
-    def _full_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """(name, tensor viewing the file) of a FULL payload, each once its bytes are final, in payload order."""
-        import torch
-
-        self._wait_for(8)
-        payload = map_shared(self.payload_path, self.num_bytes)
-        header_len = int.from_bytes(payload[:8], "little")
-        self._wait_for(min(8 + header_len, self.num_bytes))
-        try:
-            entries = parse_header(payload[: 8 + header_len], total_bytes=self.num_bytes)
-        except TensorFrameError as exc:
-            code = common_pb2.ERROR_CODE_TENSOR_MISMATCH if exc.mismatch else common_pb2.ERROR_CODE_MALFORMED_HEADER
-            raise WeightUpdateInvalid(f"full update: {exc}", code) from None
-        extension = self.extension
-        check_against(
-            {n: (e.dtype, list(e.shape)) for n, e in entries.items()},
-            extension._primerl_manifest,
-            require_all=True,
-            what="full update",
-        )
-        for entry in sorted(entries.values(), key=lambda e: e.start):
-            self._wait_for(entry.end)
-            dtype = getattr(torch, DTYPES[entry.dtype][2])
-            if entry.end > entry.start:
-                tensor = torch.frombuffer(payload[entry.start : entry.end], dtype=dtype).reshape(entry.shape)
-            else:
-                tensor = torch.empty(entry.shape, dtype=dtype)
-            self.host_entries[entry.name] = tensor
-            yield entry.name, tensor
-
-    def _wait_for(self, num_bytes: int) -> None:
-        """Until ``num_bytes`` of the payload are final. `StageAborted` when the transfer is abandoned or replaced,
-        when no byte arrived for ``stall_timeout_s``, or when the load is discarded."""
-        control = self.control
-        ready = -1
-        deadline_s = 0.0
-        while True:
-            if self.stop.is_set():
-                raise StageAborted(f"transfer {self.seq}: the staged load was discarded")
-            if control.read(PayloadControl.SEQ) != self.seq:
-                raise StageAborted(f"transfer {self.seq}: replaced by another transfer")
-            state = control.read(PayloadControl.WRITER_STATE)
-            now_ready = control.read(PayloadControl.BYTES_READY)
-            if now_ready >= num_bytes:
-                return
-            if state == PayloadControl.ABORTED:
-                raise StageAborted(f"transfer {self.seq}: abandoned at {now_ready} of {self.num_bytes} bytes")
-            now_s = time.monotonic()
-            if now_ready != ready:
-                ready, deadline_s = now_ready, now_s + self.stall_timeout_s
-            elif now_s > deadline_s:
-                raise StageAborted(f"transfer {self.seq}: no byte for {self.stall_timeout_s:g} s")
-            time.sleep(STAGE_POLL_S)

@@ -18,14 +18,8 @@ from support.policy_updates import delta_update, full_update, perturbed
 
 from primerl.inference.engine import EngineOptions
 from primerl.inference.logprob_check import check_logprobs, generate_with_logprobs, load_reference_model
-from primerl.inference.worker_extension import (
-    REFUSAL_PREFIX,
-    WORKER_EXTENSION_CLS,
-    WeightUpdateInvalid,
-    _load_groups,
-    check_cpu_moe_reload,
-    weights_digest,
-)
+from primerl.inference.weight_tensors import REFUSAL_PREFIX, WeightUpdateInvalid, weights_digest
+from primerl.inference.worker_extension import WORKER_EXTENSION_CLS, _load_groups, check_cpu_moe_reload
 from primerl.trainer.tiny_model import TinyModelSpec, build_tiny_model
 
 pytestmark = pytest.mark.filterwarnings("ignore:`torch.distributed.reduce_op` is deprecated:FutureWarning")

@@ -29,7 +29,8 @@ from primerl.inference.logprob_check import (
     load_reference_model,
     max_abs_diff,
 )
-from primerl.inference.worker_extension import REFUSAL_PREFIX, WORKER_EXTENSION_CLS, weights_digest
+from primerl.inference.weight_tensors import REFUSAL_PREFIX, weights_digest
+from primerl.inference.worker_extension import WORKER_EXTENSION_CLS
 from primerl.proto.tensor_frames import encode_tensors, parse_header, specs_of
 from primerl.proto.v1 import common_pb2, data_pb2
 from primerl.proto.weight_delta import torch_dtype_name

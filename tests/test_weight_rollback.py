@@ -19,10 +19,12 @@ import pytest
 import torch
 
 from primerl.broker.service import BrokerService
-from primerl.client.weights import LineageSuperseded, WeightSubscriber
+from primerl.client.weights import WeightSubscriber
 from primerl.configs.trainer import ModelConfig, OptimizerConfig
 from primerl.inference.engine import EngineOptions
-from primerl.inference.worker_extension import WORKER_EXTENSION_CLS, weights_digest
+from primerl.inference.weight_tensors import weights_digest
+from primerl.inference.worker_extension import WORKER_EXTENSION_CLS
+from primerl.proto.weight_refusals import LineageSuperseded
 from primerl.trainer.hf_state_dict import hf_state_dict
 from primerl.trainer.model import load_model
 from primerl.trainer.optim import build_optimizer

@@ -22,7 +22,7 @@ from primerl.inference.shared_payload import (
     map_shared,
     remove_stale_files,
 )
-from primerl.inference.worker_extension import torch_views
+from primerl.inference.weight_tensors import torch_views
 from primerl.proto import chunked_transfer, framing
 from primerl.proto import tensor_frames as tf
 from primerl.proto.digests import payload_digest

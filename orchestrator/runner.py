@@ -55,15 +55,21 @@ from primerl.orchestrator.packing import to_broker_batches
 from primerl.orchestrator.rollout_failures import RolloutFailures
 from primerl.orchestrator.rollout_samples import RolloutSamples
 from primerl.orchestrator.rollout_scheduler import RolloutScheduler
-from primerl.orchestrator.step_metrics import batch_metrics, finite
-from primerl.orchestrator.step_send import RESEND_INTERVAL_S, log_step_data, rank_digests, send_step
+from primerl.orchestrator.startup import (
+    VERSION_WAIT_S,
+    connect_broker,
+    rollout_failures,
+    start_environments,
+    watch_workers,
+)
+from primerl.orchestrator.step_reporter import StepReporter
+from primerl.orchestrator.step_send import log_step_data, rank_digests, send_step
 from primerl.orchestrator.teacher_scoring import TeacherScorer
 from primerl.orchestrator.teacher_stage import TeacherStage
 from primerl.orchestrator.types import SchedulerEvents, StepReport
 from primerl.proto import telemetry
 from primerl.proto.packing import PackedMicroBatch, PackedStep, check_loss_tokens_survive, pack_samples
 from primerl.proto.v1 import control_pb2, data_pb2
-from primerl.runtime.advice import DiscardWindow, WaitWindow
 from primerl.runtime.durable_files import write_atomically
 from primerl.runtime.log_setup import bind_context, get_logger
 from primerl.runtime.metrics_sink import MetricsSink
@@ -78,12 +84,9 @@ log = get_logger("primerl.orchestrator")
 StepItem = tuple[list[tuple[data_pb2.RolloutBatchHeader, bytes]], list[list[PackedMicroBatch]]]
 """What the send thread gets of a step: its batch messages, and its micro-batches per rank (for the digests)."""
 
-WORKER_REFRESH_S = 1.0
-VERSION_WAIT_S = 0.05  # re-read the served versions this often while dispatch waits for a newer policy
 COLLECT_WAIT_S = 0.5  # the longest the main loop waits for a rollout group before looking at the rest again
 STOP_FLUSH_S = 30.0  # on stop, how long steps already handed to the send thread may take to be sent
 SHUTDOWN_FLUSH_S = 2.0  # the same when the broker ended the run (the role must be gone within 10 s)
-INFERENCE_OUTAGE_S = 300.0  # how long rollouts may fail because no inference worker answers (one restarting)
 
 
 class OrchestratorRunner:
@@ -132,25 +135,11 @@ class OrchestratorRunner:
         )  # first: a bad teacher.api_key_var fails at once
         self.scheduler: RolloutScheduler | None = None
         self.concurrency: FixedConcurrency | AdaptiveConcurrency | None = None  # the scheduler's in-flight cap
-        # advice (primerl.runtime.advice): "add trainer" and "more than half of the rollouts were discarded"
-        self.policy_waits = WaitWindow(
-            telemetry.ADVICE_ORCHESTRATOR_WAITS,
-            telemetry.ADVICE_ADD_TRAINER,
-            telemetry.ADVICE_ORCHESTRATOR_WAIT_TO_WORK,
-        )
-        self.discards = DiscardWindow(
-            telemetry.ADVICE_MOST_ROLLOUTS_DISCARDED,
-            telemetry.ADVICE_ROLLOUTS_DISCARDED,
-            telemetry.ADVICE_DISCARDED_FRACTION,
-            generated_key=telemetry.ROLLOUT_TOKENS_GENERATED,
-            discarded_key=telemetry.ROLLOUT_TOKENS_DISCARDED,
-        )
+        self.reporter = StepReporter(config, self.bound)
         self._policy_wait_s = 0.0  # of the step under way: dispatch held for a newer policy
         self._send_stop = threading.Event()  # ends the send thread's waits when the orchestrator stops
         self._broker_lost = False  # stopped by BrokerOutageExceeded: no goodbye to the broker
         self._stop_reason = ""
-        self._fallback_reasons_logged: set[str] = set()
-        self._num_fallbacks_total = 0
         # Under `primerl rl`: the preflight's environment check, on the env workers this run starts.
         self.env_preflight = EnvPreflight.requested(config)
 
@@ -181,103 +170,11 @@ class OrchestratorRunner:
 
     def _connect(self) -> None:
         """Register with the broker, start the worker-list threads and the send thread."""
-        from primerl.proto.v1 import common_pb2
-
-        config = self.config
         capabilities = {"metrics_url": self.exporter.url} if self.exporter is not None else {}
-        control = self.control = ControlClient(config.broker, "orchestrator", "orchestrator", capabilities=capabilities)
-        control.wait_ready(config.broker.connect_timeout_s)
-        registration = control.register()
-        control.start_heartbeats(lambda: dict(self.progress))
-        self.producer = RolloutProducer(
-            registration.rollout_endpoint,
-            auth_token=config.broker.run_token,
-            sender="orchestrator",
-            resend_interval_s=RESEND_INTERVAL_S,
-            limits=control.limits.frames,
-            curve=control.curve,
-        )
+        self.control, self.producer = connect_broker(self.config, capabilities, lambda: dict(self.progress))
         self.sender = BatchSender(self._send_step)
-        self.endpoint_watcher = EndpointWatcher(
-            lambda: control.list_workers(common_pb2.ROLE_INFERENCE),
-            outage_s=config.broker.outage_s,
-            healable=(BrokerUnavailable,),
-            interval_s=WORKER_REFRESH_S,
-            fast_interval_s=VERSION_WAIT_S,
-        )
-        self.endpoint_watcher.start()
-        if config.teacher is not None and not config.teacher.base_url:
-            self.teacher_watcher = EndpointWatcher(
-                lambda: control.list_workers(common_pb2.ROLE_TEACHER),
-                outage_s=config.broker.outage_s,
-                healable=(BrokerUnavailable,),
-                interval_s=WORKER_REFRESH_S,
-                name="teacher-watcher",
-                what="teacher workers",
-            )
-            self.teacher_watcher.start()
-        if config.teacher is not None:
-            log.info(
-                telemetry.SCORING_ROLLOUTS_WITH_A_TEACHER,
-                model=config.teacher.model or "(first listed)",
-                base_url=config.teacher.base_url or "(teacher workers listed by the broker)",
-                max_inflight=config.teacher.max_inflight,
-            )
-        self.failures = RolloutFailures(
-            config.batch_size,
-            report=control.report_error,
-            hint_values={
-                "seq_len": config.seq_len,
-                "model": config.model.name,
-                "rollout_timeout_s": config.rollout_timeout_s,
-            },
-            inference_outage_s=INFERENCE_OUTAGE_S,
-        )
-
-    def _start_environments(self) -> EnvSampler:
-        """Start the training and eval environments side by side; the sampler over the training ones."""
-        from primerl.orchestrator.envs.factory import EnvClients, endpoint_version_fn
-
-        config, preflight = self.config, self.env_preflight
-        clients = EnvClients(
-            config,
-            env_python=self.env_python,
-            version_of=endpoint_version_fn(self.inference),
-            probe=preflight.probe if preflight is not None else None,
-        )
-        evals = [(config.eval.env, "orchestrator.eval.env", self.eval_clients)] if config.eval is not None else []
-        groups = [(config.env, "orchestrator.env", self.env_clients), *evals]
-        if preflight is None:
-            loaded = clients.start_groups(groups)
-        else:  # the findings go to the launcher before an error of the start ends this process
-            outcomes: dict = {}
-            try:
-                loaded = clients.start_groups(groups, outcomes)
-            finally:
-                preflight.report(outcomes)
-        sizes, weights = {}, {}
-        for resolved, info in loaded[0]:
-            env = resolved.env
-            if info.num_examples == 0:
-                raise ValueError(f"environment {env.id!r} has no training examples ({resolved.setting}.args)")
-            sizes[env.id], weights[env.id] = info.num_examples, env.weight
-            log.info(
-                "environment loaded",
-                env_id=env.id,
-                kind=resolved.kind,
-                env_class=info.env_class,
-                num_examples=info.num_examples,
-                weight=env.weight,
-            )
-        for resolved, info in loaded[1] if evals else []:
-            log.info(
-                "eval environment loaded",
-                env_id=resolved.env.id,
-                kind=resolved.kind,
-                num_eval_examples=info.num_eval_examples,
-                has_eval_dataset=info.has_eval_dataset,
-            )
-        return EnvSampler(sizes, weights, seed=config.sampling.seed or 0)
+        self.endpoint_watcher, self.teacher_watcher = watch_workers(self.config, self.control)
+        self.failures = rollout_failures(self.config, self.control)
 
     def _build_scheduler(self, sampler: EnvSampler) -> RolloutScheduler:
         config = self.config
@@ -326,7 +223,15 @@ class OrchestratorRunner:
                 self.env_preflight.start()  # its tokenizer loads while the broker is dialled and the envs load
             self._open_metrics()
             self._connect()
-            scheduler = self.scheduler = self._build_scheduler(self._start_environments())
+            sampler = start_environments(
+                self.config,
+                env_python=self.env_python,
+                inference=self.inference,
+                preflight=self.env_preflight,
+                env_clients=self.env_clients,
+                eval_clients=self.eval_clients,
+            )
+            scheduler = self.scheduler = self._build_scheduler(sampler)
             start_step = self._restore(scheduler)
             if self.step_gauge is not None:
                 self.step_gauge.set(start_step - 1)
@@ -541,31 +446,12 @@ class OrchestratorRunner:
     ) -> None:
         """The step's metrics (``primerl.orchestrator.step_metrics``) to the broker, the sink and the log."""
         assert self.sink is not None
-        versions = [s.min_policy_version for s in batch.samples]
-        metrics = batch_metrics(
-            batch,
-            report.counters,
-            report.fallbacks,
-            elapsed_s=elapsed_s,
-            tokens_per_s=report.tokens_per_s,
-            multi_env=len(self.config.env) > 1,
+        waited_s = self._policy_wait_s + report.timers.totals.get("send_wait_s", 0.0)
+        self._policy_wait_s = 0.0
+        concurrency = self.concurrency.metrics() if self.concurrency is not None else {}
+        metrics = self.reporter.metrics(
+            step, batch, packed, report, elapsed_s=elapsed_s, waited_s=waited_s, concurrency=concurrency
         )
-        metrics.update(
-            finite(
-                {
-                    **packed.metrics(),
-                    **self.bound.lag_metrics(step, versions),
-                    **report.timers.metrics(elapsed_s),
-                    **report.worker_metrics,
-                }
-            )
-        )
-        if self.concurrency is not None:
-            metrics.update(self.concurrency.metrics())
-        self._advise(metrics, elapsed_s, report.timers.totals.get("send_wait_s", 0.0))
-        self._log_new_fallbacks(report.fallbacks)
-        self._num_fallbacks_total += sum(report.fallbacks.values())
-        metrics[telemetry.ROLLOUT_INTERLEAVE_FALLBACKS_TOTAL] = float(self._num_fallbacks_total)
         # the broker merges all roles' last metrics: the batch's step lets the progress line pair its reward
         self._report_metrics(step, {**metrics, telemetry.ORCHESTRATOR_STEP: float(step)})
         self.sink.log(step, metrics)
@@ -577,29 +463,6 @@ class OrchestratorRunner:
             seconds=round(elapsed_s, 2),
             tokens_per_s=round(metrics[telemetry.ROLLOUT_TOKENS_PER_S], 1),
         )
-
-    def _advise(self, metrics: dict[str, float], elapsed_s: float, send_wait_s: float) -> None:
-        """The advice of the step's window (``primerl.runtime.advice``): waiting for policies (dispatch held by the
-        async bound, the send queue full while the trainer is behind) against the rest of the step, and the
-        discarded share of the generated tokens; logged once per window, flags in the rows."""
-        waited_s = self._policy_wait_s + send_wait_s
-        self._policy_wait_s = 0.0
-        for advice in (self.policy_waits.add(waited_s, elapsed_s - waited_s), self.discards.add(metrics)):
-            if advice is not None:
-                log.warning(advice.event, **advice.figures)
-        metrics.update({**self.policy_waits.metrics, **self.discards.metrics})
-
-    def _log_new_fallbacks(self, fallbacks: collections.Counter) -> None:
-        """Once per reason and run: interleaved trajectories that were trained as branching samples instead."""
-        for reason, count in fallbacks.items():
-            if reason not in self._fallback_reasons_logged:
-                self._fallback_reasons_logged.add(reason)
-                log.warning(
-                    "interleaved trajectories fall back to branching samples (more samples, prompts "
-                    "trained again); counted in rollout/interleave_fallbacks",
-                    reason=reason,
-                    num_this_step=count,
-                )
 
     def close(self) -> None:
         self._send_stop.set()  # a send still waiting for the broker gives up (a restart sends its step again)

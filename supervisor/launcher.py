@@ -36,29 +36,24 @@ from primerl.proto.shared_segment import remove_stale_segments
 from primerl.runtime.config_loader import write_toml
 from primerl.runtime.cpu_budget import describe, role_env
 from primerl.runtime.run_metrics import read_run_rows
-from primerl.runtime.start_gate import ENV_CHECK_FILE_NAME, GATE_FILE_NAME, GATE_VAR, open_gate
-from primerl.supervisor import process_reaper
+from primerl.runtime.start_gate import ENV_CHECK_FILE_NAME, GATE_FILE_NAME, GATE_VAR
+from primerl.supervisor.broker_links import dashboard_server, new_metrics_urls, run_file, status_client
 from primerl.supervisor.console import RunConsole
+from primerl.supervisor.preflight_gate import PreflightFailed, PreflightGate
 from primerl.supervisor.process_supervisor import ChildFailed, ChildProcess, Supervisor
 from primerl.supervisor.restart_policy import RestartPolicy
 from primerl.supervisor.restarts import Restarts
 from primerl.supervisor.role_configs import RoleFiles, has_gpus, thread_budgets, without_token
 from primerl.supervisor.role_logs import last_error_in_log
-from primerl.supervisor.run_file import RUN_FILE_NAME, RunFile, write_run_file
+from primerl.supervisor.run_file import RUN_FILE_NAME, write_run_file
 from primerl.supervisor.run_progress import Progress, run_summary
 from primerl.supervisor.tmux import close_tmux, open_tmux
 
 RUN_TOKEN_ENV = "PRIMERL_RUN_TOKEN"
 BIN = Path(sys.executable).parent
-STATUS_TIMEOUT_S = 2.0
 TAIL_LINES = 30
 CHECK_INTERVAL_S = 0.2
 """How often the supervising loop looks at the children (the progress line refreshes every progress_interval_s)."""
-PREFLIGHT_MARK = "preflight"
-"""The reaper's mark of the background preflight's env workers: they end with the launcher, as the roles do."""
-PREFLIGHT_WAIT_S = 180.0
-"""How long a role's failure before the preflight's verdict waits for it (its checks are bounded by
-``CHECK_TIMEOUT_S``, 150 s): a failed preflight explains the failure better than the role's log."""
 BROKER_CLIENTS = ("trainer", "orchestrator", "inference", "teacher")
 EARLY_STOP_TIMEOUT_S = 10.0
 """Before the run is under way, how long a role may take to stop (it stops at once; the bound covers a stop that
@@ -93,10 +88,6 @@ def orchestrator_starts_early(config) -> bool:
     return config.orchestrator.eval is None and config.teacher is None
 
 
-class PreflightFailed(Exception):
-    """The preflight's slow checks, run beside the start, found a problem: every role is stopped."""
-
-
 class Launcher:
     """One `primerl rl` run: ``run()`` returns the launcher's exit status."""
 
@@ -123,8 +114,7 @@ class Launcher:
         self.budgets: dict = {}  # role -> its CPU thread budget, once the role configs are made
         self.startup_s: float | None = None
         self.dashboard = None  # the run's web page (primerl.dashboard.server.DashboardServer), once served
-        self.preflight = options.preflight  # BackgroundPreflight, until its checks passed
-        self.gate_path = self.run_dir / GATE_FILE_NAME
+        self.preflight = PreflightGate(options.preflight, self.supervisor, self.run_dir / GATE_FILE_NAME)
 
     # ----------------------------------------------------------------------------------------- helpers
     def say(self, text: str) -> None:
@@ -144,8 +134,8 @@ class Launcher:
 
     def _child(self, role: str, argv: list[str], gpu_ids: list[int] | None = None) -> ChildProcess:
         env = {**self._env(gpu_ids), **role_env(role, self.budgets[role])}
-        if role == "orchestrator" and self.options.preflight is not None:
-            env[GATE_VAR] = str(self.gate_path.resolve())  # its first rollout waits for the preflight's verdict
+        if role == "orchestrator" and self.options.preflight is not None:  # its first rollout waits for the verdict
+            env[GATE_VAR] = str(self.preflight.gate_path.resolve())
             env.update(self.options.preflight.orchestrator_env())  # it checks the environments it loads
         child = self.supervisor.start(ChildProcess(role, argv, self.logs_dir / f"{role}.log", env))
         self.supervisor.write_pids(self.run_dir / "pids.json")
@@ -173,12 +163,12 @@ class Launcher:
         except PreflightFailed:
             return self._preflight_failed()
         except ChildFailed as failure:
-            if self._preflight_explains_failure():  # e.g. an orchestrator that cannot load what the preflight refused
+            # e.g. an orchestrator that cannot load what the preflight refused
+            if self.preflight.explains_failure(lambda: self.signal_count > 0):
                 return self._preflight_failed()
             return self._fail(failure.child, str(failure))
         finally:
-            if self.preflight is not None and not self.preflight.done():  # its env workers end with the run
-                process_reaper.signal_marked(self.supervisor.token, signal.SIGTERM, roles=[PREFLIGHT_MARK])
+            self.preflight.end()
             self.supervisor.stop(timeout_s=self._stop_timeout_s(), on_kill=self._on_kill)
             self.supervisor.close()
             remove_stale_segments()  # shared weight segments of a trainer that was killed
@@ -206,12 +196,34 @@ class Launcher:
                 flush=True,
             )
             return 2
+        roles = config.role_configs()
+        paths = self._prepare_run_dir(roles)
+        started = self._start_broker(roles, paths)
+        if started is None:
+            return self._interrupted()
+        address, starting = started
+        inference, teacher, orchestrator_argv, early_orchestrator, engines = starting
+        # Meanwhile a failed trainer or orchestrator is restarted (or stops the run) as during training.
+        for server in (inference, teacher):
+            if server is not None and not self._wait_served(server, [teacher] if server is inference else []):
+                return self._interrupted()
+        if not early_orchestrator:
+            self._child("orchestrator", orchestrator_argv, [])
+            why = "it runs evals" if config.orchestrator.eval is not None else "it scores with the teacher"
+            self.say(f"  orchestrator started (after {engines}: {why})")
+        self.under_way = True
+        self.say("  training ...")
+        self.startup_s = time.monotonic() - started_s
+        return self._supervise(address, started_s)
+
+    def _prepare_run_dir(self, roles: dict) -> dict[str, Path]:
+        """The run directory without a former run's ready, run and gate files; the role configs and thread budgets
+        written; their paths by role."""
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.logs_dir.mkdir(parents=True, exist_ok=True)
         for stale in (*READY_FILE_NAMES.values(), RUN_FILE_NAME, GATE_FILE_NAME, ENV_CHECK_FILE_NAME):
             (self.run_dir / stale).unlink(missing_ok=True)
-        roles = config.role_configs()
-        self.budgets = thread_budgets(config, roles, gpus=self.use_gpus)
+        self.budgets = thread_budgets(self.config, roles, gpus=self.use_gpus)
         paths = self._write_configs(roles)
         self.say(f"primerl rl: run directory {self.run_dir} (configs, logs/, pids.json)")
         self.say(f"  {describe(self.budgets)}")
@@ -219,10 +231,16 @@ class Launcher:
             self._open_tmux(
                 ["broker", "inference", *(["teacher"] if "teacher" in roles else []), "orchestrator", "trainer"]
             )
+        return paths
 
+    def _start_broker(self, roles: dict, paths: dict[str, Path]) -> tuple[str, tuple] | None:
+        """Start the broker and the preflight; the other roles start at once when the broker's address is fixed in
+        the config, else once it is ready (at the port it bound). The broker's address and the started roles
+        (``_start_roles``); None when interrupted first."""
+        config = self.config
         broker_ready = ready_file_path(self.run_dir, "broker")
         broker = self._child("broker", [BIN / "primerl-broker", "@", paths["broker"], "--ready-file", broker_ready])
-        self._start_preflight()
+        self.preflight.start()
         # A gRPC port fixed in the config: the others know the broker's address now and start at once (they wait
         # for it to answer by themselves, broker.connect_timeout_s); else they learn the port it bound.
         fixed = f"{config.broker.client_host}:{config.broker.grpc_port}" if config.broker.grpc_port else None
@@ -234,10 +252,10 @@ class Launcher:
             broker_ready,
             self.options.broker_timeout_s,
             watch=[c for c in starting[:2] if c is not None] if starting is not None else [],
-            tick=self._look_after_starting if starting is not None else self._check_preflight,
+            tick=self._look_after_starting if starting is not None else self.preflight.check,
         )
         if endpoints is None:
-            return self._interrupted()
+            return None
         address = f"{config.broker.client_host}:{endpoints['grpc_port']}"
         self.say(f"  broker ready in {broker.ready_s:.1f} s at {address} (log {broker.log_path})")
         self.restarts.pin_broker(endpoints)
@@ -253,53 +271,32 @@ class Launcher:
                     )
                     self.role_files.set(role, roles[role])
             starting = self._start_roles(config, roles, paths)
-        inference, teacher, orchestrator_argv, early_orchestrator, engines = starting
-        # Meanwhile a failed trainer or orchestrator is restarted (or stops the run) as during training.
-        for server in (inference, teacher):
-            if server is None:
-                continue
-            watch = [teacher] if server is inference and teacher is not None else []
-            served = self.supervisor.wait_ready_file(
-                server,
-                ready_file_path(self.run_dir, server.name),
-                self.options.inference_timeout_s,
-                watch=watch,
-                tick=self._look_after_starting,
-            )
-            if served is None:
-                return self._interrupted()
-            self.say(f"  {server.name} ready in {server.ready_s:.1f} s at {served.get('base_url')}")
-            self.restarts.pin_inference(served, server.name)
-        if not early_orchestrator:
-            self._child("orchestrator", orchestrator_argv, [])
-            why = "it runs evals" if config.orchestrator.eval is not None else "it scores with the teacher"
-            self.say(f"  orchestrator started (after {engines}: {why})")
-        self.under_way = True
-        self.say("  training ...")
-        self.startup_s = time.monotonic() - started_s
-        return self._supervise(address, started_s)
+        return address, starting
+
+    def _wait_served(self, server: ChildProcess, watch: list) -> bool:
+        """Wait for an inference server (or the teacher) to write its ready file; False when interrupted."""
+        served = self.supervisor.wait_ready_file(
+            server,
+            ready_file_path(self.run_dir, server.name),
+            self.options.inference_timeout_s,
+            watch=[child for child in watch if child is not None],
+            tick=self._look_after_starting,
+        )
+        if served is None:
+            return False
+        self.say(f"  {server.name} ready in {server.ready_s:.1f} s at {served.get('base_url')}")
+        self.restarts.pin_inference(served, server.name)
+        return True
 
     def _start_roles(self, config, roles: dict, paths: dict[str, Path]) -> tuple:
         """Start inference (and the teacher), the trainer and, unless it must wait for them, the orchestrator."""
-        inference_ready = ready_file_path(self.run_dir, "inference")
-        inference = self._child(
-            "inference",
-            [BIN / "primerl-infer", "@", paths["inference"], "--ready-file", inference_ready],
-            config.inference_gpu_ids,
-        )
-        teacher = None
-        if "teacher" in roles:
-            teacher = self._child(
-                "teacher",
-                [
-                    BIN / "primerl-infer",
-                    "@",
-                    paths["teacher"],
-                    "--ready-file",
-                    ready_file_path(self.run_dir, "teacher"),
-                ],
-                config.teacher_gpu_ids,
-            )
+
+        def serve(name: str, gpu_ids: list[int]) -> ChildProcess:
+            ready = ready_file_path(self.run_dir, name)
+            return self._child(name, [BIN / "primerl-infer", "@", paths[name], "--ready-file", ready], gpu_ids)
+
+        inference = serve("inference", config.inference_gpu_ids)
+        teacher = serve("teacher", config.teacher_gpu_ids) if "teacher" in roles else None
         # The trainer only needs the broker: it loads its model while vLLM starts.
         num_ranks = len(config.trainer_gpu_ids)
         trainer_argv = [BIN / "primerl-trainer", "@", paths["trainer"]]
@@ -319,23 +316,9 @@ class Launcher:
         return inference, teacher, orchestrator_argv, early_orchestrator, engines
 
     def _supervise(self, address: str, started_s: float) -> int:
-        from primerl.client.control import BrokerError, ControlClient
-        from primerl.runtime.config_common import BrokerClientConfig
+        from primerl.client.control import BrokerError
 
-        trainer_broker = self.config.trainer.broker  # the launcher reads status with the trainer's credentials
-        client = ControlClient(
-            BrokerClientConfig(
-                address=address,
-                run_token=self.token,
-                tls_ca_path=trainer_broker.tls_ca_path,
-                tls_cert_path=trainer_broker.tls_cert_path,
-                tls_key_path=trainer_broker.tls_key_path,
-                tls_server_name=trainer_broker.tls_server_name,
-            ),
-            role="client",
-            name="primerl-rl",
-            rpc_timeout_s=STATUS_TIMEOUT_S,
-        )
+        client = status_client(address, self.token, self.config.trainer.broker)
         last_line_s = 0.0
         last_step = -1
         last_status_s = 0.0
@@ -343,7 +326,7 @@ class Launcher:
             while True:
                 if self.signal_count:
                     return self._interrupted()
-                self._check_preflight()
+                self.preflight.check()
                 if self.restarts.look_after_children():
                     return self._finish(client, started_s)
                 now = time.monotonic()
@@ -367,44 +350,8 @@ class Launcher:
             client.close()
 
     # ------------------------------------------------------------------------------------------ preflight
-    def _start_preflight(self) -> None:
-        """The preflight's slow checks in a thread, once the reaper runs: the env workers they start carry its
-        mark (set in this process's environment, which they inherit) and end with the launcher."""
-        if self.preflight is None:
-            return
-        os.environ[self.supervisor.mark_variable] = PREFLIGHT_MARK
-        self.preflight.start()
-
-    def _preflight_explains_failure(self) -> bool:
-        """A role failed: True when the preflight (waited for, bounded; a Ctrl-C ends the wait) found a problem,
-        which explains the failure better than the role's log."""
-        if self.preflight is None:
-            return False
-        orchestrator = self.supervisor.children.get("orchestrator")
-        if orchestrator is None or orchestrator.poll() is not None:  # its environments' report will not come now
-            self.preflight.orchestrator_ended()
-        deadline = time.monotonic() + PREFLIGHT_WAIT_S
-        while not self.preflight.wait(CHECK_INTERVAL_S) and time.monotonic() < deadline and not self.signal_count:
-            pass
-        try:
-            self._check_preflight()
-        except PreflightFailed:
-            return True
-        return False
-
-    def _check_preflight(self) -> None:
-        """Once the slow checks finished: open the gate (the orchestrator's first rollout waits for it), or raise
-        ``PreflightFailed``."""
-        if self.preflight is None or not self.preflight.done():
-            return
-        if self.preflight.result.errors:
-            raise PreflightFailed()
-        self.preflight.verdict()  # its warnings, if any
-        self.preflight = None
-        open_gate(self.gate_path)
-
     def _look_after_starting(self) -> None:
-        self._check_preflight()
+        self.preflight.check()
         self.restarts.look_after_starting()
 
     def _preflight_failed(self) -> int:
@@ -419,30 +366,11 @@ class Launcher:
             if name in self.supervisor.children
         ]
         self._stop_all(list(self.supervisor.children))
-        status = self.preflight.verdict(stopped=started)
-        self.preflight = None
-        return status or 2
+        return self.preflight.verdict(started)
 
     def _write_run_file(self, address: str, run_id: str | None) -> None:
         """``RUN_DIR/run.json`` (owner-only): the broker's address and the token, for ``primerl status RUN_DIR``."""
-        broker = self.config.trainer.broker
-
-        def absolute(path: Path | None) -> str | None:
-            return str(Path(path).resolve()) if path else None
-
-        write_run_file(
-            self.run_dir,
-            RunFile(
-                broker_address=address,
-                run_token=self.token,
-                tls_ca_path=absolute(broker.tls_ca_path),
-                run_id=run_id or None,
-                launcher_pid=os.getpid(),
-                tls_cert_path=absolute(broker.tls_cert_path),
-                tls_key_path=absolute(broker.tls_key_path),
-                tls_server_name=broker.tls_server_name,
-            ),
-        )
+        write_run_file(self.run_dir, run_file(address, self.token, run_id, self.config.trainer.broker))
         self.say(
             f"  status: primerl status {shlex.quote(str(self.run_dir))}   (address and token in its "
             f"{RUN_FILE_NAME}, readable by you only)"
@@ -453,22 +381,9 @@ class Launcher:
         run directory and the broker with the trainer's credentials. A page that cannot be served is a note."""
         if not self.options.dashboard:
             return
-        from primerl.dashboard.server import Dashboard, DashboardServer
-        from primerl.dashboard.sources import RunDirSource, connect_broker
-
         broker = self.config.trainer.broker
         try:
-            source = connect_broker(
-                address,
-                self.token,
-                tls_ca_path=broker.tls_ca_path and str(broker.tls_ca_path),
-                tls_cert_path=broker.tls_cert_path and str(broker.tls_cert_path),
-                tls_key_path=broker.tls_key_path and str(broker.tls_key_path),
-                tls_server_name=broker.tls_server_name,
-            )
-            self.dashboard = DashboardServer(
-                Dashboard(RunDirSource(self.run_dir), source), "127.0.0.1", self.options.dashboard_port
-            )
+            self.dashboard = dashboard_server(self.run_dir, address, self.token, broker, self.options.dashboard_port)
         except (OSError, ValueError) as err:
             self.say(f"  dashboard not served: {err} (--dashboard-port, or --no-dashboard)")
             return
@@ -477,15 +392,8 @@ class Launcher:
 
     def _announce_metrics(self, status) -> None:
         """Print each worker's metrics URL (the `metrics_url` it registered with) the first time it shows up."""
-        from primerl.proto.v1 import common_pb2
-
-        for worker in status.workers:
-            url = worker.capabilities.get("metrics_url")
-            if url and worker.name not in self.announced_metrics:
-                self.announced_metrics.add(worker.name)
-                served = (common_pb2.ROLE_INFERENCE, common_pb2.ROLE_TEACHER)
-                auth = " (with the run token as bearer token)" if worker.role in served else ""
-                self.say(f"  {worker.name} metrics at {url}{auth}")
+        for line in new_metrics_urls(status, self.announced_metrics):
+            self.say(line)
 
     # ------------------------------------------------------------------------------------------ ends
     def _finish(self, client, started_s: float) -> int:

@@ -49,7 +49,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from primerl.orchestrator.envs.remote.classic_rollouts import LEAN_ENV
+from primerl.orchestrator.envs.remote.lean_trims import LEAN_ENV
 from primerl.proto import telemetry
 
 TOKEN = "bench-token"

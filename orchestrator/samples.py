@@ -226,6 +226,18 @@ class TurnTokens:
         return [int(v) for v in self.completion_policy_versions]
 
 
+@dataclass(frozen=True)
+class SampleMeta:
+    """What every sample of one rollout carries besides its tokens."""
+
+    reward: float
+    truncated: bool = False
+    group_id: Hashable = 0
+    example_id: Hashable = 0
+    env_id: str = ""
+    rollout_id: int = 0
+
+
 @dataclass
 class _Builder:
     token_ids: list[int] = field(default_factory=list)
@@ -250,14 +262,14 @@ class _Builder:
         self.temperatures.extend([float(turn.temperature)] * len(mask))
         self.policy_versions.extend(turn.completion_versions())
 
-    def build(self, **meta) -> TrainingSample:
+    def build(self, meta: SampleMeta) -> TrainingSample:
         return TrainingSample(
             token_ids=self.token_ids,
             loss_mask=self.loss_mask,
             inference_logprobs=self.logprobs,
             temperatures=self.temperatures,
             policy_versions=self.policy_versions,
-            **meta,
+            **vars(meta),
         )
 
 
@@ -268,45 +280,19 @@ def _check_turns(turns: Sequence[TurnTokens]) -> None:
         turn.check(index)
 
 
-def branching_samples(
-    turns: Sequence[TurnTokens],
-    *,
-    reward: float,
-    truncated: bool = False,
-    group_id: Hashable = 0,
-    example_id: Hashable = 0,
-    env_id: str = "",
-    rollout_id: int = 0,
-) -> list[TrainingSample]:
+def branching_samples(turns: Sequence[TurnTokens], meta: SampleMeta) -> list[TrainingSample]:
     """One sample per turn: that turn's prompt (context) and completion (loss tokens)."""
     _check_turns(turns)
-    meta = dict(
-        reward=reward,
-        truncated=truncated,
-        group_id=group_id,
-        example_id=example_id,
-        env_id=env_id,
-        rollout_id=rollout_id,
-    )
     samples = []
     for turn in turns:
         builder = _Builder()
         builder.add_context(turn.prompt_ids, turn.temperature, turn.policy_version)
         builder.add_completion(turn)
-        samples.append(builder.build(**meta))
+        samples.append(builder.build(meta))
     return samples
 
 
-def interleaved_sample(
-    turns: Sequence[TurnTokens],
-    *,
-    reward: float,
-    truncated: bool = False,
-    group_id: Hashable = 0,
-    example_id: Hashable = 0,
-    env_id: str = "",
-    rollout_id: int = 0,
-) -> TrainingSample:
+def interleaved_sample(turns: Sequence[TurnTokens], meta: SampleMeta) -> TrainingSample:
     """One sample for the whole trajectory; raises ``NotInterleavable`` when a turn's prompt does not start with
     the previous turn's prompt and completion."""
     _check_turns(turns)
@@ -325,49 +311,29 @@ def interleaved_sample(
             )
         builder.add_context(prompt[seen:], turn.temperature, turn.policy_version)
         builder.add_completion(turn)
-    return builder.build(
-        reward=reward,
-        truncated=truncated,
-        group_id=group_id,
-        example_id=example_id,
-        env_id=env_id,
-        rollout_id=rollout_id,
-    )
+    return builder.build(meta)
 
 
 def trajectory_to_samples(
     turns: Sequence[TurnTokens],
     strategy: TrajectoryStrategy,
+    meta: SampleMeta,
     *,
     fallback_counts: Counter | None = None,
-    reward: float,
-    truncated: bool = False,
-    group_id: Hashable = 0,
-    example_id: Hashable = 0,
-    env_id: str = "",
-    rollout_id: int = 0,
 ) -> list[TrainingSample]:
     """Samples of one trajectory. ``interleaved`` falls back to ``branching`` for a trajectory that does not
     interleave, adding 1 to ``fallback_counts[reason]``. ``MalformedTrajectory`` propagates: the caller counts
     it and drops the rollout."""
-    meta = dict(
-        reward=reward,
-        truncated=truncated,
-        group_id=group_id,
-        example_id=example_id,
-        env_id=env_id,
-        rollout_id=rollout_id,
-    )
     if strategy == "branching":
-        return branching_samples(turns, **meta)
+        return branching_samples(turns, meta)
     if strategy != "interleaved":
         raise ValueError(f"trajectory strategy must be 'interleaved' or 'branching', got {strategy!r}")
     try:
-        return [interleaved_sample(turns, **meta)]
+        return [interleaved_sample(turns, meta)]
     except NotInterleavable as exc:
         if fallback_counts is not None:
             fallback_counts[exc.reason] += 1
-        return branching_samples(turns, **meta)
+        return branching_samples(turns, meta)
 
 
 def rollout_to_samples(
@@ -388,14 +354,5 @@ def rollout_to_samples(
         TurnTokens.from_wire_turn(turn, temperature=temperature, default_policy_version=default_policy_version)
         for turn in rollout.turns
     ]
-    return trajectory_to_samples(
-        turns,
-        strategy,
-        fallback_counts=fallback_counts,
-        reward=float(rollout.reward),
-        truncated=rollout.is_truncated,
-        group_id=group_id,
-        example_id=example_id,
-        env_id=env_id,
-        rollout_id=rollout.rollout_index,
-    )
+    meta = SampleMeta(float(rollout.reward), rollout.is_truncated, group_id, example_id, env_id, rollout.rollout_index)
+    return trajectory_to_samples(turns, strategy, meta, fallback_counts=fallback_counts)

@@ -11,6 +11,7 @@ import pytest
 from primerl.orchestrator.samples import (
     MalformedTrajectory,
     NotInterleavable,
+    SampleMeta,
     TrainingSample,
     TurnTokens,
     branching_samples,
@@ -42,7 +43,9 @@ def two_turns(extend=True):
 
 
 def test_interleaved_concatenates_turns_and_masks_env_tokens():
-    sample = interleaved_sample(two_turns(), reward=1.0, group_id=7, example_id=3, env_id="toy", rollout_id=2)
+    sample = interleaved_sample(
+        two_turns(), SampleMeta(reward=1.0, group_id=7, example_id=3, env_id="toy", rollout_id=2)
+    )
     assert sample.token_ids == [1, 2, 3, 10, 11, 20, 21, 30, 31, 32]
     assert sample.loss_mask == [False, False, False, True, True, False, False, True, True, True]
     assert sample.inference_logprobs == pytest.approx([0, 0, 0, -0.1, -0.2, 0, 0, -0.3, -0.4, -0.5])
@@ -54,7 +57,7 @@ def test_interleaved_concatenates_turns_and_masks_env_tokens():
 
 
 def test_branching_gives_one_sample_per_turn():
-    samples = branching_samples(two_turns(), reward=0.5, rollout_id=1)
+    samples = branching_samples(two_turns(), SampleMeta(reward=0.5, rollout_id=1))
     assert [s.token_ids for s in samples] == [[1, 2, 3, 10, 11], [1, 2, 3, 10, 11, 20, 21, 30, 31, 32]]
     assert samples[1].loss_mask == [False] * 7 + [True] * 3  # the first turn's completion is context here
     assert samples[1].policy_versions == [5] * 7 + [5, 5, 6]
@@ -63,14 +66,14 @@ def test_branching_gives_one_sample_per_turn():
 
 def test_interleaved_falls_back_to_branching_and_counts_the_reason():
     with pytest.raises(NotInterleavable) as info:
-        interleaved_sample(two_turns(extend=False), reward=0.0)
+        interleaved_sample(two_turns(extend=False), SampleMeta(reward=0.0))
     assert info.value.reason == "prefix_mismatch" and "token 2" in str(info.value)
     counts = Counter()
-    samples = trajectory_to_samples(two_turns(extend=False), "interleaved", fallback_counts=counts, reward=1.0)
+    samples = trajectory_to_samples(two_turns(extend=False), "interleaved", SampleMeta(1.0), fallback_counts=counts)
     assert len(samples) == 2 and counts == {"prefix_mismatch": 1}
-    assert len(trajectory_to_samples(two_turns(), "interleaved", fallback_counts=counts, reward=1.0)) == 1
+    assert len(trajectory_to_samples(two_turns(), "interleaved", SampleMeta(1.0), fallback_counts=counts)) == 1
     assert counts == {"prefix_mismatch": 1}
-    assert len(trajectory_to_samples(two_turns(), "branching", reward=1.0)) == 2
+    assert len(trajectory_to_samples(two_turns(), "branching", SampleMeta(1.0), fallback_counts=None)) == 2
 
 
 def test_completion_mask_zeroes_logprobs_of_tokens_not_generated():
@@ -81,7 +84,7 @@ def test_completion_mask_zeroes_logprobs_of_tokens_not_generated():
         policy_version=0,
         completion_mask=[True, False, True],
     )
-    (sample,) = branching_samples([turn], reward=0.0)
+    (sample,) = branching_samples([turn], SampleMeta(reward=0.0))
     assert sample.loss_mask == [False, True, False, True]
     assert sample.inference_logprobs == [0.0, -1.0, 0.0, -3.0]
 
@@ -98,7 +101,7 @@ def test_turn_from_the_env_worker_wire_shape():
         policy_version_end=3,
     )
     turn = TurnTokens.from_wire_turn(wire, temperature=0.8, default_policy_version=2)
-    (sample,) = branching_samples([turn], reward=1.0)
+    (sample,) = branching_samples([turn], SampleMeta(reward=1.0))
     assert sample.loss_mask == [False, False, True, False] and sample.policy_versions == [2, 2, 2, 2]
     assert sample.temperatures == pytest.approx([0.8] * 4)
 
@@ -117,7 +120,7 @@ def test_turn_from_the_env_worker_wire_shape():
 def test_malformed_trajectories_raise_with_a_reason(turns, reason):
     for strategy in ("interleaved", "branching"):
         with pytest.raises(MalformedTrajectory) as info:
-            trajectory_to_samples(turns, strategy, reward=0.0)
+            trajectory_to_samples(turns, strategy, SampleMeta(reward=0.0), fallback_counts=None)
         assert info.value.reason == reason
 
 
@@ -133,7 +136,7 @@ def test_fallback_reasons_become_the_runners_metrics():
     from primerl.orchestrator.step_metrics import fallback_metrics
 
     fallbacks = Counter()
-    trajectory_to_samples(two_turns(extend=False), "interleaved", fallback_counts=fallbacks, reward=1.0)
+    trajectory_to_samples(two_turns(extend=False), "interleaved", SampleMeta(1.0), fallback_counts=fallbacks)
     assert fallback_metrics(fallbacks)["rollout/interleave_fallbacks/prefix_mismatch"] == 1.0
 
 

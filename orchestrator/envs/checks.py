@@ -155,8 +155,6 @@ def check_environments(
     """The findings of the environments ``uses``: each loaded by ``load(use, interpreter)`` (default: in an env
     worker of its own, `load_env`), a sample of its prompts measured with ``tokenizer`` (loaded meanwhile, or the
     future of `load_tokenizer` given as ``loaded_tokenizer``)."""
-    from primerl.orchestrator.envs.interpreters import EnvProbeError, probe_env_python
-
     load = load or load_env
     unique: dict[tuple[str, str, str], EnvUse] = {}
     for use in uses:
@@ -183,18 +181,8 @@ def check_environments(
                 detail,
             )
         ]
-    findings = []
     failed = [(use, results[key]) for key, use in unique.items() if results[key].error is not None]
-    if failed:
-        try:  # only now: the installed ids are for did-you-mean
-            installed_ids = [env.id for env in probe_env_python(env_python, timeout_s=ENV_START_TIMEOUT_S).envs]
-            v1_pythons = {use.python for use, _ in failed if use.kind == "v1" and use.python}
-            installed_ids += [
-                env.id for python in v1_pythons for env in probe_env_python(python, timeout_s=ENV_START_TIMEOUT_S).envs
-            ]
-        except EnvProbeError:
-            installed_ids = None  # the line points at `primerl env list` instead
-        findings += [load_finding(use, result, installed_ids) for use, result in failed]
+    findings = _load_findings(failed, env_python) if failed else []
     for key, use in unique.items():
         if results[key].error is None and results[key].num_examples == 0:
             split = "training" if use.split == "train" else "eval"
@@ -227,6 +215,22 @@ def check_environments(
                     )
                 )
     return findings
+
+
+def _load_findings(failed: list[tuple[EnvUse, LoadedEnv]], env_python: str) -> list[Finding]:
+    """The environments that did not load, each with the installed ids closest to it (probed only now: they are
+    for did-you-mean; none when the probe fails, and the line points at `primerl env list` instead)."""
+    from primerl.orchestrator.envs.interpreters import EnvProbeError, probe_env_python
+
+    try:
+        installed_ids = [env.id for env in probe_env_python(env_python, timeout_s=ENV_START_TIMEOUT_S).envs]
+        v1_pythons = {use.python for use, _ in failed if use.kind == "v1" and use.python}
+        installed_ids += [
+            env.id for python in v1_pythons for env in probe_env_python(python, timeout_s=ENV_START_TIMEOUT_S).envs
+        ]
+    except EnvProbeError:
+        installed_ids = None
+    return [load_finding(use, result, installed_ids) for use, result in failed]
 
 
 def in_daemon_thread(function: Any, *args: Any) -> concurrent.futures.Future:

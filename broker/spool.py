@@ -140,8 +140,6 @@ class RolloutSpool:
         self._loaded = False
         self._lock_fd: int | None = None
 
-    # ------------------------------------------------------------------ start-up
-
     def load(self) -> dict[str, SpoolEntry]:
         """Lock the directory for this process, create it if needed, remove temporary leftovers, quarantine
         damaged files, delete batches of committed steps, and index the rest. Returns the index
@@ -188,8 +186,6 @@ class RolloutSpool:
             committed_step=committed,
         )
         return dict(entries)
-
-    # ------------------------------------------------------------------ batches
 
     def put(self, batch_id: str, header_bytes: bytes, payload: Any, *, crc32: int | None = None) -> bool:
         """Write one batch durably. Returns False (and writes nothing) if ``batch_id`` is already spooled.
@@ -344,8 +340,6 @@ class RolloutSpool:
         with self._lock:
             return self._num_file_bytes
 
-    # ------------------------------------------------------------------ commit marker
-
     @property
     def committed_step(self) -> int | None:
         with self._lock:
@@ -375,8 +369,6 @@ class RolloutSpool:
             os.close(self._lock_fd)
             self._lock_fd = None
         self._loaded = False
-
-    # ------------------------------------------------------------------ internals
 
     def _cache_put_locked(self, batch_id: str, header_bytes: bytes, payload: memoryview, crc32: int) -> None:
         if payload.nbytes > self.cache_max_bytes:

@@ -438,7 +438,11 @@ class WeightFanout:
             return FanoutCounts(len(self._members), self._num_forgotten, relays.num_chains, relays.num_heals)
 
     def _replan_locked(self, member: WeightMember) -> None:
-        member.queue = self.store.plan_for(*member.plan_basis())
+        sending = member.sending  # plan from the update being sent, else from what it will hold
+        if sending is not None:
+            member.queue = self.store.plan_for(sending.policy_version, sending.lineage)
+        else:
+            member.queue = self.store.plan_for(member.sent_version, member.sent_lineage)
 
     def _forget_locked(self, member: WeightMember, *, reason: str = "", count: bool = True) -> None:
         chain = member.chain

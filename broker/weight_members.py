@@ -111,16 +111,6 @@ class WeightMember:
             return header.lineage > lineage
         return version is None or header.policy_version > version
 
-    def plan_basis(self) -> tuple[int | None, int]:
-        """The (version, lineage) its plan starts from: the update being sent, else what it will hold."""
-        if self.sending is not None:
-            return self.sending.policy_version, self.sending.lineage
-        return self.sent_version, self.sent_lineage
-
-    def start(self, update: StoredUpdate, chain: RelayChain | None) -> None:
-        self.sending, self.next_chunk, self.chain = update, 0, chain
-        self.relay_deadline_s = None
-
     def stop_sending(self) -> None:
         self.sending, self.next_chunk, self.chain = None, 0, None
 

@@ -82,8 +82,10 @@ def relayed_messages(messages: list[list[Any]], update: StoredUpdate, chain: Rel
     envelope carrying the chain and a transfer id of the chain's own. Built once per chain, as chunks arrive."""
     relayed = chain.messages
     if len(relayed) < len(messages):
+        forward = update.transit.forward
+        assert forward is not None, "relayed_messages follows chunk_messages"
         suffix = data_pb2.Envelope(
-            chunk=data_pb2.Chunk(transfer_id=f"{_transfer_id(update)}.r{chain.number}"),
+            chunk=data_pb2.Chunk(transfer_id=f"{forward.transfer_id}.r{chain.number}"),
             relay_hops=[
                 data_pb2.RelayHop(worker_id=worker_id, endpoint=endpoint)
                 for worker_id, endpoint in zip(chain.hops, chain.endpoints, strict=True)
@@ -113,9 +115,3 @@ def _rechunked(update: StoredUpdate, transfer_id: str, chunk_bytes: int, envelop
         )
         for index, piece in enumerate(pieces)
     ]
-
-
-def _transfer_id(update: StoredUpdate) -> str:
-    forward = update.transit.forward
-    assert forward is not None, "relayed_messages follows chunk_messages"
-    return forward.transfer_id

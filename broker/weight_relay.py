@@ -77,7 +77,8 @@ class RelayChains:
             chain = RelayChain(update, self.num_chains, hops, endpoints, self._clock())
             log.debug("weight relay chain planned", policy_version=update.policy_version, hops=list(chain.hops))
         for member in members:
-            member.start(update, chain if member in chained else None)
+            member.sending, member.next_chunk, member.chain = update, 0, chain if member in chained else None
+            member.relay_deadline_s = None
 
     def heal(self, members: Mapping[str, WeightMember], now_s: float) -> list[WeightMember]:
         """Dissolve the chains whose head stalled; a member a relay did not reach in time counts as sent nothing (the

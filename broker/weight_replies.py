@@ -4,7 +4,6 @@ without blocking (``try_send``, the plane's one ROUTER send), ERROR replies coun
 from __future__ import annotations
 
 import collections
-import threading
 from typing import Any
 
 import zmq
@@ -36,20 +35,14 @@ def try_send(socket: zmq.Socket, identity: bytes, frames: list[Any]) -> bool:
 
 
 class WeightReplies:
-    """Replies waiting for the IO thread, in order; ``num_errors_sent`` may be read by any thread."""
+    """Replies waiting for the IO thread, in order. Used by the IO thread only (others may read the count)."""
 
     def __init__(self, auth_token: str | None, max_pending: int):
         self.auth_token = auth_token or None
         self.max_pending = max_pending
         self._pending: collections.deque[tuple[bytes, list[Any]]] = collections.deque()
         self._guard_log = RateLimitedLog(log)
-        self._lock = threading.Lock()  # guards the counter (read by other threads)
-        self._num_errors_sent = 0
-
-    @property
-    def num_errors_sent(self) -> int:
-        with self._lock:
-            return self._num_errors_sent
+        self.num_errors_sent = 0
 
     def envelope(self, in_reply_to: str) -> dict[str, str]:
         """The envelope fields of what the plane sends (sender ``broker``, the run token)."""
@@ -66,8 +59,7 @@ class WeightReplies:
 
     def count_error(self) -> None:
         """An ERROR went out in another form (a WEIGHT_ACK that refuses an update)."""
-        with self._lock:
-            self._num_errors_sent += 1
+        self.num_errors_sent += 1
 
     def error(
         self, identity: bytes, detail: common_pb2.ErrorDetail, refused_type: int, *, in_reply_to: str = ""

@@ -40,7 +40,7 @@ def serve(config, args: argparse.Namespace) -> int:
         gracefully; before it (connecting, loading environments) it ends the start-up at once."""
         return runner is not None and runner.started.is_set()
 
-    from primerl.client.control import BrokerError
+    from primerl.client.broker_errors import BrokerError
     from primerl.client.outage import BrokerOutageExceeded
     from primerl.orchestrator.envs.base import EnvWorkerError
     from primerl.orchestrator.rollout_failures import RolloutsFailing

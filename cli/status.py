@@ -77,7 +77,8 @@ def main(argv: list[str] | None = None) -> int:
 
     if not structlog.is_configured():  # log lines (if any) go to stderr: stdout is the status (maybe JSON)
         configure_logging("status", level="warning")
-    from primerl.client.control import BrokerError, ControlClient
+    from primerl.client.broker_errors import BrokerError
+    from primerl.client.control import ControlClient
     from primerl.runtime.config_common import BrokerClientConfig
 
     try:

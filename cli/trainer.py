@@ -52,7 +52,7 @@ def _exit_status_of(exc: Exception, log) -> int:
     (a ``ValueError``); 1 when the broker stayed unreachable past ``broker.outage_s`` or a checkpoint found its
     disk full (a restart may heal it, once there is room: it resumes from the checkpoint kept). Anything else is
     raised (traceback)."""
-    from primerl.client.control import BrokerLost, IncarnationSuperseded
+    from primerl.client.broker_errors import BrokerLost, IncarnationSuperseded
     from primerl.client.outage import BrokerOutageExceeded
     from primerl.proto.weight_refusals import LineageSuperseded
     from primerl.trainer.checkpoint import CheckpointDiskFull

@@ -14,9 +14,9 @@ budget it sets ``broker_lost`` (with ``broker_lost_error``); a worker that only 
 trainer waiting for data) calls ``check_broker()`` in its loop and stops with that one error. ``primerl status``
 (role ``client``) does not ride through: it fails at once.
 
-Errors reach callers as ``BrokerError`` (with the gRPC ``code``); ``BrokerUnavailable`` when the broker cannot
-be reached in time (those can heal: retry later); ``IncarnationSuperseded`` when a newer trainer incarnation took
-over the run (never heals: the heartbeat thread stops, and ``check_broker()`` raises it).
+Errors reach callers as ``BrokerError`` (``client.broker_errors``, with the gRPC ``code``); ``BrokerUnavailable``
+when the broker cannot be reached in time (those can heal: retry later); ``IncarnationSuperseded`` when a newer
+trainer incarnation took over the run (never heals: the heartbeat thread stops, and ``check_broker()`` raises it).
 """
 
 from __future__ import annotations
@@ -30,6 +30,14 @@ from typing import Any
 
 import grpc
 
+from primerl.client.broker_errors import (
+    BrokerError,
+    BrokerLost,
+    BrokerUnavailable,
+    IncarnationSuperseded,
+    NameHeld,
+    broker_error,
+)
 from primerl.client.channel import BACKOFF_INITIAL_S, BACKOFF_MAX_S, create_channel
 from primerl.client.outage import BrokerOutageExceeded, OutageWatch, retry_through_outage
 from primerl.proto import telemetry
@@ -47,50 +55,9 @@ PROGRESS_FIELDS = frozenset(
     {"trainer_step", "policy_version", "orchestrator_step", "num_inflight", "recent_errors", "not_serving"}
 )
 
-# CANCELLED: a broker that shuts down (a restart) cancels the calls it is serving; this client cancels none of its
-# unary calls, and a stream it cancels itself ends before this (``RunStatusStream``). Found by CI: an endpoint
-# watcher's ListWorkers cancelled by the broker's restart stopped the orchestrator it should have waited in.
-_UNAVAILABLE_CODES = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED)
 _log = get_logger("primerl.broker.client")
 
 ProgressFn = Callable[[], Mapping[str, Any]]
-
-
-class BrokerError(RuntimeError):
-    """The broker refused a call, or could not be reached. ``code`` is the ``grpc.StatusCode``."""
-
-    def __init__(self, message: str, code: grpc.StatusCode = grpc.StatusCode.UNKNOWN):
-        super().__init__(message)
-        self.code = code
-
-
-class BrokerUnavailable(BrokerError):
-    """The broker did not answer in time (down, restarting, wrong address, TLS mismatch). Can heal."""
-
-
-class BrokerLost(BrokerUnavailable, BrokerOutageExceeded):
-    """The broker stayed unreachable for longer than ``outage_s``: the worker should stop with this error."""
-
-
-class _NameHeld(BrokerError):
-    """ALREADY_EXISTS at registration: the name is held, e.g. by this worker's previous incarnation until the
-    broker expires it. A worker waits for that (within ``outage_s``)."""
-
-
-class IncarnationSuperseded(BrokerError):
-    """A newer trainer incarnation took over this run's policy lineage (it registered while this trainer was cut
-    off or stuck): the broker refuses this one's registration and commits for good. The trainer must stop and
-    must not be restarted."""
-
-
-def broker_error(err: grpc.RpcError, what: str, address: str) -> BrokerError:
-    code = err.code() if hasattr(err, "code") else grpc.StatusCode.UNKNOWN
-    details = err.details() if hasattr(err, "details") else str(err)
-    if code in _UNAVAILABLE_CODES:
-        return BrokerUnavailable(f"{what}: broker at {address} unreachable ({code.name}: {details})", code)
-    if code == grpc.StatusCode.ABORTED:
-        return IncarnationSuperseded(f"{what}: {details}", code)
-    return BrokerError(f"{what}: {code.name}: {details}", code)
 
 
 # ------------------------------------------------------------------------------------------------ client
@@ -235,14 +202,14 @@ class ControlClient:
                 return self._register_once()
             except BrokerError as err:
                 if err.code == grpc.StatusCode.ALREADY_EXISTS:
-                    raise _NameHeld(str(err), err.code) from None
+                    raise NameHeld(str(err), err.code) from None
                 raise
 
         watch = OutageWatch("Register", self.outage_s, worker=self.name)
         try:
-            return retry_through_outage(attempt, watch, (BrokerUnavailable, _NameHeld), stop_event=self._stop)
+            return retry_through_outage(attempt, watch, (BrokerUnavailable, NameHeld), stop_event=self._stop)
         except BrokerOutageExceeded as err:
-            if isinstance(watch.last_error, _NameHeld):
+            if isinstance(watch.last_error, NameHeld):
                 raise BrokerError(
                     f"cannot register as {self.name!r} within broker.outage_s = {self.outage_s:g} s: "
                     f"{watch.last_error}",

@@ -210,7 +210,7 @@ class BrokerSource:
     def status(self) -> tuple[control_pb2.RunStatus | None, str]:
         """The broker's run status (None when it cannot be reached) and the error, if any. One request at a time
         asks the broker; the others meanwhile get the last answer (a slow broker never queues them)."""
-        from primerl.client.control import BrokerError
+        from primerl.client.broker_errors import BrokerError
 
         with self._lock:
             fresh = time.monotonic() - self._read_s < (STATUS_CACHE_S if self._status is not None else RETRY_S)
@@ -233,7 +233,7 @@ class BrokerSource:
         """Read what the broker's history has beyond what is kept here (at most once per ``STATUS_CACHE_S``)."""
         import grpc
 
-        from primerl.client.control import BrokerError
+        from primerl.client.broker_errors import BrokerError
 
         if not self._history_lock.acquire(blocking=False):  # another request is reading it: use what is kept
             return

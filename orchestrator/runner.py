@@ -39,7 +39,8 @@ import threading
 import time
 from typing import TYPE_CHECKING, Any
 
-from primerl.client.control import BrokerUnavailable, ControlClient
+from primerl.client.broker_errors import BrokerUnavailable
+from primerl.client.control import ControlClient
 from primerl.client.outage import OutageStopped, OutageWatch, retry_through_outage
 from primerl.client.rollouts import RolloutProducer
 from primerl.configs.orchestrator import OrchestratorConfig
@@ -292,7 +293,7 @@ class OrchestratorRunner:
 
     def _report_fatal(self, exc: BaseException) -> None:
         """Hand the error that stops the orchestrator to the broker's status (one heartbeat, best effort)."""
-        from primerl.client.control import BrokerError
+        from primerl.client.broker_errors import BrokerError
 
         if self.control is None or isinstance(exc, (KeyboardInterrupt, SystemExit)):
             return

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 from collections.abc import Callable, MutableMapping
 
-from primerl.client.control import BrokerUnavailable, ControlClient
+from primerl.client.broker_errors import BrokerUnavailable
+from primerl.client.control import ControlClient
 from primerl.client.rollouts import RolloutProducer
 from primerl.configs.orchestrator import OrchestratorConfig
 from primerl.orchestrator.endpoints import EndpointWatcher, InferenceWorkers

@@ -316,7 +316,7 @@ class Launcher:
         return inference, teacher, orchestrator_argv, early_orchestrator, engines
 
     def _supervise(self, address: str, started_s: float) -> int:
-        from primerl.client.control import BrokerError
+        from primerl.client.broker_errors import BrokerError
 
         client = status_client(address, self.token, self.config.trainer.broker)
         last_line_s = 0.0
@@ -398,7 +398,7 @@ class Launcher:
     # ------------------------------------------------------------------------------------------ ends
     def _finish(self, client, started_s: float) -> int:
         """The trainer finished: wait (bounded) for inference to serve the last policy, then stop the rest."""
-        from primerl.client.control import BrokerError
+        from primerl.client.broker_errors import BrokerError
 
         deadline = time.monotonic() + self.options.final_version_timeout_s
         while time.monotonic() < deadline and not self.signal_count:

@@ -16,7 +16,8 @@ from support.probes import wait_until
 
 from primerl.broker.control_service import BrokerServicer, create_grpc_server
 from primerl.broker.registry import WorkerRegistry
-from primerl.client.control import BrokerError, BrokerUnavailable, ControlClient
+from primerl.client.broker_errors import BrokerError, BrokerUnavailable
+from primerl.client.control import ControlClient
 from primerl.proto.v1 import common_pb2, control_pb2, control_pb2_grpc
 from primerl.runtime.config_common import BrokerClientConfig
 

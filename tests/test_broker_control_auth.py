@@ -13,8 +13,8 @@ from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoRe
 from support.control_plane import TOKEN, client_for, running_broker, start_broker
 
 from primerl.cli import status as status_cli
+from primerl.client.broker_errors import BrokerUnavailable
 from primerl.client.channel import create_channel
-from primerl.client.control import BrokerUnavailable
 from primerl.proto.v1 import common_pb2, control_pb2, control_pb2_grpc
 
 

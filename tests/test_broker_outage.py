@@ -128,7 +128,7 @@ def test_a_call_the_broker_cancels_as_it_shuts_down_is_an_outage_to_wait_through
     broker. It is an outage like UNAVAILABLE; this client cancels none of its unary calls itself."""
     import grpc
 
-    from primerl.client.control import BrokerError, BrokerUnavailable, broker_error
+    from primerl.client.broker_errors import BrokerError, BrokerUnavailable, broker_error
 
     class Ended(grpc.RpcError):
         def __init__(self, code: grpc.StatusCode, details: str) -> None:

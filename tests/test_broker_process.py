@@ -18,7 +18,8 @@ import zmq
 from support.daemons import BIN, BrokerProcess
 
 from primerl.broker.service import END_OF_RUN_GRACE_S
-from primerl.client.control import BrokerError, ControlClient
+from primerl.client.broker_errors import BrokerError
+from primerl.client.control import ControlClient
 from primerl.client.rollouts import RolloutConsumer, RolloutProducer, RolloutRefused, pack_batch
 from primerl.proto import framing
 from primerl.proto.v1 import common_pb2, data_pb2

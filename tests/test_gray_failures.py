@@ -12,7 +12,8 @@ from support.broker import BrokerHarness
 from support.probes import wait_until
 
 from primerl.broker.registry import WorkerRegistry
-from primerl.client.control import BrokerUnavailable, ControlClient
+from primerl.client.broker_errors import BrokerUnavailable
+from primerl.client.control import ControlClient
 from primerl.inference.engine_watchdog import BUSY_LIMIT_FACTOR, EngineWatchdog, StallClock, probe_interval_s
 from primerl.inference.server import StalledHealthMiddleware
 from primerl.orchestrator.endpoints import EndpointWatcher, InferenceWorkers

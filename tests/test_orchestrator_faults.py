@@ -15,7 +15,8 @@ import structlog
 from support.broker import BrokerHarness
 from support.probes import wait_until as wait_for
 
-from primerl.client.control import BrokerUnavailable, ControlClient
+from primerl.client.broker_errors import BrokerUnavailable
+from primerl.client.control import ControlClient
 from primerl.client.outage import BrokerOutageExceeded
 from primerl.client.rollouts import RolloutConsumer, RolloutProducer
 from primerl.orchestrator.endpoints import EndpointWatcher

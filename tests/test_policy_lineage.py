@@ -23,8 +23,8 @@ from primerl.broker.policy_lineage import MAX_POLICY_LINEAGE
 from primerl.broker.registry import WorkerRegistry
 from primerl.broker.registry_errors import IncarnationSuperseded, InvalidRequest
 from primerl.broker.run_state import RUN_STATE_FILE, RunState, RunStateFile, RunStateSaver
+from primerl.client.broker_errors import IncarnationSuperseded as IncarnationSupersededError
 from primerl.client.control import ControlClient
-from primerl.client.control import IncarnationSuperseded as IncarnationSupersededError
 from primerl.configs.trainer import ModelConfig
 from primerl.proto.v1 import common_pb2, control_pb2, data_pb2
 from primerl.proto.weight_refusals import LineageSuperseded, WeightUpdateRefused

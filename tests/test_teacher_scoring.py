@@ -462,7 +462,7 @@ def test_a_real_teacher_by_url_and_as_listed_gives_the_logprobs_of_a_float32_for
     from support.daemons import InferenceDaemon
     from support.inference import TOKEN as RUN_TOKEN
 
-    from primerl.client.control import BrokerUnavailable
+    from primerl.client.broker_errors import BrokerUnavailable
     from primerl.inference.logprob_check import load_reference_model, reference_logprobs
     from primerl.orchestrator.endpoints import EndpointWatcher
     from primerl.proto.v1 import common_pb2

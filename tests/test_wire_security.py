@@ -21,7 +21,8 @@ from support.broker import BrokerHarness
 from support.weight_plane import make_update
 
 from primerl.cli.certs import CertPaths, CertsError, config_lines, make_certs, parse_clients
-from primerl.client.control import BrokerError, ControlClient
+from primerl.client.broker_errors import BrokerError
+from primerl.client.control import ControlClient
 from primerl.client.outage import BrokerOutageExceeded
 from primerl.client.rollouts import RolloutConsumer, RolloutProducer, RolloutRefused, pack_batch
 from primerl.client.weight_publisher import WeightPublisher

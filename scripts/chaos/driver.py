@@ -138,7 +138,8 @@ class StatusPoller(threading.Thread):
     def run(self) -> None:
         from google.protobuf.json_format import MessageToDict
 
-        from primerl.client.control import BrokerError, ControlClient
+        from primerl.client.broker_errors import BrokerError
+        from primerl.client.control import ControlClient
         from primerl.runtime.config_common import BrokerClientConfig
 
         client = ControlClient(

@@ -286,21 +286,18 @@ class WeightSubscriber(DealerClient):
                 return None
             whole, digest = finished
         else:
-            if self._in_place is not None:  # a whole update comes after an unfinished one: that one is abandoned
-                log.warning(
-                    "an unfinished weight transfer was replaced by a new one",
-                    transfer_id=self._in_place.key[1],
-                    received_bytes=self._in_place.num_bytes,
-                )
-                self._in_place.drop()
-                self._in_place = None
+            self._replace_in_place()  # a whole update comes after an unfinished one: that one is abandoned
             whole = self._assemble(message)
             if whole is None:
                 return None
             digest = None
+        return self._received(whole.header, whole.payload[0], digest)
+
+    def _received(
+        self, header: data_pb2.WeightUpdateHeader, payload: memoryview, digest: str | None
+    ) -> tuple[data_pb2.WeightUpdateHeader, memoryview]:
+        """The update ``receive`` returns, noted for ``ack`` and ``received_digest``."""
         self._received_digest = digest
-        header: data_pb2.WeightUpdateHeader = whole.header
-        payload = whole.payload[0]
         self._last_update = (
             header.policy_version,
             header.lineage,
@@ -343,13 +340,19 @@ class WeightSubscriber(DealerClient):
         hasher = hasher_for(header.digest)
         hasher.update(payload)
         self.num_shared_updates += 1
-        self._received_digest = hasher.hexdigest()
-        self._last_update = (
-            header.policy_version,
-            header.lineage,
-            self.current_version is not None and header.policy_version <= self.current_version,
-        )
-        return header, payload
+        return self._received(header, payload, hasher.hexdigest())
+
+    def _replace_in_place(self) -> None:
+        """A new update replaces the unfinished chunked one (if any): that one is dropped."""
+        transfer, self._in_place = self._in_place, None
+        if transfer is not None:
+            log.warning(
+                "an unfinished weight transfer was replaced by a new one",
+                transfer_id=transfer.key[1],
+                received_bytes=transfer.num_bytes,
+                total_bytes=transfer.buffer.nbytes,
+            )
+            transfer.drop()
 
     def _close_segment(self) -> None:
         """Drop the mapping of the last update's segment (it was applied, refused or replaced by now)."""
@@ -382,15 +385,7 @@ class WeightSubscriber(DealerClient):
             if chunk.index == 0:
                 # A new transfer (or one resent under its id) replaces an unfinished one: the broker sends one at
                 # a time.
-                if transfer is not None:
-                    log.warning(
-                        "an unfinished weight transfer was replaced by a new one",
-                        transfer_id=transfer.key[1],
-                        received_bytes=transfer.num_bytes,
-                        total_bytes=transfer.buffer.nbytes,
-                    )
-                    self._in_place = None
-                    transfer.drop()
+                self._replace_in_place()
                 if chunk.total_bytes > self.limits.max_transfer_bytes:
                     raise framing.OversizedFrame(
                         f"transfer of {chunk.total_bytes} bytes exceeds {self.limits.max_transfer_bytes}"

@@ -11,7 +11,7 @@ size, and a publisher's chunks must not be larger.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, fields
 
 from primerl.proto import framing
 from primerl.proto.units import MiB
@@ -51,15 +51,8 @@ class BrokerLimits:
         return cls(frames, weight_chunk_bytes=min(weight_chunk_bytes or max_message_bytes, max_message_bytes))
 
     def to_proto(self) -> control_pb2.DataPlaneLimits:
-        frames = self.frames
-        return control_pb2.DataPlaneLimits(
-            max_frame_bytes=frames.max_frame_bytes,
-            max_message_bytes=frames.max_message_bytes,
-            max_envelope_bytes=frames.max_envelope_bytes,
-            max_payload_frames=frames.max_payload_frames,
-            max_transfer_bytes=frames.max_transfer_bytes,
-            weight_chunk_bytes=self.weight_chunk_bytes,
-        )
+        """``DataPlaneLimits`` holds every field of ``framing.Limits`` under the same name, and the chunk size."""
+        return control_pb2.DataPlaneLimits(**asdict(self.frames), weight_chunk_bytes=self.weight_chunk_bytes)
 
     @classmethod
     def from_registration(cls, registration: control_pb2.RegisterResponse | None) -> BrokerLimits:
@@ -68,13 +61,7 @@ class BrokerLimits:
         if registration is None or not registration.HasField("limits"):
             return DEFAULT_BROKER_LIMITS
         message = registration.limits
-        frames = framing.Limits(
-            max_frame_bytes=message.max_frame_bytes,
-            max_message_bytes=message.max_message_bytes,
-            max_envelope_bytes=message.max_envelope_bytes,
-            max_payload_frames=message.max_payload_frames,
-            max_transfer_bytes=message.max_transfer_bytes,
-        )
+        frames = framing.Limits(**{limit.name: getattr(message, limit.name) for limit in fields(framing.Limits)})
         return cls(frames, weight_chunk_bytes=message.weight_chunk_bytes)
 
 

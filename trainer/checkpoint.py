@@ -34,6 +34,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 from primerl.proto import telemetry
@@ -193,16 +194,7 @@ def save_checkpoint(
         tmp_dir = candidates[0]
 
     try:
-        _write_rank_files(
-            tmp_dir,
-            step,
-            model=model,
-            optimizer=optimizer,
-            scheduler=scheduler,
-            extra_json=extra_json,
-            rank=rank,
-            world_size=world_size,
-        )
+        _write_rank_files(tmp_dir, step, model, optimizer, scheduler, extra_json, rank, world_size)
     except BaseException as exc:
         if world_size == 1:  # with more ranks, others may still be writing: the next save or load cleans up
             shutil.rmtree(tmp_dir, ignore_errors=True)
@@ -229,7 +221,6 @@ def save_checkpoint(
 def _write_rank_files(
     tmp_dir: Path,
     step: int,
-    *,
     model: torch.nn.Module,
     optimizer: Any,
     scheduler: Any,
@@ -237,6 +228,7 @@ def _write_rank_files(
     rank: int,
     world_size: int,
 ) -> None:
+    """This rank's files of the checkpoint of ``step`` into ``tmp_dir``: its RNG state, and on rank 0 the rest."""
     if rank == 0:
         tensors, metadata = _model_state(model)
         _write_safetensors(tmp_dir / MODEL_FILE, tensors, metadata)
@@ -429,19 +421,14 @@ def _rng_state() -> tuple[dict[str, torch.Tensor], dict[str, str]]:
     version, mt_state, gauss_next = random.getstate()
     tensors = {"torch_cpu": torch.random.get_rng_state(), "python_mt": torch.tensor(mt_state, dtype=torch.int64)}
     info: dict[str, Any] = {"python_version": version, "python_gauss_next": gauss_next}
-    try:
-        import numpy as np
-    except ImportError:
-        np = None  # type: ignore[assignment]
-    if np is not None:
-        bit_generator, keys, pos, has_gauss, cached_gaussian = np.random.get_state(legacy=True)
-        tensors["numpy_keys"] = torch.from_numpy(keys.astype(np.int64))
-        info["numpy"] = {
-            "bit_generator": bit_generator,
-            "pos": int(pos),
-            "has_gauss": int(has_gauss),
-            "cached_gaussian": float(cached_gaussian),
-        }
+    bit_generator, keys, pos, has_gauss, cached_gaussian = np.random.get_state(legacy=True)
+    tensors["numpy_keys"] = torch.from_numpy(keys.astype(np.int64))
+    info["numpy"] = {
+        "bit_generator": bit_generator,
+        "pos": int(pos),
+        "has_gauss": int(has_gauss),
+        "cached_gaussian": float(cached_gaussian),
+    }
     if torch.cuda.is_available():
         device = torch.cuda.current_device()
         tensors["torch_cuda"] = torch.cuda.get_rng_state(device)
@@ -461,8 +448,6 @@ def _set_rng_state(path: Path) -> None:
     )
     torch.random.set_rng_state(tensors["torch_cpu"])
     if "numpy" in info:
-        import numpy as np
-
         numpy_info = info["numpy"]
         np.random.set_state(
             (

@@ -32,6 +32,7 @@ The threads and their invariants are in ``primerl.trainer.step_io``. Several ran
 
 from __future__ import annotations
 
+import sys
 import threading
 import time
 from dataclasses import dataclass
@@ -54,6 +55,7 @@ from primerl.trainer.train_step import distillation_objective, rl_objective, sft
 from primerl.trainer.training_setup import (
     Training,
     build_training,
+    refuse_going_back,
     resume_from_checkpoint,
     save_training_checkpoint,
     warn_unused_options,
@@ -163,7 +165,7 @@ class TrainerRunner:
             capabilities=capabilities,
         )
         self.control.wait_ready(config.broker.connect_timeout_s)
-        self._refuse_going_back(start_step)
+        refuse_going_back(config, start_step, int(self.control.get_run_status().last_committed_step))
         registration = self.control.register()
         self.control.start_heartbeats(lambda: dict(self.progress))
         limits = self.control.limits  # the broker's: every client sizes itself from them
@@ -237,11 +239,10 @@ class TrainerRunner:
         def decode(raw: list) -> list:
             return [MicroBatch.from_tensors(tensors) for _, tensors in raw]
 
-        def describe(raw: list) -> str:
-            return data_digest([tensors for _, tensors in raw])
-
         self.io = StepIOThread()
-        self.prefetcher = StepPrefetcher(fetch, decode, start_step, config.max_steps, describe=describe)
+        self.prefetcher = StepPrefetcher(
+            fetch, decode, start_step, config.max_steps, describe=lambda raw: data_digest([t for _, t in raw])
+        )
 
     def _wait_for_weights(self) -> None:
         """Before the optimizer changes the parameters: the previous step's publish and checkpoint have read them."""
@@ -365,9 +366,7 @@ class TrainerRunner:
         ckpt = self.config.ckpt
         if ckpt is None:
             return False
-        if ckpt.interval is None:
-            return step == self.config.max_steps
-        return step % ckpt.interval == 0 or step == self.config.max_steps
+        return step == self.config.max_steps or (ckpt.interval is not None and step % ckpt.interval == 0)
 
     def _write_checkpoint(self, step: int, record: dict | None = None) -> float:
         """Model, optimizer, scheduler (all ranks) and, on rank 0, the HF weights export; returns seconds.
@@ -419,36 +418,8 @@ class TrainerRunner:
             batches_released=response.num_batches_released,
         )
 
-    def _refuse_going_back(self, start_step: int) -> None:
-        """Before registering: refuse (``CannotResume``, exit 2) to train a step the broker has already committed.
-        Its batches are released, and training it again would train a step twice. This is a trainer restarted
-        without ``[trainer.ckpt]`` (nothing to resume from), or one whose newer checkpoints were removed."""
-        committed = int(self.control.get_run_status().last_committed_step)
-        if start_step > committed:
-            return
-        config = self.config
-        resumed = (
-            f"it resumes from the checkpoint of step {start_step - 1}"
-            if start_step > 1
-            else f"no checkpoint under {config.checkpoint_dir}"
-        )
-        if config.ckpt is None:
-            raise CannotResume(
-                f"the broker has committed steps 1-{committed} of this run and this trainer would start again at "
-                f"step {start_step}: without [trainer.ckpt] there is no checkpoint to resume from, so a restarted "
-                "trainer cannot continue the run. Start a new run (a fresh output_dir, so a fresh broker spool), "
-                "or add [trainer.ckpt] to make runs resumable"
-            )
-        raise CannotResume(
-            f"the broker has committed steps through {committed} of this run, but this trainer would start at "
-            f"step {start_step} ({resumed}): the checkpoint of step {committed} or later is missing. Restore it (or "
-            "set ckpt.dir to where it is; drop an older ckpt.resume_step), or start a new run"
-        )
-
     def _leaving_reason(self, io_error: BaseException | None) -> str:
         """Why this rank deregisters: ``TRAINING_FINISHED_REASON`` (the broker's end-of-run signal) only when it did."""
-        import sys
-
         if io_error is not None:
             return "trainer IO failed"
         if sys.exc_info()[1] is not None:
@@ -461,8 +432,6 @@ class TrainerRunner:
         """Stop fetching, drain the IO thread in order (publish, checkpoint, commit of the last steps), then close
         the connections. A failed IO job is raised here (after everything is closed) unless an error is already
         on its way out."""
-        import sys
-
         io_error: BaseException | None = None
         if self.prefetcher is not None:
             self.prefetcher.close()
@@ -492,10 +461,6 @@ class _StepGauges:
     step: Gauge
     loss: Gauge
     loss_tokens: Counter
-
-
-class CannotResume(ValueError):
-    """This trainer would train a step the broker already committed (a config or run-directory problem: exit 2)."""
 
 
 def _has_trainer_row(path, step: int) -> bool:

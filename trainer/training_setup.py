@@ -1,6 +1,7 @@
 """What the RL trainer (``primerl.trainer.runner``) and SFT (``primerl.trainer.sft_runner``) set up the same way:
 the model (wrapped for several ranks), its optimizer, learning-rate schedule and step function, the checkpoint a
-run resumes from and the ones it saves, and the warning for config options that have no effect.
+run resumes from (and the refusal to train a step the broker already committed) and the ones it saves, and the
+warning for config options that have no effect.
 """
 
 from __future__ import annotations
@@ -16,8 +17,6 @@ if TYPE_CHECKING:
     import torch
 
     from primerl.trainer.train_step import Objective, TrainStep
-
-__all__ = ["Training", "build_training", "resume_from_checkpoint", "save_training_checkpoint", "warn_unused_options"]
 
 log = get_logger("primerl.trainer")
 
@@ -78,14 +77,7 @@ def resume_from_checkpoint(config: TrainerConfig, training: Training, rank: int)
     resume = ckpt.resume_step if ckpt.resume_step is not None else latest_checkpoint(config.checkpoint_dir)
     if resume is None:
         return None
-    return load_checkpoint(
-        config.checkpoint_dir,
-        resume,
-        model=unwrap_model(training.model),
-        optimizer=training.optimizer,
-        scheduler=training.scheduler,
-        rank=rank,
-    )
+    return load_checkpoint(config.checkpoint_dir, resume, rank=rank, **_checkpointed(training))
 
 
 def save_training_checkpoint(
@@ -97,14 +89,17 @@ def save_training_checkpoint(
     save_checkpoint(
         config.checkpoint_dir,
         step,
-        model=unwrap_model(training.model),
-        optimizer=training.optimizer,
-        scheduler=training.scheduler,
         extra_state=extra_state,
         rank=dist_info.rank,
         world_size=dist_info.world_size,
         barrier=lambda: barrier(dist_info),
+        **_checkpointed(training),
     )
+
+
+def _checkpointed(training: Training) -> dict[str, Any]:
+    """What a checkpoint of ``training`` holds, as ``save_checkpoint``'s and ``load_checkpoint``'s arguments."""
+    return {"model": unwrap_model(training.model), "optimizer": training.optimizer, "scheduler": training.scheduler}
 
 
 def warn_unused_options(config: TrainerConfig) -> None:
@@ -120,3 +115,31 @@ def warn_unused_options(config: TrainerConfig) -> None:
         unused.append("model.fsdp_cpu_offload (no CPU offloading is built)")
     for option in unused:
         log.warning("config option has no effect", option=option)
+
+
+class CannotResume(ValueError):
+    """This trainer would train a step the broker already committed (a config or run-directory problem: exit 2)."""
+
+
+def refuse_going_back(config: TrainerConfig, start_step: int, committed: int) -> None:
+    """Before registering: refuse (``CannotResume``, exit 2) to train a step the broker has already committed
+    (``committed``: the last one). Its batches are released, and training it again would train a step twice. This is
+    a trainer restarted without ``[trainer.ckpt]`` (nothing to resume from), or one whose newer checkpoints were
+    removed."""
+    if start_step > committed:
+        return
+    if config.ckpt is None:
+        raise CannotResume(
+            f"the broker has committed steps 1-{committed} of this run and this trainer would start again at "
+            f"step {start_step}: without [trainer.ckpt] there is no checkpoint to resume from, so a restarted "
+            "trainer cannot continue the run. Start a new run (a fresh output_dir, so a fresh broker spool), "
+            "or add [trainer.ckpt] to make runs resumable"
+        )
+    resumed = f"no checkpoint under {config.checkpoint_dir}"
+    if start_step > 1:
+        resumed = f"it resumes from the checkpoint of step {start_step - 1}"
+    raise CannotResume(
+        f"the broker has committed steps through {committed} of this run, but this trainer would start at "
+        f"step {start_step} ({resumed}): the checkpoint of step {committed} or later is missing. Restore it (or "
+        "set ckpt.dir to where it is; drop an older ckpt.resume_step), or start a new run"
+    )

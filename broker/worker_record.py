@@ -1,5 +1,6 @@
 """One registered worker as the registry keeps it (``WorkerRecord``), the bounds on what a worker may send, and the
-checks of its requests that need no registry state (``check_register_request``, ``check_metrics_report``).
+checks of its requests that need no registry state (``check_register_request``, ``gone_holders``,
+``check_metrics_report``).
 
 A worker that cannot serve now (its heartbeats carry a ``not_serving`` reason: an inference engine that stalled) is
 listed with the capability ``serving = "false"`` (``WorkerRecord.not_serving``) until a heartbeat without it."""

@@ -215,21 +215,9 @@ def envelope_checksum(envelope: data_pb2.Envelope) -> Checksum:
     return Checksum(kind, envelope.checksum64 if kind == XXH3_64 else envelope.checksum)
 
 
-def encode(
-    message_type: int,
-    header: ProtoMessage,
-    payload: Sequence[Any] = (),
-    *,
-    auth_token: str = "",
-    sender: str = "",
-    in_reply_to: str = "",
-    message_id: str | None = None,
-    chunk: data_pb2.Chunk | None = None,
-    checksum: Checksum | None = None,
-    checksum_kind: int = CRC32,
-    also: PayloadTee | None = None,
-) -> list[Any]:
-    """Frames of one message, ready for ``socket.send_multipart(frames, copy=False)``.
+def encode(message_type: int, header: ProtoMessage, payload: Sequence[Any] = (), **options: Any) -> list[Any]:
+    """Frames of one message, ready for ``socket.send_multipart(frames, copy=False)``; ``options`` are
+    ``encode_raw``'s (``auth_token``, ``sender``, ``chunk``, ``checksum``, ...).
 
     Payload frames are passed through untouched (no copy); the caller must not mutate them until sent.
     ``checksum``: the checksum of exactly this type, serialized header and payload, when the caller already
@@ -242,19 +230,7 @@ def encode(
         raise TypeError(
             f"{MessageType.Name(message_type)} needs a {expected.__name__} header, got {type(header).__name__}"
         )
-    return encode_raw(
-        message_type,
-        header.SerializeToString(deterministic=True),
-        payload,
-        auth_token=auth_token,
-        sender=sender,
-        in_reply_to=in_reply_to,
-        message_id=message_id,
-        chunk=chunk,
-        checksum=checksum,
-        checksum_kind=checksum_kind,
-        also=also,
-    )
+    return encode_raw(message_type, header.SerializeToString(deterministic=True), payload, **options)
 
 
 def encode_raw(

@@ -300,21 +300,20 @@ class WeightFanout:
                     error=detail.message[:300],
                 )
                 member.resend_from_acked()
-                self._replan_locked(member)
-                return True
-            log.warning(
-                "weight subscriber failed to apply an update; it will get the full snapshot",
-                worker_id=worker_id,
-                policy_version=version,
-                code=framing.error_code_name(detail.code),
-                error=detail.message[:300],
-            )
-            member.retries += 1
-            if member.retries > self.max_retries:
-                self._forget_locked(member, reason=f"failed to apply updates {member.retries} times in a row")
-                return False
-            member.unacked.clear()
-            member.sent_version, member.sent_lineage = None, 0  # unknown state: start again from the snapshot
+            else:
+                log.warning(
+                    "weight subscriber failed to apply an update; it will get the full snapshot",
+                    worker_id=worker_id,
+                    policy_version=version,
+                    code=framing.error_code_name(detail.code),
+                    error=detail.message[:300],
+                )
+                member.retries += 1
+                if member.retries > self.max_retries:
+                    self._forget_locked(member, reason=f"failed to apply updates {member.retries} times in a row")
+                    return False
+                member.unacked.clear()
+                member.sent_version, member.sent_lineage = None, 0  # unknown state: start again from the snapshot
             self._replan_locked(member)
             return True
 

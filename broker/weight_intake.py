@@ -203,13 +203,10 @@ class WeightIntake:
         if header.HasField("shared_segment"):
             return self._receive_shared(publisher, message)
         if chunk.count <= 1:
-            update = StoredUpdate.of(header, message.payload[0])
-            update.transit.received = ReceivedChunks(
-                envelope.header,
-                [(framing.envelope_checksum(envelope), message.payload[0].nbytes)],
-                1,
-                message.payload[0].nbytes,
-            )
+            payload = message.payload[0]
+            checksums = [(framing.envelope_checksum(envelope), payload.nbytes)]
+            update = StoredUpdate.of(header, payload)
+            update.transit.received = ReceivedChunks(envelope.header, checksums, 1, payload.nbytes)
             return self._store(update, None)
         key = (envelope.sender, chunk.transfer_id)
         teed, self._teed = self._teed, None
@@ -464,12 +461,10 @@ class WeightIntake:
                 f"versions past the latest stored one ({latest})",
             )
 
-    def _refusal(self, header: data_pb2.WeightUpdateHeader, exc: Exception) -> IntakeReply:
-        if isinstance(exc, WeightUpdateRefused):
-            detail, full_required = exc.detail(), exc.full_required
-        else:
-            assert isinstance(exc, framing.FramingError)
-            detail, full_required = exc.detail(), False
+    def _refusal(
+        self, header: data_pb2.WeightUpdateHeader, exc: WeightUpdateRefused | framing.FramingError
+    ) -> IntakeReply:
+        detail, full_required = exc.detail(), isinstance(exc, WeightUpdateRefused) and exc.full_required
         self._guard_log.warning(
             ("update refused", detail.code),
             "weight update refused",

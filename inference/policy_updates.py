@@ -47,6 +47,9 @@ from primerl.inference.payload_transfers import (
     Transfer,
 )
 from primerl.inference.update_checks import (
+    DELTA,
+    FULL,
+    LORA,
     UpdateRefused,
     check_payload,
     order_refusal,
@@ -67,9 +70,6 @@ log = get_logger(__name__)
 
 __all__ = ["PolicyUpdater"]
 
-FULL = data_pb2.WEIGHT_UPDATE_KIND_FULL
-LORA = data_pb2.WEIGHT_UPDATE_KIND_LORA
-DELTA = data_pb2.WEIGHT_UPDATE_KIND_DELTA
 
 DEFAULT_POLICY_NAME = "policy"
 

@@ -8,17 +8,8 @@
 Threads: the caller's asyncio loop runs uvicorn and vLLM's ``AsyncLLM``; ``ControlClient``'s heartbeat thread
 registers (again after a broker restart) and reports the served ``policy_version``, while the HTTP server keeps
 serving through a broker outage; the weight thread (``update_thread.WeightUpdateThread``) owns the
-``WeightSubscriber`` and applies updates with ``PolicyUpdater``, whose engine calls are handed to the event loop and
-waited for with a timeout. After a re-registration it subscribes under the new id and says HELLO with the version it
-serves.
-
-An update: ``PolicyUpdater.preload`` (checks, waits for the staged load) -> pause generation -> ``apply`` -> point
-the served policy name at the new adapter (LoRA) -> resume; then WEIGHT_ACK with ``apply_ms`` (from the update's
-arrival to the resume). Pause to resume is the update's generation pause (``update_pause_ms``, logged with
-``weight update live``). ``pause_mode`` is "keep" on GPUs (in-flight requests continue on the new weights) and
-"wait" on CPU (they finish first: keep-mode pauses crash the CPU engine on requests with a per-request seed). A
-refused update (``UpdateRefused``) is acknowledged with its error and the previous version keeps serving; any other
-failure leaves the engine in an unknown state: the daemon reports it and exits 1.
+``WeightSubscriber`` and applies updates (its docstring says how); a failure that leaves the engine in an unknown
+state ends it, and the daemon reports it and exits 1.
 
 A teacher (``config.role == "teacher"``, online distillation) is the same server with a fixed model: it registers
 as ``ROLE_TEACHER`` (capability ``role=teacher``) and heartbeats like an inference worker, but has no weight
@@ -108,7 +99,7 @@ class InferenceService:
         self.name = name or f"{'teacher' if self.is_teacher else 'infer'}-{socket.gethostname()}-{os.getpid()}"
         self._own_work_dir = work_dir is None
         self.work_dir = Path(work_dir) if work_dir is not None else _make_work_dir()
-        self.server = InferenceServer(config, version_fn=self._policy_version, work_dir=self.work_dir / "vllm")
+        self.server = InferenceServer(config, version_fn=lambda: self.policy_version, work_dir=self.work_dir / "vllm")
         self.updater: PolicyUpdater | None = None
         self.ops: AsyncEngineOps | None = None
         self.control: ControlClient | None = None
@@ -127,12 +118,9 @@ class InferenceService:
         self._watchdog_stop: asyncio.Event | None = None
         self.stalled_reason: str | None = None
 
-    def _policy_version(self) -> int:
-        return 0 if self.updater is None else self.updater.policy_version
-
     @property
     def policy_version(self) -> int:
-        return self._policy_version()
+        return 0 if self.updater is None else self.updater.policy_version
 
     # ---- lifecycle ---------------------------------------------------------------------------------------------
     async def start(self, health_timeout_s: float = 60.0) -> ServerAddress:
@@ -197,26 +185,18 @@ class InferenceService:
                     stop=self._stop,
                     on_applied=self._check_caught_up,
                 )
+                self._weights.start()
         except BaseException:
             await self.stop(grace_s=2.0)
             raise
-        if self.is_teacher:
-            log.info(
-                "teacher ready",
-                url=self.address.advertised_url,
-                worker_id=self.control.worker_id,
-                model=capabilities["model"],
-                metrics_url=capabilities["metrics_url"],
-                start_s=round(self.server.start_s or 0.0, 1),
-            )
-        else:
-            log.info(
-                "inference worker ready",
-                url=self.address.advertised_url,
-                worker_id=self.control.worker_id,
-                metrics_url=capabilities["metrics_url"],
-                start_s=round(self.server.start_s or 0.0, 1),
-            )
+        log.info(
+            "teacher ready" if self.is_teacher else "inference worker ready",
+            url=self.address.advertised_url,
+            worker_id=self.control.worker_id,
+            **({"model": capabilities["model"]} if self.is_teacher else {}),
+            metrics_url=capabilities["metrics_url"],
+            start_s=round(self.server.start_s or 0.0, 1),
+        )
         return self.address
 
     async def serve_until(self, stop_event: asyncio.Event, check_interval_s: float = 0.5) -> int:

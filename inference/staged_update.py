@@ -39,20 +39,18 @@ class StagedUpdate(threading.Thread):
         manifest: Mapping[str, tuple[str, list[int]]],
         decode_delta: Callable[[memoryview, bytes], dict[str, torch.Tensor]],
         with_siblings: Callable[[Mapping[str, torch.Tensor]], dict[str, torch.Tensor]],
-        *,
+        header: data_pb2.WeightUpdateHeader,
         path: str,
+        payload_path: str,
         num_bytes: int,
         seq: int,
-        header: data_pb2.WeightUpdateHeader,
         stall_timeout_s: float,
-        payload_path: str,
     ):
         super().__init__(name=f"primerl-stage-{seq}", daemon=True)
         self.model, self.manifest = model, manifest
         self.decode_delta, self.with_siblings = decode_delta, with_siblings
-        self.path, self.num_bytes, self.seq, self.header = path, num_bytes, seq, header
-        self.payload_path = payload_path
-        self.stall_timeout_s = stall_timeout_s
+        self.header, self.path, self.payload_path = header, path, payload_path
+        self.num_bytes, self.seq, self.stall_timeout_s = num_bytes, seq, stall_timeout_s
         self.control = map_control(path)
         self.stop = threading.Event()
         self.error: BaseException | None = None

@@ -1,8 +1,13 @@
 """The inference daemon's weight thread: it owns the ``WeightSubscriber`` (ZMQ sockets are single-threaded), says
 HELLO again under each new registration, and applies each update with ``PolicyUpdater``, whose engine calls go to
-the event loop (``AsyncEngineOps``); the update protocol is in ``primerl.inference.service``'s docstring.
+the event loop (``AsyncEngineOps``).
 
-A refused update (``UpdateRefused``) is acknowledged with its error, remembered, and the previous version keeps
+An update: ``PolicyUpdater.preload`` (checks, waits for the staged load) -> pause generation -> ``apply`` -> point
+the served policy name at the new adapter (LoRA) -> resume; then WEIGHT_ACK with ``apply_ms`` (from the update's
+arrival to the resume). Pause to resume is the update's generation pause (``update_pause_ms``, logged with
+``weight update live``). ``pause_mode`` is "keep" on GPUs (in-flight requests continue on the new weights) and
+"wait" on CPU (they finish first: keep-mode pauses crash the CPU engine on requests with a per-request seed). A
+refused update (``UpdateRefused``) is acknowledged with its error, remembered, and the previous version keeps
 serving; any other failure leaves the engine in an unknown state: it is reported (``fatal_error``) and the thread
 ends. An update holds the engine core while it is applied (``update_began_s``): the engine watchdog allows it
 ``UPDATE_BUSY_FACTOR`` times the longest of the last updates (`busy_limit_s`)."""
@@ -16,7 +21,9 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from primerl.inference.engine_ops import AsyncEngineOps, EngineCallCancelled, EngineCallTimeout
+from primerl.inference.update_checks import UpdateRefused
 from primerl.proto import telemetry
+from primerl.proto.v1 import common_pb2, data_pb2
 from primerl.runtime.log_setup import bind_context, get_logger
 
 if TYPE_CHECKING:
@@ -26,7 +33,6 @@ if TYPE_CHECKING:
     from primerl.inference.metrics import InferenceFamilies
     from primerl.inference.policy_updates import PolicyUpdater
     from primerl.inference.server import InferenceServer
-    from primerl.proto.v1 import data_pb2
 
 log = get_logger("primerl.inference")
 
@@ -45,7 +51,7 @@ MAX_REMEMBERED_REFUSALS = 16
 BROKER_ERROR_BACKOFF_S = 5.0
 
 
-class WeightUpdateThread:
+class WeightUpdateThread(threading.Thread):
     """See the module docstring. ``stop``: set when the daemon stops (the thread ends within ``RECEIVE_POLL_S``, or
     5 s when blocked sending to an absent broker); ``on_applied``: called after each update applied."""
 
@@ -63,20 +69,13 @@ class WeightUpdateThread:
     ):
         self.config, self.control, self.updater, self.ops = config, control, updater, ops
         self.server, self.metrics = server, metrics
-        self._stop, self._on_applied = stop, on_applied
+        self._stopping, self._on_applied = stop, on_applied
         self.fatal_error: str | None = None
         self.update_began_s: float | None = None  # the update under way holds the engine core: not a stall
         self._update_seconds: collections.deque[float] = collections.deque(maxlen=UPDATE_BUSY_HISTORY)
         self._refused: collections.OrderedDict[tuple[int, str], Any] = collections.OrderedDict()
         self._served_adapter_name: str | None = None
-        self._thread = threading.Thread(target=self._run, name="weights", daemon=True)
-        self._thread.start()
-
-    def is_alive(self) -> bool:
-        return self._thread.is_alive()
-
-    def join(self, timeout_s: float) -> None:
-        self._thread.join(timeout_s)
+        super().__init__(name="weights", daemon=True)
 
     def busy_limit_s(self, stall_timeout_s: float) -> float | None:
         """How long an update may hold the engine before its silence counts: a few times the longest of the
@@ -116,17 +115,17 @@ class WeightUpdateThread:
             pass  # the broker is away: receive() says HELLO again every few seconds
         return subscriber
 
-    def _run(self) -> None:
+    def run(self) -> None:
         from primerl.client.outage import BrokerOutageExceeded
         from primerl.client.weights import WeightPlaneError
 
         subscriber: WeightSubscriber | None = None
         unreachable_logged = False
         try:
-            while not self._stop.is_set():
+            while not self._stopping.is_set():
                 worker_id, registration = self.control.worker_id, self.control.registration
                 if worker_id is None or registration is None:  # re-registering
-                    self._stop.wait(0.2)
+                    self._stopping.wait(0.2)
                     continue
                 subscriber = self._subscribe(subscriber, worker_id, registration.weight_endpoint)
                 try:
@@ -145,7 +144,7 @@ class WeightUpdateThread:
                     self.control.report_error(f"weight plane: {exc}")
                     subscriber.close()
                     subscriber = None
-                    self._stop.wait(BROKER_ERROR_BACKOFF_S)
+                    self._stopping.wait(BROKER_ERROR_BACKOFF_S)
                     continue
                 if update is not None:
                     self.update_began_s = began_s = time.monotonic()
@@ -166,8 +165,6 @@ class WeightUpdateThread:
     def _handle_update(
         self, subscriber: WeightSubscriber, header: data_pb2.WeightUpdateHeader, payload: memoryview
     ) -> None:
-        from primerl.proto.v1 import common_pb2, data_pb2
-
         received_s = time.monotonic()
         version, kind = int(header.policy_version), data_pb2.WeightUpdateKind.Name(header.kind)
         if self._answered_at_once(subscriber, header):
@@ -186,13 +183,9 @@ class WeightUpdateThread:
         except EngineCallTimeout:
             self.ops.resume()
             self.updater.discard()
+            message = f"requests in flight did not finish within {DRAIN_TIMEOUT_S:g} s; send the update again"
             self._refuse(
-                subscriber,
-                version,
-                common_pb2.ErrorDetail(
-                    code=common_pb2.ERROR_CODE_INTERNAL,
-                    message=f"requests in flight did not finish within {DRAIN_TIMEOUT_S:g} s; send the update again",
-                ),
+                subscriber, version, common_pb2.ErrorDetail(code=common_pb2.ERROR_CODE_INTERNAL, message=message)
             )
             return
         engine_wait_ms = (time.monotonic() - pause_start_s) * 1000.0
@@ -253,49 +246,28 @@ class WeightUpdateThread:
         self, call: Callable[[], Any], subscriber: WeightSubscriber, header: data_pb2.WeightUpdateHeader
     ) -> Any:
         """``call()`` (the updater's preload or apply) and its result; `_REFUSED` once an `UpdateRefused` it raised
-        was acknowledged. Any other failure is reported (`_fail_update`) and raised."""
-        from primerl.inference.update_checks import UpdateRefused
-        from primerl.proto.v1 import data_pb2
-
+        was acknowledged. Any other failure is acknowledged as failed, reported (``fatal_error``) and raised."""
         version = int(header.policy_version)
         try:
             return call()
-        except UpdateRefused as exc:
-            self._refuse_update(subscriber, version, header, exc)
+        except UpdateRefused as exc:  # remembered unless it may pass later: the same bytes are always refused
+            self._refuse(subscriber, version, exc.detail())
+            if exc.code != common_pb2.ERROR_CODE_OUT_OF_ORDER:
+                self._refused[(version, header.digest)] = exc.detail()
+                while len(self._refused) > MAX_REMEMBERED_REFUSALS:
+                    self._refused.popitem(last=False)
             return _REFUSED
         except EngineCallCancelled:
             raise
-        except Exception as exc:
-            self._fail_update(subscriber, version, data_pb2.WeightUpdateKind.Name(header.kind), exc)
+        except Exception as exc:  # what the engine serves is unknown: reported, and the weight thread ends
+            kind = data_pb2.WeightUpdateKind.Name(header.kind)
+            self.fatal_error = f"applying {kind} v{version} failed; the served weights are unknown: {exc!r}"
+            log.exception("weight update failed", policy_version=version, kind=kind)
+            error = common_pb2.ErrorDetail(code=common_pb2.ERROR_CODE_INTERNAL, message=self.fatal_error)
+            subscriber.ack(version, applied=False, error=error)
             raise
 
-    def _refuse_update(
-        self, subscriber: WeightSubscriber, version: int, header: data_pb2.WeightUpdateHeader, refusal: Any
-    ) -> None:
-        """Acknowledge an `UpdateRefused`; remember it unless it may pass later (OUT_OF_ORDER)."""
-        from primerl.proto.v1 import common_pb2
-
-        self._refuse(subscriber, version, refusal.detail())
-        if refusal.code != common_pb2.ERROR_CODE_OUT_OF_ORDER:  # the same bytes will always be refused
-            self._refused[(version, header.digest)] = refusal.detail()
-            while len(self._refused) > MAX_REMEMBERED_REFUSALS:
-                self._refused.popitem(last=False)
-
-    def _fail_update(self, subscriber: WeightSubscriber, version: int, kind: str, exc: Exception) -> None:
-        """An update failed in the engine: what it serves is unknown. Reported; the weight thread then ends."""
-        from primerl.proto.v1 import common_pb2
-
-        self.fatal_error = f"applying {kind} v{version} failed; the served weights are unknown: {exc!r}"
-        log.exception("weight update failed", policy_version=version, kind=kind)
-        subscriber.ack(
-            version,
-            applied=False,
-            error=common_pb2.ErrorDetail(code=common_pb2.ERROR_CODE_INTERNAL, message=self.fatal_error),
-        )
-
-    def _refuse(self, subscriber: WeightSubscriber, version: int, detail: Any) -> None:
-        from primerl.proto.v1 import common_pb2
-
+    def _refuse(self, subscriber: WeightSubscriber, version: int, detail: common_pb2.ErrorDetail) -> None:
         self.metrics.updates_refused.inc()
         code = common_pb2.ErrorCode.Name(detail.code)
         log.warning(

@@ -22,12 +22,11 @@ module keeps:
 - ``reload_weights`` drops the LoRA adapters loaded in the worker (vLLM reloads an adapter from its path the
   next time a request asks for it).
 - ``reload_weights`` keeps the model from running until it has finished (it puts every layer on the meta device
-  first), so an update is better loaded beside the running model: `primerl_stage_begin` starts a thread of this
-  worker that loads it into a shadow of the model (`primerl.inference.staged_load`), a FULL update tensor by
-  tensor as its bytes become final in the shared payload file (its control words), and `primerl_stage_commit`
-  switches the model to it (1-3 ms, generation paused by the caller). Where that cannot work (on a GPU, quantized
-  or MoE models: `staged_load.unsupported_reason`) the caller reloads in place with the methods above. A staged
-  load never runs beside an in-place reload (both use vLLM's layerwise state).
+  first), so an update is better loaded beside the running model: `primerl_stage_begin` starts a thread
+  (`primerl.inference.staged_update`) that loads it into a shadow of the model as its bytes arrive, and
+  `primerl_stage_commit` switches the model to it (1-3 ms, generation paused by the caller). Where that cannot
+  work (on a GPU, quantized or MoE models: `staged_load.unsupported_reason`) the caller reloads in place with the
+  methods above. A staged load never runs beside an in-place reload (both use vLLM's layerwise state).
 
 The worker keeps a host copy of the raw weights under their Hugging Face names (read from the model
 directory's safetensors on first use, then equal to what was loaded; after a FULL update from a shared payload
@@ -423,17 +422,10 @@ class PolicyWorkerExtension:
             return {"staging": False, "reason": reason, "permanent": True}
         header = data_pb2.WeightUpdateHeader()
         header.ParseFromString(header_bytes)
+        model, manifest = self.model_runner.get_model(), self._primerl_manifest
+        decode, siblings = self._primerl_decode_delta, self._primerl_with_siblings
         stage = StagedUpdate(
-            self.model_runner.get_model(),
-            self._primerl_manifest,
-            self._primerl_decode_delta,
-            self._primerl_with_siblings,
-            path=path,
-            num_bytes=num_bytes,
-            seq=seq,
-            header=header,
-            stall_timeout_s=stall_timeout_s,
-            payload_path=payload_path or path,
+            model, manifest, decode, siblings, header, path, payload_path or path, num_bytes, seq, stall_timeout_s
         )
         self._primerl_stage = stage
         stage.start()

@@ -107,6 +107,11 @@ class WeightPlane(RouterPlane):
     ``on_applied(worker_id, policy_version)``: see ``WeightSubscribers``.
     """
 
+    name = "weight plane"
+    thread_name = "weight-plane-io"
+    gate_domain = "primerl-weight"
+    connection_kind = "weight connection"
+
     def __init__(
         self,
         fanout: WeightFanout,
@@ -191,11 +196,6 @@ class WeightPlane(RouterPlane):
             num_descriptors_sent=self._segments.num_descriptors_sent,
             num_segments_released=self._segments.num_released,
         )
-
-    name = "weight plane"
-    thread_name = "weight-plane-io"
-    gate_domain = "primerl-weight"
-    connection_kind = "weight connection"
 
     def _bind(self) -> zmq.Socket:
         """The bound socket, gated at the handshake (``_bind_gated``)."""

@@ -211,11 +211,9 @@ class BatchAssembler:
         self._groups_seen: Counter = Counter()  # over the run, by pool: what ``keep_rate`` reads
         self._groups_kept: Counter = Counter()
         self._reset_stats()
-        self.num_dropped_surplus_groups = 0  # over the whole run
 
     def _reset_stats(self) -> None:
         self._num_groups_seen = 0
-        self._num_rollouts_seen = 0
         self._filtered = {reason: 0 for reason in FILTER_REASONS}
         self._num_stale_dropped = 0
         self._num_surplus_dropped = 0
@@ -232,10 +230,6 @@ class BatchAssembler:
     @property
     def num_pending_rollouts(self) -> int:
         return sum(self._pending_rollouts.values())
-
-    @property
-    def num_pending_groups(self) -> int:
-        return len(self._pending)
 
     def pending_rollouts(self, pool: str = "") -> int:
         """Rollouts of kept groups waiting in ``pool`` (an env id with ``shares``, else "")."""
@@ -288,7 +282,6 @@ class BatchAssembler:
                 result.kept = [group for group in result.kept if group.has_signal]
                 result.dropped.setdefault("zero_advantage", []).extend(silent)
         self._num_groups_seen += result.num_groups
-        self._num_rollouts_seen += sum(group.num_rollouts for group in groups)
         for reason, count in result.counts.items():
             self._filtered[reason] += count
         for dropped in result.dropped.values():
@@ -407,7 +400,6 @@ class BatchAssembler:
                 self._pending_rollouts[pool] -= oldest.num_rollouts
                 self.discarded_tokens["surplus", oldest.env_id] += oldest.num_completion_tokens
                 self._num_surplus_dropped += 1
-                self.num_dropped_surplus_groups += 1
 
     def metrics(self) -> dict[str, float]:
         """Filtered fractions (of the groups seen since the last batch) and buffer sizes."""

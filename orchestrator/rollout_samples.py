@@ -157,7 +157,6 @@ class RolloutSamples:
         self._queue: queue.Queue = queue.Queue(maxsize=QUEUE_STEPS)
         self._thread: threading.Thread | None = None
         self._warned: set[str] = set()
-        self.num_written = 0
 
     def add(self, step: int, samples: Sequence[TrainingSample]) -> None:
         """Queue the step's samples (the pick happens here: a few references, not the batch)."""
@@ -199,7 +198,6 @@ class RolloutSamples:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         with self.path.open("a", encoding="utf-8") as handle:
             handle.write("".join(json.dumps(record, ensure_ascii=False) + "\n" for record in records))
-        self.num_written += len(records)
         if self._on_records is not None:
             self._on_records(step, records)
 

@@ -145,12 +145,6 @@ class Group:
         return float(rewards.mean()) if rewards.size else 0.0
 
     @property
-    def reward_variance(self) -> float:
-        """Population variance (ddof=0) of the rollout rewards."""
-        rewards = self.rollout_rewards()
-        return float(rewards.var()) if rewards.size else 0.0
-
-    @property
     def min_policy_version(self) -> int:
         return min(sample.min_policy_version for sample in self.samples)
 

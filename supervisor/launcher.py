@@ -112,7 +112,6 @@ class Launcher:
         self.announced_metrics: set[str] = set()
         self.use_gpus = False  # set when the run starts
         self.budgets: dict = {}  # role -> its CPU thread budget, once the role configs are made
-        self.startup_s: float | None = None
         self.dashboard = None  # the run's web page (primerl.dashboard.server.DashboardServer), once served
         self.preflight = PreflightGate(options.preflight, self.supervisor, self.run_dir / GATE_FILE_NAME)
 
@@ -213,7 +212,6 @@ class Launcher:
             self.say(f"  orchestrator started (after {engines}: {why})")
         self.under_way = True
         self.say("  training ...")
-        self.startup_s = time.monotonic() - started_s
         return self._supervise(address, started_s)
 
     def _prepare_run_dir(self, roles: dict) -> dict[str, Path]:

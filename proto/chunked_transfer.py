@@ -38,11 +38,10 @@ from primerl.proto.framing import (
     OversizedFrame,
     TensorMismatch,
     TruncatedMessage,
-    byte_view,
     check_tensor_payload,
     encode,
 )
-from primerl.proto.tensor_frames import MAX_HEADER_BYTES, TensorFrameError, check_tensor_frame
+from primerl.proto.tensor_frames import MAX_HEADER_BYTES, TensorFrameError, byte_view, check_tensor_frame
 from primerl.proto.v1 import data_pb2
 
 
@@ -210,10 +209,6 @@ class ChunkAssembler:
     @property
     def num_open_transfers(self) -> int:
         return len(self._transfers)
-
-    @property
-    def num_buffered_bytes(self) -> int:
-        return sum(t.total_bytes if t.segments is None else t.num_bytes for t in self._transfers.values())
 
     def received(self, key: tuple[str, str]) -> list[memoryview]:
         """The payload frames received so far of the open zero-copy transfer ``key`` (empty: none open)."""

@@ -27,7 +27,7 @@ import xxhash
 from google.protobuf.message import DecodeError
 from google.protobuf.message import Message as ProtoMessage
 
-from primerl.proto.tensor_frames import TensorFrameError, check_tensor_frame
+from primerl.proto.tensor_frames import TensorFrameError, byte_view, check_tensor_frame
 from primerl.proto.units import GiB, MiB
 from primerl.proto.v1 import common_pb2, data_pb2
 
@@ -142,13 +142,6 @@ class Message:
     @property
     def is_chunk(self) -> bool:
         return self.envelope.chunk.count > 1
-
-
-def byte_view(frame: Any) -> memoryview:
-    """bytes, bytearray, memoryview or a zmq.Frame (received with copy=False) as a flat byte view."""
-    buffer = getattr(frame, "buffer", frame)
-    view = memoryview(buffer)
-    return view if view.format == "B" and view.ndim == 1 else view.cast("B")
 
 
 class Checksum(NamedTuple):

@@ -60,7 +60,8 @@ class TensorEntry:
     end: int
 
 
-def _view(frame: Any) -> memoryview:
+def byte_view(frame: Any) -> memoryview:
+    """bytes, bytearray, memoryview or a zmq.Frame (received with copy=False) as a flat byte view."""
     view = memoryview(getattr(frame, "buffer", frame))
     return view if view.format == "B" and view.ndim == 1 else view.cast("B")
 
@@ -70,7 +71,7 @@ def parse_header(frame: Any, total_bytes: int | None = None) -> dict[str, Tensor
 
     ``total_bytes``: the size of the whole blob when ``frame`` holds only its beginning (at least the length
     prefix and the JSON header), e.g. the first of the segments a payload arrived in."""
-    view = _view(frame)
+    view = byte_view(frame)
     total = view.nbytes if total_bytes is None else total_bytes
     if view.nbytes < 8:
         raise TensorFrameError(
@@ -261,7 +262,7 @@ def decode_tensors(
     """Tensors of a checked frame. numpy arrays are read-only zero-copy views of the frame;
     torch tensors (``as_torch=True``, required for BF16) are copies."""
     entries = check_tensor_frame(frame, specs) if specs is not None else parse_header(frame)
-    view = _view(frame)
+    view = byte_view(frame)
     if as_torch:
         import torch
 

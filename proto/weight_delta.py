@@ -35,7 +35,7 @@ import numpy as np
 
 from primerl.proto import delta_sparse, delta_xor_zlib
 from primerl.proto.delta_base import DeltaError, malformed, map_threads, raw_bits, torch_dtype_name
-from primerl.proto.tensor_frames import DTYPES, TensorFrameError, check_tensor_frame, parse_header, specs_of
+from primerl.proto.tensor_frames import DTYPES, TensorFrameError, byte_view, check_tensor_frame, parse_header, specs_of
 from primerl.proto.v1 import common_pb2, data_pb2
 
 if TYPE_CHECKING:
@@ -244,7 +244,7 @@ def decode_delta(
     except TensorFrameError as exc:
         code = common_pb2.ERROR_CODE_TENSOR_MISMATCH if exc.mismatch else common_pb2.ERROR_CODE_MALFORMED_HEADER
         raise DeltaError(f"delta payload: {exc}", code) from None
-    view = memoryview(getattr(payload, "buffer", payload)).cast("B")
+    view = byte_view(payload)
     codec = _CODECS[header.delta_encoding]
     plan = codec.decode_plan(entries, header, base)
     sizes = [step.base.numel() * step.base.element_size() for step in plan]

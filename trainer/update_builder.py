@@ -26,7 +26,7 @@ the digest, computed in the pass of each chunk's checksum, follows in the last c
 from __future__ import annotations
 
 import time
-from dataclasses import replace
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, Literal
 
 from primerl.proto.digests import new_hasher, payload_digest
@@ -116,54 +116,44 @@ def _full_layout(
     return prefix, spans, spans[-1][2] if spans else len(prefix)
 
 
+@dataclass(eq=False, repr=False)
 class UpdateBuilder:
     """Builds the updates of one publisher (module docstring) into ``places``, and keeps the delta base (the host
-    copy of the last version stored) in step with what the broker holds (`lose_base`, `stored`)."""
+    copy of the last version stored) in step with what the broker holds (`lose_base`, `stored`). Fields as
+    ``PolicyPublisher``'s arguments."""
 
-    def __init__(
-        self,
-        kind: PublishKind,
-        policy_name: str,
-        lineage: int,
-        chunk_bytes: int,
-        *,
-        serving_dtype: torch.dtype | None,
-        delta_level: int,
-        delta_policy: DeltaPolicy,
-        delta_encoding: DeltaEncodingChoice,
-        stream: bool | None,
-        places: PayloadPlaces,
-    ):
-        """Arguments as ``PolicyPublisher``'s; ``places``: where payloads are written."""
-        if kind not in _KIND_TO_WIRE:
-            raise ValueError(f'kind must be "full", "lora" or "delta", got {kind!r}')
-        if delta_policy not in ("auto", "always"):
-            raise ValueError(f'delta_policy must be "auto" or "always", got {delta_policy!r}')
-        if delta_encoding not in ("auto", *_ENCODING_OF_CHOICE):
-            raise ValueError(f'delta_encoding must be "auto", "sparse" or "xor_zlib", got {delta_encoding!r}')
-        if not policy_name:
+    kind: PublishKind
+    policy_name: str
+    lineage: int
+    chunk_bytes: int
+    serving_dtype: torch.dtype | None
+    delta_level: int
+    delta_policy: DeltaPolicy
+    delta_encoding: DeltaEncodingChoice
+    stream: bool | None
+    places: PayloadPlaces
+    # The version this incarnation resumed from: its first published version - 1 (set by the first build).
+    lineage_base_version: int | None = field(default=None, init=False)
+    _spare_snapshot: dict[str, torch.Tensor] | None = field(default=None, init=False)
+    # Base of the next delta: the host copy of the last version the broker stored, its version, and the pooled
+    # payload buffer it views, if any.
+    _base: dict[str, torch.Tensor] | None = field(default=None, init=False)
+    _base_version: int | None = field(default=None, init=False)
+    _base_buffer: bytearray | None = field(default=None, init=False)
+    _full_required: bool = field(default=False, init=False)
+    _lost: tuple[dict[str, torch.Tensor] | None, bytearray | None] = field(default=(None, None), init=False)
+
+    def __post_init__(self) -> None:
+        if self.kind not in _KIND_TO_WIRE:
+            raise ValueError(f'kind must be "full", "lora" or "delta", got {self.kind!r}')
+        if self.delta_policy not in ("auto", "always"):
+            raise ValueError(f'delta_policy must be "auto" or "always", got {self.delta_policy!r}')
+        if self.delta_encoding not in ("auto", *_ENCODING_OF_CHOICE):
+            raise ValueError(f'delta_encoding must be "auto", "sparse" or "xor_zlib", got {self.delta_encoding!r}')
+        if not self.policy_name:
             raise ValueError("policy_name must not be empty")
-        if lineage <= 0:
-            raise ValueError(f"lineage must be > 0, got {lineage}")
-        self.kind: PublishKind = kind
-        self.policy_name = policy_name
-        self.lineage = lineage
-        # The version this incarnation resumed from: its first published version - 1 (set by the first build).
-        self.lineage_base_version: int | None = None
-        self.chunk_bytes = chunk_bytes
-        self.serving_dtype = serving_dtype
-        self.delta_level = delta_level
-        self.delta_policy: DeltaPolicy = delta_policy
-        self.delta_encoding: DeltaEncodingChoice = delta_encoding
-        self.stream = stream
-        self._places = places
-        self._spare_snapshot: dict[str, torch.Tensor] | None = None
-        # Base of the next delta: the host copy of the last version the broker stored, and its version.
-        self._base: dict[str, torch.Tensor] | None = None
-        self._base_version: int | None = None
-        self._base_buffer: bytearray | None = None  # the pooled payload buffer the base views, if any
-        self._full_required = False
-        self._lost: tuple[dict[str, torch.Tensor] | None, bytearray | None] = (None, None)
+        if self.lineage <= 0:
+            raise ValueError(f"lineage must be > 0, got {self.lineage}")
 
     @property
     def base_version(self) -> int | None:
@@ -303,13 +293,13 @@ class UpdateBuilder:
         prefix, spans, total = _full_layout(live, self.serving_dtype)
         if total <= self.chunk_bytes:
             return None
-        buffer = self._places.buffer(total, pinned=any(t.device.type == "cuda" for t in live.values()))
+        buffer = self.places.buffer(total, pinned=any(t.device.type == "cuda" for t in live.values()))
         try:
             stream = PayloadStream(live, self.serving_dtype, buffer, prefix, spans)
             specs = specs_of(parse_header(prefix, total_bytes=total))
             header = self._header(version, "full", None, specs, payload_bytes=total)
         except BaseException:
-            self._places.give_back_buffer(buffer)
+            self.places.give_back_buffer(buffer)
             raise
         phases["layout"] = _elapsed_ms(mark)
         return PreparedUpdate(
@@ -327,8 +317,8 @@ class UpdateBuilder:
         prefix, spans, total = _full_layout(tensors, cast)
         # The same-host road: written straight into a shared segment, the one write of the payload on this host
         # (not for a delta publisher: its next base views the payload's buffer).
-        segment = self._places.segment(total) if self.kind != "delta" else None
-        buffer = self._places.buffer(total) if segment is None else None
+        segment = self.places.segment(total) if self.kind != "delta" else None
+        buffer = self.places.buffer(total) if segment is None else None
         try:
             destination = segment.view(total) if segment else buffer
             hasher = new_hasher()  # each tensor hashed right after its copy: no second pass over the payload
@@ -340,7 +330,7 @@ class UpdateBuilder:
             header.digest = hasher.hexdigest()
             phases["digest"] = _elapsed_ms(mark)
         except BaseException:
-            self._places.release(
+            self.places.release(
                 PreparedUpdate("full", data_pb2.WeightUpdateHeader(), b"", 0.0, None, PayloadMemory(buffer, segment))
             )
             raise
@@ -419,7 +409,7 @@ class UpdateBuilder:
             if prepared.owns_snapshot:  # the base views this buffer: it goes back when the base is replaced
                 self._base_buffer = prepared.memory.take_buffer()
             if previous_buffer is not None:
-                self._places.give_back_buffer(previous_buffer)
+                self.places.give_back_buffer(previous_buffer)
             elif previous_base is not None and previous_base is not prepared.snapshot:
                 self._spare_snapshot = previous_base
         self._full_required = full_required

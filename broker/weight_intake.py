@@ -125,9 +125,7 @@ class _OpenTransfer:
 
 
 class WeightIntake:
-    """See the module docstring. The transfer limits are checked at a first chunk, before memory is set aside:
-    declared size, total declared bytes of open transfers, open transfers per publisher connection (a new one
-    replaces the oldest), and a short stall timeout, so one peer cannot block another's publishing for long."""
+    """See the module docstring (the bounds on open transfers are checked at a first chunk, before memory is kept)."""
 
     def __init__(
         self,

@@ -21,8 +21,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from primerl.cli.command_args import parse_command_args
-from primerl.cli.env_args import parse_env_args
+from primerl.cli.command_args import parse_command_args, parse_env_args
 from primerl.orchestrator.envs.interpreters import (
     ENV_PYTHON_VAR,
     HTTPX_AIOHTTP_VERSION,
@@ -193,17 +192,8 @@ def install(args: argparse.Namespace) -> int:
         _create_env_venv(python, verbose=args.verbose)
     verifiers_version = _ensure_verifiers(python, verbose=args.verbose)
     print(f"primerl env install: installing {args.target} into {python} ...", file=sys.stderr, flush=True)
-    with tempfile.NamedTemporaryFile("w", suffix=".txt", prefix="primerl-constraints-") as constraints:
-        constraints.write(f"verifiers=={verifiers_version}\n")  # an environment never moves the env venv's verifiers
-        constraints.flush()
-        _pip(
-            python,
-            ["install", *pip_target, "-c", constraints.name],
-            verbose=args.verbose,
-            what=f"install {args.target}",
-            on_conflict=f"the env venv keeps verifiers=={verifiers_version}; an "
-            f"environment that needs another verifiers cannot be installed into it",
-        )
+    conflict = f"the env venv keeps verifiers=={verifiers_version}; an environment that needs another verifiers "
+    pip_install_pinned(python, args, pip_target, verifiers_version, conflict + "cannot be installed into it")
     envs = _provided_envs(python, dist_name, project_dir)
     if not envs:
         raise EnvInstallFailed(
@@ -211,22 +201,36 @@ def install(args: argparse.Namespace) -> int:
             "environment is a module `my_env` (id `my-env`) with `def load_environment(**args) -> vf.Environment`"
         )
     loaded = [_check_loads(python, env, env_args) for env in envs]
-    elapsed_s = time.monotonic() - started_s
-    print(
-        f"primerl env install: installed {envs[0].dist} {envs[0].version}"
-        f"{' (editable)' if envs[0].editable_path else ''} into {python} in {elapsed_s:.0f} s"
-    )
-    for env, line in zip(envs, loaded):
-        print(f"  {env.id}: {line}")
-    first = envs[0].id
-    print(f"  evaluate:  primerl eval {first} -m MODEL")
-    print(f'  train:     [[orchestrator.env]] id = "{first}"   (in the config of `primerl rl`)')
+    print_installed(envs, loaded, python, time.monotonic() - started_s, "", "in the config of `primerl rl`")
     if find_env_python().path != str(python):
         print(
             f"  this is not the default env interpreter: pass --env-python {python} to eval, set "
             f'`env_python = "{python}"` in [orchestrator], or export {ENV_PYTHON_VAR}={python}'
         )
     return 0
+
+
+def pip_install_pinned(python: Path, args, pip_target: list[str], verifiers_version: str, on_conflict: str) -> None:
+    """``pip install`` the target into ``python`` with its verifiers pinned: an environment never moves the env
+    venv's verifiers."""
+    with tempfile.NamedTemporaryFile("w", suffix=".txt", prefix="primerl-constraints-") as constraints:
+        constraints.write(f"verifiers=={verifiers_version}\n")
+        constraints.flush()
+        pip_args = ["install", *pip_target, "-c", constraints.name]
+        _pip(python, pip_args, verbose=args.verbose, what=f"install {args.target}", on_conflict=on_conflict)
+
+
+def print_installed(envs: list, lines: list[str], python: Path, elapsed_s: float, note: str, train_note: str) -> None:
+    """What `primerl env install` installed, each environment's check line, and how to use the first."""
+    editable = " (editable)" if envs[0].editable_path else ""
+    print(
+        f"primerl env install: installed {envs[0].dist} {envs[0].version}{editable} into {python} in "
+        f"{elapsed_s:.0f} s{note}"
+    )
+    for env, line in zip(envs, lines):
+        print(f"  {env.id}: {line}")
+    print(f"  evaluate:  primerl eval {envs[0].id} -m MODEL")
+    print(f'  train:     [[orchestrator.env]] id = "{envs[0].id}"   ({train_note})')
 
 
 def _env_args(text: str) -> dict:

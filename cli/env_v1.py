@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import re
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -79,16 +78,7 @@ def install_v1(args, pip_target: list[str], dist_name: str | None, project_dir: 
         file=sys.stderr,
         flush=True,
     )
-    with tempfile.NamedTemporaryFile("w", suffix=".txt", prefix="primerl-constraints-") as constraints:
-        constraints.write(f"verifiers=={version}\n")
-        constraints.flush()
-        errors._pip(
-            python,
-            ["install", *pip_target, "-c", constraints.name],
-            verbose=args.verbose,
-            what=f"install {args.target}",
-            on_conflict=f"the v1 env venv keeps verifiers=={version}",
-        )
+    errors.pip_install_pinned(python, args, pip_target, version, f"the v1 env venv keeps verifiers=={version}")
     envs = [env for env in errors._provided_envs(python, dist_name, project_dir) if env.kind == "v1"]
     if not envs:
         raise errors.EnvInstallFailed(
@@ -98,14 +88,7 @@ def install_v1(args, pip_target: list[str], dist_name: str | None, project_dir: 
     env_args = errors._env_args(args.env_args)
     lines = [_check_serves(python, env.id, env_args, errors=errors) for env in envs]
     elapsed_s = time.monotonic() - started_s
-    print(
-        f"primerl env install: installed {envs[0].dist} {envs[0].version}"
-        f"{' (editable)' if envs[0].editable_path else ''} into {python} in {elapsed_s:.0f} s (verifiers {version})"
-    )
-    for env, line in zip(envs, lines):
-        print(f"  {env.id}: {line}")
-    print(f"  evaluate:  primerl eval {envs[0].id} -m MODEL")
-    print(f'  train:     [[orchestrator.env]] id = "{envs[0].id}"   (served by its own v1 env server)')
+    errors.print_installed(envs, lines, python, elapsed_s, f" (verifiers {version})", "served by its own v1 env server")
     if find_v1_env_python().path != str(python):
         print(
             f"  this is not the default v1 env interpreter: pass --env-v1-python {python} to eval and sft-data, "

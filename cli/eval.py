@@ -27,23 +27,21 @@ import asyncio
 import json
 import os
 import re
-import secrets
 import sys
 import time
 import traceback
 from pathlib import Path
 from typing import Any
 
-from primerl.cli.command_args import parse_command_args
-from primerl.cli.env_args import add_env_python_argument, parse_env_args
+from primerl.cli.command_args import add_env_python_argument, parse_command_args, parse_env_args
 from primerl.cli.eval_console import Console, EvalProgress, print_summary
+from primerl.cli.eval_server import LOG_NAME, EvalInputError, Served, announce_vllm, given_server, start_vllm
 from primerl.cli.v1_tools import V1ToolError, add_kind_arguments, resolve_kind
 from primerl.orchestrator.envs.interpreters import resolve_env_python
 
 DEFAULT_OUTPUT_ROOT = Path("outputs/evals")
 DEFAULT_TOOL_CALL_PARSER = "hermes"
 """vLLM's parser of `<tool_call>{json}</tool_call>`: the format of Qwen2/2.5/3 chat templates (and the tiny model's)."""
-LOG_NAME = "eval.log"
 MAX_ERRORS_SHOWN = 3
 
 
@@ -55,6 +53,14 @@ def build_parser() -> argparse.ArgumentParser:
         epilog="MODEL may be a Hugging Face model directory, a run directory (its latest exported weights, "
         "RUN/weights/step_N) or, with --base-url, the model name the server knows.",
     )
+    _add_task_arguments(parser)
+    _add_sampling_arguments(parser)
+    _add_server_and_output_arguments(parser)
+    return parser
+
+
+def _add_task_arguments(parser: argparse.ArgumentParser) -> None:
+    """What is evaluated: the environment, the model, the examples and rollouts."""
     parser.add_argument("env_id", metavar="ENV_ID", help="environment id (an installed verifiers environment)")
     parser.add_argument("-m", "--model", required=True, help="model directory, run directory, or served name")
     parser.add_argument(
@@ -80,6 +86,10 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="R",
         help="rollouts per example (default: %(default)s)",
     )
+
+
+def _add_sampling_arguments(parser: argparse.ArgumentParser) -> None:
+    """How the rollouts are sampled and run: tokens, temperature, seed, split, concurrency."""
     parser.add_argument(
         "-t",
         "--max-tokens",
@@ -119,6 +129,10 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="N",
         help="examples in flight at once (default: %(default)s)",
     )
+
+
+def _add_server_and_output_arguments(parser: argparse.ArgumentParser) -> None:
+    """The model server (one given, or the vLLM server started), the output, the environments' interpreter."""
     parser.add_argument(
         "-b",
         "--base-url",
@@ -176,11 +190,6 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help=f"show vLLM's log on the terminal (default: warnings and errors go to OUTPUT/{LOG_NAME})",
     )
-    return parser
-
-
-class EvalInputError(ValueError):
-    """Bad input: the message says what is wrong and how to fix it."""
 
 
 def resolve_model(model: str, *, served: bool) -> str:
@@ -305,21 +314,14 @@ async def _evaluate(args: argparse.Namespace, model: str, env_args: dict[str, An
         output = args.output or _default_output(args.env_id, model)
         tool_choice, tool_parser = _tool_settings(args, info, console)
         if args.base_url is not None:
-            base_url, served_name = args.base_url.rstrip("/"), model
-            api_key = os.environ.get(args.api_key_var) or "EMPTY"
+            served = given_server(args, model)
         else:
-            log_note = ""
-            if not args.verbose:
-                console.divert(output / LOG_NAME)
-                log_note = f" (its log: {console.log_path})"
             tools_note = f", auto tool choice with the {tool_parser} parser" if tool_choice else ""
-            print(f"primerl eval: starting vLLM on {model}{tools_note} ...{log_note}", file=console.err, flush=True)
-            server = await _start_server(model, args.max_model_len, tool_choice, tool_parser, console)
-            api_key = server.config.broker.run_token  # the server refuses requests without it
-            base_url, served_name = server.address.base_url + "/v1", server.served_model_name
-        return await _run(
-            args, worker, info, split, count, base_url, served_name, api_key, model, env_args, output, console
-        )
+            announce_vllm(args, console, output, f"{model}{tools_note}")
+            server = await start_vllm(model, args.max_model_len, tool_choice, tool_parser, console)
+            # the server refuses requests without its token
+            served = Served(server.address.base_url + "/v1", server.served_model_name, server.config.broker.run_token)
+        return await _run(args, worker, split, count, served, model, env_args, output, console)
     finally:
         await asyncio.to_thread(worker.close)
         if server is not None:
@@ -364,49 +366,12 @@ def _tool_settings(args: argparse.Namespace, info: Any, console: Console) -> tup
     return enabled, parser
 
 
-async def _start_server(
-    model: str,
-    max_model_len: int | None,
-    tool_choice: bool,
-    tool_parser: str | None,
-    console: Console,
-    token: str | None = None,
-):
-    from primerl.configs.inference import InferenceConfig
-    from primerl.inference.server import InferenceServer
-
-    token = token or secrets.token_urlsafe(24)
-    config = InferenceConfig.model_validate(
-        {
-            "model": {
-                "name": model,
-                "max_model_len": max_model_len,
-                "enable_auto_tool_choice": tool_choice,
-                "tool_call_parser": tool_parser,
-            },
-            "server": {"host": "127.0.0.1", "port": 0},
-            "broker": {"run_token": token},
-        }
-    )
-    server = InferenceServer(config, version_fn=lambda: 0, worker_extension_cls=None)
-    try:
-        await server.start()
-        await server.wait_healthy(60.0)
-    except (Exception, SystemExit) as exc:  # vLLM's argument parser exits on a bad value (e.g. a parser name)
-        where = f"; its log: {console.log_path}" if console.log_path else ""
-        raise EvalInputError(f"vLLM could not serve {model}: {type(exc).__name__}: {exc}{where}") from None
-    return server
-
-
 async def _run(
     args,
     worker,
-    info,
     split: str,
     count: int,
-    base_url: str,
-    served_name: str,
-    api_key: str,
+    served: Served,
     model: str,
     env_args: dict[str, Any],
     output: Path,
@@ -427,22 +392,7 @@ async def _run(
                 nonlocal done
                 done += 1
                 for rollout in group.rollouts:
-                    results.write(
-                        json.dumps(
-                            {
-                                "example_index": group.example_index,
-                                "rollout_index": rollout.rollout_index,
-                                "reward": rollout.reward,
-                                "metrics": rollout.metrics,
-                                "prompt": rollout.prompt,
-                                "completion": rollout.completion,
-                                "num_completion_tokens": rollout.num_completion_tokens,
-                                "is_truncated": rollout.is_truncated,
-                                "error": rollout.error,
-                            }
-                        )
-                        + "\n"
-                    )
+                    results.write(json.dumps(_result_record(group.example_index, rollout)) + "\n")
                 progress.advance(done)
 
             groups, failed = await asyncio.to_thread(
@@ -450,11 +400,11 @@ async def _run(
                 worker,
                 range(count),
                 num_rollouts=args.rollouts_per_example,
-                base_url=base_url,
-                model=served_name,
+                base_url=served.base_url,
+                model=served.model,
                 sampling=sampling,
                 split=split,
-                api_key=api_key,
+                api_key=served.api_key,
                 max_concurrent_groups=args.max_concurrent,
                 timeout_s=args.timeout_s,
                 on_group=on_group,
@@ -478,15 +428,32 @@ async def _run(
     (output / "summary.json").write_text(json.dumps(record, indent=2) + "\n")
     what = f"v1 env, {split}" if kind == "v1" else split
     print_summary(console.out, args.env_id, what, count, args.rollouts_per_example, model, summary, elapsed_s, output)
-    for error in summary.errors[:MAX_ERRORS_SHOWN]:
-        print(f"  error: {error.splitlines()[0]}", file=console.err)
-    if len(summary.errors) > MAX_ERRORS_SHOWN:
-        print(
-            f"  ... {len(summary.errors) - MAX_ERRORS_SHOWN} more errors in {output / 'results.jsonl'}",
-            file=console.err,
-        )
-    console.err.flush()
+    _print_errors(summary.errors, output, console)
     return 1 if summary.num_rollouts == 0 else 0
+
+
+def _result_record(example_index: int, rollout) -> dict[str, Any]:
+    """One line of results.jsonl: a rollout of the example."""
+    return {
+        "example_index": example_index,
+        "rollout_index": rollout.rollout_index,
+        "reward": rollout.reward,
+        "metrics": rollout.metrics,
+        "prompt": rollout.prompt,
+        "completion": rollout.completion,
+        "num_completion_tokens": rollout.num_completion_tokens,
+        "is_truncated": rollout.is_truncated,
+        "error": rollout.error,
+    }
+
+
+def _print_errors(errors: list[str], output: Path, console: Console) -> None:
+    """The first line of the first ``MAX_ERRORS_SHOWN`` errors, and how many more are in results.jsonl."""
+    for error in errors[:MAX_ERRORS_SHOWN]:
+        print(f"  error: {error.splitlines()[0]}", file=console.err)
+    if len(errors) > MAX_ERRORS_SHOWN:
+        print(f"  ... {len(errors) - MAX_ERRORS_SHOWN} more errors in {output / 'results.jsonl'}", file=console.err)
+    console.err.flush()
 
 
 def _default_output(env_id: str, model: str) -> Path:

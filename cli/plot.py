@@ -59,8 +59,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(sys.argv[1:] if argv is None else argv)
-    from primerl.cli.run_series import extract_series
     from primerl.runtime.run_metrics import METRICS_FILE_NAME, MetricsFileError, read_metrics_file
+    from primerl.supervisor.run_series import extract_series
 
     run_dir: Path = args.run_dir
     if not run_dir.is_dir():
@@ -84,7 +84,7 @@ def main(argv: list[str] | None = None) -> int:
     if not metrics.rows:
         return _fail(f"{metrics_path} has no complete line yet: nothing to plot")
 
-    from primerl.cli.run_plots import plan_plots, write_plots
+    from primerl.supervisor.run_plots import plan_plots, write_plots
 
     plan = plan_plots(extract_series(metrics.rows))
     if not plan.figures:

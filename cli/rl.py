@@ -70,6 +70,13 @@ def _parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
         allow_abbrev=False,
     )
+    _add_mode_arguments(parser)
+    _add_restart_arguments(parser)
+    return parser
+
+
+def _add_mode_arguments(parser: argparse.ArgumentParser) -> None:
+    """What to do (dry run, check, run) with which preflight, where the run goes and what shows it."""
     parser.add_argument("--dry-run", action="store_true", help="print the resolved config of each role and exit")
     parser.add_argument("--write", metavar="DIR", type=Path, help="with --dry-run: write each role's config to DIR")
     parser.add_argument(
@@ -114,6 +121,10 @@ def _parser() -> argparse.ArgumentParser:
         metavar="S",
         help="how long a role may take to stop before it is killed (default %(default)g)",
     )
+
+
+def _add_restart_arguments(parser: argparse.ArgumentParser) -> None:
+    """``RESTART_OPTIONS``: whether and how often a role that fails during the run is restarted."""
     parser.add_argument(
         "--restart",
         choices=RESTART_MODES,
@@ -148,7 +159,6 @@ def _parser() -> argparse.ArgumentParser:
         metavar="S",
         help="longest wait before a restart (default %(default)g)",
     )
-    return parser
 
 
 def _preflight_log(config) -> Path:

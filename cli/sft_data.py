@@ -15,8 +15,7 @@ import json
 import sys
 from pathlib import Path
 
-from primerl.cli.command_args import parse_command_args
-from primerl.cli.env_args import add_env_python_argument, parse_env_args
+from primerl.cli.command_args import add_env_python_argument, parse_command_args, parse_env_args
 from primerl.cli.v1_tools import V1ToolError, add_kind_arguments, resolve_kind
 from primerl.orchestrator.envs.interpreters import resolve_env_python
 

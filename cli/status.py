@@ -11,8 +11,8 @@ import os
 import sys
 from typing import TextIO
 
-from primerl.cli.status_view import print_status
 from primerl.supervisor.run_file import RunFileError, read_run_file
+from primerl.supervisor.status_view import print_status
 
 ENV_TOKEN = "PRIMERL_RUN_TOKEN"
 ENV_BROKER = "PRIMERL_BROKER"

@@ -170,17 +170,12 @@ class V1EvalEnv:
         sampling: Mapping[str, Any],
         timeout_s: float,
     ) -> concurrent.futures.Future:
-        from primerl.orchestrator.trajectory import SamplingParams
+        from primerl.orchestrator.envs.v1 import sampling_params
 
         del split, api_key  # the tasks are the split's; the key is the env server's (V1ServerConnection(api_key=...))
-        params = SamplingParams(
-            temperature=float(sampling.get("temperature", 1.0)),
-            top_p=float(sampling.get("top_p", 1.0)),
-            max_tokens=sampling.get("max_tokens"),
-            seed=sampling.get("seed"),
-        )
+        task, params = self.tasks[index], sampling_params(sampling)
         return self.server.submit_group(
-            self.tasks[index],
+            task,
             example_index=index,
             num_rollouts=num_rollouts,
             model=model,
@@ -241,16 +236,13 @@ def sft_data_v1(
 
 
 # ---------------------------------------------------------------------------------------------------- eval
-async def evaluate_v1(args: Any, model: str, env_args: dict[str, Any], console: Any) -> int:
-    """`primerl eval` on a v1 environment: list the tasks, start the env server (beside vLLM's start when eval
-    serves the model itself), run the groups, write and print what eval writes for a classic environment."""
+async def _list_eval_tasks(args: Any, env_args: dict[str, Any]) -> tuple[list[dict[str, Any]], str]:
+    """The tasks `primerl eval` runs and their split; ``EvalInputError`` when there are none."""
     import asyncio
-    import secrets
 
-    from primerl.cli import eval as cli_eval
+    from primerl.cli.eval_server import EvalInputError
     from primerl.orchestrator.envs.base import EnvWorkerError
-    from primerl.orchestrator.envs.v1_server import V1ServerConnection
-    from primerl.orchestrator.envs.v1_spec import V1EnvConfigError, V1EnvSpec
+    from primerl.orchestrator.envs.v1_spec import V1EnvSpec
 
     where = f"(v1, {args.env_v1_python})"
     try:
@@ -261,27 +253,37 @@ async def evaluate_v1(args: Any, model: str, env_args: dict[str, Any], console: 
             count=None if args.num_examples == -1 else args.num_examples,
         )
     except V1ToolError as exc:
-        raise cli_eval.EvalInputError(str(exc)) from None
+        raise EvalInputError(str(exc)) from None
     except EnvWorkerError as exc:
-        raise cli_eval.EvalInputError(f"environment {args.env_id!r} {where} cannot be used: {exc}") from None
+        raise EvalInputError(f"environment {args.env_id!r} {where} cannot be used: {exc}") from None
     if not tasks:
-        raise cli_eval.EvalInputError(f"environment {args.env_id!r} {where} lists no {split} tasks")
+        raise EvalInputError(f"environment {args.env_id!r} {where} lists no {split} tasks")
+    return tasks, split
+
+
+async def evaluate_v1(args: Any, model: str, env_args: dict[str, Any], console: Any) -> int:
+    """`primerl eval` on a v1 environment: list the tasks, start the env server (beside vLLM's start when eval
+    serves the model itself), run the groups, write and print what eval writes for a classic environment."""
+    import asyncio
+    import secrets
+
+    from primerl.cli import eval as cli_eval
+    from primerl.cli import eval_server
+    from primerl.orchestrator.envs.base import EnvWorkerError
+    from primerl.orchestrator.envs.v1_server import V1ServerConnection
+    from primerl.orchestrator.envs.v1_spec import V1EnvConfigError
+
+    tasks, split = await _list_eval_tasks(args, env_args)
     output = args.output or cli_eval._default_output(args.env_id, model)
     token = secrets.token_urlsafe(24)
-    if args.base_url is not None:
-        import os
-
-        base_url, served_name = args.base_url.rstrip("/"), model
-        api_key = os.environ.get(args.api_key_var) or "EMPTY"
-    else:
-        base_url, served_name, api_key = None, None, token
+    served = eval_server.given_server(args, model) if args.base_url is not None else None
     # Every group names its inference server (submit_rollout's base_url); the constructor's is only a default.
     server = V1ServerConnection(
         args.env_v1_python,
         args.env_id,
         with_split(env_args, split),
-        base_url=base_url or "http://127.0.0.1",
-        api_key=api_key,
+        base_url=served.base_url if served is not None else "http://127.0.0.1",
+        api_key=served.api_key if served is not None else token,
         renderer_model=model,
         request_timeout_s=args.timeout_s,
         max_restarts=0,
@@ -289,17 +291,9 @@ async def evaluate_v1(args: Any, model: str, env_args: dict[str, Any], console: 
     starting = asyncio.ensure_future(asyncio.to_thread(server.start))
     vllm = None
     try:
-        if base_url is None:
-            log_note = ""
-            if not args.verbose:
-                console.divert(output / cli_eval.LOG_NAME)
-                log_note = f" (its log: {console.log_path})"
-            print(
-                f"primerl eval: starting vLLM on {model} and the v1 env server of {args.env_id} ...{log_note}",
-                file=console.err,
-                flush=True,
-            )
-            vllm = await cli_eval._start_server(
+        if served is None:
+            eval_server.announce_vllm(args, console, output, f"{model} and the v1 env server of {args.env_id}")
+            vllm = await eval_server.start_vllm(
                 model,
                 args.max_model_len,
                 bool(args.enable_auto_tool_choice),
@@ -307,27 +301,16 @@ async def evaluate_v1(args: Any, model: str, env_args: dict[str, Any], console: 
                 console,
                 token=token,
             )
-            base_url, served_name = vllm.address.base_url + "/v1", vllm.served_model_name
+            served = eval_server.Served(vllm.address.base_url + "/v1", vllm.served_model_name, token)
         try:
             await starting
         except V1EnvConfigError as exc:
-            raise cli_eval.EvalInputError(str(exc)) from None
+            raise eval_server.EvalInputError(str(exc)) from None
         except EnvWorkerError as exc:
-            raise cli_eval.EvalInputError(f"the v1 env server of {args.env_id!r} did not start: {exc}") from None
+            raise eval_server.EvalInputError(f"the v1 env server of {args.env_id!r} did not start: {exc}") from None
+        eval_env = V1EvalEnv(server, tasks)
         return await cli_eval._run(
-            args,
-            V1EvalEnv(server, tasks),
-            None,
-            split,
-            len(tasks),
-            base_url,
-            served_name,
-            api_key,
-            model,
-            env_args,
-            output,
-            console,
-            kind="v1",
+            args, eval_env, split, len(tasks), served, model, env_args, output, console, kind="v1"
         )
     finally:
         await asyncio.wait([starting])

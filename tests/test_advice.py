@@ -90,8 +90,8 @@ def test_status_lines_show_the_advice_in_force():
 
 
 def test_primerl_status_shows_the_advice_section():
-    from primerl.cli.status_view import render_status
     from primerl.proto.v1 import control_pb2
+    from primerl.supervisor.status_view import render_status
 
     status = control_pb2.RunStatus(run_id="r", last_metrics_step=12)
     status.last_metrics[telemetry.ADVICE_ADD_TRAINER] = 1.0
@@ -102,14 +102,15 @@ def test_primerl_status_shows_the_advice_section():
 
 
 def test_the_orchestrator_logs_the_advice_as_a_json_line(tmp_path):
-    """The orchestrator's hook (OrchestratorRunner._advise) over a window in which dispatch waited for policies
+    """The orchestrator's hook (StepReporter.advise) over a window in which dispatch waited for policies
     longer than it worked and most generated tokens were discarded: two warnings, each once, with the figures, and
     the flags in every row after the window."""
     import io
     import json
 
     from primerl.configs.orchestrator import OrchestratorConfig
-    from primerl.orchestrator.runner import OrchestratorRunner
+    from primerl.orchestrator.async_bound import AsyncBound
+    from primerl.orchestrator.step_reporter import StepReporter
     from primerl.runtime.log_setup import configure_logging
 
     stream = io.StringIO()
@@ -117,12 +118,11 @@ def test_the_orchestrator_logs_the_advice_as_a_json_line(tmp_path):
     config = OrchestratorConfig.model_validate(
         {"model": {"name": "m"}, "env": [{"id": "e"}], "max_steps": 30, "output_dir": str(tmp_path)}
     )
-    runner = OrchestratorRunner(config, env_python="python")
+    reporter = StepReporter(config, AsyncBound(config.max_async_level))
     rows = []
     for _ in range(11):  # the first step is left out, then one window of 10
-        runner._policy_wait_s = 2.0  # dispatch held by the async bound for 2 s of a 3 s step
         metrics = {"rollout/tokens_generated": 1000.0, "rollout/tokens_discarded": 700.0}
-        runner._advise(metrics, elapsed_s=3.0, send_wait_s=0.0)
+        reporter.advise(metrics, elapsed_s=3.0, waited_s=2.0)  # dispatch held by the async bound for 2 s of 3 s
         rows.append(metrics)
     lines = [json.loads(line) for line in stream.getvalue().splitlines()]
     advice = [

@@ -404,7 +404,7 @@ def test_a_state_of_another_named_run_is_not_taken(tmp_path):
 
 
 def test_primerl_status_says_when_every_step_is_committed():
-    from primerl.cli.status_view import render_status
+    from primerl.supervisor.status_view import render_status
 
     status = control_pb2.RunStatus(run_id="r", trainer_step=3, last_committed_step=2, max_steps=3)
     assert "run finished" not in render_status(status)

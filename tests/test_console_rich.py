@@ -12,12 +12,12 @@ import sys
 from pathlib import Path
 
 from primerl.cli.eval_console import EvalProgress, print_summary, summary_text
-from primerl.cli.status_view import print_status, render_status
 from primerl.orchestrator.evaluation import EvalSummary
 from primerl.proto import telemetry
 from primerl.runtime.terminal import is_terminal, rich_console
 from primerl.supervisor.console import RunConsole
 from primerl.supervisor.run_progress import Progress
+from primerl.supervisor.status_view import print_status, render_status
 
 ROOT = Path(__file__).resolve().parents[1]
 ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")

@@ -9,13 +9,13 @@ from collections import Counter
 import numpy as np
 import pytest
 
-from primerl.cli.status_view import render_status
 from primerl.orchestrator.samples import Group, TrainingSample
 from primerl.orchestrator.seeds import rollout_seed_base
 from primerl.orchestrator.step_metrics import env_reward_metrics, fallback_metrics, reward_spread_metrics
 from primerl.orchestrator.throughput import ThroughputWindow
 from primerl.proto import telemetry
 from primerl.supervisor.run_progress import Progress
+from primerl.supervisor.status_view import render_status
 
 # ---- rollout/tokens_per_s ---------------------------------------------------------------------------------------
 
@@ -231,7 +231,8 @@ def test_the_runner_warns_once_per_fallback_reason(tmp_path):
     import structlog
 
     from primerl.configs.orchestrator import OrchestratorConfig
-    from primerl.orchestrator.runner import OrchestratorRunner
+    from primerl.orchestrator.async_bound import AsyncBound
+    from primerl.orchestrator.step_reporter import StepReporter
 
     config = OrchestratorConfig.model_validate(
         {
@@ -243,9 +244,9 @@ def test_the_runner_warns_once_per_fallback_reason(tmp_path):
             "output_dir": str(tmp_path),
         }
     )
-    runner = OrchestratorRunner(config, env_python="python")
+    reporter = StepReporter(config, AsyncBound(config.max_async_level))
     with structlog.testing.capture_logs() as logs:
         for step_fallbacks in ({"prefix_mismatch": 2}, {"prefix_mismatch": 1, "no_prompt_ids": 1}, {}):
-            runner._log_new_fallbacks(Counter(step_fallbacks))
+            reporter.log_new_fallbacks(Counter(step_fallbacks))
     warnings = [entry for entry in logs if "fall back to branching" in entry["event"]]
     assert [(w["reason"], w["num_this_step"]) for w in warnings] == [("prefix_mismatch", 2), ("no_prompt_ids", 1)]

@@ -13,10 +13,10 @@ import pytest
 from matplotlib.image import imread
 
 from primerl.cli.plot import main
-from primerl.cli.run_plots import plan_plots, reward_panel, tokens_per_s_panel
-from primerl.cli.run_series import eval_reward_names, extract_series, moving_average
 from primerl.proto import telemetry
 from primerl.runtime.run_metrics import MetricsFileError, read_metrics_file, read_run_rows
+from primerl.supervisor.run_plots import plan_plots, reward_panel, tokens_per_s_panel
+from primerl.supervisor.run_series import eval_reward_names, extract_series, moving_average
 
 BIN = Path(sys.executable).parent
 NUM_STEPS = 12

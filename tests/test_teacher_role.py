@@ -319,7 +319,7 @@ def test_the_preflight_of_primerl_rl_checks_the_teacher_model(tmp_path, tiny_mod
 
 
 def test_status_shows_a_teacher_in_its_own_row():
-    from primerl.cli.status_view import render_status
+    from primerl.supervisor.status_view import render_status
 
     status = control_pb2.RunStatus(
         run_id="r",

@@ -486,8 +486,8 @@ class MultihostRun:
         the table it shows."""
         from google.protobuf.json_format import ParseDict
 
-        from primerl.cli.status_view import render_status
         from primerl.proto.v1 import control_pb2
+        from primerl.supervisor.status_view import render_status
 
         proc = self.procs.get("status@g")
         if proc is None:

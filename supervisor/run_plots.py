@@ -17,8 +17,8 @@ from typing import Callable
 
 import numpy as np
 
-from primerl.cli.run_series import Series, eval_reward_names, moving_average, ratio_series
 from primerl.proto import telemetry
+from primerl.supervisor.run_series import Series, eval_reward_names, moving_average, ratio_series
 
 FIGURE_DPI = 100
 

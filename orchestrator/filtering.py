@@ -1,4 +1,4 @@
-"""Online difficulty filtering of rollout groups, the oversampling arithmetic, and batch assembly.
+"""Online difficulty filtering of rollout groups, and batch assembly.
 
 A group (the rollouts of one example) is dropped, checked in this order, when
 - ``too_hard``: its mean reward is below ``min_reward``;
@@ -7,9 +7,6 @@ A group (the rollouts of one example) is dropped, checked in this order, when
   are equal (zero advantages, nothing to learn; this is the filter's rule even with ``min_reward_variance = 0``).
 The bounds are inclusive: a mean equal to ``min_reward`` or ``max_reward`` is kept. Rewards are read after
 ``zero_truncated_completions`` and without the length penalty (see ``advantages``).
-
-Oversampling: ``num_groups_to_request = ceil(batch_size / rollouts_per_example * oversampling_factor)`` groups are
-requested per step so that a batch of ``batch_size`` rollouts is likely full after filtering.
 
 ``BatchAssembler`` collects kept groups, oldest first, until they hold ``batch_size`` rollouts; the groups beyond
 stay for the next step (the surplus), at most ``max_surplus_rollouts`` of them (the oldest beyond the bound are
@@ -133,16 +130,6 @@ class DifficultyFilter:
         return filter_groups(
             groups, min_reward=self.min_reward, max_reward=self.max_reward, min_reward_variance=self.min_reward_variance
         )
-
-
-def num_groups_to_request(batch_size: int, rollouts_per_example: int, oversampling_factor: float = 1.0) -> int:
-    """Groups to generate per step: ``ceil(batch_size / rollouts_per_example * oversampling_factor)``."""
-    if batch_size < 1 or rollouts_per_example < 1:
-        raise ValueError(f"batch_size ({batch_size}) and rollouts_per_example ({rollouts_per_example}) must be >= 1")
-    if oversampling_factor < 1:
-        raise ValueError(f"oversampling_factor must be >= 1, got {oversampling_factor}")
-    # The small tolerance keeps float noise (e.g. 16 * 1.1 = 17.600000000000001) from adding a group.
-    return max(1, math.ceil(batch_size / rollouts_per_example * oversampling_factor - 1e-9))
 
 
 @dataclass

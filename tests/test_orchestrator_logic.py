@@ -23,7 +23,6 @@ from primerl.orchestrator.filtering import (
     DifficultyFilter,
     filter_groups,
     filter_reason,
-    num_groups_to_request,
 )
 from primerl.orchestrator.packing import to_broker_batches
 from primerl.orchestrator.samples import Group, TrainingSample
@@ -162,22 +161,6 @@ def test_filter_counts_and_switch():
 
     config_filter = DifficultyFilter.from_config(BufferConfig(type="online-difficulty", min_reward=0.1))
     assert config_filter(groups).counts == {"too_hard": 2, "too_easy": 0, "low_variance": 2}
-
-
-@pytest.mark.parametrize(
-    ("batch_size", "per_example", "factor", "expected"),
-    [
-        (128, 8, 1.0, 16),
-        (128, 8, 2.0, 32),
-        (128, 8, 1.1, 18),
-        (32, 16, 2.0, 4),
-        (8, 8, 1.5, 2),
-        (10, 5, 1.0, 2),
-        (160, 16, 1.1, 11),
-    ],
-)
-def test_oversampling_arithmetic(batch_size, per_example, factor, expected):
-    assert num_groups_to_request(batch_size, per_example, factor) == expected
 
 
 def test_assembler_fills_batches_and_keeps_a_bounded_surplus():

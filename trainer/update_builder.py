@@ -1,4 +1,4 @@
-"""Build each weight update from the model, and keep the memory its payloads lie in and the base of the next delta.
+"""Build each weight update from the model (into ``PayloadPlaces``), and keep the base of the next delta.
 
 What goes on the wire (``WeightUpdateHeader`` + one safetensors payload):
 
@@ -34,12 +34,7 @@ from primerl.proto.tensor_frames import encode_tensors, parse_header, specs_of
 from primerl.proto.units import MiB
 from primerl.proto.v1 import data_pb2
 from primerl.runtime.log_setup import get_logger
-from primerl.trainer.hf_state_dict import (
-    SAFETENSORS_METADATA,
-    hf_state_dict,
-    lora_adapter_config_json,
-    lora_state_dict,
-)
+from primerl.trainer.hf_state_dict import SAFETENSORS_METADATA, hf_state_dict, lora_adapter_config_json, lora_state_dict
 from primerl.trainer.payload_writer import payload_tensors, safetensors_layout, write_safetensors
 from primerl.trainer.prepared_update import PayloadMemory, PayloadPlaces, PreparedUpdate, PublishKind
 

@@ -20,7 +20,8 @@ from support.inference import AUTH, TOKEN, TOLERANCE, model_name
 
 from primerl.orchestrator.envs.base import EnvRequestError, EnvWorkerDied
 from primerl.orchestrator.envs.interpreters import find_v1_env_python, probe_env_python
-from primerl.orchestrator.envs.v1_server import V1EnvConfigError, V1ServerConnection
+from primerl.orchestrator.envs.v1_server import V1ServerConnection
+from primerl.orchestrator.envs.v1_spec import V1EnvConfigError
 from primerl.orchestrator.samples import rollout_to_samples
 from primerl.orchestrator.trajectory import SamplingParams
 

@@ -43,7 +43,6 @@ from primerl.orchestrator.envs.supervision import ChildProcess, PendingRequests,
 from primerl.orchestrator.envs.v1_spec import (
     API_KEY_VAR,
     BOOTSTRAP_SCRIPT,
-    V1EnvConfigError,
     V1EnvInfo,
     V1EnvSpec,
     sampling_payload,
@@ -62,8 +61,6 @@ from primerl.orchestrator.envs.v1_wire import (
 )
 from primerl.orchestrator.trajectory import Rollout, RolloutGroup, SamplingParams
 from primerl.runtime.log_setup import get_logger
-
-__all__ = ["API_KEY_VAR", "V1EnvConfigError", "V1EnvInfo", "V1ServerConnection"]
 
 log = get_logger("primerl.orchestrator.v1_env")
 

@@ -359,10 +359,8 @@ class WeightStore:
         durable = self._durable
         if durable is None:
             return 0
-        with self._lock:
-            chain = [] if self._snapshot is None else [self._snapshot, *self._deltas]
         released = 0
-        for update in chain:
+        for update in self.durable_chain()[1]:
             if update.transit.on_disk or busy(update):
                 continue
             mapped = durable.payload_on_disk(update)

@@ -430,22 +430,27 @@ class ControlClient:
         unreachable_logged = False
         while not self._stop.is_set():
             worker_id = None
+            wait_s = None  # None: back off
             try:
                 worker_id = self.worker_id
                 if worker_id is None:
                     worker_id = self._register_once(only_if_unregistered=True).worker_id
                 self._heartbeat_as(worker_id, self._progress(progress_fn))
-                wait_s = self.heartbeat_interval_s  # as the broker asked at registration
                 if unreachable_logged:
                     _log.info("broker reachable again", worker=self.name)
                 backoff_s, unreachable_logged = BACKOFF_INITIAL_S, False
                 self._heartbeat_outage.ok()
+                wait_s = self.heartbeat_interval_s  # as the broker asked at registration
             except BrokerUnavailable as err:
                 if not unreachable_logged:
                     _log.warning("broker unreachable; retrying with backoff", worker=self.name, error=str(err))
                     unreachable_logged = True
-                self._note_heartbeat_outage(err)
-                wait_s, backoff_s = backoff_s, min(backoff_s * 2, BACKOFF_MAX_S)
+                try:
+                    self._heartbeat_outage.failed(err)
+                except BrokerOutageExceeded as exceeded:
+                    if not self.broker_lost.is_set():
+                        self.broker_lost_error = str(exceeded)
+                        self.broker_lost.set()
             except IncarnationSuperseded as err:  # for good: no more heartbeats; check_broker() raises it
                 _log.error("a newer trainer incarnation superseded this one", worker=self.name, error=str(err))
                 self.superseded = err
@@ -456,22 +461,13 @@ class ControlClient:
                     with self._lock:
                         if self._worker_id == worker_id:  # unless another call registered again meanwhile
                             self._worker_id = None
-                    wait_s, backoff_s = backoff_s, min(backoff_s * 2, BACKOFF_MAX_S)
                 else:  # e.g. ALREADY_EXISTS until an orphaned registration expires, UNAUTHENTICATED
                     _log.error("heartbeat refused", worker=self.name, error=str(err))
-                    wait_s, backoff_s = backoff_s, min(backoff_s * 2, BACKOFF_MAX_S)
             except Exception:  # the worker must keep running; the failure is logged with its traceback
                 _log.exception("heartbeat failed", worker=self.name)
+            if wait_s is None:
                 wait_s, backoff_s = backoff_s, min(backoff_s * 2, BACKOFF_MAX_S)
             self._stop.wait(wait_s)
-
-    def _note_heartbeat_outage(self, err: BrokerError) -> None:
-        try:
-            self._heartbeat_outage.failed(err)
-        except BrokerOutageExceeded as exceeded:
-            if not self.broker_lost.is_set():
-                self.broker_lost_error = str(exceeded)
-                self.broker_lost.set()
 
     def _progress(self, progress_fn: ProgressFn | None) -> Mapping[str, Any]:
         if progress_fn is None:

@@ -97,14 +97,11 @@ def pack_batch(
 class _RolloutClient(DealerClient):
     """A DEALER client of the rollout plane: watches for a refusal at the handshake and reconnects after it."""
 
-    # A broker that already has as many rollout peers as it admits refuses the connection at the handshake
-    # (broker.connection_gate) and libzmq does not try again: watch for that and reopen after a pause.
-    MONITOR_EVENTS = zmq.EVENT_HANDSHAKE_FAILED_AUTH
+    MONITOR_EVENTS = zmq.EVENT_HANDSHAKE_FAILED_AUTH  # a full broker refuses at the handshake: reopen after a pause
     plane = "rollout"
 
     def _on_monitor_events(self, events: Sequence[int], deadline_s: float) -> bool:
-        """The broker refused this connection at the handshake: wait a moment (within ``deadline_s``) and connect
-        again on a new socket (what was sent on the old one is lost: the wait ends so that the caller resends)."""
+        """Refused at the handshake: reopen (``_reopen_after_refusal``); the wait ends so that the caller resends."""
         if not events:
             return False
         self._reopen_after_refusal(deadline_s)

@@ -78,9 +78,7 @@ class WeightSubscriber(DealerClient):
     it is written here. None (and with CURVE, which the relay sockets do not speak): the broker sends every chunk.
     """
 
-    # A broker that already has as many weight peers as it admits refuses the connection at the handshake
-    # (broker.connection_gate) and libzmq does not try again: watch for that and reopen after a pause.
-    MONITOR_EVENTS = zmq.EVENT_HANDSHAKE_FAILED_AUTH
+    MONITOR_EVENTS = zmq.EVENT_HANDSHAKE_FAILED_AUTH  # a full broker refuses at the handshake: reopen after a pause
     plane = "weight"
 
     def __init__(
@@ -157,8 +155,7 @@ class WeightSubscriber(DealerClient):
                 raise
 
     def _on_monitor_events(self, events: Sequence[int], deadline_s: float) -> bool:
-        """The broker refused this connection at the handshake: wait a moment (within ``deadline_s``), connect
-        again on a new socket and say HELLO there."""
+        """Refused at the handshake: reopen (``_reopen_after_refusal``) and say HELLO on the new socket."""
         if not events:
             return False
         self._reopen_after_refusal(deadline_s)

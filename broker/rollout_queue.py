@@ -97,14 +97,9 @@ class RolloutQueue:
         self._steps = StepIndex()
         self._disk_full_since_s: float | None = None
         self._sessions = ConsumerSessions(max_sessions)
-        self._counts = {
-            "accepted": 0,
-            "duplicates": 0,
-            "backpressured": 0,
-            "released": 0,
-            "superseded": 0,
-            "disk_full": 0,
-        }
+        self._counts = dict.fromkeys(
+            ("accepted", "duplicates", "backpressured", "released", "superseded", "disk_full"), 0
+        )
         # Highest step any consumer session asked for (-1: none yet, e.g. right after a broker restart).
         self._frontier_step = -1
         # Spooled batches handed to a session at least once: they no longer count against the bounds.

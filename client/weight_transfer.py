@@ -237,7 +237,6 @@ class ChunkRelay:
         self._targets: collections.OrderedDict[str, zmq.Socket] = collections.OrderedDict()
         self._broken: collections.deque[str] = collections.deque(maxlen=MAX_BROKEN_RELAYS)
         self.num_forwarded_bytes = 0
-        self.num_forwarded_chunks = 0
 
     def next_hop(self, message: framing.Message) -> str | None:
         """The endpoint this worker forwards ``message`` to (None: it is the last hop, or not in the chain)."""
@@ -273,7 +272,6 @@ class ChunkRelay:
                 chunk=message.envelope.chunk.index,
             )
             return False
-        self.num_forwarded_chunks += 1
         self.num_forwarded_bytes += sum(len(frame) for frame in frames[3:])
         return True
 

@@ -151,10 +151,9 @@ class PolicyPublisher:
         Raises ``WeightUpdateRefused`` with the broker's error (e.g. OUT_OF_ORDER for a version not newer than
         the latest it holds) and ``WeightPublishTimeout``; after any failure the next publish is FULL.
         """
-        fallback = None
         kind = self._builder.kind
-        if kind == "delta" and self.base_version is None:
-            fallback = self._builder.why_full()
+        fallback = self._builder.why_full() if kind == "delta" else None
+        if fallback is not None:
             kind = "full"
         prepared = self.build(model, version, kind=kind)
         fallback = prepared.fallback or fallback

@@ -7,7 +7,7 @@ workers, the async bound, the teacher stage) and hands them to ``RolloutSchedule
 version, ``dispatch`` plans groups of ``rollouts_per_example`` rollouts up to the in-flight cap
 (``InflightLimit.limit()``: ``max_inflight``, else twice ``batch_size``) on the workers whose served version is
 recent enough for the step (``max_async_level``, judged per worker) by what the batches need (``dispatch_plan``);
-``collect`` turns finished groups into samples (``samples.rollout_to_samples``), sends them through the teacher
+``collect`` turns finished groups into samples (``group_results``), sends them through the teacher
 stage when there is one, computes their advantages and hands them to the batch assembler
 (``filtering.BatchAssembler``); ``cancel_stale`` cancels groups that became too stale; ``take_batch`` takes the
 step's batch (``step_batches``).
@@ -50,14 +50,14 @@ from primerl.orchestrator.endpoints import EndpointWatcher, InferenceEndpoint, I
 from primerl.orchestrator.env_sampler import EnvSampler
 from primerl.orchestrator.envs.base import EnvClient, EnvRequestError, EnvWorkerDied
 from primerl.orchestrator.filtering import AssembledBatch, BatchAssembler, DifficultyFilter
+from primerl.orchestrator.group_results import GroupResults
 from primerl.orchestrator.lineage import PolicyLineage, cap_versions
 from primerl.orchestrator.rollout_failures import RolloutFailures, is_unreachable, kind_name
-from primerl.orchestrator.samples import Group, MalformedTrajectory, rollout_to_samples
+from primerl.orchestrator.samples import Group
 from primerl.orchestrator.silent_workers import SilenceDeadline, silent_workers
 from primerl.orchestrator.step_batches import StepBatches
 from primerl.orchestrator.step_metrics import StepTimers
 from primerl.orchestrator.throughput import ThroughputWindow
-from primerl.orchestrator.trajectory import RolloutGroup
 from primerl.orchestrator.types import InflightLimit, SchedulerEvents, StepReport
 from primerl.proto import telemetry
 from primerl.proto.v1 import control_pb2
@@ -110,7 +110,7 @@ class RolloutScheduler:
             group_size=config.rollouts_per_example,
             constant_batch_size=config.constant_trainer_batch_size,
         )
-        self._tokens_per_rollout: dict[str, tuple[int, int]] = {}  # env -> (tokens, rollouts) over the run
+        self.results = GroupResults(config, failures, self.events, self.lineage, with_teacher=teacher is not None)
         self.step_batches = StepBatches(self.assembler, self.bound)
         self.inflight: dict[concurrent.futures.Future, InflightGroup] = {}
         self.latest_policy_version: int | None = None  # the broker's, from its heartbeat answers
@@ -186,7 +186,7 @@ class RolloutScheduler:
             del self.inflight[future]
             endpoint.num_inflight -= self.config.rollouts_per_example
             self.env_clients[entry.env_id].cancel(future)
-            self._count_cancelled(entry)
+            self.results.count_cancelled(self.counters, entry)
             self._retry(entry, reason)
         self._inflight_changed()
 
@@ -274,28 +274,8 @@ class RolloutScheduler:
             coming.update(group.env_id for group in self.teacher.groups())
         return env_deficits(self.assembler, self.bound, step, policy_version, max_inflight, coming)
 
-    def _count_cancelled(self, entry: InflightGroup) -> None:
-        """A group cancelled in flight: its tokens never come back; counted at the environment's mean tokens per
-        rollout so far (generated and discarded as ``cancelled``)."""
-        tokens, rollouts = self._tokens_per_rollout.get(entry.env_id, (0, 0))
-        estimate = round(tokens / rollouts * self.config.rollouts_per_example) if rollouts else 0
-        self.counters[f"tokens_generated/{entry.env_id}"] += estimate
-        self.counters[f"tokens_discarded/cancelled/{entry.env_id}"] += estimate
-
     def _inflight_changed(self) -> None:
         self.events.inflight_changed(len(self.inflight) * self.config.rollouts_per_example)
-
-    def _count_error(
-        self, kind: str, failure_kind: str, error: str, endpoint: InferenceEndpoint, num_rollouts: int = 1
-    ) -> None:
-        """A failed rollout (``rollout_errors``) or rollout group (``env_errors``): both add to rollout/errors;
-        ``failure_kind`` (the error's class) is counted apart and reported (``RolloutFailures``). A failure that
-        says the inference worker could not be reached pauses dispatch to it (it may be restarting)."""
-        self.counters[kind] += 1
-        self.counters[f"errors/{kind_name(failure_kind)}"] += num_rollouts
-        self.events.rollout_failed()
-        if self.failures.failed(failure_kind, error, num_rollouts):
-            endpoint.unreachable(time.monotonic())
 
     def ensure_worker(self, env_id: str) -> None:
         """Restart a dead environment (``EnvWorkerDied`` once its restarts are used up)."""
@@ -345,7 +325,8 @@ class RolloutScheduler:
                 failure_kind = exc.error_type if isinstance(exc, EnvRequestError) else type(exc).__name__
                 if is_unreachable(failure_kind, str(exc)) and self._retry_unreachable(entry, f"{failure_kind}: {exc}"):
                     continue
-                self._count_error(
+                self.results.count_error(
+                    self.counters,
                     "env_errors",
                     failure_kind,
                     f"{entry.env_id}: {exc}",
@@ -356,7 +337,10 @@ class RolloutScheduler:
             self.timers.add_group(rollout_group)
             tokens_before = self.counters["completion_tokens"]
             with self.timers.timed("to_samples_s"):
-                group = self._to_group(rollout_group, entry)
+                group_id = f"{entry.env_id}:{entry.example_index}:{self.next_group_id}"
+                group = self.results.to_group(
+                    rollout_group, entry, group_id, self.counters, self.fallbacks, self._retry_unreachable
+                )
             self.throughput.add(entry.started_s, time.monotonic(), self.counters["completion_tokens"] - tokens_before)
             if group is None:
                 continue
@@ -398,69 +382,6 @@ class RolloutScheduler:
         entry.endpoint.unreachable(time.monotonic())
         return True
 
-    def _to_group(self, rollout_group: RolloutGroup, entry: InflightGroup) -> Group | None:
-        config = self.config
-        generated = sum(r.num_completion_tokens for r in rollout_group.rollouts)
-        self.counters[f"tokens_generated/{entry.env_id}"] += generated
-        tokens, rollouts = self._tokens_per_rollout.get(entry.env_id, (0, 0))
-        self._tokens_per_rollout[entry.env_id] = (tokens + generated, rollouts + len(rollout_group.rollouts))
-        unreachable = next(
-            (r for r in rollout_group.rollouts if not r.ok and is_unreachable(r.error_type or "", r.error or "")), None
-        )
-        if unreachable is not None and self._retry_unreachable(
-            entry, f"{unreachable.error_type or 'RolloutError'}: {unreachable.error}"
-        ):
-            self.counters[f"tokens_discarded/failed/{entry.env_id}"] += generated
-            return None  # the whole group again, elsewhere: its other rollouts are not counted either
-        kept_tokens = 0
-        group_id = f"{entry.env_id}:{entry.example_index}:{self.next_group_id}"
-        samples = []
-        for rollout in rollout_group.rollouts:
-            if not rollout.ok or rollout.reward is None:
-                self._count_error(
-                    "rollout_errors",
-                    rollout.error_type or "RolloutError",
-                    f"{entry.env_id}: {rollout.error}",
-                    entry.endpoint,
-                )
-                continue
-            entry.endpoint.answered(time.monotonic())
-            try:
-                rollout_samples = rollout_to_samples(
-                    rollout,
-                    config.trajectory_strategy,
-                    temperature=config.sampling.temperature,
-                    default_policy_version=entry.dispatched_version,
-                    fallback_counts=self.fallbacks,
-                    group_id=group_id,
-                    example_id=entry.example_index,
-                    env_id=entry.env_id,
-                )
-                samples += rollout_samples
-                kept_tokens += rollout.num_completion_tokens
-            except MalformedTrajectory as exc:
-                self.counters[f"malformed_{exc.reason}"] += 1
-                self._count_error("rollout_errors", f"malformed_{exc.reason}", f"{entry.env_id}: {exc}", entry.endpoint)
-            else:
-                if self.teacher is None:  # with a teacher: once the teacher scored the group
-                    self.failures.succeeded()
-            self.counters["rollouts"] += 1
-            self.counters["completion_tokens"] += rollout.num_completion_tokens
-            self.counters["truncated"] += int(rollout.is_truncated)
-        self.counters[f"tokens_discarded/failed/{entry.env_id}"] += generated - kept_tokens
-        if not samples:
-            return None
-        ceiling = self.lineage.ceiling_since(entry.lineage_epoch)
-        if ceiling is not None:  # made by weights a rollback since its dispatch removed
-            cap_versions(samples, ceiling)
-        return Group(
-            group_id=group_id,
-            example_id=entry.example_index,
-            env_id=entry.env_id,
-            samples=samples,
-            generated_tokens=kept_tokens,
-        )
-
     def observe_lineage(self, heartbeat: control_pb2.HeartbeatResponse | None) -> None:
         """The broker's heartbeat answer: its latest policy version (what a joining worker must serve), and a
         rollback (a newer policy lineage): samples made with the rolled-back weights count as the lineage's base
@@ -492,7 +413,7 @@ class RolloutScheduler:
             entry = self.inflight.pop(future)
             entry.endpoint.num_inflight -= self.config.rollouts_per_example
             self.env_clients[entry.env_id].cancel(future)
-            self._count_cancelled(entry)
+            self.results.count_cancelled(self.counters, entry)
             self.counters["stale_groups_cancelled"] += 1
             self.counters[f"stale_groups_cancelled/{entry.env_id}"] += 1  # a slow env's groups outliving the bound
         if stale:

@@ -225,12 +225,7 @@ class OrchestratorRunner:
             self._open_metrics()
             self._connect()
             sampler = start_environments(
-                self.config,
-                env_python=self.env_python,
-                inference=self.inference,
-                preflight=self.env_preflight,
-                env_clients=self.env_clients,
-                eval_clients=self.eval_clients,
+                self.config, self.env_python, self.inference, self.env_preflight, self.env_clients, self.eval_clients
             )
             scheduler = self.scheduler = self._build_scheduler(sampler)
             start_step = self._restore(scheduler)

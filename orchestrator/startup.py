@@ -95,7 +95,6 @@ def rollout_failures(config: OrchestratorConfig, control: ControlClient) -> Roll
 
 def start_environments(
     config: OrchestratorConfig,
-    *,
     env_python: str,
     inference: InferenceWorkers,
     preflight: EnvPreflight | None,

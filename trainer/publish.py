@@ -194,7 +194,7 @@ class PolicyPublisher:
         """Send a built update; returns (ack, send ms). Keeps the delta base in step with what the broker holds:
         a stored update becomes the base; a failed send leaves none (the next publish is FULL)."""
         start_s = time.perf_counter()
-        self._builder.lose_base()
+        lost = self._builder.lose_base()
         try:
             try:
                 shared = self._places.shared_descriptor(prepared)
@@ -227,7 +227,7 @@ class PolicyPublisher:
         self._last_transport = "shared_memory" if shared is not None else "socket"
         if send_ms > 0:
             self._wire_bytes_per_s = prepared.header.payload_bytes / (send_ms / 1000.0)
-        self._builder.stored(prepared, ack.full_required)
+        self._builder.stored(prepared, ack.full_required, lost)
         self._places.release(prepared)
         log.info(
             telemetry.POLICY_PUBLISHED,

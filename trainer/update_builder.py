@@ -41,6 +41,8 @@ from primerl.trainer.prepared_update import PayloadMemory, PayloadPlaces, Prepar
 if TYPE_CHECKING:
     import torch
 
+    LostBase = tuple[dict[str, torch.Tensor] | None, bytearray | None]  # a base `lose_base` forgot, and its buffer
+
 __all__ = ["UpdateBuilder", "serving_dtype"]
 
 log = get_logger(__name__)
@@ -136,7 +138,6 @@ class UpdateBuilder:
     _base_version: int | None = field(default=None, init=False)
     _base_buffer: bytearray | None = field(default=None, init=False)
     _full_required: bool = field(default=False, init=False)
-    _lost: tuple[dict[str, torch.Tensor] | None, bytearray | None] = field(default=(None, None), init=False)
 
     def __post_init__(self) -> None:
         if self.kind not in _KIND_TO_WIRE:
@@ -389,16 +390,17 @@ class UpdateBuilder:
             lineage_base_version=self.lineage_base_version,
         )
 
-    def lose_base(self) -> None:
+    def lose_base(self) -> LostBase:
         """Forget the base while an update is sent: until the broker answers, nothing is known to be held (a failed
-        send leaves the next update FULL). The base lost is kept aside until `stored` says what became of it."""
-        self._lost = self._base, self._base_buffer
+        send leaves the next update FULL). Returns the base lost (and its buffer), for `stored`."""
+        lost = self._base, self._base_buffer
         self._base, self._base_version, self._base_buffer, self._full_required = None, None, None, False
+        return lost
 
-    def stored(self, prepared: PreparedUpdate, full_required: bool) -> None:
-        """The broker stored ``prepared``: its snapshot becomes the base, and the base it replaces is read by nothing
-        now: its memory serves the next snapshot or payload."""
-        (previous_base, previous_buffer), self._lost = self._lost, (None, None)
+    def stored(self, prepared: PreparedUpdate, full_required: bool, lost: LostBase) -> None:
+        """The broker stored ``prepared``: its snapshot becomes the base, and the base it replaces (``lost``) is read
+        by nothing now: its memory serves the next snapshot or payload."""
+        previous_base, previous_buffer = lost
         if prepared.snapshot is not None:
             self._base, self._base_version = prepared.snapshot, prepared.policy_version
             if prepared.owns_snapshot:  # the base views this buffer: it goes back when the base is replaced

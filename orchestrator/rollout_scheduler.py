@@ -419,15 +419,11 @@ class RolloutScheduler:
         if stale:
             self._inflight_changed()
 
-    def silence_timeout_s(self) -> float | None:
-        """How long a worker may hold groups without returning one (``SilenceDeadline``); None: no deadline."""
-        return self.silence.timeout_s()
-
     def retry_silent(self, now_s: float | None = None) -> None:
-        """Dispatch again the groups of inference workers that went silent (``silent_workers``): they are cancelled
-        and dispatched again (``rollout group retried``); the worker is backed off and then probed one group at a
-        time, as a worker that could not be reached. Bounds a request stuck on a connection that never breaks (a
-        cut cable) by far less than ``rollout_timeout_s``."""
+        """Dispatch again the groups of inference workers that went silent (``silent_workers``, past the deadline of
+        ``silence``): they are cancelled and dispatched again (``rollout group retried``); the worker is backed off
+        and then probed one group at a time, as a worker that could not be reached. Bounds a request stuck on a
+        connection that never breaks (a cut cable) by far less than ``rollout_timeout_s``."""
         timeout_s = self.silence.timeout_s()
         if timeout_s is None or not self.inflight:
             return

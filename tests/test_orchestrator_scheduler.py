@@ -399,12 +399,12 @@ def test_no_worker_is_silent_while_none_answers_or_with_the_deadline_off():
     off = make_scheduler(CutWorker("http://w2/v1"), max_async_level=1000, worker_silence_timeout_s=0)
     off.refresh_endpoints(FakeWatcher({"w1": ("http://w1/v1", 0), "w2": ("http://w2/v1", 0)}))
     run_rounds(off, 0.3)
-    assert off.silence_timeout_s() is None and off.counters["silent_workers"] == 0
+    assert off.silence.timeout_s() is None and off.counters["silent_workers"] == 0
 
 
 def test_the_silence_deadline_unset_follows_the_slowest_recent_groups():
     scheduler = make_scheduler(FakeWorker(), max_async_level=1000)
     scheduler.refresh_endpoints(FakeWatcher({"w1": ("http://w1/v1", 0)}))
-    assert scheduler.silence_timeout_s() is None  # no group came back yet: nothing to judge by
+    assert scheduler.silence.timeout_s() is None  # no group came back yet: nothing to judge by
     run_rounds(scheduler, 10.0, until=lambda: scheduler.counters["groups_done"] >= 8)
-    assert scheduler.silence_timeout_s() == SILENCE_MIN_S  # groups that took ~0 s: the floor
+    assert scheduler.silence.timeout_s() == SILENCE_MIN_S  # groups that took ~0 s: the floor

@@ -13,6 +13,7 @@ import abc
 import asyncio
 import concurrent.futures
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 from primerl.orchestrator.trajectory import EnvInfo, Example, RolloutGroup, SamplingParams, Split
@@ -37,6 +38,20 @@ class EnvRequestError(EnvWorkerError):
 
 class EnvRequestTimeout(EnvWorkerError):
     """No answer within the request's deadline; the request was cancelled in the environment's process."""
+
+
+@dataclass(frozen=True)
+class RolloutRequest:
+    """What the groups of one `submit_rollouts` call share."""
+
+    num_rollouts: int
+    base_url: str
+    model: str
+    split: Split = "train"
+    api_key: str = "EMPTY"
+    sampling: SamplingParams | Mapping[str, Any] | None = None
+    max_concurrent: int | None = None
+    timeout_s: float | None = None
 
 
 class EnvClient(Protocol):
@@ -64,20 +79,11 @@ class EnvClient(Protocol):
         ...
 
     def submit_rollouts(
-        self,
-        example_indices: Sequence[int],
-        *,
-        num_rollouts: int,
-        base_url: str,
-        model: str,
-        split: Split = "train",
-        api_key: str = "EMPTY",
-        sampling: SamplingParams | Mapping[str, Any] | None = None,
-        max_concurrent: int | None = None,
-        timeout_s: float | None = None,
+        self, example_indices: Sequence[int], **request: Any
     ) -> list[concurrent.futures.Future[RolloutGroup]]:
-        """One group of `num_rollouts` rollouts per example on the inference server `base_url`; the futures in
-        the order of `example_indices` (a group that cannot be sent gets a failed future)."""
+        """One group of `num_rollouts` rollouts per example on the inference server `base_url` (``request``: the
+        fields of `RolloutRequest`); the futures in the order of `example_indices` (a group that cannot be sent
+        gets a failed future)."""
         ...
 
     def submit_rollout(self, example_index: int, **kwargs: Any) -> concurrent.futures.Future[RolloutGroup]:
@@ -110,13 +116,20 @@ class EnvClient(Protocol):
 
 
 class OneExampleCalls(abc.ABC):
-    """`submit_rollout` and `rollout` of an `EnvClient`, written once over its `submit_rollouts` and `cancel`."""
+    """`submit_rollouts`, `submit_rollout` and `rollout` of an `EnvClient`, written once over its `submit_groups`
+    and `cancel`."""
 
-    @abc.abstractmethod
     def submit_rollouts(
-        self, example_indices: Sequence[int], **kwargs: Any
+        self, example_indices: Sequence[int], **request: Any
     ) -> list[concurrent.futures.Future[RolloutGroup]]:
         """See `EnvClient.submit_rollouts`."""
+        return self.submit_groups(example_indices, RolloutRequest(**request))
+
+    @abc.abstractmethod
+    def submit_groups(
+        self, example_indices: Sequence[int], request: RolloutRequest
+    ) -> list[concurrent.futures.Future[RolloutGroup]]:
+        """`submit_rollouts` with its request built."""
 
     @abc.abstractmethod
     def cancel(self, future: concurrent.futures.Future) -> None:
@@ -134,6 +147,3 @@ class OneExampleCalls(abc.ABC):
         except asyncio.CancelledError:
             self.cancel(future)
             raise
-
-
-__all__ = ["EnvClient", "EnvRequestError", "EnvRequestTimeout", "EnvWorkerDied", "EnvWorkerError", "OneExampleCalls"]

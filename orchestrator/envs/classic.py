@@ -37,13 +37,13 @@ from primerl.orchestrator.envs.base import (
     EnvWorkerDied,
     EnvWorkerError,
     OneExampleCalls,
+    RolloutRequest,
 )
 from primerl.orchestrator.envs.supervision import ChildProcess, PendingRequests, SupervisedChild
 from primerl.orchestrator.trajectory import (
     EnvInfo,
     Example,
     RolloutGroup,
-    SamplingParams,
     Split,
     as_wire_sampling,
     parse_group,
@@ -207,32 +207,22 @@ class ClassicEnvClient(SupervisedChild, OneExampleCalls):
         result = self._call(OP_EXAMPLES, {"split": split, "start": start, "count": count}, self.request_timeout_s)
         return [Example(**example) for example in result["examples"]]
 
-    def submit_rollouts(
-        self,
-        example_indices: Sequence[int],
-        *,
-        num_rollouts: int,
-        base_url: str,
-        model: str,
-        split: Split = "train",
-        api_key: str = "EMPTY",
-        sampling: SamplingParams | Mapping[str, Any] | None = None,
-        max_concurrent: int | None = None,
-        timeout_s: float | None = None,
+    def submit_groups(
+        self, example_indices: Sequence[int], request: RolloutRequest
     ) -> list[concurrent.futures.Future[RolloutGroup]]:
         """`submit_rollout` for several examples at once: one group (request) each, all written to the worker in
         one write. The futures come back in the order of `example_indices`; each group's `roundtrip_s` is the
         time from this call to its answer."""
-        timeout_s = timeout_s or self.request_timeout_s
+        timeout_s = request.timeout_s or self.request_timeout_s
         common = {
-            "split": split,
-            "num_rollouts": num_rollouts,
-            "base_url": base_url,
-            "api_key": api_key,
-            "model": model,
-            "sampling": as_wire_sampling(sampling),
+            "split": request.split,
+            "num_rollouts": request.num_rollouts,
+            "base_url": request.base_url,
+            "api_key": request.api_key,
+            "model": request.model,
+            "sampling": as_wire_sampling(request.sampling),
             # the model calls time out a little after the request's deadline: the deadline (and cancel) come first
-            "max_concurrent": max_concurrent or num_rollouts,
+            "max_concurrent": request.max_concurrent or request.num_rollouts,
             "http_timeout_s": timeout_s + 5.0,
         }
         submitted_s = time.monotonic()

@@ -22,7 +22,7 @@ import threading
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from primerl.orchestrator.envs.base import EnvRequestError, EnvWorkerDied, OneExampleCalls
+from primerl.orchestrator.envs.base import EnvRequestError, EnvWorkerDied, OneExampleCalls, RolloutRequest
 from primerl.orchestrator.envs.v1_server import V1ServerConnection
 from primerl.orchestrator.trajectory import EnvInfo, Example, RolloutGroup, SamplingParams
 from primerl.runtime.log_setup import get_logger
@@ -178,22 +178,12 @@ class V1EnvClient(OneExampleCalls):
             for index, task in enumerate(self.tasks[start : start + count], start)
         ]
 
-    def submit_rollouts(
-        self,
-        example_indices: Sequence[int],
-        *,
-        num_rollouts: int,
-        base_url: str,
-        model: str,
-        split: str = "train",
-        api_key: str = "EMPTY",
-        sampling: SamplingParams | Mapping[str, Any] | None = None,
-        max_concurrent: int | None = None,
-        timeout_s: float | None = None,
+    def submit_groups(
+        self, example_indices: Sequence[int], request: RolloutRequest
     ) -> list[concurrent.futures.Future[RolloutGroup]]:
         """One group of `num_rollouts` runs per example, on the inference server `base_url`. A group that cannot
         be sent (the server died) gets a future failed with `EnvWorkerDied` (the scheduler reschedules it)."""
-        params = sampling_params(sampling)
+        params, base_url = sampling_params(request.sampling), request.base_url
         version_fn = (lambda: self.version_of(base_url)) if self.version_of is not None else None
         futures = []
         for index in example_indices:
@@ -206,10 +196,10 @@ class V1EnvClient(OneExampleCalls):
                     self.server.submit_group(
                         self.tasks[index],
                         example_index=index,
-                        num_rollouts=num_rollouts,
-                        model=model,
+                        num_rollouts=request.num_rollouts,
+                        model=request.model,
                         sampling=params,
-                        timeout_s=timeout_s,
+                        timeout_s=request.timeout_s,
                         base_url=base_url,
                         policy_version_fn=version_fn,
                     )

@@ -6,6 +6,7 @@ import json
 import os
 import queue
 import random
+import shutil
 import signal
 import subprocess
 import sys
@@ -17,6 +18,7 @@ import numpy as np
 import pytest
 import torch
 
+import primerl.trainer.checkpoint as checkpoint_module
 from primerl.trainer.checkpoint import (
     MODEL_FILE,
     CheckpointNotFoundError,
@@ -212,6 +214,18 @@ def test_prune_deletes_only_committed_checkpoints(tmp_path: Path) -> None:
     assert prune_checkpoints(tmp_path, keep_last=2, keep_interval=2) == [1]
     assert list_checkpoints(tmp_path) == [2, 3, 4]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step_0", "step_2", "step_3", "step_4"]
+
+
+def test_prune_skips_a_checkpoint_another_trainer_pruned_first(tmp_path: Path, monkeypatch) -> None:
+    """Two trainers of a run (one superseding the other) may prune the same directory: a step that is gone by the
+    time this one renames it is skipped, not an error."""
+    for step in (1, 2, 3):
+        save_linear(tmp_path, step)
+    listed = list_checkpoints(tmp_path)
+    shutil.rmtree(tmp_path / "step_1")  # the other trainer's prune, between this one's listing and its rename
+    monkeypatch.setattr(checkpoint_module, "list_checkpoints", lambda root: listed)
+    assert prune_checkpoints(tmp_path, keep_last=1, keep_interval=None) == [2]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step_3"]
 
 
 # ---------------------------------------------------------------------------------------------------- errors, leftovers

@@ -341,13 +341,17 @@ def prune_checkpoints(root: str | os.PathLike[str], *, keep_last: int | None, ke
     `step_N`), then removed.
     """
     root = Path(root)
-    deleted = steps_to_prune(list_checkpoints(root), keep_last=keep_last, keep_interval=keep_interval)
-    for step in deleted:
+    deleted = []
+    for step in steps_to_prune(list_checkpoints(root), keep_last=keep_last, keep_interval=keep_interval):
         path = step_dir(root, step)
         trash = root / f"{path.name}.trash-{os.getpid()}"
-        os.rename(path, trash)
+        try:
+            os.rename(path, trash)
+        except FileNotFoundError:  # another trainer of the run (one it superseded, say) pruned it first
+            continue
         fsync_dir(root)
         shutil.rmtree(trash)
+        deleted.append(step)
     if deleted:
         log.info("pruned checkpoints", root=str(root), steps=deleted)
     return deleted

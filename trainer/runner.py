@@ -274,7 +274,7 @@ class TrainerRunner:
                 telemetry.PERF_FETCH_S: fetched.fetch_s,
                 telemetry.PERF_DECODE_S: fetched.decode_s,
                 telemetry.TRAIN_NUM_MICRO_BATCHES: float(len(micro_batches)),
-                "ckpt/saved": float(due),
+                telemetry.CKPT_SAVED: float(due),
             }
         )
         metrics.update({f"perf/{name}": value for name, value in stats.timings.items()})

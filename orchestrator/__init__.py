@@ -20,6 +20,7 @@ One RL step, in the order a reader follows it:
 - ``packing``: a packed step as the broker's batch messages (the packer: ``primerl.proto.packing``).
 - ``batch_sender`` (the send thread), ``step_send`` (one step through broker outages, the ``step sent`` line).
 - ``step_metrics`` (the metrics of a step), ``step_reporter`` (a step's row, advice, fallbacks), ``throughput``.
+- ``concurrency``: how many rollouts stay in flight; ``rollout_samples``: a few rollouts of each step for people.
 - ``evaluation``: eval groups and their summary (``primerl eval`` and the periodic evals).
 
 The config is ``primerl.configs.orchestrator.OrchestratorConfig`` (imports neither torch, vLLM nor verifiers).

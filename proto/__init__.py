@@ -4,7 +4,9 @@
   plane and the headers of the ZeroMQ data plane.
 - ``framing`` (the only code that reads and writes data-plane messages), ``chunked_transfer`` (a payload split
   into the messages of one transfer, and their bounded reassembly) and ``tensor_frames`` (tensors as
-  safetensors frames); ``weight_delta``: the lossless delta encodings (SPARSE, XOR_ZLIB).
+  safetensors frames); ``weight_delta``: the lossless delta encodings, one module per codec
+  (``delta_sparse``, ``delta_xor_zlib``) over ``delta_base``; ``shared_segment``: payloads handed over in shared
+  memory on one host, between processes that ``host_identity`` says share it.
 - One module per contract that is not a protobuf message: ``micro_batch`` (the training micro-batch's tensors)
   and ``packing`` (samples packed into those micro-batches, balanced over the trainer ranks: RL and SFT alike),
   ``telemetry`` (the metric keys, Prometheus names and log events that tools read),

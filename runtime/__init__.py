@@ -1,6 +1,10 @@
 """Shared infrastructure of every role and command; imports neither torch nor vLLM, and nothing of primerl outside
 this package (``tests/test_layering.py`` holds it).
 
+- addresses and wire: ``addresses`` (which host a daemon binds and which it advertises), ``wire_security``
+  (TLS and CURVE credentials read from files);
+- threads and advice: ``periodic`` (a thread that runs one callable every interval), ``advice`` (what to add
+  when one role waits on another); ``terminal``: the commands' console through ``rich``;
 - config: ``config_base`` (the pydantic base every role config extends), ``config_common`` (sections several
   roles share: logging, broker client, W&B, Prometheus), ``config_loader`` (``@ file.toml`` and overrides in,
   TOML out);

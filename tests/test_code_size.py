@@ -8,6 +8,7 @@ count as ``tools``' shape counts them: newlines in the file; a function's lines 
 from __future__ import annotations
 
 import ast
+import re
 import tomllib
 from pathlib import Path
 
@@ -78,3 +79,26 @@ def test_the_check_can_fail(tmp_path: Path) -> None:
 def test_every_listed_entry_has_a_reason(kind: str) -> None:
     listed = tomllib.loads(LISTED.read_text(encoding="utf-8"))
     assert all(str(reason).strip() for reason in listed.get(kind, {}).values())
+
+
+def unnamed_modules(package: Path) -> list[str]:
+    """The modules of ``package`` that its ``__init__.py`` docstring (the package's map) does not name."""
+    doc = ast.get_docstring(ast.parse((package / "__init__.py").read_text(encoding="utf-8"))) or ""
+    modules = sorted(
+        path.stem for path in package.glob("*.py") if not path.stem.startswith("__") and "_pb2" not in path.stem
+    )
+    return [name for name in modules if not re.search(rf"\b{re.escape(name)}\b", doc)]
+
+
+def test_every_package_map_names_its_modules() -> None:
+    """A newcomer reads a package's ``__init__.py`` first: each module is named there with what it holds."""
+    packages = sorted({path.parent for path in product_files() if (path.parent / "__init__.py").exists()})
+    missing = {str(p.relative_to(ROOT)): unnamed_modules(p) for p in packages if unnamed_modules(p)}
+    assert not missing, f"modules their package's __init__.py docstring does not name: {missing}"
+
+
+def test_the_package_map_check_can_fail(tmp_path: Path) -> None:
+    (tmp_path / "__init__.py").write_text('"""- ``known``: a module."""\n', encoding="utf-8")
+    for name in ("known", "new_one"):
+        (tmp_path / f"{name}.py").write_text("", encoding="utf-8")
+    assert unnamed_modules(tmp_path) == ["new_one"]

@@ -20,7 +20,10 @@ The weights out of the trainer:
     hf_state_dict   the model's tensors as Hugging Face / peft save them (a LoRA model merged): published and
                     exported alike
     publish         ``PolicyPublisher``: each step's policy to the broker (FULL, LORA or DELTA)
+    update_builder  builds each update from the model and keeps the base of the next delta
+    prepared_update a built update and the memory its payload lies in (pooled buffers, shared-memory segments)
     payload_writer  FULL payloads written into reused buffers
+    payload_stream  a FULL payload sent while it is still being written
     weights_export  ``weights/step_N``: a Hugging Face model directory
     checkpoint      checkpoints of model, optimizer, scheduler, RNG and progress
     committed_dir   directories that appear whole (temp + ``STABLE`` + rename)

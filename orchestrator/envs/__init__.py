@@ -10,5 +10,6 @@
   always means verifiers' v1 API, never a primerl protocol version.
 - ``interpreters``: which interpreter runs the environments and what it has installed; ``kinds``: classic or v1 for
   each env table; ``factory``: ``EnvClients``, which builds and starts the right client for each table.
+- ``checks``: what the preflight checks of the environments (they load, have examples, their prompts fit).
 - ``remote/``: the scripts that run inside the env interpreters; run by file path, never imported by primerl.
 """

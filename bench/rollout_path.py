@@ -25,7 +25,7 @@ the demo's SFT checkpoint gives shorter answers), then, in every repeat, side by
 
 With ``--compare-lean``, every repeat also measures the env worker alone with the per-request trims off
 (``PRIMERL_ENV_WORKER_LEAN=0``: the worker as it was before them, see
-``primerl.orchestrator.envs.remote.classic_rollouts.LEAN_ENV``) beside the default one, in alternating order, and
+``primerl.orchestrator.envs.remote.lean_trims.LEAN_ENV``) beside the default one, in alternating order, and
 reports both workers' CPU per rollout and rollouts/s with the paired ratios.
 
 The ratio orchestrator / plain client is taken per repeat (both measured minutes apart at most), then

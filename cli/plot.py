@@ -59,18 +59,19 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(sys.argv[1:] if argv is None else argv)
-    from primerl.runtime.run_metrics import METRICS_FILE_NAME, MetricsFileError, read_metrics_file
+    from primerl.runtime.run_files import METRICS_FILE
+    from primerl.runtime.run_metrics import MetricsFileError, read_metrics_file
     from primerl.supervisor.run_series import extract_series
 
     run_dir: Path = args.run_dir
     if not run_dir.is_dir():
         what = "is not a directory" if run_dir.exists() else "does not exist"
         return _fail(f"run directory {run_dir} {what}")
-    metrics_path = run_dir / METRICS_FILE_NAME
+    metrics_path = run_dir / METRICS_FILE
     if not metrics_path.is_file():
         return _fail(
-            f"no {METRICS_FILE_NAME} in {run_dir}: the trainer, orchestrator and sft daemons append one line per step "
-            f"to {{output_dir}}/{METRICS_FILE_NAME}, so either the run has not reached step 1 yet or {run_dir} is "
+            f"no {METRICS_FILE} in {run_dir}: the trainer, orchestrator and sft daemons append one line per step "
+            f"to {{output_dir}}/{METRICS_FILE}, so either the run has not reached step 1 yet or {run_dir} is "
             f"not the run's output directory"
         )
     try:

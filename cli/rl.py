@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 from primerl.cli.command_args import config_warnings_printed, parse_command_args
 from primerl.runtime.config_base import ConfigError
 from primerl.runtime.config_loader import dump_toml, load_config, parse_config_args, write_toml
+from primerl.runtime.run_files import LOGS_DIR, RUN_CONFIG_FILE
 from primerl.supervisor.restart_policy import RESTART_MODES, RestartPolicy
 
 if TYPE_CHECKING:
@@ -162,7 +163,7 @@ def _add_restart_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _preflight_log(config) -> Path:
-    return Path(config.output_dir) / "logs" / "preflight.log"
+    return Path(config.output_dir) / LOGS_DIR / "preflight.log"
 
 
 def _preflight(config) -> int | None:
@@ -223,7 +224,7 @@ def main(argv: list[str] | None = None) -> int:
         return _launch(config, args)
     roles = config.role_configs()
     if args.write is not None:
-        write_toml(config, args.write / "rl.toml")
+        write_toml(config, args.write / RUN_CONFIG_FILE)
         for role, role_config in roles.items():
             path = write_toml(role_config, args.write / f"{role}.toml")
             print(f"wrote {path}")

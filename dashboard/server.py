@@ -34,6 +34,7 @@ from urllib.parse import parse_qs, urlsplit
 from primerl.dashboard.charts import chart_table
 from primerl.dashboard.sources import MAX_EVENTS, BrokerSource, RunDirSource
 from primerl.proto.v1 import common_pb2, control_pb2
+from primerl.runtime.run_files import RUN_CONFIG_FILE
 
 STATIC_DIR = Path(__file__).resolve().parent / "static"
 COOKIE_NAME = "primerl_dashboard_{port}"  # per port: browsers share cookies between the ports of one host
@@ -69,7 +70,7 @@ class Dashboard:
         if route == "/api/run":
             return self.run()
         if route == "/api/config":
-            return {"text": self.run_dir.config_text() if self.run_dir else "", "file": "rl.toml"}
+            return {"text": self.run_dir.config_text() if self.run_dir else "", "file": RUN_CONFIG_FILE}
         if route == "/api/charts":
             return chart_table()
         if route == "/api/metrics":

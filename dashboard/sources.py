@@ -19,6 +19,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from primerl.runtime.run_files import LOGS_DIR, METRICS_FILE, ROLLOUTS_FILE, RUN_CONFIG_FILE
 from primerl.runtime.run_metrics import parse_row
 
 if TYPE_CHECKING:
@@ -29,9 +30,6 @@ MAX_ROLLOUTS = 400
 MAX_EVENTS = 300
 MAX_CONFIG_BYTES = 256 << 10
 MAX_READ_BYTES = 64 << 20  # one poll reads at most this much of a file
-ROLLOUTS_FILE = "rollouts.jsonl"
-METRICS_FILE = "metrics.jsonl"
-CONFIG_FILE = "rl.toml"
 STATUS_CACHE_S = 0.5
 RETRY_S = 5.0  # a broker that did not answer is asked again after this long
 MAX_HISTORY_READS = 16
@@ -126,7 +124,7 @@ class RunDirSource:
         self._events_lock = threading.Lock()
 
     def config_text(self) -> str:
-        path = self.run_dir / CONFIG_FILE
+        path = self.run_dir / RUN_CONFIG_FILE
         try:
             with path.open("rb") as handle:
                 return handle.read(MAX_CONFIG_BYTES).decode("utf-8", "replace")
@@ -136,7 +134,7 @@ class RunDirSource:
     def events(self) -> list[dict]:
         """Warnings and errors of every role's log, oldest first (the newest ``MAX_EVENTS``)."""
         with self._events_lock:
-            for path in sorted((self.run_dir / "logs").glob("*.log")):
+            for path in sorted((self.run_dir / LOGS_DIR).glob("*.log")):
                 self._read_log(path)
             return sorted(self._events, key=lambda event: event["time"])
 

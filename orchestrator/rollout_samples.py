@@ -33,10 +33,10 @@ from typing import Any
 
 from primerl.orchestrator.samples import TrainingSample
 from primerl.runtime.log_setup import get_logger
+from primerl.runtime.run_files import ROLLOUTS_FILE
 
 log = get_logger("primerl.orchestrator.rollout_samples")
 
-ROLLOUTS_FILE = "rollouts.jsonl"
 DEFAULT_PER_ENV = 2
 MAX_PROMPT_CHARS = 4000
 MAX_TOKENS = 1024

@@ -50,8 +50,8 @@ from urllib.parse import urlparse
 
 from primerl.runtime.config_common import WandbConfig
 from primerl.runtime.log_setup import get_logger
+from primerl.runtime.run_files import METRICS_FILE
 
-METRICS_FILE_NAME = "metrics.jsonl"
 ROW_FIELDS = ("step", "role", "time")
 ROLES = ("trainer", "orchestrator", "sft")
 
@@ -76,7 +76,7 @@ class MetricsSink:
         self.exporter = exporter
         output_dir = Path(output_dir)
         output_dir.mkdir(parents=True, exist_ok=True)
-        self.path = output_dir / METRICS_FILE_NAME
+        self.path = output_dir / METRICS_FILE
         self._wandb_run = None
         if wandb_config is not None:  # first: a W&B refusal stops the role at start
             self._wandb_run = start_wandb_run(role, wandb_config, output_dir, run_config)
@@ -187,7 +187,7 @@ def wandb_plan(config: WandbConfig, output_dir: str | os.PathLike[str]) -> Wandb
         return WandbPlan(
             "off",
             "[wandb] is set but the wandb package is not installed: metrics go to "
-            f"{Path(output_dir) / METRICS_FILE_NAME} only (pip install 'primerl[wandb]' to log "
+            f"{Path(output_dir) / METRICS_FILE} only (pip install 'primerl[wandb]' to log "
             "to W&B)",
         )
     forced = os.environ.get("WANDB_MODE", "").strip().lower()

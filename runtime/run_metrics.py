@@ -13,7 +13,8 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from primerl.runtime.metrics_sink import METRICS_FILE_NAME, ROW_FIELDS  # the writer's format  # noqa: F401
+from primerl.runtime.metrics_sink import ROW_FIELDS  # the writer's format  # noqa: F401
+from primerl.runtime.run_files import METRICS_FILE
 
 
 class MetricsFileError(ValueError):
@@ -56,7 +57,7 @@ def read_run_rows(*output_dirs: Path) -> list[dict]:
     """The rows of the ``metrics.jsonl`` files of these output directories (each file once, a missing or
     unreadable one skipped), in file order, bad lines skipped: what a run left, whatever happened to it."""
     rows: list[dict] = []
-    for path in dict.fromkeys(Path(d).resolve() / METRICS_FILE_NAME for d in output_dirs):
+    for path in dict.fromkeys(Path(d).resolve() / METRICS_FILE for d in output_dirs):
         try:
             rows.extend(read_metrics_file(path, skip_bad_lines=True).rows)
         except OSError:

@@ -35,6 +35,7 @@ from primerl.proto.ready_file import READY_FILE_NAMES, ready_file_path
 from primerl.proto.shared_segment import remove_stale_segments
 from primerl.runtime.config_loader import write_toml
 from primerl.runtime.cpu_budget import describe, role_env
+from primerl.runtime.run_files import LOGS_DIR, RUN_CONFIG_FILE
 from primerl.runtime.run_metrics import read_run_rows
 from primerl.runtime.start_gate import ENV_CHECK_FILE_NAME, GATE_FILE_NAME, GATE_VAR
 from primerl.supervisor.broker_links import dashboard_server, new_metrics_urls, run_file, status_client
@@ -96,7 +97,7 @@ class Launcher:
         self.options = options
         self.out, self.err = out, err
         self.run_dir = Path(config.output_dir)
-        self.logs_dir = self.run_dir / "logs"
+        self.logs_dir = self.run_dir / LOGS_DIR
         # The config's token, else an exported one (a user who set it can reach the run with it), else a fresh one.
         self.token = config.broker.run_token or os.environ.get(RUN_TOKEN_ENV) or secrets.token_urlsafe(24)
         self.signal_count = 0
@@ -149,7 +150,7 @@ class Launcher:
             close_tmux(self.tmux_session)
 
     def _write_configs(self, roles: dict) -> dict[str, Path]:
-        write_toml(without_token(self.config), self.run_dir / "rl.toml")
+        write_toml(without_token(self.config), self.run_dir / RUN_CONFIG_FILE)
         return {role: self.role_files.set(role, config) for role, config in roles.items()}
 
     # -------------------------------------------------------------------------------------------- run

@@ -15,8 +15,9 @@ import pytest
 from primerl.broker.run_history import MAX_ROLLOUTS_PER_REPORT, RunHistory, RunHistoryFile
 from primerl.dashboard.server import CSP, Dashboard, DashboardServer
 from primerl.dashboard.sources import JsonlTail, RunDirSource, connect_broker
-from primerl.orchestrator.rollout_samples import ROLLOUTS_FILE, RolloutSamples, pick, to_record
+from primerl.orchestrator.rollout_samples import RolloutSamples, pick, to_record
 from primerl.orchestrator.samples import TrainingSample
+from primerl.runtime.run_files import ROLLOUTS_FILE
 
 XSS = '<script>alert("x")</script><img src=x onerror=alert(1)>'
 

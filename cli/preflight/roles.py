@@ -31,6 +31,7 @@ import threading
 from pathlib import Path
 
 from primerl.cli.preflight.base import Check, PreflightReport, report, run_checks, skipped
+from primerl.runtime.run_files import LOGS_DIR
 
 
 def rl_checks(config) -> dict[str, Check]:
@@ -107,7 +108,7 @@ def role_preflight(prog: str, role: str, config) -> int | None:
     if not checks:
         return None
     output_dir = getattr(config, "output_dir", None)
-    log_path = Path(output_dir) / "logs" / f"preflight-{role}.log" if output_dir is not None else None
+    log_path = Path(output_dir) / LOGS_DIR / f"preflight-{role}.log" if output_dir is not None else None
     with _logging_to(log_path):
         result = run_checks(checks)
     return report(prog, result, log_path)

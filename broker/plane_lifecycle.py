@@ -15,7 +15,7 @@ Handshake credentials: with ``auth_token`` set and CURVE off, the socket is a PL
 clients that present the run token (``runtime.wire_security.RunTokenServer``); the plane's connection gate, its
 ZAP handler, asks ``handshake_check``. A plane with a token must therefore have a gate.
 
-Encryption: with ``curve`` set (``runtime.wire_security.CurveServer``, before ``start``) the socket is a CURVE
+Encryption: with ``curve`` (``runtime.wire_security.CurveServer``, given at construction) the socket is a CURVE
 server and admits only the client keys ``curve`` authorizes (the run token is then checked in every message
 only). libzmq asks the ZAP handler of the socket's context
 (one per context) about every connection, and without a handler it admits any key: a plane that brings its own
@@ -66,7 +66,14 @@ class RouterPlane(abc.ABC):
     connection_kind = "connection"
     """What the gate calls one connection in its logs and refusals."""
 
-    def __init__(self, context: zmq.Context, host: str, port: int, max_connections: int | None = None):
+    def __init__(
+        self,
+        context: zmq.Context,
+        host: str,
+        port: int,
+        max_connections: int | None = None,
+        curve: CurveServer | None = None,
+    ):
         if max_connections is not None and max_connections < 1:
             raise ValueError(f"max_connections must be >= 1, got {max_connections}")
         self.max_connections = max_connections
@@ -79,7 +86,7 @@ class RouterPlane(abc.ABC):
         self._stop_event = threading.Event()
         self._ready = threading.Event()
         self._start_error: BaseException | None = None
-        self.curve: CurveServer | None = None
+        self.curve = curve  # CURVE on the socket; None: plain, or the run token's PLAIN
         self.auth_token: str | None = None  # a plane with a run token sets it (checked at the handshake too)
         self._authenticator: Any = None
 

@@ -123,8 +123,7 @@ class RolloutPlane(RouterPlane):
         self._group_bytes = 0
         # Peers admitted at the handshake (``ConnectionGate``); None: no limit. With it, what the socket may
         # buffer is bounded whatever the number of peers that try: max_connections x (rcv_hwm + 1) messages.
-        super().__init__(context, host, port, max_connections)
-        self.curve = curve  # CURVE on the socket (``plane_lifecycle``); None: plain, or the run token's PLAIN
+        super().__init__(context, host, port, max_connections, curve)
         self.queue = queue
         self.limits = limits
         self.auth_token = auth_token or None

@@ -279,8 +279,8 @@ class BrokerService:
             # The latest weight chain survives a restart too (``weight_durable``; the spool's lock covers it).
             durable_dir=config.spool_dir / WEIGHTS_SUBDIR,
             max_connections=config.max_weight_connections,
+            curve=curve,
         )
-        self.weight_plane.curve = curve
         with _naming_the_setting("weight_port", "ZeroMQ weight", config.host, config.weight_port):
             return self.weight_plane.start()
 

@@ -63,6 +63,7 @@ from primerl.proto import framing
 from primerl.proto.v1 import common_pb2, data_pb2
 from primerl.runtime.log_setup import get_logger
 from primerl.runtime.meters import RateMeter
+from primerl.runtime.wire_security import CurveServer
 from primerl.runtime.zmq_sockets import DEFAULT_HWM
 
 log = get_logger(__name__)
@@ -129,15 +130,17 @@ class WeightPlane(RouterPlane):
         poll_interval_s: float = 0.05,
         durable_dir: str | Path | None = None,
         max_connections: int | None = None,
+        curve: CurveServer | None = None,
     ):
         """``fanout``: the fan-out core over the plane's ``WeightStore`` (``fanout.store``); ``intake_bounds``: the
         limits on the trainer's transfers in flight; ``durable_dir``: where the store's chain is kept on disk;
-        ``max_connections``: peers admitted at the ZeroMQ handshake (``ConnectionGate``; None: every peer)."""
+        ``max_connections``: peers admitted at the ZeroMQ handshake (``ConnectionGate``; None: every peer);
+        ``curve``: CURVE on the socket (None: plain, or the run token's PLAIN)."""
         if chunk_bytes <= 0 or chunk_bytes > limits.max_frame_bytes:
             raise ValueError(
                 f"chunk_bytes must be in 1..limits.max_frame_bytes ({limits.max_frame_bytes}), got {chunk_bytes}"
             )
-        super().__init__(context, host, port, max_connections)
+        super().__init__(context, host, port, max_connections, curve)
         self.store = fanout.store
         self.fanout = fanout
         self.limits = limits

@@ -20,6 +20,12 @@ primerl_broker_weight_relay_heals_total            workers sent an update again 
 primerl_broker_weight_descriptors_sent_total       updates sent to same-host workers as a shared-memory descriptor
                                                    (no payload bytes; [trainer.weight_broadcast] transport)
 primerl_broker_weight_segments_released_total      trainer segments handed back once their readers were done
+primerl_broker_workers_lost{role}                 workers marked lost (silent past the timeout), still listed
+primerl_broker_run_finished                       1 once the run reached max_steps and its trainer finished
+primerl_broker_rollout_messages_refused_total      messages the rollout socket refused (malformed, unknown step, ...)
+primerl_broker_discovery_targets                  metrics targets its Prometheus service discovery lists
+primerl_disk_free_bytes{purpose="spool"}          free bytes of the spool's file system (and its size,
+primerl_disk_size_bytes{purpose="spool"}          for the "disk filling" alert)
 """
 
 from __future__ import annotations
@@ -30,9 +36,10 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.metrics_core import Metric
 
-from primerl.broker.worker_record import ALIVE
+from primerl.broker.worker_record import ALIVE, LOST
 from primerl.proto import telemetry
 from primerl.proto.v1 import common_pb2
+from primerl.runtime.prometheus import disk_families
 
 if TYPE_CHECKING:
     from primerl.broker.service import BrokerService
@@ -180,9 +187,29 @@ class BrokerCollector:
         service = self.service
         status = service.registry.run_status()
         workers = GaugeMetricFamily(telemetry.BROKER_WORKERS, "Workers alive per role.", labels=["role"])
+        lost = GaugeMetricFamily(
+            telemetry.BROKER_WORKERS_LOST,
+            "Workers marked lost per role: silent for longer than the heartbeat timeout, still listed.",
+            labels=["role"],
+        )
         for role, name in ROLES.items():
             workers.add_metric([name], sum(1 for w in status.workers if w.role == role and w.state == ALIVE))
+            lost.add_metric([name], sum(1 for w in status.workers if w.role == role and w.state == LOST))
         yield workers
+        yield lost
+        yield GaugeMetricFamily(
+            telemetry.BROKER_RUN_FINISHED,
+            "1 once the run reached max_steps and its trainer finished, else 0.",
+            value=float(service.registry.shutdown_requested),
+        )
+        yield GaugeMetricFamily(
+            telemetry.BROKER_DISCOVERY_TARGETS,
+            "Metrics targets the broker's Prometheus service discovery (/discovery) lists.",
+            value=service.num_discovery_targets(status.workers),
+        )
+        yield from disk_families(
+            "spool", service.config.spool_dir, telemetry.DISK_FREE_BYTES, telemetry.DISK_SIZE_BYTES
+        )
         if service.weight_plane is not None:
             yield from _read(_WEIGHT_FAMILIES, service.weight_plane.status())
         yield from _read(_RUN_FAMILIES, status)
@@ -190,6 +217,11 @@ class BrokerCollector:
             rollout = service.rollout_plane.status()
             if rollout.num_connections is not None:
                 yield from _read(_CONNECTION_FAMILIES, rollout)
+            yield CounterMetricFamily(
+                telemetry.BROKER_ROLLOUT_MESSAGES_REFUSED,
+                "Messages the rollout socket refused (malformed, unknown step, full spool, internal error).",
+                value=rollout.num_refused,
+            )
             yield from _read(_QUEUE_FAMILIES, rollout.queue)
         yield GaugeMetricFamily(
             telemetry.BROKER_HISTORY_BYTES,

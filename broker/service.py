@@ -25,7 +25,7 @@ import contextlib
 import errno
 import threading
 import uuid
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import asdict, dataclass
 
 import zmq
@@ -33,6 +33,7 @@ import zmq
 from primerl.broker.control_service import BrokerServicer, HeartbeatMonitor, create_grpc_server
 from primerl.broker.memory import pin_mmap_threshold
 from primerl.broker.metrics import BrokerCollector
+from primerl.broker.metrics_discovery import DISCOVERY_PATH, discovery_route, target_groups
 from primerl.broker.registry import WorkerRegistry
 from primerl.broker.rollout_plane import RolloutPlane
 from primerl.broker.rollout_queue import RolloutQueue
@@ -46,10 +47,11 @@ from primerl.broker.weight_plane import WeightPlane
 from primerl.broker.weight_store import WeightStore
 from primerl.configs.broker import BrokerConfig
 from primerl.proto.data_plane_limits import BrokerLimits
+from primerl.proto.v1 import control_pb2
 from primerl.runtime.addresses import url_host
 from primerl.runtime.config_common import is_loopback_host
 from primerl.runtime.log_setup import bind_context, get_logger
-from primerl.runtime.prometheus import MetricsExporter, start_exporter
+from primerl.runtime.prometheus import MetricsExporter, Route, TlsFiles, start_exporter
 from primerl.runtime.wire_security import CurveServer
 from primerl.runtime.zmq_sockets import tcp_endpoint
 
@@ -171,7 +173,9 @@ class BrokerService:
         config = self.config
         pin_mmap_threshold()  # freed message buffers go back to the OS (broker/memory.py)
         try:
-            self.exporter = start_exporter("broker", config.prometheus)
+            self.exporter = start_exporter(
+                "broker", config.prometheus, self._metrics_tls(), {DISCOVERY_PATH: self._discovery_route()}
+            )
             if self.exporter is not None:
                 self.exporter.register(BrokerCollector(self))
             curve = self._curve_server()
@@ -296,6 +300,26 @@ class BrokerService:
             authorized_keys_dir=str(config.curve_authorized_keys_dir),
         )
         return curve
+
+    def _metrics_tls(self) -> TlsFiles | None:
+        """With TLS on the gRPC port, the metrics port (and its service discovery) is HTTPS with the same files."""
+        config = self.config
+        if config.tls_cert_path is None or config.tls_key_path is None:
+            return None
+        return TlsFiles(config.tls_cert_path, config.tls_key_path, config.tls_client_ca_path)
+
+    def _discovery_route(self) -> Route:
+        """``/discovery``: Prometheus' HTTP service discovery of the run's metrics targets (``metrics_discovery``)."""
+        return discovery_route(
+            self.config.run_token,
+            self.registry.list_workers,
+            self.run_id,
+            lambda: self.exporter.url if self.exporter is not None else None,
+        )
+
+    def num_discovery_targets(self, workers: Iterable[control_pb2.WorkerInfo]) -> int:
+        """How many targets ``/discovery`` lists for ``workers`` (a metric of the broker's own)."""
+        return len(target_groups(workers, self.run_id, self.exporter.url if self.exporter is not None else None))
 
     def _warn_about_auth(self) -> None:
         """A broker without a run token binds loopback only (``BrokerConfig`` refuses anything else unless

@@ -160,6 +160,10 @@ class OrchestratorRunner:
             self.errors_counter = self.exporter.counter(
                 telemetry.ORCHESTRATOR_ROLLOUT_ERRORS, "Failed rollouts and rollout groups (the sum of rollout/errors)."
             )
+            self.exporter.gauge(
+                telemetry.ORCHESTRATOR_MAX_ASYNC_LEVEL,
+                "max_async_level: how many policy versions behind the trainer a rollout's policy may be.",
+            ).set(config.max_async_level)
         self.sink = MetricsSink("orchestrator", config.output_dir, config.wandb, config, exporter=self.exporter)
         # A few sample rollouts per step for the dashboard: to rollouts.jsonl and the broker's run history.
         self.rollout_samples = RolloutSamples(

@@ -48,7 +48,7 @@ from primerl.proto.step_digest import data_digest
 from primerl.runtime.advice import WaitWindow
 from primerl.runtime.log_setup import bind_context, get_logger
 from primerl.runtime.metrics_sink import MetricsSink, finite_values
-from primerl.runtime.prometheus import MetricsExporter, start_exporter
+from primerl.runtime.prometheus import DiskCollector, MetricsExporter, start_exporter
 from primerl.trainer.distributed import DistInfo, barrier, resolve_parallel, unwrap_model
 from primerl.trainer.step_io import StepIOThread, StepPrefetcher, Ticket
 from primerl.trainer.train_step import distillation_objective, rl_objective, sft_objective
@@ -121,6 +121,11 @@ class TrainerRunner:
                 loss_tokens=self.exporter.counter(
                     telemetry.TRAINER_LOSS_TOKENS, "Loss tokens trained on, over all ranks."
                 ),
+            )
+            self.exporter.register(
+                DiskCollector(
+                    "checkpoints", config.checkpoint_dir, telemetry.DISK_FREE_BYTES, telemetry.DISK_SIZE_BYTES
+                )
             )
         self.sink = MetricsSink("trainer", config.output_dir, config.wandb, config, exporter=self.exporter)
 

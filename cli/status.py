@@ -1,7 +1,12 @@
-"""`primerl status [RUN_DIR]`: show a running job's status from its broker, as a table or JSON, once or live.
+"""`primerl status [RUN_DIR]`: show a running job's status from its broker, as a table or JSON, once or live; a
+`primerl rl` run that has ended, from its run directory.
 
 The broker's address and the token come from the command line, else from RUN_DIR/run.json (written by
-`primerl rl`, ``primerl.supervisor.run_file``), else from ``$PRIMERL_BROKER`` and ``$PRIMERL_RUN_TOKEN``."""
+`primerl rl`, ``primerl.supervisor.run_file``), else from ``$PRIMERL_BROKER`` and ``$PRIMERL_RUN_TOKEN``. A RUN_DIR
+whose run has ended (``primerl.runtime.run_outcome``: its ``run_end.json``, or a launcher that is gone) is shown
+from what it holds, without asking a broker, with exit status 0 (``--broker`` asks the broker anyway). ``--json``
+adds ``run_state`` (``running``, ``finished``, ``stopped``, ``failed``) and ``run_end`` (how it ended; null for a
+run whose broker answered) to the broker's ``RunStatus`` fields."""
 
 from __future__ import annotations
 
@@ -12,7 +17,7 @@ import sys
 from typing import TextIO
 
 from primerl.supervisor.run_file import RunFileError, read_run_file
-from primerl.supervisor.status_view import print_status
+from primerl.supervisor.status_view import print_status, run_state
 
 ENV_TOKEN = "PRIMERL_RUN_TOKEN"
 ENV_BROKER = "PRIMERL_BROKER"
@@ -23,10 +28,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="primerl status",
         usage="primerl status [RUN_DIR] [--broker HOST:PORT] [--token TOKEN] [--json] [--watch]",
-        description="Show a running job's status from the broker.",
+        description="Show a running job's status from the broker, or how a `primerl rl` run ended.",
         epilog="A `primerl rl` run: `primerl status RUN_DIR` (the run's output_dir) reads the broker's address and "
-        "the run token from RUN_DIR/run.json, which only the user who started the run can read. Daemons started "
-        "on their own: --broker and --token (or $PRIMERL_BROKER and $PRIMERL_RUN_TOKEN).",
+        "the run token from RUN_DIR/run.json, which only the user who started the run can read; a run that has "
+        "ended is shown from RUN_DIR (its run_end.json). Daemons started on their own: --broker and --token (or "
+        "$PRIMERL_BROKER and $PRIMERL_RUN_TOKEN).",
     )
     parser.add_argument(
         "run_dir",
@@ -80,7 +86,12 @@ def main(argv: list[str] | None = None) -> int:
     from primerl.client.broker_errors import BrokerError
     from primerl.client.control import ControlClient
     from primerl.runtime.config_common import BrokerClientConfig
+    from primerl.runtime.run_outcome import read_run_outcome
 
+    outcome = read_run_outcome(args.run_dir) if args.run_dir is not None and args.broker is None else None
+    if outcome is not None and outcome.ended:  # nothing to ask: its broker stopped with it
+        _show_ended(outcome, args.json, sys.stdout)
+        return 0
     try:
         address, token, tls = _connection(args)
     except RunFileError as err:
@@ -118,7 +129,7 @@ def main(argv: list[str] | None = None) -> int:
             stream.cancel()
             return 0
     except BrokerError as err:
-        print(f"primerl status: {_explain(err, args.run_dir)}", file=sys.stderr)
+        print(f"primerl status: {_explain(err, args.run_dir, outcome)}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         return 130
@@ -141,28 +152,44 @@ def _connection(args: argparse.Namespace) -> tuple[str, str | None, dict[str, st
     return address, token, tls
 
 
-def _explain(err, run_dir: str | None = None) -> str:
+def _explain(err, run_dir: str | None = None, outcome=None) -> str:
     import grpc
+
+    from primerl.runtime.run_outcome import RUNNING
 
     if err.code == grpc.StatusCode.UNAUTHENTICATED:
         return f"{err}\n  pass the run's token with --token or ${ENV_TOKEN}"
+    if err.code == grpc.StatusCode.UNAVAILABLE and outcome is not None and outcome.state == RUNNING:
+        return (
+            f"{err}\n  (the run in {run_dir} is still running: its launcher, pid {outcome.launcher_pid}, is alive; "
+            "its broker may be restarting or overloaded)"
+        )
     if err.code == grpc.StatusCode.UNAVAILABLE and run_dir is not None:
         return f"{err}\n  (the run in {run_dir} may have ended: its run.json names the broker it last had)"
     return str(err)
 
 
-def _show(status, as_json: bool, out: TextIO, *, clear: bool, one_line: bool = False) -> None:
+def _show_ended(outcome, as_json: bool, out: TextIO) -> None:
+    """A run that has ended, as its run directory says: the same view as a live one's, from its last known status."""
+    from primerl.proto.v1 import control_pb2
+
+    _show(outcome.fill_status(control_pb2.RunStatus()), as_json, out, clear=False, outcome=outcome)
+
+
+def _show(status, as_json: bool, out: TextIO, *, clear: bool, one_line: bool = False, outcome=None) -> None:
     if as_json:
         from google.protobuf.json_format import MessageToDict
 
         data = MessageToDict(status, preserving_proto_field_name=True, always_print_fields_with_no_presence=True)
+        data["run_state"] = run_state(status, outcome)
+        data["run_end"] = outcome.to_json() if outcome is not None and outcome.ended else None
         out.write(json.dumps(data, indent=None if one_line else 2, sort_keys=True) + "\n")
     else:
         if clear:
             out.write("\x1b[2J\x1b[H")
         elif one_line:  # watching without a terminal: separate the snapshots
             out.write("-" * 80 + "\n")
-        print_status(status, out)  # rich tables on a terminal, the plain lines otherwise
+        print_status(status, out, outcome=outcome)  # rich tables on a terminal, the plain lines otherwise
     out.flush()
 
 

@@ -12,6 +12,11 @@ Security (the page shows a run's config, prompts and model output):
 
 API (JSON, documented in docs/dashboard.md): ``/api/run``, ``/api/config``, ``/api/charts``, ``/api/metrics?since=N``,
 ``/api/workers``, ``/api/queues``, ``/api/events``, ``/api/rollouts?since=N``.
+
+A run whose directory says it has ended (``RunDirSource.outcome``: finished, stopped or failed) is shown from that
+directory alone: its state, its last policy version, the workers and queues last seen before the end; its broker,
+gone with it, is not asked (no "broker unreachable" error). The broker's errors show only for a run that is still
+supposed to be running.
 """
 
 from __future__ import annotations
@@ -35,6 +40,7 @@ from primerl.dashboard.charts import chart_table
 from primerl.dashboard.sources import MAX_EVENTS, BrokerSource, RunDirSource
 from primerl.proto.v1 import common_pb2, control_pb2
 from primerl.runtime.run_files import RUN_CONFIG_FILE
+from primerl.runtime.run_outcome import RUNNING, RunOutcome
 
 STATIC_DIR = Path(__file__).resolve().parent / "static"
 COOKIE_NAME = "primerl_dashboard_{port}"  # per port: browsers share cookies between the ports of one host
@@ -82,7 +88,9 @@ class Dashboard:
         if route == "/api/workers":
             status, error = self._status()
             workers = [] if status is None else [_worker(w, status.latest_policy_version) for w in status.workers]
-            return {"workers": workers, "broker_error": error}
+            ended = self._ended()  # its workers as last seen: their heartbeats are as old as that snapshot
+            as_of = (status.updated_unix_ms or ended.ended_unix_ms) if ended is not None else None
+            return {"workers": workers, "broker_error": error, "as_of_unix_ms": as_of}
         if route == "/api/queues":
             status, error = self._status()
             status = status or control_pb2.RunStatus()
@@ -99,9 +107,10 @@ class Dashboard:
         if route == "/api/events":
             status, _ = self._status()
             events = self.run_dir.events() if self.run_dir else []
-            if self.broker is not None:
-                self.broker.refresh_history()
-                events = sorted(events + self.broker.events.since(0)[0], key=lambda event: event["time"])
+            broker = self._live_broker()
+            if broker is not None:
+                broker.refresh_history()
+                events = sorted(events + broker.events.since(0)[0], key=lambda event: event["time"])
             recent = status.recent_errors if status is not None else []
             errors = [{"source": "broker", "level": "error", "message": m} for m in recent]
             return {"events": events[-MAX_EVENTS:], "recent_errors": errors}
@@ -110,11 +119,12 @@ class Dashboard:
     def _from(self, what: str) -> str:
         """Where ``what`` (metrics, rollouts) comes from: the run directory's file when it has one (complete),
         else the broker's history (bounded), else nothing yet."""
+        broker = self._live_broker()
         if self.run_dir is not None:
             tail = self.run_dir.metrics if what == "metrics" else self.run_dir.rollouts
-            if tail.path.exists() or self.broker is None:
+            if tail.path.exists() or broker is None:
                 return "run_dir"
-        return "broker" if self.broker is not None else "run_dir"
+        return "broker" if broker is not None else "run_dir"
 
     def _pick(self, what: str, since: int) -> tuple[list, int]:
         if self._from(what) == "run_dir":
@@ -123,12 +133,29 @@ class Dashboard:
         self.broker.refresh_history()
         return (self.broker.rows if what == "metrics" else self.broker.rollouts).since(since)
 
+    def _ended(self) -> RunOutcome | None:
+        """How the run ended, when its run directory says it has (see the module docstring); else None."""
+        if self.run_dir is None:
+            return None
+        outcome = self.run_dir.outcome()
+        return outcome if outcome.ended else None
+
+    def _live_broker(self) -> BrokerSource | None:
+        """The broker to ask: none for a run that has ended."""
+        return self.broker if self._ended() is None else None
+
     def _status(self) -> tuple[control_pb2.RunStatus | None, str]:
+        """The run's status and the broker's error: an ended run's last known status (no error), else the
+        broker's answer."""
+        ended = self._ended()
+        if ended is not None:
+            return ended.fill_status(control_pb2.RunStatus()), ""
         if self.broker is None:
             return None, "no broker: the dashboard reads the run directory only"
         return self.broker.status()
 
     def run(self) -> dict[str, Any]:
+        ended = self._ended()
         status, error = self._status()
         config = self._config()
         rows, _ = self._pick("metrics", 0)
@@ -141,10 +168,13 @@ class Dashboard:
             max_steps = status.max_steps or max_steps
             run_id = status.run_id
         finished = max_steps > 0 and step >= max_steps
-        if finished:
+        running = self.run_dir is not None and self.run_dir.outcome().state == RUNNING  # its launcher is alive
+        if ended is not None:
+            state = ended.state  # finished, stopped or failed, as the run directory says
+        elif finished:
             state = "finished"
-        elif status is None:
-            state = "stopped" if self.run_dir is not None and rows else "unreachable"
+        elif status is None and (self.broker is not None or not running):
+            state = "stopped" if self.run_dir is not None and rows and not running else "unreachable"
         elif step == 0:
             state = "starting"
         else:
@@ -167,6 +197,7 @@ class Dashboard:
             "run_dir": str(self.run_dir.run_dir) if self.run_dir else None,
             "broker": self.broker is not None,
             "broker_error": error if self.broker is not None else "",
+            "end": ended.to_json() if ended is not None else None,
             "time": time.time(),
         }
 

@@ -1,6 +1,7 @@
 """Where the dashboard's facts come from: a run directory (what a run wrote: ``rl.toml``, ``metrics.jsonl``,
-``rollouts.jsonl``, ``logs/*.log``) and a live broker (``GetRunStatus``: the run, workers, queues, recent errors),
-read with the run's credentials (``client/channel.py``, TLS included).
+``rollouts.jsonl``, ``logs/*.log``, and how it ended: ``run_end.json`` and the rest that
+``primerl.runtime.run_outcome`` reads) and a live broker (``GetRunStatus``: the run, workers, queues, recent
+errors), read with the run's credentials (``client/channel.py``, TLS included).
 
 Everything a source returns is plain JSON data for ``/api/...``; nothing here writes anywhere. Files are read
 incrementally (from the byte offset already read, a rewritten or shrunk file from the start) and kept bounded
@@ -19,8 +20,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from primerl.runtime.run_files import LOGS_DIR, METRICS_FILE, ROLLOUTS_FILE, RUN_CONFIG_FILE
+from primerl.runtime.run_files import LOGS_DIR, METRICS_FILE, ROLLOUTS_FILE, RUN_CONFIG_FILE, RUN_END_FILE, RUN_FILE
 from primerl.runtime.run_metrics import parse_row
+from primerl.runtime.run_outcome import RunOutcome, read_run_outcome
 
 if TYPE_CHECKING:
     from primerl.proto.v1 import control_pb2
@@ -33,10 +35,20 @@ MAX_READ_BYTES = 64 << 20  # one poll reads at most this much of a file
 STATUS_CACHE_S = 0.5
 RETRY_S = 5.0  # a broker that did not answer is asked again after this long
 MAX_HISTORY_READS = 16
+OUTCOME_CACHE_S = 2.0  # how the run stands is read again after this long (an ended run: when its files change)
 
 # `2026-11-27T19:52:30.627595Z [warning  ] message   [logger] key=value ...` (structlog's console renderer).
 _LOG_LINE = re.compile(r"^(?P<time>\S+)\s+\[(?P<level>warning|error|critical)\s*\]\s+(?P<message>.*)$")
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")
+
+
+def _identity(path: Path) -> tuple[int, int, int] | None:
+    """(inode, size, mtime) of a file, None when there is none: whether it changed."""
+    try:
+        stat = path.stat()
+    except OSError:
+        return None
+    return stat.st_ino, stat.st_size, stat.st_mtime_ns
 
 
 def _read_at(path: Path, offset: int) -> bytes | None:
@@ -110,8 +122,8 @@ def parse_rollout_line(line: str) -> dict:
 
 
 class RunDirSource:
-    """What a run directory holds: its config, metric rows, sample rollouts and the warnings and errors in its
-    logs."""
+    """What a run directory holds: its config, metric rows, sample rollouts, the warnings and errors in its logs,
+    and how the run stands (``outcome``)."""
 
     def __init__(self, run_dir: str | Path):
         self.run_dir = Path(run_dir)
@@ -122,6 +134,21 @@ class RunDirSource:
         self._log_offsets: dict[str, int] = {}
         self._events: deque = deque(maxlen=MAX_EVENTS)
         self._events_lock = threading.Lock()
+        self._outcome_lock = threading.Lock()
+        self._outcome: tuple[RunOutcome, float, tuple] | None = None  # the outcome, when read, its files' identity
+
+    def outcome(self) -> RunOutcome:
+        """How the run stands (``read_run_outcome``): read again every ``OUTCOME_CACHE_S``; once it has ended, only
+        when ``run_end.json`` or ``run.json`` changes (a new run in the directory)."""
+        with self._outcome_lock:
+            files = tuple(_identity(self.run_dir / name) for name in (RUN_END_FILE, RUN_FILE))
+            if self._outcome is not None:
+                outcome, read_s, read_files = self._outcome
+                if read_files == files and (outcome.ended or time.monotonic() - read_s < OUTCOME_CACHE_S):
+                    return outcome
+            outcome = read_run_outcome(self.run_dir)
+            self._outcome = (outcome, time.monotonic(), files)
+            return outcome
 
     def config_text(self) -> str:
         path = self.run_dir / RUN_CONFIG_FILE

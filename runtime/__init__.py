@@ -10,8 +10,9 @@ this package (``tests/test_layering.py`` holds it).
   TOML out);
 - logging: ``log_setup`` (structlog, one set-up);
 - metrics: ``metrics_sink`` (writes ``metrics.jsonl``, W&B, Prometheus rows), ``run_metrics`` (the one reader of
-  ``metrics.jsonl``), ``run_files`` (the run directory's file names tools read), ``prometheus`` (the exporter),
-  ``meters`` (throughput over a sliding window);
+  ``metrics.jsonl``), ``run_files`` (the run directory's file names tools read), ``run_outcome`` (how a
+  `primerl rl` run ended: ``run_end.json``, written by the launcher, read back by `primerl status` and the
+  dashboard), ``prometheus`` (the exporter), ``meters`` (throughput over a sliding window);
 - sockets: ``zmq_sockets`` (ROUTER/DEALER factories with the limits set before bind/connect);
 - files: ``durable_files`` (crash-safe atomic writes);
 - processes: ``cpu_budget`` (each role's thread budget), ``parent_death`` (children that die with their parent),

@@ -4,6 +4,7 @@
 pins a restarted role where the others look for it; ``process_supervisor`` and ``process_reaper`` own the child
 processes (nothing outlives the launcher); ``restart_policy``, ``role_configs`` (the role files it writes),
 ``role_logs``, ``run_progress``, ``run_file`` (``run.json``, read by ``primerl status``), ``console``, ``tmux``;
-``preflight_gate`` and ``broker_links`` serve the launcher. What shows a run from outside: ``status_view`` (``primerl
-status``), ``run_series`` and ``run_plots`` (``primerl plot``).
+``preflight_gate`` and ``broker_links`` serve the launcher, which records how the run ended in ``run_end.json``
+(``primerl.runtime.run_outcome``). What shows a run from outside: ``status_view`` (``primerl status``, a run that
+ended included), ``run_series`` and ``run_plots`` (``primerl plot``).
 """

@@ -6,8 +6,9 @@ inference (and the ``[teacher]``, a second ``primerl-infer``) and the trainer at
 vLLM starts), and the orchestrator too unless it runs evals or scores with a teacher -> once inference (and the
 teacher) are ready, the orchestrator if not started. The orchestrator waits for the preflight's verdict
 (``runtime.start_gate``) before its first rollout; a finding stops every role and the run ends with the finding's
-line and exit status 2, as if the preflight had run first. The run succeeds when the trainer
-exits 0; Ctrl-C and SIGTERM stop every role, the broker last (the others deregister while it answers).
+line and exit status 2, as if the preflight had run first. The run succeeds when the trainer exits 0; Ctrl-C and
+SIGTERM stop every role, the broker last (the others deregister while it answers). Once every role has stopped,
+``{run_dir}/run_end.json`` (``runtime.run_outcome``) says how the run ended, for `primerl status` and the dashboard.
 
 Invariants: each role logs to ``{run_dir}/logs/<role>.log``, runs in a process group of its own and is ended by the
 reaper if the launcher dies (``process_supervisor``, ``process_reaper``); the run token reaches the children in
@@ -37,6 +38,7 @@ from primerl.runtime.config_loader import write_toml
 from primerl.runtime.cpu_budget import describe, role_env
 from primerl.runtime.run_files import LOGS_DIR, RUN_CONFIG_FILE
 from primerl.runtime.run_metrics import read_run_rows
+from primerl.runtime.run_outcome import RunEndRecorder
 from primerl.runtime.start_gate import ENV_CHECK_FILE_NAME, GATE_FILE_NAME, GATE_VAR
 from primerl.supervisor.broker_links import dashboard_server, new_metrics_urls, run_file, status_client
 from primerl.supervisor.console import RunConsole
@@ -115,6 +117,7 @@ class Launcher:
         self.budgets: dict = {}  # role -> its CPU thread budget, once the role configs are made
         self.dashboard = None  # the run's web page (primerl.dashboard.server.DashboardServer), once served
         self.preflight = PreflightGate(options.preflight, self.supervisor, self.run_dir / GATE_FILE_NAME)
+        self.run_end = RunEndRecorder(self.run_dir, err)  # RUN_DIR/run_end.json: how the run ended
 
     # ----------------------------------------------------------------------------------------- helpers
     def say(self, text: str) -> None:
@@ -157,7 +160,23 @@ class Launcher:
     def run(self) -> int:
         previous = {s: signal.signal(s, self._on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
         self.use_gpus = has_gpus()
-        started_s = time.monotonic()
+        code = None  # None: an exception escaped
+        try:
+            code = self._run_to_end(time.monotonic())
+            return code
+        finally:
+            self.preflight.end()
+            self.supervisor.stop(timeout_s=self._stop_timeout_s(), on_kill=self._on_kill)
+            self.run_end.write(code, self.progress.served_version)  # every role has stopped
+            self.supervisor.close()
+            remove_stale_segments()  # shared weight segments of a trainer that was killed
+            self._close_tmux()
+            if self.dashboard is not None:
+                self.dashboard.close()
+            for signum, handler in previous.items():
+                signal.signal(signum, handler)
+
+    def _run_to_end(self, started_s: float) -> int:
         try:
             return self._run(started_s)
         except PreflightFailed:
@@ -167,23 +186,10 @@ class Launcher:
             if self.preflight.explains_failure(lambda: self.signal_count > 0):
                 return self._preflight_failed()
             return self._fail(failure.child, str(failure))
-        finally:
-            self.preflight.end()
-            self.supervisor.stop(timeout_s=self._stop_timeout_s(), on_kill=self._on_kill)
-            self.supervisor.close()
-            remove_stale_segments()  # shared weight segments of a trainer that was killed
-            self._close_tmux()
-            if self.dashboard is not None:
-                self.dashboard.close()
-            for signum, handler in previous.items():
-                signal.signal(signum, handler)
 
     def _on_kill(self, child: ChildProcess) -> None:
-        print(
-            f"primerl rl: {child.name} did not stop within {self._stop_timeout_s():g} s; killing it",
-            file=self.err,
-            flush=True,
-        )
+        limit_s = self._stop_timeout_s()
+        print(f"primerl rl: {child.name} did not stop within {limit_s:g} s; killing it", file=self.err, flush=True)
 
     def _run(self, started_s: float) -> int:
         # Unset broker ports: free ones (two runs on one machine never collide); the others learn them below.
@@ -222,6 +228,7 @@ class Launcher:
         self.logs_dir.mkdir(parents=True, exist_ok=True)
         for stale in (*READY_FILE_NAMES.values(), RUN_FILE_NAME, GATE_FILE_NAME, ENV_CHECK_FILE_NAME):
             (self.run_dir / stale).unlink(missing_ok=True)
+        self.run_end.clear()
         self.budgets = thread_budgets(self.config, roles, gpus=self.use_gpus)
         paths = self._write_configs(roles)
         self.say(f"primerl rl: run directory {self.run_dir} (configs, logs/, pids.json)")
@@ -334,7 +341,7 @@ class Launcher:
                     continue
                 last_status_s = now
                 try:
-                    status = client.get_run_status()
+                    status = self.run_end.saw(client.get_run_status())
                     self.progress.update(status)
                     self._announce_metrics(status)
                 except BrokerError:
@@ -359,12 +366,10 @@ class Launcher:
         if self.is_tty:
             self.out.write("\n")
             self.out.flush()
-        started = [
-            name
-            for name in ("broker", "inference", "teacher", "trainer", "orchestrator")
-            if name in self.supervisor.children
-        ]
+        order = ("broker", "inference", "teacher", "trainer", "orchestrator")
+        started = [name for name in order if name in self.supervisor.children]
         self._stop_all(list(self.supervisor.children))
+        self.run_end.failed_because("the preflight found a problem (its line above; logs/preflight*.log)")
         return self.preflight.verdict(started)
 
     def _write_run_file(self, address: str, run_id: str | None) -> None:
@@ -402,7 +407,7 @@ class Launcher:
         deadline = time.monotonic() + self.options.final_version_timeout_s
         while time.monotonic() < deadline and not self.signal_count:
             try:
-                self.progress.update(client.get_run_status())
+                self.progress.update(self.run_end.saw(client.get_run_status()))
             except BrokerError:
                 break
             served = self.progress.served_version
@@ -415,22 +420,17 @@ class Launcher:
         stop_timeout_s = self.options.stop_timeout_s
         self.supervisor.stop(["orchestrator", "inference", "teacher"], timeout_s=stop_timeout_s, on_kill=self._on_kill)
         self.supervisor.stop(["broker"], timeout_s=stop_timeout_s, on_kill=self._on_kill)  # last: the others deregister
-        for name in ("orchestrator", "inference", "teacher", "broker"):
-            if name not in self.supervisor.children:
-                continue
-            code = self.supervisor.children[name].poll()
-            if code not in (0, None, -signal.SIGTERM):
+        for name, child in self.supervisor.children.items():  # the trainer exited 0 before
+            code = child.poll()
+            if name != "trainer" and code not in (0, None, -signal.SIGTERM):
                 print(
-                    f"primerl rl: note: {name} exited with status {code} while stopping; see "
-                    f"{self.supervisor.children[name].log_path}",
+                    f"primerl rl: note: {name} exited with status {code} while stopping; see {child.log_path}",
                     file=self.err,
                 )
         rows = read_run_rows(Path(self.config.orchestrator.output_dir), Path(self.config.trainer.output_dir))
-        self.console.show_summary(
-            run_summary(
-                rows, self.progress, self.supervisor.children.values(), time.monotonic() - started_s, self.run_dir
-            )
-        )
+        wall_s = time.monotonic() - started_s
+        summary = run_summary(rows, self.progress, self.supervisor.children.values(), wall_s, self.run_dir)
+        self.console.show_summary(summary)
         return 0
 
     def _wait_for_orchestrator(self) -> None:
@@ -472,6 +472,7 @@ class Launcher:
         code = child.poll()
         error = last_error_in_log(child.log_path) if code is None or code > 0 else None
         error_line = f"primerl rl: {child.name}'s last error: {error}\n" if error else ""
+        self.run_end.failed_because(message + (f"; {child.name}'s last error: {error}" if error else ""))
         print(
             f"primerl rl: {message}; stopped the run.\n"
             f"--- last {TAIL_LINES} lines of {child.log_path} ---\n{child.log_tail(TAIL_LINES)}\n"

@@ -19,8 +19,9 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from primerl.runtime.durable_files import write_private_atomically
+from primerl.runtime.run_files import RUN_FILE
 
-RUN_FILE_NAME = "run.json"
+RUN_FILE_NAME = RUN_FILE
 
 
 class RunFileError(ValueError):

@@ -1,5 +1,9 @@
 """How `primerl status` shows a ``RunStatus``: ``render_status(status) -> str``, the plain text (an interface:
-scripts read it), and on a terminal the same figures as rich tables (``status_renderable``, ``print_status``)."""
+scripts read it), and on a terminal the same figures as rich tables (``status_renderable``, ``print_status``).
+
+A run that has ended is shown the same way from what its run directory says (``primerl.runtime.run_outcome``):
+``outcome`` given, the first line says how it ended (``run <id>    finished at step 30 / 30, policy v30 ...``),
+the workers and queues are those last seen before the end, and ``run_state`` names its state for ``--json``."""
 
 from __future__ import annotations
 
@@ -21,13 +25,14 @@ class StatusParts:
     metrics: list[tuple[str, float]] = field(default_factory=list)
     advice: list[str] = field(default_factory=list)
     errors: list[str] = field(default_factory=list)
+    no_workers: str = "no workers registered"
 
 
-def render_status(status) -> str:
+def render_status(status, outcome=None) -> str:
     """A readable multi-line view of a ``RunStatus``; ages are relative to the broker's own clock. Workers are one
     row each, with their role (``teacher``: the frozen model of online distillation, shown without a policy
-    version)."""
-    parts = status_parts(status)
+    version). ``outcome``: the ``RunOutcome`` of a run that ended (``status`` is its last known one)."""
+    parts = status_parts(status, outcome)
     lines = list(parts.header)
     if parts.queue_rows:
         lines.append("")
@@ -36,7 +41,7 @@ def render_status(status) -> str:
     if parts.worker_rows:
         lines += _table(WORKER_HEADER, parts.worker_rows)
     else:
-        lines.append("no workers registered")
+        lines.append(parts.no_workers)
     if parts.metrics:
         lines += ["", f"last metrics (step {parts.metrics_step}):"]
         lines += [f"  {name:<32} {value:.6g}" for name, value in parts.metrics]
@@ -48,13 +53,13 @@ def render_status(status) -> str:
     return "\n".join(lines)
 
 
-def status_renderable(status) -> Any:
+def status_renderable(status, outcome=None) -> Any:
     """The figures of ``render_status`` as rich tables, for a terminal."""
     from rich.console import Group
     from rich.table import Table
     from rich.text import Text
 
-    parts = status_parts(status)
+    parts = status_parts(status, outcome)
     items: list[Any] = [Text(line, style="bold" if i == 0 else "") for i, line in enumerate(parts.header)]
 
     def table(title: str, header: list[str], rows: list[list[str]]) -> Table:
@@ -70,7 +75,7 @@ def status_renderable(status) -> Any:
     if parts.worker_rows:
         items.append(table("workers", WORKER_HEADER, parts.worker_rows))
     else:
-        items.append(Text("no workers registered", style="yellow"))
+        items.append(Text(parts.no_workers, style="yellow"))
     if parts.metrics:
         items.append(
             table(
@@ -88,24 +93,37 @@ def status_renderable(status) -> Any:
     return Group(*items)
 
 
-def print_status(status, out: TextIO, *, console: Any = None) -> None:
+def print_status(status, out: TextIO, *, console: Any = None, outcome=None) -> None:
     """``status_renderable`` on a terminal (or ``console``), else ``render_status``'s plain lines."""
     from primerl.runtime.terminal import rich_console
 
     console = console if console is not None else rich_console(out)
     if console is None:
-        out.write(render_status(status) + "\n")
+        out.write(render_status(status, outcome) + "\n")
     else:
-        console.print(status_renderable(status))
+        console.print(status_renderable(status, outcome))
 
 
-def status_parts(status) -> StatusParts:
-    """The figures of a ``RunStatus``, formatted, for either view."""
+def run_state(status, outcome=None) -> str:
+    """The run's state for ``--json``: an ended run's outcome (``finished``, ``stopped``, ``failed``); else, its
+    broker answering, ``finished`` once every step up to ``max_steps`` is committed (the broker then tells the
+    workers to stop), else ``running``."""
+    from primerl.runtime.run_outcome import FINISHED, RUNNING
+
+    if outcome is not None and outcome.ended:
+        return outcome.state
+    return FINISHED if status.max_steps and status.last_committed_step >= status.max_steps else RUNNING
+
+
+def status_parts(status, outcome=None) -> StatusParts:
+    """The figures of a ``RunStatus``, formatted, for either view; ``outcome``: a run that ended (see the module
+    docstring)."""
     from primerl.proto.v1 import common_pb2, control_pb2
+    from primerl.runtime.run_outcome import FINISHED
 
+    ended = outcome is not None and outcome.ended
     max_steps = str(status.max_steps) if status.max_steps else "-"
-    # Every step up to max_steps checkpointed: the run is complete (the broker then tells workers to stop).
-    finished = "    run finished" if status.max_steps and status.last_committed_step >= status.max_steps else ""
+    finished = "    run finished" if run_state(status, outcome) == FINISHED else ""
     if status.num_rollbacks:
         finished += (
             f"    rolled back {status.num_rollbacks}x (now from v{status.lineage_base_version}, "
@@ -120,6 +138,10 @@ def status_parts(status) -> StatusParts:
             f"weights {_bytes(status.weight_bytes_per_s)}/s",
         ]
     )
+    if ended:  # no broker to ask: how the run ended, and what was last seen of it
+        parts.header[0] = f"run {status.run_id or '-'}    {outcome.summary()}"
+        parts.header[2] = f"ended (read from {outcome.source}); workers and queues as last seen before the end"
+        parts.no_workers = "no workers recorded"
     parts.queue_rows = [_queue_row(q) for q in status.queues]
     rows = parts.worker_rows
     for w in status.workers:
@@ -148,7 +170,7 @@ def status_parts(status) -> StatusParts:
         )
     parts.metrics_step = status.last_metrics_step
     parts.metrics = sorted(status.last_metrics.items())
-    parts.advice = _advice_lines(status.last_metrics)
+    parts.advice = [] if ended else _advice_lines(status.last_metrics)
     parts.errors = list(status.recent_errors)
     return parts
 

@@ -1,6 +1,7 @@
 """The dashboard's logic and API without a browser: login token and refusals, read-only methods, headers, the JSON
-API over a run directory and over a live in-process broker (its bounded run history survives a restart), the
-orchestrator's sample-rollout records."""
+API over a run directory and over a live in-process broker (its bounded run history survives a restart), a run that
+ended (its end shown from the run directory, its gone broker never asked) and one still running whose broker does not
+answer, the orchestrator's sample-rollout records."""
 
 from __future__ import annotations
 
@@ -11,6 +12,9 @@ import urllib.request
 from pathlib import Path
 
 import pytest
+from support import run_dirs
+from support.probes import free_port
+from support.run_dirs import MAX_STEPS, RUN_ID, write_ended_run
 
 from primerl.broker.run_history import MAX_ROLLOUTS_PER_REPORT, RunHistory, RunHistoryFile
 from primerl.dashboard.server import CSP, Dashboard, DashboardServer
@@ -132,6 +136,86 @@ def test_the_api_reads_a_finished_run_from_its_directory(served):
         out.write(json.dumps({"step": 4, "role": "trainer", "time": 105.0, "train/loss": 0.2}) + "\n")
     assert [r["step"] for r in api("/api/metrics?since=6")["rows"]] == [4]
     assert api("/api/run")["step"] == 4
+
+
+# ------------------------------------------------------------------------------------------ a run that ended
+def serve_run_dir(run_dir: Path) -> DashboardServer:
+    """`primerl dashboard RUN_DIR` in process: the run directory and the broker its run.json names."""
+    from primerl.supervisor.run_file import read_run_file
+
+    run = read_run_file(run_dir)
+    server = DashboardServer(
+        Dashboard(RunDirSource(run_dir), connect_broker(run.broker_address, run.run_token)), token="secret-token"
+    )
+    server.serve_in_thread()
+    return server
+
+
+def get_api(server: DashboardServer, path: str) -> dict:
+    code, _, body = request(server, path, headers=AUTH)
+    assert code == 200, body
+    return json.loads(body)
+
+
+def test_a_finished_run_shows_its_end_workers_and_queues_and_no_broker_error(tmp_path):
+    run_dir = write_ended_run(tmp_path / "run", 0)  # its run.json names a broker that is gone
+    server = serve_run_dir(run_dir)
+    try:
+        run = get_api(server, "/api/run")
+        assert run["state"] == "finished" and run["broker_error"] == "" and run["run_id"] == RUN_ID, run
+        assert run["step"] == run["max_steps"] == MAX_STEPS and run["latest_policy_version"] == MAX_STEPS
+        assert run["end"]["state"] == "finished" and run["end"]["reason"] == f"the trainer finished step {MAX_STEPS}"
+        assert run["end"]["ended_unix_ms"] > 0 and run["end"]["served_policy_version"] == MAX_STEPS
+        workers = get_api(server, "/api/workers")
+        assert workers["broker_error"] == "" and workers["as_of_unix_ms"] == 61_000
+        assert [(w["name"], w["role"], w["policy_version"]) for w in workers["workers"]] == [
+            ("trainer-rank0", "trainer", None),
+            ("infer-0", "inference", MAX_STEPS),
+        ]
+        queues = get_api(server, "/api/queues")
+        assert queues["broker_error"] == "" and queues["latest_policy_version"] == MAX_STEPS
+        assert [(q["name"], q["num_items"]) for q in queues["queues"]] == [("rollouts", 2)]
+        assert queues["rollout_batches_per_s"] == 0
+        assert get_api(server, "/api/events")["recent_errors"] == []
+        assert get_api(server, "/api/metrics")["source"] == "run_dir"
+        assert server.dashboard.broker._read_s == 0.0  # the gone broker was never asked
+    finally:
+        server.close()
+
+
+@pytest.mark.parametrize(("exit_code", "state"), [(130, "stopped"), (1, "failed")])
+def test_a_stopped_or_failed_run_says_so(tmp_path, exit_code, state):
+    failure = "trainer exited with status 1; stopped the run" if exit_code == 1 else ""
+    server = serve_run_dir(write_ended_run(tmp_path / "run", exit_code, failure=failure, step=7))
+    try:
+        run = get_api(server, "/api/run")
+        assert run["state"] == state and run["step"] == 7 and run["broker_error"] == "", run
+        assert run["end"]["reason"] == (failure or "SIGINT: every role was stopped")
+    finally:
+        server.close()
+
+
+def test_a_killed_launcher_s_run_shows_what_its_broker_spool_kept(tmp_path):
+    run_dir = run_dirs.write_run_dir(tmp_path / "run", launcher_pid=run_dirs.dead_pid())
+    run_dirs.write_spool(run_dir, finished=False, step=12)
+    dashboard = Dashboard(RunDirSource(run_dir))
+    run = dashboard.api("/api/run", {})
+    assert run["state"] == "stopped" and run["latest_policy_version"] == 12 and "killed?" in run["end"]["reason"]
+    workers = dashboard.api("/api/workers", {})["workers"]
+    assert [(w["name"], w["state"]) for w in workers] == [("trainer-rank0", "left"), ("infer-0", "lost")]
+
+
+def test_a_running_run_keeps_the_broker_error_banner(tmp_path):
+    import os
+
+    address = f"127.0.0.1:{free_port()}"
+    server = serve_run_dir(run_dirs.write_run_dir(tmp_path / "run", launcher_pid=os.getpid(), broker_address=address))
+    try:
+        run = get_api(server, "/api/run")
+        assert run["end"] is None and run["state"] == "unreachable" and address in run["broker_error"], run
+        assert get_api(server, "/api/workers")["as_of_unix_ms"] is None
+    finally:
+        server.close()
 
 
 # --------------------------------------------------------------------------------------------- broker

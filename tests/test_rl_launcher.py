@@ -19,6 +19,7 @@ from support.proc_tree import descendants, running
 
 from primerl.proto import telemetry
 from primerl.runtime.config_base import ConfigWarning
+from primerl.runtime.run_outcome import read_run_outcome
 from primerl.supervisor.launcher import Launcher, LaunchOptions
 from primerl.supervisor.role_configs import without_token
 from primerl.supervisor.run_progress import Progress
@@ -113,6 +114,11 @@ def test_a_short_run_trains_every_step_and_inference_serves_the_last_policy(tiny
         assert f"{role} metrics at http://127.0.0.1:" in result.stdout, output[-6000:]
     # The version inference served at the end, read from the broker before it was stopped.
     assert "policy version served by inference: 3 (trainer published 3)" in result.stdout, output[-6000:]
+    # The run directory reads back as finished (run_end.json), with its last step, version and workers.
+    outcome = read_run_outcome(run_dir)
+    assert outcome.state == "finished" and outcome.exit_code == 0, outcome
+    assert outcome.trainer_step == 3 and outcome.policy_version == outcome.served_policy_version == 3, outcome
+    assert {"trainer", "inference"} <= {w.get("role", "")[5:].lower() for w in outcome.last_status["workers"]}
     for role in ROLES:
         assert (run_dir / "logs" / f"{role}.log").stat().st_size > 0
         assert (run_dir / f"{role}.toml").exists()
@@ -159,6 +165,8 @@ def test_a_crashing_role_is_restarted_then_stops_the_run_and_shows_its_error(tin
     error_lines = [line for line in result.stderr.splitlines() if "orchestrator's last error:" in line]
     assert error_lines and "num_examples must be >= 1" in error_lines[-1], output[-6000:]
     assert json.loads((run_dir / "pids.json").read_text())["orchestrator"] != 0
+    outcome = read_run_outcome(run_dir)
+    assert outcome.state == "failed" and outcome.reason.startswith("orchestrator exited with status 1"), outcome
     assert_no_child_left(run_dir)
     print(f"crash run: {wall_s:.1f} s wall\n{error_lines[-1]}")
 
@@ -239,6 +247,7 @@ def test_ctrl_c_mid_run_stops_every_role_without_killing_any(tiny_model, tmp_pat
     assert process.returncode == 128 + signal.SIGINT, stderr[-4000:]
     assert "SIGINT: stopping every role" in stderr and "primerl rl: stopped" in stderr
     assert "did not stop within" not in stderr, stderr[-4000:]  # every role stopped on SIGTERM, none killed
+    assert read_run_outcome(run_dir).state == "stopped"
     assert_no_child_left(run_dir)
     print(f"Ctrl-C to all stopped: {stop_s:.1f} s")
 
@@ -334,7 +343,41 @@ def test_clashing_fixed_ports_warn_and_stop_the_launch_before_anything_starts(tm
     out, err = io.StringIO(), io.StringIO()
     assert Launcher(config, LaunchOptions(), out=out, err=err).run() == 2
     assert "ports must differ" in err.getvalue() and "are both 9400" in err.getvalue()
-    assert not (tmp_path / "run").exists()
+    assert not (tmp_path / "run").exists()  # nor its run_end.json: nothing started
+
+
+@pytest.mark.parametrize(("ends", "state"), [(0, "finished"), (130, "stopped"), (RuntimeError, "failed")])
+def test_the_launcher_records_how_its_run_ended(tmp_path, monkeypatch, ends, state):
+    """``run()`` writes RUN_DIR/run_end.json once every role stopped, from its exit status (an exception: failed)
+    and the last status it read from the broker; the run itself is stood in for."""
+    import io
+
+    from primerl.configs.rl import RLConfig
+    from primerl.proto.v1 import control_pb2
+    from primerl.runtime.config_loader import load_config
+
+    run_dir = tmp_path / "run"
+    config = load_config(RLConfig, [EXAMPLE], {"output_dir": str(run_dir)})
+    launcher = Launcher(config, LaunchOptions(dashboard=False), out=io.StringIO(), err=io.StringIO())
+
+    def run_standing_in(started_s: float) -> int:
+        run_dir.mkdir(parents=True)
+        launcher.run_end.clear()  # as the run directory is prepared
+        launcher.run_end.saw(control_pb2.RunStatus(run_id="run-x", trainer_step=4, latest_policy_version=4))
+        launcher.progress.served_version = 4
+        if ends is RuntimeError:
+            raise RuntimeError("a bug")
+        return ends
+
+    monkeypatch.setattr(launcher, "_run", run_standing_in)
+    if ends is RuntimeError:
+        with pytest.raises(RuntimeError):
+            launcher.run()
+    else:
+        assert launcher.run() == ends
+    outcome = read_run_outcome(run_dir)
+    assert outcome.state == state and outcome.trainer_step == 4 and outcome.served_policy_version == 4, outcome
+    assert outcome.run_id == "run-x" and outcome.launcher_pid == os.getpid()
 
 
 # ------------------------------------------------------------------------------- restarts and process hygiene

@@ -1,5 +1,6 @@
 """`primerl status` against a control plane over loopback: table, JSON, watch, a subprocess, and its exit codes
-when the broker is unreachable, refuses the token or the address is bad."""
+when the broker is unreachable, refuses the token or the address is bad; a `primerl rl` run that ended, from its
+run directory (finished, stopped, failed), and one still running whose broker does not answer."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from pathlib import Path
 import pytest
 from support.control_plane import TOKEN, Broker, running_broker
 from support.probes import free_port
+from support.run_dirs import MAX_STEPS, RUN_ID, write_ended_run, write_run_dir
 
 from primerl.cli import status as status_cli
 from primerl.proto import telemetry
@@ -84,6 +86,7 @@ def test_status_cli_table_and_json(calm_broker, capsys):
     data = json.loads(capsys.readouterr().out)
     assert data["run_id"] == "test-run" and int(data["trainer_step"]) == 3
     assert {w["name"] for w in data["workers"]} == {"trainer-0", "infer-0"}
+    assert data["run_state"] == "running" and data["run_end"] is None
 
 
 def test_status_cli_watch_json_lines(calm_broker, capsys):
@@ -139,3 +142,72 @@ def test_status_wrong_token_exits_1_with_a_hint(auth_broker, capsys, monkeypatch
 def test_status_bad_address_exits_2(capsys):
     assert status_cli.main(["--broker", "no-port"]) == 2
     assert "host:port" in capsys.readouterr().err
+
+
+# ------------------------------------------------------------------------------------------ a run that ended
+def test_a_finished_run_dir_shows_its_final_state_without_a_broker(tmp_path, capsys):
+    run_dir = write_ended_run(tmp_path / "run", 0)
+    started = time.monotonic()
+    assert status_cli.main([str(run_dir)]) == 0
+    assert time.monotonic() - started < 5  # its dead broker is not waited for
+    captured = capsys.readouterr()
+    table = captured.out
+    for text in (
+        f"run {RUN_ID}    finished at step {MAX_STEPS} / {MAX_STEPS}, policy v{MAX_STEPS} (served v{MAX_STEPS})",
+        f"the trainer finished step {MAX_STEPS}",
+        f"trainer step {MAX_STEPS} (committed {MAX_STEPS}) / {MAX_STEPS}",
+        "run finished",
+        "ended (read from run_end.json); workers and queues as last seen before the end",
+        "trainer-rank0",
+        "infer-0",
+        f"policy v{MAX_STEPS}",
+        "rollouts (spooled until committed)",
+        "train/loss",
+    ):
+        assert text in table, f"{text!r} missing from:\n{table}"
+    assert "cannot reach" not in captured.err and "advice" not in table
+
+    assert status_cli.main([str(run_dir), "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["run_state"] == "finished" and data["run_end"]["state"] == "finished"
+    assert data["run_end"]["exit_code"] == 0 and data["run_end"]["source"] == "run_end.json"
+    assert data["run_id"] == RUN_ID and int(data["trainer_step"]) == MAX_STEPS
+    assert int(data["latest_policy_version"]) == MAX_STEPS and data["rollout_batches_per_s"] == 0
+    assert [w["name"] for w in data["workers"]] == ["trainer-rank0", "infer-0"]
+    for key in ("broker_started_unix_ms", "queues", "last_metrics", "recent_errors", "max_steps", "num_rollbacks"):
+        assert key in data  # every key of a live status is there
+
+    assert status_cli.main([str(run_dir), "--watch"]) == 0  # nothing will change: shown once
+    assert "finished at step" in capsys.readouterr().out
+
+
+def test_stopped_and_failed_run_dirs_say_so(tmp_path, capsys):
+    assert status_cli.main([str(write_ended_run(tmp_path / "stopped", 130, step=7))]) == 0
+    assert f"stopped at step 7 / {MAX_STEPS}, policy v7" in capsys.readouterr().out
+    failed = write_ended_run(tmp_path / "failed", 1, failure="orchestrator exited with status 1; stopped the run")
+    assert status_cli.main([str(failed), "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["run_state"] == "failed" and data["run_end"]["reason"].startswith("orchestrator exited with status 1")
+
+
+def test_a_running_run_whose_broker_does_not_answer_exits_1_saying_it_runs(tmp_path, capsys):
+    import os
+
+    run_dir = write_run_dir(tmp_path / "run", launcher_pid=os.getpid(), broker_address=f"127.0.0.1:{free_port()}")
+    assert status_cli.main([str(run_dir), "--timeout-s", "0.5"]) == 1
+    err = capsys.readouterr().err
+    assert "cannot reach the broker" in err and f"is still running: its launcher, pid {os.getpid()}" in err
+
+
+def test_status_subprocess_json_of_a_finished_run(tmp_path):
+    run_dir = write_ended_run(tmp_path / "run", 0)
+    result = subprocess.run(
+        [sys.executable, "-m", "primerl", "status", str(run_dir), "--json"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=REPO_ROOT,
+    )
+    assert result.returncode == 0, result.stderr
+    data = json.loads(result.stdout)
+    assert data["run_state"] == "finished" and int(data["latest_policy_version"]) == MAX_STEPS

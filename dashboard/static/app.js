@@ -91,10 +91,22 @@ function showRun(run) {
   progress.max = Math.max(run.max_steps, 1);
   progress.value = Math.min(run.step, progress.max);
   document.getElementById("run-eta").textContent = run.eta_s !== null ? `ETA ${duration(run.eta_s)}` : "";
-  document.getElementById("run-version").textContent = run.broker ? `policy v${run.latest_policy_version}` : "";
+  // A run that ended (run.end, from its run directory) shows its last policy version and how it ended; the
+  // broker's error shows only for a run that is still supposed to be running.
+  const version = run.broker || run.end ? `policy v${run.latest_policy_version}` : "";
+  document.getElementById("run-version").textContent = version;
   document.getElementById("run-error").textContent = run.broker_error || "";
+  const end = document.getElementById("run-end");
+  end.textContent = run.end ? endLine(run.end) : "";
+  end.className = run.end && run.end.state === "failed" ? "error" : "";
   document.body.dataset.step = String(run.step);
   document.body.dataset.state = run.state;
+}
+
+function endLine(end) {
+  // "ended 12/5/2026, 10:03:04 AM: the trainer finished step 30"
+  const when = end.ended_unix_ms ? ` ${new Date(end.ended_unix_ms).toLocaleString()}` : "";
+  return `ended${when}${end.reason ? ": " + end.reason : ""}`;
 }
 
 // --------------------------------------------------------------------------------------------- metrics
@@ -225,7 +237,10 @@ function fillTable(id, rows) {
 }
 
 function showWorkers(data) {
-  const now = Date.now();
+  // An ended run's workers as last seen: heartbeat ages relative to that snapshot.
+  const asOf = data.as_of_unix_ms;
+  const now = asOf || Date.now();
+  const ago = asOf ? "before the end" : "ago";
   fillTable(
     "workers-table",
     data.workers.map((w) => [
@@ -237,9 +252,10 @@ function showWorkers(data) {
       w.lag === null ? "–" : w.lag,
       w.trainer_step ?? w.orchestrator_step ?? "–",
       w.num_inflight,
-      w.last_heartbeat_unix_ms ? `${((now - w.last_heartbeat_unix_ms) / 1000).toFixed(1)} s ago` : "–",
+      w.last_heartbeat_unix_ms ? `${(Math.max(0, now - w.last_heartbeat_unix_ms) / 1000).toFixed(1)} s ${ago}` : "–",
     ]),
   );
+  document.getElementById("workers-note").textContent = asOf ? "as last seen before the run ended" : "";
   if (!data.workers.length) fillTable("workers-table", [[data.broker_error || "no workers", "", "", "", "", "", "", "", ""]]);
 }
 

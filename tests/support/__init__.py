@@ -8,6 +8,7 @@
 - `daemons`: a `primerl-*` child process started with a ready file and stopped by whoever started it.
 - `inference`: HTTP and weight-update helpers for tests that talk to a running `primerl-infer`.
 - `proc_tree`: the process tree read from /proc (what a test started, and whether it is gone).
+- `run_dirs`: run directories of `primerl rl` runs as they look at their end (finished, stopped, failed, killed).
 - `rl_configs`: whole-run config files in each shape, written into a test's directory, and loading them.
 - `weight_plane`: the broker's weight plane alone on loopback, its clients, and small updates to send.
 - `weight_updates`: tiny updates put straight into a broker's weight fan-out (a policy version, no sockets).

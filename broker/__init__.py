@@ -20,5 +20,6 @@
   owner of the policy version: the latest, and which version each inference worker (``weight_members``) holds;
   ``weight_relay`` plans the relay chains.
 - Shared by both planes: ``plane_lifecycle`` (start, bind, serve, stop), ``log_limits`` (rate-limited refusal
-  logs); ``metrics``: the broker's Prometheus families; ``memory``: large buffers in mappings of their own.
+  logs); ``metrics``: the broker's Prometheus families; ``metrics_discovery``: their targets for Prometheus' HTTP
+  service discovery (``/discovery``); ``memory``: large buffers in mappings of their own.
 """

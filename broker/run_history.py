@@ -30,11 +30,12 @@ from primerl.broker.run_state import set_aside
 from primerl.proto.v1 import common_pb2, control_pb2
 from primerl.runtime.durable_files import write_atomically
 from primerl.runtime.log_setup import get_logger
+from primerl.runtime.run_files import BROKER_RUN_HISTORY_FILE, BROKER_RUN_HISTORY_FORMAT
 
 log = get_logger("primerl.broker.run_history")
 
-FORMAT = "primerl.run_history/1"
-HISTORY_FILE = "run_history.json"
+FORMAT = BROKER_RUN_HISTORY_FORMAT
+HISTORY_FILE = BROKER_RUN_HISTORY_FILE
 DEFAULT_MAX_BYTES = 16 << 20
 SAVE_INTERVAL_S = 5.0
 MAX_REPLY_BYTES = 3 << 20  # one GetRunHistory reply, under a default gRPC client's 4 MiB

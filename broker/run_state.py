@@ -46,12 +46,13 @@ from typing import Any
 from primerl.runtime.durable_files import write_atomically
 from primerl.runtime.log_setup import get_logger
 from primerl.runtime.periodic import Periodic
+from primerl.runtime.run_files import BROKER_RUN_STATE_FILE, BROKER_RUN_STATE_FORMAT
 
 log = get_logger("primerl.broker.run_state")
 
-RUN_STATE_FILE = "run_state.json"
+RUN_STATE_FILE = BROKER_RUN_STATE_FILE
 CORRUPT_SUFFIX = ".corrupt"
-FORMAT = "primerl.run_state/1"
+FORMAT = BROKER_RUN_STATE_FORMAT
 MAX_FILE_BYTES = 16 << 20  # 2048 metric names of 128 characters are ~0.3 MiB; more is not a run state
 DEFAULT_SAVE_INTERVAL_S = 1.0
 

@@ -56,7 +56,9 @@ from primerl.runtime.durable_files import write_atomically
 from primerl.runtime.process_ids import pid_alive
 from primerl.runtime.run_files import (
     BROKER_RUN_HISTORY_FILE,
+    BROKER_RUN_HISTORY_FORMAT,
     BROKER_RUN_STATE_FILE,
+    BROKER_RUN_STATE_FORMAT,
     RUN_CONFIG_FILE,
     RUN_END_FILE,
     RUN_FILE,
@@ -65,8 +67,6 @@ from primerl.runtime.run_files import (
 FORMAT = "primerl.run_end/1"
 RUNNING, FINISHED, STOPPED, FAILED, UNKNOWN = "running", "finished", "stopped", "failed", "unknown"
 ENDED = (FINISHED, STOPPED, FAILED)
-BROKER_STATE_FORMAT = "primerl.run_state/1"  # broker/run_state.py's FORMAT
-BROKER_HISTORY_FORMAT = "primerl.run_history/1"  # broker/run_history.py's FORMAT
 MAX_RECORD_BYTES = 16 << 20
 MAX_HISTORY_BYTES = 64 << 20  # a run history past this is not read for its events (the bound is 16 MiB by default)
 SIGNAL_EXITS = {130: "SIGINT", 143: "SIGTERM"}  # 128 + the signal: the launcher's status after a stop
@@ -201,7 +201,7 @@ def _from_spool(run_dir: Path, pid: int, run_id: str) -> RunOutcome:
     config = _read_config(run_dir)
     spool = _spool_dir(run_dir, config)
     state = _read_json(spool / BROKER_RUN_STATE_FILE, MAX_RECORD_BYTES) if spool is not None else None
-    if not (isinstance(state, dict) and state.get("format") == BROKER_STATE_FORMAT):
+    if not (isinstance(state, dict) and state.get("format") == BROKER_RUN_STATE_FORMAT):
         state = {}
     finished = state.get("finished") is True
     gone = f"its launcher (pid {pid}) is gone and left no {RUN_END_FILE}"
@@ -237,7 +237,7 @@ def _workers_from_history(spool: Path) -> list[dict]:
     """The workers the broker's run history saw join, leave or be lost, each in its last known state (protobuf
     JSON of ``WorkerInfo``); the history is bounded, so a worker whose events were dropped is missing."""
     history = _read_json(spool / BROKER_RUN_HISTORY_FILE, MAX_HISTORY_BYTES)
-    if not (isinstance(history, dict) and history.get("format") == BROKER_HISTORY_FORMAT):
+    if not (isinstance(history, dict) and history.get("format") == BROKER_RUN_HISTORY_FORMAT):
         return []
     events = history.get("events", {}).get("items", []) if isinstance(history.get("events"), dict) else []
     workers: dict[str, dict] = {}

@@ -15,7 +15,6 @@ import pytest
 from support.run_dirs import MAX_STEPS, RUN_ID, dead_pid, write_ended_run, write_run_dir, write_spool
 
 from primerl.proto.v1 import control_pb2
-from primerl.runtime import run_outcome
 from primerl.runtime.run_files import RUN_END_FILE
 from primerl.runtime.run_outcome import RunEndRecorder, launcher_alive, read_run_outcome
 
@@ -126,13 +125,3 @@ def test_the_recorder_writes_only_for_a_run_it_cleared_and_notes_a_refused_write
     gone = RunEndRecorder(tmp_path / "no-such-dir", err)
     gone.clear()
     assert gone.write(0) is None and "cannot write" in err.getvalue()
-
-
-def test_the_broker_file_names_and_formats_are_the_broker_s():
-    from primerl.broker import run_history, run_state
-    from primerl.runtime import run_files
-
-    assert run_files.BROKER_RUN_STATE_FILE == run_state.RUN_STATE_FILE
-    assert run_files.BROKER_RUN_HISTORY_FILE == run_history.HISTORY_FILE
-    assert run_outcome.BROKER_STATE_FORMAT == run_state.FORMAT
-    assert run_outcome.BROKER_HISTORY_FORMAT == run_history.FORMAT

@@ -4,7 +4,7 @@ workers that join and leave. Debian's ``prometheus`` with ``deploy/prometheus/pr
 refresh every ``--scrape-s``), against ``primerl rl`` of the tiny model.
 
     .venv/bin/python bench/prometheus_cost.py [--steps 60] [--pairs 2] [--scrape-s 5] [--model DIR]
-        [--trainer-ranks 2] [--no-cost] [--no-discovery]
+        [--trainer-ranks 2] [--no-cost] [--no-discovery] [--quick]
 
 Cost: runs alternate (off, on, off, on, ...); "on" has Prometheus scraping every daemon through ``/discovery``.
 Figures per run, over trainer steps 10..N: the trainer's median ``perf/step_time_s``, the wall time per step, and
@@ -29,6 +29,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from datetime import datetime
 from pathlib import Path
@@ -83,21 +84,65 @@ def wait_for_step(run: subprocess.Popen, run_dir: Path, step: int, timeout_s: fl
     return time.monotonic()
 
 
-def cpu_s(pid: int) -> float:
-    """CPU seconds of ``pid`` and every descendant alive now."""
+def cpu_by_pid(pid: int) -> dict[int, float]:
+    """CPU seconds of ``pid`` and of every descendant alive now, by pid."""
     try:
         root = psutil.Process(pid)
         processes = [root, *root.children(recursive=True)]
     except psutil.NoSuchProcess:
-        return 0.0
-    total = 0.0
+        return {}
+    seen = {}
     for process in processes:
         try:
             times = process.cpu_times()
-            total += times.user + times.system
+            seen[process.pid] = times.user + times.system
         except psutil.NoSuchProcess:
             pass
-    return total
+    return seen
+
+
+class CpuMeter:
+    """CPU seconds of process trees, sampled every 0.5 s so that a child that exits in the window (an env worker,
+    vLLM's helpers) still counts with what it used until its last sample."""
+
+    def __init__(self, roots: dict[str, int]):
+        self.roots = roots
+        self.last: dict[str, dict[int, float]] = {name: {} for name in roots}
+        self._stop = threading.Event()
+        self.sample()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def sample(self) -> dict[str, dict[int, float]]:
+        for name, pid in self.roots.items():
+            self.last[name].update(cpu_by_pid(pid))
+        return {name: dict(by_pid) for name, by_pid in self.last.items()}
+
+    def _run(self) -> None:
+        while not self._stop.wait(0.5):
+            self.sample()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    @staticmethod
+    def used(start: dict[str, dict[int, float]], end: dict[str, dict[int, float]]) -> dict[str, float]:
+        return {name: sum(v - start[name].get(pid, 0.0) for pid, v in end[name].items()) for name in end}
+
+
+def scrape_cost_ms(targets: dict[str, dict], roots: dict[str, int], token: str, scrapes: int = 50) -> dict[str, float]:
+    """CPU milliseconds one scrape of each daemon's /metrics costs that daemon (``scrapes`` in a row)."""
+    costs = {}
+    for target in targets.values():
+        role = target["labels"]["role"]
+        if role not in roots:
+            continue
+        before = sum(cpu_by_pid(roots[role]).values())
+        for _ in range(scrapes):
+            httpx.get(target["scrapeUrl"], headers={"Authorization": f"Bearer {token}"}, timeout=10)
+        costs[role] = (sum(cpu_by_pid(roots[role]).values()) - before) / scrapes * 1000
+    return costs
 
 
 def start_rl(model: Path, run_dir: Path, steps: int, metrics_port: int, *extra: str) -> subprocess.Popen:
@@ -159,30 +204,35 @@ def stop(process: subprocess.Popen, sig: int = signal.SIGINT, timeout_s: float =
 def cost_run(model: Path, work: Path, steps: int, scrape_s: float, scraped: bool) -> dict:
     run_dir, metrics_port = work / "run", free_port()
     run = start_rl(model, run_dir, steps, metrics_port)
-    prometheus = None
+    prometheus, meter, per_scrape = None, None, {}
     try:
+        token = run_token(run_dir, run)
         if scraped:
-            prometheus, _ = start_prometheus(work / "prometheus", metrics_port, scrape_s, run_token(run_dir, run))
+            prometheus, prometheus_port = start_prometheus(work / "prometheus", metrics_port, scrape_s, token)
         wait_for_step(run, run_dir, FROM_STEP)
         pids = json.loads((run_dir / "pids.json").read_text())
-        watched = {**pids, **({"prometheus": prometheus.pid} if prometheus else {})}
-        start = {name: cpu_s(pid) for name, pid in watched.items()}
-        started_s = time.monotonic()
-        wait_for_step(run, run_dir, steps)
-        ended_s = time.monotonic()
-        end = {name: cpu_s(pid) for name, pid in watched.items()}
+        meter = CpuMeter({**pids, **({"prometheus": prometheus.pid} if prometheus else {})})
+        start, started_s = meter.sample(), time.monotonic()
+        wait_for_step(run, run_dir, steps - 1)
+        end, ended_s = meter.sample(), time.monotonic()
+        if scraped:
+            per_scrape = scrape_cost_ms(active_targets(prometheus_port), pids, token)
         if run.wait(600) != 0:
             raise SystemExit(f"the run failed; see {run_dir / 'rl.out'}")
     finally:
+        if meter is not None:
+            meter.stop()
         stop(run)
         if prometheus is not None:
             stop(prometheus, signal.SIGTERM)
-    window = steps - FROM_STEP
+    window = steps - 1 - FROM_STEP
     step_times = [r["perf/step_time_s"] for r in trainer_rows(run_dir) if r["step"] > FROM_STEP]
+    used = CpuMeter.used(start, end)
     return {
         "median_step_s": statistics.median(step_times),
         "wall_per_step_s": (ended_s - started_s) / window,
-        "cpu_per_step_s": {name: (end[name] - start[name]) / window for name in watched},
+        "cpu_per_step_s": {name: value / window for name, value in used.items()},
+        "cpu_ms_per_scrape": per_scrape,
     }
 
 
@@ -194,9 +244,11 @@ def measure_cost(args: argparse.Namespace, model: Path, tmp: Path) -> None:
             result = cost_run(model, tmp / f"cost-{pair}-{int(scraped)}", args.steps, args.scrape_s, scraped)
             results[scraped].append(result)
             cpu = ", ".join(f"{name} {value:.3f}" for name, value in sorted(result["cpu_per_step_s"].items()))
+            per_scrape = ", ".join(f"{name} {ms:.2f}" for name, ms in sorted(result["cpu_ms_per_scrape"].items()))
             print(
                 f"pair {pair} scraped {'on ' if scraped else 'off'}: median step {result['median_step_s']:.3f} s, "
-                f"wall {result['wall_per_step_s']:.3f} s/step, CPU s/step: {cpu} (load {load})",
+                f"wall {result['wall_per_step_s']:.3f} s/step, CPU s/step: {cpu} (load {load})"
+                + (f"; CPU ms per scrape of /metrics: {per_scrape}" if per_scrape else ""),
                 flush=True,
             )
     print("\n| role | CPU s/step off (runs) | on (runs) | on/off (medians) |\n|---|---|---|---|")
@@ -314,7 +366,10 @@ def main() -> int:
     parser.add_argument("--model", type=Path, default=None, help="a tiny model (default: one built by init-tiny-model)")
     parser.add_argument("--no-cost", action="store_true")
     parser.add_argument("--no-discovery", action="store_true")
+    parser.add_argument("--quick", action="store_true", help="one pair of 30-step runs (for trying the harness)")
     args = parser.parse_args()
+    if args.quick:
+        args.pairs, args.steps = 1, 30
     if shutil.which("prometheus") is None:
         raise SystemExit("no prometheus binary: apt-get install prometheus")
     with tempfile.TemporaryDirectory(prefix="primerl-prometheus-cost-") as tmp_name:

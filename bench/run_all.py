@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""``make bench``: run every benchmark (parts a-i) with a time limit each and
+"""``make bench``: run every benchmark (parts a-i, cpu and prom) with a time limit each and
 write bench/RESULTS.md.
 
     .venv/bin/python bench/run_all.py            # the full profile (what `make bench` runs)
@@ -145,13 +145,18 @@ PARTS = [
         own=True,
     ),
     Part("i", "batch_semantics.py", [], 900, 420, 600, needs_sft=True, own=True),
+    # Issue 47: Prometheus' discovery latency (2 trainer ranks, a second inference worker joining and leaving) and the
+    # cost of being scraped every 5 s (runs with and without Prometheus, alternating). Needs Debian's prometheus.
+    Part("prom", "prometheus_cost.py", [], 1500, 900, 1000),
 ]
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="short runs for trying the harness (not for the numbers)")
-    parser.add_argument("--parts", default="a,b,c,d,e,f,g,h,i,cpu", help="comma-separated parts to run (default: all)")
+    parser.add_argument(
+        "--parts", default="a,b,c,d,e,f,g,h,i,cpu,prom", help="comma-separated parts to run (default: all)"
+    )
     parser.add_argument("--sft", default=None, help="the demo's SFT checkpoint to start parts a and f from")
     parser.add_argument("--output", type=Path, default=BENCH / "RESULTS.md")
     parser.add_argument("--plots-dir", type=Path, default=BENCH / "plots")

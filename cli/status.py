@@ -16,6 +16,7 @@ import os
 import sys
 from typing import TextIO
 
+from primerl.supervisor.fleet_view import annotate_json
 from primerl.supervisor.run_file import RunFileError, read_run_file
 from primerl.supervisor.status_view import print_status, run_state
 
@@ -181,6 +182,7 @@ def _show(status, as_json: bool, out: TextIO, *, clear: bool, one_line: bool = F
         from google.protobuf.json_format import MessageToDict
 
         data = MessageToDict(status, preserving_proto_field_name=True, always_print_fields_with_no_presence=True)
+        annotate_json(status, data)
         data["run_state"] = run_state(status, outcome)
         data["run_end"] = outcome.to_json() if outcome is not None and outcome.ended else None
         out.write(json.dumps(data, indent=None if one_line else 2, sort_keys=True) + "\n")

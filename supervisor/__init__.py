@@ -6,5 +6,6 @@ processes (nothing outlives the launcher); ``restart_policy``, ``role_configs`` 
 ``role_logs``, ``run_progress``, ``run_file`` (``run.json``, read by ``primerl status``), ``console``, ``tmux``;
 ``preflight_gate`` and ``broker_links`` serve the launcher, which records how the run ended in ``run_end.json``
 (``primerl.runtime.run_outcome``). What shows a run from outside: ``status_view`` (``primerl status``, a run that
-ended included), ``run_series`` and ``run_plots`` (``primerl plot``).
+ended included) with ``fleet_view`` (what each worker is doing: serving, lost since when, gone), ``run_series`` and
+``run_plots`` (``primerl plot``).
 """

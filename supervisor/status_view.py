@@ -10,6 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, TextIO
 
+from primerl.supervisor.fleet_view import fleet_line
+
 QUEUE_HEADER = ["QUEUE", "ITEMS", "BYTES", "BOUND"]
 WORKER_HEADER = ["WORKER", "ROLE", "STATE", "ADDRESS", "PROGRESS", "HEARTBEAT", "METRICS"]
 
@@ -142,6 +144,9 @@ def status_parts(status, outcome=None) -> StatusParts:
         parts.header[0] = f"run {status.run_id or '-'}    {outcome.summary()}"
         parts.header[2] = f"ended (read from {outcome.source}); workers and queues as last seen before the end"
         parts.no_workers = "no workers recorded"
+    fleet = fleet_line(status)
+    if fleet:
+        parts.header.append(f"workers    {fleet}")
     parts.queue_rows = [_queue_row(q) for q in status.queues]
     rows = parts.worker_rows
     for w in status.workers:

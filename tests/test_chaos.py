@@ -24,6 +24,7 @@ CI_RUN_TIMEOUT_S = 180
 sys.path.insert(0, str(CHAOS_DIR.parent))
 try:
     from chaos.checks import Verdict, _normal_end, _spool_checks, _stopped_by_held_disk, lineage
+    from chaos.driver import served_final
     from chaos.logs import read_incarnations
     from chaos.plan import make_plan, steps_needed
     from chaos.procs import MARKER_ENV, Exit, Unit, marked_processes
@@ -605,3 +606,18 @@ def test_short_seeded_chaos_run_in_separate_processes_passes_every_check(tmp_pat
     assert "PASS" in summary and "steps lost 0, duplicated 0, mismatched 0, unverified 0" in summary, summary
     assert "relay" in summary and "mid-relay" in summary, "the relay worker was not killed mid-relay"
     assert wall_s < CI_RUN_TIMEOUT_S + 60, f"the CI chaos run took {wall_s:.0f} s"
+
+
+def test_a_killed_inference_worker_the_broker_marked_lost_need_not_serve_the_last_version():
+    """`make chaos` counted a worker the harness killed (lost, still listed at an old version) as one that must serve
+    the last version; only serving workers must, and there must be one."""
+
+    def worker(name: str, condition: str, version: int) -> dict:
+        return {"name": name, "role": "ROLE_INFERENCE", "condition": condition, "policy_version": str(version)}
+
+    serving = worker("infer-b", "serving", 27)
+    status = {"latest_policy_version": "27", "workers": [worker("infer-a", "lost", 13), serving]}
+    assert served_final(status, 27)
+    assert not served_final({**status, "workers": [worker("infer-a", "lost", 13)]}, 27)  # nobody serving
+    assert not served_final({**status, "workers": [worker("infer-b", "serving", 26)]}, 27)
+    assert not served_final({**status, "latest_policy_version": "26"}, 27)

@@ -94,6 +94,7 @@ STATUS_PLAIN = "\n".join(
         "trainer step 12 (committed 11) / 30    policy version 12    "
         "orchestrator step 13    rolled back 1x (now from v0, lineage 0)",
         "rollouts 0.50 batches/s, 2.0 KiB/s    weights 3.0 MiB/s",
+        "workers    inference: 1 serving; trainer: 1 alive",
         "",
         "QUEUE                               ITEMS  BYTES    BOUND",
         "rollouts (spooled until committed)  3      4.0 KiB  at most 8 batches / 1.0 GiB ahead of the trainer",

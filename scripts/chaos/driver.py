@@ -187,9 +187,13 @@ def primerl_status_json(spec: RunSpec) -> tuple[dict | None, str]:
 
 
 def served_final(status: dict | None, max_steps: int) -> bool:
+    """Every inference worker that is serving (``primerl status --json``'s ``condition``: a worker the harness killed
+    and the broker marked lost, or one that left, serves nothing) holds the last version, and there is one."""
     if not status:
         return False
-    workers = [w for w in status.get("workers", []) if w.get("role") == "ROLE_INFERENCE"]
+    workers = [
+        w for w in status.get("workers", []) if w.get("role") == "ROLE_INFERENCE" and w.get("condition") == "serving"
+    ]
     latest = int(status.get("latest_policy_version", 0))
     return latest == max_steps and bool(workers) and all(int(w.get("policy_version", -1)) == latest for w in workers)
 

@@ -30,6 +30,7 @@ from primerl.broker.registry import WorkerRegistry
 from primerl.broker.registry_errors import RegistryError, WorkerNotFound
 from primerl.broker.run_history import RunHistory
 from primerl.broker.run_status import DataPlaneStatus, format_workers
+from primerl.broker.status_cache import SharedStatus
 from primerl.proto import framing, telemetry
 from primerl.proto.data_plane_limits import BrokerLimits
 from primerl.proto.v1 import common_pb2, control_pb2, control_pb2_grpc
@@ -39,6 +40,8 @@ from primerl.runtime.periodic import Periodic
 SERVICE_NAME = control_pb2.DESCRIPTOR.services_by_name["Broker"].full_name  # "primerl.v1.Broker"
 HEALTH_METHOD_PREFIX = f"/{health.SERVICE_NAME}/"
 AUTH_METADATA_KEY = "authorization"
+MIN_WATCH_INTERVAL_S = 0.1
+"""A status stream sends at most one status per this long, whatever ``min_interval_ms`` it asked for."""
 
 # Keepalive: clients ping every 20 s (see primerl.client.control); the server must allow it or it sends GOAWAY.
 SERVER_OPTIONS = [
@@ -215,6 +218,8 @@ class BrokerServicer(control_pb2_grpc.BrokerServicer):
         self._watch_slots = threading.BoundedSemaphore(max_concurrent_watches)
         self._max_concurrent_watches = max_concurrent_watches
         self._watch_poll_s = watch_poll_s
+        # Every watch stream reads this one status (``status_cache``): one assembly per interval, not per watcher.
+        self._shared_status = SharedStatus(self.run_status, lambda: self.registry.version)
         self._stopping = threading.Event()
         self.health = health.HealthServicer()
         for service in ("", SERVICE_NAME):
@@ -339,29 +344,35 @@ class BrokerServicer(control_pb2_grpc.BrokerServicer):
             )
         try:
             context.add_callback(self.registry.wake_waiters)
-            min_interval_s = request.min_interval_ms / 1000
-            version = self.registry.version
-            status = self.run_status()
-            last_key = _status_key(status)
-            yield status
-            last_sent = time.monotonic()
+            min_interval_s = max(request.min_interval_ms / 1000, MIN_WATCH_INTERVAL_S)
+            snapshot = self._snapshot_of(self.registry.version)
+            yield snapshot.status
+            last_key, last_sent = snapshot.key, time.monotonic()
             while self._streaming(context):
                 to_wait_s = last_sent + min_interval_s - time.monotonic()
                 if to_wait_s > 0:
                     self._stopping.wait(min(to_wait_s, self._watch_poll_s))
                     continue
-                version = self.registry.wait_for_change(version, self._watch_poll_s)
+                version = self.registry.wait_for_change(snapshot.version, self._watch_poll_s)
                 if not self._streaming(context):
                     break
                 # Also sent after a quiet poll when the data plane (queues, rates) changed.
-                status = self.run_status()
-                key = _status_key(status)
-                if key == last_key:
+                snapshot = self._snapshot_of(version)
+                if snapshot.key == last_key:
                     continue
-                yield status
-                last_key, last_sent = key, time.monotonic()
+                yield snapshot.status
+                last_key, last_sent = snapshot.key, time.monotonic()
         finally:
             self._watch_slots.release()
+
+    def _snapshot_of(self, version: int):
+        """The shared status built from ``version`` or a later one (one that is younger than its floor and older
+        than ``version`` is rebuilt after the floor)."""
+        snapshot = self._shared_status.get(version)
+        if snapshot.version < version:
+            self._stopping.wait(self._shared_status.min_age_s)
+            snapshot = self._shared_status.get(version)
+        return snapshot
 
     def _streaming(self, context) -> bool:
         return context.is_active() and not self._stopping.is_set() and not self.registry.closed
@@ -376,14 +387,6 @@ def _guarded(context, fn, *args):
     except Exception as err:
         _log.exception("control-plane call failed", call=fn.__name__)
         context.abort(grpc.StatusCode.INTERNAL, f"broker error in {fn.__name__}: {err}")
-
-
-def _status_key(status: control_pb2.RunStatus) -> bytes:
-    """The status without its timestamp: equal keys mean nothing to stream."""
-    copy = control_pb2.RunStatus()
-    copy.CopyFrom(status)
-    copy.updated_unix_ms = 0
-    return copy.SerializeToString(deterministic=True)
 
 
 # ----------------------------------------------------------------------------------------------- server

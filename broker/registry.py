@@ -50,6 +50,7 @@ from primerl.broker.worker_record import (
     LEFT,
     LOST,
     MAX_ERRORS_PER_HEARTBEAT,
+    MAX_LIVE_WORKERS,
     MAX_METRIC_NAMES,
     WorkerRecord,
     check_metrics_report,
@@ -78,6 +79,7 @@ class WorkerRegistry(WatchedState):
         weight_endpoint: str = "",
         max_recent_errors: int = 32,
         max_gone_workers: int = 256,
+        max_workers: int = MAX_LIVE_WORKERS,
         step_window: Callable[[int], str] | None = None,
         persist: Callable[[int, RunState], object] | None = None,
         end_of_run_grace_s: float = 0.0,
@@ -106,6 +108,9 @@ class WorkerRegistry(WatchedState):
         self._rollout_endpoint = rollout_endpoint
         self._weight_endpoint = weight_endpoint
         self._max_gone_workers = max_gone_workers
+        if max_workers < 1:
+            raise ValueError(f"max_workers must be >= 1, got {max_workers}")
+        self.max_workers = max_workers
         # step -> why it is too far from the run's position ("" when fine); e.g. the rollout queue's window.
         self._step_window = step_window
         # workers marked LOST since the last ``expire()``, whoever marked them (a read expires too): the heartbeat
@@ -120,6 +125,14 @@ class WorkerRegistry(WatchedState):
 
         self._commit_lock = threading.Lock()
         self._workers: dict[str, WorkerRecord] = {}  # insertion order = registration order
+        # Indexes that keep every call O(1) whatever the fleet's size (module docstring, "Cost per worker"): the
+        # ids under each name, the live count, the gone ids in the order they went, and the earliest moment a live
+        # worker can expire (no sweep before it).
+        self._ids_by_name: dict[str, list[str]] = {}
+        self._num_alive = 0
+        self._gone_ids: dict[str, None] = {}
+        self._next_expiry_s = float("inf")
+        self.num_expiry_sweeps = 0  # sweeps over every worker: one per deadline passed, not one per call
         self._metrics = LastMetrics()
         self._progress = RunProgress()
         # ``closed`` (WatchedState): the broker process is stopping: register and heartbeat answer BrokerStopping.
@@ -201,7 +214,8 @@ class WorkerRegistry(WatchedState):
             self._lineages.refuse_superseded(request)  # before the name: B may hold the name A comes back with
             now = self._clock()
             self._expire_locked(now)
-            for old in gone_holders(self._workers.values(), name, self.timeout_s):
+            holders = [self._workers[worker_id] for worker_id in self._ids_by_name.get(name, ())]
+            for old in gone_holders(holders, name, self.timeout_s, self._num_alive, self.max_workers):
                 self._forget_worker_locked(old)
             # Only a registration that succeeds takes a lineage: a refused one (a name still held) changes nothing.
             policy_lineage, lineage_changed = self._lineages.assign(request)
@@ -210,6 +224,9 @@ class WorkerRegistry(WatchedState):
             worker_id = uuid.uuid4().hex
             record = WorkerRecord.registered(request, name, worker_id, now, self._unix_ms(), policy_lineage)
             self._workers[worker_id] = record
+            self._ids_by_name.setdefault(name, []).append(worker_id)
+            self._num_alive += 1
+            self._next_expiry_s = min(self._next_expiry_s, now + self.timeout_s)
             self._drop_old_gone_locked()
             self._bump_locked()
         if lineage_changed:
@@ -275,7 +292,7 @@ class WorkerRegistry(WatchedState):
             if worker is None:
                 raise WorkerNotFound(f"no worker with id {worker_id!r} is registered")
             if worker.state != LEFT:
-                worker.state = LEFT
+                self._mark_gone_locked(worker, LEFT)
                 self._leave_fanout_locked(worker, "deregistered")
                 self._bump_locked()
             run_step = max(self._progress.trainer_step(self._workers.values()), self._progress.last_committed_step)
@@ -474,26 +491,51 @@ class WorkerRegistry(WatchedState):
         return worker
 
     def _expire_locked(self, now: float) -> None:
+        """Mark the live workers silent past ``timeout_s`` LOST. O(1) until the earliest deadline passes (a heartbeat
+        only moves a deadline later), then one sweep that also finds the next earliest deadline."""
+        if now <= self._next_expiry_s:
+            return
+        self.num_expiry_sweeps += 1
         lost = []
+        next_expiry_s = float("inf")
         for worker in self._workers.values():
-            if worker.state == ALIVE and now - worker.last_seen > self.timeout_s:
-                worker.state = LOST
-                self._add_error_locked(
-                    "broker", f"worker {worker.name} lost: no heartbeat for {now - worker.last_seen:.1f} s"
-                )
-                self._leave_fanout_locked(worker, "lost")
-                lost.append(self._info_locked(worker))
+            if worker.state != ALIVE:
+                continue
+            if now - worker.last_seen <= self.timeout_s:
+                next_expiry_s = min(next_expiry_s, worker.last_seen + self.timeout_s)
+                continue
+            self._mark_gone_locked(worker, LOST)
+            silent_s = now - worker.last_seen
+            self._add_error_locked("broker", f"worker {worker.name} lost: no heartbeat for {silent_s:.1f} s")
+            self._leave_fanout_locked(worker, "lost")
+            lost.append(self._info_locked(worker))
+        self._next_expiry_s = next_expiry_s
         if lost:
             # bounded: without a heartbeat monitor calling ``expire()`` (a registry in a test) nobody drains it
             self._lost_unreported = (self._lost_unreported + lost)[-MAX_LOST_UNREPORTED:]
             self._bump_locked()
 
+    def _mark_gone_locked(self, worker: WorkerRecord, state: int) -> None:
+        """``worker`` is LOST or LEFT now (a LOST one may still deregister: LEFT)."""
+        if worker.state == ALIVE:
+            self._num_alive -= 1
+        worker.state = state
+        self._gone_ids[worker.worker_id] = None
+
     def _drop_old_gone_locked(self) -> None:
-        gone = [w.worker_id for w in self._workers.values() if w.state != ALIVE]
-        for worker_id in gone[: max(0, len(gone) - self._max_gone_workers)]:
-            self._forget_worker_locked(self._workers[worker_id])
+        """Forget the gone workers beyond ``max_gone_workers``, those that went first."""
+        while len(self._gone_ids) > self._max_gone_workers:
+            self._forget_worker_locked(self._workers[next(iter(self._gone_ids))])
 
     def _forget_worker_locked(self, worker: WorkerRecord) -> None:
         """Drop a gone worker's record; its progress stays in the run's steps (they never go back)."""
         self._progress.keep_steps_of(worker)
         del self._workers[worker.worker_id]
+        self._gone_ids.pop(worker.worker_id, None)
+        if worker.state == ALIVE:
+            self._num_alive -= 1
+        ids = self._ids_by_name.get(worker.name, [])
+        if worker.worker_id in ids:
+            ids.remove(worker.worker_id)
+        if not ids:
+            self._ids_by_name.pop(worker.name, None)

@@ -133,7 +133,10 @@ class BrokerService:
         self.weight_plane: WeightPlane | None = None
         self.weight_store = WeightStore()
         self.weight_fanout = WeightFanout(
-            self.weight_store, fanout=config.weight_fanout, relay_timeout_s=config.weight_relay_timeout_s
+            self.weight_store,
+            fanout=config.weight_fanout,
+            relay_timeout_s=config.weight_relay_timeout_s,
+            max_workers=config.max_workers,
         )
         self.registry = WorkerRegistry(
             self.run_id,
@@ -146,6 +149,7 @@ class BrokerService:
             end_of_run_grace_s=END_OF_RUN_GRACE_S,
             orchestrator_finish_s=ORCHESTRATOR_FINISH_S,
             policy=self.weight_fanout,
+            max_workers=config.max_workers,
         )
         self.run_state_file: RunStateFile | None = None
         self._saver: RunStateSaver | None = None

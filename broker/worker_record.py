@@ -28,7 +28,8 @@ MAX_METRICS_PER_REPORT = 1024
 MAX_METRIC_NAME_CHARS = 128
 MAX_METRIC_NAMES_PER_WORKER = 512
 MAX_METRIC_NAMES = 2048
-MAX_LIVE_WORKERS = 512
+MAX_LIVE_WORKERS = 4096
+"""Live workers a broker admits by default (``broker.max_workers``); its run status stays ~1 MiB at this bound."""
 MAX_CAPABILITIES = 32
 MAX_CAPABILITY_CHARS = 256
 MAX_ADDRESS_CHARS = 256
@@ -140,14 +141,16 @@ class WorkerRecord:
         return info
 
 
-def gone_holders(workers: Iterable[WorkerRecord], name: str, timeout_s: float) -> list[WorkerRecord]:
-    """The LOST or LEFT records of ``name``: a new worker may take it and they go. ``LimitReached`` when
-    ``MAX_LIVE_WORKERS`` are alive, ``NameTaken`` while a live worker holds the name."""
-    records = list(workers)
-    num_alive = sum(1 for w in records if w.state == ALIVE)
-    if num_alive >= MAX_LIVE_WORKERS:
-        raise LimitReached(f"{num_alive} workers are registered, the broker's limit; deregister some first")
-    holders = [w for w in records if w.name == name]
+def gone_holders(
+    holders: Iterable[WorkerRecord], name: str, timeout_s: float, num_alive: int, max_workers: int = MAX_LIVE_WORKERS
+) -> list[WorkerRecord]:
+    """The LOST or LEFT records among ``holders`` (the records of ``name``): a new worker may take the name and they
+    go. ``LimitReached`` when ``num_alive`` reached ``max_workers``, ``NameTaken`` while a live worker holds it."""
+    if num_alive >= max_workers:
+        raise LimitReached(
+            f"{num_alive} workers are registered, the broker's limit (broker.max_workers); deregister some first"
+        )
+    holders = list(holders)
     for old in holders:
         if old.state == ALIVE:
             raise NameTaken(

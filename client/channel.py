@@ -1,9 +1,10 @@
 """The gRPC channel to the broker's control plane: TLS when a CA is given (mutual TLS with a client certificate),
 the run token on every call, and reconnect and keepalive settings that notice a restarted or silently dead broker
-within seconds."""
+within seconds; the jittered backoff of the clients' retries (``jittered``)."""
 
 from __future__ import annotations
 
+import random
 from pathlib import Path
 
 import grpc
@@ -12,6 +13,14 @@ from primerl.runtime.wire_security import read_pem
 
 BACKOFF_INITIAL_S = 0.1
 BACKOFF_MAX_S = 5.0
+
+
+def jittered(backoff_s: float) -> float:
+    """A wait drawn uniformly from ``[BACKOFF_INITIAL_S, backoff_s]`` ("full jitter"): a fleet that lost its broker
+    at the same moment comes back spread over the backoff instead of all in the same instant (a thousand workers
+    re-register over ~5 s, not in one burst)."""
+    return random.uniform(BACKOFF_INITIAL_S, max(BACKOFF_INITIAL_S, backoff_s))
+
 
 CHANNEL_OPTIONS = [
     # gRPC's own reconnect backoff defaults to 1 s growing to 120 s: far too slow to notice a restarted broker.

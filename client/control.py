@@ -3,7 +3,7 @@
 ``ControlClient`` registers, heartbeats in a background thread, reports metrics and commits steps. Every RPC
 has a deadline. The heartbeat thread never crashes the worker: when the broker forgets the worker (NOT_FOUND,
 e.g. after a broker restart) it registers again; when the broker is unreachable it retries with capped
-exponential backoff (0.1 s doubling to 5 s) for as long as the client runs.
+exponential backoff (0.1 s doubling to 5 s, each wait drawn at random below it) for as long as the client runs.
 
 Riding through a broker outage (a restart, a lost network). A worker's calls (``register``, ``report_metrics``,
 ``commit_step``, ``list_workers``, ``get_run_status``) wait through an outage of up to ``config.outage_s``:
@@ -38,7 +38,7 @@ from primerl.client.broker_errors import (
     NameHeld,
     broker_error,
 )
-from primerl.client.channel import BACKOFF_INITIAL_S, BACKOFF_MAX_S, create_channel
+from primerl.client.channel import BACKOFF_INITIAL_S, BACKOFF_MAX_S, create_channel, jittered
 from primerl.client.outage import BrokerOutageExceeded, OutageWatch, retry_through_outage
 from primerl.proto import telemetry
 from primerl.proto.data_plane_limits import BrokerLimits
@@ -465,8 +465,8 @@ class ControlClient:
                     _log.error("heartbeat refused", worker=self.name, error=str(err))
             except Exception:  # the worker must keep running; the failure is logged with its traceback
                 _log.exception("heartbeat failed", worker=self.name)
-            if wait_s is None:
-                wait_s, backoff_s = backoff_s, min(backoff_s * 2, BACKOFF_MAX_S)
+            if wait_s is None:  # jittered: a fleet that lost its broker together must not come back together
+                wait_s, backoff_s = jittered(backoff_s), min(backoff_s * 2, BACKOFF_MAX_S)
             self._stop.wait(wait_s)
 
     def _progress(self, progress_fn: ProgressFn | None) -> Mapping[str, Any]:

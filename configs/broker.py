@@ -79,6 +79,15 @@ class BrokerConfig(BaseConfig):
     heartbeat_liveness: int = Field(
         5, ge=1, description="Missed heartbeats in a row after which a peer is declared lost."
     )
+    max_workers: int = Field(
+        4096,
+        ge=1,
+        le=65536,
+        description="Live workers (every role) the broker admits at once, and inference workers its weight fan-out "
+        "serves; a registration beyond it is refused (RESOURCE_EXHAUSTED). What one broker can carry: "
+        'docs/performance.md, "One broker for a fleet". Raise `max_weight_connections` with it for more than '
+        "~250 inference workers.",
+    )
     max_queue_batches: int = Field(
         8, ge=1, description="Rollout batches held (in memory and spool) before the orchestrator is made to wait."
     )

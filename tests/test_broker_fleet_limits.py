@@ -1,0 +1,89 @@
+"""What keeps one broker's cost per worker constant at fleet scale (docs/performance.md, "One broker for a fleet"),
+each pinned without sockets: expiry sweeps only when a deadline passed, registration in constant time with a
+configurable bound, one status shared by every watch stream, and the clients' jittered backoff."""
+
+from __future__ import annotations
+
+import statistics
+
+import pytest
+from test_broker_registry import INFER, LOST, FakeClock, heartbeat, register
+
+from primerl.broker.registry import WorkerRegistry
+from primerl.broker.registry_errors import LimitReached, NameTaken
+from primerl.broker.status_cache import SharedStatus
+from primerl.client.channel import BACKOFF_INITIAL_S, jittered
+from primerl.proto.v1 import control_pb2
+
+NUM_WORKERS = 1000
+
+
+def test_heartbeats_of_a_large_fleet_do_not_sweep_the_registry_each_time():
+    clock = FakeClock()
+    registry = WorkerRegistry("r", heartbeat_interval_s=1.0, liveness=5, clock=clock)
+    ids = [register(registry, f"infer-{i}", INFER) for i in range(NUM_WORKERS)]
+    for _ in range(3):  # three rounds of heartbeats, 1 s apart: nobody is near its 5 s bound
+        clock.advance(1.0)
+        for worker_id in ids:
+            heartbeat(registry, worker_id)
+    # 3000 heartbeats: a sweep only when the earliest deadline passed (it had not), not one per call
+    assert registry.num_expiry_sweeps <= 3
+    silent = ids[0]
+    clock.advance(1.0)
+    for worker_id in ids[1:]:
+        heartbeat(registry, worker_id)
+    clock.advance(4.5)  # the silent one is 5.5 s past its last heartbeat; the others 4.5 s
+    lost = registry.expire()
+    assert [w.worker_id for w in lost] == [silent]  # still exact: the one past its bound, at the first read after
+    assert registry.get_worker(silent).state == LOST
+    assert len(registry.list_workers()) == NUM_WORKERS - 1
+
+
+def test_the_worker_bound_is_the_brokers_setting_and_names_stay_unique():
+    registry = WorkerRegistry("r", 1.0, 3, clock=FakeClock(), max_workers=2)
+    first = register(registry, "a", INFER)
+    register(registry, "b", INFER)
+    with pytest.raises(LimitReached, match="broker.max_workers"):
+        register(registry, "c", INFER)
+    registry.deregister(first)
+    register(registry, "a", INFER)  # the name of a departed worker is free again, and so is its place
+    with pytest.raises(LimitReached):
+        register(registry, "d", INFER)
+    big = WorkerRegistry("r", 1.0, 3, clock=FakeClock())
+    for i in range(600):  # above the old fixed bound of 512
+        register(big, f"w{i}", INFER)
+    with pytest.raises(NameTaken):
+        register(big, "w7", INFER)
+
+
+class Builds:
+    def __init__(self) -> None:
+        self.num = 0
+
+    def __call__(self) -> control_pb2.RunStatus:
+        self.num += 1
+        return control_pb2.RunStatus(run_id=f"build-{self.num}", updated_unix_ms=self.num)
+
+
+def test_status_streams_share_one_status_per_interval():
+    clock, build, version = FakeClock(), Builds(), [1]
+    shared = SharedStatus(build, lambda: version[0], min_age_s=0.2, max_age_s=1.0, clock=clock)
+    first = shared.get(1)
+    for _ in range(50):  # fifty watchers wake up for the same version: one build
+        assert shared.get(1) is first
+    version[0] = 2  # a change (a heartbeat)...
+    assert shared.get(2) is first  # ...younger than the floor: the caller asks again later
+    clock.advance(0.25)
+    second = shared.get(2)
+    assert second.version == 2 and build.num == 2 and second.key != first.key
+    clock.advance(0.9)
+    assert shared.get(2) is second  # no change, younger than max_age
+    clock.advance(0.2)
+    assert shared.get(2).status.run_id == "build-3"  # the data plane moves without a version: rebuilt past max_age
+
+
+def test_the_clients_backoff_is_jittered():
+    waits = [jittered(5.0) for _ in range(2000)]
+    assert min(waits) >= BACKOFF_INITIAL_S and max(waits) <= 5.0
+    assert 2.0 < statistics.mean(waits) < 3.1 and statistics.pstdev(waits) > 1.0  # spread over the whole backoff
+    assert jittered(0.05) == BACKOFF_INITIAL_S

@@ -136,6 +136,7 @@ class BrokerService:
             self.weight_store,
             fanout=config.weight_fanout,
             relay_timeout_s=config.weight_relay_timeout_s,
+            relay_max_hops=config.weight_relay_max_hops,
             max_workers=config.max_workers,
         )
         self.registry = WorkerRegistry(

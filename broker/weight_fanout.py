@@ -18,8 +18,9 @@ new subscriber says HELLO with that id.
 Per worker the core keeps a ``WeightMember`` (``weight_members``), planned with ``store.plan_for``. A worker that
 does not acknowledge within ``ack_timeout_s`` is planned again from what it acknowledged.
 
-Relay (``fanout="chain"``): members that start the same update at the same time form one ``RelayChain``; the plane
-sends each chunk to its head only. ``weight_relay.RelayChains`` forms the chains and heals them.
+Relay (``fanout="chain"``): members that start the same update at the same time form ``RelayChain``s (of at most
+``relay_max_hops``); the plane sends each chunk to their heads only. ``weight_relay.RelayChains`` forms the chains
+and heals them.
 
 Thread-safe: one lock guards the state; callbacks (``watch``) run outside it, so a caller may hold its own lock
 (the registry does) while it reads or calls ``leave``.
@@ -72,6 +73,7 @@ class WeightFanout:
         max_workers: int = 1024,
         fanout: str = "star",
         relay_timeout_s: float = 20.0,
+        relay_max_hops: int = weight_relay.DEFAULT_MAX_HOPS,
         clock: Callable[[], float] = time.monotonic,
     ):
         if ack_timeout_s <= 0 or max_retries < 0:
@@ -82,7 +84,7 @@ class WeightFanout:
             raise ValueError(f"relay_timeout_s must be > 0, got {relay_timeout_s}")
         self.fanout = fanout
         self.relay_timeout_s = relay_timeout_s
-        self._relays = weight_relay.RelayChains(fanout == "chain", relay_timeout_s, clock)
+        self._relays = weight_relay.RelayChains(fanout == "chain", relay_timeout_s, clock, relay_max_hops)
         self.store = store
         self.ack_timeout_s = ack_timeout_s
         self.max_retries = max_retries
@@ -270,6 +272,10 @@ class WeightFanout:
             member = self._members.get(worker_id)
             return member is not None and member.reads_in_place(update)
 
+    def member_ids(self) -> list[str]:
+        with self._lock:
+            return list(self._members)
+
     def is_member(self, worker_id: str) -> bool:
         with self._lock:
             return worker_id in self._members
@@ -341,6 +347,12 @@ class WeightFanout:
         member.declare(version, lineage)
         self._replan_locked(member)
         return True
+
+    def with_something_to_send(self) -> list[str]:
+        """The members that ``next_step`` may name something for (an update planned or being sent), in one pass
+        under the lock: the plane asks only them, not every member at every turn of its loop."""
+        with self._lock:
+            return [worker_id for worker_id, member in self._members.items() if member.queue or member.sending]
 
     def next_step(self, worker_id: str) -> FanoutStep | None:
         """What to send the member next, or None (nothing to send, not a member, or it receives by relay). A member

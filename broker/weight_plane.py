@@ -336,9 +336,13 @@ class WeightPlane(RouterPlane):
         """Send pending replies, then chunks round-robin over workers; returns (sent any, some blocked)."""
         sent_any, blocked = self._replies.flush(socket)
         budget = max_messages
+        peers = self._subscribers.peers
         while budget > 0:
             progressed = False
-            for worker_id, identity in list(self._subscribers.peers.items()):
+            for worker_id in self.fanout.with_something_to_send():
+                identity = peers.get(worker_id)
+                if identity is None:
+                    continue
                 if budget <= 0:
                     break
                 step = self.fanout.next_step(worker_id)

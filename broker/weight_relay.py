@@ -2,14 +2,14 @@
 chain, and the healing of chains that stalled or did not reach a member in time. ``RelayChains`` runs under
 ``WeightFanout``'s lock and answers with the members to plan again.
 
-Members that announced a relay endpoint in HELLO and start the same update at the same time (``begin``, or idle
-members whose next planned update is the same) form one ``RelayChain``, in the order they joined: the plane sends
-each chunk only to its head, and each member forwards what it received to the next (the chunks carry the chain,
-``Envelope.relay_hops``). The others in the chain are sent nothing; once the head has had the last chunk they all
-count as sent, each with ``relay_timeout_s`` to acknowledge. A member past that is planned again from what it
-acknowledged, and the first of them in the chain (the one the rest waited on) relays nothing more until it
-acknowledges an update: the rest form a new chain without it, and the broker, which holds the update, sends it
-again. A head that leaves or makes no progress for ``relay_timeout_s`` dissolves its chain the same way.
+Members that announced a relay endpoint in HELLO and start the same update at the same time (``begin``, or idle members
+whose next planned update is the same) form ``RelayChain``s of at most ``max_hops``, in the order they joined: the plane
+sends each chunk only to their heads, and each member forwards what it received to the next (the chunks carry the chain,
+``Envelope.relay_hops``). The others in a chain are sent nothing; once the head has had the last chunk they all count as
+sent, each with ``relay_timeout_s`` to acknowledge. A member past that is planned again from what it acknowledged, and
+the first of them in the chain (the one the rest waited on) relays nothing more until it acknowledges an update: the
+rest form a new chain without it, and the broker, which holds the update, sends it again. A head that leaves or makes no
+progress for ``relay_timeout_s`` dissolves its chain the same way.
 """
 
 from __future__ import annotations
@@ -27,6 +27,10 @@ if TYPE_CHECKING:
 log = get_logger(__name__)
 
 MAX_RELAY_ENDPOINT_CHARS = 256
+DEFAULT_MAX_HOPS = 32
+"""Workers in one relay chain at most (``broker.weight_relay_max_hops``). A hop holds one chunk before passing it on
+and every chunk carries the chain's hops, so a chain of a thousand adds a thousand chunk-times and ~60 KB to each
+chunk; chains of at most 32 cost the broker ceil(N / 32) sends of each chunk instead of N."""
 
 
 def valid_relay_endpoint(endpoint: str) -> bool:
@@ -57,8 +61,13 @@ class RelayChains:
     """The chains of one fan-out (``enabled``: in chain mode, else every member is sent its updates directly) and
     their healing, with the counts the plane's status shows. Called under ``WeightFanout``'s lock."""
 
-    def __init__(self, enabled: bool, relay_timeout_s: float, clock: Callable[[], float]):
+    def __init__(
+        self, enabled: bool, relay_timeout_s: float, clock: Callable[[], float], max_hops: int = DEFAULT_MAX_HOPS
+    ):
+        if max_hops < 2:
+            raise ValueError(f"a relay chain has at least 2 hops, got max_hops={max_hops}")
         self.enabled = enabled
+        self.max_hops = max_hops
         self.relay_timeout_s = relay_timeout_s
         self._clock = clock
         self.num_chains = 0
@@ -67,18 +76,24 @@ class RelayChains:
 
     def start(self, members: list[WeightMember], update: StoredUpdate) -> None:
         """``members`` (in the order they joined) start receiving ``update`` now; in chain mode, those that can relay
-        form one chain, the longest-standing first; the others are sent it directly."""
+        form chains of at most ``max_hops``, the longest-standing first (a last one left alone is sent it directly,
+        as are the members that cannot relay)."""
         chained = [member for member in members if member.relays(update)] if self.enabled else []
-        chain = None
-        if len(chained) >= 2:
+        for member in members:
+            member.sending, member.next_chunk, member.chain = update, 0, None
+            member.relay_deadline_s = None
+        num_chains = -(-len(chained) // self.max_hops)
+        for number in range(num_chains):  # even lengths: ceil(n / max_hops) chains of n / num_chains hops or one more
+            part = chained[number::num_chains]
+            if len(part) < 2:
+                continue
             self.num_chains += 1
-            hops = tuple(member.worker_id for member in chained)
-            endpoints = tuple(member.relay_endpoint for member in chained)
+            hops = tuple(member.worker_id for member in part)
+            endpoints = tuple(member.relay_endpoint for member in part)
             chain = RelayChain(update, self.num_chains, hops, endpoints, self._clock())
             log.debug("weight relay chain planned", policy_version=update.policy_version, hops=list(chain.hops))
-        for member in members:
-            member.sending, member.next_chunk, member.chain = update, 0, chain if member in chained else None
-            member.relay_deadline_s = None
+            for member in part:
+                member.chain = chain
 
     def heal(self, members: Mapping[str, WeightMember], now_s: float) -> list[WeightMember]:
         """Dissolve the chains whose head stalled; a member a relay did not reach in time counts as sent nothing (the

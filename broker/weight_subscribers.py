@@ -150,5 +150,6 @@ class WeightSubscribers:
 
     def drop_departed(self) -> None:
         """Connections of workers the fan-out no longer holds (forgotten, gone): their next HELLO maps them again."""
-        for worker_id in [w for w in self.peers if not self.fanout.is_member(w)]:
+        members = set(self.fanout.member_ids())
+        for worker_id in [w for w in self.peers if w not in members]:
             self.drop(worker_id)

@@ -167,6 +167,14 @@ class BrokerConfig(BaseConfig):
         "is sent the update by the broker; the worker the others waited on relays nothing more until it "
         "acknowledges one. Keep it above a worker's time to load an update.",
     )
+    weight_relay_max_hops: int = Field(
+        32,
+        ge=2,
+        le=4096,
+        description='`weight_fanout = "chain"`: workers in one relay chain at most; more workers form more chains '
+        "(the broker sends each chunk once per chain). Each hop holds one chunk before passing it on, so a long chain "
+        "adds one chunk-time per hop: keep it below the number of chunks of an update (`weight_chunk_bytes`).",
+    )
     history_max_bytes: int = Field(
         16 * MiB,
         ge=0,

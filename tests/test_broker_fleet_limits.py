@@ -1,17 +1,22 @@
 """What keeps one broker's cost per worker constant at fleet scale (docs/performance.md, "One broker for a fleet"),
 each pinned without sockets: expiry sweeps only when a deadline passed, registration in constant time with a
-configurable bound, one status shared by every watch stream, and the clients' jittered backoff."""
+configurable bound, one status shared by every watch stream, the clients' jittered backoff, and relay chains of
+bounded length."""
 
 from __future__ import annotations
 
 import statistics
 
 import pytest
+from support.weight_updates import publish
 from test_broker_registry import INFER, LOST, FakeClock, heartbeat, register
 
 from primerl.broker.registry import WorkerRegistry
 from primerl.broker.registry_errors import LimitReached, NameTaken
 from primerl.broker.status_cache import SharedStatus
+from primerl.broker.weight_fanout import WeightFanout
+from primerl.broker.weight_members import Joined
+from primerl.broker.weight_store import WeightStore
 from primerl.client.channel import BACKOFF_INITIAL_S, jittered
 from primerl.proto.v1 import control_pb2
 
@@ -87,3 +92,27 @@ def test_the_clients_backoff_is_jittered():
     assert min(waits) >= BACKOFF_INITIAL_S and max(waits) <= 5.0
     assert 2.0 < statistics.mean(waits) < 3.1 and statistics.pstdev(waits) > 1.0  # spread over the whole backoff
     assert jittered(0.05) == BACKOFF_INITIAL_S
+
+
+def test_relay_chains_are_bounded_in_length():
+    fanout = WeightFanout(WeightStore(), fanout="chain", relay_max_hops=32)
+    ids = [f"w{i}" for i in range(70)]
+    for i, worker_id in enumerate(ids):
+        assert fanout.hello(worker_id, None, 0, relay_endpoint=f"tcp://127.0.0.1:{20000 + i}") is Joined.JOINED
+    publish(fanout, 1)
+    steps = [fanout.next_step(worker_id) for worker_id in ids]
+    chains = {id(step.chain): step.chain for step in steps if step is not None}
+    # 70 workers: 3 chains of 23-24 (one send of each chunk per chain), not one chain of 70 hops
+    assert sorted(len(chain.hops) for chain in chains.values()) == [23, 23, 24]
+    assert sorted(hop for chain in chains.values() for hop in chain.hops) == sorted(ids)
+    assert all(steps[ids.index(chain.hops[0])].chain is chain for chain in chains.values())  # sent to each head
+
+
+def test_the_weight_plane_asks_only_members_with_something_to_send():
+    fanout = WeightFanout(WeightStore())
+    publish(fanout, 1)
+    for i in range(100):
+        fanout.hello(f"w{i}", 1 if i else None, 0)  # w0 holds nothing yet: it is sent version 1
+    assert fanout.with_something_to_send() == ["w0"]  # the plane's loop visits one member, not a hundred
+    publish(fanout, 2)
+    assert len(fanout.with_something_to_send()) == 100

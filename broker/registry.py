@@ -6,8 +6,11 @@ versions are the weight fan-out's (``weight_fanout``), which tells the registry 
 assembles it all, with the data plane's queues and rates, into one ``RunStatus`` (``run_status``). The records are
 ``worker_record.WorkerRecord``, the refusals ``registry_errors``, the trainers' lineages ``policy_lineage``.
 
-Liveness follows the Paranoid Pirate pattern: a worker silent for ``liveness * heartbeat_interval_s`` is marked LOST
-(and stays listed so status shows it); any traffic from a worker resets its liveness. Expiry is applied on every call
+Liveness follows the Paranoid Pirate pattern: a worker silent for ``liveness`` times its interval is marked LOST (and
+stays listed so status shows it); any traffic from a worker resets its liveness. The interval is
+``heartbeat_interval_s``, or longer once the fleet is large: the broker asks for at most ``heartbeat_budget_per_s``
+heartbeats a second in all (each worker learns its interval from every answer), as Consul stretches its anti-entropy
+interval with the cluster, so its heartbeat load stays bounded whatever the fleet. Expiry is applied on every call
 (so answers are exact) and by a periodic ``expire()`` (``HeartbeatMonitor``), which logs and notifies watchers within
 half an interval of the bound. A heartbeat's ``not_serving`` reason is the worker's state, not an error.
 
@@ -80,6 +83,7 @@ class WorkerRegistry(WatchedState):
         max_recent_errors: int = 32,
         max_gone_workers: int = 256,
         max_workers: int = MAX_LIVE_WORKERS,
+        heartbeat_budget_per_s: float = 0.0,
         step_window: Callable[[int], str] | None = None,
         persist: Callable[[int, RunState], object] | None = None,
         end_of_run_grace_s: float = 0.0,
@@ -108,8 +112,11 @@ class WorkerRegistry(WatchedState):
         self._rollout_endpoint = rollout_endpoint
         self._weight_endpoint = weight_endpoint
         self._max_gone_workers = max_gone_workers
-        if max_workers < 1:
-            raise ValueError(f"max_workers must be >= 1, got {max_workers}")
+        if max_workers < 1 or heartbeat_budget_per_s < 0:
+            raise ValueError(
+                f"need max_workers >= 1, heartbeat_budget_per_s >= 0: {max_workers}, {heartbeat_budget_per_s}"
+            )
+        self.heartbeat_budget_per_s = heartbeat_budget_per_s
         self.max_workers = max_workers
         # step -> why it is too far from the run's position ("" when fine); e.g. the rollout queue's window.
         self._step_window = step_window
@@ -144,6 +151,13 @@ class WorkerRegistry(WatchedState):
     def timeout_s(self) -> float:
         """Silence after which a worker is marked LOST."""
         return self.liveness * self.heartbeat_interval_s
+
+    def asked_interval_s(self) -> float:
+        """The heartbeat interval a worker is asked for now: ``heartbeat_interval_s``, or longer once the live fleet
+        would send more than ``heartbeat_budget_per_s`` heartbeats a second (0: no budget). Call under the lock."""
+        if not self.heartbeat_budget_per_s:
+            return self.heartbeat_interval_s
+        return max(self.heartbeat_interval_s, self._num_alive / self.heartbeat_budget_per_s)
 
     @property
     def last_committed_step(self) -> int:
@@ -222,11 +236,12 @@ class WorkerRegistry(WatchedState):
             if lineage_changed:
                 self._state_revision += 1
             worker_id = uuid.uuid4().hex
-            record = WorkerRecord.registered(request, name, worker_id, now, self._unix_ms(), policy_lineage)
+            self._num_alive += 1
+            interval_s = self.asked_interval_s()
+            record = WorkerRecord.registered(request, name, worker_id, now, self._unix_ms(), policy_lineage, interval_s)
             self._workers[worker_id] = record
             self._ids_by_name.setdefault(name, []).append(worker_id)
-            self._num_alive += 1
-            self._next_expiry_s = min(self._next_expiry_s, now + self.timeout_s)
+            self._next_expiry_s = min(self._next_expiry_s, now + self.liveness * interval_s)
             self._drop_old_gone_locked()
             self._bump_locked()
         if lineage_changed:
@@ -235,7 +250,7 @@ class WorkerRegistry(WatchedState):
             return control_pb2.RegisterResponse(
                 worker_id=worker_id,
                 run_id=self.run_id,
-                heartbeat_interval_ms=max(1, round(self.heartbeat_interval_s * 1000)),
+                heartbeat_interval_ms=max(1, round(interval_s * 1000)),
                 liveness=self.liveness,
                 rollout_endpoint=self._rollout_endpoint,
                 weight_endpoint=self._weight_endpoint,
@@ -260,6 +275,7 @@ class WorkerRegistry(WatchedState):
         with self._lock:
             self._refuse_if_closed_locked()
             worker = self._live_worker_locked(request.worker_id)
+            worker.interval_s = self.asked_interval_s()
             if worker.take_heartbeat(request, self._unix_ms()):
                 self._state_revision += 1
             change = worker.note_serving(request.not_serving[:MAX_ERROR_CHARS])
@@ -280,6 +296,7 @@ class WorkerRegistry(WatchedState):
                 ),
                 policy_lineage=latest.lineage,
                 lineage_base_version=latest.lineage_base_version,
+                heartbeat_interval_ms=max(1, round(worker.interval_s * 1000)),
             )
 
     def deregister(self, worker_id: str, reason: str = "") -> bool:
@@ -501,8 +518,9 @@ class WorkerRegistry(WatchedState):
         for worker in self._workers.values():
             if worker.state != ALIVE:
                 continue
-            if now - worker.last_seen <= self.timeout_s:
-                next_expiry_s = min(next_expiry_s, worker.last_seen + self.timeout_s)
+            timeout_s = self.liveness * worker.interval_s
+            if now - worker.last_seen <= timeout_s:
+                next_expiry_s = min(next_expiry_s, worker.last_seen + timeout_s)
                 continue
             self._mark_gone_locked(worker, LOST)
             silent_s = now - worker.last_seen

@@ -151,6 +151,7 @@ class BrokerService:
             orchestrator_finish_s=ORCHESTRATOR_FINISH_S,
             policy=self.weight_fanout,
             max_workers=config.max_workers,
+            heartbeat_budget_per_s=config.heartbeat_budget_per_s,
         )
         self.run_state_file: RunStateFile | None = None
         self._saver: RunStateSaver | None = None

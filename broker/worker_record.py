@@ -60,10 +60,19 @@ class WorkerRecord:
     not_serving: str = ""
     # Trainer rank 0: the policy lineage it was given (0 for every other worker).
     policy_lineage: int = 0
+    # The heartbeat interval it was last asked for (it grows with the fleet): it is LOST past liveness times this.
+    interval_s: float = 1.0
 
     @classmethod
     def registered(
-        cls, request: control_pb2.RegisterRequest, name: str, worker_id: str, now: float, unix_ms: int, lineage: int
+        cls,
+        request: control_pb2.RegisterRequest,
+        name: str,
+        worker_id: str,
+        now: float,
+        unix_ms: int,
+        lineage: int,
+        interval_s: float = 1.0,
     ) -> WorkerRecord:
         """The record of a worker that registers with ``request`` (``now``: the registry clock)."""
         return cls(
@@ -80,6 +89,7 @@ class WorkerRecord:
             last_seen=now,
             last_heartbeat_unix_ms=unix_ms,
             policy_lineage=lineage,
+            interval_s=interval_s,
         )
 
     def take_heartbeat(self, request: control_pb2.HeartbeatRequest, unix_ms: int) -> bool:

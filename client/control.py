@@ -126,6 +126,7 @@ class ControlClient:
         # yet); every re-registration names it, so the incarnation keeps it across broker restarts.
         self.policy_lineage = 0
         self.last_heartbeat: control_pb2.HeartbeatResponse | None = None
+        self._interval_ms = 0  # the heartbeat interval the broker asked for last (0: none yet)
         self.num_registrations = 0
         self.shutdown_requested = threading.Event()
         self._errors: collections.deque[str] = collections.deque(maxlen=MAX_QUEUED_ERRORS)
@@ -159,8 +160,8 @@ class ControlClient:
 
     @property
     def heartbeat_interval_s(self) -> float:
-        registration = self.registration
-        return registration.heartbeat_interval_ms / 1000 if registration else 1.0
+        """What the broker asked for: at registration, then in each heartbeat's answer (it grows with the fleet)."""
+        return self._interval_ms / 1000 if self._interval_ms else 1.0
 
     # -------------------------------------------------------------------------------------- calling
     def _call(self, what: str, method, request, timeout_s: float | None = None):
@@ -241,7 +242,7 @@ class ControlClient:
             response.rollout_endpoint = dialable_endpoint(response.rollout_endpoint, self.config.address)
             response.weight_endpoint = dialable_endpoint(response.weight_endpoint, self.config.address)
             self._worker_id = response.worker_id
-            self.registration = response
+            self.registration, self._interval_ms = response, response.heartbeat_interval_ms
             self.num_registrations += 1
         _log.info(
             telemetry.REGISTERED_WITH_THE_BROKER, worker=self.name, worker_id=response.worker_id, run=response.run_id
@@ -305,6 +306,7 @@ class ControlClient:
             if self._errors:
                 self._errors.popleft()
         self.last_heartbeat = response
+        self._interval_ms = response.heartbeat_interval_ms or self._interval_ms
         if response.shutdown_requested and not self.shutdown_requested.is_set():
             _log.warning("the broker asked this worker to shut down", worker=self.name)
             self.shutdown_requested.set()

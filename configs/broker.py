@@ -79,6 +79,14 @@ class BrokerConfig(BaseConfig):
     heartbeat_liveness: int = Field(
         5, ge=1, description="Missed heartbeats in a row after which a peer is declared lost."
     )
+    heartbeat_budget_per_s: float = Field(
+        500.0,
+        ge=0,
+        description="Heartbeats per second the broker asks of the whole fleet at most: with more than this times "
+        "`heartbeat_interval_s` live workers, each is asked for a longer interval (live workers / this; every "
+        "heartbeat's answer says it), so the broker's heartbeat load stays bounded, and a silent worker is marked "
+        "lost after `heartbeat_liveness` of its own intervals. 0: always `heartbeat_interval_s`.",
+    )
     max_workers: int = Field(
         4096,
         ge=1,

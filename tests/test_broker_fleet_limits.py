@@ -6,8 +6,11 @@ bounded length."""
 from __future__ import annotations
 
 import statistics
+import time
 
 import pytest
+from support.control_plane import client_for, start_broker
+from support.probes import wait_until
 from support.weight_updates import publish
 from test_broker_registry import INFER, LOST, FakeClock, heartbeat, register
 
@@ -116,3 +119,32 @@ def test_the_weight_plane_asks_only_members_with_something_to_send():
     assert fanout.with_something_to_send() == ["w0"]  # the plane's loop visits one member, not a hundred
     publish(fanout, 2)
     assert len(fanout.with_something_to_send()) == 100
+
+
+def test_the_heartbeat_interval_grows_with_the_fleet_and_so_does_the_liveness_bound():
+    clock = FakeClock()
+    registry = WorkerRegistry("r", heartbeat_interval_s=1.0, liveness=3, clock=clock, heartbeat_budget_per_s=10)
+    first = registry.register(control_pb2.RegisterRequest(role=INFER, name="infer-0"))
+    assert first.heartbeat_interval_ms == 1000  # a small fleet: the configured interval
+    ids = [register(registry, f"infer-{i}", INFER) for i in range(1, 30)]
+    assert heartbeat(registry, first.worker_id).heartbeat_interval_ms == 3000  # 30 workers at <= 10 beats/s
+    assert {heartbeat(registry, worker_id).heartbeat_interval_ms for worker_id in ids} == {3000}
+    clock.advance(5.0)  # past 3 x 1 s, within 3 x 3 s
+    assert registry.expire() == [] and len(registry.list_workers()) == 30
+    clock.advance(4.5)
+    assert len(registry.expire()) == 30  # past 3 x 3 s: all lost, as each was told
+
+
+def test_a_client_heartbeats_at_the_interval_the_broker_asks_for():
+    broker = start_broker(interval_s=0.1, liveness=10, heartbeat_budget_per_s=20)
+    try:
+        for i in range(9):  # ten workers at <= 20 beats/s: every 0.5 s
+            register(broker.registry, f"other-{i}", INFER)
+        with client_for(broker, "infer-0", "inference") as client:
+            client.start_heartbeats()
+            wait_until(lambda: client.heartbeat_interval_s == 0.5, what="the interval of a ten-worker fleet")
+            version = broker.registry.version
+            time.sleep(1.6)
+            assert broker.registry.version - version <= 5  # ~3 beats (one per 0.5 s), not 16 (one per 0.1 s)
+    finally:
+        broker.stop()

@@ -105,18 +105,20 @@ class HeartbeatRequest(_message.Message):
     def __init__(self, worker_id: _Optional[str] = ..., trainer_step: _Optional[int] = ..., policy_version: _Optional[int] = ..., orchestrator_step: _Optional[int] = ..., num_inflight: _Optional[int] = ..., recent_errors: _Optional[_Iterable[str]] = ..., not_serving: _Optional[str] = ...) -> None: ...
 
 class HeartbeatResponse(_message.Message):
-    __slots__ = ("latest_policy_version", "last_committed_step", "shutdown_requested", "policy_lineage", "lineage_base_version")
+    __slots__ = ("latest_policy_version", "last_committed_step", "shutdown_requested", "policy_lineage", "lineage_base_version", "heartbeat_interval_ms")
     LATEST_POLICY_VERSION_FIELD_NUMBER: _ClassVar[int]
     LAST_COMMITTED_STEP_FIELD_NUMBER: _ClassVar[int]
     SHUTDOWN_REQUESTED_FIELD_NUMBER: _ClassVar[int]
     POLICY_LINEAGE_FIELD_NUMBER: _ClassVar[int]
     LINEAGE_BASE_VERSION_FIELD_NUMBER: _ClassVar[int]
+    HEARTBEAT_INTERVAL_MS_FIELD_NUMBER: _ClassVar[int]
     latest_policy_version: int
     last_committed_step: int
     shutdown_requested: bool
     policy_lineage: int
     lineage_base_version: int
-    def __init__(self, latest_policy_version: _Optional[int] = ..., last_committed_step: _Optional[int] = ..., shutdown_requested: _Optional[bool] = ..., policy_lineage: _Optional[int] = ..., lineage_base_version: _Optional[int] = ...) -> None: ...
+    heartbeat_interval_ms: int
+    def __init__(self, latest_policy_version: _Optional[int] = ..., last_committed_step: _Optional[int] = ..., shutdown_requested: _Optional[bool] = ..., policy_lineage: _Optional[int] = ..., lineage_base_version: _Optional[int] = ..., heartbeat_interval_ms: _Optional[int] = ...) -> None: ...
 
 class DeregisterRequest(_message.Message):
     __slots__ = ("worker_id", "reason")

@@ -51,6 +51,7 @@ def start_broker(
     interval_s: float = INTERVAL_S,
     liveness: int = LIVENESS,
     max_concurrent_watches: int = 8,
+    heartbeat_budget_per_s: float = 0.0,
 ) -> Broker:
     """A control plane on ``127.0.0.1:port`` (0: a free port) whose fan-out holds policy v2."""
     released: list[int] = []
@@ -59,7 +60,14 @@ def start_broker(
         released.append(step)
         return 1
 
-    registry = WorkerRegistry("test-run", interval_s, liveness, max_steps=20, on_commit=on_commit)
+    registry = WorkerRegistry(
+        "test-run",
+        interval_s,
+        liveness,
+        max_steps=20,
+        on_commit=on_commit,
+        heartbeat_budget_per_s=heartbeat_budget_per_s,
+    )
     registry.policy.restore_latest(2)  # the weight fan-out's latest version (as a restarted broker restores it)
     servicer = BrokerServicer(
         registry,

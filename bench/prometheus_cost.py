@@ -7,7 +7,7 @@ refresh every ``--scrape-s``), against ``primerl rl`` of the tiny model.
         [--trainer-ranks 2] [--no-cost] [--no-discovery] [--quick]
 
 Cost: runs alternate (off, on, off, on, ...); "on" has Prometheus scraping every daemon through ``/discovery``.
-Figures per run, over trainer steps 10..N: the trainer's median ``perf/step_time_s``, the wall time per step, and
+Figures per run, over trainer steps 10..N-10: the trainer's median ``perf/step_time_s``, the wall time per step, and
 the CPU seconds per step of each role (its process and all its children: vLLM's engine, env workers) and of
 Prometheus itself, read with psutil at both ends of the window.
 
@@ -43,6 +43,7 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = REPO_ROOT / "examples" / "reverse_text_rl.toml"
 DEPLOY = REPO_ROOT / "deploy" / "prometheus"
 FROM_STEP = 10
+TAIL_STEPS = 10  # steps after the window: the per-scrape cost is measured while the run still goes
 ENV = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1"}
 
 
@@ -139,8 +140,11 @@ def scrape_cost_ms(targets: dict[str, dict], roots: dict[str, int], token: str, 
         if role not in roots:
             continue
         before = sum(cpu_by_pid(roots[role]).values())
-        for _ in range(scrapes):
-            httpx.get(target["scrapeUrl"], headers={"Authorization": f"Bearer {token}"}, timeout=10)
+        try:
+            for _ in range(scrapes):
+                httpx.get(target["scrapeUrl"], headers={"Authorization": f"Bearer {token}"}, timeout=10)
+        except httpx.HTTPError:
+            continue  # the daemon is gone (the run ended): no figure for it
         costs[role] = (sum(cpu_by_pid(roots[role]).values()) - before) / scrapes * 1000
     return costs
 
@@ -213,7 +217,7 @@ def cost_run(model: Path, work: Path, steps: int, scrape_s: float, scraped: bool
         pids = json.loads((run_dir / "pids.json").read_text())
         meter = CpuMeter({**pids, **({"prometheus": prometheus.pid} if prometheus else {})})
         start, started_s = meter.sample(), time.monotonic()
-        wait_for_step(run, run_dir, steps - 1)
+        wait_for_step(run, run_dir, steps - TAIL_STEPS)
         end, ended_s = meter.sample(), time.monotonic()
         if scraped:
             per_scrape = scrape_cost_ms(active_targets(prometheus_port), pids, token)
@@ -225,8 +229,8 @@ def cost_run(model: Path, work: Path, steps: int, scrape_s: float, scraped: bool
         stop(run)
         if prometheus is not None:
             stop(prometheus, signal.SIGTERM)
-    window = steps - 1 - FROM_STEP
-    step_times = [r["perf/step_time_s"] for r in trainer_rows(run_dir) if r["step"] > FROM_STEP]
+    window = steps - TAIL_STEPS - FROM_STEP
+    step_times = [r["perf/step_time_s"] for r in trainer_rows(run_dir) if FROM_STEP < r["step"] <= steps - TAIL_STEPS]
     used = CpuMeter.used(start, end)
     return {
         "median_step_s": statistics.median(step_times),

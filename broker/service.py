@@ -290,6 +290,7 @@ class BrokerService:
             durable_dir=config.spool_dir / WEIGHTS_SUBDIR,
             max_connections=config.max_weight_connections,
             curve=curve,
+            is_registered=self.registry.is_alive,
         )
         with _naming_the_setting("weight_port", "ZeroMQ weight", config.host, config.weight_port):
             return self.weight_plane.start()

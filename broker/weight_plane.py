@@ -58,7 +58,7 @@ from primerl.broker.weight_messages import chunk_messages, relayed_messages
 from primerl.broker.weight_replies import PeerGone, WeightReplies, try_send
 from primerl.broker.weight_segments import SharedSegments
 from primerl.broker.weight_store import WeightStoreStatus
-from primerl.broker.weight_subscribers import OnApplied, WeightSubscribers
+from primerl.broker.weight_subscribers import IsRegistered, OnApplied, WeightSubscribers
 from primerl.proto import framing
 from primerl.proto.v1 import common_pb2, data_pb2
 from primerl.runtime.log_setup import get_logger
@@ -131,11 +131,13 @@ class WeightPlane(RouterPlane):
         durable_dir: str | Path | None = None,
         max_connections: int | None = None,
         curve: CurveServer | None = None,
+        is_registered: IsRegistered | None = None,
     ):
         """``fanout``: the fan-out core over the plane's ``WeightStore`` (``fanout.store``); ``intake_bounds``: the
         limits on the trainer's transfers in flight; ``durable_dir``: where the store's chain is kept on disk;
         ``max_connections``: peers admitted at the ZeroMQ handshake (``ConnectionGate``; None: every peer);
-        ``curve``: CURVE on the socket (None: plain, or the run token's PLAIN)."""
+        ``curve``: CURVE on the socket (None: plain, or the run token's PLAIN); ``is_registered``: see
+        ``WeightSubscribers``."""
         if chunk_bytes <= 0 or chunk_bytes > limits.max_frame_bytes:
             raise ValueError(
                 f"chunk_bytes must be in 1..limits.max_frame_bytes ({limits.max_frame_bytes}), got {chunk_bytes}"
@@ -152,7 +154,7 @@ class WeightPlane(RouterPlane):
         self.poll_interval_s = poll_interval_s
         self._intake = WeightIntake(self.fanout, limits, intake_bounds, forward_chunk_bytes=chunk_bytes)
         self._segments = SharedSegments(fanout)
-        self._subscribers = WeightSubscribers(fanout, self._replies, self._segments, on_applied)
+        self._subscribers = WeightSubscribers(fanout, self._replies, self._segments, on_applied, is_registered)
         self._guard_log = RateLimitedLog(log)
         self._rate_in = RateMeter()
         self._rate_out = RateMeter()

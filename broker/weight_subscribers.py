@@ -19,15 +19,28 @@ from primerl.runtime.log_setup import get_logger
 log = get_logger(__name__)
 
 OnApplied = Callable[[str, int], None]
+IsRegistered = Callable[[str], bool]
 
 
 class WeightSubscribers:
     """Run by the plane's IO thread. ``on_applied(worker_id, policy_version)`` is called whenever a worker
-    acknowledges an applied version (or declares one in HELLO); it must be quick and thread-safe."""
+    acknowledges an applied version (or declares one in HELLO); it must be quick and thread-safe.
+
+    ``is_registered(worker_id)``: whether the registry holds that worker alive (None: every worker counts as
+    registered). Only a registered worker is put in a relay chain: after a broker restart the workers' subscribers
+    say HELLO under their old ids until their control clients have registered again, and such an id, whose
+    subscriber is about to close, would break every chain it is planned into (each waits ``weight_relay_timeout_s``
+    to heal). It is still a member, sent its updates by the broker itself."""
 
     def __init__(
-        self, fanout: WeightFanout, replies: WeightReplies, segments: SharedSegments, on_applied: OnApplied | None
+        self,
+        fanout: WeightFanout,
+        replies: WeightReplies,
+        segments: SharedSegments,
+        on_applied: OnApplied | None,
+        is_registered: IsRegistered | None = None,
     ):
+        self.is_registered = is_registered
         self.fanout = fanout
         self.replies = replies
         self.segments = segments
@@ -70,6 +83,8 @@ class WeightSubscribers:
                 relay_endpoint=relay_endpoint[:128],
             )
             relay_endpoint = ""
+        if relay_endpoint and self.is_registered is not None and not self.is_registered(worker_id):
+            relay_endpoint = ""  # not (or no longer) registered: the broker sends it its updates (class docstring)
         outcome = self.fanout.hello(
             worker_id,
             version,

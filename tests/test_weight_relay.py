@@ -344,6 +344,8 @@ def test_a_broker_process_relays_through_worker_processes_and_heals_around_a_kil
                     "60",
                     "--hello-when",
                     str(tmp_path / f"{worker_id}.go"),
+                    "--grpc-address",
+                    broker.grpc_address,
                 ],
             )
         for number, worker_id in enumerate(workers, 1):
@@ -380,9 +382,10 @@ def test_a_broker_process_relays_through_worker_processes_and_heals_around_a_kil
             assert pushed_v1 <= 3 * len(data), "healing must not send the update once per worker"
             # the killed worker is forgotten once the broker finds its connection gone; the next update goes
             # through the healed chain, each byte sent once
+            w1_id = events(tmp_path / "w1")[0]["worker_id"]  # registered: the broker relays only through those
             wait_until(
                 lambda: any(
-                    "weight subscriber forgotten" in line and "worker_id=w1" in line
+                    "weight subscriber forgotten" in line and f"worker_id={w1_id}" in line
                     for line in broker.log_path.read_text().splitlines()
                 ),
                 timeout_s=10,

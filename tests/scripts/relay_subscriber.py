@@ -1,10 +1,12 @@
 """A relaying weight subscriber as its own process, for tests of relay fan-out against a real broker process:
 a ``WeightSubscriber`` with a relay socket that receives updates, checks each one's digest, acknowledges it and
 writes one JSON line per event to ``--out``: ``{"chunk": n}`` after each chunk landed, ``{"version": v, "ok": ..}``
-per update. ``--chunk-delay-s`` makes it a slow worker (the test SIGKILLs it mid-relay).
+per update. ``--chunk-delay-s`` makes it a slow worker (the test SIGKILLs it mid-relay). ``--grpc-address``:
+register with the broker first, as WORKER_ID (the name), and subscribe under the id the broker gives (a broker
+relays only through registered workers); the first line of OUT is then ``{"worker_id": id}``.
 
     python tests/scripts/relay_subscriber.py ENDPOINT TOKEN WORKER_ID OUT [--chunk-delay-s S] [--run-s S]
-                                             [--hello-when PATH]
+                                             [--hello-when PATH] [--grpc-address HOST:PORT]
 """
 
 from __future__ import annotations
@@ -43,7 +45,21 @@ def main() -> None:
     parser.add_argument("--chunk-delay-s", type=float, default=0.0)
     parser.add_argument("--run-s", type=float, default=60.0)
     parser.add_argument("--hello-when", default=None, help="say HELLO once this file exists (the test orders joins)")
+    parser.add_argument("--grpc-address", default=None, help="register with the broker there first")
     args = parser.parse_args()
+    worker_id = args.worker_id
+    if args.grpc_address:
+        from primerl.client.control import ControlClient
+        from primerl.runtime.config_common import BrokerClientConfig
+
+        config = BrokerClientConfig(address=args.grpc_address, run_token=args.token)
+        control = ControlClient(config, "inference", worker_id)
+        control.start_heartbeats()
+        while control.worker_id is None:
+            time.sleep(0.05)
+        worker_id = control.worker_id
+        with open(args.out, "a") as out:
+            out.write(json.dumps({"worker_id": worker_id}) + "\n")
 
     from primerl.client.weights import WeightSubscriber
     from primerl.proto.digests import payload_digest
@@ -55,7 +71,7 @@ def main() -> None:
         subscriber = WeightSubscriber(
             args.endpoint,
             args.token,
-            args.worker_id,
+            worker_id,
             payload_sink=sink,
             relay_host="127.0.0.1",
             hello_interval_s=0.5,

@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""``make bench``: run every benchmark (parts a-i, cpu and prom) with a time limit each and
+"""``make bench``: run every benchmark (parts a-i, cpu, prom and fleet) with a time limit each and
 write bench/RESULTS.md.
 
     .venv/bin/python bench/run_all.py            # the full profile (what `make bench` runs)
@@ -24,6 +24,7 @@ g     rl_vs_trl.py --part g       ~100M-parameter model: primerl vs TRL samples/
 h     v1_rollouts.py              verifiers v1 env server vs the classic env worker: rollouts/s, same task
 i     batch_semantics.py          mixed-env shares at max_async_level 1, constant vs variable batch size, waste
 cpu   cpu_per_process.py          CPU seconds per step of each process and the cores' idle time, per cpu_sharing
+fleet fleet_sim.py                one broker under 10-1,000 simulated workers; a broker restart under 1,000
 ====  ==========================  =========================================================================
 
 Part f runs twice: on the demo's SFT model (levels 0/1/2, reward) and on part g's ~100M model (levels 0/1).
@@ -148,6 +149,9 @@ PARTS = [
     # Issue 47: Prometheus' discovery latency (2 trainer ranks, a second inference worker joining and leaving) and the
     # cost of being scraped every 5 s (runs with and without Prometheus, alternating). Needs Debian's prometheus.
     Part("prom", "prometheus_cost.py", [], 1500, 900, 1000),
+    # Issue 48: one broker under a simulated fleet (N = 10, 100, 1000 inference workers, 64 trainer ranks,
+    # 8 orchestrators), cost against N, and a SIGKILL + restart under 1,000 workers (the thundering herd).
+    Part("fleet", "fleet_sim.py", [], 1500, 600, 900, own=True),
 ]
 
 
@@ -155,7 +159,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="short runs for trying the harness (not for the numbers)")
     parser.add_argument(
-        "--parts", default="a,b,c,d,e,f,g,h,i,cpu,prom", help="comma-separated parts to run (default: all)"
+        "--parts", default="a,b,c,d,e,f,g,h,i,cpu,prom,fleet", help="comma-separated parts to run (default: all)"
     )
     parser.add_argument("--sft", default=None, help="the demo's SFT checkpoint to start parts a and f from")
     parser.add_argument("--output", type=Path, default=BENCH / "RESULTS.md")

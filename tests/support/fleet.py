@@ -425,15 +425,23 @@ class RunDriver:
         self.trainer.report_metrics(self.step, {"loss": 1.0 / self.step, "reward": 0.5})
         header, payload = tiny_update(self.step, lineage=self.trainer.policy_lineage, num_values=1024)
         started = time.time()
-        with WeightPublisher(self.broker.weight_endpoint, self.broker.run_token, "trainer-0", 1 << 20) as publisher:
+        with WeightPublisher(
+            self.broker.weight_endpoint, self.broker.run_token, "trainer-0", 1 << 20, connect_timeout_s=30
+        ) as publisher:
             publisher.publish(header, payload, timeout_s=30)
         done = fleet.wait_acked(self.step, names, timeout_s)
         return None if done is None else done - started
 
     def lost_events(self, since_unix_s: float = 0.0) -> list[str]:
         """The workers the run history says were marked LOST from `since_unix_s` on."""
-        history = self.observer.get_run_history(timeout_s=10)
-        return [e.source for e in history.events if e.kind == "lost" and e.unix_ms / 1000 >= since_unix_s]
+        lost, events_since = [], 0
+        for _ in range(1000):  # a long history comes in parts (replies of at most 3 MiB)
+            history = self.observer.get_run_history(events_since=events_since, timeout_s=10)
+            lost += [e.source for e in history.events if e.kind == "lost" and e.unix_ms / 1000 >= since_unix_s]
+            if not history.truncated or history.events_next <= events_since:
+                break
+            events_since = history.events_next
+        return lost
 
     def close(self) -> None:
         self.trainer.close(timeout_s=2)

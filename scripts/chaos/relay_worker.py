@@ -4,7 +4,9 @@ inference worker without vLLM, checks each update's digest, acknowledges it, and
 ready``, ``relay worker applied``). ``--forward-delay-s`` makes its hop to the next worker a slow link for the
 updates up to ``--slow-until-version``: it logs ``relay worker holding`` when such an update's first chunk arrives
 and forwards each chunk that long after it arrived, so that a kill on that line finds it in the middle of relaying
-the update, whatever the machine's load. It exits 0 on SIGTERM."""
+the update, whatever the machine's load. With ``--grpc-address`` it first registers with the broker as an inference
+worker named WORKER_ID and heartbeats (a broker puts only registered workers in relay chains) and subscribes under
+the id the broker gave. It exits 0 on SIGTERM."""
 
 from __future__ import annotations
 
@@ -29,7 +31,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--forward-delay-s", type=float, default=0.0)
     parser.add_argument("--slow-until-version", type=int, default=0)
     parser.add_argument("--relay-host", default="127.0.0.1", help="the address its relay socket binds")
+    parser.add_argument("--grpc-address", default=None, help="the broker's gRPC address: register there first")
     args = parser.parse_args(argv)
+    worker_id, control = args.worker_id, None
+    if args.grpc_address:
+        from primerl.client.control import ControlClient
+        from primerl.runtime.config_common import BrokerClientConfig
+
+        config = BrokerClientConfig(address=args.grpc_address, run_token=os.environ.get("PRIMERL_RUN_TOKEN"))
+        control = ControlClient(config, "inference", args.worker_id)
+        worker_id = control.register().worker_id
+        control.start_heartbeats()
 
     from primerl.client.weights import WeightSubscriber
     from primerl.proto.digests import payload_digest
@@ -40,7 +52,7 @@ def main(argv: list[str] | None = None) -> int:
     subscriber = WeightSubscriber(
         args.endpoint,
         os.environ.get("PRIMERL_RUN_TOKEN"),
-        args.worker_id,
+        worker_id,
         payload_buffer=lambda num_bytes: memoryview(bytearray(num_bytes)),
         relay_host=args.relay_host,
         hello_interval_s=1.0,
@@ -73,6 +85,9 @@ def main(argv: list[str] | None = None) -> int:
             say("relay worker applied", worker_id=args.worker_id, policy_version=header.policy_version, digest_ok=ok)
     finally:
         subscriber.close()
+        if control is not None:
+            control.deregister("stopped")
+            control.close()
     return 0
 
 

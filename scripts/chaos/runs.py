@@ -278,6 +278,7 @@ class SeparateBackend:
             env = {**base_env(spec.marker), "PRIMERL_RUN_TOKEN": spec.token}
             argv = [sys.executable, Path(__file__).resolve().parent / "relay_worker.py"]
             argv += [f"tcp://{spec.broker_host}:{weight_port}", "chaos-relay", "--relay-host", spec.broker_host]
+            argv += ["--grpc-address", spec.broker_address]  # a broker relays only through registered workers
             argv += ["--forward-delay-s", str(RELAY_FORWARD_DELAY_S)]
             argv += ["--slow-until-version", str(RELAY_SLOW_UNTIL_VERSION)]
             log = spec.run_dir / "logs" / f"{RELAY_ROLE}.log"

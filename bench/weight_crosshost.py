@@ -379,8 +379,10 @@ class HoldingSink:
 def subscriber_child(args: argparse.Namespace, channel: Channel) -> None:
     """A worker host: a ``WeightSubscriber`` (relaying when ``--relay``) that says ``joined`` once the broker
     answered its HELLO and ``update`` per update held and digest-checked; it stops when stdin closes."""
+    from primerl.client.control import ControlClient
     from primerl.client.weights import WeightSubscriber
     from primerl.proto.digests import payload_digest
+    from primerl.runtime.config_common import BrokerClientConfig
 
     stop = threading.Event()
 
@@ -389,10 +391,14 @@ def subscriber_child(args: argparse.Namespace, channel: Channel) -> None:
             pass
         stop.set()
 
+    # Registered first, heartbeating, as an inference worker: the broker relays only through registered workers.
+    control = ControlClient(BrokerClientConfig(address=args.grpc_address, run_token=TOKEN), "inference", args.worker_id)
+    worker_id = control.register().worker_id
+    control.start_heartbeats()
     subscriber = WeightSubscriber(
         args.endpoint,
         TOKEN,
-        args.worker_id,
+        worker_id,
         payload_sink=HoldingSink(),
         relay_host=args.host_address if args.relay else None,
         hello_interval_s=1.0,
@@ -418,6 +424,7 @@ def subscriber_child(args: argparse.Namespace, channel: Channel) -> None:
             channel.say("update", version=header.policy_version, t=held_s, ok=ok, num_bytes=payload.nbytes)
     finally:
         subscriber.close()
+        control.close()
 
 
 def child_main(args: argparse.Namespace) -> int:
@@ -658,6 +665,7 @@ class Broker:
             time.sleep(0.05)
         ready = json.loads(ready_file.read_text())
         self.weight_endpoint = f"tcp://{host.address}:{ready['weight_port']}"
+        self.grpc_address = f"{host.address}:{ready['grpc_port']}"
         self.metrics_url = ready["metrics_url"]
         self.idle_anon_bytes = self.anon_bytes()
 
@@ -757,6 +765,7 @@ class Bench:
             for index in range(num_workers):  # one after the other: a chain follows the order of joining
                 host = self.hosts[f"w{index}"]
                 extra = ["--endpoint", broker.weight_endpoint, "--worker-id", f"w{index}", "--host-address"]
+                extra = [*extra[:-1], "--grpc-address", broker.grpc_address, "--host-address"]
                 extra += [host.address, *(["--relay"] if case == "chain" else [])]
                 worker = Child(f"w{index}", child_argv(host, "subscriber", *extra), run_dir / f"w{index}.log")
                 workers.append(worker)
@@ -1051,6 +1060,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--states-dir", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--endpoint", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--worker-id", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--grpc-address", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--host-address", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--relay", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)

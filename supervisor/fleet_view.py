@@ -2,9 +2,10 @@
 ``fleet_counts(status)``, so that no script has to combine states, capabilities and heartbeat ages itself.
 
     condition      meaning
-    serving        alive, and an inference or teacher worker the orchestrator sends rollouts to
+    serving        alive, and an inference or teacher worker the orchestrator sends rollouts to (it has an address)
     not_serving    alive, but its engine stalled (heartbeats say ``serving: false``): out of rotation
-    alive          alive, any other role (trainer ranks, orchestrators)
+    alive          alive, any other role (trainer ranks, orchestrators), or an inference worker without an HTTP
+                   address (a weight relay only: no rollouts go to it)
     lost           no heartbeat within the broker's timeout; still listed (``since``: its last heartbeat)
     gone           deregistered (it left: stopped, or its job ended); still listed until the broker forgets it
 
@@ -30,7 +31,7 @@ def condition(worker: Any) -> str:
         return LOST
     if worker.state != control_pb2.WORKER_STATE_ALIVE:
         return GONE
-    if worker.role in (common_pb2.ROLE_INFERENCE, common_pb2.ROLE_TEACHER):
+    if worker.role in (common_pb2.ROLE_INFERENCE, common_pb2.ROLE_TEACHER) and worker.address:
         return NOT_SERVING if worker.capabilities.get(telemetry.SERVING_CAPABILITY) == "false" else SERVING
     return ALIVE
 

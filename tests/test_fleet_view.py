@@ -14,8 +14,8 @@ from primerl.runtime.config_common import BrokerClientConfig
 from primerl.supervisor.fleet_view import annotate_json, condition, fleet_counts, fleet_line
 
 
-def info(role: int, state: int, **capabilities: str) -> control_pb2.WorkerInfo:
-    return control_pb2.WorkerInfo(name="w", role=role, state=state, capabilities=capabilities)
+def info(role: int, state: int, address: str = "http://h:8000", **capabilities: str) -> control_pb2.WorkerInfo:
+    return control_pb2.WorkerInfo(name="w", role=role, state=state, address=address, capabilities=capabilities)
 
 
 def test_each_condition():
@@ -24,6 +24,7 @@ def test_each_condition():
     assert condition(info(common_pb2.ROLE_TEACHER, alive)) == "serving"
     assert condition(info(common_pb2.ROLE_INFERENCE, alive, serving="false")) == "not_serving"
     assert condition(info(common_pb2.ROLE_TRAINER, alive)) == "alive"
+    assert condition(info(common_pb2.ROLE_INFERENCE, alive, address="")) == "alive"  # a weight relay, no server
     assert condition(info(common_pb2.ROLE_INFERENCE, lost)) == "lost"
     assert condition(info(common_pb2.ROLE_ORCHESTRATOR, left)) == "gone"
 
@@ -31,7 +32,9 @@ def test_each_condition():
 def test_a_fleet_read_from_a_real_broker(make_broker):
     broker = make_broker(heartbeat_interval_s=0.2, heartbeat_liveness=3)
     config = BrokerClientConfig(address=f"127.0.0.1:{broker.endpoints.grpc_port}")
-    clients = [ControlClient(config, "inference", f"infer-{i}") for i in range(3)]
+    clients = [
+        ControlClient(config, "inference", f"infer-{i}", address=f"http://127.0.0.1:{8000 + i}") for i in range(3)
+    ]
     clients.append(ControlClient(config, "trainer", "trainer-0"))
     for client in clients:
         client.register()

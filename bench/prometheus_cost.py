@@ -37,6 +37,8 @@ from pathlib import Path
 import httpx
 import psutil
 import yaml
+from cpu_info import cpu_phrase
+from primerl_runs import OFFLINE_ENV, free_port
 
 BIN = Path(sys.executable).parent
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -44,19 +46,10 @@ EXAMPLE = REPO_ROOT / "examples" / "reverse_text_rl.toml"
 DEPLOY = REPO_ROOT / "deploy" / "prometheus"
 FROM_STEP = 10
 TAIL_STEPS = 10  # steps after the window: the per-scrape cost is measured while the run still goes
-ENV = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1"}
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def child_env() -> dict[str, str]:
-    env = {**os.environ, **ENV}
+    env = {**os.environ, **OFFLINE_ENV}
     env.pop("PRIMERL_RUN_TOKEN", None)
     return env
 
@@ -382,19 +375,12 @@ def main() -> int:
         if model is None:
             model = tmp / "tiny-model"
             subprocess.run([str(BIN / "primerl"), "init-tiny-model", str(model)], check=True, capture_output=True)
-        print(f"CPU: {cpu_model()}; 1-min load at start {Path('/proc/loadavg').read_text().split()[0]}")
+        print(f"CPU: {cpu_phrase()}; 1-min load at start {Path('/proc/loadavg').read_text().split()[0]}")
         if not args.no_discovery:
             measure_discovery(args, model.resolve(), tmp)
         if not args.no_cost:
             measure_cost(args, model.resolve(), tmp)
     return 0
-
-
-def cpu_model() -> str:
-    for line in Path("/proc/cpuinfo").read_text().splitlines():
-        if line.startswith("model name"):
-            return f"{line.split(':', 1)[1].strip()} x {os.cpu_count()}"
-    return "unknown"
 
 
 if __name__ == "__main__":

@@ -99,12 +99,11 @@ class WeightFanout:
 
     def latest(self) -> LatestPolicy:
         """The run's latest policy (see the module docstring)."""
-        status = self.store.status()
-        version = status.latest_version
+        version, lineage, lineage_base_version, num_rollbacks = self.store.latest_policy()
         if version is None:
             with self._lock:
                 version = self._restored_version
-        return LatestPolicy(version, status.lineage, status.lineage_base_version, status.num_rollbacks)
+        return LatestPolicy(version, lineage, lineage_base_version, num_rollbacks)
 
     def watch(self, callback: Callable[[], None]) -> None:
         """Call ``callback()`` (no lock held) whenever ``latest()`` changes; it must be quick and thread-safe."""

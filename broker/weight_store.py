@@ -428,6 +428,12 @@ class WeightStore:
                 num_rollbacks=self._num_rollbacks,
             )
 
+    def latest_policy(self) -> tuple[int | None, int, int, int]:
+        """``(latest version or None, lineage, lineage_base_version, num_rollbacks)``: what ``status()`` says of the
+        latest policy, without the rest (asked at every heartbeat and every subscriber's HELLO)."""
+        with self._lock:
+            return self._latest_locked(), self._lineage, self._lineage_base_version, self._num_rollbacks
+
     @property
     def lineage(self) -> int:
         with self._lock:

@@ -22,6 +22,7 @@ LOST = control_pb2.WORKER_STATE_LOST
 LEFT = control_pb2.WORKER_STATE_LEFT
 
 MAX_NAME_CHARS = 128
+MAX_INSTANCE_ID_CHARS = 64
 MAX_ERRORS_PER_HEARTBEAT = 8
 MAX_METRICS_PER_REPORT = 1024
 # Bounds that keep RunStatus far below the 4 MiB gRPC message limit of a default client (checked in tests).
@@ -62,6 +63,9 @@ class WorkerRecord:
     policy_lineage: int = 0
     # The heartbeat interval it was last asked for (it grows with the fleet): it is LOST past liveness times this.
     interval_s: float = 1.0
+    # The registering client's own random id (``RegisterRequest.instance_id``; "" from older clients): the same
+    # process registering again while this record is alive gets this record back, not ``NameTaken``.
+    instance_id: str = ""
 
     @classmethod
     def registered(
@@ -90,7 +94,15 @@ class WorkerRecord:
             last_heartbeat_unix_ms=unix_ms,
             policy_lineage=lineage,
             interval_s=interval_s,
+            instance_id=request.instance_id,
         )
+
+    def snapshot(self) -> WorkerRecord:
+        """A copy of the record as it is now (its fields are replaced, never changed in place, so a shallow copy is
+        enough), to read outside the registry's lock."""
+        copy = object.__new__(WorkerRecord)
+        copy.__dict__.update(self.__dict__)
+        return copy
 
     def take_heartbeat(self, request: control_pb2.HeartbeatRequest, unix_ms: int) -> bool:
         """The heartbeat's progress and load; True when one of the worker's steps moved."""
@@ -181,6 +193,10 @@ def check_register_request(request: control_pb2.RegisterRequest) -> str:
         raise InvalidRequest(f"name is {len(name)} characters long; at most {MAX_NAME_CHARS} are allowed")
     if request.world_size and request.rank >= request.world_size:
         raise InvalidRequest(f"rank {request.rank} is not below world_size {request.world_size}")
+    if len(request.instance_id) > MAX_INSTANCE_ID_CHARS:
+        raise InvalidRequest(
+            f"instance_id is {len(request.instance_id)} characters long; at most {MAX_INSTANCE_ID_CHARS} are allowed"
+        )
     if len(request.address) > MAX_ADDRESS_CHARS or len(request.hostname) > MAX_ADDRESS_CHARS:
         raise InvalidRequest(f"address and hostname must be at most {MAX_ADDRESS_CHARS} characters")
     if len(request.capabilities) > MAX_CAPABILITIES or any(

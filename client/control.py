@@ -25,6 +25,7 @@ import collections
 import os
 import socket
 import threading
+import uuid
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -125,6 +126,9 @@ class ControlClient:
         # Trainer rank 0: the policy lineage the broker gave this incarnation at its first registration (0: none
         # yet); every re-registration names it, so the incarnation keeps it across broker restarts.
         self.policy_lineage = 0
+        # Sent with every registration: a Register whose answer was lost (past its deadline) and that is tried again
+        # gets the same registration back instead of ALREADY_EXISTS (RegisterRequest.instance_id).
+        self.instance_id = uuid.uuid4().hex
         self.last_heartbeat: control_pb2.HeartbeatResponse | None = None
         self._interval_ms = 0  # the heartbeat interval the broker asked for last (0: none yet)
         self.num_registrations = 0
@@ -230,6 +234,7 @@ class ControlClient:
             world_size=self.world_size,
             pid=os.getpid(),
             hostname=socket.gethostname(),
+            instance_id=self.instance_id,
         )
         with self._lock:
             if only_if_unregistered and self._worker_id is not None and self.registration is not None:

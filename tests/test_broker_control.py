@@ -97,6 +97,32 @@ def test_client_errors_are_typed(broker):
     assert broker.registry.list_workers() == []  # the context manager deregistered it
 
 
+def test_a_register_answered_past_its_deadline_is_taken_back_on_the_retry():
+    """The broker takes a Register but answers after the client's deadline (its lock held here, as a busy broker
+    would): the client's retry gets the same registration back (its instance_id), not ALREADY_EXISTS until the
+    first one expires, and the broker holds one record of the name."""
+    with running_broker(interval_s=2.0) as broker:  # a name held for liveness x 2 s = 6 s
+        client = ControlClient(
+            BrokerClientConfig(address=broker.address, connect_timeout_s=5, outage_s=30.0), "trainer", "trainer-0"
+        )
+        client.rpc_timeout_s = 0.3
+        client.wait_ready()
+        broker.registry._lock.acquire()
+        try:
+            registering = threading.Thread(target=client.register)
+            started_s = time.monotonic()
+            registering.start()
+            time.sleep(0.6)  # the first call's deadline passed while the broker held it
+        finally:
+            broker.registry._lock.release()
+        registering.join(timeout=10)
+        assert not registering.is_alive() and client.worker_id is not None
+        assert time.monotonic() - started_s < 5.0  # not the name's expiry (liveness x interval) nor outage_s
+        [record] = broker.registry.list_workers(include_gone=True)
+        assert (record.name, record.worker_id) == ("trainer-0", client.worker_id)
+        client.close()
+
+
 def test_client_retries_once_after_the_broker_forgot_it(broker):
     with client_for(broker, "trainer-0") as client:
         old_id = client.register().worker_id

@@ -76,6 +76,7 @@ def test_register_returns_the_run_settings(registry):
         (dict(role=common_pb2.ROLE_UNSPECIFIED, name="x"), "role"),
         (dict(role=TRAINER, name="  "), "name must not be empty"),
         (dict(role=TRAINER, name="x", rank=2, world_size=2), "rank 2"),
+        (dict(role=TRAINER, name="x", instance_id="i" * 65), "instance_id is 65 characters long"),
     ],
 )
 def test_register_refuses_bad_requests(registry, request_fields, match):
@@ -97,6 +98,22 @@ def test_duplicate_live_name_is_refused_but_a_lost_or_left_name_is_reused(regist
     third = register(registry, "trainer-0")  # second went silent past the bound: LOST, name free
     workers = registry.list_workers(include_gone=True)
     assert [(w.worker_id, w.state) for w in workers] == [(third, ALIVE)]  # the old records of the name are replaced
+
+
+def test_the_same_client_registering_again_gets_its_registration_back(registry, clock):
+    """A Register whose answer missed its deadline, tried again: the same client (instance_id) is answered with the
+    registration it already has, never ALREADY_EXISTS; another client asking for the live name is still refused."""
+    first = register(registry, "infer-0", role=INFER, instance_id="a" * 32)
+    clock.advance(2.0)
+    assert register(registry, "infer-0", role=INFER, instance_id="a" * 32) == first
+    clock.advance(2.0)  # 4 s after the first call but 2 s after the second: the second one counted as traffic
+    assert [(w.worker_id, w.state) for w in registry.list_workers(include_gone=True)] == [(first, ALIVE)]
+    for other in ("b" * 32, ""):
+        with pytest.raises(NameTaken, match="infer-0"):
+            register(registry, "infer-0", role=INFER, instance_id=other)
+    registry.deregister(first)
+    again = register(registry, "infer-0", role=INFER, instance_id="a" * 32)  # gone: a new registration
+    assert again != first
 
 
 def test_a_worker_a_read_marked_lost_is_still_reported_lost_once_to_the_heartbeat_monitor(registry, clock):

@@ -20,7 +20,7 @@ WORKER_STATE_LOST: WorkerState
 WORKER_STATE_LEFT: WorkerState
 
 class RegisterRequest(_message.Message):
-    __slots__ = ("role", "name", "address", "capabilities", "rank", "world_size", "pid", "hostname", "policy_lineage")
+    __slots__ = ("role", "name", "address", "capabilities", "rank", "world_size", "pid", "hostname", "policy_lineage", "instance_id")
     class CapabilitiesEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -37,6 +37,7 @@ class RegisterRequest(_message.Message):
     PID_FIELD_NUMBER: _ClassVar[int]
     HOSTNAME_FIELD_NUMBER: _ClassVar[int]
     POLICY_LINEAGE_FIELD_NUMBER: _ClassVar[int]
+    INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
     role: _common_pb2.Role
     name: str
     address: str
@@ -46,7 +47,8 @@ class RegisterRequest(_message.Message):
     pid: int
     hostname: str
     policy_lineage: int
-    def __init__(self, role: _Optional[_Union[_common_pb2.Role, str]] = ..., name: _Optional[str] = ..., address: _Optional[str] = ..., capabilities: _Optional[_Mapping[str, str]] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., pid: _Optional[int] = ..., hostname: _Optional[str] = ..., policy_lineage: _Optional[int] = ...) -> None: ...
+    instance_id: str
+    def __init__(self, role: _Optional[_Union[_common_pb2.Role, str]] = ..., name: _Optional[str] = ..., address: _Optional[str] = ..., capabilities: _Optional[_Mapping[str, str]] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., pid: _Optional[int] = ..., hostname: _Optional[str] = ..., policy_lineage: _Optional[int] = ..., instance_id: _Optional[str] = ...) -> None: ...
 
 class RegisterResponse(_message.Message):
     __slots__ = ("worker_id", "run_id", "heartbeat_interval_ms", "liveness", "rollout_endpoint", "weight_endpoint", "latest_policy_version", "limits", "policy_lineage")

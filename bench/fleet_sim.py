@@ -31,7 +31,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 
 import psutil  # noqa: E402
 from cpu_info import cpu_phrase  # noqa: E402
-from report import command_line, machine_load, markdown_table  # noqa: E402
+from report import command_line, machine_load, markdown_table, save_curves  # noqa: E402
 from support.fleet import Fleet, FleetBroker, RunDriver, fleet_members  # noqa: E402
 
 from primerl.runtime.log_setup import configure_logging  # noqa: E402
@@ -292,6 +292,9 @@ def main() -> int:
     parser.add_argument("--no-herd", action="store_true")
     parser.add_argument("--markdown", type=Path, default=None)
     parser.add_argument("--json", type=Path, default=None)
+    parser.add_argument(
+        "--plots", type=Path, default=ROOT / "bench" / "plots", help="where the cost-against-N plots go (PNG)"
+    )
     args = parser.parse_args()
     configure_logging("bench", "fleet", level="warning")
     points = [int(p) for p in (args.points or ("10,100" if args.quick else "10,100,1000")).split(",")]
@@ -316,7 +319,65 @@ def main() -> int:
         args.markdown.write_text(text + "\n")
     if args.json is not None:
         args.json.write_text(json.dumps({"points": results, "herds": herds}, indent=1))
+    for path in plot_points(results, args.plots):
+        print(f"plot: {path}")
     return 0
+
+
+def plot_points(results: list[dict], out_dir: Path) -> list[Path]:
+    """Cost against N, one PNG per unit, both axes logarithmic (slope 1: linear growth); one line per fan-out mode.
+    Nothing with fewer than two scale points."""
+    by_fanout: dict[str, list[dict]] = {}
+    for point in results:
+        by_fanout.setdefault(point["fanout"], []).append(point)
+    series = {fanout: sorted(points, key=lambda p: p["n"]) for fanout, points in by_fanout.items() if len(points) > 1}
+    if not series:
+        return []
+
+    def curves(fields: dict[str, str]) -> dict[str, tuple[list[float], list[float]]]:
+        return {
+            f"{label} ({fanout})": ([p["n"] for p in points], [max(p[field], 1e-3) for p in points])
+            for fanout, points in series.items()
+            for field, label in fields.items()
+        }
+
+    xlabel = "N inference workers (+ M trainer ranks, K orchestrators)"
+    cpu = cpu_phrase()
+    return [
+        save_curves(
+            out_dir / "fleet_broker_cost.png",
+            f"broker cost against the fleet, {cpu}",
+            xlabel,
+            "cores / MiB",
+            curves(
+                {"broker_cores": "broker CPU, cores", "sim_cores": "simulator CPU, cores", "rss_mib": "broker RSS, MiB"}
+            ),
+            log_scale=True,
+        ),
+        save_curves(
+            out_dir / "fleet_latency.png",
+            f"control-plane latency against the fleet, {cpu}",
+            xlabel,
+            "ms",
+            curves(
+                {
+                    "hb_p99_ms": "heartbeat p99 (members)",
+                    "probe_p99_ms": "heartbeat p99 (lone probe)",
+                    "status_p50_ms": "GetRunStatus p50",
+                    "dashboard_p50_ms": "dashboard /api p50",
+                }
+            ),
+            log_scale=True,
+        ),
+        save_curves(
+            out_dir / "fleet_status_bytes.png",
+            f"run status size against the fleet, {cpu}",
+            xlabel,
+            "bytes",
+            curves({"status_bytes": "GetRunStatus bytes"}),
+            log_scale=True,
+        ),
+    ]
 
 
 if __name__ == "__main__":

@@ -158,13 +158,23 @@ def _pyplot():
 
 
 def save_curves(
-    path: Path, title: str, xlabel: str, ylabel: str, curves: dict[str, tuple[Sequence[float], Sequence[float]]]
+    path: Path,
+    title: str,
+    xlabel: str,
+    ylabel: str,
+    curves: dict[str, tuple[Sequence[float], Sequence[float]]],
+    *,
+    log_scale: bool = False,
 ) -> Path:
-    """One line per curve (label -> (x, y)) in a PNG."""
+    """One line per curve (label -> (x, y)) in a PNG; ``log_scale``: both axes logarithmic (a cost against a
+    size that grows by decades, where a straight line of slope 1 is linear growth)."""
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=(7, 4))
     for label, (xs, ys) in curves.items():
         ax.plot(list(xs), list(ys), marker=".", label=label)
+    if log_scale:
+        ax.set_xscale("log")
+        ax.set_yscale("log")
     ax.set_title(title)
     ax.set_xlabel(xlabel)
     ax.set_ylabel(ylabel)

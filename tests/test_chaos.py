@@ -24,7 +24,7 @@ CI_RUN_TIMEOUT_S = 180
 sys.path.insert(0, str(CHAOS_DIR.parent))
 try:
     from chaos.checks import Verdict, _normal_end, _spool_checks, _stopped_by_held_disk, lineage
-    from chaos.driver import served_final
+    from chaos.driver import RunRecord, StatusPoller, served_final
     from chaos.logs import read_incarnations
     from chaos.plan import make_plan, steps_needed
     from chaos.procs import MARKER_ENV, Exit, Unit, marked_processes
@@ -621,3 +621,35 @@ def test_a_killed_inference_worker_the_broker_marked_lost_need_not_serve_the_las
     assert not served_final({**status, "workers": [worker("infer-a", "lost", 13)]}, 27)  # nobody serving
     assert not served_final({**status, "workers": [worker("infer-b", "serving", 26)]}, 27)
     assert not served_final({**status, "latest_policy_version": "26"}, 27)
+
+
+def test_the_status_polled_in_mode_rl_says_which_workers_serve():
+    """Mode rl judges the run on the statuses its poller kept (the launcher stops the broker itself): they carry each
+    worker's condition as `primerl status --json` does, else ``served_final`` finds nobody serving and every run
+    fails (`make chaos` in mode rl did)."""
+    from types import SimpleNamespace
+
+    from support.control_plane import running_broker
+    from support.probes import wait_until
+
+    from primerl.client.control import ControlClient
+    from primerl.runtime.config_common import BrokerClientConfig
+
+    with (
+        running_broker() as broker,
+        ControlClient(
+            BrokerClientConfig(address=broker.address), "inference", "infer-0", address="http://h:1"
+        ) as worker,
+    ):
+        worker.register()
+        worker.start_heartbeats()
+        record = RunRecord(spec=SimpleNamespace(broker_address=broker.address, token=""))
+        poller = StatusPoller(record.spec, record)
+        poller.start()
+        try:
+            wait_until(lambda: record.statuses, timeout_s=10, what="a polled status")
+        finally:
+            poller.halt.set()
+            poller.join(timeout=10)
+    [entry] = [w for w in record.statuses[-1][1]["workers"] if w["name"] == "infer-0"]
+    assert entry["condition"] == "serving"

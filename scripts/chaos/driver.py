@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 from primerl.proto import telemetry
 from primerl.proto.shared_segment import stale_segments
+from primerl.supervisor.fleet_view import annotate_json
 
 from .logs import Event, LogFollower
 from .plan import (
@@ -156,14 +157,12 @@ class StatusPoller(threading.Thread):
                     self.record.status_errors += 1
                     self.record.last_status_error = f"{type(error).__name__}: {error}"[:300]
                     continue
-                self.record.statuses.append(
-                    (
-                        time.time(),
-                        MessageToDict(
-                            status, preserving_proto_field_name=True, always_print_fields_with_no_presence=True
-                        ),
-                    )
+                # as `primerl status --json` says it: each worker's condition (serving, lost...), which
+                # ``served_final`` reads
+                data = MessageToDict(
+                    status, preserving_proto_field_name=True, always_print_fields_with_no_presence=True
                 )
+                self.record.statuses.append((time.time(), annotate_json(status, data)))
         finally:
             client.close()
 

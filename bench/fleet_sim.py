@@ -165,6 +165,7 @@ def scale_point(args, n: int, fanout: str, tmp: Path) -> dict:
         relay=fanout == "chain",
         start_spread_s=min(10.0, len(members) / 100),
         probe=True,
+        nice=args.sim_nice,
     )
     driver = Driver(broker, args.trainers)
     try:
@@ -178,6 +179,7 @@ def scale_point(args, n: int, fanout: str, tmp: Path) -> dict:
         result.update(n=n, m=args.trainers, k=args.orchestrators, fanout=fanout, register_s=took)
         result["sim_errors"] = len(fleet.errors)
         result["interval_s"] = driver.trainer.heartbeat_interval_s
+        result["sim_nice"] = args.sim_nice
         return result
     finally:
         driver.close()
@@ -191,7 +193,13 @@ def herd(args, n: int, tmp: Path) -> dict:
     members = fleet_members(n, args.trainers, args.orchestrators)
     names = {m.name for m in members if m.role == "inference"}
     fleet = Fleet(
-        members, args.processes, address=broker.address, run_token=broker.run_token, relay=True, start_spread_s=10
+        members,
+        args.processes,
+        address=broker.address,
+        run_token=broker.run_token,
+        relay=True,
+        start_spread_s=10,
+        nice=args.sim_nice,
     )
     driver = Driver(broker, args.trainers)
     try:
@@ -288,6 +296,13 @@ def main() -> int:
     parser.add_argument("--hold-s", type=float, default=None, help="seconds per scale point (default 120)")
     parser.add_argument("--step-s", type=float, default=15.0)
     parser.add_argument("--processes", type=int, default=4, help="simulator processes")
+    parser.add_argument(
+        "--sim-nice",
+        type=int,
+        default=0,
+        help="niceness of the simulated members' processes (e.g. 10: they yield the CPU to the broker, the driver "
+        "and the latency probe, as a fleet on other machines would; default %(default)s)",
+    )
     parser.add_argument("--herd", type=int, default=None, help="N of the restart test (default 1000; 0: none)")
     parser.add_argument("--no-herd", action="store_true")
     parser.add_argument("--markdown", type=Path, default=None)

@@ -19,6 +19,7 @@ can heartbeat on time (each heartbeat costs the simulator about what it costs th
 from __future__ import annotations
 
 import multiprocessing as mp
+import os
 import queue
 import threading
 import time
@@ -123,6 +124,9 @@ class ProcessSpec:
     hello_interval_s: float = 5.0
     outage_s: float = 600.0
     start_spread_s: float = 2.0  # members start spread over this long (a fleet does not boot in one instant)
+    # niceness of the member processes (not the probe): > 0 keeps the simulated fleet from taking the CPU from the
+    # broker it measures (a real fleet runs on other machines)
+    nice: int = 0
 
 
 @dataclass
@@ -209,6 +213,8 @@ def member_process(index: int, spec: ProcessSpec, reports: mp.Queue, stop: Any, 
     from primerl.runtime.log_setup import configure_logging
 
     configure_logging("fleet-sim", "fleet", level="error")
+    if spec.nice:
+        os.nice(spec.nice)
     client_class = _timed_client_class()
     config = BrokerClientConfig(address=spec.address, run_token=spec.run_token, outage_s=spec.outage_s)
     context = zmq.Context()

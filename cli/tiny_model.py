@@ -1,5 +1,5 @@
 """`primerl init-tiny-model DIR`: build the tiny Qwen2 model and tokenizer primerl's demo and tests use
-(`--moe`: a tiny Qwen3-MoE with the same tokenizer)."""
+(`--moe`: a tiny Qwen3-MoE with the same tokenizer; `--family NAME`: another architecture, docs/models.md)."""
 
 from __future__ import annotations
 
@@ -8,14 +8,16 @@ import sys
 import time
 
 from primerl.cli.command_args import parse_command_args
+from primerl.trainer.tiny_families import DEFAULT_FAMILY, DEFAULT_MOE_FAMILY, family_names, get_family
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="primerl init-tiny-model",
-        description="Build a tiny Qwen2-architecture causal LM with a byte-level BPE tokenizer and a ChatML chat "
-        "template, offline and deterministically (same seed, same bytes). vLLM and transformers load it like "
-        "any Hugging Face checkpoint.",
+        description="Build a tiny Qwen2-architecture causal LM (or, with --family, one of another model family) "
+        "with a byte-level BPE tokenizer and a chat template of the family's shape, offline and "
+        "deterministically (same seed, same bytes). vLLM and transformers load it like any Hugging Face "
+        "checkpoint.",
     )
     parser.add_argument(
         "dir",
@@ -30,22 +32,31 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--kv-heads", type=int, default=2, help="key/value heads (default: %(default)s)")
     parser.add_argument("--intermediate", type=int, default=None, help="MLP intermediate size (default: 4 x hidden)")
     parser.add_argument(
+        "--family",
+        default=None,
+        metavar="NAME",
+        help=f"model family: {', '.join(family_names())} (default: {DEFAULT_FAMILY}; see docs/models.md)",
+    )
+    parser.add_argument(
         "--moe",
         action="store_true",
-        help="build a mixture-of-experts model (Qwen3-MoE: every layer a sparse MoE block) instead of a dense Qwen2",
+        help=f"build a mixture-of-experts model (--family {DEFAULT_MOE_FAMILY} unless --family names another MoE "
+        "family) instead of a dense Qwen2",
     )
-    parser.add_argument("--experts", type=int, default=8, help="with --moe: experts per layer (default: %(default)s)")
+    parser.add_argument(
+        "--experts", type=int, default=8, help="with an MoE family: experts per layer (default: %(default)s)"
+    )
     parser.add_argument(
         "--experts-per-token",
         type=int,
         default=2,
-        help="with --moe: experts each token is routed to, top-k (default: %(default)s)",
+        help="with an MoE family: experts each token is routed to, top-k (default: %(default)s)",
     )
     parser.add_argument(
         "--expert-size",
         type=int,
         default=64,
-        help="with --moe: intermediate size of each expert, a multiple of 32 (default: %(default)s)",
+        help="with an MoE family: intermediate size of each expert, a multiple of 32 (default: %(default)s)",
     )
     parser.add_argument("--overwrite", action="store_true", help="replace DIR if it is not empty")
     return parser
@@ -58,6 +69,18 @@ def main(argv: list[str]) -> int:
 
     from primerl.trainer.tiny_model import TinyModelSpec, build_tiny_model, count_parameters, read_spec
 
+    try:
+        family = get_family(args.family or (DEFAULT_MOE_FAMILY if args.moe else DEFAULT_FAMILY))
+    except ValueError as error:
+        print(f"primerl init-tiny-model: error: --family: {error}", file=sys.stderr)
+        return 2
+    if args.moe and not family.moe:
+        print(
+            f"primerl init-tiny-model: error: --moe with --family {family.name}, a dense family; leave out --moe "
+            f"or name an MoE family",
+            file=sys.stderr,
+        )
+        return 2
     spec = TinyModelSpec(
         seed=args.seed,
         hidden_size=args.hidden,
@@ -71,11 +94,12 @@ def main(argv: list[str]) -> int:
                 "num_experts_per_tok": args.experts_per_token,
                 "moe_intermediate_size": args.expert_size,
             }
-            if args.moe
+            if family.moe
             else {}
         ),
+        family=family.name,
     )
-    if args.moe and args.experts < 1:
+    if family.moe and args.experts < 1:
         print(f"primerl init-tiny-model: error: --experts must be >= 1, got {args.experts}", file=sys.stderr)
         return 2
     if not args.overwrite and read_spec(args.dir) == spec:
@@ -95,9 +119,10 @@ def main(argv: list[str]) -> int:
         f"{spec.num_layers} layers, {spec.num_attention_heads} heads / {spec.num_key_value_heads} KV heads "
         f"(head_dim {spec.head_dim}), seed {spec.seed}; built in {elapsed_s:.1f} s"
     )
+    print(f"  family {family.name} ({family.architecture}, the shape of {family.checkpoints}): {family.quirks}")
     if spec.is_moe:
         print(
-            f"  Qwen3-MoE: {spec.num_experts} experts of size {spec.moe_intermediate_size} per layer, "
+            f"  {spec.num_experts} experts of size {spec.moe_intermediate_size} per layer, "
             f"top-{spec.num_experts_per_tok} routing"
         )
     return 0

@@ -29,4 +29,5 @@ The weights out of the trainer:
     committed_dir   directories that appear whole (temp + ``STABLE`` + rename)
 
     tiny_model      the tiny model tests and demos train (``primerl init-tiny-model``)
+    tiny_families   the model families it builds (``--family``) and those this machine cannot serve
 """

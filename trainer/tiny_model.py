@@ -1,4 +1,5 @@
-"""Build a tiny Qwen2-architecture causal LM (or a tiny Qwen3-MoE) and its tokenizer, offline and deterministically.
+"""Build a tiny causal LM of one of the model families (a Qwen2 by default) and its tokenizer, offline and
+deterministically.
 
 No model hub is reachable on the machines primerl is developed on, so the demo and the tests use a model that
 primerl makes itself: a byte-level BPE tokenizer trained with ``tokenizers`` on a generated corpus (ChatML chat
@@ -6,11 +7,14 @@ samples of English words, digits, punctuation and short strings over a small alp
 initialised ``Qwen2ForCausalLM`` of well under a million parameters by default. With ``num_experts > 0`` the
 model is a ``Qwen3MoeForCausalLM`` instead (every layer a sparse MoE block of ``num_experts`` experts of size
 ``moe_intermediate_size``, top-``num_experts_per_tok`` routing, the router's load-balancing loss switched on with
-``output_router_logits``), with the same tokenizer. vLLM loads the result like any Hugging Face checkpoint. The
-same spec gives byte-identical files; the tokenizer does not depend on the seed, so models built with different
-seeds share it.
+``output_router_logits``), with the same tokenizer. ``family`` picks another architecture of
+``primerl.trainer.tiny_families`` (Llama, Gemma 2/3, Phi-3, Mixtral, ...) with its config quirks and a chat
+template of its shape; its turn markers are added to the trained tokenizer as special tokens. vLLM loads the result
+like any Hugging Face checkpoint. The same spec gives byte-identical files; the tokenizer does not depend on the
+seed, so models built with different seeds share it, and the default spec's files do not name a family.
 
     build_tiny_model("runs/demo/tiny-model", TinyModelSpec(seed=0))
+    build_tiny_model("runs/gemma2", TinyModelSpec(family="gemma2"))
 """
 
 from __future__ import annotations
@@ -23,6 +27,8 @@ import tempfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
+
+from primerl.trainer.tiny_families import DEFAULT_FAMILY, DEFAULT_MOE_FAMILY, ChatFormat, ModelFamily, get_family
 
 ENDOFTEXT = "<|endoftext|>"
 IM_START = "<|im_start|>"
@@ -39,8 +45,6 @@ TOKENIZER_VOCAB_SIZE = 1024
 MOE_EXPERT_SIZE_MULTIPLE = 32
 """vLLM's CPU MoE kernel serves other expert sizes but crashes when their weights are reloaded in flight."""
 
-MOE_INITIALIZER_RANGE = 0.2
-"""Init std of the MoE model: with transformers' 0.02 a random MoE's next-token distribution is nearly flat."""
 
 VOCAB_MULTIPLE = 64
 """The model's vocabulary (embedding rows) is the tokenizer's size rounded up to a multiple of this."""
@@ -50,14 +54,9 @@ _QWEN2_SPLIT_PATTERN = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
 
-# Qwen2-style ChatML template without a default system message. Tokens after the prompt are what the model
-# must produce; `add_generation_prompt` opens the assistant turn.
-CHAT_TEMPLATE = (
-    "{%- for message in messages %}"
-    "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
-    "{%- endfor %}"
-    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
-)
+# Qwen2-style ChatML template without a default system message (the default family's). Tokens after the prompt
+# are what the model must produce; `add_generation_prompt` opens the assistant turn.
+CHAT_TEMPLATE = get_family(DEFAULT_FAMILY).chat.template
 
 SPEC_FILE = "primerl_tiny_model.json"
 """Written last into a built model: the spec it was built from."""
@@ -108,7 +107,8 @@ _SYSTEM_PROMPTS = (
 @dataclass
 class TinyModelSpec:
     """Shape of the tiny model. `None` sizes are derived: intermediate = 4 x hidden, vocab = tokenizer size
-    rounded up to a multiple of 64. ``num_experts = 0``: a dense Qwen2; ``> 0``: a Qwen3-MoE."""
+    rounded up to a multiple of 64. ``family`` (``tiny_families``) None: a dense Qwen2 with ``num_experts = 0``,
+    a Qwen3-MoE with ``> 0``; an MoE family needs ``num_experts > 0``, a dense one 0."""
 
     seed: int = 0
     hidden_size: int = 128
@@ -121,6 +121,20 @@ class TinyModelSpec:
     num_experts: int = 0
     num_experts_per_tok: int = 2
     moe_intermediate_size: int = 64
+    family: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.family is None:
+            self.family = self.implied_family
+
+    @property
+    def implied_family(self) -> str:
+        """The family of a spec that names none (and of every spec file written before families existed)."""
+        return DEFAULT_MOE_FAMILY if self.num_experts > 0 else DEFAULT_FAMILY
+
+    @property
+    def model_family(self) -> ModelFamily:
+        return get_family(self.family)
 
     @property
     def head_dim(self) -> int:
@@ -164,6 +178,14 @@ class TinyModelSpec:
             )
         if self.num_experts < 0:
             raise ValueError(f"num_experts must be >= 0 (0: a dense model), got {self.num_experts}")
+        family = self.model_family  # ValueError listing the valid names
+        if family.moe and not self.is_moe:
+            raise ValueError(f"family {family.name!r} is a mixture of experts: num_experts must be >= 1")
+        if self.is_moe and not family.moe:
+            raise ValueError(
+                f"family {family.name!r} is dense: num_experts must be 0 (got {self.num_experts}); "
+                f"for a mixture of experts use {DEFAULT_MOE_FAMILY} or another MoE family"
+            )
         if self.is_moe:
             self._validate_moe()
         if self.vocab_size is not None and self.vocab_size < TOKENIZER_VOCAB_SIZE:
@@ -185,8 +207,11 @@ class TinyModelSpec:
             )
 
     def to_json_dict(self) -> dict[str, Any]:
-        """The spec as SPEC_FILE stores it; a dense spec leaves out the MoE fields (its file is unchanged)."""
+        """The spec as SPEC_FILE stores it; a dense spec leaves out the MoE fields and a spec of its implied
+        family leaves out the family (the files of the default and `--moe` builds are unchanged)."""
         out = asdict(self)
+        if self.family == self.implied_family:
+            out.pop("family")
         if not self.is_moe:
             for name in ("num_experts", "num_experts_per_tok", "moe_intermediate_size"):
                 out.pop(name)
@@ -196,7 +221,7 @@ class TinyModelSpec:
 def build_tiny_model(
     out_dir: str | os.PathLike[str], spec: TinyModelSpec | None = None, *, overwrite: bool = False
 ) -> Path:
-    """Write tokenizer, config, weights and generation config of a tiny Qwen2 model to `out_dir`.
+    """Write tokenizer, config, weights and generation config of a tiny model (`spec.family`) to `out_dir`.
 
     The files are written to a temporary directory next to `out_dir` and renamed into place, so `out_dir`
     either holds a complete model or is left as it was. A non-empty `out_dir` is an error unless `overwrite`.
@@ -212,7 +237,7 @@ def build_tiny_model(
 
     tmp_dir = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
     try:
-        tokenizer = _save_tokenizer(tmp_dir)
+        tokenizer = _save_tokenizer(tmp_dir, spec.model_family.chat)
         _save_model(tmp_dir, spec, tokenizer)
         (tmp_dir / SPEC_FILE).write_text(
             json.dumps({"spec": spec.to_json_dict(), "tokenizer_vocab_size": len(tokenizer)}, indent=2, sort_keys=True)
@@ -323,9 +348,11 @@ def train_tokenizer() -> Any:
     return tokenizer
 
 
-def _save_tokenizer(out_dir: Path) -> Any:
+def _save_tokenizer(out_dir: Path, chat: ChatFormat) -> Any:
     """Save the trained BPE as a transformers `Qwen2Tokenizer` (what AutoTokenizer and vLLM load for a qwen2
-    model anyway: transformers 5 rebuilds a Qwen2 tokenizer's pipeline from its vocab and merges)."""
+    model anyway: transformers 5 rebuilds a Qwen2 tokenizer's pipeline from its vocab and merges; other families
+    load it too, as tokenizer_config.json names its class), with `chat`'s template and its turn markers added as
+    special tokens after the trained ones."""
     from transformers import Qwen2Tokenizer
 
     trained = json.loads(train_tokenizer().to_str())
@@ -334,25 +361,31 @@ def _save_tokenizer(out_dir: Path) -> Any:
     tokenizer = Qwen2Tokenizer(
         vocab=vocab,
         merges=merges,
-        eos_token=IM_END,
+        eos_token=chat.eos_token,
         pad_token=ENDOFTEXT,
         unk_token=None,
-        bos_token=None,
-        extra_special_tokens=[IM_START],
+        bos_token=chat.bos_token,
+        extra_special_tokens=[
+            token for token in (*SPECIAL_TOKENS, *chat.added_tokens) if token not in (chat.eos_token, ENDOFTEXT)
+        ],
         model_max_length=TinyModelSpec.max_position_embeddings,
         clean_up_tokenization_spaces=False,
-        chat_template=CHAT_TEMPLATE,
+        chat_template=chat.template,
     )
-    if len(tokenizer) != TOKENIZER_VOCAB_SIZE:
-        raise AssertionError(f"tokenizer has {len(tokenizer)} tokens, expected {TOKENIZER_VOCAB_SIZE}")
+    expected = TOKENIZER_VOCAB_SIZE + len(set(chat.added_tokens) - set(SPECIAL_TOKENS))
+    if len(tokenizer) != expected:
+        raise AssertionError(f"tokenizer has {len(tokenizer)} tokens, expected {expected}")
     tokenizer.save_pretrained(str(out_dir))
     return tokenizer
 
 
-def _model_config(spec: TinyModelSpec, vocab_size: int, eos_id: int, pad_id: int) -> Any:
-    from transformers import Qwen2Config, Qwen3MoeConfig
+def _model_config(spec: TinyModelSpec, vocab_size: int, eos_id: int, pad_id: int, bos_id: int) -> Any:
+    """The shape every family shares, then the family's own arguments (which win: an MoE family's expert size,
+    untied embeddings, its rope)."""
+    import transformers
 
-    common = dict(
+    family = spec.model_family
+    common: dict[str, Any] = dict(
         vocab_size=vocab_size,
         hidden_size=spec.hidden_size,
         intermediate_size=spec.intermediate_size or 4 * spec.hidden_size,
@@ -362,40 +395,31 @@ def _model_config(spec: TinyModelSpec, vocab_size: int, eos_id: int, pad_id: int
         max_position_embeddings=spec.max_position_embeddings,
         tie_word_embeddings=True,
         rms_norm_eps=1e-6,
-        bos_token_id=pad_id,
+        bos_token_id=bos_id,
         eos_token_id=eos_id,
         pad_token_id=pad_id,
         dtype="float32",
     )
-    if spec.is_moe:
-        return Qwen3MoeConfig(
-            **common,
-            moe_intermediate_size=spec.moe_intermediate_size,
-            num_experts=spec.num_experts,
-            num_experts_per_tok=spec.num_experts_per_tok,
-            norm_topk_prob=True,
-            output_router_logits=True,  # the trainer adds router_aux_loss_coef x the load-balancing loss
-            router_aux_loss_coef=0.001,
-            head_dim=spec.head_dim,
-            initializer_range=MOE_INITIALIZER_RANGE,
-        )
-    return Qwen2Config(**common)
+    if family.initializer_range is not None:
+        common["initializer_range"] = family.initializer_range
+    return getattr(transformers, family.config_class)(**{**common, **family.config(spec)})
 
 
 def _save_model(out_dir: Path, spec: TinyModelSpec, tokenizer: Any) -> None:
     import torch
-    from transformers import GenerationConfig, Qwen2ForCausalLM, Qwen3MoeForCausalLM
+    import transformers
+    from transformers import GenerationConfig
 
     vocab_size = spec.vocab_size or -(-len(tokenizer) // VOCAB_MULTIPLE) * VOCAB_MULTIPLE
-    eos_id = tokenizer.convert_tokens_to_ids(IM_END)
+    eos_id = tokenizer.convert_tokens_to_ids(tokenizer.eos_token)
     pad_id = tokenizer.convert_tokens_to_ids(ENDOFTEXT)
-    config = _model_config(spec, vocab_size, eos_id, pad_id)
+    bos_id = pad_id if tokenizer.bos_token is None else tokenizer.convert_tokens_to_ids(tokenizer.bos_token)
+    config = _model_config(spec, vocab_size, eos_id, pad_id, bos_id)
     with torch.random.fork_rng(devices=[]):  # seed the init without touching the caller's RNG state
         torch.manual_seed(spec.seed)
-        model_class = Qwen3MoeForCausalLM if spec.is_moe else Qwen2ForCausalLM
-        model = model_class(config).to(torch.float32)
+        model = getattr(transformers, spec.model_family.architecture)(config).to(torch.float32)
     model.generation_config = GenerationConfig(
-        bos_token_id=pad_id,
+        bos_token_id=bos_id,
         eos_token_id=eos_id,
         pad_token_id=pad_id,
         do_sample=True,

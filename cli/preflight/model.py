@@ -1,12 +1,15 @@
 """Preflight checks of the model and tokenizer names: a local directory that holds what it should, or a Hugging
 Face id that is in the local cache (or, for vLLM alone, one it may download). The trainer loads from a directory
-only (`trainer/model.py`), so its names must be directories. No network is used.
+only (`trainer/model.py`), so its names must be directories. No network is used. A local model whose
+config.json names an architecture this machine cannot serve (`trainer.tiny_families.REFUSED`) is refused with the
+reason and what to use instead.
 
 Without this, a missing local path reached vLLM as a repo id and failed after its start-up with
 `HFValidationError: Repo id must be in the form 'repo_name'...`."""
 
 from __future__ import annotations
 
+import json
 import os
 import re
 from collections.abc import Mapping
@@ -14,6 +17,7 @@ from pathlib import Path
 from typing import Literal
 
 from primerl.cli.preflight.base import Check, Finding, error, warning
+from primerl.trainer.tiny_families import refusal_for_architectures
 
 Kind = Literal["model", "tokenizer"]
 
@@ -59,12 +63,31 @@ def local_problem(setting: str, path: Path, kind: Kind) -> str | None:
             return f"{setting} = {str(path)!r} holds no config.json: not a Hugging Face model directory"
         if not any(next(path.glob(pattern), None) for pattern in WEIGHT_PATTERNS):
             return f"{setting} = {str(path)!r} holds a config.json but no weights (*.safetensors, *.bin)"
+        refusal = family_refusal(path / "config.json")
+        if refusal is not None:
+            return f"{setting} = {str(path)!r}: {refusal}"
     if kind == "tokenizer" and not files.intersection(TOKENIZER_FILES):
         return (
             f"{setting} = {str(path)!r} holds no tokenizer files ({', '.join(TOKENIZER_FILES[:2])}); set it "
             "to a directory with a tokenizer"
         )
     return None
+
+
+def family_refusal(config_path: Path) -> str | None:
+    """Why this machine cannot serve the model of ``config_path`` (its ``architectures``), or None. The refusals
+    were measured on vLLM's CPU build: a machine with GPUs is not refused. An unreadable config.json is left to
+    the role that loads it, which says what is wrong with it."""
+    from primerl.supervisor.role_configs import has_gpus
+
+    if has_gpus():
+        return None
+    try:
+        config = json.loads(config_path.read_text())
+    except (OSError, ValueError):
+        return None
+    architectures = config.get("architectures") if isinstance(config, dict) else None
+    return refusal_for_architectures(architectures if isinstance(architectures, list) else None)
 
 
 def cached_snapshot(name: str, kind: Kind) -> Path | None:
@@ -85,6 +108,9 @@ def hub_problem(setting: str, name: str, kind: Kind, *, local_only: bool) -> str
         return f"{setting} = {name!r} does not exist (no {Path.cwd() / name}); give the path of a {kind} directory"
     snapshot = cached_snapshot(name, kind)
     if snapshot is not None:
+        refusal = family_refusal(snapshot / "config.json") if kind == "model" else None
+        if refusal is not None:
+            return f"{setting} = {name!r}: {refusal}"
         if local_only:
             return (
                 f"{setting} = {name!r} is a Hugging Face id, but the trainer loads from a directory only; "

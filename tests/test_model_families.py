@@ -1,0 +1,328 @@
+"""The model families of `primerl init-tiny-model --family` through the real path: each tiny build keeps its family's
+quirks, a real vLLM engine serves it with logprobs that match a transformers float32 pass, and after a FULL update
+in flight (weights changed by real AdamW steps, exported by the trainer's `hf_state_dict`, applied by
+`PolicyUpdater`), then a DELTA update on top of it (more steps, XOR-zlib against the FULL one), the served logprobs
+match transformers with the new weights. A family this machine cannot serve
+is refused by the preflight with one line. One engine per family (~5-15 s each on 2 cores).
+
+`PRIMERL_FAMILY_TABLE=docs/models.md pytest tests/test_model_families.py` rewrites the measured table in that file
+from this run's results (between its `family-table` markers).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from primerl.cli import tiny_model as tiny_model_cli
+from primerl.trainer.tiny_families import DEFAULT_FAMILY, FAMILIES, REFUSED, family_names
+from primerl.trainer.tiny_model import ENDOFTEXT, SPEC_FILE, TinyModelSpec, build_tiny_model, read_spec
+
+pytestmark = pytest.mark.filterwarnings("ignore:`torch.distributed.reduce_op` is deprecated:FutureWarning")
+
+PROMPTS = ["Reverse the string: a b c d", "What is 12 plus 30?", "hello", "Count from 1 to 5."]
+MAX_TOKENS = 12
+"""Prompts of 3-10 tokens plus 12 sampled ones: longer than the sliding window (8) of the families that have one."""
+NUM_TRAIN_STEPS = 3
+LEARNING_RATE = 2e-3
+MIN_UPDATE_EFFECT = 0.1
+"""After the update, the old weights' logprobs must be at least this far from the served ones: the update took."""
+TABLE_ENV = "PRIMERL_FAMILY_TABLE"
+TABLE_BEGIN, TABLE_END = "<!-- family-table:begin -->", "<!-- family-table:end -->"
+DOCS = Path(__file__).resolve().parent.parent / "docs" / "models.md"
+
+RESULTS: dict[str, dict[str, Any]] = {}
+"""family -> what `test_family_serves_and_follows_a_full_update` measured (written to the docs table at the end)."""
+
+
+def family_spec(name: str) -> TinyModelSpec:
+    return TinyModelSpec(family=name, num_experts=8 if FAMILIES[name].moe else 0)
+
+
+def file_hashes(model_dir: Path) -> dict[str, str]:
+    return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(model_dir.iterdir())}
+
+
+# ---- fast: builds, names, refusals ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", family_names())
+def test_each_family_builds_with_its_quirks_and_chat_shape(name: str, tmp_path: Path) -> None:
+    from transformers import AutoConfig, AutoTokenizer
+
+    family = FAMILIES[name]
+    spec = family_spec(name)
+    model_dir = build_tiny_model(tmp_path / name, spec)
+    config = json.loads((model_dir / "config.json").read_text())
+    loaded = AutoConfig.from_pretrained(model_dir)  # its attribute names: a family's own ones mapped
+    assert config["architectures"] == [family.architecture]
+    for key, value in family.config(spec).items():
+        stored = getattr(loaded, key)
+        if key == "rope_parameters":  # transformers adds its defaults to the rope dict (per layer type, or one)
+            flat = value if "rope_type" in value else {f"{t}.{k}": v for t, p in value.items() for k, v in p.items()}
+            stored_flat = (
+                stored if "rope_type" in value else {f"{t}.{k}": v for t, p in stored.items() for k, v in p.items()}
+            )
+            assert {k: stored_flat.get(k) for k in flat} == flat
+        else:
+            assert stored == value, key
+    assert read_spec(model_dir) == spec
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Reverse: a b c"}]
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    ids = tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=True, return_dict=False)
+    assert "Be brief." in text and "Reverse: a b c" in text
+    for marker in family.chat.added_tokens:  # the turn markers are single special tokens
+        if marker in text:
+            assert tokenizer.convert_tokens_to_ids(marker) in ids, marker
+    assert tokenizer.eos_token == family.chat.eos_token
+    assert config["eos_token_id"] == tokenizer.eos_token_id
+    assert config["vocab_size"] >= len(tokenizer)
+    # The byte-level BPE is the default family's: plain text encodes to the same ids.
+    plain = "Reverse the string: a b c d, then count 1234 <|im_end|>"
+    default = AutoTokenizer.from_pretrained(build_tiny_model(tmp_path / "default", TinyModelSpec(seed=0)))
+    assert tokenizer.encode(plain) == default.encode(plain)
+    assert tokenizer.convert_tokens_to_ids(ENDOFTEXT) == default.convert_tokens_to_ids(ENDOFTEXT)
+
+
+def test_family_builds_are_deterministic_and_the_default_names_no_family(tmp_path: Path) -> None:
+    spec = TinyModelSpec(family="gemma2", hidden_size=64, num_layers=2, num_attention_heads=2, num_key_value_heads=1)
+    assert file_hashes(build_tiny_model(tmp_path / "a", spec)) == file_hashes(build_tiny_model(tmp_path / "b", spec))
+    assert json.loads((tmp_path / "a" / SPEC_FILE).read_text())["spec"]["family"] == "gemma2"
+
+    # The default and `--moe` specs write no family (their files are those of builds made before families).
+    assert "family" not in TinyModelSpec().to_json_dict()
+    assert "family" not in TinyModelSpec(num_experts=8).to_json_dict()
+    assert TinyModelSpec(num_experts=8) == TinyModelSpec(num_experts=8, family="qwen3_moe")
+    assert TinyModelSpec().family == DEFAULT_FAMILY
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        ({"family": "gpt2"}, r"unknown model family 'gpt2'; valid: gemma2, gemma3, .*qwen3_moe"),
+        ({"family": "gpt_oss", "num_experts": 8}, "cannot run on this machine: .*; use qwen3_moe or mixtral"),
+        ({"family": "mixtral"}, "mixture of experts: num_experts must be >= 1"),
+        ({"family": "llama", "num_experts": 8}, "is dense: num_experts must be 0"),
+    ],
+)
+def test_bad_family_raises_a_clear_error(tmp_path: Path, overrides: dict, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        build_tiny_model(tmp_path / "model", TinyModelSpec(**overrides))
+    assert not (tmp_path / "model").exists()
+
+
+def test_cli_builds_a_family_and_refuses_bad_names(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    small = ["--hidden", "64", "--heads", "2", "--kv-heads", "1", "--layers", "1"]
+    assert tiny_model_cli.main([str(tmp_path / "phi3"), "--family", "phi3", *small]) == 0
+    out = capsys.readouterr().out
+    assert "family phi3 (Phi3ForCausalLM" in out and "fused qkv_proj" in out
+    assert read_spec(tmp_path / "phi3").family == "phi3"
+    assert tiny_model_cli.main([str(tmp_path / "phi3"), "--family", "phi3", *small]) == 0
+    assert "nothing to do" in capsys.readouterr().out
+
+    assert tiny_model_cli.main([str(tmp_path / "mixtral"), "--family", "mixtral", "--experts", "4", *small]) == 0
+    assert read_spec(tmp_path / "mixtral").num_experts == 4
+    capsys.readouterr()
+
+    assert tiny_model_cli.main([str(tmp_path / "x"), "--family", "gpt2"]) == 2
+    err = capsys.readouterr().err
+    assert "unknown model family 'gpt2'" in err and ", ".join(family_names()) in err
+    assert tiny_model_cli.main([str(tmp_path / "x"), "--family", "gpt_oss"]) == 2
+    assert "cannot run on this machine" in capsys.readouterr().err
+    assert tiny_model_cli.main([str(tmp_path / "x"), "--family", "llama", "--moe"]) == 2
+    assert "dense family" in capsys.readouterr().err
+    assert not (tmp_path / "x").exists()
+
+
+def _checkpoint_dir(path: Path, architecture: str) -> Path:
+    """A directory the preflight takes for a model: a config.json naming `architecture` and a weights file."""
+    path.mkdir()
+    (path / "config.json").write_text(json.dumps({"architectures": [architecture]}))
+    (path / "model.safetensors").write_bytes(b"")
+    return path
+
+
+@pytest.mark.parametrize("name", sorted(REFUSED))
+def test_preflight_refuses_a_family_this_machine_cannot_serve_in_one_line(name: str, tmp_path: Path) -> None:
+    from primerl.cli.preflight.model import model_checks
+    from primerl.supervisor.role_configs import has_gpus
+
+    refused = REFUSED[name]
+    model = _checkpoint_dir(tmp_path / name, refused.architecture)
+    served = _checkpoint_dir(tmp_path / "served", FAMILIES["mixtral"].architecture)
+    findings = model_checks({"inference.model.name": (str(model), "model")})()
+    assert model_checks({"inference.model.name": (str(served), "model")})() == []
+    if has_gpus():  # the refusals were measured on vLLM's CPU build
+        assert findings == []
+        return
+    [finding] = findings
+    assert finding.error
+    line = finding.message
+    assert "\n" not in line
+    assert line.startswith(f"inference.model.name = {str(model)!r}: model family {name!r} ({refused.architecture})")
+    assert f"cannot run on this machine: {refused.reason}; use {refused.use_instead}" in line
+
+
+# ---- slow: one real engine per family ---------------------------------------------------------------------------
+
+
+def _engine(model_dir: Path, work_dir: Path, *, in_process: bool) -> Any:
+    from primerl.inference.engine import EngineOptions, create_llm
+    from primerl.inference.worker_extension import WORKER_EXTENSION_CLS
+
+    options = EngineOptions(
+        model=model_dir, in_process=in_process, work_dir=work_dir, seed=0, worker_extension_cls=WORKER_EXTENSION_CLS
+    )
+    return create_llm(options)
+
+
+def _served_gap(llm: Any, reference: Any) -> tuple[float, Any]:
+    from primerl.inference.logprob_check import check_logprobs, generate_with_logprobs
+
+    result = generate_with_logprobs(llm, PROMPTS, max_tokens=MAX_TOKENS, seed=0, temperature=1.0, ignore_eos=True)
+    gap = check_logprobs(reference, result.samples, logprobs_mode="processed_logprobs", temperature=1.0)
+    return gap, result.samples
+
+
+def _train(model: Any, samples: Any) -> None:
+    """A few real AdamW steps of next-token loss on the served samples (MoE: plus the router's aux loss)."""
+    import torch
+
+    model.train()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LEARNING_RATE)
+    for _ in range(NUM_TRAIN_STEPS):
+        for sample in samples:
+            ids = torch.tensor([sample.prompt_token_ids + sample.completion_token_ids])
+            model(input_ids=ids, labels=ids).loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    model.eval()
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
+@pytest.mark.parametrize("name", family_names())
+def test_family_serves_and_follows_a_full_update(name: str, tmp_path: Path) -> None:
+    from support.policy_updates import delta_update, full_update
+
+    from primerl.inference.engine import shutdown_llm
+    from primerl.inference.logprob_check import check_logprobs, load_reference_model
+    from primerl.inference.policy_updates import PolicyUpdater
+    from primerl.inference.vllm_plugin import START_METHOD_ENV
+    from primerl.trainer.hf_state_dict import hf_state_dict
+
+    family = FAMILIES[name]
+    started_s = time.monotonic()
+    model_dir = build_tiny_model(tmp_path / name, family_spec(name))
+    # Both before the engine: a family vLLM serves through its Transformers backend patches transformers' class.
+    reference, before = load_reference_model(model_dir), load_reference_model(model_dir)
+    saved_env, saved_tempdir = dict(os.environ), tempfile.tempdir
+    if family.engine_in_own_process:
+        # Spawned: an engine core forked from this process, after in-process engines ran in it, hangs.
+        os.environ[START_METHOD_ENV] = "spawn"
+    llm = _engine(model_dir, tmp_path / "work", in_process=not family.engine_in_own_process)
+    try:
+        gap, samples = _served_gap(llm, reference)
+        _train(reference, samples)
+        weights = _exported(hf_state_dict(reference))
+        updater = PolicyUpdater.for_llm(llm, tmp_path / "policy", staging_dir=tmp_path)
+        updater.prepare()
+        updater.apply(*full_update(weights, 1))
+        full_gap, samples_after = _served_gap(llm, reference)
+        effect = check_logprobs(before, samples_after, logprobs_mode="processed_logprobs", temperature=1.0)
+
+        _train(reference, samples_after)
+        delta_weights = _exported(hf_state_dict(reference))
+        header, payload = delta_update(delta_weights, weights, 2, 1)
+        assert len(header.tensors) == len(weights)  # an optimizer step changes every tensor
+        updater.apply(header, payload)
+        delta_gap, _ = _served_gap(llm, reference)
+    finally:
+        shutdown_llm(llm)
+        del llm
+        os.environ.clear()
+        os.environ.update(saved_env)
+        tempfile.tempdir = saved_tempdir
+    seconds = time.monotonic() - started_s
+    RESULTS[name] = {"gap": gap, "full_gap": full_gap, "delta_gap": delta_gap, "effect": effect, "seconds": seconds}
+    print(
+        f"\n{name}: max |vLLM - transformers fp32| logprob {gap:.2e}, after a FULL update {full_gap:.2e}, "
+        f"after a DELTA update {delta_gap:.2e} ({seconds:.1f} s)"
+    )
+    assert gap <= family.logprob_tolerance, f"{name}: served logprobs {gap:.3g} off transformers'"
+    assert effect >= MIN_UPDATE_EFFECT, f"{name}: the update changed the served logprobs by only {effect:.3g}"
+    assert full_gap <= family.logprob_tolerance, f"{name}: after a FULL update {full_gap:.3g} off transformers'"
+    assert delta_gap <= family.logprob_tolerance, f"{name}: after a DELTA update {delta_gap:.3g} off transformers'"
+
+
+def _exported(state: dict[str, Any]) -> dict[str, Any]:
+    """The trainer's export, copied (its tensors are views of parameters the next step changes)."""
+    return {name: tensor.detach().clone().contiguous() for name, tensor in state.items()}
+
+
+# ---- the docs table ---------------------------------------------------------------------------------------------
+
+
+def family_table(results: dict[str, dict[str, Any]]) -> str:
+    """The markdown table of docs/models.md: every family, measured (from `results`) or refused."""
+    rows = [
+        "| family | architecture | stands for | served | logprob gap | FULL update gap | DELTA update gap | tolerance "
+        "| quirks kept | notes |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for name in family_names():
+        family, measured = FAMILIES[name], results.get(name)
+        gap = f"{measured['gap']:.1e}" if measured else "not measured"
+        full = f"{measured['full_gap']:.1e}" if measured else "not measured"
+        delta = f"{measured['delta_gap']:.1e}" if measured else "not measured"
+        served = "yes" if measured and measured["gap"] <= family.logprob_tolerance else "no"
+        rows.append(
+            f"| `{name}` | {family.architecture} | {family.checkpoints} | {served} | {gap} | {full} | {delta} "
+            f"| {family.logprob_tolerance:.0e} | {family.quirks} | {family.notes} |"
+        )
+    for name, refused in sorted(REFUSED.items()):
+        rows.append(
+            f"| `{name}` | {refused.architecture} | | refused | | | | | | {refused.reason}; use {refused.use_instead} |"
+        )
+    return "\n".join(rows)
+
+
+def test_docs_table_lists_every_family_and_refusal() -> None:
+    text = DOCS.read_text()
+    table = text[text.index(TABLE_BEGIN) + len(TABLE_BEGIN) : text.index(TABLE_END)]
+    named = re.findall(r"^\| `(\w+)` \| (\w+) \|", table, flags=re.M)
+    expected = [(n, FAMILIES[n].architecture) for n in family_names()]
+    expected += [(n, r.architecture) for n, r in sorted(REFUSED.items())]
+    assert named == expected, f"docs/models.md's table is stale: rerun with {TABLE_ENV}=docs/models.md"
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _write_family_table() -> Any:
+    """With $PRIMERL_FAMILY_TABLE set (a markdown file with the markers), the measured table replaces its old one,
+    once every family was measured."""
+    yield
+    target = os.environ.get(TABLE_ENV)
+    if not target or set(RESULTS) != set(FAMILIES):
+        return
+    path = Path(target)
+    text = path.read_text()
+    head, rest = text.split(TABLE_BEGIN)
+    _, tail = rest.split(TABLE_END)
+    from support.numerics import cpu_description
+
+    total_s = sum(r["seconds"] for r in RESULTS.values())
+    stamp = (
+        f"\n_Measured by `tests/test_model_families.py` on {cpu_description()} ({total_s:.0f} s for the "
+        f"{len(RESULTS)} engine tests)._\n\n"
+    )
+    path.write_text(f"{head}{TABLE_BEGIN}{stamp}{family_table(RESULTS)}\n{TABLE_END}{tail}")

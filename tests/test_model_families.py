@@ -1,9 +1,11 @@
 """The model families of `primerl init-tiny-model --family` through the real path: each tiny build keeps its family's
 quirks, a real vLLM engine serves it with logprobs that match a transformers float32 pass, and after a FULL update
 in flight (weights changed by real AdamW steps, exported by the trainer's `hf_state_dict`, applied by
-`PolicyUpdater`), then a DELTA update on top of it (more steps, XOR-zlib against the FULL one), the served logprobs
-match transformers with the new weights. A family this machine cannot serve
-is refused by the preflight with one line. One engine per family (~5-15 s each on 2 cores).
+`PolicyUpdater`), then a DELTA update on top of it (more steps, XOR-zlib against the FULL one), then a LORA update
+(an adapter on the family's usual target modules, trained by AdamW steps, exported as the trainer publishes it), the
+served logprobs match transformers (peft for the adapter) with the new weights. An MoE family is not served with
+LoRA by vLLM's CPU build: the config check refuses that with its line (`configs.lora_support`). A family this
+machine cannot serve is refused by the preflight with one line. One engine per family (~4-12 s each on 2 cores).
 
 `PRIMERL_FAMILY_TABLE=docs/models.md pytest tests/test_model_families.py` rewrites the measured table in that file
 from this run's results (between its `family-table` markers).
@@ -32,6 +34,8 @@ PROMPTS = ["Reverse the string: a b c d", "What is 12 plus 30?", "hello", "Count
 MAX_TOKENS = 12
 """Prompts of 3-10 tokens plus 12 sampled ones: longer than the sliding window (8) of the families that have one."""
 NUM_TRAIN_STEPS = 3
+LORA_RANK = 8
+LORA_LEARNING_RATE = 1e-2
 LEARNING_RATE = 2e-3
 MIN_UPDATE_EFFECT = 0.1
 """After the update, the old weights' logprobs must be at least this far from the served ones: the update took."""
@@ -176,33 +180,45 @@ def test_preflight_refuses_a_family_this_machine_cannot_serve_in_one_line(name: 
 # ---- slow: one real engine per family ---------------------------------------------------------------------------
 
 
-def _engine(model_dir: Path, work_dir: Path, *, in_process: bool) -> Any:
+def _engine(model_dir: Path, work_dir: Path, *, in_process: bool, lora: bool) -> Any:
     from primerl.inference.engine import EngineOptions, create_llm
     from primerl.inference.worker_extension import WORKER_EXTENSION_CLS
 
     options = EngineOptions(
-        model=model_dir, in_process=in_process, work_dir=work_dir, seed=0, worker_extension_cls=WORKER_EXTENSION_CLS
+        model=model_dir,
+        in_process=in_process,
+        work_dir=work_dir,
+        seed=0,
+        worker_extension_cls=WORKER_EXTENSION_CLS,
+        enable_lora=lora,
+        max_lora_rank=LORA_RANK,
     )
     return create_llm(options)
 
 
-def _served_gap(llm: Any, reference: Any) -> tuple[float, Any]:
+def _served_gap(llm: Any, reference: Any, lora_request: Any = None) -> tuple[float, Any]:
     from primerl.inference.logprob_check import check_logprobs, generate_with_logprobs
 
-    result = generate_with_logprobs(llm, PROMPTS, max_tokens=MAX_TOKENS, seed=0, temperature=1.0, ignore_eos=True)
+    result = generate_with_logprobs(
+        llm, PROMPTS, max_tokens=MAX_TOKENS, seed=0, temperature=1.0, ignore_eos=True, lora_request=lora_request
+    )
     gap = check_logprobs(reference, result.samples, logprobs_mode="processed_logprobs", temperature=1.0)
     return gap, result.samples
 
 
-def _train(model: Any, samples: Any) -> None:
-    """A few real AdamW steps of next-token loss on the served samples (MoE: plus the router's aux loss)."""
+def _sequences(samples: Any) -> list[list[int]]:
+    return [sample.prompt_token_ids + sample.completion_token_ids for sample in samples]
+
+
+def _train(model: Any, sequences: list[list[int]], lr: float = LEARNING_RATE) -> None:
+    """A few real AdamW steps of next-token loss on `sequences` (MoE: plus the router's aux loss)."""
     import torch
 
     model.train()
-    optimizer = torch.optim.AdamW(model.parameters(), lr=LEARNING_RATE)
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=lr)
     for _ in range(NUM_TRAIN_STEPS):
-        for sample in samples:
-            ids = torch.tensor([sample.prompt_token_ids + sample.completion_token_ids])
+        for sequence in sequences:
+            ids = torch.tensor([sequence])
             model(input_ids=ids, labels=ids).loss.backward()
         optimizer.step()
         optimizer.zero_grad()
@@ -213,8 +229,9 @@ def _train(model: Any, samples: Any) -> None:
 @pytest.mark.vllm
 @pytest.mark.parametrize("name", family_names())
 def test_family_serves_and_follows_a_full_update(name: str, tmp_path: Path) -> None:
-    from support.policy_updates import delta_update, full_update
+    from support.policy_updates import delta_update, full_update, lora_update
 
+    from primerl.configs.lora_support import moe_lora_problem, vllm_is_cpu_build
     from primerl.inference.engine import shutdown_llm
     from primerl.inference.logprob_check import check_logprobs, load_reference_model
     from primerl.inference.policy_updates import PolicyUpdater
@@ -230,10 +247,12 @@ def test_family_serves_and_follows_a_full_update(name: str, tmp_path: Path) -> N
     if family.engine_in_own_process:
         # Spawned: an engine core forked from this process, after in-process engines ran in it, hangs.
         os.environ[START_METHOD_ENV] = "spawn"
-    llm = _engine(model_dir, tmp_path / "work", in_process=not family.engine_in_own_process)
+    lora_refusal = moe_lora_problem(model_dir)
+    assert (lora_refusal is not None) == (family.moe and vllm_is_cpu_build()), lora_refusal
+    llm = _engine(model_dir, tmp_path / "work", in_process=not family.engine_in_own_process, lora=lora_refusal is None)
     try:
         gap, samples = _served_gap(llm, reference)
-        _train(reference, samples)
+        _train(reference, _sequences(samples))
         weights = _exported(hf_state_dict(reference))
         updater = PolicyUpdater.for_llm(llm, tmp_path / "policy", staging_dir=tmp_path)
         updater.prepare()
@@ -241,12 +260,20 @@ def test_family_serves_and_follows_a_full_update(name: str, tmp_path: Path) -> N
         full_gap, samples_after = _served_gap(llm, reference)
         effect = check_logprobs(before, samples_after, logprobs_mode="processed_logprobs", temperature=1.0)
 
-        _train(reference, samples_after)
+        _train(reference, _sequences(samples_after))
         delta_weights = _exported(hf_state_dict(reference))
         header, payload = delta_update(delta_weights, weights, 2, 1)
         assert len(header.tensors) == len(weights)  # an optimizer step changes every tensor
         updater.apply(header, payload)
-        delta_gap, _ = _served_gap(llm, reference)
+        delta_gap, samples_delta = _served_gap(llm, reference)
+
+        lora_gap = None
+        if lora_refusal is None:
+            adapter = _trained_adapter(reference, samples_delta, family.lora_target_modules, tmp_path / "adapter")
+            updater.apply(*lora_update(tmp_path / "adapter", 3))
+            lora_gap, samples_lora = _served_gap(llm, adapter, updater.lora_request())
+            lora_effect = check_logprobs(reference, samples_lora, logprobs_mode="processed_logprobs", temperature=1.0)
+            assert lora_effect >= MIN_UPDATE_EFFECT, f"{name}: the adapter changed the logprobs by {lora_effect:.3g}"
     finally:
         shutdown_llm(llm)
         del llm
@@ -254,15 +281,43 @@ def test_family_serves_and_follows_a_full_update(name: str, tmp_path: Path) -> N
         os.environ.update(saved_env)
         tempfile.tempdir = saved_tempdir
     seconds = time.monotonic() - started_s
-    RESULTS[name] = {"gap": gap, "full_gap": full_gap, "delta_gap": delta_gap, "effect": effect, "seconds": seconds}
+    RESULTS[name] = {"gap": gap, "full_gap": full_gap, "delta_gap": delta_gap, "lora_gap": lora_gap, "seconds": seconds}
+    lora = "refused (MoE on CPU)" if lora_gap is None else f"{lora_gap:.2e}"
     print(
         f"\n{name}: max |vLLM - transformers fp32| logprob {gap:.2e}, after a FULL update {full_gap:.2e}, "
-        f"after a DELTA update {delta_gap:.2e} ({seconds:.1f} s)"
+        f"after a DELTA update {delta_gap:.2e}, after a LORA update {lora} ({seconds:.1f} s)"
     )
     assert gap <= family.logprob_tolerance, f"{name}: served logprobs {gap:.3g} off transformers'"
     assert effect >= MIN_UPDATE_EFFECT, f"{name}: the update changed the served logprobs by only {effect:.3g}"
     assert full_gap <= family.logprob_tolerance, f"{name}: after a FULL update {full_gap:.3g} off transformers'"
     assert delta_gap <= family.logprob_tolerance, f"{name}: after a DELTA update {delta_gap:.3g} off transformers'"
+    assert lora_gap is None or lora_gap <= family.logprob_tolerance, f"{name}: after a LORA update {lora_gap:.3g} off"
+
+
+def _trained_adapter(reference: Any, samples: Any, targets: tuple[str, ...], out_dir: Path) -> Any:
+    """A LoRA adapter on a copy of `reference` (peft's init: B = 0), trained by AdamW steps towards seeded random
+    completions of the samples' prompts (so that it moves the policy), written as the trainer publishes it
+    (`lora_state_dict`, `lora_adapter_config_json`); returns the peft model, for reference logprobs."""
+    import copy
+
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from safetensors.torch import save_file
+
+    from primerl.trainer.hf_state_dict import SAFETENSORS_METADATA, lora_adapter_config_json, lora_state_dict
+
+    torch.manual_seed(0)
+    config = LoraConfig(r=LORA_RANK, lora_alpha=2 * LORA_RANK, target_modules=list(targets), lora_dropout=0.0)
+    model = get_peft_model(copy.deepcopy(reference), config)
+    generator = torch.Generator().manual_seed(0)
+    targets_ids = [
+        s.prompt_token_ids + torch.randint(0, 1000, (MAX_TOKENS,), generator=generator).tolist() for s in samples
+    ]
+    _train(model, targets_ids, lr=LORA_LEARNING_RATE)
+    out_dir.mkdir()
+    save_file(lora_state_dict(model), str(out_dir / "adapter_model.safetensors"), metadata=SAFETENSORS_METADATA)
+    (out_dir / "adapter_config.json").write_text(lora_adapter_config_json(model))
+    return model
 
 
 def _exported(state: dict[str, Any]) -> dict[str, Any]:
@@ -276,23 +331,28 @@ def _exported(state: dict[str, Any]) -> dict[str, Any]:
 def family_table(results: dict[str, dict[str, Any]]) -> str:
     """The markdown table of docs/models.md: every family, measured (from `results`) or refused."""
     rows = [
-        "| family | architecture | stands for | served | logprob gap | FULL update gap | DELTA update gap | tolerance "
-        "| quirks kept | notes |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| family | architecture | stands for | served | logprob gap | FULL update gap | DELTA update gap "
+        "| LORA update gap | tolerance | quirks kept | notes |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for name in family_names():
         family, measured = FAMILIES[name], results.get(name)
         gap = f"{measured['gap']:.1e}" if measured else "not measured"
         full = f"{measured['full_gap']:.1e}" if measured else "not measured"
         delta = f"{measured['delta_gap']:.1e}" if measured else "not measured"
+        lora = "not measured"
+        if measured:
+            lora = "refused on CPU (MoE)" if measured["lora_gap"] is None else f"{measured['lora_gap']:.1e}"
+        lora += f" ({', '.join(family.lora_target_modules)})"
         served = "yes" if measured and measured["gap"] <= family.logprob_tolerance else "no"
         rows.append(
-            f"| `{name}` | {family.architecture} | {family.checkpoints} | {served} | {gap} | {full} | {delta} "
+            f"| `{name}` | {family.architecture} | {family.checkpoints} | {served} | {gap} | {full} | {delta} | {lora} "
             f"| {family.logprob_tolerance:.0e} | {family.quirks} | {family.notes} |"
         )
     for name, refused in sorted(REFUSED.items()):
         rows.append(
-            f"| `{name}` | {refused.architecture} | | refused | | | | | | {refused.reason}; use {refused.use_instead} |"
+            f"| `{name}` | {refused.architecture} | | refused | | | | | | "
+            f"| {refused.reason}; use {refused.use_instead} |"
         )
     return "\n".join(rows)
 

@@ -38,6 +38,11 @@ class ChatFormat:
 
 
 NON_FLAT_INITIALIZER_RANGE = 0.2
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+"""The usual LoRA target modules of a dense family with separate projections (the trainer's default)."""
+LORA_TARGETS_FUSED = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
+LORA_TARGETS_ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
+"""An MoE family's: the attention only (expert LoRA is not served by vLLM's CPU build, nor wanted by most)."""
 LOGPROB_TOLERANCE = 1e-4
 """Max |vLLM - transformers| float32 logprob the family matrix accepts (the dense engine tests' tolerance)."""
 
@@ -70,6 +75,7 @@ class ModelFamily:
     """vLLM serves the family through its Transformers backend, which patches transformers' model class in the
     process that loads it: a transformers reference model of the family cannot run beside the engine in one
     process (the inference role always runs apart from the trainer; `primerl generate --check-logprobs` does not)."""
+    lora_target_modules: tuple[str, ...] = LORA_TARGETS
     notes: str = ""
 
 
@@ -297,6 +303,7 @@ FAMILIES: dict[str, ModelFamily] = {
             PHI3,
             "untied embeddings, fused qkv_proj and gate_up_proj in the checkpoint",
             config=lambda spec: {"tie_word_embeddings": False, "sliding_window": None},
+            lora_target_modules=LORA_TARGETS_FUSED,
         ),
         ModelFamily(
             "olmo2",
@@ -343,6 +350,7 @@ FAMILIES: dict[str, ModelFamily] = {
                 "router_aux_loss_coef": 0.001,
                 "head_dim": spec.head_dim,
             },
+            lora_target_modules=LORA_TARGETS_ATTENTION,
             moe=True,
         ),
         ModelFamily(
@@ -353,6 +361,7 @@ FAMILIES: dict[str, ModelFamily] = {
             MISTRAL,
             "untied, every layer sparse (w1/w2/w3 experts), softmax-then-top-k routing",
             config=lambda spec: {"tie_word_embeddings": False, "head_dim": spec.head_dim, **_moe(spec)},
+            lora_target_modules=LORA_TARGETS_ATTENTION,
             moe=True,
         ),
     )

@@ -25,7 +25,7 @@ from typing import Any
 import pytest
 
 from primerl.cli import tiny_model as tiny_model_cli
-from primerl.trainer.tiny_families import DEFAULT_FAMILY, FAMILIES, REFUSED, family_names
+from primerl.trainer.tiny_families import DEFAULT_FAMILY, FAMILIES, LOGPROB_TOLERANCE, REFUSED, family_names
 from primerl.trainer.tiny_model import ENDOFTEXT, SPEC_FILE, TinyModelSpec, build_tiny_model, read_spec
 
 pytestmark = pytest.mark.filterwarnings("ignore:`torch.distributed.reduce_op` is deprecated:FutureWarning")
@@ -45,6 +45,8 @@ DOCS = Path(__file__).resolve().parent.parent / "docs" / "models.md"
 
 RESULTS: dict[str, dict[str, Any]] = {}
 """family -> what `test_family_serves_and_follows_a_full_update` measured (written to the docs table at the end)."""
+REFUSED_RESULTS: dict[str, dict[str, Any]] = {}
+"""refused family -> what `test_a_refused_family_still_fails_here` measured."""
 
 
 def family_spec(name: str) -> TinyModelSpec:
@@ -325,10 +327,47 @@ def _exported(state: dict[str, Any]) -> dict[str, Any]:
     return {name: tensor.detach().clone().contiguous() for name, tensor in state.items()}
 
 
+@pytest.mark.slow
+@pytest.mark.vllm
+@pytest.mark.parametrize("name", sorted(REFUSED))
+def test_a_refused_family_still_fails_here(name: str, tmp_path: Path) -> None:
+    """The shape each refusal was measured on, measured again: served logprobs off transformers', or a FULL update
+    of the unchanged weights that breaks them. When vLLM serves it right, this fails: move it to FAMILIES."""
+    from safetensors.torch import load_file
+    from support.policy_updates import full_update
+
+    from primerl.inference.engine import shutdown_llm
+    from primerl.inference.logprob_check import load_reference_model
+    from primerl.inference.policy_updates import PolicyUpdater
+
+    shape = REFUSED[name].shape
+    started_s = time.monotonic()
+    model_dir = build_tiny_model(tmp_path / name, TinyModelSpec(family=name, num_experts=8), family=shape)
+    reference = load_reference_model(model_dir)
+    saved_env, saved_tempdir = dict(os.environ), tempfile.tempdir
+    llm = _engine(model_dir, tmp_path / "work", in_process=True, lora=False)
+    try:
+        gap, _ = _served_gap(llm, reference)
+        updater = PolicyUpdater.for_llm(llm, tmp_path / "policy", staging_dir=tmp_path)
+        updater.prepare()
+        updater.apply(*full_update(load_file(str(model_dir / "model.safetensors")), 1))
+        reload_gap, _ = _served_gap(llm, reference)
+    finally:
+        shutdown_llm(llm)
+        del llm
+        os.environ.clear()
+        os.environ.update(saved_env)
+        tempfile.tempdir = saved_tempdir
+    seconds = time.monotonic() - started_s
+    REFUSED_RESULTS[name] = {"gap": gap, "reload_gap": reload_gap, "seconds": seconds}
+    print(f"\n{name} (refused): served {gap:.2e} off, after a FULL update of the same weights {reload_gap:.2e}")
+    assert max(gap, reload_gap) > LOGPROB_TOLERANCE, f"vLLM serves {name} right now: move it from REFUSED to FAMILIES"
+
+
 # ---- the docs table ---------------------------------------------------------------------------------------------
 
 
-def family_table(results: dict[str, dict[str, Any]]) -> str:
+def family_table(results: dict[str, dict[str, Any]], refused_results: dict[str, dict[str, Any]]) -> str:
     """The markdown table of docs/models.md: every family, measured (from `results`) or refused."""
     rows = [
         "| family | architecture | stands for | served | logprob gap | FULL update gap | DELTA update gap "
@@ -350,9 +389,12 @@ def family_table(results: dict[str, dict[str, Any]]) -> str:
             f"| {family.logprob_tolerance:.0e} | {family.quirks} | {family.notes} |"
         )
     for name, refused in sorted(REFUSED.items()):
+        measured = refused_results.get(name)
+        gap = f"{measured['gap']:.1e}" if measured else "not measured"
+        reload = f"{measured['reload_gap']:.1e} (same weights)" if measured else "not measured"
         rows.append(
-            f"| `{name}` | {refused.architecture} | | refused | | | | | | "
-            f"| {refused.reason}; use {refused.use_instead} |"
+            f"| `{name}` | {refused.architecture} | {refused.shape.checkpoints} | refused | {gap} | {reload} | | "
+            f"| {LOGPROB_TOLERANCE:.0e} | {refused.shape.quirks} | {refused.reason}; use {refused.use_instead} |"
         )
     return "\n".join(rows)
 
@@ -372,7 +414,7 @@ def _write_family_table() -> Any:
     once every family was measured."""
     yield
     target = os.environ.get(TABLE_ENV)
-    if not target or set(RESULTS) != set(FAMILIES):
+    if not target or set(RESULTS) != set(FAMILIES) or set(REFUSED_RESULTS) != set(REFUSED):
         return
     path = Path(target)
     text = path.read_text()
@@ -380,9 +422,9 @@ def _write_family_table() -> Any:
     _, tail = rest.split(TABLE_END)
     from support.numerics import cpu_description
 
-    total_s = sum(r["seconds"] for r in RESULTS.values())
+    total_s = sum(r["seconds"] for r in [*RESULTS.values(), *REFUSED_RESULTS.values()])
     stamp = (
         f"\n_Measured by `tests/test_model_families.py` on {cpu_description()} ({total_s:.0f} s for the "
-        f"{len(RESULTS)} engine tests)._\n\n"
+        f"{len(RESULTS) + len(REFUSED_RESULTS)} engine tests)._\n\n"
     )
-    path.write_text(f"{head}{TABLE_BEGIN}{stamp}{family_table(RESULTS)}\n{TABLE_END}{tail}")
+    path.write_text(f"{head}{TABLE_BEGIN}{stamp}{family_table(RESULTS, REFUSED_RESULTS)}\n{TABLE_END}{tail}")

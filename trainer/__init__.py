@@ -30,4 +30,5 @@ The weights out of the trainer:
 
     tiny_model      the tiny model tests and demos train (``primerl init-tiny-model``)
     tiny_families   the model families it builds (``--family``) and those this machine cannot serve
+    tiny_chat_formats  the families' chat templates and turn markers
 """

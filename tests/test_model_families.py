@@ -246,6 +246,36 @@ def test_the_trainer_steps_each_family_and_publishes_the_checkpoint_names(name: 
             load_model(ModelConfig(name=str(model_dir), lora=LoRAConfig()))
 
 
+@pytest.mark.parametrize("name", ["phi3", "mixtral"])
+def test_preflight_refuses_lora_targets_the_family_lacks(name: str, tmp_path: Path) -> None:
+    """`primerl rl` with the default LoRA targets on Phi-3 (fused projections) or an MoE: refused beside the start
+    with the trainer's own message, instead of the trainer failing after the start; the family's list passes."""
+    from support.rl_configs import BASE, config_writer, load
+
+    from primerl.cli.preflight.base import run_checks
+    from primerl.cli.preflight.roles import BESIDE_THE_START, rl_checks
+
+    family = FAMILIES[name]
+    moe = {"num_experts": 4, "moe_intermediate_size": 32} if family.moe else {}
+    spec = TinyModelSpec(family=name, hidden_size=64, num_attention_heads=2, num_key_value_heads=1, **moe)
+    model = str(build_tiny_model(tmp_path / name, spec))
+    # An MoE's LoRA is trained and published merged: vLLM's CPU build serves no LoRA on it (configs.lora_support).
+    base = BASE + ('\n[inference]\nenable_lora = false\n[trainer.weight_broadcast]\ntype = "full"\n' if moe else "")
+    write = config_writer(tmp_path)
+
+    def lora_findings(lora_table: str) -> list[Any]:
+        checks = rl_checks(load("@", write("rl.toml", base + lora_table), "--model.name", model))
+        assert "lora_targets" in BESIDE_THE_START
+        return run_checks({"lora_targets": checks["lora_targets"]}).findings
+
+    [finding] = lora_findings("\n[trainer.model.lora]\nrank = 4\n")
+    assert finding.error and finding.message.startswith("trainer.model.lora.target_modules: lora.target_modules [")
+    assert "match no module" in finding.message and "gate_proj" in finding.message
+    targets = ", ".join(f'"{t}"' for t in family.lora_target_modules)
+    assert lora_findings(f"\n[trainer.model.lora]\nrank = 4\ntarget_modules = [{targets}]\n") == []
+    assert "lora_targets" not in rl_checks(load("@", write("full.toml", base), "--model.name", model))
+
+
 # ---- slow: one real engine per family ---------------------------------------------------------------------------
 
 

@@ -2,7 +2,9 @@
 Face id that is in the local cache (or, for vLLM alone, one it may download). The trainer loads from a directory
 only (`trainer/model.py`), so its names must be directories. No network is used. A local model whose
 config.json names an architecture this machine cannot serve (`trainer.tiny_families.REFUSED`) is refused with the
-reason and what to use instead.
+reason and what to use instead. ``lora_targets_check`` runs the trainer's own LoRA target check on the model
+built from its config.json on the meta device (no weights read): a target the model lacks (the default list on
+Phi-3's fused projections or a mixture of experts) stops the start instead of the trainer.
 
 Without this, a missing local path reached vLLM as a repo id and failed after its start-up with
 `HFValidationError: Repo id must be in the form 'repo_name'...`."""
@@ -162,6 +164,31 @@ def model_checks(
                     findings.append(error(problem))
                     break
         return findings
+
+    return check
+
+
+def lora_targets_check(setting: str, model_name: str | None, target_modules: list[str]) -> Check:
+    """``trainer.model.lora.target_modules`` against the modules of the local model ``model_name`` (a hub id or a
+    missing directory is left to the path check): the trainer's ``check_lora_targets`` on the model built on the
+    meta device, ~1-3 s (importing transformers), so it runs beside the start."""
+
+    def check() -> list[Finding]:
+        path = Path(model_name).expanduser() if model_name else None
+        if path is None or not (path / "config.json").is_file():
+            return []
+        import torch
+        from transformers import AutoConfig, AutoModelForCausalLM
+
+        from primerl.trainer.model import check_lora_targets
+
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(str(path)))
+        try:
+            check_lora_targets(model, list(target_modules))
+        except ValueError as problem:
+            return [error(f"{setting}: {problem}")]
+        return []
 
     return check
 

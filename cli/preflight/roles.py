@@ -1,7 +1,7 @@
 """Which preflight checks run where: every check under `primerl rl`, a daemon started on its own the checks of its
 role (`run_role`). Under `primerl rl` the fast checks (paths, ports, memory, W&B: milliseconds) run before any
-role starts; the slow ones (``BESIDE_THE_START``: the environments and the teacher's tokenizer) run while the
-roles start (vLLM's import alone takes ~7 s), and the orchestrator waits for their verdict before its first
+role starts; the slow ones (``BESIDE_THE_START``: the environments, the teacher's tokenizer, the LoRA targets) run
+while the roles start (vLLM's import alone takes ~7 s), and the orchestrator waits for their verdict before its first
 rollout (``runtime.start_gate``); a finding stops every role, with the same lines and exit status 2. The
 environments are checked by the orchestrator itself there, on the env workers and the tokenizer it loads for the
 run (``orchestrator.env_preflight``; loading them twice cost ~3 s of a 2-core start), when it starts with the other
@@ -17,6 +17,7 @@ only; the console shows the findings.
     fixed ports free                       x         x
     memory of the vLLM engines (CPU)       x
     teacher model and tokenizer            x
+    LoRA target modules of the model       x
     * when its model name is a local directory (that tokenizer measures the prompts)
 
 The checks run concurrently; loading the environments (an env worker each, ~2.3 s for reverse-text on an idle core)
@@ -37,7 +38,7 @@ from primerl.runtime.run_files import LOGS_DIR
 def rl_checks(config) -> dict[str, Check]:
     """The checks of a whole `primerl rl` run (an `RLConfig`)."""
     from primerl.cli.preflight.envs import env_checks
-    from primerl.cli.preflight.model import model_checks, teacher_tokenizer_check
+    from primerl.cli.preflight.model import lora_targets_check, model_checks, teacher_tokenizer_check
     from primerl.cli.preflight.system import engine_memory_check, port_check, rl_ports, wandb_check
     from primerl.supervisor.role_configs import has_gpus
 
@@ -53,6 +54,10 @@ def rl_checks(config) -> dict[str, Check]:
         names["teacher.model.name"] = (teacher.model.name, "model")
         engines["teacher"] = teacher
         checks["teacher"] = teacher_tokenizer_check(teacher.model.name, trainer.tokenizer.name)
+    if trainer.model.lora is not None:
+        checks["lora_targets"] = lora_targets_check(
+            "trainer.model.lora.target_modules", trainer.model.name, trainer.model.lora.target_modules
+        )
     return {
         "environments": env_checks(
             orchestrator,
@@ -114,10 +119,11 @@ def role_preflight(prog: str, role: str, config) -> int | None:
     return report(prog, result, log_path)
 
 
-BESIDE_THE_START = frozenset({"environments", "teacher"})
-"""The slow checks (an env worker per environment, importing transformers for a tokenizer: seconds) that
-`primerl rl` runs while the roles start (`BackgroundPreflight`). The others take milliseconds and run before
-anything starts; the port and memory checks must: the roles bind those ports and vLLM takes that memory."""
+BESIDE_THE_START = frozenset({"environments", "teacher", "lora_targets"})
+"""The slow checks (an env worker per environment, importing transformers for a tokenizer or a model on the meta
+device: seconds) that `primerl rl` runs while the roles start (`BackgroundPreflight`). The others take
+milliseconds and run before anything starts; the port and memory checks must: the roles bind those ports and vLLM
+takes that memory."""
 
 
 def rl_preflight(config, log_path: Path) -> int | None:

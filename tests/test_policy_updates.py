@@ -8,8 +8,6 @@ updater's checks against a fake engine: ``test_policy_updater.py``; what the upd
 from __future__ import annotations
 
 import copy
-import os
-import tempfile
 import time
 import zlib
 from collections.abc import Callable, Iterator
@@ -19,6 +17,7 @@ from typing import Any
 
 import pytest
 import torch
+from support.engines import engine_for_test
 from support.policy_updates import DELTA, delta_update, full_update, lora_update, perturbed, sha256
 
 from primerl.inference.engine import EngineOptions
@@ -77,28 +76,17 @@ def model_dir(tiny_model: Path) -> Path:
 
 @pytest.fixture(scope="module")
 def llm(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
-    from primerl.inference.engine import create_llm, shutdown_llm
-
-    saved_env, saved_tempdir = dict(os.environ), tempfile.tempdir
-    llm = create_llm(
-        EngineOptions(
-            model=model_dir,
-            in_process=True,
-            work_dir=tmp_path_factory.mktemp("work"),
-            seed=0,
-            enable_lora=True,
-            max_lora_rank=MAX_LORA_RANK,
-            worker_extension_cls=WORKER_EXTENSION_CLS,
-        )
+    options = EngineOptions(
+        model=model_dir,
+        in_process=True,
+        work_dir=tmp_path_factory.mktemp("work"),
+        seed=0,
+        enable_lora=True,
+        max_lora_rank=MAX_LORA_RANK,
+        worker_extension_cls=WORKER_EXTENSION_CLS,
     )
-    try:
+    with engine_for_test(options) as llm:
         yield llm
-    finally:
-        shutdown_llm(llm)
-        del llm
-        os.environ.clear()
-        os.environ.update(saved_env)
-        tempfile.tempdir = saved_tempdir
 
 
 @pytest.fixture(scope="module")

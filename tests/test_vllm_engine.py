@@ -6,12 +6,12 @@ from __future__ import annotations
 import json
 import math
 import os
-import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
+from support.engines import engine_for_test
 
 from primerl.inference.engine import (
     CPU_DEFAULT_KV_CACHE_BYTES,
@@ -151,19 +151,9 @@ def test_env_defaults_never_override_and_work_dir_is_checked(monkeypatch: pytest
 
 @pytest.fixture(scope="module")
 def engine(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
-    from primerl.inference.engine import create_llm, shutdown_llm
-
-    saved_env, saved_tempdir = dict(os.environ), tempfile.tempdir
     work_dir = tmp_path_factory.mktemp("vllm-work")
-    llm = create_llm(EngineOptions(model=tiny_model, in_process=True, work_dir=work_dir, seed=0))
-    try:
+    with engine_for_test(EngineOptions(model=tiny_model, in_process=True, work_dir=work_dir, seed=0)) as llm:
         yield llm
-    finally:
-        shutdown_llm(llm)
-        del llm
-        os.environ.clear()
-        os.environ.update(saved_env)
-        tempfile.tempdir = saved_tempdir
 
 
 @pytest.fixture(scope="module")

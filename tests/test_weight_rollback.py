@@ -9,14 +9,13 @@ weights (digest of its host copy); the broker holds B's v3; A's late v4 is refus
 
 from __future__ import annotations
 
-import os
-import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+from support.engines import engine_for_test
 
 from primerl.broker.service import BrokerService
 from primerl.client.weights import WeightSubscriber
@@ -43,26 +42,15 @@ def model_dir(tiny_model: Path) -> Path:
 
 @pytest.fixture(scope="module")
 def llm(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
-    from primerl.inference.engine import create_llm, shutdown_llm
-
-    saved_env, saved_tempdir = dict(os.environ), tempfile.tempdir
-    llm = create_llm(
-        EngineOptions(
-            model=model_dir,
-            in_process=True,
-            work_dir=tmp_path_factory.mktemp("work"),
-            seed=0,
-            worker_extension_cls=WORKER_EXTENSION_CLS,
-        )
+    options = EngineOptions(
+        model=model_dir,
+        in_process=True,
+        work_dir=tmp_path_factory.mktemp("work"),
+        seed=0,
+        worker_extension_cls=WORKER_EXTENSION_CLS,
     )
-    try:
+    with engine_for_test(options) as llm:
         yield llm
-    finally:
-        shutdown_llm(llm)
-        del llm
-        os.environ.clear()
-        os.environ.update(saved_env)
-        tempfile.tempdir = saved_tempdir
 
 
 @pytest.fixture

@@ -1,15 +1,17 @@
-"""The models of bench part e: the tiny model's Qwen2 family at ~100M, ~500M and ~1B parameters, fp32 or bf16.
+"""The models of bench part e: the tiny model's Qwen2 family at ~100M, ~500M and ~1B parameters, fp32 or bf16, and
+two other families at ~100M in fp32 (``100m-mistral``: untied embeddings; ``100m-phi3``: fused ``qkv_proj`` and
+``gate_up_proj`` in the checkpoint), so that the update path is not measured on one architecture only.
 
     point = ModelPoint("1b", "bf16")
     model_dir = build_point(work_dir / point.label, point, tokenizer_dir)
 
-"tiny" and "100m" in fp32 are built with ``build_tiny_model`` (byte-identical to the checkpoints earlier runs of
-the bench measured). Every other point is written directly in its dtype: the tokenizer and generation config are
-copied from a tiny model, ``config.json`` comes from ``Qwen2Config``, and each tensor is created in the point's
-dtype and filled (normal(0, 0.02) for matrices and embeddings, 1 for norms, 0 for biases, as transformers' own
-init does) with a seeded generator, then all are saved with ``safetensors.torch.save_file`` (tied embeddings
-stored once, ``{"format": "pt"}`` metadata: what ``save_pretrained`` writes). A 1B bf16 model takes ~2 GB of
-memory and well under a minute to build on 2 cores, where a float32 ``Qwen2ForCausalLM(config)`` would need 4 GB
+"tiny", "100m" and the family points in fp32 are built with ``build_tiny_model`` (byte-identical to the checkpoints
+earlier runs of the bench measured). Every other point is written directly in its dtype: the tokenizer and
+generation config are copied from a tiny model, ``config.json`` comes from ``Qwen2Config``, and each tensor is
+created in the point's dtype and filled (normal(0, 0.02) for matrices and embeddings, 1 for norms, 0 for biases, as
+transformers' own init does) with a seeded generator, then all are saved with ``safetensors.torch.save_file`` (tied
+embeddings stored once, ``{"format": "pt"}`` metadata: what ``save_pretrained`` writes). A 1B bf16 model takes ~2 GB
+of memory and well under a minute to build on 2 cores, where a float32 ``Qwen2ForCausalLM(config)`` would need 4 GB
 and its slow init.
 """
 
@@ -21,6 +23,9 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+FAMILY_POINTS = ("mistral", "phi3")
+"""Families measured at the ~100M shape beside Qwen2 (fp32 only: built with ``build_tiny_model``)."""
 
 DTYPES = {"fp32": "float32", "bf16": "bfloat16"}
 """Bench dtype label -> torch / vLLM dtype name."""
@@ -34,15 +39,18 @@ copied."""
 
 
 def model_specs() -> dict[str, Any]:
-    """Model name -> ``TinyModelSpec``: one family (Qwen2, 1088-token vocabulary, tied embeddings, head_dim 64)."""
+    """Model name -> ``TinyModelSpec``: Qwen2 (1088-token vocabulary, tied embeddings, head_dim 64) at each size,
+    and the ~100M shape in two more families (``FAMILY_POINTS``)."""
     from primerl.trainer.tiny_model import TinyModelSpec
 
+    shape_100m = dict(
+        hidden_size=768, num_layers=12, num_attention_heads=12, num_key_value_heads=4, intermediate_size=3072
+    )
     return {
         "tiny": TinyModelSpec(),
         # intermediate = 4 x hidden (the default): ~105M parameters.
-        "100m": TinyModelSpec(
-            hidden_size=768, num_layers=12, num_attention_heads=12, num_key_value_heads=4, intermediate_size=3072
-        ),
+        "100m": TinyModelSpec(**shape_100m),
+        **{f"100m-{family}": TinyModelSpec(**shape_100m, family=family) for family in FAMILY_POINTS},
         # ~489M parameters.
         "500m": TinyModelSpec(
             hidden_size=1536, num_layers=20, num_attention_heads=24, num_key_value_heads=4, intermediate_size=4096
@@ -71,7 +79,11 @@ class ModelPoint:
 
     @property
     def uses_build_tiny_model(self) -> bool:
-        return self.dtype == "fp32" and self.model in ("tiny", "100m")
+        return self.dtype == "fp32" and (self.model in ("tiny", "100m") or self.is_family_point)
+
+    @property
+    def is_family_point(self) -> bool:
+        return self.model.removeprefix("100m-") in FAMILY_POINTS
 
 
 def build_point(out_dir: Path, point: ModelPoint, tokenizer_dir: Path | None) -> Path:
@@ -82,6 +94,8 @@ def build_point(out_dir: Path, point: ModelPoint, tokenizer_dir: Path | None) ->
     spec = model_specs()[point.model]
     if point.uses_build_tiny_model:
         return build_tiny_model(out_dir, spec)
+    if point.is_family_point:
+        raise ValueError(f"{point.label}: the family points are built in fp32 only (--models {point.model}:fp32)")
     spec.validate()
     if tokenizer_dir is None:
         raise ValueError(f"{point.label} is built directly: it needs a tiny model's tokenizer (tokenizer_dir)")

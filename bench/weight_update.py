@@ -5,7 +5,8 @@
                                             [--repeats 3] [--warmup 1] [--lr 1e-5] [--delta-policy auto|always]
                                             [--markdown PATH] [--plots-dir DIR] [--quick] [--stream auto|on|off]
 
-Points: ``--models`` (tiny, 100m, 500m, 1b: one Qwen2 family, ``scale_models.py``) times ``--dtypes`` (fp32,
+Points: ``--models`` (tiny, 100m, 500m, 1b of the Qwen2 family, and 100m-mistral, 100m-phi3 in fp32:
+``scale_models.py``) times ``--dtypes`` (fp32,
 bf16); a model may name its own dtypes (``tiny:fp32,100m:fp32+bf16,1b:bf16``). ``--quick``: tiny in fp32
 and 100m in bf16, whatever ``--models`` says. Each point's checkpoint is stored in its dtype, its
 ``primerl-infer`` serves that dtype (``--model.dtype``), and the trainer side loads the model in it
@@ -1374,7 +1375,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "--models",
         default=None,
-        help="comma-separated, from: tiny, 100m, 500m, 1b; NAME:DTYPE[+DTYPE] gives a model its own "
+        help="comma-separated, from: tiny, 100m, 500m, 1b, 100m-mistral, 100m-phi3 (fp32); NAME:DTYPE[+DTYPE] gives a "
+        "model its own "
         "dtypes (default: tiny,100m)",
     )
     parser.add_argument("--dtypes", default="fp32", help="comma-separated, from: fp32, bf16 (default: fp32)")

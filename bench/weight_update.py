@@ -1363,6 +1363,8 @@ def parse_points(models: str, dtypes: str, parser: argparse.ArgumentParser) -> l
         for dtype in own.split("+") if own else default_dtypes:
             if dtype not in DTYPES:
                 parser.error(f"unknown dtype {dtype!r} (in {entry!r}); choose from {list(DTYPES)}")
+            if ModelPoint(name, dtype).is_family_point and dtype != "fp32":
+                parser.error(f"{name} is built in fp32 only (--models {name}:fp32)")
             if ModelPoint(name, dtype) not in points:
                 points.append(ModelPoint(name, dtype))
     if not points:

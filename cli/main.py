@@ -18,6 +18,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "trainer": ("primerl.cli.trainer", "run a trainer rank (same as primerl-trainer)"),
     "infer": ("primerl.cli.infer", "run an inference worker (same as primerl-infer)"),
     "orchestrator": ("primerl.cli.orchestrator", "run the orchestrator (same as primerl-orchestrator)"),
+    "slurm": (
+        "primerl.cli.slurm",
+        "run RL as SLURM jobs: `primerl slurm @ rl.toml [--trainer-nodes N] [--dry-run]`; `add-inference RUN_DIR`",
+    ),
     "status": ("primerl.cli.status", "show a running job's status from the broker"),
     "certs": (
         "primerl.cli.certs",

@@ -96,7 +96,7 @@ def read_plan(run_dir: str | Path) -> SlurmPlan:
     except FileNotFoundError:
         raise PlanError(f"{path} does not exist: give the run directory of a `primerl slurm` run") from None
     except (OSError, ValueError) as err:
-        raise PlanError(f"{path} is unreadable ({err}): it is written by `primerl slurm`; submit the run again") from None
+        raise PlanError(f"{path} is unreadable ({err}): submit the run again with `primerl slurm`") from None
     known = {f.name for f in fields(SlurmPlan)}
     return SlurmPlan(**{key: value for key, value in data.items() if key in known})
 

@@ -186,7 +186,8 @@ def run_step(role: str, run_dir: str) -> int:
         argv, log = trainer_argv(plan, address, broker), "trainer.log" if rank == 0 else f"trainer-{node}.log"
     elif role == "inference":
         argv = [plan.command("primerl-infer"), "@", config, "--broker.address", broker, "--server.host", address]
-        log = f"inference-{node}.log"
+        job = os.environ.get("SLURM_JOB_ID", "0")  # an array element's own id: two workers may share a node
+        log = f"inference-{node}-{job}.log"
     else:
         argv, log = [plan.command("primerl-orchestrator"), "@", config, "--broker.address", broker], f"{role}.log"
     print(f"primerl slurm: {role} on {node} ({address}), broker {broker}", flush=True)

@@ -1,0 +1,200 @@
+"""A `primerl slurm` run on a ``SlurmCluster``, as tests/test_slurm.py and bench/slurm_run.py drive it, and the same
+run under `primerl rl` on one host for the scheduler's overhead.
+
+``jobs_scenario``: the ``jobs`` shape over the cluster's nodes, the trainer's two ranks on two of them. Once step 1
+is done, at once: `primerl slurm add-inference --nodes 1`, and the orchestrator's job step killed (SIGKILL, `scancel
+--signal=KILL JOB.0`); then the orchestrator's job must be requeued and two more steps done, the added worker must
+serve, is cancelled (`scancel`) and must leave while the run goes on; the run ends by itself (the trainer's job
+cancels what is left). Returns a ``SlurmRunReport``: timings, the steps trained, the requeues.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from primerl.proto import telemetry
+
+from .multihost_report import parse_ts
+from .slurm_cluster import SlurmCluster
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+EXAMPLE = REPO_ROOT / "examples" / "reverse_text_rl.toml"
+BIN = Path(sys.executable).parent
+RUN_OVERRIDES = [
+    "--orchestrator.batch-size",
+    "8",
+    "--orchestrator.rollouts-per-example",
+    "4",
+    "--orchestrator.sampling.max-tokens",
+    "16",
+    "--trainer.ckpt.interval",
+    "100",
+    "--log.format",
+    "json",
+]
+RUN_TIMEOUT_S = 420.0
+
+
+@dataclass
+class SlurmRunReport:
+    max_steps: int
+    steps: list[int] = field(default_factory=list)  # the trainer's STEP_DONE events, in order
+    first_step_s: float = 0.0  # launch (the submitting command) -> step 1 done
+    step_s: float = 0.0  # median time between two steps
+    add_serving_s: float = 0.0  # `add-inference` -> the new worker registered and alive
+    left_at_step: int = 0  # the trainer's step once the cancelled worker was gone
+    requeue_back_s: float = 0.0  # the orchestrator's step killed -> two more steps done
+    restarts: int = 0  # of the orchestrator's job
+    total_s: float = 0.0
+    trainer_nodes: str = ""
+    outcome: dict = field(default_factory=dict)  # run_end.json
+
+    def summary(self) -> str:
+        return (
+            f"trainer on {self.trainer_nodes}; launch -> step 1 {self.first_step_s:.1f} s; step {self.step_s:.2f} s "
+            f"(median); add-inference -> serving {self.add_serving_s:.1f} s (cancelled, gone by step "
+            f"{self.left_at_step}); orchestrator step killed -> requeued, 2 steps later {self.requeue_back_s:.1f} s; "
+            f"{self.max_steps} steps in {self.total_s:.1f} s"
+        )
+
+
+def run_env(extra: dict[str, str]) -> dict[str, str]:
+    env = {
+        **os.environ,
+        **extra,
+        "HF_HUB_OFFLINE": "1",
+        "TRANSFORMERS_OFFLINE": "1",
+        "VLLM_NO_USAGE_STATS": "1",
+        "PYTHONUNBUFFERED": "1",
+    }
+    env.setdefault("PRIMERL_ENV_PYTHON", str(REPO_ROOT / ".venv-envs" / "bin" / "python"))
+    env.pop("PRIMERL_RUN_TOKEN", None)
+    return env
+
+
+def step_events(run_dir: Path) -> list[dict]:
+    events = []
+    for line in (run_dir / "logs" / "trainer.log").read_text(errors="replace").splitlines():
+        try:
+            event = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(event, dict) and event.get("event") == telemetry.STEP_DONE:
+            events.append(event)
+    return events
+
+
+def step_timing(run_dir: Path, launched_unix_s: float) -> tuple[list[int], float, float]:
+    """The steps trained (in order), launch -> step 1 done (s), and the median time between steps (s)."""
+    events = step_events(run_dir)
+    times = [parse_ts(e) for e in events]
+    gaps = [b - a for a, b in zip(times, times[1:])]
+    first = times[0] - launched_unix_s if times else 0.0
+    return [int(e["step"]) for e in events], first, statistics.median(gaps) if gaps else 0.0
+
+
+class Watch:
+    """The run from outside: `primerl status RUN_DIR --json` (the broker's status), within ``RUN_TIMEOUT_S``."""
+
+    def __init__(self, cluster: SlurmCluster, run_dir: Path, env: dict[str, str]):
+        self.cluster, self.run_dir, self.env = cluster, run_dir, env
+        self.deadline = time.monotonic() + RUN_TIMEOUT_S
+
+    def status(self) -> dict:
+        argv = [str(BIN / "primerl"), "status", str(self.run_dir), "--json", "--timeout-s", "5"]
+        result = subprocess.run(argv, capture_output=True, text=True, env=self.env, timeout=60)
+        try:
+            return json.loads(result.stdout) if result.returncode == 0 else {}
+        except ValueError:
+            return {}
+
+    def until(self, what: str, predicate) -> dict:
+        while True:
+            status = self.status() if (self.run_dir / "run.json").exists() else {}
+            if status and predicate(status):
+                return status
+            self.check_time(what, status)
+            time.sleep(0.5)
+
+    def check_time(self, what: str, status: dict | None = None) -> None:
+        if time.monotonic() > self.deadline:
+            jobs = self.cluster.run("squeue", "-h", "-o", "%i %j %k %T %R")
+            raise AssertionError(f"timed out waiting for {what}; jobs:\n{jobs}\nlast status {str(status)[:1500]}")
+
+    def jobs_gone(self) -> None:
+        """Until SLURM holds no job: the trainer's job ends the run and cancels what is left."""
+        while self.cluster.run("squeue", "-h", "-o", "%i"):
+            self.check_time("every job of the run to end")
+            time.sleep(1.0)
+
+
+def serving(status: dict) -> list[dict]:
+    return [
+        w
+        for w in status.get("workers", [])
+        if w.get("role") == "ROLE_INFERENCE" and w.get("state") == "WORKER_STATE_ALIVE"
+    ]
+
+
+def trainer_step(status: dict) -> int:
+    return int(status.get("trainer_step", 0))
+
+
+def primerl(*argv: str, env: dict[str, str], timeout_s: float = 120.0) -> str:
+    result = subprocess.run([str(BIN / "primerl"), *argv], capture_output=True, text=True, env=env, timeout=timeout_s)
+    if result.returncode != 0:
+        raise AssertionError(f"`primerl {' '.join(argv)}` exited {result.returncode}: {result.stderr[-2000:]}")
+    return result.stdout
+
+
+def jobs_scenario(cluster: SlurmCluster, model: Path, run_dir: Path, max_steps: int) -> SlurmRunReport:
+    report = SlurmRunReport(max_steps)
+    env = run_env(cluster.env())
+    launched, started = time.time(), time.monotonic()
+    primerl("slurm", "@", str(EXAMPLE), "--model.name", str(model), "--run-dir", str(run_dir), *RUN_OVERRIDES,
+            "--max-steps", str(max_steps), "--trainer-nodes", "2", "--requeue-limit", "2", env=env)  # fmt: skip
+    jobs = {line["role"]: str(line["job_id"]) for line in map(json.loads, open(run_dir / "slurm" / "jobs.jsonl"))}
+    watch = Watch(cluster, run_dir, env)
+    watch.until("step 1", lambda s: trainer_step(s) >= 1)
+    report.trainer_nodes = cluster.job(int(jobs["trainer"]))["NodeList"]
+
+    added_at = time.monotonic()
+    added = primerl("slurm", "add-inference", str(run_dir), "--nodes", "1", env=env).split("job ")[1].split()[0]
+    before = trainer_step(watch.status())
+    killed_at = time.monotonic()
+    cluster.run("scancel", "--signal=KILL", f"{jobs['orchestrator']}.0")
+    watch.until("two steps after the orchestrator's requeue", lambda s: trainer_step(s) >= before + 2)
+    report.requeue_back_s = time.monotonic() - killed_at
+    report.restarts = int(cluster.job(int(jobs["orchestrator"])).get("Restarts", 0))
+    at_add = watch.until("two workers serving", lambda s: len(serving(s)) >= 2 or trainer_step(s) >= max_steps)
+    report.add_serving_s = time.monotonic() - added_at
+    if len(serving(at_add)) < 2:
+        raise AssertionError("the run ended before the added worker served: make the run longer")
+    cluster.run("scancel", added)
+    report.left_at_step = trainer_step(watch.until("the added worker gone", lambda s: len(serving(s)) == 1))
+
+    watch.jobs_gone()
+    report.total_s = time.monotonic() - started
+    report.steps, report.first_step_s, report.step_s = step_timing(run_dir, launched)
+    report.outcome = json.loads((run_dir / "run_end.json").read_text())
+    return report
+
+
+def local_run(model: Path, run_dir: Path, max_steps: int) -> SlurmRunReport:
+    """The same run under `primerl rl` on this host (two trainer ranks, as on the cluster): launch -> step 1 and
+    the median step time."""
+    report = SlurmRunReport(max_steps, trainer_nodes="this host (2 ranks)")
+    launched, started = time.time(), time.monotonic()
+    primerl("rl", "@", str(EXAMPLE), "--model.name", str(model), "--run-dir", str(run_dir), *RUN_OVERRIDES,
+            "--max-steps", str(max_steps), "--trainer-gpu-ids", "[1,2]", "--no-dashboard",
+            env=run_env({}), timeout_s=RUN_TIMEOUT_S)  # fmt: skip
+    report.total_s = time.monotonic() - started
+    report.steps, report.first_step_s, report.step_s = step_timing(run_dir, launched)
+    return report

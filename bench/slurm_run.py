@@ -1,0 +1,76 @@
+#!/usr/bin/env python
+"""The scheduler's overhead: a `primerl slurm` run on a local SLURM cluster (4 network-namespace nodes, Debian's
+slurm-wlm: ``tests/support/slurm_cluster.py``) beside the same run under `primerl rl` on this host, alternately,
+``--repeats`` times each. The SLURM run is tests/test_slurm.py's scenario (``tests/support/slurm_run.py``):
+add-inference mid-run and cancelled, the orchestrator's step killed and requeued.
+
+    .venv/bin/python bench/slurm_run.py [--repeats 3] [--max-steps 40] [--model runs/demo/tiny-model]
+
+Prints, per run and as median [min-max]: launch -> step 1 done, the median step time, add-inference -> the new
+worker serving, a killed step -> its job requeued and two more steps done. Needs root (network namespaces).
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "tests"))
+sys.path.insert(0, str(ROOT / "bench"))
+
+from cpu_info import cpu_phrase  # noqa: E402
+from support.slurm_cluster import SlurmCluster, slurm_available  # noqa: E402 (tests/ is on the path only now)
+from support.slurm_run import BIN, jobs_scenario, local_run  # noqa: E402
+
+
+def spread(values: list[float]) -> str:
+    return f"{statistics.median(values):.2f} [{min(values):.2f}-{max(values):.2f}]" if values else "-"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="slurm_run", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--max-steps", type=int, default=40)
+    parser.add_argument("--model", type=Path, default=ROOT / "runs" / "demo" / "tiny-model")
+    args = parser.parse_args(argv)
+    ok, why = slurm_available()
+    if not ok:
+        print(f"slurm_run: cannot run a local SLURM cluster here: {why}", file=sys.stderr)
+        return 2
+    if not (args.model / "config.json").exists():
+        subprocess.run([str(BIN / "primerl"), "init-tiny-model", str(args.model)], check=True, timeout=300)
+    print(f"CPU: {cpu_phrase()}", flush=True)
+    rows: dict[str, list] = {"slurm": [], "primerl rl": []}
+    for repeat in range(args.repeats):
+        work = Path(tempfile.mkdtemp(prefix="prl-slurm-bench-"))
+        work.chmod(0o755)  # munged wants every directory above its socket searchable
+        try:
+            local = local_run(args.model.resolve(), work / "local", args.max_steps)
+            rows["primerl rl"].append(local)
+            print(f"[{repeat + 1}] primerl rl: launch -> step 1 {local.first_step_s:.1f} s; step {local.step_s:.2f} s")
+            with SlurmCluster.create(["n1", "n2", "n3", "n4"], work / "cluster") as cluster:
+                report = jobs_scenario(cluster, args.model.resolve(), work / "slurm", args.max_steps)
+            rows["slurm"].append(report)
+            print(f"[{repeat + 1}] slurm: {report.summary()}", flush=True)
+        finally:
+            shutil.rmtree(work, ignore_errors=True)
+    print("\n| run | launch -> step 1 s | step s (median) | add-inference -> serving s | step killed -> 2 more s |")
+    print("|---|---|---|---|---|")
+    for name, reports in rows.items():
+        cells = [spread([getattr(r, key) for r in reports]) for key in ("first_step_s", "step_s")]
+        if name == "slurm":
+            cells += [spread([r.add_serving_s for r in reports]), spread([r.requeue_back_s for r in reports])]
+        else:
+            cells += ["-", "-"]
+        print(f"| {name} | " + " | ".join(cells) + " |")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

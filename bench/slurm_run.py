@@ -7,7 +7,8 @@ add-inference mid-run and cancelled, the orchestrator's step killed and requeued
     .venv/bin/python bench/slurm_run.py [--repeats 3] [--max-steps 40] [--model runs/demo/tiny-model]
 
 Prints, per run and as median [min-max]: launch -> step 1 done, the median step time, add-inference -> the new
-worker serving, a killed step -> its job requeued and two more steps done. Needs root (network namespaces).
+worker serving, a killed step -> its job requeued and the role registered again, and -> the next step done. Needs
+root (network namespaces).
 """
 
 from __future__ import annotations
@@ -60,14 +61,16 @@ def main(argv: list[str] | None = None) -> int:
             print(f"[{repeat + 1}] slurm: {report.summary()}", flush=True)
         finally:
             shutil.rmtree(work, ignore_errors=True)
-    print("\n| run | launch -> step 1 s | step s (median) | add-inference -> serving s | step killed -> 2 more s |")
-    print("|---|---|---|---|---|")
+    header = ["run", "launch -> step 1 s", "step s (median)", "add-inference -> serving s", "step killed -> back s"]
+    print("\n| " + " | ".join([*header, "-> next step s"]) + " |")
+    print("|---|---|---|---|---|---|")
     for name, reports in rows.items():
         cells = [spread([getattr(r, key) for r in reports]) for key in ("first_step_s", "step_s")]
         if name == "slurm":
             cells += [spread([r.add_serving_s for r in reports]), spread([r.requeue_back_s for r in reports])]
+            cells += [spread([r.requeue_step_s for r in reports])]
         else:
-            cells += ["-", "-"]
+            cells += ["-", "-", "-"]
         print(f"| {name} | " + " | ".join(cells) + " |")
     return 0
 

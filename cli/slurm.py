@@ -1,10 +1,10 @@
 """`primerl slurm`: a run as SLURM jobs, from the same config as `primerl rl` (``primerl.slurm``).
 
-  primerl slurm @ rl.toml [--section.key VALUE ...] [--run-dir DIR] [--shape jobs|one-job] [--trainer-nodes N]
-                [--inference-nodes N] [--gpus-per-node G] [--partition P] [--account A] [--time T] [--dry-run]
-  primerl slurm add-inference RUN_DIR --nodes K [--dry-run]
-  primerl slurm step ROLE RUN_DIR                              (run by the batch scripts)
-  primerl slurm settle ROLE RUN_DIR --status N [--cancelled 0|1]  (run by the batch scripts)
+primerl slurm @ rl.toml [--section.key VALUE ...] [--run-dir DIR] [--shape jobs|one-job] [--trainer-nodes N]
+              [--inference-nodes N] [--gpus-per-node G] [--partition P] [--account A] [--time T] [--dry-run]
+primerl slurm add-inference RUN_DIR --nodes K [--dry-run]
+primerl slurm step ROLE RUN_DIR                              (run by the batch scripts)
+primerl slurm settle ROLE RUN_DIR --status N [--cancelled 0|1]  (run by the batch scripts)
 """
 
 from __future__ import annotations

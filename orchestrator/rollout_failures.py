@@ -50,6 +50,9 @@ UNREACHABLE = re.compile(
     r"ConnectTimeout|Connection timeout to host|ServerTimeoutError|"
     r"Server ?Disconnected|ClientConnectorError|Cannot connect to host|ConnectionResetError|ConnectionRefusedError|"
     r"\b50[23]\b|Service Unavailable|Bad Gateway|"
+    # a server shutting down aborts its requests (vLLM's finish_reason "abort", which the OpenAI client refuses):
+    # under SLURM every process of a cancelled step gets SIGTERM at once, the vLLM engine's included
+    r"finish_reason.*input_value='abort'|"
     r"^teacher_unreachable:",
     re.IGNORECASE,
 )  # the teacher: the same outage rule

@@ -33,6 +33,7 @@ ALLOWED: dict[str, tuple[str, ...]] = {
     "configs": FOUNDATION,
     **{role: (*FOUNDATION, "client", "configs") for role in ROLES},
     "dashboard": (*FOUNDATION, "client"),  # a read-only client of a run: its files and the broker's gRPC
+    "slurm": (*FOUNDATION, "client", "configs", "supervisor"),  # a launcher beside `primerl rl`'s: its run files
 }
 UNRESTRICTED = ("cli", "supervisor", "")  # "" is the top package, primerl itself (its __main__ runs the CLI)
 

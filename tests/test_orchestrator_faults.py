@@ -99,6 +99,10 @@ UNREACHABLE_ERROR = (
         "reverse-text: ModelError: <- APITimeoutError: Request timed out. <- ConnectTimeout: "
         "<- ConnectionTimeoutError: Connection timeout to host http://127.0.0.1:8000/v1/chat/completions",
         "reverse-text: ModelError: <- InternalServerError: Error code: 503 - Service Unavailable",
+        # the request aborted by a server shutting down (seen when `scancel` signals every process of a worker)
+        "reverse-text: ModelError: <- ValidationError: 1 validation error for ChatCompletion choices.0.finish_reason "
+        "Input should be 'stop', 'length', 'tool_calls', 'content_filter' or 'function_call' [type=literal_error, "
+        "input_value='abort', input_type=str]",
     ],
 )
 def test_failures_of_a_server_that_is_down_or_restarting_count_as_unreachable(error):

@@ -50,7 +50,8 @@ class SlurmRunReport:
     step_s: float = 0.0  # median time between two steps
     add_serving_s: float = 0.0  # `add-inference` -> the new worker registered and alive
     left_at_step: int = 0  # the trainer's step once the cancelled worker was gone
-    requeue_back_s: float = 0.0  # the orchestrator's step killed -> two more steps done
+    requeue_back_s: float = 0.0  # the orchestrator's step killed -> its job requeued, it registered again
+    requeue_step_s: float = 0.0  # ... -> the next step done after that
     restarts: int = 0  # of the orchestrator's job
     total_s: float = 0.0
     trainer_nodes: str = ""
@@ -60,7 +61,8 @@ class SlurmRunReport:
         return (
             f"trainer on {self.trainer_nodes}; launch -> step 1 {self.first_step_s:.1f} s; step {self.step_s:.2f} s "
             f"(median); add-inference -> serving {self.add_serving_s:.1f} s (cancelled, gone by step "
-            f"{self.left_at_step}); orchestrator step killed -> requeued, 2 steps later {self.requeue_back_s:.1f} s; "
+            f"{self.left_at_step}); orchestrator step killed -> requeued and registered {self.requeue_back_s:.1f} s, "
+            f"next step {self.requeue_step_s:.1f} s; "
             f"{self.max_steps} steps in {self.total_s:.1f} s"
         )
 
@@ -143,6 +145,16 @@ def serving(status: dict) -> list[dict]:
     ]
 
 
+def orchestrator_since(status: dict, unix_ms: float) -> bool:
+    """An orchestrator registered after ``unix_ms`` is alive."""
+    return any(
+        w.get("role") == "ROLE_ORCHESTRATOR"
+        and w.get("state") == "WORKER_STATE_ALIVE"
+        and int(w.get("registered_unix_ms", 0)) > unix_ms
+        for w in status.get("workers", [])
+    )
+
+
 def trainer_step(status: dict) -> int:
     return int(status.get("trainer_step", 0))
 
@@ -167,11 +179,12 @@ def jobs_scenario(cluster: SlurmCluster, model: Path, run_dir: Path, max_steps: 
 
     added_at = time.monotonic()
     added = primerl("slurm", "add-inference", str(run_dir), "--nodes", "1", env=env).split("job ")[1].split()[0]
-    before = trainer_step(watch.status())
-    killed_at = time.monotonic()
+    killed_at, killed_unix_ms = time.monotonic(), time.time() * 1000
     cluster.run("scancel", "--signal=KILL", f"{jobs['orchestrator']}.0")
-    watch.until("two steps after the orchestrator's requeue", lambda s: trainer_step(s) >= before + 2)
+    back = watch.until("the orchestrator registered again", lambda s: orchestrator_since(s, killed_unix_ms))
     report.requeue_back_s = time.monotonic() - killed_at
+    watch.until("a step after the orchestrator came back", lambda s: trainer_step(s) > trainer_step(back))
+    report.requeue_step_s = time.monotonic() - killed_at
     report.restarts = int(cluster.job(int(jobs["orchestrator"])).get("Restarts", 0))
     at_add = watch.until("two workers serving", lambda s: len(serving(s)) >= 2 or trainer_step(s) >= max_steps)
     report.add_serving_s = time.monotonic() - added_at
@@ -196,5 +209,21 @@ def local_run(model: Path, run_dir: Path, max_steps: int) -> SlurmRunReport:
             "--max-steps", str(max_steps), "--trainer-gpu-ids", "[1,2]", "--no-dashboard",
             env=run_env({}), timeout_s=RUN_TIMEOUT_S)  # fmt: skip
     report.total_s = time.monotonic() - started
+    report.steps, report.first_step_s, report.step_s = step_timing(run_dir, launched)
+    return report
+
+
+def one_job_scenario(cluster: SlurmCluster, model: Path, run_dir: Path, max_steps: int) -> SlurmRunReport:
+    """The ``one-job`` shape (fate shared) over 4 nodes, run to its end: the job must complete by itself."""
+    report = SlurmRunReport(max_steps)
+    env = run_env(cluster.env())
+    launched, started = time.time(), time.monotonic()
+    primerl("slurm", "@", str(EXAMPLE), "--model.name", str(model), "--run-dir", str(run_dir), *RUN_OVERRIDES,
+            "--max-steps", str(max_steps), "--trainer-nodes", "2", "--shape", "one-job", env=env)  # fmt: skip
+    [job] = [json.loads(line)["job_id"] for line in open(run_dir / "slurm" / "jobs.jsonl")]
+    watch = Watch(cluster, run_dir, env)
+    watch.jobs_gone()
+    report.total_s = time.monotonic() - started
+    report.outcome = {"job": cluster.job(int(job)), **json.loads((run_dir / "run_end.json").read_text())}
     report.steps, report.first_step_s, report.step_s = step_timing(run_dir, launched)
     return report

@@ -15,10 +15,11 @@ module keeps:
 - with tied embeddings the CPU build's LM head keeps a GEMM packed from the old embedding after a reload;
   ``_refresh_tied_cpu_layers`` rebuilds it.
 - a mixture-of-experts layer (vLLM's ``FusedMoE``: all experts of a layer in two fused tensors) is reloaded with
-  all its experts (``_load_groups``), and on CPU its experts are packed again for the MoE kernel afterwards
-  (``_repack_cpu_moe_layers``: vLLM packs them only at first load). Only the reloaded layers are re-packed:
-  re-packing an untouched layer corrupts it. Experts whose size is not a
-  multiple of 32 crash the CPU reload: such an update is refused (`check_cpu_moe_reload`).
+  all its experts (``_load_groups``); on CPU, `_repack_cpu_moe_layers` then makes each reloaded layer serve its
+  new experts from what `_observed_moe_processing` saw the reload do: it packs the layers vLLM reloaded without
+  packing (vLLM packs only at first load), loads and packs those it did not load (gpt-oss's), and leaves the
+  others alone (packing a packed layer corrupts it). Experts whose size is not a multiple of 32 crash the CPU
+  reload: such an update is refused (`check_cpu_moe_reload`).
 - ``reload_weights`` drops the LoRA adapters loaded in the worker (vLLM reloads an adapter from its path the
   next time a request asks for it).
 - ``reload_weights`` keeps the model from running until it has finished (it puts every layer on the meta device
@@ -177,26 +178,86 @@ def check_cpu_moe_reload(names: list[str], manifest: Mapping[str, tuple[str, lis
             return
 
 
-def _repack_cpu_moe_layers(model: torch.nn.Module, loaded_names: set[str] | None) -> int:
-    """Re-pack, for the CPU MoE kernel, the experts of each MoE layer that was reloaded (None: all weights were).
-
-    vLLM's unquantized MoE method packs a layer's experts for the CPU kernel (``fused_experts.
-    process_weights_after_loading``) only at first load: a reload copies the new experts in the plain layout
-    into the packed tensors (measured: logprobs ~7-14 nats off, even for identical weights). Packing again makes
-    them right; packing a layer that was not reloaded corrupts it, so only the reloaded ones are. GPU layers
-    are left alone (their reload path is complete). Returns how many layers were re-packed."""
-    reloaded = (
-        None if loaded_names is None else {match.group(1) for match in map(_EXPERT_NAME.match, loaded_names) if match}
-    )
-    count = 0
+def _cpu_moe_layers(model: torch.nn.Module) -> Iterator[tuple[str, torch.nn.Module, Any]]:
+    """(name, layer, its quant method) of each MoE layer whose experts vLLM packs for its CPU kernel."""
     for name, module in model.named_modules():
         weight = getattr(module, "w13_weight", None)
-        kernel = getattr(getattr(module, "quant_method", None), "moe_kernel", None)
-        if weight is None or kernel is None or weight.device.type != "cpu":
+        quant_method = getattr(module, "quant_method", None)
+        if weight is not None and getattr(quant_method, "moe_kernel", None) is not None and weight.is_cpu:
+            yield name, module, quant_method
+
+
+@contextlib.contextmanager
+def _observed_moe_processing(model: torch.nn.Module) -> Iterator[tuple[set[int], set[int]]]:
+    """While the block runs, the ids of the CPU MoE layers whose quant method processed their weights (vLLM's
+    reload loaded them) and of those whose experts were packed for the CPU kernel: (processed, packed). Both
+    methods are wrapped on their classes for the block only (the model does not run during a reload)."""
+    processed: set[int] = set()
+    packed: set[int] = set()
+    classes: dict[type, set[int]] = {}
+    for _, _, quant_method in _cpu_moe_layers(model):
+        classes.setdefault(type(quant_method), processed)
+        classes.setdefault(type(quant_method.moe_kernel.fused_experts), packed)
+    saved = {cls: cls.__dict__.get("process_weights_after_loading") for cls in classes}
+    for cls, seen in classes.items():
+        original = cls.process_weights_after_loading
+
+        @functools.wraps(original)
+        def recording(self: Any, layer: torch.nn.Module, _original: Any = original, _seen: set[int] = seen) -> Any:
+            _seen.add(id(layer))
+            return _original(self, layer)
+
+        cls.process_weights_after_loading = recording
+    try:
+        yield processed, packed
+    finally:
+        for cls, method in saved.items():
+            if method is None:
+                del cls.process_weights_after_loading
+            else:
+                cls.process_weights_after_loading = method
+
+
+_EXPERTS_TENSOR = re.compile(r"^(.+\.experts)\.")
+"""A tensor of a layer's experts, one per expert (Qwen3-MoE, Mixtral) or fused (gpt-oss's ``experts.gate_up_proj``):
+group 1 is the name of the experts' module (vLLM's MoE layer is it or one of its submodules)."""
+
+
+def _repack_cpu_moe_layers(
+    model: torch.nn.Module, loaded: Mapping[str, torch.Tensor], partial: bool, processed: set[int], packed: set[int]
+) -> int:
+    """Make each CPU MoE layer that ``loaded`` reloaded (all of them unless ``partial``) serve its new experts;
+    ``processed`` and ``packed`` are what `_observed_moe_processing` saw vLLM's reload do. Returns how many layers
+    were packed here.
+
+    - vLLM's unquantized MoE method packs a layer's experts for the CPU kernel (``fused_experts.
+      process_weights_after_loading``) only at first load: a reload copies the new experts in the plain layout
+      into the packed tensors (measured: logprobs ~7-14 nats off, even for identical weights), so a layer the
+      reload processed without packing is packed here.
+    - A layer the reload did not process was not loaded at all: gpt-oss's weight loading copies its experts
+      into the parameters directly, which the reload has put on the meta device, so the layer keeps its old,
+      packed experts (measured: a FULL update of trained weights served 2.8 nats off them). Its tensors are
+      loaded again here by the model's own ``load_weights``, now that its parameters are real, then packed.
+    - A layer the reload packed itself, or did not reload, is left alone: packing it again corrupts it.
+    """
+    experts_of: dict[str, list[str]] = {}
+    for tensor_name in loaded:
+        match = _EXPERTS_TENSOR.match(tensor_name)
+        if match:
+            experts_of.setdefault(match.group(1), []).append(tensor_name)
+    count = 0
+    for name, module, quant_method in _cpu_moe_layers(model):
+        names = [
+            n for prefix, group in experts_of.items() if name == prefix or name.startswith(f"{prefix}.") for n in group
+        ]
+        if (partial and not names) or id(module) in packed:
             continue
-        if reloaded is None or any(name == layer or name.startswith(f"{layer}.") for layer in reloaded):
-            kernel.fused_experts.process_weights_after_loading(module)
-            count += 1
+        if id(module) not in processed:
+            if not names:
+                raise RuntimeError(f"{name}: vLLM's reload did not load this MoE layer and no tensor of it was sent")
+            model.load_weights(iter([(n, loaded[n]) for n in names]))
+        quant_method.moe_kernel.fused_experts.process_weights_after_loading(module)
+        count += 1
     return count
 
 
@@ -324,10 +385,10 @@ class PolicyWorkerExtension:
                 check_cpu_moe_reload(list(to_load), self._primerl_manifest)
             # A partial reload makes vLLM warn about every layer it was not given: expected here, so muted.
             partial = len(to_load) < len(self._primerl_host)
-            with _quiet_partial_reload(partial):
-                self.model_runner.reload_weights(weights_iterator=iter(list(to_load.items())))
             model = self.model_runner.get_model()
-            _repack_cpu_moe_layers(model, set(to_load) if partial else None)
+            with _quiet_partial_reload(partial), _observed_moe_processing(model) as (processed, packed):
+                self.model_runner.reload_weights(weights_iterator=iter(list(to_load.items())))
+            _repack_cpu_moe_layers(model, to_load, partial, processed, packed)
             _refresh_tied_cpu_layers(model, set(to_load) if partial else None)
         self._primerl_set_host(tensors, source)
         return {

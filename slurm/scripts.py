@@ -18,6 +18,10 @@ import shlex
 
 from primerl.slurm.plan import SlurmPlan
 
+STOP_GRACE_S = 15
+"""One-job shape: how long the roles may take to stop once one failed or the trainer finished (a trainer rank blocked
+in a collective with a rank that died would otherwise wait for its timeout)."""
+
 STEP_LOOP = """\
 cancelled=0
 trap 'cancelled=1' TERM INT
@@ -42,7 +46,11 @@ start broker "${{nodes[0]}}"
 start orchestrator "${{nodes[0]}}"
 start trainer "$(join "${{nodes[@]:1:{trainer_nodes}}}")"
 start inference "$(join "${{nodes[@]:{first_inference}:{inference_nodes}}}")"
-trap 'kill -TERM "${{!role_of[@]}}" 2>/dev/null' TERM INT
+stop_all() {{  # SIGTERM to every step's tasks; past {stop_grace_s} s the job ends and SLURM kills what is left
+  scancel --signal=TERM "$SLURM_JOB_ID" 2>/dev/null
+  for _ in $(seq {stop_grace_s}); do [ -z "$(jobs -rp)" ] && break; sleep 1; done
+}}
+trap ':' TERM INT  # scancel: SLURM signals the steps itself; wait for them
 while [ "${{#role_of[@]}}" -gt 0 ]; do
   done_pid=
   wait -n -p done_pid "${{!role_of[@]}}"; status=$?
@@ -50,11 +58,11 @@ while [ "${{#role_of[@]}}" -gt 0 ]; do
   role=${{role_of[$done_pid]}}; unset "role_of[$done_pid]"
   if [ "$status" -ne 0 ]; then
     echo "primerl slurm: $role ended with status $status: stopping every role (one-job shape: fate shared)"
-    kill -TERM "${{!role_of[@]}}" 2>/dev/null; wait; exit "$status"
+    stop_all; exit "$status"
   fi
   if [ "$role" = trainer ]; then
     {primerl} slurm settle trainer {run_dir} --status 0
-    kill -TERM "${{!role_of[@]}}" 2>/dev/null; wait; exit 0
+    stop_all; exit 0
   fi
 done
 """
@@ -107,6 +115,7 @@ def one_job_script(plan: SlurmPlan) -> str:
         trainer_nodes=plan.trainer_nodes,
         first_inference=1 + plan.trainer_nodes,
         inference_nodes=plan.inference_nodes,
+        stop_grace_s=STOP_GRACE_S,
     )
     return "\n".join(lines) + "\n" + body
 

@@ -11,6 +11,9 @@ address is on (``GLOO_SOCKET_IFNAME``), runs it with its log in ``RUN_DIR/logs``
 - ``orchestrator``, ``inference``: wait for ``run.json`` and dial the broker it names; a worker serves on its
   node's address.
 
+A role that dials the broker is stopped and started again with the new address when ``run.json`` names another one
+(the broker's job requeued onto another node, after a node failure).
+
 The exit status is the daemon's (128 + N when a signal N ended it): the batch script gives it to
 `primerl slurm settle`.
 """
@@ -30,6 +33,8 @@ from primerl.runtime.run_files import LOGS_DIR, RUN_FILE
 from primerl.slurm.plan import SlurmPlan, read_plan, read_token
 
 BROKER_READY_S = 120.0
+POLL_S = 2.0  # how often a role's step looks whether the broker moved
+STOP_S = 30.0  # how long a role may take to stop before it is started again with the broker's new address
 ENDPOINTS_FILE = "broker-endpoints.json"
 PORT_KEYS = ("grpc_port", "rollout_port", "weight_port")
 
@@ -77,9 +82,10 @@ def role_env(plan: SlurmPlan, role: str, address: str) -> dict[str, str]:
     return env
 
 
-def run_child(argv: list[str], env: dict[str, str], log_path: Path, on_start=None) -> int:
+def run_child(argv: list[str], env: dict[str, str], log_path: Path, on_start=None, restart_when=None) -> int | None:
     """Run ``argv`` with its output appended to ``log_path``; SIGTERM, SIGINT and SIGHUP are passed on. Returns
-    its exit status (128 + N for a signal N). ``on_start(process)`` runs once it started (the broker's step)."""
+    its exit status (128 + N for a signal N). ``on_start(process)`` runs once it started (the broker's step);
+    ``restart_when()``, asked every ``POLL_S``, stops it (SIGTERM, SIGKILL past ``STOP_S``) and returns None."""
     log_path.parent.mkdir(parents=True, exist_ok=True)
     with open(log_path, "ab") as log:
         child = subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
@@ -87,8 +93,27 @@ def run_child(argv: list[str], env: dict[str, str], log_path: Path, on_start=Non
         signal.signal(signum, lambda sig, _frame: child.poll() is None and child.send_signal(sig))
     if on_start is not None:
         on_start(child)
-    code = child.wait()
-    return 128 - code if code < 0 else code
+    while True:
+        try:
+            code = child.wait(POLL_S)
+            return 128 - code if code < 0 else code
+        except subprocess.TimeoutExpired:
+            if restart_when is None or not restart_when():
+                continue
+        child.terminate()
+        try:
+            child.wait(STOP_S)
+        except subprocess.TimeoutExpired:
+            child.kill()
+            child.wait()
+        return None
+
+
+def current_broker(plan: SlurmPlan) -> str | None:
+    try:
+        return json.loads((Path(plan.run_dir) / RUN_FILE).read_text())["broker_address"]
+    except (OSError, ValueError, KeyError):
+        return None
 
 
 def wait_for_broker(plan: SlurmPlan) -> str:
@@ -180,18 +205,27 @@ def run_step(role: str, run_dir: str) -> int:
         argv = broker_argv(plan, node, address, ready)
         return run_child(argv, env, logs / "broker.log", lambda c: publish_broker(plan, node, address, ready, c))
     broker = wait_for_broker(plan)
-    rank = int(os.environ.get("SLURM_PROCID", "0"))
+    while True:  # a broker requeued onto another node has a new address: start again with it
+        argv, log = client_argv(plan, role, node, address, broker)
+        print(f"primerl slurm: {role} on {node} ({address}), broker {broker}", flush=True)
+        code = run_child(argv, env, logs / log, restart_when=lambda: current_broker(plan) not in (None, broker))
+        if code is not None:
+            return code
+        broker = current_broker(plan) or broker
+        print(f"primerl slurm: the broker moved to {broker}: starting {role} again", flush=True)
+
+
+def client_argv(plan: SlurmPlan, role: str, node: str, address: str, broker: str) -> tuple[list[str], str]:
+    """The command of a role that dials the broker at ``broker``, and its log's name."""
     config = str(Path(plan.run_dir) / f"{role}.toml")
     if role == "trainer":
-        argv, log = trainer_argv(plan, address, broker), "trainer.log" if rank == 0 else f"trainer-{node}.log"
-    elif role == "inference":
-        argv = [plan.command("primerl-infer"), "@", config, "--broker.address", broker, "--server.host", address]
+        rank = int(os.environ.get("SLURM_PROCID", "0"))
+        return trainer_argv(plan, address, broker), "trainer.log" if rank == 0 else f"trainer-{node}.log"
+    if role == "inference":
         job = os.environ.get("SLURM_JOB_ID", "0")  # an array element's own id: two workers may share a node
-        log = f"inference-{node}-{job}.log"
-    else:
-        argv, log = [plan.command("primerl-orchestrator"), "@", config, "--broker.address", broker], f"{role}.log"
-    print(f"primerl slurm: {role} on {node} ({address}), broker {broker}", flush=True)
-    return run_child(argv, env, logs / log)
+        argv = [plan.command("primerl-infer"), "@", config, "--broker.address", broker, "--server.host", address]
+        return argv, f"inference-{node}-{job}.log"
+    return [plan.command(f"primerl-{role}"), "@", config, "--broker.address", broker], f"{role}.log"
 
 
 def main(role: str, run_dir: str) -> int:

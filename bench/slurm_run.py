@@ -2,13 +2,14 @@
 """The scheduler's overhead: a `primerl slurm` run on a local SLURM cluster (4 network-namespace nodes, Debian's
 slurm-wlm: ``tests/support/slurm_cluster.py``) beside the same run under `primerl rl` on this host, alternately,
 ``--repeats`` times each. The SLURM run is tests/test_slurm.py's scenario (``tests/support/slurm_run.py``):
-add-inference mid-run and cancelled, the orchestrator's step killed and requeued.
+add-inference mid-run and cancelled, the broker's node lost (drained, its step killed) and its job requeued
+onto another node.
 
     .venv/bin/python bench/slurm_run.py [--repeats 3] [--max-steps 40] [--model runs/demo/tiny-model]
 
 Prints, per run and as median [min-max]: launch -> step 1 done, the median step time, add-inference -> the new
-worker serving, a killed step -> its job requeued and the role registered again, and -> the next step done. Needs
-root (network namespaces).
+worker serving, the broker's node lost -> the broker ready on another node, and -> every role with it and a step
+done. Needs root (network namespaces).
 """
 
 from __future__ import annotations
@@ -61,14 +62,20 @@ def main(argv: list[str] | None = None) -> int:
             print(f"[{repeat + 1}] slurm: {report.summary()}", flush=True)
         finally:
             shutil.rmtree(work, ignore_errors=True)
-    header = ["run", "launch -> step 1 s", "step s (median)", "add-inference -> serving s", "step killed -> back s"]
-    print("\n| " + " | ".join([*header, "-> next step s"]) + " |")
+    header = [
+        "run",
+        "launch -> step 1 s",
+        "step s (median)",
+        "add-inference -> serving s",
+        "node lost -> broker back s",
+    ]
+    print("\n| " + " | ".join([*header, "-> roles back, a step s"]) + " |")
     print("|---|---|---|---|---|---|")
     for name, reports in rows.items():
         cells = [spread([getattr(r, key) for r in reports]) for key in ("first_step_s", "step_s")]
         if name == "slurm":
-            cells += [spread([r.add_serving_s for r in reports]), spread([r.requeue_back_s for r in reports])]
-            cells += [spread([r.requeue_step_s for r in reports])]
+            cells += [spread([r.add_serving_s for r in reports]), spread([r.broker_back_s for r in reports])]
+            cells += [spread([r.roles_back_s for r in reports])]
         else:
             cells += ["-", "-", "-"]
         print(f"| {name} | " + " | ".join(cells) + " |")

@@ -2,10 +2,11 @@
 run under `primerl rl` on one host for the scheduler's overhead.
 
 ``jobs_scenario``: the ``jobs`` shape over the cluster's nodes, the trainer's two ranks on two of them. Once step 1
-is done, at once: `primerl slurm add-inference --nodes 1`, and the orchestrator's job step killed (SIGKILL, `scancel
---signal=KILL JOB.0`); then the orchestrator's job must be requeued and two more steps done, the added worker must
-serve, is cancelled (`scancel`) and must leave while the run goes on; the run ends by itself (the trainer's job
-cancels what is left). Returns a ``SlurmRunReport``: timings, the steps trained, the requeues.
+is done: `primerl slurm add-inference --nodes 1`, and at once the broker's node lost (drained, and the broker's job
+step killed with SIGKILL, `scancel --signal=KILL JOB.0`): its job must be requeued onto another node and every role
+must follow it there (``primerl.slurm.step``), a step done after that; the added worker must serve, is cancelled
+(`scancel`) and must leave while the run goes on; the run ends by itself (the trainer's job cancels what is left).
+Returns a ``SlurmRunReport``: timings, the steps trained, the requeues.
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ RUN_OVERRIDES = [
     "--orchestrator.sampling.max-tokens",
     "16",
     "--trainer.ckpt.interval",
-    "100",
+    "2",
     "--log.format",
     "json",
 ]
@@ -45,14 +46,16 @@ RUN_TIMEOUT_S = 420.0
 @dataclass
 class SlurmRunReport:
     max_steps: int
-    steps: list[int] = field(default_factory=list)  # the trainer's STEP_DONE events, in order
+    steps: list[int] = field(default_factory=list)  # the lineage of the final weights (``step_timing``)
+    retrained: int = 0  # steps trained again after a trainer resumed from its checkpoint
     first_step_s: float = 0.0  # launch (the submitting command) -> step 1 done
     step_s: float = 0.0  # median time between two steps
     add_serving_s: float = 0.0  # `add-inference` -> the new worker registered and alive
     left_at_step: int = 0  # the trainer's step once the cancelled worker was gone
-    requeue_back_s: float = 0.0  # the orchestrator's step killed -> its job requeued, it registered again
-    requeue_step_s: float = 0.0  # ... -> the next step done after that
-    restarts: int = 0  # of the orchestrator's job
+    broker_back_s: float = 0.0  # the broker's node drained and its step killed -> the broker ready on another node
+    roles_back_s: float = 0.0  # ... -> every role started again with its address, and a step done after that
+    restarts: int = 0  # of the broker's job
+    broker_nodes: str = ""  # "OLD -> NEW"
     total_s: float = 0.0
     trainer_nodes: str = ""
     outcome: dict = field(default_factory=dict)  # run_end.json
@@ -61,8 +64,8 @@ class SlurmRunReport:
         return (
             f"trainer on {self.trainer_nodes}; launch -> step 1 {self.first_step_s:.1f} s; step {self.step_s:.2f} s "
             f"(median); add-inference -> serving {self.add_serving_s:.1f} s (cancelled, gone by step "
-            f"{self.left_at_step}); orchestrator step killed -> requeued and registered {self.requeue_back_s:.1f} s, "
-            f"next step {self.requeue_step_s:.1f} s; "
+            f"{self.left_at_step}); broker's node lost ({self.broker_nodes}): broker back {self.broker_back_s:.1f} s, "
+            f"every role with it and a step done {self.roles_back_s:.1f} s; "
             f"{self.max_steps} steps in {self.total_s:.1f} s"
         )
 
@@ -81,25 +84,35 @@ def run_env(extra: dict[str, str]) -> dict[str, str]:
     return env
 
 
-def step_events(run_dir: Path) -> list[dict]:
+def trainer_events(run_dir: Path, names: tuple[str, ...]) -> list[dict]:
     events = []
     for line in (run_dir / "logs" / "trainer.log").read_text(errors="replace").splitlines():
         try:
             event = json.loads(line)
         except ValueError:
             continue
-        if isinstance(event, dict) and event.get("event") == telemetry.STEP_DONE:
+        if isinstance(event, dict) and event.get("event") in names:
             events.append(event)
     return events
 
 
-def step_timing(run_dir: Path, launched_unix_s: float) -> tuple[list[int], float, float]:
-    """The steps trained (in order), launch -> step 1 done (s), and the median time between steps (s)."""
-    events = step_events(run_dir)
-    times = [parse_ts(e) for e in events]
+def step_timing(run_dir: Path, launched_unix_s: float) -> tuple[list[int], int, float, float]:
+    """The lineage of the final weights (the steps each trainer incarnation trained, cut back to the checkpoint
+    the next one resumed from, as the chaos checks read it), the steps trained again after such a resume, launch ->
+    step 1 done (s), and the median time between steps (s)."""
+    lineage: list[int] = []
+    retrained, times = 0, []
+    for event in trainer_events(run_dir, (telemetry.STEP_DONE, telemetry.RESUMED_FROM_CHECKPOINT)):
+        if event["event"] == telemetry.RESUMED_FROM_CHECKPOINT:
+            kept = [s for s in lineage if s <= int(event["step"])]
+            retrained += len(lineage) - len(kept)
+            lineage = kept
+            continue
+        lineage.append(int(event["step"]))
+        times.append(parse_ts(event))
     gaps = [b - a for a, b in zip(times, times[1:])]
     first = times[0] - launched_unix_s if times else 0.0
-    return [int(e["step"]) for e in events], first, statistics.median(gaps) if gaps else 0.0
+    return lineage, retrained, first, statistics.median(gaps) if gaps else 0.0
 
 
 class Watch:
@@ -179,13 +192,7 @@ def jobs_scenario(cluster: SlurmCluster, model: Path, run_dir: Path, max_steps: 
 
     added_at = time.monotonic()
     added = primerl("slurm", "add-inference", str(run_dir), "--nodes", "1", env=env).split("job ")[1].split()[0]
-    killed_at, killed_unix_ms = time.monotonic(), time.time() * 1000
-    cluster.run("scancel", "--signal=KILL", f"{jobs['orchestrator']}.0")
-    back = watch.until("the orchestrator registered again", lambda s: orchestrator_since(s, killed_unix_ms))
-    report.requeue_back_s = time.monotonic() - killed_at
-    watch.until("a step after the orchestrator came back", lambda s: trainer_step(s) > trainer_step(back))
-    report.requeue_step_s = time.monotonic() - killed_at
-    report.restarts = int(cluster.job(int(jobs["orchestrator"])).get("Restarts", 0))
+    report.broker_nodes = lose_the_brokers_node(cluster, watch, jobs["broker"], report)
     at_add = watch.until("two workers serving", lambda s: len(serving(s)) >= 2 or trainer_step(s) >= max_steps)
     report.add_serving_s = time.monotonic() - added_at
     if len(serving(at_add)) < 2:
@@ -195,9 +202,37 @@ def jobs_scenario(cluster: SlurmCluster, model: Path, run_dir: Path, max_steps: 
 
     watch.jobs_gone()
     report.total_s = time.monotonic() - started
-    report.steps, report.first_step_s, report.step_s = step_timing(run_dir, launched)
+    report.steps, report.retrained, report.first_step_s, report.step_s = step_timing(run_dir, launched)
     report.outcome = json.loads((run_dir / "run_end.json").read_text())
     return report
+
+
+def lose_the_brokers_node(cluster: SlurmCluster, watch: Watch, job: str, report: SlurmRunReport) -> str:
+    """The broker's node drained (no new job lands there) and the broker's step killed: its job is requeued onto
+    another node, and every role must follow it there. Returns "OLD -> NEW" (nodes)."""
+    old_node, old_address = cluster.job(int(job))["NodeList"], current_broker(watch.run_dir)
+    cluster.run("scontrol", "update", f"nodename={old_node}", "state=drain", "reason=primerl test: a node lost")
+    killed_at, killed_unix_ms = time.monotonic(), time.time() * 1000
+    cluster.run("scancel", "--signal=KILL", f"{job}.0")
+    while current_broker(watch.run_dir) in (None, old_address):
+        watch.check_time("the broker's job requeued onto another node")
+        time.sleep(0.2)
+    report.broker_back_s = time.monotonic() - killed_at
+    cluster.run("scontrol", "update", f"nodename={old_node}", "state=resume")
+    back = watch.until(
+        "the orchestrator registered with the moved broker", lambda s: orchestrator_since(s, killed_unix_ms)
+    )
+    watch.until("a step after the move", lambda s: trainer_step(s) > trainer_step(back))
+    report.roles_back_s = time.monotonic() - killed_at
+    report.restarts = int(cluster.job(int(job)).get("Restarts", 0))
+    return f"{old_node} -> {cluster.job(int(job))['NodeList']}"
+
+
+def current_broker(run_dir: Path) -> str | None:
+    try:
+        return json.loads((run_dir / "run.json").read_text())["broker_address"]
+    except (OSError, ValueError, KeyError):
+        return None
 
 
 def local_run(model: Path, run_dir: Path, max_steps: int) -> SlurmRunReport:
@@ -209,7 +244,7 @@ def local_run(model: Path, run_dir: Path, max_steps: int) -> SlurmRunReport:
             "--max-steps", str(max_steps), "--trainer-gpu-ids", "[1,2]", "--no-dashboard",
             env=run_env({}), timeout_s=RUN_TIMEOUT_S)  # fmt: skip
     report.total_s = time.monotonic() - started
-    report.steps, report.first_step_s, report.step_s = step_timing(run_dir, launched)
+    report.steps, report.retrained, report.first_step_s, report.step_s = step_timing(run_dir, launched)
     return report
 
 
@@ -225,5 +260,5 @@ def one_job_scenario(cluster: SlurmCluster, model: Path, run_dir: Path, max_step
     watch.jobs_gone()
     report.total_s = time.monotonic() - started
     report.outcome = {"job": cluster.job(int(job)), **json.loads((run_dir / "run_end.json").read_text())}
-    report.steps, report.first_step_s, report.step_s = step_timing(run_dir, launched)
+    report.steps, report.retrained, report.first_step_s, report.step_s = step_timing(run_dir, launched)
     return report

@@ -19,7 +19,7 @@ from support.slurm_run import jobs_scenario, one_job_scenario
 
 pytestmark = pytest.mark.slow
 
-MAX_STEPS = 50
+MAX_STEPS = 40
 
 
 def test_a_run_as_slurm_jobs_grows_loses_a_role_and_finishes(tiny_model: Path, tmp_path: Path) -> None:

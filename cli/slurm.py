@@ -128,8 +128,11 @@ def _submit(args: argparse.Namespace, parsed) -> int:
     token = config.broker.run_token or os.environ.get("PRIMERL_RUN_TOKEN") or secrets.token_urlsafe(24)
     paths = prepare_run(config, plan, token)
     if args.dry_run:
+        from primerl.slurm.submit import sbatch_argv
+
         for name, path in paths.items():
-            print(f"# --- {path} ---\n{path.read_text()}")
+            command = " ".join(sbatch_argv(plan, name, path, "$BROKER_JOB"))
+            print(f"# --- {path} ---\n# submitted with: {command}\n{path.read_text()}")
         return 0
     try:
         submit_run(plan, paths, sys.stdout)

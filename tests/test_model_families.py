@@ -47,7 +47,7 @@ DOCS = Path(__file__).resolve().parent.parent / "docs" / "models.md"
 RESULTS: dict[str, dict[str, Any]] = {}
 """family -> what `test_family_serves_and_follows_a_full_update` measured (written to the docs table at the end)."""
 RUN_RESULTS: dict[str, float] = {}
-"""family -> seconds `test_sft_then_rl_through_primerl` took (SFT and a 3-step RL run)."""
+"""family -> seconds `test_sft_then_rl_through_primerl` took (SFT and a 2-step RL run)."""
 REFUSED_RESULTS: dict[str, dict[str, Any]] = {}
 """refused family -> what `test_a_refused_family_still_fails_here` measured."""
 
@@ -420,53 +420,64 @@ def _exported(state: dict[str, Any]) -> dict[str, Any]:
 @pytest.mark.vllm
 @pytest.mark.parametrize("name", sorted(REFUSED))
 def test_a_refused_family_still_fails_here(name: str, tmp_path: Path) -> None:
-    """The shape each refusal was measured on, measured again: served logprobs off transformers', or a FULL update
-    of the unchanged weights that breaks them. When vLLM serves it right, this fails: move it to FAMILIES."""
-    from safetensors.torch import load_file
+    """The shape each refusal was measured on, measured again: served logprobs off transformers', or after a FULL
+    update of trained weights. When vLLM serves it right, this fails: move it to FAMILIES."""
     from support.policy_updates import full_update
 
     from primerl.inference.logprob_check import load_reference_model
     from primerl.inference.policy_updates import PolicyUpdater
+    from primerl.trainer.hf_state_dict import hf_state_dict
 
     shape = REFUSED[name].shape
     started_s = time.monotonic()
     model_dir = build_tiny_model(tmp_path / name, TinyModelSpec(family=name, num_experts=8), family=shape)
     reference = load_reference_model(model_dir)
     with engine_for_test(_engine_options(model_dir, tmp_path / "work", in_process=True, lora=False)) as llm:
-        gap, _ = _served_gap(llm, reference)
+        gap, samples = _served_gap(llm, reference)
+        _train(reference, _sequences(samples))
         updater = PolicyUpdater.for_llm(llm, tmp_path / "policy", staging_dir=tmp_path)
         updater.prepare()
-        updater.apply(*full_update(load_file(str(model_dir / "model.safetensors")), 1))
+        updater.apply(*full_update(_exported(hf_state_dict(reference)), 1))
         reload_gap, _ = _served_gap(llm, reference)
     seconds = time.monotonic() - started_s
     REFUSED_RESULTS[name] = {"gap": gap, "reload_gap": reload_gap, "seconds": seconds}
-    print(f"\n{name} (refused): served {gap:.2e} off, after a FULL update of the same weights {reload_gap:.2e}")
+    print(f"\n{name} (refused): served {gap:.2e} off, after a FULL update of trained weights {reload_gap:.2e}")
     assert max(gap, reload_gap) > LOGPROB_TOLERANCE, f"vLLM serves {name} right now: move it from REFUSED to FAMILIES"
 
 
-RUN_FAMILIES = ("phi3", "gemma2", "mixtral")
-"""`primerl sft` then `primerl rl` (~40 s each): fused projections with untied embeddings; soft-capping, local and
-global layers; an MoE with untied embeddings. The others share these paths (the table's FULL and DELTA columns)."""
+RUN_FAMILIES = tuple(name for name in family_names() if name != DEFAULT_FAMILY)
+"""`primerl sft` then `primerl rl` on every served family but the demo's Qwen2 (tests/test_sft.py and
+tests/test_rl_launcher.py train that one with each)."""
+SFT_WORDS = ("abc", "bad", "cafe", "deed", "face", "head", "bead", "dace")
+SFT_BATCH_SIZE = 4
+"""8 chat samples in batches of 4: 2 SFT steps."""
+RL_STEPS = 2
+RL_WITH_LORA = "phi3"
+"""The family whose RL trains a LoRA adapter on its usual target modules (Phi-3's fused `qkv_proj` and
+`gate_up_proj`), through `[trainer.model.lora]` of examples/reverse_text_rl_lora.toml; the others train every
+weight (examples/reverse_text_rl.toml)."""
+RL_SMALL = ["--orchestrator.batch-size", "16", "--orchestrator.rollouts-per-example", "4"]
+RL_SMALL += ["--orchestrator.sampling.max-tokens", "16", "--no-dashboard"]
+"""The example's run made small (4 prompts x 4 rollouts of at most 16 tokens a step): the start-up of the four
+roles, not the steps, is what each family's run costs."""
 
 
-@pytest.mark.slow
-@pytest.mark.vllm
-@pytest.mark.parametrize("name", RUN_FAMILIES)
-def test_sft_then_rl_through_primerl(name: str, tmp_path: Path) -> None:
-    """`primerl sft` on chat samples rendered with the family's template, then 3 RL steps of `primerl rl` from
-    the SFT export (broker, vLLM inference, orchestrator, trainer): every step trained and served."""
-    import subprocess
-    import sys
-
-    started_s = time.monotonic()
-    bin_dir = Path(sys.executable).parent
+def _primerl_env() -> dict[str, str]:
+    """The environment of a `primerl` command run by a test: offline, the env-worker interpreter, no run token."""
     repo = Path(__file__).resolve().parent.parent
     env_python = os.environ.get("PRIMERL_ENV_PYTHON", str(repo / ".venv-envs" / "bin" / "python"))
     if not Path(env_python).exists():
         pytest.skip(f"no env-worker interpreter at {env_python}: run `make setup` (it builds .venv-envs)")
     env = {**os.environ, "PRIMERL_ENV_PYTHON": env_python, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
     env.pop("PRIMERL_RUN_TOKEN", None)
-    model_dir = build_tiny_model(tmp_path / name, family_spec(name))
+    return env
+
+
+def _sft_export(model_dir: Path, tmp_path: Path, env: dict[str, str]) -> Path:
+    """`primerl sft` on chat samples rendered with the family's template; the export of its last step."""
+    import subprocess
+    import sys
+
     data = tmp_path / "sft.jsonl"
     data.write_text(
         "".join(
@@ -477,30 +488,53 @@ def test_sft_then_rl_through_primerl(name: str, tmp_path: Path) -> None:
                 }
             )
             + "\n"
-            for word in ("abc", "bad", "cafe", "deed", "face", "head", "bead", "dace") * 4
+            for word in SFT_WORDS
         )
     )
     sft_dir = tmp_path / "sft"
-    sft = [str(bin_dir / "primerl"), "sft", "--model.name", str(model_dir), "--data.path", str(data)]
-    sft += ["--data.batch-size", "8", "--data.epochs", "1", "--seq-len", "256", "--output-dir", str(sft_dir)]
+    sft = [str(Path(sys.executable).parent / "primerl"), "sft", "--model.name", str(model_dir)]
+    sft += ["--data.path", str(data), "--data.batch-size", str(SFT_BATCH_SIZE), "--data.epochs", "1"]
+    sft += ["--seq-len", "256", "--output-dir", str(sft_dir)]
     result = subprocess.run(sft, capture_output=True, text=True, timeout=300, env=env, cwd=tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]
     [export] = sorted((sft_dir / "weights").glob("step_*"))
+    assert export.name == f"step_{len(SFT_WORDS) // SFT_BATCH_SIZE}", export  # every batch trained
     assert (export / "STABLE").exists()
+    return export
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
+@pytest.mark.parametrize("name", RUN_FAMILIES)
+def test_sft_then_rl_through_primerl(name: str, tmp_path: Path) -> None:
+    """`primerl sft` on chat samples rendered with the family's template, then 2 RL steps of `primerl rl` from
+    the SFT export (broker, vLLM inference, orchestrator, trainer), with LoRA for `RL_WITH_LORA`: every step
+    trained and served."""
+    import subprocess
+    import sys
 
     from support.probes import free_port
 
-    run_dir = tmp_path / "run"
-    rl = [str(bin_dir / "primerl"), "rl", "@", str(repo / "examples" / "reverse_text_rl.toml")]
-    rl += ["--model.name", str(export), "--output-dir", str(run_dir), "--max-steps", "3"]
-    rl += ["--broker.grpc-port", str(free_port())]
+    started_s = time.monotonic()
+    env = _primerl_env()
+    export = _sft_export(build_tiny_model(tmp_path / name, family_spec(name)), tmp_path, env)
+    run_dir, repo = tmp_path / "run", Path(__file__).resolve().parent.parent
+    config = "reverse_text_rl_lora.toml" if name == RL_WITH_LORA else "reverse_text_rl.toml"
+    rl = [str(Path(sys.executable).parent / "primerl"), "rl", "@", str(repo / "examples" / config)]
+    rl += ["--model.name", str(export), "--output-dir", str(run_dir), "--max-steps", str(RL_STEPS)]
+    rl += ["--broker.grpc-port", str(free_port()), *RL_SMALL]
+    if name == RL_WITH_LORA:
+        rl += ["--trainer.model.lora.target-modules", json.dumps(list(FAMILIES[name].lora_target_modules))]
     result = subprocess.run(rl, capture_output=True, text=True, timeout=400, env=env, cwd=tmp_path)
     output = result.stdout + result.stderr
     assert result.returncode == 0, output[-6000:]
-    assert "run finished: 3 steps" in result.stdout, output[-6000:]
-    assert "policy version served by inference: 3 (trainer published 3)" in result.stdout, output[-6000:]
+    assert f"run finished: {RL_STEPS} steps" in result.stdout, output[-6000:]
+    served = f"policy version served by inference: {RL_STEPS} (trainer published {RL_STEPS})"
+    assert served in result.stdout, output[-6000:]
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in rows if r["role"] == "trainer"] == [1, 2, 3]
+    assert [r["step"] for r in rows if r["role"] == "trainer"] == list(range(1, RL_STEPS + 1))
+    if name == RL_WITH_LORA:  # inference was sent adapters, not weights
+        assert "kind=WEIGHT_UPDATE_KIND_LORA" in (run_dir / "logs" / "inference.log").read_text()
     RUN_RESULTS[name] = time.monotonic() - started_s
 
 
@@ -525,7 +559,15 @@ def family_table(
         if measured:
             lora = "refused on CPU (MoE)" if measured["lora_gap"] is None else f"{measured['lora_gap']:.1e}"
         lora += f" ({', '.join(family.lora_target_modules)})"
-        run = f"yes ({run_results[name]:.0f} s)" if name in run_results else "not run"
+        run = "not run"
+        if name in run_results:
+            run = (
+                f"yes, RL with LoRA ({run_results[name]:.0f} s)"
+                if name == RL_WITH_LORA
+                else f"yes ({run_results[name]:.0f} s)"
+            )
+        elif name == DEFAULT_FAMILY:
+            run = "yes (tests/test_sft.py, tests/test_rl_launcher.py)"
         served = "yes" if measured and measured["gap"] <= family.logprob_tolerance else "no"
         rows.append(
             f"| `{name}` | {family.architecture} | {family.checkpoints} | {served} | {gap} | {full} | {delta} "
@@ -534,7 +576,7 @@ def family_table(
     for name, refused in sorted(REFUSED.items()):
         measured = refused_results.get(name)
         gap = f"{measured['gap']:.1e}" if measured else "not measured"
-        reload = f"{measured['reload_gap']:.1e} (same weights)" if measured else "not measured"
+        reload = f"{measured['reload_gap']:.1e}" if measured else "not measured"
         rows.append(
             f"| `{name}` | {refused.architecture} | {refused.shape.checkpoints} | refused | {gap} | {reload} | | | "
             f"| {LOGPROB_TOLERANCE:.0e} | {refused.shape.quirks} | {refused.reason}; use {refused.use_instead} |"

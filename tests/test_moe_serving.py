@@ -1,6 +1,7 @@
 """The tiny MoE model (`primerl init-tiny-model --moe`, a Qwen3-MoE) on a real vLLM engine: served logprobs match a
 transformers float32 pass of the checkpoint, and after in-flight FULL and DELTA updates they match a float32 pass
 of the new weights (the worker re-processes the reloaded MoE layers and reloads all experts of a layer together).
+Which layers the worker packs or loads after vLLM's reload is checked on stand-in layers (fast).
 """
 
 from __future__ import annotations
@@ -18,7 +19,13 @@ from support.policy_updates import delta_update, full_update, perturbed
 from primerl.inference.engine import EngineOptions
 from primerl.inference.logprob_check import check_logprobs, generate_with_logprobs, load_reference_model
 from primerl.inference.weight_tensors import REFUSAL_PREFIX, WeightUpdateInvalid, weights_digest
-from primerl.inference.worker_extension import WORKER_EXTENSION_CLS, _load_groups, check_cpu_moe_reload
+from primerl.inference.worker_extension import (
+    WORKER_EXTENSION_CLS,
+    _load_groups,
+    _observed_moe_processing,
+    _repack_cpu_moe_layers,
+    check_cpu_moe_reload,
+)
 from primerl.trainer.tiny_model import TinyModelSpec, build_tiny_model
 
 pytestmark = pytest.mark.filterwarnings("ignore:`torch.distributed.reduce_op` is deprecated:FutureWarning")
@@ -49,6 +56,55 @@ def test_expert_weights_load_with_every_expert_of_their_layer() -> None:
     assert not any(".layers.1." in n for n in groups["model.layers.0.mlp.experts.0.up_proj.weight"])
     assert groups["model.layers.0.mlp.gate.weight"] == ["model.layers.0.mlp.gate.weight"]  # the router: its own layer
     assert len(groups["model.layers.0.self_attn.k_proj.weight"]) == 3
+
+
+class _Experts:  # stands for vLLM's CPU experts: packing is `process_weights_after_loading`
+    def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
+        layer.packs += 1
+
+
+class _MoEMethod:  # stands for vLLM's unquantized MoE method, its kernel built at first load
+    def __init__(self) -> None:
+        self.moe_kernel = type("Kernel", (), {"fused_experts": _Experts()})()
+
+    def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
+        layer.processed += 1
+
+
+class _MoELayer(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.w13_weight = torch.nn.Parameter(torch.zeros(2, 2))
+        self.quant_method, self.packs, self.processed = _MoEMethod(), 0, 0
+
+
+class _MoEModel(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = torch.nn.ModuleList([torch.nn.ModuleDict({"experts": _MoELayer()}) for _ in range(4)])
+        self.loaded: list[str] = []
+
+    def load_weights(self, weights: Iterator[tuple[str, torch.Tensor]]) -> None:
+        self.loaded += [name for name, _ in weights]
+
+
+def test_after_a_reload_only_the_moe_layers_vllm_left_unpacked_are_packed_and_unloaded_ones_are_loaded() -> None:
+    """Layer 0: the reload processed it without packing (Qwen3-MoE) -> packed here. Layer 1: the reload packed it
+    -> left alone. Layer 2: the reload did not process it (gpt-oss's direct copies) -> loaded, then packed. Layer 3:
+    not in the (partial) update -> left alone."""
+    model = _MoEModel()
+    layers = [block["experts"] for block in model.layers]
+    sent = {f"layers.{i}.experts.gate_up_proj": torch.ones(1) for i in range(3)}
+    original = _MoEMethod.process_weights_after_loading
+    with _observed_moe_processing(model) as (processed, packed):
+        for layer in layers[:2]:  # what vLLM's reload does to the layers it loads
+            layer.quant_method.process_weights_after_loading(layer)
+        layers[1].quant_method.moe_kernel.fused_experts.process_weights_after_loading(layers[1])
+    assert _MoEMethod.process_weights_after_loading is original  # the classes are left as they were
+    assert processed == {id(layers[0]), id(layers[1])} and packed == {id(layers[1])}
+    assert _repack_cpu_moe_layers(model, sent, True, processed, packed) == 2
+    assert [layer.packs for layer in layers] == [1, 1, 1, 0]
+    assert model.loaded == ["layers.2.experts.gate_up_proj"]
 
 
 def test_experts_vllm_cpu_cannot_reload_are_refused_before_the_engine_is_touched() -> None:

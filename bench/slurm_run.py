@@ -6,6 +6,7 @@ add-inference mid-run and cancelled, the broker's node lost (drained, its step k
 onto another node.
 
     .venv/bin/python bench/slurm_run.py [--repeats 3] [--max-steps 40] [--model runs/demo/tiny-model]
+    .venv/bin/python bench/slurm_run.py --add-cycles 3      # add-inference -> serving with nothing else going on
 
 Prints, per run and as median [min-max]: launch -> step 1 done, the median step time, add-inference -> the new
 worker serving, the broker's node lost -> the broker ready on another node, and -> every role with it and a step
@@ -28,7 +29,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 
 from cpu_info import cpu_phrase  # noqa: E402
 from support.slurm_cluster import SlurmCluster, slurm_available  # noqa: E402 (tests/ is on the path only now)
-from support.slurm_run import BIN, jobs_scenario, local_run  # noqa: E402
+from support.slurm_run import BIN, add_inference_cycles, jobs_scenario, local_run  # noqa: E402
 
 
 def spread(values: list[float]) -> str:
@@ -40,6 +41,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--max-steps", type=int, default=40)
     parser.add_argument("--model", type=Path, default=ROOT / "runs" / "demo" / "tiny-model")
+    parser.add_argument(
+        "--add-cycles",
+        type=int,
+        default=0,
+        metavar="N",
+        help="instead: one long run, N times add-inference (timed until the worker serves) and scancel of it",
+    )
     args = parser.parse_args(argv)
     ok, why = slurm_available()
     if not ok:
@@ -48,6 +56,8 @@ def main(argv: list[str] | None = None) -> int:
     if not (args.model / "config.json").exists():
         subprocess.run([str(BIN / "primerl"), "init-tiny-model", str(args.model)], check=True, timeout=300)
     print(f"CPU: {cpu_phrase()}", flush=True)
+    if args.add_cycles:
+        return add_cycles(args.model.resolve(), args.add_cycles)
     rows: dict[str, list] = {"slurm": [], "primerl rl": []}
     for repeat in range(args.repeats):
         work = Path(tempfile.mkdtemp(prefix="prl-slurm-bench-"))
@@ -79,6 +89,18 @@ def main(argv: list[str] | None = None) -> int:
         else:
             cells += ["-", "-", "-"]
         print(f"| {name} | " + " | ".join(cells) + " |")
+    return 0
+
+
+def add_cycles(model: Path, cycles: int) -> int:
+    work = Path(tempfile.mkdtemp(prefix="prl-slurm-bench-"))
+    work.chmod(0o755)  # munged wants every directory above its socket searchable
+    try:
+        with SlurmCluster.create(["n1", "n2", "n3", "n4"], work / "cluster") as cluster:
+            times = add_inference_cycles(cluster, model, work / "run", cycles)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    print(f"add-inference -> serving (s): {', '.join(f'{t:.1f}' for t in times)}; median {spread(times)}")
     return 0
 
 

@@ -262,3 +262,25 @@ def one_job_scenario(cluster: SlurmCluster, model: Path, run_dir: Path, max_step
     report.outcome = {"job": cluster.job(int(job)), **json.loads((run_dir / "run_end.json").read_text())}
     report.steps, report.retrained, report.first_step_s, report.step_s = step_timing(run_dir, launched)
     return report
+
+
+def add_inference_cycles(cluster: SlurmCluster, model: Path, run_dir: Path, cycles: int) -> list[float]:
+    """A long `jobs` run and nothing else going on: ``cycles`` times `add-inference --nodes 1`, timed until the
+    new worker serves, then `scancel` of it until it left; the run is stopped with `scancel --name` after. Returns
+    the add -> serving times (s)."""
+    env = run_env(cluster.env())
+    primerl("slurm", "@", str(EXAMPLE), "--model.name", str(model), "--run-dir", str(run_dir), *RUN_OVERRIDES,
+            "--max-steps", "100000", "--job-name", "primerl-cycles", env=env)  # fmt: skip
+    watch = Watch(cluster, run_dir, env)
+    watch.until("step 1", lambda s: trainer_step(s) >= 1)
+    times = []
+    for _ in range(cycles):
+        added_at = time.monotonic()
+        added = primerl("slurm", "add-inference", str(run_dir), "--nodes", "1", env=env).split("job ")[1].split()[0]
+        watch.until("the added worker serving", lambda s: len(serving(s)) >= 2)
+        times.append(time.monotonic() - added_at)
+        cluster.run("scancel", added)
+        watch.until("the added worker gone", lambda s: len(serving(s)) == 1)
+    cluster.run("scancel", "--name", "primerl-cycles")
+    watch.jobs_gone()
+    return times

@@ -52,7 +52,7 @@ UNREACHABLE = re.compile(
     r"\b50[23]\b|Service Unavailable|Bad Gateway|"
     # a server shutting down aborts its requests (vLLM's finish_reason "abort", which the OpenAI client refuses):
     # under SLURM every process of a cancelled step gets SIGTERM at once, the vLLM engine's included
-    r"finish_reason.*input_value='abort'|"
+    r"finish_reason[\s\S]*?input_value='abort'|"  # pydantic's message spans lines
     r"^teacher_unreachable:",
     re.IGNORECASE,
 )  # the teacher: the same outage rule

@@ -109,24 +109,24 @@ def run_child(argv: list[str], env: dict[str, str], log_path: Path, on_start=Non
         return None
 
 
-def current_broker(plan: SlurmPlan) -> str | None:
+def current_broker(run_dir: str | Path) -> str | None:
+    """The broker address ``RUN_DIR/run.json`` names, or None while there is none."""
     try:
-        return json.loads((Path(plan.run_dir) / RUN_FILE).read_text())["broker_address"]
+        return json.loads((Path(run_dir) / RUN_FILE).read_text())["broker_address"]
     except (OSError, ValueError, KeyError):
         return None
 
 
 def wait_for_broker(plan: SlurmPlan) -> str:
-    path = Path(plan.run_dir) / RUN_FILE
     deadline = time.monotonic() + plan.broker_wait_s
-    while True:
-        try:
-            return json.loads(path.read_text())["broker_address"]
-        except (OSError, ValueError, KeyError):
-            pass
+    while (broker := current_broker(plan.run_dir)) is None:
         if time.monotonic() > deadline:
-            raise StepError(f"no broker address in {path} after {plan.broker_wait_s:g} s: is the broker job running?")
+            raise StepError(
+                f"no broker address in {Path(plan.run_dir) / RUN_FILE} after {plan.broker_wait_s:g} s: is the broker "
+                "job running?"
+            )
         time.sleep(1.0)
+    return broker
 
 
 def broker_argv(plan: SlurmPlan, node: str, address: str, ready: Path) -> list[str]:
@@ -208,10 +208,10 @@ def run_step(role: str, run_dir: str) -> int:
     while True:  # a broker requeued onto another node has a new address: start again with it
         argv, log = client_argv(plan, role, node, address, broker)
         print(f"primerl slurm: {role} on {node} ({address}), broker {broker}", flush=True)
-        code = run_child(argv, env, logs / log, restart_when=lambda: current_broker(plan) not in (None, broker))
+        code = run_child(argv, env, logs / log, restart_when=lambda: current_broker(plan.run_dir) not in (None, broker))
         if code is not None:
             return code
-        broker = current_broker(plan) or broker
+        broker = current_broker(plan.run_dir) or broker
         print(f"primerl slurm: the broker moved to {broker}: starting {role} again", flush=True)
 
 

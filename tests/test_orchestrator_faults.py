@@ -100,8 +100,8 @@ UNREACHABLE_ERROR = (
         "<- ConnectionTimeoutError: Connection timeout to host http://127.0.0.1:8000/v1/chat/completions",
         "reverse-text: ModelError: <- InternalServerError: Error code: 503 - Service Unavailable",
         # the request aborted by a server shutting down (seen when `scancel` signals every process of a worker)
-        "reverse-text: ModelError: <- ValidationError: 1 validation error for ChatCompletion choices.0.finish_reason "
-        "Input should be 'stop', 'length', 'tool_calls', 'content_filter' or 'function_call' [type=literal_error, "
+        "reverse-text: ModelError: <- ValidationError: 1 validation error for ChatCompletion\nchoices.0.finish_reason\n"
+        "  Input should be 'stop', 'length', 'tool_calls', 'content_filter' or 'function_call' [type=literal_error, "
         "input_value='abort', input_type=str]",
     ],
 )

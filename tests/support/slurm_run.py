@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from primerl.proto import telemetry
+from primerl.slurm.step import current_broker
 
 from .multihost_report import parse_ts
 from .slurm_cluster import SlurmCluster
@@ -56,16 +57,27 @@ class SlurmRunReport:
     roles_back_s: float = 0.0  # ... -> every role started again with its address, and a step done after that
     restarts: int = 0  # of the broker's job
     broker_nodes: str = ""  # "OLD -> NEW"
+    orchestrator_back_s: float = 0.0  # (fault ``orchestrator``) its step killed -> its job requeued, registered again
     total_s: float = 0.0
     trainer_nodes: str = ""
     outcome: dict = field(default_factory=dict)  # run_end.json
+
+    def fault_summary(self) -> str:
+        if self.broker_nodes:
+            return (
+                f"broker's node lost ({self.broker_nodes}): broker back {self.broker_back_s:.1f} s, every role "
+                f"with it and a step done {self.roles_back_s:.1f} s"
+            )
+        return (
+            f"orchestrator step killed: requeued and registered {self.orchestrator_back_s:.1f} s, a step done "
+            f"{self.roles_back_s:.1f} s"
+        )
 
     def summary(self) -> str:
         return (
             f"trainer on {self.trainer_nodes}; launch -> step 1 {self.first_step_s:.1f} s; step {self.step_s:.2f} s "
             f"(median); add-inference -> serving {self.add_serving_s:.1f} s (cancelled, gone by step "
-            f"{self.left_at_step}); broker's node lost ({self.broker_nodes}): broker back {self.broker_back_s:.1f} s, "
-            f"every role with it and a step done {self.roles_back_s:.1f} s; "
+            f"{self.left_at_step}); {self.fault_summary()}; "
             f"{self.max_steps} steps in {self.total_s:.1f} s"
         )
 
@@ -179,12 +191,21 @@ def primerl(*argv: str, env: dict[str, str], timeout_s: float = 120.0) -> str:
     return result.stdout
 
 
-def jobs_scenario(cluster: SlurmCluster, model: Path, run_dir: Path, max_steps: int) -> SlurmRunReport:
+def submit(model: Path, run_dir: Path, max_steps: int, env: dict[str, str], *options: str) -> None:
+    """`primerl slurm` of the example run (``RUN_OVERRIDES``) with ``options``."""
+    primerl("slurm", "@", str(EXAMPLE), "--model.name", str(model), "--run-dir", str(run_dir), *RUN_OVERRIDES,
+            "--max-steps", str(max_steps), *options, env=env)  # fmt: skip
+
+
+def jobs_scenario(
+    cluster: SlurmCluster, model: Path, run_dir: Path, max_steps: int, fault: str = "node"
+) -> SlurmRunReport:
+    """``fault``: ``node`` (the broker's node lost, ``lose_the_brokers_node``) or ``orchestrator`` (its step killed,
+    ``kill_the_orchestrator``), at the moment a worker is added."""
     report = SlurmRunReport(max_steps)
     env = run_env(cluster.env())
     launched, started = time.time(), time.monotonic()
-    primerl("slurm", "@", str(EXAMPLE), "--model.name", str(model), "--run-dir", str(run_dir), *RUN_OVERRIDES,
-            "--max-steps", str(max_steps), "--trainer-nodes", "2", "--requeue-limit", "2", env=env)  # fmt: skip
+    submit(model, run_dir, max_steps, env, "--trainer-nodes", "2", "--requeue-limit", "2")
     jobs = {line["role"]: str(line["job_id"]) for line in map(json.loads, open(run_dir / "slurm" / "jobs.jsonl"))}
     watch = Watch(cluster, run_dir, env)
     watch.until("step 1", lambda s: trainer_step(s) >= 1)
@@ -192,7 +213,10 @@ def jobs_scenario(cluster: SlurmCluster, model: Path, run_dir: Path, max_steps: 
 
     added_at = time.monotonic()
     added = primerl("slurm", "add-inference", str(run_dir), "--nodes", "1", env=env).split("job ")[1].split()[0]
-    report.broker_nodes = lose_the_brokers_node(cluster, watch, jobs["broker"], report)
+    if fault == "node":
+        report.broker_nodes = lose_the_brokers_node(cluster, watch, jobs["broker"], report)
+    else:
+        kill_the_orchestrator(cluster, watch, jobs["orchestrator"], report)
     at_add = watch.until("two workers serving", lambda s: len(serving(s)) >= 2 or trainer_step(s) >= max_steps)
     report.add_serving_s = time.monotonic() - added_at
     if len(serving(at_add)) < 2:
@@ -205,6 +229,17 @@ def jobs_scenario(cluster: SlurmCluster, model: Path, run_dir: Path, max_steps: 
     report.steps, report.retrained, report.first_step_s, report.step_s = step_timing(run_dir, launched)
     report.outcome = json.loads((run_dir / "run_end.json").read_text())
     return report
+
+
+def kill_the_orchestrator(cluster: SlurmCluster, watch: Watch, job: str, report: SlurmRunReport) -> None:
+    """The orchestrator's step killed (SIGKILL): its job is requeued and it registers again; a step after that."""
+    killed_at, killed_unix_ms = time.monotonic(), time.time() * 1000
+    cluster.run("scancel", "--signal=KILL", f"{job}.0")
+    back = watch.until("the orchestrator registered again", lambda s: orchestrator_since(s, killed_unix_ms))
+    report.orchestrator_back_s = time.monotonic() - killed_at
+    watch.until("a step after the orchestrator came back", lambda s: trainer_step(s) > trainer_step(back))
+    report.roles_back_s = time.monotonic() - killed_at
+    report.restarts = int(cluster.job(int(job)).get("Restarts", 0))
 
 
 def lose_the_brokers_node(cluster: SlurmCluster, watch: Watch, job: str, report: SlurmRunReport) -> str:
@@ -228,13 +263,6 @@ def lose_the_brokers_node(cluster: SlurmCluster, watch: Watch, job: str, report:
     return f"{old_node} -> {cluster.job(int(job))['NodeList']}"
 
 
-def current_broker(run_dir: Path) -> str | None:
-    try:
-        return json.loads((run_dir / "run.json").read_text())["broker_address"]
-    except (OSError, ValueError, KeyError):
-        return None
-
-
 def local_run(model: Path, run_dir: Path, max_steps: int) -> SlurmRunReport:
     """The same run under `primerl rl` on this host (two trainer ranks, as on the cluster): launch -> step 1 and
     the median step time."""
@@ -253,8 +281,7 @@ def one_job_scenario(cluster: SlurmCluster, model: Path, run_dir: Path, max_step
     report = SlurmRunReport(max_steps)
     env = run_env(cluster.env())
     launched, started = time.time(), time.monotonic()
-    primerl("slurm", "@", str(EXAMPLE), "--model.name", str(model), "--run-dir", str(run_dir), *RUN_OVERRIDES,
-            "--max-steps", str(max_steps), "--trainer-nodes", "2", "--shape", "one-job", env=env)  # fmt: skip
+    submit(model, run_dir, max_steps, env, "--trainer-nodes", "2", "--shape", "one-job")
     [job] = [json.loads(line)["job_id"] for line in open(run_dir / "slurm" / "jobs.jsonl")]
     watch = Watch(cluster, run_dir, env)
     watch.jobs_gone()
@@ -269,8 +296,7 @@ def add_inference_cycles(cluster: SlurmCluster, model: Path, run_dir: Path, cycl
     new worker serves, then `scancel` of it until it left; the run is stopped with `scancel --name` after. Returns
     the add -> serving times (s)."""
     env = run_env(cluster.env())
-    primerl("slurm", "@", str(EXAMPLE), "--model.name", str(model), "--run-dir", str(run_dir), *RUN_OVERRIDES,
-            "--max-steps", "100000", "--job-name", "primerl-cycles", env=env)  # fmt: skip
+    submit(model, run_dir, 100000, env, "--job-name", "primerl-cycles")
     watch = Watch(cluster, run_dir, env)
     watch.until("step 1", lambda s: trainer_step(s) >= 1)
     times = []
